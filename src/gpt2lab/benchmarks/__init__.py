@@ -1,0 +1,1 @@
+"""Benchmarks behind `gpt2lab bench NAME` (see commands/bench.py)."""

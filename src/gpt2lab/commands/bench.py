@@ -1,0 +1,47 @@
+"""gpt2lab bench NAME: benchmarks that print one JSON line (speed targets live here, not in tests).
+
+Each benchmark is a module ``gpt2lab.benchmarks.<name>`` with ``add_arguments(parser)``
+and ``run(args) -> dict``; the dict is printed as JSON.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+
+BENCHES = {
+    "sample": "tokens/s generating with and without the KV cache, vs transformers",
+    "prepare": "tokenization throughput of `prepare` vs a single-process tiktoken loop",
+    "loader": "TokenLoader batches/s",
+    "train": "full training steps: ms/step, tok/s, MFU",
+    "hellaswag": "HellaSwag examples/s, batched vs one example per forward",
+}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks (print JSON)")
+    bsub = p.add_subparsers(dest="bench", metavar="NAME", required=True)
+    for name, help_text in BENCHES.items():
+        bp = bsub.add_parser(name, help=help_text)
+        try:
+            mod = importlib.import_module(f"gpt2lab.benchmarks.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"gpt2lab.benchmarks.{name}":
+                raise
+            bp.set_defaults(func=_missing(name))
+            continue
+        mod.add_arguments(bp)
+        bp.set_defaults(func=_runner(mod))
+
+
+def _runner(mod):
+    def run(args) -> int:
+        print(json.dumps(mod.run(args)), flush=True)
+        return 0
+
+    return run
+
+
+def _missing(name: str):
+    from gpt2lab.commands import not_yet
+
+    return not_yet(f"bench {name}", "benchmark not written yet")

@@ -1,0 +1,1 @@
+"""Token shards, the prepare pipeline and the loader."""

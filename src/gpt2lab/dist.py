@@ -1,0 +1,106 @@
+"""One place for devices and torch.distributed: the torchrun environment -> DistInfo.
+
+Serves a plain ``python`` run (one process, any device), ``torchrun`` on one node or many
+(NCCL on CUDA, gloo on CPU), CPU and Apple MPS alike.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def pick_device(name: Optional[str] = None) -> torch.device:
+    """``name`` if given ('cpu', 'cuda', 'cuda:1', 'mps'), else the best available: cuda > mps > cpu."""
+    if name and name != "auto":
+        dev = torch.device(name)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise SystemExit(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+        if dev.type == "mps" and not torch.backends.mps.is_available():
+            raise SystemExit(f"--device {name}: MPS is not available on this machine; use --device cpu")
+        return dev
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def autocast(device: torch.device, dtype: str | torch.dtype = "float32"):
+    """Mixed-precision context for ``device`` (its own device type: MPS is not CPU).
+
+    float32 means no autocast at all.
+    """
+    dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    if dt == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dt)
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(device: Optional[str] = None) -> DistInfo:
+    """Read torchrun's RANK/LOCAL_RANK/WORLD_SIZE; start the process group if there are several.
+
+    Without torchrun this is a single process on ``pick_device(device)``. Under torchrun
+    each process takes cuda:LOCAL_RANK on GPU machines (NCCL) or the CPU (gloo).
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = pick_device(device)
+    if world > 1:
+        if dev.type == "cuda":
+            dev = torch.device("cuda", local_rank)
+            torch.cuda.set_device(dev)
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        if not dist.is_initialized():
+            dist.init_process_group(backend=backend)
+    return DistInfo(rank=rank, local_rank=local_rank, world_size=world, device=dev)
+
+
+def cleanup() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    """Mean over ranks (in place); a no-op in a single process."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        t /= dist.get_world_size()
+    return t
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (in place); a no-op in a single process."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def print0(*args, **kwargs) -> None:
+    """print on rank 0 only."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(*args, **kwargs, flush=True)

@@ -1,0 +1,1 @@
+"""Evaluation of any GPT model: validation loss and HellaSwag."""

@@ -1,0 +1,96 @@
+"""Sampling: temperature, top-k, top-p, greedy, stop on <|endoftext|>, streaming.
+
+With the KV cache the prompt is run once and each new token costs one position of
+compute; without it (or once the sequence outgrows the block) the last ``block_size``
+tokens are re-run every step, which is what the cache must reproduce token for token.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+from torch.nn import functional as F
+
+from gpt2lab.model import GPT
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """Pick one token per row from logits (B, V); temperature 0 is greedy (argmax)."""
+    logits = logits.float()
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    logits = logits / temperature
+    if top_k is not None:
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = F.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens ranked above it already hold top_p of the mass;
+        # the most likely token is always kept.
+        drop = (probs.cumsum(dim=-1) - probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate_stream(
+    model: GPT,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    generator: Optional[torch.Generator] = None,
+    stop_token: Optional[int] = None,
+    use_cache: bool = True,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Yield (tokens (B,), finished (B,) bool) once per new position.
+
+    A row that produced ``stop_token`` is finished: later positions repeat ``stop_token``
+    for it. The stream ends early when every row is finished.
+    """
+    if idx.dim() != 2 or idx.size(1) == 0:
+        raise ValueError(f"idx must be (batch, time) with at least one token, got shape {tuple(idx.shape)}")
+    block = model.config.block_size
+    real_vocab = model.config.real_vocab_size
+    finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
+    cache = model.new_kv_cache() if use_cache else None
+    seq = idx
+    for _ in range(max_new_tokens):
+        if cache is not None and seq.size(1) <= block:
+            fresh = seq[:, cache.pos:]  # the whole prompt on the first step, then one token
+            logits, _ = model(fresh, kv_cache=cache)
+        else:
+            logits, _ = model(seq[:, -block:])
+        logits = logits[:, -1, :]
+        if real_vocab < logits.size(-1):  # padded rows are never sampled
+            logits = logits[:, :real_vocab]
+        nxt = sample_next(logits, temperature, top_k, top_p, generator)
+        if stop_token is not None:
+            nxt = torch.where(finished, torch.full_like(nxt, stop_token), nxt)
+            finished = finished | (nxt == stop_token)
+        seq = torch.cat([seq, nxt[:, None]], dim=1)
+        yield nxt, finished
+        if stop_token is not None and bool(finished.all()):
+            return
+
+
+def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
+    """idx (B, T) followed by the generated tokens: (B, T + n), n <= max_new_tokens."""
+    new = [tok[:, None] for tok, _ in generate_stream(model, idx, max_new_tokens, **kwargs)]
+    return torch.cat([idx, *new], dim=1)

@@ -1,0 +1,241 @@
+"""GPT-2, exactly: config, attention, MLP, block, model, and a KV cache for generation.
+
+Parameter names follow Hugging Face's GPT-2 (``transformer.h.0.attn.c_attn.weight``) so
+that moving weights between the two is four transposes and nothing else (see hf.py).
+No I/O, printing, optimizer or distributed code lives here.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024  # longest sequence (rows of the position embedding)
+    vocab_size: int = 50257  # rows of wte / lm_head; may be padded up (50304) for speed
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    # The tokenizer's vocabulary. Rows of wte at or above it are padding: trained like
+    # any other but never sampled and dropped on export. None means vocab_size.
+    token_vocab_size: Optional[int] = None
+    layer_norm_epsilon: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.token_vocab_size is not None and self.token_vocab_size > self.vocab_size:
+            raise ValueError(
+                f"token_vocab_size ({self.token_vocab_size}) cannot exceed vocab_size ({self.vocab_size})"
+            )
+
+    @property
+    def real_vocab_size(self) -> int:
+        return self.token_vocab_size or self.vocab_size
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "GPTConfig":
+        """One of the four GPT-2 sizes by HF name or parameter count ('gpt2', '124M', ...)."""
+        key = PRESET_ALIASES.get(name.lower(), name.lower())
+        if key not in PRESETS:
+            choices = ", ".join(sorted(PRESETS) + sorted(PRESET_ALIASES))
+            raise ValueError(f"unknown GPT-2 size {name!r}; choose one of: {choices}")
+        return cls(**{**PRESETS[key], **overrides})
+
+
+# The four released GPT-2 sizes (Radford et al. 2019, table 2, as published on the hub).
+PRESETS = {
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
+}
+PRESET_ALIASES = {"124m": "gpt2", "350m": "gpt2-medium", "774m": "gpt2-large", "1558m": "gpt2-xl"}
+
+
+class KVCache:
+    """Keys and values of every layer for one batch being generated.
+
+    Buffers are allocated on the first write, with the dtype the attention produced (so
+    autocast gives a bf16 cache), and sized for ``max_len`` positions. ``pos`` counts the
+    positions filled; the model advances it after each forward.
+    """
+
+    def __init__(self, n_layer: int, max_len: int) -> None:
+        self.n_layer = n_layer
+        self.max_len = max_len
+        self.pos = 0
+        self.k: list[Optional[torch.Tensor]] = [None] * n_layer
+        self.v: list[Optional[torch.Tensor]] = [None] * n_layer
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, nh, T, hs) at positions pos..pos+T; return all keys/values so far."""
+        B, nh, T, hs = k.shape
+        end = self.pos + T
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; {end} requested")
+        if self.k[layer] is None:
+            self.k[layer] = k.new_empty(B, nh, self.max_len, hs)
+            self.v[layer] = v.new_empty(B, nh, self.max_len, hs)
+        self.k[layer][:, :, self.pos:end] = k
+        self.v[layer][:, :, self.pos:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v for all heads at once
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.c_proj.RESIDUAL_SCALE_INIT = True
+
+    def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        if kv_cache is None or kv_cache.pos == 0:
+            # Training, or the prompt of a generation: keys are exactly the queries' positions.
+            if kv_cache is not None:
+                kv_cache.update(self.layer_idx, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            past = kv_cache.pos
+            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, nh, past+T, hs)
+            mask = None
+            if T > 1:  # several new tokens: query i sees keys up to past + i
+                rows = torch.arange(T, device=x.device)[:, None] + past
+                mask = torch.arange(past + T, device=x.device)[None, :] <= rows
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        # GPT-2 was trained with the tanh approximation of GELU; exact GELU would drift
+        # from OpenAI's weights.
+        self.gelu = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.c_proj.RESIDUAL_SCALE_INIT = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+        # Pre-LayerNorm: the residual stream itself is never normalised, only each branch's input.
+        x = x + self.attn(self.ln_1(x), kv_cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Weight tying (Press & Wolf 2017), as GPT-2: input and output embeddings share one matrix.
+        self.lm_head.weight = self.transformer.wte.weight
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if getattr(module, "RESIDUAL_SCALE_INIT", False):
+                # Each block adds two branches to the residual stream; scaling their output
+                # projections by 1/sqrt(2 * n_layer) keeps its variance from growing with depth.
+                std *= (2 * self.config.n_layer) ** -0.5
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameters counted once (wte and lm_head are one tensor); optionally without wpe."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: Optional[torch.Tensor] = None,
+        kv_cache: Optional[KVCache] = None,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """idx (B, T) token ids -> logits (B, T, vocab_size) and, with targets, the mean loss.
+
+        Targets equal to -1 are ignored. With ``kv_cache`` the tokens continue the cached
+        sequence (positions start at ``kv_cache.pos``) and the cache advances by T.
+        """
+        B, T = idx.shape
+        start = kv_cache.pos if kv_cache is not None else 0
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence length {start + T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x, kv_cache)
+        if kv_cache is not None:
+            kv_cache.pos += T
+        x = self.transformer.ln_f(x)
+        logits = self.lm_head(x)  # (B, T, vocab_size)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+    def new_kv_cache(self, max_len: Optional[int] = None) -> KVCache:
+        return KVCache(self.config.n_layer, max_len or self.config.block_size)
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6N + 12 * n_layer * n_embd * T (PaLM appendix B; N
+        without position embeddings). The second term is attention's QK^T and AV."""
+        c = self.config
+        return 6 * self.num_params(non_embedding=True) + 12 * c.n_layer * c.n_embd * seq_len
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        generator: Optional[torch.Generator] = None,
+        stop_token: Optional[int] = None,
+        use_cache: bool = True,
+    ) -> torch.Tensor:
+        """Continue idx (B, T) by up to max_new_tokens; see gpt2lab.generate.generate."""
+        from gpt2lab.generate import generate
+
+        return generate(self, idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        generator=generator, stop_token=stop_token, use_cache=use_cache)
