@@ -1,7 +1,100 @@
-"""gpt2lab eval: placeholder until evaluation lands."""
-from gpt2lab.commands import not_yet
+"""gpt2lab eval hellaswag|loss: evaluate any model; the last line printed is JSON."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from gpt2lab.dist import DTYPES
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("eval", help="(not implemented yet) evaluation")
-    p.set_defaults(func=not_yet("eval", "evaluation"))
+    p = sub.add_parser("eval", help="evaluate a model: HellaSwag accuracy or validation loss")
+    esub = p.add_subparsers(dest="task", metavar="TASK", required=True)
+
+    hs = esub.add_parser("hellaswag", help="HellaSwag acc and acc_norm (works under torchrun)")
+    _common(hs)
+    hs.add_argument("--data", default=None,
+                    help="jsonl with ctx/endings/label per line (default: the official validation set, "
+                         "downloaded once into ~/.cache/gpt2lab or $GPT2LAB_CACHE)")
+    hs.add_argument("--limit", type=int, default=None, help="score only the first N examples")
+    hs.add_argument("--batch-size", type=int, default=16, help="examples per forward pass (4 rows each)")
+    hs.add_argument("--strategy", choices=("padded", "shared"), default="padded",
+                    help="padded: many examples per batch (default); shared: each context once, via the KV cache")
+    hs.add_argument("--compile", action="store_true", help="torch.compile the model first")
+    hs.set_defaults(func=run_hellaswag)
+
+    lo = esub.add_parser("loss", help="mean next-token loss over the first N tokens of a split")
+    _common(lo)
+    lo.add_argument("--data", required=True, help="token shard directory (from gpt2lab prepare)")
+    lo.add_argument("--split", default="val")
+    # 20 batches of 64 x 1024: what the reference recipe's GPT-2 baseline (3.2924) was measured on.
+    lo.add_argument("--tokens", type=int, default=20 * 64 * 1024, help="tokens to evaluate")
+    lo.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
+    lo.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's block size)")
+    lo.set_defaults(func=run_loss)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True,
+                   help="HF name (gpt2, gpt2-medium, ...), HF model dir, gpt2lab run dir or checkpoint dir")
+    p.add_argument("--device", default=None, help="cpu, cuda, mps (default: the best available)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="autocast dtype")
+
+
+def _positive(value, flag: str) -> None:
+    if value is not None and value < 1:
+        raise SystemExit(f"{flag} must be a positive number, got {value}")
+
+
+def run_hellaswag(args: argparse.Namespace) -> int:
+    import torch
+
+    from gpt2lab.dist import cleanup, init_distributed, print0
+    from gpt2lab.evals.hellaswag import evaluate_hellaswag
+    from gpt2lab.load import load_model
+
+    _positive(args.limit, "--limit")
+    _positive(args.batch_size, "--batch-size")
+    info = init_distributed(args.device)
+    try:
+        model = load_model(args.model, info.device)
+        if args.compile:
+            model = torch.compile(model)
+        try:
+            result = evaluate_hellaswag(model, args.data, device=info.device, dtype=args.dtype,
+                                        batch_size=args.batch_size, limit=args.limit, rank=info.rank,
+                                        world_size=info.world_size, strategy=args.strategy, progress=True)
+        except (FileNotFoundError, ValueError, RuntimeError) as e:
+            raise SystemExit(f"gpt2lab eval hellaswag: {e}") from None
+        print0(json.dumps(result))
+    finally:
+        cleanup()
+    return 0
+
+
+def run_loss(args: argparse.Namespace) -> int:
+    from gpt2lab.dist import cleanup, init_distributed, print0
+    from gpt2lab.load import load_model
+
+    try:
+        from gpt2lab.evals.loss import evaluate_loss
+    except ImportError as e:
+        raise SystemExit(f"gpt2lab eval loss: validation loss is not available in this install ({e})") from None
+    for value, flag in ((args.tokens, "--tokens"), (args.batch_size, "--batch-size"), (args.seq_len, "--seq-len")):
+        _positive(value, flag)
+    info = init_distributed(args.device)
+    try:
+        model = load_model(args.model, info.device)
+        seq_len = args.seq_len or model.config.block_size
+        try:
+            loss = evaluate_loss(model, args.data, tokens=args.tokens, batch_size=args.batch_size, seq_len=seq_len,
+                                 device=info.device, dtype=args.dtype, split=args.split, rank=info.rank,
+                                 world_size=info.world_size)
+        except (FileNotFoundError, ValueError) as e:
+            raise SystemExit(f"gpt2lab eval loss: {e}") from None
+        tokens = max(1, args.tokens // (args.batch_size * seq_len * info.world_size)) * (
+            args.batch_size * seq_len * info.world_size)
+        print0(json.dumps({"task": "loss", "split": args.split, "tokens": tokens, "loss": loss}))
+    finally:
+        cleanup()
+    return 0

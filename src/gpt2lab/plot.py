@@ -1,0 +1,177 @@
+"""Plots of training runs against OpenAI GPT-2 and GPT-3, and a Markdown summary.
+
+Reads what the trainer writes: ``RUN/metrics.jsonl`` (one JSON object per line, always
+``step``) and ``RUN/config.json``. Uses matplotlib's Agg canvas directly (no pyplot), so
+it is safe inside a training process and never needs a display.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional
+
+GPT2_124M_VAL_LOSS = 3.2924  # OpenAI GPT-2 124M on the FineWeb-Edu val shard (reference recipe)
+# HellaSwag acc_norm by model size: (GPT-2, GPT-3) as published.
+HELLASWAG_BASELINES = {
+    "124M": (0.2955, 0.337),
+    "350M": (0.375, 0.436),
+    "774M": (0.432, 0.510),
+    "1558M": (0.489, 0.547),
+}
+SIZE_BY_SHAPE = {(12, 768): "124M", (24, 1024): "350M", (36, 1280): "774M", (48, 1600): "1558M"}
+SIZE_BY_PARAMS = {"124M": 124_439_808, "350M": 354_823_168, "774M": 774_030_080, "1558M": 1_557_611_200}
+
+
+@dataclass
+class Run:
+    name: str
+    series: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # metric -> [(step, value)]
+    size: Optional[str] = None
+
+
+def read_metrics(path: str) -> list[dict]:
+    """Records of a metrics.jsonl; a bad line is an error naming it, except an unfinished
+    last line (a run killed mid-write), which is left out with a warning."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such file; is this a gpt2lab run directory?")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    lines = text.split("\n")
+    records = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            if lineno == len(lines) and not text.endswith("\n"):
+                warnings.warn(f"{path}:{lineno}: unfinished last line left out")
+                continue
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+            raise ValueError(f"{path}:{lineno}: each line must be a JSON object with an integer 'step'")
+        records.append(rec)
+    return records
+
+
+def _find_shape(obj) -> Optional[tuple[int, int]]:
+    """(n_layer, n_embd) from a config, at the top level or in a nested section."""
+    if isinstance(obj, dict):
+        if isinstance(obj.get("n_layer"), int) and isinstance(obj.get("n_embd"), int):
+            return obj["n_layer"], obj["n_embd"]
+        for v in obj.values():
+            found = _find_shape(v)
+            if found:
+                return found
+    return None
+
+
+def _find_params(obj) -> Optional[int]:
+    if isinstance(obj, dict):
+        for key in ("num_params", "n_params", "params"):
+            if isinstance(obj.get(key), int):
+                return obj[key]
+        for v in obj.values():
+            found = _find_params(v)
+            if found:
+                return found
+    return None
+
+
+def detect_size(config: dict) -> Optional[str]:
+    """The GPT-2 size a run config describes ('124M', ...), or None for other shapes."""
+    shape = _find_shape(config)
+    if shape in SIZE_BY_SHAPE:
+        return SIZE_BY_SHAPE[shape]
+    n = _find_params(config)
+    if n:
+        for size, ref in SIZE_BY_PARAMS.items():
+            if abs(n - ref) / ref < 0.01:  # vocab padding (50304) moves the count by 0.03%
+                return size
+    return None
+
+
+def load_run(run_dir: str) -> Run:
+    run = Run(name=os.path.basename(os.path.normpath(run_dir)))
+    by_metric: dict[str, dict[int, float]] = {}
+    for rec in read_metrics(os.path.join(run_dir, "metrics.jsonl")):
+        for key, value in rec.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                # a resumed run logs some steps again: the later value wins
+                by_metric.setdefault(key, {})[rec["step"]] = float(value)
+    run.series = {k: sorted(v.items()) for k, v in by_metric.items()}
+    config_path = os.path.join(run_dir, "config.json")
+    if os.path.isfile(config_path):
+        with open(config_path, encoding="utf-8") as f:
+            try:
+                run.size = detect_size(json.load(f))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{config_path}: not valid JSON ({e.msg})") from None
+    return run
+
+
+def build_figure(runs: list[Run]):
+    """Left: train and val loss (log y) vs GPT-2 124M; right: HellaSwag acc_norm vs baselines."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(14, 5))
+    ax_loss, ax_hs = fig.subplots(1, 2)
+    for run in runs:
+        for metric, style in (("train_loss", dict(alpha=0.6, lw=1)), ("val_loss", dict(lw=2))):
+            if run.series.get(metric):
+                steps, values = zip(*run.series[metric])
+                ax_loss.plot(steps, values, label=f"{run.name} {metric.replace('_', ' ')}", **style)
+        if run.series.get("hellaswag_acc_norm"):
+            steps, values = zip(*run.series["hellaswag_acc_norm"])
+            ax_hs.plot(steps, values, marker=".", label=f"{run.name} acc_norm")
+    ax_loss.axhline(GPT2_124M_VAL_LOSS, color="r", ls="--", label=f"OpenAI GPT-2 (124M) val {GPT2_124M_VAL_LOSS}")
+    ax_loss.set_yscale("log")
+    ax_loss.set(xlabel="step", ylabel="loss", title="Loss")
+    for size in sorted({r.size for r in runs if r.size}, key=lambda s: SIZE_BY_PARAMS[s]):
+        gpt2, gpt3 = HELLASWAG_BASELINES[size]
+        ax_hs.axhline(gpt2, color="r", ls="--", label=f"OpenAI GPT-2 ({size}) {gpt2}")
+        ax_hs.axhline(gpt3, color="g", ls="--", label=f"OpenAI GPT-3 ({size}) {gpt3}")
+    ax_hs.set(xlabel="step", ylabel="accuracy (acc_norm)", title="HellaSwag")
+    for ax in (ax_loss, ax_hs):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def summary_table(runs: list[Run]) -> str:
+    """Markdown: per run, last step, best val loss and best HellaSwag acc_norm (with steps)."""
+    def best(series, pick):
+        if not series:
+            return "-"
+        step, value = pick(series, key=lambda sv: sv[1])
+        return f"{value:.4f} (step {step})"
+
+    lines = ["| run | size | last step | best val loss | best HellaSwag acc_norm |",
+             "| --- | --- | --- | --- | --- |"]
+    for r in runs:
+        last = max((s for series in r.series.values() for s, _ in series), default="-")
+        lines.append(f"| {r.name} | {r.size or '-'} | {last} | {best(r.series.get('val_loss'), min)} | "
+                     f"{best(r.series.get('hellaswag_acc_norm'), max)} |")
+    return "\n".join(lines)
+
+
+def plot_runs(run_dirs: list[str], out_png: str, summary: bool = False) -> Optional[str]:
+    """Write the plot of ``run_dirs`` to ``out_png`` (atomically); with ``summary`` also
+    return the Markdown summary table."""
+    if not run_dirs:
+        raise ValueError("plot needs at least one run directory")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    runs = [load_run(d) for d in run_dirs]
+    fig = build_figure(runs)
+    FigureCanvasAgg(fig)
+    out_dir = os.path.dirname(os.path.abspath(out_png))
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = os.path.join(out_dir, f".{os.path.basename(out_png)}.tmp")
+    fig.savefig(tmp, format="png", dpi=100)
+    os.replace(tmp, out_png)
+    return summary_table(runs) if summary else None

@@ -1,0 +1,243 @@
+"""HellaSwag scoring vs hand-computed losses and a plain transformers loop; ranks, compile, bad input."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from gpt2lab.evals import hellaswag as hs
+from gpt2lab.evals.hellaswag import Example, evaluate_hellaswag, load_examples, score_examples
+from gpt2lab.model import GPT, GPTConfig
+from gpt2lab.tokenizer import get_tokenizer
+
+SLICE = os.path.join(os.path.dirname(__file__), "data", "hellaswag_val_200.jsonl")
+VOCAB = 50257
+
+
+@pytest.fixture(scope="module")
+def hf_ref(tmp_path_factory):
+    """A tiny random transformers GPT-2 with the real vocabulary, saved as an HF dir.
+
+    The embeddings are scaled up so the logits are far from uniform: with the default
+    init every ending would score about log(50257) and predictions would be coin flips
+    decided by rounding.
+    """
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=128, vocab_size=VOCAB)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():
+        model.transformer.wte.weight.mul_(5)
+    d = str(tmp_path_factory.mktemp("hs_hf"))
+    model.save_pretrained(d)
+    return model, d
+
+
+def reference_scores(model, examples) -> list[tuple[list[float], list[float]]]:
+    """Plain loop: one row per (example, ending), no padding, transformers forward."""
+    enc, out = get_tokenizer(), []
+    with torch.no_grad():
+        for ex in examples:
+            ctx = enc.encode(ex.ctx)
+            sums, means = [], []
+            for ending in ex.endings:
+                end = enc.encode(" " + ending)
+                hidden = model.transformer(torch.tensor([ctx + end])).last_hidden_state[0]
+                # logits only where the next token is an ending token (the rest is unused)
+                logp = torch.log_softmax(model.lm_head(hidden[len(ctx) - 1:-1]), -1)
+                losses = [-logp[j, t].item() for j, t in enumerate(end)]
+                sums.append(sum(losses))
+                means.append(sum(losses) / len(losses))
+            out.append((sums, means))
+    return out
+
+
+def argmin(xs):
+    return min(range(len(xs)), key=xs.__getitem__)
+
+
+@pytest.fixture(scope="module")
+def real_examples_ref(hf_ref):
+    examples = load_examples(SLICE, limit=100)
+    return examples, reference_scores(hf_ref[0], examples)
+
+
+# 'shared' is checked on fewer examples: both paths cost a full-vocabulary softmax per token.
+@pytest.mark.parametrize("strategy, n", [("padded", 100), ("shared", 30)])
+def test_agrees_with_transformers_loop_on_real_examples(hf_ref, real_examples_ref, strategy, n):
+    from gpt2lab.load import load_model
+
+    examples, ref = real_examples_ref[0][:n], real_examples_ref[1][:n]
+    ours = score_examples(load_model(hf_ref[1]), examples, device="cpu", batch_size=16, strategy=strategy)
+    assert len(ours) == n
+    for ex, s, (sums, means) in zip(examples, ours, ref):
+        assert s.sum_loss == pytest.approx(sums, rel=1e-5, abs=1e-4)
+        assert s.mean_loss == pytest.approx(means, rel=1e-5, abs=1e-4)
+        assert (s.pred, s.pred_norm, s.label) == (argmin(sums), argmin(means), ex.label)
+    # Predictions are a real check only if endings are not near ties and not all alike.
+    gaps = [sorted(m)[1] - sorted(m)[0] for _, m in ref]
+    assert sorted(gaps)[len(gaps) // 10] > 1e-2
+    assert len({s.pred_norm for s in ours}) == 4
+
+
+def _constant_logits_model(favoured: int, s: float) -> GPT:
+    """Every position outputs logit s for token ``favoured`` and 0 for all others: blocks
+    are zeroed (the residual stream passes through), ln_f keeps only its bias e_0, and
+    wte (tied to lm_head) is zero except row ``favoured`` = s * e_0."""
+    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=64, vocab_size=VOCAB)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        model.transformer.ln_f.bias[0] = 1.0
+        model.transformer.wte.weight[favoured, 0] = s
+    return model
+
+
+@pytest.mark.parametrize("strategy", ["padded", "shared"])
+def test_hand_built_example_known_from_logits(tmp_path, strategy):
+    enc = get_tokenizer()
+    yes, the = enc.encode(" yes"), enc.encode(" the")
+    assert len(yes) == len(the) == 1 and enc.encode(" yes yes yes the") == yes * 3 + the
+    s = 12.0
+    model = _constant_logits_model(yes[0], s)
+    l_yes = math.log(math.exp(s) + VOCAB - 1) - s  # cross entropy of the favoured token
+    l_other = math.log(math.exp(s) + VOCAB - 1)
+    endings = ["the", "yes yes yes the", "yes the", "the the"]
+    sums = [l_other, 3 * l_yes + l_other, l_yes + l_other, 2 * l_other]
+    means = [l_other, (3 * l_yes + l_other) / 4, (l_yes + l_other) / 2, l_other]
+    # Summed loss favours the shortest ending (0), mean loss the one with most " yes" (1).
+    examples = [Example("The answer is", tuple(endings), 1), Example("So we say", tuple(endings), 0)]
+    scores = score_examples(model, examples, device="cpu", batch_size=2, strategy=strategy)
+    for sc in scores:
+        # float32 log-sum-exp over 50257 logits: about 1e-5 relative
+        assert sc.sum_loss == pytest.approx(sums, rel=1e-4)
+        assert sc.mean_loss == pytest.approx(means, rel=1e-4)
+        assert (sc.pred, sc.pred_norm) == (0, 1)
+    path = tmp_path / "two.jsonl"
+    path.write_text("".join(json.dumps({"ctx": e.ctx, "endings": list(e.endings), "label": e.label}) + "\n"
+                            for e in examples))
+    res = evaluate_hellaswag(model, str(path), device="cpu", strategy=strategy)
+    assert res == {"task": "hellaswag", "n": 2, "acc": 0.5, "acc_norm": 0.5}
+
+
+def _rank_main(rank: int, world: int, store: str, model_dir: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from gpt2lab.load import load_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        res = evaluate_hellaswag(load_model(model_dir), SLICE, device="cpu", batch_size=4, limit=30,
+                                 rank=rank, world_size=world)
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+
+
+def test_two_gloo_ranks_equal_one_process(hf_ref, tmp_path):
+    from gpt2lab.load import load_model
+
+    _, d = hf_ref
+    single = evaluate_hellaswag(load_model(d), SLICE, device="cpu", batch_size=4, limit=30)
+    mp.spawn(_rank_main, args=(2, str(tmp_path / "store"), d, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        with open(tmp_path / f"rank{rank}.json") as f:
+            assert json.load(f) == single
+    assert single["n"] == 30 and 0 < single["acc_norm"] < 1
+
+
+def test_compiled_and_eager_same_predictions(hf_ref):
+    from gpt2lab.load import load_model
+
+    _, d = hf_ref
+    model = load_model(d)
+    examples = load_examples(SLICE, limit=6)
+    eager = score_examples(model, examples, device="cpu", batch_size=4)
+    compiled = score_examples(torch.compile(model), examples, device="cpu", batch_size=4)
+    for e, c in zip(eager, compiled):
+        assert (e.pred, e.pred_norm) == (c.pred, c.pred_norm)
+        assert c.mean_loss == pytest.approx(e.mean_loss, abs=1e-3)
+
+
+def test_bfloat16_autocast_close_to_float32(hf_ref):
+    from gpt2lab.load import load_model
+
+    _, d = hf_ref
+    model = load_model(d)
+    examples = load_examples(SLICE, limit=8)
+    f32 = score_examples(model, examples, device="cpu", batch_size=8)
+    bf16 = score_examples(model, examples, device="cpu", batch_size=8, dtype="bfloat16")
+    for a, b in zip(f32, bf16):
+        assert b.mean_loss == pytest.approx(a.mean_loss, rel=0.05)
+
+
+# ------------------------------------------------------------------ data
+
+def _write(tmp_path, lines: list[str]) -> str:
+    p = tmp_path / "data.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    return str(p)
+
+
+GOOD = json.dumps({"ctx": "A man", "endings": ["a", "b", "c", "d"], "label": 2})
+
+
+def test_load_examples_reads_slice_and_limit():
+    examples = load_examples(SLICE)
+    assert len(examples) == 200
+    assert examples[0].endings[3] == "starts pulling up roofing on a roof." and examples[0].label == 3
+    assert len(load_examples(SLICE, limit=7)) == 7
+
+
+@pytest.mark.parametrize("bad, message", [
+    ('{"ctx": "A", "endings": ["a", "b"', ":3: not valid JSON"),
+    (json.dumps({"ctx": "A", "endings": ["a", "b", "c", "d"], "label": 4}), ":3: 'label' must be an integer 0-3"),
+    (json.dumps({"ctx": "A", "endings": ["a", "b", "c"], "label": 0}), ":3: 'endings' must be a list of 4"),
+    (json.dumps({"endings": ["a", "b", "c", "d"], "label": 0}), ":3: 'ctx' must be a non-empty string"),
+])
+def test_bad_lines_name_file_and_line(tmp_path, bad, message):
+    path = _write(tmp_path, [GOOD, GOOD, bad])
+    with pytest.raises(ValueError) as e:
+        load_examples(path)
+    assert path + message in str(e.value)
+
+
+def test_missing_file_and_string_label(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl.*--data"):
+        load_examples(str(tmp_path / "nope.jsonl"))
+    path = _write(tmp_path, [json.dumps({"ctx": "A", "endings": ["a", "b", "c", "d"], "label": "1"})])
+    assert load_examples(path)[0].label == 1  # the HF dataset's labels are strings
+
+
+def _fail(dest):
+    raise OSError("network is unreachable")
+
+
+def test_official_file_no_network_no_cache_says_pass_data(tmp_path, monkeypatch):
+    monkeypatch.setenv(hs.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(hs, "_download_url", _fail)
+    monkeypatch.setattr(hs, "_download_hf", _fail)
+    with pytest.raises(RuntimeError, match="pass --data FILE"):
+        load_examples()
+    assert not any(p.is_file() for p in tmp_path.rglob("*"))  # no half-written cache
+
+
+def test_official_file_downloaded_once_then_cached(tmp_path, monkeypatch):
+    import shutil
+
+    monkeypatch.setenv(hs.CACHE_ENV, str(tmp_path))
+    calls = []
+    monkeypatch.setattr(hs, "_download_url", lambda dest: (calls.append(dest), shutil.copy(SLICE, dest)))
+    monkeypatch.setattr(hs, "_download_hf", _fail)
+    assert len(load_examples(limit=5)) == 5
+    monkeypatch.setattr(hs, "_download_url", _fail)  # second call must not touch the network
+    assert len(load_examples()) == 200 and len(calls) == 1
+    assert (tmp_path / "hellaswag" / "hellaswag_val.jsonl").is_file()
