@@ -47,7 +47,7 @@ def sample_next(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate_stream(
     model: GPT,
     idx: torch.Tensor,
@@ -66,25 +66,29 @@ def generate_stream(
     """
     if idx.dim() != 2 or idx.size(1) == 0:
         raise ValueError(f"idx must be (batch, time) with at least one token, got shape {tuple(idx.shape)}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    B, T = idx.shape
     block = model.config.block_size
     real_vocab = model.config.real_vocab_size
-    finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
-    cache = model.new_kv_cache() if use_cache else None
-    seq = idx
-    for _ in range(max_new_tokens):
-        if cache is not None and seq.size(1) <= block:
-            fresh = seq[:, cache.pos:]  # the whole prompt on the first step, then one token
-            logits, _ = model(fresh, kv_cache=cache)
+    finished = torch.zeros(B, dtype=torch.bool, device=idx.device)
+    # The cache only ever holds what fits in the block; size it to this generation, not more.
+    cache = model.new_kv_cache(min(block, T + max_new_tokens)) if use_cache else None
+    seq = torch.empty(B, T + max_new_tokens, dtype=idx.dtype, device=idx.device)  # filled as we go
+    seq[:, :T] = idx
+    for n in range(T, T + max_new_tokens):
+        if cache is not None and n <= cache.max_len:
+            # The whole prompt on the first step, then only the token sampled last.
+            logits, _ = model(seq[:, cache.pos:n], kv_cache=cache, last_only=True)
         else:
-            logits, _ = model(seq[:, -block:])
-        logits = logits[:, -1, :]
-        if real_vocab < logits.size(-1):  # padded rows are never sampled
-            logits = logits[:, :real_vocab]
+            # Past the block the window slides, every position moves, and the cache no longer applies.
+            logits, _ = model(seq[:, max(0, n - block):n], last_only=True)
+        logits = logits[:, -1, :real_vocab]  # padded vocabulary rows are never sampled
         nxt = sample_next(logits, temperature, top_k, top_p, generator)
         if stop_token is not None:
             nxt = torch.where(finished, torch.full_like(nxt, stop_token), nxt)
             finished = finished | (nxt == stop_token)
-        seq = torch.cat([seq, nxt[:, None]], dim=1)
+        seq[:, n] = nxt
         yield nxt, finished
         if stop_token is not None and bool(finished.all()):
             return

@@ -1,20 +1,32 @@
 """Turn a ``--model`` argument into a GPT: a hub name, an HF directory, a run dir or a checkpoint."""
 from __future__ import annotations
 
+import json
 import os
 from typing import Optional
 
 import torch
 
+from gpt2lab.hf import WEIGHT_FILES
 from gpt2lab.model import GPT
 
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
 
 def is_hf_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "config.json")) and any(
-        os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors", "pytorch_model.bin")
-    )
+    """An HF GPT-2 directory: its config.json says model_type gpt2 and a weights file is there.
+
+    gpt2lab checkpoints also hold config.json + model.safetensors, so the files alone do
+    not tell the two apart; the config's model_type does.
+    """
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config) or not any(os.path.isfile(os.path.join(path, f)) for f in WEIGHT_FILES):
+        return False
+    try:
+        with open(config) as f:
+            return json.load(f).get("model_type") == "gpt2"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def load_model(spec: str, device: Optional[torch.device | str] = None) -> GPT:
@@ -22,23 +34,29 @@ def load_model(spec: str, device: Optional[torch.device | str] = None) -> GPT:
 
     ``spec`` is an HF GPT-2 name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), a local
     directory in HF layout, a gpt2lab run directory (newest checkpoint) or checkpoint dir.
+    Anything else, or a source that cannot be read, exits with a message naming it.
     """
+    try:
+        model = _load(spec)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:  # includes hf.WeightsError
+        raise SystemExit(f"--model {spec}: {e}") from e
+    return model.to(device or "cpu").eval()
+
+
+def _load(spec: str) -> GPT:
     from gpt2lab import hf
 
     if os.path.isdir(spec):
         if is_hf_dir(spec):
-            model = hf.from_hf_dir(spec)
-        else:
-            from gpt2lab import checkpoint
+            return hf.from_hf_dir(spec)
+        from gpt2lab import checkpoint
 
-            model = checkpoint.load_model(spec)
-    elif os.path.exists(spec):
+        return checkpoint.load_model(spec)
+    if os.path.exists(spec):
         raise SystemExit(f"--model {spec}: is a file; pass its directory (an HF model dir, a run dir or a checkpoint dir)")
-    elif spec in HUB_NAMES or spec.startswith("openai-community/"):
-        model = hf.from_hub(spec)
-    else:
-        raise SystemExit(
-            f"--model {spec}: no such directory, and not a GPT-2 hub name ({', '.join(HUB_NAMES)}). "
-            "Pass an HF model directory (config.json + model.safetensors), a run directory or a checkpoint."
-        )
-    return model.to(device or "cpu").eval()
+    if spec in HUB_NAMES or spec.startswith("openai-community/"):
+        return hf.from_hub(spec)
+    raise SystemExit(
+        f"--model {spec}: no such directory, and not a GPT-2 hub name ({', '.join(HUB_NAMES)}). "
+        "Pass an HF model directory (config.json + model.safetensors), a run directory or a checkpoint."
+    )

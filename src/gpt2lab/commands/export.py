@@ -1,7 +1,28 @@
-"""gpt2lab export: placeholder until HF export lands."""
-from gpt2lab.commands import not_yet
+"""gpt2lab export: write any model gpt2lab can load as a Hugging Face GPT-2 directory."""
+from __future__ import annotations
+
+import argparse
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("export", help="(not implemented yet) HF export")
-    p.set_defaults(func=not_yet("export", "HF export"))
+    p = sub.add_parser(
+        "export",
+        help="write a model as an HF GPT-2 directory (transformers / lm_eval load it unchanged)",
+        description="SRC is an HF name, an HF model dir, a run dir (newest checkpoint) or a checkpoint dir. "
+        "OUT_DIR gets config.json, model.safetensors and the tokenizer files; a padded vocabulary "
+        "is trimmed back to the tokenizer's.",
+    )
+    p.add_argument("src", metavar="SRC", help="model to export (anything --model accepts)")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="directory to write (replaced if it exists)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gpt2lab.load import load_model
+
+    model = load_model(args.src, "cpu")
+    model.save_pretrained(args.out_dir)
+    c = model.config
+    print(f"wrote {args.out_dir}: GPT-2 {c.n_layer} layers, {c.n_head} heads, {c.n_embd} wide, "
+          f"vocab {c.real_vocab_size}, {model.num_params():,} parameters")
+    return 0

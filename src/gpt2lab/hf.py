@@ -1,0 +1,268 @@
+"""Hugging Face GPT-2 weights in and out.
+
+HF's GPT-2 stores its four projection matrices as ``Conv1D`` weights, (in, out), where
+``nn.Linear`` keeps (out, in); every other tensor has the same name and shape in both.
+So converting is: strip/add the ``transformer.`` prefix, transpose four weights, drop
+HF's causal-mask buffers, and let the tied lm_head follow wte.
+
+huggingface_hub and safetensors are imported inside the functions that need them, so
+``import gpt2lab`` stays cheap.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Optional
+
+import torch
+
+from gpt2lab.model import GPT, GPTConfig
+from gpt2lab.tokenizer import EOT_ID, EOT_TOKEN, asset_path
+
+# Weights HF keeps as Conv1D (in, out); nn.Linear wants (out, in).
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# Causal-mask buffers older transformers versions saved with the weights; not parameters.
+MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+HUB_REPOS = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
+
+
+class WeightsError(ValueError):
+    """An HF directory, file or hub download that cannot become a GPT; the message says why."""
+
+
+# ---------------------------------------------------------------- state dict conversion
+
+def from_hf_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF GPT2LMHeadModel/GPT2Model tensors -> gpt2lab names and layouts (lm_head excluded)."""
+    out = {}
+    for key, t in sd.items():
+        name = key.removeprefix("transformer.")
+        if name.endswith(MASK_BUFFERS) or name == "lm_head.weight":
+            continue  # buffers are rebuilt by the model; lm_head is tied to wte
+        out["transformer." + name] = t.t() if name.endswith(CONV1D) else t
+    return out
+
+
+def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """gpt2lab model -> HF GPT2LMHeadModel tensors, contiguous, padded vocab rows dropped.
+
+    The tied lm_head is left out: HF saves the shared matrix once, as transformer.wte.
+    """
+    real_vocab = model.config.real_vocab_size
+    out = {}
+    for key, t in model.state_dict().items():
+        if key == "lm_head.weight":
+            continue
+        t = t.detach()
+        if key.endswith(CONV1D):
+            t = t.t()
+        elif key == "transformer.wte.weight":
+            t = t[:real_vocab]
+        out[key] = t.contiguous().clone().cpu()
+    return out
+
+
+# ---------------------------------------------------------------- config.json
+
+def config_from_hf(cfg: dict, where: str = "config.json") -> GPTConfig:
+    """GPTConfig for an HF GPT-2 config dict; refuses options gpt2lab's model does not have."""
+    if cfg.get("model_type", "gpt2") != "gpt2":
+        raise WeightsError(f"{where}: model_type {cfg.get('model_type')!r} is not gpt2")
+    checks = {
+        "activation_function": (cfg.get("activation_function", "gelu_new"), ("gelu_new", "gelu_pytorch_tanh")),
+        "n_inner": (cfg.get("n_inner"), (None, 4 * cfg.get("n_embd", 768))),
+        "scale_attn_weights": (cfg.get("scale_attn_weights", True), (True,)),
+        "scale_attn_by_inverse_layer_idx": (cfg.get("scale_attn_by_inverse_layer_idx", False), (False,)),
+        "tie_word_embeddings": (cfg.get("tie_word_embeddings", True), (True,)),
+    }
+    for field, (value, allowed) in checks.items():
+        if value not in allowed:
+            raise WeightsError(f"{where}: {field}={value!r} is not supported by gpt2lab's GPT-2 (needs one of {allowed})")
+    try:
+        return GPTConfig(
+            block_size=cfg.get("n_positions", cfg.get("n_ctx", 1024)),
+            vocab_size=cfg.get("vocab_size", 50257),
+            n_layer=cfg.get("n_layer", 12),
+            n_head=cfg.get("n_head", 12),
+            n_embd=cfg.get("n_embd", 768),
+            layer_norm_epsilon=cfg.get("layer_norm_epsilon", 1e-5),
+        )
+    except ValueError as e:
+        raise WeightsError(f"{where}: {e}") from e
+
+
+def config_to_hf(config: GPTConfig, dtype: torch.dtype) -> dict:
+    """The config.json transformers' GPT2LMHeadModel reads; vocab is the real (unpadded) one."""
+    vocab = config.real_vocab_size
+    eot = EOT_ID if vocab > EOT_ID else None  # tiny test vocabularies have no <|endoftext|>
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": vocab,
+        "n_positions": config.block_size,
+        "n_ctx": config.block_size,
+        "n_embd": config.n_embd,
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "n_inner": None,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": config.layer_norm_epsilon,
+        # gpt2lab trains without dropout; say so rather than inherit GPT-2's 0.1.
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "bos_token_id": eot,
+        "eos_token_id": eot,
+        "tie_word_embeddings": True,
+        "use_cache": True,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+# ---------------------------------------------------------------- loading
+
+def build_model(config: GPTConfig, sd: dict[str, torch.Tensor], where: str) -> GPT:
+    """A GPT holding exactly the tensors of ``sd`` (gpt2lab names), without a random init first."""
+    with torch.device("meta"):
+        model = GPT(config)  # no memory, no init: every tensor comes from sd
+    expected = {k for k in model.state_dict() if k != "lm_head.weight"}
+    missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
+    if missing or unexpected:
+        raise WeightsError(f"{where}: weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for key, t in model.state_dict().items():
+        if key in sd and sd[key].shape != t.shape:
+            raise WeightsError(f"{where}: {key} has shape {tuple(sd[key].shape)}, config needs {tuple(t.shape)}")
+    full = {k: v.contiguous() for k, v in sd.items()}
+    full["lm_head.weight"] = full["transformer.wte.weight"]
+    model.load_state_dict(full, assign=True)
+    # assign=True installs two separate Parameters for the tied pair; tie them again.
+    model.lm_head.weight = model.transformer.wte.weight
+    return model.eval()
+
+
+def _read_weights(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if path.endswith(".safetensors"):
+        return load_file(path)
+    if path.endswith(".index.json"):
+        with open(path) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        sd: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            sd.update(load_file(os.path.join(os.path.dirname(path), shard)))
+        return sd
+    # weights_only: a pickle from the internet must not be able to run code.
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_files(config_path: str, weights_path: str) -> GPT:
+    """A GPT from an HF config.json and a weights file (.safetensors, index, or .bin)."""
+    try:
+        with open(config_path) as f:
+            cfg = json.load(f)
+        sd = _read_weights(weights_path)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        raise WeightsError(f"cannot read {config_path} / {weights_path}: {e}") from e
+    return build_model(config_from_hf(cfg, config_path), from_hf_state_dict(sd), weights_path)
+
+
+def from_hf_dir(path: str) -> GPT:
+    """A GPT from a local HF GPT-2 directory (config.json + model.safetensors or pytorch_model.bin)."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise WeightsError(f"{path}: no config.json; is this a Hugging Face model directory?")
+    for name in WEIGHT_FILES:
+        if os.path.isfile(os.path.join(path, name)):
+            return load_files(config_path, os.path.join(path, name))
+    raise WeightsError(f"{path}: no weights file (looked for {', '.join(WEIGHT_FILES)})")
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def from_hub(name: str) -> GPT:
+    """gpt2 / gpt2-medium / gpt2-large / gpt2-xl (or an owner/repo id) from the Hugging Face hub.
+
+    Downloads config.json and model.safetensors into the hub cache (HF_HOME), or reads
+    them from it when HF_HUB_OFFLINE is set.
+    """
+    from huggingface_hub import hf_hub_download
+
+    repo = HUB_REPOS.get(name, name)
+    offline = _hub_offline()
+    try:
+        config_path = hf_hub_download(repo, "config.json", local_files_only=offline)
+        weights_path = hf_hub_download(repo, "model.safetensors", local_files_only=offline)
+    except Exception as e:  # the hub raises many types (HTTP, offline, not cached, not found)
+        how = "offline (HF_HUB_OFFLINE is set) and not in the cache" if offline else "could not be downloaded"
+        raise WeightsError(
+            f"{repo}: {how} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
+            f"Pass a local directory instead, e.g. one made on a connected machine with "
+            f"`gpt2lab export {name} DIR` or `hf download {repo} --local-dir DIR`, "
+            "holding config.json and model.safetensors (or pytorch_model.bin)."
+        ) from e
+    return load_files(config_path, weights_path)
+
+
+# ---------------------------------------------------------------- export
+
+def _write_tokenizer(out: str, block_size: int) -> None:
+    """GPT-2 tokenizer files in HF layout: its vocab.json is OpenAI's encoder.json, merges.txt its vocab.bpe."""
+    shutil.copyfile(asset_path("encoder.json"), os.path.join(out, "vocab.json"))
+    shutil.copyfile(asset_path("vocab.bpe"), os.path.join(out, "merges.txt"))
+    special = {"bos_token": EOT_TOKEN, "eos_token": EOT_TOKEN, "unk_token": EOT_TOKEN}
+    tok_config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": block_size,
+                  "add_prefix_space": False, **special}
+    _write_json(os.path.join(out, "tokenizer_config.json"), tok_config)
+    _write_json(os.path.join(out, "special_tokens_map.json"), special)
+
+
+def _write_json(path: str, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
+def save_pretrained(model: GPT, out_dir: str) -> None:
+    """Write ``out_dir`` so transformers.GPT2LMHeadModel / AutoTokenizer load it unchanged.
+
+    Everything is written into a temporary sibling directory first and renamed into place,
+    so a crash never leaves a half-written export; an existing ``out_dir`` is replaced.
+    """
+    from safetensors.torch import save_file
+
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    try:
+        sd = to_hf_state_dict(model)
+        dtype = sd["transformer.wte.weight"].dtype
+        save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        _write_json(os.path.join(tmp, "config.json"), config_to_hf(model.config, dtype))
+        eot = EOT_ID if model.config.real_vocab_size > EOT_ID else None
+        _write_json(os.path.join(tmp, "generation_config.json"), {"bos_token_id": eot, "eos_token_id": eot})
+        _write_tokenizer(tmp, model.config.block_size)
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _replace_dir(src: str, dst: str) -> None:
+    old: Optional[str] = None
+    if os.path.isdir(dst):
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.old-", dir=os.path.dirname(dst))
+        os.replace(dst, os.path.join(old, "x"))
+    elif os.path.exists(dst):
+        raise WeightsError(f"{dst} exists and is not a directory; choose another output path")
+    os.replace(src, dst)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)

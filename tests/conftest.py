@@ -1,0 +1,63 @@
+"""Shared tiny-model fixtures (CPU, seconds). Other areas may append fixtures at the end."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gpt2lab.model import GPT, GPTConfig
+
+# Two deliberately different small shapes, so a transpose or head-split bug cannot hide
+# behind a square matrix or a single head.
+TINY_SHAPES = [
+    dict(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=128),
+    dict(n_layer=3, n_head=4, n_embd=48, n_positions=96, vocab_size=211),
+]
+
+
+def hf_gpt2(seed: int = 0, **shape):
+    """A randomly initialised transformers GPT2LMHeadModel (eval, fp32); its init is HF's own."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(**shape)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def tiny_gpt(seed: int = 0, **overrides) -> GPT:
+    """A randomly initialised gpt2lab GPT, small enough for any CPU test."""
+    torch.manual_seed(seed)
+    cfg = dict(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=128)
+    return GPT(GPTConfig(**{**cfg, **overrides})).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_dirs(tmp_path_factory) -> list[tuple[object, str]]:
+    """(transformers model, its save_pretrained directory) for each of TINY_SHAPES."""
+    out = []
+    for i, shape in enumerate(TINY_SHAPES):
+        model = hf_gpt2(seed=i, **shape)
+        d = str(tmp_path_factory.mktemp(f"hf{i}"))
+        model.save_pretrained(d)
+        out.append((model, d))
+    return out
+
+
+@pytest.fixture(scope="session")
+def gpt2_vocab_export(tmp_path_factory) -> tuple[GPT, str]:
+    """A tiny GPT with the real GPT-2 vocabulary, exported as an HF dir (for CLI tests)."""
+    model = tiny_gpt(seed=3, vocab_size=50257, block_size=128)
+    d = str(tmp_path_factory.mktemp("gpt2vocab") / "model")
+    model.save_pretrained(d)
+    return model, d
+
+
+def run_gpt2lab(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m gpt2lab ARGS`` in a fresh process (for exit codes and real stdout/stderr)."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "gpt2lab", *args], capture_output=True, text=True,
+                          env=full_env, timeout=timeout)

@@ -1,0 +1,140 @@
+"""Sampling: KV cache vs none vs transformers, past the block, top-k/top-p/temperature, EOT."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import tiny_gpt
+from gpt2lab.generate import generate, generate_stream, sample_next
+
+
+@torch.no_grad()
+def _plain_greedy(model, idx: torch.Tensor, n: int) -> torch.Tensor:
+    """The textbook loop: re-run the last block_size tokens, take the argmax."""
+    for _ in range(n):
+        logits, _ = model(idx[:, -model.config.block_size:])
+        idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return idx
+
+
+def test_greedy_cache_equals_no_cache_equals_transformers(tmp_path):
+    import transformers
+
+    model = tiny_gpt(seed=11, n_layer=3, n_head=4, n_embd=48, block_size=96, vocab_size=211)
+    idx = torch.randint(0, 211, (2, 9), generator=torch.Generator().manual_seed(0))
+    cached = generate(model, idx, 60, temperature=0.0, use_cache=True)
+    uncached = generate(model, idx, 60, temperature=0.0, use_cache=False)
+    assert torch.equal(cached, uncached)
+    assert torch.equal(cached, _plain_greedy(model, idx, 60))
+    model.save_pretrained(str(tmp_path))
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path)).eval()
+    with torch.no_grad():
+        theirs = hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=60, min_new_tokens=60,
+                             do_sample=False, use_cache=True)
+    assert torch.equal(cached, theirs)
+
+
+def test_generation_past_block_size_slides_the_window():
+    model = tiny_gpt(seed=2, block_size=16)
+    idx = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(1))
+    cached = generate(model, idx, 30, temperature=0.0, use_cache=True)  # ends at 35 > 16
+    assert cached.shape == (2, 35)
+    assert torch.equal(cached, generate(model, idx, 30, temperature=0.0, use_cache=False))
+    assert torch.equal(cached, _plain_greedy(model, idx, 30))
+    long_prompt = torch.randint(0, 128, (1, 20))  # a prompt already longer than the block
+    assert torch.equal(generate(model, long_prompt, 4, temperature=0.0), _plain_greedy(model, long_prompt, 4))
+
+
+def test_padded_vocab_rows_are_never_sampled():
+    model = tiny_gpt(seed=4, vocab_size=64, token_vocab_size=50)
+    with torch.no_grad():  # make every padded row win the argmax by far
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.fill_(1.0)
+        model.transformer.wte.weight[50:] = 10.0
+    idx = torch.randint(0, 50, (3, 4))
+    assert model(idx)[0][:, -1].argmax(-1).min() >= 50  # untrimmed, padding would win
+    out = generate(model, idx, 8, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert out.max() < 50
+
+
+def test_stop_token_finishes_each_row_separately():
+    model = tiny_gpt(seed=7)
+    idx = torch.randint(0, 128, (2, 4), generator=torch.Generator().manual_seed(3))
+    free = generate(model, idx, 20, temperature=0.0)[:, 4:]
+    stop = int(free[0, 2])  # row 0 meets this token at step 2 or earlier
+    first = [(row == stop).nonzero()[0].item() if (row == stop).any() else None for row in free]
+    out = generate(model, idx, 20, temperature=0.0, stop_token=stop)[:, 4:]
+    for r in range(2):
+        if first[r] is None:
+            assert torch.equal(out[r], free[r, : out.size(1)])
+        else:
+            assert torch.equal(out[r, : first[r] + 1], free[r, : first[r] + 1])
+            assert (out[r, first[r]:] == stop).all()  # finished rows repeat the stop token
+    if all(f is not None for f in first):
+        assert out.size(1) == max(first) + 1  # the stream ends once every row is done
+    flags = torch.stack([f.clone() for _, f in generate_stream(model, idx, 20, temperature=0.0, stop_token=stop)])
+    for r in range(2):  # (steps, B): a row is finished from its stop token on, not before
+        if first[r] is not None:
+            assert not flags[: first[r], r].any() and flags[first[r]:, r].all()
+
+
+def _frequencies(logits: torch.Tensor, n: int = 4000, **kw) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    picks = sample_next(logits.expand(n, -1), generator=g, **kw)
+    return torch.bincount(picks, minlength=logits.size(-1)).float() / n
+
+
+def test_top_k_top_p_temperature_distributions():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.equal(sample_next(logits.expand(50, -1), top_k=1, generator=torch.Generator().manual_seed(1)),
+                       torch.zeros(50, dtype=torch.long))  # top_k=1 is greedy
+    f = _frequencies(logits, top_k=2)
+    assert f[2:].sum() == 0 and f[0].item() == pytest.approx(0.5 / 0.8, abs=0.03)
+    # top_p=0.7: 0.5 alone is short of 0.7, 0.5+0.3 reaches it; the rest is cut.
+    f = _frequencies(logits, top_p=0.7)
+    assert f[2:].sum() == 0 and f[0].item() == pytest.approx(0.625, abs=0.03)
+    f = _frequencies(logits, top_p=0.5)  # the top token alone already holds 0.5
+    assert f[0] == 1.0
+    f = _frequencies(logits, top_p=1.0)
+    assert f[3].item() == pytest.approx(0.05, abs=0.015)
+    f = _frequencies(logits, temperature=2.0)
+    assert torch.allclose(f, F.softmax(logits[0] / 2.0, -1), atol=0.03)
+    assert torch.equal(sample_next(logits, temperature=0.0), torch.tensor([0]))
+
+
+def test_bad_sampling_arguments():
+    logits = torch.zeros(1, 4)
+    for kw, msg in [(dict(temperature=-1), "temperature"), (dict(top_k=0), "top_k"), (dict(top_p=0.0), "top_p")]:
+        with pytest.raises(ValueError, match=msg):
+            sample_next(logits, **kw)
+    with pytest.raises(ValueError, match="idx"):
+        generate(tiny_gpt(), torch.zeros(2, 0, dtype=torch.long), 3)
+
+
+def test_seeded_sampling_is_reproducible_and_matches_method():
+    model = tiny_gpt(seed=9)
+    idx = torch.randint(0, 128, (2, 5))
+    run = lambda: model.generate(idx, 12, temperature=0.9, top_k=20, top_p=0.95,  # noqa: E731
+                                 generator=torch.Generator().manual_seed(123))
+    a, b = run(), run()
+    assert torch.equal(a, b)
+    c = model.generate(idx, 12, temperature=0.9, top_k=20, top_p=0.95, generator=torch.Generator().manual_seed(124))
+    assert not torch.equal(a, c)
+
+
+def test_decode_layout_keeps_values_ties_and_tokens(tmp_path):
+    from safetensors.torch import load_file
+
+    model = tiny_gpt(seed=12, vocab_size=300)
+    idx = torch.randint(0, 300, (2, 6))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    want = generate(model, idx, 20, temperature=0.0)
+    model.use_decode_layout()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert not model.transformer.h[0].attn.c_attn.weight.is_contiguous()  # the layout did change
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(generate(model, idx, 20, temperature=0.0), want)
+    model.save_pretrained(str(tmp_path))  # export makes tensors contiguous again
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert torch.equal(saved["transformer.h.0.attn.c_attn.weight"], before["transformer.h.0.attn.c_attn.weight"].t())

@@ -1,0 +1,54 @@
+"""GPU-only checks (skipped without CUDA): run them on a machine with a GPU.
+
+bf16 autocast stays close to fp32, torch.compile matches eager, and KV-cached greedy
+sampling matches the uncached loop, all on the device where users train.
+"""
+import pytest
+import torch
+
+from gpt2lab import GPT, GPTConfig
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _model(vocab: int = 50304) -> GPT:
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=4, n_head=4, n_embd=256, block_size=256, vocab_size=vocab, token_vocab_size=50257)
+    return GPT(cfg).cuda().eval()
+
+
+def test_bf16_autocast_logits_close_to_fp32():
+    model = _model()
+    idx = torch.randint(0, 50257, (4, 128), device="cuda")
+    with torch.no_grad():
+        ref, _ = model(idx)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            low, _ = model(idx)
+    # bf16 keeps 8 mantissa bits: relative error per logit ~1e-2 of the logit scale.
+    err = (low.float() - ref).abs().max().item()
+    assert err < 0.05 * ref.abs().max().item(), err
+    agree = (low.float().argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert agree > 0.95
+
+
+def test_compiled_equals_eager():
+    model = _model()
+    idx = torch.randint(0, 50257, (2, 64), device="cuda")
+    targets = torch.randint(0, 50257, (2, 64), device="cuda")
+    with torch.no_grad():
+        ref, ref_loss = model(idx, targets)
+        compiled = torch.compile(model)
+        out, loss = compiled(idx, targets)
+    assert (out - ref).abs().max().item() < 1e-3
+    assert abs(loss.item() - ref_loss.item()) < 1e-4
+
+
+def test_kv_cache_greedy_equals_no_cache_on_gpu():
+    model = _model()
+    idx = torch.randint(0, 50257, (3, 16), device="cuda")
+    a = model.generate(idx, 48, temperature=0, use_cache=True)
+    b = model.generate(idx, 48, temperature=0, use_cache=False)
+    assert torch.equal(a, b)
