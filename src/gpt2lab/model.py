@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from gpt2lab.chunked_loss import chunked_cross_entropy
+
 
 @dataclass
 class GPTConfig:
@@ -166,6 +168,9 @@ class GPT(nn.Module):
         # Weight tying (Press & Wolf 2017), as GPT-2: input and output embeddings share one matrix.
         self.lm_head.weight = self.transformer.wte.weight
         self.apply(self._init_weights)
+        # torch.compile the training loss's softmax kernel (return_logits=False); the trainer
+        # turns it on with --compile true
+        self.compile_loss = False
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
@@ -190,11 +195,16 @@ class GPT(nn.Module):
         idx: torch.Tensor,
         targets: Optional[torch.Tensor] = None,
         kv_cache: Optional[KVCache] = None,
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        last_only: bool = False,
+        return_logits: bool = True,
+    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """idx (B, T) token ids -> logits (B, T, vocab_size) and, with targets, the mean loss.
 
         Targets equal to -1 are ignored. With ``kv_cache`` the tokens continue the cached
         sequence (positions start at ``kv_cache.pos``) and the cache advances by T.
+        ``last_only`` returns logits (B, 1, vocab_size) for the last position only.
+        ``return_logits=False`` with targets (the training path) returns ``(None, loss)`` and
+        computes the loss chunk by chunk without ever holding the (B*T, vocab) logits.
         """
         B, T = idx.shape
         start = kv_cache.pos if kv_cache is not None else 0
@@ -206,12 +216,45 @@ class GPT(nn.Module):
             x = block(x, kv_cache)
         if kv_cache is not None:
             kv_cache.pos += T
+        if last_only:  # generation needs the next token only: skip T-1 rows of the vocab matmul
+            x = x[:, -1:, :]
         x = self.transformer.ln_f(x)
+        if targets is not None and not return_logits:
+            return None, chunked_cross_entropy(x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(-1),
+                                               compiled=self.compile_loss)
         logits = self.lm_head(x)  # (B, T, vocab_size)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
         return logits, loss
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str) -> "GPT":
+        """GPT-2 weights from the Hugging Face hub (gpt2 ... gpt2-xl) or a local HF directory."""
+        import os
+
+        from gpt2lab import hf  # lazily: model.py does no I/O itself
+
+        return hf.from_hf_dir(name_or_path) if os.path.isdir(name_or_path) else hf.from_hub(name_or_path)
+
+    def save_pretrained(self, out_dir: str) -> None:
+        """Write an HF GPT-2 directory (see gpt2lab.hf.save_pretrained)."""
+        from gpt2lab import hf
+
+        hf.save_pretrained(self, out_dir)
+
+    def use_decode_layout(self) -> "GPT":
+        """Store the wide matrices (c_attn, c_fc, wte = lm_head) column-major; values unchanged.
+
+        Decoding multiplies a single row by every weight. CPU BLAS streams such a matrix
+        held as (in, out) in memory (the layout of HF's Conv1D) about 20% faster than as
+        (out, in), and the vocabulary projection about 2x. Names, shapes and values stay
+        the same (export and checkpoints make tensors contiguous); meant for inference.
+        """
+        for name, p in self.named_parameters():  # the tied wte/lm_head Parameter comes once
+            if p.dim() == 2 and name.endswith(("c_attn.weight", "c_fc.weight", "wte.weight")):
+                p.data = p.data.t().contiguous().t()
+        return self
 
     def new_kv_cache(self, max_len: Optional[int] = None) -> KVCache:
         return KVCache(self.config.n_layer, max_len or self.config.block_size)

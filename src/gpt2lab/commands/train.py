@@ -1,7 +1,44 @@
-"""gpt2lab train: placeholder until training lands."""
-from gpt2lab.commands import not_yet
+"""gpt2lab train: run a preset with any field overridden; single process or under torchrun."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gpt2lab.config import ConfigError, add_config_flags, load_preset, overrides_from_args, preset_names
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="(not implemented yet) training")
-    p.set_defaults(func=not_yet("train", "training"))
+    p = sub.add_parser(
+        "train", help="train a model from a preset (torchrun for several processes)",
+        description="Train from a preset; every config field is a flag. Several processes: "
+                    "torchrun --standalone --nproc_per_node=N -m gpt2lab train ...",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", required=True, metavar="NAME", help=f"one of: {', '.join(preset_names())}")
+    p.add_argument("--resume", default=None, metavar="auto|PATH",
+                   help="auto: continue from the newest checkpoint in --out (fresh start if none); "
+                        "PATH: a run directory or a checkpoint directory")
+    add_config_flags(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gpt2lab.dist import cleanup, init_distributed
+    from gpt2lab.train import TrainingError, train
+
+    try:
+        cfg = load_preset(args.preset, **overrides_from_args(args))
+    except ConfigError as e:
+        print(f"gpt2lab train: {e}", file=sys.stderr)
+        return 2
+    info = init_distributed(None if cfg.device == "auto" else cfg.device)
+    try:
+        cfg.grad_accum_steps(info.world_size)  # fails early, naming the numbers to change
+        last = train(cfg, info, args.resume)
+    except (ConfigError, TrainingError, FileNotFoundError, ValueError) as e:  # ValueError: bad data (ShardError)
+        print(f"gpt2lab train (rank {info.rank}): {e}", file=sys.stderr)
+        return 2
+    finally:
+        cleanup()
+    if info.is_main:
+        print(f"run dir: {cfg.out}" + (f"\nlast checkpoint: {last}" if last else ""), flush=True)
+    return 0

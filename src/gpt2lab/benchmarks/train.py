@@ -1,0 +1,189 @@
+"""gpt2lab bench train: time full training steps (data, forward, backward, clip, AdamW).
+
+``--preset P`` plus any train flag gives exactly the step ``gpt2lab train`` would run.
+``--reference`` also times the reference recipe's model, written here plainly in PyTorch
+(nanoGPT-style: one ``F.cross_entropy`` over materialised logits, bf16 autocast and
+torch.compile as the recipe uses them, AdamW fused only on CUDA as the recipe does), on the
+same batches, alternating with gpt2lab's step for several rounds; it reports the median
+of each side and their ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import math
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+from gpt2lab.config import add_config_flags, load_preset, overrides_from_args
+from gpt2lab.dist import DistInfo, autocast, pick_device
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", required=True, help="a training preset (any train flag overrides it)")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per round")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
+    p.add_argument("--rounds", type=int, default=8, help="rounds (alternating with the reference when asked)")
+    p.add_argument("--reference", action="store_true", help="also time the reference recipe's model")
+    p.add_argument("--reference-compile", default="true", choices=["true", "false"],
+                   help="torch.compile the reference model (as the recipe does)")
+    p.add_argument("--reference-keep-memory", default="false", choices=["true", "false"],
+                   help="give the reference gpt2lab's CPU allocator setting (--keep-cpu-memory); "
+                        "false = glibc defaults, as the recipe runs")
+    add_config_flags(p)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from gpt2lab.train import Trainer, keep_freed_memory
+
+    cfg = load_preset(args.preset, **overrides_from_args(args))
+    device = pick_device(None if cfg.device == "auto" else cfg.device)
+    trainer = Trainer(cfg, DistInfo(device=device))
+    cpu = device.type == "cpu"
+    ours = _Timed("gpt2lab", lambda: trainer.train_step()["train_loss"], device,
+                  setup=lambda: cpu and keep_freed_memory(cfg.keep_cpu_memory))
+    sides = [ours]
+    if args.reference:
+        ref = ReferenceStep(cfg, device, trainer.loader.next_batch, compile=args.reference_compile == "true")
+        sides.append(_Timed("reference", ref.step, device,
+                            setup=lambda: cpu and keep_freed_memory(args.reference_keep_memory == "true")))
+    for side in sides:
+        side.warm(args.warmup)
+    for _ in range(args.rounds):  # alternate, so both see the same machine load
+        for side in sides:
+            side.round(args.steps)
+    ms = ours.median_ms()
+    tok_per_s = cfg.total_batch_tokens / (ms / 1000)
+    result = {
+        "preset": args.preset, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "seq_len": cfg.seq_len,
+        "micro_batch_size": cfg.micro_batch_size, "total_batch_tokens": cfg.total_batch_tokens,
+        "dtype": cfg.dtype, "compile": cfg.compile, "device": str(device), "threads": torch.get_num_threads(),
+        "keep_cpu_memory": cfg.keep_cpu_memory,
+        "ms_per_step": round(ms, 2), "tok_per_s": round(tok_per_s, 1),
+        "mfu": trainer.flops_per_token * tok_per_s / trainer.peak if trainer.peak else None,
+        "flops_per_token": trainer.flops_per_token, "rounds_ms": ours.rounds_ms(),
+    }
+    if args.reference:
+        ref_ms = sides[1].median_ms()
+        ratios = [r / o for o, r in zip(ours.means, sides[1].means)]  # per round: same machine load
+        result.update(reference_keep_cpu_memory=args.reference_keep_memory == "true",
+                      reference_compile=args.reference_compile == "true",
+                      reference_ms_per_step=round(ref_ms, 2),
+                      reference_tok_per_s=round(cfg.total_batch_tokens / (ref_ms / 1000), 1),
+                      reference_rounds_ms=sides[1].rounds_ms(), speedup=round(ref_ms / ms, 3),
+                      speedup_median_of_rounds=round(statistics.median(ratios), 3),
+                      speedup_best_vs_best=round(min(sides[1].means) / min(ours.means), 3))
+    return result
+
+
+class _Timed:
+    """A step function and its per-round mean step time."""
+
+    def __init__(self, name: str, fn, device: torch.device, setup=lambda: None) -> None:
+        self.name, self.fn, self.device, self.setup, self.means = name, fn, device, setup, []
+
+    def warm(self, n: int) -> None:
+        self.setup()
+        for _ in range(n):
+            self.fn()
+
+    def round(self, steps: int) -> None:
+        self.setup()  # this side's allocator setting, before its clock starts
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            loss = self.fn()
+        if not math.isfinite(float(loss)):
+            raise RuntimeError(f"{self.name}: non-finite loss {loss} while benchmarking")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.means.append(1000 * (time.perf_counter() - t0) / steps)
+
+    def median_ms(self) -> float:
+        return statistics.median(self.means)
+
+    def rounds_ms(self) -> list[float]:
+        return [round(m, 1) for m in self.means]
+
+
+# -- the reference recipe's model, written plainly ---------------------------------------
+class _Attention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class _Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.attn = _Attention(n_embd, n_head)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(approximate="tanh"),
+                                 nn.Linear(4 * n_embd, n_embd))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class ReferenceGPT(nn.Module):
+    def __init__(self, vocab: int, block: int, n_layer: int, n_head: int, n_embd: int) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, n_embd), nn.Embedding(block, n_embd)
+        self.h = nn.ModuleList([_Block(n_embd, n_head) for _ in range(n_layer)])
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+class ReferenceStep:
+    """The recipe's step: accumulate, clip 1.0, cosine-scheduled AdamW (fused on CUDA only)."""
+
+    def __init__(self, cfg, device: torch.device, next_batch, compile: bool) -> None:
+        self.cfg, self.device, self.next_batch = cfg, device, next_batch
+        self.accum = cfg.grad_accum_steps(1)
+        self.model = ReferenceGPT(cfg.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd).to(device)
+        params = [p for p in self.model.parameters()]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        fused = "fused" in inspect.signature(torch.optim.AdamW).parameters and device.type == "cuda"
+        self.opt = torch.optim.AdamW(groups, lr=cfg.max_lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                     fused=fused or None)
+        self.fwd = torch.compile(self.model) if compile else self.model
+
+    def step(self) -> float:
+        total = 0.0
+        for _ in range(self.accum):
+            x, y = self.next_batch()
+            x, y = x.to(self.device), y.to(self.device)
+            with autocast(self.device, self.cfg.dtype):
+                loss = self.fwd(x, y) / self.accum
+            total += loss.detach()
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(total)

@@ -1,0 +1,136 @@
+"""The training loss without materialising the (B*T, vocab) logits: chunked, fused, exact.
+
+``GPT.forward(idx, targets, return_logits=False)`` calls ``chunked_cross_entropy``; it
+equals ``F.cross_entropy(x @ W.T, targets)`` (tests/test_train_loss.py) and is faster and
+smaller, because it never holds fp32 logits and computes both gradients in its forward.
+"""
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+# At GPT-2 sizes the vocabulary projection and its softmax dominate a CPU step: (B*T, 50304)
+# logits in fp32 are ~400 MB for 2048 tokens, written and read several times by the plain
+# path. Here rows are processed in chunks: the logits of a chunk stay in the compute dtype,
+# one kernel turns them into the loss and d loss / d logits, and only grad_x (N, C) and
+# grad_w (V, C) are kept for backward. Numerically it is ``F.cross_entropy(x @ W.T, targets)``
+# (matmuls in the same dtype, softmax in fp32). Chunk and group sizes (in logits) were tuned on a 2-core CPU at B*T=2048, V=50304, where one
+# chunk of 2048 rows measured fastest: the win there is never holding fp32 logits, not cache reuse.
+_CHUNK_ELEMENTS = 2 ** 27  # logits per chunk
+_GROUP_ELEMENTS = 2 ** 28  # logit gradients kept for one grad_w matmul (512 MB in bf16)
+
+
+def _softmax_grad(logits: torch.Tensor, tgt: torch.Tensor, keep: torch.Tensor,
+                  scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """scale * (softmax - onehot) of one chunk in the logits' dtype, zero on ignored rows; summed nll.
+
+    Written for torch.compile, which fuses it into one read of the logits and one write
+    (the scale is free there; the eager version below leaves it to the caller).
+    """
+    lf = logits.float()
+    lse = torch.logsumexp(lf, dim=-1, keepdim=True)
+    hit = torch.arange(lf.shape[1], device=lf.device)[None, :] == tgt
+    d = torch.where(keep[:, None], (torch.exp(lf - lse) - hit.float()) * scale, 0.0).to(logits.dtype)
+    nll = lse.squeeze(1) - lf.gather(1, tgt).squeeze(1)
+    return d, (nll * keep).sum()
+
+
+def _softmax_grad_eager(logits: torch.Tensor, tgt: torch.Tensor, keep: torch.Tensor,
+                        scale: None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """_softmax_grad without the scale, in few eager kernels: one softmax, one cast."""
+    p = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    pt = p.gather(1, tgt).squeeze(1)
+    nll = -pt.clamp(min=torch.finfo(torch.float32).tiny).log()
+    under = (pt == 0) & keep
+    if bool(under.any()):  # a target below exp(-87) of its row: recompute those rows exactly
+        lf = logits[under].float()
+        nll[under] = torch.logsumexp(lf, dim=-1) - lf.gather(1, tgt[under]).squeeze(1)
+    p.scatter_add_(1, tgt, torch.full_like(tgt, -1, dtype=p.dtype))
+    if not bool(keep.all()):
+        p[~keep] = 0.0
+    return p.to(logits.dtype), (nll * keep).sum()
+
+
+_compiled_kernel = None
+
+
+def _kernel(compiled: bool):
+    """(kernel, whether it applies the 1/n scale itself)."""
+    global _compiled_kernel
+    if not compiled:
+        return _softmax_grad_eager, False
+    if _compiled_kernel is None:
+        _compiled_kernel = torch.compile(_softmax_grad, dynamic=False)
+    return _compiled_kernel, True
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, compiled: bool) -> torch.Tensor:
+        cd = _compute_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):
+            loss, grad_x, grad_w = _loss_and_grads(x.to(cd), weight.to(cd), targets, *_kernel(compiled))
+        ctx.save_for_backward(grad_x.to(x.dtype), grad_w.to(weight.dtype))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad_x, grad_w = ctx.saved_tensors
+        return grad_x * grad_out, grad_w * grad_out, None, None
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def _loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, kernel, kernel_scales: bool):
+    """Mean loss, d/dx (N, C) and d/dw (V, C) in fp32; x and w already in the compute dtype.
+
+    The 1/n of the mean is applied inside the compiled kernel, or else to the (N, C) and
+    (V, C) results, never as a pass of its own over the (n, V) probabilities; grad_w is one
+    matmul per group of chunks, not one per chunk.
+    """
+    N, V = x.shape[0], w.shape[0]
+    keep = targets != -1
+    inv_n = 1.0 / keep.sum().clamp(min=1).float()
+    tgt = targets.clamp(min=0)[:, None]
+    nll_sum = torch.zeros((), dtype=torch.float32, device=x.device)
+    grad_x = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    grad_w = None
+    rows = 1 << max(0, (_CHUNK_ELEMENTS // V).bit_length() - 1)  # a power of two: equal chunks, one compile
+    group = max(rows, _GROUP_ELEMENTS // V // rows * rows)
+    for g0 in range(0, N, group):
+        g1, parts = min(N, g0 + group), []
+        for s in range(g0, g1, rows):
+            e = min(g1, s + rows)
+            d, nll = kernel(x[s:e] @ w.t(), tgt[s:e], keep[s:e], inv_n)  # d: (n, V) d loss / d logits
+            nll_sum += nll
+            grad_x[s:e] = d @ w
+            parts.append(d)
+        d = parts[0] if len(parts) == 1 else torch.cat(parts)
+        gw = (d.t() @ x[g0:g1]).float()
+        grad_w = gw if grad_w is None else grad_w.add_(gw)
+    if not kernel_scales:  # scaled here in fp32 (1/n is not exact in bf16), on the small results
+        grad_x.mul_(inv_n)
+        grad_w.mul_(inv_n)
+    return nll_sum * inv_n, grad_x, grad_w
+
+
+@torch.compiler.disable  # the model graph-breaks here; the loss runs as written (its kernel compiled or not)
+def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                          compiled: bool = False) -> torch.Tensor:
+    """Mean cross entropy of ``x @ weight.T`` (N, V) against targets (N,), -1 ignored.
+
+    ``compiled`` runs the per-chunk softmax gradient through torch.compile (one fused kernel).
+    """
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(x, weight, targets, compiled)
+    cd, total = _compute_dtype(x), torch.zeros((), dtype=torch.float32, device=x.device)
+    rows = max(1, _CHUNK_ELEMENTS // weight.shape[0])
+    with torch.autocast(x.device.type, enabled=False):
+        wc = weight.to(cd)
+        for s in range(0, x.shape[0], rows):  # evaluation: the same chunks, no gradient work
+            logits = (x[s:s + rows].to(cd) @ wc.t()).float()
+            total += F.cross_entropy(logits, targets[s:s + rows], ignore_index=-1, reduction="sum")
+    return total / (targets != -1).sum().clamp(min=1)

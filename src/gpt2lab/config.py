@@ -1,0 +1,219 @@
+"""Run settings: one dataclass, TOML presets shipped in the package, CLI overrides, validation.
+
+Every default lives in ``TrainConfig``; a preset (``presets/NAME.toml``) overrides some of
+them (and may start from another preset with ``base = "NAME"``); command-line flags
+override the preset. Each field's ``help`` metadata becomes its ``--flag`` help text.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
+
+try:
+    import tomllib  # Python >= 3.11
+except ModuleNotFoundError:  # Python 3.10: the same parser, packaged as tomli
+    import tomli as tomllib
+
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+# Peak dense bf16/fp16 tensor FLOP/s by GPU name fragment (vendor datasheets), for MFU.
+PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
+
+
+def _f(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TrainConfig:
+    # model
+    n_layer: int = _f(12, "transformer blocks")
+    n_head: int = _f(12, "attention heads per block")
+    n_embd: int = _f(768, "width of the residual stream")
+    block_size: int = _f(1024, "longest sequence the model accepts (position embeddings)")
+    vocab_size: int = _f(50304, "embedding rows; 50304 = 50257 padded to a multiple of 128 for speed")
+    # data and output
+    data: str = _f("data/fineweb-edu-10b", "directory of token shards made by `gpt2lab prepare`")
+    out: str = _f("runs/gpt2-124m", "run directory: config.json, metrics.jsonl, checkpoints/")
+    seed: int = _f(1337, "seed for initialisation and data order")
+    # batch
+    micro_batch_size: int = _f(64, "sequences per forward/backward on each process")
+    seq_len: int = _f(1024, "tokens per sequence (at most block_size)")
+    total_batch_tokens: int = _f(524288, "tokens per optimizer step over all processes; "
+                                 "accumulation = this / (micro_batch_size * seq_len * world size)")
+    # optimisation
+    max_steps: int = _f(19073, "optimizer steps in the run")
+    max_lr: float = _f(6e-4, "learning rate after warmup")
+    min_lr: float = _f(6e-5, "learning rate at the end of the cosine decay")
+    warmup_steps: int = _f(715, "steps of linear warmup from max_lr/warmup_steps to max_lr")
+    weight_decay: float = _f(0.1, "AdamW weight decay, applied to >=2-D weights only")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    eps: float = _f(1e-8, "AdamW epsilon")
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = no clipping)")
+    # system
+    device: str = _f("auto", "cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
+    dtype: str = _f("bfloat16", "autocast dtype: float32, bfloat16 or float16 (fp16 uses a grad scaler)")
+    compile: bool = _f(True, "torch.compile the model")
+    peak_flops: Optional[float] = _f(None, "peak FLOP/s for MFU; default from the GPU name (A100, H100, H200)")
+    max_bad_steps: int = _f(5, "stop after this many NaN/inf steps in a row")
+    keep_cpu_memory: bool = _f(True, "on CPU, keep freed memory in the process (glibc mallopt) instead of "
+                               "returning it to the OS: fresh pages for the large logit buffers cost "
+                               "about half of a small model's step")
+    # evaluation, samples, checkpoints, logging (an interval of 0 means never)
+    eval_interval: int = _f(250, "steps between validation losses")
+    eval_tokens: int = _f(10485760, "validation tokens per evaluation (over all processes)")
+    hellaswag_interval: int = _f(250, "steps between HellaSwag evaluations")
+    hellaswag_data: Optional[str] = _f(None, "HellaSwag jsonl (default: the official validation set)")
+    hellaswag_limit: Optional[int] = _f(None, "evaluate only the first N HellaSwag examples")
+    sample_interval: int = _f(250, "steps between text samples")
+    sample_prompt: str = _f("Hello, I'm a language model,", "prompt of the logged samples")
+    sample_tokens: int = _f(32, "tokens generated per sample")
+    ckpt_interval: int = _f(5000, "steps between checkpoints (one is always saved at the end)")
+    keep_checkpoints: int = _f(3, "newest checkpoints to keep (0 = keep all)")
+    log_interval: int = _f(1, "steps between console lines (metrics.jsonl gets every step)")
+    tensorboard: bool = _f(False, "also write TensorBoard events to OUT/tensorboard")
+    progress: bool = _f(True, "show a progress bar on rank 0")
+
+    def __post_init__(self) -> None:
+        positive = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "micro_batch_size",
+                    "seq_len", "total_batch_tokens", "max_steps", "max_bad_steps", "sample_tokens")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        never_negative = ("warmup_steps", "weight_decay", "grad_clip", "eval_interval", "eval_tokens",
+                          "hellaswag_interval", "sample_interval", "ckpt_interval", "keep_checkpoints",
+                          "log_interval", "seed", "min_lr")
+        for name in never_negative:
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ConfigError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}; "
+                              "change one of them")
+        if self.seq_len > self.block_size:
+            raise ConfigError(f"seq_len {self.seq_len} exceeds block_size {self.block_size}; "
+                              f"lower --seq-len or raise --block-size")
+        if self.vocab_size < 50257:
+            raise ConfigError(f"vocab_size {self.vocab_size} is smaller than the GPT-2 tokenizer's "
+                              "50257 tokens; use 50257 or 50304")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ConfigError(f"dtype {self.dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}")
+        if not 0 < self.max_lr or self.min_lr > self.max_lr:
+            raise ConfigError(f"need 0 < min_lr <= max_lr, got min_lr {self.min_lr}, max_lr {self.max_lr}")
+
+    def grad_accum_steps(self, world_size: int) -> int:
+        """Micro-steps per optimizer step; raises unless the total batch divides evenly."""
+        per_micro = self.micro_batch_size * self.seq_len * world_size
+        if self.total_batch_tokens % per_micro:
+            raise ConfigError(
+                f"total_batch_tokens {self.total_batch_tokens} is not divisible by micro_batch_size "
+                f"{self.micro_batch_size} x seq_len {self.seq_len} x world size {world_size} = {per_micro}; "
+                f"set --total-batch-tokens to a multiple of {per_micro} or change --micro-batch-size")
+        return self.total_batch_tokens // per_micro
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict, source: str = "config") -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"{source}: unknown field(s) {', '.join(unknown)}; "
+                              f"known fields: {', '.join(sorted(known))}")
+        return cls(**values)
+
+
+class ConfigError(ValueError):
+    """A setting (or a combination of settings) that cannot work; the message says what to change."""
+
+
+# -- presets ----------------------------------------------------------------------------
+def preset_names() -> list[str]:
+    folder = resources.files("gpt2lab") / "presets"
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".toml"))
+
+
+def preset_values(name: str, _seen: tuple = ()) -> dict:
+    """The fields a preset sets (its ``base`` chain resolved), not yet a TrainConfig."""
+    if name not in preset_names():
+        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(preset_names())}")
+    if name in _seen:
+        raise ConfigError(f"preset {name!r}: base presets form a cycle ({' -> '.join(_seen + (name,))})")
+    path = resources.files("gpt2lab") / "presets" / f"{name}.toml"
+    try:
+        values = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from e
+    base = values.pop("base", None)
+    return {**(preset_values(base, _seen + (name,)) if base else {}), **values}
+
+
+def load_preset(name: str, **overrides: Any) -> TrainConfig:
+    values = {**preset_values(name), **overrides}
+    return TrainConfig.from_dict(values, source=f"preset {name!r} with overrides")
+
+
+# -- command line -----------------------------------------------------------------------
+def _field_type(tp: Any) -> tuple[Any, bool]:
+    """(base type, optional?) of a field annotation such as ``Optional[int]``."""
+    if get_origin(tp) is Union:
+        args = [a for a in get_args(tp) if a is not type(None)]
+        return args[0], True
+    return tp, False
+
+
+def parse_bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("true", "1", "yes", "on"):
+        return True
+    if low in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _converter(tp: Any, optional: bool):
+    base = parse_bool if tp is bool else tp
+
+    def convert(text: str):
+        if optional and text.lower() in ("none", "null", ""):
+            return None
+        return base(text)
+
+    convert.__name__ = getattr(tp, "__name__", "value")  # argparse names the type in its errors
+    return convert
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One ``--field-name VALUE`` flag per TrainConfig field; unset flags stay out of the overrides."""
+    hints = get_type_hints(TrainConfig)
+    group = parser.add_argument_group("config fields (override the preset)")
+    for f in dataclasses.fields(TrainConfig):
+        tp, optional = _field_type(hints[f.name])
+        kwargs: dict = dict(dest=f.name, default=argparse.SUPPRESS, type=_converter(tp, optional),
+                            help=f"{f.metadata['help']} (base default {f.default!r}; the preset may set it)")
+        kwargs["metavar"] = {bool: "true|false", int: "N", float: "X"}.get(tp, "TEXT")
+        if f.name == "dtype":
+            kwargs.update(choices=DTYPE_CHOICES, type=str, metavar="|".join(DTYPE_CHOICES))
+        group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict:
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
+def save_config(cfg: TrainConfig, path: str) -> None:
+    import os
+
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(cfg.to_dict(), fh, indent=2)
+        fh.write("\n")
+    os.replace(tmp, path)

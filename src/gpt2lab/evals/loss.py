@@ -1,0 +1,39 @@
+"""Validation loss: the mean next-token loss over the first N tokens of a split, all ranks together."""
+from __future__ import annotations
+
+import torch
+
+from gpt2lab.dist import all_reduce_mean, autocast
+
+
+@torch.no_grad()
+def evaluate_loss(model: torch.nn.Module, data_dir: str, *, tokens: int, batch_size: int, seq_len: int,
+                  device: torch.device | str, dtype: str = "float32", split: str = "val",
+                  rank: int = 0, world_size: int = 1) -> float:
+    """Mean loss over the first ``tokens`` target tokens of ``split`` (at least one batch per rank).
+
+    The tokens are read in order and split over ranks, so every world size that divides
+    the batches evenly sees the same tokens; the result is averaged across ranks.
+    Works on a plain, compiled or DDP-wrapped GPT; restores the model's train/eval mode.
+    """
+    from gpt2lab.data import TokenLoader  # lazy: the model side never needs the data package
+
+    device = torch.device(device)
+    loader = TokenLoader(data_dir, split, batch_size, seq_len, rank=rank, world_size=world_size, shuffle=False)
+    per_step = batch_size * seq_len * world_size
+    steps = max(1, tokens // per_step)
+    available = loader.sequences_per_epoch * seq_len
+    if steps * per_step > available:
+        raise ValueError(f"{data_dir}: split '{split}' has {available} tokens in sequences of {seq_len}, "
+                         f"fewer than the {steps * per_step} requested; lower --eval-tokens (or the "
+                         "batch size) or prepare a larger split")
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for _ in range(steps):
+        x, y = loader.next_batch()
+        with autocast(device, dtype):
+            _, loss = model(x.to(device), y.to(device), return_logits=False)
+        total += loss.float()
+    model.train(was_training)
+    return all_reduce_mean(total / steps).item()

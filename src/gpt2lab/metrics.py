@@ -1,0 +1,158 @@
+"""Run logging on rank 0: ``metrics.jsonl``, console lines, a progress bar, optional TensorBoard.
+
+``metrics.jsonl`` holds one JSON object per line, always with ``step``:
+  train lines   step, train_loss, lr, grad_norm, dt_ms, tok_per_s, mfu, tokens
+  skipped steps step, skipped ("nan" or "inf"), loss and grad_norm as text, lr
+  eval lines    step, val_loss
+  HellaSwag     step, hellaswag_acc, hellaswag_acc_norm, hellaswag_n
+  samples       step, sample (text)
+``run_info.json`` beside it records the code version, library versions and hardware.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from typing import Any, Optional
+
+import torch
+
+
+class MetricsLogger:
+    """Writes on the main process only; every other rank gets a logger that does nothing."""
+
+    def __init__(self, run_dir: str, *, enabled: bool, total_steps: int, start_step: int = 0,
+                 log_interval: int = 1, tensorboard: bool = False, progress: bool = True) -> None:
+        self.enabled, self.log_interval = enabled, log_interval
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self._fh = self._tb = self._bar = None
+        if not enabled:
+            return
+        truncate_after(self.path, start_step)  # a resumed run rewrites the steps it repeats
+        self._fh = open(self.path, "a")
+        if tensorboard:
+            self._tb = _tensorboard_writer(os.path.join(run_dir, "tensorboard"))
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                             file=sys.stderr)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._fh.write(json.dumps(record) + "\n")
+        self._fh.flush()
+        step = record["step"]
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and value is not None:
+                    self._tb.add_scalar(key, value, step)
+        if "train_loss" in record:
+            if self._bar is not None:
+                self._bar.update(1)
+            if step % self.log_interval == 0:
+                self.console(format_train(record))
+        else:
+            self.console(format_other(record))
+
+    def console(self, line: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        for thing in (self._bar, self._tb, self._fh):
+            if thing is not None:
+                thing.close()
+        self._fh = self._tb = self._bar = None
+
+
+def format_train(r: dict) -> str:
+    mfu = "n/a" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
+    return (f"step {r['step']:6d} | loss {r['train_loss']:.4f} | lr {r['lr']:.2e} | norm {r['grad_norm']:.3f}"
+            f" | {r['dt_ms']:.0f} ms | {r['tok_per_s']:,.0f} tok/s | mfu {mfu}")
+
+
+def format_other(r: dict) -> str:
+    rest = {k: v for k, v in r.items() if k != "step"}
+    if "sample" in rest:
+        return f"step {r['step']:6d} | sample: {rest['sample']!r}"
+    return f"step {r['step']:6d} | " + " | ".join(
+        f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in rest.items())
+
+
+def truncate_after(path: str, start_step: int) -> None:
+    """Keep only lines of steps < ``start_step`` (rewritten atomically); ``0`` empties the file."""
+    if not os.path.exists(path):
+        return
+    with open(path) as fh:
+        keep = [line for line in fh if line.strip() and json.loads(line)["step"] < start_step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        fh.writelines(keep)
+    os.replace(tmp, path)
+
+
+def _tensorboard_writer(log_dir: str):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise SystemExit("--tensorboard true needs the tensorboard package: "
+                         "pip install 'gpt2lab[tensorboard]'") from e
+    return SummaryWriter(log_dir)
+
+
+def run_info(device: torch.device, world_size: int) -> dict:
+    """Code version, library versions and hardware, so a number can be traced to its source."""
+    import numpy
+
+    info: dict[str, Any] = {
+        "git_sha": _git_sha(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "platform": platform.platform(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+        "world_size": world_size,
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:  # not Linux
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git_sha() -> Optional[str]:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def write_json(path: str, data: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(data, fh, indent=2)
+        fh.write("\n")
+    os.replace(tmp, path)

@@ -1,0 +1,346 @@
+"""The training loop: micro-steps with no_sync, autocast, clip, AdamW step, log, eval, save.
+
+One ``Trainer`` per process. Under torchrun every rank runs the same loop on its slice of
+each batch; rank 0 alone prints, logs and writes checkpoints. Steps are counted from 0;
+a checkpoint named ``step_N`` holds the state after N completed steps, and a resumed run
+continues with step N.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import time
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as tdist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gpt2lab import checkpoint as ckpt
+from gpt2lab.config import PEAK_FLOPS, ConfigError, TrainConfig, save_config
+from gpt2lab.dist import DistInfo, all_reduce_mean, autocast
+from gpt2lab.metrics import MetricsLogger, run_info, write_json
+from gpt2lab.model import GPT
+from gpt2lab.optim import lr_at, make_optimizer
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue (e.g. repeated NaN losses); the message says what to do."""
+
+
+def accumulate_gradients(model: torch.nn.Module, next_batch: Callable[[], Batch], accum: int,
+                         device: torch.device, dtype: str, scaler=None) -> torch.Tensor:
+    """Forward/backward ``accum`` micro-batches; return the mean loss over micro-steps and ranks.
+
+    Each micro-loss is scaled by 1/accum so the summed gradients are those of the whole
+    batch; under DDP, gradients are all-reduced only on the last micro-step.
+    """
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for micro in range(accum):
+        x, y = next_batch()
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        last = micro == accum - 1
+        sync = model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext()
+        with sync:
+            with autocast(device, dtype):
+                _, loss = model(x, y, return_logits=False)
+            loss = loss / accum
+            total += loss.detach().float()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+    return all_reduce_mean(total)
+
+
+def peak_flops(cfg: TrainConfig, device: torch.device) -> Optional[float]:
+    if cfg.peak_flops:
+        return cfg.peak_flops
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    return None
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, info: DistInfo, resume: Optional[str] = None) -> None:
+        self.cfg, self.info, self.device = cfg, info, info.device
+        self.accum = cfg.grad_accum_steps(info.world_size)
+        _check_device(cfg, self.device)
+        _seed_everything(cfg.seed)
+        self.malloc_tuned = keep_freed_memory() if cfg.keep_cpu_memory and self.device.type == "cpu" else False
+        if self.device.type == "cuda":
+            torch.set_float32_matmul_precision("high")  # TF32 matmuls
+        self.raw = GPT(ckpt.model_config(cfg.to_dict())).to(self.device)
+        self.raw.compile_loss = cfg.compile  # the loss's fused softmax kernel, compiled with the model
+        self.optimizer = make_optimizer(self.raw, lr=cfg.max_lr, weight_decay=cfg.weight_decay,
+                                        betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, device=self.device)
+        from gpt2lab.data import TokenLoader
+
+        self.loader = TokenLoader(cfg.data, "train", cfg.micro_batch_size, cfg.seq_len, rank=info.rank,
+                                  world_size=info.world_size, seed=cfg.seed)
+        self.step, self.tokens, self.bad_steps = 0, 0, 0
+        self.resumed_from = self._restore(resume) if resume else None
+        self.model = torch.compile(self.raw) if cfg.compile else self.raw
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        self.ddp = DDP(self.model, device_ids=ids) if info.distributed else None
+        use_scaler = cfg.dtype == "float16"
+        self.scaler = torch.amp.GradScaler(self.device.type) if use_scaler else None
+        self.flops_per_token = self.raw.flops_per_token(cfg.seq_len)
+        self.peak = peak_flops(cfg, self.device)
+        self.stop_requested = False
+
+    # -- state ---------------------------------------------------------------------------
+    def _restore(self, path: str) -> str:
+        where = ckpt.resolve(path)
+        ckpt.load_weights(self.raw, where)
+        state = ckpt.load_training_state(where, self.optimizer)
+        self.step, self.tokens = int(state["step"]), int(state["tokens"])
+        self.loader.load_state_dict(state["loader"])
+        ckpt.set_rng_state(state["rng"])
+        return where
+
+    def save(self) -> Optional[str]:
+        """Rank 0 writes the checkpoint for the steps completed so far (never a non-finite model)."""
+        path = None
+        if self.info.is_main:
+            if not all(torch.isfinite(p).all() for p in self.raw.parameters()):
+                raise TrainingError(f"model has non-finite weights at step {self.step}; not saving over "
+                                    f"the last good checkpoint in {self.cfg.out}/checkpoints")
+            path = ckpt.save_checkpoint(self.cfg.out, model=self.raw, optimizer=self.optimizer,
+                                        step=self.step, tokens=self.tokens,
+                                        loader_state=self.loader.state_dict(), config=self.cfg.to_dict(),
+                                        keep=self.cfg.keep_checkpoints)
+        if self.info.distributed:
+            tdist.barrier()
+        return path
+
+    # -- one optimizer step ----------------------------------------------------------------
+    def train_step(self) -> dict:
+        """Run step ``self.step`` (all its micro-steps) and return its metrics record."""
+        cfg, t0 = self.cfg, time.perf_counter()
+        lr = lr_at(self.step, max_lr=cfg.max_lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
+                   max_steps=cfg.max_steps)
+        model = self.ddp or self.model
+        loss = accumulate_gradients(model, self.loader.next_batch, self.accum, self.device, cfg.dtype,
+                                    self.scaler)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.raw.parameters(), clip)
+        loss_v, norm_v = loss.item(), norm.item()
+        # fp16: the scaler itself skips steps with inf gradients while it finds its scale
+        finite = np.isfinite(loss_v) and (self.scaler is not None or np.isfinite(norm_v))
+        if finite:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        self.tokens += cfg.total_batch_tokens
+        if not finite:  # logged as text: NaN is not JSON, and a plot must not mistake it for a loss
+            kind = "nan" if np.isnan(loss_v) or np.isnan(norm_v) else "inf"
+            return {"step": self.step, "skipped": kind, "loss": str(loss_v), "grad_norm": str(norm_v), "lr": lr}
+        tok_per_s = cfg.total_batch_tokens / dt
+        mfu = self.flops_per_token * tok_per_s / (self.peak * self.info.world_size) if self.peak else None
+        return {"step": self.step, "train_loss": loss_v, "lr": lr, "grad_norm": norm_v, "dt_ms": 1000 * dt,
+                "tok_per_s": tok_per_s, "mfu": mfu, "tokens": self.tokens}
+
+    def check_bad(self, record: dict) -> None:
+        """Count skipped steps in a row; stop the run after ``max_bad_steps`` of them."""
+        self.bad_steps = self.bad_steps + 1 if "skipped" in record else 0
+        if self.bad_steps >= self.cfg.max_bad_steps:
+            last = ckpt.find_latest(self.cfg.out) or "none yet"
+            raise TrainingError(
+                f"{self.bad_steps} steps in a row had a non-finite loss or gradient norm (last at step "
+                f"{record['step']}); stopping. The last good checkpoint is {last}. Lower --max-lr, "
+                "raise --warmup-steps or use --dtype bfloat16/float32, then --resume from it.")
+
+    # -- evaluation ------------------------------------------------------------------------
+    def evaluate(self, log: MetricsLogger) -> None:
+        cfg, s = self.cfg, self.step
+        if _due(cfg.eval_interval, s, cfg.max_steps):
+            val = self.val_loss()
+            log.log({"step": s, "val_loss": val})
+        if _due(cfg.hellaswag_interval, s, cfg.max_steps):
+            from gpt2lab.evals.hellaswag import evaluate_hellaswag
+
+            res = evaluate_hellaswag(self.model, cfg.hellaswag_data, device=self.device, dtype=cfg.dtype,
+                                     batch_size=cfg.micro_batch_size, limit=cfg.hellaswag_limit,
+                                     rank=self.info.rank, world_size=self.info.world_size)
+            log.log({"step": s, "hellaswag_acc": res["acc"], "hellaswag_acc_norm": res["acc_norm"],
+                     "hellaswag_n": res["n"]})
+        if _due(cfg.sample_interval, s, cfg.max_steps) and self.info.is_main:
+            log.log({"step": s, "sample": self.sample()})
+        if self.info.is_main and (_due(cfg.eval_interval, s, cfg.max_steps)
+                                  or _due(cfg.hellaswag_interval, s, cfg.max_steps)):
+            _plot(cfg.out)
+
+    def val_loss(self) -> float:
+        from gpt2lab.evals.loss import evaluate_loss
+
+        return evaluate_loss(self.model, self.cfg.data, tokens=self.cfg.eval_tokens,
+                             batch_size=self.cfg.micro_batch_size, seq_len=self.cfg.seq_len,
+                             device=self.device, dtype=self.cfg.dtype, rank=self.info.rank,
+                             world_size=self.info.world_size)
+
+    @torch.no_grad()
+    def sample(self) -> str:
+        """A continuation of the fixed prompt (uncompiled model: generation has varying shapes)."""
+        from gpt2lab.tokenizer import EOT_ID, get_tokenizer
+
+        enc = get_tokenizer()
+        idx = torch.tensor([enc.encode(self.cfg.sample_prompt, allowed_special="all")], device=self.device)
+        gen = torch.Generator(device=self.device).manual_seed(42)  # own generator: training RNG untouched
+        self.raw.eval()
+        with autocast(self.device, self.cfg.dtype):
+            out = self.raw.generate(idx, self.cfg.sample_tokens, top_k=50, generator=gen, stop_token=EOT_ID)
+        self.raw.train()
+        return enc.decode([t for t in out[0].tolist() if t != EOT_ID])
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self, log: MetricsLogger) -> Optional[str]:
+        """Train to ``max_steps`` (or a stop signal); return the last checkpoint written."""
+        cfg, last_ckpt = self.cfg, None
+        with _stop_on_signals(self):
+            while self.step < cfg.max_steps:
+                self.evaluate(log)
+                record = self.train_step()
+                log.log(record)
+                self.check_bad(record)
+                self.step += 1
+                stop = self._stop_agreed()
+                if stop or self.step == cfg.max_steps or _due(cfg.ckpt_interval, self.step, -1):
+                    last_ckpt = self.save() or last_ckpt
+                if stop:
+                    log.console(f"stop signal: saved step {self.step} to {last_ckpt}; resume with --resume auto")
+                    return last_ckpt
+        self.evaluate(log)  # the end-of-run evaluation (step == max_steps)
+        return last_ckpt
+
+    def _stop_agreed(self) -> bool:
+        """All ranks stop together if any of them got SIGTERM/SIGINT."""
+        flag = torch.tensor(float(self.stop_requested), device=self.device)
+        if self.info.distributed:
+            tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def _due(interval: int, step: int, final: int) -> bool:
+    return interval > 0 and (step % interval == 0 or step == final)
+
+
+@contextlib.contextmanager
+def _stop_on_signals(trainer: Trainer):
+    """SIGTERM/SIGINT set a flag: the current step finishes, a checkpoint is saved, then exit."""
+    def handler(signum, frame):
+        trainer.stop_requested = True
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+
+
+def keep_freed_memory(enable: bool = True) -> bool:
+    """Serve large CPU tensors from the heap and keep freed memory there (glibc only).
+
+    By default glibc gives every allocation over 32 MB its own mmap and unmaps it when
+    freed, so each step's logit buffers arrive as fresh pages: ~190k page faults per
+    shakespeare-cpu step, half its time. ``enable=False`` restores glibc's defaults.
+    Returns whether the setting took effect (False off Linux/glibc).
+    """
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    ok = mallopt(_M_MMAP_MAX, 0 if enable else 65536)
+    return bool(ok and mallopt(_M_TRIM_THRESHOLD, (1 << 30) if enable else 128 * 1024))
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _check_device(cfg: TrainConfig, device: torch.device) -> None:
+    if cfg.dtype == "float16" and device.type == "cpu":
+        raise ConfigError("--dtype float16 needs a GPU (it relies on a gradient scaler); "
+                          "use bfloat16 or float32 on CPU")
+    if cfg.dtype == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("this GPU has no bfloat16; use --dtype float16 (with a grad scaler) or float32")
+
+
+def _plot(run_dir: str) -> None:
+    try:
+        from gpt2lab.plot import plot_runs
+    except ImportError:  # matplotlib (the plot extra) not installed: plots are optional
+        return
+    plot_runs([run_dir], os.path.join(run_dir, "plot.png"))
+
+
+def train(cfg: TrainConfig, info: DistInfo, resume: Optional[str] = None) -> Optional[str]:
+    """Everything ``gpt2lab train`` does after parsing; returns the last checkpoint path."""
+    resume = _resolve_resume(cfg, resume)
+    _check_hellaswag(cfg)
+    trainer = Trainer(cfg, info, resume)
+    if info.is_main:
+        os.makedirs(cfg.out, exist_ok=True)
+        save_config(cfg, os.path.join(cfg.out, "config.json"))
+        write_json(os.path.join(cfg.out, "run_info.json"),
+                   {**run_info(info.device, info.world_size), "grad_accum_steps": trainer.accum,
+                    "resumed_from": trainer.resumed_from, "params": trainer.raw.num_params(),
+                    "keep_cpu_memory_applied": trainer.malloc_tuned,
+                    "flops_per_token": trainer.flops_per_token, "peak_flops": trainer.peak,
+                    "mfu_formula": "6N + 12*n_layer*n_embd*T per token (PaLM), N without wpe"})
+    log = MetricsLogger(cfg.out, enabled=info.is_main, total_steps=cfg.max_steps, start_step=trainer.step,
+                        log_interval=cfg.log_interval, tensorboard=cfg.tensorboard, progress=cfg.progress)
+    log.console(f"gpt2lab train: {trainer.raw.num_params():,} params, {info.world_size} process(es), "
+                f"{trainer.accum} micro-steps/step, steps {trainer.step}..{cfg.max_steps}, out {cfg.out}"
+                + (f", resumed from {trainer.resumed_from}" if trainer.resumed_from else ""))
+    try:
+        return trainer.run(log)
+    finally:
+        log.close()
+
+
+def _resolve_resume(cfg: TrainConfig, resume: Optional[str]) -> Optional[str]:
+    if resume == "auto":
+        return ckpt.find_latest(cfg.out)
+    if resume is None and ckpt.find_latest(cfg.out):
+        raise ConfigError(f"{cfg.out} already has checkpoints; continue it with --resume auto "
+                          "or choose another --out")
+    return resume
+
+
+def _check_hellaswag(cfg: TrainConfig) -> None:
+    """Fail before training, not at step 250, when HellaSwag is asked for but cannot run."""
+    if not cfg.hellaswag_interval:
+        return
+    try:
+        from gpt2lab.evals.hellaswag import load_examples
+    except ImportError as e:
+        raise ConfigError(f"--hellaswag-interval {cfg.hellaswag_interval}: HellaSwag evaluation is "
+                          f"unavailable ({e}); set --hellaswag-interval 0") from e
+    try:
+        load_examples(cfg.hellaswag_data, limit=1)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ConfigError(f"--hellaswag-interval {cfg.hellaswag_interval}: cannot load HellaSwag data "
+                          f"({e}); pass --hellaswag-data FILE or set --hellaswag-interval 0") from e

@@ -1,0 +1,93 @@
+"""Checkpoints: atomic, pruned, prefix-free, loadable with weights_only, accepted as a model spec."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from gpt2lab import checkpoint as ckpt
+from gpt2lab.model import GPT, GPTConfig
+from gpt2lab.optim import make_optimizer
+
+CFG = dict(block_size=16, vocab_size=50304, n_layer=2, n_head=2, n_embd=16)
+
+
+def _trained(seed: int = 0) -> tuple[GPT, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = GPT(ckpt.model_config(CFG))
+    opt = make_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8,
+                         device=torch.device("cpu"))
+    x = torch.randint(0, 50257, (2, 16))
+    _, loss = model(x, x)
+    loss.backward()
+    opt.step()
+    return model, opt
+
+
+def _save(run, model, opt, step, keep=0):
+    return ckpt.save_checkpoint(str(run), model=model, optimizer=opt, step=step, tokens=step * 32,
+                                loader_state={"position": step}, config=CFG, keep=keep)
+
+
+def test_roundtrip_restores_everything(tmp_path):
+    model, opt = _trained()
+    torch.manual_seed(99)
+    path = _save(tmp_path, torch.compile(model), opt, 7)  # a compiled wrapper: keys must still be clean
+    expected_rand = torch.rand(3)
+    assert os.path.basename(path) == "step_000007"
+    keys = load_file(os.path.join(path, "model.safetensors")).keys()
+    assert not any(k.startswith(("_orig_mod.", "module.")) for k in keys) and "lm_head.weight" not in keys
+
+    fresh, fresh_opt = _trained(seed=1)
+    ckpt.load_weights(fresh, path)
+    state = ckpt.load_training_state(path, fresh_opt)
+    ckpt.set_rng_state(state["rng"])
+    assert torch.equal(torch.rand(3), expected_rand)  # torch RNG continues where it was saved
+    assert (state["step"], state["tokens"], state["loader"]) == (7, 224, {"position": 7})
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+        assert torch.equal(a, b)
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight  # the tie survives loading
+    sa, sb = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
+    assert all(torch.equal(sa[i]["exp_avg_sq"], sb[i]["exp_avg_sq"]) for i in sa)
+    assert json.load(open(os.path.join(path, "config.json"))) == CFG
+
+
+def test_keep_newest_and_ignore_partial(tmp_path):
+    model, opt = _trained()
+    for step in (1, 2, 3, 4):
+        _save(tmp_path, model, opt, step, keep=2)
+    names = sorted(os.listdir(tmp_path / "checkpoints"))
+    assert names == ["step_000003", "step_000004"]
+    os.makedirs(tmp_path / "checkpoints" / ".tmp_step_000009_123")  # a save killed half-way
+    os.makedirs(tmp_path / "checkpoints" / "step_000010")  # no state.pt: not complete
+    assert ckpt.find_latest(str(tmp_path)).endswith("step_000004")
+
+
+def test_load_model_from_run_or_checkpoint_dir(tmp_path):
+    model, opt = _trained()
+    _save(tmp_path, model, opt, 1)
+    model.transformer.wte.weight.data.mul_(2)
+    path = _save(tmp_path, model, opt, 2)
+    x = torch.randint(0, 50257, (1, 8))
+    for spec in (str(tmp_path), path):
+        loaded = ckpt.load_model(spec).eval()
+        assert loaded.config.token_vocab_size == 50257  # padded rows are never sampled
+        assert torch.equal(loaded(x)[0], model.eval()(x)[0])
+    from gpt2lab.load import load_model  # the spec every command accepts
+
+    assert torch.equal(load_model(str(tmp_path))(x)[0], model(x)[0])
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither a checkpoint"):
+        ckpt.load_model(str(tmp_path))
+
+
+def test_optimizer_file_loads_with_weights_only(tmp_path):
+    model, opt = _trained()
+    path = _save(tmp_path, model, opt, 1)
+    for name in ("optimizer.pt", "state.pt"):
+        torch.load(os.path.join(path, name), weights_only=True)  # raises on anything unsafe

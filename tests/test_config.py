@@ -1,0 +1,92 @@
+"""Config: presets parse, CLI flags come from the dataclass, bad settings fail early and clearly."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from gpt2lab.config import (ConfigError, TrainConfig, add_config_flags, load_preset, overrides_from_args,
+                            preset_names)
+
+REFERENCE = dict(total_batch_tokens=524288, micro_batch_size=64, seq_len=1024, max_lr=6e-4, min_lr=6e-5,
+                 warmup_steps=715, max_steps=19073, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
+                 grad_clip=1.0, vocab_size=50304, dtype="bfloat16", compile=True, eval_interval=250,
+                 ckpt_interval=5000, n_layer=12, n_head=12, n_embd=768)
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_every_preset_parses_and_divides(name):
+    cfg = load_preset(name)
+    assert cfg.seq_len <= cfg.block_size
+    accum = cfg.grad_accum_steps(1)
+    assert accum * cfg.micro_batch_size * cfg.seq_len == cfg.total_batch_tokens
+
+
+def test_expected_presets_are_shipped():
+    assert {"gpt2-124m", "gpt2-124m-40b", "gpt3-124m", "gpt2-350m", "gpt2-774m", "gpt2-1558m",
+            "shakespeare-cpu"} <= set(preset_names())
+
+
+def test_gpt2_124m_is_the_reference_run():
+    cfg = load_preset("gpt2-124m")
+    for key, value in REFERENCE.items():
+        assert getattr(cfg, key) == value, key
+    assert cfg.grad_accum_steps(8) == 1 and cfg.grad_accum_steps(1) == 8
+    forty = load_preset("gpt2-124m-40b")
+    assert forty.max_steps == 4 * cfg.max_steps and forty.max_lr == cfg.max_lr
+    gpt3 = load_preset("gpt3-124m")
+    assert (gpt3.seq_len, gpt3.micro_batch_size, gpt3.total_batch_tokens) == (2048, 32, 524288)
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser()
+    add_config_flags(p)
+    return overrides_from_args(p.parse_args(argv))
+
+
+def test_every_field_is_a_flag_and_only_given_flags_override():
+    p = argparse.ArgumentParser()
+    add_config_flags(p)
+    flags = {a.dest for a in p._actions}
+    assert {f.name for f in dataclasses.fields(TrainConfig)} <= flags
+    got = _parse(["--max-steps", "7", "--compile", "false", "--max-lr", "1e-3", "--dtype", "float32",
+                  "--peak-flops", "none", "--hellaswag-data", "x.jsonl"])
+    assert got == {"max_steps": 7, "compile": False, "max_lr": 1e-3, "dtype": "float32", "peak_flops": None,
+                   "hellaswag_data": "x.jsonl"}
+    cfg = load_preset("shakespeare-cpu", **got)
+    assert cfg.max_steps == 7 and cfg.compile is False and cfg.n_layer == load_preset("shakespeare-cpu").n_layer
+
+
+@pytest.mark.parametrize("argv", [["--compile", "maybe"], ["--dtype", "float8"], ["--max-steps", "x"],
+                                  ["--no-such-field", "1"]])
+def test_bad_flags_are_rejected(argv):
+    with pytest.raises(SystemExit):
+        _parse(argv)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (dict(seq_len=2048), ["seq_len 2048", "block_size 1024"]),
+    (dict(n_head=5), ["n_embd 768", "n_head 5"]),
+    (dict(vocab_size=1000), ["vocab_size 1000", "50257"]),
+    (dict(min_lr=1.0), ["min_lr", "max_lr"]),
+    (dict(max_steps=0), ["max_steps must be >= 1"]),
+    (dict(eval_interval=-1), ["eval_interval must be >= 0"]),
+    (dict(no_such=1), ["unknown field(s) no_such"]),
+])
+def test_invalid_settings_say_what_to_change(overrides, words):
+    with pytest.raises(ConfigError) as e:
+        load_preset("gpt2-124m", **overrides)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_batch_not_divisible_names_the_numbers():
+    cfg = load_preset("gpt2-124m", micro_batch_size=48)
+    with pytest.raises(ConfigError, match="micro_batch_size 48 x seq_len 1024 x world size 3"):
+        cfg.grad_accum_steps(3)
+
+
+def test_unknown_preset_lists_the_choices():
+    with pytest.raises(ConfigError, match="shakespeare-cpu"):
+        load_preset("gpt2-125m")

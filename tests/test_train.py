@@ -1,0 +1,125 @@
+"""The training step in-process: overfitting, accumulation, NaN skipping, golden losses, val loss."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from train_utils import TINY, tiny_data  # noqa: F401  (tiny_data is a fixture)
+
+from gpt2lab.config import load_preset
+from gpt2lab.dist import DistInfo
+from gpt2lab.model import GPT, GPTConfig
+from gpt2lab.optim import make_optimizer
+from gpt2lab.train import Trainer, TrainingError, accumulate_gradients
+
+CPU = torch.device("cpu")
+# The first 10 train losses of _trainer(...) below, recorded with torch 2.13 on CPU (fp32).
+# A change here means the model, the data order, the init or the optimizer changed.
+GOLDEN = [10.8304, 10.8277, 10.7914, 10.6800, 10.6113, 10.5393, 10.4928, 10.4038, 10.3637, 10.4340]
+
+
+def _trainer(data: str, out, **fields) -> Trainer:
+    cfg = load_preset("shakespeare-cpu", **{**TINY, "data": data, "out": str(out), **fields})
+    return Trainer(cfg, DistInfo(device=CPU))
+
+
+def test_overfits_one_batch():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=64, token_vocab_size=50257))
+    opt = make_optimizer(model, lr=3e-3, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, device=CPU)
+    x = torch.randint(0, 50257, (2, 33))
+    batch = (x[:, :-1], x[:, 1:])
+    for step in range(300):
+        loss = accumulate_gradients(model, lambda: batch, 1, CPU, "float32")
+        opt.step()
+        opt.zero_grad()
+        if loss.item() < 0.5:
+            break
+    assert loss.item() < 0.5, f"loss {loss.item():.3f} after {step + 1} steps"
+
+
+def test_accumulation_equals_one_big_batch():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=32))
+    x = torch.randint(0, 50257, (4, 33))
+    halves = iter([(x[:2, :-1], x[:2, 1:]), (x[2:, :-1], x[2:, 1:])])
+    loss = accumulate_gradients(model, lambda: next(halves), 2, CPU, "float32")
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logits, ref = model(x[:, :-1])[0], None
+    ref = F.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))  # plain, one batch of 4
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-6
+    for g, p in zip(grads, model.parameters()):
+        assert torch.allclose(g, p.grad, atol=1e-6, rtol=0)
+
+
+def test_golden_first_losses(tiny_data, tmp_path):
+    trainer = _trainer(tiny_data, tmp_path)
+    losses = []
+    for _ in range(10):
+        losses.append(trainer.train_step()["train_loss"])
+        trainer.step += 1
+    assert np.allclose(losses, GOLDEN, atol=2e-4), [round(v, 4) for v in losses]
+
+
+def test_nan_step_is_skipped_then_training_continues(tiny_data, tmp_path):
+    trainer = _trainer(tiny_data, tmp_path, max_bad_steps=3)
+    forward = trainer.model.forward
+    poison = {"on": False}
+
+    def maybe_nan(*args, **kwargs):
+        logits, loss = forward(*args, **kwargs)
+        return logits, loss * float("nan") if poison["on"] else loss
+
+    trainer.model.forward = maybe_nan
+    trainer.check_bad(trainer.train_step())
+    before = [p.detach().clone() for p in trainer.raw.parameters()]
+    adam_steps = trainer.optimizer.state_dict()["state"][0]["step"].item()
+    poison["on"] = True
+    rec = trainer.train_step()
+    trainer.check_bad(rec)
+    assert rec["skipped"] == "nan" and trainer.bad_steps == 1
+    assert all(torch.equal(a, p) for a, p in zip(before, trainer.raw.parameters()))  # no update at all
+    assert trainer.optimizer.state_dict()["state"][0]["step"].item() == adam_steps
+    poison["on"] = False
+    rec = trainer.train_step()
+    trainer.check_bad(rec)
+    assert "skipped" not in rec and np.isfinite(rec["train_loss"]) and trainer.bad_steps == 0
+    poison["on"] = True
+    trainer.check_bad(trainer.train_step())
+    trainer.check_bad(trainer.train_step())
+    with pytest.raises(TrainingError, match="3 steps in a row"):
+        trainer.check_bad(trainer.train_step())
+
+
+def test_bad_weights_never_overwrite_a_checkpoint(tiny_data, tmp_path):
+    trainer = _trainer(tiny_data, tmp_path)
+    trainer.step = 1
+    good = trainer.save()
+    with torch.no_grad():
+        trainer.raw.transformer.h[0].mlp.c_fc.weight[0, 0] = float("inf")
+    trainer.step = 2
+    with pytest.raises(TrainingError, match="non-finite weights"):
+        trainer.save()
+    from gpt2lab.checkpoint import find_latest
+
+    assert find_latest(str(tmp_path)) == good
+
+
+def test_val_loss_equals_a_plain_loop(tiny_data, tmp_path):
+    from gpt2lab.data.shards import list_shards, open_shard
+    from gpt2lab.evals.loss import evaluate_loss
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=32))
+    got = evaluate_loss(model, tiny_data, tokens=4 * 3 * 32, batch_size=3, seq_len=32, device="cpu")
+    tokens = np.concatenate([open_shard(p) for p in list_shards(tiny_data, "val")]).astype(np.int64)
+    rows = torch.tensor(np.stack([tokens[i * 32: i * 32 + 33] for i in range(12)]))
+    with torch.no_grad():
+        logits = model(rows[:, :-1])[0]
+        ref = F.cross_entropy(logits.reshape(-1, logits.size(-1)), rows[:, 1:].reshape(-1))
+    assert abs(got - ref.item()) < 1e-5
+    with pytest.raises(ValueError, match="fewer than"):
+        evaluate_loss(model, tiny_data, tokens=10 ** 8, batch_size=3, seq_len=32, device="cpu")

@@ -1,0 +1,99 @@
+"""Whole runs in subprocesses: DDP (2 processes, gloo) vs one process, kill -9 + resume, SIGTERM."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from train_utils import cli_args, env, run_train, tiny_data, train_cmd, train_losses  # noqa: F401
+
+
+def test_ddp_two_processes_equal_one_with_double_accumulation(tiny_data, tmp_path):
+    # B=2, T=32: 256 tokens/step = 4 micro-steps on 1 process, 2 per rank on 2 processes
+    fields = dict(data=tiny_data, total_batch_tokens=256, max_steps=4, eval_interval=2, eval_tokens=256)
+    run_train(out=str(tmp_path / "one"), **fields)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "gpt2lab", *train_cmd(out=str(tmp_path / "two"), **fields)[3:]]
+    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
+    assert sorted(one) == sorted(two) == [0, 1, 2, 3]
+    for step in one:
+        assert abs(one[step] - two[step]) < 1e-5, (step, one[step], two[step])
+    assert one[3] < one[0]  # it trained
+    assert "2 process(es), 2 micro-steps/step" in proc.stdout
+    assert "1 process(es)" not in proc.stdout  # rank 1 printed nothing
+    val_one, val_two = _val(tmp_path / "one"), _val(tmp_path / "two")
+    assert sorted(val_one) == sorted(val_two) == [0, 2, 4]  # every eval_interval and the end
+    for step in val_one:  # the same val tokens, split over ranks and averaged
+        assert abs(val_one[step] - val_two[step]) < 1e-5
+
+
+def _val(run_dir) -> dict[int, float]:
+    recs = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"run ended (rc {proc.returncode}) before {path} appeared"
+        assert time.time() < deadline, f"{path} did not appear"
+        time.sleep(0.005)
+
+
+def test_kill_9_then_resume_equals_uninterrupted(tiny_data, tmp_path):
+    fields = dict(data=tiny_data, max_steps=40, ckpt_interval=8, keep_checkpoints=2, keep_cpu_memory=True)
+    run_train(out=str(tmp_path / "straight"), **fields)
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(train_cmd(out=str(out), **fields), env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    _wait_for(out / "checkpoints" / "step_000016", proc)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    seen = train_losses(out)
+    assert max(seen) < 39, "the run finished before it was killed"
+    resumed = run_train(out=str(out), resume="auto", **fields)
+    assert "resumed from" in resumed.stdout
+    straight, again = train_losses(tmp_path / "straight"), train_losses(out)
+    assert sorted(again) == list(range(40))
+    for step in range(40):  # same kernels, same thread count: bit for bit
+        assert abs(again[step] - straight[step]) <= 1e-6, (step, again[step], straight[step])
+    names = sorted(os.listdir(out / "checkpoints"))
+    assert names == ["step_000032", "step_000040"]  # the newest two kept
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    fields = dict(data=tiny_data, max_steps=100000, ckpt_interval=0)
+    proc = subprocess.Popen(train_cmd(out=str(out), **fields), env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    _wait_for(metrics, proc)
+    while len(train_losses(out)) < 3:
+        assert proc.poll() is None
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    steps = len(train_losses(out))
+    ckpts = os.listdir(out / "checkpoints")
+    assert ckpts == [f"step_{steps:06d}"], (ckpts, steps)  # every logged step is in the checkpoint
+    assert "resume with --resume auto" in stdout + stderr
+    run_train(out=str(out), resume="auto", **{**fields, "max_steps": steps + 2})
+    assert sorted(train_losses(out)) == list(range(steps + 2))
+
+
+def test_existing_run_needs_resume_flag(tiny_data, tmp_path, capsys):
+    from gpt2lab.cli import main
+
+    argv = ["train", "--preset", "shakespeare-cpu", *cli_args(out=str(tmp_path), data=tiny_data, max_steps=2)]
+    assert main(argv) == 0 and sorted(train_losses(tmp_path)) == [0, 1]
+    assert main(argv) == 2
+    assert "already has checkpoints; continue it with --resume auto" in capsys.readouterr().err
+    assert main(argv + ["--resume", "auto", "--max-steps", "3"]) == 0
+    assert sorted(train_losses(tmp_path)) == [0, 1, 2]
