@@ -1,7 +1,49 @@
-"""gpt2lab prepare: placeholder until the data pipeline lands."""
-from gpt2lab.commands import not_yet
+"""gpt2lab prepare: text (FineWeb-Edu, hub datasets, local files, Tiny Shakespeare) -> token shards."""
+from __future__ import annotations
+
+import json
+import sys
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("prepare", help="(not implemented yet) the data pipeline")
-    p.set_defaults(func=not_yet("prepare", "the data pipeline"))
+    p = sub.add_parser(
+        "prepare",
+        help="tokenize a text source into uint16 token shards + manifest.json",
+        description="Tokenize SRC with the GPT-2 BPE into llm.c-style shards "
+        "({split}_{index:06d}.bin) and a manifest.json. Re-run the same command to resume.",
+    )
+    p.add_argument("--source", required=True,
+                   help="tinyshakespeare, fineweb-edu, fineweb, hf:NAME[:CONFIG], or a local "
+                   ".txt/.jsonl/.parquet file, directory or glob")
+    p.add_argument("--out", required=True, help="output directory for shards and manifest.json")
+    p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 1e8)")
+    p.add_argument("--val-tokens", type=int, default=None,
+                   help="tokens for the val split (default: one shard for hub sources, "
+                   "0.5%% of a local source, 5%% of tinyshakespeare)")
+    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
+    p.add_argument("--text-field", default="text", help="jsonl/parquet/hub field holding the text")
+    p.add_argument("--limit-docs", type=int, default=None, help="use only the first N documents")
+    p.add_argument("--config", default=None,
+                   help="hub dataset config (default sample-10BT for fineweb-edu/fineweb)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from gpt2lab.data.prepare import prepare
+    from gpt2lab.data.shards import ShardError
+    from gpt2lab.data.sources import SourceError
+
+    try:
+        manifest = prepare(args.source, args.out, shard_tokens=args.shard_tokens,
+                           val_tokens=args.val_tokens, workers=args.workers,
+                           text_field=args.text_field, limit_docs=args.limit_docs,
+                           config=args.config, progress=not args.quiet)
+    except (SourceError, ShardError, ValueError) as e:
+        print(f"gpt2lab prepare: {e}", file=sys.stderr)
+        return 1
+    summary = {name: {k: v for k, v in s.items() if k != "shards"} | {"shards": len(s["shards"])}
+               for name, s in manifest["splits"].items()}
+    print(json.dumps({"out": args.out, "documents": manifest["documents"],
+                      "tokens": manifest["tokens"], "splits": summary}))
+    return 0

@@ -1,0 +1,83 @@
+"""gpt2lab bench loader: TokenLoader batches/s (default B=16, T=1024), train and val.
+
+Without --data it writes synthetic shards (random tokens, FineWeb-like documents of
+~1,000 tokens) to a temporary directory. The time includes opening each shard and, for
+the shuffled train split, finding and permuting its documents. --step-model also times
+one CPU forward+backward of GPT-2 124M at (1, T) and scales it by B, to compare.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from typing import Dict
+
+import numpy as np
+
+from gpt2lab.data import TokenLoader
+from gpt2lab.data.shards import shard_name, write_shard
+from gpt2lab.tokenizer import EOT_ID
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--data", default=None, help="shard directory (default: synthetic shards)")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--batches", type=int, default=1000, help="batches timed per split")
+    parser.add_argument("--shard-tokens", type=int, default=10_000_000, help="synthetic shard size")
+    parser.add_argument("--step-model", action="store_true",
+                        help="also time a CPU GPT-2 124M training step for the ratio")
+
+
+def synthetic_shards(root: str, split: str, n_shards: int, tokens: int, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    for k in range(n_shards):
+        toks = rng.integers(0, EOT_ID, tokens, dtype=np.int64).astype(np.uint16)
+        starts = np.cumsum(rng.geometric(1 / 1000, tokens // 500))
+        toks[starts[starts < tokens]] = EOT_ID
+        toks[0] = EOT_ID
+        write_shard(f"{root}/{shard_name(split, k)}", toks)
+
+
+def _rate(loader: TokenLoader, batches: int) -> Dict:
+    t0 = time.perf_counter()
+    loader.next_batch()  # first batch: opens a shard (and indexes its documents)
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        loader.next_batch()
+    dt = time.perf_counter() - t0
+    return {"batches_per_s": round(batches / dt, 1), "first_batch_ms": round(first * 1e3, 1),
+            "tokens_per_s": round(batches * loader.B * loader.T / dt)}
+
+
+def _model_step_s(batch_size: int, seq_len: int) -> float:
+    import torch
+
+    from gpt2lab.model import GPT, GPTConfig
+
+    model = GPT(GPTConfig())
+    x = torch.randint(0, 50257, (1, seq_len))
+    t0 = time.perf_counter()
+    _, loss = model(x, x)
+    loss.backward()
+    return (time.perf_counter() - t0) * batch_size  # forward+backward scales ~linearly in B
+
+
+def run(args) -> Dict:
+    B, T = args.batch_size, args.seq_len
+    out: Dict = {"batch_size": B, "seq_len": T, "load_avg_1m_before": round(os.getloadavg()[0], 2)}
+    with tempfile.TemporaryDirectory() as tmp:
+        data = args.data
+        if data is None:
+            data = tmp
+            synthetic_shards(tmp, "train", 2, args.shard_tokens)
+            synthetic_shards(tmp, "val", 1, args.shard_tokens, seed=1)
+            out["data"] = f"synthetic: train 2 x {args.shard_tokens} tokens, val 1 shard"
+        for split in ("train", "val"):
+            out[split] = _rate(TokenLoader(data, split, B, T), args.batches)
+    if args.step_model:
+        step = _model_step_s(B, T)
+        out["cpu_train_step_s_estimate"] = round(step, 2)
+        out["loader_vs_step"] = round(min(out[s]["batches_per_s"] for s in ("train", "val")) * step)
+    return out

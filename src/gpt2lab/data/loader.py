@@ -1,0 +1,213 @@
+"""TokenLoader: (x, y) batches for rank r of w, shuffled per epoch, resumable exactly.
+
+The index math, in one place. Each epoch is a sequence stream: shards in an order (a
+seeded permutation per epoch when shuffling, name order otherwise), and inside each
+shard its documents (split at ``<|endoftext|>``) in an order (again a seeded permutation
+per epoch when shuffling). Sequence ``s`` of a shard is tokens ``[s*T, s*T + T + 1)`` of
+that shard's ordered stream, so a shard of N tokens gives ``(N - 1) // T`` sequences and
+wastes fewer than T tokens; sequences never cross shards but batches may. Epochs follow
+each other without a gap, so the whole run is one infinite stream of sequences indexed
+by a global counter ``position``.
+
+Every call to ``next_batch`` on every rank takes the same step: rank r reads sequences
+``position + r*B ... position + r*B + B - 1`` and all ranks advance ``position`` by
+``w*B``. So the ranks are disjoint, together cover every sequence of an epoch, and the
+batches of ranks 0..w-1 at one step are the batches one rank reads over w micro-steps.
+``position`` is the whole state: a checkpoint may even resume on another world size.
+"""
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+import torch
+
+from gpt2lab.data.shards import PathLike, ShardError, check_vocab, list_shards, open_shard
+from gpt2lab.tokenizer import EOT_ID, GPT2_VOCAB_SIZE
+
+STATE_VERSION = 1
+
+
+class _ShardView:
+    """One shard's tokens with its documents in one epoch's order."""
+
+    def __init__(self, tokens: np.ndarray, rng: Optional[np.random.Generator]) -> None:
+        self.tokens = tokens
+        if rng is None:  # stored order: one "document" covering the shard
+            self.starts = np.zeros(1, dtype=np.int64)
+            self.cum = np.array([0, len(tokens)], dtype=np.int64)
+            return
+        starts = np.flatnonzero(tokens == EOT_ID).astype(np.int64)
+        if len(starts) == 0 or starts[0] != 0:
+            # a shard that begins mid-document (build-nanogpt shards do): the head is a document too
+            starts = np.concatenate([[0], starts])
+        lengths = np.diff(np.append(starts, len(tokens)))
+        perm = rng.permutation(len(starts))
+        self.starts = starts[perm]
+        self.cum = np.concatenate([[0], np.cumsum(lengths[perm])])
+
+    def sequence(self, s: int, seq_len: int) -> np.ndarray:
+        """Tokens ``[s*T, s*T + T + 1)`` of the ordered stream, as int64."""
+        p0, p1 = s * seq_len, s * seq_len + seq_len + 1
+        d0 = int(np.searchsorted(self.cum, p0, side="right")) - 1
+        d1 = int(np.searchsorted(self.cum, p1 - 1, side="right")) - 1
+        pieces = []
+        for d in range(d0, d1 + 1):
+            a = max(p0, int(self.cum[d])) - int(self.cum[d]) + int(self.starts[d])
+            b = min(p1, int(self.cum[d + 1])) - int(self.cum[d]) + int(self.starts[d])
+            pieces.append(self.tokens[a:b])
+        return np.concatenate(pieces).astype(np.int64)
+
+
+class TokenLoader:
+    """Batches ``(x, y)`` of int64 CPU tensors (B, T) from a directory of token shards.
+
+    ``shuffle=None`` means on for ``train`` and off for every other split. Val (no
+    shuffle) reads in order: the first N sequences are the same for any world size, and
+    ``reset()`` goes back to them.
+    """
+
+    def __init__(self, data_dir: PathLike, split: str, batch_size: int, seq_len: int,
+                 rank: int = 0, world_size: int = 1, shuffle: Optional[bool] = None,
+                 seed: int = 0, vocab_size: int = GPT2_VOCAB_SIZE) -> None:
+        _check_args(batch_size, seq_len, rank, world_size, seed)
+        self.data_dir, self.split = Path(data_dir), split
+        self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
+        self.shuffle = (split == "train") if shuffle is None else bool(shuffle)
+        self.seed, self.vocab_size = seed, vocab_size
+        _check_manifest(self.data_dir)
+        self.paths = list_shards(self.data_dir, split)
+        self.counts = [len(open_shard(p)) for p in self.paths]
+        self.seqs = np.array([max(0, (n - 1) // seq_len) for n in self.counts], dtype=np.int64)
+        if self.seqs.sum() == 0:
+            raise ShardError(f"{self.data_dir}: split '{split}' has {sum(self.counts)} tokens, "
+                             f"too few for one sequence of seq_len {seq_len} + 1 in any shard; "
+                             "use a smaller seq_len or prepare more data")
+        self.position = 0
+        self._layout_cache: Tuple[int, np.ndarray, np.ndarray] = (-1, np.empty(0), np.empty(0))
+        self._views: "OrderedDict[Tuple[int, int], _ShardView]" = OrderedDict()
+        self._vocab_checked: set = set()
+
+    # -- sizes -------------------------------------------------------------------------
+    @property
+    def sequences_per_epoch(self) -> int:
+        return int(self.seqs.sum())
+
+    @property
+    def tokens_per_epoch(self) -> int:
+        """Target tokens in one epoch (every sequence gives T of them)."""
+        return self.sequences_per_epoch * self.T
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Whole steps (all ranks together) in one epoch."""
+        return self.sequences_per_epoch // (self.B * self.world_size)
+
+    @property
+    def epoch(self) -> int:
+        return self.position // self.sequences_per_epoch
+
+    # -- batches -----------------------------------------------------------------------
+    def next_batch(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        first = self.position + self.rank * self.B
+        rows = np.stack([self._sequence(first + i) for i in range(self.B)])  # (B, T+1)
+        self.position += self.B * self.world_size
+        buf = torch.from_numpy(rows)
+        return buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
+
+    def reset(self) -> None:
+        """Back to the very first batch (epoch 0)."""
+        self.position = 0
+
+    def _sequence(self, g: int) -> np.ndarray:
+        epoch, i = divmod(g, self.sequences_per_epoch)
+        order, cum = self._layout(epoch)
+        k = int(np.searchsorted(cum, i, side="right")) - 1
+        shard = int(order[k])
+        return self._view(epoch, shard).sequence(i - int(cum[k]), self.T)
+
+    def _layout(self, epoch: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Shard order of ``epoch`` and the first sequence index of each shard in it."""
+        if self._layout_cache[0] != epoch:
+            n = len(self.paths)
+            order = self._rng(epoch, 0).permutation(n) if self.shuffle else np.arange(n)
+            cum = np.concatenate([[0], np.cumsum(self.seqs[order])])
+            self._layout_cache = (epoch, order, cum)
+        return self._layout_cache[1], self._layout_cache[2]
+
+    def _view(self, epoch: int, shard: int) -> _ShardView:
+        key = (epoch, shard)
+        if key not in self._views:
+            tokens = open_shard(self.paths[shard])
+            if shard not in self._vocab_checked:
+                check_vocab(self.paths[shard], tokens, self.vocab_size)
+                self._vocab_checked.add(shard)
+            rng = self._rng(epoch, 1 + shard) if self.shuffle else None
+            self._views[key] = _ShardView(tokens, rng)
+            while len(self._views) > 2:  # a batch touches at most a few shards; keep memory flat
+                self._views.popitem(last=False)
+        return self._views[key]
+
+    def _rng(self, epoch: int, stream: int) -> np.random.Generator:
+        # independent of everything but (seed, epoch, stream): the state is just `position`
+        return np.random.default_rng([self.seed, epoch, stream])
+
+    # -- resume ------------------------------------------------------------------------
+    def state_dict(self) -> Dict:
+        """Plain python values only (JSON and ``torch.load(weights_only=True)`` safe)."""
+        return {
+            "version": STATE_VERSION,
+            "split": self.split,
+            "seq_len": self.T,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "position": int(self.position),
+            "shards": [[p.name, int(n)] for p, n in zip(self.paths, self.counts)],
+        }
+
+    def load_state_dict(self, state: Dict) -> None:
+        """Continue exactly where the saved loader stopped (batch size and world size may differ)."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"loader state version {state.get('version')!r} is not "
+                             f"{STATE_VERSION}; it was saved by another gpt2lab version")
+        mine = self.state_dict()
+        for key in ("split", "seq_len", "shuffle", "seed", "shards"):
+            saved = [list(s) for s in state[key]] if key == "shards" else state[key]
+            if saved != mine[key]:
+                raise ValueError(f"loader state does not match this loader: {key} was "
+                                 f"{_short(saved)}, now {_short(mine[key])} (data dir "
+                                 f"{self.data_dir}); resume with the same data and settings")
+        self.position = int(state["position"])
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) < 200 else text[:200] + "..."
+
+
+def _check_args(batch_size: int, seq_len: int, rank: int, world_size: int, seed: int) -> None:
+    if batch_size < 1 or seq_len < 1:
+        raise ValueError(f"batch_size {batch_size} and seq_len {seq_len} must both be >= 1")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} must be in [0, world_size={world_size})")
+    if seed < 0:
+        raise ValueError(f"seed {seed} must be >= 0")
+
+
+def _check_manifest(data_dir: Path) -> None:
+    """Refuse a directory whose ``gpt2lab prepare`` has not finished."""
+    path = data_dir / "manifest.json"
+    if not path.is_file():
+        return
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ShardError(f"{path}: unreadable manifest ({e}); re-run gpt2lab prepare") from e
+    if not manifest.get("complete", True):
+        raise ShardError(f"{path}: `gpt2lab prepare` has not finished for this directory "
+                         f"(source {manifest.get('source')!r}); re-run the same prepare command "
+                         "to complete it")
+

@@ -1,0 +1,267 @@
+"""Any text source -> GPT-2 token shards + manifest.json (``gpt2lab prepare``).
+
+The documents are tokenized in order (in parallel, order kept), each one preceded by
+``<|endoftext|>``, into one token stream. The stream is cut at fixed places: the first
+``val_tokens`` tokens are the ``val`` split and the rest ``train``, each split in shards
+of ``shard_tokens`` (a document may run on into the next shard, as in llm.c and
+build-nanogpt). Because shard contents depend only on the stream, a run that resumes
+after a crash (from the (document, offset) saved with each finished shard) writes the
+same bytes as one that never stopped, and the worker count changes nothing.
+"""
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import os
+import sys
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+
+import numpy as np
+
+from gpt2lab.data.shards import ShardError, read_header, shard_name, write_shard
+from gpt2lab.data.sources import Document, Source, SourceError, as_text, resolve_source
+from gpt2lab.tokenizer import EOT_ID, GPT2_VOCAB_SIZE, get_tokenizer
+
+MANIFEST = "manifest.json"
+FORMAT = "gpt2lab-token-shards"
+# Text per worker task: each message costs the main process ~1 ms, so big tasks; but a
+# small source still gets ~8 tasks per worker so the workers stay evenly loaded.
+TASK_CHARS_MIN, TASK_CHARS_MAX = 1 << 16, 1 << 20
+TASK_DOCS = 4096
+
+
+def prepare(source: str, out_dir: str, *, shard_tokens: int = 100_000_000,
+            val_tokens: Optional[int] = None, workers: Optional[int] = None,
+            text_field: str = "text", limit_docs: Optional[int] = None,
+            config: Optional[str] = None, progress: bool = True) -> Dict:
+    """Tokenize ``source`` into shards under ``out_dir``; return the manifest.
+
+    ``val_tokens=None``: one shard for hub sources; for local and bundled ones a fraction
+    of the estimated size (0.5%, 5% for tinyshakespeare), at most one shard. Re-running
+    the same command after a crash finishes the job; on a finished directory it only
+    checks the shards.
+    """
+    if shard_tokens < 1:
+        raise ValueError(f"shard_tokens {shard_tokens} must be >= 1")
+    n_workers = _workers(workers)
+    src = resolve_source(source, text_field, config)
+    if val_tokens is None:
+        val_tokens = default_val_tokens(src, shard_tokens)
+    if val_tokens < 0 or (limit_docs is not None and limit_docs < 0):
+        raise ValueError(f"val_tokens {val_tokens} and limit_docs {limit_docs} must be >= 0")
+    settings = {"source": source, "config": src.hub_config, "text_field": text_field,
+                "limit_docs": limit_docs, "shard_tokens": shard_tokens, "val_tokens": val_tokens}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = _start_manifest(out, settings)
+    if not manifest["complete"]:
+        _save_manifest(out, manifest)  # marks the directory unfinished until the end
+        _run(src, out, manifest, n_workers, progress)
+    return manifest
+
+
+def default_val_tokens(src: Source, shard_tokens: int) -> int:
+    if src.size_bytes is None:  # the hub: size unknown up front; one shard, like the reference
+        return shard_tokens
+    estimate = src.size_bytes / 4  # GPT-2 BPE averages about 4 bytes of English per token
+    return min(shard_tokens, max(1, math.ceil(src.val_fraction * estimate)))
+
+
+def _workers(workers: Optional[int]) -> int:
+    if workers is None:
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if workers < 1:
+        raise ValueError(f"workers {workers} must be >= 1")
+    return workers
+
+
+# -- manifest ----------------------------------------------------------------------------
+def _start_manifest(out: Path, settings: Dict) -> Dict:
+    """A fresh manifest, or the one of an earlier run of the same command (checked)."""
+    path = out / MANIFEST
+    if not path.exists():
+        _refuse_foreign_shards(out)
+        return {"format": FORMAT, "version": 1, "source": settings["source"], "tokenizer": "gpt2",
+                "eot_id": EOT_ID, "vocab_size": GPT2_VOCAB_SIZE, "dtype": "uint16",
+                "settings": settings, "complete": False, "shards": [],
+                "resume": {"next_doc": 0, "offset": 0, "tokens": 0}}
+    manifest = json.loads(path.read_text())
+    if manifest.get("settings") != settings:
+        raise ShardError(f"{path}: this directory was prepared with {manifest.get('settings')}, "
+                         f"not {settings}; use another --out or delete the directory")
+    for shard in manifest["shards"]:
+        _check_done_shard(out / shard["name"], shard["tokens"])
+    return manifest
+
+
+def _refuse_foreign_shards(out: Path) -> None:
+    found = sorted(p.name for p in out.glob("*.bin"))
+    if found:
+        raise ShardError(f"{out}: holds shards ({', '.join(found[:3])}) but no {MANIFEST}; "
+                         "use an empty --out directory")
+
+
+def _check_done_shard(path: Path, tokens: int) -> None:
+    if not path.exists():
+        raise ShardError(f"{path}: listed in {MANIFEST} but missing; delete {path.parent} "
+                         "and prepare again")
+    if read_header(path) != tokens:
+        raise ShardError(f"{path}: token count differs from {MANIFEST}; delete {path.parent} "
+                         "and prepare again")
+
+
+def _save_manifest(out: Path, manifest: Dict) -> None:
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, out / MANIFEST)
+
+
+def _finish_manifest(manifest: Dict) -> None:
+    splits: Dict[str, Dict] = {}
+    for shard in manifest["shards"]:
+        s = splits.setdefault(shard["split"], {"shards": [], "tokens": 0, "documents": 0})
+        s["shards"].append(shard["name"])
+        s["tokens"] += shard["tokens"]
+        s["documents"] += shard["documents"]
+    manifest["splits"] = splits
+    manifest["tokens"] = sum(s["tokens"] for s in splits.values())
+    manifest["documents"] = manifest["resume"]["next_doc"]
+    manifest["complete"] = True
+    del manifest["resume"]
+
+
+# -- the pipeline ------------------------------------------------------------------------
+class _Writer:
+    """Cuts the token stream into shards at fixed stream offsets; saves resume state."""
+
+    def __init__(self, out: Path, manifest: Dict) -> None:
+        self.out, self.manifest = out, manifest
+        s = manifest["settings"]
+        self.shard_tokens, self.val_tokens = s["shard_tokens"], s["val_tokens"]
+        r = manifest["resume"]
+        self.doc, self.offset, self.written = r["next_doc"], r["offset"], r["tokens"]
+        self.buf = np.empty(self._shard_size(), dtype=np.uint16)
+        self.fill, self.docs_in_shard = 0, 0
+
+    def _shard_size(self) -> int:
+        """Tokens in the shard that starts at stream offset ``self.written``."""
+        if self.written < self.val_tokens:
+            return min(self.shard_tokens, self.val_tokens - self.written)
+        return self.shard_tokens
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Append whole documents (concatenated, EOT first); cut and write shards as they fill.
+
+        Vectorized over the documents: the Python work is per shard, not per document.
+        """
+        ends = np.cumsum(lengths)
+        starts = ends - lengths
+        pos, self.offset = self.offset, 0  # only the first document after a resume is partial
+        while pos < len(tokens):
+            n = min(len(self.buf) - self.fill, len(tokens) - pos)
+            self.buf[self.fill:self.fill + n] = tokens[pos:pos + n]
+            self.docs_in_shard += int(np.searchsorted(starts, pos + n) - np.searchsorted(starts, pos))
+            self.fill, pos = self.fill + n, pos + n
+            if self.fill == len(self.buf):
+                k = int(np.searchsorted(ends, pos, side="right"))  # documents finished so far
+                self._flush(self.doc + k, pos - int(starts[k]) if k < len(lengths) else 0)
+        self.doc += len(lengths)
+
+    def _flush(self, next_doc: int, offset: int) -> None:
+        split = "val" if self.written < self.val_tokens else "train"
+        index = sum(1 for s in self.manifest["shards"] if s["split"] == split)
+        name = shard_name(split, index)
+        write_shard(self.out / name, self.buf[:self.fill])
+        self.written += self.fill
+        self.manifest["shards"].append({"name": name, "split": split, "tokens": self.fill,
+                                        "documents": self.docs_in_shard})
+        self.manifest["resume"] = {"next_doc": next_doc, "offset": offset, "tokens": self.written}
+        _save_manifest(self.out, self.manifest)  # after the rename: a listed shard is whole
+        if len(self.buf) != self._shard_size():  # the last val shard may be short
+            self.buf = np.empty(self._shard_size(), dtype=np.uint16)
+        self.fill, self.docs_in_shard = 0, 0
+
+    def finish(self) -> None:
+        if self.fill:
+            self._flush(self.doc, 0)
+        self.manifest["resume"]["next_doc"] = self.doc
+        if not self.manifest["shards"]:
+            raise SourceError(f"source {self.manifest['settings']['source']!r}: no documents; "
+                              "check the path, glob or --limit-docs")
+        _finish_manifest(self.manifest)
+        if "train" not in self.manifest["splits"]:
+            warnings.warn(f"{self.out}: all {self.written} tokens went to val (val_tokens "
+                          f"{self.val_tokens}); pass a smaller --val-tokens to get a train split")
+        _save_manifest(self.out, self.manifest)
+
+
+def _run(src: Source, out: Path, manifest: Dict, workers: int, progress: bool) -> None:
+    for stale in out.glob("*.tmp"):  # a temp file is never a finished shard
+        stale.unlink()
+    writer = _Writer(out, manifest)
+    docs = src.documents(writer.doc, manifest["settings"]["limit_docs"])
+    size = src.size_bytes or TASK_CHARS_MAX * 8 * workers
+    task_chars = min(TASK_CHARS_MAX, max(TASK_CHARS_MIN, size // (8 * workers)))
+    with _token_stream(docs, workers, task_chars) as stream, _progress(progress, writer.written) as bar:
+        for tokens, lengths in stream:
+            writer.add(tokens, lengths)
+            bar.update(int(lengths.sum()))
+            bar.set_postfix(docs=writer.doc, refresh=False)
+    writer.finish()
+
+
+# -- tokenizing, in order, in parallel ---------------------------------------------------
+def encode_documents(docs: List[Document]) -> Tuple[np.ndarray, np.ndarray]:
+    """Documents -> (uint16 tokens, each document EOT first, concatenated; lengths)."""
+    enc = get_tokenizer()
+    ids = [enc.encode_ordinary(as_text(d)) for d in docs]
+    lengths = np.array([len(x) + 1 for x in ids], dtype=np.int64)
+    flat = np.empty(int(lengths.sum()), dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    for s, x in zip(starts, ids):
+        flat[s] = EOT_ID
+        flat[s + 1:s + 1 + len(x)] = x
+    if len(flat) and (flat.max() >= GPT2_VOCAB_SIZE or flat.min() < 0):
+        raise ValueError(f"token id {int(flat.max())} does not fit the GPT-2 vocab (uint16)")
+    return flat.astype(np.uint16), lengths
+
+
+def _tasks(docs: Iterable[Document], task_chars: int) -> Iterator[List[Document]]:
+    batch: List[Document] = []
+    chars = 0
+    for doc in docs:
+        batch.append(doc)
+        chars += len(doc) if isinstance(doc, str) else len(doc.line)
+        if chars >= task_chars or len(batch) >= TASK_DOCS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+@contextmanager
+def _token_stream(docs: Iterable[Document], workers: int, task_chars: int):
+    get_tokenizer()  # build once here: forked workers inherit it
+    if workers == 1:
+        yield map(encode_documents, _tasks(docs, task_chars))
+        return
+    # fork on Linux: workers start in milliseconds with the tokenizer already built
+    ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    with ctx.Pool(workers) as pool:  # __exit__ terminates the workers, Ctrl-C included
+        yield pool.imap(encode_documents, _tasks(docs, task_chars), chunksize=1)  # imap keeps the order
+
+
+@contextmanager
+def _progress(enabled: bool, initial: int):
+    from tqdm import tqdm
+
+    bar = tqdm(disable=not enabled, unit="tok", unit_scale=True, initial=initial,
+               desc="prepare", dynamic_ncols=True)
+    try:
+        yield bar
+    finally:
+        bar.close()

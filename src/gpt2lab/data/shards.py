@@ -1,0 +1,128 @@
+"""Token shard files: write, list, open (memory-mapped) and validate.
+
+The ``.bin`` format is llm.c's: a header of 256 int32 (magic 20240520, version 1, token
+count), then the tokens as uint16. build-nanogpt's ``.npy`` shards (a bare uint16 array)
+are read too. Every check names the file and says what to do, because a bad shard found
+hours into a run is expensive.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import List, Union
+
+import numpy as np
+
+MAGIC = 20240520
+VERSION = 1
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+SHARD_SUFFIXES = (".bin", ".npy")
+
+PathLike = Union[str, os.PathLike]
+
+
+class ShardError(ValueError):
+    """A shard or shard directory that cannot be used as it is."""
+
+
+def shard_name(split: str, index: int) -> str:
+    return f"{split}_{index:06d}.bin"
+
+
+def write_shard(path: PathLike, tokens: np.ndarray) -> None:
+    """Write ``tokens`` (uint16) as a ``.bin`` shard; atomic: temp name, then rename."""
+    if tokens.dtype != np.uint16:
+        raise TypeError(f"{path}: shard tokens must be uint16, got {tokens.dtype}")
+    header = np.zeros(HEADER_INTS, dtype=np.int32)
+    header[:3] = (MAGIC, VERSION, len(tokens))
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(np.ascontiguousarray(tokens).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_header(path: PathLike) -> int:
+    """Validate a ``.bin`` shard's header and size; return its token count."""
+    size = os.path.getsize(path)
+    if size < HEADER_BYTES:
+        raise ShardError(f"{path}: {size} bytes, shorter than the {HEADER_BYTES}-byte header; "
+                         "the shard is truncated: delete it and re-run gpt2lab prepare")
+    header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
+    if header[0] != MAGIC:
+        raise ShardError(f"{path}: magic {int(header[0])} is not {MAGIC}; not a gpt2lab/llm.c "
+                         "token shard (re-create it with gpt2lab prepare)")
+    if header[1] != VERSION:
+        raise ShardError(f"{path}: shard version {int(header[1])} is not supported (expected "
+                         f"{VERSION}, uint16 tokens); re-create it with gpt2lab prepare")
+    count = int(header[2])
+    have = (size - HEADER_BYTES) // 2
+    if have != count or (size - HEADER_BYTES) % 2:
+        what = "truncated" if have < count else "longer than its header says"
+        raise ShardError(f"{path}: header says {count} tokens but the file holds {have}; the shard "
+                         f"is {what}: delete it and re-run gpt2lab prepare")
+    return count
+
+
+def open_shard(path: PathLike) -> np.ndarray:
+    """The shard's tokens as a read-only uint16 memmap (no data is read yet)."""
+    path = str(path)
+    if path.endswith(".npy"):
+        return _open_npy(path)
+    count = read_header(path)
+    if count == 0:
+        return np.zeros(0, dtype=np.uint16)
+    return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+def _open_npy(path: str) -> np.ndarray:
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise ShardError(f"{path}: not a readable .npy token shard ({e}); "
+                         "re-create it or remove it from the directory") from e
+    if arr.dtype != np.uint16 or arr.ndim != 1:
+        raise ShardError(f"{path}: a .npy shard must be a 1-D uint16 array, got "
+                         f"{arr.ndim}-D {arr.dtype}; re-create it with gpt2lab prepare")
+    return arr
+
+
+def shard_tokens(path: PathLike) -> int:
+    """Token count of a shard, from its header alone (cheap)."""
+    return len(open_shard(path))
+
+
+def check_vocab(path: PathLike, tokens: np.ndarray, vocab_size: int) -> None:
+    """Fail on any token id >= vocab_size, naming the file and the first bad position."""
+    if len(tokens) and int(tokens.max()) >= vocab_size:
+        pos = int(np.argmax(tokens >= vocab_size))
+        raise ShardError(f"{path}: token {int(tokens[pos])} at position {pos} is >= the vocab "
+                         f"size {vocab_size}; the shard was made with another tokenizer or is "
+                         "corrupt: re-create it with gpt2lab prepare")
+
+
+def list_shards(data_dir: PathLike, split: str) -> List[Path]:
+    """The ``.bin``/``.npy`` shards of ``split`` in ``data_dir``, sorted by name.
+
+    A file belongs to a split when the split name appears in it as a whole word
+    (``val_000000.bin``, build-nanogpt's ``edufineweb_train_000001.npy``).
+    """
+    root = Path(data_dir)
+    if not root.is_dir():
+        raise ShardError(f"{root}: no such data directory; create it with "
+                         f"`gpt2lab prepare --source SRC --out {root}`")
+    files = [p for p in root.iterdir() if p.is_file() and p.suffix in SHARD_SUFFIXES]
+    if not files:
+        raise ShardError(f"{root}: no .bin or .npy token shards in this directory; create them "
+                         f"with `gpt2lab prepare --source SRC --out {root}`")
+    word = re.compile(rf"(^|[_.\-]){re.escape(split)}([_.\-]|$)")
+    mine = sorted(p for p in files if word.search(p.stem))
+    if not mine:
+        names = ", ".join(sorted(p.name for p in files)[:5])
+        raise ShardError(f"{root}: no shards for split '{split}' (found: {names}); shard names "
+                         f"must contain '{split}', e.g. {shard_name(split, 0)}")
+    return mine

@@ -1,0 +1,210 @@
+"""Text sources for ``gpt2lab prepare``: each is an ordered stream of documents (str).
+
+- ``tinyshakespeare``: the text shipped in the package, one document per speech (the
+  blank-line separated blocks: 7,222 of them), so the shuffling loader has documents to
+  permute. Joining the documents with a blank line gives the file back exactly.
+- local files: a ``.txt`` (one document), ``.jsonl`` (one document per line, field
+  ``text_field``), ``.parquet`` (column ``text_field``), or a directory / glob of them
+  (files in sorted order).
+- the hub, through HF ``datasets`` streaming: ``fineweb-edu``, ``fineweb`` (config
+  ``sample-10BT`` unless ``config`` says otherwise) and any ``hf:NAME[:CONFIG]``.
+
+Bad input raises ``SourceError`` naming the file (and line or row) and what to do.
+"""
+from __future__ import annotations
+
+import glob
+import itertools
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, List, NamedTuple, Optional, Union
+
+from gpt2lab.tokenizer import asset_path
+
+HUB_ALIASES = {
+    "fineweb-edu": "HuggingFaceFW/fineweb-edu",
+    "fineweb": "HuggingFaceFW/fineweb",
+}
+HUB_DEFAULT_CONFIG = "sample-10BT"
+LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
+INSTALL_HINT = "pip install 'gpt2lab[data]'"
+
+
+class SourceError(ValueError):
+    """A text source that cannot be read as it is."""
+
+
+class JsonLine(NamedTuple):
+    """A .jsonl line not parsed yet: the tokenizer workers parse it, off the main process."""
+
+    line: str
+    path: str
+    lineno: int
+    field: str
+
+    def text(self) -> str:
+        where = f"{self.path}:{self.lineno}"
+        return _field(_json_line(self.line, self.path, self.lineno), self.field, where)
+
+
+Document = Union[str, JsonLine]
+
+
+def as_text(doc: Document) -> str:
+    return doc if isinstance(doc, str) else doc.text()
+
+
+@dataclass
+class Source:
+    """An ordered document stream; ``documents(skip, limit)`` yields documents ``skip..limit-1``.
+
+    A document is its text, or a ``JsonLine`` that ``as_text`` turns into its text.
+    """
+
+    name: str
+    kind: str  # "bundled", "local" or "hub"
+    size_bytes: Optional[int]  # of the text, when known without reading it (for the val default)
+    documents: Callable[[int, Optional[int]], Iterator[Document]]
+    val_fraction: float = 0.005
+    hub_config: Optional[str] = None
+
+
+def resolve_source(source: str, text_field: str = "text", config: Optional[str] = None) -> Source:
+    """Turn the ``--source`` string into a Source."""
+    if source == "tinyshakespeare":
+        # 5%: a val split of ~17k tokens, enough for a steady val loss at T=256
+        return Source(source, "bundled", os.path.getsize(asset_path("tinyshakespeare.txt")),
+                      _slice(_shakespeare_docs), val_fraction=0.05)
+    if source in HUB_ALIASES or source.startswith("hf:"):
+        return _hub_source(source, text_field, config)
+    files = _local_files(source)
+    size = sum(os.path.getsize(f) for f in files)
+    return Source(source, "local", size, _slice(lambda: _local_docs(files, text_field)))
+
+
+def _slice(make: Callable[[], Iterable[Document]]) -> Callable[[int, Optional[int]], Iterator[Document]]:
+    return lambda skip, limit: itertools.islice(make(), skip, limit)
+
+
+def _shakespeare_docs() -> List[str]:
+    with open(asset_path("tinyshakespeare.txt"), encoding="utf-8") as f:
+        return f.read().split("\n\n")
+
+
+# -- local files -------------------------------------------------------------------------
+def _local_files(source: str) -> List[str]:
+    if any(c in source for c in "*?["):
+        files = sorted(f for f in glob.glob(source, recursive=True) if os.path.isfile(f))
+        what = f"glob {source!r} matches"
+    elif os.path.isdir(source):
+        files = sorted(str(p) for p in Path(source).rglob("*") if p.is_file())
+        what = f"directory {source} holds"
+    elif os.path.isfile(source):
+        files, what = [source], f"{source} is"
+    else:
+        raise SourceError(f"--source {source!r}: no such file or directory, and not one of "
+                          f"tinyshakespeare, {', '.join(HUB_ALIASES)}, hf:NAME[:CONFIG]")
+    usable = [f for f in files if f.endswith(LOCAL_SUFFIXES)]
+    if not usable:
+        raise SourceError(f"{what} no {'/'.join(LOCAL_SUFFIXES)} files; point --source at text "
+                          "files (.txt is one document, .jsonl/.parquet one per row)")
+    return usable
+
+
+def _local_docs(files: List[str], text_field: str) -> Iterator[Document]:
+    readers = {".txt": _txt_docs, ".jsonl": _jsonl_docs, ".parquet": _parquet_docs}
+    for f in files:
+        yield from readers[Path(f).suffix](f, text_field)
+
+
+def _txt_docs(path: str, text_field: str) -> Iterator[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            yield f.read()
+    except UnicodeDecodeError as e:
+        raise SourceError(f"{path}: not UTF-8 text ({e}); convert it to UTF-8") from e
+
+
+def _jsonl_docs(path: str, text_field: str) -> Iterator[Document]:
+    with open(path, encoding="utf-8") as f:
+        try:
+            for lineno, line in enumerate(f, 1):
+                if not line.isspace():  # a blank line holds no document
+                    yield JsonLine(line, path, lineno, text_field)
+        except UnicodeDecodeError as e:
+            raise SourceError(f"{path}: not UTF-8 text ({e}); convert it to UTF-8") from e
+
+
+def _json_line(line: str, path: str, lineno: int) -> dict:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise SourceError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); "
+                          "fix or remove that line") from e
+    if not isinstance(row, dict):
+        raise SourceError(f"{path}:{lineno}: a JSON {type(row).__name__}, not an object with "
+                          "a text field; each line must be {\"text\": ...}")
+    return row
+
+
+def _field(row: dict, text_field: str, where: str) -> str:
+    if text_field not in row:
+        fields = ", ".join(list(row)[:10])
+        raise SourceError(f"{where}: no field '{text_field}' (fields: {fields}); "
+                          "pass --text-field NAME")
+    text = row[text_field]
+    if not isinstance(text, str):
+        raise SourceError(f"{where}: field '{text_field}' is {type(text).__name__}, not text; "
+                          "fix the row or pick another --text-field")
+    return text
+
+
+def _parquet_docs(path: str, text_field: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise SourceError(f"{path}: reading .parquet needs pyarrow: {INSTALL_HINT}") from e
+    pf = pq.ParquetFile(path)
+    if text_field not in pf.schema_arrow.names:
+        raise SourceError(f"{path}: no column '{text_field}' (columns: "
+                          f"{', '.join(pf.schema_arrow.names)}); pass --text-field NAME")
+    row = 0
+    for batch in pf.iter_batches(columns=[text_field], batch_size=4096):
+        for text in batch.column(0).to_pylist():
+            yield _field({text_field: text}, text_field, f"{path}: row {row}")
+            row += 1
+
+
+# -- the hub -----------------------------------------------------------------------------
+def _hub_source(source: str, text_field: str, config: Optional[str]) -> Source:
+    if source in HUB_ALIASES:
+        name, config = HUB_ALIASES[source], config or HUB_DEFAULT_CONFIG
+    else:
+        name, _, cfg = source[len("hf:"):].partition(":")
+        config = config or cfg or None
+        if not name:
+            raise SourceError(f"--source {source!r}: write hf:NAME or hf:NAME:CONFIG")
+
+    def documents(skip: int, limit: Optional[int]) -> Iterator[str]:
+        ds = _load_streaming(name, config)
+        if skip:
+            ds = ds.skip(skip)  # resuming: no tokenizing of what is already in shards
+        rows = itertools.islice(ds, None if limit is None else max(0, limit - skip))
+        for i, row in enumerate(rows, skip):
+            yield _field(row, text_field, f"{name} ({config}) row {i}")
+
+    return Source(name, "hub", None, documents, hub_config=config)
+
+
+def _load_streaming(name: str, config: Optional[str]):
+    try:
+        import datasets
+    except ImportError as e:
+        raise SourceError(f"hub source {name} needs the HF datasets library: {INSTALL_HINT}") from e
+    try:
+        return datasets.load_dataset(name, config, split="train", streaming=True)
+    except Exception as e:  # network, unknown name or config: one clear message, not a traceback
+        raise SourceError(f"hub dataset {name} (config {config}): {type(e).__name__}: {e}; check "
+                          "the name, --config and the network, or prepare a local copy") from e

@@ -1,0 +1,260 @@
+"""gpt2lab prepare: round trip, manifest, workers, crash + resume, sources, bad input, CLI.
+
+The reference for every token stream is a plain loop: for each document, EOT then
+``encode_ordinary(text)``.
+"""
+import json
+import sys
+
+import numpy as np
+import pytest
+
+import gpt2lab.data.prepare as prep
+from gpt2lab.cli import main
+from gpt2lab.data.prepare import prepare
+from gpt2lab.data.shards import ShardError
+from gpt2lab.data.shards import write_shard as real_write_shard
+from gpt2lab.data.sources import SourceError, resolve_source
+from gpt2lab.tokenizer import EOT_ID, asset_path, get_tokenizer
+
+DOCS = [f"Document {i}: " + "the quick brown fox " * (i % 7) + "ünïcödé ✓ 漢字" * (i % 3)
+        for i in range(40)]
+DOCS[5] = ""  # an empty document is still a document
+DOCS[9] = "a literal <|endoftext|> in text is text, not the separator"
+
+
+def _jsonl(path, docs=DOCS, field="text"):
+    path.write_text("".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    return path
+
+
+def _reference(docs):
+    enc = get_tokenizer()
+    return np.array([t for d in docs for t in [EOT_ID] + enc.encode_ordinary(d)], dtype=np.uint16)
+
+
+def _read(path):
+    """A shard read without gpt2lab: header ints, then uint16."""
+    header = np.fromfile(path, dtype="<i4", count=256)
+    toks = np.fromfile(path, dtype="<u2", offset=1024)
+    assert header[0] == 20240520 and header[1] == 1 and header[2] == len(toks)
+    return toks
+
+
+def _stream(out, manifest):
+    return np.concatenate([_read(out / s["name"]) for s in manifest["shards"]])
+
+
+def _files(out):
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+
+
+def test_round_trip_jsonl_and_manifest(tmp_path):
+    out = tmp_path / "out"
+    m = prepare(str(_jsonl(tmp_path / "docs.jsonl")), str(out), shard_tokens=97,
+                val_tokens=150, workers=1, progress=False)
+    stream = _stream(out, m)
+    assert np.array_equal(stream, _reference(DOCS))
+    starts = np.flatnonzero(stream == EOT_ID)
+    enc = get_tokenizer()
+    decoded = [enc.decode(p[1:].tolist()) for p in np.split(stream, starts[1:])]
+    assert decoded == DOCS
+    assert m["complete"] and m["documents"] == len(DOCS) and m["tokens"] == len(stream)
+    assert m["splits"]["val"]["tokens"] == 150 and m["splits"]["val"]["shards"] == ["val_000000.bin", "val_000001.bin"]
+    for split in ("val", "train"):
+        shards = [s for s in m["shards"] if s["split"] == split]
+        assert all(s["tokens"] == 97 for s in shards[:-1]) and 0 < shards[-1]["tokens"] <= 97
+        assert m["splits"][split]["documents"] == sum(s["documents"] for s in shards)
+    for s in m["shards"]:
+        toks = _read(out / s["name"])
+        assert s["tokens"] == len(toks) and s["documents"] == int((toks == EOT_ID).sum())
+    assert json.loads((out / "manifest.json").read_text()) == m
+
+
+def test_one_worker_and_two_workers_write_the_same_shards(tmp_path, monkeypatch):
+    monkeypatch.setattr(prep, "TASK_DOCS", 3)  # many small tasks, so the pool really interleaves
+    src = str(_jsonl(tmp_path / "docs.jsonl"))
+    prepare(src, str(tmp_path / "w1"), shard_tokens=64, val_tokens=100, workers=1, progress=False)
+    prepare(src, str(tmp_path / "w2"), shard_tokens=64, val_tokens=100, workers=2, progress=False)
+    assert _files(tmp_path / "w1") == _files(tmp_path / "w2")
+
+
+def _crash_after(monkeypatch, n_shards, exc=KeyboardInterrupt):
+    real, calls = prep.write_shard, []
+
+    def flaky(path, tokens):
+        if len(calls) == n_shards:
+            open(f"{path}.tmp", "wb").write(b"half a shard")  # as if killed mid-write
+            raise exc("injected crash")
+        calls.append(path)
+        real(path, tokens)
+
+    monkeypatch.setattr(prep, "write_shard", flaky)
+
+
+def test_crash_then_rerun_equals_uninterrupted_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(prep, "TASK_DOCS", 4)
+    src = str(_jsonl(tmp_path / "docs.jsonl"))
+    kw = dict(shard_tokens=80, val_tokens=120, progress=False)
+    prepare(src, str(tmp_path / "ref"), workers=1, **kw)
+    _crash_after(monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(src, str(tmp_path / "out"), workers=2, **kw)
+    half = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert not half["complete"] and len(half["shards"]) == 3 and half["resume"]["next_doc"] > 0
+    monkeypatch.setattr(prep, "write_shard", real_write_shard)
+    prepare(src, str(tmp_path / "out"), workers=1, **kw)
+    assert _files(tmp_path / "ref") == _files(tmp_path / "out")
+    with pytest.raises(ShardError, match="prepared with"):
+        prepare(src, str(tmp_path / "out"), workers=1, shard_tokens=81, val_tokens=120, progress=False)
+
+
+def test_local_sources_agree(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = DOCS[:12]
+    pq.write_table(pa.table({"body": docs}), tmp_path / "docs.parquet", row_group_size=5)
+    _jsonl(tmp_path / "docs.jsonl", docs, field="body")
+    txt = tmp_path / "txt"
+    txt.mkdir()
+    for i, d in enumerate(docs):
+        (txt / f"{i:02d}.txt").write_text(d, encoding="utf-8")
+    ref = _reference(docs)
+    for name, src in [("pq", tmp_path / "docs.parquet"), ("jl", tmp_path / "docs.jsonl"),
+                      ("dir", txt), ("glob", txt / "*.txt")]:
+        m = prepare(str(src), str(tmp_path / name), val_tokens=0, text_field="body", progress=False)
+        assert np.array_equal(_stream(tmp_path / name, m), ref), name
+    m = prepare(str(tmp_path / "docs.jsonl"), str(tmp_path / "lim"), val_tokens=0,
+                text_field="body", limit_docs=5, progress=False)
+    assert np.array_equal(_stream(tmp_path / "lim", m), _reference(docs[:5]))
+
+
+def test_hub_source_streams_through_datasets(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    data = _jsonl(tmp_path / "docs.jsonl")
+    asked, real_load = [], datasets.load_dataset
+
+    def local_load(name, config, split, streaming):
+        asked.append((name, config, split, streaming))
+        return real_load("json", data_files=str(data), split="train", streaming=True)
+
+    monkeypatch.setattr(datasets, "load_dataset", local_load)
+    kw = dict(shard_tokens=90, val_tokens=100, limit_docs=30, workers=1, progress=False)
+    m = prepare("fineweb-edu", str(tmp_path / "ref"), **kw)
+    assert asked[0] == ("HuggingFaceFW/fineweb-edu", "sample-10BT", "train", True)
+    assert np.array_equal(_stream(tmp_path / "ref", m), _reference(DOCS[:30]))
+    _crash_after(monkeypatch, 2, RuntimeError)  # the resume skips documents with ds.skip
+    with pytest.raises(RuntimeError):
+        prepare("hf:some/name:cfg", str(tmp_path / "out"), **kw)
+    monkeypatch.setattr(prep, "write_shard", real_write_shard)
+    prepare("hf:some/name:cfg", str(tmp_path / "out"), **kw)
+    assert asked[-1][:2] == ("some/name", "cfg")
+    ref_files = _files(tmp_path / "ref")
+    out_files = _files(tmp_path / "out")
+    assert {k: v for k, v in out_files.items() if k != "manifest.json"} == \
+           {k: v for k, v in ref_files.items() if k != "manifest.json"}
+
+
+def test_hub_without_datasets_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(SourceError, match=r"pip install 'gpt2lab\[data\]'"):
+        prepare("fineweb-edu", str(tmp_path / "out"), progress=False)
+
+
+def test_hub_unreachable_is_a_clear_error(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(SourceError, match=r"HuggingFaceFW/fineweb \(config sample-100BT\).*network"):
+        prepare("fineweb", str(tmp_path / "out"), config="sample-100BT", workers=1, progress=False)
+
+
+@pytest.mark.parametrize("line, match", [
+    ('{"text": "ok"', r"docs.jsonl:3: not valid JSON"),
+    ('{"body": "no text field"}', r"docs.jsonl:3: no field 'text' \(fields: body\)"),
+    ('{"text": 42}', r"docs.jsonl:3: field 'text' is int"),
+    ('["a", "list"]', r"docs.jsonl:3: a JSON list"),
+])
+def test_bad_jsonl_names_file_and_line(tmp_path, line, match):
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "a"}\n{"text": "b"}\n' + line + "\n")
+    with pytest.raises(SourceError, match=match):
+        prepare(str(path), str(tmp_path / "out"), workers=1, progress=False)
+
+
+def test_bad_line_found_by_a_worker_process_is_reported(tmp_path, monkeypatch):
+    monkeypatch.setattr(prep, "TASK_DOCS", 2)
+    path = _jsonl(tmp_path / "docs.jsonl")
+    path.write_text(path.read_text() + '{"txt": "typo"}\n')
+    with pytest.raises(SourceError, match=rf"docs.jsonl:{len(DOCS) + 1}: no field 'text'"):
+        prepare(str(path), str(tmp_path / "out"), workers=2, progress=False)
+    assert not json.loads((tmp_path / "out" / "manifest.json").read_text())["complete"]
+
+
+def test_other_bad_sources(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with pytest.raises(SourceError, match="no such file or directory"):
+        prepare(str(tmp_path / "missing.jsonl"), str(tmp_path / "out"), progress=False)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SourceError, match="no .txt/.jsonl/.parquet files"):
+        prepare(str(tmp_path / "empty"), str(tmp_path / "out"), progress=False)
+    pq.write_table(pa.table({"content": ["x"]}), tmp_path / "d.parquet")
+    with pytest.raises(SourceError, match=r"d.parquet: no column 'text' \(columns: content\)"):
+        prepare(str(tmp_path / "d.parquet"), str(tmp_path / "out"), progress=False)
+
+
+def test_tinyshakespeare_documents_are_its_speeches():
+    src = resolve_source("tinyshakespeare")
+    docs = list(src.documents(0, None))
+    text = open(asset_path("tinyshakespeare.txt"), encoding="utf-8").read()
+    assert len(docs) == 7222 and "\n\n".join(docs) == text
+    assert docs[0] == "First Citizen:\nBefore we proceed any further, hear me speak."
+    assert prep.default_val_tokens(src, 10**8) == int(np.ceil(0.05 * len(text.encode()) / 4))
+
+
+def test_cli_prepare(tmp_path, capsys):
+    src = str(_jsonl(tmp_path / "docs.jsonl"))
+    rc = main(["prepare", "--source", src, "--out", str(tmp_path / "out"), "--shard-tokens", "100",
+               "--val-tokens", "50", "--workers", "1"])
+    cap = capsys.readouterr()
+    out = json.loads(cap.out)
+    assert rc == 0 and out["documents"] == len(DOCS) and out["splits"]["val"]["tokens"] == 50
+    assert "docs=40" in cap.err and "tok" in cap.err  # the progress bar: documents and tokens
+    rc = main(["prepare", "--source", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o2")])
+    assert rc == 1 and "nope.jsonl" in capsys.readouterr().err
+
+
+def test_ctrl_c_of_the_cli_then_rerun_equals_uninterrupted(tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    docs = list(resolve_source("tinyshakespeare").documents(0, None)) * 4  # ~1.3M tokens
+    src = str(_jsonl(tmp_path / "big.jsonl", docs))
+    args = ["--shard-tokens", "50000", "--val-tokens", "20000"]
+    cmd = [sys.executable, "-m", "gpt2lab", "prepare", "--source", src, "--out",
+           str(tmp_path / "out"), "--workers", "2", "--quiet", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    manifest = tmp_path / "out" / "manifest.json"
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if json.loads(manifest.read_text())["shards"]:
+                break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err.decode()[-2000:]
+    half = json.loads(manifest.read_text())
+    assert not half["complete"] and 0 < len(half["shards"]) < 26
+    assert main(["prepare", "--source", src, "--out", str(tmp_path / "out"), "--quiet", *args]) == 0
+    assert main(["prepare", "--source", src, "--out", str(tmp_path / "ref"), "--quiet", *args]) == 0
+    assert _files(tmp_path / "ref") == _files(tmp_path / "out")

@@ -1,0 +1,95 @@
+"""Shard format (llm.c header, .npy) and every bad-input error of the loader."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from gpt2lab.data import ShardError, TokenLoader
+from gpt2lab.data.shards import HEADER_BYTES, open_shard, write_shard
+from gpt2lab.tokenizer import EOT_ID
+
+
+def _tokens(n=200, seed=0):
+    toks = np.random.default_rng(seed).integers(0, 50000, n).astype(np.uint16)
+    toks[::17] = EOT_ID
+    return toks
+
+
+def test_bin_layout_is_llm_c(tmp_path):
+    toks = _tokens()
+    write_shard(tmp_path / "train_000000.bin", toks)
+    raw = (tmp_path / "train_000000.bin").read_bytes()
+    header = np.frombuffer(raw[:1024], dtype="<i4")
+    assert list(header[:3]) == [20240520, 1, 200] and not header[3:].any()
+    assert np.array_equal(np.frombuffer(raw[1024:], dtype="<u2"), toks)
+    assert np.array_equal(open_shard(tmp_path / "train_000000.bin"), toks)
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_npy_shards_give_the_same_batches_as_bin(tmp_path):
+    toks = _tokens(600)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    write_shard(tmp_path / "a" / "train_000000.bin", toks[:300])
+    write_shard(tmp_path / "a" / "train_000001.bin", toks[300:])
+    np.save(tmp_path / "b" / "edufineweb_train_000000.npy", toks[:300])  # build-nanogpt names
+    np.save(tmp_path / "b" / "edufineweb_train_000001.npy", toks[300:])
+    np.save(tmp_path / "b" / "edufineweb_val_000000.npy", toks[:50])
+    la, lb = (TokenLoader(tmp_path / d, "train", 2, 32, seed=4) for d in "ab")
+    for _ in range(12):
+        (xa, ya), (xb, yb) = la.next_batch(), lb.next_batch()
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def _bad(path, match):
+    with pytest.raises(ShardError, match=match) as err:
+        TokenLoader(path.parent if path.is_file() else path, "train", 2, 8).next_batch()
+    return str(err.value)
+
+
+def test_missing_empty_and_wrong_split(tmp_path):
+    assert "no such data directory" in _bad(tmp_path / "nope", "nope")
+    assert "no .bin or .npy" in _bad(tmp_path, "gpt2lab prepare")
+    write_shard(tmp_path / "val_000000.bin", _tokens())
+    assert "no shards for split 'train'" in _bad(tmp_path, "val_000000.bin")
+
+
+def test_truncated_shard(tmp_path):
+    path = tmp_path / "train_000000.bin"
+    write_shard(path, _tokens())
+    path.write_bytes(path.read_bytes()[:HEADER_BYTES + 300])
+    msg = _bad(path, "truncated")
+    assert str(path) in msg and "header says 200 tokens but the file holds 150" in msg
+
+
+def test_wrong_magic_and_version(tmp_path):
+    path = tmp_path / "train_000000.bin"
+    write_shard(path, _tokens())
+    raw = bytearray(path.read_bytes())
+    raw[4:8] = np.int32(2).tobytes()
+    path.write_bytes(bytes(raw))
+    assert str(path) in _bad(path, "version 2 is not supported")
+    raw[0:4] = np.int32(1234).tobytes()
+    path.write_bytes(bytes(raw))
+    assert str(path) in _bad(path, "magic 1234")
+
+
+def test_token_id_out_of_vocab(tmp_path):
+    toks = _tokens()
+    toks[123] = 50257
+    path = tmp_path / "train_000000.bin"
+    write_shard(path, toks)
+    msg = _bad(path, "position 123")
+    assert str(path) in msg and "50257" in msg
+
+
+def test_unfinished_prepare_is_refused(tmp_path):
+    write_shard(tmp_path / "train_000000.bin", _tokens())
+    (tmp_path / "manifest.json").write_text(json.dumps({"complete": False, "source": "x"}))
+    _bad(tmp_path, "has not finished")
+
+
+def test_too_short_for_one_sequence(tmp_path):
+    write_shard(tmp_path / "train_000000.bin", _tokens(8))
+    _bad(tmp_path, "smaller seq_len")
