@@ -1,6 +1,10 @@
 """Subcommands of the ``gpt2lab`` CLI (see cli.py)."""
 import sys
 
+# Autocast dtypes a command accepts (gpt2lab.dist.DTYPES maps them to torch dtypes); kept
+# here so that building the parser does not import torch.
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+
 
 def not_yet(name: str, issue: str):
     """A subcommand a later piece of work fills in: says so and exits non-zero."""

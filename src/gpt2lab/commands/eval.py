@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from gpt2lab.dist import DTYPES
+from gpt2lab.commands import DTYPE_NAMES
 
 
 def add_parser(sub) -> None:
@@ -38,7 +38,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help="HF name (gpt2, gpt2-medium, ...), HF model dir, gpt2lab run dir or checkpoint dir")
     p.add_argument("--device", default=None, help="cpu, cuda, mps (default: the best available)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="autocast dtype")
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="autocast dtype")
 
 
 def _positive(value, flag: str) -> None:

@@ -5,10 +5,13 @@ import argparse
 import codecs
 import sys
 
-import torch
+from typing import TYPE_CHECKING
 
-from gpt2lab.dist import DTYPES, autocast, pick_device
+from gpt2lab.commands import DTYPE_NAMES
 from gpt2lab.tokenizer import EOT_ID, get_tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 
 def add_parser(sub) -> None:
@@ -24,7 +27,7 @@ def add_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: smallest set holding this much mass")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="autocast dtype")
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="autocast dtype")
     p.add_argument("--stop-at-eot", action=argparse.BooleanOptionalAction, default=True,
                    help="end a sample at <|endoftext|> (default on)")
     p.set_defaults(func=run)
@@ -54,6 +57,9 @@ def _prompt_ids(text: str, vocab: int) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from gpt2lab.dist import autocast, pick_device
     from gpt2lab.load import load_model
 
     _check(args)
