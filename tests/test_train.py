@@ -1,6 +1,8 @@
 """The training step in-process: overfitting, accumulation, NaN skipping, golden losses, val loss."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -123,3 +125,32 @@ def test_val_loss_equals_a_plain_loop(tiny_data, tmp_path):
     assert abs(got - ref.item()) < 1e-5
     with pytest.raises(ValueError, match="fewer than"):
         evaluate_loss(model, tiny_data, tokens=10 ** 8, batch_size=3, seq_len=32, device="cpu")
+
+
+def test_fp16_scaler_survives_nan_steps_and_resume(tiny_data, tmp_path, monkeypatch):
+    import gpt2lab.train as train_mod
+
+    monkeypatch.setattr(train_mod, "_check_device", lambda cfg, device: None)  # fp16 on CPU, test only
+    trainer = _trainer(tiny_data, tmp_path, dtype="float16", max_bad_steps=3)
+    forward, poison = trainer.model.forward, {"on": True}
+    trainer.model.forward = lambda *a, **k: (lambda lo: (lo[0], lo[1] * float("nan") if poison["on"] else lo[1]))(
+        forward(*a, **k))
+    for _ in range(2):  # two NaN steps in a row: the second must not find the scaler mid-step
+        rec = trainer.train_step()
+        trainer.check_bad(rec)
+        assert rec["skipped"] == "nan"
+    assert trainer.scaler.get_scale() == 2.0 ** 14  # backed off twice from 2**16
+    poison["on"] = False
+    rec = trainer.train_step()
+    trainer.check_bad(rec)
+    assert np.isfinite(rec["train_loss"]) and trainer.bad_steps == 0
+    trainer.scaler.update(2.0 ** 100)  # overflows the fp16 gradients: the scaler's routine skip
+    rec = trainer.train_step()
+    trainer.check_bad(rec)
+    assert rec["skipped"] in ("inf", "nan") and rec["grad_scaler"] and trainer.bad_steps == 0  # not counted
+    json.dumps(rec, allow_nan=False)  # metrics.jsonl stays strict JSON
+    assert trainer.scaler.get_scale() == 2.0 ** 99
+    trainer.step = 4
+    path = trainer.save()
+    resumed = Trainer(trainer.cfg, DistInfo(device=CPU), resume=path)
+    assert resumed.scaler.state_dict() == trainer.scaler.state_dict()

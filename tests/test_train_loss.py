@@ -73,3 +73,27 @@ def test_model_training_path_equals_logits_path():
     assert logits is None and abs(loss.item() - ref.item()) < 1e-5
     for a, b in zip(grads, ref_grads):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_fp16_logit_gradients_do_not_underflow(monkeypatch):
+    # The compiled kernel's maths (1/n applied inside) run eagerly, to skip a compile here.
+    # At n = 16384 rows, p/n of the non-target tokens falls below fp16's normal range; the
+    # reference is what fp16 autocast gives with a GradScaler, against fp32 maths.
+    monkeypatch.setattr(model_mod, "_kernel", lambda compiled: (model_mod._softmax_grad, True))
+    g = torch.Generator().manual_seed(0)
+    n, c, vocab = 16384, 16, 256
+    x = torch.randn(n, c, generator=g, requires_grad=True)
+    w = torch.randn(vocab, c, generator=g, requires_grad=True)
+    t = torch.randint(0, vocab // 2, (n,), generator=g)  # rows vocab//2.. get only the p terms
+    x16, w16 = (a.detach().half().float().requires_grad_() for a in (x, w))
+    exact, = torch.autograd.grad(F.cross_entropy(x16 @ w16.t(), t), (w16,))
+    with torch.autocast("cpu", dtype=torch.float16):
+        scaled = F.cross_entropy((x @ w.t()).float(), t) * 65536.0
+    ref, = torch.autograd.grad(scaled, (w,))
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model_mod.chunked_cross_entropy(x, w, t, compiled=True)
+    gw, = torch.autograd.grad(loss * 65536.0, (w,))  # the scaler's scale reaches us only here
+    rows = slice(vocab // 2, vocab)
+    ref_err = ((ref[rows] / 65536 - exact[rows]).norm() / exact[rows].norm()).item()
+    err = ((gw[rows] / 65536 - exact[rows]).norm() / exact[rows].norm()).item()
+    assert err < 2 * ref_err, (err, ref_err)

@@ -3,7 +3,8 @@
 Layout of one checkpoint (NNNNNN = optimizer steps completed):
   model.safetensors  weights (the tied lm_head is stored once, as wte)
   optimizer.pt       AdamW state (torch.save; read with weights_only=True)
-  state.pt           step, tokens seen, loader state, RNG states (python, numpy, torch, cuda)
+  state.pt           step, tokens seen, loader state, RNG states (python, numpy, torch, cuda),
+                     fp16 GradScaler state (None otherwise)
   config.json        the run's resolved TrainConfig
 A checkpoint is written under a temporary name and renamed when complete, so any
 ``step_*`` directory is whole; the newest K are kept.
@@ -70,7 +71,8 @@ def checkpoint_dir(run_dir: str, step: int) -> str:
 
 
 def save_checkpoint(run_dir: str, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    step: int, tokens: int, loader_state: dict, config: dict, keep: int = 0) -> str:
+                    step: int, tokens: int, loader_state: dict, config: dict, keep: int = 0,
+                    scaler_state: Optional[dict] = None) -> str:
     """Write the checkpoint for ``step`` completed steps atomically; prune to the newest ``keep``."""
     final = checkpoint_dir(run_dir, step)
     tmp = os.path.join(os.path.dirname(final), f".tmp_{os.path.basename(final)}_{os.getpid()}")
@@ -78,8 +80,8 @@ def save_checkpoint(run_dir: str, *, model: torch.nn.Module, optimizer: torch.op
     os.makedirs(tmp)
     save_file(clean_state_dict(model.state_dict()), os.path.join(tmp, "model.safetensors"))
     torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-    torch.save({"step": step, "tokens": tokens, "loader": loader_state, "rng": rng_state()},
-               os.path.join(tmp, "state.pt"))
+    torch.save({"step": step, "tokens": tokens, "loader": loader_state, "rng": rng_state(),
+                "scaler": scaler_state}, os.path.join(tmp, "state.pt"))
     with open(os.path.join(tmp, "config.json"), "w") as fh:
         json.dump(config, fh, indent=2)
     if os.path.exists(final):  # the same step saved again (e.g. SIGTERM right after a save)
@@ -142,7 +144,7 @@ def load_model(path: str) -> GPT:
 
 
 def load_training_state(ckpt: str, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Restore the optimizer; return step, tokens, loader state and RNG states."""
+    """Restore the optimizer; return step, tokens, loader state, RNG states and scaler state."""
     optimizer.load_state_dict(torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True,
                                          map_location="cpu"))
     return torch.load(os.path.join(ckpt, "state.pt"), weights_only=True, map_location="cpu")

@@ -36,8 +36,8 @@ def _softmax_grad(logits: torch.Tensor, tgt: torch.Tensor, keep: torch.Tensor,
 
 
 def _softmax_grad_eager(logits: torch.Tensor, tgt: torch.Tensor, keep: torch.Tensor,
-                        scale: None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """_softmax_grad without the scale, in few eager kernels: one softmax, one cast."""
+                        scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """_softmax_grad without the scale (the caller applies it), in few eager kernels: one softmax, one cast."""
     p = torch.softmax(logits, dim=-1, dtype=torch.float32)
     pt = p.gather(1, tgt).squeeze(1)
     nll = -pt.clamp(min=torch.finfo(torch.float32).tiny).log()
@@ -94,6 +94,10 @@ def _loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, ker
     N, V = x.shape[0], w.shape[0]
     keep = targets != -1
     inv_n = 1.0 / keep.sum().clamp(min=1).float()
+    # fp16: 1/n applied before the cast would push most logit gradients below fp16's normal
+    # range (p/65536 at B*T=65536), and GradScaler cannot help, its scale arriving only in backward
+    kernel_scales = kernel_scales and x.dtype != torch.float16
+    k_scale = inv_n if kernel_scales else torch.ones_like(inv_n)
     tgt = targets.clamp(min=0)[:, None]
     nll_sum = torch.zeros((), dtype=torch.float32, device=x.device)
     grad_x = torch.empty(x.shape, dtype=torch.float32, device=x.device)
@@ -104,7 +108,7 @@ def _loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, ker
         g1, parts = min(N, g0 + group), []
         for s in range(g0, g1, rows):
             e = min(g1, s + rows)
-            d, nll = kernel(x[s:e] @ w.t(), tgt[s:e], keep[s:e], inv_n)  # d: (n, V) d loss / d logits
+            d, nll = kernel(x[s:e] @ w.t(), tgt[s:e], keep[s:e], k_scale)  # d: (n, V) d loss / d logits
             nll_sum += nll
             grad_x[s:e] = d @ w
             parts.append(d)

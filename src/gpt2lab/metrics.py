@@ -2,7 +2,8 @@
 
 ``metrics.jsonl`` holds one JSON object per line, always with ``step``:
   train lines   step, train_loss, lr, grad_norm, dt_ms, tok_per_s, mfu, tokens
-  skipped steps step, skipped ("nan" or "inf"), loss and grad_norm as text, lr
+  skipped steps step, skipped ("nan" or "inf"), loss and grad_norm as text, lr (and
+                grad_scaler: true when the fp16 scaler skipped it while lowering its scale)
   eval lines    step, val_loss
   HellaSwag     step, hellaswag_acc, hellaswag_acc_norm, hellaswag_n
   samples       step, sample (text)

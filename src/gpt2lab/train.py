@@ -82,12 +82,12 @@ class Trainer:
         self.loader = TokenLoader(cfg.data, "train", cfg.micro_batch_size, cfg.seq_len, rank=info.rank,
                                   world_size=info.world_size, seed=cfg.seed)
         self.step, self.tokens, self.bad_steps = 0, 0, 0
+        use_scaler = cfg.dtype == "float16"
+        self.scaler = torch.amp.GradScaler(self.device.type) if use_scaler else None
         self.resumed_from = self._restore(resume) if resume else None
         self.model = torch.compile(self.raw) if cfg.compile else self.raw
         ids = [self.device.index] if self.device.type == "cuda" else None
         self.ddp = DDP(self.model, device_ids=ids) if info.distributed else None
-        use_scaler = cfg.dtype == "float16"
-        self.scaler = torch.amp.GradScaler(self.device.type) if use_scaler else None
         self.flops_per_token = self.raw.flops_per_token(cfg.seq_len)
         self.peak = peak_flops(cfg, self.device)
         self.stop_requested = False
@@ -100,19 +100,23 @@ class Trainer:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.loader.load_state_dict(state["loader"])
         ckpt.set_rng_state(state["rng"])
+        if self.scaler is not None and state.get("scaler"):  # fp16: continue with the scale found so far
+            self.scaler.load_state_dict(state["scaler"])
         return where
 
     def save(self) -> Optional[str]:
         """Rank 0 writes the checkpoint for the steps completed so far (never a non-finite model)."""
         path = None
+        # checked on every rank (DDP keeps the weights equal): all raise together, none waits at the barrier
+        if not all(torch.isfinite(p).all() for p in self.raw.parameters()):
+            raise TrainingError(f"model has non-finite weights at step {self.step}; not saving over "
+                                f"the last good checkpoint in {self.cfg.out}/checkpoints")
         if self.info.is_main:
-            if not all(torch.isfinite(p).all() for p in self.raw.parameters()):
-                raise TrainingError(f"model has non-finite weights at step {self.step}; not saving over "
-                                    f"the last good checkpoint in {self.cfg.out}/checkpoints")
             path = ckpt.save_checkpoint(self.cfg.out, model=self.raw, optimizer=self.optimizer,
                                         step=self.step, tokens=self.tokens,
                                         loader_state=self.loader.state_dict(), config=self.cfg.to_dict(),
-                                        keep=self.cfg.keep_checkpoints)
+                                        keep=self.cfg.keep_checkpoints,
+                                        scaler_state=self.scaler.state_dict() if self.scaler is not None else None)
         if self.info.distributed:
             tdist.barrier()
         return path
@@ -131,9 +135,10 @@ class Trainer:
         clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.raw.parameters(), clip)
         loss_v, norm_v = loss.item(), norm.item()
-        # fp16: the scaler itself skips steps with inf gradients while it finds its scale
-        finite = np.isfinite(loss_v) and (self.scaler is not None or np.isfinite(norm_v))
-        if finite:
+        finite = bool(np.isfinite(loss_v) and np.isfinite(norm_v))
+        # fp16: the scaler itself skips steps with inf gradients (and backs off) while it finds its scale
+        scaler_skip = self.scaler is not None and bool(np.isfinite(loss_v)) and not finite
+        if finite or scaler_skip:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             if self.scaler is not None:
@@ -141,6 +146,8 @@ class Trainer:
                 self.scaler.update()
             else:
                 self.optimizer.step()
+        elif self.scaler is not None:  # unscale_ ran: update() must follow (it also backs off the scale)
+            self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -148,14 +155,20 @@ class Trainer:
         self.tokens += cfg.total_batch_tokens
         if not finite:  # logged as text: NaN is not JSON, and a plot must not mistake it for a loss
             kind = "nan" if np.isnan(loss_v) or np.isnan(norm_v) else "inf"
-            return {"step": self.step, "skipped": kind, "loss": str(loss_v), "grad_norm": str(norm_v), "lr": lr}
+            rec = {"step": self.step, "skipped": kind, "loss": str(loss_v), "grad_norm": str(norm_v), "lr": lr}
+            return {**rec, "grad_scaler": True} if scaler_skip else rec
         tok_per_s = cfg.total_batch_tokens / dt
         mfu = self.flops_per_token * tok_per_s / (self.peak * self.info.world_size) if self.peak else None
         return {"step": self.step, "train_loss": loss_v, "lr": lr, "grad_norm": norm_v, "dt_ms": 1000 * dt,
                 "tok_per_s": tok_per_s, "mfu": mfu, "tokens": self.tokens}
 
     def check_bad(self, record: dict) -> None:
-        """Count skipped steps in a row; stop the run after ``max_bad_steps`` of them."""
+        """Count skipped steps in a row; stop the run after ``max_bad_steps`` of them.
+
+        A step the fp16 grad scaler skipped while lowering its scale is routine, not counted.
+        """
+        if record.get("grad_scaler"):
+            return
         self.bad_steps = self.bad_steps + 1 if "skipped" in record else 0
         if self.bad_steps >= self.cfg.max_bad_steps:
             last = ckpt.find_latest(self.cfg.out) or "none yet"

@@ -91,11 +91,6 @@ def _open_npy(path: str) -> np.ndarray:
     return arr
 
 
-def shard_tokens(path: PathLike) -> int:
-    """Token count of a shard, from its header alone (cheap)."""
-    return len(open_shard(path))
-
-
 def check_vocab(path: PathLike, tokens: np.ndarray, vocab_size: int) -> None:
     """Fail on any token id >= vocab_size, naming the file and the first bad position."""
     if len(tokens) and int(tokens.max()) >= vocab_size:
