@@ -68,8 +68,7 @@ def real_examples_ref(hf_ref):
     return examples, reference_scores(hf_ref[0], examples)
 
 
-# 'shared' is checked on fewer examples: both paths cost a full-vocabulary softmax per token.
-@pytest.mark.parametrize("strategy, n", [("padded", 100), ("shared", 30)])
+@pytest.mark.parametrize("strategy, n", [("padded", 100), ("shared", 100)])
 def test_agrees_with_transformers_loop_on_real_examples(hf_ref, real_examples_ref, strategy, n):
     from gpt2lab.load import load_model
 
@@ -152,6 +151,50 @@ def test_two_gloo_ranks_equal_one_process(hf_ref, tmp_path):
         with open(tmp_path / f"rank{rank}.json") as f:
             assert json.load(f) == single
     assert single["n"] == 30 and 0 < single["acc_norm"] < 1
+
+
+def test_shared_passes_and_one_token_endings_agree_with_transformers(hf_ref, real_examples_ref):
+    """Nine examples with one context: 'shared' splits their 36 ending rows into passes
+    of similar length; one example has only one-token endings (no ending pass at all)."""
+    from gpt2lab.load import load_model
+
+    model, d = hf_ref
+    real = real_examples_ref[0]
+    examples = [Example(real[0].ctx, ex.endings, ex.label) for ex in real[:8]]
+    examples.append(Example(real[0].ctx, ("yes", "no", "the", "a"), 2))
+    ref = reference_scores(model, examples)
+    for strategy in ("shared", "padded"):
+        ours = score_examples(load_model(d), examples, device="cpu", batch_size=16, strategy=strategy)
+        for s, (sums, means) in zip(ours, ref):
+            assert s.sum_loss == pytest.approx(sums, rel=1e-5, abs=1e-4)
+            assert s.mean_loss == pytest.approx(means, rel=1e-5, abs=1e-4)
+
+
+@torch.no_grad()
+def test_forward_positions_equal_full_logits_there():
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=100)).eval()
+    idx = torch.randint(0, 100, (3, 10))
+    full, _ = model(idx)
+    positions = torch.tensor([0, 9, 13, 29, 21])  # flat: row b, position t is b * 10 + t
+    logits, loss = model(idx, idx, positions=positions)
+    assert logits.shape == (5, 100)
+    assert torch.allclose(logits, full.reshape(30, 100)[positions], atol=1e-5)
+    expected = torch.nn.functional.cross_entropy(logits, idx.reshape(-1)[positions])
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    with pytest.raises(ValueError, match="not both"):
+        model(idx, last_only=True, positions=positions)
+
+
+def test_auto_strategy():
+    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=16, vocab_size=32))
+    assert hs.resolve_strategy("auto", model, "cpu") == "shared"
+    assert hs.resolve_strategy("auto", model, "cuda") == "padded"
+    compiled = torch.compile(model)  # wrapping only: nothing is compiled until it runs
+    assert hs.resolve_strategy("auto", compiled, "cpu") == "padded"
+    with pytest.raises(ValueError, match="use 'padded' with a compiled model"):
+        hs.resolve_strategy("shared", compiled, "cpu")
+    with pytest.raises(ValueError, match="strategy must be one of auto, padded, shared"):
+        hs.resolve_strategy("fast", model, "cpu")
 
 
 def test_compiled_and_eager_same_predictions(hf_ref):

@@ -197,16 +197,23 @@ class GPT(nn.Module):
         kv_cache: Optional[KVCache] = None,
         last_only: bool = False,
         return_logits: bool = True,
+        positions: Optional[torch.Tensor] = None,
     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """idx (B, T) token ids -> logits (B, T, vocab_size) and, with targets, the mean loss.
 
         Targets equal to -1 are ignored. With ``kv_cache`` the tokens continue the cached
         sequence (positions start at ``kv_cache.pos``) and the cache advances by T.
         ``last_only`` returns logits (B, 1, vocab_size) for the last position only.
+        ``positions`` (N,) indexes the flattened B*T positions (row b, position t is
+        b*T + t) and returns logits (N, vocab_size) there only, the loss too if targets
+        (B, T) are given: scoring that reads a few positions per row skips the rest of the
+        vocab matmul, at GPT-2 124M about a third of the forward's FLOPs per position.
         ``return_logits=False`` with targets (the training path) returns ``(None, loss)`` and
         computes the loss chunk by chunk without ever holding the (B*T, vocab) logits.
         """
         B, T = idx.shape
+        if last_only and positions is not None:
+            raise ValueError("pass last_only or positions, not both")
         start = kv_cache.pos if kv_cache is not None else 0
         if start + T > self.config.block_size:
             raise ValueError(f"sequence length {start + T} exceeds block_size {self.config.block_size}")
@@ -218,11 +225,14 @@ class GPT(nn.Module):
             kv_cache.pos += T
         if last_only:  # generation needs the next token only: skip T-1 rows of the vocab matmul
             x = x[:, -1:, :]
+        elif positions is not None:
+            x = x.reshape(B * T, -1)[positions]  # (N, C)
+            targets = None if targets is None else targets.reshape(-1)[positions]
         x = self.transformer.ln_f(x)
         if targets is not None and not return_logits:
-            return None, chunked_cross_entropy(x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(-1),
+            return None, chunked_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1),
                                                compiled=self.compile_loss)
-        logits = self.lm_head(x)  # (B, T, vocab_size)
+        logits = self.lm_head(x)  # (B, T, vocab_size), or (N, vocab_size) at positions
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)

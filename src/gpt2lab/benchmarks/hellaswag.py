@@ -1,36 +1,43 @@
 """gpt2lab bench hellaswag: examples/s, batched scoring vs one example per forward.
 
 "One example per forward" is the reference recipe's method: the four rows of one
-example padded to their longest, the full logits turned into per-token losses, then
-the ending tokens summed. Both methods score the same examples with the same random
-124M weights, and the benchmark checks that they pick the same endings.
+example padded to their longest, the full logits (fp32 unless ``--dtype``) turned into
+per-token losses, then the ending tokens' losses summed and averaged. Every method scores the same
+examples with the same random weights; the benchmark checks that they pick the same
+endings (both acc and acc_norm predictions) and counts each method's matmul FLOPs, so
+its speed can be read as a share of the machine's FLOP rate. Methods take turns over
+the whole set, ``--repeats`` times, and the best time of each is kept, so load from
+other processes falls on all of them alike.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
 from torch.nn import functional as F
 
-from gpt2lab.evals.hellaswag import load_examples, render_example, score_examples
+from gpt2lab.dist import DTYPES, autocast
+from gpt2lab.evals.hellaswag import DEFAULT_BATCH_SIZE, load_examples, render_example, resolve_strategy, score_examples
 from gpt2lab.model import GPT, GPTConfig
-from gpt2lab.tokenizer import asset_path, get_tokenizer
+from gpt2lab.tokenizer import get_tokenizer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default=None,
                    help="HellaSwag jsonl (default: the test slice shipped in the repo, tests/data/)")
     p.add_argument("--size", default="124M", help="GPT-2 size of the random model (124M, 350M, ...)")
-    p.add_argument("--limit", type=int, default=64, help="examples scored by each method")
-    p.add_argument("--batch-size", type=int, default=16, help="examples per forward in the batched method")
+    p.add_argument("--limit", type=int, default=128, help="examples scored by each method")
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="examples per batch, batched methods")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs of each method over the whole set")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                   help="autocast dtype of every method (the reference recipe on CPU: float32)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
 def _default_data() -> str:
-    import os
-
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.path.join(here, "..", "..", "..", "tests", "data", "hellaswag_val_200.jsonl")
     if not os.path.isfile(path):
@@ -39,8 +46,9 @@ def _default_data() -> str:
 
 
 @torch.no_grad()
-def reference_predictions(model: GPT, examples, device: torch.device) -> list[int]:
-    """acc_norm predictions the reference way: one example (4 rows) per forward."""
+def reference_predictions(model: GPT, examples, device: torch.device,
+                          dtype: str = "float32") -> list[tuple[int, int]]:
+    """(acc, acc_norm) predictions the reference way: one example (4 rows) per forward."""
     enc, preds = get_tokenizer(), []
     for ex in examples:
         ctx, ends = render_example(enc, ex)
@@ -51,51 +59,86 @@ def reference_predictions(model: GPT, examples, device: torch.device) -> list[in
             tokens[i, :len(ctx) + len(e)] = torch.tensor(ctx + e)
             mask[i, len(ctx):len(ctx) + len(e)] = 1
         tokens, mask = tokens.to(device), mask.to(device)
-        logits, _ = model(tokens)
+        with autocast(device, dtype):
+            logits, _ = model(tokens)  # (4, T, V): every position, as the reference computes it
         losses = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(),
                                  tokens[:, 1:].reshape(-1), reduction="none").view(4, -1)
         m = mask[:, 1:]
-        preds.append(int(((losses * m).sum(1) / m.sum(1)).argmin()))
+        sums = (losses * m).sum(1)
+        preds.append((int(sums.argmin()), int((sums / m.sum(1)).argmin())))
     return preds
 
 
-def _timed(fn) -> tuple[float, object]:
+class MatmulFlops:
+    """Counts a GPT's matmul FLOPs (2 per multiply-add) with forward hooks: every token fed
+    through the blocks (padding included) and every row through lm_head. Attention's
+    QK^T and AV are left out: at HellaSwag lengths they add about 2%."""
+
+    def __init__(self, model: GPT) -> None:
+        blocks = model.transformer.h
+        self.per_token = 2 * sum(m.weight.numel() for m in blocks.modules() if isinstance(m, torch.nn.Linear))
+        self.per_row = 2 * model.lm_head.weight.numel()
+        self.flops = 0
+        blocks[0].register_forward_hook(self._tokens)
+        model.lm_head.register_forward_hook(self._rows)
+
+    def _tokens(self, module, inputs, output) -> None:
+        self.flops += self.per_token * inputs[0].shape[0] * inputs[0].shape[1]
+
+    def _rows(self, module, inputs, output) -> None:
+        self.flops += self.per_row * (inputs[0].numel() // inputs[0].shape[-1])
+
+
+def _timed(fn, device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - t0, out
 
 
 def run(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
     device = torch.device(args.device)
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset(args.size)).to(device).eval()
     examples = load_examples(args.data or _default_data(), args.limit)
-    methods = {
-        "reference": lambda exs: reference_predictions(model, exs, device),
-        "shared": lambda exs: [s.pred_norm for s in score_examples(
-            model, exs, device=device, batch_size=args.batch_size, strategy="shared")],
-        "padded": lambda exs: [s.pred_norm for s in score_examples(
-            model, exs, device=device, batch_size=args.batch_size, strategy="padded")],
-    }
+
+    def batched(strategy):
+        return lambda exs: [(s.pred, s.pred_norm) for s in score_examples(
+            model, exs, device=device, dtype=args.dtype, strategy=strategy, batch_size=args.batch_size)]
+
+    methods = {"reference": lambda exs: reference_predictions(model, exs, device, args.dtype),
+               "padded": batched("padded"), "shared": batched("shared")}
     for fn in methods.values():  # warm-up: one-time allocations and thread pools
         fn(examples[:2])
-    # The methods take turns chunk by chunk, so load from other processes on a shared
-    # machine falls on all of them alike.
-    seconds, preds = dict.fromkeys(methods, 0.0), {k: [] for k in methods}
-    chunk = 4 * args.batch_size
-    for start in range(0, len(examples), chunk):
+    counter = MatmulFlops(model)
+    load_before = os.getloadavg()
+    times, preds, flops = {k: [] for k in methods}, {}, {}
+    for _ in range(args.repeats):
         for name, fn in methods.items():
-            dt, out = _timed(lambda: fn(examples[start:start + chunk]))
-            seconds[name] += dt
-            preds[name] += out
+            counter.flops = 0
+            dt, preds[name] = _timed(lambda: fn(examples), device)
+            times[name].append(round(dt, 2))
+            flops[name] = counter.flops
     n = len(examples)
     result = {"bench": "hellaswag", "size": args.size, "device": str(device), "threads": torch.get_num_threads(),
-              "examples": n, "batch_size": args.batch_size}
+              "dtype": args.dtype, "examples": n, "batch_size": args.batch_size, "repeats": args.repeats,
+              "default_strategy": resolve_strategy("auto", model, device),
+              "loadavg_1_5_15": {"before": [round(x, 2) for x in load_before],
+                                 "after": [round(x, 2) for x in os.getloadavg()]}}
     for name in methods:
-        result[f"{name}_examples_per_s"] = round(n / seconds[name], 2)
-    for name in ("shared", "padded"):
-        result[f"{name}_speedup"] = round(seconds["reference"] / seconds[name], 2)
-        result[f"{name}_same_predictions"] = f"{sum(a == b for a, b in zip(preds[name], preds['reference']))}/{n}"
+        best = min(times[name])
+        result[name] = {"examples_per_s": round(n / best, 2), "seconds": times[name],
+                        "gflop_per_example": round(flops[name] / n / 1e9, 1),
+                        "gflop_per_s": round(flops[name] / best / 1e9, 1)}
+        if name != "reference":
+            result[name]["speedup"] = round(min(times["reference"]) / best, 2)
+            same = sum(a == b for a, b in zip(preds[name], preds["reference"]))
+            result[name]["same_predictions"] = f"{same}/{n}"
     return result

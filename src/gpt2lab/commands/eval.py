@@ -17,9 +17,12 @@ def add_parser(sub) -> None:
                     help="jsonl with ctx/endings/label per line (default: the official validation set, "
                          "downloaded once into ~/.cache/gpt2lab or $GPT2LAB_CACHE)")
     hs.add_argument("--limit", type=int, default=None, help="score only the first N examples")
-    hs.add_argument("--batch-size", type=int, default=16, help="examples per forward pass (4 rows each)")
-    hs.add_argument("--strategy", choices=("padded", "shared"), default="padded",
-                    help="padded: many examples per batch (default); shared: each context once, via the KV cache")
+    hs.add_argument("--batch-size", type=int, default=None,
+                    help="examples per batch, 4 rows each (default: 16, the fastest measured on CPU)")
+    hs.add_argument("--strategy", choices=("auto", "padded", "shared"), default="auto",
+                    help="padded: rows of many examples padded into one forward; shared: each context once, "
+                         "continued into its endings via the KV cache; auto (default): shared for an eager "
+                         "model on CPU, else padded")
     hs.add_argument("--compile", action="store_true", help="torch.compile the model first")
     hs.set_defaults(func=run_hellaswag)
 
@@ -50,7 +53,7 @@ def run_hellaswag(args: argparse.Namespace) -> int:
     import torch
 
     from gpt2lab.dist import cleanup, init_distributed, print0
-    from gpt2lab.evals.hellaswag import evaluate_hellaswag
+    from gpt2lab.evals.hellaswag import DEFAULT_BATCH_SIZE, evaluate_hellaswag
     from gpt2lab.load import load_model
 
     _positive(args.limit, "--limit")
@@ -62,8 +65,9 @@ def run_hellaswag(args: argparse.Namespace) -> int:
             model = torch.compile(model)
         try:
             result = evaluate_hellaswag(model, args.data, device=info.device, dtype=args.dtype,
-                                        batch_size=args.batch_size, limit=args.limit, rank=info.rank,
-                                        world_size=info.world_size, strategy=args.strategy, progress=True)
+                                        batch_size=args.batch_size or DEFAULT_BATCH_SIZE, limit=args.limit,
+                                        rank=info.rank, world_size=info.world_size, strategy=args.strategy,
+                                        progress=True)
         except (FileNotFoundError, ValueError, RuntimeError) as e:
             raise SystemExit(f"gpt2lab eval hellaswag: {e}") from None
         print0(json.dumps(result))

@@ -3,9 +3,13 @@
 Scoring follows the reference recipe: each of the four candidate rows is the tokens of
 ``ctx`` followed by the tokens of ``" " + ending``; only the ending tokens are scored.
 ``acc`` picks the ending with the lowest summed cross entropy, ``acc_norm`` the lowest
-mean (per ending token). Unlike the reference, many examples share one forward pass:
-rows are sorted by length, right-padded (padding after the ending cannot change a causal
-model's logits on the real tokens) and masked out of the loss.
+mean (per ending token). Unlike the reference, many examples share one forward pass
+and no work is spent on what is not scored: logits only at the positions that predict
+ending tokens (``GPT.forward(positions=...)``), no row's last token, little padding.
+Two ways to batch (``resolve_strategy``): 'padded' sorts the rows of all examples by
+length and right-pads them (padding after a row cannot change a causal model's outputs
+on it); 'shared' runs each context once into the KV cache and continues it into its
+four endings.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from gpt2lab.dist import all_reduce_sum, autocast
+from gpt2lab.model import KVCache
 
 # The official validation file (10,042 examples). The repository may go away; the HF
 # dataset below is the second source.
@@ -33,7 +38,12 @@ N_ENDINGS = 4
 # A compiled model recompiles for every new input shape: round lengths up to a coarse
 # multiple so the whole validation set needs only a handful of shapes.
 COMPILED_PAD_MULTIPLE = 64
-EAGER_PAD_MULTIPLE = 8
+# Ending rows per forward in 'shared' when a batch has fewer examples: very small
+# matmuls waste more than the padding saved by splitting.
+SHARED_MIN_ROWS = 16
+# Examples per batch. On a 2-core CPU 16, 32 and 64 measured within noise of each other
+# ('shared'), 16 fastest for 'padded' (docs/benchmarks.md); a GPU may want more.
+DEFAULT_BATCH_SIZE = 16
 
 
 @dataclass(frozen=True)
@@ -164,16 +174,16 @@ def render_example(enc, ex: Example) -> tuple[list[int], list[list[int]]]:
     return enc.encode(ex.ctx), [enc.encode(" " + e) for e in ex.endings]
 
 
-def _rows(enc, ex: Example, block_size: int) -> tuple[list[list[int]], list[int], bool]:
-    """The four token rows and their ending lengths; the context is cut from the left
-    when a row would not fit in ``block_size`` (returns whether it was)."""
+def _render(enc, ex: Example, block_size: int) -> tuple[list[int], list[list[int]], bool]:
+    """Context and ending tokens; the context is cut from the left when a row would not
+    fit in ``block_size`` (returns whether it was)."""
     ctx, ends = render_example(enc, ex)
     longest = max(len(e) for e in ends)
     if longest > block_size - 1:
         raise ValueError(f"HellaSwag ending of {longest} tokens cannot be scored by a model with "
                          f"block_size {block_size}")
     keep = min(len(ctx), block_size - longest)
-    return [ctx[len(ctx) - keep:] + e for e in ends], [len(e) for e in ends], keep < len(ctx)
+    return ctx[len(ctx) - keep:], ends, keep < len(ctx)
 
 
 def _is_compiled(model) -> bool:
@@ -186,144 +196,180 @@ def _block_size(model) -> int:
     return getattr(config, "block_size", None) or getattr(config, "n_positions", 1024)
 
 
-@torch.no_grad()
-def _score_batch(model, rows: list[list[int]], end_lens: list[int], *, device, dtype, pad_multiple: int,
-                 n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed and mean ending loss of each row, from one forward pass."""
-    T = max(len(r) for r in rows)
-    T = -(-T // pad_multiple) * pad_multiple
-    T = min(T, _block_size(model))
-    R = max(n_rows, len(rows))  # dummy rows keep the batch shape fixed for a compiled model
-    tokens = torch.zeros(R, T, dtype=torch.long)
-    mask = torch.zeros(R, T, dtype=torch.bool)  # True where a token is part of an ending
-    for i, (row, n_end) in enumerate(zip(rows, end_lens)):
-        tokens[i, :len(row)] = torch.tensor(row)
-        mask[i, len(row) - n_end:len(row)] = True
-    tokens, mask = tokens.to(device), mask.to(device)
-    with autocast(device, dtype):
-        logits, _ = model(tokens)
-    # Position t predicts token t+1; take only positions whose target is an ending token.
-    target_mask = mask[:, 1:]
-    picked = logits[:, :-1][target_mask].float()  # (n_ending_tokens, V)
-    losses = F.cross_entropy(picked, tokens[:, 1:][target_mask], reduction="none")
-    row_of = torch.arange(R, device=device)[:, None].expand(R, T - 1)[target_mask]
-    sums = torch.zeros(R, device=device).index_add_(0, row_of, losses)
-    counts = target_mask.sum(1).clamp(min=1)
-    return sums[:len(rows)].cpu(), (sums / counts)[:len(rows)].cpu()
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _losses(logits: torch.Tensor, targets: list[int], rows: list[int], n_rows: int, device) -> torch.Tensor:
+    """Summed cross entropy per row of the scored positions (targets -1 count zero)."""
+    losses = F.cross_entropy(logits.float(), torch.tensor(targets, device=device), ignore_index=-1,
+                             reduction="none")
+    return torch.zeros(n_rows, device=device).index_add_(0, torch.tensor(rows, device=device), losses)
 
 
 @torch.no_grad()
-def _score_shared(model, ctxs: list[list[int]], ends: list[list[list[int]]], *, device, dtype
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed and mean ending losses for examples whose contexts have the same length.
+def _score_padded(model, rows: list[tuple[list[int], list[int]]], *, device, dtype,
+                  compiled_rows: int = 0) -> torch.Tensor:
+    """Summed ending loss of each (context, ending) row, all rows in one forward pass.
 
-    The context runs once per example into the KV cache, which is then copied to the
-    four ending rows: the endings cost what they cost, the context a quarter of it.
+    Rows are right-padded (padding after a row cannot change a causal model's outputs on
+    it). A row's last token is not fed: its output would predict nothing that is scored.
+    Logits are computed only at the positions that predict ending tokens.
+    ``compiled_rows`` (a compiled model) pads the batch with empty rows to that many and
+    rounds the length and the number of scored positions up: few distinct shapes.
     """
-    n, Lc = len(ctxs), len(ctxs[0])
-    flat = [e for four in ends for e in four]
-    Le = max(len(e) for e in flat)
-    cache = model.new_kv_cache(Lc + Le)
+    compiled = compiled_rows > 0
+    T = max(len(c) + len(e) - 1 for c, e in rows)
+    T = min(_round_up(T, COMPILED_PAD_MULTIPLE) if compiled else T, _block_size(model))
+    R = max(compiled_rows, len(rows))
+    tokens = torch.zeros(R, T, dtype=torch.long)
+    positions, targets, row_of = [], [], []
+    for r, (ctx, end) in enumerate(rows):
+        seq = ctx + end
+        tokens[r, :len(seq) - 1] = torch.tensor(seq[:-1])
+        first = r * T + len(ctx) - 1  # its output predicts the first ending token
+        positions += range(first, first + len(end))
+        targets += end
+        row_of += [r] * len(end)
+    if compiled:  # padding positions have target -1, which scores zero
+        pad = _round_up(len(positions), 8 * R) - len(positions)
+        positions, targets, row_of = positions + [0] * pad, targets + [-1] * pad, row_of + [0] * pad
     with autocast(device, dtype):
-        ctx_logits, _ = model(torch.tensor(ctxs, device=device), kv_cache=cache)
-        for layer in range(len(cache.k)):
-            cache.k[layer] = cache.k[layer].repeat_interleave(N_ENDINGS, dim=0)
-            cache.v[layer] = cache.v[layer].repeat_interleave(N_ENDINGS, dim=0)
-        tokens = torch.zeros(N_ENDINGS * n, Le, dtype=torch.long)
-        for i, e in enumerate(flat):
-            tokens[i, :len(e)] = torch.tensor(e)
-        tokens = tokens.to(device)
-        end_logits, _ = model(tokens, kv_cache=cache)
-    # The first ending token is predicted by the last context position, the rest by the
-    # ending positions before them: (4n, Le, V) with padding after each ending.
-    logits = torch.cat([ctx_logits[:, -1:].repeat_interleave(N_ENDINGS, dim=0), end_logits[:, :-1]], dim=1)
-    lens = torch.tensor([len(e) for e in flat], device=device)
-    mask = torch.arange(Le, device=device)[None, :] < lens[:, None]
-    losses = F.cross_entropy(logits[mask].float(), tokens[mask], reduction="none")
-    row_of = torch.arange(len(flat), device=device)[:, None].expand(len(flat), Le)[mask]
-    sums = torch.zeros(len(flat), device=device).index_add_(0, row_of, losses)
-    return sums.cpu(), (sums / lens).cpu()
+        logits, _ = model(tokens.to(device), positions=torch.tensor(positions, device=device))
+    return _losses(logits, targets, row_of, R, device)[:len(rows)].cpu()
 
 
-def _batches_padded(rendered, order, batch_size):
-    for start in range(0, len(order), batch_size):
-        yield order[start:start + batch_size]
+def _fork(cache: KVCache, rows: torch.Tensor, max_len: int) -> KVCache:
+    """A cache whose row k continues row ``rows[k]`` of ``cache``, with room for ``max_len``."""
+    new = KVCache(cache.n_layer, max_len)
+    new.pos = cache.pos
+    for layer in range(cache.n_layer):
+        for old, buf in ((cache.k, new.k), (cache.v, new.v)):
+            past = old[layer][rows]  # (len(rows), nh, pos, hs)
+            buf[layer] = past.new_empty(past.shape[0], past.shape[1], max_len, past.shape[3])
+            buf[layer][:, :, :cache.pos] = past
+    return new
 
 
-def _batches_shared(rendered, order, batch_size):
-    """Groups of up to batch_size examples with equal context length (kept after any cut)."""
-    by_len: dict[int, list[int]] = {}
-    for i in order:
-        by_len.setdefault(len(rendered[i][0][0]) - rendered[i][1][0], []).append(i)
-    for group in by_len.values():
-        for start in range(0, len(group), batch_size):
-            yield group[start:start + batch_size]
+@torch.no_grad()
+def _score_shared(model, ctxs: list[list[int]], ends: list[list[list[int]]], *, device, dtype) -> torch.Tensor:
+    """Summed ending losses (n, 4) of n examples whose contexts have the same length.
+
+    Each context runs once into the KV cache: the endings cost what they cost, the
+    context a quarter of it. The 4n ending rows then continue from their example's
+    cached context, sorted by length and run in passes of similar lengths (little padding).
+    """
+    n, flat = len(ctxs), [e for four in ends for e in four]
+    ctx_cache = model.new_kv_cache(len(ctxs[0]))
+    with autocast(device, dtype):
+        first, _ = model(torch.tensor(ctxs, device=device), kv_cache=ctx_cache, last_only=True)
+    # The last context position predicts every ending's first token.
+    sums = _losses(first[:, 0].repeat_interleave(N_ENDINGS, dim=0), [e[0] for e in flat], list(range(len(flat))),
+                   len(flat), device)
+    order = sorted(range(len(flat)), key=lambda r: len(flat[r]))
+    per_pass = max(n, SHARED_MIN_ROWS)
+    for s in range(0, len(flat), per_pass):
+        rows = order[s:s + per_pass]
+        T = max(len(flat[r]) for r in rows) - 1  # an ending's last token predicts nothing scored
+        if T == 0:
+            continue
+        tokens, positions, targets, row_of = torch.zeros(len(rows), T, dtype=torch.long), [], [], []
+        for k, r in enumerate(rows):
+            e = flat[r]
+            tokens[k, :len(e) - 1] = torch.tensor(e[:-1])
+            positions += range(k * T, k * T + len(e) - 1)
+            targets += e[1:]
+            row_of += [r] * (len(e) - 1)
+        cache = _fork(ctx_cache, torch.tensor([r // N_ENDINGS for r in rows], device=device), ctx_cache.pos + T)
+        with autocast(device, dtype):
+            logits, _ = model(tokens.to(device), kv_cache=cache, positions=torch.tensor(positions, device=device))
+        sums += _losses(logits, targets, row_of, len(flat), device)
+    return sums.view(n, N_ENDINGS).cpu()
 
 
-STRATEGIES = ("padded", "shared")
+STRATEGIES = ("auto", "padded", "shared")
 
 
-def _check_strategy(strategy: str) -> None:
-    """'padded': rows of many examples padded into one batch (one graph, few shapes: the
-    one for compiled models). 'shared': each context runs once into the KV cache and is
-    copied to its four endings; batches only hold equal context lengths (eager models)."""
+def resolve_strategy(strategy: str, model, device) -> str:
+    """How rows share a forward pass. 'padded': rows of many examples padded into one
+    batch; one graph with few shapes, so the one for compiled models. 'shared': each
+    context runs once into the KV cache and continues into its four endings; about 1.7x
+    fewer FLOPs on the validation set, in more and smaller forwards (batches only hold
+    equal context lengths). 'auto': 'shared' for an eager model on CPU, where time is
+    FLOPs, else 'padded' (a compiled model; on a GPU fewer, larger launches)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if strategy == "shared" and _is_compiled(model):
+        raise ValueError("strategy 'shared' recompiles for every context length; use 'padded' with a compiled model")
+    if strategy == "auto":
+        return "shared" if torch.device(device).type == "cpu" and not _is_compiled(model) else "padded"
+    return strategy
 
 
-def score_examples(model, examples: list[Example], *, device, dtype: str = "float32", batch_size: int = 16,
-                   strategy: str = "padded", progress: bool = False) -> list[Score]:
+def _batches(rendered, strategy: str, batch_size: int) -> list[tuple[str, list]]:
+    """('padded', [(example, ending), ...]) rows or ('shared', [example, ...]) batches.
+
+    Longest first: the first batch shows the peak memory at once. Padded batches take
+    rows of similar length from any examples (little padding); shared batches examples
+    with equal context length.
+    """
+    if strategy == "padded":
+        rows = sorted(((i, j) for i in range(len(rendered)) for j in range(N_ENDINGS)),
+                      key=lambda ij: -(len(rendered[ij[0]][0]) + len(rendered[ij[0]][1][ij[1]])))
+        size = N_ENDINGS * batch_size
+        return [("padded", rows[s:s + size]) for s in range(0, len(rows), size)]
+    by_len: dict[int, list[int]] = {}
+    for i in sorted(range(len(rendered)), key=lambda i: (-len(rendered[i][0]), -max(map(len, rendered[i][1])))):
+        by_len.setdefault(len(rendered[i][0]), []).append(i)
+    return [("shared", group[s:s + batch_size]) for group in by_len.values()
+            for s in range(0, len(group), batch_size)]
+
+
+def score_examples(model, examples: list[Example], *, device, dtype: str = "float32",
+                   batch_size: int = DEFAULT_BATCH_SIZE, strategy: str = "auto",
+                   progress: bool = False) -> list[Score]:
     """Score every example, up to ``batch_size`` examples per forward; results in input order."""
     from gpt2lab.tokenizer import get_tokenizer
 
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     device = torch.device(device)
-    _check_strategy(strategy)
-    if strategy == "shared" and _is_compiled(model):
-        raise ValueError("strategy 'shared' recompiles for every context length; use 'padded' with a compiled model")
-    compiled = _is_compiled(model)
+    strategy, compiled = resolve_strategy(strategy, model, device), _is_compiled(model)
     enc, block = get_tokenizer(), _block_size(model)
-    rendered = [_rows(enc, ex, block) for ex in examples]
+    rendered = [_render(enc, ex, block) for ex in examples]
     n_cut = sum(r[2] for r in rendered)
     if n_cut:
         warnings.warn(f"HellaSwag: {n_cut} of {len(examples)} contexts were cut from the left to fit "
                       f"block_size {block}")
-    # Longest first: batches hold rows of similar length (little padding) and the first
-    # batch shows the peak memory at once.
-    order = sorted(range(len(examples)), key=lambda i: -max(len(r) for r in rendered[i][0]))
-    batches = list((_batches_shared if strategy == "shared" else _batches_padded)(rendered, order, batch_size))
+    batches = _batches(rendered, strategy, batch_size)
     if progress:
         from tqdm import tqdm
 
         batches = tqdm(batches, desc="hellaswag", unit="batch")
-    scores: list[Optional[Score]] = [None] * len(examples)
-    for idx in batches:
-        if strategy == "shared":
-            ctxs = [rendered[i][0][0][:len(rendered[i][0][0]) - rendered[i][1][0]] for i in idx]
-            ends = [[row[len(ctxs[j]):] for row in rendered[i][0]] for j, i in enumerate(idx)]
-            sums, means = _score_shared(model, ctxs, ends, device=device, dtype=dtype)
+    sums = torch.zeros(len(examples), N_ENDINGS)
+    for kind, idx in batches:
+        if kind == "shared":
+            sums[idx] = _score_shared(model, [rendered[i][0] for i in idx], [rendered[i][1] for i in idx],
+                                      device=device, dtype=dtype)
         else:
-            rows = [row for i in idx for row in rendered[i][0]]
-            end_lens = [n for i in idx for n in rendered[i][1]]
-            sums, means = _score_batch(model, rows, end_lens, device=device, dtype=dtype,
-                                       pad_multiple=COMPILED_PAD_MULTIPLE if compiled else EAGER_PAD_MULTIPLE,
-                                       n_rows=N_ENDINGS * batch_size if compiled else 0)
-        for j, i in enumerate(idx):
-            s, m = sums[N_ENDINGS * j:N_ENDINGS * (j + 1)], means[N_ENDINGS * j:N_ENDINGS * (j + 1)]
-            scores[i] = Score(tuple(s.tolist()), tuple(m.tolist()), int(s.argmin()), int(m.argmin()),
-                              examples[i].label)
+            rows = [(rendered[i][0], rendered[i][1][j]) for i, j in idx]
+            sums[tuple(zip(*idx))] = _score_padded(model, rows, device=device, dtype=dtype,
+                                                   compiled_rows=N_ENDINGS * batch_size if compiled else 0)
+    scores = []
+    for ex, (_, ends, _), s in zip(examples, rendered, sums):
+        m = s / torch.tensor([len(e) for e in ends])
+        scores.append(Score(tuple(s.tolist()), tuple(m.tolist()), int(s.argmin()), int(m.argmin()), ex.label))
     return scores
 
 
 def evaluate_hellaswag(model, data_path: Optional[str] = None, *, device, dtype: str = "float32",
-                       batch_size: int = 16, limit: Optional[int] = None, rank: int = 0, world_size: int = 1,
-                       strategy: str = "padded", progress: bool = False) -> dict:
+                       batch_size: int = DEFAULT_BATCH_SIZE, limit: Optional[int] = None, rank: int = 0,
+                       world_size: int = 1, strategy: str = "auto", progress: bool = False) -> dict:
     """HellaSwag accuracy of ``model``: {"task", "n", "acc", "acc_norm"}.
 
     Under torch.distributed each rank scores examples rank, rank + world_size, ... and the
     counts are summed over ranks, so every rank returns the same, whole-set result.
-    ``strategy`` is how rows share a forward pass (see ``_check_strategy``).
+    ``strategy`` is how rows share a forward pass (see ``resolve_strategy``).
     """
     if world_size > 1 and not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"world_size {world_size} needs an initialised torch.distributed process group")
