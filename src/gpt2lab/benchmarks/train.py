@@ -5,13 +5,15 @@
 (nanoGPT-style: one ``F.cross_entropy`` over materialised logits, bf16 autocast and
 torch.compile as the recipe uses them, AdamW fused only on CUDA as the recipe does), on the
 same batches, alternating with gpt2lab's step for several rounds; it reports the median
-of each side and their ratio.
+of each side and their ratio. Each side runs in a process of its own, so that neither
+inherits the other's CPU allocator setting or heap.
 """
 from __future__ import annotations
 
 import argparse
 import inspect
 import math
+import multiprocessing as mp
 import statistics
 import time
 
@@ -38,75 +40,109 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from gpt2lab.train import Trainer, keep_freed_memory
-
     cfg = load_preset(args.preset, **overrides_from_args(args))
     device = pick_device(None if cfg.device == "auto" else cfg.device)
-    trainer = Trainer(cfg, DistInfo(device=device))
-    cpu = device.type == "cpu"
-    ours = _Timed("gpt2lab", lambda: trainer.train_step()["train_loss"], device,
-                  setup=lambda: cpu and keep_freed_memory(cfg.keep_cpu_memory))
-    sides = [ours]
-    if args.reference:
-        ref = ReferenceStep(cfg, device, trainer.loader.next_batch, compile=args.reference_compile == "true")
-        sides.append(_Timed("reference", ref.step, device,
-                            setup=lambda: cpu and keep_freed_memory(args.reference_keep_memory == "true")))
-    for side in sides:
-        side.warm(args.warmup)
-    for _ in range(args.rounds):  # alternate, so both see the same machine load
-        for side in sides:
-            side.round(args.steps)
-    ms = ours.median_ms()
+    names = ["gpt2lab", "reference"] if args.reference else ["gpt2lab"]
+    # Each side runs in a process of its own: the CPU allocator setting (mallopt) and the
+    # heap it leaves behind are per process, and one side's setting must not tax the other.
+    ctx = mp.get_context("spawn")
+    sides = []
+    try:
+        for name in names:
+            parent, child = ctx.Pipe()
+            opts = dict(warmup=args.warmup, reference_compile=args.reference_compile == "true",
+                        reference_keep_memory=args.reference_keep_memory == "true")
+            proc = ctx.Process(target=_worker, args=(child, name, cfg, str(device), opts), daemon=True)
+            proc.start()
+            sides.append((name, proc, parent))
+        info = {name: _recv(name, conn) for name, _, conn in sides}  # built and warmed up
+        rounds: dict[str, list[float]] = {name: [] for name in names}
+        for _ in range(args.rounds):  # alternate, so both see the same machine load
+            for name, _, conn in sides:
+                conn.send(args.steps)
+                rounds[name].append(_recv(name, conn))
+    finally:
+        for _, proc, conn in sides:
+            if proc.is_alive():
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
+                proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    ms = statistics.median(rounds["gpt2lab"])
     tok_per_s = cfg.total_batch_tokens / (ms / 1000)
+    ours = info["gpt2lab"]
     result = {
         "preset": args.preset, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "seq_len": cfg.seq_len,
         "micro_batch_size": cfg.micro_batch_size, "total_batch_tokens": cfg.total_batch_tokens,
-        "dtype": cfg.dtype, "compile": cfg.compile, "device": str(device), "threads": torch.get_num_threads(),
-        "keep_cpu_memory": cfg.keep_cpu_memory,
+        "vocab_size": cfg.vocab_size, "dtype": cfg.dtype, "compile": cfg.compile, "device": str(device),
+        "threads": ours["threads"], "keep_cpu_memory": cfg.keep_cpu_memory,
         "ms_per_step": round(ms, 2), "tok_per_s": round(tok_per_s, 1),
-        "mfu": trainer.flops_per_token * tok_per_s / trainer.peak if trainer.peak else None,
-        "flops_per_token": trainer.flops_per_token, "rounds_ms": ours.rounds_ms(),
+        "mfu": ours["flops_per_token"] * tok_per_s / ours["peak"] if ours["peak"] else None,
+        "flops_per_token": ours["flops_per_token"], "rounds_ms": [round(m, 1) for m in rounds["gpt2lab"]],
     }
     if args.reference:
-        ref_ms = sides[1].median_ms()
-        ratios = [r / o for o, r in zip(ours.means, sides[1].means)]  # per round: same machine load
+        ref = rounds["reference"]
+        ref_ms = statistics.median(ref)
+        ratios = [r / o for o, r in zip(rounds["gpt2lab"], ref)]  # per round: same machine load
         result.update(reference_keep_cpu_memory=args.reference_keep_memory == "true",
                       reference_compile=args.reference_compile == "true",
                       reference_ms_per_step=round(ref_ms, 2),
                       reference_tok_per_s=round(cfg.total_batch_tokens / (ref_ms / 1000), 1),
-                      reference_rounds_ms=sides[1].rounds_ms(), speedup=round(ref_ms / ms, 3),
+                      reference_rounds_ms=[round(m, 1) for m in ref], speedup=round(ref_ms / ms, 3),
                       speedup_median_of_rounds=round(statistics.median(ratios), 3),
-                      speedup_best_vs_best=round(min(sides[1].means) / min(ours.means), 3))
+                      speedup_best_vs_best=round(min(ref) / min(rounds["gpt2lab"]), 3))
     return result
 
 
-class _Timed:
-    """A step function and its per-round mean step time."""
+def _recv(name: str, conn):
+    try:
+        msg = conn.recv()
+    except EOFError:
+        raise RuntimeError(f"bench train: the {name} worker process died (see its output above)") from None
+    if isinstance(msg, BaseException):
+        raise RuntimeError(f"bench train: the {name} side failed: {msg!r}") from msg
+    return msg
 
-    def __init__(self, name: str, fn, device: torch.device, setup=lambda: None) -> None:
-        self.name, self.fn, self.device, self.setup, self.means = name, fn, device, setup, []
 
-    def warm(self, n: int) -> None:
-        self.setup()
-        for _ in range(n):
-            self.fn()
+def _worker(conn, name: str, cfg, device: str, opts: dict) -> None:
+    """One side in its own process: build, warm up, then time ``steps`` steps per request."""
+    try:
+        from gpt2lab.data import TokenLoader
+        from gpt2lab.train import Trainer, keep_freed_memory
 
-    def round(self, steps: int) -> None:
-        self.setup()  # this side's allocator setting, before its clock starts
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            loss = self.fn()
-        if not math.isfinite(float(loss)):
-            raise RuntimeError(f"{self.name}: non-finite loss {loss} while benchmarking")
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.means.append(1000 * (time.perf_counter() - t0) / steps)
-
-    def median_ms(self) -> float:
-        return statistics.median(self.means)
-
-    def rounds_ms(self) -> list[float]:
-        return [round(m, 1) for m in self.means]
+        device = torch.device(device)
+        if device.type == "cpu":
+            keep_freed_memory(cfg.keep_cpu_memory if name == "gpt2lab" else opts["reference_keep_memory"])
+        info = {"threads": torch.get_num_threads(), "flops_per_token": None, "peak": None}
+        if name == "gpt2lab":  # exactly the step `gpt2lab train` runs
+            trainer = Trainer(cfg, DistInfo(device=device))
+            info.update(flops_per_token=trainer.flops_per_token, peak=trainer.peak)
+            fn = lambda: trainer.train_step()["train_loss"]  # noqa: E731
+        else:  # the same batches (same loader, same seed)
+            if device.type == "cuda":
+                torch.set_float32_matmul_precision("high")  # TF32, as the recipe sets it
+            torch.manual_seed(cfg.seed)
+            loader = TokenLoader(cfg.data, "train", cfg.micro_batch_size, cfg.seq_len, seed=cfg.seed)
+            fn = ReferenceStep(cfg, device, loader.next_batch, compile=opts["reference_compile"]).step
+        for _ in range(opts["warmup"]):
+            fn()
+        conn.send(info)
+        while (steps := conn.recv()) is not None:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                loss = fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            ms = 1000 * (time.perf_counter() - t0) / steps
+            if not math.isfinite(float(loss)):
+                raise RuntimeError(f"{name}: non-finite loss {loss} while benchmarking")
+            conn.send(ms)
+    except BaseException as e:  # reported to the parent, which raises it
+        conn.send(RuntimeError(f"{type(e).__name__}: {e}"))
+        raise
 
 
 # -- the reference recipe's model, written plainly ---------------------------------------
