@@ -71,7 +71,9 @@ def test_round_trip_jsonl_and_manifest(tmp_path):
     assert json.loads((out / "manifest.json").read_text()) == m
 
 
-def test_one_worker_and_two_workers_write_the_same_shards(tmp_path, monkeypatch):
+@pytest.mark.parametrize("thread_pool_max_bytes", [0, 1 << 40], ids=["processes", "threads"])
+def test_one_worker_and_two_workers_write_the_same_shards(tmp_path, monkeypatch, thread_pool_max_bytes):
+    monkeypatch.setattr(prep, "THREAD_POOL_MAX_BYTES", thread_pool_max_bytes)  # which pool tokenizes
     monkeypatch.setattr(prep, "TASK_DOCS", 3)  # many small tasks, so the pool really interleaves
     src = str(_jsonl(tmp_path / "docs.jsonl"))
     prepare(src, str(tmp_path / "w1"), shard_tokens=64, val_tokens=100, workers=1, progress=False)
@@ -92,7 +94,9 @@ def _crash_after(monkeypatch, n_shards, exc=KeyboardInterrupt):
     monkeypatch.setattr(prep, "write_shard", flaky)
 
 
-def test_crash_then_rerun_equals_uninterrupted_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize("thread_pool_max_bytes", [0, 1 << 40], ids=["processes", "threads"])
+def test_crash_then_rerun_equals_uninterrupted_run(tmp_path, monkeypatch, thread_pool_max_bytes):
+    monkeypatch.setattr(prep, "THREAD_POOL_MAX_BYTES", thread_pool_max_bytes)
     monkeypatch.setattr(prep, "TASK_DOCS", 4)
     src = str(_jsonl(tmp_path / "docs.jsonl"))
     kw = dict(shard_tokens=80, val_tokens=120, progress=False)
@@ -186,7 +190,9 @@ def test_bad_jsonl_names_file_and_line(tmp_path, line, match):
         prepare(str(path), str(tmp_path / "out"), workers=1, progress=False)
 
 
-def test_bad_line_found_by_a_worker_process_is_reported(tmp_path, monkeypatch):
+@pytest.mark.parametrize("thread_pool_max_bytes", [0, 1 << 40], ids=["processes", "threads"])
+def test_bad_line_found_by_a_worker_is_reported(tmp_path, monkeypatch, thread_pool_max_bytes):
+    monkeypatch.setattr(prep, "THREAD_POOL_MAX_BYTES", thread_pool_max_bytes)
     monkeypatch.setattr(prep, "TASK_DOCS", 2)
     path = _jsonl(tmp_path / "docs.jsonl")
     path.write_text(path.read_text() + '{"txt": "typo"}\n')

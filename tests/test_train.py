@@ -154,3 +154,35 @@ def test_fp16_scaler_survives_nan_steps_and_resume(tiny_data, tmp_path, monkeypa
     path = trainer.save()
     resumed = Trainer(trainer.cfg, DistInfo(device=CPU), resume=path)
     assert resumed.scaler.state_dict() == trainer.scaler.state_dict()
+
+
+def test_run_logs_val_hellaswag_samples_tensorboard_and_plot(tiny_data, tmp_path):
+    """A short run with every in-training evaluation on; the logged figures equal the
+    standalone evaluators applied to the checkpoint the run saved at its last step."""
+    from pathlib import Path
+
+    from gpt2lab.evals.hellaswag import evaluate_hellaswag
+    from gpt2lab.evals.loss import evaluate_loss
+    from gpt2lab.load import load_model
+    from gpt2lab.train import train
+
+    slice_ = str(Path(__file__).parent / "data" / "hellaswag_val_200.jsonl")
+    out = tmp_path / "run"
+    cfg = load_preset("shakespeare-cpu", **{**TINY, "data": tiny_data, "out": str(out), "max_steps": 4,
+                                            "eval_interval": 2, "eval_tokens": 2 * 64, "hellaswag_interval": 4,
+                                            "hellaswag_data": slice_, "hellaswag_limit": 6, "sample_interval": 4,
+                                            "sample_tokens": 8, "tensorboard": True})
+    last = train(cfg, DistInfo(device=CPU))
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    val = {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
+    hs = {r["step"]: r for r in recs if "hellaswag_acc_norm" in r}
+    samples = {r["step"]: r["sample"] for r in recs if "sample" in r}
+    assert sorted(val) == [0, 2, 4] and sorted(hs) == [0, 4] and sorted(samples) == [0, 4]
+    assert all(isinstance(s, str) and s.startswith("ROMEO:") for s in samples.values())
+    model = load_model(last, CPU)
+    assert abs(val[4] - evaluate_loss(model, tiny_data, tokens=2 * 64, batch_size=2, seq_len=32,
+                                      device=CPU)) < 1e-5
+    ref = evaluate_hellaswag(model, slice_, device=CPU, limit=6)
+    assert (hs[4]["hellaswag_n"], hs[4]["hellaswag_acc"], hs[4]["hellaswag_acc_norm"]) == (6, ref["acc"], ref["acc_norm"])
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 import multiprocessing as mp
 import os
 import sys
@@ -32,6 +34,13 @@ FORMAT = "gpt2lab-token-shards"
 # small source still gets ~8 tasks per worker so the workers stay evenly loaded.
 TASK_CHARS_MIN, TASK_CHARS_MAX = 1 << 16, 1 << 20
 TASK_DOCS = 4096
+# Sources of known size below this many bytes are tokenized by threads, above it (and the
+# hub, size unknown) by processes. tiktoken encodes with the GIL released, so threads run
+# in parallel and start in microseconds, but the Python around the encoding (a .jsonl
+# line's json.loads, the per-document copy) takes turns; processes pay ~100 ms to start
+# and for every message, and never contend. Measured on 2 cores (docs/benchmarks.md):
+# threads won on the ~1 MB bundled sources, processes on 20x them as .jsonl.
+THREAD_POOL_MAX_BYTES = 8 << 20
 
 
 def prepare(source: str, out_dir: str, *, shard_tokens: int = 100_000_000,
@@ -206,7 +215,8 @@ def _run(src: Source, out: Path, manifest: Dict, workers: int, progress: bool) -
     docs = src.documents(writer.doc, manifest["settings"]["limit_docs"])
     size = src.size_bytes or TASK_CHARS_MAX * 8 * workers
     task_chars = min(TASK_CHARS_MAX, max(TASK_CHARS_MIN, size // (8 * workers)))
-    with _token_stream(docs, workers, task_chars) as stream, _progress(progress, writer.written) as bar:
+    pool = "thread" if src.size_bytes is not None and src.size_bytes < THREAD_POOL_MAX_BYTES else "process"
+    with _token_stream(docs, workers, task_chars, pool) as stream, _progress(progress, writer.written) as bar:
         for tokens, lengths in stream:
             writer.add(tokens, lengths)
             bar.update(int(lengths.sum()))
@@ -244,15 +254,39 @@ def _tasks(docs: Iterable[Document], task_chars: int) -> Iterator[List[Document]
 
 
 @contextmanager
-def _token_stream(docs: Iterable[Document], workers: int, task_chars: int):
-    get_tokenizer()  # build once here: forked workers inherit it
+def _token_stream(docs: Iterable[Document], workers: int, task_chars: int, pool: str = "process"):
+    """(tokens, lengths) per task, in order, from ``workers`` threads or processes."""
+    get_tokenizer()  # build once here: forked workers and threads share it
     if workers == 1:
         yield map(encode_documents, _tasks(docs, task_chars))
+        return
+    if pool == "thread":
+        executor = ThreadPoolExecutor(workers, thread_name_prefix="gpt2lab-prepare")
+        try:
+            yield _ordered(executor, _tasks(docs, task_chars), 2 * workers)
+        finally:  # Ctrl-C or an error: drop queued tasks, let running ones (<= 1 MB of text) end
+            executor.shutdown(wait=True, cancel_futures=True)
         return
     # fork on Linux: workers start in milliseconds with the tokenizer already built
     ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
     with ctx.Pool(workers) as pool:  # __exit__ terminates the workers, Ctrl-C included
         yield pool.imap(encode_documents, _tasks(docs, task_chars), chunksize=1)  # imap keeps the order
+
+
+def _ordered(executor: ThreadPoolExecutor, tasks: Iterator[List[Document]], window: int):
+    """Results of ``encode_documents`` over ``tasks`` in order, at most ``window`` in flight
+    (``Executor.map`` would read the whole source ahead)."""
+    pending: deque = deque()
+    try:
+        for task in tasks:
+            pending.append(executor.submit(encode_documents, task))
+            if len(pending) >= window:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for f in pending:
+            f.cancel()
 
 
 @contextmanager
