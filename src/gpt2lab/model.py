@@ -6,7 +6,6 @@ No I/O, printing, optimizer or distributed code lives here.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 

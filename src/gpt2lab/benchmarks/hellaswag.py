@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 from torch.nn import functional as F
 
+from gpt2lab.benchmarks import timed
 from gpt2lab.dist import DTYPES, autocast
 from gpt2lab.evals.hellaswag import DEFAULT_BATCH_SIZE, load_examples, render_example, resolve_strategy, score_examples
 from gpt2lab.model import GPT, GPTConfig
@@ -89,15 +89,6 @@ class MatmulFlops:
         self.flops += self.per_row * (inputs[0].numel() // inputs[0].shape[-1])
 
 
-def _timed(fn, device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0, out
-
 
 def run(args: argparse.Namespace) -> dict:
     if args.threads:
@@ -123,7 +114,7 @@ def run(args: argparse.Namespace) -> dict:
     for _ in range(args.repeats):
         for name, fn in methods.items():
             counter.flops = 0
-            dt, preds[name] = _timed(lambda: fn(examples), device)
+            dt, preds[name] = timed(lambda: fn(examples), device)
             times[name].append(round(dt, 2))
             flops[name] = counter.flops
     n = len(examples)

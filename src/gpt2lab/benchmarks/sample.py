@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
-from typing import Callable
 
 import torch
 
+from gpt2lab.benchmarks import timed
 from gpt2lab.dist import DTYPES, autocast, pick_device
 from gpt2lab.generate import generate
 from gpt2lab.model import GPT, GPTConfig
@@ -37,15 +36,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice); 1 is steadier on a busy machine")
 
-
-def _timed(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[float, torch.Tensor]:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0, out
 
 
 def _hf_model(model: GPT, device: torch.device):
@@ -96,19 +86,19 @@ def run(args: argparse.Namespace) -> dict:
     theirs()
     times: dict[str, list[float]] = {"cache": [], "cache_plain_layout": [], "transformers": [], "no_cache": []}
     for _ in range(args.repeats):
-        t, tok_plain = _timed(lambda: ours(True), device)
+        t, tok_plain = timed(lambda: ours(True), device)
         times["cache_plain_layout"].append(t)
-        t, tok_hf = _timed(theirs, device)
+        t, tok_hf = timed(theirs, device)
         times["transformers"].append(t)
         if device.type == "cpu":
             model.use_decode_layout()  # what `gpt2lab sample` does on CPU
-        t, tok_cache = _timed(lambda: ours(True), device)
+        t, tok_cache = timed(lambda: ours(True), device)
         times["cache"].append(t)
         for p in model.parameters():  # back to the plain layout for the next round
             p.data = p.data.contiguous()
     tok_nocache = None
     for _ in range(args.no_cache_repeats):
-        t, tok_nocache = _timed(lambda: ours(False), device)
+        t, tok_nocache = timed(lambda: ours(False), device)
         times["no_cache"].append(t)
     return _report(args, device, times, tok_cache, tok_plain, tok_hf, tok_nocache)
 
