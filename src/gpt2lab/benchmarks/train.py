@@ -147,9 +147,9 @@ def _worker(conn, name: str, cfg, device: str, opts: dict) -> None:
 
 # -- the reference recipe's model, written plainly ---------------------------------------
 class _Attention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int) -> None:
+    def __init__(self, n_embd: int, n_head: int, flash: bool = True) -> None:
         super().__init__()
-        self.n_head = n_head
+        self.n_head, self.flash = n_head, flash
         self.c_attn = nn.Linear(n_embd, 3 * n_embd)
         self.c_proj = nn.Linear(n_embd, n_embd)
 
@@ -157,15 +157,20 @@ class _Attention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.flash:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # written out, as the recipe had it before flash attention
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            y = F.softmax(att.masked_fill(~causal, float("-inf")), dim=-1) @ v
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
 class _Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int) -> None:
+    def __init__(self, n_embd: int, n_head: int, flash: bool = True) -> None:
         super().__init__()
         self.ln_1, self.ln_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
-        self.attn = _Attention(n_embd, n_head)
+        self.attn = _Attention(n_embd, n_head, flash)
         self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(approximate="tanh"),
                                  nn.Linear(4 * n_embd, n_embd))
 
@@ -175,10 +180,10 @@ class _Block(nn.Module):
 
 
 class ReferenceGPT(nn.Module):
-    def __init__(self, vocab: int, block: int, n_layer: int, n_head: int, n_embd: int) -> None:
+    def __init__(self, vocab: int, block: int, n_layer: int, n_head: int, n_embd: int, flash: bool = True) -> None:
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, n_embd), nn.Embedding(block, n_embd)
-        self.h = nn.ModuleList([_Block(n_embd, n_head) for _ in range(n_layer)])
+        self.h = nn.ModuleList([_Block(n_embd, n_head, flash) for _ in range(n_layer)])
         self.ln_f = nn.LayerNorm(n_embd)
         self.lm_head = nn.Linear(n_embd, vocab, bias=False)
         self.lm_head.weight = self.wte.weight

@@ -14,6 +14,8 @@ BENCHES = {
     "loader": "TokenLoader batches/s",
     "train": "full training steps: ms/step, tok/s, MFU",
     "hellaswag": "HellaSwag examples/s, batched vs one example per forward",
+    "ladder": "the recipe's speed ladder (fp32 ... fused AdamW), then gpt2lab's and transformers' steps",
+    "memory": "the largest micro-batch that trains at a given size and T (GPU)",
 }
 
 

@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# The GPU proof (issue 6), in stages that each fit one device call (10 minutes):
+#
+#   benchmarks/gpu.sh tests       GPU-marked tests (bf16 vs fp32, compiled vs eager, KV cache)
+#   benchmarks/gpu.sh ladder16    the recipe's speed ladder + gpt2lab + transformers at B=16, T=1024
+#   benchmarks/gpu.sh ladder64    the same at B=64
+#   benchmarks/gpu.sh memory      largest micro-batch at T=1024: 124M, 350M; 774M and 1558M
+#   benchmarks/gpu.sh train       gpt2-124m settings for 300 steps on Tiny Shakespeare + WikiText-2,
+#                                 killed (-9) after the step-100 checkpoint and resumed; samples
+#   benchmarks/gpu.sh eval        HellaSwag (full validation set) on that run, with examples/s; plot
+#
+# No install: it runs from the tree (PYTHONPATH=src) on the machine's own torch, transformers,
+# tiktoken and numpy. Results (JSON, logs, the plot) go to $OUT (the device tool's folder) or
+# ./gpu-results. The run dir lives in $RUN (default /tmp/gpt2lab-gpu) so `eval` finds `train`'s
+# run when both stages run in one call (a fresh machine keeps nothing between calls).
+# HellaSwag: copy shared/data/hellaswag/hellaswag_val_preprocessed.jsonl into .gpu/ (git-ignored
+# through .git/info/exclude) and carry .gpu with the call; or set HELLASWAG=FILE.
+# GPU_SH_SMOKE=1 runs every stage tiny, on the CPU, to check the script itself (tests do).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+OUT=${OUT:-gpu-results}
+RUN=${RUN:-/tmp/gpt2lab-gpu}
+HELLASWAG=${HELLASWAG:-.gpu/hellaswag_val_preprocessed.jsonl}
+SMOKE=${GPU_SH_SMOKE:-0}
+mkdir -p "$OUT"
+
+g() { "$PY" -m gpt2lab "$@"; }
+
+data() {  # Tiny Shakespeare + WikiText-2 test as one prepared directory (built once per machine)
+    if [ ! -f "$RUN/data/manifest.json" ] || ! grep -q '"complete": true' "$RUN/data/manifest.json"; then
+        mkdir -p "$RUN/text"
+        cp src/gpt2lab/assets/tinyshakespeare.txt "$RUN/text/tinyshakespeare.txt"
+        cp benchmarks/data/wiki.test.raw "$RUN/text/wikitext2_test.txt"
+        g prepare --source "$RUN/text" --out "$RUN/data" --val-tokens 131072 --shard-tokens 1000000
+    fi
+}
+
+train_flags() {
+    if [ "$SMOKE" = 1 ]; then
+        echo --device cpu --n-layer 2 --n-head 2 --n-embd 64 --block-size 64 --seq-len 64 \
+            --micro-batch-size 2 --total-batch-tokens 256 --compile false --dtype float32 \
+            --max-steps 6 --warmup-steps 2 --ckpt-interval 2 --eval-interval 3 --eval-tokens 256 \
+            --sample-interval 3 --sample-tokens 8 --hellaswag-interval 0 --progress false
+    else  # gpt2-124m settings, 2^19-token steps (B=64 x 8 micro-steps), a short schedule
+        echo --max-steps 300 --warmup-steps 30 --ckpt-interval 100 --eval-interval 50 \
+            --eval-tokens 65536 --sample-interval 100 --hellaswag-interval 0 --progress false
+    fi
+}
+
+stage_tests() {
+    "$PY" -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
+}
+
+stage_ladder() {  # $1 = micro-batch
+    data
+    local flags=(--batch-size "$1" --seq-len 1024 --steps 10 --warmup 3)
+    [ "$SMOKE" = 1 ] && flags=(--size tiny --batch-size 2 --seq-len 32 --steps 1 --warmup 1 --device cpu
+                               --rungs fp32,bf16,flash,hf,gpt2lab)
+    g bench ladder "${flags[@]}" --data "$RUN/data" | tee "$OUT/ladder_b$1.log"
+    tail -n 1 "$OUT/ladder_b$1.log" > "$OUT/ladder_b$1.json"
+}
+
+stage_memory() {
+    local sizes=(124M 350M 774M 1558M) max=(512 256 64 32) flags=(--seq-len 1024)
+    [ "$SMOKE" = 1 ] && sizes=(124M) max=(1) flags=(--seq-len 32 --device cpu)
+    : > "$OUT/memory.jsonl"
+    for i in "${!sizes[@]}"; do
+        g bench memory --size "${sizes[$i]}" --max-batch "${max[$i]}" "${flags[@]}" | tail -n 1 >> "$OUT/memory.jsonl"
+    done
+    cat "$OUT/memory.jsonl"
+}
+
+stage_train() {
+    data
+    rm -rf "$RUN/run"
+    local t0 pid flags
+    flags=$(train_flags)
+    t0=$(date +%s)
+    # shellcheck disable=SC2086
+    g train --preset gpt2-124m --data "$RUN/data" --out "$RUN/run" $flags > "$OUT/train_first.log" 2>&1 &
+    pid=$!
+    local ckpt=step_000100
+    [ "$SMOKE" = 1 ] && ckpt=step_000002
+    while [ ! -d "$RUN/run/checkpoints/$ckpt" ] && kill -0 "$pid" 2>/dev/null; do sleep 0.2; done
+    kill -9 "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+    echo "killed with -9 after $ckpt ($(($(date +%s) - t0)) s)" | tee "$OUT/train_resume.log"
+    # shellcheck disable=SC2086
+    g train --preset gpt2-124m --data "$RUN/data" --out "$RUN/run" $flags --resume auto 2>&1 | tee -a "$OUT/train_resume.log"
+    cp "$RUN/run/metrics.jsonl" "$OUT/train_metrics.jsonl"
+    local dev=() n=3 tokens=64
+    [ "$SMOKE" = 1 ] && dev=(--device cpu) n=1 tokens=8
+    g sample --model "$RUN/run" --prompt "ROMEO:" --num-samples "$n" --max-new-tokens "$tokens" --seed 0 \
+        "${dev[@]}" | tee "$OUT/samples.txt"
+}
+
+stage_eval() {
+    local flags=(--data "$HELLASWAG" --batch-size 64 --dtype bfloat16 --compile)
+    [ "$SMOKE" = 1 ] && flags=(--data "$HELLASWAG" --limit 8 --device cpu)
+    local t0 t1
+    t0=$(date +%s.%N)
+    g eval hellaswag --model "$RUN/run" "${flags[@]}" | tee "$OUT/hellaswag.log"
+    t1=$(date +%s.%N)
+    "$PY" - "$OUT/hellaswag.log" "$t0" "$t1" > "$OUT/hellaswag.json" <<'EOF'
+import json, sys
+res = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+secs = float(sys.argv[3]) - float(sys.argv[2])
+print(json.dumps({**res, "seconds_incl_load_and_compile": round(secs, 1), "examples_per_s": round(res["n"] / secs, 1)}))
+EOF
+    cat "$OUT/hellaswag.json"
+    g plot "$RUN/run" --out "$OUT/curves.png" --summary | tee "$OUT/summary.md"
+}
+
+[ $# -gt 0 ] || set -- tests ladder16 ladder64 memory train eval
+for stage in "$@"; do
+    echo "== $stage ($(date -u +%H:%M:%S))"
+    case "$stage" in
+        tests) stage_tests ;;
+        ladder16) stage_ladder 16 ;;
+        ladder64) stage_ladder 64 ;;
+        memory) stage_memory ;;
+        train) stage_train ;;
+        eval) stage_eval ;;
+        *) echo "unknown stage $stage; stages: tests ladder16 ladder64 memory train eval" >&2; exit 2 ;;
+    esac
+done

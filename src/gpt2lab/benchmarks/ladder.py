@@ -1,0 +1,206 @@
+"""gpt2lab bench ladder: the reference recipe's speed ladder, then gpt2lab's step and a
+``transformers`` step, one JSON line per rung.
+
+Rungs, each adding one thing to the one before (the reference recipe's order): fp32 ->
+TF32 matmuls -> bf16 autocast -> torch.compile -> flash attention (SDPA; the rungs before
+it use attention written out: matmul, causal mask, softmax, matmul) -> vocab padded to
+50304 -> fused AdamW. The model of these rungs is the recipe's, written plainly
+(``ReferenceGPT``: materialised logits, one ``F.cross_entropy``). Then, at the last rung's
+settings: ``gpt2lab`` (exactly ``gpt2lab train``'s step on real token shards) and ``hf``
+(``transformers.GPT2LMHeadModel``: sdpa attention, bf16 autocast, torch.compile, fused
+AdamW). Every rung reports ms/step, tok/s, MFU and peak memory. MFU divides
+FLOPs/token = 6N + 12 * n_layer * n_embd * T (PaLM; N without position embeddings) by
+both the datasheet peak and the bf16 matmul rate measured at the start of the same run.
+
+Meant for a GPU (see benchmarks/gpu.sh); on a CPU it runs too, for a smoke test.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import inspect
+import json
+import statistics
+import time
+
+import torch
+
+from gpt2lab.benchmarks.train import ReferenceGPT
+from gpt2lab.dist import pick_device
+
+RUNGS = ("fp32", "tf32", "bf16", "compile", "flash", "vocab50304", "fused_adamw")
+EXTRA = ("gpt2lab", "hf")
+SIZES = {"124M": (12, 12, 768), "350M": (24, 16, 1024), "tiny": (2, 2, 64)}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size", default="124M", choices=sorted(SIZES), help="model size (tiny: smoke tests)")
+    p.add_argument("--batch-size", type=int, default=16, help="micro-batch B (one micro-step per step)")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per rung (median reported)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    p.add_argument("--rungs", default=",".join(RUNGS + EXTRA),
+                   help=f"comma list from {', '.join(RUNGS + EXTRA)}; the ladder is cumulative either way")
+    p.add_argument("--data", default=None, help="token shards for the gpt2lab rung (gpt2lab prepare output)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--peak-flops", type=float, default=None, help="datasheet peak FLOP/s (default: by GPU name)")
+
+
+def settings(rung: str) -> dict:
+    """What is switched on at ``rung`` (each rung keeps everything before it; gpt2lab and hf: all)."""
+    on = RUNGS[:RUNGS.index(rung) + 1] if rung in RUNGS else RUNGS
+    return {"tf32": "tf32" in on, "bf16": "bf16" in on, "compile": "compile" in on, "flash": "flash" in on,
+            "vocab": 50304 if "vocab50304" in on else 50257, "fused": "fused_adamw" in on}
+
+
+def matmul_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
+    """Measured bf16 matmul rate (n x n x n), the ceiling to read MFU against."""
+    if device.type != "cuda":
+        n, reps = 512, 3
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    _sync(device)
+    return 2 * n ** 3 * reps / (time.perf_counter() - t0) / 1e12
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _adamw(params, fused: bool, device: torch.device) -> torch.optim.Optimizer:
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    kw = {"fused": True} if fused and "fused" in inspect.signature(torch.optim.AdamW).parameters else {}
+    return torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, **kw)
+
+
+def _time_steps(step, device: torch.device, steps: int, warmup: int) -> tuple[float, float]:
+    """Median ms per step and the last loss."""
+    for _ in range(warmup):
+        step()
+    times, loss = [], float("nan")
+    for _ in range(steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = step()
+        _sync(device)
+        times.append(1000 * (time.perf_counter() - t0))
+    return statistics.median(times), float(loss)
+
+
+def _reference_step(rung: str, shape, B: int, T: int, device: torch.device):
+    s = settings(rung)
+    n_layer, n_head, n_embd = shape
+    torch.manual_seed(0)
+    model = ReferenceGPT(s["vocab"], T, n_layer, n_head, n_embd, flash=s["flash"]).to(device)
+    opt = _adamw(list(model.parameters()), s["fused"], device)
+    fwd = torch.compile(model) if s["compile"] else model
+    x = torch.randint(0, 50257, (B, T), device=device)
+    y = torch.randint(0, 50257, (B, T), device=device)
+    amp = torch.autocast(device.type, dtype=torch.bfloat16) if s["bf16"] else contextlib.nullcontext()
+
+    def step():
+        with amp:
+            loss = fwd(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step, model
+
+
+def _hf_step(shape, B: int, T: int, device: torch.device):
+    import transformers
+
+    n_layer, n_head, n_embd = shape
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=T, vocab_size=50304,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    model = transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa").to(device).train()
+    opt = _adamw(list(model.parameters()), True, device)
+    fwd = torch.compile(model)
+    x = torch.randint(0, 50257, (B, T), device=device)
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = fwd(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step, model
+
+
+def _gpt2lab_step(shape, B: int, T: int, device: torch.device, data: str):
+    from gpt2lab.config import load_preset
+    from gpt2lab.dist import DistInfo
+    from gpt2lab.train import Trainer
+
+    n_layer, n_head, n_embd = shape
+    cfg = load_preset("gpt2-124m", data=data, n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=T,
+                      seq_len=T, micro_batch_size=B, total_batch_tokens=B * T, device=str(device),
+                      compile=True, dtype="bfloat16", hellaswag_interval=0, progress=False)
+    trainer = Trainer(cfg, DistInfo(device=device))
+    return (lambda: trainer.train_step()["train_loss"]), trainer.raw
+
+
+def run(args: argparse.Namespace) -> dict:
+    from gpt2lab.config import PEAK_FLOPS
+
+    device = pick_device(args.device)
+    shape, B, T = SIZES[args.size], args.batch_size, args.seq_len
+    wanted = [r.strip() for r in args.rungs.split(",") if r.strip()]
+    unknown = [r for r in wanted if r not in RUNGS + EXTRA]
+    if unknown:
+        raise SystemExit(f"--rungs: unknown {', '.join(unknown)}; choose from {', '.join(RUNGS + EXTRA)}")
+    if "gpt2lab" in wanted and not args.data:
+        raise SystemExit("--rungs gpt2lab needs --data DIR (token shards from gpt2lab prepare)")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    peak = args.peak_flops or next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    measured = matmul_tflops(device)
+    out = {"device": name, "torch": torch.__version__, "size": args.size, "B": B, "T": T,
+           "bf16_matmul_tflops_measured": round(measured, 3), "peak_flops_datasheet": peak,
+           "mfu_formula": "6N + 12*n_layer*n_embd*T per token (PaLM), N without wpe", "rungs": []}
+    for rung in wanted:
+        if device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = settings(rung)["tf32"]
+            torch.backends.cudnn.allow_tf32 = settings(rung)["tf32"]
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        if rung == "hf":
+            step, model = _hf_step(shape, B, T, device)
+        elif rung == "gpt2lab":
+            step, model = _gpt2lab_step(shape, B, T, device, args.data)
+        else:
+            step, model = _reference_step(rung, shape, B, T, device)
+        ms, loss = _time_steps(step, device, args.steps, args.warmup)
+        n = sum(p.numel() for p in model.parameters()) - T * shape[2]  # without wpe, tied counted once
+        fpt = 6 * n + 12 * shape[0] * shape[2] * T
+        tok_s = B * T / (ms / 1000)
+        rec = {"rung": rung, **settings(rung), "ms_per_step": round(ms, 2), "tok_per_s": round(tok_s),
+               "loss": round(loss, 4), "flops_per_token": fpt,
+               "mfu_datasheet": round(fpt * tok_s / peak, 4) if peak else None,
+               "mfu_measured_matmul": round(fpt * tok_s / (measured * 1e12), 4),
+               "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2)
+               if device.type == "cuda" else None}
+        print(json.dumps(rec), flush=True)
+        out["rungs"].append(rec)
+        del step, model  # free this rung's model, optimizer and compiled graphs before the next
+        torch._dynamo.reset()
+        gc.collect()
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+    return out

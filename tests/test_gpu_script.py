@@ -1,0 +1,48 @@
+"""The GPU proof's tools run end to end on the CPU (tiny sizes), so a session lent a GPU
+spends its device time measuring, not debugging: `bench ladder`, `bench memory` and
+benchmarks/gpu.sh in its smoke mode."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from train_utils import env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_ladder_rungs_are_cumulative_and_timed():
+    cmd = [sys.executable, "-m", "gpt2lab", "bench", "ladder", "--size", "tiny", "--batch-size", "2",
+           "--seq-len", "16", "--steps", "2", "--warmup", "1", "--device", "cpu", "--rungs", "fp32,tf32,bf16"]
+    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    rungs = res["rungs"]
+    assert [r["rung"] for r in rungs] == ["fp32", "tf32", "bf16"]
+    assert [(r["tf32"], r["bf16"], r["compile"]) for r in rungs] == [(False, False, False), (True, False, False),
+                                                                     (True, True, False)]
+    for r in rungs:
+        assert abs(r["tok_per_s"] - 32 / (r["ms_per_step"] / 1000)) <= 1
+        assert 10 < r["loss"] < 12  # ln(50257) = 10.8 at init
+    bad = subprocess.run(cmd[:-1] + ["fp32,warp"], env=env(), capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "unknown warp" in bad.stderr
+
+
+def test_gpu_sh_smoke_memory_train_eval(tmp_path):
+    out, run = tmp_path / "out", tmp_path / "run"
+    e = dict(env(), GPU_SH_SMOKE="1", OUT=str(out), RUN=str(run), PYTHON=sys.executable,
+             HELLASWAG=str(ROOT / "tests" / "data" / "hellaswag_val_200.jsonl"))
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "memory", "train", "eval"], env=e,
+                          capture_output=True, text=True, timeout=300, cwd=os.getcwd())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    mem = json.loads((out / "memory.jsonl").read_text())
+    assert mem["largest_micro_batch"] == 1 and mem["tries"] == [{"B": 1, "fits": True, "peak_gib": None}]
+    steps = [json.loads(x) for x in (out / "train_metrics.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in steps if "train_loss" in r}) == list(range(6))
+    assert (out / "samples.txt").read_text().count("ROMEO:") == 1
+    hs = json.loads((out / "hellaswag.json").read_text())
+    assert hs["n"] == 8 and 0 <= hs["acc_norm"] <= 1 and hs["examples_per_s"] > 0
+    assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
