@@ -126,7 +126,8 @@ def build_figure(runs: list[Run]):
         if run.series.get("hellaswag_acc_norm"):
             steps, values = zip(*run.series["hellaswag_acc_norm"])
             ax_hs.plot(steps, values, marker=".", label=f"{run.name} acc_norm")
-    ax_loss.axhline(GPT2_124M_VAL_LOSS, color="r", ls="--", label=f"OpenAI GPT-2 (124M) val {GPT2_124M_VAL_LOSS}")
+    ax_loss.axhline(GPT2_124M_VAL_LOSS, color="r", ls="--",
+                    label=f"OpenAI GPT-2 (124M), FineWeb-Edu val shard: {GPT2_124M_VAL_LOSS}")
     ax_loss.set_yscale("log")
     ax_loss.set(xlabel="step", ylabel="loss", title="Loss")
     for size in sorted({r.size for r in runs if r.size}, key=lambda s: SIZE_BY_PARAMS[s]):
@@ -134,6 +135,9 @@ def build_figure(runs: list[Run]):
         ax_hs.axhline(gpt2, color="r", ls="--", label=f"OpenAI GPT-2 ({size}) {gpt2}")
         ax_hs.axhline(gpt3, color="g", ls="--", label=f"OpenAI GPT-3 ({size}) {gpt3}")
     ax_hs.set(xlabel="step", ylabel="accuracy (acc_norm)", title="HellaSwag")
+    if not any(r.series.get("hellaswag_acc_norm") for r in runs):
+        ax_hs.text(0.5, 0.5, "no HellaSwag evaluations in these runs\n(train with --hellaswag-interval N)",
+                   ha="center", va="center", transform=ax_hs.transAxes, color="0.4")
     for ax in (ax_loss, ax_hs):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
