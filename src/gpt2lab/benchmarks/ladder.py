@@ -96,6 +96,20 @@ def _time_steps(step, device: torch.device, steps: int, warmup: int) -> tuple[fl
     return statistics.median(times), float(loss)
 
 
+def _step(loss_fn, model, opt, device: torch.device, bf16: bool):
+    """The recipe's step around ``loss_fn``: forward (bf16 autocast or not), backward, clip 1.0, AdamW."""
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+            loss = loss_fn()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
 def _reference_step(rung: str, shape, B: int, T: int, device: torch.device):
     s = settings(rung)
     n_layer, n_head, n_embd = shape
@@ -105,18 +119,7 @@ def _reference_step(rung: str, shape, B: int, T: int, device: torch.device):
     fwd = torch.compile(model) if s["compile"] else model
     x = torch.randint(0, 50257, (B, T), device=device)
     y = torch.randint(0, 50257, (B, T), device=device)
-    amp = torch.autocast(device.type, dtype=torch.bfloat16) if s["bf16"] else contextlib.nullcontext()
-
-    def step():
-        with amp:
-            loss = fwd(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step, model
+    return _step(lambda: fwd(x, y), model, opt, device, s["bf16"]), model
 
 
 def _hf_step(shape, B: int, T: int, device: torch.device):
@@ -131,17 +134,7 @@ def _hf_step(shape, B: int, T: int, device: torch.device):
     opt = _adamw(list(model.parameters()), True, device)
     fwd = torch.compile(model)
     x = torch.randint(0, 50257, (B, T), device=device)
-
-    def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = fwd(input_ids=x, labels=x).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step, model
+    return _step(lambda: fwd(input_ids=x, labels=x).loss, model, opt, device, bf16=True), model
 
 
 def _gpt2lab_step(shape, B: int, T: int, device: torch.device, data: str):
