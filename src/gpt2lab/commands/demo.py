@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"[demo] sample from the trained model ({args.prompt!r}):\n", flush=True)
     print(sample(out, args.prompt, args.tokens, args.seed, cfg.dtype))
     print(f"\n[demo] done in {time.perf_counter() - t0:.0f} s. run dir: {out}")
-    print(f"[demo] more samples: gpt2lab sample --model {out} --prompt 'JULIET:'", flush=True)
+    print(f"[demo] more samples: {_command()} sample --model {out} --prompt 'JULIET:'", flush=True)
     return 0
 
 
@@ -57,3 +57,20 @@ def sample(run_dir: str, prompt: str, tokens: int, seed: int, dtype: str) -> str
     with torch.no_grad(), autocast(torch.device("cpu"), dtype):
         out = model.generate(idx, tokens, temperature=0.8, top_k=50, generator=gen, stop_token=EOT_ID)
     return enc.decode([t for t in out[0].tolist() if t != EOT_ID])
+
+
+def _command() -> str:
+    """How the user can call gpt2lab: plain ``gpt2lab`` when that is on PATH, else the
+    script beside this Python (``.venv/bin/gpt2lab`` after ``make demo``)."""
+    import os
+    import shutil
+    import sys
+
+    script = os.path.join(os.path.dirname(sys.executable), "gpt2lab")
+    on_path = shutil.which("gpt2lab")
+    if on_path and os.path.exists(script) and os.path.samefile(on_path, script):
+        return "gpt2lab"
+    if os.path.exists(script):
+        rel = os.path.relpath(script)
+        return rel if not rel.startswith("..") else script
+    return f"{sys.executable} -m gpt2lab"
