@@ -94,6 +94,18 @@ class KVCache:
         self.v[layer][:, :, self.pos:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
+    def fork(self, rows: torch.Tensor, max_len: int) -> "KVCache":
+        """A cache whose row i continues row ``rows[i]`` of this one, with room for ``max_len``
+        positions (one prefix run once, continued several ways: HellaSwag's four endings)."""
+        new = KVCache(self.n_layer, max_len)
+        new.pos = self.pos
+        for old, buf in ((self.k, new.k), (self.v, new.v)):
+            for layer, past in enumerate(old):
+                past = past[rows]  # (len(rows), nh, pos, hs)
+                buf[layer] = past.new_empty(past.shape[0], past.shape[1], max_len, past.shape[3])
+                buf[layer][:, :, :self.pos] = past
+        return new
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int) -> None:

@@ -89,7 +89,6 @@ class MatmulFlops:
         self.flops += self.per_row * (inputs[0].numel() // inputs[0].shape[-1])
 
 
-
 def run(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -19,15 +19,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import inspect
 import json
 import statistics
-import time
 
 import torch
 
+from gpt2lab.benchmarks import timed
 from gpt2lab.benchmarks.train import ReferenceGPT
 from gpt2lab.dist import pick_device
+from gpt2lab.optim import make_optimizer
 
 RUNGS = ("fp32", "tf32", "bf16", "compile", "flash", "vocab50304", "fused_adamw")
 EXTRA = ("gpt2lab", "hf")
@@ -60,26 +60,14 @@ def matmul_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
         n, reps = 512, 3
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    _sync(device)
-    return 2 * n ** 3 * reps / (time.perf_counter() - t0) / 1e12
+    timed(lambda: [a @ b for _ in range(3)], device)  # warm-up
+    seconds, _ = timed(lambda: [a @ b for _ in range(reps)], device)
+    return 2 * n ** 3 * reps / seconds / 1e12
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _adamw(params, fused: bool, device: torch.device) -> torch.optim.Optimizer:
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    kw = {"fused": True} if fused and "fused" in inspect.signature(torch.optim.AdamW).parameters else {}
-    return torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, **kw)
+def _adamw(model, fused: bool, device: torch.device) -> torch.optim.Optimizer:
+    """The recipe's AdamW (decay 0.1 on >=2-D tensors); fused or torch's default (foreach)."""
+    return make_optimizer(model, lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device=device, fused=fused)
 
 
 def _time_steps(step, device: torch.device, steps: int, warmup: int) -> tuple[float, float]:
@@ -88,11 +76,8 @@ def _time_steps(step, device: torch.device, steps: int, warmup: int) -> tuple[fl
         step()
     times, loss = [], float("nan")
     for _ in range(steps):
-        _sync(device)
-        t0 = time.perf_counter()
-        loss = step()
-        _sync(device)
-        times.append(1000 * (time.perf_counter() - t0))
+        seconds, loss = timed(step, device)
+        times.append(1000 * seconds)
     return statistics.median(times), float(loss)
 
 
@@ -115,7 +100,7 @@ def _reference_step(rung: str, shape, B: int, T: int, device: torch.device):
     n_layer, n_head, n_embd = shape
     torch.manual_seed(0)
     model = ReferenceGPT(s["vocab"], T, n_layer, n_head, n_embd, flash=s["flash"]).to(device)
-    opt = _adamw(list(model.parameters()), s["fused"], device)
+    opt = _adamw(model, s["fused"], device)
     fwd = torch.compile(model) if s["compile"] else model
     x = torch.randint(0, 50257, (B, T), device=device)
     y = torch.randint(0, 50257, (B, T), device=device)
@@ -131,7 +116,7 @@ def _hf_step(shape, B: int, T: int, device: torch.device):
     cfg = transformers.GPT2Config(n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=T, vocab_size=50304,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
     model = transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa").to(device).train()
-    opt = _adamw(list(model.parameters()), True, device)
+    opt = _adamw(model, True, device)
     fwd = torch.compile(model)
     x = torch.randint(0, 50257, (B, T), device=device)
     return _step(lambda: fwd(input_ids=x, labels=x).loss, model, opt, device, bf16=True), model
@@ -168,9 +153,9 @@ def run(args: argparse.Namespace) -> dict:
            "bf16_matmul_tflops_measured": round(measured, 3), "peak_flops_datasheet": peak,
            "mfu_formula": "6N + 12*n_layer*n_embd*T per token (PaLM), N without wpe", "rungs": []}
     for rung in wanted:
+        s = settings(rung)
         if device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = settings(rung)["tf32"]
-            torch.backends.cudnn.allow_tf32 = settings(rung)["tf32"]
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = s["tf32"]
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         if rung == "hf":
@@ -183,7 +168,7 @@ def run(args: argparse.Namespace) -> dict:
         n = sum(p.numel() for p in model.parameters()) - T * shape[2]  # without wpe, tied counted once
         fpt = 6 * n + 12 * shape[0] * shape[2] * T
         tok_s = B * T / (ms / 1000)
-        rec = {"rung": rung, **settings(rung), "ms_per_step": round(ms, 2), "tok_per_s": round(tok_s),
+        rec = {"rung": rung, **s, "ms_per_step": round(ms, 2), "tok_per_s": round(tok_s),
                "loss": round(loss, 4), "flops_per_token": fpt,
                "mfu_datasheet": round(fpt * tok_s / peak, 4) if peak else None,
                "mfu_measured_matmul": round(fpt * tok_s / (measured * 1e12), 4),

@@ -13,9 +13,10 @@ import json
 
 import torch
 
-from gpt2lab.dist import autocast, pick_device
+from gpt2lab.dist import pick_device
 from gpt2lab.model import GPT, GPTConfig
 from gpt2lab.optim import make_optimizer
+from gpt2lab.train import accumulate_gradients
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,9 +34,7 @@ def try_batch(model: GPT, opt, B: int, T: int, device: torch.device, compiled) -
         torch.cuda.reset_peak_memory_stats(device)
     try:
         x = torch.randint(0, 50257, (B, T), device=device)
-        with autocast(device, "bfloat16"):
-            _, loss = compiled(x, x, return_logits=False)
-        loss.backward()
+        accumulate_gradients(compiled, lambda: (x, x), 1, device, "bfloat16")  # the trainer's micro-step
         opt.step()
         fits = True
     except torch.OutOfMemoryError:

@@ -37,7 +37,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads (default: torch's choice); 1 is steadier on a busy machine")
 
 
-
 def _hf_model(model: GPT, device: torch.device):
     """transformers' GPT2LMHeadModel holding exactly ``model``'s weights (via an export)."""
     import transformers

@@ -46,12 +46,12 @@ def run(args: argparse.Namespace) -> dict:
     # Each side runs in a process of its own: the CPU allocator setting (mallopt) and the
     # heap it leaves behind are per process, and one side's setting must not tax the other.
     ctx = mp.get_context("spawn")
+    opts = dict(warmup=args.warmup, reference_compile=args.reference_compile == "true",
+                reference_keep_memory=args.reference_keep_memory == "true")
     sides = []
     try:
         for name in names:
             parent, child = ctx.Pipe()
-            opts = dict(warmup=args.warmup, reference_compile=args.reference_compile == "true",
-                        reference_keep_memory=args.reference_keep_memory == "true")
             proc = ctx.Process(target=_worker, args=(child, name, cfg, str(device), opts), daemon=True)
             proc.start()
             sides.append((name, proc, parent))

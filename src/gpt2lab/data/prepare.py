@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 import multiprocessing as mp
 import os
 import sys
 import warnings
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
@@ -215,8 +215,8 @@ def _run(src: Source, out: Path, manifest: Dict, workers: int, progress: bool) -
     docs = src.documents(writer.doc, manifest["settings"]["limit_docs"])
     size = src.size_bytes or TASK_CHARS_MAX * 8 * workers
     task_chars = min(TASK_CHARS_MAX, max(TASK_CHARS_MIN, size // (8 * workers)))
-    pool = "thread" if src.size_bytes is not None and src.size_bytes < THREAD_POOL_MAX_BYTES else "process"
-    with _token_stream(docs, workers, task_chars, pool) as stream, _progress(progress, writer.written) as bar:
+    threads = src.size_bytes is not None and src.size_bytes < THREAD_POOL_MAX_BYTES
+    with _token_stream(docs, workers, task_chars, threads) as stream, _progress(progress, writer.written) as bar:
         for tokens, lengths in stream:
             writer.add(tokens, lengths)
             bar.update(int(lengths.sum()))
@@ -254,13 +254,13 @@ def _tasks(docs: Iterable[Document], task_chars: int) -> Iterator[List[Document]
 
 
 @contextmanager
-def _token_stream(docs: Iterable[Document], workers: int, task_chars: int, pool: str = "process"):
+def _token_stream(docs: Iterable[Document], workers: int, task_chars: int, threads: bool = False):
     """(tokens, lengths) per task, in order, from ``workers`` threads or processes."""
     get_tokenizer()  # build once here: forked workers and threads share it
     if workers == 1:
         yield map(encode_documents, _tasks(docs, task_chars))
         return
-    if pool == "thread":
+    if threads:
         executor = ThreadPoolExecutor(workers, thread_name_prefix="gpt2lab-prepare")
         try:
             yield _ordered(executor, _tasks(docs, task_chars), 2 * workers)
@@ -276,17 +276,13 @@ def _token_stream(docs: Iterable[Document], workers: int, task_chars: int, pool:
 def _ordered(executor: ThreadPoolExecutor, tasks: Iterator[List[Document]], window: int):
     """Results of ``encode_documents`` over ``tasks`` in order, at most ``window`` in flight
     (``Executor.map`` would read the whole source ahead)."""
-    pending: deque = deque()
-    try:
-        for task in tasks:
-            pending.append(executor.submit(encode_documents, task))
-            if len(pending) >= window:
-                yield pending.popleft().result()
-        while pending:
+    pending: deque = deque()  # on an error, the executor's shutdown cancels what is still queued
+    for task in tasks:
+        pending.append(executor.submit(encode_documents, task))
+        if len(pending) >= window:
             yield pending.popleft().result()
-    finally:
-        for f in pending:
-            f.cancel()
+    while pending:
+        yield pending.popleft().result()
 
 
 @contextmanager

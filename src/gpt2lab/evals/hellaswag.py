@@ -27,7 +27,6 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from gpt2lab.dist import all_reduce_sum, autocast
-from gpt2lab.model import KVCache
 
 # The official validation file (10,042 examples). The repository may go away; the HF
 # dataset below is the second source.
@@ -239,18 +238,6 @@ def _score_padded(model, rows: list[tuple[list[int], list[int]]], *, device, dty
     return _losses(logits, targets, row_of, R, device)[:len(rows)].cpu()
 
 
-def _fork(cache: KVCache, rows: torch.Tensor, max_len: int) -> KVCache:
-    """A cache whose row k continues row ``rows[k]`` of ``cache``, with room for ``max_len``."""
-    new = KVCache(cache.n_layer, max_len)
-    new.pos = cache.pos
-    for layer in range(cache.n_layer):
-        for old, buf in ((cache.k, new.k), (cache.v, new.v)):
-            past = old[layer][rows]  # (len(rows), nh, pos, hs)
-            buf[layer] = past.new_empty(past.shape[0], past.shape[1], max_len, past.shape[3])
-            buf[layer][:, :, :cache.pos] = past
-    return new
-
-
 @torch.no_grad()
 def _score_shared(model, ctxs: list[list[int]], ends: list[list[list[int]]], *, device, dtype) -> torch.Tensor:
     """Summed ending losses (n, 4) of n examples whose contexts have the same length.
@@ -280,7 +267,7 @@ def _score_shared(model, ctxs: list[list[int]], ends: list[list[list[int]]], *, 
             positions += range(k * T, k * T + len(e) - 1)
             targets += e[1:]
             row_of += [r] * (len(e) - 1)
-        cache = _fork(ctx_cache, torch.tensor([r // N_ENDINGS for r in rows], device=device), ctx_cache.pos + T)
+        cache = ctx_cache.fork(torch.tensor([r // N_ENDINGS for r in rows], device=device), ctx_cache.pos + T)
         with autocast(device, dtype):
             logits, _ = model(tokens.to(device), kv_cache=cache, positions=torch.tensor(positions, device=device))
         sums += _losses(logits, targets, row_of, len(flat), device)
