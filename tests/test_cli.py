@@ -32,7 +32,7 @@ def test_sample_streams_greedy_text_from_exported_dir(gpt2_vocab_export, capsys)
     model, d = gpt2_vocab_export
     prompt = "Hello, I'm a language model,"
     code = cli.main(["sample", "--model", d, "--prompt", prompt, "--num-samples", "2", "--max-new-tokens", "12",
-                     "--temperature", "0", "--device", "cpu", "--no-stop-at-eot"])
+                     "--temperature", "0", "--device", "cpu", "--dtype", "float32", "--no-stop-at-eot"])
     assert code == 0
     out = capsys.readouterr().out
     enc = get_tokenizer()

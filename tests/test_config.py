@@ -11,7 +11,7 @@ from gpt2lab.config import (ConfigError, TrainConfig, add_config_flags, load_pre
 
 REFERENCE = dict(total_batch_tokens=524288, micro_batch_size=64, seq_len=1024, max_lr=6e-4, min_lr=6e-5,
                  warmup_steps=715, max_steps=19073, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
-                 grad_clip=1.0, vocab_size=50304, dtype="bfloat16", compile=True, eval_interval=250,
+                 grad_clip=1.0, vocab_size=50304, dtype="auto", compile="auto", eval_interval=250,
                  ckpt_interval=5000, n_layer=12, n_head=12, n_embd=768)
 
 
@@ -33,10 +33,21 @@ def test_gpt2_124m_is_the_reference_run():
     for key, value in REFERENCE.items():
         assert getattr(cfg, key) == value, key
     assert cfg.grad_accum_steps(8) == 1 and cfg.grad_accum_steps(1) == 8
+    # on a bf16 GPU "auto" is the recipe's setting: bf16 autocast and torch.compile
+    from gpt2lab.runtime import Facts, resolve
+
+    res = resolve("cuda", cfg.dtype, cfg.compile, facts=Facts("cuda", "NVIDIA H100", cuda_bf16=True))
+    assert (res.dtype.value, res.compile.value) == ("bfloat16", True)
     forty = load_preset("gpt2-124m-40b")
     assert forty.max_steps == 4 * cfg.max_steps and forty.max_lr == cfg.max_lr
     gpt3 = load_preset("gpt3-124m")
     assert (gpt3.seq_len, gpt3.micro_batch_size, gpt3.total_batch_tokens) == (2048, 32, 524288)
+
+
+def test_configs_written_before_auto_still_load():
+    cfg = TrainConfig.from_dict({"compile": True, "dtype": "bfloat16"})
+    assert (cfg.compile, cfg.dtype) == ("true", "bfloat16")
+    assert TrainConfig.from_dict({"compile": False}).compile == "false"
 
 
 def _parse(argv):
@@ -52,10 +63,10 @@ def test_every_field_is_a_flag_and_only_given_flags_override():
     assert {f.name for f in dataclasses.fields(TrainConfig)} <= flags
     got = _parse(["--max-steps", "7", "--compile", "false", "--max-lr", "1e-3", "--dtype", "float32",
                   "--peak-flops", "none", "--hellaswag-data", "x.jsonl"])
-    assert got == {"max_steps": 7, "compile": False, "max_lr": 1e-3, "dtype": "float32", "peak_flops": None,
+    assert got == {"max_steps": 7, "compile": "false", "max_lr": 1e-3, "dtype": "float32", "peak_flops": None,
                    "hellaswag_data": "x.jsonl"}
     cfg = load_preset("shakespeare-cpu", **got)
-    assert cfg.max_steps == 7 and cfg.compile is False and cfg.n_layer == load_preset("shakespeare-cpu").n_layer
+    assert cfg.max_steps == 7 and cfg.compile == "false" and cfg.n_layer == load_preset("shakespeare-cpu").n_layer
 
 
 @pytest.mark.parametrize("argv", [["--compile", "maybe"], ["--dtype", "float8"], ["--max-steps", "x"],

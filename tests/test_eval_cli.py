@@ -39,7 +39,7 @@ def test_eval_hellaswag_cli_matches_transformers(tmp_path, capsys):
     d = str(tmp_path / "hf")
     model.save_pretrained(d)
     rc = main(["eval", "hellaswag", "--model", d, "--data", SLICE, "--limit", "12", "--batch-size", "4",
-               "--device", "cpu"])
+               "--device", "cpu", "--dtype", "float32"])
     assert rc == 0
     result = _last_json(capsys.readouterr().out)
     examples = load_examples(SLICE, limit=12)
@@ -76,7 +76,7 @@ def test_eval_loss_cli_matches_transformers(gpt2_vocab_export, tmp_path, capsys)
     data, tokens = _val_shards(tmp_path)
     B, T, n_tokens = 2, 64, 512
     rc = main(["eval", "loss", "--model", d, "--data", data, "--tokens", str(n_tokens), "--batch-size", str(B),
-               "--seq-len", str(T), "--device", "cpu"])
+               "--seq-len", str(T), "--device", "cpu", "--dtype", "float32"])
     assert rc == 0
     result = _last_json(capsys.readouterr().out)
     # Independent: the first 512 target tokens, read in order as 8 rows of 64, scored by transformers.

@@ -18,7 +18,9 @@ try:
 except ModuleNotFoundError:  # Python 3.10: the same parser, packaged as tomli
     import tomli as tomllib
 
-DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+# Autocast dtypes and compile settings a run accepts; "auto" is decided by gpt2lab.runtime.
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+COMPILE_CHOICES = ("auto", "true", "false")
 # Peak dense bf16/fp16 tensor FLOP/s by GPU name fragment (vendor datasheets), for MFU.
 PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
 
@@ -56,8 +58,11 @@ class TrainConfig:
     grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = no clipping)")
     # system
     device: str = _f("auto", "cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
-    dtype: str = _f("bfloat16", "autocast dtype: float32, bfloat16 or float16 (fp16 uses a grad scaler)")
-    compile: bool = _f(True, "torch.compile the model")
+    dtype: str = _f("auto", "autocast dtype: auto, float32, bfloat16 or float16 (fp16 uses a grad scaler); "
+                    "auto = bf16 on GPUs that have it (else fp16), on CPUs only where bf16 measures faster "
+                    "than fp32, else fp32")
+    compile: str = _f("auto", "torch.compile the model: auto, true or false; auto = on for CUDA, off where "
+                      "it does not pay (CPU, MPS)")
     peak_flops: Optional[float] = _f(None, "peak FLOP/s for MFU; default from the GPU name (A100, H100, H200)")
     max_bad_steps: int = _f(5, "stop after this many NaN/inf steps in a row")
     keep_cpu_memory: bool = _f(True, "on CPU, keep freed memory in the process (glibc mallopt) instead of "
@@ -79,6 +84,8 @@ class TrainConfig:
     progress: bool = _f(True, "show a progress bar on rank 0")
 
     def __post_init__(self) -> None:
+        if isinstance(self.compile, bool):  # presets and config.json files written before "auto"
+            self.compile = "true" if self.compile else "false"
         positive = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "micro_batch_size",
                     "seq_len", "total_batch_tokens", "max_steps", "max_bad_steps", "sample_tokens")
         for name in positive:
@@ -104,6 +111,8 @@ class TrainConfig:
                               "50257 tokens; use 50257 or 50304")
         if self.dtype not in DTYPE_CHOICES:
             raise ConfigError(f"dtype {self.dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}")
+        if self.compile not in COMPILE_CHOICES:
+            raise ConfigError(f"compile {self.compile!r}: choose one of {', '.join(COMPILE_CHOICES)}")
         if not 0 < self.max_lr or self.min_lr > self.max_lr:
             raise ConfigError(f"need 0 < min_lr <= max_lr, got min_lr {self.min_lr}, max_lr {self.max_lr}")
 
@@ -199,8 +208,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         kwargs: dict = dict(dest=f.name, default=argparse.SUPPRESS, type=_converter(tp, optional),
                             help=f"{f.metadata['help']} (base default {f.default!r}; the preset may set it)")
         kwargs["metavar"] = {bool: "true|false", int: "N", float: "X"}.get(tp, "TEXT")
-        if f.name == "dtype":
-            kwargs.update(choices=DTYPE_CHOICES, type=str, metavar="|".join(DTYPE_CHOICES))
+        if f.name in ("dtype", "compile"):
+            choices = DTYPE_CHOICES if f.name == "dtype" else COMPILE_CHOICES
+            kwargs.update(choices=choices, type=str.lower, metavar="|".join(choices))
         group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
 
 

@@ -20,6 +20,7 @@ import torch.distributed as tdist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpt2lab import checkpoint as ckpt
+from gpt2lab import runtime
 from gpt2lab.config import PEAK_FLOPS, ConfigError, TrainConfig, save_config
 from gpt2lab.dist import DistInfo, all_reduce_mean, autocast
 from gpt2lab.metrics import MetricsLogger, run_info, write_json
@@ -68,13 +69,14 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, info: DistInfo, resume: Optional[str] = None) -> None:
         self.cfg, self.info, self.device = cfg, info, info.device
         self.accum = cfg.grad_accum_steps(info.world_size)
-        _check_device(cfg, self.device)
+        self.choices = _resolve_choices(cfg, info)
+        self.dtype, self.compile = str(self.choices.dtype.value), bool(self.choices.compile.value)
         _seed_everything(cfg.seed)
         self.malloc_tuned = keep_freed_memory() if cfg.keep_cpu_memory and self.device.type == "cpu" else False
         if self.device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls
         self.raw = GPT(ckpt.model_config(cfg.to_dict())).to(self.device)
-        self.raw.compile_loss = cfg.compile  # the loss's fused softmax kernel, compiled with the model
+        self.raw.compile_loss = self.compile  # the loss's fused softmax kernel, compiled with the model
         self.optimizer = make_optimizer(self.raw, lr=cfg.max_lr, weight_decay=cfg.weight_decay,
                                         betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, device=self.device)
         from gpt2lab.data import TokenLoader
@@ -82,10 +84,10 @@ class Trainer:
         self.loader = TokenLoader(cfg.data, "train", cfg.micro_batch_size, cfg.seq_len, rank=info.rank,
                                   world_size=info.world_size, seed=cfg.seed)
         self.step, self.tokens, self.bad_steps = 0, 0, 0
-        use_scaler = cfg.dtype == "float16"
+        use_scaler = self.dtype == "float16"
         self.scaler = torch.amp.GradScaler(self.device.type) if use_scaler else None
         self.resumed_from = self._restore(resume) if resume else None
-        self.model = torch.compile(self.raw) if cfg.compile else self.raw
+        self.model = torch.compile(self.raw) if self.compile else self.raw
         ids = [self.device.index] if self.device.type == "cuda" else None
         self.ddp = DDP(self.model, device_ids=ids) if info.distributed else None
         self.flops_per_token = self.raw.flops_per_token(cfg.seq_len)
@@ -128,7 +130,7 @@ class Trainer:
         lr = lr_at(self.step, max_lr=cfg.max_lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
                    max_steps=cfg.max_steps)
         model = self.ddp or self.model
-        loss = accumulate_gradients(model, self.loader.next_batch, self.accum, self.device, cfg.dtype,
+        loss = accumulate_gradients(model, self.loader.next_batch, self.accum, self.device, self.dtype,
                                     self.scaler)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
@@ -186,7 +188,7 @@ class Trainer:
         if _due(cfg.hellaswag_interval, s, cfg.max_steps):
             from gpt2lab.evals.hellaswag import evaluate_hellaswag
 
-            res = evaluate_hellaswag(self.model, cfg.hellaswag_data, device=self.device, dtype=cfg.dtype,
+            res = evaluate_hellaswag(self.model, cfg.hellaswag_data, device=self.device, dtype=self.dtype,
                                      batch_size=cfg.micro_batch_size, limit=cfg.hellaswag_limit,
                                      rank=self.info.rank, world_size=self.info.world_size)
             log.log({"step": s, "hellaswag_acc": res["acc"], "hellaswag_acc_norm": res["acc_norm"],
@@ -202,7 +204,7 @@ class Trainer:
 
         return evaluate_loss(self.model, self.cfg.data, tokens=self.cfg.eval_tokens,
                              batch_size=self.cfg.micro_batch_size, seq_len=self.cfg.seq_len,
-                             device=self.device, dtype=self.cfg.dtype, rank=self.info.rank,
+                             device=self.device, dtype=self.dtype, rank=self.info.rank,
                              world_size=self.info.world_size)
 
     @torch.no_grad()
@@ -214,7 +216,7 @@ class Trainer:
         idx = torch.tensor([enc.encode(self.cfg.sample_prompt, allowed_special="all")], device=self.device)
         gen = torch.Generator(device=self.device).manual_seed(42)  # own generator: training RNG untouched
         self.raw.eval()
-        with autocast(self.device, self.cfg.dtype):
+        with autocast(self.device, self.dtype):
             out = self.raw.generate(idx, self.cfg.sample_tokens, top_k=50, generator=gen, stop_token=EOT_ID)
         self.raw.train()
         return enc.decode([t for t in out[0].tolist() if t != EOT_ID])
@@ -293,12 +295,15 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _check_device(cfg: TrainConfig, device: torch.device) -> None:
-    if cfg.dtype == "float16" and device.type == "cpu":
-        raise ConfigError("--dtype float16 needs a GPU (it relies on a gradient scaler); "
-                          "use bfloat16 or float32 on CPU")
-    if cfg.dtype == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError("this GPU has no bfloat16; use --dtype float16 (with a grad scaler) or float32")
+def _resolve_choices(cfg: TrainConfig, info: DistInfo) -> runtime.Resolved:
+    """dtype and compile for this run (runtime.resolve); under torchrun rank 0 decides for all,
+    so that no probe's noise can leave the ranks training in different dtypes."""
+    choices = runtime.resolve(info.device, cfg.dtype, cfg.compile) if info.is_main else None
+    if info.distributed:
+        box = [choices]
+        tdist.broadcast_object_list(box, src=0)
+        choices = box[0]
+    return choices
 
 
 def _plot(run_dir: str) -> None:
@@ -320,11 +325,16 @@ def train(cfg: TrainConfig, info: DistInfo, resume: Optional[str] = None) -> Opt
         write_json(os.path.join(cfg.out, "run_info.json"),
                    {**run_info(info.device, info.world_size), "grad_accum_steps": trainer.accum,
                     "resumed_from": trainer.resumed_from, "params": trainer.raw.num_params(),
+                    "choices": trainer.choices.record(),
                     "keep_cpu_memory_applied": trainer.malloc_tuned,
                     "flops_per_token": trainer.flops_per_token, "peak_flops": trainer.peak,
                     "mfu_formula": "6N + 12*n_layer*n_embd*T per token (PaLM), N without wpe"})
     log = MetricsLogger(cfg.out, enabled=info.is_main, total_steps=cfg.max_steps, start_step=trainer.step,
                         log_interval=cfg.log_interval, tensorboard=cfg.tensorboard, progress=cfg.progress)
+    log.console(f"gpt2lab train: {trainer.choices.summary()}")
+    for choice in (trainer.choices.dtype, trainer.choices.compile):
+        if choice.warning:
+            log.console(f"gpt2lab train: warning: {choice.warning}")
     log.console(f"gpt2lab train: {trainer.raw.num_params():,} params, {info.world_size} process(es), "
                 f"{trainer.accum} micro-steps/step, steps {trainer.step}..{cfg.max_steps}, out {cfg.out}"
                 + (f", resumed from {trainer.resumed_from}" if trainer.resumed_from else ""))

@@ -33,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference", action="store_true", help="also time the reference recipe's model")
     p.add_argument("--reference-compile", default="true", choices=["true", "false"],
                    help="torch.compile the reference model (as the recipe does)")
+    p.add_argument("--reference-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="autocast dtype of the reference model (the recipe on CPU: float32; on GPU: bfloat16)")
     p.add_argument("--reference-keep-memory", default="false", choices=["true", "false"],
                    help="give the reference gpt2lab's CPU allocator setting (--keep-cpu-memory); "
                         "false = glibc defaults, as the recipe runs")
@@ -47,6 +49,7 @@ def run(args: argparse.Namespace) -> dict:
     # heap it leaves behind are per process, and one side's setting must not tax the other.
     ctx = mp.get_context("spawn")
     opts = dict(warmup=args.warmup, reference_compile=args.reference_compile == "true",
+                reference_dtype=args.reference_dtype,
                 reference_keep_memory=args.reference_keep_memory == "true")
     sides = []
     try:
@@ -77,7 +80,8 @@ def run(args: argparse.Namespace) -> dict:
     result = {
         "preset": args.preset, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "seq_len": cfg.seq_len,
         "micro_batch_size": cfg.micro_batch_size, "total_batch_tokens": cfg.total_batch_tokens,
-        "vocab_size": cfg.vocab_size, "dtype": cfg.dtype, "compile": cfg.compile, "device": str(device),
+        "vocab_size": cfg.vocab_size, "dtype_asked": cfg.dtype, "compile_asked": cfg.compile,
+        "dtype": ours["dtype"], "compile": ours["compile"], "choices": ours["choices"], "device": str(device),
         "threads": ours["threads"], "keep_cpu_memory": cfg.keep_cpu_memory,
         "ms_per_step": round(ms, 2), "tok_per_s": round(tok_per_s, 1),
         "mfu": ours["flops_per_token"] * tok_per_s / ours["peak"] if ours["peak"] else None,
@@ -88,7 +92,7 @@ def run(args: argparse.Namespace) -> dict:
         ref_ms = statistics.median(ref)
         ratios = [r / o for o, r in zip(rounds["gpt2lab"], ref)]  # per round: same machine load
         result.update(reference_keep_cpu_memory=args.reference_keep_memory == "true",
-                      reference_compile=args.reference_compile == "true",
+                      reference_compile=args.reference_compile == "true", reference_dtype=args.reference_dtype,
                       reference_ms_per_step=round(ref_ms, 2),
                       reference_tok_per_s=round(cfg.total_batch_tokens / (ref_ms / 1000), 1),
                       reference_rounds_ms=[round(m, 1) for m in ref], speedup=round(ref_ms / ms, 3),
@@ -119,14 +123,16 @@ def _worker(conn, name: str, cfg, device: str, opts: dict) -> None:
         info = {"threads": torch.get_num_threads(), "flops_per_token": None, "peak": None}
         if name == "gpt2lab":  # exactly the step `gpt2lab train` runs
             trainer = Trainer(cfg, DistInfo(device=device))
-            info.update(flops_per_token=trainer.flops_per_token, peak=trainer.peak)
+            info.update(flops_per_token=trainer.flops_per_token, peak=trainer.peak, dtype=trainer.dtype,
+                        compile=trainer.compile, choices=trainer.choices.summary())
             fn = lambda: trainer.train_step()["train_loss"]  # noqa: E731
         else:  # the same batches (same loader, same seed)
             if device.type == "cuda":
                 torch.set_float32_matmul_precision("high")  # TF32, as the recipe sets it
             torch.manual_seed(cfg.seed)
             loader = TokenLoader(cfg.data, "train", cfg.micro_batch_size, cfg.seq_len, seed=cfg.seed)
-            fn = ReferenceStep(cfg, device, loader.next_batch, compile=opts["reference_compile"]).step
+            fn = ReferenceStep(cfg, device, loader.next_batch, compile=opts["reference_compile"],
+                               dtype=opts["reference_dtype"]).step
         for _ in range(opts["warmup"]):
             fn()
         conn.send(info)
@@ -203,8 +209,8 @@ class ReferenceGPT(nn.Module):
 class ReferenceStep:
     """The recipe's step: accumulate, clip 1.0, cosine-scheduled AdamW (fused on CUDA only)."""
 
-    def __init__(self, cfg, device: torch.device, next_batch, compile: bool) -> None:
-        self.cfg, self.device, self.next_batch = cfg, device, next_batch
+    def __init__(self, cfg, device: torch.device, next_batch, compile: bool, dtype: str = "float32") -> None:
+        self.cfg, self.device, self.next_batch, self.dtype = cfg, device, next_batch, dtype
         self.accum = cfg.grad_accum_steps(1)
         self.model = ReferenceGPT(cfg.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd).to(device)
         params = [p for p in self.model.parameters()]
@@ -220,7 +226,7 @@ class ReferenceStep:
         for _ in range(self.accum):
             x, y = self.next_batch()
             x, y = x.to(self.device), y.to(self.device)
-            with autocast(self.device, self.cfg.dtype):
+            with autocast(self.device, self.dtype):
                 loss = self.fwd(x, y) / self.accum
             total += loss.detach()
             loss.backward()

@@ -1,9 +1,9 @@
 """Subcommands of the ``gpt2lab`` CLI (see cli.py)."""
 import sys
 
-# Autocast dtypes a command accepts (gpt2lab.dist.DTYPES maps them to torch dtypes); kept
-# here so that building the parser does not import torch.
-DTYPE_NAMES = ("bfloat16", "float16", "float32")
+# Autocast dtypes a command accepts ("auto" and the names gpt2lab.dist.DTYPES maps to torch
+# dtypes); config.py imports no torch, so building the parser stays cheap.
+from gpt2lab.config import DTYPE_CHOICES as DTYPE_NAMES
 
 
 def not_yet(name: str, issue: str):

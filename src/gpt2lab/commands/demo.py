@@ -6,8 +6,11 @@ own run directory, so running it twice never touches an earlier run.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
+
+CHANCE_LOSS = math.log(50257)  # a uniform guess over GPT-2's vocabulary
 
 
 def add_parser(sub) -> None:
@@ -37,11 +40,30 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_preset("shakespeare-cpu", **overrides)
     print(f"[demo] training shakespeare-cpu for {cfg.max_steps} steps into {out}", flush=True)
     train(cfg, init_distributed(cfg.device))
-    print(f"[demo] sample from the trained model ({args.prompt!r}):\n", flush=True)
-    print(sample(out, args.prompt, args.tokens, args.seed, cfg.dtype))
+    val = last_val_loss(out)
+    if val is not None:
+        print(f"[demo] validation loss {val:.2f} (chance: ln 50257 = {CHANCE_LOSS:.2f})", flush=True)
+    print(f"[demo] sample from the trained model ({args.prompt!r}, seed {args.seed}):\n", flush=True)
+    print(sample(out, args.prompt, args.tokens, args.seed, _run_dtype(out)))
     print(f"\n[demo] done in {time.perf_counter() - t0:.0f} s. run dir: {out}")
     print(f"[demo] more samples: {_command()} sample --model {out} --prompt 'JULIET:'", flush=True)
     return 0
+
+
+def last_val_loss(run_dir: str):
+    """The last validation loss in the run's metrics.jsonl (None if it logged none)."""
+    from gpt2lab.plot import read_metrics
+
+    vals = [r["val_loss"] for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "val_loss" in r]
+    return vals[-1] if vals else None
+
+
+def _run_dtype(run_dir: str) -> str:
+    """The dtype the run trained in (what --dtype auto chose), from its run_info.json."""
+    import json
+
+    with open(os.path.join(run_dir, "run_info.json")) as fh:
+        return json.load(fh)["choices"]["dtype"]
 
 
 def sample(run_dir: str, prompt: str, tokens: int, seed: int, dtype: str) -> str:

@@ -41,7 +41,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help="HF name (gpt2, gpt2-medium, ...), HF model dir, gpt2lab run dir or checkpoint dir")
     p.add_argument("--device", default=None, help="cpu, cuda, mps (default: the best available)")
-    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="autocast dtype")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
+                   help="autocast dtype; auto (default): bf16 where the device runs it faster, else fp32")
 
 
 def _positive(value, flag: str) -> None:
@@ -55,16 +56,18 @@ def run_hellaswag(args: argparse.Namespace) -> int:
     from gpt2lab.dist import cleanup, init_distributed, print0
     from gpt2lab.evals.hellaswag import DEFAULT_BATCH_SIZE, evaluate_hellaswag
     from gpt2lab.load import load_model
+    from gpt2lab.runtime import inference_dtype
 
     _positive(args.limit, "--limit")
     _positive(args.batch_size, "--batch-size")
     info = init_distributed(args.device)
     try:
         model = load_model(args.model, info.device)
+        dtype = inference_dtype(info.device, args.dtype, "gpt2lab eval")
         if args.compile:
             model = torch.compile(model)
         try:
-            result = evaluate_hellaswag(model, args.data, device=info.device, dtype=args.dtype,
+            result = evaluate_hellaswag(model, args.data, device=info.device, dtype=dtype,
                                         batch_size=args.batch_size or DEFAULT_BATCH_SIZE, limit=args.limit,
                                         rank=info.rank, world_size=info.world_size, strategy=args.strategy,
                                         progress=True)
@@ -79,6 +82,7 @@ def run_hellaswag(args: argparse.Namespace) -> int:
 def run_loss(args: argparse.Namespace) -> int:
     from gpt2lab.dist import cleanup, init_distributed, print0
     from gpt2lab.load import load_model
+    from gpt2lab.runtime import inference_dtype
 
     try:
         from gpt2lab.evals.loss import evaluate_loss
@@ -89,10 +93,11 @@ def run_loss(args: argparse.Namespace) -> int:
     info = init_distributed(args.device)
     try:
         model = load_model(args.model, info.device)
+        dtype = inference_dtype(info.device, args.dtype, "gpt2lab eval")
         seq_len = args.seq_len or model.config.block_size
         try:
             loss = evaluate_loss(model, args.data, tokens=args.tokens, batch_size=args.batch_size, seq_len=seq_len,
-                                 device=info.device, dtype=args.dtype, split=args.split, rank=info.rank,
+                                 device=info.device, dtype=dtype, split=args.split, rank=info.rank,
                                  world_size=info.world_size)
         except (FileNotFoundError, ValueError) as e:
             raise SystemExit(f"gpt2lab eval loss: {e}") from None

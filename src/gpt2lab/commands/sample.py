@@ -27,7 +27,8 @@ def add_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: smallest set holding this much mass")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
-    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="autocast dtype")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
+                   help="autocast dtype; auto (default): bf16 where the device runs it faster, else fp32")
     p.add_argument("--stop-at-eot", action=argparse.BooleanOptionalAction, default=True,
                    help="end a sample at <|endoftext|> (default on)")
     p.set_defaults(func=run)
@@ -61,9 +62,11 @@ def run(args: argparse.Namespace) -> int:
 
     from gpt2lab.dist import autocast, pick_device
     from gpt2lab.load import load_model
+    from gpt2lab.runtime import inference_dtype
 
     _check(args)
     device = pick_device(args.device)
+    dtype = inference_dtype(device, args.dtype, "gpt2lab sample")
     model = load_model(args.model, device)
     if device.type == "cpu":
         model.use_decode_layout()  # faster one-row matmuls on CPU; same numbers
@@ -72,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     prompt = torch.tensor([ids], dtype=torch.long, device=device)
     for i in range(args.num_samples):
         print(f"--- sample {i + 1}/{args.num_samples}", flush=True)
-        with autocast(device, args.dtype):
+        with autocast(device, dtype):
             _stream_one(model, prompt, args, generator)
     return 0
 

@@ -34,13 +34,25 @@ FORMAT = "gpt2lab-token-shards"
 # small source still gets ~8 tasks per worker so the workers stay evenly loaded.
 TASK_CHARS_MIN, TASK_CHARS_MAX = 1 << 16, 1 << 20
 TASK_DOCS = 4096
-# Sources of known size below this many bytes are tokenized by threads, above it (and the
-# hub, size unknown) by processes. tiktoken encodes with the GIL released, so threads run
-# in parallel and start in microseconds, but the Python around the encoding (a .jsonl
-# line's json.loads, the per-document copy) takes turns; processes pay ~100 ms to start
-# and for every message, and never contend. Measured on 2 cores (docs/benchmarks.md):
-# threads won on the ~1 MB bundled sources, processes on 20x them as .jsonl.
-THREAD_POOL_MAX_BYTES = 8 << 20
+# Threads or processes (``use_threads``). tiktoken encodes with the GIL released, so threads
+# run in parallel and start in microseconds, but the Python around the encoding (a .jsonl
+# line's json.loads, the per-document copy: a share f of the work) takes turns; processes
+# pay a start-up S (~100 ms) and never contend. For a source that takes W seconds on one
+# core, w workers finish in about W*(f + (1-f)/w) as threads and S + W/w as processes, so
+# processes win once W > S / (f * (1 - 1/w)). W and S are both CPU work that a faster
+# machine shortens alike, so in bytes the crossover is the same on any machine; it moves
+# only with w. Measured on 2 workers (docs/benchmarks.md): threads won on the ~1 MB bundled
+# sources, processes on 20x them as .jsonl; the crossover there is this many bytes:
+THREAD_POOL_MAX_BYTES = 8 << 20  # at 2 workers; use_threads scales it by 0.5 / (1 - 1/w)
+
+
+def use_threads(size_bytes: Optional[int], workers: int) -> bool:
+    """Tokenize with threads (else processes): sources of known size below the crossover."""
+    if size_bytes is None:  # the hub, size unknown: large
+        return False
+    if workers <= 1:
+        return True
+    return size_bytes < THREAD_POOL_MAX_BYTES * 0.5 / (1 - 1 / workers)
 
 
 def prepare(source: str, out_dir: str, *, shard_tokens: int = 100_000_000,
@@ -215,7 +227,7 @@ def _run(src: Source, out: Path, manifest: Dict, workers: int, progress: bool) -
     docs = src.documents(writer.doc, manifest["settings"]["limit_docs"])
     size = src.size_bytes or TASK_CHARS_MAX * 8 * workers
     task_chars = min(TASK_CHARS_MAX, max(TASK_CHARS_MIN, size // (8 * workers)))
-    threads = src.size_bytes is not None and src.size_bytes < THREAD_POOL_MAX_BYTES
+    threads = use_threads(src.size_bytes, workers)
     with _token_stream(docs, workers, task_chars, threads) as stream, _progress(progress, writer.written) as bar:
         for tokens, lengths in stream:
             writer.add(tokens, lengths)

@@ -1,0 +1,77 @@
+"""gpt2lab env: what gpt2lab sees on this machine, for bug reports (like torch.utils.collect_env).
+
+Versions, the device ``auto`` picks, the CPU's capability flags, fp32 and bf16 matmul rates
+measured afresh (about a second), whether torch.compile can build kernels, what
+``--dtype auto`` and ``--compile auto`` would choose and why, and which optional extras are
+installed.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+
+# The optional extras' packages (pyproject.toml), by what they enable.
+OPTIONAL_PACKAGES = ("datasets", "pyarrow", "matplotlib", "tensorboard", "transformers", "lm_eval",
+                     "peft", "fastapi", "uvicorn", "openai", "wandb")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("env", help="print what gpt2lab sees: versions, device, bf16, matmul GFLOP/s, auto choices")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
+    p.set_defaults(func=run)
+
+
+def collect(device_name: str = "auto") -> dict:
+    import torch
+
+    from gpt2lab import __version__, runtime
+    from gpt2lab.dist import pick_device
+
+    device = pick_device(device_name)
+    facts = runtime.detect(device, probe=False)
+    probe = runtime.measure_matmul(device)  # afresh, on the device itself (the run's probe is CPU-only)
+    if device.type == "cpu":
+        facts = runtime.Facts(**{**facts.__dict__, "probe": probe})
+    choices = runtime.resolve(device, "auto", "auto", facts=facts)
+    info = {
+        "gpt2lab": __version__, "python": sys.version.split()[0], "platform": platform.platform(),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "mps_available": bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()),
+        "device": str(device), "device_name": facts.device_name,
+        "cpu": runtime.cpu_name(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "cpu_flags": list(facts.cpu_flags), "native_bf16": facts.native_bf16,
+        "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+        "matmul_fp32_gflops": probe.fp32_gflops, "matmul_bf16_gflops": probe.bf16_gflops,
+        "matmul_size": runtime.PROBE_N, "compile_available": facts.can_compile,
+        "auto_dtype": choices.dtype.value, "auto_dtype_reason": choices.dtype.reason,
+        "auto_compile": choices.compile.value, "auto_compile_reason": choices.compile.reason,
+        "extras": {name: _version(name) for name in OPTIONAL_PACKAGES},
+    }
+    return info
+
+
+def _version(package: str):
+    try:
+        return importlib.metadata.version(package.replace("_", "-"))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def run(args: argparse.Namespace) -> int:
+    info = collect(args.device)
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    for key, value in info.items():
+        if key == "extras":
+            value = ", ".join(f"{k} {v}" if v else f"{k} (not installed)" for k, v in value.items())
+        elif isinstance(value, list):
+            value = ", ".join(value) or "none"
+        print(f"{key + ':':<22} {value}")
+    return 0

@@ -1,0 +1,317 @@
+"""What this machine can do, and the dtype and compile choices that follow from it.
+
+No default is tuned to one machine. ``--dtype auto`` and ``--compile auto`` are decided
+here, each by a pure function of *facts* (device type, CPU flags, GPU bf16 support,
+whether torch.compile can build kernels, a matmul probe) and the user's request, so
+every branch is testable with made-up facts. ``detect()`` gathers the facts of this
+machine; ``resolve()`` does both and returns the choices with their reasons, which every
+run prints and records in ``run_info.json``.
+
+The CPU probe times fp32 and bf16 matrix multiplies for a fraction of a second and is
+cached per machine (CPU model, flags, torch version, threads, oneDNN ISA cap), so a run
+pays for it once; ``gpt2lab env`` always measures afresh.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from gpt2lab.config import COMPILE_CHOICES, DTYPE_CHOICES, ConfigError
+
+# x86 /proc/cpuinfo flags of native bf16 arithmetic (AVX512_BF16 dot products, AMX tiles)
+# and the aarch64 one (BF16 instructions, Armv8.6). Without one of them oneDNN converts bf16
+# to fp32 around every multiply and a bf16 matmul runs 2-4x *slower* than fp32.
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
+# The flags worth recording: the ones above and the vector width the fp32 kernels get.
+NOTED_CPU_FLAGS = BF16_CPU_FLAGS + ("amx_tile", "avx512f", "avx512_vnni", "avx2", "fma", "asimd", "sve")
+# bf16 must beat fp32 by this factor in the matmul probe before a CPU run switches to it:
+# under autocast the non-matmul work stays fp32 and every forward adds casts of the
+# weights, so a matmul that is only a little faster in bf16 does not make the step faster.
+# Native-bf16 CPUs clear it by far (AVX512_BF16 ~3x, AMX more); emulating ones fall below 1.
+BF16_MIN_SPEEDUP = 1.3
+PROBE_N = 1024          # square matmul side: 2 GFLOP a call, big enough to reach the GEMM rate
+PROBE_SECONDS = 0.2     # timed per dtype, after one untimed call
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Measured dense matmul rates (GFLOP/s) on the device."""
+    fp32_gflops: float
+    bf16_gflops: float
+
+    @property
+    def bf16_speedup(self) -> float:
+        return self.bf16_gflops / self.fp32_gflops if self.fp32_gflops > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Facts:
+    """Everything the choices depend on; ``detect()`` fills it for this machine."""
+    device_type: str                       # "cpu", "cuda" or "mps"
+    device_name: str = ""                  # CPU model or GPU name
+    cpu_flags: tuple[str, ...] = ()        # the NOTED_CPU_FLAGS this CPU has
+    cuda_bf16: bool = False                # torch.cuda.is_bf16_supported()
+    can_compile: bool = True               # a kernel compiler for the device (triton / a C++ compiler)
+    probe: Optional[Probe] = None          # CPU: matmul rates, None when not measured
+
+    @property
+    def native_bf16(self) -> bool:
+        if self.device_type == "cuda":
+            return self.cuda_bf16
+        return any(f in self.cpu_flags for f in BF16_CPU_FLAGS)
+
+
+@dataclass(frozen=True)
+class Choice:
+    value: object
+    reason: str
+    warning: Optional[str] = None          # a choice that runs, but slower than it could
+
+
+class ChoiceError(ConfigError):
+    """A requested dtype/compile setting this device cannot run; the message says what to use."""
+
+
+# -- the choices: pure functions of (facts, request) -------------------------------------
+def choose_dtype(requested: str, facts: Facts) -> Choice:
+    """The autocast dtype: the user's if the device can do it, else the fastest correct one."""
+    if requested not in DTYPE_CHOICES:
+        raise ChoiceError(f"dtype {requested!r}: choose one of {', '.join(DTYPE_CHOICES)}")
+    dev = facts.device_type
+    if requested != "auto":
+        return _check_explicit_dtype(requested, facts)
+    if dev == "cuda":
+        if facts.cuda_bf16:
+            return Choice("bfloat16", f"{facts.device_name or 'this GPU'} supports bf16")
+        return Choice("float16", f"{facts.device_name or 'this GPU'} has no bf16: fp16 with a gradient scaler")
+    if dev == "mps":
+        return Choice("float32", "MPS: autocast training in bf16/fp16 is not reliable across macOS and torch "
+                                 "versions, so fp32 (try --dtype bfloat16 to measure it on yours)")
+    return _cpu_auto_dtype(facts)
+
+
+def _cpu_auto_dtype(facts: Facts) -> Choice:
+    p = facts.probe
+    if p is not None:
+        rates = f"matmul probe: bf16 {p.bf16_gflops:.0f} vs fp32 {p.fp32_gflops:.0f} GFLOP/s"
+        if p.bf16_speedup >= BF16_MIN_SPEEDUP:
+            return Choice("bfloat16", f"bf16 is {p.bf16_speedup:.1f}x fp32 on this CPU ({rates})")
+        return Choice("float32", f"bf16 is not faster on this CPU ({rates}; needs {BF16_MIN_SPEEDUP}x)")
+    if facts.native_bf16:
+        found = [f for f in BF16_CPU_FLAGS if f in facts.cpu_flags]
+        return Choice("bfloat16", f"native bf16 on this CPU ({', '.join(found)}; not probed)")
+    return Choice("float32", "no native bf16 on this CPU (no AVX512_BF16/AMX/BF16 flag; not probed)")
+
+
+def _check_explicit_dtype(requested: str, facts: Facts) -> Choice:
+    dev = facts.device_type
+    if requested == "float16" and dev == "cpu":
+        raise ChoiceError("--dtype float16 needs a GPU (fp16 training relies on a gradient scaler "
+                          "and CPU fp16 kernels are slow); use --dtype auto, bfloat16 or float32")
+    if requested == "bfloat16" and dev == "cuda" and not facts.cuda_bf16:
+        raise ChoiceError(f"--dtype bfloat16: {facts.device_name or 'this GPU'} has no bf16; "
+                          "use --dtype auto (fp16 with a gradient scaler) or float32")
+    warning = None
+    if requested == "bfloat16" and dev == "cpu":
+        p = facts.probe
+        if p is not None and p.bf16_speedup < 1.0:
+            warning = (f"--dtype bfloat16 is {1 / max(p.bf16_speedup, 1e-9):.1f}x slower than fp32 on this "
+                       f"CPU (matmul probe: bf16 {p.bf16_gflops:.0f} vs fp32 {p.fp32_gflops:.0f} GFLOP/s); "
+                       "--dtype auto would use float32")
+        elif p is None and not facts.native_bf16:
+            warning = "--dtype bfloat16 on a CPU without native bf16 is usually slower than float32"
+    return Choice(requested, "asked for with --dtype", warning)
+
+
+def choose_compile(requested: str, facts: Facts) -> Choice:
+    """torch.compile on or off: the user's choice, else on where it pays."""
+    if requested not in COMPILE_CHOICES:
+        raise ChoiceError(f"compile {requested!r}: choose one of {', '.join(COMPILE_CHOICES)}")
+    if requested == "true":
+        if not facts.can_compile:
+            raise ChoiceError(f"--compile true: torch.compile cannot build kernels here ({_no_compiler(facts)}); "
+                              "use --compile false")
+        return Choice(True, "asked for with --compile true")
+    if requested == "false":
+        return Choice(False, "asked for with --compile false")
+    if not facts.can_compile:
+        return Choice(False, f"torch.compile unavailable ({_no_compiler(facts)})")
+    if facts.device_type == "cuda":
+        return Choice(True, "CUDA: fused kernels pay back the compile time within the first steps")
+    if facts.device_type == "mps":
+        return Choice(False, "MPS: torch.compile support is still experimental")
+    return Choice(False, "CPU: compiled steps measured no faster than eager (the matmuls, run by the same "
+                         "oneDNN/MKL kernels either way, are the step), and compiling costs a minute; "
+                         "see docs/benchmarks.md")
+
+
+def _no_compiler(facts: Facts) -> str:
+    return "no triton" if facts.device_type == "cuda" else "no C++ compiler on PATH"
+
+
+# -- the facts of this machine ------------------------------------------------------------
+def cpu_flags() -> tuple[str, ...]:
+    """The NOTED_CPU_FLAGS in /proc/cpuinfo (Linux); () elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith(("flags", "Features")):
+                    have = set(line.split(":", 1)[1].split())
+                    return tuple(f for f in NOTED_CPU_FLAGS if f in have)
+    except OSError:
+        pass
+    return ()
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:  # not Linux
+        pass
+    return platform.processor() or platform.machine()
+
+
+def can_compile(device_type: str) -> bool:
+    if device_type == "cuda":
+        return importlib.util.find_spec("triton") is not None
+    if device_type == "mps":
+        return True
+    return any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c)
+
+
+def measure_matmul(device, n: int = PROBE_N, seconds: float = PROBE_SECONDS) -> Probe:
+    """fp32 and bf16 ``a @ b`` rates on ``device``, each timed for about ``seconds``."""
+    import torch
+
+    def rate(dtype) -> float:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        _sync(device)
+        a @ b
+        _sync(device)
+        calls, t0 = 0, time.perf_counter()
+        while True:
+            a @ b
+            calls += 1
+            _sync(device)
+            dt = time.perf_counter() - t0
+            if dt >= seconds:
+                return 2 * n ** 3 * calls / dt / 1e9
+
+    return Probe(fp32_gflops=round(rate(torch.float32), 1), bf16_gflops=round(rate(torch.bfloat16), 1))
+
+
+def _sync(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cached_cpu_probe(cache_dir: Optional[str] = None) -> Optional[Probe]:
+    """The CPU matmul probe, measured once per machine and kept in the user's cache.
+
+    ``GPT2LAB_PROBE=0`` turns it off (the choice then follows the CPU flags).
+    """
+    if os.environ.get("GPT2LAB_PROBE", "1") == "0":
+        return None
+    import torch
+
+    path = os.path.join(cache_dir or _cache_dir(), f"cpu-probe-{_machine_key()}.json")
+    try:
+        with open(path) as fh:
+            return Probe(**json.load(fh))
+    except (OSError, ValueError, TypeError):
+        pass
+    probe = measure_matmul(torch.device("cpu"))
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump(dataclasses.asdict(probe), fh)
+        os.replace(tmp, path)
+    except OSError:  # a read-only home: probe again next time, no harm done
+        pass
+    return probe
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.environ.get("GPT2LAB_CACHE", os.path.join(base, "gpt2lab"))
+
+
+def _machine_key() -> str:
+    """What the probe's answer depends on: the CPU, its flags, torch, threads and oneDNN's ISA cap."""
+    import torch
+
+    parts = [cpu_name(), ",".join(cpu_flags()), torch.__version__, str(torch.get_num_threads()),
+             os.environ.get("ONEDNN_MAX_CPU_ISA", ""), os.environ.get("DNNL_MAX_CPU_ISA", "")]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def detect(device, probe: bool = True) -> Facts:
+    """The facts of ``device`` on this machine (the CPU probe from the cache when it can)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return Facts("cuda", torch.cuda.get_device_name(dev), cpu_flags(),
+                     cuda_bf16=torch.cuda.is_bf16_supported(), can_compile=can_compile("cuda"))
+    if dev.type == "mps":
+        return Facts("mps", "Apple MPS", cpu_flags(), can_compile=can_compile("mps"))
+    return Facts("cpu", cpu_name(), cpu_flags(), can_compile=can_compile("cpu"),
+                 probe=cached_cpu_probe() if probe else None)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The choices made for a run, with the facts behind them."""
+    dtype: Choice
+    compile: Choice
+    facts: Facts
+
+    def summary(self) -> str:
+        """One console line: what was chosen and why."""
+        return (f"dtype {self.dtype.value} ({self.dtype.reason}); "
+                f"compile {'on' if self.compile.value else 'off'} ({self.compile.reason})")
+
+    def record(self) -> dict:
+        """The run_info.json entry."""
+        f = self.facts
+        return {"dtype": self.dtype.value, "dtype_reason": self.dtype.reason,
+                "compile": self.compile.value, "compile_reason": self.compile.reason,
+                "warnings": [c.warning for c in (self.dtype, self.compile) if c.warning],
+                "device_type": f.device_type, "device_name": f.device_name,
+                "cpu_flags": list(f.cpu_flags), "native_bf16": f.native_bf16,
+                "matmul_probe_gflops": dataclasses.asdict(f.probe) if f.probe else None}
+
+
+def resolve(device, dtype: str = "auto", compile: str = "false", facts: Optional[Facts] = None) -> Resolved:
+    """Decide dtype and compile for ``device``; the CPU probe runs only when an answer needs it."""
+    dtype, compile = str(dtype), str(compile).lower()
+    if facts is None:
+        needs_probe = dtype in ("auto", "bfloat16")
+        facts = detect(device, probe=needs_probe)
+    return Resolved(choose_dtype(dtype, facts), choose_compile(compile, facts), facts)
+
+
+def inference_dtype(device, requested: str = "auto", command: str = "gpt2lab") -> str:
+    """The dtype for ``sample``/``eval``/``bench``: resolved like a run's, announced on stderr."""
+    import sys
+
+    choice = resolve(device, requested, "false").dtype
+    print(f"{command}: dtype {choice.value} ({choice.reason})", file=sys.stderr, flush=True)
+    if choice.warning:
+        print(f"{command}: warning: {choice.warning}", file=sys.stderr, flush=True)
+    return str(choice.value)

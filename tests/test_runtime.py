@@ -1,0 +1,135 @@
+"""dtype/compile ``auto``: every branch of the choice, from made-up capability facts."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gpt2lab import runtime
+from gpt2lab.runtime import ChoiceError, Facts, Probe, choose_compile, choose_dtype
+
+# Rates like the two CPUs in issue 9: an Intel Xeon without AVX512_BF16 (bf16 emulated)
+# and an AMD Zen 4 with it.
+EMULATED = Probe(fp32_gflops=202.0, bf16_gflops=52.0)
+NATIVE = Probe(fp32_gflops=130.0, bf16_gflops=400.0)
+CPU_NO_BF16 = Facts("cpu", "Xeon", ("avx512f", "avx512_vnni"), probe=EMULATED)
+CPU_BF16 = Facts("cpu", "EPYC", ("avx512_bf16", "avx512f"), probe=NATIVE)
+A100 = Facts("cuda", "NVIDIA A100", cuda_bf16=True)
+V100 = Facts("cuda", "Tesla V100", cuda_bf16=False)
+MPS = Facts("mps", "Apple MPS")
+
+
+@pytest.mark.parametrize("facts, expected", [
+    (CPU_NO_BF16, "float32"),
+    (CPU_BF16, "bfloat16"),
+    (A100, "bfloat16"),
+    (V100, "float16"),
+    (MPS, "float32"),
+    # no probe: the CPU flags decide
+    (Facts("cpu", cpu_flags=("avx2",)), "float32"),
+    (Facts("cpu", cpu_flags=("amx_bf16", "avx512_bf16")), "bfloat16"),
+    (Facts("cpu", cpu_flags=("asimd", "bf16")), "bfloat16"),
+])
+def test_auto_dtype(facts, expected):
+    choice = choose_dtype("auto", facts)
+    assert choice.value == expected and choice.reason and choice.warning is None
+
+
+def test_probe_outweighs_the_flags():
+    # AVX512_BF16 present but oneDNN capped below it (ONEDNN_MAX_CPU_ISA): the probe says slow
+    capped = Facts("cpu", cpu_flags=("avx512_bf16",), probe=Probe(150.0, 30.0))
+    assert choose_dtype("auto", capped).value == "float32"
+    # no flag, but bf16 measured well ahead (a CPU this table does not know)
+    assert choose_dtype("auto", Facts("cpu", probe=Probe(100.0, 250.0))).value == "bfloat16"
+
+
+def test_bf16_needs_a_clear_margin_on_cpu():
+    just_below = Probe(100.0, 100.0 * runtime.BF16_MIN_SPEEDUP - 1)
+    at = Probe(100.0, 100.0 * runtime.BF16_MIN_SPEEDUP)
+    assert choose_dtype("auto", Facts("cpu", probe=just_below)).value == "float32"
+    assert choose_dtype("auto", Facts("cpu", probe=at)).value == "bfloat16"
+
+
+@pytest.mark.parametrize("facts", [CPU_NO_BF16, CPU_BF16, A100, V100, MPS])
+def test_explicit_float32_always_wins(facts):
+    assert choose_dtype("float32", facts).value == "float32"
+
+
+def test_impossible_dtypes_are_errors_that_say_what_to_use():
+    with pytest.raises(ChoiceError, match="float16 needs a GPU.*auto"):
+        choose_dtype("float16", CPU_BF16)
+    with pytest.raises(ChoiceError, match="V100 has no bf16.*fp16"):
+        choose_dtype("bfloat16", V100)
+    with pytest.raises(ChoiceError, match="choose one of"):
+        choose_dtype("int8", A100)
+
+
+def test_slow_bf16_on_cpu_runs_with_a_warning():
+    choice = choose_dtype("bfloat16", CPU_NO_BF16)
+    assert choice.value == "bfloat16"
+    assert "3.9x slower" in choice.warning and "float32" in choice.warning  # 202 / 52
+    assert choose_dtype("bfloat16", CPU_BF16).warning is None
+    assert "without native bf16" in choose_dtype("bfloat16", Facts("cpu", cpu_flags=("avx2",))).warning
+
+
+@pytest.mark.parametrize("facts, expected", [(A100, True), (V100, True), (CPU_BF16, False), (CPU_NO_BF16, False),
+                                             (MPS, False)])
+def test_auto_compile(facts, expected):
+    assert choose_compile("auto", facts).value is expected
+
+
+def test_compile_without_a_compiler():
+    no_triton = Facts("cuda", "NVIDIA A100", cuda_bf16=True, can_compile=False)
+    assert choose_compile("auto", no_triton).value is False
+    assert "triton" in choose_compile("auto", no_triton).reason
+    with pytest.raises(ChoiceError, match="C\\+\\+ compiler.*--compile false"):
+        choose_compile("true", Facts("cpu", can_compile=False))
+    assert choose_compile("true", CPU_NO_BF16).value is True
+    assert choose_compile("false", A100).value is False
+
+
+def test_probe_is_measured_once_and_cached_per_machine(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_measure(device, *a, **k):
+        calls.append(device)
+        return Probe(100.0, 300.0)
+
+    monkeypatch.setattr(runtime, "measure_matmul", fake_measure)
+    monkeypatch.setenv("GPT2LAB_PROBE", "1")
+    assert runtime.cached_cpu_probe(str(tmp_path)) == Probe(100.0, 300.0)
+    assert runtime.cached_cpu_probe(str(tmp_path)) == Probe(100.0, 300.0)
+    assert len(calls) == 1
+    [f] = tmp_path.iterdir()
+    assert json.loads(f.read_text()) == {"fp32_gflops": 100.0, "bf16_gflops": 300.0}
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # another ISA cap is another machine
+    runtime.cached_cpu_probe(str(tmp_path))
+    assert len(calls) == 2
+    monkeypatch.setenv("GPT2LAB_PROBE", "0")
+    assert runtime.cached_cpu_probe(str(tmp_path)) is None
+
+
+def test_real_probe_measures_both_dtypes():
+    p = runtime.measure_matmul(torch.device("cpu"), n=128, seconds=0.02)
+    assert p.fp32_gflops > 0 and p.bf16_gflops > 0
+
+
+def test_resolve_records_what_and_why():
+    res = runtime.resolve("cpu", "auto", "auto", facts=CPU_NO_BF16)
+    rec = res.record()
+    assert rec["dtype"] == "float32" and rec["compile"] is False
+    assert rec["matmul_probe_gflops"] == {"fp32_gflops": 202.0, "bf16_gflops": 52.0}
+    assert rec["native_bf16"] is False and rec["cpu_flags"] == ["avx512f", "avx512_vnni"]
+    assert "dtype float32" in res.summary() and "compile off" in res.summary()
+
+
+def test_prepare_pool_crossover_scales_with_workers():
+    from gpt2lab.data.prepare import THREAD_POOL_MAX_BYTES, use_threads
+
+    assert THREAD_POOL_MAX_BYTES == 8 << 20  # the 2-worker crossover measured in docs/benchmarks.md
+    assert use_threads((8 << 20) - 1, 2) and not use_threads(8 << 20, 2)
+    four = (8 << 20) * 0.5 / 0.75  # W > S / (f (1 - 1/w)): 1 - 1/4 = 0.75 against 0.5 at 2 workers
+    assert use_threads(int(four) - 1, 4) and not use_threads(int(four) + 1, 4)
+    assert use_threads(10 ** 12, 1)  # one worker: no pool to pay for
+    assert not use_threads(None, 2)  # unknown size (the hub)
