@@ -21,6 +21,7 @@ from gpt2lab.benchmarks import timed
 from gpt2lab.dist import DTYPES, autocast
 from gpt2lab.evals.hellaswag import DEFAULT_BATCH_SIZE, load_examples, render_example, resolve_strategy, score_examples
 from gpt2lab.model import GPT, GPTConfig
+from gpt2lab.runtime import inference_dtype
 from gpt2lab.tokenizer import get_tokenizer
 
 
@@ -32,8 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="examples per batch, batched methods")
     p.add_argument("--repeats", type=int, default=2, help="timed runs of each method over the whole set")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
-                   help="autocast dtype of every method (the reference recipe on CPU: float32)")
+    p.add_argument("--dtype", default="float32", choices=["auto", *sorted(DTYPES)],
+                   help="autocast dtype of every method (the reference recipe on CPU: float32; auto: what "
+                        "`gpt2lab eval` would use here)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
@@ -95,6 +97,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
     device = torch.device(args.device)
+    args.dtype = inference_dtype(device, args.dtype, "bench hellaswag")
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset(args.size)).to(device).eval()
     examples = load_examples(args.data or _default_data(), args.limit)

@@ -18,6 +18,7 @@ from gpt2lab.benchmarks import timed
 from gpt2lab.dist import DTYPES, autocast, pick_device
 from gpt2lab.generate import generate
 from gpt2lab.model import GPT, GPTConfig
+from gpt2lab.runtime import inference_dtype
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,7 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per run (exactly)")
     p.add_argument("--prompt-tokens", type=int, default=16, help="length of the random prompt")
     p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto (cuda > mps > cpu)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="autocast dtype for both libraries")
+    p.add_argument("--dtype", default="float32", choices=["auto", *sorted(DTYPES)],
+                   help="autocast dtype for both libraries (float32: the figures in docs/benchmarks.md; "
+                        "auto: what `gpt2lab sample` would use here)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each cached generator")
     p.add_argument("--no-cache-repeats", type=int, default=1, help="timed runs without the cache (slow; 0 skips)")
     p.add_argument("--seed", type=int, default=0)
@@ -60,6 +63,7 @@ def run(args: argparse.Namespace) -> dict:
     device = pick_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
+    args.dtype = inference_dtype(device, args.dtype, "bench sample")
     torch.manual_seed(args.seed)
     config = GPTConfig(block_size=args.block_size, vocab_size=args.vocab_size,
                        n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)

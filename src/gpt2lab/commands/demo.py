@@ -10,7 +10,7 @@ import math
 import os
 import time
 
-CHANCE_LOSS = math.log(50257)  # a uniform guess over GPT-2's vocabulary
+from gpt2lab.commands import DTYPE_NAMES
 
 
 def add_parser(sub) -> None:
@@ -21,6 +21,8 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt", default="ROMEO:", help="prompt of the final sample")
     p.add_argument("--tokens", type=int, default=200, help="tokens in the final sample")
     p.add_argument("--seed", type=int, default=1337, help="seed of the final sample")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
+                   help="training dtype; auto (default): bf16 only where this CPU runs it faster than fp32")
     p.set_defaults(func=run)
 
 
@@ -34,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"[demo] preparing Tiny Shakespeare into {args.data}", flush=True)
     prepare("tinyshakespeare", args.data, progress=False)
     out = args.out or os.path.join("runs", time.strftime("shakespeare-cpu-%Y%m%d-%H%M%S"))
-    overrides = {"data": args.data, "out": out, "progress": False}
+    overrides = {"data": args.data, "out": out, "progress": False, "dtype": args.dtype}
     if args.max_steps is not None:
         overrides["max_steps"] = args.max_steps
     cfg = load_preset("shakespeare-cpu", **overrides)
@@ -42,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     train(cfg, init_distributed(cfg.device))
     val = last_val_loss(out)
     if val is not None:
-        print(f"[demo] validation loss {val:.2f} (chance: ln 50257 = {CHANCE_LOSS:.2f})", flush=True)
+        chance = math.log(cfg.vocab_size)  # a uniform guess over the model's outputs
+        print(f"[demo] validation loss {val:.2f} (chance: ln {cfg.vocab_size} = {chance:.2f})", flush=True)
     print(f"[demo] sample from the trained model ({args.prompt!r}, seed {args.seed}):\n", flush=True)
     print(sample(out, args.prompt, args.tokens, args.seed, _run_dtype(out)))
     print(f"\n[demo] done in {time.perf_counter() - t0:.0f} s. run dir: {out}")

@@ -1,0 +1,49 @@
+"""`gpt2lab env` reports what auto would choose; the demo runs end to end on the fp32 path."""
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+from conftest import run_gpt2lab
+from train_utils import env
+
+from gpt2lab import runtime
+from gpt2lab.config import load_preset
+
+
+def test_env_prints_the_fields_a_bug_report_needs():
+    r = run_gpt2lab("env", "--json", "--device", "cpu", env=env())
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    for key in ("torch", "cuda", "device", "cpu", "cpu_flags", "native_bf16", "matmul_fp32_gflops",
+                "matmul_bf16_gflops", "compile_available", "auto_dtype", "auto_dtype_reason", "auto_compile",
+                "auto_compile_reason", "extras"):
+        assert key in info, key
+    assert info["matmul_fp32_gflops"] > 0 and info["matmul_bf16_gflops"] > 0
+    # what env says auto picks is what the choice function gives for the rates it measured
+    probe = runtime.Probe(info["matmul_fp32_gflops"], info["matmul_bf16_gflops"])
+    facts = runtime.Facts("cpu", cpu_flags=tuple(info["cpu_flags"]), probe=probe)
+    assert info["auto_dtype"] == runtime.choose_dtype("auto", facts).value
+    assert info["extras"]["transformers"]  # a test dependency, so installed here
+    text = run_gpt2lab("env", "--device", "cpu", env=env())
+    assert re.search(r"^auto_dtype:\s+(float32|bfloat16)$", text.stdout, re.M), text.stdout
+
+
+def test_demo_preset_trains_in_fp32_end_to_end(tmp_path):
+    """The path CPUs without native bf16 take (auto -> float32), at the demo's real model size."""
+    data, out = tmp_path / "data", tmp_path / "run"
+    r = run_gpt2lab("demo", "--data", str(data), "--out", str(out), "--max-steps", "3", "--dtype", "float32",
+                    "--tokens", "16", env=env(), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    info = json.loads((out / "run_info.json").read_text())
+    assert info["choices"]["dtype"] == "float32" and info["choices"]["dtype_reason"] == "asked for with --dtype"
+    cfg = load_preset("shakespeare-cpu")
+    assert info["params"] > 0 and json.loads((out / "config.json").read_text())["n_embd"] == cfg.n_embd
+    vals = [json.loads(line)["val_loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+            if "val_loss" in line]
+    m = re.search(r"validation loss (\d+\.\d+) \(chance: ln 50304 = 10\.83\)", r.stdout)
+    assert m and float(m.group(1)) == round(vals[-1], 2), r.stdout
+    assert vals[0] == pytest.approx(math.log(50304), abs=0.1)  # step 0: about chance
+    assert "sample from the trained model" in r.stdout and "ROMEO:" in r.stdout
