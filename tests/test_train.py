@@ -130,7 +130,10 @@ def test_val_loss_equals_a_plain_loop(tiny_data, tmp_path):
 def test_fp16_scaler_survives_nan_steps_and_resume(tiny_data, tmp_path, monkeypatch):
     import gpt2lab.train as train_mod
 
-    monkeypatch.setattr(train_mod, "_check_device", lambda cfg, device: None)  # fp16 on CPU, test only
+    from gpt2lab import runtime
+
+    fp16 = runtime.Resolved(runtime.Choice("float16", "test"), runtime.Choice(False, "test"), runtime.Facts("cpu"))
+    monkeypatch.setattr(train_mod, "_resolve_choices", lambda cfg, info: fp16)  # fp16 on CPU, test only
     trainer = _trainer(tiny_data, tmp_path, dtype="float16", max_bad_steps=3)
     forward, poison = trainer.model.forward, {"on": True}
     trainer.model.forward = lambda *a, **k: (lambda lo: (lo[0], lo[1] * float("nan") if poison["on"] else lo[1]))(
