@@ -6,6 +6,11 @@ import sys
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
 
+def add_inference_dtype_flag(p) -> None:
+    """``--dtype`` of the commands that generate text (sample, serve): one flag, one default."""
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="autocast dtype")
+
+
 def not_yet(name: str, issue: str):
     """A subcommand a later piece of work fills in: says so and exits non-zero."""
 
