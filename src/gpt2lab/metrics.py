@@ -115,6 +115,7 @@ def run_info(device: torch.device, world_size: int) -> dict:
 
     info: dict[str, Any] = {
         "git_sha": _git_sha(),
+        "command": list(sys.argv),  # as the process was started (gpt2lab report shows it)
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "numpy": numpy.__version__,
