@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from serve_utils import running_server
+from train_utils import finished_run, tiny_data  # noqa: F401 (fixtures)
 
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--no-first-run", "--disable-sync"]
@@ -65,3 +66,21 @@ def test_playground_streams_each_models_text_into_its_column(browser, gpt2_vocab
         updates = page.evaluate("window.updates")
         assert min(updates.values()) >= 12, updates
         page.close()
+
+
+def test_report_card_opens_with_its_plot(browser, finished_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    from gpt2lab.report import write_report
+
+    out_html, _, rep = write_report(str(finished_run), str(tmp_path / "report.html"))
+    page = browser.new_page()
+    page.route("**/*", lambda route: route.abort() if not route.request.url.startswith(("file:", "data:"))
+               else route.continue_())  # self-contained: any other fetch fails the checks below
+    page.goto(f"file://{out_html}")
+    assert page.inner_text("#status") == rep.status and rep.status.startswith("finished")
+    size = page.evaluate("() => { const i = document.querySelector('img'); return [i.complete, i.naturalWidth]; }")
+    assert size[0] and size[1] > 600  # the embedded PNG decoded (the figure is 14 in wide)
+    headers = page.eval_on_selector_all("h2", "els => els.map(e => e.textContent)")
+    assert [s.title for s in rep.sections] == headers
+    assert page.locator("table").count() >= 6
+    page.close()

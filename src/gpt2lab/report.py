@@ -204,7 +204,8 @@ def _figure_png(run_dir: str) -> bytes:
     return buf.getvalue()
 
 
-def build_report(run_dir: str, now: Optional[float] = None) -> Report:
+def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True) -> Report:
+    """Everything the card shows; ``curves=False`` leaves out the plot (the costly part)."""
     if not os.path.isdir(run_dir):
         raise FileNotFoundError(f"{run_dir}: no such run directory")
     config = _read_json(os.path.join(run_dir, "config.json"))
@@ -226,7 +227,7 @@ def build_report(run_dir: str, now: Optional[float] = None) -> Report:
         Section("How long and how fast", table=_speed(records, config, run_dir)),
         Section("Final metrics against OpenAI's models", table=_results(records, size),
                 text="" if size else "This run is not a GPT-2 size; the 124M baselines are shown for scale."),
-        Section("Curves", image_png=_figure_png(run_dir) if records else None,
+        Section("Curves", image_png=_figure_png(run_dir) if records and curves else None,
                 text="" if records else "No metrics logged yet."),
         Section("Samples", table=[["step", "sample"], *samples] if samples else None,
                 text="" if samples else "No samples logged (train with --sample-interval N)."),

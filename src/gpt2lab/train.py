@@ -324,7 +324,8 @@ def train(cfg: TrainConfig, info: DistInfo, resume: Optional[str] = None) -> Opt
                     "flops_per_token": trainer.flops_per_token, "peak_flops": trainer.peak,
                     "mfu_formula": "6N + 12*n_layer*n_embd*T per token (PaLM), N without wpe"})
     log = MetricsLogger(cfg.out, enabled=info.is_main, total_steps=cfg.max_steps, start_step=trainer.step,
-                        log_interval=cfg.log_interval, tensorboard=cfg.tensorboard, progress=cfg.progress)
+                        log_interval=cfg.log_interval, tensorboard=cfg.tensorboard, progress=cfg.progress,
+                        wandb_project=cfg.wandb_project, wandb_run_name=cfg.wandb_run_name, config=cfg.to_dict())
     log.console(f"gpt2lab train: {trainer.raw.num_params():,} params, {info.world_size} process(es), "
                 f"{trainer.accum} micro-steps/step, steps {trainer.step}..{cfg.max_steps}, out {cfg.out}"
                 + (f", resumed from {trainer.resumed_from}" if trainer.resumed_from else ""))
