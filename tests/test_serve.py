@@ -166,3 +166,18 @@ def test_serve_bad_model_is_one_line(tmp_path):
     assert f"--model {missing}: no such directory" in str(e.value.code)
     with pytest.raises(SystemExit, match="given twice"):
         cli.main(["serve", "--model", f"a={missing}", "--model", f"a={tmp_path}", "--port", "1"])
+
+
+def test_bench_serve_runs_and_counts_every_token():
+    import argparse
+
+    from gpt2lab.benchmarks import serve as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "64",
+                              "--new-tokens", "6", "--streams", "3", "--seed", "1"])
+    out = bench.run(args)
+    assert out["tokens"] == 18 and out["streams"] == 3  # seeded: no <|endoftext|> among these draws
+    assert out["aggregate_tok_per_s"] == pytest.approx(18 / out["wall_s"])
+    assert 0 < out["first_token_s_mean"] <= out["first_token_s_max"] < out["wall_s"]

@@ -61,8 +61,8 @@ def test_offline_run_files_hold_the_metrics_and_a_resume_continues_the_run(offli
     out = tmp_path / "run"
     fields = {**TINY, "data": tiny_data, "out": str(out), "eval_interval": 2, "eval_tokens": 128,
               "sample_interval": 2, "sample_tokens": 6, "ckpt_interval": 2, "wandb_project": "gpt2lab-test"}
-    train(load_preset("shakespeare-cpu", **fields, max_steps=2), DistInfo(device=torch.device("cpu")))
-    train(load_preset("shakespeare-cpu", **fields, max_steps=4), DistInfo(device=torch.device("cpu")), resume="auto")
+    train(load_preset("shakespeare-cpu", **{**fields, "max_steps": 2}), DistInfo(device=torch.device("cpu")))
+    train(load_preset("shakespeare-cpu", **{**fields, "max_steps": 4}), DistInfo(device=torch.device("cpu")), resume="auto")
     run_id = (out / "wandb_id").read_text().strip()
     runs = sorted((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(r.name.endswith("-" + run_id) for r in runs)  # one W&B run, resumed
@@ -73,8 +73,8 @@ def test_offline_run_files_hold_the_metrics_and_a_resume_continues_the_run(offli
     for m in metrics:  # every record, train and val alike, with its own step and values
         want = {k: v for k, v in m.items() if k != "sample" and v is not None}
         assert any(all(h.get(k) == v for k, v in want.items()) for h in logged), m
-    tables = [h["samples"] for h in logged if "samples" in h]
-    last = json.loads((runs[-1] / "files" / tables[-1]["path"]).read_text())
+    tables = [h["samples/path"] for h in logged if "samples/path" in h]  # a table is logged as a file
+    last = json.loads((runs[-1] / "files" / tables[-1]).read_text())
     assert last["columns"] == ["step", "sample"]
     assert last["data"] == [[m["step"], m["sample"]] for m in metrics if "sample" in m]  # 0, 2 and 4
     config = {i.key: json.loads(i.value_json) for r in records if r.WhichOneof("record_type") == "run"

@@ -7,11 +7,14 @@ curl work unchanged. Every bad request gets a 4xx with OpenAI's error body
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
+import socket
+import threading
 import time
 from importlib import resources
-from typing import AsyncIterator, Optional, Union
+from typing import AsyncIterator, Iterator, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -250,3 +253,29 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     param = loc[0] if loc else None
     where = ".".join(loc) or "body"
     return APIError(400, f"{where}: {first.get('msg')} (got {first.get('input')!r})", param=param)
+
+
+@contextlib.contextmanager
+def serving_in_thread(workers: dict[str, ModelWorker], host: str = "127.0.0.1") -> Iterator[str]:
+    """Serve ``workers`` with uvicorn in a background thread on a free port; yield the base URL
+    (for tests and ``gpt2lab bench serve``). The workers are closed on exit."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((host, 0))  # port 0: the OS picks a free port, held from here on
+    server = uvicorn.Server(uvicorn.Config(create_app(workers), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    try:
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server thread did not start")
+            time.sleep(0.02)
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        for w in workers.values():
+            w.close()
+        sock.close()
