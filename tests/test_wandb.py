@@ -48,11 +48,13 @@ def history(records: list) -> list[dict]:
 
 @pytest.fixture
 def offline(tmp_path, monkeypatch):
-    pytest.importorskip("wandb", reason="W&B tests need the wandb package (wandb extra)")
+    wandb = pytest.importorskip("wandb", reason="W&B tests need the wandb package (wandb extra)")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))  # never the user's settings
     monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+    yield
+    wandb.teardown()  # W&B keeps its settings in a process-wide singleton: the next test reads the env afresh
 
 
 def test_offline_run_files_hold_the_metrics_and_a_resume_continues_the_run(offline, tiny_data, tmp_path):
@@ -94,7 +96,8 @@ def test_missing_package_is_one_line_and_local_logging_goes_on(tmp_path, monkeyp
 
 
 def test_failed_login_is_one_line_and_local_logging_goes_on(tmp_path, monkeypatch, capfd):
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
+    wandb.teardown()  # settings made by an earlier test in this process are not this test's
     for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WANDB_MODE", "online")
