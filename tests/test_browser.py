@@ -13,7 +13,6 @@ import httpx
 import pytest
 
 from serve_utils import running_server
-from train_utils import finished_run, tiny_data  # noqa: F401 (fixtures)
 
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--no-first-run", "--disable-sync"]

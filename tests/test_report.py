@@ -15,7 +15,6 @@ import pytest
 
 from gpt2lab import cli
 from gpt2lab.report import build_report, write_report
-from train_utils import finished_run, tiny_data  # noqa: F401 (fixtures)
 
 pytest.importorskip("matplotlib", reason="the report's curves need matplotlib (plot extra)")
 HOUR_AGO = time.time() - 3600

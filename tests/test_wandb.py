@@ -14,7 +14,7 @@ import torch
 from gpt2lab.config import load_preset
 from gpt2lab.dist import DistInfo
 from gpt2lab.metrics import MetricsLogger
-from train_utils import TINY, tiny_data  # noqa: F401 (fixture)
+from train_utils import TINY
 
 
 def wandb_records(path: Path) -> list:
