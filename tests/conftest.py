@@ -61,3 +61,8 @@ def run_gpt2lab(*args: str, env: dict | None = None, timeout: float = 120) -> su
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", "gpt2lab", *args], capture_output=True, text=True,
                           env=full_env, timeout=timeout)
+
+
+# Session fixtures of train_utils that several modules use: defined here once, so the session
+# makes them once (a fixture imported into each module is made once per module).
+from train_utils import finished_run, tiny_data  # noqa: E402, F401

@@ -75,7 +75,7 @@ def test_stream_decodes_split_multibyte_characters(gpt2_vocab_export, capsys, mo
 
     monkeypatch.setattr("gpt2lab.generate.generate_stream", fake_stream)
     args = cli.build_parser().parse_args(["sample", "--prompt", "x"])
-    sample._stream_one(None, None, args, None)
+    sample._stream_one(gpt2_vocab_export[0], enc.encode("x"), args, None)
     assert capsys.readouterr().out == "x🙂 é\n"
 
 

@@ -62,3 +62,25 @@ def train_losses(run_dir: str) -> dict[int, float]:
         if "train_loss" in rec:
             out[rec["step"]] = rec["train_loss"]
     return out
+
+
+@pytest.fixture(scope="session")
+def finished_run(tiny_data, tmp_path_factory) -> Path:
+    """A finished 4-step run with every evaluation on (for report tests); read-only.
+
+    Made by the real CLI in this process (``cli.main`` with ``sys.argv`` as the console
+    script would set it): a subprocess would cost a second torch import.
+    """
+    from unittest import mock
+
+    from gpt2lab import cli
+
+    out = tmp_path_factory.mktemp("finished") / "run"
+    hellaswag = str(Path(__file__).parent / "data" / "hellaswag_val_200.jsonl")
+    argv = ["train", "--preset", "shakespeare-cpu", *cli_args(
+        data=tiny_data, out=str(out), max_steps=4, eval_interval=2, eval_tokens=128, hellaswag_interval=4,
+        hellaswag_data=hellaswag, hellaswag_limit=4, sample_interval=2, sample_tokens=6, ckpt_interval=2,
+        keep_checkpoints=0)]
+    with mock.patch.object(sys, "argv", ["/venv/bin/gpt2lab", *argv]):
+        assert cli.main(argv) == 0
+    return out

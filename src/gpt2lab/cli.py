@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 from gpt2lab import __version__
 
-COMMANDS = ["prepare", "train", "sample", "eval", "export", "plot", "bench", "demo", "env"]
+COMMANDS = ["prepare", "train", "sample", "eval", "export", "plot", "bench", "demo", "env", "serve", "report"]
 
 
 def build_parser() -> argparse.ArgumentParser:

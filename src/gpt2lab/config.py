@@ -82,6 +82,10 @@ class TrainConfig:
     log_interval: int = _f(1, "steps between console lines (metrics.jsonl gets every step)")
     tensorboard: bool = _f(False, "also write TensorBoard events to OUT/tensorboard")
     progress: bool = _f(True, "show a progress bar on rank 0")
+    # weights & biases
+    wandb_project: Optional[str] = _f(None, "also log to this Weights & Biases project (rank 0; needs "
+                                      "pip install 'gpt2lab[wandb]'); a resumed run continues its W&B run")
+    wandb_run_name: Optional[str] = _f(None, "W&B run name (default: the run directory's name)")
 
     def __post_init__(self) -> None:
         if isinstance(self.compile, bool):  # presets and config.json files written before "auto"

@@ -1,4 +1,4 @@
-"""Run logging on rank 0: ``metrics.jsonl``, console lines, a progress bar, optional TensorBoard.
+"""Run logging on rank 0: ``metrics.jsonl``, console lines, a progress bar, optional TensorBoard and W&B.
 
 ``metrics.jsonl`` holds one JSON object per line, always with ``step``:
   train lines   step, train_loss, lr, grad_norm, dt_ms, tok_per_s, mfu, tokens
@@ -7,6 +7,7 @@
   eval lines    step, val_loss
   HellaSwag     step, hellaswag_acc, hellaswag_acc_norm, hellaswag_n
   samples       step, sample (text)
+With ``wandb_project`` each record also goes to Weights & Biases (wandb_log.py).
 ``run_info.json`` beside it records the code version, library versions and hardware.
 """
 from __future__ import annotations
@@ -25,16 +26,22 @@ class MetricsLogger:
     """Writes on the main process only; every other rank gets a logger that does nothing."""
 
     def __init__(self, run_dir: str, *, enabled: bool, total_steps: int, start_step: int = 0,
-                 log_interval: int = 1, tensorboard: bool = False, progress: bool = True) -> None:
+                 log_interval: int = 1, tensorboard: bool = False, progress: bool = True,
+                 wandb_project: Optional[str] = None, wandb_run_name: Optional[str] = None,
+                 config: Optional[dict] = None) -> None:
         self.enabled, self.log_interval = enabled, log_interval
         self.path = os.path.join(run_dir, "metrics.jsonl")
-        self._fh = self._tb = self._bar = None
+        self._fh = self._tb = self._bar = self._wandb = None
         if not enabled:
             return
         truncate_after(self.path, start_step)  # a resumed run rewrites the steps it repeats
         self._fh = open(self.path, "a")
         if tensorboard:
             self._tb = _tensorboard_writer(os.path.join(run_dir, "tensorboard"))
+        if wandb_project:
+            from gpt2lab.wandb_log import WandbLogger
+
+            self._wandb = WandbLogger(run_dir, wandb_project, wandb_run_name, config)
         if progress:
             from tqdm import tqdm
 
@@ -51,6 +58,8 @@ class MetricsLogger:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and value is not None:
                     self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(record)
         if "train_loss" in record:
             if self._bar is not None:
                 self._bar.update(1)
@@ -68,10 +77,10 @@ class MetricsLogger:
             print(line, flush=True)
 
     def close(self) -> None:
-        for thing in (self._bar, self._tb, self._fh):
+        for thing in (self._bar, self._tb, self._wandb, self._fh):
             if thing is not None:
                 thing.close()
-        self._fh = self._tb = self._bar = None
+        self._fh = self._tb = self._bar = self._wandb = None
 
 
 def format_train(r: dict) -> str:
@@ -115,6 +124,7 @@ def run_info(device: torch.device, world_size: int) -> dict:
 
     info: dict[str, Any] = {
         "git_sha": _git_sha(),
+        "command": list(sys.argv),  # as the process was started (gpt2lab report shows it)
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "numpy": numpy.__version__,

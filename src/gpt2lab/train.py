@@ -330,7 +330,8 @@ def train(cfg: TrainConfig, info: DistInfo, resume: Optional[str] = None) -> Opt
                     "flops_per_token": trainer.flops_per_token, "peak_flops": trainer.peak,
                     "mfu_formula": "6N + 12*n_layer*n_embd*T per token (PaLM), N without wpe"})
     log = MetricsLogger(cfg.out, enabled=info.is_main, total_steps=cfg.max_steps, start_step=trainer.step,
-                        log_interval=cfg.log_interval, tensorboard=cfg.tensorboard, progress=cfg.progress)
+                        log_interval=cfg.log_interval, tensorboard=cfg.tensorboard, progress=cfg.progress,
+                        wandb_project=cfg.wandb_project, wandb_run_name=cfg.wandb_run_name, config=cfg.to_dict())
     log.console(f"gpt2lab train: {trainer.choices.summary()}")
     for choice in (trainer.choices.dtype, trainer.choices.compile):
         if choice.warning:

@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import codecs
 import sys
 
 from typing import TYPE_CHECKING
 
-from gpt2lab.commands import DTYPE_NAMES
-from gpt2lab.tokenizer import EOT_ID, get_tokenizer
+from gpt2lab.commands import add_inference_dtype_flag
 
 if TYPE_CHECKING:
     import torch
@@ -27,8 +25,7 @@ def add_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: smallest set holding this much mass")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
-                   help="autocast dtype; auto (default): bf16 where the device runs it faster, else fp32")
+    add_inference_dtype_flag(p)
     p.add_argument("--stop-at-eot", action=argparse.BooleanOptionalAction, default=True,
                    help="end a sample at <|endoftext|> (default on)")
     p.set_defaults(func=run)
@@ -48,58 +45,42 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _prompt_ids(text: str, vocab: int) -> list[int]:
-    ids = get_tokenizer().encode(text, allowed_special={"<|endoftext|>"}) if text else [EOT_ID]
-    if max(ids) >= vocab:
-        raise SystemExit(
-            f"--prompt: token id {max(ids)} is outside the model's vocabulary of {vocab}; "
-            "this model was not trained with the GPT-2 tokenizer"
-        )
-    return ids
+    from gpt2lab.completion import PromptError, prompt_ids
+
+    try:
+        return prompt_ids(text, vocab)
+    except PromptError as e:
+        raise SystemExit(f"--prompt: {e}") from None
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
+    from gpt2lab.completion import load_for_inference, seeded_generator
     from gpt2lab.dist import autocast, pick_device
-    from gpt2lab.load import load_model
     from gpt2lab.runtime import inference_dtype
 
     _check(args)
     device = pick_device(args.device)
     dtype = inference_dtype(device, args.dtype, "gpt2lab sample")
-    model = load_model(args.model, device)
-    if device.type == "cpu":
-        model.use_decode_layout()  # faster one-row matmuls on CPU; same numbers
+    model = load_for_inference(args.model, device)
     ids = _prompt_ids(args.prompt, model.config.real_vocab_size)
-    generator = torch.Generator(device=device).manual_seed(args.seed)
-    prompt = torch.tensor([ids], dtype=torch.long, device=device)
+    generator = seeded_generator(device, args.seed)
     for i in range(args.num_samples):
         print(f"--- sample {i + 1}/{args.num_samples}", flush=True)
         with autocast(device, dtype):
-            _stream_one(model, prompt, args, generator)
+            _stream_one(model, ids, args, generator)
     return 0
 
 
-def _stream_one(model, prompt: torch.Tensor, args: argparse.Namespace, generator: torch.Generator) -> None:
-    """Print the prompt, then each token as it comes; bytes of a character split across
-    tokens are held back until the character is complete."""
-    from gpt2lab.generate import generate_stream
+def _stream_one(model, ids: list[int], args: argparse.Namespace, generator: torch.Generator) -> None:
+    """Print the prompt, then each token's text as it comes (completion.stream_text)."""
+    from gpt2lab.completion import Sampling, stream_text
 
-    enc = get_tokenizer()
+    sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                        top_p=args.top_p, stop_at_eot=args.stop_at_eot)
     out = sys.stdout
     out.write(args.prompt)
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    stop = EOT_ID if args.stop_at_eot else None
-    stream = generate_stream(model, prompt, args.max_new_tokens, temperature=args.temperature,
-                             top_k=args.top_k or None, top_p=args.top_p, generator=generator, stop_token=stop)
-    for tok, finished in stream:
-        t = int(tok[0])
-        if stop is not None and t == stop:
-            break
-        if t >= enc.n_vocab:  # a model whose vocabulary outgrows GPT-2's: show the id, do not hide it
-            out.write(decoder.decode(b"", final=True) + f"<|{t}|>")
-        else:
-            out.write(decoder.decode(enc.decode_single_token_bytes(t)))
+    for _, text in stream_text(model, ids, sampling, generator):
+        out.write(text)
         out.flush()
-    out.write(decoder.decode(b"", final=True) + "\n")
+    out.write("\n")
     out.flush()

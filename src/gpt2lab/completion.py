@@ -1,0 +1,88 @@
+"""Text in, text out: the one path that both ``gpt2lab sample`` and ``gpt2lab serve`` take.
+
+Loading (decode layout on CPU), prompt encoding, seeding and the token-by-token decode
+live here once, so a seeded request to the server and ``gpt2lab sample`` with the same
+seed and settings cannot drift apart.
+"""
+from __future__ import annotations
+
+import codecs
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+from gpt2lab.model import GPT
+from gpt2lab.tokenizer import EOT_ID, get_tokenizer
+
+
+class PromptError(ValueError):
+    """A prompt this model cannot take (tokens outside its vocabulary)."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to continue a prompt; ``top_k`` 0 or None keeps every token, ``top_p`` 1 or None all the mass."""
+    max_new_tokens: int = 100
+    temperature: float = 1.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    stop_at_eot: bool = True
+
+
+def load_for_inference(spec: str, device: torch.device) -> GPT:
+    """The model named by ``spec`` (see load.load_model), laid out for decoding on ``device``."""
+    from gpt2lab.load import load_model
+
+    model = load_model(spec, device)
+    if device.type == "cpu":
+        model.use_decode_layout()  # faster one-row matmuls on CPU; same numbers
+    return model
+
+
+def prompt_ids(text: str, vocab: int) -> list[int]:
+    """Token ids of ``text`` ('' is a lone <|endoftext|>); raises PromptError past ``vocab``."""
+    ids = get_tokenizer().encode(text, allowed_special={"<|endoftext|>"}) if text else [EOT_ID]
+    check_ids(ids, vocab)
+    return ids
+
+
+def check_ids(ids: list[int], vocab: int) -> None:
+    if not ids:
+        raise PromptError("the prompt is empty; pass text ('' starts from <|endoftext|>) or token ids")
+    if max(ids) >= vocab or min(ids) < 0:
+        bad = max(ids) if max(ids) >= vocab else min(ids)
+        raise PromptError(f"token id {bad} is outside the model's vocabulary of {vocab}; "
+                          "this model was not trained with the GPT-2 tokenizer")
+
+
+def seeded_generator(device: torch.device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def stream_text(model: GPT, ids: list[int], sampling: Sampling,
+                generator: torch.Generator) -> Iterator[tuple[Optional[int], str]]:
+    """Yield (token id, text) per sampled token, ending at <|endoftext|> (if asked) or the limit.
+
+    Bytes of a character split across tokens are held back until the character is
+    complete (their token yields ''); the last item is (None, what was held back), and the
+    EOT token itself yields nothing. Run it under the caller's autocast.
+    """
+    from gpt2lab.generate import generate_stream
+
+    enc = get_tokenizer()
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    stop = EOT_ID if sampling.stop_at_eot else None
+    top_p = sampling.top_p if sampling.top_p is not None and sampling.top_p < 1 else None  # 1: all the mass
+    prompt = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
+    stream = generate_stream(model, prompt, sampling.max_new_tokens, temperature=sampling.temperature,
+                             top_k=sampling.top_k or None, top_p=top_p, generator=generator, stop_token=stop)
+    for tok, _ in stream:
+        t = int(tok[0])
+        if stop is not None and t == stop:
+            break
+        if t >= enc.n_vocab:  # a model whose vocabulary outgrows GPT-2's: show the id, do not hide it
+            yield t, decoder.decode(b"", final=True) + f"<|{t}|>"
+        else:
+            yield t, decoder.decode(enc.decode_single_token_bytes(t))
+    yield None, decoder.decode(b"", final=True)

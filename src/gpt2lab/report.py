@@ -1,0 +1,325 @@
+"""A run's report card: one self-contained HTML page (plots embedded) and its Markdown twin.
+
+Reads only what a run dir holds: ``config.json``, ``run_info.json`` (rendered key by key,
+so keys added later show up by themselves), ``metrics.jsonl`` (through plot.read_metrics,
+which leaves out a cut last line) and ``checkpoints/``. Works on a finished, a running
+and a crashed run, and says which.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import os
+import shlex
+import statistics
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from gpt2lab import plot
+
+RUNNING_IF_WRITTEN_WITHIN_S = 600  # or 20 median steps, whichever is longer: evaluations pause the log
+EVENT_KEYS = ("skipped", "spike", "rollback")  # records that mark a step out of the ordinary
+
+
+@dataclass
+class Section:
+    title: str
+    text: str = ""
+    table: Optional[list[list[Any]]] = None  # first row: header
+    image_png: Optional[bytes] = None
+
+
+@dataclass
+class Report:
+    title: str
+    status: str
+    sections: list[Section] = field(default_factory=list)
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg}); the report needs it readable or absent") from None
+    return data if isinstance(data, dict) else {}
+
+
+def read_records(run_dir: str) -> tuple[list[dict], bool]:
+    """metrics.jsonl records and whether its last line was cut (left out)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        records = plot.read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    return records, any("unfinished last line" in str(w.message) for w in caught)
+
+
+def _checkpoints(run_dir: str) -> list[tuple[int, str, int]]:
+    """(step, path, bytes) of each complete checkpoint, oldest first."""
+    from gpt2lab.checkpoint import list_checkpoints
+
+    out = []
+    for path in list_checkpoints(run_dir):
+        size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+        out.append((int(os.path.basename(path).split("_")[1]), path, size))
+    return out
+
+
+def _live_lock(run_dir: str) -> Optional[int]:
+    """The pid in a ``*.lock`` file of the run dir, if that process is alive."""
+    for name in os.listdir(run_dir):
+        if not (name.endswith(".lock") or name == "lock"):
+            continue
+        try:
+            with open(os.path.join(run_dir, name)) as fh:
+                pid = int(fh.read().split()[0])
+            os.kill(pid, 0)
+            return pid
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
+
+
+def run_status(run_dir: str, config: dict, records: list[dict], cut: bool, ckpts: list, now: float) -> str:
+    max_steps = config.get("max_steps")
+    steps = [r["step"] for r in records if "train_loss" in r or any(k in r for k in EVENT_KEYS)]
+    last = max(steps) if steps else None
+    ckpt_steps = [s for s, _, _ in ckpts]
+    if max_steps and max_steps in ckpt_steps:
+        return f"finished: all {max_steps} steps, final checkpoint step_{max_steps:06d}"
+    where = f"step {last} of {max_steps}" if last is not None else f"no step logged yet (of {max_steps})"
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    age = now - os.path.getmtime(metrics) if os.path.exists(metrics) else float("inf")
+    dts = [r["dt_ms"] / 1000 for r in records if isinstance(r.get("dt_ms"), (int, float))]
+    window = max(RUNNING_IF_WRITTEN_WITHIN_S, 20 * statistics.median(dts)) if dts else RUNNING_IF_WRITTEN_WITHIN_S
+    pid = _live_lock(run_dir)
+    if pid is not None or age < window:
+        why = f"lock held by pid {pid}" if pid is not None else f"last record {age:.0f} s ago"
+        return f"running: at {where} ({why})"
+    if cut:
+        return (f"crashed: metrics.jsonl ends in a cut line (killed mid-write) at {where}; "
+                + _resume_hint(ckpt_steps))
+    if last is not None and ckpt_steps and ckpt_steps[-1] == last + 1:
+        return f"stopped at {where} with a checkpoint there; continue with `gpt2lab train ... --resume auto`"
+    return f"crashed or killed at {where} (last record {age / 60:.0f} min ago); " + _resume_hint(ckpt_steps)
+
+
+def _resume_hint(ckpt_steps: list[int]) -> str:
+    if not ckpt_steps:
+        return "no checkpoint was saved: start again"
+    return f"`--resume auto` continues from step {ckpt_steps[-1]}"
+
+
+def command_line(info: dict) -> Optional[str]:
+    argv = info.get("command")
+    if not isinstance(argv, list) or not argv:
+        return argv if isinstance(argv, str) else None
+    head = os.path.basename(str(argv[0]))
+    if head in ("gpt2lab", "__main__.py"):  # the console script, or python -m gpt2lab
+        return "gpt2lab " + shlex.join(map(str, argv[1:]))
+    return shlex.join(map(str, argv))
+
+
+def preset_of(info: dict) -> Optional[str]:
+    argv = info.get("command")
+    if isinstance(argv, list):
+        for i, arg in enumerate(argv):
+            if arg == "--preset" and i + 1 < len(argv):
+                return str(argv[i + 1])
+            if str(arg).startswith("--preset="):
+                return str(arg).split("=", 1)[1]
+    return info.get("preset")
+
+
+def _flatten(d: dict, prefix: str = "") -> list[list[Any]]:
+    rows = []
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            rows += _flatten(v, f"{prefix}{k}.")
+        else:
+            rows.append([f"{prefix}{k}", v])
+    return rows
+
+
+def _fmt_duration(s: float) -> str:
+    h, rem = divmod(int(round(s)), 3600)
+    return f"{h}h {rem // 60:02d}m {rem % 60:02d}s" if h else f"{rem // 60}m {rem % 60:02d}s"
+
+
+def _speed(records: list[dict], config: dict, run_dir: str) -> list[list[Any]]:
+    train = [r for r in records if "train_loss" in r]
+    if not train:
+        return [["figure", "value"], ["train steps logged", 0]]
+    by_step = {r["step"]: r for r in train}  # a resumed run repeats some steps: the later line wins
+    train = [by_step[s] for s in sorted(by_step)]
+    step_time = sum(r["dt_ms"] for r in train) / 1000
+    tokens = train[-1].get("tokens") or len(train) * config.get("total_batch_tokens", 0)
+    recent = train[-50:]
+    rows = [["figure", "value"], ["train steps logged", len(train)], ["tokens seen", f"{tokens:,}"],
+            ["time in training steps", _fmt_duration(step_time)],
+            ["tok/s (all steps)", f"{len(train) * config.get('total_batch_tokens', 0) / step_time:,.0f}"
+             if step_time and config.get("total_batch_tokens") else "-"],
+            [f"tok/s (median of last {len(recent)} steps)", f"{statistics.median(r['tok_per_s'] for r in recent):,.0f}"],
+            [f"ms/step (median of last {len(recent)})", f"{statistics.median(r['dt_ms'] for r in recent):,.1f}"]]
+    mfus = [r["mfu"] for r in recent if isinstance(r.get("mfu"), (int, float))]
+    rows.append(["MFU (median of last steps)", f"{100 * statistics.median(mfus):.1f}%" if mfus else
+                 "n/a (no peak FLOP/s known for this device; see --peak-flops)"])
+    first = os.path.join(run_dir, "config.json")
+    last = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(first) and os.path.exists(last):
+        rows.append(["wall clock, config.json to last record (includes evaluations, pauses)",
+                     _fmt_duration(max(0.0, os.path.getmtime(last) - os.path.getmtime(first)))])
+    return rows
+
+
+def _last(records: list[dict], key: str) -> Optional[tuple[int, float]]:
+    found = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+    return found[-1] if found else None
+
+
+def _results(records: list[dict], size: Optional[str]) -> list[list[Any]]:
+    ref = size or "124M"
+    gpt2_hs, gpt3_hs = plot.HELLASWAG_BASELINES[ref]
+    val, hs = _last(records, "val_loss"), _last(records, "hellaswag_acc_norm")
+    fmt = lambda sv: f"{sv[1]:.4f} (step {sv[0]})" if sv else "-"  # noqa: E731
+    return [["metric", "this run", f"OpenAI GPT-2 {ref}", f"OpenAI GPT-3 {ref}"],
+            ["val loss (the run's val split; GPT-2's on FineWeb-Edu val)", fmt(val), plot.GPT2_124M_VAL_LOSS if ref == "124M" else "-", "-"],
+            ["HellaSwag acc_norm", fmt(hs), gpt2_hs, gpt3_hs]]
+
+
+def _figure_png(run_dir: str) -> bytes:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the cut last line is reported in the status instead
+        fig = plot.build_figure([plot.load_run(run_dir)])
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    return buf.getvalue()
+
+
+def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True) -> Report:
+    """Everything the card shows; ``curves=False`` leaves out the plot (the costly part)."""
+    if not os.path.isdir(run_dir):
+        raise FileNotFoundError(f"{run_dir}: no such run directory")
+    config = _read_json(os.path.join(run_dir, "config.json"))
+    info = _read_json(os.path.join(run_dir, "run_info.json"))
+    records, cut = read_records(run_dir)
+    ckpts = _checkpoints(run_dir)
+    size = plot.detect_size(config) if config else None
+    status = run_status(run_dir, config, records, cut, ckpts, time.time() if now is None else now)
+    what = [["item", "value"], ["run dir", os.path.abspath(run_dir)], ["preset", preset_of(info) or "-"],
+            ["command", command_line(info) or "-"], ["code version (git)", info.get("git_sha") or "-"],
+            ["model", f"{config.get('n_layer')} layers, {config.get('n_head')} heads, {config.get('n_embd')} wide"
+                      + (f" (GPT-2 {size} shape)" if size else "")],
+            ["parameters", f"{info['params']:,}" if isinstance(info.get("params"), int) else "-"]]
+    events = [r for r in records if any(k in r for k in EVENT_KEYS)]
+    samples = [[r["step"], r["sample"]] for r in records if isinstance(r.get("sample"), str)]
+    rep = Report(title=f"gpt2lab report: {os.path.basename(os.path.abspath(run_dir))}", status=status)
+    rep.sections += [
+        Section("What was run", table=what),
+        Section("How long and how fast", table=_speed(records, config, run_dir)),
+        Section("Final metrics against OpenAI's models", table=_results(records, size),
+                text="" if size else "This run is not a GPT-2 size; the 124M baselines are shown for scale."),
+        Section("Curves", image_png=_figure_png(run_dir) if records and curves else None,
+                text="" if records else "No metrics logged yet."),
+        Section("Samples", table=[["step", "sample"], *samples] if samples else None,
+                text="" if samples else "No samples logged (train with --sample-interval N)."),
+        Section("Skipped and spike steps", table=[["step", "event"], *[[r["step"], _event_text(r)] for r in events]]
+                if events else None, text="" if events else "None: every step was applied."),
+        Section("Checkpoints", table=[["step", "path", "size"], *[[s, p, f"{b / 2 ** 20:,.1f} MiB"] for s, p, b in ckpts]]
+                if ckpts else None, text="" if ckpts else "No checkpoint saved yet."),
+        Section("Environment and automatic choices (run_info.json)",
+                table=[["key", "value"], *_flatten(info)] if info else None,
+                text="" if info else "run_info.json is missing."),
+        Section("Config (config.json)", table=[["field", "value"], *_flatten(config)] if config else None,
+                text="" if config else "config.json is missing."),
+    ]
+    return rep
+
+
+def _event_text(r: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in r.items() if k != "step")
+
+
+# -- rendering ---------------------------------------------------------------------------
+_CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:24px auto;padding:0 16px;color:#222}
+h1{font-size:24px}h2{font-size:18px;margin-top:28px;border-bottom:1px solid #ddd}
+table{border-collapse:collapse;font-size:14px}td,th{border:1px solid #ddd;padding:4px 8px;text-align:left;
+vertical-align:top}th{background:#f3f3f3}td{white-space:pre-wrap}img{max-width:100%}
+.status{padding:10px 14px;border-radius:6px;background:#eef5ee;font-weight:600}
+.status.crashed,.status.stopped{background:#fbeaea}.status.running{background:#fff6dd}"""
+
+
+def _cell(v: Any) -> str:
+    return "none" if v is None else json.dumps(v) if isinstance(v, (list, bool)) else str(v)
+
+
+def to_html(rep: Report) -> str:
+    kind = rep.status.split(":")[0].split()[0]
+    parts = [f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(rep.title)}</title>"
+             f"<style>{_CSS}</style></head><body><h1>{html.escape(rep.title)}</h1>",
+             f"<p class='status {html.escape(kind)}' id='status'>{html.escape(rep.status)}</p>"]
+    for s in rep.sections:
+        parts.append(f"<h2>{html.escape(s.title)}</h2>")
+        if s.text:
+            parts.append(f"<p>{html.escape(s.text)}</p>")
+        if s.image_png:
+            data = base64.b64encode(s.image_png).decode("ascii")
+            parts.append(f"<img alt='{html.escape(s.title)}' src='data:image/png;base64,{data}'>")
+        if s.table:
+            head, *rows = s.table
+            parts.append("<table><tr>" + "".join(f"<th>{html.escape(_cell(h))}</th>" for h in head) + "</tr>")
+            parts += ["<tr>" + "".join(f"<td>{html.escape(_cell(c))}</td>" for c in row) + "</tr>" for row in rows]
+            parts.append("</table>")
+    parts.append("</body></html>\n")
+    return "\n".join(parts)
+
+
+def _md_cell(v: Any) -> str:
+    return _cell(v).replace("|", "\\|").replace("\n", "<br>")
+
+
+def to_markdown(rep: Report, image_name: Optional[str]) -> str:
+    lines = [f"# {rep.title}", "", f"**Status:** {rep.status}", ""]
+    for s in rep.sections:
+        lines += [f"## {s.title}", ""]
+        if s.text:
+            lines += [s.text, ""]
+        if s.image_png and image_name:
+            lines += [f"![{s.title}]({image_name})", ""]
+        if s.table:
+            head, *rows = s.table
+            lines.append("| " + " | ".join(_md_cell(h) for h in head) + " |")
+            lines.append("|" + " --- |" * len(head))
+            lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
+            lines.append("")
+    return "\n".join(lines)
+
+
+def _write(path: str, data: bytes) -> None:
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+    os.replace(tmp, path)
+
+
+def write_report(run_dir: str, out_html: Optional[str] = None) -> tuple[str, str, Report]:
+    """Write the HTML report (default RUN/report.html), its Markdown twin (.md) and the
+    curves beside it (.png, which the Markdown shows); return (html path, md path, report)."""
+    out_html = out_html or os.path.join(run_dir, "report.html")
+    rep = build_report(run_dir)
+    base = out_html[:-5] if out_html.endswith(".html") else out_html
+    os.makedirs(os.path.dirname(os.path.abspath(out_html)), exist_ok=True)
+    png = next((s.image_png for s in rep.sections if s.image_png), None)
+    if png:
+        _write(base + ".png", png)
+    _write(out_html, to_html(rep).encode("utf-8"))
+    _write(base + ".md", to_markdown(rep, os.path.basename(base) + ".png" if png else None).encode("utf-8"))
+    return out_html, base + ".md", rep

@@ -1,0 +1,281 @@
+"""The FastAPI app: OpenAI's ``/v1/completions`` and ``/v1/models``, and the playground at ``/``.
+
+Responses and stream chunks have OpenAI's shapes, so the official ``openai`` client and
+curl work unchanged. Every bad request gets a 4xx with OpenAI's error body
+``{"error": {"message", "type", "param", "code"}}`` and the server goes on serving.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import socket
+import threading
+import time
+from importlib import resources
+from typing import AsyncIterator, Iterator, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from gpt2lab.completion import PromptError, Sampling, check_ids
+from gpt2lab.serve.engine import Failed, Finish, Job, ModelWorker, Text, completion_events
+from gpt2lab.tokenizer import EOT_ID, get_tokenizer
+
+MAX_N = 16  # choices per request (per prompt)
+MAX_PROMPTS = 16
+MAX_STOPS = 4  # as OpenAI
+
+
+class CompletionRequest(BaseModel):
+    """OpenAI's completion parameters; ``top_k`` is an extra (0 or absent keeps every token)."""
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    prompt: Union[str, list[str], list[int], list[list[int]]] = "<|endoftext|>"
+    max_tokens: Optional[int] = Field(16, ge=0)
+    temperature: Optional[float] = Field(1.0, ge=0)
+    top_p: Optional[float] = Field(1.0, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=0)
+    n: Optional[int] = Field(1, ge=1, le=MAX_N)
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = Field(None, ge=0, lt=2 ** 63)
+    stream: Optional[bool] = False
+    stream_options: Optional[dict] = None
+    echo: Optional[bool] = False
+    # accepted for compatibility only at their neutral values
+    logprobs: Optional[int] = None
+    best_of: Optional[int] = None
+    presence_penalty: Optional[float] = 0
+    frequency_penalty: Optional[float] = 0
+    logit_bias: Optional[dict] = None
+    suffix: Optional[str] = None
+    user: Optional[str] = None
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(status_code=self.status, content=error_body(self.message, self.kind, self.param,
+                                                                        self.code))
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: Optional[str] = None,
+               code: Optional[str] = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _unsupported(req: CompletionRequest) -> None:
+    checks = (("logprobs", req.logprobs is not None), ("best_of", req.best_of not in (None, 1, req.n)),
+              ("presence_penalty", bool(req.presence_penalty)), ("frequency_penalty", bool(req.frequency_penalty)),
+              ("logit_bias", bool(req.logit_bias)), ("suffix", bool(req.suffix)))
+    for name, bad in checks:
+        if bad:
+            raise APIError(400, f"{name} is not supported by gpt2lab serve; leave it out", param=name)
+
+
+def _prompts(req: CompletionRequest, vocab: int) -> tuple[list[list[int]], list[str]]:
+    """Token ids of each prompt, and each prompt's text (for echo)."""
+    p = req.prompt
+    enc = get_tokenizer()
+    texts = None
+    if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(x, str) for x in p)):
+        texts = [p] if isinstance(p, str) else p
+        ids = [enc.encode(t, allowed_special={"<|endoftext|>"}) if t else [EOT_ID] for t in texts]  # as sample
+    elif isinstance(p, list) and p and all(isinstance(x, int) for x in p):
+        ids = [p]
+    else:
+        ids = list(p) if isinstance(p, list) else []
+    if not ids or len(ids) > MAX_PROMPTS:
+        raise APIError(400, f"prompt: pass 1 to {MAX_PROMPTS} prompts (text or token ids)", param="prompt")
+    for one in ids:
+        try:
+            check_ids(one, vocab)
+        except PromptError as e:
+            raise APIError(400, f"prompt: {e}", param="prompt") from None
+    return ids, texts or [enc.decode([t for t in one if t < enc.n_vocab]) for one in ids]
+
+
+def _check_length(prompts: list[list[int]], max_tokens: int, worker: ModelWorker) -> None:
+    longest = max(len(p) for p in prompts)
+    if longest + max_tokens > worker.block_size:
+        raise APIError(400, f"This model's maximum context length is {worker.block_size} tokens; you asked "
+                            f"for {longest + max_tokens} ({longest} in the prompt, {max_tokens} max_tokens). "
+                            "Shorten the prompt or lower max_tokens.", param="max_tokens",
+                       code="context_length_exceeded")
+
+
+class Completion:
+    """One validated request: its worker, its events, and the response id."""
+
+    def __init__(self, req: CompletionRequest, workers: dict[str, ModelWorker]) -> None:
+        if req.model not in workers:
+            raise APIError(404, f"The model '{req.model}' does not exist; this server has: "
+                                f"{', '.join(workers)}", param="model", code="model_not_found")
+        _unsupported(req)
+        self.req, self.worker = req, workers[req.model]
+        self.prompts, texts = _prompts(req, self.worker.model.config.real_vocab_size)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        _check_length(self.prompts, max_tokens, self.worker)
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stops) > MAX_STOPS:
+            raise APIError(400, f"stop: at most {MAX_STOPS} sequences", param="stop")
+        self.sampling = Sampling(max_new_tokens=max_tokens, temperature=_or(req.temperature, 1.0),
+                                 top_k=req.top_k, top_p=req.top_p)
+        self.seed = req.seed if req.seed is not None else secrets.randbelow(2 ** 63)
+        self.n = req.n or 1
+        self.stops, self.echo = stops, texts if req.echo else []
+        self.id, self.created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
+
+    def start(self) -> Job:
+        events = completion_events(self.worker.model, self.prompts, self.sampling, n=self.n, seed=self.seed,
+                                   stops=self.stops, echo=self.echo)
+        job = Job(events, asyncio.get_running_loop())
+        self.worker.submit(job)
+        return job
+
+    def usage(self, completion_tokens: int) -> dict:
+        prompt_tokens = sum(len(p) for p in self.prompts)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    def chunk(self, choices: list[dict], **extra) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.req.model,
+                "choices": choices, **extra}
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def _choice(index: int, text: str, finish: Optional[str]) -> dict:
+    return {"text": text, "index": index, "logprobs": None, "finish_reason": finish}
+
+
+async def _events(job: Job) -> AsyncIterator[Union[Text, Finish]]:
+    try:
+        while (event := await job.out.get()) is not None:
+            if isinstance(event, Failed):
+                raise event.error
+            yield event
+    finally:
+        job.cancelled = True  # a client that went away frees its turn in the worker
+
+
+async def _complete(c: Completion) -> JSONResponse:
+    texts = {i: [] for i in range(len(c.prompts) * c.n)}
+    finish, tokens = {}, 0
+    async for event in _events(c.start()):
+        if isinstance(event, Text):
+            texts[event.index].append(event.text)
+        else:
+            finish[event.index], tokens = event.reason, tokens + event.tokens
+    choices = [_choice(i, "".join(parts), finish.get(i)) for i, parts in texts.items()]
+    return JSONResponse(c.chunk(choices, usage=c.usage(tokens)))
+
+
+async def _stream(c: Completion) -> AsyncIterator[str]:
+    tokens = 0
+    try:
+        async for event in _events(c.start()):
+            if isinstance(event, Text):
+                if event.text:
+                    yield _sse(c.chunk([_choice(event.index, event.text, None)]))
+            else:
+                tokens += event.tokens
+                yield _sse(c.chunk([_choice(event.index, "", event.reason)]))
+        if (c.req.stream_options or {}).get("include_usage"):
+            yield _sse(c.chunk([], usage=c.usage(tokens)))
+    except Exception as e:  # headers are sent: report in the stream, as OpenAI does
+        yield _sse(error_body(f"generation failed: {e}", kind="server_error"))
+    yield "data: [DONE]\n\n"
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def create_app(workers: dict[str, ModelWorker]) -> FastAPI:
+    app = FastAPI(title="gpt2lab serve", docs_url=None, redoc_url=None)
+    page = (resources.files("gpt2lab") / "assets" / "playground.html").read_text(encoding="utf-8")
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response()
+
+    @app.get("/", response_class=HTMLResponse)
+    async def playground() -> str:
+        return page
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "gpt2lab", "context_length": w.block_size}
+            for name, w in workers.items()]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        c = Completion(req, workers)
+        if req.stream:
+            return StreamingResponse(_stream(c), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            return await _complete(c)
+        except APIError:
+            raise
+        except Exception as e:
+            raise APIError(500, f"generation failed: {e}", kind="server_error") from e
+
+    return app
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """FastAPI's checks (malformed JSON, wrong types, out-of-range values) as one OpenAI error."""
+    errors = exc.errors()
+    first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON ({first.get('msg')}); "
+                             "send a JSON object with Content-Type: application/json")
+    if first.get("type") == "extra_forbidden":
+        return APIError(400, f"unrecognized request argument: {loc[0] if loc else '?'}", param=loc[0] if loc else None)
+    param = loc[0] if loc else None
+    where = ".".join(loc) or "body"
+    return APIError(400, f"{where}: {first.get('msg')} (got {first.get('input')!r})", param=param)
+
+
+@contextlib.contextmanager
+def serving_in_thread(workers: dict[str, ModelWorker], host: str = "127.0.0.1") -> Iterator[str]:
+    """Serve ``workers`` with uvicorn in a background thread on a free port; yield the base URL
+    (for tests and ``gpt2lab bench serve``). The workers are closed on exit."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((host, 0))  # port 0: the OS picks a free port, held from here on
+    server = uvicorn.Server(uvicorn.Config(create_app(workers), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    try:
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server thread did not start")
+            time.sleep(0.02)
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        for w in workers.values():
+            w.close()
+        sock.close()

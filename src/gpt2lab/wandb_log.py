@@ -1,0 +1,94 @@
+"""Weights & Biases logging for MetricsLogger: the same records as metrics.jsonl.
+
+Rank 0 only (MetricsLogger exists only there). The W&B run id lives in ``RUN/wandb_id``,
+so a resumed training run continues the same W&B run. Every record is logged with its
+``step`` as the x axis (``define_metric``), not as W&B's own step, so the steps a resumed
+run repeats are logged again instead of being dropped as out of order. Samples go to a
+table. Without the package, an API key or the network, one line says so and training goes
+on with local logging only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+from typing import Any, Optional
+
+ID_FILE = "wandb_id"
+
+
+def _say(message: str) -> None:
+    print(f"gpt2lab: W&B logging off: {message.rstrip('.')}; metrics.jsonl is written as always", file=sys.stderr, flush=True)
+
+
+def _run_id(run_dir: str) -> str:
+    """The id this run dir's W&B run has had, or a new one (W&B accepts [a-z0-9])."""
+    path = os.path.join(run_dir, ID_FILE)
+    if os.path.isfile(path):
+        with open(path) as fh:
+            found = fh.read().strip()
+        if found:
+            return found
+    return secrets.token_hex(6)
+
+
+def _save_id(run_dir: str, run_id: str) -> None:
+    path = os.path.join(run_dir, ID_FILE)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        fh.write(run_id + "\n")
+    os.replace(tmp, path)
+
+
+def _earlier_samples(path: str) -> list[list]:
+    """[step, text] of the samples already in metrics.jsonl (kept by a resume)."""
+    rows = []
+    if os.path.isfile(path):
+        with open(path) as fh:
+            for line in fh:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:  # a cut last line: not a sample anyone saw
+                    continue
+                if isinstance(rec, dict) and isinstance(rec.get("sample"), str):
+                    rows.append([rec["step"], rec["sample"]])
+    return rows
+
+
+class WandbLogger:
+    """Mirrors each metrics record to W&B; ``run`` is None when W&B could not start."""
+
+    def __init__(self, run_dir: str, project: str, name: Optional[str], config: Optional[dict]) -> None:
+        self.run, self.samples = None, []
+        try:
+            import wandb
+        except ImportError:
+            _say("the wandb package is not installed (pip install 'gpt2lab[wandb]')")
+            return
+        run_id = _run_id(run_dir)
+        try:
+            self.run = wandb.init(project=project, name=name or os.path.basename(os.path.abspath(run_dir)),
+                                  id=run_id, resume="allow", config=config, dir=run_dir)
+        except Exception as e:  # no API key, no network, a bad project name: W&B's own message, one line
+            _say(" ".join(str(e).split()) or type(e).__name__)
+            return
+        _save_id(run_dir, run_id)
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+        self._table = wandb.Table
+        self.samples = _earlier_samples(os.path.join(run_dir, "metrics.jsonl"))  # a resumed run's table goes on
+
+    def log(self, record: dict[str, Any]) -> None:
+        if self.run is None:
+            return
+        values = {k: v for k, v in record.items() if k != "sample" and v is not None}
+        if isinstance(record.get("sample"), str):
+            self.samples.append([record["step"], record["sample"]])
+            values["samples"] = self._table(columns=["step", "sample"], data=list(self.samples))
+        self.run.log(values)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None

@@ -1,0 +1,85 @@
+"""The playground page and the report card in a real browser: headless Chromium via Playwright.
+
+Skips (saying why) without Playwright or a Chromium binary. To run it on Debian/Ubuntu:
+``apt-get install -y chromium`` and ``pip install playwright`` (no ``playwright install``
+needed: the system Chromium is used). GPT2LAB_CHROMIUM may point at another binary.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import httpx
+import pytest
+
+from serve_utils import running_server
+
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run", "--disable-sync"]
+
+
+def _chromium() -> str | None:
+    path = os.environ.get("GPT2LAB_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    return path if path and os.path.exists(path) else None
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api", reason="browser tests need playwright: pip install playwright")
+    path = _chromium()
+    if path is None:
+        pytest.skip("browser tests need Chromium: apt-get install -y chromium (or set GPT2LAB_CHROMIUM)")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=path, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+def test_playground_streams_each_models_text_into_its_column(browser, gpt2_vocab_export):
+    _, d = gpt2_vocab_export
+    with running_server([f"tiny={d}", f"twin={d}"]) as url:
+        page = browser.new_page()
+        page.goto(url + "/")
+        page.wait_for_function("document.querySelectorAll('.col').length === 2")
+        settings = {"prompt": "The playground says", "max_tokens": "24", "temperature": "0.8", "top_k": "50",
+                    "top_p": "1", "seed": "5"}
+        for field, value in settings.items():
+            page.fill(f"#{field}", value)
+        # count DOM updates of each output: streamed text arrives in many small steps, not at once
+        page.evaluate("""() => { window.updates = {};
+            for (const col of document.querySelectorAll('.col')) {
+              window.updates[col.dataset.model] = 0;
+              new MutationObserver(() => window.updates[col.dataset.model]++).observe(
+                col.querySelector('.out'), {subtree: true, childList: true, characterData: true});
+            } }""")
+        page.click("#go")
+        page.wait_for_function("[...document.querySelectorAll('.meta')].every(m => m.textContent.includes('tokens in'))",
+                               timeout=60_000)
+        body = {"prompt": settings["prompt"], "max_tokens": 24, "temperature": 0.8, "top_k": 50, "top_p": 1, "seed": 5}
+        for model in ("tiny", "twin"):
+            col = page.locator(f".col[data-model='{model}']")
+            expected = httpx.post(url + "/v1/completions", json={"model": model, **body}, timeout=60).json()
+            assert col.locator(".completion").inner_text() == expected["choices"][0]["text"]
+            assert col.locator(".prompt").inner_text() == settings["prompt"]
+            assert "24 tokens in" in col.locator(".meta").inner_text()
+        updates = page.evaluate("window.updates")
+        assert min(updates.values()) >= 12, updates
+        page.close()
+
+
+def test_report_card_opens_with_its_plot(browser, finished_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    from gpt2lab.report import write_report
+
+    out_html, _, rep = write_report(str(finished_run), str(tmp_path / "report.html"))
+    page = browser.new_page()
+    page.route("**/*", lambda route: route.abort() if not route.request.url.startswith(("file:", "data:"))
+               else route.continue_())  # self-contained: any other fetch fails the checks below
+    page.goto(f"file://{out_html}")
+    assert page.inner_text("#status") == rep.status and rep.status.startswith("finished")
+    size = page.evaluate("() => { const i = document.querySelector('img'); return [i.complete, i.naturalWidth]; }")
+    assert size[0] and size[1] > 600  # the embedded PNG decoded (the figure is 14 in wide)
+    headers = page.eval_on_selector_all("h2", "els => els.map(e => e.textContent)")
+    assert [s.title for s in rep.sections] == headers
+    assert page.locator("table").count() >= 6
+    page.close()
