@@ -118,7 +118,7 @@ def truncate_after(path: str, start_step: int, keep: Optional[Callable[[dict], b
     """
     if not os.path.exists(path):
         return
-    keep, bad = [], []
+    kept, bad = [], []
     with open(path, errors="replace") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
@@ -130,14 +130,14 @@ def truncate_after(path: str, start_step: int, keep: Optional[Callable[[dict], b
                 bad.append(lineno)
                 continue
             if step < start_step or (keep is not None and keep(rec)):
-                keep.append(line if line.endswith("\n") else line + "\n")
+                kept.append(line if line.endswith("\n") else line + "\n")
     if bad:
         warnings.warn(f"{path}: dropped {len(bad)} unreadable line(s) (line {', '.join(map(str, bad[:5]))}), "
                       "probably cut by a full disk or a killed run", stacklevel=2)
     from gpt2lab.files import atomic_write
 
     with atomic_write(path) as fh:
-        fh.writelines(keep)
+        fh.writelines(kept)
 
 
 def _tensorboard_writer(log_dir: str):
