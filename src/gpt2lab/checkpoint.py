@@ -135,7 +135,7 @@ def damaged(ckpt: str, why: str) -> CheckpointError:
     """The one-line error for a damaged checkpoint, pointing at the intact ones before it."""
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
     earlier = [p for p in list_checkpoints(run_dir) if _step_of(p) < _step_of(ckpt)]
-    hint = (f"resume from an earlier one with --resume {earlier[-1]}" if earlier
+    hint = (f"use an earlier one: --resume {earlier[-1]} (or --model {earlier[-1]})" if earlier
             else "no earlier checkpoint in this run; start again with a new --out")
     err = CheckpointError(f"checkpoint {ckpt} is damaged: {why}; {hint}")
     err.why = why

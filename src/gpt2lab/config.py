@@ -83,7 +83,7 @@ class TrainConfig:
                            "guard starts once it has seen that many (0 = guard off)")
     spike_loss_z: float = _f(6.0, "a loss this many standard deviations above the window's mean is a "
                              "spike: the step's update is skipped (0 = do not check the loss)")
-    spike_norm_z: float = _f(10.0, "the same for the log of the gradient norm (0 = do not check it)")
+    spike_norm_z: float = _f(20.0, "the same for the log of the gradient norm (0 = do not check it)")
     spike_rollback: int = _f(3, "this many spikes within spike_window steps roll back to the last checkpoint "
                              "before them and skip the data of the spiking steps (0 = never roll back)")
 

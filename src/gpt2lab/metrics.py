@@ -4,6 +4,9 @@
   train lines   step, train_loss, lr, grad_norm, dt_ms, tok_per_s, mfu, tokens
   skipped steps step, skipped ("nan" or "inf"), loss and grad_norm as text, lr (and
                 grad_scaler: true when the fp16 scaler skipped it while lowering its scale)
+  spikes        step, skipped "spike", loss, grad_norm, lr, loss_z, norm_z (the update was skipped)
+  rollbacks     step, rollback_to (checkpoint), skip_positions / skip_tokens ([start, end) of the
+                loader's sequence / token stream never trained on), spike_steps
   eval lines    step, val_loss
   HellaSwag     step, hellaswag_acc, hellaswag_acc_norm, hellaswag_n
   samples       step, sample (text)

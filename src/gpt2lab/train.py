@@ -290,7 +290,7 @@ class Trainer:
         T = self.cfg.seq_len
         record = {"step": self.step, "rollback_to": target, "skip_positions": skip,
                   "skip_tokens": [skip[0] * T, skip[1] * T], "spike_steps": [s for s, _ in self.guard.spikes]}
-        if target is None:  # nothing saved before the spikes: keep the weights, still skip nothing more
+        if target is None:  # nothing saved before the spikes; their updates were skipped anyway: go on
             self.guard.spikes = []
             log.log({**record, "note": "no checkpoint before the spikes; continuing without rolling back"})
             return
