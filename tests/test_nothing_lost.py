@@ -231,31 +231,48 @@ def _start(tiny_data, out, *extra):
 
 
 def _wait_steps(proc, out, n: int) -> None:
-    deadline = time.time() + 120
+    deadline = time.time() + 600  # generous: a shared machine can starve the child for minutes
     while not (out / "metrics.jsonl").exists() or len(train_losses(out)) < n:
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"run ended (rc {proc.returncode}) or stalled before step {n}: {proc.communicate()}")
         time.sleep(0.01)
 
 
-def test_ctrl_c_once_saves_twice_stops_now(tiny_data, tmp_path):
+def test_ctrl_c_once_finishes_the_step_and_saves(tiny_data, tmp_path):
     out = tmp_path / "run"
     proc = _start(tiny_data, out)
     _wait_steps(proc, out, 2)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    stdout, err = proc.communicate(timeout=600)
     assert proc.returncode == 130 and "Ctrl-C: stopping after this step, saving" in err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and "resume with --resume auto" in stdout
     saved = ckpt.find_latest(str(out))
     ckpt.verify(saved)
-    proc = _start(tiny_data, out, "--resume", "auto")
-    _wait_steps(proc, out, int(saved.split("_")[-1]) + 2)
-    proc.send_signal(signal.SIGINT)
-    proc.send_signal(signal.SIGINT)  # the second one does not wait for the step to end
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and "Traceback" not in err and err.strip().endswith("interrupted")
-    latest = ckpt.find_latest(str(out))
-    ckpt.verify(latest)  # whatever was saved last is whole
-    assert not [n for n in os.listdir(out / "checkpoints") if n.startswith(".tmp_")]
+    assert int(saved.split("_")[-1]) == len(train_losses(out))  # every logged step is in the checkpoint
+
+
+def test_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(tiny_data, tmp_path, monkeypatch, capsys):
+    from gpt2lab.train import Trainer, _stop_on_signals
+
+    trainer = Trainer(_cfg(tiny_data, tmp_path), DistInfo(device=CPU))
+    trainer.step = 1
+    good = trainer.save()
+    with _stop_on_signals(trainer):
+        os.kill(os.getpid(), signal.SIGINT)  # the first: noted, the step goes on
+        assert trainer.stop_requested and trainer.stop_signal == signal.SIGINT
+        assert "Ctrl-C: stopping after this step" in capsys.readouterr().err
+
+        def second_ctrl_c_mid_save(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler raises KeyboardInterrupt here
+
+        monkeypatch.setattr(torch, "save", second_ctrl_c_mid_save)
+        trainer.step = 2
+        with pytest.raises(KeyboardInterrupt):
+            trainer.save()
+    assert ckpt.find_latest(str(tmp_path)) == good and os.listdir(tmp_path / "checkpoints") == ["step_000001"]
+    ckpt.verify(good)
 
 
 # -- prepare -------------------------------------------------------------------------------
@@ -305,13 +322,15 @@ def test_prepare_disk_full_then_rerun_resumes(tmp_path, capsys, monkeypatch):
 
 
 # -- the loss-spike guard ------------------------------------------------------------------
-POISON_STEPS = (16, 19)  # steps whose batches are replaced by random token ids
+POISON_STEPS = (17, 20)  # these steps' batches are random token ids (loss ~ ln 50304 = 10.8)
+# A 6-step window and z 4 (default 100 and 6) so a 30-step run can show it; the clean run
+# below checks that even these tighter settings never fire on healthy data.
 GUARD = dict(max_steps=30, ckpt_interval=8, keep_checkpoints=0, eval_interval=30, eval_tokens=1024,
-             spike_window=6, spike_rollback=2)
+             spike_window=6, spike_loss_z=4.0, spike_rollback=2)
 
 
 def _poison(src: str, dst: Path) -> None:
-    """A copy of ``src`` whose documents that epoch 0 reads at POISON_STEPS hold random ids."""
+    """A copy of ``src`` whose tokens that epoch 0 reads at POISON_STEPS are random ids."""
     from gpt2lab.data.loader import TokenLoader
     from gpt2lab.data.shards import open_shard, write_shard
     from gpt2lab.tokenizer import EOT_ID
@@ -321,12 +340,12 @@ def _poison(src: str, dst: Path) -> None:
     assert len(loader.paths) == 1
     view = loader._view(0, 0)  # shard 0's documents in epoch 0's order
     tokens = np.array(open_shard(loader.paths[0]))
-    lo, hi = POISON_STEPS[0] * TINY["total_batch_tokens"], (POISON_STEPS[1] + 1) * TINY["total_batch_tokens"]
-    rng = np.random.default_rng(0)
-    for d in range(len(view.starts)):
-        a, b, start = int(view.cum[d]), int(view.cum[d + 1]), int(view.starts[d])
-        if b > lo and a < hi:  # keep each document's <|endoftext|>: the document order stays the same
-            tokens[start + 1:start + b - a] = rng.integers(0, EOT_ID, b - a - 1)
+    per_step = TINY["total_batch_tokens"]
+    stream = np.arange(POISON_STEPS[0] * per_step, (POISON_STEPS[1] + 1) * per_step)  # ordered-stream offsets
+    doc = np.searchsorted(view.cum, stream, side="right") - 1
+    raw = view.starts[doc] + stream - view.cum[doc]  # where each offset lives in the shard file
+    raw = raw[tokens[raw] != EOT_ID]  # documents keep their boundaries, so the order stays the same
+    tokens[raw] = np.random.default_rng(0).integers(0, EOT_ID, len(raw))
     write_shard(dst / loader.paths[0].name, tokens.astype(np.uint16))
 
 
@@ -348,18 +367,20 @@ def test_spike_guard_skips_and_rolls_back_poisoned_data(tiny_data, tmp_path):
     recs = _records(guarded)
     spikes = [r["step"] for r in recs if r.get("skipped") == "spike"]
     rollbacks = [r for r in recs if "rollback_to" in r]
-    assert spikes and set(spikes) <= set(range(POISON_STEPS[0] - 1, POISON_STEPS[1] + 2)), spikes
+    assert spikes and set(spikes) <= set(range(POISON_STEPS[0], POISON_STEPS[1] + 1)), spikes
     assert rollbacks and all(r["rollback_to"].endswith("step_000016") for r in rollbacks)
     ranges = [r["skip_tokens"] for r in rollbacks]
     assert ranges[0][0] == POISON_STEPS[0] * TINY["total_batch_tokens"]  # exactly from the first bad batch
+    assert ranges[-1][1] >= (POISON_STEPS[1] + 1) * TINY["total_batch_tokens"]  # through the last one
     assert set(train_losses(guarded)) | set(spikes) == set(range(30))  # each step trained or skipped
+    assert max(v for s, v in train_losses(guarded).items() if s >= 8) < 10.5 < min(r["loss"] for r in recs
+                                                                                  if "loss" in r)
     assert abs(_val(guarded) - _val(clean)) < 0.1, (_val(guarded), _val(clean))
-    assert max(v for s, v in train_losses(guarded).items() if s >= 12) < 9.6  # no spike trained on
-    # with the guard off, the same data visibly spikes: losses near chance (ln 50304 = 10.8)
+    # with the guard off, the same data visibly spikes: losses near chance
     off = tmp_path / "off"
-    shutil.copytree(guarded / "checkpoints" / "step_000008", off / "checkpoints" / "step_000008")
-    train(_cfg(str(poisoned), off, **{**GUARD, "max_steps": 20, "spike_window": 0}), DistInfo(device=CPU), "auto")
-    assert max(train_losses(off)[s] for s in range(POISON_STEPS[0], 20)) > 10.4
+    shutil.copytree(guarded / "checkpoints" / "step_000016", off / "checkpoints" / "step_000016")
+    train(_cfg(str(poisoned), off, **{**GUARD, "max_steps": 21, "spike_window": 0}), DistInfo(device=CPU), "auto")
+    assert min(train_losses(off)[s] for s in range(POISON_STEPS[0], POISON_STEPS[1] + 1)) > 10.5
     # the skipped ranges are reproducible: resuming from before the spikes makes the same decisions
     again = tmp_path / "again"
     shutil.copytree(guarded / "checkpoints" / "step_000016", again / "checkpoints" / "step_000016")
