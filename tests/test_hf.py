@@ -102,13 +102,14 @@ def test_export_has_tokenizer_files_autotokenizer_loads(gpt2_vocab_export):
     assert tok.eos_token_id == 50256
 
 
-def test_save_pretrained_replaces_existing_dir_and_leaves_no_temp(tmp_path):
+def test_save_pretrained_replaces_an_earlier_export_and_leaves_no_temp(tmp_path):
     out = tmp_path / "exp"
-    out.mkdir()
-    (out / "stale.txt").write_text("old")
-    tiny_gpt().save_pretrained(str(out))
-    assert not (out / "stale.txt").exists() and (out / "model.safetensors").exists()
+    tiny_gpt(seed=0).save_pretrained(str(out))
+    first = (out / "model.safetensors").read_bytes()
+    tiny_gpt(seed=1).save_pretrained(str(out))  # an earlier export (it has the marker): replaced
+    assert (out / "model.safetensors").read_bytes() != first
     assert sorted(os.listdir(tmp_path)) == ["exp"]
+    assert oct(os.stat(out).st_mode & 0o777) != oct(0o700)  # umask permissions, not mkdtemp's
 
 
 def test_mismatched_weights_and_unsupported_config_are_refused(hf_dirs, tmp_path):

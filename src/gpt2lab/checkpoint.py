@@ -6,11 +6,14 @@ Layout of one checkpoint (NNNNNN = optimizer steps completed):
   state.pt           step, tokens seen, loader state, RNG states (python, numpy, torch, cuda),
                      fp16 GradScaler state (None otherwise)
   config.json        the run's resolved TrainConfig
+  checksums.json     sha256 of each file above, verified when the checkpoint is loaded
 A checkpoint is written under a temporary name and renamed when complete, so any
-``step_*`` directory is whole; the newest K are kept.
+``step_*`` directory is whole; the newest K are kept. Bytes that change afterwards (a bad
+disk, a copy cut short) fail the checksum: loading says the checkpoint is damaged.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -22,11 +25,17 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from gpt2lab.errors import CheckpointError
+from gpt2lab.files import atomic_dir, write_json
 from gpt2lab.model import GPT, GPTConfig
 from gpt2lab.tokenizer import GPT2_VOCAB_SIZE
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 _PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DDP wrappers
+CHECKSUMS = "checksums.json"
+FILES = ("model.safetensors", "optimizer.pt", "state.pt", "config.json")
+_DISK_FULL_NEXT = ("free some space (or lower --keep-checkpoints), then continue from the last "
+                   "checkpoint with --resume auto")
 
 
 def clean_state_dict(state: dict) -> dict:
@@ -72,25 +81,82 @@ def checkpoint_dir(run_dir: str, step: int) -> str:
 
 def save_checkpoint(run_dir: str, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     step: int, tokens: int, loader_state: dict, config: dict, keep: int = 0,
-                    scaler_state: Optional[dict] = None) -> str:
-    """Write the checkpoint for ``step`` completed steps atomically; prune to the newest ``keep``."""
+                    scaler_state: Optional[dict] = None, extra: Optional[dict] = None) -> str:
+    """Write the checkpoint for ``step`` completed steps atomically; prune to the newest ``keep``.
+
+    ``extra`` (plain values) is stored in state.pt beside the step and comes back from
+    ``load_training_state``. A full disk raises DiskFullError and leaves no temporary behind.
+    """
     final = checkpoint_dir(run_dir, step)
-    tmp = os.path.join(os.path.dirname(final), f".tmp_{os.path.basename(final)}_{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    save_file(clean_state_dict(model.state_dict()), os.path.join(tmp, "model.safetensors"))
-    torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-    torch.save({"step": step, "tokens": tokens, "loader": loader_state, "rng": rng_state(),
-                "scaler": scaler_state}, os.path.join(tmp, "state.pt"))
-    with open(os.path.join(tmp, "config.json"), "w") as fh:
-        json.dump(config, fh, indent=2)
-    if os.path.exists(final):  # the same step saved again (e.g. SIGTERM right after a save)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    with atomic_dir(final, what_next=_DISK_FULL_NEXT, replace=True) as tmp:  # replace: same step saved again
+        save_file(clean_state_dict(model.state_dict()), os.path.join(tmp, "model.safetensors"))
+        torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+        torch.save({"step": step, "tokens": tokens, "loader": loader_state, "rng": rng_state(),
+                    "scaler": scaler_state, **(extra or {})}, os.path.join(tmp, "state.pt"))
+        write_json(os.path.join(tmp, "config.json"), config)
+        write_json(os.path.join(tmp, CHECKSUMS), {name: sha256(os.path.join(tmp, name)) for name in FILES})
     if keep:
         for old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify(ckpt: str) -> None:
+    """Raise CheckpointError unless every file matches the checksum written at save.
+
+    Checkpoints from before checksums existed have no checksums.json and pass unchecked.
+    """
+    path = os.path.join(ckpt, CHECKSUMS)
+    if not os.path.exists(path):
+        return
+    try:
+        with open(path) as fh:
+            expected = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise damaged(ckpt, f"{CHECKSUMS} unreadable ({e})") from e
+    for name, digest in expected.items():
+        file = os.path.join(ckpt, name)
+        if not os.path.isfile(file):
+            raise damaged(ckpt, f"{name} is missing")
+        if sha256(file) != digest:
+            raise damaged(ckpt, f"{name} does not match its checksum (its bytes changed after saving)")
+
+
+def damaged(ckpt: str, why: str) -> CheckpointError:
+    """The one-line error for a damaged checkpoint, pointing at the intact ones before it."""
+    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
+    earlier = [p for p in list_checkpoints(run_dir) if _step_of(p) < _step_of(ckpt)]
+    hint = (f"use an earlier one: --resume {earlier[-1]} (or --model {earlier[-1]})" if earlier
+            else "no earlier checkpoint in this run; start again with a new --out")
+    err = CheckpointError(f"checkpoint {ckpt} is damaged: {why}; {hint}")
+    err.why = why
+    return err
+
+
+def _step_of(path: str) -> int:
+    m = _STEP_DIR.match(os.path.basename(os.path.normpath(path)))
+    return int(m.group(1)) if m else -1
+
+
+def find_intact(run_dir: str, report=None) -> Optional[str]:
+    """The newest checkpoint that passes ``verify``; ``report(line)`` hears of each one skipped."""
+    for path in reversed(list_checkpoints(run_dir)):
+        try:
+            verify(path)
+            return path
+        except CheckpointError as e:
+            if report is not None:
+                report(f"checkpoint {path} is damaged ({getattr(e, 'why', e)}); trying the one before it")
+    return None
 
 
 def list_checkpoints(run_dir: str) -> list[str]:
@@ -125,26 +191,74 @@ def model_config(config: dict) -> GPTConfig:
                      token_vocab_size=min(GPT2_VOCAB_SIZE, config["vocab_size"]))
 
 
-def load_weights(model: torch.nn.Module, ckpt: str) -> None:
-    state = clean_state_dict(load_file(os.path.join(ckpt, "model.safetensors")))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k != "lm_head.weight"]  # tied to wte, restored with it
-    if missing or unexpected:
-        raise ValueError(f"{ckpt}/model.safetensors does not fit the model in its config.json: "
-                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+
+
+def read_config(ckpt: str) -> dict:
+    try:
+        with open(os.path.join(ckpt, "config.json")) as fh:
+            return json.load(fh)
+    except (OSError, ValueError) as e:
+        raise damaged(ckpt, f"config.json unreadable ({e})") from e
+
+
+def load_weights(model: torch.nn.Module, ckpt: str, verified: bool = False) -> None:
+    """Load the checkpoint's weights into ``model``, checking checksums unless ``verified``.
+
+    A model of another shape gets one line naming both shapes, not torch's size-mismatch list.
+    """
+    if not verified:
+        verify(ckpt)
+    try:
+        state = clean_state_dict(load_file(os.path.join(ckpt, "model.safetensors")))
+    except Exception as e:  # SafetensorError (truncated, bad header) has no common base with OSError
+        raise damaged(ckpt, f"model.safetensors cannot be read ({_first_line(e)})") from e
+    mine = {k: tuple(v.shape) for k, v in clean_state_dict(model.state_dict()).items()}
+    theirs = {k: tuple(v.shape) for k, v in state.items()}
+    if mine != theirs:
+        raise CheckpointError(_mismatch(ckpt, model, mine, theirs))
+    model.load_state_dict(state, strict=False)  # lm_head is tied to wte, restored with it
+
+
+def _mismatch(ckpt: str, model: torch.nn.Module, mine: dict, theirs: dict) -> str:
+    cfg = getattr(model, "config", None)
+    want = ", ".join(f"{f} {getattr(cfg, f)}" for f in MODEL_FIELDS if cfg is not None and hasattr(cfg, f))
+    try:
+        saved = read_config(ckpt)
+        have = ", ".join(f"{f} {saved.get(f)}" for f in MODEL_FIELDS)
+    except CheckpointError:
+        have = "unknown (config.json unreadable)"
+    diff = sorted(set(mine) ^ set(theirs)) or [k for k in mine if mine[k] != theirs.get(k)]
+    k = diff[0]
+    return (f"checkpoint {ckpt} holds another model shape ({have}) than this one ({want}): e.g. {k} "
+            f"is {theirs.get(k, 'absent')} there, {mine.get(k, 'absent')} here; resume with the "
+            "checkpoint's model settings, or train this shape into a new --out")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 def load_model(path: str) -> GPT:
     """The GPT of a run directory (newest checkpoint) or of one checkpoint directory."""
     ckpt = resolve(path)
-    with open(os.path.join(ckpt, "config.json")) as fh:
-        model = GPT(model_config(json.load(fh)))
-    load_weights(model, ckpt)
+    verify(ckpt)
+    model = GPT(model_config(read_config(ckpt)))
+    load_weights(model, ckpt, verified=True)
     return model
 
 
 def load_training_state(ckpt: str, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Restore the optimizer; return step, tokens, loader state, RNG states and scaler state."""
-    optimizer.load_state_dict(torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True,
-                                         map_location="cpu"))
-    return torch.load(os.path.join(ckpt, "state.pt"), weights_only=True, map_location="cpu")
+    try:
+        opt = torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True, map_location="cpu")
+        state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=True, map_location="cpu")
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        raise damaged(ckpt, _first_line(e)) from e
+    try:
+        optimizer.load_state_dict(opt)
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint {ckpt}: its optimizer state does not fit this run "
+                              f"({_first_line(e)}); resume with the checkpoint's settings") from e
+    return state

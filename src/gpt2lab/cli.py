@@ -1,39 +1,91 @@
 """The ``gpt2lab`` console script: one subcommand per job, each a thin wrapper.
 
 Each subcommand lives in ``gpt2lab/commands/<name>.py`` with ``add_parser(subparsers)``,
-which registers its flags and sets ``func(args) -> int`` as the parser default.
+which registers its flags and sets ``func(args) -> int`` as the parser default. Library
+code raises typed errors (gpt2lab.errors); ``main`` prints each as one line and exits
+with its documented code.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
+import re
 import sys
 from typing import Optional, Sequence
 
 from gpt2lab import __version__
+from gpt2lab.errors import (EXIT_CODES, EXIT_DISK_FULL, EXIT_ERROR, EXIT_INTERRUPTED, GPT2LabError,
+                            disk_full, is_disk_full)
 
 COMMANDS = ["prepare", "train", "sample", "eval", "export", "plot", "bench", "demo", "env", "serve", "report"]
 
 
+class Parser(argparse.ArgumentParser):
+    """Every gpt2lab parser (subcommands inherit it): no prefix guessing, negative numbers as values.
+
+    ``--max-step 5`` must not quietly mean ``--max-steps 5``; ``--max-lr -1e-3`` must reach
+    the config's validation as a value (argparse only knows ``-1`` and ``-.5`` as numbers).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-inf$")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    codes = "\n".join(f"  {code:3d}  {what}" for code, what in EXIT_CODES.items())
+    parser = Parser(
         prog="gpt2lab",
         description="Reproduce and train GPT-2-class language models.",
+        epilog=f"exit codes:\n{codes}\nErrors print one line; --debug (or GPT2LAB_DEBUG=1) shows the traceback.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"gpt2lab {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         importlib.import_module(f"gpt2lab.commands.{name}").add_parser(sub)
     return parser
 
 
+def _debug(argv: Sequence[str]) -> bool:
+    return "--debug" in argv or os.environ.get("GPT2LAB_DEBUG", "") not in ("", "0")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = _debug(argv)
+    argv = [a for a in argv if a != "--debug"]  # accepted after the subcommand too
+    command = next((a for a in argv if a in COMMANDS), None)
+    prefix = f"gpt2lab {command}" if command else "gpt2lab"
     try:
+        args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        if debug:
+            raise
+        print(f"{prefix}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except GPT2LabError as e:
+        if debug:
+            raise
+        print(f"{prefix}: {e}", file=sys.stderr)
+        return e.exit_code
+    except OSError as e:  # a file the command was pointed at, or a full disk
+        if debug:
+            raise
+        if is_disk_full(e):
+            print(f"{prefix}: {disk_full(e.filename or 'a file')}", file=sys.stderr)
+            return EXIT_DISK_FULL
+        what = f"{e.filename}: " if e.filename else ""
+        why = e.strerror or str(e)
+        hint = "check the path and its permissions" if e.errno in (errno.ENOENT, errno.EACCES, errno.EPERM,
+                                                                     errno.ENOTDIR, errno.EISDIR) else ""
+        print(f"{prefix}: {what}{why}" + (f"; {hint}" if hint else ""), file=sys.stderr)
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
+
+from gpt2lab.errors import UsageError
 
 try:
     import tomllib  # Python >= 3.11
@@ -86,6 +87,14 @@ class TrainConfig:
     wandb_project: Optional[str] = _f(None, "also log to this Weights & Biases project (rank 0; needs "
                                       "pip install 'gpt2lab[wandb]'); a resumed run continues its W&B run")
     wandb_run_name: Optional[str] = _f(None, "W&B run name (default: the run directory's name)")
+    # loss-spike guard (gpt2lab/spikes.py)
+    spike_window: int = _f(100, "recent healthy steps a step's loss and grad norm are compared with; the "
+                           "guard starts once it has seen that many (0 = guard off)")
+    spike_loss_z: float = _f(6.0, "a loss this many standard deviations above the window's mean is a "
+                             "spike: the step's update is skipped (0 = do not check the loss)")
+    spike_norm_z: float = _f(20.0, "the same for the log of the gradient norm (0 = do not check it)")
+    spike_rollback: int = _f(3, "this many spikes within spike_window steps roll back to the last checkpoint "
+                             "before them and skip the data of the spiking steps (0 = never roll back)")
 
     def __post_init__(self) -> None:
         if isinstance(self.compile, bool):  # presets and config.json files written before "auto"
@@ -97,7 +106,8 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         never_negative = ("warmup_steps", "weight_decay", "grad_clip", "eval_interval", "eval_tokens",
                           "hellaswag_interval", "sample_interval", "ckpt_interval", "keep_checkpoints",
-                          "log_interval", "seed", "min_lr")
+                          "log_interval", "seed", "min_lr",
+                          "spike_window", "spike_loss_z", "spike_norm_z", "spike_rollback")
         for name in never_negative:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -143,7 +153,7 @@ class TrainConfig:
         return cls(**values)
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """A setting (or a combination of settings) that cannot work; the message says what to change."""
 
 
@@ -224,10 +234,6 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
 
 
 def save_config(cfg: TrainConfig, path: str) -> None:
-    import os
+    from gpt2lab.files import write_json
 
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump(cfg.to_dict(), fh, indent=2)
-        fh.write("\n")
-    os.replace(tmp, path)
+    write_json(path, cfg.to_dict())

@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
-from typing import Optional
 
 import torch
 
+from gpt2lab.errors import DataError, UsageError
+from gpt2lab.files import atomic_dir, write_json
 from gpt2lab.model import GPT, GPTConfig
 from gpt2lab.tokenizer import EOT_ID, EOT_TOKEN, asset_path
 
@@ -27,9 +27,14 @@ CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_
 MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 HUB_REPOS = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
+# What an export writes; the marker file tells a directory gpt2lab exported (safe to replace) apart
+# from anything else, such as a run directory or a model fine-tuned in place.
+EXPORT_MARKER = "gpt2lab_export.json"
+EXPORT_FILES = ("model.safetensors", "config.json", "generation_config.json", "vocab.json", "merges.txt",
+                "tokenizer_config.json", "special_tokens_map.json", EXPORT_MARKER)
 
 
-class WeightsError(ValueError):
+class WeightsError(DataError):
     """An HF directory, file or hub download that cannot become a GPT; the message says why."""
 
 
@@ -225,24 +230,23 @@ def _write_tokenizer(out: str, block_size: int) -> None:
 
 
 def _write_json(path: str, obj: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
+    write_json(path, obj)
 
 
 def save_pretrained(model: GPT, out_dir: str) -> None:
     """Write ``out_dir`` so transformers.GPT2LMHeadModel / AutoTokenizer load it unchanged.
 
     Everything is written into a temporary sibling directory first and renamed into place,
-    so a crash never leaves a half-written export; an existing ``out_dir`` is replaced.
+    so a crash never leaves a half-written export. An existing ``out_dir`` is replaced only
+    when it is empty or an earlier gpt2lab export; anything else (a run, a parent folder,
+    someone's model) is refused before a byte is written.
     """
     from safetensors.torch import save_file
 
     out_dir = os.path.abspath(out_dir)
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
-    try:
+    replace = _check_export_target(out_dir)
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    with atomic_dir(out_dir, replace=replace) as tmp:
         sd = to_hf_state_dict(model)
         dtype = sd["transformer.wte.weight"].dtype
         save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
@@ -250,19 +254,21 @@ def save_pretrained(model: GPT, out_dir: str) -> None:
         eot = EOT_ID if model.config.real_vocab_size > EOT_ID else None
         _write_json(os.path.join(tmp, "generation_config.json"), {"bos_token_id": eot, "eos_token_id": eot})
         _write_tokenizer(tmp, model.config.block_size)
-        _replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        _write_json(os.path.join(tmp, EXPORT_MARKER), {"format": "gpt2lab-hf-export", "version": 1,
+                                                       "files": list(EXPORT_FILES)})
 
 
-def _replace_dir(src: str, dst: str) -> None:
-    old: Optional[str] = None
-    if os.path.isdir(dst):
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.old-", dir=os.path.dirname(dst))
-        os.replace(dst, os.path.join(old, "x"))
-    elif os.path.exists(dst):
-        raise WeightsError(f"{dst} exists and is not a directory; choose another output path")
-    os.replace(src, dst)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
+def _check_export_target(out_dir: str) -> bool:
+    """Whether ``out_dir`` exists and may be replaced; raises if it must not be touched."""
+    if not os.path.lexists(out_dir):
+        return False
+    if not os.path.isdir(out_dir) or os.path.islink(out_dir):
+        raise UsageError(f"{out_dir} exists and is not a directory; choose another output path")
+    entries = sorted(os.listdir(out_dir))
+    if not entries:
+        return True
+    if EXPORT_MARKER in entries and set(entries) <= set(EXPORT_FILES):
+        return True  # an earlier export: it holds nothing an export does not write again
+    shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+    raise UsageError(f"{out_dir} is not empty ({len(entries)} entries: {shown}) and is not an earlier "
+                     "gpt2lab export; nothing was written. Choose a new or empty OUT_DIR")

@@ -36,8 +36,12 @@ def load_model(spec: str, device: Optional[torch.device | str] = None) -> GPT:
     directory in HF layout, a gpt2lab run directory (newest checkpoint) or checkpoint dir.
     Anything else, or a source that cannot be read, exits with a message naming it.
     """
+    from gpt2lab.errors import CheckpointError
+
     try:
         model = _load(spec)
+    except CheckpointError:  # already one line naming the checkpoint; its own exit code
+        raise
     except (OSError, ValueError, KeyError, RuntimeError) as e:  # includes hf.WeightsError
         raise SystemExit(f"--model {spec}: {e}") from e
     return model.to(device or "cpu").eval()

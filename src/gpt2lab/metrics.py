@@ -4,6 +4,9 @@
   train lines   step, train_loss, lr, grad_norm, dt_ms, tok_per_s, mfu, tokens
   skipped steps step, skipped ("nan" or "inf"), loss and grad_norm as text, lr (and
                 grad_scaler: true when the fp16 scaler skipped it while lowering its scale)
+  spikes        step, skipped "spike", loss, grad_norm, lr, loss_z, norm_z (the update was skipped)
+  rollbacks     step, rollback_to (checkpoint), skip_positions / skip_tokens ([start, end) of the
+                loader's sequence / token stream never trained on), spike_steps
   eval lines    step, val_loss
   HellaSwag     step, hellaswag_acc, hellaswag_acc_norm, hellaswag_n
   samples       step, sample (text)
@@ -17,7 +20,8 @@ import os
 import platform
 import subprocess
 import sys
-from typing import Any, Optional
+import warnings
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -51,8 +55,15 @@ class MetricsLogger:
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self._fh.write(json.dumps(record) + "\n")
-        self._fh.flush()
+        try:
+            self._fh.write(json.dumps(record) + "\n")
+            self._fh.flush()
+        except OSError as e:
+            from gpt2lab.errors import disk_full, is_disk_full
+
+            if is_disk_full(e):  # the cut line is dropped by the next run's truncate_after
+                raise disk_full(self.path, "free some space, then continue with --resume auto") from e
+            raise
         step = record["step"]
         if self._tb is not None:
             for key, value in record.items():
@@ -67,6 +78,18 @@ class MetricsLogger:
                 self.console(format_train(record))
         else:
             self.console(format_other(record))
+
+    def rewind(self, step: int) -> None:
+        """Forget the records of steps >= ``step`` (a spike rollback repeats them), except the
+        guard's own: its spikes and rollbacks stay as the record of what was skipped."""
+        if not self.enabled:
+            return
+        self._fh.close()
+        truncate_after(self.path, step, keep=lambda rec: rec.get("skipped") == "spike" or "rollback_to" in rec)
+        self._fh = open(self.path, "a")
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.refresh()
 
     def console(self, line: str) -> None:
         if not self.enabled:
@@ -97,16 +120,36 @@ def format_other(r: dict) -> str:
         f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in rest.items())
 
 
-def truncate_after(path: str, start_step: int) -> None:
-    """Keep only lines of steps < ``start_step`` (rewritten atomically); ``0`` empties the file."""
+def truncate_after(path: str, start_step: int, keep: Optional[Callable[[dict], bool]] = None) -> None:
+    """Keep only lines of steps < ``start_step`` (rewritten atomically); ``0`` empties the file.
+
+    ``keep(record)`` true keeps a later line too.
+
+    A line that is not JSON (the last one cut by a full disk or a kill) is dropped with a
+    warning naming the file, rather than blocking every later run in this directory.
+    """
     if not os.path.exists(path):
         return
-    with open(path) as fh:
-        keep = [line for line in fh if line.strip() and json.loads(line)["step"] < start_step]
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        fh.writelines(keep)
-    os.replace(tmp, path)
+    kept, bad = [], []
+    with open(path, errors="replace") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                step = rec["step"]
+            except (ValueError, KeyError, TypeError):
+                bad.append(lineno)
+                continue
+            if step < start_step or (keep is not None and keep(rec)):
+                kept.append(line if line.endswith("\n") else line + "\n")
+    if bad:
+        warnings.warn(f"{path}: dropped {len(bad)} unreadable line(s) (line {', '.join(map(str, bad[:5]))}), "
+                      "probably cut by a full disk or a killed run", stacklevel=2)
+    from gpt2lab.files import atomic_write
+
+    with atomic_write(path) as fh:
+        fh.writelines(kept)
 
 
 def _tensorboard_writer(log_dir: str):
@@ -162,8 +205,6 @@ def _git_sha() -> Optional[str]:
 
 
 def write_json(path: str, data: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(data, fh, indent=2)
-        fh.write("\n")
-    os.replace(tmp, path)
+    from gpt2lab.files import write_json as atomic_json
+
+    atomic_json(path, data)

@@ -11,6 +11,7 @@ import contextlib
 import os
 import random
 import signal
+import sys
 import time
 from typing import Callable, Optional
 
@@ -23,15 +24,30 @@ from gpt2lab import checkpoint as ckpt
 from gpt2lab import runtime
 from gpt2lab.config import PEAK_FLOPS, ConfigError, TrainConfig, save_config
 from gpt2lab.dist import DistInfo, all_reduce_mean, autocast
+from gpt2lab.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, GPT2LabError, RunDiverged
+from gpt2lab.files import sweep_stale
 from gpt2lab.metrics import MetricsLogger, run_info, write_json
 from gpt2lab.model import GPT
 from gpt2lab.optim import lr_at, make_optimizer
+from gpt2lab.spikes import SpikeGuard
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-class TrainingError(RuntimeError):
+class TrainingError(RunDiverged):
     """The run cannot continue (e.g. repeated NaN losses); the message says what to do."""
+
+
+class Stopped(GPT2LabError):
+    """The run stopped on a signal after saving; exit 143 (SIGTERM) or 130 (SIGINT)."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = EXIT_PREEMPTED if signum == signal.SIGTERM else EXIT_INTERRUPTED
+
+
+# Rollbacks to the same checkpoint before the run gives up (the spikes are not the data's fault).
+MAX_ROLLBACKS = 5
 
 
 def accumulate_gradients(model: torch.nn.Module, next_batch: Callable[[], Batch], accum: int,
@@ -84,6 +100,9 @@ class Trainer:
         self.loader = TokenLoader(cfg.data, "train", cfg.micro_batch_size, cfg.seq_len, rank=info.rank,
                                   world_size=info.world_size, seed=cfg.seed)
         self.step, self.tokens, self.bad_steps = 0, 0, 0
+        self.guard = SpikeGuard(cfg.spike_window, cfg.spike_loss_z, cfg.spike_norm_z, cfg.spike_rollback)
+        self.skips: list[list[int]] = []  # [start, end) loader positions never trained on (spike rollbacks)
+        self.rollbacks = 0  # since the last checkpoint was saved
         use_scaler = self.dtype == "float16"
         self.scaler = torch.amp.GradScaler(self.device.type) if use_scaler else None
         self.resumed_from = self._restore(resume) if resume else None
@@ -93,6 +112,7 @@ class Trainer:
         self.flops_per_token = self.raw.flops_per_token(cfg.seq_len)
         self.peak = peak_flops(cfg, self.device)
         self.stop_requested = False
+        self.stop_signal: Optional[int] = None
 
     # -- state ---------------------------------------------------------------------------
     def _restore(self, path: str) -> str:
@@ -104,6 +124,9 @@ class Trainer:
         ckpt.set_rng_state(state["rng"])
         if self.scaler is not None and state.get("scaler"):  # fp16: continue with the scale found so far
             self.scaler.load_state_dict(state["scaler"])
+        if state.get("guard"):
+            self.guard.load_state_dict(state["guard"])
+        self.skips = [list(r) for r in state.get("skips", [])]
         return where
 
     def save(self) -> Optional[str]:
@@ -118,7 +141,9 @@ class Trainer:
                                         step=self.step, tokens=self.tokens,
                                         loader_state=self.loader.state_dict(), config=self.cfg.to_dict(),
                                         keep=self.cfg.keep_checkpoints,
-                                        scaler_state=self.scaler.state_dict() if self.scaler is not None else None)
+                                        scaler_state=self.scaler.state_dict() if self.scaler is not None else None,
+                                        extra={"guard": self.guard.state_dict(), "skips": self.skips})
+        self.rollbacks = 0
         if self.info.distributed:
             tdist.barrier()
         return path
@@ -130,6 +155,7 @@ class Trainer:
         lr = lr_at(self.step, max_lr=cfg.max_lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
                    max_steps=cfg.max_steps)
         model = self.ddp or self.model
+        position = self._skip_bad_data()
         loss = accumulate_gradients(model, self.loader.next_batch, self.accum, self.device, self.dtype,
                                     self.scaler)
         if self.scaler is not None:
@@ -140,7 +166,8 @@ class Trainer:
         finite = bool(np.isfinite(loss_v) and np.isfinite(norm_v))
         # fp16: the scaler itself skips steps with inf gradients (and backs off) while it finds its scale
         scaler_skip = self.scaler is not None and bool(np.isfinite(loss_v)) and not finite
-        if finite or scaler_skip:
+        spike = self.guard.check(self.step, position, loss_v, norm_v) if finite else None
+        if (finite and spike is None) or scaler_skip:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             if self.scaler is not None:
@@ -159,6 +186,8 @@ class Trainer:
             kind = "nan" if np.isnan(loss_v) or np.isnan(norm_v) else "inf"
             rec = {"step": self.step, "skipped": kind, "loss": str(loss_v), "grad_norm": str(norm_v), "lr": lr}
             return {**rec, "grad_scaler": True} if scaler_skip else rec
+        if spike is not None:
+            return {"step": self.step, "skipped": "spike", "loss": loss_v, "grad_norm": norm_v, "lr": lr, **spike}
         tok_per_s = cfg.total_batch_tokens / dt
         mfu = self.flops_per_token * tok_per_s / (self.peak * self.info.world_size) if self.peak else None
         return {"step": self.step, "train_loss": loss_v, "lr": lr, "grad_norm": norm_v, "dt_ms": 1000 * dt,
@@ -175,7 +204,7 @@ class Trainer:
         if self.bad_steps >= self.cfg.max_bad_steps:
             last = ckpt.find_latest(self.cfg.out) or "none yet"
             raise TrainingError(
-                f"{self.bad_steps} steps in a row had a non-finite loss or gradient norm (last at step "
+                f"{self.bad_steps} steps in a row had a non-finite or spiking loss or gradient norm (last at step "
                 f"{record['step']}); stopping. The last good checkpoint is {last}. Lower --max-lr, "
                 "raise --warmup-steps or use --dtype bfloat16/float32, then --resume from it.")
 
@@ -232,14 +261,51 @@ class Trainer:
                 log.log(record)
                 self.check_bad(record)
                 self.step += 1
+                if record.get("skipped") == "spike" and self.guard.rollback_due(self.step):
+                    self.rollback(log)
+                    continue
                 stop = self._stop_agreed()
                 if stop or self.step == cfg.max_steps or _due(cfg.ckpt_interval, self.step, -1):
                     last_ckpt = self.save() or last_ckpt
                 if stop:
                     log.console(f"stop signal: saved step {self.step} to {last_ckpt}; resume with --resume auto")
+                    self.stop_signal = self.stop_signal or signal.SIGTERM  # another rank's signal
                     return last_ckpt
         self.evaluate(log)  # the end-of-run evaluation (step == max_steps)
         return last_ckpt
+
+    # -- the spike guard's rollback ---------------------------------------------------------
+    def _skip_bad_data(self) -> int:
+        """Jump over data a rollback marked bad; return the loader position this step starts at."""
+        for start, end in self.skips:
+            if start <= self.loader.position < end:
+                self.loader.position = end
+        return self.loader.position
+
+    def rollback(self, log: MetricsLogger) -> None:
+        """Back to the newest checkpoint before the first recent spike; never train on the spiking steps' data."""
+        first_step, first_pos = self.guard.first_spike()
+        target = next((p for p in reversed(ckpt.list_checkpoints(self.cfg.out)) if _ckpt_step(p) <= first_step),
+                      None)
+        skip = [first_pos, self.loader.position]
+        self.skips.append(skip)
+        T = self.cfg.seq_len
+        record = {"step": self.step, "rollback_to": target, "skip_positions": skip,
+                  "skip_tokens": [skip[0] * T, skip[1] * T], "spike_steps": [s for s, _ in self.guard.spikes]}
+        if target is None:  # nothing saved before the spikes; their updates were skipped anyway: go on
+            self.guard.spikes = []
+            log.log({**record, "note": "no checkpoint before the spikes; continuing without rolling back"})
+            return
+        self.rollbacks += 1
+        if self.rollbacks > MAX_ROLLBACKS:
+            raise TrainingError(f"rolled back to {target} {MAX_ROLLBACKS} times and the loss still spikes; "
+                                "the data is not the cause: lower --max-lr or raise --warmup-steps and "
+                                f"--resume from {target}, or set --spike-rollback 0")
+        skips, rollbacks = self.skips, self.rollbacks
+        self._restore(target)
+        self.skips, self.rollbacks, self.bad_steps = skips, rollbacks, 0  # newer than the checkpoint's own
+        log.rewind(self.step)
+        log.log(record)
 
     def _stop_agreed(self) -> bool:
         """All ranks stop together if any of them got SIGTERM/SIGINT."""
@@ -249,15 +315,30 @@ class Trainer:
         return bool(flag.item())
 
 
+def _ckpt_step(path: str) -> int:
+    return int(os.path.basename(path).split("_")[1])
+
+
 def _due(interval: int, step: int, final: int) -> bool:
     return interval > 0 and (step % interval == 0 or step == final)
 
 
 @contextlib.contextmanager
 def _stop_on_signals(trainer: Trainer):
-    """SIGTERM/SIGINT set a flag: the current step finishes, a checkpoint is saved, then exit."""
+    """SIGTERM/SIGINT set a flag: the current step finishes, a checkpoint is saved, then exit.
+
+    A second Ctrl-C stops at once (KeyboardInterrupt): the last checkpoint stays intact,
+    a save in progress is dropped whole.
+    """
     def handler(signum, frame):
-        trainer.stop_requested = True
+        if signum == signal.SIGINT and trainer.stop_signal == signal.SIGINT:
+            raise KeyboardInterrupt
+        trainer.stop_requested, trainer.stop_signal = True, signum
+        if trainer.info.is_main:
+            name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+            print(f"{name}: stopping after this step, saving a checkpoint"
+                  + ("; press Ctrl-C again to stop now" if signum == signal.SIGINT else ""),
+                  file=sys.stderr, flush=True)
 
     old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -316,6 +397,9 @@ def _plot(run_dir: str) -> None:
 
 def train(cfg: TrainConfig, info: DistInfo, resume: Optional[str] = None) -> Optional[str]:
     """Everything ``gpt2lab train`` does after parsing; returns the last checkpoint path."""
+    if info.is_main:  # temporaries of killed runs (never of a live one) would block a full disk
+        for folder in (cfg.out, os.path.join(cfg.out, "checkpoints")):
+            sweep_stale(folder)
     resume = _resolve_resume(cfg, resume)
     _check_hellaswag(cfg)
     trainer = Trainer(cfg, info, resume)
@@ -340,14 +424,21 @@ def train(cfg: TrainConfig, info: DistInfo, resume: Optional[str] = None) -> Opt
                 f"{trainer.accum} micro-steps/step, steps {trainer.step}..{cfg.max_steps}, out {cfg.out}"
                 + (f", resumed from {trainer.resumed_from}" if trainer.resumed_from else ""))
     try:
-        return trainer.run(log)
+        last = trainer.run(log)
     finally:
         log.close()
+    if trainer.stop_signal is not None:  # "preempted, resume me", told apart from "done" by the exit code
+        raise Stopped(f"stopped by {signal.Signals(trainer.stop_signal).name} at step {trainer.step}; "
+                      f"resume with --resume auto (last checkpoint {last})", trainer.stop_signal)
+    return last
 
 
 def _resolve_resume(cfg: TrainConfig, resume: Optional[str]) -> Optional[str]:
-    if resume == "auto":
-        return ckpt.find_latest(cfg.out)
+    if resume == "auto":  # the newest checkpoint that is intact, saying which ones were skipped
+        found = ckpt.find_intact(cfg.out, report=lambda line: print(f"gpt2lab train: {line}", file=sys.stderr))
+        if found is None and ckpt.find_latest(cfg.out):
+            raise ckpt.CheckpointError(f"{cfg.out}: every checkpoint is damaged; start again with a new --out")
+        return found
     if resume is None and ckpt.find_latest(cfg.out):
         raise ConfigError(f"{cfg.out} already has checkpoints; continue it with --resume auto "
                           "or choose another --out")

@@ -13,7 +13,9 @@ def add_parser(sub) -> None:
         "is trimmed back to the tokenizer's.",
     )
     p.add_argument("src", metavar="SRC", help="model to export (anything --model accepts)")
-    p.add_argument("out_dir", metavar="OUT_DIR", help="directory to write (replaced if it exists)")
+    p.add_argument("out_dir", metavar="OUT_DIR",
+                   help="directory to write: new, empty, or an earlier gpt2lab export (replaced); "
+                        "anything else is refused, nothing deleted")
     p.set_defaults(func=run)
 
 

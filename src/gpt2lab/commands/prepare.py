@@ -31,17 +31,18 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from gpt2lab.data.prepare import prepare
-    from gpt2lab.data.shards import ShardError
-    from gpt2lab.data.sources import SourceError
+    from gpt2lab.errors import GPT2LabError
 
     try:
         manifest = prepare(args.source, args.out, shard_tokens=args.shard_tokens,
                            val_tokens=args.val_tokens, workers=args.workers,
                            text_field=args.text_field, limit_docs=args.limit_docs,
                            config=args.config, progress=not args.quiet)
-    except (SourceError, ShardError, ValueError) as e:
+    except GPT2LabError:  # SourceError, ShardError, UsageError, DiskFullError: cli.main, its exit code
+        raise
+    except ValueError as e:  # a bad number (--shard-tokens 0 ...)
         print(f"gpt2lab prepare: {e}", file=sys.stderr)
-        return 1
+        return 2
     summary = {name: {k: v for k, v in s.items() if k != "shards"} | {"shards": len(s["shards"])}
                for name, s in manifest["splits"].items()}
     print(json.dumps({"out": args.out, "documents": manifest["documents"],

@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
-from gpt2lab.config import ConfigError, add_config_flags, load_preset, overrides_from_args, preset_names
+from gpt2lab.config import add_config_flags, load_preset, overrides_from_args, preset_names
 
 
 def add_parser(sub) -> None:
@@ -15,28 +14,24 @@ def add_parser(sub) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", required=True, metavar="NAME", help=f"one of: {', '.join(preset_names())}")
     p.add_argument("--resume", default=None, metavar="auto|PATH",
-                   help="auto: continue from the newest checkpoint in --out (fresh start if none); "
+                   help="auto: continue from the newest intact checkpoint in --out (fresh start if none); "
                         "PATH: a run directory or a checkpoint directory")
     add_config_flags(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    """Errors (ConfigError, bad data, damaged checkpoint, full disk) reach cli.main as one line."""
     from gpt2lab.dist import cleanup, init_distributed
-    from gpt2lab.train import TrainingError, train
+    from gpt2lab.train import Stopped, train
 
-    try:
-        cfg = load_preset(args.preset, **overrides_from_args(args))
-    except ConfigError as e:
-        print(f"gpt2lab train: {e}", file=sys.stderr)
-        return 2
+    cfg = load_preset(args.preset, **overrides_from_args(args))
     info = init_distributed(None if cfg.device == "auto" else cfg.device)
     try:
         cfg.grad_accum_steps(info.world_size)  # fails early, naming the numbers to change
         last = train(cfg, info, args.resume)
-    except (ConfigError, TrainingError, FileNotFoundError, ValueError) as e:  # ValueError: bad data (ShardError)
-        print(f"gpt2lab train (rank {info.rank}): {e}", file=sys.stderr)
-        return 2
+    except Stopped as e:  # saved and said so; the exit code tells "resume me" from "done"
+        return e.exit_code
     finally:
         cleanup()
     if info.is_main:

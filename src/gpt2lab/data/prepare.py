@@ -26,6 +26,8 @@ import numpy as np
 
 from gpt2lab.data.shards import ShardError, read_header, shard_name, write_shard
 from gpt2lab.data.sources import Document, Source, SourceError, as_text, resolve_source
+from gpt2lab.errors import UsageError
+from gpt2lab.files import sweep_stale, write_json
 from gpt2lab.tokenizer import EOT_ID, GPT2_VOCAB_SIZE, get_tokenizer
 
 MANIFEST = "manifest.json"
@@ -77,7 +79,12 @@ def prepare(source: str, out_dir: str, *, shard_tokens: int = 100_000_000,
     settings = {"source": source, "config": src.hub_config, "text_field": text_field,
                 "limit_docs": limit_docs, "shard_tokens": shard_tokens, "val_tokens": val_tokens}
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out_dir} is a file, not a directory; choose a directory for the shards")
     out.mkdir(parents=True, exist_ok=True)
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out_dir}: cannot write into this directory (permission denied); "
+                         "choose another --out or fix its permissions")
     manifest = _start_manifest(out, settings)
     if not manifest["complete"]:
         _save_manifest(out, manifest)  # marks the directory unfinished until the end
@@ -136,9 +143,7 @@ def _check_done_shard(path: Path, tokens: int) -> None:
 
 
 def _save_manifest(out: Path, manifest: Dict) -> None:
-    tmp = out / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, out / MANIFEST)
+    write_json(str(out / MANIFEST), manifest, indent=1)
 
 
 def _finish_manifest(manifest: Dict) -> None:
@@ -213,6 +218,9 @@ class _Writer:
         if not self.manifest["shards"]:
             raise SourceError(f"source {self.manifest['settings']['source']!r}: no documents; "
                               "check the path, glob or --limit-docs")
+        if self.written == self.doc:  # one <|endoftext|> per document and nothing else
+            raise SourceError(f"source {self.manifest['settings']['source']!r}: all {self.doc} document(s) "
+                              "are empty; point --source at files with text")
         _finish_manifest(self.manifest)
         if "train" not in self.manifest["splits"]:
             warnings.warn(f"{self.out}: all {self.written} tokens went to val (val_tokens "
@@ -221,8 +229,9 @@ class _Writer:
 
 
 def _run(src: Source, out: Path, manifest: Dict, workers: int, progress: bool) -> None:
-    for stale in out.glob("*.tmp"):  # a temp file is never a finished shard
+    for stale in out.glob("*.tmp"):  # a temp file is never a finished shard (older gpt2lab versions)
         stale.unlink()
+    sweep_stale(str(out))
     writer = _Writer(out, manifest)
     docs = src.documents(writer.doc, manifest["settings"]["limit_docs"])
     size = src.size_bytes or TASK_CHARS_MAX * 8 * workers

@@ -14,6 +14,9 @@ from typing import List, Union
 
 import numpy as np
 
+from gpt2lab.errors import DataError
+from gpt2lab.files import atomic_write
+
 MAGIC = 20240520
 VERSION = 1
 HEADER_INTS = 256
@@ -23,7 +26,7 @@ SHARD_SUFFIXES = (".bin", ".npy")
 PathLike = Union[str, os.PathLike]
 
 
-class ShardError(ValueError):
+class ShardError(DataError):
     """A shard or shard directory that cannot be used as it is."""
 
 
@@ -37,13 +40,10 @@ def write_shard(path: PathLike, tokens: np.ndarray) -> None:
         raise TypeError(f"{path}: shard tokens must be uint16, got {tokens.dtype}")
     header = np.zeros(HEADER_INTS, dtype=np.int32)
     header[:3] = (MAGIC, VERSION, len(tokens))
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
+    again = "free some space and run the same prepare command again: it resumes after the last whole shard"
+    with atomic_write(str(path), "wb", what_next=again) as f:
         f.write(header.tobytes())
         f.write(np.ascontiguousarray(tokens).tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_header(path: PathLike) -> int:

@@ -17,10 +17,12 @@ import glob
 import itertools
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, List, NamedTuple, Optional, Union
 
+from gpt2lab.errors import DataError
 from gpt2lab.tokenizer import asset_path
 
 HUB_ALIASES = {
@@ -32,7 +34,7 @@ LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 INSTALL_HINT = "pip install 'gpt2lab[data]'"
 
 
-class SourceError(ValueError):
+class SourceError(DataError):
     """A text source that cannot be read as it is."""
 
 
@@ -122,9 +124,12 @@ def _local_docs(files: List[str], text_field: str) -> Iterator[Document]:
 def _txt_docs(path: str, text_field: str) -> Iterator[str]:
     try:
         with open(path, encoding="utf-8") as f:
-            yield f.read()
+            text = f.read()
     except UnicodeDecodeError as e:
         raise SourceError(f"{path}: not UTF-8 text ({e}); convert it to UTF-8") from e
+    if not text.strip():  # kept (as a .jsonl's empty row is), but worth knowing about
+        warnings.warn(f"{path}: empty text file; it adds only an <|endoftext|>", stacklevel=2)
+    yield text
 
 
 def _jsonl_docs(path: str, text_field: str) -> Iterator[Document]:
@@ -166,7 +171,11 @@ def _parquet_docs(path: str, text_field: str) -> Iterator[str]:
         import pyarrow.parquet as pq
     except ImportError as e:
         raise SourceError(f"{path}: reading .parquet needs pyarrow: {INSTALL_HINT}") from e
-    pf = pq.ParquetFile(path)
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid (not a Parquet file), OSError, ...
+        raise SourceError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e}); "
+                          "convert it or remove it from --source") from e
     if text_field not in pf.schema_arrow.names:
         raise SourceError(f"{path}: no column '{text_field}' (columns: "
                           f"{', '.join(pf.schema_arrow.names)}); pass --text-field NAME")

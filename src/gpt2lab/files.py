@@ -1,0 +1,135 @@
+"""Writing files so that nothing is ever half-written: one helper for every writer.
+
+Every file or directory gpt2lab writes is first written under a temporary sibling name
+``.tmp_<name>_<pid>``, flushed, then renamed over the final name (``os.replace`` is
+atomic on one filesystem). A failure removes the temporary; a full disk becomes a
+``DiskFullError`` naming the path. A process killed mid-write leaves its temporary
+behind: ``sweep_stale`` removes those of dead processes at the next start-up.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import warnings
+from typing import IO, Any, Iterator, Optional
+
+from gpt2lab.errors import disk_full, is_disk_full
+
+_TMP = re.compile(r"^\.tmp_(.+)_(\d+)$")
+
+
+def tmp_name(path: str) -> str:
+    """The temporary sibling of ``path`` this process writes first."""
+    head, tail = os.path.split(os.path.abspath(path))
+    return os.path.join(head, f".tmp_{tail}_{os.getpid()}")
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+@contextlib.contextmanager
+def atomic_write(path: str, mode: str = "w", what_next: Optional[str] = None) -> Iterator[IO]:
+    """``with atomic_write(p) as fh: fh.write(...)``: ``p`` appears whole or not at all."""
+    tmp = tmp_name(path)
+    try:
+        with open(tmp, mode) as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        _remove(tmp)
+        if is_disk_full(e):
+            raise disk_full(path, *([what_next] if what_next else [])) from e
+        raise
+
+
+def write_json(path: str, data: Any, indent: Optional[int] = 2) -> None:
+    """``data`` as JSON (newline-terminated) at ``path``, atomically."""
+    with atomic_write(path) as fh:
+        json.dump(data, fh, indent=indent)
+        fh.write("\n")
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str, what_next: Optional[str] = None, replace: bool = False) -> Iterator[str]:
+    """Yield a fresh temporary directory that becomes ``path`` when the block succeeds.
+
+    ``replace=True`` lets it take the place of an existing ``path`` (the caller has
+    decided that is safe); otherwise an existing ``path`` is an error. The directory gets
+    the usual permissions (umask), not mkdtemp's 0700.
+    """
+    tmp = tmp_name(path)
+    _remove(tmp)  # our own leftover: the same pid cannot be writing it twice
+    try:
+        os.makedirs(tmp)
+        yield tmp
+        _fsync_dir(tmp)
+        _swap_in(tmp, path, replace)
+    except BaseException as e:
+        _remove(tmp)
+        if is_disk_full(e):
+            raise disk_full(path, *([what_next] if what_next else [])) from e
+        raise
+
+
+def _swap_in(tmp: str, path: str, replace: bool) -> None:
+    if not os.path.lexists(path):
+        os.replace(tmp, path)
+        return
+    if not replace:
+        raise FileExistsError(f"{path} already exists; not replacing it")
+    old = tmp_name(path) + ".old"
+    os.replace(path, old)  # two renames: a crash between them leaves both, never neither
+    os.replace(tmp, path)
+    _remove(old)
+
+
+def _fsync_dir(path: str) -> None:
+    for name in os.listdir(path):
+        full = os.path.join(path, name)
+        if os.path.isfile(full):
+            fd = os.open(full, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def sweep_stale(folder: str) -> list[str]:
+    """Remove ``.tmp_*_<pid>`` entries directly in ``folder`` whose process is gone.
+
+    Only names this module makes are touched, and only those of dead processes, so a
+    run writing into the same folder right now keeps its temporaries. Returns what was
+    removed (a warning names them).
+    """
+    if not os.path.isdir(folder):
+        return []
+    removed = []
+    for name in sorted(os.listdir(folder)):
+        m = _TMP.match(name.removesuffix(".old"))
+        if m and int(m.group(2)) != os.getpid() and not _pid_alive(int(m.group(2))):
+            _remove(os.path.join(folder, name))
+            removed.append(name)
+    if removed:
+        warnings.warn(f"{folder}: removed {len(removed)} temporary file(s) left by stopped runs "
+                      f"({', '.join(removed[:3])}{', ...' if len(removed) > 3 else ''})", stacklevel=2)
+    return removed
