@@ -122,7 +122,8 @@ def resolve(path: str) -> str:
 def model_config(config: dict) -> GPTConfig:
     return GPTConfig(block_size=config["block_size"], vocab_size=config["vocab_size"],
                      n_layer=config["n_layer"], n_head=config["n_head"], n_embd=config["n_embd"],
-                     token_vocab_size=min(GPT2_VOCAB_SIZE, config["vocab_size"]))
+                     token_vocab_size=min(GPT2_VOCAB_SIZE, config["vocab_size"]),
+                     **{k: config.get(k, 0.0) for k in ("embd_pdrop", "attn_pdrop", "resid_pdrop")})
 
 
 def load_weights(model: torch.nn.Module, ckpt: str) -> None:
