@@ -135,11 +135,26 @@ def load_weights(model: torch.nn.Module, ckpt: str) -> None:
                          f"missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
-def load_model(path: str) -> GPT:
-    """The GPT of a run directory (newest checkpoint) or of one checkpoint directory."""
-    ckpt = resolve(path)
+def read_config(ckpt: str) -> dict:
+    """The run config saved with a checkpoint."""
     with open(os.path.join(ckpt, "config.json")) as fh:
-        model = GPT(model_config(json.load(fh)))
+        return json.load(fh)
+
+
+def load_model(path: str) -> GPT:
+    """The GPT of a run directory (newest checkpoint) or of one checkpoint directory.
+
+    A LoRA run's adapters are merged into the weights (a plain GPT comes back).
+    """
+    ckpt = resolve(path)
+    config = read_config(ckpt)
+    model = GPT(model_config(config))
+    if config.get("lora_rank"):
+        from gpt2lab.lora import add_lora, lora_args, merge_lora
+
+        adapted = add_lora(model, *lora_args(config))
+        load_weights(model, ckpt)
+        return merge_lora(adapted)
     load_weights(model, ckpt)
     return model
 

@@ -193,6 +193,11 @@ def from_hub(name: str) -> GPT:
     Downloads config.json and model.safetensors into the hub cache (HF_HOME), or reads
     them from it when HF_HUB_OFFLINE is set.
     """
+    return load_files(*hub_files(name))
+
+
+def hub_files(name: str) -> tuple[str, str]:
+    """Local paths of a hub model's config.json and model.safetensors (downloaded or cached)."""
     from huggingface_hub import hf_hub_download
 
     repo = HUB_REPOS.get(name, name)
@@ -208,7 +213,7 @@ def from_hub(name: str) -> GPT:
             f"`gpt2lab export {name} DIR` or `hf download {repo} --local-dir DIR`, "
             "holding config.json and model.safetensors (or pytorch_model.bin)."
         ) from e
-    return load_files(config_path, weights_path)
+    return config_path, weights_path
 
 
 # ---------------------------------------------------------------- export

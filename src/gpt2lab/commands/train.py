@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from gpt2lab.config import ConfigError, add_config_flags, load_preset, overrides_from_args, preset_names
@@ -26,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     from gpt2lab.train import TrainingError, train
 
     try:
-        cfg = load_preset(args.preset, **overrides_from_args(args))
+        cfg = _config(args)
     except ConfigError as e:
         print(f"gpt2lab train: {e}", file=sys.stderr)
         return 2
@@ -42,3 +43,22 @@ def run(args: argparse.Namespace) -> int:
     if info.is_main:
         print(f"run dir: {cfg.out}" + (f"\nlast checkpoint: {last}" if last else ""), flush=True)
     return 0
+
+
+def _config(args: argparse.Namespace):
+    """The preset with the flags; with --init-from, the architecture of its source."""
+    overrides = overrides_from_args(args)
+    cfg = load_preset(args.preset, **overrides)
+    if "init_from" in overrides and args.resume:
+        raise ConfigError(f"--init-from {cfg.init_from} and --resume {args.resume} both given: --init-from "
+                          "starts a new run from those weights (fresh optimizer, step 0), --resume continues "
+                          "a run where it stopped; pass one of them")
+    from gpt2lab.init_from import adapt_config, started_from
+
+    # resuming a run that began from other weights: the architecture is its checkpoint's
+    resume = started_from(cfg.out if args.resume == "auto" else args.resume) if args.resume else None
+    if resume:
+        cfg = dataclasses.replace(cfg, init_from=resume[1])
+    if not cfg.init_from:
+        return cfg
+    return adapt_config(cfg, explicit=overrides, resume=resume and resume[0])
