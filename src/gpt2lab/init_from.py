@@ -51,7 +51,8 @@ def find_source(spec: str) -> Source:
     try:
         src = _find(spec)
     except hf.WeightsError as e:
-        raise InitFromError(f"--init-from {spec}: {e}") from e
+        then = " Then train with --init-from DIR." if "local directory" in str(e) else ""
+        raise InitFromError(f"--init-from {spec}: {e}{then}") from e
     if src.config.real_vocab_size != GPT2_VOCAB_SIZE:
         raise src._fail(f"its vocabulary has {src.config.real_vocab_size} tokens, not GPT-2's "
                         f"{GPT2_VOCAB_SIZE}; gpt2lab trains with the GPT-2 tokenizer, so pass a GPT-2 model")
