@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Collection, Optional
+from typing import Mapping, Optional
 
 import torch
 
@@ -139,33 +139,36 @@ def _check_readable(src: Source) -> None:
         raise src._fail(f"{src.weights} holds no GPT-2 token embedding (wte.weight); pass a GPT-2 model")
 
 
-def adapt_config(cfg: TrainConfig, explicit: Collection[str] = ARCH_FIELDS,
-                 resume: Optional[str] = None) -> TrainConfig:
-    """``cfg`` with the architecture of ``cfg.init_from`` (of ``resume``, when that continues
-    a run that started from it).
+def adapt_config(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with the architecture of ``cfg.init_from``; each of cfg's values must agree with it
+    (a smaller block_size keeps SRC's first positions)."""
+    arch = source_arch(cfg.init_from, {name: getattr(cfg, name) for name in ARCH_FIELDS})
+    try:
+        return dataclasses.replace(cfg, **arch)
+    except ConfigError as e:
+        raise InitFromError(f"--init-from {cfg.init_from} ({', '.join(f'{k} {v}' for k, v in arch.items())}): {e}") from e
 
-    A field named in ``explicit`` (given on the command line) must agree with SRC, except a
-    smaller block_size (the run keeps SRC's first positions); other values, such as a
-    preset's, give way to SRC's silently.
+
+def source_arch(spec: str, explicit: Mapping[str, int], flag: str = "--init-from") -> dict[str, int]:
+    """n_layer, n_head, n_embd and block_size of SRC, checked against the values the user gave.
+
+    Each value in ``explicit`` must agree with SRC, except a smaller block_size (the run
+    keeps SRC's first positions); values from elsewhere (a preset's) simply give way.
     """
-    src = find_source(resume) if resume else find_source(cfg.init_from)
-    if resume:
-        src.flag = "--resume"
+    src = find_source(spec)
+    src.flag = flag
     arch = {name: getattr(src.config, name) for name in ARCH_FIELDS}
     for name, theirs in arch.items():
-        ours = getattr(cfg, name)
-        if name not in explicit or ours == theirs:
+        ours = explicit.get(name, theirs)
+        if ours == theirs:
             continue
         if name == "block_size" and ours < theirs:
             arch[name] = ours
             continue
-        flag = "--" + name.replace("_", "-")
-        raise src._fail(f"it has {name} {theirs} but {flag} {ours} was given; the architecture comes "
-                        f"from the source, so drop {flag}" + (" or lower it" if name == "block_size" else ""))
-    try:
-        return dataclasses.replace(cfg, **arch)
-    except ConfigError as e:
-        raise src._fail(f"with its architecture ({', '.join(f'{k} {v}' for k, v in arch.items())}): {e}") from e
+        option = "--" + name.replace("_", "-")
+        raise src._fail(f"it has {name} {theirs} but {option} {ours} was given; the architecture comes "
+                        f"from the source, so drop {option}" + (" or lower it" if name == "block_size" else ""))
+    return arch
 
 
 def started_from(resume: str) -> Optional[tuple[str, str]]:

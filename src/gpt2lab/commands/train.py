@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
-from gpt2lab.config import ConfigError, add_config_flags, load_preset, overrides_from_args, preset_names
+from gpt2lab.config import (ConfigError, TrainConfig, add_config_flags, overrides_from_args, preset_names,
+                            preset_values)
 
 
 def add_parser(sub) -> None:
@@ -45,20 +45,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _config(args: argparse.Namespace):
+def _config(args: argparse.Namespace) -> TrainConfig:
     """The preset with the flags; with --init-from, the architecture of its source."""
     overrides = overrides_from_args(args)
-    cfg = load_preset(args.preset, **overrides)
     if "init_from" in overrides and args.resume:
-        raise ConfigError(f"--init-from {cfg.init_from} and --resume {args.resume} both given: --init-from "
-                          "starts a new run from those weights (fresh optimizer, step 0), --resume continues "
-                          "a run where it stopped; pass one of them")
-    from gpt2lab.init_from import adapt_config, started_from
+        raise ConfigError(f"--init-from {overrides['init_from']} and --resume {args.resume} both given: "
+                          "--init-from starts a new run from those weights (fresh optimizer, step 0), "
+                          "--resume continues a run where it stopped; pass one of them")
+    values = {**preset_values(args.preset), **overrides}
+    if values.get("init_from") or args.resume:
+        from gpt2lab.init_from import ARCH_FIELDS, source_arch, started_from
 
-    # resuming a run that began from other weights: the architecture is its checkpoint's
-    resume = started_from(cfg.out if args.resume == "auto" else args.resume) if args.resume else None
-    if resume:
-        cfg = dataclasses.replace(cfg, init_from=resume[1])
-    if not cfg.init_from:
-        return cfg
-    return adapt_config(cfg, explicit=overrides, resume=resume and resume[0])
+        explicit = {k: v for k, v in overrides.items() if k in ARCH_FIELDS}
+        # resuming a run that began from other weights: the architecture is its checkpoint's
+        out = values.get("out", TrainConfig.__dataclass_fields__["out"].default)
+        resume = started_from(out if args.resume == "auto" else args.resume) if args.resume else None
+        if resume:
+            values.update(init_from=resume[1], **source_arch(resume[0], explicit, flag="--resume"))
+        elif values.get("init_from"):
+            values.update(source_arch(values["init_from"], explicit))
+    return TrainConfig.from_dict(values, source=f"preset {args.preset!r} with overrides")
