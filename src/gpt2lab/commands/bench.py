@@ -16,6 +16,7 @@ BENCHES = {
     "hellaswag": "HellaSwag examples/s, batched vs one example per forward",
     "ladder": "the recipe's speed ladder (fp32 ... fused AdamW), then gpt2lab's and transformers' steps",
     "memory": "the largest micro-batch that trains at a given size and T (GPU)",
+    "lora": "AdamW state, weights and gradients: full fine-tuning vs LoRA (meta device or CPU)",
 }
 
 
