@@ -167,6 +167,12 @@ def test_lora_trains_only_adapters_and_merged_export_matches(hf_src, tiny_data, 
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and changed <= {k for k in before if ".lora_B." in k or ".lora_A." in k}
     path = trainer.save()
+    resumed = Trainer(cfg, DistInfo(device=CPU), resume=path)  # the checkpoint holds all a LoRA run needs
+    assert resumed.step == 3 and resumed.cfg.init_from_id == trainer.cfg.init_from_id
+    for (k, a), b in zip(resumed.raw.state_dict().items(), after.values()):
+        assert torch.equal(a, b), k
+    moments = [[s["exp_avg"] for s in t.optimizer.state.values()] for t in (resumed, trainer)]
+    assert len(moments[0]) == len(trainable) and all(map(torch.equal, *moments))
     load_model(path).save_pretrained(str(tmp_path / "exp"))
     exported = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "exp")).eval()
     assert not any("lora" in k for k in exported.state_dict())
