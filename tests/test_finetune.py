@@ -58,9 +58,9 @@ def test_hf_source_loss_and_adamw_steps_match_transformers(hf_src, tiny_data, tm
     """Step 0's loss is transformers' on the same batch; after 4 AdamW steps the weights are
     those of transformers + torch.optim.AdamW with the same settings (constant LR, clip 1)."""
     ref, src_dir = hf_src
-    cfg = adapt_config(_cfg(tiny_data, tmp_path / "run", init_from=src_dir, vocab_size=50257, block_size=64, total_batch_tokens=64,
-                            max_lr=1e-3,
-                            min_lr=1e-3, warmup_steps=0, weight_decay=0.1, grad_clip=1.0))
+    cfg = adapt_config(_cfg(tiny_data, tmp_path / "run", init_from=src_dir, vocab_size=50257, block_size=64,
+                            total_batch_tokens=64, max_lr=1e-3, min_lr=1e-3, warmup_steps=0, weight_decay=0.1,
+                            grad_clip=1.0))
     trainer = Trainer(cfg, DistInfo(device=CPU))
     batches = _batches(4)
     feed = iter(batches)
@@ -99,7 +99,8 @@ def test_run_dir_source_gives_its_weights_and_a_fresh_start(pretrained_run, tiny
     for k, v in trainer.raw.named_parameters():
         assert torch.equal(v.detach(), saved[k]), k
     assert trainer.step == 0 and trainer.tokens == 0 and not trainer.optimizer.state
-    assert trainer.loader.state_dict() == Trainer(_cfg(tiny_data, tmp_path / "x"), DistInfo(device=CPU)).loader.state_dict()
+    fresh = Trainer(_cfg(tiny_data, tmp_path / "x"), DistInfo(device=CPU))
+    assert trainer.loader.state_dict() == fresh.loader.state_dict()
     assert trainer.cfg.init_from_id == f"step 8, sha256:{sha256_file(f'{ckpt}/model.safetensors')}"
     # a smaller block keeps the first positions; the older checkpoint is taken when named
     short = Trainer(adapt_config(_cfg(tiny_data, tmp_path / "s", init_from=f"{pretrained_run}/checkpoints/step_000004",
@@ -223,6 +224,9 @@ def test_bad_sources_say_which_and_what_to_do(hf_src, pretrained_run, tmp_path, 
     (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (llama / "model.safetensors").write_bytes(b"")
     assert "not GPT-2" in _train_cli(capsys, "--init-from", str(llama))
+    (llama / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (llama / "model.safetensors").unlink()
+    assert "without a weights file" in _train_cli(capsys, "--init-from", str(llama))
     small = tmp_path / "small-vocab"
     hf_gpt2(**{**SRC_SHAPE, "vocab_size": 128}).save_pretrained(str(small))
     assert "128 tokens" in _train_cli(capsys, "--init-from", str(small))

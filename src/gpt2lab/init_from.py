@@ -88,6 +88,9 @@ def _hf_config(path: str) -> GPTConfig:
 
 def _checkpoint_source(spec: str) -> Source:
     config = _read_json(os.path.join(spec, "config.json"))
+    if config is not None and config.get("model_type") == "gpt2":  # is_hf_dir found no weights
+        raise InitFromError(f"--init-from {spec}: an HF GPT-2 config.json without a weights file (looked for "
+                            f"{', '.join(hf.WEIGHT_FILES)}); copy the weights beside it")
     if config is not None and "model_type" in config:  # an HF directory, but not a GPT-2 one
         raise InitFromError(f"--init-from {spec}: model_type {config['model_type']!r} is not GPT-2; "
                             "pass a GPT-2 model (model_type gpt2)")
@@ -99,7 +102,8 @@ def _checkpoint_source(spec: str) -> Source:
             raise InitFromError(f"--init-from {spec}: neither an HF GPT-2 directory (config.json + "
                                 "model.safetensors) nor a run directory with a complete checkpoint "
                                 "(checkpoints/step_*/) nor a checkpoint directory; check the path")
-    missing = [f for f in ("model.safetensors", "state.pt", "config.json") if not os.path.isfile(os.path.join(where, f))]
+    needed = ("model.safetensors", "state.pt", "config.json")
+    missing = [f for f in needed if not os.path.isfile(os.path.join(where, f))]
     config = _read_json(os.path.join(where, "config.json"))
     if missing or config is None:
         raise InitFromError(f"--init-from {spec}: {where} is an incomplete checkpoint (missing or unreadable: "
@@ -146,7 +150,8 @@ def adapt_config(cfg: TrainConfig) -> TrainConfig:
     try:
         return dataclasses.replace(cfg, **arch)
     except ConfigError as e:
-        raise InitFromError(f"--init-from {cfg.init_from} ({', '.join(f'{k} {v}' for k, v in arch.items())}): {e}") from e
+        sizes = ", ".join(f"{k} {v}" for k, v in arch.items())
+        raise InitFromError(f"--init-from {cfg.init_from} ({sizes}): {e}") from e
 
 
 def source_arch(spec: str, explicit: Mapping[str, int], flag: str = "--init-from") -> dict[str, int]:
