@@ -44,8 +44,8 @@ def pretrained_run(tiny_data, tmp_path_factory):  # noqa: F811
     return str(out)
 
 
-def _cfg(data: str, out, **fields):
-    return load_preset("shakespeare-cpu", **{**TINY, "data": data, "out": str(out), **fields})
+def _cfg(data: str, out, preset: str = "shakespeare-cpu", **fields):
+    return load_preset(preset, **{**TINY, "data": data, "out": str(out), **fields})
 
 
 def _batches(n: int, seed: int = 0, B: int = 2, T: int = 32):
@@ -153,8 +153,10 @@ def test_lora_trains_only_adapters_and_merged_export_matches(hf_src, tiny_data, 
 
     from gpt2lab.load import load_model
 
-    cfg = adapt_config(_cfg(tiny_data, tmp_path / "lora", init_from=hf_src[1], lora_rank=4, lora_alpha=8.0,
-                            lora_targets="c_attn,mlp.c_proj", max_steps=3, max_lr=1e-2, min_lr=1e-2, warmup_steps=0))
+    # the fine-tuning preset (dropout 0.1) from the tiny HF directory, with tiny overrides
+    cfg = adapt_config(_cfg(tiny_data, tmp_path / "lora", "finetune-shakespeare", init_from=hf_src[1], lora_rank=4,
+                            lora_alpha=8.0, lora_targets="c_attn,mlp.c_proj", max_steps=3, max_lr=1e-2, min_lr=1e-2, warmup_steps=0))
+    assert cfg.attn_pdrop == 0.1 and cfg.max_steps == 3
     trainer = Trainer(cfg, DistInfo(device=CPU))
     before = {k: v.detach().clone() for k, v in trainer.raw.state_dict().items()}
     trainable = {n for n, p in trainer.raw.named_parameters() if p.requires_grad}
