@@ -188,7 +188,8 @@ def resolve(path: str) -> str:
 def model_config(config: dict) -> GPTConfig:
     return GPTConfig(block_size=config["block_size"], vocab_size=config["vocab_size"],
                      n_layer=config["n_layer"], n_head=config["n_head"], n_embd=config["n_embd"],
-                     token_vocab_size=min(GPT2_VOCAB_SIZE, config["vocab_size"]))
+                     token_vocab_size=min(GPT2_VOCAB_SIZE, config["vocab_size"]),
+                     **{k: config.get(k, 0.0) for k in ("embd_pdrop", "attn_pdrop", "resid_pdrop")})
 
 
 MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
@@ -241,10 +242,20 @@ def _first_line(e: BaseException) -> str:
 
 
 def load_model(path: str) -> GPT:
-    """The GPT of a run directory (newest checkpoint) or of one checkpoint directory."""
+    """The GPT of a run directory (newest checkpoint) or of one checkpoint directory.
+
+    A LoRA run's adapters are merged into the weights (a plain GPT comes back).
+    """
     ckpt = resolve(path)
     verify(ckpt)
-    model = GPT(model_config(read_config(ckpt)))
+    config = read_config(ckpt)
+    model = GPT(model_config(config))
+    if config.get("lora_rank"):
+        from gpt2lab.lora import add_lora, lora_args, merge_lora
+
+        adapted = add_lora(model, *lora_args(config))
+        load_weights(model, ckpt, verified=True)
+        return merge_lora(adapted)
     load_weights(model, ckpt, verified=True)
     return model
 

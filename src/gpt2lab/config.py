@@ -22,6 +22,8 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, packaged as tomli
 # Autocast dtypes and compile settings a run accepts; "auto" is decided by gpt2lab.runtime.
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 COMPILE_CHOICES = ("auto", "true", "false")
+# Layers --lora-targets may name (peft matches a module whose name ends with ".TARGET").
+LORA_TARGETS = ("c_attn", "c_proj", "c_fc", "attn.c_proj", "mlp.c_proj")
 # Peak dense bf16/fp16 tensor FLOP/s by GPU name fragment (vendor datasheets), for MFU.
 PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
 
@@ -95,6 +97,20 @@ class TrainConfig:
     spike_norm_z: float = _f(20.0, "the same for the log of the gradient norm (0 = do not check it)")
     spike_rollback: int = _f(3, "this many spikes within spike_window steps roll back to the last checkpoint "
                              "before them and skip the data of the spiking steps (0 = never roll back)")
+    # fine-tuning (see gpt2lab/init_from.py and gpt2lab/lora.py)
+    embd_pdrop: float = _f(0.0, "dropout on the token + position embeddings (GPT-2 fine-tuning: 0.1)")
+    attn_pdrop: float = _f(0.0, "dropout on the attention weights")
+    resid_pdrop: float = _f(0.0, "dropout on each residual branch's output")
+    init_from: Optional[str] = _f(None, "start from these weights (new optimizer, step 0): gpt2, gpt2-medium, "
+                                  "gpt2-large, gpt2-xl, a local HF GPT-2 directory, a gpt2lab run directory "
+                                  "(its newest checkpoint) or a checkpoint directory; the architecture "
+                                  "comes from it")
+    init_from_id: Optional[str] = _f(None, "provenance written by train, not an input: what --init-from "
+                                     "resolved to (sha256 of its weights file; a checkpoint's step)")
+    lora_rank: int = _f(0, "train LoRA adapters of this rank (through peft) instead of all weights; 0 = off")
+    lora_alpha: float = _f(16.0, "LoRA scale numerator: the update is (alpha / rank) * B @ A")
+    lora_targets: str = _f("c_attn", "comma-separated layers that get LoRA adapters: c_attn, c_proj, c_fc "
+                           "(attn.c_proj or mlp.c_proj for one of the two c_proj)")
 
     def __post_init__(self) -> None:
         if isinstance(self.compile, bool):  # presets and config.json files written before "auto"
@@ -129,6 +145,18 @@ class TrainConfig:
             raise ConfigError(f"compile {self.compile!r}: choose one of {', '.join(COMPILE_CHOICES)}")
         if not 0 < self.max_lr or self.min_lr > self.max_lr:
             raise ConfigError(f"need 0 < min_lr <= max_lr, got min_lr {self.min_lr}, max_lr {self.max_lr}")
+        self._check_fine_tuning()
+
+    def _check_fine_tuning(self) -> None:
+        for name in ("embd_pdrop", "attn_pdrop", "resid_pdrop"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{name} {getattr(self, name)} must be in [0, 1)")
+        if self.lora_rank < 0 or self.lora_alpha <= 0:
+            raise ConfigError(f"need lora_rank >= 0 and lora_alpha > 0, got {self.lora_rank} and {self.lora_alpha}")
+        targets = [t.strip() for t in self.lora_targets.split(",")]
+        bad = [t for t in targets if t not in LORA_TARGETS]
+        if bad or not targets:
+            raise ConfigError(f"lora_targets {self.lora_targets!r}: choose from {', '.join(LORA_TARGETS)}")
 
     def grad_accum_steps(self, world_size: int) -> int:
         """Micro-steps per optimizer step; raises unless the total batch divides evenly."""

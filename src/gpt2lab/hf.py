@@ -26,6 +26,7 @@ CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_
 # Causal-mask buffers older transformers versions saved with the weights; not parameters.
 MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+PDROP = ("embd_pdrop", "attn_pdrop", "resid_pdrop")  # GPTConfig and HF config.json share these names
 HUB_REPOS = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
 # What an export writes; the marker file tells a directory gpt2lab exported (safe to replace) apart
 # from anything else, such as a run directory or a model fine-tuned in place.
@@ -94,6 +95,7 @@ def config_from_hf(cfg: dict, where: str = "config.json") -> GPTConfig:
             n_head=cfg.get("n_head", 12),
             n_embd=cfg.get("n_embd", 768),
             layer_norm_epsilon=cfg.get("layer_norm_epsilon", 1e-5),
+            **{k: cfg.get(k, 0.1) for k in PDROP},  # transformers' GPT2Config default is 0.1
         )
     except ValueError as e:
         raise WeightsError(f"{where}: {e}") from e
@@ -115,10 +117,8 @@ def config_to_hf(config: GPTConfig, dtype: torch.dtype) -> dict:
         "n_inner": None,
         "activation_function": "gelu_new",
         "layer_norm_epsilon": config.layer_norm_epsilon,
-        # gpt2lab trains without dropout; say so rather than inherit GPT-2's 0.1.
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
+        # the model's own dropout (pretraining presets: 0.0), never transformers' default 0.1
+        **{k: getattr(config, k) for k in PDROP},
         "initializer_range": 0.02,
         "scale_attn_weights": True,
         "bos_token_id": eot,
@@ -198,6 +198,11 @@ def from_hub(name: str) -> GPT:
     Downloads config.json and model.safetensors into the hub cache (HF_HOME), or reads
     them from it when HF_HUB_OFFLINE is set.
     """
+    return load_files(*hub_files(name))
+
+
+def hub_files(name: str) -> tuple[str, str]:
+    """Local paths of a hub model's config.json and model.safetensors (downloaded or cached)."""
     from huggingface_hub import hf_hub_download
 
     repo = HUB_REPOS.get(name, name)
@@ -213,7 +218,7 @@ def from_hub(name: str) -> GPT:
             f"`gpt2lab export {name} DIR` or `hf download {repo} --local-dir DIR`, "
             "holding config.json and model.safetensors (or pytorch_model.bin)."
         ) from e
-    return load_files(config_path, weights_path)
+    return config_path, weights_path
 
 
 # ---------------------------------------------------------------- export

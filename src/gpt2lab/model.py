@@ -27,6 +27,11 @@ class GPTConfig:
     # any other but never sampled and dropped on export. None means vocab_size.
     token_vocab_size: Optional[int] = None
     layer_norm_epsilon: float = 1e-5
+    # Dropout as GPT-2 has it (HF's names): on the embeddings' sum, on the attention
+    # weights, and on each residual branch's output. Active only in training mode.
+    embd_pdrop: float = 0.0
+    attn_pdrop: float = 0.0
+    resid_pdrop: float = 0.0
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
@@ -38,6 +43,9 @@ class GPTConfig:
             raise ValueError(
                 f"token_vocab_size ({self.token_vocab_size}) cannot exceed vocab_size ({self.vocab_size})"
             )
+        for name in ("embd_pdrop", "attn_pdrop", "resid_pdrop"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"GPTConfig.{name} must be in [0, 1), got {getattr(self, name)}")
 
     @property
     def real_vocab_size(self) -> int:
@@ -112,9 +120,11 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_head = config.n_head
+        self.attn_pdrop = config.attn_pdrop
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v for all heads at once
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.RESIDUAL_SCALE_INIT = True
+        self.resid_dropout = nn.Dropout(config.resid_pdrop)
 
     def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
         B, T, C = x.shape
@@ -124,7 +134,9 @@ class CausalSelfAttention(nn.Module):
             # Training, or the prompt of a generation: keys are exactly the queries' positions.
             if kv_cache is not None:
                 kv_cache.update(self.layer_idx, k, v)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            # SDPA applies dropout whenever dropout_p > 0, so it must be 0 outside training.
+            p = self.attn_pdrop if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         else:
             past = kv_cache.pos
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, nh, past+T, hs)
@@ -134,7 +146,7 @@ class CausalSelfAttention(nn.Module):
                 mask = torch.arange(past + T, device=x.device)[None, :] <= rows
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads
-        return self.c_proj(y)
+        return self.resid_dropout(self.c_proj(y))
 
 
 class MLP(nn.Module):
@@ -146,9 +158,10 @@ class MLP(nn.Module):
         self.gelu = nn.GELU(approximate="tanh")
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
         self.c_proj.RESIDUAL_SCALE_INIT = True
+        self.dropout = nn.Dropout(config.resid_pdrop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.gelu(self.c_fc(x)))
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
 class Block(nn.Module):
@@ -172,6 +185,7 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.embd_pdrop),
             h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon),
         ))
@@ -229,7 +243,7 @@ class GPT(nn.Module):
         if start + T > self.config.block_size:
             raise ValueError(f"sequence length {start + T} exceeds block_size {self.config.block_size}")
         pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for block in self.transformer.h:
             x = block(x, kv_cache)
         if kv_cache is not None:

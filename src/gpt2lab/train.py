@@ -8,6 +8,7 @@ continues with step N.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 import signal
@@ -26,6 +27,7 @@ from gpt2lab.config import PEAK_FLOPS, ConfigError, TrainConfig, save_config
 from gpt2lab.dist import DistInfo, all_reduce_mean, autocast
 from gpt2lab.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, GPT2LabError, RunDiverged
 from gpt2lab.files import sweep_stale
+from gpt2lab.init_from import adapt_config, load_into
 from gpt2lab.metrics import MetricsLogger, run_info, write_json
 from gpt2lab.model import GPT
 from gpt2lab.optim import lr_at, make_optimizer
@@ -92,6 +94,14 @@ class Trainer:
         if self.device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls
         self.raw = GPT(ckpt.model_config(cfg.to_dict())).to(self.device)
+        self.init_source = None  # --init-from: weights only; optimizer, step and data order start fresh
+        if cfg.init_from and not resume:
+            self.init_source = load_into(self.raw, cfg.init_from)
+            self.cfg = cfg = dataclasses.replace(cfg, init_from_id=self.init_source["id"])
+        if cfg.lora_rank:  # before the optimizer: it gets the adapters' parameters only
+            from gpt2lab.lora import add_lora
+
+            add_lora(self.raw, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
         self.raw.compile_loss = self.compile  # the loss's fused softmax kernel, compiled with the model
         self.optimizer = make_optimizer(self.raw, lr=cfg.max_lr, weight_decay=cfg.weight_decay,
                                         betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, device=self.device)
@@ -118,6 +128,9 @@ class Trainer:
     def _restore(self, path: str) -> str:
         where = ckpt.resolve(path)
         ckpt.load_weights(self.raw, where)
+        saved = ckpt.read_config(where)
+        if saved.get("init_from_id"):  # the run began from other weights: keep saying which
+            self.cfg = dataclasses.replace(self.cfg, init_from=saved["init_from"], init_from_id=saved["init_from_id"])
         state = ckpt.load_training_state(where, self.optimizer)
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.loader.load_state_dict(state["loader"])
@@ -401,8 +414,11 @@ def train(cfg: TrainConfig, info: DistInfo, resume: Optional[str] = None) -> Opt
         for folder in (cfg.out, os.path.join(cfg.out, "checkpoints")):
             sweep_stale(folder)
     resume = _resolve_resume(cfg, resume)
+    if cfg.init_from and not resume:
+        cfg = adapt_config(cfg)  # SRC checked before any work; a conflicting architecture is an error
     _check_hellaswag(cfg)
     trainer = Trainer(cfg, info, resume)
+    cfg = trainer.cfg  # with where the weights came from
     if info.is_main:
         os.makedirs(cfg.out, exist_ok=True)
         save_config(cfg, os.path.join(cfg.out, "config.json"))
@@ -410,6 +426,7 @@ def train(cfg: TrainConfig, info: DistInfo, resume: Optional[str] = None) -> Opt
                    {**run_info(info.device, info.world_size), "grad_accum_steps": trainer.accum,
                     "resumed_from": trainer.resumed_from, "params": trainer.raw.num_params(),
                     "choices": trainer.choices.record(),
+                    "init_from": trainer.init_source or _carried_init(cfg),
                     "keep_cpu_memory_applied": trainer.malloc_tuned,
                     "flops_per_token": trainer.flops_per_token, "peak_flops": trainer.peak,
                     "mfu_formula": "6N + 12*n_layer*n_embd*T per token (PaLM), N without wpe"})
@@ -431,6 +448,11 @@ def train(cfg: TrainConfig, info: DistInfo, resume: Optional[str] = None) -> Opt
         raise Stopped(f"stopped by {signal.Signals(trainer.stop_signal).name} at step {trainer.step}; "
                       f"resume with --resume auto (last checkpoint {last})", trainer.stop_signal)
     return last
+
+
+def _carried_init(cfg: TrainConfig) -> Optional[dict]:
+    """A resumed run's --init-from provenance, as its checkpoint's config recorded it."""
+    return {"source": cfg.init_from, "id": cfg.init_from_id} if cfg.init_from_id else None
 
 
 def _resolve_resume(cfg: TrainConfig, resume: Optional[str]) -> Optional[str]:

@@ -17,6 +17,7 @@ BENCHES = {
     "ladder": "the recipe's speed ladder (fp32 ... fused AdamW), then gpt2lab's and transformers' steps",
     "memory": "the largest micro-batch that trains at a given size and T (GPU)",
     "serve": "gpt2lab serve tokens/s: one stream, and the aggregate of N concurrent streams",
+    "lora": "AdamW state, weights and gradients: full fine-tuning vs LoRA (meta device or CPU)",
 }
 
 

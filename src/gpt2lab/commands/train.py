@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from gpt2lab.config import add_config_flags, load_preset, overrides_from_args, preset_names
+from gpt2lab.config import (ConfigError, TrainConfig, add_config_flags, overrides_from_args, preset_names,
+                            preset_values)
 
 
 def add_parser(sub) -> None:
@@ -25,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     from gpt2lab.dist import cleanup, init_distributed
     from gpt2lab.train import Stopped, train
 
-    cfg = load_preset(args.preset, **overrides_from_args(args))
+    cfg = _config(args)
     info = init_distributed(None if cfg.device == "auto" else cfg.device)
     try:
         cfg.grad_accum_steps(info.world_size)  # fails early, naming the numbers to change
@@ -37,3 +38,25 @@ def run(args: argparse.Namespace) -> int:
     if info.is_main:
         print(f"run dir: {cfg.out}" + (f"\nlast checkpoint: {last}" if last else ""), flush=True)
     return 0
+
+
+def _config(args: argparse.Namespace) -> TrainConfig:
+    """The preset with the flags; with --init-from, the architecture of its source."""
+    overrides = overrides_from_args(args)
+    if "init_from" in overrides and args.resume:
+        raise ConfigError(f"--init-from {overrides['init_from']} and --resume {args.resume} both given: "
+                          "--init-from starts a new run from those weights (fresh optimizer, step 0), "
+                          "--resume continues a run where it stopped; pass one of them")
+    values = {**preset_values(args.preset), **overrides}
+    if values.get("init_from") or args.resume:
+        from gpt2lab.init_from import ARCH_FIELDS, source_arch, started_from
+
+        explicit = {k: v for k, v in overrides.items() if k in ARCH_FIELDS}
+        # resuming a run that began from other weights: the architecture is its checkpoint's
+        out = values.get("out", TrainConfig.__dataclass_fields__["out"].default)
+        resume = started_from(out if args.resume == "auto" else args.resume) if args.resume else None
+        if resume:
+            values.update(init_from=resume[1], **source_arch(resume[0], explicit, flag="--resume"))
+        elif values.get("init_from"):
+            values.update(source_arch(values["init_from"], explicit))
+    return TrainConfig.from_dict(values, source=f"preset {args.preset!r} with overrides")

@@ -1,0 +1,66 @@
+"""gpt2lab bench lora: what full fine-tuning and LoRA keep in memory, at a GPT-2 size.
+
+For each mode (all weights trainable; LoRA adapters only, through peft) it builds the
+model, gives every trainable weight a gradient, takes one ``torch.optim.AdamW`` step as
+the trainer builds it, and adds up the bytes of the state tensors AdamW created. On the
+meta device (the default) nothing is allocated, so gpt2-xl is counted on any machine;
+with ``--device cpu`` the step is a real forward/backward on random tokens and the
+process's peak RSS is reported too (run one ``--mode`` per process for that figure).
+"""
+from __future__ import annotations
+
+import argparse
+import resource
+
+import torch
+
+from gpt2lab.model import GPT, GPTConfig
+from gpt2lab.optim import make_optimizer
+
+GIB = 2**30
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size", default="1558M", help="GPT-2 size: 124M, 350M, 774M, 1558M")
+    p.add_argument("--mode", default="both", choices=["full", "lora", "both"])
+    p.add_argument("--rank", type=int, default=8, help="LoRA rank")
+    p.add_argument("--targets", default="c_attn", help="LoRA target layers (as --lora-targets)")
+    p.add_argument("--device", default="meta", choices=["meta", "cpu"])
+    p.add_argument("--batch", type=int, default=1, help="micro-batch of the real step (--device cpu)")
+    p.add_argument("--seq-len", type=int, default=128, help="sequence length of the real step (--device cpu)")
+
+
+def measure(args: argparse.Namespace, lora: bool) -> dict:
+    device = torch.device(args.device)
+    with device:
+        model = GPT(GPTConfig.preset(args.size, vocab_size=50304, token_vocab_size=50257))
+    if lora:
+        from gpt2lab.lora import add_lora
+
+        add_lora(model, args.rank, 2.0 * args.rank, args.targets)
+    opt = make_optimizer(model, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device=device,
+                         fused=device.type == "cpu")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if device.type == "meta":
+        for p in trainable:
+            p.grad = torch.empty_like(p)
+    else:
+        x = torch.randint(0, 50257, (args.batch, args.seq_len))
+        model(x, x, return_logits=False)[1].backward()
+    opt.step()
+    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor))
+    n_train = sum(p.numel() for p in trainable)
+    out = {"mode": "lora" if lora else "full", "params": model.num_params(), "trainable_params": n_train,
+           "weights_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / GIB,
+           "grads_gib": sum(p.numel() * p.element_size() for p in trainable) / GIB,
+           "adamw_state_gib": state / GIB}
+    if device.type == "cpu":
+        out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    modes = {"full": [False], "lora": [True], "both": [False, True]}[args.mode]
+    return {"size": args.size, "device": args.device, "rank": args.rank, "targets": args.targets,
+            "results": [measure(args, lora) for lora in modes]}

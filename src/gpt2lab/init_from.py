@@ -1,0 +1,228 @@
+"""``train --init-from SRC``: start a new run from existing GPT-2 weights.
+
+SRC is a hub name (gpt2 ... gpt2-xl), a local HF GPT-2 directory, a gpt2lab run directory
+(its newest checkpoint) or one checkpoint directory. Only the weights are taken: the run
+gets a new optimizer, step 0, its own LR schedule and data order. The architecture comes
+from SRC (``adapt_config``); the run may pad the vocabulary (50257 -> 50304) and keep
+fewer positions (a smaller ``--block-size``). Every problem with SRC is an ``InitFromError``
+naming it, raised before any training work.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import torch
+
+from gpt2lab import checkpoint as ckpt
+from gpt2lab import hf
+from gpt2lab.config import ConfigError, TrainConfig
+from gpt2lab.load import HUB_NAMES, is_hf_dir
+from gpt2lab.model import GPT, GPTConfig
+from gpt2lab.tokenizer import GPT2_VOCAB_SIZE
+
+ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "block_size")
+
+
+class InitFromError(ConfigError):
+    """An --init-from source that cannot start this run; the message names it and says what to do."""
+
+
+@dataclass
+class Source:
+    spec: str  # SRC as the user gave it
+    kind: str  # "hub", "hf_dir" or "checkpoint"
+    config: GPTConfig  # its architecture
+    weights: str  # the weights file (a checkpoint's model.safetensors)
+    config_path: str
+    step: Optional[int] = None  # steps the checkpoint had completed
+    flag: str = "--init-from"  # how the user named it, for messages
+
+    def _fail(self, what: str) -> InitFromError:
+        return InitFromError(f"{self.flag} {self.spec}: {what}")
+
+
+def find_source(spec: str) -> Source:
+    """Resolve SRC and read its architecture (config only, the weights file's header checked)."""
+    try:
+        src = _find(spec)
+    except hf.WeightsError as e:
+        then = " Then train with --init-from DIR." if "local directory" in str(e) else ""
+        raise InitFromError(f"--init-from {spec}: {e}{then}") from e
+    if src.config.real_vocab_size != GPT2_VOCAB_SIZE:
+        raise src._fail(f"its vocabulary has {src.config.real_vocab_size} tokens, not GPT-2's "
+                        f"{GPT2_VOCAB_SIZE}; gpt2lab trains with the GPT-2 tokenizer, so pass a GPT-2 model")
+    _check_readable(src)
+    return src
+
+
+def _find(spec: str) -> Source:
+    if os.path.isdir(spec):
+        if is_hf_dir(spec):
+            config_path = os.path.join(spec, "config.json")
+            weights = next(os.path.join(spec, f) for f in hf.WEIGHT_FILES if os.path.isfile(os.path.join(spec, f)))
+            return Source(spec, "hf_dir", _hf_config(config_path), weights, config_path)
+        return _checkpoint_source(spec)
+    if os.path.exists(spec):
+        raise InitFromError(f"--init-from {spec}: is a file; pass its directory (an HF model directory, "
+                            "a run directory or a checkpoint directory)")
+    if spec in HUB_NAMES or spec.startswith("openai-community/"):
+        config_path, weights = hf.hub_files(spec)  # offline: WeightsError saying how to pass a local dir
+        return Source(spec, "hub", _hf_config(config_path), weights, config_path)
+    raise InitFromError(f"--init-from {spec}: no such directory, and not a GPT-2 hub name ({', '.join(HUB_NAMES)}); "
+                        "pass an HF GPT-2 directory (config.json + model.safetensors), a run directory "
+                        "or a checkpoint directory")
+
+
+def _hf_config(path: str) -> GPTConfig:
+    try:
+        with open(path) as f:
+            return hf.config_from_hf(json.load(f), path)
+    except (OSError, ValueError) as e:  # WeightsError is a ValueError
+        raise hf.WeightsError(f"cannot read {path}: {e}") from e
+
+
+def _checkpoint_source(spec: str) -> Source:
+    config = _read_json(os.path.join(spec, "config.json"))
+    if config is not None and config.get("model_type") == "gpt2":  # is_hf_dir found no weights
+        raise InitFromError(f"--init-from {spec}: an HF GPT-2 config.json without a weights file (looked for "
+                            f"{', '.join(hf.WEIGHT_FILES)}); copy the weights beside it")
+    if config is not None and "model_type" in config:  # an HF directory, but not a GPT-2 one
+        raise InitFromError(f"--init-from {spec}: model_type {config['model_type']!r} is not GPT-2; "
+                            "pass a GPT-2 model (model_type gpt2)")
+    if os.path.isfile(os.path.join(spec, "model.safetensors")):
+        where = spec
+    else:
+        where = ckpt.find_latest(spec)
+        if where is None:
+            raise InitFromError(f"--init-from {spec}: neither an HF GPT-2 directory (config.json + "
+                                "model.safetensors) nor a run directory with a complete checkpoint "
+                                "(checkpoints/step_*/) nor a checkpoint directory; check the path")
+    needed = ("model.safetensors", "state.pt", "config.json")
+    missing = [f for f in needed if not os.path.isfile(os.path.join(where, f))]
+    config = _read_json(os.path.join(where, "config.json"))
+    if missing or config is None:
+        raise InitFromError(f"--init-from {spec}: {where} is an incomplete checkpoint (missing or unreadable: "
+                            f"{', '.join(missing) or 'config.json'}); pass its run directory (newest complete "
+                            "checkpoint) or another step_* directory")
+    try:
+        model_config = ckpt.model_config(config)
+        step = int(torch.load(os.path.join(where, "state.pt"), weights_only=True, map_location="cpu")["step"])
+    except (KeyError, TypeError, ValueError, RuntimeError, OSError) as e:
+        raise InitFromError(f"--init-from {spec}: cannot read the checkpoint {where} ({e}); "
+                            "pass another step_* directory") from e
+    return Source(spec, "checkpoint", model_config, os.path.join(where, "model.safetensors"),
+                  os.path.join(where, "config.json"), step)
+
+
+def _read_json(path: str) -> Optional[dict]:
+    try:
+        with open(path) as f:
+            value = json.load(f)
+        return value if isinstance(value, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _check_readable(src: Source) -> None:
+    """Open a safetensors file's header: a truncated or foreign file fails here, not mid-load."""
+    if not src.weights.endswith(".safetensors"):
+        return
+    from safetensors import safe_open
+
+    try:
+        with safe_open(src.weights, framework="pt") as f:
+            keys = set(f.keys())
+    except Exception as e:  # safetensors raises its own error types for a damaged file
+        raise src._fail(f"{src.weights} is damaged or half-written ({e}); pass a complete copy") from e
+    if not any(k.endswith("wte.weight") for k in keys):
+        raise src._fail(f"{src.weights} holds no GPT-2 token embedding (wte.weight); pass a GPT-2 model")
+
+
+def adapt_config(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with the architecture of ``cfg.init_from``; each of cfg's values must agree with it
+    (a smaller block_size keeps SRC's first positions)."""
+    arch = source_arch(cfg.init_from, {name: getattr(cfg, name) for name in ARCH_FIELDS})
+    try:
+        return dataclasses.replace(cfg, **arch)
+    except ConfigError as e:
+        sizes = ", ".join(f"{k} {v}" for k, v in arch.items())
+        raise InitFromError(f"--init-from {cfg.init_from} ({sizes}): {e}") from e
+
+
+def source_arch(spec: str, explicit: Mapping[str, int], flag: str = "--init-from") -> dict[str, int]:
+    """n_layer, n_head, n_embd and block_size of SRC, checked against the values the user gave.
+
+    Each value in ``explicit`` must agree with SRC, except a smaller block_size (the run
+    keeps SRC's first positions); values from elsewhere (a preset's) simply give way.
+    """
+    src = find_source(spec)
+    src.flag = flag
+    arch = {name: getattr(src.config, name) for name in ARCH_FIELDS}
+    for name, theirs in arch.items():
+        ours = explicit.get(name, theirs)
+        if ours == theirs:
+            continue
+        if name == "block_size" and ours < theirs:
+            arch[name] = ours
+            continue
+        option = "--" + name.replace("_", "-")
+        raise src._fail(f"it has {name} {theirs} but {option} {ours} was given; the architecture comes "
+                        f"from the source, so drop {option}" + (" or lower it" if name == "block_size" else ""))
+    return arch
+
+
+def started_from(resume: str) -> Optional[tuple[str, str]]:
+    """(checkpoint, its --init-from) when ``resume`` (a run or checkpoint dir) began from other weights."""
+    where = ckpt.find_latest(resume) if not os.path.isfile(os.path.join(resume, "model.safetensors")) else resume
+    config = _read_json(os.path.join(where, "config.json")) if where else None
+    return (where, config["init_from"]) if config and config.get("init_from") else None
+
+
+def load_into(model: GPT, spec: str) -> dict:
+    """Copy SRC's weights into ``model`` (already built from the adapted config); return provenance.
+
+    Vocabulary rows past SRC's are padding (never sampled, dropped on export): they start
+    as the mean of the real rows, whose logit is an average one, so the loss at step 0 is
+    within ~0.1% of SRC's. Position rows past the run's block_size are dropped.
+    """
+    src = find_source(spec)
+    try:
+        loaded = ckpt.load_model(os.path.dirname(src.weights)) if src.kind == "checkpoint" \
+            else hf.load_files(src.config_path, src.weights)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise src._fail(f"cannot load its weights ({e}); pass a complete copy") from e
+    theirs = dict(loaded.named_parameters())
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # the tied lm_head comes once, as wte
+            _copy_param(src, name, p, theirs[name])
+    digest = sha256_file(src.weights)
+    ident = f"sha256:{digest}" if src.step is None else f"step {src.step}, sha256:{digest}"
+    return {"source": spec, "kind": src.kind, "weights": os.path.abspath(src.weights), "sha256": digest,
+            "step": src.step, "id": ident}
+
+
+def _copy_param(src: Source, name: str, p: torch.Tensor, w: torch.Tensor) -> None:
+    if name == "transformer.wte.weight" and p.shape[1:] == w.shape[1:]:
+        rows = min(len(p), len(w))
+        p[:rows] = w[:rows]
+        p[rows:] = w[:src.config.real_vocab_size].mean(0)
+    elif name == "transformer.wpe.weight" and p.shape[1:] == w.shape[1:] and len(p) <= len(w):
+        p.copy_(w[:len(p)])
+    elif p.shape == w.shape:
+        p.copy_(w)
+    else:
+        raise src._fail(f"{name} has shape {tuple(w.shape)}, the run needs {tuple(p.shape)}; "
+                        "let the architecture come from the source (drop --n-layer/--n-head/--n-embd)")
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,50 @@
+"""LoRA (Hu et al. 2021) through Hugging Face ``peft``: adapters on GPT's nn.Linear layers.
+
+``add_lora`` puts peft's LoRA layers in place of the named Linears of a GPT, in place:
+the model stays a ``GPT`` (generation, checkpoints and FLOP counts keep working) and only
+the adapters' A and B matrices keep ``requires_grad``. A checkpoint stores the frozen base
+weights and the adapters under peft's names (``c_attn.base_layer.weight``,
+``c_attn.lora_A.default.weight``); ``merge_lora`` folds the adapters into the base
+weights with peft's own merge, giving back a plain GPT for sample, eval and export.
+peft is an optional extra (``pip install gpt2lab[lora]``), imported only here.
+"""
+from __future__ import annotations
+
+from gpt2lab.config import ConfigError
+from gpt2lab.model import GPT
+
+ADAPTER = "default"
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError as e:
+        raise ConfigError(f"--lora-rank needs Hugging Face peft ({e}); pip install 'gpt2lab[lora]' "
+                          "or set --lora-rank 0") from e
+    return peft
+
+
+def add_lora(model: GPT, rank: int, alpha: float, targets: str):
+    """Give ``model`` LoRA adapters of ``rank`` on the comma-separated ``targets``; freeze the rest.
+
+    Returns peft's ``LoraModel`` around ``model`` (for ``merge_lora``). B starts at zero
+    (peft's default), so the adapted model computes exactly what the base did until the
+    first step.
+    """
+    peft = _peft()
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",
+                             target_modules=[t.strip() for t in targets.split(",")])
+    return peft.LoraModel(model, config, ADAPTER)  # replaces the Linears inside ``model``, freezes the base
+
+
+def merge_lora(lora_model) -> GPT:
+    """The GPT with its adapters folded into the base weights and plain nn.Linear layers back."""
+    model = lora_model.merge_and_unload()
+    model.requires_grad_(True)
+    return model
+
+
+def lora_args(config: dict) -> tuple[int, float, str]:
+    """(rank, alpha, targets) of a run config (a TrainConfig's dict)."""
+    return int(config["lora_rank"]), float(config["lora_alpha"]), config["lora_targets"]
