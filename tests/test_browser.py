@@ -45,7 +45,8 @@ def test_playground_streams_each_models_text_into_its_column(browser, gpt2_vocab
                     "top_p": "1", "seed": "5"}
         for field, value in settings.items():
             page.fill(f"#{field}", value)
-        # count DOM updates of each output: streamed text arrives in many small steps, not at once
+        # count DOM updates of each output: streamed text arrives in several steps, not at once (how
+        # many depends on how the network stack groups the server's events, so only "more than one")
         page.evaluate("""() => { window.updates = {};
             for (const col of document.querySelectorAll('.col')) {
               window.updates[col.dataset.model] = 0;
@@ -63,7 +64,7 @@ def test_playground_streams_each_models_text_into_its_column(browser, gpt2_vocab
             assert col.locator(".prompt").inner_text() == settings["prompt"]
             assert "24 tokens in" in col.locator(".meta").inner_text()
         updates = page.evaluate("window.updates")
-        assert min(updates.values()) >= 12, updates
+        assert min(updates.values()) >= 2, updates
         page.close()
 
 

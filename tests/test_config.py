@@ -61,9 +61,9 @@ def test_every_field_is_a_flag_and_only_given_flags_override():
     add_config_flags(p)
     flags = {a.dest for a in p._actions}
     assert {f.name for f in dataclasses.fields(TrainConfig)} <= flags
-    got = _parse(["--max-steps", "7", "--compile", "false", "--max-lr", "1e-3", "--dtype", "float32",
+    got = _parse(["--max-steps", "7", "--compile", "false", "--max-lr", "2e-3", "--dtype", "float32",
                   "--peak-flops", "none", "--hellaswag-data", "x.jsonl"])
-    assert got == {"max_steps": 7, "compile": "false", "max_lr": 1e-3, "dtype": "float32", "peak_flops": None,
+    assert got == {"max_steps": 7, "compile": "false", "max_lr": 2e-3, "dtype": "float32", "peak_flops": None,
                    "hellaswag_data": "x.jsonl"}
     cfg = load_preset("shakespeare-cpu", **got)
     assert cfg.max_steps == 7 and cfg.compile == "false" and cfg.n_layer == load_preset("shakespeare-cpu").n_layer

@@ -60,8 +60,8 @@ def run(args: argparse.Namespace) -> int:
 
     _check(args)
     device = pick_device(args.device)
+    model = load_for_inference(args.model, device)  # a bad --model fails before any other output
     dtype = inference_dtype(device, args.dtype, "gpt2lab sample")
-    model = load_for_inference(args.model, device)
     ids = _prompt_ids(args.prompt, model.config.real_vocab_size)
     generator = seeded_generator(device, args.seed)
     for i in range(args.num_samples):

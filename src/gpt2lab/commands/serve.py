@@ -42,9 +42,9 @@ def load_workers(specs: list[str], device_name: str, dtype: str) -> dict:
     from gpt2lab.runtime import inference_dtype
 
     device = pick_device(device_name)
+    models = {name: load_for_inference(path, device) for name, path in model_names(specs).items()}
     dtype = inference_dtype(device, dtype, "gpt2lab serve")
-    return {name: ModelWorker(name, load_for_inference(path, device), device, dtype)
-            for name, path in model_names(specs).items()}
+    return {name: ModelWorker(name, model, device, dtype) for name, model in models.items()}
 
 
 def run(args: argparse.Namespace) -> int:
