@@ -25,6 +25,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from gpt2lab.runtime import cpu_name
+
 
 class MetricsLogger:
     """Writes on the main process only; every other rank gets a logger that does nothing."""
@@ -172,7 +174,7 @@ def run_info(device: torch.device, world_size: int) -> dict:
         "torch": torch.__version__,
         "numpy": numpy.__version__,
         "platform": platform.platform(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "device": str(device),
@@ -182,17 +184,6 @@ def run_info(device: torch.device, world_size: int) -> dict:
         info["gpu"] = torch.cuda.get_device_name(device)
         info["cuda"] = torch.version.cuda
     return info
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:  # not Linux
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _git_sha() -> Optional[str]:
