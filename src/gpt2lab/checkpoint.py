@@ -134,7 +134,7 @@ def verify(ckpt: str) -> None:
 def damaged(ckpt: str, why: str) -> CheckpointError:
     """The one-line error for a damaged checkpoint, pointing at the intact ones before it."""
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
-    earlier = [p for p in list_checkpoints(run_dir) if _step_of(p) < _step_of(ckpt)]
+    earlier = [p for p in list_checkpoints(run_dir) if step_of(p) < step_of(ckpt)]
     hint = (f"use an earlier one: --resume {earlier[-1]} (or --model {earlier[-1]})" if earlier
             else "no earlier checkpoint in this run; start again with a new --out")
     err = CheckpointError(f"checkpoint {ckpt} is damaged: {why}; {hint}")
@@ -142,7 +142,8 @@ def damaged(ckpt: str, why: str) -> CheckpointError:
     return err
 
 
-def _step_of(path: str) -> int:
+def step_of(path: str) -> int:
+    """N of a ``step_N`` checkpoint directory (-1 for any other path)."""
     m = _STEP_DIR.match(os.path.basename(os.path.normpath(path)))
     return int(m.group(1)) if m else -1
 

@@ -14,6 +14,7 @@ pays for it once; ``gpt2lab env`` always measures afresh.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import json
@@ -158,6 +159,7 @@ def _no_compiler(facts: Facts) -> str:
 
 
 # -- the facts of this machine ------------------------------------------------------------
+@functools.lru_cache(maxsize=None)  # /proc/cpuinfo does not change while a process runs
 def cpu_flags() -> tuple[str, ...]:
     """The NOTED_CPU_FLAGS in /proc/cpuinfo (Linux); () elsewhere."""
     try:
@@ -171,6 +173,7 @@ def cpu_flags() -> tuple[str, ...]:
     return ()
 
 
+@functools.lru_cache(maxsize=None)
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as fh:

@@ -298,7 +298,7 @@ class Trainer:
     def rollback(self, log: MetricsLogger) -> None:
         """Back to the newest checkpoint before the first recent spike; never train on the spiking steps' data."""
         first_step, first_pos = self.guard.first_spike()
-        target = next((p for p in reversed(ckpt.list_checkpoints(self.cfg.out)) if _ckpt_step(p) <= first_step),
+        target = next((p for p in reversed(ckpt.list_checkpoints(self.cfg.out)) if ckpt.step_of(p) <= first_step),
                       None)
         skip = [first_pos, self.loader.position]
         self.skips.append(skip)
@@ -326,10 +326,6 @@ class Trainer:
         if self.info.distributed:
             tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
         return bool(flag.item())
-
-
-def _ckpt_step(path: str) -> int:
-    return int(os.path.basename(path).split("_")[1])
 
 
 def _due(interval: int, step: int, final: int) -> bool:

@@ -8,6 +8,7 @@ installed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -36,7 +37,7 @@ def collect(device_name: str = "auto") -> dict:
     facts = runtime.detect(device, probe=False)
     probe = runtime.measure_matmul(device)  # afresh, on the device itself (the run's probe is CPU-only)
     if device.type == "cpu":
-        facts = runtime.Facts(**{**facts.__dict__, "probe": probe})
+        facts = dataclasses.replace(facts, probe=probe)
     choices = runtime.resolve(device, "auto", "auto", facts=facts)
     info = {
         "gpt2lab": __version__, "python": sys.version.split()[0], "platform": platform.platform(),
