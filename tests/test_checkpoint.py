@@ -27,9 +27,26 @@ def _trained(seed: int = 0) -> tuple[GPT, torch.optim.Optimizer]:
     return model, opt
 
 
+class Plain:
+    """A checkpoint part holding plain values (stands in for the loader and the trainer)."""
+
+    def __init__(self, **values) -> None:
+        self.values = values
+
+    def state_dict(self) -> dict:
+        return dict(self.values)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.values = dict(state)
+
+
+def _parts(model, opt, step=0) -> dict:
+    return {"model": model, "optimizer": opt, "loader": Plain(position=step), "rng": ckpt.RNG(), "scaler": None,
+            "trainer": Plain(step=step, tokens=step * 32)}
+
+
 def _save(run, model, opt, step, keep=0):
-    return ckpt.save_checkpoint(str(run), model=model, optimizer=opt, step=step, tokens=step * 32,
-                                loader_state={"position": step}, config=CFG, keep=keep)
+    return ckpt.save(str(run), step, _parts(model, opt, step), CFG, keep=keep)
 
 
 def test_roundtrip_restores_everything(tmp_path):
@@ -42,11 +59,10 @@ def test_roundtrip_restores_everything(tmp_path):
     assert not any(k.startswith(("_orig_mod.", "module.")) for k in keys) and "lm_head.weight" not in keys
 
     fresh, fresh_opt = _trained(seed=1)
-    ckpt.load_weights(fresh, path)
-    state = ckpt.load_training_state(path, fresh_opt)
-    ckpt.set_rng_state(state["rng"])
+    parts = _parts(fresh, fresh_opt)
+    ckpt.load(path, parts)
     assert torch.equal(torch.rand(3), expected_rand)  # torch RNG continues where it was saved
-    assert (state["step"], state["tokens"], state["loader"]) == (7, 224, {"position": 7})
+    assert parts["trainer"].values == {"step": 7, "tokens": 224} and parts["loader"].values == {"position": 7}
     for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
         assert torch.equal(a, b)
     assert fresh.lm_head.weight is fresh.transformer.wte.weight  # the tie survives loading

@@ -1,30 +1,45 @@
 """Checkpoints: ``RUN/checkpoints/step_NNNNNN/`` holding everything to continue bit for bit.
 
-Layout of one checkpoint (NNNNNN = optimizer steps completed):
-  model.safetensors  weights (the tied lm_head is stored once, as wte)
-  optimizer.pt       AdamW state (torch.save; read with weights_only=True)
-  state.pt           step, tokens seen, loader state, RNG states (python, numpy, torch, cuda),
-                     fp16 GradScaler state (None otherwise)
-  config.json        the run's resolved TrainConfig
-  checksums.json     sha256 of each file above, verified when the checkpoint is loaded
-A checkpoint is written under a temporary name and renamed when complete, so any
-``step_*`` directory is whole; the newest K are kept. Bytes that change afterwards (a bad
-disk, a copy cut short) fail the checksum: loading says the checkpoint is damaged.
+A checkpoint is a dictionary of stateful parts, each with ``state_dict``/``load_state_dict``:
+model, optimizer, loader, rng, scaler (None unless fp16) and trainer (step, tokens seen,
+spike guard, skipped data). ``save`` and ``load`` handle every run the same way; only
+where model and optimizer go depends on the model. Layout of one checkpoint (NNNNNN =
+optimizer steps completed):
+
+  full (a model every rank holds whole: one process, DDP), written by rank 0:
+    model.safetensors  weights (the tied lm_head is stored once, as wte)
+    optimizer.pt       AdamW state (torch.save; read with weights_only=True)
+  sharded (an FSDP model), every rank writing its shard through torch.distributed.checkpoint:
+    .metadata          DCP's index: which slice of which tensor lies in which file
+    __R_0.distcp       rank R's slices of the weights ("model.*") and AdamW state ("optimizer.*")
+  both:
+    state.pt           the trainer's step, tokens, guard and skips at the top level, and
+                       "loader", "rng" (python, numpy, torch, cuda) and "scaler" entries
+    config.json        the run's resolved TrainConfig
+    checksums.json     sha256 of each file above, verified when the checkpoint is loaded
+
+A checkpoint is written under a temporary name and renamed when complete (a sharded one
+by rank 0, after every rank has written), so any ``step_*`` directory is whole; the newest
+K are kept. Bytes that change afterwards (a bad disk, a copy cut short) fail the checksum:
+loading says the checkpoint is damaged. A sharded checkpoint resumes on any number of
+ranks, and ``load_model`` consolidates it in one process for sample, eval and export.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import random
 import re
 import shutil
-from typing import Any, Optional
+from typing import Mapping, Optional, Protocol
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from gpt2lab import sharded
 from gpt2lab.errors import CheckpointError
 from gpt2lab.files import atomic_dir, write_json
 from gpt2lab.model import GPT, GPTConfig
@@ -79,27 +94,100 @@ def checkpoint_dir(run_dir: str, step: int) -> str:
     return os.path.join(run_dir, "checkpoints", f"step_{step:06d}")
 
 
-def save_checkpoint(run_dir: str, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    step: int, tokens: int, loader_state: dict, config: dict, keep: int = 0,
-                    scaler_state: Optional[dict] = None, extra: Optional[dict] = None) -> str:
-    """Write the checkpoint for ``step`` completed steps atomically; prune to the newest ``keep``.
+class Stateful(Protocol):
+    """A part of a checkpoint: the model, the optimizer, the loader, the trainer's counters..."""
 
-    ``extra`` (plain values) is stored in state.pt beside the step and comes back from
-    ``load_training_state``. A full disk raises DiskFullError and leaves no temporary behind.
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class RNG:
+    """The process's random generators (python, numpy, torch, cuda) as a checkpoint part."""
+
+    def state_dict(self) -> dict:
+        return rng_state()
+
+    def load_state_dict(self, state: dict) -> None:
+        set_rng_state(state)
+
+
+def save(run_dir: str, step: int, parts: Mapping[str, Optional[Stateful]], config: dict,
+         keep: int = 0) -> str:
+    """Write ``parts`` as the checkpoint of ``step`` completed steps; prune to the newest ``keep``.
+
+    Called on every rank. ``parts["model"]`` and ``parts["optimizer"]`` go to the backend:
+    "full" (model.safetensors + optimizer.pt, written by rank 0) for a model every rank
+    holds whole, "sharded" (DCP, every rank its shard) for an FSDP-sharded one. The other
+    parts (None for one this run lacks) go to state.pt, written by rank 0 in both layouts.
+    A full disk raises DiskFullError and leaves no temporary behind.
     """
     final = checkpoint_dir(run_dir, step)
-    os.makedirs(os.path.dirname(final), exist_ok=True)
-    with atomic_dir(final, what_next=_DISK_FULL_NEXT, replace=True) as tmp:  # replace: same step saved again
-        save_file(clean_state_dict(model.state_dict()), os.path.join(tmp, "model.safetensors"))
-        torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-        torch.save({"step": step, "tokens": tokens, "loader": loader_state, "rng": rng_state(),
-                    "scaler": scaler_state, **(extra or {})}, os.path.join(tmp, "state.pt"))
-        write_json(os.path.join(tmp, "config.json"), config)
-        write_json(os.path.join(tmp, CHECKSUMS), {name: sha256(os.path.join(tmp, name)) for name in FILES})
-    if keep:
+    model, optimizer = parts["model"], parts["optimizer"]
+    main = sharded.rank() == 0
+    if main:
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+    plain = _plain_state(parts) if main else None
+    if sharded.is_sharded(model):
+        _save_sharded(final, model, optimizer, plain, config)
+    elif main:
+        with atomic_dir(final, what_next=_DISK_FULL_NEXT, replace=True) as tmp:  # replace: same step saved again
+            save_file(clean_state_dict(model.state_dict()), os.path.join(tmp, "model.safetensors"))
+            torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+            _write_rest(tmp, plain, config)
+            write_json(os.path.join(tmp, CHECKSUMS), {name: sha256(os.path.join(tmp, name)) for name in FILES})
+    if main and keep:
         for old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _plain_state(parts: Mapping[str, Optional[Stateful]]) -> dict:
+    """state.pt's content: the trainer's entries at the top, every other part under its name."""
+    state = {name: (part.state_dict() if part is not None else None)
+             for name, part in parts.items() if name not in ("model", "optimizer", "trainer")}
+    return {**parts["trainer"].state_dict(), **state}
+
+
+def _write_rest(tmp: str, plain: dict, config: dict) -> None:
+    torch.save(plain, os.path.join(tmp, "state.pt"))
+    write_json(os.path.join(tmp, "config.json"), config)
+
+
+def _save_sharded(final: str, model, optimizer, plain: Optional[dict], config: dict) -> None:
+    """Every rank writes its shard into rank 0's temporary directory; rank 0 completes it.
+
+    Rank 0 (the one with ``plain``) writes state.pt and config.json; once every rank is
+    done, the ranks hash the files between them, rank 0 writes checksums.json and renames.
+    Any rank's failure makes every rank raise (none is left waiting); the temporary goes.
+    """
+    main, done, error = plain is not None, False, None
+    try:
+        with contextlib.ExitStack() as stack:
+            mine = None
+            if main:
+                try:
+                    mine = stack.enter_context(atomic_dir(final, what_next=_DISK_FULL_NEXT, replace=True))
+                except Exception as e:  # re-raised below, once every rank knows
+                    error = e
+            tmp = sharded.broadcast(mine)
+            try:
+                if tmp is not None:
+                    sharded.save(tmp, model, optimizer)  # collective: DCP raises on every rank if one fails
+                    if main:
+                        _write_rest(tmp, plain, config)
+            except Exception as e:
+                error = e
+            if sharded.agree(error is not None):
+                raise error or CheckpointError(f"checkpoint {final}: another rank failed to write it")
+            digests = sharded.digests(tmp, sha256)
+            if main:
+                write_json(os.path.join(tmp, CHECKSUMS), digests)
+        done = True
+    finally:
+        failed = sharded.agree(not done)  # reached by every rank: rank 0's rename is done or failed
+    if failed:  # only ranks that did not raise themselves get here
+        raise CheckpointError(f"checkpoint {final}: rank 0 could not complete it (see its error)")
 
 
 def sha256(path: str) -> str:
@@ -167,7 +255,17 @@ def list_checkpoints(run_dir: str) -> list[str]:
         return []
     found = [(int(m.group(1)), name) for name in os.listdir(root) if (m := _STEP_DIR.match(name))]
     paths = [os.path.join(root, name) for _, name in sorted(found)]
-    return [p for p in paths if os.path.isfile(os.path.join(p, "state.pt"))]
+    return [p for p in paths if is_complete(p)]
+
+
+def is_complete(path: str) -> bool:
+    """A whole checkpoint directory: state.pt and its weights (a sharded one: its index and the
+    checksums written last, so a sharded directory copied or written only in part never counts)."""
+    if not os.path.isfile(os.path.join(path, "state.pt")):
+        return False
+    if sharded.is_sharded_checkpoint(path):
+        return os.path.isfile(os.path.join(path, CHECKSUMS))
+    return os.path.isfile(os.path.join(path, "model.safetensors"))
 
 
 def find_latest(run_dir: str) -> Optional[str]:
@@ -177,13 +275,18 @@ def find_latest(run_dir: str) -> Optional[str]:
 
 def resolve(path: str) -> str:
     """A checkpoint directory, given it or a run directory (then its newest checkpoint)."""
-    if os.path.isfile(os.path.join(path, "model.safetensors")):
+    if has_weights(path):
         return path
     latest = find_latest(path)
     if latest is None:
-        raise FileNotFoundError(f"{path}: neither a checkpoint (no model.safetensors) nor a run "
+        raise FileNotFoundError(f"{path}: neither a checkpoint (no model.safetensors or sharded .metadata) nor a run "
                                 "directory with checkpoints/step_*/; train first or pass a checkpoint dir")
     return latest
+
+
+def has_weights(path: str) -> bool:
+    """Whether ``path`` is a checkpoint directory of either layout (not a run directory)."""
+    return os.path.isfile(os.path.join(path, "model.safetensors")) or sharded.is_sharded_checkpoint(path)
 
 
 def model_config(config: dict) -> GPTConfig:
@@ -205,21 +308,39 @@ def read_config(ckpt: str) -> dict:
 
 
 def load_weights(model: torch.nn.Module, ckpt: str, verified: bool = False) -> None:
-    """Load the checkpoint's weights into ``model``, checking checksums unless ``verified``.
+    """Load the checkpoint's weights (either layout) into ``model``, checking checksums unless ``verified``.
 
     A model of another shape gets one line naming both shapes, not torch's size-mismatch list.
+    A sharded checkpoint is consolidated here, in this process alone.
     """
     if not verified:
         verify(ckpt)
+    if sharded.is_sharded_checkpoint(ckpt):
+        _check_shape(model, ckpt, _sharded_shapes(ckpt))
+        state = _read(ckpt, "its shards", sharded.read_model)
+    else:
+        state = _read(ckpt, "model.safetensors",
+                      lambda c: clean_state_dict(load_file(os.path.join(c, "model.safetensors"))))
+        _check_shape(model, ckpt, {k: tuple(v.shape) for k, v in state.items()})
+    model.load_state_dict(state, strict=False)  # lm_head is tied to wte, restored with it
+
+
+def _read(ckpt: str, what: str, read):
     try:
-        state = clean_state_dict(load_file(os.path.join(ckpt, "model.safetensors")))
-    except Exception as e:  # SafetensorError (truncated, bad header) has no common base with OSError
-        raise damaged(ckpt, f"model.safetensors cannot be read ({_first_line(e)})") from e
-    mine = {k: tuple(v.shape) for k, v in clean_state_dict(model.state_dict()).items()}
-    theirs = {k: tuple(v.shape) for k, v in state.items()}
+        return read(ckpt)
+    except Exception as e:  # SafetensorError, DCP's CheckpointException: no common base with OSError
+        raise damaged(ckpt, f"{what} cannot be read ({_first_line(e)})") from e
+
+
+def _sharded_shapes(ckpt: str) -> dict[str, tuple[int, ...]]:
+    meta = _read(ckpt, f"its index ({sharded.METADATA})", sharded.saved_model)
+    return {name: shape for name, (shape, _) in meta.items()}
+
+
+def _check_shape(model: torch.nn.Module, ckpt: str, theirs: dict) -> None:
+    mine = {k: tuple(v.shape) for k, v in clean_state_dict(model.state_dict()).items()}  # DTensor: global shape
     if mine != theirs:
         raise CheckpointError(_mismatch(ckpt, model, mine, theirs))
-    model.load_state_dict(state, strict=False)  # lm_head is tied to wte, restored with it
 
 
 def _mismatch(ckpt: str, model: torch.nn.Module, mine: dict, theirs: dict) -> str:
@@ -261,11 +382,37 @@ def load_model(path: str) -> GPT:
     return model
 
 
-def load_training_state(ckpt: str, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Restore the optimizer; return step, tokens, loader state, RNG states and scaler state."""
+def load(ckpt: str, parts: Mapping[str, Optional[Stateful]]) -> None:
+    """Restore every part from ``ckpt``: either layout, written by any number of ranks.
+
+    Called on every rank. A sharded checkpoint is resharded to this run's ranks by DCP
+    (onto a plain model too); a full one loads into a model every rank holds whole.
+    """
+    verify(ckpt)
+    model, optimizer = parts["model"], parts["optimizer"]
+    try:
+        state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=True, map_location="cpu")
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        raise damaged(ckpt, _first_line(e)) from e
+    if sharded.is_sharded_checkpoint(ckpt):
+        _check_shape(model, ckpt, _sharded_shapes(ckpt))
+        sharded.load(ckpt, model, optimizer)
+    elif sharded.is_sharded(model):
+        raise CheckpointError(f"checkpoint {ckpt} holds whole weights (a single-process or DDP run); "
+                              "an FSDP run resumes sharded checkpoints only: resume it with --strategy ddp")
+    else:
+        load_weights(model, ckpt, verified=True)
+        _load_optimizer(ckpt, optimizer)
+    own = {k: v for k, v in state.items() if k not in parts}  # the trainer's entries sit at the top
+    for name, part in parts.items():
+        value = own if name == "trainer" else state.get(name)
+        if name not in ("model", "optimizer") and part is not None and value is not None:
+            part.load_state_dict(value)
+
+
+def _load_optimizer(ckpt: str, optimizer: torch.optim.Optimizer) -> None:
     try:
         opt = torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True, map_location="cpu")
-        state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=True, map_location="cpu")
     except (OSError, RuntimeError, EOFError, ValueError) as e:
         raise damaged(ckpt, _first_line(e)) from e
     try:
@@ -273,4 +420,3 @@ def load_training_state(ckpt: str, optimizer: torch.optim.Optimizer) -> dict[str
     except (ValueError, KeyError, RuntimeError) as e:
         raise CheckpointError(f"checkpoint {ckpt}: its optimizer state does not fit this run "
                               f"({_first_line(e)}); resume with the checkpoint's settings") from e
-    return state

@@ -22,7 +22,7 @@ import torch.distributed as tdist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpt2lab import checkpoint as ckpt
-from gpt2lab import runtime
+from gpt2lab import runtime, sharded
 from gpt2lab.config import PEAK_FLOPS, ConfigError, TrainConfig, save_config
 from gpt2lab.dist import DistInfo, all_reduce_mean, autocast
 from gpt2lab.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, GPT2LabError, RunDiverged
@@ -125,37 +125,37 @@ class Trainer:
         self.stop_signal: Optional[int] = None
 
     # -- state ---------------------------------------------------------------------------
-    def _restore(self, path: str) -> str:
-        where = ckpt.resolve(path)
-        ckpt.load_weights(self.raw, where)
-        saved = ckpt.read_config(where)
-        if saved.get("init_from_id"):  # the run began from other weights: keep saying which
-            self.cfg = dataclasses.replace(self.cfg, init_from=saved["init_from"], init_from_id=saved["init_from_id"])
-        state = ckpt.load_training_state(where, self.optimizer)
+    def parts(self) -> dict:
+        """What a checkpoint holds: each part has state_dict/load_state_dict (None: not in this run)."""
+        return {"model": self.raw, "optimizer": self.optimizer, "loader": self.loader, "rng": ckpt.RNG(),
+                "scaler": self.scaler, "trainer": self}
+
+    def state_dict(self) -> dict:
+        """The trainer's own part: counters, the spike guard's memory and the data skipped."""
+        return {"step": self.step, "tokens": self.tokens, "guard": self.guard.state_dict(), "skips": self.skips}
+
+    def load_state_dict(self, state: dict) -> None:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
-        self.loader.load_state_dict(state["loader"])
-        ckpt.set_rng_state(state["rng"])
-        if self.scaler is not None and state.get("scaler"):  # fp16: continue with the scale found so far
-            self.scaler.load_state_dict(state["scaler"])
         if state.get("guard"):
             self.guard.load_state_dict(state["guard"])
         self.skips = [list(r) for r in state.get("skips", [])]
+
+    def _restore(self, path: str) -> str:
+        where = ckpt.resolve(path)
+        ckpt.load(where, self.parts())
+        saved = ckpt.read_config(where)
+        if saved.get("init_from_id"):  # the run began from other weights: keep saying which
+            self.cfg = dataclasses.replace(self.cfg, init_from=saved["init_from"], init_from_id=saved["init_from_id"])
         return where
 
-    def save(self) -> Optional[str]:
-        """Rank 0 writes the checkpoint for the steps completed so far (never a non-finite model)."""
-        path = None
-        # checked on every rank (DDP keeps the weights equal): all raise together, none waits at the barrier
-        if not all(torch.isfinite(p).all() for p in self.raw.parameters()):
+    def save(self) -> str:
+        """Every rank: write the checkpoint for the steps completed so far (never a non-finite model)."""
+        # all ranks agree (FSDP: each checks its own shard), so all raise together and none waits
+        finite = all(bool(torch.isfinite(_local(p)).all()) for p in self.raw.parameters())
+        if sharded.agree(not finite):
             raise TrainingError(f"model has non-finite weights at step {self.step}; not saving over "
                                 f"the last good checkpoint in {self.cfg.out}/checkpoints")
-        if self.info.is_main:
-            path = ckpt.save_checkpoint(self.cfg.out, model=self.raw, optimizer=self.optimizer,
-                                        step=self.step, tokens=self.tokens,
-                                        loader_state=self.loader.state_dict(), config=self.cfg.to_dict(),
-                                        keep=self.cfg.keep_checkpoints,
-                                        scaler_state=self.scaler.state_dict() if self.scaler is not None else None,
-                                        extra={"guard": self.guard.state_dict(), "skips": self.skips})
+        path = ckpt.save(self.cfg.out, self.step, self.parts(), self.cfg.to_dict(), keep=self.cfg.keep_checkpoints)
         self.rollbacks = 0
         if self.info.distributed:
             tdist.barrier()
@@ -326,6 +326,11 @@ class Trainer:
         if self.info.distributed:
             tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter (an FSDP DTensor's shard; a plain tensor as it is)."""
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def _due(interval: int, step: int, final: int) -> bool:

@@ -1,0 +1,142 @@
+"""The sharded checkpoint backend: model and optimizer through torch.distributed.checkpoint (DCP).
+
+Every rank writes its own shard of the weights and AdamW moments (``__R_0.distcp``);
+DCP's coordinator (rank 0) writes ``.metadata``, the index of which slice of which tensor
+lies where. Loading asks DCP for the slices this process holds now, so a checkpoint written
+by N ranks loads on M (resharding), on one process without a process group too. The
+state dicts come from ``torch.distributed.checkpoint.state_dict.get_state_dict``, which
+names FSDP's DTensors and a plain module's tensors alike (``transformer.h.0...``): the
+same calls serve a sharded and an unsharded model.
+
+The checkpoint directory is written under rank 0's temporary name, completed by rank 0
+(checksums, then the rename) after every rank has finished: a checkpoint killed half-way
+stays a ``.tmp_*`` directory that nothing ever chooses.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from gpt2lab.errors import CheckpointError
+
+METADATA = ".metadata"  # DCP's index file; its presence marks a sharded checkpoint
+TIED = "lm_head.weight"  # the same tensor as transformer.wte.weight: stored once, as wte
+WTE = "transformer.wte.weight"
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s parameters are sharded DTensors (FSDP2's ``fully_shard``)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def is_sharded_checkpoint(ckpt: str) -> bool:
+    return os.path.isfile(os.path.join(ckpt, METADATA))
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def broadcast(value):
+    """Rank 0's ``value`` on every rank."""
+    if world() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def agree(failed: bool) -> bool:
+    """True on every rank if any rank failed (so that all raise together and none waits)."""
+    if world() == 1:
+        return failed
+    flag = torch.tensor(float(failed))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict, bool]:
+    """Model and optimizer state dicts keyed by parameter name, as this process holds them;
+    the tied lm_head taken out of the model's (and whether it was there)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    return msd, osd, msd.pop(TIED, None) is not None
+
+
+def save(tmp: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every rank: write its shard of the model and optimizer into the directory ``tmp``."""
+    import torch.distributed.checkpoint as dcp
+
+    msd, osd, _ = _state_dicts(model, optimizer)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=tmp)
+
+
+def digests(folder: str, hash_file: Callable[[str], str]) -> dict[str, str]:
+    """sha256 of every file in ``folder``, the files spread over the ranks (each hashes 1/world)."""
+    names = broadcast(sorted(n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n))))
+    mine = {n: hash_file(os.path.join(folder, n)) for n in names[rank()::world()]}
+    if world() == 1:
+        return mine
+    parts: list[Optional[dict]] = [None] * world()
+    dist.all_gather_object(parts, mine)
+    return {name: digest for part in parts for name, digest in sorted(part.items())}
+
+
+def saved_model(ckpt: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (global shape, dtype) of every model tensor in a sharded checkpoint (from its index)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(ckpt).read_metadata().state_dict_metadata
+    prefix = "model."
+    return {k[len(prefix):]: (tuple(v.size), v.properties.dtype) for k, v in meta.items()
+            if k.startswith(prefix) and hasattr(v, "size")}
+
+
+def read_model(ckpt: str) -> dict[str, torch.Tensor]:
+    """The whole model state of a sharded checkpoint as plain tensors, read by this process alone.
+
+    This is the consolidation ``sample``, ``eval`` and ``export`` use: no process group,
+    every shard read (the optimizer's entries are not).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    state = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in saved_model(ckpt).items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
+        dcp.load({"model": state}, checkpoint_id=ckpt, no_dist=True)
+    return state
+
+
+def load(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every rank: load model and optimizer from a sharded checkpoint, resharded to this world.
+
+    The model's shape was checked against ``saved_model`` by the caller; an optimizer
+    that does not fit (another set of trained parameters) is a CheckpointError.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    msd, osd, tied = _state_dicts(model, optimizer)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # one process: "assuming ... a single process"
+            dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=ckpt)
+    except Exception as e:  # CheckpointException: DCP's errors have no common base with OSError
+        text = str(e).strip().splitlines()
+        raise CheckpointError(f"checkpoint {ckpt}: cannot load its model and optimizer shards "
+                              f"({text[-1] if text else type(e).__name__}); resume with the "
+                              "checkpoint's settings") from e
+    if tied:
+        msd[TIED] = msd[WTE]  # the tie: one tensor under both names, as get_state_dict gave it
+    set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
