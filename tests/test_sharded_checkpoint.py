@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_ckpt_worker import build, probe, train_step
+from fsdp_ckpt_worker import CONFIG, build, probe, train_step
 from gpt2lab import checkpoint as ckpt
 from gpt2lab.errors import CheckpointError
+from gpt2lab.model import GPT
 from train_utils import env, tiny_data  # noqa: F401
 
 WORKER = Path(__file__).with_name("fsdp_ckpt_worker.py")
@@ -58,12 +59,17 @@ def test_sharded_checkpoint_exports_with_transformers_logits(fsdp_run, tmp_path)
     import transformers
 
     from gpt2lab.cli import main
+    from gpt2lab.init_from import load_into
     from gpt2lab.load import load_model
 
     live = torch.load(fsdp_run / "logits.pt")  # the FSDP model's own logits after step 4
     idx = probe()
     with torch.no_grad():  # sample and eval load it so: consolidated in this process
         assert (load_model(str(fsdp_run))(idx)[0] - live).abs().max().item() <= 1e-6
+    started = GPT(ckpt.model_config(CONFIG))  # train --init-from RUN_DIR takes the same weights
+    assert load_into(started, str(fsdp_run))["step"] == 4
+    with torch.no_grad():
+        assert (started.eval()(idx)[0] - live).abs().max().item() <= 1e-6
     assert main(["export", str(fsdp_run), str(tmp_path / "hf")]) == 0
     theirs = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
     with torch.no_grad():

@@ -289,6 +289,12 @@ def has_weights(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "model.safetensors")) or sharded.is_sharded_checkpoint(path)
 
 
+def weights_file(ckpt: str) -> str:
+    """The file that stands for a checkpoint's weights: model.safetensors, or for a sharded
+    one checksums.json, which holds the sha256 of every shard (what --init-from records)."""
+    return os.path.join(ckpt, CHECKSUMS if sharded.is_sharded_checkpoint(ckpt) else "model.safetensors")
+
+
 def model_config(config: dict) -> GPTConfig:
     return GPTConfig(block_size=config["block_size"], vocab_size=config["vocab_size"],
                      n_layer=config["n_layer"], n_head=config["n_head"], n_embd=config["n_embd"],

@@ -37,7 +37,7 @@ class Source:
     spec: str  # SRC as the user gave it
     kind: str  # "hub", "hf_dir" or "checkpoint"
     config: GPTConfig  # its architecture
-    weights: str  # the weights file (a checkpoint's model.safetensors)
+    weights: str  # the weights file (a checkpoint's model.safetensors; checkpoint.weights_file)
     config_path: str
     step: Optional[int] = None  # steps the checkpoint had completed
     flag: str = "--init-from"  # how the user named it, for messages
@@ -94,7 +94,7 @@ def _checkpoint_source(spec: str) -> Source:
     if config is not None and "model_type" in config:  # an HF directory, but not a GPT-2 one
         raise InitFromError(f"--init-from {spec}: model_type {config['model_type']!r} is not GPT-2; "
                             "pass a GPT-2 model (model_type gpt2)")
-    if os.path.isfile(os.path.join(spec, "model.safetensors")):
+    if ckpt.has_weights(spec):
         where = spec
     else:
         where = ckpt.find_latest(spec)
@@ -102,7 +102,8 @@ def _checkpoint_source(spec: str) -> Source:
             raise InitFromError(f"--init-from {spec}: neither an HF GPT-2 directory (config.json + "
                                 "model.safetensors) nor a run directory with a complete checkpoint "
                                 "(checkpoints/step_*/) nor a checkpoint directory; check the path")
-    needed = ("model.safetensors", "state.pt", "config.json")
+    weights = ckpt.weights_file(where)
+    needed = (os.path.basename(weights), "state.pt", "config.json")
     missing = [f for f in needed if not os.path.isfile(os.path.join(where, f))]
     config = _read_json(os.path.join(where, "config.json"))
     if missing or config is None:
@@ -115,8 +116,7 @@ def _checkpoint_source(spec: str) -> Source:
     except (KeyError, TypeError, ValueError, RuntimeError, OSError) as e:
         raise InitFromError(f"--init-from {spec}: cannot read the checkpoint {where} ({e}); "
                             "pass another step_* directory") from e
-    return Source(spec, "checkpoint", model_config, os.path.join(where, "model.safetensors"),
-                  os.path.join(where, "config.json"), step)
+    return Source(spec, "checkpoint", model_config, weights, os.path.join(where, "config.json"), step)
 
 
 def _read_json(path: str) -> Optional[dict]:
@@ -178,7 +178,7 @@ def source_arch(spec: str, explicit: Mapping[str, int], flag: str = "--init-from
 
 def started_from(resume: str) -> Optional[tuple[str, str]]:
     """(checkpoint, its --init-from) when ``resume`` (a run or checkpoint dir) began from other weights."""
-    where = ckpt.find_latest(resume) if not os.path.isfile(os.path.join(resume, "model.safetensors")) else resume
+    where = resume if ckpt.has_weights(resume) else ckpt.find_latest(resume)
     config = _read_json(os.path.join(where, "config.json")) if where else None
     return (where, config["init_from"]) if config and config.get("init_from") else None
 
