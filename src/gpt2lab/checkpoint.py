@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from gpt2lab import sharded
+from gpt2lab import parallel, sharded
 from gpt2lab.errors import CheckpointError
 from gpt2lab.files import atomic_dir, write_json
 from gpt2lab.model import GPT, GPTConfig
@@ -128,7 +128,7 @@ def save(run_dir: str, step: int, parts: Mapping[str, Optional[Stateful]], confi
     if main:
         os.makedirs(os.path.dirname(final), exist_ok=True)
     plain = _plain_state(parts) if main else None
-    if sharded.is_sharded(model):
+    if parallel.is_sharded(model):
         _save_sharded(final, model, optimizer, plain, config)
     elif main:
         with atomic_dir(final, what_next=_DISK_FULL_NEXT, replace=True) as tmp:  # replace: same step saved again
@@ -403,7 +403,7 @@ def load(ckpt: str, parts: Mapping[str, Optional[Stateful]]) -> None:
     if sharded.is_sharded_checkpoint(ckpt):
         _check_shape(model, ckpt, _sharded_shapes(ckpt))
         sharded.load(ckpt, model, optimizer)
-    elif sharded.is_sharded(model):
+    elif parallel.is_sharded(model):
         raise CheckpointError(f"checkpoint {ckpt} holds whole weights (a single-process or DDP run); "
                               "an FSDP run resumes sharded checkpoints only: resume it with --strategy ddp")
     else:

@@ -28,13 +28,6 @@ TIED = "lm_head.weight"  # the same tensor as transformer.wte.weight: stored onc
 WTE = "transformer.wte.weight"
 
 
-def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s parameters are sharded DTensors (FSDP2's ``fully_shard``)."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
 def is_sharded_checkpoint(ckpt: str) -> bool:
     return os.path.isfile(os.path.join(ckpt, METADATA))
 
