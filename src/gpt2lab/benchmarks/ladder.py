@@ -154,6 +154,23 @@ def _model_step(shape, B: int, T: int, device: torch.device, chunked: bool):
     return _step(lambda: fwd(x, x, return_logits=not chunked)[1], model, opt, device, bf16=True), model
 
 
+def _build(rung: str, shape, B: int, T: int, device: torch.device, data):
+    if rung == "hf":
+        return _hf_step(shape, B, T, device)
+    if rung in ("model_chunked", "model_ce"):
+        return _model_step(shape, B, T, device, chunked=rung == "model_chunked")
+    if rung == "gpt2lab":
+        return _gpt2lab_step(shape, B, T, device, data)
+    return _reference_step(rung, shape, B, T, device)
+
+
+def _free() -> None:
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def run(args: argparse.Namespace) -> dict:
     from gpt2lab.config import PEAK_FLOPS
 
@@ -178,15 +195,16 @@ def run(args: argparse.Namespace) -> dict:
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = s["tf32"]
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        if rung == "hf":
-            step, model = _hf_step(shape, B, T, device)
-        elif rung in ("model_chunked", "model_ce"):
-            step, model = _model_step(shape, B, T, device, chunked=rung == "model_chunked")
-        elif rung == "gpt2lab":
-            step, model = _gpt2lab_step(shape, B, T, device, args.data)
-        else:
-            step, model = _reference_step(rung, shape, B, T, device)
-        ms, loss = _time_steps(step, device, args.steps, args.warmup)
+        try:
+            step, model = _build(rung, shape, B, T, device, args.data)
+            ms, loss = _time_steps(step, device, args.steps, args.warmup)
+        except torch.OutOfMemoryError:  # e.g. the fp32 rungs' materialised attention at B=64: say so, go on
+            step = model = None
+            rec = {"rung": rung, **s, "oom": True}
+            print(json.dumps(rec), flush=True)
+            out["rungs"].append(rec)
+            _free()
+            continue
         n = sum(p.numel() for p in model.parameters()) - T * shape[2]  # without wpe, tied counted once
         fpt = 6 * n + 12 * shape[0] * shape[2] * T
         tok_s = B * T / (ms / 1000)
@@ -199,8 +217,7 @@ def run(args: argparse.Namespace) -> dict:
         print(json.dumps(rec), flush=True)
         out["rungs"].append(rec)
         del step, model  # free this rung's model, optimizer and compiled graphs before the next
-        torch._dynamo.reset()
-        gc.collect()
+        _free()
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
     return out
