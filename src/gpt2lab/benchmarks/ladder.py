@@ -195,14 +195,17 @@ def run(args: argparse.Namespace) -> dict:
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = s["tf32"]
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
+        step = model = None
         try:
             step, model = _build(rung, shape, B, T, device, args.data)
             ms, loss = _time_steps(step, device, args.steps, args.warmup)
         except torch.OutOfMemoryError:  # e.g. the fp32 rungs' materialised attention at B=64: say so, go on
-            step = model = None
+            ms = None
+        if ms is None:  # outside the except: its traceback no longer holds the rung's tensors
             rec = {"rung": rung, **s, "oom": True}
             print(json.dumps(rec), flush=True)
             out["rungs"].append(rec)
+            del step, model
             _free()
             continue
         n = sum(p.numel() for p in model.parameters()) - T * shape[2]  # without wpe, tied counted once
