@@ -24,7 +24,7 @@ from test_train_dist import _wait_for
 from train_utils import cli_args, env, tiny_data, train_cmd, train_losses  # noqa: F401
 
 # TINY: 128 tokens a step = 2 micro-steps on one process, 1 per rank on two
-FIELDS = dict(max_steps=12, ckpt_interval=4, keep_checkpoints=0)
+FIELDS = dict(max_steps=12, ckpt_interval=4, keep_checkpoints=2)
 
 
 def _torchrun(out: Path, data: str, *extra: str) -> list[str]:
@@ -72,6 +72,7 @@ def test_fsdp_kill_9_then_resume_equals_uninterrupted(runs):
         assert again[step] == before[step], (step, again[step], before[step])
     for step in range(12):  # and the uninterrupted run's curve (DDP's tolerance in test_train_dist)
         assert abs(again[step] - straight[step]) < 1e-5, (step, again[step], straight[step])
+    assert sorted(os.listdir(runs["fsdp"] / "checkpoints")) == ["step_000008", "step_000012"]  # the newest 2 kept
     ck = runs["fsdp"] / "checkpoints" / "step_000012"
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(os.listdir(ck))  # each rank wrote its shard
 
