@@ -1,6 +1,6 @@
 """Sharded (DCP) checkpoints of `gpt2lab train --strategy fsdp` under torchrun (2 ranks, gloo):
-kill -9 and resume, resume on one process, export (logits against transformers), and a
-checkpoint that was not fully written is never chosen.
+continue a one-process checkpoint under FSDP, kill -9 and resume, resume on one process,
+export (logits against transformers), and a checkpoint not fully written is never chosen.
 
 Two torchrun launches (the killed run and its resume); everything else runs in this process.
 """
@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -43,34 +44,56 @@ def _train_here(out: Path, data: str, *extra: str) -> str:
     return text.getvalue()
 
 
+def _kill_9_all(proc: subprocess.Popen) -> None:
+    """SIGKILL both ranks and torchrun at once (torchrun starts each rank in a session of its own,
+    so killing its process group would leave the ranks training)."""
+    ranks = [int(pid) for pid in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    assert len(ranks) == 2, ranks
+    for pid in ranks:
+        os.kill(pid, signal.SIGKILL)
+    proc.kill()
+    proc.wait(timeout=30)
+    while any(_running(pid) for pid in ranks):  # gone (or a zombie) before anything is read
+        time.sleep(0.01)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_data, tmp_path_factory) -> dict:
-    """An uninterrupted one-process run, and a 2-rank FSDP run killed (-9, every process) after
-    its step-4 checkpoint and resumed with --resume auto; the losses it logged before the kill."""
+    """An uninterrupted one-process run; a 2-rank FSDP run that continues its (full) step-4
+    checkpoint, is killed (-9, every process) after its own (sharded) step-8 checkpoint and
+    resumed with --resume auto; the losses logged before the kill."""
     root = tmp_path_factory.mktemp("sharded")
     straight, fsdp = root / "straight", root / "fsdp"
-    _train_here(straight, tiny_data)
-    proc = subprocess.Popen(_torchrun(fsdp, tiny_data), env=env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    _wait_for(fsdp / "checkpoints" / "step_000004", proc)
-    os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks at once
-    proc.wait(timeout=30)
+    _train_here(straight, tiny_data, "--keep-checkpoints", "0")
+    shutil.copytree(straight / "checkpoints" / "step_000004", fsdp / "checkpoints" / "step_000004")
+    proc = subprocess.Popen(_torchrun(fsdp, tiny_data, "--resume", "auto"), env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    _wait_for(fsdp / "checkpoints" / "step_000008", proc)
+    _kill_9_all(proc)
     before = train_losses(fsdp)
     assert max(before) < 11, "the run finished before it was killed"
-    shutil.copytree(fsdp / "checkpoints" / "step_000004", root / "step_000004")  # as the kill left it
+    shutil.copytree(fsdp / "checkpoints" / "step_000008", root / "step_000008")  # as the kill left it
     resumed = subprocess.run(_torchrun(fsdp, tiny_data, "--resume", "auto"), env=env(), capture_output=True,
                              text=True, timeout=180)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "resumed from" in resumed.stdout and "strategy fsdp" in resumed.stdout
-    return {"root": root, "straight": straight, "fsdp": fsdp, "before": before, "step4": root / "step_000004"}
+    assert "resumed from " + str(fsdp / "checkpoints" / "step_000008") in resumed.stdout
+    assert "strategy fsdp" in resumed.stdout
+    return {"root": root, "straight": straight, "fsdp": fsdp, "before": before, "step8": root / "step_000008"}
 
 
-def test_fsdp_kill_9_then_resume_equals_uninterrupted(runs):
+def test_fsdp_continues_a_full_checkpoint_and_resumes_after_kill_9_as_uninterrupted(runs):
     straight, again, before = train_losses(runs["straight"]), train_losses(runs["fsdp"]), runs["before"]
-    assert sorted(again) == list(range(12))
-    for step in range(4, max(before) + 1):  # the steps done twice: the same ranks, bit for bit
+    assert sorted(again) == list(range(4, 12))  # from the one-process run's step 4 on
+    for step in range(8, max(before) + 1):  # the steps done twice: the same ranks, bit for bit
         assert again[step] == before[step], (step, again[step], before[step])
-    for step in range(12):  # and the uninterrupted run's curve (DDP's tolerance in test_train_dist)
+    for step in range(4, 12):  # and the uninterrupted run's curve (DDP's tolerance in test_train_dist)
         assert abs(again[step] - straight[step]) < 1e-5, (step, again[step], straight[step])
     assert sorted(os.listdir(runs["fsdp"] / "checkpoints")) == ["step_000008", "step_000012"]  # the newest 2 kept
     ck = runs["fsdp"] / "checkpoints" / "step_000012"
@@ -80,19 +103,19 @@ def test_fsdp_kill_9_then_resume_equals_uninterrupted(runs):
 def test_two_rank_checkpoint_resumes_on_one_process_skipping_unfinished_ones(runs, tiny_data):
     one = runs["root"] / "one"
     ck = one / "checkpoints"
-    shutil.copytree(runs["step4"], ck / "step_000004")
-    shutil.copytree(runs["step4"], ck / ".tmp_step_000006_999999")  # a save killed before rank 0 renamed it
-    shutil.copytree(runs["step4"], ck / "step_000007")  # shards without the checksums rank 0 writes last
-    os.remove(ck / "step_000007" / ckpt.CHECKSUMS)
-    shutil.copytree(runs["step4"], ck / "step_000009")  # complete once, then it lost a rank's shard
-    os.remove(ck / "step_000009" / "__1_0.distcp")
-    assert [os.path.basename(p) for p in ckpt.list_checkpoints(str(one))] == ["step_000004", "step_000009"]
+    shutil.copytree(runs["step8"], ck / "step_000008")
+    shutil.copytree(runs["step8"], ck / ".tmp_step_000009_999999")  # a save killed before rank 0 renamed it
+    shutil.copytree(runs["step8"], ck / "step_000010")  # shards without the checksums rank 0 writes last
+    os.remove(ck / "step_000010" / ckpt.CHECKSUMS)
+    shutil.copytree(runs["step8"], ck / "step_000011")  # complete once, then it lost a rank's shard
+    os.remove(ck / "step_000011" / "__1_0.distcp")
+    assert [os.path.basename(p) for p in ckpt.list_checkpoints(str(one))] == ["step_000008", "step_000011"]
     out = _train_here(one, tiny_data, "--resume", "auto")
-    assert "step_000009 is damaged (__1_0.distcp is missing); trying the one before it" in out
-    assert "resumed from " + str(ck / "step_000004") in out  # 2 ranks' shards read by one process
+    assert "step_000011 is damaged (__1_0.distcp is missing); trying the one before it" in out
+    assert "resumed from " + str(ck / "step_000008") in out  # 2 ranks' shards read by one process
     straight, again = train_losses(runs["straight"]), train_losses(one)
-    assert sorted(again) == list(range(4, 12))
-    for step in range(4, 12):
+    assert sorted(again) == list(range(8, 12))
+    for step in range(8, 12):
         assert abs(again[step] - straight[step]) < 1e-5, (step, again[step], straight[step])
     assert os.path.isfile(ck / "step_000012" / "model.safetensors")  # one process writes the full layout
 
@@ -122,8 +145,8 @@ def test_sharded_checkpoint_exports_with_transformers_logits(runs, tmp_path):
 
 
 def test_flipped_bytes_in_a_shard_are_named(runs, tmp_path):
-    good = tmp_path / "step_000004"
-    shutil.copytree(runs["step4"], good)
+    good = tmp_path / "step_000008"
+    shutil.copytree(runs["step8"], good)
     shard = good / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF

@@ -33,7 +33,7 @@ import os
 import random
 import re
 import shutil
-from typing import Mapping, Optional, Protocol
+from typing import Callable, Mapping, Optional, Protocol
 
 import numpy as np
 import torch
@@ -325,8 +325,7 @@ def load_weights(model: torch.nn.Module, ckpt: str, verified: bool = False) -> N
         _check_shape(model, ckpt, _sharded_shapes(ckpt))
         state = _read(ckpt, "its shards", sharded.read_model)
     else:
-        state = _read(ckpt, "model.safetensors",
-                      lambda c: clean_state_dict(load_file(os.path.join(c, "model.safetensors"))))
+        state = _read_full(ckpt)
         _check_shape(model, ckpt, {k: tuple(v.shape) for k, v in state.items()})
     model.load_state_dict(state, strict=False)  # lm_head is tied to wte, restored with it
 
@@ -336,6 +335,10 @@ def _read(ckpt: str, what: str, read):
         return read(ckpt)
     except Exception as e:  # SafetensorError, DCP's CheckpointException: no common base with OSError
         raise damaged(ckpt, f"{what} cannot be read ({_first_line(e)})") from e
+
+
+def _read_full(ckpt: str) -> dict[str, torch.Tensor]:
+    return _read(ckpt, "model.safetensors", lambda c: clean_state_dict(load_file(os.path.join(c, "model.safetensors"))))
 
 
 def _sharded_shapes(ckpt: str) -> dict[str, tuple[int, ...]]:
@@ -403,12 +406,13 @@ def load(ckpt: str, parts: Mapping[str, Optional[Stateful]]) -> None:
     if sharded.is_sharded_checkpoint(ckpt):
         _check_shape(model, ckpt, _sharded_shapes(ckpt))
         sharded.load(ckpt, model, optimizer)
-    elif parallel.is_sharded(model):
-        raise CheckpointError(f"checkpoint {ckpt} holds whole weights (a single-process or DDP run); "
-                              "an FSDP run resumes sharded checkpoints only: resume it with --strategy ddp")
+    elif parallel.is_sharded(model):  # a one-process or DDP checkpoint continued under FSDP
+        weights = _read_full(ckpt)
+        _check_shape(model, ckpt, {k: tuple(v.shape) for k, v in weights.items()})
+        _load_optimizer(ckpt, lambda adam: sharded.load_full(model, optimizer, weights, adam))
     else:
         load_weights(model, ckpt, verified=True)
-        _load_optimizer(ckpt, optimizer)
+        _load_optimizer(ckpt, optimizer.load_state_dict)
     own = {k: v for k, v in state.items() if k not in parts}  # the trainer's entries sit at the top
     for name, part in parts.items():
         value = own if name == "trainer" else state.get(name)
@@ -416,13 +420,14 @@ def load(ckpt: str, parts: Mapping[str, Optional[Stateful]]) -> None:
             part.load_state_dict(value)
 
 
-def _load_optimizer(ckpt: str, optimizer: torch.optim.Optimizer) -> None:
+def _load_optimizer(ckpt: str, apply: Callable[[dict], None]) -> None:
+    """optimizer.pt, handed to ``apply`` (one fitting error for both of its callers)."""
     try:
         opt = torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True, map_location="cpu")
     except (OSError, RuntimeError, EOFError, ValueError) as e:
         raise damaged(ckpt, _first_line(e)) from e
     try:
-        optimizer.load_state_dict(opt)
+        apply(opt)
     except (ValueError, KeyError, RuntimeError) as e:
         raise CheckpointError(f"checkpoint {ckpt}: its optimizer state does not fit this run "
                               f"({_first_line(e)}); resume with the checkpoint's settings") from e

@@ -133,3 +133,24 @@ def load(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     if tied:
         msd[TIED] = msd[WTE]  # the tie: one tensor under both names, as get_state_dict gave it
     set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+
+
+def load_full(model: torch.nn.Module, optimizer: torch.optim.Optimizer, weights: dict, adam: dict) -> None:
+    """Every rank: a full checkpoint's whole tensors into a sharded model, each rank keeping its slices.
+
+    ``adam`` is ``optimizer.state_dict()`` as a one-process or DDP run saved it (parameters
+    by index); the same model and parameter groups give the indices their names.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    names = {p: name for name, p in model.named_parameters()}
+    groups, state = [], {}
+    for ours, theirs in zip(optimizer.param_groups, adam["param_groups"], strict=True):
+        for p, index in zip(ours["params"], theirs["params"], strict=True):
+            if index in adam["state"]:
+                state[names[p]] = adam["state"][index]
+        groups.append({**theirs, "params": [names[p] for p in ours["params"]]})
+    if WTE in weights:
+        weights = {**weights, TIED: weights[WTE]}
+    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict={"state": state, "param_groups": groups},
+                   options=StateDictOptions(full_state_dict=True))
