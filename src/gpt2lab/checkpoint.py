@@ -395,7 +395,8 @@ def load(ckpt: str, parts: Mapping[str, Optional[Stateful]]) -> None:
     """Restore every part from ``ckpt``: either layout, written by any number of ranks.
 
     Called on every rank. A sharded checkpoint is resharded to this run's ranks by DCP
-    (onto a plain model too); a full one loads into a model every rank holds whole.
+    (onto a plain model too); a full one loads whole, or each rank keeps its slices of it
+    when the model is sharded.
     """
     verify(ckpt)
     model, optimizer = parts["model"], parts["optimizer"]
