@@ -198,10 +198,11 @@ def sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def verify(ckpt: str) -> None:
+def verify(ckpt: str, share: tuple[int, int] = (0, 1)) -> None:
     """Raise CheckpointError unless every file matches the checksum written at save.
 
     Checkpoints from before checksums existed have no checksums.json and pass unchecked.
+    ``share=(r, w)`` hashes only every w-th file from the r-th (``verify_together``).
     """
     path = os.path.join(ckpt, CHECKSUMS)
     if not os.path.exists(path):
@@ -211,12 +212,25 @@ def verify(ckpt: str) -> None:
             expected = json.load(fh)
     except (OSError, ValueError) as e:
         raise damaged(ckpt, f"{CHECKSUMS} unreadable ({e})") from e
-    for name, digest in expected.items():
+    for i, (name, digest) in enumerate(expected.items()):
         file = os.path.join(ckpt, name)
         if not os.path.isfile(file):
             raise damaged(ckpt, f"{name} is missing")
-        if sha256(file) != digest:
+        if i % share[1] == share[0] and sha256(file) != digest:
             raise damaged(ckpt, f"{name} does not match its checksum (its bytes changed after saving)")
+
+
+def verify_together(ckpt: str) -> None:
+    """``verify`` on every rank at once, each hashing its share of the files (a sharded
+    checkpoint's shards are read once, not once per rank); every rank raises the same error."""
+    why = None
+    try:
+        verify(ckpt, share=(sharded.rank(), sharded.world()))
+    except CheckpointError as e:
+        why = e.why
+    found = [w for w in sharded.gather(why) if w]
+    if found:
+        raise damaged(ckpt, found[0])
 
 
 def damaged(ckpt: str, why: str) -> CheckpointError:
@@ -398,7 +412,7 @@ def load(ckpt: str, parts: Mapping[str, Optional[Stateful]]) -> None:
     (onto a plain model too); a full one loads whole, or each rank keeps its slices of it
     when the model is sharded.
     """
-    verify(ckpt)
+    verify_together(ckpt)
     model, optimizer = parts["model"], parts["optimizer"]
     try:
         state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=True, map_location="cpu")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -49,13 +49,21 @@ def broadcast(value):
     return box[0]
 
 
-def agree(failed: bool) -> bool:
-    """True on every rank if any rank failed (so that all raise together and none waits)."""
+def gather(value) -> list:
+    """Every rank's ``value``, in rank order, on every rank."""
     if world() == 1:
-        return failed
-    flag = torch.tensor(float(failed))
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+        return [value]
+    values: list = [None] * world()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def agree(failed: bool) -> bool:
+    """True on every rank if any rank failed (so that all raise together and none waits).
+
+    An object collective: it works on gloo and NCCL alike, whatever device holds the model.
+    """
+    return any(gather(bool(failed)))
 
 
 def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict, bool]:
@@ -79,11 +87,7 @@ def digests(folder: str, hash_file: Callable[[str], str]) -> dict[str, str]:
     """sha256 of every file in ``folder``, the files spread over the ranks (each hashes 1/world)."""
     names = broadcast(sorted(n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n))))
     mine = {n: hash_file(os.path.join(folder, n)) for n in names[rank()::world()]}
-    if world() == 1:
-        return mine
-    parts: list[Optional[dict]] = [None] * world()
-    dist.all_gather_object(parts, mine)
-    return {name: digest for part in parts for name, digest in sorted(part.items())}
+    return dict(sorted(item for part in gather(mine) for item in part.items()))
 
 
 def saved_model(ckpt: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
