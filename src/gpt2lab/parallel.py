@@ -128,6 +128,9 @@ def shard(model: nn.Module, *, dtype: str, compile: bool) -> nn.Module:
                 fully_shard(norm)
         fully_shard(block, mp_policy=block_policy if low != torch.float32 else MixedPrecisionPolicy())
     fully_shard(model)
+    # the root is not compiled, so logits + cross-entropy would run eagerly and hold the whole
+    # (B*T, vocab) logits: the chunked loss instead (train.loss_settings chose for a compiled model)
+    model.chunked_loss = True
     return model
 
 
