@@ -5,7 +5,7 @@
 #   benchmarks/gpu.sh ladder16    the recipe's speed ladder + gpt2lab + transformers at B=16, T=1024
 #   benchmarks/gpu.sh ladder64    the same at B=64
 #   benchmarks/gpu.sh memory      largest micro-batch at T=1024: 124M, 350M; 774M and 1558M
-#   benchmarks/gpu.sh train       gpt2-124m settings for 250 steps on Tiny Shakespeare + WikiText-2,
+#   benchmarks/gpu.sh train       gpt2-124m settings for 200 steps on Tiny Shakespeare + WikiText-2,
 #                                 killed (-9) after the step-100 checkpoint and resumed; samples
 #   benchmarks/gpu.sh eval        HellaSwag (full validation set) on that run, with examples/s; plot
 #   benchmarks/gpu.sh finetune    --init-from that run: 60 steps of the finetune-shakespeare preset
@@ -47,7 +47,7 @@ train_flags() {
             --max-steps 6 --warmup-steps 2 --ckpt-interval 2 --eval-interval 3 --eval-tokens 256 \
             --sample-interval 3 --sample-tokens 8 --hellaswag-interval 0 --progress false
     else  # gpt2-124m settings, 2^19-token steps (B=64 x 8 micro-steps), a short schedule
-        echo --max-steps 250 --warmup-steps 25 --ckpt-interval 100 --eval-interval 50 \
+        echo --max-steps 200 --warmup-steps 20 --ckpt-interval 100 --eval-interval 50 \
             --eval-tokens 65536 --sample-interval 100 --hellaswag-interval 0 --progress false
     fi
 }

@@ -194,9 +194,12 @@ class GPT(nn.Module):
         # Weight tying (Press & Wolf 2017), as GPT-2: input and output embeddings share one matrix.
         self.lm_head.weight = self.transformer.wte.weight
         self.apply(self._init_weights)
-        # torch.compile the training loss's softmax kernel (return_logits=False); the trainer
-        # turns it on with --compile true
+        # The training loss (return_logits=False). chunked: never holds the (B*T, vocab) logits
+        # (chunked_loss.py; faster and smaller on CPUs); compile_loss compiles its softmax
+        # kernel. chunked_loss False: logits + F.cross_entropy, which torch.compile fuses into
+        # the model's graph (faster on GPUs). The trainer sets both (train.loss_settings).
         self.compile_loss = False
+        self.chunked_loss = True
         # Activation checkpointing (--activation-checkpointing): in training, keep only each
         # block's input and recompute its insides during backward (about a third more compute
         # for a fraction of the activation memory). The trainer sets it; no weights change.
@@ -261,14 +264,14 @@ class GPT(nn.Module):
             x = x.reshape(B * T, -1)[positions]  # (N, C)
             targets = None if targets is None else targets.reshape(-1)[positions]
         x = self.transformer.ln_f(x)
-        if targets is not None and not return_logits:
+        if targets is not None and not return_logits and self.chunked_loss:
             return None, chunked_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1),
                                                compiled=self.compile_loss)
         logits = self.lm_head(x)  # (B, T, vocab_size), or (N, vocab_size) at positions
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
-        return logits, loss
+        return (logits if return_logits or targets is None else None), loss
 
     @classmethod
     def from_pretrained(cls, name_or_path: str) -> "GPT":
