@@ -156,5 +156,6 @@ def load_full(model: torch.nn.Module, optimizer: torch.optim.Optimizer, weights:
         groups.append({**theirs, "params": [names[p] for p in ours["params"]]})
     if WTE in weights:
         weights = {**weights, TIED: weights[WTE]}
-    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict={"state": state, "param_groups": groups},
+    adam = {"state": state, "param_groups": groups}
+    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=adam,
                    options=StateDictOptions(full_state_dict=True))
