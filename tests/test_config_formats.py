@@ -166,6 +166,22 @@ def test_flat_flags_and_toml_keys_map_into_the_model():
     assert TrainConfig.from_dict({**table, "n_layer": 5}).model.n_layer == 5
 
 
+def test_preset_files_may_use_a_model_table(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from gpt2lab import config
+
+    (tmp_path / "presets").mkdir()
+    (tmp_path / "presets" / "flat.toml").write_text("n_layer = 2\nn_embd = 32\nn_head = 2\nmax_steps = 5\n")
+    (tmp_path / "presets" / "nested.toml").write_text('base = "flat"\nmax_steps = 6\n[model]\nn_layer = 3\n')
+    (tmp_path / "presets" / "both.toml").write_text("n_layer = 2\n[model]\nn_layer = 3\n")
+    monkeypatch.setattr(config, "resources", SimpleNamespace(files=lambda package: tmp_path))
+    cfg = load_preset("nested", n_head=4)
+    assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.max_steps) == (3, 32, 4, 6)
+    with pytest.raises(ConfigError, match=r"both.toml: n_layer set both as a key and in \[model\]; keep one"):
+        load_preset("both")
+
+
 @pytest.mark.parametrize("values, words", [
     ({"n_layers": 3}, ["unknown field(s) n_layers", "n_layer"]),
     ({"model": {"n_layers": 3}}, ["unknown model field(s) n_layers", "n_layer"]),

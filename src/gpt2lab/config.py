@@ -259,6 +259,10 @@ def preset_values(name: str, _seen: tuple = ()) -> dict:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML ({e})") from e
     base = values.pop("base", None)
+    table = values.get("model")
+    both = sorted(set(values) & set(table)) if isinstance(table, dict) else []
+    if both:
+        raise ConfigError(f"{path}: {', '.join(both)} set both as a key and in [model]; keep one")
     own = nest_model(values, str(path))  # flat keys and a [model] table alike; merged field by field
     below = preset_values(base, _seen + (name,)) if base else {"model": {}}
     return {**below, **own, "model": {**below["model"], **own["model"]}}

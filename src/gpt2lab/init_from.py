@@ -25,7 +25,8 @@ from gpt2lab.load import HUB_NAMES, is_hf_dir
 from gpt2lab.model import GPT, GPTConfig
 from gpt2lab.tokenizer import GPT2_VOCAB_SIZE
 
-ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "block_size")
+# What the source decides: every field that sets a parameter shape, but the vocabulary (a run may pad it).
+ARCH_FIELDS = tuple(name for name in GPTConfig().shape() if name != "vocab_size")
 
 
 class InitFromError(ConfigError):
