@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from gpt2lab import checkpoint as ckpt
 from gpt2lab.config import model_from_config
-from gpt2lab.model import GPT, GPTConfig
+from gpt2lab.model import GPT
 from gpt2lab.optim import make_optimizer
 
 CFG = dict(block_size=16, vocab_size=50304, n_layer=2, n_head=2, n_embd=16)

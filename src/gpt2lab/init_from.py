@@ -9,7 +9,6 @@ naming it, raised before any training work.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
