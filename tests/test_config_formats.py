@@ -187,6 +187,8 @@ def test_preset_files_may_use_a_model_table(tmp_path, monkeypatch):
     ({"model": {"n_layers": 3}}, ["unknown model field(s) n_layers", "n_layer"]),
     ({"model": 3}, ['"model" must be a table']),
     ({"n_layer": 0}, ["n_layer must be >= 1, got 0"]),
+    ({"model": {"n_layer": "2"}}, ["n_layer must be a whole number, got '2'"]),
+    ({"attn_pdrop": True}, ["attn_pdrop must be a number, got True"]),
     ({"model": {"n_head": 5}}, ["n_embd 768 is not divisible by n_head 5"]),
     ({"resid_pdrop": 1.5}, ["resid_pdrop 1.5 must be in [0, 1)"]),
     ({"token_vocab_size": 100}, ["token_vocab_size 100", "drop it"]),

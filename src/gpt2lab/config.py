@@ -219,9 +219,17 @@ def _gpt_config(values: dict, source: str) -> GPTConfig:
     if unknown:
         raise ConfigError(f"{source}: unknown model field(s) {', '.join(unknown)}; "
                           f"known model fields: {', '.join(MODEL_KEYS)}")
+    hints = get_type_hints(GPTConfig)
+    for name, value in values.items():
+        tp, optional = _field_type(hints[name])
+        ok = (value is None and optional) or (isinstance(value, (int, float) if tp is float else tp)
+                                               and not isinstance(value, bool))
+        if not ok:
+            raise ConfigError(f"{source}: {name} must be {'a whole number' if tp is int else 'a number'}, "
+                              f"got {value!r}")
     try:
         return GPTConfig(**values)
-    except (ValueError, TypeError) as e:  # GPTConfig names the value; a wrong type compares badly
+    except ValueError as e:  # GPTConfig's own checks name the value
         raise ConfigError(f"{source}: {e}") from e
 
 
