@@ -124,7 +124,8 @@ class TrainConfig:
         if isinstance(self.compile, bool):  # presets and config.json files written before "auto"
             self.compile = "true" if self.compile else "false"
         self._derive_token_vocab()
-        positive = ("micro_batch_size", "seq_len", "total_batch_tokens", "max_steps", "max_bad_steps", "sample_tokens")
+        positive = ("micro_batch_size", "seq_len", "total_batch_tokens", "max_steps", "max_bad_steps",
+                    "sample_tokens")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
