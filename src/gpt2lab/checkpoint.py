@@ -15,7 +15,8 @@ optimizer steps completed):
   both:
     state.pt           the trainer's step, tokens, guard and skips at the top level, and
                        "loader", "rng" (python, numpy, torch, cuda) and "scaler" entries
-    config.json        the run's resolved TrainConfig
+    config.json        the run's resolved TrainConfig, the architecture under "model" (files
+                       written before it was nested are flat: config.model_from_config reads both)
     checksums.json     sha256 of each file above, verified when the checkpoint is loaded
 
 A checkpoint is written under a temporary name and renamed when complete (a sharded one
@@ -42,8 +43,8 @@ from safetensors.torch import load_file, save_file
 from gpt2lab import parallel, sharded
 from gpt2lab.errors import CheckpointError
 from gpt2lab.files import atomic_dir, write_json
-from gpt2lab.model import GPT, GPTConfig
-from gpt2lab.tokenizer import GPT2_VOCAB_SIZE
+from gpt2lab.config import ConfigError, model_from_config
+from gpt2lab.model import GPT
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 _PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DDP wrappers
@@ -309,16 +310,6 @@ def weights_file(ckpt: str) -> str:
     return os.path.join(ckpt, CHECKSUMS if sharded.is_sharded_checkpoint(ckpt) else "model.safetensors")
 
 
-def model_config(config: dict) -> GPTConfig:
-    return GPTConfig(block_size=config["block_size"], vocab_size=config["vocab_size"],
-                     n_layer=config["n_layer"], n_head=config["n_head"], n_embd=config["n_embd"],
-                     token_vocab_size=min(GPT2_VOCAB_SIZE, config["vocab_size"]),
-                     **{k: config.get(k, 0.0) for k in ("embd_pdrop", "attn_pdrop", "resid_pdrop")})
-
-
-MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
-
-
 def read_config(ckpt: str) -> dict:
     try:
         with open(os.path.join(ckpt, "config.json")) as fh:
@@ -368,11 +359,10 @@ def _check_shape(model: torch.nn.Module, ckpt: str, theirs: dict) -> None:
 
 def _mismatch(ckpt: str, model: torch.nn.Module, mine: dict, theirs: dict) -> str:
     cfg = getattr(model, "config", None)
-    want = ", ".join(f"{f} {getattr(cfg, f)}" for f in MODEL_FIELDS if cfg is not None and hasattr(cfg, f))
+    want = ", ".join(f"{k} {v}" for k, v in cfg.shape().items()) if hasattr(cfg, "shape") else "unknown"
     try:
-        saved = read_config(ckpt)
-        have = ", ".join(f"{f} {saved.get(f)}" for f in MODEL_FIELDS)
-    except CheckpointError:
+        have = ", ".join(f"{k} {v}" for k, v in model_from_config(read_config(ckpt)).shape().items())
+    except (CheckpointError, ConfigError):
         have = "unknown (config.json unreadable)"
     diff = sorted(set(mine) ^ set(theirs)) or [k for k in mine if mine[k] != theirs.get(k)]
     k = diff[0]
@@ -394,7 +384,10 @@ def load_model(path: str) -> GPT:
     ckpt = resolve(path)
     verify(ckpt)
     config = read_config(ckpt)
-    model = GPT(model_config(config))
+    try:
+        model = GPT(model_from_config(config, f"{ckpt}/config.json"))
+    except ConfigError as e:
+        raise damaged(ckpt, f"config.json describes no valid model ({e})") from e
     if config.get("lora_rank"):
         from gpt2lab.lora import add_lora, lora_args, merge_lora
 
