@@ -5,8 +5,8 @@
 #   benchmarks/gpu.sh ladder16    the recipe's speed ladder + gpt2lab + transformers at B=16, T=1024
 #   benchmarks/gpu.sh ladder64    the same at B=64
 #   benchmarks/gpu.sh memory      largest micro-batch at T=1024: 124M, 350M; 774M and 1558M
-#   benchmarks/gpu.sh train       gpt2-124m settings for 200 steps on Tiny Shakespeare + WikiText-2,
-#                                 killed (-9) after the step-100 checkpoint and resumed; samples
+#   benchmarks/gpu.sh train       gpt2-124m settings for 160 steps on Tiny Shakespeare + WikiText-2,
+#                                 killed (-9) after the step-80 checkpoint and resumed; samples
 #   benchmarks/gpu.sh eval        HellaSwag (full validation set) on that run, with examples/s; plot
 #   benchmarks/gpu.sh finetune    --init-from that run: 60 steps of the finetune-shakespeare preset
 #                                 (dropout 0.1), then the same with --lora-rank 8; val loss before/after
@@ -47,7 +47,7 @@ train_flags() {
             --max-steps 6 --warmup-steps 2 --ckpt-interval 2 --eval-interval 3 --eval-tokens 256 \
             --sample-interval 3 --sample-tokens 8 --hellaswag-interval 0 --progress false
     else  # gpt2-124m settings, 2^19-token steps (B=64 x 8 micro-steps), a short schedule
-        echo --max-steps 200 --warmup-steps 20 --ckpt-interval 100 --eval-interval 50 \
+        echo --max-steps 160 --warmup-steps 16 --ckpt-interval 80 --eval-interval 40 \
             --eval-tokens 65536 --sample-interval 100 --hellaswag-interval 0 --progress false
     fi
 }
@@ -84,9 +84,12 @@ stage_train() {
     flags=$(train_flags)
     t0=$(date +%s)
     # shellcheck disable=SC2086
-    g train --preset gpt2-124m --data "$RUN/data" --out "$RUN/run" $flags > "$OUT/train_first.log" 2>&1 &
+    # python itself in the background, not through g(): $! of a backgrounded shell function is a
+    # subshell, and kill -9 of it left the trainer running beside the resumed one (both on the GPU,
+    # both writing the run directory: the first GPU call measured the resumed run at half speed)
+    "$PY" -m gpt2lab train --preset gpt2-124m --data "$RUN/data" --out "$RUN/run" $flags > "$OUT/train_first.log" 2>&1 &
     pid=$!
-    local ckpt=step_000100
+    local ckpt=step_000080
     [ "$SMOKE" = 1 ] && ckpt=step_000002
     while [ ! -d "$RUN/run/checkpoints/$ckpt" ] && kill -0 "$pid" 2>/dev/null; do sleep 0.2; done
     kill -9 "$pid" 2>/dev/null || true

@@ -105,7 +105,7 @@ class Trainer:
         self.malloc_tuned = keep_freed_memory() if cfg.keep_cpu_memory and self.device.type == "cpu" else False
         if self.device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls
-        self.raw = GPT(ckpt.model_config(cfg.to_dict())).to(self.device)
+        self.raw = GPT(cfg.model).to(self.device)
         self.init_source = None  # --init-from: weights only; optimizer, step and data order start fresh
         if cfg.init_from and not resume:
             self.init_source = load_into(self.raw, cfg.init_from)
