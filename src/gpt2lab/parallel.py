@@ -194,6 +194,11 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
 
+def params_on_this_rank(model: nn.Module) -> int:
+    """Parameters this process holds (FSDP: its shards, padding included; else all of them)."""
+    return sum(_local(p).numel() for p in model.parameters())
+
+
 # -- evaluation ----------------------------------------------------------------------------
 @contextlib.contextmanager
 def gathered(model: nn.Module) -> Iterator[None]:

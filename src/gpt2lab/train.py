@@ -460,6 +460,7 @@ def train(cfg: TrainConfig, info: DistInfo, resume: Optional[str] = None) -> Opt
         write_json(os.path.join(cfg.out, "run_info.json"),
                    {**run_info(info.device, info.world_size), "grad_accum_steps": trainer.accum,
                     "resumed_from": trainer.resumed_from, "params": trainer.raw.num_params(),
+                    "params_on_rank_0": parallel.params_on_this_rank(trainer.raw),
                     "choices": {**trainer.choices.record(), "strategy": trainer.strategy.value,
                                 "strategy_reason": trainer.strategy.reason,
                                 "activation_checkpointing": cfg.activation_checkpointing},
