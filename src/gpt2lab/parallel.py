@@ -185,7 +185,8 @@ def all_finite(model: nn.Module) -> bool:
     local = all(bool(torch.isfinite(_local(p)).all()) for p in model.parameters())
     if not (is_sharded(model) and dist.is_initialized()):
         return local  # DDP keeps the weights equal: every rank finds the same
-    flag = torch.tensor(float(local))
+    # on the weights' device: NCCL reduces CUDA tensors only (gloo either)
+    flag = torch.tensor(float(local), device=_local(next(model.parameters())).device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
