@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from gpt2lab.chunked_loss import _CHUNK_ELEMENTS, _GROUP_ELEMENTS
+from gpt2lab.errors import UsageError
 from gpt2lab.model import GPTConfig
 
 STRATEGIES = ("ddp", "fsdp")
@@ -34,7 +35,7 @@ CPU_GLOO_BYTES = 40 * 2 ** 20
 FP32 = 4
 
 
-class PlanError(ValueError):
+class PlanError(UsageError):
     """A value the planner cannot use (unknown strategy or dtype, non-positive size)."""
 
 
@@ -84,8 +85,8 @@ def loss_workspace_bytes(N: int, V: int, C: int, compute: int, x_size: int, w_si
     """Peak bytes inside chunked_cross_entropy's forward (eager kernel), replaying its loop.
 
     Alive throughout: x and the weight cast to the compute dtype (when they are not in it
-    already) and grad_x (N, C) fp32; per chunk, its logits, their fp32 softmax and its cast
-    to the compute dtype; the chunk gradients of a group until its grad_w matmul, whose
+    already) and grad_x (N, C) fp32; per chunk, its logits and their fp32 softmax (in low
+    precision also the logits converted to fp32, then the softmax cast back); the chunk gradients of a group until its grad_w matmul, whose
     result lands in the compute dtype and then in fp32.
     """
     base = (N * C * compute if compute != x_size else 0) + (V * C * compute if compute != w_size else 0) + N * C * FP32
@@ -96,8 +97,10 @@ def loss_workspace_bytes(N: int, V: int, C: int, compute: int, x_size: int, w_si
         g1, parts = min(N, g0 + group), 0
         for s in range(g0, g1, rows):
             n = min(g1, s + rows) - s
-            cast = n * V * compute if compute != FP32 else 0  # p.to(float32) is p itself
-            peak = max(peak, base + grad_w + parts + n * V * (compute + FP32) + cast)
+            # softmax(dtype=float32) of low-precision logits converts them first (a copy next to
+            # its output), and its result is cast back; in fp32 there is neither copy
+            extra = n * V * max(FP32, compute) if compute != FP32 else 0
+            peak = max(peak, base + grad_w + parts + n * V * (compute + FP32) + extra)
             parts += n * V * compute
         cat = parts if g1 - g0 > rows else 0  # torch.cat of more than one chunk is a copy
         gw = V * C * compute + (V * C * FP32 if compute != FP32 else 0)
@@ -119,7 +122,7 @@ def predict(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro
     time (the one computing and the one prefetched), activations wholly in ``dtype``.
     ``accum`` > 1 keeps the gradients alive through the forward of later micro-steps.
     """
-    _check(strategy, world_size, micro_batch, dtype, accum, device)
+    check(strategy, world_size, micro_batch, dtype, accum, device)
     T = seq_len or cfg.block_size
     N, V, C, L = micro_batch * T, cfg.vocab_size, cfg.n_embd, cfg.n_layer
     p, a = param_counts(cfg), DTYPE_BYTES[dtype]
@@ -193,7 +196,8 @@ def _largest(fits, cap: int) -> int:
     return good
 
 
-def _check(strategy: str, world_size: int, micro_batch: int, dtype: str, accum: int, device: str) -> None:
+def check(strategy: str, world_size: int, micro_batch: int, dtype: str, accum: int, device: str) -> None:
+    """Raise PlanError naming the first value the planner cannot use."""
     if strategy not in STRATEGIES:
         raise PlanError(f"strategy {strategy!r} unknown; use one of {', '.join(STRATEGIES)}")
     if dtype not in DTYPE_BYTES:
