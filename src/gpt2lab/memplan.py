@@ -207,3 +207,23 @@ def check(strategy: str, world_size: int, micro_batch: int, dtype: str, accum: i
     for name, v in (("world size", world_size), ("micro-batch", micro_batch), ("accumulation steps", accum)):
         if v < 1:
             raise PlanError(f"{name} must be at least 1, got {v}")
+
+
+def choose(gpu_bytes: int, cfg: GPTConfig, *, world_size: int, seq_len: int, total_batch_tokens: int,
+           dtype: str = "bfloat16") -> dict:
+    """What a size preset assumes for a card: {"strategy", "activation_checkpointing", "micro_batch"}.
+
+    The micro-batch is a power of two (so it divides a power-of-two batch at any power-of-two
+    world size) no larger than the plan's nor than one step's share per rank. The strategy
+    is the one with the larger such micro-batch, DDP on a tie (it moves no weights between
+    ranks); activation checkpointing only where neither fits a sequence without it.
+    """
+    cap = max(1, total_batch_tokens // (seq_len * world_size))
+    best = None
+    for row in plan(gpu_bytes, cfg, world_size=world_size, seq_len=seq_len, dtype=dtype, max_batch=cap):
+        B = 1 << (row["micro_batch"].bit_length() - 1) if row["micro_batch"] else 0
+        key = (not row["activation_checkpointing"] and B > 0, B, row["strategy"] == "ddp")
+        if best is None or key > best[0]:
+            best = (key, {"strategy": row["strategy"], "activation_checkpointing": row["activation_checkpointing"],
+                          "micro_batch": B})
+    return best[1]

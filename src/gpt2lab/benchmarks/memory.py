@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation-checkpointing", default="false", choices=["true", "false"])
     p.add_argument("--accum", type=int, default=2, help="micro-steps per step (more than 1 keeps gradients "
                                                          "alive through the forward)")
-    p.add_argument("--steps", type=int, default=2, help="measured training steps")
+    p.add_argument("--steps", type=int, default=2, help="measured training steps (at least 2: the first creates AdamW's moments)")
     p.add_argument("--keep-cpu-memory", default="true", choices=["true", "false"],
                    help="CPU: glibc keeps freed memory in the process, as the trainer's keep_cpu_memory")
     p.add_argument("--tensor-peak", default="false", choices=["true", "false"],
@@ -76,8 +76,8 @@ def model_config(size: str, seq_len: int) -> GPTConfig:
 def run(args: argparse.Namespace) -> Optional[dict]:
     cfg = model_config(args.size, args.seq_len)
     memplan.check(args.strategy, args.world_size or 1, args.micro_batch or 1, args.dtype, args.accum, "cpu")
-    if args.steps < 1:
-        raise UsageError(f"--steps must be at least 1, got {args.steps}")
+    if args.steps < 2:  # the first step creates AdamW's moments; the planned peak is a later step's
+        raise UsageError(f"--steps must be at least 2, got {args.steps}")
     if args.plan is not None:
         return plan(cfg, args)
     if args.micro_batch is not None:
