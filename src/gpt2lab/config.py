@@ -22,6 +22,8 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, packaged as tomli
 # Autocast dtypes and compile settings a run accepts; "auto" is decided by gpt2lab.runtime.
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 COMPILE_CHOICES = ("auto", "true", "false")
+# How several processes share the model; "auto" is decided by gpt2lab.parallel.choose_strategy.
+STRATEGY_CHOICES = ("auto", "ddp", "fsdp")
 # Layers --lora-targets may name (peft matches a module whose name ends with ".TARGET").
 LORA_TARGETS = ("c_attn", "c_proj", "c_fc", "attn.c_proj", "mlp.c_proj")
 # Peak dense bf16/fp16 tensor FLOP/s by GPU name fragment (vendor datasheets), for MFU.
@@ -111,6 +113,13 @@ class TrainConfig:
     lora_alpha: float = _f(16.0, "LoRA scale numerator: the update is (alpha / rank) * B @ A")
     lora_targets: str = _f("c_attn", "comma-separated layers that get LoRA adapters: c_attn, c_proj, c_fc "
                            "(attn.c_proj or mlp.c_proj for one of the two c_proj)")
+    # sharding and activation memory (gpt2lab/parallel.py)
+    strategy: str = _f("auto", "how the processes of a torchrun share the model: ddp (each holds all weights, "
+                       "gradients and AdamW state), fsdp (FSDP2: all three sharded over the processes) or "
+                       "auto = ddp for one process or a model that fits, else fsdp")
+    activation_checkpointing: bool = _f(False, "keep only each block's input in the forward and recompute "
+                                        "the rest in the backward: about a third more compute for a "
+                                        "fraction of the activation memory")
 
     def __post_init__(self) -> None:
         if isinstance(self.compile, bool):  # presets and config.json files written before "auto"
@@ -143,6 +152,8 @@ class TrainConfig:
             raise ConfigError(f"dtype {self.dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}")
         if self.compile not in COMPILE_CHOICES:
             raise ConfigError(f"compile {self.compile!r}: choose one of {', '.join(COMPILE_CHOICES)}")
+        if self.strategy not in STRATEGY_CHOICES:
+            raise ConfigError(f"strategy {self.strategy!r}: choose one of {', '.join(STRATEGY_CHOICES)}")
         if not 0 < self.max_lr or self.min_lr > self.max_lr:
             raise ConfigError(f"need 0 < min_lr <= max_lr, got min_lr {self.min_lr}, max_lr {self.max_lr}")
         self._check_fine_tuning()
@@ -157,6 +168,9 @@ class TrainConfig:
         bad = [t for t in targets if t not in LORA_TARGETS]
         if bad or not targets:
             raise ConfigError(f"lora_targets {self.lora_targets!r}: choose from {', '.join(LORA_TARGETS)}")
+        if self.lora_rank and self.strategy == "fsdp":
+            raise ConfigError("strategy fsdp with lora_rank: LoRA trains only the adapters, so DDP keeps no "
+                              "gradients or AdamW state for the frozen weights; use --strategy ddp")
 
     def grad_accum_steps(self, world_size: int) -> int:
         """Micro-steps per optimizer step; raises unless the total batch divides evenly."""
@@ -250,8 +264,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         kwargs: dict = dict(dest=f.name, default=argparse.SUPPRESS, type=_converter(tp, optional),
                             help=f"{f.metadata['help']} (base default {f.default!r}; the preset may set it)")
         kwargs["metavar"] = {bool: "true|false", int: "N", float: "X"}.get(tp, "TEXT")
-        if f.name in ("dtype", "compile"):
-            choices = DTYPE_CHOICES if f.name == "dtype" else COMPILE_CHOICES
+        if f.name in ("dtype", "compile", "strategy"):
+            choices = {"dtype": DTYPE_CHOICES, "compile": COMPILE_CHOICES, "strategy": STRATEGY_CHOICES}[f.name]
             kwargs.update(choices=choices, type=str.lower, metavar="|".join(choices))
         group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
 

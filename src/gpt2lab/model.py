@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from gpt2lab.chunked_loss import chunked_cross_entropy
 
@@ -196,6 +197,10 @@ class GPT(nn.Module):
         # torch.compile the training loss's softmax kernel (return_logits=False); the trainer
         # turns it on with --compile true
         self.compile_loss = False
+        # Activation checkpointing (--activation-checkpointing): in training, keep only each
+        # block's input and recompute its insides during backward (about a third more compute
+        # for a fraction of the activation memory). The trainer sets it; no weights change.
+        self.activation_checkpointing = False
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
@@ -244,8 +249,10 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {start + T} exceeds block_size {self.config.block_size}")
         pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        recompute = self.activation_checkpointing and self.training and kv_cache is None
         for block in self.transformer.h:
-            x = block(x, kv_cache)
+            # non-reentrant checkpointing replays the block's dropout masks (it saves the RNG state)
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x, kv_cache)
         if kv_cache is not None:
             kv_cache.pos += T
         if last_only:  # generation needs the next token only: skip T-1 rows of the vocab matmul

@@ -19,10 +19,9 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 import torch.distributed as tdist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpt2lab import checkpoint as ckpt
-from gpt2lab import runtime
+from gpt2lab import parallel, runtime
 from gpt2lab.config import PEAK_FLOPS, ConfigError, TrainConfig, save_config
 from gpt2lab.dist import DistInfo, all_reduce_mean, autocast
 from gpt2lab.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, GPT2LabError, RunDiverged
@@ -57,15 +56,14 @@ def accumulate_gradients(model: torch.nn.Module, next_batch: Callable[[], Batch]
     """Forward/backward ``accum`` micro-batches; return the mean loss over micro-steps and ranks.
 
     Each micro-loss is scaled by 1/accum so the summed gradients are those of the whole
-    batch; under DDP, gradients are all-reduced only on the last micro-step.
+    batch; under DDP and FSDP, gradients are reduced over ranks only on the last micro-step.
     """
     total = torch.zeros((), dtype=torch.float32, device=device)
     for micro in range(accum):
         x, y = next_batch()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         last = micro == accum - 1
-        sync = model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext()
-        with sync:
+        with parallel.sync_gradients(model, last):
             with autocast(device, dtype):
                 _, loss = model(x, y, return_logits=False)
             loss = loss / accum
@@ -103,6 +101,12 @@ class Trainer:
 
             add_lora(self.raw, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
         self.raw.compile_loss = self.compile  # the loss's fused softmax kernel, compiled with the model
+        self.raw.activation_checkpointing = cfg.activation_checkpointing
+        self.strategy = _resolve_strategy(cfg, info, self.raw.num_params(), self.dtype)
+        # self.raw stays the GPT (sharded in place under FSDP); train_model runs the micro-steps,
+        # self.model the evaluations. The optimizer is built on the (sharded) parameters after wrapping.
+        self.train_model, self.model = parallel.wrap(self.raw, str(self.strategy.value), distributed=info.distributed,
+                                                     device=self.device, dtype=self.dtype, compile=self.compile)
         self.optimizer = make_optimizer(self.raw, lr=cfg.max_lr, weight_decay=cfg.weight_decay,
                                         betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, device=self.device)
         from gpt2lab.data import TokenLoader
@@ -116,9 +120,6 @@ class Trainer:
         use_scaler = self.dtype == "float16"
         self.scaler = torch.amp.GradScaler(self.device.type) if use_scaler else None
         self.resumed_from = self._restore(resume) if resume else None
-        self.model = torch.compile(self.raw) if self.compile else self.raw
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        self.ddp = DDP(self.model, device_ids=ids) if info.distributed else None
         self.flops_per_token = self.raw.flops_per_token(cfg.seq_len)
         self.peak = peak_flops(cfg, self.device)
         self.stop_requested = False
@@ -145,12 +146,15 @@ class Trainer:
     def save(self) -> Optional[str]:
         """Rank 0 writes the checkpoint for the steps completed so far (never a non-finite model)."""
         path = None
-        # checked on every rank (DDP keeps the weights equal): all raise together, none waits at the barrier
-        if not all(torch.isfinite(p).all() for p in self.raw.parameters()):
+        # every rank gets the same answer (FSDP: each checks its shard): all raise together, none waits at the barrier
+        if not parallel.all_finite(self.raw):
             raise TrainingError(f"model has non-finite weights at step {self.step}; not saving over "
                                 f"the last good checkpoint in {self.cfg.out}/checkpoints")
+        model, optimizer = self.raw, self.optimizer
+        if parallel.is_sharded(self.raw):  # until sharded (DCP) checkpoints: the gathered, unsharded format
+            model, optimizer = parallel.consolidated(self.raw, self.optimizer)
         if self.info.is_main:
-            path = ckpt.save_checkpoint(self.cfg.out, model=self.raw, optimizer=self.optimizer,
+            path = ckpt.save_checkpoint(self.cfg.out, model=model, optimizer=optimizer,
                                         step=self.step, tokens=self.tokens,
                                         loader_state=self.loader.state_dict(), config=self.cfg.to_dict(),
                                         keep=self.cfg.keep_checkpoints,
@@ -167,14 +171,13 @@ class Trainer:
         cfg, t0 = self.cfg, time.perf_counter()
         lr = lr_at(self.step, max_lr=cfg.max_lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
                    max_steps=cfg.max_steps)
-        model = self.ddp or self.model
         position = self._skip_bad_data()
-        loss = accumulate_gradients(model, self.loader.next_batch, self.accum, self.device, self.dtype,
+        loss = accumulate_gradients(self.train_model, self.loader.next_batch, self.accum, self.device, self.dtype,
                                     self.scaler)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.raw.parameters(), clip)
+        norm = parallel.clip_grad_norm(self.raw, clip)  # the whole gradient's norm, sharded or not
         loss_v, norm_v = loss.item(), norm.item()
         finite = bool(np.isfinite(loss_v) and np.isfinite(norm_v))
         # fp16: the scaler itself skips steps with inf gradients (and backs off) while it finds its scale
@@ -230,13 +233,17 @@ class Trainer:
         if _due(cfg.hellaswag_interval, s, cfg.max_steps):
             from gpt2lab.evals.hellaswag import evaluate_hellaswag
 
-            res = evaluate_hellaswag(self.model, cfg.hellaswag_data, device=self.device, dtype=self.dtype,
-                                     batch_size=cfg.micro_batch_size, limit=cfg.hellaswag_limit,
-                                     rank=self.info.rank, world_size=self.info.world_size)
+            with parallel.gathered(self.raw):  # FSDP: ranks score different numbers of batches
+                res = evaluate_hellaswag(self.model, cfg.hellaswag_data, device=self.device, dtype=self.dtype,
+                                         batch_size=cfg.micro_batch_size, limit=cfg.hellaswag_limit,
+                                         rank=self.info.rank, world_size=self.info.world_size)
             log.log({"step": s, "hellaswag_acc": res["acc"], "hellaswag_acc_norm": res["acc_norm"],
                      "hellaswag_n": res["n"]})
-        if _due(cfg.sample_interval, s, cfg.max_steps) and self.info.is_main:
-            log.log({"step": s, "sample": self.sample()})
+        if _due(cfg.sample_interval, s, cfg.max_steps):
+            with parallel.gathered(self.raw):  # FSDP: every rank gathers; rank 0 alone generates
+                text = self.sample() if self.info.is_main else None
+            if text is not None:
+                log.log({"step": s, "sample": text})
         if self.info.is_main and (_due(cfg.eval_interval, s, cfg.max_steps)
                                   or _due(cfg.hellaswag_interval, s, cfg.max_steps)):
             _plot(cfg.out)
@@ -244,10 +251,11 @@ class Trainer:
     def val_loss(self) -> float:
         from gpt2lab.evals.loss import evaluate_loss
 
-        return evaluate_loss(self.model, self.cfg.data, tokens=self.cfg.eval_tokens,
-                             batch_size=self.cfg.micro_batch_size, seq_len=self.cfg.seq_len,
-                             device=self.device, dtype=self.dtype, rank=self.info.rank,
-                             world_size=self.info.world_size)
+        with parallel.gathered(self.raw):  # FSDP: one all-gather, not one per block and batch
+            return evaluate_loss(self.model, self.cfg.data, tokens=self.cfg.eval_tokens,
+                                 batch_size=self.cfg.micro_batch_size, seq_len=self.cfg.seq_len,
+                                 device=self.device, dtype=self.dtype, rank=self.info.rank,
+                                 world_size=self.info.world_size)
 
     @torch.no_grad()
     def sample(self) -> str:
@@ -258,7 +266,8 @@ class Trainer:
         idx = torch.tensor([enc.encode(self.cfg.sample_prompt, allowed_special="all")], device=self.device)
         gen = torch.Generator(device=self.device).manual_seed(42)  # own generator: training RNG untouched
         self.raw.eval()
-        with autocast(self.device, self.dtype):
+        # eager: under FSDP the blocks are compiled in place, and generation has varying shapes
+        with autocast(self.device, self.dtype), torch.compiler.set_stance("force_eager"):
             out = self.raw.generate(idx, self.cfg.sample_tokens, top_k=50, generator=gen, stop_token=EOT_ID)
         self.raw.train()
         return enc.decode([t for t in out[0].tolist() if t != EOT_ID])
@@ -396,6 +405,26 @@ def _resolve_choices(cfg: TrainConfig, info: DistInfo) -> runtime.Resolved:
     return choices
 
 
+def _resolve_strategy(cfg: TrainConfig, info: DistInfo, n_params: int, dtype: str) -> runtime.Choice:
+    """ddp or fsdp (parallel.choose_strategy); under torchrun rank 0 decides for all."""
+    choice = None
+    if info.is_main:
+        try:
+            choice = parallel.choose_strategy(
+                cfg.strategy, world_size=info.world_size, device_type=info.device.type, dtype=dtype,
+                lora=bool(cfg.lora_rank), ddp_bytes=parallel.DDP_BYTES_PER_PARAM * n_params,
+                device_bytes=parallel.device_bytes(info.device))
+        except runtime.ChoiceError as e:  # every rank raises it, none is left waiting
+            choice = e
+    if info.distributed:
+        box = [choice]
+        tdist.broadcast_object_list(box, src=0)
+        choice = box[0]
+    if isinstance(choice, Exception):
+        raise runtime.ChoiceError(str(choice))
+    return choice
+
+
 def _plot(run_dir: str) -> None:
     try:
         from gpt2lab.plot import plot_runs
@@ -421,7 +450,9 @@ def train(cfg: TrainConfig, info: DistInfo, resume: Optional[str] = None) -> Opt
         write_json(os.path.join(cfg.out, "run_info.json"),
                    {**run_info(info.device, info.world_size), "grad_accum_steps": trainer.accum,
                     "resumed_from": trainer.resumed_from, "params": trainer.raw.num_params(),
-                    "choices": trainer.choices.record(),
+                    "choices": {**trainer.choices.record(), "strategy": trainer.strategy.value,
+                                "strategy_reason": trainer.strategy.reason,
+                                "activation_checkpointing": cfg.activation_checkpointing},
                     "init_from": trainer.init_source or _carried_init(cfg),
                     "keep_cpu_memory_applied": trainer.malloc_tuned,
                     "flops_per_token": trainer.flops_per_token, "peak_flops": trainer.peak,
@@ -430,6 +461,8 @@ def train(cfg: TrainConfig, info: DistInfo, resume: Optional[str] = None) -> Opt
                         log_interval=cfg.log_interval, tensorboard=cfg.tensorboard, progress=cfg.progress,
                         wandb_project=cfg.wandb_project, wandb_run_name=cfg.wandb_run_name, config=cfg.to_dict())
     log.console(f"gpt2lab train: {trainer.choices.summary()}")
+    log.console(f"gpt2lab train: strategy {trainer.strategy.value} ({trainer.strategy.reason})"
+                + ("; activation checkpointing on" if cfg.activation_checkpointing else ""))
     for choice in (trainer.choices.dtype, trainer.choices.compile):
         if choice.warning:
             log.console(f"gpt2lab train: warning: {choice.warning}")

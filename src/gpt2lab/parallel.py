@@ -1,0 +1,238 @@
+"""How the training model is spread over the processes of a torchrun: DDP or FSDP2.
+
+``ddp``: every process holds the whole model, its gradients and AdamW's moments (16 bytes
+per parameter in fp32) and DDP all-reduces the gradients once per optimizer step.
+``fsdp``: PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``) on each ``Block`` and on
+the root GPT; every parameter becomes a DTensor sharded over the processes, so weights,
+gradients and AdamW state take 1/world of that each. A block's weights are all-gathered
+just before its forward and its backward and freed after; gradients are reduce-scattered.
+The optimizer is built on the sharded parameters afterwards and steps on the shards only.
+
+Mixed precision under FSDP matches what autocast gives under DDP: the blocks' weights are
+gathered in bf16 (``MixedPrecisionPolicy``: what autocast would cast them to anyway, so
+half the all-gather traffic), gradients are reduced and AdamW steps in fp32 on fp32 master
+shards, and autocast stays on around the forward, so the ops autocast keeps in fp32
+(LayerNorm, softmax, the loss) still run in fp32. The root's own weights (wte = lm_head,
+wpe, ln_f) stay fp32 as under DDP, so the residual stream between blocks stays fp32. The one
+difference: LayerNorm gains and biases inside blocks are rounded to bf16 before autocast
+casts them back up (under DDP they are used at full fp32 precision).
+
+``choose_strategy`` decides ``--strategy auto`` as a pure function of the facts (like
+``gpt2lab.runtime.choose_dtype``); the rest are the few places where the trainer must treat
+a sharded model differently: gradient sync during accumulation, the clipping norm, the
+finite-weights check and evaluation (``gathered``).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from gpt2lab.config import STRATEGY_CHOICES
+from gpt2lab.dist import DTYPES
+from gpt2lab.runtime import Choice, ChoiceError
+
+# DDP's fixed memory per parameter: fp32 weight, gradient and AdamW's two moments.
+DDP_BYTES_PER_PARAM = 16
+# auto picks FSDP when DDP's predicted memory per rank exceeds this share of the device's:
+# the rest is for the allocator's fragmentation, the CUDA context and the collectives' buffers.
+FITS_FRACTION = 0.9
+
+
+def choose_strategy(requested: str, *, world_size: int, device_type: str, dtype: str = "float32",
+                    lora: bool = False, ddp_bytes: Optional[int] = None,
+                    device_bytes: Optional[int] = None) -> Choice:
+    """ddp or fsdp for a run: the user's request if it can run here, else what fits.
+
+    (--strategy fsdp with --lora-rank is refused by TrainConfig itself, before any process starts work.)
+
+    ``ddp_bytes``: the predicted memory per rank under DDP (None: no prediction);
+    ``device_bytes``: the memory of one device (None: unknown, e.g. a CPU).
+    """
+    if requested not in STRATEGY_CHOICES:
+        raise ChoiceError(f"strategy {requested!r}: choose one of {', '.join(STRATEGY_CHOICES)}")
+    if world_size == 1:
+        why = "one process: nothing to shard, the model trains unwrapped"
+        return Choice("ddp", why + (" (--strategy fsdp applies under torchrun with several processes)"
+                                    if requested == "fsdp" else ""))
+    if requested == "fsdp":
+        if dtype == "float16":
+            raise ChoiceError("--strategy fsdp with float16 (a GPU without bf16): the gradient scaler is not "
+                              "wired for sharded gradients; use --dtype float32 or --strategy ddp")
+        return Choice("fsdp", "asked for with --strategy fsdp")
+    if requested == "ddp":
+        return Choice("ddp", "asked for with --strategy ddp")
+    if lora or dtype == "float16":
+        return Choice("ddp", "LoRA: only the adapters have gradients and AdamW state" if lora
+                      else "float16: the gradient scaler needs DDP's whole gradients")
+    if ddp_bytes is None or device_bytes is None:
+        return Choice("ddp", f"{world_size} processes; no memory prediction for this {device_type}, so DDP "
+                             "(--strategy fsdp shards weights, gradients and AdamW state)")
+    need, have = ddp_bytes / 2**30, device_bytes / 2**30
+    if ddp_bytes > FITS_FRACTION * device_bytes:
+        return Choice("fsdp", f"DDP would need {need:.1f} GiB per rank, more than {FITS_FRACTION:.0%} of "
+                              f"the device's {have:.1f} GiB: sharded over {world_size} processes")
+    return Choice("ddp", f"DDP needs {need:.1f} GiB per rank of the device's {have:.1f} GiB: it fits")
+
+
+def device_bytes(device: torch.device) -> Optional[int]:
+    """Memory of one accelerator (None for a CPU: its RAM is shared by every process)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return None
+
+
+# -- wrapping ------------------------------------------------------------------------------
+def wrap(model: nn.Module, strategy: str, *, distributed: bool, device: torch.device, dtype: str,
+         compile: bool) -> tuple[nn.Module, nn.Module]:
+    """(module to train, module to evaluate) around ``model``, which stays the GPT to save.
+
+    One process: the (compiled) model for both. DDP: DDP around the compiled model, the
+    compiled model for evaluation. FSDP: ``model`` itself, sharded in place, its blocks
+    compiled one by one (each block's code is the same, so dynamo compiles it once).
+    """
+    if distributed and strategy == "fsdp":
+        return (shard(model, dtype=dtype, compile=compile),) * 2
+    compiled = torch.compile(model) if compile else model
+    if not distributed:
+        return compiled, compiled
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ids = [device.index] if device.type == "cuda" else None
+    return DDP(compiled, device_ids=ids), compiled
+
+
+def shard(model: nn.Module, *, dtype: str, compile: bool) -> nn.Module:
+    """``fully_shard`` each block, then the root (wte = lm_head, wpe, ln_f); returns ``model``.
+
+    The tied wte/lm_head Parameter belongs to the root's group only, so it stays one
+    DTensor used by both. Compiling a block in place (``Module.compile``) keeps the
+    parameter names, so checkpoints look the same as unsharded ones.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    low = DTYPES[dtype]
+    if low == torch.float32:
+        block_policy = MixedPrecisionPolicy()
+    else:  # cast_forward_inputs=False: the residual stream enters each block in fp32, as under DDP
+        block_policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    for block in model.transformer.h:
+        if compile:
+            block.compile()
+        fully_shard(block, mp_policy=block_policy)
+    fully_shard(model)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` went through ``shard`` (FSDP2 makes the root an ``FSDPModule``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def _fsdp_modules(model: nn.Module) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+# -- the training step ---------------------------------------------------------------------
+@contextlib.contextmanager
+def sync_gradients(model: nn.Module, last: bool) -> Iterator[None]:
+    """One micro-step's backward; gradients are reduced over ranks only on the ``last`` one.
+
+    DDP: ``no_sync`` before the last. FSDP: no reduce-scatter before the last (the full
+    gradients accumulate on each rank, in fp32 when the weights were gathered in bf16) and
+    no resharding after those backwards either: the next micro-step's forward finds the
+    weights still gathered instead of all-gathering them again.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if isinstance(model, DDP):
+        with contextlib.nullcontext() if last else model.no_sync():
+            yield
+    elif is_sharded(model):
+        model.set_requires_gradient_sync(last)
+        model.set_reshard_after_backward(last)
+        yield
+    else:
+        yield
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm to ``max_norm``; return the norm before clipping (a plain tensor).
+
+    Over FSDP's sharded gradients ``clip_grad_norm_`` sums each rank's squares and
+    all-reduces them, giving the norm of the whole gradient, the same as under DDP.
+    """
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def all_finite(model: nn.Module) -> bool:
+    """Whether every weight is finite, the same answer on every rank (FSDP: each checks its shard)."""
+    local = all(bool(torch.isfinite(_local(p)).all()) for p in model.parameters())
+    if not (is_sharded(model) and dist.is_initialized()):
+        return local  # DDP keeps the weights equal: every rank finds the same
+    flag = torch.tensor(float(local))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+# -- evaluation ----------------------------------------------------------------------------
+@contextlib.contextmanager
+def gathered(model: nn.Module) -> Iterator[None]:
+    """Inside: every rank holds the whole model and its forwards run no collectives.
+
+    FSDP all-gathers a block's weights inside each forward, so every rank must run the
+    same forwards in the same order; HellaSwag gives ranks different numbers of batches and
+    a sample is generated on rank 0 alone. Gathering once before (all ranks together) and
+    resharding after lets each rank run what it needs. Costs one full copy of the weights
+    (bf16 in the blocks under mixed precision) for the duration. Not sharded: nothing to do.
+    """
+    mods = _fsdp_modules(model)
+    blocks = [m for m in mods if m is not model]  # the root never reshards after forward (FSDP2's own rule)
+    for m in blocks:
+        m.set_reshard_after_forward(False, recurse=False)
+    for m in mods:
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.reshard()
+        for m in blocks:
+            m.set_reshard_after_forward(True, recurse=False)
+
+
+class _State:
+    """Anything with ``state_dict()``: a state gathered from shards, for the unsharded checkpoint writer."""
+
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+
+def consolidated(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[_State, _State]:
+    """The model's and AdamW's state with every DTensor gathered whole (all ranks call it).
+
+    The unsharded checkpoint format from a sharded run, until sharded (DCP) checkpoints
+    replace it: it needs the whole state in memory on every rank, fine for small models.
+    """
+    def full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    weights = {k: full(v) for k, v in model.state_dict().items()}
+    opt = optimizer.state_dict()
+    opt = {**opt, "state": {i: {k: full(v) for k, v in s.items()} for i, s in opt["state"].items()}}
+    return _State(weights), _State(opt)
