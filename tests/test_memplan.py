@@ -27,17 +27,27 @@ def test_param_count_matches_the_model_and_the_known_124m_figure():
 def test_state_bytes_ddp_16_per_param_fsdp_sharded():
     cfg = model_config("124M", 1024)
     state = ("weights", "grads", "optimizer")
-    ddp = memplan.predict(cfg, strategy="ddp", world_size=2, micro_batch=1, accum=2)
-    assert sum(ddp.terms[k] for k in state) == 16 * N_124M  # fp32 weights, grads, two AdamW moments
-    assert ddp.terms["comm_buffers"] == 4 * N_124M  # DDP's buckets: one more fp32 copy of the grads
-    assert memplan.predict(cfg, world_size=1, micro_batch=1).terms["comm_buffers"] == 0
-    fsdp = memplan.predict(cfg, strategy="fsdp", world_size=2, micro_batch=1, accum=2)
-    assert sum(fsdp.terms[k] for k in state) == 8 * N_124M and fsdp.terms["comm_buffers"] == 0
-    # in flight: the root (wte 50304x768, wpe 1024x768, ln_f) and two blocks (7,087,872 each), bf16
-    assert fsdp.terms["weight_copies"] == 2 * (39_421_440 + 2 * 7_087_872)
-    for p in (ddp, fsdp):
-        assert p.total == sum(p.terms.values())
-    assert memplan.predict(cfg, device="cuda", micro_batch=1).terms["runtime"] == memplan.CUDA_RUNTIME_BYTES
+
+    def phase(name, **kw):
+        return next(p for p in memplan.phases(cfg, micro_batch=1, **kw) if p.phase == name).terms
+
+    ddp = phase("step", strategy="ddp", world_size=2)
+    assert sum(ddp[k] for k in state) == 16 * N_124M  # fp32 weights, grads, two AdamW moments
+    assert ddp["comm_buffers"] == 4 * N_124M  # DDP's buckets: one more fp32 copy of the grads
+    assert phase("step", world_size=1)["comm_buffers"] == 0
+    fsdp = phase("step", strategy="fsdp", world_size=2)
+    assert sum(fsdp[k] for k in state) == 8 * N_124M and fsdp["comm_buffers"] == 0
+    # one micro-step: the root in fp32 (wte 50304x768, wpe 1024x768, ln_f) and two blocks
+    # (7,087,872 parameters each) in bf16 in flight; accumulating: every block stays gathered
+    # and the whole gradient is kept in fp32 until the last micro-step reduces it
+    one = phase("forward", strategy="fsdp", world_size=2, accum=1)
+    assert one["weight_copies"] == 4 * 39_421_440 + 2 * 2 * 7_087_872 and one["grads"] == 0
+    acc = phase("forward", strategy="fsdp", world_size=2, accum=4)
+    assert acc["weight_copies"] == 4 * 39_421_440 + 12 * 2 * 7_087_872 and acc["grads"] == 4 * N_124M
+    # DDP under bf16 autocast: the cached bf16 casts of the 12 blocks' Linear weights and biases
+    assert phase("forward", world_size=2)["weight_copies"] == 12 * 2 * (12 * 768 ** 2 + 9 * 768)
+    pred = memplan.predict(cfg, device="cuda", micro_batch=1)
+    assert pred.terms["runtime"] == memplan.CUDA_RUNTIME_BYTES and pred.total == sum(pred.terms.values())
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])

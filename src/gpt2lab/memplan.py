@@ -112,47 +112,61 @@ def loss_workspace_bytes(N: int, V: int, C: int, compute: int, x_size: int, w_si
 def predict(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_batch: int = 1,
             seq_len: Optional[int] = None, dtype: str = "bfloat16", activation_checkpointing: bool = False,
             accum: int = 2, device: str = "cuda") -> Prediction:
-    """Peak per-rank bytes of one training step (see the module docstring for the phases).
-
-    DDP (and one process): fp32 weights, gradients and moments, DDP's buckets (a second
-    copy of the gradients, ``gradient_as_bucket_view`` being off), activations under
-    autocast in ``dtype``. FSDP (FSDP2 ``MixedPrecisionPolicy``: params in ``dtype`` for
-    compute, fp32 master weights, gradients and moments sharded over ``world_size``): the
-    root (wte, wpe, ln_f) unsharded through forward and backward, two blocks unsharded at a
-    time (the one computing and the one prefetched), activations wholly in ``dtype``.
-    ``accum`` > 1 keeps the gradients alive through the forward of later micro-steps.
-    """
+    """Peak per-rank bytes of one training step: the largest of ``phases``, plus the runtime."""
     check(strategy, world_size, micro_batch, dtype, accum, device)
+    peak = max(phases(cfg, strategy=strategy, world_size=world_size, micro_batch=micro_batch, seq_len=seq_len,
+                      dtype=dtype, activation_checkpointing=activation_checkpointing, accum=accum),
+               key=lambda ph: ph.total)
+    peak.terms["runtime"] = runtime_bytes(device, world_size)
+    return peak
+
+
+def phases(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_batch: int = 1,
+           seq_len: Optional[int] = None, dtype: str = "bfloat16", activation_checkpointing: bool = False,
+           accum: int = 2) -> list[Prediction]:
+    """Tensor bytes per rank at each moment a step can peak (see the module docstring).
+
+    Activations are autocast's under both strategies (LayerNorm in fp32, the residual stream
+    fp32, matmuls in ``dtype``). One process trains unwrapped whatever the strategy.
+    DDP: fp32 weights, gradients and moments, DDP's buckets (one more fp32 copy of the
+    gradients: ``gradient_as_bucket_view`` is off) and autocast's cached ``dtype`` copies
+    of the block weights through the forward. FSDP as gpt2lab.parallel shards it: fp32
+    master weights, gradients and moments split over ``world_size``; blocks gathered in
+    ``dtype``, the root (wte = lm_head, wpe, ln_f) in fp32 and kept whole through forward
+    and backward; one block computing and the next prefetched. Micro-steps before the last
+    neither reduce nor reshard (parallel.sync_gradients), so with ``accum`` > 1 the forward
+    of a later micro-step finds every block gathered and the whole gradient in fp32.
+    ``accum`` > 1 keeps the gradients alive through later forwards under DDP too.
+    """
+    check(strategy, world_size, micro_batch, dtype, accum, "cuda")
     T = seq_len or cfg.block_size
     N, V, C, L = micro_batch * T, cfg.vocab_size, cfg.n_embd, cfg.n_layer
     p, a = param_counts(cfg), DTYPE_BYTES[dtype]
-    fsdp = strategy == "fsdp"
+    whole = FP32 * p["total"]
+    fsdp = strategy == "fsdp" and world_size > 1
     shard = world_size if fsdp else 1
-    states = {"weights": FP32 * p["total"] // shard, "optimizer": 2 * FP32 * p["total"] // shard}
-    grads = FP32 * p["total"] // shard
-    comm = FP32 * p["total"] if strategy == "ddp" and world_size > 1 else 0
-    if fsdp:  # activations, the LayerNorm outputs and the tied weight all in the param dtype
-        resid, ln_out, w_size = a, a, a
-        copies = one_copy = a * (p["root"] + 2 * p["block"])
-    else:  # autocast: LayerNorm runs in fp32, weights stay fp32, their casts are cached
-        resid, ln_out, w_size = FP32, FP32, FP32
-        copies = a * p["block_matmul"] * L if a != FP32 else 0
-        one_copy = a * p["block_matmul"] if a != FP32 else 0
-    block = block_saved_bytes(N, C, cfg.n_head, resid, a)
-    kept = L * resid * N * C if activation_checkpointing else L * block
-    head = N * C * (resid + ln_out) + 16 * N  # ln_f's input and output, the token ids
-    fixed = {**states, "comm_buffers": comm}
-    phases = [Prediction("forward", {**fixed, "grads": grads if accum > 1 else 0, "weight_copies": copies,
-                                     "activations": kept + head,
-                                     "loss": loss_workspace_bytes(N, V, C, a, ln_out, w_size)})]
-    if activation_checkpointing:  # the last block recomputed: its saved tensors, the loss's saved grads
-        saved_loss = N * C * ln_out + V * C * w_size
-        phases.append(Prediction("recompute", {**fixed, "grads": grads, "weight_copies": one_copy,
-                                               "activations": kept + block + saved_loss, "loss": 0}))
-    phases.append(Prediction("step", {**fixed, "grads": grads, "weight_copies": 0, "activations": 0, "loss": 0}))
-    peak = max(phases, key=lambda ph: ph.total)
-    peak.terms["runtime"] = runtime_bytes(device, world_size)
-    return peak
+    fixed = {"weights": whole // shard, "optimizer": 2 * whole // shard,
+             "comm_buffers": whole if strategy == "ddp" and world_size > 1 else 0}
+    if fsdp:
+        in_flight = FP32 * p["root"] + 2 * a * p["block"]
+        gathered = FP32 * p["root"] + L * a * p["block"]
+        copies, one_copy = (gathered, gathered) if accum > 1 else (in_flight, in_flight)
+        grads_fwd, grads_bwd = (whole, whole) if accum > 1 else (0, whole // shard)
+    else:  # autocast caches its casts of the block weights until the forward ends
+        cast = a * p["block_matmul"] if a != FP32 else 0
+        copies, one_copy = L * cast, cast
+        grads_fwd, grads_bwd = (whole if accum > 1 else 0), whole
+    block = block_saved_bytes(N, C, cfg.n_head, FP32, a)
+    kept = L * FP32 * N * C if activation_checkpointing else L * block
+    head = 2 * FP32 * N * C + 16 * N  # ln_f's input and output, the token ids
+    out = [Prediction("forward", {**fixed, "grads": grads_fwd, "weight_copies": copies, "activations": kept + head,
+                                  "loss": loss_workspace_bytes(N, V, C, a, FP32, FP32)})]
+    if activation_checkpointing:  # the last block recomputed next to the loss's saved gradients
+        saved_loss = FP32 * (N * C + V * C)
+        out.append(Prediction("recompute", {**fixed, "grads": grads_bwd, "weight_copies": one_copy,
+                                            "activations": kept + block + saved_loss, "loss": 0}))
+    out.append(Prediction("step", {**fixed, "grads": whole // shard, "weight_copies": 0, "activations": 0, "loss": 0}))
+    return out
 
 
 def runtime_bytes(device: str, world_size: int) -> int:

@@ -140,6 +140,7 @@ def predict_and_measure(cfg: GPTConfig, args: argparse.Namespace) -> Optional[di
 def measure_peaks(cfg: GPTConfig, args: argparse.Namespace) -> tuple[list[tuple[int, int]], int]:
     """(peak bytes over ``args.steps`` training steps, resident bytes before the model was
     built) of each rank, and this rank."""
+    from gpt2lab import parallel
     from gpt2lab.dist import cleanup, init_distributed
     from gpt2lab.train import keep_freed_memory
 
@@ -156,7 +157,7 @@ def measure_peaks(cfg: GPTConfig, args: argparse.Namespace) -> tuple[list[tuple[
         def steps() -> None:
             for _ in range(args.steps):
                 accumulate_gradients(model, lambda: (x, x), args.accum, info.device, args.dtype)
-                torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)
+                parallel.clip_grad_norm(raw, 1.0)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
@@ -177,21 +178,16 @@ def measure_peaks(cfg: GPTConfig, args: argparse.Namespace) -> tuple[list[tuple[
 
 
 def _build(cfg: GPTConfig, args: argparse.Namespace, info) -> tuple[torch.nn.Module, GPT, torch.optim.Optimizer]:
-    """The model as the trainer wraps it, its unwrapped module, and AdamW."""
+    """The model as the trainer wraps it (gpt2lab.parallel), the GPT itself, and AdamW on its
+    (for FSDP: sharded) parameters."""
+    from gpt2lab import parallel
+
     torch.manual_seed(0)
     raw = GPT(cfg).to(info.device)
-    if args.activation_checkpointing == "true":
-        if not hasattr(raw, "activation_checkpointing"):
-            raise UsageError("--activation-checkpointing true: this gpt2lab has no activation checkpointing yet")
-        raw.activation_checkpointing = True
-    if args.strategy == "fsdp":
-        raise UsageError("--strategy fsdp: measuring needs gpt2lab's FSDP path; add --measure false to predict only")
+    raw.activation_checkpointing = args.activation_checkpointing == "true"
+    model, _ = parallel.wrap(raw, args.strategy, distributed=info.distributed, device=info.device,
+                             dtype=args.dtype, compile=False)
     opt = make_optimizer(raw, lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device=info.device)
-    model = raw
-    if info.distributed:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        model = DDP(raw, device_ids=[info.device.index] if info.device.type == "cuda" else None)
     return model, raw, opt
 
 
