@@ -30,6 +30,11 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # size of a process that imported torch and gpt2lab's trainer (measured ~300 MB on x86-64,
 # torch 2.13) and, under torchrun, gloo's threads and buffers.
 CUDA_RUNTIME_BYTES = 2 * 2 ** 30
+# CPU_HEAP_SLACK: on CPU the process's peak RSS exceeds its peak of live tensors by about one
+# more chunked-loss workspace (measured: +0.9 to +1.1 workspaces, tiny and 124M, docs/benchmarks.md).
+# The trainer keeps freed memory in glibc's heap (keep_cpu_memory); gradients made in a
+# backward land in the hole the loss workspace left, so the next workspace extends the heap.
+# ``predict(device="cpu")`` adds it as the term "allocator".
 CPU_PROCESS_BYTES = 300 * 2 ** 20
 CPU_GLOO_BYTES = 40 * 2 ** 20
 FP32 = 4
@@ -118,6 +123,10 @@ def predict(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro
                       dtype=dtype, activation_checkpointing=activation_checkpointing, accum=accum),
                key=lambda ph: ph.total)
     peak.terms["runtime"] = runtime_bytes(device, world_size)
+    if device == "cpu":  # glibc's heap: see CPU_HEAP_SLACK
+        T = seq_len or cfg.block_size
+        peak.terms["allocator"] = loss_workspace_bytes(micro_batch * T, cfg.vocab_size, cfg.n_embd,
+                                                       DTYPE_BYTES[dtype], FP32, FP32)
     return peak
 
 

@@ -20,11 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 from typing import Optional
 
 import torch
 
 from gpt2lab import memplan
+from gpt2lab.benchmarks import timed
 from gpt2lab.dist import pick_device
 from gpt2lab.errors import UsageError
 from gpt2lab.model import GPT, GPTConfig
@@ -100,6 +102,11 @@ def _prediction(cfg: GPTConfig, args: argparse.Namespace, world: int, device: st
                            accum=args.accum, device=device)
 
 
+def tensor_bytes(pred: memplan.Prediction) -> int:
+    """The prediction without what is not a tensor (the runtime; on CPU the heap's slack)."""
+    return pred.total - pred.terms["runtime"] - pred.terms.get("allocator", 0)
+
+
 def predict_and_measure(cfg: GPTConfig, args: argparse.Namespace) -> Optional[dict]:
     import os
 
@@ -121,52 +128,34 @@ def predict_and_measure(cfg: GPTConfig, args: argparse.Namespace) -> Optional[di
     if rank != 0:
         return None
     if device == "cuda":  # max_memory_allocated counts tensors only, not the runtime term
-        predicted = (pred.total - pred.terms["runtime"]) / MiB
+        predicted = tensor_bytes(pred) / MiB
         out["measured"] = "torch.cuda.max_memory_allocated (tensors; the runtime term excluded)"
     else:
         predicted = pred.total / MiB
         out["measured"] = "peak RSS of each rank's process (getrusage ru_maxrss)"
-    out["measured_peak_mib"] = [round(p / MiB, 1) for p, _, _ in peaks]
+    out["measured_peak_mib"] = [round(p[0] / MiB, 1) for p in peaks]
     if device == "cpu":  # next to the planner's runtime term
-        out["measured_rss_before_model_mib"] = [round(b / MiB, 1) for _, b, _ in peaks]
-    out["measured_over_predicted"] = round(max(p for p, _, _ in peaks) / MiB / predicted, 3)
+        out["measured_rss_before_model_mib"] = [round(p[1] / MiB, 1) for p in peaks]
+    out["measured_over_predicted"] = round(max(p[0] for p in peaks) / MiB / predicted, 3)
+    out["seconds_per_step"] = round(max(p[3] for p in peaks), 3)  # median after the first; the slowest rank
     if peaks[0][2] is not None:  # the tensor model alone, without the allocator and the runtime
-        tensors = max(t for _, _, t in peaks)
+        tensors = max(p[2] for p in peaks)
         out["measured_tensor_peak_mib"] = round(tensors / MiB, 1)
-        out["tensors_over_predicted"] = round(tensors / (pred.total - pred.terms["runtime"]), 3)
+        out["tensors_over_predicted"] = round(tensors / tensor_bytes(pred), 3)
     return out
 
 
-def measure_peaks(cfg: GPTConfig, args: argparse.Namespace) -> tuple[list[tuple[int, int]], int]:
+def measure_peaks(cfg: GPTConfig, args: argparse.Namespace) -> tuple[list[tuple], int]:
     """(peak bytes over ``args.steps`` training steps, resident bytes before the model was
-    built) of each rank, and this rank."""
-    from gpt2lab import parallel
+    built, peak tensor bytes or None, median seconds per step after the first) of each rank,
+    and this rank."""
     from gpt2lab.dist import cleanup, init_distributed
-    from gpt2lab.train import keep_freed_memory
 
     info = init_distributed(args.device)
-    baseline = _rss_bytes()
     try:
-        if info.device.type == "cpu" and args.keep_cpu_memory == "true":
-            keep_freed_memory()  # as the trainer does on CPU (keep_cpu_memory, on by default)
-        model, raw, opt = _build(cfg, args, info)
-        if info.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(info.device)
-        x = torch.randint(0, cfg.real_vocab_size, (args.micro_batch, args.seq_len))
-
-        def steps() -> None:
-            for _ in range(args.steps):
-                accumulate_gradients(model, lambda: (x, x), args.accum, info.device, args.dtype)
-                parallel.clip_grad_norm(raw, 1.0)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
-        tensors = None
-        if args.tensor_peak == "true" and info.device.type == "cpu":
-            tensors = _tensor_peak(steps) + sum(t.untyped_storage().nbytes() for t in raw.parameters())
-        else:
-            steps()
-        peaks = [(_peak_bytes(info.device), baseline, tensors)]
+        # the model, DDP's reducer and FSDP's state are gone when _measure returns: freed
+        # after the process group is destroyed, DDP's reducer can wait forever on gloo
+        peaks = [_measure(cfg, args, info)]
         if info.distributed:
             import torch.distributed as dist
 
@@ -175,6 +164,43 @@ def measure_peaks(cfg: GPTConfig, args: argparse.Namespace) -> tuple[list[tuple[
         return peaks, info.rank
     finally:
         cleanup()
+
+
+def _measure(cfg: GPTConfig, args: argparse.Namespace, info) -> tuple:
+    from gpt2lab.train import keep_freed_memory
+
+    baseline = _rss_bytes()
+    if info.device.type == "cpu" and args.keep_cpu_memory == "true":
+        keep_freed_memory()  # as the trainer does on CPU (keep_cpu_memory, on by default)
+    model, raw, opt = _build(cfg, args, info)
+    if info.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(info.device)
+    x = torch.randint(0, cfg.real_vocab_size, (args.micro_batch, args.seq_len))
+    times = []
+
+    def steps() -> None:
+        for _ in range(args.steps):
+            seconds, _ = timed(lambda: step(model, raw, opt, x, args, info.device), info.device)
+            times.append(seconds)
+
+    tensors = None
+    if args.tensor_peak == "true" and info.device.type == "cpu":
+        local = (p.to_local() if hasattr(p, "to_local") else p for p in raw.parameters())  # FSDP: shards
+        tensors = _tensor_peak(steps) + sum(t.untyped_storage().nbytes() for t in local)
+    else:
+        steps()
+    return _peak_bytes(info.device), baseline, tensors, statistics.median(times[1:])
+
+
+def step(model: torch.nn.Module, raw: GPT, opt, x: torch.Tensor, args: argparse.Namespace,
+         device: torch.device) -> None:
+    """One optimizer step as the trainer takes it (micro-steps, clipping, AdamW)."""
+    from gpt2lab import parallel
+
+    accumulate_gradients(model, lambda: (x, x), args.accum, device, args.dtype)
+    parallel.clip_grad_norm(raw, 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
 
 
 def _build(cfg: GPTConfig, args: argparse.Namespace, info) -> tuple[torch.nn.Module, GPT, torch.optim.Optimizer]:
@@ -252,7 +278,7 @@ def search(cfg: GPTConfig, args: argparse.Namespace) -> dict:
     def attempt(B: int) -> dict:
         rec = try_batch(model, opt, B, args.seq_len, device, compiled, args.dtype)
         pred = memplan.predict(cfg, micro_batch=B, seq_len=args.seq_len, dtype=args.dtype, accum=1, device=kind)
-        rec["predicted_gib"] = round((pred.total - pred.terms["runtime"]) / 2 ** 30, 2)  # tensors only
+        rec["predicted_gib"] = round(tensor_bytes(pred) / 2 ** 30, 2)  # tensors only, like the peak
         print(json.dumps(rec), flush=True)
         return rec
 
