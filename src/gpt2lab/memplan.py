@@ -4,8 +4,9 @@
 gradients, AdamW's two fp32 moments, DDP's gradient buckets, the low-precision weight copies
 a step keeps (autocast's casts; FSDP's all-gathered blocks), the tensors autograd saves for
 backward (derived from model.py and chunked_loss.py, see ``block_saved_bytes``), the chunked
-loss's workspace, and a fixed runtime overhead. ``plan`` searches the largest micro-batch
-that fits a given memory. ``gpt2lab bench memory`` prints both next to measured peaks.
+loss's workspace, and a fixed runtime overhead (on CPU also glibc's heap slack). ``plan``
+searches the largest micro-batch that fits a given memory. ``gpt2lab bench memory`` prints
+both next to measured peaks.
 
 A step's memory peaks at one of three moments, and the prediction is the largest:
 - ``forward``: inside the loss, after the last block; every block's saved tensors are alive,
@@ -28,15 +29,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # none of which torch.cuda.max_memory_allocated counts (about 0.5 GiB of context on an H100
 # with torch 2.x), plus room for the caching allocator's fragmentation. CPU: the resident
 # size of a process that imported torch and gpt2lab's trainer (measured ~300 MB on x86-64,
-# torch 2.13) and, under torchrun, gloo's threads and buffers.
+# torch 2.13; the same under torchrun once gloo's process group is up).
 CUDA_RUNTIME_BYTES = 2 * 2 ** 30
-# CPU_HEAP_SLACK: on CPU the process's peak RSS exceeds its peak of live tensors by about one
-# more chunked-loss workspace (measured: +0.9 to +1.1 workspaces, tiny and 124M, docs/benchmarks.md).
-# The trainer keeps freed memory in glibc's heap (keep_cpu_memory); gradients made in a
-# backward land in the hole the loss workspace left, so the next workspace extends the heap.
-# ``predict(device="cpu")`` adds it as the term "allocator".
 CPU_PROCESS_BYTES = 300 * 2 ** 20
-CPU_GLOO_BYTES = 40 * 2 ** 20
 FP32 = 4
 
 
@@ -91,8 +86,9 @@ def loss_workspace_bytes(N: int, V: int, C: int, compute: int, x_size: int, w_si
 
     Alive throughout: x and the weight cast to the compute dtype (when they are not in it
     already) and grad_x (N, C) fp32; per chunk, its logits and their fp32 softmax (in low
-    precision also the logits converted to fp32, then the softmax cast back); the chunk gradients of a group until its grad_w matmul, whose
-    result lands in the compute dtype and then in fp32.
+    precision also the logits converted to fp32, then the softmax cast back); the chunk
+    gradients of a group until its grad_w matmul, whose result lands in the compute dtype
+    and then in fp32.
     """
     base = (N * C * compute if compute != x_size else 0) + (V * C * compute if compute != w_size else 0) + N * C * FP32
     rows = 1 << max(0, (_CHUNK_ELEMENTS // V).bit_length() - 1)
@@ -122,8 +118,12 @@ def predict(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro
     peak = max(phases(cfg, strategy=strategy, world_size=world_size, micro_batch=micro_batch, seq_len=seq_len,
                       dtype=dtype, activation_checkpointing=activation_checkpointing, accum=accum),
                key=lambda ph: ph.total)
-    peak.terms["runtime"] = runtime_bytes(device, world_size)
-    if device == "cpu":  # glibc's heap: see CPU_HEAP_SLACK
+    peak.terms["runtime"] = runtime_bytes(device)
+    # On CPU the peak RSS exceeds the peak of live tensors by about one more chunked-loss
+    # workspace (docs/benchmarks.md): the trainer keeps freed memory in glibc's heap
+    # (keep_cpu_memory), gradients made in a backward land in the hole the workspace left,
+    # and the next micro-step's workspace extends the heap past them.
+    if device == "cpu":
         T = seq_len or cfg.block_size
         peak.terms["allocator"] = loss_workspace_bytes(micro_batch * T, cfg.vocab_size, cfg.n_embd,
                                                        DTYPE_BYTES[dtype], FP32, FP32)
@@ -178,10 +178,10 @@ def phases(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_
     return out
 
 
-def runtime_bytes(device: str, world_size: int) -> int:
+def runtime_bytes(device: str) -> int:
     if device == "cuda":
         return CUDA_RUNTIME_BYTES
-    return CPU_PROCESS_BYTES + (CPU_GLOO_BYTES if world_size > 1 else 0)
+    return CPU_PROCESS_BYTES
 
 
 def plan(gpu_bytes: int, cfg: GPTConfig, *, world_size: int = 1, seq_len: Optional[int] = None,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 from typing import Optional
@@ -51,12 +52,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation-checkpointing", default="false", choices=["true", "false"])
     p.add_argument("--accum", type=int, default=2, help="micro-steps per step (more than 1 keeps gradients "
                                                          "alive through the forward)")
-    p.add_argument("--steps", type=int, default=2, help="measured training steps (at least 2: the first creates AdamW's moments)")
+    p.add_argument("--steps", type=int, default=2,
+                   help="measured training steps (at least 2: the first creates AdamW's moments)")
     p.add_argument("--keep-cpu-memory", default="true", choices=["true", "false"],
                    help="CPU: glibc keeps freed memory in the process, as the trainer's keep_cpu_memory")
     p.add_argument("--tensor-peak", default="false", choices=["true", "false"],
                    help="CPU: also record every allocation (torch.profiler) and report the peak of live "
-                        "tensor bytes, the planner's terms without the runtime (slower, and its RSS is not the trainer's)")
+                        "tensor bytes, the planner's tensor terms (slower; its RSS is not the trainer's)")
     p.add_argument("--measure", default="true", choices=["true", "false"], help="false: the prediction only")
     p.add_argument("--plan", type=float, default=None, metavar="GPU_GB",
                    help="largest micro-batch per strategy that fits a card of this many GiB")
@@ -108,8 +110,6 @@ def tensor_bytes(pred: memplan.Prediction) -> int:
 
 
 def predict_and_measure(cfg: GPTConfig, args: argparse.Namespace) -> Optional[dict]:
-    import os
-
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     measure = args.measure == "true"
     if measure and args.world_size not in (None, env_world):
