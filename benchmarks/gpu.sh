@@ -5,9 +5,12 @@
 #   benchmarks/gpu.sh ladder16    the recipe's speed ladder + gpt2lab + transformers at B=16, T=1024
 #   benchmarks/gpu.sh ladder64    the same at B=64
 #   benchmarks/gpu.sh memory      largest micro-batch at T=1024: 124M, 350M; 774M and 1558M
-#   benchmarks/gpu.sh train       gpt2-124m settings for 250 steps on Tiny Shakespeare + WikiText-2,
-#                                 killed (-9) after the step-100 checkpoint and resumed; samples
+#   benchmarks/gpu.sh train       gpt2-124m settings for 160 steps on Tiny Shakespeare + WikiText-2,
+#                                 killed (-9) after the step-80 checkpoint and resumed; samples
 #   benchmarks/gpu.sh eval        HellaSwag (full validation set) on that run, with examples/s; plot
+#   benchmarks/gpu.sh finetune    --init-from that run: 60 steps of the finetune-shakespeare preset
+#                                 (dropout 0.1), then the same with --lora-rank 8; val loss before/after
+#   benchmarks/gpu.sh profile     torch.profiler over gpt2lab's step at B=64 (where the time goes)
 #
 # No install: it runs from the tree (PYTHONPATH=src) on the machine's own torch, transformers,
 # tiktoken and numpy. Results (JSON, logs, the plot) go to $OUT (the device tool's folder) or
@@ -44,7 +47,7 @@ train_flags() {
             --max-steps 6 --warmup-steps 2 --ckpt-interval 2 --eval-interval 3 --eval-tokens 256 \
             --sample-interval 3 --sample-tokens 8 --hellaswag-interval 0 --progress false
     else  # gpt2-124m settings, 2^19-token steps (B=64 x 8 micro-steps), a short schedule
-        echo --max-steps 250 --warmup-steps 25 --ckpt-interval 100 --eval-interval 50 \
+        echo --max-steps 160 --warmup-steps 16 --ckpt-interval 80 --eval-interval 40 \
             --eval-tokens 65536 --sample-interval 100 --hellaswag-interval 0 --progress false
     fi
 }
@@ -56,6 +59,8 @@ stage_tests() {
 stage_ladder() {  # $1 = micro-batch
     data
     local flags=(--batch-size "$1" --seq-len 1024 --steps 10 --warmup 3)
+    # at B=64 also the two diagnostic rungs: gpt2lab's model without the trainer, chunked loss vs F.cross_entropy
+    [ "$1" = 64 ] && flags+=(--rungs fp32,tf32,bf16,compile,flash,vocab50304,fused_adamw,gpt2lab,hf,model_chunked,model_ce)
     [ "$SMOKE" = 1 ] && flags=(--size tiny --batch-size 2 --seq-len 32 --steps 1 --warmup 1 --device cpu
                                --rungs fp32,bf16,flash,hf,gpt2lab)
     g bench ladder "${flags[@]}" --data "$RUN/data" | tee "$OUT/ladder_b$1.log"
@@ -79,9 +84,12 @@ stage_train() {
     flags=$(train_flags)
     t0=$(date +%s)
     # shellcheck disable=SC2086
-    g train --preset gpt2-124m --data "$RUN/data" --out "$RUN/run" $flags > "$OUT/train_first.log" 2>&1 &
+    # python itself in the background, not through g(): $! of a backgrounded shell function is a
+    # subshell, and kill -9 of it left the trainer running beside the resumed one (both on the GPU,
+    # both writing the run directory: the first GPU call measured the resumed run at half speed)
+    "$PY" -m gpt2lab train --preset gpt2-124m --data "$RUN/data" --out "$RUN/run" $flags > "$OUT/train_first.log" 2>&1 &
     pid=$!
-    local ckpt=step_000100
+    local ckpt=step_000080
     [ "$SMOKE" = 1 ] && ckpt=step_000002
     while [ ! -d "$RUN/run/checkpoints/$ckpt" ] && kill -0 "$pid" 2>/dev/null; do sleep 0.2; done
     kill -9 "$pid" 2>/dev/null || true
@@ -97,7 +105,7 @@ stage_train() {
 }
 
 stage_eval() {
-    local flags=(--data "$HELLASWAG" --batch-size 64 --dtype bfloat16 --compile)
+    local flags=(--data "$HELLASWAG" --batch-size 64 --dtype auto --compile)
     [ "$SMOKE" = 1 ] && flags=(--data "$HELLASWAG" --limit 8 --device cpu)
     local t0 t1
     t0=$(date +%s.%N)
@@ -113,7 +121,30 @@ EOF
     g plot "$RUN/run" --out "$OUT/curves.png" --summary | tee "$OUT/summary.md"
 }
 
-[ $# -gt 0 ] || set -- tests ladder16 ladder64 memory train eval
+stage_finetune() {  # fine-tune the train stage's run (weights only): full, then LoRA
+    data
+    local flags=(--data "$RUN/data" --max-steps 60 --eval-interval 20 --eval-tokens 65536 --sample-interval 0
+                 --ckpt-interval 0 --progress false)
+    [ "$SMOKE" = 1 ] && flags=(--data "$RUN/data" --max-steps 2 --eval-interval 1 --eval-tokens 256 --sample-interval 0
+                               --ckpt-interval 0 --progress false --device cpu --seq-len 32 --micro-batch-size 2
+                               --total-batch-tokens 64)
+    rm -rf "$RUN/ft_full" "$RUN/ft_lora"
+    g train --preset finetune-shakespeare --init-from "$RUN/run" --out "$RUN/ft_full" "${flags[@]}" \
+        2>&1 | tee "$OUT/finetune_full.log"
+    g train --preset finetune-shakespeare --init-from "$RUN/run" --out "$RUN/ft_lora" "${flags[@]}" \
+        --lora-rank 8 --max-lr 1e-3 --min-lr 1e-3 2>&1 | tee "$OUT/finetune_lora.log"
+    cp "$RUN/ft_full/metrics.jsonl" "$OUT/finetune_full_metrics.jsonl"
+    cp "$RUN/ft_lora/metrics.jsonl" "$OUT/finetune_lora_metrics.jsonl"
+}
+
+stage_profile() {
+    data
+    local flags=(--batch-size 64)
+    [ "$SMOKE" = 1 ] && flags=(--size tiny --batch-size 2 --seq-len 32 --warmup 1 --steps 1 --device cpu)
+    "$PY" benchmarks/profile_step.py --data "$RUN/data" --out "$OUT" "${flags[@]}" | tail -n 45
+}
+
+[ $# -gt 0 ] || set -- tests ladder16 ladder64 memory train eval finetune
 for stage in "$@"; do
     echo "== $stage ($(date -u +%H:%M:%S))"
     case "$stage" in
@@ -123,6 +154,8 @@ for stage in "$@"; do
         memory) stage_memory ;;
         train) stage_train ;;
         eval) stage_eval ;;
-        *) echo "unknown stage $stage; stages: tests ladder16 ladder64 memory train eval" >&2; exit 2 ;;
+        finetune) stage_finetune ;;
+        profile) stage_profile ;;
+        *) echo "unknown stage $stage; stages: tests ladder16 ladder64 memory train eval finetune profile" >&2; exit 2 ;;
     esac
 done

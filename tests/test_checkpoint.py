@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from gpt2lab import checkpoint as ckpt
-from gpt2lab.model import GPT, GPTConfig
+from gpt2lab.config import model_from_config
+from gpt2lab.model import GPT
 from gpt2lab.optim import make_optimizer
 
 CFG = dict(block_size=16, vocab_size=50304, n_layer=2, n_head=2, n_embd=16)
@@ -17,7 +18,7 @@ CFG = dict(block_size=16, vocab_size=50304, n_layer=2, n_head=2, n_embd=16)
 
 def _trained(seed: int = 0) -> tuple[GPT, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = GPT(ckpt.model_config(CFG))
+    model = GPT(model_from_config(CFG))
     opt = make_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8,
                          device=torch.device("cpu"))
     x = torch.randint(0, 50257, (2, 16))

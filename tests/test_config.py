@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from gpt2lab.config import (ConfigError, TrainConfig, add_config_flags, load_preset, overrides_from_args,
+from gpt2lab.config import (MODEL_KEYS, ConfigError, TrainConfig, add_config_flags, load_preset, overrides_from_args,
                             preset_names)
 
 REFERENCE = dict(total_batch_tokens=524288, micro_batch_size=64, seq_len=1024, max_lr=6e-4, min_lr=6e-5,
@@ -18,7 +18,7 @@ REFERENCE = dict(total_batch_tokens=524288, micro_batch_size=64, seq_len=1024, m
 @pytest.mark.parametrize("name", preset_names())
 def test_every_preset_parses_and_divides(name):
     cfg = load_preset(name)
-    assert cfg.seq_len <= cfg.block_size
+    assert cfg.seq_len <= cfg.model.block_size
     accum = cfg.grad_accum_steps(1)
     assert accum * cfg.micro_batch_size * cfg.seq_len == cfg.total_batch_tokens
 
@@ -31,7 +31,7 @@ def test_expected_presets_are_shipped():
 def test_gpt2_124m_is_the_reference_run():
     cfg = load_preset("gpt2-124m")
     for key, value in REFERENCE.items():
-        assert getattr(cfg, key) == value, key
+        assert getattr(cfg.model if key in MODEL_KEYS else cfg, key) == value, key
     assert cfg.grad_accum_steps(8) == 1 and cfg.grad_accum_steps(1) == 8
     # on a bf16 GPU "auto" is the recipe's setting: bf16 autocast and torch.compile
     from gpt2lab.runtime import Facts, resolve
@@ -60,13 +60,13 @@ def test_every_field_is_a_flag_and_only_given_flags_override():
     p = argparse.ArgumentParser()
     add_config_flags(p)
     flags = {a.dest for a in p._actions}
-    assert {f.name for f in dataclasses.fields(TrainConfig)} <= flags
+    assert {f.name for f in dataclasses.fields(TrainConfig)} - {"model"} | {"n_layer", "attn_pdrop"} <= flags
     got = _parse(["--max-steps", "7", "--compile", "false", "--max-lr", "2e-3", "--dtype", "float32",
                   "--peak-flops", "none", "--hellaswag-data", "x.jsonl"])
     assert got == {"max_steps": 7, "compile": "false", "max_lr": 2e-3, "dtype": "float32", "peak_flops": None,
                    "hellaswag_data": "x.jsonl"}
     cfg = load_preset("shakespeare-cpu", **got)
-    assert cfg.max_steps == 7 and cfg.compile == "false" and cfg.n_layer == load_preset("shakespeare-cpu").n_layer
+    assert cfg.max_steps == 7 and cfg.compile == "false" and cfg.model.n_layer == load_preset("shakespeare-cpu").model.n_layer
 
 
 @pytest.mark.parametrize("argv", [["--compile", "maybe"], ["--dtype", "float8"], ["--max-steps", "x"],

@@ -40,7 +40,7 @@ def test_demo_preset_trains_in_fp32_end_to_end(tmp_path):
     info = json.loads((out / "run_info.json").read_text())
     assert info["choices"]["dtype"] == "float32" and info["choices"]["dtype_reason"] == "asked for with --dtype"
     cfg = load_preset("shakespeare-cpu")
-    assert info["params"] > 0 and json.loads((out / "config.json").read_text())["n_embd"] == cfg.n_embd
+    assert info["params"] > 0 and json.loads((out / "config.json").read_text())["model"]["n_embd"] == cfg.model.n_embd
     vals = [json.loads(line)["val_loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
             if "val_loss" in line]
     m = re.search(r"validation loss (\d+\.\d+) \(chance: ln 50304 = 10\.83\)", r.stdout)

@@ -156,7 +156,7 @@ def test_lora_trains_only_adapters_and_merged_export_matches(hf_src, tiny_data, 
     # the fine-tuning preset (dropout 0.1) from the tiny HF directory, with tiny overrides
     cfg = adapt_config(_cfg(tiny_data, tmp_path / "lora", "finetune-shakespeare", init_from=hf_src[1], lora_rank=4,
                             lora_alpha=8.0, lora_targets="c_attn,mlp.c_proj", max_steps=3, max_lr=1e-2, min_lr=1e-2, warmup_steps=0))
-    assert cfg.attn_pdrop == 0.1 and cfg.max_steps == 3
+    assert cfg.model.attn_pdrop == 0.1 and cfg.max_steps == 3
     trainer = Trainer(cfg, DistInfo(device=CPU))
     before = {k: v.detach().clone() for k, v in trainer.raw.state_dict().items()}
     trainable = {n for n, p in trainer.raw.named_parameters() if p.requires_grad}
@@ -203,7 +203,7 @@ def test_finetune_preset_lowers_held_out_loss(pretrained_run, tiny_data, tmp_pat
     start, end = val(load_model(pretrained_run)), val(load_model(str(out)))
     assert end < start - 0.3, (start, end)
     saved = json.loads((out / "config.json").read_text())
-    assert saved["init_from"] == pretrained_run and saved["attn_pdrop"] == 0.1 and saved["block_size"] == 64
+    assert saved["init_from"] == pretrained_run and saved["model"]["attn_pdrop"] == 0.1 and saved["model"]["block_size"] == 64
     info = json.loads((out / "run_info.json").read_text())
     assert info["init_from"]["step"] == 8 and info["init_from"]["id"] == saved["init_from_id"]
 

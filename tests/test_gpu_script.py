@@ -48,3 +48,27 @@ def test_gpu_sh_smoke_memory_train_eval(tmp_path):
     hs = json.loads((out / "hellaswag.json").read_text())
     assert hs["n"] == 8 and 0 <= hs["acc_norm"] <= 1 and hs["examples_per_s"] > 0
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_ladder_records_an_out_of_memory_rung_and_goes_on(monkeypatch, capsys):
+    """On an 80 GB H100 the fp32 rungs at B=64 run out of memory; the ladder must say so and go on."""
+    import argparse
+
+    import torch
+
+    from gpt2lab.benchmarks import ladder
+
+    real = ladder._build
+
+    def build(rung, *a, **k):
+        if rung == "fp32":
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(rung, *a, **k)
+
+    monkeypatch.setattr(ladder, "_build", build)
+    args = argparse.Namespace(size="tiny", batch_size=2, seq_len=16, steps=1, warmup=1, rungs="fp32,tf32",
+                              data=None, device="cpu", peak_flops=None)
+    res = ladder.run(args)
+    assert [r["rung"] for r in res["rungs"]] == ["fp32", "tf32"]
+    assert res["rungs"][0]["oom"] is True and "ms_per_step" not in res["rungs"][0]
+    assert 10 < res["rungs"][1]["loss"] < 12 and res["rungs"][1]["ms_per_step"] > 0

@@ -107,8 +107,7 @@ def test_presets_state_what_the_planner_chooses():
     for name in ("gpt2-350m", "gpt2-774m", "gpt2-1558m"):
         text = (resources.files("gpt2lab") / "presets" / f"{name}.toml").read_text()
         cfg = load_preset(name)
-        model = GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, vocab_size=cfg.vocab_size,
-                          block_size=cfg.block_size)
+        model = cfg.model
         stated = re.findall(r"# assumes (\d+) x (\d+)GB: (ddp|fsdp)(, activation checkpointing)?, "
                             r"micro_batch_size (\d+)", text)
         assert {s[1] for s in stated} == {"80", "40"}, name

@@ -79,8 +79,11 @@ def test_fsdp_two_processes_equal_one_process_and_ddp(one_and_ddp, tiny_data, tm
                     for r in recs if "hellaswag_n" in r or "sample" in r] for name, recs in runs.items()}
     assert [e[:2] for e in evals["fsdp"]] == [(0, 3), (0, None), (4, 3), (4, None)]
     assert evals["fsdp"] == evals["one"] == evals["ddp"]
-    info = json.loads((tmp_path / "fsdp" / "run_info.json").read_text())["choices"]
-    assert info["strategy"] == "fsdp" and info["activation_checkpointing"] is True
+    info = json.loads((tmp_path / "fsdp" / "run_info.json").read_text())
+    assert info["choices"]["strategy"] == "fsdp" and info["choices"]["activation_checkpointing"] is True
+    # sharded: rank 0 holds half of every parameter (dim 0 split in two; every dim 0 here is even)
+    assert info["params_on_rank_0"] * 2 == info["params"] == json.loads((ddp_dir / "run_info.json").read_text())[
+        "params_on_rank_0"]
 
 
 def _records(run_dir) -> list[dict]:

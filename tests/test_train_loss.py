@@ -75,6 +75,27 @@ def test_model_training_path_equals_logits_path():
         assert torch.allclose(a, b, atol=1e-6)
 
 
+def test_unchunked_training_path_returns_the_same_loss_without_logits():
+    """chunked_loss False (a compiled model on a GPU): logits + F.cross_entropy, logits not returned."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=512, n_layer=1, n_head=2, n_embd=16))
+    x, y = torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16))
+    _, chunked = model(x, y, return_logits=False)
+    model.chunked_loss = False
+    logits, plain = model(x, y, return_logits=False)
+    ref = F.cross_entropy(model(x)[0].view(-1, 512), y.view(-1))
+    assert logits is None and abs(plain.item() - ref.item()) < 1e-6 and abs(chunked.item() - ref.item()) < 1e-5
+
+
+@pytest.mark.parametrize("device,compiled,expect", [("cuda", True, (True, False)), ("cuda", False, (False, True)),
+                                                    ("cpu", True, (True, True)), ("cpu", False, (False, True)),
+                                                    ("mps", True, (True, True))])
+def test_loss_settings_by_device(device, compiled, expect):
+    from gpt2lab.train import loss_settings
+
+    assert loss_settings(torch.device(device), compiled) == expect
+
+
 def test_fp16_logit_gradients_do_not_underflow(monkeypatch):
     # The compiled kernel's maths (1/n applied inside) run eagerly, to skip a compile here.
     # At n = 16384 rows, p/n of the non-target tokens falls below fp16's normal range; the

@@ -5,7 +5,8 @@ Layout of one checkpoint (NNNNNN = optimizer steps completed):
   optimizer.pt       AdamW state (torch.save; read with weights_only=True)
   state.pt           step, tokens seen, loader state, RNG states (python, numpy, torch, cuda),
                      fp16 GradScaler state (None otherwise)
-  config.json        the run's resolved TrainConfig
+  config.json        the run's resolved TrainConfig, the architecture under "model" (files
+                     written before it was nested are flat: config.model_from_config reads both)
   checksums.json     sha256 of each file above, verified when the checkpoint is loaded
 A checkpoint is written under a temporary name and renamed when complete, so any
 ``step_*`` directory is whole; the newest K are kept. Bytes that change afterwards (a bad
@@ -27,8 +28,8 @@ from safetensors.torch import load_file, save_file
 
 from gpt2lab.errors import CheckpointError
 from gpt2lab.files import atomic_dir, write_json
-from gpt2lab.model import GPT, GPTConfig
-from gpt2lab.tokenizer import GPT2_VOCAB_SIZE
+from gpt2lab.config import ConfigError, model_from_config
+from gpt2lab.model import GPT
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 _PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DDP wrappers
@@ -186,16 +187,6 @@ def resolve(path: str) -> str:
     return latest
 
 
-def model_config(config: dict) -> GPTConfig:
-    return GPTConfig(block_size=config["block_size"], vocab_size=config["vocab_size"],
-                     n_layer=config["n_layer"], n_head=config["n_head"], n_embd=config["n_embd"],
-                     token_vocab_size=min(GPT2_VOCAB_SIZE, config["vocab_size"]),
-                     **{k: config.get(k, 0.0) for k in ("embd_pdrop", "attn_pdrop", "resid_pdrop")})
-
-
-MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
-
-
 def read_config(ckpt: str) -> dict:
     try:
         with open(os.path.join(ckpt, "config.json")) as fh:
@@ -224,11 +215,10 @@ def load_weights(model: torch.nn.Module, ckpt: str, verified: bool = False) -> N
 
 def _mismatch(ckpt: str, model: torch.nn.Module, mine: dict, theirs: dict) -> str:
     cfg = getattr(model, "config", None)
-    want = ", ".join(f"{f} {getattr(cfg, f)}" for f in MODEL_FIELDS if cfg is not None and hasattr(cfg, f))
+    want = ", ".join(f"{k} {v}" for k, v in cfg.shape().items()) if hasattr(cfg, "shape") else "unknown"
     try:
-        saved = read_config(ckpt)
-        have = ", ".join(f"{f} {saved.get(f)}" for f in MODEL_FIELDS)
-    except CheckpointError:
+        have = ", ".join(f"{k} {v}" for k, v in model_from_config(read_config(ckpt)).shape().items())
+    except (CheckpointError, ConfigError):
         have = "unknown (config.json unreadable)"
     diff = sorted(set(mine) ^ set(theirs)) or [k for k in mine if mine[k] != theirs.get(k)]
     k = diff[0]
@@ -250,7 +240,10 @@ def load_model(path: str) -> GPT:
     ckpt = resolve(path)
     verify(ckpt)
     config = read_config(ckpt)
-    model = GPT(model_config(config))
+    try:
+        model = GPT(model_from_config(config, f"{ckpt}/config.json"))
+    except ConfigError as e:
+        raise damaged(ckpt, f"config.json describes no valid model ({e})") from e
     if config.get("lora_rank"):
         from gpt2lab.lora import add_lora, lora_args, merge_lora
 

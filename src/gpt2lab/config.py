@@ -1,6 +1,11 @@
 """Run settings: one dataclass, TOML presets shipped in the package, CLI overrides, validation.
 
-Every default lives in ``TrainConfig``; a preset (``presets/NAME.toml``) overrides some of
+Every default lives in ``TrainConfig``; the architecture is its ``model`` field, a
+``GPTConfig`` (gpt2lab/model_config.py, the only definition of the model's fields), whose
+fields are flat flags and TOML keys (``--n-layer``, ``n_layer = 12``; a ``[model]`` table works
+too) and a nested ``"model"`` section in config.json. ``nest_model`` is the one place that
+turns the flat form (also that of config.json files written before the nesting) into the
+nested one. A preset (``presets/NAME.toml``) overrides some of
 them (and may start from another preset with ``base = "NAME"``); command-line flags
 override the preset. Each field's ``help`` metadata becomes its ``--flag`` help text.
 """
@@ -13,6 +18,7 @@ from importlib import resources
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 from gpt2lab.errors import UsageError
+from gpt2lab.model_config import GPTConfig
 
 try:
     import tomllib  # Python >= 3.11
@@ -26,6 +32,11 @@ COMPILE_CHOICES = ("auto", "true", "false")
 STRATEGY_CHOICES = ("auto", "ddp", "fsdp")
 # Layers --lora-targets may name (peft matches a module whose name ends with ".TARGET").
 LORA_TARGETS = ("c_attn", "c_proj", "c_fc", "attn.c_proj", "mlp.c_proj")
+# The GPT-2 tokenizer's vocabulary (tokenizer.GPT2_VOCAB_SIZE; not imported: tokenizer imports
+# tiktoken, and the CLI builds its parser from this module). A run's token_vocab_size.
+GPT2_TOKENS = 50257
+# GPTConfig's fields: flat keys of a run config that belong in its "model" section.
+MODEL_KEYS = tuple(f.name for f in dataclasses.fields(GPTConfig))
 # Peak dense bf16/fp16 tensor FLOP/s by GPU name fragment (vendor datasheets), for MFU.
 PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
 
@@ -34,14 +45,14 @@ def _f(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
+def _default_model() -> GPTConfig:
+    return GPTConfig(vocab_size=50304)  # 50257 padded to a multiple of 128: faster matmuls
+
+
 @dataclass
 class TrainConfig:
-    # model
-    n_layer: int = _f(12, "transformer blocks")
-    n_head: int = _f(12, "attention heads per block")
-    n_embd: int = _f(768, "width of the residual stream")
-    block_size: int = _f(1024, "longest sequence the model accepts (position embeddings)")
-    vocab_size: int = _f(50304, "embedding rows; 50304 = 50257 padded to a multiple of 128 for speed")
+    # model: the architecture; each of its fields is a flat flag (add_config_flags)
+    model: GPTConfig = field(default_factory=_default_model, metadata={"help": "the architecture"})
     # data and output
     data: str = _f("data/fineweb-edu-10b", "directory of token shards made by `gpt2lab prepare`")
     out: str = _f("runs/gpt2-124m", "run directory: config.json, metrics.jsonl, checkpoints/")
@@ -99,10 +110,7 @@ class TrainConfig:
     spike_norm_z: float = _f(20.0, "the same for the log of the gradient norm (0 = do not check it)")
     spike_rollback: int = _f(3, "this many spikes within spike_window steps roll back to the last checkpoint "
                              "before them and skip the data of the spiking steps (0 = never roll back)")
-    # fine-tuning (see gpt2lab/init_from.py and gpt2lab/lora.py)
-    embd_pdrop: float = _f(0.0, "dropout on the token + position embeddings (GPT-2 fine-tuning: 0.1)")
-    attn_pdrop: float = _f(0.0, "dropout on the attention weights")
-    resid_pdrop: float = _f(0.0, "dropout on each residual branch's output")
+    # fine-tuning (see gpt2lab/init_from.py and gpt2lab/lora.py; dropout is in the model)
     init_from: Optional[str] = _f(None, "start from these weights (new optimizer, step 0): gpt2, gpt2-medium, "
                                   "gpt2-large, gpt2-xl, a local HF GPT-2 directory, a gpt2lab run directory "
                                   "(its newest checkpoint) or a checkpoint directory; the architecture "
@@ -124,8 +132,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.compile, bool):  # presets and config.json files written before "auto"
             self.compile = "true" if self.compile else "false"
-        positive = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "micro_batch_size",
-                    "seq_len", "total_batch_tokens", "max_steps", "max_bad_steps", "sample_tokens")
+        self._derive_token_vocab()
+        positive = ("micro_batch_size", "seq_len", "total_batch_tokens", "max_steps", "max_bad_steps",
+                    "sample_tokens")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -138,16 +147,21 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         self._check_combinations()
 
+    def _derive_token_vocab(self) -> None:
+        """token_vocab_size is the tokenizer's (GPT-2's), never a setting of its own."""
+        if self.model.vocab_size < GPT2_TOKENS:
+            raise ConfigError(f"vocab_size {self.model.vocab_size} is smaller than the GPT-2 tokenizer's "
+                              f"{GPT2_TOKENS} tokens; use {GPT2_TOKENS} or 50304")
+        if self.model.token_vocab_size not in (None, GPT2_TOKENS):
+            raise ConfigError(f"token_vocab_size {self.model.token_vocab_size}: it is not a setting (a run "
+                              f"uses the GPT-2 tokenizer's {GPT2_TOKENS}); drop it")
+        if self.model.token_vocab_size is None:
+            self.model = dataclasses.replace(self.model, token_vocab_size=GPT2_TOKENS)
+
     def _check_combinations(self) -> None:
-        if self.n_embd % self.n_head:
-            raise ConfigError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}; "
-                              "change one of them")
-        if self.seq_len > self.block_size:
-            raise ConfigError(f"seq_len {self.seq_len} exceeds block_size {self.block_size}; "
+        if self.seq_len > self.model.block_size:
+            raise ConfigError(f"seq_len {self.seq_len} exceeds block_size {self.model.block_size}; "
                               f"lower --seq-len or raise --block-size")
-        if self.vocab_size < 50257:
-            raise ConfigError(f"vocab_size {self.vocab_size} is smaller than the GPT-2 tokenizer's "
-                              "50257 tokens; use 50257 or 50304")
         if self.dtype not in DTYPE_CHOICES:
             raise ConfigError(f"dtype {self.dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}")
         if self.compile not in COMPILE_CHOICES:
@@ -159,9 +173,6 @@ class TrainConfig:
         self._check_fine_tuning()
 
     def _check_fine_tuning(self) -> None:
-        for name in ("embd_pdrop", "attn_pdrop", "resid_pdrop"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ConfigError(f"{name} {getattr(self, name)} must be in [0, 1)")
         if self.lora_rank < 0 or self.lora_alpha <= 0:
             raise ConfigError(f"need lora_rank >= 0 and lora_alpha > 0, got {self.lora_rank} and {self.lora_alpha}")
         targets = [t.strip() for t in self.lora_targets.split(",")]
@@ -183,16 +194,70 @@ class TrainConfig:
         return self.total_batch_tokens // per_micro
 
     def to_dict(self) -> dict:
+        """The nested form (config.json): the architecture under "model"."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, values: dict, source: str = "config") -> "TrainConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+        """From the nested form, the flat one (--n-layer-style keys, old config.json) or a mix."""
+        values = nest_model(values, source)
+        known = {f.name for f in dataclasses.fields(cls)} - {"model"}
+        unknown = sorted(set(values) - known - {"model"})
         if unknown:
             raise ConfigError(f"{source}: unknown field(s) {', '.join(unknown)}; "
-                              f"known fields: {', '.join(sorted(known))}")
-        return cls(**values)
+                              f"known fields: {', '.join(sorted(known | set(MODEL_KEYS)))}")
+        return cls(**{**values, "model": _gpt_config(values["model"], source)})
+
+    def with_model(self, **changes: Any) -> "TrainConfig":
+        """This config with some architecture fields changed (validated like any other)."""
+        return TrainConfig.from_dict({**self.to_dict(), **changes})
+
+
+def nest_model(values: dict, source: str = "config") -> dict:
+    """A run config (dict) in the nested form: GPTConfig's fields in a "model" dict.
+
+    The one conversion from the flat form: flat keys (flags, presets' TOML keys, config.json
+    written before the architecture was nested) move into "model", winning over a "model"
+    key of the same name in the same dict (a flag overrides its preset's [model] table).
+    """
+    nested = values.get("model", {})
+    if not isinstance(nested, dict):
+        raise ConfigError(f"{source}: \"model\" must be a table of model fields ({', '.join(MODEL_KEYS)}), "
+                          f"got {nested!r}")
+    out = {k: v for k, v in values.items() if k not in MODEL_KEYS and k != "model"}
+    out["model"] = {**nested, **{k: values[k] for k in MODEL_KEYS if k in values}}
+    return out
+
+
+def _gpt_config(values: dict, source: str) -> GPTConfig:
+    unknown = sorted(set(values) - set(MODEL_KEYS))
+    if unknown:
+        raise ConfigError(f"{source}: unknown model field(s) {', '.join(unknown)}; "
+                          f"known model fields: {', '.join(MODEL_KEYS)}")
+    hints = get_type_hints(GPTConfig)
+    for name, value in values.items():
+        tp, optional = _field_type(hints[name])
+        ok = (value is None and optional) or (isinstance(value, (int, float) if tp is float else tp)
+                                               and not isinstance(value, bool))
+        if not ok:
+            raise ConfigError(f"{source}: {name} must be {'a whole number' if tp is int else 'a number'}, "
+                              f"got {value!r}")
+    try:
+        return GPTConfig(**values)
+    except ValueError as e:  # GPTConfig's own checks name the value
+        raise ConfigError(f"{source}: {e}") from e
+
+
+def model_from_config(values: dict, source: str = "config") -> GPTConfig:
+    """The architecture a run's or a checkpoint's config.json describes, nested or old flat form.
+
+    Other fields are not checked (a checkpoint's training settings do not matter for
+    sample, eval or export). Configs that predate token_vocab_size get the tokenizer's.
+    """
+    model = _gpt_config(nest_model(values, source)["model"], source)
+    if model.token_vocab_size is None:
+        model = dataclasses.replace(model, token_vocab_size=min(GPT2_TOKENS, model.vocab_size))
+    return model
 
 
 class ConfigError(UsageError):
@@ -206,7 +271,7 @@ def preset_names() -> list[str]:
 
 
 def preset_values(name: str, _seen: tuple = ()) -> dict:
-    """The fields a preset sets (its ``base`` chain resolved), not yet a TrainConfig."""
+    """The fields a preset sets (its ``base`` chain resolved, the model's nested), not yet a TrainConfig."""
     if name not in preset_names():
         raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(preset_names())}")
     if name in _seen:
@@ -217,7 +282,13 @@ def preset_values(name: str, _seen: tuple = ()) -> dict:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML ({e})") from e
     base = values.pop("base", None)
-    return {**(preset_values(base, _seen + (name,)) if base else {}), **values}
+    table = values.get("model")
+    both = sorted(set(values) & set(table)) if isinstance(table, dict) else []
+    if both:
+        raise ConfigError(f"{path}: {', '.join(both)} set both as a key and in [model]; keep one")
+    own = nest_model(values, str(path))  # flat keys and a [model] table alike; merged field by field
+    below = preset_values(base, _seen + (name,)) if base else {"model": {}}
+    return {**below, **own, "model": {**below["model"], **own["model"]}}
 
 
 def load_preset(name: str, **overrides: Any) -> TrainConfig:
@@ -255,14 +326,22 @@ def _converter(tp: Any, optional: bool):
     return convert
 
 
+def _flag_fields() -> list[tuple[dataclasses.Field, Any, Any]]:
+    """(field, type annotation, base default) per flag: GPTConfig's settable fields, then TrainConfig's."""
+    model_hints, hints, model = get_type_hints(GPTConfig), get_type_hints(TrainConfig), _default_model()
+    out = [(f, model_hints[f.name], getattr(model, f.name)) for f in dataclasses.fields(GPTConfig)
+           if not f.metadata["derived"]]
+    return out + [(f, hints[f.name], f.default) for f in dataclasses.fields(TrainConfig) if f.name != "model"]
+
+
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One ``--field-name VALUE`` flag per TrainConfig field; unset flags stay out of the overrides."""
-    hints = get_type_hints(TrainConfig)
+    """One ``--field-name VALUE`` flag per config field (the model's flat); unset flags stay out
+    of the overrides."""
     group = parser.add_argument_group("config fields (override the preset)")
-    for f in dataclasses.fields(TrainConfig):
-        tp, optional = _field_type(hints[f.name])
+    for f, hint, default in _flag_fields():
+        tp, optional = _field_type(hint)
         kwargs: dict = dict(dest=f.name, default=argparse.SUPPRESS, type=_converter(tp, optional),
-                            help=f"{f.metadata['help']} (base default {f.default!r}; the preset may set it)")
+                            help=f"{f.metadata['help']} (base default {default!r}; the preset may set it)")
         kwargs["metavar"] = {bool: "true|false", int: "N", float: "X"}.get(tp, "TEXT")
         if f.name in ("dtype", "compile", "strategy"):
             choices = {"dtype": DTYPE_CHOICES, "compile": COMPILE_CHOICES, "strategy": STRATEGY_CHOICES}[f.name]
@@ -271,7 +350,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict:
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    names = {f.name for f, _, _ in _flag_fields()}
     return {k: v for k, v in vars(args).items() if k in names}
 
 

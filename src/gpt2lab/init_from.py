@@ -9,7 +9,6 @@ naming it, raised before any training work.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -20,12 +19,13 @@ import torch
 
 from gpt2lab import checkpoint as ckpt
 from gpt2lab import hf
-from gpt2lab.config import ConfigError, TrainConfig
+from gpt2lab.config import ConfigError, TrainConfig, model_from_config
 from gpt2lab.load import HUB_NAMES, is_hf_dir
 from gpt2lab.model import GPT, GPTConfig
 from gpt2lab.tokenizer import GPT2_VOCAB_SIZE
 
-ARCH_FIELDS = ("n_layer", "n_head", "n_embd", "block_size")
+# What the source decides: every field that sets a parameter shape, but the vocabulary (a run may pad it).
+ARCH_FIELDS = tuple(name for name in GPTConfig().shape() if name != "vocab_size")
 
 
 class InitFromError(ConfigError):
@@ -110,7 +110,7 @@ def _checkpoint_source(spec: str) -> Source:
                             f"{', '.join(missing) or 'config.json'}); pass its run directory (newest complete "
                             "checkpoint) or another step_* directory")
     try:
-        model_config = ckpt.model_config(config)
+        model_config = model_from_config(config)
         step = int(torch.load(os.path.join(where, "state.pt"), weights_only=True, map_location="cpu")["step"])
     except (KeyError, TypeError, ValueError, RuntimeError, OSError) as e:
         raise InitFromError(f"--init-from {spec}: cannot read the checkpoint {where} ({e}); "
@@ -146,9 +146,9 @@ def _check_readable(src: Source) -> None:
 def adapt_config(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with the architecture of ``cfg.init_from``; each of cfg's values must agree with it
     (a smaller block_size keeps SRC's first positions)."""
-    arch = source_arch(cfg.init_from, {name: getattr(cfg, name) for name in ARCH_FIELDS})
+    arch = source_arch(cfg.init_from, {name: getattr(cfg.model, name) for name in ARCH_FIELDS})
     try:
-        return dataclasses.replace(cfg, **arch)
+        return cfg.with_model(**arch)
     except ConfigError as e:
         sizes = ", ".join(f"{k} {v}" for k, v in arch.items())
         raise InitFromError(f"--init-from {cfg.init_from} ({sizes}): {e}") from e

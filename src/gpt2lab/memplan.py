@@ -21,7 +21,7 @@ from typing import Optional
 
 from gpt2lab.chunked_loss import _CHUNK_ELEMENTS, _GROUP_ELEMENTS
 from gpt2lab.errors import UsageError
-from gpt2lab.model import GPTConfig
+from gpt2lab.model_config import GPTConfig
 
 STRATEGIES = ("ddp", "fsdp")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

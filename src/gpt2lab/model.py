@@ -6,7 +6,6 @@ No I/O, printing, optimizer or distributed code lives here.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
@@ -15,64 +14,8 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from gpt2lab.chunked_loss import chunked_cross_entropy
-
-
-@dataclass
-class GPTConfig:
-    block_size: int = 1024  # longest sequence (rows of the position embedding)
-    vocab_size: int = 50257  # rows of wte / lm_head; may be padded up (50304) for speed
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    # The tokenizer's vocabulary. Rows of wte at or above it are padding: trained like
-    # any other but never sampled and dropped on export. None means vocab_size.
-    token_vocab_size: Optional[int] = None
-    layer_norm_epsilon: float = 1e-5
-    # Dropout as GPT-2 has it (HF's names): on the embeddings' sum, on the attention
-    # weights, and on each residual branch's output. Active only in training mode.
-    embd_pdrop: float = 0.0
-    attn_pdrop: float = 0.0
-    resid_pdrop: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.token_vocab_size is not None and self.token_vocab_size > self.vocab_size:
-            raise ValueError(
-                f"token_vocab_size ({self.token_vocab_size}) cannot exceed vocab_size ({self.vocab_size})"
-            )
-        for name in ("embd_pdrop", "attn_pdrop", "resid_pdrop"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"GPTConfig.{name} must be in [0, 1), got {getattr(self, name)}")
-
-    @property
-    def real_vocab_size(self) -> int:
-        return self.token_vocab_size or self.vocab_size
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def preset(cls, name: str, **overrides) -> "GPTConfig":
-        """One of the four GPT-2 sizes by HF name or parameter count ('gpt2', '124M', ...)."""
-        key = PRESET_ALIASES.get(name.lower(), name.lower())
-        if key not in PRESETS:
-            choices = ", ".join(sorted(PRESETS) + sorted(PRESET_ALIASES))
-            raise ValueError(f"unknown GPT-2 size {name!r}; choose one of: {choices}")
-        return cls(**{**PRESETS[key], **overrides})
-
-
-# The four released GPT-2 sizes (Radford et al. 2019, table 2, as published on the hub).
-PRESETS = {
-    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
-    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
-    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
-    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
-}
-PRESET_ALIASES = {"124m": "gpt2", "350m": "gpt2-medium", "774m": "gpt2-large", "1558m": "gpt2-xl"}
+# Defined torch-free (the CLI's flags come from its fields); this is its home for every caller.
+from gpt2lab.model_config import PRESET_ALIASES, PRESETS, GPTConfig  # noqa: F401
 
 
 class KVCache:
@@ -194,9 +137,12 @@ class GPT(nn.Module):
         # Weight tying (Press & Wolf 2017), as GPT-2: input and output embeddings share one matrix.
         self.lm_head.weight = self.transformer.wte.weight
         self.apply(self._init_weights)
-        # torch.compile the training loss's softmax kernel (return_logits=False); the trainer
-        # turns it on with --compile true
+        # The training loss (return_logits=False). chunked: never holds the (B*T, vocab) logits
+        # (chunked_loss.py; faster and smaller on CPUs); compile_loss compiles its softmax
+        # kernel. chunked_loss False: logits + F.cross_entropy, which torch.compile fuses into
+        # the model's graph (faster on GPUs). The trainer sets both (train.loss_settings).
         self.compile_loss = False
+        self.chunked_loss = True
         # Activation checkpointing (--activation-checkpointing): in training, keep only each
         # block's input and recompute its insides during backward (about a third more compute
         # for a fraction of the activation memory). The trainer sets it; no weights change.
@@ -261,14 +207,14 @@ class GPT(nn.Module):
             x = x.reshape(B * T, -1)[positions]  # (N, C)
             targets = None if targets is None else targets.reshape(-1)[positions]
         x = self.transformer.ln_f(x)
-        if targets is not None and not return_logits:
+        if targets is not None and not return_logits and self.chunked_loss:
             return None, chunked_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1),
                                                compiled=self.compile_loss)
         logits = self.lm_head(x)  # (B, T, vocab_size), or (N, vocab_size) at positions
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
-        return logits, loss
+        return (logits if return_logits or targets is None else None), loss
 
     @classmethod
     def from_pretrained(cls, name_or_path: str) -> "GPT":

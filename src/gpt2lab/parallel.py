@@ -8,14 +8,17 @@ gradients and AdamW state take 1/world of that each. A block's weights are all-g
 just before its forward and its backward and freed after; gradients are reduce-scattered.
 The optimizer is built on the sharded parameters afterwards and steps on the shards only.
 
-Mixed precision under FSDP matches what autocast gives under DDP: the blocks' weights are
-gathered in bf16 (``MixedPrecisionPolicy``: what autocast would cast them to anyway, so
-half the all-gather traffic), gradients are reduced and AdamW steps in fp32 on fp32 master
-shards, and autocast stays on around the forward, so the ops autocast keeps in fp32
-(LayerNorm, softmax, the loss) still run in fp32. The root's own weights (wte = lm_head,
-wpe, ln_f) stay fp32 as under DDP, so the residual stream between blocks stays fp32. The one
-difference: LayerNorm gains and biases inside blocks are rounded to bf16 before autocast
-casts them back up (under DDP they are used at full fp32 precision).
+Mixed precision under FSDP computes what bf16 autocast computes under DDP: the blocks'
+Linear weights are gathered in bf16 (``MixedPrecisionPolicy``; autocast would round them to
+exactly that, so the matmuls see the same numbers, with half the all-gather traffic),
+gradients are reduced and AdamW steps in fp32 on fp32 master shards, and autocast stays on
+around the forward for everything else. The LayerNorms are FSDP groups of their own kept in
+fp32, and so are the root's weights (wte = lm_head, wpe, ln_f): the residual stream and the
+normalisations stay fp32 as under DDP. (A bf16 LayerNorm weight on an fp32 input is also an
+error on CPU: "mixed dtype (CPU): expect parameter to have scalar type of Float".) What does
+differ: gradients of the bf16 weights leave backward in bf16 and are upcast for the fp32
+reduce-scatter, where autocast's cast-backward upcasts each one before DDP's all-reduce;
+the same values, summed in a different order.
 
 ``choose_strategy`` decides ``--strategy auto`` as a pure function of the facts (like
 ``gpt2lab.runtime.choose_dtype``); the rest are the few places where the trainer must treat
@@ -115,15 +118,19 @@ def shard(model: nn.Module, *, dtype: str, compile: bool) -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     low = DTYPES[dtype]
-    if low == torch.float32:
-        block_policy = MixedPrecisionPolicy()
-    else:  # cast_forward_inputs=False: the residual stream enters each block in fp32, as under DDP
-        block_policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    # cast_forward_inputs=False: the residual stream enters each block in fp32, as under DDP
+    block_policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for block in model.transformer.h:
         if compile:
             block.compile()
-        fully_shard(block, mp_policy=block_policy)
+        if low != torch.float32:  # LayerNorms: their own groups, kept fp32 (as autocast uses them)
+            for norm in (block.ln_1, block.ln_2):
+                fully_shard(norm)
+        fully_shard(block, mp_policy=block_policy if low != torch.float32 else MixedPrecisionPolicy())
     fully_shard(model)
+    # the root is not compiled, so logits + cross-entropy would run eagerly and hold the whole
+    # (B*T, vocab) logits: the chunked loss instead (train.loss_settings chose for a compiled model)
+    model.chunked_loss = True
     return model
 
 
@@ -185,6 +192,11 @@ def all_finite(model: nn.Module) -> bool:
 
 def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
+
+
+def params_on_this_rank(model: nn.Module) -> int:
+    """Parameters this process holds (FSDP: its shards, padding included; else all of them)."""
+    return sum(_local(p).numel() for p in model.parameters())
 
 
 # -- evaluation ----------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from gpt2lab import plot
+from gpt2lab.config import ConfigError, nest_model
 
 RUNNING_IF_WRITTEN_WITHIN_S = 600  # or 20 median steps, whichever is longer: evaluations pause the log
 EVENT_KEYS = ("skipped", "spike", "rollback")  # records that mark a step out of the ordinary
@@ -38,6 +39,14 @@ class Report:
     title: str
     status: str
     sections: list[Section] = field(default_factory=list)
+
+
+def _model_section(config: dict) -> dict:
+    """The architecture fields of a run's config.json, nested or (older runs) flat."""
+    try:
+        return nest_model(config)["model"]
+    except ConfigError:  # a "model" that is no table: the report still shows the rest
+        return {}
 
 
 def _read_json(path: str) -> dict:
@@ -213,10 +222,11 @@ def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True)
     records, cut = read_records(run_dir)
     ckpts = _checkpoints(run_dir)
     size = plot.detect_size(config) if config else None
+    arch = _model_section(config)
     status = run_status(run_dir, config, records, cut, ckpts, time.time() if now is None else now)
     what = [["item", "value"], ["run dir", os.path.abspath(run_dir)], ["preset", preset_of(info) or "-"],
             ["command", command_line(info) or "-"], ["code version (git)", info.get("git_sha") or "-"],
-            ["model", f"{config.get('n_layer')} layers, {config.get('n_head')} heads, {config.get('n_embd')} wide"
+            ["model", f"{arch.get('n_layer')} layers, {arch.get('n_head')} heads, {arch.get('n_embd')} wide"
                       + (f" (GPT-2 {size} shape)" if size else "")],
             ["parameters", f"{info['params']:,}" if isinstance(info.get("params"), int) else "-"]]
     events = [r for r in records if any(k in r for k in EVENT_KEYS)]

@@ -72,6 +72,20 @@ def accumulate_gradients(model: torch.nn.Module, next_batch: Callable[[], Batch]
     return all_reduce_mean(total)
 
 
+def loss_settings(device: torch.device, compiled: bool) -> tuple[bool, bool]:
+    """(compile_loss, chunked_loss) for GPT: which training loss is fastest where.
+
+    A compiled model on a GPU: logits + F.cross_entropy inside the compiled graph, which
+    Inductor fuses (H100, 124M, B=64: the chunked loss ran outside the graph in 32 chunk
+    kernels + a concatenation, ~39 ms of a 145 ms step; docs/benchmarks.md). Elsewhere
+    the chunked loss (CPUs: never holding fp32 logits measured faster; eager GPUs: the
+    logits of a large batch would not fit beside the activations), its kernel compiled
+    when the model is.
+    """
+    fused_in_graph = compiled and device.type == "cuda"
+    return compiled, not fused_in_graph
+
+
 def peak_flops(cfg: TrainConfig, device: torch.device) -> Optional[float]:
     if cfg.peak_flops:
         return cfg.peak_flops
@@ -91,7 +105,7 @@ class Trainer:
         self.malloc_tuned = keep_freed_memory() if cfg.keep_cpu_memory and self.device.type == "cpu" else False
         if self.device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls
-        self.raw = GPT(ckpt.model_config(cfg.to_dict())).to(self.device)
+        self.raw = GPT(cfg.model).to(self.device)
         self.init_source = None  # --init-from: weights only; optimizer, step and data order start fresh
         if cfg.init_from and not resume:
             self.init_source = load_into(self.raw, cfg.init_from)
@@ -100,7 +114,7 @@ class Trainer:
             from gpt2lab.lora import add_lora
 
             add_lora(self.raw, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
-        self.raw.compile_loss = self.compile  # the loss's fused softmax kernel, compiled with the model
+        self.raw.compile_loss, self.raw.chunked_loss = loss_settings(self.device, self.compile)
         self.raw.activation_checkpointing = cfg.activation_checkpointing
         self.strategy = _resolve_strategy(cfg, info, self.raw.num_params(), self.dtype)
         # self.raw stays the GPT (sharded in place under FSDP); train_model runs the micro-steps,
@@ -450,6 +464,7 @@ def train(cfg: TrainConfig, info: DistInfo, resume: Optional[str] = None) -> Opt
         write_json(os.path.join(cfg.out, "run_info.json"),
                    {**run_info(info.device, info.world_size), "grad_accum_steps": trainer.accum,
                     "resumed_from": trainer.resumed_from, "params": trainer.raw.num_params(),
+                    "params_on_rank_0": parallel.params_on_this_rank(trainer.raw),
                     "choices": {**trainer.choices.record(), "strategy": trainer.strategy.value,
                                 "strategy_reason": trainer.strategy.reason,
                                 "activation_checkpointing": cfg.activation_checkpointing},

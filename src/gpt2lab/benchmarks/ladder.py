@@ -8,7 +8,10 @@ it use attention written out: matmul, causal mask, softmax, matmul) -> vocab pad
 (``ReferenceGPT``: materialised logits, one ``F.cross_entropy``). Then, at the last rung's
 settings: ``gpt2lab`` (exactly ``gpt2lab train``'s step on real token shards) and ``hf``
 (``transformers.GPT2LMHeadModel``: sdpa attention, bf16 autocast, torch.compile, fused
-AdamW). Every rung reports ms/step, tok/s, MFU and peak memory. MFU divides
+AdamW). Two diagnostic rungs split the gpt2lab step in parts: ``model_chunked`` (gpt2lab's
+GPT, compiled, its chunked loss, in the recipe's step: no trainer, no loader, no ``.item()``)
+and ``model_ce`` (the same with materialised logits and one ``F.cross_entropy``, so the
+chunked loss is compared with what the compiler makes of the plain one). Every rung reports ms/step, tok/s, MFU and peak memory. MFU divides
 FLOPs/token = 6N + 12 * n_layer * n_embd * T (PaLM; N without position embeddings) by
 both the datasheet peak and the bf16 matmul rate measured at the start of the same run.
 
@@ -31,6 +34,7 @@ from gpt2lab.optim import make_optimizer
 
 RUNGS = ("fp32", "tf32", "bf16", "compile", "flash", "vocab50304", "fused_adamw")
 EXTRA = ("gpt2lab", "hf")
+DIAGNOSTIC = ("model_chunked", "model_ce")
 SIZES = {"124M": (12, 12, 768), "350M": (24, 16, 1024), "tiny": (2, 2, 64)}
 
 
@@ -41,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=10, help="timed steps per rung (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     p.add_argument("--rungs", default=",".join(RUNGS + EXTRA),
-                   help=f"comma list from {', '.join(RUNGS + EXTRA)}; the ladder is cumulative either way")
+                   help=f"comma list from {', '.join(RUNGS + EXTRA + DIAGNOSTIC)}; the ladder is cumulative "
+                   "either way")
     p.add_argument("--data", default=None, help="token shards for the gpt2lab rung (gpt2lab prepare output)")
     p.add_argument("--device", default=None)
     p.add_argument("--peak-flops", type=float, default=None, help="datasheet peak FLOP/s (default: by GPU name)")
@@ -135,15 +140,47 @@ def _gpt2lab_step(shape, B: int, T: int, device: torch.device, data: str):
     return (lambda: trainer.train_step()["train_loss"]), trainer.raw
 
 
+def _model_step(shape, B: int, T: int, device: torch.device, chunked: bool):
+    from gpt2lab.model import GPT, GPTConfig
+
+    n_layer, n_head, n_embd = shape
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=T, vocab_size=50304, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                          token_vocab_size=50257)).to(device)
+    model.compile_loss = True
+    opt = _adamw(model, True, device)
+    fwd = torch.compile(model)
+    x = torch.randint(0, 50257, (B, T), device=device)
+    return _step(lambda: fwd(x, x, return_logits=not chunked)[1], model, opt, device, bf16=True), model
+
+
+def _build(rung: str, shape, B: int, T: int, device: torch.device, data):
+    if rung == "hf":
+        return _hf_step(shape, B, T, device)
+    if rung in ("model_chunked", "model_ce"):
+        return _model_step(shape, B, T, device, chunked=rung == "model_chunked")
+    if rung == "gpt2lab":
+        return _gpt2lab_step(shape, B, T, device, data)
+    return _reference_step(rung, shape, B, T, device)
+
+
+def _free() -> None:
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def run(args: argparse.Namespace) -> dict:
     from gpt2lab.config import PEAK_FLOPS
 
     device = pick_device(args.device)
     shape, B, T = SIZES[args.size], args.batch_size, args.seq_len
     wanted = [r.strip() for r in args.rungs.split(",") if r.strip()]
-    unknown = [r for r in wanted if r not in RUNGS + EXTRA]
+    unknown = [r for r in wanted if r not in RUNGS + EXTRA + DIAGNOSTIC]
     if unknown:
-        raise SystemExit(f"--rungs: unknown {', '.join(unknown)}; choose from {', '.join(RUNGS + EXTRA)}")
+        raise SystemExit(f"--rungs: unknown {', '.join(unknown)}; choose from "
+                         f"{', '.join(RUNGS + EXTRA + DIAGNOSTIC)}")
     if "gpt2lab" in wanted and not args.data:
         raise SystemExit("--rungs gpt2lab needs --data DIR (token shards from gpt2lab prepare)")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -158,13 +195,19 @@ def run(args: argparse.Namespace) -> dict:
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = s["tf32"]
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        if rung == "hf":
-            step, model = _hf_step(shape, B, T, device)
-        elif rung == "gpt2lab":
-            step, model = _gpt2lab_step(shape, B, T, device, args.data)
-        else:
-            step, model = _reference_step(rung, shape, B, T, device)
-        ms, loss = _time_steps(step, device, args.steps, args.warmup)
+        step = model = None
+        try:
+            step, model = _build(rung, shape, B, T, device, args.data)
+            ms, loss = _time_steps(step, device, args.steps, args.warmup)
+        except torch.OutOfMemoryError:  # e.g. the fp32 rungs' materialised attention at B=64: say so, go on
+            ms = None
+        if ms is None:  # outside the except: its traceback no longer holds the rung's tensors
+            rec = {"rung": rung, **s, "oom": True}
+            print(json.dumps(rec), flush=True)
+            out["rungs"].append(rec)
+            del step, model
+            _free()
+            continue
         n = sum(p.numel() for p in model.parameters()) - T * shape[2]  # without wpe, tied counted once
         fpt = 6 * n + 12 * shape[0] * shape[2] * T
         tok_s = B * T / (ms / 1000)
@@ -177,8 +220,7 @@ def run(args: argparse.Namespace) -> dict:
         print(json.dumps(rec), flush=True)
         out["rungs"].append(rec)
         del step, model  # free this rung's model, optimizer and compiled graphs before the next
-        torch._dynamo.reset()
-        gc.collect()
+        _free()
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
     return out

@@ -78,9 +78,9 @@ def run(args: argparse.Namespace) -> dict:
     tok_per_s = cfg.total_batch_tokens / (ms / 1000)
     ours = info["gpt2lab"]
     result = {
-        "preset": args.preset, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "seq_len": cfg.seq_len,
+        "preset": args.preset, "n_layer": cfg.model.n_layer, "n_embd": cfg.model.n_embd, "seq_len": cfg.seq_len,
         "micro_batch_size": cfg.micro_batch_size, "total_batch_tokens": cfg.total_batch_tokens,
-        "vocab_size": cfg.vocab_size, "dtype_asked": cfg.dtype, "compile_asked": cfg.compile,
+        "vocab_size": cfg.model.vocab_size, "dtype_asked": cfg.dtype, "compile_asked": cfg.compile,
         "dtype": ours["dtype"], "compile": ours["compile"], "choices": ours["choices"], "device": str(device),
         "threads": ours["threads"], "keep_cpu_memory": cfg.keep_cpu_memory,
         "ms_per_step": round(ms, 2), "tok_per_s": round(tok_per_s, 1),
@@ -212,7 +212,8 @@ class ReferenceStep:
     def __init__(self, cfg, device: torch.device, next_batch, compile: bool, dtype: str = "float32") -> None:
         self.cfg, self.device, self.next_batch, self.dtype = cfg, device, next_batch, dtype
         self.accum = cfg.grad_accum_steps(1)
-        self.model = ReferenceGPT(cfg.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd).to(device)
+        m = cfg.model
+        self.model = ReferenceGPT(m.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd).to(device)
         params = [p for p in self.model.parameters()]
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]

@@ -44,8 +44,8 @@ def run(args: argparse.Namespace) -> int:
     train(cfg, init_distributed(cfg.device))
     val = last_val_loss(out)
     if val is not None:
-        chance = math.log(cfg.vocab_size)  # a uniform guess over the model's outputs
-        print(f"[demo] validation loss {val:.2f} (chance: ln {cfg.vocab_size} = {chance:.2f})", flush=True)
+        chance = math.log(cfg.model.vocab_size)  # a uniform guess over the model's outputs
+        print(f"[demo] validation loss {val:.2f} (chance: ln {cfg.model.vocab_size} = {chance:.2f})", flush=True)
     print(f"[demo] sample from the trained model ({args.prompt!r}, seed {args.seed}):\n", flush=True)
     print(sample(out, args.prompt, args.tokens, args.seed, _run_dtype(out)))
     print(f"\n[demo] done in {time.perf_counter() - t0:.0f} s. run dir: {out}")

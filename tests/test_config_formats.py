@@ -1,0 +1,215 @@
+"""The run config's formats: the architecture nested under "model" (GPTConfig), flat flags and TOML
+keys mapped into it, and run directories written before the nesting (tests/data/v1_run, made by
+tests/data/make_v1_run.sh at commit 929f8b8) still loading for sample, eval, export, report and
+--resume."""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from gpt2lab import cli
+from gpt2lab.config import (ConfigError, TrainConfig, add_config_flags, load_preset, model_from_config,
+                            overrides_from_args, tomllib)
+from gpt2lab.model import GPT, GPTConfig
+from gpt2lab.tokenizer import get_tokenizer
+
+V1_RUN = Path(__file__).parent / "data" / "v1_run"
+V1_CKPT = V1_RUN / "checkpoints" / "step_000003"
+# The fixture's architecture, as make_v1_run.sh asked for it (written here by hand, not read).
+V1_MODEL = GPTConfig(n_layer=2, n_head=2, n_embd=4, block_size=16, vocab_size=50304, token_vocab_size=50257)
+# The flags make_v1_run.sh trained with (flat, as users give them).
+V1_FLAGS = ["--n-layer", "2", "--n-head", "2", "--n-embd", "4", "--block-size", "16", "--vocab-size", "50304",
+            "--seq-len", "16", "--micro-batch-size", "2", "--total-batch-tokens", "64", "--warmup-steps", "1",
+            "--max-lr", "1e-2", "--min-lr", "1e-3", "--seed", "7", "--dtype", "float32", "--compile", "false",
+            "--device", "cpu", "--eval-interval", "0", "--hellaswag-interval", "0", "--sample-interval", "0",
+            "--ckpt-interval", "0", "--progress", "false", "--keep-cpu-memory", "false"]
+
+
+def _by_hand() -> GPT:
+    """The fixture's weights in a GPT built from V1_MODEL, read with safetensors directly."""
+    model = GPT(V1_MODEL).eval()
+    missing, unexpected = model.load_state_dict(load_file(str(V1_CKPT / "model.safetensors")), strict=False)
+    assert not unexpected and missing == ["lm_head.weight"]  # tied to wte, stored once
+    return model
+
+
+def _main(argv: list[str]) -> int:
+    with mock.patch.object(sys, "argv", ["gpt2lab", *argv]):
+        return cli.main(argv)
+
+
+def test_fixture_is_in_the_old_flat_format():
+    saved = json.loads((V1_CKPT / "config.json").read_text())
+    assert "model" not in saved and saved["n_embd"] == 4 and "token_vocab_size" not in saved
+    assert model_from_config(saved) == V1_MODEL
+    assert TrainConfig.from_dict(saved).model == V1_MODEL
+
+
+def test_old_run_samples_and_exports_like_its_weights(tmp_path, capsys):
+    import transformers
+
+    from gpt2lab.load import load_model
+
+    ref = _by_hand()
+    idx = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(0))
+    loaded = load_model(str(V1_RUN))
+    assert loaded.config == V1_MODEL
+    with torch.no_grad():
+        want = ref(idx)[0]
+        assert torch.equal(loaded(idx)[0], want)
+    out = tmp_path / "hf"
+    assert _main(["export", str(V1_RUN), str(out)]) == 0
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, want[..., :50257], rtol=0, atol=1e-5)
+    # sample, greedy: the continuation is the argmax chain of transformers' model on the export
+    enc = get_tokenizer()
+    ids = enc.encode("ROMEO:")
+    for _ in range(5):
+        with torch.no_grad():
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    capsys.readouterr()
+    assert _main(["sample", "--model", str(V1_RUN), "--prompt", "ROMEO:", "--max-new-tokens", "5",
+                  "--temperature", "0", "--device", "cpu", "--dtype", "float32", "--no-stop-at-eot"]) == 0
+    assert capsys.readouterr().out == f"--- sample 1/1\n{enc.decode(ids)}\n"
+
+
+def _check_same_data(data: str) -> None:
+    """The shards the fixture was trained on (make_v1_run.sh recorded their hashes)."""
+    for line in (V1_RUN.parent / "v1_run.data.sha256").read_text().splitlines():
+        digest, name = line.split()
+        if name.endswith(".bin"):
+            got = hashlib.sha256((Path(data) / Path(name).name).read_bytes()).hexdigest()
+            assert got == digest, f"prepare('tinyshakespeare') no longer makes {name}; remake tests/data/v1_run"
+
+
+def test_old_run_eval_loss_and_report(tiny_data, tmp_path, capsys):
+    _check_same_data(tiny_data)
+    raw = np.fromfile(Path(tiny_data) / "val_000000.bin", dtype=np.uint16, offset=1024)  # 256-int32 header
+    rows = torch.from_numpy(raw[:4 * 16 + 1].astype(np.int64))
+    x = torch.stack([rows[i * 16:i * 16 + 16] for i in range(4)])
+    y = torch.stack([rows[i * 16 + 1:i * 16 + 17] for i in range(4)])
+    with torch.no_grad():
+        logits = _by_hand()(x)[0]
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)).item()
+    capsys.readouterr()
+    assert _main(["eval", "loss", "--model", str(V1_RUN), "--data", tiny_data, "--tokens", "64",
+                  "--batch-size", "2", "--device", "cpu", "--dtype", "float32"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["loss"] == pytest.approx(want, abs=1e-5)
+    run = tmp_path / "v1_run"
+    shutil.copytree(V1_RUN, run)  # report writes beside the run
+    assert _main(["report", str(run)]) == 0
+    assert "| model | 2 layers, 2 heads, 4 wide |" in (run / "report.md").read_text()
+
+
+def test_old_run_resumes_from_its_step(tiny_data, tmp_path):
+    """--resume continues at step 3; that step's loss is the fixture's weights' loss on the batch its
+    saved loader position yields, computed here directly."""
+    from gpt2lab.data import TokenLoader
+
+    _check_same_data(tiny_data)
+    run = tmp_path / "v1_run"
+    shutil.copytree(V1_RUN, run)
+    state = torch.load(V1_CKPT / "state.pt", weights_only=True)
+    assert state["step"] == 3
+    loader = TokenLoader(tiny_data, "train", 2, 16, seed=7)
+    loader.load_state_dict(state["loader"])
+    model = _by_hand()
+    with torch.no_grad():
+        want = sum(model(*loader.next_batch())[1].item() for _ in range(2)) / 2  # 2 micro-steps
+    assert _main(["train", "--preset", "shakespeare-cpu", *V1_FLAGS, "--data", tiny_data, "--out", str(run),
+                  "--max-steps", "4", "--resume", "auto"]) == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    resumed = [r for r in records if "train_loss" in r][3:]
+    assert [r["step"] for r in resumed] == [3]
+    assert resumed[0]["train_loss"] == pytest.approx(want, rel=1e-6)
+    info = json.loads((run / "run_info.json").read_text())
+    assert info["resumed_from"].endswith("step_000003")
+    written = json.loads((run / "checkpoints" / "step_000004" / "config.json").read_text())
+    assert written["model"] == V1_MODEL.to_dict() and "n_layer" not in written  # now nested
+
+
+# -- the nested config, its flat flags and keys ----------------------------------------------
+def _flags(argv: list[str]) -> dict:
+    p = argparse.ArgumentParser()
+    add_config_flags(p)
+    return overrides_from_args(p.parse_args(argv))
+
+
+def test_flat_flags_and_toml_keys_map_into_the_model():
+    flags = _flags(["--n-layer", "3", "--n-embd", "48", "--n-head", "4", "--attn-pdrop", "0.1",
+                    "--layer-norm-epsilon", "1e-6", "--max-steps", "9"])
+    cfg = load_preset("shakespeare-cpu", **flags)
+    base = load_preset("shakespeare-cpu")
+    assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.model.attn_pdrop) == (3, 48, 4, 0.1)
+    assert cfg.model.layer_norm_epsilon == 1e-6 and cfg.max_steps == 9
+    assert cfg.model.block_size == base.model.block_size == 128  # the preset's, untouched
+    assert cfg.model.token_vocab_size == 50257  # derived, not a flag
+    with pytest.raises(SystemExit):
+        _flags(["--token-vocab-size", "50257"])
+    flat = tomllib.loads("n_layer = 3\nn_head = 4\nmax_steps = 9\n")
+    table = tomllib.loads("max_steps = 9\n[model]\nn_layer = 3\nn_head = 4\n")
+    assert TrainConfig.from_dict(flat) == TrainConfig.from_dict(table)
+    assert TrainConfig.from_dict(table).model.n_layer == 3
+    # a flat key given beside a [model] table wins (a flag over its preset's table)
+    assert TrainConfig.from_dict({**table, "n_layer": 5}).model.n_layer == 5
+
+
+def test_preset_files_may_use_a_model_table(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from gpt2lab import config
+
+    (tmp_path / "presets").mkdir()
+    (tmp_path / "presets" / "flat.toml").write_text("n_layer = 2\nn_embd = 32\nn_head = 2\nmax_steps = 5\n")
+    (tmp_path / "presets" / "nested.toml").write_text('base = "flat"\nmax_steps = 6\n[model]\nn_layer = 3\n')
+    (tmp_path / "presets" / "both.toml").write_text("n_layer = 2\n[model]\nn_layer = 3\n")
+    monkeypatch.setattr(config, "resources", SimpleNamespace(files=lambda package: tmp_path))
+    cfg = load_preset("nested", n_head=4)
+    assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.max_steps) == (3, 32, 4, 6)
+    with pytest.raises(ConfigError, match=r"both.toml: n_layer set both as a key and in \[model\]; keep one"):
+        load_preset("both")
+
+
+@pytest.mark.parametrize("values, words", [
+    ({"n_layers": 3}, ["unknown field(s) n_layers", "n_layer"]),
+    ({"model": {"n_layers": 3}}, ["unknown model field(s) n_layers", "n_layer"]),
+    ({"model": 3}, ['"model" must be a table']),
+    ({"n_layer": 0}, ["n_layer must be >= 1, got 0"]),
+    ({"model": {"n_layer": "2"}}, ["n_layer must be a whole number, got '2'"]),
+    ({"attn_pdrop": True}, ["attn_pdrop must be a number, got True"]),
+    ({"model": {"n_head": 5}}, ["n_embd 768 is not divisible by n_head 5"]),
+    ({"resid_pdrop": 1.5}, ["resid_pdrop 1.5 must be in [0, 1)"]),
+    ({"token_vocab_size": 100}, ["token_vocab_size 100", "drop it"]),
+])
+def test_bad_model_values_get_one_line(values, words):
+    with pytest.raises(ConfigError) as e:
+        TrainConfig.from_dict(values, source="x.toml")
+    text = str(e.value)
+    assert "\n" not in text and all(w in text for w in words), text
+
+
+def test_bad_model_flag_exits_2_with_one_line(capsys):
+    assert _main(["train", "--preset", "shakespeare-cpu", "--n-head", "5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "n_embd 192 is not divisible by n_head 5" in err
+
+
+def test_config_json_round_trips():
+    cfg = load_preset("gpt2-350m", attn_pdrop=0.1)
+    written = json.loads(json.dumps(cfg.to_dict()))
+    assert set(written["model"]) == {f for f in GPTConfig.__dataclass_fields__}
+    assert "n_layer" not in written and written["model"]["n_layer"] == 24
+    assert TrainConfig.from_dict(written) == cfg
+    assert model_from_config(written) == cfg.model
