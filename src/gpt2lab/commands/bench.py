@@ -15,7 +15,7 @@ BENCHES = {
     "train": "full training steps: ms/step, tok/s, MFU",
     "hellaswag": "HellaSwag examples/s, batched vs one example per forward",
     "ladder": "the recipe's speed ladder (fp32 ... fused AdamW), then gpt2lab's and transformers' steps",
-    "memory": "the largest micro-batch that trains at a given size and T (GPU)",
+    "memory": "predicted vs measured per-rank memory; --plan GPU_GB; the largest micro-batch that trains",
     "serve": "gpt2lab serve tokens/s: one stream, and the aggregate of N concurrent streams",
     "lora": "AdamW state, weights and gradients: full fine-tuning vs LoRA (meta device or CPU)",
 }
@@ -39,7 +39,9 @@ def add_parser(sub) -> None:
 
 def _runner(mod):
     def run(args) -> int:
-        print(json.dumps(mod.run(args)), flush=True)
+        result = mod.run(args)
+        if result is not None:  # None: a torchrun rank other than 0, whose result rank 0 prints
+            print(json.dumps(result), flush=True)
         return 0
 
     return run

@@ -1,0 +1,252 @@
+"""Per-rank memory of a training step, predicted from the architecture alone (no model is built).
+
+``predict`` adds up what one rank holds at the peak of a step of ``gpt2lab train``: weights,
+gradients, AdamW's two fp32 moments, DDP's gradient buckets, the low-precision weight copies
+a step keeps (autocast's casts; FSDP's all-gathered blocks), the tensors autograd saves for
+backward (derived from model.py and chunked_loss.py, see ``block_saved_bytes``), the chunked
+loss's workspace, and a fixed runtime overhead (on CPU also glibc's heap slack). ``plan``
+searches the largest micro-batch that fits a given memory. ``gpt2lab bench memory`` prints
+both next to measured peaks.
+
+A step's memory peaks at one of three moments, and the prediction is the largest:
+- ``forward``: inside the loss, after the last block; every block's saved tensors are alive,
+  the gradients too when accumulating (they persist between micro-steps);
+- ``recompute``: with activation checkpointing, the first block recomputed in backward;
+- ``step``: the optimizer step, with every gradient and no activation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from gpt2lab.chunked_loss import _CHUNK_ELEMENTS, _GROUP_ELEMENTS
+from gpt2lab.errors import UsageError
+from gpt2lab.model_config import GPTConfig
+
+STRATEGIES = ("ddp", "fsdp")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# What a rank holds besides tensors. CUDA: the context, cuBLAS workspaces and NCCL buffers,
+# none of which torch.cuda.max_memory_allocated counts (about 0.5 GiB of context on an H100
+# with torch 2.x), plus room for the caching allocator's fragmentation. CPU: the resident
+# size of a process that imported torch and gpt2lab's trainer (measured ~300 MB on x86-64,
+# torch 2.13; the same under torchrun once gloo's process group is up).
+CUDA_RUNTIME_BYTES = 2 * 2 ** 30
+CPU_PROCESS_BYTES = 300 * 2 ** 20
+FP32 = 4
+
+
+class PlanError(UsageError):
+    """A value the planner cannot use (unknown strategy or dtype, non-positive size)."""
+
+
+@dataclass
+class Prediction:
+    """Bytes one rank holds at the step's peak (``phase``), term by term."""
+
+    phase: str
+    terms: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.terms.values())
+
+    def to_dict(self, unit: float = 2 ** 20) -> dict:
+        """Terms and total in MiB by default (``unit`` bytes each)."""
+        return {"phase": self.phase, **{k: round(v / unit, 1) for k, v in self.terms.items()},
+                "total": round(self.total / unit, 1)}
+
+
+def param_counts(cfg: GPTConfig) -> dict[str, int]:
+    """Parameters by where they live: one block, all blocks, the root (wte = lm_head, wpe, ln_f)."""
+    C = cfg.n_embd
+    block = 12 * C * C + 13 * C  # c_attn 3C^2+3C, attn c_proj C^2+C, c_fc 4C^2+4C, mlp c_proj 4C^2+C, 2 LN 4C
+    root = cfg.vocab_size * C + cfg.block_size * C + 2 * C
+    return {"block": block, "blocks": cfg.n_layer * block, "root": root, "total": cfg.n_layer * block + root,
+            "block_matmul": 12 * C * C + 9 * C}  # what autocast casts: Linear weights and biases
+
+
+def block_saved_bytes(tokens: int, C: int, n_head: int, resid: int, act: int) -> int:
+    """Bytes autograd keeps for one Block's backward, ``tokens`` = B*T.
+
+    ``resid`` is the residual stream's element size (fp32 under autocast: the embeddings
+    are fp32 and a bf16 branch added to them promotes), ``act`` the matmul inputs' and
+    outputs'. Saved: ln_1's input (resid), c_attn's input (act, the LayerNorm output cast
+    by autocast), q/k/v (3 act, views of c_attn's output, kept by SDPA), SDPA's output
+    (act; it is also c_proj's input: flash attention lays it out (B, T, nh, hs), so the
+    ``.contiguous()`` after the transpose copies nothing), ln_2's input (resid), c_fc's
+    input (act), GELU's input (4 act) and c_proj's input (4 act, GELU's output). Per
+    token: two LayerNorms' mean and rstd and SDPA's logsumexp per head, fp32. Dropout at
+    p=0 saves nothing. (tests/test_memplan.py counts the saved tensors of a real Block.)
+    """
+    return tokens * (C * (2 * resid + 14 * act) + 4 * FP32 + n_head * FP32)
+
+
+def loss_workspace_bytes(N: int, V: int, C: int, compute: int, x_size: int, w_size: int) -> int:
+    """Peak bytes inside chunked_cross_entropy's forward (eager kernel), replaying its loop.
+
+    Alive throughout: x and the weight cast to the compute dtype (when they are not in it
+    already) and grad_x (N, C) fp32; per chunk, its logits and their fp32 softmax (in low
+    precision also the logits converted to fp32, then the softmax cast back); the chunk
+    gradients of a group until its grad_w matmul, whose result lands in the compute dtype
+    and then in fp32.
+    """
+    base = (N * C * compute if compute != x_size else 0) + (V * C * compute if compute != w_size else 0) + N * C * FP32
+    rows = 1 << max(0, (_CHUNK_ELEMENTS // V).bit_length() - 1)
+    group = max(rows, _GROUP_ELEMENTS // V // rows * rows)
+    peak, grad_w = 0, 0
+    for g0 in range(0, N, group):
+        g1, parts = min(N, g0 + group), 0
+        for s in range(g0, g1, rows):
+            n = min(g1, s + rows) - s
+            # softmax(dtype=float32) of low-precision logits converts them first (a copy next to
+            # its output), and its result is cast back; in fp32 there is neither copy
+            extra = n * V * max(FP32, compute) if compute != FP32 else 0
+            peak = max(peak, base + grad_w + parts + n * V * (compute + FP32) + extra)
+            parts += n * V * compute
+        cat = parts if g1 - g0 > rows else 0  # torch.cat of more than one chunk is a copy
+        gw = V * C * compute + (V * C * FP32 if compute != FP32 else 0)
+        peak = max(peak, base + grad_w + parts + cat + gw)
+        grad_w = V * C * FP32
+    return peak
+
+
+def predict(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_batch: int = 1,
+            seq_len: Optional[int] = None, dtype: str = "bfloat16", activation_checkpointing: bool = False,
+            accum: int = 2, device: str = "cuda") -> Prediction:
+    """Peak per-rank bytes of one training step: the largest of ``phases``, plus the runtime."""
+    check(strategy, world_size, micro_batch, dtype, accum, device)
+    peak = max(phases(cfg, strategy=strategy, world_size=world_size, micro_batch=micro_batch, seq_len=seq_len,
+                      dtype=dtype, activation_checkpointing=activation_checkpointing, accum=accum),
+               key=lambda ph: ph.total)
+    peak.terms["runtime"] = runtime_bytes(device)
+    # On CPU the peak RSS exceeds the peak of live tensors by about one more chunked-loss
+    # workspace (docs/benchmarks.md): the trainer keeps freed memory in glibc's heap
+    # (keep_cpu_memory), gradients made in a backward land in the hole the workspace left,
+    # and the next micro-step's workspace extends the heap past them.
+    if device == "cpu":
+        T = seq_len or cfg.block_size
+        peak.terms["allocator"] = loss_workspace_bytes(micro_batch * T, cfg.vocab_size, cfg.n_embd,
+                                                       DTYPE_BYTES[dtype], FP32, FP32)
+    return peak
+
+
+def phases(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_batch: int = 1,
+           seq_len: Optional[int] = None, dtype: str = "bfloat16", activation_checkpointing: bool = False,
+           accum: int = 2) -> list[Prediction]:
+    """Tensor bytes per rank at each moment a step can peak (see the module docstring).
+
+    Activations are autocast's under both strategies (LayerNorm in fp32, the residual stream
+    fp32, matmuls in ``dtype``). One process trains unwrapped whatever the strategy.
+    DDP: fp32 weights, gradients and moments, DDP's buckets (one more fp32 copy of the
+    gradients: ``gradient_as_bucket_view`` is off) and autocast's cached ``dtype`` copies
+    of the block weights through the forward. FSDP as gpt2lab.parallel shards it: fp32
+    master weights, gradients and moments split over ``world_size``; blocks gathered in
+    ``dtype``, the root (wte = lm_head, wpe, ln_f) in fp32 and kept whole through forward
+    and backward; one block computing and the next prefetched. Micro-steps before the last
+    neither reduce nor reshard (parallel.sync_gradients), so with ``accum`` > 1 the forward
+    of a later micro-step finds every block gathered and the whole gradient in fp32.
+    ``accum`` > 1 keeps the gradients alive through later forwards under DDP too.
+    """
+    check(strategy, world_size, micro_batch, dtype, accum, "cuda")
+    T = seq_len or cfg.block_size
+    N, V, C, L = micro_batch * T, cfg.vocab_size, cfg.n_embd, cfg.n_layer
+    p, a = param_counts(cfg), DTYPE_BYTES[dtype]
+    whole = FP32 * p["total"]
+    fsdp = strategy == "fsdp" and world_size > 1
+    shard = world_size if fsdp else 1
+    fixed = {"weights": whole // shard, "optimizer": 2 * whole // shard,
+             "comm_buffers": whole if strategy == "ddp" and world_size > 1 else 0}
+    if fsdp:
+        in_flight = FP32 * p["root"] + 2 * a * p["block"]
+        gathered = FP32 * p["root"] + L * a * p["block"]
+        copies, one_copy = (gathered, gathered) if accum > 1 else (in_flight, in_flight)
+        grads_fwd, grads_bwd = (whole, whole) if accum > 1 else (0, whole // shard)
+    else:  # autocast caches its casts of the block weights until the forward ends
+        cast = a * p["block_matmul"] if a != FP32 else 0
+        copies, one_copy = L * cast, cast
+        grads_fwd, grads_bwd = (whole if accum > 1 else 0), whole
+    block = block_saved_bytes(N, C, cfg.n_head, FP32, a)
+    kept = L * FP32 * N * C if activation_checkpointing else L * block
+    head = 2 * FP32 * N * C + 16 * N  # ln_f's input and output, the token ids
+    out = [Prediction("forward", {**fixed, "grads": grads_fwd, "weight_copies": copies, "activations": kept + head,
+                                  "loss": loss_workspace_bytes(N, V, C, a, FP32, FP32)})]
+    if activation_checkpointing:  # the last block recomputed next to the loss's saved gradients
+        saved_loss = FP32 * (N * C + V * C)
+        out.append(Prediction("recompute", {**fixed, "grads": grads_bwd, "weight_copies": one_copy,
+                                            "activations": kept + block + saved_loss, "loss": 0}))
+    out.append(Prediction("step", {**fixed, "grads": whole // shard, "weight_copies": 0, "activations": 0, "loss": 0}))
+    return out
+
+
+def runtime_bytes(device: str) -> int:
+    if device == "cuda":
+        return CUDA_RUNTIME_BYTES
+    return CPU_PROCESS_BYTES
+
+
+def plan(gpu_bytes: int, cfg: GPTConfig, *, world_size: int = 1, seq_len: Optional[int] = None,
+         dtype: str = "bfloat16", max_batch: int = 4096) -> list[dict]:
+    """The largest micro-batch whose predicted peak fits ``gpu_bytes``, per strategy and
+    activation checkpointing: [{"strategy", "activation_checkpointing", "micro_batch",
+    "predicted_bytes"}]; micro_batch 0 where not even one sequence fits."""
+    if gpu_bytes <= 0:
+        raise PlanError(f"memory to plan for must be positive, got {gpu_bytes} bytes")
+    rows = []
+    for strategy in STRATEGIES:
+        for ac in (False, True):
+            def fits(B: int) -> bool:
+                return predict(cfg, strategy=strategy, world_size=world_size, micro_batch=B, seq_len=seq_len,
+                               dtype=dtype, activation_checkpointing=ac).total <= gpu_bytes
+            best = _largest(fits, max_batch)
+            total = predict(cfg, strategy=strategy, world_size=world_size, micro_batch=max(best, 1), seq_len=seq_len,
+                            dtype=dtype, activation_checkpointing=ac).total
+            rows.append({"strategy": strategy, "activation_checkpointing": ac, "micro_batch": best,
+                         "predicted_bytes": total})
+    return rows
+
+
+def _largest(fits, cap: int) -> int:
+    """Largest B in [1, cap] with fits(B) (fits is monotone), 0 if none: doubling, then bisection."""
+    if not fits(1):
+        return 0
+    good = 1
+    while good < cap and fits(min(2 * good, cap)):
+        good = min(2 * good, cap)
+    bad = min(2 * good, cap + 1)
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good
+
+
+def check(strategy: str, world_size: int, micro_batch: int, dtype: str, accum: int, device: str) -> None:
+    """Raise PlanError naming the first value the planner cannot use."""
+    if strategy not in STRATEGIES:
+        raise PlanError(f"strategy {strategy!r} unknown; use one of {', '.join(STRATEGIES)}")
+    if dtype not in DTYPE_BYTES:
+        raise PlanError(f"dtype {dtype!r} unknown; use one of {', '.join(DTYPE_BYTES)}")
+    if device not in ("cuda", "cpu"):
+        raise PlanError(f"device {device!r}: the planner knows cuda and cpu")
+    for name, v in (("world size", world_size), ("micro-batch", micro_batch), ("accumulation steps", accum)):
+        if v < 1:
+            raise PlanError(f"{name} must be at least 1, got {v}")
+
+
+def choose(gpu_bytes: int, cfg: GPTConfig, *, world_size: int, seq_len: int, total_batch_tokens: int,
+           dtype: str = "bfloat16") -> dict:
+    """What a size preset assumes for a card: {"strategy", "activation_checkpointing", "micro_batch"}.
+
+    The micro-batch is a power of two (so it divides a power-of-two batch at any power-of-two
+    world size) no larger than the plan's nor than one step's share per rank. The strategy
+    is the one with the larger such micro-batch, DDP on a tie (it moves no weights between
+    ranks); activation checkpointing only where neither fits a sequence without it.
+    """
+    cap = max(1, total_batch_tokens // (seq_len * world_size))
+    best = None
+    for row in plan(gpu_bytes, cfg, world_size=world_size, seq_len=seq_len, dtype=dtype, max_batch=cap):
+        B = 1 << (row["micro_batch"].bit_length() - 1) if row["micro_batch"] else 0
+        key = (not row["activation_checkpointing"] and B > 0, B, row["strategy"] == "ddp")
+        if best is None or key > best[0]:
+            best = (key, {"strategy": row["strategy"], "activation_checkpointing": row["activation_checkpointing"],
+                          "micro_batch": B})
+    return best[1]

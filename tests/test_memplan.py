@@ -1,0 +1,133 @@
+"""The memory planner (gpt2lab.memplan) and `gpt2lab bench memory`: hand-derived byte counts,
+the saved tensors of a real Block, the profiler's record of a real CPU step, the plan, the
+presets' stated assumptions."""
+from __future__ import annotations
+
+import json
+import re
+from importlib import resources
+
+import pytest
+import torch
+
+from gpt2lab import cli, memplan
+from gpt2lab.benchmarks.memory import model_config
+from gpt2lab.config import load_preset
+from gpt2lab.model import GPT, Block, GPTConfig
+
+N_124M = 124_475_904  # GPT-2 124M with the vocab padded to 50304 (nanoGPT's printed count)
+
+
+def test_param_count_matches_the_model_and_the_known_124m_figure():
+    assert memplan.param_counts(model_config("124M", 1024))["total"] == N_124M
+    tiny = GPTConfig(n_layer=2, n_head=2, n_embd=48, vocab_size=300, block_size=16)
+    assert memplan.param_counts(tiny)["total"] == GPT(tiny).num_params()
+
+
+def test_state_bytes_ddp_16_per_param_fsdp_sharded():
+    cfg = model_config("124M", 1024)
+    state = ("weights", "grads", "optimizer")
+
+    def phase(name, **kw):
+        return next(p for p in memplan.phases(cfg, micro_batch=1, **kw) if p.phase == name).terms
+
+    ddp = phase("step", strategy="ddp", world_size=2)
+    assert sum(ddp[k] for k in state) == 16 * N_124M  # fp32 weights, grads, two AdamW moments
+    assert ddp["comm_buffers"] == 4 * N_124M  # DDP's buckets: one more fp32 copy of the grads
+    assert phase("step", world_size=1)["comm_buffers"] == 0
+    fsdp = phase("step", strategy="fsdp", world_size=2)
+    assert sum(fsdp[k] for k in state) == 8 * N_124M and fsdp["comm_buffers"] == 0
+    # one micro-step: the root in fp32 (wte 50304x768, wpe 1024x768, ln_f) and two blocks
+    # (7,087,872 parameters each) in bf16 in flight; accumulating: every block stays gathered
+    # and the whole gradient is kept in fp32 until the last micro-step reduces it
+    one = phase("forward", strategy="fsdp", world_size=2, accum=1)
+    assert one["weight_copies"] == 4 * 39_421_440 + 2 * 2 * 7_087_872 and one["grads"] == 0
+    acc = phase("forward", strategy="fsdp", world_size=2, accum=4)
+    assert acc["weight_copies"] == 4 * 39_421_440 + 12 * 2 * 7_087_872 and acc["grads"] == 4 * N_124M
+    # DDP under bf16 autocast: the cached bf16 casts of the 12 blocks' Linear weights and biases
+    assert phase("forward", world_size=2)["weight_copies"] == 12 * 2 * (12 * 768 ** 2 + 9 * 768)
+    pred = memplan.predict(cfg, device="cuda", micro_batch=1)
+    assert pred.terms["runtime"] == memplan.CUDA_RUNTIME_BYTES and pred.total == sum(pred.terms.values())
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_block_saved_bytes_equal_what_autograd_keeps(dtype):
+    C, B, T = 64, 2, 16
+    block = Block(GPTConfig(n_layer=1, n_head=4, n_embd=C, vocab_size=64, block_size=T), 0)
+    x = torch.randn(B, T, C, requires_grad=True)
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            block(x)
+    activations = sum(n for ptr, n in saved.items() if ptr not in params)
+    act = 4 if dtype is None else 2
+    casts = 0 if dtype is None else 2 * 12 * C * C  # autocast's bf16 copies of the four weight matrices
+    assert activations == memplan.block_saved_bytes(B * T, C, 4, 4, act) + casts
+
+
+def test_plan_is_the_largest_micro_batch_that_fits():
+    cfg = model_config("350M", 1024)
+    budget = 40 * 2 ** 30
+    rows = {(r["strategy"], r["activation_checkpointing"]): r for r in memplan.plan(budget, cfg, world_size=8)}
+    for (strategy, ac), r in rows.items():
+        B = r["micro_batch"]
+
+        def total(b):
+            return memplan.predict(cfg, strategy=strategy, world_size=8, micro_batch=b,
+                                   activation_checkpointing=ac).total
+        assert B >= 1 and total(B) <= budget < total(B + 1) and r["predicted_bytes"] == total(B)
+    assert rows[("ddp", True)]["micro_batch"] > rows[("ddp", False)]["micro_batch"]
+    assert rows[("fsdp", False)]["micro_batch"] > rows[("ddp", False)]["micro_batch"]
+    assert all(r["micro_batch"] == 0 for r in memplan.plan(2 ** 30, cfg))  # nothing fits 1 GiB
+
+
+def test_bench_plan_and_bad_values(capsys):
+    assert cli.main(["bench", "memory", "--size", "774M", "--plan", "40", "--world-size", "8"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    expect = memplan.plan(40 * 2 ** 30, model_config("774M", 1024), world_size=8)
+    assert [(r["strategy"], r["activation_checkpointing"], r["micro_batch"]) for r in out["plans"]] == \
+        [(r["strategy"], r["activation_checkpointing"], r["micro_batch"]) for r in expect]
+    for argv, msg in ((["--strategy", "zero", "--plan", "80"], "strategy 'zero' unknown"),
+                      (["--dtype", "fp8", "--plan", "80"], "dtype 'fp8' unknown"),
+                      (["--size", "huge", "--plan", "80"], "--size huge"),
+                      (["--plan", "0"], "must be positive"),
+                      (["--micro-batch", "2", "--world-size", "3"], "torchrun --nproc_per_node 3")):
+        assert cli.main(["bench", "memory", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert msg in err and "\n" not in err
+
+
+def test_presets_state_what_the_planner_chooses():
+    for name in ("gpt2-350m", "gpt2-774m", "gpt2-1558m"):
+        text = (resources.files("gpt2lab") / "presets" / f"{name}.toml").read_text()
+        cfg = load_preset(name)
+        model = cfg.model
+        stated = re.findall(r"# assumes (\d+) x (\d+)GB: (ddp|fsdp)(, activation checkpointing)?, "
+                            r"micro_batch_size (\d+)", text)
+        assert {s[1] for s in stated} == {"80", "40"}, name
+        for world, gb, strategy, ac, mb in stated:
+            got = memplan.choose(int(gb) * 2 ** 30, model, world_size=int(world), seq_len=cfg.seq_len,
+                                 total_batch_tokens=cfg.total_batch_tokens)
+            assert got == {"strategy": strategy, "activation_checkpointing": bool(ac), "micro_batch": int(mb)}, name
+            if gb == "80":  # the values the preset trains with
+                assert (cfg.strategy, cfg.micro_batch_size, cfg.activation_checkpointing) == \
+                    (strategy, int(mb), bool(ac)), name
+
+
+def test_cpu_step_measured_next_to_the_prediction(capsys):
+    argv = ["bench", "memory", "--size", "tiny", "--seq-len", "32", "--micro-batch", "2", "--dtype", "float32",
+            "--steps", "2", "--tensor-peak", "true", "--device", "cpu"]
+    assert cli.main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    pred = out["predicted_mib"]
+    terms = sum(v for k, v in pred.items() if k not in ("phase", "total"))
+    assert abs(terms - pred["total"]) < 0.2  # rounded terms add up to the total
+    assert out["measured_peak_mib"][0] > 0 and out["measured_rss_before_model_mib"][0] > 0
+    # every tensor the step allocated, from the profiler: the planner's terms without the runtime
+    assert out["tensors_over_predicted"] == pytest.approx(1.0, abs=0.02)
