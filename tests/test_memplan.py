@@ -14,6 +14,7 @@ from gpt2lab import cli, memplan
 from gpt2lab.benchmarks.memory import model_config
 from gpt2lab.config import load_preset
 from gpt2lab.model import GPT, Block, GPTConfig
+from gpt2lab.parallel import choose_strategy
 
 N_124M = 124_475_904  # GPT-2 124M with the vocab padded to 50304 (nanoGPT's printed count)
 
@@ -115,9 +116,15 @@ def test_presets_state_what_the_planner_chooses():
             got = memplan.choose(int(gb) * 2 ** 30, model, world_size=int(world), seq_len=cfg.seq_len,
                                  total_batch_tokens=cfg.total_batch_tokens)
             assert got == {"strategy": strategy, "activation_checkpointing": bool(ac), "micro_batch": int(mb)}, name
-            if gb == "80":  # the values the preset trains with
+            if gb == "80":  # the values the preset trains with; --strategy auto lands on the stated one
                 assert (cfg.strategy, cfg.micro_batch_size, cfg.activation_checkpointing) == \
-                    (strategy, int(mb), bool(ac)), name
+                    ("auto", int(mb), bool(ac)), name
+                ddp = memplan.predict(model, strategy="ddp", world_size=int(world), micro_batch=int(mb),
+                                      seq_len=cfg.seq_len, dtype="bfloat16", activation_checkpointing=bool(ac),
+                                      accum=cfg.grad_accum_steps(int(world)), device="cuda").total
+                auto = choose_strategy("auto", world_size=int(world), device_type="cuda", dtype="bfloat16",
+                                       ddp_bytes=ddp, device_bytes=int(gb) * 2 ** 30)
+                assert auto.value == strategy, (name, auto.reason)
 
 
 def test_cpu_step_measured_next_to_the_prediction(capsys):

@@ -9,7 +9,7 @@ import torch
 
 from conftest import tiny_gpt
 from gpt2lab.config import ConfigError, TrainConfig
-from gpt2lab.parallel import DDP_BYTES_PER_PARAM, FITS_FRACTION, choose_strategy
+from gpt2lab.parallel import choose_strategy
 from gpt2lab.runtime import ChoiceError
 
 GiB = 2**30
@@ -25,15 +25,15 @@ def test_auto_is_ddp_for_one_process_even_when_fsdp_is_asked():
 
 def test_auto_shards_what_does_not_fit():
     # gpt2-xl, 1558M parameters: 16 bytes each under DDP = 23.2 GiB of weights, grads and AdamW state
-    need = DDP_BYTES_PER_PARAM * 1_557_611_200
+    need = 16 * 1_557_611_200  # DDP's fp32 weight, gradient and two AdamW moments per parameter
     big = choose_strategy("auto", world_size=8, device_type="cuda", dtype="bfloat16", ddp_bytes=need,
-                          device_bytes=24 * GiB)
+                          device_bytes=16 * GiB)
     assert big.value == "fsdp" and "23.2 GiB" in big.reason and "8 processes" in big.reason
     fits = choose_strategy("auto", world_size=8, device_type="cuda", dtype="bfloat16", ddp_bytes=need,
                            device_bytes=80 * GiB)
     assert fits.value == "ddp" and "fits" in fits.reason
-    # the margin: exactly FITS_FRACTION of the device still fits, one byte more does not
-    edge = int(FITS_FRACTION * 40 * GiB)
+    # the edge: exactly the device's memory still fits (the prediction holds the margins), one byte more does not
+    edge = 40 * GiB
     assert choose_strategy("auto", world_size=2, device_type="cuda", ddp_bytes=edge, device_bytes=40 * GiB).value == "ddp"
     assert choose_strategy("auto", world_size=2, device_type="cuda", ddp_bytes=edge + 1,
                            device_bytes=40 * GiB).value == "fsdp"
@@ -106,3 +106,23 @@ def test_activation_checkpointing_is_off_outside_training():
         plain = model(idx)[0]  # eval mode (tiny_gpt): no checkpoint wrapper, no recompute
         cached = model.generate(idx, 3, top_k=1)
     assert calls["n"] == 1 + 3 and plain.shape == (1, 8, 50304) and cached.shape == (1, 11)
+
+
+def test_auto_asks_the_planner_what_ddp_needs_on_a_gpu(monkeypatch):
+    """--strategy auto on GPUs: DDP's per-rank memory comes from memplan.predict for this very run."""
+    import torch
+
+    from gpt2lab import memplan, parallel
+    from gpt2lab.config import load_preset
+    from gpt2lab.dist import DistInfo
+    from gpt2lab.train import _resolve_strategy
+
+    cfg = load_preset("gpt2-1558m", data="unused", total_batch_tokens=1024 * 16 * 8)
+    need = memplan.predict(cfg.model, strategy="ddp", world_size=8, micro_batch=16, seq_len=1024,
+                           dtype="bfloat16", accum=1, device="cuda").total
+    info = DistInfo(rank=0, world_size=8, device=torch.device("cuda", 0))
+    monkeypatch.setattr(torch.distributed, "broadcast_object_list", lambda box, src: None)  # one rank here
+    for card, expect in ((need, "ddp"), (need - 1, "fsdp")):
+        monkeypatch.setattr(parallel, "device_bytes", lambda device, card=card: card)
+        choice = _resolve_strategy(cfg, info, "bfloat16", accum=1)
+        assert choice.value == expect, choice.reason

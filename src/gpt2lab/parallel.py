@@ -38,11 +38,6 @@ from gpt2lab.config import STRATEGY_CHOICES
 from gpt2lab.dist import DTYPES
 from gpt2lab.runtime import Choice, ChoiceError
 
-# DDP's fixed memory per parameter: fp32 weight, gradient and AdamW's two moments.
-DDP_BYTES_PER_PARAM = 16
-# auto picks FSDP when DDP's predicted memory per rank exceeds this share of the device's:
-# the rest is for the allocator's fragmentation, the CUDA context and the collectives' buffers.
-FITS_FRACTION = 0.9
 
 
 def choose_strategy(requested: str, *, world_size: int, device_type: str, dtype: str = "float32",
@@ -75,8 +70,10 @@ def choose_strategy(requested: str, *, world_size: int, device_type: str, dtype:
         return Choice("ddp", f"{world_size} processes; no memory prediction for this {device_type}, so DDP "
                              "(--strategy fsdp shards weights, gradients and AdamW state)")
     need, have = ddp_bytes / 2**30, device_bytes / 2**30
-    if ddp_bytes > FITS_FRACTION * device_bytes:
-        return Choice("fsdp", f"DDP would need {need:.1f} GiB per rank, more than {FITS_FRACTION:.0%} of "
+    from gpt2lab.memplan import fits
+
+    if not fits(ddp_bytes, device_bytes):
+        return Choice("fsdp", f"DDP would need {need:.1f} GiB per rank (gpt2lab.memplan), more than "
                               f"the device's {have:.1f} GiB: sharded over {world_size} processes")
     return Choice("ddp", f"DDP needs {need:.1f} GiB per rank of the device's {have:.1f} GiB: it fits")
 

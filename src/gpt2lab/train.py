@@ -116,7 +116,7 @@ class Trainer:
             add_lora(self.raw, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
         self.raw.compile_loss, self.raw.chunked_loss = loss_settings(self.device, self.compile)
         self.raw.activation_checkpointing = cfg.activation_checkpointing
-        self.strategy = _resolve_strategy(cfg, info, self.raw.num_params(), self.dtype)
+        self.strategy = _resolve_strategy(cfg, info, self.dtype, self.accum)
         # self.raw stays the GPT (sharded in place under FSDP); train_model runs the micro-steps,
         # self.model the evaluations. The optimizer is built on the (sharded) parameters after wrapping.
         self.train_model, self.model = parallel.wrap(self.raw, str(self.strategy.value), distributed=info.distributed,
@@ -415,15 +415,23 @@ def _resolve_choices(cfg: TrainConfig, info: DistInfo) -> runtime.Resolved:
     return choices
 
 
-def _resolve_strategy(cfg: TrainConfig, info: DistInfo, n_params: int, dtype: str) -> runtime.Choice:
-    """ddp or fsdp (parallel.choose_strategy); under torchrun rank 0 decides for all."""
+def _resolve_strategy(cfg: TrainConfig, info: DistInfo, dtype: str, accum: int) -> runtime.Choice:
+    """ddp or fsdp (parallel.choose_strategy, DDP's memory from memplan); under torchrun rank 0 decides for all."""
     choice = None
     if info.is_main:
         try:
+            device_bytes = parallel.device_bytes(info.device)
+            ddp_bytes = None
+            if device_bytes is not None and info.world_size > 1:  # a GPU's own memory: what DDP would need of it
+                from gpt2lab import memplan
+
+                ddp_bytes = memplan.predict(cfg.model, strategy="ddp", world_size=info.world_size,
+                                            micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len, dtype=dtype,
+                                            activation_checkpointing=cfg.activation_checkpointing, accum=accum,
+                                            device="cuda").total
             choice = parallel.choose_strategy(
                 cfg.strategy, world_size=info.world_size, device_type=info.device.type, dtype=dtype,
-                lora=bool(cfg.lora_rank), ddp_bytes=parallel.DDP_BYTES_PER_PARAM * n_params,
-                device_bytes=parallel.device_bytes(info.device))
+                lora=bool(cfg.lora_rank), ddp_bytes=ddp_bytes, device_bytes=device_bytes)
         except runtime.ChoiceError as e:  # every rank raises it, none is left waiting
             choice = e
     if info.distributed:
