@@ -4,7 +4,9 @@
 #   benchmarks/gpu.sh tests       GPU-marked tests (bf16 vs fp32, compiled vs eager, KV cache)
 #   benchmarks/gpu.sh ladder16    the recipe's speed ladder + gpt2lab + transformers at B=16, T=1024
 #   benchmarks/gpu.sh ladder64    the same at B=64
-#   benchmarks/gpu.sh memory      largest micro-batch at T=1024: 124M, 350M; 774M and 1558M
+#   benchmarks/gpu.sh memory      largest micro-batch at T=1024 next to the planner's prediction: 124M and
+#                                 350M with and without activation checkpointing; 774M and 1558M
+#   benchmarks/gpu.sh big         gpt2-350m and gpt2-774m at their presets' micro-batch: tok/s, peak memory
 #   benchmarks/gpu.sh train       gpt2-124m settings for 160 steps on Tiny Shakespeare + WikiText-2,
 #                                 killed (-9) after the step-80 checkpoint and resumed; samples
 #   benchmarks/gpu.sh eval        HellaSwag (full validation set) on that run, with examples/s; plot
@@ -67,14 +69,40 @@ stage_ladder() {  # $1 = micro-batch
     tail -n 1 "$OUT/ladder_b$1.log" > "$OUT/ladder_b$1.json"
 }
 
-stage_memory() {
-    local sizes=(124M 350M 774M 1558M) max=(512 256 64 32) flags=(--seq-len 1024)
-    [ "$SMOKE" = 1 ] && sizes=(124M) max=(1) flags=(--seq-len 32 --device cpu)
+stage_memory() {  # the search, next to the planner's prediction; 124M and 350M with activation checkpointing too
+    local sizes=(124M 124M 350M 350M 774M 1558M) ac=(false true false true false false) max=(512 1024 256 512 64 32)
+    local flags=(--seq-len 1024)
+    [ "$SMOKE" = 1 ] && sizes=(124M) ac=(false) max=(1) flags=(--seq-len 32 --device cpu)
     : > "$OUT/memory.jsonl"
     for i in "${!sizes[@]}"; do
-        g bench memory --size "${sizes[$i]}" --max-batch "${max[$i]}" "${flags[@]}" | tail -n 1 >> "$OUT/memory.jsonl"
+        g bench memory --size "${sizes[$i]}" --max-batch "${max[$i]}" --activation-checkpointing "${ac[$i]}" \
+            "${flags[@]}" | tail -n 1 >> "$OUT/memory.jsonl"
     done
     cat "$OUT/memory.jsonl"
+}
+
+stage_big() {  # gpt2-350m and gpt2-774m at their presets' (80 GB plan) micro-batch: tok/s and peak memory
+    data
+    : > "$OUT/big.jsonl"
+    local size mb flags
+    for size in 350m 774m; do
+        mb=$("$PY" -c "from gpt2lab.config import load_preset; print(load_preset('gpt2-$size').micro_batch_size)")
+        flags=(--max-steps 8 --warmup-steps 2 --total-batch-tokens $((mb * 1024 * 2)))
+        [ "$SMOKE" = 1 ] && mb=1 flags=(--device cpu --max-steps 3 --warmup-steps 1 --micro-batch-size 1 --seq-len 32
+                                        --total-batch-tokens 64 --n-layer 2 --n-embd 64 --n-head 2)
+        rm -rf "$RUN/big_$size"
+        g train --preset "gpt2-$size" --data "$RUN/data" --out "$RUN/big_$size" "${flags[@]}" --eval-interval 0 \
+            --hellaswag-interval 0 --sample-interval 0 --ckpt-interval 0 --keep-checkpoints 1 --progress false \
+            > "$OUT/big_$size.log" 2>&1
+        "$PY" -c '
+import json, statistics, sys
+steps = [r for r in map(json.loads, open(sys.argv[1])) if "train_loss" in r][1:]  # the first step compiles
+print(json.dumps({"preset": "gpt2-" + sys.argv[2], "micro_batch": int(sys.argv[3]), "steps": len(steps),
+                  "tok_per_s_median": round(statistics.median(r["tok_per_s"] for r in steps)),
+                  "peak_mem_gib": max((r.get("peak_mem_gib") or 0) for r in steps) or None}))
+' "$RUN/big_$size/metrics.jsonl" "$size" "$mb" >> "$OUT/big.jsonl"
+    done
+    cat "$OUT/big.jsonl"
 }
 
 stage_train() {
@@ -144,7 +172,7 @@ stage_profile() {
     "$PY" benchmarks/profile_step.py --data "$RUN/data" --out "$OUT" "${flags[@]}" | tail -n 45
 }
 
-[ $# -gt 0 ] || set -- tests ladder16 ladder64 memory train eval finetune
+[ $# -gt 0 ] || set -- tests ladder16 ladder64 memory big train eval finetune
 for stage in "$@"; do
     echo "== $stage ($(date -u +%H:%M:%S))"
     case "$stage" in
@@ -152,10 +180,11 @@ for stage in "$@"; do
         ladder16) stage_ladder 16 ;;
         ladder64) stage_ladder 64 ;;
         memory) stage_memory ;;
+        big) stage_big ;;
         train) stage_train ;;
         eval) stage_eval ;;
         finetune) stage_finetune ;;
         profile) stage_profile ;;
-        *) echo "unknown stage $stage; stages: tests ladder16 ladder64 memory train eval finetune profile" >&2; exit 2 ;;
+        *) echo "unknown stage $stage; stages: tests ladder16 ladder64 memory big train eval finetune profile" >&2; exit 2 ;;
     esac
 done

@@ -217,7 +217,9 @@ class Trainer:
         tok_per_s = cfg.total_batch_tokens / dt
         mfu = self.flops_per_token * tok_per_s / (self.peak * self.info.world_size) if self.peak else None
         return {"step": self.step, "train_loss": loss_v, "lr": lr, "grad_norm": norm_v, "dt_ms": 1000 * dt,
-                "tok_per_s": tok_per_s, "mfu": mfu, "tokens": self.tokens}
+                "tok_per_s": tok_per_s, "mfu": mfu, "tokens": self.tokens,
+                **({"peak_mem_gib": torch.cuda.max_memory_allocated(self.device) / 2 ** 30}  # since the start
+                   if self.device.type == "cuda" else {})}
 
     def check_bad(self, record: dict) -> None:
         """Count skipped steps in a row; stop the run after ``max_bad_steps`` of them.
