@@ -18,8 +18,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m gpt2lab demo
 
+# Two pytest workers of one thread each: most tests are single-threaded Python or launch their
+# own processes, so two workers keep two cores busy where one worker left one idle.
 test: $(STAMP)
-	$(PY) -m pytest -q -x --durations=15
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -x -n 2 --durations=15
 
 clean:
 	rm -rf $(VENV) runs data build *.egg-info
