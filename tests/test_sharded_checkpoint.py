@@ -153,3 +153,27 @@ def test_flipped_bytes_in_a_shard_are_named(runs, tmp_path):
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="__0_0.distcp does not match its checksum"):
         ckpt.load_model(str(good))
+
+
+def test_sigterm_to_torchrun_saves_a_sharded_checkpoint_that_resumes(tiny_data, tmp_path):
+    """A scheduler's SIGTERM to torchrun: torchrun passes it to the ranks, every rank finishes its
+    step, the sharded checkpoint of exactly the logged steps is written, and --resume auto
+    continues it (here on one process). (torchrun itself then exits 1 with its own
+    SignalException report, whatever its workers' codes: that part is torchrun's.)"""
+    out = tmp_path / "fsdp"
+    cmd = _torchrun(out, tiny_data)
+    cmd[cmd.index("--max-steps") + 1] = "100000"
+    cmd[cmd.index("--ckpt-interval") + 1] = "0"
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(out / "metrics.jsonl", proc)
+    while len(train_losses(out)) < 3:
+        assert proc.poll() is None
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=90)
+    steps = len(train_losses(out))
+    assert os.listdir(out / "checkpoints") == [f"step_{steps:06d}"], stderr[-2000:]
+    assert (out / "checkpoints" / f"step_{steps:06d}" / ".metadata").is_file()  # DCP's, every rank wrote its shard
+    assert "SIGTERM: stopping after this step, saving a checkpoint" in stderr
+    _train_here(out, tiny_data, "--resume", "auto", "--max-steps", str(steps + 2))
+    assert sorted(train_losses(out)) == list(range(steps + 2))
