@@ -31,11 +31,11 @@ def test_ladder_rungs_are_cumulative_and_timed():
     assert bad.returncode != 0 and "unknown warp" in bad.stderr
 
 
-def test_gpu_sh_smoke_memory_train_eval(tmp_path):
+def test_gpu_sh_smoke_memory_train_eval_finetune_big(tmp_path):
     out, run = tmp_path / "out", tmp_path / "run"
     e = dict(env(), GPU_SH_SMOKE="1", OUT=str(out), RUN=str(run), PYTHON=sys.executable,
              HELLASWAG=str(ROOT / "tests" / "data" / "hellaswag_val_200.jsonl"))
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "memory", "train", "eval"], env=e,
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "memory", "train", "eval", "finetune", "big"], env=e,
                           capture_output=True, text=True, timeout=300, cwd=os.getcwd())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     mem = json.loads((out / "memory.jsonl").read_text())
@@ -48,6 +48,12 @@ def test_gpu_sh_smoke_memory_train_eval(tmp_path):
     hs = json.loads((out / "hellaswag.json").read_text())
     assert hs["n"] == 8 and 0 <= hs["acc_norm"] <= 1 and hs["examples_per_s"] > 0
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    for kind in ("full", "lora"):  # fine-tuned from the train stage's run: its weights, 2 new steps
+        ft = [json.loads(x) for x in (out / f"finetune_{kind}_metrics.jsonl").read_text().splitlines()]
+        assert sorted(r["step"] for r in ft if "train_loss" in r) == [0, 1]
+    assert "init_from" in (run / "ft_lora" / "config.json").read_text()
+    big = [json.loads(x) for x in (out / "big.jsonl").read_text().splitlines()]
+    assert [b["preset"] for b in big] == ["gpt2-350m", "gpt2-774m"] and all(b["tok_per_s_median"] > 0 for b in big)
 
 
 def test_ladder_records_an_out_of_memory_rung_and_goes_on(monkeypatch, capsys):
