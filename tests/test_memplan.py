@@ -81,7 +81,7 @@ def test_plan_is_the_largest_micro_batch_that_fits():
 
         def total(b):
             return memplan.predict(cfg, strategy=strategy, world_size=8, micro_batch=b,
-                                   activation_checkpointing=ac).total
+                                   activation_checkpointing=ac, compiled=True).total  # plan's default
         assert B >= 1 and total(B) <= budget < total(B + 1) and r["predicted_bytes"] == total(B)
     assert rows[("ddp", True)]["micro_batch"] > rows[("ddp", False)]["micro_batch"]
     assert rows[("fsdp", False)]["micro_batch"] > rows[("ddp", False)]["micro_batch"]
@@ -121,7 +121,8 @@ def test_presets_state_what_the_planner_chooses():
                     ("auto", int(mb), bool(ac)), name
                 ddp = memplan.predict(model, strategy="ddp", world_size=int(world), micro_batch=int(mb),
                                       seq_len=cfg.seq_len, dtype="bfloat16", activation_checkpointing=bool(ac),
-                                      accum=cfg.grad_accum_steps(int(world)), device="cuda").total
+                                      accum=cfg.grad_accum_steps(int(world)), device="cuda",
+                                      compiled=True).total
                 auto = choose_strategy("auto", world_size=int(world), device_type="cuda", dtype="bfloat16",
                                        ddp_bytes=ddp, device_bytes=int(gb) * 2 ** 30)
                 assert auto.value == strategy, (name, auto.reason)
@@ -138,3 +139,18 @@ def test_cpu_step_measured_next_to_the_prediction(capsys):
     assert out["measured_peak_mib"][0] > 0 and out["measured_rss_before_model_mib"][0] > 0
     # every tensor the step allocated, from the profiler: the planner's terms without the runtime
     assert out["tensors_over_predicted"] == pytest.approx(1.0, abs=0.02)
+
+
+def test_the_loss_term_follows_the_trainers_loss_and_the_h100_peaks():
+    """Compiled on a GPU the trainer keeps the (N, V) bf16 logits instead of the chunked loss's
+    workspace; both predictions against the peaks of gpt2lab's step measured on an H100 (124M,
+    B=64, T=1024, one micro-step: 23.92 GiB chunked, 28.48 GiB compiled cross-entropy;
+    benchmarks/results/issue14_h100/ladder_b64_call2.jsonl and ladder_b64_loss_call3.jsonl)."""
+    cfg = model_config("124M", 1024)
+    kw = dict(micro_batch=64, seq_len=1024, dtype="bfloat16", accum=1, device="cuda")
+    chunked, fused = memplan.predict(cfg, **kw), memplan.predict(cfg, compiled=True, **kw)
+    assert fused.terms["loss"] == 64 * 1024 * 50304 * 2
+    assert memplan.predict(cfg, strategy="fsdp", world_size=2, compiled=True, **kw).terms["loss"] < fused.terms["loss"]
+    for pred, measured in ((chunked, 23.92), (fused, 28.48)):
+        tensors = (pred.total - pred.terms["runtime"]) / 2 ** 30
+        assert tensors == pytest.approx(measured, rel=0.03)

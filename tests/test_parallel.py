@@ -119,10 +119,10 @@ def test_auto_asks_the_planner_what_ddp_needs_on_a_gpu(monkeypatch):
 
     cfg = load_preset("gpt2-1558m", data="unused", total_batch_tokens=1024 * 16 * 8)
     need = memplan.predict(cfg.model, strategy="ddp", world_size=8, micro_batch=16, seq_len=1024,
-                           dtype="bfloat16", accum=1, device="cuda").total
+                           dtype="bfloat16", accum=1, device="cuda", compiled=True).total
     info = DistInfo(rank=0, world_size=8, device=torch.device("cuda", 0))
     monkeypatch.setattr(torch.distributed, "broadcast_object_list", lambda box, src: None)  # one rank here
     for card, expect in ((need, "ddp"), (need - 1, "fsdp")):
         monkeypatch.setattr(parallel, "device_bytes", lambda device, card=card: card)
-        choice = _resolve_strategy(cfg, info, "bfloat16", accum=1)
+        choice = _resolve_strategy(cfg, info, "bfloat16", accum=1, compile=True)
         assert choice.value == expect, choice.reason

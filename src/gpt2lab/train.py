@@ -73,17 +73,11 @@ def accumulate_gradients(model: torch.nn.Module, next_batch: Callable[[], Batch]
 
 
 def loss_settings(device: torch.device, compiled: bool) -> tuple[bool, bool]:
-    """(compile_loss, chunked_loss) for GPT: which training loss is fastest where.
+    """(compile_loss, chunked_loss) for GPT: the chunked loss where chunked_loss.used_for says,
+    its softmax kernel compiled when the model is."""
+    from gpt2lab.chunked_loss import used_for
 
-    A compiled model on a GPU: logits + F.cross_entropy inside the compiled graph, which
-    Inductor fuses (H100, 124M, B=64: the chunked loss ran outside the graph in 32 chunk
-    kernels + a concatenation, ~39 ms of a 145 ms step; docs/benchmarks.md). Elsewhere
-    the chunked loss (CPUs: never holding fp32 logits measured faster; eager GPUs: the
-    logits of a large batch would not fit beside the activations), its kernel compiled
-    when the model is.
-    """
-    fused_in_graph = compiled and device.type == "cuda"
-    return compiled, not fused_in_graph
+    return compiled, used_for(device.type, compiled)
 
 
 def peak_flops(cfg: TrainConfig, device: torch.device) -> Optional[float]:
@@ -116,7 +110,7 @@ class Trainer:
             add_lora(self.raw, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
         self.raw.compile_loss, self.raw.chunked_loss = loss_settings(self.device, self.compile)
         self.raw.activation_checkpointing = cfg.activation_checkpointing
-        self.strategy = _resolve_strategy(cfg, info, self.dtype, self.accum)
+        self.strategy = _resolve_strategy(cfg, info, self.dtype, self.accum, self.compile)
         # self.raw stays the GPT (sharded in place under FSDP); train_model runs the micro-steps,
         # self.model the evaluations. The optimizer is built on the (sharded) parameters after wrapping.
         self.train_model, self.model = parallel.wrap(self.raw, str(self.strategy.value), distributed=info.distributed,
@@ -417,7 +411,7 @@ def _resolve_choices(cfg: TrainConfig, info: DistInfo) -> runtime.Resolved:
     return choices
 
 
-def _resolve_strategy(cfg: TrainConfig, info: DistInfo, dtype: str, accum: int) -> runtime.Choice:
+def _resolve_strategy(cfg: TrainConfig, info: DistInfo, dtype: str, accum: int, compile: bool) -> runtime.Choice:
     """ddp or fsdp (parallel.choose_strategy, DDP's memory from memplan); under torchrun rank 0 decides for all."""
     choice = None
     if info.is_main:
@@ -430,7 +424,7 @@ def _resolve_strategy(cfg: TrainConfig, info: DistInfo, dtype: str, accum: int) 
                 ddp_bytes = memplan.predict(cfg.model, strategy="ddp", world_size=info.world_size,
                                             micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len, dtype=dtype,
                                             activation_checkpointing=cfg.activation_checkpointing, accum=accum,
-                                            device="cuda").total
+                                            device="cuda", compiled=compile).total
             choice = parallel.choose_strategy(
                 cfg.strategy, world_size=info.world_size, device_type=info.device.type, dtype=dtype,
                 lora=bool(cfg.lora_rank), ddp_bytes=ddp_bytes, device_bytes=device_bytes)

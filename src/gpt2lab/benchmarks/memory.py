@@ -32,7 +32,7 @@ from gpt2lab.dist import pick_device
 from gpt2lab.errors import UsageError
 from gpt2lab.model import GPT, GPTConfig
 from gpt2lab.optim import make_optimizer
-from gpt2lab.train import accumulate_gradients
+from gpt2lab.train import accumulate_gradients, loss_settings
 
 MiB = 2 ** 20
 TINY = dict(n_layer=2, n_head=2, n_embd=64)  # for CPU measurements and tests
@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> Optional[dict]:
 
 def plan(cfg: GPTConfig, args: argparse.Namespace) -> dict:
     world = args.world_size or 1
+    # for a run as `gpt2lab train` makes it on a GPU: compiled (memplan.plan's default)
     rows = memplan.plan(int(args.plan * 2 ** 30), cfg, world_size=world, seq_len=args.seq_len, dtype=args.dtype)
     for r in rows:
         r["predicted_gib"] = round(r.pop("predicted_bytes") / 2 ** 30, 2)
@@ -101,7 +102,7 @@ def plan(cfg: GPTConfig, args: argparse.Namespace) -> dict:
 def _prediction(cfg: GPTConfig, args: argparse.Namespace, world: int, device: str, B: int) -> memplan.Prediction:
     return memplan.predict(cfg, strategy=args.strategy, world_size=world, micro_batch=B, seq_len=args.seq_len,
                            dtype=args.dtype, activation_checkpointing=args.activation_checkpointing == "true",
-                           accum=args.accum, device=device)
+                           accum=args.accum, device=device)  # measured eagerly (_build): the chunked loss
 
 
 def tensor_bytes(pred: memplan.Prediction) -> int:
@@ -270,14 +271,17 @@ def search(cfg: GPTConfig, args: argparse.Namespace) -> dict:
     device = pick_device(args.device)
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
-    model.compile_loss = args.compile == "true"
+    compile, ac = args.compile == "true", args.activation_checkpointing == "true"
+    model.compile_loss, model.chunked_loss = loss_settings(device, compile)  # the trainer's loss
+    model.activation_checkpointing = ac
     opt = make_optimizer(model, lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device=device)
-    compiled = torch.compile(model) if args.compile == "true" else model
+    compiled = torch.compile(model) if compile else model
     kind = "cuda" if device.type == "cuda" else "cpu"
 
     def attempt(B: int) -> dict:
         rec = try_batch(model, opt, B, args.seq_len, device, compiled, args.dtype)
-        pred = memplan.predict(cfg, micro_batch=B, seq_len=args.seq_len, dtype=args.dtype, accum=1, device=kind)
+        pred = memplan.predict(cfg, micro_batch=B, seq_len=args.seq_len, dtype=args.dtype, accum=1, device=kind,
+                               activation_checkpointing=ac, compiled=compile)
         rec["predicted_gib"] = round(tensor_bytes(pred) / 2 ** 30, 2)  # tensors only, like the peak
         print(json.dumps(rec), flush=True)
         return rec
@@ -296,5 +300,5 @@ def search(cfg: GPTConfig, args: argparse.Namespace) -> dict:
         tries.append(rec)
         good, bad = (mid, bad) if rec["fits"] else (good, mid)
     return {"size": args.size, "seq_len": args.seq_len, "device": str(device), "params": model.num_params(),
-            "compile": args.compile == "true", "largest_micro_batch": good or None,
+            "compile": compile, "activation_checkpointing": ac, "largest_micro_batch": good or None,
             "searched_up_to": args.max_batch, "tries": tries}
