@@ -31,17 +31,29 @@ def test_ladder_rungs_are_cumulative_and_timed():
     assert bad.returncode != 0 and "unknown warp" in bad.stderr
 
 
-def test_gpu_sh_smoke_memory_train_eval_finetune_big(tmp_path):
+def _gpu_sh(tmp_path, *stages: str) -> tuple:
+    """benchmarks/gpu.sh STAGES in its smoke mode (tiny, CPU); (OUT, RUN)."""
     out, run = tmp_path / "out", tmp_path / "run"
     e = dict(env(), GPU_SH_SMOKE="1", OUT=str(out), RUN=str(run), PYTHON=sys.executable,
              HELLASWAG=str(ROOT / "tests" / "data" / "hellaswag_val_200.jsonl"))
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "memory", "train", "eval", "finetune", "big"], env=e,
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), *stages], env=e,
                           capture_output=True, text=True, timeout=300, cwd=os.getcwd())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, run
+
+
+def test_gpu_sh_smoke_memory_big(tmp_path):
+    out, _ = _gpu_sh(tmp_path, "memory", "big")
     mem = json.loads((out / "memory.jsonl").read_text())
     assert mem["largest_micro_batch"] == 1 and [{k: t[k] for k in ("B", "fits", "peak_gib")} for t in mem["tries"]] \
         == [{"B": 1, "fits": True, "peak_gib": None}]
     assert mem["tries"][0]["predicted_gib"] > 1.8  # gpt2lab.memplan: 124M's fp32 weights, grads, AdamW (16 B/param)
+    big = [json.loads(x) for x in (out / "big.jsonl").read_text().splitlines()]
+    assert [b["preset"] for b in big] == ["gpt2-350m", "gpt2-774m"] and all(b["tok_per_s_median"] > 0 for b in big)
+
+
+def test_gpu_sh_smoke_train_eval_finetune(tmp_path):
+    out, run = _gpu_sh(tmp_path, "train", "eval", "finetune")
     steps = [json.loads(x) for x in (out / "train_metrics.jsonl").read_text().splitlines()]
     assert sorted({r["step"] for r in steps if "train_loss" in r}) == list(range(6))
     assert (out / "samples.txt").read_text().count("ROMEO:") == 1
@@ -52,8 +64,6 @@ def test_gpu_sh_smoke_memory_train_eval_finetune_big(tmp_path):
         ft = [json.loads(x) for x in (out / f"finetune_{kind}_metrics.jsonl").read_text().splitlines()]
         assert sorted(r["step"] for r in ft if "train_loss" in r) == [0, 1]
     assert "init_from" in (run / "ft_lora" / "config.json").read_text()
-    big = [json.loads(x) for x in (out / "big.jsonl").read_text().splitlines()]
-    assert [b["preset"] for b in big] == ["gpt2-350m", "gpt2-774m"] and all(b["tok_per_s_median"] > 0 for b in big)
 
 
 def test_ladder_records_an_out_of_memory_rung_and_goes_on(monkeypatch, capsys):
