@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from gpt2lab import parallel, sharded
+from gpt2lab import dist, parallel, sharded
 from gpt2lab.errors import CheckpointError
 from gpt2lab.files import atomic_dir, write_json
 from gpt2lab.config import ConfigError, model_from_config
@@ -125,7 +125,7 @@ def save(run_dir: str, step: int, parts: Mapping[str, Optional[Stateful]], confi
     """
     final = checkpoint_dir(run_dir, step)
     model, optimizer = parts["model"], parts["optimizer"]
-    main = sharded.rank() == 0
+    main = dist.rank() == 0
     if main:
         os.makedirs(os.path.dirname(final), exist_ok=True)
     plain = _plain_state(parts) if main else None
@@ -171,7 +171,7 @@ def _save_sharded(final: str, model, optimizer, plain: Optional[dict], config: d
                     mine = stack.enter_context(atomic_dir(final, what_next=_DISK_FULL_NEXT, replace=True))
                 except Exception as e:  # re-raised below, once every rank knows
                     error = e
-            tmp = sharded.broadcast(mine)
+            tmp = dist.broadcast(mine)
             try:
                 if tmp is not None:
                     sharded.save(tmp, model, optimizer)  # collective: DCP raises on every rank if one fails
@@ -179,14 +179,14 @@ def _save_sharded(final: str, model, optimizer, plain: Optional[dict], config: d
                         _write_rest(tmp, plain, config)
             except Exception as e:
                 error = e
-            if sharded.agree(error is not None):
+            if dist.agree(error is not None):
                 raise error or CheckpointError(f"checkpoint {final}: another rank failed to write it")
             digests = sharded.digests(tmp, sha256)
             if main:
                 write_json(os.path.join(tmp, CHECKSUMS), digests)
         done = True
     finally:
-        failed = sharded.agree(not done)  # reached by every rank: rank 0's rename is done or failed
+        failed = dist.agree(not done)  # reached by every rank: rank 0's rename is done or failed
     if failed:  # only ranks that did not raise themselves get here
         raise CheckpointError(f"checkpoint {final}: rank 0 could not complete it (see its error)")
 
@@ -226,10 +226,10 @@ def verify_together(ckpt: str) -> None:
     checkpoint's shards are read once, not once per rank); every rank raises the same error."""
     why = None
     try:
-        verify(ckpt, share=(sharded.rank(), sharded.world()))
+        verify(ckpt, share=(dist.rank(), dist.world()))
     except CheckpointError as e:
         why = e.why
-    found = [w for w in sharded.gather(why) if w]
+    found = [w for w in dist.gather(why) if w]
     if found:
         raise damaged(ckpt, found[0])
 
@@ -398,14 +398,15 @@ def load_model(path: str) -> GPT:
     return model
 
 
-def load(ckpt: str, parts: Mapping[str, Optional[Stateful]]) -> None:
+def load(ckpt: str, parts: Mapping[str, Optional[Stateful]], verified: bool = False) -> None:
     """Restore every part from ``ckpt``: either layout, written by any number of ranks.
 
     Called on every rank. A sharded checkpoint is resharded to this run's ranks by DCP
     (onto a plain model too); a full one loads whole, or each rank keeps its slices of it
-    when the model is sharded.
+    when the model is sharded. ``verified``: its checksums were just checked (find_intact).
     """
-    verify_together(ckpt)
+    if not verified:
+        verify_together(ckpt)
     model, optimizer = parts["model"], parts["optimizer"]
     try:
         state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=True, map_location="cpu")

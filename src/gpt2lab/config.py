@@ -18,7 +18,7 @@ from importlib import resources
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 from gpt2lab.errors import UsageError
-from gpt2lab.model_config import GPTConfig
+from gpt2lab.model_config import GPT2_VOCAB_SIZE, GPTConfig
 
 try:
     import tomllib  # Python >= 3.11
@@ -32,9 +32,6 @@ COMPILE_CHOICES = ("auto", "true", "false")
 STRATEGY_CHOICES = ("auto", "ddp", "fsdp")
 # Layers --lora-targets may name (peft matches a module whose name ends with ".TARGET").
 LORA_TARGETS = ("c_attn", "c_proj", "c_fc", "attn.c_proj", "mlp.c_proj")
-# The GPT-2 tokenizer's vocabulary (tokenizer.GPT2_VOCAB_SIZE; not imported: tokenizer imports
-# tiktoken, and the CLI builds its parser from this module). A run's token_vocab_size.
-GPT2_TOKENS = 50257
 # GPTConfig's fields: flat keys of a run config that belong in its "model" section.
 MODEL_KEYS = tuple(f.name for f in dataclasses.fields(GPTConfig))
 # Peak dense bf16/fp16 tensor FLOP/s by GPU name fragment (vendor datasheets), for MFU.
@@ -149,14 +146,14 @@ class TrainConfig:
 
     def _derive_token_vocab(self) -> None:
         """token_vocab_size is the tokenizer's (GPT-2's), never a setting of its own."""
-        if self.model.vocab_size < GPT2_TOKENS:
+        if self.model.vocab_size < GPT2_VOCAB_SIZE:
             raise ConfigError(f"vocab_size {self.model.vocab_size} is smaller than the GPT-2 tokenizer's "
-                              f"{GPT2_TOKENS} tokens; use {GPT2_TOKENS} or 50304")
-        if self.model.token_vocab_size not in (None, GPT2_TOKENS):
+                              f"{GPT2_VOCAB_SIZE} tokens; use {GPT2_VOCAB_SIZE} or 50304")
+        if self.model.token_vocab_size not in (None, GPT2_VOCAB_SIZE):
             raise ConfigError(f"token_vocab_size {self.model.token_vocab_size}: it is not a setting (a run "
-                              f"uses the GPT-2 tokenizer's {GPT2_TOKENS}); drop it")
+                              f"uses the GPT-2 tokenizer's {GPT2_VOCAB_SIZE}); drop it")
         if self.model.token_vocab_size is None:
-            self.model = dataclasses.replace(self.model, token_vocab_size=GPT2_TOKENS)
+            self.model = dataclasses.replace(self.model, token_vocab_size=GPT2_VOCAB_SIZE)
 
     def _check_combinations(self) -> None:
         if self.seq_len > self.model.block_size:
@@ -256,7 +253,7 @@ def model_from_config(values: dict, source: str = "config") -> GPTConfig:
     """
     model = _gpt_config(nest_model(values, source)["model"], source)
     if model.token_vocab_size is None:
-        model = dataclasses.replace(model, token_vocab_size=min(GPT2_TOKENS, model.vocab_size))
+        model = dataclasses.replace(model, token_vocab_size=min(GPT2_VOCAB_SIZE, model.vocab_size))
     return model
 
 

@@ -100,6 +100,55 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def broadcast(value):
+    """Rank 0's ``value`` (any picklable object) on every rank."""
+    if world() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather(value) -> list:
+    """Every rank's ``value``, in rank order, on every rank."""
+    if world() == 1:
+        return [value]
+    values: list = [None] * world()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def agree(failed: bool) -> bool:
+    """True on every rank if any rank failed (so that all raise together and none waits).
+
+    An object collective: it works on gloo and NCCL alike, whatever device holds the model.
+    """
+    return any(gather(bool(failed)))
+
+
+def decided_on_rank_0(decide):
+    """``decide()`` run on rank 0 alone and its result handed to every rank; an exception it
+    raises is raised on every rank (none is left waiting at the broadcast)."""
+    result = None
+    if rank() == 0:
+        try:
+            result = (decide(), None)
+        except Exception as e:  # pickled to the others; a traceback object would not be
+            result = (None, e)
+    value, error = broadcast(result)
+    if error is not None:
+        raise error
+    return value
+
+
 def print0(*args, **kwargs) -> None:
     """print on rank 0 only."""
     if int(os.environ.get("RANK", "0")) == 0:

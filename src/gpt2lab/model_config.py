@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
+# The GPT-2 BPE's vocabulary (tokenizer.py builds it; here, torch- and tiktoken-free, for config.py too).
+GPT2_VOCAB_SIZE = 50257
+
 
 def _f(default: Any, help: str, derived: bool = False, shape: bool = False) -> Any:
     # shape: the field sets parameter shapes (a checkpoint loads only into the same values)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from gpt2lab.config import STRATEGY_CHOICES
-from gpt2lab.dist import DTYPES
+from gpt2lab.dist import DTYPES, agree
 from gpt2lab.runtime import Choice, ChoiceError
 
 
@@ -182,10 +182,7 @@ def all_finite(model: nn.Module) -> bool:
     local = all(bool(torch.isfinite(_local(p)).all()) for p in model.parameters())
     if not (is_sharded(model) and dist.is_initialized()):
         return local  # DDP keeps the weights equal: every rank finds the same
-    # on the weights' device: NCCL reduces CUDA tensors only (gloo either)
-    flag = torch.tensor(float(local), device=_local(next(model.parameters())).device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    return not agree(not local)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

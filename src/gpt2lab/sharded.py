@@ -19,8 +19,8 @@ import warnings
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
+from gpt2lab.dist import broadcast, gather, rank, world
 from gpt2lab.errors import CheckpointError
 
 METADATA = ".metadata"  # DCP's index file; its presence marks a sharded checkpoint
@@ -30,40 +30,6 @@ WTE = "transformer.wte.weight"
 
 def is_sharded_checkpoint(ckpt: str) -> bool:
     return os.path.isfile(os.path.join(ckpt, METADATA))
-
-
-def rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def broadcast(value):
-    """Rank 0's ``value`` on every rank."""
-    if world() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def gather(value) -> list:
-    """Every rank's ``value``, in rank order, on every rank."""
-    if world() == 1:
-        return [value]
-    values: list = [None] * world()
-    dist.all_gather_object(values, value)
-    return values
-
-
-def agree(failed: bool) -> bool:
-    """True on every rank if any rank failed (so that all raise together and none waits).
-
-    An object collective: it works on gloo and NCCL alike, whatever device holds the model.
-    """
-    return any(gather(bool(failed)))
 
 
 def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict, bool]:

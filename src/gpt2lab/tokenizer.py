@@ -12,9 +12,10 @@ from importlib import resources
 import tiktoken
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
+from gpt2lab.model_config import GPT2_VOCAB_SIZE
+
 EOT_TOKEN = "<|endoftext|>"
 EOT_ID = 50256
-GPT2_VOCAB_SIZE = 50257
 
 # The hashes tiktoken itself checks for the OpenAI GPT-2 files.
 _SHA256 = {

@@ -23,7 +23,7 @@ import torch.distributed as tdist
 from gpt2lab import checkpoint as ckpt
 from gpt2lab import parallel, runtime
 from gpt2lab.config import PEAK_FLOPS, ConfigError, TrainConfig, save_config
-from gpt2lab.dist import DistInfo, all_reduce_mean, autocast
+from gpt2lab.dist import DistInfo, all_reduce_mean, autocast, decided_on_rank_0
 from gpt2lab.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, GPT2LabError, RunDiverged
 from gpt2lab.files import sweep_stale
 from gpt2lab.init_from import adapt_config, load_into
@@ -90,7 +90,8 @@ def peak_flops(cfg: TrainConfig, device: torch.device) -> Optional[float]:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, info: DistInfo, resume: Optional[str] = None) -> None:
+    def __init__(self, cfg: TrainConfig, info: DistInfo, resume: Optional[str] = None,
+                 resume_verified: bool = False) -> None:
         self.cfg, self.info, self.device = cfg, info, info.device
         self.accum = cfg.grad_accum_steps(info.world_size)
         self.choices = _resolve_choices(cfg, info)
@@ -127,7 +128,7 @@ class Trainer:
         self.rollbacks = 0  # since the last checkpoint was saved
         use_scaler = self.dtype == "float16"
         self.scaler = torch.amp.GradScaler(self.device.type) if use_scaler else None
-        self.resumed_from = self._restore(resume) if resume else None
+        self.resumed_from = self._restore(resume, resume_verified) if resume else None
         self.flops_per_token = self.raw.flops_per_token(cfg.seq_len)
         self.peak = peak_flops(cfg, self.device)
         self.stop_requested = False
@@ -149,9 +150,9 @@ class Trainer:
             self.guard.load_state_dict(state["guard"])
         self.skips = [list(r) for r in state.get("skips", [])]
 
-    def _restore(self, path: str) -> str:
+    def _restore(self, path: str, verified: bool = False) -> str:
         where = ckpt.resolve(path)
-        ckpt.load(where, self.parts())
+        ckpt.load(where, self.parts(), verified=verified)
         saved = ckpt.read_config(where)
         if saved.get("init_from_id"):  # the run began from other weights: keep saying which
             self.cfg = dataclasses.replace(self.cfg, init_from=saved["init_from"], init_from_id=saved["init_from_id"])
@@ -403,40 +404,26 @@ def _seed_everything(seed: int) -> None:
 def _resolve_choices(cfg: TrainConfig, info: DistInfo) -> runtime.Resolved:
     """dtype and compile for this run (runtime.resolve); under torchrun rank 0 decides for all,
     so that no probe's noise can leave the ranks training in different dtypes."""
-    choices = runtime.resolve(info.device, cfg.dtype, cfg.compile) if info.is_main else None
-    if info.distributed:
-        box = [choices]
-        tdist.broadcast_object_list(box, src=0)
-        choices = box[0]
-    return choices
+    return decided_on_rank_0(lambda: runtime.resolve(info.device, cfg.dtype, cfg.compile))
 
 
 def _resolve_strategy(cfg: TrainConfig, info: DistInfo, dtype: str, accum: int, compile: bool) -> runtime.Choice:
     """ddp or fsdp (parallel.choose_strategy, DDP's memory from memplan); under torchrun rank 0 decides for all."""
-    choice = None
-    if info.is_main:
-        try:
-            device_bytes = parallel.device_bytes(info.device)
-            ddp_bytes = None
-            if device_bytes is not None and info.world_size > 1:  # a GPU's own memory: what DDP would need of it
-                from gpt2lab import memplan
+    def decide() -> runtime.Choice:
+        device_bytes = parallel.device_bytes(info.device)
+        ddp_bytes = None
+        if device_bytes is not None and info.world_size > 1:  # a GPU's own memory: what DDP would need of it
+            from gpt2lab import memplan
 
-                ddp_bytes = memplan.predict(cfg.model, strategy="ddp", world_size=info.world_size,
-                                            micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len, dtype=dtype,
-                                            activation_checkpointing=cfg.activation_checkpointing, accum=accum,
-                                            device="cuda", compiled=compile).total
-            choice = parallel.choose_strategy(
-                cfg.strategy, world_size=info.world_size, device_type=info.device.type, dtype=dtype,
-                lora=bool(cfg.lora_rank), ddp_bytes=ddp_bytes, device_bytes=device_bytes)
-        except runtime.ChoiceError as e:  # every rank raises it, none is left waiting
-            choice = e
-    if info.distributed:
-        box = [choice]
-        tdist.broadcast_object_list(box, src=0)
-        choice = box[0]
-    if isinstance(choice, Exception):
-        raise runtime.ChoiceError(str(choice))
-    return choice
+            ddp_bytes = memplan.predict(cfg.model, strategy="ddp", world_size=info.world_size,
+                                        micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len, dtype=dtype,
+                                        activation_checkpointing=cfg.activation_checkpointing, accum=accum,
+                                        device="cuda", compiled=compile).total
+        return parallel.choose_strategy(
+            cfg.strategy, world_size=info.world_size, device_type=info.device.type, dtype=dtype,
+            lora=bool(cfg.lora_rank), ddp_bytes=ddp_bytes, device_bytes=device_bytes)
+
+    return decided_on_rank_0(decide)
 
 
 def _plot(run_dir: str) -> None:
@@ -452,11 +439,12 @@ def train(cfg: TrainConfig, info: DistInfo, resume: Optional[str] = None) -> Opt
     if info.is_main:  # temporaries of killed runs (never of a live one) would block a full disk
         for folder in (cfg.out, os.path.join(cfg.out, "checkpoints")):
             sweep_stale(folder)
-    resume = _resolve_resume(cfg, resume)
+    verified = resume == "auto"  # find_intact has just checked its checksums
+    resume = decided_on_rank_0(lambda: _resolve_resume(cfg, resume))
     if cfg.init_from and not resume:
         cfg = adapt_config(cfg)  # SRC checked before any work; a conflicting architecture is an error
     _check_hellaswag(cfg)
-    trainer = Trainer(cfg, info, resume)
+    trainer = Trainer(cfg, info, resume, resume_verified=verified)
     cfg = trainer.cfg  # with where the weights came from
     if info.is_main:
         os.makedirs(cfg.out, exist_ok=True)
