@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from gpt2lab.chunked_loss import _CHUNK_ELEMENTS, _GROUP_ELEMENTS, used_for
+from gpt2lab.chunked_loss import chunk_rows, used_for
 from gpt2lab.errors import UsageError
 from gpt2lab.model_config import GPTConfig
 
@@ -91,8 +91,7 @@ def loss_workspace_bytes(N: int, V: int, C: int, compute: int, x_size: int, w_si
     and then in fp32.
     """
     base = (N * C * compute if compute != x_size else 0) + (V * C * compute if compute != w_size else 0) + N * C * FP32
-    rows = 1 << max(0, (_CHUNK_ELEMENTS // V).bit_length() - 1)
-    group = max(rows, _GROUP_ELEMENTS // V // rows * rows)
+    rows, group = chunk_rows(V)
     peak, grad_w = 0, 0
     for g0 in range(0, N, group):
         g1, parts = min(N, g0 + group), 0
