@@ -30,6 +30,13 @@ RUN=${RUN:-/tmp/gpt2lab-gpu}
 HELLASWAG=${HELLASWAG:-.gpu/hellaswag_val_preprocessed.jsonl}
 SMOKE=${GPU_SH_SMOKE:-0}
 mkdir -p "$OUT"
+# $RUN is this script's scratch space: stages replace its run directories (run, ft_*, big_*), so
+# it must be a folder gpu.sh made (marked), never one of the user's
+if [ -d "$RUN" ] && [ -n "$(ls -A "$RUN")" ] && [ ! -f "$RUN/.gpu-sh-scratch" ]; then
+    echo "gpu.sh: RUN=$RUN exists and was not made by gpu.sh; point RUN at a new folder" >&2
+    exit 2
+fi
+mkdir -p "$RUN" && touch "$RUN/.gpu-sh-scratch"
 
 g() { "$PY" -m gpt2lab "$@"; }
 

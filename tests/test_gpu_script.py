@@ -88,3 +88,15 @@ def test_ladder_records_an_out_of_memory_rung_and_goes_on(monkeypatch, capsys):
     assert [r["rung"] for r in res["rungs"]] == ["fp32", "tf32"]
     assert res["rungs"][0]["oom"] is True and "ms_per_step" not in res["rungs"][0]
     assert 10 < res["rungs"][1]["loss"] < 12 and res["rungs"][1]["ms_per_step"] > 0
+
+
+def test_gpu_sh_never_works_in_a_folder_it_did_not_make(tmp_path):
+    """Its stages replace run directories under $RUN: a user's non-empty folder is refused, untouched."""
+    mine = tmp_path / "mine"
+    (mine / "run").mkdir(parents=True)
+    (mine / "run" / "keep.txt").write_text("mine")
+    e = dict(env(), GPU_SH_SMOKE="1", OUT=str(tmp_path / "out"), RUN=str(mine), PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "train"], env=e, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "was not made by gpu.sh" in proc.stderr
+    assert (mine / "run" / "keep.txt").read_text() == "mine" and sorted(p.name for p in mine.iterdir()) == ["run"]
