@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from gpt2lab import checkpoint
-from gpt2lab.model import GPT, GPTConfig
-from gpt2lab.optim import make_optimizer
+from gpt2lab.checkpoint import store as checkpoint
+from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.train.optim import make_optimizer
 
 
 class Counters:

@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from gpt2lab.benchmarks.ladder import SIZES, _gpt2lab_step
-from gpt2lab.dist import pick_device
+from gpt2lab.distributed.dist import pick_device
 
 
 def main() -> None:

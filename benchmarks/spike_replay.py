@@ -7,8 +7,8 @@ import json
 import math
 import sys
 
-from gpt2lab.config import TrainConfig
-from gpt2lab.spikes import LOG_NORM_STD_FLOOR, LOSS_STD_FLOOR, SpikeGuard, zscore
+from gpt2lab.train.config import TrainConfig
+from gpt2lab.train.spikes import LOG_NORM_STD_FLOOR, LOSS_STD_FLOOR, SpikeGuard, zscore
 
 d = TrainConfig()
 for path in sys.argv[1:]:

@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from gpt2lab.model import GPT, GPTConfig
+from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.weights import hf
 
 # Two deliberately different small shapes, so a transpose or head-split bug cannot hide
 # behind a square matrix or a single head.
@@ -52,7 +53,7 @@ def gpt2_vocab_export(tmp_path_factory) -> tuple[GPT, str]:
     """A tiny GPT with the real GPT-2 vocabulary, exported as an HF dir (for CLI tests)."""
     model = tiny_gpt(seed=3, vocab_size=50257, block_size=128)
     d = str(tmp_path_factory.mktemp("gpt2vocab") / "model")
-    model.save_pretrained(d)
+    hf.save_pretrained(model, d)
     return model, d
 
 

@@ -11,7 +11,7 @@ import pytest
 def running_server(models: list[str]) -> Iterator[str]:
     """Load ``models`` ([NAME=]MODEL, as on the command line) on CPU, serve them; yield the base URL."""
     pytest.importorskip("uvicorn", reason="gpt2lab serve needs the serve extra (fastapi, uvicorn)")
-    from gpt2lab.commands.serve import load_workers
+    from gpt2lab.serve.models import load_workers
     from gpt2lab.serve.api import serving_in_thread
 
     with serving_in_thread(load_workers(models, "cpu", "float32")) as url:

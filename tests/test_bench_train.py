@@ -8,7 +8,7 @@ import sys
 import torch
 
 from gpt2lab.benchmarks.train import ReferenceGPT
-from gpt2lab.model import GPT, GPTConfig
+from gpt2lab.model.gpt import GPT, GPTConfig
 from train_utils import cli_args, env, tiny_data  # noqa: F401 (fixture)
 
 

@@ -70,7 +70,7 @@ def test_playground_streams_each_models_text_into_its_column(browser, gpt2_vocab
 
 def test_report_card_opens_with_its_plot(browser, finished_run, tmp_path):
     pytest.importorskip("matplotlib")
-    from gpt2lab.report import write_report
+    from gpt2lab.observe.report import write_report
 
     out_html, _, rep = write_report(str(finished_run), str(tmp_path / "report.html"))
     page = browser.new_page()

@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gpt2lab import checkpoint as ckpt
-from gpt2lab.config import model_from_config
-from gpt2lab.model import GPT
-from gpt2lab.optim import make_optimizer
+from gpt2lab.checkpoint import store as ckpt
+from gpt2lab.train.config import model_from_config
+from gpt2lab.model.gpt import GPT
+from gpt2lab.train.optim import make_optimizer
 
 CFG = dict(block_size=16, vocab_size=50304, n_layer=2, n_head=2, n_embd=16)
 
@@ -93,7 +93,7 @@ def test_load_model_from_run_or_checkpoint_dir(tmp_path):
         loaded = ckpt.load_model(spec).eval()
         assert loaded.config.token_vocab_size == 50257  # padded rows are never sampled
         assert torch.equal(loaded(x)[0], model.eval()(x)[0])
-    from gpt2lab.load import load_model  # the spec every command accepts
+    from gpt2lab.weights.load import load_model  # the spec every command accepts
 
     assert torch.equal(load_model(str(tmp_path))(x)[0], model(x)[0])
 

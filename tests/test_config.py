@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from gpt2lab.config import (MODEL_KEYS, ConfigError, TrainConfig, add_config_flags, load_preset, overrides_from_args,
+from gpt2lab.train.config import (MODEL_KEYS, ConfigError, TrainConfig, add_config_flags, load_preset, overrides_from_args,
                             preset_names)
 
 REFERENCE = dict(total_batch_tokens=524288, micro_batch_size=64, seq_len=1024, max_lr=6e-4, min_lr=6e-5,
@@ -34,7 +34,7 @@ def test_gpt2_124m_is_the_reference_run():
         assert getattr(cfg.model if key in MODEL_KEYS else cfg, key) == value, key
     assert cfg.grad_accum_steps(8) == 1 and cfg.grad_accum_steps(1) == 8
     # on a bf16 GPU "auto" is the recipe's setting: bf16 autocast and torch.compile
-    from gpt2lab.runtime import Facts, resolve
+    from gpt2lab.system.runtime import Facts, resolve
 
     res = resolve("cuda", cfg.dtype, cfg.compile, facts=Facts("cuda", "NVIDIA H100", cuda_bf16=True))
     assert (res.dtype.value, res.compile.value) == ("bfloat16", True)

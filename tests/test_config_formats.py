@@ -18,10 +18,10 @@ import torch
 from safetensors.torch import load_file
 
 from gpt2lab import cli
-from gpt2lab.config import (ConfigError, TrainConfig, add_config_flags, load_preset, model_from_config,
+from gpt2lab.train.config import (ConfigError, TrainConfig, add_config_flags, load_preset, model_from_config,
                             overrides_from_args, tomllib)
-from gpt2lab.model import GPT, GPTConfig
-from gpt2lab.tokenizer import get_tokenizer
+from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.data.tokenizer import get_tokenizer
 
 V1_RUN = Path(__file__).parent / "data" / "v1_run"
 V1_CKPT = V1_RUN / "checkpoints" / "step_000003"
@@ -58,7 +58,7 @@ def test_fixture_is_in_the_old_flat_format():
 def test_old_run_samples_and_exports_like_its_weights(tmp_path, capsys):
     import transformers
 
-    from gpt2lab.load import load_model
+    from gpt2lab.weights.load import load_model
 
     ref = _by_hand()
     idx = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -169,7 +169,7 @@ def test_flat_flags_and_toml_keys_map_into_the_model():
 def test_preset_files_may_use_a_model_table(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from gpt2lab import config
+    from gpt2lab.train import config
 
     (tmp_path / "presets").mkdir()
     (tmp_path / "presets" / "flat.toml").write_text("n_layer = 2\nn_embd = 32\nn_head = 2\nmax_steps = 5\n")

@@ -11,7 +11,7 @@ import torch
 
 from gpt2lab.data import TokenLoader
 from gpt2lab.data.shards import write_shard
-from gpt2lab.tokenizer import EOT_ID
+from gpt2lab.data.tokenizer import EOT_ID
 
 T, B = 16, 4
 

@@ -15,7 +15,7 @@ from gpt2lab.data.prepare import prepare
 from gpt2lab.data.shards import ShardError
 from gpt2lab.data.shards import write_shard as real_write_shard
 from gpt2lab.data.sources import SourceError, resolve_source
-from gpt2lab.tokenizer import EOT_ID, asset_path, get_tokenizer
+from gpt2lab.data.tokenizer import EOT_ID, asset_path, get_tokenizer
 
 DOCS = [f"Document {i}: " + "the quick brown fox " * (i % 7) + "ünïcödé ✓ 漢字" * (i % 3)
         for i in range(40)]

@@ -7,7 +7,7 @@ import torch
 
 from gpt2lab.data import ShardError, TokenLoader
 from gpt2lab.data.shards import HEADER_BYTES, open_shard, write_shard
-from gpt2lab.tokenizer import EOT_ID
+from gpt2lab.data.tokenizer import EOT_ID
 
 
 def _tokens(n=200, seed=0):

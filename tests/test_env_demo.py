@@ -9,8 +9,8 @@ import pytest
 from conftest import run_gpt2lab
 from train_utils import env
 
-from gpt2lab import runtime
-from gpt2lab.config import load_preset
+from gpt2lab.system import runtime
+from gpt2lab.train.config import load_preset
 
 
 def test_env_prints_the_fields_a_bug_report_needs():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpt2lab.cli import main
-from gpt2lab.tokenizer import asset_path, get_tokenizer
+from gpt2lab.data.tokenizer import asset_path, get_tokenizer
 
 SLICE = os.path.join(os.path.dirname(__file__), "data", "hellaswag_val_200.jsonl")
 

@@ -13,11 +13,13 @@ from conftest import hf_gpt2, tiny_gpt
 from safetensors.torch import load_file
 from train_utils import TINY, tiny_data  # noqa: F401  (tiny_data is a fixture)
 
-from gpt2lab import cli, hf
-from gpt2lab.config import load_preset
-from gpt2lab.dist import DistInfo
-from gpt2lab.init_from import InitFromError, adapt_config, sha256_file
-from gpt2lab.train import Trainer, train
+from gpt2lab import cli
+from gpt2lab.weights import hf
+from gpt2lab.train.config import load_preset
+from gpt2lab.distributed.dist import DistInfo
+from gpt2lab.train.init_from import InitFromError, adapt_config, sha256_file
+from gpt2lab.train.trainer import Trainer, train
+from gpt2lab.inference.generate import generate
 
 CPU = torch.device("cpu")
 NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -135,11 +137,11 @@ def test_dropout_trains_stochastically_but_evaluates_like_none(tmp_path):
     drop.eval()
     assert torch.equal(drop(x)[0], plain(x)[0])
     g = [torch.Generator().manual_seed(0) for _ in range(2)]
-    assert torch.equal(drop.generate(x[:1, :4], 8, generator=g[0]), plain.generate(x[:1, :4], 8, generator=g[1]))
+    assert torch.equal(generate(drop, x[:1, :4], 8, generator=g[0]), generate(plain, x[:1, :4], 8, generator=g[1]))
     # exported: the HF config carries the rates, transformers reads them, and so do we
     import transformers
 
-    drop.save_pretrained(str(tmp_path / "exp"))
+    hf.save_pretrained(drop, str(tmp_path / "exp"))
     loaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "exp"))
     assert (loaded.config.embd_pdrop, loaded.config.attn_pdrop, loaded.config.resid_pdrop) == (0.1, 0.1, 0.1)
     back = hf.from_hf_dir(str(tmp_path / "exp"))
@@ -151,7 +153,7 @@ def test_dropout_trains_stochastically_but_evaluates_like_none(tmp_path):
 def test_lora_trains_only_adapters_and_merged_export_matches(hf_src, tiny_data, tmp_path):  # noqa: F811
     import transformers
 
-    from gpt2lab.load import load_model
+    from gpt2lab.weights.load import load_model
 
     # the fine-tuning preset (dropout 0.1) from the tiny HF directory, with tiny overrides
     cfg = adapt_config(_cfg(tiny_data, tmp_path / "lora", "finetune-shakespeare", init_from=hf_src[1], lora_rank=4,
@@ -176,7 +178,7 @@ def test_lora_trains_only_adapters_and_merged_export_matches(hf_src, tiny_data, 
         assert torch.equal(a, b), k
     moments = [[s["exp_avg"] for s in t.optimizer.state.values()] for t in (resumed, trainer)]
     assert len(moments[0]) == len(trainable) and all(map(torch.equal, *moments))
-    load_model(path).save_pretrained(str(tmp_path / "exp"))
+    hf.save_pretrained(load_model(path), str(tmp_path / "exp"))
     exported = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "exp")).eval()
     assert not any("lora" in k for k in exported.state_dict())
     x = torch.randint(0, 50257, (2, 24))
@@ -189,7 +191,7 @@ def test_lora_trains_only_adapters_and_merged_export_matches(hf_src, tiny_data, 
 def test_finetune_preset_lowers_held_out_loss(pretrained_run, tiny_data, tmp_path):  # noqa: F811
     """From the pre-trained run, the finetune-shakespeare preset (tiny overrides, through the
     CLI) lowers the loss on the held-out val split below the source's."""
-    from gpt2lab.checkpoint import load_model
+    from gpt2lab.checkpoint.store import load_model
     from gpt2lab.evals.loss import evaluate_loss
 
     out = tmp_path / "ft"

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from gpt2lab import GPT, GPTConfig
+from gpt2lab.inference.generate import generate
 
 pytestmark = [
     pytest.mark.gpu,
@@ -49,6 +50,6 @@ def test_compiled_equals_eager():
 def test_kv_cache_greedy_equals_no_cache_on_gpu():
     model = _model()
     idx = torch.randint(0, 50257, (3, 16), device="cuda")
-    a = model.generate(idx, 48, temperature=0, use_cache=True)
-    b = model.generate(idx, 48, temperature=0, use_cache=False)
+    a = generate(model, idx, 48, temperature=0, use_cache=True)
+    b = generate(model, idx, 48, temperature=0, use_cache=False)
     assert torch.equal(a, b)

@@ -47,7 +47,7 @@ def test_gpu_sh_smoke_memory_big(tmp_path):
     mem = json.loads((out / "memory.jsonl").read_text())
     assert mem["largest_micro_batch"] == 1 and [{k: t[k] for k in ("B", "fits", "peak_gib")} for t in mem["tries"]] \
         == [{"B": 1, "fits": True, "peak_gib": None}]
-    assert mem["tries"][0]["predicted_gib"] > 1.8  # gpt2lab.memplan: 124M's fp32 weights, grads, AdamW (16 B/param)
+    assert mem["tries"][0]["predicted_gib"] > 1.8  # gpt2lab.distributed.memplan: 124M's fp32 weights, grads, AdamW (16 B/param)
     big = [json.loads(x) for x in (out / "big.jsonl").read_text().splitlines()]
     assert [b["preset"] for b in big] == ["gpt2-350m", "gpt2-774m"] and all(b["tok_per_s_median"] > 0 for b in big)
 

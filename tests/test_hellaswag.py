@@ -11,8 +11,8 @@ import torch.multiprocessing as mp
 
 from gpt2lab.evals import hellaswag as hs
 from gpt2lab.evals.hellaswag import Example, evaluate_hellaswag, load_examples, score_examples
-from gpt2lab.model import GPT, GPTConfig
-from gpt2lab.tokenizer import get_tokenizer
+from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.data.tokenizer import get_tokenizer
 
 SLICE = os.path.join(os.path.dirname(__file__), "data", "hellaswag_val_200.jsonl")
 VOCAB = 50257
@@ -70,7 +70,7 @@ def real_examples_ref(hf_ref):
 
 @pytest.mark.parametrize("strategy, n", [("padded", 100), ("shared", 100)])
 def test_agrees_with_transformers_loop_on_real_examples(hf_ref, real_examples_ref, strategy, n):
-    from gpt2lab.load import load_model
+    from gpt2lab.weights.load import load_model
 
     examples, ref = real_examples_ref[0][:n], real_examples_ref[1][:n]
     ours = score_examples(load_model(hf_ref[1]), examples, device="cpu", batch_size=16, strategy=strategy)
@@ -128,7 +128,7 @@ def test_hand_built_example_known_from_logits(tmp_path, strategy):
 def _rank_main(rank: int, world: int, store: str, model_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from gpt2lab.load import load_model
+    from gpt2lab.weights.load import load_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -142,7 +142,7 @@ def _rank_main(rank: int, world: int, store: str, model_dir: str, out_dir: str) 
 
 
 def test_two_gloo_ranks_equal_one_process(hf_ref, tmp_path):
-    from gpt2lab.load import load_model
+    from gpt2lab.weights.load import load_model
 
     _, d = hf_ref
     single = evaluate_hellaswag(load_model(d), SLICE, device="cpu", batch_size=4, limit=30)
@@ -156,7 +156,7 @@ def test_two_gloo_ranks_equal_one_process(hf_ref, tmp_path):
 def test_shared_passes_and_one_token_endings_agree_with_transformers(hf_ref, real_examples_ref):
     """Nine examples with one context: 'shared' splits their 36 ending rows into passes
     of similar length; one example has only one-token endings (no ending pass at all)."""
-    from gpt2lab.load import load_model
+    from gpt2lab.weights.load import load_model
 
     model, d = hf_ref
     real = real_examples_ref[0]
@@ -198,7 +198,7 @@ def test_auto_strategy():
 
 
 def test_compiled_and_eager_same_predictions(hf_ref):
-    from gpt2lab.load import load_model
+    from gpt2lab.weights.load import load_model
 
     _, d = hf_ref
     model = load_model(d)
@@ -211,7 +211,7 @@ def test_compiled_and_eager_same_predictions(hf_ref):
 
 
 def test_bfloat16_autocast_close_to_float32(hf_ref):
-    from gpt2lab.load import load_model
+    from gpt2lab.weights.load import load_model
 
     _, d = hf_ref
     model = load_model(d)

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from conftest import TINY_SHAPES, run_gpt2lab, tiny_gpt
-from gpt2lab import GPT, hf
-from gpt2lab.load import is_hf_dir, load_model
+from gpt2lab import GPT
+from gpt2lab.weights import hf
+from gpt2lab.weights.load import is_hf_dir, load_model
 
 
 def _max_diff(ours: GPT, theirs, idx: torch.Tensor, vocab: int | None = None) -> float:
@@ -23,7 +24,7 @@ def _max_diff(ours: GPT, theirs, idx: torch.Tensor, vocab: int | None = None) ->
 @pytest.mark.parametrize("i", range(len(TINY_SHAPES)))
 def test_from_pretrained_dir_matches_transformers(hf_dirs, i):
     theirs, d = hf_dirs[i]
-    ours = GPT.from_pretrained(d)
+    ours = hf.from_pretrained(d)
     c = theirs.config
     assert (ours.config.n_layer, ours.config.n_head, ours.config.n_embd) == (c.n_layer, c.n_head, c.n_embd)
     assert ours.lm_head.weight is ours.transformer.wte.weight
@@ -53,7 +54,7 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path, shape):
     import transformers
 
     ours = tiny_gpt(seed=5, **shape)
-    ours.save_pretrained(str(tmp_path / "out"))
+    hf.save_pretrained(ours, str(tmp_path / "out"))
     theirs, info = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "out"), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     idx = torch.randint(0, shape["vocab_size"], (2, shape["block_size"]))
@@ -65,7 +66,7 @@ def test_reverse_round_trip_is_exact(hf_dirs, tmp_path):
     from safetensors.torch import load_file
 
     theirs, d = hf_dirs[0]
-    GPT.from_pretrained(d).save_pretrained(str(tmp_path / "again"))
+    hf.save_pretrained(hf.from_pretrained(d), str(tmp_path / "again"))
     before, after = load_file(os.path.join(d, "model.safetensors")), load_file(str(tmp_path / "again/model.safetensors"))
     assert sorted(before) == sorted(after)
     for k in before:
@@ -77,7 +78,7 @@ def test_padded_vocab_export_trims_to_50257(tmp_path):
 
     ours = tiny_gpt(seed=1, vocab_size=50304, token_vocab_size=50257, n_embd=32)
     out = str(tmp_path / "padded")
-    ours.save_pretrained(out)
+    hf.save_pretrained(ours, out)
     cfg = json.loads(open(os.path.join(out, "config.json")).read())
     assert cfg["vocab_size"] == 50257 and cfg["architectures"] == ["GPT2LMHeadModel"]
     assert cfg["activation_function"] == "gelu_new" and cfg["tie_word_embeddings"] is True
@@ -86,7 +87,7 @@ def test_padded_vocab_export_trims_to_50257(tmp_path):
     assert theirs.transformer.wte.weight.shape == (50257, 32)
     idx = torch.randint(0, 50257, (2, 24))
     assert _max_diff(ours, theirs, idx, vocab=50257) <= 1e-4
-    back = GPT.from_pretrained(out)
+    back = hf.from_pretrained(out)
     assert back.config.vocab_size == 50257
 
 
@@ -104,9 +105,9 @@ def test_export_has_tokenizer_files_autotokenizer_loads(gpt2_vocab_export):
 
 def test_save_pretrained_replaces_an_earlier_export_and_leaves_no_temp(tmp_path):
     out = tmp_path / "exp"
-    tiny_gpt(seed=0).save_pretrained(str(out))
+    hf.save_pretrained(tiny_gpt(seed=0), str(out))
     first = (out / "model.safetensors").read_bytes()
-    tiny_gpt(seed=1).save_pretrained(str(out))  # an earlier export (it has the marker): replaced
+    hf.save_pretrained(tiny_gpt(seed=1), str(out))  # an earlier export (it has the marker): replaced
     assert (out / "model.safetensors").read_bytes() != first
     assert sorted(os.listdir(tmp_path)) == ["exp"]
     assert oct(os.stat(out).st_mode & 0o777) != oct(0o700)  # umask permissions, not mkdtemp's
@@ -143,7 +144,7 @@ def test_from_hub_offline_gives_clear_error(tmp_path, monkeypatch):
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf_home" / "hub"))
     with pytest.raises(hf.WeightsError, match="openai-community/gpt2.*offline.*local directory"):
-        GPT.from_pretrained("gpt2")
+        hf.from_pretrained("gpt2")
     cli = run_gpt2lab("sample", "--model", "gpt2-medium", env=env, timeout=60)
     assert cli.returncode != 0
     assert "--model gpt2-medium" in cli.stderr and "local directory" in cli.stderr

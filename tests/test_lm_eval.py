@@ -41,7 +41,7 @@ metric_list:
 """
 
 UTILS = '''
-from gpt2lab.tokenizer import get_tokenizer
+from gpt2lab.data.tokenizer import get_tokenizer
 
 
 def process_results(doc, results):
@@ -58,7 +58,8 @@ def test_lm_eval_matches_gpt2lab_on_hellaswag_slice(tmp_path, monkeypatch):
     from lm_eval.tasks import TaskManager
 
     from gpt2lab.evals.hellaswag import evaluate_hellaswag, load_examples
-    from gpt2lab.model import GPT, GPTConfig
+    from gpt2lab.model.gpt import GPT, GPTConfig
+    from gpt2lab.weights import hf
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -67,7 +68,7 @@ def test_lm_eval_matches_gpt2lab_on_hellaswag_slice(tmp_path, monkeypatch):
     with torch.no_grad():
         model.transformer.wte.weight.mul_(25)  # logits far from uniform: no near-ties
     export = str(tmp_path / "export")
-    model.save_pretrained(export)
+    hf.save_pretrained(model, export)
     data = tmp_path / "slice.jsonl"
     data.write_text("".join(open(SLICE, encoding="utf-8").readlines()[:N]))
     tasks = tmp_path / "tasks"

@@ -1,4 +1,4 @@
-"""The memory planner (gpt2lab.memplan) and `gpt2lab bench memory`: hand-derived byte counts,
+"""The memory planner (gpt2lab.distributed.memplan) and `gpt2lab bench memory`: hand-derived byte counts,
 the saved tensors of a real Block, the profiler's record of a real CPU step, the plan, the
 presets' stated assumptions."""
 from __future__ import annotations
@@ -10,11 +10,12 @@ from importlib import resources
 import pytest
 import torch
 
-from gpt2lab import cli, memplan
+from gpt2lab import cli
+from gpt2lab.distributed import memplan
 from gpt2lab.benchmarks.memory import model_config
-from gpt2lab.config import load_preset
-from gpt2lab.model import GPT, Block, GPTConfig
-from gpt2lab.parallel import choose_strategy
+from gpt2lab.train.config import load_preset
+from gpt2lab.model.gpt import GPT, Block, GPTConfig
+from gpt2lab.distributed.parallel import choose_strategy
 
 N_124M = 124_475_904  # GPT-2 124M with the vocab padded to 50304 (nanoGPT's printed count)
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import tiny_gpt
-from gpt2lab.model import GPT, GPTConfig
+from gpt2lab.model.gpt import GPT, GPTConfig
 
 
 def _meta_gpt(**cfg) -> GPT:

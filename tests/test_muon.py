@@ -8,11 +8,12 @@ import copy
 import pytest
 import torch
 
-from gpt2lab import runtime
-from gpt2lab.config import ConfigError, load_preset
-from gpt2lab.model import GPT, GPTConfig
-from gpt2lab.optim import Muon, Optimizers, lr_at, make_muon, muon_split, orthogonalize, scheduled_lr, set_lrs
-from gpt2lab.runtime import Facts, Probe, choose_ns_dtype
+from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.system import runtime
+from gpt2lab.system.runtime import Facts, Probe, choose_ns_dtype
+from gpt2lab.train.config import ConfigError, load_preset
+from gpt2lab.train.optim import (Muon, Optimizers, lr_at, make_muon, muon_split, orthogonalize, scheduled_lr,
+                                 set_lrs)
 
 CPU = torch.device("cpu")
 
@@ -231,6 +232,6 @@ def test_fsdp_refusal_exits_2_from_the_cli(capsys):
 
 def test_sharded_parameters_are_refused_when_auto_chose_fsdp(monkeypatch):
     """--strategy auto may shard a big model; Muon then refuses before the first step."""
-    monkeypatch.setattr("gpt2lab.optim._is_dtensor", lambda p: True)
+    monkeypatch.setattr("gpt2lab.train.optim._is_dtensor", lambda p: True)
     with pytest.raises(ConfigError, match="the model is sharded .FSDP."):
         _make(_model(), _cfg())

@@ -19,13 +19,13 @@ import pytest
 import torch
 from train_utils import TINY, cli_args, env, tiny_data, train_cmd, train_losses  # noqa: F401
 
-from gpt2lab import checkpoint as ckpt
-from gpt2lab import files
+from gpt2lab.checkpoint import store as ckpt
+from gpt2lab.system import files
 from gpt2lab.cli import build_parser, main
-from gpt2lab.config import load_preset
-from gpt2lab.dist import DistInfo
-from gpt2lab.errors import EXIT_CODES, DiskFullError
-from gpt2lab.train import train
+from gpt2lab.train.config import load_preset
+from gpt2lab.distributed.dist import DistInfo
+from gpt2lab.system.errors import EXIT_CODES, DiskFullError
+from gpt2lab.train.trainer import train
 
 CPU = torch.device("cpu")
 
@@ -253,7 +253,7 @@ def test_ctrl_c_once_finishes_the_step_and_saves(tiny_data, tmp_path):
 
 
 def test_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(tiny_data, tmp_path, monkeypatch, capsys):
-    from gpt2lab.train import Trainer, _stop_on_signals
+    from gpt2lab.train.trainer import Trainer, _stop_on_signals
 
     trainer = Trainer(_cfg(tiny_data, tmp_path), DistInfo(device=CPU))
     trainer.step = 1
@@ -333,7 +333,7 @@ def _poison(src: str, dst: Path) -> None:
     """A copy of ``src`` whose tokens that epoch 0 reads at POISON_STEPS are random ids."""
     from gpt2lab.data.loader import TokenLoader
     from gpt2lab.data.shards import open_shard, write_shard
-    from gpt2lab.tokenizer import EOT_ID
+    from gpt2lab.data.tokenizer import EOT_ID
 
     shutil.copytree(src, dst)
     loader = TokenLoader(src, "train", TINY["micro_batch_size"], TINY["seq_len"], seed=TINY["seed"])

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from gpt2lab.config import load_preset
-from gpt2lab.model import GPT, GPTConfig
-from gpt2lab.optim import lr_at, make_optimizer, param_groups
+from gpt2lab.train.config import load_preset
+from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.train.optim import lr_at, make_optimizer, param_groups
 
 
 def _model() -> GPT:

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from conftest import tiny_gpt
-from gpt2lab.config import ConfigError, TrainConfig
-from gpt2lab.parallel import choose_strategy
-from gpt2lab.runtime import ChoiceError
+from gpt2lab.train.config import ConfigError, TrainConfig
+from gpt2lab.distributed.parallel import choose_strategy
+from gpt2lab.system.runtime import ChoiceError
+from gpt2lab.inference.generate import generate
 
 GiB = 2**30
 
@@ -104,7 +105,7 @@ def test_activation_checkpointing_is_off_outside_training():
     idx = torch.randint(0, 50257, (1, 8))
     with torch.no_grad():
         plain = model(idx)[0]  # eval mode (tiny_gpt): no checkpoint wrapper, no recompute
-        cached = model.generate(idx, 3, top_k=1)
+        cached = generate(model, idx, 3, top_k=1)
     assert calls["n"] == 1 + 3 and plain.shape == (1, 8, 50304) and cached.shape == (1, 11)
 
 
@@ -112,10 +113,11 @@ def test_auto_asks_the_planner_what_ddp_needs_on_a_gpu(monkeypatch):
     """--strategy auto on GPUs: DDP's per-rank memory comes from memplan.predict for this very run."""
     import torch
 
-    from gpt2lab import memplan, parallel
-    from gpt2lab.config import load_preset
-    from gpt2lab.dist import DistInfo
-    from gpt2lab.train import _resolve_strategy
+    from gpt2lab.distributed import memplan
+    from gpt2lab.distributed import parallel
+    from gpt2lab.train.config import load_preset
+    from gpt2lab.distributed.dist import DistInfo
+    from gpt2lab.train.trainer import _resolve_strategy
 
     cfg = load_preset("gpt2-1558m", data="unused", total_batch_tokens=1024 * 16 * 8)
     need = memplan.predict(cfg.model, strategy="ddp", world_size=8, micro_batch=16, seq_len=1024,

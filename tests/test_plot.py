@@ -7,7 +7,7 @@ import math
 import pytest
 
 from gpt2lab.cli import main
-from gpt2lab.plot import build_figure, detect_size, load_run, plot_runs
+from gpt2lab.observe.plot import build_figure, detect_size, load_run, plot_runs
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpt2lab import cli
-from gpt2lab.report import build_report, write_report
+from gpt2lab.observe.report import build_report, write_report
 
 pytest.importorskip("matplotlib", reason="the report's curves need matplotlib (plot extra)")
 HOUR_AGO = time.time() - 3600

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from gpt2lab import runtime
-from gpt2lab.runtime import ChoiceError, Facts, Probe, choose_compile, choose_dtype
+from gpt2lab.system import runtime
+from gpt2lab.system.runtime import ChoiceError, Facts, Probe, choose_compile, choose_dtype
 
 # Rates like the two CPUs in issue 9: an Intel Xeon without AVX512_BF16 (bf16 emulated)
 # and an AMD Zen 4 with it.

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt2lab import checkpoint as ckpt
-from gpt2lab.errors import CheckpointError
+from gpt2lab.checkpoint import store as ckpt
+from gpt2lab.system.errors import CheckpointError
 from test_train_dist import _wait_for
 from train_utils import cli_args, env, tiny_data, train_cmd, train_losses  # noqa: F401
 
@@ -124,9 +124,9 @@ def test_sharded_checkpoint_exports_with_transformers_logits(runs, tmp_path):
     import transformers
 
     from gpt2lab.cli import main
-    from gpt2lab.init_from import load_into
-    from gpt2lab.load import load_model
-    from gpt2lab.model import GPT
+    from gpt2lab.train.init_from import load_into
+    from gpt2lab.weights.load import load_model
+    from gpt2lab.model.gpt import GPT
 
     assert main(["export", str(runs["fsdp"]), str(tmp_path / "hf")]) == 0  # consolidated in this process
     theirs = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()

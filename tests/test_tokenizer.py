@@ -5,7 +5,8 @@ import shutil
 
 import pytest
 
-from gpt2lab import get_tokenizer, tokenizer
+from gpt2lab import get_tokenizer
+from gpt2lab.data import tokenizer
 
 
 def test_reference_ids_and_eot():

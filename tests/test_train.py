@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from train_utils import TINY, tiny_data  # noqa: F401  (tiny_data is a fixture)
 
-from gpt2lab.config import load_preset
-from gpt2lab.dist import DistInfo
-from gpt2lab.model import GPT, GPTConfig
-from gpt2lab.optim import make_optimizer
-from gpt2lab.train import Trainer, TrainingError, accumulate_gradients
+from gpt2lab.train.config import load_preset
+from gpt2lab.distributed.dist import DistInfo
+from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.train.optim import make_optimizer
+from gpt2lab.train.trainer import Trainer, TrainingError, accumulate_gradients
 
 CPU = torch.device("cpu")
 # The first 10 train losses of _trainer(...) below, recorded with torch 2.13 on CPU (fp32).
@@ -105,7 +105,7 @@ def test_bad_weights_never_overwrite_a_checkpoint(tiny_data, tmp_path):
     trainer.step = 2
     with pytest.raises(TrainingError, match="non-finite weights"):
         trainer.save()
-    from gpt2lab.checkpoint import find_latest
+    from gpt2lab.checkpoint.store import find_latest
 
     assert find_latest(str(tmp_path)) == good
 
@@ -128,9 +128,9 @@ def test_val_loss_equals_a_plain_loop(tiny_data, tmp_path):
 
 
 def test_fp16_scaler_survives_nan_steps_and_resume(tiny_data, tmp_path, monkeypatch):
-    import gpt2lab.train as train_mod
+    import gpt2lab.train.trainer as train_mod
 
-    from gpt2lab import runtime
+    from gpt2lab.system import runtime
 
     fp16 = runtime.Resolved(runtime.Choice("float16", "test"), runtime.Choice(False, "test"), runtime.Facts("cpu"))
     monkeypatch.setattr(train_mod, "_resolve_choices", lambda cfg, info: fp16)  # fp16 on CPU, test only
@@ -166,8 +166,8 @@ def test_run_logs_val_hellaswag_samples_tensorboard_and_plot(tiny_data, tmp_path
 
     from gpt2lab.evals.hellaswag import evaluate_hellaswag
     from gpt2lab.evals.loss import evaluate_loss
-    from gpt2lab.load import load_model
-    from gpt2lab.train import train
+    from gpt2lab.weights.load import load_model
+    from gpt2lab.train.trainer import train
 
     slice_ = str(Path(__file__).parent / "data" / "hellaswag_val_200.jsonl")
     out = tmp_path / "run"

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import gpt2lab.chunked_loss as model_mod
-from gpt2lab.model import GPT, GPTConfig
+import gpt2lab.model.loss as model_mod
+from gpt2lab.model.gpt import GPT, GPTConfig
 
 
 def _case(vocab=300, n=70, c=24, seed=0):
@@ -91,7 +91,7 @@ def test_unchunked_training_path_returns_the_same_loss_without_logits():
                                                     ("cpu", True, (True, True)), ("cpu", False, (False, True)),
                                                     ("mps", True, (True, True))])
 def test_loss_settings_by_device(device, compiled, expect):
-    from gpt2lab.train import loss_settings
+    from gpt2lab.train.trainer import loss_settings
 
     assert loss_settings(torch.device(device), compiled) == expect
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt2lab.config import load_preset
-from gpt2lab.dist import DistInfo
-from gpt2lab.metrics import MetricsLogger
+from gpt2lab.train.config import load_preset
+from gpt2lab.distributed.dist import DistInfo
+from gpt2lab.observe.metrics import MetricsLogger
 from train_utils import TINY
 
 
@@ -58,7 +58,7 @@ def offline(tmp_path, monkeypatch):
 
 
 def test_offline_run_files_hold_the_metrics_and_a_resume_continues_the_run(offline, tiny_data, tmp_path):
-    from gpt2lab.train import train
+    from gpt2lab.train.trainer import train
 
     out = tmp_path / "run"
     fields = {**TINY, "data": tiny_data, "out": str(out), "eval_interval": 2, "eval_tokens": 128,

@@ -1,26 +1,37 @@
 """gpt2lab: reproduce and train GPT-2-class language models.
 
-``GPT``, ``GPTConfig`` and ``get_tokenizer`` are imported on first use, so that
-``import gpt2lab`` (and commands that need no model, such as ``prepare``) do not pay
-for importing torch.
+The Python API: ``GPT`` and ``GPTConfig`` (the network), ``get_tokenizer`` (GPT-2 BPE),
+``from_pretrained`` (GPT-2 weights from the hub or an HF directory), ``save_pretrained``
+(write an HF directory) and ``generate`` (sample a continuation). Each is imported on first
+use, so that ``import gpt2lab`` (and commands that need no model, such as ``prepare``) do not
+pay for importing torch.
 """
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["GPT", "GPTConfig", "get_tokenizer", "__version__"]
+__all__ = ["GPT", "GPTConfig", "get_tokenizer", "from_pretrained", "save_pretrained", "generate", "__version__"]
+
+# public name -> the module that defines it
+_API = {
+    "GPT": "gpt2lab.model.gpt",
+    "GPTConfig": "gpt2lab.model.config",
+    "get_tokenizer": "gpt2lab.data.tokenizer",
+    "from_pretrained": "gpt2lab.weights.hf",
+    "save_pretrained": "gpt2lab.weights.hf",
+    "generate": "gpt2lab.inference.generate",
+}
 
 if TYPE_CHECKING:
-    from gpt2lab.model import GPT, GPTConfig
-    from gpt2lab.tokenizer import get_tokenizer
+    from gpt2lab.data.tokenizer import get_tokenizer
+    from gpt2lab.inference.generate import generate
+    from gpt2lab.model.config import GPTConfig
+    from gpt2lab.model.gpt import GPT
+    from gpt2lab.weights.hf import from_pretrained, save_pretrained
 
 
 def __getattr__(name: str):
-    if name in ("GPT", "GPTConfig"):
-        from gpt2lab import model
+    if name in _API:
+        import importlib
 
-        return getattr(model, name)
-    if name == "get_tokenizer":
-        from gpt2lab.tokenizer import get_tokenizer
-
-        return get_tokenizer
+        return getattr(importlib.import_module(_API[name]), name)
     raise AttributeError(f"module 'gpt2lab' has no attribute {name!r}")

@@ -2,7 +2,7 @@
 
 Each subcommand lives in ``gpt2lab/commands/<name>.py`` with ``add_parser(subparsers)``,
 which registers its flags and sets ``func(args) -> int`` as the parser default. Library
-code raises typed errors (gpt2lab.errors); ``main`` prints each as one line and exits
+code raises typed errors (gpt2lab.system.errors); ``main`` prints each as one line and exits
 with its documented code.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 from typing import Optional, Sequence
 
 from gpt2lab import __version__
-from gpt2lab.errors import (EXIT_CODES, EXIT_DISK_FULL, EXIT_ERROR, EXIT_INTERRUPTED, GPT2LabError,
+from gpt2lab.system.errors import (EXIT_CODES, EXIT_DISK_FULL, EXIT_ERROR, EXIT_INTERRUPTED, GPT2LabError,
                             disk_full, is_disk_full)
 
 COMMANDS = ["prepare", "train", "sample", "eval", "export", "plot", "bench", "demo", "env", "serve", "report"]

@@ -18,11 +18,11 @@ import torch
 from torch.nn import functional as F
 
 from gpt2lab.benchmarks import timed
-from gpt2lab.dist import DTYPES, autocast
+from gpt2lab.distributed.dist import DTYPES, autocast
 from gpt2lab.evals.hellaswag import DEFAULT_BATCH_SIZE, load_examples, render_example, resolve_strategy, score_examples
-from gpt2lab.model import GPT, GPTConfig
-from gpt2lab.runtime import inference_dtype
-from gpt2lab.tokenizer import get_tokenizer
+from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.system.runtime import inference_dtype
+from gpt2lab.data.tokenizer import get_tokenizer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

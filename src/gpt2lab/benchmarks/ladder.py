@@ -29,8 +29,8 @@ import torch
 
 from gpt2lab.benchmarks import timed
 from gpt2lab.benchmarks.train import ReferenceGPT
-from gpt2lab.dist import pick_device
-from gpt2lab.optim import make_optimizer
+from gpt2lab.distributed.dist import pick_device
+from gpt2lab.train.optim import make_optimizer
 
 RUNGS = ("fp32", "tf32", "bf16", "compile", "flash", "vocab50304", "fused_adamw")
 EXTRA = ("gpt2lab", "hf")
@@ -128,9 +128,9 @@ def _hf_step(shape, B: int, T: int, device: torch.device):
 
 
 def _gpt2lab_step(shape, B: int, T: int, device: torch.device, data: str):
-    from gpt2lab.config import load_preset
-    from gpt2lab.dist import DistInfo
-    from gpt2lab.train import Trainer
+    from gpt2lab.train.config import load_preset
+    from gpt2lab.distributed.dist import DistInfo
+    from gpt2lab.train.trainer import Trainer
 
     n_layer, n_head, n_embd = shape
     cfg = load_preset("gpt2-124m", data=data, n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=T,
@@ -141,7 +141,7 @@ def _gpt2lab_step(shape, B: int, T: int, device: torch.device, data: str):
 
 
 def _model_step(shape, B: int, T: int, device: torch.device, chunked: bool):
-    from gpt2lab.model import GPT, GPTConfig
+    from gpt2lab.model.gpt import GPT, GPTConfig
 
     n_layer, n_head, n_embd = shape
     torch.manual_seed(0)
@@ -172,7 +172,7 @@ def _free() -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from gpt2lab.config import PEAK_FLOPS
+    from gpt2lab.train.config import PEAK_FLOPS
 
     device = pick_device(args.device)
     shape, B, T = SIZES[args.size], args.batch_size, args.seq_len

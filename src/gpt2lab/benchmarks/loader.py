@@ -16,7 +16,7 @@ import numpy as np
 
 from gpt2lab.data import TokenLoader
 from gpt2lab.data.shards import shard_name, write_shard
-from gpt2lab.tokenizer import EOT_ID
+from gpt2lab.data.tokenizer import EOT_ID
 
 
 def add_arguments(parser) -> None:
@@ -54,7 +54,7 @@ def _rate(loader: TokenLoader, batches: int) -> Dict:
 def _model_step_s(batch_size: int, seq_len: int) -> float:
     import torch
 
-    from gpt2lab.model import GPT, GPTConfig
+    from gpt2lab.model.gpt import GPT, GPTConfig
 
     model = GPT(GPTConfig())
     x = torch.randint(0, 50257, (1, seq_len))

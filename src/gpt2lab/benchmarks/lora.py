@@ -14,8 +14,8 @@ import resource
 
 import torch
 
-from gpt2lab.model import GPT, GPTConfig
-from gpt2lab.optim import make_optimizer
+from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.train.optim import make_optimizer
 
 GIB = 2**30
 
@@ -35,7 +35,7 @@ def measure(args: argparse.Namespace, lora: bool) -> dict:
     with device:
         model = GPT(GPTConfig.preset(args.size, vocab_size=50304, token_vocab_size=50257))
     if lora:
-        from gpt2lab.lora import add_lora
+        from gpt2lab.model.lora import add_lora
 
         add_lora(model, args.rank, 2.0 * args.rank, args.targets)
     opt = make_optimizer(model, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device=device,

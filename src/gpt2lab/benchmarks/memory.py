@@ -2,7 +2,7 @@
 peak, the micro-batch a card fits, and the largest micro-batch that trains.
 
 Three modes:
-- ``--micro-batch B``: the planner's prediction (gpt2lab.memplan, term by term) for the
+- ``--micro-batch B``: the planner's prediction (gpt2lab.distributed.memplan, term by term) for the
   size, strategy, world size, dtype and activation checkpointing given, and, unless
   ``--measure false``, ``--steps`` training steps as ``gpt2lab train`` runs them (autocast,
   the chunked loss, fused AdamW, ``--accum`` micro-steps, clipping) on random tokens with
@@ -26,13 +26,13 @@ from typing import Optional
 
 import torch
 
-from gpt2lab import memplan
+from gpt2lab.distributed import memplan
 from gpt2lab.benchmarks import timed
-from gpt2lab.dist import pick_device
-from gpt2lab.errors import UsageError
-from gpt2lab.model import GPT, GPTConfig
-from gpt2lab.optim import make_optimizer
-from gpt2lab.train import accumulate_gradients, loss_settings
+from gpt2lab.distributed.dist import pick_device
+from gpt2lab.system.errors import UsageError
+from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.train.optim import make_optimizer
+from gpt2lab.train.trainer import accumulate_gradients, loss_settings
 
 MiB = 2 ** 20
 TINY = dict(n_layer=2, n_head=2, n_embd=64)  # for CPU measurements and tests
@@ -150,7 +150,7 @@ def measure_peaks(cfg: GPTConfig, args: argparse.Namespace) -> tuple[list[tuple]
     """(peak bytes over ``args.steps`` training steps, resident bytes before the model was
     built, peak tensor bytes or None, median seconds per step after the first) of each rank,
     and this rank."""
-    from gpt2lab.dist import cleanup, init_distributed
+    from gpt2lab.distributed.dist import cleanup, init_distributed
 
     info = init_distributed(args.device)
     try:
@@ -168,7 +168,7 @@ def measure_peaks(cfg: GPTConfig, args: argparse.Namespace) -> tuple[list[tuple]
 
 
 def _measure(cfg: GPTConfig, args: argparse.Namespace, info) -> tuple:
-    from gpt2lab.train import keep_freed_memory
+    from gpt2lab.train.trainer import keep_freed_memory
 
     baseline = _rss_bytes()
     if info.device.type == "cpu" and args.keep_cpu_memory == "true":
@@ -196,7 +196,7 @@ def _measure(cfg: GPTConfig, args: argparse.Namespace, info) -> tuple:
 def step(model: torch.nn.Module, raw: GPT, opt, x: torch.Tensor, args: argparse.Namespace,
          device: torch.device) -> None:
     """One optimizer step as the trainer takes it (micro-steps, clipping, AdamW)."""
-    from gpt2lab import parallel
+    from gpt2lab.distributed import parallel
 
     accumulate_gradients(model, lambda: (x, x), args.accum, device, args.dtype)
     parallel.clip_grad_norm(raw, 1.0)
@@ -205,9 +205,9 @@ def step(model: torch.nn.Module, raw: GPT, opt, x: torch.Tensor, args: argparse.
 
 
 def _build(cfg: GPTConfig, args: argparse.Namespace, info) -> tuple[torch.nn.Module, GPT, torch.optim.Optimizer]:
-    """The model as the trainer wraps it (gpt2lab.parallel), the GPT itself, and AdamW on its
+    """The model as the trainer wraps it (gpt2lab.distributed.parallel), the GPT itself, and AdamW on its
     (for FSDP: sharded) parameters."""
-    from gpt2lab import parallel
+    from gpt2lab.distributed import parallel
 
     torch.manual_seed(0)
     raw = GPT(cfg).to(info.device)

@@ -18,7 +18,7 @@ from typing import Dict, List, Tuple
 
 from gpt2lab.data.prepare import prepare
 from gpt2lab.data.sources import as_text, resolve_source
-from gpt2lab.tokenizer import get_tokenizer
+from gpt2lab.data.tokenizer import get_tokenizer
 
 WIKITEXT = Path(__file__).resolve().parents[3] / "benchmarks" / "data" / "wiki.test.raw"
 

@@ -15,10 +15,10 @@ import tempfile
 import torch
 
 from gpt2lab.benchmarks import timed
-from gpt2lab.dist import DTYPES, autocast, pick_device
-from gpt2lab.generate import generate
-from gpt2lab.model import GPT, GPTConfig
-from gpt2lab.runtime import inference_dtype
+from gpt2lab.distributed.dist import DTYPES, autocast, pick_device
+from gpt2lab.inference.generate import generate
+from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.system.runtime import inference_dtype
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,10 +44,12 @@ def _hf_model(model: GPT, device: torch.device):
     """transformers' GPT2LMHeadModel holding exactly ``model``'s weights (via an export)."""
     import transformers
 
+    from gpt2lab.weights import hf as hf_io
+
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as d:
-        model.save_pretrained(d)
+        hf_io.save_pretrained(model, d)
         return transformers.GPT2LMHeadModel.from_pretrained(d).to(device).eval()
 
 
@@ -85,7 +87,7 @@ def run(args: argparse.Namespace) -> dict:
 
     # Warm-up: first calls pay for allocator growth and library set-up.
     with torch.inference_mode():
-        model.generate(prompt, 4, temperature=0.0)
+        generate(model, prompt, 4, temperature=0.0)
     theirs()
     times: dict[str, list[float]] = {"cache": [], "cache_plain_layout": [], "transformers": [], "no_cache": []}
     for _ in range(args.repeats):

@@ -18,7 +18,8 @@ import urllib.request
 
 import torch
 
-from gpt2lab.model import GPT, GPTConfig
+from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.weights import hf
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,7 +72,7 @@ def _concurrent(url: str, streams: int, n: int) -> tuple[float, list[dict]]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from gpt2lab.commands.serve import load_workers
+    from gpt2lab.serve.models import load_workers
     from gpt2lab.serve.api import serving_in_thread
 
     if args.threads:
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> dict:
     config = GPTConfig(block_size=args.block_size, vocab_size=50257, n_layer=args.n_layer, n_head=args.n_head,
                        n_embd=args.n_embd)
     with tempfile.TemporaryDirectory() as d:
-        GPT(config).save_pretrained(d)
+        hf.save_pretrained(GPT(config), d)
         workers = load_workers([f"bench={d}"], args.device, args.dtype)
     n = args.new_tokens
     with serving_in_thread(workers) as url:

@@ -21,8 +21,8 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from gpt2lab.config import add_config_flags, load_preset, overrides_from_args
-from gpt2lab.dist import DistInfo, autocast, pick_device
+from gpt2lab.train.config import add_config_flags, load_preset, overrides_from_args
+from gpt2lab.distributed.dist import DistInfo, autocast, pick_device
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -115,7 +115,7 @@ def _worker(conn, name: str, cfg, device: str, opts: dict) -> None:
     """One side in its own process: build, warm up, then time ``steps`` steps per request."""
     try:
         from gpt2lab.data import TokenLoader
-        from gpt2lab.train import Trainer, keep_freed_memory
+        from gpt2lab.train.trainer import Trainer, keep_freed_memory
 
         device = torch.device(device)
         if device.type == "cpu":

@@ -1,9 +1,9 @@
 """Subcommands of the ``gpt2lab`` CLI (see cli.py)."""
 import sys
 
-# Autocast dtypes a command accepts ("auto" and the names gpt2lab.dist.DTYPES maps to torch
+# Autocast dtypes a command accepts ("auto" and the names gpt2lab.distributed.dist.DTYPES maps to torch
 # dtypes); config.py imports no torch, so building the parser stays cheap.
-from gpt2lab.config import DTYPE_CHOICES as DTYPE_NAMES
+from gpt2lab.system.choices import DTYPE_CHOICES as DTYPE_NAMES
 
 
 def add_inference_dtype_flag(p) -> None:

@@ -27,10 +27,10 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpt2lab.config import load_preset
+    from gpt2lab.train.config import load_preset
     from gpt2lab.data.prepare import prepare
-    from gpt2lab.dist import init_distributed
-    from gpt2lab.train import train
+    from gpt2lab.distributed.dist import init_distributed
+    from gpt2lab.train.trainer import train
 
     t0 = time.perf_counter()
     print(f"[demo] preparing Tiny Shakespeare into {args.data}", flush=True)
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
 
 def last_val_loss(run_dir: str):
     """The last validation loss in the run's metrics.jsonl (None if it logged none)."""
-    from gpt2lab.plot import read_metrics
+    from gpt2lab.observe.plot import read_metrics
 
     vals = [r["val_loss"] for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "val_loss" in r]
     return vals[-1] if vals else None
@@ -72,15 +72,16 @@ def _run_dtype(run_dir: str) -> str:
 def sample(run_dir: str, prompt: str, tokens: int, seed: int, dtype: str) -> str:
     import torch
 
-    from gpt2lab.checkpoint import load_model
-    from gpt2lab.dist import autocast
-    from gpt2lab.tokenizer import EOT_ID, get_tokenizer
+    from gpt2lab.checkpoint.store import load_model
+    from gpt2lab.distributed.dist import autocast
+    from gpt2lab.inference.generate import generate
+    from gpt2lab.data.tokenizer import EOT_ID, get_tokenizer
 
     enc, model = get_tokenizer(), load_model(run_dir).eval()
     idx = torch.tensor([enc.encode(prompt)])
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad(), autocast(torch.device("cpu"), dtype):
-        out = model.generate(idx, tokens, temperature=0.8, top_k=50, generator=gen, stop_token=EOT_ID)
+        out = generate(model, idx, tokens, temperature=0.8, top_k=50, generator=gen, stop_token=EOT_ID)
     return enc.decode([t for t in out[0].tolist() if t != EOT_ID])
 
 

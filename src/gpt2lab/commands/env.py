@@ -30,8 +30,9 @@ def add_parser(sub) -> None:
 def collect(device_name: str = "auto") -> dict:
     import torch
 
-    from gpt2lab import __version__, runtime
-    from gpt2lab.dist import pick_device
+    from gpt2lab import __version__
+    from gpt2lab.system import runtime
+    from gpt2lab.distributed.dist import pick_device
 
     device = pick_device(device_name)
     facts = runtime.detect(device, probe=False)

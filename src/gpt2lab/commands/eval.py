@@ -53,10 +53,10 @@ def _positive(value, flag: str) -> None:
 def run_hellaswag(args: argparse.Namespace) -> int:
     import torch
 
-    from gpt2lab.dist import cleanup, init_distributed, print0
+    from gpt2lab.distributed.dist import cleanup, init_distributed, print0
     from gpt2lab.evals.hellaswag import DEFAULT_BATCH_SIZE, evaluate_hellaswag
-    from gpt2lab.load import load_model
-    from gpt2lab.runtime import inference_dtype
+    from gpt2lab.weights.load import load_model
+    from gpt2lab.system.runtime import inference_dtype
 
     _positive(args.limit, "--limit")
     _positive(args.batch_size, "--batch-size")
@@ -80,9 +80,9 @@ def run_hellaswag(args: argparse.Namespace) -> int:
 
 
 def run_loss(args: argparse.Namespace) -> int:
-    from gpt2lab.dist import cleanup, init_distributed, print0
-    from gpt2lab.load import load_model
-    from gpt2lab.runtime import inference_dtype
+    from gpt2lab.distributed.dist import cleanup, init_distributed, print0
+    from gpt2lab.weights.load import load_model
+    from gpt2lab.system.runtime import inference_dtype
 
     try:
         from gpt2lab.evals.loss import evaluate_loss

@@ -15,7 +15,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        from gpt2lab.plot import plot_runs
+        from gpt2lab.observe.plot import plot_runs
     except ImportError as e:
         raise SystemExit(f"gpt2lab plot needs matplotlib ({e}); pip install 'gpt2lab[plot]'") from None
     out = args.out

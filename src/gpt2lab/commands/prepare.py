@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from gpt2lab.data.prepare import prepare
-    from gpt2lab.errors import GPT2LabError
+    from gpt2lab.system.errors import GPT2LabError
 
     try:
         manifest = prepare(args.source, args.out, shard_tokens=args.shard_tokens,

@@ -13,7 +13,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpt2lab.report import write_report
+    from gpt2lab.observe.report import write_report
 
     try:
         out_html, out_md, rep = write_report(args.run, args.out)

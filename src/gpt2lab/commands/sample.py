@@ -45,7 +45,7 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _prompt_ids(text: str, vocab: int) -> list[int]:
-    from gpt2lab.completion import PromptError, prompt_ids
+    from gpt2lab.inference.completion import PromptError, prompt_ids
 
     try:
         return prompt_ids(text, vocab)
@@ -54,9 +54,9 @@ def _prompt_ids(text: str, vocab: int) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpt2lab.completion import load_for_inference, seeded_generator
-    from gpt2lab.dist import autocast, pick_device
-    from gpt2lab.runtime import inference_dtype
+    from gpt2lab.inference.completion import load_for_inference, seeded_generator
+    from gpt2lab.distributed.dist import autocast, pick_device
+    from gpt2lab.system.runtime import inference_dtype
 
     _check(args)
     device = pick_device(args.device)
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _stream_one(model, ids: list[int], args: argparse.Namespace, generator: torch.Generator) -> None:
     """Print the prompt, then each token's text as it comes (completion.stream_text)."""
-    from gpt2lab.completion import Sampling, stream_text
+    from gpt2lab.inference.completion import Sampling, stream_text
 
     sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, stop_at_eot=args.stop_at_eot)

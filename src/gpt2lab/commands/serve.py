@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from gpt2lab.commands import add_inference_dtype_flag
+from gpt2lab.serve.models import load_workers, model_names
 
 
 def add_parser(sub) -> None:
@@ -18,33 +19,6 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
     add_inference_dtype_flag(p)
     p.set_defaults(func=run)
-
-
-def model_names(specs: list[str]) -> dict[str, str]:
-    """API model id -> model spec; ``NAME=MODEL`` names a model, else the spec is its id."""
-    out: dict[str, str] = {}
-    for spec in specs:
-        name, _, path = spec.partition("=") if "=" in spec else (spec, "", spec)
-        if not name or not path:
-            raise SystemExit(f"--model {spec}: expected MODEL or NAME=MODEL")
-        if name in out:
-            raise SystemExit(f"--model {spec}: the id {name!r} is given twice; name them apart with NAME=MODEL")
-        out[name] = path
-    return out
-
-
-def load_workers(specs: list[str], device_name: str, dtype: str) -> dict:
-    """One ModelWorker per ``--model``, loaded before the server binds (errors come first)."""
-    from gpt2lab.completion import load_for_inference
-    from gpt2lab.dist import pick_device
-    from gpt2lab.serve.engine import ModelWorker
-
-    from gpt2lab.runtime import inference_dtype
-
-    device = pick_device(device_name)
-    models = {name: load_for_inference(path, device) for name, path in model_names(specs).items()}
-    dtype = inference_dtype(device, dtype, "gpt2lab serve")
-    return {name: ModelWorker(name, model, device, dtype) for name, model in models.items()}
 
 
 def run(args: argparse.Namespace) -> int:

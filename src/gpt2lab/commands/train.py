@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from gpt2lab.config import (ConfigError, TrainConfig, add_config_flags, overrides_from_args, preset_names,
+from gpt2lab.train.config import (ConfigError, TrainConfig, add_config_flags, overrides_from_args, preset_names,
                             preset_values)
 
 
@@ -23,8 +23,8 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Errors (ConfigError, bad data, damaged checkpoint, full disk) reach cli.main as one line."""
-    from gpt2lab.dist import cleanup, init_distributed
-    from gpt2lab.train import Stopped, train
+    from gpt2lab.distributed.dist import cleanup, init_distributed
+    from gpt2lab.train.trainer import Stopped, train
 
     cfg = _config(args)
     info = init_distributed(None if cfg.device == "auto" else cfg.device)
@@ -49,7 +49,7 @@ def _config(args: argparse.Namespace) -> TrainConfig:
                           "--resume continues a run where it stopped; pass one of them")
     values = {**preset_values(args.preset), **overrides}
     if values.get("init_from") or args.resume:
-        from gpt2lab.init_from import ARCH_FIELDS, source_arch, started_from
+        from gpt2lab.train.init_from import ARCH_FIELDS, source_arch, started_from
 
         explicit = {k: v for k, v in overrides.items() if k in ARCH_FIELDS}
         # resuming a run that began from other weights: the architecture is its checkpoint's

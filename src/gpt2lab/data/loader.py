@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from gpt2lab.data.shards import PathLike, ShardError, check_vocab, list_shards, open_shard
-from gpt2lab.tokenizer import EOT_ID, GPT2_VOCAB_SIZE
+from gpt2lab.data.tokenizer import EOT_ID, GPT2_VOCAB_SIZE
 
 STATE_VERSION = 1
 

@@ -26,9 +26,9 @@ import numpy as np
 
 from gpt2lab.data.shards import ShardError, read_header, shard_name, write_shard
 from gpt2lab.data.sources import Document, Source, SourceError, as_text, resolve_source
-from gpt2lab.errors import UsageError
-from gpt2lab.files import sweep_stale, write_json
-from gpt2lab.tokenizer import EOT_ID, GPT2_VOCAB_SIZE, get_tokenizer
+from gpt2lab.system.errors import UsageError
+from gpt2lab.system.files import sweep_stale, write_json
+from gpt2lab.data.tokenizer import EOT_ID, GPT2_VOCAB_SIZE, get_tokenizer
 
 MANIFEST = "manifest.json"
 FORMAT = "gpt2lab-token-shards"

@@ -14,8 +14,8 @@ from typing import List, Union
 
 import numpy as np
 
-from gpt2lab.errors import DataError
-from gpt2lab.files import atomic_write
+from gpt2lab.system.errors import DataError
+from gpt2lab.system.files import atomic_write
 
 MAGIC = 20240520
 VERSION = 1

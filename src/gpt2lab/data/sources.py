@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, List, NamedTuple, Optional, Union
 
-from gpt2lab.errors import DataError
-from gpt2lab.tokenizer import asset_path
+from gpt2lab.system.errors import DataError
+from gpt2lab.data.tokenizer import asset_path
 
 HUB_ALIASES = {
     "fineweb-edu": "HuggingFaceFW/fineweb-edu",

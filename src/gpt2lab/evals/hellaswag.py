@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from gpt2lab.dist import all_reduce_sum, autocast
+from gpt2lab.distributed.dist import all_reduce_sum, autocast
 
 # The official validation file (10,042 examples). The repository may go away; the HF
 # dataset below is the second source.
@@ -322,7 +322,7 @@ def score_examples(model, examples: list[Example], *, device, dtype: str = "floa
                    batch_size: int = DEFAULT_BATCH_SIZE, strategy: str = "auto",
                    progress: bool = False) -> list[Score]:
     """Score every example, up to ``batch_size`` examples per forward; results in input order."""
-    from gpt2lab.tokenizer import get_tokenizer
+    from gpt2lab.data.tokenizer import get_tokenizer
 
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")

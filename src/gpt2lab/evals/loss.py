@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from gpt2lab.dist import all_reduce_mean, autocast
+from gpt2lab.distributed.dist import all_reduce_mean, autocast
 
 
 @torch.no_grad()

@@ -21,9 +21,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpt2lab.completion import PromptError, Sampling, check_ids
+from gpt2lab.inference.completion import PromptError, Sampling, check_ids
 from gpt2lab.serve.engine import Failed, Finish, Job, ModelWorker, Text, completion_events
-from gpt2lab.tokenizer import EOT_ID, get_tokenizer
+from gpt2lab.data.tokenizer import EOT_ID, get_tokenizer
 
 MAX_N = 16  # choices per request (per prompt)
 MAX_PROMPTS = 16

@@ -19,9 +19,9 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from gpt2lab.completion import Sampling, seeded_generator, stream_text
-from gpt2lab.dist import autocast
-from gpt2lab.model import GPT
+from gpt2lab.inference.completion import Sampling, seeded_generator, stream_text
+from gpt2lab.distributed.dist import autocast
+from gpt2lab.model.gpt import GPT
 
 
 @dataclass

@@ -16,10 +16,10 @@ import shutil
 
 import torch
 
-from gpt2lab.errors import DataError, UsageError
-from gpt2lab.files import atomic_dir, write_json
-from gpt2lab.model import GPT, GPTConfig
-from gpt2lab.tokenizer import EOT_ID, EOT_TOKEN, asset_path
+from gpt2lab.system.errors import DataError, UsageError
+from gpt2lab.system.files import atomic_dir, write_json
+from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.data.tokenizer import EOT_ID, EOT_TOKEN, asset_path
 
 # Weights HF keeps as Conv1D (in, out); nn.Linear wants (out, in).
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -186,6 +186,11 @@ def from_hf_dir(path: str) -> GPT:
         if os.path.isfile(os.path.join(path, name)):
             return load_files(config_path, os.path.join(path, name))
     raise WeightsError(f"{path}: no weights file (looked for {', '.join(WEIGHT_FILES)})")
+
+
+def from_pretrained(name_or_path: str) -> GPT:
+    """GPT-2 weights from a local HF directory, else from the hub (gpt2 ... gpt2-xl or owner/repo)."""
+    return from_hf_dir(name_or_path) if os.path.isdir(name_or_path) else from_hub(name_or_path)
 
 
 def _hub_offline() -> bool:

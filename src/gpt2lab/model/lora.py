@@ -10,8 +10,8 @@ peft is an optional extra (``pip install gpt2lab[lora]``), imported only here.
 """
 from __future__ import annotations
 
-from gpt2lab.config import ConfigError
-from gpt2lab.model import GPT
+from gpt2lab.system.errors import ConfigError
+from gpt2lab.model.gpt import GPT
 
 ADAPTER = "default"
 

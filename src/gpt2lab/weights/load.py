@@ -7,8 +7,8 @@ from typing import Optional
 
 import torch
 
-from gpt2lab.hf import WEIGHT_FILES
-from gpt2lab.model import GPT
+from gpt2lab.weights.hf import WEIGHT_FILES
+from gpt2lab.model.gpt import GPT
 
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
@@ -36,7 +36,7 @@ def load_model(spec: str, device: Optional[torch.device | str] = None) -> GPT:
     directory in HF layout, a gpt2lab run directory (newest checkpoint) or checkpoint dir.
     Anything else, or a source that cannot be read, exits with a message naming it.
     """
-    from gpt2lab.errors import CheckpointError
+    from gpt2lab.system.errors import CheckpointError
 
     try:
         model = _load(spec)
@@ -48,12 +48,12 @@ def load_model(spec: str, device: Optional[torch.device | str] = None) -> GPT:
 
 
 def _load(spec: str) -> GPT:
-    from gpt2lab import hf
+    from gpt2lab.weights import hf
 
     if os.path.isdir(spec):
         if is_hf_dir(spec):
             return hf.from_hf_dir(spec)
-        from gpt2lab import checkpoint
+        from gpt2lab.checkpoint import store as checkpoint
 
         return checkpoint.load_model(spec)
     if os.path.exists(spec):

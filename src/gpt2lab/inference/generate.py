@@ -11,7 +11,7 @@ from typing import Iterator, Optional
 import torch
 from torch.nn import functional as F
 
-from gpt2lab.model import GPT
+from gpt2lab.model.gpt import GPT
 
 
 def sample_next(
@@ -94,6 +94,7 @@ def generate_stream(
             return
 
 
+@torch.no_grad()
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
     """idx (B, T) followed by the generated tokens: (B, T + n), n <= max_new_tokens."""
     new = [tok[:, None] for tok, _ in generate_stream(model, idx, max_new_tokens, **kwargs)]

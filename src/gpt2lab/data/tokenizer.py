@@ -12,7 +12,7 @@ from importlib import resources
 import tiktoken
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
-from gpt2lab.model_config import GPT2_VOCAB_SIZE
+from gpt2lab.model.config import GPT2_VOCAB_SIZE
 
 EOT_TOKEN = "<|endoftext|>"
 EOT_ID = 50256

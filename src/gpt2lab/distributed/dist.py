@@ -13,6 +13,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from gpt2lab.system import choices
+
 
 def pick_device(name: Optional[str] = None) -> torch.device:
     """``name`` if given ('cpu', 'cuda', 'cuda:1', 'mps'), else the best available: cuda > mps > cpu."""
@@ -30,7 +32,7 @@ def pick_device(name: Optional[str] = None) -> torch.device:
     return torch.device("cpu")
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in choices.DTYPES}
 
 
 def autocast(device: torch.device, dtype: str | torch.dtype = "float32"):

@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from gpt2lab.config import COMPILE_CHOICES, DTYPE_CHOICES, NS_DTYPE_CHOICES, ConfigError
+from gpt2lab.system.choices import COMPILE_CHOICES, DTYPE_CHOICES, NS_DTYPE_CHOICES
+from gpt2lab.system.errors import ConfigError
 
 # x86 /proc/cpuinfo flags of native bf16 arithmetic (AVX512_BF16 dot products, AMX tiles)
 # and the aarch64 one (BF16 instructions, Armv8.6). Without one of them oneDNN converts bf16

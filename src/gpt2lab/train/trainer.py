@@ -20,17 +20,19 @@ import numpy as np
 import torch
 import torch.distributed as tdist
 
-from gpt2lab import checkpoint as ckpt
-from gpt2lab import parallel, runtime
-from gpt2lab.config import PEAK_FLOPS, ConfigError, TrainConfig, save_config
-from gpt2lab.dist import DistInfo, all_reduce_mean, autocast, decided_on_rank_0
-from gpt2lab.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, GPT2LabError, RunDiverged
-from gpt2lab.files import sweep_stale
-from gpt2lab.init_from import adapt_config, load_into
-from gpt2lab.metrics import MetricsLogger, run_info, write_json
-from gpt2lab.model import GPT
-from gpt2lab.optim import build_optimizer, parts, scheduled_lr, set_lrs
-from gpt2lab.spikes import SpikeGuard
+from gpt2lab.checkpoint import store as ckpt
+from gpt2lab.distributed import parallel
+from gpt2lab.system import runtime
+from gpt2lab.train.config import PEAK_FLOPS, ConfigError, TrainConfig, save_config
+from gpt2lab.distributed.dist import DistInfo, all_reduce_mean, autocast, decided_on_rank_0
+from gpt2lab.system.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, GPT2LabError, RunDiverged
+from gpt2lab.system.files import sweep_stale
+from gpt2lab.train.init_from import adapt_config, load_into
+from gpt2lab.observe.metrics import MetricsLogger, run_info, write_json
+from gpt2lab.model.gpt import GPT
+from gpt2lab.train.optim import build_optimizer, parts, scheduled_lr, set_lrs
+from gpt2lab.train.spikes import SpikeGuard
+from gpt2lab.inference.generate import generate
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -75,7 +77,7 @@ def accumulate_gradients(model: torch.nn.Module, next_batch: Callable[[], Batch]
 def loss_settings(device: torch.device, compiled: bool) -> tuple[bool, bool]:
     """(compile_loss, chunked_loss) for GPT: the chunked loss where chunked_loss.used_for says,
     its softmax kernel compiled when the model is."""
-    from gpt2lab.chunked_loss import used_for
+    from gpt2lab.model.loss import used_for
 
     return compiled, used_for(device.type, compiled)
 
@@ -106,7 +108,7 @@ class Trainer:
             self.init_source = load_into(self.raw, cfg.init_from)
             self.cfg = cfg = dataclasses.replace(cfg, init_from_id=self.init_source["id"])
         if cfg.lora_rank:  # before the optimizer: it gets the adapters' parameters only
-            from gpt2lab.lora import add_lora
+            from gpt2lab.model.lora import add_lora
 
             add_lora(self.raw, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
         self.raw.compile_loss, self.raw.chunked_loss = loss_settings(self.device, self.compile)
@@ -267,7 +269,7 @@ class Trainer:
     @torch.no_grad()
     def sample(self) -> str:
         """A continuation of the fixed prompt (uncompiled model: generation has varying shapes)."""
-        from gpt2lab.tokenizer import EOT_ID, get_tokenizer
+        from gpt2lab.data.tokenizer import EOT_ID, get_tokenizer
 
         enc = get_tokenizer()
         idx = torch.tensor([enc.encode(self.cfg.sample_prompt, allowed_special="all")], device=self.device)
@@ -275,7 +277,7 @@ class Trainer:
         self.raw.eval()
         # eager: under FSDP the blocks are compiled in place, and generation has varying shapes
         with autocast(self.device, self.dtype), torch.compiler.set_stance("force_eager"):
-            out = self.raw.generate(idx, self.cfg.sample_tokens, top_k=50, generator=gen, stop_token=EOT_ID)
+            out = generate(self.raw, idx, self.cfg.sample_tokens, top_k=50, generator=gen, stop_token=EOT_ID)
         self.raw.train()
         return enc.decode([t for t in out[0].tolist() if t != EOT_ID])
 
@@ -414,7 +416,7 @@ def _resolve_strategy(cfg: TrainConfig, info: DistInfo, dtype: str, accum: int, 
         device_bytes = parallel.device_bytes(info.device)
         ddp_bytes = None
         if device_bytes is not None and info.world_size > 1:  # a GPU's own memory: what DDP would need of it
-            from gpt2lab import memplan
+            from gpt2lab.distributed import memplan
 
             ddp_bytes = memplan.predict(cfg.model, strategy="ddp", world_size=info.world_size,
                                         micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len, dtype=dtype,
@@ -429,7 +431,7 @@ def _resolve_strategy(cfg: TrainConfig, info: DistInfo, dtype: str, accum: int, 
 
 def _plot(run_dir: str) -> None:
     try:
-        from gpt2lab.plot import plot_runs
+        from gpt2lab.observe.plot import plot_runs
     except ImportError:  # matplotlib (the plot extra) not installed: plots are optional
         return
     plot_runs([run_dir], os.path.join(run_dir, "plot.png"))

@@ -21,7 +21,7 @@ reduce-scatter, where autocast's cast-backward upcasts each one before DDP's all
 the same values, summed in a different order.
 
 ``choose_strategy`` decides ``--strategy auto`` as a pure function of the facts (like
-``gpt2lab.runtime.choose_dtype``); the rest are the few places where the trainer must treat
+``gpt2lab.system.runtime.choose_dtype``); the rest are the few places where the trainer must treat
 a sharded model differently: gradient sync during accumulation, the clipping norm, the
 finite-weights check and evaluation (``gathered``).
 """
@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gpt2lab.config import STRATEGY_CHOICES
-from gpt2lab.dist import DTYPES, agree
-from gpt2lab.runtime import Choice, ChoiceError
+from gpt2lab.system.choices import STRATEGY_CHOICES
+from gpt2lab.distributed.dist import DTYPES, agree
+from gpt2lab.system.runtime import Choice, ChoiceError
 
 
 
@@ -70,10 +70,10 @@ def choose_strategy(requested: str, *, world_size: int, device_type: str, dtype:
         return Choice("ddp", f"{world_size} processes; no memory prediction for this {device_type}, so DDP "
                              "(--strategy fsdp shards weights, gradients and AdamW state)")
     need, have = ddp_bytes / 2**30, device_bytes / 2**30
-    from gpt2lab.memplan import fits
+    from gpt2lab.distributed.memplan import fits
 
     if not fits(ddp_bytes, device_bytes):
-        return Choice("fsdp", f"DDP would need {need:.1f} GiB per rank (gpt2lab.memplan), more than "
+        return Choice("fsdp", f"DDP would need {need:.1f} GiB per rank (gpt2lab.distributed.memplan), more than "
                               f"the device's {have:.1f} GiB: sharded over {world_size} processes")
     return Choice("ddp", f"DDP needs {need:.1f} GiB per rank of the device's {have:.1f} GiB: it fits")
 

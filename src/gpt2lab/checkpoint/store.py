@@ -40,11 +40,14 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from gpt2lab import dist, parallel, sharded
-from gpt2lab.errors import CheckpointError
-from gpt2lab.files import atomic_dir, write_json
-from gpt2lab.config import ConfigError, model_from_config
-from gpt2lab.model import GPT
+from gpt2lab.distributed import dist
+from gpt2lab.distributed import parallel
+from gpt2lab.checkpoint import sharded
+from gpt2lab.system.errors import CheckpointError
+from gpt2lab.system.files import atomic_dir, write_json
+from gpt2lab.model.config import model_from_config
+from gpt2lab.system.errors import ConfigError
+from gpt2lab.model.gpt import GPT
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 _PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DDP wrappers
@@ -389,7 +392,7 @@ def load_model(path: str) -> GPT:
     except ConfigError as e:
         raise damaged(ckpt, f"config.json describes no valid model ({e})") from e
     if config.get("lora_rank"):
-        from gpt2lab.lora import add_lora, lora_args, merge_lora
+        from gpt2lab.model.lora import add_lora, lora_args, merge_lora
 
         adapted = add_lora(model, *lora_args(config))
         load_weights(model, ckpt, verified=True)

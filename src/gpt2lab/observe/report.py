@@ -19,8 +19,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from gpt2lab import plot
-from gpt2lab.config import ConfigError, nest_model
+from gpt2lab.observe import plot
+from gpt2lab.model.config import nest_model
+from gpt2lab.system.errors import ConfigError
 
 RUNNING_IF_WRITTEN_WITHIN_S = 600  # or 20 median steps, whichever is longer: evaluations pause the log
 EVENT_KEYS = ("skipped", "spike", "rollback")  # records that mark a step out of the ordinary
@@ -70,7 +71,7 @@ def read_records(run_dir: str) -> tuple[list[dict], bool]:
 
 def _checkpoints(run_dir: str) -> list[tuple[int, str, int]]:
     """(step, path, bytes) of each complete checkpoint, oldest first."""
-    from gpt2lab.checkpoint import list_checkpoints
+    from gpt2lab.checkpoint.store import list_checkpoints
 
     out = []
     for path in list_checkpoints(run_dir):

@@ -16,7 +16,7 @@ import shutil
 import warnings
 from typing import IO, Any, Iterator, Optional
 
-from gpt2lab.errors import disk_full, is_disk_full
+from gpt2lab.system.errors import disk_full, is_disk_full
 
 _TMP = re.compile(r"^\.tmp_(.+)_(\d+)$")
 

@@ -40,9 +40,13 @@ class GPT2LabError(Exception):
 
 
 class UsageError(GPT2LabError, ValueError):
-    """A setting that cannot work (config.ConfigError is one)."""
+    """A setting that cannot work (ConfigError is one)."""
 
     exit_code = EXIT_USAGE
+
+
+class ConfigError(UsageError):
+    """A setting (or a combination of settings) that cannot work; the message says what to change."""
 
 
 class DataError(GPT2LabError, ValueError):

@@ -17,12 +17,12 @@ from typing import Mapping, Optional
 
 import torch
 
-from gpt2lab import checkpoint as ckpt
-from gpt2lab import hf
-from gpt2lab.config import ConfigError, TrainConfig, model_from_config
-from gpt2lab.load import HUB_NAMES, is_hf_dir
-from gpt2lab.model import GPT, GPTConfig
-from gpt2lab.tokenizer import GPT2_VOCAB_SIZE
+from gpt2lab.checkpoint import store as ckpt
+from gpt2lab.weights import hf
+from gpt2lab.train.config import ConfigError, TrainConfig, model_from_config
+from gpt2lab.weights.load import HUB_NAMES, is_hf_dir
+from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.data.tokenizer import GPT2_VOCAB_SIZE
 
 # What the source decides: every field that sets a parameter shape, but the vocabulary (a run may pad it).
 ARCH_FIELDS = tuple(name for name in GPTConfig().shape() if name != "vocab_size")

@@ -1,4 +1,4 @@
-"""GPTConfig: the one definition of the architecture (re-exported by gpt2lab.model).
+"""GPTConfig: the one definition of the architecture (re-exported by gpt2lab.model.gpt).
 
 It lives apart from model.py only so that building the CLI (whose ``--n-layer``-style
 flags come from these fields) does not import torch. Each field's ``help`` becomes its
@@ -6,8 +6,10 @@ flag's help text; a field marked ``derived`` is set by the trainer, never by a f
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Optional
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
+
+from gpt2lab.system.errors import ConfigError
 
 # The GPT-2 BPE's vocabulary (tokenizer.py builds it; here, torch- and tiktoken-free, for config.py too).
 GPT2_VOCAB_SIZE = 50257
@@ -80,3 +82,63 @@ PRESETS = {
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
 }
 PRESET_ALIASES = {"124m": "gpt2", "350m": "gpt2-medium", "774m": "gpt2-large", "1558m": "gpt2-xl"}
+
+
+# -- the architecture in a run config (config.json, presets, flags) ------------------------
+# GPTConfig's fields: flat keys of a run config that belong in its "model" section.
+MODEL_KEYS = tuple(f.name for f in fields(GPTConfig))
+
+
+def nest_model(values: dict, source: str = "config") -> dict:
+    """A run config (dict) in the nested form: GPTConfig's fields in a "model" dict.
+
+    The one conversion from the flat form: flat keys (flags, presets' TOML keys, config.json
+    written before the architecture was nested) move into "model", winning over a "model"
+    key of the same name in the same dict (a flag overrides its preset's [model] table).
+    """
+    nested = values.get("model", {})
+    if not isinstance(nested, dict):
+        raise ConfigError(f"{source}: \"model\" must be a table of model fields ({', '.join(MODEL_KEYS)}), "
+                          f"got {nested!r}")
+    out = {k: v for k, v in values.items() if k not in MODEL_KEYS and k != "model"}
+    out["model"] = {**nested, **{k: values[k] for k in MODEL_KEYS if k in values}}
+    return out
+
+
+def gpt_config(values: dict, source: str) -> GPTConfig:
+    unknown = sorted(set(values) - set(MODEL_KEYS))
+    if unknown:
+        raise ConfigError(f"{source}: unknown model field(s) {', '.join(unknown)}; "
+                          f"known model fields: {', '.join(MODEL_KEYS)}")
+    hints = get_type_hints(GPTConfig)
+    for name, value in values.items():
+        tp, optional = field_type(hints[name])
+        ok = (value is None and optional) or (isinstance(value, (int, float) if tp is float else tp)
+                                               and not isinstance(value, bool))
+        if not ok:
+            raise ConfigError(f"{source}: {name} must be {'a whole number' if tp is int else 'a number'}, "
+                              f"got {value!r}")
+    try:
+        return GPTConfig(**values)
+    except ValueError as e:  # GPTConfig's own checks name the value
+        raise ConfigError(f"{source}: {e}") from e
+
+
+def model_from_config(values: dict, source: str = "config") -> GPTConfig:
+    """The architecture a run's or a checkpoint's config.json describes, nested or old flat form.
+
+    Other fields are not checked (a checkpoint's training settings do not matter for
+    sample, eval or export). Configs that predate token_vocab_size get the tokenizer's.
+    """
+    model = gpt_config(nest_model(values, source)["model"], source)
+    if model.token_vocab_size is None:
+        model = replace(model, token_vocab_size=min(GPT2_VOCAB_SIZE, model.vocab_size))
+    return model
+
+
+def field_type(tp: Any) -> tuple[Any, bool]:
+    """(base type, optional?) of a field annotation such as ``Optional[int]``."""
+    if get_origin(tp) is Union:
+        args = [a for a in get_args(tp) if a is not type(None)]
+        return args[0], True
+    return tp, False

@@ -12,8 +12,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from gpt2lab.model import GPT
-from gpt2lab.tokenizer import EOT_ID, get_tokenizer
+from gpt2lab.model.gpt import GPT
+from gpt2lab.data.tokenizer import EOT_ID, get_tokenizer
 
 
 class PromptError(ValueError):
@@ -32,7 +32,7 @@ class Sampling:
 
 def load_for_inference(spec: str, device: torch.device) -> GPT:
     """The model named by ``spec`` (see load.load_model), laid out for decoding on ``device``."""
-    from gpt2lab.load import load_model
+    from gpt2lab.weights.load import load_model
 
     model = load_model(spec, device)
     if device.type == "cpu":
@@ -68,7 +68,7 @@ def stream_text(model: GPT, ids: list[int], sampling: Sampling,
     complete (their token yields ''); the last item is (None, what was held back), and the
     EOT token itself yields nothing. Run it under the caller's autocast.
     """
-    from gpt2lab.generate import generate_stream
+    from gpt2lab.inference.generate import generate_stream
 
     enc = get_tokenizer()
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

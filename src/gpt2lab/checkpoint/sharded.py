@@ -20,8 +20,8 @@ from typing import Callable
 
 import torch
 
-from gpt2lab.dist import broadcast, gather, rank, world
-from gpt2lab.errors import CheckpointError
+from gpt2lab.distributed.dist import broadcast, gather, rank, world
+from gpt2lab.system.errors import CheckpointError
 
 METADATA = ".metadata"  # DCP's index file; its presence marks a sharded checkpoint
 TIED = "lm_head.weight"  # the same tensor as transformer.wte.weight: stored once, as wte

@@ -19,11 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from gpt2lab.chunked_loss import chunk_rows, used_for
-from gpt2lab.errors import UsageError
-from gpt2lab.model_config import GPTConfig
+from gpt2lab.model.loss import chunk_rows, used_for
+from gpt2lab.system.choices import STRATEGIES
+from gpt2lab.system.errors import UsageError
+from gpt2lab.model.config import GPTConfig
 
-STRATEGIES = ("ddp", "fsdp")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # What a rank holds besides tensors. CUDA: the context, cuBLAS workspaces and NCCL buffers,
 # none of which torch.cuda.max_memory_allocated counts (about 0.5 GiB of context on an H100
@@ -139,7 +139,7 @@ def phases(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_
     fp32, matmuls in ``dtype``). One process trains unwrapped whatever the strategy.
     DDP: fp32 weights, gradients and moments, DDP's buckets (one more fp32 copy of the
     gradients: ``gradient_as_bucket_view`` is off) and autocast's cached ``dtype`` copies
-    of the block weights through the forward. FSDP as gpt2lab.parallel shards it: fp32
+    of the block weights through the forward. FSDP as gpt2lab.distributed.parallel shards it: fp32
     master weights, gradients and moments split over ``world_size``; blocks gathered in
     ``dtype``, the root (wte = lm_head, wpe, ln_f) in fp32 and kept whole through forward
     and backward; one block computing and the next prefetched. Micro-steps before the last

@@ -13,9 +13,9 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from gpt2lab.chunked_loss import chunked_cross_entropy
+from gpt2lab.model.loss import chunked_cross_entropy
 # Defined torch-free (the CLI's flags come from its fields); this is its home for every caller.
-from gpt2lab.model_config import PRESET_ALIASES, PRESETS, GPTConfig  # noqa: F401
+from gpt2lab.model.config import PRESET_ALIASES, PRESETS, GPTConfig  # noqa: F401
 
 
 class KVCache:
@@ -216,21 +216,6 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
         return (logits if return_logits or targets is None else None), loss
 
-    @classmethod
-    def from_pretrained(cls, name_or_path: str) -> "GPT":
-        """GPT-2 weights from the Hugging Face hub (gpt2 ... gpt2-xl) or a local HF directory."""
-        import os
-
-        from gpt2lab import hf  # lazily: model.py does no I/O itself
-
-        return hf.from_hf_dir(name_or_path) if os.path.isdir(name_or_path) else hf.from_hub(name_or_path)
-
-    def save_pretrained(self, out_dir: str) -> None:
-        """Write an HF GPT-2 directory (see gpt2lab.hf.save_pretrained)."""
-        from gpt2lab import hf
-
-        hf.save_pretrained(self, out_dir)
-
     def use_decode_layout(self) -> "GPT":
         """Store the wide matrices (c_attn, c_fc, wte = lm_head) column-major; values unchanged.
 
@@ -252,21 +237,3 @@ class GPT(nn.Module):
         without position embeddings). The second term is attention's QK^T and AV."""
         c = self.config
         return 6 * self.num_params(non_embedding=True) + 12 * c.n_layer * c.n_embd * seq_len
-
-    @torch.no_grad()
-    def generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: Optional[int] = None,
-        top_p: Optional[float] = None,
-        generator: Optional[torch.Generator] = None,
-        stop_token: Optional[int] = None,
-        use_cache: bool = True,
-    ) -> torch.Tensor:
-        """Continue idx (B, T) by up to max_new_tokens; see gpt2lab.generate.generate."""
-        from gpt2lab.generate import generate
-
-        return generate(self, idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                        generator=generator, stop_token=stop_token, use_cache=use_cache)

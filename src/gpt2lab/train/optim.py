@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from gpt2lab.config import LR_SCHEDULES, NS_DTYPE_CHOICES, OPTIMIZERS, ConfigError  # noqa: F401
+from gpt2lab.system.choices import LR_SCHEDULES, NS_DTYPE_CHOICES, OPTIMIZERS  # noqa: F401
+from gpt2lab.system.errors import ConfigError
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

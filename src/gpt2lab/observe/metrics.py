@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from gpt2lab.runtime import cpu_name
+from gpt2lab.system.runtime import cpu_name
 
 
 class MetricsLogger:
@@ -45,7 +45,7 @@ class MetricsLogger:
         if tensorboard:
             self._tb = _tensorboard_writer(os.path.join(run_dir, "tensorboard"))
         if wandb_project:
-            from gpt2lab.wandb_log import WandbLogger
+            from gpt2lab.observe.wandb_log import WandbLogger
 
             self._wandb = WandbLogger(run_dir, wandb_project, wandb_run_name, config)
         if progress:
@@ -61,7 +61,7 @@ class MetricsLogger:
             self._fh.write(json.dumps(record) + "\n")
             self._fh.flush()
         except OSError as e:
-            from gpt2lab.errors import disk_full, is_disk_full
+            from gpt2lab.system.errors import disk_full, is_disk_full
 
             if is_disk_full(e):  # the cut line is dropped by the next run's truncate_after
                 raise disk_full(self.path, "free some space, then continue with --resume auto") from e
@@ -148,7 +148,7 @@ def truncate_after(path: str, start_step: int, keep: Optional[Callable[[dict], b
     if bad:
         warnings.warn(f"{path}: dropped {len(bad)} unreadable line(s) (line {', '.join(map(str, bad[:5]))}), "
                       "probably cut by a full disk or a killed run", stacklevel=2)
-    from gpt2lab.files import atomic_write
+    from gpt2lab.system.files import atomic_write
 
     with atomic_write(path) as fh:
         fh.writelines(kept)
@@ -196,6 +196,6 @@ def _git_sha() -> Optional[str]:
 
 
 def write_json(path: str, data: dict) -> None:
-    from gpt2lab.files import write_json as atomic_json
+    from gpt2lab.system.files import write_json as atomic_json
 
     atomic_json(path, data)

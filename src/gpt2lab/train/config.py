@@ -17,27 +17,19 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
-from gpt2lab.errors import UsageError
-from gpt2lab.model_config import GPT2_VOCAB_SIZE, GPTConfig
+from gpt2lab.model.config import (GPT2_VOCAB_SIZE, MODEL_KEYS, GPTConfig, field_type, gpt_config,  # noqa: F401
+                                  model_from_config, nest_model)
+from gpt2lab.system.choices import (COMPILE_CHOICES, DTYPE_CHOICES, LR_SCHEDULES, NS_DTYPE_CHOICES,  # noqa: F401
+                                    OPTIMIZERS, STRATEGY_CHOICES)
+from gpt2lab.system.errors import ConfigError, UsageError  # noqa: F401
 
 try:
     import tomllib  # Python >= 3.11
 except ModuleNotFoundError:  # Python 3.10: the same parser, packaged as tomli
     import tomli as tomllib
 
-# Autocast dtypes and compile settings a run accepts; "auto" is decided by gpt2lab.runtime.
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-COMPILE_CHOICES = ("auto", "true", "false")
-# How several processes share the model; "auto" is decided by gpt2lab.parallel.choose_strategy.
-STRATEGY_CHOICES = ("auto", "ddp", "fsdp")
-# Optimizers, LR schedules and Muon's Newton-Schulz dtypes (gpt2lab/optim.py; "auto": gpt2lab.runtime).
-OPTIMIZERS = ("adamw", "muon")
-LR_SCHEDULES = ("cosine", "wsd")
-NS_DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 # Layers --lora-targets may name (peft matches a module whose name ends with ".TARGET").
 LORA_TARGETS = ("c_attn", "c_proj", "c_fc", "attn.c_proj", "mlp.c_proj")
-# GPTConfig's fields: flat keys of a run config that belong in its "model" section.
-MODEL_KEYS = tuple(f.name for f in dataclasses.fields(GPTConfig))
 # Peak dense bf16/fp16 tensor FLOP/s by GPU name fragment (vendor datasheets), for MFU.
 PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
 
@@ -246,62 +238,11 @@ class TrainConfig:
         if unknown:
             raise ConfigError(f"{source}: unknown field(s) {', '.join(unknown)}; "
                               f"known fields: {', '.join(sorted(known | set(MODEL_KEYS)))}")
-        return cls(**{**values, "model": _gpt_config(values["model"], source)})
+        return cls(**{**values, "model": gpt_config(values["model"], source)})
 
     def with_model(self, **changes: Any) -> "TrainConfig":
         """This config with some architecture fields changed (validated like any other)."""
         return TrainConfig.from_dict({**self.to_dict(), **changes})
-
-
-def nest_model(values: dict, source: str = "config") -> dict:
-    """A run config (dict) in the nested form: GPTConfig's fields in a "model" dict.
-
-    The one conversion from the flat form: flat keys (flags, presets' TOML keys, config.json
-    written before the architecture was nested) move into "model", winning over a "model"
-    key of the same name in the same dict (a flag overrides its preset's [model] table).
-    """
-    nested = values.get("model", {})
-    if not isinstance(nested, dict):
-        raise ConfigError(f"{source}: \"model\" must be a table of model fields ({', '.join(MODEL_KEYS)}), "
-                          f"got {nested!r}")
-    out = {k: v for k, v in values.items() if k not in MODEL_KEYS and k != "model"}
-    out["model"] = {**nested, **{k: values[k] for k in MODEL_KEYS if k in values}}
-    return out
-
-
-def _gpt_config(values: dict, source: str) -> GPTConfig:
-    unknown = sorted(set(values) - set(MODEL_KEYS))
-    if unknown:
-        raise ConfigError(f"{source}: unknown model field(s) {', '.join(unknown)}; "
-                          f"known model fields: {', '.join(MODEL_KEYS)}")
-    hints = get_type_hints(GPTConfig)
-    for name, value in values.items():
-        tp, optional = _field_type(hints[name])
-        ok = (value is None and optional) or (isinstance(value, (int, float) if tp is float else tp)
-                                               and not isinstance(value, bool))
-        if not ok:
-            raise ConfigError(f"{source}: {name} must be {'a whole number' if tp is int else 'a number'}, "
-                              f"got {value!r}")
-    try:
-        return GPTConfig(**values)
-    except ValueError as e:  # GPTConfig's own checks name the value
-        raise ConfigError(f"{source}: {e}") from e
-
-
-def model_from_config(values: dict, source: str = "config") -> GPTConfig:
-    """The architecture a run's or a checkpoint's config.json describes, nested or old flat form.
-
-    Other fields are not checked (a checkpoint's training settings do not matter for
-    sample, eval or export). Configs that predate token_vocab_size get the tokenizer's.
-    """
-    model = _gpt_config(nest_model(values, source)["model"], source)
-    if model.token_vocab_size is None:
-        model = dataclasses.replace(model, token_vocab_size=min(GPT2_VOCAB_SIZE, model.vocab_size))
-    return model
-
-
-class ConfigError(UsageError):
-    """A setting (or a combination of settings) that cannot work; the message says what to change."""
 
 
 # -- presets ----------------------------------------------------------------------------
@@ -337,14 +278,6 @@ def load_preset(name: str, **overrides: Any) -> TrainConfig:
 
 
 # -- command line -----------------------------------------------------------------------
-def _field_type(tp: Any) -> tuple[Any, bool]:
-    """(base type, optional?) of a field annotation such as ``Optional[int]``."""
-    if get_origin(tp) is Union:
-        args = [a for a in get_args(tp) if a is not type(None)]
-        return args[0], True
-    return tp, False
-
-
 def parse_bool(text: str) -> bool:
     low = text.lower()
     if low in ("true", "1", "yes", "on"):
@@ -379,7 +312,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     of the overrides."""
     group = parser.add_argument_group("config fields (override the preset)")
     for f, hint, default in _flag_fields():
-        tp, optional = _field_type(hint)
+        tp, optional = field_type(hint)
         kwargs: dict = dict(dest=f.name, default=argparse.SUPPRESS, type=_converter(tp, optional),
                             help=f"{f.metadata['help']} (base default {default!r}; the preset may set it)")
         kwargs["metavar"] = {bool: "true|false", int: "N", float: "X"}.get(tp, "TEXT")
@@ -397,6 +330,6 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
 
 
 def save_config(cfg: TrainConfig, path: str) -> None:
-    from gpt2lab.files import write_json
+    from gpt2lab.system.files import write_json
 
     write_json(path, cfg.to_dict())

@@ -1,0 +1,28 @@
+"""The models a server holds: ``--model [NAME=]MODEL`` specs -> one ModelWorker per model."""
+from __future__ import annotations
+
+
+def model_names(specs: list[str]) -> dict[str, str]:
+    """API model id -> model spec; ``NAME=MODEL`` names a model, else the spec is its id."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, _, path = spec.partition("=") if "=" in spec else (spec, "", spec)
+        if not name or not path:
+            raise SystemExit(f"--model {spec}: expected MODEL or NAME=MODEL")
+        if name in out:
+            raise SystemExit(f"--model {spec}: the id {name!r} is given twice; name them apart with NAME=MODEL")
+        out[name] = path
+    return out
+
+
+def load_workers(specs: list[str], device_name: str, dtype: str) -> dict:
+    """One ModelWorker per ``--model``, loaded before the server binds (errors come first)."""
+    from gpt2lab.inference.completion import load_for_inference
+    from gpt2lab.distributed.dist import pick_device
+    from gpt2lab.serve.engine import ModelWorker
+    from gpt2lab.system.runtime import inference_dtype
+
+    device = pick_device(device_name)
+    models = {name: load_for_inference(path, device) for name, path in model_names(specs).items()}
+    dtype = inference_dtype(device, dtype, "gpt2lab serve")
+    return {name: ModelWorker(name, model, device, dtype) for name, model in models.items()}
