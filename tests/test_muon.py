@@ -235,3 +235,16 @@ def test_sharded_parameters_are_refused_when_auto_chose_fsdp(monkeypatch):
     monkeypatch.setattr("gpt2lab.train.optim._is_dtensor", lambda p: True)
     with pytest.raises(ConfigError, match="the model is sharded .FSDP."):
         _make(_model(), _cfg())
+
+
+def test_wiki_cpu_pair_differs_only_in_recipe_and_half_the_steps():
+    faithful, fast = load_preset("wiki-cpu"), load_preset("wiki-cpu-fast")
+    for key in ("n_layer", "n_embd", "n_head", "block_size"):
+        assert getattr(faithful.model, key) == getattr(fast.model, key)
+    assert (faithful.seq_len, faithful.total_batch_tokens) == (fast.seq_len, fast.total_batch_tokens)
+    assert fast.max_steps * 2 == faithful.max_steps
+    assert (faithful.optimizer, faithful.lr_schedule) == ("adamw", "cosine")
+    assert (fast.optimizer, fast.lr_schedule) == ("muon", "wsd")
+    assert faithful.model == load_preset("shakespeare-cpu", n_layer=4, n_head=4, n_embd=192).model  # GPT-2 block
+    fast124 = load_preset("gpt2-124m-fast")
+    assert fast124.optimizer == "muon" and fast124.total_batch_tokens == load_preset("gpt2-124m").total_batch_tokens
