@@ -28,7 +28,6 @@ ranks, and ``load_model`` consolidates it in one process for sample, eval and ex
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import random
@@ -44,7 +43,7 @@ from gpt2lab.distributed import dist
 from gpt2lab.distributed import parallel
 from gpt2lab.checkpoint import sharded
 from gpt2lab.system.errors import CheckpointError
-from gpt2lab.system.files import atomic_dir, write_json
+from gpt2lab.system.files import atomic_dir, sha256_file, write_json
 from gpt2lab.model.config import model_from_config
 from gpt2lab.system.errors import ConfigError
 from gpt2lab.model.gpt import GPT
@@ -139,7 +138,7 @@ def save(run_dir: str, step: int, parts: Mapping[str, Optional[Stateful]], confi
             save_file(clean_state_dict(model.state_dict()), os.path.join(tmp, "model.safetensors"))
             torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
             _write_rest(tmp, plain, config)
-            write_json(os.path.join(tmp, CHECKSUMS), {name: sha256(os.path.join(tmp, name)) for name in FILES})
+            write_json(os.path.join(tmp, CHECKSUMS), {name: sha256_file(os.path.join(tmp, name)) for name in FILES})
     if main and keep:
         for old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -184,7 +183,7 @@ def _save_sharded(final: str, model, optimizer, plain: Optional[dict], config: d
                 error = e
             if dist.agree(error is not None):
                 raise error or CheckpointError(f"checkpoint {final}: another rank failed to write it")
-            digests = sharded.digests(tmp, sha256)
+            digests = sharded.digests(tmp, sha256_file)
             if main:
                 write_json(os.path.join(tmp, CHECKSUMS), digests)
         done = True
@@ -192,14 +191,6 @@ def _save_sharded(final: str, model, optimizer, plain: Optional[dict], config: d
         failed = dist.agree(not done)  # reached by every rank: rank 0's rename is done or failed
     if failed:  # only ranks that did not raise themselves get here
         raise CheckpointError(f"checkpoint {final}: rank 0 could not complete it (see its error)")
-
-
-def sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def verify(ckpt: str, share: tuple[int, int] = (0, 1)) -> None:
@@ -220,7 +211,7 @@ def verify(ckpt: str, share: tuple[int, int] = (0, 1)) -> None:
         file = os.path.join(ckpt, name)
         if not os.path.isfile(file):
             raise damaged(ckpt, f"{name} is missing")
-        if i % share[1] == share[0] and sha256(file) != digest:
+        if i % share[1] == share[0] and sha256_file(file) != digest:
             raise damaged(ckpt, f"{name} does not match its checksum (its bytes changed after saving)")
 
 

@@ -74,14 +74,42 @@ class GPTConfig:
         return cls(**{**PRESETS[key], **overrides})
 
 
-# The four released GPT-2 sizes (Radford et al. 2019, table 2, as published on the hub).
-PRESETS = {
-    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
-    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
-    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
-    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
-}
-PRESET_ALIASES = {"124m": "gpt2", "350m": "gpt2-medium", "774m": "gpt2-large", "1558m": "gpt2-xl"}
+# -- the released GPT-2 sizes: the one table of their facts ------------------------------
+# 50257 padded to a multiple of 128: the vocabulary gpt2lab trains with (faster matmuls).
+PADDED_VOCAB_SIZE = 50304
+
+
+@dataclass(frozen=True)
+class Size:
+    """One released GPT-2 size (Radford et al. 2019, table 2, as published on the hub)."""
+
+    label: str        # "124M"
+    hub: str          # its name on the Hugging Face hub (openai-community/NAME)
+    n_layer: int
+    n_head: int
+    n_embd: int
+    params: int       # parameters: tied embeddings, vocab 50257, 1024 positions
+    hellaswag_gpt2: float  # HellaSwag acc_norm of OpenAI's GPT-2 of this size
+    hellaswag_gpt3: float  # and of GPT-3 at the same size (Brown et al. 2020)
+
+    @property
+    def shape(self) -> dict:
+        return dict(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd)
+
+
+SIZES = (
+    Size("124M", "gpt2", 12, 12, 768, 124_439_808, 0.2955, 0.337),
+    Size("350M", "gpt2-medium", 24, 16, 1024, 354_823_168, 0.375, 0.436),
+    Size("774M", "gpt2-large", 36, 20, 1280, 774_030_080, 0.432, 0.510),
+    Size("1558M", "gpt2-xl", 48, 25, 1600, 1_557_611_200, 0.489, 0.547),
+)
+HUB_NAMES = tuple(s.hub for s in SIZES)
+PRESETS = {s.hub: s.shape for s in SIZES}
+PRESET_ALIASES = {s.label.lower(): s.hub for s in SIZES}
+
+
+def size_named(label: str) -> Size:
+    return next(s for s in SIZES if s.label == label)
 
 
 # -- the architecture in a run config (config.json, presets, flags) ------------------------

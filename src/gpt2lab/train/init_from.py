@@ -9,7 +9,6 @@ naming it, raised before any training work.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -17,10 +16,12 @@ from typing import Mapping, Optional
 
 import torch
 
+from gpt2lab.system.files import sha256_file
 from gpt2lab.checkpoint import store as ckpt
 from gpt2lab.weights import hf
 from gpt2lab.train.config import ConfigError, TrainConfig, model_from_config
-from gpt2lab.weights.load import HUB_NAMES, is_hf_dir
+from gpt2lab.model.config import HUB_NAMES
+from gpt2lab.weights.load import is_hf_dir
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.data.tokenizer import GPT2_VOCAB_SIZE
 
@@ -218,11 +219,3 @@ def _copy_param(src: Source, name: str, p: torch.Tensor, w: torch.Tensor) -> Non
     else:
         raise src._fail(f"{name} has shape {tuple(w.shape)}, the run needs {tuple(p.shape)}; "
                         "let the architecture come from the source (drop --n-layer/--n-head/--n-embd)")
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()

@@ -16,6 +16,7 @@ import shutil
 
 import torch
 
+from gpt2lab.model.config import HUB_NAMES
 from gpt2lab.system.errors import DataError, UsageError
 from gpt2lab.system.files import atomic_dir, write_json
 from gpt2lab.model.gpt import GPT, GPTConfig
@@ -27,7 +28,7 @@ CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_
 MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 PDROP = ("embd_pdrop", "attn_pdrop", "resid_pdrop")  # GPTConfig and HF config.json share these names
-HUB_REPOS = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
+HUB_REPOS = {name: f"openai-community/{name}" for name in HUB_NAMES}
 # What an export writes; the marker file tells a directory gpt2lab exported (safe to replace) apart
 # from anything else, such as a run directory or a model fine-tuned in place.
 EXPORT_MARKER = "gpt2lab_export.json"
@@ -235,12 +236,8 @@ def _write_tokenizer(out: str, block_size: int) -> None:
     special = {"bos_token": EOT_TOKEN, "eos_token": EOT_TOKEN, "unk_token": EOT_TOKEN}
     tok_config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": block_size,
                   "add_prefix_space": False, **special}
-    _write_json(os.path.join(out, "tokenizer_config.json"), tok_config)
-    _write_json(os.path.join(out, "special_tokens_map.json"), special)
-
-
-def _write_json(path: str, obj: dict) -> None:
-    write_json(path, obj)
+    write_json(os.path.join(out, "tokenizer_config.json"), tok_config)
+    write_json(os.path.join(out, "special_tokens_map.json"), special)
 
 
 def save_pretrained(model: GPT, out_dir: str) -> None:
@@ -260,11 +257,11 @@ def save_pretrained(model: GPT, out_dir: str) -> None:
         sd = to_hf_state_dict(model)
         dtype = sd["transformer.wte.weight"].dtype
         save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        _write_json(os.path.join(tmp, "config.json"), config_to_hf(model.config, dtype))
+        write_json(os.path.join(tmp, "config.json"), config_to_hf(model.config, dtype))
         eot = EOT_ID if model.config.real_vocab_size > EOT_ID else None
-        _write_json(os.path.join(tmp, "generation_config.json"), {"bos_token_id": eot, "eos_token_id": eot})
+        write_json(os.path.join(tmp, "generation_config.json"), {"bos_token_id": eot, "eos_token_id": eot})
         _write_tokenizer(tmp, model.config.block_size)
-        _write_json(os.path.join(tmp, EXPORT_MARKER), {"format": "gpt2lab-hf-export", "version": 1,
+        write_json(os.path.join(tmp, EXPORT_MARKER), {"format": "gpt2lab-hf-export", "version": 1,
                                                        "files": list(EXPORT_FILES)})
 
 

@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 
 from train_utils import cli_args, env, run_train, tiny_data, train_cmd, train_losses  # noqa: F401
+from conftest import DATA
 
 
 # B=2, T=32: 256 tokens/step = 4 micro-steps on 1 process, 2 per rank on 2 processes. HellaSwag's 3
 # examples split 2 + 1 over two ranks (uneven work) and a sample is generated at the end.
 DIST_FIELDS = dict(total_batch_tokens=256, max_steps=4, eval_interval=2, eval_tokens=256, hellaswag_interval=4,
-                   hellaswag_data=str(Path(__file__).parent / "data" / "hellaswag_val_200.jsonl"),
+                   hellaswag_data=str(DATA / "hellaswag_val_200.jsonl"),
                    hellaswag_limit=3, sample_interval=4, sample_tokens=4)
 
 
