@@ -235,10 +235,10 @@ def _gpt_config(values: dict, source: str) -> GPTConfig:
     for name, value in values.items():
         tp, optional = _field_type(hints[name])
         ok = (value is None and optional) or (isinstance(value, (int, float) if tp is float else tp)
-                                               and not isinstance(value, bool))
+                                               and (tp is bool or not isinstance(value, bool)))
         if not ok:
-            raise ConfigError(f"{source}: {name} must be {'a whole number' if tp is int else 'a number'}, "
-                              f"got {value!r}")
+            kind = {int: "a whole number", float: "a number", bool: "true or false", str: "text"}[tp]
+            raise ConfigError(f"{source}: {name} must be {kind}, got {value!r}")
     try:
         return GPTConfig(**values)
     except ValueError as e:  # GPTConfig's own checks name the value
@@ -340,6 +340,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         kwargs: dict = dict(dest=f.name, default=argparse.SUPPRESS, type=_converter(tp, optional),
                             help=f"{f.metadata['help']} (base default {default!r}; the preset may set it)")
         kwargs["metavar"] = {bool: "true|false", int: "N", float: "X"}.get(tp, "TEXT")
+        if f.metadata.get("choices"):  # GPTConfig's text fields name their values
+            kwargs.update(choices=f.metadata["choices"], type=str.lower, metavar="|".join(f.metadata["choices"]))
         if f.name in ("dtype", "compile", "strategy"):
             choices = {"dtype": DTYPE_CHOICES, "compile": COMPILE_CHOICES, "strategy": STRATEGY_CHOICES}[f.name]
             kwargs.update(choices=choices, type=str.lower, metavar="|".join(choices))
