@@ -57,8 +57,9 @@ _DISK_FULL_NEXT = ("free some space (or lower --keep-checkpoints), then continue
 
 
 def clean_state_dict(state: dict) -> dict:
-    """Drop wrapper prefixes and the tied lm_head copy; contiguous tensors for safetensors."""
-    out = {}
+    """Drop wrapper prefixes and the tied lm_head copy (an untied head, its own tensor, stays);
+    contiguous tensors for safetensors."""
+    out, head = {}, None
     for key, value in state.items():
         changed = True
         while changed:
@@ -66,8 +67,13 @@ def clean_state_dict(state: dict) -> dict:
             for prefix in _PREFIXES:
                 if key.startswith(prefix):
                     key, changed = key[len(prefix):], True
-        if key != "lm_head.weight":
+        if key == "lm_head.weight":
+            head = value
+        else:
             out[key] = value.detach().contiguous()
+    wte = out.get("transformer.wte.weight")
+    if head is not None and not (wte is not None and head.data_ptr() == wte.data_ptr() and head.shape == wte.shape):
+        out["lm_head.weight"] = head.detach().contiguous()
     return out
 
 
@@ -326,7 +332,7 @@ def load_weights(model: torch.nn.Module, ckpt: str, verified: bool = False) -> N
     else:
         state = _read_full(ckpt)
         _check_shape(model, ckpt, {k: tuple(v.shape) for k, v in state.items()})
-    model.load_state_dict(state, strict=False)  # lm_head is tied to wte, restored with it
+    model.load_state_dict(state, strict=False)  # a tied lm_head is wte, restored with it
 
 
 def _read(ckpt: str, what: str, read):

@@ -15,9 +15,20 @@ from gpt2lab.system.errors import ConfigError
 GPT2_VOCAB_SIZE = 50257
 
 
-def _f(default: Any, help: str, derived: bool = False, shape: bool = False) -> Any:
-    # shape: the field sets parameter shapes (a checkpoint loads only into the same values)
-    return field(default=default, metadata={"help": help, "derived": derived, "shape": shape})
+def _f(default: Any, help: str, derived: bool = False, shape: bool = False, arch: Optional[bool] = None,
+       choices: tuple = ()) -> Any:
+    # shape: the field sets parameter shapes (a checkpoint loads only into the same values).
+    # arch: the field changes what the weights compute, so ``--init-from`` takes it from the
+    # source (every shape field, and the modern block's switches). choices: a text field's values.
+    return field(default=default, metadata={"help": help, "derived": derived, "shape": shape,
+                                            "arch": shape if arch is None else arch, "choices": choices})
+
+
+# The modern block's switches (issue 19; modded-nanogpt's speedrun record log measures each). Every
+# default is GPT-2's, so presets, checkpoints and the gpt2 logits = transformers test are unchanged.
+POS_EMB = ("learned", "rotary")
+NORMS = ("layernorm", "rmsnorm")
+MLP_ACTS = ("gelu", "relu2")
 
 
 @dataclass
@@ -38,6 +49,21 @@ class GPTConfig:
     embd_pdrop: float = _f(0.0, "dropout on the token + position embeddings (GPT-2 fine-tuning: 0.1)")
     attn_pdrop: float = _f(0.0, "dropout on the attention weights")
     resid_pdrop: float = _f(0.0, "dropout on each residual branch's output")
+    # The modern block (README "A modern block"): each off by default, any combination allowed.
+    pos_emb: str = _f("learned", "positions: learned (GPT-2's wpe table) or rotary (RoPE, Su et al. 2021: "
+                      "q and k rotated per position, no table)", shape=True, choices=POS_EMB)
+    rope_theta: float = _f(10000.0, "rotary base: pair i of a head turns at rope_theta^(-2i/head_size) "
+                           "radians per position", arch=True)
+    norm: str = _f("layernorm", "normalisation of every block input and of ln_f: layernorm (GPT-2) or "
+                   "rmsnorm (a gain, no bias, no mean)", shape=True, choices=NORMS)
+    qk_norm: bool = _f(False, "RMS-normalise each head's queries and keys (no gain) before attention", arch=True)
+    mlp_act: str = _f("gelu", "MLP activation: gelu (tanh approximation, GPT-2) or relu2 (relu(x)^2)",
+                      arch=True, choices=MLP_ACTS)
+    tie_embeddings: bool = _f(True, "lm_head shares wte's matrix (GPT-2); false: a separate output matrix",
+                              shape=True)
+    zero_init_proj: bool = _f(False, "initialise the attention and MLP output projections (c_proj) to zero, "
+                              "so every block starts as the identity")
+    logit_softcap: float = _f(0.0, "cap the logits smoothly at +-X: X * tanh(logits / X); 0 = off", arch=True)
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
@@ -52,10 +78,27 @@ class GPTConfig:
         for name in ("embd_pdrop", "attn_pdrop", "resid_pdrop"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} {getattr(self, name)} must be in [0, 1)")
+        for f in fields(self):
+            if f.metadata["choices"] and getattr(self, f.name) not in f.metadata["choices"]:
+                raise ValueError(f"{f.name} {getattr(self, f.name)!r} must be one of "
+                                 f"{', '.join(f.metadata['choices'])}")
+        if self.pos_emb == "rotary" and (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"rotary positions need an even head size; n_embd {self.n_embd} / n_head "
+                             f"{self.n_head} = {self.n_embd // self.n_head}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta {self.rope_theta} must be > 0")
+        if self.logit_softcap < 0:
+            raise ValueError(f"logit_softcap {self.logit_softcap} must be >= 0 (0 = off)")
 
     @property
     def real_vocab_size(self) -> int:
         return self.token_vocab_size or self.vocab_size
+
+    def modern(self) -> dict:
+        """The modern-block fields set away from GPT-2's defaults, by name."""
+        base = GPTConfig()
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name in MODERN_FIELDS and getattr(self, f.name) != getattr(base, f.name)}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -111,6 +154,9 @@ PRESET_ALIASES = {s.label.lower(): s.hub for s in SIZES}
 def size_named(label: str) -> Size:
     return next(s for s in SIZES if s.label == label)
 
+MODERN_FIELDS = ("pos_emb", "rope_theta", "norm", "qk_norm", "mlp_act", "tie_embeddings", "zero_init_proj",
+                 "logit_softcap")
+
 
 # -- the architecture in a run config (config.json, presets, flags) ------------------------
 # GPTConfig's fields: flat keys of a run config that belong in its "model" section.
@@ -142,10 +188,10 @@ def gpt_config(values: dict, source: str) -> GPTConfig:
     for name, value in values.items():
         tp, optional = field_type(hints[name])
         ok = (value is None and optional) or (isinstance(value, (int, float) if tp is float else tp)
-                                               and not isinstance(value, bool))
+                                               and (tp is bool or not isinstance(value, bool)))
         if not ok:
-            raise ConfigError(f"{source}: {name} must be {'a whole number' if tp is int else 'a number'}, "
-                              f"got {value!r}")
+            kind = {int: "a whole number", float: "a number", bool: "true or false", str: "text"}[tp]
+            raise ConfigError(f"{source}: {name} must be {kind}, got {value!r}")
     try:
         return GPTConfig(**values)
     except ValueError as e:  # GPTConfig's own checks name the value

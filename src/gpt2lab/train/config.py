@@ -274,6 +274,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         kwargs: dict = dict(dest=f.name, default=argparse.SUPPRESS, type=_converter(tp, optional),
                             help=f"{f.metadata['help']} (base default {default!r}; the preset may set it)")
         kwargs["metavar"] = {bool: "true|false", int: "N", float: "X"}.get(tp, "TEXT")
+        if f.metadata.get("choices"):  # GPTConfig's text fields name their values
+            kwargs.update(choices=f.metadata["choices"], type=str.lower, metavar="|".join(f.metadata["choices"]))
         if f.name in ("dtype", "compile", "strategy"):
             choices = {"dtype": DTYPE_CHOICES, "compile": COMPILE_CHOICES, "strategy": STRATEGY_CHOICES}[f.name]
             kwargs.update(choices=choices, type=str.lower, metavar="|".join(choices))
