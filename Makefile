@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install bench clean
+.PHONY: demo test test-fast install bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,8 +20,13 @@ demo: $(STAMP)
 
 # Two pytest workers of one thread each: most tests are single-threaded Python or launch their
 # own processes, so two workers keep two cores busy where one worker left one idle.
+# tests/unit (in-process, about a minute) and tests/e2e (subprocesses, torchrun, the demo).
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -x -n 2 --durations=15
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -x -n 2 --durations=15 tests/unit tests/e2e
+
+# The fast lane: the in-process tests only.
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -x -n 2 tests/unit
 
 clean:
 	rm -rf $(VENV) runs data build *.egg-info

@@ -4,12 +4,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.weights import hf
+
+TESTS = Path(__file__).resolve().parent  # shared helpers live here; unit/ and e2e/ hold the tests
+DATA = TESTS / "data"                    # small fixtures: HellaSwag slice, the v1 run, text slices
+ROOT = TESTS.parent                      # the repository
 
 # Two deliberately different small shapes, so a transpose or head-split bug cannot hide
 # behind a square matrix or a single head.

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import DATA, ROOT
 
 # A model small enough that a step takes milliseconds; the vocabulary stays GPT-2's (padded).
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, seq_len=32, micro_batch_size=2,
@@ -38,7 +39,7 @@ def cli_args(**fields) -> list[str]:
 
 def env() -> dict:
     e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = str(ROOT / "src")
     e["PYTHONPATH"] = src + os.pathsep + e.get("PYTHONPATH", "")
     return e
 
@@ -76,7 +77,7 @@ def finished_run(tiny_data, tmp_path_factory) -> Path:
     from gpt2lab import cli
 
     out = tmp_path_factory.mktemp("finished") / "run"
-    hellaswag = str(Path(__file__).parent / "data" / "hellaswag_val_200.jsonl")
+    hellaswag = str(DATA / "hellaswag_val_200.jsonl")
     argv = ["train", "--preset", "shakespeare-cpu", *cli_args(
         data=tiny_data, out=str(out), max_steps=4, eval_interval=2, eval_tokens=128, hellaswag_interval=4,
         hellaswag_data=hellaswag, hellaswag_limit=4, sample_interval=2, sample_tokens=6, ckpt_interval=2,

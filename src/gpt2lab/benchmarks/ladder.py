@@ -27,6 +27,7 @@ import statistics
 
 import torch
 
+from gpt2lab.model.config import SIZES as GPT2_SIZES
 from gpt2lab.benchmarks import timed
 from gpt2lab.benchmarks.train import ReferenceGPT
 from gpt2lab.distributed.dist import pick_device
@@ -35,7 +36,7 @@ from gpt2lab.train.optim import make_optimizer
 RUNGS = ("fp32", "tf32", "bf16", "compile", "flash", "vocab50304", "fused_adamw")
 EXTRA = ("gpt2lab", "hf")
 DIAGNOSTIC = ("model_chunked", "model_ce")
-SIZES = {"124M": (12, 12, 768), "350M": (24, 16, 1024), "tiny": (2, 2, 64)}
+SIZES = {**{s.label: (s.n_layer, s.n_head, s.n_embd) for s in GPT2_SIZES[:2]}, "tiny": (2, 2, 64)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -172,7 +173,7 @@ def _free() -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from gpt2lab.train.config import PEAK_FLOPS
+    from gpt2lab.system.hardware import peak_flops
 
     device = pick_device(args.device)
     shape, B, T = SIZES[args.size], args.batch_size, args.seq_len
@@ -184,7 +185,7 @@ def run(args: argparse.Namespace) -> dict:
     if "gpt2lab" in wanted and not args.data:
         raise SystemExit("--rungs gpt2lab needs --data DIR (token shards from gpt2lab prepare)")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    peak = args.peak_flops or next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    peak = args.peak_flops or peak_flops(name)
     measured = matmul_tflops(device)
     out = {"device": name, "torch": torch.__version__, "size": args.size, "B": B, "T": T,
            "bf16_matmul_tflops_measured": round(measured, 3), "peak_flops_datasheet": peak,

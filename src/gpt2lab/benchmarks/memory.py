@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from gpt2lab.model.config import GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE
 from gpt2lab.distributed import memplan
 from gpt2lab.benchmarks import timed
 from gpt2lab.distributed.dist import pick_device
@@ -71,8 +72,8 @@ def model_config(size: str, seq_len: int) -> GPTConfig:
     extra = TINY if size.lower() == "tiny" else {}
     try:
         if extra:
-            return GPTConfig(vocab_size=50304, token_vocab_size=50257, block_size=seq_len, **extra)
-        return GPTConfig.preset(size, vocab_size=50304, token_vocab_size=50257, block_size=seq_len)
+            return GPTConfig(vocab_size=PADDED_VOCAB_SIZE, token_vocab_size=GPT2_VOCAB_SIZE, block_size=seq_len, **extra)
+        return GPTConfig.preset(size, vocab_size=PADDED_VOCAB_SIZE, token_vocab_size=GPT2_VOCAB_SIZE, block_size=seq_len)
     except ValueError as e:
         raise UsageError(f"--size {size}: {e}") from None
 

@@ -38,6 +38,8 @@ def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tu
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(model, optimizer)
+    if not getattr(getattr(model, "config", None), "tie_embeddings", True):
+        return msd, osd, False  # an untied head (GPTConfig.tie_embeddings false) is a tensor of its own
     return msd, osd, msd.pop(TIED, None) is not None
 
 
@@ -120,7 +122,7 @@ def load_full(model: torch.nn.Module, optimizer: torch.optim.Optimizer, weights:
             if index in adam["state"]:
                 state[names[p]] = adam["state"][index]
         groups.append({**theirs, "params": [names[p] for p in ours["params"]]})
-    if WTE in weights:
+    if WTE in weights and TIED not in weights:  # tied: stored once, as wte
         weights = {**weights, TIED: weights[WTE]}
     adam = {"state": state, "param_groups": groups}
     set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=adam,

@@ -28,7 +28,6 @@ ranks, and ``load_model`` consolidates it in one process for sample, eval and ex
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import random
@@ -44,7 +43,7 @@ from gpt2lab.distributed import dist
 from gpt2lab.distributed import parallel
 from gpt2lab.checkpoint import sharded
 from gpt2lab.system.errors import CheckpointError
-from gpt2lab.system.files import atomic_dir, write_json
+from gpt2lab.system.files import atomic_dir, sha256_file, write_json
 from gpt2lab.model.config import model_from_config
 from gpt2lab.system.errors import ConfigError
 from gpt2lab.model.gpt import GPT
@@ -58,8 +57,9 @@ _DISK_FULL_NEXT = ("free some space (or lower --keep-checkpoints), then continue
 
 
 def clean_state_dict(state: dict) -> dict:
-    """Drop wrapper prefixes and the tied lm_head copy; contiguous tensors for safetensors."""
-    out = {}
+    """Drop wrapper prefixes and the tied lm_head copy (an untied head, its own tensor, stays);
+    contiguous tensors for safetensors."""
+    out, head = {}, None
     for key, value in state.items():
         changed = True
         while changed:
@@ -67,8 +67,13 @@ def clean_state_dict(state: dict) -> dict:
             for prefix in _PREFIXES:
                 if key.startswith(prefix):
                     key, changed = key[len(prefix):], True
-        if key != "lm_head.weight":
+        if key == "lm_head.weight":
+            head = value
+        else:
             out[key] = value.detach().contiguous()
+    wte = out.get("transformer.wte.weight")
+    if head is not None and not (wte is not None and head.data_ptr() == wte.data_ptr() and head.shape == wte.shape):
+        out["lm_head.weight"] = head.detach().contiguous()
     return out
 
 
@@ -139,7 +144,7 @@ def save(run_dir: str, step: int, parts: Mapping[str, Optional[Stateful]], confi
             save_file(clean_state_dict(model.state_dict()), os.path.join(tmp, "model.safetensors"))
             torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
             _write_rest(tmp, plain, config)
-            write_json(os.path.join(tmp, CHECKSUMS), {name: sha256(os.path.join(tmp, name)) for name in FILES})
+            write_json(os.path.join(tmp, CHECKSUMS), {name: sha256_file(os.path.join(tmp, name)) for name in FILES})
     if main and keep:
         for old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -184,7 +189,7 @@ def _save_sharded(final: str, model, optimizer, plain: Optional[dict], config: d
                 error = e
             if dist.agree(error is not None):
                 raise error or CheckpointError(f"checkpoint {final}: another rank failed to write it")
-            digests = sharded.digests(tmp, sha256)
+            digests = sharded.digests(tmp, sha256_file)
             if main:
                 write_json(os.path.join(tmp, CHECKSUMS), digests)
         done = True
@@ -192,14 +197,6 @@ def _save_sharded(final: str, model, optimizer, plain: Optional[dict], config: d
         failed = dist.agree(not done)  # reached by every rank: rank 0's rename is done or failed
     if failed:  # only ranks that did not raise themselves get here
         raise CheckpointError(f"checkpoint {final}: rank 0 could not complete it (see its error)")
-
-
-def sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def verify(ckpt: str, share: tuple[int, int] = (0, 1)) -> None:
@@ -220,7 +217,7 @@ def verify(ckpt: str, share: tuple[int, int] = (0, 1)) -> None:
         file = os.path.join(ckpt, name)
         if not os.path.isfile(file):
             raise damaged(ckpt, f"{name} is missing")
-        if i % share[1] == share[0] and sha256(file) != digest:
+        if i % share[1] == share[0] and sha256_file(file) != digest:
             raise damaged(ckpt, f"{name} does not match its checksum (its bytes changed after saving)")
 
 
@@ -335,7 +332,7 @@ def load_weights(model: torch.nn.Module, ckpt: str, verified: bool = False) -> N
     else:
         state = _read_full(ckpt)
         _check_shape(model, ckpt, {k: tuple(v.shape) for k, v in state.items()})
-    model.load_state_dict(state, strict=False)  # lm_head is tied to wte, restored with it
+    model.load_state_dict(state, strict=False)  # a tied lm_head is wte, restored with it
 
 
 def _read(ckpt: str, what: str, read):

@@ -57,10 +57,17 @@ class Prediction:
 
 
 def param_counts(cfg: GPTConfig) -> dict[str, int]:
-    """Parameters by where they live: one block, all blocks, the root (wte = lm_head, wpe, ln_f)."""
+    """Parameters by where they live: one block, all blocks, the root (wte = lm_head, wpe, ln_f).
+
+    The modern block's switches: an untied head adds its own V*C, rotary drops wpe, RMSNorm
+    has a gain and no bias (C where LayerNorm has 2C); QK-norm, ReLU^2, zero init and the
+    softcap add no parameters.
+    """
     C = cfg.n_embd
-    block = 12 * C * C + 13 * C  # c_attn 3C^2+3C, attn c_proj C^2+C, c_fc 4C^2+4C, mlp c_proj 4C^2+C, 2 LN 4C
-    root = cfg.vocab_size * C + cfg.block_size * C + 2 * C
+    norm = C if cfg.norm == "rmsnorm" else 2 * C
+    block = 12 * C * C + 9 * C + 2 * norm  # c_attn 3C^2+3C, attn c_proj C^2+C, c_fc 4C^2+4C, mlp c_proj 4C^2+C, 2 norms
+    root = cfg.vocab_size * C * (1 if cfg.tie_embeddings else 2) + norm
+    root += cfg.block_size * C if cfg.pos_emb == "learned" else 0
     return {"block": block, "blocks": cfg.n_layer * block, "root": root, "total": cfg.n_layer * block + root,
             "block_matmul": 12 * C * C + 9 * C}  # what autocast casts: Linear weights and biases
 

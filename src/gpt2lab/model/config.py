@@ -15,9 +15,20 @@ from gpt2lab.system.errors import ConfigError
 GPT2_VOCAB_SIZE = 50257
 
 
-def _f(default: Any, help: str, derived: bool = False, shape: bool = False) -> Any:
-    # shape: the field sets parameter shapes (a checkpoint loads only into the same values)
-    return field(default=default, metadata={"help": help, "derived": derived, "shape": shape})
+def _f(default: Any, help: str, derived: bool = False, shape: bool = False, arch: Optional[bool] = None,
+       choices: tuple = ()) -> Any:
+    # shape: the field sets parameter shapes (a checkpoint loads only into the same values).
+    # arch: the field changes what the weights compute, so ``--init-from`` takes it from the
+    # source (every shape field, and the modern block's switches). choices: a text field's values.
+    return field(default=default, metadata={"help": help, "derived": derived, "shape": shape,
+                                            "arch": shape if arch is None else arch, "choices": choices})
+
+
+# The modern block's switches (issue 19; modded-nanogpt's speedrun record log measures each). Every
+# default is GPT-2's, so presets, checkpoints and the gpt2 logits = transformers test are unchanged.
+POS_EMB = ("learned", "rotary")
+NORMS = ("layernorm", "rmsnorm")
+MLP_ACTS = ("gelu", "relu2")
 
 
 @dataclass
@@ -38,6 +49,21 @@ class GPTConfig:
     embd_pdrop: float = _f(0.0, "dropout on the token + position embeddings (GPT-2 fine-tuning: 0.1)")
     attn_pdrop: float = _f(0.0, "dropout on the attention weights")
     resid_pdrop: float = _f(0.0, "dropout on each residual branch's output")
+    # The modern block (README "A modern block"): each off by default, any combination allowed.
+    pos_emb: str = _f("learned", "positions: learned (GPT-2's wpe table) or rotary (RoPE, Su et al. 2021: "
+                      "q and k rotated per position, no table)", shape=True, choices=POS_EMB)
+    rope_theta: float = _f(10000.0, "rotary base: pair i of a head turns at rope_theta^(-2i/head_size) "
+                           "radians per position", arch=True)
+    norm: str = _f("layernorm", "normalisation of every block input and of ln_f: layernorm (GPT-2) or "
+                   "rmsnorm (a gain, no bias, no mean)", shape=True, choices=NORMS)
+    qk_norm: bool = _f(False, "RMS-normalise each head's queries and keys (no gain) before attention", arch=True)
+    mlp_act: str = _f("gelu", "MLP activation: gelu (tanh approximation, GPT-2) or relu2 (relu(x)^2)",
+                      arch=True, choices=MLP_ACTS)
+    tie_embeddings: bool = _f(True, "lm_head shares wte's matrix (GPT-2); false: a separate output matrix",
+                              shape=True)
+    zero_init_proj: bool = _f(False, "initialise the attention and MLP output projections (c_proj) to zero, "
+                              "so every block starts as the identity")
+    logit_softcap: float = _f(0.0, "cap the logits smoothly at +-X: X * tanh(logits / X); 0 = off", arch=True)
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
@@ -52,10 +78,27 @@ class GPTConfig:
         for name in ("embd_pdrop", "attn_pdrop", "resid_pdrop"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} {getattr(self, name)} must be in [0, 1)")
+        for f in fields(self):
+            if f.metadata["choices"] and getattr(self, f.name) not in f.metadata["choices"]:
+                raise ValueError(f"{f.name} {getattr(self, f.name)!r} must be one of "
+                                 f"{', '.join(f.metadata['choices'])}")
+        if self.pos_emb == "rotary" and (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"rotary positions need an even head size; n_embd {self.n_embd} / n_head "
+                             f"{self.n_head} = {self.n_embd // self.n_head}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta {self.rope_theta} must be > 0")
+        if self.logit_softcap < 0:
+            raise ValueError(f"logit_softcap {self.logit_softcap} must be >= 0 (0 = off)")
 
     @property
     def real_vocab_size(self) -> int:
         return self.token_vocab_size or self.vocab_size
+
+    def modern(self) -> dict:
+        """The modern-block fields set away from GPT-2's defaults, by name."""
+        base = GPTConfig()
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name in MODERN_FIELDS and getattr(self, f.name) != getattr(base, f.name)}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -74,14 +117,45 @@ class GPTConfig:
         return cls(**{**PRESETS[key], **overrides})
 
 
-# The four released GPT-2 sizes (Radford et al. 2019, table 2, as published on the hub).
-PRESETS = {
-    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
-    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
-    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
-    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
-}
-PRESET_ALIASES = {"124m": "gpt2", "350m": "gpt2-medium", "774m": "gpt2-large", "1558m": "gpt2-xl"}
+# -- the released GPT-2 sizes: the one table of their facts ------------------------------
+# 50257 padded to a multiple of 128: the vocabulary gpt2lab trains with (faster matmuls).
+PADDED_VOCAB_SIZE = 50304
+
+
+@dataclass(frozen=True)
+class Size:
+    """One released GPT-2 size (Radford et al. 2019, table 2, as published on the hub)."""
+
+    label: str        # "124M"
+    hub: str          # its name on the Hugging Face hub (openai-community/NAME)
+    n_layer: int
+    n_head: int
+    n_embd: int
+    params: int       # parameters: tied embeddings, vocab 50257, 1024 positions
+    hellaswag_gpt2: float  # HellaSwag acc_norm of OpenAI's GPT-2 of this size
+    hellaswag_gpt3: float  # and of GPT-3 at the same size (Brown et al. 2020)
+
+    @property
+    def shape(self) -> dict:
+        return dict(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd)
+
+
+SIZES = (
+    Size("124M", "gpt2", 12, 12, 768, 124_439_808, 0.2955, 0.337),
+    Size("350M", "gpt2-medium", 24, 16, 1024, 354_823_168, 0.375, 0.436),
+    Size("774M", "gpt2-large", 36, 20, 1280, 774_030_080, 0.432, 0.510),
+    Size("1558M", "gpt2-xl", 48, 25, 1600, 1_557_611_200, 0.489, 0.547),
+)
+HUB_NAMES = tuple(s.hub for s in SIZES)
+PRESETS = {s.hub: s.shape for s in SIZES}
+PRESET_ALIASES = {s.label.lower(): s.hub for s in SIZES}
+
+
+def size_named(label: str) -> Size:
+    return next(s for s in SIZES if s.label == label)
+
+MODERN_FIELDS = ("pos_emb", "rope_theta", "norm", "qk_norm", "mlp_act", "tie_embeddings", "zero_init_proj",
+                 "logit_softcap")
 
 
 # -- the architecture in a run config (config.json, presets, flags) ------------------------
@@ -114,10 +188,10 @@ def gpt_config(values: dict, source: str) -> GPTConfig:
     for name, value in values.items():
         tp, optional = field_type(hints[name])
         ok = (value is None and optional) or (isinstance(value, (int, float) if tp is float else tp)
-                                               and not isinstance(value, bool))
+                                               and (tp is bool or not isinstance(value, bool)))
         if not ok:
-            raise ConfigError(f"{source}: {name} must be {'a whole number' if tp is int else 'a number'}, "
-                              f"got {value!r}")
+            kind = {int: "a whole number", float: "a number", bool: "true or false", str: "text"}[tp]
+            raise ConfigError(f"{source}: {name} must be {kind}, got {value!r}")
     try:
         return GPTConfig(**values)
     except ValueError as e:  # GPTConfig's own checks name the value

@@ -3,6 +3,10 @@
 Parameter names follow Hugging Face's GPT-2 (``transformer.h.0.attn.c_attn.weight``) so
 that moving weights between the two is four transposes and nothing else (see hf.py).
 No I/O, printing, optimizer or distributed code lives here.
+
+Beside GPT-2, the modern block's switches (GPTConfig.pos_emb, norm, qk_norm, mlp_act,
+tie_embeddings, zero_init_proj, logit_softcap), each a small branch below; off, the model
+is GPT-2's to the bit.
 """
 from __future__ import annotations
 
@@ -16,6 +20,37 @@ from torch.utils.checkpoint import checkpoint
 from gpt2lab.model.loss import chunked_cross_entropy
 # Defined torch-free (the CLI's flags come from its fields); this is its home for every caller.
 from gpt2lab.model.config import PRESET_ALIASES, PRESETS, GPTConfig  # noqa: F401
+
+
+def rotary_cos_sin(config: GPTConfig, start: int, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (T, head_size) of positions start..start+T-1, in fp32.
+
+    Pair i of a head is the channels (i, i + head_size/2), turned by position * theta^(-2i/hs)
+    radians (the "rotate half" layout of GPT-NeoX and Llama).
+    """
+    hs = config.n_embd // config.n_head
+    inv_freq = config.rope_theta ** -(torch.arange(0, hs, 2, device=device, dtype=torch.float32) / hs)
+    angles = torch.arange(start, start + T, device=device, dtype=torch.float32)[:, None] * inv_freq  # (T, hs/2)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, nh, T, hs) rotated pairwise: (a, b) -> (a cos - b sin, b cos + a sin)."""
+    a, b = x.chunk(2, dim=-1)
+    return x * cos.to(x.dtype) + torch.cat((-b, a), dim=-1) * sin.to(x.dtype)
+
+
+def norm_layer(config: GPTConfig) -> nn.Module:
+    """GPT-2's LayerNorm, or RMSNorm (a gain, no bias, no mean subtracted)."""
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)
+    return nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+
+
+class ReLUSquared(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x).square()
 
 
 class KVCache:
@@ -64,16 +99,23 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_head = config.n_head
+        self.qk_norm = config.qk_norm
+        self.eps = config.layer_norm_epsilon
         self.attn_pdrop = config.attn_pdrop
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v for all heads at once
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.RESIDUAL_SCALE_INIT = True
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
 
-    def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None,
+                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        if self.qk_norm:  # no gain; cast back, autocast may run the norm in fp32
+            q, k = (F.rms_norm(t, (t.size(-1),), eps=self.eps).to(v.dtype) for t in (q, k))
+        if rope is not None:  # rotary: positions enter here (the cache keeps keys already turned)
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if kv_cache is None or kv_cache.pos == 0:
             # Training, or the prompt of a generation: keys are exactly the queries' positions.
             if kv_cache is not None:
@@ -99,26 +141,27 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
         # GPT-2 was trained with the tanh approximation of GELU; exact GELU would drift
         # from OpenAI's weights.
-        self.gelu = nn.GELU(approximate="tanh")
+        self.act = nn.GELU(approximate="tanh") if config.mlp_act == "gelu" else ReLUSquared()
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
         self.c_proj.RESIDUAL_SCALE_INIT = True
         self.dropout = nn.Dropout(config.resid_pdrop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
 
 
 class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.ln_1 = norm_layer(config)
         self.attn = CausalSelfAttention(config, layer_idx)
-        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.ln_2 = norm_layer(config)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None,
+                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         # Pre-LayerNorm: the residual stream itself is never normalised, only each branch's input.
-        x = x + self.attn(self.ln_1(x), kv_cache)
+        x = x + self.attn(self.ln_1(x), kv_cache, rope)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -126,16 +169,18 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
+        self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(config.vocab_size, config.n_embd)))
+        if config.pos_emb == "learned":  # rotary has no table: q and k are turned in attention
+            self.transformer["wpe"] = nn.Embedding(config.block_size, config.n_embd)  # (second: optimizer order)
+        self.transformer.update(dict(
             drop=nn.Dropout(config.embd_pdrop),
             h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon),
+            ln_f=norm_layer(config),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        # Weight tying (Press & Wolf 2017), as GPT-2: input and output embeddings share one matrix.
-        self.lm_head.weight = self.transformer.wte.weight
+        if config.tie_embeddings:
+            # Weight tying (Press & Wolf 2017), as GPT-2: input and output embeddings share one matrix.
+            self.lm_head.weight = self.transformer.wte.weight
         self.apply(self._init_weights)
         # The training loss (return_logits=False). chunked: never holds the (B*T, vocab) logits
         # (chunked_loss.py; faster and smaller on CPUs); compile_loss compiles its softmax
@@ -151,7 +196,9 @@ class GPT(nn.Module):
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
             std = 0.02
-            if getattr(module, "RESIDUAL_SCALE_INIT", False):
+            if getattr(module, "RESIDUAL_SCALE_INIT", False) and self.config.zero_init_proj:
+                std = 0.0  # each block starts as the identity; the first step's gradient reaches c_proj only
+            elif getattr(module, "RESIDUAL_SCALE_INIT", False):
                 # Each block adds two branches to the residual stream; scaling their output
                 # projections by 1/sqrt(2 * n_layer) keeps its variance from growing with depth.
                 std *= (2 * self.config.n_layer) ** -0.5
@@ -162,9 +209,13 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def num_params(self, non_embedding: bool = False) -> int:
-        """Parameters counted once (wte and lm_head are one tensor); optionally without wpe."""
+        """Parameters counted once (tied wte and lm_head are one tensor); ``non_embedding``
+        leaves out the tables only looked up, never multiplied: wpe, and wte when untied."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+        if non_embedding:
+            n -= self.transformer.wpe.weight.numel() if "wpe" in self.transformer else 0
+            n -= 0 if self.config.tie_embeddings else self.transformer.wte.weight.numel()
+        return n
 
     def forward(
         self,
@@ -193,12 +244,17 @@ class GPT(nn.Module):
         start = kv_cache.pos if kv_cache is not None else 0
         if start + T > self.config.block_size:
             raise ValueError(f"sequence length {start + T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        x = self.transformer.wte(idx)  # (B, T, C)
+        rope = None
+        if self.config.pos_emb == "rotary":
+            rope = rotary_cos_sin(self.config, start, T, idx.device)
+        else:
+            x = x + self.transformer.wpe(torch.arange(start, start + T, dtype=torch.long, device=idx.device))
+        x = self.transformer.drop(x)
         recompute = self.activation_checkpointing and self.training and kv_cache is None
         for block in self.transformer.h:
             # non-reentrant checkpointing replays the block's dropout masks (it saves the RNG state)
-            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x, kv_cache)
+            x = checkpoint(block, x, None, rope, use_reentrant=False) if recompute else block(x, kv_cache, rope)
         if kv_cache is not None:
             kv_cache.pos += T
         if last_only:  # generation needs the next token only: skip T-1 rows of the vocab matmul
@@ -207,17 +263,20 @@ class GPT(nn.Module):
             x = x.reshape(B * T, -1)[positions]  # (N, C)
             targets = None if targets is None else targets.reshape(-1)[positions]
         x = self.transformer.ln_f(x)
+        cap = self.config.logit_softcap
         if targets is not None and not return_logits and self.chunked_loss:
             return None, chunked_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1),
-                                               compiled=self.compile_loss)
+                                               compiled=self.compile_loss, softcap=cap)
         logits = self.lm_head(x)  # (B, T, vocab_size), or (N, vocab_size) at positions
+        if cap:  # smooth cap at +-cap, in fp32
+            logits = cap * torch.tanh(logits.float() / cap)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
         return (logits if return_logits or targets is None else None), loss
 
     def use_decode_layout(self) -> "GPT":
-        """Store the wide matrices (c_attn, c_fc, wte = lm_head) column-major; values unchanged.
+        """Store the wide matrices (c_attn, c_fc, wte and lm_head) column-major; values unchanged.
 
         Decoding multiplies a single row by every weight. CPU BLAS streams such a matrix
         held as (in, out) in memory (the layout of HF's Conv1D) about 20% faster than as
@@ -225,7 +284,7 @@ class GPT(nn.Module):
         the same (export and checkpoints make tensors contiguous); meant for inference.
         """
         for name, p in self.named_parameters():  # the tied wte/lm_head Parameter comes once
-            if p.dim() == 2 and name.endswith(("c_attn.weight", "c_fc.weight", "wte.weight")):
+            if p.dim() == 2 and name.endswith(("c_attn.weight", "c_fc.weight", "wte.weight", "lm_head.weight")):
                 p.data = p.data.t().contiguous().t()
         return self
 

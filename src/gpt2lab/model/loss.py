@@ -48,23 +48,35 @@ _GROUP_ELEMENTS = 2 ** 28  # logit gradients kept for one grad_w matmul (512 MB 
 
 
 def _softmax_grad(logits: torch.Tensor, tgt: torch.Tensor, keep: torch.Tensor,
-                  scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: torch.Tensor, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """scale * (softmax - onehot) of one chunk in the logits' dtype, zero on ignored rows; summed nll.
 
     Written for torch.compile, which fuses it into one read of the logits and one write
-    (the scale is free there; the eager version below leaves it to the caller).
+    (the scale is free there; the eager version below leaves it to the caller). With a
+    ``softcap`` the loss is that of softcap * tanh(logits / softcap), and the gradient is
+    taken through the cap: d/dlogits = d/dcapped * (1 - tanh^2).
     """
     lf = logits.float()
+    if softcap:
+        t = torch.tanh(lf / softcap)
+        lf = t * softcap
     lse = torch.logsumexp(lf, dim=-1, keepdim=True)
     hit = torch.arange(lf.shape[1], device=lf.device)[None, :] == tgt
-    d = torch.where(keep[:, None], (torch.exp(lf - lse) - hit.float()) * scale, 0.0).to(logits.dtype)
+    g = (torch.exp(lf - lse) - hit.float()) * scale
+    if softcap:
+        g = g * (1 - t * t)
+    d = torch.where(keep[:, None], g, 0.0).to(logits.dtype)
     nll = lse.squeeze(1) - lf.gather(1, tgt).squeeze(1)
     return d, (nll * keep).sum()
 
 
 def _softmax_grad_eager(logits: torch.Tensor, tgt: torch.Tensor, keep: torch.Tensor,
-                        scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        scale: torch.Tensor | None = None, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """_softmax_grad without the scale (the caller applies it), in few eager kernels: one softmax, one cast."""
+    dtype = logits.dtype
+    if softcap:  # the capped logits in fp32, and the tanh kept for the gradient through the cap
+        t = torch.tanh(logits.float() / softcap)
+        logits = t * softcap
     p = torch.softmax(logits, dim=-1, dtype=torch.float32)
     pt = p.gather(1, tgt).squeeze(1)
     nll = -pt.clamp(min=torch.finfo(torch.float32).tiny).log()
@@ -75,7 +87,9 @@ def _softmax_grad_eager(logits: torch.Tensor, tgt: torch.Tensor, keep: torch.Ten
     p.scatter_add_(1, tgt, torch.full_like(tgt, -1, dtype=p.dtype))
     if not bool(keep.all()):
         p[~keep] = 0.0
-    return p.to(logits.dtype), (nll * keep).sum()
+    if softcap:
+        p.mul_(1 - t.square_())
+    return p.to(dtype), (nll * keep).sum()
 
 
 _compiled_kernel = None
@@ -93,17 +107,18 @@ def _kernel(compiled: bool):
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, compiled: bool) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, compiled: bool,
+                softcap: float) -> torch.Tensor:
         cd = _compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
-            loss, grad_x, grad_w = _loss_and_grads(x.to(cd), weight.to(cd), targets, *_kernel(compiled))
+            loss, grad_x, grad_w = _loss_and_grads(x.to(cd), weight.to(cd), targets, *_kernel(compiled), softcap)
         ctx.save_for_backward(grad_x.to(x.dtype), grad_w.to(weight.dtype))
         return loss
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         grad_x, grad_w = ctx.saved_tensors
-        return grad_x * grad_out, grad_w * grad_out, None, None
+        return grad_x * grad_out, grad_w * grad_out, None, None, None
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -111,7 +126,8 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
-def _loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, kernel, kernel_scales: bool):
+def _loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, kernel, kernel_scales: bool,
+                    softcap: float = 0.0):
     """Mean loss, d/dx (N, C) and d/dw (V, C) in fp32; x and w already in the compute dtype.
 
     The 1/n of the mean is applied inside the compiled kernel, or else to the (N, C) and
@@ -134,7 +150,7 @@ def _loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, ker
         g1, parts = min(N, g0 + group), []
         for s in range(g0, g1, rows):
             e = min(g1, s + rows)
-            d, nll = kernel(x[s:e] @ w.t(), tgt[s:e], keep[s:e], k_scale)  # d: (n, V) d loss / d logits
+            d, nll = kernel(x[s:e] @ w.t(), tgt[s:e], keep[s:e], k_scale, softcap)  # d: (n, V) d loss / d logits
             nll_sum += nll
             grad_x[s:e] = d @ w
             parts.append(d)
@@ -149,18 +165,21 @@ def _loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, ker
 
 @torch.compiler.disable  # the model graph-breaks here; the loss runs as written (its kernel compiled or not)
 def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                          compiled: bool = False) -> torch.Tensor:
-    """Mean cross entropy of ``x @ weight.T`` (N, V) against targets (N,), -1 ignored.
+                          compiled: bool = False, softcap: float = 0.0) -> torch.Tensor:
+    """Mean cross entropy of ``x @ weight.T`` (N, V) against targets (N,), -1 ignored; with
+    ``softcap`` > 0, of ``softcap * tanh(x @ weight.T / softcap)`` (GPTConfig.logit_softcap).
 
     ``compiled`` runs the per-chunk softmax gradient through torch.compile (one fused kernel).
     """
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropy.apply(x, weight, targets, compiled)
+        return _LinearCrossEntropy.apply(x, weight, targets, compiled, softcap)
     cd, total = _compute_dtype(x), torch.zeros((), dtype=torch.float32, device=x.device)
     rows = max(1, _CHUNK_ELEMENTS // weight.shape[0])
     with torch.autocast(x.device.type, enabled=False):
         wc = weight.to(cd)
         for s in range(0, x.shape[0], rows):  # evaluation: the same chunks, no gradient work
             logits = (x[s:s + rows].to(cd) @ wc.t()).float()
+            if softcap:
+                logits = softcap * torch.tanh(logits / softcap)
             total += F.cross_entropy(logits, targets[s:s + rows], ignore_index=-1, reduction="sum")
     return total / (targets != -1).sum().clamp(min=1)

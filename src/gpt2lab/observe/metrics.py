@@ -193,9 +193,3 @@ def _git_sha() -> Optional[str]:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or None if out.returncode == 0 else None
-
-
-def write_json(path: str, data: dict) -> None:
-    from gpt2lab.system.files import write_json as atomic_json
-
-    atomic_json(path, data)

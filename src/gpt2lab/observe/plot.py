@@ -12,16 +12,13 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
+from gpt2lab.model.config import SIZES
+
 GPT2_124M_VAL_LOSS = 3.2924  # OpenAI GPT-2 124M on the FineWeb-Edu val shard (reference recipe)
-# HellaSwag acc_norm by model size: (GPT-2, GPT-3) as published.
-HELLASWAG_BASELINES = {
-    "124M": (0.2955, 0.337),
-    "350M": (0.375, 0.436),
-    "774M": (0.432, 0.510),
-    "1558M": (0.489, 0.547),
-}
-SIZE_BY_SHAPE = {(12, 768): "124M", (24, 1024): "350M", (36, 1280): "774M", (48, 1600): "1558M"}
-SIZE_BY_PARAMS = {"124M": 124_439_808, "350M": 354_823_168, "774M": 774_030_080, "1558M": 1_557_611_200}
+# HellaSwag acc_norm by model size: (GPT-2, GPT-3) as published (model.config.SIZES).
+HELLASWAG_BASELINES = {s.label: (s.hellaswag_gpt2, s.hellaswag_gpt3) for s in SIZES}
+SIZE_BY_SHAPE = {(s.n_layer, s.n_embd): s.label for s in SIZES}
+SIZE_BY_PARAMS = {s.label: s.params for s in SIZES}
 
 
 @dataclass

@@ -9,6 +9,7 @@ behind: ``sweep_stale`` removes those of dead processes at the next start-up.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -133,3 +134,12 @@ def sweep_stale(folder: str) -> list[str]:
         warnings.warn(f"{folder}: removed {len(removed)} temporary file(s) left by stopped runs "
                       f"({', '.join(removed[:3])}{', ...' if len(removed) > 3 else ''})", stacklevel=2)
     return removed
+
+
+def sha256_file(path: str) -> str:
+    """Hex sha256 of a file, read in 16 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()

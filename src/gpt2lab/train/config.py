@@ -15,9 +15,9 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
+from typing import Any, Optional, get_type_hints
 
-from gpt2lab.model.config import (GPT2_VOCAB_SIZE, MODEL_KEYS, GPTConfig, field_type, gpt_config,  # noqa: F401
+from gpt2lab.model.config import (GPT2_VOCAB_SIZE, MODEL_KEYS, PADDED_VOCAB_SIZE, GPTConfig, field_type, gpt_config,  # noqa: F401
                                   model_from_config, nest_model)
 from gpt2lab.system.choices import (COMPILE_CHOICES, DTYPE_CHOICES, LR_SCHEDULES, NS_DTYPE_CHOICES,  # noqa: F401
                                     OPTIMIZERS, STRATEGY_CHOICES)
@@ -30,8 +30,6 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, packaged as tomli
 
 # Layers --lora-targets may name (peft matches a module whose name ends with ".TARGET").
 LORA_TARGETS = ("c_attn", "c_proj", "c_fc", "attn.c_proj", "mlp.c_proj")
-# Peak dense bf16/fp16 tensor FLOP/s by GPU name fragment (vendor datasheets), for MFU.
-PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
 
 
 def _f(default: Any, help: str) -> Any:
@@ -39,7 +37,7 @@ def _f(default: Any, help: str) -> Any:
 
 
 def _default_model() -> GPTConfig:
-    return GPTConfig(vocab_size=50304)  # 50257 padded to a multiple of 128: faster matmuls
+    return GPTConfig(vocab_size=PADDED_VOCAB_SIZE)
 
 
 @dataclass
@@ -158,7 +156,7 @@ class TrainConfig:
         """token_vocab_size is the tokenizer's (GPT-2's), never a setting of its own."""
         if self.model.vocab_size < GPT2_VOCAB_SIZE:
             raise ConfigError(f"vocab_size {self.model.vocab_size} is smaller than the GPT-2 tokenizer's "
-                              f"{GPT2_VOCAB_SIZE} tokens; use {GPT2_VOCAB_SIZE} or 50304")
+                              f"{GPT2_VOCAB_SIZE} tokens; use {GPT2_VOCAB_SIZE} or {PADDED_VOCAB_SIZE}")
         if self.model.token_vocab_size not in (None, GPT2_VOCAB_SIZE):
             raise ConfigError(f"token_vocab_size {self.model.token_vocab_size}: it is not a setting (a run "
                               f"uses the GPT-2 tokenizer's {GPT2_VOCAB_SIZE}); drop it")
@@ -316,6 +314,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         kwargs: dict = dict(dest=f.name, default=argparse.SUPPRESS, type=_converter(tp, optional),
                             help=f"{f.metadata['help']} (base default {default!r}; the preset may set it)")
         kwargs["metavar"] = {bool: "true|false", int: "N", float: "X"}.get(tp, "TEXT")
+        if f.metadata.get("choices"):  # GPTConfig's text fields name their values
+            kwargs.update(choices=f.metadata["choices"], type=str.lower, metavar="|".join(f.metadata["choices"]))
         flag_choices = {"dtype": DTYPE_CHOICES, "compile": COMPILE_CHOICES, "strategy": STRATEGY_CHOICES,
                         "optimizer": OPTIMIZERS, "lr_schedule": LR_SCHEDULES, "muon_ns_dtype": NS_DTYPE_CHOICES}
         if f.name in flag_choices:

@@ -9,23 +9,25 @@ naming it, raised before any training work.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Mapping, Optional
 
 import torch
 
+from gpt2lab.system.files import sha256_file
 from gpt2lab.checkpoint import store as ckpt
 from gpt2lab.weights import hf
 from gpt2lab.train.config import ConfigError, TrainConfig, model_from_config
-from gpt2lab.weights.load import HUB_NAMES, is_hf_dir
+from gpt2lab.model.config import HUB_NAMES
+from gpt2lab.weights.load import is_hf_dir
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.data.tokenizer import GPT2_VOCAB_SIZE
 
-# What the source decides: every field that sets a parameter shape, but the vocabulary (a run may pad it).
-ARCH_FIELDS = tuple(name for name in GPTConfig().shape() if name != "vocab_size")
+# What the source decides: every field that sets a parameter shape or what the weights compute
+# (the modern block's switches), but the vocabulary (a run may pad it).
+ARCH_FIELDS = tuple(f.name for f in fields(GPTConfig) if f.metadata["arch"] and f.name != "vocab_size")
 
 
 class InitFromError(ConfigError):
@@ -154,8 +156,8 @@ def adapt_config(cfg: TrainConfig) -> TrainConfig:
         raise InitFromError(f"--init-from {cfg.init_from} ({sizes}): {e}") from e
 
 
-def source_arch(spec: str, explicit: Mapping[str, int], flag: str = "--init-from") -> dict[str, int]:
-    """n_layer, n_head, n_embd and block_size of SRC, checked against the values the user gave.
+def source_arch(spec: str, explicit: Mapping[str, object], flag: str = "--init-from") -> dict[str, object]:
+    """SRC's ARCH_FIELDS (n_layer ... block_size, the modern block's), checked against the values the user gave.
 
     Each value in ``explicit`` must agree with SRC, except a smaller block_size (the run
     keeps SRC's first positions); values from elsewhere (a preset's) simply give way.
@@ -207,7 +209,7 @@ def load_into(model: GPT, spec: str) -> dict:
 
 
 def _copy_param(src: Source, name: str, p: torch.Tensor, w: torch.Tensor) -> None:
-    if name == "transformer.wte.weight" and p.shape[1:] == w.shape[1:]:
+    if name in ("transformer.wte.weight", "lm_head.weight") and p.shape[1:] == w.shape[1:]:  # untied: its own rows
         rows = min(len(p), len(w))
         p[:rows] = w[:rows]
         p[rows:] = w[:src.config.real_vocab_size].mean(0)
@@ -218,11 +220,3 @@ def _copy_param(src: Source, name: str, p: torch.Tensor, w: torch.Tensor) -> Non
     else:
         raise src._fail(f"{name} has shape {tuple(w.shape)}, the run needs {tuple(p.shape)}; "
                         "let the architecture come from the source (drop --n-layer/--n-head/--n-embd)")
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()

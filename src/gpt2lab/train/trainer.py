@@ -23,12 +23,14 @@ import torch.distributed as tdist
 from gpt2lab.checkpoint import store as ckpt
 from gpt2lab.distributed import parallel
 from gpt2lab.system import runtime
-from gpt2lab.train.config import PEAK_FLOPS, ConfigError, TrainConfig, save_config
+from gpt2lab.system import hardware
+from gpt2lab.train.config import ConfigError, TrainConfig, save_config
 from gpt2lab.distributed.dist import DistInfo, all_reduce_mean, autocast, decided_on_rank_0
 from gpt2lab.system.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, GPT2LabError, RunDiverged
 from gpt2lab.system.files import sweep_stale
 from gpt2lab.train.init_from import adapt_config, load_into
-from gpt2lab.observe.metrics import MetricsLogger, run_info, write_json
+from gpt2lab.observe.metrics import MetricsLogger, run_info
+from gpt2lab.system.files import write_json
 from gpt2lab.model.gpt import GPT
 from gpt2lab.train.optim import build_optimizer, parts, scheduled_lr, set_lrs
 from gpt2lab.train.spikes import SpikeGuard
@@ -87,7 +89,7 @@ def peak_flops(cfg: TrainConfig, device: torch.device) -> Optional[float]:
         return cfg.peak_flops
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+        return hardware.peak_flops(name)
     return None
 
 

@@ -16,6 +16,7 @@ import shutil
 
 import torch
 
+from gpt2lab.model.config import HUB_NAMES
 from gpt2lab.system.errors import DataError, UsageError
 from gpt2lab.system.files import atomic_dir, write_json
 from gpt2lab.model.gpt import GPT, GPTConfig
@@ -27,7 +28,7 @@ CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_
 MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 PDROP = ("embd_pdrop", "attn_pdrop", "resid_pdrop")  # GPTConfig and HF config.json share these names
-HUB_REPOS = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
+HUB_REPOS = {name: f"openai-community/{name}" for name in HUB_NAMES}
 # What an export writes; the marker file tells a directory gpt2lab exported (safe to replace) apart
 # from anything else, such as a run directory or a model fine-tuned in place.
 EXPORT_MARKER = "gpt2lab_export.json"
@@ -41,13 +42,16 @@ class WeightsError(DataError):
 
 # ---------------------------------------------------------------- state dict conversion
 
-def from_hf_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF GPT2LMHeadModel/GPT2Model tensors -> gpt2lab names and layouts (lm_head excluded)."""
+def from_hf_state_dict(sd: dict[str, torch.Tensor], tied: bool = True) -> dict[str, torch.Tensor]:
+    """HF GPT2LMHeadModel/GPT2Model tensors -> gpt2lab names and layouts (a tied lm_head excluded)."""
     out = {}
     for key, t in sd.items():
         name = key.removeprefix("transformer.")
+        if name == "lm_head.weight" and not tied:
+            out[name] = t
+            continue
         if name.endswith(MASK_BUFFERS) or name == "lm_head.weight":
-            continue  # buffers are rebuilt by the model; lm_head is tied to wte
+            continue  # buffers are rebuilt by the model; a tied lm_head is wte
         out["transformer." + name] = t.t() if name.endswith(CONV1D) else t
     return out
 
@@ -55,17 +59,19 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     """gpt2lab model -> HF GPT2LMHeadModel tensors, contiguous, padded vocab rows dropped.
 
-    The tied lm_head is left out: HF saves the shared matrix once, as transformer.wte.
+    A tied lm_head is left out: HF saves the shared matrix once, as transformer.wte. An
+    untied one (tie_embeddings false) is saved as lm_head.weight, which HF's GPT-2 loads
+    when its config says tie_word_embeddings false.
     """
     real_vocab = model.config.real_vocab_size
     out = {}
     for key, t in model.state_dict().items():
-        if key == "lm_head.weight":
+        if key == "lm_head.weight" and model.config.tie_embeddings:
             continue
         t = t.detach()
         if key.endswith(CONV1D):
             t = t.t()
-        elif key == "transformer.wte.weight":
+        elif key in ("transformer.wte.weight", "lm_head.weight"):
             t = t[:real_vocab]
         out[key] = t.contiguous().clone().cpu()
     return out
@@ -82,7 +88,6 @@ def config_from_hf(cfg: dict, where: str = "config.json") -> GPTConfig:
         "n_inner": (cfg.get("n_inner"), (None, 4 * cfg.get("n_embd", 768))),
         "scale_attn_weights": (cfg.get("scale_attn_weights", True), (True,)),
         "scale_attn_by_inverse_layer_idx": (cfg.get("scale_attn_by_inverse_layer_idx", False), (False,)),
-        "tie_word_embeddings": (cfg.get("tie_word_embeddings", True), (True,)),
     }
     for field, (value, allowed) in checks.items():
         if value not in allowed:
@@ -95,6 +100,7 @@ def config_from_hf(cfg: dict, where: str = "config.json") -> GPTConfig:
             n_head=cfg.get("n_head", 12),
             n_embd=cfg.get("n_embd", 768),
             layer_norm_epsilon=cfg.get("layer_norm_epsilon", 1e-5),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
             **{k: cfg.get(k, 0.1) for k in PDROP},  # transformers' GPT2Config default is 0.1
         )
     except ValueError as e:
@@ -123,7 +129,7 @@ def config_to_hf(config: GPTConfig, dtype: torch.dtype) -> dict:
         "scale_attn_weights": True,
         "bos_token_id": eot,
         "eos_token_id": eot,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": config.tie_embeddings,
         "use_cache": True,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
@@ -135,7 +141,8 @@ def build_model(config: GPTConfig, sd: dict[str, torch.Tensor], where: str) -> G
     """A GPT holding exactly the tensors of ``sd`` (gpt2lab names), without a random init first."""
     with torch.device("meta"):
         model = GPT(config)  # no memory, no init: every tensor comes from sd
-    expected = {k for k in model.state_dict() if k != "lm_head.weight"}
+    tied = config.tie_embeddings
+    expected = {k for k in model.state_dict() if k != "lm_head.weight" or not tied}
     missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
     if missing or unexpected:
         raise WeightsError(f"{where}: weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
@@ -143,10 +150,11 @@ def build_model(config: GPTConfig, sd: dict[str, torch.Tensor], where: str) -> G
         if key in sd and sd[key].shape != t.shape:
             raise WeightsError(f"{where}: {key} has shape {tuple(sd[key].shape)}, config needs {tuple(t.shape)}")
     full = {k: v.contiguous() for k, v in sd.items()}
-    full["lm_head.weight"] = full["transformer.wte.weight"]
+    if tied:
+        full["lm_head.weight"] = full["transformer.wte.weight"]
     model.load_state_dict(full, assign=True)
-    # assign=True installs two separate Parameters for the tied pair; tie them again.
-    model.lm_head.weight = model.transformer.wte.weight
+    if tied:  # assign=True installs two separate Parameters for the tied pair; tie them again.
+        model.lm_head.weight = model.transformer.wte.weight
     return model.eval()
 
 
@@ -174,7 +182,8 @@ def load_files(config_path: str, weights_path: str) -> GPT:
         sd = _read_weights(weights_path)
     except (OSError, ValueError, RuntimeError, KeyError) as e:
         raise WeightsError(f"cannot read {config_path} / {weights_path}: {e}") from e
-    return build_model(config_from_hf(cfg, config_path), from_hf_state_dict(sd), weights_path)
+    config = config_from_hf(cfg, config_path)
+    return build_model(config, from_hf_state_dict(sd, config.tie_embeddings), weights_path)
 
 
 def from_hf_dir(path: str) -> GPT:
@@ -228,6 +237,26 @@ def hub_files(name: str) -> tuple[str, str]:
 
 # ---------------------------------------------------------------- export
 
+def unexportable(config: GPTConfig) -> list[str]:
+    """The modern-block fields (as ``field=value``) that HF's GPT-2 cannot compute.
+
+    GPT2LMHeadModel has learned positions, LayerNorm, GELU (tanh), no QK-norm and no logit
+    softcap; an untied head it has (tie_word_embeddings false). zero_init_proj only sets
+    the initial weights, and rope_theta matters only with rotary positions.
+    """
+    ignored = {"tie_embeddings", "zero_init_proj"} | ({"rope_theta"} if config.pos_emb != "rotary" else set())
+    return [f"{k}={v}" for k, v in config.modern().items() if k not in ignored]
+
+
+def check_exportable(config: GPTConfig) -> None:
+    """One line (a UsageError, exit 2) when no Hugging Face GPT-2 computes this model's logits."""
+    bad = unexportable(config)
+    if bad:
+        raise UsageError(f"export writes Hugging Face GPT-2, which cannot compute this model ({', '.join(bad)}); "
+                         "nothing was written. sample, serve and eval run it natively; to export, train "
+                         "without those fields")
+
+
 def _write_tokenizer(out: str, block_size: int) -> None:
     """GPT-2 tokenizer files in HF layout: its vocab.json is OpenAI's encoder.json, merges.txt its vocab.bpe."""
     shutil.copyfile(asset_path("encoder.json"), os.path.join(out, "vocab.json"))
@@ -235,12 +264,8 @@ def _write_tokenizer(out: str, block_size: int) -> None:
     special = {"bos_token": EOT_TOKEN, "eos_token": EOT_TOKEN, "unk_token": EOT_TOKEN}
     tok_config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": block_size,
                   "add_prefix_space": False, **special}
-    _write_json(os.path.join(out, "tokenizer_config.json"), tok_config)
-    _write_json(os.path.join(out, "special_tokens_map.json"), special)
-
-
-def _write_json(path: str, obj: dict) -> None:
-    write_json(path, obj)
+    write_json(os.path.join(out, "tokenizer_config.json"), tok_config)
+    write_json(os.path.join(out, "special_tokens_map.json"), special)
 
 
 def save_pretrained(model: GPT, out_dir: str) -> None:
@@ -253,6 +278,7 @@ def save_pretrained(model: GPT, out_dir: str) -> None:
     """
     from safetensors.torch import save_file
 
+    check_exportable(model.config)
     out_dir = os.path.abspath(out_dir)
     replace = _check_export_target(out_dir)
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
@@ -260,11 +286,11 @@ def save_pretrained(model: GPT, out_dir: str) -> None:
         sd = to_hf_state_dict(model)
         dtype = sd["transformer.wte.weight"].dtype
         save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        _write_json(os.path.join(tmp, "config.json"), config_to_hf(model.config, dtype))
+        write_json(os.path.join(tmp, "config.json"), config_to_hf(model.config, dtype))
         eot = EOT_ID if model.config.real_vocab_size > EOT_ID else None
-        _write_json(os.path.join(tmp, "generation_config.json"), {"bos_token_id": eot, "eos_token_id": eot})
+        write_json(os.path.join(tmp, "generation_config.json"), {"bos_token_id": eot, "eos_token_id": eot})
         _write_tokenizer(tmp, model.config.block_size)
-        _write_json(os.path.join(tmp, EXPORT_MARKER), {"format": "gpt2lab-hf-export", "version": 1,
+        write_json(os.path.join(tmp, EXPORT_MARKER), {"format": "gpt2lab-hf-export", "version": 1,
                                                        "files": list(EXPORT_FILES)})
 
 

@@ -7,10 +7,10 @@ from typing import Optional
 
 import torch
 
+from gpt2lab.model.config import HUB_NAMES
 from gpt2lab.weights.hf import WEIGHT_FILES
 from gpt2lab.model.gpt import GPT
 
-HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
 
 def is_hf_dir(path: str) -> bool:

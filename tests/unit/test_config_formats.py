@@ -22,8 +22,9 @@ from gpt2lab.train.config import (ConfigError, TrainConfig, add_config_flags, lo
                             overrides_from_args, tomllib)
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.data.tokenizer import get_tokenizer
+from conftest import DATA
 
-V1_RUN = Path(__file__).parent / "data" / "v1_run"
+V1_RUN = DATA / "v1_run"
 V1_CKPT = V1_RUN / "checkpoints" / "step_000003"
 # The fixture's architecture, as make_v1_run.sh asked for it (written here by hand, not read).
 V1_MODEL = GPTConfig(n_layer=2, n_head=2, n_embd=4, block_size=16, vocab_size=50304, token_vocab_size=50257)

@@ -248,3 +248,17 @@ def test_wiki_cpu_pair_differs_only_in_recipe_and_half_the_steps():
     assert faithful.model == load_preset("shakespeare-cpu", n_layer=4, n_head=4, n_embd=192).model  # GPT-2 block
     fast124 = load_preset("gpt2-124m-fast")
     assert fast124.optimizer == "muon" and fast124.total_batch_tokens == load_preset("gpt2-124m").total_batch_tokens
+
+
+def test_split_of_the_modern_block():
+    """Rotary (no wpe), RMSNorm gains, an untied head: Muon still gets exactly the blocks' matrices."""
+    model = _model(pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2", tie_embeddings=False,
+                   zero_init_proj=True, logit_softcap=15.0)
+    names = {id(p): n for n, p in model.named_parameters()}
+    role = {r: sorted(names[id(p)] for p in ps) for r, ps in muon_split(model).items()}
+    assert role["embed"] == ["transformer.wte.weight"] and role["head"] == ["lm_head.weight"]
+    assert len(role["hidden"]) == 4 * 2 and all(n.startswith("transformer.h.") for n in role["hidden"])
+    assert all(names_p.endswith(".weight") and "ln" in names_p or names_p.endswith(".bias") for names_p in role["other"])
+    fast = load_preset("wiki-cpu-fast").model
+    assert (fast.pos_emb, fast.norm, fast.qk_norm, fast.mlp_act, fast.tie_embeddings, fast.zero_init_proj,
+            fast.logit_softcap) == ("rotary", "rmsnorm", True, "relu2", False, True, 15.0)

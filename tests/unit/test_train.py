@@ -14,6 +14,7 @@ from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.train.optim import make_optimizer
 from gpt2lab.train.trainer import Trainer, TrainingError, accumulate_gradients
+from conftest import DATA
 
 CPU = torch.device("cpu")
 # The first 10 train losses of _trainer(...) below, recorded with torch 2.13 on CPU (fp32).
@@ -169,7 +170,7 @@ def test_run_logs_val_hellaswag_samples_tensorboard_and_plot(tiny_data, tmp_path
     from gpt2lab.weights.load import load_model
     from gpt2lab.train.trainer import train
 
-    slice_ = str(Path(__file__).parent / "data" / "hellaswag_val_200.jsonl")
+    slice_ = str(DATA / "hellaswag_val_200.jsonl")
     out = tmp_path / "run"
     cfg = load_preset("shakespeare-cpu", **{**TINY, "data": tiny_data, "out": str(out), "max_steps": 4,
                                             "eval_interval": 2, "eval_tokens": 2 * 64, "hellaswag_interval": 4,

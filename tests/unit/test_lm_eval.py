@@ -12,10 +12,11 @@ import os
 
 import pytest
 import torch
+from conftest import DATA
 
 lm_eval = pytest.importorskip("lm_eval")
 
-SLICE = os.path.join(os.path.dirname(__file__), "data", "hellaswag_val_200.jsonl")
+SLICE = str(DATA / "hellaswag_val_200.jsonl")
 N = 20
 
 TASK_YAML = """\

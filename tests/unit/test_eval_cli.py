@@ -10,8 +10,9 @@ import torch
 
 from gpt2lab.cli import main
 from gpt2lab.data.tokenizer import asset_path, get_tokenizer
+from conftest import DATA
 
-SLICE = os.path.join(os.path.dirname(__file__), "data", "hellaswag_val_200.jsonl")
+SLICE = str(DATA / "hellaswag_val_200.jsonl")
 
 
 def _last_json(out: str) -> dict:

@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 
 from train_utils import cli_args, env, run_train, tiny_data, train_cmd, train_losses  # noqa: F401
+from conftest import DATA
 
 
 # B=2, T=32: 256 tokens/step = 4 micro-steps on 1 process, 2 per rank on 2 processes. HellaSwag's 3
 # examples split 2 + 1 over two ranks (uneven work) and a sample is generated at the end.
 DIST_FIELDS = dict(total_batch_tokens=256, max_steps=4, eval_interval=2, eval_tokens=256, hellaswag_interval=4,
-                   hellaswag_data=str(Path(__file__).parent / "data" / "hellaswag_val_200.jsonl"),
+                   hellaswag_data=str(DATA / "hellaswag_val_200.jsonl"),
                    hellaswag_limit=3, sample_interval=4, sample_tokens=4)
 
 
@@ -157,9 +158,11 @@ def test_existing_run_needs_resume_flag(tiny_data, tmp_path, capsys):
     assert sorted(train_losses(tmp_path)) == [0, 1, 2]
 
 
-# Muon + AdamW (and the wsd schedule), fp32 Newton-Schulz so that this CPU runs it fast.
-MUON_FIELDS = dict(optimizer="muon", muon_lr=0.02, embed_lr=6e-3, lr_schedule="wsd", decay_frac=0.5,
-                   muon_ns_dtype="float32")
+# Muon + AdamW (and the wsd schedule) on the modern block (every switch on, so an untied head
+# has its own --head-lr), fp32 Newton-Schulz so that this CPU runs it fast.
+MUON_FIELDS = dict(optimizer="muon", muon_lr=0.02, embed_lr=6e-3, head_lr=4e-3, lr_schedule="wsd", decay_frac=0.5,
+                   muon_ns_dtype="float32", pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2",
+                   tie_embeddings=False, zero_init_proj=True, logit_softcap=15.0)
 
 
 def test_muon_ddp_two_processes_equal_one_with_double_accumulation(tiny_data, tmp_path):
@@ -196,7 +199,7 @@ def test_muon_kill_9_then_resume_equals_uninterrupted(tiny_data, tmp_path):
     for step in range(24):  # the Muon momentum and AdamW moments came back: bit for bit
         assert abs(again[step] - straight[step]) <= 1e-6, (step, again[step], straight[step])
     # resuming it as an AdamW run is one line naming the optimizers, exit 3
-    proc = subprocess.run(train_cmd(out=str(out), **{**fields, "optimizer": "adamw", "embed_lr": "none",
+    proc = subprocess.run(train_cmd(out=str(out), **{**fields, "optimizer": "adamw", "embed_lr": "none", "head_lr": "none",
                                                      "max_steps": 30}) + ["--resume", "auto"],
                           env=env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3, proc.stderr

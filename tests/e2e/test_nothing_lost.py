@@ -26,6 +26,7 @@ from gpt2lab.train.config import load_preset
 from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.system.errors import EXIT_CODES, DiskFullError
 from gpt2lab.train.trainer import train
+from conftest import ROOT
 
 CPU = torch.device("cpu")
 
@@ -211,7 +212,7 @@ def test_no_abbreviations_negative_values_and_documented_codes(capsys):
     assert main(["train", "--preset", "shakespeare-cpu", "--max-lr", "-1e-3"]) == 2
     assert "max_lr -0.001" in _one_line(capsys.readouterr().err)  # the value reached validation
     helptext = build_parser().format_help()
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
     for code in EXIT_CODES:
         assert f"  {code:3d}  " in helptext and f"| {code} |" in readme
 

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from train_utils import env
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_ladder_rungs_are_cumulative_and_timed():

@@ -13,8 +13,9 @@ from gpt2lab.evals import hellaswag as hs
 from gpt2lab.evals.hellaswag import Example, evaluate_hellaswag, load_examples, score_examples
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.data.tokenizer import get_tokenizer
+from conftest import DATA
 
-SLICE = os.path.join(os.path.dirname(__file__), "data", "hellaswag_val_200.jsonl")
+SLICE = str(DATA / "hellaswag_val_200.jsonl")
 VOCAB = 50257
 
 
