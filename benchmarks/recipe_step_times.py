@@ -1,0 +1,51 @@
+"""Step time of the wiki-cpu recipes, interleaved so that every recipe sees the same machine load:
+
+    PYTHONPATH=src python benchmarks/recipe_step_times.py --data data/wiki [--rounds 2]
+
+One ``Trainer`` per recipe (wiki-cpu; wiki-cpu-fast with the logit softcap at 15 and off; off
+with a tied head), one warm-up step each, then ``--rounds`` rounds of one step per recipe in
+turn. Prints each recipe's median ``dt_ms`` and every round's. Run directories go to a
+temporary folder this script makes and removes.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+
+import torch
+
+from gpt2lab.distributed.dist import DistInfo
+from gpt2lab.train.config import load_preset
+from gpt2lab.train.trainer import Trainer
+
+RECIPES = {
+    "wiki-cpu": ("wiki-cpu", {}),
+    "wiki-cpu-fast, softcap 15": ("wiki-cpu-fast", {"logit_softcap": 15.0}),
+    "wiki-cpu-fast (softcap off)": ("wiki-cpu-fast", {}),
+    "wiki-cpu-fast, tied head": ("wiki-cpu-fast", {"tie_embeddings": True}),
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", required=True, help="token shards made by gpt2lab prepare")
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        trainers = {name: Trainer(load_preset(preset, data=args.data, out=f"{tmp}/{i}", progress=False,
+                                              eval_interval=0, **changes), DistInfo(device=torch.device("cpu")))
+                    for i, (name, (preset, changes)) in enumerate(RECIPES.items())}
+        for t in trainers.values():
+            t.train_step()
+        times: dict[str, list[float]] = {name: [] for name in trainers}
+        for _ in range(args.rounds):
+            for name, t in trainers.items():
+                times[name].append(t.train_step()["dt_ms"])
+                t.step += 1
+    for name, ms in times.items():
+        print(f"{name}: median {statistics.median(ms):.0f} ms per step ({', '.join(f'{m:.0f}' for m in ms)})")
+
+
+if __name__ == "__main__":
+    main()
