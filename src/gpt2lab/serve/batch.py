@@ -105,8 +105,11 @@ class RowsCache:
         assert T == 1, "rows decode one token per step"
         return self._lengths[:, None]  # (rows, 1)
 
-    def mask(self, T: int, device: torch.device) -> torch.Tensor:
-        """(rows, 1, 1, longest + 1): row i sees its own positions 0..lengths[i] only."""
+    def mask(self, T: int, device: torch.device) -> Optional[torch.Tensor]:
+        """(rows, 1, 1, longest + 1): row i sees its own positions 0..lengths[i] only (None when
+        every row has the same length: then every key is its own)."""
+        if min(self.lengths) == self.pos:
+            return None
         keys = torch.arange(self.pos + 1, device=device)
         return (keys[None, :] <= self._lengths[:, None])[:, None, None, :]
 
@@ -144,6 +147,10 @@ class Row:
 class BatchWorker(Worker):
     """The default worker: continuous batching (see the module's docstring)."""
 
+    def _run(self) -> None:
+        with torch.inference_mode():  # the cache's buffers are inference tensors: every update in it
+            self._loop()
+
     def _loop(self) -> None:
         self.cache = RowsCache(self.model.config.n_layer, self.block_size)
         self.waiting: collections.deque[Job] = collections.deque()  # not yet started
@@ -162,7 +169,7 @@ class BatchWorker(Worker):
             self._drop_ended(time.monotonic())
             self._admit()
             try:
-                with torch.inference_mode(), autocast(self.device, self.dtype):
+                with autocast(self.device, self.dtype):
                     if self.prefill and len(self.decoding) < self.limits.max_batch:
                         self._prefill_step(self.prefill[0])
                     if self.decoding:
