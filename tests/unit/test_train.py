@@ -163,7 +163,6 @@ def test_fp16_scaler_survives_nan_steps_and_resume(tiny_data, tmp_path, monkeypa
 def test_run_logs_val_hellaswag_samples_tensorboard_and_plot(tiny_data, tmp_path):
     """A short run with every in-training evaluation on; the logged figures equal the
     standalone evaluators applied to the checkpoint the run saved at its last step."""
-    from pathlib import Path
 
     from gpt2lab.evals.hellaswag import evaluate_hellaswag
     from gpt2lab.evals.loss import evaluate_loss

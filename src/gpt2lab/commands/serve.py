@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from gpt2lab.commands import add_inference_dtype_flag
+from gpt2lab.serve.limits import Limits
 from gpt2lab.serve.models import load_workers, model_names
 
 
@@ -18,7 +20,35 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
     add_inference_dtype_flag(p)
+    d = Limits()
+    p.add_argument("--max-batch", type=int, default=d.max_batch,
+                   help=f"rows (prompt x sample streams) generated together per model (default {d.max_batch})")
+    p.add_argument("--max-queue", type=int, default=d.max_queue,
+                   help=f"requests waiting for a row; past it the server answers 429 at once (default {d.max_queue})")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                   help=f"the largest max_tokens a request may ask for (default {d.max_tokens})")
+    p.add_argument("--timeout", type=float, default=d.timeout_s,
+                   help=f"seconds a request may wait and run; past it, a 504 error (default {d.timeout_s:g})")
+    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
+                   help="prompt tokens run per step while other requests decode (long prompts take several "
+                        f"steps; default {d.prefill_chunk})")
+    p.add_argument("--deterministic", action="store_true",
+                   help="no batching: requests take turns token by token, each exactly as `gpt2lab sample` "
+                        "runs it (seeded requests reproduce `sample` bit for bit; the aggregate is one stream's)")
     p.set_defaults(func=run)
+
+
+def limits_from(args: argparse.Namespace) -> Limits:
+    """The flags as Limits; a value out of range is a UsageError (exit 2) naming the flag."""
+    from gpt2lab.system.errors import UsageError
+
+    for flag, value, low in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 1),
+                             ("--max-tokens", args.max_tokens, 1), ("--timeout", args.timeout, 1e-9),
+                             ("--prefill-chunk", args.prefill_chunk, 1)):
+        if value < low:
+            raise UsageError(f"{flag} {value}: must be {'positive' if low < 1 else f'at least {low}'}")
+    return Limits(max_batch=args.max_batch, max_queue=args.max_queue, max_tokens=args.max_tokens,
+                  timeout_s=args.timeout, prefill_chunk=args.prefill_chunk)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,10 +59,17 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise SystemExit(f"gpt2lab serve needs FastAPI and uvicorn ({e}); pip install 'gpt2lab[serve]'") from None
     names = model_names(args.model)  # a bad --model fails before any loading
-    workers = load_workers(args.model, args.device, args.dtype)
+    limits = limits_from(args)
+    workers = load_workers(args.model, args.device, args.dtype, limits, args.deterministic)
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"gpt2lab serve: {', '.join(names)} at http://{host}:{args.port}/ (API: /v1/completions, /v1/models)",
-          file=sys.stderr, flush=True)
+    mode = "requests in turns (--deterministic)" if args.deterministic else f"batches of up to {limits.max_batch} rows"
+    print(f"gpt2lab serve: {', '.join(names)} at http://{host}:{args.port}/ (API: /v1/completions, /v1/models, "
+          f"/metrics); {mode}, queue {limits.max_queue}", file=sys.stderr, flush=True)
+    access = logging.getLogger("gpt2lab.serve.access")  # one line per request on stderr
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
     try:
         uvicorn.run(create_app(workers), host=args.host, port=args.port, log_level="warning")
     finally:
