@@ -150,12 +150,18 @@ def test_batched_requests_draw_the_tokens_sample_draws(server, gpt2_vocab_export
     assert len(set(expected)) == len(cases)
 
 
-def test_batched_rows_give_the_unbatched_models_logits():
+MODERN = dict(pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2", tie_embeddings=False,
+              logit_softcap=15.0)
+
+
+@pytest.mark.parametrize("block", [{}, MODERN], ids=["gpt2", "modern"])
+def test_batched_rows_give_the_unbatched_models_logits(block):
     """RowsCache: rows of different lengths joining and leaving; every row's logits equal the
-    one-row forward of its whole sequence without a cache."""
+    one-row forward of its whole sequence without a cache (with rotary, each row is turned by
+    its own positions)."""
     from gpt2lab.serve.batch import RowsCache
 
-    model = tiny_gpt(seed=5, vocab_size=97, block_size=48)
+    model = tiny_gpt(seed=5, vocab_size=97, block_size=48, **block)
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (3, 9, 16)]
     cache = RowsCache(model.config.n_layer, model.config.block_size)
