@@ -25,7 +25,7 @@ from gpt2lab.cli import build_parser, main
 from gpt2lab.train.config import load_preset
 from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.system.errors import EXIT_CODES, DiskFullError
-from gpt2lab.train.trainer import train
+from gpt2lab.train.run import train
 from conftest import ROOT
 
 CPU = torch.device("cpu")
@@ -256,7 +256,7 @@ def test_ctrl_c_once_finishes_the_step_and_saves(tiny_data, tmp_path):
 def test_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(tiny_data, tmp_path, monkeypatch, capsys):
     from gpt2lab.train.trainer import Trainer, _stop_on_signals
 
-    trainer = Trainer(_cfg(tiny_data, tmp_path), DistInfo(device=CPU))
+    trainer = Trainer.from_config(_cfg(tiny_data, tmp_path), DistInfo(device=CPU))
     trainer.step = 1
     good = trainer.save()
     with _stop_on_signals(trainer):
