@@ -227,6 +227,9 @@ def claim(path: str, flag: str = "--out", what_next: str = "choose a new or empt
     """
     check(path, RUN, flag, what_next)
     created = not os.path.exists(path)
+    top = os.path.abspath(path)  # the outermost folder this call creates (parents of a new --out too)
+    while not os.path.exists(os.path.dirname(top)):
+        top = os.path.dirname(top)
     os.makedirs(path, exist_ok=True)
     try:
         _create_marker(path)
@@ -235,14 +238,15 @@ def claim(path: str, flag: str = "--out", what_next: str = "choose a new or empt
                 yield
             finally:
                 if created:  # while still holding the lock: no other run can be starting there
-                    _remove_if_untouched(path)
+                    _remove_if_untouched(path, top)
     except BaseException:
         if created:
-            _remove_if_untouched(path)
+            _remove_if_untouched(path, top)
         raise
 
 
-def _remove_if_untouched(path: str) -> None:
+def _remove_if_untouched(path: str, top: str) -> None:
+    """Remove the run directory (and the empty parents up to ``top``) if nothing but the marker was written."""
     try:
         if set(os.listdir(path)) <= {RUN_MARKER, LOCK_FILE}:
             info = _read_json(os.path.join(path, RUN_MARKER))
@@ -251,5 +255,9 @@ def _remove_if_untouched(path: str) -> None:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(os.path.join(path, name))
                 os.rmdir(path)
+                where = os.path.dirname(os.path.abspath(path))
+                while len(where) >= len(top) and not os.listdir(where):
+                    os.rmdir(where)
+                    where = os.path.dirname(where)
     except OSError:
         pass

@@ -45,12 +45,16 @@ def start(request: Request, info: DistInfo, dry_run: bool = False,
     """Steps 1-2 on rank 0, the plan on every rank; the lock goes on ``stack`` (held until it closes)."""
     def decide() -> RunPlan:
         out = request.out
+        facts = machine_facts(info, str(request.values.get("dtype", "auto")), dry_run)
         if dry_run:
             rundir.check(out, rundir.RUN, flag="--out", what_next=_WHAT_NEXT)  # read-only
+            who = rundir.holder(out)
+            if who is not None:
+                print(f"gpt2lab train: note: {out} is in use by a live run ({rundir.describe(who)}); "
+                      "a real start would be refused", file=sys.stderr, flush=True)
         else:
             stack.enter_context(rundir.claim(out, flag="--out", what_next=_WHAT_NEXT))
-        dtype = str(request.values.get("dtype", "auto"))
-        return make_plan(request, machine_facts(info, dtype, dry_run))
+        return make_plan(request, facts)
 
     return decided_on_rank_0(decide)
 
@@ -114,7 +118,3 @@ def _run(plan: RunPlan, info: DistInfo) -> Optional[str]:
         raise Stopped(f"stopped by {signal.Signals(trainer.stop_signal).name} at step {trainer.step}; "
                       f"resume with --resume auto (last checkpoint {last})", trainer.stop_signal)
     return last
-
-
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
