@@ -183,9 +183,15 @@ def describe(who: dict) -> str:
 
 
 def live_note(path: str) -> Optional[str]:
-    """A line for readers of a live run (report, plot, sample), or None when no run holds it."""
-    who = holder(path)
-    return None if who is None else f"{path} is a live run ({describe(who)}): reading what it has written so far"
+    """A line for readers of a live run (report, plot, sample), or None when no run holds it.
+
+    ``path`` is a run directory or one of its checkpoints (``RUN/checkpoints/step_N``).
+    """
+    for run in (path, os.path.dirname(os.path.dirname(os.path.abspath(path)))):
+        who = holder(run)
+        if who is not None:
+            return f"{run} is a live run ({describe(who)}): reading what it has written so far"
+    return None
 
 
 @contextlib.contextmanager
