@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import DATA, run_gpt2lab
+from conftest import DATA
 from train_utils import cli_args, env, tiny_data, train_cmd  # noqa: F401  (tiny_data is a fixture)
 
 from gpt2lab import cli
@@ -100,34 +100,34 @@ def test_lock_is_held_by_a_live_process_and_freed_by_kill_9(tmp_path):
 
 
 @pytest.mark.slow
-def test_second_train_refuses_readers_say_live_and_kill_9_then_resume(tiny_data, tmp_path):
-    """Real `gpt2lab train` processes: the second refuses at once naming the first; report and
-    sample read the live run; after kill -9 of the first, a new run on the directory starts."""
+def test_second_train_refuses_readers_say_live_and_kill_9_then_resume(tiny_data, tmp_path, capsys):
+    """A real `gpt2lab train` process holds the run; this process is the second train (refused at
+    once, naming the first), report and sample (they read the live run); after kill -9 of the
+    first, a new run on the directory starts and resumes from its last checkpoint."""
     run = tmp_path / "run"
     first = subprocess.Popen(train_cmd(data=tiny_data, out=str(run), max_steps=100000, ckpt_interval=2,
                                        keep_checkpoints=2), env=env(), stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)
+    argv = ["train", "--preset", "shakespeare-cpu"]
     try:
         deadline = time.monotonic() + 120
-        while not list((run / "checkpoints").glob("step_*")) if (run / "checkpoints").exists() else True:
+        while not (run / "checkpoints").is_dir() or not list((run / "checkpoints").glob("step_*")):
             assert first.poll() is None and time.monotonic() < deadline, first.stderr.read() if first.poll() else ""
             time.sleep(0.2)
-        second = subprocess.run(train_cmd(data=tiny_data, out=str(run), max_steps=3), env=env(),
-                                capture_output=True, text=True, timeout=120)
-        assert second.returncode == 2, second.stderr
-        line = _one_line(second.stderr)
-        assert f"is in use by another run (pid {first.pid} on " in line
-        report = run_gpt2lab("report", str(run), "--out", str(tmp_path / "report.html"), env=env())
-        assert report.returncode == 0 and f"lock held by pid {first.pid}" in report.stdout, report.stderr
-        sample = run_gpt2lab("sample", "--model", str(run), "--max-new-tokens", "2", "--device", "cpu",
-                             "--dtype", "float32", env=env())
-        assert sample.returncode == 0 and f"is a live run (pid {first.pid}" in sample.stderr, sample.stderr
+        t0 = time.monotonic()
+        assert cli.main([*argv, *cli_args(data=tiny_data, out=str(run), max_steps=3)]) == 2
+        assert time.monotonic() - t0 < 10  # at once: no waiting for the holder
+        assert f"is in use by another run (pid {first.pid} on " in _one_line(capsys.readouterr().err)
+        assert cli.main(["report", str(run), "--out", str(tmp_path / "report.html")]) == 0
+        assert f"lock held by pid {first.pid}" in capsys.readouterr().out
+        assert cli.main(["sample", "--model", str(run), "--max-new-tokens", "2", "--device", "cpu",
+                         "--dtype", "float32"]) == 0
+        assert f"is a live run (pid {first.pid}" in capsys.readouterr().err
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
     steps = sorted(int(p.name[5:]) for p in (run / "checkpoints").glob("step_*"))
-    again = subprocess.run(train_cmd(data=tiny_data, out=str(run), max_steps=steps[-1] + 1) + ["--resume", "auto"],
-                           env=env(), capture_output=True, text=True, timeout=120)
-    assert again.returncode == 0, again.stderr
+    assert cli.main([*argv, *cli_args(data=tiny_data, out=str(run), max_steps=steps[-1] + 1),
+                     "--resume", "auto"]) == 0
     info = json.loads((run / "run_info.json").read_text())
     assert info["resumed_from"].endswith(f"step_{steps[-1]:06d}") and rundir.holder(str(run)) is None
