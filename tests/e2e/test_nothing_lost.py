@@ -159,7 +159,8 @@ def test_cut_metrics_line_is_dropped_with_a_warning(run_copy, tiny_data, tmp_pat
         train(_cfg(tiny_data, run_copy, max_steps=5), DistInfo(device=CPU), "auto")
     assert sorted(train_losses(run_copy)) == [0, 1, 2, 3, 4]
     fresh = tmp_path / "fresh"
-    fresh.mkdir()
+    fresh.mkdir()  # a run killed at its first steps: its mark (system.rundir), a cut metrics line, no checkpoint
+    (fresh / "run_info.json").write_text('{"format": "gpt2lab-run", "version": 1}\n')
     (fresh / "metrics.jsonl").write_text('{"step": 0, "train_loss": 1.0}\n{"step": 1, "tr')
     with pytest.warns(UserWarning, match="metrics.jsonl: dropped 1"):
         train(_cfg(tiny_data, fresh, max_steps=1), DistInfo(device=CPU))
@@ -221,7 +222,7 @@ def test_ctrl_c_during_startup_is_one_line(monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("gpt2lab.commands.train._config", interrupted)
+    monkeypatch.setattr("gpt2lab.commands.train._request", interrupted)
     assert main(["train", "--preset", "shakespeare-cpu"]) == 130
     assert _one_line(capsys.readouterr().err) == "gpt2lab train: interrupted"
 

@@ -87,6 +87,8 @@ def inspect(path: str) -> Found:
     config = _read_json(os.path.join(path, "config.json")) if "config.json" in entries else None
     if config is not None and {"max_steps", "micro_batch_size"} <= set(config):
         return Found(RUN, entries)  # a run killed before it wrote run_info.json (older versions)
+    if "checkpoints" in entries and _has_run_checkpoint(os.path.join(path, "checkpoints")):
+        return Found(RUN, entries)  # a run's checkpoints alone (copied, or of an older version)
     if config is not None and "model_type" in config:
         return Found("hf_model", entries)
     return Found("foreign", entries)
@@ -99,6 +101,18 @@ def what(found: Found) -> str:
     if found.kind == "hf_model":
         return "a Hugging Face model directory (config.json with model_type), not written by gpt2lab"
     return f"files that gpt2lab did not write ({len(found.entries)} entries: {found.shown()})"
+
+
+def _has_run_checkpoint(folder: str) -> bool:
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith("step_")]
+    except OSError:
+        return False
+    for name in names:
+        config = _read_json(os.path.join(folder, name, "config.json"))
+        if config is not None and {"max_steps", "micro_batch_size"} <= set(config):
+            return True
+    return False
 
 
 def refusal(path: str, found: Found, flag: str, what_next: str) -> DirectoryError:
