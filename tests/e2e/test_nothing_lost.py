@@ -25,7 +25,7 @@ from gpt2lab.cli import build_parser, main
 from gpt2lab.train.config import load_preset
 from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.system.errors import EXIT_CODES, DiskFullError
-from gpt2lab.train.trainer import train
+from gpt2lab.train.run import train
 from conftest import ROOT
 
 CPU = torch.device("cpu")
@@ -159,7 +159,8 @@ def test_cut_metrics_line_is_dropped_with_a_warning(run_copy, tiny_data, tmp_pat
         train(_cfg(tiny_data, run_copy, max_steps=5), DistInfo(device=CPU), "auto")
     assert sorted(train_losses(run_copy)) == [0, 1, 2, 3, 4]
     fresh = tmp_path / "fresh"
-    fresh.mkdir()
+    fresh.mkdir()  # a run killed at its first steps: its mark (system.rundir), a cut metrics line, no checkpoint
+    (fresh / "run_info.json").write_text('{"format": "gpt2lab-run", "version": 1}\n')
     (fresh / "metrics.jsonl").write_text('{"step": 0, "train_loss": 1.0}\n{"step": 1, "tr')
     with pytest.warns(UserWarning, match="metrics.jsonl: dropped 1"):
         train(_cfg(tiny_data, fresh, max_steps=1), DistInfo(device=CPU))
@@ -221,7 +222,7 @@ def test_ctrl_c_during_startup_is_one_line(monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("gpt2lab.commands.train._config", interrupted)
+    monkeypatch.setattr("gpt2lab.commands.train._request", interrupted)
     assert main(["train", "--preset", "shakespeare-cpu"]) == 130
     assert _one_line(capsys.readouterr().err) == "gpt2lab train: interrupted"
 
@@ -256,7 +257,7 @@ def test_ctrl_c_once_finishes_the_step_and_saves(tiny_data, tmp_path):
 def test_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(tiny_data, tmp_path, monkeypatch, capsys):
     from gpt2lab.train.trainer import Trainer, _stop_on_signals
 
-    trainer = Trainer(_cfg(tiny_data, tmp_path), DistInfo(device=CPU))
+    trainer = Trainer.from_config(_cfg(tiny_data, tmp_path), DistInfo(device=CPU))
     trainer.step = 1
     good = trainer.save()
     with _stop_on_signals(trainer):

@@ -58,7 +58,7 @@ def offline(tmp_path, monkeypatch):
 
 
 def test_offline_run_files_hold_the_metrics_and_a_resume_continues_the_run(offline, tiny_data, tmp_path):
-    from gpt2lab.train.trainer import train
+    from gpt2lab.train.run import train
 
     out = tmp_path / "run"
     fields = {**TINY, "data": tiny_data, "out": str(out), "eval_interval": 2, "eval_tokens": 128,

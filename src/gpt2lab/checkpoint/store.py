@@ -376,13 +376,15 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
-def load_model(path: str) -> GPT:
+def load_model(path: str, verified: bool = False) -> GPT:
     """The GPT of a run directory (newest checkpoint) or of one checkpoint directory.
 
     A LoRA run's adapters are merged into the weights (a plain GPT comes back).
+    ``verified``: its checksums were just checked (train's plan, which hashes once).
     """
     ckpt = resolve(path)
-    verify(ckpt)
+    if not verified:
+        verify(ckpt)
     config = read_config(ckpt)
     try:
         model = GPT(model_from_config(config, f"{ckpt}/config.json"))

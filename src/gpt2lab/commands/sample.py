@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     device = pick_device(args.device)
     model = load_for_inference(args.model, device)  # a bad --model fails before any other output
+    _say_if_live(args.model)
     dtype = inference_dtype(device, args.dtype, "gpt2lab sample")
     ids = _prompt_ids(args.prompt, model.config.real_vocab_size)
     generator = seeded_generator(device, args.seed)
@@ -69,6 +70,17 @@ def run(args: argparse.Namespace) -> int:
         with autocast(device, dtype):
             _stream_one(model, ids, args, generator)
     return 0
+
+
+def _say_if_live(model: str) -> None:
+    """A run still training: say so (its newest checkpoint is read, nothing written)."""
+    import os
+
+    from gpt2lab.system import rundir
+
+    note = rundir.live_note(model) if os.path.isdir(model) else None
+    if note:
+        print(f"gpt2lab sample: note: {note}", file=sys.stderr, flush=True)
 
 
 def _stream_one(model, ids: list[int], args: argparse.Namespace, generator: torch.Generator) -> None:

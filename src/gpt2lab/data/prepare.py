@@ -29,12 +29,13 @@ import numpy as np
 
 from gpt2lab.data.shards import ShardError, read_header, shard_name, write_shard
 from gpt2lab.data.sources import Document, Source, SourceError, as_text, resolve_source
+from gpt2lab.system import rundir
 from gpt2lab.system.errors import UsageError
 from gpt2lab.system.files import sweep_stale, write_json
 from gpt2lab.data.tokenizer import EOT_ID, GPT2_VOCAB_SIZE, get_tokenizer
 
-MANIFEST = "manifest.json"
-FORMAT = "gpt2lab-token-shards"
+MANIFEST = rundir.DATA_MARKER  # the directory's owner mark (system.rundir)
+FORMAT = rundir.DATA_FORMAT
 VERSION = 2  # 2: the val split is whole documents, per-file counts
 # Text per worker task: each message costs the main process ~1 ms, so big tasks; but a
 # small source still gets ~8 tasks per worker so the workers stay evenly loaded.
@@ -203,9 +204,15 @@ def _start_over(out: Path, manifest: Dict, settings: Dict, why: Optional[str]) -
 
 
 def _refuse_foreign_shards(out: Path) -> None:
-    found = sorted(p.name for p in out.glob("*.bin"))
-    if found:
-        raise ShardError(f"{out}: holds shards ({', '.join(found[:3])}) but no {MANIFEST}; "
+    """system.rundir's rule: not another kind of gpt2lab directory (a run, an export), and no
+    shards without a manifest; other files may stay beside the shards, as they always could."""
+    found = rundir.inspect(str(out))
+    shards = sorted(p.name for p in out.glob("*.bin"))
+    if found.kind in (rundir.RUN, rundir.EXPORT, "hf_model"):
+        raise ShardError(f"{out}: holds {rundir.what(found)}, not token shards; nothing was written there; "
+                         "use an empty --out directory")
+    if shards:
+        raise ShardError(f"{out}: holds shards ({', '.join(shards[:3])}) but no {MANIFEST}; "
                          "use an empty --out directory")
 
 

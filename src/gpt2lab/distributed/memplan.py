@@ -123,7 +123,7 @@ def predict(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro
     check(strategy, world_size, micro_batch, dtype, accum, device)
     peak = max(phases(cfg, strategy=strategy, world_size=world_size, micro_batch=micro_batch, seq_len=seq_len,
                       dtype=dtype, activation_checkpointing=activation_checkpointing, accum=accum,
-                      chunked_loss=used_for(device, compiled) or strategy == "fsdp"),
+                      chunked_loss=used_for(device, compiled, sharded=strategy == "fsdp")),
                key=lambda ph: ph.total)
     peak.terms["runtime"] = runtime_bytes(device)
     # On CPU the peak RSS exceeds the peak of live tensors by about one more chunked-loss
