@@ -83,7 +83,7 @@ def block_saved_bytes(tokens: int, C: int, n_head: int, resid: int, act: int) ->
     ``.contiguous()`` after the transpose copies nothing), ln_2's input (resid), c_fc's
     input (act), GELU's input (4 act) and c_proj's input (4 act, GELU's output). Per
     token: two LayerNorms' mean and rstd and SDPA's logsumexp per head, fp32. Dropout at
-    p=0 saves nothing. (tests/test_memplan.py counts the saved tensors of a real Block.)
+    p=0 saves nothing. (tests/unit/test_memplan.py counts the saved tensors of a real Block.)
     """
     return tokens * (C * (2 * resid + 14 * act) + 4 * FP32 + n_head * FP32)
 

@@ -1,7 +1,7 @@
 """The training loss without materialising the (B*T, vocab) logits: chunked, fused, exact.
 
 ``GPT.forward(idx, targets, return_logits=False)`` calls ``chunked_cross_entropy``; it
-equals ``F.cross_entropy(x @ W.T, targets)`` (tests/test_train_loss.py) and is faster and
+equals ``F.cross_entropy(x @ W.T, targets)`` (tests/unit/test_train_loss.py) and is faster and
 smaller, because it never holds fp32 logits and computes both gradients in its forward.
 """
 from __future__ import annotations

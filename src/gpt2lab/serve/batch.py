@@ -16,7 +16,7 @@ steps the worker lets rows join and leave:
 
 Sampling is per row with completion.py's functions: its own generator, temperature, top-k,
 top-p, stop strings and token counts. A row's logits are those of the unbatched model up to
-float rounding (tests/test_serve.py checks them against the one-row forward): a batched
+float rounding (tests/unit/test_serve.py checks them against the one-row forward): a batched
 matmul may round differently, so a seeded request can in rare cases draw another token than
 ``gpt2lab sample``; ``--deterministic`` (engine.TurnsWorker) keeps exact equality.
 """
