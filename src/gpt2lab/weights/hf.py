@@ -179,9 +179,17 @@ def load_files(config_path: str, weights_path: str) -> GPT:
     try:
         with open(config_path) as f:
             cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise WeightsError(f"{config_path}: not a readable JSON config ({e}); restore the file (download or "
+                           "export the model again)") from e
+    if not isinstance(cfg, dict):
+        raise WeightsError(f"{config_path}: holds {type(cfg).__name__}, not a JSON object; restore the file")
+    try:
         sd = _read_weights(weights_path)
-    except (OSError, ValueError, RuntimeError, KeyError) as e:
-        raise WeightsError(f"cannot read {config_path} / {weights_path}: {e}") from e
+    except Exception as e:  # safetensors' SafetensorError shares no base with OSError/ValueError
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise WeightsError(f"{weights_path}: cannot be read ({why}); the file is damaged or cut short: "
+                           "download or export the model again") from e
     config = config_from_hf(cfg, config_path)
     return build_model(config, from_hf_state_dict(sd, config.tie_embeddings), weights_path)
 
