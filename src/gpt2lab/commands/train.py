@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from gpt2lab.train.config import (ConfigError, TrainConfig, add_config_flags, overrides_from_args, preset_names,
-                            preset_values)
+from gpt2lab.train.config import (ConfigError, TrainConfig, add_config_flags, config_file_values,
+                                  overrides_from_args, preset_names, preset_values)
 
 
 def add_parser(sub) -> None:
@@ -13,7 +13,11 @@ def add_parser(sub) -> None:
         description="Train from a preset; every config field is a flag. Several processes: "
                     "torchrun --standalone --nproc_per_node=N -m gpt2lab train ...",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--preset", required=True, metavar="NAME", help=f"one of: {', '.join(preset_names())}")
+    start = p.add_mutually_exclusive_group(required=True)
+    start.add_argument("--preset", metavar="NAME", help=f"one of: {', '.join(preset_names())}")
+    start.add_argument("--config", metavar="FILE.toml",
+                       help='your own settings: a TOML file with the presets\' keys; base = "PRESET" starts '
+                            "from a packaged preset")
     p.add_argument("--resume", default=None, metavar="auto|PATH",
                    help="auto: continue from the newest intact checkpoint in --out (fresh start if none); "
                         "PATH: a run directory or a checkpoint directory")
@@ -47,7 +51,8 @@ def _config(args: argparse.Namespace) -> TrainConfig:
         raise ConfigError(f"--init-from {overrides['init_from']} and --resume {args.resume} both given: "
                           "--init-from starts a new run from those weights (fresh optimizer, step 0), "
                           "--resume continues a run where it stopped; pass one of them")
-    values = {**preset_values(args.preset), **overrides}
+    values = {**(preset_values(args.preset) if args.preset else config_file_values(args.config)), **overrides}
+    source = f"preset {args.preset!r}" if args.preset else args.config
     if values.get("init_from") or args.resume:
         from gpt2lab.train.init_from import ARCH_FIELDS, source_arch, started_from
 
@@ -59,4 +64,4 @@ def _config(args: argparse.Namespace) -> TrainConfig:
             values.update(init_from=resume[1], **source_arch(resume[0], explicit, flag="--resume"))
         elif values.get("init_from"):
             values.update(source_arch(values["init_from"], explicit))
-    return TrainConfig.from_dict(values, source=f"preset {args.preset!r} with overrides")
+    return TrainConfig.from_dict(values, source=f"{source} with overrides")

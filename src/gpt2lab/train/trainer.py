@@ -29,6 +29,7 @@ from gpt2lab.distributed.dist import DistInfo, all_reduce_mean, autocast, decide
 from gpt2lab.system.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, GPT2LabError, RunDiverged
 from gpt2lab.system.files import sweep_stale
 from gpt2lab.train.init_from import adapt_config, load_into
+from gpt2lab.train import preflight
 from gpt2lab.observe.metrics import MetricsLogger, run_info
 from gpt2lab.system.files import write_json
 from gpt2lab.model.gpt import GPT
@@ -447,6 +448,8 @@ def train(cfg: TrainConfig, info: DistInfo, resume: Optional[str] = None) -> Opt
     resume = decided_on_rank_0(lambda: _resolve_resume(cfg, resume))
     if cfg.init_from and not resume:
         cfg = adapt_config(cfg)  # SRC checked before any work; a conflicting architecture is an error
+    preflight.check_resume(cfg, resume)
+    preflight.check_splits(cfg, info.world_size, info.is_main)
     _check_hellaswag(cfg)
     trainer = Trainer(cfg, info, resume, resume_verified=verified)
     cfg = trainer.cfg  # with where the weights came from
