@@ -113,3 +113,27 @@ def test_sample_with_tiny_temperature_or_top_p_prints_the_greedy_text(gpt2_vocab
     greedy = capsys.readouterr().out
     assert cli.main(argv + [flag, value]) == 0
     assert capsys.readouterr().out == greedy
+
+
+def test_port_in_use_is_one_line_and_exit_2(gpt2_vocab_export, capsys):
+    import socket
+
+    _, d = gpt2_vocab_export
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        assert cli.main(["serve", "--model", d, "--device", "cpu", "--port", str(port)]) == 2
+    finally:
+        holder.close()
+    assert capsys.readouterr().err.splitlines() == [
+        f"gpt2lab serve: --port {port} on 127.0.0.1 is in use (another server?); stop it or pick another --port"]
+
+
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_port_out_of_range_is_one_line_and_exit_2(gpt2_vocab_export, capsys, port):
+    _, d = gpt2_vocab_export
+    assert cli.main(["serve", "--model", d, "--device", "cpu", "--port", port]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"gpt2lab serve: --port {port}: must be 0 to 65535 (0 lets the system pick a free one)"]
