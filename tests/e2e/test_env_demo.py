@@ -26,6 +26,7 @@ def test_env_prints_the_fields_a_bug_report_needs():
     probe = runtime.Probe(info["matmul_fp32_gflops"], info["matmul_bf16_gflops"])
     facts = runtime.Facts("cpu", cpu_flags=tuple(info["cpu_flags"]), probe=probe)
     assert info["auto_dtype"] == runtime.choose_dtype("auto", facts).value
+    assert info["auto_muon_ns_dtype"] == runtime.choose_ns_dtype("auto", facts).value
     assert info["extras"]["transformers"]  # a test dependency, so installed here
     text = run_gpt2lab("env", "--device", "cpu", env=env())
     assert re.search(r"^auto_dtype:\s+(float32|bfloat16)$", text.stdout, re.M), text.stdout

@@ -156,3 +156,51 @@ def test_existing_run_needs_resume_flag(tiny_data, tmp_path, capsys):
     assert "already has checkpoints; continue it with --resume auto" in capsys.readouterr().err
     assert main(argv + ["--resume", "auto", "--max-steps", "3"]) == 0
     assert sorted(train_losses(tmp_path)) == [0, 1, 2]
+
+
+# Muon + AdamW (and the wsd schedule) on the modern block (every switch on, so an untied head
+# has its own --head-lr), fp32 Newton-Schulz so that this CPU runs it fast.
+MUON_FIELDS = dict(optimizer="muon", muon_lr=0.02, embed_lr=6e-3, head_lr=4e-3, lr_schedule="wsd", decay_frac=0.5,
+                   muon_ns_dtype="float32", pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2",
+                   tie_embeddings=False, zero_init_proj=True, logit_softcap=15.0)
+
+
+def test_muon_ddp_two_processes_equal_one_with_double_accumulation(tiny_data, tmp_path):
+    fields = dict(data=tiny_data, **DIST_FIELDS, **MUON_FIELDS)
+    run_train(out=str(tmp_path / "one"), **fields)
+    proc = _torchrun(tmp_path / "ddp", strategy="ddp", **fields)
+    assert "2 process(es), 2 micro-steps/step" in proc.stdout
+    one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "ddp")
+    assert sorted(one) == sorted(two) == [0, 1, 2, 3]
+    for step in one:
+        assert abs(one[step] - two[step]) < 1e-5, (step, one[step], two[step])
+    assert one[3] < one[0]
+    val_one, val_two = _val(tmp_path / "one"), _val(tmp_path / "ddp")
+    assert all(abs(val_one[s] - val_two[s]) < 1e-5 for s in val_one)
+    choices = json.loads((tmp_path / "ddp" / "run_info.json").read_text())["choices"]
+    assert choices["muon_ns_dtype"] == "float32" and choices["muon_ns_dtype_reason"] == "asked for with --muon-ns-dtype"
+
+
+def test_muon_kill_9_then_resume_equals_uninterrupted(tiny_data, tmp_path):
+    fields = dict(data=tiny_data, max_steps=24, ckpt_interval=6, keep_checkpoints=2, keep_cpu_memory=True,
+                  **MUON_FIELDS)
+    run_train(out=str(tmp_path / "straight"), **fields)
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(train_cmd(out=str(out), **fields), env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    _wait_for(out / "checkpoints" / "step_000012", proc)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    assert max(train_losses(out)) < 23, "the run finished before it was killed"
+    resumed = run_train(out=str(out), resume="auto", **fields)
+    assert "resumed from" in resumed.stdout
+    straight, again = train_losses(tmp_path / "straight"), train_losses(out)
+    assert sorted(again) == list(range(24))
+    for step in range(24):  # the Muon momentum and AdamW moments came back: bit for bit
+        assert abs(again[step] - straight[step]) <= 1e-6, (step, again[step], straight[step])
+    # resuming it as an AdamW run is one line naming the optimizers, exit 3
+    proc = subprocess.run(train_cmd(out=str(out), **{**fields, "optimizer": "adamw", "embed_lr": "none", "head_lr": "none",
+                                                     "max_steps": 30}) + ["--resume", "auto"],
+                          env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert "optimizer state does not fit this run" in proc.stderr and "Traceback" not in proc.stderr

@@ -39,7 +39,7 @@ def collect(device_name: str = "auto") -> dict:
     probe = runtime.measure_matmul(device)  # afresh, on the device itself (the run's probe is CPU-only)
     if device.type == "cpu":
         facts = dataclasses.replace(facts, probe=probe)
-    choices = runtime.resolve(device, "auto", "auto", facts=facts)
+    choices = runtime.resolve(device, "auto", "auto", facts=facts, ns_dtype="auto")
     info = {
         "gpt2lab": __version__, "python": sys.version.split()[0], "platform": platform.platform(),
         "torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
@@ -53,6 +53,7 @@ def collect(device_name: str = "auto") -> dict:
         "matmul_size": runtime.PROBE_N, "compile_available": facts.can_compile,
         "auto_dtype": choices.dtype.value, "auto_dtype_reason": choices.dtype.reason,
         "auto_compile": choices.compile.value, "auto_compile_reason": choices.compile.reason,
+        "auto_muon_ns_dtype": choices.ns_dtype.value, "auto_muon_ns_dtype_reason": choices.ns_dtype.reason,
         "extras": {name: _version(name) for name in OPTIONAL_PACKAGES},
     }
     return info

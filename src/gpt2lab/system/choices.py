@@ -10,3 +10,7 @@ COMPILE_CHOICES = ("auto", "true", "false")
 # How several processes share the model.
 STRATEGIES = ("ddp", "fsdp")
 STRATEGY_CHOICES = ("auto", *STRATEGIES)
+# Optimizers, LR schedules and Muon's Newton-Schulz dtypes (gpt2lab.train.optim; "auto": system.runtime).
+OPTIMIZERS = ("adamw", "muon")
+LR_SCHEDULES = ("cosine", "wsd")
+NS_DTYPE_CHOICES = ("auto", "float32", "bfloat16")

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from gpt2lab.system.choices import COMPILE_CHOICES, DTYPE_CHOICES
+from gpt2lab.system.choices import COMPILE_CHOICES, DTYPE_CHOICES, NS_DTYPE_CHOICES
 from gpt2lab.system.errors import ConfigError
 
 # x86 /proc/cpuinfo flags of native bf16 arithmetic (AVX512_BF16 dot products, AMX tiles)
@@ -153,6 +153,36 @@ def choose_compile(requested: str, facts: Facts) -> Choice:
     return Choice(False, "CPU: compiled steps measured no faster than eager (the matmuls, run by the same "
                          "oneDNN/MKL kernels either way, are the step), and compiling costs a minute; "
                          "see docs/benchmarks.md")
+
+
+def choose_ns_dtype(requested: str, facts: Facts) -> Choice:
+    """The dtype of Muon's Newton-Schulz iteration (pure matmuls): bf16 where a bf16 matmul is fast.
+
+    torch.optim.Muon hard-codes bf16; on a CPU that emulates it (no AVX512_BF16/AMX) that runs
+    the iteration ~50x slower than fp32 would, a step's dominant cost. The rule is the
+    autocast one: GPUs with bf16, CPUs whose probe measures bf16 >= BF16_MIN_SPEEDUP x fp32
+    (or, unprobed, that have a native bf16 flag); fp32 everywhere else.
+    """
+    if requested not in NS_DTYPE_CHOICES:
+        raise ChoiceError(f"muon_ns_dtype {requested!r}: choose one of {', '.join(NS_DTYPE_CHOICES)}")
+    if requested != "auto":
+        return Choice(requested, "asked for with --muon-ns-dtype")
+    dev = facts.device_type
+    if dev == "cuda":
+        if facts.cuda_bf16:
+            return Choice("bfloat16", f"{facts.device_name or 'this GPU'} has fast bf16 matmuls")
+        return Choice("float32", f"{facts.device_name or 'this GPU'} has no bf16")
+    if dev == "mps":
+        return Choice("float32", "MPS: fp32 (bf16 matmul support varies across macOS versions)")
+    p = facts.probe
+    if p is not None:
+        rates = f"matmul probe: bf16 {p.bf16_gflops:.0f} vs fp32 {p.fp32_gflops:.0f} GFLOP/s"
+        if p.bf16_speedup >= BF16_MIN_SPEEDUP:
+            return Choice("bfloat16", f"bf16 is {p.bf16_speedup:.1f}x fp32 on this CPU ({rates})")
+        return Choice("float32", f"bf16 is not faster on this CPU ({rates})")
+    if facts.native_bf16:
+        return Choice("bfloat16", "native bf16 on this CPU (not probed)")
+    return Choice("float32", "no native bf16 on this CPU (not probed)")
 
 
 def _no_compiler(facts: Facts) -> str:
@@ -284,11 +314,14 @@ class Resolved:
     dtype: Choice
     compile: Choice
     facts: Facts
+    ns_dtype: Optional[Choice] = None      # Muon's Newton-Schulz dtype (None: no Muon in this run)
 
     def summary(self) -> str:
         """One console line: what was chosen and why."""
         return (f"dtype {self.dtype.value} ({self.dtype.reason}); "
-                f"compile {'on' if self.compile.value else 'off'} ({self.compile.reason})")
+                f"compile {'on' if self.compile.value else 'off'} ({self.compile.reason})"
+                + (f"; Muon Newton-Schulz in {self.ns_dtype.value} ({self.ns_dtype.reason})"
+                   if self.ns_dtype else ""))
 
     def record(self) -> dict:
         """The run_info.json entry."""
@@ -298,16 +331,21 @@ class Resolved:
                 "warnings": [c.warning for c in (self.dtype, self.compile) if c.warning],
                 "device_type": f.device_type, "device_name": f.device_name,
                 "cpu_flags": list(f.cpu_flags), "native_bf16": f.native_bf16,
-                "matmul_probe_gflops": dataclasses.asdict(f.probe) if f.probe else None}
+                "matmul_probe_gflops": dataclasses.asdict(f.probe) if f.probe else None,
+                **({"muon_ns_dtype": self.ns_dtype.value, "muon_ns_dtype_reason": self.ns_dtype.reason}
+                   if self.ns_dtype else {})}
 
 
-def resolve(device, dtype: str = "auto", compile: str = "false", facts: Optional[Facts] = None) -> Resolved:
-    """Decide dtype and compile for ``device``; the CPU probe runs only when an answer needs it."""
+def resolve(device, dtype: str = "auto", compile: str = "false", facts: Optional[Facts] = None,
+            ns_dtype: Optional[str] = None) -> Resolved:
+    """Decide dtype and compile (and Muon's Newton-Schulz dtype, unless ``ns_dtype`` is None: no
+    Muon) for ``device``; the CPU probe runs only when an answer needs it."""
     dtype, compile = str(dtype), str(compile).lower()
     if facts is None:
-        needs_probe = dtype in ("auto", "bfloat16")
+        needs_probe = dtype in ("auto", "bfloat16") or ns_dtype == "auto"
         facts = detect(device, probe=needs_probe)
-    return Resolved(choose_dtype(dtype, facts), choose_compile(compile, facts), facts)
+    return Resolved(choose_dtype(dtype, facts), choose_compile(compile, facts), facts,
+                    choose_ns_dtype(ns_dtype, facts) if ns_dtype is not None else None)
 
 
 def inference_dtype(device, requested: str = "auto", command: str = "gpt2lab") -> str:

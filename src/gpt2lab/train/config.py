@@ -19,7 +19,8 @@ from typing import Any, Optional, get_type_hints
 
 from gpt2lab.model.config import (GPT2_VOCAB_SIZE, MODEL_KEYS, PADDED_VOCAB_SIZE, GPTConfig, check_types,  # noqa: F401
                                   field_type, gpt_config, model_from_config, nest_model)
-from gpt2lab.system.choices import COMPILE_CHOICES, DTYPE_CHOICES, STRATEGY_CHOICES  # noqa: F401
+from gpt2lab.system.choices import (COMPILE_CHOICES, DTYPE_CHOICES, LR_SCHEDULES, NS_DTYPE_CHOICES,  # noqa: F401
+                                    OPTIMIZERS, STRATEGY_CHOICES)
 from gpt2lab.system.errors import ConfigError, UsageError  # noqa: F401
 
 try:
@@ -62,6 +63,20 @@ class TrainConfig:
     beta2: float = _f(0.95, "AdamW beta2")
     eps: float = _f(1e-8, "AdamW epsilon")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = no clipping)")
+    lr_schedule: str = _f("cosine", "the LR schedule after warmup: cosine (decay to min_lr at max_steps) or wsd "
+                          "(warmup-stable-decay: max_lr, then a linear decay to min_lr over the last decay_frac "
+                          "of the steps)")
+    decay_frac: float = _f(0.2, "wsd: fraction of max_steps in the final linear decay")
+    optimizer: str = _f("adamw", "adamw (one AdamW, the GPT-2 recipe) or muon (Muon on the blocks' 2-D matrices, "
+                        "AdamW with max_lr/embed_lr/head_lr on the rest; the schedule scales every group)")
+    muon_lr: float = _f(0.02, "muon: Muon's peak learning rate (scaled by sqrt(max(1, rows/cols)) per matrix)")
+    muon_momentum: float = _f(0.95, "muon: Muon's Nesterov momentum")
+    muon_weight_decay: float = _f(0.0, "muon: Muon's decoupled weight decay (p *= 1 - lr * this)")
+    muon_ns_dtype: str = _f("auto", "muon: dtype of the Newton-Schulz iteration: auto, float32 or bfloat16; "
+                            "auto = bf16 where a bf16 matmul measures fast (GPUs with bf16, CPUs with native "
+                            "bf16), else fp32")
+    embed_lr: Optional[float] = _f(None, "muon: AdamW peak rate of the embedding tables (default max_lr)")
+    head_lr: Optional[float] = _f(None, "muon: AdamW peak rate of an untied output head (default max_lr)")
     # system
     device: str = _f("auto", "cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
     dtype: str = _f("auto", "autocast dtype: auto, float32, bfloat16 or float16 (fp16 uses a grad scaler); "
@@ -160,7 +175,32 @@ class TrainConfig:
             raise ConfigError(f"strategy {self.strategy!r}: choose one of {', '.join(STRATEGY_CHOICES)}")
         if not 0 < self.max_lr or self.min_lr > self.max_lr:
             raise ConfigError(f"need 0 < min_lr <= max_lr, got min_lr {self.min_lr}, max_lr {self.max_lr}")
+        self._check_optimizer()
         self._check_fine_tuning()
+
+    def _check_optimizer(self) -> None:
+        for name, choices in (("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES),
+                              ("muon_ns_dtype", NS_DTYPE_CHOICES)):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"{name} {getattr(self, name)!r}: choose one of {', '.join(choices)}")
+        if not 0.0 <= self.decay_frac <= 1.0:
+            raise ConfigError(f"decay_frac {self.decay_frac} must be in [0, 1] (the fraction of max_steps "
+                              "in the wsd schedule's final decay)")
+        if not self.muon_lr > 0 or not 0.0 <= self.muon_momentum < 1.0 or self.muon_weight_decay < 0:
+            raise ConfigError(f"need muon_lr > 0, 0 <= muon_momentum < 1 and muon_weight_decay >= 0, got "
+                              f"{self.muon_lr}, {self.muon_momentum} and {self.muon_weight_decay}")
+        for name in ("embed_lr", "head_lr"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name} must be > 0, got {value}")
+            if value is not None and self.optimizer == "adamw":
+                raise ConfigError(f"{name} {value}: per-group rates apply to --optimizer muon; with adamw every "
+                                  "group follows --max-lr (drop it, or add --optimizer muon)")
+        if self.optimizer == "muon" and self.strategy == "fsdp":
+            raise ConfigError("--optimizer muon with --strategy fsdp: Muon orthogonalises whole matrices, FSDP "
+                              "shards them; use --strategy ddp, or --optimizer adamw with FSDP")
+        if self.optimizer == "muon" and self.lora_rank:
+            raise ConfigError("--optimizer muon with --lora-rank: LoRA trains small adapters; use --optimizer adamw")
 
     def _check_fine_tuning(self) -> None:
         if self.lora_rank < 0 or self.lora_alpha <= 0:
@@ -302,8 +342,10 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         kwargs["metavar"] = {bool: "true|false", int: "N", float: "X"}.get(tp, "TEXT")
         if f.metadata.get("choices"):  # GPTConfig's text fields name their values
             kwargs.update(choices=f.metadata["choices"], type=str.lower, metavar="|".join(f.metadata["choices"]))
-        if f.name in ("dtype", "compile", "strategy"):
-            choices = {"dtype": DTYPE_CHOICES, "compile": COMPILE_CHOICES, "strategy": STRATEGY_CHOICES}[f.name]
+        flag_choices = {"dtype": DTYPE_CHOICES, "compile": COMPILE_CHOICES, "strategy": STRATEGY_CHOICES,
+                        "optimizer": OPTIMIZERS, "lr_schedule": LR_SCHEDULES, "muon_ns_dtype": NS_DTYPE_CHOICES}
+        if f.name in flag_choices:
+            choices = flag_choices[f.name]
             kwargs.update(choices=choices, type=str.lower, metavar="|".join(choices))
         group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
 

@@ -1,11 +1,22 @@
-"""AdamW with GPT-2/3 parameter groups, and the learning-rate schedule as a pure function."""
+"""The optimizers and the learning-rate schedule (a pure function of the step).
+
+``--optimizer adamw`` (the GPT-2/3 recipe): one AdamW, weight decay on >=2-D tensors only.
+``--optimizer muon``: Muon (torch.optim.Muon, its Newton-Schulz iteration in the dtype
+``gpt2lab.runtime`` chooses for the machine) on the blocks' 2-D matrices and AdamW on
+embeddings, the head, gains and biases, each group with its own peak rate; the schedule
+(cosine or warmup-stable-decay) scales every group by the same factor.
+"""
 from __future__ import annotations
 
 import inspect
 import math
+from typing import Optional
 
 import torch
 import torch.nn as nn
+
+from gpt2lab.system.choices import LR_SCHEDULES, NS_DTYPE_CHOICES, OPTIMIZERS  # noqa: F401
+from gpt2lab.system.errors import ConfigError
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -35,16 +46,235 @@ def make_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: t
                              fused=use_fused or None)
 
 
-def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
-    """Linear warmup to max_lr over ``warmup_steps``, then cosine decay to min_lr at ``max_steps``.
+
+def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, max_steps: int,
+          schedule: str = "cosine", decay_frac: float = 0.2) -> float:
+    """The learning rate of step ``step``: linear warmup to max_lr over ``warmup_steps``, then
+
+    * ``cosine``: cosine decay to min_lr at ``max_steps``;
+    * ``wsd`` (warmup-stable-decay): max_lr until the last ``decay_frac`` of ``max_steps``,
+      then a straight line down to min_lr at ``max_steps`` (the decay never starts before
+      the warmup ends).
 
     Step 0 gets max_lr / warmup_steps (never 0, which would waste a step); past max_steps
-    the rate stays at min_lr.
+    the rate stays at min_lr. Every rate is linear in (max_lr, min_lr): groups whose two
+    rates have the same ratio are scaled by the same factor at every step.
     """
     if step < warmup_steps:
         return max_lr * (step + 1) / warmup_steps
     if step >= max_steps:
         return min_lr
+    if schedule == "wsd":
+        start = max(warmup_steps, max_steps - round(decay_frac * max_steps))
+        if step < start:
+            return max_lr
+        return max_lr + (min_lr - max_lr) * (step - start) / (max_steps - start)
+    if schedule != "cosine":
+        raise ValueError(f"lr schedule {schedule!r}: choose one of {', '.join(LR_SCHEDULES)}")
     ratio = (step - warmup_steps) / max(1, max_steps - warmup_steps)
     coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))  # 1 -> 0
     return min_lr + coeff * (max_lr - min_lr)
+
+
+# -- Muon ------------------------------------------------------------------------------------
+# The quintic Newton-Schulz iteration's coefficients (Jordan et al., the Muon write-up; torch's defaults).
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def orthogonalize(g: torch.Tensor, dtype: torch.dtype, coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+                  steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """Muon's approximate orthogonalisation of the 2-D ``g`` (roughly U V^T of its SVD), run in ``dtype``.
+
+    ``g`` is scaled to Frobenius norm 1 (so every singular value is <= 1), then each of
+    ``steps`` iterations maps X to aX + (bXX^T + c(XX^T)^2)X on the short side (X X^T is the
+    smaller Gram matrix). The result is in ``dtype``.
+    """
+    a, b, c = coefficients
+    x = g.to(dtype)
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b*G + c*G@G
+        x = torch.addmm(x, poly, x, beta=a)                    # a*X + poly@X
+    return x.T if tall else x
+
+
+def muon_lr_scale(shape: torch.Size, adjust_lr_fn: Optional[str]) -> float:
+    """The per-matrix LR factor torch.optim.Muon applies: sqrt(max(1, rows/cols)) ("original",
+    the default), or 0.2 sqrt(max(rows, cols)) ("match_rms_adamw")."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1.0, rows / cols))
+
+
+class Muon(torch.optim.Muon):
+    """``torch.optim.Muon`` whose Newton-Schulz iteration runs in ``ns_dtype``.
+
+    torch runs the iteration in bf16, hard-coded. On a CPU without native bf16 that is
+    ~50x slower than fp32 (a 2-core AVX2 EPYC: bf16 matmul ~1 GFLOP/s against ~50), so the
+    dtype follows the machine (``gpt2lab.runtime.choose_ns_dtype``). torch's constructor
+    (checks, hyper-parameters, param groups) and its state (one ``momentum_buffer`` per
+    matrix) are used as they are; only ``step`` is ours, because torch offers no hook for
+    the dtype. It is torch's update, written out: Nesterov momentum, orthogonalise, decoupled
+    weight decay ``p *= 1 - lr*wd``, ``p -= lr * muon_lr_scale * O``.
+    """
+
+    def __init__(self, params, *, ns_dtype: torch.dtype = torch.bfloat16, **kwargs) -> None:
+        super().__init__(params, **kwargs)
+        self.ns_dtype = ns_dtype
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, wd, momentum = float(group["lr"]), group["weight_decay"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - momentum)
+                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                update = orthogonalize(update, self.ns_dtype, group["ns_coefficients"], group["ns_steps"],
+                                       group["eps"])
+                p.mul_(1 - lr * wd)
+                p.add_(update, alpha=-lr * muon_lr_scale(p.shape, group["adjust_lr_fn"]))
+        return loss
+
+
+class Optimizers:
+    """Several torch optimizers stepped as one (Muon for the hidden matrices, AdamW for the rest).
+
+    It is the checkpoint's "optimizer" part: ``state_dict`` holds each one's under its name.
+    """
+
+    def __init__(self, **named: torch.optim.Optimizer) -> None:
+        self.named = named
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.named.values() for g in opt.param_groups]
+
+    def step(self) -> None:
+        for opt in self.named.values():
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.named.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {name: opt.state_dict() for name, opt in self.named.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if sorted(state) != sorted(self.named):
+            have = "+".join(sorted(state)) if "state" not in state else "one optimizer (adamw)"
+            raise ValueError(f"the checkpoint holds {have}, this run uses {'+'.join(sorted(self.named))}; "
+                             "resume with the checkpoint's --optimizer")
+        for name, opt in self.named.items():
+            opt.load_state_dict(state[name])
+
+
+def parts(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside ``optimizer`` (itself, unless it is an ``Optimizers``)."""
+    return list(optimizer.named.values()) if isinstance(optimizer, Optimizers) else [optimizer]
+
+
+def muon_split(model: nn.Module) -> dict[str, list[nn.Parameter]]:
+    """The trainable parameters by role: "hidden" (the 2-D matrices inside the blocks, for Muon),
+    "embed" (embedding tables), "head" (an output projection not tied to the embedding) and
+    "other" (gains, biases and anything else; AdamW without weight decay unless 2-D)."""
+    embed_ids = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    head = getattr(model, "lm_head", None)
+    head_ids = {id(p) for p in head.parameters()} - embed_ids if head is not None else set()
+    blocks = getattr(getattr(model, "transformer", None), "h", None)
+    hidden_ids = ({id(p) for p in blocks.parameters() if p.dim() == 2} if blocks is not None else set())
+    out: dict[str, list[nn.Parameter]] = {"hidden": [], "embed": [], "head": [], "other": []}
+    for p in model.parameters():  # de-duplicated: a tied head appears once, as the embedding
+        if not p.requires_grad:
+            continue
+        role = ("embed" if id(p) in embed_ids else "head" if id(p) in head_ids
+                else "hidden" if id(p) in hidden_ids else "other")
+        out[role].append(p)
+    return out
+
+
+def make_muon(model: nn.Module, *, muon_lr: float, muon_momentum: float, muon_weight_decay: float,
+              ns_dtype: torch.dtype, lr: float, embed_lr: float, head_lr: float, weight_decay: float,
+              betas: tuple[float, float], eps: float, device: torch.device) -> Optimizers:
+    """Muon on the blocks' 2-D matrices, AdamW (fused where available) on the rest.
+
+    Every group carries ``lr_name``, the TrainConfig field its peak rate comes from
+    (``set_lrs``): muon_lr, embed_lr, head_lr or max_lr (gains, biases, other matrices).
+    """
+    if any(_is_dtensor(p) for p in model.parameters()):
+        raise ConfigError("--optimizer muon: the model is sharded (FSDP), and Muon orthogonalises whole "
+                          "matrices; use --strategy ddp, or --optimizer adamw with FSDP")
+    split = muon_split(model)
+    if not split["hidden"]:
+        raise ConfigError("--optimizer muon: the model has no 2-D matrices inside its blocks to give Muon; "
+                          "use --optimizer adamw")
+    muon = Muon([{"params": split["hidden"], "lr_name": "muon_lr"}], lr=muon_lr, momentum=muon_momentum,
+                weight_decay=muon_weight_decay, nesterov=True, ns_dtype=ns_dtype)
+    other = split["other"]
+    groups = [{"params": split["embed"], "lr": embed_lr, "weight_decay": weight_decay, "lr_name": "embed_lr"},
+              {"params": split["head"], "lr": head_lr, "weight_decay": weight_decay, "lr_name": "head_lr"},
+              {"params": [p for p in other if p.dim() >= 2], "lr": lr, "weight_decay": weight_decay,
+               "lr_name": "max_lr"},
+              {"params": [p for p in other if p.dim() < 2], "lr": lr, "weight_decay": 0.0, "lr_name": "max_lr"}]
+    use_fused = fused_available(device)
+    adamw = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps,
+                              fused=use_fused or None)
+    return Optimizers(adamw=adamw, muon=muon)
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(p, DTensor)
+
+
+def build_optimizer(model: nn.Module, cfg, device: torch.device, ns_dtype: Optional[str] = None):
+    """The optimizer a TrainConfig asks for: today's AdamW (``make_optimizer``) or Muon + AdamW."""
+    if cfg.optimizer == "adamw":
+        return make_optimizer(model, lr=cfg.max_lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
+                              eps=cfg.eps, device=device)
+    return make_muon(model, muon_lr=cfg.muon_lr, muon_momentum=cfg.muon_momentum,
+                     muon_weight_decay=cfg.muon_weight_decay, ns_dtype=getattr(torch, ns_dtype or "float32"),
+                     lr=cfg.max_lr, embed_lr=peak_lr(cfg, "embed_lr"), head_lr=peak_lr(cfg, "head_lr"),
+                     weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, device=device)
+
+
+def peak_lr(cfg, name: str) -> float:
+    """The peak rate of a group's ``lr_name``; embed_lr and head_lr default to max_lr."""
+    value = getattr(cfg, name)
+    return cfg.max_lr if value is None else value
+
+
+def scheduled_lr(step: int, cfg, name: str = "max_lr") -> float:
+    """Group ``name``'s rate at ``step``: the schedule with its own peak, its floor min_lr scaled
+    by the same ratio (min_lr / max_lr), so every group moves by the same factor."""
+    peak = peak_lr(cfg, name)
+    floor = cfg.min_lr if peak == cfg.max_lr else peak * (cfg.min_lr / cfg.max_lr)
+    return lr_at(step, max_lr=peak, min_lr=floor, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
+                 schedule=cfg.lr_schedule, decay_frac=cfg.decay_frac)
+
+
+def set_lrs(optimizer, step: int, cfg) -> None:
+    """Give every param group its scheduled rate (groups without ``lr_name`` follow max_lr).
+
+    The peaks come from ``cfg`` on every step, never from the checkpoint: a resumed run
+    with another --muon-lr uses the new one, as --max-lr always has."""
+    for group in optimizer.param_groups:
+        group["lr"] = scheduled_lr(step, cfg, group.get("lr_name", "max_lr"))

@@ -33,7 +33,7 @@ from gpt2lab.train import preflight
 from gpt2lab.observe.metrics import MetricsLogger, run_info
 from gpt2lab.system.files import write_json
 from gpt2lab.model.gpt import GPT
-from gpt2lab.train.optim import lr_at, make_optimizer
+from gpt2lab.train.optim import build_optimizer, parts, scheduled_lr, set_lrs
 from gpt2lab.train.spikes import SpikeGuard
 from gpt2lab.inference.generate import generate
 
@@ -121,8 +121,8 @@ class Trainer:
         # self.model the evaluations. The optimizer is built on the (sharded) parameters after wrapping.
         self.train_model, self.model = parallel.wrap(self.raw, str(self.strategy.value), distributed=info.distributed,
                                                      device=self.device, dtype=self.dtype, compile=self.compile)
-        self.optimizer = make_optimizer(self.raw, lr=cfg.max_lr, weight_decay=cfg.weight_decay,
-                                        betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, device=self.device)
+        ns = self.choices.ns_dtype
+        self.optimizer = build_optimizer(self.raw, cfg, self.device, ns_dtype=str(ns.value) if ns else None)
         from gpt2lab.data import TokenLoader
 
         self.loader = TokenLoader(cfg.data, "train", cfg.micro_batch_size, cfg.seq_len, rank=info.rank,
@@ -179,13 +179,13 @@ class Trainer:
     def train_step(self) -> dict:
         """Run step ``self.step`` (all its micro-steps) and return its metrics record."""
         cfg, t0 = self.cfg, time.perf_counter()
-        lr = lr_at(self.step, max_lr=cfg.max_lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
-                   max_steps=cfg.max_steps)
+        lr = scheduled_lr(self.step, cfg)  # max_lr's group; set_lrs gives every group its own
         position = self._skip_bad_data()
         loss = accumulate_gradients(self.train_model, self.loader.next_batch, self.accum, self.device, self.dtype,
                                     self.scaler)
         if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
+            for opt in parts(self.optimizer):
+                self.scaler.unscale_(opt)
         clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         norm = parallel.clip_grad_norm(self.raw, clip)  # the whole gradient's norm, sharded or not
         loss_v, norm_v = loss.item(), norm.item()
@@ -194,10 +194,10 @@ class Trainer:
         scaler_skip = self.scaler is not None and bool(np.isfinite(loss_v)) and not finite
         spike = self.guard.check(self.step, position, loss_v, norm_v) if finite else None
         if (finite and spike is None) or scaler_skip:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
+            set_lrs(self.optimizer, self.step, cfg)
             if self.scaler is not None:
-                self.scaler.step(self.optimizer)
+                for opt in parts(self.optimizer):
+                    self.scaler.step(opt)
                 self.scaler.update()
             else:
                 self.optimizer.step()
@@ -409,7 +409,8 @@ def _seed_everything(seed: int) -> None:
 def _resolve_choices(cfg: TrainConfig, info: DistInfo) -> runtime.Resolved:
     """dtype and compile for this run (runtime.resolve); under torchrun rank 0 decides for all,
     so that no probe's noise can leave the ranks training in different dtypes."""
-    return decided_on_rank_0(lambda: runtime.resolve(info.device, cfg.dtype, cfg.compile))
+    ns_dtype = cfg.muon_ns_dtype if cfg.optimizer == "muon" else None
+    return decided_on_rank_0(lambda: runtime.resolve(info.device, cfg.dtype, cfg.compile, ns_dtype=ns_dtype))
 
 
 def _resolve_strategy(cfg: TrainConfig, info: DistInfo, dtype: str, accum: int, compile: bool) -> runtime.Choice:

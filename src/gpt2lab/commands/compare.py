@@ -1,0 +1,38 @@
+"""gpt2lab compare: the tokens and seconds runs took to reach a loss, and their curves on one plot."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("compare", help="tokens and seconds each run took to reach a loss; curves vs tokens")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="two or more run directories (the first is the "
+                   "baseline)")
+    p.add_argument("--loss", type=float, default=None, metavar="X",
+                   help="the target loss (default: the first run's final one)")
+    p.add_argument("--metric", choices=("val_loss", "train_loss"), default="val_loss",
+                   help="the loss compared (default val_loss)")
+    p.add_argument("--out", default=None, metavar="FILE.png",
+                   help="also plot the runs' curves against tokens and against seconds (needs matplotlib)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gpt2lab.observe.compare import compare_runs
+    from gpt2lab.system.errors import DataError, UsageError
+
+    if len(args.runs) < 2:
+        raise UsageError("compare needs two or more run directories (the first is the baseline)")
+    if args.out:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as e:
+            raise UsageError(f"--out needs matplotlib ({e}); pip install 'gpt2lab[plot]' or drop --out") from None
+    try:
+        table = compare_runs(args.runs, args.out, target=args.loss, metric=args.metric)
+    except ValueError as e:
+        raise DataError(str(e)) from None
+    print(table)
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
