@@ -64,12 +64,9 @@ def test_round_trip_jsonl_and_manifest(tmp_path):
     decoded = [enc.decode(p[1:].tolist()) for p in np.split(stream, starts[1:])]
     assert decoded == DOCS
     assert m["complete"] and m["documents"] == len(DOCS) and m["tokens"] == len(stream)
-    # val is whole documents: the first ones, up to and including the one that reaches 150
+    # val is exactly the first 150 tokens (the default --val-split tokens)
     lengths = [1 + len(enc.encode_ordinary(d)) for d in DOCS]
-    n_val = next(i + 1 for i in range(len(DOCS)) if sum(lengths[:i + 1]) >= 150)
-    assert m["splits"]["val"]["tokens"] == sum(lengths[:n_val]) > 150
-    assert m["splits"]["val"]["documents"] == n_val and m["splits"]["train"]["documents"] == len(DOCS) - n_val
-    assert m["splits"]["val"]["shards"] == ["val_000000.bin", "val_000001.bin"]
+    assert m["splits"]["val"]["tokens"] == 150 and m["splits"]["val"]["shards"] == ["val_000000.bin", "val_000001.bin"]
     assert m["files"] == [{"path": str(tmp_path / "docs.jsonl"), "bytes": (tmp_path / "docs.jsonl").stat().st_size,
                            "documents": len(DOCS), "tokens": sum(lengths)}]
     for split in ("val", "train"):
@@ -241,7 +238,7 @@ def test_cli_prepare(tmp_path, capsys):
                "--val-tokens", "50", "--workers", "1"])
     cap = capsys.readouterr()
     out = json.loads(cap.out)
-    assert rc == 0 and out["documents"] == len(DOCS) and out["splits"]["val"]["tokens"] >= 50
+    assert rc == 0 and out["documents"] == len(DOCS) and out["splits"]["val"]["tokens"] == 50
     assert "docs=40" in cap.err and "tok" in cap.err  # the progress bar: documents and tokens
     rc = main(["prepare", "--source", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o2")])
     assert rc == 1 and "nope.jsonl" in capsys.readouterr().err
@@ -397,7 +394,8 @@ def test_rerun_after_a_bad_file_was_removed_starts_cleanly(tmp_path, capsys, bad
 def test_val_split_is_whole_held_out_articles(tmp_path):
     rows = _wiki_rows()
     enc = get_tokenizer()
-    m = prepare(str(WIKI), str(tmp_path / "out"), shard_tokens=6000, val_tokens=20_000, workers=2, progress=False)
+    m = prepare(str(WIKI), str(tmp_path / "out"), shard_tokens=6000, val_tokens=20_000, workers=2, progress=False,
+                val_split="documents")
 
     def docs(split):
         toks = np.concatenate([_read(tmp_path / "out" / n) for n in m["splits"][split]["shards"]])
@@ -412,6 +410,19 @@ def test_val_split_is_whole_held_out_articles(tmp_path):
     assert m["splits"]["val"]["tokens"] == lengths[k - 1] >= 20_000 > lengths[k - 2]
     assert len(m["splits"]["val"]["shards"]) > 1  # an article ran across val shards, and stayed in val
     assert not {r["title"] for r in rows[:k]} & {r["title"] for r in rows[k:]}
+
+
+def test_val_split_by_tokens_is_the_reference_layout(tmp_path):
+    """The default: val is exactly the first val_tokens tokens of the stream, and the article
+    they cut goes on at the start of train (the reference FineWeb script's layout)."""
+    rows = _wiki_rows()
+    enc = get_tokenizer()
+    m = prepare(str(WIKI), str(tmp_path / "out"), shard_tokens=6000, val_tokens=20_000, workers=2, progress=False)
+    stream = np.concatenate([np.array([EOT_ID, *enc.encode_ordinary(r["text"])], dtype=np.uint16) for r in rows])
+    val = np.concatenate([_read(tmp_path / "out" / n) for n in m["splits"]["val"]["shards"]])
+    train = np.concatenate([_read(tmp_path / "out" / n) for n in m["splits"]["train"]["shards"]])
+    assert len(val) == 20_000 and np.array_equal(np.concatenate([val, train]), stream)
+    assert train[0] != EOT_ID  # the cut article continues in train
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from train_utils import TINY, cli_args, env, tiny_data, train_cmd, train_losses  # noqa: F401
+from train_utils import TINY, cli_args, env, records, tiny_data, train_cmd, train_losses  # noqa: F401
 
 from gpt2lab.checkpoint import store as ckpt
 from gpt2lab.system import files
@@ -351,12 +351,8 @@ def _poison(src: str, dst: Path) -> None:
     write_shard(dst / loader.paths[0].name, tokens.astype(np.uint16))
 
 
-def _records(run) -> list[dict]:
-    return [json.loads(line) for line in Path(run, "metrics.jsonl").read_text().splitlines()]
-
-
 def _val(run) -> float:
-    return [r["val_loss"] for r in _records(run) if "val_loss" in r][-1]
+    return [r["val_loss"] for r in records(run) if "val_loss" in r][-1]
 
 
 def test_spike_guard_skips_and_rolls_back_poisoned_data(tiny_data, tmp_path):
@@ -365,8 +361,8 @@ def test_spike_guard_skips_and_rolls_back_poisoned_data(tiny_data, tmp_path):
     clean, guarded = tmp_path / "clean", tmp_path / "guarded"
     train(_cfg(tiny_data, clean, **GUARD), DistInfo(device=CPU))
     train(_cfg(str(poisoned), guarded, **GUARD), DistInfo(device=CPU))
-    assert not [r for r in _records(clean) if "skipped" in r or "rollback_to" in r]  # healthy: never fires
-    recs = _records(guarded)
+    assert not [r for r in records(clean) if "skipped" in r or "rollback_to" in r]  # healthy: never fires
+    recs = records(guarded)
     spikes = [r["step"] for r in recs if r.get("skipped") == "spike"]
     rollbacks = [r for r in recs if "rollback_to" in r]
     assert spikes and set(spikes) <= set(range(POISON_STEPS[0], POISON_STEPS[1] + 1)), spikes
@@ -387,7 +383,7 @@ def test_spike_guard_skips_and_rolls_back_poisoned_data(tiny_data, tmp_path):
     again = tmp_path / "again"
     shutil.copytree(guarded / "checkpoints" / "step_000016", again / "checkpoints" / "step_000016")
     train(_cfg(str(poisoned), again, **GUARD), DistInfo(device=CPU), "auto")
-    assert [r["skip_tokens"] for r in _records(again) if "rollback_to" in r] == ranges
+    assert [r["skip_tokens"] for r in records(again) if "rollback_to" in r] == ranges
     assert train_losses(again) == {s: v for s, v in train_losses(guarded).items() if s >= 16}
     state = torch.load(guarded / "checkpoints" / "step_000024" / "state.pt", weights_only=True)
     assert [list(r) for r in state["skips"]] == [r["skip_positions"] for r in rollbacks]

@@ -12,16 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
+from train_utils import records
 
 from gpt2lab import cli
 from gpt2lab.observe.report import build_report, write_report
 
 pytest.importorskip("matplotlib", reason="the report's curves need matplotlib (plot extra)")
 HOUR_AGO = time.time() - 3600
-
-
-def records(run: Path) -> list[dict]:
-    return [json.loads(line) for line in run.joinpath("metrics.jsonl").read_text().splitlines() if line]
 
 
 def copy_run(src: Path, dst: Path, drop_checkpoints=(), mtime: float | None = HOUR_AGO) -> Path:

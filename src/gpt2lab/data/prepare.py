@@ -64,13 +64,15 @@ def use_threads(size_bytes: Optional[int], workers: int) -> bool:
 def prepare(source: str, out_dir: str, *, shard_tokens: int = 100_000_000,
             val_tokens: Optional[int] = None, workers: Optional[int] = None,
             text_field: str = "text", limit_docs: Optional[int] = None,
-            config: Optional[str] = None, progress: bool = True) -> Dict:
+            config: Optional[str] = None, progress: bool = True, val_split: str = "tokens") -> Dict:
     """Tokenize ``source`` into shards under ``out_dir``; return the manifest.
 
     ``val_tokens=None``: one shard for hub sources; for local and bundled ones a fraction
-    of the estimated size (0.5%, 5% for tinyshakespeare), at most one shard. The val split
-    is whole documents: the first documents of the source until it holds at least
-    ``val_tokens`` tokens; train starts with the next document, so no document is in both.
+    of the estimated size (0.5%, 5% for tinyshakespeare), at most one shard.
+    ``val_split="tokens"`` (the reference FineWeb layout): val is exactly the first
+    ``val_tokens`` tokens, and the document they cut continues in train. ``"documents"``: val
+    is whole documents, the first ones of the source until it holds at least ``val_tokens``
+    tokens; train starts with the next document, so no document is in both (held-out text).
     Re-running the same command after a crash or Ctrl-C finishes the job; on a finished
     directory it only checks the shards.
     """
@@ -84,7 +86,10 @@ def prepare(source: str, out_dir: str, *, shard_tokens: int = 100_000_000,
     if val_tokens < 0 or (limit_docs is not None and limit_docs < 0):
         raise ValueError(f"val_tokens {val_tokens} and limit_docs {limit_docs} must be >= 0")
     settings = {"source": source, "config": src.hub_config, "text_field": text_field,
-                "limit_docs": limit_docs, "shard_tokens": shard_tokens, "val_tokens": val_tokens}
+                "limit_docs": limit_docs, "shard_tokens": shard_tokens, "val_tokens": val_tokens,
+                "val_split": val_split}
+    if val_split not in VAL_SPLITS:
+        raise UsageError(f"--val-split {val_split!r}: choose one of {', '.join(VAL_SPLITS)}")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out_dir} is a file, not a directory; choose a directory for the shards")
@@ -116,7 +121,10 @@ def _workers(workers: Optional[int]) -> int:
 
 # -- manifest ----------------------------------------------------------------------------
 FLAGS = {"source": "--source", "config": "--config", "text_field": "--text-field",
-         "limit_docs": "--limit-docs", "shard_tokens": "--shard-tokens", "val_tokens": "--val-tokens"}
+         "limit_docs": "--limit-docs", "shard_tokens": "--shard-tokens", "val_tokens": "--val-tokens",
+         "val_split": "--val-split"}
+# How the val split ends: at exactly --val-tokens tokens, or at the end of the document reaching them.
+VAL_SPLITS = ("tokens", "documents")
 
 
 def _fresh_manifest(settings: Dict) -> Dict:
@@ -145,6 +153,7 @@ def _start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: Source)
     except (ValueError, KeyError, TypeError) as e:
         raise ShardError(f"{path}: not a readable gpt2lab prepare manifest ({type(e).__name__}: {e}); "
                          "use another --out") from e
+    old = {"val_split": "tokens", **old}  # manifests written before --val-split cut val at a token count
     differ = [k for k in settings if old.get(k) != settings[k] and not (k == "val_tokens" and val_defaulted)]
     if not manifest.get("complete") and not manifest.get("shards"):
         return _start_over(out, manifest, settings, None)  # nothing was written yet
@@ -246,6 +255,8 @@ class _Writer:
         self.shard_tokens, self.val_tokens = s["shard_tokens"], s["val_tokens"]
         r = manifest["resume"]
         self.doc, self.offset, self.written, self.val_end = r["next_doc"], r["offset"], r["tokens"], r["val_end"]
+        if self.val_end is None and s.get("val_split", "tokens") == "tokens":
+            self.val_end = self.val_tokens  # a token count, wherever it falls in a document
         self.buf = np.empty(self.shard_tokens, dtype=np.uint16)
         self.fill, self.docs_in_shard = 0, 0
 
@@ -274,7 +285,7 @@ class _Writer:
         starts = ends - lengths
         base = self.written + self.fill - self.offset  # stream position of this batch's first token
         self._files_seen(base, starts, len(lengths))
-        if self.val_end is None:  # the val split ends with the first document to reach val_tokens
+        if self.val_end is None:  # "documents": val ends with the first document to reach val_tokens
             k = int(np.searchsorted(base + ends, self.val_tokens, side="left"))
             if k < len(lengths):
                 self.val_end = base + int(ends[k])
