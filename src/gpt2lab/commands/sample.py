@@ -32,16 +32,19 @@ def add_parser(sub) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
+    """Flag values that cannot work: a UsageError (exit 2) naming the flag."""
+    from gpt2lab.system.errors import UsageError
+
     if args.num_samples < 1:
-        raise SystemExit(f"--num-samples {args.num_samples}: must be at least 1")
+        raise UsageError(f"--num-samples {args.num_samples}: must be at least 1")
     if args.max_new_tokens < 0:
-        raise SystemExit(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
     if args.temperature < 0:
-        raise SystemExit(f"--temperature {args.temperature}: must be >= 0 (0 is greedy)")
+        raise UsageError(f"--temperature {args.temperature}: must be >= 0 (0 is greedy)")
     if args.top_k is not None and args.top_k < 0:
-        raise SystemExit(f"--top-k {args.top_k}: must be >= 0 (0 keeps every token)")
+        raise UsageError(f"--top-k {args.top_k}: must be >= 0 (0 keeps every token)")
     if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise SystemExit(f"--top-p {args.top_p}: must be in (0, 1]")
+        raise UsageError(f"--top-p {args.top_p}: must be in (0, 1]")
 
 
 def _prompt_ids(text: str, vocab: int) -> list[int]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from gpt2lab.train.config import ConfigError, add_config_flags, overrides_from_args, preset_names, preset_values
+from gpt2lab.train.config import (ConfigError, add_config_flags, config_file_values, overrides_from_args,
+                                  preset_names, preset_values)
 
 
 def add_parser(sub) -> None:
@@ -13,7 +14,11 @@ def add_parser(sub) -> None:
         description="Train from a preset; every config field is a flag. Several processes: "
                     "torchrun --standalone --nproc_per_node=N -m gpt2lab train ...",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--preset", required=True, metavar="NAME", help=f"one of: {', '.join(preset_names())}")
+    start = p.add_mutually_exclusive_group(required=True)
+    start.add_argument("--preset", metavar="NAME", help=f"one of: {', '.join(preset_names())}")
+    start.add_argument("--config", metavar="FILE.toml",
+                       help='your own settings: a TOML file with the presets\' keys; base = "PRESET" starts '
+                            "from a packaged preset")
     p.add_argument("--resume", default=None, metavar="auto|PATH",
                    help="auto: continue from the newest intact checkpoint in --out (fresh start if none); "
                         "PATH: a run directory or a checkpoint directory")
@@ -59,6 +64,7 @@ def _request(args: argparse.Namespace):
         raise ConfigError(f"--init-from {overrides['init_from']} and --resume {args.resume} both given: "
                           "--init-from starts a new run from those weights (fresh optimizer, step 0), "
                           "--resume continues a run where it stopped; pass one of them")
-    values = {**preset_values(args.preset), **overrides}
+    values = {**(preset_values(args.preset) if args.preset else config_file_values(args.config)), **overrides}
     explicit = {k: v for k, v in overrides.items() if k in ARCH_FIELDS}
-    return Request(values, explicit, args.resume, source=f"preset {args.preset!r} with overrides")
+    source = f"preset {args.preset!r}" if args.preset else args.config
+    return Request(values, explicit, args.resume, source=f"{source} with overrides")

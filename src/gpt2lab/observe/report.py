@@ -58,6 +58,8 @@ def _read_json(path: str) -> dict:
             data = json.load(fh)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e.msg}); the report needs it readable or absent") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text, so not JSON; the report needs it readable or absent") from None
     return data if isinstance(data, dict) else {}
 
 

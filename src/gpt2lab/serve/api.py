@@ -79,6 +79,9 @@ class APIError(Exception):
 
 def error_body(message: str, kind: str = "invalid_request_error", param: Optional[str] = None,
                code: Optional[str] = None) -> dict:
+    # a request's text may hold lone surrogates ("\ud800" in its JSON), which UTF-8 cannot encode:
+    # they are shown escaped, so that the answer is still JSON
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -130,7 +133,7 @@ class Completion:
 
     def __init__(self, req: CompletionRequest, workers: dict[str, Worker]) -> None:
         if req.model not in workers:
-            raise APIError(404, f"The model '{req.model}' does not exist; this server has: "
+            raise APIError(404, f"The model {req.model!r} does not exist; this server has: "
                                 f"{', '.join(workers)}", param="model", code="model_not_found")
         _unsupported(req)
         self.req, self.worker = req, workers[req.model]
@@ -142,14 +145,17 @@ class Completion:
             raise APIError(400, f"stop: at most {MAX_STOPS} sequences", param="stop")
         self.sampling = Sampling(max_new_tokens=max_tokens, temperature=_or(req.temperature, 1.0),
                                  top_k=req.top_k, top_p=req.top_p)
-        self.seed = req.seed if req.seed is not None else secrets.randbelow(2 ** 63)
+        # without a seed each prompt draws its own (equal prompts get their own samples); with one,
+        # every prompt starts from it, as `gpt2lab sample --seed` does
+        self.seeds = ([req.seed] * len(self.prompts) if req.seed is not None
+                      else [secrets.randbelow(2 ** 63) for _ in self.prompts])
         self.n = req.n or 1
         self.stops, self.echo = stops, texts if req.echo else []
         self.id, self.created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
 
     def start(self) -> Job:
         """Hand the request to its worker; a full queue answers 429 at once."""
-        work = Work(self.prompts, self.sampling, n=self.n, seed=self.seed, stops=self.stops, echo=self.echo)
+        work = Work(self.prompts, self.sampling, n=self.n, seeds=self.seeds, stops=self.stops, echo=self.echo)
         job = Job(work, asyncio.get_running_loop(), self.worker.limits.timeout_s)
         try:
             self.worker.submit(job)
@@ -235,6 +241,11 @@ def create_app(workers: dict[str, Worker]) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        kind = request.headers.get("content-type", "")
+        if request.method == "POST" and kind.split(";")[0].strip().lower() != "application/json":
+            got = f"Content-Type: {kind}" if kind else "no Content-Type header"
+            return APIError(415, f"send the request body as JSON with the header Content-Type: application/json "
+                                 f"(got {got})").response()
         return _validation_error(exc).response()
 
     @app.get("/", response_class=HTMLResponse)

@@ -193,8 +193,8 @@ class BatchWorker(Worker):
                 job.send(None)
                 continue
             self.rows_left[id(job)] = len(r.prompts)
-            # each prompt gets a generator seeded with the request's seed, as in completion_events
-            self.prefill.extend(Row(job, p, seeded_generator(self.device, r.seed)) for p in range(len(r.prompts)))
+            # each prompt gets a generator seeded with its seed, as in completion_events
+            self.prefill.extend(Row(job, p, seeded_generator(self.device, r.seeds[p])) for p in range(len(r.prompts)))
 
     def _drop_ended(self, now: float) -> None:
         """Requests whose client went away or whose time is up leave before the next step."""
@@ -234,8 +234,9 @@ class BatchWorker(Worker):
         logits, _ = self.model(idx, kv_cache=row.cache, last_only=True)
         if row.cache.pos < len(row.ids):
             return  # more of the prompt next step
+        t = self._sample(row, logits[:, -1])  # while the row is in prefill, so that an error fails its request
         self.prefill.popleft()
-        if self._sampled(row, self._sample(row, logits[:, -1])):
+        if self._sampled(row, t):
             self.cache.put(len(self.decoding), row.cache, self.limits.max_batch)
             self.decoding.append(row)
         row.cache = None

@@ -73,13 +73,13 @@ class StopFilter:
         return text
 
 
-def completion_events(model: GPT, prompts: list[list[int]], sampling: Sampling, *, n: int, seed: int,
+def completion_events(model: GPT, prompts: list[list[int]], sampling: Sampling, *, n: int, seeds: list[int],
                       stops: list[str], echo: list[str]) -> Iterator[Union[Text, Finish]]:
-    """The events of one request, one token per step: each prompt gets a generator seeded
-    with ``seed`` and its ``n`` samples one after another (as ``gpt2lab sample --num-samples n``)."""
+    """The events of one request, one token per step: prompt p gets a generator seeded with
+    ``seeds[p]`` and its ``n`` samples one after another (as ``gpt2lab sample --num-samples n``)."""
     device = next(model.parameters()).device
     for p, ids in enumerate(prompts):
-        generator = seeded_generator(device, seed)
+        generator = seeded_generator(device, seeds[p])
         for i in range(n):
             index, tokens, stop = p * n + i, 0, StopFilter(stops)
             if echo:
@@ -113,7 +113,7 @@ class Work:
     prompts: list[list[int]]
     sampling: Sampling
     n: int
-    seed: int
+    seeds: list[int]  # one per prompt: the request's seed for each, or each its own random one
     stops: list[str]
     echo: list[str]  # each prompt's text when echo is on, else []
 
@@ -238,7 +238,7 @@ class TurnsWorker(Worker):
                 job = waiting.popleft()
                 self._started(job)
                 r = job.request
-                active.append((job, completion_events(self.model, r.prompts, r.sampling, n=r.n, seed=r.seed,
+                active.append((job, completion_events(self.model, r.prompts, r.sampling, n=r.n, seeds=r.seeds,
                                                       stops=r.stops, echo=r.echo)))
             self._rows = len(active)
             if not active:

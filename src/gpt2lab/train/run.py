@@ -26,6 +26,7 @@ from gpt2lab.system.errors import ConfigError
 from gpt2lab.system.files import sweep_stale, write_json
 from gpt2lab.train.config import TrainConfig, save_config
 from gpt2lab.train.plan import FAKE_FACTS_ENV, Facts, Request, RunPlan, detect_facts, fake_facts, make_plan
+from gpt2lab.train import preflight
 from gpt2lab.train.trainer import Stopped, Trainer
 
 
@@ -54,7 +55,11 @@ def start(request: Request, info: DistInfo, dry_run: bool = False,
                       "a real start would be refused", file=sys.stderr, flush=True)
         else:
             stack.enter_context(rundir.claim(out, flag="--out", what_next=_WHAT_NEXT))
-        return make_plan(request, facts)
+        plan = make_plan(request, facts)
+        preflight.check_resume(plan.config, plan.resume)
+        if not dry_run:  # a dry run may plan for data that is not on this machine
+            preflight.check_splits(plan.config, facts.world_size, is_main=True)
+        return plan
 
     return decided_on_rank_0(decide)
 

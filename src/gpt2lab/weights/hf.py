@@ -19,7 +19,7 @@ import torch
 from gpt2lab.model.config import HUB_NAMES
 from gpt2lab.system import rundir
 from gpt2lab.system.errors import DataError, UsageError
-from gpt2lab.system.files import atomic_dir, write_json
+from gpt2lab.system.files import atomic_dir, umask_modes, write_json
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.data.tokenizer import EOT_ID, EOT_TOKEN, asset_path
 
@@ -180,9 +180,17 @@ def load_files(config_path: str, weights_path: str) -> GPT:
     try:
         with open(config_path) as f:
             cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise WeightsError(f"{config_path}: not a readable JSON config ({e}); restore the file (download or "
+                           "export the model again)") from e
+    if not isinstance(cfg, dict):
+        raise WeightsError(f"{config_path}: holds {type(cfg).__name__}, not a JSON object; restore the file")
+    try:
         sd = _read_weights(weights_path)
-    except (OSError, ValueError, RuntimeError, KeyError) as e:
-        raise WeightsError(f"cannot read {config_path} / {weights_path}: {e}") from e
+    except Exception as e:  # safetensors' SafetensorError shares no base with OSError/ValueError
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise WeightsError(f"{weights_path}: cannot be read ({why}); the file is damaged or cut short: "
+                           "download or export the model again") from e
     config = config_from_hf(cfg, config_path)
     return build_model(config, from_hf_state_dict(sd, config.tie_embeddings), weights_path)
 
@@ -293,6 +301,7 @@ def save_pretrained(model: GPT, out_dir: str) -> None:
         _write_tokenizer(tmp, model.config.block_size)
         write_json(os.path.join(tmp, EXPORT_MARKER), {"format": rundir.EXPORT_FORMAT, "version": 1,
                                                        "files": list(EXPORT_FILES)})
+        umask_modes(tmp)  # every file as the user's umask says (safetensors writes its own 0600)
 
 
 def _check_export_target(out_dir: str) -> bool:
