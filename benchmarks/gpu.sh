@@ -62,7 +62,7 @@ train_flags() {
 }
 
 stage_tests() {
-    "$PY" -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
+    "$PY" -m pytest -q -m gpu tests/e2e/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
 }
 
 stage_ladder() {  # $1 = micro-batch

@@ -8,11 +8,12 @@ import pytest
 
 
 @contextmanager
-def running_server(models: list[str]) -> Iterator[str]:
-    """Load ``models`` ([NAME=]MODEL, as on the command line) on CPU, serve them; yield the base URL."""
+def running_server(models: list[str], limits=None, deterministic: bool = False) -> Iterator[str]:
+    """Load ``models`` ([NAME=]MODEL, as on the command line) on CPU, serve them; yield the base URL.
+    ``limits`` (serve.limits.Limits) and ``deterministic`` are the serve flags of those names."""
     pytest.importorskip("uvicorn", reason="gpt2lab serve needs the serve extra (fastapi, uvicorn)")
     from gpt2lab.serve.models import load_workers
     from gpt2lab.serve.api import serving_in_thread
 
-    with serving_in_thread(load_workers(models, "cpu", "float32")) as url:
+    with serving_in_thread(load_workers(models, "cpu", "float32", limits, deterministic)) as url:
         yield url

@@ -55,6 +55,17 @@ def run_train(resume: str | None = None, timeout: float = 120, **fields) -> subp
     return proc
 
 
+def records(run_dir) -> list[dict]:
+    """Every record of a run's metrics.jsonl, in order."""
+    return [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines() if line]
+
+
+def torchrun_cmd(nproc: int = 2, **fields) -> list[str]:
+    """`torchrun --standalone --nproc_per_node N -m gpt2lab train ...` for the tiny run."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "gpt2lab", *train_cmd(**fields)[3:]]
+
+
 def train_losses(run_dir: str) -> dict[int, float]:
     """step -> train_loss from a run's metrics.jsonl."""
     out = {}

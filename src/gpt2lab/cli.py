@@ -13,6 +13,7 @@ import importlib
 import os
 import re
 import sys
+import warnings
 from typing import Optional, Sequence
 
 from gpt2lab import __version__
@@ -62,6 +63,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = [a for a in argv if a != "--debug"]  # accepted after the subcommand too
     command = next((a for a in argv if a in COMMANDS), None)
     prefix = f"gpt2lab {command}" if command else "gpt2lab"
+    shown = warnings.formatwarning  # warnings as one line: "gpt2lab CMD: warning: ...", not file:line: UserWarning
+    warnings.formatwarning = lambda message, category, *rest, **kw: f"{prefix}: warning: {message}\n"
     try:
         args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
@@ -87,6 +90,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                                      errno.ENOTDIR, errno.EISDIR) else ""
         print(f"{prefix}: {what}{why}" + (f"; {hint}" if hint else ""), file=sys.stderr)
         return EXIT_ERROR
+    finally:
+        warnings.formatwarning = shown
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """The playground page and the report card in a real browser: headless Chromium via Playwright.
 
-Skips (saying why) without Playwright or a Chromium binary. To run it on Debian/Ubuntu:
-``apt-get install -y chromium`` and ``pip install playwright`` (no ``playwright install``
-needed: the system Chromium is used). GPT2LAB_CHROMIUM may point at another binary.
+Skips (saying why) without Playwright or a Chromium binary; CI never skips it (.ci/run installs
+Debian's chromium when it is missing). To run it on Debian/Ubuntu: ``apt-get install -y
+chromium`` and ``pip install playwright`` (no ``playwright install`` needed: the system
+Chromium is used). GPT2LAB_CHROMIUM may point at another binary.
 """
 from __future__ import annotations
 
@@ -65,6 +66,44 @@ def test_playground_streams_each_models_text_into_its_column(browser, gpt2_vocab
             assert "24 tokens in" in col.locator(".meta").inner_text()
         updates = page.evaluate("window.updates")
         assert min(updates.values()) >= 2, updates
+        page.close()
+
+
+def test_playground_shows_a_refused_request_then_streams(browser, tmp_path):
+    """A full queue (one row, one waiting request) answers the page's request with 429: the
+    column shows the error; once the queue drains, the same button streams a completion."""
+    from conftest import tiny_gpt
+    from gpt2lab.serve.limits import Limits
+    from gpt2lab.weights import hf
+
+    d = str(tmp_path / "model")
+    hf.save_pretrained(tiny_gpt(seed=2, vocab_size=50257, block_size=1024), d)
+    with running_server([f"solo={d}"], Limits(max_batch=1, max_queue=1)) as url:
+        page = browser.new_page()
+        page.goto(url + "/")
+        page.wait_for_function("document.querySelectorAll('.col').length === 1")
+        page.fill("#max_tokens", "12")
+        meta = page.locator(".col .meta")
+        long = {"model": "solo", "prompt": "x", "max_tokens": 1000, "stream": True}
+        with httpx.Client(timeout=60) as c:
+            with c.stream("POST", url + "/v1/completions", json=long) as running:
+                lines = running.iter_lines()  # kept: a dropped iterator closes the connection
+                next(lines)  # generating: it holds the one row
+                with c.stream("POST", url + "/v1/completions", json=long) as waiting:
+                    assert waiting.status_code == 200  # accepted: it holds the one queue place
+                    page.click("#go")
+                    page.wait_for_function("document.querySelector('.meta').classList.contains('error')",
+                                           timeout=60_000)
+                    assert meta.inner_text().startswith("error 429:") and "--max-queue 1" in meta.inner_text()
+        # both clients hung up: their rows are freed, and the page's next request streams
+        page.wait_for_function("!document.querySelector('#go').disabled")
+        page.click("#go")
+        page.wait_for_function("document.querySelector('.meta').textContent.includes('tokens in')", timeout=60_000)
+        assert "12 tokens in" in meta.inner_text() and "error" not in (meta.get_attribute("class") or "")
+        expected = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": "solo", "prompt": page.input_value("#prompt"), "max_tokens": 12, "temperature": 1.0,
+            "top_k": 50, "top_p": 1.0, "seed": 42}).json()
+        assert page.locator(".col .completion").inner_text() == expected["choices"][0]["text"]
         page.close()
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from train_utils import TINY, cli_args, env, tiny_data, train_cmd, train_losses  # noqa: F401
+from train_utils import TINY, cli_args, env, records, tiny_data, train_cmd, train_losses  # noqa: F401
 
 from gpt2lab.checkpoint import store as ckpt
 from gpt2lab.system import files
@@ -25,7 +25,7 @@ from gpt2lab.cli import build_parser, main
 from gpt2lab.train.config import load_preset
 from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.system.errors import EXIT_CODES, DiskFullError
-from gpt2lab.train.trainer import train
+from gpt2lab.train.run import train
 from conftest import ROOT
 
 CPU = torch.device("cpu")
@@ -159,7 +159,8 @@ def test_cut_metrics_line_is_dropped_with_a_warning(run_copy, tiny_data, tmp_pat
         train(_cfg(tiny_data, run_copy, max_steps=5), DistInfo(device=CPU), "auto")
     assert sorted(train_losses(run_copy)) == [0, 1, 2, 3, 4]
     fresh = tmp_path / "fresh"
-    fresh.mkdir()
+    fresh.mkdir()  # a run killed at its first steps: its mark (system.rundir), a cut metrics line, no checkpoint
+    (fresh / "run_info.json").write_text('{"format": "gpt2lab-run", "version": 1}\n')
     (fresh / "metrics.jsonl").write_text('{"step": 0, "train_loss": 1.0}\n{"step": 1, "tr')
     with pytest.warns(UserWarning, match="metrics.jsonl: dropped 1"):
         train(_cfg(tiny_data, fresh, max_steps=1), DistInfo(device=CPU))
@@ -197,10 +198,11 @@ def test_resume_auto_skips_a_corrupt_checkpoint_and_says_so(run_copy, tiny_data,
     assert sorted(train_losses(run_copy)) == [0, 1, 2, 3, 4]
 
 
-def test_resume_with_another_model_size_names_both_shapes(run_copy, tiny_data, capsys):
+def test_resume_with_another_model_size_names_the_field_that_differs(run_copy, tiny_data, capsys):
     assert main(_argv(tiny_data, run_copy, "--resume", "auto", max_steps=6, n_layer=3)) == 3
     line = _one_line(capsys.readouterr().err)
-    assert "holds another model shape (n_layer 2," in line and "than this one (n_layer 3," in line
+    assert "holds another model shape than this one: n_layer 2 there, 3 here;" in line
+    assert "n_embd" not in line and "n_head" not in line
     assert "new --out" in line
 
 
@@ -221,7 +223,7 @@ def test_ctrl_c_during_startup_is_one_line(monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("gpt2lab.commands.train._config", interrupted)
+    monkeypatch.setattr("gpt2lab.commands.train._request", interrupted)
     assert main(["train", "--preset", "shakespeare-cpu"]) == 130
     assert _one_line(capsys.readouterr().err) == "gpt2lab train: interrupted"
 
@@ -256,7 +258,7 @@ def test_ctrl_c_once_finishes_the_step_and_saves(tiny_data, tmp_path):
 def test_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(tiny_data, tmp_path, monkeypatch, capsys):
     from gpt2lab.train.trainer import Trainer, _stop_on_signals
 
-    trainer = Trainer(_cfg(tiny_data, tmp_path), DistInfo(device=CPU))
+    trainer = Trainer.from_config(_cfg(tiny_data, tmp_path), DistInfo(device=CPU))
     trainer.step = 1
     good = trainer.save()
     with _stop_on_signals(trainer):
@@ -350,12 +352,8 @@ def _poison(src: str, dst: Path) -> None:
     write_shard(dst / loader.paths[0].name, tokens.astype(np.uint16))
 
 
-def _records(run) -> list[dict]:
-    return [json.loads(line) for line in Path(run, "metrics.jsonl").read_text().splitlines()]
-
-
 def _val(run) -> float:
-    return [r["val_loss"] for r in _records(run) if "val_loss" in r][-1]
+    return [r["val_loss"] for r in records(run) if "val_loss" in r][-1]
 
 
 def test_spike_guard_skips_and_rolls_back_poisoned_data(tiny_data, tmp_path):
@@ -364,8 +362,8 @@ def test_spike_guard_skips_and_rolls_back_poisoned_data(tiny_data, tmp_path):
     clean, guarded = tmp_path / "clean", tmp_path / "guarded"
     train(_cfg(tiny_data, clean, **GUARD), DistInfo(device=CPU))
     train(_cfg(str(poisoned), guarded, **GUARD), DistInfo(device=CPU))
-    assert not [r for r in _records(clean) if "skipped" in r or "rollback_to" in r]  # healthy: never fires
-    recs = _records(guarded)
+    assert not [r for r in records(clean) if "skipped" in r or "rollback_to" in r]  # healthy: never fires
+    recs = records(guarded)
     spikes = [r["step"] for r in recs if r.get("skipped") == "spike"]
     rollbacks = [r for r in recs if "rollback_to" in r]
     assert spikes and set(spikes) <= set(range(POISON_STEPS[0], POISON_STEPS[1] + 1)), spikes
@@ -386,7 +384,7 @@ def test_spike_guard_skips_and_rolls_back_poisoned_data(tiny_data, tmp_path):
     again = tmp_path / "again"
     shutil.copytree(guarded / "checkpoints" / "step_000016", again / "checkpoints" / "step_000016")
     train(_cfg(str(poisoned), again, **GUARD), DistInfo(device=CPU), "auto")
-    assert [r["skip_tokens"] for r in _records(again) if "rollback_to" in r] == ranges
+    assert [r["skip_tokens"] for r in records(again) if "rollback_to" in r] == ranges
     assert train_losses(again) == {s: v for s, v in train_losses(guarded).items() if s >= 16}
     state = torch.load(guarded / "checkpoints" / "step_000024" / "state.pt", weights_only=True)
     assert [list(r) for r in state["skips"]] == [r["skip_positions"] for r in rollbacks]

@@ -12,7 +12,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,15 +21,14 @@ import torch
 from gpt2lab.checkpoint import store as ckpt
 from gpt2lab.system.errors import CheckpointError
 from test_train_dist import _wait_for
-from train_utils import cli_args, env, tiny_data, train_cmd, train_losses  # noqa: F401
+from train_utils import cli_args, env, tiny_data, torchrun_cmd, train_cmd, train_losses  # noqa: F401
 
 # TINY: 128 tokens a step = 2 micro-steps on one process, 1 per rank on two
 FIELDS = dict(max_steps=12, ckpt_interval=4, keep_checkpoints=2)
 
 
 def _torchrun(out: Path, data: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "gpt2lab",
-            *train_cmd(out=str(out), data=data, strategy="fsdp", **FIELDS)[3:], *extra]
+    return [*torchrun_cmd(out=str(out), data=data, strategy="fsdp", **FIELDS), *extra]
 
 
 def _train_here(out: Path, data: str, *extra: str) -> str:

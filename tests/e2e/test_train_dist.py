@@ -5,13 +5,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from train_utils import cli_args, env, run_train, tiny_data, train_cmd, train_losses  # noqa: F401
+from train_utils import cli_args, env, records, run_train, tiny_data, torchrun_cmd, train_cmd, train_losses  # noqa: F401
 from conftest import DATA
 
 
@@ -23,9 +22,7 @@ DIST_FIELDS = dict(total_batch_tokens=256, max_steps=4, eval_interval=2, eval_to
 
 
 def _torchrun(out, **fields) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "gpt2lab", *train_cmd(out=str(out), **fields)[3:]]
-    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(torchrun_cmd(out=str(out), **fields), env=env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
 
@@ -61,7 +58,7 @@ def test_fsdp_two_processes_equal_one_process_and_ddp(one_and_ddp, tiny_data, tm
                      **DIST_FIELDS)
     assert "strategy fsdp (asked for with --strategy fsdp); activation checkpointing on" in proc.stdout
     dirs = {"one": one_dir, "ddp": ddp_dir, "fsdp": tmp_path / "fsdp"}
-    runs = {name: _records(d) for name, d in dirs.items()}
+    runs = {name: records(d) for name, d in dirs.items()}
     losses = {name: {r["step"]: r for r in recs if "train_loss" in r} for name, recs in runs.items()}
     assert sorted(losses["fsdp"]) == [0, 1, 2, 3]
     for other in ("one", "ddp"):
@@ -87,13 +84,8 @@ def test_fsdp_two_processes_equal_one_process_and_ddp(one_and_ddp, tiny_data, tm
         "params_on_rank_0"]
 
 
-def _records(run_dir) -> list[dict]:
-    return [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
-
-
 def _val(run_dir) -> dict[int, float]:
-    recs = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
+    return {r["step"]: r["val_loss"] for r in records(run_dir) if "val_loss" in r}
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:

@@ -18,7 +18,8 @@ from gpt2lab.weights import hf
 from gpt2lab.train.config import load_preset
 from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.train.init_from import InitFromError, adapt_config, sha256_file
-from gpt2lab.train.trainer import Trainer, train
+from gpt2lab.train.run import train
+from gpt2lab.train.trainer import Trainer
 from gpt2lab.inference.generate import generate
 
 CPU = torch.device("cpu")
@@ -63,7 +64,7 @@ def test_hf_source_loss_and_adamw_steps_match_transformers(hf_src, tiny_data, tm
     cfg = adapt_config(_cfg(tiny_data, tmp_path / "run", init_from=src_dir, vocab_size=50257, block_size=64,
                             total_batch_tokens=64, max_lr=1e-3, min_lr=1e-3, warmup_steps=0, weight_decay=0.1,
                             grad_clip=1.0))
-    trainer = Trainer(cfg, DistInfo(device=CPU))
+    trainer = Trainer.from_config(cfg, DistInfo(device=CPU))
     batches = _batches(4)
     feed = iter(batches)
     trainer.loader.next_batch = lambda: next(feed)
@@ -95,17 +96,17 @@ def test_hf_source_loss_and_adamw_steps_match_transformers(hf_src, tiny_data, tm
 def test_run_dir_source_gives_its_weights_and_a_fresh_start(pretrained_run, tiny_data, tmp_path):  # noqa: F811
     ckpt = f"{pretrained_run}/checkpoints/step_000008"
     cfg = adapt_config(_cfg(tiny_data, tmp_path / "ft", init_from=pretrained_run, block_size=64))
-    trainer = Trainer(cfg, DistInfo(device=CPU))
+    trainer = Trainer.from_config(cfg, DistInfo(device=CPU))
     saved = load_file(f"{ckpt}/model.safetensors")
     assert set(saved) == set(dict(trainer.raw.named_parameters()))
     for k, v in trainer.raw.named_parameters():
         assert torch.equal(v.detach(), saved[k]), k
     assert trainer.step == 0 and trainer.tokens == 0 and not trainer.optimizer.state
-    fresh = Trainer(_cfg(tiny_data, tmp_path / "x"), DistInfo(device=CPU))
+    fresh = Trainer.from_config(_cfg(tiny_data, tmp_path / "x"), DistInfo(device=CPU))
     assert trainer.loader.state_dict() == fresh.loader.state_dict()
     assert trainer.cfg.init_from_id == f"step 8, sha256:{sha256_file(f'{ckpt}/model.safetensors')}"
     # a smaller block keeps the first positions; the older checkpoint is taken when named
-    short = Trainer(adapt_config(_cfg(tiny_data, tmp_path / "s", init_from=f"{pretrained_run}/checkpoints/step_000004",
+    short = Trainer.from_config(adapt_config(_cfg(tiny_data, tmp_path / "s", init_from=f"{pretrained_run}/checkpoints/step_000004",
                                       block_size=32, seq_len=32)), DistInfo(device=CPU))
     older = load_file(f"{pretrained_run}/checkpoints/step_000004/model.safetensors")
     assert torch.equal(short.raw.transformer.wpe.weight.detach(), older["transformer.wpe.weight"][:32])
@@ -115,7 +116,7 @@ def test_vocab_padding_rows_are_the_mean_and_loss_stays(hf_src, tiny_data, tmp_p
     """50257 rows into a 50304 run: the 47 new rows are the mean row; the loss barely moves."""
     ref, src_dir = hf_src
     cfg = adapt_config(_cfg(tiny_data, tmp_path / "run", init_from=src_dir))
-    trainer = Trainer(cfg, DistInfo(device=CPU))
+    trainer = Trainer.from_config(cfg, DistInfo(device=CPU))
     wte = trainer.raw.transformer.wte.weight.detach()
     src_wte = ref.transformer.wte.weight.detach()
     assert wte.shape[0] == 50304 and torch.equal(wte[:50257], src_wte)
@@ -159,7 +160,7 @@ def test_lora_trains_only_adapters_and_merged_export_matches(hf_src, tiny_data, 
     cfg = adapt_config(_cfg(tiny_data, tmp_path / "lora", "finetune-shakespeare", init_from=hf_src[1], lora_rank=4,
                             lora_alpha=8.0, lora_targets="c_attn,mlp.c_proj", max_steps=3, max_lr=1e-2, min_lr=1e-2, warmup_steps=0))
     assert cfg.model.attn_pdrop == 0.1 and cfg.max_steps == 3
-    trainer = Trainer(cfg, DistInfo(device=CPU))
+    trainer = Trainer.from_config(cfg, DistInfo(device=CPU))
     before = {k: v.detach().clone() for k, v in trainer.raw.state_dict().items()}
     trainable = {n for n, p in trainer.raw.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
@@ -172,7 +173,7 @@ def test_lora_trains_only_adapters_and_merged_export_matches(hf_src, tiny_data, 
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and changed <= {k for k in before if ".lora_B." in k or ".lora_A." in k}
     path = trainer.save()
-    resumed = Trainer(cfg, DistInfo(device=CPU), resume=path)  # the checkpoint holds all a LoRA run needs
+    resumed = Trainer.from_config(cfg, DistInfo(device=CPU), resume=path)  # the checkpoint holds all a LoRA run needs
     assert resumed.step == 3 and resumed.cfg.init_from_id == trainer.cfg.init_from_id
     for (k, a), b in zip(resumed.raw.state_dict().items(), after.values()):
         assert torch.equal(a, b), k

@@ -8,7 +8,6 @@ log-likelihoods.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch

@@ -68,7 +68,7 @@ def test_rotary_matches_transformers_llama_helper():
                                                rope_parameters={"rope_type": "default", "rope_theta": 500.0}))
     cos_ref, sin_ref = ref_emb(q, torch.arange(start, start + T)[None])
     q_ref, k_ref = apply_rotary_pos_emb(q, k, cos_ref, sin_ref)
-    cos, sin = rotary_cos_sin(cfg, start, T, torch.device("cpu"))
+    cos, sin = rotary_cos_sin(cfg, torch.arange(start, start + T))
     torch.testing.assert_close(apply_rotary(q, cos, sin), q_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(apply_rotary(k, cos, sin), k_ref, rtol=1e-5, atol=1e-5)
 
@@ -78,7 +78,7 @@ def test_rotary_matches_the_formula_and_depends_on_offsets_only():
     hs, h = 16, 8
     torch.manual_seed(1)
     x = torch.randn(1, 1, 4, hs)
-    out = apply_rotary(x, *rotary_cos_sin(cfg, 3, 4, torch.device("cpu")))
+    out = apply_rotary(x, *rotary_cos_sin(cfg, torch.arange(3, 3 + 4)))
     for t in range(4):  # pair i = channels (i, i + hs/2), angle = position * theta^(-2i/hs)
         for i in range(h):
             ang = (3 + t) * 100.0 ** (-2 * i / hs)
@@ -89,8 +89,8 @@ def test_rotary_matches_the_formula_and_depends_on_offsets_only():
     q, k = torch.randn(1, 1, 1, hs), torch.randn(1, 1, 1, hs)
     dots = []
     for p in (0, 9):
-        rq = apply_rotary(q, *rotary_cos_sin(cfg, p + 4, 1, torch.device("cpu")))
-        rk = apply_rotary(k, *rotary_cos_sin(cfg, p, 1, torch.device("cpu")))
+        rq = apply_rotary(q, *rotary_cos_sin(cfg, torch.arange(p + 4, p + 4 + 1)))
+        rk = apply_rotary(k, *rotary_cos_sin(cfg, torch.arange(p, p + 1)))
         dots.append((rq * rk).sum().item())
     assert dots[0] == pytest.approx(dots[1], abs=1e-4)
 
@@ -100,7 +100,7 @@ def test_attention_with_qk_norm_and_rotary_matches_a_hand_written_one():
     attn, eps = m.transformer.h[0].attn, m.config.layer_norm_epsilon
     torch.manual_seed(2)
     x = torch.randn(2, 6, 32)
-    rope = rotary_cos_sin(m.config, 0, 6, torch.device("cpu"))
+    rope = rotary_cos_sin(m.config, torch.arange(0, 0 + 6))
     q, k, v = (x @ attn.c_attn.weight.T + attn.c_attn.bias).split(32, dim=2)
     q, k, v = (t.view(2, 6, 2, 16).transpose(1, 2) for t in (q, k, v))
     q, k = (t / torch.sqrt((t * t).mean(-1, keepdim=True) + eps) for t in (q, k))  # unit RMS per head, no gain

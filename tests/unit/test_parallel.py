@@ -109,22 +109,17 @@ def test_activation_checkpointing_is_off_outside_training():
     assert calls["n"] == 1 + 3 and plain.shape == (1, 8, 50304) and cached.shape == (1, 11)
 
 
-def test_auto_asks_the_planner_what_ddp_needs_on_a_gpu(monkeypatch):
+def test_auto_asks_the_planner_what_ddp_needs_on_a_gpu():
     """--strategy auto on GPUs: DDP's per-rank memory comes from memplan.predict for this very run."""
-    import torch
-
     from gpt2lab.distributed import memplan
-    from gpt2lab.distributed import parallel
+    from gpt2lab.system import runtime
     from gpt2lab.train.config import load_preset
-    from gpt2lab.distributed.dist import DistInfo
-    from gpt2lab.train.trainer import _resolve_strategy
+    from gpt2lab.train.plan import Facts, choose_strategy
 
     cfg = load_preset("gpt2-1558m", data="unused", total_batch_tokens=1024 * 16 * 8)
     need = memplan.predict(cfg.model, strategy="ddp", world_size=8, micro_batch=16, seq_len=1024,
                            dtype="bfloat16", accum=1, device="cuda", compiled=True).total
-    info = DistInfo(rank=0, world_size=8, device=torch.device("cuda", 0))
-    monkeypatch.setattr(torch.distributed, "broadcast_object_list", lambda box, src: None)  # one rank here
+    gpu = runtime.Facts("cuda", "NVIDIA H100 80GB HBM3", cuda_bf16=True)
     for card, expect in ((need, "ddp"), (need - 1, "fsdp")):
-        monkeypatch.setattr(parallel, "device_bytes", lambda device, card=card: card)
-        choice = _resolve_strategy(cfg, info, "bfloat16", accum=1, compile=True)
+        choice = choose_strategy(cfg, Facts(gpu, world_size=8, device_bytes=card), "bfloat16", accum=1, compiled=True)
         assert choice.value == expect, choice.reason

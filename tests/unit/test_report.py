@@ -12,16 +12,15 @@ import time
 from pathlib import Path
 
 import pytest
+from train_utils import records
+
+from gpt2lab.system import rundir
 
 from gpt2lab import cli
 from gpt2lab.observe.report import build_report, write_report
 
 pytest.importorskip("matplotlib", reason="the report's curves need matplotlib (plot extra)")
 HOUR_AGO = time.time() - 3600
-
-
-def records(run: Path) -> list[dict]:
-    return [json.loads(line) for line in run.joinpath("metrics.jsonl").read_text().splitlines() if line]
 
 
 def copy_run(src: Path, dst: Path, drop_checkpoints=(), mtime: float | None = HOUR_AGO) -> Path:
@@ -87,8 +86,11 @@ def test_running_stopped_and_killed_runs(finished_run, tmp_path):
     running = copy_run(finished_run, tmp_path / "running", drop_checkpoints=[4], mtime=time.time())
     assert build_report(str(running), curves=False).status.startswith("running: at step 3 of 4 (last record")
     locked = copy_run(finished_run, tmp_path / "locked", drop_checkpoints=[4])
-    (locked / "train.lock").write_text(f"{os.getpid()}\n")
-    assert build_report(str(locked), curves=False).status == f"running: at step 3 of 4 (lock held by pid {os.getpid()})"
+    with rundir.lock(str(locked)):  # the run lock (system.rundir), held as a live run holds it
+        assert build_report(str(locked), curves=False).status == \
+            f"running: at step 3 of 4 (lock held by pid {os.getpid()})"
+    # the lock file of a run that was killed: no process holds the lock, so the run is not live
+    assert build_report(str(locked), curves=False).status.startswith("crashed or killed at step 3 of 4")
     killed = copy_run(finished_run, tmp_path / "killed", drop_checkpoints=[4])
     status = build_report(str(killed), curves=False).status
     assert status.startswith("crashed or killed at step 3 of 4") and status.endswith("continues from step 2")

@@ -1,15 +1,23 @@
-"""gpt2lab serve through the official openai client and raw HTTP: equal to `gpt2lab sample`,
-streaming, 8 concurrent clients, and every kind of bad request answered with a 4xx."""
+"""gpt2lab serve through the official openai client and raw HTTP: equal to `gpt2lab sample` (in turns
+and batched), streaming, 8 concurrent clients, every kind of bad request answered with a 4xx, the
+batched rows' logits against the one-row model, the limits (429, 504, the max_tokens cap), a client
+that hangs up, /metrics, the access log, and the bench's fault run."""
 from __future__ import annotations
 
 import functools
+import logging
 import re
 import threading
+import time
 
 import pytest
+import torch
 
+from conftest import tiny_gpt
 from gpt2lab import cli, get_tokenizer
 from gpt2lab.serve.engine import StopFilter
+from gpt2lab.serve.limits import Limits
+from gpt2lab.weights import hf
 from serve_utils import running_server
 
 openai = pytest.importorskip("openai", reason="the serve tests use the official openai client (test extra)")
@@ -20,6 +28,14 @@ httpx = pytest.importorskip("httpx")
 def server(gpt2_vocab_export):
     _, d = gpt2_vocab_export
     with running_server([f"tiny={d}", f"twin={d}"]) as url:
+        yield url, d
+
+
+@pytest.fixture(scope="module")
+def turns_server(gpt2_vocab_export):
+    """--deterministic: requests in turns, each exactly as `gpt2lab sample` runs it."""
+    _, d = gpt2_vocab_export
+    with running_server([f"tiny={d}", f"twin={d}"], deterministic=True) as url:
         yield url, d
 
 
@@ -39,8 +55,9 @@ def sample_cli(capsys, d: str, prompt: str, **flags) -> list[str]:
     return [p[len(prompt):-1] for p in parts]
 
 
-def test_openai_client_completion_equals_gpt2lab_sample(server, capsys):
-    url, d = server
+@pytest.mark.parametrize("mode", ["server", "turns_server"])
+def test_openai_client_completion_equals_gpt2lab_sample(mode, request, capsys):
+    url, d = request.getfixturevalue(mode)
     prompt = "The meaning of life is"
     expected = sample_cli(capsys, d, prompt, num_samples=2, max_new_tokens=20, seed=7, temperature=0.9,
                           top_k=40, top_p=0.95)
@@ -101,6 +118,79 @@ def test_eight_concurrent_clients_each_get_their_own_continuation(server):
     assert [concurrent.get(i) for i in range(8)] == sequential
 
 
+def test_batched_requests_draw_the_tokens_sample_draws(server, gpt2_vocab_export):
+    """Item 2's test set: 8 prompts x seeds in flight together (one batch) give the text that
+    completion.stream_text (gpt2lab sample's code) gives each alone."""
+    from gpt2lab.inference.completion import Sampling, prompt_ids, seeded_generator, stream_text
+
+    url, _ = server
+    model, _ = gpt2_vocab_export
+    cases = [(f"Prompt {i}: " + "word " * (3 * i), 10 + i, [0.7, 1.0, 1.3][i % 3], [None, 40][i % 2]) for i in range(8)]
+    expected = []
+    for prompt, seed, temperature, top_k in cases:
+        s = Sampling(max_new_tokens=20, temperature=temperature, top_k=top_k)
+        expected.append("".join(t for _, t in stream_text(model, prompt_ids(prompt, 50257), s,
+                                                           seeded_generator(torch.device("cpu"), seed))))
+    got: dict[int, str] = {}
+    barrier = threading.Barrier(len(cases))
+
+    def run(i: int) -> None:
+        prompt, seed, temperature, top_k = cases[i]
+        barrier.wait()
+        r = client(url).completions.create(model="tiny", prompt=prompt, max_tokens=20, seed=seed,
+                                           temperature=temperature, extra_body={"top_k": top_k})
+        got[i] = r.choices[0].text
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [got.get(i) for i in range(len(cases))] == expected
+    assert len(set(expected)) == len(cases)
+
+
+MODERN = dict(pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2", tie_embeddings=False,
+              logit_softcap=15.0)
+
+
+@pytest.mark.parametrize("block", [{}, MODERN], ids=["gpt2", "modern"])
+def test_batched_rows_give_the_unbatched_models_logits(block):
+    """RowsCache: rows of different lengths joining and leaving; every row's logits equal the
+    one-row forward of its whole sequence without a cache (with rotary, each row is turned by
+    its own positions)."""
+    from gpt2lab.serve.batch import RowsCache
+
+    model = tiny_gpt(seed=5, vocab_size=97, block_size=48, **block)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (3, 9, 16)]
+    cache = RowsCache(model.config.n_layer, model.config.block_size)
+
+    def join(seq: list[int]) -> None:
+        one = model.new_kv_cache(40)
+        model(torch.tensor([seq]), kv_cache=one)
+        cache.put(len(cache.lengths), one, 4)
+
+    with torch.inference_mode():
+        for seq in seqs:
+            join(seq)
+        for step in range(8):
+            if step == 3:  # the first row leaves (the last moves into its slot) and a new one joins
+                cache.remove(0)
+                seqs[0] = seqs.pop()
+                seqs.append(torch.randint(0, 97, (5,), generator=g).tolist())
+                join(seqs[-1])
+            new = torch.randint(0, 97, (len(seqs), 1), generator=g)
+            batched, _ = model(new, kv_cache=cache.view(torch.device("cpu")), last_only=True)
+            for i, seq in enumerate(seqs):
+                seq.append(int(new[i]))
+                alone, _ = model(torch.tensor([seq]), last_only=True)
+                torch.testing.assert_close(batched[i, -1], alone[0, -1], rtol=1e-5, atol=1e-5)
+            assert cache.lengths == [len(s) for s in seqs]
+        cache.remove(1), cache.remove(1), cache.remove(0)
+    assert cache.k[0] is None  # idle: the buffers are given back
+
+
 def test_stop_strings_cut_the_text_in_both_modes(server):
     url, _ = server
     kw = dict(model="tiny", prompt="Hello", max_tokens=24, seed=11)
@@ -159,25 +249,127 @@ def test_models_list_and_client_errors(server):
     assert page.status_code == 200 and "<script>" in page.text and "/v1/completions" in page.text
 
 
-def test_serve_bad_model_is_one_line(tmp_path):
+def test_serve_bad_model_is_one_line(tmp_path, capsys):
     missing = str(tmp_path / "missing")
     with pytest.raises(SystemExit) as e:  # cli.main's SystemExit(message): one line on stderr, exit 1
-        cli.main(["serve", "--model", missing, "--device", "cpu", "--port", "1"])
+        cli.main(["serve", "--model", missing, "--device", "cpu", "--port", "0"])
     assert f"--model {missing}: no such directory" in str(e.value.code)
+    assert cli.main(["serve", "--model", missing, "--max-queue", "0", "--port", "0"]) == 2  # a UsageError
+    assert capsys.readouterr().err.strip().endswith("--max-queue 0: must be at least 1")
     with pytest.raises(SystemExit, match="given twice"):
-        cli.main(["serve", "--model", f"a={missing}", "--model", f"a={tmp_path}", "--port", "1"])
+        cli.main(["serve", "--model", f"a={missing}", "--model", f"a={tmp_path}", "--port", "0"])
 
 
-def test_bench_serve_runs_and_counts_every_token():
+def _scrape(url: str) -> dict:
+    """/metrics parsed by prometheus_client's own parser: {(name, labels...): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {(s.name, *sorted(s.labels.items())): s.value for f in text_string_to_metric_families(text)
+            for s in f.samples}
+
+
+def test_limits_queue_full_is_429_the_cap_is_400_and_metrics_count_it_all(gpt2_vocab_export, caplog):
+    _, d = gpt2_vocab_export
+    limits = Limits(max_batch=1, max_queue=1, max_tokens=100)
+    caplog.set_level(logging.INFO, logger="gpt2lab.serve.access")
+    with running_server([f"tiny={d}"], limits) as url:
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 100, "temperature": 0}
+        answers: list = [None] * 6
+        barrier = threading.Barrier(6)
+
+        def post(i: int) -> None:
+            barrier.wait()  # 1 runs, 1 waits, the rest find the queue full
+            answers[i] = httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+        threads = [threading.Thread(target=post, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        ok = [r for r in answers if r.status_code == 200]
+        busy = [r for r in answers if r.status_code == 429]
+        assert len(ok) + len(busy) == 6 and len(ok) >= 2 and busy, [r.status_code for r in answers]
+        assert all(r.json()["error"]["code"] == "queue_full" and "--max-queue 1" in r.json()["error"]["message"]
+                   for r in busy)
+        assert len({r.json()["choices"][0]["text"] for r in ok}) == 1  # greedy: the same text each time
+        capped = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 101}, timeout=30)
+        assert capped.status_code == 400 and "--max-tokens" in capped.json()["error"]["message"]
+        big = httpx.post(url + "/v1/completions", content=b"x" * ((1 << 20) + 1), timeout=30)
+        assert big.status_code == 413 and "at most" in big.json()["error"]["message"]
+        m = _scrape(url)
+    tokens = sum(r.json()["usage"]["completion_tokens"] for r in ok)
+    assert m[("gpt2lab_generated_tokens_total", ("model", "tiny"))] == tokens
+    assert m[("gpt2lab_requests_total", ("path", "/v1/completions"), ("status", "429"))] == len(busy)
+    assert m[("gpt2lab_requests_total", ("path", "/v1/completions"), ("status", "200"))] == len(ok)
+    assert m[("gpt2lab_time_to_first_token_seconds_count", ("model", "tiny"))] == len(ok)
+    assert m[("gpt2lab_time_per_output_token_seconds_count", ("model", "tiny"))] == tokens - len(ok)
+    assert m[("gpt2lab_queue_depth", ("model", "tiny"))] == 0 and m[("gpt2lab_active_rows", ("model", "tiny"))] == 0
+    lines = [r.getMessage() for r in caplog.records if r.name == "gpt2lab.serve.access"]
+    assert sum('"POST /v1/completions" 429' in line for line in lines) == len(busy)
+    assert sum('"POST /v1/completions" 200' in line for line in lines) == len(ok)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_request_past_the_timeout_gets_504(gpt2_vocab_export, deterministic):
+    _, d = gpt2_vocab_export
+    with running_server([f"tiny={d}"], Limits(timeout_s=0.02), deterministic) as url:
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 120}  # 120 steps: far past 20 ms
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 504 and r.json()["error"]["type"] == "timeout", r.text
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+            lines = [line for line in s.iter_lines() if line]
+        assert "took longer than" in lines[-2] and lines[-1] == "data: [DONE]"
+
+
+def test_a_client_that_hangs_up_frees_its_row(tmp_path):
+    d = str(tmp_path / "model")
+    hf.save_pretrained(tiny_gpt(seed=1, vocab_size=50257, block_size=1024), d)
+    with running_server([f"m={d}"]) as url:
+        body = {"model": "m", "prompt": "x", "max_tokens": 1000, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as s:
+            lines = s.iter_lines()
+            next(lines), next(lines)  # two events in: the row is generating
+            assert _scrape(url)[("gpt2lab_active_rows", ("model", "m"))] == 1
+        deadline = time.monotonic() + 30
+        while _scrape(url)[("gpt2lab_active_rows", ("model", "m"))] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        m = _scrape(url)
+        assert m[("gpt2lab_active_rows", ("model", "m"))] == 0
+        assert 1 <= m[("gpt2lab_generated_tokens_total", ("model", "m"))] < 1000  # it stopped early
+        r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def _bench(*argv: str) -> dict:
     import argparse
 
     from gpt2lab.benchmarks import serve as bench
 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    args = parser.parse_args(["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "64",
-                              "--new-tokens", "6", "--streams", "3", "--seed", "1"])
-    out = bench.run(args)
-    assert out["tokens"] == 18 and out["streams"] == 3  # seeded: no <|endoftext|> among these draws
-    assert out["aggregate_tok_per_s"] == pytest.approx(18 / out["wall_s"])
-    assert 0 < out["first_token_s_mean"] <= out["first_token_s_max"] < out["wall_s"]
+    return bench.run(parser.parse_args(["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seed", "1",
+                                        *argv]))
+
+
+def test_bench_serve_runs_and_counts_every_token():
+    out = _bench("--block-size", "64", "--new-tokens", "6", "--streams", "1,3", "--seconds", "0.5")
+    for row, streams in zip(out["load"], (1, 3)):
+        assert row["streams"] == streams and row["errors"] == 0 and row["requests"] >= streams
+        assert row["tokens"] == 6 * row["requests"]  # seeded: no <|endoftext|> among these draws
+        assert row["aggregate_tok_per_s"] == pytest.approx(row["tokens"] / row["wall_s"], rel=0.01)
+        assert 0 < row["first_token_s_p50"] <= row["first_token_s_p99"] < row["wall_s"]
+        assert 0 < row["token_s_p50"] <= row["token_s_p99"]
+
+
+def test_bench_serve_fault_run_answers_everything_and_stays_up():
+    out = _bench("--block-size", "128", "--new-tokens", "100", "--streams", "", "--max-batch", "2",
+                 "--max-queue", "3", "--fault")
+    f = out["fault"]
+    assert f["rows_left_after_disconnects"] == 0 and f["disconnected"] == 8
+    assert (f["malformed_json"], f["oversize_prompt"], f["oversize_body"], f["max_tokens_past_cap"]) == (
+        400, 400, 413, 400)
+    assert f["burst"] == 13 and f["burst_unanswered"] == 0 and set(f["burst_statuses"]) <= {"200", "429"}
+    assert f["burst_statuses"].get("429", 0) >= 1 and f["burst_statuses"].get("200", 0) >= 2
+    assert f["still_serving"] == 200
+    assert f["rss_after_mb"] - f["rss_before_mb"] < 100  # bounded: no per-request leak

@@ -24,7 +24,7 @@ GOLDEN = [10.8304, 10.8277, 10.7914, 10.6800, 10.6113, 10.5393, 10.4928, 10.4038
 
 def _trainer(data: str, out, **fields) -> Trainer:
     cfg = load_preset("shakespeare-cpu", **{**TINY, "data": data, "out": str(out), **fields})
-    return Trainer(cfg, DistInfo(device=CPU))
+    return Trainer.from_config(cfg, DistInfo(device=CPU))
 
 
 def test_overfits_one_batch():
@@ -129,13 +129,15 @@ def test_val_loss_equals_a_plain_loop(tiny_data, tmp_path):
 
 
 def test_fp16_scaler_survives_nan_steps_and_resume(tiny_data, tmp_path, monkeypatch):
-    import gpt2lab.train.trainer as train_mod
+    import dataclasses
 
     from gpt2lab.system import runtime
+    from gpt2lab.train.plan import Facts, make_plan
 
-    fp16 = runtime.Resolved(runtime.Choice("float16", "test"), runtime.Choice(False, "test"), runtime.Facts("cpu"))
-    monkeypatch.setattr(train_mod, "_resolve_choices", lambda cfg, info: fp16)  # fp16 on CPU, test only
-    trainer = _trainer(tiny_data, tmp_path, dtype="float16", max_bad_steps=3)
+    cfg = load_preset("shakespeare-cpu", **{**TINY, "data": tiny_data, "out": str(tmp_path), "max_bad_steps": 3})
+    plan = make_plan(cfg, Facts(runtime.Facts("cpu")))
+    plan = dataclasses.replace(plan, dtype=runtime.Choice("float16", "test"))  # fp16 on CPU, test only
+    trainer = Trainer(plan, DistInfo(device=CPU))
     forward, poison = trainer.model.forward, {"on": True}
     trainer.model.forward = lambda *a, **k: (lambda lo: (lo[0], lo[1] * float("nan") if poison["on"] else lo[1]))(
         forward(*a, **k))
@@ -156,19 +158,19 @@ def test_fp16_scaler_survives_nan_steps_and_resume(tiny_data, tmp_path, monkeypa
     assert trainer.scaler.get_scale() == 2.0 ** 99
     trainer.step = 4
     path = trainer.save()
-    resumed = Trainer(trainer.cfg, DistInfo(device=CPU), resume=path)
+    resumed = Trainer(dataclasses.replace(make_plan(cfg, Facts(runtime.Facts("cpu")), resume=path),
+                                          dtype=plan.dtype), DistInfo(device=CPU))
     assert resumed.scaler.state_dict() == trainer.scaler.state_dict()
 
 
 def test_run_logs_val_hellaswag_samples_tensorboard_and_plot(tiny_data, tmp_path):
     """A short run with every in-training evaluation on; the logged figures equal the
     standalone evaluators applied to the checkpoint the run saved at its last step."""
-    from pathlib import Path
 
     from gpt2lab.evals.hellaswag import evaluate_hellaswag
     from gpt2lab.evals.loss import evaluate_loss
     from gpt2lab.weights.load import load_model
-    from gpt2lab.train.trainer import train
+    from gpt2lab.train.run import train
 
     slice_ = str(DATA / "hellaswag_val_200.jsonl")
     out = tmp_path / "run"

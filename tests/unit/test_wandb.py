@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,18 @@ def wandb_records(path: Path) -> list:
     return out
 
 
+def finished_records(run_dir: Path, timeout: float = 60.0) -> list:
+    """The records of a run's .wandb file once W&B's writer (its own process, asynchronous) has
+    written the run's exit record; on a loaded machine that can come after wandb.finish returns."""
+    deadline = time.monotonic() + timeout
+    while True:
+        files = list(run_dir.glob("*.wandb"))
+        records = wandb_records(files[0]) if files else []
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
 def history(records: list) -> list[dict]:
     return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
             for r in records if r.WhichOneof("record_type") == "history"]
@@ -58,7 +71,7 @@ def offline(tmp_path, monkeypatch):
 
 
 def test_offline_run_files_hold_the_metrics_and_a_resume_continues_the_run(offline, tiny_data, tmp_path):
-    from gpt2lab.train.trainer import train
+    from gpt2lab.train.run import train
 
     out = tmp_path / "run"
     fields = {**TINY, "data": tiny_data, "out": str(out), "eval_interval": 2, "eval_tokens": 128,
@@ -68,7 +81,7 @@ def test_offline_run_files_hold_the_metrics_and_a_resume_continues_the_run(offli
     run_id = (out / "wandb_id").read_text().strip()
     runs = sorted((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(r.name.endswith("-" + run_id) for r in runs)  # one W&B run, resumed
-    records = [rec for r in runs for rec in wandb_records(next(r.glob("*.wandb")))]
+    records = [rec for r in runs for rec in finished_records(r)]
     logged = history(records)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert {m["step"] for m in metrics if "train_loss" in m} == {0, 1, 2, 3}

@@ -137,7 +137,7 @@ def _gpt2lab_step(shape, B: int, T: int, device: torch.device, data: str):
     cfg = load_preset("gpt2-124m", data=data, n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=T,
                       seq_len=T, micro_batch_size=B, total_batch_tokens=B * T, device=str(device),
                       compile=True, dtype="bfloat16", hellaswag_interval=0, progress=False)
-    trainer = Trainer(cfg, DistInfo(device=device))
+    trainer = Trainer.from_config(cfg, DistInfo(device=device))
     return (lambda: trainer.train_step()["train_loss"]), trainer.raw
 
 

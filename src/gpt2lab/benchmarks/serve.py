@@ -1,66 +1,125 @@
-"""gpt2lab bench serve: tokens/s of `gpt2lab serve`, one stream and N concurrent streams.
+"""gpt2lab bench serve: `gpt2lab serve` under load, and under faults, on loopback only.
 
 A random (seeded) GPT-2 of the given shape is exported to a temporary HF directory and
 loaded the way ``gpt2lab serve --model DIR`` loads it; the server runs in this process
-(uvicorn in a thread) and is driven over HTTP with streamed ``/v1/completions`` requests,
-each from its own client thread. Every request asks for exactly ``--new-tokens`` tokens
-(a random model seldom draws <|endoftext|>; the token counts come from ``usage``).
+(uvicorn in a thread, bound to 127.0.0.1) and is driven over HTTP.
+
+Load: for each count in ``--streams`` (e.g. 1,2,4,8,16), that many client threads each send
+streamed ``/v1/completions`` requests one after another for ``--seconds``, each asking for
+exactly ``--new-tokens`` tokens (a random model seldom draws <|endoftext|>; counts come from
+``usage``). Reported per count: aggregate tok/s (all tokens / wall time), per-stream tok/s
+(a request's tokens / its duration), p50/p99 time to first token and between tokens (SSE
+chunk arrivals), requests and errors.
+
+Fault run (``--fault``): clients that disconnect mid-stream, malformed JSON, oversize prompts
+and bodies, and a burst of ``max_batch + max_queue + 8`` requests at once; every request must
+get a result or a JSON error, the disconnected rows must be freed, the server must still
+answer, and the process's RSS is read before and after.
 """
 from __future__ import annotations
 
 import argparse
+import gc
+import http.client
 import json
 import statistics
 import tempfile
 import threading
 import time
-import urllib.request
+from typing import Optional
 
 import torch
 
 from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.serve.limits import Limits
 from gpt2lab.weights import hf
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = Limits()
     p.add_argument("--n-layer", type=int, default=12)
     p.add_argument("--n-head", type=int, default=12)
     p.add_argument("--n-embd", type=int, default=768)
     p.add_argument("--block-size", type=int, default=1024)
     p.add_argument("--new-tokens", type=int, default=64, help="tokens asked of each request")
-    p.add_argument("--streams", type=int, default=8, help="concurrent requests in the second measurement")
+    p.add_argument("--streams", default="1,8", help="comma-separated counts of concurrent clients (default 1,8)")
+    p.add_argument("--seconds", type=float, default=30.0, help="how long clients keep sending, per count")
     p.add_argument("--device", default="cpu", help="cpu, cuda, mps or auto")
     p.add_argument("--dtype", default="float32", help="autocast dtype of the server")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-batch", type=int, default=d.max_batch)
+    p.add_argument("--max-queue", type=int, default=d.max_queue)
+    p.add_argument("--deterministic", action="store_true", help="serve requests in turns (no batching)")
+    p.add_argument("--fault", action="store_true", help="after the load, the fault run")
+
+
+def _post(url: str, body: bytes, timeout: float = 600) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    return conn, conn.getresponse()
+
+
+def _body(seed: int, n: int, **extra) -> bytes:
+    return json.dumps({"model": "bench", "prompt": f"Request {seed}: the weather today is", "max_tokens": n,
+                       "seed": seed, "stream": True, "stream_options": {"include_usage": True}, **extra}).encode()
+
+
+def _events(resp: http.client.HTTPResponse):
+    """The parsed ``data:`` events of an SSE response, as they arrive."""
+    for raw in resp:
+        line = raw.decode().strip()
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
 
 
 def _stream(url: str, seed: int, n: int) -> dict:
-    """One streamed request: (seconds to first text, seconds in all, completion tokens)."""
-    body = json.dumps({"model": "bench", "prompt": f"Request {seed}: the weather today is", "max_tokens": n,
-                       "seed": seed, "stream": True, "stream_options": {"include_usage": True}}).encode()
-    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
-    t0, first, tokens = time.perf_counter(), None, 0
-    with urllib.request.urlopen(req, timeout=3600) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if first is None and event["choices"]:
-                first = time.perf_counter() - t0
+    """One streamed request: time to first text, gaps between chunks, its tokens, and any error."""
+    t0 = time.perf_counter()
+    out = {"first_s": None, "gaps": [], "tokens": 0, "error": None}
+    try:
+        conn, resp = _post(url, _body(seed, n))
+        if resp.status != 200:
+            out["error"] = f"HTTP {resp.status}"
+            return out
+        last = None
+        for event in _events(resp):
+            now = time.perf_counter()
+            if event.get("error"):
+                out["error"] = event["error"]["message"]
+            if event.get("choices") and event["choices"][0]["text"]:
+                out["first_s"] = now - t0 if out["first_s"] is None else out["first_s"]
+                if last is not None:
+                    out["gaps"].append(now - last)
+                last = now
             if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-    return {"first_s": first, "total_s": time.perf_counter() - t0, "tokens": tokens}
+                out["tokens"] = event["usage"]["completion_tokens"]
+        conn.close()
+    except OSError as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["total_s"] = time.perf_counter() - t0
+    return out
 
 
-def _concurrent(url: str, streams: int, n: int) -> tuple[float, list[dict]]:
-    results: list = [None] * streams
+def _percentile(values: list[float], q: float) -> Optional[float]:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
+
+
+def load(url: str, streams: int, seconds: float, n: int) -> dict:
+    """``streams`` clients each sending streamed requests back to back for ``seconds``."""
+    results: list[list[dict]] = [[] for _ in range(streams)]
     barrier = threading.Barrier(streams)
 
     def client(i: int) -> None:
         barrier.wait()
-        results[i] = _stream(url, 100 + i, n)
+        end, k = time.perf_counter() + seconds, 0
+        while time.perf_counter() < end:
+            results[i].append(_stream(url, 1000 * i + k, n))
+            k += 1
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(streams)]
     t0 = time.perf_counter()
@@ -68,7 +127,103 @@ def _concurrent(url: str, streams: int, n: int) -> tuple[float, list[dict]]:
         t.start()
     for t in threads:
         t.join()
-    return time.perf_counter() - t0, results
+    wall = time.perf_counter() - t0
+    done = [r for rs in results for r in rs]
+    ok = [r for r in done if r["error"] is None]
+    tokens = sum(r["tokens"] for r in ok)
+    firsts = [r["first_s"] for r in ok if r["first_s"] is not None]
+    gaps = [g for r in ok for g in r["gaps"]]
+    return {
+        "streams": streams, "requests": len(done), "errors": len(done) - len(ok), "tokens": tokens,
+        "wall_s": round(wall, 2), "aggregate_tok_per_s": tokens / wall,
+        "per_stream_tok_per_s_mean": statistics.mean(r["tokens"] / r["total_s"] for r in ok) if ok else None,
+        "first_token_s_p50": _percentile(firsts, 50), "first_token_s_p99": _percentile(firsts, 99),
+        "token_s_p50": _percentile(gaps, 50), "token_s_p99": _percentile(gaps, 99),
+    }
+
+
+def _rss_mb() -> float:
+    import psutil  # a dependency of several of ours (accelerate, wandb); read lazily
+
+    return psutil.Process().memory_info().rss / 2 ** 20
+
+
+def _answer(url: str, body: bytes) -> tuple[int, bool]:
+    """(status, whether the body is a result or an OpenAI-shaped JSON error) of one request."""
+    try:
+        conn, resp = _post(url, body, timeout=120)
+        data = resp.read()
+        conn.close()
+    except OSError:
+        return 0, False
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        return resp.status, False
+    return resp.status, ("choices" in parsed) if resp.status == 200 else isinstance(parsed.get("error"), dict)
+
+
+def _active_rows(url: str) -> float:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("gpt2lab_active_rows{"))
+
+
+def fault_run(url: str, limits: Limits, block_size: int, new_tokens: int, disconnects: int = 8) -> dict:
+    """Faults against a running server; see the module's docstring. Every count is in the result."""
+    gc.collect()
+    rss_before = _rss_mb()
+    out: dict = {"rss_before_mb": round(rss_before, 1)}
+    # clients that read two chunks of a long stream, then hang up
+    long = min(block_size - 16, max(new_tokens, 32))
+    for i in range(disconnects):
+        conn, resp = _post(url, _body(500 + i, long))
+        events = _events(resp)
+        next(events), next(events)
+        conn.sock.close()
+        conn.close()
+    deadline = time.monotonic() + 60
+    while _active_rows(url) > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out["disconnected"] = disconnects
+    out["rows_left_after_disconnects"] = _active_rows(url)
+    bad = {
+        "malformed_json": b'{"model": "bench", "prompt": ',
+        "oversize_prompt": json.dumps({"model": "bench", "prompt": [1] * (block_size + 1)}).encode(),
+        "oversize_body": json.dumps({"model": "bench", "prompt": "x" * (2 << 20)}).encode(),
+        "max_tokens_past_cap": json.dumps({"model": "bench", "prompt": "x",
+                                           "max_tokens": limits.max_tokens + 1}).encode(),
+    }
+    for name, body in bad.items():
+        out[name] = _answer(url, body)[0]
+    # a burst past the queue: every request answered, with a result or a JSON error
+    burst = limits.max_batch + limits.max_queue + 8
+    answers: list = [None] * burst
+    barrier = threading.Barrier(burst)
+
+    def client(i: int) -> None:
+        barrier.wait()
+        answers[i] = _answer(url, json.dumps({"model": "bench", "prompt": f"burst {i}", "max_tokens": new_tokens,
+                                              "seed": i}).encode())
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(burst)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    statuses: dict[str, int] = {}
+    for status, _ in answers:
+        statuses[str(status)] = statuses.get(str(status), 0) + 1
+    out["burst"] = burst
+    out["burst_statuses"] = statuses
+    out["burst_unanswered"] = sum(1 for _, well_formed in answers if not well_formed)
+    out["still_serving"] = _answer(url, json.dumps({"model": "bench", "prompt": "after", "max_tokens": 2}).encode())[0]
+    gc.collect()
+    out["rss_after_mb"] = round(_rss_mb(), 1)
+    return out
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -78,28 +233,22 @@ def run(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    counts = [int(c) for c in str(args.streams).split(",") if c.strip()]
     config = GPTConfig(block_size=args.block_size, vocab_size=50257, n_layer=args.n_layer, n_head=args.n_head,
                        n_embd=args.n_embd)
+    limits = Limits(max_batch=args.max_batch, max_queue=args.max_queue)
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(GPT(config), d)
-        workers = load_workers([f"bench={d}"], args.device, args.dtype)
-    n = args.new_tokens
-    with serving_in_thread(workers) as url:
-        _stream(url, 0, 4)  # warm-up: allocator growth, first-call set-up
-        one = _stream(url, 1, n)
-        wall, many = _concurrent(url, args.streams, n)
-    total = sum(r["tokens"] for r in many)
-    return {
+        workers = load_workers([f"bench={d}"], args.device, args.dtype, limits, args.deterministic)
+    out = {
         "device": args.device, "dtype": args.dtype, "torch_threads": torch.get_num_threads(),
         "config": dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, vocab_size=50257),
-        "scheduling": "one worker thread per model; requests take turns token by token",
-        "new_tokens": n,
-        "one_stream_tok_per_s": one["tokens"] / one["total_s"],
-        "one_stream_first_token_s": one["first_s"],
-        "streams": args.streams,
-        "aggregate_tok_per_s": total / wall,
-        "per_stream_tok_per_s_mean": statistics.mean(r["tokens"] / r["total_s"] for r in many),
-        "first_token_s_mean": statistics.mean(r["first_s"] for r in many),
-        "first_token_s_max": max(r["first_s"] for r in many),
-        "wall_s": wall, "tokens": total,
+        "scheduling": "turns (--deterministic)" if args.deterministic else f"batches of up to {args.max_batch} rows",
+        "new_tokens": args.new_tokens, "seconds": args.seconds,
     }
+    with serving_in_thread(workers) as url:
+        _stream(url, 0, 4)  # warm-up: allocator growth, first-call set-up
+        out["load"] = [load(url, n, args.seconds, args.new_tokens) for n in counts]
+        if args.fault:
+            out["fault"] = fault_run(url, limits, args.block_size, args.new_tokens)
+    return out

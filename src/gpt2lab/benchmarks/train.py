@@ -122,7 +122,7 @@ def _worker(conn, name: str, cfg, device: str, opts: dict) -> None:
             keep_freed_memory(cfg.keep_cpu_memory if name == "gpt2lab" else opts["reference_keep_memory"])
         info = {"threads": torch.get_num_threads(), "flops_per_token": None, "peak": None}
         if name == "gpt2lab":  # exactly the step `gpt2lab train` runs
-            trainer = Trainer(cfg, DistInfo(device=device))
+            trainer = Trainer.from_config(cfg, DistInfo(device=device))
             info.update(flops_per_token=trainer.flops_per_token, peak=trainer.peak, dtype=trainer.dtype,
                         compile=trainer.compile, choices=trainer.choices.summary())
             fn = lambda: trainer.train_step()["train_loss"]  # noqa: E731

@@ -358,16 +358,25 @@ def _check_shape(model: torch.nn.Module, ckpt: str, theirs: dict) -> None:
 
 
 def _mismatch(ckpt: str, model: torch.nn.Module, mine: dict, theirs: dict) -> str:
+    """One line: the shape fields that differ (only those), or, when the configs agree, a tensor that does not."""
     cfg = getattr(model, "config", None)
-    want = ", ".join(f"{k} {v}" for k, v in cfg.shape().items()) if hasattr(cfg, "shape") else "unknown"
+    want = cfg.shape() if hasattr(cfg, "shape") else {}
     try:
-        have = ", ".join(f"{k} {v}" for k, v in model_from_config(read_config(ckpt)).shape().items())
+        have = model_from_config(read_config(ckpt)).shape()
     except (CheckpointError, ConfigError):
-        have = "unknown (config.json unreadable)"
+        have = None
     diff = sorted(set(mine) ^ set(theirs)) or [k for k in mine if mine[k] != theirs.get(k)]
     k = diff[0]
-    return (f"checkpoint {ckpt} holds another model shape ({have}) than this one ({want}): e.g. {k} "
-            f"is {theirs.get(k, 'absent')} there, {mine.get(k, 'absent')} here; resume with the "
+    tensor = f"{k} is {theirs.get(k, 'absent')} there, {mine.get(k, 'absent')} here"
+    fields = [f"{name} {have[name]} there, {value} here" for name, value in want.items()
+              if have is not None and name in have and have[name] != value]
+    if fields:
+        what = "; ".join(fields)
+    elif have is None:
+        what = f"its config.json is unreadable, and {tensor}"
+    else:  # same config, other tensors: the config.json was written over (or the weights)
+        what = f"its config.json names this model's shape but its weights do not fit it: {tensor}"
+    return (f"checkpoint {ckpt} holds another model shape than this one: {what}; resume with the "
             "checkpoint's model settings, or train this shape into a new --out")
 
 
@@ -376,13 +385,15 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
-def load_model(path: str) -> GPT:
+def load_model(path: str, verified: bool = False) -> GPT:
     """The GPT of a run directory (newest checkpoint) or of one checkpoint directory.
 
     A LoRA run's adapters are merged into the weights (a plain GPT comes back).
+    ``verified``: its checksums were just checked (train's plan, which hashes once).
     """
     ckpt = resolve(path)
-    verify(ckpt)
+    if not verified:
+        verify(ckpt)
     config = read_config(ckpt)
     try:
         model = GPT(model_from_config(config, f"{ckpt}/config.json"))

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from gpt2lab.train.config import load_preset
     from gpt2lab.data.prepare import prepare
     from gpt2lab.distributed.dist import init_distributed
-    from gpt2lab.train.trainer import train
+    from gpt2lab.train.run import train
 
     t0 = time.perf_counter()
     print(f"[demo] preparing Tiny Shakespeare into {args.data}", flush=True)

@@ -46,8 +46,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _positive(value, flag: str) -> None:
+    from gpt2lab.system.errors import UsageError
+
     if value is not None and value < 1:
-        raise SystemExit(f"{flag} must be a positive number, got {value}")
+        raise UsageError(f"{flag} {value}: must be a positive number")
 
 
 def run_hellaswag(args: argparse.Namespace) -> int:
@@ -82,6 +84,7 @@ def run_hellaswag(args: argparse.Namespace) -> int:
 def run_loss(args: argparse.Namespace) -> int:
     from gpt2lab.distributed.dist import cleanup, init_distributed, print0
     from gpt2lab.weights.load import load_model
+    from gpt2lab.system.errors import UsageError
     from gpt2lab.system.runtime import inference_dtype
 
     try:
@@ -98,7 +101,9 @@ def run_loss(args: argparse.Namespace) -> int:
         try:
             loss = evaluate_loss(model, args.data, tokens=args.tokens, batch_size=args.batch_size, seq_len=seq_len,
                                  device=info.device, dtype=dtype, split=args.split, rank=info.rank,
-                                 world_size=info.world_size)
+                                 world_size=info.world_size, flags=("--tokens", "--batch-size"))
+        except UsageError:  # a flag value: cli.main prints it, exit 2
+            raise
         except (FileNotFoundError, ValueError) as e:
             raise SystemExit(f"gpt2lab eval loss: {e}") from None
         tokens = max(1, args.tokens // (args.batch_size * seq_len * info.world_size)) * (

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 
 def add_parser(sub) -> None:
@@ -23,6 +24,12 @@ def run(args: argparse.Namespace) -> int:
         if len(args.runs) > 1:
             raise SystemExit("gpt2lab plot: several runs need --out FILE.png")
         out = os.path.join(args.runs[0], "plot.png")
+    from gpt2lab.system import rundir
+
+    for run in args.runs:
+        note = rundir.live_note(run) if os.path.isdir(run) else None
+        if note:
+            print(f"gpt2lab plot: note: {note}", file=sys.stderr, flush=True)
     try:
         table = plot_runs(args.runs, out, summary=args.summary)
     except (FileNotFoundError, ValueError) as e:

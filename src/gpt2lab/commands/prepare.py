@@ -20,6 +20,10 @@ def add_parser(sub) -> None:
     p.add_argument("--val-tokens", type=int, default=None,
                    help="tokens for the val split (default: one shard for hub sources, "
                    "0.5%% of a local source, 5%% of tinyshakespeare)")
+    p.add_argument("--val-split", choices=("tokens", "documents"), default="tokens",
+                   help="tokens (default, the reference FineWeb layout): val is exactly the first "
+                   "--val-tokens tokens; documents: val ends with the document that reaches them, so "
+                   "no document is in both splits (held-out articles)")
     p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
     p.add_argument("--text-field", default="text", help="jsonl/parquet/hub field holding the text")
     p.add_argument("--limit-docs", type=int, default=None, help="use only the first N documents")
@@ -37,7 +41,7 @@ def run(args) -> int:
         manifest = prepare(args.source, args.out, shard_tokens=args.shard_tokens,
                            val_tokens=args.val_tokens, workers=args.workers,
                            text_field=args.text_field, limit_docs=args.limit_docs,
-                           config=args.config, progress=not args.quiet)
+                           config=args.config, progress=not args.quiet, val_split=args.val_split)
     except GPT2LabError:  # SourceError, ShardError, UsageError, DiskFullError: cli.main, its exit code
         raise
     except ValueError as e:  # a bad number (--shard-tokens 0 ...)

@@ -32,16 +32,19 @@ def add_parser(sub) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
+    """Flag values that cannot work: a UsageError (exit 2) naming the flag."""
+    from gpt2lab.system.errors import UsageError
+
     if args.num_samples < 1:
-        raise SystemExit(f"--num-samples {args.num_samples}: must be at least 1")
+        raise UsageError(f"--num-samples {args.num_samples}: must be at least 1")
     if args.max_new_tokens < 0:
-        raise SystemExit(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
     if args.temperature < 0:
-        raise SystemExit(f"--temperature {args.temperature}: must be >= 0 (0 is greedy)")
+        raise UsageError(f"--temperature {args.temperature}: must be >= 0 (0 is greedy)")
     if args.top_k is not None and args.top_k < 0:
-        raise SystemExit(f"--top-k {args.top_k}: must be >= 0 (0 keeps every token)")
+        raise UsageError(f"--top-k {args.top_k}: must be >= 0 (0 keeps every token)")
     if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise SystemExit(f"--top-p {args.top_p}: must be in (0, 1]")
+        raise UsageError(f"--top-p {args.top_p}: must be in (0, 1]")
 
 
 def _prompt_ids(text: str, vocab: int) -> list[int]:
@@ -61,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     device = pick_device(args.device)
     model = load_for_inference(args.model, device)  # a bad --model fails before any other output
+    _say_if_live(args.model)
     dtype = inference_dtype(device, args.dtype, "gpt2lab sample")
     ids = _prompt_ids(args.prompt, model.config.real_vocab_size)
     generator = seeded_generator(device, args.seed)
@@ -69,6 +73,17 @@ def run(args: argparse.Namespace) -> int:
         with autocast(device, dtype):
             _stream_one(model, ids, args, generator)
     return 0
+
+
+def _say_if_live(model: str) -> None:
+    """A run still training: say so (its newest checkpoint is read, nothing written)."""
+    import os
+
+    from gpt2lab.system import rundir
+
+    note = rundir.live_note(model) if os.path.isdir(model) else None
+    if note:
+        print(f"gpt2lab sample: note: {note}", file=sys.stderr, flush=True)
 
 
 def _stream_one(model, ids: list[int], args: argparse.Namespace, generator: torch.Generator) -> None:

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import logging
+import socket
 import sys
 
 from gpt2lab.commands import add_inference_dtype_flag
+from gpt2lab.serve.limits import Limits
 from gpt2lab.serve.models import load_workers, model_names
 
 
@@ -18,7 +22,35 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
     add_inference_dtype_flag(p)
+    d = Limits()
+    p.add_argument("--max-batch", type=int, default=d.max_batch,
+                   help=f"rows (prompt x sample streams) generated together per model (default {d.max_batch})")
+    p.add_argument("--max-queue", type=int, default=d.max_queue,
+                   help=f"requests waiting for a row; past it the server answers 429 at once (default {d.max_queue})")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                   help=f"the largest max_tokens a request may ask for (default {d.max_tokens})")
+    p.add_argument("--timeout", type=float, default=d.timeout_s,
+                   help=f"seconds a request may wait and run; past it, a 504 error (default {d.timeout_s:g})")
+    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
+                   help="prompt tokens run per step while other requests decode (long prompts take several "
+                        f"steps; default {d.prefill_chunk})")
+    p.add_argument("--deterministic", action="store_true",
+                   help="no batching: requests take turns token by token, each exactly as `gpt2lab sample` "
+                        "runs it (seeded requests reproduce `sample` bit for bit; the aggregate is one stream's)")
     p.set_defaults(func=run)
+
+
+def limits_from(args: argparse.Namespace) -> Limits:
+    """The flags as Limits; a value out of range is a UsageError (exit 2) naming the flag."""
+    from gpt2lab.system.errors import UsageError
+
+    for flag, value, low in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 1),
+                             ("--max-tokens", args.max_tokens, 1), ("--timeout", args.timeout, 1e-9),
+                             ("--prefill-chunk", args.prefill_chunk, 1)):
+        if value < low:
+            raise UsageError(f"{flag} {value}: must be {'positive' if low < 1 else f'at least {low}'}")
+    return Limits(max_batch=args.max_batch, max_queue=args.max_queue, max_tokens=args.max_tokens,
+                  timeout_s=args.timeout, prefill_chunk=args.prefill_chunk)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,13 +61,59 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise SystemExit(f"gpt2lab serve needs FastAPI and uvicorn ({e}); pip install 'gpt2lab[serve]'") from None
     names = model_names(args.model)  # a bad --model fails before any loading
-    workers = load_workers(args.model, args.device, args.dtype)
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"gpt2lab serve: {', '.join(names)} at http://{host}:{args.port}/ (API: /v1/completions, /v1/models)",
-          file=sys.stderr, flush=True)
+    limits = limits_from(args)
+    sock = bind(args.host, args.port)  # a port in use fails before the models load, too
     try:
-        uvicorn.run(create_app(workers), host=args.host, port=args.port, log_level="warning")
+        workers = load_workers(args.model, args.device, args.dtype, limits, args.deterministic)
+    except BaseException:
+        sock.close()
+        raise
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    mode = "requests in turns (--deterministic)" if args.deterministic else f"batches of up to {limits.max_batch} rows"
+    print(f"gpt2lab serve: {', '.join(names)} at http://{host}:{sock.getsockname()[1]}/ (API: /v1/completions, /v1/models, "
+          f"/metrics); {mode}, queue {limits.max_queue}", file=sys.stderr, flush=True)
+    access = logging.getLogger("gpt2lab.serve.access")  # one line per request on stderr
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    try:
+        # uvicorn.Server, not uvicorn.run: after its graceful shutdown uvicorn raises the Ctrl-C it
+        # caught again, and cli.main turns that KeyboardInterrupt into exit 130 (uvicorn.run ate it)
+        uvicorn.Server(uvicorn.Config(create_app(workers), log_level="warning")).run(sockets=[sock])
     finally:
         for w in workers.values():
             w.close()
+        sock.close()
     return 0
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host``:``port``; a port out of range, in use or not ours to take is a
+    UsageError (exit 2) naming --port or --host, not uvicorn's log line and exit 3."""
+    from gpt2lab.system.errors import UsageError
+
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port {port}: must be 0 to 65535 (0 lets the system pick a free one)")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise UsageError(f"--host {host}: not an address of this machine ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart at once after a stop
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            why = "is in use (another server?); stop it or pick another --port"
+        elif e.errno in (errno.EACCES, errno.EPERM):
+            why = "cannot be taken by this user (ports below 1024 need privileges); pick a --port above 1023"
+        elif e.errno == errno.EADDRNOTAVAIL:
+            raise UsageError(f"--host {host}: not an address of this machine; use 127.0.0.1 or 0.0.0.0") from None
+        else:
+            why = f"cannot be bound ({e.strerror})"
+        raise UsageError(f"--port {port} on {host} {why}") from None
+    sock.set_inheritable(True)
+    return sock

@@ -14,7 +14,10 @@ import json
 import math
 import multiprocessing as mp
 import os
+import pickle
+import signal
 import sys
+import threading
 import warnings
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -26,12 +29,14 @@ import numpy as np
 
 from gpt2lab.data.shards import ShardError, read_header, shard_name, write_shard
 from gpt2lab.data.sources import Document, Source, SourceError, as_text, resolve_source
+from gpt2lab.system import rundir
 from gpt2lab.system.errors import UsageError
 from gpt2lab.system.files import sweep_stale, write_json
 from gpt2lab.data.tokenizer import EOT_ID, GPT2_VOCAB_SIZE, get_tokenizer
 
-MANIFEST = "manifest.json"
-FORMAT = "gpt2lab-token-shards"
+MANIFEST = rundir.DATA_MARKER  # the directory's owner mark (system.rundir)
+FORMAT = rundir.DATA_FORMAT
+VERSION = 2  # 2: the val split is whole documents, per-file counts
 # Text per worker task: each message costs the main process ~1 ms, so big tasks; but a
 # small source still gets ~8 tasks per worker so the workers stay evenly loaded.
 TASK_CHARS_MIN, TASK_CHARS_MAX = 1 << 16, 1 << 20
@@ -60,24 +65,32 @@ def use_threads(size_bytes: Optional[int], workers: int) -> bool:
 def prepare(source: str, out_dir: str, *, shard_tokens: int = 100_000_000,
             val_tokens: Optional[int] = None, workers: Optional[int] = None,
             text_field: str = "text", limit_docs: Optional[int] = None,
-            config: Optional[str] = None, progress: bool = True) -> Dict:
+            config: Optional[str] = None, progress: bool = True, val_split: str = "tokens") -> Dict:
     """Tokenize ``source`` into shards under ``out_dir``; return the manifest.
 
     ``val_tokens=None``: one shard for hub sources; for local and bundled ones a fraction
-    of the estimated size (0.5%, 5% for tinyshakespeare), at most one shard. Re-running
-    the same command after a crash finishes the job; on a finished directory it only
-    checks the shards.
+    of the estimated size (0.5%, 5% for tinyshakespeare), at most one shard.
+    ``val_split="tokens"`` (the reference FineWeb layout): val is exactly the first
+    ``val_tokens`` tokens, and the document they cut continues in train. ``"documents"``: val
+    is whole documents, the first ones of the source until it holds at least ``val_tokens``
+    tokens; train starts with the next document, so no document is in both (held-out text).
+    Re-running the same command after a crash or Ctrl-C finishes the job; on a finished
+    directory it only checks the shards.
     """
     if shard_tokens < 1:
         raise ValueError(f"shard_tokens {shard_tokens} must be >= 1")
     n_workers = _workers(workers)
     src = resolve_source(source, text_field, config)
+    val_defaulted = val_tokens is None
     if val_tokens is None:
         val_tokens = default_val_tokens(src, shard_tokens)
     if val_tokens < 0 or (limit_docs is not None and limit_docs < 0):
         raise ValueError(f"val_tokens {val_tokens} and limit_docs {limit_docs} must be >= 0")
     settings = {"source": source, "config": src.hub_config, "text_field": text_field,
-                "limit_docs": limit_docs, "shard_tokens": shard_tokens, "val_tokens": val_tokens}
+                "limit_docs": limit_docs, "shard_tokens": shard_tokens, "val_tokens": val_tokens,
+                "val_split": val_split}
+    if val_split not in VAL_SPLITS:
+        raise UsageError(f"--val-split {val_split!r}: choose one of {', '.join(VAL_SPLITS)}")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out_dir} is a file, not a directory; choose a directory for the shards")
@@ -85,7 +98,7 @@ def prepare(source: str, out_dir: str, *, shard_tokens: int = 100_000_000,
     if not os.access(out, os.W_OK | os.X_OK):
         raise UsageError(f"--out {out_dir}: cannot write into this directory (permission denied); "
                          "choose another --out or fix its permissions")
-    manifest = _start_manifest(out, settings)
+    manifest = _start_manifest(out, settings, val_defaulted, src)
     if not manifest["complete"]:
         _save_manifest(out, manifest)  # marks the directory unfinished until the end
         _run(src, out, manifest, n_workers, progress)
@@ -108,28 +121,98 @@ def _workers(workers: Optional[int]) -> int:
 
 
 # -- manifest ----------------------------------------------------------------------------
-def _start_manifest(out: Path, settings: Dict) -> Dict:
-    """A fresh manifest, or the one of an earlier run of the same command (checked)."""
+FLAGS = {"source": "--source", "config": "--config", "text_field": "--text-field",
+         "limit_docs": "--limit-docs", "shard_tokens": "--shard-tokens", "val_tokens": "--val-tokens",
+         "val_split": "--val-split"}
+# How the val split ends: at exactly --val-tokens tokens, or at the end of the document reaching them.
+VAL_SPLITS = ("tokens", "documents")
+
+
+def _fresh_manifest(settings: Dict) -> Dict:
+    return {"format": FORMAT, "version": VERSION, "source": settings["source"], "tokenizer": "gpt2",
+            "eot_id": EOT_ID, "vocab_size": GPT2_VOCAB_SIZE, "dtype": "uint16",
+            "settings": settings, "complete": False, "shards": [], "files": [],
+            "resume": {"next_doc": 0, "offset": 0, "tokens": 0,
+                       "val_end": 0 if settings["val_tokens"] == 0 else None}}
+
+
+def _start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: Source) -> Dict:
+    """A fresh manifest, or the one of an earlier run of the same command (checked).
+
+    Only the flags the user gave are compared: a default worked out from the source
+    (``--val-tokens``) is taken from the earlier run, so a rerun after the source lost a
+    file is not refused over a value nobody typed. An unfinished run whose shards no
+    longer match the source (a file it read was removed or changed) starts over.
+    """
     path = out / MANIFEST
     if not path.exists():
         _refuse_foreign_shards(out)
-        return {"format": FORMAT, "version": 1, "source": settings["source"], "tokenizer": "gpt2",
-                "eot_id": EOT_ID, "vocab_size": GPT2_VOCAB_SIZE, "dtype": "uint16",
-                "settings": settings, "complete": False, "shards": [],
-                "resume": {"next_doc": 0, "offset": 0, "tokens": 0}}
-    manifest = json.loads(path.read_text())
-    if manifest.get("settings") != settings:
-        raise ShardError(f"{path}: this directory was prepared with {manifest.get('settings')}, "
-                         f"not {settings}; use another --out or delete the directory")
+        return _fresh_manifest(settings)
+    try:
+        manifest = json.loads(path.read_text())
+        old = manifest["settings"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ShardError(f"{path}: not a readable gpt2lab prepare manifest ({type(e).__name__}: {e}); "
+                         "use another --out") from e
+    old = {"val_split": "tokens", **old}  # manifests written before --val-split cut val at a token count
+    differ = [k for k in settings if old.get(k) != settings[k] and not (k == "val_tokens" and val_defaulted)]
+    if not manifest.get("complete") and not manifest.get("shards"):
+        return _start_over(out, manifest, settings, None)  # nothing was written yet
+    if differ:
+        was = ", ".join(f"{FLAGS[k]} {_flag_value(old.get(k))}" for k in differ)
+        now = ", ".join(f"{FLAGS[k]} {_flag_value(settings[k])}" for k in differ)
+        raise ShardError(f"{path}: this directory was prepared with {was}, not {now}; rerun with "
+                         f"the same flags to {'resume' if not manifest['complete'] else 'check'} it, "
+                         "or use another --out")
+    if not manifest["complete"]:
+        why = _source_changed(manifest, src)
+        if why:
+            return _start_over(out, manifest, {**settings, "val_tokens": settings["val_tokens"]}, why)
     for shard in manifest["shards"]:
         _check_done_shard(out / shard["name"], shard["tokens"])
     return manifest
 
 
+def _flag_value(v) -> str:
+    return "(not given)" if v is None else str(v)
+
+
+def _source_changed(manifest: Dict, src: Source) -> Optional[str]:
+    """Why the unfinished run's shards cannot be continued from ``src``, or None."""
+    if manifest.get("version") != VERSION:
+        return f"it was started by another gpt2lab version (manifest version {manifest.get('version')})"
+    for i, f in enumerate(manifest.get("files", [])):
+        if i >= len(src.files) or src.files[i] != f["path"]:
+            return f"{f['path']} is no longer where it was in the source"
+        if os.path.getsize(f["path"]) != f["bytes"]:
+            return f"{f['path']} changed size ({f['bytes']} -> {os.path.getsize(f['path'])} bytes)"
+    return None
+
+
+def _start_over(out: Path, manifest: Dict, settings: Dict, why: Optional[str]) -> Dict:
+    """Remove the unfinished run's own shards (listed, or renamed just before a crash)."""
+    names = {s["name"] for s in manifest.get("shards", [])}
+    for split in ("val", "train"):
+        names.add(shard_name(split, sum(1 for s in manifest.get("shards", []) if s["split"] == split)))
+    for name in sorted(names):
+        if (out / name).is_file():
+            (out / name).unlink()
+    if why:
+        warnings.warn(f"{out}: the unfinished prepare there cannot be resumed: {why}; starting over")
+    _refuse_foreign_shards(out)
+    return _fresh_manifest(settings)
+
+
 def _refuse_foreign_shards(out: Path) -> None:
-    found = sorted(p.name for p in out.glob("*.bin"))
-    if found:
-        raise ShardError(f"{out}: holds shards ({', '.join(found[:3])}) but no {MANIFEST}; "
+    """system.rundir's rule: not another kind of gpt2lab directory (a run, an export), and no
+    shards without a manifest; other files may stay beside the shards, as they always could."""
+    found = rundir.inspect(str(out))
+    shards = sorted(p.name for p in out.glob("*.bin"))
+    if found.kind in (rundir.RUN, rundir.EXPORT, "hf_model"):
+        raise ShardError(f"{out}: holds {rundir.what(found)}, not token shards; nothing was written there; "
+                         "use an empty --out directory")
+    if shards:
+        raise ShardError(f"{out}: holds shards ({', '.join(shards[:3])}) but no {MANIFEST}; "
                          "use an empty --out directory")
 
 
@@ -156,28 +239,49 @@ def _finish_manifest(manifest: Dict) -> None:
     manifest["splits"] = splits
     manifest["tokens"] = sum(s["tokens"] for s in splits.values())
     manifest["documents"] = manifest["resume"]["next_doc"]
+    files = manifest["files"]  # first_doc/first_token -> documents/tokens of each file
+    ends = [(f["first_doc"], f["first_token"]) for f in files[1:]] + [(manifest["documents"], manifest["tokens"])]
+    manifest["files"] = [{"path": f["path"], "bytes": f["bytes"], "documents": d - f["first_doc"],
+                          "tokens": t - f["first_token"]} for f, (d, t) in zip(files, ends)]
     manifest["complete"] = True
     del manifest["resume"]
 
 
 # -- the pipeline ------------------------------------------------------------------------
 class _Writer:
-    """Cuts the token stream into shards at fixed stream offsets; saves resume state."""
+    """Cuts the token stream into shards; saves the resume state with each shard.
 
-    def __init__(self, out: Path, manifest: Dict) -> None:
-        self.out, self.manifest = out, manifest
+    Train shards hold ``shard_tokens`` tokens each (the last one fewer). The val split ends
+    at ``val_end``, the end of the document that reaches ``val_tokens``, so its last shard
+    is usually short and train starts with a whole document.
+    """
+
+    def __init__(self, out: Path, manifest: Dict, src: Source) -> None:
+        self.out, self.manifest, self.src = out, manifest, src
         s = manifest["settings"]
         self.shard_tokens, self.val_tokens = s["shard_tokens"], s["val_tokens"]
         r = manifest["resume"]
-        self.doc, self.offset, self.written = r["next_doc"], r["offset"], r["tokens"]
-        self.buf = np.empty(self._shard_size(), dtype=np.uint16)
+        self.doc, self.offset, self.written, self.val_end = r["next_doc"], r["offset"], r["tokens"], r["val_end"]
+        if self.val_end is None and s.get("val_split", "tokens") == "tokens":
+            self.val_end = self.val_tokens  # a token count, wherever it falls in a document
+        self.buf = np.empty(self.shard_tokens, dtype=np.uint16)
         self.fill, self.docs_in_shard = 0, 0
 
-    def _shard_size(self) -> int:
-        """Tokens in the shard that starts at stream offset ``self.written``."""
-        if self.written < self.val_tokens:
-            return min(self.shard_tokens, self.val_tokens - self.written)
-        return self.shard_tokens
+    def _in_val(self) -> bool:
+        """Whether the shard being filled (it starts at ``self.written``) belongs to val."""
+        return self.val_end is None or self.written < self.val_end
+
+    def _files_seen(self, base: int, starts: np.ndarray, n_docs: int) -> None:
+        """Record where each source file read so far starts in the stream (per-file counts)."""
+        files = self.manifest["files"]
+        while len(files) < len(self.src.file_starts):
+            i = len(files)
+            d = self.src.file_starts[i]
+            if d >= self.doc + n_docs:
+                break
+            token = base + int(starts[d - self.doc]) if d >= self.doc else base
+            path = self.src.files[i]
+            files.append({"path": path, "bytes": os.path.getsize(path), "first_doc": d, "first_token": token})
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Append whole documents (concatenated, EOT first); cut and write shards as they fill.
@@ -186,34 +290,47 @@ class _Writer:
         """
         ends = np.cumsum(lengths)
         starts = ends - lengths
+        base = self.written + self.fill - self.offset  # stream position of this batch's first token
+        self._files_seen(base, starts, len(lengths))
+        if self.val_end is None:  # "documents": val ends with the first document to reach val_tokens
+            k = int(np.searchsorted(base + ends, self.val_tokens, side="left"))
+            if k < len(lengths):
+                self.val_end = base + int(ends[k])
         pos, self.offset = self.offset, 0  # only the first document after a resume is partial
         while pos < len(tokens):
-            n = min(len(self.buf) - self.fill, len(tokens) - pos)
+            cap = self.shard_tokens
+            if self.val_end is not None and self.written < self.val_end:
+                cap = min(cap, self.val_end - self.written)
+            n = min(cap - self.fill, len(tokens) - pos)
             self.buf[self.fill:self.fill + n] = tokens[pos:pos + n]
             self.docs_in_shard += int(np.searchsorted(starts, pos + n) - np.searchsorted(starts, pos))
             self.fill, pos = self.fill + n, pos + n
-            if self.fill == len(self.buf):
+            if self.fill == cap:
                 k = int(np.searchsorted(ends, pos, side="right"))  # documents finished so far
                 self._flush(self.doc + k, pos - int(starts[k]) if k < len(lengths) else 0)
         self.doc += len(lengths)
 
     def _flush(self, next_doc: int, offset: int) -> None:
-        split = "val" if self.written < self.val_tokens else "train"
+        split = "val" if self._in_val() else "train"
         index = sum(1 for s in self.manifest["shards"] if s["split"] == split)
         name = shard_name(split, index)
         write_shard(self.out / name, self.buf[:self.fill])
         self.written += self.fill
         self.manifest["shards"].append({"name": name, "split": split, "tokens": self.fill,
                                         "documents": self.docs_in_shard})
-        self.manifest["resume"] = {"next_doc": next_doc, "offset": offset, "tokens": self.written}
+        self.manifest["resume"] = {"next_doc": next_doc, "offset": offset, "tokens": self.written,
+                                   "val_end": self.val_end}
         _save_manifest(self.out, self.manifest)  # after the rename: a listed shard is whole
-        if len(self.buf) != self._shard_size():  # the last val shard may be short
-            self.buf = np.empty(self._shard_size(), dtype=np.uint16)
         self.fill, self.docs_in_shard = 0, 0
 
     def finish(self) -> None:
         if self.fill:
             self._flush(self.doc, 0)
+        self._files_seen(self.written, np.zeros(0, dtype=np.int64), 0)
+        for i in range(len(self.manifest["files"]), len(self.src.file_starts)):  # files with no documents left
+            path = self.src.files[i]
+            self.manifest["files"].append({"path": path, "bytes": os.path.getsize(path),
+                                           "first_doc": self.doc, "first_token": self.written})
         self.manifest["resume"]["next_doc"] = self.doc
         if not self.manifest["shards"]:
             raise SourceError(f"source {self.manifest['settings']['source']!r}: no documents; "
@@ -232,7 +349,7 @@ def _run(src: Source, out: Path, manifest: Dict, workers: int, progress: bool) -
     for stale in out.glob("*.tmp"):  # a temp file is never a finished shard (older gpt2lab versions)
         stale.unlink()
     sweep_stale(str(out))
-    writer = _Writer(out, manifest)
+    writer = _Writer(out, manifest, src)
     docs = src.documents(writer.doc, manifest["settings"]["limit_docs"])
     size = src.size_bytes or TASK_CHARS_MAX * 8 * workers
     task_chars = min(TASK_CHARS_MAX, max(TASK_CHARS_MIN, size // (8 * workers)))
@@ -288,10 +405,146 @@ def _token_stream(docs: Iterable[Document], workers: int, task_chars: int, threa
         finally:  # Ctrl-C or an error: drop queued tasks, let running ones (<= 1 MB of text) end
             executor.shutdown(wait=True, cancel_futures=True)
         return
+    with _process_pool(docs, workers, task_chars) as results:
+        yield results
+
+
+# -- the process pool --------------------------------------------------------------------
+# multiprocessing.Pool is not used: its terminate() can deadlock when Ctrl-C lands while a
+# worker is sending a result (it drains queues under locks a killed worker may hold), and
+# every worker prints a KeyboardInterrupt traceback. Here each worker has its own pair of
+# pipes and no lock is shared: task i goes to worker i % n and its result is read back
+# from that worker, so the order is kept. Workers ignore SIGINT (a terminal's Ctrl-C
+# reaches the whole process group); the main process alone decides, and on any way out
+# but the normal one it SIGKILLs them, which cannot block.
+POLL_S = 0.2  # how often a waiting main process checks that the workers are alive
+
+
+def _worker(tasks, results) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    while True:
+        try:
+            task = tasks.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        try:
+            reply = (True, encode_documents(task))
+        except Exception as e:  # SourceError of a bad line: the main process raises it, in order
+            reply = (False, e)
+        try:
+            results.send(reply)
+        except (TypeError, AttributeError, pickle.PicklingError):  # an exception that does not pickle
+            results.send((False, RuntimeError(f"{type(reply[1]).__name__}: {reply[1]}")))
+
+
+class _Dispatch(threading.Thread):
+    """Reads the source, cuts tasks and sends task i to worker i % n (in the main process,
+    beside the result loop, so a worker blocked sending a result never blocks the reading)."""
+
+    def __init__(self, docs, conns, task_chars) -> None:
+        super().__init__(name="gpt2lab-prepare-dispatch", daemon=True)
+        self.docs, self.conns, self.task_chars = docs, conns, task_chars
+        self.sent, self.done, self.error, self.stop = 0, False, None, False
+
+    def run(self) -> None:
+        try:
+            for task in _tasks(self.docs, self.task_chars):
+                if self.stop:
+                    return
+                self.conns[self.sent % len(self.conns)].send(task)
+                self.sent += 1
+            for c in self.conns:
+                c.send(None)
+        except BaseException as e:  # a source that cannot be read: raised in order by the reader
+            if not self.stop:
+                self.error = e
+        finally:
+            self.done = True
+
+
+@contextmanager
+def _process_pool(docs: Iterable[Document], workers: int, task_chars: int):
     # fork on Linux: workers start in milliseconds with the tokenizer already built
     ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    with ctx.Pool(workers) as pool:  # __exit__ terminates the workers, Ctrl-C included
-        yield pool.imap(encode_documents, _tasks(docs, task_chars), chunksize=1)  # imap keeps the order
+    procs, task_conns, result_conns = [], [], []
+    dispatch = None
+    masked = hasattr(signal, "pthread_sigmask") and threading.current_thread() is threading.main_thread()
+    try:
+        if masked:  # a Ctrl-C during the forks waits until every worker ignores SIGINT
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            for _ in range(workers):
+                task_r, task_w = ctx.Pipe(duplex=False)
+                result_r, result_w = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=_worker, args=(task_r, result_w), daemon=True,
+                                name="gpt2lab-prepare-worker")
+                p.start()
+                task_r.close()
+                result_w.close()
+                procs.append(p)
+                task_conns.append(task_w)
+                result_conns.append(result_r)
+        finally:
+            if masked:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        dispatch = _Dispatch(docs, task_conns, task_chars)
+        dispatch.start()
+        yield _results(dispatch, procs, result_conns)
+    except BaseException:
+        if dispatch is not None:
+            dispatch.stop = True
+        for p in procs:  # SIGKILL: nothing a worker is doing can hold us up
+            p.kill()
+        for p in procs:
+            p.join(5)
+        raise
+    else:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    finally:
+        if dispatch is not None:
+            dispatch.stop = True
+            dispatch.join(5)
+        for c in task_conns + result_conns:
+            c.close()
+
+
+def _results(dispatch: "_Dispatch", procs, conns) -> Iterator[Tuple[np.ndarray, np.ndarray]]:
+    i = 0
+    while True:
+        if dispatch.done and i >= dispatch.sent:  # every task's result is in
+            if dispatch.error is not None:
+                raise dispatch.error
+            return
+        conn, proc = conns[i % len(conns)], procs[i % len(conns)]
+        if not conn.poll(POLL_S):
+            if not proc.is_alive():
+                raise _died(proc)
+            continue
+        try:
+            ok, value = conn.recv()
+        except EOFError:  # the worker is gone: after its last task (the end), or killed
+            dispatch.join(5)
+            if dispatch.done and i >= dispatch.sent:
+                continue
+            proc.join(1)
+            raise _died(proc) from None
+        if not ok:
+            raise value
+        yield value
+        i += 1
+
+
+def _died(proc) -> RuntimeError:
+    return RuntimeError(f"a tokenizer worker died (exit code {proc.exitcode}); run the same "
+                        "prepare command again to resume")
 
 
 def _ordered(executor: ThreadPoolExecutor, tasks: Iterator[List[Document]], window: int):

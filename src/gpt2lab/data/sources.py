@@ -3,9 +3,14 @@
 - ``tinyshakespeare``: the text shipped in the package, one document per speech (the
   blank-line separated blocks: 7,222 of them), so the shuffling loader has documents to
   permute. Joining the documents with a blank line gives the file back exactly.
-- local files: a ``.txt`` (one document), ``.jsonl`` (one document per line, field
-  ``text_field``), ``.parquet`` (column ``text_field``), or a directory / glob of them
-  (files in sorted order).
+- local files: a ``.txt`` (one document), ``.jsonl``/``.json`` (JSON lines: one document
+  per line, field ``text_field``), ``.parquet`` (column ``text_field``), the text and JSON
+  lines ones also compressed (``.gz``, ``.zst``, ``.xz``, ``.bz2``: ``docs.jsonl.zst``,
+  ``book.txt.gz``), or a directory / glob of them (files in sorted order). Compressed files
+  are decompressed as a stream, a chunk at a time; a corrupt or truncated one is a
+  ``SourceError`` naming it. A directory or glob that holds a file of any other kind is
+  refused with every such file named: prepare never trains on part of the user's data
+  without saying so.
 - the hub, through HF ``datasets`` streaming: ``fineweb-edu``, ``fineweb`` (config
   ``sample-10BT`` unless ``config`` says otherwise) and any ``hf:NAME[:CONFIG]``.
 
@@ -13,14 +18,20 @@ Bad input raises ``SourceError`` naming the file (and line or row) and what to d
 """
 from __future__ import annotations
 
+import bz2
 import glob
+import gzip
+import io
 import itertools
 import json
+import lzma
 import os
 import warnings
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, List, NamedTuple, Optional, Union
+from contextlib import contextmanager
+from typing import IO, Callable, Iterable, Iterator, List, NamedTuple, Optional, Tuple, Union
 
 from gpt2lab.system.errors import DataError
 from gpt2lab.data.tokenizer import asset_path
@@ -30,7 +41,10 @@ HUB_ALIASES = {
     "fineweb": "HuggingFaceFW/fineweb",
 }
 HUB_DEFAULT_CONFIG = "sample-10BT"
-LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
+TEXT_KINDS = {".txt": "txt", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+COMPRESSIONS = (".gz", ".zst", ".xz", ".bz2")
+LOCAL_SUFFIXES = tuple(TEXT_KINDS) + tuple(k + c for k in (".txt", ".jsonl", ".json") for c in COMPRESSIONS)
+READ_CHUNK = 1 << 17  # compressed bytes read at a time
 INSTALL_HINT = "pip install 'gpt2lab[data]'"
 
 
@@ -71,6 +85,9 @@ class Source:
     documents: Callable[[int, Optional[int]], Iterator[Document]]
     val_fraction: float = 0.005
     hub_config: Optional[str] = None
+    files: List[str] = field(default_factory=list)  # a local source's files, in reading order
+    # the document index at which each of ``files`` starts, appended as reading reaches it
+    file_starts: List[int] = field(default_factory=list)
 
 
 def resolve_source(source: str, text_field: str = "text", config: Optional[str] = None) -> Source:
@@ -82,8 +99,16 @@ def resolve_source(source: str, text_field: str = "text", config: Optional[str] 
     if source in HUB_ALIASES or source.startswith("hf:"):
         return _hub_source(source, text_field, config)
     files = _local_files(source)
-    size = sum(os.path.getsize(f) for f in files)
-    return Source(source, "local", size, _slice(lambda: _local_docs(files, text_field)))
+    # compressed text is ~3-4x its file size: the val default estimates the text's size
+    size = sum(os.path.getsize(f) * (4 if f.endswith(COMPRESSIONS) else 1) for f in files)
+    src = Source(source, "local", size, lambda skip, limit: iter(()), files=files)
+
+    def documents(skip: int, limit: Optional[int]) -> Iterator[Document]:
+        src.file_starts.clear()
+        return itertools.islice(_local_docs(files, text_field, src.file_starts), skip, limit)
+
+    src.documents = documents
+    return src
 
 
 def _slice(make: Callable[[], Iterable[Document]]) -> Callable[[int, Optional[int]], Iterator[Document]]:
@@ -110,36 +135,140 @@ def _local_files(source: str) -> List[str]:
                           f"tinyshakespeare, {', '.join(HUB_ALIASES)}, hf:NAME[:CONFIG]")
     usable = [f for f in files if f.endswith(LOCAL_SUFFIXES)]
     if not usable:
-        raise SourceError(f"{what} no {'/'.join(LOCAL_SUFFIXES)} files; point --source at text "
-                          "files (.txt is one document, .jsonl/.parquet one per row)")
+        raise SourceError(f"{what} no readable files ({KINDS_HINT}); point --source at text files "
+                          "(.txt is one document, .jsonl/.parquet one per row)")
+    other = [f for f in files if f not in usable]
+    if other:  # never tokenize part of a directory without saying so: name every other file
+        names = ", ".join(other[:20]) + (f" and {len(other) - 20} more" if len(other) > 20 else "")
+        raise SourceError(f"{what} {len(other)} file(s) prepare cannot read ({names}); it reads "
+                          f"{KINDS_HINT}. Move them out, or pick the files with a glob "
+                          f"(e.g. --source '{source.rstrip('/')}/*{_common_suffix(usable)}')")
     return usable
 
 
-def _local_docs(files: List[str], text_field: str) -> Iterator[Document]:
-    readers = {".txt": _txt_docs, ".jsonl": _jsonl_docs, ".parquet": _parquet_docs}
+def _common_suffix(files: List[str]) -> str:
+    suffixes = [next(s for s in sorted(LOCAL_SUFFIXES, key=len, reverse=True) if f.endswith(s)) for f in files]
+    return max(set(suffixes), key=suffixes.count)
+
+
+KINDS_HINT = ".txt, .jsonl, .json (JSON lines), .parquet; .txt/.jsonl/.json also as .gz/.zst/.xz/.bz2"
+
+
+def kind_of(path: str) -> Tuple[str, Optional[str]]:
+    """(``txt``/``jsonl``/``parquet``, compression suffix or None) of a local file name."""
+    comp = next((c for c in COMPRESSIONS if path.endswith(c)), None)
+    inner = path[:-len(comp)] if comp else path
+    return TEXT_KINDS[Path(inner).suffix], comp
+
+
+def _local_docs(files: List[str], text_field: str, starts: List[int]) -> Iterator[Document]:
+    readers = {"txt": _txt_docs, "jsonl": _jsonl_docs, "parquet": _parquet_docs}
+    n = 0
     for f in files:
-        yield from readers[Path(f).suffix](f, text_field)
+        starts.append(n)  # read by the shard writer for the per-file counts in the manifest
+        for doc in readers[kind_of(f)[0]](f, text_field):
+            n += 1
+            yield doc
+
+
+class _ZstdRaw(io.RawIOBase):
+    """A .zst file's decompressed bytes, a chunk at a time; frames one after another (as
+    ``zstd`` and ``pzstd`` write them) are read through; a file that ends inside a frame is
+    an EOFError (zstandard's own stream reader would just stop)."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        import zstandard
+
+        self.f, self.zstd = f, zstandard
+        self.d = zstandard.ZstdDecompressor().decompressobj()
+        self.pending, self.pos, self.in_frame = b"", 0, False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while self.pos == len(self.pending):
+            chunk = self.f.read(READ_CHUNK)
+            if not chunk:
+                if self.in_frame:
+                    raise EOFError("the file ends inside a zstd frame (truncated)")
+                return 0
+            out = []
+            while chunk:
+                self.in_frame = True
+                out.append(self.d.decompress(chunk))
+                chunk = b""
+                if self.d.eof:  # a frame ended: the rest of the chunk starts the next one
+                    chunk, self.in_frame = self.d.unused_data, False
+                    self.d = self.zstd.ZstdDecompressor().decompressobj()
+            self.pending, self.pos = b"".join(out), 0
+        n = min(len(b), len(self.pending) - self.pos)
+        b[:n] = memoryview(self.pending)[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+
+@contextmanager
+def _open_text(path: str) -> Iterator[IO[str]]:
+    """``path`` as UTF-8 text, decompressed on the fly when its name says it is compressed."""
+    comp = kind_of(path)[1]
+    if comp is None:
+        with open(path, encoding="utf-8") as f:
+            yield f
+    elif comp == ".zst":
+        try:
+            import zstandard  # noqa: F401
+        except ImportError as e:
+            raise SourceError(f"{path}: reading .zst needs the zstandard package: pip install zstandard") from e
+        with open(path, "rb") as raw:
+            yield io.TextIOWrapper(io.BufferedReader(_ZstdRaw(raw), READ_CHUNK), encoding="utf-8")
+    else:
+        opener = {".gz": gzip.open, ".xz": lzma.open, ".bz2": bz2.open}[comp]
+        with opener(path, "rt", encoding="utf-8") as f:
+            yield f
+
+
+def _read_errors() -> Tuple[type, ...]:
+    errs: Tuple[type, ...] = (OSError, EOFError, lzma.LZMAError, zlib.error)
+    try:
+        import zstandard
+
+        errs += (zstandard.ZstdError,)
+    except ImportError:
+        pass
+    return errs
+
+
+@contextmanager
+def _reading(path: str) -> Iterator[None]:
+    """Turn what a damaged file raises while it is read into one line naming the file."""
+    try:
+        yield
+    except SourceError:
+        raise
+    except UnicodeDecodeError as e:
+        raise SourceError(f"{path}: not UTF-8 text ({e}); convert it to UTF-8") from e
+    except _read_errors() as e:
+        comp = kind_of(path)[1]
+        what = f"not a readable {comp} file" if comp else "cannot be read"
+        raise SourceError(f"{path}: {what} ({type(e).__name__}: {e}); the file is corrupt or "
+                          "truncated: fetch it again, or remove it from --source") from e
 
 
 def _txt_docs(path: str, text_field: str) -> Iterator[str]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except UnicodeDecodeError as e:
-        raise SourceError(f"{path}: not UTF-8 text ({e}); convert it to UTF-8") from e
+    # one document, so whole in memory (as for .txt); JSON lines stream document by document
+    with _reading(path), _open_text(path) as f:
+        text = f.read()
     if not text.strip():  # kept (as a .jsonl's empty row is), but worth knowing about
         warnings.warn(f"{path}: empty text file; it adds only an <|endoftext|>", stacklevel=2)
     yield text
 
 
 def _jsonl_docs(path: str, text_field: str) -> Iterator[Document]:
-    with open(path, encoding="utf-8") as f:
-        try:
-            for lineno, line in enumerate(f, 1):
-                if not line.isspace():  # a blank line holds no document
-                    yield JsonLine(line, path, lineno, text_field)
-        except UnicodeDecodeError as e:
-            raise SourceError(f"{path}: not UTF-8 text ({e}); convert it to UTF-8") from e
+    with _reading(path), _open_text(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.isspace():  # a blank line holds no document
+                yield JsonLine(line, path, lineno, text_field)
 
 
 def _json_line(line: str, path: str, lineno: int) -> dict:

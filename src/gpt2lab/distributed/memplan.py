@@ -83,7 +83,7 @@ def block_saved_bytes(tokens: int, C: int, n_head: int, resid: int, act: int) ->
     ``.contiguous()`` after the transpose copies nothing), ln_2's input (resid), c_fc's
     input (act), GELU's input (4 act) and c_proj's input (4 act, GELU's output). Per
     token: two LayerNorms' mean and rstd and SDPA's logsumexp per head, fp32. Dropout at
-    p=0 saves nothing. (tests/test_memplan.py counts the saved tensors of a real Block.)
+    p=0 saves nothing. (tests/unit/test_memplan.py counts the saved tensors of a real Block.)
     """
     return tokens * (C * (2 * resid + 14 * act) + 4 * FP32 + n_head * FP32)
 
@@ -123,7 +123,7 @@ def predict(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro
     check(strategy, world_size, micro_batch, dtype, accum, device)
     peak = max(phases(cfg, strategy=strategy, world_size=world_size, micro_batch=micro_batch, seq_len=seq_len,
                       dtype=dtype, activation_checkpointing=activation_checkpointing, accum=accum,
-                      chunked_loss=used_for(device, compiled) or strategy == "fsdp"),
+                      chunked_loss=used_for(device, compiled, sharded=strategy == "fsdp")),
                key=lambda ph: ph.total)
     peak.terms["runtime"] = runtime_bytes(device)
     # On CPU the peak RSS exceeds the peak of live tensors by about one more chunked-loss

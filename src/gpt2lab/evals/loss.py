@@ -9,12 +9,14 @@ from gpt2lab.distributed.dist import all_reduce_mean, autocast
 @torch.no_grad()
 def evaluate_loss(model: torch.nn.Module, data_dir: str, *, tokens: int, batch_size: int, seq_len: int,
                   device: torch.device | str, dtype: str = "float32", split: str = "val",
-                  rank: int = 0, world_size: int = 1) -> float:
+                  rank: int = 0, world_size: int = 1,
+                  flags: tuple[str, str] = ("--eval-tokens", "--micro-batch-size")) -> float:
     """Mean loss over the first ``tokens`` target tokens of ``split`` (at least one batch per rank).
 
     The tokens are read in order and split over ranks, so every world size that divides
     the batches evenly sees the same tokens; the result is averaged across ranks.
-    Works on a plain, compiled or DDP-wrapped GPT; restores the model's train/eval mode.
+    Works on a plain, compiled or DDP-wrapped GPT; restores the model's train/eval mode. Too few
+    tokens is a UsageError naming ``flags`` (the caller's flags for ``tokens`` and ``batch_size``).
     """
     from gpt2lab.data import TokenLoader  # lazy: the model side never needs the data package
 
@@ -23,10 +25,12 @@ def evaluate_loss(model: torch.nn.Module, data_dir: str, *, tokens: int, batch_s
     per_step = batch_size * seq_len * world_size
     steps = max(1, tokens // per_step)
     available = loader.sequences_per_epoch * seq_len
-    if steps * per_step > available:
-        raise ValueError(f"{data_dir}: split '{split}' has {available} tokens in sequences of {seq_len}, "
-                         f"fewer than the {steps * per_step} requested; lower --eval-tokens (or the "
-                         "batch size) or prepare a larger split")
+    if steps * per_step > available:  # ``flags``: the caller's names for tokens and batch_size
+        from gpt2lab.system.errors import UsageError
+
+        raise UsageError(f"{data_dir}: split '{split}' has {available} tokens in sequences of {seq_len}, "
+                         f"fewer than the {steps * per_step} requested; lower {flags[0]} (or {flags[1]}) "
+                         "or prepare a larger split")
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float32, device=device)

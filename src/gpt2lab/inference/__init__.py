@@ -1,0 +1,1 @@
+"""Layer 6: sampling (generate) and text in, text out (completion)."""

@@ -29,6 +29,11 @@ class Sampling:
     top_p: Optional[float] = None
     stop_at_eot: bool = True
 
+    def filters(self) -> dict:
+        """top_k and top_p as sample_next takes them: 0 (top-k) or 1 (top-p) keep everything."""
+        top_p = self.top_p if self.top_p is not None and self.top_p < 1 else None
+        return {"top_k": self.top_k or None, "top_p": top_p}
+
 
 def load_for_inference(spec: str, device: torch.device) -> GPT:
     """The model named by ``spec`` (see load.load_model), laid out for decoding on ``device``."""
@@ -70,19 +75,31 @@ def stream_text(model: GPT, ids: list[int], sampling: Sampling,
     """
     from gpt2lab.inference.generate import generate_stream
 
-    enc = get_tokenizer()
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    text = TokenText()
     stop = EOT_ID if sampling.stop_at_eot else None
-    top_p = sampling.top_p if sampling.top_p is not None and sampling.top_p < 1 else None  # 1: all the mass
     prompt = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
     stream = generate_stream(model, prompt, sampling.max_new_tokens, temperature=sampling.temperature,
-                             top_k=sampling.top_k or None, top_p=top_p, generator=generator, stop_token=stop)
+                             **sampling.filters(), generator=generator, stop_token=stop)
     for tok, _ in stream:
         t = int(tok[0])
         if stop is not None and t == stop:
             break
-        if t >= enc.n_vocab:  # a model whose vocabulary outgrows GPT-2's: show the id, do not hide it
-            yield t, decoder.decode(b"", final=True) + f"<|{t}|>"
-        else:
-            yield t, decoder.decode(enc.decode_single_token_bytes(t))
-    yield None, decoder.decode(b"", final=True)
+        yield t, text.feed(t)
+    yield None, text.flush()
+
+
+class TokenText:
+    """Text of sampled tokens, one token at a time: the bytes of a character split across
+    tokens are held back until it is complete; ids past GPT-2's vocabulary show as <|id|>."""
+
+    def __init__(self) -> None:
+        self.enc = get_tokenizer()
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, t: int) -> str:
+        if t >= self.enc.n_vocab:  # a model whose vocabulary outgrows GPT-2's: show the id, do not hide it
+            return self.decoder.decode(b"", final=True) + f"<|{t}|>"
+        return self.decoder.decode(self.enc.decode_single_token_bytes(t))
+
+    def flush(self) -> str:
+        return self.decoder.decode(b"", final=True)

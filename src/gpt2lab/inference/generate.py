@@ -14,6 +14,10 @@ from torch.nn import functional as F
 from gpt2lab.model.gpt import GPT
 
 
+# Below this temperature logits / T can overflow float32; sample_next shifts the logits first.
+SMALL_TEMPERATURE = 1e-20
+
+
 def sample_next(
     logits: torch.Tensor,
     temperature: float = 1.0,
@@ -27,7 +31,14 @@ def sample_next(
         return logits.argmax(dim=-1)
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    logits = logits / temperature
+    if temperature < SMALL_TEMPERATURE:
+        # logits / T would overflow to inf (and 1e-320 is 0 in float32: 0/0); shifted by the row's
+        # maximum the best token scales to 0 and the rest to -inf or below, which softmax takes:
+        # all the mass on the most likely token(s), as T -> 0, ties still drawn at random.
+        top = logits.amax(dim=-1, keepdim=True)
+        logits = (logits - top) / max(temperature, torch.finfo(torch.float32).tiny)
+    else:
+        logits = logits / temperature
     if top_k is not None:
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
@@ -41,6 +52,7 @@ def sample_next(
         # Drop a token when the tokens ranked above it already hold top_p of the mass;
         # the most likely token is always kept.
         drop = (probs.cumsum(dim=-1) - probs) >= top_p
+        drop[:, 0] = False  # a top_p below float32's smallest (1e-320 is 0 there) keeps it too
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
     probs = F.softmax(logits, dim=-1)

@@ -184,18 +184,25 @@ def gpt_config(values: dict, source: str) -> GPTConfig:
     if unknown:
         raise ConfigError(f"{source}: unknown model field(s) {', '.join(unknown)}; "
                           f"known model fields: {', '.join(MODEL_KEYS)}")
-    hints = get_type_hints(GPTConfig)
-    for name, value in values.items():
-        tp, optional = field_type(hints[name])
-        ok = (value is None and optional) or (isinstance(value, (int, float) if tp is float else tp)
-                                               and (tp is bool or not isinstance(value, bool)))
-        if not ok:
-            kind = {int: "a whole number", float: "a number", bool: "true or false", str: "text"}[tp]
-            raise ConfigError(f"{source}: {name} must be {kind}, got {value!r}")
+    check_types(values, get_type_hints(GPTConfig), source)
     try:
         return GPTConfig(**values)
     except ValueError as e:  # GPTConfig's own checks name the value
         raise ConfigError(f"{source}: {e}") from e
+
+
+def check_types(values: dict, hints: dict, source: str, also: Optional[dict] = None) -> None:
+    """Each value of the type its field's annotation names (an int passes for a float, a bool for
+    nothing but a bool); else a ConfigError naming the key. ``also``: name -> other types allowed."""
+    for name, value in values.items():
+        if name not in hints:
+            continue
+        tp, optional = field_type(hints[name])
+        ok = (value is None and optional) or (isinstance(value, (int, float) if tp is float else tp)
+                                               and (tp is bool or not isinstance(value, bool)))
+        if not ok and not isinstance(value, (also or {}).get(name, ())):
+            kind = {int: "a whole number", float: "a number", bool: "true or false", str: "text"}.get(tp, str(tp))
+            raise ConfigError(f"{source}: {name} must be {kind}, got {value!r}")
 
 
 def model_from_config(values: dict, source: str = "config") -> GPTConfig:

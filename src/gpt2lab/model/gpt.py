@@ -22,16 +22,19 @@ from gpt2lab.model.loss import chunked_cross_entropy
 from gpt2lab.model.config import PRESET_ALIASES, PRESETS, GPTConfig  # noqa: F401
 
 
-def rotary_cos_sin(config: GPTConfig, start: int, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (T, head_size) of positions start..start+T-1, in fp32.
+def rotary_cos_sin(config: GPTConfig, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of positions ``pos`` in fp32: (T, head_size) for pos (T,), or (B, 1, T,
+    head_size) for pos (B, T) (a cache whose rows sit at different positions).
 
     Pair i of a head is the channels (i, i + head_size/2), turned by position * theta^(-2i/hs)
     radians (the "rotate half" layout of GPT-NeoX and Llama).
     """
     hs = config.n_embd // config.n_head
-    inv_freq = config.rope_theta ** -(torch.arange(0, hs, 2, device=device, dtype=torch.float32) / hs)
-    angles = torch.arange(start, start + T, device=device, dtype=torch.float32)[:, None] * inv_freq  # (T, hs/2)
+    inv_freq = config.rope_theta ** -(torch.arange(0, hs, 2, device=pos.device, dtype=torch.float32) / hs)
+    angles = pos.to(torch.float32)[..., None] * inv_freq  # (..., T, hs/2)
     angles = torch.cat((angles, angles), dim=-1)
+    if angles.dim() == 3:  # (B, T, hs) -> (B, 1, T, hs): one row of positions for every head
+        angles = angles[:, None]
     return angles.cos(), angles.sin()
 
 
@@ -58,7 +61,9 @@ class KVCache:
 
     Buffers are allocated on the first write, with the dtype the attention produced (so
     autocast gives a bf16 cache), and sized for ``max_len`` positions. ``pos`` counts the
-    positions filled; the model advances it after each forward.
+    positions filled; the model advances it after each forward. The model asks the cache
+    for the new tokens' positions and attention mask (``positions``, ``mask``), so a cache
+    whose rows hold different lengths (serve/batch.py) can stand in for this one.
     """
 
     def __init__(self, n_layer: int, max_len: int) -> None:
@@ -80,6 +85,20 @@ class KVCache:
         self.k[layer][:, :, self.pos:end] = k
         self.v[layer][:, :, self.pos:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def positions(self, T: int, device: torch.device) -> torch.Tensor:
+        """Positions of the next T tokens: (T,), the same for every row."""
+        return torch.arange(self.pos, self.pos + T, dtype=torch.long, device=device)
+
+    def mask(self, T: int, device: torch.device) -> Optional[torch.Tensor]:
+        """Which keys each of the next T queries may see (None: all of them); query i sees up to pos + i."""
+        if T == 1:
+            return None
+        rows = torch.arange(T, device=device)[:, None] + self.pos
+        return torch.arange(self.pos + T, device=device)[None, :] <= rows
+
+    def advance(self, T: int) -> None:
+        self.pos += T
 
     def fork(self, rows: torch.Tensor, max_len: int) -> "KVCache":
         """A cache whose row i continues row ``rows[i]`` of this one, with room for ``max_len``
@@ -124,12 +143,8 @@ class CausalSelfAttention(nn.Module):
             p = self.attn_pdrop if self.training else 0.0
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         else:
-            past = kv_cache.pos
+            mask = kv_cache.mask(T, x.device)  # before update: it reads the positions filled so far
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, nh, past+T, hs)
-            mask = None
-            if T > 1:  # several new tokens: query i sees keys up to past + i
-                rows = torch.arange(T, device=x.device)[:, None] + past
-                mask = torch.arange(past + T, device=x.device)[None, :] <= rows
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads
         return self.resid_dropout(self.c_proj(y))
@@ -244,19 +259,23 @@ class GPT(nn.Module):
         start = kv_cache.pos if kv_cache is not None else 0
         if start + T > self.config.block_size:
             raise ValueError(f"sequence length {start + T} exceeds block_size {self.config.block_size}")
+        if kv_cache is not None:  # (T,), or (B, T) for a cache whose rows hold different lengths
+            pos = kv_cache.positions(T, idx.device)
+        else:
+            pos = torch.arange(T, dtype=torch.long, device=idx.device)
         x = self.transformer.wte(idx)  # (B, T, C)
         rope = None
         if self.config.pos_emb == "rotary":
-            rope = rotary_cos_sin(self.config, start, T, idx.device)
+            rope = rotary_cos_sin(self.config, pos)
         else:
-            x = x + self.transformer.wpe(torch.arange(start, start + T, dtype=torch.long, device=idx.device))
+            x = x + self.transformer.wpe(pos)
         x = self.transformer.drop(x)
         recompute = self.activation_checkpointing and self.training and kv_cache is None
         for block in self.transformer.h:
             # non-reentrant checkpointing replays the block's dropout masks (it saves the RNG state)
             x = checkpoint(block, x, None, rope, use_reentrant=False) if recompute else block(x, kv_cache, rope)
         if kv_cache is not None:
-            kv_cache.pos += T
+            kv_cache.advance(T)
         if last_only:  # generation needs the next token only: skip T-1 rows of the vocab matmul
             x = x[:, -1:, :]
         elif positions is not None:

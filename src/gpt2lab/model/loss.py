@@ -1,7 +1,7 @@
 """The training loss without materialising the (B*T, vocab) logits: chunked, fused, exact.
 
 ``GPT.forward(idx, targets, return_logits=False)`` calls ``chunked_cross_entropy``; it
-equals ``F.cross_entropy(x @ W.T, targets)`` (tests/test_train_loss.py) and is faster and
+equals ``F.cross_entropy(x @ W.T, targets)`` (tests/unit/test_train_loss.py) and is faster and
 smaller, because it never holds fp32 logits and computes both gradients in its forward.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ def chunk_rows(V: int) -> tuple[int, int]:
     return rows, max(rows, _GROUP_ELEMENTS // V // rows * rows)
 
 
-def used_for(device_type: str, compiled: bool) -> bool:
+def used_for(device_type: str, compiled: bool, sharded: bool = False) -> bool:
     """Whether a training run uses this chunked loss (else logits + F.cross_entropy).
 
     A compiled model on a GPU: no. Inductor fuses F.cross_entropy into the model's graph,
@@ -37,10 +37,11 @@ def used_for(device_type: str, compiled: bool) -> bool:
     chunk plus a concatenation: on an H100, 124M, B=64, 136.3 vs 140.6 ms per step for
     +4.6 GiB (the bf16 logits the graph keeps; docs/benchmarks.md). Everywhere else: yes
     (CPUs: never holding fp32 logits measured faster; eager GPUs: F.cross_entropy would
-    hold the logits in fp32). FSDP keeps it regardless (parallel.shard: the root, which
-    computes the loss, is not compiled there).
+    hold the logits in fp32). A model ``sharded`` by FSDP keeps it regardless (parallel.shard:
+    the root, which computes the loss, is not compiled there). The run plan
+    (gpt2lab.train.plan.choose_loss) and the memory planner both ask here.
     """
-    return not (compiled and device_type == "cuda")
+    return sharded or not (compiled and device_type == "cuda")
 
 
 _CHUNK_ELEMENTS = 2 ** 27  # logits per chunk

@@ -1,0 +1,1 @@
+"""Layer 6: metrics, W&B, plots, run comparison, reports."""

@@ -102,10 +102,23 @@ class MetricsLogger:
             print(line, flush=True)
 
     def close(self) -> None:
-        for thing in (self._bar, self._tb, self._wandb, self._fh):
+        fh = self._fh
+        for thing in (self._bar, self._tb, self._wandb):
             if thing is not None:
                 thing.close()
         self._fh = self._tb = self._bar = self._wandb = None
+        failing = sys.exc_info()[0] is not None  # closed in a finally while an error goes up
+        if fh is not None:
+            try:
+                fh.close()  # flushes what a failed write left in the buffer: a full disk fails again here
+            except OSError as e:
+                from gpt2lab.system.errors import disk_full, is_disk_full
+
+                if failing:
+                    return  # that error (a DiskFullError naming this file) is the one to report
+                if is_disk_full(e):
+                    raise disk_full(self.path, "free some space, then continue with --resume auto") from e
+                raise
 
 
 def format_train(r: dict) -> str:

@@ -12,6 +12,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
+from gpt2lab.system.errors import DataError
 from gpt2lab.model.config import SIZES
 
 GPT2_124M_VAL_LOSS = 3.2924  # OpenAI GPT-2 124M on the FineWeb-Edu val shard (reference recipe)
@@ -33,8 +34,14 @@ def read_metrics(path: str) -> list[dict]:
     last line (a run killed mid-write), which is left out with a warning."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such file; is this a gpt2lab run directory?")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        lineno = data.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}:{lineno}: not UTF-8 text (byte {data[e.start]:#04x}); is this a gpt2lab "
+                        "metrics.jsonl? It holds one JSON object per line") from None
     lines = text.split("\n")
     records = []
     for lineno, line in enumerate(lines, start=1):

@@ -58,6 +58,8 @@ def _read_json(path: str) -> dict:
             data = json.load(fh)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e.msg}); the report needs it readable or absent") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text, so not JSON; the report needs it readable or absent") from None
     return data if isinstance(data, dict) else {}
 
 
@@ -81,18 +83,11 @@ def _checkpoints(run_dir: str) -> list[tuple[int, str, int]]:
 
 
 def _live_lock(run_dir: str) -> Optional[int]:
-    """The pid in a ``*.lock`` file of the run dir, if that process is alive."""
-    for name in os.listdir(run_dir):
-        if not (name.endswith(".lock") or name == "lock"):
-            continue
-        try:
-            with open(os.path.join(run_dir, name)) as fh:
-                pid = int(fh.read().split()[0])
-            os.kill(pid, 0)
-            return pid
-        except (OSError, ValueError, IndexError):
-            continue
-    return None
+    """The pid of the live run holding the directory's lock (system.rundir), if one does."""
+    from gpt2lab.system import rundir
+
+    who = rundir.holder(run_dir)
+    return None if who is None else who.get("pid")
 
 
 def run_status(run_dir: str, config: dict, records: list[dict], cut: bool, ckpts: list, now: float) -> str:

@@ -1,5 +1,7 @@
 """``gpt2lab serve``: an OpenAI-compatible completions server and a playground page.
 
-``engine`` runs generation (one worker thread per model, requests taking turns token by
-token); ``api`` is the FastAPI app (request checks, OpenAI-shaped JSON and SSE, the page).
+``batch`` runs generation (continuous batching: the active requests as one batch per step);
+``engine`` holds what workers share and the ``--deterministic`` worker (requests in turns);
+``api`` is the FastAPI app (request checks, OpenAI-shaped JSON and SSE, the page, /metrics);
+``metrics`` the Prometheus counters; ``limits`` the flags' values.
 """

@@ -2,13 +2,16 @@
 
 Responses and stream chunks have OpenAI's shapes, so the official ``openai`` client and
 curl work unchanged. Every bad request gets a 4xx with OpenAI's error body
-``{"error": {"message", "type", "param", "code"}}`` and the server goes on serving.
+``{"error": {"message", "type", "param", "code"}}`` and the server goes on serving; a full
+queue gets 429 at once, a request past the timeout 504. ``/metrics`` is Prometheus' text
+format; every request leaves one line in the access log (logger ``gpt2lab.serve.access``).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
 import socket
 import threading
@@ -18,16 +21,23 @@ from typing import AsyncIterator, Iterator, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpt2lab.inference.completion import PromptError, Sampling, check_ids
-from gpt2lab.serve.engine import Failed, Finish, Job, ModelWorker, Text, completion_events
+from gpt2lab.serve.engine import Failed, Finish, Job, QueueFull, Text, TimedOut, Work, Worker
+from gpt2lab.serve.metrics import ServeMetrics
 from gpt2lab.data.tokenizer import EOT_ID, get_tokenizer
 
 MAX_N = 16  # choices per request (per prompt)
 MAX_PROMPTS = 16
 MAX_STOPS = 4  # as OpenAI
+# A request body past this is refused (413) before it is read: GPT-2's longest context is
+# 1024 tokens, a few KB of text; 1 MiB leaves room for token-id lists and many prompts.
+MAX_BODY_BYTES = 1 << 20
+
+ROUTES = ("/", "/metrics", "/v1/models", "/v1/completions")
+access_log = logging.getLogger("gpt2lab.serve.access")
 
 
 class CompletionRequest(BaseModel):
@@ -69,6 +79,9 @@ class APIError(Exception):
 
 def error_body(message: str, kind: str = "invalid_request_error", param: Optional[str] = None,
                code: Optional[str] = None) -> dict:
+    # a request's text may hold lone surrogates ("\ud800" in its JSON), which UTF-8 cannot encode:
+    # they are shown escaped, so that the answer is still JSON
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -103,7 +116,10 @@ def _prompts(req: CompletionRequest, vocab: int) -> tuple[list[list[int]], list[
     return ids, texts or [enc.decode([t for t in one if t < enc.n_vocab]) for one in ids]
 
 
-def _check_length(prompts: list[list[int]], max_tokens: int, worker: ModelWorker) -> None:
+def _check_length(prompts: list[list[int]], max_tokens: int, worker: Worker) -> None:
+    if max_tokens > worker.limits.max_tokens:
+        raise APIError(400, f"max_tokens: this server gives at most {worker.limits.max_tokens} tokens per "
+                            f"choice (--max-tokens); you asked for {max_tokens}", param="max_tokens")
     longest = max(len(p) for p in prompts)
     if longest + max_tokens > worker.block_size:
         raise APIError(400, f"This model's maximum context length is {worker.block_size} tokens; you asked "
@@ -115,9 +131,9 @@ def _check_length(prompts: list[list[int]], max_tokens: int, worker: ModelWorker
 class Completion:
     """One validated request: its worker, its events, and the response id."""
 
-    def __init__(self, req: CompletionRequest, workers: dict[str, ModelWorker]) -> None:
+    def __init__(self, req: CompletionRequest, workers: dict[str, Worker]) -> None:
         if req.model not in workers:
-            raise APIError(404, f"The model '{req.model}' does not exist; this server has: "
+            raise APIError(404, f"The model {req.model!r} does not exist; this server has: "
                                 f"{', '.join(workers)}", param="model", code="model_not_found")
         _unsupported(req)
         self.req, self.worker = req, workers[req.model]
@@ -129,16 +145,22 @@ class Completion:
             raise APIError(400, f"stop: at most {MAX_STOPS} sequences", param="stop")
         self.sampling = Sampling(max_new_tokens=max_tokens, temperature=_or(req.temperature, 1.0),
                                  top_k=req.top_k, top_p=req.top_p)
-        self.seed = req.seed if req.seed is not None else secrets.randbelow(2 ** 63)
+        # without a seed each prompt draws its own (equal prompts get their own samples); with one,
+        # every prompt starts from it, as `gpt2lab sample --seed` does
+        self.seeds = ([req.seed] * len(self.prompts) if req.seed is not None
+                      else [secrets.randbelow(2 ** 63) for _ in self.prompts])
         self.n = req.n or 1
         self.stops, self.echo = stops, texts if req.echo else []
         self.id, self.created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
 
     def start(self) -> Job:
-        events = completion_events(self.worker.model, self.prompts, self.sampling, n=self.n, seed=self.seed,
-                                   stops=self.stops, echo=self.echo)
-        job = Job(events, asyncio.get_running_loop())
-        self.worker.submit(job)
+        """Hand the request to its worker; a full queue answers 429 at once."""
+        work = Work(self.prompts, self.sampling, n=self.n, seeds=self.seeds, stops=self.stops, echo=self.echo)
+        job = Job(work, asyncio.get_running_loop(), self.worker.limits.timeout_s)
+        try:
+            self.worker.submit(job)
+        except QueueFull as e:
+            raise APIError(429, str(e), code="queue_full", kind="server_busy") from None
         return job
 
     def usage(self, completion_tokens: int) -> dict:
@@ -169,10 +191,10 @@ async def _events(job: Job) -> AsyncIterator[Union[Text, Finish]]:
         job.cancelled = True  # a client that went away frees its turn in the worker
 
 
-async def _complete(c: Completion) -> JSONResponse:
+async def _complete(c: Completion, job: Job) -> JSONResponse:
     texts = {i: [] for i in range(len(c.prompts) * c.n)}
     finish, tokens = {}, 0
-    async for event in _events(c.start()):
+    async for event in _events(job):
         if isinstance(event, Text):
             texts[event.index].append(event.text)
         else:
@@ -181,10 +203,10 @@ async def _complete(c: Completion) -> JSONResponse:
     return JSONResponse(c.chunk(choices, usage=c.usage(tokens)))
 
 
-async def _stream(c: Completion) -> AsyncIterator[str]:
+async def _stream(c: Completion, job: Job) -> AsyncIterator[str]:
     tokens = 0
     try:
-        async for event in _events(c.start()):
+        async for event in _events(job):
             if isinstance(event, Text):
                 if event.text:
                     yield _sse(c.chunk([_choice(event.index, event.text, None)]))
@@ -193,7 +215,9 @@ async def _stream(c: Completion) -> AsyncIterator[str]:
                 yield _sse(c.chunk([_choice(event.index, "", event.reason)]))
         if (c.req.stream_options or {}).get("include_usage"):
             yield _sse(c.chunk([], usage=c.usage(tokens)))
-    except Exception as e:  # headers are sent: report in the stream, as OpenAI does
+    except TimedOut as e:  # headers are sent: report in the stream, as OpenAI does
+        yield _sse(error_body(str(e), kind="timeout", code="timeout"))
+    except Exception as e:
         yield _sse(error_body(f"generation failed: {e}", kind="server_error"))
     yield "data: [DONE]\n\n"
 
@@ -202,8 +226,13 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def create_app(workers: dict[str, ModelWorker]) -> FastAPI:
+def create_app(workers: dict[str, Worker]) -> FastAPI:
+    metrics = ServeMetrics()
+    for w in workers.values():
+        w.metrics = metrics
+        metrics.watch(w)
     app = FastAPI(title="gpt2lab serve", docs_url=None, redoc_url=None)
+    app.add_middleware(AccessLog, metrics=metrics)
     page = (resources.files("gpt2lab") / "assets" / "playground.html").read_text(encoding="utf-8")
 
     @app.exception_handler(APIError)
@@ -212,11 +241,20 @@ def create_app(workers: dict[str, ModelWorker]) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        kind = request.headers.get("content-type", "")
+        if request.method == "POST" and kind.split(";")[0].strip().lower() != "application/json":
+            got = f"Content-Type: {kind}" if kind else "no Content-Type header"
+            return APIError(415, f"send the request body as JSON with the header Content-Type: application/json "
+                                 f"(got {got})").response()
         return _validation_error(exc).response()
 
     @app.get("/", response_class=HTMLResponse)
     async def playground() -> str:
         return page
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -227,13 +265,16 @@ def create_app(workers: dict[str, ModelWorker]) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
         c = Completion(req, workers)
+        job = c.start()  # before the response starts, so that a full queue is a 429
         if req.stream:
-            return StreamingResponse(_stream(c), media_type="text/event-stream",
+            return StreamingResponse(_stream(c, job), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            return await _complete(c)
+            return await _complete(c, job)
         except APIError:
             raise
+        except TimedOut as e:
+            raise APIError(504, str(e), kind="timeout", code="timeout") from None
         except Exception as e:
             raise APIError(500, f"generation failed: {e}", kind="server_error") from e
 
@@ -255,8 +296,43 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"{where}: {first.get('msg')} (got {first.get('input')!r})", param=param)
 
 
+class AccessLog:
+    """ASGI middleware: refuses bodies over MAX_BODY_BYTES (413, before reading them), then logs one
+    line per request when its response ends (a stream's too) and counts it in ``/metrics``."""
+
+    def __init__(self, app, metrics: ServeMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0, status = time.monotonic(), [0]
+        size = dict(scope.get("headers") or []).get(b"content-length", b"0")
+
+        async def sending(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            if size.isdigit() and int(size) > MAX_BODY_BYTES:
+                status[0] = 413
+                response = JSONResponse(status_code=413, content=error_body(
+                    f"the request body is {int(size)} bytes; this server takes at most {MAX_BODY_BYTES}"))
+                await response(scope, receive, send)
+            else:
+                await self.app(scope, receive, sending)
+        finally:
+            client = scope.get("client") or ("-", 0)
+            code = status[0] or 499  # 499: the client went away before a response started
+            path = scope["path"] if scope["path"] in ROUTES else "other"  # bounded label values
+            self.metrics.requests.labels(path, str(code)).inc()
+            access_log.info('%s "%s %s" %d %.3fs', client[0], scope["method"], scope["path"], code,
+                            time.monotonic() - t0)
+
+
 @contextlib.contextmanager
-def serving_in_thread(workers: dict[str, ModelWorker], host: str = "127.0.0.1") -> Iterator[str]:
+def serving_in_thread(workers: dict[str, Worker], host: str = "127.0.0.1") -> Iterator[str]:
     """Serve ``workers`` with uvicorn in a background thread on a free port; yield the base URL
     (for tests and ``gpt2lab bench serve``). The workers are closed on exit."""
     import uvicorn

@@ -1,12 +1,13 @@
-"""Generation for the server: one worker thread per model; requests take turns token by token.
+"""Generation for the server: one worker thread per model owns it; what both modes share.
 
-Why turns and not a batch: every request keeps its own KV cache and its own seeded
-``torch.Generator`` and runs exactly the code ``gpt2lab sample`` runs (completion.py), so a
-seeded request gives the same text whatever else is being served at the time. Batching
-rows of different requests would change both the random draws and the matmul rounding.
-The worker advances each active request by one token in turn, so every stream moves at
-once (fair time to first token); one thread owns the model, so requests cannot corrupt
-each other. The cost: 8 streams share one stream's tokens/s (see docs/benchmarks.md).
+Two workers: ``batch.BatchWorker`` (the default) runs every active request as one row of a
+batched decode step; ``TurnsWorker`` (``gpt2lab serve --deterministic``) advances one request
+by one token at a time. In turns every request keeps its own KV cache and runs exactly the
+code ``gpt2lab sample`` runs (completion.py), so a seeded request gives the same text
+whatever else is served; the price is that 8 streams share one stream's tokens/s. In both,
+one thread owns the model, so requests cannot corrupt each other; both bound the rows in
+flight (``max_batch``) and the requests waiting (``max_queue``: past it ``submit`` raises
+QueueFull), and end a request that outlives ``timeout_s``.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import asyncio
 import collections
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Iterator, Optional, Union
 
@@ -22,12 +24,15 @@ import torch
 from gpt2lab.inference.completion import Sampling, seeded_generator, stream_text
 from gpt2lab.distributed.dist import autocast
 from gpt2lab.model.gpt import GPT
+from gpt2lab.serve.limits import Limits
+from gpt2lab.serve.metrics import ServeMetrics
 
 
 @dataclass
 class Text:
     index: int  # choice index: prompt number * n + sample number
     text: str
+    token: bool = False  # this text follows a sampled token (for the latency metrics)
 
 
 @dataclass
@@ -68,13 +73,13 @@ class StopFilter:
         return text
 
 
-def completion_events(model: GPT, prompts: list[list[int]], sampling: Sampling, *, n: int, seed: int,
+def completion_events(model: GPT, prompts: list[list[int]], sampling: Sampling, *, n: int, seeds: list[int],
                       stops: list[str], echo: list[str]) -> Iterator[Union[Text, Finish]]:
-    """The events of one request, one token per step: each prompt gets a generator seeded
-    with ``seed`` and its ``n`` samples one after another (as ``gpt2lab sample --num-samples n``)."""
+    """The events of one request, one token per step: prompt p gets a generator seeded with
+    ``seeds[p]`` and its ``n`` samples one after another (as ``gpt2lab sample --num-samples n``)."""
     device = next(model.parameters()).device
     for p, ids in enumerate(prompts):
-        generator = seeded_generator(device, seed)
+        generator = seeded_generator(device, seeds[p])
         for i in range(n):
             index, tokens, stop = p * n + i, 0, StopFilter(stops)
             if echo:
@@ -84,7 +89,7 @@ def completion_events(model: GPT, prompts: list[list[int]], sampling: Sampling, 
                 tokens += tok is not None
                 text, hit = stop.feed(piece)
                 if text or tok is not None:  # one event per token keeps the turns one token long
-                    yield Text(index, text)
+                    yield Text(index, text, tok is not None)
                 if hit:
                     reason = "stop"
                     break
@@ -94,25 +99,65 @@ def completion_events(model: GPT, prompts: list[list[int]], sampling: Sampling, 
             yield Finish(index, reason, tokens)
 
 
-class Job:
-    """One request in a worker: its event iterator and the asyncio queue its handler reads."""
+class QueueFull(Exception):
+    """The worker's queue holds ``max_queue`` requests already."""
 
-    def __init__(self, events: Iterator[Union[Text, Finish]], loop: asyncio.AbstractEventLoop) -> None:
-        self.events, self.loop = events, loop
+
+class TimedOut(Exception):
+    """A request ran (or waited) past ``timeout_s``."""
+
+
+@dataclass
+class Work:
+    """What one completion request asks of a worker."""
+    prompts: list[list[int]]
+    sampling: Sampling
+    n: int
+    seeds: list[int]  # one per prompt: the request's seed for each, or each its own random one
+    stops: list[str]
+    echo: list[str]  # each prompt's text when echo is on, else []
+
+
+class Job:
+    """One request in a worker: what it asks, and the asyncio queue its handler reads."""
+
+    def __init__(self, request: Work, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+        self.request, self.loop = request, loop
         self.out: asyncio.Queue[Event] = asyncio.Queue()
-        self.cancelled = False
+        self.cancelled = False  # set by the handler when its client goes away
+        self.arrived = time.monotonic()
+        self.deadline = self.arrived + timeout_s
+        self.first_token: Optional[float] = None
+        self.last_token: dict[int, float] = {}  # choice index -> when its last token was sampled
 
     def send(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, event)
 
+    def fail(self, error: BaseException) -> None:
+        self.send(Failed(error))
+        self.send(None)
 
-class ModelWorker:
-    """Owns one model and the one thread that ever runs it."""
+    def expired(self, now: float) -> bool:
+        return now > self.deadline
 
-    def __init__(self, name: str, model: GPT, device: torch.device, dtype: str) -> None:
+    def timed_out(self, limits: Limits) -> TimedOut:
+        return TimedOut(f"the request took longer than the server's {limits.timeout_s:g} s timeout "
+                        "(--timeout); ask for fewer tokens or retry when the server is less busy")
+
+
+class Worker:
+    """Owns one model and the one thread that ever runs it; subclasses write ``_loop``."""
+
+    def __init__(self, name: str, model: GPT, device: torch.device, dtype: str,
+                 limits: Optional[Limits] = None) -> None:
         self.name, self.model, self.device, self.dtype = name, model, device, dtype
+        self.limits = limits or Limits()
+        self.metrics = ServeMetrics()  # create_app swaps in the app's own
         self._new: queue.Queue[Optional[Job]] = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name=f"gpt2lab-serve-{name}", daemon=True)
+        self._lock = threading.Lock()
+        self._waiting = 0  # submitted, not yet given a row (or a turn)
+        self._rows = 0
+        self._thread = threading.Thread(target=self._run, name=f"gpt2lab-serve-{name}", daemon=True)
         self._thread.start()
 
     @property
@@ -120,41 +165,106 @@ class ModelWorker:
         return self.model.config.block_size
 
     def submit(self, job: Job) -> None:
+        """Queue ``job``, or raise QueueFull at once when ``max_queue`` requests are waiting already."""
+        with self._lock:
+            if self._waiting >= self.limits.max_queue:
+                raise QueueFull(f"the server is busy: {self._waiting} requests are waiting for model "
+                                f"'{self.name}' (--max-queue {self.limits.max_queue}); retry later")
+            self._waiting += 1
         self._new.put(job)
+
+    def queue_depth(self) -> int:
+        return self._waiting
+
+    def active_rows(self) -> int:
+        return self._rows
 
     def close(self) -> None:
         self._new.put(None)
         self._thread.join(timeout=10)
 
+    def _started(self, job: Job) -> None:
+        with self._lock:
+            self._waiting -= 1
+
+    def _end_early(self, job: Job) -> None:
+        """End a job its client left (nobody reads the error) or one past its deadline."""
+        if job.cancelled:
+            job.send(None)
+        else:
+            job.fail(job.timed_out(self.limits))
+
+    def _token(self, job: Job, index: int) -> None:
+        """Count a sampled token of choice ``index``; observe first-token or per-token latency."""
+        now = time.monotonic()
+        if job.first_token is None:
+            job.first_token = now
+            self.metrics.first_token.labels(self.name).observe(now - job.arrived)
+        last = job.last_token.get(index)
+        if last is not None:
+            self.metrics.per_token.labels(self.name).observe(now - last)
+        job.last_token[index] = now
+        self.metrics.tokens.labels(self.name).inc()
+
+    def _run(self) -> None:
+        self._loop()
+
     def _loop(self) -> None:
-        active: collections.deque[Job] = collections.deque()
+        raise NotImplementedError
+
+
+class TurnsWorker(Worker):
+    """``--deterministic``: up to ``max_batch`` requests take turns, one token each; every request
+    runs completion.py's code with its own KV cache, exactly as ``gpt2lab sample`` does."""
+
+    def _loop(self) -> None:
+        waiting: collections.deque[Job] = collections.deque()
+        active: collections.deque[tuple[Job, Iterator]] = collections.deque()
         while True:
             try:  # wait only when idle; otherwise pick up new requests between tokens
                 while True:
-                    job = self._new.get(block=not active)
+                    job = self._new.get(block=not active and not waiting)
                     if job is None:
                         return
-                    active.append(job)
+                    waiting.append(job)
             except queue.Empty:
                 pass
-            job = active.popleft()
-            if self._step(job):
-                active.append(job)
+            now = time.monotonic()
+            for job in [j for j in waiting if j.cancelled or j.expired(now)]:
+                waiting.remove(job)
+                self._started(job)
+                self._end_early(job)
+            while waiting and len(active) < self.limits.max_batch:
+                job = waiting.popleft()
+                self._started(job)
+                r = job.request
+                active.append((job, completion_events(self.model, r.prompts, r.sampling, n=r.n, seeds=r.seeds,
+                                                      stops=r.stops, echo=r.echo)))
+            self._rows = len(active)
+            if not active:
+                continue
+            self.metrics.batch_size.labels(self.name).observe(1)
+            job, events = active.popleft()
+            if self._step(job, events):
+                active.append((job, events))
+            self._rows = len(active)
 
-    def _step(self, job: Job) -> bool:
-        """Advance ``job`` by one event; False once it is finished, failed or cancelled."""
-        if job.cancelled:
-            job.events.close()
+    def _step(self, job: Job, events: Iterator) -> bool:
+        """Advance ``job`` by one event; False once it is finished, failed, timed out or cancelled."""
+        if job.cancelled or job.expired(time.monotonic()):
+            events.close()
+            self._end_early(job)
             return False
         try:
             with autocast(self.device, self.dtype):
-                event = next(job.events)
+                event = next(events)
         except StopIteration:
             job.send(None)
             return False
         except Exception as e:  # reported to this request only; the worker keeps serving
-            job.send(Failed(e))
-            job.send(None)
+            job.fail(e)
             return False
+        if isinstance(event, Text) and event.token:
+            self._token(job, event.index)
         job.send(event)
         return True

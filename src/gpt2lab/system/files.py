@@ -82,6 +82,23 @@ def atomic_dir(path: str, what_next: Optional[str] = None, replace: bool = False
         raise
 
 
+def current_umask() -> int:
+    """The process's umask (read by setting it and setting it back: there is no getter)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def umask_modes(folder: str) -> None:
+    """Give each file in ``folder`` the mode a plain ``open`` would (0666 less the umask): some
+    writers (safetensors) create their file 0600 whatever the umask says."""
+    mode = 0o666 & ~current_umask()
+    for name in os.listdir(folder):
+        full = os.path.join(folder, name)
+        if os.path.isfile(full) and not os.path.islink(full):
+            os.chmod(full, mode)
+
+
 def _swap_in(tmp: str, path: str, replace: bool) -> None:
     if not os.path.lexists(path):
         os.replace(tmp, path)

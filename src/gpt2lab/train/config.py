@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Optional, get_type_hints
 
-from gpt2lab.model.config import (GPT2_VOCAB_SIZE, MODEL_KEYS, PADDED_VOCAB_SIZE, GPTConfig, field_type, gpt_config,  # noqa: F401
-                                  model_from_config, nest_model)
+from gpt2lab.model.config import (GPT2_VOCAB_SIZE, MODEL_KEYS, PADDED_VOCAB_SIZE, GPTConfig, check_types,  # noqa: F401
+                                  field_type, gpt_config, model_from_config, nest_model)
 from gpt2lab.system.choices import (COMPILE_CHOICES, DTYPE_CHOICES, LR_SCHEDULES, NS_DTYPE_CHOICES,  # noqa: F401
                                     OPTIMIZERS, STRATEGY_CHOICES)
 from gpt2lab.system.errors import ConfigError, UsageError  # noqa: F401
@@ -236,6 +236,8 @@ class TrainConfig:
         if unknown:
             raise ConfigError(f"{source}: unknown field(s) {', '.join(unknown)}; "
                               f"known fields: {', '.join(sorted(known | set(MODEL_KEYS)))}")
+        check_types({k: v for k, v in values.items() if k != "model"}, get_type_hints(cls), source,
+                    also={"compile": bool})  # compile: true/false in presets written before "auto"
         return cls(**{**values, "model": gpt_config(values["model"], source)})
 
     def with_model(self, **changes: Any) -> "TrainConfig":
@@ -256,17 +258,41 @@ def preset_values(name: str, _seen: tuple = ()) -> dict:
     if name in _seen:
         raise ConfigError(f"preset {name!r}: base presets form a cycle ({' -> '.join(_seen + (name,))})")
     path = resources.files("gpt2lab") / "presets" / f"{name}.toml"
+    return _toml_values(path.read_text(), str(path), _seen + (name,))
+
+
+def config_file_values(path: str) -> dict:
+    """``train --config FILE``: a TOML file with the presets' keys (``base = "PRESET"`` starts from a
+    packaged preset), its values checked here so that an error names the file and the key."""
     try:
-        values = tomllib.loads(path.read_text())
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file; pass a TOML file with the presets' keys") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--config {path}: cannot be read ({e})") from None
+    values = _toml_values(text, path, ())
+    check_types({k: v for k, v in values.items() if k != "model"}, get_type_hints(TrainConfig), path,
+                also={"compile": bool})
+    check_types(values["model"], get_type_hints(GPTConfig), path)
+    return values
+
+
+def _toml_values(text: str, where: str, seen: tuple) -> dict:
+    """A preset's or config file's fields, nested, on top of its ``base`` preset's."""
+    try:
+        values = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML ({e})") from e
+        raise ConfigError(f"{where}: not valid TOML ({e})") from e
     base = values.pop("base", None)
+    if base is not None and not isinstance(base, str):
+        raise ConfigError(f"{where}: base must be a preset name (text), got {base!r}")
     table = values.get("model")
     both = sorted(set(values) & set(table)) if isinstance(table, dict) else []
     if both:
-        raise ConfigError(f"{path}: {', '.join(both)} set both as a key and in [model]; keep one")
-    own = nest_model(values, str(path))  # flat keys and a [model] table alike; merged field by field
-    below = preset_values(base, _seen + (name,)) if base else {"model": {}}
+        raise ConfigError(f"{where}: {', '.join(both)} set both as a key and in [model]; keep one")
+    own = nest_model(values, where)  # flat keys and a [model] table alike; merged field by field
+    below = preset_values(base, seen) if base else {"model": {}}
     return {**below, **own, "model": {**below["model"], **own["model"]}}
 
 

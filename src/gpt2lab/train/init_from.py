@@ -43,6 +43,7 @@ class Source:
     config_path: str
     step: Optional[int] = None  # steps the checkpoint had completed
     flag: str = "--init-from"  # how the user named it, for messages
+    verified: bool = False  # a checkpoint whose checksums were checked when it was found
 
     def _fail(self, what: str) -> InitFromError:
         return InitFromError(f"{self.flag} {self.spec}: {what}")
@@ -96,10 +97,14 @@ def _checkpoint_source(spec: str) -> Source:
     if config is not None and "model_type" in config:  # an HF directory, but not a GPT-2 one
         raise InitFromError(f"--init-from {spec}: model_type {config['model_type']!r} is not GPT-2; "
                             "pass a GPT-2 model (model_type gpt2)")
+    verified = False
     if ckpt.has_weights(spec):
         where = spec
-    else:
-        where = ckpt.find_latest(spec)
+    else:  # the run's newest intact checkpoint: the one rule of resume (train.plan.find_resume) too
+        where, verified = ckpt.find_intact(spec), True
+        if where is None and ckpt.find_latest(spec):
+            raise InitFromError(f"--init-from {spec}: every checkpoint of this run is damaged; "
+                                "pass another source")
         if where is None:
             raise InitFromError(f"--init-from {spec}: neither an HF GPT-2 directory (config.json + "
                                 "model.safetensors) nor a run directory with a complete checkpoint "
@@ -118,7 +123,8 @@ def _checkpoint_source(spec: str) -> Source:
     except (KeyError, TypeError, ValueError, RuntimeError, OSError) as e:
         raise InitFromError(f"--init-from {spec}: cannot read the checkpoint {where} ({e}); "
                             "pass another step_* directory") from e
-    return Source(spec, "checkpoint", model_config, weights, os.path.join(where, "config.json"), step)
+    return Source(spec, "checkpoint", model_config, weights, os.path.join(where, "config.json"), step,
+                  verified=verified)
 
 
 def _read_json(path: str) -> Optional[dict]:
@@ -157,13 +163,18 @@ def adapt_config(cfg: TrainConfig) -> TrainConfig:
 
 
 def source_arch(spec: str, explicit: Mapping[str, object], flag: str = "--init-from") -> dict[str, object]:
-    """SRC's ARCH_FIELDS (n_layer ... block_size, the modern block's), checked against the values the user gave.
+    """SRC's ARCH_FIELDS (n_layer ... block_size, the modern block's), checked against the values the user gave."""
+    src = find_source(spec)
+    src.flag = flag
+    return check_arch(src, explicit)
+
+
+def check_arch(src: Source, explicit: Mapping[str, object]) -> dict[str, object]:
+    """``src``'s ARCH_FIELDS, checked against the values the user gave.
 
     Each value in ``explicit`` must agree with SRC, except a smaller block_size (the run
     keeps SRC's first positions); values from elsewhere (a preset's) simply give way.
     """
-    src = find_source(spec)
-    src.flag = flag
     arch = {name: getattr(src.config, name) for name in ARCH_FIELDS}
     for name, theirs in arch.items():
         ours = explicit.get(name, theirs)
@@ -178,23 +189,29 @@ def source_arch(spec: str, explicit: Mapping[str, object], flag: str = "--init-f
     return arch
 
 
-def started_from(resume: str) -> Optional[tuple[str, str]]:
-    """(checkpoint, its --init-from) when ``resume`` (a run or checkpoint dir) began from other weights."""
-    where = resume if ckpt.has_weights(resume) else ckpt.find_latest(resume)
-    config = _read_json(os.path.join(where, "config.json")) if where else None
-    return (where, config["init_from"]) if config and config.get("init_from") else None
+def digest(src: Source) -> str:
+    """sha256 of SRC's weights file, computed once: a checkpoint's from its verified checksums.json."""
+    if src.kind == "checkpoint":
+        where = os.path.dirname(src.weights)
+        if not src.verified:
+            ckpt.verify(where)
+            src.verified = True
+        sums = _read_json(os.path.join(where, ckpt.CHECKSUMS)) or {}
+        name = os.path.basename(src.weights)
+        if name in sums:
+            return str(sums[name])
+    return sha256_file(src.weights)
 
 
-def load_into(model: GPT, spec: str) -> dict:
-    """Copy SRC's weights into ``model`` (already built from the adapted config); return provenance.
+def load_source(model: GPT, src: Source) -> None:
+    """Copy SRC's weights into ``model`` (already built from the adapted config).
 
     Vocabulary rows past SRC's are padding (never sampled, dropped on export): they start
     as the mean of the real rows, whose logit is an average one, so the loss at step 0 is
     within ~0.1% of SRC's. Position rows past the run's block_size are dropped.
     """
-    src = find_source(spec)
     try:
-        loaded = ckpt.load_model(os.path.dirname(src.weights)) if src.kind == "checkpoint" \
+        loaded = ckpt.load_model(os.path.dirname(src.weights), verified=src.verified) if src.kind == "checkpoint" \
             else hf.load_files(src.config_path, src.weights)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise src._fail(f"cannot load its weights ({e}); pass a complete copy") from e
@@ -202,9 +219,15 @@ def load_into(model: GPT, spec: str) -> dict:
     with torch.no_grad():
         for name, p in model.named_parameters():  # the tied lm_head comes once, as wte
             _copy_param(src, name, p, theirs[name])
-    digest = sha256_file(src.weights)
-    ident = f"sha256:{digest}" if src.step is None else f"step {src.step}, sha256:{digest}"
-    return {"source": spec, "kind": src.kind, "weights": os.path.abspath(src.weights), "sha256": digest,
+
+
+def load_into(model: GPT, spec: str) -> dict:
+    """Find SRC, copy its weights into ``model`` and return its provenance (what run_info.json records)."""
+    src = find_source(spec)
+    sha = digest(src)
+    load_source(model, src)
+    ident = f"sha256:{sha}" if src.step is None else f"step {src.step}, sha256:{sha}"
+    return {"source": spec, "kind": src.kind, "weights": os.path.abspath(src.weights), "sha256": sha,
             "step": src.step, "id": ident}
 
 

@@ -17,8 +17,9 @@ import shutil
 import torch
 
 from gpt2lab.model.config import HUB_NAMES
+from gpt2lab.system import rundir
 from gpt2lab.system.errors import DataError, UsageError
-from gpt2lab.system.files import atomic_dir, write_json
+from gpt2lab.system.files import atomic_dir, umask_modes, write_json
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.data.tokenizer import EOT_ID, EOT_TOKEN, asset_path
 
@@ -31,7 +32,7 @@ PDROP = ("embd_pdrop", "attn_pdrop", "resid_pdrop")  # GPTConfig and HF config.j
 HUB_REPOS = {name: f"openai-community/{name}" for name in HUB_NAMES}
 # What an export writes; the marker file tells a directory gpt2lab exported (safe to replace) apart
 # from anything else, such as a run directory or a model fine-tuned in place.
-EXPORT_MARKER = "gpt2lab_export.json"
+EXPORT_MARKER = rundir.EXPORT_MARKER  # the directory's owner mark (system.rundir)
 EXPORT_FILES = ("model.safetensors", "config.json", "generation_config.json", "vocab.json", "merges.txt",
                 "tokenizer_config.json", "special_tokens_map.json", EXPORT_MARKER)
 
@@ -179,9 +180,17 @@ def load_files(config_path: str, weights_path: str) -> GPT:
     try:
         with open(config_path) as f:
             cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise WeightsError(f"{config_path}: not a readable JSON config ({e}); restore the file (download or "
+                           "export the model again)") from e
+    if not isinstance(cfg, dict):
+        raise WeightsError(f"{config_path}: holds {type(cfg).__name__}, not a JSON object; restore the file")
+    try:
         sd = _read_weights(weights_path)
-    except (OSError, ValueError, RuntimeError, KeyError) as e:
-        raise WeightsError(f"cannot read {config_path} / {weights_path}: {e}") from e
+    except Exception as e:  # safetensors' SafetensorError shares no base with OSError/ValueError
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise WeightsError(f"{weights_path}: cannot be read ({why}); the file is damaged or cut short: "
+                           "download or export the model again") from e
     config = config_from_hf(cfg, config_path)
     return build_model(config, from_hf_state_dict(sd, config.tie_embeddings), weights_path)
 
@@ -290,21 +299,20 @@ def save_pretrained(model: GPT, out_dir: str) -> None:
         eot = EOT_ID if model.config.real_vocab_size > EOT_ID else None
         write_json(os.path.join(tmp, "generation_config.json"), {"bos_token_id": eot, "eos_token_id": eot})
         _write_tokenizer(tmp, model.config.block_size)
-        write_json(os.path.join(tmp, EXPORT_MARKER), {"format": "gpt2lab-hf-export", "version": 1,
+        write_json(os.path.join(tmp, EXPORT_MARKER), {"format": rundir.EXPORT_FORMAT, "version": 1,
                                                        "files": list(EXPORT_FILES)})
+        umask_modes(tmp)  # every file as the user's umask says (safetensors writes its own 0600)
 
 
 def _check_export_target(out_dir: str) -> bool:
-    """Whether ``out_dir`` exists and may be replaced; raises if it must not be touched."""
-    if not os.path.lexists(out_dir):
-        return False
-    if not os.path.isdir(out_dir) or os.path.islink(out_dir):
+    """Whether ``out_dir`` exists and may be replaced; raises if it must not be touched (system.rundir's rule)."""
+    found = rundir.inspect(out_dir)
+    if found.kind == "file":
         raise UsageError(f"{out_dir} exists and is not a directory; choose another output path")
-    entries = sorted(os.listdir(out_dir))
-    if not entries:
-        return True
-    if EXPORT_MARKER in entries and set(entries) <= set(EXPORT_FILES):
+    if found.kind in ("missing", "empty"):
+        return found.kind == "empty"
+    if found.kind == rundir.EXPORT and set(found.entries) <= set(EXPORT_FILES):
         return True  # an earlier export: it holds nothing an export does not write again
-    shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
-    raise UsageError(f"{out_dir} is not empty ({len(entries)} entries: {shown}) and is not an earlier "
-                     "gpt2lab export; nothing was written. Choose a new or empty OUT_DIR")
+    raise UsageError(f"{out_dir} is not empty ({len(found.entries)} entries: {found.shown()}) and is not an earlier "
+                     f"gpt2lab export: it holds {rundir.what(found)}; nothing was written. Choose a new or "
+                     "empty OUT_DIR")

@@ -18,6 +18,9 @@ def is_hf_dir(path: str) -> bool:
 
     gpt2lab checkpoints also hold config.json + model.safetensors, so the files alone do
     not tell the two apart; the config's model_type does.
+    A config.json that cannot be read (cut short, not an object) beside a weights file counts
+    as HF when no state.pt is there (every gpt2lab checkpoint has one), so that the loader's
+    error names that config.json instead of calling the directory a damaged checkpoint.
     """
     config = os.path.join(path, "config.json")
     if not os.path.isfile(config) or not any(os.path.isfile(os.path.join(path, f)) for f in WEIGHT_FILES):
@@ -26,7 +29,7 @@ def is_hf_dir(path: str) -> bool:
         with open(config) as f:
             return json.load(f).get("model_type") == "gpt2"
     except (OSError, ValueError, AttributeError):
-        return False
+        return not os.path.exists(os.path.join(path, "state.pt"))
 
 
 def load_model(spec: str, device: Optional[torch.device | str] = None) -> GPT:

@@ -1,0 +1,295 @@
+"""Continuous batching: every active request is a row of one batched decode step.
+
+A row is one prompt of one request; it runs the request's ``n`` samples one after another
+on the prompt's own seeded generator, as ``gpt2lab sample --num-samples n`` does. Between
+steps the worker lets rows join and leave:
+
+* a new row's prompt runs alone, ``prefill_chunk`` tokens per step, into a one-row
+  ``KVCache`` (so a long prompt delays the running streams by one chunk per step, not by the
+  whole prompt); its last logits give its first token, and its keys and values move into a
+  free slot of the shared ``RowsCache``;
+* each step then runs one forward of (rows, 1) tokens over ``RowsCache``: row i at its own
+  position, attending to its own keys only (a per-row mask over the padded length);
+* a row that finishes, is cancelled (its client went away) or times out leaves at once: the
+  last row moves into its slot, so the rows of a step are always slots 0..rows-1 and the
+  cache is read as one slice, never gathered.
+
+Sampling is per row with completion.py's functions: its own generator, temperature, top-k,
+top-p, stop strings and token counts. A row's logits are those of the unbatched model up to
+float rounding (tests/unit/test_serve.py checks them against the one-row forward): a batched
+matmul may round differently, so a seeded request can in rare cases draw another token than
+``gpt2lab sample``; ``--deterministic`` (engine.TurnsWorker) keeps exact equality.
+"""
+from __future__ import annotations
+
+import collections
+import queue
+import time
+from typing import Optional
+
+import torch
+
+from gpt2lab.inference.completion import TokenText, seeded_generator
+from gpt2lab.distributed.dist import autocast
+from gpt2lab.inference.generate import sample_next
+from gpt2lab.model.gpt import KVCache
+from gpt2lab.serve.engine import Finish, Job, StopFilter, Text, Worker
+from gpt2lab.data.tokenizer import EOT_ID
+
+
+class RowsCache:
+    """Keys and values of the rows of a batch, each row at its own length.
+
+    Buffers are (slots, heads, positions, head size) per layer, grown on demand (positions
+    doubling up to the model's block) and freed when no row is left. Between ``view(rows)``
+    and the forward's ``advance``, the model sees slots 0..rows-1 through the KVCache
+    interface: ``pos`` is the longest row (for the block check), ``positions`` and ``mask``
+    are per row.
+    """
+
+    def __init__(self, n_layer: int, max_len: int) -> None:
+        self.n_layer, self.max_len = n_layer, max_len
+        self.k: list[Optional[torch.Tensor]] = [None] * n_layer
+        self.v: list[Optional[torch.Tensor]] = [None] * n_layer
+        self.lengths: list[int] = []  # positions filled, per slot in use
+        self.rows = 0
+        self.pos = 0
+        self._lengths: Optional[torch.Tensor] = None  # lengths of the viewed rows, on the device
+
+    def _room(self, slots: int, positions: int, like: torch.Tensor) -> None:
+        """Make the buffers hold at least ``slots`` rows of ``positions`` each."""
+        have = self.k[0]
+        if have is not None and have.shape[0] >= slots and have.shape[2] >= positions:
+            return
+        S = max(slots, have.shape[0] if have is not None else 0)
+        L = min(self.max_len, max(positions, 2 * (have.shape[2] if have is not None else 32)))
+        for bufs in (self.k, self.v):
+            for layer, old in enumerate(bufs):
+                new = like.new_zeros(S, like.shape[1], L, like.shape[3])
+                if old is not None:
+                    new[:old.shape[0], :, :old.shape[2]] = old
+                bufs[layer] = new
+
+    def put(self, slot: int, cache: KVCache, capacity: int) -> None:
+        """Copy the one-row ``cache`` into ``slot`` (the next free one), with room for ``capacity`` slots."""
+        assert slot == len(self.lengths), "rows join at the end"
+        n = cache.pos
+        self._room(capacity, n + 1, cache.k[0])
+        for mine, theirs in ((self.k, cache.k), (self.v, cache.v)):
+            for layer in range(self.n_layer):
+                mine[layer][slot, :, :n] = theirs[layer][0, :, :n]
+        self.lengths.append(n)
+
+    def remove(self, slot: int) -> None:
+        """Free ``slot``: the last row moves into it."""
+        last = len(self.lengths) - 1
+        if slot != last:
+            n = self.lengths[last]
+            for bufs in (self.k, self.v):
+                for buf in bufs:
+                    buf[slot, :, :n] = buf[last, :, :n]
+            self.lengths[slot] = n
+        self.lengths.pop()
+        if not self.lengths:  # idle: give the memory back
+            self.k, self.v = [None] * self.n_layer, [None] * self.n_layer
+
+    def view(self, device: torch.device) -> "RowsCache":
+        """Ready a forward over every row in use (one new token each)."""
+        self.rows, self.pos = len(self.lengths), max(self.lengths)
+        self._room(self.rows, self.pos + 1, self.k[0])
+        self._lengths = torch.tensor(self.lengths, dtype=torch.long, device=device)
+        return self
+
+    # The KVCache interface the model calls (one token per row).
+    def positions(self, T: int, device: torch.device) -> torch.Tensor:
+        assert T == 1, "rows decode one token per step"
+        return self._lengths[:, None]  # (rows, 1)
+
+    def mask(self, T: int, device: torch.device) -> Optional[torch.Tensor]:
+        """(rows, 1, 1, longest + 1): row i sees its own positions 0..lengths[i] only (None when
+        every row has the same length: then every key is its own)."""
+        if min(self.lengths) == self.pos:
+            return None
+        keys = torch.arange(self.pos + 1, device=device)
+        return (keys[None, :] <= self._lengths[:, None])[:, None, None, :]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.arange(self.rows, device=k.device)
+        self.k[layer][rows, :, self._lengths] = k[:, :, 0]  # (rows, heads, head size) at each row's position
+        self.v[layer][rows, :, self._lengths] = v[:, :, 0]
+        return self.k[layer][:self.rows, :, :self.pos + 1], self.v[layer][:self.rows, :, :self.pos + 1]
+
+    def advance(self, T: int) -> None:
+        self.lengths = [n + T for n in self.lengths]
+
+
+class Row:
+    """One prompt of one request: its ``n`` samples in turn on one seeded generator."""
+
+    def __init__(self, job: Job, p: int, generator: torch.Generator) -> None:
+        self.job, self.p, self.generator = job, p, generator
+        self.ids = job.request.prompts[p]
+        self.sample = -1
+        self.next_sample()
+
+    def next_sample(self) -> None:
+        r = self.job.request
+        self.sample += 1
+        self.index = self.p * r.n + self.sample
+        self.tokens = 0
+        self.stop, self.text = StopFilter(r.stops), TokenText()
+        self.cache: Optional[KVCache] = None  # the prompt's, while it is being run
+        self.last: Optional[int] = None  # the token to feed next
+        if r.echo:
+            self.job.send(Text(self.index, r.echo[self.p]))
+
+
+class BatchWorker(Worker):
+    """The default worker: continuous batching (see the module's docstring)."""
+
+    def _run(self) -> None:
+        with torch.inference_mode():  # the cache's buffers are inference tensors: every update in it
+            self._loop()
+
+    def _loop(self) -> None:
+        self.cache = RowsCache(self.model.config.n_layer, self.block_size)
+        self.waiting: collections.deque[Job] = collections.deque()  # not yet started
+        self.prefill: collections.deque[Row] = collections.deque()  # prompt not yet run
+        self.decoding: list[Row] = []  # row i is slot i of self.cache
+        self.rows_left: dict[int, int] = {}  # id(job) -> rows not finished
+        while True:
+            try:  # wait only when idle; otherwise pick up new requests between steps
+                while True:
+                    job = self._new.get(block=not (self.waiting or self.prefill or self.decoding))
+                    if job is None:
+                        return
+                    self.waiting.append(job)
+            except queue.Empty:
+                pass
+            self._drop_ended(time.monotonic())
+            self._admit()
+            try:
+                with autocast(self.device, self.dtype):
+                    if self.prefill and len(self.decoding) < self.limits.max_batch:
+                        self._prefill_step(self.prefill[0])
+                    if self.decoding:
+                        self._decode_step()
+            except Exception as e:  # a failed forward: its rows' requests get the error, the worker goes on
+                for job in {id(r.job): r.job for r in [*self.prefill, *self.decoding]}.values():
+                    self._end_job(job, e)
+            self._rows = len(self.decoding) + len(self.prefill)
+
+    def _admit(self) -> None:
+        """Start waiting requests while the batch has a free row; their rows queue for prefill."""
+        while self.waiting and len(self.decoding) + len(self.prefill) < self.limits.max_batch:
+            job = self.waiting.popleft()
+            self._started(job)
+            r = job.request
+            if r.sampling.max_new_tokens == 0:  # nothing to sample: each choice ends at once
+                for i in range(len(r.prompts) * r.n):
+                    if r.echo:
+                        job.send(Text(i, r.echo[i // r.n]))
+                    job.send(Finish(i, "length", 0))
+                job.send(None)
+                continue
+            self.rows_left[id(job)] = len(r.prompts)
+            # each prompt gets a generator seeded with its seed, as in completion_events
+            self.prefill.extend(Row(job, p, seeded_generator(self.device, r.seeds[p])) for p in range(len(r.prompts)))
+
+    def _drop_ended(self, now: float) -> None:
+        """Requests whose client went away or whose time is up leave before the next step."""
+        for job in [j for j in self.waiting if j.cancelled or j.expired(now)]:
+            self.waiting.remove(job)
+            self._started(job)
+            self._end_early(job)
+        ended = {id(r.job): r.job for r in [*self.prefill, *self.decoding] if r.job.cancelled or r.job.expired(now)}
+        for job in ended.values():
+            self._remove_rows(job)
+            self.rows_left.pop(id(job), None)
+            self._end_early(job)
+
+    def _end_job(self, job: Job, error: BaseException) -> None:
+        self._remove_rows(job)
+        if self.rows_left.pop(id(job), None) is not None:
+            job.fail(error)
+
+    def _remove_rows(self, job: Job) -> None:
+        self.prefill = collections.deque(r for r in self.prefill if r.job is not job)
+        for slot in reversed(range(len(self.decoding))):
+            if self.decoding[slot].job is job:
+                self._leave(slot)
+
+    def _leave(self, slot: int) -> None:
+        self.cache.remove(slot)
+        self.decoding[slot] = self.decoding[-1]
+        self.decoding.pop()
+
+    def _prefill_step(self, row: Row) -> None:
+        """Run the next chunk of ``row``'s prompt; at its end, sample the first token and join the batch."""
+        if row.cache is None:
+            row.cache = self.model.new_kv_cache(min(self.block_size, len(row.ids) + row.job.request.sampling.max_new_tokens))
+        start = row.cache.pos
+        chunk = row.ids[start:start + self.limits.prefill_chunk]
+        idx = torch.tensor([chunk], dtype=torch.long, device=self.device)
+        logits, _ = self.model(idx, kv_cache=row.cache, last_only=True)
+        if row.cache.pos < len(row.ids):
+            return  # more of the prompt next step
+        t = self._sample(row, logits[:, -1])  # while the row is in prefill, so that an error fails its request
+        self.prefill.popleft()
+        if self._sampled(row, t):
+            self.cache.put(len(self.decoding), row.cache, self.limits.max_batch)
+            self.decoding.append(row)
+        row.cache = None
+
+    def _decode_step(self) -> None:
+        rows = self.decoding
+        self.metrics.batch_size.labels(self.name).observe(len(rows))
+        idx = torch.tensor([[r.last] for r in rows], dtype=torch.long, device=self.device)
+        logits, _ = self.model(idx, kv_cache=self.cache.view(self.device), last_only=True)
+        going = [self._sampled(r, self._sample(r, logits[i:i + 1, -1])) for i, r in enumerate(rows)]
+        for slot in reversed(range(len(rows))):
+            if not going[slot]:
+                self._leave(slot)
+
+    def _sample(self, row: Row, logits: torch.Tensor) -> int:
+        """The next token of ``row`` from its logits (1, vocab), as generate_stream draws it."""
+        s = row.job.request.sampling
+        logits = logits[:, :self.model.config.real_vocab_size]  # padded vocabulary rows are never sampled
+        return int(sample_next(logits, s.temperature, **s.filters(), generator=row.generator))
+
+    def _sampled(self, row: Row, t: int) -> bool:
+        """Send what token ``t`` adds to ``row``'s text; False once this sample ended (the row
+        then leaves the batch: for good, or to run its prompt again for its next sample)."""
+        s = row.job.request.sampling
+        if not (s.stop_at_eot and t == EOT_ID):
+            row.tokens += 1
+            self._token(row.job, row.index)
+            text, hit = row.stop.feed(row.text.feed(t))
+            row.job.send(Text(row.index, text, True))
+            if not hit and row.tokens < s.max_new_tokens:
+                row.last = t
+                return True
+            if hit:
+                row.job.send(Finish(row.index, "stop", row.tokens))
+                self._sample_done(row)
+                return False
+        text, hit = row.stop.feed(row.text.flush())  # as completion_events ends a sample
+        if text:
+            row.job.send(Text(row.index, text))
+        if not hit:
+            row.job.send(Text(row.index, row.stop.flush()))
+        reason = "length" if not hit and row.tokens == s.max_new_tokens else "stop"
+        row.job.send(Finish(row.index, reason, row.tokens))
+        self._sample_done(row)
+        return False
+
+    def _sample_done(self, row: Row) -> None:
+        job = row.job
+        if row.sample + 1 < job.request.n:
+            row.next_sample()
+            self.prefill.appendleft(row)  # its next sample runs the prompt again, before newcomers
+            return
+        self.rows_left[id(job)] -= 1
+        if self.rows_left[id(job)] == 0:
+            del self.rows_left[id(job)]
+            job.send(None)

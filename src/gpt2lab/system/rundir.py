@@ -1,0 +1,283 @@
+"""Whose directory is it: the one rule of every command that writes a directory, and the run lock.
+
+A directory is gpt2lab's when it holds gpt2lab's own marker, written first and atomically:
+
+  run      ``run_info.json`` with ``"format": "gpt2lab-run"`` (``gpt2lab train``; runs written
+           before the tag are known by their run_info.json / config.json)
+  export   ``gpt2lab_export.json`` (``gpt2lab export``, an HF GPT-2 directory)
+  data     ``manifest.json`` of ``gpt2lab prepare`` (token shards)
+
+``check(path, kind)`` lets a command write only into a missing or empty directory or one of
+its own kind; anything else is refused before a byte is written, in one line naming what was
+found (an export, prepared data, an HF model, someone's files) and what to do (UsageError,
+exit 2). Nothing is ever deleted that the command did not create.
+
+A run directory is also locked while a run writes it: ``claim`` takes an OS advisory lock
+(``fcntl.flock``) on ``run.lock`` inside it and holds it for the life of the process; the
+kernel drops it when the process ends, however it ends (kill -9 included), so no lock is ever
+stale. The file holds the holder's pid, host and start time, read by whoever finds it locked:
+a second ``train`` refuses at once naming them, ``report``/``plot``/``sample`` say the run is
+live (``holder``) and only read.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+from gpt2lab.system.errors import UsageError
+from gpt2lab.system.files import tmp_name, write_json
+
+RUN, EXPORT, DATA = "run", "export", "data"
+RUN_MARKER, RUN_FORMAT = "run_info.json", "gpt2lab-run"
+EXPORT_MARKER, EXPORT_FORMAT = "gpt2lab_export.json", "gpt2lab-hf-export"
+DATA_MARKER, DATA_FORMAT = "manifest.json", "gpt2lab-token-shards"
+LOCK_FILE = "run.lock"
+_MARKERS = {RUN: RUN_MARKER, EXPORT: EXPORT_MARKER, DATA: DATA_MARKER}
+_WHAT = {RUN: "a gpt2lab run (run_info.json)", EXPORT: "a gpt2lab export (gpt2lab_export.json, written by "
+         "`gpt2lab export`)", DATA: "prepared token shards (manifest.json of `gpt2lab prepare`)"}
+# How long `claim` retries a lock that is busy: a reader's probe (``holder``) holds it for microseconds.
+_LOCK_RETRY_S = 0.5
+
+
+class DirectoryError(UsageError):
+    """A directory a command may not write into (someone else's, or another kind), or a locked run."""
+
+
+@dataclass(frozen=True)
+class Found:
+    kind: str                 # "missing", "empty", "file", RUN, EXPORT, DATA, "hf_model" or "foreign"
+    entries: tuple[str, ...]  # the directory's names, sorted
+
+    def shown(self, n: int = 4) -> str:
+        return ", ".join(self.entries[:n]) + (", ..." if len(self.entries) > n else "")
+
+
+def _read_json(path: str) -> Optional[dict]:
+    try:
+        with open(path) as fh:
+            value = json.load(fh)
+        return value if isinstance(value, dict) else None
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def inspect(path: str) -> Found:
+    """What ``path`` is: missing, empty, a file, one of gpt2lab's kinds, an HF model or someone's."""
+    if not os.path.lexists(path):
+        return Found("missing", ())
+    if not os.path.isdir(path) or os.path.islink(path):
+        return Found("file", ())
+    entries = tuple(sorted(os.listdir(path)))
+    if not entries:
+        return Found("empty", ())
+    info = _read_json(os.path.join(path, RUN_MARKER)) if RUN_MARKER in entries else None
+    if info is not None and (info.get("format") == RUN_FORMAT or {"world_size", "torch"} <= set(info)):
+        return Found(RUN, entries)  # an untagged run_info.json: a run from before the format tag
+    if EXPORT_MARKER in entries:
+        return Found(EXPORT, entries)
+    manifest = _read_json(os.path.join(path, DATA_MARKER)) if DATA_MARKER in entries else None
+    if manifest is not None and (manifest.get("format") == DATA_FORMAT or "shards" in manifest):
+        return Found(DATA, entries)
+    config = _read_json(os.path.join(path, "config.json")) if "config.json" in entries else None
+    if config is not None and {"max_steps", "micro_batch_size"} <= set(config):
+        return Found(RUN, entries)  # a run killed before it wrote run_info.json (older versions)
+    if "checkpoints" in entries and _has_run_checkpoint(os.path.join(path, "checkpoints")):
+        return Found(RUN, entries)  # a run's checkpoints alone (copied, or of an older version)
+    if config is not None and "model_type" in config:
+        return Found("hf_model", entries)
+    return Found("foreign", entries)
+
+
+def what(found: Found) -> str:
+    """What was found, for a message: "a gpt2lab export (...)", "files that gpt2lab did not write (...)"."""
+    if found.kind in _WHAT:
+        return _WHAT[found.kind]
+    if found.kind == "hf_model":
+        return "a Hugging Face model directory (config.json with model_type), not written by gpt2lab"
+    return f"files that gpt2lab did not write ({len(found.entries)} entries: {found.shown()})"
+
+
+def _has_run_checkpoint(folder: str) -> bool:
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith("step_")]
+    except OSError:
+        return False
+    for name in names:
+        config = _read_json(os.path.join(folder, name, "config.json"))
+        if config is not None and {"max_steps", "micro_batch_size"} <= set(config):
+            return True
+    return False
+
+
+def refusal(path: str, found: Found, flag: str, what_next: str) -> DirectoryError:
+    """The one-line refusal of writing into ``path`` after finding ``found`` there."""
+    if found.kind == "file":
+        return DirectoryError(f"{flag} {path}: exists and is not a directory; nothing was written; {what_next}")
+    return DirectoryError(f"{flag} {path}: holds {what(found)}; nothing was written there; {what_next}")
+
+
+def check(path: str, want: str, flag: str, what_next: str,
+          tolerate: Optional[Callable[[Found], bool]] = None) -> Found:
+    """Return what ``path`` is when a command making a ``want`` directory may write there, else raise.
+
+    Allowed: a missing or empty directory, or one of kind ``want``; ``tolerate(found)`` may
+    allow more (prepare writes beside files that are not shards, as it always has).
+    """
+    found = inspect(path)
+    if found.kind in ("missing", "empty", want) or (tolerate is not None and tolerate(found)):
+        return found
+    raise refusal(path, found, flag, what_next)
+
+
+def run_marker() -> dict:
+    return {"format": RUN_FORMAT, "version": 1}
+
+
+def _create_marker(path: str) -> None:
+    """Write the run marker unless one is there (never replacing another process's)."""
+    final = os.path.join(path, RUN_MARKER)
+    if os.path.exists(final):
+        return
+    tmp = tmp_name(final) + ".marker"
+    write_json(tmp, run_marker())
+    try:
+        os.link(tmp, final)  # atomic, and fails if another process's marker got there first
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+
+
+# -- the lock --------------------------------------------------------------------------------
+def holder(path: str) -> Optional[dict]:
+    """Who holds the run's lock ({"pid", "host", "started"}), or None when no live run holds it.
+
+    Probes with a shared lock that is dropped at once: it never blocks and never writes.
+    """
+    import fcntl
+
+    try:
+        fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            return _holder_info(fd)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _holder_info(fd: int) -> dict:
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        info = json.loads(os.read(fd, 4096).decode() or "{}")
+        if isinstance(info, dict):
+            return {"pid": info.get("pid"), "host": info.get("host"), "started": info.get("started")}
+    except (OSError, ValueError, UnicodeDecodeError):
+        pass
+    return {"pid": None, "host": None, "started": None}
+
+
+def describe(who: dict) -> str:
+    started = who.get("started")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else "?"
+    return f"pid {who.get('pid', '?')} on {who.get('host', '?')}, started {when}"
+
+
+def live_note(path: str) -> Optional[str]:
+    """A line for readers of a live run (report, plot, sample), or None when no run holds it.
+
+    ``path`` is a run directory or one of its checkpoints (``RUN/checkpoints/step_N``).
+    """
+    for run in (path, os.path.dirname(os.path.dirname(os.path.abspath(path)))):
+        who = holder(run)
+        if who is not None:
+            return f"{run} is a live run ({describe(who)}): reading what it has written so far"
+    return None
+
+
+@contextlib.contextmanager
+def lock(path: str) -> Iterator[None]:
+    """Hold ``path``'s run lock until the block ends (or the process does); raise if another holds it."""
+    import fcntl
+
+    fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + _LOCK_RETRY_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as e:
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise
+                if time.monotonic() > deadline:
+                    raise DirectoryError(f"{path} is in use by another run ({describe(_holder_info(fd))}); "
+                                         "wait for it to end or stop it (it saves a checkpoint on SIGTERM), "
+                                         "or train into another --out") from None
+                time.sleep(0.05)
+        # the lock file is the lock itself, so it is rewritten in place (a rename would make a new,
+        # unlocked file); readers only read it while it is held, and tolerate a partial line
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                  "started": round(time.time(), 3)}).encode() + b"\n", 0)
+        yield
+    finally:
+        os.close(fd)  # drops the lock (the kernel does the same when the process dies)
+
+
+@contextlib.contextmanager
+def claim(path: str, flag: str = "--out", what_next: str = "choose a new or empty --out") -> Iterator[None]:
+    """For ``train``: check ``path`` (missing, empty or a run), mark it as a run, hold its lock.
+
+    A directory this call created and in which nothing but the marker and the lock was
+    written (the start failed before the run did anything) is removed again on the way out.
+    """
+    check(path, RUN, flag, what_next)
+    created = not os.path.exists(path)
+    top = os.path.abspath(path)  # the outermost folder this call creates (parents of a new --out too)
+    while not os.path.exists(os.path.dirname(top)):
+        top = os.path.dirname(top)
+    os.makedirs(path, exist_ok=True)
+    try:
+        _create_marker(path)
+        with lock(path):
+            try:
+                yield
+            finally:
+                if created:  # while still holding the lock: no other run can be starting there
+                    _remove_if_untouched(path, top)
+    except BaseException:
+        if created:
+            _remove_if_untouched(path, top)
+        raise
+
+
+def _remove_if_untouched(path: str, top: str) -> None:
+    """Remove the run directory (and the empty parents up to ``top``) if nothing but the marker was written."""
+    try:
+        if set(os.listdir(path)) <= {RUN_MARKER, LOCK_FILE}:
+            info = _read_json(os.path.join(path, RUN_MARKER))
+            if info is None or set(info) <= set(run_marker()):  # only the bare marker: no run wrote it
+                for name in (RUN_MARKER, LOCK_FILE):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(path, name))
+                os.rmdir(path)
+                where = os.path.dirname(os.path.abspath(path))
+                while len(where) >= len(top) and not os.listdir(where):
+                    os.rmdir(where)
+                    where = os.path.dirname(where)
+    except OSError:
+        pass

@@ -1,0 +1,85 @@
+"""Periodic evaluation during training: validation loss, HellaSwag, a text sample, the plot.
+
+Every rank calls ``Evaluator.__call__`` at the start of each step (and once at the end);
+what is due at that step runs on every rank (the losses are averaged over ranks, FSDP's
+shards are gathered once), rank 0 alone logs, generates the sample and draws the plot.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from gpt2lab.distributed import parallel
+from gpt2lab.distributed.dist import DistInfo, autocast
+from gpt2lab.inference.generate import generate
+from gpt2lab.observe.metrics import MetricsLogger
+from gpt2lab.train.config import TrainConfig
+
+
+def due(interval: int, step: int, final: int) -> bool:
+    """Whether something run every ``interval`` steps (0: never) is due at ``step`` (always at ``final``)."""
+    return interval > 0 and (step % interval == 0 or step == final)
+
+
+class Evaluator:
+    """What runs between steps; ``raw`` is the GPT (sharded in place under FSDP), ``model`` what evaluates."""
+
+    def __init__(self, cfg: TrainConfig, info: DistInfo, raw: torch.nn.Module, model: torch.nn.Module,
+                 dtype: str) -> None:
+        self.cfg, self.info, self.raw, self.model, self.dtype = cfg, info, raw, model, dtype
+        self.device = info.device
+
+    def __call__(self, step: int, log: MetricsLogger) -> None:
+        cfg = self.cfg
+        if due(cfg.eval_interval, step, cfg.max_steps):
+            log.log({"step": step, "val_loss": self.val_loss()})
+        if due(cfg.hellaswag_interval, step, cfg.max_steps):
+            from gpt2lab.evals.hellaswag import evaluate_hellaswag
+
+            with parallel.gathered(self.raw):  # FSDP: ranks score different numbers of batches
+                res = evaluate_hellaswag(self.model, cfg.hellaswag_data, device=self.device, dtype=self.dtype,
+                                         batch_size=cfg.micro_batch_size, limit=cfg.hellaswag_limit,
+                                         rank=self.info.rank, world_size=self.info.world_size)
+            log.log({"step": step, "hellaswag_acc": res["acc"], "hellaswag_acc_norm": res["acc_norm"],
+                     "hellaswag_n": res["n"]})
+        if due(cfg.sample_interval, step, cfg.max_steps):
+            with parallel.gathered(self.raw):  # FSDP: every rank gathers; rank 0 alone generates
+                text = self.sample() if self.info.is_main else None
+            if text is not None:
+                log.log({"step": step, "sample": text})
+        if self.info.is_main and (due(cfg.eval_interval, step, cfg.max_steps)
+                                  or due(cfg.hellaswag_interval, step, cfg.max_steps)):
+            plot(cfg.out)
+
+    def val_loss(self) -> float:
+        from gpt2lab.evals.loss import evaluate_loss
+
+        with parallel.gathered(self.raw):  # FSDP: one all-gather, not one per block and batch
+            return evaluate_loss(self.model, self.cfg.data, tokens=self.cfg.eval_tokens,
+                                 batch_size=self.cfg.micro_batch_size, seq_len=self.cfg.seq_len,
+                                 device=self.device, dtype=self.dtype, rank=self.info.rank,
+                                 world_size=self.info.world_size)
+
+    @torch.no_grad()
+    def sample(self) -> str:
+        """A continuation of the fixed prompt (uncompiled model: generation has varying shapes)."""
+        from gpt2lab.data.tokenizer import EOT_ID, get_tokenizer
+
+        enc = get_tokenizer()
+        idx = torch.tensor([enc.encode(self.cfg.sample_prompt, allowed_special="all")], device=self.device)
+        gen = torch.Generator(device=self.device).manual_seed(42)  # own generator: training RNG untouched
+        self.raw.eval()
+        # eager: under FSDP the blocks are compiled in place, and generation has varying shapes
+        with autocast(self.device, self.dtype), torch.compiler.set_stance("force_eager"):
+            out = generate(self.raw, idx, self.cfg.sample_tokens, top_k=50, generator=gen, stop_token=EOT_ID)
+        self.raw.train()
+        return enc.decode([t for t in out[0].tolist() if t != EOT_ID])
+
+
+def plot(run_dir: str) -> None:
+    try:
+        from gpt2lab.observe.plot import plot_runs
+    except ImportError:  # matplotlib (the plot extra) not installed: plots are optional
+        return
+    plot_runs([run_dir], os.path.join(run_dir, "plot.png"))

@@ -1,0 +1,356 @@
+"""The run plan: every start-up decision of ``gpt2lab train``, made once.
+
+``make_plan(request, facts)`` is a pure function of what the user asked for (preset values,
+flags, ``--resume``) and the machine's facts (device, its bf16 and compiler, the number of
+processes, one device's memory). It decides, each with its reason where there is one:
+
+- the checkpoint to resume: one rule, the newest intact one (``find_resume``); the run's
+  architecture comes from that same checkpoint when it began from other weights;
+- the ``--init-from`` source, found once and hashed once (``InitFrom``);
+- the final ``TrainConfig`` (the source's architecture, its provenance);
+- dtype and compile (``system.runtime``), strategy (``distributed.parallel.choose_strategy``
+  with DDP's memory from ``distributed.memplan``), the loss path (``choose_loss``);
+- accumulation steps, peak FLOP/s for MFU, the predicted memory per rank.
+
+Under torchrun, rank 0 makes the plan and hands it to the others in one broadcast
+(``train.run``); the Trainer builds from it and decides nothing. The plan is printed at
+start, written to ``run_info.json`` and is all that ``gpt2lab train --dry-run`` shows.
+
+``detect_facts`` reads the facts of this machine; ``GPT2LAB_FAKE_FACTS=FILE.json`` replaces
+them (for ``--dry-run`` only) to see the plan of a machine one does not have, e.g.
+``{"device_type": "cuda", "device_name": "NVIDIA H100 80GB HBM3", "cuda_bf16": true,
+"world_size": 8, "device_gib": 79.1}``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional
+
+from gpt2lab.checkpoint import store as ckpt
+from gpt2lab.distributed import memplan, parallel
+from gpt2lab.model.loss import used_for
+from gpt2lab.system import hardware, runtime
+from gpt2lab.system.errors import CheckpointError, ConfigError
+from gpt2lab.system.runtime import Choice
+from gpt2lab.train import init_from
+from gpt2lab.train.config import TrainConfig
+
+FAKE_FACTS_ENV = "GPT2LAB_FAKE_FACTS"
+PLAN_VERSION = 1
+
+
+# -- the inputs ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Facts:
+    """What the plan depends on about the machine (``detect_facts``, or made up in tests)."""
+    device: runtime.Facts                  # device type and name, CPU flags, bf16, compiler, probe
+    world_size: int = 1                    # processes of the run (torchrun's WORLD_SIZE)
+    device_bytes: Optional[int] = None     # memory of one accelerator; None for a CPU (shared RAM)
+    faked: Optional[str] = None            # the GPT2LAB_FAKE_FACTS file these came from
+
+    def describe(self) -> str:
+        d = self.device
+        mem = f", {self.device_bytes / 2**30:.1f} GiB each" if self.device_bytes else ""
+        return (f"{d.device_type} x {self.world_size} ({d.device_name or 'unknown'}{mem})"
+                + (f" [faked by {FAKE_FACTS_ENV}={self.faked}]" if self.faked else ""))
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the user asked for: preset values with the flags over them, not yet validated."""
+    values: Mapping[str, object]
+    explicit: Mapping[str, object] = field(default_factory=dict)  # architecture values the user gave himself
+    resume: Optional[str] = None           # None, "auto" or a run/checkpoint directory
+    source: str = "config"                 # for messages: "preset 'x' with overrides"
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, resume: Optional[str] = None) -> "Request":
+        """A TrainConfig as a request: every architecture value counts as given (adapt_config's rule)."""
+        explicit = {name: getattr(cfg.model, name) for name in init_from.ARCH_FIELDS}
+        return cls(cfg.to_dict(), explicit, resume)
+
+    @property
+    def out(self) -> str:
+        return str(self.values.get("out", TrainConfig.__dataclass_fields__["out"].default))
+
+
+@dataclass(frozen=True)
+class InitFrom:
+    """The resolved --init-from source and its provenance (hashed once, here)."""
+    source: init_from.Source
+    sha256: str
+
+    @property
+    def id(self) -> str:
+        s = self.source
+        return f"sha256:{self.sha256}" if s.step is None else f"step {s.step}, sha256:{self.sha256}"
+
+    def record(self) -> dict:
+        s = self.source
+        return {"source": s.spec, "kind": s.kind, "weights": os.path.abspath(s.weights), "sha256": self.sha256,
+                "step": s.step, "id": self.id}
+
+
+# -- the plan --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RunPlan:
+    config: TrainConfig                    # final: the architecture and provenance filled in
+    facts: Facts
+    resume: Optional[str]                  # the checkpoint to continue from (checksums verified)
+    skipped: tuple[str, ...]               # damaged checkpoints passed over, one line each
+    init: Optional[InitFrom]               # --init-from of a fresh run (None when resuming)
+    dtype: Choice
+    compile: Choice
+    strategy: Choice
+    loss: Choice                           # value "chunked" or "fused"
+    peak_flops: Choice                     # value: FLOP/s per device, or None
+    accum: int                             # micro-steps per optimizer step
+    params: int                            # parameters of the model (before LoRA)
+    memory: Optional[dict]                 # memplan's prediction per rank, MiB by term
+    ns_dtype: Optional[Choice] = None      # Muon's Newton-Schulz dtype (None: the run has no Muon)
+
+    @property
+    def choices(self) -> runtime.Resolved:
+        return runtime.Resolved(self.dtype, self.compile, self.facts.device, self.ns_dtype)
+
+    @property
+    def init_record(self) -> Optional[dict]:
+        """run_info.json's "init_from": this run's source, or the one a resumed run began from."""
+        if self.init is not None:
+            return self.init.record()
+        c = self.config
+        return {"source": c.init_from, "id": c.init_from_id} if c.init_from_id else None
+
+    def record(self) -> dict:
+        """run_info.json's "plan" entry (plain JSON)."""
+        c = self.config
+        choice = lambda ch: {"value": ch.value, "reason": ch.reason,  # noqa: E731
+                             **({"warning": ch.warning} if ch.warning else {})}
+        return {"version": PLAN_VERSION, "facts": {**self.choices.record(), "world_size": self.facts.world_size,
+                                                   "device_bytes": self.facts.device_bytes,
+                                                   "faked": self.facts.faked},
+                "resume": self.resume, "skipped_checkpoints": list(self.skipped), "init_from": self.init_record,
+                "dtype": choice(self.dtype), "compile": choice(self.compile), "strategy": choice(self.strategy),
+                "loss": choice(self.loss), "peak_flops": choice(self.peak_flops),
+                "muon_ns_dtype": choice(self.ns_dtype) if self.ns_dtype else None,
+                "activation_checkpointing": c.activation_checkpointing, "grad_accum_steps": self.accum,
+                "params": self.params, "memory_mib": self.memory, "config": c.to_dict()}
+
+    def lines(self) -> list[str]:
+        """What start-up prints (and --dry-run shows), one decision a line."""
+        c, m = self.config, self.config.model
+        on = lambda v: "on" if v else "off"  # noqa: E731
+        mem = "no prediction for this device"
+        if self.memory:
+            have = f" of the device's {self.facts.device_bytes / 2**30:.1f} GiB" if self.facts.device_bytes else ""
+            mem = f"{self.memory['total'] / 1024:.2f} GiB per rank predicted{have} (peak at {self.memory['phase']})"
+        peak = self.peak_flops.value
+        out = [f"out       {c.out}" + (f" (resume from {self.resume})" if self.resume else " (new run)"),
+               f"machine   {self.facts.describe()}",
+               f"model     {m.n_layer} layers, {m.n_head} heads, {m.n_embd} wide, block {m.block_size}, "
+               f"{self.params:,} params" + (f", LoRA rank {c.lora_rank} on {c.lora_targets}" if c.lora_rank else "")]
+        out += [f"skipped   {line}" for line in self.skipped]
+        if self.init_record:
+            r = self.init_record
+            out.append(f"init from {r['source']} ({r.get('kind', 'recorded by the run')}, {r['id']})")
+        out += [f"dtype     {self.dtype.value} ({self.dtype.reason})",
+                f"compile   {on(self.compile.value)} ({self.compile.reason})",
+                f"strategy  {self.strategy.value} ({self.strategy.reason})"
+                + ("; activation checkpointing on" if c.activation_checkpointing else ""),
+                f"loss      {self.loss.value} ({self.loss.reason})",
+                f"optimizer {c.optimizer}, {c.lr_schedule} schedule"
+                + (f"; Newton-Schulz in {self.ns_dtype.value} ({self.ns_dtype.reason})" if self.ns_dtype else ""),
+                f"batch     {c.total_batch_tokens:,} tokens/step = micro-batch {c.micro_batch_size} x seq "
+                f"{c.seq_len} x {self.facts.world_size} process(es) x {self.accum} micro-steps; "
+                f"steps to {c.max_steps}",
+                "peak      " + (f"{peak / 1e12:.0f} TFLOP/s per device ({self.peak_flops.reason})" if peak
+                                 else f"unknown ({self.peak_flops.reason}); no MFU"),
+                f"memory    {mem}"]
+        out += [f"warning: {ch.warning}" for ch in (self.dtype, self.compile) if ch.warning]
+        return out
+
+
+# -- the decisions: pure functions of (request, facts) ---------------------------------------
+def find_resume(out: str, resume: Optional[str], report: Callable[[str], None] = lambda line: None) -> Optional[str]:
+    """The checkpoint a run continues from: the newest intact one (checksums verified here).
+
+    ``resume`` None: none, and a run directory that already has checkpoints is refused;
+    "auto": the newest intact checkpoint of ``out`` (None if it has none); a run directory:
+    its newest intact one; a checkpoint directory: that one, which must be intact.
+    ``report`` hears of each damaged checkpoint passed over.
+    """
+    if resume is None:
+        if ckpt.find_latest(out):
+            raise ConfigError(f"{out} already has checkpoints; continue it with --resume auto "
+                              "or choose another --out")
+        return None
+    if ckpt.has_weights(resume):
+        ckpt.verify(resume)
+        return resume
+    run_dir = out if resume == "auto" else resume
+    found = ckpt.find_intact(run_dir, report=report)
+    if found is None and ckpt.find_latest(run_dir):
+        raise CheckpointError(f"{run_dir}: every checkpoint is damaged; start again with a new --out")
+    if found is None and resume != "auto":
+        raise CheckpointError(f"--resume {resume}: neither a checkpoint (no model.safetensors or sharded "
+                              ".metadata) nor a run directory with checkpoints/step_*/; pass a checkpoint "
+                              "directory or --resume auto")
+    return found
+
+
+def choose_loss(device_type: str, compiled: bool, sharded: bool) -> Choice:
+    """The loss path: "chunked" (model.loss's chunked cross-entropy) or "fused" (logits +
+    F.cross_entropy inside the compiled graph); model.loss.used_for is the rule."""
+    if not used_for(device_type, compiled, sharded):
+        return Choice("fused", "compiled on CUDA: inductor fuses the cross-entropy into the model's graph")
+    if sharded and compiled and device_type == "cuda":
+        return Choice("chunked", "FSDP: the root, which computes the loss, is not compiled, so the full "
+                                 "logits would be held eagerly")
+    if device_type == "cpu":
+        return Choice("chunked", "CPU: never holding the fp32 logits measured faster")
+    return Choice("chunked", f"{device_type}, not compiled: F.cross_entropy would hold the logits in fp32")
+
+
+def choose_peak_flops(requested: Optional[float], facts: Facts) -> Choice:
+    if requested:
+        return Choice(float(requested), "asked for with --peak-flops")
+    if facts.device.device_type != "cuda":
+        return Choice(None, f"no datasheet figure for a {facts.device.device_type}")
+    found = hardware.peak_flops(facts.device.device_name)
+    if found is None:
+        return Choice(None, f"{facts.device.device_name!r} is not in gpt2lab.system.hardware's table; "
+                            "pass --peak-flops")
+    return Choice(found, f"datasheet dense bf16 of {facts.device.device_name}")
+
+
+def choose_strategy(cfg: TrainConfig, facts: Facts, dtype: str, accum: int, compiled: bool) -> Choice:
+    """ddp or fsdp (parallel.choose_strategy); on GPUs DDP's per-rank memory from memplan."""
+    ddp_bytes = None
+    if facts.device_bytes is not None and facts.world_size > 1:
+        ddp_bytes = _predict(cfg, facts, "ddp", dtype, accum, compiled).total
+    return parallel.choose_strategy(cfg.strategy, world_size=facts.world_size, device_type=facts.device.device_type,
+                                    dtype=dtype, lora=bool(cfg.lora_rank), ddp_bytes=ddp_bytes,
+                                    device_bytes=facts.device_bytes)
+
+
+def _predict(cfg: TrainConfig, facts: Facts, strategy: str, dtype: str, accum: int, compiled: bool):
+    device = "cuda" if facts.device.device_type == "cuda" else "cpu"
+    return memplan.predict(cfg.model, strategy=strategy, world_size=facts.world_size, micro_batch=cfg.micro_batch_size,
+                           seq_len=cfg.seq_len, dtype=dtype, activation_checkpointing=cfg.activation_checkpointing,
+                           accum=accum, device=device, compiled=compiled)
+
+
+def make_plan(request: Request | TrainConfig, facts: Facts, resume: Optional[str] = None,
+              report: Optional[Callable[[str], None]] = None) -> RunPlan:
+    """Every start-up decision of a run (see the module docstring); raises the first problem found.
+
+    A TrainConfig is taken as a request whose architecture values are all given (``Request.of``).
+    ``report`` hears of damaged checkpoints passed over as they are found (default: stderr).
+    """
+    req = request if isinstance(request, Request) else Request.of(request, resume)
+    skipped: list[str] = []
+
+    def skip(line: str) -> None:
+        skipped.append(line)
+        (report or _to_stderr)(line)
+
+    where = find_resume(req.out, req.resume, skip)
+    values, init = dict(req.values), None
+    if where is not None:
+        saved = ckpt.read_config(where)
+        if saved.get("init_from"):  # a run that began from other weights: its architecture is its checkpoint's
+            values.update(init_from=saved["init_from"], init_from_id=saved.get("init_from_id"),
+                          **init_from.source_arch(where, req.explicit, flag="--resume"))
+    elif values.get("init_from"):
+        src = init_from.find_source(str(values["init_from"]))
+        arch = init_from.check_arch(src, req.explicit)
+        init = InitFrom(src, init_from.digest(src))
+        values.update(init_from_id=init.id, **arch)
+    cfg = _config(values, req, init)
+    check_hellaswag(cfg)
+    accum = cfg.grad_accum_steps(facts.world_size)
+    choices = runtime.resolve(facts.device.device_type, cfg.dtype, cfg.compile, facts=facts.device,
+                              ns_dtype=cfg.muon_ns_dtype if cfg.optimizer == "muon" else None)
+    dtype, compiled = str(choices.dtype.value), bool(choices.compile.value)
+    strategy = choose_strategy(cfg, facts, dtype, accum, compiled)
+    sharded = strategy.value == "fsdp" and facts.world_size > 1
+    memory = None
+    if facts.device.device_type in ("cuda", "cpu"):
+        memory = _predict(cfg, facts, str(strategy.value), dtype, accum, compiled).to_dict()
+    return RunPlan(config=cfg, facts=facts, resume=where, skipped=tuple(skipped), init=init,
+                   dtype=choices.dtype, compile=choices.compile, strategy=strategy,
+                   loss=choose_loss(facts.device.device_type, compiled, sharded),
+                   peak_flops=choose_peak_flops(cfg.peak_flops, facts), accum=accum,
+                   params=memplan.param_counts(cfg.model)["total"], memory=memory, ns_dtype=choices.ns_dtype)
+
+
+def _config(values: dict, req: Request, init: Optional[InitFrom]) -> TrainConfig:
+    try:
+        return TrainConfig.from_dict(values, source=req.source)
+    except ConfigError as e:
+        if init is None:
+            raise
+        arch = {k: getattr(init.source.config, k) for k in init_from.ARCH_FIELDS}
+        sizes = ", ".join(f"{k} {v}" for k, v in arch.items())
+        raise init_from.InitFromError(f"--init-from {init.source.spec} ({sizes}): {e}") from e
+
+
+def check_hellaswag(cfg: TrainConfig) -> None:
+    """Fail before training, not at step 250, when HellaSwag is asked for but cannot run."""
+    if not cfg.hellaswag_interval:
+        return
+    try:
+        from gpt2lab.evals.hellaswag import load_examples
+    except ImportError as e:
+        raise ConfigError(f"--hellaswag-interval {cfg.hellaswag_interval}: HellaSwag evaluation is "
+                          f"unavailable ({e}); set --hellaswag-interval 0") from e
+    try:
+        load_examples(cfg.hellaswag_data, limit=1)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ConfigError(f"--hellaswag-interval {cfg.hellaswag_interval}: cannot load HellaSwag data "
+                          f"({e}); pass --hellaswag-data FILE or set --hellaswag-interval 0") from e
+
+
+def _to_stderr(line: str) -> None:
+    print(f"gpt2lab train: {line}", file=sys.stderr, flush=True)
+
+
+# -- the facts ---------------------------------------------------------------------------------
+def detect_facts(device, world_size: int = 1, dtype: str = "auto") -> Facts:
+    """This machine's facts for a run on ``device`` (the CPU probe only when ``dtype`` needs it)."""
+    import torch
+
+    dev = torch.device(device)
+    return Facts(runtime.detect(dev, probe=str(dtype) in ("auto", "bfloat16")), world_size,
+                 parallel.device_bytes(dev))
+
+
+def fake_facts(path: str) -> Facts:
+    """Facts from a JSON file (GPT2LAB_FAKE_FACTS): device_type, device_name, cpu_flags, cuda_bf16,
+    can_compile, probe {fp32_gflops, bf16_gflops}, world_size, device_gib or device_bytes."""
+    try:
+        with open(path) as fh:
+            raw = json.load(fh)
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+        raw = dict(raw)
+        world = int(raw.pop("world_size", 1))
+        gib = raw.pop("device_gib", None)
+        mem = raw.pop("device_bytes", None if gib is None else int(float(gib) * 2**30))
+        probe = raw.pop("probe", None)
+        known = {f.name for f in dataclasses.fields(runtime.Facts)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown key(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(known | {'world_size', 'device_gib', 'device_bytes'}))}")
+        raw["cpu_flags"] = tuple(raw.get("cpu_flags", ()))
+        dev = runtime.Facts(**raw, probe=runtime.Probe(**probe) if probe else None)
+        if dev.device_type not in ("cpu", "cuda", "mps") or world < 1:
+            raise ValueError(f"device_type {dev.device_type!r} (cpu, cuda or mps), world_size {world} (>= 1)")
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(f"{FAKE_FACTS_ENV}={path}: cannot use it ({e}); see gpt2lab.train.plan") from e
+    return Facts(dev, world, None if mem is None else int(mem), faked=path)

@@ -1,0 +1,85 @@
+"""The spike guard's rollback: back to the checkpoint before the spikes, never their data again.
+
+``SpikeGuard`` (train/spikes.py) decides which steps spike; ``Rollback`` owns what follows:
+the loader positions marked bad (skipped whenever the loader reaches them, also after a
+resume: they are saved in each checkpoint) and the rollbacks since the last save (the run
+gives up after ``MAX_ROLLBACKS`` to the same checkpoint: then the data is not the cause).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from gpt2lab.checkpoint import store as ckpt
+from gpt2lab.observe.metrics import MetricsLogger
+from gpt2lab.system.errors import RunDiverged
+from gpt2lab.train.config import TrainConfig
+from gpt2lab.train.spikes import SpikeGuard
+
+if TYPE_CHECKING:
+    from gpt2lab.train.trainer import Trainer
+
+# Rollbacks to the same checkpoint before the run gives up (the spikes are not the data's fault).
+MAX_ROLLBACKS = 5
+
+
+class TrainingError(RunDiverged):
+    """The run cannot continue (e.g. repeated NaN losses); the message says what to do."""
+
+
+class Rollback:
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.guard = SpikeGuard(cfg.spike_window, cfg.spike_loss_z, cfg.spike_norm_z, cfg.spike_rollback)
+        self.skips: list[list[int]] = []  # [start, end) loader positions never trained on
+        self.rollbacks = 0  # since the last checkpoint was saved
+
+    def check(self, step: int, position: int, loss: float, norm: float) -> Optional[dict]:
+        """The spike's z-scores (its update must be skipped), or None for a healthy step."""
+        return self.guard.check(step, position, loss, norm)
+
+    def skip_bad_data(self, loader) -> int:
+        """Jump over data a rollback marked bad; return the loader position this step starts at."""
+        for start, end in self.skips:
+            if start <= loader.position < end:
+                loader.position = end
+        return loader.position
+
+    def due(self, record: dict, step: int) -> bool:
+        return record.get("skipped") == "spike" and self.guard.rollback_due(step)
+
+    def saved(self) -> None:
+        self.rollbacks = 0
+
+    def state_dict(self) -> dict:
+        return {"guard": self.guard.state_dict(), "skips": self.skips}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("guard"):
+            self.guard.load_state_dict(state["guard"])
+        self.skips = [list(r) for r in state.get("skips", [])]
+
+    def __call__(self, trainer: "Trainer", log: MetricsLogger) -> None:
+        """Back to the newest checkpoint before the first recent spike; never train on the spiking steps' data."""
+        first_step, first_pos = self.guard.first_spike()
+        target = next((p for p in reversed(ckpt.list_checkpoints(self.cfg.out)) if ckpt.step_of(p) <= first_step),
+                      None)
+        skip = [first_pos, trainer.loader.position]
+        self.skips.append(skip)
+        T = self.cfg.seq_len
+        record = {"step": trainer.step, "rollback_to": target, "skip_positions": skip,
+                  "skip_tokens": [skip[0] * T, skip[1] * T], "spike_steps": [s for s, _ in self.guard.spikes]}
+        if target is None:  # nothing saved before the spikes; their updates were skipped anyway: go on
+            self.guard.spikes = []
+            log.log({**record, "note": "no checkpoint before the spikes; continuing without rolling back"})
+            return
+        self.rollbacks += 1
+        if self.rollbacks > MAX_ROLLBACKS:
+            raise TrainingError(f"rolled back to {target} {MAX_ROLLBACKS} times and the loss still spikes; "
+                                "the data is not the cause: lower --max-lr or raise --warmup-steps and "
+                                f"--resume from {target}, or set --spike-rollback 0")
+        skips, rollbacks = self.skips, self.rollbacks
+        trainer.restore(target)
+        self.skips, self.rollbacks = skips, rollbacks  # newer than the checkpoint's own
+        trainer.bad_steps = 0
+        log.rewind(trainer.step)
+        log.log(record)

@@ -1,0 +1,125 @@
+"""``gpt2lab train`` after parsing, in its start-up order.
+
+1. rank 0 checks that ``--out`` is missing, empty or one of gpt2lab's runs (system.rundir),
+   claims it (writes the run marker) and takes its lock, held until the process ends;
+2. rank 0 detects the machine's facts and makes the plan (train.plan.make_plan);
+   steps 1-2 are one ``decided_on_rank_0``: one broadcast, every rank raises its error;
+3. rank 0 removes temporaries of dead runs, prints the plan, writes config.json and
+   run_info.json (with the plan);
+4. every rank builds the Trainer from the plan and runs it.
+
+``dry_run`` stops after 2 (the plan printed, nothing written, the directory untouched).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from typing import Optional
+
+from gpt2lab.distributed import parallel
+from gpt2lab.distributed.dist import DistInfo, decided_on_rank_0
+from gpt2lab.observe.metrics import MetricsLogger, run_info
+from gpt2lab.system import rundir
+from gpt2lab.system.errors import ConfigError
+from gpt2lab.system.files import sweep_stale, write_json
+from gpt2lab.train.config import TrainConfig, save_config
+from gpt2lab.train.plan import FAKE_FACTS_ENV, Facts, Request, RunPlan, detect_facts, fake_facts, make_plan
+from gpt2lab.train import preflight
+from gpt2lab.train.trainer import Stopped, Trainer
+
+
+def machine_facts(info: DistInfo, dtype: str, dry_run: bool) -> Facts:
+    """This machine's facts, or GPT2LAB_FAKE_FACTS's (honoured by --dry-run only)."""
+    path = os.environ.get(FAKE_FACTS_ENV)
+    if path:
+        if not dry_run:
+            raise ConfigError(f"{FAKE_FACTS_ENV}={path} is set: made-up machine facts can only be planned "
+                              f"with, not trained on; add --dry-run or unset {FAKE_FACTS_ENV}")
+        return fake_facts(path)
+    return detect_facts(info.device, info.world_size, dtype)
+
+
+def start(request: Request, info: DistInfo, dry_run: bool = False,
+          stack: Optional[contextlib.ExitStack] = None) -> RunPlan:
+    """Steps 1-2 on rank 0, the plan on every rank; the lock goes on ``stack`` (held until it closes)."""
+    def decide() -> RunPlan:
+        out = request.out
+        facts = machine_facts(info, str(request.values.get("dtype", "auto")), dry_run)
+        if dry_run:
+            rundir.check(out, rundir.RUN, flag="--out", what_next=_WHAT_NEXT)  # read-only
+            who = rundir.holder(out)
+            if who is not None:
+                print(f"gpt2lab train: note: {out} is in use by a live run ({rundir.describe(who)}); "
+                      "a real start would be refused", file=sys.stderr, flush=True)
+        else:
+            stack.enter_context(rundir.claim(out, flag="--out", what_next=_WHAT_NEXT))
+        plan = make_plan(request, facts)
+        preflight.check_resume(plan.config, plan.resume)
+        if not dry_run:  # a dry run may plan for data that is not on this machine
+            preflight.check_splits(plan.config, facts.world_size, is_main=True)
+        return plan
+
+    return decided_on_rank_0(decide)
+
+
+_WHAT_NEXT = "choose a new or empty --out"
+
+
+def train(config: TrainConfig | Request, info: DistInfo, resume: Optional[str] = None,
+          dry_run: bool = False) -> Optional[str]:
+    """Everything ``gpt2lab train`` does after parsing; returns the last checkpoint path
+    (None for ``dry_run``, which prints the plan and writes nothing)."""
+    request = config if isinstance(config, Request) else Request.of(config, resume)
+    with contextlib.ExitStack() as stack:
+        plan = start(request, info, dry_run, stack)
+        if dry_run:
+            if info.is_main:
+                print("gpt2lab train --dry-run: the plan (nothing trained, nothing written)")
+                for line in plan.lines():
+                    print(f"  {line}")
+            return None
+        return _run(plan, info)
+
+
+def _run(plan: RunPlan, info: DistInfo) -> Optional[str]:
+    cfg = plan.config
+    if info.is_main:  # temporaries of killed runs (never of a live one) would block a full disk
+        for folder in (cfg.out, os.path.join(cfg.out, "checkpoints")):
+            sweep_stale(folder)
+    trainer = Trainer(plan, info)
+    if info.is_main:
+        save_config(cfg, os.path.join(cfg.out, "config.json"))
+        write_json(os.path.join(cfg.out, rundir.RUN_MARKER), {
+            **rundir.run_marker(), **run_info(info.device, info.world_size), "grad_accum_steps": plan.accum,
+            "resumed_from": plan.resume, "params": trainer.raw.num_params(),
+            "params_on_rank_0": parallel.params_on_this_rank(trainer.raw),
+            "choices": {**plan.choices.record(), "strategy": plan.strategy.value,
+                        "strategy_reason": plan.strategy.reason, "loss": plan.loss.value,
+                        "activation_checkpointing": cfg.activation_checkpointing},
+            "init_from": plan.init_record, "keep_cpu_memory_applied": trainer.malloc_tuned,
+            "flops_per_token": trainer.flops_per_token, "peak_flops": plan.peak_flops.value,
+            "mfu_formula": "6N + 12*n_layer*n_embd*T per token (PaLM), N without wpe",
+            "plan": plan.record()})
+    log = MetricsLogger(cfg.out, enabled=info.is_main, total_steps=cfg.max_steps, start_step=trainer.step,
+                        log_interval=cfg.log_interval, tensorboard=cfg.tensorboard, progress=cfg.progress,
+                        wandb_project=cfg.wandb_project, wandb_run_name=cfg.wandb_run_name, config=cfg.to_dict())
+    log.console(f"gpt2lab train: {plan.choices.summary()}")
+    log.console(f"gpt2lab train: strategy {plan.strategy.value} ({plan.strategy.reason})"
+                + ("; activation checkpointing on" if cfg.activation_checkpointing else ""))
+    log.console(f"gpt2lab train: loss {plan.loss.value} ({plan.loss.reason}); {plan.lines()[-1]}")
+    for choice in (plan.dtype, plan.compile):
+        if choice.warning:
+            log.console(f"gpt2lab train: warning: {choice.warning}")
+    log.console(f"gpt2lab train: {trainer.raw.num_params():,} params, {info.world_size} process(es), "
+                f"{trainer.accum} micro-steps/step, steps {trainer.step}..{cfg.max_steps}, out {cfg.out}"
+                + (f", resumed from {trainer.resumed_from}" if trainer.resumed_from else ""))
+    try:
+        last = trainer.run(log)
+    finally:
+        log.close()
+    if trainer.stop_signal is not None:  # "preempted, resume me", told apart from "done" by the exit code
+        raise Stopped(f"stopped by {signal.Signals(trainer.stop_signal).name} at step {trainer.step}; "
+                      f"resume with --resume auto (last checkpoint {last})", trainer.stop_signal)
+    return last

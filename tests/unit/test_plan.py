@@ -1,0 +1,249 @@
+"""The run plan (gpt2lab.train.plan): each start-up decision from faked machine facts, the one
+resume rule (also where the architecture comes from), --init-from found and hashed once,
+--dry-run (CPU, a faked 8-GPU machine, a resume) and the plan recorded in run_info.json."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from conftest import tiny_gpt
+from safetensors.torch import load_file
+from train_utils import TINY, cli_args, tiny_data  # noqa: F401  (tiny_data is a fixture)
+
+from gpt2lab import cli
+from gpt2lab.checkpoint import store as ckpt
+from gpt2lab.distributed import memplan
+from gpt2lab.distributed.dist import DistInfo
+from gpt2lab.system import runtime
+from gpt2lab.system.errors import ConfigError
+from gpt2lab.train import init_from
+from gpt2lab.train.config import load_preset, preset_values
+from gpt2lab.train.plan import Facts, Request, choose_loss, fake_facts, make_plan
+from gpt2lab.train.run import train
+from gpt2lab.train.trainer import Trainer
+from gpt2lab.weights import hf
+
+CPU = torch.device("cpu")
+PLAIN_CPU = Facts(runtime.Facts("cpu", "some x86", ("avx2", "fma")))
+BF16_CPU = Facts(runtime.Facts("cpu", "sapphire rapids", ("amx_bf16", "avx512_bf16", "avx512f")))
+H100 = runtime.Facts("cuda", "NVIDIA H100 80GB HBM3", cuda_bf16=True)
+GIB = 2 ** 30
+
+
+def _cfg(out, preset="shakespeare-cpu", **fields):
+    return load_preset(preset, **{**TINY, "data": "unused", "out": str(out), **fields})
+
+
+def _big(preset, out, **fields):
+    return load_preset(preset, data="unused", out=str(out), hellaswag_interval=0, **fields)
+
+
+# -- each decision, from faked facts ----------------------------------------------------------
+def test_cpu_dtype_follows_the_cpus_bf16(tmp_path):
+    cfg = _cfg(tmp_path / "r", dtype="auto")
+    plain, native = make_plan(cfg, PLAIN_CPU), make_plan(cfg, BF16_CPU)
+    assert (plain.dtype.value, native.dtype.value) == ("float32", "bfloat16")
+    assert "no native bf16" in plain.dtype.reason and "amx_bf16" in native.dtype.reason
+    for plan in (plain, native):  # one process on a CPU: unwrapped, chunked loss, no datasheet peak, eager
+        assert (plan.strategy.value, plan.loss.value, plan.peak_flops.value, plan.compile.value) == \
+            ("ddp", "chunked", None, False)
+        assert plan.resume is None and plan.init is None and plan.facts.world_size == 1
+
+
+def test_eight_h100s_ddp_fused_loss_datasheet_peak_and_memory(tmp_path):
+    cfg = _big("gpt2-124m", tmp_path / "r")
+    plan = make_plan(cfg, Facts(H100, world_size=8, device_bytes=80 * GIB))
+    assert (plan.dtype.value, plan.compile.value, plan.strategy.value, plan.loss.value) == \
+        ("bfloat16", True, "ddp", "fused")
+    assert plan.peak_flops.value == 989e12  # the SXM datasheet figure
+    assert plan.accum == 524288 // (64 * 1024 * 8) == 1
+    ref = memplan.predict(cfg.model, strategy="ddp", world_size=8, micro_batch=64, seq_len=1024, dtype="bfloat16",
+                          accum=1, device="cuda", compiled=True)
+    assert plan.memory == ref.to_dict() and plan.params == 124_475_904  # GPT-2 small, padded vocab
+    assert "fits" in plan.strategy.reason
+
+
+def test_a_model_too_big_for_ddp_shards_and_keeps_the_chunked_loss(tmp_path):
+    cfg = _big("gpt2-1558m", tmp_path / "r", total_batch_tokens=1024 * 16 * 8)
+    a100 = runtime.Facts("cuda", "NVIDIA A100-SXM4-40GB", cuda_bf16=True)
+    plan = make_plan(cfg, Facts(a100, world_size=8, device_bytes=40 * GIB))
+    assert (plan.strategy.value, plan.loss.value, plan.peak_flops.value) == ("fsdp", "chunked", 312e12)
+    assert "FSDP" in plan.loss.reason
+    ddp = memplan.predict(cfg.model, strategy="ddp", world_size=8, micro_batch=16, seq_len=1024, dtype="bfloat16",
+                          accum=1, device="cuda", compiled=True).total
+    assert ddp > 40 * GIB and f"{ddp / GIB:.1f} GiB" in plan.strategy.reason
+    fsdp = memplan.predict(cfg.model, strategy="fsdp", world_size=8, micro_batch=16, seq_len=1024, dtype="bfloat16",
+                           accum=1, device="cuda", compiled=True)
+    assert plan.memory == fsdp.to_dict()
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
+                                        ("NVIDIA GeForce RTX 4090", None)])
+def test_peak_flops_by_gpu_name_or_flag(name, peak, tmp_path):
+    facts = Facts(runtime.Facts("cuda", name, cuda_bf16=True), device_bytes=24 * GIB)
+    assert make_plan(_cfg(tmp_path / "r"), facts).peak_flops.value == peak
+    assert make_plan(_cfg(tmp_path / "r", peak_flops=1e15), facts).peak_flops.value == 1e15
+
+
+def test_gpu_without_bf16_gets_fp16_and_ddp(tmp_path):
+    t4 = runtime.Facts("cuda", "Tesla T4", cuda_bf16=False)
+    plan = make_plan(_big("gpt2-124m", tmp_path / "r", micro_batch_size=8), Facts(t4, world_size=8,
+                                                                                  device_bytes=15 * GIB))
+    assert (plan.dtype.value, plan.strategy.value) == ("float16", "ddp") and "float16" in plan.strategy.reason
+
+
+def test_loss_path_rule():
+    assert [choose_loss(d, c, s).value for d, c, s in
+            [("cpu", False, False), ("cpu", True, False), ("cuda", False, False), ("cuda", True, False),
+             ("cuda", True, True), ("mps", False, False)]] == \
+        ["chunked", "chunked", "chunked", "fused", "chunked", "chunked"]
+
+
+def test_accumulation_and_its_error_name_the_world_size(tmp_path):
+    cfg = _cfg(tmp_path / "r", total_batch_tokens=2 * 32 * 3 * 4)
+    assert make_plan(cfg, Facts(PLAIN_CPU.device, world_size=3)).accum == 4
+    with pytest.raises(ConfigError, match="world size 5"):
+        make_plan(cfg, Facts(PLAIN_CPU.device, world_size=5))
+
+
+def test_fake_facts_file(tmp_path):
+    f = tmp_path / "f.json"
+    f.write_text(json.dumps({"device_type": "cuda", "device_name": "NVIDIA H100 80GB HBM3", "cuda_bf16": True,
+                             "world_size": 8, "device_gib": 79.1}))
+    facts = fake_facts(str(f))
+    assert (facts.world_size, facts.device_bytes, facts.device.native_bf16) == (8, int(79.1 * GIB), True)
+    f.write_text(json.dumps({"device_type": "tpu"}))
+    with pytest.raises(ConfigError, match="GPT2LAB_FAKE_FACTS"):
+        fake_facts(str(f))
+
+
+# -- resume: one rule --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """Two GPT-2-vocabulary sources of different depth, as HF directories."""
+    out = {}
+    for n_layer in (2, 3):
+        d = str(tmp_path_factory.mktemp(f"src{n_layer}") / "model")
+        hf.save_pretrained(tiny_gpt(seed=n_layer, vocab_size=50257, block_size=64, n_layer=n_layer), d)
+        out[n_layer] = d
+    return out
+
+
+def test_resume_arch_and_weights_come_from_the_same_checkpoint(sources, tiny_data, tmp_path):
+    """The newest checkpoint is damaged and says the run began from a 3-layer model; the older,
+    intact one from a 2-layer model. Both the architecture and the weights come from the older."""
+    out = tmp_path / "run"
+    cfg = load_preset("shakespeare-cpu", **{**TINY, "data": tiny_data, "out": str(out), "max_steps": 2,
+                                            "ckpt_interval": 1, "keep_checkpoints": 0, "init_from": sources[2]})
+    train(init_from.adapt_config(cfg), DistInfo(device=CPU))
+    older, newest = ckpt.list_checkpoints(str(out))
+    saved = json.loads((open(os.path.join(newest, "config.json")).read()))
+    saved["model"]["n_layer"], saved["init_from"] = 3, sources[3]  # its bytes change: the checksum fails
+    with open(os.path.join(newest, "config.json"), "w") as fh:
+        json.dump(saved, fh)
+    request = Request({**preset_values("shakespeare-cpu"), **TINY, "data": tiny_data, "out": str(out),
+                       "max_steps": 4}, resume="auto")
+    plan = make_plan(request, PLAIN_CPU, report=lambda line: None)
+    assert plan.resume == older and len(plan.skipped) == 1 and newest in plan.skipped[0]
+    assert plan.config.model.n_layer == 2 and plan.config.init_from == sources[2]
+    trainer = Trainer(plan, DistInfo(device=CPU))
+    assert trainer.step == 1
+    expect = load_file(os.path.join(older, "model.safetensors"))
+    got = ckpt.clean_state_dict(trainer.raw.state_dict())
+    assert set(got) == set(expect) and all(torch.equal(got[k], expect[k]) for k in expect)
+
+
+def test_resume_path_rules(tmp_path, tiny_data):
+    out = tmp_path / "run"
+    train(load_preset("shakespeare-cpu", **{**TINY, "data": tiny_data, "out": str(out), "max_steps": 1}),
+          DistInfo(device=CPU))
+    cfg = _cfg(out)
+    with pytest.raises(ConfigError, match="already has checkpoints; continue it with --resume auto"):
+        make_plan(cfg, PLAIN_CPU)
+    (only,) = ckpt.list_checkpoints(str(out))
+    assert make_plan(cfg, PLAIN_CPU, resume=str(out)).resume == only  # a run directory: its newest intact one
+    with open(os.path.join(only, "state.pt"), "ab") as fh:
+        fh.write(b"x")
+    with pytest.raises(ckpt.CheckpointError, match="every checkpoint is damaged"):
+        make_plan(cfg, PLAIN_CPU, resume="auto", report=lambda line: None)
+    with pytest.raises(ckpt.CheckpointError, match="is damaged"):
+        make_plan(cfg, PLAIN_CPU, resume=only)
+
+
+# -- --init-from: found once, hashed once --------------------------------------------------------
+def test_init_from_is_found_and_hashed_once(sources, tmp_path, monkeypatch):
+    calls = {"find": 0, "sha": 0}
+    find, sha = init_from.find_source, init_from.sha256_file
+
+    def counted_find(spec):
+        calls["find"] += 1
+        return find(spec)
+
+    def counted_sha(path):
+        calls["sha"] += 1
+        return sha(path)
+
+    monkeypatch.setattr(init_from, "find_source", counted_find)
+    monkeypatch.setattr(init_from, "sha256_file", counted_sha)
+    request = Request({**preset_values("shakespeare-cpu"), **TINY, "data": "unused", "out": str(tmp_path / "r"),
+                       "init_from": sources[3],
+                       "n_layer": 2}, explicit={})  # the preset's n_layer gives way to the source's
+    plan = make_plan(request, PLAIN_CPU)
+    assert calls == {"find": 1, "sha": 1}
+    weights = os.path.join(sources[3], "model.safetensors")
+    assert plan.init.sha256 == sha(weights) and plan.config.init_from_id == f"sha256:{plan.init.sha256}"
+    assert plan.config.model.n_layer == 3
+    with pytest.raises(init_from.InitFromError, match="drop --n-layer"):
+        make_plan(Request(request.values, explicit={"n_layer": 2}), PLAIN_CPU)
+
+
+# -- --dry-run and run_info.json ----------------------------------------------------------------
+def _tree(root) -> dict:
+    return {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns
+            for d, _, files in os.walk(root) for f in files}
+
+
+def test_dry_run_cpu_fake_gpus_and_resume_write_nothing(tiny_data, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "new"
+    assert cli.main(["train", "--preset", "shakespeare-cpu", *cli_args(data=tiny_data, out=str(out)),
+                     "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "dtype     float32 (asked for with --dtype)" in text and "cpu x 1" in text and not out.exists()
+
+    facts = tmp_path / "h100x8.json"
+    facts.write_text(json.dumps({"device_type": "cuda", "device_name": "NVIDIA H100 80GB HBM3", "cuda_bf16": True,
+                                 "world_size": 8, "device_gib": 80}))
+    monkeypatch.setenv("GPT2LAB_FAKE_FACTS", str(facts))
+    assert cli.main(["train", "--preset", "gpt2-124m", "--out", str(out), "--data", "unused",
+                     "--hellaswag-interval", "0", "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "cuda x 8 (NVIDIA H100 80GB HBM3, 80.0 GiB each)" in text and "strategy  ddp" in text
+    assert "989 TFLOP/s" in text and "loss      fused" in text and not out.exists()
+    assert cli.main(["train", "--preset", "gpt2-124m", "--out", str(out), "--data", "unused"]) == 2  # not a real run
+    assert "add --dry-run" in capsys.readouterr().err and not out.exists()
+    monkeypatch.delenv("GPT2LAB_FAKE_FACTS")
+
+    run = tmp_path / "run"
+    argv = ["train", "--preset", "shakespeare-cpu", *cli_args(data=tiny_data, out=str(run), max_steps=2)]
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    before = _tree(tmp_path)
+    assert cli.main(["train", "--preset", "shakespeare-cpu", *cli_args(data=tiny_data, out=str(run), max_steps=4),
+                     "--resume", "auto", "--dry-run"]) == 0
+    assert f"resume from {run}/checkpoints/step_000002" in capsys.readouterr().out
+    assert _tree(tmp_path) == before  # nothing written, not even a lock file
+
+
+def test_run_info_holds_the_plan_the_run_used(tiny_data, tmp_path):
+    cfg = load_preset("shakespeare-cpu", **{**TINY, "data": tiny_data, "out": str(tmp_path / "r"), "max_steps": 1})
+    from gpt2lab.train.plan import detect_facts
+
+    expect = make_plan(cfg, detect_facts(CPU, 1, cfg.dtype)).record()
+    train(cfg, DistInfo(device=CPU))
+    info = json.loads((tmp_path / "r" / "run_info.json").read_text())
+    assert info["format"] == "gpt2lab-run" and info["plan"] == json.loads(json.dumps(expect))
+    assert info["choices"]["dtype"] == info["plan"]["dtype"]["value"] == "float32"
+    shutil.rmtree(tmp_path / "r")

@@ -1,0 +1,83 @@
+"""Issue 22's poor loading cases: a truncated model.safetensors or an invalid config.json in an HF
+directory is one line naming the file in every command that takes a model; a resume with another
+--lora-rank names the flag; the "another model shape" message lists only the fields that differ."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from conftest import run_gpt2lab, tiny_gpt
+from gpt2lab import cli
+from gpt2lab.checkpoint import store
+from gpt2lab.system.errors import CheckpointError
+
+
+def damaged_copy(src: str, dst: str, what: str) -> str:
+    """A copy of the HF directory ``src`` with model.safetensors cut in half, or config.json cut
+    mid-value; returns the damaged file's path."""
+    shutil.copytree(src, dst)
+    if what == "weights":
+        path = os.path.join(dst, "model.safetensors")
+        os.truncate(path, os.path.getsize(path) // 2)
+    else:
+        path = os.path.join(dst, "config.json")
+        with open(path, "w") as f:
+            f.write('{"model_type": "gpt2", "n_layer": ')
+    return path
+
+
+def command(name: str, model: str, tmp_path, data: str) -> list[str]:
+    return {
+        "sample": ["sample", "--model", model, "--device", "cpu", "--max-new-tokens", "2"],
+        "export": ["export", model, str(tmp_path / "exported")],
+        "eval": ["eval", "loss", "--model", model, "--data", data, "--device", "cpu"],
+        "serve": ["serve", "--model", model, "--device", "cpu", "--port", "0"],
+        "train": ["train", "--preset", "shakespeare-cpu", "--init-from", model, "--data", data, "--device", "cpu",
+                  "--out", str(tmp_path / "run"), "--max-steps", "1"],
+    }[name]
+
+
+@pytest.mark.parametrize("what", ["weights", "config"])
+@pytest.mark.parametrize("name", ["sample", "export", "eval", "serve", "train"])
+def test_a_damaged_hf_directory_is_one_line_naming_the_file(gpt2_vocab_export, tiny_data, tmp_path, capsys,
+                                                            name, what):
+    _, d = gpt2_vocab_export
+    bad = damaged_copy(d, str(tmp_path / "model"), what)
+    try:
+        code = cli.main(command(name, str(tmp_path / "model"), tmp_path, tiny_data))
+        err = capsys.readouterr().err
+    except SystemExit as e:  # load_model's one-line SystemExit: Python prints it, exit 1
+        code, err = 1, str(e.code)
+    lines = err.strip().splitlines()
+    assert lines and bad in lines[-1], err
+    assert "state.pt" not in err and "checkpoint" not in lines[-1], err  # not taken for a damaged checkpoint
+    assert code == (2 if name == "train" else 1)  # train: --init-from is a flag value (InitFromError)
+    assert not (tmp_path / "exported").exists() and not (tmp_path / "run").exists()
+
+
+def test_a_truncated_model_file_is_one_line_without_traceback_in_a_real_process(gpt2_vocab_export, tmp_path):
+    _, d = gpt2_vocab_export
+    bad = damaged_copy(d, str(tmp_path / "model"), "weights")
+    r = run_gpt2lab("sample", "--model", str(tmp_path / "model"), "--device", "cpu", "--max-new-tokens", "2")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and bad in r.stderr, r.stderr
+
+
+def test_another_model_shape_names_only_the_fields_that_differ(tmp_path):
+    class Trainer:  # the trainer's part of state.pt
+        def state_dict(self) -> dict:
+            return {"step": 1}
+
+    saved = tiny_gpt(n_layer=2, n_embd=32)
+    parts = {"model": saved, "optimizer": torch.optim.SGD(saved.parameters(), lr=0.1), "trainer": Trainer()}
+    store.save(str(tmp_path), 1, parts, {"model": saved.config.to_dict()})
+    ckpt = store.find_latest(str(tmp_path))
+    other = tiny_gpt(n_layer=3, n_embd=32)
+    with pytest.raises(CheckpointError) as e:
+        store.load_weights(other, ckpt)
+    msg = str(e.value)
+    assert "n_layer 2 there, 3 here" in msg, msg
+    assert "n_head" not in msg and "n_embd" not in msg and "vocab_size" not in msg, msg

@@ -1,0 +1,63 @@
+"""Issue 22's poor output cases: export's file modes under the user's umask, report/plot on a
+metrics.jsonl of garbage bytes, and warnings printed as one `gpt2lab CMD: warning: ...` line."""
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from conftest import run_gpt2lab
+from gpt2lab import cli
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_export_writes_every_file_with_the_umasks_mode(gpt2_vocab_export, tmp_path, umask):
+    _, d = gpt2_vocab_export
+    old = os.umask(umask)
+    try:
+        assert cli.main(["export", d, str(tmp_path / "out")]) == 0
+    finally:
+        os.umask(old)
+    modes = {name: stat.S_IMODE(os.stat(tmp_path / "out" / name).st_mode) for name in os.listdir(tmp_path / "out")}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}, {k: oct(v) for k, v in modes.items()}
+    assert stat.S_IMODE(os.stat(tmp_path / "out").st_mode) == 0o777 & ~umask
+
+
+@pytest.mark.parametrize("command", ["report", "plot"])
+def test_report_and_plot_on_garbage_metrics_name_the_file(tmp_path, capsys, command):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_bytes(b'{"step": 0, "train_loss": 1.0}\n' + bytes(range(128, 256)) * 8)
+    argv = [command, str(run)] + (["--out", str(tmp_path / "p.png")] if command == "plot" else [])
+    try:
+        code, err = cli.main(argv), capsys.readouterr().err
+    except SystemExit as e:
+        code, err = 1, str(e.code)
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1, err
+    assert f"{run / 'metrics.jsonl'}:2: not UTF-8 text" in lines[0], err
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_warnings_print_as_one_line_with_the_command(tmp_path):
+    """plot leaves out an unfinished last line with a warning: one `gpt2lab plot: warning:` line."""
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "run"
+    run.mkdir()
+    path = run / "metrics.jsonl"
+    path.write_text('{"step": 0, "train_loss": 2.0}\n{"step": 1, "train_loss": 1.5}\n{"step": 2, "tr')
+    r = run_gpt2lab("plot", str(run), "--out", str(tmp_path / "p.png"))
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines() == [f"gpt2lab plot: warning: {path}:3: unfinished last line left out"]
+
+
+def test_the_warning_format_is_restored_after_main(tmp_path, capsys):
+    import warnings
+
+    before = warnings.formatwarning
+    try:
+        cli.main(["report", str(tmp_path / "missing")])
+    except SystemExit:
+        pass
+    assert warnings.formatwarning is before

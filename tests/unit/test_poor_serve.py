@@ -1,0 +1,138 @@
+"""Issue 22's poor serve/sample cases: a model name that cannot be encoded, temperatures and top_p
+so small they overflow, a body without Content-Type: application/json, and equal prompts without a
+seed, each in both server modes where it matters."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gpt2lab import cli
+from gpt2lab.inference.generate import sample_next
+from serve_utils import running_server
+
+httpx = pytest.importorskip("httpx")
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["batched", "turns"])
+def server(request, gpt2_vocab_export):
+    _, d = gpt2_vocab_export
+    with running_server([f"tiny={d}"], deterministic=request.param) as url:
+        yield url, d
+
+
+def post(url: str, body, **headers) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()  # json.dumps keeps \ud800 escaped
+    return httpx.post(url + "/v1/completions", content=content, timeout=60,
+                      headers={"Content-Type": "application/json", **headers})
+
+
+def test_a_model_name_that_cannot_be_encoded_gets_a_json_404(server):
+    url, _ = server
+    r = post(url, {"model": "\ud800", "prompt": "x"})
+    assert r.status_code == 404 and r.headers["content-type"] == "application/json"
+    err = r.json()["error"]
+    assert err["code"] == "model_not_found" and "\\ud800" in err["message"] and "tiny" in err["message"]
+
+
+@pytest.mark.parametrize("field,value", [("temperature", 1e-45), ("temperature", 1e-320),
+                                         ("top_p", 1e-45), ("top_p", 1e-320)])
+def test_tiny_temperature_and_top_p_sample_the_greedy_token(server, field, value):
+    """So small a temperature (or top_p) leaves all the mass on the most likely token: greedy's text."""
+    url, _ = server
+    body = {"model": "tiny", "prompt": "The sea", "max_tokens": 6, "seed": 3}
+    greedy = post(url, {**body, "temperature": 0})
+    r = post(url, {**body, field: value})
+    assert greedy.status_code == 200 and r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+
+
+def test_sample_next_with_overflowing_temperature_is_argmax_and_ties_stay_random():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 300, generator=g) * 30
+    for t in (1e-45, 1e-320, 5e-324):
+        assert torch.equal(sample_next(logits, t, generator=g), logits.argmax(-1))
+        assert torch.equal(sample_next(logits, 1.0, top_p=t, generator=g), logits.argmax(-1))
+    tie = torch.zeros(1, 2)  # two equally likely tokens: a tiny temperature draws both, as T -> 0 would
+    drawn = {int(sample_next(tie, 1e-45, generator=g)) for _ in range(64)}
+    assert drawn == {0, 1}
+
+
+@pytest.mark.parametrize("headers", [{"Content-Type": "text/plain"},
+                                     {"Content-Type": "application/x-www-form-urlencoded"}])
+def test_a_body_without_json_content_type_is_refused_naming_the_header(server, headers):
+    url, _ = server
+    r = post(url, {"model": "tiny", "prompt": "x", "max_tokens": 1}, **headers)
+    assert r.status_code == 415, r.text
+    msg = r.json()["error"]["message"]
+    assert "Content-Type: application/json" in msg and headers["Content-Type"] in msg
+
+
+def test_a_body_with_no_content_type_header_is_refused_naming_the_header(server):
+    url, _ = server
+    r = httpx.post(url + "/v1/completions", content=b'{"model": "tiny", "prompt": "x"}', timeout=60)
+    assert r.status_code == 415 and "Content-Type: application/json" in r.json()["error"]["message"]
+    ok = post(url, {"model": "tiny", "prompt": "x", "max_tokens": 1}, **{"Content-Type": "application/json; charset=utf-8"})
+    assert ok.status_code == 200, ok.text
+
+
+def test_equal_prompts_without_a_seed_are_sampled_independently(server):
+    url, _ = server
+    r = post(url, {"model": "tiny", "prompt": ["Once", "Once", "Once"], "max_tokens": 8})
+    texts = [c["text"] for c in r.json()["choices"]]
+    assert len(texts) == 3 and len(set(texts)) == 3, texts  # 8 tokens of a 50257-token vocabulary
+    seeded = post(url, {"model": "tiny", "prompt": ["Once", "Once"], "max_tokens": 8, "seed": 5})
+    a, b = [c["text"] for c in seeded.json()["choices"]]
+    assert a == b  # with a seed each prompt reproduces `sample --seed` (documented in the README)
+
+
+def test_batched_worker_fails_a_request_whose_first_sample_raises(gpt2_vocab_export, monkeypatch):
+    """A sampling error at the end of a prompt's prefill is answered (500), not left to time out."""
+    from gpt2lab.serve import batch
+    from gpt2lab.serve.limits import Limits
+
+    def broken(*a, **k):
+        raise RuntimeError("sampling broke")
+
+    monkeypatch.setattr(batch, "sample_next", broken)
+    _, d = gpt2_vocab_export
+    with running_server([f"tiny={d}"], limits=Limits(timeout_s=20)) as url:
+        r = post(url, {"model": "tiny", "prompt": "x", "max_tokens": 2})
+    assert r.status_code == 500 and "sampling broke" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("flag,value", [("--temperature", "1e-45"), ("--temperature", "1e-320"),
+                                        ("--top-p", "1e-320")])
+def test_sample_with_tiny_temperature_or_top_p_prints_the_greedy_text(gpt2_vocab_export, capsys, flag, value):
+    _, d = gpt2_vocab_export
+    argv = ["sample", "--model", d, "--prompt", "The sea", "--device", "cpu", "--dtype", "float32",
+            "--max-new-tokens", "6", "--top-k", "0"]
+    assert cli.main(argv + ["--temperature", "0"]) == 0
+    greedy = capsys.readouterr().out
+    assert cli.main(argv + [flag, value]) == 0
+    assert capsys.readouterr().out == greedy
+
+
+def test_port_in_use_is_one_line_and_exit_2(gpt2_vocab_export, capsys):
+    import socket
+
+    _, d = gpt2_vocab_export
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        assert cli.main(["serve", "--model", d, "--device", "cpu", "--port", str(port)]) == 2
+    finally:
+        holder.close()
+    assert capsys.readouterr().err.splitlines() == [
+        f"gpt2lab serve: --port {port} on 127.0.0.1 is in use (another server?); stop it or pick another --port"]
+
+
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_port_out_of_range_is_one_line_and_exit_2(gpt2_vocab_export, capsys, port):
+    _, d = gpt2_vocab_export
+    assert cli.main(["serve", "--model", d, "--device", "cpu", "--port", port]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"gpt2lab serve: --port {port}: must be 0 to 65535 (0 lets the system pick a free one)"]
