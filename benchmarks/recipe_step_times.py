@@ -33,7 +33,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        trainers = {name: Trainer(load_preset(preset, data=args.data, out=f"{tmp}/{i}", progress=False,
+        trainers = {name: Trainer.from_config(load_preset(preset, data=args.data, out=f"{tmp}/{i}", progress=False,
                                               eval_interval=0, **changes), DistInfo(device=torch.device("cpu")))
                     for i, (name, (preset, changes)) in enumerate(RECIPES.items())}
         for t in trainers.values():
