@@ -174,15 +174,7 @@ def choose_ns_dtype(requested: str, facts: Facts) -> Choice:
         return Choice("float32", f"{facts.device_name or 'this GPU'} has no bf16")
     if dev == "mps":
         return Choice("float32", "MPS: fp32 (bf16 matmul support varies across macOS versions)")
-    p = facts.probe
-    if p is not None:
-        rates = f"matmul probe: bf16 {p.bf16_gflops:.0f} vs fp32 {p.fp32_gflops:.0f} GFLOP/s"
-        if p.bf16_speedup >= BF16_MIN_SPEEDUP:
-            return Choice("bfloat16", f"bf16 is {p.bf16_speedup:.1f}x fp32 on this CPU ({rates})")
-        return Choice("float32", f"bf16 is not faster on this CPU ({rates})")
-    if facts.native_bf16:
-        return Choice("bfloat16", "native bf16 on this CPU (not probed)")
-    return Choice("float32", "no native bf16 on this CPU (not probed)")
+    return _cpu_auto_dtype(facts)  # a CPU: the autocast rule, the same probe and flags
 
 
 def _no_compiler(facts: Facts) -> str:
