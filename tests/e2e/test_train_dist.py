@@ -96,17 +96,23 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
         time.sleep(0.005)
 
 
-def test_kill_9_then_resume_equals_uninterrupted(tiny_data, tmp_path):
-    fields = dict(data=tiny_data, max_steps=40, ckpt_interval=8, keep_checkpoints=2, keep_cpu_memory=True)
+def _straight_and_killed(tmp_path, fields: dict, kill_after: str):
+    """The run trained straight through into tmp_path/straight, and the same run kill -9'd once
+    checkpoints/KILL_AFTER exists, in tmp_path/killed (returned)."""
     run_train(out=str(tmp_path / "straight"), **fields)
     out = tmp_path / "killed"
     proc = subprocess.Popen(train_cmd(out=str(out), **fields), env=env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    _wait_for(out / "checkpoints" / "step_000016", proc)
+    _wait_for(out / "checkpoints" / kill_after, proc)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(timeout=30) == -signal.SIGKILL
-    seen = train_losses(out)
-    assert max(seen) < 39, "the run finished before it was killed"
+    return out
+
+
+def test_kill_9_then_resume_equals_uninterrupted(tiny_data, tmp_path):
+    fields = dict(data=tiny_data, max_steps=40, ckpt_interval=8, keep_checkpoints=2, keep_cpu_memory=True)
+    out = _straight_and_killed(tmp_path, fields, "step_000016")
+    assert max(train_losses(out)) < 39, "the run finished before it was killed"
     resumed = run_train(out=str(out), resume="auto", **fields)
     assert "resumed from" in resumed.stdout
     straight, again = train_losses(tmp_path / "straight"), train_losses(out)
@@ -176,13 +182,7 @@ def test_muon_ddp_two_processes_equal_one_with_double_accumulation(tiny_data, tm
 def test_muon_kill_9_then_resume_equals_uninterrupted(tiny_data, tmp_path):
     fields = dict(data=tiny_data, max_steps=24, ckpt_interval=6, keep_checkpoints=2, keep_cpu_memory=True,
                   **MUON_FIELDS)
-    run_train(out=str(tmp_path / "straight"), **fields)
-    out = tmp_path / "killed"
-    proc = subprocess.Popen(train_cmd(out=str(out), **fields), env=env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    _wait_for(out / "checkpoints" / "step_000012", proc)
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait(timeout=30) == -signal.SIGKILL
+    out = _straight_and_killed(tmp_path, fields, "step_000012")
     assert max(train_losses(out)) < 23, "the run finished before it was killed"
     resumed = run_train(out=str(out), resume="auto", **fields)
     assert "resumed from" in resumed.stdout

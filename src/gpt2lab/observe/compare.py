@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from gpt2lab.observe.plot import read_metrics
+from gpt2lab.observe.plot import read_metrics, save_png
 
 
 @dataclass
@@ -131,13 +131,5 @@ def compare_runs(run_dirs: list[str], out_png: Optional[str], target: Optional[f
             raise ValueError(f"{run_dirs[0]}: no {metric} logged; pass --loss X")
         target = curves[0].final[3]
     if out_png:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-        fig = build_figure(curves, target, metric)
-        FigureCanvasAgg(fig)
-        out_dir = os.path.dirname(os.path.abspath(out_png))
-        os.makedirs(out_dir, exist_ok=True)
-        tmp = os.path.join(out_dir, f".{os.path.basename(out_png)}.{os.getpid()}.tmp")
-        fig.savefig(tmp, format="png", dpi=100)
-        os.replace(tmp, out_png)
+        save_png(build_figure(curves, target, metric), out_png)
     return comparison_table(curves, target, metric)

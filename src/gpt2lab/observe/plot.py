@@ -172,14 +172,18 @@ def plot_runs(run_dirs: list[str], out_png: str, summary: bool = False) -> Optio
     return the Markdown summary table."""
     if not run_dirs:
         raise ValueError("plot needs at least one run directory")
+    runs = [load_run(d) for d in run_dirs]
+    save_png(build_figure(runs), out_png)
+    return summary_table(runs) if summary else None
+
+
+def save_png(fig, out_png: str) -> None:
+    """A matplotlib figure as a PNG at ``out_png``, atomically (a temporary sibling, then rename)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    runs = [load_run(d) for d in run_dirs]
-    fig = build_figure(runs)
     FigureCanvasAgg(fig)
     out_dir = os.path.dirname(os.path.abspath(out_png))
     os.makedirs(out_dir, exist_ok=True)
-    tmp = os.path.join(out_dir, f".{os.path.basename(out_png)}.tmp")
+    tmp = os.path.join(out_dir, f".{os.path.basename(out_png)}.{os.getpid()}.tmp")
     fig.savefig(tmp, format="png", dpi=100)
     os.replace(tmp, out_png)
-    return summary_table(runs) if summary else None
