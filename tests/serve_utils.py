@@ -8,12 +8,13 @@ import pytest
 
 
 @contextmanager
-def running_server(models: list[str], limits=None, deterministic: bool = False) -> Iterator[str]:
+def running_server(models: list[str], limits=None, deterministic: bool = False, linear: str = "packed") -> Iterator[str]:
     """Load ``models`` ([NAME=]MODEL, as on the command line) on CPU, serve them; yield the base URL.
-    ``limits`` (serve.limits.Limits) and ``deterministic`` are the serve flags of those names."""
+    ``limits`` (serve.limits.Limits), ``deterministic`` and ``linear`` (--cpu-linear) are the serve
+    flags of those names; the batching tests run the packed kernel, what ``auto`` picks on most CPUs."""
     pytest.importorskip("uvicorn", reason="gpt2lab serve needs the serve extra (fastapi, uvicorn)")
     from gpt2lab.serve.models import load_workers
     from gpt2lab.serve.api import serving_in_thread
 
-    with serving_in_thread(load_workers(models, "cpu", "float32", limits, deterministic)) as url:
+    with serving_in_thread(load_workers(models, "cpu", "float32", limits, deterministic, linear)) as url:
         yield url

@@ -136,3 +136,12 @@ def test_port_out_of_range_is_one_line_and_exit_2(gpt2_vocab_export, capsys, por
     assert cli.main(["serve", "--model", d, "--device", "cpu", "--port", port]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"gpt2lab serve: --port {port}: must be 0 to 65535 (0 lets the system pick a free one)"]
+
+
+def test_packed_linears_where_they_cannot_run_is_one_line_and_exit_2(gpt2_vocab_export, capsys):
+    _, d = gpt2_vocab_export
+    assert cli.main(["serve", "--model", d, "--device", "cpu", "--port", "0", "--dtype", "bfloat16",
+                     "--cpu-linear", "packed"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == ("gpt2lab serve: --cpu-linear packed cannot run here (dtype bfloat16: the packed path is "
+                       "fp32); use auto or plain")

@@ -154,14 +154,23 @@ MODERN = dict(pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2", t
               logit_softcap=15.0)
 
 
+@pytest.mark.parametrize("linear", ["plain", "packed"])
 @pytest.mark.parametrize("block", [{}, MODERN], ids=["gpt2", "modern"])
-def test_batched_rows_give_the_unbatched_models_logits(block):
+def test_batched_rows_give_the_unbatched_models_logits(block, linear):
     """RowsCache: rows of different lengths joining and leaving; every row's logits equal the
     one-row forward of its whole sequence without a cache (with rotary, each row is turned by
-    its own positions)."""
+    its own positions), also with the server's packed linears against the plain model."""
+    import copy
+
+    from gpt2lab.inference.packed import pack_linears, packing_available
     from gpt2lab.serve.batch import RowsCache
 
     model = tiny_gpt(seed=5, vocab_size=97, block_size=48, **block)
+    reference = copy.deepcopy(model)
+    if linear == "packed":
+        if not packing_available():
+            pytest.skip("this torch build has no oneDNN packed linear")
+        pack_linears(model, batch_hint=4)
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (3, 9, 16)]
     cache = RowsCache(model.config.n_layer, model.config.block_size)
@@ -184,7 +193,7 @@ def test_batched_rows_give_the_unbatched_models_logits(block):
             batched, _ = model(new, kv_cache=cache.view(torch.device("cpu")), last_only=True)
             for i, seq in enumerate(seqs):
                 seq.append(int(new[i]))
-                alone, _ = model(torch.tensor([seq]), last_only=True)
+                alone, _ = reference(torch.tensor([seq]), last_only=True)
                 torch.testing.assert_close(batched[i, -1], alone[0, -1], rtol=1e-5, atol=1e-5)
             assert cache.lengths == [len(s) for s in seqs]
         cache.remove(1), cache.remove(1), cache.remove(0)

@@ -32,6 +32,7 @@ import torch
 
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.serve.limits import Limits
+from gpt2lab.serve.models import add_cpu_linear_flag
 from gpt2lab.weights import hf
 
 
@@ -52,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=d.max_queue)
     p.add_argument("--deterministic", action="store_true", help="serve requests in turns (no batching)")
     p.add_argument("--fault", action="store_true", help="after the load, the fault run")
+    add_cpu_linear_flag(p)
 
 
 def _post(url: str, body: bytes, timeout: float = 600) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
@@ -239,12 +241,13 @@ def run(args: argparse.Namespace) -> dict:
     limits = Limits(max_batch=args.max_batch, max_queue=args.max_queue)
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(GPT(config), d)
-        workers = load_workers([f"bench={d}"], args.device, args.dtype, limits, args.deterministic)
+        workers = load_workers([f"bench={d}"], args.device, args.dtype, limits, args.deterministic, args.cpu_linear)
     out = {
         "device": args.device, "dtype": args.dtype, "torch_threads": torch.get_num_threads(),
         "config": dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, vocab_size=50257),
         "scheduling": "turns (--deterministic)" if args.deterministic else f"batches of up to {args.max_batch} rows",
         "new_tokens": args.new_tokens, "seconds": args.seconds,
+        "linear": {"kernel": workers["bench"].linear.value, "reason": workers["bench"].linear.reason},
     }
     with serving_in_thread(workers) as url:
         _stream(url, 0, 4)  # warm-up: allocator growth, first-call set-up

@@ -9,7 +9,7 @@ import sys
 
 from gpt2lab.commands import add_inference_dtype_flag
 from gpt2lab.serve.limits import Limits
-from gpt2lab.serve.models import load_workers, model_names
+from gpt2lab.serve.models import add_cpu_linear_flag, load_workers, model_names
 
 
 def add_parser(sub) -> None:
@@ -37,6 +37,7 @@ def add_parser(sub) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="no batching: requests take turns token by token, each exactly as `gpt2lab sample` "
                         "runs it (seeded requests reproduce `sample` bit for bit; the aggregate is one stream's)")
+    add_cpu_linear_flag(p)
     p.set_defaults(func=run)
 
 
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     limits = limits_from(args)
     sock = bind(args.host, args.port)  # a port in use fails before the models load, too
     try:
-        workers = load_workers(args.model, args.device, args.dtype, limits, args.deterministic)
+        workers = load_workers(args.model, args.device, args.dtype, limits, args.deterministic, args.cpu_linear)
     except BaseException:
         sock.close()
         raise

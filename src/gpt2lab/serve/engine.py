@@ -23,6 +23,7 @@ import torch
 
 from gpt2lab.inference.completion import Sampling, seeded_generator, stream_text
 from gpt2lab.distributed.dist import autocast
+from gpt2lab.inference.packed import LinearChoice
 from gpt2lab.model.gpt import GPT
 from gpt2lab.serve.limits import Limits
 from gpt2lab.serve.metrics import ServeMetrics
@@ -149,8 +150,9 @@ class Worker:
     """Owns one model and the one thread that ever runs it; subclasses write ``_loop``."""
 
     def __init__(self, name: str, model: GPT, device: torch.device, dtype: str,
-                 limits: Optional[Limits] = None) -> None:
+                 limits: Optional[Limits] = None, linear: Optional[LinearChoice] = None) -> None:
         self.name, self.model, self.device, self.dtype = name, model, device, dtype
+        self.linear = linear or LinearChoice("plain", "the model's own linears")  # serve/models.py decides
         self.limits = limits or Limits()
         self.metrics = ServeMetrics()  # create_app swaps in the app's own
         self._new: queue.Queue[Optional[Job]] = queue.Queue()
