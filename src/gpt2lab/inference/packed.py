@@ -12,8 +12,9 @@ against 84-91 ms, while one row costs about the same.
 Whether it pays is measured, not assumed: ``probe`` times both kernels on the model's own
 largest weights at one row and at a full batch, and ``choose_linear`` (a pure function of
 the request and those facts) keeps the plain kernel unless packed is faster at the full
-batch and not slower at one row. The values differ from ``F.linear``'s in the last bits
-(another summation order), which is why ``--deterministic`` serving never packs.
+batch and at most ``ONE_ROW_SLACK`` slower at one row. The values differ from ``F.linear``'s
+in the last bits (another summation order), which is why ``--deterministic`` serving never
+packs.
 """
 from __future__ import annotations
 
@@ -27,8 +28,12 @@ import torch.nn.functional as F
 
 LINEAR_CHOICES = ("auto", "packed", "plain")
 
-# Packed must not cost one row more than this over plain: a lone stream stays as fast.
-ONE_ROW_SLACK = 1.10
+# How much slower than plain packed may be for one row and still be chosen. A one-row step reads
+# every weight once and is bound by memory bandwidth under either kernel (their true one-row
+# times are close), while the probe's one-row figures are a few ms and swing by 10-20% with
+# scheduling on a busy machine; a batching server earns its keep at full batches, where packing
+# saves up to half the step.
+ONE_ROW_SLACK = 1.25
 
 
 def packing_available() -> bool:
