@@ -81,3 +81,12 @@ def test_another_model_shape_names_only_the_fields_that_differ(tmp_path):
     msg = str(e.value)
     assert "n_layer 2 there, 3 here" in msg, msg
     assert "n_head" not in msg and "n_embd" not in msg and "vocab_size" not in msg, msg
+
+
+@pytest.mark.parametrize("argv, named", [(["export", "{src}", "{out}"], "SRC"),
+                                         (["sample", "--model", "{src}", "--device", "cpu"], "--model")])
+def test_a_missing_model_is_named_as_the_argument_that_gave_it(tmp_path, capsys, argv, named):
+    src, out = str(tmp_path / "nowhere"), str(tmp_path / "out")
+    with pytest.raises(SystemExit) as e:
+        cli.main([a.format(src=src, out=out) for a in argv])
+    assert str(e.value).startswith(f"{named} {src}: no such directory, and not a GPT-2 hub name")

@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
     from gpt2lab.weights import hf
     from gpt2lab.weights.load import load_model
 
-    model = load_model(args.src, "cpu")
+    model = load_model(args.src, "cpu", arg="SRC")
     hf.save_pretrained(model, args.out_dir)
     c = model.config
     print(f"wrote {args.out_dir}: GPT-2 {c.n_layer} layers, {c.n_head} heads, {c.n_embd} wide, "

@@ -32,25 +32,26 @@ def is_hf_dir(path: str) -> bool:
         return not os.path.exists(os.path.join(path, "state.pt"))
 
 
-def load_model(spec: str, device: Optional[torch.device | str] = None) -> GPT:
+def load_model(spec: str, device: Optional[torch.device | str] = None, arg: str = "--model") -> GPT:
     """The model named by ``spec``, in eval mode, on ``device`` (default cpu).
 
     ``spec`` is an HF GPT-2 name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), a local
     directory in HF layout, a gpt2lab run directory (newest checkpoint) or checkpoint dir.
-    Anything else, or a source that cannot be read, exits with a message naming it.
+    Anything else, or a source that cannot be read, exits with a message naming it as the
+    command-line argument ``arg`` that gave it (``--model``, or ``SRC`` for export's positional).
     """
     from gpt2lab.system.errors import CheckpointError
 
     try:
-        model = _load(spec)
+        model = _load(spec, arg)
     except CheckpointError:  # already one line naming the checkpoint; its own exit code
         raise
     except (OSError, ValueError, KeyError, RuntimeError) as e:  # includes hf.WeightsError
-        raise SystemExit(f"--model {spec}: {e}") from e
+        raise SystemExit(f"{arg} {spec}: {e}") from e
     return model.to(device or "cpu").eval()
 
 
-def _load(spec: str) -> GPT:
+def _load(spec: str, arg: str) -> GPT:
     from gpt2lab.weights import hf
 
     if os.path.isdir(spec):
@@ -60,10 +61,10 @@ def _load(spec: str) -> GPT:
 
         return checkpoint.load_model(spec)
     if os.path.exists(spec):
-        raise SystemExit(f"--model {spec}: is a file; pass its directory (an HF model dir, a run dir or a checkpoint dir)")
+        raise SystemExit(f"{arg} {spec}: is a file; pass its directory (an HF model dir, a run dir or a checkpoint dir)")
     if spec in HUB_NAMES or spec.startswith("openai-community/"):
         return hf.from_hub(spec)
     raise SystemExit(
-        f"--model {spec}: no such directory, and not a GPT-2 hub name ({', '.join(HUB_NAMES)}). "
+        f"{arg} {spec}: no such directory, and not a GPT-2 hub name ({', '.join(HUB_NAMES)}). "
         "Pass an HF model directory (config.json + model.safetensors), a run directory or a checkpoint."
     )
