@@ -61,3 +61,44 @@ def test_the_warning_format_is_restored_after_main(tmp_path, capsys):
     except SystemExit:
         pass
     assert warnings.formatwarning is before
+
+
+def _metrics_run(path, name: str):
+    run = path / name
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "train_loss": {3.0 - s / 10}, "val_loss": '
+                                               f'{3.1 - s / 10}, "tokens": {1000 * s}}}\n' for s in range(5)))
+    return str(run)
+
+
+@pytest.mark.parametrize("command", ["plot", "compare"])
+def test_plot_and_compare_never_overwrite_a_file_they_did_not_write(tmp_path, capsys, command):
+    """--out over someone's file (a foreign PNG, any file, a folder) is one line, exit 2, the file
+    untouched; over a PNG gpt2lab wrote it replaces it (the Software text chunk says which)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [_metrics_run(tmp_path, "a"), _metrics_run(tmp_path, "b")][: 1 if command == "plot" else 2]
+    theirs = tmp_path / "theirs.png"
+    fig = plt.figure()
+    fig.savefig(theirs)  # matplotlib's own PNG: Software "Matplotlib version ..."
+    plt.close(fig)
+    other = tmp_path / "notes.txt"
+    other.write_text("keep me")
+    folder = tmp_path / "folder.png"
+    folder.mkdir()
+    for target in (theirs, other, folder):
+        before = target.read_bytes() if target.is_file() else None
+        assert cli.main([command, *runs, "--out", str(target)]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"gpt2lab {command}: --out {target}: a file gpt2lab did not write is there; pick another path "
+            "(nothing was overwritten)")
+        assert (target.read_bytes() if target.is_file() else None) == before
+    ours = tmp_path / "ours.png"
+    for _ in range(2):  # the second run replaces the first's PNG
+        assert cli.main([command, *runs, "--out", str(ours)]) == 0
+        assert b"Software\x00gpt2lab" in ours.read_bytes()[:4096]
+    capsys.readouterr()

@@ -30,6 +30,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--out needs matplotlib ({e}); pip install 'gpt2lab[plot]' or drop --out") from None
     try:
         table = compare_runs(args.runs, args.out, target=args.loss, metric=args.metric)
+    except UsageError:  # --out over a file gpt2lab did not write
+        raise
     except ValueError as e:
         raise DataError(str(e)) from None
     print(table)

@@ -25,6 +25,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit("gpt2lab plot: several runs need --out FILE.png")
         out = os.path.join(args.runs[0], "plot.png")
     from gpt2lab.system import rundir
+    from gpt2lab.system.errors import UsageError
 
     for run in args.runs:
         note = rundir.live_note(run) if os.path.isdir(run) else None
@@ -32,6 +33,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"gpt2lab plot: note: {note}", file=sys.stderr, flush=True)
     try:
         table = plot_runs(args.runs, out, summary=args.summary)
+    except UsageError:  # --out over a file gpt2lab did not write
+        raise
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"gpt2lab plot: {e}") from None
     if table:

@@ -177,13 +177,40 @@ def plot_runs(run_dirs: list[str], out_png: str, summary: bool = False) -> Optio
     return summary_table(runs) if summary else None
 
 
-def save_png(fig, out_png: str) -> None:
-    """A matplotlib figure as a PNG at ``out_png``, atomically (a temporary sibling, then rename)."""
+# The tEXt chunk every PNG gpt2lab writes carries; an existing file is replaced only with it.
+PNG_SOFTWARE = "gpt2lab"
+
+
+def written_by_gpt2lab(path: str) -> bool:
+    """``path`` is a PNG that save_png wrote (its Software text chunk says so), or lies in a
+    gpt2lab run directory (a run's plot.png from a version that wrote no chunk)."""
+    from gpt2lab.system import rundir
+
+    if rundir.inspect(os.path.dirname(os.path.abspath(path))).kind == rundir.RUN:
+        return True
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)  # matplotlib writes its text chunks before the image data
+    except OSError:
+        return False
+    return head.startswith(b"\x89PNG") and b"Software\x00" + PNG_SOFTWARE.encode() in head
+
+
+def save_png(fig, out_png: str, flag: str = "--out") -> None:
+    """A matplotlib figure as a PNG at ``out_png``, atomically (a temporary sibling, then rename).
+
+    A file already at ``out_png`` is replaced only if gpt2lab wrote it (``written_by_gpt2lab``);
+    anything else there is a UsageError naming ``flag`` and the path, and stays untouched."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
+    from gpt2lab.system.errors import UsageError
+
+    if os.path.lexists(out_png) and not (os.path.isfile(out_png) and written_by_gpt2lab(out_png)):
+        raise UsageError(f"{flag} {out_png}: a file gpt2lab did not write is there; pick another path "
+                         "(nothing was overwritten)")
     FigureCanvasAgg(fig)
     out_dir = os.path.dirname(os.path.abspath(out_png))
     os.makedirs(out_dir, exist_ok=True)
     tmp = os.path.join(out_dir, f".{os.path.basename(out_png)}.{os.getpid()}.tmp")
-    fig.savefig(tmp, format="png", dpi=100)
+    fig.savefig(tmp, format="png", dpi=100, metadata={"Software": PNG_SOFTWARE})
     os.replace(tmp, out_png)
