@@ -3,6 +3,7 @@ the saved tensors of a real Block, the profiler's record of a real CPU step, the
 presets' stated assumptions."""
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from importlib import resources
@@ -14,7 +15,8 @@ from gpt2lab import cli
 from gpt2lab.distributed import memplan
 from gpt2lab.benchmarks.memory import model_config
 from gpt2lab.train.config import load_preset
-from gpt2lab.model.gpt import GPT, Block, GPTConfig
+from gpt2lab.model.config import MLP_ACTS, NORMS, POS_EMB
+from gpt2lab.model.gpt import GPT, Block, GPTConfig, rotary_cos_sin
 from gpt2lab.distributed.parallel import choose_strategy
 
 N_124M = 124_475_904  # GPT-2 124M with the vocab padded to 50304 (nanoGPT's printed count)
@@ -52,12 +54,30 @@ def test_state_bytes_ddp_16_per_param_fsdp_sharded():
     assert pred.terms["runtime"] == memplan.CUDA_RUNTIME_BYTES and pred.total == sum(pred.terms.values())
 
 
-@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
-def test_block_saved_bytes_equal_what_autograd_keeps(dtype):
-    C, B, T = 64, 2, 16
-    block = Block(GPTConfig(n_layer=1, n_head=4, n_embd=C, vocab_size=64, block_size=T), 0)
+SWITCHES = list(itertools.product(POS_EMB, NORMS, (False, True), MLP_ACTS))
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("pos_emb,norm,qk_norm,mlp_act", SWITCHES,
+                         ids=["-".join(map(str, s)).replace("True", "qk").replace("False", "noqk") for s in SWITCHES])
+def test_block_saved_bytes_equal_what_autograd_keeps(pos_emb, norm, qk_norm, mlp_act, dtype):
+    """Every tensor a real Block saves for backward (CPU), by storage, against the planner.
+
+    Exact, and so tied to torch internals the planner's docstring names, checked on torch 2.13
+    only (the one installed; 2.11, also supported, was not run): CPU's RMSNorm being aten's
+    decomposition (rms_norm_composite: it keeps the normalised input for the gain, and returns a
+    contiguous result, whence the copy before c_proj with qk_norm; 2.13 has no CPU kernel for
+    aten::_fused_rms_norm), SDPA's output laid out like q, elementwise ops keeping their input's
+    layout (the rotated q). A torch whose kernels differ there fails here first."""
+    C, B, T, nh = 48, 3, 10, 4  # head size 12: no size equals another, per-token terms apart from per-(T, hs)
+    cfg = GPTConfig(n_layer=1, n_head=nh, n_embd=C, vocab_size=64, block_size=T, pos_emb=pos_emb, norm=norm,
+                    qk_norm=qk_norm, mlp_act=mlp_act)
+    block = Block(cfg, 0)
     x = torch.randn(B, T, C, requires_grad=True)
-    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    # rotary: the fp32 tables GPT.forward builds once for all blocks; the planner counts them with
+    # the head (``phases``), so here they are left out like the parameters
+    rope = rotary_cos_sin(cfg, torch.arange(T)) if pos_emb == "rotary" else None
+    shared = {t.untyped_storage().data_ptr() for t in (*block.parameters(), *(rope or ()))}
     saved = {}
 
     def pack(t):
@@ -66,11 +86,11 @@ def test_block_saved_bytes_equal_what_autograd_keeps(dtype):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            block(x)
-    activations = sum(n for ptr, n in saved.items() if ptr not in params)
+            block(x, None, rope)
+    activations = sum(n for ptr, n in saved.items() if ptr not in shared)
     act = 4 if dtype is None else 2
     casts = 0 if dtype is None else 2 * 12 * C * C  # autocast's bf16 copies of the four weight matrices
-    assert activations == memplan.block_saved_bytes(B * T, C, 4, 4, act) + casts
+    assert activations == memplan.block_saved_bytes(cfg, B, T, act, device="cpu") + casts
 
 
 def test_plan_is_the_largest_micro_batch_that_fits():

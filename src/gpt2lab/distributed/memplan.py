@@ -3,7 +3,7 @@
 ``predict`` adds up what one rank holds at the peak of a step of ``gpt2lab train``: weights,
 gradients, AdamW's two fp32 moments, DDP's gradient buckets, the low-precision weight copies
 a step keeps (autocast's casts; FSDP's all-gathered blocks), the tensors autograd saves for
-backward (derived from model.py and chunked_loss.py, see ``block_saved_bytes``), the chunked
+backward (derived from model/gpt.py and model/loss.py, see ``block_saved_bytes``), the chunked
 loss's workspace, and a fixed runtime overhead (on CPU also glibc's heap slack). ``plan``
 searches the largest micro-batch that fits a given memory. ``gpt2lab bench memory`` prints
 both next to measured peaks.
@@ -72,20 +72,74 @@ def param_counts(cfg: GPTConfig) -> dict[str, int]:
             "block_matmul": 12 * C * C + 9 * C}  # what autocast casts: Linear weights and biases
 
 
-def block_saved_bytes(tokens: int, C: int, n_head: int, resid: int, act: int) -> int:
-    """Bytes autograd keeps for one Block's backward, ``tokens`` = B*T.
+def norm_saved_bytes(norm: str, C: int, device: str) -> int:
+    """Bytes per token that one of the model's norms (ln_1, ln_2, ln_f) keeps for backward; its
+    input is the fp32 residual stream (fp32 under autocast too).
 
-    ``resid`` is the residual stream's element size (fp32 under autocast: the embeddings
-    are fp32 and a bf16 branch added to them promotes), ``act`` the matmul inputs' and
-    outputs'. Saved: ln_1's input (resid), c_attn's input (act, the LayerNorm output cast
-    by autocast), q/k/v (3 act, views of c_attn's output, kept by SDPA), SDPA's output
-    (act; it is also c_proj's input: flash attention lays it out (B, T, nh, hs), so the
-    ``.contiguous()`` after the transpose copies nothing), ln_2's input (resid), c_fc's
-    input (act), GELU's input (4 act) and c_proj's input (4 act, GELU's output). Per
-    token: two LayerNorms' mean and rstd and SDPA's logsumexp per head, fp32. Dropout at
-    p=0 saves nothing. (tests/unit/test_memplan.py counts the saved tensors of a real Block.)
+    LayerNorm: its input and fp32 mean and rstd. RMSNorm (``F.rms_norm`` with a gain): on CPU
+    torch decomposes it (aten's rms_norm_composite: pow, mean, rsqrt, two muls), which keeps
+    the input, the fp32 rstd and the fp32 normalised input that the gain multiplies; on CUDA
+    it runs the fused kernel (aten::_fused_rms_norm), whose backward takes the input and the
+    rstd only (derivatives.yaml; from torch's source, not measured here).
     """
-    return tokens * (C * (2 * resid + 14 * act) + 4 * FP32 + n_head * FP32)
+    if norm == "rmsnorm":
+        return FP32 * C + FP32 + (FP32 * C if device == "cpu" else 0)
+    return FP32 * C + 2 * FP32
+
+
+def block_saved_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, act: int, device: str = "cuda") -> int:
+    """Bytes autograd keeps for one Block's backward over micro_batch x seq_len tokens.
+
+    ``act`` is the element size of the matmuls' inputs and outputs (``dtype`` under autocast);
+    the residual stream is fp32 either way (the embeddings are fp32 and a bf16 branch added to
+    them promotes). Per token, GPT-2's block keeps: ln_1's and ln_2's inputs and statistics
+    (``norm_saved_bytes``), c_attn's input (act, the norm's output cast by autocast), c_attn's
+    output (3 act: q/k/v are views of it, kept by SDPA), SDPA's output (act; also c_proj's
+    input: flash attention lays it out like q, here (B, T, nh, hs), so the ``.contiguous()``
+    after the transpose copies nothing) and its fp32 logsumexp per head, c_fc's input (act),
+    GELU's input and output (8 act; the output is c_proj's input). Dropout at p=0 keeps nothing.
+
+    The modern block's switches (GPTConfig):
+    - ``norm="rmsnorm"``: see ``norm_saved_bytes`` (CPU: one more fp32 C per norm than
+      LayerNorm, less one statistic; CUDA: one statistic less).
+    - ``qk_norm``: per q and k, F.rms_norm's fp32 rstd per head and its input in fp32 (under
+      autocast an fp32 copy of the bf16 view; in fp32 the view of c_attn's output, already
+      counted), and its output cast back to act (a new tensor SDPA keeps instead of the view;
+      c_attn's output stays whole through v). On CPU the decomposition returns that output
+      contiguous in (B, nh, T, hs) (CUDA's kernels are taken to do the same; not measured), so
+      SDPA's output is laid out that way too and the ``.contiguous()`` before c_proj is a copy
+      c_proj keeps: one more act.
+    - ``pos_emb="rotary"``: the rotated q and k (act each, new tensors SDPA keeps; with qk_norm
+      they replace the normalised ones, which nothing keeps then). apply_rotary's products keep
+      cos and sin only (x needs no gradient from them, neg and cat keep nothing): in fp32 the
+      (T, hs) tables GPT.forward builds once for every block (counted with the head in
+      ``phases``), under autocast their casts to act, four per block (cos and sin for q and
+      for k), which do not grow with the batch. The rotated tensors keep q's (B, T, nh, hs)
+      layout (elementwise ops follow their input's strides), so no copy before c_proj.
+    - ``mlp_act="relu2"``: relu keeps its output, which is also square's input (the same
+      storage), and square's output is c_proj's input: 8 act, as GELU. On CUDA under autocast
+      ``square`` is ``pow``, which autocast runs in fp32 there (not on CPU): pow keeps an fp32
+      copy of relu's output, 4 fp32 more (from torch's autocast tables, not measured here).
+    - tie_embeddings, zero_init_proj, logit_softcap: nothing in the block.
+
+    tests/unit/test_memplan.py counts the saved tensors of a real Block on CPU for every
+    combination, fp32 and bf16 autocast, exactly. What rests on torch's internals (the RMSNorm
+    kernels, SDPA's and elementwise ops' output layouts, autocast's op lists) is as torch 2.13
+    has it, the only version measured (not run on 2.11, the oldest gpt2lab allows).
+    """
+    C, nh = cfg.n_embd, cfg.n_head
+    low = act != FP32
+    per_token = 2 * norm_saved_bytes(cfg.norm, C, device)
+    per_token += C * act + 3 * C * act + C * act + nh * FP32  # c_attn in and out, SDPA out and logsumexp
+    if cfg.qk_norm or cfg.pos_emb == "rotary":
+        per_token += 2 * C * act  # q and k as new tensors
+    if cfg.qk_norm:
+        per_token += 2 * (nh * FP32 + (FP32 * C if low else 0)) + C * act
+    per_token += C * act + 8 * C * act  # c_fc's input, the activation's two
+    if cfg.mlp_act == "relu2" and low and device == "cuda":
+        per_token += 4 * C * FP32
+    tables = 4 * seq_len * (C // nh) * act if cfg.pos_emb == "rotary" and low else 0
+    return micro_batch * seq_len * per_token + tables
 
 
 def loss_workspace_bytes(N: int, V: int, C: int, compute: int, x_size: int, w_size: int) -> int:
@@ -123,7 +177,7 @@ def predict(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro
     check(strategy, world_size, micro_batch, dtype, accum, device)
     peak = max(phases(cfg, strategy=strategy, world_size=world_size, micro_batch=micro_batch, seq_len=seq_len,
                       dtype=dtype, activation_checkpointing=activation_checkpointing, accum=accum,
-                      chunked_loss=used_for(device, compiled, sharded=strategy == "fsdp")),
+                      chunked_loss=used_for(device, compiled, sharded=strategy == "fsdp"), device=device),
                key=lambda ph: ph.total)
     peak.terms["runtime"] = runtime_bytes(device)
     # On CPU the peak RSS exceeds the peak of live tensors by about one more chunked-loss
@@ -139,11 +193,11 @@ def predict(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro
 
 def phases(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_batch: int = 1,
            seq_len: Optional[int] = None, dtype: str = "bfloat16", activation_checkpointing: bool = False,
-           accum: int = 2, chunked_loss: bool = True) -> list[Prediction]:
+           accum: int = 2, chunked_loss: bool = True, device: str = "cuda") -> list[Prediction]:
     """Tensor bytes per rank at each moment a step can peak (see the module docstring).
 
-    Activations are autocast's under both strategies (LayerNorm in fp32, the residual stream
-    fp32, matmuls in ``dtype``). One process trains unwrapped whatever the strategy.
+    Activations are autocast's under both strategies (the norms in fp32, the residual stream
+    fp32, matmuls in ``dtype``), for every combination of the modern block's switches. One process trains unwrapped whatever the strategy.
     DDP: fp32 weights, gradients and moments, DDP's buckets (one more fp32 copy of the
     gradients: ``gradient_as_bucket_view`` is off) and autocast's cached ``dtype`` copies
     of the block weights through the forward. FSDP as gpt2lab.distributed.parallel shards it: fp32
@@ -154,8 +208,10 @@ def phases(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_
     of a later micro-step finds every block gathered and the whole gradient in fp32.
     ``accum`` > 1 keeps the gradients alive through later forwards under DDP too.
     ``chunked_loss`` False: the loss of a compiled model on a GPU (chunked_loss.used_for).
+    ``device`` picks what differs between CPU and CUDA kernels in what autograd keeps
+    (``block_saved_bytes``: RMSNorm, ReLU^2 under autocast).
     """
-    check(strategy, world_size, micro_batch, dtype, accum, "cuda")
+    check(strategy, world_size, micro_batch, dtype, accum, device)
     T = seq_len or cfg.block_size
     N, V, C, L = micro_batch * T, cfg.vocab_size, cfg.n_embd, cfg.n_layer
     p, a = param_counts(cfg), DTYPE_BYTES[dtype]
@@ -173,9 +229,12 @@ def phases(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_
         cast = a * p["block_matmul"] if a != FP32 else 0
         copies, one_copy = L * cast, cast
         grads_fwd, grads_bwd = (whole if accum > 1 else 0), whole
-    block = block_saved_bytes(N, C, cfg.n_head, FP32, a)
+    block = block_saved_bytes(cfg, micro_batch, T, a, device)
     kept = L * FP32 * N * C if activation_checkpointing else L * block
-    head = 2 * FP32 * N * C + 16 * N  # ln_f's input and output, the token ids
+    # ln_f's saved tensors and its output, the token ids (inputs and targets, int64); rotary: the fp32
+    # cos and sin tables (T, head size) GPT.forward builds once and passes to every block
+    head = N * norm_saved_bytes(cfg.norm, C, device) + FP32 * N * C + 16 * N
+    head += 2 * T * (C // cfg.n_head) * FP32 if cfg.pos_emb == "rotary" else 0
     # the chunked loss's workspace, or the logits (N, V) in ``dtype`` that a compiled graph's fused
     # cross-entropy keeps (H100, 124M, B=64: 28.48 GiB measured, 28.36 predicted this way)
     loss = loss_workspace_bytes(N, V, C, a, FP32, FP32) if chunked_loss else N * V * a
