@@ -15,6 +15,7 @@ from gpt2lab import cli
 from gpt2lab.distributed import memplan
 from gpt2lab.benchmarks.memory import model_config
 from gpt2lab.train.config import load_preset
+from gpt2lab.model import loss as chunked
 from gpt2lab.model.config import MLP_ACTS, NORMS, POS_EMB
 from gpt2lab.model.gpt import GPT, Block, GPTConfig, rotary_cos_sin
 from gpt2lab.distributed.parallel import choose_strategy
@@ -91,6 +92,37 @@ def test_block_saved_bytes_equal_what_autograd_keeps(pos_emb, norm, qk_norm, mlp
     act = 4 if dtype is None else 2
     casts = 0 if dtype is None else 2 * 12 * C * C  # autocast's bf16 copies of the four weight matrices
     assert activations == memplan.block_saved_bytes(cfg, B, T, act, device="cpu") + casts
+
+
+@pytest.mark.parametrize("softcap", [0.0, 15.0], ids=["nocap", "softcap"])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("N,V,C", [(1000, 500, 16), (100, 2000, 8), (300, 1000, 32), (17, 1000, 64), (40, 300, 200)])
+def test_loss_workspace_is_the_peak_of_the_chunked_loss(monkeypatch, N, V, C, dtype, softcap):
+    """The peak of live tensor bytes in chunked_cross_entropy's forward, from the profiler's record of
+    every allocation, against the planner's replay of its loop. Chunks shrunk so that the shapes
+    have several chunks per group and several groups (N=1000, V=500: 32 rows a chunk, 64 a group,
+    16 groups), a peak inside the kernel (V=2000, C=8), a partial last chunk, one group, and a peak at
+    the grad_w matmul (C=200)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setattr(chunked, "_CHUNK_ELEMENTS", 2 ** 14)
+    monkeypatch.setattr(chunked, "_GROUP_ELEMENTS", 2 ** 15)
+    torch.manual_seed(0)
+    x, w = torch.randn(N, C, requires_grad=True), torch.randn(V, C, requires_grad=True)
+    targets = torch.randint(0, V, (N,))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):
+            chunked.chunked_cross_entropy(x, w, targets, softcap=softcap)
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    predicted = memplan.loss_workspace_bytes(N, V, C, 4 if dtype is None else 2, 4, 4, softcap)
+    rows, _ = chunked.chunk_rows(V)
+    # left out: a chunk's per-row vectors (the target's probability, nll, masks) and scalars
+    assert 0 <= peak - predicted <= 16 * rows, (peak, predicted)
 
 
 def test_plan_is_the_largest_micro_batch_that_fits():

@@ -142,30 +142,50 @@ def block_saved_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, act: int, 
     return micro_batch * seq_len * per_token + tables
 
 
-def loss_workspace_bytes(N: int, V: int, C: int, compute: int, x_size: int, w_size: int) -> int:
+def loss_workspace_bytes(N: int, V: int, C: int, compute: int, x_size: int, w_size: int,
+                         softcap: float = 0.0) -> int:
     """Peak bytes inside chunked_cross_entropy's forward (eager kernel), replaying its loop.
 
     Alive throughout: x and the weight cast to the compute dtype (when they are not in it
-    already) and grad_x (N, C) fp32; per chunk, its logits and their fp32 softmax (in low
-    precision also the logits converted to fp32, then the softmax cast back); the chunk
-    gradients of a group until its grad_w matmul, whose result lands in the compute dtype
-    and then in fp32.
+    already), grad_x (N, C) fp32, the kept-row mask and the clamped targets (9 bytes a row);
+    per chunk, its logits and the kernel's (n, V) temporaries; the chunk gradients of a group
+    until its grad_w matmul, whose result lands in the compute dtype and then in fp32. Two
+    names outlive their group: ``d`` (the group's gradients, concatenated if more than one
+    chunk) until the next group's first kernel returns, and ``gw`` (V, C) fp32 until the next
+    group's is made (from the third group on it is no longer grad_w itself).
+
+    The kernel without a softcap: the logits and their fp32 softmax; in low precision also the
+    logits converted to fp32 first (a copy next to the softmax's output), then the softmax cast
+    back. With ``softcap`` > 0 it keeps more: tanh of the fp32 logits over the cap (``t``, kept
+    for the gradient through the cap), the capped logits and their softmax, all (n, V) fp32,
+    and at ``p.mul_(1 - t.square_())`` a fourth for ``1 - t^2``: 16 bytes a logit in any dtype
+    (the chunk's own logits are freed by then: the kernel holds the only reference and rebinds
+    it), against 8 (fp32) or 10 (bf16, fp16) without. tests/unit/test_memplan.py measures the
+    peak of the real loss with the profiler, with and without the cap, against this replay.
     """
-    base = (N * C * compute if compute != x_size else 0) + (V * C * compute if compute != w_size else 0) + N * C * FP32
+    base = (N * C * compute if compute != x_size else 0) + (V * C * compute if compute != w_size else 0)
+    base += N * C * FP32 + 9 * N
+
+    def kernel(n: int) -> int:
+        if softcap:
+            return 4 * n * V * FP32
+        # softmax(dtype=float32) of low-precision logits converts them first (a copy next to its
+        # output), and its result is cast back; in fp32 there is neither copy
+        return n * V * (compute + FP32) + (n * V * max(FP32, compute) if compute != FP32 else 0)
+
     rows, group = chunk_rows(V)
-    peak, grad_w = 0, 0
-    for g0 in range(0, N, group):
+    peak, grad_w, old_gw, old_d = 0, 0, 0, 0
+    for g, g0 in enumerate(range(0, N, group)):
         g1, parts = min(N, g0 + group), 0
         for s in range(g0, g1, rows):
             n = min(g1, s + rows) - s
-            # softmax(dtype=float32) of low-precision logits converts them first (a copy next to
-            # its output), and its result is cast back; in fp32 there is neither copy
-            extra = n * V * max(FP32, compute) if compute != FP32 else 0
-            peak = max(peak, base + grad_w + parts + n * V * (compute + FP32) + extra)
-            parts += n * V * compute
+            peak = max(peak, base + grad_w + old_gw + old_d + parts + kernel(n))
+            old_d, parts = 0, parts + n * V * compute
         cat = parts if g1 - g0 > rows else 0  # torch.cat of more than one chunk is a copy
         gw = V * C * compute + (V * C * FP32 if compute != FP32 else 0)
-        peak = max(peak, base + grad_w + parts + cat + gw)
+        peak = max(peak, base + grad_w + old_gw + parts + cat + gw)
+        old_d = parts  # d: the concatenation, or the one chunk's gradients
+        old_gw = V * C * FP32 if g >= 1 else 0  # the first group's gw became grad_w
         grad_w = V * C * FP32
     return peak
 
@@ -187,7 +207,7 @@ def predict(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro
     if device == "cpu":
         T = seq_len or cfg.block_size
         peak.terms["allocator"] = loss_workspace_bytes(micro_batch * T, cfg.vocab_size, cfg.n_embd,
-                                                       DTYPE_BYTES[dtype], FP32, FP32)
+                                                       DTYPE_BYTES[dtype], FP32, FP32, cfg.logit_softcap)
     return peak
 
 
@@ -237,7 +257,7 @@ def phases(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_
     head += 2 * T * (C // cfg.n_head) * FP32 if cfg.pos_emb == "rotary" else 0
     # the chunked loss's workspace, or the logits (N, V) in ``dtype`` that a compiled graph's fused
     # cross-entropy keeps (H100, 124M, B=64: 28.48 GiB measured, 28.36 predicted this way)
-    loss = loss_workspace_bytes(N, V, C, a, FP32, FP32) if chunked_loss else N * V * a
+    loss = loss_workspace_bytes(N, V, C, a, FP32, FP32, cfg.logit_softcap) if chunked_loss else N * V * a
     out = [Prediction("forward", {**fixed, "grads": grads_fwd, "weight_copies": copies, "activations": kept + head,
                                   "loss": loss})]
     if activation_checkpointing:  # the last block recomputed next to the loss's saved gradients
