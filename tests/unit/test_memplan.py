@@ -157,6 +157,45 @@ def test_bench_plan_and_bad_values(capsys):
         assert msg in err and "\n" not in err
 
 
+def test_a_modern_preset_is_planned_with_its_modern_block(capsys):
+    """The run plan and `bench memory --preset` hand the preset's GPTConfig to the planner, whose
+    activations and loss terms then follow its switches (checked against autograd above)."""
+    from dataclasses import replace
+
+    from gpt2lab.system import runtime
+    from gpt2lab.train.plan import Facts, make_plan
+
+    cfg = load_preset("gpt2-124m-fast", data="unused", hellaswag_interval=0)
+    assert cfg.model.modern()["pos_emb"] == "rotary" and cfg.model.logit_softcap > 0
+    h100 = Facts(runtime.Facts("cuda", "NVIDIA H100 80GB HBM3", cuda_bf16=True), world_size=8,
+                 device_bytes=80 * 2 ** 30)
+    plan = make_plan(cfg, h100)
+    kw = dict(strategy=plan.strategy.value, world_size=8, micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len,
+              dtype="bfloat16", accum=plan.accum, device="cuda", compiled=True)
+    assert plan.memory == memplan.predict(cfg.model, **kw).to_dict()
+    gpt2 = replace(cfg.model, pos_emb="learned", norm="layernorm", qk_norm=False, mlp_act="gelu")
+    modern, plain = memplan.predict(cfg.model, **kw).terms, memplan.predict(gpt2, **kw).terms
+    B, T, L, C = cfg.micro_batch_size, cfg.seq_len, cfg.model.n_layer, cfg.model.n_embd
+    blocks = L * (memplan.block_saved_bytes(cfg.model, B, T, 2) - memplan.block_saved_bytes(gpt2, B, T, 2))
+    ln_f = B * T * (memplan.norm_saved_bytes("rmsnorm", C, "cuda") - memplan.norm_saved_bytes("layernorm", C, "cuda"))
+    rope_tables = 2 * T * 64 * 4  # cos and sin, (T, head size 64) fp32
+    assert blocks > 0 and modern["activations"] - plain["activations"] == blocks + ln_f + rope_tables
+
+    # bench memory --preset: the same architecture, its seq_len; the softcap's loss workspace on CPU
+    assert cli.main(["bench", "memory", "--preset", "wiki-cpu-fast", "--micro-batch", "2", "--dtype", "float32",
+                     "--device", "cpu", "--measure", "false"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    fast = load_preset("wiki-cpu-fast")
+    assert out["seq_len"] == fast.seq_len and out["modern"] == fast.model.modern()
+    want = memplan.predict(fast.model, micro_batch=2, seq_len=fast.seq_len, dtype="float32", device="cpu")
+    assert out["predicted_mib"] == want.to_dict()
+    capped = memplan.predict(replace(fast.model, logit_softcap=15.0), micro_batch=2, seq_len=fast.seq_len,
+                             dtype="float32", device="cpu")
+    assert capped.terms["loss"] > want.terms["loss"]
+    assert cli.main(["bench", "memory", "--preset", "wiki-cpu", "--size", "124M", "--measure", "false"]) == 2
+    assert "--size and --preset" in capsys.readouterr().err
+
+
 def test_presets_state_what_the_planner_chooses():
     for name in ("gpt2-350m", "gpt2-774m", "gpt2-1558m"):
         text = (resources.files("gpt2lab") / "presets" / f"{name}.toml").read_text()

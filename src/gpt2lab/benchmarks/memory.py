@@ -14,6 +14,11 @@ Three modes:
   bisection between the last that fit and the first that did not, each try printed with
   its peak memory and the prediction. On CPU it runs only the tries it is given
   (``--max-batch``).
+
+The model is a GPT-2 size (``--size``) or a training preset's architecture (``--preset``, e.g.
+wiki-cpu-fast's modern block: rotary, RMSNorm, QK-norm, ReLU^2, untied head), planned and
+built as ``gpt2lab train`` builds it. The optimizer is AdamW either way, as the planner
+assumes, whatever the preset trains with (Muon's state is not modelled).
 """
 from __future__ import annotations
 
@@ -40,8 +45,11 @@ TINY = dict(n_layer=2, n_head=2, n_embd=64)  # for CPU measurements and tests
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--size", default="124M", help="GPT-2 size: 124M, 350M, 774M, 1558M, or tiny (2 x 64)")
-    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--size", default=None, help="GPT-2 size: 124M (default), 350M, 774M, 1558M, or tiny (2 x 64)")
+    p.add_argument("--preset", default=None, metavar="NAME",
+                   help="instead of --size: a training preset's architecture (its modern-block switches, "
+                        "block_size, vocab) and seq_len; the other settings are this command's flags")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 1024, or the preset's)")
     p.add_argument("--max-batch", type=int, default=1024, help="search mode: stop searching here")
     p.add_argument("--compile", default="false", choices=["true", "false"])
     p.add_argument("--device", default=None)
@@ -78,8 +86,29 @@ def model_config(size: str, seq_len: int) -> GPTConfig:
         raise UsageError(f"--size {size}: {e}") from None
 
 
+def resolve_model(args: argparse.Namespace) -> GPTConfig:
+    """The architecture asked for: a GPT-2 size (block_size = seq_len), or with ``--preset`` the
+    preset's model as ``gpt2lab train`` builds it. Sets ``args.size`` (the label printed) and
+    ``args.seq_len`` when they were left out."""
+    if args.preset is None:
+        args.size = args.size or "124M"
+        args.seq_len = 1024 if args.seq_len is None else args.seq_len
+        return model_config(args.size, args.seq_len)
+    if args.size is not None:
+        raise UsageError("--size and --preset both given; pass one (a preset brings its own architecture)")
+    from gpt2lab.train.config import load_preset
+
+    preset = load_preset(args.preset)
+    args.seq_len = preset.seq_len if args.seq_len is None else args.seq_len
+    if not 1 <= args.seq_len <= preset.model.block_size:
+        raise UsageError(f"--seq-len {args.seq_len}: preset {args.preset} takes 1 to its block_size "
+                         f"{preset.model.block_size}")
+    args.size = args.preset
+    return preset.model
+
+
 def run(args: argparse.Namespace) -> Optional[dict]:
-    cfg = model_config(args.size, args.seq_len)
+    cfg = resolve_model(args)
     memplan.check(args.strategy, args.world_size or 1, args.micro_batch or 1, args.dtype, args.accum, "cpu")
     if args.steps < 2:  # the first step creates AdamW's moments; the planned peak is a later step's
         raise UsageError(f"--steps must be at least 2, got {args.steps}")
@@ -120,7 +149,8 @@ def predict_and_measure(cfg: GPTConfig, args: argparse.Namespace) -> Optional[di
     world = args.world_size or env_world
     device = "cuda" if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda") else "cpu"
     pred = _prediction(cfg, args, world, device, args.micro_batch)
-    out = {"size": args.size, "params": memplan.param_counts(cfg)["total"], "strategy": args.strategy,
+    out = {"size": args.size, "modern": cfg.modern(), "params": memplan.param_counts(cfg)["total"],
+           "strategy": args.strategy,
            "world_size": world, "micro_batch": args.micro_batch, "seq_len": args.seq_len, "dtype": args.dtype,
            "activation_checkpointing": args.activation_checkpointing == "true", "accum": args.accum,
            "device": device, "predicted_mib": pred.to_dict(MiB)}
