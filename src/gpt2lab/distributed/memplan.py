@@ -125,7 +125,10 @@ def block_saved_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, act: int, 
     tests/unit/test_memplan.py counts the saved tensors of a real Block on CPU for every
     combination, fp32 and bf16 autocast, exactly. What rests on torch's internals (the RMSNorm
     kernels, SDPA's and elementwise ops' output layouts, autocast's op lists) is as torch 2.13
-    has it, the only version measured (not run on 2.11, the oldest gpt2lab allows).
+    has it, the only version measured (not run on 2.11, the oldest gpt2lab allows). This is
+    eager autograd's count; a compiled block keeps what Inductor's partitioner chooses, which for
+    GPT-2's block came within 1.2% of it on an H100 (docs/benchmarks.md) but may recompute the
+    modern block's elementwise extras (fp32 copies, rotated q and k) instead: not measured.
     """
     C, nh = cfg.n_embd, cfg.n_head
     low = act != FP32
