@@ -16,6 +16,7 @@ A step's memory peaks at one of three moments, and the prediction is the largest
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -33,6 +34,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CUDA_RUNTIME_BYTES = 2 * 2 ** 30
 CPU_PROCESS_BYTES = 300 * 2 ** 20
 FP32 = 4
+# CPython before 3.11 keeps a Python call's arguments on the caller's stack until the call returns
+# (3.11+ moves them into the callee's frame): what a callee rebinds is not freed there (loss_workspace_bytes)
+_CALLER_KEEPS_ARGS = sys.version_info < (3, 11)
 
 
 class PlanError(UsageError):
@@ -161,17 +165,20 @@ def loss_workspace_bytes(N: int, V: int, C: int, compute: int, x_size: int, w_si
     logits converted to fp32 first (a copy next to the softmax's output), then the softmax cast
     back. With ``softcap`` > 0 it keeps more: tanh of the fp32 logits over the cap (``t``, kept
     for the gradient through the cap), the capped logits and their softmax, all (n, V) fp32,
-    and at ``p.mul_(1 - t.square_())`` a fourth for ``1 - t^2``: 16 bytes a logit in any dtype
-    (the chunk's own logits are freed by then: the kernel holds the only reference and rebinds
-    it), against 8 (fp32) or 10 (bf16, fp16) without. tests/unit/test_memplan.py measures the
-    peak of the real loss with the profiler, with and without the cap, against this replay.
+    and at ``p.mul_(1 - t.square_())`` a fourth for ``1 - t^2``: 16 bytes a logit in any dtype,
+    against 8 (fp32) or 10 (bf16, fp16) without. The chunk's own logits are freed by then on
+    CPython 3.11+, which hands a call's arguments to the callee (the kernel rebinds its only
+    reference); 3.10 keeps them on the caller's stack until the call returns, so there they stay
+    (``_CALLER_KEEPS_ARGS``; seen with a refcount probe, not measured with torch on 3.10).
+    tests/unit/test_memplan.py measures the peak of the real loss with the profiler, with and
+    without the cap, against this replay.
     """
     base = (N * C * compute if compute != x_size else 0) + (V * C * compute if compute != w_size else 0)
     base += N * C * FP32 + 9 * N
 
     def kernel(n: int) -> int:
         if softcap:
-            return 4 * n * V * FP32
+            return 4 * n * V * FP32 + (n * V * compute if _CALLER_KEEPS_ARGS else 0)
         # softmax(dtype=float32) of low-precision logits converts them first (a copy next to its
         # output), and its result is cast back; in fp32 there is neither copy
         return n * V * (compute + FP32) + (n * V * max(FP32, compute) if compute != FP32 else 0)
