@@ -44,7 +44,7 @@ from gpt2lab.distributed import parallel
 from gpt2lab.checkpoint import sharded
 from gpt2lab.system.errors import CheckpointError
 from gpt2lab.system.files import atomic_dir, sha256_file, write_json
-from gpt2lab.model.config import model_from_config
+from gpt2lab.model.config import config_value, model_from_config
 from gpt2lab.system.errors import ConfigError
 from gpt2lab.model.gpt import GPT
 
@@ -399,7 +399,7 @@ def load_model(path: str, verified: bool = False) -> GPT:
         model = GPT(model_from_config(config, f"{ckpt}/config.json"))
     except ConfigError as e:
         raise damaged(ckpt, f"config.json describes no valid model ({e})") from e
-    if config.get("lora_rank"):
+    if config_value(config, "lora_rank"):
         from gpt2lab.model.lora import add_lora, lora_args, merge_lora
 
         adapted = add_lora(model, *lora_args(config))

@@ -6,6 +6,7 @@ flag's help text; a field marked ``derived`` is set by the trainer, never by a f
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
@@ -177,6 +178,18 @@ def nest_model(values: dict, source: str = "config") -> dict:
     out = {k: v for k, v in values.items() if k not in MODEL_KEYS and k != "model"}
     out["model"] = {**nested, **{k: values[k] for k in MODEL_KEYS if k in values}}
     return out
+
+
+def config_value(values: Mapping[str, Any], name: str, default: Any = None) -> Any:
+    """A run config's field by its flat name (``"lora_rank"``), in whichever form the dict is:
+    flat (config.json written before the nesting) or in its section. Flat names are unique
+    over the sections, so no table is needed; ``default`` where the field is absent."""
+    if name in values:
+        return values[name]
+    for table in values.values():
+        if isinstance(table, dict) and name in table:
+            return table[name]
+    return default
 
 
 def gpt_config(values: dict, source: str) -> GPTConfig:

@@ -18,7 +18,7 @@ from importlib import resources
 from typing import Any, Optional, get_type_hints
 
 from gpt2lab.model.config import (GPT2_VOCAB_SIZE, MODEL_KEYS, PADDED_VOCAB_SIZE, GPTConfig, check_types,  # noqa: F401
-                                  field_type, gpt_config, model_from_config, nest_model)
+                                  config_value, field_type, gpt_config, model_from_config, nest_model)
 from gpt2lab.system.choices import (COMPILE_CHOICES, DTYPE_CHOICES, LR_SCHEDULES, NS_DTYPE_CHOICES,  # noqa: F401
                                     OPTIMIZERS, STRATEGY_CHOICES)
 from gpt2lab.system.errors import ConfigError, UsageError  # noqa: F401

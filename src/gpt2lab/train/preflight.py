@@ -7,7 +7,7 @@ from typing import Optional
 
 from gpt2lab.checkpoint import store as ckpt
 from gpt2lab.system.errors import ConfigError
-from gpt2lab.train.config import TrainConfig
+from gpt2lab.train.config import TrainConfig, config_value
 
 # Settings that decide which tensors a checkpoint holds, besides the architecture (checked on load).
 RESUME_FIELDS = ("lora_rank", "lora_targets")
@@ -17,12 +17,12 @@ def check_resume(cfg: TrainConfig, resume: Optional[str]) -> None:
     """A resume whose LoRA settings differ from the checkpoint's: name the flag, not the tensors."""
     if not resume:
         return
-    saved = ckpt.read_config(ckpt.resolve(resume))
+    saved, mine = ckpt.read_config(ckpt.resolve(resume)), cfg.to_dict()  # either form (config_value)
     for name in RESUME_FIELDS:
-        if name not in saved:
+        theirs, ours = config_value(saved, name), config_value(mine, name)
+        if theirs is None:
             continue
-        theirs, ours = saved[name], getattr(cfg, name)
-        if name == "lora_targets" and not (saved.get("lora_rank") and cfg.lora_rank):
+        if name == "lora_targets" and not (config_value(saved, "lora_rank") and cfg.lora_rank):
             continue  # the targets matter only to a LoRA run
         if theirs != ours:
             flag = "--" + name.replace("_", "-")
