@@ -15,8 +15,8 @@ optimizer steps completed):
   both:
     state.pt           the trainer's step, tokens, guard and skips at the top level, and
                        "loader", "rng" (python, numpy, torch, cuda) and "scaler" entries
-    config.json        the run's resolved TrainConfig, the architecture under "model" (files
-                       written before it was nested are flat: config.model_from_config reads both)
+    config.json        the run's resolved TrainConfig, nested by section (files written before
+                       were flat: model.config.model_from_config and config_value read both)
     checksums.json     sha256 of each file above, verified when the checkpoint is loaded
 
 A checkpoint is written under a temporary name and renamed when complete (a sharded one
