@@ -58,13 +58,15 @@ def test_fixture_is_in_the_old_flat_format():
     assert model_from_config(saved) == V1_MODEL
     cfg = TrainConfig.from_dict(saved)
     assert cfg.model == V1_MODEL
-    # every flat key lands in its section with its value
+    # every flat key lands in its section with its value; init_from_id (provenance) is dropped
     assert (cfg.optim.max_lr, cfg.optim.min_lr, cfg.batch.seq_len, cfg.batch.total_batch_tokens) == (0.01, 0.001, 16, 64)
     assert (cfg.system.dtype, cfg.system.compile, cfg.eval.sample_prompt, cfg.seed) == ("float32", "false", "ROMEO:", 7)
     assert (cfg.checkpoint.keep_checkpoints, cfg.spike.spike_window, cfg.finetune.init_from) == (2, 100, None)
     written = cfg.to_dict()
+    assert "init_from_id" not in json.dumps(written)
     for key, value in saved.items():
-        assert config_value(written, key) == value, key
+        if key != "init_from_id":
+            assert config_value(written, key) == value, key
 
 
 def test_old_run_samples_and_exports_like_its_weights(tmp_path, capsys):
@@ -150,7 +152,7 @@ def test_old_run_resumes_from_its_step(tiny_data, tmp_path):
     assert info["resumed_from"].endswith("step_000003")
     written = json.loads((run / "checkpoints" / "step_000004" / "config.json").read_text())
     assert written["model"] == V1_MODEL.to_dict() and "n_layer" not in written  # now nested
-    assert written["optim"]["max_lr"] == 0.01 and "max_lr" not in written
+    assert written["optim"]["max_lr"] == 0.01 and "max_lr" not in written and "init_from_id" not in written
 
 
 # -- the nested config, its flat flags and keys ----------------------------------------------
@@ -296,6 +298,28 @@ def test_presets_land_in_their_sections():
     fast = load_preset("gpt2-124m-fast")
     assert (fast.optim.optimizer, fast.optim.lr_schedule, fast.optim.decay_frac, fast.optim.muon_ns_dtype) == \
         ("muon", "wsd", 0.4, "auto")
+
+
+def test_old_config_json_with_init_from_id_loads(tmp_path):
+    """config.json as written before the sections (the model nested, the rest flat) with the
+    provenance key init_from_id: it loads, the key dropped; a resume reads it back as provenance."""
+    import torch
+
+    from gpt2lab.train.plan import began_from
+
+    cfg = load_preset("finetune-shakespeare")
+    nested = cfg.to_dict()
+    old = {"model": nested["model"], **_flatten({k: v for k, v in nested.items() if k != "model"}),
+           "init_from_id": "sha256:" + "ab" * 32}
+    assert "max_lr" in old and "optim" not in old
+    assert TrainConfig.from_dict(old) == cfg and "init_from_id" not in json.dumps(cfg.to_dict())
+    # a checkpoint written before: its state.pt has no record, its config.json the id
+    torch.save({"step": 3, "tokens": 0}, tmp_path / "state.pt")
+    assert began_from(str(tmp_path), old) == {"source": "gpt2", "id": "sha256:" + "ab" * 32}
+    assert began_from(str(tmp_path), {**old, "init_from_id": None}) is None  # the v1 fixture's null
+    record = {"source": "gpt2", "kind": "hub", "id": "sha256:" + "cd" * 32}  # one written now: state.pt's wins
+    torch.save({"step": 3, "tokens": 0, "init_from": record}, tmp_path / "state.pt")
+    assert began_from(str(tmp_path), nested) == record
 
 
 @pytest.mark.parametrize("values, message", [

@@ -194,7 +194,10 @@ def test_init_from_is_found_and_hashed_once(sources, tmp_path, monkeypatch):
     plan = make_plan(request, PLAIN_CPU)
     assert calls == {"find": 1, "sha": 1}
     weights = os.path.join(sources[3], "model.safetensors")
-    assert plan.init.sha256 == sha(weights) and plan.config.finetune.init_from_id == f"sha256:{plan.init.sha256}"
+    assert plan.init.sha256 == sha(weights) and plan.init_record["id"] == f"sha256:{plan.init.sha256}"
+    assert plan.record()["init_from"] == {"source": sources[3], "kind": "hf_dir", "weights": weights,
+                                          "sha256": sha(weights), "step": None, "id": f"sha256:{sha(weights)}"}
+    assert "init_from_id" not in json.dumps(plan.config.to_dict())  # provenance, not a setting
     assert plan.config.model.n_layer == 3
     with pytest.raises(init_from.InitFromError, match="drop --n-layer"):
         make_plan(Request(request.values, explicit={"n_layer": 2}), PLAIN_CPU)

@@ -13,8 +13,9 @@ optimizer steps completed):
     .metadata          DCP's index: which slice of which tensor lies in which file
     __R_0.distcp       rank R's slices of the weights ("model.*") and AdamW state ("optimizer.*")
   both:
-    state.pt           the trainer's step, tokens, guard and skips at the top level, and
-                       "loader", "rng" (python, numpy, torch, cuda) and "scaler" entries
+    state.pt           the trainer's step, tokens, guard, skips and the record of the weights
+                       the run began from (--init-from; train.plan.began_from reads it) at the top
+                       level, and "loader", "rng" (python, numpy, torch, cuda) and "scaler" entries
     config.json        the run's resolved TrainConfig, nested by section (files written before
                        were flat: model.config.model_from_config and config_value read both)
     checksums.json     sha256 of each file above, verified when the checkpoint is loaded
@@ -385,6 +386,14 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
+def read_state(ckpt: str) -> dict:
+    """The checkpoint's state.pt (plain values only: weights_only)."""
+    try:
+        return torch.load(os.path.join(ckpt, "state.pt"), weights_only=True, map_location="cpu")
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        raise damaged(ckpt, _first_line(e)) from e
+
+
 def load_model(path: str, verified: bool = False) -> GPT:
     """The GPT of a run directory (newest checkpoint) or of one checkpoint directory.
 
@@ -419,10 +428,7 @@ def load(ckpt: str, parts: Mapping[str, Optional[Stateful]], verified: bool = Fa
     if not verified:
         verify_together(ckpt)
     model, optimizer = parts["model"], parts["optimizer"]
-    try:
-        state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=True, map_location="cpu")
-    except (OSError, RuntimeError, EOFError, ValueError) as e:
-        raise damaged(ckpt, _first_line(e)) from e
+    state = read_state(ckpt)
     if sharded.is_sharded_checkpoint(ckpt):
         _check_shape(model, ckpt, _sharded_shapes(ckpt))
         sharded.load(ckpt, model, optimizer)

@@ -177,13 +177,12 @@ class SpikeConfig(_Section):
 
 @dataclass
 class FinetuneConfig(_Section):
-    """Fine-tuning (gpt2lab/train/init_from.py, gpt2lab/model/lora.py; dropout is in the model)."""
+    """Fine-tuning (gpt2lab/train/init_from.py, gpt2lab/model/lora.py; dropout is in the model).
+    What --init-from resolved to is no setting: the run plan records it (RunPlan.init_record)."""
     init_from: Optional[str] = _f(None, "start from these weights (new optimizer, step 0): gpt2, gpt2-medium, "
                                   "gpt2-large, gpt2-xl, a local HF GPT-2 directory, a gpt2lab run directory "
                                   "(its newest checkpoint) or a checkpoint directory; the architecture "
                                   "comes from it")
-    init_from_id: Optional[str] = _f(None, "provenance written by train, not an input: what --init-from "
-                                     "resolved to (sha256 of its weights file; a checkpoint's step)")
     lora_rank: int = _f(0, "train LoRA adapters of this rank (through peft) instead of all weights; 0 = off")
     lora_alpha: float = _f(16.0, "LoRA scale numerator: the update is (alpha / rank) * B @ A")
     lora_targets: str = _f("c_attn", "comma-separated layers that get LoRA adapters: c_attn, c_proj, c_fc "
@@ -305,14 +304,18 @@ SECTIONS: dict[str, type] = _sections()  # "model": GPTConfig, "batch": BatchCon
 SECTION_FIELDS = {name: tuple(f.name for f in dataclasses.fields(cls)) for name, cls in SECTIONS.items()}
 SECTION_OF = {key: name for name, keys in SECTION_FIELDS.items() for key in keys}  # "max_lr": "optim"
 TOP_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name not in SECTIONS)  # data, out, seed
+# Keys of config.json files written before that are no setting any more: dropped on read.
+# init_from_id: what --init-from resolved to, now the run plan's record (RunPlan.init_record).
+RETIRED = ("init_from_id",)
 
 
 def nest_config(values: Mapping[str, Any], source: str = "config") -> dict:
     """A run config in the nested form, from the nested, the flat or a mixed form: the one place
     that nests. Each flat key moves into its section (SECTION_OF); sections appear where given
     or set. One ConfigError, naming ``source`` and the key, for an unknown key, a key in the
-    wrong section, a key set both flat and in its section, or a section that is no table."""
-    nested = nest_sections(values, SECTION_FIELDS, source)
+    wrong section, a key set both flat and in its section, or a section that is no table.
+    A RETIRED key (old config.json files carry them) is dropped."""
+    nested = nest_sections({k: v for k, v in values.items() if k not in RETIRED}, SECTION_FIELDS, source)
     unknown = sorted(set(nested) - set(SECTIONS) - set(TOP_FIELDS))
     if unknown:
         raise ConfigError(f"{source}: unknown field(s) {', '.join(unknown)}; known fields: "

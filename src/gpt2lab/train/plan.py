@@ -6,8 +6,9 @@ processes, one device's memory). It decides, each with its reason where there is
 
 - the checkpoint to resume: one rule, the newest intact one (``find_resume``); the run's
   architecture comes from that same checkpoint when it began from other weights;
-- the ``--init-from`` source, found once and hashed once (``InitFrom``);
-- the final ``TrainConfig`` (the source's architecture, its provenance);
+- the ``--init-from`` source, found once and hashed once (``InitFrom``), and for a resumed run
+  the record of the weights it began from, read back from its checkpoint (``began_from``);
+- the final ``TrainConfig`` (the source's architecture);
 - dtype and compile (``system.runtime``), strategy (``distributed.parallel.choose_strategy``
   with DDP's memory from ``distributed.memplan``), the loss path (``choose_loss``);
 - accumulation steps, peak FLOP/s for MFU, the predicted memory per rank.
@@ -103,7 +104,7 @@ class InitFrom:
 # -- the plan --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RunPlan:
-    config: TrainConfig                    # final: the architecture and provenance filled in
+    config: TrainConfig                    # final: the architecture filled in
     facts: Facts
     resume: Optional[str]                  # the checkpoint to continue from (checksums verified)
     skipped: tuple[str, ...]               # damaged checkpoints passed over, one line each
@@ -117,6 +118,7 @@ class RunPlan:
     params: int                            # parameters of the model (before LoRA)
     memory: Optional[dict]                 # memplan's prediction per rank, MiB by term
     ns_dtype: Optional[Choice] = None      # Muon's Newton-Schulz dtype (None: the run has no Muon)
+    began: Optional[dict] = None           # a resumed run's init-from record, from its checkpoint (began_from)
 
     @property
     def choices(self) -> runtime.Resolved:
@@ -125,10 +127,7 @@ class RunPlan:
     @property
     def init_record(self) -> Optional[dict]:
         """run_info.json's "init_from": this run's source, or the one a resumed run began from."""
-        if self.init is not None:
-            return self.init.record()
-        ft = self.config.finetune
-        return {"source": ft.init_from, "id": ft.init_from_id} if ft.init_from_id else None
+        return self.init.record() if self.init is not None else self.began
 
     def record(self) -> dict:
         """run_info.json's "plan" entry (plain JSON)."""
@@ -266,19 +265,19 @@ def make_plan(request: Request | TrainConfig, facts: Facts, resume: Optional[str
         (report or _to_stderr)(line)
 
     where = find_resume(req.out, req.resume, skip)
-    values, init = nest_config(req.values, req.source), None
+    values, init, began = nest_config(req.values, req.source), None, None
     if where is not None:
         saved = ckpt.read_config(where)
         source = config_value(saved, "init_from")
         if source:  # a run that began from other weights: its architecture is its checkpoint's
             arch = init_from.source_arch(where, req.explicit, flag="--resume")
-            carried = {"init_from": source, "init_from_id": config_value(saved, "init_from_id"), "model": arch}
-            values = merge_config(values, carried, source=req.source)
+            values = merge_config(values, {"init_from": source, "model": arch}, source=req.source)
+            began = began_from(where, saved)
     elif config_value(values, "init_from"):
         src = init_from.find_source(str(config_value(values, "init_from")))
         arch = init_from.check_arch(src, req.explicit)
         init = InitFrom(src, init_from.digest(src))
-        values = merge_config(values, {"init_from_id": init.id, "model": arch}, source=req.source)
+        values = merge_config(values, {"model": arch}, source=req.source)
     cfg = _config(values, req, init)
     check_hellaswag(cfg)
     accum = cfg.grad_accum_steps(facts.world_size)
@@ -295,7 +294,19 @@ def make_plan(request: Request | TrainConfig, facts: Facts, resume: Optional[str
                    dtype=choices.dtype, compile=choices.compile, strategy=strategy,
                    loss=choose_loss(facts.device.device_type, compiled, sharded),
                    peak_flops=choose_peak_flops(cfg.system.peak_flops, facts), accum=accum,
-                   params=memplan.param_counts(cfg.model)["total"], memory=memory, ns_dtype=choices.ns_dtype)
+                   params=memplan.param_counts(cfg.model)["total"], memory=memory, ns_dtype=choices.ns_dtype,
+                   began=began)
+
+
+def began_from(where: str, saved: dict) -> Optional[dict]:
+    """The init-from record of the run checkpoint ``where`` belongs to (``saved``: its config.json):
+    the one its state.pt carries (the Trainer writes its plan's ``init_record`` there), else, in
+    a checkpoint written before that, the source and ``init_from_id`` its config.json held."""
+    record = ckpt.read_state(where).get("init_from")
+    if record:
+        return dict(record)
+    legacy = saved.get("init_from_id")
+    return {"source": config_value(saved, "init_from"), "id": legacy} if legacy else None
 
 
 def _config(values: dict, req: Request, init: Optional[InitFrom]) -> TrainConfig:

@@ -126,8 +126,11 @@ class Trainer:
                 "scaler": self.scaler, "trainer": self}
 
     def state_dict(self) -> dict:
-        """The trainer's own part: counters, the spike guard's memory and the data skipped."""
-        return {"step": self.step, "tokens": self.tokens, **self.spikes.state_dict()}
+        """The trainer's own part: counters, the spike guard's memory and the data skipped; and
+        the record of the weights the run began from, which a resume's plan reads back
+        (train.plan.began_from) rather than this."""
+        return {"step": self.step, "tokens": self.tokens, "init_from": self.plan.init_record,
+                **self.spikes.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
