@@ -10,7 +10,7 @@ import sys
 from gpt2lab.train.config import TrainConfig
 from gpt2lab.train.spikes import LOG_NORM_STD_FLOOR, LOSS_STD_FLOOR, SpikeGuard, zscore
 
-d = TrainConfig()
+d = TrainConfig().spike
 for path in sys.argv[1:]:
     g = SpikeGuard(d.spike_window, d.spike_loss_z, d.spike_norm_z, d.spike_rollback)
     recs = [r for r in (json.loads(l) for l in open(path) if l.strip()) if "train_loss" in r]

@@ -123,6 +123,43 @@ def test_kill_9_then_resume_equals_uninterrupted(tiny_data, tmp_path):
     assert names == ["step_000032", "step_000040"]  # the newest two kept
 
 
+def test_kill_9_then_resume_keeps_where_an_init_from_run_began(tiny_data, tmp_path):
+    """What --init-from resolved to is no setting (config.json has only the source): the plan
+    records it (run_info.json), every checkpoint carries it, and the run resumed after kill -9,
+    without --init-from, reports the same record and passes it on to its own checkpoints."""
+    import torch
+    from conftest import tiny_gpt
+
+    from gpt2lab.checkpoint.store import list_checkpoints, step_of
+    from gpt2lab.system.files import sha256_file
+    from gpt2lab.weights import hf
+
+    src = str(tmp_path / "src")
+    hf.save_pretrained(tiny_gpt(seed=3, vocab_size=50257, block_size=64), src)
+    weights = os.path.join(src, "model.safetensors")
+    out = tmp_path / "run"
+    fields = dict(data=tiny_data, out=str(out), max_steps=100000, ckpt_interval=2, keep_checkpoints=0)
+    proc = subprocess.Popen(train_cmd(init_from=src, **fields), env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    _wait_for(out / "checkpoints" / "step_000002", proc)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    began = json.loads((out / "run_info.json").read_text())["init_from"]
+    digest = sha256_file(weights)
+    assert began == {"source": src, "kind": "hf_dir", "weights": weights, "sha256": digest, "step": None,
+                     "id": f"sha256:{digest}"}
+    config = json.loads((out / "config.json").read_text())
+    assert config["finetune"]["init_from"] == src and "init_from_id" not in json.dumps(config)
+    last = step_of(list_checkpoints(str(out))[-1])
+    run_train(resume="auto", **{**fields, "max_steps": last + 2})
+    info = json.loads((out / "run_info.json").read_text())
+    assert info["resumed_from"].endswith(f"step_{last:06d}") and info["init_from"] == began
+    assert info["plan"]["init_from"] == began and info["plan"]["config"]["finetune"]["init_from"] == src
+    newest = list_checkpoints(str(out))[-1]
+    assert step_of(newest) == last + 2
+    assert torch.load(os.path.join(newest, "state.pt"), weights_only=True)["init_from"] == began
+
+
 def test_sigterm_finishes_the_step_saves_and_exits_preempted(tiny_data, tmp_path):
     out = tmp_path / "run"
     fields = dict(data=tiny_data, max_steps=100000, ckpt_interval=0)

@@ -14,7 +14,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def make_run(path, *, tokens_per_step, dt_ms, val, steps, resumed_from=None):
     """A run of ``steps`` steps, each ``dt_ms`` long, with val losses {step: loss}."""
     path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps({"total_batch_tokens": tokens_per_step, "model": {}}))
+    (path / "config.json").write_text(json.dumps({"batch": {"total_batch_tokens": tokens_per_step}, "model": {}}))
     recs = []
     for s in range(steps):
         if s in val:
@@ -38,6 +38,17 @@ def runs(tmp_path):
     fast = make_run(tmp_path / "fast", tokens_per_step=1000, dt_ms=600.0, steps=20,
                     val={0: 11.0, 5: 7.5, 10: 6.4, 15: 5.9, 20: 5.7})
     return base, fast
+
+
+def test_tokens_per_step_from_config_json_of_either_form(tmp_path):
+    from gpt2lab.observe.compare import _tokens_per_step
+
+    (tmp_path / "config.json").write_text(json.dumps({"batch": {"total_batch_tokens": 768}, "model": {}}))
+    assert _tokens_per_step(str(tmp_path)) == 768
+    (tmp_path / "config.json").write_text(json.dumps({"total_batch_tokens": 512, "n_layer": 2}))  # written before
+    assert _tokens_per_step(str(tmp_path)) == 512
+    (tmp_path / "config.json").unlink()
+    assert _tokens_per_step(str(tmp_path)) is None
 
 
 def test_curve_points_count_tokens_and_seconds_before_each_eval(runs):

@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import pytest
 
-from gpt2lab.train.config import (MODEL_KEYS, ConfigError, TrainConfig, add_config_flags, load_preset, overrides_from_args,
-                            preset_names)
+from gpt2lab.train.config import (SECTION_OF, TOP_FIELDS, ConfigError, TrainConfig, add_config_flags, config_value,
+                                  load_preset, overrides_from_args, preset_names)
 
 REFERENCE = dict(total_batch_tokens=524288, micro_batch_size=64, seq_len=1024, max_lr=6e-4, min_lr=6e-5,
                  warmup_steps=715, max_steps=19073, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
@@ -18,9 +17,9 @@ REFERENCE = dict(total_batch_tokens=524288, micro_batch_size=64, seq_len=1024, m
 @pytest.mark.parametrize("name", preset_names())
 def test_every_preset_parses_and_divides(name):
     cfg = load_preset(name)
-    assert cfg.seq_len <= cfg.model.block_size
+    assert cfg.batch.seq_len <= cfg.model.block_size
     accum = cfg.grad_accum_steps(1)
-    assert accum * cfg.micro_batch_size * cfg.seq_len == cfg.total_batch_tokens
+    assert accum * cfg.batch.micro_batch_size * cfg.batch.seq_len == cfg.batch.total_batch_tokens
 
 
 def test_expected_presets_are_shipped():
@@ -31,23 +30,23 @@ def test_expected_presets_are_shipped():
 def test_gpt2_124m_is_the_reference_run():
     cfg = load_preset("gpt2-124m")
     for key, value in REFERENCE.items():
-        assert getattr(cfg.model if key in MODEL_KEYS else cfg, key) == value, key
+        assert config_value(cfg.to_dict(), key) == value, key
     assert cfg.grad_accum_steps(8) == 1 and cfg.grad_accum_steps(1) == 8
     # on a bf16 GPU "auto" is the recipe's setting: bf16 autocast and torch.compile
     from gpt2lab.system.runtime import Facts, resolve
 
-    res = resolve("cuda", cfg.dtype, cfg.compile, facts=Facts("cuda", "NVIDIA H100", cuda_bf16=True))
+    res = resolve("cuda", cfg.system.dtype, cfg.system.compile, facts=Facts("cuda", "NVIDIA H100", cuda_bf16=True))
     assert (res.dtype.value, res.compile.value) == ("bfloat16", True)
     forty = load_preset("gpt2-124m-40b")
-    assert forty.max_steps == 4 * cfg.max_steps and forty.max_lr == cfg.max_lr
+    assert forty.optim.max_steps == 4 * cfg.optim.max_steps and forty.optim.max_lr == cfg.optim.max_lr
     gpt3 = load_preset("gpt3-124m")
-    assert (gpt3.seq_len, gpt3.micro_batch_size, gpt3.total_batch_tokens) == (2048, 32, 524288)
+    assert (gpt3.batch.seq_len, gpt3.batch.micro_batch_size, gpt3.batch.total_batch_tokens) == (2048, 32, 524288)
 
 
 def test_configs_written_before_auto_still_load():
     cfg = TrainConfig.from_dict({"compile": True, "dtype": "bfloat16"})
-    assert (cfg.compile, cfg.dtype) == ("true", "bfloat16")
-    assert TrainConfig.from_dict({"compile": False}).compile == "false"
+    assert (cfg.system.compile, cfg.system.dtype) == ("true", "bfloat16")
+    assert TrainConfig.from_dict({"compile": False}).system.compile == "false"
 
 
 def _parse(argv):
@@ -59,14 +58,25 @@ def _parse(argv):
 def test_every_field_is_a_flag_and_only_given_flags_override():
     p = argparse.ArgumentParser()
     add_config_flags(p)
-    flags = {a.dest for a in p._actions}
-    assert {f.name for f in dataclasses.fields(TrainConfig)} - {"model"} | {"n_layer", "attn_pdrop"} <= flags
+    flags = {a.dest for a in p._actions} - {"help"}
+    # one flat flag per field of every section, but no derived or retired one
+    assert flags == set(TOP_FIELDS) | set(SECTION_OF) - {"token_vocab_size"}
+    assert {"n_layer", "attn_pdrop", "max_lr", "spike_window", "lora_rank"} <= flags and "init_from_id" not in flags
     got = _parse(["--max-steps", "7", "--compile", "false", "--max-lr", "2e-3", "--dtype", "float32",
-                  "--peak-flops", "none", "--hellaswag-data", "x.jsonl"])
-    assert got == {"max_steps": 7, "compile": "false", "max_lr": 2e-3, "dtype": "float32", "peak_flops": None,
-                   "hellaswag_data": "x.jsonl"}
-    cfg = load_preset("shakespeare-cpu", **got)
-    assert cfg.max_steps == 7 and cfg.compile == "false" and cfg.model.n_layer == load_preset("shakespeare-cpu").model.n_layer
+                  "--peak-flops", "none", "--hellaswag-data", "x.jsonl", "--seed", "3"])
+    assert got == {"seed": 3, "optim": {"max_steps": 7, "max_lr": 2e-3},
+                   "system": {"compile": "false", "dtype": "float32", "peak_flops": None},
+                   "eval": {"hellaswag_data": "x.jsonl"}}
+    cfg, base = load_preset("shakespeare-cpu", **got), load_preset("shakespeare-cpu")
+    assert (cfg.optim.max_steps, cfg.optim.max_lr, cfg.system.compile, cfg.eval.hellaswag_data, cfg.seed) == \
+        (7, 2e-3, "false", "x.jsonl", 3)
+    assert cfg.model == base.model and cfg.optim.min_lr == base.optim.min_lr  # the rest is the preset's
+
+
+def test_a_flat_flag_lands_in_its_section():
+    cfg = load_preset("shakespeare-cpu", **_parse(["--spike-window", "7", "--micro-batch-size", "3"]))
+    assert (cfg.spike.spike_window, cfg.batch.micro_batch_size) == (7, 3)
+    assert cfg.spike.spike_rollback == load_preset("shakespeare-cpu").spike.spike_rollback == 3
 
 
 @pytest.mark.parametrize("argv", [["--compile", "maybe"], ["--dtype", "float8"], ["--max-steps", "x"],
@@ -84,6 +94,8 @@ def test_bad_flags_are_rejected(argv):
     (dict(max_steps=0), ["max_steps must be >= 1"]),
     (dict(eval_interval=-1), ["eval_interval must be >= 0"]),
     (dict(no_such=1), ["unknown field(s) no_such"]),
+    (dict(spike_window=-1), ["spike_window must be >= 0, got -1"]),
+    (dict(dtype="float8"), ["dtype 'float8': choose one of auto, float32, bfloat16, float16"]),
 ])
 def test_invalid_settings_say_what_to_change(overrides, words):
     with pytest.raises(ConfigError) as e:

@@ -104,7 +104,7 @@ def test_run_dir_source_gives_its_weights_and_a_fresh_start(pretrained_run, tiny
     assert trainer.step == 0 and trainer.tokens == 0 and not trainer.optimizer.state
     fresh = Trainer.from_config(_cfg(tiny_data, tmp_path / "x"), DistInfo(device=CPU))
     assert trainer.loader.state_dict() == fresh.loader.state_dict()
-    assert trainer.cfg.init_from_id == f"step 8, sha256:{sha256_file(f'{ckpt}/model.safetensors')}"
+    assert trainer.plan.init_record["id"] == f"step 8, sha256:{sha256_file(f'{ckpt}/model.safetensors')}"
     # a smaller block keeps the first positions; the older checkpoint is taken when named
     short = Trainer.from_config(adapt_config(_cfg(tiny_data, tmp_path / "s", init_from=f"{pretrained_run}/checkpoints/step_000004",
                                       block_size=32, seq_len=32)), DistInfo(device=CPU))
@@ -159,7 +159,7 @@ def test_lora_trains_only_adapters_and_merged_export_matches(hf_src, tiny_data, 
     # the fine-tuning preset (dropout 0.1) from the tiny HF directory, with tiny overrides
     cfg = adapt_config(_cfg(tiny_data, tmp_path / "lora", "finetune-shakespeare", init_from=hf_src[1], lora_rank=4,
                             lora_alpha=8.0, lora_targets="c_attn,mlp.c_proj", max_steps=3, max_lr=1e-2, min_lr=1e-2, warmup_steps=0))
-    assert cfg.model.attn_pdrop == 0.1 and cfg.max_steps == 3
+    assert cfg.model.attn_pdrop == 0.1 and cfg.optim.max_steps == 3
     trainer = Trainer.from_config(cfg, DistInfo(device=CPU))
     before = {k: v.detach().clone() for k, v in trainer.raw.state_dict().items()}
     trainable = {n for n, p in trainer.raw.named_parameters() if p.requires_grad}
@@ -174,7 +174,10 @@ def test_lora_trains_only_adapters_and_merged_export_matches(hf_src, tiny_data, 
     assert changed and changed <= {k for k in before if ".lora_B." in k or ".lora_A." in k}
     path = trainer.save()
     resumed = Trainer.from_config(cfg, DistInfo(device=CPU), resume=path)  # the checkpoint holds all a LoRA run needs
-    assert resumed.step == 3 and resumed.cfg.init_from_id == trainer.cfg.init_from_id
+    # where the run began: not a setting, read back from the checkpoint by the resumed plan
+    assert resumed.step == 3 and resumed.plan.init is None
+    assert resumed.plan.init_record == trainer.plan.init_record == trainer.plan.init.record()
+    assert resumed.plan.init_record["id"] == f"sha256:{sha256_file(f'{hf_src[1]}/model.safetensors')}"
     for (k, a), b in zip(resumed.raw.state_dict().items(), after.values()):
         assert torch.equal(a, b), k
     moments = [[s["exp_avg"] for s in t.optimizer.state.values()] for t in (resumed, trainer)]
@@ -206,9 +209,11 @@ def test_finetune_preset_lowers_held_out_loss(pretrained_run, tiny_data, tmp_pat
     start, end = val(load_model(pretrained_run)), val(load_model(str(out)))
     assert end < start - 0.3, (start, end)
     saved = json.loads((out / "config.json").read_text())
-    assert saved["init_from"] == pretrained_run and saved["model"]["attn_pdrop"] == 0.1 and saved["model"]["block_size"] == 64
+    assert saved["finetune"]["init_from"] == pretrained_run and "init_from_id" not in json.dumps(saved)
+    assert saved["model"]["attn_pdrop"] == 0.1 and saved["model"]["block_size"] == 64
     info = json.loads((out / "run_info.json").read_text())
-    assert info["init_from"]["step"] == 8 and info["init_from"]["id"] == saved["init_from_id"]
+    weights = f"{pretrained_run}/checkpoints/step_000008/model.safetensors"
+    assert info["init_from"]["step"] == 8 and info["init_from"]["id"] == f"step 8, sha256:{sha256_file(weights)}"
 
 
 # ---------------------------------------------------------------- bad input: one line, exit 2

@@ -205,14 +205,14 @@ def test_presets_state_what_the_planner_chooses():
                             r"micro_batch_size (\d+)", text)
         assert {s[1] for s in stated} == {"80", "40"}, name
         for world, gb, strategy, ac, mb in stated:
-            got = memplan.choose(int(gb) * 2 ** 30, model, world_size=int(world), seq_len=cfg.seq_len,
-                                 total_batch_tokens=cfg.total_batch_tokens)
+            got = memplan.choose(int(gb) * 2 ** 30, model, world_size=int(world), seq_len=cfg.batch.seq_len,
+                                 total_batch_tokens=cfg.batch.total_batch_tokens)
             assert got == {"strategy": strategy, "activation_checkpointing": bool(ac), "micro_batch": int(mb)}, name
             if gb == "80":  # the values the preset trains with; --strategy auto lands on the stated one
-                assert (cfg.strategy, cfg.micro_batch_size, cfg.activation_checkpointing) == \
+                assert (cfg.parallel.strategy, cfg.batch.micro_batch_size, cfg.parallel.activation_checkpointing) == \
                     ("auto", int(mb), bool(ac)), name
                 ddp = memplan.predict(model, strategy="ddp", world_size=int(world), micro_batch=int(mb),
-                                      seq_len=cfg.seq_len, dtype="bfloat16", activation_checkpointing=bool(ac),
+                                      seq_len=cfg.batch.seq_len, dtype="bfloat16", activation_checkpointing=bool(ac),
                                       accum=cfg.grad_accum_steps(int(world)), device="cuda",
                                       compiled=True).total
                 auto = choose_strategy("auto", world_size=int(world), device_type="cuda", dtype="bfloat16",

@@ -119,8 +119,9 @@ def _cfg(**kw):
 
 
 def _make(model, cfg):
-    return make_muon(model, muon_lr=cfg.muon_lr, muon_momentum=0.95, muon_weight_decay=0.0,
-                     ns_dtype=torch.float32, lr=cfg.max_lr, embed_lr=cfg.embed_lr, head_lr=cfg.head_lr,
+    o = cfg.optim
+    return make_muon(model, muon_lr=o.muon_lr, muon_momentum=0.95, muon_weight_decay=0.0,
+                     ns_dtype=torch.float32, lr=o.max_lr, embed_lr=o.embed_lr, head_lr=o.head_lr,
                      weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device=CPU)
 
 
@@ -130,12 +131,12 @@ def test_every_group_gets_its_peak_and_the_same_schedule_factor():
     peaks = {"muon_lr": 0.05, "embed_lr": 3e-3, "max_lr": 1e-3}
     assert sorted({g["lr_name"] for g in opt.param_groups}) == sorted(peaks)
     for step in (0, 1, 4, 7, 9, 10):
-        set_lrs(opt, step, cfg)
+        set_lrs(opt, step, cfg.optim)
         # warmup 2, stable to step 5, then linear to min_lr/max_lr = 0.1 of the peak at step 10
         factor = {0: 0.5, 1: 1.0, 4: 1.0, 7: 1 - 0.9 * 2 / 5, 9: 1 - 0.9 * 4 / 5, 10: 0.1}[step]
         for g in opt.param_groups:
             assert g["lr"] == pytest.approx(peaks[g["lr_name"]] * factor, rel=1e-12), (step, g["lr_name"])
-    assert scheduled_lr(7, cfg) == pytest.approx(1e-3 * (1 - 0.9 * 2 / 5))
+    assert scheduled_lr(7, cfg.optim) == pytest.approx(1e-3 * (1 - 0.9 * 2 / 5))
 
 
 def test_combined_state_round_trips_and_refuses_another_optimizers_state():
@@ -241,13 +242,13 @@ def test_wiki_cpu_pair_differs_only_in_recipe_and_half_the_steps():
     faithful, fast = load_preset("wiki-cpu"), load_preset("wiki-cpu-fast")
     for key in ("n_layer", "n_embd", "n_head", "block_size"):
         assert getattr(faithful.model, key) == getattr(fast.model, key)
-    assert (faithful.seq_len, faithful.total_batch_tokens) == (fast.seq_len, fast.total_batch_tokens)
-    assert fast.max_steps * 2 == faithful.max_steps
-    assert (faithful.optimizer, faithful.lr_schedule) == ("adamw", "cosine")
-    assert (fast.optimizer, fast.lr_schedule) == ("muon", "wsd")
+    assert faithful.batch == fast.batch
+    assert fast.optim.max_steps * 2 == faithful.optim.max_steps
+    assert (faithful.optim.optimizer, faithful.optim.lr_schedule) == ("adamw", "cosine")
+    assert (fast.optim.optimizer, fast.optim.lr_schedule) == ("muon", "wsd")
     assert faithful.model == load_preset("shakespeare-cpu", n_layer=4, n_head=4, n_embd=192).model  # GPT-2 block
     fast124 = load_preset("gpt2-124m-fast")
-    assert fast124.optimizer == "muon" and fast124.total_batch_tokens == load_preset("gpt2-124m").total_batch_tokens
+    assert fast124.optim.optimizer == "muon" and fast124.batch == load_preset("gpt2-124m").batch
 
 
 def test_split_of_the_modern_block():

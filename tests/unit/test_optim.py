@@ -49,8 +49,8 @@ def test_adamw_step_matches_torch_reference():
 
 
 def test_lr_schedule_reference_values():
-    c = load_preset("gpt2-124m")
-    lr = lambda s: lr_at(s, max_lr=c.max_lr, min_lr=c.min_lr, warmup_steps=c.warmup_steps, max_steps=c.max_steps)
+    o = load_preset("gpt2-124m").optim
+    lr = lambda s: lr_at(s, max_lr=o.max_lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, max_steps=o.max_steps)
     assert lr(0) == pytest.approx(6e-4 / 715)            # first step: max_lr / warmup, never 0
     assert lr(357) == pytest.approx(6e-4 * 358 / 715)    # linear in the warmup
     assert lr(714) == pytest.approx(6e-4)                # last warmup step reaches max_lr

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import tiny_gpt
-from gpt2lab.train.config import ConfigError, TrainConfig
+from gpt2lab.train.config import ConfigError, FinetuneConfig, ParallelConfig, TrainConfig
 from gpt2lab.distributed.parallel import choose_strategy
 from gpt2lab.system.runtime import ChoiceError
 from gpt2lab.inference.generate import generate
@@ -61,10 +61,12 @@ def test_asked_for_is_kept_or_refused_in_one_line():
 
 def test_config_rejects_unknown_strategy_and_lora_with_fsdp():
     with pytest.raises(ConfigError, match="strategy 'zero1': choose one of auto, ddp, fsdp"):
-        TrainConfig(strategy="zero1")
+        ParallelConfig(strategy="zero1")
     with pytest.raises(ConfigError, match="strategy fsdp with lora_rank.*use --strategy ddp"):
-        TrainConfig(strategy="fsdp", lora_rank=4)
-    assert TrainConfig(strategy="ddp", lora_rank=4).strategy == "ddp"
+        TrainConfig(parallel=ParallelConfig(strategy="fsdp"), finetune=FinetuneConfig(lora_rank=4))
+    with pytest.raises(ConfigError, match="strategy fsdp with lora_rank.*use --strategy ddp"):
+        TrainConfig.from_dict({"strategy": "fsdp", "lora_rank": 4})  # the flat form, checked the same
+    assert TrainConfig.from_dict({"strategy": "ddp", "lora_rank": 4}).parallel.strategy == "ddp"
 
 
 def _loss_and_grads(model, idx, targets, **kwargs):

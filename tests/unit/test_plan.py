@@ -20,7 +20,7 @@ from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.system import runtime
 from gpt2lab.system.errors import ConfigError
 from gpt2lab.train import init_from
-from gpt2lab.train.config import load_preset, preset_values
+from gpt2lab.train.config import load_preset, merge_config, preset_values
 from gpt2lab.train.plan import Facts, Request, choose_loss, fake_facts, make_plan
 from gpt2lab.train.run import train
 from gpt2lab.train.trainer import Trainer
@@ -141,14 +141,14 @@ def test_resume_arch_and_weights_come_from_the_same_checkpoint(sources, tiny_dat
     train(init_from.adapt_config(cfg), DistInfo(device=CPU))
     older, newest = ckpt.list_checkpoints(str(out))
     saved = json.loads((open(os.path.join(newest, "config.json")).read()))
-    saved["model"]["n_layer"], saved["init_from"] = 3, sources[3]  # its bytes change: the checksum fails
+    saved["model"]["n_layer"], saved["finetune"]["init_from"] = 3, sources[3]  # its bytes change: the checksum fails
     with open(os.path.join(newest, "config.json"), "w") as fh:
         json.dump(saved, fh)
-    request = Request({**preset_values("shakespeare-cpu"), **TINY, "data": tiny_data, "out": str(out),
-                       "max_steps": 4}, resume="auto")
+    request = Request(merge_config(preset_values("shakespeare-cpu"), {**TINY, "data": tiny_data, "out": str(out),
+                                                                      "max_steps": 4}), resume="auto")
     plan = make_plan(request, PLAIN_CPU, report=lambda line: None)
     assert plan.resume == older and len(plan.skipped) == 1 and newest in plan.skipped[0]
-    assert plan.config.model.n_layer == 2 and plan.config.init_from == sources[2]
+    assert plan.config.model.n_layer == 2 and plan.config.finetune.init_from == sources[2]
     trainer = Trainer(plan, DistInfo(device=CPU))
     assert trainer.step == 1
     expect = load_file(os.path.join(older, "model.safetensors"))
@@ -188,13 +188,16 @@ def test_init_from_is_found_and_hashed_once(sources, tmp_path, monkeypatch):
 
     monkeypatch.setattr(init_from, "find_source", counted_find)
     monkeypatch.setattr(init_from, "sha256_file", counted_sha)
-    request = Request({**preset_values("shakespeare-cpu"), **TINY, "data": "unused", "out": str(tmp_path / "r"),
-                       "init_from": sources[3],
-                       "n_layer": 2}, explicit={})  # the preset's n_layer gives way to the source's
+    asked = {**TINY, "data": "unused", "out": str(tmp_path / "r"), "init_from": sources[3], "n_layer": 2}
+    request = Request(merge_config(preset_values("shakespeare-cpu"), asked),
+                      explicit={})  # the preset's n_layer gives way to the source's
     plan = make_plan(request, PLAIN_CPU)
     assert calls == {"find": 1, "sha": 1}
     weights = os.path.join(sources[3], "model.safetensors")
-    assert plan.init.sha256 == sha(weights) and plan.config.init_from_id == f"sha256:{plan.init.sha256}"
+    assert plan.init.sha256 == sha(weights) and plan.init_record["id"] == f"sha256:{plan.init.sha256}"
+    assert plan.record()["init_from"] == {"source": sources[3], "kind": "hf_dir", "weights": weights,
+                                          "sha256": sha(weights), "step": None, "id": f"sha256:{sha(weights)}"}
+    assert "init_from_id" not in json.dumps(plan.config.to_dict())  # provenance, not a setting
     assert plan.config.model.n_layer == 3
     with pytest.raises(init_from.InitFromError, match="drop --n-layer"):
         make_plan(Request(request.values, explicit={"n_layer": 2}), PLAIN_CPU)
@@ -241,7 +244,7 @@ def test_run_info_holds_the_plan_the_run_used(tiny_data, tmp_path):
     cfg = load_preset("shakespeare-cpu", **{**TINY, "data": tiny_data, "out": str(tmp_path / "r"), "max_steps": 1})
     from gpt2lab.train.plan import detect_facts
 
-    expect = make_plan(cfg, detect_facts(CPU, 1, cfg.dtype)).record()
+    expect = make_plan(cfg, detect_facts(CPU, 1, cfg.system.dtype)).record()
     train(cfg, DistInfo(device=CPU))
     info = json.loads((tmp_path / "r" / "run_info.json").read_text())
     assert info["format"] == "gpt2lab-run" and info["plan"] == json.loads(json.dumps(expect))

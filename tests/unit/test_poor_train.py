@@ -51,9 +51,10 @@ def test_a_users_config_file_trains_with_its_values_and_flags_override_it(tiny_d
     out = tmp_path / "run"
     assert cli.main(["train", "--config", str(path), "--data", tiny_data, "--out", str(out), "--max-steps", "2"]) == 0
     saved = json.loads((out / "config.json").read_text())
-    assert saved["max_steps"] == 2 and saved["warmup_steps"] == 1 and saved["total_batch_tokens"] == 64
+    assert saved["optim"]["max_steps"] == 2 and saved["optim"]["warmup_steps"] == 1
+    assert saved["batch"]["total_batch_tokens"] == 64
     assert saved["model"]["n_layer"] == 1 and saved["model"]["tie_embeddings"] is False
-    assert saved["max_lr"] == 1.5e-3  # from the base preset
+    assert saved["optim"]["max_lr"] == 1.5e-3  # from the base preset
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "train_loss" in r] == [0, 1]
 

@@ -43,7 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     cfg = load_preset(args.preset, **overrides_from_args(args))
-    device = pick_device(None if cfg.device == "auto" else cfg.device)
+    asked = cfg.system.device
+    device = pick_device(None if asked == "auto" else asked)
     names = ["gpt2lab", "reference"] if args.reference else ["gpt2lab"]
     # Each side runs in a process of its own: the CPU allocator setting (mallopt) and the
     # heap it leaves behind are per process, and one side's setting must not tax the other.
@@ -75,14 +76,15 @@ def run(args: argparse.Namespace) -> dict:
             if proc.is_alive():
                 proc.kill()
     ms = statistics.median(rounds["gpt2lab"])
-    tok_per_s = cfg.total_batch_tokens / (ms / 1000)
+    tok_per_s = cfg.batch.total_batch_tokens / (ms / 1000)
     ours = info["gpt2lab"]
     result = {
-        "preset": args.preset, "n_layer": cfg.model.n_layer, "n_embd": cfg.model.n_embd, "seq_len": cfg.seq_len,
-        "micro_batch_size": cfg.micro_batch_size, "total_batch_tokens": cfg.total_batch_tokens,
-        "vocab_size": cfg.model.vocab_size, "dtype_asked": cfg.dtype, "compile_asked": cfg.compile,
+        "preset": args.preset, "n_layer": cfg.model.n_layer, "n_embd": cfg.model.n_embd,
+        "seq_len": cfg.batch.seq_len, "micro_batch_size": cfg.batch.micro_batch_size,
+        "total_batch_tokens": cfg.batch.total_batch_tokens,
+        "vocab_size": cfg.model.vocab_size, "dtype_asked": cfg.system.dtype, "compile_asked": cfg.system.compile,
         "dtype": ours["dtype"], "compile": ours["compile"], "choices": ours["choices"], "device": str(device),
-        "threads": ours["threads"], "keep_cpu_memory": cfg.keep_cpu_memory,
+        "threads": ours["threads"], "keep_cpu_memory": cfg.system.keep_cpu_memory,
         "ms_per_step": round(ms, 2), "tok_per_s": round(tok_per_s, 1),
         "mfu": ours["flops_per_token"] * tok_per_s / ours["peak"] if ours["peak"] else None,
         "flops_per_token": ours["flops_per_token"], "rounds_ms": [round(m, 1) for m in rounds["gpt2lab"]],
@@ -94,7 +96,7 @@ def run(args: argparse.Namespace) -> dict:
         result.update(reference_keep_cpu_memory=args.reference_keep_memory == "true",
                       reference_compile=args.reference_compile == "true", reference_dtype=args.reference_dtype,
                       reference_ms_per_step=round(ref_ms, 2),
-                      reference_tok_per_s=round(cfg.total_batch_tokens / (ref_ms / 1000), 1),
+                      reference_tok_per_s=round(cfg.batch.total_batch_tokens / (ref_ms / 1000), 1),
                       reference_rounds_ms=[round(m, 1) for m in ref], speedup=round(ref_ms / ms, 3),
                       speedup_median_of_rounds=round(statistics.median(ratios), 3),
                       speedup_best_vs_best=round(min(ref) / min(rounds["gpt2lab"]), 3))
@@ -119,7 +121,7 @@ def _worker(conn, name: str, cfg, device: str, opts: dict) -> None:
 
         device = torch.device(device)
         if device.type == "cpu":
-            keep_freed_memory(cfg.keep_cpu_memory if name == "gpt2lab" else opts["reference_keep_memory"])
+            keep_freed_memory(cfg.system.keep_cpu_memory if name == "gpt2lab" else opts["reference_keep_memory"])
         info = {"threads": torch.get_num_threads(), "flops_per_token": None, "peak": None}
         if name == "gpt2lab":  # exactly the step `gpt2lab train` runs
             trainer = Trainer.from_config(cfg, DistInfo(device=device))
@@ -130,7 +132,7 @@ def _worker(conn, name: str, cfg, device: str, opts: dict) -> None:
             if device.type == "cuda":
                 torch.set_float32_matmul_precision("high")  # TF32, as the recipe sets it
             torch.manual_seed(cfg.seed)
-            loader = TokenLoader(cfg.data, "train", cfg.micro_batch_size, cfg.seq_len, seed=cfg.seed)
+            loader = TokenLoader(cfg.data, "train", cfg.batch.micro_batch_size, cfg.batch.seq_len, seed=cfg.seed)
             fn = ReferenceStep(cfg, device, loader.next_batch, compile=opts["reference_compile"],
                                dtype=opts["reference_dtype"]).step
         for _ in range(opts["warmup"]):
@@ -215,11 +217,11 @@ class ReferenceStep:
         m = cfg.model
         self.model = ReferenceGPT(m.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd).to(device)
         params = [p for p in self.model.parameters()]
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        o = cfg.optim
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
         fused = "fused" in inspect.signature(torch.optim.AdamW).parameters and device.type == "cuda"
-        self.opt = torch.optim.AdamW(groups, lr=cfg.max_lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                     fused=fused or None)
+        self.opt = torch.optim.AdamW(groups, lr=o.max_lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused or None)
         self.fwd = torch.compile(self.model) if compile else self.model
 
     def step(self) -> float:

@@ -13,10 +13,11 @@ optimizer steps completed):
     .metadata          DCP's index: which slice of which tensor lies in which file
     __R_0.distcp       rank R's slices of the weights ("model.*") and AdamW state ("optimizer.*")
   both:
-    state.pt           the trainer's step, tokens, guard and skips at the top level, and
-                       "loader", "rng" (python, numpy, torch, cuda) and "scaler" entries
-    config.json        the run's resolved TrainConfig, the architecture under "model" (files
-                       written before it was nested are flat: config.model_from_config reads both)
+    state.pt           the trainer's step, tokens, guard, skips and the record of the weights
+                       the run began from (--init-from; train.plan.began_from reads it) at the top
+                       level, and "loader", "rng" (python, numpy, torch, cuda) and "scaler" entries
+    config.json        the run's resolved TrainConfig, nested by section (files written before
+                       were flat: model.config.model_from_config and config_value read both)
     checksums.json     sha256 of each file above, verified when the checkpoint is loaded
 
 A checkpoint is written under a temporary name and renamed when complete (a sharded one
@@ -44,7 +45,7 @@ from gpt2lab.distributed import parallel
 from gpt2lab.checkpoint import sharded
 from gpt2lab.system.errors import CheckpointError
 from gpt2lab.system.files import atomic_dir, sha256_file, write_json
-from gpt2lab.model.config import model_from_config
+from gpt2lab.model.config import config_value, model_from_config
 from gpt2lab.system.errors import ConfigError
 from gpt2lab.model.gpt import GPT
 
@@ -385,6 +386,14 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
+def read_state(ckpt: str) -> dict:
+    """The checkpoint's state.pt (plain values only: weights_only)."""
+    try:
+        return torch.load(os.path.join(ckpt, "state.pt"), weights_only=True, map_location="cpu")
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        raise damaged(ckpt, _first_line(e)) from e
+
+
 def load_model(path: str, verified: bool = False) -> GPT:
     """The GPT of a run directory (newest checkpoint) or of one checkpoint directory.
 
@@ -399,7 +408,7 @@ def load_model(path: str, verified: bool = False) -> GPT:
         model = GPT(model_from_config(config, f"{ckpt}/config.json"))
     except ConfigError as e:
         raise damaged(ckpt, f"config.json describes no valid model ({e})") from e
-    if config.get("lora_rank"):
+    if config_value(config, "lora_rank"):
         from gpt2lab.model.lora import add_lora, lora_args, merge_lora
 
         adapted = add_lora(model, *lora_args(config))
@@ -419,10 +428,7 @@ def load(ckpt: str, parts: Mapping[str, Optional[Stateful]], verified: bool = Fa
     if not verified:
         verify_together(ckpt)
     model, optimizer = parts["model"], parts["optimizer"]
-    try:
-        state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=True, map_location="cpu")
-    except (OSError, RuntimeError, EOFError, ValueError) as e:
-        raise damaged(ckpt, _first_line(e)) from e
+    state = read_state(ckpt)
     if sharded.is_sharded_checkpoint(ckpt):
         _check_shape(model, ckpt, _sharded_shapes(ckpt))
         sharded.load(ckpt, model, optimizer)

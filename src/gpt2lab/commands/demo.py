@@ -40,8 +40,8 @@ def run(args: argparse.Namespace) -> int:
     if args.max_steps is not None:
         overrides["max_steps"] = args.max_steps
     cfg = load_preset("shakespeare-cpu", **overrides)
-    print(f"[demo] training shakespeare-cpu for {cfg.max_steps} steps into {out}", flush=True)
-    train(cfg, init_distributed(cfg.device))
+    print(f"[demo] training shakespeare-cpu for {cfg.optim.max_steps} steps into {out}", flush=True)
+    train(cfg, init_distributed(cfg.system.device))
     val = last_val_loss(out)
     if val is not None:
         chance = math.log(cfg.model.vocab_size)  # a uniform guess over the model's outputs

@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from gpt2lab.train.config import (ConfigError, add_config_flags, config_file_values, overrides_from_args,
-                                  preset_names, preset_values)
+from gpt2lab.train.config import (ConfigError, add_config_flags, config_file_values, merge_config,
+                                  overrides_from_args, preset_names, preset_values)
 
 
 def add_parser(sub) -> None:
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from gpt2lab.train.plan import FAKE_FACTS_ENV
 
     request = _request(args)
-    device = str(request.values.get("device", "auto"))
+    device = str(request.get("device"))
     faked = args.dry_run and os.environ.get(FAKE_FACTS_ENV)  # a plan for another machine: none of this one's devices
     info = DistInfo() if faked else init_distributed(None if device == "auto" else device)
     try:
@@ -59,12 +59,14 @@ def _request(args: argparse.Namespace):
     from gpt2lab.train.init_from import ARCH_FIELDS
     from gpt2lab.train.plan import Request
 
-    overrides = overrides_from_args(args)
-    if "init_from" in overrides and args.resume:
-        raise ConfigError(f"--init-from {overrides['init_from']} and --resume {args.resume} both given: "
+    overrides = overrides_from_args(args)  # nested: {"optim": {"max_lr": ...}, ...}
+    finetune, model = overrides.get("finetune", {}), overrides.get("model", {})
+    if "init_from" in finetune and args.resume:
+        raise ConfigError(f"--init-from {finetune['init_from']} and --resume {args.resume} both given: "
                           "--init-from starts a new run from those weights (fresh optimizer, step 0), "
                           "--resume continues a run where it stopped; pass one of them")
-    values = {**(preset_values(args.preset) if args.preset else config_file_values(args.config)), **overrides}
-    explicit = {k: v for k, v in overrides.items() if k in ARCH_FIELDS}
-    source = f"preset {args.preset!r}" if args.preset else args.config
-    return Request(values, explicit, args.resume, source=f"{source} with overrides")
+    source = f"{f'preset {args.preset!r}' if args.preset else args.config} with overrides"
+    values = merge_config(preset_values(args.preset) if args.preset else config_file_values(args.config), overrides,
+                          source=source)
+    explicit = {k: v for k, v in model.items() if k in ARCH_FIELDS}
+    return Request(values, explicit, args.resume, source=source)

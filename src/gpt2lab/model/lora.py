@@ -11,6 +11,7 @@ peft is an optional extra (``pip install gpt2lab[lora]``), imported only here.
 from __future__ import annotations
 
 from gpt2lab.system.errors import ConfigError
+from gpt2lab.model.config import config_value
 from gpt2lab.model.gpt import GPT
 
 ADAPTER = "default"
@@ -46,5 +47,6 @@ def merge_lora(lora_model) -> GPT:
 
 
 def lora_args(config: dict) -> tuple[int, float, str]:
-    """(rank, alpha, targets) of a run config (a TrainConfig's dict)."""
-    return int(config["lora_rank"]), float(config["lora_alpha"]), config["lora_targets"]
+    """(rank, alpha, targets) of a run config (a TrainConfig's dict, nested or flat)."""
+    rank, alpha, targets = (config_value(config, name) for name in ("lora_rank", "lora_alpha", "lora_targets"))
+    return int(rank), float(alpha), targets

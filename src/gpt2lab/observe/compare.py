@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+from gpt2lab.model.config import config_value
 from gpt2lab.observe.plot import read_metrics, save_png
 
 
@@ -66,7 +67,7 @@ def _tokens_per_step(run_dir: str) -> Optional[int]:
     path = os.path.join(run_dir, "config.json")
     try:
         with open(path, encoding="utf-8") as fh:
-            value = json.load(fh).get("total_batch_tokens")
+            value = config_value(json.load(fh), "total_batch_tokens")
     except FileNotFoundError:
         return None
     except json.JSONDecodeError as e:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from gpt2lab.observe import plot
-from gpt2lab.model.config import nest_model
+from gpt2lab.model.config import config_value, nest_model
 from gpt2lab.system.errors import ConfigError
 
 RUNNING_IF_WRITTEN_WITHIN_S = 600  # or 20 median steps, whichever is longer: evaluations pause the log
@@ -91,7 +91,7 @@ def _live_lock(run_dir: str) -> Optional[int]:
 
 
 def run_status(run_dir: str, config: dict, records: list[dict], cut: bool, ckpts: list, now: float) -> str:
-    max_steps = config.get("max_steps")
+    max_steps = config_value(config, "max_steps")
     steps = [r["step"] for r in records if "train_loss" in r or any(k in r for k in EVENT_KEYS)]
     last = max(steps) if steps else None
     ckpt_steps = [s for s, _, _ in ckpts]
@@ -163,12 +163,12 @@ def _speed(records: list[dict], config: dict, run_dir: str) -> list[list[Any]]:
     by_step = {r["step"]: r for r in train}  # a resumed run repeats some steps: the later line wins
     train = [by_step[s] for s in sorted(by_step)]
     step_time = sum(r["dt_ms"] for r in train) / 1000
-    tokens = train[-1].get("tokens") or len(train) * config.get("total_batch_tokens", 0)
+    batch = config_value(config, "total_batch_tokens", 0)
+    tokens = train[-1].get("tokens") or len(train) * batch
     recent = train[-50:]
     rows = [["figure", "value"], ["train steps logged", len(train)], ["tokens seen", f"{tokens:,}"],
             ["time in training steps", _fmt_duration(step_time)],
-            ["tok/s (all steps)", f"{len(train) * config.get('total_batch_tokens', 0) / step_time:,.0f}"
-             if step_time and config.get("total_batch_tokens") else "-"],
+            ["tok/s (all steps)", f"{len(train) * batch / step_time:,.0f}" if step_time and batch else "-"],
             [f"tok/s (median of last {len(recent)} steps)", f"{statistics.median(r['tok_per_s'] for r in recent):,.0f}"],
             [f"ms/step (median of last {len(recent)})", f"{statistics.median(r['dt_ms'] for r in recent):,.1f}"]]
     mfus = [r["mfu"] for r in recent if isinstance(r.get("mfu"), (int, float))]

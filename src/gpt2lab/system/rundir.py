@@ -85,7 +85,7 @@ def inspect(path: str) -> Found:
     if manifest is not None and (manifest.get("format") == DATA_FORMAT or "shards" in manifest):
         return Found(DATA, entries)
     config = _read_json(os.path.join(path, "config.json")) if "config.json" in entries else None
-    if config is not None and {"max_steps", "micro_batch_size"} <= set(config):
+    if config is not None and _is_run_config(config):
         return Found(RUN, entries)  # a run killed before it wrote run_info.json (older versions)
     if "checkpoints" in entries and _has_run_checkpoint(os.path.join(path, "checkpoints")):
         return Found(RUN, entries)  # a run's checkpoints alone (copied, or of an older version)
@@ -110,9 +110,16 @@ def _has_run_checkpoint(folder: str) -> bool:
         return False
     for name in names:
         config = _read_json(os.path.join(folder, name, "config.json"))
-        if config is not None and {"max_steps", "micro_batch_size"} <= set(config):
+        if config is not None and _is_run_config(config):
             return True
     return False
+
+
+def _is_run_config(config: dict) -> bool:
+    """A run's config.json: it names max_steps and micro_batch_size, in their sections (written
+    nested) or at its top level (written before the nesting)."""
+    names = set(config).union(*(table for table in config.values() if isinstance(table, dict)))
+    return {"max_steps", "micro_batch_size"} <= names
 
 
 def refusal(path: str, found: Found, flag: str, what_next: str) -> DirectoryError:

@@ -1,24 +1,30 @@
-"""Run settings: one dataclass, TOML presets shipped in the package, CLI overrides, validation.
+"""Run settings: one dataclass of sections, TOML presets shipped in the package, CLI overrides, validation.
 
-Every default lives in ``TrainConfig``; the architecture is its ``model`` field, a
-``GPTConfig`` (gpt2lab/model_config.py, the only definition of the model's fields), whose
-fields are flat flags and TOML keys (``--n-layer``, ``n_layer = 12``; a ``[model]`` table works
-too) and a nested ``"model"`` section in config.json. ``nest_model`` is the one place that
-turns the flat form (also that of config.json files written before the nesting) into the
-nested one. A preset (``presets/NAME.toml``) overrides some of
-them (and may start from another preset with ``base = "NAME"``); command-line flags
-override the preset. Each field's ``help`` metadata becomes its ``--flag`` help text.
+``TrainConfig`` has three top-level fields (data, out, seed) and one section per concern, each a
+dataclass of its own: ``model`` (a ``GPTConfig``, gpt2lab/model/config.py, the only definition
+of the model's fields), ``batch``, ``optim``, ``system``, ``eval``, ``checkpoint``, ``logging``,
+``spike``, ``finetune`` and ``parallel`` (``cfg.optim.max_lr``). Every default and every check of
+a field lives with the field. A field keeps one flat name in every section (``max_lr``), so
+flags and TOML keys stay flat (``--max-lr``, ``max_lr = 6e-4``; a ``[optim]`` table works too);
+``SECTION_OF``, derived from the dataclasses, says where each flat name lives. config.json is
+written nested; ``nest_config`` is the one place that turns the flat form (also that of
+config.json files written before the nesting) and mixed ones into the nested one, and
+``merge_config`` lays one nested dict over another field by field. A preset
+(``presets/NAME.toml``) overrides some fields (and may start from another preset with
+``base = "NAME"``); command-line flags override the preset. Each field's ``help`` metadata
+becomes its ``--flag`` help text.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Optional, get_type_hints
 
 from gpt2lab.model.config import (GPT2_VOCAB_SIZE, MODEL_KEYS, PADDED_VOCAB_SIZE, GPTConfig, check_types,  # noqa: F401
-                                  field_type, gpt_config, model_from_config, nest_model)
+                                  config_value, field_type, gpt_config, model_from_config, nest_sections)
 from gpt2lab.system.choices import (COMPILE_CHOICES, DTYPE_CHOICES, LR_SCHEDULES, NS_DTYPE_CHOICES,  # noqa: F401
                                     OPTIMIZERS, STRATEGY_CHOICES)
 from gpt2lab.system.errors import ConfigError, UsageError  # noqa: F401
@@ -32,124 +38,200 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, packaged as tomli
 LORA_TARGETS = ("c_attn", "c_proj", "c_fc", "attn.c_proj", "mlp.c_proj")
 
 
-def _f(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+def _f(default: Any, help: str, at_least: Optional[float] = None, choices: tuple = ()) -> Any:
+    # at_least: the smallest value allowed; choices: a text field's values (also its flag's)
+    return field(default=default, metadata={"help": help, "at_least": at_least, "choices": choices})
 
 
 def _default_model() -> GPTConfig:
     return GPTConfig(vocab_size=PADDED_VOCAB_SIZE)
 
 
+class _Section:
+    """One concern's fields (a section of TrainConfig): each checked against its own
+    ``at_least`` and ``choices``; a subclass adds the checks among its fields."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value, low, choices = getattr(self, f.name), f.metadata["at_least"], f.metadata["choices"]
+            if low is not None and value is not None and value < low:
+                raise ConfigError(f"{f.name} must be >= {low}, got {value}")
+            if choices and value not in choices:
+                raise ConfigError(f"{f.name} {value!r}: choose one of {', '.join(choices)}")
+
+
 @dataclass
-class TrainConfig:
-    # model: the architecture; each of its fields is a flat flag (add_config_flags)
-    model: GPTConfig = field(default_factory=_default_model, metadata={"help": "the architecture"})
-    # data and output
-    data: str = _f("data/fineweb-edu-10b", "directory of token shards made by `gpt2lab prepare`")
-    out: str = _f("runs/gpt2-124m", "run directory: config.json, metrics.jsonl, checkpoints/")
-    seed: int = _f(1337, "seed for initialisation and data order")
-    # batch
-    micro_batch_size: int = _f(64, "sequences per forward/backward on each process")
-    seq_len: int = _f(1024, "tokens per sequence (at most block_size)")
+class BatchConfig(_Section):
+    micro_batch_size: int = _f(64, "sequences per forward/backward on each process", at_least=1)
+    seq_len: int = _f(1024, "tokens per sequence (at most block_size)", at_least=1)
     total_batch_tokens: int = _f(524288, "tokens per optimizer step over all processes; "
-                                 "accumulation = this / (micro_batch_size * seq_len * world size)")
-    # optimisation
-    max_steps: int = _f(19073, "optimizer steps in the run")
+                                 "accumulation = this / (micro_batch_size * seq_len * world size)", at_least=1)
+
+
+@dataclass
+class OptimConfig(_Section):
+    max_steps: int = _f(19073, "optimizer steps in the run", at_least=1)
     max_lr: float = _f(6e-4, "learning rate after warmup")
-    min_lr: float = _f(6e-5, "learning rate at the end of the cosine decay")
-    warmup_steps: int = _f(715, "steps of linear warmup from max_lr/warmup_steps to max_lr")
-    weight_decay: float = _f(0.1, "AdamW weight decay, applied to >=2-D weights only")
+    min_lr: float = _f(6e-5, "learning rate at the end of the cosine decay", at_least=0)
+    warmup_steps: int = _f(715, "steps of linear warmup from max_lr/warmup_steps to max_lr", at_least=0)
+    weight_decay: float = _f(0.1, "AdamW weight decay, applied to >=2-D weights only", at_least=0)
     beta1: float = _f(0.9, "AdamW beta1")
     beta2: float = _f(0.95, "AdamW beta2")
     eps: float = _f(1e-8, "AdamW epsilon")
-    grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = no clipping)")
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = no clipping)", at_least=0)
     lr_schedule: str = _f("cosine", "the LR schedule after warmup: cosine (decay to min_lr at max_steps) or wsd "
                           "(warmup-stable-decay: max_lr, then a linear decay to min_lr over the last decay_frac "
-                          "of the steps)")
+                          "of the steps)", choices=LR_SCHEDULES)
     decay_frac: float = _f(0.2, "wsd: fraction of max_steps in the final linear decay")
     optimizer: str = _f("adamw", "adamw (one AdamW, the GPT-2 recipe) or muon (Muon on the blocks' 2-D matrices, "
-                        "AdamW with max_lr/embed_lr/head_lr on the rest; the schedule scales every group)")
+                        "AdamW with max_lr/embed_lr/head_lr on the rest; the schedule scales every group)",
+                        choices=OPTIMIZERS)
     muon_lr: float = _f(0.02, "muon: Muon's peak learning rate (scaled by sqrt(max(1, rows/cols)) per matrix)")
     muon_momentum: float = _f(0.95, "muon: Muon's Nesterov momentum")
     muon_weight_decay: float = _f(0.0, "muon: Muon's decoupled weight decay (p *= 1 - lr * this)")
     muon_ns_dtype: str = _f("auto", "muon: dtype of the Newton-Schulz iteration: auto, float32 or bfloat16; "
                             "auto = bf16 where a bf16 matmul measures fast (GPUs with bf16, CPUs with native "
-                            "bf16), else fp32")
+                            "bf16), else fp32", choices=NS_DTYPE_CHOICES)
     embed_lr: Optional[float] = _f(None, "muon: AdamW peak rate of the embedding tables (default max_lr)")
     head_lr: Optional[float] = _f(None, "muon: AdamW peak rate of an untied output head (default max_lr)")
-    # system
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 < self.max_lr or self.min_lr > self.max_lr:
+            raise ConfigError(f"need 0 < min_lr <= max_lr, got min_lr {self.min_lr}, max_lr {self.max_lr}")
+        if not 0.0 <= self.decay_frac <= 1.0:
+            raise ConfigError(f"decay_frac {self.decay_frac} must be in [0, 1] (the fraction of max_steps "
+                              "in the wsd schedule's final decay)")
+        if not self.muon_lr > 0 or not 0.0 <= self.muon_momentum < 1.0 or self.muon_weight_decay < 0:
+            raise ConfigError(f"need muon_lr > 0, 0 <= muon_momentum < 1 and muon_weight_decay >= 0, got "
+                              f"{self.muon_lr}, {self.muon_momentum} and {self.muon_weight_decay}")
+        for name in ("embed_lr", "head_lr"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name} must be > 0, got {value}")
+            if value is not None and self.optimizer == "adamw":
+                raise ConfigError(f"{name} {value}: per-group rates apply to --optimizer muon; with adamw every "
+                                  "group follows --max-lr (drop it, or add --optimizer muon)")
+
+
+@dataclass
+class SystemConfig(_Section):
     device: str = _f("auto", "cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
     dtype: str = _f("auto", "autocast dtype: auto, float32, bfloat16 or float16 (fp16 uses a grad scaler); "
                     "auto = bf16 on GPUs that have it (else fp16), on CPUs only where bf16 measures faster "
-                    "than fp32, else fp32")
+                    "than fp32, else fp32", choices=DTYPE_CHOICES)
     compile: str = _f("auto", "torch.compile the model: auto, true or false; auto = on for CUDA, off where "
-                      "it does not pay (CPU, MPS)")
+                      "it does not pay (CPU, MPS)", choices=COMPILE_CHOICES)
     peak_flops: Optional[float] = _f(None, "peak FLOP/s for MFU; default from the GPU name (A100, H100, H200)")
-    max_bad_steps: int = _f(5, "stop after this many NaN/inf steps in a row")
+    max_bad_steps: int = _f(5, "stop after this many NaN/inf steps in a row", at_least=1)
     keep_cpu_memory: bool = _f(True, "on CPU, keep freed memory in the process (glibc mallopt) instead of "
                                "returning it to the OS: fresh pages for the large logit buffers cost "
                                "about half of a small model's step")
-    # evaluation, samples, checkpoints, logging (an interval of 0 means never)
-    eval_interval: int = _f(250, "steps between validation losses")
-    eval_tokens: int = _f(10485760, "validation tokens per evaluation (over all processes)")
-    hellaswag_interval: int = _f(250, "steps between HellaSwag evaluations")
-    hellaswag_data: Optional[str] = _f(None, "HellaSwag jsonl (default: the official validation set)")
-    hellaswag_limit: Optional[int] = _f(None, "evaluate only the first N HellaSwag examples")
-    sample_interval: int = _f(250, "steps between text samples")
-    sample_prompt: str = _f("Hello, I'm a language model,", "prompt of the logged samples")
-    sample_tokens: int = _f(32, "tokens generated per sample")
-    ckpt_interval: int = _f(5000, "steps between checkpoints (one is always saved at the end)")
-    keep_checkpoints: int = _f(3, "newest checkpoints to keep (0 = keep all)")
-    log_interval: int = _f(1, "steps between console lines (metrics.jsonl gets every step)")
-    tensorboard: bool = _f(False, "also write TensorBoard events to OUT/tensorboard")
-    progress: bool = _f(True, "show a progress bar on rank 0")
-    # weights & biases
-    wandb_project: Optional[str] = _f(None, "also log to this Weights & Biases project (rank 0; needs "
-                                      "pip install 'gpt2lab[wandb]'); a resumed run continues its W&B run")
-    wandb_run_name: Optional[str] = _f(None, "W&B run name (default: the run directory's name)")
-    # loss-spike guard (gpt2lab/spikes.py)
-    spike_window: int = _f(100, "recent healthy steps a step's loss and grad norm are compared with; the "
-                           "guard starts once it has seen that many (0 = guard off)")
-    spike_loss_z: float = _f(6.0, "a loss this many standard deviations above the window's mean is a "
-                             "spike: the step's update is skipped (0 = do not check the loss)")
-    spike_norm_z: float = _f(20.0, "the same for the log of the gradient norm (0 = do not check it)")
-    spike_rollback: int = _f(3, "this many spikes within spike_window steps roll back to the last checkpoint "
-                             "before them and skip the data of the spiking steps (0 = never roll back)")
-    # fine-tuning (see gpt2lab/init_from.py and gpt2lab/lora.py; dropout is in the model)
-    init_from: Optional[str] = _f(None, "start from these weights (new optimizer, step 0): gpt2, gpt2-medium, "
-                                  "gpt2-large, gpt2-xl, a local HF GPT-2 directory, a gpt2lab run directory "
-                                  "(its newest checkpoint) or a checkpoint directory; the architecture "
-                                  "comes from it")
-    init_from_id: Optional[str] = _f(None, "provenance written by train, not an input: what --init-from "
-                                     "resolved to (sha256 of its weights file; a checkpoint's step)")
-    lora_rank: int = _f(0, "train LoRA adapters of this rank (through peft) instead of all weights; 0 = off")
-    lora_alpha: float = _f(16.0, "LoRA scale numerator: the update is (alpha / rank) * B @ A")
-    lora_targets: str = _f("c_attn", "comma-separated layers that get LoRA adapters: c_attn, c_proj, c_fc "
-                           "(attn.c_proj or mlp.c_proj for one of the two c_proj)")
-    # sharding and activation memory (gpt2lab/parallel.py)
-    strategy: str = _f("auto", "how the processes of a torchrun share the model: ddp (each holds all weights, "
-                       "gradients and AdamW state), fsdp (FSDP2: all three sharded over the processes) or "
-                       "auto = ddp for one process or a model that fits, else fsdp")
-    activation_checkpointing: bool = _f(False, "keep only each block's input in the forward and recompute "
-                                        "the rest in the backward: about a third more compute for a "
-                                        "fraction of the activation memory")
 
     def __post_init__(self) -> None:
         if isinstance(self.compile, bool):  # presets and config.json files written before "auto"
             self.compile = "true" if self.compile else "false"
+        super().__post_init__()
+
+
+@dataclass
+class EvalConfig(_Section):
+    """Evaluations and samples (an interval of 0 means never)."""
+    eval_interval: int = _f(250, "steps between validation losses", at_least=0)
+    eval_tokens: int = _f(10485760, "validation tokens per evaluation (over all processes)", at_least=0)
+    hellaswag_interval: int = _f(250, "steps between HellaSwag evaluations", at_least=0)
+    hellaswag_data: Optional[str] = _f(None, "HellaSwag jsonl (default: the official validation set)")
+    hellaswag_limit: Optional[int] = _f(None, "evaluate only the first N HellaSwag examples")
+    sample_interval: int = _f(250, "steps between text samples", at_least=0)
+    sample_prompt: str = _f("Hello, I'm a language model,", "prompt of the logged samples")
+    sample_tokens: int = _f(32, "tokens generated per sample", at_least=1)
+
+
+@dataclass
+class CheckpointConfig(_Section):
+    ckpt_interval: int = _f(5000, "steps between checkpoints (one is always saved at the end)", at_least=0)
+    keep_checkpoints: int = _f(3, "newest checkpoints to keep (0 = keep all)", at_least=0)
+
+
+@dataclass
+class LoggingConfig(_Section):
+    log_interval: int = _f(1, "steps between console lines (metrics.jsonl gets every step)", at_least=0)
+    tensorboard: bool = _f(False, "also write TensorBoard events to OUT/tensorboard")
+    progress: bool = _f(True, "show a progress bar on rank 0")
+    wandb_project: Optional[str] = _f(None, "also log to this Weights & Biases project (rank 0; needs "
+                                      "pip install 'gpt2lab[wandb]'); a resumed run continues its W&B run")
+    wandb_run_name: Optional[str] = _f(None, "W&B run name (default: the run directory's name)")
+
+
+@dataclass
+class SpikeConfig(_Section):
+    """The loss-spike guard (gpt2lab/train/spikes.py)."""
+    spike_window: int = _f(100, "recent healthy steps a step's loss and grad norm are compared with; the "
+                           "guard starts once it has seen that many (0 = guard off)", at_least=0)
+    spike_loss_z: float = _f(6.0, "a loss this many standard deviations above the window's mean is a "
+                             "spike: the step's update is skipped (0 = do not check the loss)", at_least=0)
+    spike_norm_z: float = _f(20.0, "the same for the log of the gradient norm (0 = do not check it)", at_least=0)
+    spike_rollback: int = _f(3, "this many spikes within spike_window steps roll back to the last checkpoint "
+                             "before them and skip the data of the spiking steps (0 = never roll back)", at_least=0)
+
+
+@dataclass
+class FinetuneConfig(_Section):
+    """Fine-tuning (gpt2lab/train/init_from.py, gpt2lab/model/lora.py; dropout is in the model).
+    What --init-from resolved to is no setting: the run plan records it (RunPlan.init_record)."""
+    init_from: Optional[str] = _f(None, "start from these weights (new optimizer, step 0): gpt2, gpt2-medium, "
+                                  "gpt2-large, gpt2-xl, a local HF GPT-2 directory, a gpt2lab run directory "
+                                  "(its newest checkpoint) or a checkpoint directory; the architecture "
+                                  "comes from it")
+    lora_rank: int = _f(0, "train LoRA adapters of this rank (through peft) instead of all weights; 0 = off")
+    lora_alpha: float = _f(16.0, "LoRA scale numerator: the update is (alpha / rank) * B @ A")
+    lora_targets: str = _f("c_attn", "comma-separated layers that get LoRA adapters: c_attn, c_proj, c_fc "
+                           "(attn.c_proj or mlp.c_proj for one of the two c_proj)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.lora_rank < 0 or self.lora_alpha <= 0:
+            raise ConfigError(f"need lora_rank >= 0 and lora_alpha > 0, got {self.lora_rank} and {self.lora_alpha}")
+        targets = [t.strip() for t in self.lora_targets.split(",")]
+        bad = [t for t in targets if t not in LORA_TARGETS]
+        if bad or not targets:
+            raise ConfigError(f"lora_targets {self.lora_targets!r}: choose from {', '.join(LORA_TARGETS)}")
+
+
+@dataclass
+class ParallelConfig(_Section):
+    """Sharding and activation memory (gpt2lab/distributed/parallel.py)."""
+    strategy: str = _f("auto", "how the processes of a torchrun share the model: ddp (each holds all weights, "
+                       "gradients and AdamW state), fsdp (FSDP2: all three sharded over the processes) or "
+                       "auto = ddp for one process or a model that fits, else fsdp", choices=STRATEGY_CHOICES)
+    activation_checkpointing: bool = _f(False, "keep only each block's input in the forward and recompute "
+                                        "the rest in the backward: about a third more compute for a "
+                                        "fraction of the activation memory")
+
+
+@dataclass
+class TrainConfig:
+    """A run's settings: three top-level fields and one section per concern (``cfg.optim.max_lr``)."""
+    model: GPTConfig = field(default_factory=_default_model, metadata={"help": "the architecture"})
+    data: str = _f("data/fineweb-edu-10b", "directory of token shards made by `gpt2lab prepare`")
+    out: str = _f("runs/gpt2-124m", "run directory: config.json, metrics.jsonl, checkpoints/")
+    seed: int = _f(1337, "seed for initialisation and data order", at_least=0)
+    batch: BatchConfig = field(default_factory=BatchConfig, metadata={"help": "the batch"})
+    optim: OptimConfig = field(default_factory=OptimConfig,
+                               metadata={"help": "optimizer, learning-rate schedule and run length"})
+    system: SystemConfig = field(default_factory=SystemConfig, metadata={"help": "device, precision, compilation"})
+    eval: EvalConfig = field(default_factory=EvalConfig, metadata={"help": "validation loss, HellaSwag, samples"})
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "checkpoints"})
+    logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "console, TensorBoard, W&B"})
+    spike: SpikeConfig = field(default_factory=SpikeConfig, metadata={"help": "the loss-spike guard"})
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig, metadata={"help": "starting weights and LoRA"})
+    parallel: ParallelConfig = field(default_factory=ParallelConfig,
+                                     metadata={"help": "sharding and activation checkpointing"})
+
+    def __post_init__(self) -> None:
+        if self.seed < 0:
+            raise ConfigError(f"seed must be >= 0, got {self.seed}")
         self._derive_token_vocab()
-        positive = ("micro_batch_size", "seq_len", "total_batch_tokens", "max_steps", "max_bad_steps",
-                    "sample_tokens")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        never_negative = ("warmup_steps", "weight_decay", "grad_clip", "eval_interval", "eval_tokens",
-                          "hellaswag_interval", "sample_interval", "ckpt_interval", "keep_checkpoints",
-                          "log_interval", "seed", "min_lr",
-                          "spike_window", "spike_loss_z", "spike_norm_z", "spike_rollback")
-        for name in never_negative:
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         self._check_combinations()
 
     def _derive_token_vocab(self) -> None:
@@ -164,85 +246,119 @@ class TrainConfig:
             self.model = dataclasses.replace(self.model, token_vocab_size=GPT2_VOCAB_SIZE)
 
     def _check_combinations(self) -> None:
-        if self.seq_len > self.model.block_size:
-            raise ConfigError(f"seq_len {self.seq_len} exceeds block_size {self.model.block_size}; "
+        """The checks across sections (each section checks its own fields)."""
+        if self.batch.seq_len > self.model.block_size:
+            raise ConfigError(f"seq_len {self.batch.seq_len} exceeds block_size {self.model.block_size}; "
                               f"lower --seq-len or raise --block-size")
-        if self.dtype not in DTYPE_CHOICES:
-            raise ConfigError(f"dtype {self.dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}")
-        if self.compile not in COMPILE_CHOICES:
-            raise ConfigError(f"compile {self.compile!r}: choose one of {', '.join(COMPILE_CHOICES)}")
-        if self.strategy not in STRATEGY_CHOICES:
-            raise ConfigError(f"strategy {self.strategy!r}: choose one of {', '.join(STRATEGY_CHOICES)}")
-        if not 0 < self.max_lr or self.min_lr > self.max_lr:
-            raise ConfigError(f"need 0 < min_lr <= max_lr, got min_lr {self.min_lr}, max_lr {self.max_lr}")
-        self._check_optimizer()
-        self._check_fine_tuning()
-
-    def _check_optimizer(self) -> None:
-        for name, choices in (("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES),
-                              ("muon_ns_dtype", NS_DTYPE_CHOICES)):
-            if getattr(self, name) not in choices:
-                raise ConfigError(f"{name} {getattr(self, name)!r}: choose one of {', '.join(choices)}")
-        if not 0.0 <= self.decay_frac <= 1.0:
-            raise ConfigError(f"decay_frac {self.decay_frac} must be in [0, 1] (the fraction of max_steps "
-                              "in the wsd schedule's final decay)")
-        if not self.muon_lr > 0 or not 0.0 <= self.muon_momentum < 1.0 or self.muon_weight_decay < 0:
-            raise ConfigError(f"need muon_lr > 0, 0 <= muon_momentum < 1 and muon_weight_decay >= 0, got "
-                              f"{self.muon_lr}, {self.muon_momentum} and {self.muon_weight_decay}")
-        for name in ("embed_lr", "head_lr"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ConfigError(f"{name} must be > 0, got {value}")
-            if value is not None and self.optimizer == "adamw":
-                raise ConfigError(f"{name} {value}: per-group rates apply to --optimizer muon; with adamw every "
-                                  "group follows --max-lr (drop it, or add --optimizer muon)")
-        if self.optimizer == "muon" and self.strategy == "fsdp":
+        optimizer, strategy, lora = self.optim.optimizer, self.parallel.strategy, self.finetune.lora_rank
+        if optimizer == "muon" and strategy == "fsdp":
             raise ConfigError("--optimizer muon with --strategy fsdp: Muon orthogonalises whole matrices, FSDP "
                               "shards them; use --strategy ddp, or --optimizer adamw with FSDP")
-        if self.optimizer == "muon" and self.lora_rank:
+        if optimizer == "muon" and lora:
             raise ConfigError("--optimizer muon with --lora-rank: LoRA trains small adapters; use --optimizer adamw")
-
-    def _check_fine_tuning(self) -> None:
-        if self.lora_rank < 0 or self.lora_alpha <= 0:
-            raise ConfigError(f"need lora_rank >= 0 and lora_alpha > 0, got {self.lora_rank} and {self.lora_alpha}")
-        targets = [t.strip() for t in self.lora_targets.split(",")]
-        bad = [t for t in targets if t not in LORA_TARGETS]
-        if bad or not targets:
-            raise ConfigError(f"lora_targets {self.lora_targets!r}: choose from {', '.join(LORA_TARGETS)}")
-        if self.lora_rank and self.strategy == "fsdp":
+        if lora and strategy == "fsdp":
             raise ConfigError("strategy fsdp with lora_rank: LoRA trains only the adapters, so DDP keeps no "
                               "gradients or AdamW state for the frozen weights; use --strategy ddp")
 
     def grad_accum_steps(self, world_size: int) -> int:
         """Micro-steps per optimizer step; raises unless the total batch divides evenly."""
-        per_micro = self.micro_batch_size * self.seq_len * world_size
-        if self.total_batch_tokens % per_micro:
+        b = self.batch
+        per_micro = b.micro_batch_size * b.seq_len * world_size
+        if b.total_batch_tokens % per_micro:
             raise ConfigError(
-                f"total_batch_tokens {self.total_batch_tokens} is not divisible by micro_batch_size "
-                f"{self.micro_batch_size} x seq_len {self.seq_len} x world size {world_size} = {per_micro}; "
+                f"total_batch_tokens {b.total_batch_tokens} is not divisible by micro_batch_size "
+                f"{b.micro_batch_size} x seq_len {b.seq_len} x world size {world_size} = {per_micro}; "
                 f"set --total-batch-tokens to a multiple of {per_micro} or change --micro-batch-size")
-        return self.total_batch_tokens // per_micro
+        return b.total_batch_tokens // per_micro
 
     def to_dict(self) -> dict:
-        """The nested form (config.json): the architecture under "model"."""
+        """The nested form (config.json): each section a dict under its name."""
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict, source: str = "config") -> "TrainConfig":
-        """From the nested form, the flat one (--n-layer-style keys, old config.json) or a mix."""
-        values = nest_model(values, source)
-        known = {f.name for f in dataclasses.fields(cls)} - {"model"}
-        unknown = sorted(set(values) - known - {"model"})
-        if unknown:
-            raise ConfigError(f"{source}: unknown field(s) {', '.join(unknown)}; "
-                              f"known fields: {', '.join(sorted(known | set(MODEL_KEYS)))}")
-        check_types({k: v for k, v in values.items() if k != "model"}, get_type_hints(cls), source,
-                    also={"compile": bool})  # compile: true/false in presets written before "auto"
-        return cls(**{**values, "model": gpt_config(values["model"], source)})
+    def from_dict(cls, values: Mapping[str, Any], source: str = "config") -> "TrainConfig":
+        """From the nested form, the flat one (``--max-lr``-style keys, config.json written before
+        the nesting) or a mix (``nest_config``'s rules)."""
+        nested = nest_config(values, source)
+        _check_types(nested, source)
+        top = {k: v for k, v in nested.items() if k not in SECTIONS}
+        parts = {name: section(**nested.get(name, {})) for name, section in SECTIONS.items() if name != "model"}
+        return cls(**top, **parts, model=gpt_config(nested.get("model", {}), source))
+
+    def with_values(self, **changes: Any) -> "TrainConfig":
+        """This config with some fields changed, by flat name or by section (validated like any other)."""
+        return TrainConfig.from_dict(merge_config(self.to_dict(), changes))
 
     def with_model(self, **changes: Any) -> "TrainConfig":
         """This config with some architecture fields changed (validated like any other)."""
-        return TrainConfig.from_dict({**self.to_dict(), **changes})
+        return self.with_values(model=changes)
+
+
+# -- the sections: the one table of which section a flat name belongs to ----------------------
+def _sections() -> dict[str, type]:
+    hints = get_type_hints(TrainConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig) if dataclasses.is_dataclass(hints[f.name])}
+
+
+SECTIONS: dict[str, type] = _sections()  # "model": GPTConfig, "batch": BatchConfig, ...
+SECTION_FIELDS = {name: tuple(f.name for f in dataclasses.fields(cls)) for name, cls in SECTIONS.items()}
+SECTION_OF = {key: name for name, keys in SECTION_FIELDS.items() for key in keys}  # "max_lr": "optim"
+TOP_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name not in SECTIONS)  # data, out, seed
+# Keys of config.json files written before that are no setting any more: dropped on read.
+# init_from_id: what --init-from resolved to, now the run plan's record (RunPlan.init_record).
+RETIRED = ("init_from_id",)
+
+
+def nest_config(values: Mapping[str, Any], source: str = "config") -> dict:
+    """A run config in the nested form, from the nested, the flat or a mixed form: the one place
+    that nests. Each flat key moves into its section (SECTION_OF); sections appear where given
+    or set. One ConfigError, naming ``source`` and the key, for an unknown key, a key in the
+    wrong section, a key set both flat and in its section, or a section that is no table.
+    A RETIRED key (old config.json files carry them) is dropped."""
+    nested = nest_sections({k: v for k, v in values.items() if k not in RETIRED}, SECTION_FIELDS, source)
+    unknown = sorted(set(nested) - set(SECTIONS) - set(TOP_FIELDS))
+    if unknown:
+        raise ConfigError(f"{source}: unknown field(s) {', '.join(unknown)}; known fields: "
+                          f"{', '.join(sorted([*TOP_FIELDS, *SECTION_OF]))} (or their sections: "
+                          f"{', '.join(SECTIONS)})")
+    for name, table in nested.items():
+        if name not in SECTIONS:
+            continue
+        misplaced = sorted(k for k in table if k not in SECTION_FIELDS[name] and (k in SECTION_OF or k in TOP_FIELDS))
+        if misplaced:
+            key = misplaced[0]
+            home = f"in [{SECTION_OF[key]}]" if key in SECTION_OF else "at the top level"
+            raise ConfigError(f"{source}: {key} is in [{name}] but belongs {home}")
+        strange = sorted(set(table) - set(SECTION_FIELDS[name]))
+        if strange:
+            raise ConfigError(f"{source}: unknown {name} field(s) {', '.join(strange)}; known {name} fields: "
+                              f"{', '.join(SECTION_FIELDS[name])}")
+    return nested
+
+
+def merge_config(*layers: Mapping[str, Any], source: str = "config") -> dict:
+    """Run configs of any form, nested and merged field by field, a later layer's value winning
+    (a preset over its base, flags over the preset)."""
+    out: dict = {}
+    for layer in layers:
+        for name, value in nest_config(layer, source).items():
+            out[name] = {**out.get(name, {}), **value} if name in SECTIONS else value
+    return out
+
+
+def default_value(name: str) -> Any:
+    """A field's default by its flat name (``"dtype"`` -> ``"auto"``)."""
+    home = SECTIONS.get(SECTION_OF.get(name)) or TrainConfig
+    f = home.__dataclass_fields__[name]
+    return getattr(_default_model(), name) if home is GPTConfig else f.default
+
+
+def _check_types(nested: Mapping[str, Any], source: str) -> None:
+    """Each value of its field's type (check_types), section by section."""
+    check_types({k: v for k, v in nested.items() if k not in SECTIONS}, get_type_hints(TrainConfig), source)
+    for name, section in SECTIONS.items():
+        # compile: true/false in presets written before "auto"
+        check_types(nested.get(name, {}), get_type_hints(section), source, also={"compile": bool})
 
 
 # -- presets ----------------------------------------------------------------------------
@@ -252,7 +368,7 @@ def preset_names() -> list[str]:
 
 
 def preset_values(name: str, _seen: tuple = ()) -> dict:
-    """The fields a preset sets (its ``base`` chain resolved, the model's nested), not yet a TrainConfig."""
+    """The fields a preset sets (its ``base`` chain resolved), nested, not yet a TrainConfig."""
     if name not in preset_names():
         raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(preset_names())}")
     if name in _seen:
@@ -263,7 +379,7 @@ def preset_values(name: str, _seen: tuple = ()) -> dict:
 
 def config_file_values(path: str) -> dict:
     """``train --config FILE``: a TOML file with the presets' keys (``base = "PRESET"`` starts from a
-    packaged preset), its values checked here so that an error names the file and the key."""
+    packaged preset), nested, its values checked here so that an error names the file and the key."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -272,14 +388,13 @@ def config_file_values(path: str) -> dict:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"--config {path}: cannot be read ({e})") from None
     values = _toml_values(text, path, ())
-    check_types({k: v for k, v in values.items() if k != "model"}, get_type_hints(TrainConfig), path,
-                also={"compile": bool})
-    check_types(values["model"], get_type_hints(GPTConfig), path)
+    _check_types(values, path)
     return values
 
 
 def _toml_values(text: str, where: str, seen: tuple) -> dict:
-    """A preset's or config file's fields, nested, on top of its ``base`` preset's."""
+    """A preset's or config file's fields, nested, on top of its ``base`` preset's: flat keys
+    (``max_lr = 3e-4``) and section tables (``[optim]``) alike, merged field by field."""
     try:
         values = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -287,18 +402,14 @@ def _toml_values(text: str, where: str, seen: tuple) -> dict:
     base = values.pop("base", None)
     if base is not None and not isinstance(base, str):
         raise ConfigError(f"{where}: base must be a preset name (text), got {base!r}")
-    table = values.get("model")
-    both = sorted(set(values) & set(table)) if isinstance(table, dict) else []
-    if both:
-        raise ConfigError(f"{where}: {', '.join(both)} set both as a key and in [model]; keep one")
-    own = nest_model(values, where)  # flat keys and a [model] table alike; merged field by field
-    below = preset_values(base, seen) if base else {"model": {}}
-    return {**below, **own, "model": {**below["model"], **own["model"]}}
+    own = nest_config(values, where)
+    return merge_config(preset_values(base, seen), own, source=where) if base else own
 
 
 def load_preset(name: str, **overrides: Any) -> TrainConfig:
-    values = {**preset_values(name), **overrides}
-    return TrainConfig.from_dict(values, source=f"preset {name!r} with overrides")
+    """A preset with ``overrides`` over it: flat names (``max_lr=1e-3``) or sections (``optim={...}``)."""
+    source = f"preset {name!r} with overrides"
+    return TrainConfig.from_dict(merge_config(preset_values(name), overrides, source=source), source=source)
 
 
 # -- command line -----------------------------------------------------------------------
@@ -324,35 +435,38 @@ def _converter(tp: Any, optional: bool):
 
 
 def _flag_fields() -> list[tuple[dataclasses.Field, Any, Any]]:
-    """(field, type annotation, base default) per flag: GPTConfig's settable fields, then TrainConfig's."""
-    model_hints, hints, model = get_type_hints(GPTConfig), get_type_hints(TrainConfig), _default_model()
+    """(field, type annotation, base default) per flag: GPTConfig's settable fields, then
+    TrainConfig's top-level ones, then each section's. A flag's name is its field's flat name."""
+    model_hints, model = get_type_hints(GPTConfig), _default_model()
     out = [(f, model_hints[f.name], getattr(model, f.name)) for f in dataclasses.fields(GPTConfig)
            if not f.metadata["derived"]]
-    return out + [(f, hints[f.name], f.default) for f in dataclasses.fields(TrainConfig) if f.name != "model"]
+    hints = get_type_hints(TrainConfig)
+    out += [(f, hints[f.name], f.default) for f in dataclasses.fields(TrainConfig) if f.name in TOP_FIELDS]
+    for section in SECTIONS.values():
+        if section is not GPTConfig:
+            hints = get_type_hints(section)
+            out += [(f, hints[f.name], f.default) for f in dataclasses.fields(section)]
+    return out
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One ``--field-name VALUE`` flag per config field (the model's flat); unset flags stay out
-    of the overrides."""
+    """One ``--field-name VALUE`` flag per config field, flat whatever its section; unset flags
+    stay out of the overrides."""
     group = parser.add_argument_group("config fields (override the preset)")
     for f, hint, default in _flag_fields():
         tp, optional = field_type(hint)
         kwargs: dict = dict(dest=f.name, default=argparse.SUPPRESS, type=_converter(tp, optional),
                             help=f"{f.metadata['help']} (base default {default!r}; the preset may set it)")
         kwargs["metavar"] = {bool: "true|false", int: "N", float: "X"}.get(tp, "TEXT")
-        if f.metadata.get("choices"):  # GPTConfig's text fields name their values
+        if f.metadata.get("choices"):  # text fields that name their values
             kwargs.update(choices=f.metadata["choices"], type=str.lower, metavar="|".join(f.metadata["choices"]))
-        flag_choices = {"dtype": DTYPE_CHOICES, "compile": COMPILE_CHOICES, "strategy": STRATEGY_CHOICES,
-                        "optimizer": OPTIMIZERS, "lr_schedule": LR_SCHEDULES, "muon_ns_dtype": NS_DTYPE_CHOICES}
-        if f.name in flag_choices:
-            choices = flag_choices[f.name]
-            kwargs.update(choices=choices, type=str.lower, metavar="|".join(choices))
         group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict:
+    """The flags given, nested (``--max-lr 1e-3`` -> ``{"optim": {"max_lr": 0.001}}``)."""
     names = {f.name for f, _, _ in _flag_fields()}
-    return {k: v for k, v in vars(args).items() if k in names}
+    return nest_config({k: v for k, v in vars(args).items() if k in names}, "the flags")
 
 
 def save_config(cfg: TrainConfig, path: str) -> None:

@@ -31,33 +31,33 @@ class Evaluator:
         self.device = info.device
 
     def __call__(self, step: int, log: MetricsLogger) -> None:
-        cfg = self.cfg
-        if due(cfg.eval_interval, step, cfg.max_steps):
+        ev, last = self.cfg.eval, self.cfg.optim.max_steps
+        if due(ev.eval_interval, step, last):
             log.log({"step": step, "val_loss": self.val_loss()})
-        if due(cfg.hellaswag_interval, step, cfg.max_steps):
+        if due(ev.hellaswag_interval, step, last):
             from gpt2lab.evals.hellaswag import evaluate_hellaswag
 
             with parallel.gathered(self.raw):  # FSDP: ranks score different numbers of batches
-                res = evaluate_hellaswag(self.model, cfg.hellaswag_data, device=self.device, dtype=self.dtype,
-                                         batch_size=cfg.micro_batch_size, limit=cfg.hellaswag_limit,
+                res = evaluate_hellaswag(self.model, ev.hellaswag_data, device=self.device, dtype=self.dtype,
+                                         batch_size=self.cfg.batch.micro_batch_size, limit=ev.hellaswag_limit,
                                          rank=self.info.rank, world_size=self.info.world_size)
             log.log({"step": step, "hellaswag_acc": res["acc"], "hellaswag_acc_norm": res["acc_norm"],
                      "hellaswag_n": res["n"]})
-        if due(cfg.sample_interval, step, cfg.max_steps):
+        if due(ev.sample_interval, step, last):
             with parallel.gathered(self.raw):  # FSDP: every rank gathers; rank 0 alone generates
                 text = self.sample() if self.info.is_main else None
             if text is not None:
                 log.log({"step": step, "sample": text})
-        if self.info.is_main and (due(cfg.eval_interval, step, cfg.max_steps)
-                                  or due(cfg.hellaswag_interval, step, cfg.max_steps)):
-            plot(cfg.out)
+        if self.info.is_main and (due(ev.eval_interval, step, last) or due(ev.hellaswag_interval, step, last)):
+            plot(self.cfg.out)
 
     def val_loss(self) -> float:
         from gpt2lab.evals.loss import evaluate_loss
 
         with parallel.gathered(self.raw):  # FSDP: one all-gather, not one per block and batch
-            return evaluate_loss(self.model, self.cfg.data, tokens=self.cfg.eval_tokens,
-                                 batch_size=self.cfg.micro_batch_size, seq_len=self.cfg.seq_len,
+            cfg = self.cfg
+            return evaluate_loss(self.model, cfg.data, tokens=cfg.eval.eval_tokens,
+                                 batch_size=cfg.batch.micro_batch_size, seq_len=cfg.batch.seq_len,
                                  device=self.device, dtype=self.dtype, rank=self.info.rank,
                                  world_size=self.info.world_size)
 
@@ -67,12 +67,12 @@ class Evaluator:
         from gpt2lab.data.tokenizer import EOT_ID, get_tokenizer
 
         enc = get_tokenizer()
-        idx = torch.tensor([enc.encode(self.cfg.sample_prompt, allowed_special="all")], device=self.device)
+        idx = torch.tensor([enc.encode(self.cfg.eval.sample_prompt, allowed_special="all")], device=self.device)
         gen = torch.Generator(device=self.device).manual_seed(42)  # own generator: training RNG untouched
         self.raw.eval()
         # eager: under FSDP the blocks are compiled in place, and generation has varying shapes
         with autocast(self.device, self.dtype), torch.compiler.set_stance("force_eager"):
-            out = generate(self.raw, idx, self.cfg.sample_tokens, top_k=50, generator=gen, stop_token=EOT_ID)
+            out = generate(self.raw, idx, self.cfg.eval.sample_tokens, top_k=50, generator=gen, stop_token=EOT_ID)
         self.raw.train()
         return enc.decode([t for t in out[0].tolist() if t != EOT_ID])
 

@@ -152,14 +152,14 @@ def _check_readable(src: Source) -> None:
 
 
 def adapt_config(cfg: TrainConfig) -> TrainConfig:
-    """``cfg`` with the architecture of ``cfg.init_from``; each of cfg's values must agree with it
-    (a smaller block_size keeps SRC's first positions)."""
-    arch = source_arch(cfg.init_from, {name: getattr(cfg.model, name) for name in ARCH_FIELDS})
+    """``cfg`` with the architecture of ``cfg.finetune.init_from``; each of cfg's values must agree
+    with it (a smaller block_size keeps SRC's first positions)."""
+    arch = source_arch(cfg.finetune.init_from, {name: getattr(cfg.model, name) for name in ARCH_FIELDS})
     try:
         return cfg.with_model(**arch)
     except ConfigError as e:
         sizes = ", ".join(f"{k} {v}" for k, v in arch.items())
-        raise InitFromError(f"--init-from {cfg.init_from} ({sizes}): {e}") from e
+        raise InitFromError(f"--init-from {cfg.finetune.init_from} ({sizes}): {e}") from e
 
 
 def source_arch(spec: str, explicit: Mapping[str, object], flag: str = "--init-from") -> dict[str, object]:

@@ -245,36 +245,37 @@ def _is_dtensor(p: torch.Tensor) -> bool:
     return isinstance(p, DTensor)
 
 
-def build_optimizer(model: nn.Module, cfg, device: torch.device, ns_dtype: Optional[str] = None):
-    """The optimizer a TrainConfig asks for: today's AdamW (``make_optimizer``) or Muon + AdamW."""
-    if cfg.optimizer == "adamw":
-        return make_optimizer(model, lr=cfg.max_lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
-                              eps=cfg.eps, device=device)
-    return make_muon(model, muon_lr=cfg.muon_lr, muon_momentum=cfg.muon_momentum,
-                     muon_weight_decay=cfg.muon_weight_decay, ns_dtype=getattr(torch, ns_dtype or "float32"),
-                     lr=cfg.max_lr, embed_lr=peak_lr(cfg, "embed_lr"), head_lr=peak_lr(cfg, "head_lr"),
-                     weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, device=device)
+def build_optimizer(model: nn.Module, opt, device: torch.device, ns_dtype: Optional[str] = None):
+    """The optimizer a TrainConfig's ``optim`` section (``opt``) asks for: today's AdamW
+    (``make_optimizer``) or Muon + AdamW."""
+    if opt.optimizer == "adamw":
+        return make_optimizer(model, lr=opt.max_lr, weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2),
+                              eps=opt.eps, device=device)
+    return make_muon(model, muon_lr=opt.muon_lr, muon_momentum=opt.muon_momentum,
+                     muon_weight_decay=opt.muon_weight_decay, ns_dtype=getattr(torch, ns_dtype or "float32"),
+                     lr=opt.max_lr, embed_lr=peak_lr(opt, "embed_lr"), head_lr=peak_lr(opt, "head_lr"),
+                     weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2), eps=opt.eps, device=device)
 
 
-def peak_lr(cfg, name: str) -> float:
+def peak_lr(opt, name: str) -> float:
     """The peak rate of a group's ``lr_name``; embed_lr and head_lr default to max_lr."""
-    value = getattr(cfg, name)
-    return cfg.max_lr if value is None else value
+    value = getattr(opt, name)
+    return opt.max_lr if value is None else value
 
 
-def scheduled_lr(step: int, cfg, name: str = "max_lr") -> float:
+def scheduled_lr(step: int, opt, name: str = "max_lr") -> float:
     """Group ``name``'s rate at ``step``: the schedule with its own peak, its floor min_lr scaled
     by the same ratio (min_lr / max_lr), so every group moves by the same factor."""
-    peak = peak_lr(cfg, name)
-    floor = cfg.min_lr if peak == cfg.max_lr else peak * (cfg.min_lr / cfg.max_lr)
-    return lr_at(step, max_lr=peak, min_lr=floor, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
-                 schedule=cfg.lr_schedule, decay_frac=cfg.decay_frac)
+    peak = peak_lr(opt, name)
+    floor = opt.min_lr if peak == opt.max_lr else peak * (opt.min_lr / opt.max_lr)
+    return lr_at(step, max_lr=peak, min_lr=floor, warmup_steps=opt.warmup_steps, max_steps=opt.max_steps,
+                 schedule=opt.lr_schedule, decay_frac=opt.decay_frac)
 
 
-def set_lrs(optimizer, step: int, cfg) -> None:
+def set_lrs(optimizer, step: int, opt) -> None:
     """Give every param group its scheduled rate (groups without ``lr_name`` follow max_lr).
 
-    The peaks come from ``cfg`` on every step, never from the checkpoint: a resumed run
-    with another --muon-lr uses the new one, as --max-lr always has."""
+    The peaks come from ``opt`` (the optim section) on every step, never from the checkpoint:
+    a resumed run with another --muon-lr uses the new one, as --max-lr always has."""
     for group in optimizer.param_groups:
-        group["lr"] = scheduled_lr(step, cfg, group.get("lr_name", "max_lr"))
+        group["lr"] = scheduled_lr(step, opt, group.get("lr_name", "max_lr"))

@@ -6,8 +6,9 @@ processes, one device's memory). It decides, each with its reason where there is
 
 - the checkpoint to resume: one rule, the newest intact one (``find_resume``); the run's
   architecture comes from that same checkpoint when it began from other weights;
-- the ``--init-from`` source, found once and hashed once (``InitFrom``);
-- the final ``TrainConfig`` (the source's architecture, its provenance);
+- the ``--init-from`` source, found once and hashed once (``InitFrom``), and for a resumed run
+  the record of the weights it began from, read back from its checkpoint (``began_from``);
+- the final ``TrainConfig`` (the source's architecture);
 - dtype and compile (``system.runtime``), strategy (``distributed.parallel.choose_strategy``
   with DDP's memory from ``distributed.memplan``), the loss path (``choose_loss``);
 - accumulation steps, peak FLOP/s for MFU, the predicted memory per rank.
@@ -37,7 +38,7 @@ from gpt2lab.system import hardware, runtime
 from gpt2lab.system.errors import CheckpointError, ConfigError
 from gpt2lab.system.runtime import Choice
 from gpt2lab.train import init_from
-from gpt2lab.train.config import TrainConfig
+from gpt2lab.train.config import TrainConfig, config_value, default_value, merge_config, nest_config
 
 FAKE_FACTS_ENV = "GPT2LAB_FAKE_FACTS"
 PLAN_VERSION = 1
@@ -61,7 +62,8 @@ class Facts:
 
 @dataclass(frozen=True)
 class Request:
-    """What the user asked for: preset values with the flags over them, not yet validated."""
+    """What the user asked for: preset values with the flags over them (nested as config.json,
+    any form accepted: ``nest_config``), not yet validated."""
     values: Mapping[str, object]
     explicit: Mapping[str, object] = field(default_factory=dict)  # architecture values the user gave himself
     resume: Optional[str] = None           # None, "auto" or a run/checkpoint directory
@@ -73,9 +75,13 @@ class Request:
         explicit = {name: getattr(cfg.model, name) for name in init_from.ARCH_FIELDS}
         return cls(cfg.to_dict(), explicit, resume)
 
+    def get(self, name: str) -> object:
+        """A field as asked for, by its flat name (``"dtype"``), else its default."""
+        return config_value(self.values, name, default_value(name))
+
     @property
     def out(self) -> str:
-        return str(self.values.get("out", TrainConfig.__dataclass_fields__["out"].default))
+        return str(self.get("out"))
 
 
 @dataclass(frozen=True)
@@ -98,7 +104,7 @@ class InitFrom:
 # -- the plan --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RunPlan:
-    config: TrainConfig                    # final: the architecture and provenance filled in
+    config: TrainConfig                    # final: the architecture filled in
     facts: Facts
     resume: Optional[str]                  # the checkpoint to continue from (checksums verified)
     skipped: tuple[str, ...]               # damaged checkpoints passed over, one line each
@@ -112,6 +118,7 @@ class RunPlan:
     params: int                            # parameters of the model (before LoRA)
     memory: Optional[dict]                 # memplan's prediction per rank, MiB by term
     ns_dtype: Optional[Choice] = None      # Muon's Newton-Schulz dtype (None: the run has no Muon)
+    began: Optional[dict] = None           # a resumed run's init-from record, from its checkpoint (began_from)
 
     @property
     def choices(self) -> runtime.Resolved:
@@ -120,10 +127,7 @@ class RunPlan:
     @property
     def init_record(self) -> Optional[dict]:
         """run_info.json's "init_from": this run's source, or the one a resumed run began from."""
-        if self.init is not None:
-            return self.init.record()
-        c = self.config
-        return {"source": c.init_from, "id": c.init_from_id} if c.init_from_id else None
+        return self.init.record() if self.init is not None else self.began
 
     def record(self) -> dict:
         """run_info.json's "plan" entry (plain JSON)."""
@@ -137,12 +141,12 @@ class RunPlan:
                 "dtype": choice(self.dtype), "compile": choice(self.compile), "strategy": choice(self.strategy),
                 "loss": choice(self.loss), "peak_flops": choice(self.peak_flops),
                 "muon_ns_dtype": choice(self.ns_dtype) if self.ns_dtype else None,
-                "activation_checkpointing": c.activation_checkpointing, "grad_accum_steps": self.accum,
+                "activation_checkpointing": c.parallel.activation_checkpointing, "grad_accum_steps": self.accum,
                 "params": self.params, "memory_mib": self.memory, "config": c.to_dict()}
 
     def lines(self) -> list[str]:
         """What start-up prints (and --dry-run shows), one decision a line."""
-        c, m = self.config, self.config.model
+        c, m, ft = self.config, self.config.model, self.config.finetune
         on = lambda v: "on" if v else "off"  # noqa: E731
         mem = "no prediction for this device"
         if self.memory:
@@ -152,7 +156,7 @@ class RunPlan:
         out = [f"out       {c.out}" + (f" (resume from {self.resume})" if self.resume else " (new run)"),
                f"machine   {self.facts.describe()}",
                f"model     {m.n_layer} layers, {m.n_head} heads, {m.n_embd} wide, block {m.block_size}, "
-               f"{self.params:,} params" + (f", LoRA rank {c.lora_rank} on {c.lora_targets}" if c.lora_rank else "")]
+               f"{self.params:,} params" + (f", LoRA rank {ft.lora_rank} on {ft.lora_targets}" if ft.lora_rank else "")]
         out += [f"skipped   {line}" for line in self.skipped]
         if self.init_record:
             r = self.init_record
@@ -160,13 +164,13 @@ class RunPlan:
         out += [f"dtype     {self.dtype.value} ({self.dtype.reason})",
                 f"compile   {on(self.compile.value)} ({self.compile.reason})",
                 f"strategy  {self.strategy.value} ({self.strategy.reason})"
-                + ("; activation checkpointing on" if c.activation_checkpointing else ""),
+                + ("; activation checkpointing on" if c.parallel.activation_checkpointing else ""),
                 f"loss      {self.loss.value} ({self.loss.reason})",
-                f"optimizer {c.optimizer}, {c.lr_schedule} schedule"
+                f"optimizer {c.optim.optimizer}, {c.optim.lr_schedule} schedule"
                 + (f"; Newton-Schulz in {self.ns_dtype.value} ({self.ns_dtype.reason})" if self.ns_dtype else ""),
-                f"batch     {c.total_batch_tokens:,} tokens/step = micro-batch {c.micro_batch_size} x seq "
-                f"{c.seq_len} x {self.facts.world_size} process(es) x {self.accum} micro-steps; "
-                f"steps to {c.max_steps}",
+                f"batch     {c.batch.total_batch_tokens:,} tokens/step = micro-batch {c.batch.micro_batch_size} "
+                f"x seq {c.batch.seq_len} x {self.facts.world_size} process(es) x {self.accum} micro-steps; "
+                f"steps to {c.optim.max_steps}",
                 "peak      " + (f"{peak / 1e12:.0f} TFLOP/s per device ({self.peak_flops.reason})" if peak
                                  else f"unknown ({self.peak_flops.reason}); no MFU"),
                 f"memory    {mem}"]
@@ -232,16 +236,18 @@ def choose_strategy(cfg: TrainConfig, facts: Facts, dtype: str, accum: int, comp
     ddp_bytes = None
     if facts.device_bytes is not None and facts.world_size > 1:
         ddp_bytes = _predict(cfg, facts, "ddp", dtype, accum, compiled).total
-    return parallel.choose_strategy(cfg.strategy, world_size=facts.world_size, device_type=facts.device.device_type,
-                                    dtype=dtype, lora=bool(cfg.lora_rank), ddp_bytes=ddp_bytes,
+    return parallel.choose_strategy(cfg.parallel.strategy, world_size=facts.world_size,
+                                    device_type=facts.device.device_type, dtype=dtype,
+                                    lora=bool(cfg.finetune.lora_rank), ddp_bytes=ddp_bytes,
                                     device_bytes=facts.device_bytes)
 
 
 def _predict(cfg: TrainConfig, facts: Facts, strategy: str, dtype: str, accum: int, compiled: bool):
     device = "cuda" if facts.device.device_type == "cuda" else "cpu"
-    return memplan.predict(cfg.model, strategy=strategy, world_size=facts.world_size, micro_batch=cfg.micro_batch_size,
-                           seq_len=cfg.seq_len, dtype=dtype, activation_checkpointing=cfg.activation_checkpointing,
-                           accum=accum, device=device, compiled=compiled)
+    return memplan.predict(cfg.model, strategy=strategy, world_size=facts.world_size,
+                           micro_batch=cfg.batch.micro_batch_size, seq_len=cfg.batch.seq_len, dtype=dtype,
+                           activation_checkpointing=cfg.parallel.activation_checkpointing, accum=accum,
+                           device=device, compiled=compiled)
 
 
 def make_plan(request: Request | TrainConfig, facts: Facts, resume: Optional[str] = None,
@@ -259,22 +265,25 @@ def make_plan(request: Request | TrainConfig, facts: Facts, resume: Optional[str
         (report or _to_stderr)(line)
 
     where = find_resume(req.out, req.resume, skip)
-    values, init = dict(req.values), None
+    values, init, began = nest_config(req.values, req.source), None, None
     if where is not None:
         saved = ckpt.read_config(where)
-        if saved.get("init_from"):  # a run that began from other weights: its architecture is its checkpoint's
-            values.update(init_from=saved["init_from"], init_from_id=saved.get("init_from_id"),
-                          **init_from.source_arch(where, req.explicit, flag="--resume"))
-    elif values.get("init_from"):
-        src = init_from.find_source(str(values["init_from"]))
+        source = config_value(saved, "init_from")
+        if source:  # a run that began from other weights: its architecture is its checkpoint's
+            arch = init_from.source_arch(where, req.explicit, flag="--resume")
+            values = merge_config(values, {"init_from": source, "model": arch}, source=req.source)
+            began = began_from(where, saved)
+    elif config_value(values, "init_from"):
+        src = init_from.find_source(str(config_value(values, "init_from")))
         arch = init_from.check_arch(src, req.explicit)
         init = InitFrom(src, init_from.digest(src))
-        values.update(init_from_id=init.id, **arch)
+        values = merge_config(values, {"model": arch}, source=req.source)
     cfg = _config(values, req, init)
     check_hellaswag(cfg)
     accum = cfg.grad_accum_steps(facts.world_size)
-    choices = runtime.resolve(facts.device.device_type, cfg.dtype, cfg.compile, facts=facts.device,
-                              ns_dtype=cfg.muon_ns_dtype if cfg.optimizer == "muon" else None)
+    muon = cfg.optim.optimizer == "muon"
+    choices = runtime.resolve(facts.device.device_type, cfg.system.dtype, cfg.system.compile, facts=facts.device,
+                              ns_dtype=cfg.optim.muon_ns_dtype if muon else None)
     dtype, compiled = str(choices.dtype.value), bool(choices.compile.value)
     strategy = choose_strategy(cfg, facts, dtype, accum, compiled)
     sharded = strategy.value == "fsdp" and facts.world_size > 1
@@ -284,8 +293,20 @@ def make_plan(request: Request | TrainConfig, facts: Facts, resume: Optional[str
     return RunPlan(config=cfg, facts=facts, resume=where, skipped=tuple(skipped), init=init,
                    dtype=choices.dtype, compile=choices.compile, strategy=strategy,
                    loss=choose_loss(facts.device.device_type, compiled, sharded),
-                   peak_flops=choose_peak_flops(cfg.peak_flops, facts), accum=accum,
-                   params=memplan.param_counts(cfg.model)["total"], memory=memory, ns_dtype=choices.ns_dtype)
+                   peak_flops=choose_peak_flops(cfg.system.peak_flops, facts), accum=accum,
+                   params=memplan.param_counts(cfg.model)["total"], memory=memory, ns_dtype=choices.ns_dtype,
+                   began=began)
+
+
+def began_from(where: str, saved: dict) -> Optional[dict]:
+    """The init-from record of the run checkpoint ``where`` belongs to (``saved``: its config.json):
+    the one its state.pt carries (the Trainer writes its plan's ``init_record`` there), else, in
+    a checkpoint written before that, the source and ``init_from_id`` its config.json held."""
+    record = ckpt.read_state(where).get("init_from")
+    if record:
+        return dict(record)
+    legacy = saved.get("init_from_id")
+    return {"source": config_value(saved, "init_from"), "id": legacy} if legacy else None
 
 
 def _config(values: dict, req: Request, init: Optional[InitFrom]) -> TrainConfig:
@@ -301,17 +322,17 @@ def _config(values: dict, req: Request, init: Optional[InitFrom]) -> TrainConfig
 
 def check_hellaswag(cfg: TrainConfig) -> None:
     """Fail before training, not at step 250, when HellaSwag is asked for but cannot run."""
-    if not cfg.hellaswag_interval:
+    if not cfg.eval.hellaswag_interval:
         return
     try:
         from gpt2lab.evals.hellaswag import load_examples
     except ImportError as e:
-        raise ConfigError(f"--hellaswag-interval {cfg.hellaswag_interval}: HellaSwag evaluation is "
+        raise ConfigError(f"--hellaswag-interval {cfg.eval.hellaswag_interval}: HellaSwag evaluation is "
                           f"unavailable ({e}); set --hellaswag-interval 0") from e
     try:
-        load_examples(cfg.hellaswag_data, limit=1)
+        load_examples(cfg.eval.hellaswag_data, limit=1)
     except (OSError, ValueError, RuntimeError) as e:
-        raise ConfigError(f"--hellaswag-interval {cfg.hellaswag_interval}: cannot load HellaSwag data "
+        raise ConfigError(f"--hellaswag-interval {cfg.eval.hellaswag_interval}: cannot load HellaSwag data "
                           f"({e}); pass --hellaswag-data FILE or set --hellaswag-interval 0") from e
 
 

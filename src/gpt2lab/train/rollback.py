@@ -29,7 +29,8 @@ class TrainingError(RunDiverged):
 class Rollback:
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
-        self.guard = SpikeGuard(cfg.spike_window, cfg.spike_loss_z, cfg.spike_norm_z, cfg.spike_rollback)
+        s = cfg.spike
+        self.guard = SpikeGuard(s.spike_window, s.spike_loss_z, s.spike_norm_z, s.spike_rollback)
         self.skips: list[list[int]] = []  # [start, end) loader positions never trained on
         self.rollbacks = 0  # since the last checkpoint was saved
 
@@ -65,7 +66,7 @@ class Rollback:
                       None)
         skip = [first_pos, trainer.loader.position]
         self.skips.append(skip)
-        T = self.cfg.seq_len
+        T = self.cfg.batch.seq_len
         record = {"step": trainer.step, "rollback_to": target, "skip_positions": skip,
                   "skip_tokens": [skip[0] * T, skip[1] * T], "spike_steps": [s for s, _ in self.guard.spikes]}
         if target is None:  # nothing saved before the spikes; their updates were skipped anyway: go on

@@ -46,7 +46,7 @@ def start(request: Request, info: DistInfo, dry_run: bool = False,
     """Steps 1-2 on rank 0, the plan on every rank; the lock goes on ``stack`` (held until it closes)."""
     def decide() -> RunPlan:
         out = request.out
-        facts = machine_facts(info, str(request.values.get("dtype", "auto")), dry_run)
+        facts = machine_facts(info, str(request.get("dtype")), dry_run)
         if dry_run:
             rundir.check(out, rundir.RUN, flag="--out", what_next=_WHAT_NEXT)  # read-only
             who = rundir.holder(out)
@@ -97,23 +97,24 @@ def _run(plan: RunPlan, info: DistInfo) -> Optional[str]:
             "params_on_rank_0": parallel.params_on_this_rank(trainer.raw),
             "choices": {**plan.choices.record(), "strategy": plan.strategy.value,
                         "strategy_reason": plan.strategy.reason, "loss": plan.loss.value,
-                        "activation_checkpointing": cfg.activation_checkpointing},
+                        "activation_checkpointing": cfg.parallel.activation_checkpointing},
             "init_from": plan.init_record, "keep_cpu_memory_applied": trainer.malloc_tuned,
             "flops_per_token": trainer.flops_per_token, "peak_flops": plan.peak_flops.value,
             "mfu_formula": "6N + 12*n_layer*n_embd*T per token (PaLM), N without wpe",
             "plan": plan.record()})
-    log = MetricsLogger(cfg.out, enabled=info.is_main, total_steps=cfg.max_steps, start_step=trainer.step,
-                        log_interval=cfg.log_interval, tensorboard=cfg.tensorboard, progress=cfg.progress,
-                        wandb_project=cfg.wandb_project, wandb_run_name=cfg.wandb_run_name, config=cfg.to_dict())
+    lg = cfg.logging
+    log = MetricsLogger(cfg.out, enabled=info.is_main, total_steps=cfg.optim.max_steps, start_step=trainer.step,
+                        log_interval=lg.log_interval, tensorboard=lg.tensorboard, progress=lg.progress,
+                        wandb_project=lg.wandb_project, wandb_run_name=lg.wandb_run_name, config=cfg.to_dict())
     log.console(f"gpt2lab train: {plan.choices.summary()}")
     log.console(f"gpt2lab train: strategy {plan.strategy.value} ({plan.strategy.reason})"
-                + ("; activation checkpointing on" if cfg.activation_checkpointing else ""))
+                + ("; activation checkpointing on" if cfg.parallel.activation_checkpointing else ""))
     log.console(f"gpt2lab train: loss {plan.loss.value} ({plan.loss.reason}); {plan.lines()[-1]}")
     for choice in (plan.dtype, plan.compile):
         if choice.warning:
             log.console(f"gpt2lab train: warning: {choice.warning}")
     log.console(f"gpt2lab train: {trainer.raw.num_params():,} params, {info.world_size} process(es), "
-                f"{trainer.accum} micro-steps/step, steps {trainer.step}..{cfg.max_steps}, out {cfg.out}"
+                f"{trainer.accum} micro-steps/step, steps {trainer.step}..{cfg.optim.max_steps}, out {cfg.out}"
                 + (f", resumed from {trainer.resumed_from}" if trainer.resumed_from else ""))
     try:
         last = trainer.run(log)

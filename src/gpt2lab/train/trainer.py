@@ -80,42 +80,43 @@ class Trainer:
         self.plan, self.info, self.device, self.accum = plan, info, info.device, plan.accum
         self.choices, self.dtype, self.compile = plan.choices, str(plan.dtype.value), bool(plan.compile.value)
         _seed_everything(cfg.seed)
-        self.malloc_tuned = keep_freed_memory() if cfg.keep_cpu_memory and self.device.type == "cpu" else False
+        self.malloc_tuned = keep_freed_memory() if cfg.system.keep_cpu_memory and self.device.type == "cpu" else False
         if self.device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls
         self.raw = GPT(cfg.model).to(self.device)
         if plan.init is not None:  # --init-from: weights only; optimizer, step and data order start fresh
             load_source(self.raw, plan.init.source)
-        if cfg.lora_rank:  # before the optimizer: it gets the adapters' parameters only
+        ft = cfg.finetune
+        if ft.lora_rank:  # before the optimizer: it gets the adapters' parameters only
             from gpt2lab.model.lora import add_lora
 
-            add_lora(self.raw, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
+            add_lora(self.raw, ft.lora_rank, ft.lora_alpha, ft.lora_targets)
         self.raw.compile_loss, self.raw.chunked_loss = self.compile, plan.loss.value == "chunked"
-        self.raw.activation_checkpointing = cfg.activation_checkpointing
+        self.raw.activation_checkpointing = cfg.parallel.activation_checkpointing
         # self.raw stays the GPT (sharded in place under FSDP); train_model runs the micro-steps,
         # self.model the evaluations. The optimizer is built on the (sharded) parameters after wrapping.
         self.train_model, self.model = parallel.wrap(self.raw, str(plan.strategy.value), distributed=info.distributed,
                                                      device=self.device, dtype=self.dtype, compile=self.compile)
         ns = plan.ns_dtype
-        self.optimizer = build_optimizer(self.raw, cfg, self.device, ns_dtype=str(ns.value) if ns else None)
+        self.optimizer = build_optimizer(self.raw, cfg.optim, self.device, ns_dtype=str(ns.value) if ns else None)
         from gpt2lab.data import TokenLoader
 
-        self.loader = TokenLoader(cfg.data, "train", cfg.micro_batch_size, cfg.seq_len, rank=info.rank,
-                                  world_size=info.world_size, seed=cfg.seed)
+        self.loader = TokenLoader(cfg.data, "train", cfg.batch.micro_batch_size, cfg.batch.seq_len,
+                                  rank=info.rank, world_size=info.world_size, seed=cfg.seed)
         self.step, self.tokens, self.bad_steps = 0, 0, 0
         self.spikes, self.evaluate = Rollback(cfg), Evaluator(cfg, info, self.raw, self.model, self.dtype)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.dtype == "float16" else None
         self.resumed_from = plan.resume
         if plan.resume:
             self.restore(plan.resume, verified=True)  # the plan checked its checksums
-        self.flops_per_token = self.raw.flops_per_token(cfg.seq_len)
+        self.flops_per_token = self.raw.flops_per_token(cfg.batch.seq_len)
         self.peak = plan.peak_flops.value
         self.stop_requested, self.stop_signal = False, None
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, info: DistInfo, resume: Optional[str] = None) -> "Trainer":
         """A Trainer for ``cfg`` on this machine (the plan made here; for tests and benchmarks)."""
-        facts = decided_on_rank_0(lambda: detect_facts(info.device, info.world_size, cfg.dtype))
+        facts = decided_on_rank_0(lambda: detect_facts(info.device, info.world_size, cfg.system.dtype))
         return cls(decided_on_rank_0(lambda: make_plan(cfg, facts, resume)), info)
 
     # -- state ---------------------------------------------------------------------------
@@ -125,8 +126,11 @@ class Trainer:
                 "scaler": self.scaler, "trainer": self}
 
     def state_dict(self) -> dict:
-        """The trainer's own part: counters, the spike guard's memory and the data skipped."""
-        return {"step": self.step, "tokens": self.tokens, **self.spikes.state_dict()}
+        """The trainer's own part: counters, the spike guard's memory and the data skipped; and
+        the record of the weights the run began from, which a resume's plan reads back
+        (train.plan.began_from) rather than this."""
+        return {"step": self.step, "tokens": self.tokens, "init_from": self.plan.init_record,
+                **self.spikes.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
@@ -141,7 +145,8 @@ class Trainer:
         if not parallel.all_finite(self.raw):
             raise TrainingError(f"model has non-finite weights at step {self.step}; not saving over "
                                 f"the last good checkpoint in {self.cfg.out}/checkpoints")
-        path = ckpt.save(self.cfg.out, self.step, self.parts(), self.cfg.to_dict(), keep=self.cfg.keep_checkpoints)
+        path = ckpt.save(self.cfg.out, self.step, self.parts(), self.cfg.to_dict(),
+                         keep=self.cfg.checkpoint.keep_checkpoints)
         self.spikes.saved()
         if self.info.distributed:
             tdist.barrier()
@@ -151,14 +156,14 @@ class Trainer:
     def train_step(self) -> dict:
         """Run step ``self.step`` (all its micro-steps) and return its metrics record."""
         cfg, t0 = self.cfg, time.perf_counter()
-        lr = scheduled_lr(self.step, cfg)  # max_lr's group; set_lrs gives every group its own
+        lr = scheduled_lr(self.step, cfg.optim)  # max_lr's group; set_lrs gives every group its own
         position = self.spikes.skip_bad_data(self.loader)
         loss = accumulate_gradients(self.train_model, self.loader.next_batch, self.accum, self.device, self.dtype,
                                     self.scaler)
         if self.scaler is not None:
             for opt in parts(self.optimizer):
                 self.scaler.unscale_(opt)
-        clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         norm = parallel.clip_grad_norm(self.raw, clip)  # the whole gradient's norm, sharded or not
         loss_v, norm_v = loss.item(), norm.item()
         finite = bool(np.isfinite(loss_v) and np.isfinite(norm_v))
@@ -166,7 +171,7 @@ class Trainer:
         scaler_skip = self.scaler is not None and bool(np.isfinite(loss_v)) and not finite
         spike = self.spikes.check(self.step, position, loss_v, norm_v) if finite else None
         if (finite and spike is None) or scaler_skip:
-            set_lrs(self.optimizer, self.step, cfg)
+            set_lrs(self.optimizer, self.step, cfg.optim)
             if self.scaler is not None:
                 for opt in parts(self.optimizer):
                     self.scaler.step(opt)
@@ -179,14 +184,14 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
-        self.tokens += cfg.total_batch_tokens
+        self.tokens += cfg.batch.total_batch_tokens
         if not finite:  # logged as text: NaN is not JSON, and a plot must not mistake it for a loss
             kind = "nan" if np.isnan(loss_v) or np.isnan(norm_v) else "inf"
             rec = {"step": self.step, "skipped": kind, "loss": str(loss_v), "grad_norm": str(norm_v), "lr": lr}
             return {**rec, "grad_scaler": True} if scaler_skip else rec
         if spike is not None:
             return {"step": self.step, "skipped": "spike", "loss": loss_v, "grad_norm": norm_v, "lr": lr, **spike}
-        tok_per_s = cfg.total_batch_tokens / dt
+        tok_per_s = cfg.batch.total_batch_tokens / dt
         mfu = self.flops_per_token * tok_per_s / (self.peak * self.info.world_size) if self.peak else None
         return {"step": self.step, "train_loss": loss_v, "lr": lr, "grad_norm": norm_v, "dt_ms": 1000 * dt,
                 "tok_per_s": tok_per_s, "mfu": mfu, "tokens": self.tokens,
@@ -201,7 +206,7 @@ class Trainer:
         if record.get("grad_scaler"):
             return
         self.bad_steps = self.bad_steps + 1 if "skipped" in record else 0
-        if self.bad_steps >= self.cfg.max_bad_steps:
+        if self.bad_steps >= self.cfg.system.max_bad_steps:
             last = ckpt.find_latest(self.cfg.out) or "none yet"
             raise TrainingError(
                 f"{self.bad_steps} steps in a row had a non-finite or spiking loss or gradient norm (last at step "
@@ -213,7 +218,7 @@ class Trainer:
         """Train to ``max_steps`` (or a stop signal); return the last checkpoint written."""
         cfg, last_ckpt = self.cfg, None
         with _stop_on_signals(self):
-            while self.step < cfg.max_steps:
+            while self.step < cfg.optim.max_steps:
                 self.evaluate(self.step, log)
                 record = self.train_step()
                 log.log(record)
@@ -223,7 +228,7 @@ class Trainer:
                     self.spikes(self, log)
                     continue
                 stop = self._stop_agreed()
-                if stop or self.step == cfg.max_steps or due(cfg.ckpt_interval, self.step, -1):
+                if stop or self.step == cfg.optim.max_steps or due(cfg.checkpoint.ckpt_interval, self.step, -1):
                     last_ckpt = self.save() or last_ckpt
                 if stop:
                     log.console(f"stop signal: saved step {self.step} to {last_ckpt}; resume with --resume auto")
