@@ -20,7 +20,7 @@ demo: $(STAMP)
 
 # Two pytest workers of one thread each: most tests are single-threaded Python or launch their
 # own processes, so two workers keep two cores busy where one worker left one idle.
-# tests/unit (in-process, about a minute) and tests/e2e (subprocesses, torchrun, the demo).
+# tests/unit (in-process, under a minute) and tests/e2e (whatever starts a process, the demo).
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -x -n 2 --durations=15 tests/unit tests/e2e
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -72,3 +73,38 @@ def run_gpt2lab(*args: str, env: dict | None = None, timeout: float = 120) -> su
 # Session fixtures of train_utils that several modules use: defined here once, so the session
 # makes them once (a fixture imported into each module is made once per module).
 from train_utils import finished_run, tiny_data  # noqa: E402, F401
+
+
+@pytest.fixture(scope="module")
+def hf_ref(tmp_path_factory):
+    """A tiny random transformers GPT-2 with the real vocabulary, saved as an HF dir.
+
+    The embeddings are scaled up so the logits are far from uniform: with the default
+    init every ending would score about log(50257) and predictions would be coin flips
+    decided by rounding.
+    """
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=128, vocab_size=50257)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():
+        model.transformer.wte.weight.mul_(5)
+    d = str(tmp_path_factory.mktemp("hs_hf"))
+    model.save_pretrained(d)
+    return model, d
+
+
+def damaged_copy(src: str, dst: str, what: str) -> str:
+    """A copy of the HF directory ``src`` with model.safetensors cut in half, or config.json cut
+    mid-value; returns the damaged file's path."""
+    shutil.copytree(src, dst)
+    if what == "weights":
+        path = os.path.join(dst, "model.safetensors")
+        os.truncate(path, os.path.getsize(path) // 2)
+    else:
+        path = os.path.join(dst, "config.json")
+        with open(path, "w") as f:
+            f.write('{"model_type": "gpt2", "n_layer": ')
+    return path

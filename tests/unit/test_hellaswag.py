@@ -1,13 +1,12 @@
-"""HellaSwag scoring vs hand-computed losses and a plain transformers loop; ranks, compile, bad input."""
+"""HellaSwag scoring vs hand-computed losses and a plain transformers loop; ranks, compile, bad input
+(two gloo ranks in real processes: tests/e2e/test_real_processes.py)."""
 from __future__ import annotations
 
 import json
 import math
-import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from gpt2lab.evals import hellaswag as hs
 from gpt2lab.evals.hellaswag import Example, evaluate_hellaswag, load_examples, score_examples
@@ -17,27 +16,6 @@ from conftest import DATA
 
 SLICE = str(DATA / "hellaswag_val_200.jsonl")
 VOCAB = 50257
-
-
-@pytest.fixture(scope="module")
-def hf_ref(tmp_path_factory):
-    """A tiny random transformers GPT-2 with the real vocabulary, saved as an HF dir.
-
-    The embeddings are scaled up so the logits are far from uniform: with the default
-    init every ending would score about log(50257) and predictions would be coin flips
-    decided by rounding.
-    """
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=128, vocab_size=VOCAB)
-    model = transformers.GPT2LMHeadModel(cfg).eval()
-    with torch.no_grad():
-        model.transformer.wte.weight.mul_(5)
-    d = str(tmp_path_factory.mktemp("hs_hf"))
-    model.save_pretrained(d)
-    return model, d
 
 
 def reference_scores(model, examples) -> list[tuple[list[float], list[float]]]:
@@ -124,34 +102,6 @@ def test_hand_built_example_known_from_logits(tmp_path, strategy):
                             for e in examples))
     res = evaluate_hellaswag(model, str(path), device="cpu", strategy=strategy)
     assert res == {"task": "hellaswag", "n": 2, "acc": 0.5, "acc_norm": 0.5}
-
-
-def _rank_main(rank: int, world: int, store: str, model_dir: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    from gpt2lab.weights.load import load_model
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        res = evaluate_hellaswag(load_model(model_dir), SLICE, device="cpu", batch_size=4, limit=30,
-                                 rank=rank, world_size=world)
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
-
-
-def test_two_gloo_ranks_equal_one_process(hf_ref, tmp_path):
-    from gpt2lab.weights.load import load_model
-
-    _, d = hf_ref
-    single = evaluate_hellaswag(load_model(d), SLICE, device="cpu", batch_size=4, limit=30)
-    mp.spawn(_rank_main, args=(2, str(tmp_path / "store"), d, str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        with open(tmp_path / f"rank{rank}.json") as f:
-            assert json.load(f) == single
-    assert single["n"] == 30 and 0 < single["acc_norm"] < 1
 
 
 def test_shared_passes_and_one_token_endings_agree_with_transformers(hf_ref, real_examples_ref):

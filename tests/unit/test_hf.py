@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from conftest import TINY_SHAPES, run_gpt2lab, tiny_gpt
+from conftest import TINY_SHAPES, tiny_gpt
 from gpt2lab import GPT
 from gpt2lab.weights import hf
 from gpt2lab.weights.load import is_hf_dir, load_model
@@ -145,8 +145,4 @@ def test_from_hub_offline_gives_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf_home" / "hub"))
     with pytest.raises(hf.WeightsError, match="openai-community/gpt2.*offline.*local directory"):
         hf.from_pretrained("gpt2")
-    cli = run_gpt2lab("sample", "--model", "gpt2-medium", env=env, timeout=60)
-    assert cli.returncode != 0
-    assert "--model gpt2-medium" in cli.stderr and "local directory" in cli.stderr
-    assert "Traceback" not in cli.stderr
     assert not list((tmp_path / "hf_home").rglob("*.safetensors"))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "gpt2lab"
 
@@ -86,14 +85,3 @@ def test_the_check_catches_a_planted_upward_import(tmp_path):
     gpt.write_text(gpt.read_text() + "\n\ndef _planted():\n    from gpt2lab.train.trainer import Trainer  # noqa\n")
     found = violations(tree)
     assert len(found) == 1 and found[0].startswith("model/gpt.py:") and "imports train" in found[0]
-
-
-@pytest.mark.parametrize("module", ["gpt2lab.model.config", "gpt2lab.train.config", "gpt2lab.system.choices"])
-def test_config_modules_import_no_torch(module):
-    """The CLI builds its flags from these; importing them must not import torch."""
-    import subprocess
-    import sys
-
-    code = f"import sys, {module}; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"

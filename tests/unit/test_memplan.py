@@ -170,12 +170,12 @@ def test_a_modern_preset_is_planned_with_its_modern_block(capsys):
     h100 = Facts(runtime.Facts("cuda", "NVIDIA H100 80GB HBM3", cuda_bf16=True), world_size=8,
                  device_bytes=80 * 2 ** 30)
     plan = make_plan(cfg, h100)
-    kw = dict(strategy=plan.strategy.value, world_size=8, micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len,
+    kw = dict(strategy=plan.strategy.value, world_size=8, micro_batch=cfg.batch.micro_batch_size, seq_len=cfg.batch.seq_len,
               dtype="bfloat16", accum=plan.accum, device="cuda", compiled=True)
     assert plan.memory == memplan.predict(cfg.model, **kw).to_dict()
     gpt2 = replace(cfg.model, pos_emb="learned", norm="layernorm", qk_norm=False, mlp_act="gelu")
     modern, plain = memplan.predict(cfg.model, **kw).terms, memplan.predict(gpt2, **kw).terms
-    B, T, L, C = cfg.micro_batch_size, cfg.seq_len, cfg.model.n_layer, cfg.model.n_embd
+    B, T, L, C = cfg.batch.micro_batch_size, cfg.batch.seq_len, cfg.model.n_layer, cfg.model.n_embd
     blocks = L * (memplan.block_saved_bytes(cfg.model, B, T, 2) - memplan.block_saved_bytes(gpt2, B, T, 2))
     ln_f = B * T * (memplan.norm_saved_bytes("rmsnorm", C, "cuda") - memplan.norm_saved_bytes("layernorm", C, "cuda"))
     rope_tables = 2 * T * 64 * 4  # cos and sin, (T, head size 64) fp32
@@ -186,10 +186,10 @@ def test_a_modern_preset_is_planned_with_its_modern_block(capsys):
                      "--device", "cpu", "--measure", "false"]) == 0
     out = json.loads(capsys.readouterr().out)
     fast = load_preset("wiki-cpu-fast")
-    assert out["seq_len"] == fast.seq_len and out["modern"] == fast.model.modern()
-    want = memplan.predict(fast.model, micro_batch=2, seq_len=fast.seq_len, dtype="float32", device="cpu")
+    assert out["seq_len"] == fast.batch.seq_len and out["modern"] == fast.model.modern()
+    want = memplan.predict(fast.model, micro_batch=2, seq_len=fast.batch.seq_len, dtype="float32", device="cpu")
     assert out["predicted_mib"] == want.to_dict()
-    capped = memplan.predict(replace(fast.model, logit_softcap=15.0), micro_batch=2, seq_len=fast.seq_len,
+    capped = memplan.predict(replace(fast.model, logit_softcap=15.0), micro_batch=2, seq_len=fast.batch.seq_len,
                              dtype="float32", device="cpu")
     assert capped.terms["loss"] > want.terms["loss"]
     assert cli.main(["bench", "memory", "--preset", "wiki-cpu", "--size", "124M", "--measure", "false"]) == 2

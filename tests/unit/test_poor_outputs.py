@@ -7,7 +7,6 @@ import stat
 
 import pytest
 
-from conftest import run_gpt2lab
 from gpt2lab import cli
 
 
@@ -38,18 +37,6 @@ def test_report_and_plot_on_garbage_metrics_name_the_file(tmp_path, capsys, comm
     assert code == 1 and len(lines) == 1, err
     assert f"{run / 'metrics.jsonl'}:2: not UTF-8 text" in lines[0], err
     assert not (tmp_path / "p.png").exists()
-
-
-def test_warnings_print_as_one_line_with_the_command(tmp_path):
-    """plot leaves out an unfinished last line with a warning: one `gpt2lab plot: warning:` line."""
-    pytest.importorskip("matplotlib")
-    run = tmp_path / "run"
-    run.mkdir()
-    path = run / "metrics.jsonl"
-    path.write_text('{"step": 0, "train_loss": 2.0}\n{"step": 1, "train_loss": 1.5}\n{"step": 2, "tr')
-    r = run_gpt2lab("plot", str(run), "--out", str(tmp_path / "p.png"))
-    assert r.returncode == 0, r.stderr
-    assert r.stderr.splitlines() == [f"gpt2lab plot: warning: {path}:3: unfinished last line left out"]
 
 
 def test_the_warning_format_is_restored_after_main(tmp_path, capsys):

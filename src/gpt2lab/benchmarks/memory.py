@@ -99,7 +99,7 @@ def resolve_model(args: argparse.Namespace) -> GPTConfig:
     from gpt2lab.train.config import load_preset
 
     preset = load_preset(args.preset)
-    args.seq_len = preset.seq_len if args.seq_len is None else args.seq_len
+    args.seq_len = preset.batch.seq_len if args.seq_len is None else args.seq_len
     if not 1 <= args.seq_len <= preset.model.block_size:
         raise UsageError(f"--seq-len {args.seq_len}: preset {args.preset} takes 1 to its block_size "
                          f"{preset.model.block_size}")

@@ -8,7 +8,8 @@ processes, one device's memory). It decides, each with its reason where there is
   architecture comes from that same checkpoint when it began from other weights;
 - the ``--init-from`` source, found once and hashed once (``InitFrom``), and for a resumed run
   the record of the weights it began from, read back from its checkpoint (``began_from``);
-- the final ``TrainConfig`` (the source's architecture);
+- the final ``TrainConfig`` (the source's architecture); a resume whose LoRA settings differ
+  from its checkpoint's is refused here, from the checkpoint's config read once;
 - dtype and compile (``system.runtime``), strategy (``distributed.parallel.choose_strategy``
   with DDP's memory from ``distributed.memplan``), the loss path (``choose_loss``);
 - accumulation steps, peak FLOP/s for MFU, the predicted memory per rank.
@@ -279,6 +280,8 @@ def make_plan(request: Request | TrainConfig, facts: Facts, resume: Optional[str
         init = InitFrom(src, init_from.digest(src))
         values = merge_config(values, {"model": arch}, source=req.source)
     cfg = _config(values, req, init)
+    if where is not None:
+        check_resume_settings(cfg, saved, where)
     check_hellaswag(cfg)
     accum = cfg.grad_accum_steps(facts.world_size)
     muon = cfg.optim.optimizer == "muon"
@@ -296,6 +299,26 @@ def make_plan(request: Request | TrainConfig, facts: Facts, resume: Optional[str
                    peak_flops=choose_peak_flops(cfg.system.peak_flops, facts), accum=accum,
                    params=memplan.param_counts(cfg.model)["total"], memory=memory, ns_dtype=choices.ns_dtype,
                    began=began)
+
+
+# Settings that decide which tensors a checkpoint holds, besides the architecture (checked on load).
+RESUME_FIELDS = ("lora_rank", "lora_targets")
+
+
+def check_resume_settings(cfg: TrainConfig, saved: dict, where: str) -> None:
+    """A resume whose LoRA settings differ from the checkpoint's (``saved``: its config.json, either
+    form): name the flag, not the tensors."""
+    mine = cfg.to_dict()
+    for name in RESUME_FIELDS:
+        theirs, ours = config_value(saved, name), config_value(mine, name)
+        if theirs is None:
+            continue
+        if name == "lora_targets" and not (config_value(saved, "lora_rank") and cfg.finetune.lora_rank):
+            continue  # the targets matter only to a LoRA run
+        if theirs != ours:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} {ours}: the checkpoint {where} was trained with {name} "
+                              f"{theirs}; resume with {flag} {theirs}, or start a new run in another --out")
 
 
 def began_from(where: str, saved: dict) -> Optional[dict]:

@@ -1,34 +1,12 @@
-"""Checks ``train`` runs before building anything: settings a resumed checkpoint cannot take, and
-splits too small for one micro-batch. Each problem is one line naming the flag to change."""
+"""The check ``train`` runs on the data before building anything: splits too small for one
+micro-batch, one line naming the flag to change. (What a resumed checkpoint cannot take is
+the run plan's: plan.check_resume_settings.)"""
 from __future__ import annotations
 
 import sys
-from typing import Optional
 
-from gpt2lab.checkpoint import store as ckpt
 from gpt2lab.system.errors import ConfigError
-from gpt2lab.train.config import TrainConfig, config_value
-
-# Settings that decide which tensors a checkpoint holds, besides the architecture (checked on load).
-RESUME_FIELDS = ("lora_rank", "lora_targets")
-
-
-def check_resume(cfg: TrainConfig, resume: Optional[str]) -> None:
-    """A resume whose LoRA settings differ from the checkpoint's: name the flag, not the tensors."""
-    if not resume:
-        return
-    saved, mine = ckpt.read_config(ckpt.resolve(resume)), cfg.to_dict()  # either form (config_value)
-    for name in RESUME_FIELDS:
-        theirs, ours = config_value(saved, name), config_value(mine, name)
-        if theirs is None:
-            continue
-        if name == "lora_targets" and not (config_value(saved, "lora_rank") and cfg.finetune.lora_rank):
-            continue  # the targets matter only to a LoRA run
-        if theirs != ours:
-            flag = "--" + name.replace("_", "-")
-            raise ConfigError(f"{flag} {ours}: the checkpoint {ckpt.resolve(resume)} was trained with {name} "
-                              f"{theirs}; resume with {flag} {theirs}, or start a new run in another --out")
-
+from gpt2lab.train.config import TrainConfig
 
 def check_splits(cfg: TrainConfig, world_size: int, is_main: bool) -> None:
     """A train split smaller than one micro-batch (each batch repeats sequences) is said in one

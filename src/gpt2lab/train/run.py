@@ -56,7 +56,6 @@ def start(request: Request, info: DistInfo, dry_run: bool = False,
         else:
             stack.enter_context(rundir.claim(out, flag="--out", what_next=_WHAT_NEXT))
         plan = make_plan(request, facts)
-        preflight.check_resume(plan.config, plan.resume)
         if not dry_run:  # a dry run may plan for data that is not on this machine
             preflight.check_splits(plan.config, facts.world_size, is_main=True)
         return plan

@@ -1,4 +1,5 @@
-"""Optional: EleutherAI's lm-evaluation-harness scores an exported tiny model like `eval hellaswag`.
+"""Optional, end to end: EleutherAI's lm-evaluation-harness (its task loader, HF datasets and
+transformers, ~15 s of set-up) scores an exported tiny model like `eval hellaswag`.
 
 Skipped unless ``lm_eval`` is importable. The task is a local copy of the HellaSwag slice
 with the reference scoring: context, then " " + ending. The harness's own ``acc_norm``

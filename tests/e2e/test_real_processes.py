@@ -1,0 +1,85 @@
+"""Tests that need a real process of their own, moved out of the in-process unit lane: two gloo
+ranks scoring HellaSwag, the CLI's one-line errors and warnings as a console user sees them
+(stderr of a fresh interpreter), and modules the CLI imports without torch."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from conftest import DATA, damaged_copy, run_gpt2lab
+from gpt2lab.evals.hellaswag import evaluate_hellaswag
+
+SLICE = str(DATA / "hellaswag_val_200.jsonl")
+
+
+def _rank_main(rank: int, world: int, store: str, model_dir: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from gpt2lab.weights.load import load_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        res = evaluate_hellaswag(load_model(model_dir), SLICE, device="cpu", batch_size=4, limit=30,
+                                 rank=rank, world_size=world)
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+
+
+def test_two_gloo_ranks_equal_one_process(hf_ref, tmp_path):
+    from gpt2lab.weights.load import load_model
+
+    _, d = hf_ref
+    single = evaluate_hellaswag(load_model(d), SLICE, device="cpu", batch_size=4, limit=30)
+    mp.spawn(_rank_main, args=(2, str(tmp_path / "store"), d, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        with open(tmp_path / f"rank{rank}.json") as f:
+            assert json.load(f) == single
+    assert single["n"] == 30 and 0 < single["acc_norm"] < 1
+
+
+def test_sample_from_the_hub_offline_is_one_line_and_fetches_nothing(tmp_path):
+    """No cache, HF_HUB_OFFLINE=1, the endpoint a closed local port: the CLI says to pass a local
+    directory, in one line without a traceback (the in-process half: unit/test_hf.py)."""
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home"), "HF_ENDPOINT": "http://127.0.0.1:9"}
+    cli = run_gpt2lab("sample", "--model", "gpt2-medium", env=env, timeout=60)
+    assert cli.returncode != 0
+    assert "--model gpt2-medium" in cli.stderr and "local directory" in cli.stderr
+    assert "Traceback" not in cli.stderr
+    assert not list((tmp_path / "hf_home").rglob("*.safetensors"))
+
+
+def test_a_truncated_model_file_is_one_line_without_traceback_in_a_real_process(gpt2_vocab_export, tmp_path):
+    _, d = gpt2_vocab_export
+    bad = damaged_copy(d, str(tmp_path / "model"), "weights")
+    r = run_gpt2lab("sample", "--model", str(tmp_path / "model"), "--device", "cpu", "--max-new-tokens", "2")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and bad in r.stderr, r.stderr
+
+
+def test_warnings_print_as_one_line_with_the_command(tmp_path):
+    """plot leaves out an unfinished last line with a warning: one `gpt2lab plot: warning:` line."""
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "run"
+    run.mkdir()
+    path = run / "metrics.jsonl"
+    path.write_text('{"step": 0, "train_loss": 2.0}\n{"step": 1, "train_loss": 1.5}\n{"step": 2, "tr')
+    r = run_gpt2lab("plot", str(run), "--out", str(tmp_path / "p.png"))
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines() == [f"gpt2lab plot: warning: {path}:3: unfinished last line left out"]
+
+
+@pytest.mark.parametrize("module", ["gpt2lab.model.config", "gpt2lab.train.config", "gpt2lab.system.choices"])
+def test_config_modules_import_no_torch(module):
+    """The CLI builds its flags from these; importing them must not import torch."""
+    code = f"import sys, {module}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
