@@ -279,3 +279,30 @@ def set_lrs(optimizer, step: int, opt) -> None:
     a resumed run with another --muon-lr uses the new one, as --max-lr always has."""
     for group in optimizer.param_groups:
         group["lr"] = scheduled_lr(step, opt, group.get("lr_name", "max_lr"))
+
+
+def unscaled_grad_norm(model: nn.Module, optimizer, scaler, grad_clip: float) -> torch.Tensor:
+    """The whole gradient's norm (sharded or not), after fp16's scaler has unscaled it and the
+    gradient has been clipped to ``grad_clip`` (0: not clipped)."""
+    from gpt2lab.distributed import parallel
+
+    if scaler is not None:
+        for opt in parts(optimizer):
+            scaler.unscale_(opt)
+    return parallel.clip_grad_norm(model, grad_clip if grad_clip > 0 else float("inf"))
+
+
+def apply_update(optimizer, scaler, step: int, opt, take: bool) -> None:
+    """Step with the scheduled rates when ``take``, else drop the gradients; either way they are
+    cleared. Under fp16 the scaler steps (it skips steps with inf gradients itself while it
+    finds its scale), and ``update`` always follows ``unscale_``, which also backs the scale off."""
+    if take:
+        set_lrs(optimizer, step, opt)
+        if scaler is not None:
+            for one in parts(optimizer):
+                scaler.step(one)
+        else:
+            optimizer.step()
+    if scaler is not None:
+        scaler.update()
+    optimizer.zero_grad(set_to_none=True)

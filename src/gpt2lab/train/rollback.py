@@ -1,4 +1,5 @@
-"""The spike guard's rollback: back to the checkpoint before the spikes, never their data again.
+"""The spike guard's rollback: back to the checkpoint before the spikes, never their data again;
+and the stop after ``max_bad_steps`` skipped steps in a row.
 
 ``SpikeGuard`` (train/spikes.py) decides which steps spike; ``Rollback`` owns what follows:
 the loader positions marked bad (skipped whenever the loader reaches them, also after a
@@ -33,6 +34,22 @@ class Rollback:
         self.guard = SpikeGuard(s.spike_window, s.spike_loss_z, s.spike_norm_z, s.spike_rollback)
         self.skips: list[list[int]] = []  # [start, end) loader positions never trained on
         self.rollbacks = 0  # since the last checkpoint was saved
+        self.bad_steps = 0  # skipped steps in a row (non-finite or spiking)
+
+    def check_bad(self, record: dict) -> None:
+        """Count skipped steps in a row; stop the run after ``max_bad_steps`` of them.
+
+        A step the fp16 grad scaler skipped while lowering its scale is routine, not counted.
+        """
+        if record.get("grad_scaler"):
+            return
+        self.bad_steps = self.bad_steps + 1 if "skipped" in record else 0
+        if self.bad_steps >= self.cfg.system.max_bad_steps:
+            last = ckpt.find_latest(self.cfg.out) or "none yet"
+            raise TrainingError(
+                f"{self.bad_steps} steps in a row had a non-finite or spiking loss or gradient norm (last at step "
+                f"{record['step']}); stopping. The last good checkpoint is {last}. Lower --max-lr, "
+                "raise --warmup-steps or use --dtype bfloat16/float32, then --resume from it.")
 
     def check(self, step: int, position: int, loss: float, norm: float) -> Optional[dict]:
         """The spike's z-scores (its update must be skipped), or None for a healthy step."""
@@ -81,6 +98,6 @@ class Rollback:
         skips, rollbacks = self.skips, self.rollbacks
         trainer.restore(target)
         self.skips, self.rollbacks = skips, rollbacks  # newer than the checkpoint's own
-        trainer.bad_steps = 0
+        self.bad_steps = 0
         log.rewind(trainer.step)
         log.log(record)

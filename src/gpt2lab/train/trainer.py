@@ -31,7 +31,7 @@ from gpt2lab.system.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, GPT2LabError
 from gpt2lab.train.config import TrainConfig
 from gpt2lab.train.evaluation import Evaluator, due
 from gpt2lab.train.init_from import load_source
-from gpt2lab.train.optim import build_optimizer, parts, scheduled_lr, set_lrs
+from gpt2lab.train.optim import apply_update, build_optimizer, scheduled_lr, unscaled_grad_norm
 from gpt2lab.train.plan import RunPlan, detect_facts, make_plan
 from gpt2lab.train.rollback import MAX_ROLLBACKS, Rollback, TrainingError  # noqa: F401  (re-exported)
 
@@ -74,6 +74,22 @@ def loss_settings(device: torch.device, compiled: bool, sharded: bool = False) -
     return compiled, choose_loss(device.type, compiled, sharded).value == "chunked"
 
 
+def build_model(plan: RunPlan, device: torch.device) -> GPT:
+    """The plan's GPT on ``device``: its --init-from weights, LoRA adapters and loss path."""
+    cfg = plan.config
+    model = GPT(cfg.model).to(device)
+    if plan.init is not None:  # --init-from: weights only; optimizer, step and data order start fresh
+        load_source(model, plan.init.source)
+    ft = cfg.finetune
+    if ft.lora_rank:  # before the optimizer: it gets the adapters' parameters only
+        from gpt2lab.model.lora import add_lora
+
+        add_lora(model, ft.lora_rank, ft.lora_alpha, ft.lora_targets)
+    model.compile_loss, model.chunked_loss = bool(plan.compile.value), plan.loss.value == "chunked"
+    model.activation_checkpointing = cfg.parallel.activation_checkpointing
+    return model
+
+
 class Trainer:
     def __init__(self, plan: RunPlan, info: DistInfo) -> None:
         cfg = self.cfg = plan.config
@@ -83,16 +99,7 @@ class Trainer:
         self.malloc_tuned = keep_freed_memory() if cfg.system.keep_cpu_memory and self.device.type == "cpu" else False
         if self.device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls
-        self.raw = GPT(cfg.model).to(self.device)
-        if plan.init is not None:  # --init-from: weights only; optimizer, step and data order start fresh
-            load_source(self.raw, plan.init.source)
-        ft = cfg.finetune
-        if ft.lora_rank:  # before the optimizer: it gets the adapters' parameters only
-            from gpt2lab.model.lora import add_lora
-
-            add_lora(self.raw, ft.lora_rank, ft.lora_alpha, ft.lora_targets)
-        self.raw.compile_loss, self.raw.chunked_loss = self.compile, plan.loss.value == "chunked"
-        self.raw.activation_checkpointing = cfg.parallel.activation_checkpointing
+        self.raw = build_model(plan, self.device)
         # self.raw stays the GPT (sharded in place under FSDP); train_model runs the micro-steps,
         # self.model the evaluations. The optimizer is built on the (sharded) parameters after wrapping.
         self.train_model, self.model = parallel.wrap(self.raw, str(plan.strategy.value), distributed=info.distributed,
@@ -103,7 +110,7 @@ class Trainer:
 
         self.loader = TokenLoader(cfg.data, "train", cfg.batch.micro_batch_size, cfg.batch.seq_len,
                                   rank=info.rank, world_size=info.world_size, seed=cfg.seed)
-        self.step, self.tokens, self.bad_steps = 0, 0, 0
+        self.step, self.tokens = 0, 0
         self.spikes, self.evaluate = Rollback(cfg), Evaluator(cfg, info, self.raw, self.model, self.dtype)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.dtype == "float16" else None
         self.resumed_from = plan.resume
@@ -160,58 +167,34 @@ class Trainer:
         position = self.spikes.skip_bad_data(self.loader)
         loss = accumulate_gradients(self.train_model, self.loader.next_batch, self.accum, self.device, self.dtype,
                                     self.scaler)
-        if self.scaler is not None:
-            for opt in parts(self.optimizer):
-                self.scaler.unscale_(opt)
-        clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        norm = parallel.clip_grad_norm(self.raw, clip)  # the whole gradient's norm, sharded or not
+        norm = unscaled_grad_norm(self.raw, self.optimizer, self.scaler, cfg.optim.grad_clip)
         loss_v, norm_v = loss.item(), norm.item()
         finite = bool(np.isfinite(loss_v) and np.isfinite(norm_v))
         # fp16: the scaler itself skips steps with inf gradients (and backs off) while it finds its scale
         scaler_skip = self.scaler is not None and bool(np.isfinite(loss_v)) and not finite
         spike = self.spikes.check(self.step, position, loss_v, norm_v) if finite else None
-        if (finite and spike is None) or scaler_skip:
-            set_lrs(self.optimizer, self.step, cfg.optim)
-            if self.scaler is not None:
-                for opt in parts(self.optimizer):
-                    self.scaler.step(opt)
-                self.scaler.update()
-            else:
-                self.optimizer.step()
-        elif self.scaler is not None:  # unscale_ ran: update() must follow (it also backs off the scale)
-            self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        apply_update(self.optimizer, self.scaler, self.step, cfg.optim, take=(finite and spike is None) or scaler_skip)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
         self.tokens += cfg.batch.total_batch_tokens
+        record = {"step": self.step, "lr": lr}
         if not finite:  # logged as text: NaN is not JSON, and a plot must not mistake it for a loss
             kind = "nan" if np.isnan(loss_v) or np.isnan(norm_v) else "inf"
-            rec = {"step": self.step, "skipped": kind, "loss": str(loss_v), "grad_norm": str(norm_v), "lr": lr}
-            return {**rec, "grad_scaler": True} if scaler_skip else rec
+            record.update(skipped=kind, loss=str(loss_v), grad_norm=str(norm_v))
+            return {**record, "grad_scaler": True} if scaler_skip else record
         if spike is not None:
-            return {"step": self.step, "skipped": "spike", "loss": loss_v, "grad_norm": norm_v, "lr": lr, **spike}
-        tok_per_s = cfg.batch.total_batch_tokens / dt
+            return {**record, "skipped": "spike", "loss": loss_v, "grad_norm": norm_v, **spike}
+        return {**record, "train_loss": loss_v, "grad_norm": norm_v, **self._speed(dt)}
+
+    def _speed(self, dt: float) -> dict:
+        """Throughput, MFU and (CUDA) peak memory of a step that took ``dt`` seconds."""
+        tok_per_s = self.cfg.batch.total_batch_tokens / dt
         mfu = self.flops_per_token * tok_per_s / (self.peak * self.info.world_size) if self.peak else None
-        return {"step": self.step, "train_loss": loss_v, "lr": lr, "grad_norm": norm_v, "dt_ms": 1000 * dt,
-                "tok_per_s": tok_per_s, "mfu": mfu, "tokens": self.tokens,
-                **({"peak_mem_gib": torch.cuda.max_memory_allocated(self.device) / 2 ** 30}  # since the start
-                   if self.device.type == "cuda" else {})}
-
-    def check_bad(self, record: dict) -> None:
-        """Count skipped steps in a row; stop the run after ``max_bad_steps`` of them.
-
-        A step the fp16 grad scaler skipped while lowering its scale is routine, not counted.
-        """
-        if record.get("grad_scaler"):
-            return
-        self.bad_steps = self.bad_steps + 1 if "skipped" in record else 0
-        if self.bad_steps >= self.cfg.system.max_bad_steps:
-            last = ckpt.find_latest(self.cfg.out) or "none yet"
-            raise TrainingError(
-                f"{self.bad_steps} steps in a row had a non-finite or spiking loss or gradient norm (last at step "
-                f"{record['step']}); stopping. The last good checkpoint is {last}. Lower --max-lr, "
-                "raise --warmup-steps or use --dtype bfloat16/float32, then --resume from it.")
+        out = {"dt_ms": 1000 * dt, "tok_per_s": tok_per_s, "mfu": mfu, "tokens": self.tokens}
+        if self.device.type == "cuda":
+            out["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 30  # since the start
+        return out
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self, log: MetricsLogger) -> Optional[str]:
@@ -222,7 +205,7 @@ class Trainer:
                 self.evaluate(self.step, log)
                 record = self.train_step()
                 log.log(record)
-                self.check_bad(record)
+                self.spikes.check_bad(record)
                 self.step += 1
                 if self.spikes.due(record, self.step):
                     self.spikes(self, log)
