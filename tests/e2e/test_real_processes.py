@@ -1,6 +1,7 @@
 """Tests that need a real process of their own, moved out of the in-process unit lane: two gloo
-ranks scoring HellaSwag, the CLI's one-line errors and warnings as a console user sees them
-(stderr of a fresh interpreter), and modules the CLI imports without torch."""
+ranks scoring HellaSwag, a torch.compile'd model (inductor compiles C++ in worker processes),
+the CLI's one-line errors and warnings as a console user sees them (stderr of a fresh
+interpreter), and modules the CLI imports without torch."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import DATA, damaged_copy, run_gpt2lab
-from gpt2lab.evals.hellaswag import evaluate_hellaswag
+from gpt2lab.evals.hellaswag import evaluate_hellaswag, load_examples, score_examples
 
 SLICE = str(DATA / "hellaswag_val_200.jsonl")
 
@@ -83,3 +84,16 @@ def test_config_modules_import_no_torch(module):
     code = f"import sys, {module}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_compiled_and_eager_same_predictions(hf_ref):
+    from gpt2lab.weights.load import load_model
+
+    _, d = hf_ref
+    model = load_model(d)
+    examples = load_examples(SLICE, limit=6)
+    eager = score_examples(model, examples, device="cpu", batch_size=4)
+    compiled = score_examples(torch.compile(model), examples, device="cpu", batch_size=4)
+    for e, c in zip(eager, compiled):
+        assert (e.pred, e.pred_norm) == (c.pred, c.pred_norm)
+        assert c.mean_loss == pytest.approx(e.mean_loss, abs=1e-3)
