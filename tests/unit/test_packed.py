@@ -85,3 +85,16 @@ def test_decide_measures_on_the_models_own_weights_and_records_the_times():
     times = [float(t) for t in __import__("re").findall(r"(\d+\.\d+) ms", choice.reason)]
     assert len(times) == 2 and all(t > 0 for t in times)
     assert decide(model, "auto", torch.device("cpu"), "bfloat16", rows=4).reason == "dtype bfloat16: the packed path is fp32"
+
+
+def test_auto_keeps_the_plain_kernel_when_the_packed_one_fails_here(monkeypatch):
+    from gpt2lab.inference import packed
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("could not create a primitive descriptor\nmore")
+
+    monkeypatch.setattr(packed, "packing_available", lambda: True)
+    monkeypatch.setattr(packed, "probe", broken)
+    choice = packed.decide(tiny_gpt(seed=0, vocab_size=97, block_size=16), "auto", torch.device("cpu"), "float32", 4)
+    assert choice == packed.LinearChoice(
+        "plain", "the packed linear failed on this machine (could not create a primitive descriptor)")

@@ -138,7 +138,10 @@ def decide(model: nn.Module, requested: str, device: torch.device, dtype: str, r
     """Measure where it matters (auto, CPU fp32, oneDNN present) and choose."""
     facts = LinearFacts(device.type, dtype, packing_available(), rows=rows)
     if requested == "auto" and facts.device_type == "cpu" and facts.dtype == "float32" and facts.available:
-        plain, packed = probe(model, rows)
+        try:
+            plain, packed = probe(model, rows)
+        except RuntimeError as e:  # a oneDNN build that cannot reorder these weights: keep the plain kernel
+            return LinearChoice("plain", f"the packed linear failed on this machine ({str(e).splitlines()[0]})")
         facts = LinearFacts(device.type, dtype, True, plain, packed, rows)
     return choose_linear(requested, facts)
 
