@@ -171,7 +171,8 @@ def test_a_modern_preset_is_planned_with_its_modern_block(capsys):
                  device_bytes=80 * 2 ** 30)
     plan = make_plan(cfg, h100)
     kw = dict(strategy=plan.strategy.value, world_size=8, micro_batch=cfg.batch.micro_batch_size, seq_len=cfg.batch.seq_len,
-              dtype="bfloat16", accum=plan.accum, device="cuda", compiled=True)
+              dtype="bfloat16", accum=plan.accum, device="cuda", compiled=True, optimizer=cfg.optim.optimizer)
+    assert cfg.optim.optimizer == "muon"
     assert plan.memory == memplan.predict(cfg.model, **kw).to_dict()
     gpt2 = replace(cfg.model, pos_emb="learned", norm="layernorm", qk_norm=False, mlp_act="gelu")
     modern, plain = memplan.predict(cfg.model, **kw).terms, memplan.predict(gpt2, **kw).terms
@@ -248,3 +249,27 @@ def test_the_loss_term_follows_the_trainers_loss_and_the_h100_peaks():
     for pred, measured in ((chunked, 23.92), (fused, 28.48)):
         tensors = (pred.total - pred.terms["runtime"]) / 2 ** 30
         assert tensors == pytest.approx(measured, rel=0.03)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("block", [{}, dict(pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2",
+                                            tie_embeddings=False)], ids=["gpt2", "modern"])
+def test_optimizer_state_bytes_equal_what_the_optimizer_keeps(optimizer, block):
+    """The real optimizer of a run (train.optim.build_optimizer) after one step: its state's
+    tensors (0-d step counters aside) against the planner's count."""
+    from dataclasses import replace
+
+    from gpt2lab.train.optim import build_optimizer, parts
+
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=101, block_size=16, **block)
+    model = GPT(cfg)
+    opt = replace(load_preset("wiki-cpu-fast").optim, optimizer=optimizer)
+    optim = build_optimizer(model, opt, torch.device("cpu"))
+    idx = torch.randint(0, 101, (2, 16))
+    model(idx, targets=idx)[1].backward()
+    optim.step()
+    kept = sum(t.numel() * t.element_size() for o in parts(optim) for state in o.state.values()
+               for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+    assert kept == memplan.optimizer_state_bytes(cfg, optimizer)
+    if optimizer == "muon":  # one buffer instead of two for the blocks' four matrices
+        assert kept == memplan.optimizer_state_bytes(cfg, "adamw") - 4 * 2 * 12 * 32 ** 2

@@ -17,8 +17,9 @@ Three modes:
 
 The model is a GPT-2 size (``--size``) or a training preset's architecture (``--preset``, e.g.
 wiki-cpu-fast's modern block: rotary, RMSNorm, QK-norm, ReLU^2, untied head), planned and
-built as ``gpt2lab train`` builds it. The optimizer is AdamW either way, as the planner
-assumes, whatever the preset trains with (Muon's state is not modelled).
+built as ``gpt2lab train`` builds it. The optimizer is AdamW either way, and so is the
+prediction beside it, whatever the preset trains with (the run plan of a Muon run predicts
+Muon's smaller state: memplan.optimizer_state_bytes).
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Per-rank memory of a training step, predicted from the architecture alone (no model is built).
 
 ``predict`` adds up what one rank holds at the peak of a step of ``gpt2lab train``: weights,
-gradients, AdamW's two fp32 moments, DDP's gradient buckets, the low-precision weight copies
+gradients, the optimizer's fp32 state (AdamW's two moments; Muon's one momentum buffer for the
+blocks' matrices), DDP's gradient buckets, the low-precision weight copies
 a step keeps (autocast's casts; FSDP's all-gathered blocks), the tensors autograd saves for
 backward (derived from model/gpt.py and model/loss.py, see ``block_saved_bytes``), the chunked
 loss's workspace, and a fixed runtime overhead (on CPU also glibc's heap slack). ``plan``
@@ -89,6 +90,20 @@ def norm_saved_bytes(norm: str, C: int, device: str) -> int:
     if norm == "rmsnorm":
         return FP32 * C + FP32 + (FP32 * C if device == "cpu" else 0)
     return FP32 * C + 2 * FP32
+
+
+def optimizer_state_bytes(cfg: GPTConfig, optimizer: str = "adamw") -> int:
+    """The optimizer's state, fp32: AdamW keeps two moments per parameter; ``muon`` keeps one
+    momentum buffer per matrix inside the blocks (Muon's parameters, train.optim.muon_split: the
+    four Linear weights, 12 C^2 a block) and AdamW's two moments for the rest. Per-parameter step
+    counters (0-d tensors) are left out."""
+    p = param_counts(cfg)
+    if optimizer == "adamw":
+        return 2 * FP32 * p["total"]
+    if optimizer == "muon":
+        hidden = cfg.n_layer * 12 * cfg.n_embd ** 2
+        return FP32 * (hidden + 2 * (p["total"] - hidden))
+    raise PlanError(f"optimizer {optimizer!r}: choose adamw or muon")
 
 
 def block_saved_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, act: int, device: str = "cuda") -> int:
@@ -202,12 +217,13 @@ def loss_workspace_bytes(N: int, V: int, C: int, compute: int, x_size: int, w_si
 
 def predict(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_batch: int = 1,
             seq_len: Optional[int] = None, dtype: str = "bfloat16", activation_checkpointing: bool = False,
-            accum: int = 2, device: str = "cuda", compiled: bool = False) -> Prediction:
+            accum: int = 2, device: str = "cuda", compiled: bool = False, optimizer: str = "adamw") -> Prediction:
     """Peak per-rank bytes of one training step: the largest of ``phases``, plus the runtime."""
     check(strategy, world_size, micro_batch, dtype, accum, device)
     peak = max(phases(cfg, strategy=strategy, world_size=world_size, micro_batch=micro_batch, seq_len=seq_len,
                       dtype=dtype, activation_checkpointing=activation_checkpointing, accum=accum,
-                      chunked_loss=used_for(device, compiled, sharded=strategy == "fsdp"), device=device),
+                      chunked_loss=used_for(device, compiled, sharded=strategy == "fsdp"), device=device,
+                      optimizer=optimizer),
                key=lambda ph: ph.total)
     peak.terms["runtime"] = runtime_bytes(device)
     # On CPU the peak RSS exceeds the peak of live tensors by about one more chunked-loss
@@ -223,7 +239,8 @@ def predict(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro
 
 def phases(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_batch: int = 1,
            seq_len: Optional[int] = None, dtype: str = "bfloat16", activation_checkpointing: bool = False,
-           accum: int = 2, chunked_loss: bool = True, device: str = "cuda") -> list[Prediction]:
+           accum: int = 2, chunked_loss: bool = True, device: str = "cuda",
+           optimizer: str = "adamw") -> list[Prediction]:
     """Tensor bytes per rank at each moment a step can peak (see the module docstring).
 
     Activations are autocast's under both strategies (the norms in fp32, the residual stream
@@ -248,7 +265,7 @@ def phases(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_
     whole = FP32 * p["total"]
     fsdp = strategy == "fsdp" and world_size > 1
     shard = world_size if fsdp else 1
-    fixed = {"weights": whole // shard, "optimizer": 2 * whole // shard,
+    fixed = {"weights": whole // shard, "optimizer": optimizer_state_bytes(cfg, optimizer) // shard,
              "comm_buffers": whole if strategy == "ddp" and world_size > 1 else 0}
     if fsdp:
         in_flight = FP32 * p["root"] + 2 * a * p["block"]

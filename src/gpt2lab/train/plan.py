@@ -248,7 +248,7 @@ def _predict(cfg: TrainConfig, facts: Facts, strategy: str, dtype: str, accum: i
     return memplan.predict(cfg.model, strategy=strategy, world_size=facts.world_size,
                            micro_batch=cfg.batch.micro_batch_size, seq_len=cfg.batch.seq_len, dtype=dtype,
                            activation_checkpointing=cfg.parallel.activation_checkpointing, accum=accum,
-                           device=device, compiled=compiled)
+                           device=device, compiled=compiled, optimizer=cfg.optim.optimizer)
 
 
 def make_plan(request: Request | TrainConfig, facts: Facts, resume: Optional[str] = None,
