@@ -109,16 +109,24 @@ def _straight_and_killed(tmp_path, fields: dict, kill_after: str):
     return out
 
 
-def test_kill_9_then_resume_equals_uninterrupted(tiny_data, tmp_path):
-    fields = dict(data=tiny_data, max_steps=40, ckpt_interval=8, keep_checkpoints=2, keep_cpu_memory=True)
-    out = _straight_and_killed(tmp_path, fields, "step_000016")
-    assert max(train_losses(out)) < 39, "the run finished before it was killed"
+def _killed_then_resumed_equals_straight(tmp_path, fields: dict, kill_after: str):
+    """Kill -9 a run after ``kill_after``, resume it; every step's loss equals the straight run's
+    (to 1e-6: bit for bit on the same kernels and threads). Returns the resumed run's directory."""
+    steps = fields["max_steps"]
+    out = _straight_and_killed(tmp_path, fields, kill_after)
+    assert max(train_losses(out)) < steps - 1, "the run finished before it was killed"
     resumed = run_train(out=str(out), resume="auto", **fields)
     assert "resumed from" in resumed.stdout
     straight, again = train_losses(tmp_path / "straight"), train_losses(out)
-    assert sorted(again) == list(range(40))
-    for step in range(40):  # same kernels, same thread count: bit for bit
+    assert sorted(again) == list(range(steps))
+    for step in range(steps):
         assert abs(again[step] - straight[step]) <= 1e-6, (step, again[step], straight[step])
+    return out
+
+
+def test_kill_9_then_resume_equals_uninterrupted(tiny_data, tmp_path):
+    fields = dict(data=tiny_data, max_steps=40, ckpt_interval=8, keep_checkpoints=2, keep_cpu_memory=True)
+    out = _killed_then_resumed_equals_straight(tmp_path, fields, "step_000016")  # same kernels and threads
     names = sorted(os.listdir(out / "checkpoints"))
     assert names == ["step_000032", "step_000040"]  # the newest two kept
 
@@ -219,14 +227,8 @@ def test_muon_ddp_two_processes_equal_one_with_double_accumulation(tiny_data, tm
 def test_muon_kill_9_then_resume_equals_uninterrupted(tiny_data, tmp_path):
     fields = dict(data=tiny_data, max_steps=24, ckpt_interval=6, keep_checkpoints=2, keep_cpu_memory=True,
                   **MUON_FIELDS)
-    out = _straight_and_killed(tmp_path, fields, "step_000012")
-    assert max(train_losses(out)) < 23, "the run finished before it was killed"
-    resumed = run_train(out=str(out), resume="auto", **fields)
-    assert "resumed from" in resumed.stdout
-    straight, again = train_losses(tmp_path / "straight"), train_losses(out)
-    assert sorted(again) == list(range(24))
-    for step in range(24):  # the Muon momentum and AdamW moments came back: bit for bit
-        assert abs(again[step] - straight[step]) <= 1e-6, (step, again[step], straight[step])
+    # the Muon momentum and AdamW moments come back: bit for bit
+    out = _killed_then_resumed_equals_straight(tmp_path, fields, "step_000012")
     # resuming it as an AdamW run is one line naming the optimizers, exit 3
     proc = subprocess.run(train_cmd(out=str(out), **{**fields, "optimizer": "adamw", "embed_lr": "none", "head_lr": "none",
                                                      "max_steps": 30}) + ["--resume", "auto"],

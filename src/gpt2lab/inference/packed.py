@@ -80,17 +80,22 @@ class LinearChoice:
     reason: str
 
 
+def _cannot_pack(facts: LinearFacts) -> Optional[str]:
+    """Why the packed kernel cannot run with ``facts``, or None where it can."""
+    if facts.device_type != "cpu":
+        return f"{facts.device_type}: the device's own BLAS takes batches well"
+    if facts.dtype != "float32":
+        return f"dtype {facts.dtype}: the packed path is fp32"
+    if not facts.available:
+        return "this torch build has no oneDNN packed linear"
+    return None
+
+
 def choose_linear(requested: str, facts: LinearFacts) -> LinearChoice:
     """The decode kernel for the batching server's linears; ``packed`` only where it can run."""
     if requested not in LINEAR_CHOICES:
         raise ValueError(f"linear kernel {requested!r}: choose one of {', '.join(LINEAR_CHOICES)}")
-    why_not = None
-    if facts.device_type != "cpu":
-        why_not = f"{facts.device_type}: the device's own BLAS takes batches well"
-    elif facts.dtype != "float32":
-        why_not = f"dtype {facts.dtype}: the packed path is fp32"
-    elif not facts.available:
-        why_not = "this torch build has no oneDNN packed linear"
+    why_not = _cannot_pack(facts)
     if why_not:
         if requested == "packed":
             raise ValueError(f"--cpu-linear packed cannot run here ({why_not}); use auto or plain")
@@ -137,7 +142,7 @@ def probe(model: nn.Module, rows: int, repeats: int = 3) -> tuple[tuple[float, f
 def decide(model: nn.Module, requested: str, device: torch.device, dtype: str, rows: int) -> LinearChoice:
     """Measure where it matters (auto, CPU fp32, oneDNN present) and choose."""
     facts = LinearFacts(device.type, dtype, packing_available(), rows=rows)
-    if requested == "auto" and facts.device_type == "cpu" and facts.dtype == "float32" and facts.available:
+    if requested == "auto" and _cannot_pack(facts) is None:
         try:
             plain, packed = probe(model, rows)
         except RuntimeError as e:  # a oneDNN build that cannot reorder these weights: keep the plain kernel

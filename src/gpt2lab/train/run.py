@@ -114,7 +114,7 @@ def _run(plan: RunPlan, info: DistInfo) -> Optional[str]:
             log.console(f"gpt2lab train: warning: {choice.warning}")
     log.console(f"gpt2lab train: {trainer.raw.num_params():,} params, {info.world_size} process(es), "
                 f"{trainer.accum} micro-steps/step, steps {trainer.step}..{cfg.optim.max_steps}, out {cfg.out}"
-                + (f", resumed from {trainer.resumed_from}" if trainer.resumed_from else ""))
+                + (f", resumed from {plan.resume}" if plan.resume else ""))
     try:
         last = trainer.run(log)
     finally:

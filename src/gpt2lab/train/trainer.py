@@ -113,7 +113,6 @@ class Trainer:
         self.step, self.tokens = 0, 0
         self.spikes, self.evaluate = Rollback(cfg), Evaluator(cfg, info, self.raw, self.model, self.dtype)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.dtype == "float16" else None
-        self.resumed_from = plan.resume
         if plan.resume:
             self.restore(plan.resume, verified=True)  # the plan checked its checksums
         self.flops_per_token = self.raw.flops_per_token(cfg.batch.seq_len)
