@@ -1,8 +1,9 @@
 """Prepacked CPU linears for batched decoding (the batching server's fp32 path).
 
 A decode step multiplies a few rows (one per active request) by every weight. On CPUs, a
-weight handed to ``F.linear`` as a plain tensor is re-laid out by the BLAS on every call,
-and the small-M GEMM that follows runs far below the machine's speed; oneDNN can reorder a
+weight handed to ``F.linear`` as a plain tensor is (most likely: a GEMM packs its operands)
+re-laid out by the BLAS on every call, and the small-M GEMM that follows runs far below the
+machine's speed; oneDNN can reorder a
 weight once into its own blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, the
 op torch.compile's CPU freezing uses) and multiply it with ``_linear_pointwise``. Measured
 on a 2-core AVX2 EPYC (docs/benchmarks.md): the 768 x 50304 vocabulary projection takes
