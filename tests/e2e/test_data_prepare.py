@@ -471,3 +471,16 @@ def test_ctrl_c_at_many_moments_ends_fast_and_resumes_byte_identically(tmp_path)
     assert main(["prepare", "--source", str(src), "--out", str(out), *flags]) == 0
     assert main(["prepare", "--source", str(src), "--out", str(tmp_path / "ref"), *flags]) == 0
     assert _files(tmp_path / "ref") == _files(out)
+
+
+def test_prepare_removes_its_own_old_temporaries_and_no_one_elses(tmp_path):
+    """Older versions left SHARD.bin.tmp and manifest.json.tmp; another program's *.tmp stays."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.tmp").write_text("someone else's")
+    (out / "shard_000001.bin.tmp").write_bytes(b"half a shard")
+    (out / (prep.MANIFEST + ".tmp")).write_text("{")
+    prepare(str(_jsonl(tmp_path / "docs.jsonl")), str(out), shard_tokens=64, val_tokens=100, workers=1,
+            progress=False)
+    assert (out / "keep.tmp").read_text() == "someone else's"
+    assert not (out / "shard_000001.bin.tmp").exists() and not (out / (prep.MANIFEST + ".tmp")).exists()

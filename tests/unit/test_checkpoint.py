@@ -108,3 +108,18 @@ def test_optimizer_file_loads_with_weights_only(tmp_path):
     path = _save(tmp_path, model, opt, 1)
     for name in ("optimizer.pt", "state.pt"):
         torch.load(os.path.join(path, name), weights_only=True)  # raises on anything unsafe
+
+
+def test_every_checkpoint_file_gets_the_umasks_mode(tmp_path):
+    """atomic_dir gives each file 0666 less the umask, safetensors' 0600 model file included."""
+    import stat
+
+    model, opt = _trained()
+    old = os.umask(0o027)
+    try:
+        path = _save(tmp_path, model, opt, 3)
+    finally:
+        os.umask(old)
+    modes = {name: stat.S_IMODE(os.stat(os.path.join(path, name)).st_mode) for name in os.listdir(path)
+             if os.path.isfile(os.path.join(path, name))}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o640}, {k: oct(v) for k, v in modes.items()}

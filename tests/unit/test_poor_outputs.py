@@ -77,7 +77,10 @@ def test_plot_and_compare_never_overwrite_a_file_they_did_not_write(tmp_path, ca
     other.write_text("keep me")
     folder = tmp_path / "folder.png"
     folder.mkdir()
-    for target in (theirs, other, folder):
+    in_run = tmp_path / "a" / "notes.json"  # a run directory's own files are not plot.png
+    in_run.write_text("{}")
+    (tmp_path / "a" / "run_info.json").write_text('{"world_size": 1, "torch": "2.13"}')
+    for target in (theirs, other, folder, in_run):
         before = target.read_bytes() if target.is_file() else None
         assert cli.main([command, *runs, "--out", str(target)]) == 2
         assert capsys.readouterr().err.strip() == (

@@ -145,3 +145,11 @@ def test_packed_linears_where_they_cannot_run_is_one_line_and_exit_2(gpt2_vocab_
     err = capsys.readouterr().err.splitlines()
     assert err[-1] == ("gpt2lab serve: --cpu-linear packed cannot run here (dtype bfloat16: the packed path is "
                        "fp32); use auto or plain")
+
+
+def test_bench_serve_refuses_a_zero_batch_in_one_line(capsys):
+    """Limits checks its own values, so every caller gets the check (a zero --max-batch would
+    leave every request waiting for a row until its timeout)."""
+    assert cli.main(["bench", "serve", "--n-layer", "1", "--n-head", "1", "--n-embd", "8", "--block-size", "8",
+                     "--streams", "", "--max-batch", "0"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("--max-batch 0: must be at least 1")

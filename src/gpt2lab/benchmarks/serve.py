@@ -32,6 +32,7 @@ import torch
 
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.serve.limits import Limits
+from gpt2lab.system.errors import UsageError
 from gpt2lab.serve.models import add_cpu_linear_flag
 from gpt2lab.weights import hf
 
@@ -238,7 +239,10 @@ def run(args: argparse.Namespace) -> dict:
     counts = [int(c) for c in str(args.streams).split(",") if c.strip()]
     config = GPTConfig(block_size=args.block_size, vocab_size=50257, n_layer=args.n_layer, n_head=args.n_head,
                        n_embd=args.n_embd)
-    limits = Limits(max_batch=args.max_batch, max_queue=args.max_queue)
+    try:
+        limits = Limits(max_batch=args.max_batch, max_queue=args.max_queue)
+    except ValueError as e:  # Limits names the flag
+        raise UsageError(str(e)) from None
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(GPT(config), d)
         workers = load_workers([f"bench={d}"], args.device, args.dtype, limits, args.deterministic, args.cpu_linear)

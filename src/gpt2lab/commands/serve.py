@@ -45,13 +45,11 @@ def limits_from(args: argparse.Namespace) -> Limits:
     """The flags as Limits; a value out of range is a UsageError (exit 2) naming the flag."""
     from gpt2lab.system.errors import UsageError
 
-    for flag, value, low in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 1),
-                             ("--max-tokens", args.max_tokens, 1), ("--timeout", args.timeout, 1e-9),
-                             ("--prefill-chunk", args.prefill_chunk, 1)):
-        if value < low:
-            raise UsageError(f"{flag} {value}: must be {'positive' if low < 1 else f'at least {low}'}")
-    return Limits(max_batch=args.max_batch, max_queue=args.max_queue, max_tokens=args.max_tokens,
-                  timeout_s=args.timeout, prefill_chunk=args.prefill_chunk)
+    try:
+        return Limits(max_batch=args.max_batch, max_queue=args.max_queue, max_tokens=args.max_tokens,
+                      timeout_s=args.timeout, prefill_chunk=args.prefill_chunk)
+    except ValueError as e:  # Limits names the flag
+        raise UsageError(str(e)) from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -167,7 +167,7 @@ def _start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: Source)
     if not manifest["complete"]:
         why = _source_changed(manifest, src)
         if why:
-            return _start_over(out, manifest, {**settings, "val_tokens": settings["val_tokens"]}, why)
+            return _start_over(out, manifest, settings, why)
     for shard in manifest["shards"]:
         _check_done_shard(out / shard["name"], shard["tokens"])
     return manifest
@@ -346,7 +346,9 @@ class _Writer:
 
 
 def _run(src: Source, out: Path, manifest: Dict, workers: int, progress: bool) -> None:
-    for stale in out.glob("*.tmp"):  # a temp file is never a finished shard (older gpt2lab versions)
+    # the temporaries older gpt2lab versions wrote beside their shards (SHARD.bin.tmp and
+    # manifest.json.tmp); another program's *.tmp in --out is not ours to remove
+    for stale in [*out.glob("*.bin.tmp"), *out.glob(MANIFEST + ".tmp")]:
         stale.unlink()
     sweep_stale(str(out))
     writer = _Writer(out, manifest, src)

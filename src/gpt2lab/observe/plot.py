@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from gpt2lab.system.errors import DataError
+from gpt2lab.system.files import atomic_write
 from gpt2lab.model.config import SIZES
 
 GPT2_124M_VAL_LOSS = 3.2924  # OpenAI GPT-2 124M on the FineWeb-Edu val shard (reference recipe)
@@ -182,18 +183,21 @@ PNG_SOFTWARE = "gpt2lab"
 
 
 def written_by_gpt2lab(path: str) -> bool:
-    """``path`` is a PNG that save_png wrote (its Software text chunk says so), or lies in a
-    gpt2lab run directory (a run's plot.png from a version that wrote no chunk)."""
+    """``path`` is a PNG that save_png wrote (its Software text chunk says so), or a run
+    directory's own plot.png (from a version that wrote no chunk)."""
     from gpt2lab.system import rundir
 
-    if rundir.inspect(os.path.dirname(os.path.abspath(path))).kind == rundir.RUN:
-        return True
     try:
         with open(path, "rb") as f:
             head = f.read(1 << 16)  # matplotlib writes its text chunks before the image data
     except OSError:
         return False
-    return head.startswith(b"\x89PNG") and b"Software\x00" + PNG_SOFTWARE.encode() in head
+    if not head.startswith(b"\x89PNG"):
+        return False
+    if b"Software\x00" + PNG_SOFTWARE.encode() in head:
+        return True
+    return (os.path.basename(path) == "plot.png"
+            and rundir.inspect(os.path.dirname(os.path.abspath(path))).kind == rundir.RUN)
 
 
 def save_png(fig, out_png: str, flag: str = "--out") -> None:
@@ -209,8 +213,6 @@ def save_png(fig, out_png: str, flag: str = "--out") -> None:
         raise UsageError(f"{flag} {out_png}: a file gpt2lab did not write is there; pick another path "
                          "(nothing was overwritten)")
     FigureCanvasAgg(fig)
-    out_dir = os.path.dirname(os.path.abspath(out_png))
-    os.makedirs(out_dir, exist_ok=True)
-    tmp = os.path.join(out_dir, f".{os.path.basename(out_png)}.{os.getpid()}.tmp")
-    fig.savefig(tmp, format="png", dpi=100, metadata={"Software": PNG_SOFTWARE})
-    os.replace(tmp, out_png)
+    os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
+    with atomic_write(out_png, "wb") as fh:
+        fig.savefig(fh, format="png", dpi=100, metadata={"Software": PNG_SOFTWARE})

@@ -12,3 +12,12 @@ class Limits:
     max_tokens: int = 1024  # the largest max_tokens a request may ask for
     timeout_s: float = 600.0  # a request still running after this ends with an error
     prefill_chunk: int = 256  # prompt tokens run per step while other rows decode (batch mode)
+
+    def __post_init__(self) -> None:
+        """Every limit positive (a zero --max-batch would never admit a row); the error names the
+        serve flag of the field."""
+        for name in ("max_batch", "max_queue", "max_tokens", "timeout_s", "prefill_chunk"):
+            value = getattr(self, name)
+            if not value > 0:
+                flag = "--timeout" if name == "timeout_s" else "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} {value}: must be " + ("positive" if name == "timeout_s" else "at least 1"))

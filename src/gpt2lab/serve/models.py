@@ -29,7 +29,7 @@ def add_cpu_linear_flag(p) -> None:
 
 def load_workers(specs: list[str], device_name: str, dtype: str, limits: Limits | None = None,
                  deterministic: bool = False, linear: str = "auto") -> dict:
-    """One worker per ``--model``, loaded before the server binds (errors come first): batching
+    """One worker per ``--model``, loaded before the server starts serving (errors come first): batching
     (serve/batch.py), or requests in turns with ``deterministic`` (serve/engine.py).
 
     ``linear`` (``--cpu-linear``): the batching worker's kernel for the model's linears,

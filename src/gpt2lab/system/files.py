@@ -73,6 +73,7 @@ def atomic_dir(path: str, what_next: Optional[str] = None, replace: bool = False
     try:
         os.makedirs(tmp)
         yield tmp
+        umask_modes(tmp)  # as promised above, also for writers that create 0600 files (safetensors)
         _fsync_dir(tmp)
         _swap_in(tmp, path, replace)
     except BaseException as e:

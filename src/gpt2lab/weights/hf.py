@@ -19,7 +19,7 @@ import torch
 from gpt2lab.model.config import HUB_NAMES
 from gpt2lab.system import rundir
 from gpt2lab.system.errors import DataError, UsageError
-from gpt2lab.system.files import atomic_dir, umask_modes, write_json
+from gpt2lab.system.files import atomic_dir, write_json
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.data.tokenizer import EOT_ID, EOT_TOKEN, asset_path
 
@@ -301,7 +301,6 @@ def save_pretrained(model: GPT, out_dir: str) -> None:
         _write_tokenizer(tmp, model.config.block_size)
         write_json(os.path.join(tmp, EXPORT_MARKER), {"format": rundir.EXPORT_FORMAT, "version": 1,
                                                        "files": list(EXPORT_FILES)})
-        umask_modes(tmp)  # every file as the user's umask says (safetensors writes its own 0600)
 
 
 def _check_export_target(out_dir: str) -> bool:
