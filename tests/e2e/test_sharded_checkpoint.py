@@ -122,7 +122,7 @@ def test_sharded_checkpoint_exports_with_transformers_logits(runs, tmp_path):
     import transformers
 
     from gpt2lab.cli import main
-    from gpt2lab.train.init_from import load_into
+    from gpt2lab.train.init_from import find_source, load_source
     from gpt2lab.weights.load import load_model
     from gpt2lab.model.gpt import GPT
 
@@ -134,7 +134,9 @@ def test_sharded_checkpoint_exports_with_transformers_logits(runs, tmp_path):
         hf_logits, ours = theirs(idx).logits, reference(idx)[0][..., :50257]
         sharded_ours = load_model(str(runs["fsdp"]))(idx)[0][..., :50257]  # what sample and eval load
     started = GPT(reference.config)  # train --init-from RUN_DIR takes the sharded run's weights too
-    assert load_into(started, str(runs["fsdp"]))["step"] == 12
+    src = find_source(str(runs["fsdp"]))  # as the run plan resolves it; the Trainer then loads it
+    assert src.step == 12
+    load_source(started, src)
     with torch.no_grad():
         assert torch.equal(started.eval()(idx)[0][..., :50257], sharded_ours)
     assert hf_logits.shape[-1] == 50257  # the padded rows dropped

@@ -10,13 +10,12 @@ eval_interval.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Optional
 
 from gpt2lab.model.config import config_value
-from gpt2lab.observe.plot import read_metrics, save_png
+from gpt2lab.observe.plot import read_metrics, read_run_config, save_png
 
 
 @dataclass
@@ -64,14 +63,8 @@ def load_curve(run_dir: str, metric: str = "val_loss", name: Optional[str] = Non
 
 
 def _tokens_per_step(run_dir: str) -> Optional[int]:
-    path = os.path.join(run_dir, "config.json")
-    try:
-        with open(path, encoding="utf-8") as fh:
-            value = config_value(json.load(fh), "total_batch_tokens")
-    except FileNotFoundError:
-        return None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e.msg})") from None
+    config = read_run_config(run_dir)
+    value = config_value(config, "total_batch_tokens") if isinstance(config, dict) else None
     return value if isinstance(value, int) else None
 
 

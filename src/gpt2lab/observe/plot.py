@@ -107,14 +107,23 @@ def load_run(run_dir: str) -> Run:
                 # a resumed run logs some steps again: the later value wins
                 by_metric.setdefault(key, {})[rec["step"]] = float(value)
     run.series = {k: sorted(v.items()) for k, v in by_metric.items()}
-    config_path = os.path.join(run_dir, "config.json")
-    if os.path.isfile(config_path):
-        with open(config_path, encoding="utf-8") as f:
-            try:
-                run.size = detect_size(json.load(f))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{config_path}: not valid JSON ({e.msg})") from None
+    config = read_run_config(run_dir)
+    if config is not None:
+        run.size = detect_size(config)
     return run
+
+
+def read_run_config(run_dir: str) -> Optional[dict]:
+    """A run's config.json (any form), None where it has none; a file that is not JSON is a
+    ValueError naming it (plot and compare read it for the size and the tokens per step)."""
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e.msg})") from None
 
 
 def build_figure(runs: list[Run]):

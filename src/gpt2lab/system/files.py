@@ -60,6 +60,17 @@ def write_json(path: str, data: Any, indent: Optional[int] = 2) -> None:
         fh.write("\n")
 
 
+def read_json_object(path: str) -> Optional[dict]:
+    """The JSON object in ``path``, or None where there is none to read (missing, unreadable,
+    not JSON, not an object): for sniffing what a folder holds, never for a file that must be there."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            value = json.load(fh)
+    except (OSError, ValueError):  # UnicodeDecodeError is a ValueError
+        return None
+    return value if isinstance(value, dict) else None
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str, what_next: Optional[str] = None, replace: bool = False) -> Iterator[str]:
     """Yield a fresh temporary directory that becomes ``path`` when the block succeeds.

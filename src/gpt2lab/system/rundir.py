@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 from gpt2lab.system.errors import UsageError
-from gpt2lab.system.files import tmp_name, write_json
+from gpt2lab.system.files import read_json_object, tmp_name, write_json
 
 RUN, EXPORT, DATA = "run", "export", "data"
 RUN_MARKER, RUN_FORMAT = "run_info.json", "gpt2lab-run"
@@ -58,15 +58,6 @@ class Found:
         return ", ".join(self.entries[:n]) + (", ..." if len(self.entries) > n else "")
 
 
-def _read_json(path: str) -> Optional[dict]:
-    try:
-        with open(path) as fh:
-            value = json.load(fh)
-        return value if isinstance(value, dict) else None
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-
-
 def inspect(path: str) -> Found:
     """What ``path`` is: missing, empty, a file, one of gpt2lab's kinds, an HF model or someone's."""
     if not os.path.lexists(path):
@@ -76,15 +67,15 @@ def inspect(path: str) -> Found:
     entries = tuple(sorted(os.listdir(path)))
     if not entries:
         return Found("empty", ())
-    info = _read_json(os.path.join(path, RUN_MARKER)) if RUN_MARKER in entries else None
+    info = read_json_object(os.path.join(path, RUN_MARKER)) if RUN_MARKER in entries else None
     if info is not None and (info.get("format") == RUN_FORMAT or {"world_size", "torch"} <= set(info)):
         return Found(RUN, entries)  # an untagged run_info.json: a run from before the format tag
     if EXPORT_MARKER in entries:
         return Found(EXPORT, entries)
-    manifest = _read_json(os.path.join(path, DATA_MARKER)) if DATA_MARKER in entries else None
+    manifest = read_json_object(os.path.join(path, DATA_MARKER)) if DATA_MARKER in entries else None
     if manifest is not None and (manifest.get("format") == DATA_FORMAT or "shards" in manifest):
         return Found(DATA, entries)
-    config = _read_json(os.path.join(path, "config.json")) if "config.json" in entries else None
+    config = read_json_object(os.path.join(path, "config.json")) if "config.json" in entries else None
     if config is not None and _is_run_config(config):
         return Found(RUN, entries)  # a run killed before it wrote run_info.json (older versions)
     if "checkpoints" in entries and _has_run_checkpoint(os.path.join(path, "checkpoints")):
@@ -109,7 +100,7 @@ def _has_run_checkpoint(folder: str) -> bool:
     except OSError:
         return False
     for name in names:
-        config = _read_json(os.path.join(folder, name, "config.json"))
+        config = read_json_object(os.path.join(folder, name, "config.json"))
         if config is not None and _is_run_config(config):
             return True
     return False
@@ -276,7 +267,7 @@ def _remove_if_untouched(path: str, top: str) -> None:
     """Remove the run directory (and the empty parents up to ``top``) if nothing but the marker was written."""
     try:
         if set(os.listdir(path)) <= {RUN_MARKER, LOCK_FILE}:
-            info = _read_json(os.path.join(path, RUN_MARKER))
+            info = read_json_object(os.path.join(path, RUN_MARKER))
             if info is None or set(info) <= set(run_marker()):  # only the bare marker: no run wrote it
                 for name in (RUN_MARKER, LOCK_FILE):
                     with contextlib.suppress(FileNotFoundError):

@@ -16,7 +16,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from gpt2lab.system.files import sha256_file
+from gpt2lab.system.files import read_json_object, sha256_file
 from gpt2lab.checkpoint import store as ckpt
 from gpt2lab.weights import hf
 from gpt2lab.train.config import ConfigError, TrainConfig, model_from_config
@@ -90,7 +90,7 @@ def _hf_config(path: str) -> GPTConfig:
 
 
 def _checkpoint_source(spec: str) -> Source:
-    config = _read_json(os.path.join(spec, "config.json"))
+    config = read_json_object(os.path.join(spec, "config.json"))
     if config is not None and config.get("model_type") == "gpt2":  # is_hf_dir found no weights
         raise InitFromError(f"--init-from {spec}: an HF GPT-2 config.json without a weights file (looked for "
                             f"{', '.join(hf.WEIGHT_FILES)}); copy the weights beside it")
@@ -112,7 +112,7 @@ def _checkpoint_source(spec: str) -> Source:
     weights = ckpt.weights_file(where)
     needed = (os.path.basename(weights), "state.pt", "config.json")
     missing = [f for f in needed if not os.path.isfile(os.path.join(where, f))]
-    config = _read_json(os.path.join(where, "config.json"))
+    config = read_json_object(os.path.join(where, "config.json"))
     if missing or config is None:
         raise InitFromError(f"--init-from {spec}: {where} is an incomplete checkpoint (missing or unreadable: "
                             f"{', '.join(missing) or 'config.json'}); pass its run directory (newest complete "
@@ -125,15 +125,6 @@ def _checkpoint_source(spec: str) -> Source:
                             "pass another step_* directory") from e
     return Source(spec, "checkpoint", model_config, weights, os.path.join(where, "config.json"), step,
                   verified=verified)
-
-
-def _read_json(path: str) -> Optional[dict]:
-    try:
-        with open(path) as f:
-            value = json.load(f)
-        return value if isinstance(value, dict) else None
-    except (OSError, ValueError):
-        return None
 
 
 def _check_readable(src: Source) -> None:
@@ -196,7 +187,7 @@ def digest(src: Source) -> str:
         if not src.verified:
             ckpt.verify(where)
             src.verified = True
-        sums = _read_json(os.path.join(where, ckpt.CHECKSUMS)) or {}
+        sums = read_json_object(os.path.join(where, ckpt.CHECKSUMS)) or {}
         name = os.path.basename(src.weights)
         if name in sums:
             return str(sums[name])
@@ -219,16 +210,6 @@ def load_source(model: GPT, src: Source) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():  # the tied lm_head comes once, as wte
             _copy_param(src, name, p, theirs[name])
-
-
-def load_into(model: GPT, spec: str) -> dict:
-    """Find SRC, copy its weights into ``model`` and return its provenance (what run_info.json records)."""
-    src = find_source(spec)
-    sha = digest(src)
-    load_source(model, src)
-    ident = f"sha256:{sha}" if src.step is None else f"step {src.step}, sha256:{sha}"
-    return {"source": spec, "kind": src.kind, "weights": os.path.abspath(src.weights), "sha256": sha,
-            "step": src.step, "id": ident}
 
 
 def _copy_param(src: Source, name: str, p: torch.Tensor, w: torch.Tensor) -> None:
