@@ -28,7 +28,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 from gpt2lab.system.errors import UsageError
 from gpt2lab.system.files import read_json_object, tmp_name, write_json
@@ -120,15 +120,15 @@ def refusal(path: str, found: Found, flag: str, what_next: str) -> DirectoryErro
     return DirectoryError(f"{flag} {path}: holds {what(found)}; nothing was written there; {what_next}")
 
 
-def check(path: str, want: str, flag: str, what_next: str,
-          tolerate: Optional[Callable[[Found], bool]] = None) -> Found:
+def check(path: str, want: str, flag: str, what_next: str) -> Found:
     """Return what ``path`` is when a command making a ``want`` directory may write there, else raise.
 
-    Allowed: a missing or empty directory, or one of kind ``want``; ``tolerate(found)`` may
-    allow more (prepare writes beside files that are not shards, as it always has).
+    Allowed: a missing or empty directory, or one of kind ``want``. (prepare and export apply
+    the same kinds with their own extra rules: data/prepare._refuse_foreign_shards,
+    weights/hf._check_export_target.)
     """
     found = inspect(path)
-    if found.kind in ("missing", "empty", want) or (tolerate is not None and tolerate(found)):
+    if found.kind in ("missing", "empty", want):
         return found
     raise refusal(path, found, flag, what_next)
 
