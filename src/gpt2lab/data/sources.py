@@ -101,14 +101,9 @@ def resolve_source(source: str, text_field: str = "text", config: Optional[str] 
     files = _local_files(source)
     # compressed text is ~3-4x its file size: the val default estimates the text's size
     size = sum(os.path.getsize(f) * (4 if f.endswith(COMPRESSIONS) else 1) for f in files)
-    src = Source(source, "local", size, lambda skip, limit: iter(()), files=files)
-
-    def documents(skip: int, limit: Optional[int]) -> Iterator[Document]:
-        src.file_starts.clear()
-        return itertools.islice(_local_docs(files, text_field, src.file_starts), skip, limit)
-
-    src.documents = documents
-    return src
+    starts: List[int] = []
+    return Source(source, "local", size, _slice(lambda: _local_docs(files, text_field, starts)), files=files,
+                  file_starts=starts)
 
 
 def _slice(make: Callable[[], Iterable[Document]]) -> Callable[[int, Optional[int]], Iterator[Document]]:
@@ -163,6 +158,7 @@ def kind_of(path: str) -> Tuple[str, Optional[str]]:
 
 def _local_docs(files: List[str], text_field: str, starts: List[int]) -> Iterator[Document]:
     readers = {"txt": _txt_docs, "jsonl": _jsonl_docs, "parquet": _parquet_docs}
+    starts.clear()  # each reading from the start records them afresh
     n = 0
     for f in files:
         starts.append(n)  # read by the shard writer for the per-file counts in the manifest
