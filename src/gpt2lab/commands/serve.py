@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import argparse
-import errno
 import logging
-import socket
 import sys
 
 from gpt2lab.commands import add_inference_dtype_flag
@@ -54,9 +52,9 @@ def limits_from(args: argparse.Namespace) -> Limits:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401  (the serve extra: a missing one is this one line)
 
-        from gpt2lab.serve.api import create_app
+        from gpt2lab.serve.api import bind, make_server
     except ImportError as e:
         raise SystemExit(f"gpt2lab serve needs FastAPI and uvicorn ({e}); pip install 'gpt2lab[serve]'") from None
     names = model_names(args.model)  # a bad --model fails before any loading
@@ -77,42 +75,9 @@ def run(args: argparse.Namespace) -> int:
     access.addHandler(handler)
     access.setLevel(logging.INFO)
     try:
-        # uvicorn.Server, not uvicorn.run: after its graceful shutdown uvicorn raises the Ctrl-C it
-        # caught again, and cli.main turns that KeyboardInterrupt into exit 130 (uvicorn.run ate it)
-        uvicorn.Server(uvicorn.Config(create_app(workers), log_level="warning")).run(sockets=[sock])
+        make_server(workers).run(sockets=[sock])
     finally:
         for w in workers.values():
             w.close()
         sock.close()
     return 0
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A listening socket on ``host``:``port``; a port out of range, in use or not ours to take is a
-    UsageError (exit 2) naming --port or --host, not uvicorn's log line and exit 3."""
-    from gpt2lab.system.errors import UsageError
-
-    if not 0 <= port <= 65535:
-        raise UsageError(f"--port {port}: must be 0 to 65535 (0 lets the system pick a free one)")
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except socket.gaierror as e:
-        raise UsageError(f"--host {host}: not an address of this machine ({e.strerror})") from None
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart at once after a stop
-        sock.bind(address)
-        sock.listen(2048)
-    except OSError as e:
-        sock.close()
-        if e.errno == errno.EADDRINUSE:
-            why = "is in use (another server?); stop it or pick another --port"
-        elif e.errno in (errno.EACCES, errno.EPERM):
-            why = "cannot be taken by this user (ports below 1024 need privileges); pick a --port above 1023"
-        elif e.errno == errno.EADDRNOTAVAIL:
-            raise UsageError(f"--host {host}: not an address of this machine; use 127.0.0.1 or 0.0.0.0") from None
-        else:
-            why = f"cannot be bound ({e.strerror})"
-        raise UsageError(f"--port {port} on {host} {why}") from None
-    sock.set_inheritable(True)
-    return sock

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import secrets
@@ -335,11 +336,8 @@ class AccessLog:
 def serving_in_thread(workers: dict[str, Worker], host: str = "127.0.0.1") -> Iterator[str]:
     """Serve ``workers`` with uvicorn in a background thread on a free port; yield the base URL
     (for tests and ``gpt2lab bench serve``). The workers are closed on exit."""
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind((host, 0))  # port 0: the OS picks a free port, held from here on
-    server = uvicorn.Server(uvicorn.Config(create_app(workers), log_level="warning"))
+    sock = bind(host, 0)  # port 0: the OS picks a free port, held from here on
+    server = make_server(workers)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -355,3 +353,43 @@ def serving_in_thread(workers: dict[str, Worker], host: str = "127.0.0.1") -> It
         for w in workers.values():
             w.close()
         sock.close()
+
+
+def make_server(workers: dict[str, Worker]):
+    """The uvicorn server of ``workers``' app (run it on a socket from ``bind``). uvicorn.Server,
+    not uvicorn.run: after its graceful shutdown uvicorn raises the Ctrl-C it caught again, and
+    cli.main turns that KeyboardInterrupt into exit 130 (uvicorn.run ate it)."""
+    import uvicorn
+
+    return uvicorn.Server(uvicorn.Config(create_app(workers), log_level="warning"))
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host``:``port``; a port out of range, in use or not ours to take is a
+    UsageError (exit 2) naming --port or --host, not uvicorn's log line and exit 3."""
+    from gpt2lab.system.errors import UsageError
+
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port {port}: must be 0 to 65535 (0 lets the system pick a free one)")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise UsageError(f"--host {host}: not an address of this machine ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart at once after a stop
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            why = "is in use (another server?); stop it or pick another --port"
+        elif e.errno in (errno.EACCES, errno.EPERM):
+            why = "cannot be taken by this user (ports below 1024 need privileges); pick a --port above 1023"
+        elif e.errno == errno.EADDRNOTAVAIL:
+            raise UsageError(f"--host {host}: not an address of this machine; use 127.0.0.1 or 0.0.0.0") from None
+        else:
+            why = f"cannot be bound ({e.strerror})"
+        raise UsageError(f"--port {port} on {host} {why}") from None
+    sock.set_inheritable(True)
+    return sock
