@@ -8,13 +8,17 @@ import pytest
 
 
 @contextmanager
-def running_server(models: list[str], limits=None, deterministic: bool = False, linear: str = "packed") -> Iterator[str]:
+def running_server(models: list[str], limits=None, deterministic: bool = False, linear: str = "packed",
+                   dtype: str = "float32", quantize: str = "none") -> Iterator[str]:
     """Load ``models`` ([NAME=]MODEL, as on the command line) on CPU, serve them; yield the base URL.
-    ``limits`` (serve.limits.Limits), ``deterministic`` and ``linear`` (--cpu-linear) are the serve
-    flags of those names; the batching tests run the packed kernel, what ``auto`` picks on most CPUs."""
+    ``limits`` (serve.limits.Limits), ``deterministic``, ``linear`` (--cpu-linear), ``dtype`` and
+    ``quantize`` are the serve flags of those names; the tests run fp32 packed linears (one candidate:
+    nothing is measured), what ``auto`` picks for fp32 on most CPUs."""
     pytest.importorskip("uvicorn", reason="gpt2lab serve needs the serve extra (fastapi, uvicorn)")
+    from gpt2lab.inference.prepare import InferenceRequest
     from gpt2lab.serve.models import load_workers
     from gpt2lab.serve.api import serving_in_thread
 
-    with serving_in_thread(load_workers(models, "cpu", "float32", limits, deterministic, linear)) as url:
+    request = InferenceRequest(dtype=dtype, quantize=quantize, linear=linear)
+    with serving_in_thread(load_workers(models, "cpu", request, limits, deterministic)) as url:
         yield url

@@ -46,6 +46,7 @@ def test_eval_hellaswag_cli_matches_transformers(tmp_path, capsys):
     ref = reference_scores(_hf(d), examples)
     acc = sum(argmin(s) == ex.label for ex, (s, _) in zip(examples, ref)) / 12
     acc_norm = sum(argmin(m) == ex.label for ex, (_, m) in zip(examples, ref)) / 12
+    assert result.pop("inference")["dtype"] == "float32"  # asked for; the kernel is measured
     assert result == {"task": "hellaswag", "n": 12, "acc": acc, "acc_norm": acc_norm}
 
 

@@ -124,18 +124,17 @@ def test_seeded_sampling_is_reproducible():
     assert not torch.equal(a, c)
 
 
-def test_decode_layout_keeps_values_ties_and_tokens(tmp_path):
+def test_generates_preparation_leaves_the_model_as_it_was(tmp_path):
     from safetensors.torch import load_file
 
     model = tiny_gpt(seed=12, vocab_size=300)
     idx = torch.randint(0, 300, (2, 6))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    want = generate(model, idx, 20, temperature=0.0)
-    model.use_decode_layout()
+    want = generate(model, idx, 20, temperature=0.0, prepare=False)
+    assert torch.equal(generate(model, idx, 20, temperature=0.0), want)  # the prepared copy: the same tokens
     assert model.lm_head.weight is model.transformer.wte.weight
-    assert not model.transformer.h[0].attn.c_attn.weight.is_contiguous()  # the layout did change
+    assert isinstance(model.transformer.h[0].attn.c_attn, torch.nn.Linear)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert torch.equal(generate(model, idx, 20, temperature=0.0), want)
-    hf.save_pretrained(model, str(tmp_path))  # export makes tensors contiguous again
+    hf.save_pretrained(model, str(tmp_path))
     saved = load_file(str(tmp_path / "model.safetensors"))
     assert torch.equal(saved["transformer.h.0.attn.c_attn.weight"], before["transformer.h.0.attn.c_attn.weight"].t())

@@ -138,13 +138,11 @@ def test_port_out_of_range_is_one_line_and_exit_2(gpt2_vocab_export, capsys, por
         f"gpt2lab serve: --port {port}: must be 0 to 65535 (0 lets the system pick a free one)"]
 
 
-def test_packed_linears_where_they_cannot_run_is_one_line_and_exit_2(gpt2_vocab_export, capsys):
-    _, d = gpt2_vocab_export
-    assert cli.main(["serve", "--model", d, "--device", "cpu", "--port", "0", "--dtype", "bfloat16",
-                     "--cpu-linear", "packed"]) == 2
+def test_a_precision_the_device_cannot_run_is_one_line_and_exit_2_before_loading(capsys):
+    # no such model: the flag is refused first, so the model is never looked for
+    assert cli.main(["serve", "--model", "no/such/dir", "--device", "cpu", "--port", "0", "--dtype", "float16"]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err[-1] == ("gpt2lab serve: --cpu-linear packed cannot run here (dtype bfloat16: the packed path is "
-                       "fp32); use auto or plain")
+    assert err[-1].startswith("gpt2lab serve: --dtype float16 needs a GPU")
 
 
 def test_bench_serve_refuses_a_zero_batch_in_one_line(capsys):

@@ -46,7 +46,7 @@ def client(url: str):  # one client (thread-safe, keeps connections) per server
 
 def sample_cli(capsys, d: str, prompt: str, **flags) -> list[str]:
     """The continuations `gpt2lab sample` prints (prompt and trailing newline removed)."""
-    argv = ["sample", "--model", d, "--prompt", prompt, "--device", "cpu", "--dtype", "float32"]
+    argv = ["sample", "--model", d, "--prompt", prompt, "--device", "cpu", "--dtype", "float32", "--cpu-linear", "packed"]
     for k, v in flags.items():
         argv += ["--" + k.replace("_", "-"), str(v)]
     assert cli.main(argv) == 0
@@ -162,7 +162,8 @@ def test_batched_rows_give_the_unbatched_models_logits(block, linear):
     its own positions), also with the server's packed linears against the plain model."""
     import copy
 
-    from gpt2lab.inference.packed import pack_linears, packing_available
+    from gpt2lab.inference.kernels import packing_available
+    from gpt2lab.inference.prepare import Candidate, apply
     from gpt2lab.serve.batch import RowsCache
 
     model = tiny_gpt(seed=5, vocab_size=97, block_size=48, **block)
@@ -170,7 +171,7 @@ def test_batched_rows_give_the_unbatched_models_logits(block, linear):
     if linear == "packed":
         if not packing_available():
             pytest.skip("this torch build has no oneDNN packed linear")
-        pack_linears(model, batch_hint=4)
+        model = apply(model, Candidate("float32", "packed"), rows=4)
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (3, 9, 16)]
     cache = RowsCache(model.config.n_layer, model.config.block_size)

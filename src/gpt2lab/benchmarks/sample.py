@@ -1,11 +1,20 @@
-"""gpt2lab bench sample: greedy decoding speed with and without the KV cache, vs transformers.
+"""gpt2lab bench sample: one-row greedy decoding speed as users get it, beside the peers.
 
-One random (seeded) GPT-2 is timed in the same process: gpt2lab with its KV cache (as
-``gpt2lab sample`` runs it: on CPU with ``use_decode_layout``; also without it), gpt2lab
-re-running the window every step, and transformers' GPT2LMHeadModel ``generate``
-(use_cache=True, greedy) on the very same weights, exported with ``save_pretrained``.
-Cached runs alternate so that a busy machine slows each alike; the best of ``--repeats``
-is reported (plus every time).
+One random (seeded) GPT-2 of the given shape is timed in one process, every way alternating
+within each round so that a busy machine slows each alike (best of ``--repeats`` reported,
+every time kept):
+
+* ``sample``: the model prepared exactly as ``gpt2lab sample`` prepares it with the same
+  ``--dtype``/``--quantize``/``--cpu-linear`` (defaults: the command's, so a default figure is
+  a user's figure; the decision and its measured candidates are in the output);
+* ``generate``: the library's ``generate(model, ...)`` on the unprepared model, asked for the
+  same precision (it prepares its own copy on first use, as a Python user's call does);
+* ``unprepared``: ``generate(..., prepare=False)`` under autocast in that dtype, the path
+  every command took before models were prepared (fp32 weights cast at every step);
+* ``no_cache``: the prepared model re-running the whole window every step (``--no-cache-repeats``);
+* peers (``--peer``, comma-separated): transformers' ``generate`` in the same float dtype, and
+  CTranslate2 (fp32 and int8, and bf16 where it runs), converted from the same weights, same
+  threads, same prompt, exactly as many new tokens.
 """
 from __future__ import annotations
 
@@ -14,11 +23,12 @@ import tempfile
 
 import torch
 
-from gpt2lab.benchmarks import timed
-from gpt2lab.distributed.dist import DTYPES, autocast, pick_device
+from gpt2lab.benchmarks import peers, timed
+from gpt2lab.distributed.dist import autocast, pick_device
+from gpt2lab.inference.flags import add_inference_flags, inference_request
 from gpt2lab.inference.generate import generate
+from gpt2lab.inference.prepare import announce, prepare
 from gpt2lab.model.gpt import GPT, GPTConfig
-from gpt2lab.system.runtime import inference_dtype
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,30 +40,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per run (exactly)")
     p.add_argument("--prompt-tokens", type=int, default=16, help="length of the random prompt")
     p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto (cuda > mps > cpu)")
-    p.add_argument("--dtype", default="float32", choices=["auto", *sorted(DTYPES)],
-                   help="autocast dtype for both libraries (float32: the figures in docs/benchmarks.md; "
-                        "auto: what `gpt2lab sample` would use here)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs of each cached generator")
+    add_inference_flags(p)
+    p.add_argument("--peer", default="transformers",
+                   help="peers timed beside gpt2lab, comma-separated: transformers, ctranslate2 (or none)")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds")
     p.add_argument("--no-cache-repeats", type=int, default=1, help="timed runs without the cache (slow; 0 skips)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice); 1 is steadier on a busy machine")
+                   help="torch (and CTranslate2) CPU threads (default: torch's choice)")
 
 
-def _hf_model(model: GPT, device: torch.device):
-    """transformers' GPT2LMHeadModel holding exactly ``model``'s weights (via an export)."""
-    import transformers
-
-    from gpt2lab.weights import hf as hf_io
-
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    with tempfile.TemporaryDirectory() as d:
-        hf_io.save_pretrained(model, d)
-        return transformers.GPT2LMHeadModel.from_pretrained(d).to(device).eval()
-
-
-def _first_mismatch(a: torch.Tensor, b: torch.Tensor) -> int | None:
+def first_mismatch(a: torch.Tensor, b: torch.Tensor) -> int | None:
     """Index of the first differing generated token, or None when the sequences agree."""
     if a.shape != b.shape:
         return min(a.size(1), b.size(1))
@@ -65,70 +62,82 @@ def run(args: argparse.Namespace) -> dict:
     device = pick_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    args.dtype = inference_dtype(device, args.dtype, "bench sample")
+    wanted = peers.parse_peers(args.peer)
     torch.manual_seed(args.seed)
     config = GPTConfig(block_size=args.block_size, vocab_size=args.vocab_size,
                        n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     model = GPT(config).to(device).eval()
-    hf = _hf_model(model, device)
+    prepared, decision = prepare(model, device, inference_request(args, "sample"))
+    announce(decision, "bench sample")
+    dtype = decision.candidate.dtype  # the float dtype of every float comparison (int8's activations)
     prompt = torch.randint(0, config.vocab_size, (1, args.prompt_tokens), device=device)
     n = args.new_tokens
-
-    def ours(use_cache: bool) -> torch.Tensor:
-        with autocast(device, args.dtype):
-            return generate(model, prompt, n, temperature=0.0, use_cache=use_cache)[:, -n:]
-
-    def theirs() -> torch.Tensor:
-        with torch.inference_mode(), autocast(device, args.dtype):
-            out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
-                              min_new_tokens=n, do_sample=False, use_cache=True,
-                              pad_token_id=hf.config.eos_token_id)
-        return out[:, -n:]
-
-    # Warm-up: first calls pay for allocator growth and library set-up.
-    with torch.inference_mode():
-        generate(model, prompt, 4, temperature=0.0)
-    theirs()
-    times: dict[str, list[float]] = {"cache": [], "cache_plain_layout": [], "transformers": [], "no_cache": []}
-    for _ in range(args.repeats):
-        t, tok_plain = timed(lambda: ours(True), device)
-        times["cache_plain_layout"].append(t)
-        t, tok_hf = timed(theirs, device)
-        times["transformers"].append(t)
-        if device.type == "cpu":
-            model.use_decode_layout()  # what `gpt2lab sample` does on CPU
-        t, tok_cache = timed(lambda: ours(True), device)
-        times["cache"].append(t)
-        for p in model.parameters():  # back to the plain layout for the next round
-            p.data = p.data.contiguous()
-    tok_nocache = None
-    for _ in range(args.no_cache_repeats):
-        t, tok_nocache = timed(lambda: ours(False), device)
-        times["no_cache"].append(t)
-    return _report(args, device, times, tok_cache, tok_plain, tok_hf, tok_nocache)
+    ways = {
+        "sample": lambda: generate(prepared, prompt, n, temperature=0.0)[:, -n:],
+        "generate": lambda: generate(model, prompt, n, temperature=0.0, dtype=dtype, quantize=args.quantize)[:, -n:],
+        "unprepared": lambda: _unprepared(model, prompt, n, device, dtype),
+    }
+    with tempfile.TemporaryDirectory() as d:
+        hf_dir = peers.export(model, d) if wanted else None
+        if "transformers" in wanted:
+            hf = peers.transformers_model(hf_dir, device, dtype)
+            ways["transformers"] = lambda: peers.transformers_greedy(hf, prompt, n)
+        ct2 = peers.CT2(hf_dir, d, torch.get_num_threads()) if "ctranslate2" in wanted and device.type == "cpu" else None
+        for fn in ways.values():  # warm-up: allocator growth, library set-up, generate()'s own preparation
+            with torch.inference_mode():
+                fn() if n <= 8 else _short(fn)
+        times: dict[str, list[float]] = {k: [] for k in ways}
+        tokens: dict[str, torch.Tensor] = {}
+        for _ in range(args.repeats):
+            for name, fn in ways.items():
+                t, tokens[name] = timed(fn, device)
+                times[name].append(t)
+        times["no_cache"] = []
+        for _ in range(args.no_cache_repeats):
+            t, tokens["no_cache"] = timed(lambda: generate(prepared, prompt, n, temperature=0.0,
+                                                           use_cache=False)[:, -n:], device)
+            times["no_cache"].append(t)
+        ct2_tps = ct2.tok_per_s(prompt[0].tolist(), 1, n, args.repeats) if ct2 else None
+        ct2_agree = (first_mismatch(torch.tensor([ct2.greedy("float32", prompt[0].tolist(), 1, n)[0]]),
+                                    tokens["sample"].cpu()) if ct2 and "float32" in ct2.generators else None)
+    return _report(args, device, decision, times, tokens, ct2_tps, ct2_agree, "ctranslate2" in wanted and not ct2)
 
 
-def _report(args, device, times, tok_cache, tok_plain, tok_hf, tok_nocache) -> dict:
+def _short(fn):
+    """The first call of a way, which would time its set-up: run it (its length does not matter for warm-up)."""
+    return fn()
+
+
+def _unprepared(model: GPT, prompt: torch.Tensor, n: int, device: torch.device, dtype: str) -> torch.Tensor:
+    with autocast(device, dtype):
+        return generate(model, prompt, n, temperature=0.0, prepare=False)[:, -n:]
+
+
+def _report(args, device, decision, times, tokens, ct2_tps, ct2_agree, ct2_skipped) -> dict:
     n = args.new_tokens
     tps = {k: (n / min(v) if v else None) for k, v in times.items()}
     out = {
-        "device": str(device),
-        "dtype": args.dtype,
-        "torch_threads": torch.get_num_threads(),
+        "device": str(device), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
         "config": dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, vocab_size=args.vocab_size),
-        "prompt_tokens": args.prompt_tokens,
-        "new_tokens": n,
-        "tok_per_s_cache": tps["cache"],
-        "tok_per_s_cache_plain_layout": tps["cache_plain_layout"],
-        "tok_per_s_no_cache": tps["no_cache"],
-        "tok_per_s_transformers_cache": tps["transformers"],
-        "cache_speedup": tps["cache"] / tps["no_cache"] if tps["no_cache"] else None,
-        "vs_transformers": tps["cache"] / tps["transformers"],
+        "asked": {"dtype": args.dtype, "quantize": args.quantize, "cpu_linear": args.cpu_linear},
+        "inference": decision.record(),
+        "prompt_tokens": args.prompt_tokens, "new_tokens": n,
+        "tok_per_s": tps,
         "seconds": {k: [round(t, 3) for t in v] for k, v in times.items()},
-        "first_mismatch_vs_transformers": _first_mismatch(tok_cache, tok_hf),
-        "tokens_agree_with_transformers": _first_mismatch(tok_cache, tok_hf) is None,
+        "generate_vs_sample": tps["generate"] / tps["sample"],
+        "sample_vs_unprepared": tps["sample"] / tps["unprepared"],
+        "cache_speedup": tps["sample"] / tps["no_cache"] if tps["no_cache"] else None,
+        "tokens_agree_generate_vs_sample": first_mismatch(tokens["generate"], tokens["sample"]) is None,
     }
-    out["tokens_agree_plain_vs_decode_layout"] = _first_mismatch(tok_cache, tok_plain) is None
-    if tok_nocache is not None:
-        out["tokens_agree_cache_vs_no_cache"] = _first_mismatch(tok_cache, tok_nocache) is None
+    if tps["no_cache"]:
+        out["tokens_agree_cache_vs_no_cache"] = first_mismatch(tokens["sample"], tokens["no_cache"]) is None
+    if "transformers" in tps:
+        out["vs_transformers"] = tps["sample"] / tps["transformers"]
+        out["first_mismatch_vs_transformers"] = first_mismatch(tokens["sample"], tokens["transformers"])
+    if ct2_tps is not None:
+        out["ctranslate2_tok_per_s"] = ct2_tps
+        out["vs_ctranslate2"] = {ct: tps["sample"] / v for ct, v in ct2_tps.items() if isinstance(v, float)}
+        out["first_mismatch_vs_ctranslate2_float32"] = ct2_agree
+    elif ct2_skipped:
+        out["ctranslate2_tok_per_s"] = f"not run: CTranslate2 is timed on the CPU only (device {device})"
     return out

@@ -33,8 +33,8 @@ import torch
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.serve.limits import Limits
 from gpt2lab.system.errors import UsageError
-from gpt2lab.serve.models import add_cpu_linear_flag
-from gpt2lab.weights import hf
+from gpt2lab.benchmarks import peers
+from gpt2lab.inference.flags import add_inference_flags, inference_request
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,15 +46,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=64, help="tokens asked of each request")
     p.add_argument("--streams", default="1,8", help="comma-separated counts of concurrent clients (default 1,8)")
     p.add_argument("--seconds", type=float, default=30.0, help="how long clients keep sending, per count")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, mps or auto")
-    p.add_argument("--dtype", default="float32", help="autocast dtype of the server")
+    p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto (cuda > mps > cpu), as serve's")
+    add_inference_flags(p)  # serve's flags and defaults: a default figure is a user's figure
+    p.add_argument("--peer", default="none",
+                   help="ctranslate2: time CTranslate2's generate_batch of as many rows as each stream count, "
+                        "same weights, threads, prompt and new tokens (fp32 and int8; default none)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-batch", type=int, default=d.max_batch)
     p.add_argument("--max-queue", type=int, default=d.max_queue)
     p.add_argument("--deterministic", action="store_true", help="serve requests in turns (no batching)")
     p.add_argument("--fault", action="store_true", help="after the load, the fault run")
-    add_cpu_linear_flag(p)
 
 
 def _post(url: str, body: bytes, timeout: float = 600) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
@@ -64,8 +66,12 @@ def _post(url: str, body: bytes, timeout: float = 600) -> tuple[http.client.HTTP
     return conn, conn.getresponse()
 
 
+def _prompt(seed: int) -> str:
+    return f"Request {seed}: the weather today is"
+
+
 def _body(seed: int, n: int, **extra) -> bytes:
-    return json.dumps({"model": "bench", "prompt": f"Request {seed}: the weather today is", "max_tokens": n,
+    return json.dumps({"model": "bench", "prompt": _prompt(seed), "max_tokens": n,
                        "seed": seed, "stream": True, "stream_options": {"include_usage": True}, **extra}).encode()
 
 
@@ -243,19 +249,36 @@ def run(args: argparse.Namespace) -> dict:
         limits = Limits(max_batch=args.max_batch, max_queue=args.max_queue)
     except ValueError as e:  # Limits names the flag
         raise UsageError(str(e)) from None
+    wanted = peers.parse_peers(args.peer)
+    if "transformers" in wanted:
+        raise UsageError("--peer transformers: bench serve times CTranslate2 only (bench sample times both)")
     with tempfile.TemporaryDirectory() as d:
-        hf.save_pretrained(GPT(config), d)
-        workers = load_workers([f"bench={d}"], args.device, args.dtype, limits, args.deterministic, args.cpu_linear)
-    out = {
-        "device": args.device, "dtype": args.dtype, "torch_threads": torch.get_num_threads(),
-        "config": dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, vocab_size=50257),
-        "scheduling": "turns (--deterministic)" if args.deterministic else f"batches of up to {args.max_batch} rows",
-        "new_tokens": args.new_tokens, "seconds": args.seconds,
-        "linear": {"kernel": workers["bench"].linear.value, "reason": workers["bench"].linear.reason},
-    }
-    with serving_in_thread(workers) as url:
-        _stream(url, 0, 4)  # warm-up: allocator growth, first-call set-up
-        out["load"] = [load(url, n, args.seconds, args.new_tokens) for n in counts]
-        if args.fault:
-            out["fault"] = fault_run(url, limits, args.block_size, args.new_tokens)
+        hf_dir = peers.export(GPT(config), d)
+        workers = load_workers([f"bench={hf_dir}"], args.device, inference_request(args, "serve"), limits,
+                               args.deterministic)
+        model = workers["bench"].model
+        out = {
+            "device": str(workers["bench"].device), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "config": dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, vocab_size=50257),
+            "scheduling": "turns (--deterministic)" if args.deterministic else f"batches of up to {args.max_batch} rows",
+            "new_tokens": args.new_tokens, "seconds": args.seconds,
+            "asked": {"dtype": args.dtype, "quantize": args.quantize, "cpu_linear": args.cpu_linear},
+            "inference": model.decision.record(),
+        }
+        with serving_in_thread(workers) as url:
+            _stream(url, 0, 4)  # warm-up: allocator growth, first-call set-up
+            out["load"] = [load(url, n, args.seconds, args.new_tokens) for n in counts]
+            if args.fault:
+                out["fault"] = fault_run(url, limits, args.block_size, args.new_tokens)
+        if "ctranslate2" in wanted:
+            out["ctranslate2"] = _ct2(hf_dir, d, counts, args)
     return out
+
+
+def _ct2(hf_dir: str, d: str, counts: list[int], args: argparse.Namespace) -> list[dict]:
+    """CTranslate2 as an N-row batch for each stream count N: the prompt the clients send, as many new tokens."""
+    from gpt2lab.data.tokenizer import get_tokenizer
+
+    ct2 = peers.CT2(hf_dir, d, torch.get_num_threads())
+    prompt = get_tokenizer().encode(_prompt(0))
+    return [{"rows": n, "aggregate_tok_per_s": ct2.tok_per_s(prompt, n, args.new_tokens, 3)} for n in counts]

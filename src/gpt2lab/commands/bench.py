@@ -18,6 +18,7 @@ BENCHES = {
     "memory": "predicted vs measured per-rank memory; --plan GPU_GB; the largest micro-batch that trains",
     "serve": "gpt2lab serve tokens/s: one stream, and the aggregate of N concurrent streams",
     "lora": "AdamW state, weights and gradients: full fine-tuning vs LoRA (meta device or CPU)",
+    "precision": "quality of bf16 and int8 inference against fp32: val loss, top-1 and greedy agreement, HellaSwag",
 }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from gpt2lab.commands import DTYPE_NAMES
+from gpt2lab.inference.flags import add_inference_flags
 
 
 def add_parser(sub) -> None:
@@ -41,8 +41,29 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help="HF name (gpt2, gpt2-medium, ...), HF model dir, gpt2lab run dir or checkpoint dir")
     p.add_argument("--device", default=None, help="cpu, cuda, mps (default: the best available)")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
-                   help="autocast dtype; auto (default): bf16 where the device runs it faster, else fp32")
+    add_inference_flags(p)
+
+
+def _load(args: argparse.Namespace, info, compiled: bool = False):
+    """The model prepared for scoring (inference/prepare.py): decided on rank 0 (measured there), the same
+    on every rank; a compiled model keeps F.linear (oneDNN's packed weights are opaque to the compiler)."""
+    import dataclasses
+
+    from gpt2lab.distributed.dist import decided_on_rank_0
+    from gpt2lab.inference.completion import check_request
+    from gpt2lab.inference.flags import inference_request
+    from gpt2lab.inference.prepare import announce, apply, decide
+    from gpt2lab.weights.load import load_model
+
+    request = inference_request(args, "score")
+    if compiled and request.linear == "auto":
+        request = dataclasses.replace(request, linear="plain")
+    check_request(request, info.device)
+    model = load_model(args.model, info.device)
+    decision = decided_on_rank_0(lambda: decide(model, info.device, request))
+    if info.rank == 0:
+        announce(decision, "gpt2lab eval")
+    return apply(model, decision.candidate, request.rows, inplace=True), decision
 
 
 def _positive(value, flag: str) -> None:
@@ -57,25 +78,22 @@ def run_hellaswag(args: argparse.Namespace) -> int:
 
     from gpt2lab.distributed.dist import cleanup, init_distributed, print0
     from gpt2lab.evals.hellaswag import DEFAULT_BATCH_SIZE, evaluate_hellaswag
-    from gpt2lab.weights.load import load_model
-    from gpt2lab.system.runtime import inference_dtype
 
     _positive(args.limit, "--limit")
     _positive(args.batch_size, "--batch-size")
     info = init_distributed(args.device)
     try:
-        model = load_model(args.model, info.device)
-        dtype = inference_dtype(info.device, args.dtype, "gpt2lab eval")
+        model, decision = _load(args, info, compiled=args.compile)
         if args.compile:
             model = torch.compile(model)
         try:
-            result = evaluate_hellaswag(model, args.data, device=info.device, dtype=dtype,
+            result = evaluate_hellaswag(model, args.data, device=info.device,
                                         batch_size=args.batch_size or DEFAULT_BATCH_SIZE, limit=args.limit,
                                         rank=info.rank, world_size=info.world_size, strategy=args.strategy,
                                         progress=True)
         except (FileNotFoundError, ValueError, RuntimeError) as e:
             raise SystemExit(f"gpt2lab eval hellaswag: {e}") from None
-        print0(json.dumps(result))
+        print0(json.dumps({**result, "inference": decision.record()}))
     finally:
         cleanup()
     return 0
@@ -83,9 +101,7 @@ def run_hellaswag(args: argparse.Namespace) -> int:
 
 def run_loss(args: argparse.Namespace) -> int:
     from gpt2lab.distributed.dist import cleanup, init_distributed, print0
-    from gpt2lab.weights.load import load_model
     from gpt2lab.system.errors import UsageError
-    from gpt2lab.system.runtime import inference_dtype
 
     try:
         from gpt2lab.evals.loss import evaluate_loss
@@ -95,12 +111,11 @@ def run_loss(args: argparse.Namespace) -> int:
         _positive(value, flag)
     info = init_distributed(args.device)
     try:
-        model = load_model(args.model, info.device)
-        dtype = inference_dtype(info.device, args.dtype, "gpt2lab eval")
+        model, decision = _load(args, info)
         seq_len = args.seq_len or model.config.block_size
         try:
             loss = evaluate_loss(model, args.data, tokens=args.tokens, batch_size=args.batch_size, seq_len=seq_len,
-                                 device=info.device, dtype=dtype, split=args.split, rank=info.rank,
+                                 device=info.device, split=args.split, rank=info.rank,
                                  world_size=info.world_size, flags=("--tokens", "--batch-size"))
         except UsageError:  # a flag value: cli.main prints it, exit 2
             raise
@@ -108,7 +123,8 @@ def run_loss(args: argparse.Namespace) -> int:
             raise SystemExit(f"gpt2lab eval loss: {e}") from None
         tokens = max(1, args.tokens // (args.batch_size * seq_len * info.world_size)) * (
             args.batch_size * seq_len * info.world_size)
-        print0(json.dumps({"task": "loss", "split": args.split, "tokens": tokens, "loss": loss}))
+        print0(json.dumps({"task": "loss", "split": args.split, "tokens": tokens, "loss": loss,
+                           "inference": decision.record()}))
     finally:
         cleanup()
     return 0

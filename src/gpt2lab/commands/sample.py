@@ -6,7 +6,7 @@ import sys
 
 from typing import TYPE_CHECKING
 
-from gpt2lab.commands import add_inference_dtype_flag
+from gpt2lab.inference.flags import add_inference_flags
 
 if TYPE_CHECKING:
     import torch
@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: smallest set holding this much mass")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
-    add_inference_dtype_flag(p)
+    add_inference_flags(p)
     p.add_argument("--stop-at-eot", action=argparse.BooleanOptionalAction, default=True,
                    help="end a sample at <|endoftext|> (default on)")
     p.set_defaults(func=run)
@@ -57,21 +57,20 @@ def _prompt_ids(text: str, vocab: int) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gpt2lab.inference.flags import inference_request
     from gpt2lab.inference.completion import load_for_inference, seeded_generator
-    from gpt2lab.distributed.dist import autocast, pick_device
-    from gpt2lab.system.runtime import inference_dtype
+    from gpt2lab.distributed.dist import pick_device
 
     _check(args)
     device = pick_device(args.device)
-    model = load_for_inference(args.model, device)  # a bad --model fails before any other output
+    # a bad --model or --dtype fails before any other output
+    model = load_for_inference(args.model, device, inference_request(args, "sample"), "gpt2lab sample")
     _say_if_live(args.model)
-    dtype = inference_dtype(device, args.dtype, "gpt2lab sample")
     ids = _prompt_ids(args.prompt, model.config.real_vocab_size)
     generator = seeded_generator(device, args.seed)
     for i in range(args.num_samples):
         print(f"--- sample {i + 1}/{args.num_samples}", flush=True)
-        with autocast(device, dtype):
-            _stream_one(model, ids, args, generator)
+        _stream_one(model, ids, args, generator)
     return 0
 
 

@@ -5,9 +5,9 @@ import argparse
 import logging
 import sys
 
-from gpt2lab.commands import add_inference_dtype_flag
+from gpt2lab.inference.flags import add_inference_flags, inference_request
 from gpt2lab.serve.limits import Limits
-from gpt2lab.serve.models import add_cpu_linear_flag, load_workers, model_names
+from gpt2lab.serve.models import load_workers, model_names
 
 
 def add_parser(sub) -> None:
@@ -19,7 +19,7 @@ def add_parser(sub) -> None:
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the network)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
-    add_inference_dtype_flag(p)
+    add_inference_flags(p)
     d = Limits()
     p.add_argument("--max-batch", type=int, default=d.max_batch,
                    help=f"rows (prompt x sample streams) generated together per model (default {d.max_batch})")
@@ -35,7 +35,6 @@ def add_parser(sub) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="no batching: requests take turns token by token, each exactly as `gpt2lab sample` "
                         "runs it (seeded requests reproduce `sample` bit for bit; the aggregate is one stream's)")
-    add_cpu_linear_flag(p)
     p.set_defaults(func=run)
 
 
@@ -61,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     limits = limits_from(args)
     sock = bind(args.host, args.port)  # a port in use fails before the models load, too
     try:
-        workers = load_workers(args.model, args.device, args.dtype, limits, args.deterministic, args.cpu_linear)
+        workers = load_workers(args.model, args.device, inference_request(args, "serve"), limits, args.deterministic)
     except BaseException:
         sock.close()
         raise

@@ -5,6 +5,11 @@ import torch
 
 from gpt2lab.distributed.dist import all_reduce_mean, autocast
 
+# A model prepared for inference (inference/prepare.py) has no chunked loss: its loss is taken from
+# whole logits. Its batches run this many logits at a time at most (the chunked loss's own bound,
+# model/loss.py: 512 MB of fp32 logits), a few sequences per forward.
+LOGITS_PER_FORWARD = 2 ** 27
+
 
 @torch.no_grad()
 def evaluate_loss(model: torch.nn.Module, data_dir: str, *, tokens: int, batch_size: int, seq_len: int,
@@ -34,10 +39,14 @@ def evaluate_loss(model: torch.nn.Module, data_dir: str, *, tokens: int, batch_s
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float32, device=device)
+    rows = batch_size
+    if getattr(model, "decode", None) is not None:  # prepared: whole logits, so a few sequences at a time
+        rows = max(1, LOGITS_PER_FORWARD // (seq_len * model.config.vocab_size))
     for _ in range(steps):
         x, y = loader.next_batch()
-        with autocast(device, dtype):
-            _, loss = model(x.to(device), y.to(device), return_logits=False)
-        total += loss.float()
+        for xs, ys in zip(x.split(rows), y.split(rows)):  # equal-length rows: the mean of means is the mean
+            with autocast(device, dtype):
+                _, loss = model(xs.to(device), ys.to(device), return_logits=False)
+            total += loss.float() * (len(xs) / len(x))
     model.train(was_training)
     return all_reduce_mean(total / steps).item()

@@ -1,6 +1,6 @@
 """Text in, text out: the one path that both ``gpt2lab sample`` and ``gpt2lab serve`` take.
 
-Loading (decode layout on CPU), prompt encoding, seeding and the token-by-token decode
+Loading (the model prepared for inference: inference/prepare.py), prompt encoding, seeding and the token-by-token decode
 live here once, so a seeded request to the server and ``gpt2lab sample`` with the same
 seed and settings cannot drift apart.
 """
@@ -35,13 +35,25 @@ class Sampling:
         return {"top_k": self.top_k or None, "top_p": top_p}
 
 
-def load_for_inference(spec: str, device: torch.device) -> GPT:
-    """The model named by ``spec`` (see load.load_model), laid out for decoding on ``device``."""
+def check_request(request, device: torch.device) -> None:
+    """Refuse a precision or kernel this device cannot run (a ChoiceError, one line) before any loading."""
+    from gpt2lab.inference.prepare import candidates, detect_facts
+
+    candidates(request, detect_facts(device))
+
+
+def load_for_inference(spec: str, device: torch.device, request=None, command: str = "gpt2lab") -> GPT:
+    """The model named by ``spec`` (see load.load_model) prepared for ``request`` (an
+    InferenceRequest; default: sampling one row, dtype auto) on ``device``; the decision is
+    printed on stderr and kept as ``model.decision``."""
+    from gpt2lab.inference.prepare import InferenceRequest, announce, prepare
     from gpt2lab.weights.load import load_model
 
-    model = load_model(spec, device)
-    if device.type == "cpu":
-        model.use_decode_layout()  # faster one-row matmuls on CPU; same numbers
+    request = request or InferenceRequest()
+    check_request(request, device)
+    model, decision = prepare(load_model(spec, device), device, request, inplace=True)
+    announce(decision, command)
+    model.decision = decision
     return model
 
 
@@ -71,7 +83,7 @@ def stream_text(model: GPT, ids: list[int], sampling: Sampling,
 
     Bytes of a character split across tokens are held back until the character is
     complete (their token yields ''); the last item is (None, what was held back), and the
-    EOT token itself yields nothing. Run it under the caller's autocast.
+    EOT token itself yields nothing.
     """
     from gpt2lab.inference.generate import generate_stream
 

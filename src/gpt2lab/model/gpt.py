@@ -294,19 +294,6 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
         return (logits if return_logits or targets is None else None), loss
 
-    def use_decode_layout(self) -> "GPT":
-        """Store the wide matrices (c_attn, c_fc, wte and lm_head) column-major; values unchanged.
-
-        Decoding multiplies a single row by every weight. CPU BLAS streams such a matrix
-        held as (in, out) in memory (the layout of HF's Conv1D) about 20% faster than as
-        (out, in), and the vocabulary projection about 2x. Names, shapes and values stay
-        the same (export and checkpoints make tensors contiguous); meant for inference.
-        """
-        for name, p in self.named_parameters():  # the tied wte/lm_head Parameter comes once
-            if p.dim() == 2 and name.endswith(("c_attn.weight", "c_fc.weight", "wte.weight", "lm_head.weight")):
-                p.data = p.data.t().contiguous().t()
-        return self
-
     def new_kv_cache(self, max_len: Optional[int] = None) -> KVCache:
         return KVCache(self.config.n_layer, max_len or self.config.block_size)
 

@@ -30,7 +30,6 @@ from typing import Optional
 import torch
 
 from gpt2lab.inference.completion import TokenText, seeded_generator
-from gpt2lab.distributed.dist import autocast
 from gpt2lab.inference.generate import sample_next
 from gpt2lab.model.gpt import KVCache
 from gpt2lab.serve.engine import Finish, Job, StopFilter, Text, Worker
@@ -169,11 +168,10 @@ class BatchWorker(Worker):
             self._drop_ended(time.monotonic())
             self._admit()
             try:
-                with autocast(self.device, self.dtype):
-                    if self.prefill and len(self.decoding) < self.limits.max_batch:
-                        self._prefill_step(self.prefill[0])
-                    if self.decoding:
-                        self._decode_step()
+                if self.prefill and len(self.decoding) < self.limits.max_batch:
+                    self._prefill_step(self.prefill[0])
+                if self.decoding:
+                    self._decode_step()
             except Exception as e:  # a failed forward: its rows' requests get the error, the worker goes on
                 for job in {id(r.job): r.job for r in [*self.prefill, *self.decoding]}.values():
                     self._end_job(job, e)

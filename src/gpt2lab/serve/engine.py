@@ -22,8 +22,6 @@ from typing import Iterator, Optional, Union
 import torch
 
 from gpt2lab.inference.completion import Sampling, seeded_generator, stream_text
-from gpt2lab.distributed.dist import autocast
-from gpt2lab.inference.packed import LinearChoice
 from gpt2lab.model.gpt import GPT
 from gpt2lab.serve.limits import Limits
 from gpt2lab.serve.metrics import ServeMetrics
@@ -149,10 +147,8 @@ class Job:
 class Worker:
     """Owns one model and the one thread that ever runs it; subclasses write ``_loop``."""
 
-    def __init__(self, name: str, model: GPT, device: torch.device, dtype: str,
-                 limits: Optional[Limits] = None, linear: Optional[LinearChoice] = None) -> None:
-        self.name, self.model, self.device, self.dtype = name, model, device, dtype
-        self.linear = linear or LinearChoice("plain", "the model's own linears")  # serve/models.py decides
+    def __init__(self, name: str, model: GPT, device: torch.device, limits: Optional[Limits] = None) -> None:
+        self.name, self.model, self.device = name, model, device  # a model prepared by serve/models.py (or as given)
         self.limits = limits or Limits()
         self.metrics = ServeMetrics()  # create_app swaps in the app's own
         self._new: queue.Queue[Optional[Job]] = queue.Queue()
@@ -258,8 +254,7 @@ class TurnsWorker(Worker):
             self._end_early(job)
             return False
         try:
-            with autocast(self.device, self.dtype):
-                event = next(events)
+            event = next(events)
         except StopIteration:
             job.send(None)
             return False

@@ -17,48 +17,31 @@ def model_names(specs: list[str]) -> dict[str, str]:
     return out
 
 
-def add_cpu_linear_flag(p) -> None:
-    """``--cpu-linear`` for ``serve`` and ``bench serve``."""
-    from gpt2lab.inference.packed import LINEAR_CHOICES
+def load_workers(specs: list[str], device_name: str, request=None, limits: Limits | None = None,
+                 deterministic: bool = False) -> dict:
+    """One worker per ``--model``, loaded and prepared before the server starts serving (errors come
+    first): batching (serve/batch.py), or requests in turns with ``deterministic`` (serve/engine.py).
 
-    p.add_argument("--cpu-linear", choices=LINEAR_CHOICES, default="auto",
-                   help="batching on a CPU in fp32: multiply by weights prepacked by oneDNN (packed) or as "
-                        "stored (plain); auto measures both on the model's largest weights at start and keeps "
-                        "packed where it is faster at a full batch and not slower for one row (default auto)")
+    ``request`` (an InferenceRequest: the --dtype, --quantize, --cpu-linear flags) is prepared for
+    the batching worker's workload, one row and ``--max-batch`` rows (inference/prepare.py); in turns
+    each request runs exactly as ``gpt2lab sample`` runs it, so the model is prepared as ``sample``
+    prepares it (one row), and a seeded request gives ``sample``'s tokens."""
+    import dataclasses
 
-
-def load_workers(specs: list[str], device_name: str, dtype: str, limits: Limits | None = None,
-                 deterministic: bool = False, linear: str = "auto") -> dict:
-    """One worker per ``--model``, loaded before the server starts serving (errors come first): batching
-    (serve/batch.py), or requests in turns with ``deterministic`` (serve/engine.py).
-
-    ``linear`` (``--cpu-linear``): the batching worker's kernel for the model's linears,
-    ``packed`` (oneDNN's prepacked weights, inference/packed.py), ``plain`` or ``auto`` (measured
-    per model); turns keep the plain kernel, whose numbers equal ``gpt2lab sample``'s."""
-    import sys
-
-    from gpt2lab.inference.completion import load_for_inference
-    from gpt2lab.inference.packed import decide, pack_linears
     from gpt2lab.distributed.dist import pick_device
-    from gpt2lab.system.errors import UsageError
-    from gpt2lab.system.runtime import inference_dtype
+    from gpt2lab.inference.completion import check_request, load_for_inference
+    from gpt2lab.inference.prepare import InferenceRequest
     from gpt2lab.serve.batch import BatchWorker
     from gpt2lab.serve.engine import TurnsWorker
 
     device = pick_device(device_name)
-    models = {name: load_for_inference(path, device) for name, path in model_names(specs).items()}
-    dtype = inference_dtype(device, dtype, "gpt2lab serve")
+    limits = limits or Limits()
+    request = request or InferenceRequest()
     if deterministic:
-        return {name: TurnsWorker(name, model, device, dtype, limits) for name, model in models.items()}
-    rows = (limits or Limits()).max_batch
-    workers = {}
-    for name, model in models.items():
-        try:
-            choice = decide(model, linear, device, dtype, rows)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
-        if choice.value == "packed":
-            pack_linears(model, rows)
-        print(f"gpt2lab serve: {name}: linears {choice.value} ({choice.reason})", file=sys.stderr, flush=True)
-        workers[name] = BatchWorker(name, model, device, dtype, limits, choice)
-    return workers
+        request = dataclasses.replace(request, workload="sample", rows=1)
+    else:
+        request = dataclasses.replace(request, workload="serve", rows=limits.max_batch)
+    check_request(request, device)  # a --dtype or --quantize this device cannot run fails before loading
+    worker = TurnsWorker if deterministic else BatchWorker
+    return {name: worker(name, load_for_inference(path, device, request, f"gpt2lab serve: {name}"), device, limits)
+            for name, path in model_names(specs).items()}

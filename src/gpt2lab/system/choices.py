@@ -14,3 +14,7 @@ STRATEGY_CHOICES = ("auto", *STRATEGIES)
 OPTIMIZERS = ("adamw", "muon")
 LR_SCHEDULES = ("cosine", "wsd")
 NS_DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+# Inference (gpt2lab.inference.prepare): weight-only quantization, and the CPU linear kernels
+# ("plain": F.linear on the weight as stored or column-major; "auto": measured).
+QUANTIZE_CHOICES = ("none", "int8")
+LINEAR_CHOICES = ("auto", "packed", "plain")

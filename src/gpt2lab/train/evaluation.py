@@ -72,7 +72,9 @@ class Evaluator:
         self.raw.eval()
         # eager: under FSDP the blocks are compiled in place, and generation has varying shapes
         with autocast(self.device, self.dtype), torch.compiler.set_stance("force_eager"):
-            out = generate(self.raw, idx, self.cfg.eval.sample_tokens, top_k=50, generator=gen, stop_token=EOT_ID)
+            # prepare=False: as it trains (no second copy of the weights beside the optimizer's state)
+            out = generate(self.raw, idx, self.cfg.eval.sample_tokens, top_k=50, generator=gen, stop_token=EOT_ID,
+                           prepare=False)
         self.raw.train()
         return enc.decode([t for t in out[0].tolist() if t != EOT_ID])
 

@@ -1,0 +1,92 @@
+"""gpt2lab bench precision: what each inference precision costs in quality, against fp32 F.linear.
+
+One trained model (``--model``: a run, checkpoint or HF directory) is held every way the
+inference path can hold it (inference/prepare.py: bf16 weights, int8 weights with fp32 or bf16
+activations, each with the kernel ``--cpu-linear`` names; the reference: fp32 weights,
+``F.linear``), and each is compared with the reference on held-out text:
+
+* validation loss on the first ``--tokens`` tokens of ``--data``'s val split (and its difference);
+* teacher-forced top-1 agreement: on those tokens, how often the next-token argmax equals fp32's;
+* greedy agreement: ``--prompts`` prompts of ``--prompt-tokens`` val tokens, each continued
+  greedily for ``--new-tokens``; the share of continuations identical to fp32's, and the mean share
+  of each continuation before its first differing token;
+* HellaSwag accuracy on ``--hellaswag-limit`` examples of ``--hellaswag`` (0 skips it).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from gpt2lab.distributed.dist import pick_device
+from gpt2lab.inference.generate import generate
+from gpt2lab.inference.prepare import Candidate, apply
+from gpt2lab.system.choices import LINEAR_CHOICES
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a trained model: run dir, checkpoint or HF directory")
+    p.add_argument("--data", required=True, help="token shards (gpt2lab prepare) whose val split is held out")
+    p.add_argument("--tokens", type=int, default=65536, help="val tokens for the loss and top-1 agreement")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's block)")
+    p.add_argument("--prompts", type=int, default=32, help="greedy continuations compared")
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--hellaswag", default=None, help="HellaSwag jsonl (default: the official validation set)")
+    p.add_argument("--hellaswag-limit", type=int, default=0, help="examples scored (0: skip HellaSwag)")
+    p.add_argument("--cpu-linear", default="packed", choices=[c for c in LINEAR_CHOICES if c != "auto"],
+                   help="the kernel of the float candidates (default packed)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, default=None)
+
+
+def _ways(linear: str) -> dict[str, Candidate]:
+    kernel = "plain" if linear == "plain" else "packed"
+    return {"float32": Candidate("float32", "plain"), "float32_" + kernel: Candidate("float32", kernel),
+            "bfloat16": Candidate("bfloat16", kernel), "int8_fp32_act": Candidate("float32", "int8"),
+            "int8_bf16_act": Candidate("bfloat16", "int8")}
+
+
+@torch.inference_mode()
+def run(args: argparse.Namespace) -> dict:
+    from gpt2lab.data import TokenLoader
+    from gpt2lab.weights.load import load_model
+
+    device = pick_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = load_model(args.model, device)
+    seq = args.seq_len or model.config.block_size
+    loader = TokenLoader(args.data, "val", 1, seq, shuffle=False)
+    rows = max(1, args.tokens // seq)
+    x, y = zip(*(loader.next_batch() for _ in range(rows)))
+    x, y = torch.cat(x).to(device), torch.cat(y).to(device)
+    prompts = x.reshape(-1)[: args.prompts * args.prompt_tokens].reshape(args.prompts, args.prompt_tokens)
+    out: dict = {"model": args.model, "device": str(device), "torch": torch.__version__,
+                 "val_tokens": int(y.numel()), "prompts": args.prompts, "new_tokens": args.new_tokens, "ways": {}}
+    ref_argmax = ref_greedy = None
+    for name, cand in _ways(args.cpu_linear).items():
+        m = apply(model, cand, rows=1)
+        losses, argmax = [], []
+        for xs, ys in zip(x.split(1), y.split(1)):
+            logits, loss = m(xs, ys)
+            losses.append(float(loss))
+            argmax.append(logits[..., :model.config.real_vocab_size].argmax(-1))
+        argmax = torch.cat(argmax)
+        greedy = generate(m, prompts, args.new_tokens, temperature=0.0, prepare=False)[:, args.prompt_tokens:]
+        way = {"kernel": cand.name, "val_loss": sum(losses) / len(losses)}
+        if ref_argmax is None:
+            ref_argmax, ref_greedy, ref_loss = argmax, greedy, way["val_loss"]
+        way["val_loss_minus_fp32"] = way["val_loss"] - ref_loss
+        way["top1_agreement"] = float((argmax == ref_argmax).float().mean())
+        same = greedy == ref_greedy
+        prefix = torch.where(same.all(1), args.new_tokens, (~same).float().argmax(1)).float()
+        way["greedy_identical"] = float(same.all(1).float().mean())
+        way["greedy_prefix_share"] = float((prefix / args.new_tokens).mean())
+        if args.hellaswag_limit:
+            from gpt2lab.evals.hellaswag import evaluate_hellaswag
+
+            hs = evaluate_hellaswag(m, args.hellaswag, device=device, limit=args.hellaswag_limit)
+            way.update(hellaswag_acc=hs["acc"], hellaswag_acc_norm=hs["acc_norm"], hellaswag_n=hs["n"])
+        out["ways"][name] = way
+    return out

@@ -1,0 +1,158 @@
+"""The decode linears: one ``nn.Linear`` replacement per way of holding a weight for inference.
+
+A prepared model (inference/prepare.py) holds every matmul weight once, in the precision and
+layout chosen for this machine, and never converts it again: no per-step autocast of fp32
+weights. Each layer casts its input to its compute dtype and returns its output in that dtype;
+the residual stream, the norms and the softmax stay fp32 (``fp32 + bf16`` is fp32), which is
+what autocast computes, without re-reading and casting the weights at every step.
+
+* ``plain``: ``F.linear`` on the weight as stored, (out, in) row-major;
+* ``decode``: ``F.linear`` on the weight held column-major (the (in, out) layout of HF's
+  Conv1D). Some BLAS GEMV paths stream it faster at one row (fp32 on Zen 4/5 and AVX2 EPYCs:
+  the vocabulary projection ~1.7x), others slower (bf16 on the same Zen 5), hence measured;
+* ``packed``: the weight reordered once into oneDNN's blocked layout
+  (``torch.ops.mkldnn._reorder_linear_weight``, the op torch.compile's CPU freezing uses) and
+  multiplied by ``_linear_pointwise``; fp32 or bf16. On CPUs this is the fastest small-M kernel
+  by far where it runs (a 2-core Zen 5: the 768 x 50304 head at one row 3.6 ms packed fp32 vs
+  9.0 plain; bf16 1.5 vs 2.5; docs/benchmarks.md);
+* ``int8``: weight-only int8, symmetric per output channel (scale = max |w| / 127), multiplied
+  by PyTorch's own ``torch._weight_int8pack_mm`` with activations in fp32 or bf16. Which one is
+  measured: on the Zen 5 the kernel is 20x slower with fp32 activations than with bf16.
+
+Kernels are chosen by measuring them (prepare.py), never by their names: torchao's int8
+weight-only tensor, for one, dequantizes the whole weight on every eager call (25 ms for the
+head at one row on that Zen 5, against 0.5 ms for ``_weight_int8pack_mm``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+KERNELS = ("plain", "decode", "packed", "int8")
+
+
+def packing_available() -> bool:
+    """oneDNN is built in and exposes the reorder and the packed linear (torch >= 2.0 CPU builds)."""
+    ops = getattr(torch.ops, "mkldnn", None)
+    try:
+        return bool(torch.backends.mkldnn.is_available() and ops is not None
+                    and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise"))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def int8_available(device: torch.device) -> Optional[str]:
+    """Why int8 weight-only matmuls cannot run on ``device``, or None where they can (tried on a tiny weight)."""
+    if not hasattr(torch, "_weight_int8pack_mm"):
+        return "this torch has no torch._weight_int8pack_mm"
+    try:
+        w = torch.ones(8, 32, dtype=torch.int8, device=device)
+        torch._weight_int8pack_mm(torch.ones(1, 32, device=device), w, torch.ones(8, device=device))
+    except (RuntimeError, NotImplementedError) as e:
+        return f"torch._weight_int8pack_mm does not run on {device.type} ({str(e).splitlines()[0][:120]})"
+    return None
+
+
+class DecodeLinear(nn.Module):
+    """``y = x @ W.T + b`` in ``dtype`` for inference; ``x`` is cast to ``dtype``, ``y`` stays in it."""
+
+    kernel = ""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.dtype = dtype
+        self.bias = None if bias is None else bias.detach().to(dtype).contiguous()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"{self.kernel} {str(self.dtype).removeprefix('torch.')}")
+
+
+class PlainLinear(DecodeLinear):
+    """``F.linear`` on the weight in ``dtype``: row-major, or column-major with ``column_major``."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype,
+                 column_major: bool = False) -> None:
+        super().__init__(weight, bias, dtype)
+        w = weight.detach().to(dtype)
+        self.weight = w.t().contiguous().t() if column_major else w.contiguous()
+        self.kernel = "decode" if column_major else "plain"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.dtype), self.weight, self.bias)
+
+
+class PackedLinear(DecodeLinear):
+    """The weight in oneDNN's blocked layout for about ``batch_hint`` rows (fp32 or bf16)."""
+
+    kernel = "packed"
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype,
+                 batch_hint: int) -> None:
+        super().__init__(weight, bias, dtype)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), batch_hint)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, self.bias, "none", [], "")
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weight, fp32 scale per output row): symmetric, ``w ~= q * scale`` with |q| <= 127."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+# torch 2.13's CPU _weight_int8pack_mm returns wrong values (and can crash) with bf16 activations
+# when the inner dimension is not a multiple of 16 (seen on a Zen 5 for K = 8, 24, 40, 56, 100;
+# 16, 32, 48, 64, 80, 96, 768, 3072 right). Zero columns change no product, so K is padded to a
+# multiple of this (GPT-2's widths need none; tests/unit/test_kernels.py checks odd widths).
+INT8_K_MULTIPLE = 64
+
+
+class Int8Linear(DecodeLinear):
+    """Weight-only int8 (per-row scales) through ``torch._weight_int8pack_mm``; activations in ``dtype``."""
+
+    kernel = "int8"
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype) -> None:
+        super().__init__(weight, bias, dtype)
+        q, scale = quantize_int8(weight)
+        self.pad = -self.in_features % INT8_K_MULTIPLE
+        self.qweight, self.scale = F.pad(q, (0, self.pad)).contiguous(), scale.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x = x.reshape(-1, self.in_features).to(self.dtype)
+        y = torch._weight_int8pack_mm(F.pad(x, (0, self.pad)) if self.pad else x, self.qweight, self.scale)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+
+def make_linear(layer: nn.Linear, kernel: str, dtype: torch.dtype, batch_hint: int = 1) -> DecodeLinear:
+    """``layer``'s weight held for inference with ``kernel`` in ``dtype``."""
+    if kernel in ("plain", "decode"):
+        return PlainLinear(layer.weight, layer.bias, dtype, column_major=kernel == "decode")
+    if kernel == "packed":
+        return PackedLinear(layer.weight, layer.bias, dtype, batch_hint)
+    if kernel == "int8":
+        return Int8Linear(layer.weight, layer.bias, dtype)
+    raise ValueError(f"kernel {kernel!r}: one of {', '.join(KERNELS)}")
+
+
+def swap_linears(model: nn.Module, kernel: str, dtype: torch.dtype, batch_hint: int = 1) -> int:
+    """Replace every ``nn.Linear`` of ``model`` by its decode linear (in place); returns how many.
+
+    A tied output head gets its own copy (the embedding keeps the shared table, looked up, not
+    multiplied); every other weight is held once, in its new form."""
+    swaps = [(parent, name, child) for parent in model.modules()
+             for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    with torch.no_grad():
+        for parent, name, child in swaps:
+            setattr(parent, name, make_linear(child, kernel, dtype, batch_hint))
+    return len(swaps)

@@ -1,0 +1,304 @@
+"""inference/kernels.py and inference/prepare.py: each decode linear against F.linear on the same
+(rounded or dequantized) weights, a prepared model against the model it came from, and the choice
+of precision and kernel in every branch with faked facts."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import tiny_gpt
+from gpt2lab.inference import prepare as prep
+from gpt2lab.inference.kernels import (Int8Linear, PackedLinear, PlainLinear, int8_available, packing_available,
+                                       quantize_int8, swap_linears)
+from gpt2lab.inference.prepare import Candidate, InferenceFacts, InferenceRequest, Timing, candidates, choose
+from gpt2lab.system.runtime import ChoiceError
+
+needs_onednn = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN packed linear")
+needs_int8 = pytest.mark.skipif(int8_available(torch.device("cpu")) is not None, reason="no int8 weight-only kernel")
+MODERN = dict(pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2", tie_embeddings=False,
+              logit_softcap=15.0)
+
+
+def _layer_inputs(bias: bool, shape=(5, 24)):
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(40, 24, generator=g), torch.randn(40, generator=g) if bias else None
+    return w, b, torch.randn(*shape, generator=g)
+
+
+@pytest.mark.parametrize("shape", [(1, 24), (5, 24), (3, 7, 24)])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("kernel", ["plain", "decode", "packed"])
+def test_fp32_decode_linears_equal_f_linear(kernel, bias, shape):
+    if kernel == "packed" and not packing_available():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    w, b, x = _layer_inputs(bias, shape)
+    layer = (PackedLinear(w, b, torch.float32, batch_hint=8) if kernel == "packed"
+             else PlainLinear(w, b, torch.float32, column_major=kernel == "decode"))
+    with torch.inference_mode():
+        got = layer(x)
+    assert got.shape == (*shape[:-1], 40) and got.dtype == torch.float32
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    if kernel == "decode":
+        assert layer.weight.stride() == (1, 40)  # held column-major, the values unchanged
+
+
+@pytest.mark.parametrize("kernel", ["plain", "packed"])
+def test_bf16_decode_linears_multiply_bf16_inputs_by_bf16_weights(kernel):
+    if kernel == "packed" and not packing_available():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    w, b, x = _layer_inputs(True)
+    layer = (PackedLinear(w, b, torch.bfloat16, batch_hint=4) if kernel == "packed"
+             else PlainLinear(w, b, torch.bfloat16))
+    with torch.inference_mode():
+        got = layer(x)  # an fp32 input is cast: the layer returns bf16
+    assert got.dtype == torch.bfloat16
+    bf = lambda t: t.bfloat16().double()  # noqa: E731  the rounded operands, multiplied exactly
+    want = F.linear(bf(x), bf(w), bf(b))
+    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=2e-2)  # bf16's own rounding of the output
+
+
+def test_int8_quantization_is_symmetric_per_row_within_half_a_step():
+    w = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
+    w[2] *= 100  # rows of very different ranges get their own scales
+    w[4] = 0.0   # an all-zero row must not divide by zero
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and int(q.abs().max()) == 127
+    torch.testing.assert_close(scale[:4], w[:4].abs().amax(dim=1) / 127)
+    assert torch.equal(q[4], torch.zeros(50, dtype=torch.int8))
+    assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-6).all()
+    assert all(int(q[r].abs().max()) == 127 for r in (0, 1, 2, 3, 5))  # each row's largest maps to +-127
+
+
+@needs_int8
+@pytest.mark.parametrize("width", [24, 40, 64, 100])  # widths torch's bf16 kernel gets wrong unpadded, and right
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_multiplies_by_the_dequantized_weight(dtype, width):
+    g = torch.Generator().manual_seed(width)
+    w, b, x = torch.randn(40, width, generator=g), torch.randn(40, generator=g), torch.randn(3, 7, width, generator=g)
+    layer = Int8Linear(w, b, dtype)
+    q, scale = quantize_int8(w)
+    with torch.inference_mode():
+        got = layer(x)
+    assert got.dtype == dtype and got.shape == (3, 7, 40)
+    xin = x.to(dtype).double()
+    want = F.linear(xin, q.double() * scale.to(dtype).double()[:, None], b.to(dtype).double())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("block", [{}, MODERN], ids=["gpt2", "modern"])
+@pytest.mark.parametrize("kernel", ["decode", "packed"])
+def test_a_prepared_fp32_model_gives_the_models_logits_and_shares_its_other_weights(block, kernel):
+    if kernel == "packed" and not packing_available():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    model = tiny_gpt(seed=3, vocab_size=97, block_size=32, **block)
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    idx = torch.randint(0, 97, (3, 11), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want, _ = model(idx)
+        ready = prep.apply(model, Candidate("float32", kernel), rows=4)
+        got, _ = ready(idx)
+        cache = ready.new_kv_cache(16)  # decoding through the KV cache, one token at a time
+        ready(idx[:1, :10], kv_cache=cache)
+        last, _ = ready(idx[:1, 10:], kv_cache=cache, last_only=True)
+        _, loss = ready(idx, idx, return_logits=False)  # the eval loss: from whole logits, not the chunked path
+        _, want_loss = model(idx, idx)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(last[0, -1], want[0, -1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5)
+    assert sum(isinstance(m, torch.nn.Linear) for m in model.modules()) == n_linear  # the model is untouched
+    assert not any(isinstance(m, torch.nn.Linear) for m in ready.modules())
+    assert ready.transformer.wte.weight is model.transformer.wte.weight  # shared, not copied
+    assert ready.decode == Candidate("float32", kernel) and not ready.training
+    assert all(p.requires_grad for p in model.parameters())  # the model still trains
+
+
+def test_a_bf16_prepared_model_keeps_an_fp32_residual_stream_and_a_bf16_cache():
+    """bf16 weights: each linear's output is bf16 and adds into the fp32 residual, as under autocast;
+    the logits are those of the bf16-rounded weights within bf16's rounding of the activations."""
+    model = tiny_gpt(seed=4, vocab_size=97, block_size=32)
+    rounded = tiny_gpt(seed=4, vocab_size=97, block_size=32)
+    with torch.no_grad():
+        for name, m in rounded.named_modules():
+            if isinstance(m, torch.nn.Linear) and name != "lm_head":
+                m.weight.copy_(m.weight.bfloat16().float())
+                m.bias.copy_(m.bias.bfloat16().float())
+    idx = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        ready = prep.apply(model, Candidate("bfloat16", "plain"))
+        cache = ready.new_kv_cache(9)
+        got, _ = ready(idx, kv_cache=cache)
+        want, _ = rounded(idx)
+    assert got.dtype == torch.bfloat16 and cache.k[0].dtype == torch.bfloat16
+    assert model.transformer.wte.weight.dtype == torch.float32
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=0.05 * float(want.abs().max()))
+
+
+def test_swap_linears_gives_a_tied_head_its_own_copy():
+    model = tiny_gpt(seed=1, vocab_size=97, block_size=16)
+    wte = model.transformer.wte.weight.clone()
+    assert swap_linears(model, "int8" if int8_available(torch.device("cpu")) is None else "plain", torch.float32) == 9
+    assert torch.equal(model.transformer.wte.weight, wte)  # the embedding still reads the shared table
+
+
+# -- the choice, with faked facts -------------------------------------------------------------
+ZEN = InferenceFacts("cpu", "AMD EPYC (Zen 4)", native_bf16=True, packing=True)
+XEON = InferenceFacts("cpu", "Intel Xeon (AVX-512, no AVX512_BF16)", native_bf16=False, packing=True)
+AVX2 = InferenceFacts("cpu", "AMD EPYC (AVX2 only)", native_bf16=False, packing=True)
+NO_ONEDNN = InferenceFacts("cpu", "a CPU build without oneDNN", native_bf16=False, packing=False)
+H100 = InferenceFacts("cuda", "NVIDIA H100", native_bf16=True, int8_error="no CUDA int8 weight-only kernel")
+V100 = InferenceFacts("cuda", "Tesla V100", native_bf16=False)
+MPS = InferenceFacts("mps", "Apple MPS")
+
+
+def _names(cands):
+    return [c.name for c in cands]
+
+
+@pytest.mark.parametrize("facts, request_, want", [
+    (ZEN, InferenceRequest(), ["float32/plain", "float32/decode", "float32/packed",
+                               "bfloat16/plain", "bfloat16/decode", "bfloat16/packed"]),
+    (NO_ONEDNN, InferenceRequest(), ["float32/plain", "float32/decode", "bfloat16/plain", "bfloat16/decode"]),
+    (AVX2, InferenceRequest(dtype="float32", linear="packed"), ["float32/packed"]),
+    (XEON, InferenceRequest(dtype="bfloat16", linear="plain"), ["bfloat16/plain", "bfloat16/decode"]),
+    (ZEN, InferenceRequest(quantize="int8"), ["float32/int8", "bfloat16/int8"]),
+    (H100, InferenceRequest(), ["float32/plain", "bfloat16/plain"]),
+    (V100, InferenceRequest(), ["float32/plain", "float16/plain"]),
+    (V100, InferenceRequest(dtype="float16"), ["float16/plain"]),
+    (MPS, InferenceRequest(), ["float32/plain", "float16/plain"]),
+])
+def test_candidates_are_what_the_device_runs_and_the_request_allows(facts, request_, want):
+    assert _names(candidates(request_, facts)) == want
+
+
+@pytest.mark.parametrize("facts, request_, needle", [
+    (ZEN, InferenceRequest(dtype="float16"), "--dtype float16 needs a GPU"),
+    (V100, InferenceRequest(dtype="bfloat16"), "has no bf16"),
+    (H100, InferenceRequest(quantize="int8"), "--quantize int8 cannot run here: no CUDA int8"),
+    (NO_ONEDNN, InferenceRequest(linear="packed"), "--cpu-linear packed cannot run here"),
+    (H100, InferenceRequest(linear="packed"), "--cpu-linear packed cannot run here"),
+    (ZEN, InferenceRequest(quantize="int4"), "--quantize int4"),
+])
+def test_what_cannot_run_is_one_line_naming_the_flag(facts, request_, needle):
+    with pytest.raises(ChoiceError, match=needle):
+        candidates(request_, facts)
+
+
+@pytest.mark.parametrize("facts, request_, want", [
+    (ZEN, InferenceRequest(), "bfloat16/packed"),
+    (XEON, InferenceRequest(), "float32/packed"),
+    (AVX2, InferenceRequest(workload="serve", rows=8), "float32/packed"),
+    (NO_ONEDNN, InferenceRequest(), "float32/decode"),
+    (ZEN, InferenceRequest(quantize="int8"), "bfloat16/int8"),
+    (XEON, InferenceRequest(quantize="int8"), "float32/int8"),
+    (H100, InferenceRequest(), "bfloat16/plain"),
+    (V100, InferenceRequest(), "float16/plain"),
+    (MPS, InferenceRequest(), "float32/plain"),
+])
+def test_unmeasured_the_devices_facts_decide(facts, request_, want):
+    d = choose(request_, facts)
+    assert d.candidate.name == want and "not measured" in d.reason
+
+
+def test_one_candidate_needs_no_measuring():
+    d = choose(InferenceRequest(dtype="float32", linear="packed"), ZEN)
+    assert d.candidate.name == "float32/packed" and d.reason == "asked for"
+
+
+def _facts(base: InferenceFacts, **timings) -> InferenceFacts:
+    return dataclasses.replace(base, timings={k.replace("__", "/"): v for k, v in timings.items()})
+
+
+def test_sample_keeps_the_cheapest_request_prefill_plus_its_decode_steps():
+    # sample's cost: prefill + 128 one-row steps. bf16/packed: 100 + 128 * 8 = 1124; fp32/packed:
+    # 40 + 128 * 9 = 1192 (the faster prefill does not make up for the slower steps); fp32/plain:
+    # 40 + 128 * 20 = 2600; others failed or were given up.
+    facts = _facts(AVX2, float32__plain=Timing(40.0, 20.0), float32__decode="failed: no",
+                   float32__packed=Timing(40.0, 9.0), bfloat16__packed=Timing(100.0, 8.0),
+                   bfloat16__plain="given up: slow", bfloat16__decode="given up: slow")
+    d = choose(InferenceRequest(), facts)
+    assert d.candidate.name == "bfloat16/packed"
+    assert "next float32/packed prefill 40.0 / step 9.00 ms (1.06x)" in d.reason
+    assert "float32/decode, bfloat16/plain, bfloat16/decode given up or failed" in d.reason
+    assert choose(InferenceRequest(workload="score"), facts).candidate.name == "float32/packed"  # the prefill alone
+    assert choose(InferenceRequest(workload="score"), facts).reason.startswith(
+        "fastest measured for score: float32/packed prefill 40.0 ms")
+
+
+def test_serve_keeps_the_candidate_whose_worse_slowdown_at_one_row_or_a_full_batch_is_least():
+    # costs (one row: prefill + 128 * step1; batch: prefill + 128 * step8 / 8):
+    #   A fp32/packed:  10 + 128 * 10 = 1290,   10 + 128 * 16 / 8 = 266  -> max(1290/1034, 266/138) = 1.93
+    #   B bf16/packed:  10 + 128 * 8 = 1034,    10 + 128 * 24 / 8 = 394  -> max(1.00, 2.86) = 2.86
+    #   C bf16/plain:   10 + 128 * 9 = 1162,    10 + 128 * 8 / 8 = 138   -> max(1.12, 1.00) = 1.12
+    facts = _facts(ZEN, float32__packed=Timing(10.0, 10.0, 16.0), bfloat16__packed=Timing(10.0, 8.0, 24.0),
+                   bfloat16__plain=Timing(10.0, 9.0, 8.0))
+    d = choose(InferenceRequest(workload="serve", rows=8), facts)
+    assert d.candidate.name == "bfloat16/plain" and "(1.93x)" in d.reason and "(2.86x)" in d.reason
+    assert choose(InferenceRequest(workload="sample"), facts).candidate.name == "bfloat16/packed"
+
+
+def test_the_probe_is_cached_per_machine_and_model_and_can_be_turned_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path))
+    monkeypatch.delenv("GPT2LAB_PROBE", raising=False)
+    calls = []
+
+    def fake_measure(model, cand, request, device, best=None):
+        calls.append(cand.name)
+        return Timing(1.0, 2.0 if cand.dtype == "float32" else 1.0)
+
+    monkeypatch.setattr(prep, "measure", fake_measure)
+    model, cpu = tiny_gpt(seed=0, vocab_size=97, block_size=16), torch.device("cpu")
+    request = InferenceRequest(linear="plain")
+    first = prep.decide(model, cpu, request, facts=ZEN)
+    assert first.candidate.name == "bfloat16/decode" and len(calls) == 4  # a tie: the first by name
+    assert prep.decide(model, cpu, request, facts=ZEN) == first and len(calls) == 4  # read back, not measured
+    saved = json.loads(next(tmp_path.glob("decode-probe-*.json")).read_text())
+    assert saved["float32/decode"] == {"prefill": 1.0, "step1": 2.0, "step_rows": None}
+    other = tiny_gpt(seed=0, vocab_size=97, block_size=16, n_layer=3)  # another shape: measured anew
+    prep.decide(other, cpu, request, facts=ZEN)
+    assert len(calls) == 8
+    monkeypatch.setenv("GPT2LAB_PROBE", "0")
+    assert "not measured" in prep.decide(other, cpu, request, facts=ZEN).reason and len(calls) == 8
+
+
+def test_measure_times_a_real_prefill_and_real_steps_and_gives_up_on_a_hopeless_candidate():
+    model, cpu = tiny_gpt(seed=0, vocab_size=97, block_size=64), torch.device("cpu")
+    t = prep.measure(model, Candidate("float32", "decode"), InferenceRequest(workload="serve", rows=3), cpu)
+    assert all(v is not None and v > 0 for v in (t.prefill, t.step1, t.step_rows))
+    assert prep.measure(model, Candidate("float32", "plain"), InferenceRequest(workload="score"), cpu).step1 is None
+    with pytest.raises(prep._TooSlow, match="not timed further"):
+        prep.measure(model, Candidate("float32", "plain"), InferenceRequest(), cpu, best=Timing(prefill=1e-9))
+
+
+# -- generate(): the same prepared path, kept while the weights are unchanged ---------------------
+def test_generate_prepares_the_model_once_and_again_when_its_weights_change(tmp_path, monkeypatch):
+    from gpt2lab.inference import generate as gen
+
+    monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path))
+    model = tiny_gpt(seed=7, vocab_size=97, block_size=32)
+    idx = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(0))
+    cpu = torch.device("cpu")
+    fast = gen.prepared_for(model, cpu)
+    assert fast is not model and prep.is_prepared(fast) and fast.decode.dtype == "float32"  # the model's own dtype
+    assert gen.prepared_for(model, cpu) is fast  # kept
+    assert gen.prepared_for(fast, cpu) is fast  # prepared already
+    with torch.inference_mode():
+        want = model(idx)[0][:, -1]
+        got = fast(idx)[0][:, -1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    greedy = gen.generate(model, idx, 12, temperature=0.0)
+    assert torch.equal(greedy, gen.generate(fast, idx, 12, temperature=0.0, prepare=False))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)  # a training step changes the weights in place
+    model.train()
+    model(idx, idx)[1].backward()
+    opt.step()
+    model.eval()
+    again = gen.prepared_for(model, cpu)
+    assert again is not fast
+    with torch.inference_mode():
+        torch.testing.assert_close(again(idx)[0][:, -1], model(idx)[0][:, -1], rtol=1e-5, atol=1e-5)
+    assert gen.prepared_for(model, cpu, dtype="bfloat16").decode.dtype == "bfloat16"
