@@ -261,8 +261,11 @@ def test_the_probe_is_cached_per_machine_and_model_and_can_be_turned_off(tmp_pat
     other = tiny_gpt(seed=0, vocab_size=97, block_size=16, n_layer=3)  # another shape: measured anew
     prep.decide(other, cpu, request, facts=ZEN)
     assert len(calls) == 8
+    monkeypatch.setenv("GPT2LAB_PROBE", "fresh")  # measured again, and kept
+    prep.decide(other, cpu, request, facts=ZEN)
+    assert len(calls) == 12
     monkeypatch.setenv("GPT2LAB_PROBE", "0")
-    assert "not measured" in prep.decide(other, cpu, request, facts=ZEN).reason and len(calls) == 8
+    assert "not measured" in prep.decide(other, cpu, request, facts=ZEN).reason and len(calls) == 12
 
 
 def test_measure_times_a_real_prefill_and_real_steps_and_gives_up_on_a_hopeless_candidate():
@@ -302,3 +305,33 @@ def test_generate_prepares_the_model_once_and_again_when_its_weights_change(tmp_
     with torch.inference_mode():
         torch.testing.assert_close(again(idx)[0][:, -1], model(idx)[0][:, -1], rtol=1e-5, atol=1e-5)
     assert gen.prepared_for(model, cpu, dtype="bfloat16").decode.dtype == "bfloat16"
+
+
+@needs_int8
+def test_sample_quantize_int8_continues_as_the_dequantized_weights_do(gpt2_vocab_export, capsys, tmp_path,
+                                                                      monkeypatch):
+    """`gpt2lab sample --quantize int8` against an independent reference: the fp32 model whose every
+    linear weight (the tied head's own copy included; the embedding lookup keeps fp32) is q * scale."""
+    import copy
+
+    from gpt2lab import cli
+    from gpt2lab.data.tokenizer import get_tokenizer
+    from gpt2lab.inference.generate import generate
+
+    model, d = gpt2_vocab_export
+    monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path))
+    assert cli.main(["sample", "--model", d, "--prompt", "Hello there", "--device", "cpu", "--dtype", "float32",
+                     "--quantize", "int8", "--temperature", "0", "--max-new-tokens", "16", "--no-stop-at-eot"]) == 0
+    out, err = capsys.readouterr()
+    assert "gpt2lab sample: dtype float32, int8 linears (asked for)" in err
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        ref.lm_head.weight = torch.nn.Parameter(ref.lm_head.weight.clone())  # untie: the head alone is quantized
+        for m in ref.modules():
+            if isinstance(m, torch.nn.Linear):
+                q, scale = quantize_int8(m.weight)
+                m.weight.copy_(q.float() * scale[:, None])
+    enc = get_tokenizer()
+    idx = torch.tensor([enc.encode("Hello there")])
+    want = generate(ref, idx, 16, temperature=0.0, prepare=False)[0, idx.size(1):].tolist()
+    assert out == f"--- sample 1/1\nHello there{enc.decode(want)}\n"

@@ -291,12 +291,14 @@ def _probe_path(model: GPT, request: InferenceRequest, device: torch.device, nam
 
 def timings(model: GPT, cands: list[Candidate], request: InferenceRequest, device: torch.device,
             cache: bool = True) -> Optional[dict]:
-    """Each candidate's Timing (or the error it failed with), from the cache when it can; None with GPT2LAB_PROBE=0."""
-    if os.environ.get("GPT2LAB_PROBE", "1") == "0":
+    """Each candidate's Timing (or the error it failed with), from the cache when it can; None with
+    GPT2LAB_PROBE=0; GPT2LAB_PROBE=fresh measures again (a probe taken on a busy machine) and keeps that."""
+    mode = os.environ.get("GPT2LAB_PROBE", "1")
+    if mode == "0":
         return None
     names = [c.name for c in cands]
     path = _probe_path(model, request, device, names)
-    if cache:
+    if cache and mode != "fresh":
         try:
             with open(path) as fh:
                 saved = json.load(fh)
