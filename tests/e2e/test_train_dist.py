@@ -235,3 +235,38 @@ def test_muon_kill_9_then_resume_equals_uninterrupted(tiny_data, tmp_path):
                           env=env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3, proc.stderr
     assert "optimizer state does not fit this run" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# The speedrun's levers (issue 28), every one on: value embeddings, U-net skips, a zero-initialised
+# untied head, NorMuon, and the batch ramp, which the kill lands in the middle of (steps 0-11 ramp from
+# 128 to 512 tokens; the checkpoint at step 4).
+LEVER_FIELDS = dict(value_embeds=1, unet_skips=True, tie_embeddings=False, zero_init_head=True, optimizer="muon",
+                    muon_variant="normuon", muon_ns_dtype="float32", lr_schedule="wsd", total_batch_tokens=512,
+                    batch_ramp_steps=12, batch_ramp_start=128)
+
+
+def test_levers_kill_9_mid_ramp_then_resume_equals_uninterrupted(tiny_data, tmp_path):
+    fields = dict(data=tiny_data, max_steps=24, ckpt_interval=4, keep_checkpoints=2, keep_cpu_memory=True,
+                  **LEVER_FIELDS)
+    # NorMuon's second moments, the loader's position and the ramp's step come back: bit for bit
+    out = _killed_then_resumed_equals_straight(tmp_path, fields, "step_000004")
+    # the tokens of each step: 128 x (1 + 3 * step // 12) on the ramp, then 512
+    per_step = [128 * (1 + 3 * s // 12) if s < 12 else 512 for s in range(24)]
+    tokens = {r["step"]: r["tokens"] for r in records(out) if "tokens" in r}
+    assert [tokens[s] for s in range(24)] == [sum(per_step[:s + 1]) for s in range(24)]
+
+
+def test_levers_fsdp_two_processes_equal_one_process(tiny_data, tmp_path):
+    """FSDP2 shards the gates (1-D: it refuses 0-d parameters), the skip weights and the value-embedding
+    tables; with activation checkpointing the blocks recompute with their value embeddings; the ramp's
+    steps hold the same tokens on two processes as on one."""
+    fields = dict(data=tiny_data, total_batch_tokens=256, max_steps=4, value_embeds=1, unet_skips=True,
+                  tie_embeddings=False, zero_init_head=True, batch_ramp_steps=2, batch_ramp_start=128)
+    run_train(out=str(tmp_path / "one"), **fields)
+    _torchrun(tmp_path / "fsdp", strategy="fsdp", activation_checkpointing=True, **fields)
+    one, fsdp = train_losses(tmp_path / "one"), train_losses(tmp_path / "fsdp")
+    assert sorted(one) == sorted(fsdp) == [0, 1, 2, 3]
+    for step in one:
+        assert abs(one[step] - fsdp[step]) < 1e-5, (step, one[step], fsdp[step])
+    tokens = [r["tokens"] for r in records(tmp_path / "fsdp") if "tokens" in r]
+    assert tokens == [128, 256, 512, 768]  # 128 x (1 + 1 * step // 2) on the ramp, then 256

@@ -230,7 +230,8 @@ def test_config_json_round_trips():
                              "logging", "spike", "finetune", "parallel"]
     assert set(written["model"]) == {f for f in GPTConfig.__dataclass_fields__}
     assert "n_layer" not in written and written["model"]["n_layer"] == 24
-    assert written["batch"] == {"micro_batch_size": 64, "seq_len": 1024, "total_batch_tokens": 524288}
+    assert written["batch"] == {"micro_batch_size": 64, "seq_len": 1024, "total_batch_tokens": 524288,
+                                "batch_ramp_steps": 0, "batch_ramp_start": None}  # the batch ramp: off
     assert written["spike"] == {"spike_window": 100, "spike_loss_z": 6.0, "spike_norm_z": 20.0, "spike_rollback": 3}
     assert (written["optim"]["max_lr"], written["optim"]["min_lr"], written["parallel"]["strategy"]) == \
         (3e-4, 3e-5, "auto")

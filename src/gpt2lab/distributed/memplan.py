@@ -2,9 +2,10 @@
 
 ``predict`` adds up what one rank holds at the peak of a step of ``gpt2lab train``: weights,
 gradients, the optimizer's fp32 state (AdamW's two moments; Muon's one momentum buffer for the
-blocks' matrices), DDP's gradient buckets, the low-precision weight copies
-a step keeps (autocast's casts; FSDP's all-gathered blocks), the tensors autograd saves for
-backward (derived from model/gpt.py and model/loss.py, see ``block_saved_bytes``), the chunked
+blocks' matrices, NorMuon's one more value per row), DDP's gradient buckets, the low-precision
+weight copies a step keeps (autocast's casts; FSDP's all-gathered blocks), the tensors autograd
+saves for backward (derived from model/gpt.py and model/loss.py, see ``block_saved_bytes`` and,
+for the speedrun's levers, ``lever_bytes``), the chunked
 loss's workspace, and a fixed runtime overhead (on CPU also glibc's heap slack). ``plan``
 searches the largest micro-batch that fits a given memory. ``gpt2lab bench memory`` prints
 both next to measured peaks.
@@ -66,14 +67,18 @@ def param_counts(cfg: GPTConfig) -> dict[str, int]:
 
     The modern block's switches: an untied head adds its own V*C, rotary drops wpe, RMSNorm
     has a gain and no bias (C where LayerNorm has 2C); QK-norm, ReLU^2, zero init and the
-    softcap add no parameters.
+    softcap add no parameters. The levers: ``value_embeds`` K adds K tables of V*C to the root
+    and one gate to each of the 2K blocks that read them ("blocks" counts the gates, "block" is a
+    block without one); ``unet_skips`` adds n_layer // 2 weights to the root; zero_init_head none.
     """
     C = cfg.n_embd
     norm = C if cfg.norm == "rmsnorm" else 2 * C
     block = 12 * C * C + 9 * C + 2 * norm  # c_attn 3C^2+3C, attn c_proj C^2+C, c_fc 4C^2+4C, mlp c_proj 4C^2+C, 2 norms
     root = cfg.vocab_size * C * (1 if cfg.tie_embeddings else 2) + norm
     root += cfg.block_size * C if cfg.pos_emb == "learned" else 0
-    return {"block": block, "blocks": cfg.n_layer * block, "root": root, "total": cfg.n_layer * block + root,
+    root += cfg.value_embeds * cfg.vocab_size * C + (cfg.n_layer // 2 if cfg.unet_skips else 0)
+    blocks = cfg.n_layer * block + 2 * cfg.value_embeds
+    return {"block": block, "blocks": blocks, "root": root, "total": blocks + root,
             "block_matmul": 12 * C * C + 9 * C}  # what autocast casts: Linear weights and biases
 
 
@@ -92,17 +97,20 @@ def norm_saved_bytes(norm: str, C: int, device: str) -> int:
     return FP32 * C + 2 * FP32
 
 
-def optimizer_state_bytes(cfg: GPTConfig, optimizer: str = "adamw") -> int:
+def optimizer_state_bytes(cfg: GPTConfig, optimizer: str = "adamw", muon_variant: str = "muon") -> int:
     """The optimizer's state, fp32: AdamW keeps two moments per parameter; ``muon`` keeps one
     momentum buffer per matrix inside the blocks (Muon's parameters, train.optim.muon_split: the
-    four Linear weights, 12 C^2 a block) and AdamW's two moments for the rest. Per-parameter step
-    counters (0-d tensors) are left out."""
+    four Linear weights, 12 C^2 a block) and AdamW's two moments for the rest (value-embedding
+    tables, gates and skip weights included); ``muon_variant`` normuon one more fp32 value per
+    row of each matrix (c_attn 3C, c_fc 4C, the two c_proj C each: 9C a block). Per-parameter
+    step counters (0-d tensors) are left out."""
     p = param_counts(cfg)
     if optimizer == "adamw":
         return 2 * FP32 * p["total"]
     if optimizer == "muon":
         hidden = cfg.n_layer * 12 * cfg.n_embd ** 2
-        return FP32 * (hidden + 2 * (p["total"] - hidden))
+        rows = cfg.n_layer * 9 * cfg.n_embd if muon_variant == "normuon" else 0
+        return FP32 * (hidden + rows + 2 * (p["total"] - hidden))
     raise PlanError(f"optimizer {optimizer!r}: choose adamw or muon")
 
 
@@ -164,6 +172,37 @@ def block_saved_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, act: int, 
     return micro_batch * seq_len * per_token + tables
 
 
+def value_gate_saved_bytes(N: int, C: int, act: int) -> int:
+    """Bytes a layer that reads a value embedding keeps for backward over N tokens on top of its
+    block's (``block_saved_bytes``), for ``v = (1 - g) * v + g * ve``: the mixed v, which SDPA keeps
+    (act; ``(1 - g) * v`` keeps v, a view of c_attn's output, counted already); under autocast the
+    cast of the fp32 lookup to act, which ``g * ve`` keeps (in fp32 it keeps the lookup itself,
+    counted by ``lever_bytes``); and ``1 - g``, one fp32 value (g is a view of the gate)."""
+    return N * C * act + (N * C * act if act != FP32 else 0) + FP32
+
+
+def lever_bytes(cfg: GPTConfig, N: int, act: int, recompute: bool) -> int:
+    """Activation bytes the speedrun's levers add to a training forward over N tokens.
+
+    - ``value_embeds`` K: the K fp32 lookups (N, C), alive through the forward (GPT.forward holds
+      them; in fp32 they are also what the gates' products keep) and, unless the blocks are
+      recomputed (activation checkpointing), each of the 2K gated layers' ``value_gate_saved_bytes``.
+    - ``unet_skips``: ``w[i] * out_i`` keeps out_i, block i's output, which is block i+1's input and
+      counted with it, except for the last early block when n_layer is even: its successor, the
+      first late block, takes the sum as its input, so that out_i is one fp32 (N, C) more. The sums
+      are their blocks' inputs, counted with them; the products are not kept.
+    - ``zero_init_head``: nothing (it sets initial weights only).
+
+    tests/unit/test_memplan.py counts what autograd keeps in a real Block with a value embedding
+    and in a whole GPT with every lever on against this, fp32 and bf16 autocast, exactly.
+    """
+    C, K = cfg.n_embd, cfg.value_embeds
+    out = K * N * C * FP32 + (0 if recompute else 2 * K * value_gate_saved_bytes(N, C, act))
+    if cfg.unet_skips and cfg.n_layer % 2 == 0:
+        out += N * C * FP32
+    return out
+
+
 def loss_workspace_bytes(N: int, V: int, C: int, compute: int, x_size: int, w_size: int,
                          softcap: float = 0.0) -> int:
     """Peak bytes inside chunked_cross_entropy's forward (eager kernel), replaying its loop.
@@ -217,13 +256,18 @@ def loss_workspace_bytes(N: int, V: int, C: int, compute: int, x_size: int, w_si
 
 def predict(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_batch: int = 1,
             seq_len: Optional[int] = None, dtype: str = "bfloat16", activation_checkpointing: bool = False,
-            accum: int = 2, device: str = "cuda", compiled: bool = False, optimizer: str = "adamw") -> Prediction:
-    """Peak per-rank bytes of one training step: the largest of ``phases``, plus the runtime."""
+            accum: int = 2, device: str = "cuda", compiled: bool = False, optimizer: str = "adamw",
+            muon_variant: str = "muon") -> Prediction:
+    """Peak per-rank bytes of one training step: the largest of ``phases``, plus the runtime.
+
+    ``accum`` is the run's accumulation after any batch ramp (--batch-ramp-steps): a ramp's
+    early steps accumulate fewer micro-batches of the same size, never more, so they peak no
+    higher (the ramp is otherwise ignored here)."""
     check(strategy, world_size, micro_batch, dtype, accum, device)
     peak = max(phases(cfg, strategy=strategy, world_size=world_size, micro_batch=micro_batch, seq_len=seq_len,
                       dtype=dtype, activation_checkpointing=activation_checkpointing, accum=accum,
                       chunked_loss=used_for(device, compiled, sharded=strategy == "fsdp"), device=device,
-                      optimizer=optimizer),
+                      optimizer=optimizer, muon_variant=muon_variant),
                key=lambda ph: ph.total)
     peak.terms["runtime"] = runtime_bytes(device)
     # On CPU the peak RSS exceeds the peak of live tensors by about one more chunked-loss
@@ -240,7 +284,7 @@ def predict(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro
 def phases(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_batch: int = 1,
            seq_len: Optional[int] = None, dtype: str = "bfloat16", activation_checkpointing: bool = False,
            accum: int = 2, chunked_loss: bool = True, device: str = "cuda",
-           optimizer: str = "adamw") -> list[Prediction]:
+           optimizer: str = "adamw", muon_variant: str = "muon") -> list[Prediction]:
     """Tensor bytes per rank at each moment a step can peak (see the module docstring).
 
     Activations are autocast's under both strategies (the norms in fp32, the residual stream
@@ -256,7 +300,8 @@ def phases(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_
     ``accum`` > 1 keeps the gradients alive through later forwards under DDP too.
     ``chunked_loss`` False: the loss of a compiled model on a GPU (chunked_loss.used_for).
     ``device`` picks what differs between CPU and CUDA kernels in what autograd keeps
-    (``block_saved_bytes``: RMSNorm, ReLU^2 under autocast).
+    (``block_saved_bytes``: RMSNorm, ReLU^2 under autocast). The speedrun's levers: ``lever_bytes``;
+    FSDP's two blocks in flight are counted without the value-embedding gates (one value each).
     """
     check(strategy, world_size, micro_batch, dtype, accum, device)
     T = seq_len or cfg.block_size
@@ -265,11 +310,11 @@ def phases(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_
     whole = FP32 * p["total"]
     fsdp = strategy == "fsdp" and world_size > 1
     shard = world_size if fsdp else 1
-    fixed = {"weights": whole // shard, "optimizer": optimizer_state_bytes(cfg, optimizer) // shard,
+    fixed = {"weights": whole // shard, "optimizer": optimizer_state_bytes(cfg, optimizer, muon_variant) // shard,
              "comm_buffers": whole if strategy == "ddp" and world_size > 1 else 0}
     if fsdp:
         in_flight = FP32 * p["root"] + 2 * a * p["block"]
-        gathered = FP32 * p["root"] + L * a * p["block"]
+        gathered = FP32 * p["root"] + a * p["blocks"]
         copies, one_copy = (gathered, gathered) if accum > 1 else (in_flight, in_flight)
         grads_fwd, grads_bwd = (whole, whole) if accum > 1 else (0, whole // shard)
     else:  # autocast caches its casts of the block weights until the forward ends
@@ -278,6 +323,7 @@ def phases(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_
         grads_fwd, grads_bwd = (whole if accum > 1 else 0), whole
     block = block_saved_bytes(cfg, micro_batch, T, a, device)
     kept = L * FP32 * N * C if activation_checkpointing else L * block
+    kept += lever_bytes(cfg, N, a, activation_checkpointing)
     # ln_f's saved tensors and its output, the token ids (inputs and targets, int64); rotary: the fp32
     # cos and sin tables (T, head size) GPT.forward builds once and passes to every block
     head = N * norm_saved_bytes(cfg.norm, C, device) + FP32 * N * C + 16 * N
@@ -289,6 +335,7 @@ def phases(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_
                                   "loss": loss})]
     if activation_checkpointing:  # the last block recomputed next to the loss's saved gradients
         saved_loss = FP32 * (N * C + V * C)
+        block += value_gate_saved_bytes(N, C, a) if cfg.value_embeds else 0  # the last block reads one
         out.append(Prediction("recompute", {**fixed, "grads": grads_bwd, "weight_copies": one_copy,
                                             "activations": kept + block + saved_loss, "loss": 0}))
     out.append(Prediction("step", {**fixed, "grads": whole // shard, "weight_copies": 0, "activations": 0, "loss": 0}))

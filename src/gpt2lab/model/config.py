@@ -65,6 +65,15 @@ class GPTConfig:
     zero_init_proj: bool = _f(False, "initialise the attention and MLP output projections (c_proj) to zero, "
                               "so every block starts as the identity")
     logit_softcap: float = _f(0.0, "cap the logits smoothly at +-X: X * tanh(logits / X); 0 = off", arch=True)
+    # The open GPT-2 speedrun's levers (issue 28; modded-nanogpt's record log): each off by default.
+    value_embeds: int = _f(0, "K extra token-embedding tables mixed into the attention values, U-net style: "
+                           "table i into layer i and into layer n_layer-K+i, as v = (1-g) v + g table[token] "
+                           "with a learned scalar g per layer (starting at 0.5); 0 = off", shape=True)
+    unet_skips: bool = _f(False, "U-net skips between blocks: the output of block i (i < n_layer // 2), times a "
+                          "learned scalar (starting at 1), is added to the input of its mirror block n_layer-1-i",
+                          shape=True)
+    zero_init_head: bool = _f(False, "initialise an untied lm_head to zero (every first logit 0); needs "
+                              "tie_embeddings false")
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
@@ -90,13 +99,21 @@ class GPTConfig:
             raise ValueError(f"rope_theta {self.rope_theta} must be > 0")
         if self.logit_softcap < 0:
             raise ValueError(f"logit_softcap {self.logit_softcap} must be >= 0 (0 = off)")
+        if not 0 <= 2 * self.value_embeds <= self.n_layer:
+            raise ValueError(f"value_embeds {self.value_embeds} must be in [0, n_layer / 2] (each table feeds a "
+                             f"first and a last layer; n_layer {self.n_layer})")
+        if self.unet_skips and self.n_layer < 2:
+            raise ValueError("unet_skips needs n_layer >= 2 (block i feeds block n_layer-1-i for i < n_layer // 2)")
+        if self.zero_init_head and self.tie_embeddings:
+            raise ValueError("zero_init_head needs tie_embeddings false (a tied lm_head is wte: zeroing it would "
+                             "zero the token embeddings)")
 
     @property
     def real_vocab_size(self) -> int:
         return self.token_vocab_size or self.vocab_size
 
     def modern(self) -> dict:
-        """The modern-block fields set away from GPT-2's defaults, by name."""
+        """The modern-block and lever fields set away from GPT-2's defaults, by name."""
         base = GPTConfig()
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if f.name in MODERN_FIELDS and getattr(self, f.name) != getattr(base, f.name)}
@@ -155,8 +172,9 @@ PRESET_ALIASES = {s.label.lower(): s.hub for s in SIZES}
 def size_named(label: str) -> Size:
     return next(s for s in SIZES if s.label == label)
 
+# The fields a GPT-2 does not have: the modern block's switches and the speedrun's levers.
 MODERN_FIELDS = ("pos_emb", "rope_theta", "norm", "qk_norm", "mlp_act", "tie_embeddings", "zero_init_proj",
-                 "logit_softcap")
+                 "logit_softcap", "value_embeds", "unet_skips", "zero_init_head")
 
 
 # -- the architecture in a run config (config.json, presets, flags) ------------------------

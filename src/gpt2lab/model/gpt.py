@@ -5,8 +5,8 @@ that moving weights between the two is four transposes and nothing else (see hf.
 No I/O, printing, optimizer or distributed code lives here.
 
 Beside GPT-2, the modern block's switches (GPTConfig.pos_emb, norm, qk_norm, mlp_act,
-tie_embeddings, zero_init_proj, logit_softcap), each a small branch below; off, the model
-is GPT-2's to the bit.
+tie_embeddings, zero_init_proj, logit_softcap) and the speedrun's levers (value_embeds,
+unet_skips, zero_init_head), each a small branch below; off, the model is GPT-2's to the bit.
 """
 from __future__ import annotations
 
@@ -49,6 +49,15 @@ def norm_layer(config: GPTConfig) -> nn.Module:
     if config.norm == "rmsnorm":
         return nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)
     return nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+
+
+def value_embed_table(config: GPTConfig, layer: int) -> Optional[int]:
+    """The value-embedding table layer ``layer`` mixes into its values (None: none). With K
+    tables, table i feeds layer i and its U-net partner, layer n_layer - K + i."""
+    K, L = config.value_embeds, config.n_layer
+    if layer < K:
+        return layer
+    return layer - (L - K) if layer >= L - K else None
 
 
 class ReLUSquared(nn.Module):
@@ -125,11 +134,17 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.RESIDUAL_SCALE_INIT = True
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
+        if value_embed_table(config, layer_idx) is not None:  # 1-D: FSDP2 shards no 0-d parameter
+            self.ve_gate = nn.Parameter(torch.full((1,), 0.5))
 
     def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None,
-                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                ve: Optional[torch.Tensor] = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
+        if ve is not None:  # value embedding: v = (1 - g) v + g ve (g 0-d: v keeps its dtype under autocast)
+            g = self.ve_gate[0]
+            v = (1 - g) * v + g * ve.to(v.dtype)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         if self.qk_norm:  # no gain; cast back, autocast may run the norm in fp32
             q, k = (F.rms_norm(t, (t.size(-1),), eps=self.eps).to(v.dtype) for t in (q, k))
@@ -174,9 +189,10 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None,
-                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                ve: Optional[torch.Tensor] = None) -> torch.Tensor:
         # Pre-LayerNorm: the residual stream itself is never normalised, only each branch's input.
-        x = x + self.attn(self.ln_1(x), kv_cache, rope)
+        x = x + self.attn(self.ln_1(x), kv_cache, rope, ve)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -192,11 +208,18 @@ class GPT(nn.Module):
             h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
             ln_f=norm_layer(config),
         ))
+        if config.value_embeds:  # value_embed_table says which layers read each one
+            self.transformer["ve"] = nn.ModuleList(nn.Embedding(config.vocab_size, config.n_embd)
+                                                   for _ in range(config.value_embeds))
+        if config.unet_skips:  # entry i: the weight of block i's output in the input of block n_layer-1-i
+            self.skip_weights = nn.Parameter(torch.ones(config.n_layer // 2))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             # Weight tying (Press & Wolf 2017), as GPT-2: input and output embeddings share one matrix.
             self.lm_head.weight = self.transformer.wte.weight
         self.apply(self._init_weights)
+        if config.zero_init_head:
+            nn.init.zeros_(self.lm_head.weight)
         # The training loss (return_logits=False). chunked: never holds the (B*T, vocab) logits
         # (chunked_loss.py; faster and smaller on CPUs); compile_loss compiles its softmax
         # kernel. chunked_loss False: logits + F.cross_entropy, which torch.compile fuses into
@@ -225,11 +248,13 @@ class GPT(nn.Module):
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameters counted once (tied wte and lm_head are one tensor); ``non_embedding``
-        leaves out the tables only looked up, never multiplied: wpe, and wte when untied."""
+        leaves out the tables only looked up, never multiplied: wpe, the value embeddings, and
+        wte when untied."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
             n -= self.transformer.wpe.weight.numel() if "wpe" in self.transformer else 0
             n -= 0 if self.config.tie_embeddings else self.transformer.wte.weight.numel()
+            n -= sum(p.numel() for p in self.transformer.ve.parameters()) if "ve" in self.transformer else 0
         return n
 
     def forward(
@@ -271,9 +296,18 @@ class GPT(nn.Module):
             x = x + self.transformer.wpe(pos)
         x = self.transformer.drop(x)
         recompute = self.activation_checkpointing and self.training and kv_cache is None
-        for block in self.transformer.h:
+        ves = [table(idx) for table in self.transformer.ve] if "ve" in self.transformer else []
+        skips = []  # unet_skips: the outputs of the first n_layer // 2 blocks
+        for i, block in enumerate(self.transformer.h):
+            mirror = self.config.n_layer - 1 - i
+            if mirror < len(skips):  # a late block: its input gets its early mirror's output, weighted
+                x = x + self.skip_weights[mirror] * skips[mirror]
+            t = value_embed_table(self.config, i)
+            ve = None if t is None else ves[t]
             # non-reentrant checkpointing replays the block's dropout masks (it saves the RNG state)
-            x = checkpoint(block, x, None, rope, use_reentrant=False) if recompute else block(x, kv_cache, rope)
+            x = checkpoint(block, x, None, rope, ve, use_reentrant=False) if recompute else block(x, kv_cache, rope, ve)
+            if self.config.unet_skips and i < self.config.n_layer // 2:
+                skips.append(x)
         if kv_cache is not None:
             kv_cache.advance(T)
         if last_only:  # generation needs the next token only: skip T-1 rows of the vocab matmul

@@ -12,6 +12,8 @@ STRATEGIES = ("ddp", "fsdp")
 STRATEGY_CHOICES = ("auto", *STRATEGIES)
 # Optimizers, LR schedules and Muon's Newton-Schulz dtypes (gpt2lab.train.optim; "auto": system.runtime).
 OPTIMIZERS = ("adamw", "muon")
+# The update --optimizer muon applies to the blocks' matrices: torch's Muon, or NorMuon's per-neuron normalisation.
+MUON_VARIANTS = ("muon", "normuon")
 LR_SCHEDULES = ("cosine", "wsd")
 NS_DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 # Inference (gpt2lab.inference.prepare): weight-only quantization, and the CPU linear kernels

@@ -25,8 +25,8 @@ from typing import Any, Optional, get_type_hints
 
 from gpt2lab.model.config import (GPT2_VOCAB_SIZE, MODEL_KEYS, PADDED_VOCAB_SIZE, GPTConfig, check_types,  # noqa: F401
                                   config_value, field_type, gpt_config, model_from_config, nest_sections)
-from gpt2lab.system.choices import (COMPILE_CHOICES, DTYPE_CHOICES, LR_SCHEDULES, NS_DTYPE_CHOICES,  # noqa: F401
-                                    OPTIMIZERS, STRATEGY_CHOICES)
+from gpt2lab.system.choices import (COMPILE_CHOICES, DTYPE_CHOICES, LR_SCHEDULES, MUON_VARIANTS,  # noqa: F401
+                                    NS_DTYPE_CHOICES, OPTIMIZERS, STRATEGY_CHOICES)
 from gpt2lab.system.errors import ConfigError, UsageError  # noqa: F401
 
 try:
@@ -66,6 +66,22 @@ class BatchConfig(_Section):
     seq_len: int = _f(1024, "tokens per sequence (at most block_size)", at_least=1)
     total_batch_tokens: int = _f(524288, "tokens per optimizer step over all processes; "
                                  "accumulation = this / (micro_batch_size * seq_len * world size)", at_least=1)
+    # The batch-size ramp (a speedrun lever): a pure function of the step (TrainConfig.accum_at), so a
+    # resumed run, whose loader continues from its saved position, takes the same batches.
+    batch_ramp_steps: int = _f(0, "ramp the tokens per step over the first N steps, linearly from batch_ramp_start "
+                               "up to total_batch_tokens in whole multiples of batch_ramp_start (0 = off)", at_least=0)
+    batch_ramp_start: Optional[int] = _f(None, "batch ramp: tokens in step 0 (a multiple of micro_batch_size x "
+                                         "seq_len x world size that divides total_batch_tokens)", at_least=1)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if bool(self.batch_ramp_steps) != (self.batch_ramp_start is not None):
+            raise ConfigError(f"batch_ramp_steps {self.batch_ramp_steps} and batch_ramp_start "
+                              f"{self.batch_ramp_start}: the ramp needs both (or neither: 0 and none)")
+        if self.batch_ramp_start is not None and self.total_batch_tokens % self.batch_ramp_start:
+            raise ConfigError(f"total_batch_tokens {self.total_batch_tokens} is not a multiple of batch_ramp_start "
+                              f"{self.batch_ramp_start}; the ramp goes from it up to total_batch_tokens in "
+                              "multiples of it")
 
 
 @dataclass
@@ -94,6 +110,10 @@ class OptimConfig(_Section):
                             "bf16), else fp32", choices=NS_DTYPE_CHOICES)
     embed_lr: Optional[float] = _f(None, "muon: AdamW peak rate of the embedding tables (default max_lr)")
     head_lr: Optional[float] = _f(None, "muon: AdamW peak rate of an untied output head (default max_lr)")
+    muon_variant: str = _f("muon", "muon: the update of the blocks' matrices: muon (orthogonalised momentum, "
+                           "torch.optim.Muon's) or normuon (NorMuon: then each output neuron's row divided by the "
+                           "root of its running mean square, rescaled to the same norm)", choices=MUON_VARIANTS)
+    muon_beta2: float = _f(0.95, "normuon: decay of the per-neuron running mean square")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -112,6 +132,11 @@ class OptimConfig(_Section):
             if value is not None and self.optimizer == "adamw":
                 raise ConfigError(f"{name} {value}: per-group rates apply to --optimizer muon; with adamw every "
                                   "group follows --max-lr (drop it, or add --optimizer muon)")
+        if self.muon_variant != "muon" and self.optimizer == "adamw":
+            raise ConfigError(f"muon_variant {self.muon_variant}: applies to --optimizer muon (drop it, or add "
+                              "--optimizer muon)")
+        if not 0.0 <= self.muon_beta2 < 1.0:
+            raise ConfigError(f"muon_beta2 {self.muon_beta2} must be in [0, 1)")
 
 
 @dataclass
@@ -261,15 +286,30 @@ class TrainConfig:
                               "gradients or AdamW state for the frozen weights; use --strategy ddp")
 
     def grad_accum_steps(self, world_size: int) -> int:
-        """Micro-steps per optimizer step; raises unless the total batch divides evenly."""
+        """Micro-steps per optimizer step (after any batch ramp); raises unless the total batch divides evenly."""
+        return self._micro_steps("total_batch_tokens", world_size)
+
+    def accum_at(self, step: int, world_size: int) -> int:
+        """Micro-steps of step ``step``: ``grad_accum_steps``, but on the batch ramp (step < N =
+        batch_ramp_steps) those of batch_ramp_start S times 1 + floor((total_batch_tokens / S - 1)
+        * step / N): the step's tokens go from S up in multiples of S, the same for any world
+        size. A pure function of the step: a resumed run takes the batches the uninterrupted one
+        took, from the loader position its checkpoint saved."""
+        end, b = self.grad_accum_steps(world_size), self.batch
+        if step >= b.batch_ramp_steps:
+            return end
+        units = 1 + (b.total_batch_tokens // b.batch_ramp_start - 1) * step // b.batch_ramp_steps
+        return units * self._micro_steps("batch_ramp_start", world_size)
+
+    def _micro_steps(self, name: str, world_size: int) -> int:
         b = self.batch
-        per_micro = b.micro_batch_size * b.seq_len * world_size
-        if b.total_batch_tokens % per_micro:
+        tokens, per_micro = getattr(b, name), b.micro_batch_size * b.seq_len * world_size
+        if tokens % per_micro:
             raise ConfigError(
-                f"total_batch_tokens {b.total_batch_tokens} is not divisible by micro_batch_size "
+                f"{name} {tokens} is not divisible by micro_batch_size "
                 f"{b.micro_batch_size} x seq_len {b.seq_len} x world size {world_size} = {per_micro}; "
-                f"set --total-batch-tokens to a multiple of {per_micro} or change --micro-batch-size")
-        return b.total_batch_tokens // per_micro
+                f"set --{name.replace('_', '-')} to a multiple of {per_micro} or change --micro-batch-size")
+        return tokens // per_micro
 
     def to_dict(self) -> dict:
         """The nested form (config.json): each section a dict under its name."""

@@ -4,7 +4,8 @@
 ``--optimizer muon``: Muon (torch.optim.Muon, its Newton-Schulz iteration in the dtype
 ``gpt2lab.runtime`` chooses for the machine) on the blocks' 2-D matrices and AdamW on
 embeddings, the head, gains and biases, each group with its own peak rate; the schedule
-(cosine or warmup-stable-decay) scales every group by the same factor.
+(cosine or warmup-stable-decay) scales every group by the same factor. ``--muon-variant
+normuon`` adds NorMuon's per-neuron normalisation after Muon's orthogonalisation.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from gpt2lab.system.choices import LR_SCHEDULES, NS_DTYPE_CHOICES, OPTIMIZERS  # noqa: F401
+from gpt2lab.system.choices import LR_SCHEDULES, MUON_VARIANTS, NS_DTYPE_CHOICES, OPTIMIZERS  # noqa: F401
 from gpt2lab.system.errors import ConfigError
 
 
@@ -102,6 +103,23 @@ def orthogonalize(g: torch.Tensor, dtype: torch.dtype, coefficients: tuple[float
     return x.T if tall else x
 
 
+def normalize_neurons(update: torch.Tensor, second_moment: torch.Tensor, beta2: float,
+                      eps: float = 1e-8) -> torch.Tensor:
+    """NorMuon's step after the orthogonalisation (Li et al. 2025, "NorMuon"), in fp32.
+
+    Each output neuron (row i of the (out, in) ``update`` O) keeps a running mean of its
+    squares, ``second_moment[i] = beta2 * v[i] + (1 - beta2) * mean_j O[i, j]^2`` (updated in
+    place); row i is divided by ``sqrt(v[i]) + eps``; the result is rescaled to O's Frobenius
+    norm, so the step's size, and muon_lr's meaning, stay Muon's (as the modded-nanogpt speedrun
+    does; the paper rescales to 0.2 sqrt(rows * cols) instead). Neurons whose rows ran large move
+    less and quiet ones more, where Muon gives every direction the same size.
+    """
+    o = update.float()
+    second_moment.lerp_(o.square().mean(dim=1), 1 - beta2)
+    n = o / (second_moment.sqrt() + eps)[:, None]
+    return n * (o.norm() / n.norm().clamp(min=eps))
+
+
 def muon_lr_scale(shape: torch.Size, adjust_lr_fn: Optional[str]) -> float:
     """The per-matrix LR factor torch.optim.Muon applies: sqrt(max(1, rows/cols)) ("original",
     the default), or 0.2 sqrt(max(rows, cols)) ("match_rms_adamw")."""
@@ -112,7 +130,8 @@ def muon_lr_scale(shape: torch.Size, adjust_lr_fn: Optional[str]) -> float:
 
 
 class Muon(torch.optim.Muon):
-    """``torch.optim.Muon`` whose Newton-Schulz iteration runs in ``ns_dtype``.
+    """``torch.optim.Muon`` whose Newton-Schulz iteration runs in ``ns_dtype``; ``variant``
+    "normuon" adds NorMuon's per-neuron normalisation (``normalize_neurons``) after it.
 
     torch runs the iteration in bf16, hard-coded. On a CPU without native bf16 that is
     ~50x slower than fp32 (a 2-core AVX2 EPYC: bf16 matmul ~1 GFLOP/s against ~50), so the
@@ -120,12 +139,15 @@ class Muon(torch.optim.Muon):
     (checks, hyper-parameters, param groups) and its state (one ``momentum_buffer`` per
     matrix) are used as they are; only ``step`` is ours, because torch offers no hook for
     the dtype. It is torch's update, written out: Nesterov momentum, orthogonalise, decoupled
-    weight decay ``p *= 1 - lr*wd``, ``p -= lr * muon_lr_scale * O``.
+    weight decay ``p *= 1 - lr*wd``, ``p -= lr * muon_lr_scale * O``. NorMuon's second moment is
+    one more state entry per matrix, ``second_moment`` (fp32, one value per row). The variant and
+    beta2 are attributes, not group entries, so a resume uses the run's own, not the checkpoint's.
     """
 
-    def __init__(self, params, *, ns_dtype: torch.dtype = torch.bfloat16, **kwargs) -> None:
+    def __init__(self, params, *, ns_dtype: torch.dtype = torch.bfloat16, variant: str = "muon", beta2: float = 0.95,
+                 **kwargs) -> None:
         super().__init__(params, **kwargs)
-        self.ns_dtype = ns_dtype
+        self.ns_dtype, self.variant, self.beta2 = ns_dtype, variant, beta2
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -146,6 +168,10 @@ class Muon(torch.optim.Muon):
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
                 update = orthogonalize(update, self.ns_dtype, group["ns_coefficients"], group["ns_steps"],
                                        group["eps"])
+                if self.variant == "normuon":
+                    if "second_moment" not in state:
+                        state["second_moment"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
+                    update = normalize_neurons(update, state["second_moment"], self.beta2)
                 p.mul_(1 - lr * wd)
                 p.add_(update, alpha=-lr * muon_lr_scale(p.shape, group["adjust_lr_fn"]))
         return loss
@@ -210,7 +236,8 @@ def muon_split(model: nn.Module) -> dict[str, list[nn.Parameter]]:
 
 def make_muon(model: nn.Module, *, muon_lr: float, muon_momentum: float, muon_weight_decay: float,
               ns_dtype: torch.dtype, lr: float, embed_lr: float, head_lr: float, weight_decay: float,
-              betas: tuple[float, float], eps: float, device: torch.device) -> Optimizers:
+              betas: tuple[float, float], eps: float, device: torch.device, variant: str = "muon",
+              muon_beta2: float = 0.95) -> Optimizers:
     """Muon on the blocks' 2-D matrices, AdamW (fused where available) on the rest.
 
     Every group carries ``lr_name``, the TrainConfig field its peak rate comes from
@@ -224,7 +251,7 @@ def make_muon(model: nn.Module, *, muon_lr: float, muon_momentum: float, muon_we
         raise ConfigError("--optimizer muon: the model has no 2-D matrices inside its blocks to give Muon; "
                           "use --optimizer adamw")
     muon = Muon([{"params": split["hidden"], "lr_name": "muon_lr"}], lr=muon_lr, momentum=muon_momentum,
-                weight_decay=muon_weight_decay, nesterov=True, ns_dtype=ns_dtype)
+                weight_decay=muon_weight_decay, nesterov=True, ns_dtype=ns_dtype, variant=variant, beta2=muon_beta2)
     other = split["other"]
     groups = [{"params": split["embed"], "lr": embed_lr, "weight_decay": weight_decay, "lr_name": "embed_lr"},
               {"params": split["head"], "lr": head_lr, "weight_decay": weight_decay, "lr_name": "head_lr"},
@@ -254,7 +281,8 @@ def build_optimizer(model: nn.Module, opt, device: torch.device, ns_dtype: Optio
     return make_muon(model, muon_lr=opt.muon_lr, muon_momentum=opt.muon_momentum,
                      muon_weight_decay=opt.muon_weight_decay, ns_dtype=getattr(torch, ns_dtype or "float32"),
                      lr=opt.max_lr, embed_lr=peak_lr(opt, "embed_lr"), head_lr=peak_lr(opt, "head_lr"),
-                     weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2), eps=opt.eps, device=device)
+                     weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2), eps=opt.eps, device=device,
+                     variant=opt.muon_variant, muon_beta2=opt.muon_beta2)
 
 
 def peak_lr(opt, name: str) -> float:

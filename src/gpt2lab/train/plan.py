@@ -154,6 +154,9 @@ class RunPlan:
             have = f" of the device's {self.facts.device_bytes / 2**30:.1f} GiB" if self.facts.device_bytes else ""
             mem = f"{self.memory['total'] / 1024:.2f} GiB per rank predicted{have} (peak at {self.memory['phase']})"
         peak = self.peak_flops.value
+        b = c.batch
+        ramp = (f"; ramped from {b.batch_ramp_start:,} tokens ({c.accum_at(0, self.facts.world_size)} micro-steps) "
+                f"at step 0 over {b.batch_ramp_steps} steps" if b.batch_ramp_steps else "")
         out = [f"out       {c.out}" + (f" (resume from {self.resume})" if self.resume else " (new run)"),
                f"machine   {self.facts.describe()}",
                f"model     {m.n_layer} layers, {m.n_head} heads, {m.n_embd} wide, block {m.block_size}, "
@@ -167,10 +170,11 @@ class RunPlan:
                 f"strategy  {self.strategy.value} ({self.strategy.reason})"
                 + ("; activation checkpointing on" if c.parallel.activation_checkpointing else ""),
                 f"loss      {self.loss.value} ({self.loss.reason})",
-                f"optimizer {c.optim.optimizer}, {c.optim.lr_schedule} schedule"
+                f"optimizer {c.optim.optimizer}"
+                + (f" ({c.optim.muon_variant})" if c.optim.muon_variant != "muon" else "") + f", {c.optim.lr_schedule} schedule"
                 + (f"; Newton-Schulz in {self.ns_dtype.value} ({self.ns_dtype.reason})" if self.ns_dtype else ""),
                 f"batch     {c.batch.total_batch_tokens:,} tokens/step = micro-batch {c.batch.micro_batch_size} "
-                f"x seq {c.batch.seq_len} x {self.facts.world_size} process(es) x {self.accum} micro-steps; "
+                f"x seq {c.batch.seq_len} x {self.facts.world_size} process(es) x {self.accum} micro-steps{ramp}; "
                 f"steps to {c.optim.max_steps}",
                 "peak      " + (f"{peak / 1e12:.0f} TFLOP/s per device ({self.peak_flops.reason})" if peak
                                  else f"unknown ({self.peak_flops.reason}); no MFU"),
@@ -248,7 +252,8 @@ def _predict(cfg: TrainConfig, facts: Facts, strategy: str, dtype: str, accum: i
     return memplan.predict(cfg.model, strategy=strategy, world_size=facts.world_size,
                            micro_batch=cfg.batch.micro_batch_size, seq_len=cfg.batch.seq_len, dtype=dtype,
                            activation_checkpointing=cfg.parallel.activation_checkpointing, accum=accum,
-                           device=device, compiled=compiled, optimizer=cfg.optim.optimizer)
+                           device=device, compiled=compiled, optimizer=cfg.optim.optimizer,
+                           muon_variant=cfg.optim.muon_variant)
 
 
 def make_plan(request: Request | TrainConfig, facts: Facts, resume: Optional[str] = None,
@@ -284,6 +289,7 @@ def make_plan(request: Request | TrainConfig, facts: Facts, resume: Optional[str
         check_resume_settings(cfg, saved, where)
     check_hellaswag(cfg)
     accum = cfg.grad_accum_steps(facts.world_size)
+    cfg.accum_at(0, facts.world_size)  # the batch ramp's start divides evenly too (raises if not)
     muon = cfg.optim.optimizer == "muon"
     choices = runtime.resolve(facts.device.device_type, cfg.system.dtype, cfg.system.compile, facts=facts.device,
                               ns_dtype=cfg.optim.muon_ns_dtype if muon else None)

@@ -164,7 +164,8 @@ class Trainer:
         cfg, t0 = self.cfg, time.perf_counter()
         lr = scheduled_lr(self.step, cfg.optim)  # max_lr's group; set_lrs gives every group its own
         position = self.spikes.skip_bad_data(self.loader)
-        loss = accumulate_gradients(self.train_model, self.loader.next_batch, self.accum, self.device, self.dtype,
+        accum = cfg.accum_at(self.step, self.info.world_size)  # self.accum, or fewer on the batch ramp
+        loss = accumulate_gradients(self.train_model, self.loader.next_batch, accum, self.device, self.dtype,
                                     self.scaler)
         norm = unscaled_grad_norm(self.raw, self.optimizer, self.scaler, cfg.optim.grad_clip)
         loss_v, norm_v = loss.item(), norm.item()
@@ -176,7 +177,8 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
-        self.tokens += cfg.batch.total_batch_tokens
+        tokens = accum * cfg.batch.micro_batch_size * cfg.batch.seq_len * self.info.world_size
+        self.tokens += tokens
         record = {"step": self.step, "lr": lr}
         if not finite:  # logged as text: NaN is not JSON, and a plot must not mistake it for a loss
             kind = "nan" if np.isnan(loss_v) or np.isnan(norm_v) else "inf"
@@ -184,11 +186,11 @@ class Trainer:
             return {**record, "grad_scaler": True} if scaler_skip else record
         if spike is not None:
             return {**record, "skipped": "spike", "loss": loss_v, "grad_norm": norm_v, **spike}
-        return {**record, "train_loss": loss_v, "grad_norm": norm_v, **self._speed(dt)}
+        return {**record, "train_loss": loss_v, "grad_norm": norm_v, **self._speed(dt, tokens)}
 
-    def _speed(self, dt: float) -> dict:
-        """Throughput, MFU and (CUDA) peak memory of a step that took ``dt`` seconds."""
-        tok_per_s = self.cfg.batch.total_batch_tokens / dt
+    def _speed(self, dt: float, tokens: int) -> dict:
+        """Throughput, MFU and (CUDA) peak memory of a step of ``tokens`` that took ``dt`` seconds."""
+        tok_per_s = tokens / dt
         mfu = self.flops_per_token * tok_per_s / (self.peak * self.info.world_size) if self.peak else None
         out = {"dt_ms": 1000 * dt, "tok_per_s": tok_per_s, "mfu": mfu, "tokens": self.tokens}
         if self.device.type == "cuda":

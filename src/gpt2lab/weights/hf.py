@@ -247,13 +247,15 @@ def hub_files(name: str) -> tuple[str, str]:
 # ---------------------------------------------------------------- export
 
 def unexportable(config: GPTConfig) -> list[str]:
-    """The modern-block fields (as ``field=value``) that HF's GPT-2 cannot compute.
+    """The modern-block and lever fields (as ``field=value``) that HF's GPT-2 cannot compute.
 
-    GPT2LMHeadModel has learned positions, LayerNorm, GELU (tanh), no QK-norm and no logit
-    softcap; an untied head it has (tie_word_embeddings false). zero_init_proj only sets
-    the initial weights, and rope_theta matters only with rotary positions.
+    GPT2LMHeadModel has learned positions, LayerNorm, GELU (tanh), no QK-norm, no logit
+    softcap, no value embeddings and no skips between blocks; an untied head it has
+    (tie_word_embeddings false). zero_init_proj and zero_init_head only set the initial
+    weights, and rope_theta matters only with rotary positions.
     """
-    ignored = {"tie_embeddings", "zero_init_proj"} | ({"rope_theta"} if config.pos_emb != "rotary" else set())
+    ignored = ({"tie_embeddings", "zero_init_proj", "zero_init_head"}
+               | ({"rope_theta"} if config.pos_emb != "rotary" else set()))
     return [f"{k}={v}" for k, v in config.modern().items() if k not in ignored]
 
 
