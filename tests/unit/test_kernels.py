@@ -90,7 +90,8 @@ def test_int8_linear_multiplies_by_the_dequantized_weight(dtype, width):
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("block", [{}, MODERN], ids=["gpt2", "modern"])
+@pytest.mark.parametrize("block", [{}, MODERN, dict(MODERN, value_embeds=1, unet_skips=True)],
+                         ids=["gpt2", "modern", "levers"])
 @pytest.mark.parametrize("kernel", ["decode", "packed"])
 def test_a_prepared_fp32_model_gives_the_models_logits_and_shares_its_other_weights(block, kernel):
     if kernel == "packed" and not packing_available():
