@@ -156,6 +156,18 @@ def test_logprobs_without_echo_cover_the_completion_only(server):
     assert lp["text_offset"][0] == len("Hello there")  # offsets count from the prompt's start, as OpenAI's
 
 
+def test_logprobs_of_a_stopped_choice_end_with_the_token_that_completed_the_stop(server):
+    url, _ = server
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 24, "seed": 11, "logprobs": 0}
+    full = post(url, "/v1/completions", body)["choices"][0]["text"]
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    r = post(url, "/v1/completions", {**body, "stop": stop})
+    ids = [token_ids_by_name()[t] for t in r["choices"][0]["logprobs"]["tokens"]]
+    assert r["choices"][0]["finish_reason"] == "stop" and len(ids) == r["usage"]["completion_tokens"]
+    cut = r["choices"][0]["text"] + stop
+    assert get_tokenizer().decode(ids).startswith(cut) and not get_tokenizer().decode(ids[:-1]).startswith(cut)
+
+
 # --- chat
 
 CONVERSATION = [{"role": "system", "content": "You answer briefly."},
