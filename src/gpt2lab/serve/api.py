@@ -374,11 +374,9 @@ async def _stream(c: Completion, job: Job) -> AsyncIterator[str]:
     tokens, logprobs = 0, c.logprobs()
     async for event in _events(job):
         if isinstance(event, Text):
-            if logprobs:  # every token's chunk carries its logprobs, text or not
-                part = logprobs[event.index].add(event.logprobs or [])
+            if event.text or event.logprobs:  # a token's chunk carries its logprobs, text or not
+                part = logprobs[event.index].add(event.logprobs or []) if logprobs else None
                 yield _sse(c.chunk([_choice(event.index, event.text, None, part)]))
-            elif event.text:
-                yield _sse(c.chunk([_choice(event.index, event.text, None)]))
         else:
             tokens += event.tokens
             yield _sse(c.chunk([_choice(event.index, "", event.reason)]))
