@@ -5,6 +5,7 @@ wrong methods with OpenAI's error body; in both server modes."""
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
@@ -134,7 +135,7 @@ def test_sampled_tokens_carry_their_logprob_before_temperature_and_top_k(server)
     with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
         for line in s.iter_lines():
             if line.startswith("data: {"):
-                chunks.append(__import__("json").loads(line[6:]))
+                chunks.append(json.loads(line[6:]))
     parts = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
     joined = {k: sum((p[k] for p in parts), []) for k in lp}
     assert joined["tokens"] == lp["tokens"] and joined["text_offset"] == lp["text_offset"]
