@@ -69,6 +69,42 @@ def test_playground_streams_each_models_text_into_its_column(browser, gpt2_vocab
         page.close()
 
 
+def test_playground_chat_mode_streams_each_reply_as_a_turn(browser, gpt2_vocab_export):
+    """Chat mode: the message and the streamed reply show as turns, the reply is what
+    /v1/chat/completions answers with the same settings, and the next message carries the
+    conversation so far."""
+    _, d = gpt2_vocab_export
+    with running_server([f"tiny={d}"]) as url:
+        page = browser.new_page()
+        page.goto(url + "/")
+        page.wait_for_function("document.querySelectorAll('.col').length === 1")
+        assert not page.is_visible("#system")
+        page.check("#chat_mode")
+        assert page.inner_text("#go") == "Send" and page.is_visible("#system")
+        settings = {"system": "You answer briefly.", "max_tokens": "10", "temperature": "0.8", "top_k": "50",
+                    "top_p": "1", "seed": "9"}
+        for field, value in settings.items():
+            page.fill(f"#{field}", value)
+        body = {"model": "tiny", "max_tokens": 10, "temperature": 0.8, "top_k": 50, "top_p": 1, "seed": 9}
+        messages = [{"role": "system", "content": settings["system"]}]
+        for n, message in enumerate(["Hello there!", "And then?"], start=1):
+            page.fill("#prompt", message)
+            page.click("#go")
+            page.wait_for_function(f"document.querySelectorAll('.turn').length === {2 * n} && "
+                                   "document.querySelector('.meta').textContent.includes('tokens in')",
+                                   timeout=60_000)
+            assert page.input_value("#prompt") == ""  # sent
+            messages.append({"role": "user", "content": message})
+            expected = httpx.post(url + "/v1/chat/completions", json={**body, "messages": messages}, timeout=60).json()
+            reply = expected["choices"][0]["message"]["content"]
+            turns = page.eval_on_selector_all(".turn", "ts => ts.map(t => [t.classList[1], "
+                                                       "t.querySelector('.content').textContent])")
+            assert turns[-2:] == [["user", message], ["assistant", reply]]
+            assert f"{expected['usage']['completion_tokens']} tokens in" in page.inner_text(".meta")
+            messages.append({"role": "assistant", "content": reply})
+        page.close()
+
+
 def test_playground_shows_a_refused_request_then_streams(browser, tmp_path):
     """A full queue (one row, one waiting request) answers the page's request with 429: the
     column shows the error; once the queue drains, the same button streams a completion."""

@@ -107,7 +107,7 @@ def test_activation_checkpointing_is_off_outside_training():
     idx = torch.randint(0, 50257, (1, 8))
     with torch.no_grad():
         plain = model(idx)[0]  # eval mode (tiny_gpt): no checkpoint wrapper, no recompute
-        cached = generate(model, idx, 3, top_k=1)
+        cached = generate(model, idx, 3, top_k=1, prepare=False)  # the model itself, not its inference copy
     assert calls["n"] == 1 + 3 and plain.shape == (1, 8, 50304) and cached.shape == (1, 11)
 
 

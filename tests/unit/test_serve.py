@@ -129,7 +129,7 @@ def test_batched_requests_draw_the_tokens_sample_draws(server, gpt2_vocab_export
     expected = []
     for prompt, seed, temperature, top_k in cases:
         s = Sampling(max_new_tokens=20, temperature=temperature, top_k=top_k)
-        expected.append("".join(t for _, t in stream_text(model, prompt_ids(prompt, 50257), s,
+        expected.append("".join(t for _, t, _ in stream_text(model, prompt_ids(prompt, 50257), s,
                                                            seeded_generator(torch.device("cpu"), seed))))
     got: dict[int, str] = {}
     barrier = threading.Barrier(len(cases))
@@ -232,7 +232,8 @@ def test_stop_filter_holds_back_a_possible_start():
     ({"model": "tiny", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ({"model": "tiny", "prompt": [60000]}, 400, "outside the model's vocabulary"),
     ({"model": "tiny", "prompt": "x", "max_new_tokens": 5}, 400, "unrecognized request argument"),
-    ({"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "logprobs is not supported"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 6}, 400, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias is not supported"),
     ({"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
     ({"prompt": "x"}, 400, "model"),
 ])

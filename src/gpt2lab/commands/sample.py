@@ -93,7 +93,7 @@ def _stream_one(model, ids: list[int], args: argparse.Namespace, generator: torc
                         top_p=args.top_p, stop_at_eot=args.stop_at_eot)
     out = sys.stdout
     out.write(args.prompt)
-    for _, text in stream_text(model, ids, sampling, generator):
+    for _, text, _ in stream_text(model, ids, sampling, generator):
         out.write(text)
         out.flush()
     out.write("\n")

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         raise
     host = f"[{args.host}]" if ":" in args.host else args.host
     mode = "requests in turns (--deterministic)" if args.deterministic else f"batches of up to {limits.max_batch} rows"
-    print(f"gpt2lab serve: {', '.join(names)} at http://{host}:{sock.getsockname()[1]}/ (API: /v1/completions, /v1/models, "
+    print(f"gpt2lab serve: {', '.join(names)} at http://{host}:{sock.getsockname()[1]}/ (API: /v1/completions, /v1/chat/completions, /v1/models, "
           f"/metrics); {mode}, queue {limits.max_queue}", file=sys.stderr, flush=True)
     access = logging.getLogger("gpt2lab.serve.access")  # one line per request on stderr
     handler = logging.StreamHandler(sys.stderr)

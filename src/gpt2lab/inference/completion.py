@@ -2,7 +2,8 @@
 
 Loading (the model prepared for inference: inference/prepare.py), prompt encoding, seeding and the token-by-token decode
 live here once, so a seeded request to the server and ``gpt2lab sample`` with the same
-seed and settings cannot drift apart.
+seed and settings cannot drift apart; so do the log-probabilities the server reports
+(``token_logprobs``, ``score_prompt``), one definition for both of its workers.
 """
 from __future__ import annotations
 
@@ -77,27 +78,67 @@ def seeded_generator(device: torch.device, seed: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def stream_text(model: GPT, ids: list[int], sampling: Sampling,
-                generator: torch.Generator) -> Iterator[tuple[Optional[int], str]]:
-    """Yield (token id, text) per sampled token, ending at <|endoftext|> (if asked) or the limit.
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token and its log-probability under the model (None for a text's first token, which
+    nothing predicts), with the most likely tokens at that position, most likely first."""
+    token: int
+    logprob: Optional[float]
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab: int, top: int) -> list[TokenLogprob]:
+    """Each target's log-probability under the logits (T, V) that predict it, and the ``top`` most
+    likely tokens there: the model's own distribution, a float32 log-softmax over its first
+    ``vocab`` (real) tokens, before any temperature, top-k or top-p."""
+    lp = torch.log_softmax(logits[:, :vocab].float(), dim=-1)
+    chosen = lp.gather(-1, targets[:, None].to(lp.device))[:, 0].tolist()
+    if top:
+        best = lp.topk(min(top, vocab), dim=-1)
+        tops = [tuple(zip(i, v)) for i, v in zip(best.indices.tolist(), best.values.tolist())]
+    else:
+        tops = [()] * len(chosen)
+    return [TokenLogprob(t, c, k) for t, c, k in zip(targets.tolist(), chosen, tops)]
+
+
+def score_prompt(model: GPT, ids: list[int], top: int) -> list[TokenLogprob]:
+    """Every token of ``ids`` with its log-probability given the tokens before it (one forward of
+    the whole prompt); the first token's is None."""
+    idx = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
+    with torch.inference_mode():
+        logits, _ = model(idx)
+    first = TokenLogprob(ids[0], None)
+    return [first, *token_logprobs(logits[0, :-1], idx[0, 1:], model.config.real_vocab_size, top)]
+
+
+def stream_text(model: GPT, ids: list[int], sampling: Sampling, generator: torch.Generator,
+                logprobs: Optional[int] = None) -> Iterator[tuple[Optional[int], str, Optional[TokenLogprob]]]:
+    """Yield (token id, text, log-probability) per sampled token, ending at <|endoftext|> (if asked)
+    or the limit; the log-probability (``token_logprobs``, with the ``logprobs`` most likely
+    tokens) only when ``logprobs`` is given, else None.
 
     Bytes of a character split across tokens are held back until the character is
-    complete (their token yields ''); the last item is (None, what was held back), and the
-    EOT token itself yields nothing.
+    complete (their token yields ''); the last item is (None, what was held back, None), and
+    the EOT token itself yields nothing.
     """
     from gpt2lab.inference.generate import generate_stream
 
     text = TokenText()
     stop = EOT_ID if sampling.stop_at_eot else None
     prompt = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
+    seen: list[torch.Tensor] = []  # the logits each token was drawn from, when logprobs are asked
     stream = generate_stream(model, prompt, sampling.max_new_tokens, temperature=sampling.temperature,
-                             **sampling.filters(), generator=generator, stop_token=stop)
+                             **sampling.filters(), generator=generator, stop_token=stop,
+                             on_logits=None if logprobs is None else seen.append)
     for tok, _ in stream:
         t = int(tok[0])
         if stop is not None and t == stop:
             break
-        yield t, text.feed(t)
-    yield None, text.flush()
+        lp = None
+        if logprobs is not None:
+            lp = token_logprobs(seen.pop(), tok, model.config.real_vocab_size, logprobs)[0]
+        yield t, text.feed(t), lp
+    yield None, text.flush(), None
 
 
 class TokenText:

@@ -14,7 +14,7 @@ tokens are re-run every step, which is what the cache must reproduce token for t
 from __future__ import annotations
 
 import weakref
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch.nn import functional as F
@@ -78,11 +78,13 @@ def generate_stream(
     generator: Optional[torch.Generator] = None,
     stop_token: Optional[int] = None,
     use_cache: bool = True,
+    on_logits: Optional[Callable[[torch.Tensor], None]] = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield (tokens (B,), finished (B,) bool) once per new position.
 
     A row that produced ``stop_token`` is finished: later positions repeat ``stop_token``
-    for it. The stream ends early when every row is finished.
+    for it. The stream ends early when every row is finished. ``on_logits``, if given, sees
+    each step's logits (B, real vocabulary) before the tokens are drawn from them.
     """
     if idx.dim() != 2 or idx.size(1) == 0:
         raise ValueError(f"idx must be (batch, time) with at least one token, got shape {tuple(idx.shape)}")
@@ -104,6 +106,8 @@ def generate_stream(
             # Past the block the window slides, every position moves, and the cache no longer applies.
             logits, _ = model(seq[:, max(0, n - block):n], last_only=True)
         logits = logits[:, -1, :real_vocab]  # padded vocabulary rows are never sampled
+        if on_logits is not None:
+            on_logits(logits)
         nxt = sample_next(logits, temperature, top_k, top_p, generator)
         if stop_token is not None:
             nxt = torch.where(finished, torch.full_like(nxt, stop_token), nxt)

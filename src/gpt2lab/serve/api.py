@@ -1,10 +1,12 @@
-"""The FastAPI app: OpenAI's ``/v1/completions`` and ``/v1/models``, and the playground at ``/``.
+"""The FastAPI app: OpenAI's ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``, and
+the playground at ``/``.
 
-Responses and stream chunks have OpenAI's shapes, so the official ``openai`` client and
-curl work unchanged. Every bad request gets a 4xx with OpenAI's error body
-``{"error": {"message", "type", "param", "code"}}`` and the server goes on serving; a full
-queue gets 429 at once, a request past the timeout 504. ``/metrics`` is Prometheus' text
-format; every request leaves one line in the access log (logger ``gpt2lab.serve.access``).
+Responses and stream chunks have OpenAI's shapes, so the official ``openai`` client, curl and
+lm-evaluation-harness's ``local-completions`` work unchanged. Every bad request gets a 4xx with
+OpenAI's error body ``{"error": {"message", "type", "param", "code"}}`` (an unknown route 404, a
+wrong method 405) and the server goes on serving; a full queue gets 429 at once, a request past
+the timeout 504. ``/metrics`` is Prometheus' text format; every request leaves one line in the
+access log (logger ``gpt2lab.serve.access``).
 """
 from __future__ import annotations
 
@@ -24,8 +26,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
-from gpt2lab.inference.completion import PromptError, Sampling, check_ids
+from gpt2lab.inference.completion import PromptError, Sampling, TokenLogprob, TokenText, check_ids
+from gpt2lab.serve import chat
 from gpt2lab.serve.engine import Failed, Finish, Job, QueueFull, Text, TimedOut, Work, Worker
 from gpt2lab.serve.metrics import ServeMetrics
 from gpt2lab.data.tokenizer import EOT_ID, get_tokenizer
@@ -33,11 +37,12 @@ from gpt2lab.data.tokenizer import EOT_ID, get_tokenizer
 MAX_N = 16  # choices per request (per prompt)
 MAX_PROMPTS = 16
 MAX_STOPS = 4  # as OpenAI
+MAX_LOGPROBS = 5  # as OpenAI's completions
 # A request body past this is refused (413) before it is read: GPT-2's longest context is
 # 1024 tokens, a few KB of text; 1 MiB leaves room for token-id lists and many prompts.
 MAX_BODY_BYTES = 1 << 20
 
-ROUTES = ("/", "/metrics", "/v1/models", "/v1/completions")
+ROUTES = ("/", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
 access_log = logging.getLogger("gpt2lab.serve.access")
 
 
@@ -57,13 +62,45 @@ class CompletionRequest(BaseModel):
     stream: Optional[bool] = False
     stream_options: Optional[dict] = None
     echo: Optional[bool] = False
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     # accepted for compatibility only at their neutral values
-    logprobs: Optional[int] = None
     best_of: Optional[int] = None
     presence_penalty: Optional[float] = 0
     frequency_penalty: Optional[float] = 0
     logit_bias: Optional[dict] = None
     suffix: Optional[str] = None
+    user: Optional[str] = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: str
+    content: Union[str, list[dict], None] = None
+
+
+class ChatRequest(BaseModel):
+    """OpenAI's chat parameters (the ones a plain-text template can honour); ``top_k`` is an extra."""
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    messages: list[ChatMessage]
+    max_tokens: Optional[int] = Field(None, ge=1)  # None: the rest of the context, up to --max-tokens
+    max_completion_tokens: Optional[int] = Field(None, ge=1)  # OpenAI's newer name for it
+    temperature: Optional[float] = Field(1.0, ge=0)
+    top_p: Optional[float] = Field(1.0, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=0)
+    n: Optional[int] = Field(1, ge=1, le=MAX_N)
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = Field(None, ge=0, lt=2 ** 63)
+    stream: Optional[bool] = False
+    stream_options: Optional[dict] = None
+    # accepted for compatibility only at their neutral values
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = None
+    presence_penalty: Optional[float] = 0
+    frequency_penalty: Optional[float] = 0
+    logit_bias: Optional[dict] = None
     user: Optional[str] = None
 
 
@@ -86,17 +123,14 @@ def error_body(message: str, kind: str = "invalid_request_error", param: Optiona
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def _unsupported(req: CompletionRequest) -> None:
-    checks = (("logprobs", req.logprobs is not None), ("best_of", req.best_of not in (None, 1, req.n)),
-              ("presence_penalty", bool(req.presence_penalty)), ("frequency_penalty", bool(req.frequency_penalty)),
-              ("logit_bias", bool(req.logit_bias)), ("suffix", bool(req.suffix)))
+def _unsupported(checks: tuple[tuple[str, bool], ...]) -> None:
     for name, bad in checks:
         if bad:
             raise APIError(400, f"{name} is not supported by gpt2lab serve; leave it out", param=name)
 
 
 def _prompts(req: CompletionRequest, vocab: int) -> tuple[list[list[int]], list[str]]:
-    """Token ids of each prompt, and each prompt's text (for echo)."""
+    """Token ids of each prompt, and each prompt's text (for echo and logprobs' text offsets)."""
     p = req.prompt
     enc = get_tokenizer()
     texts = None
@@ -114,7 +148,13 @@ def _prompts(req: CompletionRequest, vocab: int) -> tuple[list[list[int]], list[
             check_ids(one, vocab)
         except PromptError as e:
             raise APIError(400, f"prompt: {e}", param="prompt") from None
-    return ids, texts or [enc.decode([t for t in one if t < enc.n_vocab]) for one in ids]
+    return ids, texts or [_decode(one) for one in ids]
+
+
+def _decode(ids: list[int]) -> str:
+    """The text of token ids as the tokens' text is streamed (TokenText: ids past GPT-2's as <|id|>)."""
+    text = TokenText()
+    return "".join(text.feed(t) for t in ids) + text.flush()
 
 
 def _check_length(prompts: list[list[int]], max_tokens: int, worker: Worker) -> None:
@@ -129,35 +169,52 @@ def _check_length(prompts: list[list[int]], max_tokens: int, worker: Worker) -> 
                        code="context_length_exceeded")
 
 
+def _stops(stop: Optional[Union[str, list[str]]]) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOPS:
+        raise APIError(400, f"stop: at most {MAX_STOPS} sequences", param="stop")
+    return stops
+
+
+def _worker(model: str, workers: dict[str, Worker]) -> Worker:
+    if model not in workers:
+        raise APIError(404, f"The model {model!r} does not exist; this server has: "
+                            f"{', '.join(workers)}", param="model", code="model_not_found")
+    return workers[model]
+
+
 class Completion:
-    """One validated request: its worker, its events, and the response id."""
+    """One validated completion request: its worker, its work, and the response id."""
 
     def __init__(self, req: CompletionRequest, workers: dict[str, Worker]) -> None:
-        if req.model not in workers:
-            raise APIError(404, f"The model {req.model!r} does not exist; this server has: "
-                                f"{', '.join(workers)}", param="model", code="model_not_found")
-        _unsupported(req)
-        self.req, self.worker = req, workers[req.model]
-        self.prompts, texts = _prompts(req, self.worker.model.config.real_vocab_size)
-        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        self.req, self.worker = req, _worker(req.model, workers)
+        _unsupported((("best_of", req.best_of not in (None, 1, req.n)),
+                      ("presence_penalty", bool(req.presence_penalty)),
+                      ("frequency_penalty", bool(req.frequency_penalty)),
+                      ("logit_bias", bool(req.logit_bias)), ("suffix", bool(req.suffix))))
+        self.prompts, self.texts = _prompts(req, self.worker.model.config.real_vocab_size)
+        self._prepare(16 if req.max_tokens is None else req.max_tokens, _stops(req.stop),
+                      echo=self.texts if req.echo else [], logprobs=req.logprobs)
+        self.id = f"cmpl-{secrets.token_hex(12)}"
+
+    def _prepare(self, max_tokens: int, stops: list[str], echo: list[str], logprobs: Optional[int]) -> None:
+        """The work of ``self.prompts`` with the request's sampling settings (shared with chat)."""
+        req = self.req
         _check_length(self.prompts, max_tokens, self.worker)
-        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        if len(stops) > MAX_STOPS:
-            raise APIError(400, f"stop: at most {MAX_STOPS} sequences", param="stop")
         self.sampling = Sampling(max_new_tokens=max_tokens, temperature=_or(req.temperature, 1.0),
                                  top_k=req.top_k, top_p=req.top_p)
         # without a seed each prompt draws its own (equal prompts get their own samples); with one,
         # every prompt starts from it, as `gpt2lab sample --seed` does
-        self.seeds = ([req.seed] * len(self.prompts) if req.seed is not None
-                      else [secrets.randbelow(2 ** 63) for _ in self.prompts])
+        seeds = ([req.seed] * len(self.prompts) if req.seed is not None
+                 else [secrets.randbelow(2 ** 63) for _ in self.prompts])
         self.n = req.n or 1
-        self.stops, self.echo = stops, texts if req.echo else []
-        self.id, self.created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
+        self.work = Work(self.prompts, self.sampling, n=self.n, seeds=seeds, stops=stops, echo=echo,
+                         logprobs=logprobs)
+        self.created = int(time.time())
 
     def start(self) -> Job:
         """Hand the request to its worker; a full queue answers 429 at once."""
-        work = Work(self.prompts, self.sampling, n=self.n, seeds=self.seeds, stops=self.stops, echo=self.echo)
-        job = Job(work, asyncio.get_running_loop(), self.worker.limits.timeout_s)
+        job = Job(self.work, asyncio.get_running_loop(), self.worker.limits.timeout_s)
         try:
             self.worker.submit(job)
         except QueueFull as e:
@@ -173,13 +230,107 @@ class Completion:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.req.model,
                 "choices": choices, **extra}
 
+    def logprobs(self) -> dict[int, "Logprobs"]:
+        """Each choice's logprobs, built as its tokens come (empty without ``logprobs``). Text offsets
+        count from the start of the prompt, echoed or not, as OpenAI's do."""
+        if self.work.logprobs is None:
+            return {}
+        return {i: Logprobs(0 if self.work.echo else len(self.texts[i // self.n]))
+                for i in range(len(self.prompts) * self.n)}
+
+
+class ChatCompletion(Completion):
+    """One validated chat request: the messages rendered by serve/chat.py's template as one prompt."""
+
+    def __init__(self, req: ChatRequest, workers: dict[str, Worker]) -> None:
+        self.req, self.worker = req, _worker(req.model, workers)
+        _unsupported((("logprobs", bool(req.logprobs)), ("top_logprobs", req.top_logprobs is not None),
+                      ("presence_penalty", bool(req.presence_penalty)),
+                      ("frequency_penalty", bool(req.frequency_penalty)), ("logit_bias", bool(req.logit_bias))))
+        if not req.messages:
+            raise APIError(400, "messages: pass at least one message", param="messages")
+        try:
+            text = chat.render([(m.role, _content(i, m)) for i, m in enumerate(req.messages)])
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        ids = get_tokenizer().encode(text, disallowed_special=())  # "<|endoftext|>" in a message is text
+        try:
+            check_ids(ids, self.worker.model.config.real_vocab_size)
+        except PromptError as e:
+            raise APIError(400, f"messages: {e}", param="messages") from None
+        self.prompts, self.texts = [ids], [text]
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        if max_tokens is None:  # as OpenAI: what the context leaves, here up to --max-tokens
+            max_tokens = max(1, min(self.worker.limits.max_tokens, self.worker.block_size - len(ids)))
+        self._prepare(max_tokens, [*_stops(req.stop), chat.NEXT_TURN], echo=[], logprobs=None)
+        self.id = f"chatcmpl-{secrets.token_hex(12)}"
+
+    def chunk(self, choices: list[dict], **extra) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.req.model,
+                "choices": choices, **extra}
+
+
+def _content(i: int, m: ChatMessage) -> str:
+    """A message's text: a string, or the text of its ``{"type": "text"}`` parts."""
+    if m.content is None or isinstance(m.content, str):
+        return m.content or ""
+    parts = []
+    for part in m.content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
+                             f"are supported, got {part.get('type')!r}")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def token_str(t: int) -> str:
+    """A token as OpenAI's logprobs name it: its text, or ``bytes:\\xNN...`` for bytes that are not
+    whole UTF-8 characters (a character split across tokens); ids past GPT-2's as ``<|id|>``."""
+    enc = get_tokenizer()
+    if t >= enc.n_vocab:
+        return f"<|{t}|>"
+    raw = enc.decode_single_token_bytes(t)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+class Logprobs:
+    """One choice's ``logprobs`` in OpenAI's completions shape, token by token: ``tokens``,
+    ``token_logprobs`` (None for an echoed prompt's first token: nothing predicts it), ``top_logprobs``
+    (the ``logprobs`` most likely tokens, and the token itself when it is not among them, as OpenAI:
+    up to logprobs + 1 entries; None where the logprob is) and ``text_offset`` (where each token's
+    text starts)."""
+
+    def __init__(self, offset: int) -> None:
+        self.offset, self.text = offset, TokenText()
+        self.whole: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def add(self, entries: list[TokenLogprob]) -> dict:
+        """The part of ``entries`` (in the shape of the whole), which the whole takes on."""
+        part: dict[str, list] = {key: [] for key in self.whole}
+        for e in entries:
+            part["tokens"].append(token_str(e.token))
+            part["token_logprobs"].append(e.logprob)
+            top = None
+            if e.logprob is not None:
+                top = {token_str(t): lp for t, lp in e.top}
+                top.setdefault(token_str(e.token), e.logprob)
+            part["top_logprobs"].append(top)
+            part["text_offset"].append(self.offset)
+            self.offset += len(self.text.feed(e.token))
+        for key, values in part.items():
+            self.whole[key] += values
+        return part
+
 
 def _or(value, default):
     return default if value is None else value
 
 
-def _choice(index: int, text: str, finish: Optional[str]) -> dict:
-    return {"text": text, "index": index, "logprobs": None, "finish_reason": finish}
+def _choice(index: int, text: str, finish: Optional[str], logprobs: Optional[dict] = None) -> dict:
+    return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}
 
 
 async def _events(job: Job) -> AsyncIterator[Union[Text, Finish]]:
@@ -192,31 +343,74 @@ async def _events(job: Job) -> AsyncIterator[Union[Text, Finish]]:
         job.cancelled = True  # a client that went away frees its turn in the worker
 
 
-async def _complete(c: Completion, job: Job) -> JSONResponse:
+async def _collect(c: Completion, job: Job) -> tuple[dict[int, str], dict[int, str], int, dict[int, Logprobs]]:
+    """Every choice's text, finish reason and logprobs, and the completion tokens of a request."""
     texts = {i: [] for i in range(len(c.prompts) * c.n)}
-    finish, tokens = {}, 0
+    finish, tokens, logprobs = {}, 0, c.logprobs()
     async for event in _events(job):
         if isinstance(event, Text):
             texts[event.index].append(event.text)
+            if event.logprobs and logprobs:
+                logprobs[event.index].add(event.logprobs)
         else:
             finish[event.index], tokens = event.reason, tokens + event.tokens
-    choices = [_choice(i, "".join(parts), finish.get(i)) for i, parts in texts.items()]
-    return JSONResponse(c.chunk(choices, usage=c.usage(tokens)))
+    return {i: "".join(parts) for i, parts in texts.items()}, finish, tokens, logprobs
+
+
+async def _complete(c: Completion, job: Job) -> dict:
+    texts, finish, tokens, logprobs = await _collect(c, job)
+    choices = [_choice(i, text, finish.get(i), logprobs[i].whole if logprobs else None) for i, text in texts.items()]
+    return c.chunk(choices, usage=c.usage(tokens))
+
+
+async def _complete_chat(c: ChatCompletion, job: Job) -> dict:
+    texts, finish, tokens, _ = await _collect(c, job)
+    choices = [{"index": i, "message": {"role": "assistant", "content": text.lstrip()}, "logprobs": None,
+                "finish_reason": finish.get(i)} for i, text in texts.items()]
+    return {**c.chunk(choices, usage=c.usage(tokens)), "object": "chat.completion"}
 
 
 async def _stream(c: Completion, job: Job) -> AsyncIterator[str]:
-    tokens = 0
+    tokens, logprobs = 0, c.logprobs()
+    async for event in _events(job):
+        if isinstance(event, Text):
+            if event.text or event.logprobs:  # a token's chunk carries its logprobs, text or not
+                part = logprobs[event.index].add(event.logprobs or []) if logprobs else None
+                yield _sse(c.chunk([_choice(event.index, event.text, None, part)]))
+        else:
+            tokens += event.tokens
+            yield _sse(c.chunk([_choice(event.index, "", event.reason)]))
+    if (c.req.stream_options or {}).get("include_usage"):
+        yield _sse(c.chunk([], usage=c.usage(tokens)))
+
+
+async def _stream_chat(c: ChatCompletion, job: Job) -> AsyncIterator[str]:
+    def delta(index: int, content: dict, finish: Optional[str] = None) -> str:
+        return _sse(c.chunk([{"index": index, "delta": content, "logprobs": None, "finish_reason": finish}]))
+
+    choices = range(len(c.prompts) * c.n)
+    for i in choices:  # as OpenAI: each choice opens with the role
+        yield delta(i, {"role": "assistant", "content": ""})
+    tokens, started = 0, {i: False for i in choices}
+    async for event in _events(job):
+        if isinstance(event, Text):
+            text = event.text if started[event.index] else event.text.lstrip()  # the reply's leading space
+            started[event.index] = started[event.index] or bool(text)
+            if text:
+                yield delta(event.index, {"content": text})
+        else:
+            tokens += event.tokens
+            yield delta(event.index, {}, event.reason)
+    if (c.req.stream_options or {}).get("include_usage"):
+        yield _sse(c.chunk([], usage=c.usage(tokens)))
+
+
+async def _sse_stream(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A stream's events, then ``[DONE]``; an error after the headers went out is an event, as OpenAI's."""
     try:
-        async for event in _events(job):
-            if isinstance(event, Text):
-                if event.text:
-                    yield _sse(c.chunk([_choice(event.index, event.text, None)]))
-            else:
-                tokens += event.tokens
-                yield _sse(c.chunk([_choice(event.index, "", event.reason)]))
-        if (c.req.stream_options or {}).get("include_usage"):
-            yield _sse(c.chunk([], usage=c.usage(tokens)))
-    except TimedOut as e:  # headers are sent: report in the stream, as OpenAI does
+        async for chunk in chunks:
+            yield chunk
+    except TimedOut as e:
         yield _sse(error_body(str(e), kind="timeout", code="timeout"))
     except Exception as e:
         yield _sse(error_body(f"generation failed: {e}", kind="server_error"))
@@ -225,6 +419,23 @@ async def _stream(c: Completion, job: Job) -> AsyncIterator[str]:
 
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
+
+
+async def _respond(c: Completion, stream, whole):
+    """Start ``c`` (before the response starts, so that a full queue is a 429), then stream it or
+    answer once; errors as OpenAI's JSON."""
+    job = c.start()
+    if c.req.stream:
+        return StreamingResponse(_sse_stream(stream(c, job)), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        return JSONResponse(await whole(c, job))
+    except APIError:
+        raise
+    except TimedOut as e:
+        raise APIError(504, str(e), kind="timeout", code="timeout") from None
+    except Exception as e:
+        raise APIError(500, f"generation failed: {e}", kind="server_error") from e
 
 
 def create_app(workers: dict[str, Worker]) -> FastAPI:
@@ -239,6 +450,19 @@ def create_app(workers: dict[str, Worker]) -> FastAPI:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        """Routing's own errors (an unknown route, a wrong method) in OpenAI's error body."""
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            message = f"Invalid URL ({where}): this server answers {', '.join(ROUTES)}"
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "another method")
+            message = f"Method not allowed ({where}): this route takes {allowed}"
+        else:
+            message = f"{where}: {exc.detail}"
+        return JSONResponse(status_code=exc.status_code, content=error_body(message), headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -260,24 +484,16 @@ def create_app(workers: dict[str, Worker]) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "gpt2lab", "context_length": w.block_size}
-            for name, w in workers.items()]}
+            {"id": name, "object": "model", "created": 0, "owned_by": "gpt2lab", "context_length": w.block_size,
+             "note": chat.NOTE} for name, w in workers.items()]}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
-        c = Completion(req, workers)
-        job = c.start()  # before the response starts, so that a full queue is a 429
-        if req.stream:
-            return StreamingResponse(_stream(c, job), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        try:
-            return await _complete(c, job)
-        except APIError:
-            raise
-        except TimedOut as e:
-            raise APIError(504, str(e), kind="timeout", code="timeout") from None
-        except Exception as e:
-            raise APIError(500, f"generation failed: {e}", kind="server_error") from e
+        return await _respond(Completion(req, workers), _stream, _complete)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest):
+        return await _respond(ChatCompletion(req, workers), _stream_chat, _complete_chat)
 
     return app
 

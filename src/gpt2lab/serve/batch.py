@@ -15,7 +15,10 @@ steps the worker lets rows join and leave:
   cache is read as one slice, never gathered.
 
 Sampling is per row with completion.py's functions: its own generator, temperature, top-k,
-top-p, stop strings and token counts. A row's logits are those of the unbatched model up to
+top-p, stop strings and token counts. A request that echoes its prompt with ``logprobs``
+runs its prefill chunks with every position's logits (not the last only) and scores the
+prompt's tokens from them, so scoring (``max_tokens`` 0) costs the prompt's one forward,
+batched between decode steps like any prefill. A row's logits are those of the unbatched model up to
 float rounding (tests/unit/test_serve.py checks them against the one-row forward): a batched
 matmul may round differently, so a seeded request can in rare cases draw another token than
 ``gpt2lab sample``; ``--deterministic`` (engine.TurnsWorker) keeps exact equality.
@@ -29,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from gpt2lab.inference.completion import TokenText, seeded_generator
+from gpt2lab.inference.completion import TokenLogprob, TokenText, seeded_generator, token_logprobs
 from gpt2lab.inference.generate import sample_next
 from gpt2lab.model.gpt import KVCache
 from gpt2lab.serve.engine import Finish, Job, StopFilter, Text, Worker
@@ -139,7 +142,8 @@ class Row:
         self.stop, self.text = StopFilter(r.stops), TokenText()
         self.cache: Optional[KVCache] = None  # the prompt's, while it is being run
         self.last: Optional[int] = None  # the token to feed next
-        if r.echo:
+        self.scored: list[TokenLogprob] = [TokenLogprob(self.ids[0], None)]  # the prompt's, with scores_prompt
+        if r.echo and not r.scores_prompt:  # else once its prefill has scored the prompt
             self.job.send(Text(self.index, r.echo[self.p]))
 
 
@@ -183,7 +187,7 @@ class BatchWorker(Worker):
             job = self.waiting.popleft()
             self._started(job)
             r = job.request
-            if r.sampling.max_new_tokens == 0:  # nothing to sample: each choice ends at once
+            if r.sampling.max_new_tokens == 0 and not r.scores_prompt:  # nothing to run: each choice ends at once
                 for i in range(len(r.prompts) * r.n):
                     if r.echo:
                         job.send(Text(i, r.echo[i // r.n]))
@@ -229,12 +233,25 @@ class BatchWorker(Worker):
         start = row.cache.pos
         chunk = row.ids[start:start + self.limits.prefill_chunk]
         idx = torch.tensor([chunk], dtype=torch.long, device=self.device)
-        logits, _ = self.model(idx, kv_cache=row.cache, last_only=True)
+        r = row.job.request
+        logits, _ = self.model(idx, kv_cache=row.cache, last_only=not r.scores_prompt)
+        if r.scores_prompt:  # position i predicts prompt token i + 1, which may lie in the next chunk
+            targets = torch.tensor(row.ids[start + 1:start + len(chunk) + 1], dtype=torch.long)
+            row.scored += token_logprobs(logits[0, :len(targets)], targets, self.model.config.real_vocab_size,
+                                         r.logprobs)
         if row.cache.pos < len(row.ids):
             return  # more of the prompt next step
-        t = self._sample(row, logits[:, -1])  # while the row is in prefill, so that an error fails its request
+        if r.scores_prompt:
+            row.job.send(Text(row.index, r.echo[row.p], logprobs=row.scored))
+        if r.sampling.max_new_tokens == 0:  # scored only
+            self.prefill.popleft()
+            row.cache = None
+            row.job.send(Finish(row.index, "length", 0))
+            self._sample_done(row)
+            return
+        t, lp = self._sample(row, logits[:, -1])  # while the row is in prefill, so that an error fails its request
         self.prefill.popleft()
-        if self._sampled(row, t):
+        if self._sampled(row, t, lp):
             self.cache.put(len(self.decoding), row.cache, self.limits.max_batch)
             self.decoding.append(row)
         row.cache = None
@@ -244,26 +261,30 @@ class BatchWorker(Worker):
         self.metrics.batch_size.labels(self.name).observe(len(rows))
         idx = torch.tensor([[r.last] for r in rows], dtype=torch.long, device=self.device)
         logits, _ = self.model(idx, kv_cache=self.cache.view(self.device), last_only=True)
-        going = [self._sampled(r, self._sample(r, logits[i:i + 1, -1])) for i, r in enumerate(rows)]
+        going = [self._sampled(r, *self._sample(r, logits[i:i + 1, -1])) for i, r in enumerate(rows)]
         for slot in reversed(range(len(rows))):
             if not going[slot]:
                 self._leave(slot)
 
-    def _sample(self, row: Row, logits: torch.Tensor) -> int:
-        """The next token of ``row`` from its logits (1, vocab), as generate_stream draws it."""
-        s = row.job.request.sampling
+    def _sample(self, row: Row, logits: torch.Tensor) -> tuple[int, Optional[TokenLogprob]]:
+        """The next token of ``row`` from its logits (1, vocab), as generate_stream draws it, and
+        its log-probability when the request asks for logprobs."""
+        r = row.job.request
         logits = logits[:, :self.model.config.real_vocab_size]  # padded vocabulary rows are never sampled
-        return int(sample_next(logits, s.temperature, **s.filters(), generator=row.generator))
+        t = sample_next(logits, r.sampling.temperature, **r.sampling.filters(), generator=row.generator)
+        lp = None if r.logprobs is None else token_logprobs(logits, t, logits.size(-1), r.logprobs)[0]
+        return int(t), lp
 
-    def _sampled(self, row: Row, t: int) -> bool:
-        """Send what token ``t`` adds to ``row``'s text; False once this sample ended (the row
-        then leaves the batch: for good, or to run its prompt again for its next sample)."""
+    def _sampled(self, row: Row, t: int, lp: Optional[TokenLogprob] = None) -> bool:
+        """Send what token ``t`` (log-probability ``lp``) adds to ``row``'s text; False once this
+        sample ended (the row then leaves the batch: for good, or to run its prompt again for its
+        next sample)."""
         s = row.job.request.sampling
         if not (s.stop_at_eot and t == EOT_ID):
             row.tokens += 1
             self._token(row.job, row.index)
             text, hit = row.stop.feed(row.text.feed(t))
-            row.job.send(Text(row.index, text, True))
+            row.job.send(Text(row.index, text, True, None if lp is None else [lp]))
             if not hit and row.tokens < s.max_new_tokens:
                 row.last = t
                 return True

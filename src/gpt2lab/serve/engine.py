@@ -21,7 +21,7 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from gpt2lab.inference.completion import Sampling, seeded_generator, stream_text
+from gpt2lab.inference.completion import Sampling, TokenLogprob, score_prompt, seeded_generator, stream_text
 from gpt2lab.model.gpt import GPT
 from gpt2lab.serve.limits import Limits
 from gpt2lab.serve.metrics import ServeMetrics
@@ -32,6 +32,7 @@ class Text:
     index: int  # choice index: prompt number * n + sample number
     text: str
     token: bool = False  # this text follows a sampled token (for the latency metrics)
+    logprobs: Optional[list[TokenLogprob]] = None  # the tokens it covers, when the request asks for logprobs
 
 
 @dataclass
@@ -73,22 +74,26 @@ class StopFilter:
 
 
 def completion_events(model: GPT, prompts: list[list[int]], sampling: Sampling, *, n: int, seeds: list[int],
-                      stops: list[str], echo: list[str]) -> Iterator[Union[Text, Finish]]:
+                      stops: list[str], echo: list[str],
+                      logprobs: Optional[int] = None) -> Iterator[Union[Text, Finish]]:
     """The events of one request, one token per step: prompt p gets a generator seeded with
-    ``seeds[p]`` and its ``n`` samples one after another (as ``gpt2lab sample --num-samples n``)."""
+    ``seeds[p]`` and its ``n`` samples one after another (as ``gpt2lab sample --num-samples n``).
+    With ``logprobs`` every sampled token carries its log-probability, and an echoed prompt its
+    tokens' (one forward of the prompt, apart from the generation's own, which stays sample's)."""
     device = next(model.parameters()).device
     for p, ids in enumerate(prompts):
         generator = seeded_generator(device, seeds[p])
+        scored = score_prompt(model, ids, logprobs) if echo and logprobs is not None else None
         for i in range(n):
             index, tokens, stop = p * n + i, 0, StopFilter(stops)
             if echo:
-                yield Text(index, echo[p])
+                yield Text(index, echo[p], logprobs=scored)
             reason = None
-            for tok, piece in stream_text(model, ids, sampling, generator):
+            for tok, piece, lp in stream_text(model, ids, sampling, generator, logprobs):
                 tokens += tok is not None
                 text, hit = stop.feed(piece)
                 if text or tok is not None:  # one event per token keeps the turns one token long
-                    yield Text(index, text, tok is not None)
+                    yield Text(index, text, tok is not None, None if lp is None else [lp])
                 if hit:
                     reason = "stop"
                     break
@@ -115,6 +120,12 @@ class Work:
     seeds: list[int]  # one per prompt: the request's seed for each, or each its own random one
     stops: list[str]
     echo: list[str]  # each prompt's text when echo is on, else []
+    logprobs: Optional[int] = None  # report log-probabilities with this many top tokens (None: none)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Echo with logprobs: the prompt's own tokens are scored (one forward of the prompt)."""
+        return bool(self.echo) and self.logprobs is not None
 
 
 class Job:
@@ -237,7 +248,7 @@ class TurnsWorker(Worker):
                 self._started(job)
                 r = job.request
                 active.append((job, completion_events(self.model, r.prompts, r.sampling, n=r.n, seeds=r.seeds,
-                                                      stops=r.stops, echo=r.echo)))
+                                                      stops=r.stops, echo=r.echo, logprobs=r.logprobs)))
             self._rows = len(active)
             if not active:
                 continue
