@@ -250,6 +250,9 @@ def test_models_say_they_are_not_chat_models(server):
     url, _ = server
     (entry,) = httpx.get(url + "/v1/models", timeout=30).json()["data"]
     assert "not a chat model" in entry["note"]
+    # how it is held, as loaded (running_server asks fp32 packed: one candidate, nothing measured)
+    assert {k: entry["inference"][k] for k in ("dtype", "kernel", "reason")} == {
+        "dtype": "float32", "kernel": "packed", "reason": "asked for"}
 
 
 @pytest.mark.parametrize("method,path,status", [("GET", "/v1/nothing", 404), ("POST", "/v1/engines", 404),

@@ -485,7 +485,7 @@ def create_app(workers: dict[str, Worker]) -> FastAPI:
     async def models() -> dict:
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "gpt2lab", "context_length": w.block_size,
-             "note": chat.NOTE} for name, w in workers.items()]}
+             "note": chat.NOTE, **_inference(w.model)} for name, w in workers.items()]}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
@@ -496,6 +496,12 @@ def create_app(workers: dict[str, Worker]) -> FastAPI:
         return await _respond(ChatCompletion(req, workers), _stream_chat, _complete_chat)
 
     return app
+
+
+def _inference(model) -> dict:
+    """How the model is held (inference/prepare.py's decision and its measured figures), where it was prepared."""
+    decision = getattr(model, "decision", None)
+    return {"inference": decision.record()} if decision is not None else {}
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
