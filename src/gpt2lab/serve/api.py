@@ -189,7 +189,7 @@ async def _events(job: Job) -> AsyncIterator[Union[Text, Finish]]:
                 raise event.error
             yield event
     finally:
-        job.cancelled = True  # a client that went away frees its turn in the worker
+        job.cancel()  # a client that went away frees its queue place now, its row or turn at the next step
 
 
 async def _complete(c: Completion, job: Job) -> JSONResponse:
