@@ -1,6 +1,7 @@
 """A running ``gpt2lab serve`` app for tests: uvicorn in a thread, on a free port."""
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -22,3 +23,26 @@ def running_server(models: list[str], limits=None, deterministic: bool = False, 
     request = InferenceRequest(dtype=dtype, quantize=quantize, linear=linear)
     with serving_in_thread(load_workers(models, "cpu", request, limits, deterministic)) as url:
         yield url
+
+
+def scrape(url: str) -> dict:
+    """/metrics parsed by prometheus_client's own parser: {(name, labels...): value}."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {(s.name, *sorted(s.labels.items())): s.value for f in text_string_to_metric_families(text)
+            for s in f.samples}
+
+
+def wait_until_idle(url: str, model: str, timeout: float = 30) -> dict:
+    """Poll /metrics until ``model`` has no request waiting and no row generating; the last scrape.
+    A client's hang-up reaches the server asynchronously: this is how a test knows it has."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = scrape(url)
+        busy = m[("gpt2lab_queue_depth", ("model", model))], m[("gpt2lab_active_rows", ("model", model))]
+        if busy == (0, 0) or time.monotonic() > deadline:
+            assert busy == (0, 0), f"after {timeout:g} s model {model!r} still has (waiting, rows) {busy}"
+            return m
+        time.sleep(0.02)

@@ -13,7 +13,7 @@ import shutil
 import httpx
 import pytest
 
-from serve_utils import running_server
+from serve_utils import running_server, wait_until_idle
 
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--no-first-run", "--disable-sync"]
@@ -120,7 +120,9 @@ def test_playground_shows_a_refused_request_then_streams(browser, tmp_path):
         page.wait_for_function("document.querySelectorAll('.col').length === 1")
         page.fill("#max_tokens", "12")
         meta = page.locator(".col .meta")
-        long = {"model": "solo", "prompt": "x", "max_tokens": 1000, "stream": True}
+        # 16 samples of 1000 tokens: the first holds the row however slowly the page answers (one
+        # sample alone can end within a second or two, and then the waiting one takes the row)
+        long = {"model": "solo", "prompt": "x", "max_tokens": 1000, "n": 16, "stream": True}
         with httpx.Client(timeout=60) as c:
             with c.stream("POST", url + "/v1/completions", json=long) as running:
                 lines = running.iter_lines()  # kept: a dropped iterator closes the connection
@@ -131,7 +133,9 @@ def test_playground_shows_a_refused_request_then_streams(browser, tmp_path):
                     page.wait_for_function("document.querySelector('.meta').classList.contains('error')",
                                            timeout=60_000)
                     assert meta.inner_text().startswith("error 429:") and "--max-queue 1" in meta.inner_text()
-        # both clients hung up: their rows are freed, and the page's next request streams
+        # both clients hung up: once the server has seen it (asynchronously: their connections close
+        # beside the page's), the queue place and the row are free, and the page's next request streams
+        wait_until_idle(url, "solo")
         page.wait_for_function("!document.querySelector('#go').disabled")
         page.click("#go")
         page.wait_for_function("document.querySelector('.meta').textContent.includes('tokens in')", timeout=60_000)

@@ -121,6 +121,7 @@ def test_two_rank_checkpoint_resumes_on_one_process_skipping_unfinished_ones(run
 def test_sharded_checkpoint_exports_with_transformers_logits(runs, tmp_path):
     import transformers
 
+    import gpt2lab
     from gpt2lab.cli import main
     from gpt2lab.train.init_from import find_source, load_source
     from gpt2lab.weights.load import load_model
@@ -133,6 +134,9 @@ def test_sharded_checkpoint_exports_with_transformers_logits(runs, tmp_path):
     with torch.no_grad():
         hf_logits, ours = theirs(idx).logits, reference(idx)[0][..., :50257]
         sharded_ours = load_model(str(runs["fsdp"]))(idx)[0][..., :50257]  # what sample and eval load
+        api = gpt2lab.from_pretrained(str(runs["fsdp"]))(idx)[0][..., :50257]  # and the Python API
+        method = GPT.from_pretrained(str(runs["fsdp"]) + "/checkpoints/step_000012")(idx)[0][..., :50257]
+    assert torch.equal(api, sharded_ours) and torch.equal(method, sharded_ours)
     started = GPT(reference.config)  # train --init-from RUN_DIR takes the sharded run's weights too
     src = find_source(str(runs["fsdp"]))  # as the run plan resolves it; the Trainer then loads it
     assert src.step == 12

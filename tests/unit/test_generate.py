@@ -138,3 +138,21 @@ def test_generates_preparation_leaves_the_model_as_it_was(tmp_path):
     hf.save_pretrained(model, str(tmp_path))
     saved = load_file(str(tmp_path / "model.safetensors"))
     assert torch.equal(saved["transformer.h.0.attn.c_attn.weight"], before["transformer.h.0.attn.c_attn.weight"].t())
+
+
+def test_model_generate_returns_what_generate_returns():
+    """model.generate(idx, max_new_tokens=..., **kw), the nanoGPT/transformers habit, is generate(model, ...)."""
+    model = tiny_gpt(seed=6, n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=128)
+    idx = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(2))
+    greedy = model.generate(idx, max_new_tokens=40, temperature=0.0)  # past the block: the window slides
+    assert torch.equal(greedy, _plain_greedy(model, idx, 40))  # the textbook loop, not generate's code
+    kw = dict(temperature=0.9, top_k=40, top_p=0.95)
+    mine = model.generate(idx, 20, generator=torch.Generator().manual_seed(7), **kw)
+    theirs = generate(model, idx, 20, generator=torch.Generator().manual_seed(7), **kw)
+    assert torch.equal(mine, theirs) and not torch.equal(mine, greedy[:, :25])  # a real draw, the same one
+    torch.manual_seed(3)  # the global generator, as nanoGPT's users seed it
+    mine = model.generate(idx, 20, use_cache=False, **kw)
+    torch.manual_seed(3)
+    assert torch.equal(mine, generate(model, idx, 20, use_cache=False, **kw))
+    with pytest.raises(TypeError, match="no_such_option"):  # keywords reach generate unchanged
+        model.generate(idx, 2, no_such_option=1)

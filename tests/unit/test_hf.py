@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import TINY_SHAPES, tiny_gpt
-from gpt2lab import GPT
+from gpt2lab import GPT, from_pretrained
 from gpt2lab.weights import hf
 from gpt2lab.weights.load import is_hf_dir, load_model
 
@@ -24,7 +24,7 @@ def _max_diff(ours: GPT, theirs, idx: torch.Tensor, vocab: int | None = None) ->
 @pytest.mark.parametrize("i", range(len(TINY_SHAPES)))
 def test_from_pretrained_dir_matches_transformers(hf_dirs, i):
     theirs, d = hf_dirs[i]
-    ours = hf.from_pretrained(d)
+    ours = from_pretrained(d)  # the Python API's loader, the CLI's too
     c = theirs.config
     assert (ours.config.n_layer, ours.config.n_head, ours.config.n_embd) == (c.n_layer, c.n_head, c.n_embd)
     assert ours.lm_head.weight is ours.transformer.wte.weight
@@ -66,7 +66,7 @@ def test_reverse_round_trip_is_exact(hf_dirs, tmp_path):
     from safetensors.torch import load_file
 
     theirs, d = hf_dirs[0]
-    hf.save_pretrained(hf.from_pretrained(d), str(tmp_path / "again"))
+    hf.save_pretrained(hf.from_hf_dir(d), str(tmp_path / "again"))
     before, after = load_file(os.path.join(d, "model.safetensors")), load_file(str(tmp_path / "again/model.safetensors"))
     assert sorted(before) == sorted(after)
     for k in before:
@@ -87,7 +87,7 @@ def test_padded_vocab_export_trims_to_50257(tmp_path):
     assert theirs.transformer.wte.weight.shape == (50257, 32)
     idx = torch.randint(0, 50257, (2, 24))
     assert _max_diff(ours, theirs, idx, vocab=50257) <= 1e-4
-    back = hf.from_pretrained(out)
+    back = hf.from_hf_dir(out)
     assert back.config.vocab_size == 50257
 
 
@@ -143,6 +143,7 @@ def test_from_hub_offline_gives_clear_error(tmp_path, monkeypatch):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf_home" / "hub"))
-    with pytest.raises(hf.WeightsError, match="openai-community/gpt2.*offline.*local directory"):
-        hf.from_pretrained("gpt2")
+    for entry in (from_pretrained, GPT.from_pretrained):  # the Python API's hub path, as `--model gpt2`'s
+        with pytest.raises(hf.WeightsError, match="^gpt2: openai-community/gpt2.*offline.*local directory"):
+            entry("gpt2")
     assert not list((tmp_path / "hf_home").rglob("*.safetensors"))

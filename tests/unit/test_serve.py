@@ -8,17 +8,16 @@ import functools
 import logging
 import re
 import threading
-import time
 
 import pytest
 import torch
 
 from conftest import tiny_gpt
 from gpt2lab import cli, get_tokenizer
-from gpt2lab.serve.engine import StopFilter
+from gpt2lab.serve.engine import Job, QueueFull, StopFilter, Worker, Work
 from gpt2lab.serve.limits import Limits
 from gpt2lab.weights import hf
-from serve_utils import running_server
+from serve_utils import running_server, scrape, wait_until_idle
 
 openai = pytest.importorskip("openai", reason="the serve tests use the official openai client (test extra)")
 httpx = pytest.importorskip("httpx")
@@ -262,22 +261,12 @@ def test_models_list_and_client_errors(server):
 
 def test_serve_bad_model_is_one_line(tmp_path, capsys):
     missing = str(tmp_path / "missing")
-    with pytest.raises(SystemExit) as e:  # cli.main's SystemExit(message): one line on stderr, exit 1
-        cli.main(["serve", "--model", missing, "--device", "cpu", "--port", "0"])
-    assert f"--model {missing}: no such directory" in str(e.value.code)
+    assert cli.main(["serve", "--model", missing, "--device", "cpu", "--port", "0"]) == 1
+    assert capsys.readouterr().err.strip().startswith(f"gpt2lab serve: --model {missing}: no such directory")
     assert cli.main(["serve", "--model", missing, "--max-queue", "0", "--port", "0"]) == 2  # a UsageError
     assert capsys.readouterr().err.strip().endswith("--max-queue 0: must be at least 1")
     with pytest.raises(SystemExit, match="given twice"):
         cli.main(["serve", "--model", f"a={missing}", "--model", f"a={tmp_path}", "--port", "0"])
-
-
-def _scrape(url: str) -> dict:
-    """/metrics parsed by prometheus_client's own parser: {(name, labels...): value}."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return {(s.name, *sorted(s.labels.items())): s.value for f in text_string_to_metric_families(text)
-            for s in f.samples}
 
 
 def test_limits_queue_full_is_429_the_cap_is_400_and_metrics_count_it_all(gpt2_vocab_export, caplog):
@@ -308,7 +297,7 @@ def test_limits_queue_full_is_429_the_cap_is_400_and_metrics_count_it_all(gpt2_v
         assert capped.status_code == 400 and "--max-tokens" in capped.json()["error"]["message"]
         big = httpx.post(url + "/v1/completions", content=b"x" * ((1 << 20) + 1), timeout=30)
         assert big.status_code == 413 and "at most" in big.json()["error"]["message"]
-        m = _scrape(url)
+        m = scrape(url)
     tokens = sum(r.json()["usage"]["completion_tokens"] for r in ok)
     assert m[("gpt2lab_generated_tokens_total", ("model", "tiny"))] == tokens
     assert m[("gpt2lab_requests_total", ("path", "/v1/completions"), ("status", "429"))] == len(busy)
@@ -341,15 +330,49 @@ def test_a_client_that_hangs_up_frees_its_row(tmp_path):
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as s:
             lines = s.iter_lines()
             next(lines), next(lines)  # two events in: the row is generating
-            assert _scrape(url)[("gpt2lab_active_rows", ("model", "m"))] == 1
-        deadline = time.monotonic() + 30
-        while _scrape(url)[("gpt2lab_active_rows", ("model", "m"))] and time.monotonic() < deadline:
-            time.sleep(0.02)
-        m = _scrape(url)
-        assert m[("gpt2lab_active_rows", ("model", "m"))] == 0
+            assert scrape(url)[("gpt2lab_active_rows", ("model", "m"))] == 1
+        m = wait_until_idle(url, "m")
         assert 1 <= m[("gpt2lab_generated_tokens_total", ("model", "m"))] < 1000  # it stopped early
         r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 3}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_waiting_client_that_hangs_up_gives_its_queue_place_back_at_once():
+    """Its place is free when the handler sees the hang-up, not only at the worker's next step (a
+    busy or descheduled worker thread let a request right after it find the queue full: 429)."""
+    import asyncio
+
+    from gpt2lab.inference.completion import Sampling
+
+    class Stalled(Worker):  # a worker thread that never gets to its next step
+        hold = threading.Event()
+
+        def _loop(self) -> None:
+            self.hold.wait()
+
+    worker = Stalled("m", tiny_gpt(), torch.device("cpu"), Limits(max_batch=1, max_queue=2))
+    loop = asyncio.new_event_loop()
+    try:
+        work = Work([[1]], Sampling(max_new_tokens=4), n=1, seeds=[0], stops=[], echo=[])
+        first, second = Job(work, loop, 60), Job(work, loop, 60)
+        worker.submit(first)
+        worker.submit(second)
+        with pytest.raises(QueueFull, match="--max-queue 2"):
+            worker.submit(Job(work, loop, 60))
+        first.cancel()
+        assert first.cancelled and worker.queue_depth() == 1
+        worker.submit(third := Job(work, loop, 60))  # taken at once: the worker has not stepped
+        assert worker.queue_depth() == 2
+        first.cancel()  # a second call (the handler's finally after an error) and the worker's own
+        worker._started(first)  # drop of the cancelled job give nothing back twice
+        assert worker.queue_depth() == 2
+        worker._started(third)  # started: its place goes back once, and its later cancel is a no-op
+        third.cancel()
+        assert worker.queue_depth() == 1
+    finally:
+        Stalled.hold.set()
+        worker.close()
+        loop.close()
 
 
 def _bench(*argv: str) -> dict:

@@ -336,3 +336,19 @@ class GPT(nn.Module):
         without position embeddings). The second term is attention's QK^T and AV."""
         c = self.config
         return 6 * self.num_params(non_embedding=True) + 12 * c.n_layer * c.n_embd * seq_len
+
+    # nanoGPT's and transformers' habits, kept as one-line calls of the functions that do the work in
+    # higher layers. The import inside each method runs only when it is called, so importing the model
+    # imports neither layer; tests/unit/test_layering.py exempts exactly these two imports by name.
+    @classmethod
+    def from_pretrained(cls, source: str, **kwargs) -> "GPT":
+        """``gpt2lab.from_pretrained(source, **kwargs)``: a hub name, an HF, run or checkpoint directory."""
+        from gpt2lab.weights.load import from_pretrained
+
+        return from_pretrained(source, **kwargs)
+
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
+        """``gpt2lab.inference.generate.generate(self, idx, max_new_tokens, **kwargs)``, its keywords unchanged."""
+        from gpt2lab.inference.generate import generate
+
+        return generate(self, idx, max_new_tokens, **kwargs)

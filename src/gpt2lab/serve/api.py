@@ -340,7 +340,7 @@ async def _events(job: Job) -> AsyncIterator[Union[Text, Finish]]:
                 raise event.error
             yield event
     finally:
-        job.cancelled = True  # a client that went away frees its turn in the worker
+        job.cancel()  # a client that went away frees its queue place now, its row or turn at the next step
 
 
 async def _collect(c: Completion, job: Job) -> tuple[dict[int, str], dict[int, str], int, dict[int, Logprobs]]:

@@ -7,7 +7,8 @@ code ``gpt2lab sample`` runs (completion.py), so a seeded request gives the same
 whatever else is served; the price is that 8 streams share one stream's tokens/s. In both,
 one thread owns the model, so requests cannot corrupt each other; both bound the rows in
 flight (``max_batch``) and the requests waiting (``max_queue``: past it ``submit`` raises
-QueueFull), and end a request that outlives ``timeout_s``.
+QueueFull; a request whose client left gives its place back at once, Job.cancel), and end a
+request that outlives ``timeout_s``.
 """
 from __future__ import annotations
 
@@ -134,7 +135,9 @@ class Job:
     def __init__(self, request: Work, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
         self.request, self.loop = request, loop
         self.out: asyncio.Queue[Event] = asyncio.Queue()
-        self.cancelled = False  # set by the handler when its client goes away
+        self.cancelled = False  # its client went away (cancel)
+        self.worker: Optional["Worker"] = None  # set by Worker.submit
+        self.queued = False  # holds one of its worker's max_queue places (Worker.submit until _started)
         self.arrived = time.monotonic()
         self.deadline = self.arrived + timeout_s
         self.first_token: Optional[float] = None
@@ -142,6 +145,14 @@ class Job:
 
     def send(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, event)
+
+    def cancel(self) -> None:
+        """Its client went away (the handler calls this): the worker drops the job at its next step,
+        and a queue place the job still held is given back now, so that a request arriving before
+        that step is not refused with 429 for a place nobody uses."""
+        self.cancelled = True
+        if self.worker is not None:
+            self.worker._started(self)
 
     def fail(self, error: BaseException) -> None:
         self.send(Failed(error))
@@ -180,6 +191,7 @@ class Worker:
                 raise QueueFull(f"the server is busy: {self._waiting} requests are waiting for model "
                                 f"'{self.name}' (--max-queue {self.limits.max_queue}); retry later")
             self._waiting += 1
+            job.worker, job.queued = self, True
         self._new.put(job)
 
     def queue_depth(self) -> int:
@@ -193,8 +205,12 @@ class Worker:
         self._thread.join(timeout=10)
 
     def _started(self, job: Job) -> None:
+        """Give back ``job``'s queue place: when the worker starts or drops it, or its client leaves
+        (Job.cancel), whichever comes first; the others find it given back already."""
         with self._lock:
-            self._waiting -= 1
+            if job.queued:
+                job.queued = False
+                self._waiting -= 1
 
     def _end_early(self, job: Job) -> None:
         """End a job its client left (nobody reads the error) or one past its deadline."""

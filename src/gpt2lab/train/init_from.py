@@ -20,8 +20,7 @@ from gpt2lab.system.files import read_json_object, sha256_file
 from gpt2lab.checkpoint import store as ckpt
 from gpt2lab.weights import hf
 from gpt2lab.train.config import ConfigError, TrainConfig, model_from_config
-from gpt2lab.model.config import HUB_NAMES
-from gpt2lab.weights.load import is_hf_dir
+from gpt2lab.weights.load import CHECKPOINT, HF_DIR, source_kind
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.data.tokenizer import GPT2_VOCAB_SIZE
 
@@ -37,7 +36,7 @@ class InitFromError(ConfigError):
 @dataclass
 class Source:
     spec: str  # SRC as the user gave it
-    kind: str  # "hub", "hf_dir" or "checkpoint"
+    kind: str  # source_kind's reading: HUB, HF_DIR or CHECKPOINT (weights.load)
     config: GPTConfig  # its architecture
     weights: str  # the weights file (a checkpoint's model.safetensors; checkpoint.weights_file)
     config_path: str
@@ -64,21 +63,15 @@ def find_source(spec: str) -> Source:
 
 
 def _find(spec: str) -> Source:
-    if os.path.isdir(spec):
-        if is_hf_dir(spec):
-            config_path = os.path.join(spec, "config.json")
-            weights = next(os.path.join(spec, f) for f in hf.WEIGHT_FILES if os.path.isfile(os.path.join(spec, f)))
-            return Source(spec, "hf_dir", _hf_config(config_path), weights, config_path)
+    kind = source_kind(spec)  # the loader's reading; a file or an unknown name: WeightsError (find_source)
+    if kind == HF_DIR:
+        config_path = os.path.join(spec, "config.json")
+        weights = next(os.path.join(spec, f) for f in hf.WEIGHT_FILES if os.path.isfile(os.path.join(spec, f)))
+        return Source(spec, kind, _hf_config(config_path), weights, config_path)
+    if kind == CHECKPOINT:
         return _checkpoint_source(spec)
-    if os.path.exists(spec):
-        raise InitFromError(f"--init-from {spec}: is a file; pass its directory (an HF model directory, "
-                            "a run directory or a checkpoint directory)")
-    if spec in HUB_NAMES or spec.startswith("openai-community/"):
-        config_path, weights = hf.hub_files(spec)  # offline: WeightsError saying how to pass a local dir
-        return Source(spec, "hub", _hf_config(config_path), weights, config_path)
-    raise InitFromError(f"--init-from {spec}: no such directory, and not a GPT-2 hub name ({', '.join(HUB_NAMES)}); "
-                        "pass an HF GPT-2 directory (config.json + model.safetensors), a run directory "
-                        "or a checkpoint directory")
+    config_path, weights = hf.hub_files(spec)  # offline: WeightsError saying how to pass a local dir
+    return Source(spec, kind, _hf_config(config_path), weights, config_path)
 
 
 def _hf_config(path: str) -> GPTConfig:
@@ -123,7 +116,7 @@ def _checkpoint_source(spec: str) -> Source:
     except (KeyError, TypeError, ValueError, RuntimeError, OSError) as e:
         raise InitFromError(f"--init-from {spec}: cannot read the checkpoint {where} ({e}); "
                             "pass another step_* directory") from e
-    return Source(spec, "checkpoint", model_config, weights, os.path.join(where, "config.json"), step,
+    return Source(spec, CHECKPOINT, model_config, weights, os.path.join(where, "config.json"), step,
                   verified=verified)
 
 
@@ -182,7 +175,7 @@ def check_arch(src: Source, explicit: Mapping[str, object]) -> dict[str, object]
 
 def digest(src: Source) -> str:
     """sha256 of SRC's weights file, computed once: a checkpoint's from its verified checksums.json."""
-    if src.kind == "checkpoint":
+    if src.kind == CHECKPOINT:
         where = os.path.dirname(src.weights)
         if not src.verified:
             ckpt.verify(where)
@@ -202,7 +195,7 @@ def load_source(model: GPT, src: Source) -> None:
     within ~0.1% of SRC's. Position rows past the run's block_size are dropped.
     """
     try:
-        loaded = ckpt.load_model(os.path.dirname(src.weights), verified=src.verified) if src.kind == "checkpoint" \
+        loaded = ckpt.load_model(os.path.dirname(src.weights), verified=src.verified) if src.kind == CHECKPOINT \
             else hf.load_files(src.config_path, src.weights)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise src._fail(f"cannot load its weights ({e}); pass a complete copy") from e

@@ -38,7 +38,8 @@ EXPORT_FILES = ("model.safetensors", "config.json", "generation_config.json", "v
 
 
 class WeightsError(DataError):
-    """An HF directory, file or hub download that cannot become a GPT; the message says why."""
+    """A model source (an HF directory or file, a hub download, or anything weights.load is given)
+    that cannot become a GPT; the message names it and says why."""
 
 
 # ---------------------------------------------------------------- state dict conversion
@@ -204,11 +205,6 @@ def from_hf_dir(path: str) -> GPT:
         if os.path.isfile(os.path.join(path, name)):
             return load_files(config_path, os.path.join(path, name))
     raise WeightsError(f"{path}: no weights file (looked for {', '.join(WEIGHT_FILES)})")
-
-
-def from_pretrained(name_or_path: str) -> GPT:
-    """GPT-2 weights from a local HF directory, else from the hub (gpt2 ... gpt2-xl or owner/repo)."""
-    return from_hf_dir(name_or_path) if os.path.isdir(name_or_path) else from_hub(name_or_path)
 
 
 def _hub_offline() -> bool:

@@ -1,0 +1,89 @@
+"""The Python API's loader: ``gpt2lab.from_pretrained`` and ``GPT.from_pretrained`` take what the
+CLI's ``--model`` takes (a run directory, a checkpoint, an HF directory; the hub is test_hf's), through
+the CLI's own loader, and a bad source is an exception naming it, never SystemExit."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import gpt2lab
+from conftest import damaged_copy
+from gpt2lab import GPT
+from gpt2lab.system.errors import CheckpointError
+from gpt2lab.weights.hf import WeightsError
+from gpt2lab.weights.load import load_model
+
+
+def _same_weights(a: GPT, b: GPT) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+
+
+@pytest.mark.parametrize("entry", [gpt2lab.from_pretrained, GPT.from_pretrained], ids=["gpt2lab", "GPT"])
+def test_a_finished_run_and_its_checkpoints_load_as_sample_loads_them(finished_run, entry):
+    run = str(finished_run)
+    newest, older = (os.path.join(run, "checkpoints", f"step_00000{s}") for s in (4, 2))
+    for source, ckpt in ((run, newest), (newest, newest), (older, older)):
+        model = entry(source)
+        assert type(model) is GPT and not model.training
+        _same_weights(model, load_model(source))  # `gpt2lab sample --model SOURCE`'s loader
+        saved = load_file(os.path.join(ckpt, "model.safetensors"))  # the bytes the run wrote
+        assert {k for k in model.state_dict() if k != "lm_head.weight"} == set(saved)
+        for k, t in saved.items():
+            assert torch.equal(model.state_dict()[k], t), (source, k)
+        assert model.lm_head.weight is model.transformer.wte.weight
+    assert not torch.equal(entry(older).transformer.wte.weight, entry(run).transformer.wte.weight)
+
+
+@pytest.mark.parametrize("entry", [gpt2lab.from_pretrained, GPT.from_pretrained], ids=["gpt2lab", "GPT"])
+def test_an_hf_directory_loads_with_the_exported_models_logits(gpt2_vocab_export, entry):
+    model, d = gpt2_vocab_export
+    loaded = entry(d, device="cpu")
+    idx = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(idx)[0], model(idx)[0])
+
+
+def test_a_bad_source_raises_an_error_naming_it(tmp_path, gpt2_vocab_export, finished_run):
+    """What `--model` prints as one line (exit 1, or 3 for a damaged checkpoint), the library raises:
+    an exception whose message starts with the source, not SystemExit."""
+    a_file, empty = tmp_path / "weights.bin", tmp_path / "empty"
+    a_file.write_bytes(b"x")
+    empty.mkdir()
+    cut = damaged_copy(gpt2_vocab_export[1], str(tmp_path / "cut"), "weights")
+    cases = [(tmp_path / "nowhere", "no such directory, and not a GPT-2 hub name"), (a_file, "is a file"),
+             (empty, "neither a checkpoint"), (tmp_path / "cut", f"{cut}: cannot be read")]
+    for source, why in cases:
+        for entry in (gpt2lab.from_pretrained, GPT.from_pretrained):
+            with pytest.raises(WeightsError) as e:
+                entry(str(source))
+            assert str(e.value).startswith(f"{source}: ") and why in str(e.value), str(e.value)
+            assert e.value.exit_code == 1
+    damaged = tmp_path / "run"
+    shutil.copytree(finished_run, damaged)
+    weights = damaged / "checkpoints" / "step_000004" / "model.safetensors"
+    os.truncate(weights, os.path.getsize(weights) // 2)
+    with pytest.raises(CheckpointError, match="step_000004 is damaged") as e:
+        gpt2lab.from_pretrained(str(damaged))
+    assert e.value.exit_code == 3
+
+
+def test_init_from_reads_a_source_as_the_loader_does(tmp_path, gpt2_vocab_export):
+    """One reading of a source (weights.load.source_kind): --init-from says what --model and the API say."""
+    from gpt2lab.train.init_from import find_source, InitFromError
+
+    a_file = tmp_path / "weights.bin"
+    a_file.write_bytes(b"x")
+    for source in (a_file, tmp_path / "nowhere"):
+        with pytest.raises(WeightsError) as api:
+            gpt2lab.from_pretrained(str(source))
+        with pytest.raises(InitFromError) as init:
+            find_source(str(source))
+        assert str(init.value) == f"--init-from {api.value}"
+    assert find_source(gpt2_vocab_export[1]).kind == "hf_dir"
