@@ -344,13 +344,7 @@ def test_a_waiting_client_that_hangs_up_gives_its_queue_place_back_at_once():
 
     from gpt2lab.inference.completion import Sampling
 
-    class Stalled(Worker):  # a worker thread that never gets to its next step
-        hold = threading.Event()
-
-        def _loop(self) -> None:
-            self.hold.wait()
-
-    worker = Stalled("m", tiny_gpt(), torch.device("cpu"), Limits(max_batch=1, max_queue=2))
+    worker = Worker("m", tiny_gpt(), torch.device("cpu"), Limits(max_batch=1, max_queue=2))  # no engine runs it
     loop = asyncio.new_event_loop()
     try:
         work = Work([[1]], Sampling(max_new_tokens=4), n=1, seeds=[0], stops=[], echo=[])
@@ -370,7 +364,6 @@ def test_a_waiting_client_that_hangs_up_gives_its_queue_place_back_at_once():
         third.cancel()
         assert worker.queue_depth() == 1
     finally:
-        Stalled.hold.set()
         worker.close()
         loop.close()
 

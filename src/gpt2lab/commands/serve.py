@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn  # noqa: F401  (the serve extra: a missing one is this one line)
 
-        from gpt2lab.serve.api import bind, make_server
+        from gpt2lab.serve.api import bind, serve_here
     except ImportError as e:
         raise SystemExit(f"gpt2lab serve needs FastAPI and uvicorn ({e}); pip install 'gpt2lab[serve]'") from None
     names = model_names(args.model)  # a bad --model fails before any loading
@@ -73,10 +73,5 @@ def run(args: argparse.Namespace) -> int:
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
     access.addHandler(handler)
     access.setLevel(logging.INFO)
-    try:
-        make_server(workers).run(sockets=[sock])
-    finally:
-        for w in workers.values():
-            w.close()
-        sock.close()
+    serve_here(workers, sock)  # the models run in this (the main) thread; Ctrl-C stops it, exit 130
     return 0

@@ -47,24 +47,28 @@ def sample_next(
         logits = (logits - top) / max(temperature, torch.finfo(torch.float32).tiny)
     else:
         logits = logits / temperature
+    ids = None  # (B, k): the token of each column of ``logits`` once only some tokens can be drawn
     if top_k is not None:
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
-        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        logits, ids = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1)  # sorted, most likely first
     if top_p is not None:
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        probs = F.softmax(sorted_logits, dim=-1)
+        if ids is None:
+            logits, ids = torch.sort(logits, descending=True, dim=-1)
+        probs = F.softmax(logits, dim=-1)
         # Drop a token when the tokens ranked above it already hold top_p of the mass;
         # the most likely token is always kept.
         drop = (probs.cumsum(dim=-1) - probs) >= top_p
         drop[:, 0] = False  # a top_p below float32's smallest (1e-320 is 0 there) keeps it too
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-    probs = F.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        logits = logits.masked_fill(drop, float("-inf"))
+    # One uniform number per row through the cumulative distribution (inverse transform sampling):
+    # torch.multinomial draws an exponential per token, 50,257 of them a row (~0.8 ms on a 2-core Zen 5).
+    cdf = F.softmax(logits, dim=-1).cumsum(dim=-1)
+    u = torch.rand(cdf.size(0), 1, generator=generator, device=cdf.device) * cdf[:, -1:]
+    pick = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.size(-1) - 1)  # never a zero-probability token
+    return (pick if ids is None else ids.gather(-1, pick)).squeeze(-1)
 
 
 @torch.inference_mode()

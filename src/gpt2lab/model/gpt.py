@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from gpt2lab.model.loss import chunked_cross_entropy
@@ -122,6 +123,16 @@ class KVCache:
         return new
 
 
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Attention of new queries to the cached keys. One bf16/fp16 query on a CPU takes SDPA's math
+    kernel (the same arithmetic): PyTorch's CPU flash kernel runs a single reduced-precision query
+    slower than eight (283 vs 147 us at 512 keys on a Zen 5; math 124 us; docs/benchmarks.md)."""
+    if q.size(2) == 1 and q.device.type == "cpu" and q.dtype != torch.float32:
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int) -> None:
         super().__init__()
@@ -160,7 +171,7 @@ class CausalSelfAttention(nn.Module):
         else:
             mask = kv_cache.mask(T, x.device)  # before update: it reads the positions filled so far
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, nh, past+T, hs)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            y = cached_attention(q, k, v, mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads
         return self.resid_dropout(self.c_proj(y))
 

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException
 
 from gpt2lab.inference.completion import PromptError, Sampling, TokenLogprob, TokenText, check_ids
 from gpt2lab.serve import chat
-from gpt2lab.serve.engine import Failed, Finish, Job, QueueFull, Text, TimedOut, Work, Worker
+from gpt2lab.serve.engine import Engine, Failed, Finish, Job, QueueFull, Text, TimedOut, Work, Worker
 from gpt2lab.serve.metrics import ServeMetrics
 from gpt2lab.data.tokenizer import EOT_ID, get_tokenizer
 
@@ -556,24 +556,62 @@ class AccessLog:
 
 @contextlib.contextmanager
 def serving_in_thread(workers: dict[str, Worker], host: str = "127.0.0.1") -> Iterator[str]:
-    """Serve ``workers`` with uvicorn in a background thread on a free port; yield the base URL
-    (for tests and ``gpt2lab bench serve``). The workers are closed on exit."""
-    sock = bind(host, 0)  # port 0: the OS picks a free port, held from here on
+    """Serve ``workers`` with uvicorn and their engine each in a background thread on a free port;
+    yield the base URL (for tests). The workers are closed on exit."""
+    engine = Engine(workers).start()
+    with _uvicorn_in_thread(workers, bind(host, 0)) as url:  # port 0: the OS picks a free port
+        try:
+            yield url
+        finally:
+            engine.close()
+
+
+def serve_here(workers: dict[str, Worker], sock: socket.socket, client=None) -> None:
+    """Serve ``workers`` on ``sock``: uvicorn from a background thread, the models from this one (the
+    Engine's docstring says why this thread). With ``client`` (a function of the base URL), run it in
+    a third thread and stop when it returns (``gpt2lab bench serve``); without, serve until Ctrl-C
+    (the KeyboardInterrupt is raised again after the server and workers have stopped)."""
+    engine = Engine(workers)
+    with _uvicorn_in_thread(workers, sock) as url:
+        if client is not None:
+            errors: list[BaseException] = []
+
+            def drive() -> None:
+                try:
+                    client(url)
+                except BaseException as e:  # handed to the caller below
+                    errors.append(e)
+                finally:
+                    for w in workers.values():
+                        w.close()
+
+            threading.Thread(target=drive, name="gpt2lab-serve-client", daemon=True).start()
+        try:
+            engine.run()
+        finally:
+            for w in workers.values():
+                w.close()
+    if client is not None and errors:
+        raise errors[0]
+
+
+@contextlib.contextmanager
+def _uvicorn_in_thread(workers: dict[str, Worker], sock: socket.socket) -> Iterator[str]:
+    """uvicorn serving ``workers``' app on ``sock`` from a thread; yields the base URL once it accepts."""
     server = make_server(workers)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
+    host, port = sock.getsockname()[:2]
     try:
         while not server.started:
             if not thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the server thread did not start")
             time.sleep(0.02)
-        yield f"http://{host}:{sock.getsockname()[1]}"
+        yield f"http://{f'[{host}]' if ':' in host else host}:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=10)
-        for w in workers.values():
-            w.close()
         sock.close()
 
 

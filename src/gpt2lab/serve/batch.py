@@ -26,9 +26,8 @@ matmul may round differently, so a seeded request can in rare cases draw another
 from __future__ import annotations
 
 import collections
-import queue
 import time
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -150,25 +149,16 @@ class Row:
 class BatchWorker(Worker):
     """The default worker: continuous batching (see the module's docstring)."""
 
-    def _run(self) -> None:
-        with torch.inference_mode():  # the cache's buffers are inference tensors: every update in it
-            self._loop()
-
-    def _loop(self) -> None:
+    def _steps(self) -> Iterator[bool]:
         self.cache = RowsCache(self.model.config.n_layer, self.block_size)
         self.waiting: collections.deque[Job] = collections.deque()  # not yet started
         self.prefill: collections.deque[Row] = collections.deque()  # prompt not yet run
         self.decoding: list[Row] = []  # row i is slot i of self.cache
         self.rows_left: dict[int, int] = {}  # id(job) -> rows not finished
-        while True:
-            try:  # wait only when idle; otherwise pick up new requests between steps
-                while True:
-                    job = self._new.get(block=not (self.waiting or self.prefill or self.decoding))
-                    if job is None:
-                        return
-                    self.waiting.append(job)
-            except queue.Empty:
-                pass
+        while self._arrived(self.waiting):  # new requests join between steps
+            if not (self.waiting or self.prefill or self.decoding):
+                yield False
+                continue
             self._drop_ended(time.monotonic())
             self._admit()
             try:
@@ -180,6 +170,7 @@ class BatchWorker(Worker):
                 for job in {id(r.job): r.job for r in [*self.prefill, *self.decoding]}.values():
                     self._end_job(job, e)
             self._rows = len(self.decoding) + len(self.prefill)
+            yield True
 
     def _admit(self) -> None:
         """Start waiting requests while the batch has a free row; their rows queue for prefill."""
