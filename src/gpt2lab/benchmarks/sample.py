@@ -19,6 +19,7 @@ every time kept):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 
 import torch
@@ -27,8 +28,9 @@ from gpt2lab.benchmarks import peers, timed
 from gpt2lab.distributed.dist import autocast, pick_device
 from gpt2lab.inference.flags import add_inference_flags, inference_request
 from gpt2lab.inference.generate import generate
-from gpt2lab.inference.prepare import announce, prepare
+from gpt2lab.inference.prepare import announce, apply, candidates, detect_facts, prepare
 from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.system.errors import UsageError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,6 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_inference_flags(p)
     p.add_argument("--peer", default="transformers",
                    help="peers timed beside gpt2lab, comma-separated: transformers, ctranslate2 (or none)")
+    p.add_argument("--ways", default="sample,generate,unprepared",
+                   help="gpt2lab's ways timed, comma-separated (sample always): generate, unprepared")
+    p.add_argument("--all-settings", action="store_true",
+                   help="also time every explicit (dtype, kernel) this device can run, in the same rounds: "
+                        "how far the default's pick is from the best one")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds")
     p.add_argument("--no-cache-repeats", type=int, default=1, help="timed runs without the cache (slow; 0 skips)")
     p.add_argument("--seed", type=int, default=0)
@@ -77,6 +84,15 @@ def run(args: argparse.Namespace) -> dict:
         "generate": lambda: generate(model, prompt, n, temperature=0.0, dtype=dtype, quantize=args.quantize)[:, -n:],
         "unprepared": lambda: _unprepared(model, prompt, n, device, dtype),
     }
+    asked = {w.strip() for w in args.ways.split(",") if w.strip()} | {"sample"}
+    if asked - set(ways):
+        raise UsageError(f"--ways {args.ways}: choose from {', '.join(ways)}")
+    ways = {k: v for k, v in ways.items() if k in asked}
+    if args.all_settings:  # every explicit setting the device runs, each held as it would be
+        request = inference_request(args, "sample")
+        for cand in candidates(dataclasses.replace(request, dtype="auto", linear="auto"), detect_facts(device)):
+            held = apply(model, cand, request.rows)
+            ways[f"setting {cand.name}"] = lambda held=held: generate(held, prompt, n, temperature=0.0)[:, -n:]
     with tempfile.TemporaryDirectory() as d:
         hf_dir = peers.export(model, d) if wanted else None
         if "transformers" in wanted:
@@ -124,11 +140,18 @@ def _report(args, device, decision, times, tokens, ct2_tps, ct2_agree, ct2_skipp
         "prompt_tokens": args.prompt_tokens, "new_tokens": n,
         "tok_per_s": tps,
         "seconds": {k: [round(t, 3) for t in v] for k, v in times.items()},
-        "generate_vs_sample": tps["generate"] / tps["sample"],
-        "sample_vs_unprepared": tps["sample"] / tps["unprepared"],
         "cache_speedup": tps["sample"] / tps["no_cache"] if tps["no_cache"] else None,
-        "tokens_agree_generate_vs_sample": first_mismatch(tokens["generate"], tokens["sample"]) is None,
     }
+    if "generate" in tps:
+        out["generate_vs_sample"] = tps["generate"] / tps["sample"]
+        out["tokens_agree_generate_vs_sample"] = first_mismatch(tokens["generate"], tokens["sample"]) is None
+    if "unprepared" in tps:
+        out["sample_vs_unprepared"] = tps["sample"] / tps["unprepared"]
+    settings = {k.removeprefix("setting "): v for k, v in tps.items() if k.startswith("setting ")}
+    if settings:
+        best = max(settings, key=settings.get)
+        out["best_setting"] = best
+        out["sample_vs_best_setting"] = tps["sample"] / settings[best]
     if tps["no_cache"]:
         out["tokens_agree_cache_vs_no_cache"] = first_mismatch(tokens["sample"], tokens["no_cache"]) is None
     if "transformers" in tps:

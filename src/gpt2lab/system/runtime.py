@@ -277,12 +277,17 @@ def _cache_dir() -> str:
     return os.environ.get("GPT2LAB_CACHE", os.path.join(base, "gpt2lab"))
 
 
+# Environment variables that cap the instruction sets of the kernels (oneDNN, ATen's own, MKL): a probe
+# taken under one cap says nothing of the others.
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+
+
 def _machine_key() -> str:
-    """What the probe's answer depends on: the CPU, its flags, torch, threads and oneDNN's ISA cap."""
+    """What a probe's answer depends on: the CPU, its flags, torch, threads and the kernels' ISA caps."""
     import torch
 
     parts = [cpu_name(), ",".join(cpu_flags()), torch.__version__, str(torch.get_num_threads()),
-             os.environ.get("ONEDNN_MAX_CPU_ISA", ""), os.environ.get("DNNL_MAX_CPU_ISA", "")]
+             *(os.environ.get(v, "") for v in ISA_CAPS)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
