@@ -5,7 +5,8 @@
 # run directories go (made by gpt2lab; nothing else is written). Per seed: the faithful preset at
 # its 720 steps, then the modern one; then `gpt2lab compare` of the pair (tokens and training
 # seconds to the faithful run's final val loss). RECIPES="preset:extra flags ..." overrides the
-# pair, e.g. RECIPES="wiki-cpu-long-fast:--value-embeds=0" for an ablation.
+# pair, e.g. RECIPES="wiki-cpu-long-fast:--value-embeds=1 wiki-cpu-long-fast:--unet-skips=true" for an
+# ablation (a recipe's flags separated by commas: "wiki-cpu-long-fast:--value-embeds=1,--eval-interval=20").
 set -euo pipefail
 data=$1; out=$2; shift 2
 seeds=("${@:-1337}")
@@ -19,7 +20,7 @@ for seed in "${seeds[@]}"; do
     fi
     runs=()
     for r in "${recipes[@]}"; do
-        preset=${r%%:*}; flags=${r#*:}; tag=$(echo "$flags" | tr -c 'A-Za-z0-9.=\n' '_' | sed 's/^_*//')
+        preset=${r%%:*}; flags=${r#*:}; flags=${flags//,/ }; tag=$(echo "$flags" | tr -c 'A-Za-z0-9.=\n' '_' | sed 's/^_*//')
         dir="$out/$preset${tag:+-$tag}-s$seed"
         /usr/bin/time -f "wall %e s" $gpt2lab train --preset "$preset" --data "$data" --seed "$seed" \
             --out "$dir" --progress false $flags

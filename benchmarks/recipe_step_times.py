@@ -1,15 +1,18 @@
 """Step time of the wiki-cpu recipes, interleaved so that every recipe sees the same machine load:
 
     PYTHONPATH=src python benchmarks/recipe_step_times.py --data data/wiki [--rounds 2]
+        [--recipe PRESET[:field=value,...] ...]
 
-One ``Trainer`` per recipe (wiki-cpu; wiki-cpu-fast with the logit softcap at 15 and off; off
-with a tied head), one warm-up step each, then ``--rounds`` rounds of one step per recipe in
-turn. Prints each recipe's median ``dt_ms`` and every round's. Run directories go to a
+One ``Trainer`` per recipe (default: wiki-cpu; wiki-cpu-fast with the logit softcap at 15 and
+off; off with a tied head; ``--recipe`` names others, e.g. ``--recipe wiki-cpu-long --recipe
+wiki-cpu-long-fast:value_embeds=1``), one warm-up step each, then ``--rounds`` rounds of one step
+per recipe in turn. Prints each recipe's median ``dt_ms`` and every round's. Run directories go to a
 temporary folder this script makes and removes.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import statistics
 import tempfile
 
@@ -31,11 +34,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", required=True, help="token shards made by gpt2lab prepare")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--recipe", action="append", default=None, metavar="PRESET[:field=value,...]",
+                   help="a recipe to time instead of the default four (repeat for more)")
     args = p.parse_args()
+    recipes = dict(_parse(r) for r in args.recipe) if args.recipe else RECIPES
     with tempfile.TemporaryDirectory() as tmp:
         trainers = {name: Trainer.from_config(load_preset(preset, data=args.data, out=f"{tmp}/{i}", progress=False,
                                               eval_interval=0, **changes), DistInfo(device=torch.device("cpu")))
-                    for i, (name, (preset, changes)) in enumerate(RECIPES.items())}
+                    for i, (name, (preset, changes)) in enumerate(recipes.items())}
         for t in trainers.values():
             t.train_step()
         times: dict[str, list[float]] = {name: [] for name in trainers}
@@ -45,6 +51,20 @@ def main() -> None:
                 t.step += 1
     for name, ms in times.items():
         print(f"{name}: median {statistics.median(ms):.0f} ms per step ({', '.join(f'{m:.0f}' for m in ms)})")
+
+
+def _parse(text: str) -> tuple[str, tuple[str, dict]]:
+    """'preset:field=value,...' -> (text, (preset, {field: value})); values as Python literals
+    where they parse as one (1, 0.5, True), else strings."""
+    preset, _, rest = text.partition(":")
+    changes = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        try:
+            changes[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            changes[key] = value
+    return text, (preset, changes)
 
 
 if __name__ == "__main__":

@@ -33,15 +33,19 @@ def test_env_prints_the_fields_a_bug_report_needs():
 
 
 def test_demo_preset_trains_in_fp32_end_to_end(tmp_path):
-    """The path CPUs without native bf16 take (auto -> float32), at the demo's real model size."""
+    """The path CPUs without native bf16 take (auto -> float32), at the demo's real model size, with
+    the default recipe (the modern one, shakespeare-cpu-fast)."""
     data, out = tmp_path / "data", tmp_path / "run"
     r = run_gpt2lab("demo", "--data", str(data), "--out", str(out), "--max-steps", "3", "--dtype", "float32",
                     "--tokens", "16", env=env(), timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     info = json.loads((out / "run_info.json").read_text())
     assert info["choices"]["dtype"] == "float32" and info["choices"]["dtype_reason"] == "asked for with --dtype"
-    cfg = load_preset("shakespeare-cpu")
-    assert info["params"] > 0 and json.loads((out / "config.json").read_text())["model"]["n_embd"] == cfg.model.n_embd
+    cfg = load_preset("shakespeare-cpu-fast")
+    saved = json.loads((out / "config.json").read_text())
+    assert info["params"] > 0 and saved["model"]["n_embd"] == cfg.model.n_embd
+    assert saved["optim"]["optimizer"] == "muon" and saved["model"]["pos_emb"] == "rotary"
+    assert "[demo] recipe fast: the modern recipe" in r.stdout and "--recipe faithful" in r.stdout
     vals = [json.loads(line)["val_loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
             if "val_loss" in line]
     m = re.search(r"validation loss (\d+\.\d+) \(chance: ln 50304 = 10\.83\)", r.stdout)

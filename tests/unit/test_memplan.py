@@ -171,7 +171,8 @@ def test_a_modern_preset_is_planned_with_its_modern_block(capsys):
                  device_bytes=80 * 2 ** 30)
     plan = make_plan(cfg, h100)
     kw = dict(strategy=plan.strategy.value, world_size=8, micro_batch=cfg.batch.micro_batch_size, seq_len=cfg.batch.seq_len,
-              dtype="bfloat16", accum=plan.accum, device="cuda", compiled=True, optimizer=cfg.optim.optimizer)
+              dtype="bfloat16", accum=plan.accum, device="cuda", compiled=True, optimizer=cfg.optim.optimizer,
+              muon_variant=cfg.optim.muon_variant)
     assert cfg.optim.optimizer == "muon"
     assert plan.memory == memplan.predict(cfg.model, **kw).to_dict()
     gpt2 = replace(cfg.model, pos_emb="learned", norm="layernorm", qk_norm=False, mlp_act="gelu")

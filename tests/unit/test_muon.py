@@ -251,6 +251,16 @@ def test_wiki_cpu_pair_differs_only_in_recipe_and_half_the_steps():
     assert fast124.optim.optimizer == "muon" and fast124.batch == load_preset("gpt2-124m").batch
 
 
+def test_wiki_cpu_long_pair_differs_only_in_recipe_and_steps():
+    faithful, fast = load_preset("wiki-cpu-long"), load_preset("wiki-cpu-long-fast")
+    for key in ("n_layer", "n_embd", "n_head", "block_size", "vocab_size"):
+        assert getattr(faithful.model, key) == getattr(fast.model, key)
+    assert faithful.batch == fast.batch and faithful.eval.eval_tokens == fast.eval.eval_tokens
+    assert faithful.optim.max_steps == 720 and fast.optim.max_steps <= 240
+    assert (fast.optim.optimizer, fast.optim.lr_schedule) == ("muon", "wsd")
+    assert faithful.model == load_preset("wiki-cpu").model  # the faithful block, only trained longer
+
+
 def test_split_of_the_modern_block():
     """Rotary (no wpe), RMSNorm gains, an untied head: Muon still gets exactly the blocks' matrices."""
     model = _model(pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2", tie_embeddings=False,
@@ -263,3 +273,16 @@ def test_split_of_the_modern_block():
     fast = load_preset("wiki-cpu-fast").model
     assert (fast.pos_emb, fast.norm, fast.qk_norm, fast.mlp_act, fast.tie_embeddings, fast.zero_init_proj,
             fast.logit_softcap) == ("rotary", "rmsnorm", True, "relu2", False, True, 0.0)  # softcap: see the preset
+
+
+def test_demo_recipes_are_the_shakespeare_pair():
+    """`gpt2lab demo --recipe` trains one of two presets of the same data and model size: GPT-2's
+    recipe one flag away from the modern default."""
+    from gpt2lab.commands.demo import RECIPES
+
+    faithful, fast = load_preset(RECIPES["faithful"]), load_preset(RECIPES["fast"])
+    assert RECIPES["faithful"] == "shakespeare-cpu" and faithful.optim.optimizer == "adamw"
+    assert (fast.optim.optimizer, fast.optim.lr_schedule, fast.model.pos_emb) == ("muon", "wsd", "rotary")
+    for key in ("n_layer", "n_embd", "n_head", "block_size", "vocab_size"):
+        assert getattr(faithful.model, key) == getattr(fast.model, key)
+    assert faithful.batch == fast.batch and faithful.data == fast.data
