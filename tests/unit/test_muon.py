@@ -286,3 +286,4 @@ def test_demo_recipes_are_the_shakespeare_pair():
     for key in ("n_layer", "n_embd", "n_head", "block_size", "vocab_size"):
         assert getattr(faithful.model, key) == getattr(fast.model, key)
     assert faithful.batch == fast.batch and faithful.data == fast.data
+    assert fast.optim.max_steps <= faithful.optim.max_steps  # its step is dearer: no more wall time
