@@ -149,11 +149,30 @@ def test_swap_linears_gives_a_tied_head_its_own_copy():
 # -- the choice, with faked facts -------------------------------------------------------------
 ZEN = InferenceFacts("cpu", "AMD EPYC (Zen 4)", native_bf16=True, packing=True)
 XEON = InferenceFacts("cpu", "Intel Xeon (AVX-512, no AVX512_BF16)", native_bf16=False, packing=True)
-AVX2 = InferenceFacts("cpu", "AMD EPYC (AVX2 only)", native_bf16=False, packing=True)
+AVX2 = InferenceFacts("cpu", "AMD EPYC (AVX2 only)", native_bf16=False, packing=True,
+                      packing_bf16_error="mkldnn_reorder_linear_weight: bf16 path needs the cpu support "
+                                         "avx_ne_convert or avx512bw, avx512vl and avx512dq")
 NO_ONEDNN = InferenceFacts("cpu", "a CPU build without oneDNN", native_bf16=False, packing=False)
 H100 = InferenceFacts("cuda", "NVIDIA H100", native_bf16=True, int8_error="no CUDA int8 weight-only kernel")
 V100 = InferenceFacts("cuda", "Tesla V100", native_bf16=False)
 MPS = InferenceFacts("mps", "Apple MPS")
+
+
+def test_bf16_packing_fact_is_what_onednn_does():
+    """packing_bf16_error() says None exactly where a bf16 PackedLinear builds and matches F.linear."""
+    from gpt2lab.inference.kernels import packing_bf16_error
+
+    if not packing_available():
+        pytest.skip("no oneDNN packed linear in this torch build")
+    torch.manual_seed(0)
+    w, b, x = torch.randn(48, 32), torch.randn(48), torch.randn(3, 32)
+    if packing_bf16_error() is None:
+        got = PackedLinear(w, b, torch.bfloat16, 3)(x.bfloat16()).float()
+        want = F.linear(x.bfloat16(), w.bfloat16(), b.bfloat16()).float()
+        torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+    else:
+        with pytest.raises(RuntimeError):
+            PackedLinear(w, b, torch.bfloat16, 3)
 
 
 def _names(cands):
@@ -165,6 +184,8 @@ def _names(cands):
                                "bfloat16/plain", "bfloat16/decode", "bfloat16/packed"]),
     (NO_ONEDNN, InferenceRequest(), ["float32/plain", "float32/decode", "bfloat16/plain", "bfloat16/decode"]),
     (AVX2, InferenceRequest(dtype="float32", linear="packed"), ["float32/packed"]),
+    (AVX2, InferenceRequest(), ["float32/plain", "float32/decode", "float32/packed",  # oneDNN packs no bf16 there
+                                "bfloat16/plain", "bfloat16/decode"]),
     (XEON, InferenceRequest(dtype="bfloat16", linear="plain"), ["bfloat16/plain", "bfloat16/decode"]),
     (ZEN, InferenceRequest(quantize="int8"), ["float32/int8", "bfloat16/int8"]),
     (H100, InferenceRequest(), ["float32/plain", "bfloat16/plain"]),
@@ -181,6 +202,7 @@ def test_candidates_are_what_the_device_runs_and_the_request_allows(facts, reque
     (V100, InferenceRequest(dtype="bfloat16"), "has no bf16"),
     (H100, InferenceRequest(quantize="int8"), "--quantize int8 cannot run here: no CUDA int8"),
     (NO_ONEDNN, InferenceRequest(linear="packed"), "--cpu-linear packed cannot run here"),
+    (AVX2, InferenceRequest(dtype="bfloat16", linear="packed"), "--dtype bfloat16 --cpu-linear packed cannot run here"),
     (H100, InferenceRequest(linear="packed"), "--cpu-linear packed cannot run here"),
     (ZEN, InferenceRequest(quantize="int4"), "--quantize int4"),
 ])
@@ -218,7 +240,7 @@ def test_sample_keeps_the_cheapest_request_prefill_plus_its_decode_steps():
     # sample's cost: prefill + 128 one-row steps. bf16/packed: 100 + 128 * 8 = 1124; fp32/packed:
     # 40 + 128 * 9 = 1192 (the faster prefill does not make up for the slower steps); fp32/plain:
     # 40 + 128 * 20 = 2600; others failed or were given up.
-    facts = _facts(AVX2, float32__plain=Timing(40.0, 20.0), float32__decode="failed: no",
+    facts = _facts(XEON, float32__plain=Timing(40.0, 20.0), float32__decode="failed: no",
                    float32__packed=Timing(40.0, 9.0), bfloat16__packed=Timing(100.0, 8.0),
                    bfloat16__plain="given up: slow", bfloat16__decode="given up: slow")
     d = choose(InferenceRequest(), facts)

@@ -44,6 +44,16 @@ def packing_available() -> bool:
         return False
 
 
+def packing_bf16_error() -> Optional[str]:
+    """Why oneDNN cannot pack a bf16 weight on this CPU, or None where it can (tried on a tiny weight):
+    its bf16 reorder needs AVX512BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only CPU has neither)."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16), 1)
+    except (RuntimeError, AttributeError, NotImplementedError) as e:
+        return str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+    return None
+
+
 def int8_available(device: torch.device) -> Optional[str]:
     """Why int8 weight-only matmuls cannot run on ``device``, or None where they can (tried on a tiny weight)."""
     if not hasattr(torch, "_weight_int8pack_mm"):

@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from gpt2lab.inference.kernels import int8_available, packing_available, swap_linears
+from gpt2lab.inference.kernels import int8_available, packing_available, packing_bf16_error, swap_linears
 from gpt2lab.model.gpt import GPT
 from gpt2lab.system import runtime
 from gpt2lab.system.choices import LINEAR_CHOICES, QUANTIZE_CHOICES
@@ -93,6 +93,7 @@ class InferenceFacts:
     device_name: str = ""
     native_bf16: bool = False               # CPU flag (AVX512_BF16/AMX/BF16) or the GPU's bf16
     packing: bool = False                   # oneDNN's packed linear is there (CPU)
+    packing_bf16_error: Optional[str] = None  # why oneDNN cannot pack bf16 weights here (None: it can)
     int8_error: Optional[str] = None        # why int8 weight-only cannot run (None: it can)
     timings: Optional[dict] = None          # candidate name -> Timing, or -> the error it failed with
 
@@ -149,7 +150,12 @@ def candidates(request: InferenceRequest, facts: InferenceFacts) -> list[Candida
         return [Candidate(d, "plain") for d in dtypes]
     kernels = {"auto": ["plain", "decode"] + (["packed"] if facts.packing else []),
                "plain": ["plain", "decode"], "packed": ["packed"]}[request.linear]
-    return [Candidate(d, k) for d in dtypes for k in kernels]
+    out = [Candidate(d, k) for d in dtypes for k in kernels
+           if not (k == "packed" and d == "bfloat16" and facts.packing_bf16_error)]
+    if not out:  # only bf16 packed was asked for, and oneDNN cannot pack bf16 on this CPU
+        raise ChoiceError(f"--dtype bfloat16 --cpu-linear packed cannot run here (oneDNN: "
+                          f"{facts.packing_bf16_error}); use --cpu-linear plain or --dtype float32")
+    return out
 
 
 def costs(request: InferenceRequest, t: Timing) -> tuple[float, ...]:
@@ -220,7 +226,9 @@ def _measured_reason(request: InferenceRequest, pick: Candidate, measured: dict,
 def detect_facts(device: torch.device) -> InferenceFacts:
     f = runtime.detect(device, probe=False)
     return InferenceFacts(device.type, f.device_name, native_bf16=f.native_bf16,
-                          packing=device.type == "cpu" and packing_available(), int8_error=int8_available(device))
+                          packing=(packing := device.type == "cpu" and packing_available()),
+                          packing_bf16_error=packing_bf16_error() if packing else None,
+                          int8_error=int8_available(device))
 
 
 def _sync(device: torch.device) -> None:
