@@ -249,29 +249,36 @@ def test_ctrl_c_of_the_cli_then_rerun_equals_uninterrupted(tmp_path):
     import subprocess
     import time
 
-    docs = list(resolve_source("tinyshakespeare").documents(0, None)) * 4  # ~1.3M tokens
-    src = str(_jsonl(tmp_path / "big.jsonl", docs))
     args = ["--shard-tokens", "50000", "--val-tokens", "20000"]
-    cmd = [sys.executable, "-m", "gpt2lab", "prepare", "--source", src, "--out",
-           str(tmp_path / "out"), "--workers", "2", "--quiet", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    manifest = tmp_path / "out" / "manifest.json"
-    deadline = time.time() + 60
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            if json.loads(manifest.read_text())["shards"]:
-                break
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    speeches = list(resolve_source("tinyshakespeare").documents(0, None))
+    # A fast machine can finish a small source between the first shard and the signal: then the
+    # source grows (4x, 16x, 64x Tiny Shakespeare, ~1.3M to ~21M tokens) until the signal lands mid-run.
+    for scale in (4, 16, 64):
+        src = str(_jsonl(tmp_path / f"big{scale}.jsonl", speeches * scale))
+        out = tmp_path / f"out{scale}"
+        cmd = [sys.executable, "-m", "gpt2lab", "prepare", "--source", src, "--out", str(out),
+               "--workers", "2", "--quiet", *args]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        manifest = out / "manifest.json"
+        deadline = time.time() + 60
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                if json.loads(manifest.read_text())["shards"]:
+                    break
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        if proc.returncode == 0 and json.loads(manifest.read_text())["complete"]:
+            continue  # done before the signal: try a bigger source
+        break
     assert proc.returncode == 130, err.decode()[-2000:]
     half = json.loads(manifest.read_text())
-    assert not half["complete"] and 0 < len(half["shards"]) < 26
-    assert main(["prepare", "--source", src, "--out", str(tmp_path / "out"), "--quiet", *args]) == 0
+    assert not half["complete"] and 0 < len(half["shards"]) < 26 * scale
+    assert main(["prepare", "--source", src, "--out", str(out), "--quiet", *args]) == 0
     assert main(["prepare", "--source", src, "--out", str(tmp_path / "ref"), "--quiet", *args]) == 0
-    assert _files(tmp_path / "ref") == _files(tmp_path / "out")
+    assert _files(tmp_path / "ref") == _files(out)
 
 
 # -- compressed sources, real text (a slice of the shared Wikipedia set) -----------------
