@@ -44,4 +44,5 @@ def test_bench_train_cli_times_both_sides(tiny_data):  # noqa: F811
     assert len(res["rounds_ms"]) == 2 and len(res["reference_rounds_ms"]) == 2
     assert res["ms_per_step"] > 0 and res["reference_ms_per_step"] > 0
     assert abs(res["tok_per_s"] - 128 / (res["ms_per_step"] / 1000)) < 0.5
-    assert res["speedup"] == round(res["reference_ms_per_step"] / res["ms_per_step"], 3)
+    # the report divides the unrounded medians; its ms figures are rounded to 0.01 ms
+    assert abs(res["speedup"] - res["reference_ms_per_step"] / res["ms_per_step"]) < 1e-3
