@@ -15,13 +15,13 @@ import time
 from gpt2lab.commands import DTYPE_NAMES
 
 
-# The demo's recipes: the preset each trains and what to say about it; the figures are measured
-# (docs/benchmarks.md, "The demo preset"), with the machine they were measured on.
+# The demo's recipes: the preset each trains and what to say about it; the figures live in
+# docs/benchmarks.md ("The demo preset"), with the machine they were measured on.
 RECIPES = {"fast": "shakespeare-cpu-fast", "faithful": "shakespeare-cpu"}
 WHY = {
     "fast": "the modern recipe (rotary, RMSNorm, QK-norm, ReLU^2, Muon, warmup-stable-decay): a lower "
-            "validation loss than GPT-2's in the same time (val 5.14-5.16 against 5.47-5.49, seeds 1337 and "
-            "42, on a 2-core AMD EPYC Zen 5; docs/benchmarks.md); --recipe faithful trains GPT-2's",
+            "validation loss than GPT-2's in the same time (measured: docs/benchmarks.md, \"The modern "
+            "recipe in the demo\"); --recipe faithful trains GPT-2's",
     "faithful": "GPT-2's recipe (learned positions, LayerNorm, GELU, AdamW); the default --recipe fast "
                 "reaches a lower loss in the same time",
 }
