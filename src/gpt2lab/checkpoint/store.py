@@ -7,7 +7,10 @@ where model and optimizer go depends on the model. Layout of one checkpoint (NNN
 optimizer steps completed):
 
   full (a model every rank holds whole: one process, DDP), written by rank 0:
-    model.safetensors  weights (the tied lm_head is stored once, as wte)
+    model.safetensors  weights (the tied lm_head is stored once, as wte); with --ema-decay
+                       their running average, the model every reader gets (sample, serve,
+                       eval, export, --init-from)
+    training.safetensors  only with --ema-decay: the weights as trained, which a resume continues
     optimizer.pt       AdamW state (torch.save; read with weights_only=True)
   sharded (an FSDP model), every rank writing its shard through torch.distributed.checkpoint:
     .metadata          DCP's index: which slice of which tensor lies in which file
@@ -53,6 +56,7 @@ _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 _PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DDP wrappers
 CHECKSUMS = "checksums.json"
 FILES = ("model.safetensors", "optimizer.pt", "state.pt", "config.json")
+TRAINING = "training.safetensors"  # beside model.safetensors when it holds the weight average
 _DISK_FULL_NEXT = ("free some space (or lower --keep-checkpoints), then continue from the last "
                    "checkpoint with --resume auto")
 
@@ -130,10 +134,12 @@ def save(run_dir: str, step: int, parts: Mapping[str, Optional[Stateful]], confi
     "full" (model.safetensors + optimizer.pt, written by rank 0) for a model every rank
     holds whole, "sharded" (DCP, every rank its shard) for an FSDP-sharded one. The other
     parts (None for one this run lacks) go to state.pt, written by rank 0 in both layouts.
+    A weight average (``parts["average"]``, full layout only) takes model.safetensors; the
+    model's own weights go to training.safetensors.
     A full disk raises DiskFullError and leaves no temporary behind.
     """
     final = checkpoint_dir(run_dir, step)
-    model, optimizer = parts["model"], parts["optimizer"]
+    model, optimizer, average = parts["model"], parts["optimizer"], parts.get("average")
     main = dist.rank() == 0
     if main:
         os.makedirs(os.path.dirname(final), exist_ok=True)
@@ -142,10 +148,15 @@ def save(run_dir: str, step: int, parts: Mapping[str, Optional[Stateful]], confi
         _save_sharded(final, model, optimizer, plain, config)
     elif main:
         with atomic_dir(final, what_next=_DISK_FULL_NEXT, replace=True) as tmp:  # replace: same step saved again
-            save_file(clean_state_dict(model.state_dict()), os.path.join(tmp, "model.safetensors"))
+            files = FILES
+            if average is not None:
+                save_file(clean_state_dict(model.state_dict()), os.path.join(tmp, TRAINING))
+                files += (TRAINING,)
+            shown = model if average is None else average.module
+            save_file(clean_state_dict(shown.state_dict()), os.path.join(tmp, "model.safetensors"))
             torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
             _write_rest(tmp, plain, config)
-            write_json(os.path.join(tmp, CHECKSUMS), {name: sha256_file(os.path.join(tmp, name)) for name in FILES})
+            write_json(os.path.join(tmp, CHECKSUMS), {name: sha256_file(os.path.join(tmp, name)) for name in files})
     if main and keep:
         for old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -319,11 +330,13 @@ def read_config(ckpt: str) -> dict:
         raise damaged(ckpt, f"config.json unreadable ({e})") from e
 
 
-def load_weights(model: torch.nn.Module, ckpt: str, verified: bool = False) -> None:
+def load_weights(model: torch.nn.Module, ckpt: str, verified: bool = False, name: str = "model.safetensors") -> None:
     """Load the checkpoint's weights (either layout) into ``model``, checking checksums unless ``verified``.
 
     A model of another shape gets one line naming both shapes, not torch's size-mismatch list.
-    A sharded checkpoint is consolidated here, in this process alone.
+    A sharded checkpoint is consolidated here, in this process alone. ``name``: the file of a
+    full checkpoint (training.safetensors: the weights as trained, where model.safetensors
+    holds their average).
     """
     if not verified:
         verify(ckpt)
@@ -331,7 +344,7 @@ def load_weights(model: torch.nn.Module, ckpt: str, verified: bool = False) -> N
         _check_shape(model, ckpt, _sharded_shapes(ckpt))
         state = _read(ckpt, "its shards", sharded.read_model)
     else:
-        state = _read_full(ckpt)
+        state = _read_full(ckpt, name)
         _check_shape(model, ckpt, {k: tuple(v.shape) for k, v in state.items()})
     model.load_state_dict(state, strict=False)  # a tied lm_head is wte, restored with it
 
@@ -343,8 +356,8 @@ def _read(ckpt: str, what: str, read):
         raise damaged(ckpt, f"{what} cannot be read ({_first_line(e)})") from e
 
 
-def _read_full(ckpt: str) -> dict[str, torch.Tensor]:
-    return _read(ckpt, "model.safetensors", lambda c: clean_state_dict(load_file(os.path.join(c, "model.safetensors"))))
+def _read_full(ckpt: str, name: str = "model.safetensors") -> dict[str, torch.Tensor]:
+    return _read(ckpt, name, lambda c: clean_state_dict(load_file(os.path.join(c, name))))
 
 
 def _sharded_shapes(ckpt: str) -> dict[str, tuple[int, ...]]:
@@ -424,21 +437,32 @@ def load(ckpt: str, parts: Mapping[str, Optional[Stateful]], verified: bool = Fa
     Called on every rank. A sharded checkpoint is resharded to this run's ranks by DCP
     (onto a plain model too); a full one loads whole, or each rank keeps its slices of it
     when the model is sharded. ``verified``: its checksums were just checked (find_intact).
+    The model continues from the weights as trained (training.safetensors where the
+    checkpoint holds a weight average); a weight average part from model.safetensors, or,
+    from a checkpoint without one, starts again from the model.
     """
     if not verified:
         verify_together(ckpt)
-    model, optimizer = parts["model"], parts["optimizer"]
+    model, optimizer, average = parts["model"], parts["optimizer"], parts.get("average")
     state = read_state(ckpt)
+    averaged = os.path.isfile(os.path.join(ckpt, TRAINING))
+    trained = TRAINING if averaged else "model.safetensors"
     if sharded.is_sharded_checkpoint(ckpt):
         _check_shape(model, ckpt, _sharded_shapes(ckpt))
         sharded.load(ckpt, model, optimizer)
     elif parallel.is_sharded(model):  # a one-process or DDP checkpoint continued under FSDP
-        weights = _read_full(ckpt)
+        weights = _read_full(ckpt, trained)
         _check_shape(model, ckpt, {k: tuple(v.shape) for k, v in weights.items()})
         _load_optimizer(ckpt, lambda adam: sharded.load_full(model, optimizer, weights, adam))
     else:
-        load_weights(model, ckpt, verified=True)
+        load_weights(model, ckpt, verified=True, name=trained)
         _load_optimizer(ckpt, optimizer.load_state_dict)
+    if average is not None and averaged:
+        load_weights(average.module, ckpt, verified=True)
+    elif average is not None:  # none saved (--ema-decay added on resume): the next step starts it again
+        average.module.load_state_dict(model.state_dict())
+        average.load_state_dict({"n_averaged": 0})
+        state.pop("average", None)
     own = {k: v for k, v in state.items() if k not in parts}  # the trainer's entries sit at the top
     for name, part in parts.items():
         value = own if name == "trainer" else state.get(name)

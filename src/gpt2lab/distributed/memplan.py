@@ -257,7 +257,7 @@ def loss_workspace_bytes(N: int, V: int, C: int, compute: int, x_size: int, w_si
 def predict(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_batch: int = 1,
             seq_len: Optional[int] = None, dtype: str = "bfloat16", activation_checkpointing: bool = False,
             accum: int = 2, device: str = "cuda", compiled: bool = False, optimizer: str = "adamw",
-            muon_variant: str = "muon") -> Prediction:
+            muon_variant: str = "muon", average: bool = False) -> Prediction:
     """Peak per-rank bytes of one training step: the largest of ``phases``, plus the runtime.
 
     ``accum`` is the run's accumulation after any batch ramp (--batch-ramp-steps): a ramp's
@@ -267,7 +267,7 @@ def predict(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro
     peak = max(phases(cfg, strategy=strategy, world_size=world_size, micro_batch=micro_batch, seq_len=seq_len,
                       dtype=dtype, activation_checkpointing=activation_checkpointing, accum=accum,
                       chunked_loss=used_for(device, compiled, sharded=strategy == "fsdp"), device=device,
-                      optimizer=optimizer, muon_variant=muon_variant),
+                      optimizer=optimizer, muon_variant=muon_variant, average=average),
                key=lambda ph: ph.total)
     peak.terms["runtime"] = runtime_bytes(device)
     # On CPU the peak RSS exceeds the peak of live tensors by about one more chunked-loss
@@ -284,7 +284,7 @@ def predict(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro
 def phases(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_batch: int = 1,
            seq_len: Optional[int] = None, dtype: str = "bfloat16", activation_checkpointing: bool = False,
            accum: int = 2, chunked_loss: bool = True, device: str = "cuda",
-           optimizer: str = "adamw", muon_variant: str = "muon") -> list[Prediction]:
+           optimizer: str = "adamw", muon_variant: str = "muon", average: bool = False) -> list[Prediction]:
     """Tensor bytes per rank at each moment a step can peak (see the module docstring).
 
     Activations are autocast's under both strategies (the norms in fp32, the residual stream
@@ -302,6 +302,7 @@ def phases(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_
     ``device`` picks what differs between CPU and CUDA kernels in what autograd keeps
     (``block_saved_bytes``: RMSNorm, ReLU^2 under autocast). The speedrun's levers: ``lever_bytes``;
     FSDP's two blocks in flight are counted without the value-embedding gates (one value each).
+    ``average``: --ema-decay's fp32 copy of the weights (never sharded: refused with FSDP).
     """
     check(strategy, world_size, micro_batch, dtype, accum, device)
     T = seq_len or cfg.block_size
@@ -312,6 +313,8 @@ def phases(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_
     shard = world_size if fsdp else 1
     fixed = {"weights": whole // shard, "optimizer": optimizer_state_bytes(cfg, optimizer, muon_variant) // shard,
              "comm_buffers": whole if strategy == "ddp" and world_size > 1 else 0}
+    if average:
+        fixed["average"] = whole
     if fsdp:
         in_flight = FP32 * p["root"] + 2 * a * p["block"]
         gathered = FP32 * p["root"] + a * p["blocks"]

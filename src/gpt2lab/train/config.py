@@ -114,6 +114,9 @@ class OptimConfig(_Section):
                            "torch.optim.Muon's) or normuon (NorMuon: then each output neuron's row divided by the "
                            "root of its running mean square, rescaled to the same norm)", choices=MUON_VARIANTS)
     muon_beta2: float = _f(0.95, "normuon: decay of the per-neuron running mean square")
+    ema_decay: float = _f(0.0, "average the weights as they train: after each step avg = d * avg + (1 - d) * "
+                          "weights (torch.optim.swa_utils.AveragedModel); evaluations, samples and the "
+                          "checkpoints' model.safetensors are the average (0 = off)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -137,6 +140,9 @@ class OptimConfig(_Section):
                               "--optimizer muon)")
         if not 0.0 <= self.muon_beta2 < 1.0:
             raise ConfigError(f"muon_beta2 {self.muon_beta2} must be in [0, 1)")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ConfigError(f"ema_decay {self.ema_decay} must be in [0, 1) (0 = no weight average; 0.95 "
+                              "averages over about the last 20 steps)")
 
 
 @dataclass
@@ -284,6 +290,10 @@ class TrainConfig:
         if lora and strategy == "fsdp":
             raise ConfigError("strategy fsdp with lora_rank: LoRA trains only the adapters, so DDP keeps no "
                               "gradients or AdamW state for the frozen weights; use --strategy ddp")
+        if self.optim.ema_decay and (strategy == "fsdp" or lora):
+            raise ConfigError(f"--ema-decay with {'--strategy fsdp' if strategy == 'fsdp' else '--lora-rank'}: the "
+                              "weight average keeps a whole copy of a model trained whole; use "
+                              f"{'--strategy ddp' if strategy == 'fsdp' else 'full fine-tuning'}, or --ema-decay 0")
 
     def grad_accum_steps(self, world_size: int) -> int:
         """Micro-steps per optimizer step (after any batch ramp); raises unless the total batch divides evenly."""

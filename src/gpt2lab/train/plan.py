@@ -172,7 +172,9 @@ class RunPlan:
                 f"loss      {self.loss.value} ({self.loss.reason})",
                 f"optimizer {c.optim.optimizer}"
                 + (f" ({c.optim.muon_variant})" if c.optim.muon_variant != "muon" else "") + f", {c.optim.lr_schedule} schedule"
-                + (f"; Newton-Schulz in {self.ns_dtype.value} ({self.ns_dtype.reason})" if self.ns_dtype else ""),
+                + (f"; Newton-Schulz in {self.ns_dtype.value} ({self.ns_dtype.reason})" if self.ns_dtype else "")
+                + (f"; weight average (EMA) {c.optim.ema_decay}: evaluations and checkpoints hold it"
+                   if c.optim.ema_decay else ""),
                 f"batch     {c.batch.total_batch_tokens:,} tokens/step = micro-batch {c.batch.micro_batch_size} "
                 f"x seq {c.batch.seq_len} x {self.facts.world_size} process(es) x {self.accum} micro-steps{ramp}; "
                 f"steps to {c.optim.max_steps}",
@@ -253,7 +255,7 @@ def _predict(cfg: TrainConfig, facts: Facts, strategy: str, dtype: str, accum: i
                            micro_batch=cfg.batch.micro_batch_size, seq_len=cfg.batch.seq_len, dtype=dtype,
                            activation_checkpointing=cfg.parallel.activation_checkpointing, accum=accum,
                            device=device, compiled=compiled, optimizer=cfg.optim.optimizer,
-                           muon_variant=cfg.optim.muon_variant)
+                           muon_variant=cfg.optim.muon_variant, average=bool(cfg.optim.ema_decay))
 
 
 def make_plan(request: Request | TrainConfig, facts: Facts, resume: Optional[str] = None,

@@ -28,6 +28,7 @@ from gpt2lab.distributed.dist import DistInfo, all_reduce_mean, autocast, decide
 from gpt2lab.model.gpt import GPT
 from gpt2lab.observe.metrics import MetricsLogger
 from gpt2lab.system.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, GPT2LabError
+from gpt2lab.train.averaging import WeightAverage
 from gpt2lab.train.config import TrainConfig
 from gpt2lab.train.evaluation import Evaluator, due
 from gpt2lab.train.init_from import load_source
@@ -111,7 +112,10 @@ class Trainer:
         self.loader = TokenLoader(cfg.data, "train", cfg.batch.micro_batch_size, cfg.batch.seq_len,
                                   rank=info.rank, world_size=info.world_size, seed=cfg.seed)
         self.step, self.tokens = 0, 0
-        self.spikes, self.evaluate = Rollback(cfg), Evaluator(cfg, info, self.raw, self.model, self.dtype)
+        # --ema-decay: the weight average is what evaluations see (and what checkpoints hand on)
+        self.average = WeightAverage(self.raw, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
+        seen = (self.raw, self.model) if self.average is None else (self.average.module,) * 2
+        self.spikes, self.evaluate = Rollback(cfg), Evaluator(cfg, info, *seen, self.dtype)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.dtype == "float16" else None
         if plan.resume:
             self.restore(plan.resume, verified=True)  # the plan checked its checksums
@@ -129,7 +133,7 @@ class Trainer:
     def parts(self) -> dict:
         """What a checkpoint holds: each part has state_dict/load_state_dict (None: not in this run)."""
         return {"model": self.raw, "optimizer": self.optimizer, "loader": self.loader, "rng": ckpt.RNG(),
-                "scaler": self.scaler, "trainer": self}
+                "scaler": self.scaler, "average": self.average, "trainer": self}
 
     def state_dict(self) -> dict:
         """The trainer's own part: counters, the spike guard's memory and the data skipped; and
@@ -173,7 +177,10 @@ class Trainer:
         # fp16: the scaler itself skips steps with inf gradients (and backs off) while it finds its scale
         scaler_skip = self.scaler is not None and bool(np.isfinite(loss_v)) and not finite
         spike = self.spikes.check(self.step, position, loss_v, norm_v) if finite else None
-        apply_update(self.optimizer, self.scaler, self.step, cfg.optim, take=(finite and spike is None) or scaler_skip)
+        take = (finite and spike is None) or scaler_skip
+        apply_update(self.optimizer, self.scaler, self.step, cfg.optim, take=take)
+        if self.average is not None and take:
+            self.average.update(self.raw)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
