@@ -29,7 +29,6 @@ class WeightAverage:
         if parallel.is_sharded(model):
             raise ConfigError("--ema-decay: the model is sharded (FSDP) and the average keeps whole weights; "
                               "use --strategy ddp, or --ema-decay 0 with FSDP")
-        self.decay = decay
         self.averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=False)
 
     @property
@@ -42,7 +41,7 @@ class WeightAverage:
         self.averaged.update_parameters(model)
 
     def state_dict(self) -> dict:
-        return {"decay": self.decay, "n_averaged": int(self.averaged.n_averaged.item())}
+        return {"n_averaged": int(self.averaged.n_averaged.item())}  # the decay is the run config's
 
     def load_state_dict(self, state: dict) -> None:
         self.averaged.n_averaged.fill_(int(state["n_averaged"]))
