@@ -218,8 +218,8 @@ def _measured_reason(request: InferenceRequest, pick: Candidate, measured: dict,
     text = f"fastest measured for {request.workload}: {fig(pick)}"
     if others:
         text += "; next " + "; ".join(f"{fig(c)} ({slowdown[c]:.2f}x)" for c in others[:3])
-    dropped = [n for n, t in (timings or {}).items() if not isinstance(t, Timing)]
-    return text + (f"; {', '.join(dropped)} given up or failed" if dropped else "")
+    dropped = [f"{n} {t}" for n, t in (timings or {}).items() if not isinstance(t, Timing)]  # t: why
+    return text + (f"; dropped: {'; '.join(dropped)}" if dropped else "")
 
 
 # -- the facts of this machine --------------------------------------------------------------
@@ -242,13 +242,16 @@ class _TooSlow(Exception):
     pass
 
 
-def _best_ms(fn, device: torch.device, per_call: int = 1, limit: Optional[float] = None) -> float:
+def _best_ms(fn, device: torch.device, per_call: int = 1, limit: Optional[float] = None, what: str = "") -> float:
+    """The best of REPEATS timed calls of ``fn`` in ms (per ``per_call``); _TooSlow, naming the figure
+    ``what``, when the untimed first is over GIVE_UP times ``limit``."""
     t0 = time.perf_counter()
     fn()
     _sync(device)
     first = 1e3 * (time.perf_counter() - t0) / per_call
     if limit is not None and first > GIVE_UP * limit:
-        raise _TooSlow(f"{first:.1f} ms, over {GIVE_UP:g}x the best candidate's {limit:.1f}: not timed further")
+        raise _TooSlow(f"{what} {first:.3g} ms against the best candidate's {limit:.3g} ms (over {GIVE_UP:g}x): "
+                       "slower, not timed further")
     times = []
     for _ in range(REPEATS):
         t0 = time.perf_counter()
@@ -270,7 +273,7 @@ def measure(model: GPT, cand: Candidate, request: InferenceRequest, device: torc
     prompt = min(REQUEST_TOKENS, block)
     ids = torch.randint(0, vocab, (1, prompt), generator=gen).to(device)
     prefill = _best_ms(lambda: prepared(ids, kv_cache=prepared.new_kv_cache(prompt), last_only=True), device,
-                       limit=best.prefill)
+                       limit=best.prefill, what="prefill")
     if request.workload == "score":
         return Timing(prefill=prefill)
     context = min(CONTEXT, max(1, block // 4))
@@ -284,7 +287,7 @@ def measure(model: GPT, cand: Candidate, request: InferenceRequest, device: torc
         def run() -> None:
             for _ in range(steps):
                 prepared(tok, kv_cache=cache, last_only=True)
-        return _best_ms(run, device, steps, limit)
+        return _best_ms(run, device, steps, limit, "step" if rows == 1 else f"{rows}-row step")
 
     step1 = decode_ms(1, best.step1)
     return Timing(prefill, step1, decode_ms(request.rows, best.step_rows) if request.workload == "serve" else None)
