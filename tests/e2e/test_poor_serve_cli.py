@@ -1,5 +1,5 @@
 """Issue 22: Ctrl-C ends `gpt2lab serve` with exit 130 (a real process and a real SIGINT; the port
-errors are in unit/test_poor_serve.py)."""
+errors are in unit/test_poor_serve.py), ending the requests still open with an error."""
 from __future__ import annotations
 
 import signal
@@ -26,7 +26,53 @@ def test_ctrl_c_stops_the_server_with_exit_130(gpt2_vocab_export):
         assert httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"] == "tiny"  # it serves
         p.send_signal(signal.SIGINT)
         assert p.wait(timeout=60) == 130
-        assert p.stderr.read().strip().splitlines()[-1] == "gpt2lab serve: interrupted"
+        assert p.stderr.read().strip().splitlines()[-1] == "gpt2lab serve: interrupted; stopping"
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def test_ctrl_c_ends_each_open_request_with_an_error_says_one_line_and_exits_130(gpt2_vocab_export):
+    """With a stream and a whole answer open: the stream's last event is OpenAI's error body ("server
+    shutting down") before [DONE], the whole answer is a 503 with it, the server says it is stopping
+    in one line and exits 130 (before, the stream was cut and the process went quiet for seconds)."""
+    import json
+    import threading
+
+    import httpx
+
+    from serve_utils import scrape
+
+    _, d = gpt2_vocab_export
+    p = subprocess.Popen([sys.executable, "-m", "gpt2lab", "serve", "--model", f"tiny={d}", "--device", "cpu",
+                          "--port", "0", "--max-batch", "2"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while " at http://" not in (line := p.stderr.readline()):
+            assert line and time.monotonic() < deadline, "the server did not start"
+        url = line.split(" at ")[1].split("/ ")[0]
+        long = {"model": "tiny", "prompt": ["x"] * 16, "n": 16, "max_tokens": 120}  # far from done at Ctrl-C
+        whole: list = []
+        waiting = threading.Thread(target=lambda: whole.append(
+            httpx.post(url + "/v1/completions", json=long, timeout=60)))
+        with httpx.stream("POST", url + "/v1/completions", json={**long, "stream": True}, timeout=60) as s:
+            lines = (line for line in s.iter_lines() if line)
+            assert next(lines).startswith("data: {")  # the stream runs
+            waiting.start()
+            while scrape(url)[("gpt2lab_queue_depth", ("model", "tiny"))] < 1:  # the whole answer waits its turn
+                time.sleep(0.02)
+            p.send_signal(signal.SIGINT)
+            rest = list(lines)
+        assert rest[-1] == "data: [DONE]"
+        err = json.loads(rest[-2][len("data: "):])["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == "server_shutting_down"
+        assert err["message"].startswith("server shutting down")
+        assert p.wait(timeout=30) == 130
+        waiting.join(timeout=30)
+        assert whole[0].status_code == 503 and whole[0].json()["error"]["code"] == "server_shutting_down"
+        said = [line for line in p.stderr.read().splitlines() if "stopping" in line or "interrupted" in line]
+        assert said == ["gpt2lab serve: interrupted; stopping (2 open requests ended with a 'server shutting "
+                        "down' error)"]
     finally:
         if p.poll() is None:
             p.kill()

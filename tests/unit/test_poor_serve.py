@@ -1,6 +1,8 @@
 """Issue 22's poor serve/sample cases: a model name that cannot be encoded, temperatures and top_p
 so small they overflow, a body without Content-Type: application/json, and equal prompts without a
-seed, each in both server modes where it matters."""
+seed; and odd or hostile requests (a lone surrogate, a body that is not UTF-8, booleans as integers,
+a chat message's name or unknown key, response_format, token ids out of range, a context error's
+wording); each in both server modes where it matters."""
 from __future__ import annotations
 
 import json
@@ -8,7 +10,7 @@ import json
 import pytest
 import torch
 
-from gpt2lab import cli
+from gpt2lab import cli, get_tokenizer
 from gpt2lab.inference.generate import sample_next
 from serve_utils import running_server
 
@@ -151,3 +153,125 @@ def test_bench_serve_refuses_a_zero_batch_in_one_line(capsys):
     assert cli.main(["bench", "serve", "--n-layer", "1", "--n-head", "1", "--n-embd", "8", "--block-size", "8",
                      "--streams", "", "--max-batch", "0"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith("--max-batch 0: must be at least 1")
+
+
+# --- hostile and odd requests: each answered by one rule, in both server modes
+
+def chat(url: str, body: dict) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", content=json.dumps({"model": "tiny", **body}).encode(),
+                      headers={"Content-Type": "application/json"}, timeout=60)  # json.dumps keeps \ud800 escaped
+
+
+def test_a_lone_surrogate_reads_as_the_tokenizer_reads_it_on_every_path(server):
+    """"\\ud800" is valid JSON but no UTF-8 character: the GPT-2 tokenizer reads it as U+FFFD, so the
+    server does too, echoed or not, streamed or not, in a prompt, a chat message and a stop string."""
+    url, _ = server
+    enc = get_tokenizer()
+    assert enc.encode("a\ud800b") == enc.encode("a\ufffdb")  # the reference: the tokenizer's own reading
+    body = {"model": "tiny", "prompt": "a\ud800b", "echo": True, "max_tokens": 4, "seed": 7}
+    whole = post(url, body)
+    assert whole.status_code == 200, whole.text
+    same = post(url, {**body, "prompt": "a\ufffdb"}).json()
+    assert whole.json()["choices"] == same["choices"] and same["choices"][0]["text"].startswith("a\ufffdb")
+    with httpx.stream("POST", url + "/v1/completions", content=json.dumps({**body, "stream": True}).encode(),
+                      headers={"Content-Type": "application/json"}, timeout=60) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events) == same["choices"][0]["text"]
+    messages = [{"role": "user", "content": "a\ud800b"}]
+    lone = chat(url, {"messages": messages, "max_tokens": 4, "seed": 7, "stop": "\ud800"})
+    fffd = chat(url, {"messages": [{"role": "user", "content": "a\ufffdb"}], "max_tokens": 4, "seed": 7,
+                      "stop": "\ufffd"})
+    assert lone.status_code == 200 and lone.json()["choices"] == fffd.json()["choices"]
+    assert lone.json()["usage"] == fffd.json()["usage"]
+
+
+def test_sample_prints_a_lone_surrogate_as_the_tokenizer_reads_it(gpt2_vocab_export, capsys):
+    """An undecodable byte of a command line (Python's surrogate escape "\\udcff") is U+FFFD in the
+    printed prompt, as in the server's echo; the continuation is the one of that text."""
+    _, d = gpt2_vocab_export
+    argv = ["sample", "--model", d, "--device", "cpu", "--dtype", "float32", "--max-new-tokens", "5"]
+    assert cli.main(argv + ["--prompt", "a\udcffb"]) == 0
+    lone = capsys.readouterr().out
+    assert cli.main(argv + ["--prompt", "a\ufffdb"]) == 0
+    assert lone == capsys.readouterr().out and "a\ufffdb" in lone
+
+
+def test_a_body_that_is_not_utf8_is_named_as_such(server):
+    url, _ = server
+    body = b'{"model": "tiny", "prompt": "caf\xe9"}'  # Latin-1
+    r = post(url, body)
+    assert r.status_code == 400, r.text
+    msg = r.json()["error"]["message"]
+    assert "not UTF-8" in msg and f"byte 0xe9 at position {body.index(0xe9)}" in msg
+
+
+def test_a_chat_message_may_carry_a_name_and_an_unknown_key_is_named_with_its_place(server):
+    url, _ = server
+    named = chat(url, {"messages": [{"role": "system", "content": "Be brief."},
+                                    {"role": "user", "content": "Hi", "name": "ann"}], "max_tokens": 3, "seed": 1})
+    plain = chat(url, {"messages": [{"role": "system", "content": "Be brief."},
+                                    {"role": "user", "content": "Hi"}], "max_tokens": 3, "seed": 1})
+    assert named.status_code == 200 and named.json()["choices"] == plain.json()["choices"]  # not in the template
+    r = chat(url, {"messages": [{"role": "user", "content": "Hi"}, {"role": "user", "content": "x", "foo": 1}]})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["message"] == "unrecognized request argument: messages[1].foo" and err["param"] == "messages[1].foo"
+
+
+@pytest.mark.parametrize("path,field,value", [
+    ("completions", "max_tokens", True), ("completions", "n", True), ("completions", "seed", False),
+    ("completions", "top_k", True), ("completions", "logprobs", True), ("completions", "prompt", [True, False]),
+    ("completions", "prompt", [[1, True]]), ("completions", "stream", 1),
+    ("chat/completions", "max_tokens", True), ("chat/completions", "max_completion_tokens", True),
+    ("chat/completions", "n", True)])
+def test_booleans_are_not_integers_nor_integers_booleans(server, path, field, value):
+    url, _ = server
+    body = {"model": "tiny", "prompt": "x"} if path == "completions" else {
+        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    r = httpx.post(f"{url}/v1/{path}", json={**body, field: value}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and err["message"].startswith(f"{field}: ") and f"(got {value!r})" in err["message"]
+
+
+def test_response_format_text_is_accepted_and_other_formats_are_refused(server):
+    url, _ = server
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "seed": 2}
+    text = chat(url, {**body, "response_format": {"type": "text"}})
+    assert text.status_code == 200 and text.json()["choices"] == chat(url, body).json()["choices"]
+    for kind in ("json_object", "json_schema"):
+        r = chat(url, {**body, "response_format": {"type": kind}})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "response_format" and "only" in err["message"]
+        assert kind in err["message"]
+
+
+@pytest.mark.parametrize("prompt,where,bad,position", [([-1, 5], "prompt", -1, 0),
+                                                        ([[5], [3, 50257]], "prompt[1]", 50257, 1)])
+def test_a_token_id_out_of_range_names_the_prompt_and_the_range(server, prompt, where, bad, position):
+    url, _ = server
+    r = post(url, {"model": "tiny", "prompt": prompt})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "prompt"
+    assert err["message"] == (f"{where}: token id {bad} at position {position} is out of range: this model's token "
+                              "ids are 0 to 50256")
+
+
+def test_a_context_error_says_what_the_request_asked(server):
+    """No max_tokens sent: chat's default is what the context leaves, so a conversation that fills the
+    context is too long by itself; a completion's default is 16, and the message says it is the default."""
+    url, _ = server
+    enc = get_tokenizer()
+    content = "word " * 130
+    n = len(enc.encode(f"User: {content}\nAssistant:"))  # serve/chat.py's template, written out by hand
+    r = chat(url, {"messages": [{"role": "user", "content": content}]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "messages"
+    assert err["message"] == (f"This model's maximum context length is 128 tokens, and the messages alone take {n} "
+                              "tokens (as the chat template writes them). Shorten the messages.")
+    prompt = "word " * 119
+    m = len(enc.encode(prompt))
+    r = post(url, {"model": "tiny", "prompt": prompt})
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        f"This model's maximum context length is 128 tokens; you asked for {m + 16} ({m} in the prompt, "
+        "max_tokens' default of 16). Shorten the prompt or lower max_tokens.")

@@ -229,7 +229,7 @@ def test_stop_filter_holds_back_a_possible_start():
     ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"model": "tiny", "prompt": "x", "n": 0}, 400, "n"),
     ({"model": "tiny", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
-    ({"model": "tiny", "prompt": [60000]}, 400, "outside the model's vocabulary"),
+    ({"model": "tiny", "prompt": [60000]}, 400, "token ids are 0 to 50256"),
     ({"model": "tiny", "prompt": "x", "max_new_tokens": 5}, 400, "unrecognized request argument"),
     ({"model": "tiny", "prompt": "x", "logprobs": 6}, 400, "logprobs"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias is not supported"),
@@ -366,6 +366,73 @@ def test_a_waiting_client_that_hangs_up_gives_its_queue_place_back_at_once():
     finally:
         worker.close()
         loop.close()
+
+
+def test_a_chunked_body_over_the_cap_gets_413_and_the_server_goes_on(server):
+    """Without Content-Length (Transfer-Encoding: chunked) the 1 MiB cap holds as the body is read: a
+    valid 10 MiB request (its prompt padded with JSON whitespace) is refused, not read and answered."""
+    url, _ = server
+    head, tail = b'{"model": "tiny", "prompt": "x", "max_tokens": 1', b"}"
+
+    def body():
+        yield head
+        for _ in range(160):
+            yield b" " * (1 << 16)
+        yield tail
+
+    r = httpx.post(url + "/v1/completions", content=body(), headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 413, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and f"at most {1 << 20}" in err["message"]
+    small = httpx.post(url + "/v1/completions", content=b"".join([head, b" " * 1000, tail]),
+                       headers={"Content-Type": "application/json"}, timeout=60)  # the same, under the cap
+    assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] == 1
+
+
+def test_the_body_cap_stops_reading_once_past_it():
+    """At the ASGI level: from an endless chunked body the middleware takes one message past the cap,
+    answers 413 with OpenAI's error body, and the app never sees the request."""
+    import asyncio
+    import json
+
+    from gpt2lab.serve.api import MAX_BODY_BYTES, AccessLog
+    from gpt2lab.serve.metrics import ServeMetrics
+
+    pulled, sent = [0], []
+
+    async def receive():
+        pulled[0] += 1
+        return {"type": "http.request", "body": b" " * 65536, "more_body": True}
+
+    async def send(message):
+        sent.append(message)
+
+    async def app(scope, receive, send):
+        raise AssertionError("the app was handed an oversized body")
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "client": ("127.0.0.1", 1),
+             "headers": [(b"content-type", b"application/json"), (b"transfer-encoding", b"chunked")]}
+    asyncio.run(AccessLog(app, ServeMetrics())(scope, receive, send))
+    assert pulled[0] == MAX_BODY_BYTES // 65536 + 1
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 413
+    assert json.loads(sent[1]["body"])["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_client_that_hangs_up_on_a_whole_answer_frees_its_row_and_its_queue_place(gpt2_vocab_export,
+                                                                                     deterministic):
+    """Not streamed: the server notices the hang-up while the answer is being generated (one row, one
+    queue place, each taken by a request of 16 prompts x 16 samples x 120 tokens whose client left)."""
+    _, d = gpt2_vocab_export
+    with running_server([f"tiny={d}"], Limits(max_batch=1, max_queue=1), deterministic) as url:
+        long = {"model": "tiny", "prompt": ["x"] * 16, "n": 16, "max_tokens": 120}
+        for _ in range(2):  # the first takes the row, the second the queue place; each client gives up
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(url + "/v1/completions", json=long, timeout=httpx.Timeout(60, read=0.5))
+        m = wait_until_idle(url, "tiny", timeout=10)
+        assert m[("gpt2lab_generated_tokens_total", ("model", "tiny"))] < 16 * 16 * 120
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
 def _bench(*argv: str) -> dict:

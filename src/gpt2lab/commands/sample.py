@@ -87,12 +87,12 @@ def _say_if_live(model: str) -> None:
 
 def _stream_one(model, ids: list[int], args: argparse.Namespace, generator: torch.Generator) -> None:
     """Print the prompt, then each token's text as it comes (completion.stream_text)."""
-    from gpt2lab.inference.completion import Sampling, stream_text
+    from gpt2lab.inference.completion import Sampling, prompt_text, stream_text
 
     sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, stop_at_eot=args.stop_at_eot)
     out = sys.stdout
-    out.write(args.prompt)
+    out.write(prompt_text(args.prompt))  # the text the model was given (an undecodable byte as U+FFFD)
     for _, text, _ in stream_text(model, ids, sampling, generator):
         out.write(text)
         out.flush()

@@ -8,6 +8,7 @@ import sys
 from gpt2lab.inference.flags import add_inference_flags, inference_request
 from gpt2lab.serve.limits import Limits
 from gpt2lab.serve.models import load_workers, model_names
+from gpt2lab.system.errors import EXIT_INTERRUPTED
 
 
 def add_parser(sub) -> None:
@@ -73,5 +74,18 @@ def run(args: argparse.Namespace) -> int:
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
     access.addHandler(handler)
     access.setLevel(logging.INFO)
-    serve_here(workers, sock)  # the models run in this (the main) thread; Ctrl-C stops it, exit 130
+    said = []
+
+    def stopping(ended: int) -> None:  # at Ctrl-C, the one line (cli.main's "interrupted" would come late)
+        plural = "" if ended == 1 else "s"
+        print("gpt2lab serve: interrupted; stopping" + (f" ({ended} open request{plural} ended with a 'server "
+              "shutting down' error)" if ended else ""), file=sys.stderr, flush=True)
+        said.append(ended)
+
+    try:
+        serve_here(workers, sock, stopping=stopping)  # the models run in this (the main) thread
+    except KeyboardInterrupt:
+        if not said:  # not while serving: cli.main says it
+            raise
+        return EXIT_INTERRUPTED
     return 0

@@ -58,20 +58,38 @@ def load_for_inference(spec: str, device: torch.device, request=None, command: s
     return model
 
 
+def prompt_text(text: str) -> str:
+    """``text`` with each lone surrogate (half of a UTF-16 pair: ``"\\ud800"`` in JSON, or an
+    undecodable byte of a command-line argument) as U+FFFD, which is how the tokenizer reads it:
+    so the text echoed or printed is the text the model was given, and it can be written as UTF-8."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 def prompt_ids(text: str, vocab: int) -> list[int]:
     """Token ids of ``text`` ('' is a lone <|endoftext|>); raises PromptError past ``vocab``."""
-    ids = get_tokenizer().encode(text, allowed_special={"<|endoftext|>"}) if text else [EOT_ID]
-    check_ids(ids, vocab)
+    ids = get_tokenizer().encode(prompt_text(text), allowed_special={"<|endoftext|>"}) if text else [EOT_ID]
+    check_ids(ids, vocab, from_text=True)
     return ids
 
 
-def check_ids(ids: list[int], vocab: int) -> None:
+def check_ids(ids: list[int], vocab: int, from_text: bool = False) -> None:
+    """PromptError for an empty prompt or an id outside 0..vocab-1. Ids the GPT-2 tokenizer made from
+    text can only be too large for a model with a smaller vocabulary (the model's fault); ids a
+    caller passed are checked against the range."""
     if not ids:
         raise PromptError("the prompt is empty; pass text ('' starts from <|endoftext|>) or token ids")
-    if max(ids) >= vocab or min(ids) < 0:
-        bad = max(ids) if max(ids) >= vocab else min(ids)
-        raise PromptError(f"token id {bad} is outside the model's vocabulary of {vocab}; "
-                          "this model was not trained with the GPT-2 tokenizer")
+    bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+    if bad is None:
+        return
+    if from_text:
+        raise PromptError(f"the GPT-2 tokenizer gives token id {ids[bad]}, outside this model's vocabulary of "
+                          f"{vocab}; this model was not trained with the GPT-2 tokenizer")
+    raise PromptError(f"token id {ids[bad]} at position {bad} is out of range: this model's token ids are "
+                      f"0 to {vocab - 1}")
 
 
 def seeded_generator(device: torch.device, seed: int) -> torch.Generator:

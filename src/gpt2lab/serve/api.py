@@ -5,8 +5,9 @@ Responses and stream chunks have OpenAI's shapes, so the official ``openai`` cli
 lm-evaluation-harness's ``local-completions`` work unchanged. Every bad request gets a 4xx with
 OpenAI's error body ``{"error": {"message", "type", "param", "code"}}`` (an unknown route 404, a
 wrong method 405) and the server goes on serving; a full queue gets 429 at once, a request past
-the timeout 504. ``/metrics`` is Prometheus' text format; every request leaves one line in the
-access log (logger ``gpt2lab.serve.access``).
+the timeout 504, a body past MAX_BODY_BYTES 413 however it is framed. A client that hangs up frees
+its row, streamed or not. ``/metrics`` is Prometheus' text format; every request leaves one line
+in the access log (logger ``gpt2lab.serve.access``).
 """
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ import contextlib
 import errno
 import json
 import logging
+import re
 import secrets
 import socket
 import threading
 import time
 from importlib import resources
-from typing import AsyncIterator, Iterator, Optional, Union
+from typing import AsyncIterator, Awaitable, Iterator, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,9 +30,11 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from gpt2lab.inference.completion import PromptError, Sampling, TokenLogprob, TokenText, check_ids
+from gpt2lab.inference.completion import (PromptError, Sampling, TokenLogprob, TokenText, check_ids,
+                                          prompt_text)
 from gpt2lab.serve import chat
-from gpt2lab.serve.engine import Engine, Failed, Finish, Job, QueueFull, Text, TimedOut, Work, Worker
+from gpt2lab.serve.engine import (Engine, Failed, Finish, Job, QueueFull, ShuttingDown, Text, TimedOut, Work,
+                                  Worker)
 from gpt2lab.serve.metrics import ServeMetrics
 from gpt2lab.data.tokenizer import EOT_ID, get_tokenizer
 
@@ -38,8 +42,9 @@ MAX_N = 16  # choices per request (per prompt)
 MAX_PROMPTS = 16
 MAX_STOPS = 4  # as OpenAI
 MAX_LOGPROBS = 5  # as OpenAI's completions
-# A request body past this is refused (413) before it is read: GPT-2's longest context is
-# 1024 tokens, a few KB of text; 1 MiB leaves room for token-id lists and many prompts.
+# A request body past this is refused (413), unread when its Content-Length says so, else as soon
+# as this much has come: GPT-2's longest context is 1024 tokens, a few KB of text; 1 MiB leaves
+# room for token-id lists and many prompts.
 MAX_BODY_BYTES = 1 << 20
 
 ROUTES = ("/", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
@@ -47,8 +52,9 @@ access_log = logging.getLogger("gpt2lab.serve.access")
 
 
 class CompletionRequest(BaseModel):
-    """OpenAI's completion parameters; ``top_k`` is an extra (0 or absent keeps every token)."""
-    model_config = ConfigDict(extra="forbid")
+    """OpenAI's completion parameters; ``top_k`` is an extra (0 or absent keeps every token). Strict:
+    ``true`` is not an integer (pydantic's lax mode takes it as 1), nor ``1`` a boolean."""
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     prompt: Union[str, list[str], list[int], list[list[int]]] = "<|endoftext|>"
@@ -73,15 +79,16 @@ class CompletionRequest(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     role: str
     content: Union[str, list[dict], None] = None
+    name: Optional[str] = None  # OpenAI's participant name: accepted, not written into the template
 
 
 class ChatRequest(BaseModel):
     """OpenAI's chat parameters (the ones a plain-text template can honour); ``top_k`` is an extra."""
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     messages: list[ChatMessage]
@@ -101,6 +108,7 @@ class ChatRequest(BaseModel):
     presence_penalty: Optional[float] = 0
     frequency_penalty: Optional[float] = 0
     logit_bias: Optional[dict] = None
+    response_format: Optional[dict] = None  # {"type": "text"} only (OpenAI's default)
     user: Optional[str] = None
 
 
@@ -135,7 +143,7 @@ def _prompts(req: CompletionRequest, vocab: int) -> tuple[list[list[int]], list[
     enc = get_tokenizer()
     texts = None
     if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(x, str) for x in p)):
-        texts = [p] if isinstance(p, str) else p
+        texts = [prompt_text(t) for t in ([p] if isinstance(p, str) else p)]  # a lone surrogate is U+FFFD
         ids = [enc.encode(t, allowed_special={"<|endoftext|>"}) if t else [EOT_ID] for t in texts]  # as sample
     elif isinstance(p, list) and p and all(isinstance(x, int) for x in p):
         ids = [p]
@@ -143,11 +151,12 @@ def _prompts(req: CompletionRequest, vocab: int) -> tuple[list[list[int]], list[
         ids = list(p) if isinstance(p, list) else []
     if not ids or len(ids) > MAX_PROMPTS:
         raise APIError(400, f"prompt: pass 1 to {MAX_PROMPTS} prompts (text or token ids)", param="prompt")
-    for one in ids:
+    for i, one in enumerate(ids):
         try:
-            check_ids(one, vocab)
+            check_ids(one, vocab, from_text=texts is not None)
         except PromptError as e:
-            raise APIError(400, f"prompt: {e}", param="prompt") from None
+            where = f"prompt[{i}]" if len(ids) > 1 else "prompt"
+            raise APIError(400, f"{where}: {e}", param="prompt") from None
     return ids, texts or [_decode(one) for one in ids]
 
 
@@ -157,20 +166,28 @@ def _decode(ids: list[int]) -> str:
     return "".join(text.feed(t) for t in ids) + text.flush()
 
 
-def _check_length(prompts: list[list[int]], max_tokens: int, worker: Worker) -> None:
+def _check_length(prompts: list[list[int]], max_tokens: int, worker: Worker, default: bool, what: str) -> None:
+    """Refuse a request past --max-tokens or the model's context, saying what it asked: ``default``
+    when the request left max_tokens out; ``what`` names its prompt ("prompt" or "messages")."""
+    said = f"max_tokens' default of {max_tokens}" if default else f"max_tokens {max_tokens}"
     if max_tokens > worker.limits.max_tokens:
         raise APIError(400, f"max_tokens: this server gives at most {worker.limits.max_tokens} tokens per "
-                            f"choice (--max-tokens); you asked for {max_tokens}", param="max_tokens")
-    longest = max(len(p) for p in prompts)
-    if longest + max_tokens > worker.block_size:
-        raise APIError(400, f"This model's maximum context length is {worker.block_size} tokens; you asked "
-                            f"for {longest + max_tokens} ({longest} in the prompt, {max_tokens} max_tokens). "
-                            "Shorten the prompt or lower max_tokens.", param="max_tokens",
-                       code="context_length_exceeded")
+                            f"choice (--max-tokens); you asked for {said}", param="max_tokens")
+    longest, block = max(len(p) for p in prompts), worker.block_size
+    if longest > block or (longest == block and max_tokens > 0):  # no max_tokens could make it fit
+        alone = {"prompt": f"the {'longest ' if len(prompts) > 1 else ''}prompt alone takes {longest} tokens",
+                 "messages": f"the messages alone take {longest} tokens (as the chat template writes them)"}[what]
+        room = "" if longest > block else ", which leaves no room for a completion"
+        raise APIError(400, f"This model's maximum context length is {block} tokens, and {alone}{room}. "
+                            f"Shorten the {what}.", param=what, code="context_length_exceeded")
+    if longest + max_tokens > block:
+        raise APIError(400, f"This model's maximum context length is {block} tokens; you asked for "
+                            f"{longest + max_tokens} ({longest} in the {what}, {said}). Shorten the {what} or "
+                            "lower max_tokens.", param="max_tokens", code="context_length_exceeded")
 
 
 def _stops(stop: Optional[Union[str, list[str]]]) -> list[str]:
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    stops = [prompt_text(s) for s in ([stop] if isinstance(stop, str) else list(stop or []))]
     if len(stops) > MAX_STOPS:
         raise APIError(400, f"stop: at most {MAX_STOPS} sequences", param="stop")
     return stops
@@ -193,14 +210,16 @@ class Completion:
                       ("frequency_penalty", bool(req.frequency_penalty)),
                       ("logit_bias", bool(req.logit_bias)), ("suffix", bool(req.suffix))))
         self.prompts, self.texts = _prompts(req, self.worker.model.config.real_vocab_size)
+        default = req.max_tokens is None or "max_tokens" not in req.model_fields_set
         self._prepare(16 if req.max_tokens is None else req.max_tokens, _stops(req.stop),
-                      echo=self.texts if req.echo else [], logprobs=req.logprobs)
+                      echo=self.texts if req.echo else [], logprobs=req.logprobs, default=default)
         self.id = f"cmpl-{secrets.token_hex(12)}"
 
-    def _prepare(self, max_tokens: int, stops: list[str], echo: list[str], logprobs: Optional[int]) -> None:
+    def _prepare(self, max_tokens: int, stops: list[str], echo: list[str], logprobs: Optional[int],
+                 default: bool, what: str = "prompt") -> None:
         """The work of ``self.prompts`` with the request's sampling settings (shared with chat)."""
         req = self.req
-        _check_length(self.prompts, max_tokens, self.worker)
+        _check_length(self.prompts, max_tokens, self.worker, default, what)
         self.sampling = Sampling(max_new_tokens=max_tokens, temperature=_or(req.temperature, 1.0),
                                  top_k=req.top_k, top_p=req.top_p)
         # without a seed each prompt draws its own (equal prompts get their own samples); with one,
@@ -219,6 +238,8 @@ class Completion:
             self.worker.submit(job)
         except QueueFull as e:
             raise APIError(429, str(e), code="queue_full", kind="server_busy") from None
+        except ShuttingDown as e:
+            raise _shutting_down(e) from None
         return job
 
     def usage(self, completion_tokens: int) -> dict:
@@ -247,6 +268,9 @@ class ChatCompletion(Completion):
         _unsupported((("logprobs", bool(req.logprobs)), ("top_logprobs", req.top_logprobs is not None),
                       ("presence_penalty", bool(req.presence_penalty)),
                       ("frequency_penalty", bool(req.frequency_penalty)), ("logit_bias", bool(req.logit_bias))))
+        if req.response_format is not None and req.response_format.get("type") != "text":
+            raise APIError(400, "response_format: only {\"type\": \"text\"} is supported (a base model cannot be "
+                                f"held to a format); got {req.response_format!r}", param="response_format")
         if not req.messages:
             raise APIError(400, "messages: pass at least one message", param="messages")
         try:
@@ -260,9 +284,11 @@ class ChatCompletion(Completion):
             raise APIError(400, f"messages: {e}", param="messages") from None
         self.prompts, self.texts = [ids], [text]
         max_tokens = req.max_completion_tokens or req.max_tokens
-        if max_tokens is None:  # as OpenAI: what the context leaves, here up to --max-tokens
+        default = max_tokens is None
+        if default:  # as OpenAI: what the context leaves, here up to --max-tokens
             max_tokens = max(1, min(self.worker.limits.max_tokens, self.worker.block_size - len(ids)))
-        self._prepare(max_tokens, [*_stops(req.stop), chat.NEXT_TURN], echo=[], logprobs=None)
+        self._prepare(max_tokens, [*_stops(req.stop), chat.NEXT_TURN], echo=[], logprobs=None, default=default,
+                      what="messages")
         self.id = f"chatcmpl-{secrets.token_hex(12)}"
 
     def chunk(self, choices: list[dict], **extra) -> dict:
@@ -271,15 +297,16 @@ class ChatCompletion(Completion):
 
 
 def _content(i: int, m: ChatMessage) -> str:
-    """A message's text: a string, or the text of its ``{"type": "text"}`` parts."""
+    """A message's text: a string, or the text of its ``{"type": "text"}`` parts (a lone surrogate
+    as U+FFFD, as in a prompt)."""
     if m.content is None or isinstance(m.content, str):
-        return m.content or ""
+        return prompt_text(m.content or "")
     parts = []
     for part in m.content:
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise ValueError(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
                              f"are supported, got {part.get('type')!r}")
-        parts.append(part["text"])
+        parts.append(prompt_text(part["text"]))
     return "".join(parts)
 
 
@@ -412,6 +439,9 @@ async def _sse_stream(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
             yield chunk
     except TimedOut as e:
         yield _sse(error_body(str(e), kind="timeout", code="timeout"))
+    except ShuttingDown as e:
+        e = _shutting_down(e)
+        yield _sse(error_body(e.message, e.kind, code=e.code))
     except Exception as e:
         yield _sse(error_body(f"generation failed: {e}", kind="server_error"))
     yield "data: [DONE]\n\n"
@@ -421,21 +451,49 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def _respond(c: Completion, stream, whole):
+def _shutting_down(e: ShuttingDown) -> APIError:
+    return APIError(503, str(e), kind="server_error", code="server_shutting_down")
+
+
+async def _respond(c: Completion, stream, whole, request: Request):
     """Start ``c`` (before the response starts, so that a full queue is a 429), then stream it or
     answer once; errors as OpenAI's JSON."""
     job = c.start()
-    if c.req.stream:
+    if c.req.stream:  # StreamingResponse watches for the client's hang-up itself
         return StreamingResponse(_sse_stream(stream(c, job)), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
-        return JSONResponse(await whole(c, job))
+        answer = await _unless_hung_up(whole(c, job), request)
     except APIError:
         raise
     except TimedOut as e:
         raise APIError(504, str(e), kind="timeout", code="timeout") from None
+    except ShuttingDown as e:
+        raise _shutting_down(e) from None
     except Exception as e:
         raise APIError(500, f"generation failed: {e}", kind="server_error") from e
+    return Response(status_code=499) if answer is None else JSONResponse(answer)  # 499: nobody to answer
+
+
+async def _unless_hung_up(work: Awaitable[dict], request: Request) -> Optional[dict]:
+    """``work``'s answer, or None when the client hangs up first: ``work`` is then cancelled, and its
+    job with it (_events), so that its queue place is free now and its row at the worker's next step."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_hang_up(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})  # its job is cancelled once this returns
+    return None if task.cancelled() else task.result()
+
+
+async def _hang_up(request: Request) -> None:
+    """Returns when the client has gone: the body is read, so the next ASGI message is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def create_app(workers: dict[str, Worker]) -> FastAPI:
@@ -453,9 +511,14 @@ def create_app(workers: dict[str, Worker]) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        """Routing's own errors (an unknown route, a wrong method) in OpenAI's error body."""
+        """Routing's own errors (an unknown route, a wrong method, a body that is not text) in OpenAI's
+        error body."""
         where = f"{request.method} {request.url.path}"
-        if exc.status_code == 404:
+        bad = exc.__cause__  # FastAPI's "error parsing the body" keeps what went wrong here
+        if isinstance(bad, UnicodeDecodeError):
+            message = (f"the request body is not UTF-8 JSON: byte {bad.object[bad.start]:#04x} at position "
+                       f"{bad.start} is not UTF-8; send the JSON encoded as UTF-8")
+        elif exc.status_code == 404:
             message = f"Invalid URL ({where}): this server answers {', '.join(ROUTES)}"
         elif exc.status_code == 405:
             allowed = (exc.headers or {}).get("Allow", "another method")
@@ -488,12 +551,12 @@ def create_app(workers: dict[str, Worker]) -> FastAPI:
              "note": chat.NOTE, **_inference(w.model)} for name, w in workers.items()]}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        return await _respond(Completion(req, workers), _stream, _complete)
+    async def completions(req: CompletionRequest, request: Request):
+        return await _respond(Completion(req, workers), _stream, _complete, request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatRequest):
-        return await _respond(ChatCompletion(req, workers), _stream_chat, _complete_chat)
+    async def chat_completions(req: ChatRequest, request: Request):
+        return await _respond(ChatCompletion(req, workers), _stream_chat, _complete_chat, request)
 
     return app
 
@@ -504,24 +567,82 @@ def _inference(model) -> dict:
     return {"inference": decision.record()} if decision is not None else {}
 
 
+# What a union-typed field takes, for an error that fits none of its types (pydantic reports one per type)
+UNIONS = {"prompt": "text, a list of texts, a list of token ids (integers) or a list of such lists",
+          "stop": "a string or a list of strings", "content": 'a string, a list of {"type": "text"} parts or null'}
+# The tags pydantic puts in an error's location for a union's member types: "str", "list[int]", ...
+_MEMBER = re.compile(r"(str|int|float|bool|dict|list|none)(\[.*\])?")
+
+
+def _where(loc: tuple) -> tuple[str, bool]:
+    """An error's location as OpenAI names it ("messages[0].content"), and whether it went into a
+    union's member types (left out of the name)."""
+    path = ""
+    for x in loc[1:] if loc[:1] == ("body",) else loc:
+        if isinstance(x, int):
+            path += f"[{x}]"
+        elif _MEMBER.fullmatch(str(x)):
+            return path, True
+        else:
+            path += f".{x}" if path else str(x)
+    return path, False
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     """FastAPI's checks (malformed JSON, wrong types, out-of-range values) as one OpenAI error."""
     errors = exc.errors()
     first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     if first.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON ({first.get('msg')}); "
                              "send a JSON object with Content-Type: application/json")
+    where, union = _where(tuple(first.get("loc", ())))
     if first.get("type") == "extra_forbidden":
-        return APIError(400, f"unrecognized request argument: {loc[0] if loc else '?'}", param=loc[0] if loc else None)
-    param = loc[0] if loc else None
-    where = ".".join(loc) or "body"
-    return APIError(400, f"{where}: {first.get('msg')} (got {first.get('input')!r})", param=param)
+        return APIError(400, f"unrecognized request argument: {where or '?'}", param=where or None)
+    msg = first.get("msg")
+    if union:
+        field = re.sub(r".*[.\]]", "", where)  # "messages[0].content" -> "content"
+        msg = f"expected {UNIONS.get(field, 'another type')}"
+    return APIError(400, f"{where or 'body'}: {msg} (got {first.get('input')!r})", param=where or None)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def read_body(scope, receive) -> Optional[bytes]:
+    """The request's body, read whole whatever its framing (Content-Length or chunked); None if the
+    client left while sending it. Past MAX_BODY_BYTES, BodyTooLarge: unread when Content-Length says
+    so, else as soon as that much has come, so no more than that is ever held."""
+    size = dict(scope.get("headers") or []).get(b"content-length", b"")
+    if size.isdigit() and int(size) > MAX_BODY_BYTES:
+        raise BodyTooLarge(f"the request body is {int(size)} bytes; this server takes at most {MAX_BODY_BYTES}")
+    parts, n = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        n += len(message.get("body", b""))
+        if n > MAX_BODY_BYTES:
+            raise BodyTooLarge(f"the request body is over {MAX_BODY_BYTES} bytes (read {n} before stopping); "
+                               f"this server takes at most {MAX_BODY_BYTES}")
+        parts.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+def _replay(body: bytes, receive):
+    """An ASGI receive that gives ``body`` as one message, then the client's own messages (its disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay():
+        return pending.pop() if pending else await receive()
+    return replay
 
 
 class AccessLog:
-    """ASGI middleware: refuses bodies over MAX_BODY_BYTES (413, before reading them), then logs one
-    line per request when its response ends (a stream's too) and counts it in ``/metrics``."""
+    """ASGI middleware: reads each request's body, refusing one over MAX_BODY_BYTES (413) however it
+    is framed (read_body), then logs one line per request when its response ends (a stream's too)
+    and counts it in ``/metrics``."""
 
     def __init__(self, app, metrics: ServeMetrics) -> None:
         self.app, self.metrics = app, metrics
@@ -530,7 +651,6 @@ class AccessLog:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         t0, status = time.monotonic(), [0]
-        size = dict(scope.get("headers") or []).get(b"content-length", b"0")
 
         async def sending(message) -> None:
             if message["type"] == "http.response.start":
@@ -538,13 +658,13 @@ class AccessLog:
             await send(message)
 
         try:
-            if size.isdigit() and int(size) > MAX_BODY_BYTES:
-                status[0] = 413
-                response = JSONResponse(status_code=413, content=error_body(
-                    f"the request body is {int(size)} bytes; this server takes at most {MAX_BODY_BYTES}"))
-                await response(scope, receive, send)
-            else:
-                await self.app(scope, receive, sending)
+            try:
+                body = await read_body(scope, receive)
+            except BodyTooLarge as e:  # Connection: close, so that the server reads no more of it
+                response = JSONResponse(status_code=413, content=error_body(str(e)), headers={"Connection": "close"})
+                return await response(scope, receive, sending)
+            if body is not None:  # else the client left before its request was whole: nothing to answer
+                await self.app(scope, _replay(body, receive), sending)
         finally:
             client = scope.get("client") or ("-", 0)
             code = status[0] or 499  # 499: the client went away before a response started
@@ -566,13 +686,15 @@ def serving_in_thread(workers: dict[str, Worker], host: str = "127.0.0.1") -> It
             engine.close()
 
 
-def serve_here(workers: dict[str, Worker], sock: socket.socket, client=None) -> None:
+def serve_here(workers: dict[str, Worker], sock: socket.socket, client=None, stopping=None) -> None:
     """Serve ``workers`` on ``sock``: uvicorn from a background thread, the models from this one (the
     Engine's docstring says why this thread). With ``client`` (a function of the base URL), run it in
-    a third thread and stop when it returns (``gpt2lab bench serve``); without, serve until Ctrl-C
-    (the KeyboardInterrupt is raised again after the server and workers have stopped)."""
+    a third thread and stop when it returns (``gpt2lab bench serve``); without, serve until Ctrl-C.
+    Ctrl-C stops the models at once; every open request ends with a "server shutting down" error (a
+    stream's last event before ``[DONE]``, else a 503), ``stopping`` (if given) is called with how
+    many, and the KeyboardInterrupt is raised again once uvicorn has sent those and stopped."""
     engine = Engine(workers)
-    with _uvicorn_in_thread(workers, sock) as url:
+    with _uvicorn_in_thread(workers, sock, stopping) as url:
         if client is not None:
             errors: list[BaseException] = []
 
@@ -587,7 +709,7 @@ def serve_here(workers: dict[str, Worker], sock: socket.socket, client=None) -> 
 
             threading.Thread(target=drive, name="gpt2lab-serve-client", daemon=True).start()
         try:
-            engine.run()
+            engine.run()  # Ctrl-C stops it here; _uvicorn_in_thread ends the open requests
         finally:
             for w in workers.values():
                 w.close()
@@ -596,8 +718,10 @@ def serve_here(workers: dict[str, Worker], sock: socket.socket, client=None) -> 
 
 
 @contextlib.contextmanager
-def _uvicorn_in_thread(workers: dict[str, Worker], sock: socket.socket) -> Iterator[str]:
-    """uvicorn serving ``workers``' app on ``sock`` from a thread; yields the base URL once it accepts."""
+def _uvicorn_in_thread(workers: dict[str, Worker], sock: socket.socket, stopping=None) -> Iterator[str]:
+    """uvicorn serving ``workers``' app on ``sock`` from a thread; yields the base URL once it accepts.
+    A KeyboardInterrupt (from the start-up wait or the caller's block, where the engine runs) ends the
+    workers' open requests with ShuttingDown and tells ``stopping`` how many, before uvicorn stops."""
     server = make_server(workers)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -609,6 +733,12 @@ def _uvicorn_in_thread(workers: dict[str, Worker], sock: socket.socket) -> Itera
                 raise RuntimeError("the server thread did not start")
             time.sleep(0.02)
         yield f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    except KeyboardInterrupt:  # nothing will answer the open requests now: end them, so that uvicorn can drain
+        error = ShuttingDown("server shutting down: the request was ended before it finished; retry it later")
+        ended = sum(w.shut_down(error) for w in workers.values())
+        if stopping is not None:
+            stopping(ended)
+        raise
     finally:
         server.should_exit = True
         thread.join(timeout=10)

@@ -9,7 +9,8 @@ one thread (``Engine``: the main one under ``gpt2lab serve``) runs the models, s
 cannot corrupt each other; both bound the rows in
 flight (``max_batch``) and the requests waiting (``max_queue``: past it ``submit`` raises
 QueueFull; a request whose client left gives its place back at once, Job.cancel), and end a
-request that outlives ``timeout_s``.
+request that outlives ``timeout_s``; ``Worker.shut_down`` ends every open request when the
+server stops.
 """
 from __future__ import annotations
 
@@ -113,6 +114,10 @@ class TimedOut(Exception):
     """A request ran (or waited) past ``timeout_s``."""
 
 
+class ShuttingDown(Exception):
+    """The server is stopping (Ctrl-C): every open request ends with this error, a new one is refused."""
+
+
 @dataclass
 class Work:
     """What one completion request asks of a worker."""
@@ -145,6 +150,8 @@ class Job:
         self.last_token: dict[int, float] = {}  # choice index -> when its last token was sampled
 
     def send(self, event: Event) -> None:
+        if event is None and self.worker is not None:  # complete: no longer open
+            self.worker._finished(self)
         self.loop.call_soon_threadsafe(self.out.put_nowait, event)
 
     def cancel(self) -> None:
@@ -180,6 +187,8 @@ class Worker:
         self._lock = threading.Lock()
         self._waiting = 0  # submitted, not yet given a row (or a turn)
         self._rows = 0
+        self._open: set[Job] = set()  # submitted, not yet complete: what shut_down ends
+        self._stopping: Optional[ShuttingDown] = None  # set by shut_down: new requests are refused
         self._wake = threading.Event()  # the engine's: set when there is something to do
 
     @property
@@ -189,11 +198,14 @@ class Worker:
     def submit(self, job: Job) -> None:
         """Queue ``job``, or raise QueueFull at once when ``max_queue`` requests are waiting already."""
         with self._lock:
+            if self._stopping is not None:
+                raise self._stopping
             if self._waiting >= self.limits.max_queue:
                 raise QueueFull(f"the server is busy: {self._waiting} requests are waiting for model "
                                 f"'{self.name}' (--max-queue {self.limits.max_queue}); retry later")
             self._waiting += 1
             job.worker, job.queued = self, True
+            self._open.add(job)
         self._new.put(job)
         self._wake.set()
 
@@ -202,6 +214,23 @@ class Worker:
 
     def active_rows(self) -> int:
         return self._rows
+
+    def shut_down(self, error: ShuttingDown) -> int:
+        """End every open request with ``error`` now and refuse new ones; call it once the engine has
+        stopped stepping this worker (Ctrl-C under ``gpt2lab serve``: api._uvicorn_in_thread). Returns
+        how many ended whose client was still there."""
+        with self._lock:
+            self._stopping = error
+            jobs, self._open = list(self._open), set()
+        ended = sum(not job.cancelled for job in jobs)  # before failing them: a handler cancels its job as it ends
+        for job in jobs:
+            self._started(job)  # its queue place, if it held one
+            job.fail(error)
+        return ended
+
+    def _finished(self, job: Job) -> None:
+        with self._lock:
+            self._open.discard(job)
 
     def close(self) -> None:
         """Ask the engine to stop running this worker (after the step it is in)."""
