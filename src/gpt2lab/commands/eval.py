@@ -1,4 +1,4 @@
-"""gpt2lab eval hellaswag|loss: evaluate any model; the last line printed is JSON."""
+"""gpt2lab eval hellaswag|loss|chat|gsm8k: evaluate any model; the last line printed is JSON."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +8,7 @@ from gpt2lab.inference.flags import add_inference_flags
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("eval", help="evaluate a model: HellaSwag accuracy or validation loss")
+    p = sub.add_parser("eval", help="evaluate a model: HellaSwag accuracy, validation loss, chat, GSM8K")
     esub = p.add_subparsers(dest="task", metavar="TASK", required=True)
 
     hs = esub.add_parser("hellaswag", help="HellaSwag acc and acc_norm (works under torchrun)")
@@ -35,6 +35,37 @@ def add_parser(sub) -> None:
     lo.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
     lo.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's block size)")
     lo.set_defaults(func=run_loss)
+
+    ch = esub.add_parser("chat", help="held-out conversations: the loss on the assistant's tokens and the share "
+                         "of greedy replies that end their turn")
+    _common(ch)
+    ch.add_argument("--data", required=True, help="conversations: JSON lines in the messages format "
+                    "(.jsonl, also .jsonl.zst/.gz/.xz, a directory or a glob)")
+    ch.add_argument("--max-tokens", type=int, default=128,
+                    help="a reply that has not ended its turn after this many tokens did not end it (default 128)")
+    ch.add_argument("--limit", type=int, default=None, help="only the first N conversations")
+    ch.set_defaults(func=run_chat)
+
+    gs = esub.add_parser("gsm8k", help="GSM8K: greedy answers, exact match on the number after ####")
+    _common(gs)
+    gs.add_argument("--data", required=True, help="GSM8K rows {question, answer} as JSON lines (or messages: one "
+                    "user turn, one assistant turn ending '#### N')")
+    gs.add_argument("--max-tokens", type=int, default=256, help="tokens a reply may take (default 256)")
+    gs.add_argument("--limit", type=int, default=None, help="only the first N problems")
+    gs.add_argument("--calculator", type=_on_off, default=True, metavar="on|off",
+                    help="on (default): the reply's <<expr=...>> annotations run as a tool (the value is written "
+                    "for the model, as nanochat does); off: the model writes every number itself")
+    gs.add_argument("--samples", default=None, metavar="FILE.jsonl",
+                    help="write each problem's reply, extracted answer and verdict to this file")
+    gs.set_defaults(func=run_gsm8k)
+
+
+def _on_off(text: str) -> bool:
+    if text.lower() in ("on", "true", "1", "yes"):
+        return True
+    if text.lower() in ("off", "false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -127,4 +158,47 @@ def run_loss(args: argparse.Namespace) -> int:
                            "inference": decision.record()}))
     finally:
         cleanup()
+    return 0
+
+
+def _chat_model(args: argparse.Namespace, info):
+    """The model prepared for generating (one row, as ``sample``)."""
+    from gpt2lab.inference.completion import load_for_inference
+    from gpt2lab.inference.flags import inference_request
+
+    return load_for_inference(args.model, info.device, inference_request(args, "sample"), command="gpt2lab eval")
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    from gpt2lab.distributed.dist import init_distributed
+    from gpt2lab.evals.chat import evaluate_chat, read_conversations
+
+    _positive(args.max_tokens, "--max-tokens")
+    _positive(args.limit, "--limit")
+    conversations = read_conversations(args.data, args.limit)
+    info = init_distributed(args.device)
+    model = _chat_model(args, info)
+    result = evaluate_chat(model, conversations, max_tokens=args.max_tokens, device=info.device, progress=True)
+    print(json.dumps({**result, "model": args.model, "data": args.data, "inference": model.decision.record()}))
+    return 0
+
+
+def run_gsm8k(args: argparse.Namespace) -> int:
+    from gpt2lab.distributed.dist import init_distributed
+    from gpt2lab.evals.chat import evaluate_gsm8k, read_conversations
+    from gpt2lab.system.files import atomic_write
+
+    _positive(args.max_tokens, "--max-tokens")
+    _positive(args.limit, "--limit")
+    problems = read_conversations(args.data, args.limit, gsm8k=True)
+    info = init_distributed(args.device)
+    model = _chat_model(args, info)
+    summary, rows = evaluate_gsm8k(model, problems, max_tokens=args.max_tokens, calculator=args.calculator,
+                                   progress=True)
+    if args.samples:
+        with atomic_write(args.samples, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    print(json.dumps({**summary, "model": args.model, "data": args.data, "samples": args.samples,
+                      "inference": model.decision.record()}))
     return 0

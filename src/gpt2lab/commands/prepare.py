@@ -20,10 +20,14 @@ def add_parser(sub) -> None:
     p.add_argument("--val-tokens", type=int, default=None,
                    help="tokens for the val split (default: one shard for hub sources, "
                    "0.5%% of a local source, 5%% of tinyshakespeare)")
-    p.add_argument("--val-split", choices=("tokens", "documents"), default="tokens",
-                   help="tokens (default, the reference FineWeb layout): val is exactly the first "
-                   "--val-tokens tokens; documents: val ends with the document that reaches them, so "
-                   "no document is in both splits (held-out articles)")
+    p.add_argument("--val-split", choices=("tokens", "documents"), default=None,
+                   help="tokens (the default for text, the reference FineWeb layout): val is exactly the "
+                   "first --val-tokens tokens; documents (the default for conversations): val ends with the "
+                   "document that reaches them, so no document is in both splits (held-out articles)")
+    p.add_argument("--format", choices=("auto", "text", "chat"), default="auto", dest="data_format",
+                   help="auto (default): conversations when the first JSON line holds \"messages\" "
+                   "(or GSM8K's \"question\"/\"answer\"), else text; chat: conversations in the ChatML "
+                   "template with a loss mask on the assistant's tokens; text: documents")
     p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
     p.add_argument("--text-field", default="text", help="jsonl/parquet/hub field holding the text")
     p.add_argument("--limit-docs", type=int, default=None, help="use only the first N documents")
@@ -41,7 +45,8 @@ def run(args) -> int:
         manifest = prepare(args.source, args.out, shard_tokens=args.shard_tokens,
                            val_tokens=args.val_tokens, workers=args.workers,
                            text_field=args.text_field, limit_docs=args.limit_docs,
-                           config=args.config, progress=not args.quiet, val_split=args.val_split)
+                           config=args.config, progress=not args.quiet, val_split=args.val_split,
+                           data_format=args.data_format)
     except GPT2LabError:  # SourceError, ShardError, UsageError, DiskFullError: cli.main, its exit code
         raise
     except ValueError as e:  # a bad number (--shard-tokens 0 ...)
@@ -49,6 +54,7 @@ def run(args) -> int:
         return 2
     summary = {name: {k: v for k, v in s.items() if k != "shards"} | {"shards": len(s["shards"])}
                for name, s in manifest["splits"].items()}
+    extra = {"chat_template": manifest["chat_template"]} if "chat_template" in manifest else {}
     print(json.dumps({"out": args.out, "documents": manifest["documents"],
-                      "tokens": manifest["tokens"], "splits": summary}))
+                      "tokens": manifest["tokens"], **extra, "splits": summary}))
     return 0

@@ -14,10 +14,13 @@ Every call to ``next_batch`` on every rank takes the same step: rank r reads seq
 ``w*B``. So the ranks are disjoint, together cover every sequence of an epoch, and the
 batches of ranks 0..w-1 at one step are the batches one rank reads over w micro-steps.
 ``position`` is the whole state: a checkpoint may even resume on another world size.
+
+Conversations (shards ``prepare`` wrote with a loss mask, data/chat.py) come in the same
+sequences, packed end to end as text is; each target whose mask is 0 (the template, the system
+and user turns) is -1, which the loss ignores, so the loss is the mean over the assistant's tokens.
 """
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from pathlib import Path
 from typing import Dict, Optional, Tuple
@@ -25,7 +28,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from gpt2lab.data.shards import PathLike, ShardError, check_vocab, list_shards, open_shard
+from gpt2lab.data.shards import PathLike, ShardError, check_vocab, list_shards, open_mask, open_shard, read_manifest
 from gpt2lab.data.tokenizer import EOT_ID, GPT2_VOCAB_SIZE
 
 STATE_VERSION = 1
@@ -34,8 +37,9 @@ STATE_VERSION = 1
 class _ShardView:
     """One shard's tokens with its documents in one epoch's order."""
 
-    def __init__(self, tokens: np.ndarray, rng: Optional[np.random.Generator]) -> None:
-        self.tokens = tokens
+    def __init__(self, tokens: np.ndarray, rng: Optional[np.random.Generator],
+                 mask: Optional[np.ndarray] = None) -> None:
+        self.tokens, self.mask = tokens, mask
         if rng is None:  # stored order: one "document" covering the shard
             self.starts = np.zeros(1, dtype=np.int64)
             self.cum = np.array([0, len(tokens)], dtype=np.int64)
@@ -50,16 +54,20 @@ class _ShardView:
         self.cum = np.concatenate([[0], np.cumsum(lengths[perm])])
 
     def sequence(self, s: int, seq_len: int) -> np.ndarray:
-        """Tokens ``[s*T, s*T + T + 1)`` of the ordered stream, as int64."""
+        """Tokens ``[s*T, s*T + T + 1)`` of the ordered stream, as int64; with a mask, a second row:
+        the mask of those tokens (the loader turns masked targets into -1)."""
         p0, p1 = s * seq_len, s * seq_len + seq_len + 1
         d0 = int(np.searchsorted(self.cum, p0, side="right")) - 1
         d1 = int(np.searchsorted(self.cum, p1 - 1, side="right")) - 1
-        pieces = []
+        spans = []
         for d in range(d0, d1 + 1):
             a = max(p0, int(self.cum[d])) - int(self.cum[d]) + int(self.starts[d])
             b = min(p1, int(self.cum[d + 1])) - int(self.cum[d]) + int(self.starts[d])
-            pieces.append(self.tokens[a:b])
-        return np.concatenate(pieces).astype(np.int64)
+            spans.append((a, b))
+        tokens = np.concatenate([self.tokens[a:b] for a, b in spans]).astype(np.int64)
+        if self.mask is None:
+            return tokens
+        return np.stack([tokens, np.concatenate([self.mask[a:b] for a, b in spans]).astype(np.int64)])
 
 
 class TokenLoader:
@@ -72,13 +80,15 @@ class TokenLoader:
 
     def __init__(self, data_dir: PathLike, split: str, batch_size: int, seq_len: int,
                  rank: int = 0, world_size: int = 1, shuffle: Optional[bool] = None,
-                 seed: int = 0, vocab_size: int = GPT2_VOCAB_SIZE) -> None:
+                 seed: int = 0, vocab_size: Optional[int] = None) -> None:
         _check_args(batch_size, seq_len, rank, world_size, seed)
         self.data_dir, self.split = Path(data_dir), split
         self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         self.shuffle = (split == "train") if shuffle is None else bool(shuffle)
-        self.seed, self.vocab_size = seed, vocab_size
-        _check_manifest(self.data_dir)
+        manifest = _check_manifest(self.data_dir)
+        self.masked = "chat_template" in manifest  # conversations: shards with masks
+        # the bound every token is checked against: the caller's, else the tokenizer the manifest names
+        self.seed, self.vocab_size = seed, vocab_size or int(manifest.get("vocab_size", GPT2_VOCAB_SIZE))
         self.paths = list_shards(self.data_dir, split)
         self.counts = [len(open_shard(p)) for p in self.paths]
         self.seqs = np.array([max(0, (n - 1) // seq_len) for n in self.counts], dtype=np.int64)
@@ -113,8 +123,12 @@ class TokenLoader:
     # -- batches -----------------------------------------------------------------------
     def next_batch(self) -> Tuple[torch.Tensor, torch.Tensor]:
         first = self.position + self.rank * self.B
-        rows = np.stack([self._sequence(first + i) for i in range(self.B)])  # (B, T+1)
+        rows = np.stack([self._sequence(first + i) for i in range(self.B)])  # (B, T+1), masked: (B, 2, T+1)
         self.position += self.B * self.world_size
+        if self.masked:  # targets the loss skips: -1
+            tokens, mask = rows[:, 0], rows[:, 1]
+            targets = np.where(mask[:, 1:] == 1, tokens[:, 1:], -1)
+            return torch.from_numpy(np.ascontiguousarray(tokens[:, :-1])), torch.from_numpy(targets)
         buf = torch.from_numpy(rows)
         return buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
 
@@ -146,7 +160,8 @@ class TokenLoader:
                 check_vocab(self.paths[shard], tokens, self.vocab_size)
                 self._vocab_checked.add(shard)
             rng = self._rng(epoch, 1 + shard) if self.shuffle else None
-            self._views[key] = _ShardView(tokens, rng)
+            mask = open_mask(self.paths[shard], len(tokens)) if self.masked else None
+            self._views[key] = _ShardView(tokens, rng, mask)
             while len(self._views) > 2:  # a batch touches at most a few shards; keep memory flat
                 self._views.popitem(last=False)
         return self._views[key]
@@ -197,17 +212,13 @@ def _check_args(batch_size: int, seq_len: int, rank: int, world_size: int, seed:
         raise ValueError(f"seed {seed} must be >= 0")
 
 
-def _check_manifest(data_dir: Path) -> None:
-    """Refuse a directory whose ``gpt2lab prepare`` has not finished."""
+def _check_manifest(data_dir: Path) -> dict:
+    """The directory's manifest ({} where there is none); refuse one whose ``gpt2lab prepare`` has not finished."""
     path = data_dir / "manifest.json"
-    if not path.is_file():
-        return
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ShardError(f"{path}: unreadable manifest ({e}); re-run gpt2lab prepare") from e
+    manifest = read_manifest(data_dir)
     if not manifest.get("complete", True):
         raise ShardError(f"{path}: `gpt2lab prepare` has not finished for this directory "
                          f"(source {manifest.get('source')!r}); re-run the same prepare command "
                          "to complete it")
+    return manifest
 

@@ -27,8 +27,9 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from gpt2lab.data.shards import ShardError, read_header, shard_name, write_shard
-from gpt2lab.data.sources import Document, Source, SourceError, as_text, resolve_source
+from gpt2lab.data import chat
+from gpt2lab.data.shards import ShardError, mask_path, read_header, shard_name, write_mask, write_shard
+from gpt2lab.data.sources import Document, JsonLine, Source, SourceError, as_text, resolve_source
 from gpt2lab.system import rundir
 from gpt2lab.system.errors import UsageError
 from gpt2lab.system.files import sweep_stale, write_json
@@ -65,17 +66,21 @@ def use_threads(size_bytes: Optional[int], workers: int) -> bool:
 def prepare(source: str, out_dir: str, *, shard_tokens: int = 100_000_000,
             val_tokens: Optional[int] = None, workers: Optional[int] = None,
             text_field: str = "text", limit_docs: Optional[int] = None,
-            config: Optional[str] = None, progress: bool = True, val_split: str = "tokens") -> Dict:
+            config: Optional[str] = None, progress: bool = True, val_split: Optional[str] = None,
+            data_format: str = "auto") -> Dict:
     """Tokenize ``source`` into shards under ``out_dir``; return the manifest.
 
     ``val_tokens=None``: one shard for hub sources; for local and bundled ones a fraction
     of the estimated size (0.5%, 5% for tinyshakespeare), at most one shard.
-    ``val_split="tokens"`` (the reference FineWeb layout): val is exactly the first
+    ``val_split="tokens"`` (the reference FineWeb layout; the default for text): val is exactly the first
     ``val_tokens`` tokens, and the document they cut continues in train. ``"documents"``: val
     is whole documents, the first ones of the source until it holds at least ``val_tokens``
-    tokens; train starts with the next document, so no document is in both (held-out text).
+    tokens; train starts with the next document, so no document is in both (held-out text; the
+    default for conversations).
     Re-running the same command after a crash or Ctrl-C finishes the job; on a finished
     directory it only checks the shards.
+    ``data_format``: ``text`` (documents), ``chat`` (conversations: data/chat.py's template, with
+    a loss mask per shard) or ``auto``, chat when the first record of a JSON-lines source is one.
     """
     if shard_tokens < 1:
         raise ValueError(f"shard_tokens {shard_tokens} must be >= 1")
@@ -86,9 +91,11 @@ def prepare(source: str, out_dir: str, *, shard_tokens: int = 100_000_000,
         val_tokens = default_val_tokens(src, shard_tokens)
     if val_tokens < 0 or (limit_docs is not None and limit_docs < 0):
         raise ValueError(f"val_tokens {val_tokens} and limit_docs {limit_docs} must be >= 0")
+    fmt = detect_format(src, data_format, text_field)
+    val_split = val_split or ("documents" if fmt == "chat" else "tokens")
     settings = {"source": source, "config": src.hub_config, "text_field": text_field,
                 "limit_docs": limit_docs, "shard_tokens": shard_tokens, "val_tokens": val_tokens,
-                "val_split": val_split}
+                "val_split": val_split, "format": fmt}
     if val_split not in VAL_SPLITS:
         raise UsageError(f"--val-split {val_split!r}: choose one of {', '.join(VAL_SPLITS)}")
     out = Path(out_dir)
@@ -123,17 +130,42 @@ def _workers(workers: Optional[int]) -> int:
 # -- manifest ----------------------------------------------------------------------------
 FLAGS = {"source": "--source", "config": "--config", "text_field": "--text-field",
          "limit_docs": "--limit-docs", "shard_tokens": "--shard-tokens", "val_tokens": "--val-tokens",
-         "val_split": "--val-split"}
+         "val_split": "--val-split", "format": "--format"}
+FORMATS = ("auto", "text", "chat")
 # How the val split ends: at exactly --val-tokens tokens, or at the end of the document reaching them.
 VAL_SPLITS = ("tokens", "documents")
 
 
 def _fresh_manifest(settings: Dict) -> Dict:
-    return {"format": FORMAT, "version": VERSION, "source": settings["source"], "tokenizer": "gpt2",
-            "eot_id": EOT_ID, "vocab_size": GPT2_VOCAB_SIZE, "dtype": "uint16",
-            "settings": settings, "complete": False, "shards": [], "files": [],
-            "resume": {"next_doc": 0, "offset": 0, "tokens": 0,
-                       "val_end": 0 if settings["val_tokens"] == 0 else None}}
+    conversations = settings["format"] == "chat"
+    manifest = {"format": FORMAT, "version": VERSION, "source": settings["source"], "tokenizer": "gpt2",
+                "eot_id": EOT_ID, "vocab_size": chat.CHAT_VOCAB_SIZE if conversations else GPT2_VOCAB_SIZE,
+                "dtype": "uint16", "settings": settings, "complete": False, "shards": [], "files": [],
+                "resume": {"next_doc": 0, "offset": 0, "tokens": 0,
+                           "val_end": 0 if settings["val_tokens"] == 0 else None}}
+    if conversations:  # the loader takes the loss on the masked tokens only; a run records the template
+        manifest["chat_template"] = chat.TEMPLATE
+    return manifest
+
+
+def detect_format(src: Source, asked: str, text_field: str) -> str:
+    """``text`` or ``chat`` for ``--format asked``: auto reads the first record of a JSON-lines
+    source (a conversation when it has "messages", or GSM8K's "question" and "answer", and no
+    ``text_field``); every other source is text."""
+    if asked not in FORMATS:
+        raise UsageError(f"--format {asked!r}: choose one of {', '.join(FORMATS)}")
+    if asked != "auto":
+        if asked == "chat" and src.kind != "local":
+            raise UsageError(f"--format chat: {src.name} is not a local JSON-lines file; conversations are "
+                             "read from .jsonl files (also .jsonl.zst/.gz/.xz)")
+        return asked
+    if src.kind != "local":
+        return "text"
+    first = next(iter(src.documents(0, 1)), None)
+    if not isinstance(first, JsonLine):
+        return "text"
+    row = chat.parse_line(first.line)
+    return "chat" if chat.is_conversation(row) and text_field not in row else "text"
 
 
 def _start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: Source) -> Dict:
@@ -154,7 +186,8 @@ def _start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: Source)
     except (ValueError, KeyError, TypeError) as e:
         raise ShardError(f"{path}: not a readable gpt2lab prepare manifest ({type(e).__name__}: {e}); "
                          "use another --out") from e
-    old = {"val_split": "tokens", **old}  # manifests written before --val-split cut val at a token count
+    # manifests written before --val-split cut val at a token count; before --format, all were text
+    old = {"val_split": "tokens", "format": "text", **old}
     differ = [k for k in settings if old.get(k) != settings[k] and not (k == "val_tokens" and val_defaulted)]
     if not manifest.get("complete") and not manifest.get("shards"):
         return _start_over(out, manifest, settings, None)  # nothing was written yet
@@ -195,8 +228,9 @@ def _start_over(out: Path, manifest: Dict, settings: Dict, why: Optional[str]) -
     for split in ("val", "train"):
         names.add(shard_name(split, sum(1 for s in manifest.get("shards", []) if s["split"] == split)))
     for name in sorted(names):
-        if (out / name).is_file():
-            (out / name).unlink()
+        for path in (out / name, mask_path(out / name)):
+            if path.is_file():
+                path.unlink()
     if why:
         warnings.warn(f"{out}: the unfinished prepare there cannot be resumed: {why}; starting over")
     _refuse_foreign_shards(out)
@@ -236,6 +270,8 @@ def _finish_manifest(manifest: Dict) -> None:
         s["shards"].append(shard["name"])
         s["tokens"] += shard["tokens"]
         s["documents"] += shard["documents"]
+        if "supervised" in shard:  # conversations: the tokens the loss is taken on
+            s["supervised"] = s.get("supervised", 0) + shard["supervised"]
     manifest["splits"] = splits
     manifest["tokens"] = sum(s["tokens"] for s in splits.values())
     manifest["documents"] = manifest["resume"]["next_doc"]
@@ -265,6 +301,8 @@ class _Writer:
         if self.val_end is None and s.get("val_split", "tokens") == "tokens":
             self.val_end = self.val_tokens  # a token count, wherever it falls in a document
         self.buf = np.empty(self.shard_tokens, dtype=np.uint16)
+        # conversations: the loss mask beside the tokens, cut into shards at the same places
+        self.mask = np.empty(self.shard_tokens, dtype=np.uint8) if s.get("format") == "chat" else None
         self.fill, self.docs_in_shard = 0, 0
 
     def _in_val(self) -> bool:
@@ -283,8 +321,9 @@ class _Writer:
             path = self.src.files[i]
             files.append({"path": path, "bytes": os.path.getsize(path), "first_doc": d, "first_token": token})
 
-    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        """Append whole documents (concatenated, EOT first); cut and write shards as they fill.
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, mask: Optional[np.ndarray] = None) -> None:
+        """Append whole documents (concatenated, EOT first; conversations with their loss ``mask``);
+        cut and write shards as they fill.
 
         Vectorized over the documents: the Python work is per shard, not per document.
         """
@@ -303,6 +342,8 @@ class _Writer:
                 cap = min(cap, self.val_end - self.written)
             n = min(cap - self.fill, len(tokens) - pos)
             self.buf[self.fill:self.fill + n] = tokens[pos:pos + n]
+            if self.mask is not None:
+                self.mask[self.fill:self.fill + n] = mask[pos:pos + n]
             self.docs_in_shard += int(np.searchsorted(starts, pos + n) - np.searchsorted(starts, pos))
             self.fill, pos = self.fill + n, pos + n
             if self.fill == cap:
@@ -314,10 +355,13 @@ class _Writer:
         split = "val" if self._in_val() else "train"
         index = sum(1 for s in self.manifest["shards"] if s["split"] == split)
         name = shard_name(split, index)
+        entry = {"name": name, "split": split, "tokens": self.fill, "documents": self.docs_in_shard}
+        if self.mask is not None:  # the mask first: a shard listed or found on disk has its mask
+            write_mask(mask_path(self.out / name), self.mask[:self.fill])
+            entry["supervised"] = int(self.mask[:self.fill].sum(dtype=np.int64))
         write_shard(self.out / name, self.buf[:self.fill])
         self.written += self.fill
-        self.manifest["shards"].append({"name": name, "split": split, "tokens": self.fill,
-                                        "documents": self.docs_in_shard})
+        self.manifest["shards"].append(entry)
         self.manifest["resume"] = {"next_doc": next_doc, "offset": offset, "tokens": self.written,
                                    "val_end": self.val_end}
         _save_manifest(self.out, self.manifest)  # after the rename: a listed shard is whole
@@ -356,9 +400,11 @@ def _run(src: Source, out: Path, manifest: Dict, workers: int, progress: bool) -
     size = src.size_bytes or TASK_CHARS_MAX * 8 * workers
     task_chars = min(TASK_CHARS_MAX, max(TASK_CHARS_MIN, size // (8 * workers)))
     threads = use_threads(src.size_bytes, workers)
-    with _token_stream(docs, workers, task_chars, threads) as stream, _progress(progress, writer.written) as bar:
-        for tokens, lengths in stream:
-            writer.add(tokens, lengths)
+    encode = encode_conversations if manifest["settings"].get("format") == "chat" else encode_documents
+    with _token_stream(docs, workers, task_chars, threads, encode) as stream, \
+            _progress(progress, writer.written) as bar:
+        for tokens, lengths, *mask in stream:
+            writer.add(tokens, lengths, *mask)
             bar.update(int(lengths.sum()))
             bar.set_postfix(docs=writer.doc, refresh=False)
     writer.finish()
@@ -380,6 +426,21 @@ def encode_documents(docs: List[Document]) -> Tuple[np.ndarray, np.ndarray]:
     return flat.astype(np.uint16), lengths
 
 
+def encode_conversations(docs: List[Document]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """JSON-lines conversations -> (uint16 tokens, lengths, uint8 loss mask) in data/chat.py's
+    template; a record that is not a conversation is a SourceError naming its file, line and field."""
+    records = []
+    for doc in docs:
+        if not isinstance(doc, JsonLine):
+            raise SourceError("conversations are read from JSON-lines files (.jsonl, also compressed); "
+                              "prepare text with --format text")
+        try:
+            records.append(chat.conversation(doc.row()))
+        except chat.ChatFormatError as e:
+            raise SourceError(f"{doc.path}:{doc.lineno}: {e}; fix or remove that line") from e
+    return chat.encode_records(records)
+
+
 def _tasks(docs: Iterable[Document], task_chars: int) -> Iterator[List[Document]]:
     batch: List[Document] = []
     chars = 0
@@ -394,20 +455,21 @@ def _tasks(docs: Iterable[Document], task_chars: int) -> Iterator[List[Document]
 
 
 @contextmanager
-def _token_stream(docs: Iterable[Document], workers: int, task_chars: int, threads: bool = False):
-    """(tokens, lengths) per task, in order, from ``workers`` threads or processes."""
+def _token_stream(docs: Iterable[Document], workers: int, task_chars: int, threads: bool = False,
+                  encode=encode_documents):
+    """``encode``'s (tokens, lengths[, mask]) per task, in order, from ``workers`` threads or processes."""
     get_tokenizer()  # build once here: forked workers and threads share it
     if workers == 1:
-        yield map(encode_documents, _tasks(docs, task_chars))
+        yield map(encode, _tasks(docs, task_chars))
         return
     if threads:
         executor = ThreadPoolExecutor(workers, thread_name_prefix="gpt2lab-prepare")
         try:
-            yield _ordered(executor, _tasks(docs, task_chars), 2 * workers)
+            yield _ordered(executor, _tasks(docs, task_chars), 2 * workers, encode)
         finally:  # Ctrl-C or an error: drop queued tasks, let running ones (<= 1 MB of text) end
             executor.shutdown(wait=True, cancel_futures=True)
         return
-    with _process_pool(docs, workers, task_chars) as results:
+    with _process_pool(docs, workers, task_chars, encode) as results:
         yield results
 
 
@@ -422,7 +484,7 @@ def _token_stream(docs: Iterable[Document], workers: int, task_chars: int, threa
 POLL_S = 0.2  # how often a waiting main process checks that the workers are alive
 
 
-def _worker(tasks, results) -> None:
+def _worker(tasks, results, encode) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
@@ -434,7 +496,7 @@ def _worker(tasks, results) -> None:
         if task is None:
             return
         try:
-            reply = (True, encode_documents(task))
+            reply = (True, encode(task))
         except Exception as e:  # SourceError of a bad line: the main process raises it, in order
             reply = (False, e)
         try:
@@ -469,7 +531,7 @@ class _Dispatch(threading.Thread):
 
 
 @contextmanager
-def _process_pool(docs: Iterable[Document], workers: int, task_chars: int):
+def _process_pool(docs: Iterable[Document], workers: int, task_chars: int, encode):
     # fork on Linux: workers start in milliseconds with the tokenizer already built
     ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
     procs, task_conns, result_conns = [], [], []
@@ -482,7 +544,7 @@ def _process_pool(docs: Iterable[Document], workers: int, task_chars: int):
             for _ in range(workers):
                 task_r, task_w = ctx.Pipe(duplex=False)
                 result_r, result_w = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=_worker, args=(task_r, result_w), daemon=True,
+                p = ctx.Process(target=_worker, args=(task_r, result_w, encode), daemon=True,
                                 name="gpt2lab-prepare-worker")
                 p.start()
                 task_r.close()
@@ -549,12 +611,12 @@ def _died(proc) -> RuntimeError:
                         "prepare command again to resume")
 
 
-def _ordered(executor: ThreadPoolExecutor, tasks: Iterator[List[Document]], window: int):
-    """Results of ``encode_documents`` over ``tasks`` in order, at most ``window`` in flight
+def _ordered(executor: ThreadPoolExecutor, tasks: Iterator[List[Document]], window: int, encode=encode_documents):
+    """Results of ``encode`` over ``tasks`` in order, at most ``window`` in flight
     (``Executor.map`` would read the whole source ahead)."""
     pending: deque = deque()  # on an error, the executor's shutdown cancels what is still queued
     for task in tasks:
-        pending.append(executor.submit(encode_documents, task))
+        pending.append(executor.submit(encode, task))
         if len(pending) >= window:
             yield pending.popleft().result()
     while pending:

@@ -46,6 +46,48 @@ def write_shard(path: PathLike, tokens: np.ndarray) -> None:
         f.write(np.ascontiguousarray(tokens).tobytes())
 
 
+# A conversation shard's loss mask (``train_000000.mask`` beside ``train_000000.bin``): the same
+# 256-int32 header with its own magic, then one uint8 per token (1: the loss is taken on it).
+MASK_MAGIC = 20241125
+MASK_SUFFIX = ".mask"
+
+
+def mask_path(shard: PathLike) -> Path:
+    """The loss-mask file of a token shard."""
+    return Path(shard).with_suffix(MASK_SUFFIX)
+
+
+def write_mask(path: PathLike, mask: np.ndarray) -> None:
+    """Write a shard's loss mask (uint8 0/1); atomic, like write_shard."""
+    if mask.dtype != np.uint8:
+        raise TypeError(f"{path}: a loss mask must be uint8, got {mask.dtype}")
+    header = np.zeros(HEADER_INTS, dtype=np.int32)
+    header[:3] = (MASK_MAGIC, VERSION, len(mask))
+    again = "free some space and run the same prepare command again: it resumes after the last whole shard"
+    with atomic_write(str(path), "wb", what_next=again) as f:
+        f.write(header.tobytes())
+        f.write(np.ascontiguousarray(mask).tobytes())
+
+
+def open_mask(shard: PathLike, tokens: int) -> np.ndarray:
+    """The loss mask of ``shard`` (``tokens`` long) as a read-only uint8 memmap; a missing, foreign
+    or cut-short mask is a ShardError naming it."""
+    path = mask_path(shard)
+    redo = "re-run gpt2lab prepare on the conversations into a new directory"
+    if not path.is_file():
+        raise ShardError(f"{path}: missing; the shards hold conversations and each needs its loss mask; {redo}")
+    size = os.path.getsize(path)
+    header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS) if size >= HEADER_BYTES else None
+    if header is None or header[0] != MASK_MAGIC or header[1] != VERSION:
+        raise ShardError(f"{path}: not a gpt2lab loss mask (bad header); {redo}")
+    if int(header[2]) != tokens or size - HEADER_BYTES != tokens:
+        raise ShardError(f"{path}: holds {size - HEADER_BYTES} of {tokens} tokens' mask (header says "
+                         f"{int(header[2])}); {redo}")
+    if tokens == 0:
+        return np.zeros(0, dtype=np.uint8)
+    return np.memmap(path, dtype=np.uint8, mode="r", offset=HEADER_BYTES, shape=(tokens,))
+
+
 def read_header(path: PathLike) -> int:
     """Validate a ``.bin`` shard's header and size; return its token count."""
     size = os.path.getsize(path)
@@ -98,6 +140,23 @@ def check_vocab(path: PathLike, tokens: np.ndarray, vocab_size: int) -> None:
         raise ShardError(f"{path}: token {int(tokens[pos])} at position {pos} is >= the vocab "
                          f"size {vocab_size}; the shard was made with another tokenizer or is "
                          "corrupt: re-create it with gpt2lab prepare")
+
+
+def read_manifest(data_dir: PathLike) -> dict:
+    """``data_dir``'s manifest.json ({} where there is none, or no such directory); an unreadable
+    one is a ShardError naming it."""
+    import json
+
+    path = Path(data_dir) / "manifest.json"
+    if not path.is_file():
+        return {}
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ShardError(f"{path}: unreadable manifest ({e}); re-run gpt2lab prepare") from e
+    if not isinstance(manifest, dict):
+        raise ShardError(f"{path}: not a gpt2lab manifest (a JSON {type(manifest).__name__}); re-run gpt2lab prepare")
+    return manifest
 
 
 def list_shards(data_dir: PathLike, split: str) -> List[Path]:

@@ -60,9 +60,12 @@ class JsonLine(NamedTuple):
     lineno: int
     field: str
 
+    def row(self) -> dict:
+        """The line's JSON object (a SourceError naming the file and line when it is not one)."""
+        return _json_line(self.line, self.path, self.lineno)
+
     def text(self) -> str:
-        where = f"{self.path}:{self.lineno}"
-        return _field(_json_line(self.line, self.path, self.lineno), self.field, where)
+        return _field(self.row(), self.field, f"{self.path}:{self.lineno}")
 
 
 Document = Union[str, JsonLine]

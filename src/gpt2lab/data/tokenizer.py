@@ -12,10 +12,15 @@ from importlib import resources
 import tiktoken
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
-from gpt2lab.model.config import GPT2_VOCAB_SIZE
+from gpt2lab.model.config import CHAT_VOCAB_SIZES, GPT2_VOCAB_SIZE
 
 EOT_TOKEN = "<|endoftext|>"
 EOT_ID = 50256
+# A chat model's two turn tokens (data/chat.py: the ChatML template): the first two rows of the
+# padding gpt2lab adds to GPT-2's vocabulary (50257 -> 50304), so no new embedding is needed.
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+IM_START_ID, IM_END_ID = 50257, 50258
+CHAT_VOCAB_SIZE = CHAT_VOCAB_SIZES["chatml"]
 
 # The hashes tiktoken itself checks for the OpenAI GPT-2 files.
 _SHA256 = {
@@ -43,17 +48,21 @@ def _checked(name: str) -> str:
     return path
 
 
-@functools.lru_cache(maxsize=1)
-def get_tokenizer() -> tiktoken.Encoding:
-    """The GPT-2 BPE (50257 tokens, ``<|endoftext|>`` = 50256), offline."""
-    ranks = data_gym_to_mergeable_bpe_ranks(
-        vocab_bpe_file=_checked("vocab.bpe"),
-        encoder_json_file=_checked("encoder.json"),
-    )
+@functools.lru_cache(maxsize=2)
+def get_tokenizer(chat: bool = False) -> tiktoken.Encoding:
+    """The GPT-2 BPE (50257 tokens, ``<|endoftext|>`` = 50256), offline; ``chat``: with the two
+    turn tokens as special tokens too (50259), for a chat model's text."""
+    specials = {EOT_TOKEN: EOT_ID, **({IM_START: IM_START_ID, IM_END: IM_END_ID} if chat else {})}
     return tiktoken.Encoding(
-        name="gpt2",
+        name="gpt2-chatml" if chat else "gpt2",
         pat_str=_PAT_STR,
-        mergeable_ranks=ranks,
-        special_tokens={EOT_TOKEN: EOT_ID},
-        explicit_n_vocab=GPT2_VOCAB_SIZE,
+        mergeable_ranks=_ranks(),
+        special_tokens=specials,
+        explicit_n_vocab=CHAT_VOCAB_SIZE if chat else GPT2_VOCAB_SIZE,
     )
+
+
+@functools.lru_cache(maxsize=1)
+def _ranks() -> dict:
+    return data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=_checked("vocab.bpe"),
+                                           encoder_json_file=_checked("encoder.json"))

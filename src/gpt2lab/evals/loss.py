@@ -1,9 +1,10 @@
-"""Validation loss: the mean next-token loss over the first N tokens of a split, all ranks together."""
+"""Validation loss: the mean next-token loss over the first N tokens of a split, all ranks together
+(of conversations: over the assistant's tokens among them, data/loader.py's mask)."""
 from __future__ import annotations
 
 import torch
 
-from gpt2lab.distributed.dist import all_reduce_mean, autocast
+from gpt2lab.distributed.dist import all_reduce_mean, all_reduce_sum, autocast
 
 # A model prepared for inference (inference/prepare.py) has no chunked loss: its loss is taken from
 # whole logits. Its batches run this many logits at a time at most (the chunked loss's own bound,
@@ -39,6 +40,7 @@ def evaluate_loss(model: torch.nn.Module, data_dir: str, *, tokens: int, batch_s
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float32, device=device)
+    kept = torch.zeros((), dtype=torch.float32, device=device)  # masked: the targets the loss is taken on
     rows = batch_size
     if getattr(model, "decode", None) is not None:  # prepared: whole logits, so a few sequences at a time
         rows = max(1, LOGITS_PER_FORWARD // (seq_len * model.config.vocab_size))
@@ -47,6 +49,13 @@ def evaluate_loss(model: torch.nn.Module, data_dir: str, *, tokens: int, batch_s
         for xs, ys in zip(x.split(rows), y.split(rows)):  # equal-length rows: the mean of means is the mean
             with autocast(device, dtype):
                 _, loss = model(xs.to(device), ys.to(device), return_logits=False)
-            total += loss.float() * (len(xs) / len(x))
+            if loader.masked:  # each forward's mean, weighted by its supervised targets
+                n = float((ys != -1).sum())
+                total += loss.float() * n
+                kept += n
+            else:
+                total += loss.float() * (len(xs) / len(x))
     model.train(was_training)
+    if loader.masked:
+        return (all_reduce_sum(total) / all_reduce_sum(kept).clamp(min=1)).item()
     return all_reduce_mean(total / steps).item()

@@ -14,6 +14,8 @@ from gpt2lab.system.errors import ConfigError
 
 # The GPT-2 BPE's vocabulary (tokenizer.py builds it; here, torch- and tiktoken-free, for config.py too).
 GPT2_VOCAB_SIZE = 50257
+# A chat template's tokenizer vocabulary: GPT-2's and the template's turn tokens (data/chat.py).
+CHAT_VOCAB_SIZES = {"chatml": GPT2_VOCAB_SIZE + 2}
 
 
 def _f(default: Any, help: str, derived: bool = False, shape: bool = False, arch: Optional[bool] = None,
@@ -45,6 +47,10 @@ class GPTConfig:
     # dropped on export. None means vocab_size. A run derives it from the tokenizer.
     token_vocab_size: Optional[int] = _f(None, "the tokenizer's vocabulary (rows past it are padding)",
                                          derived=True)
+    # A chat model's template (data/chat.py: "chatml", whose two turn tokens make the tokenizer's
+    # vocabulary 50259); None for a base model. A run derives it from its data (or its --init-from).
+    chat_template: Optional[str] = _f(None, "the chat template the model was fine-tuned in (chatml); none for a "
+                                      "base model", derived=True)
     layer_norm_epsilon: float = _f(1e-5, "epsilon of every LayerNorm")
     # Dropout as GPT-2 has it (HF's names). Active only in training mode.
     embd_pdrop: float = _f(0.0, "dropout on the token + position embeddings (GPT-2 fine-tuning: 0.1)")
@@ -95,6 +101,8 @@ class GPTConfig:
         if self.pos_emb == "rotary" and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"rotary positions need an even head size; n_embd {self.n_embd} / n_head "
                              f"{self.n_head} = {self.n_embd // self.n_head}")
+        if self.chat_template is not None and self.chat_template not in CHAT_VOCAB_SIZES:
+            raise ValueError(f"chat_template {self.chat_template!r} must be one of {', '.join(CHAT_VOCAB_SIZES)}")
         if self.rope_theta <= 0:
             raise ValueError(f"rope_theta {self.rope_theta} must be > 0")
         if self.logit_softcap < 0:

@@ -336,7 +336,9 @@ class GPT(nn.Module):
             logits = cap * torch.tanh(logits.float() / cap)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
+            # the mean over the kept targets, 0 when none is kept (a turn with no assistant token)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1,
+                                   reduction="sum") / (targets != -1).sum().clamp(min=1)
         return (logits if return_logits or targets is None else None), loss
 
     def new_kv_cache(self, max_len: Optional[int] = None) -> KVCache:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Optional, get_type_hints
 
-from gpt2lab.model.config import (GPT2_VOCAB_SIZE, MODEL_KEYS, PADDED_VOCAB_SIZE, GPTConfig, check_types,  # noqa: F401
+from gpt2lab.model.config import (CHAT_VOCAB_SIZES, GPT2_VOCAB_SIZE, MODEL_KEYS, PADDED_VOCAB_SIZE, GPTConfig, check_types,  # noqa: F401
                                   config_value, field_type, gpt_config, model_from_config, nest_sections)
 from gpt2lab.system.choices import (COMPILE_CHOICES, DTYPE_CHOICES, LR_SCHEDULES, MUON_VARIANTS,  # noqa: F401
                                     NS_DTYPE_CHOICES, OPTIMIZERS, STRATEGY_CHOICES)
@@ -266,15 +266,19 @@ class TrainConfig:
         self._check_combinations()
 
     def _derive_token_vocab(self) -> None:
-        """token_vocab_size is the tokenizer's (GPT-2's), never a setting of its own."""
-        if self.model.vocab_size < GPT2_VOCAB_SIZE:
-            raise ConfigError(f"vocab_size {self.model.vocab_size} is smaller than the GPT-2 tokenizer's "
-                              f"{GPT2_VOCAB_SIZE} tokens; use {GPT2_VOCAB_SIZE} or {PADDED_VOCAB_SIZE}")
-        if self.model.token_vocab_size not in (None, GPT2_VOCAB_SIZE):
-            raise ConfigError(f"token_vocab_size {self.model.token_vocab_size}: it is not a setting (a run "
-                              f"uses the GPT-2 tokenizer's {GPT2_VOCAB_SIZE}); drop it")
-        if self.model.token_vocab_size is None:
-            self.model = dataclasses.replace(self.model, token_vocab_size=GPT2_VOCAB_SIZE)
+        """token_vocab_size is the tokenizer's (GPT-2's; with a chat template, its turn tokens too),
+        never a setting of its own."""
+        m = self.model
+        tokens = CHAT_VOCAB_SIZES[m.chat_template] if m.chat_template else GPT2_VOCAB_SIZE
+        if m.vocab_size < tokens:
+            raise ConfigError(f"vocab_size {m.vocab_size} is smaller than the tokenizer's {tokens} tokens"
+                              + (f" (GPT-2's and the {m.chat_template} turn tokens)" if m.chat_template else "")
+                              + f"; use {PADDED_VOCAB_SIZE}")
+        if m.token_vocab_size not in (None, tokens):
+            raise ConfigError(f"token_vocab_size {m.token_vocab_size}: it is not a setting (a run uses its "
+                              f"tokenizer's {tokens}); drop it")
+        if m.token_vocab_size is None:
+            self.model = dataclasses.replace(m, token_vocab_size=tokens)
 
     def _check_combinations(self) -> None:
         """The checks across sections (each section checks its own fields)."""

@@ -63,19 +63,27 @@ class Evaluator:
 
     @torch.no_grad()
     def sample(self) -> str:
-        """A continuation of the fixed prompt (uncompiled model: generation has varying shapes)."""
+        """A continuation of the fixed prompt (uncompiled model: generation has varying shapes); a chat
+        model's reply to it as a user's message."""
+        from gpt2lab.data.chat import IM_END_ID, encode_chat
         from gpt2lab.data.tokenizer import EOT_ID, get_tokenizer
 
-        enc = get_tokenizer()
-        idx = torch.tensor([enc.encode(self.cfg.eval.sample_prompt, allowed_special="all")], device=self.device)
+        prompt, chat = self.cfg.eval.sample_prompt, self.cfg.model.chat_template is not None
+        enc = get_tokenizer(chat=chat)
+        ids = encode_chat([("user", prompt)], add_generation_prompt=True)[0] if chat else \
+            enc.encode(prompt, allowed_special="all")
+        stop = IM_END_ID if chat else EOT_ID
+        idx = torch.tensor([ids], device=self.device)
         gen = torch.Generator(device=self.device).manual_seed(42)  # own generator: training RNG untouched
         self.raw.eval()
         # eager: under FSDP the blocks are compiled in place, and generation has varying shapes
         with autocast(self.device, self.dtype), torch.compiler.set_stance("force_eager"):
             # prepare=False: as it trains (no second copy of the weights beside the optimizer's state)
-            out = generate(self.raw, idx, self.cfg.eval.sample_tokens, top_k=50, generator=gen, stop_token=EOT_ID,
+            out = generate(self.raw, idx, self.cfg.eval.sample_tokens, top_k=50, generator=gen, stop_token=stop,
                            prepare=False)
         self.raw.train()
+        if chat:
+            return f"User: {prompt}\nAssistant: " + enc.decode([t for t in out[0, len(ids):].tolist() if t != stop])
         return enc.decode([t for t in out[0].tolist() if t != EOT_ID])
 
 

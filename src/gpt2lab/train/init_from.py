@@ -23,6 +23,7 @@ from gpt2lab.train.config import ConfigError, TrainConfig, model_from_config
 from gpt2lab.weights.load import CHECKPOINT, HF_DIR, source_kind
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.data.tokenizer import GPT2_VOCAB_SIZE
+from gpt2lab.model.config import CHAT_VOCAB_SIZES
 
 # What the source decides: every field that sets a parameter shape or what the weights compute
 # (the modern block's switches), but the vocabulary (a run may pad it).
@@ -55,7 +56,9 @@ def find_source(spec: str) -> Source:
     except hf.WeightsError as e:
         then = " Then train with --init-from DIR." if "local directory" in str(e) else ""
         raise InitFromError(f"--init-from {spec}: {e}{then}") from e
-    if src.config.real_vocab_size != GPT2_VOCAB_SIZE:
+    template = src.config.chat_template
+    tokens = CHAT_VOCAB_SIZES[template] if template else GPT2_VOCAB_SIZE
+    if src.config.real_vocab_size != tokens:
         raise src._fail(f"its vocabulary has {src.config.real_vocab_size} tokens, not GPT-2's "
                         f"{GPT2_VOCAB_SIZE}; gpt2lab trains with the GPT-2 tokenizer, so pass a GPT-2 model")
     _check_readable(src)
@@ -192,7 +195,9 @@ def load_source(model: GPT, src: Source) -> None:
 
     Vocabulary rows past SRC's are padding (never sampled, dropped on export): they start
     as the mean of the real rows, whose logit is an average one, so the loss at step 0 is
-    within ~0.1% of SRC's. Position rows past the run's block_size are dropped.
+    within ~0.1% of SRC's. So do the tokens the run has and SRC has not (a chat template's turn
+    tokens, on a base model): SRC's padding rows there were trained never to be predicted.
+    Position rows past the run's block_size are dropped.
     """
     try:
         loaded = ckpt.load_model(os.path.dirname(src.weights), verified=src.verified) if src.kind == CHECKPOINT \
@@ -202,14 +207,16 @@ def load_source(model: GPT, src: Source) -> None:
     theirs = dict(loaded.named_parameters())
     with torch.no_grad():
         for name, p in model.named_parameters():  # the tied lm_head comes once, as wte
-            _copy_param(src, name, p, theirs[name])
+            _copy_param(src, name, p, theirs[name], model.config.real_vocab_size)
 
 
-def _copy_param(src: Source, name: str, p: torch.Tensor, w: torch.Tensor) -> None:
+def _copy_param(src: Source, name: str, p: torch.Tensor, w: torch.Tensor, real_vocab: int) -> None:
     if name in ("transformer.wte.weight", "lm_head.weight") and p.shape[1:] == w.shape[1:]:  # untied: its own rows
-        rows = min(len(p), len(w))
+        rows, theirs = min(len(p), len(w)), src.config.real_vocab_size
         p[:rows] = w[:rows]
-        p[rows:] = w[:src.config.real_vocab_size].mean(0)
+        p[rows:] = w[:theirs].mean(0)
+        if real_vocab > theirs:  # tokens new to the model: from the mean row too
+            p[theirs:real_vocab] = w[:theirs].mean(0)
     elif name == "transformer.wpe.weight" and p.shape[1:] == w.shape[1:] and len(p) <= len(w):
         p.copy_(w[:len(p)])
     elif p.shape == w.shape:

@@ -120,6 +120,7 @@ class RunPlan:
     memory: Optional[dict]                 # memplan's prediction per rank, MiB by term
     ns_dtype: Optional[Choice] = None      # Muon's Newton-Schulz dtype (None: the run has no Muon)
     began: Optional[dict] = None           # a resumed run's init-from record, from its checkpoint (began_from)
+    supervised: Optional[tuple[int, int]] = None  # conversations: (assistant tokens, all tokens) of train
 
     @property
     def choices(self) -> runtime.Resolved:
@@ -143,7 +144,8 @@ class RunPlan:
                 "loss": choice(self.loss), "peak_flops": choice(self.peak_flops),
                 "muon_ns_dtype": choice(self.ns_dtype) if self.ns_dtype else None,
                 "activation_checkpointing": c.parallel.activation_checkpointing, "grad_accum_steps": self.accum,
-                "params": self.params, "memory_mib": self.memory, "config": c.to_dict()}
+                "params": self.params, "memory_mib": self.memory, "supervised": self.supervised,
+                "config": c.to_dict()}
 
     def lines(self) -> list[str]:
         """What start-up prints (and --dry-run shows), one decision a line."""
@@ -161,6 +163,10 @@ class RunPlan:
                f"machine   {self.facts.describe()}",
                f"model     {m.n_layer} layers, {m.n_head} heads, {m.n_embd} wide, block {m.block_size}, "
                f"{self.params:,} params" + (f", LoRA rank {ft.lora_rank} on {ft.lora_targets}" if ft.lora_rank else "")]
+        if self.supervised:
+            n, total = self.supervised
+            out.append(f"data      {c.data}: conversations in the {m.chat_template} template, supervised on "
+                       f"{n:,} of {total:,} tokens ({n / max(total, 1):.0%}: the assistant's turns)")
         out += [f"skipped   {line}" for line in self.skipped]
         if self.init_record:
             r = self.init_record
@@ -286,6 +292,9 @@ def make_plan(request: Request | TrainConfig, facts: Facts, resume: Optional[str
         arch = init_from.check_arch(src, req.explicit)
         init = InitFrom(src, init_from.digest(src))
         values = merge_config(values, {"model": arch}, source=req.source)
+    template = chat_template(values, init, saved if where is not None else None)
+    if template:
+        values = merge_config(values, {"model": {"chat_template": template}}, source=req.source)
     cfg = _config(values, req, init)
     if where is not None:
         check_resume_settings(cfg, saved, where)
@@ -306,7 +315,7 @@ def make_plan(request: Request | TrainConfig, facts: Facts, resume: Optional[str
                    loss=choose_loss(facts.device.device_type, compiled, sharded),
                    peak_flops=choose_peak_flops(cfg.system.peak_flops, facts), accum=accum,
                    params=memplan.param_counts(cfg.model)["total"], memory=memory, ns_dtype=choices.ns_dtype,
-                   began=began)
+                   began=began, supervised=supervised_tokens(cfg.data))
 
 
 # Settings that decide which tensors a checkpoint holds, besides the architecture (checked on load).
@@ -327,6 +336,27 @@ def check_resume_settings(cfg: TrainConfig, saved: dict, where: str) -> None:
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"{flag} {ours}: the checkpoint {where} was trained with {name} "
                               f"{theirs}; resume with {flag} {theirs}, or start a new run in another --out")
+
+
+def supervised_tokens(data: str) -> Optional[tuple[int, int]]:
+    """(assistant tokens, all tokens) of a conversation directory's train split; None for text."""
+    from gpt2lab.data.shards import read_manifest
+
+    train = read_manifest(data).get("splits", {}).get("train", {})
+    return (int(train["supervised"]), int(train["tokens"])) if "supervised" in train else None
+
+
+def chat_template(values: dict, init: Optional[InitFrom], saved: Optional[dict]) -> Optional[str]:
+    """The run's chat template: its data's (conversations prepared in one), else that of the model it
+    began from (--init-from, or the resumed checkpoint's config), else None: a base model."""
+    from gpt2lab.data.shards import read_manifest
+
+    found = read_manifest(str(config_value(values, "data", default_value("data")))).get("chat_template")
+    if found:
+        return str(found)
+    if init is not None:
+        return init.source.config.chat_template
+    return config_value(saved, "chat_template") if saved else None
 
 
 def began_from(where: str, saved: dict) -> Optional[dict]:

@@ -24,7 +24,7 @@ import torch.distributed as tdist
 
 from gpt2lab.checkpoint import store as ckpt
 from gpt2lab.distributed import parallel
-from gpt2lab.distributed.dist import DistInfo, all_reduce_mean, autocast, decided_on_rank_0
+from gpt2lab.distributed.dist import DistInfo, all_reduce_mean, all_reduce_sum, autocast, decided_on_rank_0
 from gpt2lab.model.gpt import GPT
 from gpt2lab.observe.metrics import MetricsLogger
 from gpt2lab.system.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, GPT2LabError
@@ -48,24 +48,40 @@ class Stopped(GPT2LabError):
 
 
 def accumulate_gradients(model: torch.nn.Module, next_batch: Callable[[], Batch], accum: int,
-                         device: torch.device, dtype: str, scaler=None) -> torch.Tensor:
-    """Forward/backward ``accum`` micro-batches; return the mean loss over micro-steps and ranks.
+                         device: torch.device, dtype: str, scaler=None, masked: bool = False) -> torch.Tensor:
+    """Forward/backward ``accum`` micro-batches; return the mean loss over the step's targets, all ranks.
 
-    Each micro-loss is scaled by 1/accum so the summed gradients are those of the whole
-    batch; under DDP and FSDP, gradients are reduced over ranks only on the last micro-step.
+    Each micro-loss (a mean over its targets) is weighted so that the summed gradients are those
+    of the mean over every target of the step: 1/accum when every micro-batch has the same number
+    of targets (text); ``masked`` (conversations, where targets the loss skips are -1), its share of
+    the step's supervised targets summed over ranks, so a micro-batch holding few assistant tokens
+    counts for few. Under DDP and FSDP, gradients are reduced over ranks (a mean) only on the last
+    micro-step.
     """
+    batches = [next_batch() for _ in range(accum)] if masked else None
+    weights = _target_weights(batches, device) if masked else [1.0 / accum] * accum
     total = torch.zeros((), dtype=torch.float32, device=device)
     for micro in range(accum):
-        x, y = next_batch()
+        x, y = batches[micro] if masked else next_batch()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         last = micro == accum - 1
         with parallel.sync_gradients(model, last):
             with autocast(device, dtype):
                 _, loss = model(x, y, return_logits=False)
-            loss = loss / accum
+            loss = loss * weights[micro]
             total += loss.detach().float()
             (scaler.scale(loss) if scaler is not None else loss).backward()
     return all_reduce_mean(total)
+
+
+def _target_weights(batches: list[Batch], device: torch.device) -> list[torch.Tensor]:
+    """Each micro-batch's weight n_i * world / N: n_i its supervised targets, N the step's over all
+    ranks (summed on the device: no host sync). Ranks' gradients are then averaged, so the step's
+    gradient is that of the mean loss over all N targets."""
+    counts = torch.tensor([float((y != -1).sum()) for _, y in batches], device=device)
+    n = all_reduce_sum(counts.sum())
+    world = tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1
+    return list(counts * world / n.clamp(min=1))
 
 
 def loss_settings(device: torch.device, compiled: bool, sharded: bool = False) -> tuple[bool, bool]:
@@ -170,7 +186,7 @@ class Trainer:
         position = self.spikes.skip_bad_data(self.loader)
         accum = cfg.accum_at(self.step, self.info.world_size)  # self.accum, or fewer on the batch ramp
         loss = accumulate_gradients(self.train_model, self.loader.next_batch, accum, self.device, self.dtype,
-                                    self.scaler)
+                                    self.scaler, masked=self.loader.masked)
         norm = unscaled_grad_norm(self.raw, self.optimizer, self.scaler, cfg.optim.grad_clip)
         loss_v, norm_v = loss.item(), norm.item()
         finite = bool(np.isfinite(loss_v) and np.isfinite(norm_v))

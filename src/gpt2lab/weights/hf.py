@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from typing import Optional
 
 import torch
 
@@ -21,6 +22,7 @@ from gpt2lab.system import rundir
 from gpt2lab.system.errors import DataError, UsageError
 from gpt2lab.system.files import atomic_dir, write_json
 from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.data import chat
 from gpt2lab.data.tokenizer import EOT_ID, EOT_TOKEN, asset_path
 
 # Weights HF keeps as Conv1D (in, out); nn.Linear wants (out, in).
@@ -264,13 +266,23 @@ def check_exportable(config: GPTConfig) -> None:
                          "without those fields")
 
 
-def _write_tokenizer(out: str, block_size: int) -> None:
-    """GPT-2 tokenizer files in HF layout: its vocab.json is OpenAI's encoder.json, merges.txt its vocab.bpe."""
+def write_tokenizer(out: str, block_size: int, chat_template: Optional[str] = None) -> None:
+    """GPT-2 tokenizer files in HF layout: its vocab.json is OpenAI's encoder.json, merges.txt its vocab.bpe.
+
+    A chat model's (``chat_template``, data/chat.py) add its two turn tokens as special added tokens
+    at their ids, the template in Jinja (``apply_chat_template``) and ``<|im_end|>`` as the end token.
+    """
     shutil.copyfile(asset_path("encoder.json"), os.path.join(out, "vocab.json"))
     shutil.copyfile(asset_path("vocab.bpe"), os.path.join(out, "merges.txt"))
     special = {"bos_token": EOT_TOKEN, "eos_token": EOT_TOKEN, "unk_token": EOT_TOKEN}
     tok_config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": block_size,
                   "add_prefix_space": False, **special}
+    if chat_template:
+        special = {**special, "eos_token": chat.IM_END, "pad_token": EOT_TOKEN}
+        added = {str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False, "normalized": False,
+                          "single_word": False} for t, i in chat.SPECIAL_TOKENS.items()}
+        tok_config = {**tok_config, **special, "added_tokens_decoder": added,
+                      "chat_template": chat.CHAT_TEMPLATE}
     write_json(os.path.join(out, "tokenizer_config.json"), tok_config)
     write_json(os.path.join(out, "special_tokens_map.json"), special)
 
@@ -296,7 +308,7 @@ def save_pretrained(model: GPT, out_dir: str) -> None:
         write_json(os.path.join(tmp, "config.json"), config_to_hf(model.config, dtype))
         eot = EOT_ID if model.config.real_vocab_size > EOT_ID else None
         write_json(os.path.join(tmp, "generation_config.json"), {"bos_token_id": eot, "eos_token_id": eot})
-        _write_tokenizer(tmp, model.config.block_size)
+        write_tokenizer(tmp, model.config.block_size, model.config.chat_template)
         write_json(os.path.join(tmp, EXPORT_MARKER), {"format": rundir.EXPORT_FORMAT, "version": 1,
                                                        "files": list(EXPORT_FILES)})
 

@@ -1,0 +1,163 @@
+"""Conversations as tokens: the ChatML template, its two turn tokens, and the loss mask.
+
+A chat model's conversation is ChatML (the shape OpenAI introduced and Qwen, SmolLM and many
+others use), after the ``<|endoftext|>`` every gpt2lab document starts with::
+
+    <|endoftext|><|im_start|>system
+    You answer briefly.<|im_end|>
+    <|im_start|>user
+    Hello!<|im_end|>
+    <|im_start|>assistant
+    Hi.<|im_end|>
+
+``<|im_start|>`` and ``<|im_end|>`` are two tokens of their own, ids 50257 and 50258: the first
+two of the rows gpt2lab pads GPT-2's 50257-token vocabulary with (50304), so a GPT-2 model
+takes them without a new embedding table. Text is encoded as ordinary text, never parsed for
+special tokens, so a message that contains the characters ``<|im_end|>`` cannot end its turn
+or open another: only the template writes those two ids.
+
+Every piece of text between two special tokens is encoded as one string (``role\\ncontent``,
+then ``\\n``), which is exactly how a Hugging Face tokenizer encodes the template's text
+(``CHAT_TEMPLATE``, the Jinja form an export carries): it splits at special tokens first and
+encodes each piece alone. So ``apply_chat_template`` gives these ids for any conversation
+whose text does not itself spell a special token (that tokenizer parses such text as the token).
+
+The loss mask is 1 on the tokens an assistant wrote (its content and its ``<|im_end|>``) and 0
+on everything else: the template, the system and user turns. A token is the assistant's when
+it holds at least one byte of the assistant's content.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any, Iterable, Optional, Sequence
+
+import numpy as np
+
+from gpt2lab.data.tokenizer import (CHAT_VOCAB_SIZE, EOT_ID, EOT_TOKEN, IM_END, IM_END_ID, IM_START,  # noqa: F401
+                                   IM_START_ID, get_tokenizer)
+
+TEMPLATE = "chatml"  # the name a manifest, a run's config and an export record
+SPECIAL_TOKENS = {EOT_TOKEN: EOT_ID, IM_START: IM_START_ID, IM_END: IM_END_ID}
+ROLES = ("system", "user", "assistant")
+ASSISTANT = "assistant"
+
+# The same template in Jinja, for Hugging Face's tokenizer_config.json (apply_chat_template).
+CHAT_TEMPLATE = (
+    "{{ '<|endoftext|>' }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class ChatFormatError(ValueError):
+    """A conversation record that is not one: the message names the field (``messages[2].role``)."""
+
+
+Message = tuple[str, str]  # (role, content)
+
+
+def conversation(row: Any) -> list[Message]:
+    """The (role, content) turns of one JSON record: OpenAI's messages format
+    ``{"messages": [{"role", "content"}, ...]}`` or GSM8K's ``{"question", "answer"}`` (a user
+    turn and an assistant turn). Raises ChatFormatError naming the field that is wrong."""
+    if not isinstance(row, dict):
+        raise ChatFormatError(f"a JSON {type(row).__name__}, not an object with \"messages\"")
+    if "messages" not in row and "question" in row and "answer" in row:
+        return [("user", _text(row, "question", "question")), (ASSISTANT, _text(row, "answer", "answer"))]
+    if "messages" not in row:
+        raise ChatFormatError(f"no \"messages\" (fields: {', '.join(list(row)[:10])}); a conversation is "
+                              "{\"messages\": [{\"role\": ..., \"content\": ...}, ...]} or {\"question\", \"answer\"}")
+    messages = row["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise ChatFormatError("messages: must be a non-empty list of {\"role\", \"content\"} objects")
+    turns = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ChatFormatError(f"messages[{i}]: a JSON {type(m).__name__}, not a {{\"role\", \"content\"}} object")
+        role = m.get("role")
+        if role not in ROLES:
+            raise ChatFormatError(f"messages[{i}].role: {role!r} is not one of {', '.join(ROLES)}")
+        turns.append((role, _text(m, "content", f"messages[{i}].content")))
+    if not any(role == ASSISTANT for role, _ in turns):
+        raise ChatFormatError("messages: no assistant turn, so nothing to learn from; drop the record")
+    return turns
+
+
+def _text(obj: dict, key: str, field: str) -> str:
+    value = obj.get(key)
+    if not isinstance(value, str):
+        what = "missing" if key not in obj else f"{type(value).__name__}, not text"
+        raise ChatFormatError(f"{field}: {what}")
+    return value
+
+
+def is_conversation(row: Any) -> bool:
+    """Whether a JSON record looks like a conversation (``prepare``'s format detection)."""
+    return isinstance(row, dict) and ("messages" in row or ("question" in row and "answer" in row))
+
+
+@functools.lru_cache(maxsize=1)
+def _encoder():
+    return get_tokenizer()
+
+
+def encode_chat(turns: Sequence[Message], add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of a conversation in the template; with ``add_generation_prompt``
+    the ids end with ``<|im_start|>assistant\\n``, where the model's reply begins."""
+    enc = _encoder()
+    ids, mask = [EOT_ID], [0]
+    for role, content in turns:
+        head = f"{role}\n"
+        body = enc.encode_ordinary(head + content)
+        ids.append(IM_START_ID)
+        ids.extend(body)
+        ids.append(IM_END_ID)
+        if role == ASSISTANT:
+            mask.append(0)
+            mask.extend(_content_mask(enc, body, len(head.encode())))
+            mask.append(1)
+        else:
+            mask.extend([0] * (len(body) + 2))
+        newline = enc.encode_ordinary("\n")
+        ids.extend(newline)
+        mask.extend([0] * len(newline))
+    if add_generation_prompt:
+        prompt = enc.encode_ordinary(f"{ASSISTANT}\n")
+        ids.extend([IM_START_ID, *prompt])
+        mask.extend([0] * (1 + len(prompt)))
+    return ids, mask
+
+
+def _content_mask(enc, body: list[int], head_bytes: int) -> list[int]:
+    """1 for each token of ``body`` that holds a byte past the first ``head_bytes`` (the role line)."""
+    out, end = [], 0
+    for t in body:
+        end += len(enc.decode_single_token_bytes(t))
+        out.append(1 if end > head_bytes else 0)
+    return out
+
+
+def encode_records(records: Iterable[Sequence[Message]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Conversations -> (uint16 ids, each conversation <|endoftext|> first, concatenated; lengths;
+    uint8 loss mask), the shapes ``prepare`` writes."""
+    ids: list[int] = []
+    mask: list[int] = []
+    lengths = []
+    for turns in records:
+        a, m = encode_chat(turns)
+        ids.extend(a)
+        mask.extend(m)
+        lengths.append(len(a))
+    return (np.asarray(ids, dtype=np.uint16), np.asarray(lengths, dtype=np.int64),
+            np.asarray(mask, dtype=np.uint8))
+
+
+def parse_line(line: str) -> Optional[Any]:
+    """A JSON line's value, or None when it is not JSON (for format detection only)."""
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None

@@ -1,0 +1,245 @@
+"""Chat evals: how well a chat model takes its turn (``gpt2lab eval chat``) and solves GSM8K (``eval gsm8k``).
+
+``evaluate_chat``: on held-out conversations, (1) the loss on the assistant's tokens (the tokens
+fine-tuning is supervised on: data/chat.py's mask), every conversation cut into windows of the
+model's block as the training loader cuts them, and (2) the share of greedy replies that end their
+turn (``<|im_end|>``) within ``max_tokens``: one reply per conversation, to the turns before its
+first assistant turn. A base model is scored in the same template: what fine-tuning changes is
+what is measured.
+
+``evaluate_gsm8k``: each question as a user turn, the greedy reply, exact match of the number after
+``####`` against the reference's. With ``calculator`` on, the reply's calculator annotations run as
+a tool, as nanochat's engine does: when the model has written ``<<expr=``, the value of ``expr``
+and ``>>`` are appended to its reply as if it had written them (the data writes ``<<48/2=24>>24``);
+the tool evaluates + - * / % ** and parentheses on numbers only (``calculate``).
+"""
+from __future__ import annotations
+
+import ast
+import math
+import operator
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+from gpt2lab.data.chat import IM_END_ID, Message, encode_chat
+from gpt2lab.data.tokenizer import get_tokenizer
+from gpt2lab.distributed.dist import autocast
+
+
+def _check(model) -> None:
+    if model.config.chat_template is None:
+        return  # a base model: scored in the template all the same (its turn tokens are untrained rows)
+    if model.config.real_vocab_size <= IM_END_ID:
+        raise ValueError("the model's vocabulary has no turn tokens")
+
+
+# -- the assistant-token loss -----------------------------------------------------------------
+@torch.no_grad()
+def assistant_loss(model, conversations: Sequence[Sequence[Message]], device: torch.device,
+                   dtype: str = "float32") -> tuple[float, int]:
+    """(mean loss over the assistant's tokens, their number) of ``conversations``: each one's ids cut
+    into windows of block_size + 1 (targets the next tokens; masked targets skipped)."""
+    T = model.config.block_size
+    total, kept = 0.0, 0
+    for turns in conversations:
+        ids, mask = encode_chat(turns)
+        for start in range(0, len(ids) - 1, T):
+            end = min(start + T, len(ids) - 1)  # inputs start..end-1 predict start+1..end
+            m = mask[start + 1:end + 1]
+            x = torch.tensor([ids[start:end]], device=device)
+            y = torch.tensor([[t if keep else -1 for t, keep in zip(ids[start + 1:end + 1], m)]], device=device)
+            n = sum(m)
+            if n == 0:
+                continue
+            with autocast(device, dtype):
+                _, loss = model(x, y)
+            total += float(loss) * n
+            kept += n
+    return total / max(kept, 1), kept
+
+
+# -- greedy replies ----------------------------------------------------------------------------
+@dataclass
+class Reply:
+    ids: list[int]    # the reply's tokens, <|im_end|> excluded
+    text: str
+    ended: bool       # the model wrote <|im_end|> within max_tokens
+    tool_calls: int = 0
+
+
+@torch.inference_mode()
+def greedy_reply(model, prompt: Sequence[int], max_tokens: int,
+                 tool: Optional[Callable[[str], Optional[str]]] = None) -> Reply:
+    """The model's greedy continuation of ``prompt`` up to ``<|im_end|>`` or ``max_tokens`` tokens.
+    ``tool(reply_text)`` may return text to append (a calculator's result): its tokens are fed to
+    the model as if generated, and count toward ``max_tokens``."""
+    enc = get_tokenizer(chat=True)
+    device = next(model.parameters()).device
+    budget = min(max_tokens, model.config.block_size - len(prompt))
+    if budget < 1:
+        raise ValueError(f"the prompt of {len(prompt)} tokens leaves no room in the model's "
+                         f"{model.config.block_size}-token context")
+    cache = model.new_kv_cache(len(prompt) + budget)
+    pending, out, calls = list(prompt), [], 0
+    real_vocab = model.config.real_vocab_size
+    while len(out) < budget:
+        logits, _ = model(torch.tensor([pending], device=device), kv_cache=cache, last_only=True)
+        nxt = int(logits[0, -1, :real_vocab].float().argmax())
+        if nxt == IM_END_ID:
+            return Reply(out, enc.decode(out, errors="replace"), True, calls)
+        out.append(nxt)
+        pending = [nxt]
+        extra = tool(enc.decode(out, errors="replace")) if tool else None
+        if extra:
+            forced = enc.encode_ordinary(extra)[:budget - len(out)]
+            out.extend(forced)
+            pending.extend(forced)
+            calls += 1
+    return Reply(out, enc.decode(out, errors="replace"), False, calls)
+
+
+def first_reply_prompt(turns: Sequence[Message]) -> Optional[list[int]]:
+    """The ids of the turns before the first assistant turn, ready for the reply (None: no such turn)."""
+    for i, (role, _) in enumerate(turns):
+        if role == "assistant":
+            return encode_chat(turns[:i], add_generation_prompt=True)[0] if i else None
+    return None
+
+
+def evaluate_chat(model, conversations: Sequence[Sequence[Message]], *, max_tokens: int,
+                  device: torch.device, dtype: str = "float32", progress: bool = False) -> dict:
+    """The assistant-token loss and the share of greedy replies that end their turn (module docstring)."""
+    _check(model)
+    loss, kept = assistant_loss(model, conversations, device, dtype)
+    replies, ended, lengths, skipped = 0, 0, [], 0
+    for turns in _bar(conversations, progress, "replies"):
+        prompt = first_reply_prompt(turns)
+        if prompt is None or len(prompt) >= model.config.block_size:
+            skipped += 1
+            continue
+        r = greedy_reply(model, prompt, max_tokens)
+        replies += 1
+        ended += r.ended
+        lengths.append(len(r.ids))
+    return {"task": "chat", "conversations": len(conversations), "assistant_tokens": kept,
+            "assistant_loss": loss, "replies": replies, "ended": ended,
+            "ended_share": ended / replies if replies else None, "max_tokens": max_tokens,
+            "mean_reply_tokens": sum(lengths) / len(lengths) if lengths else None,
+            "skipped_no_room": skipped}
+
+
+# -- GSM8K ---------------------------------------------------------------------------------------
+_ANSWER = re.compile(r"####\s*\$?\s*(-?[\d,]*\.?\d+)")
+
+
+def final_number(text: str) -> Optional[str]:
+    """The number after the first ``####`` of ``text``, commas removed (None: no such number)."""
+    m = _ANSWER.search(text)
+    return m.group(1).replace(",", "") if m else None
+
+
+def same_number(a: Optional[str], b: Optional[str]) -> bool:
+    if a is None or b is None:
+        return False
+    try:
+        return math.isclose(float(a), float(b), rel_tol=0, abs_tol=1e-9)
+    except ValueError:
+        return False
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.Mod: operator.mod, ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def calculate(expr: str) -> Optional[str]:
+    """The value of an arithmetic expression (numbers, + - * / % **, parentheses; commas in numbers
+    ignored) as GSM8K writes it (``24``, ``0.2``); None for anything else or a result out of range."""
+    try:
+        node = ast.parse(expr.replace(",", "").strip(), mode="eval").body
+        value = _eval(node)
+    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, TypeError, RecursionError):
+        return None
+    if not math.isfinite(value) or abs(value) > 1e15:
+        return None
+    if value == int(value):
+        return str(int(value))
+    return f"{value:.10g}"
+
+
+def _eval(node: ast.AST) -> float:
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_eval(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        left, right = _eval(node.left), _eval(node.right)
+        if isinstance(node.op, ast.Pow) and (abs(right) > 64 or abs(left) > 1e6):
+            raise ValueError("exponent too large")
+        return _OPS[type(node.op)](left, right)
+    raise ValueError(f"not arithmetic: {type(node).__name__}")
+
+
+def calculator_tool(text: str) -> Optional[str]:
+    """The calculator: when ``text`` ends inside an annotation at its ``=`` (``... <<48/2=``), the
+    value and ``>>``; else None."""
+    if not text.endswith("="):
+        return None
+    start = text.rfind("<<")
+    if start < 0 or text.rfind(">>") > start:
+        return None
+    value = calculate(text[start + 2:-1])
+    return None if value is None else f"{value}>>"
+
+
+def evaluate_gsm8k(model, problems: Sequence[Sequence[Message]], *, max_tokens: int, calculator: bool = True,
+                   progress: bool = False) -> tuple[dict, list[dict]]:
+    """(summary, one record per problem): each problem's user turn answered greedily, exact match of
+    the number after ``####`` against the reference answer's."""
+    _check(model)
+    rows, correct = [], 0
+    for turns in _bar(problems, progress, "gsm8k"):
+        question, reference = turns[0][1], turns[1][1]
+        prompt = encode_chat([turns[0]], add_generation_prompt=True)[0]
+        r = greedy_reply(model, prompt, max_tokens, calculator_tool if calculator else None)
+        answer, expected = final_number(r.text), final_number(reference)
+        ok = same_number(answer, expected)
+        correct += ok
+        rows.append({"question": question, "reference": expected, "reply": r.text, "answer": answer,
+                     "correct": ok, "ended": r.ended, "tool_calls": r.tool_calls})
+    n = len(rows)
+    return ({"task": "gsm8k", "n": n, "correct": correct, "accuracy": correct / n if n else None,
+             "calculator": calculator, "max_tokens": max_tokens}, rows)
+
+
+def read_conversations(source: str, limit: Optional[int] = None, gsm8k: bool = False) -> list[list[Message]]:
+    """The conversations of a JSON-lines file (directory, glob; compressed too): OpenAI's messages format
+    or GSM8K's question/answer rows; a bad record is a SourceError naming file, line and field."""
+    from gpt2lab.data.chat import ChatFormatError, conversation
+    from gpt2lab.data.sources import JsonLine, SourceError, resolve_source
+
+    out = []
+    for doc in resolve_source(source).documents(0, limit):
+        if not isinstance(doc, JsonLine):
+            raise SourceError(f"{source}: conversations are JSON lines (.jsonl, also .jsonl.zst/.gz/.xz)")
+        row = doc.row()
+        try:
+            turns = conversation(row)
+            if gsm8k and not (len(turns) == 2 and turns[0][0] == "user" and final_number(turns[1][1]) is not None):
+                raise ChatFormatError("answer: GSM8K's answer must end with '#### <number>' after one user turn")
+        except ChatFormatError as e:
+            raise SourceError(f"{doc.path}:{doc.lineno}: {e}; fix or remove that line") from e
+        out.append(turns)
+    if not out:
+        raise SourceError(f"{source}: no conversations")
+    return out
+
+
+def _bar(items: Iterable, enabled: bool, desc: str):
+    if not enabled:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, unit="conv", dynamic_ncols=True)
