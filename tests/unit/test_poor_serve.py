@@ -263,7 +263,7 @@ def test_a_context_error_says_what_the_request_asked(server):
     url, _ = server
     enc = get_tokenizer()
     content = "word " * 130
-    n = len(enc.encode(f"User: {content}\nAssistant:"))  # serve/chat.py's template, written out by hand
+    n = len(enc.encode(f"User: {content}\nAssistant:"))  # inference/chat.py's plain template, written out by hand
     r = chat(url, {"messages": [{"role": "user", "content": content}]})
     err = r.json()["error"]
     assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "messages"

@@ -128,7 +128,7 @@ def test_batched_requests_draw_the_tokens_sample_draws(server, gpt2_vocab_export
     expected = []
     for prompt, seed, temperature, top_k in cases:
         s = Sampling(max_new_tokens=20, temperature=temperature, top_k=top_k)
-        expected.append("".join(t for _, t, _ in stream_text(model, prompt_ids(prompt, 50257), s,
+        expected.append("".join(t for _, t, _ in stream_text(model, prompt_ids(prompt, model.config), s,
                                                            seeded_generator(torch.device("cpu"), seed))))
     got: dict[int, str] = {}
     barrier = threading.Barrier(len(cases))

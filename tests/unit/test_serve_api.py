@@ -175,7 +175,7 @@ CONVERSATION = [{"role": "system", "content": "You answer briefly."},
                 {"role": "user", "content": "Hello!"},
                 {"role": "assistant", "content": "Hi."},
                 {"role": "user", "content": [{"type": "text", "text": "How are "}, {"type": "text", "text": "you?"}]}]
-# The template of serve/chat.py, written out by hand
+# The plain template of inference/chat.py, written out by hand
 RENDERED = "System: You answer briefly.\nUser: Hello!\nAssistant: Hi.\nUser: How are you?\nAssistant:"
 
 

@@ -27,7 +27,12 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
     add_inference_flags(p)
     p.add_argument("--stop-at-eot", action=argparse.BooleanOptionalAction, default=True,
-                   help="end a sample at <|endoftext|> (default on)")
+                   help="end a sample at the model's end token: <|endoftext|>, a chat model's <|im_end|> (default on)")
+    p.add_argument("--chat", action="store_true",
+                   help="talk to the model turn by turn: each line read from stdin is your message, the reply "
+                   "streams back (in the model's chat template, or plain 'User:'/'Assistant:' lines for a base "
+                   "model); an empty line or end of input ends it; --prompt is not used")
+    p.add_argument("--system", default=None, help="with --chat: a system message opening the conversation")
     p.set_defaults(func=run)
 
 
@@ -47,11 +52,11 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--top-p {args.top_p}: must be in (0, 1]")
 
 
-def _prompt_ids(text: str, vocab: int) -> list[int]:
+def _prompt_ids(text: str, config) -> list[int]:
     from gpt2lab.inference.completion import PromptError, prompt_ids
 
     try:
-        return prompt_ids(text, vocab)
+        return prompt_ids(text, config)
     except PromptError as e:
         raise SystemExit(f"--prompt: {e}") from None
 
@@ -66,8 +71,10 @@ def run(args: argparse.Namespace) -> int:
     # a bad --model or --dtype fails before any other output
     model = load_for_inference(args.model, device, inference_request(args, "sample"), "gpt2lab sample")
     _say_if_live(args.model)
-    ids = _prompt_ids(args.prompt, model.config.real_vocab_size)
     generator = seeded_generator(device, args.seed)
+    if args.chat:
+        return _chat(model, args, generator)
+    ids = _prompt_ids(args.prompt, model.config)
     for i in range(args.num_samples):
         print(f"--- sample {i + 1}/{args.num_samples}", flush=True)
         _stream_one(model, ids, args, generator)
@@ -98,3 +105,52 @@ def _stream_one(model, ids: list[int], args: argparse.Namespace, generator: torc
         out.flush()
     out.write("\n")
     out.flush()
+
+
+def _chat(model, args: argparse.Namespace, generator: torch.Generator) -> int:
+    """Turn by turn: each stdin line a user message, the reply streamed (inference/chat.py's prompt,
+    ended by the model's end token or its template's stop strings). The oldest turns leave the
+    prompt once the conversation outgrows the context (said once)."""
+    from gpt2lab.inference.chat import chat_prompt, note
+    from gpt2lab.inference.completion import Sampling, StopFilter, stream_text
+
+    print(f"gpt2lab sample --chat: {note(model.config)}; type a message, an empty line or Ctrl-D ends",
+          file=sys.stderr, flush=True)
+    sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                        top_p=args.top_p, stop_at_eot=True)
+    system = [("system", args.system)] if args.system else []
+    turns: list[tuple[str, str]] = []
+    told = False
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line.strip():
+            return 0
+        turns.append(("user", line.rstrip("\n")))
+        prompt = chat_prompt(model.config, system + turns)
+        while len(prompt.ids) + args.max_new_tokens > model.config.block_size and len(turns) > 1:
+            turns = turns[2:] if turns[0][0] == "user" and len(turns) > 2 else turns[1:]
+            prompt = chat_prompt(model.config, system + turns)
+            if not told:
+                print("gpt2lab sample --chat: note: the conversation outgrew the model's context "
+                      f"({model.config.block_size} tokens); its first turns are left out", file=sys.stderr, flush=True)
+                told = True
+        reply, stop, hit = [], StopFilter(list(prompt.stops)), False
+        for _, piece, _ in stream_text(model, prompt.ids, sampling, generator):
+            text, hit = stop.feed(piece)
+            _say(reply, text.lstrip() if prompt.strip and not "".join(reply) else text)
+            if hit:
+                break
+        if not hit:
+            _say(reply, stop.flush())
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        turns.append(("assistant", "".join(reply)))
+
+
+def _say(reply: list[str], text: str) -> None:
+    reply.append(text)
+    sys.stdout.write(text)
+    sys.stdout.flush()

@@ -14,7 +14,8 @@ from typing import Iterator, Optional
 import torch
 
 from gpt2lab.model.gpt import GPT
-from gpt2lab.data.tokenizer import EOT_ID, get_tokenizer
+from gpt2lab.data.tokenizer import EOT_ID, IM_END_ID, get_tokenizer
+from gpt2lab.model.config import GPTConfig
 
 
 class PromptError(ValueError):
@@ -69,10 +70,27 @@ def prompt_text(text: str) -> str:
         return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
-def prompt_ids(text: str, vocab: int) -> list[int]:
-    """Token ids of ``text`` ('' is a lone <|endoftext|>); raises PromptError past ``vocab``."""
-    ids = get_tokenizer().encode(prompt_text(text), allowed_special={"<|endoftext|>"}) if text else [EOT_ID]
-    check_ids(ids, vocab, from_text=True)
+def tokenizer_for(config: GPTConfig):
+    """The tokenizer of a model: GPT-2's, with a chat model's turn tokens (data/chat.py) where it has them."""
+    return get_tokenizer(chat=config.chat_template is not None)
+
+
+def end_token(config: GPTConfig) -> int:
+    """The token a model ends its text with: <|im_end|> for a chat model (its turn), else <|endoftext|>."""
+    return IM_END_ID if config.chat_template else EOT_ID
+
+
+def encode_prompt(text: str, config: GPTConfig) -> list[int]:
+    """A raw prompt's ids for a model of ``config`` ('' is a lone <|endoftext|>): its special tokens
+    written out (``<|endoftext|>``, a chat model's ``<|im_start|>``) are the tokens, as a whole
+    prompt is the caller's own text (chat messages never are: inference/chat.py)."""
+    return tokenizer_for(config).encode(prompt_text(text), allowed_special="all") if text else [EOT_ID]
+
+
+def prompt_ids(text: str, config: GPTConfig) -> list[int]:
+    """Token ids of ``text`` for a model of ``config`` (encode_prompt); raises PromptError past its vocabulary."""
+    ids = encode_prompt(text, config)
+    check_ids(ids, config.real_vocab_size, from_text=True)
     return ids
 
 
@@ -141,8 +159,8 @@ def stream_text(model: GPT, ids: list[int], sampling: Sampling, generator: torch
     """
     from gpt2lab.inference.generate import generate_stream
 
-    text = TokenText()
-    stop = EOT_ID if sampling.stop_at_eot else None
+    text = TokenText(model.config)
+    stop = end_token(model.config) if sampling.stop_at_eot else None
     prompt = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
     seen: list[torch.Tensor] = []  # the logits each token was drawn from, when logprobs are asked
     stream = generate_stream(model, prompt, sampling.max_new_tokens, temperature=sampling.temperature,
@@ -161,10 +179,11 @@ def stream_text(model: GPT, ids: list[int], sampling: Sampling, generator: torch
 
 class TokenText:
     """Text of sampled tokens, one token at a time: the bytes of a character split across
-    tokens are held back until it is complete; ids past GPT-2's vocabulary show as <|id|>."""
+    tokens are held back until it is complete; ids past the tokenizer's vocabulary show as <|id|>.
+    ``config``: the model's (its tokenizer, tokenizer_for); None: GPT-2's."""
 
-    def __init__(self) -> None:
-        self.enc = get_tokenizer()
+    def __init__(self, config: Optional[GPTConfig] = None) -> None:
+        self.enc = tokenizer_for(config) if config is not None else get_tokenizer()
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, t: int) -> str:
@@ -174,3 +193,26 @@ class TokenText:
 
     def flush(self) -> str:
         return self.decoder.decode(b"", final=True)
+
+
+class StopFilter:
+    """Cuts a growing text at the first stop string; holds back a tail that may begin one."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        """(text safe to emit, whether a stop string was reached)."""
+        text = self.pending + piece
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.pending = ""
+            return text[:min(hits)], True
+        hold = max((n for s in self.stops for n in range(len(s) - 1, 0, -1) if text.endswith(s[:n])), default=0)
+        self.pending = text[len(text) - hold:] if hold else ""
+        return text[:len(text) - hold], False
+
+    def flush(self) -> str:
+        text, self.pending = self.pending, ""
+        return text

@@ -30,13 +30,12 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from gpt2lab.inference.completion import (PromptError, Sampling, TokenLogprob, TokenText, check_ids,
-                                          prompt_text)
-from gpt2lab.serve import chat
+from gpt2lab.inference import chat
+from gpt2lab.inference.completion import (PromptError, Sampling, TokenLogprob, TokenText, check_ids, encode_prompt,
+                                          prompt_text, tokenizer_for)
 from gpt2lab.serve.engine import (Engine, Failed, Finish, Job, QueueFull, ShuttingDown, Text, TimedOut, Work,
                                   Worker)
 from gpt2lab.serve.metrics import ServeMetrics
-from gpt2lab.data.tokenizer import EOT_ID, get_tokenizer
 
 MAX_N = 16  # choices per request (per prompt)
 MAX_PROMPTS = 16
@@ -137,14 +136,14 @@ def _unsupported(checks: tuple[tuple[str, bool], ...]) -> None:
             raise APIError(400, f"{name} is not supported by gpt2lab serve; leave it out", param=name)
 
 
-def _prompts(req: CompletionRequest, vocab: int) -> tuple[list[list[int]], list[str]]:
-    """Token ids of each prompt, and each prompt's text (for echo and logprobs' text offsets)."""
-    p = req.prompt
-    enc = get_tokenizer()
+def _prompts(req: CompletionRequest, config) -> tuple[list[list[int]], list[str]]:
+    """Token ids of each prompt for a model of ``config``, and each prompt's text (for echo and
+    logprobs' text offsets)."""
+    p, vocab = req.prompt, config.real_vocab_size
     texts = None
     if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(x, str) for x in p)):
         texts = [prompt_text(t) for t in ([p] if isinstance(p, str) else p)]  # a lone surrogate is U+FFFD
-        ids = [enc.encode(t, allowed_special={"<|endoftext|>"}) if t else [EOT_ID] for t in texts]  # as sample
+        ids = [encode_prompt(t, config) for t in texts]  # as sample
     elif isinstance(p, list) and p and all(isinstance(x, int) for x in p):
         ids = [p]
     else:
@@ -157,12 +156,12 @@ def _prompts(req: CompletionRequest, vocab: int) -> tuple[list[list[int]], list[
         except PromptError as e:
             where = f"prompt[{i}]" if len(ids) > 1 else "prompt"
             raise APIError(400, f"{where}: {e}", param="prompt") from None
-    return ids, texts or [_decode(one) for one in ids]
+    return ids, texts or [_decode(one, config) for one in ids]
 
 
-def _decode(ids: list[int]) -> str:
-    """The text of token ids as the tokens' text is streamed (TokenText: ids past GPT-2's as <|id|>)."""
-    text = TokenText()
+def _decode(ids: list[int], config) -> str:
+    """The text of token ids as the tokens' text is streamed (TokenText: ids past the tokenizer's as <|id|>)."""
+    text = TokenText(config)
     return "".join(text.feed(t) for t in ids) + text.flush()
 
 
@@ -209,7 +208,7 @@ class Completion:
                       ("presence_penalty", bool(req.presence_penalty)),
                       ("frequency_penalty", bool(req.frequency_penalty)),
                       ("logit_bias", bool(req.logit_bias)), ("suffix", bool(req.suffix))))
-        self.prompts, self.texts = _prompts(req, self.worker.model.config.real_vocab_size)
+        self.prompts, self.texts = _prompts(req, self.worker.model.config)
         default = req.max_tokens is None or "max_tokens" not in req.model_fields_set
         self._prepare(16 if req.max_tokens is None else req.max_tokens, _stops(req.stop),
                       echo=self.texts if req.echo else [], logprobs=req.logprobs, default=default)
@@ -256,12 +255,12 @@ class Completion:
         count from the start of the prompt, echoed or not, as OpenAI's do."""
         if self.work.logprobs is None:
             return {}
-        return {i: Logprobs(0 if self.work.echo else len(self.texts[i // self.n]))
+        return {i: Logprobs(0 if self.work.echo else len(self.texts[i // self.n]), self.worker.model.config)
                 for i in range(len(self.prompts) * self.n)}
 
 
 class ChatCompletion(Completion):
-    """One validated chat request: the messages rendered by serve/chat.py's template as one prompt."""
+    """One validated chat request: the messages in the model's chat template as one prompt (inference/chat.py)."""
 
     def __init__(self, req: ChatRequest, workers: dict[str, Worker]) -> None:
         self.req, self.worker = req, _worker(req.model, workers)
@@ -273,11 +272,12 @@ class ChatCompletion(Completion):
                                 f"held to a format); got {req.response_format!r}", param="response_format")
         if not req.messages:
             raise APIError(400, "messages: pass at least one message", param="messages")
-        try:
-            text = chat.render([(m.role, _content(i, m)) for i, m in enumerate(req.messages)])
+        config = self.worker.model.config
+        try:  # text in a message is text: "<|endoftext|>" or "<|im_end|>" typed there cannot end a turn
+            prompt = chat.chat_prompt(config, [(m.role, _content(i, m)) for i, m in enumerate(req.messages)])
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
-        ids = get_tokenizer().encode(text, disallowed_special=())  # "<|endoftext|>" in a message is text
+        ids, text, self.strip = prompt.ids, prompt.text, prompt.strip
         try:
             check_ids(ids, self.worker.model.config.real_vocab_size)
         except PromptError as e:
@@ -287,7 +287,7 @@ class ChatCompletion(Completion):
         default = max_tokens is None
         if default:  # as OpenAI: what the context leaves, here up to --max-tokens
             max_tokens = max(1, min(self.worker.limits.max_tokens, self.worker.block_size - len(ids)))
-        self._prepare(max_tokens, [*_stops(req.stop), chat.NEXT_TURN], echo=[], logprobs=None, default=default,
+        self._prepare(max_tokens, [*_stops(req.stop), *prompt.stops], echo=[], logprobs=None, default=default,
                       what="messages")
         self.id = f"chatcmpl-{secrets.token_hex(12)}"
 
@@ -310,10 +310,10 @@ def _content(i: int, m: ChatMessage) -> str:
     return "".join(parts)
 
 
-def token_str(t: int) -> str:
+def token_str(t: int, config) -> str:
     """A token as OpenAI's logprobs name it: its text, or ``bytes:\\xNN...`` for bytes that are not
-    whole UTF-8 characters (a character split across tokens); ids past GPT-2's as ``<|id|>``."""
-    enc = get_tokenizer()
+    whole UTF-8 characters (a character split across tokens); ids past the model's tokenizer's as ``<|id|>``."""
+    enc = tokenizer_for(config)
     if t >= enc.n_vocab:
         return f"<|{t}|>"
     raw = enc.decode_single_token_bytes(t)
@@ -330,20 +330,20 @@ class Logprobs:
     up to logprobs + 1 entries; None where the logprob is) and ``text_offset`` (where each token's
     text starts)."""
 
-    def __init__(self, offset: int) -> None:
-        self.offset, self.text = offset, TokenText()
+    def __init__(self, offset: int, config) -> None:
+        self.offset, self.text, self.config = offset, TokenText(config), config
         self.whole: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
     def add(self, entries: list[TokenLogprob]) -> dict:
         """The part of ``entries`` (in the shape of the whole), which the whole takes on."""
         part: dict[str, list] = {key: [] for key in self.whole}
         for e in entries:
-            part["tokens"].append(token_str(e.token))
+            part["tokens"].append(token_str(e.token, self.config))
             part["token_logprobs"].append(e.logprob)
             top = None
             if e.logprob is not None:
-                top = {token_str(t): lp for t, lp in e.top}
-                top.setdefault(token_str(e.token), e.logprob)
+                top = {token_str(t, self.config): lp for t, lp in e.top}
+                top.setdefault(token_str(e.token, self.config), e.logprob)
             part["top_logprobs"].append(top)
             part["text_offset"].append(self.offset)
             self.offset += len(self.text.feed(e.token))
@@ -392,7 +392,8 @@ async def _complete(c: Completion, job: Job) -> dict:
 
 async def _complete_chat(c: ChatCompletion, job: Job) -> dict:
     texts, finish, tokens, _ = await _collect(c, job)
-    choices = [{"index": i, "message": {"role": "assistant", "content": text.lstrip()}, "logprobs": None,
+    choices = [{"index": i, "message": {"role": "assistant", "content": text.lstrip() if c.strip else text},
+                "logprobs": None,
                 "finish_reason": finish.get(i)} for i, text in texts.items()]
     return {**c.chunk(choices, usage=c.usage(tokens)), "object": "chat.completion"}
 
@@ -421,7 +422,8 @@ async def _stream_chat(c: ChatCompletion, job: Job) -> AsyncIterator[str]:
     tokens, started = 0, {i: False for i in choices}
     async for event in _events(job):
         if isinstance(event, Text):
-            text = event.text if started[event.index] else event.text.lstrip()  # the reply's leading space
+            # a base model's reply loses its leading space (the plain template)
+            text = event.text if started[event.index] or not c.strip else event.text.lstrip()
             started[event.index] = started[event.index] or bool(text)
             if text:
                 yield delta(event.index, {"content": text})
@@ -548,7 +550,8 @@ def create_app(workers: dict[str, Worker]) -> FastAPI:
     async def models() -> dict:
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "gpt2lab", "context_length": w.block_size,
-             "note": chat.NOTE, **_inference(w.model)} for name, w in workers.items()]}
+             "chat_template": w.model.config.chat_template, "note": chat.note(w.model.config), **_inference(w.model)}
+            for name, w in workers.items()]}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):

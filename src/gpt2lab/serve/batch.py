@@ -31,11 +31,10 @@ from typing import Iterator, Optional
 
 import torch
 
-from gpt2lab.inference.completion import TokenLogprob, TokenText, seeded_generator, token_logprobs
+from gpt2lab.inference.completion import TokenLogprob, TokenText, end_token, seeded_generator, token_logprobs
 from gpt2lab.inference.generate import sample_next
 from gpt2lab.model.gpt import KVCache
 from gpt2lab.serve.engine import Finish, Job, StopFilter, Text, Worker
-from gpt2lab.data.tokenizer import EOT_ID
 
 
 class RowsCache:
@@ -127,8 +126,8 @@ class RowsCache:
 class Row:
     """One prompt of one request: its ``n`` samples in turn on one seeded generator."""
 
-    def __init__(self, job: Job, p: int, generator: torch.Generator) -> None:
-        self.job, self.p, self.generator = job, p, generator
+    def __init__(self, job: Job, p: int, generator: torch.Generator, config) -> None:
+        self.job, self.p, self.generator, self.config = job, p, generator, config
         self.ids = job.request.prompts[p]
         self.sample = -1
         self.next_sample()
@@ -138,7 +137,7 @@ class Row:
         self.sample += 1
         self.index = self.p * r.n + self.sample
         self.tokens = 0
-        self.stop, self.text = StopFilter(r.stops), TokenText()
+        self.stop, self.text = StopFilter(r.stops), TokenText(self.config)
         self.cache: Optional[KVCache] = None  # the prompt's, while it is being run
         self.last: Optional[int] = None  # the token to feed next
         self.scored: list[TokenLogprob] = [TokenLogprob(self.ids[0], None)]  # the prompt's, with scores_prompt
@@ -187,7 +186,8 @@ class BatchWorker(Worker):
                 continue
             self.rows_left[id(job)] = len(r.prompts)
             # each prompt gets a generator seeded with its seed, as in completion_events
-            self.prefill.extend(Row(job, p, seeded_generator(self.device, r.seeds[p])) for p in range(len(r.prompts)))
+            self.prefill.extend(Row(job, p, seeded_generator(self.device, r.seeds[p]), self.model.config)
+                                for p in range(len(r.prompts)))
 
     def _drop_ended(self, now: float) -> None:
         """Requests whose client went away or whose time is up leave before the next step."""
@@ -271,7 +271,7 @@ class BatchWorker(Worker):
         sample ended (the row then leaves the batch: for good, or to run its prompt again for its
         next sample)."""
         s = row.job.request.sampling
-        if not (s.stop_at_eot and t == EOT_ID):
+        if not (s.stop_at_eot and t == end_token(self.model.config)):
             row.tokens += 1
             self._token(row.job, row.index)
             text, hit = row.stop.feed(row.text.feed(t))

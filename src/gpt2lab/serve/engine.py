@@ -24,7 +24,8 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from gpt2lab.inference.completion import Sampling, TokenLogprob, score_prompt, seeded_generator, stream_text
+from gpt2lab.inference.completion import (Sampling, StopFilter, TokenLogprob, score_prompt, seeded_generator,  # noqa: F401
+                                          stream_text)
 from gpt2lab.model.gpt import GPT
 from gpt2lab.serve.limits import Limits
 from gpt2lab.serve.metrics import ServeMetrics
@@ -51,29 +52,6 @@ class Failed:
 
 
 Event = Union[Text, Finish, Failed, None]  # None: the request is complete
-
-
-class StopFilter:
-    """Cuts a growing text at the first stop string; holds back a tail that may begin one."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self.pending = ""
-
-    def feed(self, piece: str) -> tuple[str, bool]:
-        """(text safe to emit, whether a stop string was reached)."""
-        text = self.pending + piece
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.pending = ""
-            return text[:min(hits)], True
-        hold = max((n for s in self.stops for n in range(len(s) - 1, 0, -1) if text.endswith(s[:n])), default=0)
-        self.pending = text[len(text) - hold:] if hold else ""
-        return text[:len(text) - hold], False
-
-    def flush(self) -> str:
-        text, self.pending = self.pending, ""
-        return text
 
 
 def completion_events(model: GPT, prompts: list[list[int]], sampling: Sampling, *, n: int, seeds: list[int],

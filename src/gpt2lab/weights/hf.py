@@ -10,6 +10,7 @@ huggingface_hub and safetensors are imported inside the functions that need them
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -20,7 +21,7 @@ import torch
 from gpt2lab.model.config import HUB_NAMES
 from gpt2lab.system import rundir
 from gpt2lab.system.errors import DataError, UsageError
-from gpt2lab.system.files import atomic_dir, write_json
+from gpt2lab.system.files import atomic_dir, read_json_object, write_json
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.data import chat
 from gpt2lab.data.tokenizer import EOT_ID, EOT_TOKEN, asset_path
@@ -111,10 +112,17 @@ def config_from_hf(cfg: dict, where: str = "config.json") -> GPTConfig:
         raise WeightsError(f"{where}: {e}") from e
 
 
+def special_ids(config: GPTConfig) -> tuple[Optional[int], Optional[int]]:
+    """(<|endoftext|>'s id, the end token's) of a model: a chat model ends at <|im_end|>; tiny test
+    vocabularies have neither (None)."""
+    eot = EOT_ID if config.real_vocab_size > EOT_ID else None
+    return eot, (chat.IM_END_ID if config.chat_template else eot)
+
+
 def config_to_hf(config: GPTConfig, dtype: torch.dtype) -> dict:
     """The config.json transformers' GPT2LMHeadModel reads; vocab is the real (unpadded) one."""
     vocab = config.real_vocab_size
-    eot = EOT_ID if vocab > EOT_ID else None  # tiny test vocabularies have no <|endoftext|>
+    eot, end = special_ids(config)
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
@@ -132,7 +140,7 @@ def config_to_hf(config: GPTConfig, dtype: torch.dtype) -> dict:
         "initializer_range": 0.02,
         "scale_attn_weights": True,
         "bos_token_id": eot,
-        "eos_token_id": eot,
+        "eos_token_id": end,
         "tie_word_embeddings": config.tie_embeddings,
         "use_cache": True,
         "torch_dtype": str(dtype).removeprefix("torch."),
@@ -195,7 +203,22 @@ def load_files(config_path: str, weights_path: str) -> GPT:
         raise WeightsError(f"{weights_path}: cannot be read ({why}); the file is damaged or cut short: "
                            "download or export the model again") from e
     config = config_from_hf(cfg, config_path)
+    template = chat_template_of(os.path.dirname(config_path))
+    if template:  # the tokenizer's turn tokens: a chat model (its vocabulary holds them)
+        config = dataclasses.replace(config, chat_template=template)
     return build_model(config, from_hf_state_dict(sd, config.tie_embeddings), weights_path)
+
+
+def chat_template_of(path: str) -> Optional[str]:
+    """The chat template of an HF directory's tokenizer: "chatml" when its tokenizer_config.json adds
+    <|im_start|> and <|im_end|> at gpt2lab's ids (data/chat.py), as a chat export writes them; else None."""
+    tok = read_json_object(os.path.join(path, "tokenizer_config.json")) or {}
+    added = tok.get("added_tokens_decoder")
+    if not isinstance(added, dict):
+        return None
+    have = {str(v.get("content")): k for k, v in added.items() if isinstance(v, dict)}
+    ours = all(have.get(t) == str(i) for t, i in chat.SPECIAL_TOKENS.items() if t != EOT_TOKEN)
+    return chat.TEMPLATE if ours else None
 
 
 def from_hf_dir(path: str) -> GPT:
@@ -306,8 +329,11 @@ def save_pretrained(model: GPT, out_dir: str) -> None:
         dtype = sd["transformer.wte.weight"].dtype
         save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         write_json(os.path.join(tmp, "config.json"), config_to_hf(model.config, dtype))
-        eot = EOT_ID if model.config.real_vocab_size > EOT_ID else None
-        write_json(os.path.join(tmp, "generation_config.json"), {"bos_token_id": eot, "eos_token_id": eot})
+        eot, end = special_ids(model.config)
+        # generate stops where gpt2lab does: a chat model at <|im_end|> (its turn), else at <|endoftext|>
+        write_json(os.path.join(tmp, "generation_config.json"),
+                   {"bos_token_id": eot, "eos_token_id": end, **({"pad_token_id": eot} if model.config.chat_template
+                                                                 else {})})
         write_tokenizer(tmp, model.config.block_size, model.config.chat_template)
         write_json(os.path.join(tmp, EXPORT_MARKER), {"format": rundir.EXPORT_FORMAT, "version": 1,
                                                        "files": list(EXPORT_FILES)})
