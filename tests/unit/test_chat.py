@@ -286,3 +286,24 @@ def test_greedy_reply_runs_the_calculator_as_a_tool():
 
     r = greedy_reply(Scripted(), [EOT_ID], 20, calculator_tool)
     assert r.text == "x <<2+3=5>>" and r.ended and r.tool_calls == 1
+
+
+@pytest.mark.parametrize("fields", [dict(lora_rank=4, lora_targets="c_attn"), dict(optimizer="muon")])
+def test_lora_and_muon_train_on_conversations(chat_shards, tmp_path, fields):
+    """Two steps of each on the masked loss: finite, and the run is a chat model (its config says so)."""
+    import sys
+    from unittest import mock
+
+    from train_utils import cli_args, train_losses
+
+    from gpt2lab import cli
+
+    out = tmp_path / "run"
+    argv = ["train", "--preset", "shakespeare-cpu", *cli_args(data=str(chat_shards[0]), out=str(out), max_steps=2,
+                                                              **fields)]
+    with mock.patch.object(sys, "argv", ["/venv/bin/gpt2lab", *argv]):
+        assert cli.main(argv) == 0
+    losses = train_losses(out)
+    assert sorted(losses) == [0, 1] and all(np.isfinite(v) for v in losses.values())
+    model = json.loads((out / "config.json").read_text())["model"]
+    assert model["chat_template"] == "chatml" and model["token_vocab_size"] == 50259

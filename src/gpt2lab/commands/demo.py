@@ -4,6 +4,10 @@ A few minutes on two CPU cores, from a fresh clone (``make demo``). ``--recipe f
 default) trains ``shakespeare-cpu-fast``, the modern recipe; ``--recipe faithful`` trains
 ``shakespeare-cpu``, GPT-2's. Each demo run gets its own run directory, so running it twice
 never touches an earlier run.
+
+``--chat``: the next step, base model to chat model. It fine-tunes a base model (``--base RUN``, or
+the default demo's, trained first) on the bundled conversations (preset ``chat-cpu``: the loss on
+the assistant's tokens only) and shows three fixed messages answered before and after, greedily.
 """
 from __future__ import annotations
 
@@ -32,17 +36,40 @@ def add_parser(sub) -> None:
     p.add_argument("--recipe", default="fast", choices=sorted(RECIPES),
                    help="fast (default): the modern recipe, shakespeare-cpu-fast; faithful: GPT-2's, shakespeare-cpu")
     p.add_argument("--data", default="data/tinyshakespeare", help="where the token shards go (reused if complete)")
-    p.add_argument("--out", default=None, help="run directory (default runs/<preset>-<time>)")
-    p.add_argument("--max-steps", type=int, default=None, help="override the preset's step count")
+    p.add_argument("--out", default=None, help="run directory (default runs/<preset>-<time>; with --chat, the chat "
+                   "model's)")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="override the preset's step count (with --chat: of each run it trains)")
     p.add_argument("--prompt", default="ROMEO:", help="prompt of the final sample")
     p.add_argument("--tokens", type=int, default=200, help="tokens in the final sample")
     p.add_argument("--seed", type=int, default=1337, help="seed of the final sample")
     p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
                    help="training dtype; auto (default): bf16 only where this CPU runs it faster than fp32")
+    p.add_argument("--chat", action="store_true",
+                   help="fine-tune a base model into a chat model on the bundled conversations (preset chat-cpu) "
+                   "and show three messages answered before and after")
+    p.add_argument("--base", default=None, metavar="RUN",
+                   help="with --chat: the base model to start from (default: train the default demo first)")
+    p.add_argument("--chat-data", default="data/chitchat",
+                   help="with --chat: where the conversations' token shards go (reused if complete)")
     p.set_defaults(func=run)
 
 
+# The chat demo's messages: small talk, as the bundled conversations are.
+CHAT_PROMPTS = ("Hi! How are you doing today?", "What do you like to do on the weekend?", "Do you have any pets?")
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.chat:
+        return run_chat(args)
+    if args.base:
+        from gpt2lab.system.errors import UsageError
+
+        raise UsageError("--base is for --chat (the model fine-tuned into a chat model); drop it or add --chat")
+    return run_base(args)
+
+
+def run_base(args: argparse.Namespace) -> int:
     from gpt2lab.train.config import load_preset
     from gpt2lab.data.prepare import prepare
     from gpt2lab.distributed.dist import init_distributed
@@ -69,6 +96,70 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n[demo] done in {time.perf_counter() - t0:.0f} s. run dir: {out}")
     print(f"[demo] more samples: {_command()} sample --model {out} --prompt 'JULIET:'", flush=True)
     return 0
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    """Base model -> chat model on the bundled conversations; three messages answered before and after."""
+    from gpt2lab.data.prepare import prepare
+    from gpt2lab.distributed.dist import init_distributed
+    from gpt2lab.train.config import merge_config, preset_values
+    from gpt2lab.train.plan import Request
+    from gpt2lab.train.run import train
+
+    t0 = time.perf_counter()
+    base = args.base
+    if base is None:
+        base = os.path.join("runs", time.strftime(f"{RECIPES[args.recipe]}-%Y%m%d-%H%M%S"))
+        print(f"[demo --chat] no --base: training the default demo's model first, into {base}", flush=True)
+        run_base(argparse.Namespace(**{**vars(args), "out": base}))
+    print(f"[demo --chat] preparing the bundled conversations into {args.chat_data}", flush=True)
+    prepare("chitchat", args.chat_data, progress=False)
+    out = args.out or os.path.join("runs", time.strftime("chat-cpu-%Y%m%d-%H%M%S"))
+    overrides = {"data": args.chat_data, "out": out, "init_from": base, "progress": False, "dtype": args.dtype}
+    if args.max_steps is not None:
+        overrides["max_steps"] = args.max_steps
+    # as `gpt2lab train --preset chat-cpu --init-from BASE`: the architecture comes from the base
+    request = Request(merge_config(preset_values("chat-cpu"), overrides, source="preset 'chat-cpu'"),
+                      source="preset 'chat-cpu' with the demo's settings")
+    before = chat_replies(base)
+    print(f"[demo --chat] fine-tuning {base} on conversations (preset chat-cpu, {request.get('max_steps')} steps; "
+          f"the loss on the assistant's tokens only) into {out}", flush=True)
+    train(request, init_distributed(str(request.get("device"))))
+    after = chat_replies(out)
+    losses = val_losses(out)
+    if len(losses) >= 2:
+        print(f"[demo --chat] loss on the held-out conversations' assistant tokens: {losses[0]:.2f} before, "
+              f"{losses[-1]:.2f} after", flush=True)
+    for message, old, new in zip(CHAT_PROMPTS, before, after):
+        print(f"\nUser: {message}\n  base model: {_shown(old)}\n  chat model: {_shown(new)}", flush=True)
+    print(f"\n[demo --chat] done in {time.perf_counter() - t0:.0f} s. chat model: {out}")
+    print(f"[demo --chat] talk to it: {_command()} sample --model {out} --chat", flush=True)
+    return 0
+
+
+def chat_replies(model_dir: str, max_tokens: int = 48) -> list:
+    """The greedy replies of a model to CHAT_PROMPTS, each a conversation of its own (evals.chat's)."""
+    from gpt2lab.data.chat import encode_chat
+    from gpt2lab.evals.chat import greedy_reply
+    from gpt2lab.inference.completion import load_for_inference
+    from gpt2lab.inference.prepare import InferenceRequest
+
+    import torch
+
+    model = load_for_inference(model_dir, torch.device("cpu"), InferenceRequest(), "gpt2lab demo")
+    return [greedy_reply(model, encode_chat([("user", m)], add_generation_prompt=True)[0], max_tokens)
+            for m in CHAT_PROMPTS]
+
+
+def _shown(reply) -> str:
+    text = reply.text.replace("\n", " / ")
+    return text if reply.ended else f"{text} ... (did not end its turn in {len(reply.ids)} tokens)"
+
+
+def val_losses(run_dir: str) -> list:
+    from gpt2lab.observe.plot import read_metrics
+
+    return [r["val_loss"] for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "val_loss" in r]
 
 
 def last_val_loss(run_dir: str):

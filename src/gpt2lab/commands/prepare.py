@@ -13,7 +13,7 @@ def add_parser(sub) -> None:
         "({split}_{index:06d}.bin) and a manifest.json. Re-run the same command to resume.",
     )
     p.add_argument("--source", required=True,
-                   help="tinyshakespeare, fineweb-edu, fineweb, hf:NAME[:CONFIG], or a local "
+                   help="tinyshakespeare, chitchat (bundled conversations), fineweb-edu, fineweb, hf:NAME[:CONFIG], or a local "
                    ".txt/.jsonl/.parquet file, directory or glob")
     p.add_argument("--out", required=True, help="output directory for shards and manifest.json")
     p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 1e8)")

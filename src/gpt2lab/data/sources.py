@@ -3,6 +3,8 @@
 - ``tinyshakespeare``: the text shipped in the package, one document per speech (the
   blank-line separated blocks: 7,222 of them), so the shuffling loader has documents to
   permute. Joining the documents with a blank line gives the file back exactly.
+- ``chitchat``: 1,500 two-person conversations shipped in the package (``assets/chitchat.jsonl.zst``,
+  the messages format; what ``gpt2lab demo --chat`` fine-tunes on), read as the local file it is.
 - local files: a ``.txt`` (one document), ``.jsonl``/``.json`` (JSON lines: one document
   per line, field ``text_field``), ``.parquet`` (column ``text_field``), the text and JSON
   lines ones also compressed (``.gz``, ``.zst``, ``.xz``, ``.bz2``: ``docs.jsonl.zst``,
@@ -101,6 +103,12 @@ def resolve_source(source: str, text_field: str = "text", config: Optional[str] 
                       _slice(_shakespeare_docs), val_fraction=0.05)
     if source in HUB_ALIASES or source.startswith("hf:"):
         return _hub_source(source, text_field, config)
+    if source == "chitchat":  # 2%: a val split of ~30 whole conversations
+        path = asset_path("chitchat.jsonl.zst")
+        starts: List[int] = []
+        return Source(source, "local", os.path.getsize(path) * 4,
+                      _slice(lambda: _local_docs([path], text_field, starts)), val_fraction=0.02, files=[path],
+                      file_starts=starts)
     files = _local_files(source)
     # compressed text is ~3-4x its file size: the val default estimates the text's size
     size = sum(os.path.getsize(f) * (4 if f.endswith(COMPRESSIONS) else 1) for f in files)
@@ -130,7 +138,7 @@ def _local_files(source: str) -> List[str]:
         files, what = [source], f"{source} is"
     else:
         raise SourceError(f"--source {source!r}: no such file or directory, and not one of "
-                          f"tinyshakespeare, {', '.join(HUB_ALIASES)}, hf:NAME[:CONFIG]")
+                          f"tinyshakespeare, chitchat, {', '.join(HUB_ALIASES)}, hf:NAME[:CONFIG]")
     usable = [f for f in files if f.endswith(LOCAL_SUFFIXES)]
     if not usable:
         raise SourceError(f"{what} no readable files ({KINDS_HINT}); point --source at text files "

@@ -1,0 +1,63 @@
+"""Training on conversations keeps what training promises: DDP and FSDP on two processes equal one
+process (the masked loss normalised over the step's assistant tokens on all ranks), kill -9 then
+resume equals an uninterrupted run, and the dry run says what the loss is taken on."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from conftest import DATA
+from test_train_dist import _killed_then_resumed_equals_straight, _val
+from train_utils import cli_args, env, records, run_train, torchrun_cmd, train_losses  # noqa: F401
+
+FIELDS = dict(total_batch_tokens=256, max_steps=3, eval_interval=3, eval_tokens=256, sample_interval=3,
+              sample_tokens=4, sample_prompt="Hi!")
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory) -> str:
+    from gpt2lab.data.prepare import prepare
+
+    out = tmp_path_factory.mktemp("chat") / "shards"
+    prepare(str(DATA / "chat_slice.jsonl.zst"), str(out), progress=False, val_tokens=2000)
+    return str(out)
+
+
+def _torchrun(out, **fields) -> subprocess.CompletedProcess:
+    proc = subprocess.run(torchrun_cmd(out=str(out), **fields), env=env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def test_ddp_and_fsdp_on_conversations_equal_one_process(chat_data, tmp_path):
+    run_train(out=str(tmp_path / "one"), data=chat_data, **FIELDS)
+    _torchrun(tmp_path / "ddp", data=chat_data, strategy="ddp", **FIELDS)
+    _torchrun(tmp_path / "fsdp", data=chat_data, strategy="fsdp", **FIELDS)
+    one = train_losses(tmp_path / "one")
+    assert sorted(one) == [0, 1, 2] and one[2] < one[0]
+    for name in ("ddp", "fsdp"):
+        other = train_losses(tmp_path / name)
+        assert all(abs(one[s] - other[s]) < 1e-5 for s in one), (name, one, other)
+        val, val_ref = _val(tmp_path / name), _val(tmp_path / "one")
+        assert sorted(val) == sorted(val_ref) == [0, 3] and all(abs(val[s] - val_ref[s]) < 1e-5 for s in val)
+    samples = [r["sample"] for r in records(tmp_path / "one") if "sample" in r]
+    assert samples and all(s.startswith("User: Hi!\nAssistant: ") for s in samples)  # a chat run's sample is a reply
+
+
+def test_kill_9_then_resume_on_conversations_equals_uninterrupted(chat_data, tmp_path):
+    fields = dict(data=chat_data, max_steps=24, ckpt_interval=6, keep_checkpoints=2, keep_cpu_memory=True)
+    _killed_then_resumed_equals_straight(tmp_path, fields, "step_000012")
+
+
+def test_dry_run_says_what_the_loss_is_taken_on(chat_data, tmp_path):
+    import json
+    import sys
+
+    manifest = json.loads(open(f"{chat_data}/manifest.json").read())
+    n, total = manifest["splits"]["train"]["supervised"], manifest["splits"]["train"]["tokens"]
+    proc = subprocess.run([sys.executable, "-m", "gpt2lab", "train", "--preset", "shakespeare-cpu", "--dry-run",
+                           *cli_args(data=chat_data, out=str(tmp_path / "run"))],
+                          env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"supervised on {n:,} of {total:,} tokens" in proc.stdout
+    assert not (tmp_path / "run").exists()
