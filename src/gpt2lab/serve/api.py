@@ -28,7 +28,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from gpt2lab.inference.completion import PromptError, Sampling, TokenLogprob, TokenText, check_ids
+from gpt2lab.inference.completion import PromptError, Sampling, TokenLogprob, TokenText, check_ids, fits_context
 from gpt2lab.serve import chat
 from gpt2lab.serve.engine import Engine, Failed, Finish, Job, QueueFull, Text, TimedOut, Work, Worker
 from gpt2lab.serve.metrics import ServeMetrics
@@ -162,7 +162,7 @@ def _check_length(prompts: list[list[int]], max_tokens: int, worker: Worker) -> 
         raise APIError(400, f"max_tokens: this server gives at most {worker.limits.max_tokens} tokens per "
                             f"choice (--max-tokens); you asked for {max_tokens}", param="max_tokens")
     longest = max(len(p) for p in prompts)
-    if longest + max_tokens > worker.block_size:
+    if not fits_context(longest, max_tokens, worker.block_size):
         raise APIError(400, f"This model's maximum context length is {worker.block_size} tokens; you asked "
                             f"for {longest + max_tokens} ({longest} in the prompt, {max_tokens} max_tokens). "
                             "Shorten the prompt or lower max_tokens.", param="max_tokens",
