@@ -146,3 +146,18 @@ def test_the_python_api_and_init_from_name_a_junk_source_once(tmp_path, capsys, 
                      "--out", str(tmp_path / "run"), "--dry-run"]) == 2
     line = _one_line(capsys.readouterr().err)
     assert line.count("junk3") == 1 and "--init-from junk3: it is an incomplete checkpoint" in line, line
+
+
+def test_make_says_what_its_first_install_does_before_pip_runs_quietly():
+    import shutil
+    import subprocess
+
+    from conftest import ROOT
+
+    if not shutil.which("make"):
+        pytest.skip("no make on this machine")
+    lines = subprocess.run(["make", "-n", "-B", "install"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    say = next(i for i, line in enumerate(lines) if line.startswith("echo "))
+    pip = next(i for i, line in enumerate(lines) if "pip install -q" in line)
+    assert say < pip and "a few minutes" in lines[say], lines

@@ -306,7 +306,9 @@ def test_a_small_presets_run_on_it_trains_and_evaluates_what_val_holds(small_tex
     assert cli.main([*argv, "--dry-run"]) == 0
     dry = capsys.readouterr().err
     assert cli.main(argv) == 0
-    err = capsys.readouterr().err
+    out_text, err = capsys.readouterr()
+    assert out_text.splitlines()[-4:] == [f"run dir: {out}", f"last checkpoint: {out}/checkpoints/step_000001",
+                                          f"plot: {out}/plot.png", f"report: gpt2lab report {out}"]
     val = TokenLoader(small_text, "val", 6, 128).sequences_per_epoch
     whole = val // 6 * 6 * 128
     note = (f"gpt2lab train: note: --eval-tokens 13,056 is more than the val split of {small_text} holds; each "
