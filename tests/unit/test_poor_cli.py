@@ -65,7 +65,7 @@ def test_the_server_refuses_by_the_same_rule(monkeypatch):
             max_tokens = 1024
 
     with pytest.raises(api.APIError, match="maximum context length is 128"):
-        api._check_length([[1] * 5, [1] * 7], 3, Worker())
+        api._check_length([[1] * 5, [1] * 7], 3, Worker(), default=False, what="prompt")
     assert seen == [(7, 3, 128)]  # the longest prompt, through the shared rule
     assert completion.fits_context(100, 28, 128) and not completion.fits_context(100, 29, 128)
 
