@@ -8,6 +8,7 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test test-fast install bench clean
 
 $(STAMP): pyproject.toml constraints.txt
+	@echo "Installing gpt2lab, torch (CPU) and the test tools into $(VENV): once, a few minutes on a first run (pip is quiet meanwhile)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'

@@ -1,10 +1,12 @@
 """Shared tiny-model fixtures (CPU, seconds). Other areas may append fixtures at the end."""
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,15 @@ import torch
 
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.weights import hf
+
+# gpt2lab's cache (the CPU and decode probes, downloads) goes to a directory of this test session,
+# never the user's ~/.cache/gpt2lab: GPT2LAB_CACHE is what the code reads, and the processes the
+# tests start inherit it. The first conftest of a session makes it (pytest-xdist's workers inherit
+# it from the controller through GPT2LAB_TEST_CACHE) and removes it when that process ends.
+if not os.environ.get("GPT2LAB_TEST_CACHE"):
+    os.environ["GPT2LAB_TEST_CACHE"] = tempfile.mkdtemp(prefix="gpt2lab-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["GPT2LAB_TEST_CACHE"], True)
+os.environ["GPT2LAB_CACHE"] = os.environ["GPT2LAB_TEST_CACHE"]
 
 TESTS = Path(__file__).resolve().parent  # shared helpers live here; unit/ and e2e/ hold the tests
 DATA = TESTS / "data"                    # small fixtures: HellaSwag slice, the v1 run, text slices

@@ -229,12 +229,13 @@ def test_muon_kill_9_then_resume_equals_uninterrupted(tiny_data, tmp_path):
                   **MUON_FIELDS)
     # the Muon momentum and AdamW moments come back: bit for bit
     out = _killed_then_resumed_equals_straight(tmp_path, fields, "step_000012")
-    # resuming it as an AdamW run is one line naming the optimizers, exit 3
+    # resuming it as an AdamW run is one line naming the optimizers (what the run trains), exit 2
     proc = subprocess.run(train_cmd(out=str(out), **{**fields, "optimizer": "adamw", "embed_lr": "none", "head_lr": "none",
                                                      "max_steps": 30}) + ["--resume", "auto"],
                           env=env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 3, proc.stderr
-    assert "optimizer state does not fit this run" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert "--optimizer adamw: the checkpoint " in proc.stderr and "was trained with optimizer muon; resume with " \
+        "--optimizer muon" in proc.stderr and "Traceback" not in proc.stderr
 
 
 # The speedrun's levers (issue 28), every one on: value embeddings, U-net skips, a zero-initialised

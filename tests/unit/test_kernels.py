@@ -280,8 +280,8 @@ def test_the_probe_is_cached_per_machine_and_model_and_can_be_turned_off(tmp_pat
     first = prep.decide(model, cpu, request, facts=ZEN)
     assert first.candidate.name == "bfloat16/decode" and len(calls) == 4  # a tie: the first by name
     assert prep.decide(model, cpu, request, facts=ZEN) == first and len(calls) == 4  # read back, not measured
-    saved = json.loads(next(tmp_path.glob("decode-probe-*.json")).read_text())
-    assert saved["float32/decode"] == {"prefill": 1.0, "step1": 2.0, "step_rows": None}
+    [entry] = json.loads((tmp_path / prep.PROBE_FILE).read_text())["entries"].values()
+    assert entry["timings"]["float32/decode"] == {"prefill": 1.0, "step1": 2.0, "step_rows": None}
     other = tiny_gpt(seed=0, vocab_size=97, block_size=16, n_layer=3)  # another shape: measured anew
     prep.decide(other, cpu, request, facts=ZEN)
     assert len(calls) == 8
@@ -290,6 +290,75 @@ def test_the_probe_is_cached_per_machine_and_model_and_can_be_turned_off(tmp_pat
     assert len(calls) == 12
     monkeypatch.setenv("GPT2LAB_PROBE", "0")
     assert "not measured" in prep.decide(other, cpu, request, facts=ZEN).reason and len(calls) == 12
+
+
+def test_the_tests_keep_gpt2labs_cache_out_of_the_users_home():
+    """tests/conftest.py points GPT2LAB_CACHE at a directory of the session, for this process and
+    the processes the tests start (a test run must not fill ~/.cache/gpt2lab)."""
+    import os
+    import subprocess
+    import sys
+
+    from gpt2lab.evals.hellaswag import cache_dir
+    from gpt2lab.system.runtime import _cache_dir
+
+    home = os.path.realpath(os.path.expanduser("~")) + os.sep
+    child = subprocess.run([sys.executable, "-c", "from gpt2lab.system.runtime import _cache_dir; print(_cache_dir())"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    for where in (_cache_dir(), cache_dir(), child):
+        assert not os.path.realpath(where).startswith(home), where
+    assert _cache_dir() == cache_dir() == child == os.environ["GPT2LAB_TEST_CACHE"]
+
+
+def test_the_probe_cache_is_one_bounded_file_and_the_old_per_shape_files_go(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path))
+    monkeypatch.delenv("GPT2LAB_PROBE", raising=False)
+    monkeypatch.setattr(prep, "measure", lambda model, cand, request, device, best=None: Timing(1.0, 1.0))
+    monkeypatch.setattr(prep, "PROBE_ENTRIES", 3)
+    old = tmp_path / "decode-probe-0123456789abcdef.json"  # one of the files older versions kept per shape
+    old.write_text("{}")
+    (tmp_path / "notes.json").write_text("{}")  # not the probe's: stays
+    keys = []
+    for n_layer in range(1, 6):  # five shapes, three kept: the two written first are dropped
+        model = tiny_gpt(seed=0, vocab_size=97, block_size=16, n_layer=n_layer)
+        prep.decide(model, torch.device("cpu"), InferenceRequest(linear="plain"), facts=ZEN)
+        keys.append(prep._probe_key(model, InferenceRequest(linear="plain"), torch.device("cpu"),
+                                    [c.name for c in candidates(InferenceRequest(linear="plain"), ZEN)]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["decode-probes.json", "notes.json"]
+    entries = json.loads((tmp_path / prep.PROBE_FILE).read_text())["entries"]
+    assert sorted(entries) == sorted(keys[2:])
+
+
+def test_a_first_probe_says_once_on_stderr_what_it_does_and_about_how_long(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path))
+    monkeypatch.delenv("GPT2LAB_PROBE", raising=False)
+    monkeypatch.setattr(prep, "estimate_seconds", lambda model, n, request, device: 12.4)
+    model, cpu = tiny_gpt(seed=0, vocab_size=97, block_size=16), torch.device("cpu")
+    prep.decide(model, cpu, InferenceRequest(linear="plain"), facts=ZEN, command="gpt2lab sample")
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("gpt2lab sample: measuring 4 ways to run this model on this "
+                                               "machine for sample (bfloat16/decode, "), err
+    assert "about 12 s; done once per machine and model shape" in err[0] and "GPT2LAB_PROBE=0" in err[0]
+    prep.decide(model, cpu, InferenceRequest(linear="plain"), facts=ZEN, command="gpt2lab sample")
+    assert capsys.readouterr().err == ""  # read back from the cache: nothing measured, nothing said
+
+
+def test_the_probe_estimate_counts_the_calls_measure_makes():
+    model, cpu = tiny_gpt(seed=0, vocab_size=97, block_size=256), torch.device("cpu")
+    clock = iter(range(0, 100, 1))  # each perf_counter() call one "second" later: prefill 1 s, step 1 s
+
+    class FakeTime:
+        @staticmethod
+        def perf_counter():
+            return float(next(clock))
+
+    import unittest.mock as mock
+    with mock.patch.object(prep, "time", FakeTime):
+        sample = prep.estimate_seconds(model, 2, InferenceRequest(), cpu)
+        serve = prep.estimate_seconds(model, 1, InferenceRequest(workload="serve", rows=8), cpu)
+    per = (1 + prep.REPEATS) * (1 + prep.STEPS) + prep.CONTEXT / prep.REQUEST_TOKENS
+    assert sample == pytest.approx(2 * per)
+    assert serve == pytest.approx(per + (1 + prep.REPEATS) * prep.STEPS * (1 + 8 / prep.REQUEST_TOKENS))
 
 
 def test_measure_times_a_real_prefill_and_real_steps_and_gives_up_on_a_hopeless_candidate():

@@ -17,8 +17,9 @@ from train_utils import cli_args
 
 def one_line(err: str) -> str:
     assert "Traceback" not in err, err
-    lines = [line for line in err.strip().splitlines() if line.startswith("gpt2lab") and ": dtype " not in line]
-    assert len(lines) == 1, err  # the error (the dtype choice is an info line before it)
+    lines = [line for line in err.strip().splitlines()
+             if line.startswith("gpt2lab") and ": dtype " not in line and ": measuring " not in line]
+    assert len(lines) == 1, err  # the error (the probe's notice and the dtype choice are info lines before it)
     return lines[0]
 
 

@@ -83,8 +83,16 @@ def test_crashed_run_with_a_cut_last_line(finished_run, tmp_path):
 
 
 def test_running_stopped_and_killed_runs(finished_run, tmp_path):
-    running = copy_run(finished_run, tmp_path / "running", drop_checkpoints=[4], mtime=time.time())
-    assert build_report(str(running), curves=False).status.startswith("running: at step 3 of 4 (last record")
+    # killed (kill -9) three seconds ago: its metrics.jsonl is fresh but no process holds the lock
+    just_killed = copy_run(finished_run, tmp_path / "just_killed", drop_checkpoints=[4], mtime=time.time() - 3)
+    assert (just_killed / rundir.LOCK_FILE).is_file() and rundir.holder(str(just_killed)) is None
+    status = build_report(str(just_killed), curves=False).status
+    assert re.match(r"crashed or killed at step 3 of 4 \(last record \d s ago\); `--resume auto` continues from "
+                    r"step 2$", status), status
+    # a run of a version that kept no lock file: only its last record can say it is live
+    old = copy_run(finished_run, tmp_path / "old", drop_checkpoints=[4], mtime=time.time())
+    os.remove(old / rundir.LOCK_FILE)
+    assert build_report(str(old), curves=False).status.startswith("running: at step 3 of 4 (last record")
     locked = copy_run(finished_run, tmp_path / "locked", drop_checkpoints=[4])
     with rundir.lock(str(locked)):  # the run lock (system.rundir), held as a live run holds it
         assert build_report(str(locked), curves=False).status == \

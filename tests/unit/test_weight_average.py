@@ -103,22 +103,30 @@ def test_checkpoint_holds_the_average_and_a_resume_continues_both_exactly(tiny_d
 
 
 def test_the_average_switched_on_or_off_at_a_resume(tiny_data, tmp_path):  # noqa: F811
-    # on: a checkpoint without an average starts one from the model's weights
+    # a resume is refused: the first part trained with (or without) the average (train.plan.resume_fields)
     off = trainer(tiny_data, tmp_path / "off")
     run(off, 2)
     path = off.save()
     assert not (tmp_path / "off" / "checkpoints" / "step_000002" / "training.safetensors").exists()
-    on = trainer(tiny_data, tmp_path / "off", resume=path, ema_decay=0.9)
+    with pytest.raises(ConfigError, match="--ema-decay 0.9: the checkpoint .* was trained with ema_decay 0.0"):
+        trainer(tiny_data, tmp_path / "off", resume=path, ema_decay=0.9)
+    # what the checkpoint parts do with such a checkpoint, read directly: one without an average starts
+    # one from the model's weights
+    on = trainer(tiny_data, tmp_path / "other", ema_decay=0.9)
+    on.restore(path)
     for k, v in weights(on.raw).items():
         assert torch.equal(on.average.module.state_dict()[k], v), k
     run(on, 1)  # the first update copies the weights
     for k, v in weights(on.raw).items():
         assert torch.equal(on.average.module.state_dict()[k], v), k
-    # off: the run continues from the weights as trained, not from their average
+    # off: the weights as trained, not their average
     avg = trainer(tiny_data, tmp_path / "avg", ema_decay=0.9)
     run(avg, 2)
     path = avg.save()
-    plain = trainer(tiny_data, tmp_path / "avg", resume=path)
+    with pytest.raises(ConfigError, match="--ema-decay 0.0: the checkpoint .* was trained with ema_decay 0.9"):
+        trainer(tiny_data, tmp_path / "avg", resume=path)
+    plain = trainer(tiny_data, tmp_path / "plain")
+    plain.restore(path)
     for k, v in weights(avg.raw).items():
         assert torch.equal(plain.raw.state_dict()[k], v), k
 

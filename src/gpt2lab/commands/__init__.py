@@ -1,4 +1,5 @@
 """Subcommands of the ``gpt2lab`` CLI (see cli.py)."""
+import argparse
 import sys
 
 # Autocast dtypes a command accepts ("auto" and the names gpt2lab.distributed.dist.DTYPES maps to torch
@@ -14,3 +15,13 @@ def not_yet(name: str, issue: str):
         return 2
 
     return run
+
+
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with every flag's default, ``(default: X)``, except where there is none to show
+    (a required flag, or a default of None that the help text explains)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.required or action.default is None:
+            return action.help or ""
+        return super()._get_help_string(action)

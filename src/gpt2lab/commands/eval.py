@@ -91,7 +91,7 @@ def _load(args: argparse.Namespace, info, compiled: bool = False):
         request = dataclasses.replace(request, linear="plain")
     check_request(request, info.device)
     model = load_model(args.model, info.device)
-    decision = decided_on_rank_0(lambda: decide(model, info.device, request))
+    decision = decided_on_rank_0(lambda: decide(model, info.device, request, command="gpt2lab eval"))
     if info.rank == 0:
         announce(decision, "gpt2lab eval")
     return apply(model, decision.candidate, request.rows, inplace=True), decision
@@ -108,17 +108,22 @@ def run_hellaswag(args: argparse.Namespace) -> int:
     import torch
 
     from gpt2lab.distributed.dist import cleanup, init_distributed, print0
-    from gpt2lab.evals.hellaswag import DEFAULT_BATCH_SIZE, evaluate_hellaswag
+    from gpt2lab.evals.hellaswag import DEFAULT_BATCH_SIZE, evaluate_hellaswag, load_examples, official_validation_file
 
     _positive(args.limit, "--limit")
     _positive(args.batch_size, "--batch-size")
+    try:  # the data first: no data, or no network to fetch it, fails before the model loads
+        data = args.data or official_validation_file(flag="--data")
+        load_examples(data, limit=1)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        raise SystemExit(f"gpt2lab eval hellaswag: {e}") from None
     info = init_distributed(args.device)
     try:
         model, decision = _load(args, info, compiled=args.compile)
         if args.compile:
             model = torch.compile(model)
         try:
-            result = evaluate_hellaswag(model, args.data, device=info.device,
+            result = evaluate_hellaswag(model, data, device=info.device,
                                         batch_size=args.batch_size or DEFAULT_BATCH_SIZE, limit=args.limit,
                                         rank=info.rank, world_size=info.world_size, strategy=args.strategy,
                                         progress=True)

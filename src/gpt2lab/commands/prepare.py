@@ -19,7 +19,7 @@ def add_parser(sub) -> None:
     p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 1e8)")
     p.add_argument("--val-tokens", type=int, default=None,
                    help="tokens for the val split (default: one shard for hub sources, "
-                   "0.5%% of a local source, 5%% of tinyshakespeare)")
+                   "0.5%% of a local source but at least 8192 or a tenth of a smaller one, 5%% of tinyshakespeare)")
     p.add_argument("--val-split", choices=("tokens", "documents"), default=None,
                    help="tokens (the default for text, the reference FineWeb layout): val is exactly the "
                    "first --val-tokens tokens; documents (the default for conversations): val ends with the "

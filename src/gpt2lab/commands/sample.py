@@ -13,21 +13,26 @@ if TYPE_CHECKING:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("sample", help="generate text from a model, streamed as it is sampled")
+    from gpt2lab.commands import DefaultsHelp
+
+    p = sub.add_parser("sample", help="generate text from a model, streamed as it is sampled",
+                       formatter_class=DefaultsHelp)
     p.add_argument("--model", default="gpt2",
                    help="HF name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), HF model dir, run dir or checkpoint dir")
     p.add_argument("--prompt", default="Hello, I'm a language model,",
-                   help="text to continue ('' starts from <|endoftext|>)")
+                   help="text to continue ('' starts from <|endoftext|>); with --max-new-tokens it must fit the "
+                        "model's context")
     p.add_argument("--num-samples", type=int, default=1, help="how many continuations, one after another")
-    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate after the prompt")
     p.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
     p.add_argument("--top-k", type=int, default=50, help="sample from the k most likely tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: smallest set holding this much mass")
-    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling: smallest set holding this much mass (default: off)")
+    p.add_argument("--seed", type=int, default=42, help="seed of the sampling generator")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
     add_inference_flags(p)
     p.add_argument("--stop-at-eot", action=argparse.BooleanOptionalAction, default=True,
-                   help="end a sample at the model's end token: <|endoftext|>, a chat model's <|im_end|> (default on)")
+                   help="end a sample at the model's end token: <|endoftext|>, a chat model's <|im_end|>")
     p.add_argument("--chat", action="store_true",
                    help="talk to the model turn by turn: each line read from stdin is your message, the reply "
                    "streams back (in the model's chat template, or plain 'User:'/'Assistant:' lines for a base "
@@ -61,6 +66,21 @@ def _prompt_ids(text: str, config) -> list[int]:
         raise SystemExit(f"--prompt: {e}") from None
 
 
+def check_context(prompt_tokens: int, max_new_tokens: int, context: int) -> None:
+    """The prompt and the tokens asked for must fit the model's context (the server's rule,
+    completion.fits_context): a UsageError naming both flags, before any text is printed."""
+    from gpt2lab.inference.completion import fits_context
+    from gpt2lab.system.errors import UsageError
+
+    if fits_context(prompt_tokens, max_new_tokens, context):
+        return
+    room = (f"lower --max-new-tokens to {context - prompt_tokens} or shorten the prompt" if prompt_tokens < context
+            else f"shorten the prompt to under {context} tokens")
+    total = prompt_tokens + max_new_tokens
+    raise UsageError(f"--prompt is {prompt_tokens} tokens and --max-new-tokens {max_new_tokens}: {total} tokens, "
+                     f"more than this model's context of {context} tokens; {room}")
+
+
 def run(args: argparse.Namespace) -> int:
     from gpt2lab.inference.flags import inference_request
     from gpt2lab.inference.completion import load_for_inference, seeded_generator
@@ -68,8 +88,14 @@ def run(args: argparse.Namespace) -> int:
 
     _check(args)
     device = pick_device(args.device)
-    # a bad --model or --dtype fails before any other output
-    model = load_for_inference(args.model, device, inference_request(args, "sample"), "gpt2lab sample")
+    ids: list[int] = []
+
+    def check(model) -> None:  # before the model is prepared (which may measure for a while)
+        ids.extend(_prompt_ids(args.prompt, model.config.real_vocab_size))
+        check_context(len(ids), args.max_new_tokens, model.config.block_size)
+
+    # a bad --model, --dtype, --prompt or --max-new-tokens fails before any other output
+    model = load_for_inference(args.model, device, inference_request(args, "sample"), "gpt2lab sample", check=check)
     _say_if_live(args.model)
     generator = seeded_generator(device, args.seed)
     if args.chat:

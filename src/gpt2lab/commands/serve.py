@@ -12,27 +12,29 @@ from gpt2lab.system.errors import EXIT_INTERRUPTED
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("serve", help="serve models over an OpenAI-compatible API, with a playground page at /")
+    from gpt2lab.commands import DefaultsHelp
+
+    p = sub.add_parser("serve", help="serve models over an OpenAI-compatible API, with a playground page at /",
+                       formatter_class=DefaultsHelp)
     p.add_argument("--model", action="append", required=True, metavar="[NAME=]MODEL",
                    help="HF name (gpt2 ... gpt2-xl), HF model dir, run dir or checkpoint dir; repeat for "
                         "several models side by side. The API's model id is NAME, else MODEL as written")
     p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the network)")
-    p.add_argument("--port", type=int, default=8000)
+                   help="address to bind: 127.0.0.1 is this machine only; 0.0.0.0 opens it to the network")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: the system picks a free one)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
     add_inference_flags(p)
     d = Limits()
     p.add_argument("--max-batch", type=int, default=d.max_batch,
-                   help=f"rows (prompt x sample streams) generated together per model (default {d.max_batch})")
+                   help="rows (prompt x sample streams) generated together per model")
     p.add_argument("--max-queue", type=int, default=d.max_queue,
-                   help=f"requests waiting for a row; past it the server answers 429 at once (default {d.max_queue})")
+                   help="requests waiting for a row; past it the server answers 429 at once")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens,
-                   help=f"the largest max_tokens a request may ask for (default {d.max_tokens})")
+                   help="the largest max_tokens a request may ask for")
     p.add_argument("--timeout", type=float, default=d.timeout_s,
-                   help=f"seconds a request may wait and run; past it, a 504 error (default {d.timeout_s:g})")
+                   help="seconds a request may wait and run; past it, a 504 error")
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
-                   help="prompt tokens run per step while other requests decode (long prompts take several "
-                        f"steps; default {d.prefill_chunk})")
+                   help="prompt tokens run per step while other requests decode (long prompts take several steps)")
     p.add_argument("--deterministic", action="store_true",
                    help="no batching: requests take turns token by token, each exactly as `gpt2lab sample` "
                         "runs it (seeded requests reproduce `sample` bit for bit; the aggregate is one stream's)")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 
 from gpt2lab.train.config import (ConfigError, add_config_flags, config_file_values, merge_config,
                                   overrides_from_args, preset_names, preset_values)
@@ -50,8 +51,19 @@ def run(args: argparse.Namespace) -> int:
     finally:
         cleanup()
     if info.is_main and not args.dry_run:
-        print(f"run dir: {request.out}" + (f"\nlast checkpoint: {last}" if last else ""), flush=True)
+        _say_where(request.out, last)
     return 0
+
+
+def _say_where(out: str, last) -> None:
+    """The last lines: where the run is, its checkpoint, its plot and the report card's command."""
+    lines = [f"run dir: {out}"]
+    if last:
+        lines.append(f"last checkpoint: {last}")
+    if os.path.isfile(os.path.join(out, "plot.png")):
+        lines.append(f"plot: {os.path.join(out, 'plot.png')}")
+    lines.append(f"report: gpt2lab report {shlex.quote(out)}")
+    print("\n".join(lines), flush=True)
 
 
 def _request(args: argparse.Namespace):

@@ -34,6 +34,14 @@ from gpt2lab.data.tokenizer import EOT_ID, GPT2_VOCAB_SIZE
 STATE_VERSION = 1
 
 
+class SplitTooSmall(ShardError):
+    """A split without one whole sequence (``tokens`` is what it holds)."""
+
+    def __init__(self, message: str, tokens: int = 0) -> None:
+        super().__init__(message)
+        self.tokens = tokens
+
+
 class _ShardView:
     """One shard's tokens with its documents in one epoch's order."""
 
@@ -93,9 +101,9 @@ class TokenLoader:
         self.counts = [len(open_shard(p)) for p in self.paths]
         self.seqs = np.array([max(0, (n - 1) // seq_len) for n in self.counts], dtype=np.int64)
         if self.seqs.sum() == 0:
-            raise ShardError(f"{self.data_dir}: split '{split}' has {sum(self.counts)} tokens, "
-                             f"too few for one sequence of seq_len {seq_len} + 1 in any shard; "
-                             "use a smaller seq_len or prepare more data")
+            raise SplitTooSmall(f"{self.data_dir}: split '{split}' has {sum(self.counts)} tokens, "
+                                f"too few for one sequence of seq_len {seq_len} + 1 in any shard; "
+                                "use a smaller seq_len or prepare more data", sum(self.counts))
         self.position = 0
         self._layout_cache: Tuple[int, np.ndarray, np.ndarray] = (-1, np.empty(0), np.empty(0))
         self._views: "OrderedDict[Tuple[int, int], _ShardView]" = OrderedDict()

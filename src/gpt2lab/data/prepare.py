@@ -7,6 +7,10 @@ of ``shard_tokens`` (a document may run on into the next shard, as in llm.c and
 build-nanogpt). Because shard contents depend only on the stream, a run that resumes
 after a crash (from the (document, offset) saved with each finished shard) writes the
 same bytes as one that never stopped, and the worker count changes nothing.
+
+The manifest counts tokens and documents per shard (the documents that begin in it), per split
+(every document with tokens in it: one the val split cuts counts in both, so a single .txt is a
+document of each) and per source file.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 import numpy as np
 
 from gpt2lab.data import chat
-from gpt2lab.data.shards import ShardError, mask_path, read_header, shard_name, write_mask, write_shard
+from gpt2lab.data.shards import ShardError, mask_path, open_shard, read_header, shard_name, write_mask, write_shard
 from gpt2lab.data.sources import Document, JsonLine, Source, SourceError, as_text, resolve_source
 from gpt2lab.system import rundir
 from gpt2lab.system.errors import UsageError
@@ -112,11 +116,19 @@ def prepare(source: str, out_dir: str, *, shard_tokens: int = 100_000_000,
     return manifest
 
 
+# A local source's val split is its val_fraction (0.5%; Tiny Shakespeare 5%), but at least this many
+# tokens, or a tenth of a source too small for that: 0.5% of a 200 KB text is some 250 tokens, two
+# sequences of 128, too few for one evaluation batch of the CPU presets (up to 16 x 128 + 1 tokens).
+MIN_VAL_TOKENS = 8192
+SMALL_VAL_FRACTION = 0.1
+
+
 def default_val_tokens(src: Source, shard_tokens: int) -> int:
     if src.size_bytes is None:  # the hub: size unknown up front; one shard, like the reference
         return shard_tokens
     estimate = src.size_bytes / 4  # GPT-2 BPE averages about 4 bytes of English per token
-    return min(shard_tokens, max(1, math.ceil(src.val_fraction * estimate)))
+    floor = min(MIN_VAL_TOKENS, math.ceil(SMALL_VAL_FRACTION * estimate))
+    return min(shard_tokens, max(1, math.ceil(src.val_fraction * estimate), floor))
 
 
 def _workers(workers: Optional[int]) -> int:
@@ -383,6 +395,9 @@ class _Writer:
             raise SourceError(f"source {self.manifest['settings']['source']!r}: all {self.doc} document(s) "
                               "are empty; point --source at files with text")
         _finish_manifest(self.manifest)
+        for info in self.manifest["splits"].values():  # a split that begins inside a document holds it too
+            if open_shard(self.out / info["shards"][0])[0] != EOT_ID:
+                info["documents"] += 1
         if "train" not in self.manifest["splits"]:
             warnings.warn(f"{self.out}: all {self.written} tokens went to val (val_tokens "
                           f"{self.val_tokens}); pass a smaller --val-tokens to get a train split")

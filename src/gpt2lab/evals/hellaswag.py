@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import tempfile
+import urllib.error
 import urllib.request
 import warnings
 from dataclasses import dataclass
@@ -33,6 +34,10 @@ from gpt2lab.distributed.dist import all_reduce_sum, autocast
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HF_DATASET = "Rowan/hellaswag"
 CACHE_ENV = "GPT2LAB_CACHE"
+OFFLINE_ENVS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+# Seconds the one download attempt waits to connect (and for each read): an unreachable network
+# fails in this long at most, with no retries.
+DOWNLOAD_TIMEOUT_S = 10
 N_ENDINGS = 4
 # A compiled model recompiles for every new input shape: round lengths up to a coarse
 # multiple so the whole validation set needs only a handful of shapes.
@@ -66,22 +71,24 @@ class Score:
 # ---------------------------------------------------------------- data
 
 def cache_dir() -> str:
-    """Where downloads are kept: $GPT2LAB_CACHE, else ~/.cache/gpt2lab."""
-    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "gpt2lab")
+    """Where downloads are kept: gpt2lab's cache ($GPT2LAB_CACHE, else ~/.cache/gpt2lab), as the probes'."""
+    from gpt2lab.system.runtime import _cache_dir
+
+    return _cache_dir()
 
 
-def load_examples(path: Optional[str] = None, limit: Optional[int] = None) -> list[Example]:
+def load_examples(path: Optional[str] = None, limit: Optional[int] = None, flag: str = "--data") -> list[Example]:
     """Examples from a jsonl file with ``ctx``, ``endings`` and ``label`` on every line.
 
     ``path`` None means the official validation set, downloaded once into ``cache_dir()``.
-    ``limit`` keeps the first N examples.
+    ``limit`` keeps the first N examples. ``flag``: the caller's flag for ``path``, for messages.
     """
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be a positive number of examples, got {limit}")
     if path is None:
-        path = official_validation_file()
+        path = official_validation_file(flag=flag)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"HellaSwag data {path}: no such file; pass --data FILE with a jsonl "
+        raise FileNotFoundError(f"HellaSwag data {path}: no such file; pass {flag} FILE with a jsonl "
                                 "of ctx/endings/label lines")
     examples = []
     for lineno, line in _lines(path):
@@ -120,24 +127,49 @@ def _parse_line(line: str, path: str, lineno: int) -> Example:
     return Example(ctx=ctx, endings=tuple(endings), label=label)
 
 
-def official_validation_file() -> str:
-    """Path of the cached official validation jsonl, downloading it on first use."""
-    dest = os.path.join(cache_dir(), "hellaswag", "hellaswag_val.jsonl")
+def official_path() -> str:
+    """Where the official validation set is cached (it may not be there yet)."""
+    return os.path.join(cache_dir(), "hellaswag", "hellaswag_val.jsonl")
+
+
+def offline() -> list[str]:
+    """Hugging Face's offline switches that are set (no download is even tried then)."""
+    return [v for v in OFFLINE_ENVS if os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")]
+
+
+def official_validation_file(flag: str = "--data") -> str:
+    """Path of the cached official validation jsonl, downloading it on first use.
+
+    One attempt at the file's URL (``DOWNLOAD_TIMEOUT_S``); the Hugging Face dataset only when that
+    server answered without the file. Offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) or unreachable,
+    it fails at once naming ``flag``, the caller's flag for a local file.
+    """
+    dest = official_path()
     if os.path.isfile(dest):
         return dest
+    if offline():
+        raise _unavailable(dest, flag, f"{' and '.join(offline())} set")
     os.makedirs(os.path.dirname(dest), exist_ok=True)
-    errors = []
-    for fetch in (_download_url, _download_hf):
-        try:
-            _atomic_write(dest, fetch)
-            return dest
-        except Exception as e:  # any failure: try the next source, report all at the end
-            errors.append(f"{fetch.__name__}: {e}")
-    raise RuntimeError(
-        "could not fetch the HellaSwag validation set (" + "; ".join(errors) + "). "
-        f"With no network, pass --data FILE (a jsonl with ctx, endings, label) or place the "
-        f"official hellaswag_val.jsonl at {dest}"
-    )
+    try:
+        _atomic_write(dest, _download_url)
+        return dest
+    except urllib.error.HTTPError as e:  # the server is there but the file is not: try the hub's copy
+        first = f"{HELLASWAG_URL}: {e}"
+    except OSError as e:  # no network, no DNS, a proxy that refuses: a second source would fail the same way
+        raise _unavailable(dest, flag, f"{HELLASWAG_URL}: {getattr(e, 'reason', None) or e}") from None
+    except ValueError as e:  # downloaded, but not HellaSwag lines
+        first = f"{HELLASWAG_URL}: {e}"
+    try:
+        _atomic_write(dest, _download_hf)
+        return dest
+    except Exception as e:  # the hub raises many types
+        raise _unavailable(dest, flag, f"{first}; {HF_DATASET}: {type(e).__name__}: {e}") from None
+
+
+def _unavailable(dest: str, flag: str, why: str) -> RuntimeError:
+    return RuntimeError(f"the official HellaSwag validation set is not in the cache ({dest}) and could not be "
+                        f"downloaded ({why}); pass {flag} FILE (a jsonl with ctx, endings, label) or place the "
+                        "official hellaswag_val.jsonl there")
 
 
 def _atomic_write(dest: str, fetch) -> None:
@@ -153,7 +185,7 @@ def _atomic_write(dest: str, fetch) -> None:
 
 
 def _download_url(dest: str) -> None:
-    with urllib.request.urlopen(HELLASWAG_URL, timeout=60) as r, open(dest, "wb") as f:
+    with urllib.request.urlopen(HELLASWAG_URL, timeout=DOWNLOAD_TIMEOUT_S) as r, open(dest, "wb") as f:
         shutil.copyfileobj(r, f)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import codecs
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -44,16 +44,21 @@ def check_request(request, device: torch.device) -> None:
     candidates(request, detect_facts(device))
 
 
-def load_for_inference(spec: str, device: torch.device, request=None, command: str = "gpt2lab") -> GPT:
+def load_for_inference(spec: str, device: torch.device, request=None, command: str = "gpt2lab",
+                       check: Optional[Callable[[GPT], None]] = None) -> GPT:
     """The model named by ``spec`` (see load.load_model) prepared for ``request`` (an
     InferenceRequest; default: sampling one row, dtype auto) on ``device``; the decision is
-    printed on stderr and kept as ``model.decision``."""
+    printed on stderr and kept as ``model.decision``. ``check`` sees the model as loaded, before
+    the (possibly measured) preparation: a request it cannot serve fails first."""
     from gpt2lab.inference.prepare import InferenceRequest, announce, prepare
     from gpt2lab.weights.load import load_model
 
     request = request or InferenceRequest()
     check_request(request, device)
-    model, decision = prepare(load_model(spec, device), device, request, inplace=True)
+    model = load_model(spec, device)
+    if check is not None:
+        check(model)
+    model, decision = prepare(model, device, request, inplace=True, command=command)
     announce(decision, command)
     model.decision = decision
     return model
@@ -108,6 +113,12 @@ def check_ids(ids: list[int], vocab: int, from_text: bool = False) -> None:
                           f"{vocab}; this model was not trained with the GPT-2 tokenizer")
     raise PromptError(f"token id {ids[bad]} at position {bad} is out of range: this model's token ids are "
                       f"0 to {vocab - 1}")
+
+
+def fits_context(prompt_tokens: int, max_new_tokens: int, context: int) -> bool:
+    """The one rule of ``sample`` and ``serve``: the prompt and every token asked for fit the model's
+    context (nothing of a prompt is ever dropped, and no position runs past the model's last)."""
+    return prompt_tokens + max_new_tokens <= context
 
 
 def seeded_generator(device: torch.device, seed: int) -> torch.Generator:

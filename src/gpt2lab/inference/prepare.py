@@ -31,6 +31,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -293,29 +294,107 @@ def measure(model: GPT, cand: Candidate, request: InferenceRequest, device: torc
     return Timing(prefill, step1, decode_ms(request.rows, best.step_rows) if request.workload == "serve" else None)
 
 
-def _probe_path(model: GPT, request: InferenceRequest, device: torch.device, names: list[str]) -> str:
+# The probe's figures, one entry per (machine, device, model shape, workload, candidates), all in one
+# file; past this many entries the oldest written goes (a day of tests builds dozens of shapes).
+PROBE_FILE = "decode-probes.json"
+PROBE_ENTRIES = 32
+_LEGACY_PROBE = re.compile(r"^decode-probe-[0-9a-f]{16}\.json$")  # one file per shape, as older versions kept them
+
+
+def _probe_key(model: GPT, request: InferenceRequest, device: torch.device, names: list[str]) -> str:
     parts = [runtime._machine_key(), str(device), json.dumps(dataclasses.asdict(model.config), sort_keys=True),
              request.workload, str(request.rows), ",".join(sorted(names)), str(REQUEST_TOKENS)]
-    key = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-    return os.path.join(runtime._cache_dir(), f"decode-probe-{key}.json")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _read_probes(path: str) -> dict:
+    """The cache file's entries ({key: {"written": time, "timings": {...}}}); {} if absent or unreadable."""
+    try:
+        with open(path) as fh:
+            entries = json.load(fh).get("entries", {})
+        return entries if isinstance(entries, dict) else {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def _save_probe(path: str, key: str, figures: dict) -> None:
+    """Add one entry (the oldest go past PROBE_ENTRIES), written atomically; the per-shape files of
+    older versions beside it go. A read-only cache is no harm: the probe runs again next time."""
+    from gpt2lab.system.files import write_json
+
+    entries = _read_probes(path)
+    entries[key] = {"written": time.time(), "timings": figures}
+    keep = sorted(entries, key=lambda k: entries[k].get("written", 0) if isinstance(entries[k], dict) else 0)
+    entries = {k: entries[k] for k in keep[-PROBE_ENTRIES:]}
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_json(path, {"version": 1, "entries": entries}, indent=None)
+        for name in os.listdir(os.path.dirname(path)):
+            if _LEGACY_PROBE.match(name):
+                os.unlink(os.path.join(os.path.dirname(path), name))
+    except OSError:
+        pass
+
+
+def _cached(path: str, key: str) -> Optional[dict]:
+    entry = _read_probes(path).get(key)
+    try:
+        return {k: Timing(**v) if isinstance(v, dict) else str(v) for k, v in entry["timings"].items()}
+    except (TypeError, KeyError, AttributeError):
+        return None
+
+
+@torch.inference_mode()
+def estimate_seconds(model: GPT, n_candidates: int, request: InferenceRequest, device: torch.device) -> float:
+    """About how long ``timings`` takes: one prefill and one decode step of ``model`` as it is, timed
+    here, times the calls ``measure`` makes per candidate (a rough figure for the notice)."""
+    block, vocab = model.config.block_size, model.config.vocab_size
+    prompt = max(1, min(REQUEST_TOKENS, block - 1))  # and room for one decode step after it
+    ids = torch.randint(0, vocab, (1, prompt), generator=torch.Generator().manual_seed(0)).to(device)
+    model(ids[:, :1], last_only=True)  # untimed: the first touch of freshly loaded (mapped) weights
+    _sync(device)
+    cache = model.new_kv_cache(min(block, prompt + 1))
+    t0 = time.perf_counter()
+    model(ids, kv_cache=cache, last_only=True)
+    _sync(device)
+    t1 = time.perf_counter()
+    if prompt < block:
+        model(ids[:, :1], kv_cache=cache, last_only=True)
+        _sync(device)
+    prefill, step = t1 - t0, time.perf_counter() - t1
+    per = (1 + REPEATS) * (prefill + STEPS * step) + prefill * CONTEXT / prompt
+    if request.workload == "serve":
+        per += (1 + REPEATS) * STEPS * (step + prefill * request.rows / prompt)
+    return n_candidates * per
+
+
+def _notice(command: str, model: GPT, cands: list[Candidate], request: InferenceRequest, device: torch.device,
+            where: str) -> None:
+    """The one stderr line before the probe: what it does, about how long, and that it is done once."""
+    import sys
+
+    secs = estimate_seconds(model, len(cands), request, device)
+    about = f"about {secs:.0f} s" if secs >= 1 else "under a second"
+    print(f"{command}: measuring {len(cands)} ways to run this model on this machine for {request.workload} "
+          f"({', '.join(c.name for c in cands)}), {about}; done once per machine and model shape "
+          f"(kept in {where}; GPT2LAB_PROBE=0 skips it)", file=sys.stderr, flush=True)
 
 
 def timings(model: GPT, cands: list[Candidate], request: InferenceRequest, device: torch.device,
-            cache: bool = True) -> Optional[dict]:
+            cache: bool = True, command: str = "gpt2lab") -> Optional[dict]:
     """Each candidate's Timing (or the error it failed with), from the cache when it can; None with
-    GPT2LAB_PROBE=0; GPT2LAB_PROBE=fresh measures again (a probe taken on a busy machine) and keeps that."""
+    GPT2LAB_PROBE=0; GPT2LAB_PROBE=fresh measures again (a probe taken on a busy machine) and keeps that.
+    Before measuring, one line on stderr says so (``command`` first)."""
     mode = os.environ.get("GPT2LAB_PROBE", "1")
     if mode == "0":
         return None
     names = [c.name for c in cands]
-    path = _probe_path(model, request, device, names)
+    path, key = os.path.join(runtime._cache_dir(), PROBE_FILE), _probe_key(model, request, device, names)
     if cache and mode != "fresh":
-        try:
-            with open(path) as fh:
-                saved = json.load(fh)
-            return {k: Timing(**v) if isinstance(v, dict) else str(v) for k, v in saved.items()}
-        except (OSError, ValueError, TypeError):
-            pass
+        found = _cached(path, key)
+        if found is not None:
+            return found
+    _notice(command, model, cands, request, device, path)
     out: dict = {}
     for c in cands:
         done = [t for t in out.values() if isinstance(t, Timing)]
@@ -328,13 +407,7 @@ def timings(model: GPT, cands: list[Candidate], request: InferenceRequest, devic
         except (RuntimeError, NotImplementedError) as e:  # a kernel this build cannot run with these weights
             out[c.name] = f"failed: {str(e).splitlines()[0][:160]}"
     if cache:
-        from gpt2lab.system.files import write_json
-
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            write_json(path, {k: dataclasses.asdict(v) if isinstance(v, Timing) else v for k, v in out.items()})
-        except OSError:  # a read-only home: measure again next time, no harm done
-            pass
+        _save_probe(path, key, {k: dataclasses.asdict(v) if isinstance(v, Timing) else v for k, v in out.items()})
     return out
 
 
@@ -359,14 +432,14 @@ def apply(model: GPT, cand: Candidate, rows: int = 1, inplace: bool = False) -> 
 
 
 def decide(model: GPT, device: torch.device, request: InferenceRequest,
-           facts: Optional[InferenceFacts] = None) -> Decision:
-    """Measure (where there is a choice) and choose."""
+           facts: Optional[InferenceFacts] = None, command: str = "gpt2lab") -> Decision:
+    """Measure (where there is a choice; a first measurement says so on stderr, ``command`` first) and choose."""
     facts = facts or detect_facts(device)
     cands = candidates(request, facts)
     if len(cands) > 1:  # the device rule's pick first: the likeliest winner sets the bar to give up at
         first = _unmeasured(cands, facts)
         cands = [first] + [c for c in cands if c != first]
-        facts = dataclasses.replace(facts, timings=timings(model, cands, request, device))
+        facts = dataclasses.replace(facts, timings=timings(model, cands, request, device, command=command))
     return choose(request, facts)
 
 
@@ -375,9 +448,9 @@ def is_prepared(model: torch.nn.Module) -> bool:
 
 
 def prepare(model: GPT, device: torch.device, request: InferenceRequest = InferenceRequest(),
-            inplace: bool = False) -> tuple[GPT, Decision]:
+            inplace: bool = False, command: str = "gpt2lab") -> tuple[GPT, Decision]:
     """``model`` prepared for ``request`` on ``device``: (the prepared model, the decision)."""
-    decision = decide(model, device, request)
+    decision = decide(model, device, request, command=command)
     return apply(model, decision.candidate, request.rows, inplace), decision
 
 

@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 from gpt2lab.observe import plot
 from gpt2lab.model.config import config_value, nest_model
+from gpt2lab.system import rundir
 from gpt2lab.system.errors import ConfigError
 
 RUNNING_IF_WRITTEN_WITHIN_S = 600  # or 20 median steps, whichever is longer: evaluations pause the log
@@ -84,8 +85,6 @@ def _checkpoints(run_dir: str) -> list[tuple[int, str, int]]:
 
 def _live_lock(run_dir: str) -> Optional[int]:
     """The pid of the live run holding the directory's lock (system.rundir), if one does."""
-    from gpt2lab.system import rundir
-
     who = rundir.holder(run_dir)
     return None if who is None else who.get("pid")
 
@@ -103,15 +102,17 @@ def run_status(run_dir: str, config: dict, records: list[dict], cut: bool, ckpts
     dts = [r["dt_ms"] / 1000 for r in records if isinstance(r.get("dt_ms"), (int, float))]
     window = max(RUNNING_IF_WRITTEN_WITHIN_S, 20 * statistics.median(dts)) if dts else RUNNING_IF_WRITTEN_WITHIN_S
     pid = _live_lock(run_dir)
-    if pid is not None or age < window:
-        why = f"lock held by pid {pid}" if pid is not None else f"last record {age:.0f} s ago"
-        return f"running: at {where} ({why})"
+    if pid is not None:  # the lock is the truth: the kernel drops it with its process, however it ends
+        return f"running: at {where} (lock held by pid {pid})"
+    if not os.path.exists(os.path.join(run_dir, rundir.LOCK_FILE)) and age < window:  # a run of a version
+        return f"running: at {where} (last record {age:.0f} s ago)"                   # that kept no lock
     if cut:
         return (f"crashed: metrics.jsonl ends in a cut line (killed mid-write) at {where}; "
                 + _resume_hint(ckpt_steps))
     if last is not None and ckpt_steps and ckpt_steps[-1] == last + 1:
         return f"stopped at {where} with a checkpoint there; continue with `gpt2lab train ... --resume auto`"
-    return f"crashed or killed at {where} (last record {age / 60:.0f} min ago); " + _resume_hint(ckpt_steps)
+    ago = f"{age:.0f} s" if age < 120 else f"{age / 60:.0f} min"
+    return f"crashed or killed at {where} (last record {ago} ago); " + _resume_hint(ckpt_steps)
 
 
 def _resume_hint(ckpt_steps: list[int]) -> str:

@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException
 
 from gpt2lab.inference import chat
 from gpt2lab.inference.completion import (PromptError, Sampling, TokenLogprob, TokenText, check_ids, encode_prompt,
-                                          prompt_text, tokenizer_for)
+                                          fits_context, prompt_text, tokenizer_for)
 from gpt2lab.serve.engine import (Engine, Failed, Finish, Job, QueueFull, ShuttingDown, Text, TimedOut, Work,
                                   Worker)
 from gpt2lab.serve.metrics import ServeMetrics
@@ -179,7 +179,7 @@ def _check_length(prompts: list[list[int]], max_tokens: int, worker: Worker, def
         room = "" if longest > block else ", which leaves no room for a completion"
         raise APIError(400, f"This model's maximum context length is {block} tokens, and {alone}{room}. "
                             f"Shorten the {what}.", param=what, code="context_length_exceeded")
-    if longest + max_tokens > block:
+    if not fits_context(longest, max_tokens, block):
         raise APIError(400, f"This model's maximum context length is {block} tokens; you asked for "
                             f"{longest + max_tokens} ({longest} in the {what}, {said}). Shorten the {what} or "
                             "lower max_tokens.", param="max_tokens", code="context_length_exceeded")

@@ -25,6 +25,7 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 import socket
 import time
 from dataclasses import dataclass
@@ -236,27 +237,64 @@ def lock(path: str) -> Iterator[None]:
         os.close(fd)  # drops the lock (the kernel does the same when the process dies)
 
 
+# What a run writes at the top of its directory: a start that fails before training removes those of
+# them it created (Claim.undo), never another name.
+RUN_WRITES = (RUN_MARKER, LOCK_FILE, "config.json", "metrics.jsonl", "plot.png", "tensorboard", "wandb",
+              "wandb_id", "checkpoints")
+
+
+class Claim:
+    """A start's hold on its run directory: what it found there, so that a start failing before its
+    first step can remove exactly what it created (``undo``). ``began`` is set once a step was taken."""
+
+    def __init__(self, path: str, created: bool, top: str, before: frozenset) -> None:
+        self.path, self.created, self.top, self.before = path, created, top, before
+        self.began = False
+
+    def undo(self) -> None:
+        """Remove what this start wrote that was not there before it (of the names in RUN_WRITES), then
+        the directory and the parents it made, if it made them and nothing else is in them."""
+        if self.began:
+            return
+        for name in RUN_WRITES:
+            target = os.path.join(self.path, name)
+            if name in self.before or not os.path.lexists(target):
+                continue
+            with contextlib.suppress(OSError):
+                if os.path.isdir(target) and not os.path.islink(target):
+                    shutil.rmtree(target)
+                else:
+                    os.unlink(target)
+        if self.created:
+            _remove_empty(self.path, self.top)
+
+
 @contextlib.contextmanager
-def claim(path: str, flag: str = "--out", what_next: str = "choose a new or empty --out") -> Iterator[None]:
+def claim(path: str, flag: str = "--out", what_next: str = "choose a new or empty --out") -> Iterator[Claim]:
     """For ``train``: check ``path`` (missing, empty or a run), mark it as a run, hold its lock.
 
-    A directory this call created and in which nothing but the marker and the lock was
-    written (the start failed before the run did anything) is removed again on the way out.
+    Yields the Claim. A start that fails (any exception) before its first step removes what it
+    created, while still holding the lock; a directory this call created in which nothing but the
+    marker and the lock was written is removed on the way out too.
     """
     check(path, RUN, flag, what_next)
     created = not os.path.exists(path)
     top = os.path.abspath(path)  # the outermost folder this call creates (parents of a new --out too)
     while not os.path.exists(os.path.dirname(top)):
         top = os.path.dirname(top)
+    before = frozenset() if created else frozenset(os.listdir(path))
     os.makedirs(path, exist_ok=True)
     try:
         _create_marker(path)
         with lock(path):
+            held = Claim(path, created, top, before)
             try:
-                yield
-            finally:
-                if created:  # while still holding the lock: no other run can be starting there
-                    _remove_if_untouched(path, top)
+                yield held
+            except BaseException:
+                held.undo()  # while still holding the lock: no other run can be starting there
+                raise
+            if created:
+                _remove_if_untouched(path, top)
     except BaseException:
         if created:
             _remove_if_untouched(path, top)
@@ -272,10 +310,15 @@ def _remove_if_untouched(path: str, top: str) -> None:
                 for name in (RUN_MARKER, LOCK_FILE):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(os.path.join(path, name))
-                os.rmdir(path)
-                where = os.path.dirname(os.path.abspath(path))
-                while len(where) >= len(top) and not os.listdir(where):
-                    os.rmdir(where)
-                    where = os.path.dirname(where)
+                _remove_empty(path, top)
     except OSError:
         pass
+
+
+def _remove_empty(path: str, top: str) -> None:
+    """Remove ``path`` and its parents up to ``top`` while each is empty."""
+    where = os.path.abspath(path)
+    with contextlib.suppress(OSError):
+        while len(where) >= len(top) and not os.listdir(where):
+            os.rmdir(where)
+            where = os.path.dirname(where)

@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, Optional, get_type_hints
+from typing import Any, Callable, Optional, Union, get_type_hints
 
 from gpt2lab.model.config import (CHAT_VOCAB_SIZES, GPT2_VOCAB_SIZE, MODEL_KEYS, PADDED_VOCAB_SIZE, GPTConfig, check_types,  # noqa: F401
                                   config_value, field_type, gpt_config, model_from_config, nest_sections)
@@ -38,9 +38,32 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, packaged as tomli
 LORA_TARGETS = ("c_attn", "c_proj", "c_fc", "attn.c_proj", "mlp.c_proj")
 
 
-def _f(default: Any, help: str, at_least: Optional[float] = None, choices: tuple = ()) -> Any:
-    # at_least: the smallest value allowed; choices: a text field's values (also its flag's)
-    return field(default=default, metadata={"help": help, "at_least": at_least, "choices": choices})
+def _f(default: Any, help: str, at_least: Optional[float] = None, choices: tuple = (),
+       keep: Union[bool, Callable[["TrainConfig"], bool]] = False) -> Any:
+    # at_least: the smallest value allowed; choices: a text field's values (also its flag's);
+    # keep: the field changes what the run trains, so a resume must keep the value its checkpoint
+    # trained with (train.plan.check_resume_settings); a function: only where it applies to the run
+    return field(default=default, metadata={"help": help, "at_least": at_least, "choices": choices, "keep": keep})
+
+
+def _muon(cfg: "TrainConfig") -> bool:
+    return cfg.optim.optimizer == "muon"
+
+
+def _normuon(cfg: "TrainConfig") -> bool:
+    return _muon(cfg) and cfg.optim.muon_variant == "normuon"
+
+
+def _lora(cfg: "TrainConfig") -> bool:
+    return bool(cfg.finetune.lora_rank)
+
+
+def _wsd(cfg: "TrainConfig") -> bool:
+    return cfg.optim.lr_schedule == "wsd"
+
+
+def _ramp(cfg: "TrainConfig") -> bool:
+    return bool(cfg.batch.batch_ramp_steps)
 
 
 def _default_model() -> GPTConfig:
@@ -63,15 +86,18 @@ class _Section:
 @dataclass
 class BatchConfig(_Section):
     micro_batch_size: int = _f(64, "sequences per forward/backward on each process", at_least=1)
-    seq_len: int = _f(1024, "tokens per sequence (at most block_size)", at_least=1)
+    seq_len: int = _f(1024, "tokens per sequence (at most block_size)", at_least=1, keep=True)
     total_batch_tokens: int = _f(524288, "tokens per optimizer step over all processes; "
-                                 "accumulation = this / (micro_batch_size * seq_len * world size)", at_least=1)
+                                 "accumulation = this / (micro_batch_size * seq_len * world size)", at_least=1,
+                                 keep=True)
     # The batch-size ramp (a speedrun lever): a pure function of the step (TrainConfig.accum_at), so a
     # resumed run, whose loader continues from its saved position, takes the same batches.
     batch_ramp_steps: int = _f(0, "ramp the tokens per step over the first N steps, linearly from batch_ramp_start "
-                               "up to total_batch_tokens in whole multiples of batch_ramp_start (0 = off)", at_least=0)
+                               "up to total_batch_tokens in whole multiples of batch_ramp_start (0 = off)", at_least=0,
+                               keep=True)
     batch_ramp_start: Optional[int] = _f(None, "batch ramp: tokens in step 0 (a multiple of micro_batch_size x "
-                                         "seq_len x world size that divides total_batch_tokens)", at_least=1)
+                                         "seq_len x world size that divides total_batch_tokens)", at_least=1,
+                                         keep=_ramp)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -87,36 +113,40 @@ class BatchConfig(_Section):
 @dataclass
 class OptimConfig(_Section):
     max_steps: int = _f(19073, "optimizer steps in the run", at_least=1)
-    max_lr: float = _f(6e-4, "learning rate after warmup")
-    min_lr: float = _f(6e-5, "learning rate at the end of the cosine decay", at_least=0)
-    warmup_steps: int = _f(715, "steps of linear warmup from max_lr/warmup_steps to max_lr", at_least=0)
-    weight_decay: float = _f(0.1, "AdamW weight decay, applied to >=2-D weights only", at_least=0)
-    beta1: float = _f(0.9, "AdamW beta1")
-    beta2: float = _f(0.95, "AdamW beta2")
-    eps: float = _f(1e-8, "AdamW epsilon")
-    grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = no clipping)", at_least=0)
+    max_lr: float = _f(6e-4, "learning rate after warmup", keep=True)
+    min_lr: float = _f(6e-5, "learning rate at the end of the cosine decay", at_least=0, keep=True)
+    warmup_steps: int = _f(715, "steps of linear warmup from max_lr/warmup_steps to max_lr", at_least=0, keep=True)
+    weight_decay: float = _f(0.1, "AdamW weight decay, applied to >=2-D weights only", at_least=0, keep=True)
+    beta1: float = _f(0.9, "AdamW beta1", keep=True)
+    beta2: float = _f(0.95, "AdamW beta2", keep=True)
+    eps: float = _f(1e-8, "AdamW epsilon", keep=True)
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = no clipping)", at_least=0, keep=True)
     lr_schedule: str = _f("cosine", "the LR schedule after warmup: cosine (decay to min_lr at max_steps) or wsd "
                           "(warmup-stable-decay: max_lr, then a linear decay to min_lr over the last decay_frac "
-                          "of the steps)", choices=LR_SCHEDULES)
-    decay_frac: float = _f(0.2, "wsd: fraction of max_steps in the final linear decay")
+                          "of the steps)", choices=LR_SCHEDULES, keep=True)
+    decay_frac: float = _f(0.2, "wsd: fraction of max_steps in the final linear decay", keep=_wsd)
     optimizer: str = _f("adamw", "adamw (one AdamW, the GPT-2 recipe) or muon (Muon on the blocks' 2-D matrices, "
                         "AdamW with max_lr/embed_lr/head_lr on the rest; the schedule scales every group)",
-                        choices=OPTIMIZERS)
-    muon_lr: float = _f(0.02, "muon: Muon's peak learning rate (scaled by sqrt(max(1, rows/cols)) per matrix)")
-    muon_momentum: float = _f(0.95, "muon: Muon's Nesterov momentum")
-    muon_weight_decay: float = _f(0.0, "muon: Muon's decoupled weight decay (p *= 1 - lr * this)")
+                        choices=OPTIMIZERS, keep=True)
+    muon_lr: float = _f(0.02, "muon: Muon's peak learning rate (scaled by sqrt(max(1, rows/cols)) per matrix)",
+                        keep=_muon)
+    muon_momentum: float = _f(0.95, "muon: Muon's Nesterov momentum", keep=_muon)
+    muon_weight_decay: float = _f(0.0, "muon: Muon's decoupled weight decay (p *= 1 - lr * this)", keep=_muon)
     muon_ns_dtype: str = _f("auto", "muon: dtype of the Newton-Schulz iteration: auto, float32 or bfloat16; "
                             "auto = bf16 where a bf16 matmul measures fast (GPUs with bf16, CPUs with native "
                             "bf16), else fp32", choices=NS_DTYPE_CHOICES)
-    embed_lr: Optional[float] = _f(None, "muon: AdamW peak rate of the embedding tables (default max_lr)")
-    head_lr: Optional[float] = _f(None, "muon: AdamW peak rate of an untied output head (default max_lr)")
+    embed_lr: Optional[float] = _f(None, "muon: AdamW peak rate of the embedding tables (default max_lr)",
+                                   keep=_muon)
+    head_lr: Optional[float] = _f(None, "muon: AdamW peak rate of an untied output head (default max_lr)",
+                                  keep=_muon)
     muon_variant: str = _f("muon", "muon: the update of the blocks' matrices: muon (orthogonalised momentum, "
                            "torch.optim.Muon's) or normuon (NorMuon: then each output neuron's row divided by the "
-                           "root of its running mean square, rescaled to the same norm)", choices=MUON_VARIANTS)
-    muon_beta2: float = _f(0.95, "normuon: decay of the per-neuron running mean square")
+                           "root of its running mean square, rescaled to the same norm)", choices=MUON_VARIANTS,
+                           keep=_muon)
+    muon_beta2: float = _f(0.95, "normuon: decay of the per-neuron running mean square", keep=_normuon)
     ema_decay: float = _f(0.0, "average the weights as they train: after each step avg = d * avg + (1 - d) * "
                           "weights (torch.optim.swa_utils.AveragedModel); evaluations, samples and the "
-                          "checkpoints' model.safetensors are the average (0 = off)")
+                          "checkpoints' model.safetensors are the average (0 = off)", keep=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -214,10 +244,11 @@ class FinetuneConfig(_Section):
                                   "gpt2-large, gpt2-xl, a local HF GPT-2 directory, a gpt2lab run directory "
                                   "(its newest checkpoint) or a checkpoint directory; the architecture "
                                   "comes from it")
-    lora_rank: int = _f(0, "train LoRA adapters of this rank (through peft) instead of all weights; 0 = off")
-    lora_alpha: float = _f(16.0, "LoRA scale numerator: the update is (alpha / rank) * B @ A")
+    lora_rank: int = _f(0, "train LoRA adapters of this rank (through peft) instead of all weights; 0 = off",
+                        keep=True)
+    lora_alpha: float = _f(16.0, "LoRA scale numerator: the update is (alpha / rank) * B @ A", keep=_lora)
     lora_targets: str = _f("c_attn", "comma-separated layers that get LoRA adapters: c_attn, c_proj, c_fc "
-                           "(attn.c_proj or mlp.c_proj for one of the two c_proj)")
+                           "(attn.c_proj or mlp.c_proj for one of the two c_proj)", keep=_lora)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -246,7 +277,7 @@ class TrainConfig:
     model: GPTConfig = field(default_factory=_default_model, metadata={"help": "the architecture"})
     data: str = _f("data/fineweb-edu-10b", "directory of token shards made by `gpt2lab prepare`")
     out: str = _f("runs/gpt2-124m", "run directory: config.json, metrics.jsonl, checkpoints/")
-    seed: int = _f(1337, "seed for initialisation and data order", at_least=0)
+    seed: int = _f(1337, "seed for initialisation and data order", at_least=0, keep=True)
     batch: BatchConfig = field(default_factory=BatchConfig, metadata={"help": "the batch"})
     optim: OptimConfig = field(default_factory=OptimConfig,
                                metadata={"help": "optimizer, learning-rate schedule and run length"})

@@ -7,6 +7,7 @@ shards are gathered once), rank 0 alone logs, generates the sample and draws the
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 
@@ -14,6 +15,7 @@ from gpt2lab.distributed import parallel
 from gpt2lab.distributed.dist import DistInfo, autocast
 from gpt2lab.inference.generate import generate
 from gpt2lab.observe.metrics import MetricsLogger
+from gpt2lab.train import preflight
 from gpt2lab.train.config import TrainConfig
 
 
@@ -29,6 +31,7 @@ class Evaluator:
                  dtype: str) -> None:
         self.cfg, self.info, self.raw, self.model, self.dtype = cfg, info, raw, model, dtype
         self.device = info.device
+        self.eval_tokens: Optional[int] = None  # --eval-tokens, or all the val split holds (preflight.eval_tokens)
 
     def __call__(self, step: int, log: MetricsLogger) -> None:
         ev, last = self.cfg.eval, self.cfg.optim.max_steps
@@ -54,9 +57,11 @@ class Evaluator:
     def val_loss(self) -> float:
         from gpt2lab.evals.loss import evaluate_loss
 
+        cfg = self.cfg
+        if self.eval_tokens is None:  # the start said so when it trims
+            self.eval_tokens = preflight.eval_tokens(cfg, self.info.world_size)
         with parallel.gathered(self.raw):  # FSDP: one all-gather, not one per block and batch
-            cfg = self.cfg
-            return evaluate_loss(self.model, cfg.data, tokens=cfg.eval.eval_tokens,
+            return evaluate_loss(self.model, cfg.data, tokens=self.eval_tokens,
                                  batch_size=cfg.batch.micro_batch_size, seq_len=cfg.batch.seq_len,
                                  device=self.device, dtype=self.dtype, rank=self.info.rank,
                                  world_size=self.info.world_size)

@@ -110,14 +110,16 @@ def _checkpoint_source(spec: str) -> Source:
     missing = [f for f in needed if not os.path.isfile(os.path.join(where, f))]
     config = read_json_object(os.path.join(where, "config.json"))
     if missing or config is None:
-        raise InitFromError(f"--init-from {spec}: {where} is an incomplete checkpoint (missing or unreadable: "
+        what = "it is" if where == spec else f"{where} is"  # the source named once
+        raise InitFromError(f"--init-from {spec}: {what} an incomplete checkpoint (missing or unreadable: "
                             f"{', '.join(missing) or 'config.json'}); pass its run directory (newest complete "
                             "checkpoint) or another step_* directory")
     try:
         model_config = model_from_config(config)
         step = int(torch.load(os.path.join(where, "state.pt"), weights_only=True, map_location="cpu")["step"])
     except (KeyError, TypeError, ValueError, RuntimeError, OSError) as e:
-        raise InitFromError(f"--init-from {spec}: cannot read the checkpoint {where} ({e}); "
+        what = "the checkpoint" if where == spec else f"the checkpoint {where}"
+        raise InitFromError(f"--init-from {spec}: cannot read {what} ({e}); "
                             "pass another step_* directory") from e
     return Source(spec, CHECKPOINT, model_config, weights, os.path.join(where, "config.json"), step,
                   verified=verified)

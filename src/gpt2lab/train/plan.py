@@ -8,8 +8,10 @@ processes, one device's memory). It decides, each with its reason where there is
   architecture comes from that same checkpoint when it began from other weights;
 - the ``--init-from`` source, found once and hashed once (``InitFrom``), and for a resumed run
   the record of the weights it began from, read back from its checkpoint (``began_from``);
-- the final ``TrainConfig`` (the source's architecture); a resume whose LoRA settings differ
-  from its checkpoint's is refused here, from the checkpoint's config read once;
+- the final ``TrainConfig`` (the source's architecture); a resume whose settings differ from its
+  checkpoint's in anything that changes what it trains (``resume_fields``: the fields marked
+  ``keep`` in train.config, the architecture's) is refused here, from the checkpoint's config read once;
+- the memory per rank it predicts (``check_memory``, a start's check, refuses what does not fit);
 - dtype and compile (``system.runtime``), strategy (``distributed.parallel.choose_strategy``
   with DDP's memory from ``distributed.memplan``), the loss path (``choose_loss``);
 - accumulation steps, peak FLOP/s for MFU, the predicted memory per rank.
@@ -34,12 +36,13 @@ from typing import Callable, Mapping, Optional
 
 from gpt2lab.checkpoint import store as ckpt
 from gpt2lab.distributed import memplan, parallel
+from gpt2lab.model.config import GPTConfig
 from gpt2lab.model.loss import used_for
 from gpt2lab.system import hardware, runtime
 from gpt2lab.system.errors import CheckpointError, ConfigError
 from gpt2lab.system.runtime import Choice
 from gpt2lab.train import init_from
-from gpt2lab.train.config import TrainConfig, config_value, default_value, merge_config, nest_config
+from gpt2lab.train.config import SECTIONS, TrainConfig, config_value, default_value, merge_config, nest_config
 
 FAKE_FACTS_ENV = "GPT2LAB_FAKE_FACTS"
 PLAN_VERSION = 1
@@ -53,6 +56,7 @@ class Facts:
     world_size: int = 1                    # processes of the run (torchrun's WORLD_SIZE)
     device_bytes: Optional[int] = None     # memory of one accelerator; None for a CPU (shared RAM)
     faked: Optional[str] = None            # the GPT2LAB_FAKE_FACTS file these came from
+    host_bytes: Optional[int] = None       # a CPU run's share of this machine's RAM per process; None: unknown
 
     def describe(self) -> str:
         d = self.device
@@ -138,6 +142,7 @@ class RunPlan:
                              **({"warning": ch.warning} if ch.warning else {})}
         return {"version": PLAN_VERSION, "facts": {**self.choices.record(), "world_size": self.facts.world_size,
                                                    "device_bytes": self.facts.device_bytes,
+                                                   "host_bytes": self.facts.host_bytes,
                                                    "faked": self.facts.faked},
                 "resume": self.resume, "skipped_checkpoints": list(self.skipped), "init_from": self.init_record,
                 "dtype": choice(self.dtype), "compile": choice(self.compile), "strategy": choice(self.strategy),
@@ -153,7 +158,12 @@ class RunPlan:
         on = lambda v: "on" if v else "off"  # noqa: E731
         mem = "no prediction for this device"
         if self.memory:
-            have = f" of the device's {self.facts.device_bytes / 2**30:.1f} GiB" if self.facts.device_bytes else ""
+            f, have = self.facts, ""
+            if f.device_bytes:
+                have = f" of the device's {f.device_bytes / 2**30:.1f} GiB"
+            elif f.host_bytes:
+                have = f" of this machine's {f.host_bytes / 2**30:.1f} GiB of RAM" + (
+                    " per process" if f.world_size > 1 else "")
             mem = f"{self.memory['total'] / 1024:.2f} GiB per rank predicted{have} (peak at {self.memory['phase']})"
         peak = self.peak_flops.value
         b = c.batch
@@ -298,7 +308,6 @@ def make_plan(request: Request | TrainConfig, facts: Facts, resume: Optional[str
     cfg = _config(values, req, init)
     if where is not None:
         check_resume_settings(cfg, saved, where)
-    check_hellaswag(cfg)
     accum = cfg.grad_accum_steps(facts.world_size)
     cfg.accum_at(0, facts.world_size)  # the batch ramp's start divides evenly too (raises if not)
     muon = cfg.optim.optimizer == "muon"
@@ -318,24 +327,79 @@ def make_plan(request: Request | TrainConfig, facts: Facts, resume: Optional[str
                    began=began, supervised=supervised_tokens(cfg.data))
 
 
-# Settings that decide which tensors a checkpoint holds, besides the architecture (checked on load).
-RESUME_FIELDS = ("lora_rank", "lora_targets")
+def check_memory(plan: RunPlan) -> None:
+    """Refuse a run whose predicted peak (memplan, per process) exceeds this machine's memory: the GPU's,
+    or a CPU run's share of the RAM; name the largest --micro-batch-size that fits. (A start's check,
+    after the data's: the plan itself describes any machine.)"""
+    cfg, facts = plan.config, plan.facts
+    cuda = facts.device.device_type == "cuda"
+    limit = facts.device_bytes if cuda else facts.host_bytes
+
+    def total_at(B: int) -> int:
+        c = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, micro_batch_size=B))
+        return _predict(c, facts, str(plan.strategy.value), str(plan.dtype.value),
+                        c.grad_accum_steps(facts.world_size), bool(plan.compile.value)).total
+
+    if limit is None or not plan.memory or memplan.fits(total_at(cfg.batch.micro_batch_size), limit):
+        return
+    b, world = cfg.batch, facts.world_size
+    rows = max(1, b.total_batch_tokens // (b.seq_len * world))  # a micro-batch must divide a step's rows
+    fit = next((B for B in range(min(b.micro_batch_size - 1, rows), 0, -1)
+                if rows % B == 0 and memplan.fits(total_at(B), limit)), None)
+    have = (f"the {limit / 2**30:.1f} GiB of {facts.device.device_name or 'the GPU'}" if cuda
+            else f"this machine's {limit / 2**30:.1f} GiB of RAM" + (f" per process ({world})" if world > 1 else ""))
+    fix = (f"lower --micro-batch-size to {fit} ({total_at(fit) / 2**30:.1f} GiB predicted)" if fit
+           else "not even a micro-batch of 1 fits: a smaller model or a larger machine")
+    if not cfg.parallel.activation_checkpointing:
+        fix += " or set --activation-checkpointing true"
+    raise ConfigError(f"--micro-batch-size {b.micro_batch_size}: the run is predicted to need "
+                      f"{total_at(b.micro_batch_size) / 2**30:.1f} GiB per process at its peak "
+                      f"({plan.memory['phase']}), more than {have}; {fix}")
+
+
+def resume_fields(cfg: TrainConfig) -> list[str]:
+    """The settings a resumed run must keep, by flat name: each field marked ``keep`` (train.config)
+    that applies to ``cfg``, and every architecture field that sets no shape (a checkpoint's shapes
+    are checked when it loads, naming the shape fields that differ: exit 3)."""
+    out = [f.name for f in dataclasses.fields(GPTConfig) if not (f.metadata["shape"] or f.metadata["derived"])]
+    for owner in [TrainConfig, *(section for name, section in SECTIONS.items() if name != "model")]:
+        for f in dataclasses.fields(owner):
+            keep = f.metadata.get("keep")
+            if keep is True or (callable(keep) and keep(cfg)):
+                out.append(f.name)
+    return out
+
+
+_ABSENT = object()
 
 
 def check_resume_settings(cfg: TrainConfig, saved: dict, where: str) -> None:
-    """A resume whose LoRA settings differ from the checkpoint's (``saved``: its config.json, either
-    form): name the flag, not the tensors."""
+    """A resume whose settings differ from those its checkpoint trained with (``saved``: its config.json,
+    either form) in anything that changes what the run trains (``resume_fields``) is refused in one
+    line naming each such field, both values and the flags to resume with; config.json is never
+    rewritten with another value. A field a config.json written before it existed lacks counts as
+    its default, what that version trained with."""
     mine = cfg.to_dict()
-    for name in RESUME_FIELDS:
-        theirs, ours = config_value(saved, name), config_value(mine, name)
-        if theirs is None:
-            continue
-        if name == "lora_targets" and not (config_value(saved, "lora_rank") and cfg.finetune.lora_rank):
-            continue  # the targets matter only to a LoRA run
+    differ = []
+    for name in resume_fields(cfg):
+        theirs = config_value(saved, name, _ABSENT)
+        theirs = default_value(name) if theirs is _ABSENT else theirs
+        ours = config_value(mine, name)
         if theirs != ours:
-            flag = "--" + name.replace("_", "-")
-            raise ConfigError(f"{flag} {ours}: the checkpoint {where} was trained with {name} "
-                              f"{theirs}; resume with {flag} {theirs}, or start a new run in another --out")
+            differ.append((name, theirs, ours))
+    if not differ:
+        return
+    flags = lambda side: " ".join(f"--{n.replace('_', '-')} {_flag_text(v[side])}" for n, *v in differ)  # noqa: E731
+    was = ", ".join(f"{n} {_flag_text(theirs)}" for n, theirs, _ in differ)
+    raise ConfigError(f"{flags(1)}: the checkpoint {where} was trained with {was}; resume with {flags(0)}, "
+                      "or start a new run in another --out")
+
+
+def _flag_text(value) -> str:
+    """A value as its flag takes it (true/false, none)."""
+    if value is None:
+        return "none"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def supervised_tokens(data: str) -> Optional[tuple[int, int]]:
@@ -381,22 +445,6 @@ def _config(values: dict, req: Request, init: Optional[InitFrom]) -> TrainConfig
         raise init_from.InitFromError(f"--init-from {init.source.spec} ({sizes}): {e}") from e
 
 
-def check_hellaswag(cfg: TrainConfig) -> None:
-    """Fail before training, not at step 250, when HellaSwag is asked for but cannot run."""
-    if not cfg.eval.hellaswag_interval:
-        return
-    try:
-        from gpt2lab.evals.hellaswag import load_examples
-    except ImportError as e:
-        raise ConfigError(f"--hellaswag-interval {cfg.eval.hellaswag_interval}: HellaSwag evaluation is "
-                          f"unavailable ({e}); set --hellaswag-interval 0") from e
-    try:
-        load_examples(cfg.eval.hellaswag_data, limit=1)
-    except (OSError, ValueError, RuntimeError) as e:
-        raise ConfigError(f"--hellaswag-interval {cfg.eval.hellaswag_interval}: cannot load HellaSwag data "
-                          f"({e}); pass --hellaswag-data FILE or set --hellaswag-interval 0") from e
-
-
 def _to_stderr(line: str) -> None:
     print(f"gpt2lab train: {line}", file=sys.stderr, flush=True)
 
@@ -408,7 +456,22 @@ def detect_facts(device, world_size: int = 1, dtype: str = "auto") -> Facts:
 
     dev = torch.device(device)
     return Facts(runtime.detect(dev, probe=str(dtype) in ("auto", "bfloat16")), world_size,
-                 parallel.device_bytes(dev))
+                 parallel.device_bytes(dev), host_bytes=host_share(world_size) if dev.type == "cpu" else None)
+
+
+def host_bytes() -> Optional[int]:
+    """This machine's RAM (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def host_share(world_size: int) -> Optional[int]:
+    """A CPU process's share of the RAM: the processes of this node (torchrun's LOCAL_WORLD_SIZE) share it."""
+    total = host_bytes()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or 1)
+    return None if total is None else total // max(1, local)
 
 
 def fake_facts(path: str) -> Facts:
@@ -424,15 +487,17 @@ def fake_facts(path: str) -> Facts:
         gib = raw.pop("device_gib", None)
         mem = raw.pop("device_bytes", None if gib is None else int(float(gib) * 2**30))
         probe = raw.pop("probe", None)
+        host_gib = raw.pop("host_gib", None)
         known = {f.name for f in dataclasses.fields(runtime.Facts)}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"unknown key(s) {', '.join(unknown)}; known: "
-                             f"{', '.join(sorted(known | {'world_size', 'device_gib', 'device_bytes'}))}")
+                             f"{', '.join(sorted(known | {'world_size', 'device_gib', 'device_bytes', 'host_gib'}))}")
         raw["cpu_flags"] = tuple(raw.get("cpu_flags", ()))
         dev = runtime.Facts(**raw, probe=runtime.Probe(**probe) if probe else None)
         if dev.device_type not in ("cpu", "cuda", "mps") or world < 1:
             raise ValueError(f"device_type {dev.device_type!r} (cpu, cuda or mps), world_size {world} (>= 1)")
     except (OSError, ValueError, TypeError) as e:
         raise ConfigError(f"{FAKE_FACTS_ENV}={path}: cannot use it ({e}); see gpt2lab.train.plan") from e
-    return Facts(dev, world, None if mem is None else int(mem), faked=path)
+    return Facts(dev, world, None if mem is None else int(mem), faked=path,
+                 host_bytes=None if host_gib is None else int(float(host_gib) * 2**30 / world))

@@ -2,13 +2,15 @@
 
 1. rank 0 checks that ``--out`` is missing, empty or one of gpt2lab's runs (system.rundir),
    claims it (writes the run marker) and takes its lock, held until the process ends;
-2. rank 0 detects the machine's facts and makes the plan (train.plan.make_plan);
-   steps 1-2 are one ``decided_on_rank_0``: one broadcast, every rank raises its error;
+2. rank 0 detects the machine's facts, makes the plan (train.plan.make_plan) and checks the data
+   (train.preflight: present, large enough, HellaSwag's at hand); steps 1-2 are one
+   ``decided_on_rank_0``: one broadcast, every rank raises its error;
 3. rank 0 removes temporaries of dead runs, prints the plan, writes config.json and
    run_info.json (with the plan);
 4. every rank builds the Trainer from the plan and runs it.
 
-``dry_run`` stops after 2 (the plan printed, nothing written, the directory untouched).
+A failure before the first step removes what this start wrote (system.rundir.Claim.undo).
+``dry_run`` stops after 2 (the plan printed, nothing written, the directory untouched, no network).
 """
 from __future__ import annotations
 
@@ -22,10 +24,11 @@ from gpt2lab.distributed import parallel
 from gpt2lab.distributed.dist import DistInfo, decided_on_rank_0
 from gpt2lab.observe.metrics import MetricsLogger, run_info
 from gpt2lab.system import rundir
-from gpt2lab.system.errors import ConfigError
+from gpt2lab.system.errors import ConfigError, DataError, UsageError
 from gpt2lab.system.files import sweep_stale, write_json
 from gpt2lab.train.config import TrainConfig, save_config
-from gpt2lab.train.plan import FAKE_FACTS_ENV, Facts, Request, RunPlan, detect_facts, fake_facts, make_plan
+from gpt2lab.train.plan import (FAKE_FACTS_ENV, Facts, Request, RunPlan, check_memory, detect_facts, fake_facts,
+                                make_plan)
 from gpt2lab.train import preflight
 from gpt2lab.train.trainer import Stopped, Trainer
 
@@ -42,8 +45,11 @@ def machine_facts(info: DistInfo, dtype: str, dry_run: bool) -> Facts:
 
 
 def start(request: Request, info: DistInfo, dry_run: bool = False,
-          stack: Optional[contextlib.ExitStack] = None) -> RunPlan:
-    """Steps 1-2 on rank 0, the plan on every rank; the lock goes on ``stack`` (held until it closes)."""
+          stack: Optional[contextlib.ExitStack] = None) -> tuple[RunPlan, Optional[rundir.Claim]]:
+    """Steps 1-2 on rank 0, the plan on every rank; the lock goes on ``stack`` (held until it closes).
+    Returns the plan and, on rank 0 of a real start, its Claim on the run directory."""
+    claimed: list[rundir.Claim] = []
+
     def decide() -> RunPlan:
         out = request.out
         facts = machine_facts(info, str(request.get("dtype")), dry_run)
@@ -54,13 +60,36 @@ def start(request: Request, info: DistInfo, dry_run: bool = False,
                 print(f"gpt2lab train: note: {out} is in use by a live run ({rundir.describe(who)}); "
                       "a real start would be refused", file=sys.stderr, flush=True)
         else:
-            stack.enter_context(rundir.claim(out, flag="--out", what_next=_WHAT_NEXT))
-        plan = make_plan(request, facts)
-        if not dry_run:  # a dry run may plan for data that is not on this machine
-            preflight.check_splits(plan.config, facts.world_size, is_main=True)
+            claimed.append(stack.enter_context(rundir.claim(out, flag="--out", what_next=_WHAT_NEXT)))
+        with _no_downloads() if dry_run else contextlib.nullcontext():
+            plan = make_plan(request, facts)
+        lines = preflight.check_present(plan.config.data, faked=facts.faked is not None)  # before the rest
+        check_memory(plan)
+        for line in lines + preflight.check_data(plan.config, facts.world_size, dry_run):
+            print(f"gpt2lab train: {line}", file=sys.stderr, flush=True)
         return plan
 
-    return decided_on_rank_0(decide)
+    plan = decided_on_rank_0(decide)
+    return plan, (claimed[0] if claimed else None)
+
+
+@contextlib.contextmanager
+def _no_downloads():
+    """A dry run plans offline: a hub source (--init-from gpt2) is read from the Hugging Face cache
+    only, as under HF_HUB_OFFLINE=1 (what it sets for the planning)."""
+    saved = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        yield
+    except (UsageError, DataError) as e:  # a source not in the cache: say who set HF_HUB_OFFLINE
+        if saved is None and "HF_HUB_OFFLINE" in str(e):
+            raise type(e)(f"{e} (--dry-run never downloads: it planned with HF_HUB_OFFLINE=1)") from e
+        raise
+    finally:
+        if saved is None:
+            del os.environ["HF_HUB_OFFLINE"]
+        else:
+            os.environ["HF_HUB_OFFLINE"] = saved
 
 
 _WHAT_NEXT = "choose a new or empty --out"
@@ -72,22 +101,39 @@ def train(config: TrainConfig | Request, info: DistInfo, resume: Optional[str] =
     (None for ``dry_run``, which prints the plan and writes nothing)."""
     request = config if isinstance(config, Request) else Request.of(config, resume)
     with contextlib.ExitStack() as stack:
-        plan = start(request, info, dry_run, stack)
+        plan, claim = start(request, info, dry_run, stack)
         if dry_run:
             if info.is_main:
                 print("gpt2lab train --dry-run: the plan (nothing trained, nothing written)")
                 for line in plan.lines():
                     print(f"  {line}")
             return None
-        return _run(plan, info)
+        return _run(plan, info, claim)
 
 
-def _run(plan: RunPlan, info: DistInfo) -> Optional[str]:
-    cfg = plan.config
+def _run(plan: RunPlan, info: DistInfo, claim: Optional[rundir.Claim] = None) -> Optional[str]:
+    """Steps 3-4; until the first step is taken a failure removes what this start wrote (``claim``)."""
     if info.is_main:  # temporaries of killed runs (never of a live one) would block a full disk
-        for folder in (cfg.out, os.path.join(cfg.out, "checkpoints")):
+        for folder in (plan.config.out, os.path.join(plan.config.out, "checkpoints")):
             sweep_stale(folder)
-    trainer = Trainer(plan, info)
+    import torch
+
+    trainer = None
+    try:
+        trainer = Trainer(plan, info)
+        return _train(plan, info, trainer)
+    except (torch.OutOfMemoryError, MemoryError) as e:  # one line, not a traceback
+        at = f"at step {trainer.step}" if trainer is not None else "building the model"
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"--micro-batch-size {plan.config.batch.micro_batch_size}: out of memory {at} "
+                          f"({first[:200]}); lower --micro-batch-size or set --activation-checkpointing true") from e
+    finally:
+        if claim is not None and trainer is not None and trainer.steps_taken:
+            claim.began = True  # from here on the run's files are kept whatever happens
+
+
+def _train(plan: RunPlan, info: DistInfo, trainer: Trainer) -> Optional[str]:
+    cfg = plan.config
     if info.is_main:
         save_config(cfg, os.path.join(cfg.out, "config.json"))
         write_json(os.path.join(cfg.out, rundir.RUN_MARKER), {

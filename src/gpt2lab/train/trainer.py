@@ -138,6 +138,7 @@ class Trainer:
         self.flops_per_token = self.raw.flops_per_token(cfg.batch.seq_len)
         self.peak = plan.peak_flops.value
         self.stop_requested, self.stop_signal = False, None
+        self.steps_taken = 0  # by this process: a start that failed before its first step removes what it wrote
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, info: DistInfo, resume: Optional[str] = None) -> "Trainer":
@@ -231,6 +232,7 @@ class Trainer:
                 log.log(record)
                 self.spikes.check_bad(record)
                 self.step += 1
+                self.steps_taken += 1
                 if self.spikes.due(record, self.step):
                     self.spikes(self, log)
                     continue

@@ -75,8 +75,15 @@ def load_model(spec: str, device: Optional[torch.device | str] = None, arg: Opti
     except CheckpointError:  # already one line naming the checkpoint; its own exit code
         raise
     except (OSError, ValueError, KeyError, RuntimeError) as e:  # WeightsError is a ValueError
-        raise WeightsError(f"{arg} {spec}: {e}" if arg else f"{spec}: {e}") from e
+        what = _unnamed(str(e), spec)
+        raise WeightsError(f"{arg} {spec}: {what}" if arg else f"{spec}: {what}") from e
     return model.to(device or "cpu").eval()
+
+
+def _unnamed(message: str, spec: str) -> str:
+    """``message`` without a leading ``spec: `` (a lower layer that named the source itself), so the
+    source is named once, as the caller names it."""
+    return message[len(spec) + 2:] if message.startswith(f"{spec}: ") else message
 
 
 def from_pretrained(source: str, device: Optional[torch.device | str] = None) -> GPT:
