@@ -91,7 +91,9 @@ def run(args: argparse.Namespace) -> int:
     ids: list[int] = []
 
     def check(model) -> None:  # before the model is prepared (which may measure for a while)
-        ids.extend(_prompt_ids(args.prompt, model.config.real_vocab_size))
+        if args.chat:  # the conversation is checked turn by turn
+            return
+        ids.extend(_prompt_ids(args.prompt, model.config))
         check_context(len(ids), args.max_new_tokens, model.config.block_size)
 
     # a bad --model, --dtype, --prompt or --max-new-tokens fails before any other output
@@ -100,7 +102,6 @@ def run(args: argparse.Namespace) -> int:
     generator = seeded_generator(device, args.seed)
     if args.chat:
         return _chat(model, args, generator)
-    ids = _prompt_ids(args.prompt, model.config)
     for i in range(args.num_samples):
         print(f"--- sample {i + 1}/{args.num_samples}", flush=True)
         _stream_one(model, ids, args, generator)
