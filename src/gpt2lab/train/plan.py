@@ -40,6 +40,7 @@ from gpt2lab.system.errors import CheckpointError, ConfigError
 from gpt2lab.system.runtime import Choice
 from gpt2lab.train import init_from
 from gpt2lab.train.config import TrainConfig, config_value, default_value, merge_config, nest_config
+from gpt2lab.weights.hf import export_target
 
 FAKE_FACTS_ENV = "GPT2LAB_FAKE_FACTS"
 PLAN_VERSION = 1
@@ -143,7 +144,8 @@ class RunPlan:
                 "loss": choice(self.loss), "peak_flops": choice(self.peak_flops),
                 "muon_ns_dtype": choice(self.ns_dtype) if self.ns_dtype else None,
                 "activation_checkpointing": c.parallel.activation_checkpointing, "grad_accum_steps": self.accum,
-                "params": self.params, "memory_mib": self.memory, "config": c.to_dict()}
+                "params": self.params, "memory_mib": self.memory, "export": export_target(c.model).describe(),
+                "config": c.to_dict()}
 
     def lines(self) -> list[str]:
         """What start-up prints (and --dry-run shows), one decision a line."""
@@ -160,7 +162,8 @@ class RunPlan:
         out = [f"out       {c.out}" + (f" (resume from {self.resume})" if self.resume else " (new run)"),
                f"machine   {self.facts.describe()}",
                f"model     {m.n_layer} layers, {m.n_head} heads, {m.n_embd} wide, block {m.block_size}, "
-               f"{self.params:,} params" + (f", LoRA rank {ft.lora_rank} on {ft.lora_targets}" if ft.lora_rank else "")]
+               f"{self.params:,} params" + (f", LoRA rank {ft.lora_rank} on {ft.lora_targets}" if ft.lora_rank else ""),
+               f"export    {export_target(m).describe()}"]
         out += [f"skipped   {line}" for line in self.skipped]
         if self.init_record:
             r = self.init_record
