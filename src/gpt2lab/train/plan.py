@@ -127,6 +127,11 @@ class RunPlan:
         return runtime.Resolved(self.dtype, self.compile, self.facts.device, self.ns_dtype)
 
     @property
+    def export(self) -> str:
+        """What ``gpt2lab export`` will write for this run's model, or why nothing (weights.hf.export_target)."""
+        return export_target(self.config.model).describe()
+
+    @property
     def init_record(self) -> Optional[dict]:
         """run_info.json's "init_from": this run's source, or the one a resumed run began from."""
         return self.init.record() if self.init is not None else self.began
@@ -144,7 +149,7 @@ class RunPlan:
                 "loss": choice(self.loss), "peak_flops": choice(self.peak_flops),
                 "muon_ns_dtype": choice(self.ns_dtype) if self.ns_dtype else None,
                 "activation_checkpointing": c.parallel.activation_checkpointing, "grad_accum_steps": self.accum,
-                "params": self.params, "memory_mib": self.memory, "export": export_target(c.model).describe(),
+                "params": self.params, "memory_mib": self.memory, "export": self.export,
                 "config": c.to_dict()}
 
     def lines(self) -> list[str]:
@@ -163,7 +168,7 @@ class RunPlan:
                f"machine   {self.facts.describe()}",
                f"model     {m.n_layer} layers, {m.n_head} heads, {m.n_embd} wide, block {m.block_size}, "
                f"{self.params:,} params" + (f", LoRA rank {ft.lora_rank} on {ft.lora_targets}" if ft.lora_rank else ""),
-               f"export    {export_target(m).describe()}"]
+               f"export    {self.export}"]
         out += [f"skipped   {line}" for line in self.skipped]
         if self.init_record:
             r = self.init_record
