@@ -30,10 +30,18 @@ class Measured:
         return f"{tokens / self.tok_per_s / 3600:.1f} h on {self.machine} (at {self.tok_per_s:,.0f} tok/s measured)"
 
 
-XEON_AMX = "a 2-core Intel Xeon with AMX (bf16), torch 2.13"
+# The CPU presets: `gpt2lab train --preset NAME` with the preset's own settings, one run at a time on a quiet
+# machine, data/tinyshakespeare and data/wiki (docs/benchmarks.md, "The presets' cost").
+XEON_AMX = "a 2-core Intel Xeon with AMX (bf16 autocast), torch 2.13"
 # gpt2-124m on one H100, B=64 x 8 micro-steps, compiled, bf16: docs/benchmarks.md, "Training speed on a GPU"
 H100_124M = Measured("one NVIDIA H100 80GB HBM3", tok_per_s=486_800)
 MEASURED = {
+    "shakespeare-cpu": Measured(XEON_AMX, wall_s=48.7),
+    "shakespeare-cpu-fast": Measured(XEON_AMX, wall_s=43.7),
+    "wiki-cpu": Measured(XEON_AMX, wall_s=86.0),
+    "wiki-cpu-fast": Measured(XEON_AMX, wall_s=51.3),
+    "wiki-cpu-long": Measured(XEON_AMX, wall_s=368.7),
+    "wiki-cpu-long-fast": Measured(XEON_AMX, wall_s=187.2),
     "gpt2-124m": H100_124M,
     "gpt2-124m-40b": H100_124M,  # the same model and batch, four times the steps
 }
