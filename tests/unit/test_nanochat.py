@@ -331,6 +331,7 @@ def test_a_nanochat_saved_by_transformers_loads_with_its_logits(overrides, tmp_p
     (dict(intermediate_size=192), "intermediate_size=192"),
     (dict(attention_bias=True), "attention_bias=True"),
     (dict(hidden_act="silu"), "hidden_act='silu'"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}), "rope_parameters="),
 ])
 def test_a_nanochat_gpt2lab_cannot_compute_is_refused_by_field(overrides, needle, tmp_path, capsys):
     _, d = _transformers_nanochat(tmp_path, **overrides)

@@ -115,6 +115,7 @@ def config_from_nanochat(cfg: dict) -> GPTConfig:
         ("attention_bias", get("attention_bias") is False, "gpt2lab's NanoChat block has no attention biases"),
         ("hidden_act", get("hidden_act") in ACTS, f"gpt2lab has {', '.join(ACTS)}"),
         ("rope_parameters", rope.get("rope_type", "default") == "default", "gpt2lab has the default RoPE only"),
+        ("rope_scaling", cfg.get("rope_scaling") is None, "gpt2lab has the default RoPE only"),
         ("head_dim", cfg.get("head_dim") in (None, C // heads), f"gpt2lab's head size is hidden_size / heads = "
                                                                f"{C // heads}"),
     )
