@@ -2,7 +2,7 @@
 
 The Python API: ``GPT`` and ``GPTConfig`` (the network), ``get_tokenizer`` (GPT-2 BPE),
 ``from_pretrained`` (a model from anything ``gpt2lab sample --model`` takes: a GPT-2 hub name,
-an HF directory, a run directory, a checkpoint), ``save_pretrained`` (write an HF directory)
+an HF directory, a run directory, a checkpoint), ``save_pretrained`` (write an HF directory: GPT-2 or NanoChat)
 and ``generate`` (sample a continuation). ``GPT.from_pretrained(...)`` and ``model.generate(...)``
 call ``from_pretrained`` and ``generate``, for hands used to nanoGPT and transformers. Each is
 imported on first use, so that ``import gpt2lab`` (and commands that need no model, such as ``prepare``) do not

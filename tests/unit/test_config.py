@@ -113,3 +113,39 @@ def test_batch_not_divisible_names_the_numbers():
 def test_unknown_preset_lists_the_choices():
     with pytest.raises(ConfigError, match="shakespeare-cpu"):
         load_preset("gpt2-125m")
+
+
+def test_list_presets_states_each_presets_size_cost_and_export(capsys):
+    """`gpt2lab train --list-presets`: every preset once; its parameters those of the model it builds; tokens
+    steps x tokens a step by hand; a GPU time its tokens at the H100 throughput measured for gpt2-124m
+    (486,800 tok/s, docs/benchmarks.md); "not measured" where nothing was; the export target."""
+    from gpt2lab import cli
+    from gpt2lab.model.gpt import GPT
+    from gpt2lab.weights.hf import export_target
+
+    assert cli.main(["train", "--list-presets"]) == 0
+    out = capsys.readouterr().out
+    heads = [line for line in out.splitlines() if not line.startswith(" ")]
+    assert [h.split(":")[0] for h in heads] == preset_names()
+    lines = out.splitlines()
+
+    def block(name: str) -> list[str]:
+        i = lines.index(next(h for h in heads if h.startswith(name + ":")))
+        return lines[i:i + 3]
+
+    head, time, export = block("shakespeare-cpu")
+    assert f"{GPT(load_preset('shakespeare-cpu').model).num_params():,} parameters" in head
+    assert "faithful GPT-2 recipe; 250 steps, 192,000 tokens" in head  # 250 x 768
+    assert export == "    export  Hugging Face GPT2LMHeadModel"
+    assert block("gpt2-124m")[1] == "    time    5.7 h on one NVIDIA H100 80GB HBM3 (at 486,800 tok/s measured)"
+    assert 19073 * 524288 / 486_800 / 3600 == pytest.approx(5.7, abs=0.05)
+    assert block("gpt3-124m")[1] == "    time    not measured"
+    long_fast = block("wiki-cpu-long-fast")
+    assert "modern recipe" in long_fast[0]
+    assert long_fast[2] == "    export  " + export_target(load_preset("wiki-cpu-long-fast").model).describe()
+    assert long_fast[2].startswith("    export  none (value_embeds=1")
+    from gpt2lab.train.presets import MEASURED
+
+    assert set(MEASURED) <= set(preset_names())  # a renamed preset keeps its measured time
+    assert block("wiki-cpu-fast")[1] == f"    time    {MEASURED['wiki-cpu-fast'].wall_s / 60:.1f} min on " \
+        f"{MEASURED['wiki-cpu-fast'].machine} (measured)"

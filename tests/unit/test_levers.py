@@ -189,10 +189,11 @@ def test_export_refuses_the_levers_in_one_line_and_init_from_takes_them():
 
     assert {"value_embeds", "unet_skips"} <= set(ARCH_FIELDS) and "zero_init_head" not in ARCH_FIELDS
     cfg = GPTConfig(**{**SMALL, **LEVERS})
-    assert hf.unexportable(cfg) == ["value_embeds=1", "unet_skips=True"]  # zero_init_head: initial weights only
+    assert hf.unexportable(cfg) == ["value_embeds=1", "unet_skips=true"]  # zero_init_head: initial weights only
     with pytest.raises(UsageError) as e:
         hf.check_exportable(cfg)
-    assert "\n" not in str(e.value) and "value_embeds=1, unet_skips=True" in str(e.value)
+    assert "\n" not in str(e.value) and ("value_embeds=1 (GPT-2 and NanoChat: no value embeddings); unet_skips=true "
+                                         "(GPT-2 and NanoChat: no skips between blocks)") in str(e.value)
     assert hf.unexportable(GPTConfig(**{**SMALL, "tie_embeddings": False, "zero_init_head": True})) == []
 
 
@@ -449,7 +450,8 @@ def test_ramp_run_resumed_mid_ramp_takes_the_same_batches(tiny_data, tmp_path, c
     assert again.loader.position == straight.loader.position
     assert cli.main(["export", path, str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "value_embeds=1, unet_skips=True" in err and "Traceback" not in err
+    assert len(err.splitlines()) == 1 and "value_embeds=1 (GPT-2 and NanoChat: no value embeddings); unet_skips=true" \
+        in err and "Traceback" not in err
     assert not (tmp_path / "hf").exists()
     assert json.loads((tmp_path / "resumed" / "checkpoints" / "step_000003" / "config.json").read_text())[
         "batch"]["batch_ramp_start"] == 128

@@ -250,3 +250,31 @@ def test_run_info_holds_the_plan_the_run_used(tiny_data, tmp_path):
     assert info["format"] == "gpt2lab-run" and info["plan"] == json.loads(json.dumps(expect))
     assert info["choices"]["dtype"] == info["plan"]["dtype"]["value"] == "float32"
     shutil.rmtree(tmp_path / "r")
+
+
+NANOCHAT = dict(pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2", tie_embeddings=False, bias=False,
+                embed_norm=True)
+
+
+@pytest.mark.parametrize("fields, line", [
+    ({}, "export    Hugging Face GPT2LMHeadModel"),
+    (dict(bias=False), "export    Hugging Face GPT2LMHeadModel"),  # zero biases
+    (NANOCHAT, "export    Hugging Face NanoChatForCausalLM"),
+    (dict(value_embeds=1), "export    none (value_embeds=1 (GPT-2 and NanoChat: no value embeddings))"),
+    ({**NANOCHAT, "bias": True}, "export    none (NanoChatForCausalLM would need bias=false (no biases))"),
+])
+def test_the_plan_says_what_export_will_write(fields, line, tmp_path):
+    for facts in (PLAIN_CPU, Facts(H100, world_size=8, device_bytes=80 * GIB)):
+        plan = make_plan(_cfg(tmp_path / "r", total_batch_tokens=512, **fields), facts)
+        assert line in plan.lines() and plan.record()["export"] == line.removeprefix("export    ")
+        assert plan.record()["export"] == hf.export_target(plan.config.model).describe()
+
+
+def test_a_lever_that_cannot_export_is_in_the_dry_run(tiny_data, tmp_path, capsys):
+    out = tmp_path / "r"
+    assert cli.main(["train", "--preset", "shakespeare-cpu", *cli_args(data=tiny_data, out=str(out), value_embeds=1,
+                                                                       unet_skips=True), "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert ("export    none (value_embeds=1 (GPT-2 and NanoChat: no value embeddings); unet_skips=true (GPT-2 and "
+            "NanoChat: no skips between blocks))") in [line.strip() for line in text.splitlines()]
+    assert not out.exists()

@@ -27,7 +27,8 @@ def parse_peers(text: str) -> list[str]:
 
 
 def export(model, directory: str) -> str:
-    """``model`` as an HF GPT-2 directory (the tokenizer files included) under ``directory``."""
+    """``model`` as an HF directory (GPT-2 or NanoChat, weights.hf.export_target; the tokenizer files
+    included) under ``directory``."""
     from gpt2lab.weights import hf
 
     path = os.path.join(directory, "hf")
@@ -42,7 +43,8 @@ def transformers_model(hf_dir: str, device: torch.device, dtype: str):
         raise UsageError(f"--peer transformers needs transformers ({e}); pip install transformers") from None
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    return transformers.GPT2LMHeadModel.from_pretrained(hf_dir).to(device=device, dtype=getattr(torch, dtype)).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)  # the class the export's config.json names
+    return model.to(device=device, dtype=getattr(torch, dtype)).eval()
 
 
 def transformers_greedy(hf, prompt: torch.Tensor, n: int) -> torch.Tensor:

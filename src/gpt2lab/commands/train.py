@@ -20,6 +20,9 @@ def add_parser(sub) -> None:
     start.add_argument("--config", metavar="FILE.toml",
                        help='your own settings: a TOML file with the presets\' keys; base = "PRESET" starts '
                             "from a packaged preset")
+    start.add_argument("--list-presets", action="store_true",
+                       help="list every preset: parameters, recipe, steps, tokens, the time it takes where "
+                            "measured (and on what), and what `gpt2lab export` writes for its model")
     p.add_argument("--resume", default=None, metavar="auto|PATH",
                    help="auto: continue from the newest intact checkpoint in --out (fresh start if none); "
                         "PATH: a run directory or a checkpoint directory")
@@ -33,6 +36,11 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Errors (ConfigError, bad data, damaged checkpoint, full disk) reach cli.main as one line."""
+    if args.list_presets:
+        from gpt2lab.train.presets import listing
+
+        print("\n".join(listing()))
+        return 0
     from gpt2lab.distributed.dist import cleanup, init_distributed
     from gpt2lab.train.run import train
     from gpt2lab.train.trainer import Stopped

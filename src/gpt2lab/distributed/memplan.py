@@ -66,20 +66,22 @@ def param_counts(cfg: GPTConfig) -> dict[str, int]:
     """Parameters by where they live: one block, all blocks, the root (wte = lm_head, wpe, ln_f).
 
     The modern block's switches: an untied head adds its own V*C, rotary drops wpe, RMSNorm
-    has a gain and no bias (C where LayerNorm has 2C); QK-norm, ReLU^2, zero init and the
+    has a gain and no bias (C where LayerNorm has 2C); ``bias`` false drops the four Linears' 9C
+    biases a block and LayerNorm's (C each); QK-norm, ReLU^2, embed_norm, zero init and the
     softcap add no parameters. The levers: ``value_embeds`` K adds K tables of V*C to the root
     and one gate to each of the 2K blocks that read them ("blocks" counts the gates, "block" is a
     block without one); ``unet_skips`` adds n_layer // 2 weights to the root; zero_init_head none.
     """
     C = cfg.n_embd
-    norm = C if cfg.norm == "rmsnorm" else 2 * C
-    block = 12 * C * C + 9 * C + 2 * norm  # c_attn 3C^2+3C, attn c_proj C^2+C, c_fc 4C^2+4C, mlp c_proj 4C^2+C, 2 norms
+    norm = 2 * C if cfg.norm == "layernorm" and cfg.bias else C
+    matmul = 12 * C * C + (9 * C if cfg.bias else 0)  # c_attn 3C^2+3C, attn c_proj C^2+C, c_fc 4C^2+4C, mlp c_proj 4C^2+C
+    block = matmul + 2 * norm
     root = cfg.vocab_size * C * (1 if cfg.tie_embeddings else 2) + norm
     root += cfg.block_size * C if cfg.pos_emb == "learned" else 0
     root += cfg.value_embeds * cfg.vocab_size * C + (cfg.n_layer // 2 if cfg.unet_skips else 0)
     blocks = cfg.n_layer * block + 2 * cfg.value_embeds
     return {"block": block, "blocks": blocks, "root": root, "total": blocks + root,
-            "block_matmul": 12 * C * C + 9 * C}  # what autocast casts: Linear weights and biases
+            "block_matmul": matmul}  # what autocast casts: Linear weights and biases
 
 
 def norm_saved_bytes(norm: str, C: int, device: str) -> int:
@@ -95,6 +97,14 @@ def norm_saved_bytes(norm: str, C: int, device: str) -> int:
     if norm == "rmsnorm":
         return FP32 * C + FP32 + (FP32 * C if device == "cpu" else 0)
     return FP32 * C + 2 * FP32
+
+
+def embed_norm_saved_bytes(C: int) -> int:
+    """Bytes per token ``embed_norm`` keeps for backward: F.rms_norm without a gain on the fp32 embedding
+    (fp32 under autocast too, which runs rms_norm in fp32) keeps its input, which nothing else keeps (the
+    lookup's backward needs the ids only; the first block keeps the normalised stream), and the fp32
+    rstd. CPU's decomposition and CUDA's fused kernel keep the same two without a gain."""
+    return FP32 * C + FP32
 
 
 def optimizer_state_bytes(cfg: GPTConfig, optimizer: str = "adamw", muon_variant: str = "muon") -> int:
@@ -147,7 +157,9 @@ def block_saved_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, act: int, 
       storage), and square's output is c_proj's input: 8 act, as GELU. On CUDA under autocast
       ``square`` is ``pow``, which autocast runs in fp32 there (not on CPU): pow keeps an fp32
       copy of relu's output, 4 fp32 more (from torch's autocast tables, not measured here).
-    - tie_embeddings, zero_init_proj, logit_softcap: nothing in the block.
+    - tie_embeddings, zero_init_proj, logit_softcap: nothing in the block; ``bias`` false: the same
+      tensors (a Linear keeps its input either way, LayerNorm its input and statistics); ``embed_norm``
+      is before the first block (``embed_norm_saved_bytes``, counted with the head in ``phases``).
 
     tests/unit/test_memplan.py counts the saved tensors of a real Block on CPU for every
     combination, fp32 and bf16 autocast, exactly. What rests on torch's internals (the RMSNorm
@@ -331,6 +343,7 @@ def phases(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_
     # cos and sin tables (T, head size) GPT.forward builds once and passes to every block
     head = N * norm_saved_bytes(cfg.norm, C, device) + FP32 * N * C + 16 * N
     head += 2 * T * (C // cfg.n_head) * FP32 if cfg.pos_emb == "rotary" else 0
+    head += N * embed_norm_saved_bytes(C) if cfg.embed_norm else 0
     # the chunked loss's workspace, or the logits (N, V) in ``dtype`` that a compiled graph's fused
     # cross-entropy keeps (H100, 124M, B=64: 28.48 GiB measured, 28.36 predicted this way)
     loss = loss_workspace_bytes(N, V, C, a, FP32, FP32, cfg.logit_softcap) if chunked_loss else N * V * a

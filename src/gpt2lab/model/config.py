@@ -68,6 +68,10 @@ class GPTConfig:
                       arch=True, choices=MLP_ACTS)
     tie_embeddings: bool = _f(True, "lm_head shares wte's matrix (GPT-2); false: a separate output matrix",
                               shape=True)
+    bias: bool = _f(True, "biases in every Linear and LayerNorm (GPT-2); false: none (nanoGPT's bias=False)",
+                    shape=True)
+    embed_norm: bool = _f(False, "RMS-normalise (no gain, epsilon layer_norm_epsilon) the residual stream's start, "
+                          "the token embedding (plus the position embedding), before the first block", arch=True)
     zero_init_proj: bool = _f(False, "initialise the attention and MLP output projections (c_proj) to zero, "
                               "so every block starts as the identity")
     logit_softcap: float = _f(0.0, "cap the logits smoothly at +-X: X * tanh(logits / X); 0 = off", arch=True)
@@ -181,8 +185,8 @@ def size_named(label: str) -> Size:
     return next(s for s in SIZES if s.label == label)
 
 # The fields a GPT-2 does not have: the modern block's switches and the speedrun's levers.
-MODERN_FIELDS = ("pos_emb", "rope_theta", "norm", "qk_norm", "mlp_act", "tie_embeddings", "zero_init_proj",
-                 "logit_softcap", "value_embeds", "unet_skips", "zero_init_head")
+MODERN_FIELDS = ("pos_emb", "rope_theta", "norm", "qk_norm", "mlp_act", "tie_embeddings", "bias", "embed_norm",
+                 "zero_init_proj", "logit_softcap", "value_embeds", "unet_skips", "zero_init_head")
 
 
 # -- the architecture in a run config (config.json, presets, flags) ------------------------

@@ -5,7 +5,7 @@ that moving weights between the two is four transposes and nothing else (see hf.
 No I/O, printing, optimizer or distributed code lives here.
 
 Beside GPT-2, the modern block's switches (GPTConfig.pos_emb, norm, qk_norm, mlp_act,
-tie_embeddings, zero_init_proj, logit_softcap) and the speedrun's levers (value_embeds,
+tie_embeddings, bias, embed_norm, zero_init_proj, logit_softcap) and the speedrun's levers (value_embeds,
 unet_skips, zero_init_head), each a small branch below; off, the model is GPT-2's to the bit.
 """
 from __future__ import annotations
@@ -46,10 +46,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def norm_layer(config: GPTConfig) -> nn.Module:
-    """GPT-2's LayerNorm, or RMSNorm (a gain, no bias, no mean subtracted)."""
+    """GPT-2's LayerNorm (without its bias when config.bias is false), or RMSNorm (a gain, no bias, no mean)."""
     if config.norm == "rmsnorm":
         return nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)
-    return nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+    return nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias)
 
 
 def value_embed_table(config: GPTConfig, layer: int) -> Optional[int]:
@@ -141,8 +141,8 @@ class CausalSelfAttention(nn.Module):
         self.qk_norm = config.qk_norm
         self.eps = config.layer_norm_epsilon
         self.attn_pdrop = config.attn_pdrop
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v for all heads at once
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v for all heads at once
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj.RESIDUAL_SCALE_INIT = True
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
         if value_embed_table(config, layer_idx) is not None:  # 1-D: FSDP2 shards no 0-d parameter
@@ -179,11 +179,11 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         # GPT-2 was trained with the tanh approximation of GELU; exact GELU would drift
         # from OpenAI's weights.
         self.act = nn.GELU(approximate="tanh") if config.mlp_act == "gelu" else ReLUSquared()
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj.RESIDUAL_SCALE_INIT = True
         self.dropout = nn.Dropout(config.resid_pdrop)
 
@@ -305,6 +305,8 @@ class GPT(nn.Module):
             rope = rotary_cos_sin(self.config, pos)
         else:
             x = x + self.transformer.wpe(pos)
+        if self.config.embed_norm:  # the stream starts at unit RMS (no gain), as NanoChat's
+            x = F.rms_norm(x, (x.size(-1),), eps=self.config.layer_norm_epsilon)
         x = self.transformer.drop(x)
         recompute = self.activation_checkpointing and self.training and kv_cache is None
         ves = [table(idx) for table in self.transformer.ve] if "ve" in self.transformer else []

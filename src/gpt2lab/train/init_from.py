@@ -87,12 +87,12 @@ def _hf_config(path: str) -> GPTConfig:
 
 def _checkpoint_source(spec: str) -> Source:
     config = read_json_object(os.path.join(spec, "config.json"))
-    if config is not None and config.get("model_type") == "gpt2":  # is_hf_dir found no weights
-        raise InitFromError(f"--init-from {spec}: an HF GPT-2 config.json without a weights file (looked for "
-                            f"{', '.join(hf.WEIGHT_FILES)}); copy the weights beside it")
-    if config is not None and "model_type" in config:  # an HF directory, but not a GPT-2 one
-        raise InitFromError(f"--init-from {spec}: model_type {config['model_type']!r} is not GPT-2; "
-                            "pass a GPT-2 model (model_type gpt2)")
+    if config is not None and config.get("model_type") in hf.MODEL_TYPES:  # is_hf_dir found no weights
+        raise InitFromError(f"--init-from {spec}: an HF {config['model_type']} config.json without a weights file "
+                            f"(looked for {', '.join(hf.WEIGHT_FILES)}); copy the weights beside it")
+    if config is not None and "model_type" in config:  # an HF directory of another kind
+        raise InitFromError(f"--init-from {spec}: model_type {config['model_type']!r} is not GPT-2 or NanoChat; "
+                            "pass a model of model_type gpt2 or nanochat")
     verified = False
     if ckpt.has_weights(spec):
         where = spec
@@ -136,8 +136,9 @@ def _check_readable(src: Source) -> None:
             keys = set(f.keys())
     except Exception as e:  # safetensors raises its own error types for a damaged file
         raise src._fail(f"{src.weights} is damaged or half-written ({e}); pass a complete copy") from e
-    if not any(k.endswith("wte.weight") for k in keys):
-        raise src._fail(f"{src.weights} holds no GPT-2 token embedding (wte.weight); pass a GPT-2 model")
+    if not any(k.endswith(("wte.weight", "embed_tokens.weight")) for k in keys):
+        raise src._fail(f"{src.weights} holds no token embedding (wte.weight, or NanoChat's embed_tokens.weight); "
+                        "pass a GPT-2 or NanoChat model")
 
 
 def adapt_config(cfg: TrainConfig) -> TrainConfig:

@@ -43,6 +43,7 @@ from gpt2lab.system.errors import CheckpointError, ConfigError
 from gpt2lab.system.runtime import Choice
 from gpt2lab.train import init_from
 from gpt2lab.train.config import SECTIONS, TrainConfig, config_value, default_value, merge_config, nest_config
+from gpt2lab.weights.hf import export_target
 
 FAKE_FACTS_ENV = "GPT2LAB_FAKE_FACTS"
 PLAN_VERSION = 1
@@ -131,6 +132,11 @@ class RunPlan:
         return runtime.Resolved(self.dtype, self.compile, self.facts.device, self.ns_dtype)
 
     @property
+    def export(self) -> str:
+        """What ``gpt2lab export`` will write for this run's model, or why nothing (weights.hf.export_target)."""
+        return export_target(self.config.model).describe()
+
+    @property
     def init_record(self) -> Optional[dict]:
         """run_info.json's "init_from": this run's source, or the one a resumed run began from."""
         return self.init.record() if self.init is not None else self.began
@@ -150,6 +156,7 @@ class RunPlan:
                 "muon_ns_dtype": choice(self.ns_dtype) if self.ns_dtype else None,
                 "activation_checkpointing": c.parallel.activation_checkpointing, "grad_accum_steps": self.accum,
                 "params": self.params, "memory_mib": self.memory, "supervised": self.supervised,
+                "export": self.export,
                 "config": c.to_dict()}
 
     def lines(self) -> list[str]:
@@ -172,7 +179,8 @@ class RunPlan:
         out = [f"out       {c.out}" + (f" (resume from {self.resume})" if self.resume else " (new run)"),
                f"machine   {self.facts.describe()}",
                f"model     {m.n_layer} layers, {m.n_head} heads, {m.n_embd} wide, block {m.block_size}, "
-               f"{self.params:,} params" + (f", LoRA rank {ft.lora_rank} on {ft.lora_targets}" if ft.lora_rank else "")]
+               f"{self.params:,} params" + (f", LoRA rank {ft.lora_rank} on {ft.lora_targets}" if ft.lora_rank else ""),
+               f"export    {self.export}"]
         if self.supervised:
             n, total = self.supervised
             out.append(f"data      {c.data}: conversations in the {m.chat_template} template, supervised on "

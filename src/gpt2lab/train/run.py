@@ -155,6 +155,7 @@ def _train(plan: RunPlan, info: DistInfo, trainer: Trainer) -> Optional[str]:
     log.console(f"gpt2lab train: strategy {plan.strategy.value} ({plan.strategy.reason})"
                 + ("; activation checkpointing on" if cfg.parallel.activation_checkpointing else ""))
     log.console(f"gpt2lab train: loss {plan.loss.value} ({plan.loss.reason}); {plan.lines()[-1]}")
+    log.console(f"gpt2lab train: export {plan.export}")
     for choice in (plan.dtype, plan.compile):
         if choice.warning:
             log.console(f"gpt2lab train: warning: {choice.warning}")

@@ -1,4 +1,8 @@
-"""Hugging Face GPT-2 weights in and out.
+"""Hugging Face weights in and out: GPT-2 here, NanoChat's mapping in weights/nanochat.py.
+
+An export is GPT2LMHeadModel for a model GPT-2 computes (``bias`` false: GPT-2 with zero biases),
+NanoChatForCausalLM for one NanoChat computes (``export_target``), else refused in one line naming
+each field neither computes. HF directories of either model_type load.
 
 HF's GPT-2 stores its four projection matrices as ``Conv1D`` weights, (in, out), where
 ``nn.Linear`` keeps (out, in); every other tensor has the same name and shape in both.
@@ -14,6 +18,7 @@ import dataclasses
 import json
 import os
 import shutil
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -25,6 +30,7 @@ from gpt2lab.system.files import atomic_dir, read_json_object, write_json
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.data import chat
 from gpt2lab.data.tokenizer import EOT_ID, EOT_TOKEN, asset_path
+from gpt2lab.weights import nanochat
 
 # Weights HF keeps as Conv1D (in, out); nn.Linear wants (out, in).
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -33,6 +39,8 @@ MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 PDROP = ("embd_pdrop", "attn_pdrop", "resid_pdrop")  # GPTConfig and HF config.json share these names
 HUB_REPOS = {name: f"openai-community/{name}" for name in HUB_NAMES}
+GPT2 = "GPT2LMHeadModel"
+MODEL_TYPES = ("gpt2", nanochat.MODEL_TYPE)  # the config.json model_types that load
 # What an export writes; the marker file tells a directory gpt2lab exported (safe to replace) apart
 # from anything else, such as a run directory or a model fine-tuned in place.
 EXPORT_MARKER = rundir.EXPORT_MARKER  # the directory's owner mark (system.rundir)
@@ -66,10 +74,16 @@ def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
 
     A tied lm_head is left out: HF saves the shared matrix once, as transformer.wte. An
     untied one (tie_embeddings false) is saved as lm_head.weight, which HF's GPT-2 loads
-    when its config says tie_word_embeddings false.
+    when its config says tie_word_embeddings false. Without biases (``bias`` false) every bias
+    GPT-2 has is written as zeros: the same model.
     """
     real_vocab = model.config.real_vocab_size
     out = {}
+    if not model.config.bias:
+        with torch.device("meta"):
+            full = GPT(replace(model.config, bias=True)).state_dict()
+        dtype = model.transformer.wte.weight.dtype
+        out = {k: torch.zeros(t.shape, dtype=dtype) for k, t in full.items() if k.endswith(".bias")}
     for key, t in model.state_dict().items():
         if key == "lm_head.weight" and model.config.tie_embeddings:
             continue
@@ -85,9 +99,14 @@ def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------- config.json
 
 def config_from_hf(cfg: dict, where: str = "config.json") -> GPTConfig:
-    """GPTConfig for an HF GPT-2 config dict; refuses options gpt2lab's model does not have."""
+    """GPTConfig for an HF GPT-2 or NanoChat config dict; refuses options gpt2lab's model does not have."""
+    if cfg.get("model_type", "gpt2") == nanochat.MODEL_TYPE:
+        try:
+            return nanochat.config_from_nanochat(cfg)
+        except (ValueError, TypeError) as e:
+            raise WeightsError(f"{where}: {e}") from e
     if cfg.get("model_type", "gpt2") != "gpt2":
-        raise WeightsError(f"{where}: model_type {cfg.get('model_type')!r} is not gpt2")
+        raise WeightsError(f"{where}: model_type {cfg.get('model_type')!r} is not gpt2 or nanochat")
     checks = {
         "activation_function": (cfg.get("activation_function", "gelu_new"), ("gelu_new", "gelu_pytorch_tanh")),
         "n_inner": (cfg.get("n_inner"), (None, 4 * cfg.get("n_embd", 768))),
@@ -206,6 +225,8 @@ def load_files(config_path: str, weights_path: str) -> GPT:
     template = chat_template_of(os.path.dirname(config_path))
     if template:  # the tokenizer's turn tokens: a chat model (its vocabulary holds them)
         config = dataclasses.replace(config, chat_template=template)
+    if cfg.get("model_type") == nanochat.MODEL_TYPE:
+        return build_model(config, nanochat.from_nanochat_state_dict(sd, config), weights_path)
     return build_model(config, from_hf_state_dict(sd, config.tie_embeddings), weights_path)
 
 
@@ -222,7 +243,7 @@ def chat_template_of(path: str) -> Optional[str]:
 
 
 def from_hf_dir(path: str) -> GPT:
-    """A GPT from a local HF GPT-2 directory (config.json + model.safetensors or pytorch_model.bin)."""
+    """A GPT from a local HF GPT-2 or NanoChat directory (config.json + model.safetensors or pytorch_model.bin)."""
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise WeightsError(f"{path}: no config.json; is this a Hugging Face model directory?")
@@ -267,26 +288,71 @@ def hub_files(name: str) -> tuple[str, str]:
 
 # ---------------------------------------------------------------- export
 
+# What a model must be for HF's GPT-2 to compute it: field -> (value, what GPT-2 has). An untied
+# head it has (tie_word_embeddings false), biases of zero stand for none; zero_init_proj and
+# zero_init_head only set the initial weights, rope_theta matters only with rotary positions.
+GPT2_NEEDS = {
+    "pos_emb": ("learned", "learned positions only"),
+    "norm": ("layernorm", "LayerNorm only"),
+    "qk_norm": (False, "no QK-norm"),
+    "mlp_act": ("gelu", "tanh GELU only"),
+    "embed_norm": (False, "no norm of the embeddings"),
+    "logit_softcap": (0.0, "no logit softcap"),
+    "value_embeds": (0, "no value embeddings"),
+    "unet_skips": (False, "no skips between blocks"),
+}
+
+
+def _show(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def gaps(config: GPTConfig, needs: dict) -> list[str]:
+    """The fields of ``config`` a target with ``needs`` does not compute, as ``field=value``."""
+    return [f"{k}={_show(getattr(config, k))}" for k, (v, _) in needs.items() if getattr(config, k) != v]
+
+
+@dataclass(frozen=True)
+class ExportTarget:
+    """What ``gpt2lab export`` writes for a model: ``name`` (GPT2LMHeadModel, NanoChatForCausalLM) or
+    None, and then ``why``: each field that keeps it from both, and what the nearer one would need."""
+    name: Optional[str]
+    why: str = ""
+
+    def describe(self) -> str:
+        return f"Hugging Face {self.name}" if self.name else f"none ({self.why})"
+
+
+def export_target(config: GPTConfig) -> ExportTarget:
+    """The Hugging Face model that computes ``config``'s logits (GPT-2 first), or why none does."""
+    g, n = gaps(config, GPT2_NEEDS), gaps(config, nanochat.NEEDS)
+    if not g or not n:
+        return ExportTarget(GPT2 if not g else nanochat.ARCHITECTURE)
+    neither = [x for x in g if x in n]
+    parts = [f"{x} (GPT-2 and NanoChat: {GPT2_NEEDS[x.split('=')[0]][1]})" for x in neither]
+    name, needs, missing = (GPT2, GPT2_NEEDS, g) if len(g) < len(n) else (nanochat.ARCHITECTURE, nanochat.NEEDS, n)
+    rest = [x.split("=")[0] for x in missing if x not in neither]
+    if rest:
+        wants = ", ".join(f"{k}={_show(needs[k][0])} ({needs[k][1]})" for k in rest)
+        parts.append(f"{name} would {'also ' if neither else ''}need {wants}")
+    return ExportTarget(None, "; ".join(parts))
+
+
 def unexportable(config: GPTConfig) -> list[str]:
-    """The modern-block and lever fields (as ``field=value``) that HF's GPT-2 cannot compute.
-
-    GPT2LMHeadModel has learned positions, LayerNorm, GELU (tanh), no QK-norm, no logit
-    softcap, no value embeddings and no skips between blocks; an untied head it has
-    (tie_word_embeddings false). zero_init_proj and zero_init_head only set the initial
-    weights, and rope_theta matters only with rotary positions.
-    """
-    ignored = ({"tie_embeddings", "zero_init_proj", "zero_init_head"}
-               | ({"rope_theta"} if config.pos_emb != "rotary" else set()))
-    return [f"{k}={v}" for k, v in config.modern().items() if k not in ignored]
+    """The fields (``field=value``) that keep both GPT-2 and NanoChat from computing this model, else
+    GPT-2's gaps; empty when either computes it."""
+    g, n = gaps(config, GPT2_NEEDS), gaps(config, nanochat.NEEDS)
+    return [] if not g or not n else [x for x in g if x in n] or g
 
 
-def check_exportable(config: GPTConfig) -> None:
-    """One line (a UsageError, exit 2) when no Hugging Face GPT-2 computes this model's logits."""
-    bad = unexportable(config)
-    if bad:
-        raise UsageError(f"export writes Hugging Face GPT-2, which cannot compute this model ({', '.join(bad)}); "
-                         "nothing was written. sample, serve and eval run it natively; to export, train "
-                         "without those fields")
+def check_exportable(config: GPTConfig) -> ExportTarget:
+    """The export target; one line (a UsageError, exit 2) when neither GPT-2 nor NanoChat computes this model."""
+    target = export_target(config)
+    if target.name is None:
+        raise UsageError(f"export writes Hugging Face GPT-2 or NanoChat, and neither computes this model: "
+                         f"{target.why}; nothing was written. sample, serve and eval run it natively; to export, "
+                         "train without those fields")
+    return target
 
 
 def write_tokenizer(out: str, block_size: int, chat_template: Optional[str] = None) -> None:
@@ -310,8 +376,9 @@ def write_tokenizer(out: str, block_size: int, chat_template: Optional[str] = No
     write_json(os.path.join(out, "special_tokens_map.json"), special)
 
 
-def save_pretrained(model: GPT, out_dir: str) -> None:
-    """Write ``out_dir`` so transformers.GPT2LMHeadModel / AutoTokenizer load it unchanged.
+def save_pretrained(model: GPT, out_dir: str) -> str:
+    """Write ``out_dir`` so transformers' AutoModelForCausalLM / AutoTokenizer load it unchanged; returns
+    the architecture written (``export_target``: GPT2LMHeadModel or NanoChatForCausalLM).
 
     Everything is written into a temporary sibling directory first and renamed into place,
     so a crash never leaves a half-written export. An existing ``out_dir`` is replaced only
@@ -320,15 +387,18 @@ def save_pretrained(model: GPT, out_dir: str) -> None:
     """
     from safetensors.torch import save_file
 
-    check_exportable(model.config)
+    target = check_exportable(model.config).name
     out_dir = os.path.abspath(out_dir)
-    replace = _check_export_target(out_dir)
+    replace_dir = _check_export_target(out_dir)
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
-    with atomic_dir(out_dir, replace=replace) as tmp:
-        sd = to_hf_state_dict(model)
-        dtype = sd["transformer.wte.weight"].dtype
+    with atomic_dir(out_dir, replace=replace_dir) as tmp:
+        dtype = model.transformer.wte.weight.dtype
+        if target == GPT2:
+            sd, config = to_hf_state_dict(model), config_to_hf(model.config, dtype)
+        else:
+            sd, config = nanochat.to_nanochat_state_dict(model), nanochat.config_to_nanochat(model.config, dtype)
         save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        write_json(os.path.join(tmp, "config.json"), config_to_hf(model.config, dtype))
+        write_json(os.path.join(tmp, "config.json"), config)
         eot, end = special_ids(model.config)
         # generate stops where gpt2lab does: a chat model at <|im_end|> (its turn), else at <|endoftext|>
         write_json(os.path.join(tmp, "generation_config.json"),
@@ -337,6 +407,7 @@ def save_pretrained(model: GPT, out_dir: str) -> None:
         write_tokenizer(tmp, model.config.block_size, model.config.chat_template)
         write_json(os.path.join(tmp, EXPORT_MARKER), {"format": rundir.EXPORT_FORMAT, "version": 1,
                                                        "files": list(EXPORT_FILES)})
+    return target
 
 
 def _check_export_target(out_dir: str) -> bool:

@@ -14,7 +14,7 @@ import torch
 
 from gpt2lab.model.config import HUB_NAMES
 from gpt2lab.weights import hf
-from gpt2lab.weights.hf import WEIGHT_FILES, WeightsError
+from gpt2lab.weights.hf import MODEL_TYPES, WEIGHT_FILES, WeightsError
 from gpt2lab.model.gpt import GPT
 from gpt2lab.system.errors import CheckpointError
 
@@ -22,7 +22,8 @@ HUB, HF_DIR, CHECKPOINT = "hub", "hf_dir", "checkpoint"  # what source_kind says
 
 
 def is_hf_dir(path: str) -> bool:
-    """An HF GPT-2 directory: its config.json says model_type gpt2 and a weights file is there.
+    """An HF GPT-2 or NanoChat directory: its config.json says model_type gpt2 or nanochat and a weights
+    file is there.
 
     gpt2lab checkpoints also hold config.json + model.safetensors, so the files alone do
     not tell the two apart; the config's model_type does.
@@ -35,7 +36,7 @@ def is_hf_dir(path: str) -> bool:
         return False
     try:
         with open(config) as f:
-            return json.load(f).get("model_type") == "gpt2"
+            return json.load(f).get("model_type") in MODEL_TYPES
     except (OSError, ValueError, AttributeError):
         return not os.path.exists(os.path.join(path, "state.pt"))
 
@@ -56,8 +57,8 @@ def source_kind(spec: str) -> str:
     if spec in HUB_NAMES or spec.startswith("openai-community/"):
         return HUB
     raise WeightsError(f"no such directory, and not a GPT-2 hub name ({', '.join(HUB_NAMES)}); pass an HF "
-                       "GPT-2 directory (config.json + model.safetensors), a run directory or a checkpoint "
-                       "directory")
+                       "GPT-2 or NanoChat directory (config.json + model.safetensors), a run directory or a "
+                       "checkpoint directory")
 
 
 def load_model(spec: str, device: Optional[torch.device | str] = None, arg: Optional[str] = "--model") -> GPT:

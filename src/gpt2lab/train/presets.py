@@ -1,0 +1,77 @@
+"""``gpt2lab train --list-presets``: every packaged preset, what it trains and what it costs.
+
+Per preset: the model's size and parameter count, the recipe (GPT-2's or the modern one), steps
+and tokens, the time it takes where it was measured, and what ``gpt2lab export`` makes of its
+model (weights.hf.export_target). ``MEASURED`` is the one place in the package for the measured
+times; each says its machine (the commands and conditions: docs/benchmarks.md, "The presets'
+cost"). A GPU preset's time is its tokens at a throughput measured for that model and batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from gpt2lab.distributed.memplan import param_counts
+from gpt2lab.train.config import TrainConfig, load_preset, preset_names
+from gpt2lab.weights.hf import export_target
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A preset's measured cost: ``wall_s``, seconds of the whole ``gpt2lab train --preset NAME`` (start-up,
+    evaluations and checkpoints included), or ``tok_per_s``, the training throughput of its model and batch."""
+    machine: str
+    wall_s: Optional[float] = None
+    tok_per_s: Optional[float] = None
+
+    def describe(self, tokens: int) -> str:
+        if self.wall_s is not None:
+            return f"{self.wall_s / 60:.1f} min on {self.machine} (measured)"
+        return f"{tokens / self.tok_per_s / 3600:.1f} h on {self.machine} (at {self.tok_per_s:,.0f} tok/s measured)"
+
+
+# The CPU presets: `gpt2lab train --preset NAME` with the preset's own settings, one run at a time on a quiet
+# machine, data/tinyshakespeare and data/wiki (docs/benchmarks.md, "The presets' cost").
+XEON_AMX = "a 2-core Intel Xeon with AMX (bf16 autocast), torch 2.13"
+# gpt2-124m on one H100, B=64 x 8 micro-steps, compiled, bf16: docs/benchmarks.md, "Training speed on a GPU"
+H100_124M = Measured("one NVIDIA H100 80GB HBM3", tok_per_s=486_800)
+MEASURED = {
+    "shakespeare-cpu": Measured(XEON_AMX, wall_s=48.7),
+    "shakespeare-cpu-fast": Measured(XEON_AMX, wall_s=43.7),
+    "wiki-cpu": Measured(XEON_AMX, wall_s=86.0),
+    "wiki-cpu-fast": Measured(XEON_AMX, wall_s=51.3),
+    "wiki-cpu-long": Measured(XEON_AMX, wall_s=368.7),
+    "wiki-cpu-long-fast": Measured(XEON_AMX, wall_s=187.2),
+    "gpt2-124m": H100_124M,
+    "gpt2-124m-40b": H100_124M,  # the same model and batch, four times the steps
+}
+
+
+def recipe(cfg: TrainConfig) -> str:
+    """"faithful GPT-2" (GPT-2's block, AdamW, cosine) or "modern" (any modern-block field, lever or Muon/WSD)."""
+    modern = cfg.model.modern() or cfg.optim.optimizer != "adamw" or cfg.optim.lr_schedule != "cosine"
+    return "modern" if modern else "faithful GPT-2"
+
+
+def tokens(cfg: TrainConfig) -> int:
+    """Tokens the run trains on: every step's, a batch ramp's smaller early steps included."""
+    b, steps = cfg.batch, cfg.optim.max_steps
+    per_micro = b.micro_batch_size * b.seq_len
+    ramp = min(steps, b.batch_ramp_steps)
+    return sum(cfg.accum_at(s, 1) for s in range(ramp)) * per_micro + (steps - ramp) * b.total_batch_tokens
+
+
+def describe(name: str) -> list[str]:
+    """A preset's lines of the listing."""
+    cfg = load_preset(name)
+    m, n = cfg.model, tokens(cfg)
+    source = f" (the architecture comes from --init-from {cfg.finetune.init_from})" if cfg.finetune.init_from else ""
+    measured = MEASURED.get(name)
+    return [f"{name}: {m.n_layer} layers x {m.n_embd} wide, {param_counts(m)['total']:,} parameters{source}; "
+            f"{recipe(cfg)} recipe; {cfg.optim.max_steps:,} steps, {n:,} tokens",
+            f"    time    {measured.describe(n) if measured else 'not measured'}",
+            f"    export  {export_target(m).describe()}"]
+
+
+def listing() -> list[str]:
+    return [line for name in preset_names() for line in describe(name)]
