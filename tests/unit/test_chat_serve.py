@@ -20,13 +20,18 @@ MESSAGES = [{"role": "system", "content": "You answer briefly."},
             {"role": "user", "content": "How are you today?"}]
 
 
-def _chat_model():
+# GPT-2's block (exported as GPT2LMHeadModel) and the modern one of the demo (NanoChatForCausalLM)
+ARCHS = {"gpt2": {}, "modern": dict(pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2", bias=False,
+                                    embed_norm=True)}
+
+
+def _chat_model(arch: str):
     """A tiny random chat model made to end its turn: <|im_end|>'s output row is three times the row of
     the token it would write fifth, so it ends there or before (the same arithmetic on both sides)."""
     from gpt2lab.evals.chat import greedy_reply
 
     model = tiny_gpt(seed=7, vocab_size=50304, block_size=128, chat_template="chatml", token_vocab_size=50259,
-                     tie_embeddings=False)
+                     tie_embeddings=False, **ARCHS[arch])
     prompt = chat.encode_chat([(m["role"], m["content"]) for m in MESSAGES], add_generation_prompt=True)[0]
     fifth = greedy_reply(model, prompt, 5).ids[-1]
     with torch.no_grad():
@@ -34,11 +39,11 @@ def _chat_model():
     return model, prompt
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    model, prompt = _chat_model()
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def exported(request, tmp_path_factory):
+    model, prompt = _chat_model(request.param)
     d = str(tmp_path_factory.mktemp("chat") / "export")
-    hf.save_pretrained(model, d)
+    assert hf.save_pretrained(model, d) == {"gpt2": "GPT2LMHeadModel", "modern": "NanoChatForCausalLM"}[request.param]
     return model, prompt, d
 
 
