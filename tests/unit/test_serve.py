@@ -389,6 +389,37 @@ def test_a_chunked_body_over_the_cap_gets_413_and_the_server_goes_on(server):
     assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] == 1
 
 
+def test_a_body_that_never_ends_gets_408_after_the_deadline(monkeypatch):
+    """At the ASGI level: a client that sends a first piece and then nothing (slow loris) is answered 408
+    with OpenAI's error body once the body deadline passes, and the app never sees the request."""
+    import asyncio
+    import json
+
+    from gpt2lab.serve import api
+    from gpt2lab.serve.metrics import ServeMetrics
+
+    monkeypatch.setattr(api, "BODY_TIMEOUT_S", 0.2)
+    sent, first = [], [True]
+
+    async def receive():
+        if first[0]:
+            first[0] = False
+            return {"type": "http.request", "body": b'{"model": ', "more_body": True}
+        await asyncio.sleep(3600)  # the rest never comes
+
+    async def send(message):
+        sent.append(message)
+
+    async def app(scope, receive, send):
+        raise AssertionError("the app was handed a body that never ended")
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "client": ("127.0.0.1", 1),
+             "headers": [(b"content-type", b"application/json"), (b"transfer-encoding", b"chunked")]}
+    asyncio.run(asyncio.wait_for(api.AccessLog(app, ServeMetrics())(scope, receive, send), 10))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 408
+    assert json.loads(sent[1]["body"])["error"]["code"] == "request_timeout"
+
+
 def test_the_body_cap_stops_reading_once_past_it():
     """At the ASGI level: from an endless chunked body the middleware takes one message past the cap,
     answers 413 with OpenAI's error body, and the app never sees the request."""

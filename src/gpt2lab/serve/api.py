@@ -612,6 +612,13 @@ class BodyTooLarge(Exception):
     pass
 
 
+# A body not whole this many seconds after its request began is refused (408): a client that opens
+# requests and trickles their bodies (or never ends them) would otherwise hold a connection and its
+# buffer for as long as it likes. The largest body taken, 1 MiB, arrives in well under a second on
+# any link a server is reached over; 30 s leaves room for a slow one (35 KB/s).
+BODY_TIMEOUT_S = 30.0
+
+
 async def read_body(scope, receive) -> Optional[bytes]:
     """The request's body, read whole whatever its framing (Content-Length or chunked); None if the
     client left while sending it. Past MAX_BODY_BYTES, BodyTooLarge: unread when Content-Length says
@@ -662,9 +669,14 @@ class AccessLog:
 
         try:
             try:
-                body = await read_body(scope, receive)
+                body = await asyncio.wait_for(read_body(scope, receive), BODY_TIMEOUT_S)
             except BodyTooLarge as e:  # Connection: close, so that the server reads no more of it
                 response = JSONResponse(status_code=413, content=error_body(str(e)), headers={"Connection": "close"})
+                return await response(scope, receive, sending)
+            except asyncio.TimeoutError:
+                response = JSONResponse(status_code=408, headers={"Connection": "close"}, content=error_body(
+                    f"the request body was not whole {BODY_TIMEOUT_S:g} s after the request began; send it at once",
+                    code="request_timeout"))
                 return await response(scope, receive, sending)
             if body is not None:  # else the client left before its request was whole: nothing to answer
                 await self.app(scope, _replay(body, receive), sending)
