@@ -1,4 +1,4 @@
-"""Issue 22: Ctrl-C ends `gpt2lab serve` with exit 130 (a real process and a real SIGINT; the port
+"""Ctrl-C ends `gpt2lab serve` with exit 130 (SIGTERM with 143) (a real process and a real SIGINT; the port
 errors are in unit/test_poor_serve.py), ending the requests still open with an error."""
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 pytest.importorskip("uvicorn", reason="gpt2lab serve needs the serve extra (fastapi, uvicorn)")
 
 
-def test_ctrl_c_stops_the_server_with_exit_130(gpt2_vocab_export):
+@pytest.mark.parametrize("sig, code, said", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "SIGTERM")])
+def test_ctrl_c_or_sigterm_stops_the_server_with_its_exit_code(gpt2_vocab_export, sig, code, said):
     import httpx
 
     _, d = gpt2_vocab_export
@@ -24,9 +25,9 @@ def test_ctrl_c_stops_the_server_with_exit_130(gpt2_vocab_export):
             assert line and time.monotonic() < deadline, "the server did not start"
         url = line.split(" at ")[1].split("/ ")[0]
         assert httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"] == "tiny"  # it serves
-        p.send_signal(signal.SIGINT)
-        assert p.wait(timeout=60) == 130
-        assert p.stderr.read().strip().splitlines()[-1] == "gpt2lab serve: interrupted; stopping"
+        p.send_signal(sig)
+        assert p.wait(timeout=60) == code
+        assert p.stderr.read().strip().splitlines()[-1] == f"gpt2lab serve: {said}; stopping"
     finally:
         if p.poll() is None:
             p.kill()

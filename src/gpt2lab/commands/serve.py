@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 from gpt2lab.inference.flags import add_inference_flags, inference_request
 from gpt2lab.serve.limits import Limits
 from gpt2lab.serve.models import load_workers, model_names
-from gpt2lab.system.errors import EXIT_INTERRUPTED
+from gpt2lab.system.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 
 def add_parser(sub) -> None:
@@ -76,18 +77,26 @@ def run(args: argparse.Namespace) -> int:
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
     access.addHandler(handler)
     access.setLevel(logging.INFO)
-    said = []
+    said, terminated = [], []
 
     def stopping(ended: int) -> None:  # at Ctrl-C, the one line (cli.main's "interrupted" would come late)
         plural = "" if ended == 1 else "s"
-        print("gpt2lab serve: interrupted; stopping" + (f" ({ended} open request{plural} ended with a 'server "
+        why = "SIGTERM" if terminated else "interrupted"
+        print(f"gpt2lab serve: {why}; stopping" + (f" ({ended} open request{plural} ended with a 'server "
               "shutting down' error)" if ended else ""), file=sys.stderr, flush=True)
         said.append(ended)
 
+    def on_sigterm(signum, frame) -> None:  # a service manager's stop: the same orderly end as Ctrl-C
+        terminated.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         serve_here(workers, sock, stopping=stopping)  # the models run in this (the main) thread
     except KeyboardInterrupt:
         if not said:  # not while serving: cli.main says it
             raise
-        return EXIT_INTERRUPTED
+        return EXIT_PREEMPTED if terminated else EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
