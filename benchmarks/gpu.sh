@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU proof (issue 6), in stages that each fit one device call (10 minutes):
+# The GPU proof, in stages that each fit one device call (10 minutes):
 #
 #   benchmarks/gpu.sh tests       GPU-marked tests (bf16 vs fp32, compiled vs eager, KV cache)
 #   benchmarks/gpu.sh ladder16    the recipe's speed ladder + gpt2lab + transformers at B=16, T=1024

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Inference on this CPU (issue 26): gpt2lab's defaults against every explicit setting and the peers,
+# Inference on this CPU: gpt2lab's defaults against every explicit setting and the peers,
 # one run after another on a quiet machine. Usage: benchmarks/inference_cpu.sh OUT_DIR [THREADS]
 # Each run writes its JSON line to OUT_DIR/<name>.json; benchmarks/inference_table.py OUT_DIR prints
 # the tables of docs/benchmarks.md. ISA=avx2 (or avx512) caps oneDNN's and ATen's instruction sets for

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The longer-horizon recipe comparison (issue 28), one run after another on a quiet machine:
+# The longer-horizon recipe comparison, one run after another on a quiet machine:
 #   benchmarks/recipe_long.sh DATA OUT [SEED ...]
 # DATA: shards with held-out articles as val (gpt2lab prepare --val-split documents); OUT: where the
 # run directories go (made by gpt2lab; nothing else is written). Per seed: the faithful preset at

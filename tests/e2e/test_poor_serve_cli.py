@@ -1,4 +1,4 @@
-"""Ctrl-C ends `gpt2lab serve` with exit 130 (SIGTERM with 143) (a real process and a real SIGINT; the port
+"""Ctrl-C ends `gpt2lab serve` with exit 130, SIGTERM with 143 (a real process and a real signal; the port
 errors are in unit/test_poor_serve.py), ending the requests still open with an error."""
 from __future__ import annotations
 

@@ -238,7 +238,7 @@ def test_muon_kill_9_then_resume_equals_uninterrupted(tiny_data, tmp_path):
         "--optimizer muon" in proc.stderr and "Traceback" not in proc.stderr
 
 
-# The speedrun's levers (issue 28), every one on: value embeddings, U-net skips, a zero-initialised
+# The speedrun's levers, every one on: value embeddings, U-net skips, a zero-initialised
 # untied head, NorMuon, and the batch ramp, which the kill lands in the middle of (steps 0-11 ramp from
 # 128 to 512 tokens; the checkpoint at step 4).
 LEVER_FIELDS = dict(value_embeds=1, unet_skips=True, tie_embeddings=False, zero_init_head=True, optimizer="muon",

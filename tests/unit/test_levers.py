@@ -1,4 +1,4 @@
-"""The open GPT-2 speedrun's levers (issue 28): value embeddings, U-net skips between blocks, a zero
+"""The open GPT-2 speedrun's levers: value embeddings, U-net skips between blocks, a zero
 lm_head, the batch-size ramp and NorMuon, each against a written-out formula or a hand count: a
 hand-written attention and U-net forward, a float64 NorMuon loop, the ramp's micro-steps by hand,
 the planner's bytes against what autograd keeps and what the optimizer holds."""

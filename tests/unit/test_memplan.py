@@ -243,7 +243,7 @@ def test_the_loss_term_follows_the_trainers_loss_and_the_h100_peaks():
     """Compiled on a GPU the trainer keeps the (N, V) bf16 logits instead of the chunked loss's
     workspace; both predictions against the peaks of gpt2lab's step measured on an H100 (124M,
     B=64, T=1024, one micro-step: 23.92 GiB chunked, 28.48 GiB compiled cross-entropy;
-    benchmarks/results/issue14_h100/ladder_b64_call2.jsonl and ladder_b64_loss_call3.jsonl). The
+    benchmarks/results/h100/ladder_b64_call2.jsonl and ladder_b64_loss_call3.jsonl). The
     chunked run compiled the loss's kernel, which keeps less per chunk than the eager kernel the
     planner replays: 24.21 GiB predicted, 1.2% over."""
     cfg = model_config("124M", 1024)

@@ -1,4 +1,4 @@
-"""Issue 22's poor loading cases: a truncated model.safetensors or an invalid config.json in an HF
+"""Poor loading cases: a truncated model.safetensors or an invalid config.json in an HF
 directory is one line naming the file in every command that takes a model; a resume with another
 --lora-rank names the flag; the "another model shape" message lists only the fields that differ."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 22's poor output cases: export's file modes under the user's umask, report/plot on a
+"""Poor output cases: export's file modes under the user's umask, report/plot on a
 metrics.jsonl of garbage bytes, and warnings printed as one `gpt2lab CMD: warning: ...` line."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 22's poor serve/sample cases: a model name that cannot be encoded, temperatures and top_p
+"""Poor serve/sample cases: a model name that cannot be encoded, temperatures and top_p
 so small they overflow, a body without Content-Type: application/json, and equal prompts without a
 seed; and odd or hostile requests (a lone surrogate, a body that is not UTF-8, booleans as integers,
 a chat message's name or unknown key, response_format, token ids out of range, a context error's

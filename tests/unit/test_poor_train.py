@@ -1,4 +1,4 @@
-"""Issue 22's poor train/config/eval cases: TOML values of the wrong type, a user's own --config
+"""Poor train/config/eval cases: TOML values of the wrong type, a user's own --config
 file, sample/eval flag values (exit 2), eval loss --tokens past the split, a resume with another
 --lora-rank, a split smaller than one micro-batch, and a full disk under metrics.jsonl."""
 from __future__ import annotations

@@ -9,7 +9,7 @@ import torch
 from gpt2lab.system import runtime
 from gpt2lab.system.runtime import ChoiceError, Facts, Probe, choose_compile, choose_dtype
 
-# Rates like the two CPUs in issue 9: an Intel Xeon without AVX512_BF16 (bf16 emulated)
+# Rates like the two CPUs of docs/benchmarks.md: an Intel Xeon without AVX512_BF16 (bf16 emulated)
 # and an AMD Zen 4 with it.
 EMULATED = Probe(fp32_gflops=202.0, bf16_gflops=52.0)
 NATIVE = Probe(fp32_gflops=130.0, bf16_gflops=400.0)

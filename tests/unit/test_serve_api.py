@@ -1,4 +1,4 @@
-"""Issue 27: gpt2lab serve scores text (``logprobs`` and ``echo`` on /v1/completions, checked against
+"""gpt2lab serve scores text (``logprobs`` and ``echo`` on /v1/completions, checked against
 the model's own log-softmax and loss), chats (/v1/chat/completions through the official openai
 client, plain and streaming, stopping at the template's next turn) and answers unknown routes and
 wrong methods with OpenAI's error body; in both server modes."""

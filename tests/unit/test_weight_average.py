@@ -1,4 +1,4 @@
-"""``--ema-decay``: the running average of the weights (issue 28). Checked against the average
+"""``--ema-decay``: the running average of the weights. Checked against the average
 written out by hand in float64 over snapshots of the trained weights; the checkpoint holds it
 as model.safetensors (what every reader loads) and the weights as trained beside it, and a
 resume continues both exactly; the training itself does not change."""

@@ -14,7 +14,7 @@ from gpt2lab.system.errors import UsageError
 
 PEERS = ("transformers", "ctranslate2")
 # CTranslate2's compute types timed beside gpt2lab: its fp32 and its int8 (int8 weights, activations
-# quantized per row on the fly), the two the issue's figures compare against; bfloat16 where it runs.
+# quantized per row on the fly), the two docs/benchmarks.md compares against; bfloat16 where it runs.
 CT2_COMPUTE_TYPES = ("float32", "int8", "bfloat16")
 
 

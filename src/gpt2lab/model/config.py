@@ -27,7 +27,7 @@ def _f(default: Any, help: str, derived: bool = False, shape: bool = False, arch
                                             "arch": shape if arch is None else arch, "choices": choices})
 
 
-# The modern block's switches (issue 19; modded-nanogpt's speedrun record log measures each). Every
+# The modern block's switches (modded-nanogpt's speedrun record log measures each). Every
 # default is GPT-2's, so presets, checkpoints and the gpt2 logits = transformers test are unchanged.
 POS_EMB = ("learned", "rotary")
 NORMS = ("layernorm", "rmsnorm")
@@ -56,7 +56,7 @@ class GPTConfig:
     embd_pdrop: float = _f(0.0, "dropout on the token + position embeddings (GPT-2 fine-tuning: 0.1)")
     attn_pdrop: float = _f(0.0, "dropout on the attention weights")
     resid_pdrop: float = _f(0.0, "dropout on each residual branch's output")
-    # The modern block (README "A modern block"): each off by default, any combination allowed.
+    # The modern block (docs/recipes.md, "A modern block"): each off by default, any combination allowed.
     pos_emb: str = _f("learned", "positions: learned (GPT-2's wpe table) or rotary (RoPE, Su et al. 2021: "
                       "q and k rotated per position, no table)", shape=True, choices=POS_EMB)
     rope_theta: float = _f(10000.0, "rotary base: pair i of a head turns at rope_theta^(-2i/head_size) "
@@ -75,7 +75,7 @@ class GPTConfig:
     zero_init_proj: bool = _f(False, "initialise the attention and MLP output projections (c_proj) to zero, "
                               "so every block starts as the identity")
     logit_softcap: float = _f(0.0, "cap the logits smoothly at +-X: X * tanh(logits / X); 0 = off", arch=True)
-    # The open GPT-2 speedrun's levers (issue 28; modded-nanogpt's record log): each off by default.
+    # The open GPT-2 speedrun's levers (modded-nanogpt's record log): each off by default.
     value_embeds: int = _f(0, "K extra token-embedding tables mixed into the attention values, U-net style: "
                            "table i into layer i and into layer n_layer-K+i, as v = (1-g) v + g table[token] "
                            "with a learned scalar g per layer (starting at 0.5); 0 = off", shape=True)

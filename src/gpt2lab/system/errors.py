@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 import signal
 
-# The documented exit codes (README "The command line", `gpt2lab --help`).
+# The documented exit codes (README "Exit codes", `gpt2lab --help`).
 EXIT_OK = 0
 EXIT_ERROR = 1        # bad input: a data, source or model file that cannot be used
 EXIT_USAGE = 2        # a flag or config value that cannot work (argparse uses 2 as well)

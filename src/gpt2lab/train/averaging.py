@@ -9,8 +9,8 @@ which a resume continues from, go to ``training.safetensors`` beside it (checkpo
 
 Why: early in a run, at a high learning rate, the weights jitter around a valley's floor
 and lean towards the last batches seen; their average sits nearer the floor, as a
-learning-rate decay would, without stopping the training (docs/benchmarks.md, "A fourth
-attempt: averaging the weights"). Costs a copy of the parameters and one foreach lerp a step.
+learning-rate decay would, without stopping the training (docs/benchmarks.md, "The longer
+horizon": "Averaging the weights"). Costs a copy of the parameters and one foreach lerp a step.
 """
 from __future__ import annotations
 
