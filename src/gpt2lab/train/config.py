@@ -24,7 +24,7 @@ from importlib import resources
 from typing import Any, Callable, Optional, Union, get_type_hints
 
 from gpt2lab.model.config import (CHAT_VOCAB_SIZES, GPT2_VOCAB_SIZE, MODEL_KEYS, PADDED_VOCAB_SIZE, GPTConfig, check_types,  # noqa: F401
-                                  config_value, field_type, gpt_config, model_from_config, nest_sections)
+                                  config_value, field_type, gpt_config, model_from_config, nest_sections, padded_vocab)
 from gpt2lab.system.choices import (COMPILE_CHOICES, DTYPE_CHOICES, LR_SCHEDULES, MUON_VARIANTS,  # noqa: F401
                                     NS_DTYPE_CHOICES, OPTIMIZERS, STRATEGY_CHOICES)
 from gpt2lab.system.errors import ConfigError, UsageError  # noqa: F401
@@ -297,9 +297,17 @@ class TrainConfig:
         self._check_combinations()
 
     def _derive_token_vocab(self) -> None:
-        """token_vocab_size is the tokenizer's (GPT-2's; with a chat template, its turn tokens too),
-        never a setting of its own."""
+        """token_vocab_size is the tokenizer's (GPT-2's; with a chat template, its turn tokens too; a
+        trained tokenizer's, which the run plan reads from the data), never a setting of its own."""
         m = self.model
+        if m.tokenizer is not None:
+            if m.token_vocab_size is None:
+                raise ConfigError(f"tokenizer {m.tokenizer[:12]}: its vocabulary size is not known; a run takes both "
+                                  "from its data (gpt2lab prepare --tokenizer DIR), so drop tokenizer")
+            if m.vocab_size < m.token_vocab_size:
+                raise ConfigError(f"vocab_size {m.vocab_size} is smaller than the tokenizer's {m.token_vocab_size} "
+                                  f"tokens; use {padded_vocab(m.token_vocab_size)}")
+            return
         tokens = CHAT_VOCAB_SIZES[m.chat_template] if m.chat_template else GPT2_VOCAB_SIZE
         if m.vocab_size < tokens:
             raise ConfigError(f"vocab_size {m.vocab_size} is smaller than the tokenizer's {tokens} tokens"
