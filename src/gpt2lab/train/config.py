@@ -24,7 +24,7 @@ from importlib import resources
 from typing import Any, Callable, Optional, Union, get_type_hints
 
 from gpt2lab.model.config import (CHAT_VOCAB_SIZES, GPT2_VOCAB_SIZE, MODEL_KEYS, PADDED_VOCAB_SIZE, GPTConfig, check_types,  # noqa: F401
-                                  config_value, field_type, gpt_config, model_from_config, nest_sections, padded_vocab)
+                                  config_value, field_type, gpt_config, model_from_config, nest_sections)
 from gpt2lab.system.choices import (COMPILE_CHOICES, DTYPE_CHOICES, LR_SCHEDULES, MUON_VARIANTS,  # noqa: F401
                                     NS_DTYPE_CHOICES, OPTIMIZERS, STRATEGY_CHOICES)
 from gpt2lab.system.errors import ConfigError, UsageError  # noqa: F401
@@ -304,10 +304,7 @@ class TrainConfig:
             if m.token_vocab_size is None:
                 raise ConfigError(f"tokenizer {m.tokenizer[:12]}: its vocabulary size is not known; a run takes both "
                                   "from its data (gpt2lab prepare --tokenizer DIR), so drop tokenizer")
-            if m.vocab_size < m.token_vocab_size:
-                raise ConfigError(f"vocab_size {m.vocab_size} is smaller than the tokenizer's {m.token_vocab_size} "
-                                  f"tokens; use {padded_vocab(m.token_vocab_size)}")
-            return
+            return  # GPTConfig checks vocab_size >= token_vocab_size
         tokens = CHAT_VOCAB_SIZES[m.chat_template] if m.chat_template else GPT2_VOCAB_SIZE
         if m.vocab_size < tokens:
             raise ConfigError(f"vocab_size {m.vocab_size} is smaller than the tokenizer's {tokens} tokens"

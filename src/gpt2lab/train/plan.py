@@ -465,6 +465,10 @@ def tokenizer_fields(values: dict, req: Request, init: Optional[InitFrom],
         theirs, n = ours, manifest.get("vocab_size")
     if theirs is None:
         return {}
+    given = req.explicit.get("vocab_size")
+    if isinstance(given, int) and given < int(n):
+        raise ConfigError(f"--vocab-size {given} is smaller than the tokenizer's {n} tokens (of --data {data}); "
+                          f"use {padded_vocab(int(n))}, or leave it out")
     fields = {"tokenizer": theirs, "token_vocab_size": int(n)}
     if resumed is not None and "vocab_size" not in req.explicit:
         fields["vocab_size"] = config_value(resumed[1], "vocab_size")
