@@ -239,7 +239,7 @@ def load_tokenizer(path: str, identity: Optional[str] = None, what_next: str = "
         raise TokenizerError(f"{file}: cannot be read ({e.strerror or e}){fix}") from e
     digest = hashlib.sha256(raw).hexdigest()
     if identity is not None and digest != identity:
-        raise TokenizerError(f"{file}: is tokenizer {short(digest)}, not the model's {short(identity)}{fix}")
+        raise TokenizerError(f"{file}: is tokenizer {short(digest)}, not {short(identity)} as expected{fix}")
     if digest not in _LOADED:
         try:
             text = raw.decode("utf-8")

@@ -443,7 +443,7 @@ def tokenizer_fields(values: dict, req: Request, init: Optional[InitFrom],
     another machine), that model's. The vocabulary follows it (padded to a multiple of 128) unless
     --vocab-size was given, or a resumed run had another."""
     from gpt2lab.data.shards import read_manifest
-    from gpt2lab.data.tokenizer import GPT2, short
+    from gpt2lab.data.tokenizer import GPT2, for_data, short
 
     data = str(config_value(values, "data", default_value("data")))
     manifest = read_manifest(data)
@@ -457,6 +457,8 @@ def tokenizer_fields(values: dict, req: Request, init: Optional[InitFrom],
     if manifest:
         found = manifest.get("tokenizer", GPT2)
         ours = None if found == GPT2 else str(found)
+        if ours is not None:  # its tokenizer.json is there and is the one the manifest names
+            for_data(data)
         if whose is not None and ours != theirs:
             fix = (f"prepare it with that model's tokenizer (gpt2lab prepare --tokenizer DIR, DIR holding its "
                    "tokenizer.json: the run, checkpoint or export)" if theirs else "prepare it without --tokenizer")
