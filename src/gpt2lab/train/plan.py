@@ -182,6 +182,9 @@ class RunPlan:
                f"model     {m.n_layer} layers, {m.n_head} heads, {m.n_embd} wide, block {m.block_size}, "
                f"{self.params:,} params" + (f", LoRA rank {ft.lora_rank} on {ft.lora_targets}" if ft.lora_rank else ""),
                f"export    {self.export}"]
+        if m.tokenizer:
+            out.append(f"tokenizer sha256:{m.tokenizer[:12]} (the data's): {m.token_vocab_size:,} tokens in "
+                       f"{m.vocab_size:,} embedding rows")
         if self.supervised:
             n, total = self.supervised
             out.append(f"data      {c.data}: conversations in the {m.chat_template} template, supervised on "
