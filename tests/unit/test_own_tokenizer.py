@@ -354,3 +354,41 @@ def test_progress_goes_to_stderr_as_bytes(tmp_path):
     with mock.patch.object(sys, "stderr", err):
         train([WIKI], 300, str(tmp_path / "t"), progress=True)
     assert "tokenizer" in err.getvalue() and "B" in err.getvalue()
+
+
+def test_serve_reads_and_writes_text_in_the_models_tokenizer(tok, tmp_path):
+    """Completions (echoed tokens and their logprob names) and chat completions (the template's prompt,
+    the reply's text) in the trained tokenizer, for a chat model exported with it."""
+    import httpx
+    from serve_utils import running_server
+
+    from gpt2lab.evals.chat import greedy_reply
+    from gpt2lab.weights import hf
+
+    model = tiny_gpt(seed=4, vocab_size=1024, token_vocab_size=VOCAB, tokenizer=tok.identity, block_size=128,
+                     chat_template="chatml")
+    hf.save_pretrained(model, str(tmp_path / "m"))
+    text = "def f(x):\n    return x ** 2  # naïve 🙂"
+    turns = [("user", "Hello there, what is 12345?")]
+    prompt = chat.encode_chat(turns, add_generation_prompt=True, tokenizer=tok)[0]
+    reply = greedy_reply(model, prompt, 12)
+    with running_server([f"own={tmp_path / 'm'}"]) as url:
+        r = httpx.post(url + "/v1/completions", json={"model": "own", "prompt": text, "echo": True, "max_tokens": 0,
+                                                       "logprobs": 1}, timeout=60).json()
+        c = httpx.post(url + "/v1/chat/completions", json={"model": "own", "max_tokens": 12, "temperature": 0,
+                       "messages": [{"role": r_, "content": t} for r_, t in turns]}, timeout=60).json()
+    ids = tok.encode_ordinary(text)
+    assert r["usage"]["prompt_tokens"] == len(ids) and r["choices"][0]["text"] == text
+    names = r["choices"][0]["logprobs"]["tokens"]
+    assert [n.encode() if not n.startswith("bytes:") else None for n in names] == \
+        [b if not _split_char(b) else None for b in map(tok.decode_single_token_bytes, ids)]
+    assert c["usage"]["prompt_tokens"] == len(prompt)
+    assert c["choices"][0]["message"]["content"] == reply.text
+
+
+def _split_char(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+        return False
+    except UnicodeDecodeError:
+        return True
