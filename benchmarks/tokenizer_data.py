@@ -9,7 +9,8 @@ go to 0_heldout.jsonl, the first --code-mb MB of the others to 1_train.jsonl.
 
 OUT/german: the German Debian Reference (Debian package debian-reference-de, GPL-2+, its copyright
 file copied beside), the plain-text edition cut into its numbered sections (short ones joined to the
-next, at least 2,000 characters); every tenth section is held out. The package is fetched with ``apt-get download`` unless --deb names it.
+next, at least 2,000 characters); every tenth section is held out. The package is fetched with
+``apt-get download`` unless --deb names it.
 
 Same machine, same files: the same bytes. Held-out files come first in name order, so
 ``gpt2lab prepare --source OUT/code --val-tokens N`` with N their tokens makes them the val split.

@@ -27,7 +27,8 @@ from gpt2lab.data.bpe import SPLIT_PATTERN, open_dir, train
 WIKI = str(DATA / "wiki_slice.jsonl.zst")
 CHAT = str(DATA / "chat_slice.jsonl.zst")
 VOCAB = 1000  # not a multiple of 128: a run pads it to 1024
-TURNS = [("system", "You answer briefly."), ("user", "Hello <|im_end|> there, 12345!"), ("assistant", "Hi. Ünïcödé 🙂")]
+TURNS = [("system", "You answer briefly."), ("user", "Hello <|im_end|> there, 12345!"),
+         ("assistant", "Hi. Ünïcödé 🙂")]
 
 
 def _texts(path: str, field: str = "text") -> list[str]:
@@ -177,7 +178,8 @@ def test_a_run_takes_the_datas_tokenizer_and_it_travels(own_run, tok, monkeypatc
     from gpt2lab.inference.completion import tokenizer_for
 
     model_cfg = json.loads((own_run / "config.json").read_text())["model"]
-    assert (model_cfg["tokenizer"], model_cfg["token_vocab_size"], model_cfg["vocab_size"]) == (tok.identity, VOCAB, 1024)
+    assert (model_cfg["tokenizer"], model_cfg["token_vocab_size"], model_cfg["vocab_size"]) == \
+        (tok.identity, VOCAB, 1024)
     for where in (own_run, own_run / "checkpoints" / "step_000003", own_run / "checkpoints" / "step_000006"):
         assert (where / "tokenizer.json").read_text() == tok.text
     assert "tokenizer.json" in json.loads((own_run / "checkpoints" / "step_000006" / "checksums.json").read_text())
@@ -212,11 +214,12 @@ def _one_line(err: str) -> str:
 
 
 @pytest.mark.parametrize("dry", [False, True])
-def test_data_in_another_tokenizer_is_refused_before_the_first_step(own_run, tiny_data, wiki_data, tmp_path,  # noqa: F811
-                                                                     capsys, dry):
+def test_data_in_another_tokenizer_is_refused_before_the_first_step(own_run, tiny_data, wiki_data,  # noqa: F811
+                                                                     tmp_path, capsys, dry):
     flag = ["--dry-run"] if dry else []
     out = tmp_path / "from_own"
-    argv = ["train", "--preset", "shakespeare-cpu", *cli_args(data=tiny_data, out=str(out), init_from=str(own_run)), *flag]
+    argv = ["train", "--preset", "shakespeare-cpu", *cli_args(data=tiny_data, out=str(out), init_from=str(own_run)),
+            *flag]
     assert cli.main(argv) == 2
     model_tok = json.loads((own_run / "config.json").read_text())["model"]["tokenizer"]
     assert _one_line(capsys.readouterr().err) == (
@@ -255,7 +258,7 @@ def test_vocab_size_follows_the_tokenizer_unless_given(wiki_data, tmp_path):
         "model": model})
     assert make_plan(Request(values(), {}), facts).config.model.vocab_size == 1024  # the preset's 50304 gives way
     assert make_plan(Request(values(vocab_size=1152), {"vocab_size": 1152}), facts).config.model.vocab_size == 1152
-    with pytest.raises(ConfigError, match="--vocab-size 512 is smaller than the tokenizer's 1000 tokens .* use 1024, or leave it out"):
+    with pytest.raises(ConfigError, match="--vocab-size 512 is smaller than the tokenizer's 1000 tokens .* use 1024"):
         make_plan(Request(values(vocab_size=512), {"vocab_size": 512}), facts)
 
 
@@ -295,7 +298,8 @@ def test_bits_per_byte_is_the_loss_over_the_texts_bytes(wiki_data, tok_dir, tok,
     assert 1.5 < bpb < loss  # a random model's bits per byte: its loss over more than one byte per token
 
 
-def test_eval_loss_reports_bpb_and_refuses_data_in_another_tokenizer(own_run, wiki_data, tiny_data, capsys):  # noqa: F811
+def test_eval_loss_reports_bpb_and_refuses_data_in_another_tokenizer(own_run, wiki_data, tiny_data,  # noqa: F811
+                                                                      capsys):
     argv = ["eval", "loss", "--model", str(own_run), "--tokens", "128", "--batch-size", "2", "--seq-len", "32",
             "--device", "cpu", "--dtype", "float32"]
     assert cli.main([*argv, "--data", wiki_data]) == 0

@@ -176,8 +176,9 @@ def _same_tokenizer(config, data: str) -> None:
     found = read_manifest(data).get("tokenizer", GPT2)
     theirs = None if found == GPT2 else str(found)
     if theirs != config.tokenizer:
-        raise UsageError(f"--data {data} was prepared with {short(theirs)}, but --model uses {short(config.tokenizer)}; "
-                         "evaluate on data prepared with the model's tokenizer (gpt2lab prepare --tokenizer DIR)")
+        raise UsageError(f"--data {data} was prepared with {short(theirs)}, but --model uses "
+                         f"{short(config.tokenizer)}; evaluate on data prepared with the model's tokenizer "
+                         "(gpt2lab prepare --tokenizer DIR)")
 
 
 def _chat_model(args: argparse.Namespace, info):

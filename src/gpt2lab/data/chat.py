@@ -13,9 +13,9 @@ others use), after the ``<|endoftext|>`` every gpt2lab document starts with::
 ``<|im_start|>`` and ``<|im_end|>`` are two tokens of their own: in GPT-2's vocabulary ids 50257 and
 50258, the first two of the rows gpt2lab pads GPT-2's 50257 tokens with (50304), so a GPT-2 model
 takes them without a new embedding table; a tokenizer gpt2lab trained has them as special tokens
-of its own (data/bpe.py: ids 1 and 2). ``encode_chat`` takes the ids of the tokenizer it is given. Text is encoded as ordinary text, never parsed for
-special tokens, so a message that contains the characters ``<|im_end|>`` cannot end its turn
-or open another: only the template writes those two ids.
+of its own (data/bpe.py: ids 1 and 2). ``encode_chat`` takes the ids of the tokenizer it is given.
+Text is encoded as ordinary text, never parsed for special tokens, so a message that contains the
+characters ``<|im_end|>`` cannot end its turn or open another: only the template writes those two ids.
 
 Every piece of text between two special tokens is encoded as one string (``role\\ncontent``,
 then ``\\n``), which is exactly how a Hugging Face tokenizer encodes the template's text

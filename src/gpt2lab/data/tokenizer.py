@@ -68,7 +68,8 @@ class Tokenizer(Protocol):
     @property
     def n_vocab(self) -> int: ...
     def encode_ordinary(self, text: str) -> list[int]: ...
-    def encode(self, text: str, *, allowed_special: Specials = ..., disallowed_special: Specials = ...) -> list[int]: ...
+    def encode(self, text: str, *, allowed_special: Specials = ...,
+               disallowed_special: Specials = ...) -> list[int]: ...
     def decode(self, tokens: list[int], errors: str = "replace") -> str: ...
     def decode_single_token_bytes(self, token: int) -> bytes: ...
 
@@ -157,8 +158,8 @@ class TrainedBPE:
         self.specials = {t: self._tok.token_to_id(t) for t in SPECIAL_TOKENS}
         missing = [t for t, i in self.specials.items() if i is None]
         if missing:
-            raise TokenizerError(f"{where}: has no {', '.join(missing)} token; gpt2lab needs {', '.join(SPECIAL_TOKENS)} "
-                                 "(gpt2lab tokenizer train adds them)")
+            raise TokenizerError(f"{where}: has no {', '.join(missing)} token; gpt2lab needs "
+                                 f"{', '.join(SPECIAL_TOKENS)} (gpt2lab tokenizer train adds them)")
         self.eot_id, self.im_start_id, self.im_end_id = (self.specials[t] for t in SPECIAL_TOKENS)
         self._bytes = self._token_bytes(where)
         self._special_re = {}

@@ -450,13 +450,14 @@ def tokenizer_fields(values: dict, req: Request, init: Optional[InitFrom],
 
     data = str(config_value(values, "data", default_value("data")))
     manifest = read_manifest(data)
+    theirs, n, whose = None, None, None  # the tokenizer, its vocabulary and the model it continues
     if init is not None:
-        theirs, n, whose = init.source.config.tokenizer, init.source.config.real_vocab_size, f"--init-from {init.source.spec}"
+        src = init.source
+        theirs, n, whose = src.config.tokenizer, src.config.real_vocab_size, f"--init-from {src.spec}"
     elif resumed is not None:
         where, saved = resumed
-        theirs, n, whose = config_value(saved, "tokenizer"), config_value(saved, "token_vocab_size"), f"the checkpoint {where}"
-    else:
-        theirs, n, whose = None, None, None
+        theirs, n = config_value(saved, "tokenizer"), config_value(saved, "token_vocab_size")
+        whose = f"the checkpoint {where}"
     if manifest:
         found = manifest.get("tokenizer", GPT2)
         ours = None if found == GPT2 else str(found)
