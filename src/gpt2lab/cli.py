@@ -20,8 +20,8 @@ from gpt2lab import __version__
 from gpt2lab.system.errors import (EXIT_CODES, EXIT_DISK_FULL, EXIT_ERROR, EXIT_INTERRUPTED, GPT2LabError,
                             disk_full, is_disk_full)
 
-COMMANDS = ["prepare", "train", "sample", "eval", "export", "plot", "compare", "bench", "demo", "env", "serve",
-            "report"]
+COMMANDS = ["tokenizer", "prepare", "train", "sample", "eval", "export", "plot", "compare", "bench", "demo", "env",
+            "serve", "report"]
 
 
 class Parser(argparse.ArgumentParser):

@@ -60,7 +60,7 @@ def test_every_field_is_a_flag_and_only_given_flags_override():
     add_config_flags(p)
     flags = {a.dest for a in p._actions} - {"help"}
     # one flat flag per field of every section, but no derived or retired one
-    assert flags == set(TOP_FIELDS) | set(SECTION_OF) - {"token_vocab_size", "chat_template"}
+    assert flags == set(TOP_FIELDS) | set(SECTION_OF) - {"token_vocab_size", "chat_template", "tokenizer"}
     assert {"n_layer", "attn_pdrop", "max_lr", "spike_window", "lora_rank"} <= flags and "init_from_id" not in flags
     got = _parse(["--max-steps", "7", "--compile", "false", "--max-lr", "2e-3", "--dtype", "float32",
                   "--peak-flops", "none", "--hellaswag-data", "x.jsonl", "--seed", "3"])

@@ -22,7 +22,7 @@ from gpt2lab.distributed.dist import DTYPES, autocast
 from gpt2lab.evals.hellaswag import DEFAULT_BATCH_SIZE, load_examples, render_example, resolve_strategy, score_examples
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.system.runtime import inference_dtype
-from gpt2lab.data.tokenizer import get_tokenizer
+from gpt2lab.data.tokenizer import for_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,7 +51,7 @@ def _default_data() -> str:
 def reference_predictions(model: GPT, examples, device: torch.device,
                           dtype: str = "float32") -> list[tuple[int, int]]:
     """(acc, acc_norm) predictions the reference way: one example (4 rows) per forward."""
-    enc, preds = get_tokenizer(), []
+    enc, preds = for_config(model.config), []
     for ex in examples:
         ctx, ends = render_example(enc, ex)
         T = max(len(ctx) + len(e) for e in ends)

@@ -21,6 +21,8 @@ optimizer steps completed):
                        level, and "loader", "rng" (python, numpy, torch, cuda) and "scaler" entries
     config.json        the run's resolved TrainConfig, nested by section (files written before
                        were flat: model.config.model_from_config and config_value read both)
+    tokenizer.json     only for a model with its own tokenizer (GPTConfig.tokenizer): so the
+                       checkpoint alone loads
     checksums.json     sha256 of each file above, verified when the checkpoint is loaded
 
 A checkpoint is written under a temporary name and renamed when complete (a sharded one
@@ -37,7 +39,7 @@ import os
 import random
 import re
 import shutil
-from typing import Callable, Mapping, Optional, Protocol
+from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -51,6 +53,7 @@ from gpt2lab.system.files import atomic_dir, sha256_file, write_json
 from gpt2lab.model.config import config_value, model_from_config
 from gpt2lab.system.errors import ConfigError
 from gpt2lab.model.gpt import GPT
+from gpt2lab.data.tokenizer import TOKENIZER_FILE, TokenizerError, load_tokenizer
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 _PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DDP wrappers
@@ -127,7 +130,7 @@ class RNG:
 
 
 def save(run_dir: str, step: int, parts: Mapping[str, Optional[Stateful]], config: dict,
-         keep: int = 0) -> str:
+         keep: int = 0, files: Sequence[str] = ()) -> str:
     """Write ``parts`` as the checkpoint of ``step`` completed steps; prune to the newest ``keep``.
 
     Called on every rank. ``parts["model"]`` and ``parts["optimizer"]`` go to the backend:
@@ -135,28 +138,30 @@ def save(run_dir: str, step: int, parts: Mapping[str, Optional[Stateful]], confi
     holds whole, "sharded" (DCP, every rank its shard) for an FSDP-sharded one. The other
     parts (None for one this run lacks) go to state.pt, written by rank 0 in both layouts.
     A weight average (``parts["average"]``, full layout only) takes model.safetensors; the
-    model's own weights go to training.safetensors.
+    model's own weights go to training.safetensors. ``files`` are copied in as they are (the model's
+    tokenizer.json), checksummed like the rest.
     A full disk raises DiskFullError and leaves no temporary behind.
     """
     final = checkpoint_dir(run_dir, step)
     model, optimizer, average = parts["model"], parts["optimizer"], parts.get("average")
+    extra = tuple(files)
     main = dist.rank() == 0
     if main:
         os.makedirs(os.path.dirname(final), exist_ok=True)
     plain = _plain_state(parts) if main else None
     if parallel.is_sharded(model):
-        _save_sharded(final, model, optimizer, plain, config)
+        _save_sharded(final, model, optimizer, plain, config, extra)
     elif main:
         with atomic_dir(final, what_next=_DISK_FULL_NEXT, replace=True) as tmp:  # replace: same step saved again
-            files = FILES
+            names = FILES
             if average is not None:
                 save_file(clean_state_dict(model.state_dict()), os.path.join(tmp, TRAINING))
-                files += (TRAINING,)
+                names += (TRAINING,)
             shown = model if average is None else average.module
             save_file(clean_state_dict(shown.state_dict()), os.path.join(tmp, "model.safetensors"))
             torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-            _write_rest(tmp, plain, config)
-            write_json(os.path.join(tmp, CHECKSUMS), {name: sha256_file(os.path.join(tmp, name)) for name in files})
+            names += _write_rest(tmp, plain, config, extra)
+            write_json(os.path.join(tmp, CHECKSUMS), {name: sha256_file(os.path.join(tmp, name)) for name in names})
     if main and keep:
         for old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -170,12 +175,17 @@ def _plain_state(parts: Mapping[str, Optional[Stateful]]) -> dict:
     return {**parts["trainer"].state_dict(), **state}
 
 
-def _write_rest(tmp: str, plain: dict, config: dict) -> None:
+def _write_rest(tmp: str, plain: dict, config: dict, files: Sequence[str] = ()) -> tuple[str, ...]:
+    """state.pt, config.json and copies of ``files``; returns the copies' names."""
     torch.save(plain, os.path.join(tmp, "state.pt"))
     write_json(os.path.join(tmp, "config.json"), config)
+    for path in files:
+        shutil.copyfile(path, os.path.join(tmp, os.path.basename(path)))
+    return tuple(os.path.basename(path) for path in files)
 
 
-def _save_sharded(final: str, model, optimizer, plain: Optional[dict], config: dict) -> None:
+def _save_sharded(final: str, model, optimizer, plain: Optional[dict], config: dict,
+                  files: Sequence[str] = ()) -> None:
     """Every rank writes its shard into rank 0's temporary directory; rank 0 completes it.
 
     Rank 0 (the one with ``plain``) writes state.pt and config.json; once every rank is
@@ -196,7 +206,7 @@ def _save_sharded(final: str, model, optimizer, plain: Optional[dict], config: d
                 if tmp is not None:
                     sharded.save(tmp, model, optimizer)  # collective: DCP raises on every rank if one fails
                     if main:
-                        _write_rest(tmp, plain, config)
+                        _write_rest(tmp, plain, config, files)
             except Exception as e:
                 error = e
             if dist.agree(error is not None):
@@ -421,6 +431,11 @@ def load_model(path: str, verified: bool = False) -> GPT:
         model = GPT(model_from_config(config, f"{ckpt}/config.json"))
     except ConfigError as e:
         raise damaged(ckpt, f"config.json describes no valid model ({e})") from e
+    if model.config.tokenizer is not None:  # its own tokenizer, beside the weights: loaded for its readers
+        try:
+            load_tokenizer(os.path.join(ckpt, TOKENIZER_FILE), model.config.tokenizer)
+        except TokenizerError as e:
+            raise damaged(ckpt, str(e)) from e
     if config_value(config, "lora_rank"):
         from gpt2lab.model.lora import add_lora, lora_args, merge_lora
 

@@ -177,13 +177,14 @@ def sample(run_dir: str, prompt: str, tokens: int, seed: int) -> str:
 
     from gpt2lab.checkpoint.store import load_model
     from gpt2lab.inference.generate import generate
-    from gpt2lab.data.tokenizer import EOT_ID, get_tokenizer
+    from gpt2lab.data.tokenizer import for_config
 
-    enc, model = get_tokenizer(), load_model(run_dir).eval()
+    model = load_model(run_dir).eval()
+    enc = for_config(model.config)
     idx = torch.tensor([enc.encode(prompt)])
     gen = torch.Generator().manual_seed(seed)
-    out = generate(model, idx, tokens, dtype="auto", temperature=0.8, top_k=50, generator=gen, stop_token=EOT_ID)
-    return enc.decode([t for t in out[0].tolist() if t != EOT_ID])
+    out = generate(model, idx, tokens, dtype="auto", temperature=0.8, top_k=50, generator=gen, stop_token=enc.eot_id)
+    return enc.decode([t for t in out[0].tolist() if t != enc.eot_id])
 
 
 def _command() -> str:

@@ -140,7 +140,7 @@ def run_loss(args: argparse.Namespace) -> int:
     from gpt2lab.system.errors import UsageError
 
     try:
-        from gpt2lab.evals.loss import evaluate_loss
+        from gpt2lab.evals.loss import evaluate
     except ImportError as e:
         raise SystemExit(f"gpt2lab eval loss: validation loss is not available in this install ({e})") from None
     for value, flag in ((args.tokens, "--tokens"), (args.batch_size, "--batch-size"), (args.seq_len, "--seq-len")):
@@ -148,22 +148,37 @@ def run_loss(args: argparse.Namespace) -> int:
     info = init_distributed(args.device)
     try:
         model, decision = _load(args, info)
+        _same_tokenizer(model.config, args.data)
         seq_len = args.seq_len or model.config.block_size
         try:
-            loss = evaluate_loss(model, args.data, tokens=args.tokens, batch_size=args.batch_size, seq_len=seq_len,
-                                 device=info.device, split=args.split, rank=info.rank,
-                                 world_size=info.world_size, flags=("--tokens", "--batch-size"))
+            res = evaluate(model, args.data, tokens=args.tokens, batch_size=args.batch_size, seq_len=seq_len,
+                           device=info.device, split=args.split, rank=info.rank, world_size=info.world_size,
+                           flags=("--tokens", "--batch-size"))
         except UsageError:  # a flag value: cli.main prints it, exit 2
             raise
         except (FileNotFoundError, ValueError) as e:
             raise SystemExit(f"gpt2lab eval loss: {e}") from None
         tokens = max(1, args.tokens // (args.batch_size * seq_len * info.world_size)) * (
             args.batch_size * seq_len * info.world_size)
-        print0(json.dumps({"task": "loss", "split": args.split, "tokens": tokens, "loss": loss,
-                           "inference": decision.record()}))
+        print0(json.dumps({"task": "loss", "split": args.split, "tokens": tokens, "loss": res.loss, "bpb": res.bpb,
+                           "bytes": res.bytes, "inference": decision.record()}))
     finally:
         cleanup()
     return 0
+
+
+def _same_tokenizer(config, data: str) -> None:
+    """Refuse data tokenized with another tokenizer than the model's (its losses would mean nothing)."""
+    from gpt2lab.data.shards import read_manifest
+    from gpt2lab.data.tokenizer import GPT2, short
+    from gpt2lab.system.errors import UsageError
+
+    found = read_manifest(data).get("tokenizer", GPT2)
+    theirs = None if found == GPT2 else str(found)
+    if theirs != config.tokenizer:
+        raise UsageError(f"--data {data} was prepared with {short(theirs)}, but --model uses "
+                         f"{short(config.tokenizer)}; evaluate on data prepared with the model's tokenizer "
+                         "(gpt2lab prepare --tokenizer DIR)")
 
 
 def _chat_model(args: argparse.Namespace, info):

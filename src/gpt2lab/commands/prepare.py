@@ -8,8 +8,8 @@ import sys
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "prepare",
-        help="tokenize a text source into uint16 token shards + manifest.json",
-        description="Tokenize SRC with the GPT-2 BPE into llm.c-style shards "
+        help="tokenize a text source into token shards + manifest.json",
+        description="Tokenize SRC with the GPT-2 BPE (or --tokenizer DIR's) into llm.c-style shards "
         "({split}_{index:06d}.bin) and a manifest.json. Re-run the same command to resume.",
     )
     p.add_argument("--source", required=True,
@@ -28,6 +28,9 @@ def add_parser(sub) -> None:
                    help="auto (default): conversations when the first JSON line holds \"messages\" "
                    "(or GSM8K's \"question\"/\"answer\"), else text; chat: conversations in the ChatML "
                    "template with a loss mask on the assistant's tokens; text: documents")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="a tokenizer from `gpt2lab tokenizer train` (default: GPT-2's BPE); its tokenizer.json "
+                   "goes beside the shards and every model trained on them uses it")
     p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
     p.add_argument("--text-field", default="text", help="jsonl/parquet/hub field holding the text")
     p.add_argument("--limit-docs", type=int, default=None, help="use only the first N documents")
@@ -46,7 +49,7 @@ def run(args) -> int:
                            val_tokens=args.val_tokens, workers=args.workers,
                            text_field=args.text_field, limit_docs=args.limit_docs,
                            config=args.config, progress=not args.quiet, val_split=args.val_split,
-                           data_format=args.data_format)
+                           data_format=args.data_format, tokenizer=args.tokenizer)
     except GPT2LabError:  # SourceError, ShardError, UsageError, DiskFullError: cli.main, its exit code
         raise
     except ValueError as e:  # a bad number (--shard-tokens 0 ...)
@@ -55,6 +58,8 @@ def run(args) -> int:
     summary = {name: {k: v for k, v in s.items() if k != "shards"} | {"shards": len(s["shards"])}
                for name, s in manifest["splits"].items()}
     extra = {"chat_template": manifest["chat_template"]} if "chat_template" in manifest else {}
+    if manifest.get("tokenizer", "gpt2") != "gpt2":
+        extra = {**extra, "tokenizer": manifest["tokenizer"], "vocab_size": manifest["vocab_size"]}
     print(json.dumps({"out": args.out, "documents": manifest["documents"],
                       "tokens": manifest["tokens"], **extra, "splits": summary}))
     return 0

@@ -88,5 +88,5 @@ def _request(args: argparse.Namespace):
     source = f"{f'preset {args.preset!r}' if args.preset else args.config} with overrides"
     values = merge_config(preset_values(args.preset) if args.preset else config_file_values(args.config), overrides,
                           source=source)
-    explicit = {k: v for k, v in model.items() if k in ARCH_FIELDS}
+    explicit = {k: v for k, v in model.items() if k in ARCH_FIELDS or k == "vocab_size"}
     return Request(values, explicit, args.resume, source=source)

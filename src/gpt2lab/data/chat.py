@@ -10,11 +10,12 @@ others use), after the ``<|endoftext|>`` every gpt2lab document starts with::
     <|im_start|>assistant
     Hi.<|im_end|>
 
-``<|im_start|>`` and ``<|im_end|>`` are two tokens of their own, ids 50257 and 50258: the first
-two of the rows gpt2lab pads GPT-2's 50257-token vocabulary with (50304), so a GPT-2 model
-takes them without a new embedding table. Text is encoded as ordinary text, never parsed for
-special tokens, so a message that contains the characters ``<|im_end|>`` cannot end its turn
-or open another: only the template writes those two ids.
+``<|im_start|>`` and ``<|im_end|>`` are two tokens of their own: in GPT-2's vocabulary ids 50257 and
+50258, the first two of the rows gpt2lab pads GPT-2's 50257 tokens with (50304), so a GPT-2 model
+takes them without a new embedding table; a tokenizer gpt2lab trained has them as special tokens
+of its own (data/bpe.py: ids 1 and 2). ``encode_chat`` takes the ids of the tokenizer it is given.
+Text is encoded as ordinary text, never parsed for special tokens, so a message that contains the
+characters ``<|im_end|>`` cannot end its turn or open another: only the template writes those two ids.
 
 Every piece of text between two special tokens is encoded as one string (``role\\ncontent``,
 then ``\\n``), which is exactly how a Hugging Face tokenizer encodes the template's text
@@ -28,17 +29,16 @@ it holds at least one byte of the assistant's content.
 """
 from __future__ import annotations
 
-import functools
 import json
 from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
 from gpt2lab.data.tokenizer import (CHAT_VOCAB_SIZE, EOT_ID, EOT_TOKEN, IM_END, IM_END_ID, IM_START,  # noqa: F401
-                                   IM_START_ID, get_tokenizer)
+                                   IM_START_ID, Tokenizer, for_chat, get_tokenizer, token_dtype)
 
 TEMPLATE = "chatml"  # the name a manifest, a run's config and an export record
-SPECIAL_TOKENS = {EOT_TOKEN: EOT_ID, IM_START: IM_START_ID, IM_END: IM_END_ID}
+SPECIAL_TOKENS = {EOT_TOKEN: EOT_ID, IM_START: IM_START_ID, IM_END: IM_END_ID}  # GPT-2's (special_tokens: any)
 ROLES = ("system", "user", "assistant")
 ASSISTANT = "assistant"
 
@@ -99,22 +99,25 @@ def is_conversation(row: Any) -> bool:
     return isinstance(row, dict) and ("messages" in row or ("question" in row and "answer" in row))
 
 
-@functools.lru_cache(maxsize=1)
-def _encoder():
-    return get_tokenizer()
+def special_tokens(tok: Tokenizer) -> dict[str, int]:
+    """The template's special tokens and their ids in ``tok`` (GPT-2's: SPECIAL_TOKENS)."""
+    tok = for_chat(tok)
+    return {EOT_TOKEN: tok.eot_id, IM_START: tok.im_start_id, IM_END: tok.im_end_id}
 
 
-def encode_chat(turns: Sequence[Message], add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
-    """(token ids, loss mask) of a conversation in the template; with ``add_generation_prompt``
-    the ids end with ``<|im_start|>assistant\\n``, where the model's reply begins."""
-    enc = _encoder()
-    ids, mask = [EOT_ID], [0]
+def encode_chat(turns: Sequence[Message], add_generation_prompt: bool = False,
+                tokenizer: Optional[Tokenizer] = None) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of a conversation in the template, in ``tokenizer``'s ids (default GPT-2's);
+    with ``add_generation_prompt`` the ids end with ``<|im_start|>assistant\\n``, where the model's
+    reply begins."""
+    enc = for_chat(tokenizer if tokenizer is not None else get_tokenizer())
+    ids, mask = [enc.eot_id], [0]
     for role, content in turns:
         head = f"{role}\n"
         body = enc.encode_ordinary(head + content)
-        ids.append(IM_START_ID)
+        ids.append(enc.im_start_id)
         ids.extend(body)
-        ids.append(IM_END_ID)
+        ids.append(enc.im_end_id)
         if role == ASSISTANT:
             mask.append(0)
             mask.extend(_content_mask(enc, body, len(head.encode())))
@@ -126,7 +129,7 @@ def encode_chat(turns: Sequence[Message], add_generation_prompt: bool = False) -
         mask.extend([0] * len(newline))
     if add_generation_prompt:
         prompt = enc.encode_ordinary(f"{ASSISTANT}\n")
-        ids.extend([IM_START_ID, *prompt])
+        ids.extend([enc.im_start_id, *prompt])
         mask.extend([0] * (1 + len(prompt)))
     return ids, mask
 
@@ -140,18 +143,20 @@ def _content_mask(enc, body: list[int], head_bytes: int) -> list[int]:
     return out
 
 
-def encode_records(records: Iterable[Sequence[Message]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Conversations -> (uint16 ids, each conversation <|endoftext|> first, concatenated; lengths;
-    uint8 loss mask), the shapes ``prepare`` writes."""
+def encode_records(records: Iterable[Sequence[Message]], tokenizer: Optional[Tokenizer] = None,
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Conversations -> (ids, each conversation <|endoftext|> first, concatenated, in the shard dtype of
+    ``tokenizer``'s vocabulary; lengths; uint8 loss mask), the shapes ``prepare`` writes."""
+    enc = for_chat(tokenizer if tokenizer is not None else get_tokenizer())
     ids: list[int] = []
     mask: list[int] = []
     lengths = []
     for turns in records:
-        a, m = encode_chat(turns)
+        a, m = encode_chat(turns, tokenizer=enc)
         ids.extend(a)
         mask.extend(m)
         lengths.append(len(a))
-    return (np.asarray(ids, dtype=np.uint16), np.asarray(lengths, dtype=np.int64),
+    return (np.asarray(ids, dtype=token_dtype(enc.n_vocab)), np.asarray(lengths, dtype=np.int64),
             np.asarray(mask, dtype=np.uint8))
 
 

@@ -46,13 +46,13 @@ class _ShardView:
     """One shard's tokens with its documents in one epoch's order."""
 
     def __init__(self, tokens: np.ndarray, rng: Optional[np.random.Generator],
-                 mask: Optional[np.ndarray] = None) -> None:
+                 mask: Optional[np.ndarray] = None, eot_id: int = EOT_ID) -> None:
         self.tokens, self.mask = tokens, mask
         if rng is None:  # stored order: one "document" covering the shard
             self.starts = np.zeros(1, dtype=np.int64)
             self.cum = np.array([0, len(tokens)], dtype=np.int64)
             return
-        starts = np.flatnonzero(tokens == EOT_ID).astype(np.int64)
+        starts = np.flatnonzero(tokens == eot_id).astype(np.int64)
         if len(starts) == 0 or starts[0] != 0:
             # a shard that begins mid-document (build-nanogpt shards do): the head is a document too
             starts = np.concatenate([[0], starts])
@@ -97,6 +97,7 @@ class TokenLoader:
         self.masked = "chat_template" in manifest  # conversations: shards with masks
         # the bound every token is checked against: the caller's, else the tokenizer the manifest names
         self.seed, self.vocab_size = seed, vocab_size or int(manifest.get("vocab_size", GPT2_VOCAB_SIZE))
+        self.eot_id = int(manifest.get("eot_id", EOT_ID))  # where documents start (the tokenizer's)
         self.paths = list_shards(self.data_dir, split)
         self.counts = [len(open_shard(p)) for p in self.paths]
         self.seqs = np.array([max(0, (n - 1) // seq_len) for n in self.counts], dtype=np.int64)
@@ -169,7 +170,7 @@ class TokenLoader:
                 self._vocab_checked.add(shard)
             rng = self._rng(epoch, 1 + shard) if self.shuffle else None
             mask = open_mask(self.paths[shard], len(tokens)) if self.masked else None
-            self._views[key] = _ShardView(tokens, rng, mask)
+            self._views[key] = _ShardView(tokens, rng, mask, self.eot_id)
             while len(self._views) > 2:  # a batch touches at most a few shards; keep memory flat
                 self._views.popitem(last=False)
         return self._views[key]

@@ -1,4 +1,5 @@
-"""Any text source -> GPT-2 token shards + manifest.json (``gpt2lab prepare``).
+"""Any text source -> token shards + manifest.json (``gpt2lab prepare``), in GPT-2's BPE or a tokenizer
+``gpt2lab tokenizer train`` made (``tokenizer``: its directory; its tokenizer.json is copied in).
 
 The documents are tokenized in order (in parallel, order kept), each one preceded by
 ``<|endoftext|>``, into one token stream. The stream is cut at fixed places: the first
@@ -14,6 +15,7 @@ document of each) and per source file.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import multiprocessing as mp
@@ -37,7 +39,7 @@ from gpt2lab.data.sources import Document, JsonLine, Source, SourceError, as_tex
 from gpt2lab.system import rundir
 from gpt2lab.system.errors import UsageError
 from gpt2lab.system.files import sweep_stale, write_json
-from gpt2lab.data.tokenizer import EOT_ID, GPT2_VOCAB_SIZE, get_tokenizer
+from gpt2lab.data.tokenizer import GPT2, Tokenizer, get_tokenizer, save_tokenizer, token_dtype
 
 MANIFEST = rundir.DATA_MARKER  # the directory's owner mark (system.rundir)
 FORMAT = rundir.DATA_FORMAT
@@ -71,7 +73,7 @@ def prepare(source: str, out_dir: str, *, shard_tokens: int = 100_000_000,
             val_tokens: Optional[int] = None, workers: Optional[int] = None,
             text_field: str = "text", limit_docs: Optional[int] = None,
             config: Optional[str] = None, progress: bool = True, val_split: Optional[str] = None,
-            data_format: str = "auto") -> Dict:
+            data_format: str = "auto", tokenizer: Optional[str] = None) -> Dict:
     """Tokenize ``source`` into shards under ``out_dir``; return the manifest.
 
     ``val_tokens=None``: one shard for hub sources; for local and bundled ones a fraction
@@ -85,6 +87,8 @@ def prepare(source: str, out_dir: str, *, shard_tokens: int = 100_000_000,
     directory it only checks the shards.
     ``data_format``: ``text`` (documents), ``chat`` (conversations: data/chat.py's template, with
     a loss mask per shard) or ``auto``, chat when the first record of a JSON-lines source is one.
+    ``tokenizer``: a directory from ``gpt2lab tokenizer train`` (None: GPT-2's BPE); the manifest
+    records its identity, vocabulary and shard dtype, and its tokenizer.json goes beside the shards.
     """
     if shard_tokens < 1:
         raise ValueError(f"shard_tokens {shard_tokens} must be >= 1")
@@ -97,9 +101,12 @@ def prepare(source: str, out_dir: str, *, shard_tokens: int = 100_000_000,
         raise ValueError(f"val_tokens {val_tokens} and limit_docs {limit_docs} must be >= 0")
     fmt = detect_format(src, data_format, text_field)
     val_split = val_split or ("documents" if fmt == "chat" else "tokens")
+    tok = _tokenizer(tokenizer, fmt)
     settings = {"source": source, "config": src.hub_config, "text_field": text_field,
                 "limit_docs": limit_docs, "shard_tokens": shard_tokens, "val_tokens": val_tokens,
                 "val_split": val_split, "format": fmt}
+    if tok.identity is not None:  # GPT-2's manifests stay as they were
+        settings["tokenizer"] = tok.identity
     if val_split not in VAL_SPLITS:
         raise UsageError(f"--val-split {val_split!r}: choose one of {', '.join(VAL_SPLITS)}")
     out = Path(out_dir)
@@ -109,11 +116,22 @@ def prepare(source: str, out_dir: str, *, shard_tokens: int = 100_000_000,
     if not os.access(out, os.W_OK | os.X_OK):
         raise UsageError(f"--out {out_dir}: cannot write into this directory (permission denied); "
                          "choose another --out or fix its permissions")
-    manifest = _start_manifest(out, settings, val_defaulted, src)
+    manifest = _start_manifest(out, settings, val_defaulted, src, tok)
     if not manifest["complete"]:
         _save_manifest(out, manifest)  # marks the directory unfinished until the end
-        _run(src, out, manifest, n_workers, progress)
+        if tok.identity is not None:  # after the manifest: a directory with one is prepare's own
+            save_tokenizer(tok, str(out), what_next="run the same prepare command again")
+        _run(src, out, manifest, n_workers, progress, tok)
     return manifest
+
+
+def _tokenizer(path: Optional[str], fmt: str) -> Tokenizer:
+    """GPT-2's BPE (its chat variant for conversations), or the trained one in ``path``."""
+    if path is None:
+        return get_tokenizer(chat=fmt == "chat")
+    from gpt2lab.data.bpe import open_dir
+
+    return open_dir(path)
 
 
 # A local source's val split is its val_fraction (0.5%; Tiny Shakespeare 5%), but at least this many
@@ -142,17 +160,17 @@ def _workers(workers: Optional[int]) -> int:
 # -- manifest ----------------------------------------------------------------------------
 FLAGS = {"source": "--source", "config": "--config", "text_field": "--text-field",
          "limit_docs": "--limit-docs", "shard_tokens": "--shard-tokens", "val_tokens": "--val-tokens",
-         "val_split": "--val-split", "format": "--format"}
+         "val_split": "--val-split", "format": "--format", "tokenizer": "--tokenizer"}
 FORMATS = ("auto", "text", "chat")
 # How the val split ends: at exactly --val-tokens tokens, or at the end of the document reaching them.
 VAL_SPLITS = ("tokens", "documents")
 
 
-def _fresh_manifest(settings: Dict) -> Dict:
+def _fresh_manifest(settings: Dict, tok: Tokenizer) -> Dict:
     conversations = settings["format"] == "chat"
-    manifest = {"format": FORMAT, "version": VERSION, "source": settings["source"], "tokenizer": "gpt2",
-                "eot_id": EOT_ID, "vocab_size": chat.CHAT_VOCAB_SIZE if conversations else GPT2_VOCAB_SIZE,
-                "dtype": "uint16", "settings": settings, "complete": False, "shards": [], "files": [],
+    manifest = {"format": FORMAT, "version": VERSION, "source": settings["source"], "tokenizer": tok.identity or GPT2,
+                "eot_id": tok.eot_id, "vocab_size": tok.n_vocab, "dtype": token_dtype(tok.n_vocab).name,
+                "settings": settings, "complete": False, "shards": [], "files": [],
                 "resume": {"next_doc": 0, "offset": 0, "tokens": 0,
                            "val_end": 0 if settings["val_tokens"] == 0 else None}}
     if conversations:  # the loader takes the loss on the masked tokens only; a run records the template
@@ -180,7 +198,7 @@ def detect_format(src: Source, asked: str, text_field: str) -> str:
     return "chat" if chat.is_conversation(row) and text_field not in row else "text"
 
 
-def _start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: Source) -> Dict:
+def _start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: Source, tok: Tokenizer) -> Dict:
     """A fresh manifest, or the one of an earlier run of the same command (checked).
 
     Only the flags the user gave are compared: a default worked out from the source
@@ -191,7 +209,7 @@ def _start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: Source)
     path = out / MANIFEST
     if not path.exists():
         _refuse_foreign_shards(out)
-        return _fresh_manifest(settings)
+        return _fresh_manifest(settings, tok)
     try:
         manifest = json.loads(path.read_text())
         old = manifest["settings"]
@@ -200,25 +218,28 @@ def _start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: Source)
                          "use another --out") from e
     # manifests written before --val-split cut val at a token count; before --format, all were text
     old = {"val_split": "tokens", "format": "text", **old}
-    differ = [k for k in settings if old.get(k) != settings[k] and not (k == "val_tokens" and val_defaulted)]
+    keys = [*settings, *(["tokenizer"] if "tokenizer" not in settings else [])]  # GPT-2's is no key
+    differ = [k for k in keys if old.get(k) != settings.get(k) and not (k == "val_tokens" and val_defaulted)]
     if not manifest.get("complete") and not manifest.get("shards"):
-        return _start_over(out, manifest, settings, None)  # nothing was written yet
+        return _start_over(out, manifest, settings, None, tok)  # nothing was written yet
     if differ:
-        was = ", ".join(f"{FLAGS[k]} {_flag_value(old.get(k))}" for k in differ)
-        now = ", ".join(f"{FLAGS[k]} {_flag_value(settings[k])}" for k in differ)
+        was = ", ".join(f"{FLAGS[k]} {_flag_value(old.get(k), k)}" for k in differ)
+        now = ", ".join(f"{FLAGS[k]} {_flag_value(settings.get(k), k)}" for k in differ)
         raise ShardError(f"{path}: this directory was prepared with {was}, not {now}; rerun with "
                          f"the same flags to {'resume' if not manifest['complete'] else 'check'} it, "
                          "or use another --out")
     if not manifest["complete"]:
         why = _source_changed(manifest, src)
         if why:
-            return _start_over(out, manifest, settings, why)
+            return _start_over(out, manifest, settings, why, tok)
     for shard in manifest["shards"]:
         _check_done_shard(out / shard["name"], shard["tokens"])
     return manifest
 
 
-def _flag_value(v) -> str:
+def _flag_value(v, key: str = "") -> str:
+    if key == "tokenizer":  # an identity: the directory it came from is not recorded
+        return "(GPT-2's)" if v is None else f"DIR of tokenizer sha256:{str(v)[:12]}"
     return "(not given)" if v is None else str(v)
 
 
@@ -234,7 +255,7 @@ def _source_changed(manifest: Dict, src: Source) -> Optional[str]:
     return None
 
 
-def _start_over(out: Path, manifest: Dict, settings: Dict, why: Optional[str]) -> Dict:
+def _start_over(out: Path, manifest: Dict, settings: Dict, why: Optional[str], tok: Tokenizer) -> Dict:
     """Remove the unfinished run's own shards (listed, or renamed just before a crash)."""
     names = {s["name"] for s in manifest.get("shards", [])}
     for split in ("val", "train"):
@@ -246,7 +267,7 @@ def _start_over(out: Path, manifest: Dict, settings: Dict, why: Optional[str]) -
     if why:
         warnings.warn(f"{out}: the unfinished prepare there cannot be resumed: {why}; starting over")
     _refuse_foreign_shards(out)
-    return _fresh_manifest(settings)
+    return _fresh_manifest(settings, tok)
 
 
 def _refuse_foreign_shards(out: Path) -> None:
@@ -312,7 +333,7 @@ class _Writer:
         self.doc, self.offset, self.written, self.val_end = r["next_doc"], r["offset"], r["tokens"], r["val_end"]
         if self.val_end is None and s.get("val_split", "tokens") == "tokens":
             self.val_end = self.val_tokens  # a token count, wherever it falls in a document
-        self.buf = np.empty(self.shard_tokens, dtype=np.uint16)
+        self.buf = np.empty(self.shard_tokens, dtype=manifest.get("dtype", "uint16"))
         # conversations: the loss mask beside the tokens, cut into shards at the same places
         self.mask = np.empty(self.shard_tokens, dtype=np.uint8) if s.get("format") == "chat" else None
         self.fill, self.docs_in_shard = 0, 0
@@ -396,7 +417,7 @@ class _Writer:
                               "are empty; point --source at files with text")
         _finish_manifest(self.manifest)
         for info in self.manifest["splits"].values():  # a split that begins inside a document holds it too
-            if open_shard(self.out / info["shards"][0])[0] != EOT_ID:
+            if open_shard(self.out / info["shards"][0])[0] != self.manifest["eot_id"]:
                 info["documents"] += 1
         if "train" not in self.manifest["splits"]:
             warnings.warn(f"{self.out}: all {self.written} tokens went to val (val_tokens "
@@ -404,7 +425,7 @@ class _Writer:
         _save_manifest(self.out, self.manifest)
 
 
-def _run(src: Source, out: Path, manifest: Dict, workers: int, progress: bool) -> None:
+def _run(src: Source, out: Path, manifest: Dict, workers: int, progress: bool, tok: Tokenizer) -> None:
     # the temporaries older gpt2lab versions wrote beside their shards (SHARD.bin.tmp and
     # manifest.json.tmp); another program's *.tmp in --out is not ours to remove
     for stale in [*out.glob("*.bin.tmp"), *out.glob(MANIFEST + ".tmp")]:
@@ -415,7 +436,8 @@ def _run(src: Source, out: Path, manifest: Dict, workers: int, progress: bool) -
     size = src.size_bytes or TASK_CHARS_MAX * 8 * workers
     task_chars = min(TASK_CHARS_MAX, max(TASK_CHARS_MIN, size // (8 * workers)))
     threads = use_threads(src.size_bytes, workers)
-    encode = encode_conversations if manifest["settings"].get("format") == "chat" else encode_documents
+    chat_data = manifest["settings"].get("format") == "chat"
+    encode = functools.partial(encode_conversations if chat_data else encode_documents, tokenizer=tok)
     with _token_stream(docs, workers, task_chars, threads, encode) as stream, \
             _progress(progress, writer.written) as bar:
         for tokens, lengths, *mask in stream:
@@ -426,22 +448,24 @@ def _run(src: Source, out: Path, manifest: Dict, workers: int, progress: bool) -
 
 
 # -- tokenizing, in order, in parallel ---------------------------------------------------
-def encode_documents(docs: List[Document]) -> Tuple[np.ndarray, np.ndarray]:
-    """Documents -> (uint16 tokens, each document EOT first, concatenated; lengths)."""
-    enc = get_tokenizer()
+def encode_documents(docs: List[Document], tokenizer: Optional[Tokenizer] = None) -> Tuple[np.ndarray, np.ndarray]:
+    """Documents -> (tokens, each document EOT first, concatenated, in the shard dtype of ``tokenizer``'s
+    vocabulary (default GPT-2's: uint16); lengths)."""
+    enc = tokenizer if tokenizer is not None else get_tokenizer()
     ids = [enc.encode_ordinary(as_text(d)) for d in docs]
     lengths = np.array([len(x) + 1 for x in ids], dtype=np.int64)
     flat = np.empty(int(lengths.sum()), dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     for s, x in zip(starts, ids):
-        flat[s] = EOT_ID
+        flat[s] = enc.eot_id
         flat[s + 1:s + 1 + len(x)] = x
-    if len(flat) and (flat.max() >= GPT2_VOCAB_SIZE or flat.min() < 0):
-        raise ValueError(f"token id {int(flat.max())} does not fit the GPT-2 vocab (uint16)")
-    return flat.astype(np.uint16), lengths
+    if len(flat) and (flat.max() >= enc.n_vocab or flat.min() < 0):
+        raise ValueError(f"token id {int(flat.max())} does not fit the tokenizer's {enc.n_vocab} tokens")
+    return flat.astype(token_dtype(enc.n_vocab)), lengths
 
 
-def encode_conversations(docs: List[Document]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+def encode_conversations(docs: List[Document], tokenizer: Optional[Tokenizer] = None,
+                         ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """JSON-lines conversations -> (uint16 tokens, lengths, uint8 loss mask) in data/chat.py's
     template; a record that is not a conversation is a SourceError naming its file, line and field."""
     records = []
@@ -453,7 +477,7 @@ def encode_conversations(docs: List[Document]) -> Tuple[np.ndarray, np.ndarray, 
             records.append(chat.conversation(doc.row()))
         except chat.ChatFormatError as e:
             raise SourceError(f"{doc.path}:{doc.lineno}: {e}; fix or remove that line") from e
-    return chat.encode_records(records)
+    return chat.encode_records(records, tokenizer)
 
 
 def _tasks(docs: Iterable[Document], task_chars: int) -> Iterator[List[Document]]:
@@ -472,8 +496,8 @@ def _tasks(docs: Iterable[Document], task_chars: int) -> Iterator[List[Document]
 @contextmanager
 def _token_stream(docs: Iterable[Document], workers: int, task_chars: int, threads: bool = False,
                   encode=encode_documents):
-    """``encode``'s (tokens, lengths[, mask]) per task, in order, from ``workers`` threads or processes."""
-    get_tokenizer()  # build once here: forked workers and threads share it
+    """``encode``'s (tokens, lengths[, mask]) per task, in order, from ``workers`` threads or processes
+    (``encode`` holds its tokenizer, built once here: forked workers and threads share it)."""
     if workers == 1:
         yield map(encode, _tasks(docs, task_chars))
         return

@@ -1,8 +1,9 @@
 """Token shard files: write, list, open (memory-mapped) and validate.
 
 The ``.bin`` format is llm.c's: a header of 256 int32 (magic 20240520, version 1, token
-count), then the tokens as uint16. build-nanogpt's ``.npy`` shards (a bare uint16 array)
-are read too. Every check names the file and says what to do, because a bad shard found
+count), then the tokens as uint16. A vocabulary past 65,536 tokens (a trained tokenizer's) needs
+uint32 tokens: llm.c's header for those, magic 20240801, version 7. build-nanogpt's ``.npy``
+shards (a bare uint16 array) are read too. Every check names the file and says what to do, because a bad shard found
 hours into a run is expensive.
 """
 from __future__ import annotations
@@ -19,6 +20,9 @@ from gpt2lab.system.files import atomic_write
 
 MAGIC = 20240520
 VERSION = 1
+# (magic, version) of a shard header -> its token dtype: llm.c's GPT-2 shards, and its uint32 ones
+HEADERS = {(MAGIC, VERSION): np.dtype(np.uint16), (20240801, 7): np.dtype(np.uint32)}
+HEADER_OF = {dtype: key for key, dtype in HEADERS.items()}
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 SHARD_SUFFIXES = (".bin", ".npy")
@@ -35,11 +39,12 @@ def shard_name(split: str, index: int) -> str:
 
 
 def write_shard(path: PathLike, tokens: np.ndarray) -> None:
-    """Write ``tokens`` (uint16) as a ``.bin`` shard; atomic: temp name, then rename."""
-    if tokens.dtype != np.uint16:
-        raise TypeError(f"{path}: shard tokens must be uint16, got {tokens.dtype}")
+    """Write ``tokens`` (uint16, or uint32 for a vocabulary past 65,536) as a ``.bin`` shard; atomic:
+    temp name, then rename."""
+    if tokens.dtype not in HEADER_OF:
+        raise TypeError(f"{path}: shard tokens must be uint16 or uint32, got {tokens.dtype}")
     header = np.zeros(HEADER_INTS, dtype=np.int32)
-    header[:3] = (MAGIC, VERSION, len(tokens))
+    header[:3] = (*HEADER_OF[tokens.dtype], len(tokens))
     again = "free some space and run the same prepare command again: it resumes after the last whole shard"
     with atomic_write(str(path), "wb", what_next=again) as f:
         f.write(header.tobytes())
@@ -90,35 +95,43 @@ def open_mask(shard: PathLike, tokens: int) -> np.ndarray:
 
 def read_header(path: PathLike) -> int:
     """Validate a ``.bin`` shard's header and size; return its token count."""
+    return _header(path)[0]
+
+
+def _header(path: PathLike) -> tuple[int, np.dtype]:
+    """(token count, token dtype) of a ``.bin`` shard whose header and size are valid."""
     size = os.path.getsize(path)
     if size < HEADER_BYTES:
         raise ShardError(f"{path}: {size} bytes, shorter than the {HEADER_BYTES}-byte header; "
                          "the shard is truncated: delete it and re-run gpt2lab prepare")
     header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
-    if header[0] != MAGIC:
-        raise ShardError(f"{path}: magic {int(header[0])} is not {MAGIC}; not a gpt2lab/llm.c "
+    magic, version = int(header[0]), int(header[1])
+    if magic not in {m for m, _ in HEADERS}:
+        raise ShardError(f"{path}: magic {magic} is not {MAGIC}; not a gpt2lab/llm.c "
                          "token shard (re-create it with gpt2lab prepare)")
-    if header[1] != VERSION:
-        raise ShardError(f"{path}: shard version {int(header[1])} is not supported (expected "
-                         f"{VERSION}, uint16 tokens); re-create it with gpt2lab prepare")
+    dtype = HEADERS.get((magic, version))
+    if dtype is None:
+        expected = " or ".join(f"{v} ({HEADERS[m, v]} tokens)" for m, v in HEADERS if m == magic)
+        raise ShardError(f"{path}: shard version {version} is not supported (expected {expected}); "
+                         "re-create it with gpt2lab prepare")
     count = int(header[2])
-    have = (size - HEADER_BYTES) // 2
-    if have != count or (size - HEADER_BYTES) % 2:
+    have = (size - HEADER_BYTES) // dtype.itemsize
+    if have != count or (size - HEADER_BYTES) % dtype.itemsize:
         what = "truncated" if have < count else "longer than its header says"
         raise ShardError(f"{path}: header says {count} tokens but the file holds {have}; the shard "
                          f"is {what}: delete it and re-run gpt2lab prepare")
-    return count
+    return count, dtype
 
 
 def open_shard(path: PathLike) -> np.ndarray:
-    """The shard's tokens as a read-only uint16 memmap (no data is read yet)."""
+    """The shard's tokens as a read-only uint16 (or uint32) memmap (no data is read yet)."""
     path = str(path)
     if path.endswith(".npy"):
         return _open_npy(path)
-    count = read_header(path)
+    count, dtype = _header(path)
     if count == 0:
-        return np.zeros(0, dtype=np.uint16)
-    return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(count,))
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
 
 
 def _open_npy(path: str) -> np.ndarray:

@@ -1,26 +1,46 @@
-"""The GPT-2 BPE as a tiktoken ``Encoding``, built from files shipped in the package.
+"""Tokenizers behind one interface: GPT-2's BPE (tiktoken) and a byte-level BPE trained by gpt2lab.
 
-tiktoken's own ``get_encoding("gpt2")`` downloads encoder.json and vocab.bpe on first
-use; shipping them (and checking their sha256) makes gpt2lab work with no network.
+GPT-2's is built from files shipped in the package (tiktoken's own ``get_encoding("gpt2")``
+downloads encoder.json and vocab.bpe on first use; shipping them, and checking their sha256, makes
+gpt2lab work with no network). A trained one (``gpt2lab tokenizer train``, data/bpe.py) is a
+Hugging Face ``tokenizer.json``, the one file that holds it; its identity is that file's sha256.
+
+Both answer what gpt2lab asks of a tokenizer (``Tokenizer``): encode text as text
+(``encode_ordinary``) or with special tokens (``encode``, tiktoken's rules), decode, each token's
+bytes, the vocabulary size, ``<|endoftext|>``'s id and the chat template's two turn tokens.
+
+A model names its tokenizer by identity (``GPTConfig.tokenizer``; None is GPT-2's). The files
+travel with everything that holds a model (prepared data, a run, each checkpoint, an export); the
+loader that finds a model loads its ``tokenizer.json`` (``load_tokenizer``, which checks the
+identity) and from then on ``for_config(model.config)`` gives it, in this process.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import os
+import re
 from importlib import resources
+from typing import Collection, Literal, Optional, Protocol, Union
 
+import numpy as np
 import tiktoken
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
-from gpt2lab.model.config import CHAT_VOCAB_SIZES, GPT2_VOCAB_SIZE
+from gpt2lab.model.config import CHAT_VOCAB_SIZES, GPT2_VOCAB_SIZE, GPTConfig
+from gpt2lab.system.errors import DataError
 
 EOT_TOKEN = "<|endoftext|>"
 EOT_ID = 50256
-# A chat model's two turn tokens (data/chat.py: the ChatML template): the first two rows of the
-# padding gpt2lab adds to GPT-2's vocabulary (50257 -> 50304), so no new embedding is needed.
+# A chat model's two turn tokens (data/chat.py: the ChatML template). In GPT-2's vocabulary they are
+# the first two rows of the padding gpt2lab adds (50257 -> 50304), so no new embedding is needed.
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 IM_START_ID, IM_END_ID = 50257, 50258
 CHAT_VOCAB_SIZE = CHAT_VOCAB_SIZES["chatml"]
+# Every trained tokenizer has these, in this order (data/bpe.py gives them ids 0, 1, 2).
+SPECIAL_TOKENS = (EOT_TOKEN, IM_START, IM_END)
+TOKENIZER_FILE = "tokenizer.json"  # a trained tokenizer, in Hugging Face's format
+GPT2 = "gpt2"  # how a manifest names GPT-2's tokenizer
 
 # The hashes tiktoken itself checks for the OpenAI GPT-2 files.
 _SHA256 = {
@@ -29,6 +49,29 @@ _SHA256 = {
 }
 # The GPT-2 pre-tokenisation regex (tiktoken's r50k/gpt2 pattern).
 _PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+
+Specials = Union[Literal["all"], Collection[str]]
+
+
+class TokenizerError(DataError):
+    """A tokenizer file that cannot be used (missing, damaged, not the one a model names)."""
+
+
+class Tokenizer(Protocol):
+    """What gpt2lab asks of a tokenizer (GPT-2's tiktoken Encoding and a trained one both are one)."""
+
+    identity: Optional[str]       # sha256 of tokenizer.json; None: GPT-2's
+    eot_id: int                   # <|endoftext|>: every document starts with it
+    im_start_id: Optional[int]    # the chat template's turn tokens (None: GPT-2's without them)
+    im_end_id: Optional[int]
+
+    @property
+    def n_vocab(self) -> int: ...
+    def encode_ordinary(self, text: str) -> list[int]: ...
+    def encode(self, text: str, *, allowed_special: Specials = ...,
+               disallowed_special: Specials = ...) -> list[int]: ...
+    def decode(self, tokens: list[int], errors: str = "replace") -> str: ...
+    def decode_single_token_bytes(self, token: int) -> bytes: ...
 
 
 def asset_path(name: str) -> str:
@@ -48,21 +91,235 @@ def _checked(name: str) -> str:
     return path
 
 
+# -- GPT-2's ---------------------------------------------------------------------------------------
+class GPT2Encoding(tiktoken.Encoding):
+    """GPT-2's BPE: a tiktoken Encoding (every method tiktoken has) with the Tokenizer attributes."""
+
+    identity = None
+    eot_id = EOT_ID
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self.im_start_id, self.im_end_id = (IM_START_ID, IM_END_ID) if chat else (None, None)
+        specials = {EOT_TOKEN: EOT_ID, **({IM_START: IM_START_ID, IM_END: IM_END_ID} if chat else {})}
+        super().__init__(name="gpt2-chatml" if chat else "gpt2", pat_str=_PAT_STR, mergeable_ranks=_ranks(),
+                         special_tokens=specials, explicit_n_vocab=CHAT_VOCAB_SIZE if chat else GPT2_VOCAB_SIZE)
+
+    def __reduce__(self):
+        return get_tokenizer, (self.chat,)
+
+
 @functools.lru_cache(maxsize=2)
-def get_tokenizer(chat: bool = False) -> tiktoken.Encoding:
+def get_tokenizer(chat: bool = False) -> GPT2Encoding:
     """The GPT-2 BPE (50257 tokens, ``<|endoftext|>`` = 50256), offline; ``chat``: with the two
     turn tokens as special tokens too (50259), for a chat model's text."""
-    specials = {EOT_TOKEN: EOT_ID, **({IM_START: IM_START_ID, IM_END: IM_END_ID} if chat else {})}
-    return tiktoken.Encoding(
-        name="gpt2-chatml" if chat else "gpt2",
-        pat_str=_PAT_STR,
-        mergeable_ranks=_ranks(),
-        special_tokens=specials,
-        explicit_n_vocab=CHAT_VOCAB_SIZE if chat else GPT2_VOCAB_SIZE,
-    )
+    return GPT2Encoding(chat)
 
 
 @functools.lru_cache(maxsize=1)
 def _ranks() -> dict:
     return data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=_checked("vocab.bpe"),
                                            encoder_json_file=_checked("encoder.json"))
+
+
+# -- a trained one -----------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def _byte_of_char() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's bytes_to_unicode, which Hugging Face's ByteLevel uses):
+    the printable bytes stand for themselves, every other byte b for chr(256 + its rank among them)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+class TrainedBPE:
+    """A byte-level BPE from a Hugging Face ``tokenizer.json`` (data/bpe.py trains them).
+
+    Encoding never parses special tokens out of text (``encode_special_tokens``); ``encode`` splits at
+    the allowed ones first and encodes each piece alone, as tiktoken and transformers both do.
+    """
+
+    def __init__(self, text: str, where: str = TOKENIZER_FILE) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self.text, self.identity = text, hashlib.sha256(text.encode("utf-8")).hexdigest()
+        try:
+            self._tok = HFTokenizer.from_str(text)
+        except Exception as e:  # tokenizers raises its own Exception subclass on a bad file
+            raise TokenizerError(f"{where}: not a Hugging Face tokenizer.json ({str(e)[:200]}); "
+                                 "train it again with gpt2lab tokenizer train") from e
+        self._tok.encode_special_tokens = True  # text is text: "<|im_end|>" typed in a message stays characters
+        self.specials = {t: self._tok.token_to_id(t) for t in SPECIAL_TOKENS}
+        missing = [t for t, i in self.specials.items() if i is None]
+        if missing:
+            raise TokenizerError(f"{where}: has no {', '.join(missing)} token; gpt2lab needs "
+                                 f"{', '.join(SPECIAL_TOKENS)} (gpt2lab tokenizer train adds them)")
+        self.eot_id, self.im_start_id, self.im_end_id = (self.specials[t] for t in SPECIAL_TOKENS)
+        self._bytes = self._token_bytes(where)
+        self._special_re = {}
+
+    def _token_bytes(self, where: str) -> list[bytes]:
+        table = _byte_of_char()
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        out: list[Optional[bytes]] = [None] * (max(vocab.values()) + 1)
+        special = set(self.specials.values())
+        for piece, i in vocab.items():
+            if i in special:
+                out[i] = piece.encode("utf-8")
+                continue
+            try:
+                out[i] = bytes(table[c] for c in piece)
+            except KeyError:
+                raise TokenizerError(f"{where}: token {piece!r} (id {i}) is not byte-level BPE; train it with "
+                                     "gpt2lab tokenizer train") from None
+        if any(b is None for b in out):
+            raise TokenizerError(f"{where}: its token ids are not 0..{len(out) - 1} without gaps")
+        return out  # type: ignore[return-value]
+
+    def __reduce__(self):  # worker processes (spawn) rebuild it from its file's text
+        return TrainedBPE, (self.text,)
+
+    @property
+    def n_vocab(self) -> int:
+        return len(self._bytes)
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode(self, text: str, *, allowed_special: Specials = frozenset(),
+               disallowed_special: Specials = "all") -> list[int]:
+        """tiktoken's ``encode``: the allowed special tokens written in ``text`` are those tokens; a
+        disallowed one there is a ValueError; ``disallowed_special=()`` encodes the rest as text."""
+        allowed = set(self.specials) if allowed_special == "all" else set(allowed_special)
+        disallowed = set(self.specials) - allowed if disallowed_special == "all" else set(disallowed_special)
+        for token in disallowed:
+            if token in text:
+                raise ValueError(f"text contains the special token {token!r}, which is not allowed here; pass "
+                                 "allowed_special or disallowed_special=() to encode it as text")
+        if not allowed:
+            return self.encode_ordinary(text)
+        pattern = self._special_re.get(frozenset(allowed))
+        if pattern is None:
+            pattern = re.compile("|".join(re.escape(t) for t in sorted(allowed, key=len, reverse=True)))
+            self._special_re[frozenset(allowed)] = pattern
+        ids, at = [], 0
+        for m in pattern.finditer(text):
+            ids += self.encode_ordinary(text[at:m.start()]) if m.start() > at else []
+            ids.append(self.specials[m.group()])
+            at = m.end()
+        return ids + (self.encode_ordinary(text[at:]) if at < len(text) else [])
+
+    def decode_single_token_bytes(self, token: int) -> bytes:
+        if not 0 <= token < len(self._bytes):
+            raise KeyError(f"token id {token} is not in the tokenizer's {len(self._bytes)} tokens")
+        return self._bytes[token]
+
+    def decode(self, tokens: list[int], errors: str = "replace") -> str:
+        return b"".join(self.decode_single_token_bytes(int(t)) for t in tokens).decode("utf-8", errors)
+
+
+# -- which tokenizer -------------------------------------------------------------------------------
+_LOADED: dict[str, TrainedBPE] = {}  # by identity: a tokenizer.json's sha256 names exactly one
+
+
+def load_tokenizer(path: str, identity: Optional[str] = None, what_next: str = "") -> TrainedBPE:
+    """The trained tokenizer in ``path`` (a directory holding tokenizer.json, or the file itself),
+    checked to be ``identity`` when given; from now on ``tokenizer_of`` knows it in this process."""
+    file = os.path.join(path, TOKENIZER_FILE) if os.path.isdir(path) else path
+    fix = f"; {what_next}" if what_next else ""
+    try:
+        with open(file, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise TokenizerError(f"{file}: cannot be read ({e.strerror or e}){fix}") from e
+    digest = hashlib.sha256(raw).hexdigest()
+    if identity is not None and digest != identity:
+        raise TokenizerError(f"{file}: is tokenizer {short(digest)}, not {short(identity)} as expected{fix}")
+    if digest not in _LOADED:
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TokenizerError(f"{file}: not UTF-8 text ({e}); not a tokenizer.json{fix}") from e
+        _LOADED[digest] = TrainedBPE(text, file)
+    return _LOADED[digest]
+
+
+def save_tokenizer(tok: TrainedBPE, folder: str, what_next: str = "") -> str:
+    """``tok``'s tokenizer.json in ``folder``, written atomically (kept where that very file is there
+    already); its path."""
+    from gpt2lab.system.files import atomic_write
+
+    path = os.path.join(folder, TOKENIZER_FILE)
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            if hashlib.sha256(f.read()).hexdigest() == tok.identity:
+                return path
+    with atomic_write(path, "w", what_next=what_next or None) as f:
+        f.write(tok.text)
+    return path
+
+
+def for_data(data_dir: str) -> Tokenizer:
+    """The tokenizer a prepared directory's shards were made with: GPT-2's (its chat variant for
+    conversations), or the trained one its manifest names, read from the tokenizer.json beside them."""
+    from gpt2lab.data.shards import read_manifest
+
+    manifest = read_manifest(data_dir)
+    name = manifest.get("tokenizer", GPT2)
+    if name == GPT2:
+        return get_tokenizer(chat="chat_template" in manifest)
+    return load_tokenizer(os.path.join(data_dir, TOKENIZER_FILE), str(name),
+                          what_next=f"prepare {data_dir} again (gpt2lab prepare --tokenizer DIR)")
+
+
+def short(identity: Optional[str]) -> str:
+    """A tokenizer's name in a message: GPT-2's, or the start of its sha256."""
+    return "GPT-2's BPE" if identity is None else f"sha256:{identity[:12]}"
+
+
+def tokenizer_of(identity: Optional[str], chat: bool = False) -> Tokenizer:
+    """The tokenizer named ``identity`` (None: GPT-2's, ``chat``: with its turn tokens; a trained one
+    always has them), loaded earlier in this process by ``load_tokenizer``."""
+    if identity is None:
+        return get_tokenizer(chat=chat)
+    if identity not in _LOADED:
+        raise TokenizerError(f"tokenizer {short(identity)} is not loaded: load the model with gpt2lab's loader "
+                             "(it reads the tokenizer.json beside the weights) or call "
+                             "gpt2lab.data.tokenizer.load_tokenizer(DIR) first")
+    return _LOADED[identity]
+
+
+def for_config(config: GPTConfig) -> Tokenizer:
+    """A model's tokenizer: its own, or GPT-2's with the turn tokens where the model is a chat model."""
+    return tokenizer_of(config.tokenizer, chat=config.chat_template is not None)
+
+
+def for_chat(tok: Tokenizer) -> Tokenizer:
+    """``tok`` with the chat template's turn tokens: GPT-2's chat variant where ``tok`` is GPT-2's
+    without them (a base model is scored and talked to in the template all the same)."""
+    return tok if tok.im_start_id is not None else get_tokenizer(chat=True)
+
+
+def token_dtype(n_vocab: int) -> np.dtype:
+    """The narrowest shard dtype that holds every id: uint16 up to 65,536 tokens, else uint32."""
+    return np.dtype(np.uint16) if n_vocab <= 1 << 16 else np.dtype(np.uint32)
+
+
+def byte_lengths(tok: Tokenizer) -> np.ndarray:
+    """int64 table: the UTF-8 bytes each token id decodes to, special tokens 0 (bits per byte counts
+    the text's bytes; the template's markers are not text)."""
+    key = (tok.identity, tok.n_vocab)
+    if key not in _BYTE_LENGTHS:
+        specials = {tok.eot_id, tok.im_start_id, tok.im_end_id} - {None}
+        _BYTE_LENGTHS[key] = np.array([0 if i in specials else len(tok.decode_single_token_bytes(i))
+                                       for i in range(tok.n_vocab)], dtype=np.int64)
+    return _BYTE_LENGTHS[key]
+
+
+_BYTE_LENGTHS: dict[tuple, np.ndarray] = {}

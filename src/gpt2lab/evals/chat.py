@@ -24,15 +24,20 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-from gpt2lab.data.chat import IM_END_ID, Message, encode_chat
-from gpt2lab.data.tokenizer import get_tokenizer
+from gpt2lab.data.chat import Message, encode_chat
+from gpt2lab.data.tokenizer import Tokenizer, for_chat, for_config
 from gpt2lab.distributed.dist import autocast
+
+
+def chat_tokenizer(model) -> Tokenizer:
+    """The model's tokenizer with the template's turn tokens (GPT-2's chat variant for a GPT-2 base model)."""
+    return for_chat(for_config(model.config))
 
 
 def _check(model) -> None:
     if model.config.chat_template is None:
         return  # a base model: scored in the template all the same (its turn tokens are untrained rows)
-    if model.config.real_vocab_size <= IM_END_ID:
+    if model.config.real_vocab_size <= chat_tokenizer(model).im_end_id:
         raise ValueError("the model's vocabulary has no turn tokens")
 
 
@@ -42,10 +47,10 @@ def assistant_loss(model, conversations: Sequence[Sequence[Message]], device: to
                    dtype: str = "float32") -> tuple[float, int]:
     """(mean loss over the assistant's tokens, their number) of ``conversations``: each one's ids cut
     into windows of block_size + 1 (targets the next tokens; masked targets skipped)."""
-    T = model.config.block_size
+    T, tok = model.config.block_size, chat_tokenizer(model)
     total, kept = 0.0, 0
     for turns in conversations:
-        ids, mask = encode_chat(turns)
+        ids, mask = encode_chat(turns, tokenizer=tok)
         for start in range(0, len(ids) - 1, T):
             end = min(start + T, len(ids) - 1)  # inputs start..end-1 predict start+1..end
             m = mask[start + 1:end + 1]
@@ -76,7 +81,7 @@ def greedy_reply(model, prompt: Sequence[int], max_tokens: int,
     """The model's greedy continuation of ``prompt`` up to ``<|im_end|>`` or ``max_tokens`` tokens.
     ``tool(reply_text)`` may return text to append (a calculator's result): its tokens are fed to
     the model as if generated, and count toward ``max_tokens``."""
-    enc = get_tokenizer(chat=True)
+    enc = chat_tokenizer(model)
     device = next(model.parameters()).device
     budget = min(max_tokens, model.config.block_size - len(prompt))
     if budget < 1:
@@ -88,7 +93,7 @@ def greedy_reply(model, prompt: Sequence[int], max_tokens: int,
     while len(out) < budget:
         logits, _ = model(torch.tensor([pending], device=device), kv_cache=cache, last_only=True)
         nxt = int(logits[0, -1, :real_vocab].float().argmax())
-        if nxt == IM_END_ID:
+        if nxt == enc.im_end_id:
             return Reply(out, enc.decode(out, errors="replace"), True, calls)
         out.append(nxt)
         pending = [nxt]
@@ -101,11 +106,11 @@ def greedy_reply(model, prompt: Sequence[int], max_tokens: int,
     return Reply(out, enc.decode(out, errors="replace"), False, calls)
 
 
-def first_reply_prompt(turns: Sequence[Message]) -> Optional[list[int]]:
+def first_reply_prompt(turns: Sequence[Message], tokenizer: Optional[Tokenizer] = None) -> Optional[list[int]]:
     """The ids of the turns before the first assistant turn, ready for the reply (None: no such turn)."""
     for i, (role, _) in enumerate(turns):
         if role == "assistant":
-            return encode_chat(turns[:i], add_generation_prompt=True)[0] if i else None
+            return encode_chat(turns[:i], add_generation_prompt=True, tokenizer=tokenizer)[0] if i else None
     return None
 
 
@@ -116,7 +121,7 @@ def evaluate_chat(model, conversations: Sequence[Sequence[Message]], *, max_toke
     loss, kept = assistant_loss(model, conversations, device, dtype)
     replies, ended, lengths, skipped = 0, 0, [], 0
     for turns in _bar(conversations, progress, "replies"):
-        prompt = first_reply_prompt(turns)
+        prompt = first_reply_prompt(turns, chat_tokenizer(model))
         if prompt is None or len(prompt) >= model.config.block_size:
             skipped += 1
             continue
@@ -202,7 +207,7 @@ def evaluate_gsm8k(model, problems: Sequence[Sequence[Message]], *, max_tokens: 
     rows, correct = [], 0
     for turns in _bar(problems, progress, "gsm8k"):
         question, reference = turns[0][1], turns[1][1]
-        prompt = encode_chat([turns[0]], add_generation_prompt=True)[0]
+        prompt = encode_chat([turns[0]], add_generation_prompt=True, tokenizer=chat_tokenizer(model))[0]
         r = greedy_reply(model, prompt, max_tokens, calculator_tool if calculator else None)
         answer, expected = final_number(r.text), final_number(reference)
         ok = same_number(answer, expected)

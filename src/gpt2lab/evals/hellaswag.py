@@ -227,6 +227,15 @@ def _block_size(model) -> int:
     return getattr(config, "block_size", None) or getattr(config, "n_positions", 1024)
 
 
+def _tokenizer(model):
+    """The model's tokenizer (data/tokenizer.py); GPT-2's for a model that is not gpt2lab's (transformers')."""
+    from gpt2lab.data.tokenizer import for_config, get_tokenizer
+    from gpt2lab.model.config import GPTConfig
+
+    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
+    return for_config(config) if isinstance(config, GPTConfig) else get_tokenizer()
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -354,13 +363,11 @@ def score_examples(model, examples: list[Example], *, device, dtype: str = "floa
                    batch_size: int = DEFAULT_BATCH_SIZE, strategy: str = "auto",
                    progress: bool = False) -> list[Score]:
     """Score every example, up to ``batch_size`` examples per forward; results in input order."""
-    from gpt2lab.data.tokenizer import get_tokenizer
-
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     device = torch.device(device)
     strategy, compiled = resolve_strategy(strategy, model, device), _is_compiled(model)
-    enc, block = get_tokenizer(), _block_size(model)
+    enc, block = _tokenizer(model), _block_size(model)
     rendered = [_render(enc, ex, block) for ex in examples]
     n_cut = sum(r[2] for r in rendered)
     if n_cut:

@@ -1,6 +1,17 @@
 """Validation loss: the mean next-token loss over the first N tokens of a split, all ranks together
-(of conversations: over the assistant's tokens among them, data/loader.py's mask)."""
+(of conversations: over the assistant's tokens among them, data/loader.py's mask), and its bits per byte.
+
+Bits per byte compares models whose tokenizers differ (nats per token cannot): the summed loss of the
+evaluated target tokens, in bits, over the UTF-8 bytes those tokens decode to, special tokens counting
+0 bytes: ``bpb = mean loss x targets / (ln 2 x bytes)``. It is counted on the very targets the loss is
+taken on (a per-token byte-length table of the data's tokenizer), so conversations count the
+assistant's tokens only.
+"""
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -12,12 +23,30 @@ from gpt2lab.distributed.dist import all_reduce_mean, all_reduce_sum, autocast
 LOGITS_PER_FORWARD = 2 ** 27
 
 
+@dataclass(frozen=True)
+class LossResult:
+    loss: float     # mean loss per target token, nats
+    targets: int    # target tokens the loss is the mean over, all ranks
+    bytes: int      # UTF-8 bytes those targets decode to
+
+    @property
+    def bpb(self) -> Optional[float]:
+        """Bits per byte (module docstring); None where the targets hold no text (special tokens only)."""
+        return self.loss * self.targets / (math.log(2) * self.bytes) if self.bytes else None
+
+
+def evaluate_loss(model: torch.nn.Module, data_dir: str, **kwargs) -> float:
+    """Mean loss over the first ``tokens`` target tokens of ``split`` (``evaluate``'s loss)."""
+    return evaluate(model, data_dir, **kwargs).loss
+
+
 @torch.no_grad()
-def evaluate_loss(model: torch.nn.Module, data_dir: str, *, tokens: int, batch_size: int, seq_len: int,
-                  device: torch.device | str, dtype: str = "float32", split: str = "val",
-                  rank: int = 0, world_size: int = 1,
-                  flags: tuple[str, str] = ("--eval-tokens", "--micro-batch-size")) -> float:
-    """Mean loss over the first ``tokens`` target tokens of ``split`` (at least one batch per rank).
+def evaluate(model: torch.nn.Module, data_dir: str, *, tokens: int, batch_size: int, seq_len: int,
+             device: torch.device | str, dtype: str = "float32", split: str = "val",
+             rank: int = 0, world_size: int = 1,
+             flags: tuple[str, str] = ("--eval-tokens", "--micro-batch-size")) -> LossResult:
+    """Mean loss over the first ``tokens`` target tokens of ``split`` (at least one batch per rank), with
+    the targets counted and their bytes (bits per byte).
 
     The tokens are read in order and split over ranks, so every world size that divides
     the batches evenly sees the same tokens; the result is averaged across ranks.
@@ -25,9 +54,11 @@ def evaluate_loss(model: torch.nn.Module, data_dir: str, *, tokens: int, batch_s
     tokens is a UsageError naming ``flags`` (the caller's flags for ``tokens`` and ``batch_size``).
     """
     from gpt2lab.data import TokenLoader  # lazy: the model side never needs the data package
+    from gpt2lab.data.tokenizer import byte_lengths, for_data
 
     device = torch.device(device)
     loader = TokenLoader(data_dir, split, batch_size, seq_len, rank=rank, world_size=world_size, shuffle=False)
+    table = torch.from_numpy(byte_lengths(for_data(data_dir)))
     per_step = batch_size * seq_len * world_size
     steps = max(1, tokens // per_step)
     available = loader.sequences_per_epoch * seq_len
@@ -41,11 +72,14 @@ def evaluate_loss(model: torch.nn.Module, data_dir: str, *, tokens: int, batch_s
     model.eval()
     total = torch.zeros((), dtype=torch.float32, device=device)
     kept = torch.zeros((), dtype=torch.float32, device=device)  # masked: the targets the loss is taken on
+    n_targets, n_bytes = 0, 0  # this rank's targets and the bytes they decode to
     rows = batch_size
     if getattr(model, "decode", None) is not None:  # prepared: whole logits, so a few sequences at a time
         rows = max(1, LOGITS_PER_FORWARD // (seq_len * model.config.vocab_size))
     for _ in range(steps):
         x, y = loader.next_batch()
+        scored = y[y != -1]
+        n_targets, n_bytes = n_targets + scored.numel(), n_bytes + int(table[scored].sum())
         for xs, ys in zip(x.split(rows), y.split(rows)):  # equal-length rows: the mean of means is the mean
             with autocast(device, dtype):
                 _, loss = model(xs.to(device), ys.to(device), return_logits=False)
@@ -56,6 +90,10 @@ def evaluate_loss(model: torch.nn.Module, data_dir: str, *, tokens: int, batch_s
             else:
                 total += loss.float() * (len(xs) / len(x))
     model.train(was_training)
+    counted = all_reduce_sum(torch.tensor([n_targets, n_bytes], dtype=torch.long, device=device))
+    targets, n_bytes = (int(v) for v in counted.tolist())
     if loader.masked:
-        return (all_reduce_sum(total) / all_reduce_sum(kept).clamp(min=1)).item()
-    return all_reduce_mean(total / steps).item()
+        loss = (all_reduce_sum(total) / all_reduce_sum(kept).clamp(min=1)).item()
+    else:
+        loss = all_reduce_mean(total / steps).item()
+    return LossResult(loss, targets, n_bytes)

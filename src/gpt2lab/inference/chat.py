@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from gpt2lab.data.chat import ROLES as CHAT_ROLES, encode_chat
-from gpt2lab.data.tokenizer import get_tokenizer
+from gpt2lab.inference.completion import tokenizer_for
 from gpt2lab.model.config import GPTConfig
 
 PLAIN_ROLES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
@@ -66,8 +66,9 @@ def chat_prompt(config: GPTConfig, messages: Sequence[tuple[str, str]]) -> ChatP
         if role not in PLAIN_ROLES:
             raise ValueError(f"messages[{i}].role {role!r}: not a role this server takes "
                              f"({', '.join(PLAIN_ROLES)})")
+    tok = tokenizer_for(config)
     if config.chat_template:
-        ids = encode_chat([(TEMPLATE_ROLES[r], c) for r, c in messages], add_generation_prompt=True)[0]
-        return ChatPrompt(ids, get_tokenizer(chat=True).decode(ids), (), strip=False)
+        ids = encode_chat([(TEMPLATE_ROLES[r], c) for r, c in messages], add_generation_prompt=True, tokenizer=tok)[0]
+        return ChatPrompt(ids, tok.decode(ids), (), strip=False)
     text = render_plain(messages)
-    return ChatPrompt(get_tokenizer().encode(text, disallowed_special=()), text, (NEXT_TURN,), strip=True)
+    return ChatPrompt(tok.encode(text, disallowed_special=()), text, (NEXT_TURN,), strip=True)

@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from gpt2lab.model.gpt import GPT
-from gpt2lab.data.tokenizer import EOT_ID, IM_END_ID, get_tokenizer
+from gpt2lab.data.tokenizer import for_config, get_tokenizer, short
 from gpt2lab.model.config import GPTConfig
 
 
@@ -76,31 +76,34 @@ def prompt_text(text: str) -> str:
 
 
 def tokenizer_for(config: GPTConfig):
-    """The tokenizer of a model: GPT-2's, with a chat model's turn tokens (data/chat.py) where it has them."""
-    return get_tokenizer(chat=config.chat_template is not None)
+    """The tokenizer of a model (data/tokenizer.py): its own (``config.tokenizer``), else GPT-2's, with a
+    chat model's turn tokens (data/chat.py) where it has them."""
+    return for_config(config)
 
 
 def end_token(config: GPTConfig) -> int:
     """The token a model ends its text with: <|im_end|> for a chat model (its turn), else <|endoftext|>."""
-    return IM_END_ID if config.chat_template else EOT_ID
+    tok = tokenizer_for(config)
+    return tok.im_end_id if config.chat_template else tok.eot_id
 
 
 def encode_prompt(text: str, config: GPTConfig) -> list[int]:
     """A raw prompt's ids for a model of ``config`` ('' is a lone <|endoftext|>): its special tokens
     written out (``<|endoftext|>``, a chat model's ``<|im_start|>``) are the tokens, as a whole
     prompt is the caller's own text (chat messages never are: inference/chat.py)."""
-    return tokenizer_for(config).encode(prompt_text(text), allowed_special="all") if text else [EOT_ID]
+    tok = tokenizer_for(config)
+    return tok.encode(prompt_text(text), allowed_special="all") if text else [tok.eot_id]
 
 
 def prompt_ids(text: str, config: GPTConfig) -> list[int]:
     """Token ids of ``text`` for a model of ``config`` (encode_prompt); raises PromptError past its vocabulary."""
     ids = encode_prompt(text, config)
-    check_ids(ids, config.real_vocab_size, from_text=True)
+    check_ids(ids, config.real_vocab_size, from_text=True, tokenizer=short(config.tokenizer))
     return ids
 
 
-def check_ids(ids: list[int], vocab: int, from_text: bool = False) -> None:
-    """PromptError for an empty prompt or an id outside 0..vocab-1. Ids the GPT-2 tokenizer made from
+def check_ids(ids: list[int], vocab: int, from_text: bool = False, tokenizer: str = "GPT-2's BPE") -> None:
+    """PromptError for an empty prompt or an id outside 0..vocab-1. Ids the model's tokenizer made from
     text can only be too large for a model with a smaller vocabulary (the model's fault); ids a
     caller passed are checked against the range."""
     if not ids:
@@ -109,8 +112,8 @@ def check_ids(ids: list[int], vocab: int, from_text: bool = False) -> None:
     if bad is None:
         return
     if from_text:
-        raise PromptError(f"the GPT-2 tokenizer gives token id {ids[bad]}, outside this model's vocabulary of "
-                          f"{vocab}; this model was not trained with the GPT-2 tokenizer")
+        raise PromptError(f"the tokenizer ({tokenizer}) gives token id {ids[bad]}, outside this model's vocabulary "
+                          f"of {vocab}; this model was not trained with that tokenizer")
     raise PromptError(f"token id {ids[bad]} at position {bad} is out of range: this model's token ids are "
                       f"0 to {vocab - 1}")
 

@@ -6,6 +6,7 @@ flag's help text; a field marked ``derived`` is set by the trainer, never by a f
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
@@ -51,6 +52,10 @@ class GPTConfig:
     # vocabulary 50259); None for a base model. A run derives it from its data (or its --init-from).
     chat_template: Optional[str] = _f(None, "the chat template the model was fine-tuned in (chatml); none for a "
                                       "base model", derived=True)
+    # The tokenizer's identity: the sha256 of its tokenizer.json (data/tokenizer.py; `gpt2lab tokenizer
+    # train`), whose file travels with the model; None for GPT-2's BPE. A run derives it from its data.
+    tokenizer: Optional[str] = _f(None, "the model's own tokenizer (sha256 of its tokenizer.json); none for "
+                                  "GPT-2's", derived=True)
     layer_norm_epsilon: float = _f(1e-5, "epsilon of every LayerNorm")
     # Dropout as GPT-2 has it (HF's names). Active only in training mode.
     embd_pdrop: float = _f(0.0, "dropout on the token + position embeddings (GPT-2 fine-tuning: 0.1)")
@@ -105,6 +110,8 @@ class GPTConfig:
         if self.pos_emb == "rotary" and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"rotary positions need an even head size; n_embd {self.n_embd} / n_head "
                              f"{self.n_head} = {self.n_embd // self.n_head}")
+        if self.tokenizer is not None and not re.fullmatch(r"[0-9a-f]{64}", str(self.tokenizer)):
+            raise ValueError(f"tokenizer {self.tokenizer!r} must be the sha256 (64 hex digits) of a tokenizer.json")
         if self.chat_template is not None and self.chat_template not in CHAT_VOCAB_SIZES:
             raise ValueError(f"chat_template {self.chat_template!r} must be one of {', '.join(CHAT_VOCAB_SIZES)}")
         if self.rope_theta <= 0:
@@ -150,6 +157,11 @@ class GPTConfig:
 # -- the released GPT-2 sizes: the one table of their facts ------------------------------
 # 50257 padded to a multiple of 128: the vocabulary gpt2lab trains with (faster matmuls).
 PADDED_VOCAB_SIZE = 50304
+
+
+def padded_vocab(n_vocab: int, multiple: int = 128) -> int:
+    """The rows a model gives a tokenizer's vocabulary: a multiple of 128 (50257 -> PADDED_VOCAB_SIZE)."""
+    return -(-n_vocab // multiple) * multiple
 
 
 @dataclass(frozen=True)

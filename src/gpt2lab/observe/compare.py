@@ -1,6 +1,7 @@
 """Compare runs: the tokens and seconds each took to reach a loss, and their curves on one plot.
 
-Reads what the trainer writes (``RUN/metrics.jsonl``, ``RUN/config.json``). A val loss
+Reads what the trainer writes (``RUN/metrics.jsonl``, ``RUN/config.json``). Runs whose tokenizers
+differ compare on ``val_bpb`` (bits per byte: evals/loss.py), not on loss per token. A val loss
 logged at step ``s`` is the model after ``s`` completed steps; its tokens are those the train
 records of steps ``< s`` counted (``tokens``, cumulative; ``s * total_batch_tokens`` where
 they are missing) and its seconds are the sum of their ``dt_ms``: training time, without
@@ -35,7 +36,8 @@ class Curve:
 
 
 def load_curve(run_dir: str, metric: str = "val_loss", name: Optional[str] = None) -> Curve:
-    """``metric`` (val_loss or train_loss) of a run directory against tokens and seconds."""
+    """``metric`` (val_loss, train_loss, or val_bpb: bits per byte, for runs with different tokenizers) of a
+    run directory against tokens and seconds."""
     records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     tokens_per_step = _tokens_per_step(run_dir)
     train: dict[int, dict] = {}

@@ -7,7 +7,7 @@
   spikes        step, skipped "spike", loss, grad_norm, lr, loss_z, norm_z (the update was skipped)
   rollbacks     step, rollback_to (checkpoint), skip_positions / skip_tokens ([start, end) of the
                 loader's sequence / token stream never trained on), spike_steps
-  eval lines    step, val_loss
+  eval lines    step, val_loss, val_bpb (bits per byte: evals/loss.py)
   HellaSwag     step, hellaswag_acc, hellaswag_acc_norm, hellaswag_n
   samples       step, sample (text)
 With ``wandb_project`` each record also goes to Weights & Biases (wandb_log.py).

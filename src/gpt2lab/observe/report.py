@@ -19,6 +19,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from gpt2lab.data.tokenizer import short
 from gpt2lab.observe import plot
 from gpt2lab.model.config import config_value, nest_model
 from gpt2lab.system import rundir
@@ -192,10 +193,14 @@ def _results(records: list[dict], size: Optional[str]) -> list[list[Any]]:
     ref = size or "124M"
     gpt2_hs, gpt3_hs = plot.HELLASWAG_BASELINES[ref]
     val, hs = _last(records, "val_loss"), _last(records, "hellaswag_acc_norm")
+    bpb = _last(records, "val_bpb")
     fmt = lambda sv: f"{sv[1]:.4f} (step {sv[0]})" if sv else "-"  # noqa: E731
-    return [["metric", "this run", f"OpenAI GPT-2 {ref}", f"OpenAI GPT-3 {ref}"],
+    rows = [["metric", "this run", f"OpenAI GPT-2 {ref}", f"OpenAI GPT-3 {ref}"],
             ["val loss (the run's val split; GPT-2's on FineWeb-Edu val)", fmt(val), plot.GPT2_124M_VAL_LOSS if ref == "124M" else "-", "-"],
             ["HellaSwag acc_norm", fmt(hs), gpt2_hs, gpt3_hs]]
+    if bpb:  # bits per byte: comparable across tokenizers (runs written before it have none)
+        rows.append(["val bits per byte (the loss over the text's UTF-8 bytes)", fmt(bpb), "-", "-"])
+    return rows
 
 
 def _figure_png(run_dir: str) -> bytes:
@@ -225,7 +230,9 @@ def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True)
             ["command", command_line(info) or "-"], ["code version (git)", info.get("git_sha") or "-"],
             ["model", f"{arch.get('n_layer')} layers, {arch.get('n_head')} heads, {arch.get('n_embd')} wide"
                       + (f" (GPT-2 {size} shape)" if size else "")],
-            ["parameters", f"{info['params']:,}" if isinstance(info.get("params"), int) else "-"]]
+            ["parameters", f"{info['params']:,}" if isinstance(info.get("params"), int) else "-"],
+            ["tokenizer", short(arch.get("tokenizer")) + (f", {arch['token_vocab_size']:,} tokens"
+                                                          if isinstance(arch.get("token_vocab_size"), int) else "")]]
     events = [r for r in records if any(k in r for k in EVENT_KEYS)]
     samples = [[r["step"], r["sample"]] for r in records if isinstance(r.get("sample"), str)]
     rep = Report(title=f"gpt2lab report: {os.path.basename(os.path.abspath(run_dir))}", status=status)

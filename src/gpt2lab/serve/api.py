@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from gpt2lab.inference import chat
+from gpt2lab.data.tokenizer import short
 from gpt2lab.inference.completion import (PromptError, Sampling, TokenLogprob, TokenText, check_ids, encode_prompt,
                                           fits_context, prompt_text, tokenizer_for)
 from gpt2lab.serve.engine import (Engine, Failed, Finish, Job, QueueFull, ShuttingDown, Text, TimedOut, Work,
@@ -152,7 +153,7 @@ def _prompts(req: CompletionRequest, config) -> tuple[list[list[int]], list[str]
         raise APIError(400, f"prompt: pass 1 to {MAX_PROMPTS} prompts (text or token ids)", param="prompt")
     for i, one in enumerate(ids):
         try:
-            check_ids(one, vocab, from_text=texts is not None)
+            check_ids(one, vocab, from_text=texts is not None, tokenizer=short(config.tokenizer))
         except PromptError as e:
             where = f"prompt[{i}]" if len(ids) > 1 else "prompt"
             raise APIError(400, f"{where}: {e}", param="prompt") from None

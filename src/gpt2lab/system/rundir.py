@@ -6,6 +6,7 @@ A directory is gpt2lab's when it holds gpt2lab's own marker, written first and a
            before the tag are known by their run_info.json / config.json)
   export   ``gpt2lab_export.json`` (``gpt2lab export``, an HF GPT-2 directory)
   data     ``manifest.json`` of ``gpt2lab prepare`` (token shards)
+  tokenizer  ``gpt2lab_tokenizer.json`` (``gpt2lab tokenizer train``, beside its tokenizer.json)
 
 ``check(path, kind)`` lets a command write only into a missing or empty directory or one of
 its own kind; anything else is refused before a byte is written, in one line naming what was
@@ -34,14 +35,16 @@ from typing import Iterator, Optional
 from gpt2lab.system.errors import UsageError
 from gpt2lab.system.files import read_json_object, tmp_name, write_json
 
-RUN, EXPORT, DATA = "run", "export", "data"
+RUN, EXPORT, DATA, TOKENIZER = "run", "export", "data", "tokenizer"
 RUN_MARKER, RUN_FORMAT = "run_info.json", "gpt2lab-run"
 EXPORT_MARKER, EXPORT_FORMAT = "gpt2lab_export.json", "gpt2lab-hf-export"
 DATA_MARKER, DATA_FORMAT = "manifest.json", "gpt2lab-token-shards"
+TOKENIZER_MARKER, TOKENIZER_FORMAT = "gpt2lab_tokenizer.json", "gpt2lab-tokenizer"
 LOCK_FILE = "run.lock"
-_MARKERS = {RUN: RUN_MARKER, EXPORT: EXPORT_MARKER, DATA: DATA_MARKER}
+_MARKERS = {RUN: RUN_MARKER, EXPORT: EXPORT_MARKER, DATA: DATA_MARKER, TOKENIZER: TOKENIZER_MARKER}
 _WHAT = {RUN: "a gpt2lab run (run_info.json)", EXPORT: "a gpt2lab export (gpt2lab_export.json, written by "
-         "`gpt2lab export`)", DATA: "prepared token shards (manifest.json of `gpt2lab prepare`)"}
+         "`gpt2lab export`)", DATA: "prepared token shards (manifest.json of `gpt2lab prepare`)",
+         TOKENIZER: "a gpt2lab tokenizer (gpt2lab_tokenizer.json, written by `gpt2lab tokenizer train`)"}
 # How long `claim` retries a lock that is busy: a reader's probe (``holder``) holds it for microseconds.
 _LOCK_RETRY_S = 0.5
 
@@ -52,7 +55,7 @@ class DirectoryError(UsageError):
 
 @dataclass(frozen=True)
 class Found:
-    kind: str                 # "missing", "empty", "file", RUN, EXPORT, DATA, "hf_model" or "foreign"
+    kind: str                 # "missing", "empty", "file", RUN, EXPORT, DATA, TOKENIZER, "hf_model" or "foreign"
     entries: tuple[str, ...]  # the directory's names, sorted
 
     def shown(self, n: int = 4) -> str:
@@ -76,6 +79,9 @@ def inspect(path: str) -> Found:
     manifest = read_json_object(os.path.join(path, DATA_MARKER)) if DATA_MARKER in entries else None
     if manifest is not None and (manifest.get("format") == DATA_FORMAT or "shards" in manifest):
         return Found(DATA, entries)
+    marker = read_json_object(os.path.join(path, TOKENIZER_MARKER)) if TOKENIZER_MARKER in entries else None
+    if marker is not None and marker.get("format") == TOKENIZER_FORMAT:
+        return Found(TOKENIZER, entries)
     config = read_json_object(os.path.join(path, "config.json")) if "config.json" in entries else None
     if config is not None and _is_run_config(config):
         return Found(RUN, entries)  # a run killed before it wrote run_info.json (older versions)
@@ -240,7 +246,7 @@ def lock(path: str) -> Iterator[None]:
 # What a run writes at the top of its directory: a start that fails before training removes those of
 # them it created (Claim.undo), never another name.
 RUN_WRITES = (RUN_MARKER, LOCK_FILE, "config.json", "metrics.jsonl", "plot.png", "tensorboard", "wandb",
-              "wandb_id", "checkpoints")
+              "wandb_id", "checkpoints", "tokenizer.json")
 
 
 class Claim:

@@ -297,9 +297,14 @@ class TrainConfig:
         self._check_combinations()
 
     def _derive_token_vocab(self) -> None:
-        """token_vocab_size is the tokenizer's (GPT-2's; with a chat template, its turn tokens too),
-        never a setting of its own."""
+        """token_vocab_size is the tokenizer's (GPT-2's; with a chat template, its turn tokens too; a
+        trained tokenizer's, which the run plan reads from the data), never a setting of its own."""
         m = self.model
+        if m.tokenizer is not None:
+            if m.token_vocab_size is None:
+                raise ConfigError(f"tokenizer {m.tokenizer[:12]}: its vocabulary size is not known; a run takes both "
+                                  "from its data (gpt2lab prepare --tokenizer DIR), so drop tokenizer")
+            return  # GPTConfig checks vocab_size >= token_vocab_size
         tokens = CHAT_VOCAB_SIZES[m.chat_template] if m.chat_template else GPT2_VOCAB_SIZE
         if m.vocab_size < tokens:
             raise ConfigError(f"vocab_size {m.vocab_size} is smaller than the tokenizer's {tokens} tokens"

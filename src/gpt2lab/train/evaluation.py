@@ -1,4 +1,5 @@
-"""Periodic evaluation during training: validation loss, HellaSwag, a text sample, the plot.
+"""Periodic evaluation during training: validation loss (and its bits per byte), HellaSwag, a text
+sample, the plot.
 
 Every rank calls ``Evaluator.__call__`` at the start of each step (and once at the end);
 what is due at that step runs on every rank (the losses are averaged over ranks, FSDP's
@@ -36,7 +37,8 @@ class Evaluator:
     def __call__(self, step: int, log: MetricsLogger) -> None:
         ev, last = self.cfg.eval, self.cfg.optim.max_steps
         if due(ev.eval_interval, step, last):
-            log.log({"step": step, "val_loss": self.val_loss()})
+            res = self.validate()
+            log.log({"step": step, "val_loss": res.loss, "val_bpb": res.bpb})
         if due(ev.hellaswag_interval, step, last):
             from gpt2lab.evals.hellaswag import evaluate_hellaswag
 
@@ -55,29 +57,32 @@ class Evaluator:
             plot(self.cfg.out)
 
     def val_loss(self) -> float:
-        from gpt2lab.evals.loss import evaluate_loss
+        return self.validate().loss
+
+    def validate(self):
+        """The validation loss with its bits per byte (an evals.loss.LossResult)."""
+        from gpt2lab.evals.loss import evaluate
 
         cfg = self.cfg
         if self.eval_tokens is None:  # the start said so when it trims
             self.eval_tokens = preflight.eval_tokens(cfg, self.info.world_size)
         with parallel.gathered(self.raw):  # FSDP: one all-gather, not one per block and batch
-            return evaluate_loss(self.model, cfg.data, tokens=self.eval_tokens,
-                                 batch_size=cfg.batch.micro_batch_size, seq_len=cfg.batch.seq_len,
-                                 device=self.device, dtype=self.dtype, rank=self.info.rank,
-                                 world_size=self.info.world_size)
+            return evaluate(self.model, cfg.data, tokens=self.eval_tokens, batch_size=cfg.batch.micro_batch_size,
+                            seq_len=cfg.batch.seq_len, device=self.device, dtype=self.dtype, rank=self.info.rank,
+                            world_size=self.info.world_size)
 
     @torch.no_grad()
     def sample(self) -> str:
         """A continuation of the fixed prompt (uncompiled model: generation has varying shapes); a chat
         model's reply to it as a user's message."""
-        from gpt2lab.data.chat import IM_END_ID, encode_chat
-        from gpt2lab.data.tokenizer import EOT_ID, get_tokenizer
+        from gpt2lab.data.chat import encode_chat
+        from gpt2lab.data.tokenizer import for_config
 
         prompt, chat = self.cfg.eval.sample_prompt, self.cfg.model.chat_template is not None
-        enc = get_tokenizer(chat=chat)
-        ids = encode_chat([("user", prompt)], add_generation_prompt=True)[0] if chat else \
+        enc = for_config(self.cfg.model)
+        ids = encode_chat([("user", prompt)], add_generation_prompt=True, tokenizer=enc)[0] if chat else \
             enc.encode(prompt, allowed_special="all")
-        stop = IM_END_ID if chat else EOT_ID
+        stop = enc.im_end_id if chat else enc.eot_id
         idx = torch.tensor([ids], device=self.device)
         gen = torch.Generator(device=self.device).manual_seed(42)  # own generator: training RNG untouched
         self.raw.eval()
@@ -89,7 +94,7 @@ class Evaluator:
         self.raw.train()
         if chat:
             return f"User: {prompt}\nAssistant: " + enc.decode([t for t in out[0, len(ids):].tolist() if t != stop])
-        return enc.decode([t for t in out[0].tolist() if t != EOT_ID])
+        return enc.decode([t for t in out[0].tolist() if t != enc.eot_id])
 
 
 def plot(run_dir: str) -> None:

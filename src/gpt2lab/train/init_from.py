@@ -58,9 +58,10 @@ def find_source(spec: str) -> Source:
         raise InitFromError(f"--init-from {spec}: {e}{then}") from e
     template = src.config.chat_template
     tokens = CHAT_VOCAB_SIZES[template] if template else GPT2_VOCAB_SIZE
-    if src.config.real_vocab_size != tokens:
+    if src.config.tokenizer is None and src.config.real_vocab_size != tokens:  # its own tokenizer says its vocabulary
         raise src._fail(f"its vocabulary has {src.config.real_vocab_size} tokens, not GPT-2's "
-                        f"{GPT2_VOCAB_SIZE}; gpt2lab trains with the GPT-2 tokenizer, so pass a GPT-2 model")
+                        f"{GPT2_VOCAB_SIZE}, and no gpt2lab tokenizer.json is beside it; pass a GPT-2 model or "
+                        "one gpt2lab trained (its tokenizer travels with it)")
     _check_readable(src)
     return src
 
@@ -80,7 +81,7 @@ def _find(spec: str) -> Source:
 def _hf_config(path: str) -> GPTConfig:
     try:
         with open(path) as f:
-            return hf.config_from_hf(json.load(f), path)
+            return hf.dir_config(json.load(f), path)
     except (OSError, ValueError) as e:  # WeightsError is a ValueError
         raise hf.WeightsError(f"cannot read {path}: {e}") from e
 

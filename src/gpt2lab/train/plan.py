@@ -36,7 +36,7 @@ from typing import Callable, Mapping, Optional
 
 from gpt2lab.checkpoint import store as ckpt
 from gpt2lab.distributed import memplan, parallel
-from gpt2lab.model.config import GPTConfig
+from gpt2lab.model.config import GPTConfig, padded_vocab
 from gpt2lab.model.loss import used_for
 from gpt2lab.system import hardware, runtime
 from gpt2lab.system.errors import CheckpointError, ConfigError
@@ -71,14 +71,15 @@ class Request:
     """What the user asked for: preset values with the flags over them (nested as config.json,
     any form accepted: ``nest_config``), not yet validated."""
     values: Mapping[str, object]
-    explicit: Mapping[str, object] = field(default_factory=dict)  # architecture values the user gave himself
+    # architecture values the user gave himself (and vocab_size, which otherwise follows the tokenizer)
+    explicit: Mapping[str, object] = field(default_factory=dict)
     resume: Optional[str] = None           # None, "auto" or a run/checkpoint directory
     source: str = "config"                 # for messages: "preset 'x' with overrides"
 
     @classmethod
     def of(cls, cfg: TrainConfig, resume: Optional[str] = None) -> "Request":
         """A TrainConfig as a request: every architecture value counts as given (adapt_config's rule)."""
-        explicit = {name: getattr(cfg.model, name) for name in init_from.ARCH_FIELDS}
+        explicit = {name: getattr(cfg.model, name) for name in (*init_from.ARCH_FIELDS, "vocab_size")}
         return cls(cfg.to_dict(), explicit, resume)
 
     def get(self, name: str) -> object:
@@ -181,6 +182,9 @@ class RunPlan:
                f"model     {m.n_layer} layers, {m.n_head} heads, {m.n_embd} wide, block {m.block_size}, "
                f"{self.params:,} params" + (f", LoRA rank {ft.lora_rank} on {ft.lora_targets}" if ft.lora_rank else ""),
                f"export    {self.export}"]
+        if m.tokenizer:
+            out.append(f"tokenizer sha256:{m.tokenizer[:12]} (the data's): {m.token_vocab_size:,} tokens in "
+                       f"{m.vocab_size:,} embedding rows")
         if self.supervised:
             n, total = self.supervised
             out.append(f"data      {c.data}: conversations in the {m.chat_template} template, supervised on "
@@ -313,6 +317,9 @@ def make_plan(request: Request | TrainConfig, facts: Facts, resume: Optional[str
     template = chat_template(values, init, saved if where is not None else None)
     if template:
         values = merge_config(values, {"model": {"chat_template": template}}, source=req.source)
+    model = tokenizer_fields(values, req, init, (where, saved) if where is not None else None)
+    if model:
+        values = merge_config(values, {"model": model}, source=req.source)
     cfg = _config(values, req, init)
     if where is not None:
         check_resume_settings(cfg, saved, where)
@@ -429,6 +436,51 @@ def chat_template(values: dict, init: Optional[InitFrom], saved: Optional[dict])
     if init is not None:
         return init.source.config.chat_template
     return config_value(saved, "chat_template") if saved else None
+
+
+def tokenizer_fields(values: dict, req: Request, init: Optional[InitFrom],
+                     resumed: Optional[tuple[str, dict]]) -> dict:
+    """The run's tokenizer as model fields (empty for GPT-2's): its data's (``gpt2lab prepare
+    --tokenizer``), which must be the tokenizer of the model it continues (an --init-from source's, a
+    resumed checkpoint's; refused in one line naming both); without data here (a dry run planning for
+    another machine), that model's. The vocabulary follows it (padded to a multiple of 128) unless
+    --vocab-size was given, or a resumed run had another."""
+    from gpt2lab.data.shards import read_manifest
+    from gpt2lab.data.tokenizer import GPT2, for_data, short
+
+    data = str(config_value(values, "data", default_value("data")))
+    manifest = read_manifest(data)
+    theirs, n, whose = None, None, None  # the tokenizer, its vocabulary and the model it continues
+    if init is not None:
+        src = init.source
+        theirs, n, whose = src.config.tokenizer, src.config.real_vocab_size, f"--init-from {src.spec}"
+    elif resumed is not None:
+        where, saved = resumed
+        theirs, n = config_value(saved, "tokenizer"), config_value(saved, "token_vocab_size")
+        whose = f"the checkpoint {where}"
+    if manifest:
+        found = manifest.get("tokenizer", GPT2)
+        ours = None if found == GPT2 else str(found)
+        if ours is not None:  # its tokenizer.json is there and is the one the manifest names
+            for_data(data)
+        if whose is not None and ours != theirs:
+            fix = (f"prepare it with that model's tokenizer (gpt2lab prepare --tokenizer DIR, DIR holding its "
+                   "tokenizer.json: the run, checkpoint or export)" if theirs else "prepare it without --tokenizer")
+            raise ConfigError(f"--data {data} was prepared with {short(ours)}, but the model of {whose} uses "
+                              f"{short(theirs)}; {fix}, or start from another model")
+        theirs, n = ours, manifest.get("vocab_size")
+    if theirs is None:
+        return {}
+    given = req.explicit.get("vocab_size")
+    if isinstance(given, int) and given < int(n):
+        raise ConfigError(f"--vocab-size {given} is smaller than the tokenizer's {n} tokens (of --data {data}); "
+                          f"use {padded_vocab(int(n))}, or leave it out")
+    fields = {"tokenizer": theirs, "token_vocab_size": int(n)}
+    if resumed is not None and "vocab_size" not in req.explicit:
+        fields["vocab_size"] = config_value(resumed[1], "vocab_size")
+    elif "vocab_size" not in req.explicit:
+        fields["vocab_size"] = padded_vocab(int(n))
+    return fields
 
 
 def began_from(where: str, saved: dict) -> Optional[dict]:

@@ -20,6 +20,7 @@ import signal
 import sys
 from typing import Optional
 
+from gpt2lab.data.tokenizer import save_tokenizer
 from gpt2lab.distributed import parallel
 from gpt2lab.distributed.dist import DistInfo, decided_on_rank_0
 from gpt2lab.observe.metrics import MetricsLogger, run_info
@@ -136,6 +137,8 @@ def _train(plan: RunPlan, info: DistInfo, trainer: Trainer) -> Optional[str]:
     cfg = plan.config
     if info.is_main:
         save_config(cfg, os.path.join(cfg.out, "config.json"))
+        if trainer.tokenizer is not None:  # the model's own tokenizer travels with the run (and each checkpoint)
+            save_tokenizer(trainer.tokenizer, cfg.out, what_next="free some space and start again")
         write_json(os.path.join(cfg.out, rundir.RUN_MARKER), {
             **rundir.run_marker(), **run_info(info.device, info.world_size), "grad_accum_steps": plan.accum,
             "resumed_from": plan.resume, "params": trainer.raw.num_params(),

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as tdist
 
 from gpt2lab.checkpoint import store as ckpt
+from gpt2lab.data.tokenizer import save_tokenizer
 from gpt2lab.distributed import parallel
 from gpt2lab.distributed.dist import DistInfo, all_reduce_mean, all_reduce_sum, autocast, decided_on_rank_0
 from gpt2lab.model.gpt import GPT
@@ -124,7 +125,10 @@ class Trainer:
         ns = plan.ns_dtype
         self.optimizer = build_optimizer(self.raw, cfg.optim, self.device, ns_dtype=str(ns.value) if ns else None)
         from gpt2lab.data import TokenLoader
+        from gpt2lab.data.tokenizer import for_data
 
+        # the model's own tokenizer (None: GPT-2's), read from the data (the plan checked it is the model's)
+        self.tokenizer = for_data(cfg.data) if cfg.model.tokenizer else None
         self.loader = TokenLoader(cfg.data, "train", cfg.batch.micro_batch_size, cfg.batch.seq_len,
                                   rank=info.rank, world_size=info.world_size, seed=cfg.seed)
         self.step, self.tokens = 0, 0
@@ -172,8 +176,11 @@ class Trainer:
         if not parallel.all_finite(self.raw):
             raise TrainingError(f"model has non-finite weights at step {self.step}; not saving over "
                                 f"the last good checkpoint in {self.cfg.out}/checkpoints")
+        # the model's own tokenizer goes into the checkpoint: the run's copy (rank 0 writes checkpoints' files)
+        own = self.tokenizer is not None and self.info.is_main
+        files = [save_tokenizer(self.tokenizer, self.cfg.out)] if own else []
         path = ckpt.save(self.cfg.out, self.step, self.parts(), self.cfg.to_dict(),
-                         keep=self.cfg.checkpoint.keep_checkpoints)
+                         keep=self.cfg.checkpoint.keep_checkpoints, files=files)
         self.spikes.saved()
         if self.info.distributed:
             tdist.barrier()

@@ -29,7 +29,8 @@ from gpt2lab.system.errors import DataError, UsageError
 from gpt2lab.system.files import atomic_dir, read_json_object, write_json
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.data import chat
-from gpt2lab.data.tokenizer import EOT_ID, EOT_TOKEN, asset_path
+from gpt2lab.data.tokenizer import (CHAT_VOCAB_SIZE, EOT_TOKEN, GPT2_VOCAB_SIZE, TOKENIZER_FILE, TokenizerError,
+                                    TrainedBPE, asset_path, for_config, load_tokenizer)
 from gpt2lab.weights import nanochat
 
 # Weights HF keeps as Conv1D (in, out); nn.Linear wants (out, in).
@@ -46,6 +47,9 @@ MODEL_TYPES = ("gpt2", nanochat.MODEL_TYPE)  # the config.json model_types that 
 EXPORT_MARKER = rundir.EXPORT_MARKER  # the directory's owner mark (system.rundir)
 EXPORT_FILES = ("model.safetensors", "config.json", "generation_config.json", "vocab.json", "merges.txt",
                 "tokenizer_config.json", "special_tokens_map.json", EXPORT_MARKER)
+# ... and of a model with its own tokenizer (data/tokenizer.py): its tokenizer.json in place of GPT-2's files
+TRAINED_EXPORT_FILES = ("model.safetensors", "config.json", "generation_config.json", TOKENIZER_FILE,
+                        "tokenizer_config.json", "special_tokens_map.json", EXPORT_MARKER)
 
 
 class WeightsError(DataError):
@@ -132,10 +136,11 @@ def config_from_hf(cfg: dict, where: str = "config.json") -> GPTConfig:
 
 
 def special_ids(config: GPTConfig) -> tuple[Optional[int], Optional[int]]:
-    """(<|endoftext|>'s id, the end token's) of a model: a chat model ends at <|im_end|>; tiny test
-    vocabularies have neither (None)."""
-    eot = EOT_ID if config.real_vocab_size > EOT_ID else None
-    return eot, (chat.IM_END_ID if config.chat_template else eot)
+    """(<|endoftext|>'s id, the end token's) of a model, in its tokenizer: a chat model ends at
+    <|im_end|>; tiny test vocabularies have neither (None)."""
+    tok = for_config(config)
+    eot = tok.eot_id if config.real_vocab_size > tok.eot_id else None
+    return eot, (tok.im_end_id if config.chat_template else eot)
 
 
 def config_to_hf(config: GPTConfig, dtype: torch.dtype) -> dict:
@@ -221,19 +226,51 @@ def load_files(config_path: str, weights_path: str) -> GPT:
         why = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise WeightsError(f"{weights_path}: cannot be read ({why}); the file is damaged or cut short: "
                            "download or export the model again") from e
-    config = config_from_hf(cfg, config_path)
-    template = chat_template_of(os.path.dirname(config_path))
-    if template:  # the tokenizer's turn tokens: a chat model (its vocabulary holds them)
-        config = dataclasses.replace(config, chat_template=template)
+    config = dir_config(cfg, config_path)
     if cfg.get("model_type") == nanochat.MODEL_TYPE:
         return build_model(config, nanochat.from_nanochat_state_dict(sd, config), weights_path)
     return build_model(config, from_hf_state_dict(sd, config.tie_embeddings), weights_path)
 
 
-def chat_template_of(path: str) -> Optional[str]:
+def dir_config(cfg: dict, config_path: str) -> GPTConfig:
+    """The GPTConfig of an HF directory: its config.json's, with the tokenizer beside it (a trained one,
+    loaded: ``dir_tokenizer``) and its chat template."""
+    config = config_from_hf(cfg, config_path)
+    path = os.path.dirname(config_path)
+    tok = dir_tokenizer(path, config.real_vocab_size)
+    if tok is not None:
+        config = dataclasses.replace(config, tokenizer=tok.identity)
+    template = chat_template_of(path, trained=tok is not None)
+    if template:  # the tokenizer's turn tokens: a chat model (its vocabulary holds them)
+        config = dataclasses.replace(config, chat_template=template)
+    return config
+
+
+def dir_tokenizer(path: str, vocab: int) -> Optional[TrainedBPE]:
+    """The trained tokenizer of an HF directory, loaded: its tokenizer.json where gpt2lab's export marker
+    names it, or where the model's vocabulary is not GPT-2's and that file is a gpt2lab tokenizer (one a
+    directory saved again by transformers keeps). None: GPT-2's BPE (its HF files, if any, are GPT-2's)."""
+    file = os.path.join(path, TOKENIZER_FILE)
+    if not os.path.isfile(file):
+        return None
+    named = (read_json_object(os.path.join(path, EXPORT_MARKER)) or {}).get("tokenizer")
+    if isinstance(named, str):
+        return load_tokenizer(file, named, what_next="export the model again")
+    if vocab in (GPT2_VOCAB_SIZE, CHAT_VOCAB_SIZE):
+        return None
+    try:
+        return load_tokenizer(file)
+    except TokenizerError:  # someone else's tokenizer: gpt2lab reads text with GPT-2's, as it always did
+        return None
+
+
+def chat_template_of(path: str, trained: bool = False) -> Optional[str]:
     """The chat template of an HF directory's tokenizer: "chatml" when its tokenizer_config.json adds
-    <|im_start|> and <|im_end|> at gpt2lab's ids (data/chat.py), as a chat export writes them; else None."""
+    <|im_start|> and <|im_end|> at gpt2lab's ids (data/chat.py), as a chat export writes them; for a
+    ``trained`` tokenizer (which always has them) when it carries gpt2lab's template; else None."""
     tok = read_json_object(os.path.join(path, "tokenizer_config.json")) or {}
+    if trained:
+        return chat.TEMPLATE if tok.get("chat_template") == chat.CHAT_TEMPLATE else None
     added = tok.get("added_tokens_decoder")
     if not isinstance(added, dict):
         return None
@@ -355,12 +392,17 @@ def check_exportable(config: GPTConfig) -> ExportTarget:
     return target
 
 
-def write_tokenizer(out: str, block_size: int, chat_template: Optional[str] = None) -> None:
-    """GPT-2 tokenizer files in HF layout: its vocab.json is OpenAI's encoder.json, merges.txt its vocab.bpe.
+def write_tokenizer(out: str, block_size: int, chat_template: Optional[str] = None,
+                    tokenizer: Optional[TrainedBPE] = None) -> list[str]:
+    """A model's tokenizer files in HF layout; returns their names. GPT-2's: its vocab.json is OpenAI's
+    encoder.json, merges.txt its vocab.bpe. A trained ``tokenizer``: its tokenizer.json as it is (the
+    file whose sha256 names it) with tokenizer_config.json naming PreTrainedTokenizerFast.
 
     A chat model's (``chat_template``, data/chat.py) add its two turn tokens as special added tokens
     at their ids, the template in Jinja (``apply_chat_template``) and ``<|im_end|>`` as the end token.
     """
+    if tokenizer is not None:
+        return _write_trained(out, block_size, chat_template, tokenizer)
     shutil.copyfile(asset_path("encoder.json"), os.path.join(out, "vocab.json"))
     shutil.copyfile(asset_path("vocab.bpe"), os.path.join(out, "merges.txt"))
     special = {"bos_token": EOT_TOKEN, "eos_token": EOT_TOKEN, "unk_token": EOT_TOKEN}
@@ -374,6 +416,21 @@ def write_tokenizer(out: str, block_size: int, chat_template: Optional[str] = No
                       "chat_template": chat.CHAT_TEMPLATE}
     write_json(os.path.join(out, "tokenizer_config.json"), tok_config)
     write_json(os.path.join(out, "special_tokens_map.json"), special)
+    return ["vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json"]
+
+
+def _write_trained(out: str, block_size: int, chat_template: Optional[str], tokenizer: TrainedBPE) -> list[str]:
+    with open(os.path.join(out, TOKENIZER_FILE), "w", encoding="utf-8") as f:
+        f.write(tokenizer.text)
+    special = {"bos_token": EOT_TOKEN, "eos_token": chat.IM_END if chat_template else EOT_TOKEN,
+               "pad_token": EOT_TOKEN}
+    added = {str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False, "normalized": False,
+                      "single_word": False} for t, i in chat.special_tokens(tokenizer).items()}
+    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": block_size, **special,
+                  "added_tokens_decoder": added, **({"chat_template": chat.CHAT_TEMPLATE} if chat_template else {})}
+    write_json(os.path.join(out, "tokenizer_config.json"), tok_config)
+    write_json(os.path.join(out, "special_tokens_map.json"), special)
+    return [TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json"]
 
 
 def save_pretrained(model: GPT, out_dir: str) -> str:
@@ -404,9 +461,11 @@ def save_pretrained(model: GPT, out_dir: str) -> str:
         write_json(os.path.join(tmp, "generation_config.json"),
                    {"bos_token_id": eot, "eos_token_id": end, **({"pad_token_id": eot} if model.config.chat_template
                                                                  else {})})
-        write_tokenizer(tmp, model.config.block_size, model.config.chat_template)
-        write_json(os.path.join(tmp, EXPORT_MARKER), {"format": rundir.EXPORT_FORMAT, "version": 1,
-                                                       "files": list(EXPORT_FILES)})
+        trained = for_config(model.config) if model.config.tokenizer else None
+        names = write_tokenizer(tmp, model.config.block_size, model.config.chat_template, trained)
+        files = ["model.safetensors", "config.json", "generation_config.json", *names, EXPORT_MARKER]
+        write_json(os.path.join(tmp, EXPORT_MARKER), {"format": rundir.EXPORT_FORMAT, "version": 1, "files": files,
+                                                       **({"tokenizer": trained.identity} if trained else {})})
     return target
 
 
@@ -417,7 +476,7 @@ def _check_export_target(out_dir: str) -> bool:
         raise UsageError(f"{out_dir} exists and is not a directory; choose another output path")
     if found.kind in ("missing", "empty"):
         return found.kind == "empty"
-    if found.kind == rundir.EXPORT and set(found.entries) <= set(EXPORT_FILES):
+    if found.kind == rundir.EXPORT and set(found.entries) <= {*EXPORT_FILES, *TRAINED_EXPORT_FILES}:
         return True  # an earlier export: it holds nothing an export does not write again
     raise UsageError(f"{out_dir} is not empty ({len(found.entries)} entries: {found.shown()}) and is not an earlier "
                      f"gpt2lab export: it holds {rundir.what(found)}; nothing was written. Choose a new or "

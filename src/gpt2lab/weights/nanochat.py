@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from gpt2lab.data.tokenizer import EOT_ID, IM_END_ID
+from gpt2lab.data.tokenizer import for_config
 from gpt2lab.model.gpt import GPT, GPTConfig
 
 ARCHITECTURE = "NanoChatForCausalLM"
@@ -56,8 +56,9 @@ def flip_halves(w: torch.Tensor, n_head: int) -> torch.Tensor:
 def config_to_nanochat(config: GPTConfig, dtype: torch.dtype) -> dict:
     """The config.json transformers' NanoChatForCausalLM reads; vocab is the real (unpadded) one."""
     vocab = config.real_vocab_size
-    eot = EOT_ID if vocab > EOT_ID else None  # tiny test vocabularies have no <|endoftext|>
-    end = IM_END_ID if config.chat_template else eot  # a chat model ends its turn at <|im_end|>
+    tok = for_config(config)
+    eot = tok.eot_id if vocab > tok.eot_id else None  # tiny test vocabularies have no <|endoftext|>
+    end = tok.im_end_id if config.chat_template else eot  # a chat model ends its turn at <|im_end|>
     return {
         "architectures": [ARCHITECTURE],
         "model_type": MODEL_TYPE,

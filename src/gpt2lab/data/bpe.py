@@ -1,0 +1,190 @@
+"""Your own tokenizer: train a byte-level BPE (``gpt2lab tokenizer train``) and measure it (``... eval``).
+
+The training is Hugging Face ``tokenizers``' BpeTrainer over the documents data/sources.py reads (so
+``--source`` takes what ``gpt2lab prepare --source`` takes), streamed: memory grows with the distinct
+pre-tokens seen, not with the text. Same files in, byte-identical files out.
+
+Pre-tokenisation, before any merge, splits text with ``SPLIT_PATTERN``, GPT-4's (cl100k) regex: a
+merge never crosses a piece's edge. Against GPT-2's it (1) puts digits in groups of one to three, so
+numbers get a few uniform tokens instead of whatever merges a corpus happened to favour; (2) keeps a
+run of spaces, tabs or newlines as a piece of its own (the last space goes to the next word), so code's
+indentation becomes a few tokens, where GPT-2's pattern leaves many single spaces; (3) takes
+contractions in either case and glues a leading punctuation mark to the word after it. Byte-level:
+every byte is in the alphabet, so any text encodes and decodes back exactly.
+
+A tokenizer directory holds ``tokenizer.json`` (Hugging Face's format: the tokenizer itself and the
+one source of truth) and ``gpt2lab_tokenizer.json``, the marker (system/rundir.py): format, version,
+identity (the sha256 of tokenizer.json), vocabulary size, special token ids, the split pattern and
+the sources with their bytes. ``<|endoftext|>``, ``<|im_start|>`` and ``<|im_end|>`` are ids 0, 1, 2.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+from gpt2lab.data import chat
+from gpt2lab.data.sources import JsonLine, SourceError, as_text, resolve_source
+from gpt2lab.data.tokenizer import (SPECIAL_TOKENS, TOKENIZER_FILE, Tokenizer, TokenizerError, TrainedBPE,
+                                    get_tokenizer, load_tokenizer)
+from gpt2lab.system import rundir
+from gpt2lab.system.errors import UsageError
+from gpt2lab.system.files import atomic_dir, read_json_object, write_json
+
+SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
+                 r"""|\s*[\r\n]|\s+(?!\S)|\s+""")
+MARKER, FORMAT, VERSION = rundir.TOKENIZER_MARKER, rundir.TOKENIZER_FORMAT, 1
+FILES = (TOKENIZER_FILE, MARKER)
+MIN_VOCAB = 256 + len(SPECIAL_TOKENS) + 1  # the byte alphabet, the special tokens and one merge
+MAX_VOCAB = 1 << 20
+
+
+def _bpe(vocab_size: int):
+    """An untrained byte-level BPE with gpt2lab's split, and its trainer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    return tok, trainer
+
+
+def document_text(doc, text_field: str) -> str:
+    """A document's text; a conversation's (a JSON line in the messages format without ``text_field``)
+    is its messages' contents, one per line, so a tokenizer can be trained on chat data too."""
+    if isinstance(doc, JsonLine):
+        row = doc.row()
+        if text_field not in row and chat.is_conversation(row):
+            try:
+                return "\n".join(content for _, content in chat.conversation(row))
+            except chat.ChatFormatError as e:
+                raise SourceError(f"{doc.path}:{doc.lineno}: {e}; fix or remove that line") from e
+    return as_text(doc)
+
+
+def read_texts(sources: list[str], text_field: str, counts: list[dict], bar=None) -> Iterator[str]:
+    """The documents' texts of every source in turn; ``counts`` gets each source's bytes and documents."""
+    for spec in sources:
+        src = resolve_source(spec, text_field)
+        entry = {"source": spec, "bytes": 0, "documents": 0}
+        counts.append(entry)
+        for doc in src.documents(0, None):
+            text = document_text(doc, text_field)
+            n = len(text.encode("utf-8", "surrogatepass"))
+            entry["bytes"] += n
+            entry["documents"] += 1
+            if bar is not None:
+                bar.update(n)
+            yield text
+
+
+def train(sources: list[str], vocab_size: int, out: str, text_field: str = "text", progress: bool = True) -> dict:
+    """Train a tokenizer of ``vocab_size`` tokens on ``sources`` into the directory ``out``; returns its marker.
+
+    ``out`` follows system/rundir's rule: missing, empty or an earlier tokenizer directory (holding
+    nothing else), which the new one replaces whole (written beside it, then renamed)."""
+    if not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
+        raise UsageError(f"--vocab-size {vocab_size}: must be {MIN_VOCAB} to {MAX_VOCAB:,} (256 bytes, "
+                         f"{len(SPECIAL_TOKENS)} special tokens and at least one merge)")
+    if not sources:
+        raise UsageError("--source: give at least one text source")
+    replace = _check_out(out)
+    for spec in sources:  # every source resolves (a bad path, a file of the wrong kind) before the long part
+        resolve_source(spec, text_field)
+    tok, trainer = _bpe(vocab_size)
+    counts: list[dict] = []
+    with _bar(progress, sources, text_field) as bar:
+        tok.train_from_iterator(read_texts(sources, text_field, counts, bar), trainer)
+    if not any(c["documents"] for c in counts):
+        raise SourceError(f"--source {' '.join(sources)}: no documents; check the paths")
+    text = tok.to_str()
+    trained = TrainedBPE(text)  # the checks any reader makes, before anything is written
+    marker = {"format": FORMAT, "version": VERSION, "identity": trained.identity, "vocab_size": trained.n_vocab,
+              "special_tokens": dict(trained.specials), "split_pattern": SPLIT_PATTERN, "sources": counts}
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    with atomic_dir(os.path.abspath(out), replace=replace, what_next="free some space and train again") as tmp:
+        with open(os.path.join(tmp, TOKENIZER_FILE), "w", encoding="utf-8") as f:
+            f.write(text)
+        write_json(os.path.join(tmp, MARKER), marker)
+    return marker
+
+
+def _check_out(out: str) -> bool:
+    """Whether ``out`` exists and may be replaced (empty, or an earlier tokenizer and nothing else)."""
+    what_next = "choose a new or empty --out"
+    found = rundir.check(out, rundir.TOKENIZER, flag="--out", what_next=what_next)
+    if found.kind == rundir.TOKENIZER and not set(found.entries) <= set(FILES):
+        extra = sorted(set(found.entries) - set(FILES))
+        raise UsageError(f"--out {out}: an earlier tokenizer, but it also holds {', '.join(extra[:4])}, which "
+                         f"training would replace; nothing was written; {what_next}")
+    return found.kind != "missing"
+
+
+@contextmanager
+def _bar(enabled: bool, sources: list[str], text_field: str):
+    from tqdm import tqdm
+
+    sizes = [resolve_source(s, text_field).size_bytes for s in sources] if enabled else []
+    total = sum(sizes) if sizes and None not in sizes else None  # compressed files: an estimate
+    bar = tqdm(disable=not enabled, total=total, unit="B", unit_scale=True, desc="tokenizer", dynamic_ncols=True)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+# -- reading one back ---------------------------------------------------------------------------
+def open_dir(path: str, flag: str = "--tokenizer") -> TrainedBPE:
+    """The tokenizer in a directory ``gpt2lab tokenizer train`` wrote (or any holding a tokenizer.json
+    with gpt2lab's special tokens), checked against its marker's identity."""
+    if not os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: no such directory; make one with `gpt2lab tokenizer train --source SRC "
+                         f"--vocab-size N --out {path}`")
+    marker = read_json_object(os.path.join(path, MARKER)) or {}
+    identity = marker.get("identity")
+    try:
+        return load_tokenizer(path, identity if isinstance(identity, str) else None,
+                              what_next=f"train the tokenizer in {path} again")
+    except TokenizerError as e:
+        raise TokenizerError(f"{flag} {e}") from None
+
+
+# -- bytes per token ------------------------------------------------------------------------------
+def bytes_per_token(tokenizers: dict[str, Tokenizer], sources: list[str], text_field: str = "text") -> list[dict]:
+    """Per source: its UTF-8 bytes, documents, and each tokenizer's tokens and bytes per token (the
+    documents encoded as text, as ``prepare`` encodes them, without the <|endoftext|> before each)."""
+    rows = []
+    for spec in sources:
+        counts: list[dict] = []
+        tokens = dict.fromkeys(tokenizers, 0)
+        for text in read_texts([spec], text_field, counts):
+            for name, tok in tokenizers.items():
+                tokens[name] += len(tok.encode_ordinary(text))
+        n = counts[0]["bytes"]
+        rows.append({**counts[0], "tokenizers": {name: {"tokens": t, "bytes_per_token": n / t if t else None}
+                                                 for name, t in tokens.items()}})
+    return rows
+
+
+def evaluate(tokenizer_dir: str, sources: Iterable[str], text_field: str = "text") -> list[dict]:
+    """Bytes per token of ``tokenizer_dir``'s tokenizer against GPT-2's on each source."""
+    ours = open_dir(tokenizer_dir)
+    return bytes_per_token({"ours": ours, "gpt2": get_tokenizer()}, list(sources), text_field)
+
+
+def table(rows: list[dict], name: str = "ours") -> str:
+    """``evaluate``'s rows as a Markdown table."""
+    lines = [f"| source | bytes | documents | tokens ({name}) | bytes/token ({name}) | tokens (GPT-2) | "
+             "bytes/token (GPT-2) | GPT-2 tokens / ours |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        a, b = r["tokenizers"]["ours"], r["tokenizers"]["gpt2"]
+        ratio = f"{b['tokens'] / a['tokens']:.3f}" if a["tokens"] else "-"
+        fmt = lambda v: f"{v:.3f}" if v is not None else "-"  # noqa: E731
+        lines.append(f"| {r['source']} | {r['bytes']:,} | {r['documents']:,} | {a['tokens']:,} | "
+                     f"{fmt(a['bytes_per_token'])} | {b['tokens']:,} | {fmt(b['bytes_per_token'])} | {ratio} |")
+    return "\n".join(lines)
