@@ -618,6 +618,20 @@ class BodyTooLarge(Exception):
 # buffer for as long as it likes. The largest body taken, 1 MiB, arrives in well under a second on
 # any link a server is reached over; 30 s leaves room for a slow one (35 KB/s).
 BODY_TIMEOUT_S = 30.0
+# A body refused for its size is still read, and thrown away, up to this many bytes more (for at most
+# DRAIN_S seconds) before the 413: a server that closes a connection with unread data in it makes
+# the kernel reset it, and the client, still sending, never reads its answer. Nothing read is kept.
+DRAIN_BYTES, DRAIN_S = 8 << 20, 2.0
+
+
+async def _drain(receive) -> None:
+    """Read and discard what is left of a request's body, DRAIN_BYTES at most."""
+    n = 0
+    while n < DRAIN_BYTES:
+        message = await receive()
+        if message["type"] == "http.disconnect" or not message.get("more_body", False):
+            return
+        n += len(message.get("body", b""))
 
 
 async def read_body(scope, receive) -> Optional[bytes]:
@@ -671,7 +685,9 @@ class AccessLog:
         try:
             try:
                 body = await asyncio.wait_for(read_body(scope, receive), BODY_TIMEOUT_S)
-            except BodyTooLarge as e:  # Connection: close, so that the server reads no more of it
+            except BodyTooLarge as e:  # Connection: close, so that the server reads no more of it than _drain
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(_drain(receive), DRAIN_S)
                 response = JSONResponse(status_code=413, content=error_body(str(e)), headers={"Connection": "close"})
                 return await response(scope, receive, sending)
             except asyncio.TimeoutError:
