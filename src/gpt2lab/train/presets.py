@@ -47,8 +47,17 @@ MEASURED = {
 }
 
 
-def recipe(cfg: TrainConfig) -> str:
-    """"faithful GPT-2" (GPT-2's block, AdamW, cosine) or "modern" (any modern-block field, lever or Muon/WSD)."""
+# Presets that fine-tune a model given with --init-from rather than train one: what they do to it. The
+# size the listing shows for one with no --init-from of its own is its base preset's, for a model that size.
+FINE_TUNES = {"chat-cpu": "supervised fine-tuning on conversations, of the model given with --init-from RUN",
+              "chat-gpt2": "supervised fine-tuning on conversations", "finetune-shakespeare": "fine-tuning"}
+
+
+def recipe(cfg: TrainConfig, name: str = "") -> str:
+    """"faithful GPT-2" (GPT-2's block, AdamW, cosine) or "modern" (any modern-block field, lever or Muon/WSD);
+    a fine-tuning preset's FINE_TUNES entry."""
+    if name in FINE_TUNES:
+        return FINE_TUNES[name]
     modern = cfg.model.modern() or cfg.optim.optimizer != "adamw" or cfg.optim.lr_schedule != "cosine"
     return "modern" if modern else "faithful GPT-2"
 
@@ -68,7 +77,8 @@ def describe(name: str) -> list[str]:
     source = f" (the architecture comes from --init-from {cfg.finetune.init_from})" if cfg.finetune.init_from else ""
     measured = MEASURED.get(name)
     return [f"{name}: {m.n_layer} layers x {m.n_embd} wide, {param_counts(m)['total']:,} parameters{source}; "
-            f"{recipe(cfg)} recipe; {cfg.optim.max_steps:,} steps, {n:,} tokens",
+            f"{recipe(cfg, name)}{'' if name in FINE_TUNES else ' recipe'}; {cfg.optim.max_steps:,} steps, "
+            f"{n:,} tokens",
             f"    time    {measured.describe(n) if measured else 'not measured'}",
             f"    export  {export_target(m).describe()}"]
 
