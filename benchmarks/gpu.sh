@@ -179,6 +179,146 @@ stage_profile() {
     "$PY" benchmarks/profile_step.py --data "$RUN/data" --out "$OUT" "${flags[@]}" | tail -n 45
 }
 
+short_run() {  # no evals, samples or checkpoints but the last, no progress bar
+    echo --hellaswag-interval 0 --sample-interval 0 --ckpt-interval 0 --keep-checkpoints 1 --progress false
+}
+
+tiny_flags() {  # the smoke mode's model and batch (CPU)
+    echo --device cpu --n-layer 2 --n-head 2 --n-embd 64 --block-size 64 --vocab-size 50304 --seq-len 64 --micro-batch-size 2 \
+        --total-batch-tokens 256 --compile false --dtype float32
+}
+
+throughput() {  # metrics.jsonl [from_step]: tokens / seconds over the train lines from from_step on, as JSON
+    "$PY" - "$@" <<'EOF2'
+import json, sys
+recs = [json.loads(x) for x in open(sys.argv[1])]
+steps = [r for r in recs if "train_loss" in r and r["step"] >= int(sys.argv[2] if len(sys.argv) > 2 else 1)]
+secs = sum(r["dt_ms"] for r in steps) / 1000
+print(json.dumps({"steps": len(steps), "tok_per_s": round(sum(r["tokens"] - p["tokens"] for p, r in zip(steps, steps[1:]))
+                  / max(secs - steps[0]["dt_ms"] / 1000, 1e-9)) if len(steps) > 1 else None,
+                  "mfu": round(sum(r["mfu"] or 0 for r in steps) / len(steps), 4) if steps else None,
+                  "peak_mem_gib": max((r.get("peak_mem_gib") or 0) for r in steps) if steps else None,
+                  "last_train_loss": steps[-1]["train_loss"] if steps else None}))
+EOF2
+}
+
+stage_speed() {  # gpt2-124m at 2^19 tokens a step: checks read back every 16 steps (auto) against every step
+    data
+    : > "$OUT/speed.jsonl"
+    local ci flags
+    for ci in 0 1; do
+        flags=(--max-steps "${SPEED_STEPS:-40}" --warmup-steps 16 --eval-interval 0 $(short_run) --check-interval "$ci")
+        [ "$SMOKE" = 1 ] && flags=($(tiny_flags) --max-steps 6 --warmup-steps 2 --eval-interval 0 $(short_run)
+                                   --check-interval "$([ "$ci" = 0 ] && echo 4 || echo 1)")
+        rm -rf "$RUN/speed_$ci"
+        g train --preset gpt2-124m --data "$RUN/data" --out "$RUN/speed_$ci" "${flags[@]}" > "$OUT/speed_$ci.log" 2>&1
+        cp "$RUN/speed_$ci/metrics.jsonl" "$OUT/speed_${ci}_metrics.jsonl"
+        echo "{\"check_interval\": \"$ci\", \"throughput_from_step_2\": $(throughput "$RUN/speed_$ci/metrics.jsonl" 2)}" \
+            | tee -a "$OUT/speed.jsonl"
+    done
+}
+
+wiki() {  # Wikipedia prepared on the machine from the compressed files carried in .gpu/wiki (or WIKI=DIR)
+    local src=${WIKI:-.gpu/wiki}
+    if [ ! -f "$RUN/wiki/manifest.json" ] || ! grep -q '"complete": true' "$RUN/wiki/manifest.json"; then
+        g prepare --source "$src" --out "$RUN/wiki" --val-tokens "${WIKI_VAL:-1048576}" --quiet
+    fi
+}
+
+stage_fastvs() {  # gpt2-124m against gpt2-124m-fast on the same Wikipedia tokens and the same number of steps
+    wiki
+    : > "$OUT/fastvs.jsonl"
+    local preset steps=${FV_STEPS:-40} flags
+    for preset in gpt2-124m gpt2-124m-fast; do
+        flags=(--max-steps "$steps" --warmup-steps $((steps / 10)) --eval-interval "${FV_EVAL:-5}"
+               --eval-tokens 1048576 $(short_run))
+        [ "$SMOKE" = 1 ] && flags=($(tiny_flags) --max-steps 6 --warmup-steps 1 --eval-interval 2 --eval-tokens 1024
+                                   $(short_run))
+        rm -rf "$RUN/fv_$preset"
+        g train --preset "$preset" --data "$RUN/wiki" --out "$RUN/fv_$preset" "${flags[@]}" > "$OUT/fv_$preset.log" 2>&1
+        cp "$RUN/fv_$preset/metrics.jsonl" "$OUT/fv_${preset}_metrics.jsonl"
+    done
+    "$PY" - "$RUN/fv_gpt2-124m/metrics.jsonl" "$RUN/fv_gpt2-124m-fast/metrics.jsonl" <<'EOF2' | tee -a "$OUT/fastvs.jsonl"
+import json, sys
+def load(path):
+    recs = [json.loads(x) for x in open(path)]
+    train = {r["step"]: r for r in recs if "train_loss" in r}
+    evals = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
+    return train, evals
+out = {}
+(ft, fe), (mt, me) = load(sys.argv[1]), load(sys.argv[2])
+target = fe[-1][1]
+def secs(train, upto):  # training seconds of steps 1..upto-1 (step 0 compiles)
+    return round(sum(r["dt_ms"] for s, r in train.items() if 1 <= s < upto) / 1000, 1)
+def tok(train, upto):
+    return max((r["tokens"] for s, r in train.items() if s < upto), default=0)
+hit = next((s for s, v in me if v <= target), None)
+med = lambda t: sorted(r["tok_per_s"] for s, r in t.items() if s >= 1)[len([s for s in t if s >= 1]) // 2]
+out = {"faithful_final": {"step": fe[-1][0], "val_loss": target, "tokens": tok(ft, fe[-1][0]), "seconds": secs(ft, fe[-1][0])},
+       "fast_final": {"step": me[-1][0], "val_loss": me[-1][1]},
+       "fast_reaches_faithful_final_at": None if hit is None else
+           {"step": hit, "tokens": tok(mt, hit), "seconds": secs(mt, hit)},
+       "faithful_evals": fe, "fast_evals": me,
+       "tok_per_s_median": {"gpt2-124m": round(med(ft)), "gpt2-124m-fast": round(med(mt))}}
+print(json.dumps(out))
+EOF2
+}
+
+stage_infer() {  # inference on this device: bench sample (auto dtype, transformers beside) and bench serve
+    local dev=(--device cuda) s=(--new-tokens 256 --repeats 3 --no-cache-repeats 0) v=(--streams 1,8,64 --seconds 10)
+    [ "$SMOKE" = 1 ] && dev=(--device cpu --n-layer 2 --n-head 2 --n-embd 64 --block-size 64) \
+        s=(--new-tokens 8 --repeats 1 --no-cache-repeats 0) v=(--streams 1,2 --seconds 1 --new-tokens 8)
+    export GPT2LAB_PROBE=fresh GPT2LAB_CACHE="$RUN/cache"
+    g bench sample "${dev[@]}" "${s[@]}" --peer transformers > "$OUT/infer_sample.json"
+    tail -c 3000 "$OUT/infer_sample.json"; echo
+    g bench sample "${dev[@]}" "${s[@]}" --peer none --ways sample --all-settings > "$OUT/infer_settings.json"
+    tail -c 3000 "$OUT/infer_settings.json"; echo
+    g bench serve "${dev[@]}" "${v[@]}" > "$OUT/infer_serve.json"
+    tail -c 3000 "$OUT/infer_serve.json"; echo
+}
+
+stage_sft() {  # fine-tuning from the speed stage's run: full, LoRA rank 8, and on conversations (chat-gpt2)
+    data
+    local base="$RUN/speed_0" flags=(--max-steps 20 --eval-interval 10 --eval-tokens 262144 $(short_run))
+    [ "$SMOKE" = 1 ] && flags=($(tiny_flags) --max-steps 2 --eval-interval 1 --eval-tokens 256 $(short_run))
+    [ -f "$RUN/chat/manifest.json" ] || g prepare --source chitchat --out "$RUN/chat" --quiet
+    : > "$OUT/sft.jsonl"
+    rm -rf "$RUN/ft_full" "$RUN/ft_lora" "$RUN/ft_chat"
+    g train --preset finetune-shakespeare --init-from "$base" --data "$RUN/data" --out "$RUN/ft_full" "${flags[@]}" \
+        > "$OUT/ft_full.log" 2>&1
+    g train --preset finetune-shakespeare --init-from "$base" --data "$RUN/data" --out "$RUN/ft_lora" "${flags[@]}" \
+        --lora-rank 8 --max-lr 1e-3 --min-lr 1e-3 > "$OUT/ft_lora.log" 2>&1
+    g train --preset chat-gpt2 --init-from "$base" --data "$RUN/chat" --out "$RUN/ft_chat" "${flags[@]}" \
+        > "$OUT/ft_chat.log" 2>&1
+    local run
+    for run in ft_full ft_lora ft_chat; do
+        cp "$RUN/$run/metrics.jsonl" "$OUT/${run}_metrics.jsonl"
+        "$PY" - "$RUN/$run/metrics.jsonl" "$run" <<'EOF2' | tee -a "$OUT/sft.jsonl"
+import json, sys
+recs = [json.loads(x) for x in open(sys.argv[1])]
+steps = [r for r in recs if "train_loss" in r and r["step"] >= 1]
+print(json.dumps({"run": sys.argv[2], "val_loss": [(r["step"], round(r["val_loss"], 4)) for r in recs if "val_loss" in r],
+                  "tok_per_s_median": round(sorted(r["tok_per_s"] for r in steps)[len(steps) // 2]) if steps else None,
+                  "peak_mem_gib": max((r.get("peak_mem_gib") or 0) for r in steps) if steps else None}))
+EOF2
+    done
+}
+
+stage_ac() {  # activation checkpointing's cost at 124M: tok/s and peak memory with it on and off
+    data
+    : > "$OUT/ac.jsonl"
+    local ac flags
+    for ac in false true; do
+        flags=(--max-steps 10 --warmup-steps 2 --eval-interval 0 $(short_run) --activation-checkpointing "$ac")
+        [ "$SMOKE" = 1 ] && flags=($(tiny_flags) --max-steps 3 --warmup-steps 1 --eval-interval 0 $(short_run)
+                                   --activation-checkpointing "$ac")
+        rm -rf "$RUN/ac_$ac"
+        g train --preset gpt2-124m --data "$RUN/data" --out "$RUN/ac_$ac" "${flags[@]}" > "$OUT/ac_$ac.log" 2>&1
+        echo "{\"activation_checkpointing\": $ac, \"throughput_from_step_2\": $(throughput "$RUN/ac_$ac/metrics.jsonl" 2)}" \
+            | tee -a "$OUT/ac.jsonl"
+    done
+}
+
 [ $# -gt 0 ] || set -- tests ladder16 ladder64 memory big train eval finetune
 for stage in "$@"; do
     echo "== $stage ($(date -u +%H:%M:%S))"
@@ -192,6 +332,12 @@ for stage in "$@"; do
         eval) stage_eval ;;
         finetune) stage_finetune ;;
         profile) stage_profile ;;
-        *) echo "unknown stage $stage; stages: tests ladder16 ladder64 memory big train eval finetune profile" >&2; exit 2 ;;
+        speed) stage_speed ;;
+        fastvs) stage_fastvs ;;
+        infer) stage_infer ;;
+        sft) stage_sft ;;
+        ac) stage_ac ;;
+        *) echo "unknown stage $stage; stages: tests ladder16 ladder64 memory big train eval finetune profile" \
+                "speed fastvs infer sft ac" >&2; exit 2 ;;
     esac
 done

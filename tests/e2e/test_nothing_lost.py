@@ -388,3 +388,22 @@ def test_spike_guard_skips_and_rolls_back_poisoned_data(tiny_data, tmp_path):
     assert train_losses(again) == {s: v for s, v in train_losses(guarded).items() if s >= 16}
     state = torch.load(guarded / "checkpoints" / "step_000024" / "state.pt", weights_only=True)
     assert [list(r) for r in state["skips"]] == [r["skip_positions"] for r in rollbacks]
+
+
+def test_spike_guard_on_the_device_read_back_every_few_steps_decides_as_every_step(tiny_data, tmp_path):
+    """The checks on the device (read back every 4 steps, as a GPU does every 16) skip the same
+    steps, roll back to the same checkpoint over the same data and train to the same losses as the
+    host's checks every step; only the step times (shared over each read-back) differ."""
+    poisoned = tmp_path / "poisoned"
+    _poison(tiny_data, poisoned)
+    every, few = tmp_path / "every", tmp_path / "few"
+    train(_cfg(str(poisoned), every, **GUARD), DistInfo(device=CPU))
+    train(_cfg(str(poisoned), few, **GUARD, check_interval=4), DistInfo(device=CPU))
+    timing = ("dt_ms", "tok_per_s", "mfu")
+
+    def plain(run):  # the checkpoint rolled back to by name (the runs' folders differ)
+        return [{k: os.path.basename(v) if k == "rollback_to" else v for k, v in r.items() if k not in timing}
+                for r in records(run)]
+
+    assert [r for r in records(few) if "rollback_to" in r]  # the poison still calls for a rollback
+    assert plain(few) == plain(every)

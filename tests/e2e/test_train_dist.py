@@ -209,9 +209,11 @@ MUON_FIELDS = dict(optimizer="muon", muon_lr=0.02, embed_lr=6e-3, head_lr=4e-3, 
 
 
 def test_muon_ddp_two_processes_equal_one_with_double_accumulation(tiny_data, tmp_path):
+    """Also with the checks on the device, read back every 3 steps over two ranks (a GPU's way)
+    against the one process's every step."""
     fields = dict(data=tiny_data, **DIST_FIELDS, **MUON_FIELDS)
     run_train(out=str(tmp_path / "one"), **fields)
-    proc = _torchrun(tmp_path / "ddp", strategy="ddp", **fields)
+    proc = _torchrun(tmp_path / "ddp", strategy="ddp", check_interval=3, **fields)
     assert "2 process(es), 2 micro-steps/step" in proc.stdout
     one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "ddp")
     assert sorted(one) == sorted(two) == [0, 1, 2, 3]

@@ -185,6 +185,10 @@ class SystemConfig(_Section):
                       "it does not pay (CPU, MPS)", choices=COMPILE_CHOICES)
     peak_flops: Optional[float] = _f(None, "peak FLOP/s for MFU; default from the GPU name (A100, H100, H200)")
     max_bad_steps: int = _f(5, "stop after this many NaN/inf steps in a row", at_least=1)
+    check_interval: int = _f(0, "steps between the host reading back losses, gradient norms and the "
+                             "NaN/spike verdicts, which the device reaches and acts on at every step; "
+                             "0 = auto: every step on a CPU (reading back costs nothing there), every "
+                             "16 on a GPU (each read-back waits for the GPU to drain)", at_least=0)
     keep_cpu_memory: bool = _f(True, "on CPU, keep freed memory in the process (glibc mallopt) instead of "
                                "returning it to the OS: fresh pages for the large logit buffers cost "
                                "about half of a small model's step")

@@ -104,7 +104,7 @@ def orthogonalize(g: torch.Tensor, dtype: torch.dtype, coefficients: tuple[float
 
 
 def normalize_neurons(update: torch.Tensor, second_moment: torch.Tensor, beta2: float,
-                      eps: float = 1e-8) -> torch.Tensor:
+                      eps: float = 1e-8, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
     """NorMuon's step after the orthogonalisation (Li et al. 2025, "NorMuon"), in fp32.
 
     Each output neuron (row i of the (out, in) ``update`` O) keeps a running mean of its
@@ -115,7 +115,8 @@ def normalize_neurons(update: torch.Tensor, second_moment: torch.Tensor, beta2: 
     less and quiet ones more, where Muon gives every direction the same size.
     """
     o = update.float()
-    second_moment.lerp_(o.square().mean(dim=1), 1 - beta2)
+    # keep (a 0-d tensor, 0 on a step skipped on the device) leaves the running mean unchanged
+    second_moment.lerp_(o.square().mean(dim=1), 1 - beta2 if keep is None else keep * (1 - beta2))
     n = o / (second_moment.sqrt() + eps)[:, None]
     return n * (o.norm() / n.norm().clamp(min=eps))
 
@@ -149,12 +150,21 @@ class Muon(torch.optim.Muon):
         super().__init__(params, **kwargs)
         self.ns_dtype, self.variant, self.beta2 = ns_dtype, variant, beta2
 
+    # torch.amp.GradScaler and apply_update's device-side skip set ``found_inf`` (a 0-d tensor, 1: skip)
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if getattr(self, "grad_scale", None) is not None:
+            raise RuntimeError("Muon: gradients scaled for fp16 must be unscaled first (GradScaler.unscale_)")
+        found_inf = getattr(self, "found_inf", None)
+        # keep = 0 turns the step into a no-op on the device (no host sync): momentum, second
+        # moment, decay and update are all scaled by it; without found_inf the step is as before
+        keep = None if found_inf is None else 1 - found_inf.float()
         for group in self.param_groups:
             lr, wd, momentum = float(group["lr"]), group["weight_decay"], group["momentum"]
             for p in group["params"]:
@@ -163,17 +173,24 @@ class Muon(torch.optim.Muon):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - momentum)
+                buf, scale = state["momentum_buffer"], lr * muon_lr_scale(p.shape, group["adjust_lr_fn"])
+                if keep is None:
+                    buf.lerp_(p.grad, 1 - momentum)
+                else:  # a skipped step leaves the buffer as it was (weight 0); a kept one moves it as above
+                    buf.lerp_(p.grad, (keep * (1 - momentum)).to(buf.dtype))
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
                 update = orthogonalize(update, self.ns_dtype, group["ns_coefficients"], group["ns_steps"],
                                        group["eps"])
                 if self.variant == "normuon":
                     if "second_moment" not in state:
                         state["second_moment"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
-                    update = normalize_neurons(update, state["second_moment"], self.beta2)
-                p.mul_(1 - lr * wd)
-                p.add_(update, alpha=-lr * muon_lr_scale(p.shape, group["adjust_lr_fn"]))
+                    update = normalize_neurons(update, state["second_moment"], self.beta2, keep=keep)
+                if keep is None:
+                    p.mul_(1 - lr * wd)
+                    p.add_(update, alpha=-scale)
+                else:
+                    p.mul_((1 - lr * wd * keep).to(p.dtype))
+                    p.sub_(update.to(p.dtype) * (scale * keep))
         return loss
 
 
@@ -320,10 +337,29 @@ def unscaled_grad_norm(model: nn.Module, optimizer, scaler, grad_clip: float) ->
     return parallel.clip_grad_norm(model, grad_clip if grad_clip > 0 else float("inf"))
 
 
-def apply_update(optimizer, scaler, step: int, opt, take: bool) -> None:
+def skips_on_device(optimizer) -> bool:
+    """Whether every part of ``optimizer`` can skip a step on the device (``apply_update``'s
+    ``skip``): fused AdamW (torch's kernel takes ``found_inf``, as GradScaler uses it) and our Muon."""
+    return all(isinstance(one, Muon) or (isinstance(one, torch.optim.AdamW) and one.defaults.get("fused"))
+               for one in parts(optimizer))
+
+
+def apply_update(optimizer, scaler, step: int, opt, take: bool, skip: Optional[torch.Tensor] = None) -> None:
     """Step with the scheduled rates when ``take``, else drop the gradients; either way they are
     cleared. Under fp16 the scaler steps (it skips steps with inf gradients itself while it
-    finds its scale), and ``update`` always follows ``unscale_``, which also backs the scale off."""
+    finds its scale), and ``update`` always follows ``unscale_``, which also backs the scale off.
+    ``skip`` (a 0-d float tensor on the device, 1: skip; optimizers where ``skips_on_device``)
+    decides on the device instead, with no host sync: the kernels leave weights and state as they were."""
+    if skip is not None:
+        set_lrs(optimizer, step, opt)
+        for one in parts(optimizer):
+            one.found_inf = skip
+            try:
+                one.step()
+            finally:
+                del one.found_inf
+        optimizer.zero_grad(set_to_none=True)
+        return
     if take:
         set_lrs(optimizer, step, opt)
         if scaler is not None:

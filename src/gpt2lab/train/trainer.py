@@ -12,6 +12,7 @@ N completed steps, and a resumed run continues with step N.
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import signal
 import sys
@@ -33,11 +34,29 @@ from gpt2lab.train.averaging import WeightAverage
 from gpt2lab.train.config import TrainConfig
 from gpt2lab.train.evaluation import Evaluator, due
 from gpt2lab.train.init_from import load_source
-from gpt2lab.train.optim import apply_update, build_optimizer, scheduled_lr, unscaled_grad_norm
+from gpt2lab.train.optim import apply_update, build_optimizer, scheduled_lr, skips_on_device, unscaled_grad_norm
 from gpt2lab.train.plan import RunPlan, detect_facts, make_plan
 from gpt2lab.train.rollback import MAX_ROLLBACKS, Rollback, TrainingError  # noqa: F401  (re-exported)
+from gpt2lab.train.spikes import DeviceGuard
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+# Steps between read-backs on a GPU (--check-interval 0). A read-back waits for the GPU's queue to
+# drain, so the next step starts late by the host's launch time; every 16 steps spreads that over
+# 16 steps of 0.1-1 s on any GPU. A NaN or spike is still found and skipped on the device at its own
+# step: only the log lines, a rollback and a stop signal wait, at most 15 steps.
+GPU_CHECK_INTERVAL = 16
+
+
+def check_interval(configured: int, device: torch.device, optimizer, scaler, average) -> int:
+    """Steps between read-backs (1: every step decided on the host, as on a CPU). More than 1 needs
+    every decision on the device: an optimizer that skips there (fused AdamW, Muon), no fp16 grad
+    scaler and no weight average (both decide on the host)."""
+    if scaler is not None or average is not None or not skips_on_device(optimizer):
+        return 1
+    if configured:
+        return configured
+    return 1 if device.type == "cpu" else GPU_CHECK_INTERVAL
 
 
 class Stopped(GPT2LabError):
@@ -64,6 +83,8 @@ def accumulate_gradients(model: torch.nn.Module, next_batch: Callable[[], Batch]
     total = torch.zeros((), dtype=torch.float32, device=device)
     for micro in range(accum):
         x, y = batches[micro] if masked else next_batch()
+        if device.type == "cuda":  # from pinned memory the copy is queued; from pageable it waits for the GPU
+            x, y = x.pin_memory(), y.pin_memory()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         last = micro == accum - 1
         with parallel.sync_gradients(model, last):
@@ -143,6 +164,11 @@ class Trainer:
         self.peak = plan.peak_flops.value
         self.stop_requested, self.stop_signal = False, None
         self.steps_taken = 0  # by this process: a start that failed before its first step removes what it wrote
+        self.check_interval = check_interval(cfg.system.check_interval, self.device, self.optimizer, self.scaler,
+                                             self.average)
+        self.pending: list[tuple] = []  # steps the device has run and judged, their records not yet read back
+        self.device_guard: Optional[DeviceGuard] = None  # built from the host guard's state when first used
+        self.since = time.perf_counter()  # the start of the pending steps' training time
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, info: DistInfo, resume: Optional[str] = None) -> "Trainer":
@@ -166,6 +192,7 @@ class Trainer:
     def load_state_dict(self, state: dict) -> None:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.spikes.load_state_dict(state)
+        self.device_guard = None  # rebuilt from the restored host guard
 
     def restore(self, path: str, verified: bool = False) -> None:
         ckpt.load(path, self.parts(), verified=verified)
@@ -187,8 +214,9 @@ class Trainer:
         return path
 
     # -- one optimizer step ----------------------------------------------------------------
-    def train_step(self) -> dict:
-        """Run step ``self.step`` (all its micro-steps) and return its metrics record."""
+    def train_step(self) -> Optional[dict]:
+        """Run step ``self.step`` (all its micro-steps) and return its metrics record; None when its
+        checks ran on the device and its record waits in ``pending`` for the next ``read_back``."""
         cfg, t0 = self.cfg, time.perf_counter()
         lr = scheduled_lr(self.step, cfg.optim)  # max_lr's group; set_lrs gives every group its own
         position = self.spikes.skip_bad_data(self.loader)
@@ -196,6 +224,8 @@ class Trainer:
         loss = accumulate_gradients(self.train_model, self.loader.next_batch, accum, self.device, self.dtype,
                                     self.scaler, masked=self.loader.masked)
         norm = unscaled_grad_norm(self.raw, self.optimizer, self.scaler, cfg.optim.grad_clip)
+        if self.check_interval > 1:
+            return self._step_on_device(lr, position, accum, loss, norm)
         loss_v, norm_v = loss.item(), norm.item()
         finite = bool(np.isfinite(loss_v) and np.isfinite(norm_v))
         # fp16: the scaler itself skips steps with inf gradients (and backs off) while it finds its scale
@@ -219,11 +249,64 @@ class Trainer:
             return {**record, "skipped": "spike", "loss": loss_v, "grad_norm": norm_v, **spike}
         return {**record, "train_loss": loss_v, "grad_norm": norm_v, **self._speed(dt, tokens)}
 
-    def _speed(self, dt: float, tokens: int) -> dict:
-        """Throughput, MFU and (CUDA) peak memory of a step of ``tokens`` that took ``dt`` seconds."""
+    def _step_on_device(self, lr: float, position: int, accum: int, loss: torch.Tensor, norm: torch.Tensor) -> None:
+        """The rest of a step with no host sync: the device's guard judges it (NaN/inf, spike) and the
+        optimizer skips it there if bad; what ``read_back`` needs is kept in ``pending``."""
+        if self.device_guard is None:
+            self.device_guard = DeviceGuard(self.spikes.guard, self.device)
+        bad, z_loss, z_norm = self.device_guard.check(loss, norm)
+        apply_update(self.optimizer, None, self.step, self.cfg.optim, take=True, skip=bad)
+        tokens = accum * self.cfg.batch.micro_batch_size * self.cfg.batch.seq_len * self.info.world_size
+        self.tokens += tokens
+        dt = self.device_guard.dtype
+        values = torch.stack([loss.detach().to(dt), norm.detach().to(dt), bad.to(dt), z_loss, z_norm])
+        self.pending.append((self.step, lr, position, self.loader.position, tokens, self.tokens, values))
+        return None
+
+    def read_back(self) -> list[tuple[dict, int, Optional[tuple]]]:
+        """The pending steps' records (one host sync for all of them), each with the loader position
+        after its step and what the host guard is to learn of it (``SpikeGuard.record``'s arguments:
+        the device's verdict; ``_log`` hands them on in order). Their time is shared equally."""
+        if not self.pending:
+            return []
+        values = torch.stack([p[-1] for p in self.pending]).tolist()
+        now = time.perf_counter()
+        dt, self.since = (now - self.since) / len(self.pending), now
+        out = []
+        for (step, lr, position, after, tokens, total, _), (loss, norm, bad, z_loss, z_norm) in zip(self.pending,
+                                                                                                   values):
+            record, verdict = {"step": step, "lr": lr}, (step, position, loss, norm, bool(bad))
+            if not (math.isfinite(loss) and math.isfinite(norm)):
+                record.update(skipped="nan" if math.isnan(loss) or math.isnan(norm) else "inf", loss=str(loss),
+                              grad_norm=str(norm))
+                verdict = None
+            elif bad:
+                record.update(skipped="spike", loss=loss, grad_norm=norm, loss_z=round(z_loss, 2),
+                              norm_z=round(z_norm, 2))
+            else:
+                record.update(train_loss=loss, grad_norm=norm, **self._speed(dt, tokens, total))
+            out.append((record, after, verdict))
+        self.pending = []
+        return out
+
+    def _read_back_due(self) -> bool:
+        """Whether the pending records are read back now (``self.step`` just incremented): every
+        ``check_interval`` steps, after a process's first step (its time is the compile's), before
+        anything else happens between steps (evaluation, checkpoint, the end) and, in one process,
+        at a stop signal (across processes the signal is agreed at the regular read-backs)."""
+        s, ev, last = self.step, self.cfg.eval, self.cfg.optim.max_steps
+        return (len(self.pending) >= self.check_interval or self.steps_taken == 1 or s == last
+                or (self.stop_requested and not self.info.distributed)
+                or due(self.cfg.checkpoint.ckpt_interval, s, -1)
+                or any(due(i, s, last) for i in (ev.eval_interval, ev.hellaswag_interval, ev.sample_interval)))
+
+    def _speed(self, dt: float, tokens: int, total: Optional[int] = None) -> dict:
+        """Throughput, MFU and (CUDA) peak memory of a step of ``tokens`` that took ``dt`` seconds
+        (``total``: the run's tokens after it, default all so far)."""
         tok_per_s = tokens / dt
         mfu = self.flops_per_token * tok_per_s / (self.peak * self.info.world_size) if self.peak else None
-        out = {"dt_ms": 1000 * dt, "tok_per_s": tok_per_s, "mfu": mfu, "tokens": self.tokens}
+        out = {"dt_ms": 1000 * dt, "tok_per_s": tok_per_s, "mfu": mfu,
+               "tokens": self.tokens if total is None else total}
         if self.device.type == "cuda":
             out["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 30  # since the start
         return out
@@ -235,14 +318,15 @@ class Trainer:
         with _stop_on_signals(self):
             while self.step < cfg.optim.max_steps:
                 self.evaluate(self.step, log)
+                if not self.pending:
+                    self.since = time.perf_counter()
                 record = self.train_step()
-                log.log(record)
-                self.spikes.check_bad(record)
                 self.step += 1
                 self.steps_taken += 1
-                if self.spikes.due(record, self.step):
-                    self.spikes(self, log)
+                if record is None and not self._read_back_due():
                     continue
+                if self._log([(record, self.loader.position, None)] if record is not None else self.read_back(), log):
+                    continue  # rolled back
                 stop = self._stop_agreed()
                 if stop or self.step == cfg.optim.max_steps or due(cfg.checkpoint.ckpt_interval, self.step, -1):
                     last_ckpt = self.save() or last_ckpt
@@ -253,11 +337,26 @@ class Trainer:
         self.evaluate(self.step, log)  # the end-of-run evaluation (step == max_steps)
         return last_ckpt
 
+    def _log(self, done: list[tuple[dict, int, Optional[tuple]]], log: MetricsLogger) -> bool:
+        """Log steps' records in order (the host guard learning the device's verdicts as it goes),
+        count bad steps, roll back when the spikes say so (True: rolled back; the records after that
+        step are dropped, the rollback repeats those steps)."""
+        for record, after, verdict in done:
+            if verdict is not None:
+                self.spikes.guard.record(*verdict)
+            log.log(record)
+            self.spikes.check_bad(record)
+            if self.spikes.due(record, record["step"] + 1):
+                self.spikes(self, log, end=after, step=record["step"] + 1)
+                return True
+        return False
+
     def _stop_agreed(self) -> bool:
-        """All ranks stop together if any of them got SIGTERM/SIGINT."""
+        """All ranks stop together if any of them got SIGTERM/SIGINT (one process: no device round trip)."""
+        if not self.info.distributed:
+            return self.stop_requested
         flag = torch.tensor(float(self.stop_requested), device=self.device)
-        if self.info.distributed:
-            tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
+        tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
         return bool(flag.item())
 
 
