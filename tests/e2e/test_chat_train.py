@@ -61,3 +61,37 @@ def test_dry_run_says_what_the_loss_is_taken_on(chat_data, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert f"supervised on {n:,} of {total:,} tokens" in proc.stdout
     assert not (tmp_path / "run").exists()
+
+
+def test_chat_gpt2_preset_from_an_hf_gpt2_directory_trains_on_conversations(chat_data, tmp_path):
+    """The GPU preset's own path (--init-from gpt2: a GPT-2 of 50,257 tokens) on data with the two
+    turn tokens: the run pads the vocabulary, GPT-2's rows are copied and the turn tokens start
+    from their mean row. A tiny GPT-2 directory stands in for the hub's, on the CPU."""
+    import json
+    import sys
+
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    src = tmp_path / "hf"
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=128,
+                                                         vocab_size=50257)).save_pretrained(src)
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "gpt2lab", "train", "--preset", "chat-gpt2", "--init-from", str(src),
+                           "--data", chat_data, "--out", str(out), "--device", "cpu", "--max-steps", "1",
+                           "--micro-batch-size", "2", "--seq-len", "64", "--total-batch-tokens", "128",
+                           "--eval-interval", "0", "--sample-interval", "0", "--progress", "false"],
+                          env=env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model"]["vocab_size"] == 50304 and cfg["model"]["chat_template"] == "chatml"
+    assert len(train_losses(out)) == 1
+    theirs = load_file(str(src / "model.safetensors"))["transformer.wte.weight"]
+    ckpt = next((out / "checkpoints").iterdir())
+    ours = load_file(str(ckpt / "model.safetensors"))
+    wte = next(v for k, v in ours.items() if k.endswith("wte.weight"))
+    assert wte.shape[0] == 50304
+    moved = (wte[:50257].float() - theirs.float()).abs().max()  # one step at 5e-5 * 0.1 (warmup) moves little
+    assert moved < 1e-3, moved
