@@ -307,3 +307,20 @@ def test_lora_and_muon_train_on_conversations(chat_shards, tmp_path, fields):
     assert sorted(losses) == [0, 1] and all(np.isfinite(v) for v in losses.values())
     model = json.loads((out / "config.json").read_text())["model"]
     assert model["chat_template"] == "chatml" and model["token_vocab_size"] == 50259
+
+
+def test_a_trainer_built_from_a_config_takes_the_datas_template(chat_shards, tmp_path):
+    """Trainer.from_config (the benchmarks' and tests' way in) on conversations: GPT-2's derived
+    token count gives way to the data's template, as on the command line."""
+    import torch
+    from train_utils import TINY
+
+    from gpt2lab.distributed.dist import DistInfo
+    from gpt2lab.train.config import load_preset
+    from gpt2lab.train.trainer import Trainer
+
+    cfg = load_preset("shakespeare-cpu", **{**TINY, "data": str(chat_shards[0]), "out": str(tmp_path / "run")})
+    assert cfg.model.token_vocab_size == 50257 and cfg.model.chat_template is None
+    trainer = Trainer.from_config(cfg, DistInfo(device=torch.device("cpu")))
+    assert (trainer.cfg.model.chat_template, trainer.cfg.model.token_vocab_size) == ("chatml", 50259)
+    assert trainer.loader.masked and np.isfinite(trainer.train_step()["train_loss"])

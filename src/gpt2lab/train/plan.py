@@ -80,7 +80,10 @@ class Request:
     def of(cls, cfg: TrainConfig, resume: Optional[str] = None) -> "Request":
         """A TrainConfig as a request: every architecture value counts as given (adapt_config's rule)."""
         explicit = {name: getattr(cfg.model, name) for name in (*init_from.ARCH_FIELDS, "vocab_size")}
-        return cls(cfg.to_dict(), explicit, resume)
+        values = cfg.to_dict()
+        if cfg.model.tokenizer is None:  # GPT-2's count, derived (train.config): the data's template may add to it
+            values["model"].pop("token_vocab_size", None)
+        return cls(values, explicit, resume)
 
     def get(self, name: str) -> object:
         """A field as asked for, by its flat name (``"dtype"``), else its default."""
