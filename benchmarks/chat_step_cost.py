@@ -20,6 +20,7 @@ import torch
 
 from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.train.config import load_preset
+from gpt2lab.benchmarks.train import interleaved_step_ms
 from gpt2lab.train.trainer import Trainer
 
 
@@ -41,13 +42,7 @@ def main() -> None:
                                                           eval_interval=0, sample_interval=0, init_from=None,
                                                           **changes), info)
                     for name, data in (("text", args.text), ("chat", args.chat))}
-        for t in trainers.values():
-            t.train_step()
-        times: dict[str, list[float]] = {name: [] for name in trainers}
-        for _ in range(args.rounds):
-            for name, t in trainers.items():
-                times[name].append(t.train_step()["dt_ms"])
-                t.step += 1
+        times = interleaved_step_ms(trainers, args.rounds)
     med = {name: statistics.median(ms) for name, ms in times.items()}
     cfg = trainers["chat"].cfg
     print(f"{args.preset} {changes or ''}: {cfg.batch.total_batch_tokens} tokens per step, micro-batch "

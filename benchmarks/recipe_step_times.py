@@ -20,6 +20,7 @@ import torch
 
 from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.train.config import load_preset
+from gpt2lab.benchmarks.train import interleaved_step_ms
 from gpt2lab.train.trainer import Trainer
 
 RECIPES = {
@@ -42,13 +43,7 @@ def main() -> None:
         trainers = {name: Trainer.from_config(load_preset(preset, data=args.data, out=f"{tmp}/{i}", progress=False,
                                               eval_interval=0, **changes), DistInfo(device=torch.device("cpu")))
                     for i, (name, (preset, changes)) in enumerate(recipes.items())}
-        for t in trainers.values():
-            t.train_step()
-        times: dict[str, list[float]] = {name: [] for name in trainers}
-        for _ in range(args.rounds):
-            for name, t in trainers.items():
-                times[name].append(t.train_step()["dt_ms"])
-                t.step += 1
+        times = interleaved_step_ms(trainers, args.rounds)
     for name, ms in times.items():
         print(f"{name}: median {statistics.median(ms):.0f} ms per step ({', '.join(f'{m:.0f}' for m in ms)})")
 

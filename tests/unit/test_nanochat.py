@@ -147,17 +147,7 @@ def test_optimizers_without_biases():
 
 
 # -- the memory planner -------------------------------------------------------------------------
-def _saved_bytes(m: torch.nn.Module, run) -> int:
-    params = {p.untyped_storage().data_ptr() for p in m.parameters()}
-    saved = {}
-
-    def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run()
-    return sum(n for ptr, n in saved.items() if ptr not in params)
+from test_levers import _saved_bytes  # noqa: E402  (what autograd keeps, parameters left out)
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])

@@ -389,6 +389,11 @@ def test_a_chunked_body_over_the_cap_gets_413_and_the_server_goes_on(server):
     assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] == 1
 
 
+# an ASGI request as a client sends a chunked body: no Content-Length to refuse it by
+_CHUNKED_POST = {"type": "http", "method": "POST", "path": "/v1/completions", "client": ("127.0.0.1", 1),
+                 "headers": [(b"content-type", b"application/json"), (b"transfer-encoding", b"chunked")]}
+
+
 def test_a_body_that_never_ends_gets_408_after_the_deadline(monkeypatch):
     """At the ASGI level: a client that sends a first piece and then nothing (slow loris) is answered 408
     with OpenAI's error body once the body deadline passes, and the app never sees the request."""
@@ -413,8 +418,7 @@ def test_a_body_that_never_ends_gets_408_after_the_deadline(monkeypatch):
     async def app(scope, receive, send):
         raise AssertionError("the app was handed a body that never ended")
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "client": ("127.0.0.1", 1),
-             "headers": [(b"content-type", b"application/json"), (b"transfer-encoding", b"chunked")]}
+    scope = _CHUNKED_POST
     asyncio.run(asyncio.wait_for(api.AccessLog(app, ServeMetrics())(scope, receive, send), 10))
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 408
     assert json.loads(sent[1]["body"])["error"]["code"] == "request_timeout"
@@ -441,8 +445,7 @@ def test_the_body_cap_stops_reading_once_past_it():
     async def app(scope, receive, send):
         raise AssertionError("the app was handed an oversized body")
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "client": ("127.0.0.1", 1),
-             "headers": [(b"content-type", b"application/json"), (b"transfer-encoding", b"chunked")]}
+    scope = _CHUNKED_POST
     asyncio.run(AccessLog(app, ServeMetrics())(scope, receive, send))
     # the cap, one message past it, then what _drain throws away so the client can read its 413
     assert pulled[0] == (MAX_BODY_BYTES + DRAIN_BYTES) // 65536 + 1

@@ -237,3 +237,17 @@ class ReferenceStep:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return float(total)
+
+
+def interleaved_step_ms(trainers: dict, rounds: int) -> dict[str, list[float]]:
+    """Each ``Trainer``'s step time (``dt_ms``) over ``rounds`` rounds of one step of each in turn, after an
+    untimed step each, so that every trainer sees the same machine load (the benchmarks/ scripts' comparisons)."""
+    for t in trainers.values():
+        t.train_step()
+        t.step += 1
+    times: dict[str, list[float]] = {name: [] for name in trainers}
+    for _ in range(rounds):
+        for name, t in trainers.items():
+            times[name].append(t.train_step()["dt_ms"])
+            t.step += 1
+    return times
