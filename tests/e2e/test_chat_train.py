@@ -32,7 +32,7 @@ def _torchrun(out, **fields) -> subprocess.CompletedProcess:
 def test_ddp_and_fsdp_on_conversations_equal_one_process(chat_data, tmp_path):
     run_train(out=str(tmp_path / "one"), data=chat_data, **FIELDS)
     _torchrun(tmp_path / "ddp", data=chat_data, strategy="ddp", **FIELDS)
-    _torchrun(tmp_path / "fsdp", data=chat_data, strategy="fsdp", **FIELDS)
+    _torchrun(tmp_path / "fsdp", data=chat_data, strategy="fsdp", check_interval=2, **FIELDS)  # checks on the device
     one = train_losses(tmp_path / "one")
     assert sorted(one) == [0, 1, 2] and one[2] < one[0]
     for name in ("ddp", "fsdp"):
