@@ -93,3 +93,17 @@ def test_unfinished_prepare_is_refused(tmp_path):
 def test_too_short_for_one_sequence(tmp_path):
     write_shard(tmp_path / "train_000000.bin", _tokens(8))
     _bad(tmp_path, "smaller seq_len")
+
+
+@pytest.mark.parametrize("form", ["~/texts/*.txt", "~/texts", "~/texts/a.txt"])
+def test_a_source_under_home_written_with_tilde_is_found(tmp_path, monkeypatch, form):
+    """A quoted glob or --source=~/... reaches prepare with its ~ unexpanded: it is the home the shell
+    would have put there."""
+    from gpt2lab.data.sources import as_text, resolve_source
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("To be, or not to be.")
+    src = resolve_source(form)
+    assert src.files == [str(tmp_path / "texts" / "a.txt")]
+    assert [as_text(d) for d in src.documents(0, None)] == ["To be, or not to be."]

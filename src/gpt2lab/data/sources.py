@@ -128,6 +128,8 @@ def _shakespeare_docs() -> List[str]:
 
 # -- local files -------------------------------------------------------------------------
 def _local_files(source: str) -> List[str]:
+    # a leading ~ the shell left alone (a quoted glob, --source=~/...) is the user's home, as the shell's would be
+    source = os.path.expanduser(source)
     if any(c in source for c in "*?["):
         files = sorted(f for f in glob.glob(source, recursive=True) if os.path.isfile(f))
         what = f"glob {source!r} matches"
