@@ -396,3 +396,28 @@ def _split_char(raw: bytes) -> bool:
         return False
     except UnicodeDecodeError:
         return True
+
+
+def test_fsdp_checkpoints_carry_the_tokenizer_too(wiki_data, tok, tmp_path, monkeypatch):
+    """Two processes sharding the model (FSDP2, a DCP checkpoint): rank 0 copies the run's tokenizer
+    into the checkpoint, the checksums cover it, and the checkpoint loads alone with it."""
+    import subprocess
+
+    from train_utils import env, torchrun_cmd
+
+    from gpt2lab.checkpoint.store import load_model
+    from gpt2lab.inference.completion import tokenizer_for
+
+    out = tmp_path / "fsdp"
+    proc = subprocess.run(torchrun_cmd(data=wiki_data, out=str(out), strategy="fsdp", max_steps=2, ckpt_interval=2,
+                                       eval_interval=0, sample_interval=0),
+                          env=env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "strategy fsdp" in proc.stdout
+    ckpt = out / "checkpoints" / "step_000002"
+    assert (ckpt / "tokenizer.json").read_text() == tok.text
+    assert "tokenizer.json" in json.loads((ckpt / "checksums.json").read_text())
+    alone = tmp_path / "alone"
+    shutil.copytree(ckpt, alone)
+    monkeypatch.setattr(tokenizers_mod, "_LOADED", {})
+    assert tokenizer_for(load_model(str(alone)).config).identity == tok.identity
