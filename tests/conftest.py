@@ -74,11 +74,12 @@ def gpt2_vocab_export(tmp_path_factory) -> tuple[GPT, str]:
     return model, d
 
 
-def run_gpt2lab(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_gpt2lab(*args: str, env: dict | None = None, timeout: float = 120,
+                cwd: str | None = None) -> subprocess.CompletedProcess:
     """``python -m gpt2lab ARGS`` in a fresh process (for exit codes and real stdout/stderr)."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", "gpt2lab", *args], capture_output=True, text=True,
-                          env=full_env, timeout=timeout)
+                          env=full_env, timeout=timeout, cwd=cwd)
 
 
 # Session fixtures of train_utils that several modules use: defined here once, so the session

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 from conftest import run_gpt2lab
@@ -52,3 +53,24 @@ def test_demo_preset_trains_in_fp32_end_to_end(tmp_path):
     assert m and float(m.group(1)) == round(vals[-1], 2), r.stdout
     assert vals[0] == pytest.approx(math.log(50304), abs=0.1)  # step 0: about chance
     assert "sample from the trained model" in r.stdout and "ROMEO:" in r.stdout
+
+
+@pytest.mark.slow
+def test_demo_chat_trains_its_deeper_base_then_a_chat_model(tmp_path):
+    """`demo --chat` with no --base: the demo's model at CHAT_BASE_LAYERS layers, then chat-cpu from it on
+    the bundled conversations; the losses before and after and three messages answered by each."""
+    from gpt2lab.commands.demo import CHAT_BASE_LAYERS, CHAT_PROMPTS
+
+    out = tmp_path / "chat"
+    r = run_gpt2lab("demo", "--chat", "--data", str(tmp_path / "data"), "--chat-data", str(tmp_path / "chitchat"),
+                    "--out", str(out), "--max-steps", "1", "--tokens", "8", env=env(), timeout=300,
+                    cwd=str(tmp_path))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    base = Path(json.loads((out / "config.json").read_text())["finetune"]["init_from"])
+    assert json.loads((tmp_path / base / "config.json").read_text())["model"]["n_layer"] == CHAT_BASE_LAYERS
+    assert json.loads((out / "config.json").read_text())["model"]["chat_template"] == "chatml"
+    m = re.search(r"assistant tokens: (\d+\.\d+) before, (\d+\.\d+) after", r.stdout)
+    vals = [json.loads(line)["val_loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+            if "val_loss" in line]
+    assert m and (float(m.group(1)), float(m.group(2))) == (round(vals[0], 2), round(vals[-1], 2)), r.stdout
+    assert all(f"User: {p}" in r.stdout for p in CHAT_PROMPTS) and r.stdout.count("chat model:") >= 3
