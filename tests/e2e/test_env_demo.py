@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_gpt2lab
-from train_utils import env
+from train_utils import env, tiny_data  # noqa: F401  (tiny_data is a fixture)
 
 from gpt2lab.system import runtime
 from gpt2lab.train.config import load_preset
@@ -55,22 +55,47 @@ def test_demo_preset_trains_in_fp32_end_to_end(tmp_path):
     assert "sample from the trained model" in r.stdout and "ROMEO:" in r.stdout
 
 
-@pytest.mark.slow
-def test_demo_chat_trains_its_deeper_base_then_a_chat_model(tmp_path):
-    """`demo --chat` with no --base: the demo's model at CHAT_BASE_LAYERS layers, then chat-cpu from it on
-    the bundled conversations; the losses before and after and three messages answered by each."""
-    from gpt2lab.commands.demo import CHAT_BASE_LAYERS, CHAT_PROMPTS
+def test_demo_chat_trains_its_base_deeper(monkeypatch, tmp_path):
+    """`demo --chat` without --base trains the demo's model at CHAT_BASE_LAYERS layers first."""
+    import argparse
 
-    out = tmp_path / "chat"
-    r = run_gpt2lab("demo", "--chat", "--data", str(tmp_path / "data"), "--chat-data", str(tmp_path / "chitchat"),
-                    "--out", str(out), "--max-steps", "1", "--tokens", "8", env=env(), timeout=300,
-                    cwd=str(tmp_path))
+    from gpt2lab.commands import demo
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def base(args):
+        seen.append(args)
+        raise Stop
+
+    monkeypatch.setattr(demo, "run_base", base)
+    monkeypatch.chdir(tmp_path)
+    args = argparse.Namespace(chat=True, base=None, recipe="fast", out=None, data="d", chat_data="c", max_steps=1,
+                              dtype="auto", prompt="ROMEO:", tokens=8, seed=1)
+    with pytest.raises(Stop):
+        demo.run(args)
+    assert seen[0].n_layer == demo.CHAT_BASE_LAYERS == 4 and seen[0].out.startswith("runs")
+
+
+def test_demo_chat_fine_tunes_a_base_and_answers_before_and_after(tiny_data, tmp_path):  # noqa: F811
+    """`demo --chat --base RUN`: chat-cpu from the base on the bundled conversations; the losses before
+    and after and three messages answered by each (a small base of the demo's preset, one step)."""
+    from gpt2lab.commands.demo import CHAT_PROMPTS
+
+    base, out = tmp_path / "base", tmp_path / "chat"
+    r = run_gpt2lab("train", "--preset", "shakespeare-cpu-fast", "--data", tiny_data, "--out", str(base),
+                    "--n-layer", "1", "--n-embd", "64", "--n-head", "2", "--max-steps", "1", "--progress", "false",
+                    "--eval-interval", "0", "--sample-interval", "0", env=env(), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_gpt2lab("demo", "--chat", "--base", str(base), "--chat-data", str(tmp_path / "chitchat"),
+                    "--out", str(out), "--max-steps", "1", env=env(), timeout=300, cwd=str(tmp_path))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    base = Path(json.loads((out / "config.json").read_text())["finetune"]["init_from"])
-    assert json.loads((tmp_path / base / "config.json").read_text())["model"]["n_layer"] == CHAT_BASE_LAYERS
-    assert json.loads((out / "config.json").read_text())["model"]["chat_template"] == "chatml"
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["finetune"]["init_from"] == str(base) and saved["model"]["chat_template"] == "chatml"
     m = re.search(r"assistant tokens: (\d+\.\d+) before, (\d+\.\d+) after", r.stdout)
     vals = [json.loads(line)["val_loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
             if "val_loss" in line]
     assert m and (float(m.group(1)), float(m.group(2))) == (round(vals[0], 2), round(vals[-1], 2)), r.stdout
-    assert all(f"User: {p}" in r.stdout for p in CHAT_PROMPTS) and r.stdout.count("chat model:") >= 3
+    assert all(f"User: {p}" in r.stdout for p in CHAT_PROMPTS) and r.stdout.count("  chat model: ") == 3
