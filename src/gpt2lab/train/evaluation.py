@@ -34,6 +34,11 @@ class Evaluator:
         self.device = info.device
         self.eval_tokens: Optional[int] = None  # --eval-tokens, or all the val split holds (preflight.eval_tokens)
 
+    def any_due(self, step: int) -> bool:
+        """Whether anything (val loss, HellaSwag, a sample) runs at ``step``."""
+        ev, last = self.cfg.eval, self.cfg.optim.max_steps
+        return any(due(i, step, last) for i in (ev.eval_interval, ev.hellaswag_interval, ev.sample_interval))
+
     def __call__(self, step: int, log: MetricsLogger) -> None:
         ev, last = self.cfg.eval, self.cfg.optim.max_steps
         if due(ev.eval_interval, step, last):

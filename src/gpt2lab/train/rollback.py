@@ -76,18 +76,17 @@ class Rollback:
             self.guard.load_state_dict(state["guard"])
         self.skips = [list(r) for r in state.get("skips", [])]
 
-    def __call__(self, trainer: "Trainer", log: MetricsLogger, end: Optional[int] = None,
-                 step: Optional[int] = None) -> None:
+    def __call__(self, trainer: "Trainer", log: MetricsLogger, end: int, step: int) -> None:
         """Back to the newest checkpoint before the first recent spike; never train on the spiking steps'
         data. ``end`` and ``step``: the loader position and step count after the step that called for
-        the rollback (default: now; the trainer's device checks read steps back a few at a time)."""
+        the rollback (the trainer's device checks read steps back a few at a time, so not always now)."""
         first_step, first_pos = self.guard.first_spike()
         target = next((p for p in reversed(ckpt.list_checkpoints(self.cfg.out)) if ckpt.step_of(p) <= first_step),
                       None)
-        skip = [first_pos, trainer.loader.position if end is None else end]
+        skip = [first_pos, end]
         self.skips.append(skip)
         T = self.cfg.batch.seq_len
-        record = {"step": trainer.step if step is None else step, "rollback_to": target, "skip_positions": skip,
+        record = {"step": step, "rollback_to": target, "skip_positions": skip,
                   "skip_tokens": [skip[0] * T, skip[1] * T], "spike_steps": [s for s, _ in self.guard.spikes]}
         if target is None:  # nothing saved before the spikes; their updates were skipped anyway: go on
             self.guard.spikes = []

@@ -224,8 +224,10 @@ class Trainer:
         loss = accumulate_gradients(self.train_model, self.loader.next_batch, accum, self.device, self.dtype,
                                     self.scaler, masked=self.loader.masked)
         norm = unscaled_grad_norm(self.raw, self.optimizer, self.scaler, cfg.optim.grad_clip)
+        tokens = accum * cfg.batch.micro_batch_size * cfg.batch.seq_len * self.info.world_size
+        self.tokens += tokens
         if self.check_interval > 1:
-            return self._step_on_device(lr, position, accum, loss, norm)
+            return self._step_on_device(lr, position, tokens, loss, norm)
         loss_v, norm_v = loss.item(), norm.item()
         finite = bool(np.isfinite(loss_v) and np.isfinite(norm_v))
         # fp16: the scaler itself skips steps with inf gradients (and backs off) while it finds its scale
@@ -238,8 +240,6 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
-        tokens = accum * cfg.batch.micro_batch_size * cfg.batch.seq_len * self.info.world_size
-        self.tokens += tokens
         record = {"step": self.step, "lr": lr}
         if not finite:  # logged as text: NaN is not JSON, and a plot must not mistake it for a loss
             kind = "nan" if np.isnan(loss_v) or np.isnan(norm_v) else "inf"
@@ -249,15 +249,13 @@ class Trainer:
             return {**record, "skipped": "spike", "loss": loss_v, "grad_norm": norm_v, **spike}
         return {**record, "train_loss": loss_v, "grad_norm": norm_v, **self._speed(dt, tokens)}
 
-    def _step_on_device(self, lr: float, position: int, accum: int, loss: torch.Tensor, norm: torch.Tensor) -> None:
+    def _step_on_device(self, lr: float, position: int, tokens: int, loss: torch.Tensor, norm: torch.Tensor) -> None:
         """The rest of a step with no host sync: the device's guard judges it (NaN/inf, spike) and the
         optimizer skips it there if bad; what ``read_back`` needs is kept in ``pending``."""
         if self.device_guard is None:
             self.device_guard = DeviceGuard(self.spikes.guard, self.device)
         bad, z_loss, z_norm = self.device_guard.check(loss, norm)
         apply_update(self.optimizer, None, self.step, self.cfg.optim, take=True, skip=bad)
-        tokens = accum * self.cfg.batch.micro_batch_size * self.cfg.batch.seq_len * self.info.world_size
-        self.tokens += tokens
         dt = self.device_guard.dtype
         values = torch.stack([loss.detach().to(dt), norm.detach().to(dt), bad.to(dt), z_loss, z_norm])
         self.pending.append((self.step, lr, position, self.loader.position, tokens, self.tokens, values))
@@ -294,11 +292,10 @@ class Trainer:
         ``check_interval`` steps, after a process's first step (its time is the compile's), before
         anything else happens between steps (evaluation, checkpoint, the end) and, in one process,
         at a stop signal (across processes the signal is agreed at the regular read-backs)."""
-        s, ev, last = self.step, self.cfg.eval, self.cfg.optim.max_steps
-        return (len(self.pending) >= self.check_interval or self.steps_taken == 1 or s == last
+        s = self.step
+        return (len(self.pending) >= self.check_interval or self.steps_taken == 1 or s == self.cfg.optim.max_steps
                 or (self.stop_requested and not self.info.distributed)
-                or due(self.cfg.checkpoint.ckpt_interval, s, -1)
-                or any(due(i, s, last) for i in (ev.eval_interval, ev.hellaswag_interval, ev.sample_interval)))
+                or due(self.cfg.checkpoint.ckpt_interval, s, -1) or self.evaluate.any_due(s))
 
     def _speed(self, dt: float, tokens: int, total: Optional[int] = None) -> dict:
         """Throughput, MFU and (CUDA) peak memory of a step of ``tokens`` that took ``dt`` seconds
