@@ -666,8 +666,9 @@ def _replay(body: bytes, receive):
 
 class AccessLog:
     """ASGI middleware: reads each request's body, refusing one over MAX_BODY_BYTES (413) however it
-    is framed (read_body), then logs one line per request when its response ends (a stream's too)
-    and counts it in ``/metrics``."""
+    is framed (read_body), then logs one line per request and counts it in ``/metrics`` as its
+    response's last part goes out (a stream's too): before the client has it all, so what the client
+    does next is logged after it."""
 
     def __init__(self, app, metrics: ServeMetrics) -> None:
         self.app, self.metrics = app, metrics
@@ -675,11 +676,24 @@ class AccessLog:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        t0, status = time.monotonic(), [0]
+        t0, status, logged = time.monotonic(), [0], [False]
+
+        def finished() -> None:  # once per request: counted and logged
+            if logged[0]:
+                return
+            logged[0] = True
+            client = scope.get("client") or ("-", 0)
+            code = status[0] or 499  # 499: the client went away before a response started
+            path = scope["path"] if scope["path"] in ROUTES else "other"  # bounded label values
+            self.metrics.requests.labels(path, str(code)).inc()
+            access_log.info('%s "%s %s" %d %.3fs', client[0], scope["method"], scope["path"], code,
+                            time.monotonic() - t0)
 
         async def sending(message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                finished()  # before the client has the whole answer: its next request (or signal) comes after
             await send(message)
 
         try:
@@ -698,12 +712,7 @@ class AccessLog:
             if body is not None:  # else the client left before its request was whole: nothing to answer
                 await self.app(scope, _replay(body, receive), sending)
         finally:
-            client = scope.get("client") or ("-", 0)
-            code = status[0] or 499  # 499: the client went away before a response started
-            path = scope["path"] if scope["path"] in ROUTES else "other"  # bounded label values
-            self.metrics.requests.labels(path, str(code)).inc()
-            access_log.info('%s "%s %s" %d %.3fs', client[0], scope["method"], scope["path"], code,
-                            time.monotonic() - t0)
+            finished()  # a request that ended without its last body (the client left, an error)
 
 
 @contextlib.contextmanager
