@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gpt2lab.model.gpt import GPT, GPTConfig
-from gpt2lab.weights import hf
+from gpt2lab.weights import export
 
 # gpt2lab's cache (the CPU and decode probes, downloads) goes to a directory of this test session,
 # never the user's ~/.cache/gpt2lab: GPT2LAB_CACHE is what the code reads, and the processes the
@@ -47,10 +47,14 @@ def hf_gpt2(seed: int = 0, **shape):
 
 
 def tiny_gpt(seed: int = 0, **overrides) -> GPT:
-    """A randomly initialised gpt2lab GPT, small enough for any CPU test."""
+    """A randomly initialised gpt2lab GPT, small enough for any CPU test; ``tokenizer`` may be a trained
+    tokenizer, which the model then holds (its identity goes in the config)."""
     torch.manual_seed(seed)
     cfg = dict(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=128)
-    return GPT(GPTConfig(**{**cfg, **overrides})).eval()
+    own = overrides.get("tokenizer")
+    if own is not None and not isinstance(own, str):
+        overrides = {**overrides, "tokenizer": own.identity}
+    return GPT(GPTConfig(**{**cfg, **overrides}), None if isinstance(own, str) else own).eval()
 
 
 @pytest.fixture(scope="session")
@@ -70,7 +74,7 @@ def gpt2_vocab_export(tmp_path_factory) -> tuple[GPT, str]:
     """A tiny GPT with the real GPT-2 vocabulary, exported as an HF dir (for CLI tests)."""
     model = tiny_gpt(seed=3, vocab_size=50257, block_size=128)
     d = str(tmp_path_factory.mktemp("gpt2vocab") / "model")
-    hf.save_pretrained(model, d)
+    export.save_pretrained(model, d)
     return model, d
 
 

@@ -16,7 +16,7 @@ def running_server(models: list[str], limits=None, deterministic: bool = False, 
     ``quantize`` are the serve flags of those names; the tests run fp32 packed linears (one candidate:
     nothing is measured), what ``auto`` picks for fp32 on most CPUs."""
     pytest.importorskip("uvicorn", reason="gpt2lab serve needs the serve extra (fastapi, uvicorn)")
-    from gpt2lab.inference.prepare import InferenceRequest
+    from gpt2lab.inference.choice import InferenceRequest
     from gpt2lab.serve.models import load_workers
     from gpt2lab.serve.api import serving_in_thread
 

@@ -110,10 +110,10 @@ def test_playground_shows_a_refused_request_then_streams(browser, tmp_path):
     column shows the error; once the queue drains, the same button streams a completion."""
     from conftest import tiny_gpt
     from gpt2lab.serve.limits import Limits
-    from gpt2lab.weights import hf
+    from gpt2lab.weights import export
 
     d = str(tmp_path / "model")
-    hf.save_pretrained(tiny_gpt(seed=2, vocab_size=50257, block_size=1024), d)
+    export.save_pretrained(tiny_gpt(seed=2, vocab_size=50257, block_size=1024), d)
     with running_server([f"solo={d}"], Limits(max_batch=1, max_queue=1)) as url:
         page = browser.new_page()
         page.goto(url + "/")

@@ -7,7 +7,7 @@ import torch
 from conftest import run_gpt2lab
 from gpt2lab import cli, get_tokenizer
 from gpt2lab.commands.bench import BENCHES
-from gpt2lab.inference.generate import generate
+from gpt2lab.model.sampling import generate
 
 
 @pytest.mark.parametrize("argv", [[name] for name in cli.COMMANDS] + [["bench", name] for name in BENCHES])
@@ -72,7 +72,7 @@ def test_stream_decodes_split_multibyte_characters(gpt2_vocab_export, capsys, mo
         for i in ids:
             yield torch.tensor([i]), torch.tensor([False])
 
-    monkeypatch.setattr("gpt2lab.inference.generate.generate_stream", fake_stream)
+    monkeypatch.setattr("gpt2lab.model.sampling.generate_stream", fake_stream)
     args = cli.build_parser().parse_args(["sample", "--prompt", "x"])
     sample._stream_one(gpt2_vocab_export[0], enc.encode("x"), args, None)
     assert capsys.readouterr().out == "x🙂 é\n"

@@ -19,7 +19,7 @@ from gpt2lab.data.prepare import prepare
 from gpt2lab.data.shards import ShardError
 from gpt2lab.data.shards import write_shard as real_write_shard
 from gpt2lab.data.sources import SourceError, resolve_source
-from gpt2lab.data.tokenizer import EOT_ID, asset_path, get_tokenizer
+from gpt2lab.data.tokenizer import EOT_ID, asset_path, gpt2_tokenizer
 
 DOCS = [f"Document {i}: " + "the quick brown fox " * (i % 7) + "ünïcödé ✓ 漢字" * (i % 3)
         for i in range(40)]
@@ -33,7 +33,7 @@ def _jsonl(path, docs=DOCS, field="text"):
 
 
 def _reference(docs):
-    enc = get_tokenizer()
+    enc = gpt2_tokenizer()
     return np.array([t for d in docs for t in [EOT_ID] + enc.encode_ordinary(d)], dtype=np.uint16)
 
 
@@ -60,7 +60,7 @@ def test_round_trip_jsonl_and_manifest(tmp_path):
     stream = _stream(out, m)
     assert np.array_equal(stream, _reference(DOCS))
     starts = np.flatnonzero(stream == EOT_ID)
-    enc = get_tokenizer()
+    enc = gpt2_tokenizer()
     decoded = [enc.decode(p[1:].tolist()) for p in np.split(stream, starts[1:])]
     assert decoded == DOCS
     assert m["complete"] and m["documents"] == len(DOCS) and m["tokens"] == len(stream)
@@ -318,7 +318,7 @@ def test_compressed_sources_agree_with_plain_ones(tmp_path):
     expected = texts * 6 + texts[:3]
     m = prepare(str(d), str(tmp_path / "out"), val_tokens=0, workers=1, progress=False)
     assert np.array_equal(_stream(tmp_path / "out", m), _reference(expected))
-    enc = get_tokenizer()
+    enc = gpt2_tokenizer()
     per_doc = [1 + len(enc.encode_ordinary(t)) for t in texts]
     counts = {Path(f["path"]).name: (f["documents"], f["tokens"]) for f in m["files"]}
     assert counts == {**{n: (6, sum(per_doc)) for n in ["a.jsonl", "b.jsonl.gz", "c.json.gz", "d.jsonl.zst",
@@ -401,7 +401,7 @@ def test_rerun_after_a_bad_file_was_removed_starts_cleanly(tmp_path, capsys, bad
 
 def test_val_split_is_whole_held_out_articles(tmp_path):
     rows = _wiki_rows()
-    enc = get_tokenizer()
+    enc = gpt2_tokenizer()
     m = prepare(str(WIKI), str(tmp_path / "out"), shard_tokens=6000, val_tokens=20_000, workers=2, progress=False,
                 val_split="documents")
 
@@ -424,7 +424,7 @@ def test_val_split_by_tokens_is_the_reference_layout(tmp_path):
     """The default: val is exactly the first val_tokens tokens of the stream, and the article
     they cut goes on at the start of train (the reference FineWeb script's layout)."""
     rows = _wiki_rows()
-    enc = get_tokenizer()
+    enc = gpt2_tokenizer()
     m = prepare(str(WIKI), str(tmp_path / "out"), shard_tokens=6000, val_tokens=20_000, workers=2, progress=False)
     stream = np.concatenate([np.array([EOT_ID, *enc.encode_ordinary(r["text"])], dtype=np.uint16) for r in rows])
     val = np.concatenate([_read(tmp_path / "out" / n) for n in m["splits"]["val"]["shards"]])

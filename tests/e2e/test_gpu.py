@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpt2lab import GPT, GPTConfig
-from gpt2lab.inference.generate import generate
+from gpt2lab.model.sampling import generate
 
 pytestmark = [
     pytest.mark.gpu,

@@ -48,12 +48,12 @@ metric_list:
 """
 
 UTILS = '''
-from gpt2lab.data.tokenizer import get_tokenizer
+from gpt2lab.data.tokenizer import gpt2_tokenizer
 
 
 def process_results(doc, results):
     lls = [r[0] for r in results]
-    enc = get_tokenizer()
+    enc = gpt2_tokenizer()
     per_token = [ll / len(enc.encode(" " + e)) for ll, e in zip(lls, doc["endings"])]
     label = int(doc["label"])
     return {"acc": float(max(range(4), key=lls.__getitem__) == label),
@@ -64,14 +64,14 @@ def process_results(doc, results):
 def _tiny_export(tmp_path):
     """A tiny GPT-2-vocabulary model and its exported HF directory (tokenizer files included)."""
     from gpt2lab.model.gpt import GPT, GPTConfig
-    from gpt2lab.weights import hf
+    from gpt2lab.weights import export
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=128)).eval()
     with torch.no_grad():
         model.transformer.wte.weight.mul_(25)  # logits far from uniform: no near-ties
     export = str(tmp_path / "export")
-    hf.save_pretrained(model, export)
+    export.save_pretrained(model, export)
     return model, export
 
 

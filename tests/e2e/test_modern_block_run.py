@@ -19,8 +19,8 @@ from train_utils import TINY, cli_args, tiny_data  # noqa: F401  (tiny_data is a
 from conftest import DATA
 
 from gpt2lab import cli
-from gpt2lab.inference.generate import generate
-from gpt2lab.weights import hf
+from gpt2lab.model.sampling import generate
+from gpt2lab.weights import export
 from gpt2lab.system.errors import EXIT_USAGE
 from gpt2lab.weights.load import load_model
 
@@ -78,13 +78,13 @@ def test_eval_loss_matches_a_plain_forward(modern_run, tiny_data, capsys):  # no
 
 def test_eval_hellaswag_matches_a_plain_loop(modern_run, capsys):
     from gpt2lab.evals.hellaswag import load_examples
-    from gpt2lab.data.tokenizer import get_tokenizer
+    from gpt2lab.data.tokenizer import gpt2_tokenizer
 
     rc = _main(["eval", "hellaswag", "--model", modern_run, "--data", HELLASWAG, "--limit", "6", "--batch-size", "4",
                 "--device", "cpu", "--dtype", "float32"])
     assert rc == 0
     result = _last_json(capsys.readouterr().out)
-    m, enc, hits, hits_norm = load_model(modern_run), get_tokenizer(), 0, 0
+    m, enc, hits, hits_norm = load_model(modern_run), gpt2_tokenizer(), 0, 0
     examples = load_examples(HELLASWAG, limit=6)
     with torch.no_grad():  # one full forward per (context, ending), no cache, no batching
         for ex in examples:
@@ -113,9 +113,9 @@ def test_serve_answers_with_the_models_greedy_tokens(modern_run):
     httpx = pytest.importorskip("httpx")
     from serve_utils import running_server
 
-    from gpt2lab.data.tokenizer import get_tokenizer
+    from gpt2lab.data.tokenizer import gpt2_tokenizer
 
-    enc, m = get_tokenizer(), load_model(modern_run)
+    enc, m = gpt2_tokenizer(), load_model(modern_run)
     prompt = "The king said"
     ids = generate(m, torch.tensor([enc.encode(prompt)]), 8, temperature=0, use_cache=False)[0, -8:].tolist()
     with running_server([f"modern={modern_run}"]) as url:
@@ -166,7 +166,7 @@ def test_untied_head_exports_and_matches_transformers(tmp_path):
         for block in m.transformer.h:  # zero-init projections would hide the blocks from the comparison
             block.attn.c_proj.weight.normal_(0, 0.02)
             block.mlp.c_proj.weight.normal_(0, 0.02)
-    hf.save_pretrained(m, str(tmp_path / "hf"))
+    export.save_pretrained(m, str(tmp_path / "hf"))
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is False
     ref = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
     assert ref.lm_head.weight.data_ptr() != ref.transformer.wte.weight.data_ptr()

@@ -97,3 +97,34 @@ def test_compiled_and_eager_same_predictions(hf_ref):
     for e, c in zip(eager, compiled):
         assert (e.pred, e.pred_norm) == (c.pred, c.pred_norm)
         assert c.mean_loss == pytest.approx(e.mean_loss, abs=1e-3)
+
+
+def test_the_library_generates_in_a_fresh_process_without_writing_or_printing(tmp_path, finished_run):
+    """generate() and model.generate(), and for_inference, in a new interpreter with an empty cache
+    directory and HOME: the tokens of a plain greedy loop, nothing on stdout or stderr, no file anywhere."""
+    import subprocess
+    import sys
+
+    cache, home = tmp_path / "cache", tmp_path / "home"
+    cache.mkdir()
+    home.mkdir()
+    script = f"""
+import torch, gpt2lab
+model = gpt2lab.from_pretrained({str(finished_run)!r})
+tok = gpt2lab.get_tokenizer({str(finished_run)!r})
+idx = torch.tensor([tok.encode("ROMEO:")])
+a = gpt2lab.generate(model, idx, 8, temperature=0.0)
+b = model.generate(idx, 8, temperature=0.0)
+c = gpt2lab.generate(gpt2lab.for_inference(model), idx, 8, temperature=0.0)
+ids = idx
+for _ in range(8):
+    with torch.no_grad():
+        ids = torch.cat([ids, model(ids)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+assert torch.equal(a, ids) and torch.equal(b, ids) and torch.equal(c, ids), (a, b, c, ids)
+"""
+    env = {**os.environ, "GPT2LAB_CACHE": str(cache), "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache")}
+    env.pop("GPT2LAB_PROBE", None)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (proc.stdout, proc.stderr) == ("", "")
+    assert list(cache.iterdir()) == [] and list(home.rglob("*")) == []

@@ -20,6 +20,7 @@ import torch
 
 from gpt2lab.checkpoint import store as ckpt
 from gpt2lab.system.errors import CheckpointError
+from gpt2lab.weights.load import from_checkpoint
 from test_train_dist import _wait_for
 from train_utils import cli_args, env, tiny_data, torchrun_cmd, train_cmd, train_losses  # noqa: F401
 
@@ -156,7 +157,7 @@ def test_flipped_bytes_in_a_shard_are_named(runs, tmp_path):
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="__0_0.distcp does not match its checksum"):
-        ckpt.load_model(str(good))
+        from_checkpoint(str(good))
 
 
 def test_sigterm_to_torchrun_saves_a_sharded_checkpoint_that_resumes(tiny_data, tmp_path):

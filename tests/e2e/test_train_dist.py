@@ -140,10 +140,10 @@ def test_kill_9_then_resume_keeps_where_an_init_from_run_began(tiny_data, tmp_pa
 
     from gpt2lab.checkpoint.store import list_checkpoints, step_of
     from gpt2lab.system.files import sha256_file
-    from gpt2lab.weights import hf
+    from gpt2lab.weights import export
 
     src = str(tmp_path / "src")
-    hf.save_pretrained(tiny_gpt(seed=3, vocab_size=50257, block_size=64), src)
+    export.save_pretrained(tiny_gpt(seed=3, vocab_size=50257, block_size=64), src)
     weights = os.path.join(src, "model.safetensors")
     out = tmp_path / "run"
     fields = dict(data=tiny_data, out=str(out), max_steps=100000, ckpt_interval=2, keep_checkpoints=0)

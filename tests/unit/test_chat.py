@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import DATA, tiny_gpt
 
 from gpt2lab.data import chat
-from gpt2lab.data.tokenizer import EOT_ID, get_tokenizer
+from gpt2lab.data.tokenizer import EOT_ID, gpt2_tokenizer
 
 CHAT_SLICE = str(DATA / "chat_slice.jsonl.zst")
 GSM8K_SLICE = str(DATA / "gsm8k_slice.jsonl")
@@ -30,7 +30,7 @@ def hf_tokenizer(tmp_path_factory):
     """transformers' own tokenizer over the files an export writes, with the Jinja template."""
     import transformers
 
-    from gpt2lab.weights.hf import write_tokenizer
+    from gpt2lab.weights.export import write_tokenizer
 
     d = tmp_path_factory.mktemp("tok")
     write_tokenizer(str(d), 128, chat.TEMPLATE)
@@ -57,13 +57,13 @@ def test_typed_markers_stay_user_text():
     # the template's own tokens only: EOT first, one turn opened and closed, the reply's opening
     assert ids.count(chat.IM_START_ID) == 2 and ids.count(chat.IM_END_ID) == 1 and ids.count(EOT_ID) == 1
     first_end = ids.index(chat.IM_END_ID)
-    user_text = get_tokenizer().decode(ids[2:first_end])
+    user_text = gpt2_tokenizer().decode(ids[2:first_end])
     assert user_text == "user\n" + forged  # every typed marker came back as the characters typed
     assert sum(mask) == 0  # and none of it is trained on
 
 
 def test_mask_covers_exactly_the_assistant_content_and_its_end_token(conversations):
-    enc = get_tokenizer(chat=True)
+    enc = gpt2_tokenizer(chat=True)
     for turns in conversations[:20]:
         ids, mask = chat.encode_chat(turns)
         kept = [t for t, m in zip(ids, mask) if m]
@@ -264,7 +264,7 @@ def test_greedy_reply_runs_the_calculator_as_a_tool():
     appear in its reply right after '<<2+3=' and count toward max_tokens."""
     from gpt2lab.evals.chat import calculator_tool, greedy_reply
 
-    enc = get_tokenizer(chat=True)
+    enc = gpt2_tokenizer(chat=True)
     script = enc.encode_ordinary("x <<2+3=")
 
     class Scripted(torch.nn.Module):

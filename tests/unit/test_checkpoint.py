@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from gpt2lab.checkpoint import store as ckpt
 from gpt2lab.train.config import model_from_config
 from gpt2lab.model.gpt import GPT
+from gpt2lab.weights.load import from_checkpoint
 from gpt2lab.train.optim import make_optimizer
 
 CFG = dict(block_size=16, vocab_size=50304, n_layer=2, n_head=2, n_embd=16)
@@ -90,7 +91,7 @@ def test_load_model_from_run_or_checkpoint_dir(tmp_path):
     path = _save(tmp_path, model, opt, 2)
     x = torch.randint(0, 50257, (1, 8))
     for spec in (str(tmp_path), path):
-        loaded = ckpt.load_model(spec).eval()
+        loaded = from_checkpoint(spec).eval()
         assert loaded.config.token_vocab_size == 50257  # padded rows are never sampled
         assert torch.equal(loaded(x)[0], model.eval()(x)[0])
     from gpt2lab.weights.load import load_model  # the spec every command accepts
@@ -100,7 +101,7 @@ def test_load_model_from_run_or_checkpoint_dir(tmp_path):
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="neither a checkpoint"):
-        ckpt.load_model(str(tmp_path))
+        from_checkpoint(str(tmp_path))
 
 
 def test_optimizer_file_loads_with_weights_only(tmp_path):

@@ -121,7 +121,7 @@ def test_list_presets_states_each_presets_size_cost_and_export(capsys):
     (486,800 tok/s, docs/benchmarks.md); "not measured" where nothing was; the export target."""
     from gpt2lab import cli
     from gpt2lab.model.gpt import GPT
-    from gpt2lab.weights.hf import export_target
+    from gpt2lab.weights.targets import export_target
 
     assert cli.main(["train", "--list-presets"]) == 0
     out = capsys.readouterr().out

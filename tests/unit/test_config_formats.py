@@ -23,7 +23,7 @@ from gpt2lab.train.config import (ConfigError, TrainConfig, add_config_flags, co
                                   config_value, load_preset, merge_config, model_from_config, nest_config,
                                   overrides_from_args, preset_names, tomllib)
 from gpt2lab.model.gpt import GPT, GPTConfig
-from gpt2lab.data.tokenizer import get_tokenizer
+from gpt2lab.data.tokenizer import gpt2_tokenizer
 from conftest import DATA
 
 V1_RUN = DATA / "v1_run"
@@ -87,7 +87,7 @@ def test_old_run_samples_and_exports_like_its_weights(tmp_path, capsys):
     with torch.no_grad():
         torch.testing.assert_close(hf(idx).logits, want[..., :50257], rtol=0, atol=1e-5)
     # sample, greedy: the continuation is the argmax chain of transformers' model on the export
-    enc = get_tokenizer()
+    enc = gpt2_tokenizer()
     ids = enc.encode("ROMEO:")
     for _ in range(5):
         with torch.no_grad():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpt2lab.cli import main
-from gpt2lab.data.tokenizer import asset_path, get_tokenizer
+from gpt2lab.data.tokenizer import asset_path, gpt2_tokenizer
 from conftest import DATA
 
 SLICE = str(DATA / "hellaswag_val_200.jsonl")
@@ -65,7 +65,7 @@ def _val_shards(tmp_path) -> tuple[str, np.ndarray]:
 
     with open(asset_path("tinyshakespeare.txt"), encoding="utf-8") as f:
         text = f.read(20_000)
-    tokens = np.array(get_tokenizer().encode_ordinary(text), dtype=np.uint16)
+    tokens = np.array(gpt2_tokenizer().encode_ordinary(text), dtype=np.uint16)
     d = tmp_path / "shards"
     d.mkdir()
     write_shard(d / shard_name("val", 0), tokens)

@@ -14,13 +14,13 @@ from safetensors.torch import load_file
 from train_utils import TINY, tiny_data  # noqa: F401  (tiny_data is a fixture)
 
 from gpt2lab import cli
-from gpt2lab.weights import hf
+from gpt2lab.weights import export, gpt2, read
 from gpt2lab.train.config import load_preset
 from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.train.init_from import InitFromError, adapt_config, sha256_file
 from gpt2lab.train.run import train
 from gpt2lab.train.trainer import Trainer
-from gpt2lab.inference.generate import generate
+from gpt2lab.model.sampling import generate
 
 CPU = torch.device("cpu")
 NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -87,7 +87,7 @@ def test_hf_source_loss_and_adamw_steps_match_transformers(hf_src, tiny_data, tm
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
-    expected = hf.from_hf_state_dict(ref.state_dict())
+    expected = gpt2.from_hf_state_dict(ref.state_dict())
     got = dict(trainer.raw.named_parameters())
     worst = max((got[k] - v).abs().max().item() for k, v in expected.items())
     assert worst < 2e-5, worst  # 4 steps of lr 1e-3: moved ~4e-3, agreeing to fp32 rounding
@@ -142,10 +142,10 @@ def test_dropout_trains_stochastically_but_evaluates_like_none(tmp_path):
     # exported: the HF config carries the rates, transformers reads them, and so do we
     import transformers
 
-    hf.save_pretrained(drop, str(tmp_path / "exp"))
+    export.save_pretrained(drop, str(tmp_path / "exp"))
     loaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "exp"))
     assert (loaded.config.embd_pdrop, loaded.config.attn_pdrop, loaded.config.resid_pdrop) == (0.1, 0.1, 0.1)
-    back = hf.from_hf_dir(str(tmp_path / "exp"))
+    back = read.from_hf_dir(str(tmp_path / "exp"))
     assert (back.config.embd_pdrop, back.config.attn_pdrop, back.config.resid_pdrop) == (0.1, 0.1, 0.1)
     with torch.no_grad():
         assert torch.allclose(loaded.eval()(x).logits, plain(x)[0], atol=1e-5)
@@ -182,7 +182,7 @@ def test_lora_trains_only_adapters_and_merged_export_matches(hf_src, tiny_data, 
         assert torch.equal(a, b), k
     moments = [[s["exp_avg"] for s in t.optimizer.state.values()] for t in (resumed, trainer)]
     assert len(moments[0]) == len(trainable) and all(map(torch.equal, *moments))
-    hf.save_pretrained(load_model(path), str(tmp_path / "exp"))
+    export.save_pretrained(load_model(path), str(tmp_path / "exp"))
     exported = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "exp")).eval()
     assert not any("lora" in k for k in exported.state_dict())
     x = torch.randint(0, 50257, (2, 24))
@@ -195,7 +195,7 @@ def test_lora_trains_only_adapters_and_merged_export_matches(hf_src, tiny_data, 
 def test_finetune_preset_lowers_held_out_loss(pretrained_run, tiny_data, tmp_path):  # noqa: F811
     """From the pre-trained run, the finetune-shakespeare preset (tiny overrides, through the
     CLI) lowers the loss on the held-out val split below the source's."""
-    from gpt2lab.checkpoint.store import load_model
+    from gpt2lab.weights.load import from_checkpoint as load_model
     from gpt2lab.evals.loss import evaluate_loss
 
     out = tmp_path / "ft"

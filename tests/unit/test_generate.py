@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_gpt
-from gpt2lab.inference.generate import generate, generate_stream, sample_next
-from gpt2lab.weights import hf
+from gpt2lab.model.sampling import generate, generate_stream, sample_next
+from gpt2lab.weights import export
 
 
 @torch.no_grad()
@@ -28,7 +28,7 @@ def test_greedy_cache_equals_no_cache_equals_transformers(tmp_path):
     uncached = generate(model, idx, 60, temperature=0.0, use_cache=False)
     assert torch.equal(cached, uncached)
     assert torch.equal(cached, _plain_greedy(model, idx, 60))
-    hf.save_pretrained(model, str(tmp_path))
+    export.save_pretrained(model, str(tmp_path))
     theirs_model = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path)).eval()
     with torch.no_grad():
         theirs = theirs_model.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=60, min_new_tokens=60,
@@ -130,12 +130,12 @@ def test_generates_preparation_leaves_the_model_as_it_was(tmp_path):
     model = tiny_gpt(seed=12, vocab_size=300)
     idx = torch.randint(0, 300, (2, 6))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    want = generate(model, idx, 20, temperature=0.0, prepare=False)
+    want = generate(model, idx, 20, temperature=0.0)
     assert torch.equal(generate(model, idx, 20, temperature=0.0), want)  # the prepared copy: the same tokens
     assert model.lm_head.weight is model.transformer.wte.weight
     assert isinstance(model.transformer.h[0].attn.c_attn, torch.nn.Linear)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    hf.save_pretrained(model, str(tmp_path))
+    export.save_pretrained(model, str(tmp_path))
     saved = load_file(str(tmp_path / "model.safetensors"))
     assert torch.equal(saved["transformer.h.0.attn.c_attn.weight"], before["transformer.h.0.attn.c_attn.weight"].t())
 

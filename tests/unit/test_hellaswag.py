@@ -11,7 +11,7 @@ import torch
 from gpt2lab.evals import hellaswag as hs
 from gpt2lab.evals.hellaswag import Example, evaluate_hellaswag, load_examples, score_examples
 from gpt2lab.model.gpt import GPT, GPTConfig
-from gpt2lab.data.tokenizer import get_tokenizer
+from gpt2lab.data.tokenizer import gpt2_tokenizer
 from conftest import DATA
 
 SLICE = str(DATA / "hellaswag_val_200.jsonl")
@@ -20,7 +20,7 @@ VOCAB = 50257
 
 def reference_scores(model, examples) -> list[tuple[list[float], list[float]]]:
     """Plain loop: one row per (example, ending), no padding, transformers forward."""
-    enc, out = get_tokenizer(), []
+    enc, out = gpt2_tokenizer(), []
     with torch.no_grad():
         for ex in examples:
             ctx = enc.encode(ex.ctx)
@@ -79,7 +79,7 @@ def _constant_logits_model(favoured: int, s: float) -> GPT:
 
 @pytest.mark.parametrize("strategy", ["padded", "shared"])
 def test_hand_built_example_known_from_logits(tmp_path, strategy):
-    enc = get_tokenizer()
+    enc = gpt2_tokenizer()
     yes, the = enc.encode(" yes"), enc.encode(" the")
     assert len(yes) == len(the) == 1 and enc.encode(" yes yes yes the") == yes * 3 + the
     s = 12.0

@@ -9,7 +9,7 @@ import torch
 
 from conftest import TINY_SHAPES, tiny_gpt
 from gpt2lab import GPT, from_pretrained
-from gpt2lab.weights import hf
+from gpt2lab.weights import export, read
 from gpt2lab.weights.load import is_hf_dir, load_model
 
 
@@ -54,7 +54,7 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path, shape):
     import transformers
 
     ours = tiny_gpt(seed=5, **shape)
-    hf.save_pretrained(ours, str(tmp_path / "out"))
+    export.save_pretrained(ours, str(tmp_path / "out"))
     theirs, info = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "out"), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     idx = torch.randint(0, shape["vocab_size"], (2, shape["block_size"]))
@@ -66,7 +66,7 @@ def test_reverse_round_trip_is_exact(hf_dirs, tmp_path):
     from safetensors.torch import load_file
 
     theirs, d = hf_dirs[0]
-    hf.save_pretrained(hf.from_hf_dir(d), str(tmp_path / "again"))
+    export.save_pretrained(read.from_hf_dir(d), str(tmp_path / "again"))
     before, after = load_file(os.path.join(d, "model.safetensors")), load_file(str(tmp_path / "again/model.safetensors"))
     assert sorted(before) == sorted(after)
     for k in before:
@@ -78,7 +78,7 @@ def test_padded_vocab_export_trims_to_50257(tmp_path):
 
     ours = tiny_gpt(seed=1, vocab_size=50304, token_vocab_size=50257, n_embd=32)
     out = str(tmp_path / "padded")
-    hf.save_pretrained(ours, out)
+    export.save_pretrained(ours, out)
     cfg = json.loads(open(os.path.join(out, "config.json")).read())
     assert cfg["vocab_size"] == 50257 and cfg["architectures"] == ["GPT2LMHeadModel"]
     assert cfg["activation_function"] == "gelu_new" and cfg["tie_word_embeddings"] is True
@@ -87,7 +87,7 @@ def test_padded_vocab_export_trims_to_50257(tmp_path):
     assert theirs.transformer.wte.weight.shape == (50257, 32)
     idx = torch.randint(0, 50257, (2, 24))
     assert _max_diff(ours, theirs, idx, vocab=50257) <= 1e-4
-    back = hf.from_hf_dir(out)
+    back = read.from_hf_dir(out)
     assert back.config.vocab_size == 50257
 
 
@@ -105,9 +105,9 @@ def test_export_has_tokenizer_files_autotokenizer_loads(gpt2_vocab_export):
 
 def test_save_pretrained_replaces_an_earlier_export_and_leaves_no_temp(tmp_path):
     out = tmp_path / "exp"
-    hf.save_pretrained(tiny_gpt(seed=0), str(out))
+    export.save_pretrained(tiny_gpt(seed=0), str(out))
     first = (out / "model.safetensors").read_bytes()
-    hf.save_pretrained(tiny_gpt(seed=1), str(out))  # an earlier export (it has the marker): replaced
+    export.save_pretrained(tiny_gpt(seed=1), str(out))  # an earlier export (it has the marker): replaced
     assert (out / "model.safetensors").read_bytes() != first
     assert sorted(os.listdir(tmp_path)) == ["exp"]
     assert oct(os.stat(out).st_mode & 0o777) != oct(0o700)  # umask permissions, not mkdtemp's
@@ -118,11 +118,11 @@ def test_mismatched_weights_and_unsupported_config_are_refused(hf_dirs, tmp_path
     cfg = json.loads(open(os.path.join(d, "config.json")).read())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "n_embd": 64}))
     os.link(os.path.join(d, "model.safetensors"), tmp_path / "model.safetensors")
-    with pytest.raises(hf.WeightsError, match="model.safetensors"):
-        hf.from_hf_dir(str(tmp_path))
+    with pytest.raises(read.WeightsError, match="model.safetensors"):
+        read.from_hf_dir(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "activation_function": "relu"}))
-    with pytest.raises(hf.WeightsError, match="activation_function"):
-        hf.from_hf_dir(str(tmp_path))
+    with pytest.raises(read.WeightsError, match="activation_function"):
+        read.from_hf_dir(str(tmp_path))
 
 
 def test_checkpoint_like_dir_is_not_taken_for_hf(tmp_path):
@@ -143,7 +143,7 @@ def test_from_hub_offline_gives_clear_error(tmp_path, monkeypatch):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf_home" / "hub"))
-    for entry in (from_pretrained, GPT.from_pretrained):  # the Python API's hub path, as `--model gpt2`'s
-        with pytest.raises(hf.WeightsError, match="^gpt2: openai-community/gpt2.*offline.*local directory"):
+    for entry in (from_pretrained,):  # the Python API's hub path, as `--model gpt2`'s
+        with pytest.raises(read.WeightsError, match="^gpt2: openai-community/gpt2.*offline.*local directory"):
             entry("gpt2")
     assert not list((tmp_path / "hf_home").rglob("*.safetensors"))

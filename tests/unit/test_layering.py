@@ -1,8 +1,9 @@
 """The package's layering, read from the source: a module imports only from its own package
 and from packages of a lower layer (docs/ARCHITECTURE.md draws the same table).
 
-Every import counts, including those inside functions: a lazy import is still a dependency. The
-two exceptions are named one by one in EXEMPT, with the reason.
+Every import counts, including those inside functions: a lazy import is still a dependency. There
+are no exceptions. And no two files import each other, however indirectly (``file_cycles``): within a
+package too, the imports between files form no circle.
 """
 from __future__ import annotations
 
@@ -30,15 +31,6 @@ LAYERS = {
     "cli": 11,
 }
 TOP = {"__init__", "__main__"}  # the package's front door (lazy API) and `python -m gpt2lab`
-# The only imports that may point up, each named by (file, the function holding it, the package it
-# imports): GPT.from_pretrained and model.generate, the habits of nanoGPT's and transformers' users,
-# are one-line calls of gpt2lab.from_pretrained (weights) and inference.generate.generate, importing
-# them inside the method so that importing the model never imports those layers. Any other upward
-# import, in these methods too, fails; an exemption that matches no import fails as well.
-EXEMPT = {
-    ("model/gpt.py", "GPT.from_pretrained", "weights"),
-    ("model/gpt.py", "GPT.generate", "inference"),
-}
 
 
 def package_of(path: Path, src: Path = SRC) -> str:
@@ -70,9 +62,9 @@ def gpt2lab_imports(path: Path) -> list[tuple[int, str, str]]:
     return out
 
 
-def violations(src: Path = SRC, exempt: set = EXEMPT) -> tuple[list[str], set]:
-    """(every upward import not in ``exempt``, the exemptions that matched an import)."""
-    bad, used = [], set()
+def violations(src: Path = SRC) -> list[str]:
+    """Every upward import in the tree."""
+    bad = []
     for path in sorted(src.rglob("*.py")):
         pkg = package_of(path, src)
         if pkg in TOP:
@@ -84,19 +76,72 @@ def violations(src: Path = SRC, exempt: set = EXEMPT) -> tuple[list[str], set]:
             if target == pkg or target == "__version__":
                 continue
             if target not in LAYERS or LAYERS[target] >= LAYERS[pkg]:
-                key = (path.relative_to(src).as_posix(), scope, target)
-                if key in exempt:
-                    used.add(key)
-                    continue
                 bad.append(f"{path.relative_to(src)}:{line}: {pkg} (layer {LAYERS[pkg]}) imports "
                            f"{target} (layer {LAYERS.get(target, '?')})" + (f" in {scope}" if scope else ""))
-    return bad, used
+    return bad
+
+
+def module_of(path: Path, src: Path = SRC) -> str:
+    rel = path.relative_to(src).with_suffix("")
+    parts = ("gpt2lab", *rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def file_imports(src: Path = SRC) -> dict[str, set[str]]:
+    """Module -> the gpt2lab modules (files) it imports, anywhere in it, ``from gpt2lab.x import y`` counting
+    as an import of ``gpt2lab.x.y`` where that is a file."""
+    modules = {module_of(p, src): p for p in src.rglob("*.py")}
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    for mod, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            edges[mod] |= {n for n in names if n in modules and n != mod}
+    return edges
+
+
+def file_cycles(src: Path = SRC) -> list[list[str]]:
+    """The circles among the files' imports: each strongly connected group of two or more modules."""
+    edges = file_imports(src)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
 
 
 def test_every_import_points_down():
-    bad, used = violations()
-    assert bad == []
-    assert used == EXEMPT, f"exemptions that match no import (remove them): {sorted(EXEMPT - used)}"
+    assert violations() == []
+
+
+def test_no_two_files_import_each_other():
+    assert file_cycles() == []
 
 
 def test_the_check_catches_a_planted_upward_import(tmp_path):
@@ -107,33 +152,22 @@ def test_the_check_catches_a_planted_upward_import(tmp_path):
     shutil.copytree(SRC, tree, ignore=shutil.ignore_patterns("__pycache__", "assets", "presets"))
     gpt = tree / "model" / "gpt.py"
     gpt.write_text(gpt.read_text() + "\n\ndef _planted():\n    from gpt2lab.train.trainer import Trainer  # noqa\n")
-    found, _ = violations(tree)
+    found = violations(tree)
     assert len(found) == 1 and found[0].startswith("model/gpt.py:") and "imports train" in found[0]
 
 
-def test_the_exemptions_cover_exactly_their_two_imports(tmp_path):
-    """The exempt methods may import their own package only; the same import anywhere else in the
-    model fails; without the exemptions the two imports are the only upward ones."""
+def test_the_check_catches_a_planted_circle_between_files(tmp_path):
+    """The model importing the sampling loop lazily is fine; the loop importing the model back is a circle
+    (inside one package, so the layering alone would not see it), and so is a longer one."""
     import shutil
 
     tree = tmp_path / "gpt2lab"
     shutil.copytree(SRC, tree, ignore=shutil.ignore_patterns("__pycache__", "assets", "presets"))
-    gpt = tree / "model" / "gpt.py"
-    text = gpt.read_text()
-    unexempted, _ = violations(tree, exempt=set())
-    assert len(unexempted) == 2 and all(v.startswith("model/gpt.py:") for v in unexempted), unexempted
-    assert any("imports weights (layer 5) in GPT.from_pretrained" in v for v in unexempted)
-    assert any("imports inference (layer 6) in GPT.generate" in v for v in unexempted)
-    # another package from an exempt method, and an exempt package from another method
-    planted = text.replace("        from gpt2lab.inference.generate import generate\n",
-                           "        from gpt2lab.inference.generate import generate\n"
-                           "        from gpt2lab.serve.api import create_app  # noqa\n")
-    planted = planted.replace("    def new_kv_cache(self, max_len: Optional[int] = None) -> KVCache:\n",
-                              "    def new_kv_cache(self, max_len: Optional[int] = None) -> KVCache:\n"
-                              "        from gpt2lab.weights.load import from_pretrained  # noqa\n")
-    assert planted.count("# noqa") == text.count("# noqa") + 2
-    gpt.write_text(planted)
-    found, used = violations(tree)
-    assert len(found) == 2 and used == EXEMPT, found
-    assert any("imports serve (layer 8) in GPT.generate" in v for v in found)
-    assert any("imports weights (layer 5) in GPT.new_kv_cache" in v for v in found)
+    sampling = tree / "model" / "sampling.py"
+    sampling.write_text(sampling.read_text() + "\n\ndef _planted():\n    from gpt2lab.model.gpt import GPT  # noqa\n")
+    assert file_cycles(tree) == [["gpt2lab.model.gpt", "gpt2lab.model.sampling"]]
+    shutil.copy(SRC / "model" / "sampling.py", sampling)
+    loader = tree / "data" / "loader.py"
+    loader.write_text(loader.read_text() + "\n\ndef _planted():\n    from gpt2lab.data import prepare  # noqa\n")
+    cycles = file_cycles(tree)
+    assert len(cycles) == 1 and "gpt2lab.data.loader" in cycles[0] and "gpt2lab.data.prepare" in cycles[0]

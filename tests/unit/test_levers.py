@@ -185,16 +185,17 @@ def test_parameter_counts_by_hand_and_the_optimizer_groups():
 def test_export_refuses_the_levers_in_one_line_and_init_from_takes_them():
     from gpt2lab.system.errors import UsageError
     from gpt2lab.train.init_from import ARCH_FIELDS
-    from gpt2lab.weights import hf
+    from gpt2lab.weights import gpt2, nanochat, targets
 
     assert {"value_embeds", "unet_skips"} <= set(ARCH_FIELDS) and "zero_init_head" not in ARCH_FIELDS
     cfg = GPTConfig(**{**SMALL, **LEVERS})
-    assert hf.unexportable(cfg) == ["value_embeds=1", "unet_skips=true"]  # zero_init_head: initial weights only
+    neither = [x for x in targets.gaps(cfg, gpt2.NEEDS) if x in targets.gaps(cfg, nanochat.NEEDS)]
+    assert neither == ["value_embeds=1", "unet_skips=true"]  # zero_init_head: initial weights only
     with pytest.raises(UsageError) as e:
-        hf.check_exportable(cfg)
+        targets.check_exportable(cfg)
     assert "\n" not in str(e.value) and ("value_embeds=1 (GPT-2 and NanoChat: no value embeddings); unet_skips=true "
                                          "(GPT-2 and NanoChat: no skips between blocks)") in str(e.value)
-    assert hf.unexportable(GPTConfig(**{**SMALL, "tie_embeddings": False, "zero_init_head": True})) == []
+    assert targets.export_target(GPTConfig(**{**SMALL, "tie_embeddings": False, "zero_init_head": True})).name
 
 
 # -- the memory planner --------------------------------------------------------------------------

@@ -15,8 +15,9 @@ from train_utils import TINY, tiny_data  # noqa: F401  (tiny_data is a fixture)
 from gpt2lab import cli, from_pretrained
 from gpt2lab.distributed import memplan
 from gpt2lab.model.gpt import GPT, GPTConfig, rotary_cos_sin
+from gpt2lab.system.errors import UsageError
 from gpt2lab.train.config import load_preset, preset_names
-from gpt2lab.weights import hf, nanochat
+from gpt2lab.weights import export, nanochat, read, targets
 from gpt2lab.weights.load import HF_DIR, load_model, source_kind
 
 # The modern block NanoChat computes: gpt2lab's switches with no biases and a normalised embedding.
@@ -97,7 +98,7 @@ def test_bias_false_is_gpt2_with_zero_biases(norm, tmp_path):
         2 * (9 * 32 + (2 * 32 if norm == "layernorm" else 0)) - (32 if norm == "layernorm" else 0)
     if norm == "layernorm":
         big = randomized(GPTConfig(**{**shape, "vocab_size": 50304, "token_vocab_size": 50257}, bias=False), seed=1)
-        assert hf.save_pretrained(big, str(tmp_path / "hf")) == "GPT2LMHeadModel"
+        assert export.save_pretrained(big, str(tmp_path / "hf")) == "GPT2LMHeadModel"
         theirs = _hf(str(tmp_path / "hf"))
         assert theirs.transformer.h[0].attn.c_attn.bias.abs().max() == 0 == theirs.transformer.ln_f.bias.abs().max()
         assert _logits_diff(big, theirs, torch.randint(0, 50257, (2, 16))) <= 1e-4
@@ -197,27 +198,27 @@ def _preset_model(name: str) -> GPTConfig:
     return replace(m, token_vocab_size=m.token_vocab_size or min(m.vocab_size, 50257))
 
 
-EXPORTABLE = [n for n in preset_names() if hf.export_target(load_preset(n).model).name]
+EXPORTABLE = [n for n in preset_names() if targets.export_target(load_preset(n).model).name]
 
 
 def test_the_presets_that_export():
     """The default demo's preset and the faithful ones export; those with value embeddings do not, and say why."""
     assert {"shakespeare-cpu", "shakespeare-cpu-fast", "gpt2-124m", "wiki-cpu"} <= set(EXPORTABLE)
     for name in set(preset_names()) - set(EXPORTABLE):
-        target = hf.export_target(load_preset(name).model)
+        target = targets.export_target(load_preset(name).model)
         assert load_preset(name).model.value_embeds and "value_embeds=1" in target.describe(), name
 
 
 @pytest.mark.parametrize("name", EXPORTABLE)
 def test_preset_exports_and_transformers_computes_the_same(name, tmp_path):
     model = randomized(_preset_model(name), seed=3)
-    target = hf.save_pretrained(model, str(tmp_path / "hf"))
-    assert target == hf.export_target(model.config).name
+    target = export.save_pretrained(model, str(tmp_path / "hf"))
+    assert target == targets.export_target(model.config).name
     theirs = _hf(str(tmp_path / "hf"))
     assert type(theirs).__name__ == target
     idx = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(0))
     assert _logits_diff(model, theirs, idx) <= 1e-4
-    from gpt2lab.inference.generate import generate
+    from gpt2lab.model.sampling import generate
 
     assert generate(model, PROMPT, 20, temperature=0)[0].tolist() == _greedy_hf(theirs)
 
@@ -226,9 +227,9 @@ def test_nanochat_export_files(tmp_path):
     import transformers
 
     m = randomized(GPTConfig(**SMALL, **NANOCHAT, logit_softcap=12.0, rope_theta=500.0))
-    assert hf.save_pretrained(m, str(tmp_path / "hf")) == "NanoChatForCausalLM"
+    assert export.save_pretrained(m, str(tmp_path / "hf")) == "NanoChatForCausalLM"
     d = tmp_path / "hf"
-    assert sorted(os.listdir(d)) == sorted(hf.EXPORT_FILES)
+    assert sorted(os.listdir(d)) == sorted(export.EXPORT_FILES)
     cfg = json.loads((d / "config.json").read_text())
     assert (cfg["model_type"], cfg["vocab_size"], cfg["intermediate_size"], cfg["tie_word_embeddings"]) == \
         ("nanochat", 50257, 256, False)
@@ -246,7 +247,7 @@ def test_nanochat_export_files(tmp_path):
 def test_nanochat_export_variants(variant, tmp_path):
     """A tied head (exported untied: ln_f's gain folds into the head, not into wte), tanh GELU, a softcap."""
     m = randomized(GPTConfig(**{**SMALL, **NANOCHAT, **variant}), seed=4)
-    hf.save_pretrained(m, str(tmp_path / "hf"))
+    export.save_pretrained(m, str(tmp_path / "hf"))
     theirs = _hf(str(tmp_path / "hf"))
     assert not torch.equal(theirs.lm_head.weight, theirs.model.embed_tokens.weight)
     assert _logits_diff(m, theirs, torch.randint(0, 50257, (2, 48))) <= 1e-4
@@ -257,7 +258,7 @@ def test_rotary_direction_needs_the_flipped_halves(tmp_path, monkeypatch):
     the other way) computes other logits: the flip is what makes them equal."""
     m = randomized(GPTConfig(**SMALL, **NANOCHAT), seed=5)
     monkeypatch.setattr(nanochat, "flip_halves", lambda w, n_head: w.clone())
-    hf.save_pretrained(m, str(tmp_path / "hf"))
+    export.save_pretrained(m, str(tmp_path / "hf"))
     assert _logits_diff(m, _hf(str(tmp_path / "hf")), torch.randint(0, 50257, (2, 48))) > 1e-2
 
 
@@ -272,10 +273,10 @@ def test_rotary_direction_needs_the_flipped_halves(tmp_path, monkeypatch):
 ])
 def test_what_neither_computes_is_refused_in_one_line(fields, needle, tmp_path):
     cfg = GPTConfig(**{**SMALL, **NANOCHAT, **fields})
-    with pytest.raises(hf.UsageError) as e:
-        hf.save_pretrained(GPT(cfg), str(tmp_path / "hf"))
+    with pytest.raises(UsageError) as e:
+        export.save_pretrained(GPT(cfg), str(tmp_path / "hf"))
     assert needle in str(e.value) and "\n" not in str(e.value) and not (tmp_path / "hf").exists()
-    assert hf.export_target(cfg).describe().startswith("none (")
+    assert targets.export_target(cfg).describe().startswith("none (")
 
 
 # -- NanoChat directories in ----------------------------------------------------------------------
@@ -311,7 +312,7 @@ def test_a_nanochat_saved_by_transformers_loads_with_its_logits(overrides, tmp_p
         with torch.no_grad():
             want = theirs.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=12, do_sample=False, eos_token_id=None,
                                    pad_token_id=0)
-        from gpt2lab.inference.generate import generate
+        from gpt2lab.model.sampling import generate
 
         assert torch.equal(generate(ours, torch.tensor([[5, 6, 7]]), 12, temperature=0), want)
 
@@ -325,7 +326,7 @@ def test_a_nanochat_saved_by_transformers_loads_with_its_logits(overrides, tmp_p
 ])
 def test_a_nanochat_gpt2lab_cannot_compute_is_refused_by_field(overrides, needle, tmp_path, capsys):
     _, d = _transformers_nanochat(tmp_path, **overrides)
-    with pytest.raises(hf.WeightsError) as e:
+    with pytest.raises(read.WeightsError) as e:
         load_model(d)
     assert needle in str(e.value) and "config.json" in str(e.value) and "\n" not in str(e.value)
     capsys.readouterr()  # transformers' progress bars from saving
@@ -342,7 +343,7 @@ def test_round_trip_export_then_model_from_pretrained_and_init_from(tiny_data, t
 
     m = randomized(GPTConfig(**{**SMALL, "block_size": 32}, **NANOCHAT), seed=6)
     d = str(tmp_path / "hf")
-    hf.save_pretrained(m, d)
+    export.save_pretrained(m, d)
     idx = torch.randint(0, 50257, (2, 32))
     with torch.no_grad():
         want = m(idx)[0][..., :50257]

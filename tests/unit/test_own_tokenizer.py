@@ -129,7 +129,7 @@ def test_bytes_per_token_against_gpt2(tok_dir, capsys):
     assert cli.main(["tokenizer", "eval", "--tokenizer", tok_dir, "--source", WIKI, "--json"]) == 0
     row = json.loads(capsys.readouterr().out)["sources"][0]
     texts = _texts(WIKI)
-    gpt2 = tokenizers_mod.get_tokenizer()
+    gpt2 = tokenizers_mod.gpt2_tokenizer()
     assert row["bytes"] == sum(len(t.encode()) for t in texts) and row["documents"] == len(texts)
     assert row["tokenizers"]["gpt2"]["tokens"] == sum(len(gpt2.encode_ordinary(t)) for t in texts)
     ours = row["tokenizers"]["ours"]
@@ -174,7 +174,7 @@ def test_uint32_shards_for_a_vocabulary_past_65536(tmp_path):
 
 # -- a run on it -----------------------------------------------------------------------------------
 def test_a_run_takes_the_datas_tokenizer_and_it_travels(own_run, tok, monkeypatch):
-    from gpt2lab.checkpoint.store import load_model
+    from gpt2lab.weights.load import from_checkpoint as load_model
     from gpt2lab.inference.completion import tokenizer_for
 
     model_cfg = json.loads((own_run / "config.json").read_text())["model"]
@@ -189,9 +189,27 @@ def test_a_run_takes_the_datas_tokenizer_and_it_travels(own_run, tok, monkeypatc
     assert sample.startswith("ROMEO:")  # the prompt back: encoded and decoded with the run's own tokenizer
     alone = own_run.parent / "alone"  # a checkpoint copied away, in a process that never saw the tokenizer
     shutil.copytree(own_run / "checkpoints" / "step_000006", alone)
-    monkeypatch.setattr(tokenizers_mod, "_LOADED", {})
     model = load_model(str(alone))
-    assert tokenizer_for(model.config).identity == tok.identity
+    assert tokenizer_for(model).identity == tok.identity
+
+
+def test_get_tokenizer_of_a_run_encodes_as_its_exports_autotokenizer(own_run, tok, tmp_path):
+    """gpt2lab.get_tokenizer(RUN): the run's own tokenizer, read from the run with no weights loaded, the
+    same ids as transformers' AutoTokenizer of the run's export and as the model from_pretrained carries."""
+    import transformers
+
+    import gpt2lab
+
+    transformers.logging.set_verbosity_error()
+    ours = gpt2lab.get_tokenizer(str(own_run))
+    assert ours.identity == tok.identity and gpt2lab.from_pretrained(str(own_run)).tokenizer.identity == tok.identity
+    out = str(tmp_path / "export")
+    assert cli.main(["export", str(own_run), out]) == 0
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    for text in ["ROMEO: But soft, what light", "The city's 1,234 bridges — naïve 日本 🙂\n    indented", " x  y\t"]:
+        assert ours.encode(text, allowed_special="all") == theirs(text)["input_ids"] == tok.encode(text)
+    assert gpt2lab.get_tokenizer(out).identity == tok.identity  # the export's, read back
+    assert gpt2lab.get_tokenizer(str(own_run / "checkpoints" / "step_000003")).identity == tok.identity
 
 
 def test_report_and_compare_show_bits_per_byte(own_run):
@@ -235,10 +253,10 @@ def test_data_in_another_tokenizer_is_refused_before_the_first_step(own_run, tin
     assert cli.main(argv) == 2
     assert "was prepared with GPT-2's BPE, but the model of the checkpoint" in _one_line(capsys.readouterr().err)
     assert sorted(p.name for p in resumed.rglob("*")) == before
-    from gpt2lab.weights import hf
+    from gpt2lab.weights import export
 
     gpt2 = str(tmp_path / "gpt2")  # and a GPT-2 model (TINY's shape) onto data in the trained tokenizer
-    hf.save_pretrained(tiny_gpt(vocab_size=50257, block_size=32), gpt2)
+    export.save_pretrained(tiny_gpt(vocab_size=50257, block_size=32), gpt2)
     argv = ["train", "--preset", "shakespeare-cpu", *cli_args(data=wiki_data, out=str(tmp_path / "gpt2_from"),
                                                               init_from=gpt2), *flag]
     assert cli.main(argv) == 2
@@ -291,7 +309,7 @@ def test_bits_per_byte_is_the_loss_over_the_texts_bytes(wiki_data, tok_dir, tok,
     if masked:  # conversations: the assistant's tokens only
         data = str(tmp_path / "chat")
         prepare(CHAT, data, tokenizer=tok_dir, progress=False, workers=1, val_tokens=2000)
-    model = tiny_gpt(seed=1, vocab_size=1024, token_vocab_size=VOCAB, tokenizer=tok.identity)
+    model = tiny_gpt(seed=1, vocab_size=1024, token_vocab_size=VOCAB, tokenizer=tok)
     res = evaluate(model, data, tokens=3 * 2 * 32, batch_size=2, seq_len=32, device="cpu")
     loss, bpb = _hand_bpb(model, data, tok, 3, 2, 32, masked)
     assert res.loss == pytest.approx(loss, rel=1e-5) and res.bpb == pytest.approx(bpb, rel=1e-5)
@@ -319,14 +337,14 @@ ARCHS = {"gpt2": {}, "modern": dict(pos_emb="rotary", norm="rmsnorm", qk_norm=Tr
 def test_export_loads_in_transformers_with_our_ids_and_logits(tok, tmp_path, arch, chat_model):
     import transformers
 
-    from gpt2lab.weights import hf
+    from gpt2lab.weights import export
     from gpt2lab.weights.load import load_model
 
     transformers.logging.set_verbosity_error()
-    model = tiny_gpt(seed=2, vocab_size=1024, token_vocab_size=VOCAB, tokenizer=tok.identity, block_size=128,
+    model = tiny_gpt(seed=2, vocab_size=1024, token_vocab_size=VOCAB, tokenizer=tok, block_size=128,
                      chat_template="chatml" if chat_model else None, **ARCHS[arch])
     d = str(tmp_path / "export")
-    assert hf.save_pretrained(model, d) == {"gpt2": "GPT2LMHeadModel", "modern": "NanoChatForCausalLM"}[arch]
+    assert export.save_pretrained(model, d) == {"gpt2": "GPT2LMHeadModel", "modern": "NanoChatForCausalLM"}[arch]
     theirs_tok = transformers.AutoTokenizer.from_pretrained(d)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
     text = "<|endoftext|>The city's 1,234 bridges — naïve 日本 🙂\n    indented<|im_end|>"
@@ -346,11 +364,18 @@ def test_export_loads_in_transformers_with_our_ids_and_logits(tok, tmp_path, arc
     assert (back.config.tokenizer, back.config.chat_template) == (tok.identity, "chatml" if chat_model else None)
 
 
-def test_a_model_whose_tokenizer_was_never_loaded_says_how():
-    from gpt2lab.data.tokenizer import TokenizerError, tokenizer_of
+def test_a_model_with_its_own_tokenizer_needs_it_given_and_says_how(tok):
+    """No registry: a model's own tokenizer is what was read with it, and none (or another) is one line."""
+    from gpt2lab.data.tokenizer import TokenizerError, for_config, gpt2_tokenizer
+    from gpt2lab.model.config import GPTConfig
 
-    with pytest.raises(TokenizerError, match="is not loaded: load the model with gpt2lab's loader"):
-        tokenizer_of("ab" * 32)
+    config = GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=VOCAB, tokenizer=tok.identity)
+    assert for_config(config, tok) is tok
+    with pytest.raises(TokenizerError, match=r"has its own tokenizer sha256:\w{12} and none was given; read it "
+                                             r"from where the model came from \(gpt2lab.get_tokenizer\(SOURCE\)"):
+        for_config(config)
+    with pytest.raises(TokenizerError, match="and GPT-2's BPE was given"):
+        for_config(config, gpt2_tokenizer())
 
 
 def test_progress_goes_to_stderr_as_bytes(tmp_path):
@@ -367,11 +392,11 @@ def test_serve_reads_and_writes_text_in_the_models_tokenizer(tok, tmp_path):
     from serve_utils import running_server
 
     from gpt2lab.evals.chat import greedy_reply
-    from gpt2lab.weights import hf
+    from gpt2lab.weights import export
 
-    model = tiny_gpt(seed=4, vocab_size=1024, token_vocab_size=VOCAB, tokenizer=tok.identity, block_size=128,
+    model = tiny_gpt(seed=4, vocab_size=1024, token_vocab_size=VOCAB, tokenizer=tok, block_size=128,
                      chat_template="chatml")
-    hf.save_pretrained(model, str(tmp_path / "m"))
+    export.save_pretrained(model, str(tmp_path / "m"))
     text = "def f(x):\n    return x ** 2  # naïve 🙂"
     turns = [("user", "Hello there, what is 12345?")]
     prompt = chat.encode_chat(turns, add_generation_prompt=True, tokenizer=tok)[0]
@@ -405,7 +430,7 @@ def test_fsdp_checkpoints_carry_the_tokenizer_too(wiki_data, tok, tmp_path, monk
 
     from train_utils import env, torchrun_cmd
 
-    from gpt2lab.checkpoint.store import load_model
+    from gpt2lab.weights.load import from_checkpoint as load_model
     from gpt2lab.inference.completion import tokenizer_for
 
     out = tmp_path / "fsdp"
@@ -419,5 +444,4 @@ def test_fsdp_checkpoints_carry_the_tokenizer_too(wiki_data, tok, tmp_path, monk
     assert "tokenizer.json" in json.loads((ckpt / "checksums.json").read_text())
     alone = tmp_path / "alone"
     shutil.copytree(ckpt, alone)
-    monkeypatch.setattr(tokenizers_mod, "_LOADED", {})
-    assert tokenizer_for(load_model(str(alone)).config).identity == tok.identity
+    assert tokenizer_for(load_model(str(alone))).identity == tok.identity

@@ -11,7 +11,7 @@ from conftest import tiny_gpt
 from gpt2lab.train.config import ConfigError, FinetuneConfig, ParallelConfig, TrainConfig
 from gpt2lab.distributed.parallel import choose_strategy
 from gpt2lab.system.runtime import ChoiceError
-from gpt2lab.inference.generate import generate
+from gpt2lab.model.sampling import generate
 
 GiB = 2**30
 
@@ -107,7 +107,7 @@ def test_activation_checkpointing_is_off_outside_training():
     idx = torch.randint(0, 50257, (1, 8))
     with torch.no_grad():
         plain = model(idx)[0]  # eval mode (tiny_gpt): no checkpoint wrapper, no recompute
-        cached = generate(model, idx, 3, top_k=1, prepare=False)  # the model itself, not its inference copy
+        cached = generate(model, idx, 3, top_k=1)  # the model itself, not its inference copy
     assert calls["n"] == 1 + 3 and plain.shape == (1, 8, 50304) and cached.shape == (1, 11)
 
 

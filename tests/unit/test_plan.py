@@ -24,7 +24,7 @@ from gpt2lab.train.config import load_preset, merge_config, preset_values
 from gpt2lab.train.plan import Facts, Request, choose_loss, fake_facts, make_plan
 from gpt2lab.train.run import train
 from gpt2lab.train.trainer import Trainer
-from gpt2lab.weights import hf
+from gpt2lab.weights import export, targets
 
 CPU = torch.device("cpu")
 PLAIN_CPU = Facts(runtime.Facts("cpu", "some x86", ("avx2", "fma")))
@@ -127,7 +127,7 @@ def sources(tmp_path_factory):
     out = {}
     for n_layer in (2, 3):
         d = str(tmp_path_factory.mktemp(f"src{n_layer}") / "model")
-        hf.save_pretrained(tiny_gpt(seed=n_layer, vocab_size=50257, block_size=64, n_layer=n_layer), d)
+        export.save_pretrained(tiny_gpt(seed=n_layer, vocab_size=50257, block_size=64, n_layer=n_layer), d)
         out[n_layer] = d
     return out
 
@@ -267,7 +267,7 @@ def test_the_plan_says_what_export_will_write(fields, line, tmp_path):
     for facts in (PLAIN_CPU, Facts(H100, world_size=8, device_bytes=80 * GIB)):
         plan = make_plan(_cfg(tmp_path / "r", total_batch_tokens=512, **fields), facts)
         assert line in plan.lines() and plan.record()["export"] == line.removeprefix("export    ")
-        assert plan.record()["export"] == hf.export_target(plan.config.model).describe()
+        assert plan.record()["export"] == targets.export_target(plan.config.model).describe()
 
 
 def test_a_lever_that_cannot_export_is_in_the_dry_run(tiny_data, tmp_path, capsys):

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from gpt2lab import cli
-from gpt2lab.data.tokenizer import get_tokenizer
+from gpt2lab.data.tokenizer import gpt2_tokenizer
 
 
 def _one_line(err: str) -> str:
@@ -30,7 +30,7 @@ def test_sample_refuses_a_prompt_and_new_tokens_past_the_context_as_the_server_d
     monkeypatch.setenv("GPT2LAB_PROBE", "0")
     model, d = gpt2_vocab_export  # block_size 128
     long_prompt = " one" * 150
-    n = len(get_tokenizer().encode(long_prompt))
+    n = len(gpt2_tokenizer().encode(long_prompt))
     assert n == 150
     assert cli.main(_sample(d, long_prompt, 10)) == 2
     captured = capsys.readouterr()
@@ -131,7 +131,7 @@ def test_a_directory_of_junk_is_named_once(tmp_path, capsys, monkeypatch, argv):
 
 def test_the_python_api_and_init_from_name_a_junk_source_once(tmp_path, capsys, monkeypatch, tiny_data):
     import gpt2lab
-    from gpt2lab.weights.hf import WeightsError
+    from gpt2lab.weights.read import WeightsError
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "junk2").mkdir()

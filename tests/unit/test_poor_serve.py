@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gpt2lab import cli, get_tokenizer
-from gpt2lab.inference.generate import sample_next
+from gpt2lab.model.sampling import sample_next
 from serve_utils import running_server
 
 httpx = pytest.importorskip("httpx")

@@ -1,4 +1,4 @@
-"""The Python API's loader: ``gpt2lab.from_pretrained`` and ``GPT.from_pretrained`` take what the
+"""The Python API's loaders: ``gpt2lab.from_pretrained`` and ``gpt2lab.get_tokenizer`` take what the
 CLI's ``--model`` takes (a run directory, a checkpoint, an HF directory; the hub is test_hf's), through
 the CLI's own loader, and a bad source is an exception naming it, never SystemExit."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import gpt2lab
 from conftest import damaged_copy
 from gpt2lab import GPT
 from gpt2lab.system.errors import CheckpointError
-from gpt2lab.weights.hf import WeightsError
+from gpt2lab.weights.read import WeightsError
 from gpt2lab.weights.load import load_model
 
 
@@ -25,7 +25,7 @@ def _same_weights(a: GPT, b: GPT) -> None:
         assert torch.equal(sa[k], sb[k]), k
 
 
-@pytest.mark.parametrize("entry", [gpt2lab.from_pretrained, GPT.from_pretrained], ids=["gpt2lab", "GPT"])
+@pytest.mark.parametrize("entry", [gpt2lab.from_pretrained], ids=["gpt2lab"])
 def test_a_finished_run_and_its_checkpoints_load_as_sample_loads_them(finished_run, entry):
     run = str(finished_run)
     newest, older = (os.path.join(run, "checkpoints", f"step_00000{s}") for s in (4, 2))
@@ -41,7 +41,7 @@ def test_a_finished_run_and_its_checkpoints_load_as_sample_loads_them(finished_r
     assert not torch.equal(entry(older).transformer.wte.weight, entry(run).transformer.wte.weight)
 
 
-@pytest.mark.parametrize("entry", [gpt2lab.from_pretrained, GPT.from_pretrained], ids=["gpt2lab", "GPT"])
+@pytest.mark.parametrize("entry", [gpt2lab.from_pretrained], ids=["gpt2lab"])
 def test_an_hf_directory_loads_with_the_exported_models_logits(gpt2_vocab_export, entry):
     model, d = gpt2_vocab_export
     loaded = entry(d, device="cpu")
@@ -60,7 +60,8 @@ def test_a_bad_source_raises_an_error_naming_it(tmp_path, gpt2_vocab_export, fin
     cases = [(tmp_path / "nowhere", "no such directory, and not a GPT-2 hub name"), (a_file, "is a file"),
              (empty, "neither a checkpoint"), (tmp_path / "cut", f"{cut}: cannot be read")]
     for source, why in cases:
-        for entry in (gpt2lab.from_pretrained, GPT.from_pretrained):
+        # get_tokenizer reads no weights: a source whose weights are cut short still has its tokenizer
+        for entry in (gpt2lab.from_pretrained, gpt2lab.get_tokenizer)[:1 if source == tmp_path / "cut" else 2]:
             with pytest.raises(WeightsError) as e:
                 entry(str(source))
             assert str(e.value).startswith(f"{source}: ") and why in str(e.value), str(e.value)
@@ -87,3 +88,19 @@ def test_init_from_reads_a_source_as_the_loader_does(tmp_path, gpt2_vocab_export
             find_source(str(source))
         assert str(init.value) == f"--init-from {api.value}"
     assert find_source(gpt2_vocab_export[1]).kind == "hf_dir"
+
+
+def test_get_tokenizer_takes_a_source_and_refuses_other_types(finished_run, gpt2_vocab_export, tmp_path):
+    """No argument or a GPT-2 model: GPT-2's BPE; a wrong type is a TypeError naming the parameter (a bool
+    was once taken as the chat flag, silently)."""
+    from gpt2lab.data.tokenizer import gpt2_tokenizer
+
+    assert gpt2lab.get_tokenizer() is gpt2_tokenizer()
+    for source in (str(finished_run), gpt2_vocab_export[1], "gpt2", tmp_path.__class__(gpt2_vocab_export[1])):
+        assert gpt2lab.get_tokenizer(source).encode("Hello, I'm a language model,") == \
+            [15496, 11, 314, 1101, 257, 3303, 2746, 11]
+    for bad in (True, False, 3, b"runs/x", ["gpt2"]):
+        with pytest.raises(TypeError, match=r"get_tokenizer\(source\): a path or a hub name"):
+            gpt2lab.get_tokenizer(bad)
+        with pytest.raises(TypeError, match=r"from_pretrained\(source\): a path or a hub name"):
+            gpt2lab.from_pretrained(bad)

@@ -16,7 +16,7 @@ from conftest import tiny_gpt
 from gpt2lab import cli, get_tokenizer
 from gpt2lab.serve.engine import Job, QueueFull, StopFilter, Worker, Work
 from gpt2lab.serve.limits import Limits
-from gpt2lab.weights import hf
+from gpt2lab.weights import export
 from serve_utils import running_server, scrape, wait_until_idle
 
 openai = pytest.importorskip("openai", reason="the serve tests use the official openai client (test extra)")
@@ -162,7 +162,8 @@ def test_batched_rows_give_the_unbatched_models_logits(block, linear):
     import copy
 
     from gpt2lab.inference.kernels import packing_available
-    from gpt2lab.inference.prepare import Candidate, apply
+    from gpt2lab.inference.choice import Candidate
+    from gpt2lab.inference.form import hold as apply
     from gpt2lab.serve.batch import RowsCache
 
     model = tiny_gpt(seed=5, vocab_size=97, block_size=48, **block)
@@ -324,7 +325,7 @@ def test_a_request_past_the_timeout_gets_504(gpt2_vocab_export, deterministic):
 
 def test_a_client_that_hangs_up_frees_its_row(tmp_path):
     d = str(tmp_path / "model")
-    hf.save_pretrained(tiny_gpt(seed=1, vocab_size=50257, block_size=1024), d)
+    export.save_pretrained(tiny_gpt(seed=1, vocab_size=50257, block_size=1024), d)
     with running_server([f"m={d}"]) as url:
         body = {"model": "m", "prompt": "x", "max_tokens": 1000, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as s:

@@ -13,7 +13,7 @@ import torch
 from conftest import tiny_gpt
 from gpt2lab import get_tokenizer
 from gpt2lab.serve.limits import Limits
-from gpt2lab.weights import hf
+from gpt2lab.weights import export
 from serve_utils import running_server
 
 openai = pytest.importorskip("openai", reason="the serve tests use the official openai client (test extra)")
@@ -213,7 +213,7 @@ def turn_taker(tmp_path_factory):
         model.lm_head.weight.zero_()
         model.lm_head.weight[get_tokenizer().encode("\nUser:"), 0] = 20.0
     d = str(tmp_path_factory.mktemp("turn_taker") / "model")
-    hf.save_pretrained(model, d)
+    export.save_pretrained(model, d)
     return d
 
 

@@ -15,6 +15,7 @@ from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.evals.loss import evaluate_loss
 from gpt2lab.system.errors import ConfigError
 from gpt2lab.train.config import TrainConfig, load_preset
+from gpt2lab.weights.load import from_checkpoint
 
 CPU = torch.device("cpu")
 
@@ -86,7 +87,7 @@ def test_checkpoint_holds_the_average_and_a_resume_continues_both_exactly(tiny_d
     files = json.loads(open(f"{path}/checksums.json").read())
     assert "training.safetensors" in files and "model.safetensors" in files
     # model.safetensors is the average (what sample, serve, eval and export load); the trained weights beside it
-    loaded = store.load_model(path)
+    loaded = from_checkpoint(path)
     for k, v in weights(first.average.module).items():
         assert torch.equal(loaded.state_dict()[k], v), k
     from safetensors.torch import load_file

@@ -51,7 +51,7 @@ def _default_data() -> str:
 def reference_predictions(model: GPT, examples, device: torch.device,
                           dtype: str = "float32") -> list[tuple[int, int]]:
     """(acc, acc_norm) predictions the reference way: one example (4 rows) per forward."""
-    enc, preds = for_config(model.config), []
+    enc, preds = for_config(model.config, model.tokenizer), []
     for ex in examples:
         ctx, ends = render_example(enc, ex)
         T = max(len(ctx) + len(e) for e in ends)

@@ -27,12 +27,12 @@ def parse_peers(text: str) -> list[str]:
 
 
 def export(model, directory: str) -> str:
-    """``model`` as an HF directory (GPT-2 or NanoChat, weights.hf.export_target; the tokenizer files
+    """``model`` as an HF directory (GPT-2 or NanoChat, weights/targets.py; the tokenizer files
     included) under ``directory``."""
-    from gpt2lab.weights import hf
+    from gpt2lab.weights.export import save_pretrained
 
     path = os.path.join(directory, "hf")
-    hf.save_pretrained(model, path)
+    save_pretrained(model, path)
     return path
 
 

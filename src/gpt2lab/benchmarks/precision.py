@@ -1,7 +1,7 @@
 """gpt2lab bench precision: what each inference precision costs in quality, against fp32 F.linear.
 
 One trained model (``--model``: a run, checkpoint or HF directory) is held every way the
-inference path can hold it (inference/prepare.py: bf16 weights, int8 weights with fp32 or bf16
+inference path can hold it (inference/form.py: bf16 weights, int8 weights with fp32 or bf16
 activations, each with the kernel ``--cpu-linear`` names; the reference: fp32 weights,
 ``F.linear``), and each is compared with the reference on held-out text:
 
@@ -19,8 +19,9 @@ import argparse
 import torch
 
 from gpt2lab.distributed.dist import pick_device
-from gpt2lab.inference.generate import generate
-from gpt2lab.inference.prepare import Candidate, apply
+from gpt2lab.inference.choice import Candidate
+from gpt2lab.inference.form import hold
+from gpt2lab.model.sampling import generate
 from gpt2lab.system.choices import LINEAR_CHOICES
 
 
@@ -66,14 +67,14 @@ def run(args: argparse.Namespace) -> dict:
                  "val_tokens": int(y.numel()), "prompts": args.prompts, "new_tokens": args.new_tokens, "ways": {}}
     ref_argmax = ref_greedy = None
     for name, cand in _ways(args.cpu_linear).items():
-        m = apply(model, cand, rows=1)
+        m = hold(model, cand, rows=1)
         losses, argmax = [], []
         for xs, ys in zip(x.split(1), y.split(1)):
             logits, loss = m(xs, ys)
             losses.append(float(loss))
             argmax.append(logits[..., :model.config.real_vocab_size].argmax(-1))
         argmax = torch.cat(argmax)
-        greedy = generate(m, prompts, args.new_tokens, temperature=0.0, prepare=False)[:, args.prompt_tokens:]
+        greedy = generate(m, prompts, args.new_tokens, temperature=0.0)[:, args.prompt_tokens:]
         way = {"kernel": cand.name, "val_loss": sum(losses) / len(losses)}
         if ref_argmax is None:
             ref_argmax, ref_greedy, ref_loss = argmax, greedy, way["val_loss"]

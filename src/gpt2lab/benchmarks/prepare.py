@@ -18,7 +18,7 @@ from typing import Dict, List, Tuple
 
 from gpt2lab.data.prepare import prepare
 from gpt2lab.data.sources import as_text, resolve_source
-from gpt2lab.data.tokenizer import get_tokenizer
+from gpt2lab.data.tokenizer import gpt2_tokenizer
 
 WIKITEXT = Path(__file__).resolve().parents[3] / "benchmarks" / "data" / "wiki.test.raw"
 
@@ -69,7 +69,7 @@ def _write_jsonl(path: str, docs: List[str]) -> str:
 
 def _forked_encode(docs: List[str], workers: int) -> None:
     """The ceiling for `workers` processes: forked children each encode a share, no IPC."""
-    enc = get_tokenizer()
+    enc = gpt2_tokenizer()
     pids = []
     for k in range(workers):
         pid = os.fork()
@@ -83,7 +83,7 @@ def _forked_encode(docs: List[str], workers: int) -> None:
 
 def _bench_source(name: str, source: str, workers: int, repeat: int, tmp: str) -> Dict:
     docs = [as_text(d) for d in resolve_source(source).documents(0, None)]
-    enc = get_tokenizer()
+    enc = gpt2_tokenizer()
     tokens = sum(len(enc.encode_ordinary(d)) + 1 for d in docs)  # + the EOT per document
     base, cpu = _best(lambda: [enc.encode_ordinary(d) for d in docs], repeat)
     result = {"documents": len(docs), "tokens": tokens, "baseline_tok_s": round(tokens / base),

@@ -7,9 +7,10 @@ every time kept):
 * ``sample``: the model prepared exactly as ``gpt2lab sample`` prepares it with the same
   ``--dtype``/``--quantize``/``--cpu-linear`` (defaults: the command's, so a default figure is
   a user's figure; the decision and its measured candidates are in the output);
-* ``generate``: the library's ``generate(model, ...)`` on the unprepared model, asked for the
-  same precision (it prepares its own copy on first use, as a Python user's call does);
-* ``unprepared``: ``generate(..., prepare=False)`` under autocast in that dtype, the path
+* ``generate``: the library's way, ``generate(for_inference(model, dtype=...), ...)`` asked for the
+  same precision (the device's rule picks the kernel, with no timing: the same as ``sample`` where the
+  measured pick agrees; ``generate_kernel`` in the output says which it held);
+* ``unprepared``: ``generate`` on the model as it is, under autocast in that dtype, the path
   every command took before models were prepared (fp32 weights cast at every step);
 * ``no_cache``: the prepared model re-running the whole window every step (``--no-cache-repeats``);
 * peers (``--peer``, comma-separated): transformers' ``generate`` in the same float dtype, and
@@ -27,8 +28,10 @@ import torch
 from gpt2lab.benchmarks import peers, timed
 from gpt2lab.distributed.dist import autocast, pick_device
 from gpt2lab.inference.flags import add_inference_flags, inference_request
-from gpt2lab.inference.generate import generate
-from gpt2lab.inference.prepare import announce, apply, candidates, detect_facts, prepare
+from gpt2lab.inference.choice import InferenceRequest, candidates, rule
+from gpt2lab.inference.form import detect_facts, for_inference, hold
+from gpt2lab.inference.probe import announce, decide
+from gpt2lab.model.sampling import generate
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.system.errors import UsageError
 
@@ -74,14 +77,18 @@ def run(args: argparse.Namespace) -> dict:
     config = GPTConfig(block_size=args.block_size, vocab_size=args.vocab_size,
                        n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     model = GPT(config).to(device).eval()
-    prepared, decision = prepare(model, device, inference_request(args, "sample"))
+    request = inference_request(args, "sample")
+    decision = decide(model, device, request, command="bench sample")
+    prepared = hold(model, decision.candidate, request.rows)
     announce(decision, "bench sample")
     dtype = decision.candidate.dtype  # the float dtype of every float comparison (int8's activations)
+    library = for_inference(model, dtype=dtype, quantize=args.quantize)  # what a Python user's call holds
+    library_pick = rule(InferenceRequest(dtype=dtype, quantize=args.quantize), detect_facts(device)).candidate
     prompt = torch.randint(0, config.vocab_size, (1, args.prompt_tokens), device=device)
     n = args.new_tokens
     ways = {
         "sample": lambda: generate(prepared, prompt, n, temperature=0.0)[:, -n:],
-        "generate": lambda: generate(model, prompt, n, temperature=0.0, dtype=dtype, quantize=args.quantize)[:, -n:],
+        "generate": lambda: generate(library, prompt, n, temperature=0.0)[:, -n:],
         "unprepared": lambda: _unprepared(model, prompt, n, device, dtype),
     }
     asked = {w.strip() for w in args.ways.split(",") if w.strip()} | {"sample"}
@@ -89,9 +96,8 @@ def run(args: argparse.Namespace) -> dict:
         raise UsageError(f"--ways {args.ways}: choose from {', '.join(ways)}")
     ways = {k: v for k, v in ways.items() if k in asked}
     if args.all_settings:  # every explicit setting the device runs, each held as it would be
-        request = inference_request(args, "sample")
         for cand in candidates(dataclasses.replace(request, dtype="auto", linear="auto"), detect_facts(device)):
-            held = apply(model, cand, request.rows)
+            held = hold(model, cand, request.rows)
             ways[f"setting {cand.name}"] = lambda held=held: generate(held, prompt, n, temperature=0.0)[:, -n:]
     with tempfile.TemporaryDirectory() as d:
         hf_dir = peers.export(model, d) if wanted else None
@@ -99,7 +105,7 @@ def run(args: argparse.Namespace) -> dict:
             hf = peers.transformers_model(hf_dir, device, dtype)
             ways["transformers"] = lambda: peers.transformers_greedy(hf, prompt, n)
         ct2 = peers.CT2(hf_dir, d, torch.get_num_threads()) if "ctranslate2" in wanted and device.type == "cpu" else None
-        for fn in ways.values():  # warm-up: allocator growth, library set-up, generate()'s own preparation
+        for fn in ways.values():  # warm-up: allocator growth, library set-up
             with torch.inference_mode():
                 fn() if n <= 8 else _short(fn)
         times: dict[str, list[float]] = {k: [] for k in ways}
@@ -116,7 +122,10 @@ def run(args: argparse.Namespace) -> dict:
         ct2_tps = ct2.tok_per_s(prompt[0].tolist(), 1, n, args.repeats) if ct2 else None
         ct2_agree = (first_mismatch(torch.tensor([ct2.greedy("float32", prompt[0].tolist(), 1, n)[0]]),
                                     tokens["sample"].cpu()) if ct2 and "float32" in ct2.generators else None)
-    return _report(args, device, decision, times, tokens, ct2_tps, ct2_agree, "ctranslate2" in wanted and not ct2)
+    out = _report(args, device, decision, times, tokens, ct2_tps, ct2_agree, "ctranslate2" in wanted and not ct2)
+    if "generate" in ways:
+        out["generate_kernel"] = library_pick.name
+    return out
 
 
 def _short(fn):
@@ -126,7 +135,7 @@ def _short(fn):
 
 def _unprepared(model: GPT, prompt: torch.Tensor, n: int, device: torch.device, dtype: str) -> torch.Tensor:
     with autocast(device, dtype):
-        return generate(model, prompt, n, temperature=0.0, prepare=False)[:, -n:]
+        return generate(model, prompt, n, temperature=0.0)[:, -n:]
 
 
 def _report(args, device, decision, times, tokens, ct2_tps, ct2_agree, ct2_skipped) -> dict:

@@ -267,14 +267,13 @@ def run(args: argparse.Namespace) -> dict:
         hf_dir = peers.export(GPT(config), d)
         workers = load_workers([f"bench={hf_dir}"], args.device, inference_request(args, "serve"), limits,
                                args.deterministic)
-        model = workers["bench"].model
         out = {
             "device": str(workers["bench"].device), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "config": dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, vocab_size=50257),
             "scheduling": "turns (--deterministic)" if args.deterministic else f"batches of up to {args.max_batch} rows",
             "new_tokens": args.new_tokens, "seconds": args.seconds,
             "asked": {"dtype": args.dtype, "quantize": args.quantize, "cpu_linear": args.cpu_linear},
-            "inference": model.decision.record(),
+            "inference": workers["bench"].decision.record(),
         }
 
         def clients(url: str) -> None:
@@ -291,8 +290,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def _ct2(hf_dir: str, d: str, counts: list[int], args: argparse.Namespace) -> list[dict]:
     """CTranslate2 as an N-row batch for each stream count N: the prompt the clients send, as many new tokens."""
-    from gpt2lab.data.tokenizer import get_tokenizer
+    from gpt2lab.data.tokenizer import gpt2_tokenizer
 
     ct2 = peers.CT2(hf_dir, d, torch.get_num_threads())
-    prompt = get_tokenizer().encode(_prompt(0))
+    prompt = gpt2_tokenizer().encode(_prompt(0))
     return [{"rows": n, "aggregate_tok_per_s": ct2.tok_per_s(prompt, n, args.new_tokens, 3)} for n in counts]

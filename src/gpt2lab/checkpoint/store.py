@@ -29,7 +29,7 @@ A checkpoint is written under a temporary name and renamed when complete (a shar
 by rank 0, after every rank has written), so any ``step_*`` directory is whole; the newest
 K are kept. Bytes that change afterwards (a bad disk, a copy cut short) fail the checksum:
 loading says the checkpoint is damaged. A sharded checkpoint resumes on any number of
-ranks, and ``load_model`` consolidates it in one process for sample, eval and export.
+ranks, and weights/load.py consolidates it in one process for sample, eval and export.
 """
 from __future__ import annotations
 
@@ -52,8 +52,6 @@ from gpt2lab.system.errors import CheckpointError
 from gpt2lab.system.files import atomic_dir, sha256_file, write_json
 from gpt2lab.model.config import config_value, model_from_config
 from gpt2lab.system.errors import ConfigError
-from gpt2lab.model.gpt import GPT
-from gpt2lab.data.tokenizer import TOKENIZER_FILE, TokenizerError, load_tokenizer
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 _PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DDP wrappers
@@ -415,35 +413,6 @@ def read_state(ckpt: str) -> dict:
         return torch.load(os.path.join(ckpt, "state.pt"), weights_only=True, map_location="cpu")
     except (OSError, RuntimeError, EOFError, ValueError) as e:
         raise damaged(ckpt, _first_line(e)) from e
-
-
-def load_model(path: str, verified: bool = False) -> GPT:
-    """The GPT of a run directory (newest checkpoint) or of one checkpoint directory.
-
-    A LoRA run's adapters are merged into the weights (a plain GPT comes back).
-    ``verified``: its checksums were just checked (train's plan, which hashes once).
-    """
-    ckpt = resolve(path)
-    if not verified:
-        verify(ckpt)
-    config = read_config(ckpt)
-    try:
-        model = GPT(model_from_config(config, f"{ckpt}/config.json"))
-    except ConfigError as e:
-        raise damaged(ckpt, f"config.json describes no valid model ({e})") from e
-    if model.config.tokenizer is not None:  # its own tokenizer, beside the weights: loaded for its readers
-        try:
-            load_tokenizer(os.path.join(ckpt, TOKENIZER_FILE), model.config.tokenizer)
-        except TokenizerError as e:
-            raise damaged(ckpt, str(e)) from e
-    if config_value(config, "lora_rank"):
-        from gpt2lab.model.lora import add_lora, lora_args, merge_lora
-
-        adapted = add_lora(model, *lora_args(config))
-        load_weights(model, ckpt, verified=True)
-        return merge_lora(adapted)
-    load_weights(model, ckpt, verified=True)
-    return model
 
 
 def load(ckpt: str, parts: Mapping[str, Optional[Stateful]], verified: bool = False) -> None:

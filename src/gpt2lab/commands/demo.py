@@ -151,11 +151,11 @@ def chat_replies(model_dir: str, max_tokens: int = 48) -> list:
     from gpt2lab.data.chat import encode_chat
     from gpt2lab.evals.chat import greedy_reply
     from gpt2lab.inference.completion import load_for_inference
-    from gpt2lab.inference.prepare import InferenceRequest
+    from gpt2lab.inference.choice import InferenceRequest
 
     import torch
 
-    model = load_for_inference(model_dir, torch.device("cpu"), InferenceRequest(), "gpt2lab demo")
+    model, _ = load_for_inference(model_dir, torch.device("cpu"), InferenceRequest(), "gpt2lab demo")
     return [greedy_reply(model, encode_chat([("user", m)], add_generation_prompt=True)[0], max_tokens)
             for m in CHAT_PROMPTS]
 
@@ -184,15 +184,19 @@ def sample(run_dir: str, prompt: str, tokens: int, seed: int) -> str:
     inference form: the dtype and kernels measured fastest for decoding on this machine)."""
     import torch
 
-    from gpt2lab.checkpoint.store import load_model
-    from gpt2lab.inference.generate import generate
-    from gpt2lab.data.tokenizer import for_config
+    from gpt2lab.inference.choice import InferenceRequest
+    from gpt2lab.inference.completion import tokenizer_for
+    from gpt2lab.inference.form import hold
+    from gpt2lab.inference.probe import decide
+    from gpt2lab.model.sampling import generate
+    from gpt2lab.weights.load import from_checkpoint
 
-    model = load_model(run_dir).eval()
-    enc = for_config(model.config)
+    model = from_checkpoint(run_dir).eval()
+    model = hold(model, decide(model, torch.device("cpu"), InferenceRequest(), command="gpt2lab demo").candidate)
+    enc = tokenizer_for(model)
     idx = torch.tensor([enc.encode(prompt)])
     gen = torch.Generator().manual_seed(seed)
-    out = generate(model, idx, tokens, dtype="auto", temperature=0.8, top_k=50, generator=gen, stop_token=enc.eot_id)
+    out = generate(model, idx, tokens, temperature=0.8, top_k=50, generator=gen, stop_token=enc.eot_id)
     return enc.decode([t for t in out[0].tolist() if t != enc.eot_id])
 
 

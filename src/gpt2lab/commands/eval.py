@@ -76,14 +76,15 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace, info, compiled: bool = False):
-    """The model prepared for scoring (inference/prepare.py): decided on rank 0 (measured there), the same
+    """The model prepared for scoring (inference/probe.py): decided on rank 0 (measured there), the same
     on every rank; a compiled model keeps F.linear (oneDNN's packed weights are opaque to the compiler)."""
     import dataclasses
 
     from gpt2lab.distributed.dist import decided_on_rank_0
     from gpt2lab.inference.completion import check_request
     from gpt2lab.inference.flags import inference_request
-    from gpt2lab.inference.prepare import announce, apply, decide
+    from gpt2lab.inference.form import hold
+    from gpt2lab.inference.probe import announce, decide
     from gpt2lab.weights.load import load_model
 
     request = inference_request(args, "score")
@@ -94,7 +95,7 @@ def _load(args: argparse.Namespace, info, compiled: bool = False):
     decision = decided_on_rank_0(lambda: decide(model, info.device, request, command="gpt2lab eval"))
     if info.rank == 0:
         announce(decision, "gpt2lab eval")
-    return apply(model, decision.candidate, request.rows, inplace=True), decision
+    return hold(model, decision.candidate, request.rows, inplace=True), decision
 
 
 def _positive(value, flag: str) -> None:
@@ -197,9 +198,9 @@ def run_chat(args: argparse.Namespace) -> int:
     _positive(args.limit, "--limit")
     conversations = read_conversations(args.data, args.limit)
     info = init_distributed(args.device)
-    model = _chat_model(args, info)
+    model, decision = _chat_model(args, info)
     result = evaluate_chat(model, conversations, max_tokens=args.max_tokens, device=info.device, progress=True)
-    print(json.dumps({**result, "model": args.model, "data": args.data, "inference": model.decision.record()}))
+    print(json.dumps({**result, "model": args.model, "data": args.data, "inference": decision.record()}))
     return 0
 
 
@@ -212,7 +213,7 @@ def run_gsm8k(args: argparse.Namespace) -> int:
     _positive(args.limit, "--limit")
     problems = read_conversations(args.data, args.limit, gsm8k=True)
     info = init_distributed(args.device)
-    model = _chat_model(args, info)
+    model, decision = _chat_model(args, info)
     summary, rows = evaluate_gsm8k(model, problems, max_tokens=args.max_tokens, calculator=args.calculator,
                                    progress=True)
     if args.samples:
@@ -220,5 +221,5 @@ def run_gsm8k(args: argparse.Namespace) -> int:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
     print(json.dumps({**summary, "model": args.model, "data": args.data, "samples": args.samples,
-                      "inference": model.decision.record()}))
+                      "inference": decision.record()}))
     return 0

@@ -23,11 +23,11 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpt2lab.weights import hf
+    from gpt2lab.weights.export import save_pretrained
     from gpt2lab.weights.load import load_model
 
     model = load_model(args.src, "cpu", arg="SRC")
-    target = hf.save_pretrained(model, args.out_dir)
+    target = save_pretrained(model, args.out_dir)
     c = model.config
     print(f"wrote {args.out_dir}: {target}, {c.n_layer} layers, {c.n_head} heads, {c.n_embd} wide, "
           f"vocab {c.real_vocab_size}, {model.num_params():,} parameters")

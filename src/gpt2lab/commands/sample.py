@@ -57,11 +57,11 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--top-p {args.top_p}: must be in (0, 1]")
 
 
-def _prompt_ids(text: str, config) -> list[int]:
+def _prompt_ids(text: str, model) -> list[int]:
     from gpt2lab.inference.completion import PromptError, prompt_ids
 
     try:
-        return prompt_ids(text, config)
+        return prompt_ids(text, model)
     except PromptError as e:
         raise SystemExit(f"--prompt: {e}") from None
 
@@ -93,11 +93,12 @@ def run(args: argparse.Namespace) -> int:
     def check(model) -> None:  # before the model is prepared (which may measure for a while)
         if args.chat:  # the conversation is checked turn by turn
             return
-        ids.extend(_prompt_ids(args.prompt, model.config))
+        ids.extend(_prompt_ids(args.prompt, model))
         check_context(len(ids), args.max_new_tokens, model.config.block_size)
 
     # a bad --model, --dtype, --prompt or --max-new-tokens fails before any other output
-    model = load_for_inference(args.model, device, inference_request(args, "sample"), "gpt2lab sample", check=check)
+    model, _ = load_for_inference(args.model, device, inference_request(args, "sample"), "gpt2lab sample",
+                                  check=check)
     _say_if_live(args.model)
     generator = seeded_generator(device, args.seed)
     if args.chat:
@@ -156,10 +157,10 @@ def _chat(model, args: argparse.Namespace, generator: torch.Generator) -> int:
         if not line.strip():
             return 0
         turns.append(("user", line.rstrip("\n")))
-        prompt = chat_prompt(model.config, system + turns)
+        prompt = chat_prompt(model, system + turns)
         while len(prompt.ids) + args.max_new_tokens > model.config.block_size and len(turns) > 1:
             turns = turns[2:] if turns[0][0] == "user" and len(turns) > 2 else turns[1:]
-            prompt = chat_prompt(model.config, system + turns)
+            prompt = chat_prompt(model, system + turns)
             if not told:
                 print("gpt2lab sample --chat: note: the conversation outgrew the model's context "
                       f"({model.config.block_size} tokens); its first turns are left out", file=sys.stderr, flush=True)

@@ -26,7 +26,7 @@ from typing import Iterable, Iterator
 from gpt2lab.data import chat
 from gpt2lab.data.sources import JsonLine, SourceError, as_text, resolve_source
 from gpt2lab.data.tokenizer import (SPECIAL_TOKENS, TOKENIZER_FILE, Tokenizer, TokenizerError, TrainedBPE,
-                                    get_tokenizer, load_tokenizer)
+                                    gpt2_tokenizer, load_tokenizer)
 from gpt2lab.system import rundir
 from gpt2lab.system.errors import UsageError
 from gpt2lab.system.files import atomic_dir, read_json_object, write_json
@@ -174,7 +174,7 @@ def bytes_per_token(tokenizers: dict[str, Tokenizer], sources: list[str], text_f
 def evaluate(tokenizer_dir: str, sources: Iterable[str], text_field: str = "text") -> list[dict]:
     """Bytes per token of ``tokenizer_dir``'s tokenizer against GPT-2's on each source."""
     ours = open_dir(tokenizer_dir)
-    return bytes_per_token({"ours": ours, "gpt2": get_tokenizer()}, list(sources), text_field)
+    return bytes_per_token({"ours": ours, "gpt2": gpt2_tokenizer()}, list(sources), text_field)
 
 
 def table(rows: list[dict], name: str = "ours") -> str:

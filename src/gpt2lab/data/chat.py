@@ -35,7 +35,7 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 
 from gpt2lab.data.tokenizer import (CHAT_VOCAB_SIZE, EOT_ID, EOT_TOKEN, IM_END, IM_END_ID, IM_START,  # noqa: F401
-                                   IM_START_ID, Tokenizer, for_chat, get_tokenizer, token_dtype)
+                                   IM_START_ID, Tokenizer, for_chat, gpt2_tokenizer, token_dtype)
 
 TEMPLATE = "chatml"  # the name a manifest, a run's config and an export record
 SPECIAL_TOKENS = {EOT_TOKEN: EOT_ID, IM_START: IM_START_ID, IM_END: IM_END_ID}  # GPT-2's (special_tokens: any)
@@ -110,7 +110,7 @@ def encode_chat(turns: Sequence[Message], add_generation_prompt: bool = False,
     """(token ids, loss mask) of a conversation in the template, in ``tokenizer``'s ids (default GPT-2's);
     with ``add_generation_prompt`` the ids end with ``<|im_start|>assistant\\n``, where the model's
     reply begins."""
-    enc = for_chat(tokenizer if tokenizer is not None else get_tokenizer())
+    enc = for_chat(tokenizer if tokenizer is not None else gpt2_tokenizer())
     ids, mask = [enc.eot_id], [0]
     for role, content in turns:
         head = f"{role}\n"
@@ -147,7 +147,7 @@ def encode_records(records: Iterable[Sequence[Message]], tokenizer: Optional[Tok
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Conversations -> (ids, each conversation <|endoftext|> first, concatenated, in the shard dtype of
     ``tokenizer``'s vocabulary; lengths; uint8 loss mask), the shapes ``prepare`` writes."""
-    enc = for_chat(tokenizer if tokenizer is not None else get_tokenizer())
+    enc = for_chat(tokenizer if tokenizer is not None else gpt2_tokenizer())
     ids: list[int] = []
     mask: list[int] = []
     lengths = []

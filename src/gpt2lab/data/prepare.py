@@ -39,7 +39,7 @@ from gpt2lab.data.sources import Document, JsonLine, Source, SourceError, as_tex
 from gpt2lab.system import rundir
 from gpt2lab.system.errors import UsageError
 from gpt2lab.system.files import sweep_stale, write_json
-from gpt2lab.data.tokenizer import GPT2, Tokenizer, get_tokenizer, save_tokenizer, token_dtype
+from gpt2lab.data.tokenizer import GPT2, Tokenizer, gpt2_tokenizer, save_tokenizer, token_dtype
 
 MANIFEST = rundir.DATA_MARKER  # the directory's owner mark (system.rundir)
 FORMAT = rundir.DATA_FORMAT
@@ -128,7 +128,7 @@ def prepare(source: str, out_dir: str, *, shard_tokens: int = 100_000_000,
 def _tokenizer(path: Optional[str], fmt: str) -> Tokenizer:
     """GPT-2's BPE (its chat variant for conversations), or the trained one in ``path``."""
     if path is None:
-        return get_tokenizer(chat=fmt == "chat")
+        return gpt2_tokenizer(chat=fmt == "chat")
     from gpt2lab.data.bpe import open_dir
 
     return open_dir(path)
@@ -451,7 +451,7 @@ def _run(src: Source, out: Path, manifest: Dict, workers: int, progress: bool, t
 def encode_documents(docs: List[Document], tokenizer: Optional[Tokenizer] = None) -> Tuple[np.ndarray, np.ndarray]:
     """Documents -> (tokens, each document EOT first, concatenated, in the shard dtype of ``tokenizer``'s
     vocabulary (default GPT-2's: uint16); lengths)."""
-    enc = tokenizer if tokenizer is not None else get_tokenizer()
+    enc = tokenizer if tokenizer is not None else gpt2_tokenizer()
     ids = [enc.encode_ordinary(as_text(d)) for d in docs]
     lengths = np.array([len(x) + 1 for x in ids], dtype=np.int64)
     flat = np.empty(int(lengths.sum()), dtype=np.int64)

@@ -10,9 +10,10 @@ Both answer what gpt2lab asks of a tokenizer (``Tokenizer``): encode text as tex
 bytes, the vocabulary size, ``<|endoftext|>``'s id and the chat template's two turn tokens.
 
 A model names its tokenizer by identity (``GPTConfig.tokenizer``; None is GPT-2's). The files
-travel with everything that holds a model (prepared data, a run, each checkpoint, an export); the
-loader that finds a model loads its ``tokenizer.json`` (``load_tokenizer``, which checks the
-identity) and from then on ``for_config(model.config)`` gives it, in this process.
+travel with everything that holds a model (prepared data, a run, each checkpoint, an export); whoever
+reads a model from one of them reads its ``tokenizer.json`` from the same place (``load_tokenizer``,
+which checks the identity) and hands it on: there is no process-wide registry of tokenizers.
+``for_config(config, own)`` is the one rule for a model's tokenizer given what was read.
 """
 from __future__ import annotations
 
@@ -106,13 +107,15 @@ class GPT2Encoding(tiktoken.Encoding):
                          special_tokens=specials, explicit_n_vocab=CHAT_VOCAB_SIZE if chat else GPT2_VOCAB_SIZE)
 
     def __reduce__(self):
-        return get_tokenizer, (self.chat,)
+        return gpt2_tokenizer, (self.chat,)
 
 
 @functools.lru_cache(maxsize=2)
-def get_tokenizer(chat: bool = False) -> GPT2Encoding:
+def gpt2_tokenizer(chat: bool = False) -> GPT2Encoding:
     """The GPT-2 BPE (50257 tokens, ``<|endoftext|>`` = 50256), offline; ``chat``: with the two
-    turn tokens as special tokens too (50259), for a chat model's text."""
+    turn tokens as special tokens too (50259), for a chat model's text. (Built once: it is immutable.)"""
+    if not isinstance(chat, bool):
+        raise TypeError(f"gpt2_tokenizer(chat): a bool, got {type(chat).__name__}")
     return GPT2Encoding(chat)
 
 
@@ -225,12 +228,9 @@ class TrainedBPE:
 
 
 # -- which tokenizer -------------------------------------------------------------------------------
-_LOADED: dict[str, TrainedBPE] = {}  # by identity: a tokenizer.json's sha256 names exactly one
-
-
 def load_tokenizer(path: str, identity: Optional[str] = None, what_next: str = "") -> TrainedBPE:
     """The trained tokenizer in ``path`` (a directory holding tokenizer.json, or the file itself),
-    checked to be ``identity`` when given; from now on ``tokenizer_of`` knows it in this process."""
+    checked to be ``identity`` when given."""
     file = os.path.join(path, TOKENIZER_FILE) if os.path.isdir(path) else path
     fix = f"; {what_next}" if what_next else ""
     try:
@@ -241,13 +241,11 @@ def load_tokenizer(path: str, identity: Optional[str] = None, what_next: str = "
     digest = hashlib.sha256(raw).hexdigest()
     if identity is not None and digest != identity:
         raise TokenizerError(f"{file}: is tokenizer {short(digest)}, not {short(identity)} as expected{fix}")
-    if digest not in _LOADED:
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise TokenizerError(f"{file}: not UTF-8 text ({e}); not a tokenizer.json{fix}") from e
-        _LOADED[digest] = TrainedBPE(text, file)
-    return _LOADED[digest]
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TokenizerError(f"{file}: not UTF-8 text ({e}); not a tokenizer.json{fix}") from e
+    return TrainedBPE(text, file)
 
 
 def save_tokenizer(tok: TrainedBPE, folder: str, what_next: str = "") -> str:
@@ -273,7 +271,7 @@ def for_data(data_dir: str) -> Tokenizer:
     manifest = read_manifest(data_dir)
     name = manifest.get("tokenizer", GPT2)
     if name == GPT2:
-        return get_tokenizer(chat="chat_template" in manifest)
+        return gpt2_tokenizer(chat="chat_template" in manifest)
     return load_tokenizer(os.path.join(data_dir, TOKENIZER_FILE), str(name),
                           what_next=f"prepare {data_dir} again (gpt2lab prepare --tokenizer DIR)")
 
@@ -283,27 +281,24 @@ def short(identity: Optional[str]) -> str:
     return "GPT-2's BPE" if identity is None else f"sha256:{identity[:12]}"
 
 
-def tokenizer_of(identity: Optional[str], chat: bool = False) -> Tokenizer:
-    """The tokenizer named ``identity`` (None: GPT-2's, ``chat``: with its turn tokens; a trained one
-    always has them), loaded earlier in this process by ``load_tokenizer``."""
-    if identity is None:
-        return get_tokenizer(chat=chat)
-    if identity not in _LOADED:
-        raise TokenizerError(f"tokenizer {short(identity)} is not loaded: load the model with gpt2lab's loader "
-                             "(it reads the tokenizer.json beside the weights) or call "
-                             "gpt2lab.data.tokenizer.load_tokenizer(DIR) first")
-    return _LOADED[identity]
-
-
-def for_config(config: GPTConfig) -> Tokenizer:
-    """A model's tokenizer: its own, or GPT-2's with the turn tokens where the model is a chat model."""
-    return tokenizer_of(config.tokenizer, chat=config.chat_template is not None)
+def for_config(config: GPTConfig, own: Optional[Tokenizer] = None) -> Tokenizer:
+    """A model's tokenizer: ``own``, the trained one read from where the model was read (it must be
+    the one ``config.tokenizer`` names), or, for a model of GPT-2's vocabulary, GPT-2's BPE with the
+    turn tokens where the model is a chat model."""
+    if config.tokenizer is None:
+        return gpt2_tokenizer(chat=config.chat_template is not None)
+    if own is None or own.identity != config.tokenizer:
+        what = "none was given" if own is None else f"{short(own.identity)} was given"
+        raise TokenizerError(f"the model has its own tokenizer {short(config.tokenizer)} and {what}; read it "
+                             "from where the model came from (gpt2lab.get_tokenizer(SOURCE), or "
+                             "gpt2lab.from_pretrained, whose model carries it)")
+    return own
 
 
 def for_chat(tok: Tokenizer) -> Tokenizer:
     """``tok`` with the chat template's turn tokens: GPT-2's chat variant where ``tok`` is GPT-2's
     without them (a base model is scored and talked to in the template all the same)."""
-    return tok if tok.im_start_id is not None else get_tokenizer(chat=True)
+    return tok if tok.im_start_id is not None else gpt2_tokenizer(chat=True)
 
 
 def token_dtype(n_vocab: int) -> np.dtype:

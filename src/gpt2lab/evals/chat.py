@@ -31,7 +31,7 @@ from gpt2lab.distributed.dist import autocast
 
 def chat_tokenizer(model) -> Tokenizer:
     """The model's tokenizer with the template's turn tokens (GPT-2's chat variant for a GPT-2 base model)."""
-    return for_chat(for_config(model.config))
+    return for_chat(for_config(model.config, model.tokenizer))
 
 
 def _check(model) -> None:

@@ -229,11 +229,12 @@ def _block_size(model) -> int:
 
 def _tokenizer(model):
     """The model's tokenizer (data/tokenizer.py); GPT-2's for a model that is not gpt2lab's (transformers')."""
-    from gpt2lab.data.tokenizer import for_config, get_tokenizer
+    from gpt2lab.data.tokenizer import for_config, gpt2_tokenizer
     from gpt2lab.model.config import GPTConfig
 
-    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
-    return for_config(config) if isinstance(config, GPTConfig) else get_tokenizer()
+    inner = model if hasattr(model, "config") else getattr(model, "module", None)
+    config = getattr(inner, "config", None)
+    return for_config(config, getattr(inner, "tokenizer", None)) if isinstance(config, GPTConfig) else gpt2_tokenizer()
 
 
 def _round_up(n: int, multiple: int) -> int:

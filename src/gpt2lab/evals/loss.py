@@ -17,7 +17,7 @@ import torch
 
 from gpt2lab.distributed.dist import all_reduce_mean, all_reduce_sum, autocast
 
-# A model prepared for inference (inference/prepare.py) has no chunked loss: its loss is taken from
+# A model held for inference (inference/form.py) has no chunked loss: its loss is taken from
 # whole logits. Its batches run this many logits at a time at most (the chunked loss's own bound,
 # model/loss.py: 512 MB of fp32 logits), a few sequences per forward.
 LOGITS_PER_FORWARD = 2 ** 27

@@ -27,6 +27,7 @@ from typing import Sequence
 from gpt2lab.data.chat import ROLES as CHAT_ROLES, encode_chat
 from gpt2lab.inference.completion import tokenizer_for
 from gpt2lab.model.config import GPTConfig
+from gpt2lab.model.gpt import GPT
 
 PLAIN_ROLES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
 REPLY = "Assistant:"  # the plain text ends here; the model writes the reply
@@ -59,15 +60,15 @@ def render_plain(messages: Sequence[tuple[str, str]]) -> str:
     return "\n".join([*(f"{PLAIN_ROLES[role]}: {content}" for role, content in messages), REPLY])
 
 
-def chat_prompt(config: GPTConfig, messages: Sequence[tuple[str, str]]) -> ChatPrompt:
-    """The prompt of ``messages`` for a model of ``config``: in its chat template, or plain text for a base
+def chat_prompt(model: GPT, messages: Sequence[tuple[str, str]]) -> ChatPrompt:
+    """The prompt of ``messages`` for ``model``: in its chat template, or plain text for a base
     model; a ValueError naming ``messages[i].role`` for a role neither takes."""
     for i, (role, _) in enumerate(messages):
         if role not in PLAIN_ROLES:
             raise ValueError(f"messages[{i}].role {role!r}: not a role this server takes "
                              f"({', '.join(PLAIN_ROLES)})")
-    tok = tokenizer_for(config)
-    if config.chat_template:
+    tok = tokenizer_for(model)
+    if model.config.chat_template:
         ids = encode_chat([(TEMPLATE_ROLES[r], c) for r, c in messages], add_generation_prompt=True, tokenizer=tok)[0]
         return ChatPrompt(ids, tok.decode(ids), (), strip=False)
     text = render_plain(messages)

@@ -1,6 +1,6 @@
 """Text in, text out: the one path that both ``gpt2lab sample`` and ``gpt2lab serve`` take.
 
-Loading (the model prepared for inference: inference/prepare.py), prompt encoding, seeding and the token-by-token decode
+Loading (the model held for inference as measured: inference/probe.py, form.py), prompt encoding, seeding and the token-by-token decode
 live here once, so a seeded request to the server and ``gpt2lab sample`` with the same
 seed and settings cannot drift apart; so do the log-probabilities the server reports
 (``token_logprobs``, ``score_prompt``), one definition for both of its workers.
@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import codecs
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 
 from gpt2lab.model.gpt import GPT
-from gpt2lab.data.tokenizer import for_config, get_tokenizer, short
-from gpt2lab.model.config import GPTConfig
+from gpt2lab.data.tokenizer import Tokenizer, for_config, gpt2_tokenizer, short
+
+if TYPE_CHECKING:
+    from gpt2lab.inference.choice import Decision
 
 
 class PromptError(ValueError):
@@ -39,18 +41,21 @@ class Sampling:
 
 def check_request(request, device: torch.device) -> None:
     """Refuse a precision or kernel this device cannot run (a ChoiceError, one line) before any loading."""
-    from gpt2lab.inference.prepare import candidates, detect_facts
+    from gpt2lab.inference.choice import candidates
+    from gpt2lab.inference.form import detect_facts
 
     candidates(request, detect_facts(device))
 
 
 def load_for_inference(spec: str, device: torch.device, request=None, command: str = "gpt2lab",
-                       check: Optional[Callable[[GPT], None]] = None) -> GPT:
-    """The model named by ``spec`` (see load.load_model) prepared for ``request`` (an
-    InferenceRequest; default: sampling one row, dtype auto) on ``device``; the decision is
-    printed on stderr and kept as ``model.decision``. ``check`` sees the model as loaded, before
-    the (possibly measured) preparation: a request it cannot serve fails first."""
-    from gpt2lab.inference.prepare import InferenceRequest, announce, prepare
+                       check: Optional[Callable[[GPT], None]] = None) -> tuple[GPT, "Decision"]:
+    """(The model named by ``spec`` (see load.load_model, its tokenizer with it) held for ``request`` (an
+    InferenceRequest; default: sampling one row, dtype auto) on ``device`` as measured (inference/probe.py),
+    the decision, which is printed on stderr). ``check`` sees the model as loaded, before the (possibly
+    measured) choice: a request it cannot serve fails first."""
+    from gpt2lab.inference.choice import InferenceRequest
+    from gpt2lab.inference.form import hold
+    from gpt2lab.inference.probe import announce, decide
     from gpt2lab.weights.load import load_model
 
     request = request or InferenceRequest()
@@ -58,10 +63,9 @@ def load_for_inference(spec: str, device: torch.device, request=None, command: s
     model = load_model(spec, device)
     if check is not None:
         check(model)
-    model, decision = prepare(model, device, request, inplace=True, command=command)
+    decision = decide(model, device, request, command=command)
     announce(decision, command)
-    model.decision = decision
-    return model
+    return hold(model, decision.candidate, request.rows, inplace=True), decision
 
 
 def prompt_text(text: str) -> str:
@@ -75,30 +79,30 @@ def prompt_text(text: str) -> str:
         return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
-def tokenizer_for(config: GPTConfig):
-    """The tokenizer of a model (data/tokenizer.py): its own (``config.tokenizer``), else GPT-2's, with a
-    chat model's turn tokens (data/chat.py) where it has them."""
-    return for_config(config)
+def tokenizer_for(model: GPT) -> Tokenizer:
+    """The tokenizer of a model (data/tokenizer.py): its own (``model.tokenizer``, as its loader read it),
+    else GPT-2's, with a chat model's turn tokens (data/chat.py) where it has them."""
+    return for_config(model.config, model.tokenizer)
 
 
-def end_token(config: GPTConfig) -> int:
+def end_token(model: GPT) -> int:
     """The token a model ends its text with: <|im_end|> for a chat model (its turn), else <|endoftext|>."""
-    tok = tokenizer_for(config)
-    return tok.im_end_id if config.chat_template else tok.eot_id
+    tok = tokenizer_for(model)
+    return tok.im_end_id if model.config.chat_template else tok.eot_id
 
 
-def encode_prompt(text: str, config: GPTConfig) -> list[int]:
-    """A raw prompt's ids for a model of ``config`` ('' is a lone <|endoftext|>): its special tokens
+def encode_prompt(text: str, model: GPT) -> list[int]:
+    """A raw prompt's ids for ``model`` ('' is a lone <|endoftext|>): its special tokens
     written out (``<|endoftext|>``, a chat model's ``<|im_start|>``) are the tokens, as a whole
     prompt is the caller's own text (chat messages never are: inference/chat.py)."""
-    tok = tokenizer_for(config)
+    tok = tokenizer_for(model)
     return tok.encode(prompt_text(text), allowed_special="all") if text else [tok.eot_id]
 
 
-def prompt_ids(text: str, config: GPTConfig) -> list[int]:
-    """Token ids of ``text`` for a model of ``config`` (encode_prompt); raises PromptError past its vocabulary."""
-    ids = encode_prompt(text, config)
-    check_ids(ids, config.real_vocab_size, from_text=True, tokenizer=short(config.tokenizer))
+def prompt_ids(text: str, model: GPT) -> list[int]:
+    """Token ids of ``text`` for ``model`` (encode_prompt); raises PromptError past its vocabulary."""
+    ids = encode_prompt(text, model)
+    check_ids(ids, model.config.real_vocab_size, from_text=True, tokenizer=short(model.config.tokenizer))
     return ids
 
 
@@ -171,10 +175,10 @@ def stream_text(model: GPT, ids: list[int], sampling: Sampling, generator: torch
     complete (their token yields ''); the last item is (None, what was held back, None), and
     the EOT token itself yields nothing.
     """
-    from gpt2lab.inference.generate import generate_stream
+    from gpt2lab.model.sampling import generate_stream
 
-    text = TokenText(model.config)
-    stop = end_token(model.config) if sampling.stop_at_eot else None
+    text = TokenText(model)
+    stop = end_token(model) if sampling.stop_at_eot else None
     prompt = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
     seen: list[torch.Tensor] = []  # the logits each token was drawn from, when logprobs are asked
     stream = generate_stream(model, prompt, sampling.max_new_tokens, temperature=sampling.temperature,
@@ -194,10 +198,10 @@ def stream_text(model: GPT, ids: list[int], sampling: Sampling, generator: torch
 class TokenText:
     """Text of sampled tokens, one token at a time: the bytes of a character split across
     tokens are held back until it is complete; ids past the tokenizer's vocabulary show as <|id|>.
-    ``config``: the model's (its tokenizer, tokenizer_for); None: GPT-2's."""
+    ``model``: whose tokenizer (tokenizer_for); None: GPT-2's."""
 
-    def __init__(self, config: Optional[GPTConfig] = None) -> None:
-        self.enc = tokenizer_for(config) if config is not None else get_tokenizer()
+    def __init__(self, model: Optional[GPT] = None) -> None:
+        self.enc = tokenizer_for(model) if model is not None else gpt2_tokenizer()
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, t: int) -> str:

@@ -6,7 +6,7 @@ from gpt2lab.system.choices import DTYPE_CHOICES, LINEAR_CHOICES, QUANTIZE_CHOIC
 
 
 def add_inference_flags(p) -> None:
-    """``--dtype``, ``--quantize`` and ``--cpu-linear`` (decided in inference/prepare.py)."""
+    """``--dtype``, ``--quantize`` and ``--cpu-linear`` (decided in inference/choice.py)."""
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="the dtype the model's weights are held and multiplied in; auto: the fastest measured "
                         "on this machine for this command's workload (printed; cached per machine) "
@@ -21,7 +21,7 @@ def add_inference_flags(p) -> None:
 
 def inference_request(args, workload: str, rows: int = 1):
     """The InferenceRequest of a command's inference flags."""
-    from gpt2lab.inference.prepare import InferenceRequest
+    from gpt2lab.inference.choice import InferenceRequest
 
     return InferenceRequest(dtype=args.dtype, quantize=args.quantize, linear=args.cpu_linear,
                             workload=workload, rows=rows)

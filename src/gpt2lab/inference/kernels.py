@@ -1,6 +1,6 @@
 """The decode linears: one ``nn.Linear`` replacement per way of holding a weight for inference.
 
-A prepared model (inference/prepare.py) holds every matmul weight once, in the precision and
+A model held for inference (inference/form.py) holds every matmul weight once, in the precision and
 layout chosen for this machine, and never converts it again: no per-step autocast of fp32
 weights. Each layer casts its input to its compute dtype and returns its output in that dtype;
 the residual stream, the norms and the softmax stay fp32 (``fp32 + bf16`` is fp32), which is

@@ -1,7 +1,7 @@
 """GPT-2, exactly: config, attention, MLP, block, model, and a KV cache for generation.
 
 Parameter names follow Hugging Face's GPT-2 (``transformer.h.0.attn.c_attn.weight``) so
-that moving weights between the two is four transposes and nothing else (see hf.py).
+that moving weights between the two is four transposes and nothing else (see weights/gpt2.py).
 No I/O, printing, optimizer or distributed code lives here.
 
 Beside GPT-2, the modern block's switches (GPTConfig.pos_emb, norm, qk_norm, mlp_act,
@@ -208,9 +208,14 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    """The network. ``tokenizer``: the tokenizer its ids belong to where it is not GPT-2's (a trained one,
+    as its loader read it from beside the weights; data.tokenizer.for_config gives a model's tokenizer);
+    the model itself never reads it."""
+
+    def __init__(self, config: GPTConfig, tokenizer: Optional[object] = None) -> None:
         super().__init__()
         self.config = config
+        self.tokenizer = tokenizer
         self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(config.vocab_size, config.n_embd)))
         if config.pos_emb == "learned":  # rotary has no table: q and k are turned in attention
             self.transformer["wpe"] = nn.Embedding(config.block_size, config.n_embd)  # (second: optimizer order)
@@ -352,18 +357,8 @@ class GPT(nn.Module):
         c = self.config
         return 6 * self.num_params(non_embedding=True) + 12 * c.n_layer * c.n_embd * seq_len
 
-    # nanoGPT's and transformers' habits, kept as one-line calls of the functions that do the work in
-    # higher layers. The import inside each method runs only when it is called, so importing the model
-    # imports neither layer; tests/unit/test_layering.py exempts exactly these two imports by name.
-    @classmethod
-    def from_pretrained(cls, source: str, **kwargs) -> "GPT":
-        """``gpt2lab.from_pretrained(source, **kwargs)``: a hub name, an HF, run or checkpoint directory."""
-        from gpt2lab.weights.load import from_pretrained
-
-        return from_pretrained(source, **kwargs)
-
     def generate(self, idx: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
-        """``gpt2lab.inference.generate.generate(self, idx, max_new_tokens, **kwargs)``, its keywords unchanged."""
-        from gpt2lab.inference.generate import generate
+        """nanoGPT's habit: ``model.sampling.generate(self, idx, max_new_tokens, **kwargs)``, the model as it is."""
+        from gpt2lab.model.sampling import generate
 
         return generate(self, idx, max_new_tokens, **kwargs)

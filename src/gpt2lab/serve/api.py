@@ -137,14 +137,14 @@ def _unsupported(checks: tuple[tuple[str, bool], ...]) -> None:
             raise APIError(400, f"{name} is not supported by gpt2lab serve; leave it out", param=name)
 
 
-def _prompts(req: CompletionRequest, config) -> tuple[list[list[int]], list[str]]:
-    """Token ids of each prompt for a model of ``config``, and each prompt's text (for echo and
+def _prompts(req: CompletionRequest, model) -> tuple[list[list[int]], list[str]]:
+    """Token ids of each prompt for ``model``, and each prompt's text (for echo and
     logprobs' text offsets)."""
-    p, vocab = req.prompt, config.real_vocab_size
+    p, vocab = req.prompt, model.config.real_vocab_size
     texts = None
     if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(x, str) for x in p)):
         texts = [prompt_text(t) for t in ([p] if isinstance(p, str) else p)]  # a lone surrogate is U+FFFD
-        ids = [encode_prompt(t, config) for t in texts]  # as sample
+        ids = [encode_prompt(t, model) for t in texts]  # as sample
     elif isinstance(p, list) and p and all(isinstance(x, int) for x in p):
         ids = [p]
     else:
@@ -153,16 +153,16 @@ def _prompts(req: CompletionRequest, config) -> tuple[list[list[int]], list[str]
         raise APIError(400, f"prompt: pass 1 to {MAX_PROMPTS} prompts (text or token ids)", param="prompt")
     for i, one in enumerate(ids):
         try:
-            check_ids(one, vocab, from_text=texts is not None, tokenizer=short(config.tokenizer))
+            check_ids(one, vocab, from_text=texts is not None, tokenizer=short(model.config.tokenizer))
         except PromptError as e:
             where = f"prompt[{i}]" if len(ids) > 1 else "prompt"
             raise APIError(400, f"{where}: {e}", param="prompt") from None
-    return ids, texts or [_decode(one, config) for one in ids]
+    return ids, texts or [_decode(one, model) for one in ids]
 
 
-def _decode(ids: list[int], config) -> str:
+def _decode(ids: list[int], model) -> str:
     """The text of token ids as the tokens' text is streamed (TokenText: ids past the tokenizer's as <|id|>)."""
-    text = TokenText(config)
+    text = TokenText(model)
     return "".join(text.feed(t) for t in ids) + text.flush()
 
 
@@ -209,7 +209,7 @@ class Completion:
                       ("presence_penalty", bool(req.presence_penalty)),
                       ("frequency_penalty", bool(req.frequency_penalty)),
                       ("logit_bias", bool(req.logit_bias)), ("suffix", bool(req.suffix))))
-        self.prompts, self.texts = _prompts(req, self.worker.model.config)
+        self.prompts, self.texts = _prompts(req, self.worker.model)
         default = req.max_tokens is None or "max_tokens" not in req.model_fields_set
         self._prepare(16 if req.max_tokens is None else req.max_tokens, _stops(req.stop),
                       echo=self.texts if req.echo else [], logprobs=req.logprobs, default=default)
@@ -256,7 +256,7 @@ class Completion:
         count from the start of the prompt, echoed or not, as OpenAI's do."""
         if self.work.logprobs is None:
             return {}
-        return {i: Logprobs(0 if self.work.echo else len(self.texts[i // self.n]), self.worker.model.config)
+        return {i: Logprobs(0 if self.work.echo else len(self.texts[i // self.n]), self.worker.model)
                 for i in range(len(self.prompts) * self.n)}
 
 
@@ -273,9 +273,8 @@ class ChatCompletion(Completion):
                                 f"held to a format); got {req.response_format!r}", param="response_format")
         if not req.messages:
             raise APIError(400, "messages: pass at least one message", param="messages")
-        config = self.worker.model.config
         try:  # text in a message is text: "<|endoftext|>" or "<|im_end|>" typed there cannot end a turn
-            prompt = chat.chat_prompt(config, [(m.role, _content(i, m)) for i, m in enumerate(req.messages)])
+            prompt = chat.chat_prompt(self.worker.model, [(m.role, _content(i, m)) for i, m in enumerate(req.messages)])
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         ids, text, self.strip = prompt.ids, prompt.text, prompt.strip
@@ -311,10 +310,10 @@ def _content(i: int, m: ChatMessage) -> str:
     return "".join(parts)
 
 
-def token_str(t: int, config) -> str:
+def token_str(t: int, model) -> str:
     """A token as OpenAI's logprobs name it: its text, or ``bytes:\\xNN...`` for bytes that are not
     whole UTF-8 characters (a character split across tokens); ids past the model's tokenizer's as ``<|id|>``."""
-    enc = tokenizer_for(config)
+    enc = tokenizer_for(model)
     if t >= enc.n_vocab:
         return f"<|{t}|>"
     raw = enc.decode_single_token_bytes(t)
@@ -331,20 +330,20 @@ class Logprobs:
     up to logprobs + 1 entries; None where the logprob is) and ``text_offset`` (where each token's
     text starts)."""
 
-    def __init__(self, offset: int, config) -> None:
-        self.offset, self.text, self.config = offset, TokenText(config), config
+    def __init__(self, offset: int, model) -> None:
+        self.offset, self.text, self.model = offset, TokenText(model), model
         self.whole: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
     def add(self, entries: list[TokenLogprob]) -> dict:
         """The part of ``entries`` (in the shape of the whole), which the whole takes on."""
         part: dict[str, list] = {key: [] for key in self.whole}
         for e in entries:
-            part["tokens"].append(token_str(e.token, self.config))
+            part["tokens"].append(token_str(e.token, self.model))
             part["token_logprobs"].append(e.logprob)
             top = None
             if e.logprob is not None:
-                top = {token_str(t, self.config): lp for t, lp in e.top}
-                top.setdefault(token_str(e.token, self.config), e.logprob)
+                top = {token_str(t, self.model): lp for t, lp in e.top}
+                top.setdefault(token_str(e.token, self.model), e.logprob)
             part["top_logprobs"].append(top)
             part["text_offset"].append(self.offset)
             self.offset += len(self.text.feed(e.token))
@@ -551,7 +550,7 @@ def create_app(workers: dict[str, Worker]) -> FastAPI:
     async def models() -> dict:
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "gpt2lab", "context_length": w.block_size,
-             "chat_template": w.model.config.chat_template, "note": chat.note(w.model.config), **_inference(w.model)}
+             "chat_template": w.model.config.chat_template, "note": chat.note(w.model.config), **_inference(w)}
             for name, w in workers.items()]}
 
     @app.post("/v1/completions")
@@ -565,10 +564,10 @@ def create_app(workers: dict[str, Worker]) -> FastAPI:
     return app
 
 
-def _inference(model) -> dict:
-    """How the model is held (inference/prepare.py's decision and its measured figures), where it was prepared."""
-    decision = getattr(model, "decision", None)
-    return {"inference": decision.record()} if decision is not None else {}
+def _inference(worker: Worker) -> dict:
+    """How the worker's model is held (inference/choice.py's decision and its measured figures), where it was
+    decided (serve/models.py)."""
+    return {"inference": worker.decision.record()} if worker.decision is not None else {}
 
 
 # What a union-typed field takes, for an error that fits none of its types (pydantic reports one per type)

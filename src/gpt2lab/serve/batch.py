@@ -32,7 +32,7 @@ from typing import Iterator, Optional
 import torch
 
 from gpt2lab.inference.completion import TokenLogprob, TokenText, end_token, seeded_generator, token_logprobs
-from gpt2lab.inference.generate import sample_next
+from gpt2lab.model.sampling import sample_next
 from gpt2lab.model.gpt import KVCache
 from gpt2lab.serve.engine import Finish, Job, StopFilter, Text, Worker
 
@@ -126,8 +126,8 @@ class RowsCache:
 class Row:
     """One prompt of one request: its ``n`` samples in turn on one seeded generator."""
 
-    def __init__(self, job: Job, p: int, generator: torch.Generator, config) -> None:
-        self.job, self.p, self.generator, self.config = job, p, generator, config
+    def __init__(self, job: Job, p: int, generator: torch.Generator, model) -> None:
+        self.job, self.p, self.generator, self.model = job, p, generator, model
         self.ids = job.request.prompts[p]
         self.sample = -1
         self.next_sample()
@@ -137,7 +137,7 @@ class Row:
         self.sample += 1
         self.index = self.p * r.n + self.sample
         self.tokens = 0
-        self.stop, self.text = StopFilter(r.stops), TokenText(self.config)
+        self.stop, self.text = StopFilter(r.stops), TokenText(self.model)
         self.cache: Optional[KVCache] = None  # the prompt's, while it is being run
         self.last: Optional[int] = None  # the token to feed next
         self.scored: list[TokenLogprob] = [TokenLogprob(self.ids[0], None)]  # the prompt's, with scores_prompt
@@ -186,7 +186,7 @@ class BatchWorker(Worker):
                 continue
             self.rows_left[id(job)] = len(r.prompts)
             # each prompt gets a generator seeded with its seed, as in completion_events
-            self.prefill.extend(Row(job, p, seeded_generator(self.device, r.seeds[p]), self.model.config)
+            self.prefill.extend(Row(job, p, seeded_generator(self.device, r.seeds[p]), self.model)
                                 for p in range(len(r.prompts)))
 
     def _drop_ended(self, now: float) -> None:
@@ -271,7 +271,7 @@ class BatchWorker(Worker):
         sample ended (the row then leaves the batch: for good, or to run its prompt again for its
         next sample)."""
         s = row.job.request.sampling
-        if not (s.stop_at_eot and t == end_token(self.model.config)):
+        if not (s.stop_at_eot and t == end_token(self.model)):
             row.tokens += 1
             self._token(row.job, row.index)
             text, hit = row.stop.feed(row.text.feed(t))

@@ -26,6 +26,7 @@ import torch
 
 from gpt2lab.inference.completion import (Sampling, StopFilter, TokenLogprob, score_prompt, seeded_generator,  # noqa: F401
                                           stream_text)
+from gpt2lab.inference.choice import Decision
 from gpt2lab.model.gpt import GPT
 from gpt2lab.serve.limits import Limits
 from gpt2lab.serve.metrics import ServeMetrics
@@ -157,8 +158,10 @@ class Worker:
     write ``_steps``, a generator that does one step of work per ``next`` and says whether it
     had any (False: idle until a request arrives)."""
 
-    def __init__(self, name: str, model: GPT, device: torch.device, limits: Optional[Limits] = None) -> None:
-        self.name, self.model, self.device = name, model, device  # a model prepared by serve/models.py (or as given)
+    def __init__(self, name: str, model: GPT, device: torch.device, limits: Optional[Limits] = None,
+                 decision: Optional[Decision] = None) -> None:
+        self.name, self.model, self.device = name, model, device  # a model held by serve/models.py (or as given)
+        self.decision = decision  # how it is held and why (inference/choice.py), where serve/models.py decided
         self.limits = limits or Limits()
         self.metrics = ServeMetrics()  # create_app swaps in the app's own
         self._new: queue.Queue[Optional[Job]] = queue.Queue()

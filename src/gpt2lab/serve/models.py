@@ -23,14 +23,14 @@ def load_workers(specs: list[str], device_name: str, request=None, limits: Limit
     first): batching (serve/batch.py), or requests in turns with ``deterministic`` (serve/engine.py).
 
     ``request`` (an InferenceRequest: the --dtype, --quantize, --cpu-linear flags) is prepared for
-    the batching worker's workload, one row and ``--max-batch`` rows (inference/prepare.py); in turns
+    the batching worker's workload, one row and ``--max-batch`` rows (inference/probe.py); in turns
     each request runs exactly as ``gpt2lab sample`` runs it, so the model is prepared as ``sample``
     prepares it (one row), and a seeded request gives ``sample``'s tokens."""
     import dataclasses
 
     from gpt2lab.distributed.dist import pick_device
     from gpt2lab.inference.completion import check_request, load_for_inference
-    from gpt2lab.inference.prepare import InferenceRequest
+    from gpt2lab.inference.choice import InferenceRequest
     from gpt2lab.serve.batch import BatchWorker
     from gpt2lab.serve.engine import TurnsWorker
 
@@ -43,5 +43,8 @@ def load_workers(specs: list[str], device_name: str, request=None, limits: Limit
         request = dataclasses.replace(request, workload="serve", rows=limits.max_batch)
     check_request(request, device)  # a --dtype or --quantize this device cannot run fails before loading
     worker = TurnsWorker if deterministic else BatchWorker
-    return {name: worker(name, load_for_inference(path, device, request, f"gpt2lab serve: {name}"), device, limits)
-            for name, path in model_names(specs).items()}
+    workers = {}
+    for name, path in model_names(specs).items():
+        model, decision = load_for_inference(path, device, request, f"gpt2lab serve: {name}")
+        workers[name] = worker(name, model, device, limits, decision=decision)
+    return workers

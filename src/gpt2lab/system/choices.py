@@ -16,7 +16,7 @@ OPTIMIZERS = ("adamw", "muon")
 MUON_VARIANTS = ("muon", "normuon")
 LR_SCHEDULES = ("cosine", "wsd")
 NS_DTYPE_CHOICES = ("auto", "float32", "bfloat16")
-# Inference (gpt2lab.inference.prepare): weight-only quantization, and the CPU linear kernels
+# Inference (gpt2lab.inference.choice): weight-only quantization, and the CPU linear kernels
 # ("plain": F.linear on the weight as stored or column-major; "auto": measured).
 QUANTIZE_CHOICES = ("none", "int8")
 LINEAR_CHOICES = ("auto", "packed", "plain")

@@ -132,7 +132,7 @@ def check(path: str, want: str, flag: str, what_next: str) -> Found:
 
     Allowed: a missing or empty directory, or one of kind ``want``. (prepare and export apply
     the same kinds with their own extra rules: data/prepare._refuse_foreign_shards,
-    weights/hf._check_export_target.)
+    weights/export._check_export_target.)
     """
     found = inspect(path)
     if found.kind in ("missing", "empty", want):

@@ -14,7 +14,7 @@ import torch
 
 from gpt2lab.distributed import parallel
 from gpt2lab.distributed.dist import DistInfo, autocast
-from gpt2lab.inference.generate import generate
+from gpt2lab.model.sampling import generate
 from gpt2lab.observe.metrics import MetricsLogger
 from gpt2lab.train import preflight
 from gpt2lab.train.config import TrainConfig
@@ -84,7 +84,7 @@ class Evaluator:
         from gpt2lab.data.tokenizer import for_config
 
         prompt, chat = self.cfg.eval.sample_prompt, self.cfg.model.chat_template is not None
-        enc = for_config(self.cfg.model)
+        enc = for_config(self.cfg.model, self.raw.tokenizer)
         ids = encode_chat([("user", prompt)], add_generation_prompt=True, tokenizer=enc)[0] if chat else \
             enc.encode(prompt, allowed_special="all")
         stop = enc.im_end_id if chat else enc.eot_id
@@ -93,9 +93,8 @@ class Evaluator:
         self.raw.eval()
         # eager: under FSDP the blocks are compiled in place, and generation has varying shapes
         with autocast(self.device, self.dtype), torch.compiler.set_stance("force_eager"):
-            # prepare=False: as it trains (no second copy of the weights beside the optimizer's state)
-            out = generate(self.raw, idx, self.cfg.eval.sample_tokens, top_k=50, generator=gen, stop_token=stop,
-                           prepare=False)
+            # the model as it trains (no second copy of the weights beside the optimizer's state)
+            out = generate(self.raw, idx, self.cfg.eval.sample_tokens, top_k=50, generator=gen, stop_token=stop)
         self.raw.train()
         if chat:
             return f"User: {prompt}\nAssistant: " + enc.decode([t for t in out[0, len(ids):].tolist() if t != stop])

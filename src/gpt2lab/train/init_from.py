@@ -18,7 +18,8 @@ import torch
 
 from gpt2lab.system.files import read_json_object, sha256_file
 from gpt2lab.checkpoint import store as ckpt
-from gpt2lab.weights import hf
+from gpt2lab.weights import read
+from gpt2lab.weights.load import from_checkpoint
 from gpt2lab.train.config import ConfigError, TrainConfig, model_from_config
 from gpt2lab.weights.load import CHECKPOINT, HF_DIR, source_kind
 from gpt2lab.model.gpt import GPT, GPTConfig
@@ -53,7 +54,7 @@ def find_source(spec: str) -> Source:
     """Resolve SRC and read its architecture (config only, the weights file's header checked)."""
     try:
         src = _find(spec)
-    except hf.WeightsError as e:
+    except read.WeightsError as e:
         then = " Then train with --init-from DIR." if "local directory" in str(e) else ""
         raise InitFromError(f"--init-from {spec}: {e}{then}") from e
     template = src.config.chat_template
@@ -70,27 +71,27 @@ def _find(spec: str) -> Source:
     kind = source_kind(spec)  # the loader's reading; a file or an unknown name: WeightsError (find_source)
     if kind == HF_DIR:
         config_path = os.path.join(spec, "config.json")
-        weights = next(os.path.join(spec, f) for f in hf.WEIGHT_FILES if os.path.isfile(os.path.join(spec, f)))
+        weights = next(os.path.join(spec, f) for f in read.WEIGHT_FILES if os.path.isfile(os.path.join(spec, f)))
         return Source(spec, kind, _hf_config(config_path), weights, config_path)
     if kind == CHECKPOINT:
         return _checkpoint_source(spec)
-    config_path, weights = hf.hub_files(spec)  # offline: WeightsError saying how to pass a local dir
+    config_path, weights = read.hub_files(spec)  # offline: WeightsError saying how to pass a local dir
     return Source(spec, kind, _hf_config(config_path), weights, config_path)
 
 
 def _hf_config(path: str) -> GPTConfig:
     try:
         with open(path) as f:
-            return hf.dir_config(json.load(f), path)
+            return read.dir_config(json.load(f), path)[0]
     except (OSError, ValueError) as e:  # WeightsError is a ValueError
-        raise hf.WeightsError(f"cannot read {path}: {e}") from e
+        raise read.WeightsError(f"cannot read {path}: {e}") from e
 
 
 def _checkpoint_source(spec: str) -> Source:
     config = read_json_object(os.path.join(spec, "config.json"))
-    if config is not None and config.get("model_type") in hf.MODEL_TYPES:  # is_hf_dir found no weights
+    if config is not None and config.get("model_type") in read.MODEL_TYPES:  # is_hf_dir found no weights
         raise InitFromError(f"--init-from {spec}: an HF {config['model_type']} config.json without a weights file "
-                            f"(looked for {', '.join(hf.WEIGHT_FILES)}); copy the weights beside it")
+                            f"(looked for {', '.join(read.WEIGHT_FILES)}); copy the weights beside it")
     if config is not None and "model_type" in config:  # an HF directory of another kind
         raise InitFromError(f"--init-from {spec}: model_type {config['model_type']!r} is not GPT-2 or NanoChat; "
                             "pass a model of model_type gpt2 or nanochat")
@@ -204,8 +205,8 @@ def load_source(model: GPT, src: Source) -> None:
     Position rows past the run's block_size are dropped.
     """
     try:
-        loaded = ckpt.load_model(os.path.dirname(src.weights), verified=src.verified) if src.kind == CHECKPOINT \
-            else hf.load_files(src.config_path, src.weights)
+        loaded = from_checkpoint(os.path.dirname(src.weights), verified=src.verified) if src.kind == CHECKPOINT \
+            else read.load_files(src.config_path, src.weights)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise src._fail(f"cannot load its weights ({e}); pass a complete copy") from e
     theirs = dict(loaded.named_parameters())

@@ -43,7 +43,7 @@ from gpt2lab.system.errors import CheckpointError, ConfigError
 from gpt2lab.system.runtime import Choice
 from gpt2lab.train import init_from
 from gpt2lab.train.config import SECTIONS, TrainConfig, config_value, default_value, merge_config, nest_config
-from gpt2lab.weights.hf import export_target
+from gpt2lab.weights.targets import export_target
 
 FAKE_FACTS_ENV = "GPT2LAB_FAKE_FACTS"
 PLAN_VERSION = 1
@@ -137,7 +137,7 @@ class RunPlan:
 
     @property
     def export(self) -> str:
-        """What ``gpt2lab export`` will write for this run's model, or why nothing (weights.hf.export_target)."""
+        """What ``gpt2lab export`` will write for this run's model, or why nothing (weights/targets.py)."""
         return export_target(self.config.model).describe()
 
     @property

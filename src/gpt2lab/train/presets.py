@@ -2,7 +2,7 @@
 
 Per preset: the model's size and parameter count, the recipe (GPT-2's or the modern one), steps
 and tokens, the time it takes where it was measured, and what ``gpt2lab export`` makes of its
-model (weights.hf.export_target). ``MEASURED`` is the one place in the package for the measured
+model (weights/targets.py). ``MEASURED`` is the one place in the package for the measured
 times; each says its machine (the commands and conditions: docs/benchmarks.md, "The presets'
 cost"). A GPU preset's time is its tokens at a throughput measured for that model and batch.
 """
@@ -13,7 +13,7 @@ from typing import Optional
 
 from gpt2lab.distributed.memplan import param_counts
 from gpt2lab.train.config import TrainConfig, load_preset, preset_names
-from gpt2lab.weights.hf import export_target
+from gpt2lab.weights.targets import export_target
 
 
 @dataclass(frozen=True)

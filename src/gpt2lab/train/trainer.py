@@ -113,10 +113,11 @@ def loss_settings(device: torch.device, compiled: bool, sharded: bool = False) -
     return compiled, choose_loss(device.type, compiled, sharded).value == "chunked"
 
 
-def build_model(plan: RunPlan, device: torch.device) -> GPT:
-    """The plan's GPT on ``device``: its --init-from weights, LoRA adapters and loss path."""
+def build_model(plan: RunPlan, device: torch.device, tokenizer=None) -> GPT:
+    """The plan's GPT on ``device`` (with ``tokenizer``, its own, where it has one): its --init-from weights,
+    LoRA adapters and loss path."""
     cfg = plan.config
-    model = GPT(cfg.model).to(device)
+    model = GPT(cfg.model, tokenizer).to(device)
     if plan.init is not None:  # --init-from: weights only; optimizer, step and data order start fresh
         load_source(model, plan.init.source)
     ft = cfg.finetune
@@ -138,7 +139,11 @@ class Trainer:
         self.malloc_tuned = keep_freed_memory() if cfg.system.keep_cpu_memory and self.device.type == "cpu" else False
         if self.device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls
-        self.raw = build_model(plan, self.device)
+        from gpt2lab.data.tokenizer import for_data
+
+        # the model's own tokenizer (None: GPT-2's), read from the data (the plan checked it is the model's)
+        self.tokenizer = for_data(cfg.data) if cfg.model.tokenizer else None
+        self.raw = build_model(plan, self.device, self.tokenizer)
         # self.raw stays the GPT (sharded in place under FSDP); train_model runs the micro-steps,
         # self.model the evaluations. The optimizer is built on the (sharded) parameters after wrapping.
         self.train_model, self.model = parallel.wrap(self.raw, str(plan.strategy.value), distributed=info.distributed,
@@ -146,10 +151,7 @@ class Trainer:
         ns = plan.ns_dtype
         self.optimizer = build_optimizer(self.raw, cfg.optim, self.device, ns_dtype=str(ns.value) if ns else None)
         from gpt2lab.data import TokenLoader
-        from gpt2lab.data.tokenizer import for_data
 
-        # the model's own tokenizer (None: GPT-2's), read from the data (the plan checked it is the model's)
-        self.tokenizer = for_data(cfg.data) if cfg.model.tokenizer else None
         self.loader = TokenLoader(cfg.data, "train", cfg.batch.micro_batch_size, cfg.batch.seq_len,
                                   rank=info.rank, world_size=info.world_size, seed=cfg.seed)
         self.step, self.tokens = 0, 0

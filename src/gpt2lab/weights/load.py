@@ -1,8 +1,9 @@
-"""Turn a model source into a GPT: a hub name, an HF directory, a run dir or a checkpoint.
+"""Loading for inference: a model source (a hub name, an HF directory, a run dir or a checkpoint) -> a GPT
+that carries its own tokenizer, read from the same source.
 
 One reading of a source for all who take one: every command's ``--model``, export's ``SRC``,
-train's ``--init-from`` (``source_kind``) and the Python API's ``gpt2lab.from_pretrained``
-(``load_model`` itself).
+train's ``--init-from`` (``source_kind``) and the Python API's ``gpt2lab.from_pretrained`` and
+``gpt2lab.get_tokenizer`` (``load_model`` and ``source_tokenizer`` themselves).
 """
 from __future__ import annotations
 
@@ -12,11 +13,15 @@ from typing import Optional
 
 import torch
 
-from gpt2lab.model.config import HUB_NAMES
-from gpt2lab.weights import hf
-from gpt2lab.weights.hf import MODEL_TYPES, WEIGHT_FILES, WeightsError
+from gpt2lab.checkpoint import store
+from gpt2lab.data.tokenizer import (TOKENIZER_FILE, Tokenizer, TokenizerError, for_config, for_data, gpt2_tokenizer,
+                                    load_tokenizer)
+from gpt2lab.model.config import HUB_NAMES, config_value, model_from_config
 from gpt2lab.model.gpt import GPT
-from gpt2lab.system.errors import CheckpointError
+from gpt2lab.system import rundir
+from gpt2lab.system.errors import CheckpointError, ConfigError
+from gpt2lab.weights import read
+from gpt2lab.weights.read import MODEL_TYPES, WEIGHT_FILES, WeightsError
 
 HUB, HF_DIR, CHECKPOINT = "hub", "hf_dir", "checkpoint"  # what source_kind says a source is
 
@@ -62,7 +67,8 @@ def source_kind(spec: str) -> str:
 
 
 def load_model(spec: str, device: Optional[torch.device | str] = None, arg: Optional[str] = "--model") -> GPT:
-    """The model named by ``spec``, in eval mode, on ``device`` (default cpu).
+    """The model named by ``spec``, in eval mode, on ``device`` (default cpu), holding its own tokenizer
+    (``model.tokenizer``) where it has one.
 
     ``spec`` is anything ``source_kind`` names: a GPT-2 hub name, a local directory in HF layout,
     a gpt2lab run directory (its newest checkpoint) or checkpoint directory, full or sharded (put
@@ -90,16 +96,97 @@ def _unnamed(message: str, spec: str) -> str:
 def from_pretrained(source: str, device: Optional[torch.device | str] = None) -> GPT:
     """``gpt2lab.from_pretrained``: the model of anything ``gpt2lab sample --model`` takes, by the same
     loader (load_model): a GPT-2 hub name, an HF directory, a run directory, a checkpoint (full or
-    sharded); in eval mode on ``device`` (default cpu). A bad source raises WeightsError naming it
-    (CheckpointError for a damaged checkpoint), never SystemExit."""
-    return load_model(source, device, arg=None)
+    sharded); in eval mode on ``device`` (default cpu), carrying its tokenizer. A bad source raises
+    WeightsError naming it (CheckpointError for a damaged checkpoint), never SystemExit."""
+    _check_source("from_pretrained", source)
+    return load_model(os.fspath(source), device, arg=None)
+
+
+def get_tokenizer(source: Optional[str] = None) -> Tokenizer:
+    """``gpt2lab.get_tokenizer``: the tokenizer of anything ``from_pretrained`` takes, read from that same
+    source without its weights (a trained tokenizer.json beside them, checked against the identity the
+    model names; GPT-2's BPE, with its chat turn tokens for a chat model, otherwise); also of a prepared
+    data directory or a ``gpt2lab tokenizer train`` directory. No ``source``: GPT-2's BPE."""
+    if source is None:
+        return gpt2_tokenizer()
+    _check_source("get_tokenizer", source)
+    spec = os.fspath(source)
+    try:
+        return source_tokenizer(spec)
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, KeyError) as e:  # WeightsError and TokenizerError are ValueErrors
+        raise WeightsError(f"{spec}: {_unnamed(str(e), spec)}") from e
+
+
+def _check_source(func: str, source: object) -> None:
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"{func}(source): a path or a hub name (str or os.PathLike), got {type(source).__name__}")
+
+
+def source_tokenizer(spec: str) -> Tokenizer:
+    """The tokenizer of the model source (or prepared data, or tokenizer directory) ``spec``."""
+    found = rundir.inspect(spec).kind
+    if found == rundir.DATA:
+        return for_data(spec)
+    if found == rundir.TOKENIZER:  # gpt2lab tokenizer train --out
+        return load_tokenizer(spec)
+    kind = source_kind(spec)
+    if kind == HUB:
+        return gpt2_tokenizer()
+    if kind == HF_DIR:
+        config_path = os.path.join(spec, "config.json")
+        with open(config_path) as f:
+            config, own = read.dir_config(json.load(f), config_path)
+        return for_config(config, own)
+    ckpt = store.resolve(spec)
+    config = _checkpoint_config(ckpt)
+    return for_config(config, _checkpoint_tokenizer(ckpt, config.tokenizer))
+
+
+def from_checkpoint(path: str, verified: bool = False) -> GPT:
+    """The GPT of a run directory (newest checkpoint) or of one checkpoint directory, either layout,
+    with the tokenizer.json the checkpoint holds where the model has its own.
+
+    A LoRA run's adapters are merged into the weights (a plain GPT comes back).
+    ``verified``: its checksums were just checked (train's plan, which hashes once).
+    """
+    ckpt = store.resolve(path)
+    if not verified:
+        store.verify(ckpt)
+    config = _checkpoint_config(ckpt)
+    model = GPT(config, _checkpoint_tokenizer(ckpt, config.tokenizer))
+    saved = store.read_config(ckpt)
+    if config_value(saved, "lora_rank"):
+        from gpt2lab.model.lora import add_lora, lora_args, merge_lora
+
+        adapted = add_lora(model, *lora_args(saved))
+        store.load_weights(model, ckpt, verified=True)
+        return merge_lora(adapted)
+    store.load_weights(model, ckpt, verified=True)
+    return model
+
+
+def _checkpoint_config(ckpt: str):
+    try:
+        return model_from_config(store.read_config(ckpt), f"{ckpt}/config.json")
+    except ConfigError as e:
+        raise store.damaged(ckpt, f"config.json describes no valid model ({e})") from e
+
+
+def _checkpoint_tokenizer(ckpt: str, identity: Optional[str]):
+    """A checkpoint's own tokenizer (its tokenizer.json, checked to be ``identity``); None for GPT-2's."""
+    if identity is None:
+        return None
+    try:
+        return load_tokenizer(os.path.join(ckpt, TOKENIZER_FILE), identity)
+    except TokenizerError as e:
+        raise store.damaged(ckpt, str(e)) from e
 
 
 def _load(spec: str, kind: str) -> GPT:
     if kind == HF_DIR:
-        return hf.from_hf_dir(spec)
+        return read.from_hf_dir(spec)
     if kind == CHECKPOINT:
-        from gpt2lab.checkpoint import store as checkpoint
-
-        return checkpoint.load_model(spec)
-    return hf.from_hub(spec)
+        return from_checkpoint(spec)
+    return read.from_hub(spec)

@@ -14,13 +14,13 @@ computed:
 
 Loading gives gains of one. What gpt2lab does not compute (GQA, another MLP width, attention
 biases, another RoPE type) is refused by field. Pure mapping: no I/O; errors are ValueErrors that
-weights.hf turns into one line naming the file.
+weights/read.py turns into one line naming the file.
 """
 from __future__ import annotations
 
 import torch
 
-from gpt2lab.data.tokenizer import for_config
+from gpt2lab.data.tokenizer import Tokenizer
 from gpt2lab.model.gpt import GPT, GPTConfig
 
 ARCHITECTURE = "NanoChatForCausalLM"
@@ -53,10 +53,10 @@ def flip_halves(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------- export
 
-def config_to_nanochat(config: GPTConfig, dtype: torch.dtype) -> dict:
-    """The config.json transformers' NanoChatForCausalLM reads; vocab is the real (unpadded) one."""
+def config_to_nanochat(config: GPTConfig, dtype: torch.dtype, tok: Tokenizer) -> dict:
+    """The config.json transformers' NanoChatForCausalLM reads (``tok``: the model's tokenizer, for its
+    special ids); vocab is the real (unpadded) one."""
     vocab = config.real_vocab_size
-    tok = for_config(config)
     eot = tok.eot_id if vocab > tok.eot_id else None  # tiny test vocabularies have no <|endoftext|>
     end = tok.im_end_id if config.chat_template else eot  # a chat model ends its turn at <|im_end|>
     return {
@@ -137,7 +137,7 @@ def config_from_nanochat(cfg: dict) -> GPTConfig:
 def from_nanochat_state_dict(sd: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """NanoChatForCausalLM tensors -> gpt2lab names (every norm's gain one; a tied head left out).
 
-    A tensor this does not place is kept under its own name, so build_model names it as unexpected.
+    A tensor this does not place is kept under its own name, so read.model_from_state_dict names it as unexpected.
     """
     sd = dict(sd)
     wte = sd.pop("model.embed_tokens.weight", None)

@@ -1,11 +1,9 @@
-"""Sampling: temperature, top-k, top-p, greedy, stop on <|endoftext|>, streaming.
+"""Sampling from the network: temperature, top-k, top-p, greedy, stop on a token, streaming.
 
-``generate`` takes the fast path that ``gpt2lab sample`` takes: a GPT that is not prepared
-for inference yet is prepared (inference/prepare.py: its linears held in the measured fastest
-form for one row, in the model's own dtype unless ``dtype``/``quantize`` say otherwise). The
-prepared copy shares the model's other parameters, is kept beside the model and made again
-when a parameter changes (its version counter or storage: an optimizer step, a
-``load_state_dict``); ``prepare=False`` runs the model as it is.
+The loop needs only what any GPT has (``config``, ``new_kv_cache``, a forward taking ``kv_cache``
+and ``last_only``), so it lives beside the model and imports nothing of it. ``generate`` runs the
+model it is given, as it is: it times nothing, prints nothing and writes nothing. For the speed of
+``gpt2lab sample``, give it the inference form of the model (``gpt2lab.for_inference``).
 
 With the KV cache the prompt is run once and each new token costs one position of
 compute; without it (or once the sequence outgrows the block) the last ``block_size``
@@ -13,13 +11,10 @@ tokens are re-run every step, which is what the cache must reproduce token for t
 """
 from __future__ import annotations
 
-import weakref
 from typing import Callable, Iterator, Optional
 
 import torch
 from torch.nn import functional as F
-
-from gpt2lab.model.gpt import GPT
 
 
 # Below this temperature logits / T can overflow float32; sample_next shifts the logits first.
@@ -73,7 +68,7 @@ def sample_next(
 
 @torch.inference_mode()
 def generate_stream(
-    model: GPT,
+    model: torch.nn.Module,
     idx: torch.Tensor,
     max_new_tokens: int,
     temperature: float = 1.0,
@@ -122,42 +117,9 @@ def generate_stream(
             return
 
 
-_PREPARED: "weakref.WeakKeyDictionary[GPT, tuple]" = weakref.WeakKeyDictionary()
-
-
-def _fingerprint(model: GPT, device: torch.device) -> tuple:
-    return (str(device), *((p.data_ptr(), p._version) for p in model.parameters()))
-
-
-def prepared_for(model: GPT, device: torch.device, dtype: Optional[str] = None, quantize: str = "none") -> GPT:
-    """``model`` prepared for sampling one row on ``device`` (kept and reused while its weights are
-    unchanged); a model that is prepared already, not a GPT, or sharded is returned as it is."""
-    from gpt2lab.inference.prepare import InferenceRequest, apply, decide, is_prepared
-
-    if is_prepared(model) or type(model) is not GPT or any(
-            type(p.data) is not torch.Tensor or p.device != device for p in model.parameters()):
-        return model
-    dtype = dtype or str(next(model.parameters()).dtype).removeprefix("torch.")
-    request = InferenceRequest(dtype=dtype, quantize=quantize, workload="sample")
-    key = (_fingerprint(model, device), request)
-    kept = _PREPARED.get(model)
-    if kept is not None and kept[0] == key:
-        return kept[1]
-    _PREPARED.pop(model, None)  # the stale copy goes before the new one is built
-    prepared = apply(model, decide(model, device, request).candidate, request.rows)
-    _PREPARED[model] = (key, prepared)
-    return prepared
-
-
 @torch.no_grad()
-def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, prepare: bool = True,
-             dtype: Optional[str] = None, quantize: str = "none", **kwargs) -> torch.Tensor:
-    """idx (B, T) followed by the generated tokens: (B, T + n), n <= max_new_tokens.
-
-    ``prepare`` (default): run the model's inference form (see the module's docstring), its
-    linears in ``dtype`` ("auto": the fastest measured; default: the model's own) or int8
-    weights (``quantize="int8"``); keyword arguments as ``generate_stream``."""
-    if prepare:
-        model = prepared_for(model, idx.device, dtype, quantize)
+def generate(model: torch.nn.Module, idx: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
+    """idx (B, T) followed by the generated tokens: (B, T + n), n <= max_new_tokens; keyword
+    arguments as ``generate_stream``. The model runs as given (see the module's docstring)."""
     new = [tok[:, None] for tok, _ in generate_stream(model, idx, max_new_tokens, **kwargs)]
     return torch.cat([idx, *new], dim=1)

@@ -1,0 +1,206 @@
+"""The inference choice: which (compute dtype, linear kernel) runs a model for a workload, as a pure
+function of the request and the facts (the device's, and the timings when measured; inference/probe.py
+gathers them). Tested with faked facts.
+
+Training's dtype choice (system/runtime.py) answers "which dtype makes a large matmul fastest";
+decoding is another workload. At 1 to 16 rows a step is bound by reading the weights, so for
+``sample``, ``serve``, ``eval`` and ``gpt2lab.for_inference`` the weights are held once in the chosen
+form (kernels.py):
+
+* the candidates are the (compute dtype, kernel) pairs the device can run and the request
+  allows (``candidates``): on a CPU fp32 and bf16, each with the plain, column-major and
+  oneDNN-packed linears; int8 weights with fp32 or bf16 activations under ``--quantize int8``;
+  on a GPU fp32 and bf16 (fp16 without bf16); on MPS fp32 and fp16;
+* ``choose`` keeps the cheapest measured for the workload: ``sample`` a request of ``REQUEST_TOKENS``
+  prompt tokens and as many new ones at one row; ``serve`` the same at one row and at a full batch,
+  the candidate whose worse slowdown against the best of either is smallest; ``score`` (the evals)
+  the prefill alone. Unmeasured, the device's rule decides (``rule``): the documented choice that
+  needs no timing, which the library's ``for_inference`` uses.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from gpt2lab.system import runtime
+from gpt2lab.system.choices import LINEAR_CHOICES, QUANTIZE_CHOICES
+from gpt2lab.system.runtime import ChoiceError
+
+WORKLOADS = ("sample", "serve", "score")
+# The request the costs describe: this many prompt tokens, then as many new ones (sample's default
+# asks for 100). A constant of the cost model, not a speed tuning: it weighs prefill (compute-bound)
+# against decoding (bandwidth-bound) as a typical completion does, on any machine.
+REQUEST_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class Candidate:
+    dtype: str      # compute dtype of the linears: float32, bfloat16, float16
+    kernel: str     # kernels.KERNELS
+
+    @property
+    def name(self) -> str:
+        return f"{self.dtype}/{self.kernel}"
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Measured ms: a prefill of REQUEST_TOKENS tokens, a decode step at one row and at the request's rows."""
+    prefill: Optional[float] = None
+    step1: Optional[float] = None
+    step_rows: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class InferenceRequest:
+    """What the command asked for (``dtype`` "auto" or a dtype name; ``rows``: the server's --max-batch)."""
+    dtype: str = "auto"
+    quantize: str = "none"
+    linear: str = "auto"
+    workload: str = "sample"
+    rows: int = 1
+
+
+@dataclass(frozen=True)
+class InferenceFacts:
+    """What the decision depends on; ``detect_facts`` fills the device's, ``measure`` the timings."""
+    device_type: str
+    device_name: str = ""
+    native_bf16: bool = False               # CPU flag (AVX512_BF16/AMX/BF16) or the GPU's bf16
+    packing: bool = False                   # oneDNN's packed linear is there (CPU)
+    packing_bf16_error: Optional[str] = None  # why oneDNN cannot pack bf16 weights here (None: it can)
+    int8_error: Optional[str] = None        # why int8 weight-only cannot run (None: it can)
+    timings: Optional[dict] = None          # candidate name -> Timing, or -> the error it failed with
+
+
+@dataclass(frozen=True)
+class Decision:
+    candidate: Candidate
+    reason: str
+    request: InferenceRequest
+    timings: Optional[dict] = None
+
+    def summary(self) -> str:
+        return f"dtype {self.candidate.dtype}, {self.candidate.kernel} linears ({self.reason})"
+
+    def record(self) -> dict:
+        """The figures behind the choice, for JSON outputs."""
+        return {"dtype": self.candidate.dtype, "kernel": self.candidate.kernel, "reason": self.reason,
+                "workload": self.request.workload, "rows": self.request.rows, "quantize": self.request.quantize,
+                "timings_ms": {k: (dataclasses.asdict(v) if isinstance(v, Timing) else v)
+                               for k, v in (self.timings or {}).items()}}
+
+
+def _dtypes(request: InferenceRequest, facts: InferenceFacts) -> list[str]:
+    dev = facts.device_type
+    if request.dtype != "auto":  # the device must run it: training's checks, one place
+        rf = runtime.Facts(dev, facts.device_name, cuda_bf16=facts.native_bf16 if dev == "cuda" else False)
+        return [str(runtime.choose_dtype(request.dtype, rf).value)]
+    if dev == "cuda":
+        return ["float32", "bfloat16" if facts.native_bf16 else "float16"]
+    if dev == "mps":
+        return ["float32", "float16"]
+    return ["float32", "bfloat16"]
+
+
+def candidates(request: InferenceRequest, facts: InferenceFacts) -> list[Candidate]:
+    """The (dtype, kernel) pairs this device can run that the request allows; an impossible ask is a ChoiceError."""
+    if request.workload not in WORKLOADS:
+        raise ValueError(f"workload {request.workload!r}: one of {', '.join(WORKLOADS)}")
+    if request.quantize not in QUANTIZE_CHOICES:
+        raise ChoiceError(f"--quantize {request.quantize}: choose one of {', '.join(QUANTIZE_CHOICES)}")
+    if request.linear not in LINEAR_CHOICES:
+        raise ChoiceError(f"--cpu-linear {request.linear}: choose one of {', '.join(LINEAR_CHOICES)}")
+    dtypes = _dtypes(request, facts)
+    cpu = facts.device_type == "cpu"
+    if request.quantize == "int8":
+        if facts.int8_error:
+            raise ChoiceError(f"--quantize int8 cannot run here: {facts.int8_error}; leave --quantize out")
+        return [Candidate(d, "int8") for d in dtypes]
+    if request.linear == "packed" and not (cpu and facts.packing):
+        why = "this torch build has no oneDNN packed linear" if cpu else f"{facts.device_type} has no oneDNN"
+        raise ChoiceError(f"--cpu-linear packed cannot run here ({why}); use auto or plain")
+    if not cpu:
+        return [Candidate(d, "plain") for d in dtypes]
+    kernels = {"auto": ["plain", "decode"] + (["packed"] if facts.packing else []),
+               "plain": ["plain", "decode"], "packed": ["packed"]}[request.linear]
+    out = [Candidate(d, k) for d in dtypes for k in kernels
+           if not (k == "packed" and d == "bfloat16" and facts.packing_bf16_error)]
+    if not out:  # only bf16 packed was asked for, and oneDNN cannot pack bf16 on this CPU
+        raise ChoiceError(f"--dtype bfloat16 --cpu-linear packed cannot run here (oneDNN: "
+                          f"{facts.packing_bf16_error}); use --cpu-linear plain or --dtype float32")
+    return out
+
+
+def costs(request: InferenceRequest, t: Timing) -> tuple[float, ...]:
+    """The workload's cost(s) in ms of a candidate's timing (lower is better)."""
+    if request.workload == "score":
+        return (t.prefill,)
+    one = t.prefill + REQUEST_TOKENS * t.step1
+    if request.workload == "sample":
+        return (one,)
+    return one, t.prefill + REQUEST_TOKENS * t.step_rows / request.rows  # serve: one row, and a full batch
+
+
+def choose(request: InferenceRequest, facts: InferenceFacts) -> Decision:
+    """The candidate for ``request``: the only one, the cheapest measured, or (unmeasured) the device's rule."""
+    cands = candidates(request, facts)
+    if len(cands) == 1:
+        why = "asked for" if request.dtype != "auto" or request.quantize != "none" else "the only one here"
+        return Decision(cands[0], why, request, facts.timings)
+    measured = {c: facts.timings[c.name] for c in cands
+                if facts.timings and isinstance(facts.timings.get(c.name), Timing)}
+    if not measured:
+        return Decision(device_pick(cands, facts), _unmeasured_reason(facts), request, facts.timings)
+    cost = {c: costs(request, t) for c, t in measured.items()}
+    best = [min(v[i] for v in cost.values()) for i in range(len(next(iter(cost.values()))))]
+    slowdown = {c: max(v[i] / best[i] for i in range(len(best))) for c, v in cost.items()}
+    pick = min(measured, key=lambda c: (slowdown[c], c.name))
+    return Decision(pick, _measured_reason(request, pick, measured, slowdown, facts.timings), request, facts.timings)
+
+
+def device_pick(cands: list[Candidate], facts: InferenceFacts) -> Candidate:
+    """The device's rule: half precision where the device computes it natively (fp32 on a CPU without
+    native bf16, and on MPS), of those dtypes the candidates hold (an asked-for dtype is the only one);
+    oneDNN's packed linear first, then the column-major one."""
+    half = [c for c in cands if c.dtype != "float32"]
+    fp32 = [c for c in cands if c.dtype == "float32"]
+    prefer_fp32 = facts.device_type == "mps" or (facts.device_type == "cpu" and not facts.native_bf16)
+    pool = (fp32 if prefer_fp32 else half) or cands
+    for kernel in ("packed", "decode", "int8", "plain"):
+        for c in pool:
+            if c.kernel == kernel:
+                return c
+    return pool[0]
+
+
+def _unmeasured_reason(facts: InferenceFacts) -> str:
+    if facts.device_type == "cpu":
+        return ("not measured; " + ("native bf16 on this CPU" if facts.native_bf16 else "no native bf16 on this CPU")
+                + (", oneDNN packed linears" if facts.packing else ""))
+    return f"not measured; {facts.device_type}: half precision reads half the bytes"
+
+
+def _measured_reason(request: InferenceRequest, pick: Candidate, measured: dict, slowdown: dict,
+                     timings: Optional[dict]) -> str:
+    def fig(c: Candidate) -> str:
+        t = measured[c]
+        parts = [f"prefill {t.prefill:.1f}"]
+        if request.workload != "score":
+            parts.append(f"step {t.step1:.2f}")
+        if request.workload == "serve":
+            parts.append(f"{request.rows}-row step {t.step_rows:.2f}")
+        return f"{c.name} {' / '.join(parts)} ms"
+
+    others = sorted((c for c in measured if c != pick), key=lambda c: slowdown[c])
+    text = f"fastest measured for {request.workload}: {fig(pick)}"
+    if others:
+        text += "; next " + "; ".join(f"{fig(c)} ({slowdown[c]:.2f}x)" for c in others[:3])
+    dropped = [f"{n} {t}" for n, t in (timings or {}).items() if not isinstance(t, Timing)]  # t: why
+    return text + (f"; dropped: {'; '.join(dropped)}" if dropped else "")
+
+
+def rule(request: InferenceRequest, facts: InferenceFacts) -> Decision:
+    """The choice without timing: ``choose`` with the facts' timings left out (the device's rule)."""
+    return choose(request, dataclasses.replace(facts, timings=None))

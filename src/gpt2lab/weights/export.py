@@ -1,0 +1,121 @@
+"""Writing a Hugging Face directory (``gpt2lab export``, ``gpt2lab.save_pretrained``) that transformers'
+AutoModelForCausalLM and AutoTokenizer load unchanged: the weights in the class weights/targets.py names,
+config.json, generation_config.json, the tokenizer's files (GPT-2's, or a trained tokenizer.json) and the
+export marker. Written whole into a temporary sibling and renamed into place; only an empty directory or
+an earlier export is ever replaced.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Optional
+
+from gpt2lab.data import chat
+from gpt2lab.data.tokenizer import EOT_TOKEN, TOKENIZER_FILE, TrainedBPE, asset_path, for_config
+from gpt2lab.model.gpt import GPT
+from gpt2lab.system import rundir
+from gpt2lab.system.errors import UsageError
+from gpt2lab.system.files import atomic_dir, write_json
+from gpt2lab.weights import gpt2, nanochat
+from gpt2lab.weights.targets import check_exportable
+
+# What an export writes; the marker file tells a directory gpt2lab exported (safe to replace) apart
+# from anything else, such as a run directory or a model fine-tuned in place.
+EXPORT_MARKER = rundir.EXPORT_MARKER  # the directory's owner mark (system.rundir)
+EXPORT_FILES = ("model.safetensors", "config.json", "generation_config.json", "vocab.json", "merges.txt",
+                "tokenizer_config.json", "special_tokens_map.json", EXPORT_MARKER)
+# ... and of a model with its own tokenizer (data/tokenizer.py): its tokenizer.json in place of GPT-2's files
+TRAINED_EXPORT_FILES = ("model.safetensors", "config.json", "generation_config.json", TOKENIZER_FILE,
+                        "tokenizer_config.json", "special_tokens_map.json", EXPORT_MARKER)
+
+
+def write_tokenizer(out: str, block_size: int, chat_template: Optional[str] = None,
+                    tokenizer: Optional[TrainedBPE] = None) -> list[str]:
+    """A model's tokenizer files in HF layout; returns their names. GPT-2's: its vocab.json is OpenAI's
+    encoder.json, merges.txt its vocab.bpe. A trained ``tokenizer``: its tokenizer.json as it is (the
+    file whose sha256 names it) with tokenizer_config.json naming PreTrainedTokenizerFast.
+
+    A chat model's (``chat_template``, data/chat.py) add its two turn tokens as special added tokens
+    at their ids, the template in Jinja (``apply_chat_template``) and ``<|im_end|>`` as the end token.
+    """
+    if tokenizer is not None:
+        return _write_trained(out, block_size, chat_template, tokenizer)
+    shutil.copyfile(asset_path("encoder.json"), os.path.join(out, "vocab.json"))
+    shutil.copyfile(asset_path("vocab.bpe"), os.path.join(out, "merges.txt"))
+    special = {"bos_token": EOT_TOKEN, "eos_token": EOT_TOKEN, "unk_token": EOT_TOKEN}
+    tok_config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": block_size,
+                  "add_prefix_space": False, **special}
+    if chat_template:
+        special = {**special, "eos_token": chat.IM_END, "pad_token": EOT_TOKEN}
+        added = {str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False, "normalized": False,
+                          "single_word": False} for t, i in chat.SPECIAL_TOKENS.items()}
+        tok_config = {**tok_config, **special, "added_tokens_decoder": added,
+                      "chat_template": chat.CHAT_TEMPLATE}
+    write_json(os.path.join(out, "tokenizer_config.json"), tok_config)
+    write_json(os.path.join(out, "special_tokens_map.json"), special)
+    return ["vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json"]
+
+
+def _write_trained(out: str, block_size: int, chat_template: Optional[str], tokenizer: TrainedBPE) -> list[str]:
+    with open(os.path.join(out, TOKENIZER_FILE), "w", encoding="utf-8") as f:
+        f.write(tokenizer.text)
+    special = {"bos_token": EOT_TOKEN, "eos_token": chat.IM_END if chat_template else EOT_TOKEN,
+               "pad_token": EOT_TOKEN}
+    added = {str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False, "normalized": False,
+                      "single_word": False} for t, i in chat.special_tokens(tokenizer).items()}
+    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": block_size, **special,
+                  "added_tokens_decoder": added, **({"chat_template": chat.CHAT_TEMPLATE} if chat_template else {})}
+    write_json(os.path.join(out, "tokenizer_config.json"), tok_config)
+    write_json(os.path.join(out, "special_tokens_map.json"), special)
+    return [TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json"]
+
+
+def save_pretrained(model: GPT, out_dir: str) -> str:
+    """Write ``out_dir`` so transformers' AutoModelForCausalLM / AutoTokenizer load it unchanged; returns
+    the architecture written (``export_target``: GPT2LMHeadModel or NanoChatForCausalLM).
+
+    Everything is written into a temporary sibling directory first and renamed into place,
+    so a crash never leaves a half-written export. An existing ``out_dir`` is replaced only
+    when it is empty or an earlier gpt2lab export; anything else (a run, a parent folder,
+    someone's model) is refused before a byte is written.
+    """
+    from safetensors.torch import save_file
+
+    target = check_exportable(model.config).name
+    out_dir = os.path.abspath(out_dir)
+    replace_dir = _check_export_target(out_dir)
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    with atomic_dir(out_dir, replace=replace_dir) as tmp:
+        dtype = model.transformer.wte.weight.dtype
+        tok = for_config(model.config, model.tokenizer)
+        if target == gpt2.ARCHITECTURE:
+            sd, config = gpt2.to_hf_state_dict(model), gpt2.config_to_hf(model.config, dtype, tok)
+        else:
+            sd, config = nanochat.to_nanochat_state_dict(model), nanochat.config_to_nanochat(model.config, dtype, tok)
+        save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        write_json(os.path.join(tmp, "config.json"), config)
+        eot, end = gpt2.special_ids(model.config, tok)
+        # generate stops where gpt2lab does: a chat model at <|im_end|> (its turn), else at <|endoftext|>
+        write_json(os.path.join(tmp, "generation_config.json"),
+                   {"bos_token_id": eot, "eos_token_id": end, **({"pad_token_id": eot} if model.config.chat_template
+                                                                 else {})})
+        trained = tok if model.config.tokenizer else None
+        names = write_tokenizer(tmp, model.config.block_size, model.config.chat_template, trained)
+        files = ["model.safetensors", "config.json", "generation_config.json", *names, EXPORT_MARKER]
+        write_json(os.path.join(tmp, EXPORT_MARKER), {"format": rundir.EXPORT_FORMAT, "version": 1, "files": files,
+                                                       **({"tokenizer": trained.identity} if trained else {})})
+    return target
+
+
+def _check_export_target(out_dir: str) -> bool:
+    """Whether ``out_dir`` exists and may be replaced; raises if it must not be touched (system.rundir's rule)."""
+    found = rundir.inspect(out_dir)
+    if found.kind == "file":
+        raise UsageError(f"{out_dir} exists and is not a directory; choose another output path")
+    if found.kind in ("missing", "empty"):
+        return found.kind == "empty"
+    if found.kind == rundir.EXPORT and set(found.entries) <= {*EXPORT_FILES, *TRAINED_EXPORT_FILES}:
+        return True  # an earlier export: it holds nothing an export does not write again
+    raise UsageError(f"{out_dir} is not empty ({len(found.entries)} entries: {found.shown()}) and is not an earlier "
+                     f"gpt2lab export: it holds {rundir.what(found)}; nothing was written. Choose a new or "
+                     "empty OUT_DIR")

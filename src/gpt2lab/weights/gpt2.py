@@ -1,0 +1,137 @@
+"""Hugging Face GPT-2 (``GPT2LMHeadModel``) <-> gpt2lab: tensors and config.json.
+
+HF's GPT-2 stores its four projection matrices as ``Conv1D`` weights, (in, out), where
+``nn.Linear`` keeps (out, in); every other tensor has the same name and shape in both.
+So converting is: strip/add the ``transformer.`` prefix, transpose four weights, drop
+HF's causal-mask buffers, and let the tied lm_head follow wte. Pure mapping: no I/O.
+(NanoChat's mapping is weights/nanochat.py.)
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+import torch
+
+from gpt2lab.data.tokenizer import Tokenizer
+from gpt2lab.model.gpt import GPT, GPTConfig
+
+ARCHITECTURE = "GPT2LMHeadModel"
+MODEL_TYPE = "gpt2"
+# Weights HF keeps as Conv1D (in, out); nn.Linear wants (out, in).
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# Causal-mask buffers older transformers versions saved with the weights; not parameters.
+MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
+PDROP = ("embd_pdrop", "attn_pdrop", "resid_pdrop")  # GPTConfig and HF config.json share these names
+# What a model must be for HF's GPT-2 to compute it: field -> (value, what GPT-2 has). An untied
+# head it has (tie_word_embeddings false), biases of zero stand for none; zero_init_proj and
+# zero_init_head only set the initial weights, rope_theta matters only with rotary positions.
+NEEDS = {
+    "pos_emb": ("learned", "learned positions only"),
+    "norm": ("layernorm", "LayerNorm only"),
+    "qk_norm": (False, "no QK-norm"),
+    "mlp_act": ("gelu", "tanh GELU only"),
+    "embed_norm": (False, "no norm of the embeddings"),
+    "logit_softcap": (0.0, "no logit softcap"),
+    "value_embeds": (0, "no value embeddings"),
+    "unet_skips": (False, "no skips between blocks"),
+}
+
+
+def from_hf_state_dict(sd: dict[str, torch.Tensor], tied: bool = True) -> dict[str, torch.Tensor]:
+    """HF GPT2LMHeadModel/GPT2Model tensors -> gpt2lab names and layouts (a tied lm_head excluded)."""
+    out = {}
+    for key, t in sd.items():
+        name = key.removeprefix("transformer.")
+        if name == "lm_head.weight" and not tied:
+            out[name] = t
+            continue
+        if name.endswith(MASK_BUFFERS) or name == "lm_head.weight":
+            continue  # buffers are rebuilt by the model; a tied lm_head is wte
+        out["transformer." + name] = t.t() if name.endswith(CONV1D) else t
+    return out
+
+
+def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """gpt2lab model -> HF GPT2LMHeadModel tensors, contiguous, padded vocab rows dropped.
+
+    A tied lm_head is left out: HF saves the shared matrix once, as transformer.wte. An
+    untied one (tie_embeddings false) is saved as lm_head.weight, which HF's GPT-2 loads
+    when its config says tie_word_embeddings false. Without biases (``bias`` false) every bias
+    GPT-2 has is written as zeros: the same model.
+    """
+    real_vocab = model.config.real_vocab_size
+    out = {}
+    if not model.config.bias:
+        with torch.device("meta"):
+            full = GPT(replace(model.config, bias=True)).state_dict()
+        dtype = model.transformer.wte.weight.dtype
+        out = {k: torch.zeros(t.shape, dtype=dtype) for k, t in full.items() if k.endswith(".bias")}
+    for key, t in model.state_dict().items():
+        if key == "lm_head.weight" and model.config.tie_embeddings:
+            continue
+        t = t.detach()
+        if key.endswith(CONV1D):
+            t = t.t()
+        elif key in ("transformer.wte.weight", "lm_head.weight"):
+            t = t[:real_vocab]
+        out[key] = t.contiguous().clone().cpu()
+    return out
+
+
+def config_from_gpt2(cfg: dict) -> GPTConfig:
+    """GPTConfig for an HF GPT-2 config dict; a ValueError names an option gpt2lab's model does not have."""
+    checks = {
+        "activation_function": (cfg.get("activation_function", "gelu_new"), ("gelu_new", "gelu_pytorch_tanh")),
+        "n_inner": (cfg.get("n_inner"), (None, 4 * cfg.get("n_embd", 768))),
+        "scale_attn_weights": (cfg.get("scale_attn_weights", True), (True,)),
+        "scale_attn_by_inverse_layer_idx": (cfg.get("scale_attn_by_inverse_layer_idx", False), (False,)),
+    }
+    for field, (value, allowed) in checks.items():
+        if value not in allowed:
+            raise ValueError(f"{field}={value!r} is not supported by gpt2lab's GPT-2 (needs one of {allowed})")
+    return GPTConfig(
+        block_size=cfg.get("n_positions", cfg.get("n_ctx", 1024)),
+        vocab_size=cfg.get("vocab_size", 50257),
+        n_layer=cfg.get("n_layer", 12),
+        n_head=cfg.get("n_head", 12),
+        n_embd=cfg.get("n_embd", 768),
+        layer_norm_epsilon=cfg.get("layer_norm_epsilon", 1e-5),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        **{k: cfg.get(k, 0.1) for k in PDROP},  # transformers' GPT2Config default is 0.1
+    )
+
+
+def special_ids(config: GPTConfig, tok: Tokenizer) -> tuple[Optional[int], Optional[int]]:
+    """(<|endoftext|>'s id, the end token's) of a model, in its tokenizer ``tok``: a chat model ends at
+    <|im_end|>; tiny test vocabularies have neither (None)."""
+    eot = tok.eot_id if config.real_vocab_size > tok.eot_id else None
+    return eot, (tok.im_end_id if config.chat_template else eot)
+
+
+def config_to_hf(config: GPTConfig, dtype: torch.dtype, tok: Tokenizer) -> dict:
+    """The config.json transformers' GPT2LMHeadModel reads; vocab is the real (unpadded) one."""
+    vocab = config.real_vocab_size
+    eot, end = special_ids(config, tok)
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": MODEL_TYPE,
+        "vocab_size": vocab,
+        "n_positions": config.block_size,
+        "n_ctx": config.block_size,
+        "n_embd": config.n_embd,
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "n_inner": None,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": config.layer_norm_epsilon,
+        # the model's own dropout (pretraining presets: 0.0), never transformers' default 0.1
+        **{k: getattr(config, k) for k in PDROP},
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "bos_token_id": eot,
+        "eos_token_id": end,
+        "tie_word_embeddings": config.tie_embeddings,
+        "use_cache": True,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
