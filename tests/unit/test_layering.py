@@ -127,7 +127,7 @@ def test_the_exemptions_cover_exactly_their_two_imports(tmp_path):
     # another package from an exempt method, and an exempt package from another method
     planted = text.replace("        from gpt2lab.inference.generate import generate\n",
                            "        from gpt2lab.inference.generate import generate\n"
-                           "        from gpt2lab.serve.api import create_app  # noqa\n")
+                           "        from gpt2lab.serve.app import create_app  # noqa\n")
     planted = planted.replace("    def new_kv_cache(self, max_len: Optional[int] = None) -> KVCache:\n",
                               "    def new_kv_cache(self, max_len: Optional[int] = None) -> KVCache:\n"
                               "        from gpt2lab.weights.load import from_pretrained  # noqa\n")
