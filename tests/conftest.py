@@ -124,3 +124,112 @@ def damaged_copy(src: str, dst: str, what: str) -> str:
         with open(path, "w") as f:
             f.write('{"model_type": "gpt2", "n_layer": ')
     return path
+
+
+# --- gpt2lab serve: a running app (uvicorn in a thread, on a free port), the servers several test
+# modules share, and requests and /metrics as the serve tests make and read them
+
+import contextlib  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+from typing import Iterator  # noqa: E402
+
+from gpt2lab.serve.limits import Limits  # noqa: E402
+
+
+@contextlib.contextmanager
+def serving_in_thread(workers: dict, host: str = "127.0.0.1") -> Iterator[str]:
+    """Serve ``workers`` with uvicorn and their engine each in a background thread on a free port;
+    yield the base URL. The workers are closed on exit. (``gpt2lab serve`` runs the engine in its main
+    thread instead: serve.server.serve_here.)"""
+    from gpt2lab.serve.engine import Engine
+    from gpt2lab.serve.server import bind, uvicorn_in_thread
+
+    engine = Engine(workers).start()
+    with uvicorn_in_thread(workers, bind(host, 0)) as url:  # port 0: the OS picks a free port
+        try:
+            yield url
+        finally:
+            engine.close()
+
+
+@contextlib.contextmanager
+def running_server(models: list[str], limits=None, deterministic: bool = False, linear: str = "packed",
+                   dtype: str = "float32", quantize: str = "none") -> Iterator[str]:
+    """Load ``models`` ([NAME=]MODEL, as on the command line) on CPU, serve them; yield the base URL.
+    ``limits`` (serve.limits.Limits), ``deterministic``, ``linear`` (--cpu-linear), ``dtype`` and
+    ``quantize`` are the serve flags of those names; the tests run fp32 packed linears (one candidate:
+    nothing is measured), what ``auto`` picks for fp32 on most CPUs."""
+    pytest.importorskip("uvicorn", reason="gpt2lab serve needs the serve extra (fastapi, uvicorn)")
+    from gpt2lab.inference.choice import InferenceRequest
+    from gpt2lab.serve.models import load_workers
+
+    request = InferenceRequest(dtype=dtype, quantize=quantize, linear=linear)
+    with serving_in_thread(load_workers(models, "cpu", request, limits, deterministic)) as url:
+        yield url
+
+
+def scrape(url: str) -> dict:
+    """/metrics parsed by prometheus_client's own parser: {(name, labels...): value}."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {(s.name, *sorted(s.labels.items())): s.value for f in text_string_to_metric_families(text)
+            for s in f.samples}
+
+
+def wait_until_idle(url: str, model: str, timeout: float = 30) -> dict:
+    """Poll /metrics until ``model`` has no request waiting and no row generating; the last scrape.
+    A client's hang-up reaches the server asynchronously: this is how a test knows it has."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = scrape(url)
+        busy = m[("gpt2lab_queue_depth", ("model", model))], m[("gpt2lab_active_rows", ("model", model))]
+        if busy == (0, 0) or time.monotonic() > deadline:
+            assert busy == (0, 0), f"after {timeout:g} s model {model!r} still has (waiting, rows) {busy}"
+            return m
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def pair_server(gpt2_vocab_export):
+    """The batching server with two names for the tiny real-vocabulary model: "tiny" and "twin"."""
+    _, d = gpt2_vocab_export
+    with running_server([f"tiny={d}", f"twin={d}"]) as url:
+        yield url, d
+
+
+@pytest.fixture(scope="module", params=["batched", "turns"])
+def tiny_server(request, gpt2_vocab_export):
+    """The tiny real-vocabulary model as "tiny", in both server modes; the batching worker runs prompts
+    7 tokens per step, so that scoring crosses chunks. Yields the URL and the model."""
+    model, d = gpt2_vocab_export
+    with running_server([f"tiny={d}"], Limits(prefill_chunk=7), deterministic=request.param == "turns") as url:
+        yield url, model
+
+
+@functools.lru_cache(maxsize=None)
+def openai_client(url: str):
+    """The official openai client of the server at ``url`` (thread-safe, keeps connections): one per server."""
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def post_completion(url: str, body, **headers):
+    """POST ``body`` (a dict, or bytes as they are) to /v1/completions as JSON; the httpx response."""
+    import httpx
+
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()  # json.dumps keeps \ud800 escaped
+    return httpx.post(url + "/v1/completions", content=content, timeout=60,
+                      headers={"Content-Type": "application/json", **headers})
+
+
+def post_chat(url: str, body: dict):
+    """POST ``body`` for the model "tiny" to /v1/chat/completions; the httpx response."""
+    import httpx
+
+    return httpx.post(url + "/v1/chat/completions", content=json.dumps({"model": "tiny", **body}).encode(),
+                      headers={"Content-Type": "application/json"}, timeout=60)  # json.dumps keeps \ud800 escaped

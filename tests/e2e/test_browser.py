@@ -13,7 +13,7 @@ import shutil
 import httpx
 import pytest
 
-from serve_utils import running_server, wait_until_idle
+from conftest import running_server, wait_until_idle
 
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--no-first-run", "--disable-sync"]

@@ -111,7 +111,7 @@ def test_sampling_with_the_cache_equals_without(modern_run):
 
 def test_serve_answers_with_the_models_greedy_tokens(modern_run):
     httpx = pytest.importorskip("httpx")
-    from serve_utils import running_server
+    from conftest import running_server
 
     from gpt2lab.data.tokenizer import gpt2_tokenizer
 

@@ -389,7 +389,7 @@ def test_serve_reads_and_writes_text_in_the_models_tokenizer(tok, tmp_path):
     """Completions (echoed tokens and their logprob names) and chat completions (the template's prompt,
     the reply's text) in the trained tokenizer, for a chat model exported with it."""
     import httpx
-    from serve_utils import running_server
+    from conftest import running_server
 
     from gpt2lab.evals.chat import greedy_reply
     from gpt2lab.weights import export

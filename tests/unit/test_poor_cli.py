@@ -48,7 +48,7 @@ def test_sample_refuses_a_prompt_and_new_tokens_past_the_context_as_the_server_d
 
 def test_the_server_refuses_by_the_same_rule(monkeypatch):
     from gpt2lab.inference import completion
-    from gpt2lab.serve import api
+    from gpt2lab.serve import completions
 
     seen = []
 
@@ -56,7 +56,7 @@ def test_the_server_refuses_by_the_same_rule(monkeypatch):
         seen.append((prompt_tokens, max_new_tokens, context))
         return False
 
-    monkeypatch.setattr(api, "fits_context", rule)
+    monkeypatch.setattr(completions, "fits_context", rule)
 
     class Worker:
         block_size = 128
@@ -64,8 +64,8 @@ def test_the_server_refuses_by_the_same_rule(monkeypatch):
         class limits:
             max_tokens = 1024
 
-    with pytest.raises(api.APIError, match="maximum context length is 128"):
-        api._check_length([[1] * 5, [1] * 7], 3, Worker(), default=False, what="prompt")
+    with pytest.raises(completions.APIError, match="maximum context length is 128"):
+        completions._check_length([[1] * 5, [1] * 7], 3, Worker(), default=False, what="prompt")
     assert seen == [(7, 3, 128)]  # the longest prompt, through the shared rule
     assert completion.fits_context(100, 28, 128) and not completion.fits_context(100, 29, 128)
 

@@ -248,7 +248,7 @@ def fault_run(url: str, limits: Limits, block_size: int, new_tokens: int, discon
 
 def run(args: argparse.Namespace) -> dict:
     from gpt2lab.serve.models import load_workers
-    from gpt2lab.serve.api import bind, serve_here
+    from gpt2lab.serve.server import bind, serve_here
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn  # noqa: F401  (the serve extra: a missing one is this one line)
 
-        from gpt2lab.serve.api import bind, serve_here
+        from gpt2lab.serve.server import bind, serve_here
     except ImportError as e:
         raise SystemExit(f"gpt2lab serve needs FastAPI and uvicorn ({e}); pip install 'gpt2lab[serve]'") from None
     names = model_names(args.model)  # a bad --model fails before any loading

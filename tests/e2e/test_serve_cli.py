@@ -1,5 +1,5 @@
 """Ctrl-C ends `gpt2lab serve` with exit 130, SIGTERM with 143 (a real process and a real signal; the port
-errors are in unit/test_poor_serve.py), ending the requests still open with an error."""
+errors are in unit/test_serve_command.py), ending the requests still open with an error."""
 from __future__ import annotations
 
 import signal
@@ -42,7 +42,7 @@ def test_ctrl_c_ends_each_open_request_with_an_error_says_one_line_and_exits_130
 
     import httpx
 
-    from serve_utils import scrape
+    from conftest import scrape
 
     _, d = gpt2_vocab_export
     p = subprocess.Popen([sys.executable, "-m", "gpt2lab", "serve", "--model", f"tiny={d}", "--device", "cpu",

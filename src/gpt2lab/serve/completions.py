@@ -1,0 +1,201 @@
+"""One request past its schema: ``Completion`` (``/v1/completions``) and ``ChatCompletion`` (the
+messages in the model's chat template as one prompt) check what the schema cannot (the model, the
+prompt's tokens, the context length, the --max-tokens cap, the parameters served only at their
+neutral values), each refusal an ``APIError`` naming its field, and become the engine's ``Work``."""
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from typing import Optional, Union
+
+from gpt2lab.data.tokenizer import short
+from gpt2lab.inference import chat
+from gpt2lab.inference.completion import (PromptError, Sampling, TokenText, check_ids, encode_prompt, fits_context,
+                                          prompt_text)
+from gpt2lab.serve.engine import Job, QueueFull, ShuttingDown, Work, Worker
+from gpt2lab.serve.responses import APIError, Logprobs, shutting_down
+from gpt2lab.serve.schemas import MAX_PROMPTS, MAX_STOPS, ChatMessage, ChatRequest, CompletionRequest
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def _unsupported(checks: tuple[tuple[str, bool], ...]) -> None:
+    for name, bad in checks:
+        if bad:
+            raise APIError(400, f"{name} is not supported by gpt2lab serve; leave it out", param=name)
+
+
+def _prompts(req: CompletionRequest, model) -> tuple[list[list[int]], list[str]]:
+    """Token ids of each prompt for ``model``, and each prompt's text (for echo and
+    logprobs' text offsets)."""
+    p, vocab = req.prompt, model.config.real_vocab_size
+    texts = None
+    if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(x, str) for x in p)):
+        texts = [prompt_text(t) for t in ([p] if isinstance(p, str) else p)]  # a lone surrogate is U+FFFD
+        ids = [encode_prompt(t, model) for t in texts]  # as sample
+    elif isinstance(p, list) and p and all(isinstance(x, int) for x in p):
+        ids = [p]
+    else:
+        ids = list(p) if isinstance(p, list) else []
+    if not ids or len(ids) > MAX_PROMPTS:
+        raise APIError(400, f"prompt: pass 1 to {MAX_PROMPTS} prompts (text or token ids)", param="prompt")
+    for i, one in enumerate(ids):
+        try:
+            check_ids(one, vocab, from_text=texts is not None, tokenizer=short(model.config.tokenizer))
+        except PromptError as e:
+            where = f"prompt[{i}]" if len(ids) > 1 else "prompt"
+            raise APIError(400, f"{where}: {e}", param="prompt") from None
+    return ids, texts or [_decode(one, model) for one in ids]
+
+
+def _decode(ids: list[int], model) -> str:
+    """The text of token ids as the tokens' text is streamed (TokenText: ids past the tokenizer's as <|id|>)."""
+    text = TokenText(model)
+    return "".join(text.feed(t) for t in ids) + text.flush()
+
+
+def _check_length(prompts: list[list[int]], max_tokens: int, worker: Worker, default: bool, what: str) -> None:
+    """Refuse a request past --max-tokens or the model's context, saying what it asked: ``default``
+    when the request left max_tokens out; ``what`` names its prompt ("prompt" or "messages")."""
+    said = f"max_tokens' default of {max_tokens}" if default else f"max_tokens {max_tokens}"
+    if max_tokens > worker.limits.max_tokens:
+        raise APIError(400, f"max_tokens: this server gives at most {worker.limits.max_tokens} tokens per "
+                            f"choice (--max-tokens); you asked for {said}", param="max_tokens")
+    longest, block = max(len(p) for p in prompts), worker.block_size
+    if longest > block or (longest == block and max_tokens > 0):  # no max_tokens could make it fit
+        alone = {"prompt": f"the {'longest ' if len(prompts) > 1 else ''}prompt alone takes {longest} tokens",
+                 "messages": f"the messages alone take {longest} tokens (as the chat template writes them)"}[what]
+        room = "" if longest > block else ", which leaves no room for a completion"
+        raise APIError(400, f"This model's maximum context length is {block} tokens, and {alone}{room}. "
+                            f"Shorten the {what}.", param=what, code="context_length_exceeded")
+    if not fits_context(longest, max_tokens, block):
+        raise APIError(400, f"This model's maximum context length is {block} tokens; you asked for "
+                            f"{longest + max_tokens} ({longest} in the {what}, {said}). Shorten the {what} or "
+                            "lower max_tokens.", param="max_tokens", code="context_length_exceeded")
+
+
+def _stops(stop: Optional[Union[str, list[str]]]) -> list[str]:
+    stops = [prompt_text(s) for s in ([stop] if isinstance(stop, str) else list(stop or []))]
+    if len(stops) > MAX_STOPS:
+        raise APIError(400, f"stop: at most {MAX_STOPS} sequences", param="stop")
+    return stops
+
+
+def _worker(model: str, workers: dict[str, Worker]) -> Worker:
+    if model not in workers:
+        raise APIError(404, f"The model {model!r} does not exist; this server has: "
+                            f"{', '.join(workers)}", param="model", code="model_not_found")
+    return workers[model]
+
+
+class Completion:
+    """One validated completion request: its worker, its work, and the response id."""
+
+    def __init__(self, req: CompletionRequest, workers: dict[str, Worker]) -> None:
+        self.req, self.worker = req, _worker(req.model, workers)
+        _unsupported((("best_of", req.best_of not in (None, 1, req.n)),
+                      ("presence_penalty", bool(req.presence_penalty)),
+                      ("frequency_penalty", bool(req.frequency_penalty)),
+                      ("logit_bias", bool(req.logit_bias)), ("suffix", bool(req.suffix))))
+        self.prompts, self.texts = _prompts(req, self.worker.model)
+        default = req.max_tokens is None or "max_tokens" not in req.model_fields_set
+        self._prepare(16 if req.max_tokens is None else req.max_tokens, _stops(req.stop),
+                      echo=self.texts if req.echo else [], logprobs=req.logprobs, default=default)
+        self.id = f"cmpl-{secrets.token_hex(12)}"
+
+    def _prepare(self, max_tokens: int, stops: list[str], echo: list[str], logprobs: Optional[int],
+                 default: bool, what: str = "prompt") -> None:
+        """The work of ``self.prompts`` with the request's sampling settings (shared with chat)."""
+        req = self.req
+        _check_length(self.prompts, max_tokens, self.worker, default, what)
+        self.sampling = Sampling(max_new_tokens=max_tokens, temperature=_or(req.temperature, 1.0),
+                                 top_k=req.top_k, top_p=req.top_p)
+        # without a seed each prompt draws its own (equal prompts get their own samples); with one,
+        # every prompt starts from it, as `gpt2lab sample --seed` does
+        seeds = ([req.seed] * len(self.prompts) if req.seed is not None
+                 else [secrets.randbelow(2 ** 63) for _ in self.prompts])
+        self.n = req.n or 1
+        self.work = Work(self.prompts, self.sampling, n=self.n, seeds=seeds, stops=stops, echo=echo,
+                         logprobs=logprobs)
+        self.created = int(time.time())
+
+    def start(self) -> Job:
+        """Hand the request to its worker; a full queue answers 429 at once."""
+        job = Job(self.work, asyncio.get_running_loop(), self.worker.limits.timeout_s)
+        try:
+            self.worker.submit(job)
+        except QueueFull as e:
+            raise APIError(429, str(e), code="queue_full", kind="server_busy") from None
+        except ShuttingDown as e:
+            raise shutting_down(e) from None
+        return job
+
+    def usage(self, completion_tokens: int) -> dict:
+        prompt_tokens = sum(len(p) for p in self.prompts)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    def chunk(self, choices: list[dict], **extra) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.req.model,
+                "choices": choices, **extra}
+
+    def logprobs(self) -> dict[int, Logprobs]:
+        """Each choice's logprobs, built as its tokens come (empty without ``logprobs``). Text offsets
+        count from the start of the prompt, echoed or not, as OpenAI's do."""
+        if self.work.logprobs is None:
+            return {}
+        return {i: Logprobs(0 if self.work.echo else len(self.texts[i // self.n]), self.worker.model)
+                for i in range(len(self.prompts) * self.n)}
+
+
+class ChatCompletion(Completion):
+    """One validated chat request: the messages in the model's chat template as one prompt (inference/chat.py)."""
+
+    def __init__(self, req: ChatRequest, workers: dict[str, Worker]) -> None:
+        self.req, self.worker = req, _worker(req.model, workers)
+        _unsupported((("logprobs", bool(req.logprobs)), ("top_logprobs", req.top_logprobs is not None),
+                      ("presence_penalty", bool(req.presence_penalty)),
+                      ("frequency_penalty", bool(req.frequency_penalty)), ("logit_bias", bool(req.logit_bias))))
+        if req.response_format is not None and req.response_format.get("type") != "text":
+            raise APIError(400, "response_format: only {\"type\": \"text\"} is supported (a base model cannot be "
+                                f"held to a format); got {req.response_format!r}", param="response_format")
+        if not req.messages:
+            raise APIError(400, "messages: pass at least one message", param="messages")
+        try:  # text in a message is text: "<|endoftext|>" or "<|im_end|>" typed there cannot end a turn
+            prompt = chat.chat_prompt(self.worker.model, [(m.role, _content(i, m)) for i, m in enumerate(req.messages)])
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        ids, text, self.strip = prompt.ids, prompt.text, prompt.strip
+        try:
+            check_ids(ids, self.worker.model.config.real_vocab_size)
+        except PromptError as e:
+            raise APIError(400, f"messages: {e}", param="messages") from None
+        self.prompts, self.texts = [ids], [text]
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        default = max_tokens is None
+        if default:  # as OpenAI: what the context leaves, here up to --max-tokens
+            max_tokens = max(1, min(self.worker.limits.max_tokens, self.worker.block_size - len(ids)))
+        self._prepare(max_tokens, [*_stops(req.stop), *prompt.stops], echo=[], logprobs=None, default=default,
+                      what="messages")
+        self.id = f"chatcmpl-{secrets.token_hex(12)}"
+
+    def chunk(self, choices: list[dict], **extra) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.req.model,
+                "choices": choices, **extra}
+
+
+def _content(i: int, m: ChatMessage) -> str:
+    """A message's text: a string, or the text of its ``{"type": "text"}`` parts (a lone surrogate
+    as U+FFFD, as in a prompt)."""
+    if m.content is None or isinstance(m.content, str):
+        return prompt_text(m.content or "")
+    parts = []
+    for part in m.content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
+                             f"are supported, got {part.get('type')!r}")
+        parts.append(prompt_text(part["text"]))
+    return "".join(parts)

@@ -1,0 +1,116 @@
+"""What a request body may hold: OpenAI's completion and chat parameters as strict pydantic models,
+the limits on their lists (MAX_N, MAX_PROMPTS, MAX_STOPS, MAX_LOGPROBS), and FastAPI's validation
+errors (malformed JSON, wrong types, out-of-range values) as one OpenAI error naming the field."""
+from __future__ import annotations
+
+import re
+from typing import Optional, Union
+
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field
+
+from gpt2lab.serve.responses import APIError
+
+MAX_N = 16  # choices per request (per prompt)
+MAX_PROMPTS = 16
+MAX_STOPS = 4  # as OpenAI
+MAX_LOGPROBS = 5  # as OpenAI's completions
+
+
+class CompletionRequest(BaseModel):
+    """OpenAI's completion parameters; ``top_k`` is an extra (0 or absent keeps every token). Strict:
+    ``true`` is not an integer (pydantic's lax mode takes it as 1), nor ``1`` a boolean."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str
+    prompt: Union[str, list[str], list[int], list[list[int]]] = "<|endoftext|>"
+    max_tokens: Optional[int] = Field(16, ge=0)
+    temperature: Optional[float] = Field(1.0, ge=0)
+    top_p: Optional[float] = Field(1.0, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=0)
+    n: Optional[int] = Field(1, ge=1, le=MAX_N)
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = Field(None, ge=0, lt=2 ** 63)
+    stream: Optional[bool] = False
+    stream_options: Optional[dict] = None
+    echo: Optional[bool] = False
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    # accepted for compatibility only at their neutral values
+    best_of: Optional[int] = None
+    presence_penalty: Optional[float] = 0
+    frequency_penalty: Optional[float] = 0
+    logit_bias: Optional[dict] = None
+    suffix: Optional[str] = None
+    user: Optional[str] = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: str
+    content: Union[str, list[dict], None] = None
+    name: Optional[str] = None  # OpenAI's participant name: accepted, not written into the template
+
+
+class ChatRequest(BaseModel):
+    """OpenAI's chat parameters (the ones a plain-text template can honour); ``top_k`` is an extra."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str
+    messages: list[ChatMessage]
+    max_tokens: Optional[int] = Field(None, ge=1)  # None: the rest of the context, up to --max-tokens
+    max_completion_tokens: Optional[int] = Field(None, ge=1)  # OpenAI's newer name for it
+    temperature: Optional[float] = Field(1.0, ge=0)
+    top_p: Optional[float] = Field(1.0, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=0)
+    n: Optional[int] = Field(1, ge=1, le=MAX_N)
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = Field(None, ge=0, lt=2 ** 63)
+    stream: Optional[bool] = False
+    stream_options: Optional[dict] = None
+    # accepted for compatibility only at their neutral values
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = None
+    presence_penalty: Optional[float] = 0
+    frequency_penalty: Optional[float] = 0
+    logit_bias: Optional[dict] = None
+    response_format: Optional[dict] = None  # {"type": "text"} only (OpenAI's default)
+    user: Optional[str] = None
+
+
+# What a union-typed field takes, for an error that fits none of its types (pydantic reports one per type)
+UNIONS = {"prompt": "text, a list of texts, a list of token ids (integers) or a list of such lists",
+          "stop": "a string or a list of strings", "content": 'a string, a list of {"type": "text"} parts or null'}
+# The tags pydantic puts in an error's location for a union's member types: "str", "list[int]", ...
+_MEMBER = re.compile(r"(str|int|float|bool|dict|list|none)(\[.*\])?")
+
+
+def _where(loc: tuple) -> tuple[str, bool]:
+    """An error's location as OpenAI names it ("messages[0].content"), and whether it went into a
+    union's member types (left out of the name)."""
+    path = ""
+    for x in loc[1:] if loc[:1] == ("body",) else loc:
+        if isinstance(x, int):
+            path += f"[{x}]"
+        elif _MEMBER.fullmatch(str(x)):
+            return path, True
+        else:
+            path += f".{x}" if path else str(x)
+    return path, False
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """FastAPI's checks (malformed JSON, wrong types, out-of-range values) as one OpenAI error."""
+    errors = exc.errors()
+    first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON ({first.get('msg')}); "
+                             "send a JSON object with Content-Type: application/json")
+    where, union = _where(tuple(first.get("loc", ())))
+    if first.get("type") == "extra_forbidden":
+        return APIError(400, f"unrecognized request argument: {where or '?'}", param=where or None)
+    msg = first.get("msg")
+    if union:
+        field = re.sub(r".*[.\]]", "", where)  # "messages[0].content" -> "content"
+        msg = f"expected {UNIONS.get(field, 'another type')}"
+    return APIError(400, f"{where or 'body'}: {msg} (got {first.get('input')!r})", param=where or None)

@@ -1,0 +1,114 @@
+"""Serving the app: ``bind`` (the listening socket, its errors as one-line UsageErrors),
+``make_server`` (uvicorn), ``uvicorn_in_thread`` (uvicorn from a thread; at Ctrl-C the open
+requests end with a shutdown error before it drains) and ``serve_here`` (the models run in the
+calling thread, the engine's, beside uvicorn's)."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import socket
+import threading
+import time
+from typing import Iterator
+
+from gpt2lab.serve.app import create_app
+from gpt2lab.serve.engine import Engine, ShuttingDown, Worker
+
+
+def serve_here(workers: dict[str, Worker], sock: socket.socket, client=None, stopping=None) -> None:
+    """Serve ``workers`` on ``sock``: uvicorn from a background thread, the models from this one (the
+    Engine's docstring says why this thread). With ``client`` (a function of the base URL), run it in
+    a third thread and stop when it returns (``gpt2lab bench serve``); without, serve until Ctrl-C.
+    Ctrl-C stops the models at once; every open request ends with a "server shutting down" error (a
+    stream's last event before ``[DONE]``, else a 503), ``stopping`` (if given) is called with how
+    many, and the KeyboardInterrupt is raised again once uvicorn has sent those and stopped."""
+    engine = Engine(workers)
+    with uvicorn_in_thread(workers, sock, stopping) as url:
+        if client is not None:
+            errors: list[BaseException] = []
+
+            def drive() -> None:
+                try:
+                    client(url)
+                except BaseException as e:  # handed to the caller below
+                    errors.append(e)
+                finally:
+                    for w in workers.values():
+                        w.close()
+
+            threading.Thread(target=drive, name="gpt2lab-serve-client", daemon=True).start()
+        try:
+            engine.run()  # Ctrl-C stops it here; uvicorn_in_thread ends the open requests
+        finally:
+            for w in workers.values():
+                w.close()
+    if client is not None and errors:
+        raise errors[0]
+
+
+@contextlib.contextmanager
+def uvicorn_in_thread(workers: dict[str, Worker], sock: socket.socket, stopping=None) -> Iterator[str]:
+    """uvicorn serving ``workers``' app on ``sock`` from a thread; yields the base URL once it accepts.
+    A KeyboardInterrupt (from the start-up wait or the caller's block, where the engine runs) ends the
+    workers' open requests with ShuttingDown and tells ``stopping`` how many, before uvicorn stops."""
+    server = make_server(workers)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    host, port = sock.getsockname()[:2]
+    try:
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server thread did not start")
+            time.sleep(0.02)
+        yield f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    except KeyboardInterrupt:  # nothing will answer the open requests now: end them, so that uvicorn can drain
+        error = ShuttingDown("server shutting down: the request was ended before it finished; retry it later")
+        ended = sum(w.shut_down(error) for w in workers.values())
+        if stopping is not None:
+            stopping(ended)
+        raise
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+def make_server(workers: dict[str, Worker]):
+    """The uvicorn server of ``workers``' app (run it on a socket from ``bind``). uvicorn.Server,
+    not uvicorn.run: after its graceful shutdown uvicorn raises the Ctrl-C it caught again, and
+    cli.main turns that KeyboardInterrupt into exit 130 (uvicorn.run ate it)."""
+    import uvicorn
+
+    return uvicorn.Server(uvicorn.Config(create_app(workers), log_level="warning"))
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host``:``port``; a port out of range, in use or not ours to take is a
+    UsageError (exit 2) naming --port or --host, not uvicorn's log line and exit 3."""
+    from gpt2lab.system.errors import UsageError
+
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port {port}: must be 0 to 65535 (0 lets the system pick a free one)")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise UsageError(f"--host {host}: not an address of this machine ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart at once after a stop
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            why = "is in use (another server?); stop it or pick another --port"
+        elif e.errno in (errno.EACCES, errno.EPERM):
+            why = "cannot be taken by this user (ports below 1024 need privileges); pick a --port above 1023"
+        elif e.errno == errno.EADDRNOTAVAIL:
+            raise UsageError(f"--host {host}: not an address of this machine; use 127.0.0.1 or 0.0.0.0") from None
+        else:
+            why = f"cannot be bound ({e.strerror})"
+        raise UsageError(f"--port {port} on {host} {why}") from None
+    sock.set_inheritable(True)
+    return sock

@@ -1,0 +1,114 @@
+"""The batching worker (serve/batch.py): 8 requests in one batch draw the tokens `gpt2lab sample`'s code
+draws for each alone; a row's logits in the batch equal the one-row model's, as rows join and leave,
+with GPT-2's block and the modern one, plain and packed linears; a sampling error ends its request
+with a 500 instead of leaving it to time out."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from conftest import openai_client, post_completion, running_server, tiny_gpt
+
+openai = pytest.importorskip("openai", reason="the serve tests use the official openai client (test extra)")
+httpx = pytest.importorskip("httpx")
+
+
+def test_batched_requests_draw_the_tokens_sample_draws(pair_server, gpt2_vocab_export):
+    """Item 2's test set: 8 prompts x seeds in flight together (one batch) give the text that
+    completion.stream_text (gpt2lab sample's code) gives each alone."""
+    from gpt2lab.inference.completion import Sampling, prompt_ids, seeded_generator, stream_text
+
+    url, _ = pair_server
+    model, _ = gpt2_vocab_export
+    cases = [(f"Prompt {i}: " + "word " * (3 * i), 10 + i, [0.7, 1.0, 1.3][i % 3], [None, 40][i % 2]) for i in range(8)]
+    expected = []
+    for prompt, seed, temperature, top_k in cases:
+        s = Sampling(max_new_tokens=20, temperature=temperature, top_k=top_k)
+        expected.append("".join(t for _, t, _ in stream_text(model, prompt_ids(prompt, model), s,
+                                                           seeded_generator(torch.device("cpu"), seed))))
+    got: dict[int, str] = {}
+    barrier = threading.Barrier(len(cases))
+
+    def run(i: int) -> None:
+        prompt, seed, temperature, top_k = cases[i]
+        barrier.wait()
+        r = openai_client(url).completions.create(model="tiny", prompt=prompt, max_tokens=20, seed=seed,
+                                           temperature=temperature, extra_body={"top_k": top_k})
+        got[i] = r.choices[0].text
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [got.get(i) for i in range(len(cases))] == expected
+    assert len(set(expected)) == len(cases)
+
+
+MODERN = dict(pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2", tie_embeddings=False,
+              logit_softcap=15.0)
+
+
+@pytest.mark.parametrize("linear", ["plain", "packed"])
+@pytest.mark.parametrize("block", [{}, MODERN], ids=["gpt2", "modern"])
+def test_batched_rows_give_the_unbatched_models_logits(block, linear):
+    """RowsCache: rows of different lengths joining and leaving; every row's logits equal the
+    one-row forward of its whole sequence without a cache (with rotary, each row is turned by
+    its own positions), also with the server's packed linears against the plain model."""
+    import copy
+
+    from gpt2lab.inference.kernels import packing_available
+    from gpt2lab.inference.choice import Candidate
+    from gpt2lab.inference.form import hold as apply
+    from gpt2lab.serve.batch import RowsCache
+
+    model = tiny_gpt(seed=5, vocab_size=97, block_size=48, **block)
+    reference = copy.deepcopy(model)
+    if linear == "packed":
+        if not packing_available():
+            pytest.skip("this torch build has no oneDNN packed linear")
+        model = apply(model, Candidate("float32", "packed"), rows=4)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (3, 9, 16)]
+    cache = RowsCache(model.config.n_layer, model.config.block_size)
+
+    def join(seq: list[int]) -> None:
+        one = model.new_kv_cache(40)
+        model(torch.tensor([seq]), kv_cache=one)
+        cache.put(len(cache.lengths), one, 4)
+
+    with torch.inference_mode():
+        for seq in seqs:
+            join(seq)
+        for step in range(8):
+            if step == 3:  # the first row leaves (the last moves into its slot) and a new one joins
+                cache.remove(0)
+                seqs[0] = seqs.pop()
+                seqs.append(torch.randint(0, 97, (5,), generator=g).tolist())
+                join(seqs[-1])
+            new = torch.randint(0, 97, (len(seqs), 1), generator=g)
+            batched, _ = model(new, kv_cache=cache.view(torch.device("cpu")), last_only=True)
+            for i, seq in enumerate(seqs):
+                seq.append(int(new[i]))
+                alone, _ = reference(torch.tensor([seq]), last_only=True)
+                torch.testing.assert_close(batched[i, -1], alone[0, -1], rtol=1e-5, atol=1e-5)
+            assert cache.lengths == [len(s) for s in seqs]
+        cache.remove(1), cache.remove(1), cache.remove(0)
+    assert cache.k[0] is None  # idle: the buffers are given back
+
+
+def test_batched_worker_fails_a_request_whose_first_sample_raises(gpt2_vocab_export, monkeypatch):
+    """A sampling error at the end of a prompt's prefill is answered (500), not left to time out."""
+    from gpt2lab.serve import batch
+    from gpt2lab.serve.limits import Limits
+
+    def broken(*a, **k):
+        raise RuntimeError("sampling broke")
+
+    monkeypatch.setattr(batch, "sample_next", broken)
+    _, d = gpt2_vocab_export
+    with running_server([f"tiny={d}"], limits=Limits(timeout_s=20)) as url:
+        r = post_completion(url, {"model": "tiny", "prompt": "x", "max_tokens": 2})
+    assert r.status_code == 500 and "sampling broke" in r.json()["error"]["message"]

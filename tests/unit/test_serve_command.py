@@ -1,0 +1,49 @@
+"""`gpt2lab serve`'s refusals before it serves, each one line and its exit code: a model that is not
+there, a bad limit, a model id given twice, a port in use or out of range, a precision the device
+cannot run (the signals are in e2e/test_serve_cli.py)."""
+from __future__ import annotations
+
+import pytest
+
+from gpt2lab import cli
+
+
+def test_serve_bad_model_is_one_line(tmp_path, capsys):
+    missing = str(tmp_path / "missing")
+    assert cli.main(["serve", "--model", missing, "--device", "cpu", "--port", "0"]) == 1
+    assert capsys.readouterr().err.strip().startswith(f"gpt2lab serve: --model {missing}: no such directory")
+    assert cli.main(["serve", "--model", missing, "--max-queue", "0", "--port", "0"]) == 2  # a UsageError
+    assert capsys.readouterr().err.strip().endswith("--max-queue 0: must be at least 1")
+    with pytest.raises(SystemExit, match="given twice"):
+        cli.main(["serve", "--model", f"a={missing}", "--model", f"a={tmp_path}", "--port", "0"])
+
+
+def test_port_in_use_is_one_line_and_exit_2(gpt2_vocab_export, capsys):
+    import socket
+
+    _, d = gpt2_vocab_export
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        assert cli.main(["serve", "--model", d, "--device", "cpu", "--port", str(port)]) == 2
+    finally:
+        holder.close()
+    assert capsys.readouterr().err.splitlines() == [
+        f"gpt2lab serve: --port {port} on 127.0.0.1 is in use (another server?); stop it or pick another --port"]
+
+
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_port_out_of_range_is_one_line_and_exit_2(gpt2_vocab_export, capsys, port):
+    _, d = gpt2_vocab_export
+    assert cli.main(["serve", "--model", d, "--device", "cpu", "--port", port]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"gpt2lab serve: --port {port}: must be 0 to 65535 (0 lets the system pick a free one)"]
+
+
+def test_a_precision_the_device_cannot_run_is_one_line_and_exit_2_before_loading(capsys):
+    # no such model: the flag is refused first, so the model is never looked for
+    assert cli.main(["serve", "--model", "no/such/dir", "--device", "cpu", "--port", "0", "--dtype", "float16"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("gpt2lab serve: --dtype float16 needs a GPU")
