@@ -120,3 +120,16 @@ def damaged_copy(src: str, dst: str, what: str) -> str:
         with open(path, "w") as f:
             f.write('{"model_type": "gpt2", "n_layer": ')
     return path
+
+
+@pytest.fixture(scope="session")
+def small_text(tmp_path_factory) -> str:
+    """200 KB of plain text (Tiny Shakespeare's first) in one .txt file, prepared with every default."""
+    import gpt2lab
+    from gpt2lab import cli
+
+    root = tmp_path_factory.mktemp("small")
+    asset = Path(gpt2lab.__file__).resolve().parent / "assets" / "tinyshakespeare.txt"
+    (root / "small.txt").write_bytes(asset.read_bytes()[:200_000])
+    assert cli.main(["prepare", "--source", str(root / "small.txt"), "--out", str(root / "data"), "--quiet"]) == 0
+    return str(root / "data")
