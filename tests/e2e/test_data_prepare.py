@@ -17,9 +17,8 @@ import gpt2lab.data.parallel as par
 import gpt2lab.data.prepare as prep
 import gpt2lab.data.writer as shard_writer
 from gpt2lab.cli import main
-from gpt2lab.data.manifest import MANIFEST
 from gpt2lab.data.prepare import prepare
-from gpt2lab.data.shards import ShardError
+from gpt2lab.data.shards import MANIFEST, ShardError
 from gpt2lab.data.shards import write_shard as real_write_shard
 from gpt2lab.data.sources import SourceError, resolve_source
 from gpt2lab.data.tokenizer import EOT_ID, asset_path, get_tokenizer
@@ -93,12 +92,16 @@ def test_one_worker_and_two_workers_write_the_same_shards(tmp_path, monkeypatch,
     assert _files(tmp_path / "w1") == _files(tmp_path / "w2")
 
 
+# Above Linux's largest pid_max (2**22): the process that left a temporary with this pid is gone.
+DEAD_PID = 2 ** 22 + 1
+
+
 def _crash_after(monkeypatch, n_shards, exc=KeyboardInterrupt):
     real, calls = shard_writer.write_shard, []
 
     def flaky(path, tokens):
         if len(calls) == n_shards:
-            open(f"{path}.tmp", "wb").write(b"half a shard")  # as if killed mid-write
+            (path.parent / f".tmp_{path.name}_{DEAD_PID}").write_bytes(b"half a shard")  # as if killed mid-write
             raise exc("injected crash")
         calls.append(path)
         real(path, tokens)
@@ -484,14 +487,16 @@ def test_ctrl_c_at_many_moments_ends_fast_and_resumes_byte_identically(tmp_path)
     assert _files(tmp_path / "ref") == _files(out)
 
 
-def test_prepare_removes_its_own_old_temporaries_and_no_one_elses(tmp_path):
-    """Older versions left SHARD.bin.tmp and manifest.json.tmp; another program's *.tmp stays."""
+def test_prepare_removes_its_own_stopped_temporaries_and_no_one_elses(tmp_path):
+    """A stopped run's temporary (.tmp_NAME_PID of a dead process) goes; another program's *.tmp stays."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.tmp").write_text("someone else's")
-    (out / "shard_000001.bin.tmp").write_bytes(b"half a shard")
-    (out / (MANIFEST + ".tmp")).write_text("{")
-    prepare(str(_jsonl(tmp_path / "docs.jsonl")), str(out), shard_tokens=64, val_tokens=100, workers=1,
-            progress=False)
+    (out / "shard_000001.bin.tmp").write_bytes(b"not gpt2lab's name")
+    (out / f".tmp_{MANIFEST}_{DEAD_PID}").write_text("{")
+    with pytest.warns(UserWarning, match="removed 1 temporary file"):
+        prepare(str(_jsonl(tmp_path / "docs.jsonl")), str(out), shard_tokens=64, val_tokens=100, workers=1,
+                progress=False)
     assert (out / "keep.tmp").read_text() == "someone else's"
-    assert not (out / "shard_000001.bin.tmp").exists() and not (out / (MANIFEST + ".tmp")).exists()
+    assert (out / "shard_000001.bin.tmp").read_bytes() == b"not gpt2lab's name"
+    assert not (out / f".tmp_{MANIFEST}_{DEAD_PID}").exists()

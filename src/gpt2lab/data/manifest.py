@@ -2,8 +2,8 @@
 
 A new directory gets a fresh manifest; a directory with an earlier run's manifest of the same
 command is resumed (unfinished) or checked (finished); an unfinished one whose shards no longer
-match the source (or was started by another gpt2lab version) starts over; one made with other flags
-or holding someone else's files is refused. While shards are written
+match the source starts over; one made with other flags, of another format version (shards.py's
+``check_manifest_version``), or holding someone else's files is refused. While shards are written
 (data/writer.py) the manifest records each one and where to resume; ``finish_manifest`` turns that
 into the per-split and per-file counts of a finished directory.
 """
@@ -16,15 +16,13 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from gpt2lab.data import chat
-from gpt2lab.data.shards import ShardError, mask_path, read_header, shard_name
+from gpt2lab.data.shards import (MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, ShardError, check_manifest_version,
+                                 mask_path, read_header, shard_name)
 from gpt2lab.data.sources import Source
 from gpt2lab.data.tokenizer import GPT2, Tokenizer, token_dtype
 from gpt2lab.system import rundir
 from gpt2lab.system.files import write_json
 
-MANIFEST = rundir.DATA_MARKER  # the directory's owner mark (system.rundir)
-FORMAT = rundir.DATA_FORMAT
-VERSION = 2  # 2: the val split is whole documents, per-file counts
 # The prepare flag of each setting, for a refusal that names what differs.
 FLAGS = {"source": "--source", "config": "--config", "text_field": "--text-field",
          "limit_docs": "--limit-docs", "shard_tokens": "--shard-tokens", "val_tokens": "--val-tokens",
@@ -34,7 +32,7 @@ FLAGS = {"source": "--source", "config": "--config", "text_field": "--text-field
 def fresh_manifest(settings: Dict, tok: Tokenizer) -> Dict:
     """The manifest of a run that has written nothing yet."""
     conversations = settings["format"] == "chat"
-    manifest = {"format": FORMAT, "version": VERSION, "source": settings["source"],
+    manifest = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "source": settings["source"],
                 "tokenizer": tok.identity or GPT2, "eot_id": tok.eot_id, "vocab_size": tok.n_vocab,
                 "dtype": token_dtype(tok.n_vocab).name, "settings": settings, "complete": False, "shards": [],
                 "files": [], "resume": {"next_doc": 0, "offset": 0, "tokens": 0,
@@ -58,12 +56,18 @@ def start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: Source, 
         return fresh_manifest(settings, tok)
     try:
         manifest = json.loads(path.read_text())
+        if isinstance(manifest, dict):
+            check_manifest_version(path, manifest)  # a ShardError of its own, not caught here
         old = manifest["settings"]
+        missing = ["dtype"] if "dtype" not in manifest else []
+        missing += [f"settings.{k}" for k in ("val_split", "format") if k not in old]
+        if missing:  # written before these were recorded: an older layout, not read
+            raise KeyError(", ".join(missing))
+    except ShardError:
+        raise
     except (ValueError, KeyError, TypeError) as e:
         raise ShardError(f"{path}: not a readable gpt2lab prepare manifest ({type(e).__name__}: {e}); "
                          "use another --out") from e
-    # manifests written before --val-split cut val at a token count; before --format, all were text
-    old = {"val_split": "tokens", "format": "text", **old}
     keys = [*settings, *(["tokenizer"] if "tokenizer" not in settings else [])]  # GPT-2's is no key
     differ = [k for k in keys if old.get(k) != settings.get(k) and not (k == "val_tokens" and val_defaulted)]
     if not manifest.get("complete") and not manifest.get("shards"):
@@ -91,8 +95,6 @@ def _flag_value(v, key: str = "") -> str:
 
 def _source_changed(manifest: Dict, src: Source) -> Optional[str]:
     """Why the unfinished run's shards cannot be continued from ``src``, or None."""
-    if manifest.get("version") != VERSION:
-        return f"it was started by another gpt2lab version (manifest version {manifest.get('version')})"
     for i, f in enumerate(manifest.get("files", [])):
         if i >= len(src.files) or src.files[i] != f["path"]:
             return f"{f['path']} is no longer where it was in the source"

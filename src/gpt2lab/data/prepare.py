@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from gpt2lab.data import chat
-from gpt2lab.data.manifest import MANIFEST, save_manifest, start_manifest
+from gpt2lab.data.manifest import save_manifest, start_manifest
 from gpt2lab.data.parallel import ordered_map
 from gpt2lab.data.sources import Document, JsonLine, Source, SourceError, as_text, resolve_source
 from gpt2lab.data.tokenizer import Tokenizer, get_tokenizer, save_tokenizer, token_dtype
@@ -152,14 +152,10 @@ def detect_format(src: Source, asked: str, text_field: str) -> str:
 
 
 def _run(src: Source, out: Path, manifest: Dict, workers: int, progress: bool, tok: Tokenizer) -> None:
-    # the temporaries older gpt2lab versions wrote beside their shards (SHARD.bin.tmp and
-    # manifest.json.tmp); another program's *.tmp in --out is not ours to remove
-    for stale in [*out.glob("*.bin.tmp"), *out.glob(MANIFEST + ".tmp")]:
-        stale.unlink()
     sweep_stale(str(out))
     writer = ShardWriter(out, manifest, src)
     docs = src.documents(writer.doc, manifest["settings"]["limit_docs"])
-    chat_data = manifest["settings"].get("format") == "chat"
+    chat_data = manifest["settings"]["format"] == "chat"
     encode = functools.partial(encode_conversations if chat_data else encode_documents, tokenizer=tok)
     with ordered_map(encode, docs, workers, src.size_bytes) as stream, _progress(progress, writer.written) as bar:
         for tokens, lengths, *mask in stream:

@@ -34,11 +34,11 @@ class ShardWriter:
         self.shard_tokens, self.val_tokens = s["shard_tokens"], s["val_tokens"]
         r = manifest["resume"]
         self.doc, self.offset, self.written, self.val_end = r["next_doc"], r["offset"], r["tokens"], r["val_end"]
-        if self.val_end is None and s.get("val_split", "tokens") == "tokens":
+        if self.val_end is None and s["val_split"] == "tokens":
             self.val_end = self.val_tokens  # a token count, wherever it falls in a document
-        self.buf = np.empty(self.shard_tokens, dtype=manifest.get("dtype", "uint16"))
+        self.buf = np.empty(self.shard_tokens, dtype=manifest["dtype"])
         # conversations: the loss mask beside the tokens, cut into shards at the same places
-        self.mask = np.empty(self.shard_tokens, dtype=np.uint8) if s.get("format") == "chat" else None
+        self.mask = np.empty(self.shard_tokens, dtype=np.uint8) if s["format"] == "chat" else None
         self.fill, self.docs_in_shard = 0, 0
 
     def _in_val(self) -> bool:
