@@ -233,3 +233,14 @@ def post_chat(url: str, body: dict):
 
     return httpx.post(url + "/v1/chat/completions", content=json.dumps({"model": "tiny", **body}).encode(),
                       headers={"Content-Type": "application/json"}, timeout=60)  # json.dumps keeps \ud800 escaped
+@pytest.fixture(scope="session")
+def small_text(tmp_path_factory) -> str:
+    """200 KB of plain text (Tiny Shakespeare's first) in one .txt file, prepared with every default."""
+    import gpt2lab
+    from gpt2lab import cli
+
+    root = tmp_path_factory.mktemp("small")
+    asset = Path(gpt2lab.__file__).resolve().parent / "assets" / "tinyshakespeare.txt"
+    (root / "small.txt").write_bytes(asset.read_bytes()[:200_000])
+    assert cli.main(["prepare", "--source", str(root / "small.txt"), "--out", str(root / "data"), "--quiet"]) == 0
+    return str(root / "data")

@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 from conftest import DATA
 
+import gpt2lab.data.parallel as par
 import gpt2lab.data.prepare as prep
+import gpt2lab.data.writer as shard_writer
 from gpt2lab.cli import main
 from gpt2lab.data.prepare import prepare
-from gpt2lab.data.shards import ShardError
+from gpt2lab.data.shards import MANIFEST, ShardError
 from gpt2lab.data.shards import write_shard as real_write_shard
 from gpt2lab.data.sources import SourceError, resolve_source
 from gpt2lab.data.tokenizer import EOT_ID, asset_path, gpt2_tokenizer
@@ -82,31 +84,35 @@ def test_round_trip_jsonl_and_manifest(tmp_path):
 
 @pytest.mark.parametrize("thread_pool_max_bytes", [0, 1 << 40], ids=["processes", "threads"])
 def test_one_worker_and_two_workers_write_the_same_shards(tmp_path, monkeypatch, thread_pool_max_bytes):
-    monkeypatch.setattr(prep, "THREAD_POOL_MAX_BYTES", thread_pool_max_bytes)  # which pool tokenizes
-    monkeypatch.setattr(prep, "TASK_DOCS", 3)  # many small tasks, so the pool really interleaves
+    monkeypatch.setattr(par, "THREAD_POOL_MAX_BYTES", thread_pool_max_bytes)  # which pool tokenizes
+    monkeypatch.setattr(par, "TASK_DOCS", 3)  # many small tasks, so the pool really interleaves
     src = str(_jsonl(tmp_path / "docs.jsonl"))
     prepare(src, str(tmp_path / "w1"), shard_tokens=64, val_tokens=100, workers=1, progress=False)
     prepare(src, str(tmp_path / "w2"), shard_tokens=64, val_tokens=100, workers=2, progress=False)
     assert _files(tmp_path / "w1") == _files(tmp_path / "w2")
 
 
+# Above Linux's largest pid_max (2**22): the process that left a temporary with this pid is gone.
+DEAD_PID = 2 ** 22 + 1
+
+
 def _crash_after(monkeypatch, n_shards, exc=KeyboardInterrupt):
-    real, calls = prep.write_shard, []
+    real, calls = shard_writer.write_shard, []
 
     def flaky(path, tokens):
         if len(calls) == n_shards:
-            open(f"{path}.tmp", "wb").write(b"half a shard")  # as if killed mid-write
+            (path.parent / f".tmp_{path.name}_{DEAD_PID}").write_bytes(b"half a shard")  # as if killed mid-write
             raise exc("injected crash")
         calls.append(path)
         real(path, tokens)
 
-    monkeypatch.setattr(prep, "write_shard", flaky)
+    monkeypatch.setattr(shard_writer, "write_shard", flaky)
 
 
 @pytest.mark.parametrize("thread_pool_max_bytes", [0, 1 << 40], ids=["processes", "threads"])
 def test_crash_then_rerun_equals_uninterrupted_run(tmp_path, monkeypatch, thread_pool_max_bytes):
-    monkeypatch.setattr(prep, "THREAD_POOL_MAX_BYTES", thread_pool_max_bytes)
-    monkeypatch.setattr(prep, "TASK_DOCS", 4)
+    monkeypatch.setattr(par, "THREAD_POOL_MAX_BYTES", thread_pool_max_bytes)
+    monkeypatch.setattr(par, "TASK_DOCS", 4)
     src = str(_jsonl(tmp_path / "docs.jsonl"))
     kw = dict(shard_tokens=80, val_tokens=120, progress=False)
     prepare(src, str(tmp_path / "ref"), workers=1, **kw)
@@ -115,7 +121,7 @@ def test_crash_then_rerun_equals_uninterrupted_run(tmp_path, monkeypatch, thread
         prepare(src, str(tmp_path / "out"), workers=2, **kw)
     half = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert not half["complete"] and len(half["shards"]) == 3 and half["resume"]["next_doc"] > 0
-    monkeypatch.setattr(prep, "write_shard", real_write_shard)
+    monkeypatch.setattr(shard_writer, "write_shard", real_write_shard)
     prepare(src, str(tmp_path / "out"), workers=1, **kw)
     assert _files(tmp_path / "ref") == _files(tmp_path / "out")
     with pytest.raises(ShardError, match="prepared with"):
@@ -160,7 +166,7 @@ def test_hub_source_streams_through_datasets(tmp_path, monkeypatch):
     _crash_after(monkeypatch, 2, RuntimeError)  # the resume skips documents with ds.skip
     with pytest.raises(RuntimeError):
         prepare("hf:some/name:cfg", str(tmp_path / "out"), **kw)
-    monkeypatch.setattr(prep, "write_shard", real_write_shard)
+    monkeypatch.setattr(shard_writer, "write_shard", real_write_shard)
     prepare("hf:some/name:cfg", str(tmp_path / "out"), **kw)
     assert asked[-1][:2] == ("some/name", "cfg")
     ref_files = _files(tmp_path / "ref")
@@ -201,8 +207,8 @@ def test_bad_jsonl_names_file_and_line(tmp_path, line, match):
 
 @pytest.mark.parametrize("thread_pool_max_bytes", [0, 1 << 40], ids=["processes", "threads"])
 def test_bad_line_found_by_a_worker_is_reported(tmp_path, monkeypatch, thread_pool_max_bytes):
-    monkeypatch.setattr(prep, "THREAD_POOL_MAX_BYTES", thread_pool_max_bytes)
-    monkeypatch.setattr(prep, "TASK_DOCS", 2)
+    monkeypatch.setattr(par, "THREAD_POOL_MAX_BYTES", thread_pool_max_bytes)
+    monkeypatch.setattr(par, "TASK_DOCS", 2)
     path = _jsonl(tmp_path / "docs.jsonl")
     path.write_text(path.read_text() + '{"txt": "typo"}\n')
     with pytest.raises(SourceError, match=rf"docs.jsonl:{len(DOCS) + 1}: no field 'text'"):
@@ -345,7 +351,7 @@ def _damaged(tmp_path):
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_damaged_compressed_file_is_one_line_naming_it(tmp_path, monkeypatch, capsys, workers):
-    monkeypatch.setattr(prep, "THREAD_POOL_MAX_BYTES", 0)  # 2 workers: processes
+    monkeypatch.setattr(par, "THREAD_POOL_MAX_BYTES", 0)  # 2 workers: processes
     for name in _damaged(tmp_path):
         rc = main(["prepare", "--source", str(tmp_path / name), "--out", str(tmp_path / f"out-{name}"),
                    "--workers", str(workers), "--quiet"])
@@ -448,7 +454,7 @@ def test_ctrl_c_at_many_moments_ends_fast_and_resumes_byte_identically(tmp_path)
     src = tmp_path / "wiki.jsonl.zst"
     src.write_bytes(zstandard.compress(lines.encode()))
     flags = ["--shard-tokens", "7000", "--val-tokens", "20000", "--workers", "2", "--quiet"]
-    code = ("import sys, gpt2lab.data.prepare as p; p.THREAD_POOL_MAX_BYTES = 0; p.TASK_CHARS_MAX = 1 << 15; "
+    code = ("import sys, gpt2lab.data.parallel as p; p.THREAD_POOL_MAX_BYTES = 0; p.TASK_CHARS_MAX = 1 << 15; "
             "from gpt2lab.cli import main; sys.exit(main(sys.argv[1:]))")
     out = tmp_path / "out"
     cmd = [sys.executable, "-c", code, "prepare", "--source", str(src), "--out", str(out), *flags]
@@ -481,14 +487,16 @@ def test_ctrl_c_at_many_moments_ends_fast_and_resumes_byte_identically(tmp_path)
     assert _files(tmp_path / "ref") == _files(out)
 
 
-def test_prepare_removes_its_own_old_temporaries_and_no_one_elses(tmp_path):
-    """Older versions left SHARD.bin.tmp and manifest.json.tmp; another program's *.tmp stays."""
+def test_prepare_removes_its_own_stopped_temporaries_and_no_one_elses(tmp_path):
+    """A stopped run's temporary (.tmp_NAME_PID of a dead process) goes; another program's *.tmp stays."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.tmp").write_text("someone else's")
-    (out / "shard_000001.bin.tmp").write_bytes(b"half a shard")
-    (out / (prep.MANIFEST + ".tmp")).write_text("{")
-    prepare(str(_jsonl(tmp_path / "docs.jsonl")), str(out), shard_tokens=64, val_tokens=100, workers=1,
-            progress=False)
+    (out / "shard_000001.bin.tmp").write_bytes(b"not gpt2lab's name")
+    (out / f".tmp_{MANIFEST}_{DEAD_PID}").write_text("{")
+    with pytest.warns(UserWarning, match="removed 1 temporary file"):
+        prepare(str(_jsonl(tmp_path / "docs.jsonl")), str(out), shard_tokens=64, val_tokens=100, workers=1,
+                progress=False)
     assert (out / "keep.tmp").read_text() == "someone else's"
-    assert not (out / "shard_000001.bin.tmp").exists() and not (out / (prep.MANIFEST + ".tmp")).exists()
+    assert (out / "shard_000001.bin.tmp").read_bytes() == b"not gpt2lab's name"
+    assert not (out / f".tmp_{MANIFEST}_{DEAD_PID}").exists()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gpt2lab.data import ShardError, TokenLoader
-from gpt2lab.data.shards import HEADER_BYTES, open_shard, write_shard
+from gpt2lab.data.shards import HEADER_BYTES, MANIFEST_FORMAT, MANIFEST_VERSION, open_shard, write_shard
 from gpt2lab.data.tokenizer import EOT_ID
 
 
@@ -86,7 +86,8 @@ def test_token_id_out_of_vocab(tmp_path):
 
 def test_unfinished_prepare_is_refused(tmp_path):
     write_shard(tmp_path / "train_000000.bin", _tokens())
-    (tmp_path / "manifest.json").write_text(json.dumps({"complete": False, "source": "x"}))
+    manifest = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "complete": False, "source": "x"}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     _bad(tmp_path, "has not finished")
 
 

@@ -165,7 +165,8 @@ def test_uint32_shards_for_a_vocabulary_past_65536(tmp_path):
     header = np.fromfile(tmp_path / "val_000000.bin", dtype=np.int32, count=3)
     assert header.tolist() == [20240801, 7, 1000]  # llm.c's header of uint32 shards
     assert open_shard(tmp_path / "val_000000.bin").dtype == np.uint32
-    (tmp_path / "manifest.json").write_text(json.dumps({"vocab_size": 70000, "eot_id": 0, "dtype": "uint32"}))
+    manifest = {"format": "gpt2lab-token-shards", "version": 2, "vocab_size": 70000, "eot_id": 0, "dtype": "uint32"}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     x, y = TokenLoader(tmp_path, "val", 2, 16).next_batch()
     assert x.flatten().tolist() == toks[:32].tolist() and y[0].tolist() == toks[1:17].tolist()
     with pytest.raises(TypeError, match="uint16 or uint32"):

@@ -1,8 +1,8 @@
 """A newcomer's `gpt2lab train` start: --dry-run runs every check a real start runs, offline, and says
 what is missing with the flag that supplies it; HellaSwag without data fails at once, one download
 attempt at most; a start that fails before its first step removes exactly what it wrote; a small
-text prepares into data the small presets train and evaluate on; a resume that would change what
-the run trains is refused naming the fields."""
+text prepares into data the small presets train and evaluate on (its val split: test_data_val_split.py);
+a resume that would change what the run trains is refused naming the fields."""
 from __future__ import annotations
 
 import json
@@ -21,8 +21,6 @@ from gpt2lab.system import runtime
 from gpt2lab.system.errors import ConfigError, GPT2LabError
 from gpt2lab.train.config import load_preset
 from gpt2lab.train.plan import Facts, check_memory, make_plan
-
-ASSET = Path(runtime.__file__).resolve().parents[1] / "assets" / "tinyshakespeare.txt"
 
 
 def one_line(err: str) -> str:
@@ -260,43 +258,7 @@ def test_a_failure_after_the_first_step_keeps_the_run(tiny_data, tmp_path, capsy
     assert {"config.json", "run_info.json", "metrics.jsonl"} <= set(os.listdir(out))
 
 
-# -- 4. a small text of one's own ------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def small_text(tmp_path_factory) -> str:
-    """200 KB of plain text in one .txt file, prepared with every default."""
-    root = tmp_path_factory.mktemp("small")
-    (root / "small.txt").write_bytes(ASSET.read_bytes()[:200_000])
-    assert cli.main(["prepare", "--source", str(root / "small.txt"), "--out", str(root / "data"), "--quiet"]) == 0
-    return str(root / "data")
-
-
-def test_a_small_txt_gets_a_val_split_for_the_small_presets_and_counts_as_a_document_of_each(small_text):
-    from gpt2lab.data import TokenLoader
-    from gpt2lab.data.shards import open_shard
-
-    m = json.loads(Path(small_text, "manifest.json").read_text())
-    tokens = m["tokens"]
-    assert m["splits"]["val"]["tokens"] == min(8192, -(-200_000 // 4) // 10)  # a tenth of the estimated 50,000
-    assert m["documents"] == 1 and m["files"][0]["documents"] == 1
-    assert m["splits"]["val"]["documents"] == m["splits"]["train"]["documents"] == 1  # the text runs on into train
-    train = open_shard(Path(small_text, m["splits"]["train"]["shards"][0]))
-    assert train[0] != 50256 and m["splits"]["val"]["tokens"] + len(train) == tokens
-    for preset in ("shakespeare-cpu", "shakespeare-cpu-fast", "wiki-cpu", "wiki-cpu-fast"):
-        cfg = load_preset(preset)
-        val = TokenLoader(small_text, "val", cfg.batch.micro_batch_size, cfg.batch.seq_len)
-        assert val.sequences_per_epoch >= cfg.batch.micro_batch_size, preset  # one evaluation batch at least
-
-
-@pytest.mark.parametrize("size, val", [(200_000, 5000), (1_000_000, 8192), (100_000_000, 125_000)])
-def test_the_default_val_split_is_half_a_percent_but_enough_to_evaluate(size, val):
-    from types import SimpleNamespace
-
-    from gpt2lab.data.prepare import default_val_tokens
-
-    # estimated tokens size / 4: a tenth of 50,000; 8,192 (0.5% would be 1,250); 0.5% of 25,000,000
-    assert default_val_tokens(SimpleNamespace(size_bytes=size, val_fraction=0.005), 10**8) == val
-
-
+# -- 4. a small text of one's own (the small_text fixture: conftest.py) ----------------------------
 def test_a_small_presets_run_on_it_trains_and_evaluates_what_val_holds(small_text, tmp_path, capsys):
     from gpt2lab.data import TokenLoader
 

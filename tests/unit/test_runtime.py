@@ -122,14 +122,3 @@ def test_resolve_records_what_and_why():
     assert rec["matmul_probe_gflops"] == {"fp32_gflops": 202.0, "bf16_gflops": 52.0}
     assert rec["native_bf16"] is False and rec["cpu_flags"] == ["avx512f", "avx512_vnni"]
     assert "dtype float32" in res.summary() and "compile off" in res.summary()
-
-
-def test_prepare_pool_crossover_scales_with_workers():
-    from gpt2lab.data.prepare import THREAD_POOL_MAX_BYTES, use_threads
-
-    assert THREAD_POOL_MAX_BYTES == 8 << 20  # the 2-worker crossover measured in docs/benchmarks.md
-    assert use_threads((8 << 20) - 1, 2) and not use_threads(8 << 20, 2)
-    four = (8 << 20) * 0.5 / 0.75  # W > S / (f (1 - 1/w)): 1 - 1/4 = 0.75 against 0.5 at 2 workers
-    assert use_threads(int(four) - 1, 4) and not use_threads(int(four) + 1, 4)
-    assert use_threads(10 ** 12, 1)  # one worker: no pool to pay for
-    assert not use_threads(None, 2)  # unknown size (the hub)

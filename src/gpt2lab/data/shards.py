@@ -5,9 +5,13 @@ count), then the tokens as uint16. A vocabulary past 65,536 tokens (a trained to
 uint32 tokens: llm.c's header for those, magic 20240801, version 7. build-nanogpt's ``.npy``
 shards (a bare uint16 array) are read too. Every check names the file and says what to do, because a bad shard found
 hours into a run is expensive.
+
+``read_manifest`` reads the manifest.json ``gpt2lab prepare`` writes beside its shards (data/manifest.py),
+refusing one of another format version.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -15,6 +19,7 @@ from typing import List, Union
 
 import numpy as np
 
+from gpt2lab.system import rundir
 from gpt2lab.system.errors import DataError
 from gpt2lab.system.files import atomic_write
 
@@ -155,12 +160,16 @@ def check_vocab(path: PathLike, tokens: np.ndarray, vocab_size: int) -> None:
                          "corrupt: re-create it with gpt2lab prepare")
 
 
+# -- the manifest data/manifest.py writes beside the shards ------------------------------------
+MANIFEST = rundir.DATA_MARKER  # manifest.json: the directory's owner mark (system.rundir)
+MANIFEST_FORMAT = rundir.DATA_FORMAT
+MANIFEST_VERSION = 2  # 2: the val split is whole documents, per-file counts
+
+
 def read_manifest(data_dir: PathLike) -> dict:
     """``data_dir``'s manifest.json ({} where there is none, or no such directory); an unreadable
-    one is a ShardError naming it."""
-    import json
-
-    path = Path(data_dir) / "manifest.json"
+    one, or one of another format version, is a ShardError naming it."""
+    path = Path(data_dir) / MANIFEST
     if not path.is_file():
         return {}
     try:
@@ -169,6 +178,23 @@ def read_manifest(data_dir: PathLike) -> dict:
         raise ShardError(f"{path}: unreadable manifest ({e}); re-run gpt2lab prepare") from e
     if not isinstance(manifest, dict):
         raise ShardError(f"{path}: not a gpt2lab manifest (a JSON {type(manifest).__name__}); re-run gpt2lab prepare")
+    return check_manifest_version(path, manifest)
+
+
+def check_manifest_version(path: PathLike, manifest: dict) -> dict:
+    """``manifest`` (read from ``path``) when it is ``gpt2lab prepare``'s in the version this gpt2lab
+    reads; else a one-line ShardError naming the file, both versions and what to do."""
+    fmt, version = manifest.get("format"), manifest.get("version")
+    again = "prepare the data again into a new directory"
+    if fmt != MANIFEST_FORMAT or type(version) is not int:
+        raise ShardError(f"{path}: not a gpt2lab prepare manifest (format {fmt!r}, version {version!r}; "
+                         f"this gpt2lab reads {MANIFEST_FORMAT!r} version {MANIFEST_VERSION}); {again}")
+    if version < MANIFEST_VERSION:
+        raise ShardError(f"{path}: manifest version {version}, written by an older gpt2lab; this gpt2lab "
+                         f"reads version {MANIFEST_VERSION}: {again}")
+    if version > MANIFEST_VERSION:
+        raise ShardError(f"{path}: manifest version {version}, written by a newer gpt2lab; this gpt2lab "
+                         f"reads version {MANIFEST_VERSION}: upgrade gpt2lab")
     return manifest
 
 

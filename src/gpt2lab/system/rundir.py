@@ -131,7 +131,7 @@ def check(path: str, want: str, flag: str, what_next: str) -> Found:
     """Return what ``path`` is when a command making a ``want`` directory may write there, else raise.
 
     Allowed: a missing or empty directory, or one of kind ``want``. (prepare and export apply
-    the same kinds with their own extra rules: data/prepare._refuse_foreign_shards,
+    the same kinds with their own extra rules: data/manifest.refuse_foreign_shards,
     weights/export._check_export_target.)
     """
     found = inspect(path)

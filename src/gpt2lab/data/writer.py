@@ -1,0 +1,128 @@
+"""The shard writer of ``gpt2lab prepare``: the token stream, cut into shards at fixed places.
+
+The first ``val_tokens`` tokens (``--val-split tokens``), or the documents up to the one that
+reaches them (``documents``), are the ``val`` split and the rest ``train``, each in shards of
+``shard_tokens``. Each finished shard is written whole (temp name, then rename) and then listed in
+the manifest with the (document, offset) to resume from, so a run that stopped goes on from its last
+listed shard and writes the same bytes as one that never stopped.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Dict, Optional
+
+import numpy as np
+
+from gpt2lab.data.manifest import finish_manifest, save_manifest
+from gpt2lab.data.shards import mask_path, open_shard, shard_name, write_mask, write_shard
+from gpt2lab.data.sources import Source, SourceError
+
+
+class ShardWriter:
+    """Cuts the token stream into shards; saves the resume state with each shard.
+
+    Train shards hold ``shard_tokens`` tokens each (the last one fewer). The val split ends
+    at ``val_end``, the end of the document that reaches ``val_tokens``, so its last shard
+    is usually short and train starts with a whole document.
+    """
+
+    def __init__(self, out: Path, manifest: Dict, src: Source) -> None:
+        self.out, self.manifest, self.src = out, manifest, src
+        s = manifest["settings"]
+        self.shard_tokens, self.val_tokens = s["shard_tokens"], s["val_tokens"]
+        r = manifest["resume"]
+        self.doc, self.offset, self.written, self.val_end = r["next_doc"], r["offset"], r["tokens"], r["val_end"]
+        if self.val_end is None and s["val_split"] == "tokens":
+            self.val_end = self.val_tokens  # a token count, wherever it falls in a document
+        self.buf = np.empty(self.shard_tokens, dtype=manifest["dtype"])
+        # conversations: the loss mask beside the tokens, cut into shards at the same places
+        self.mask = np.empty(self.shard_tokens, dtype=np.uint8) if s["format"] == "chat" else None
+        self.fill, self.docs_in_shard = 0, 0
+
+    def _in_val(self) -> bool:
+        """Whether the shard being filled (it starts at ``self.written``) belongs to val."""
+        return self.val_end is None or self.written < self.val_end
+
+    def _files_seen(self, base: int, starts: np.ndarray, n_docs: int) -> None:
+        """Record where each source file read so far starts in the stream (per-file counts)."""
+        files = self.manifest["files"]
+        while len(files) < len(self.src.file_starts):
+            i = len(files)
+            d = self.src.file_starts[i]
+            if d >= self.doc + n_docs:
+                break
+            token = base + int(starts[d - self.doc]) if d >= self.doc else base
+            path = self.src.files[i]
+            files.append({"path": path, "bytes": os.path.getsize(path), "first_doc": d, "first_token": token})
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, mask: Optional[np.ndarray] = None) -> None:
+        """Append whole documents (concatenated, EOT first; conversations with their loss ``mask``);
+        cut and write shards as they fill.
+
+        Vectorized over the documents: the Python work is per shard, not per document.
+        """
+        ends = np.cumsum(lengths)
+        starts = ends - lengths
+        base = self.written + self.fill - self.offset  # stream position of this batch's first token
+        self._files_seen(base, starts, len(lengths))
+        if self.val_end is None:  # "documents": val ends with the first document to reach val_tokens
+            k = int(np.searchsorted(base + ends, self.val_tokens, side="left"))
+            if k < len(lengths):
+                self.val_end = base + int(ends[k])
+        pos, self.offset = self.offset, 0  # only the first document after a resume is partial
+        while pos < len(tokens):
+            cap = self.shard_tokens
+            if self.val_end is not None and self.written < self.val_end:
+                cap = min(cap, self.val_end - self.written)
+            n = min(cap - self.fill, len(tokens) - pos)
+            self.buf[self.fill:self.fill + n] = tokens[pos:pos + n]
+            if self.mask is not None:
+                self.mask[self.fill:self.fill + n] = mask[pos:pos + n]
+            self.docs_in_shard += int(np.searchsorted(starts, pos + n) - np.searchsorted(starts, pos))
+            self.fill, pos = self.fill + n, pos + n
+            if self.fill == cap:
+                k = int(np.searchsorted(ends, pos, side="right"))  # documents finished so far
+                self._flush(self.doc + k, pos - int(starts[k]) if k < len(lengths) else 0)
+        self.doc += len(lengths)
+
+    def _flush(self, next_doc: int, offset: int) -> None:
+        split = "val" if self._in_val() else "train"
+        index = sum(1 for s in self.manifest["shards"] if s["split"] == split)
+        name = shard_name(split, index)
+        entry = {"name": name, "split": split, "tokens": self.fill, "documents": self.docs_in_shard}
+        if self.mask is not None:  # the mask first: a shard listed or found on disk has its mask
+            write_mask(mask_path(self.out / name), self.mask[:self.fill])
+            entry["supervised"] = int(self.mask[:self.fill].sum(dtype=np.int64))
+        write_shard(self.out / name, self.buf[:self.fill])
+        self.written += self.fill
+        self.manifest["shards"].append(entry)
+        self.manifest["resume"] = {"next_doc": next_doc, "offset": offset, "tokens": self.written,
+                                   "val_end": self.val_end}
+        save_manifest(self.out, self.manifest)  # after the rename: a listed shard is whole
+        self.fill, self.docs_in_shard = 0, 0
+
+    def finish(self) -> None:
+        if self.fill:
+            self._flush(self.doc, 0)
+        self._files_seen(self.written, np.zeros(0, dtype=np.int64), 0)
+        for i in range(len(self.manifest["files"]), len(self.src.file_starts)):  # files with no documents left
+            path = self.src.files[i]
+            self.manifest["files"].append({"path": path, "bytes": os.path.getsize(path),
+                                           "first_doc": self.doc, "first_token": self.written})
+        self.manifest["resume"]["next_doc"] = self.doc
+        if not self.manifest["shards"]:
+            raise SourceError(f"source {self.manifest['settings']['source']!r}: no documents; "
+                              "check the path, glob or --limit-docs")
+        if self.written == self.doc:  # one <|endoftext|> per document and nothing else
+            raise SourceError(f"source {self.manifest['settings']['source']!r}: all {self.doc} document(s) "
+                              "are empty; point --source at files with text")
+        finish_manifest(self.manifest)
+        for info in self.manifest["splits"].values():  # a split that begins inside a document holds it too
+            if open_shard(self.out / info["shards"][0])[0] != self.manifest["eot_id"]:
+                info["documents"] += 1
+        if "train" not in self.manifest["splits"]:
+            warnings.warn(f"{self.out}: all {self.written} tokens went to val (val_tokens "
+                          f"{self.val_tokens}); pass a smaller --val-tokens to get a train split")
+        save_manifest(self.out, self.manifest)
