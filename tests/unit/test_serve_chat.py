@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import openai_client, post_chat, running_server, tiny_gpt
-from gpt2lab import gpt2_tokenizer
+from gpt2lab.data.tokenizer import gpt2_tokenizer
 from gpt2lab.data import chat
 from gpt2lab.weights import export
 

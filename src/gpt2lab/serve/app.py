@@ -22,8 +22,8 @@ from gpt2lab.serve.asgi import AccessLog
 from gpt2lab.serve.completions import ChatCompletion, Completion
 from gpt2lab.serve.engine import Worker
 from gpt2lab.serve.metrics import ServeMetrics
-from gpt2lab.serve.responses import (APIError, error_body, respond, stream_chat, stream_completion, whole_chat,
-                                     whole_completion)
+from gpt2lab.serve.errors import APIError, error_body
+from gpt2lab.serve.responses import respond, stream_chat, stream_completion, whole_chat, whole_completion
 from gpt2lab.serve.schemas import ChatRequest, CompletionRequest, validation_error
 
 # The paths served: named in a 404's message, counted by name in /metrics (any other path as "other")

@@ -14,7 +14,7 @@ from typing import Optional
 from fastapi.responses import JSONResponse
 
 from gpt2lab.serve.metrics import ServeMetrics
-from gpt2lab.serve.responses import error_body
+from gpt2lab.serve.errors import error_body
 
 # A request body past this is refused (413), unread when its Content-Length says so, else as soon
 # as this much has come: GPT-2's longest context is 1024 tokens, a few KB of text; 1 MiB leaves

@@ -14,7 +14,8 @@ from gpt2lab.inference import chat
 from gpt2lab.inference.completion import (PromptError, Sampling, TokenText, check_ids, encode_prompt, fits_context,
                                           prompt_text)
 from gpt2lab.serve.engine import Job, QueueFull, ShuttingDown, Work, Worker
-from gpt2lab.serve.responses import APIError, Logprobs, shutting_down
+from gpt2lab.serve.errors import APIError, shutting_down
+from gpt2lab.serve.logprobs import Logprobs
 from gpt2lab.serve.schemas import MAX_PROMPTS, MAX_STOPS, ChatMessage, ChatRequest, CompletionRequest
 
 

@@ -1,82 +1,20 @@
-"""OpenAI's answers: the error body (``APIError``), a choice's ``logprobs``, a whole completion or chat
-completion, and the server-sent events of a stream (an error after the headers went out is an
+"""OpenAI's answers: a whole completion or chat completion, and the server-sent events of a stream (an error after the headers went out is an
 event, then ``[DONE]``); ``respond`` answers one started request, whole or streamed, and frees its
 row when the client hangs up before the answer is whole."""
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Optional, Union
+from typing import AsyncIterator, Awaitable, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gpt2lab.inference.completion import TokenLogprob, TokenText, tokenizer_for
+from gpt2lab.serve.completions import ChatCompletion, Completion
 from gpt2lab.serve.engine import Failed, Finish, Job, ShuttingDown, Text, TimedOut
+from gpt2lab.serve.errors import APIError, shutting_down
+from gpt2lab.serve.logprobs import Logprobs
 
-if TYPE_CHECKING:  # for the type hints only: completions.py imports this module
-    from gpt2lab.serve.completions import ChatCompletion, Completion
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(status_code=self.status, content=error_body(self.message, self.kind, self.param,
-                                                                        self.code))
-
-
-def error_body(message: str, kind: str = "invalid_request_error", param: Optional[str] = None,
-               code: Optional[str] = None) -> dict:
-    # a request's text may hold lone surrogates ("\ud800" in its JSON), which UTF-8 cannot encode:
-    # they are shown escaped, so that the answer is still JSON
-    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def token_str(t: int, model) -> str:
-    """A token as OpenAI's logprobs name it: its text, or ``bytes:\\xNN...`` for bytes that are not
-    whole UTF-8 characters (a character split across tokens); ids past the model's tokenizer's as ``<|id|>``."""
-    enc = tokenizer_for(model)
-    if t >= enc.n_vocab:
-        return f"<|{t}|>"
-    raw = enc.decode_single_token_bytes(t)
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-
-
-class Logprobs:
-    """One choice's ``logprobs`` in OpenAI's completions shape, token by token: ``tokens``,
-    ``token_logprobs`` (None for an echoed prompt's first token: nothing predicts it), ``top_logprobs``
-    (the ``logprobs`` most likely tokens, and the token itself when it is not among them, as OpenAI:
-    up to logprobs + 1 entries; None where the logprob is) and ``text_offset`` (where each token's
-    text starts)."""
-
-    def __init__(self, offset: int, model) -> None:
-        self.offset, self.text, self.model = offset, TokenText(model), model
-        self.whole: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-
-    def add(self, entries: list[TokenLogprob]) -> dict:
-        """The part of ``entries`` (in the shape of the whole), which the whole takes on."""
-        part: dict[str, list] = {key: [] for key in self.whole}
-        for e in entries:
-            part["tokens"].append(token_str(e.token, self.model))
-            part["token_logprobs"].append(e.logprob)
-            top = None
-            if e.logprob is not None:
-                top = {token_str(t, self.model): lp for t, lp in e.top}
-                top.setdefault(token_str(e.token, self.model), e.logprob)
-            part["top_logprobs"].append(top)
-            part["text_offset"].append(self.offset)
-            self.offset += len(self.text.feed(e.token))
-        for key, values in part.items():
-            self.whole[key] += values
-        return part
 
 
 def _choice(index: int, text: str, finish: Optional[str], logprobs: Optional[dict] = None) -> dict:
@@ -174,10 +112,6 @@ async def _sse_stream(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
 
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
-
-
-def shutting_down(e: ShuttingDown) -> APIError:
-    return APIError(503, str(e), kind="server_error", code="server_shutting_down")
 
 
 async def respond(c: Completion, stream, whole, request: Request):

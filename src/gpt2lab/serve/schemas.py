@@ -9,7 +9,7 @@ from typing import Optional, Union
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpt2lab.serve.responses import APIError
+from gpt2lab.serve.errors import APIError
 
 MAX_N = 16  # choices per request (per prompt)
 MAX_PROMPTS = 16
