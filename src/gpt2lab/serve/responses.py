@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gpt2lab.serve.completions import ChatCompletion, Completion
 from gpt2lab.serve.engine import Failed, Finish, Job, ShuttingDown, Text, TimedOut
-from gpt2lab.serve.errors import APIError, shutting_down
+from gpt2lab.serve.errors import APIError, error_body, shutting_down
 from gpt2lab.serve.logprobs import Logprobs
 
 
