@@ -27,13 +27,7 @@ def add_parser(sub) -> None:
     bsub = p.add_subparsers(dest="bench", metavar="NAME", required=True)
     for name, help_text in BENCHES.items():
         bp = bsub.add_parser(name, help=help_text)
-        try:
-            mod = importlib.import_module(f"gpt2lab.benchmarks.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"gpt2lab.benchmarks.{name}":
-                raise
-            bp.set_defaults(func=_missing(name))
-            continue
+        mod = importlib.import_module(f"gpt2lab.benchmarks.{name}")
         mod.add_arguments(bp)
         bp.set_defaults(func=_runner(mod))
 
@@ -47,8 +41,3 @@ def _runner(mod):
 
     return run
 
-
-def _missing(name: str):
-    from gpt2lab.commands import not_yet
-
-    return not_yet(f"bench {name}", "benchmark not written yet")

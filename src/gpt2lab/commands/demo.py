@@ -16,7 +16,7 @@ import math
 import os
 import time
 
-from gpt2lab.commands import DTYPE_NAMES
+from gpt2lab.system.choices import DTYPE_CHOICES as DTYPE_NAMES
 
 
 # The demo's recipes: the preset each trains and what to say about it; the figures live in

@@ -19,7 +19,7 @@ what autocast computes, without re-reading and casting the weights at every step
   by PyTorch's own ``torch._weight_int8pack_mm`` with activations in fp32 or bf16. Which one is
   measured: on the Zen 5 the kernel is 20x slower with fp32 activations than with bf16.
 
-Kernels are chosen by measuring them (prepare.py), never by their names: torchao's int8
+Kernels are chosen by measuring them (probe.py), never by their names: torchao's int8
 weight-only tensor, for one, dequantizes the whole weight on every eager call (25 ms for the
 head at one row on that Zen 5, against 0.5 ms for ``_weight_int8pack_mm``).
 """

@@ -3,7 +3,8 @@
 ``batch`` runs generation (continuous batching: the active requests as one batch per step);
 ``engine`` holds what workers share and the ``--deterministic`` worker (requests in turns);
 ``schemas`` what a request body may hold; ``completions`` a request's further checks and the
-work it becomes; ``responses`` OpenAI-shaped JSON, errors and SSE; ``asgi`` the body cap and
+work it becomes; ``errors`` OpenAI's error body; ``logprobs`` a choice's logprobs; ``responses``
+OpenAI-shaped answers and SSE; ``asgi`` the body cap and
 timeout and the access log; ``app`` the routes, the page and /metrics; ``server`` the socket and
 uvicorn beside the engine; ``models`` the workers of the --model specs; ``metrics`` the
 Prometheus counters; ``limits`` the flags' values.

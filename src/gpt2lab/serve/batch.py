@@ -19,7 +19,7 @@ top-p, stop strings and token counts. A request that echoes its prompt with ``lo
 runs its prefill chunks with every position's logits (not the last only) and scores the
 prompt's tokens from them, so scoring (``max_tokens`` 0) costs the prompt's one forward,
 batched between decode steps like any prefill. A row's logits are those of the unbatched model up to
-float rounding (tests/unit/test_serve.py checks them against the one-row forward): a batched
+float rounding (tests/unit/test_serve_batch.py checks them against the one-row forward): a batched
 matmul may round differently, so a seeded request can in rare cases draw another token than
 ``gpt2lab sample``; ``--deterministic`` (engine.TurnsWorker) keeps exact equality.
 """

@@ -198,7 +198,7 @@ class Worker:
 
     def shut_down(self, error: ShuttingDown) -> int:
         """End every open request with ``error`` now and refuse new ones; call it once the engine has
-        stopped stepping this worker (Ctrl-C under ``gpt2lab serve``: api._uvicorn_in_thread). Returns
+        stopped stepping this worker (Ctrl-C under ``gpt2lab serve``: server.uvicorn_in_thread). Returns
         how many ended whose client was still there."""
         with self._lock:
             self._stopping = error
