@@ -25,7 +25,7 @@ if not os.environ.get("GPT2LAB_TEST_CACHE"):
 os.environ["GPT2LAB_CACHE"] = os.environ["GPT2LAB_TEST_CACHE"]
 
 TESTS = Path(__file__).resolve().parent  # shared helpers live here; unit/ and e2e/ hold the tests
-DATA = TESTS / "data"                    # small fixtures: HellaSwag slice, the v1 run, text slices
+DATA = TESTS / "data"                    # small fixtures: HellaSwag slice, text slices
 ROOT = TESTS.parent                      # the repository
 
 # Two deliberately different small shapes, so a transpose or head-split bug cannot hide

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import DATA
 from train_utils import cli_args, env, tiny_data, train_cmd  # noqa: F401  (tiny_data is a fixture)
 
 from gpt2lab import cli
@@ -52,7 +51,7 @@ def test_train_refuses_someones_files_and_an_export(tiny_data, tmp_path, capsys,
     line = _one_line(capsys.readouterr().err)
     assert "holds a gpt2lab export (gpt2lab_export.json" in line and "nothing was written" in line
     assert (_tree(tmp_path), _tree(export)) == before  # not a byte changed
-    assert rundir.inspect(export).kind == rundir.EXPORT and rundir.inspect(str(DATA / "v1_run")).kind == rundir.RUN
+    assert rundir.inspect(export).kind == rundir.EXPORT
 
 
 def test_prepare_and_export_refuse_a_run_directory(tiny_data, tmp_path, capsys):

@@ -9,12 +9,14 @@ import torch
 from safetensors.torch import load_file
 
 from gpt2lab.checkpoint import store as ckpt
+from gpt2lab.system import formats
+from gpt2lab.system.errors import CheckpointError
 from gpt2lab.train.config import model_from_config
 from gpt2lab.model.gpt import GPT
 from gpt2lab.weights.load import from_checkpoint
 from gpt2lab.train.optim import make_optimizer
 
-CFG = dict(block_size=16, vocab_size=50304, n_layer=2, n_head=2, n_embd=16)
+CFG = {"model": dict(block_size=16, vocab_size=50304, token_vocab_size=50257, n_layer=2, n_head=2, n_embd=16)}
 
 
 def _trained(seed: int = 0) -> tuple[GPT, torch.optim.Optimizer]:
@@ -70,7 +72,8 @@ def test_roundtrip_restores_everything(tmp_path):
     assert fresh.lm_head.weight is fresh.transformer.wte.weight  # the tie survives loading
     sa, sb = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
     assert all(torch.equal(sa[i]["exp_avg_sq"], sb[i]["exp_avg_sq"]) for i in sa)
-    assert json.load(open(os.path.join(path, "config.json"))) == CFG
+    assert json.load(open(os.path.join(path, "config.json"))) == {"format_version": formats.RUN.version, **CFG}
+    assert torch.load(os.path.join(path, "state.pt"), weights_only=True)["format_version"] == formats.CHECKPOINT.version
 
 
 def test_keep_newest_and_ignore_partial(tmp_path):
@@ -124,3 +127,45 @@ def test_every_checkpoint_file_gets_the_umasks_mode(tmp_path):
     modes = {name: stat.S_IMODE(os.stat(os.path.join(path, name)).st_mode) for name in os.listdir(path)
              if os.path.isfile(os.path.join(path, name))}
     assert "model.safetensors" in modes and set(modes.values()) == {0o640}, {k: oct(v) for k, v in modes.items()}
+
+
+def _rewrite(path: str, name: str, change) -> None:
+    """Change one file of a checkpoint and its checksum with it (as another gpt2lab would have written it)."""
+    file = os.path.join(path, name)
+    if name == "state.pt":
+        state = torch.load(file, weights_only=True)
+        change(state)
+        torch.save(state, file)
+    else:
+        config = json.load(open(file))
+        change(config)
+        json.dump(config, open(file, "w"))
+    sums = json.load(open(os.path.join(path, ckpt.CHECKSUMS)))
+    sums[name] = ckpt.sha256_file(file)
+    json.dump(sums, open(os.path.join(path, ckpt.CHECKSUMS), "w"))
+
+
+@pytest.mark.parametrize("name, fmt", [("state.pt", formats.CHECKPOINT), ("config.json", formats.RUN)])
+@pytest.mark.parametrize("version", [None, 0, 99])
+def test_a_checkpoint_of_another_format_version_is_refused_in_one_line(tmp_path, capsys, name, fmt, version):
+    """By every reader: sample/eval/export (load_model), resume (load), --init-from (find_source)."""
+    model, opt = _trained()
+    path = _save(tmp_path, model, opt, 1)
+    _rewrite(path, name, lambda d: d.pop("format_version") if version is None else d.update(format_version=version))
+    older = "written by an older gpt2lab" if version != 99 else "written by a newer gpt2lab"
+    todo = "train it again, or read it with the gpt2lab 0.1.x that wrote it" if version != 99 else "upgrade gpt2lab"
+    from gpt2lab.train import init_from
+
+    for read in (lambda: from_checkpoint(str(tmp_path)), lambda: ckpt.load(path, _parts(*_trained(1))),
+                 lambda: ckpt.check_format(path), lambda: init_from.find_source(str(tmp_path))):
+        with pytest.raises(CheckpointError) as e:
+            read()
+        text = str(e.value)
+        assert text.startswith(f"{path}/{name}: ") and "\n" not in text, text
+        assert all(w in text for w in (older, f"reads {fmt.what} format {fmt.version}", todo)), text
+        assert (f"format {version}," in text) if version is not None else "without format_version" in text
+    from gpt2lab.cli import main  # the command line: that line alone, exit 3
+
+    assert main(["sample", "--model", path, "--device", "cpu", "--max-new-tokens", "1"]) == 3
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.endswith(text), err

@@ -14,7 +14,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def make_run(path, *, tokens_per_step, dt_ms, val, steps, resumed_from=None):
     """A run of ``steps`` steps, each ``dt_ms`` long, with val losses {step: loss}."""
     path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps({"batch": {"total_batch_tokens": tokens_per_step}, "model": {}}))
+    (path / "config.json").write_text(json.dumps({"format_version": 2, "batch": {"total_batch_tokens": tokens_per_step},
+                                                  "model": {}}))
     recs = []
     for s in range(steps):
         if s in val:
@@ -40,13 +41,16 @@ def runs(tmp_path):
     return base, fast
 
 
-def test_tokens_per_step_from_config_json_of_either_form(tmp_path):
+def test_tokens_per_step_from_config_json(tmp_path):
     from gpt2lab.observe.compare import _tokens_per_step
+    from gpt2lab.system.errors import ConfigError
 
-    (tmp_path / "config.json").write_text(json.dumps({"batch": {"total_batch_tokens": 768}, "model": {}}))
+    (tmp_path / "config.json").write_text(json.dumps({"format_version": 2, "batch": {"total_batch_tokens": 768},
+                                                      "model": {}}))
     assert _tokens_per_step(str(tmp_path)) == 768
-    (tmp_path / "config.json").write_text(json.dumps({"total_batch_tokens": 512, "n_layer": 2}))  # written before
-    assert _tokens_per_step(str(tmp_path)) == 512
+    (tmp_path / "config.json").write_text(json.dumps({"total_batch_tokens": 512, "n_layer": 2}))  # the first runs'
+    with pytest.raises(ConfigError, match="config.json: a run config without format_version, written by an older"):
+        _tokens_per_step(str(tmp_path))
     (tmp_path / "config.json").unlink()
     assert _tokens_per_step(str(tmp_path)) is None
 

@@ -43,10 +43,12 @@ def test_gpt2_124m_is_the_reference_run():
     assert (gpt3.batch.seq_len, gpt3.batch.micro_batch_size, gpt3.batch.total_batch_tokens) == (2048, 32, 524288)
 
 
-def test_configs_written_before_auto_still_load():
+def test_compile_as_a_bool_is_its_text():
+    """compile=True/False from Python (load_preset, from_dict) or a TOML file: "true"/"false"."""
     cfg = TrainConfig.from_dict({"compile": True, "dtype": "bfloat16"})
     assert (cfg.system.compile, cfg.system.dtype) == ("true", "bfloat16")
     assert TrainConfig.from_dict({"compile": False}).system.compile == "false"
+    assert TrainConfig.from_dict({"compile": False}).to_dict()["system"]["compile"] == "false"  # saved as text
 
 
 def _parse(argv):

@@ -1,158 +1,28 @@
 """The run config's formats: config.json nested by section (the architecture under "model", a
-GPTConfig; the rest under "batch", "optim", ...), flat flags and TOML keys mapped into their
-sections, and run directories written before the nesting (tests/data/v1_run, made by
-tests/data/make_v1_run.sh at commit 929f8b8: every key flat) still loading for sample, eval,
-export, report and --resume."""
+GPTConfig; the rest under "batch", "optim", ...) with its format_version, flat flags and TOML
+keys mapped into their sections, and the one check of every file's format version
+(system/formats.py): a file of an older version (a config.json without one: the flat or
+half-nested form of gpt2lab 0.1.0's first runs) or a newer one is refused in one line."""
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import shutil
 import sys
-from pathlib import Path
 from unittest import mock
 
-import numpy as np
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from gpt2lab import cli
+from gpt2lab.system import formats
 from gpt2lab.train.config import (ConfigError, TrainConfig, add_config_flags, config_file_values,
                                   config_value, load_preset, merge_config, model_from_config, nest_config,
-                                  overrides_from_args, preset_names, tomllib)
-from gpt2lab.model.gpt import GPT, GPTConfig
-from gpt2lab.data.tokenizer import gpt2_tokenizer
-from conftest import DATA
-
-V1_RUN = DATA / "v1_run"
-V1_CKPT = V1_RUN / "checkpoints" / "step_000003"
-# The fixture's architecture, as make_v1_run.sh asked for it (written here by hand, not read).
-V1_MODEL = GPTConfig(n_layer=2, n_head=2, n_embd=4, block_size=16, vocab_size=50304, token_vocab_size=50257)
-# The flags make_v1_run.sh trained with (flat, as users give them).
-V1_FLAGS = ["--n-layer", "2", "--n-head", "2", "--n-embd", "4", "--block-size", "16", "--vocab-size", "50304",
-            "--seq-len", "16", "--micro-batch-size", "2", "--total-batch-tokens", "64", "--warmup-steps", "1",
-            "--max-lr", "1e-2", "--min-lr", "1e-3", "--seed", "7", "--dtype", "float32", "--compile", "false",
-            "--device", "cpu", "--eval-interval", "0", "--hellaswag-interval", "0", "--sample-interval", "0",
-            "--ckpt-interval", "0", "--progress", "false", "--keep-cpu-memory", "false"]
-
-
-def _by_hand() -> GPT:
-    """The fixture's weights in a GPT built from V1_MODEL, read with safetensors directly."""
-    model = GPT(V1_MODEL).eval()
-    missing, unexpected = model.load_state_dict(load_file(str(V1_CKPT / "model.safetensors")), strict=False)
-    assert not unexpected and missing == ["lm_head.weight"]  # tied to wte, stored once
-    return model
+                                  overrides_from_args, preset_names, save_config, tomllib)
+from gpt2lab.model.gpt import GPTConfig
 
 
 def _main(argv: list[str]) -> int:
     with mock.patch.object(sys, "argv", ["gpt2lab", *argv]):
         return cli.main(argv)
-
-
-def test_fixture_is_in_the_old_flat_format():
-    saved = json.loads((V1_CKPT / "config.json").read_text())
-    assert "model" not in saved and saved["n_embd"] == 4 and "token_vocab_size" not in saved
-    assert "optim" not in saved and saved["max_lr"] == 0.01 and saved["init_from_id"] is None
-    assert model_from_config(saved) == V1_MODEL
-    cfg = TrainConfig.from_dict(saved)
-    assert cfg.model == V1_MODEL
-    # every flat key lands in its section with its value; init_from_id (provenance) is dropped
-    assert (cfg.optim.max_lr, cfg.optim.min_lr, cfg.batch.seq_len, cfg.batch.total_batch_tokens) == (0.01, 0.001, 16, 64)
-    assert (cfg.system.dtype, cfg.system.compile, cfg.eval.sample_prompt, cfg.seed) == ("float32", "false", "ROMEO:", 7)
-    assert (cfg.checkpoint.keep_checkpoints, cfg.spike.spike_window, cfg.finetune.init_from) == (2, 100, None)
-    written = cfg.to_dict()
-    assert "init_from_id" not in json.dumps(written)
-    for key, value in saved.items():
-        if key != "init_from_id":
-            assert config_value(written, key) == value, key
-
-
-def test_old_run_samples_and_exports_like_its_weights(tmp_path, capsys):
-    import transformers
-
-    from gpt2lab.weights.load import load_model
-
-    ref = _by_hand()
-    idx = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(0))
-    loaded = load_model(str(V1_RUN))
-    assert loaded.config == V1_MODEL
-    with torch.no_grad():
-        want = ref(idx)[0]
-        assert torch.equal(loaded(idx)[0], want)
-    out = tmp_path / "hf"
-    assert _main(["export", str(V1_RUN), str(out)]) == 0
-    hf = transformers.GPT2LMHeadModel.from_pretrained(str(out)).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(hf(idx).logits, want[..., :50257], rtol=0, atol=1e-5)
-    # sample, greedy: the continuation is the argmax chain of transformers' model on the export
-    enc = gpt2_tokenizer()
-    ids = enc.encode("ROMEO:")
-    for _ in range(5):
-        with torch.no_grad():
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    capsys.readouterr()
-    assert _main(["sample", "--model", str(V1_RUN), "--prompt", "ROMEO:", "--max-new-tokens", "5",
-                  "--temperature", "0", "--device", "cpu", "--dtype", "float32", "--no-stop-at-eot"]) == 0
-    assert capsys.readouterr().out == f"--- sample 1/1\n{enc.decode(ids)}\n"
-
-
-def _check_same_data(data: str) -> None:
-    """The shards the fixture was trained on (make_v1_run.sh recorded their hashes)."""
-    for line in (V1_RUN.parent / "v1_run.data.sha256").read_text().splitlines():
-        digest, name = line.split()
-        if name.endswith(".bin"):
-            got = hashlib.sha256((Path(data) / Path(name).name).read_bytes()).hexdigest()
-            assert got == digest, f"prepare('tinyshakespeare') no longer makes {name}; remake tests/data/v1_run"
-
-
-def test_old_run_eval_loss_and_report(tiny_data, tmp_path, capsys):
-    _check_same_data(tiny_data)
-    raw = np.fromfile(Path(tiny_data) / "val_000000.bin", dtype=np.uint16, offset=1024)  # 256-int32 header
-    rows = torch.from_numpy(raw[:4 * 16 + 1].astype(np.int64))
-    x = torch.stack([rows[i * 16:i * 16 + 16] for i in range(4)])
-    y = torch.stack([rows[i * 16 + 1:i * 16 + 17] for i in range(4)])
-    with torch.no_grad():
-        logits = _by_hand()(x)[0]
-    want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)).item()
-    capsys.readouterr()
-    assert _main(["eval", "loss", "--model", str(V1_RUN), "--data", tiny_data, "--tokens", "64",
-                  "--batch-size", "2", "--device", "cpu", "--dtype", "float32"]) == 0
-    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert got["loss"] == pytest.approx(want, abs=1e-5)
-    run = tmp_path / "v1_run"
-    shutil.copytree(V1_RUN, run)  # report writes beside the run
-    assert _main(["report", str(run)]) == 0
-    assert "| model | 2 layers, 2 heads, 4 wide |" in (run / "report.md").read_text()
-
-
-def test_old_run_resumes_from_its_step(tiny_data, tmp_path):
-    """--resume continues at step 3; that step's loss is the fixture's weights' loss on the batch its
-    saved loader position yields, computed here directly."""
-    from gpt2lab.data import TokenLoader
-
-    _check_same_data(tiny_data)
-    run = tmp_path / "v1_run"
-    shutil.copytree(V1_RUN, run)
-    state = torch.load(V1_CKPT / "state.pt", weights_only=True)
-    assert state["step"] == 3
-    loader = TokenLoader(tiny_data, "train", 2, 16, seed=7)
-    loader.load_state_dict(state["loader"])
-    model = _by_hand()
-    with torch.no_grad():
-        want = sum(model(*loader.next_batch())[1].item() for _ in range(2)) / 2  # 2 micro-steps
-    assert _main(["train", "--preset", "shakespeare-cpu", *V1_FLAGS, "--data", tiny_data, "--out", str(run),
-                  "--max-steps", "4", "--resume", "auto"]) == 0
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    resumed = [r for r in records if "train_loss" in r][3:]
-    assert [r["step"] for r in resumed] == [3]
-    assert resumed[0]["train_loss"] == pytest.approx(want, rel=1e-6)
-    info = json.loads((run / "run_info.json").read_text())
-    assert info["resumed_from"].endswith("step_000003")
-    written = json.loads((run / "checkpoints" / "step_000004" / "config.json").read_text())
-    assert written["model"] == V1_MODEL.to_dict() and "n_layer" not in written  # now nested
-    assert written["optim"]["max_lr"] == 0.01 and "max_lr" not in written and "init_from_id" not in written
 
 
 # -- the nested config, its flat flags and keys ----------------------------------------------
@@ -240,8 +110,18 @@ def test_config_json_round_trips():
     assert model_from_config(written) == cfg.model
 
 
+def test_config_json_is_written_with_its_format_version_and_read_back(tmp_path):
+    cfg = load_preset("shakespeare-cpu", seed=3)
+    path = tmp_path / "config.json"
+    save_config(cfg, str(path))
+    saved = json.loads(path.read_text())
+    assert list(saved)[:2] == ["format_version", "model"] and saved["format_version"] == formats.RUN.version == 2
+    assert {k: v for k, v in saved.items() if k != "format_version"} == cfg.to_dict()
+    assert TrainConfig.from_dict(formats.unstamp(saved, str(path), formats.RUN)) == cfg
+
+
 def _flatten(nested: dict) -> dict:
-    """The old flat form of a nested config: every section's keys at the top (written by hand here)."""
+    """The flat form of a nested config (flags, TOML keys): every section's keys at the top."""
     flat = {}
     for key, value in nested.items():
         flat.update(value if isinstance(value, dict) else {key: value})
@@ -273,7 +153,7 @@ def _toml_chain(name: str) -> dict:
 @pytest.mark.parametrize("name", preset_names())
 def test_every_shipped_preset_is_flat_and_keeps_its_values(name):
     keys = _toml_chain(name)
-    assert keys and not any(isinstance(v, dict) for v in keys.values())  # flat, as written before the nesting
+    assert keys and not any(isinstance(v, dict) for v in keys.values())  # flat: the presets' own form
     got = load_preset(name).to_dict()
     for key, value in keys.items():
         assert config_value(got, key) == value, key
@@ -301,26 +181,23 @@ def test_presets_land_in_their_sections():
         ("muon", "wsd", 0.4, "auto")
 
 
-def test_old_config_json_with_init_from_id_loads(tmp_path):
-    """config.json as written before the sections (the model nested, the rest flat) with the
-    provenance key init_from_id: it loads, the key dropped; a resume reads it back as provenance."""
+def test_a_retired_key_is_refused():
+    """init_from_id (what --init-from resolved to, now the plan's record in state.pt) was in the
+    first runs' config.json; no setting reads it now."""
+    with pytest.raises(ConfigError, match=r"^x.toml: unknown field\(s\) init_from_id; known fields: "):
+        TrainConfig.from_dict({"init_from_id": "sha256:" + "ab" * 32}, source="x.toml")
+
+
+def test_a_resume_reads_what_the_run_began_from_in_state_pt(tmp_path):
     import torch
 
     from gpt2lab.train.plan import began_from
 
-    cfg = load_preset("finetune-shakespeare")
-    nested = cfg.to_dict()
-    old = {"model": nested["model"], **_flatten({k: v for k, v in nested.items() if k != "model"}),
-           "init_from_id": "sha256:" + "ab" * 32}
-    assert "max_lr" in old and "optim" not in old
-    assert TrainConfig.from_dict(old) == cfg and "init_from_id" not in json.dumps(cfg.to_dict())
-    # a checkpoint written before: its state.pt has no record, its config.json the id
-    torch.save({"step": 3, "tokens": 0}, tmp_path / "state.pt")
-    assert began_from(str(tmp_path), old) == {"source": "gpt2", "id": "sha256:" + "ab" * 32}
-    assert began_from(str(tmp_path), {**old, "init_from_id": None}) is None  # the v1 fixture's null
-    record = {"source": "gpt2", "kind": "hub", "id": "sha256:" + "cd" * 32}  # one written now: state.pt's wins
-    torch.save({"step": 3, "tokens": 0, "init_from": record}, tmp_path / "state.pt")
-    assert began_from(str(tmp_path), nested) == record
+    torch.save(formats.stamp({"step": 3, "tokens": 0}, formats.CHECKPOINT), tmp_path / "state.pt")
+    assert began_from(str(tmp_path)) is None  # a run from scratch
+    record = {"source": "gpt2", "kind": "hub", "id": "sha256:" + "cd" * 32}
+    torch.save(formats.stamp({"step": 3, "tokens": 0, "init_from": record}, formats.CHECKPOINT), tmp_path / "state.pt")
+    assert began_from(str(tmp_path)) == record
 
 
 @pytest.mark.parametrize("values, message", [
@@ -370,21 +247,85 @@ def test_toml_files_take_section_tables_and_flags_go_over_them(tmp_path, capsys)
     assert capsys.readouterr().err.strip() == f"gpt2lab train: {path}: max_lr is in [batch] but belongs in [optim]"
 
 
-def test_a_run_directory_is_known_by_its_config_json_of_either_form(tmp_path):
+def test_a_run_directory_is_known_by_its_nested_config_json(tmp_path):
     """gpt2lab may write into a run of its own: a run dir with only a config.json (killed before
-    run_info.json) or only copied checkpoints is known by the config's keys, nested or flat."""
+    run_info.json) or only copied checkpoints is known by the config's sections; the flat form
+    of the first runs' config.json is not a run's any more."""
     from gpt2lab.system import rundir
 
     written = load_preset("shakespeare-cpu").to_dict()
-    for name, config in (("nested", written), ("flat", _flatten(written)), ("v1", json.loads(
-            (V1_CKPT / "config.json").read_text()))):
+    for name, config, kind in (("nested", written, rundir.RUN), ("stamped", formats.stamp(written, formats.RUN),
+                               rundir.RUN), ("flat", _flatten(written), "foreign")):
         alone = tmp_path / name / "alone"
         alone.mkdir(parents=True)
         (alone / "config.json").write_text(json.dumps(config))
         copied = tmp_path / name / "copied" / "checkpoints" / "step_000004"
         copied.mkdir(parents=True)
         (copied / "config.json").write_text(json.dumps(config))
-        assert rundir.inspect(str(alone)).kind == rundir.inspect(str(copied.parent.parent)).kind == rundir.RUN, name
+        assert rundir.inspect(str(alone)).kind == rundir.inspect(str(copied.parent.parent)).kind == kind, name
     (tmp_path / "theirs").mkdir()
     (tmp_path / "theirs" / "config.json").write_text(json.dumps({"optim": {"max_steps": 3}, "model": {}}))
     assert rundir.inspect(str(tmp_path / "theirs")).kind == "foreign"
+
+
+# -- format versions: system/formats.py --------------------------------------------------------
+OLDER = "written by an older gpt2lab; this gpt2lab (0.1.0) reads"
+AGAIN = "train it again, or read it with the gpt2lab 0.1.x that wrote it"
+
+
+@pytest.mark.parametrize("found, words", [
+    (None, ["RUN/config.json: a run config without format_version,", OLDER + " run config format 2;", AGAIN]),
+    (1, ["RUN/config.json: run config format 1, " + OLDER + " run config format 2;", AGAIN]),
+    (3, ["RUN/config.json: run config format 3, written by a newer gpt2lab; this gpt2lab (0.1.0) reads run "
+         "config format 2; upgrade gpt2lab to read it"]),
+    ("2", ["RUN/config.json: run config format '2', unknown to this gpt2lab;", "upgrade gpt2lab"]),
+    (True, ["RUN/config.json: run config format True, unknown to this gpt2lab;"]),
+])
+def test_another_format_version_is_refused_in_one_line(found, words):
+    with pytest.raises(ConfigError) as e:
+        formats.check("RUN/config.json", found, formats.RUN)
+    assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_stamp_and_unstamp():
+    stamped = formats.stamp({"model": {}, "format_version": 7}, formats.RUN)
+    assert stamped == {"format_version": 2, "model": {}} and list(stamped)[0] == "format_version"
+    assert formats.unstamp(stamped, "x", formats.RUN) == {"model": {}}
+    formats.check("x", formats.CHECKPOINT.version, formats.CHECKPOINT)  # its own version passes
+    from gpt2lab.system.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="^CKPT/state.pt: checkpoint format 2, written by a newer gpt2lab; "
+                       r"this gpt2lab \(0.1.0\) reads checkpoint format 1; upgrade gpt2lab to read it$"):
+        formats.unstamp({"format_version": 2}, "CKPT/state.pt", formats.CHECKPOINT, CheckpointError)
+    assert formats.is_current({"version": 1, "probes": {}}, formats.PROBES, key="version")
+    assert not any(formats.is_current(d, formats.PROBES, key="version")
+                   for d in ({"version": 0}, {"version": 2}, {}, [], {"version": "1"}))
+
+
+def _old_run(path, config: dict) -> str:
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "metrics.jsonl").write_text('{"step": 0, "train_loss": 5.0, "dt_ms": 10, "tok_per_s": 1, "tokens": 64}\n'
+                                        '{"step": 1, "val_loss": 4.0}\n')
+    return str(path)
+
+
+@pytest.mark.parametrize("command", ["report", "plot", "compare"])
+def test_report_plot_and_compare_refuse_a_run_of_another_format_in_one_line(command, tmp_path, capsys):
+    written = load_preset("shakespeare-cpu").to_dict()
+    runs = {"flat": (_flatten(written), "a run config without format_version, " + OLDER),
+            "half": ({"model": written["model"], **_flatten({k: v for k, v in written.items() if k != "model"})},
+                     "a run config without format_version, " + OLDER),
+            "newer": ({**formats.stamp(written, formats.RUN), "format_version": 3},
+                      "run config format 3, written by a newer gpt2lab")}
+    good = _old_run(tmp_path / "good", formats.stamp(written, formats.RUN))
+    for name, (config, words) in runs.items():
+        run = _old_run(tmp_path / name, config)
+        argv = {"report": ["report", run], "plot": ["plot", run, "--out", str(tmp_path / "p.png")],
+                "compare": ["compare", good, run]}[command]
+        assert _main(argv) == 2, name
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"{run}/config.json: {words}" in err, err
+        assert (AGAIN if name != "newer" else "upgrade gpt2lab to read it") in err, err
+    assert _main({"report": ["report", good], "plot": ["plot", good, "--out", str(tmp_path / "p.png")],
+                  "compare": ["compare", good, good]}[command]) == 0

@@ -16,6 +16,7 @@ from gpt2lab.inference.form import for_inference, hold
 from gpt2lab.inference.kernels import (DecodeLinear, Int8Linear, PackedLinear, PlainLinear, int8_available,
                                        packing_available, packing_bf16_error, quantize_int8, swap_linears)
 from gpt2lab.inference.choice import Candidate, InferenceFacts, InferenceRequest, Timing, candidates, choose
+from gpt2lab.system import formats
 from gpt2lab.system.runtime import ChoiceError
 
 needs_onednn = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN packed linear")
@@ -344,16 +345,16 @@ def test_the_probe_cache_is_one_bounded_versioned_file(tmp_path, monkeypatch):
         keys.append(prep._probe_key(model, request, torch.device("cpu"), names))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["decode-probes.json", "notes.json"]
     saved = json.loads((tmp_path / prep.PROBE_FILE).read_text())
-    assert saved["version"] == prep.PROBE_VERSION and sorted(saved["entries"]) == sorted(keys[2:])
+    assert saved["version"] == formats.PROBES.version and sorted(saved["entries"]) == sorted(keys[2:])
     measured = len(calls)
     prep.decide(model, torch.device("cpu"), request, facts=ZEN)
     assert len(calls) == measured  # read back
-    for version in (prep.PROBE_VERSION - 1, prep.PROBE_VERSION + 1):  # another format: only a cache, measured again
+    for version in (formats.PROBES.version - 1, formats.PROBES.version + 1):  # another format: only a cache, measured again
         (tmp_path / prep.PROBE_FILE).write_text(json.dumps({**saved, "version": version}))
         prep.decide(model, torch.device("cpu"), request, facts=ZEN)
         assert len(calls) == measured + len(names)
         measured = len(calls)
-        assert json.loads((tmp_path / prep.PROBE_FILE).read_text())["version"] == prep.PROBE_VERSION
+        assert json.loads((tmp_path / prep.PROBE_FILE).read_text())["version"] == formats.PROBES.version
 
 
 def test_a_first_probe_says_once_on_stderr_what_it_does_and_about_how_long(tmp_path, monkeypatch, capsys):

@@ -51,9 +51,9 @@ def test_every_lever_is_off_by_default_and_gpt2_is_unchanged():
     assert not any("ve" in n.split(".") or "ve_gate" in n or "skip_weights" in n for n in names)
     on = model(value_embeds=2, unet_skips=True)
     assert on.config.modern() == {"value_embeds": 2, "unet_skips": True}
-    # a config.json written before these fields: off
-    assert model_from_config({"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16,
-                              "vocab_size": 96}).modern() == {}
+    # a config.json without these fields: off
+    assert model_from_config({"model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16,
+                                        "vocab_size": 96}}).modern() == {}
 
 
 @pytest.mark.parametrize("bad, needle", [

@@ -263,6 +263,6 @@ def test_flags_toml_and_old_configs(tmp_path):
         TrainConfig.from_dict({"model": {"qk_norm": "yes"}})
     with pytest.raises(ConfigError, match="pos_emb must be text, got 3"):
         TrainConfig.from_dict({"pos_emb": 3})
-    # a config.json written before these fields: GPT-2's defaults
-    old = model_from_config({"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "vocab_size": 96})
+    # a config.json without these fields: GPT-2's defaults
+    old = model_from_config({"model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "vocab_size": 96}})
     assert old.modern() == {} and old.tie_embeddings is True

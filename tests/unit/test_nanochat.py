@@ -355,17 +355,3 @@ def test_round_trip_export_then_model_from_pretrained_and_init_from(tiny_data, t
     for got in (load_model(d), from_pretrained(d), trainer.raw.eval()):
         with torch.no_grad():
             torch.testing.assert_close(got(idx)[0][..., :50257], want, rtol=1e-4, atol=1e-4)
-
-
-def test_an_old_checkpoint_is_gpt2_with_its_biases():
-    """tests/data/v1_run (written before these switches): the defaults give it every bias it saved."""
-    from safetensors.torch import load_file
-
-    from conftest import DATA
-
-    run = DATA / "v1_run"
-    m = load_model(str(run))
-    assert m.config.bias and not m.config.embed_norm and m.config.modern() == {}
-    saved = load_file(str(run / "checkpoints" / "step_000003" / "model.safetensors"))
-    assert set(m.state_dict()) - {"lm_head.weight"} == set(saved)
-    assert any(k.endswith("attn.c_attn.bias") for k in saved)

@@ -14,7 +14,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def make_run(path, *, n_layer=12, n_embd=768, hellaswag=True, steps=50):
     path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps({"model": {"n_layer": n_layer, "n_head": 12, "n_embd": n_embd}}))
+    (path / "config.json").write_text(json.dumps({"format_version": 2, "model": {"n_layer": n_layer, "n_head": 12,
+                                                                              "n_embd": n_embd}}))
     lines, val, hs = [], {}, {}
     for s in range(steps):
         lines.append({"step": s, "train_loss": 11 * math.exp(-s / 20) + 3, "lr": 6e-4, "grad_norm": 1.0,
@@ -83,9 +84,10 @@ def test_summary_table_best_values(tmp_path, capsys):
 
 
 def test_size_detection():
-    assert detect_size({"n_layer": 36, "n_embd": 1280}) == "774M"
+    assert detect_size({"model": {"n_layer": 36, "n_embd": 1280}}) == "774M"
     assert detect_size({"model": {"num_params": 124_475_904}}) == "124M"  # vocab padded to 50304
-    assert detect_size({"n_layer": 2, "n_embd": 64}) is None
+    assert detect_size({"model": {"n_layer": 2, "n_embd": 64}}) is None
+    assert detect_size({"n_layer": 36, "n_embd": 1280}) is None  # the architecture is read from its section only
 
 
 def test_bad_run_dirs(tmp_path):

@@ -16,11 +16,12 @@ optimizer steps completed):
     .metadata          DCP's index: which slice of which tensor lies in which file
     __R_0.distcp       rank R's slices of the weights ("model.*") and AdamW state ("optimizer.*")
   both:
-    state.pt           the trainer's step, tokens, guard, skips and the record of the weights
-                       the run began from (--init-from; train.plan.began_from reads it) at the top
+    state.pt           the checkpoint's format_version (system/formats.py: CHECKPOINT), the
+                       trainer's step, tokens, guard, skips and the record of the weights the
+                       run began from (--init-from; train.plan.began_from reads it) at the top
                        level, and "loader", "rng" (python, numpy, torch, cuda) and "scaler" entries
-    config.json        the run's resolved TrainConfig, nested by section (files written before
-                       were flat: model.config.model_from_config and config_value read both)
+    config.json        the run's resolved TrainConfig, nested by section, with the run format's
+                       format_version (system/formats.py: RUN)
     tokenizer.json     only for a model with its own tokenizer (GPTConfig.tokenizer): so the
                        checkpoint alone loads
     checksums.json     sha256 of each file above, verified when the checkpoint is loaded
@@ -30,6 +31,8 @@ by rank 0, after every rank has written), so any ``step_*`` directory is whole; 
 K are kept. Bytes that change afterwards (a bad disk, a copy cut short) fail the checksum:
 loading says the checkpoint is damaged. A sharded checkpoint resumes on any number of
 ranks, and weights/load.py consolidates it in one process for sample, eval and export.
+Every reader (``read_config``, ``read_state``, ``check_format``) refuses a checkpoint of
+another format version in one line (CheckpointError).
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ from safetensors.torch import load_file, save_file
 from gpt2lab.distributed import dist
 from gpt2lab.distributed import parallel
 from gpt2lab.checkpoint import sharded
+from gpt2lab.system import formats
 from gpt2lab.system.errors import CheckpointError
 from gpt2lab.system.files import atomic_dir, sha256_file, write_json
 from gpt2lab.model.config import config_value, model_from_config
@@ -146,7 +150,7 @@ def save(run_dir: str, step: int, parts: Mapping[str, Optional[Stateful]], confi
     main = dist.rank() == 0
     if main:
         os.makedirs(os.path.dirname(final), exist_ok=True)
-    plain = _plain_state(parts) if main else None
+    plain = formats.stamp(_plain_state(parts), formats.CHECKPOINT) if main else None
     if parallel.is_sharded(model):
         _save_sharded(final, model, optimizer, plain, config, extra)
     elif main:
@@ -174,9 +178,9 @@ def _plain_state(parts: Mapping[str, Optional[Stateful]]) -> dict:
 
 
 def _write_rest(tmp: str, plain: dict, config: dict, files: Sequence[str] = ()) -> tuple[str, ...]:
-    """state.pt, config.json and copies of ``files``; returns the copies' names."""
+    """state.pt, config.json (with its format version) and copies of ``files``; returns the copies' names."""
     torch.save(plain, os.path.join(tmp, "state.pt"))
-    write_json(os.path.join(tmp, "config.json"), config)
+    write_json(os.path.join(tmp, "config.json"), formats.stamp(config, formats.RUN))
     for path in files:
         shutil.copyfile(path, os.path.join(tmp, os.path.basename(path)))
     return tuple(os.path.basename(path) for path in files)
@@ -331,11 +335,16 @@ def weights_file(ckpt: str) -> str:
 
 
 def read_config(ckpt: str) -> dict:
+    """The checkpoint's config.json, nested, without its format_version (one of another version is refused)."""
+    path = os.path.join(ckpt, "config.json")
     try:
-        with open(os.path.join(ckpt, "config.json")) as fh:
-            return json.load(fh)
+        with open(path) as fh:
+            config = json.load(fh)
     except (OSError, ValueError) as e:
         raise damaged(ckpt, f"config.json unreadable ({e})") from e
+    if not isinstance(config, dict):
+        raise damaged(ckpt, f"config.json holds no object ({type(config).__name__})")
+    return formats.unstamp(config, path, formats.RUN, CheckpointError)
 
 
 def load_weights(model: torch.nn.Module, ckpt: str, verified: bool = False, name: str = "model.safetensors") -> None:
@@ -408,11 +417,23 @@ def _first_line(e: BaseException) -> str:
 
 
 def read_state(ckpt: str) -> dict:
-    """The checkpoint's state.pt (plain values only: weights_only)."""
+    """The checkpoint's state.pt (plain values only: weights_only), without its format_version
+    (a checkpoint of another version is refused)."""
+    path = os.path.join(ckpt, "state.pt")
     try:
-        return torch.load(os.path.join(ckpt, "state.pt"), weights_only=True, map_location="cpu")
+        state = torch.load(path, weights_only=True, map_location="cpu")
     except (OSError, RuntimeError, EOFError, ValueError) as e:
         raise damaged(ckpt, _first_line(e)) from e
+    if not isinstance(state, dict):
+        raise damaged(ckpt, f"state.pt holds no dict ({type(state).__name__})")
+    return formats.unstamp(state, path, formats.CHECKPOINT, CheckpointError)
+
+
+def check_format(ckpt: str) -> None:
+    """Refuse, in one line, a checkpoint of another format version than this gpt2lab's: its
+    state.pt's and its config.json's (for the readers that need neither file's content)."""
+    read_state(ckpt)
+    read_config(ckpt)
 
 
 def load(ckpt: str, parts: Mapping[str, Optional[Stateful]], verified: bool = False) -> None:
@@ -429,6 +450,7 @@ def load(ckpt: str, parts: Mapping[str, Optional[Stateful]], verified: bool = Fa
         verify_together(ckpt)
     model, optimizer, average = parts["model"], parts["optimizer"], parts.get("average")
     state = read_state(ckpt)
+    read_config(ckpt)  # its format version too (the run plan read its settings)
     averaged = os.path.isfile(os.path.join(ckpt, TRAINING))
     trained = TRAINING if averaged else "model.safetensors"
     if sharded.is_sharded_checkpoint(ckpt):

@@ -23,7 +23,7 @@ from gpt2lab.inference.choice import (REQUEST_TOKENS, Candidate, Decision, Infer
                                       candidates, choose, device_pick)
 from gpt2lab.inference.form import detect_facts, hold
 from gpt2lab.model.gpt import GPT
-from gpt2lab.system import runtime
+from gpt2lab.system import formats, runtime
 
 CONTEXT = 32        # tokens already cached when decode steps are timed
 STEPS = 4           # decode steps per timed call
@@ -109,7 +109,6 @@ def _probe_key(model: GPT, request: InferenceRequest, device: torch.device, name
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-PROBE_VERSION = 2  # the cache file's format; a file of another version is measured again (it is only a cache)
 
 
 def _read_probes(path: str) -> dict:
@@ -118,7 +117,7 @@ def _read_probes(path: str) -> dict:
     try:
         with open(path) as fh:
             data = json.load(fh)
-        entries = data.get("entries", {}) if data.get("version") == PROBE_VERSION else {}
+        entries = data.get("entries", {}) if formats.is_current(data, formats.PROBES, key="version") else {}
         return entries if isinstance(entries, dict) else {}
     except (OSError, ValueError, AttributeError):
         return {}
@@ -135,7 +134,7 @@ def _save_probe(path: str, key: str, figures: dict) -> None:
     entries = {k: entries[k] for k in keep[-PROBE_ENTRIES:]}
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_json(path, {"version": PROBE_VERSION, "entries": entries}, indent=None)
+        write_json(path, {"version": formats.PROBES.version, "entries": entries}, indent=None)
     except OSError:
         pass
 

@@ -7,8 +7,8 @@ flag's help text; a field marked ``derived`` is set by the trainer, never by a f
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field, fields, replace
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 from gpt2lab.system.errors import ConfigError
@@ -206,49 +206,14 @@ MODERN_FIELDS = ("pos_emb", "rope_theta", "norm", "qk_norm", "mlp_act", "tie_emb
 MODEL_KEYS = tuple(f.name for f in fields(GPTConfig))
 
 
-def nest_sections(values: Mapping[str, Any], sections: Mapping[str, Iterable[str]],
-                  source: str = "config") -> dict:
-    """``values`` with each flat key that names a field of a section moved into that section's dict.
-
-    ``sections``: section name -> its field names. A section given as a dict keeps its keys
-    (checked by the caller); a key set both flat and in its section is an error, as is a
-    section that is not a dict. Keys of no section stay at the top; a section appears in
-    the result only where ``values`` has it or one of its keys.
-    """
-    out = {k: v for k, v in values.items() if k not in sections}
-    for section, names in sections.items():
-        table = values.get(section, {})
-        if not isinstance(table, dict):
-            raise ConfigError(f"{source}: \"{section}\" must be a table of {section} fields "
-                              f"({', '.join(names)}), got {table!r}")
-        flat = {k: out.pop(k) for k in names if k in out}
-        both = sorted(set(flat) & set(table))
-        if both:
-            raise ConfigError(f"{source}: {', '.join(both)} set both as a key and in [{section}]; keep one")
-        if section in values or flat:
-            out[section] = {**table, **flat}
-    return out
-
-
-def nest_model(values: Mapping[str, Any], source: str = "config") -> dict:
-    """A run config (dict) with GPTConfig's fields in a "model" dict (always there), the other
-    keys as they are: what the model's readers (model_from_config, report) need of any form,
-    flat (config.json written before the nesting) or nested."""
-    nested = nest_sections(values, {"model": MODEL_KEYS}, source)
-    nested.setdefault("model", {})
-    return nested
-
-
 def config_value(values: Mapping[str, Any], name: str, default: Any = None) -> Any:
-    """A run config's field by its flat name (``"lora_rank"``), in whichever form the dict is:
-    flat (config.json written before the nesting) or in its section. Flat names are unique
-    over the sections, so no table is needed; ``default`` where the field is absent."""
-    if name in values:
-        return values[name]
+    """A nested run config's field by its flat name (``"lora_rank"``): in its section's dict, or
+    at the top level for data, out and seed. Flat names are unique over the sections, so no
+    table is needed; ``default`` where the field is absent."""
     for table in values.values():
         if isinstance(table, dict) and name in table:
             return table[name]
-    return default
+    return values.get(name, default)
 
 
 def gpt_config(values: dict, source: str) -> GPTConfig:
@@ -277,16 +242,18 @@ def check_types(values: dict, hints: dict, source: str, also: Optional[dict] = N
             raise ConfigError(f"{source}: {name} must be {kind}, got {value!r}")
 
 
-def model_from_config(values: dict, source: str = "config") -> GPTConfig:
-    """The architecture a run's or a checkpoint's config.json describes, nested or old flat form.
+def model_from_config(values: Mapping[str, Any], source: str = "config") -> GPTConfig:
+    """The architecture a run's or a checkpoint's config.json (nested, its version checked by its
+    reader: system/formats.py) describes: its "model" section.
 
     Other fields are not checked (a checkpoint's training settings do not matter for
-    sample, eval or export). Configs that predate token_vocab_size get the tokenizer's.
+    sample, eval or export).
     """
-    model = gpt_config(nest_model(values, source)["model"], source)
-    if model.token_vocab_size is None:
-        model = replace(model, token_vocab_size=min(GPT2_VOCAB_SIZE, model.vocab_size))
-    return model
+    model = values.get("model", {})
+    if not isinstance(model, dict):
+        raise ConfigError(f"{source}: \"model\" must be a table of model fields ({', '.join(MODEL_KEYS)}), "
+                          f"got {model!r}")
+    return gpt_config(model, source)
 
 
 def field_type(tp: Any) -> tuple[Any, bool]:

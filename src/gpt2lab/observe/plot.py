@@ -12,6 +12,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
+from gpt2lab.system import formats
 from gpt2lab.system.errors import DataError
 from gpt2lab.system.files import atomic_write
 from gpt2lab.model.config import SIZES
@@ -61,36 +62,15 @@ def read_metrics(path: str) -> list[dict]:
     return records
 
 
-def _find_shape(obj) -> Optional[tuple[int, int]]:
-    """(n_layer, n_embd) from a config, at the top level or in a nested section."""
-    if isinstance(obj, dict):
-        if isinstance(obj.get("n_layer"), int) and isinstance(obj.get("n_embd"), int):
-            return obj["n_layer"], obj["n_embd"]
-        for v in obj.values():
-            found = _find_shape(v)
-            if found:
-                return found
-    return None
-
-
-def _find_params(obj) -> Optional[int]:
-    if isinstance(obj, dict):
-        for key in ("num_params", "n_params", "params"):
-            if isinstance(obj.get(key), int):
-                return obj[key]
-        for v in obj.values():
-            found = _find_params(v)
-            if found:
-                return found
-    return None
-
-
 def detect_size(config: dict) -> Optional[str]:
-    """The GPT-2 size a run config describes ('124M', ...), or None for other shapes."""
-    shape = _find_shape(config)
+    """The GPT-2 size a run config (nested: its "model" section) describes ('124M', ...), by its
+    (n_layer, n_embd) or a parameter count there; None for other shapes."""
+    model = config.get("model")
+    model = model if isinstance(model, dict) else {}
+    shape = (model.get("n_layer"), model.get("n_embd"))
     if shape in SIZE_BY_SHAPE:
         return SIZE_BY_SHAPE[shape]
-    n = _find_params(config)
+    n = next((model[k] for k in ("num_params", "n_params", "params") if isinstance(model.get(k), int)), None)
     if n:
         for size, ref in SIZE_BY_PARAMS.items():
             if abs(n - ref) / ref < 0.01:  # vocab padding (50304) moves the count by 0.03%
@@ -114,16 +94,23 @@ def load_run(run_dir: str) -> Run:
 
 
 def read_run_config(run_dir: str) -> Optional[dict]:
-    """A run's config.json (any form), None where it has none; a file that is not JSON is a
-    ValueError naming it (plot and compare read it for the size and the tokens per step)."""
+    """A run's config.json, nested, without its format_version; None where it has none (plot,
+    compare and report read it for the size, the tokens per step and the settings). A file that
+    is not a JSON object is a ValueError naming it; one of another format version (an older
+    run's, flat or half-nested, has none) a ConfigError in one line (system/formats.py)."""
     path = os.path.join(run_dir, "config.json")
     if not os.path.isfile(path):
         return None
     with open(path, encoding="utf-8") as f:
         try:
-            return json.load(f)
+            config = json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e.msg})") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not UTF-8 text, so not JSON") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: not a JSON object (a run's config.json holds its settings by section)")
+    return formats.unstamp(config, path, formats.RUN)
 
 
 def build_figure(runs: list[Run]):

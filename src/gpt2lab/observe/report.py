@@ -1,6 +1,7 @@
 """A run's report card: one self-contained HTML page (plots embedded) and its Markdown twin.
 
-Reads only what a run dir holds: ``config.json``, ``run_info.json`` (rendered key by key,
+Reads only what a run dir holds: ``config.json`` (nested, of this format version:
+plot.read_run_config), ``run_info.json`` (rendered key by key,
 so keys added later show up by themselves), ``metrics.jsonl`` (through plot.read_metrics,
 which leaves out a cut last line) and ``checkpoints/``. Works on a finished, a running
 and a crashed run, and says which.
@@ -21,9 +22,8 @@ from typing import Any, Optional
 
 from gpt2lab.data.tokenizer import short
 from gpt2lab.observe import plot
-from gpt2lab.model.config import config_value, nest_model
+from gpt2lab.model.config import config_value
 from gpt2lab.system import rundir
-from gpt2lab.system.errors import ConfigError
 
 RUNNING_IF_WRITTEN_WITHIN_S = 600  # or 20 median steps, whichever is longer: evaluations pause the log
 EVENT_KEYS = ("skipped", "spike", "rollback")  # records that mark a step out of the ordinary
@@ -45,11 +45,9 @@ class Report:
 
 
 def _model_section(config: dict) -> dict:
-    """The architecture fields of a run's config.json, nested or (older runs) flat."""
-    try:
-        return nest_model(config)["model"]
-    except ConfigError:  # a "model" that is no table: the report still shows the rest
-        return {}
+    """The architecture fields of a run's config.json (its "model" section)."""
+    model = config.get("model")
+    return model if isinstance(model, dict) else {}  # a "model" that is no table: the report still shows the rest
 
 
 def _read_json(path: str) -> dict:
@@ -219,7 +217,7 @@ def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True)
     """Everything the card shows; ``curves=False`` leaves out the plot (the costly part)."""
     if not os.path.isdir(run_dir):
         raise FileNotFoundError(f"{run_dir}: no such run directory")
-    config = _read_json(os.path.join(run_dir, "config.json"))
+    config = plot.read_run_config(run_dir) or {}
     info = _read_json(os.path.join(run_dir, "run_info.json"))
     records, cut = read_records(run_dir)
     ckpts = _checkpoints(run_dir)

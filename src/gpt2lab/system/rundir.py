@@ -114,10 +114,10 @@ def _has_run_checkpoint(folder: str) -> bool:
 
 
 def _is_run_config(config: dict) -> bool:
-    """A run's config.json: it names max_steps and micro_batch_size, in their sections (written
-    nested) or at its top level (written before the nesting)."""
-    names = set(config).union(*(table for table in config.values() if isinstance(table, dict)))
-    return {"max_steps", "micro_batch_size"} <= names
+    """A run's config.json: it names max_steps and micro_batch_size in their sections, as
+    TrainConfig.to_dict nests them (its format version is checked by the readers of its settings)."""
+    optim, batch = config.get("optim"), config.get("batch")
+    return isinstance(optim, dict) and "max_steps" in optim and isinstance(batch, dict) and "micro_batch_size" in batch
 
 
 def refusal(path: str, found: Found, flag: str, what_next: str) -> DirectoryError:

@@ -7,9 +7,10 @@ of the model's fields), ``batch``, ``optim``, ``system``, ``eval``, ``checkpoint
 a field lives with the field. A field keeps one flat name in every section (``max_lr``), so
 flags and TOML keys stay flat (``--max-lr``, ``max_lr = 6e-4``; a ``[optim]`` table works too);
 ``SECTION_OF``, derived from the dataclasses, says where each flat name lives. config.json is
-written nested; ``nest_config`` is the one place that turns the flat form (also that of
-config.json files written before the nesting) and mixed ones into the nested one, and
-``merge_config`` lays one nested dict over another field by field. A preset
+written nested, with its format version (``save_config``; its readers refuse a file of another
+version: system/formats.py); ``nest_config`` is the one place that turns the flat form of flags,
+TOML keys and Python overrides, and mixed ones, into the nested one, and ``merge_config``
+lays one nested dict over another field by field. A preset
 (``presets/NAME.toml``) overrides some fields (and may start from another preset with
 ``base = "NAME"``); command-line flags override the preset. Each field's ``help`` metadata
 becomes its ``--flag`` help text.
@@ -18,13 +19,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Callable, Optional, Union, get_type_hints
 
 from gpt2lab.model.config import (CHAT_VOCAB_SIZES, GPT2_VOCAB_SIZE, MODEL_KEYS, PADDED_VOCAB_SIZE, GPTConfig, check_types,  # noqa: F401
-                                  config_value, field_type, gpt_config, model_from_config, nest_sections)
+                                  config_value, field_type, gpt_config, model_from_config)
+from gpt2lab.system import formats
 from gpt2lab.system.choices import (COMPILE_CHOICES, DTYPE_CHOICES, LR_SCHEDULES, MUON_VARIANTS,  # noqa: F401
                                     NS_DTYPE_CHOICES, OPTIMIZERS, STRATEGY_CHOICES)
 from gpt2lab.system.errors import ConfigError, UsageError  # noqa: F401
@@ -194,7 +196,7 @@ class SystemConfig(_Section):
                                "about half of a small model's step")
 
     def __post_init__(self) -> None:
-        if isinstance(self.compile, bool):  # presets and config.json files written before "auto"
+        if isinstance(self.compile, bool):  # compile=False from Python (load_preset, from_dict) or TOML
             self.compile = "true" if self.compile else "false"
         super().__post_init__()
 
@@ -371,8 +373,9 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], source: str = "config") -> "TrainConfig":
-        """From the nested form, the flat one (``--max-lr``-style keys, config.json written before
-        the nesting) or a mix (``nest_config``'s rules)."""
+        """From the nested form (``to_dict``'s), the flat one of flags and TOML keys (``max_lr``) or
+        a mix (``nest_config``'s rules). A saved config.json's format version is its reader's to
+        check (``system.formats.unstamp``)."""
         nested = nest_config(values, source)
         _check_types(nested, source)
         top = {k: v for k, v in nested.items() if k not in SECTIONS}
@@ -398,18 +401,38 @@ SECTIONS: dict[str, type] = _sections()  # "model": GPTConfig, "batch": BatchCon
 SECTION_FIELDS = {name: tuple(f.name for f in dataclasses.fields(cls)) for name, cls in SECTIONS.items()}
 SECTION_OF = {key: name for name, keys in SECTION_FIELDS.items() for key in keys}  # "max_lr": "optim"
 TOP_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name not in SECTIONS)  # data, out, seed
-# Keys of config.json files written before that are no setting any more: dropped on read.
-# init_from_id: what --init-from resolved to, now the run plan's record (RunPlan.init_record).
-RETIRED = ("init_from_id",)
+
+
+def nest_sections(values: Mapping[str, Any], sections: Mapping[str, Iterable[str]],
+                  source: str = "config") -> dict:
+    """``values`` with each flat key that names a field of a section moved into that section's dict.
+
+    ``sections``: section name -> its field names. A section given as a dict keeps its keys
+    (checked by the caller); a key set both flat and in its section is an error, as is a
+    section that is not a dict. Keys of no section stay at the top; a section appears in
+    the result only where ``values`` has it or one of its keys.
+    """
+    out = {k: v for k, v in values.items() if k not in sections}
+    for section, names in sections.items():
+        table = values.get(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: \"{section}\" must be a table of {section} fields "
+                              f"({', '.join(names)}), got {table!r}")
+        flat = {k: out.pop(k) for k in names if k in out}
+        both = sorted(set(flat) & set(table))
+        if both:
+            raise ConfigError(f"{source}: {', '.join(both)} set both as a key and in [{section}]; keep one")
+        if section in values or flat:
+            out[section] = {**table, **flat}
+    return out
 
 
 def nest_config(values: Mapping[str, Any], source: str = "config") -> dict:
     """A run config in the nested form, from the nested, the flat or a mixed form: the one place
     that nests. Each flat key moves into its section (SECTION_OF); sections appear where given
     or set. One ConfigError, naming ``source`` and the key, for an unknown key, a key in the
-    wrong section, a key set both flat and in its section, or a section that is no table.
-    A RETIRED key (old config.json files carry them) is dropped."""
-    nested = nest_sections({k: v for k, v in values.items() if k not in RETIRED}, SECTION_FIELDS, source)
+    wrong section, a key set both flat and in its section, or a section that is no table."""
+    nested = nest_sections(values, SECTION_FIELDS, source)
     unknown = sorted(set(nested) - set(SECTIONS) - set(TOP_FIELDS))
     if unknown:
         raise ConfigError(f"{source}: unknown field(s) {', '.join(unknown)}; known fields: "
@@ -451,7 +474,7 @@ def _check_types(nested: Mapping[str, Any], source: str) -> None:
     """Each value of its field's type (check_types), section by section."""
     check_types({k: v for k, v in nested.items() if k not in SECTIONS}, get_type_hints(TrainConfig), source)
     for name, section in SECTIONS.items():
-        # compile: true/false in presets written before "auto"
+        # compile: also true/false (Python's compile=False, TOML's compile = false): SystemConfig makes it text
         check_types(nested.get(name, {}), get_type_hints(section), source, also={"compile": bool})
 
 
@@ -564,6 +587,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
 
 
 def save_config(cfg: TrainConfig, path: str) -> None:
+    """A run directory's config.json: the nested form with its format version (system/formats.py)."""
     from gpt2lab.system.files import write_json
 
-    write_json(path, cfg.to_dict())
+    write_json(path, formats.stamp(cfg.to_dict(), formats.RUN))

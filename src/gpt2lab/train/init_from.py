@@ -116,6 +116,7 @@ def _checkpoint_source(spec: str) -> Source:
         raise InitFromError(f"--init-from {spec}: {what} an incomplete checkpoint (missing or unreadable: "
                             f"{', '.join(missing) or 'config.json'}); pass its run directory (newest complete "
                             "checkpoint) or another step_* directory")
+    ckpt.check_format(where)  # one of another gpt2lab's format version: refused as such (CheckpointError)
     try:
         model_config = model_from_config(config)
         step = int(torch.load(os.path.join(where, "state.pt"), weights_only=True, map_location="cpu")["step"])

@@ -311,7 +311,7 @@ def make_plan(request: Request | TrainConfig, facts: Facts, resume: Optional[str
         if source:  # a run that began from other weights: its architecture is its checkpoint's
             arch = init_from.source_arch(where, req.explicit, flag="--resume")
             values = merge_config(values, {"init_from": source, "model": arch}, source=req.source)
-            began = began_from(where, saved)
+            began = began_from(where)
     elif config_value(values, "init_from"):
         src = init_from.find_source(str(config_value(values, "init_from")))
         arch = init_from.check_arch(src, req.explicit)
@@ -486,15 +486,11 @@ def tokenizer_fields(values: dict, req: Request, init: Optional[InitFrom],
     return fields
 
 
-def began_from(where: str, saved: dict) -> Optional[dict]:
-    """The init-from record of the run checkpoint ``where`` belongs to (``saved``: its config.json):
-    the one its state.pt carries (the Trainer writes its plan's ``init_record`` there), else, in
-    a checkpoint written before that, the source and ``init_from_id`` its config.json held."""
+def began_from(where: str) -> Optional[dict]:
+    """The init-from record of the run checkpoint ``where`` belongs to: the one its state.pt
+    carries (the Trainer writes its plan's ``init_record`` there)."""
     record = ckpt.read_state(where).get("init_from")
-    if record:
-        return dict(record)
-    legacy = saved.get("init_from_id")
-    return {"source": config_value(saved, "init_from"), "id": legacy} if legacy else None
+    return dict(record) if record else None
 
 
 def _config(values: dict, req: Request, init: Optional[InitFrom]) -> TrainConfig:

@@ -154,6 +154,7 @@ def from_checkpoint(path: str, verified: bool = False) -> GPT:
     ckpt = store.resolve(path)
     if not verified:
         store.verify(ckpt)
+    store.read_state(ckpt)  # its format version (config.json's is read with it)
     config = _checkpoint_config(ckpt)
     model = GPT(config, _checkpoint_tokenizer(ckpt, config.tokenizer))
     saved = store.read_config(ckpt)
