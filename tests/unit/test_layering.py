@@ -97,6 +97,8 @@ def file_imports(src: Path = SRC) -> dict[str, set[str]]:
             names = []
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "gpt2lab":
+                names = [f"gpt2lab.{a.name}" for a in node.names]  # the front door's __version__ is no file
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
             edges[mod] |= {n for n in names if n in modules and n != mod}
