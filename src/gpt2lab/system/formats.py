@@ -53,9 +53,9 @@ def check(path: str, found: Any, fmt: Format, error: type[GPT2LabError] = Config
     known = isinstance(found, int) and not isinstance(found, bool)
     if known and found == fmt.version:
         return
-    import gpt2lab
+    from gpt2lab import __version__
 
-    reads = f"this gpt2lab ({gpt2lab.__version__}) reads {fmt.what} format {fmt.version}"
+    reads = f"this gpt2lab ({__version__}) reads {fmt.what} format {fmt.version}"
     if found is None:
         raise error(f"{path}: a {fmt.what} without {FORMAT_KEY}, written by an older gpt2lab; {reads}; {fmt.older}")
     if known and found < fmt.version:
