@@ -271,7 +271,7 @@ def test_greedy_reply_runs_the_calculator_as_a_tool():
         def __init__(self):
             super().__init__()
             self.inner = tiny_gpt(vocab_size=50304)
-            self.config = self.inner.config
+            self.config, self.tokenizer = self.inner.config, None  # as a GPT: GPT-2's tokenizer
             self.n = 0
 
         def new_kv_cache(self, n):
