@@ -306,7 +306,7 @@ def test_old_config_json_with_init_from_id_loads(tmp_path):
     provenance key init_from_id: it loads, the key dropped; a resume reads it back as provenance."""
     import torch
 
-    from gpt2lab.train.plan import began_from
+    from gpt2lab.train.gather import began_from
 
     cfg = load_preset("finetune-shakespeare")
     nested = cfg.to_dict()

@@ -132,10 +132,11 @@ def test_fp16_scaler_survives_nan_steps_and_resume(tiny_data, tmp_path, monkeypa
     import dataclasses
 
     from gpt2lab.system import runtime
-    from gpt2lab.train.plan import Facts, make_plan
+    from gpt2lab.train.gather import MachineFacts
+    from gpt2lab.train.plan import make_plan
 
     cfg = load_preset("shakespeare-cpu", **{**TINY, "data": tiny_data, "out": str(tmp_path), "max_bad_steps": 3})
-    plan = make_plan(cfg, Facts(runtime.Facts("cpu")))
+    plan = make_plan(cfg, MachineFacts(runtime.Facts("cpu")))
     plan = dataclasses.replace(plan, dtype=runtime.Choice("float16", "test"))  # fp16 on CPU, test only
     trainer = Trainer(plan, DistInfo(device=CPU))
     forward, poison = trainer.model.forward, {"on": True}
@@ -158,7 +159,7 @@ def test_fp16_scaler_survives_nan_steps_and_resume(tiny_data, tmp_path, monkeypa
     assert trainer.scaler.get_scale() == 2.0 ** 99
     trainer.step = 4
     path = trainer.save()
-    resumed = Trainer(dataclasses.replace(make_plan(cfg, Facts(runtime.Facts("cpu")), resume=path),
+    resumed = Trainer(dataclasses.replace(make_plan(cfg, MachineFacts(runtime.Facts("cpu")), resume=path),
                                           dtype=plan.dtype), DistInfo(device=CPU))
     assert resumed.scaler.state_dict() == trainer.scaler.state_dict()
 
