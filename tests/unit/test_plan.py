@@ -22,8 +22,8 @@ from gpt2lab.system.errors import ConfigError
 from gpt2lab.train import init_from
 from gpt2lab.train.config import load_preset, merge_config, preset_values
 from gpt2lab.model.loss import choose_loss
-from gpt2lab.train.gather import MachineFacts, fake_machine
-from gpt2lab.train.plan import Request, make_plan
+from gpt2lab.train.gather import Gathered, MachineFacts, Resumed, fake_machine
+from gpt2lab.train.plan import Request, decide, make_plan
 from gpt2lab.train.run import train
 from gpt2lab.train.trainer import Trainer
 from gpt2lab.weights import hf
@@ -102,6 +102,28 @@ def test_loss_path_rule():
             [("cpu", False, False), ("cpu", True, False), ("cuda", False, False), ("cuda", True, False),
              ("cuda", True, True), ("mps", False, False)]] == \
         ["chunked", "chunked", "chunked", "fused", "chunked", "chunked"]
+
+
+def test_decide_reads_no_file(monkeypatch):
+    """train.plan.decide from made-up gathered facts alone: a resumed run's checkpoint and config, the data's
+    manifest (a chat template, conversations' counts); any file opened during the decision fails the test."""
+    cfg = _cfg("/nowhere/run")
+    saved = {**cfg.to_dict(), "model": {**cfg.to_dict()["model"], "chat_template": "chatml"}}
+    found = Gathered(PLAIN_CPU, resumed=Resumed("/nowhere/run/checkpoints/step_000002", saved),
+                     skipped=("step_000003: damaged",),
+                     manifest={"chat_template": "chatml", "splits": {"train": {"supervised": 10, "tokens": 40}}})
+
+    def no_files(*args, **kwargs):
+        raise AssertionError(f"decide opened {args[0]!r}")
+
+    monkeypatch.setattr("builtins.open", no_files)
+    monkeypatch.setattr("io.open", no_files)
+    plan = decide(Request.of(cfg, resume="auto"), found)
+    assert plan.resume == "/nowhere/run/checkpoints/step_000002" and plan.skipped == ("step_000003: damaged",)
+    assert plan.config.model.chat_template == "chatml" and plan.supervised == (10, 40)
+    assert plan.machine is PLAIN_CPU and plan.loss.value == "chunked"
+    with pytest.raises(ConfigError, match="was trained with"):  # the checkpoint's settings, from its config alone
+        decide(Request.of(cfg.with_values(seed=cfg.seed + 1), resume="auto"), found)
 
 
 def test_accumulation_and_its_error_name_the_world_size(tmp_path):
