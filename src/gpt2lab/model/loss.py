@@ -22,8 +22,7 @@ from torch.nn import functional as F
 # 200 at C=768), far past the size where a CPU's or a GPU's GEMM reaches its full rate, so
 # more or fewer chunks do not change the speed; what they bound is the transient memory
 # (512 MB of fp32 logits a chunk at most), which fits every machine gpt2lab runs on. On a
-# 2-core CPU at B*T=2048, V=50304 (one chunk) the win measured was never holding fp32
-# logits, not cache reuse.
+# CPU the win is never holding fp32 logits, not cache reuse (docs/benchmarks.md).
 def chunk_rows(V: int) -> tuple[int, int]:
     """(rows per chunk, rows per grad_w group) for a vocabulary of V: rows a power of two
     (equal chunks, one compile), a group a whole number of chunks."""
