@@ -40,6 +40,7 @@ import torch
 
 from gpt2lab.inference.kernels import int8_available, packing_available, packing_bf16_error, swap_linears
 from gpt2lab.model.gpt import GPT
+from gpt2lab.model.loss import LossPath
 from gpt2lab.system import runtime
 from gpt2lab.system.choices import LINEAR_CHOICES, QUANTIZE_CHOICES
 from gpt2lab.system.runtime import ChoiceError
@@ -426,7 +427,7 @@ def apply(model: GPT, cand: Candidate, rows: int = 1, inplace: bool = False) -> 
     target.eval()
     if inplace:  # a copy shares the model's other parameters: their requires_grad is the model's business
         target.requires_grad_(False)
-    target.chunked_loss = False  # the chunked loss reads lm_head.weight, which a decode linear does not hold
+    target.set_loss(LossPath(chunked=False))  # the chunked loss reads lm_head.weight, which a decode linear lacks
     target.decode = cand
     return target
 
