@@ -191,7 +191,7 @@ def test_a_retired_key_is_refused():
 def test_a_resume_reads_what_the_run_began_from_in_state_pt(tmp_path):
     import torch
 
-    from gpt2lab.train.plan import began_from
+    from gpt2lab.train.gather import began_from
 
     torch.save(formats.stamp({"step": 3, "tokens": 0}, formats.CHECKPOINT), tmp_path / "state.pt")
     assert began_from(str(tmp_path)) is None  # a run from scratch

@@ -11,6 +11,7 @@ import torch
 from train_utils import TINY, tiny_data  # noqa: F401  (tiny_data is a fixture)
 
 from gpt2lab.distributed.dist import DistInfo
+from gpt2lab.model.loss import LossPath
 from gpt2lab.train.config import load_preset
 from gpt2lab.train.optim import Muon, apply_update, make_optimizer, skips_on_device
 from gpt2lab.train.spikes import DeviceGuard, SpikeGuard
@@ -131,7 +132,7 @@ def test_a_step_with_device_checks_never_waits_for_the_device(tiny_data, tmp_pat
     happens inside a step when the checks run on the device."""
     trainer = _trainer(tiny_data, tmp_path, check_interval=4)
     # the loss inside the graph, as on a GPU (the CPU's chunked loss checks its rows on the host)
-    trainer.raw.chunked_loss = False
+    trainer.raw.set_loss(LossPath(chunked=False))
     trainer.train_step()  # the loader's first batch and lazy state outside the watch
     trainer.step += 1
     calls = []

@@ -389,19 +389,21 @@ def test_bad_ramp_and_variant_settings_are_one_line(fields, needle):
 
 def test_a_ramp_start_that_does_not_divide_is_refused_by_the_plan(tmp_path):
     from gpt2lab.system import runtime
-    from gpt2lab.train.plan import Facts, make_plan
+    from gpt2lab.train.gather import MachineFacts
+    from gpt2lab.train.plan import make_plan
 
     with pytest.raises(ConfigError, match="batch_ramp_start 32 is not divisible by .* = 64; set --batch-ramp-start"):
-        make_plan(_ramp_cfg(batch_ramp_start=32, data="unused", out=str(tmp_path)), Facts(runtime.Facts("cpu")))
+        make_plan(_ramp_cfg(batch_ramp_start=32, data="unused", out=str(tmp_path)), MachineFacts(runtime.Facts("cpu")))
 
 
 def test_the_planner_peaks_at_the_final_accumulation(tmp_path):
     """A ramp's steps accumulate fewer micro-batches of the same size: never a higher peak."""
     from gpt2lab.system import runtime
-    from gpt2lab.train.plan import Facts, make_plan
+    from gpt2lab.train.gather import MachineFacts
+    from gpt2lab.train.plan import make_plan
 
     cfg = _ramp_cfg(data="unused", out=str(tmp_path), **LEVERS, optimizer="muon", muon_variant="normuon")
-    plan = make_plan(cfg, Facts(runtime.Facts("cpu")))
+    plan = make_plan(cfg, MachineFacts(runtime.Facts("cpu")))
     kw = dict(micro_batch=2, seq_len=32, dtype="float32", device="cpu", optimizer="muon", muon_variant="normuon")
     assert plan.memory == memplan.predict(cfg.model, accum=8, **kw).to_dict()
     ramp = {cfg.accum_at(s, 1) for s in range(4)}
@@ -418,14 +420,15 @@ def test_ramp_run_resumed_mid_ramp_takes_the_same_batches(tiny_data, tmp_path, c
     checkpoint's model is refused by `gpt2lab export` in one line."""
     from gpt2lab import cli
     from gpt2lab.system import runtime
-    from gpt2lab.train.plan import Facts, make_plan
+    from gpt2lab.train.gather import MachineFacts
+    from gpt2lab.train.plan import make_plan
     from gpt2lab.train.trainer import Trainer
 
     fields = dict(data=tiny_data, max_steps=6, optimizer="muon", muon_variant="normuon", muon_ns_dtype="float32",
                   **LEVERS)
 
     def trainer(out, resume=None):
-        return Trainer(make_plan(_ramp_cfg(out=str(out), **fields), Facts(runtime.Facts("cpu")), resume=resume),
+        return Trainer(make_plan(_ramp_cfg(out=str(out), **fields), MachineFacts(runtime.Facts("cpu")), resume=resume),
                        DistInfo(device=CPU))
 
     def steps(t, n):

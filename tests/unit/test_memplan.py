@@ -167,11 +167,12 @@ def test_a_modern_preset_is_planned_with_its_modern_block(capsys):
     from dataclasses import replace
 
     from gpt2lab.system import runtime
-    from gpt2lab.train.plan import Facts, make_plan
+    from gpt2lab.train.gather import MachineFacts
+    from gpt2lab.train.plan import make_plan
 
     cfg = load_preset("gpt2-124m-fast", data="unused", hellaswag_interval=0)
     assert cfg.model.modern()["pos_emb"] == "rotary" and cfg.model.logit_softcap > 0
-    h100 = Facts(runtime.Facts("cuda", "NVIDIA H100 80GB HBM3", cuda_bf16=True), world_size=8,
+    h100 = MachineFacts(runtime.Facts("cuda", "NVIDIA H100 80GB HBM3", cuda_bf16=True), world_size=8,
                  device_bytes=80 * 2 ** 30)
     plan = make_plan(cfg, h100)
     kw = dict(strategy=plan.strategy.value, world_size=8, micro_batch=cfg.batch.micro_batch_size, seq_len=cfg.batch.seq_len,

@@ -338,7 +338,8 @@ def test_a_nanochat_gpt2lab_cannot_compute_is_refused_by_field(overrides, needle
 def test_round_trip_export_then_model_from_pretrained_and_init_from(tiny_data, tmp_path):  # noqa: F811
     """export -> --model, gpt2lab.from_pretrained and --init-from: the exported model's logits each time."""
     from gpt2lab.distributed.dist import DistInfo
-    from gpt2lab.train.plan import Request, detect_facts, make_plan
+    from gpt2lab.train.gather import detect_machine
+    from gpt2lab.train.plan import Request, make_plan
     from gpt2lab.train.trainer import Trainer
 
     m = randomized(GPTConfig(**{**SMALL, "block_size": 32}, **NANOCHAT), seed=6)
@@ -349,7 +350,7 @@ def test_round_trip_export_then_model_from_pretrained_and_init_from(tiny_data, t
         want = m(idx)[0][..., :50257]
     cfg = load_preset("shakespeare-cpu", **{**TINY, "data": tiny_data, "out": str(tmp_path / "run"), "init_from": d})
     cpu = torch.device("cpu")
-    plan = make_plan(Request(cfg.to_dict()), detect_facts(cpu, 1, "float32"))  # the preset's architecture gives way
+    plan = make_plan(Request(cfg.to_dict()), detect_machine(cpu, 1, "float32"))  # the preset's architecture gives way
     assert {k: getattr(plan.config.model, k) for k in NANOCHAT} == NANOCHAT
     trainer = Trainer(plan, DistInfo(device=cpu))
     for got in (load_model(d), from_pretrained(d), trainer.raw.eval()):

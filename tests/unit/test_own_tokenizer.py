@@ -269,9 +269,10 @@ def test_vocab_size_follows_the_tokenizer_unless_given(wiki_data, tmp_path):
     from gpt2lab.system import runtime
     from gpt2lab.system.errors import ConfigError
     from gpt2lab.train.config import merge_config, preset_values
-    from gpt2lab.train.plan import Facts, Request, make_plan
+    from gpt2lab.train.gather import MachineFacts
+    from gpt2lab.train.plan import Request, make_plan
 
-    facts = Facts(runtime.Facts("cpu", "x", ()))
+    facts = MachineFacts(runtime.Facts("cpu", "x", ()))
     values = lambda **model: merge_config(preset_values("shakespeare-cpu"), {  # noqa: E731
         "data": wiki_data, "out": str(tmp_path / "r"), "system": {"dtype": "float32", "compile": "false"},
         "model": model})

@@ -116,12 +116,14 @@ def test_auto_asks_the_planner_what_ddp_needs_on_a_gpu():
     from gpt2lab.distributed import memplan
     from gpt2lab.system import runtime
     from gpt2lab.train.config import load_preset
-    from gpt2lab.train.plan import Facts, choose_strategy
+    from gpt2lab.train.gather import MachineFacts
+    from gpt2lab.train.plan import strategy_for
 
     cfg = load_preset("gpt2-1558m", data="unused", total_batch_tokens=1024 * 16 * 8)
     need = memplan.predict(cfg.model, strategy="ddp", world_size=8, micro_batch=16, seq_len=1024,
                            dtype="bfloat16", accum=1, device="cuda", compiled=True).total
     gpu = runtime.Facts("cuda", "NVIDIA H100 80GB HBM3", cuda_bf16=True)
     for card, expect in ((need, "ddp"), (need - 1, "fsdp")):
-        choice = choose_strategy(cfg, Facts(gpu, world_size=8, device_bytes=card), "bfloat16", accum=1, compiled=True)
+        machine = MachineFacts(gpu, world_size=8, device_bytes=card)
+        choice = strategy_for(cfg, machine, "bfloat16", accum=1, compiled=True)
         assert choice.value == expect, choice.reason

@@ -21,14 +21,16 @@ from gpt2lab.system import runtime
 from gpt2lab.system.errors import ConfigError
 from gpt2lab.train import init_from
 from gpt2lab.train.config import load_preset, merge_config, preset_values
-from gpt2lab.train.plan import Facts, Request, choose_loss, fake_facts, make_plan
+from gpt2lab.model.loss import choose_loss
+from gpt2lab.train.gather import Gathered, MachineFacts, Resumed, fake_machine
+from gpt2lab.train.plan import Request, decide, make_plan
 from gpt2lab.train.run import train
 from gpt2lab.train.trainer import Trainer
 from gpt2lab.weights import export, targets
 
 CPU = torch.device("cpu")
-PLAIN_CPU = Facts(runtime.Facts("cpu", "some x86", ("avx2", "fma")))
-BF16_CPU = Facts(runtime.Facts("cpu", "sapphire rapids", ("amx_bf16", "avx512_bf16", "avx512f")))
+PLAIN_CPU = MachineFacts(runtime.Facts("cpu", "some x86", ("avx2", "fma")))
+BF16_CPU = MachineFacts(runtime.Facts("cpu", "sapphire rapids", ("amx_bf16", "avx512_bf16", "avx512f")))
 H100 = runtime.Facts("cuda", "NVIDIA H100 80GB HBM3", cuda_bf16=True)
 GIB = 2 ** 30
 
@@ -50,12 +52,12 @@ def test_cpu_dtype_follows_the_cpus_bf16(tmp_path):
     for plan in (plain, native):  # one process on a CPU: unwrapped, chunked loss, no datasheet peak, eager
         assert (plan.strategy.value, plan.loss.value, plan.peak_flops.value, plan.compile.value) == \
             ("ddp", "chunked", None, False)
-        assert plan.resume is None and plan.init is None and plan.facts.world_size == 1
+        assert plan.resume is None and plan.init is None and plan.machine.world_size == 1
 
 
 def test_eight_h100s_ddp_fused_loss_datasheet_peak_and_memory(tmp_path):
     cfg = _big("gpt2-124m", tmp_path / "r")
-    plan = make_plan(cfg, Facts(H100, world_size=8, device_bytes=80 * GIB))
+    plan = make_plan(cfg, MachineFacts(H100, world_size=8, device_bytes=80 * GIB))
     assert (plan.dtype.value, plan.compile.value, plan.strategy.value, plan.loss.value) == \
         ("bfloat16", True, "ddp", "fused")
     assert plan.peak_flops.value == 989e12  # the SXM datasheet figure
@@ -69,7 +71,7 @@ def test_eight_h100s_ddp_fused_loss_datasheet_peak_and_memory(tmp_path):
 def test_a_model_too_big_for_ddp_shards_and_keeps_the_chunked_loss(tmp_path):
     cfg = _big("gpt2-1558m", tmp_path / "r", total_batch_tokens=1024 * 16 * 8)
     a100 = runtime.Facts("cuda", "NVIDIA A100-SXM4-40GB", cuda_bf16=True)
-    plan = make_plan(cfg, Facts(a100, world_size=8, device_bytes=40 * GIB))
+    plan = make_plan(cfg, MachineFacts(a100, world_size=8, device_bytes=40 * GIB))
     assert (plan.strategy.value, plan.loss.value, plan.peak_flops.value) == ("fsdp", "chunked", 312e12)
     assert "FSDP" in plan.loss.reason
     ddp = memplan.predict(cfg.model, strategy="ddp", world_size=8, micro_batch=16, seq_len=1024, dtype="bfloat16",
@@ -83,14 +85,14 @@ def test_a_model_too_big_for_ddp_shards_and_keeps_the_chunked_loss(tmp_path):
 @pytest.mark.parametrize("name, peak", [("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
                                         ("NVIDIA GeForce RTX 4090", None)])
 def test_peak_flops_by_gpu_name_or_flag(name, peak, tmp_path):
-    facts = Facts(runtime.Facts("cuda", name, cuda_bf16=True), device_bytes=24 * GIB)
+    facts = MachineFacts(runtime.Facts("cuda", name, cuda_bf16=True), device_bytes=24 * GIB)
     assert make_plan(_cfg(tmp_path / "r"), facts).peak_flops.value == peak
     assert make_plan(_cfg(tmp_path / "r", peak_flops=1e15), facts).peak_flops.value == 1e15
 
 
 def test_gpu_without_bf16_gets_fp16_and_ddp(tmp_path):
     t4 = runtime.Facts("cuda", "Tesla T4", cuda_bf16=False)
-    plan = make_plan(_big("gpt2-124m", tmp_path / "r", micro_batch_size=8), Facts(t4, world_size=8,
+    plan = make_plan(_big("gpt2-124m", tmp_path / "r", micro_batch_size=8), MachineFacts(t4, world_size=8,
                                                                                   device_bytes=15 * GIB))
     assert (plan.dtype.value, plan.strategy.value) == ("float16", "ddp") and "float16" in plan.strategy.reason
 
@@ -102,22 +104,44 @@ def test_loss_path_rule():
         ["chunked", "chunked", "chunked", "fused", "chunked", "chunked"]
 
 
+def test_decide_reads_no_file(monkeypatch):
+    """train.plan.decide from made-up gathered facts alone: a resumed run's checkpoint and config, the data's
+    manifest (a chat template, conversations' counts); any file opened during the decision fails the test."""
+    cfg = _cfg("/nowhere/run")
+    saved = {**cfg.to_dict(), "model": {**cfg.to_dict()["model"], "chat_template": "chatml"}}
+    found = Gathered(PLAIN_CPU, resumed=Resumed("/nowhere/run/checkpoints/step_000002", saved),
+                     skipped=("step_000003: damaged",),
+                     manifest={"chat_template": "chatml", "splits": {"train": {"supervised": 10, "tokens": 40}}})
+
+    def no_files(*args, **kwargs):
+        raise AssertionError(f"decide opened {args[0]!r}")
+
+    monkeypatch.setattr("builtins.open", no_files)
+    monkeypatch.setattr("io.open", no_files)
+    plan = decide(Request.of(cfg, resume="auto"), found)
+    assert plan.resume == "/nowhere/run/checkpoints/step_000002" and plan.skipped == ("step_000003: damaged",)
+    assert plan.config.model.chat_template == "chatml" and plan.supervised == (10, 40)
+    assert plan.machine is PLAIN_CPU and plan.loss.value == "chunked"
+    with pytest.raises(ConfigError, match="was trained with"):  # the checkpoint's settings, from its config alone
+        decide(Request.of(cfg.with_values(seed=cfg.seed + 1), resume="auto"), found)
+
+
 def test_accumulation_and_its_error_name_the_world_size(tmp_path):
     cfg = _cfg(tmp_path / "r", total_batch_tokens=2 * 32 * 3 * 4)
-    assert make_plan(cfg, Facts(PLAIN_CPU.device, world_size=3)).accum == 4
+    assert make_plan(cfg, MachineFacts(PLAIN_CPU.device, world_size=3)).accum == 4
     with pytest.raises(ConfigError, match="world size 5"):
-        make_plan(cfg, Facts(PLAIN_CPU.device, world_size=5))
+        make_plan(cfg, MachineFacts(PLAIN_CPU.device, world_size=5))
 
 
 def test_fake_facts_file(tmp_path):
     f = tmp_path / "f.json"
     f.write_text(json.dumps({"device_type": "cuda", "device_name": "NVIDIA H100 80GB HBM3", "cuda_bf16": True,
                              "world_size": 8, "device_gib": 79.1}))
-    facts = fake_facts(str(f))
+    facts = fake_machine(str(f))
     assert (facts.world_size, facts.device_bytes, facts.device.native_bf16) == (8, int(79.1 * GIB), True)
     f.write_text(json.dumps({"device_type": "tpu"}))
     with pytest.raises(ConfigError, match="GPT2LAB_FAKE_FACTS"):
-        fake_facts(str(f))
+        fake_machine(str(f))
 
 
 # -- resume: one rule --------------------------------------------------------------------------
@@ -242,9 +266,9 @@ def test_dry_run_cpu_fake_gpus_and_resume_write_nothing(tiny_data, tmp_path, cap
 
 def test_run_info_holds_the_plan_the_run_used(tiny_data, tmp_path):
     cfg = load_preset("shakespeare-cpu", **{**TINY, "data": tiny_data, "out": str(tmp_path / "r"), "max_steps": 1})
-    from gpt2lab.train.plan import detect_facts
+    from gpt2lab.train.gather import detect_machine
 
-    expect = make_plan(cfg, detect_facts(CPU, 1, cfg.system.dtype)).record()
+    expect = make_plan(cfg, detect_machine(CPU, 1, cfg.system.dtype)).record()
     train(cfg, DistInfo(device=CPU))
     info = json.loads((tmp_path / "r" / "run_info.json").read_text())
     assert info["format"] == "gpt2lab-run" and info["plan"] == json.loads(json.dumps(expect))
@@ -264,7 +288,7 @@ NANOCHAT = dict(pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2",
     ({**NANOCHAT, "bias": True}, "export    none (NanoChatForCausalLM would need bias=false (no biases))"),
 ])
 def test_the_plan_says_what_export_will_write(fields, line, tmp_path):
-    for facts in (PLAIN_CPU, Facts(H100, world_size=8, device_bytes=80 * GIB)):
+    for facts in (PLAIN_CPU, MachineFacts(H100, world_size=8, device_bytes=80 * GIB)):
         plan = make_plan(_cfg(tmp_path / "r", total_batch_tokens=512, **fields), facts)
         assert line in plan.lines() and plan.record()["export"] == line.removeprefix("export    ")
         assert plan.record()["export"] == targets.export_target(plan.config.model).describe()

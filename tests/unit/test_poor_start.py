@@ -20,7 +20,8 @@ from gpt2lab.evals import hellaswag as hs
 from gpt2lab.system import runtime
 from gpt2lab.system.errors import ConfigError, GPT2LabError
 from gpt2lab.train.config import load_preset
-from gpt2lab.train.plan import Facts, check_memory, make_plan
+from gpt2lab.train.gather import MachineFacts
+from gpt2lab.train.plan import check_memory, make_plan
 
 
 def one_line(err: str) -> str:
@@ -163,14 +164,14 @@ def test_a_run_predicted_past_this_machines_memory_is_refused_naming_a_micro_bat
 
     ram = (need(16) + need(32)) // 2  # 16 fits, 32 does not
     with pytest.raises(ConfigError) as e:
-        check_memory(make_plan(cfg, Facts(cpu, host_bytes=ram)))
+        check_memory(make_plan(cfg, MachineFacts(cpu, host_bytes=ram)))
     assert str(e.value).startswith(f"--micro-batch-size 64: the run is predicted to need {need(64) / 2**30:.1f} GiB "
                                    f"per process at its peak (forward), more than this machine's {ram / 2**30:.1f} GiB "
                                    "of RAM; lower --micro-batch-size to 16")
-    plan = make_plan(cfg.with_values(micro_batch_size=16), Facts(cpu, host_bytes=ram))  # what it named fits
+    plan = make_plan(cfg.with_values(micro_batch_size=16), MachineFacts(cpu, host_bytes=ram))  # what it named fits
     check_memory(plan)
     assert plan.memory["total"] == round(need(16) / 2**20, 1)
-    check_memory(make_plan(cfg, Facts(cpu)))  # RAM unknown: no refusal
+    check_memory(make_plan(cfg, MachineFacts(cpu)))  # RAM unknown: no refusal
 
 
 # -- 3. a start that fails before its first step --------------------------------------------------

@@ -132,10 +132,11 @@ def test_fp16_scaler_survives_nan_steps_and_resume(tiny_data, tmp_path, monkeypa
     import dataclasses
 
     from gpt2lab.system import runtime
-    from gpt2lab.train.plan import Facts, make_plan
+    from gpt2lab.train.gather import MachineFacts
+    from gpt2lab.train.plan import make_plan
 
     cfg = load_preset("shakespeare-cpu", **{**TINY, "data": tiny_data, "out": str(tmp_path), "max_bad_steps": 3})
-    plan = make_plan(cfg, Facts(runtime.Facts("cpu")))
+    plan = make_plan(cfg, MachineFacts(runtime.Facts("cpu")))
     plan = dataclasses.replace(plan, dtype=runtime.Choice("float16", "test"))  # fp16 on CPU, test only
     trainer = Trainer(plan, DistInfo(device=CPU))
     forward, poison = trainer.model.forward, {"on": True}
@@ -158,7 +159,7 @@ def test_fp16_scaler_survives_nan_steps_and_resume(tiny_data, tmp_path, monkeypa
     assert trainer.scaler.get_scale() == 2.0 ** 99
     trainer.step = 4
     path = trainer.save()
-    resumed = Trainer(dataclasses.replace(make_plan(cfg, Facts(runtime.Facts("cpu")), resume=path),
+    resumed = Trainer(dataclasses.replace(make_plan(cfg, MachineFacts(runtime.Facts("cpu")), resume=path),
                                           dtype=plan.dtype), DistInfo(device=CPU))
     assert resumed.scaler.state_dict() == trainer.scaler.state_dict()
 
@@ -192,3 +193,35 @@ def test_run_logs_val_hellaswag_samples_tensorboard_and_plot(tiny_data, tmp_path
     assert (hs[4]["hellaswag_n"], hs[4]["hellaswag_acc"], hs[4]["hellaswag_acc_norm"]) == (6, ref["acc"], ref["acc_norm"])
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_rollback_is_a_decision_made_without_the_trainer(tmp_path):
+    """train.rollback decides alone: back to the newest checkpoint at or before the first spike, never the
+    spiking steps' data again; its skips outlive the checkpoint's restore; too many rollbacks to the same
+    checkpoint stop the run; with no checkpoint before the spikes it trains on."""
+    from gpt2lab.train.rollback import MAX_ROLLBACKS, Rollback
+
+    cfg = load_preset("shakespeare-cpu", **{**TINY, "data": "unused", "out": str(tmp_path), "spike_window": 4,
+                                           "spike_rollback": 2})
+    early = Rollback(cfg)
+    early.guard.spikes = [[3, 60], [4, 80]]
+    none = early.decide(end=100, step=5)  # nothing saved yet
+    assert none.target is None and "note" in none.record and early.guard.spikes == [] and early.rollbacks == 0
+    for step in (8, 16, 24):
+        d = tmp_path / "checkpoints" / f"step_{step:06d}"
+        d.mkdir(parents=True)
+        (d / "state.pt").touch()
+        (d / "model.safetensors").touch()
+    rollback = Rollback(cfg)
+    for n in range(1, MAX_ROLLBACKS + 1):
+        rollback.guard.spikes = [[17, 340], [18, 360]]
+        decision = rollback.decide(end=380, step=19)
+        assert decision.target.endswith("step_000016") and decision.skips == [[340, 380]] * n
+        assert decision.record["skip_positions"] == [340, 380] and decision.record["spike_steps"] == [17, 18]
+        rollback.skips, rollback.bad_steps = [], 3  # what restoring the checkpoint leaves
+        rollback.rolled_back(decision)
+        assert rollback.skips == [[340, 380]] * n and rollback.bad_steps == 0
+    assert rollback.skip_bad_data(340) == rollback.skip_bad_data(379) == 380 and rollback.skip_bad_data(339) == 339
+    rollback.guard.spikes = [[17, 340], [18, 360]]
+    with pytest.raises(TrainingError, match=f"rolled back to .*step_000016 {MAX_ROLLBACKS} times"):
+        rollback.decide(end=380, step=19)

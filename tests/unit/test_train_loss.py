@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 import gpt2lab.model.loss as model_mod
 from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.model.loss import LossPath, choose_loss
 
 
 def _case(vocab=300, n=70, c=24, seed=0):
@@ -81,7 +82,7 @@ def test_unchunked_training_path_returns_the_same_loss_without_logits():
     model = GPT(GPTConfig(block_size=16, vocab_size=512, n_layer=1, n_head=2, n_embd=16))
     x, y = torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16))
     _, chunked = model(x, y, return_logits=False)
-    model.chunked_loss = False
+    model.set_loss(LossPath(chunked=False))
     logits, plain = model(x, y, return_logits=False)
     ref = F.cross_entropy(model(x)[0].view(-1, 512), y.view(-1))
     assert logits is None and abs(plain.item() - ref.item()) < 1e-6 and abs(chunked.item() - ref.item()) < 1e-5
@@ -91,9 +92,8 @@ def test_unchunked_training_path_returns_the_same_loss_without_logits():
                                                     ("cpu", True, (True, True)), ("cpu", False, (False, True)),
                                                     ("mps", True, (True, True))])
 def test_loss_settings_by_device(device, compiled, expect):
-    from gpt2lab.train.trainer import loss_settings
-
-    assert loss_settings(torch.device(device), compiled) == expect
+    path = choose_loss(torch.device(device).type, compiled)  # (its kernel compiled, chunked)
+    assert (path.compiled, path.chunked) == expect
 
 
 def test_fp16_logit_gradients_do_not_underflow(monkeypatch):

@@ -22,11 +22,12 @@ CPU = torch.device("cpu")
 
 def trainer(data, out, resume=None, **kw):
     from gpt2lab.system import runtime
-    from gpt2lab.train.plan import Facts, make_plan
+    from gpt2lab.train.gather import MachineFacts
+    from gpt2lab.train.plan import make_plan
     from gpt2lab.train.trainer import Trainer
 
     cfg = load_preset("shakespeare-cpu", **{**TINY, "data": data, "out": str(out), "max_steps": 6, **kw})
-    return Trainer(make_plan(cfg, Facts(runtime.Facts("cpu")), resume=resume), DistInfo(device=CPU))
+    return Trainer(make_plan(cfg, MachineFacts(runtime.Facts("cpu")), resume=resume), DistInfo(device=CPU))
 
 
 def run(t, n) -> list[dict]:

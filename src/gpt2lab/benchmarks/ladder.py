@@ -143,12 +143,13 @@ def _gpt2lab_step(shape, B: int, T: int, device: torch.device, data: str):
 
 def _model_step(shape, B: int, T: int, device: torch.device, chunked: bool):
     from gpt2lab.model.gpt import GPT, GPTConfig
+    from gpt2lab.model.loss import LossPath
 
     n_layer, n_head, n_embd = shape
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=T, vocab_size=50304, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
                           token_vocab_size=50257)).to(device)
-    model.compile_loss = True
+    model.set_loss(LossPath(chunked=True, compiled=True))
     opt = _adamw(model, True, device)
     fwd = torch.compile(model)
     x = torch.randint(0, 50257, (B, T), device=device)

@@ -38,8 +38,9 @@ from gpt2lab.benchmarks import timed
 from gpt2lab.distributed.dist import pick_device
 from gpt2lab.system.errors import UsageError
 from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.model.loss import choose_loss
 from gpt2lab.train.optim import make_optimizer
-from gpt2lab.train.trainer import accumulate_gradients, loss_settings
+from gpt2lab.train.trainer import accumulate_gradients
 
 MiB = 2 ** 20
 TINY = dict(n_layer=2, n_head=2, n_embd=64)  # for CPU measurements and tests
@@ -304,7 +305,7 @@ def search(cfg: GPTConfig, args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
     compile, ac = args.compile == "true", args.activation_checkpointing == "true"
-    model.compile_loss, model.chunked_loss = loss_settings(device, compile)  # the trainer's loss
+    model.set_loss(choose_loss(device.type, compile))  # the trainer's loss
     model.activation_checkpointing = ac
     opt = make_optimizer(model, lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device=device)
     compiled = torch.compile(model) if compile else model

@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="print the run plan (every start-up decision and its reason) and exit without "
                         "training or writing anything; GPT2LAB_FAKE_FACTS=FILE.json plans for a machine "
-                        "described in FILE (see gpt2lab.train.plan)")
+                        "described in FILE (see gpt2lab.train.gather)")
     add_config_flags(p)
     p.set_defaults(func=run)
 
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from gpt2lab.train.trainer import Stopped
 
     from gpt2lab.distributed.dist import DistInfo
-    from gpt2lab.train.plan import FAKE_FACTS_ENV
+    from gpt2lab.train.gather import FAKE_FACTS_ENV
 
     request = _request(args)
     device = str(request.get("device"))

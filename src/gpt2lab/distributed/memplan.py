@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
-from gpt2lab.model.loss import chunk_rows, used_for
+from gpt2lab.model.loss import choose_loss, chunk_rows
 from gpt2lab.system.choices import STRATEGIES
 from gpt2lab.system.errors import UsageError
 from gpt2lab.model.config import GPTConfig
@@ -278,7 +278,7 @@ def predict(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro
     check(strategy, world_size, micro_batch, dtype, accum, device)
     peak = max(phases(cfg, strategy=strategy, world_size=world_size, micro_batch=micro_batch, seq_len=seq_len,
                       dtype=dtype, activation_checkpointing=activation_checkpointing, accum=accum,
-                      chunked_loss=used_for(device, compiled, sharded=strategy == "fsdp"), device=device,
+                      chunked_loss=choose_loss(device, compiled, sharded=strategy == "fsdp").chunked, device=device,
                       optimizer=optimizer, muon_variant=muon_variant, average=average),
                key=lambda ph: ph.total)
     peak.terms["runtime"] = runtime_bytes(device)
@@ -300,7 +300,8 @@ def phases(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_
     """Tensor bytes per rank at each moment a step can peak (see the module docstring).
 
     Activations are autocast's under both strategies (the norms in fp32, the residual stream
-    fp32, matmuls in ``dtype``), for every combination of the modern block's switches. One process trains unwrapped whatever the strategy.
+    fp32, matmuls in ``dtype``), for every combination of the modern block's switches. One process
+    trains unwrapped whatever the strategy.
     DDP: fp32 weights, gradients and moments, DDP's buckets (one more fp32 copy of the
     gradients: ``gradient_as_bucket_view`` is off) and autocast's cached ``dtype`` copies
     of the block weights through the forward. FSDP as gpt2lab.distributed.parallel shards it: fp32
@@ -310,7 +311,7 @@ def phases(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_
     neither reduce nor reshard (parallel.sync_gradients), so with ``accum`` > 1 the forward
     of a later micro-step finds every block gathered and the whole gradient in fp32.
     ``accum`` > 1 keeps the gradients alive through later forwards under DDP too.
-    ``chunked_loss`` False: the loss of a compiled model on a GPU (chunked_loss.used_for).
+    ``chunked_loss`` False: the loss of a compiled model on a GPU (model.loss.choose_loss).
     ``device`` picks what differs between CPU and CUDA kernels in what autograd keeps
     (``block_saved_bytes``: RMSNorm, ReLU^2 under autocast). The speedrun's levers: ``lever_bytes``;
     FSDP's two blocks in flight are counted without the value-embedding gates (one value each).

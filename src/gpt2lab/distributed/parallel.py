@@ -125,8 +125,8 @@ def shard(model: nn.Module, *, dtype: str, compile: bool) -> nn.Module:
                 fully_shard(norm)
         fully_shard(block, mp_policy=block_policy if low != torch.float32 else MixedPrecisionPolicy())
     fully_shard(model)
-    # the root is not compiled, so the loss must be the chunked one: model.loss.used_for(sharded=True),
-    # which the run plan asks (the caller sets model.chunked_loss before wrapping)
+    # the root is not compiled, so the loss must be the chunked one: model.loss.choose_loss(sharded=True),
+    # which the run plan asks (the trainer calls model.set_loss before wrapping)
     return model
 
 

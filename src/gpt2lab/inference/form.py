@@ -15,6 +15,7 @@ import torch
 from gpt2lab.inference.choice import Candidate, InferenceFacts, InferenceRequest, rule
 from gpt2lab.inference.kernels import int8_available, packing_available, packing_bf16_error, swap_linears
 from gpt2lab.model.gpt import GPT
+from gpt2lab.model.loss import LossPath
 from gpt2lab.system import runtime
 
 
@@ -43,7 +44,7 @@ def hold(model: GPT, cand: Candidate, rows: int = 1, inplace: bool = False) -> G
     target.eval()
     if inplace:  # a copy shares the model's other parameters: their requires_grad is the model's business
         target.requires_grad_(False)
-    target.chunked_loss = False  # the chunked loss reads lm_head.weight, which a decode linear does not hold
+    target.set_loss(LossPath(chunked=False))  # the chunked loss reads lm_head.weight, which a decode linear lacks
     return target
 
 

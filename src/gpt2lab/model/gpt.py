@@ -18,7 +18,7 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-from gpt2lab.model.loss import chunked_cross_entropy
+from gpt2lab.model.loss import LossPath, chunked_cross_entropy
 # Defined torch-free (the CLI's flags come from its fields); this is its home for every caller.
 from gpt2lab.model.config import PRESET_ALIASES, PRESETS, GPTConfig  # noqa: F401
 
@@ -236,16 +236,19 @@ class GPT(nn.Module):
         self.apply(self._init_weights)
         if config.zero_init_head:
             nn.init.zeros_(self.lm_head.weight)
-        # The training loss (return_logits=False). chunked: never holds the (B*T, vocab) logits
-        # (chunked_loss.py; faster and smaller on CPUs); compile_loss compiles its softmax
-        # kernel. chunked_loss False: logits + F.cross_entropy, which torch.compile fuses into
-        # the model's graph (faster on GPUs). The trainer sets both (train.loss_settings).
-        self.compile_loss = False
-        self.chunked_loss = True
+        self.set_loss(LossPath())  # the chunked loss, its kernel eager, until a caller chooses (set_loss)
         # Activation checkpointing (--activation-checkpointing): in training, keep only each
         # block's input and recompute its insides during backward (about a third more compute
         # for a fraction of the activation memory). The trainer sets it; no weights change.
         self.activation_checkpointing = False
+
+    def set_loss(self, path: LossPath) -> "GPT":
+        """How the training loss (``return_logits=False``) is computed: ``path.chunked``, model.loss's
+        chunked cross-entropy, never holding the (B*T, vocab) logits, its kernel compiled if
+        ``path.compiled``; else logits + F.cross_entropy, which torch.compile fuses into the model's
+        graph. model.loss.choose_loss decides it for a run. Returns the model."""
+        self._chunked_loss, self._compile_loss = bool(path.chunked), bool(path.compiled)
+        return self
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
@@ -335,9 +338,9 @@ class GPT(nn.Module):
             targets = None if targets is None else targets.reshape(-1)[positions]
         x = self.transformer.ln_f(x)
         cap = self.config.logit_softcap
-        if targets is not None and not return_logits and self.chunked_loss:
+        if targets is not None and not return_logits and self._chunked_loss:
             return None, chunked_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1),
-                                               compiled=self.compile_loss, softcap=cap)
+                                               compiled=self._compile_loss, softcap=cap)
         logits = self.lm_head(x)  # (B, T, vocab_size), or (N, vocab_size) at positions
         if cap:  # smooth cap at +-cap, in fp32
             logits = cap * torch.tanh(logits.float() / cap)

@@ -6,6 +6,8 @@ smaller, because it never holds fp32 logits and computes both gradients in its f
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.nn import functional as F
 
@@ -20,8 +22,7 @@ from torch.nn import functional as F
 # 200 at C=768), far past the size where a CPU's or a GPU's GEMM reaches its full rate, so
 # more or fewer chunks do not change the speed; what they bound is the transient memory
 # (512 MB of fp32 logits a chunk at most), which fits every machine gpt2lab runs on. On a
-# 2-core CPU at B*T=2048, V=50304 (one chunk) the win measured was never holding fp32
-# logits, not cache reuse.
+# CPU the win is never holding fp32 logits, not cache reuse (docs/benchmarks.md).
 def chunk_rows(V: int) -> tuple[int, int]:
     """(rows per chunk, rows per grad_w group) for a vocabulary of V: rows a power of two
     (equal chunks, one compile), a group a whole number of chunks."""
@@ -29,19 +30,38 @@ def chunk_rows(V: int) -> tuple[int, int]:
     return rows, max(rows, _GROUP_ELEMENTS // V // rows * rows)
 
 
-def used_for(device_type: str, compiled: bool, sharded: bool = False) -> bool:
-    """Whether a training run uses this chunked loss (else logits + F.cross_entropy).
+@dataclass(frozen=True)
+class LossPath:
+    """How ``GPT.forward`` computes the training loss (``GPT.set_loss``); ``choose_loss`` decides it."""
+    chunked: bool = True    # chunked_cross_entropy, never holding the logits; False: logits + F.cross_entropy
+    compiled: bool = False  # the chunked loss's per-chunk kernel through torch.compile
+    reason: str = ""        # why, for the run plan's line
 
-    A compiled model on a GPU: no. Inductor fuses F.cross_entropy into the model's graph,
-    while this function runs outside it (a custom autograd Function) as one kernel per
-    chunk plus a concatenation: on an H100, 124M, B=64, 136.3 vs 140.6 ms per step for
-    +4.6 GiB (the bf16 logits the graph keeps; docs/benchmarks.md). Everywhere else: yes
-    (CPUs: never holding fp32 logits measured faster; eager GPUs: F.cross_entropy would
-    hold the logits in fp32). A model ``sharded`` by FSDP keeps it regardless (parallel.shard:
-    the root, which computes the loss, is not compiled there). The run plan
-    (gpt2lab.train.plan.choose_loss) and the memory planner both ask here.
+    @property
+    def value(self) -> str:
+        """The path's name as the run plan records it: "chunked" or "fused"."""
+        return "chunked" if self.chunked else "fused"
+
+
+def choose_loss(device_type: str, compiled: bool, sharded: bool = False) -> LossPath:
+    """The loss path of a training run: the one rule, asked by the run plan, the memory planner and the
+    memory benchmark (``compiled``: the model is compiled; ``sharded``: by FSDP across processes).
+
+    A compiled model on a GPU: fused (logits + F.cross_entropy). Inductor fuses F.cross_entropy into
+    the model's graph, while the chunked loss runs outside it (a custom autograd Function) as one
+    kernel per chunk plus a concatenation: faster, for the memory of the bf16 logits the graph keeps
+    (docs/benchmarks.md). Everywhere else chunked: on CPUs never holding the fp32 logits is faster;
+    on eager GPUs F.cross_entropy would hold them in fp32. A model sharded by FSDP keeps the chunked
+    loss regardless: the root, which computes the loss, is not compiled there (distributed.parallel.shard).
     """
-    return sharded or not (compiled and device_type == "cuda")
+    if sharded and compiled and device_type == "cuda":
+        return LossPath(True, compiled, "FSDP: the root, which computes the loss, is not compiled, so the full "
+                                        "logits would be held eagerly")
+    if compiled and device_type == "cuda":
+        return LossPath(False, compiled, "compiled on CUDA: inductor fuses the cross-entropy into the model's graph")
+    if device_type == "cpu":
+        return LossPath(True, compiled, "CPU: never holding the fp32 logits measured faster")
+    return LossPath(True, compiled, f"{device_type}, not compiled: F.cross_entropy would hold the logits in fp32")
 
 
 _CHUNK_ELEMENTS = 2 ** 27  # logits per chunk

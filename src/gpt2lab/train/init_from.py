@@ -98,7 +98,7 @@ def _checkpoint_source(spec: str) -> Source:
     verified = False
     if ckpt.has_weights(spec):
         where = spec
-    else:  # the run's newest intact checkpoint: the one rule of resume (train.plan.find_resume) too
+    else:  # the run's newest intact checkpoint: the one rule of resume (train.gather.find_resume) too
         where, verified = ckpt.find_intact(spec), True
         if where is None and ckpt.find_latest(spec):
             raise InitFromError(f"--init-from {spec}: every checkpoint of this run is damaged; "

@@ -2,7 +2,7 @@
 
 ``--optimizer adamw`` (the GPT-2/3 recipe): one AdamW, weight decay on >=2-D tensors only.
 ``--optimizer muon``: Muon (torch.optim.Muon, its Newton-Schulz iteration in the dtype
-``gpt2lab.runtime`` chooses for the machine) on the blocks' 2-D matrices and AdamW on
+``gpt2lab.system.runtime`` chooses for the machine) on the blocks' 2-D matrices and AdamW on
 embeddings, the head, gains and biases, each group with its own peak rate; the schedule
 (cosine or warmup-stable-decay) scales every group by the same factor. ``--muon-variant
 normuon`` adds NorMuon's per-neuron normalisation after Muon's orthogonalisation.
@@ -134,9 +134,9 @@ class Muon(torch.optim.Muon):
     """``torch.optim.Muon`` whose Newton-Schulz iteration runs in ``ns_dtype``; ``variant``
     "normuon" adds NorMuon's per-neuron normalisation (``normalize_neurons``) after it.
 
-    torch runs the iteration in bf16, hard-coded. On a CPU without native bf16 that is
-    ~50x slower than fp32 (a 2-core AVX2 EPYC: bf16 matmul ~1 GFLOP/s against ~50), so the
-    dtype follows the machine (``gpt2lab.runtime.choose_ns_dtype``). torch's constructor
+    torch runs the iteration in bf16, hard-coded. On a CPU without native bf16 that is many
+    times slower than fp32 (its bf16 matmuls are emulated; docs/benchmarks.md), so the
+    dtype follows the machine (``gpt2lab.system.runtime.choose_ns_dtype``). torch's constructor
     (checks, hyper-parameters, param groups) and its state (one ``momentum_buffer`` per
     matrix) are used as they are; only ``step`` is ours, because torch offers no hook for
     the dtype. It is torch's update, written out: Nesterov momentum, orthogonalise, decoupled

@@ -1,71 +1,48 @@
-"""The run plan: every start-up decision of ``gpt2lab train``, made once.
+"""The run plan: every start-up decision of ``gpt2lab train``, made once, from plain data.
 
-``make_plan(request, facts)`` is a pure function of what the user asked for (preset values,
-flags, ``--resume``) and the machine's facts (device, its bf16 and compiler, the number of
-processes, one device's memory). It decides, each with its reason where there is one:
+``decide(request, gathered)`` is a pure function of what the user asked for (``Request``: preset
+values, flags, ``--resume``) and what train.gather read from the outside world (``Gathered``: the
+machine's facts, the checkpoint to resume and its config, the --init-from source and its hash,
+the data's manifest); it reads no file. It decides, each with its reason where there is one:
 
-- the checkpoint to resume: one rule, the newest intact one (``find_resume``); the run's
-  architecture comes from that same checkpoint when it began from other weights;
-- the ``--init-from`` source, found once and hashed once (``InitFrom``), and for a resumed run
-  the record of the weights it began from, read back from its checkpoint (``began_from``);
-- the final ``TrainConfig`` (the source's architecture); a resume whose settings differ from its
-  checkpoint's in anything that changes what it trains (``resume_fields``: the fields marked
-  ``keep`` in train.config, the architecture's) is refused here, from the checkpoint's config read once;
-- the memory per rank it predicts (``check_memory``, a start's check, refuses what does not fit);
-- dtype and compile (``system.runtime``), strategy (``distributed.parallel.choose_strategy``
-  with DDP's memory from ``distributed.memplan``), the loss path (``choose_loss``);
-- accumulation steps, peak FLOP/s for MFU, the predicted memory per rank.
+- the run's architecture: a resumed run's from its checkpoint when it began from other weights,
+  a fresh run's from its --init-from source, each checked against the values the user gave;
+- the chat template and the tokenizer fields (the data's, which must be the model's it continues);
+- the final ``TrainConfig``; a resume whose settings differ from its checkpoint's in anything that
+  changes what it trains (``resume_fields``: the fields marked ``keep`` in train.config, the
+  architecture's) is refused here;
+- dtype and compile (``system.runtime``), strategy (``strategy_for``: distributed.parallel's rule
+  with DDP's memory from ``distributed.memplan``), the loss path (``model.loss.choose_loss``);
+- accumulation steps, peak FLOP/s for MFU, the predicted memory per rank (``check_memory``, a
+  start's check, refuses what does not fit).
 
-Under torchrun, rank 0 makes the plan and hands it to the others in one broadcast
-(``train.run``); the Trainer builds from it and decides nothing. The plan is printed at
-start, written to ``run_info.json`` and is all that ``gpt2lab train --dry-run`` shows.
-
-``detect_facts`` reads the facts of this machine; ``GPT2LAB_FAKE_FACTS=FILE.json`` replaces
-them (for ``--dry-run`` only) to see the plan of a machine one does not have, e.g.
-``{"device_type": "cuda", "device_name": "NVIDIA H100 80GB HBM3", "cuda_bf16": true,
-"world_size": 8, "device_gib": 79.1}``.
+``make_plan(request, machine)`` is the two together: train.gather.gather, then ``decide``. Under
+torchrun, rank 0 makes the plan and hands it to the others in one broadcast (``train.run``); the
+Trainer builds from it and decides nothing. The plan is printed at start, written to
+``run_info.json`` and is all that ``gpt2lab train --dry-run`` shows.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
-from gpt2lab.checkpoint import store as ckpt
 from gpt2lab.distributed import memplan, parallel
 from gpt2lab.model.config import GPTConfig, padded_vocab
-from gpt2lab.model.loss import used_for
+from gpt2lab.model.loss import LossPath, choose_loss
 from gpt2lab.system import hardware, runtime
-from gpt2lab.system.errors import CheckpointError, ConfigError
+from gpt2lab.system.errors import ConfigError
 from gpt2lab.system.runtime import Choice
 from gpt2lab.train import init_from
 from gpt2lab.train.config import SECTIONS, TrainConfig, config_value, default_value, merge_config, nest_config
+from gpt2lab.train.gather import Gathered, InitFrom, MachineFacts, Resumed, gather
 from gpt2lab.weights.targets import export_target
 
-FAKE_FACTS_ENV = "GPT2LAB_FAKE_FACTS"
 PLAN_VERSION = 1
 
 
 # -- the inputs ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Facts:
-    """What the plan depends on about the machine (``detect_facts``, or made up in tests)."""
-    device: runtime.Facts                  # device type and name, CPU flags, bf16, compiler, probe
-    world_size: int = 1                    # processes of the run (torchrun's WORLD_SIZE)
-    device_bytes: Optional[int] = None     # memory of one accelerator; None for a CPU (shared RAM)
-    faked: Optional[str] = None            # the GPT2LAB_FAKE_FACTS file these came from
-    host_bytes: Optional[int] = None       # a CPU run's share of this machine's RAM per process; None: unknown
-
-    def describe(self) -> str:
-        d = self.device
-        mem = f", {self.device_bytes / 2**30:.1f} GiB each" if self.device_bytes else ""
-        return (f"{d.device_type} x {self.world_size} ({d.device_name or 'unknown'}{mem})"
-                + (f" [faked by {FAKE_FACTS_ENV}={self.faked}]" if self.faked else ""))
-
-
 @dataclass(frozen=True)
 class Request:
     """What the user asked for: preset values with the flags over them (nested as config.json,
@@ -94,35 +71,18 @@ class Request:
         return str(self.get("out"))
 
 
-@dataclass(frozen=True)
-class InitFrom:
-    """The resolved --init-from source and its provenance (hashed once, here)."""
-    source: init_from.Source
-    sha256: str
-
-    @property
-    def id(self) -> str:
-        s = self.source
-        return f"sha256:{self.sha256}" if s.step is None else f"step {s.step}, sha256:{self.sha256}"
-
-    def record(self) -> dict:
-        s = self.source
-        return {"source": s.spec, "kind": s.kind, "weights": os.path.abspath(s.weights), "sha256": self.sha256,
-                "step": s.step, "id": self.id}
-
-
 # -- the plan --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RunPlan:
     config: TrainConfig                    # final: the architecture filled in
-    facts: Facts
+    machine: MachineFacts                  # what it plans for (train.gather)
     resume: Optional[str]                  # the checkpoint to continue from (checksums verified)
     skipped: tuple[str, ...]               # damaged checkpoints passed over, one line each
     init: Optional[InitFrom]               # --init-from of a fresh run (None when resuming)
     dtype: Choice
     compile: Choice
     strategy: Choice
-    loss: Choice                           # value "chunked" or "fused"
+    loss: LossPath                         # value "chunked" or "fused" (model.loss.choose_loss)
     peak_flops: Choice                     # value: FLOP/s per device, or None
     accum: int                             # micro-steps per optimizer step
     params: int                            # parameters of the model (before LoRA)
@@ -133,7 +93,7 @@ class RunPlan:
 
     @property
     def choices(self) -> runtime.Resolved:
-        return runtime.Resolved(self.dtype, self.compile, self.facts.device, self.ns_dtype)
+        return runtime.Resolved(self.dtype, self.compile, self.machine.device, self.ns_dtype)
 
     @property
     def export(self) -> str:
@@ -150,13 +110,13 @@ class RunPlan:
         c = self.config
         choice = lambda ch: {"value": ch.value, "reason": ch.reason,  # noqa: E731
                              **({"warning": ch.warning} if ch.warning else {})}
-        return {"version": PLAN_VERSION, "facts": {**self.choices.record(), "world_size": self.facts.world_size,
-                                                   "device_bytes": self.facts.device_bytes,
-                                                   "host_bytes": self.facts.host_bytes,
-                                                   "faked": self.facts.faked},
+        return {"version": PLAN_VERSION, "facts": {**self.choices.record(), "world_size": self.machine.world_size,
+                                                   "device_bytes": self.machine.device_bytes,
+                                                   "host_bytes": self.machine.host_bytes,
+                                                   "faked": self.machine.faked},
                 "resume": self.resume, "skipped_checkpoints": list(self.skipped), "init_from": self.init_record,
                 "dtype": choice(self.dtype), "compile": choice(self.compile), "strategy": choice(self.strategy),
-                "loss": choice(self.loss), "peak_flops": choice(self.peak_flops),
+                "loss": {"value": self.loss.value, "reason": self.loss.reason}, "peak_flops": choice(self.peak_flops),
                 "muon_ns_dtype": choice(self.ns_dtype) if self.ns_dtype else None,
                 "activation_checkpointing": c.parallel.activation_checkpointing, "grad_accum_steps": self.accum,
                 "params": self.params, "memory_mib": self.memory, "supervised": self.supervised,
@@ -169,7 +129,7 @@ class RunPlan:
         on = lambda v: "on" if v else "off"  # noqa: E731
         mem = "no prediction for this device"
         if self.memory:
-            f, have = self.facts, ""
+            f, have = self.machine, ""
             if f.device_bytes:
                 have = f" of the device's {f.device_bytes / 2**30:.1f} GiB"
             elif f.host_bytes:
@@ -178,10 +138,10 @@ class RunPlan:
             mem = f"{self.memory['total'] / 1024:.2f} GiB per rank predicted{have} (peak at {self.memory['phase']})"
         peak = self.peak_flops.value
         b = c.batch
-        ramp = (f"; ramped from {b.batch_ramp_start:,} tokens ({c.accum_at(0, self.facts.world_size)} micro-steps) "
+        ramp = (f"; ramped from {b.batch_ramp_start:,} tokens ({c.accum_at(0, self.machine.world_size)} micro-steps) "
                 f"at step 0 over {b.batch_ramp_steps} steps" if b.batch_ramp_steps else "")
         out = [f"out       {c.out}" + (f" (resume from {self.resume})" if self.resume else " (new run)"),
-               f"machine   {self.facts.describe()}",
+               f"machine   {self.machine.describe()}",
                f"model     {m.n_layer} layers, {m.n_head} heads, {m.n_embd} wide, block {m.block_size}, "
                f"{self.params:,} params" + (f", LoRA rank {ft.lora_rank} on {ft.lora_targets}" if ft.lora_rank else ""),
                f"export    {self.export}"]
@@ -202,12 +162,13 @@ class RunPlan:
                 + ("; activation checkpointing on" if c.parallel.activation_checkpointing else ""),
                 f"loss      {self.loss.value} ({self.loss.reason})",
                 f"optimizer {c.optim.optimizer}"
-                + (f" ({c.optim.muon_variant})" if c.optim.muon_variant != "muon" else "") + f", {c.optim.lr_schedule} schedule"
+                + (f" ({c.optim.muon_variant})" if c.optim.muon_variant != "muon" else "")
+                + f", {c.optim.lr_schedule} schedule"
                 + (f"; Newton-Schulz in {self.ns_dtype.value} ({self.ns_dtype.reason})" if self.ns_dtype else "")
                 + (f"; weight average (EMA) {c.optim.ema_decay}: evaluations and checkpoints hold it"
                    if c.optim.ema_decay else ""),
                 f"batch     {c.batch.total_batch_tokens:,} tokens/step = micro-batch {c.batch.micro_batch_size} "
-                f"x seq {c.batch.seq_len} x {self.facts.world_size} process(es) x {self.accum} micro-steps{ramp}; "
+                f"x seq {c.batch.seq_len} x {self.machine.world_size} process(es) x {self.accum} micro-steps{ramp}; "
                 f"steps to {c.optim.max_steps}",
                 "peak      " + (f"{peak / 1e12:.0f} TFLOP/s per device ({self.peak_flops.reason})" if peak
                                  else f"unknown ({self.peak_flops.reason}); no MFU"),
@@ -216,155 +177,112 @@ class RunPlan:
         return out
 
 
-# -- the decisions: pure functions of (request, facts) ---------------------------------------
-def find_resume(out: str, resume: Optional[str], report: Callable[[str], None] = lambda line: None) -> Optional[str]:
-    """The checkpoint a run continues from: the newest intact one (checksums verified here).
+# -- the decisions: pure functions of (request, gathered) -------------------------------------
+def make_plan(request: Request | TrainConfig, machine: MachineFacts, resume: Optional[str] = None,
+              report: Optional[Callable[[str], None]] = None) -> RunPlan:
+    """Every start-up decision of a run: train.gather.gather, then ``decide``; raises the first problem found.
 
-    ``resume`` None: none, and a run directory that already has checkpoints is refused;
-    "auto": the newest intact checkpoint of ``out`` (None if it has none); a run directory:
-    its newest intact one; a checkpoint directory: that one, which must be intact.
-    ``report`` hears of each damaged checkpoint passed over.
+    A TrainConfig is taken as a request whose architecture values are all given (``Request.of``).
+    ``report`` hears of damaged checkpoints passed over as they are found (default: stderr).
     """
-    if resume is None:
-        if ckpt.find_latest(out):
-            raise ConfigError(f"{out} already has checkpoints; continue it with --resume auto "
-                              "or choose another --out")
-        return None
-    if ckpt.has_weights(resume):
-        ckpt.verify(resume)
-        return resume
-    run_dir = out if resume == "auto" else resume
-    found = ckpt.find_intact(run_dir, report=report)
-    if found is None and ckpt.find_latest(run_dir):
-        raise CheckpointError(f"{run_dir}: every checkpoint is damaged; start again with a new --out")
-    if found is None and resume != "auto":
-        raise CheckpointError(f"--resume {resume}: neither a checkpoint (no model.safetensors or sharded "
-                              ".metadata) nor a run directory with checkpoints/step_*/; pass a checkpoint "
-                              "directory or --resume auto")
-    return found
+    req = request if isinstance(request, Request) else Request.of(request, resume)
+    found = gather(machine, out=req.out, resume=req.resume, source=req.get("init_from"), data=str(req.get("data")),
+                   report=report or _to_stderr)
+    return decide(req, found)
 
 
-def choose_loss(device_type: str, compiled: bool, sharded: bool) -> Choice:
-    """The loss path: "chunked" (model.loss's chunked cross-entropy) or "fused" (logits +
-    F.cross_entropy inside the compiled graph); model.loss.used_for is the rule."""
-    if not used_for(device_type, compiled, sharded):
-        return Choice("fused", "compiled on CUDA: inductor fuses the cross-entropy into the model's graph")
-    if sharded and compiled and device_type == "cuda":
-        return Choice("chunked", "FSDP: the root, which computes the loss, is not compiled, so the full "
-                                 "logits would be held eagerly")
-    if device_type == "cpu":
-        return Choice("chunked", "CPU: never holding the fp32 logits measured faster")
-    return Choice("chunked", f"{device_type}, not compiled: F.cross_entropy would hold the logits in fp32")
+def decide(req: Request, found: Gathered) -> RunPlan:
+    """The plan of ``req`` from what was gathered (see the module docstring); reads no file."""
+    machine, resumed, init = found.machine, found.resumed, found.init
+    values = nest_config(req.values, req.source)
+    if resumed is not None and resumed.source is not None:  # began from other weights: the checkpoint's architecture
+        arch = init_from.check_arch(resumed.source, req.explicit)
+        values = merge_config(values, {"init_from": config_value(resumed.saved, "init_from"), "model": arch},
+                              source=req.source)
+    elif init is not None:
+        arch = init_from.check_arch(init.source, req.explicit)
+        values = merge_config(values, {"model": arch}, source=req.source)
+    template = chat_template(found.manifest, init, resumed)
+    if template:
+        values = merge_config(values, {"model": {"chat_template": template}}, source=req.source)
+    model = tokenizer_fields(values, req, found.manifest, init, resumed)
+    if model:
+        values = merge_config(values, {"model": model}, source=req.source)
+    cfg = _config(values, req, init)
+    if resumed is not None:
+        check_resume_settings(cfg, resumed.saved, resumed.where)
+    accum = cfg.grad_accum_steps(machine.world_size)
+    cfg.accum_at(0, machine.world_size)  # the batch ramp's start divides evenly too (raises if not)
+    muon = cfg.optim.optimizer == "muon"
+    choices = runtime.resolve(machine.device.device_type, cfg.system.dtype, cfg.system.compile, facts=machine.device,
+                              ns_dtype=cfg.optim.muon_ns_dtype if muon else None)
+    dtype, compiled = str(choices.dtype.value), bool(choices.compile.value)
+    strategy = strategy_for(cfg, machine, dtype, accum, compiled)
+    sharded = strategy.value == "fsdp" and machine.world_size > 1
+    memory = None
+    if machine.device.device_type in ("cuda", "cpu"):
+        memory = _predict(cfg, machine, str(strategy.value), dtype, accum, compiled).to_dict()
+    return RunPlan(config=cfg, machine=machine, resume=resumed.where if resumed else None, skipped=found.skipped,
+                   init=init, dtype=choices.dtype, compile=choices.compile, strategy=strategy,
+                   loss=choose_loss(machine.device.device_type, compiled, sharded),
+                   peak_flops=choose_peak_flops(cfg.system.peak_flops, machine), accum=accum,
+                   params=memplan.param_counts(cfg.model)["total"], memory=memory, ns_dtype=choices.ns_dtype,
+                   began=resumed.began if resumed else None, supervised=supervised_tokens(found.manifest))
 
 
-def choose_peak_flops(requested: Optional[float], facts: Facts) -> Choice:
+def choose_peak_flops(requested: Optional[float], machine: MachineFacts) -> Choice:
     if requested:
         return Choice(float(requested), "asked for with --peak-flops")
-    if facts.device.device_type != "cuda":
-        return Choice(None, f"no datasheet figure for a {facts.device.device_type}")
-    found = hardware.peak_flops(facts.device.device_name)
+    if machine.device.device_type != "cuda":
+        return Choice(None, f"no datasheet figure for a {machine.device.device_type}")
+    found = hardware.peak_flops(machine.device.device_name)
     if found is None:
-        return Choice(None, f"{facts.device.device_name!r} is not in gpt2lab.system.hardware's table; "
+        return Choice(None, f"{machine.device.device_name!r} is not in gpt2lab.system.hardware's table; "
                             "pass --peak-flops")
-    return Choice(found, f"datasheet dense bf16 of {facts.device.device_name}")
+    return Choice(found, f"datasheet dense bf16 of {machine.device.device_name}")
 
 
-def choose_strategy(cfg: TrainConfig, facts: Facts, dtype: str, accum: int, compiled: bool) -> Choice:
-    """ddp or fsdp (parallel.choose_strategy); on GPUs DDP's per-rank memory from memplan."""
+def strategy_for(cfg: TrainConfig, machine: MachineFacts, dtype: str, accum: int, compiled: bool) -> Choice:
+    """ddp or fsdp for this run (the rule: parallel.choose_strategy), given DDP's per-rank memory on GPUs
+    (memplan)."""
     ddp_bytes = None
-    if facts.device_bytes is not None and facts.world_size > 1:
-        ddp_bytes = _predict(cfg, facts, "ddp", dtype, accum, compiled).total
-    return parallel.choose_strategy(cfg.parallel.strategy, world_size=facts.world_size,
-                                    device_type=facts.device.device_type, dtype=dtype,
+    if machine.device_bytes is not None and machine.world_size > 1:
+        ddp_bytes = _predict(cfg, machine, "ddp", dtype, accum, compiled).total
+    return parallel.choose_strategy(cfg.parallel.strategy, world_size=machine.world_size,
+                                    device_type=machine.device.device_type, dtype=dtype,
                                     lora=bool(cfg.finetune.lora_rank), ddp_bytes=ddp_bytes,
-                                    device_bytes=facts.device_bytes)
+                                    device_bytes=machine.device_bytes)
 
 
-def _predict(cfg: TrainConfig, facts: Facts, strategy: str, dtype: str, accum: int, compiled: bool):
-    device = "cuda" if facts.device.device_type == "cuda" else "cpu"
-    return memplan.predict(cfg.model, strategy=strategy, world_size=facts.world_size,
+def _predict(cfg: TrainConfig, machine: MachineFacts, strategy: str, dtype: str, accum: int, compiled: bool):
+    device = "cuda" if machine.device.device_type == "cuda" else "cpu"
+    return memplan.predict(cfg.model, strategy=strategy, world_size=machine.world_size,
                            micro_batch=cfg.batch.micro_batch_size, seq_len=cfg.batch.seq_len, dtype=dtype,
                            activation_checkpointing=cfg.parallel.activation_checkpointing, accum=accum,
                            device=device, compiled=compiled, optimizer=cfg.optim.optimizer,
                            muon_variant=cfg.optim.muon_variant, average=bool(cfg.optim.ema_decay))
 
 
-def make_plan(request: Request | TrainConfig, facts: Facts, resume: Optional[str] = None,
-              report: Optional[Callable[[str], None]] = None) -> RunPlan:
-    """Every start-up decision of a run (see the module docstring); raises the first problem found.
-
-    A TrainConfig is taken as a request whose architecture values are all given (``Request.of``).
-    ``report`` hears of damaged checkpoints passed over as they are found (default: stderr).
-    """
-    req = request if isinstance(request, Request) else Request.of(request, resume)
-    skipped: list[str] = []
-
-    def skip(line: str) -> None:
-        skipped.append(line)
-        (report or _to_stderr)(line)
-
-    where = find_resume(req.out, req.resume, skip)
-    values, init, began = nest_config(req.values, req.source), None, None
-    if where is not None:
-        saved = ckpt.read_config(where)
-        source = config_value(saved, "init_from")
-        if source:  # a run that began from other weights: its architecture is its checkpoint's
-            arch = init_from.source_arch(where, req.explicit, flag="--resume")
-            values = merge_config(values, {"init_from": source, "model": arch}, source=req.source)
-            began = began_from(where)
-    elif config_value(values, "init_from"):
-        src = init_from.find_source(str(config_value(values, "init_from")))
-        arch = init_from.check_arch(src, req.explicit)
-        init = InitFrom(src, init_from.digest(src))
-        values = merge_config(values, {"model": arch}, source=req.source)
-    template = chat_template(values, init, saved if where is not None else None)
-    if template:
-        values = merge_config(values, {"model": {"chat_template": template}}, source=req.source)
-    model = tokenizer_fields(values, req, init, (where, saved) if where is not None else None)
-    if model:
-        values = merge_config(values, {"model": model}, source=req.source)
-    cfg = _config(values, req, init)
-    if where is not None:
-        check_resume_settings(cfg, saved, where)
-    accum = cfg.grad_accum_steps(facts.world_size)
-    cfg.accum_at(0, facts.world_size)  # the batch ramp's start divides evenly too (raises if not)
-    muon = cfg.optim.optimizer == "muon"
-    choices = runtime.resolve(facts.device.device_type, cfg.system.dtype, cfg.system.compile, facts=facts.device,
-                              ns_dtype=cfg.optim.muon_ns_dtype if muon else None)
-    dtype, compiled = str(choices.dtype.value), bool(choices.compile.value)
-    strategy = choose_strategy(cfg, facts, dtype, accum, compiled)
-    sharded = strategy.value == "fsdp" and facts.world_size > 1
-    memory = None
-    if facts.device.device_type in ("cuda", "cpu"):
-        memory = _predict(cfg, facts, str(strategy.value), dtype, accum, compiled).to_dict()
-    return RunPlan(config=cfg, facts=facts, resume=where, skipped=tuple(skipped), init=init,
-                   dtype=choices.dtype, compile=choices.compile, strategy=strategy,
-                   loss=choose_loss(facts.device.device_type, compiled, sharded),
-                   peak_flops=choose_peak_flops(cfg.system.peak_flops, facts), accum=accum,
-                   params=memplan.param_counts(cfg.model)["total"], memory=memory, ns_dtype=choices.ns_dtype,
-                   began=began, supervised=supervised_tokens(cfg.data))
-
-
 def check_memory(plan: RunPlan) -> None:
     """Refuse a run whose predicted peak (memplan, per process) exceeds this machine's memory: the GPU's,
     or a CPU run's share of the RAM; name the largest --micro-batch-size that fits. (A start's check,
     after the data's: the plan itself describes any machine.)"""
-    cfg, facts = plan.config, plan.facts
-    cuda = facts.device.device_type == "cuda"
-    limit = facts.device_bytes if cuda else facts.host_bytes
+    cfg, machine = plan.config, plan.machine
+    cuda = machine.device.device_type == "cuda"
+    limit = machine.device_bytes if cuda else machine.host_bytes
 
     def total_at(B: int) -> int:
         c = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, micro_batch_size=B))
-        return _predict(c, facts, str(plan.strategy.value), str(plan.dtype.value),
-                        c.grad_accum_steps(facts.world_size), bool(plan.compile.value)).total
+        return _predict(c, machine, str(plan.strategy.value), str(plan.dtype.value),
+                        c.grad_accum_steps(machine.world_size), bool(plan.compile.value)).total
 
     if limit is None or not plan.memory or memplan.fits(total_at(cfg.batch.micro_batch_size), limit):
         return
-    b, world = cfg.batch, facts.world_size
+    b, world = cfg.batch, machine.world_size
     rows = max(1, b.total_batch_tokens // (b.seq_len * world))  # a micro-batch must divide a step's rows
     fit = next((B for B in range(min(b.micro_batch_size - 1, rows), 0, -1)
                 if rows % B == 0 and memplan.fits(total_at(B), limit)), None)
-    have = (f"the {limit / 2**30:.1f} GiB of {facts.device.device_name or 'the GPU'}" if cuda
+    have = (f"the {limit / 2**30:.1f} GiB of {machine.device.device_name or 'the GPU'}" if cuda
             else f"this machine's {limit / 2**30:.1f} GiB of RAM" + (f" per process ({world})" if world > 1 else ""))
     fix = (f"lower --micro-batch-size to {fit} ({total_at(fit) / 2**30:.1f} GiB predicted)" if fit
            else "not even a micro-batch of 1 fits: a smaller model or a larger machine")
@@ -420,52 +338,43 @@ def _flag_text(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def supervised_tokens(data: str) -> Optional[tuple[int, int]]:
-    """(assistant tokens, all tokens) of a conversation directory's train split; None for text."""
-    from gpt2lab.data.shards import read_manifest
-
-    train = read_manifest(data).get("splits", {}).get("train", {})
+def supervised_tokens(manifest: Mapping) -> Optional[tuple[int, int]]:
+    """(assistant tokens, all tokens) of a conversation directory's train split (its ``manifest``); None for text."""
+    train = manifest.get("splits", {}).get("train", {})
     return (int(train["supervised"]), int(train["tokens"])) if "supervised" in train else None
 
 
-def chat_template(values: dict, init: Optional[InitFrom], saved: Optional[dict]) -> Optional[str]:
-    """The run's chat template: its data's (conversations prepared in one), else that of the model it
-    began from (--init-from, or the resumed checkpoint's config), else None: a base model."""
-    from gpt2lab.data.shards import read_manifest
-
-    found = read_manifest(str(config_value(values, "data", default_value("data")))).get("chat_template")
+def chat_template(manifest: Mapping, init: Optional[InitFrom], resumed: Optional[Resumed]) -> Optional[str]:
+    """The run's chat template: its data's (conversations prepared in one: ``manifest``), else that of the
+    model it began from (--init-from, or the resumed checkpoint's config), else None: a base model."""
+    found = manifest.get("chat_template")
     if found:
         return str(found)
     if init is not None:
         return init.source.config.chat_template
-    return config_value(saved, "chat_template") if saved else None
+    return config_value(resumed.saved, "chat_template") if resumed else None
 
 
-def tokenizer_fields(values: dict, req: Request, init: Optional[InitFrom],
-                     resumed: Optional[tuple[str, dict]]) -> dict:
+def tokenizer_fields(values: dict, req: Request, manifest: Mapping, init: Optional[InitFrom],
+                     resumed: Optional[Resumed]) -> dict:
     """The run's tokenizer as model fields (empty for GPT-2's): its data's (``gpt2lab prepare
-    --tokenizer``), which must be the tokenizer of the model it continues (an --init-from source's, a
-    resumed checkpoint's; refused in one line naming both); without data here (a dry run planning for
-    another machine), that model's. The vocabulary follows it (padded to a multiple of 128) unless
-    --vocab-size was given, or a resumed run had another."""
-    from gpt2lab.data.shards import read_manifest
-    from gpt2lab.data.tokenizer import GPT2, for_data, short
+    --tokenizer``, named in its ``manifest``), which must be the tokenizer of the model it continues (an
+    --init-from source's, a resumed checkpoint's; refused in one line naming both); without data here (a
+    dry run planning for another machine), that model's. The vocabulary follows it (padded to a multiple
+    of 128) unless --vocab-size was given, or a resumed run had another."""
+    from gpt2lab.data.tokenizer import GPT2, short
 
     data = str(config_value(values, "data", default_value("data")))
-    manifest = read_manifest(data)
     theirs, n, whose = None, None, None  # the tokenizer, its vocabulary and the model it continues
     if init is not None:
         src = init.source
         theirs, n, whose = src.config.tokenizer, src.config.real_vocab_size, f"--init-from {src.spec}"
     elif resumed is not None:
-        where, saved = resumed
-        theirs, n = config_value(saved, "tokenizer"), config_value(saved, "token_vocab_size")
-        whose = f"the checkpoint {where}"
+        theirs, n = config_value(resumed.saved, "tokenizer"), config_value(resumed.saved, "token_vocab_size")
+        whose = f"the checkpoint {resumed.where}"
     if manifest:
         found = manifest.get("tokenizer", GPT2)
-        ours = None if found == GPT2 else str(found)
-        if ours is not None:  # its tokenizer.json is there and is the one the manifest names
-            for_data(data)
+        ours = None if found == GPT2 else str(found)  # its tokenizer.json was checked when gathered
         if whose is not None and ours != theirs:
             fix = (f"prepare it with that model's tokenizer (gpt2lab prepare --tokenizer DIR, DIR holding its "
                    "tokenizer.json: the run, checkpoint or export)" if theirs else "prepare it without --tokenizer")
@@ -480,17 +389,10 @@ def tokenizer_fields(values: dict, req: Request, init: Optional[InitFrom],
                           f"use {padded_vocab(int(n))}, or leave it out")
     fields = {"tokenizer": theirs, "token_vocab_size": int(n)}
     if resumed is not None and "vocab_size" not in req.explicit:
-        fields["vocab_size"] = config_value(resumed[1], "vocab_size")
+        fields["vocab_size"] = config_value(resumed.saved, "vocab_size")
     elif "vocab_size" not in req.explicit:
         fields["vocab_size"] = padded_vocab(int(n))
     return fields
-
-
-def began_from(where: str) -> Optional[dict]:
-    """The init-from record of the run checkpoint ``where`` belongs to: the one its state.pt
-    carries (the Trainer writes its plan's ``init_record`` there)."""
-    record = ckpt.read_state(where).get("init_from")
-    return dict(record) if record else None
 
 
 def _config(values: dict, req: Request, init: Optional[InitFrom]) -> TrainConfig:
@@ -506,57 +408,3 @@ def _config(values: dict, req: Request, init: Optional[InitFrom]) -> TrainConfig
 
 def _to_stderr(line: str) -> None:
     print(f"gpt2lab train: {line}", file=sys.stderr, flush=True)
-
-
-# -- the facts ---------------------------------------------------------------------------------
-def detect_facts(device, world_size: int = 1, dtype: str = "auto") -> Facts:
-    """This machine's facts for a run on ``device`` (the CPU probe only when ``dtype`` needs it)."""
-    import torch
-
-    dev = torch.device(device)
-    return Facts(runtime.detect(dev, probe=str(dtype) in ("auto", "bfloat16")), world_size,
-                 parallel.device_bytes(dev), host_bytes=host_share(world_size) if dev.type == "cpu" else None)
-
-
-def host_bytes() -> Optional[int]:
-    """This machine's RAM (None where the OS does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def host_share(world_size: int) -> Optional[int]:
-    """A CPU process's share of the RAM: the processes of this node (torchrun's LOCAL_WORLD_SIZE) share it."""
-    total = host_bytes()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or 1)
-    return None if total is None else total // max(1, local)
-
-
-def fake_facts(path: str) -> Facts:
-    """Facts from a JSON file (GPT2LAB_FAKE_FACTS): device_type, device_name, cpu_flags, cuda_bf16,
-    can_compile, probe {fp32_gflops, bf16_gflops}, world_size, device_gib or device_bytes."""
-    try:
-        with open(path) as fh:
-            raw = json.load(fh)
-        if not isinstance(raw, dict):
-            raise ValueError("not a JSON object")
-        raw = dict(raw)
-        world = int(raw.pop("world_size", 1))
-        gib = raw.pop("device_gib", None)
-        mem = raw.pop("device_bytes", None if gib is None else int(float(gib) * 2**30))
-        probe = raw.pop("probe", None)
-        host_gib = raw.pop("host_gib", None)
-        known = {f.name for f in dataclasses.fields(runtime.Facts)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"unknown key(s) {', '.join(unknown)}; known: "
-                             f"{', '.join(sorted(known | {'world_size', 'device_gib', 'device_bytes', 'host_gib'}))}")
-        raw["cpu_flags"] = tuple(raw.get("cpu_flags", ()))
-        dev = runtime.Facts(**raw, probe=runtime.Probe(**probe) if probe else None)
-        if dev.device_type not in ("cpu", "cuda", "mps") or world < 1:
-            raise ValueError(f"device_type {dev.device_type!r} (cpu, cuda or mps), world_size {world} (>= 1)")
-    except (OSError, ValueError, TypeError) as e:
-        raise ConfigError(f"{FAKE_FACTS_ENV}={path}: cannot use it ({e}); see gpt2lab.train.plan") from e
-    return Facts(dev, world, None if mem is None else int(mem), faked=path,
-                 host_bytes=None if host_gib is None else int(float(host_gib) * 2**30 / world))

@@ -1,23 +1,22 @@
-"""The spike guard's rollback: back to the checkpoint before the spikes, never their data again;
-and the stop after ``max_bad_steps`` skipped steps in a row.
+"""The spike guard's rollback, decided here and carried out by the trainer: back to the checkpoint
+before the spikes, never their data again; and the stop after ``max_bad_steps`` skipped steps in a row.
 
-``SpikeGuard`` (train/spikes.py) decides which steps spike; ``Rollback`` owns what follows:
-the loader positions marked bad (skipped whenever the loader reaches them, also after a
-resume: they are saved in each checkpoint) and the rollbacks since the last save (the run
-gives up after ``MAX_ROLLBACKS`` to the same checkpoint: then the data is not the cause).
+``SpikeGuard`` (train/spikes.py) decides which steps spike; ``Rollback`` owns what follows: the
+loader positions marked bad (skipped whenever the loader reaches them, also after a resume: they
+are saved in each checkpoint), the rollbacks since the last save (the run gives up after
+``MAX_ROLLBACKS`` to the same checkpoint: then the data is not the cause) and the count of bad
+steps in a row. ``decide`` returns a ``RollbackDecision``; the trainer restores the checkpoint it
+names and hands it back (``rolled_back``). A run that must stop raises ``TrainingError``.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 from gpt2lab.checkpoint import store as ckpt
-from gpt2lab.observe.metrics import MetricsLogger
 from gpt2lab.system.errors import RunDiverged
 from gpt2lab.train.config import TrainConfig
 from gpt2lab.train.spikes import SpikeGuard
-
-if TYPE_CHECKING:
-    from gpt2lab.train.trainer import Trainer
 
 # Rollbacks to the same checkpoint before the run gives up (the spikes are not the data's fault).
 MAX_ROLLBACKS = 5
@@ -25,6 +24,15 @@ MAX_ROLLBACKS = 5
 
 class TrainingError(RunDiverged):
     """The run cannot continue (e.g. repeated NaN losses); the message says what to do."""
+
+
+@dataclass(frozen=True)
+class RollbackDecision:
+    """What the trainer does after spikes called for a rollback."""
+    record: dict                 # the metrics line that says what was decided
+    target: Optional[str]        # the checkpoint to restore; None: none before the spikes, train on from here
+    skips: list[list[int]]       # every [start, end) loader range never trained on, the new one included:
+    # newer than the target checkpoint's own, so they stay after it is restored (``Rollback.rolled_back``)
 
 
 class Rollback:
@@ -55,12 +63,12 @@ class Rollback:
         """The spike's z-scores (its update must be skipped), or None for a healthy step."""
         return self.guard.check(step, position, loss, norm)
 
-    def skip_bad_data(self, loader) -> int:
-        """Jump over data a rollback marked bad; return the loader position this step starts at."""
+    def skip_bad_data(self, position: int) -> int:
+        """The loader position a step starts at: ``position``, past any data a rollback marked bad."""
         for start, end in self.skips:
-            if start <= loader.position < end:
-                loader.position = end
-        return loader.position
+            if start <= position < end:
+                position = end
+        return position
 
     def due(self, record: dict, step: int) -> bool:
         return record.get("skipped") == "spike" and self.guard.rollback_due(step)
@@ -76,10 +84,11 @@ class Rollback:
             self.guard.load_state_dict(state["guard"])
         self.skips = [list(r) for r in state.get("skips", [])]
 
-    def __call__(self, trainer: "Trainer", log: MetricsLogger, end: int, step: int) -> None:
+    def decide(self, end: int, step: int) -> RollbackDecision:
         """Back to the newest checkpoint before the first recent spike; never train on the spiking steps'
         data. ``end`` and ``step``: the loader position and step count after the step that called for
-        the rollback (the trainer's device checks read steps back a few at a time, so not always now)."""
+        the rollback (the trainer's device checks read steps back a few at a time, so not always now).
+        Raises TrainingError after ``MAX_ROLLBACKS`` rollbacks to the same checkpoint."""
         first_step, first_pos = self.guard.first_spike()
         target = next((p for p in reversed(ckpt.list_checkpoints(self.cfg.out)) if ckpt.step_of(p) <= first_step),
                       None)
@@ -90,16 +99,16 @@ class Rollback:
                   "skip_tokens": [skip[0] * T, skip[1] * T], "spike_steps": [s for s, _ in self.guard.spikes]}
         if target is None:  # nothing saved before the spikes; their updates were skipped anyway: go on
             self.guard.spikes = []
-            log.log({**record, "note": "no checkpoint before the spikes; continuing without rolling back"})
-            return
+            return RollbackDecision({**record, "note": "no checkpoint before the spikes; continuing without "
+                                                       "rolling back"}, None, self.skips)
         self.rollbacks += 1
         if self.rollbacks > MAX_ROLLBACKS:
             raise TrainingError(f"rolled back to {target} {MAX_ROLLBACKS} times and the loss still spikes; "
                                 "the data is not the cause: lower --max-lr or raise --warmup-steps and "
                                 f"--resume from {target}, or set --spike-rollback 0")
-        skips, rollbacks = self.skips, self.rollbacks
-        trainer.restore(target)
-        self.skips, self.rollbacks = skips, rollbacks  # newer than the checkpoint's own
+        return RollbackDecision(record, target, self.skips)
+
+    def rolled_back(self, decision: RollbackDecision) -> None:
+        """The trainer restored ``decision.target`` (this guard's state with it): keep the newer skips."""
+        self.skips = decision.skips
         self.bad_steps = 0
-        log.rewind(trainer.step)
-        log.log(record)

@@ -2,7 +2,8 @@
 
 1. rank 0 checks that ``--out`` is missing, empty or one of gpt2lab's runs (system.rundir),
    claims it (writes the run marker) and takes its lock, held until the process ends;
-2. rank 0 detects the machine's facts, makes the plan (train.plan.make_plan) and checks the data
+2. rank 0 detects the machine's facts, makes the plan (train.plan.make_plan: train.gather reads, train.plan
+   decides) and checks the data
    (train.preflight: present, large enough, HellaSwag's at hand); steps 1-2 are one
    ``decided_on_rank_0``: one broadcast, every rank raises its error;
 3. rank 0 removes temporaries of dead runs, prints the plan, writes config.json and
@@ -28,21 +29,21 @@ from gpt2lab.system import rundir
 from gpt2lab.system.errors import ConfigError, DataError, UsageError
 from gpt2lab.system.files import sweep_stale, write_json
 from gpt2lab.train.config import TrainConfig, save_config
-from gpt2lab.train.plan import (FAKE_FACTS_ENV, Facts, Request, RunPlan, check_memory, detect_facts, fake_facts,
-                                make_plan)
+from gpt2lab.train.gather import FAKE_FACTS_ENV, MachineFacts, detect_machine, fake_machine
+from gpt2lab.train.plan import Request, RunPlan, check_memory, make_plan
 from gpt2lab.train import preflight
 from gpt2lab.train.trainer import Stopped, Trainer
 
 
-def machine_facts(info: DistInfo, dtype: str, dry_run: bool) -> Facts:
+def machine_facts(info: DistInfo, dtype: str, dry_run: bool) -> MachineFacts:
     """This machine's facts, or GPT2LAB_FAKE_FACTS's (honoured by --dry-run only)."""
     path = os.environ.get(FAKE_FACTS_ENV)
     if path:
         if not dry_run:
             raise ConfigError(f"{FAKE_FACTS_ENV}={path} is set: made-up machine facts can only be planned "
                               f"with, not trained on; add --dry-run or unset {FAKE_FACTS_ENV}")
-        return fake_facts(path)
-    return detect_facts(info.device, info.world_size, dtype)
+        return fake_machine(path)
+    return detect_machine(info.device, info.world_size, dtype)
 
 
 def start(request: Request, info: DistInfo, dry_run: bool = False,

@@ -1,13 +1,17 @@
-"""The training loop: micro-steps with no_sync, autocast, clip, AdamW step, log, eval, save.
+"""The training loop: accumulate, judge, step, log; evaluate, roll back, save as due.
 
 One ``Trainer`` per process, built from the run plan (gpt2lab.train.plan), which has made
 every decision already: the Trainer builds the model, the wrapper, the optimizer and the
 loader as the plan says, restores the plan's checkpoint, and runs the step and the loop.
-Periodic evaluation is ``train.evaluation.Evaluator``, the spike guard's rollback
-``train.rollback.Rollback``; ``train.run.train`` is the whole command. Under torchrun every
-rank runs the same loop on its slice of each batch; rank 0 alone prints, logs and writes
-checkpoints. Steps are counted from 0; a checkpoint named ``step_N`` holds the state after
-N completed steps, and a resumed run continues with step N.
+
+``train_step`` accumulates the micro-steps' gradients (no_sync, autocast), clips, and has the step
+judged (NaN/inf, spike) in one of two places: on the host at once (``_judge``), or on the device
+(``DeviceGuard``, train/spikes.py) with its record read back every few steps (``read_back``). ``run``
+logs the records, carries out the rollback the spikes call for (decided by ``train.rollback``:
+``_roll_back``), evaluates (``train.evaluation.Evaluator``) and saves. ``train.run.train`` is the
+whole command. Under torchrun every rank runs the same loop on its slice of each batch; rank 0
+alone prints, logs and writes checkpoints. Steps are counted from 0; a checkpoint named ``step_N``
+holds the state after N completed steps, and a resumed run continues with step N.
 """
 from __future__ import annotations
 
@@ -35,8 +39,9 @@ from gpt2lab.train.config import TrainConfig
 from gpt2lab.train.evaluation import Evaluator, due
 from gpt2lab.train.init_from import load_source
 from gpt2lab.train.optim import apply_update, build_optimizer, scheduled_lr, skips_on_device, unscaled_grad_norm
-from gpt2lab.train.plan import RunPlan, detect_facts, make_plan
-from gpt2lab.train.rollback import MAX_ROLLBACKS, Rollback, TrainingError  # noqa: F401  (re-exported)
+from gpt2lab.train.gather import detect_machine
+from gpt2lab.train.plan import RunPlan, make_plan
+from gpt2lab.train.rollback import Rollback, RollbackDecision, TrainingError  # noqa: F401  (TrainingError re-exported)
 from gpt2lab.train.spikes import DeviceGuard
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -106,13 +111,6 @@ def _target_weights(batches: list[Batch], device: torch.device) -> list[torch.Te
     return list(counts * world / n.clamp(min=1))
 
 
-def loss_settings(device: torch.device, compiled: bool, sharded: bool = False) -> tuple[bool, bool]:
-    """(compile_loss, chunked_loss) for GPT, as the run plan decides them (plan.choose_loss)."""
-    from gpt2lab.train.plan import choose_loss
-
-    return compiled, choose_loss(device.type, compiled, sharded).value == "chunked"
-
-
 def build_model(plan: RunPlan, device: torch.device, tokenizer=None) -> GPT:
     """The plan's GPT on ``device`` (with ``tokenizer``, its own, where it has one): its --init-from weights,
     LoRA adapters and loss path."""
@@ -125,7 +123,7 @@ def build_model(plan: RunPlan, device: torch.device, tokenizer=None) -> GPT:
         from gpt2lab.model.lora import add_lora
 
         add_lora(model, ft.lora_rank, ft.lora_alpha, ft.lora_targets)
-    model.compile_loss, model.chunked_loss = bool(plan.compile.value), plan.loss.value == "chunked"
+    model.set_loss(plan.loss)
     model.activation_checkpointing = cfg.parallel.activation_checkpointing
     return model
 
@@ -175,8 +173,8 @@ class Trainer:
     @classmethod
     def from_config(cls, cfg: TrainConfig, info: DistInfo, resume: Optional[str] = None) -> "Trainer":
         """A Trainer for ``cfg`` on this machine (the plan made here; for tests and benchmarks)."""
-        facts = decided_on_rank_0(lambda: detect_facts(info.device, info.world_size, cfg.system.dtype))
-        return cls(decided_on_rank_0(lambda: make_plan(cfg, facts, resume)), info)
+        machine = decided_on_rank_0(lambda: detect_machine(info.device, info.world_size, cfg.system.dtype))
+        return cls(decided_on_rank_0(lambda: make_plan(cfg, machine, resume)), info)
 
     # -- state ---------------------------------------------------------------------------
     def parts(self) -> dict:
@@ -187,7 +185,7 @@ class Trainer:
     def state_dict(self) -> dict:
         """The trainer's own part: counters, the spike guard's memory and the data skipped; and
         the record of the weights the run began from, which a resume's plan reads back
-        (train.plan.began_from) rather than this."""
+        (train.gather.began_from) rather than this."""
         return {"step": self.step, "tokens": self.tokens, "init_from": self.plan.init_record,
                 **self.spikes.state_dict()}
 
@@ -217,11 +215,12 @@ class Trainer:
 
     # -- one optimizer step ----------------------------------------------------------------
     def train_step(self) -> Optional[dict]:
-        """Run step ``self.step`` (all its micro-steps) and return its metrics record; None when its
-        checks ran on the device and its record waits in ``pending`` for the next ``read_back``."""
+        """Run step ``self.step``: accumulate its micro-steps' gradients, judge them, take or skip the
+        update; return its metrics record. None when it was judged on the device (``check_interval`` > 1):
+        its record waits in ``pending`` for the next ``read_back``."""
         cfg, t0 = self.cfg, time.perf_counter()
         lr = scheduled_lr(self.step, cfg.optim)  # max_lr's group; set_lrs gives every group its own
-        position = self.spikes.skip_bad_data(self.loader)
+        position = self.loader.position = self.spikes.skip_bad_data(self.loader.position)
         accum = cfg.accum_at(self.step, self.info.world_size)  # self.accum, or fewer on the batch ramp
         loss = accumulate_gradients(self.train_model, self.loader.next_batch, accum, self.device, self.dtype,
                                     self.scaler, masked=self.loader.masked)
@@ -230,26 +229,30 @@ class Trainer:
         self.tokens += tokens
         if self.check_interval > 1:
             return self._step_on_device(lr, position, tokens, loss, norm)
-        loss_v, norm_v = loss.item(), norm.item()
-        finite = bool(np.isfinite(loss_v) and np.isfinite(norm_v))
-        # fp16: the scaler itself skips steps with inf gradients (and backs off) while it finds its scale
-        scaler_skip = self.scaler is not None and bool(np.isfinite(loss_v)) and not finite
-        spike = self.spikes.check(self.step, position, loss_v, norm_v) if finite else None
-        take = (finite and spike is None) or scaler_skip
+        take, judged = self._judge(position, loss.item(), norm.item())
         apply_update(self.optimizer, self.scaler, self.step, cfg.optim, take=take)
         if self.average is not None and take:
             self.average.update(self.raw)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
-        record = {"step": self.step, "lr": lr}
-        if not finite:  # logged as text: NaN is not JSON, and a plot must not mistake it for a loss
-            kind = "nan" if np.isnan(loss_v) or np.isnan(norm_v) else "inf"
-            record.update(skipped=kind, loss=str(loss_v), grad_norm=str(norm_v))
-            return {**record, "grad_scaler": True} if scaler_skip else record
+        record = {"step": self.step, "lr": lr, **judged}
+        return record if "skipped" in judged else {**record, **self._speed(dt, tokens)}
+
+    def _judge(self, position: int, loss: float, norm: float) -> tuple[bool, dict]:
+        """The host's verdict on a step read back at once: (take its update, the record's fields). A
+        non-finite step is skipped (logged as text: NaN is not JSON, and a plot must not mistake it for a
+        loss), unless fp16's grad scaler skips it itself while it finds its scale; a spike is skipped."""
+        finite = bool(np.isfinite(loss) and np.isfinite(norm))
+        if not finite:
+            kind = "nan" if np.isnan(loss) or np.isnan(norm) else "inf"
+            fields = {"skipped": kind, "loss": str(loss), "grad_norm": str(norm)}
+            scaler_skip = self.scaler is not None and bool(np.isfinite(loss))
+            return (True, {**fields, "grad_scaler": True}) if scaler_skip else (False, fields)
+        spike = self.spikes.check(self.step, position, loss, norm)
         if spike is not None:
-            return {**record, "skipped": "spike", "loss": loss_v, "grad_norm": norm_v, **spike}
-        return {**record, "train_loss": loss_v, "grad_norm": norm_v, **self._speed(dt, tokens)}
+            return False, {"skipped": "spike", "loss": loss, "grad_norm": norm, **spike}
+        return True, {"train_loss": loss, "grad_norm": norm}
 
     def _step_on_device(self, lr: float, position: int, tokens: int, loss: torch.Tensor, norm: torch.Tensor) -> None:
         """The rest of a step with no host sync: the device's guard judges it (NaN/inf, spike) and the
@@ -312,7 +315,9 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self, log: MetricsLogger) -> Optional[str]:
-        """Train to ``max_steps`` (or a stop signal); return the last checkpoint written."""
+        """Train to ``max_steps`` (or a stop signal); return the last checkpoint written. Each step:
+        evaluate if due, train it, log the records at hand (one, or the device's read back), roll back
+        if the spikes say so, save if due or stopping."""
         cfg, last_ckpt = self.cfg, None
         with _stop_on_signals(self):
             while self.step < cfg.optim.max_steps:
@@ -322,10 +327,16 @@ class Trainer:
                 record = self.train_step()
                 self.step += 1
                 self.steps_taken += 1
-                if record is None and not self._read_back_due():
+                if record is not None:
+                    done = [(record, self.loader.position, None)]
+                else:
+                    done = self.read_back() if self._read_back_due() else []
+                if not done:
                     continue
-                if self._log([(record, self.loader.position, None)] if record is not None else self.read_back(), log):
-                    continue  # rolled back
+                rollback = self._log(done, log)
+                if rollback is not None:
+                    self._roll_back(rollback, log)
+                    continue
                 stop = self._stop_agreed()
                 if stop or self.step == cfg.optim.max_steps or due(cfg.checkpoint.ckpt_interval, self.step, -1):
                     last_ckpt = self.save() or last_ckpt
@@ -336,19 +347,27 @@ class Trainer:
         self.evaluate(self.step, log)  # the end-of-run evaluation (step == max_steps)
         return last_ckpt
 
-    def _log(self, done: list[tuple[dict, int, Optional[tuple]]], log: MetricsLogger) -> bool:
-        """Log steps' records in order (the host guard learning the device's verdicts as it goes),
-        count bad steps, roll back when the spikes say so (True: rolled back; the records after that
-        step are dropped, the rollback repeats those steps)."""
+    def _log(self, done: list[tuple[dict, int, Optional[tuple]]], log: MetricsLogger) -> Optional[RollbackDecision]:
+        """Log steps' records in order (the host guard learning the device's verdicts as it goes) and
+        count bad steps (TrainingError after too many in a row); the rollback the spikes call for, if
+        they do (the records after that step are dropped: the rollback repeats those steps)."""
         for record, after, verdict in done:
             if verdict is not None:
                 self.spikes.guard.record(*verdict)
             log.log(record)
             self.spikes.check_bad(record)
             if self.spikes.due(record, record["step"] + 1):
-                self.spikes(self, log, end=after, step=record["step"] + 1)
-                return True
-        return False
+                return self.spikes.decide(end=after, step=record["step"] + 1)
+        return None
+
+    def _roll_back(self, decision: RollbackDecision, log: MetricsLogger) -> None:
+        """Carry out a rollback: restore its checkpoint (the rollback keeping its newer skips), forget
+        the log's records of the steps to repeat, log the decision; with no checkpoint, log it only."""
+        if decision.target is not None:
+            self.restore(decision.target)
+            self.spikes.rolled_back(decision)
+            log.rewind(self.step)
+        log.log(decision.record)
 
     def _stop_agreed(self) -> bool:
         """All ranks stop together if any of them got SIGTERM/SIGINT (one process: no device round trip)."""
@@ -392,8 +411,8 @@ def keep_freed_memory(enable: bool = True) -> bool:
     """Serve large CPU tensors from the heap and keep freed memory there (glibc only).
 
     By default glibc gives every allocation over 32 MB its own mmap and unmaps it when
-    freed, so each step's logit buffers arrive as fresh pages: ~190k page faults per
-    shakespeare-cpu step, half its time. ``enable=False`` restores glibc's defaults.
+    freed, so each step's large buffers (the loss's logits) arrive as fresh pages, faulted in
+    again every step. ``enable=False`` restores glibc's defaults.
     Returns whether the setting took effect (False off Linux/glibc).
     """
     import ctypes

@@ -1,0 +1,207 @@
+"""What a run's plan is made from, read from the outside world once, into plain data.
+
+``gather`` is the only part of planning that touches files, checksums or the hub; train.plan then
+decides from its result alone. It reads, in this order:
+
+- the checkpoint to resume (one rule, the newest intact one: ``find_resume``, checksums verified),
+  its config.json, and, for a run that began from other weights, that checkpoint read as a source
+  (its architecture) and the record of the weights it began from (``began_from``);
+- the ``--init-from`` source of a fresh run, resolved (the Hugging Face cache or hub for a name),
+  its config read and its weights hashed once (``InitFrom``);
+- the data's manifest, and the tokenizer.json it names (present and the one named).
+
+``detect_machine`` reads this machine's facts (``MachineFacts``); ``GPT2LAB_FAKE_FACTS=FILE.json``
+replaces them (for ``--dry-run`` only: ``fake_machine``) to see the plan of a machine one does not
+have, e.g. ``{"device_type": "cuda", "device_name": "NVIDIA H100 80GB HBM3", "cuda_bf16": true,
+"world_size": 8, "device_gib": 79.1}``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional
+
+from gpt2lab.checkpoint import store as ckpt
+from gpt2lab.distributed import parallel
+from gpt2lab.model.config import config_value
+from gpt2lab.system import runtime
+from gpt2lab.system.errors import CheckpointError, ConfigError
+from gpt2lab.train import init_from
+
+FAKE_FACTS_ENV = "GPT2LAB_FAKE_FACTS"
+
+
+# -- the machine ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MachineFacts:
+    """What the plan depends on about the machine (``detect_machine``, ``fake_machine``, or made up in tests)."""
+    device: runtime.Facts                  # device type and name, CPU flags, bf16, compiler, probe
+    world_size: int = 1                    # processes of the run (torchrun's WORLD_SIZE)
+    device_bytes: Optional[int] = None     # memory of one accelerator; None for a CPU (shared RAM)
+    faked: Optional[str] = None            # the GPT2LAB_FAKE_FACTS file these came from
+    host_bytes: Optional[int] = None       # a CPU run's share of this machine's RAM per process; None: unknown
+
+    def describe(self) -> str:
+        d = self.device
+        mem = f", {self.device_bytes / 2**30:.1f} GiB each" if self.device_bytes else ""
+        return (f"{d.device_type} x {self.world_size} ({d.device_name or 'unknown'}{mem})"
+                + (f" [faked by {FAKE_FACTS_ENV}={self.faked}]" if self.faked else ""))
+
+
+def detect_machine(device, world_size: int = 1, dtype: str = "auto") -> MachineFacts:
+    """This machine's facts for a run on ``device`` (the CPU probe only when ``dtype`` needs it)."""
+    import torch
+
+    dev = torch.device(device)
+    return MachineFacts(runtime.detect(dev, probe=str(dtype) in ("auto", "bfloat16")), world_size,
+                        parallel.device_bytes(dev), host_bytes=host_share(world_size) if dev.type == "cpu" else None)
+
+
+def host_bytes() -> Optional[int]:
+    """This machine's RAM (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def host_share(world_size: int) -> Optional[int]:
+    """A CPU process's share of the RAM: the processes of this node (torchrun's LOCAL_WORLD_SIZE) share it."""
+    total = host_bytes()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or 1)
+    return None if total is None else total // max(1, local)
+
+
+def fake_machine(path: str) -> MachineFacts:
+    """Facts from a JSON file (GPT2LAB_FAKE_FACTS): device_type, device_name, cpu_flags, cuda_bf16,
+    can_compile, probe {fp32_gflops, bf16_gflops}, world_size, device_gib or device_bytes, host_gib."""
+    try:
+        with open(path) as fh:
+            raw = json.load(fh)
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+        raw = dict(raw)
+        world = int(raw.pop("world_size", 1))
+        gib = raw.pop("device_gib", None)
+        mem = raw.pop("device_bytes", None if gib is None else int(float(gib) * 2**30))
+        probe = raw.pop("probe", None)
+        host_gib = raw.pop("host_gib", None)
+        known = {f.name for f in dataclasses.fields(runtime.Facts)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown key(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(known | {'world_size', 'device_gib', 'device_bytes', 'host_gib'}))}")
+        raw["cpu_flags"] = tuple(raw.get("cpu_flags", ()))
+        dev = runtime.Facts(**raw, probe=runtime.Probe(**probe) if probe else None)
+        if dev.device_type not in ("cpu", "cuda", "mps") or world < 1:
+            raise ValueError(f"device_type {dev.device_type!r} (cpu, cuda or mps), world_size {world} (>= 1)")
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(f"{FAKE_FACTS_ENV}={path}: cannot use it ({e}); see gpt2lab.train.gather") from e
+    return MachineFacts(dev, world, None if mem is None else int(mem), faked=path,
+                        host_bytes=None if host_gib is None else int(float(host_gib) * 2**30 / world))
+
+
+# -- what the files hold -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class InitFrom:
+    """The resolved --init-from source and its provenance (hashed once, by ``gather``)."""
+    source: init_from.Source
+    sha256: str
+
+    @property
+    def id(self) -> str:
+        s = self.source
+        return f"sha256:{self.sha256}" if s.step is None else f"step {s.step}, sha256:{self.sha256}"
+
+    def record(self) -> dict:
+        s = self.source
+        return {"source": s.spec, "kind": s.kind, "weights": os.path.abspath(s.weights), "sha256": self.sha256,
+                "step": s.step, "id": self.id}
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """The checkpoint a run continues from, as read."""
+    where: str                                  # its directory (checksums verified)
+    saved: dict                                 # its config.json, either form
+    source: Optional[init_from.Source] = None   # a run begun from other weights: the checkpoint read as a source
+    began: Optional[dict] = None                # and the record of the weights it began from (began_from)
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """Everything train.plan decides from besides the request: plain data, made up freely in tests."""
+    machine: MachineFacts
+    resumed: Optional[Resumed] = None
+    skipped: tuple[str, ...] = ()               # damaged checkpoints passed over, one line each
+    init: Optional[InitFrom] = None             # --init-from of a fresh run
+    manifest: Mapping = field(default_factory=dict)  # the data's manifest.json ({}: none, or no data here)
+
+
+def gather(machine: MachineFacts, *, out: str, resume: Optional[str], source: Optional[str], data: str,
+           report: Callable[[str], None]) -> Gathered:
+    """Read what a run's plan needs (the module docstring's list): ``out`` the run directory, ``resume``
+    as ``--resume`` gave it, ``source`` the --init-from value asked for, ``data`` the data directory.
+    ``report`` hears of each damaged checkpoint passed over as it is found. Raises the first problem found."""
+    from gpt2lab.data.shards import read_manifest
+    from gpt2lab.data.tokenizer import GPT2, for_data
+
+    skipped: list[str] = []
+
+    def skip(line: str) -> None:
+        skipped.append(line)
+        report(line)
+
+    resumed, init = None, None
+    where = find_resume(out, resume, skip)
+    if where is not None:
+        saved = ckpt.read_config(where)
+        src = began = None
+        if config_value(saved, "init_from"):  # begun from other weights: the architecture is the checkpoint's
+            src = init_from.find_source(where)
+            src.flag = "--resume"
+            began = began_from(where)
+        resumed = Resumed(where, saved, src, began)
+    elif source:
+        src = init_from.find_source(str(source))
+        init = InitFrom(src, init_from.digest(src))
+    manifest = read_manifest(data)
+    if manifest and manifest.get("tokenizer", GPT2) != GPT2:  # its tokenizer.json is there and is the one named
+        for_data(data)
+    return Gathered(machine, resumed, tuple(skipped), init, manifest)
+
+
+def find_resume(out: str, resume: Optional[str], report: Callable[[str], None] = lambda line: None) -> Optional[str]:
+    """The checkpoint a run continues from: the newest intact one (checksums verified here).
+
+    ``resume`` None: none, and a run directory that already has checkpoints is refused;
+    "auto": the newest intact checkpoint of ``out`` (None if it has none); a run directory:
+    its newest intact one; a checkpoint directory: that one, which must be intact.
+    ``report`` hears of each damaged checkpoint passed over.
+    """
+    if resume is None:
+        if ckpt.find_latest(out):
+            raise ConfigError(f"{out} already has checkpoints; continue it with --resume auto "
+                              "or choose another --out")
+        return None
+    if ckpt.has_weights(resume):
+        ckpt.verify(resume)
+        return resume
+    run_dir = out if resume == "auto" else resume
+    found = ckpt.find_intact(run_dir, report=report)
+    if found is None and ckpt.find_latest(run_dir):
+        raise CheckpointError(f"{run_dir}: every checkpoint is damaged; start again with a new --out")
+    if found is None and resume != "auto":
+        raise CheckpointError(f"--resume {resume}: neither a checkpoint (no model.safetensors or sharded "
+                              ".metadata) nor a run directory with checkpoints/step_*/; pass a checkpoint "
+                              "directory or --resume auto")
+    return found
+
+
+def began_from(where: str) -> Optional[dict]:
+    """The init-from record of the run checkpoint ``where`` belongs to: the one its state.pt
+    carries (the Trainer writes its plan's ``init_record`` there)."""
+    record = ckpt.read_state(where).get("init_from")
+    return dict(record) if record else None
