@@ -70,9 +70,9 @@ def _tiny_export(tmp_path):
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=128)).eval()
     with torch.no_grad():
         model.transformer.wte.weight.mul_(25)  # logits far from uniform: no near-ties
-    export = str(tmp_path / "export")
-    export.save_pretrained(model, export)
-    return model, export
+    out = str(tmp_path / "export")
+    export.save_pretrained(model, out)
+    return model, out
 
 
 def _slice_task(tmp_path, n: int):

@@ -136,8 +136,8 @@ def test_sharded_checkpoint_exports_with_transformers_logits(runs, tmp_path):
         hf_logits, ours = theirs(idx).logits, reference(idx)[0][..., :50257]
         sharded_ours = load_model(str(runs["fsdp"]))(idx)[0][..., :50257]  # what sample and eval load
         api = gpt2lab.from_pretrained(str(runs["fsdp"]))(idx)[0][..., :50257]  # and the Python API
-        method = GPT.from_pretrained(str(runs["fsdp"]) + "/checkpoints/step_000012")(idx)[0][..., :50257]
-    assert torch.equal(api, sharded_ours) and torch.equal(method, sharded_ours)
+        ckpt = gpt2lab.from_pretrained(str(runs["fsdp"]) + "/checkpoints/step_000012")(idx)[0][..., :50257]
+    assert torch.equal(api, sharded_ours) and torch.equal(ckpt, sharded_ours)
     started = GPT(reference.config)  # train --init-from RUN_DIR takes the sharded run's weights too
     src = find_source(str(runs["fsdp"]))  # as the run plan resolves it; the Trainer then loads it
     assert src.step == 12
