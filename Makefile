@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast install bench clean
+.PHONY: demo test test-fast lint format install bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@echo "Installing gpt2lab, torch (CPU) and the test tools into $(VENV): once, a few minutes on a first run (pip is quiet meanwhile)"
@@ -22,8 +22,17 @@ demo: $(STAMP)
 # Two pytest workers of one thread each: most tests are single-threaded Python or launch their
 # own processes, so two workers keep two cores busy where one worker left one idle.
 # tests/unit (in-process, under a minute) and tests/e2e (whatever starts a process, the demo).
-test: $(STAMP)
+test: $(STAMP) lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -x -n 2 --durations=15 tests/unit tests/e2e
+
+# ruff: the lint rules and the format pyproject.toml sets, checked (`make format` applies them).
+lint: $(STAMP)
+	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m ruff format --check src tests benchmarks
+
+format: $(STAMP)
+	$(PY) -m ruff check --fix src tests benchmarks
+	$(PY) -m ruff format src tests benchmarks
 
 # The fast lane: the in-process tests only.
 test-fast: $(STAMP)

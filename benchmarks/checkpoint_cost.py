@@ -5,6 +5,7 @@
 The full layout (model.safetensors, optimizer.pt, state.pt, sha256 checksums), as a
 one-process or DDP run writes it; each round saves a new step and keeps one.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,14 @@ def main() -> None:
     for param in model.parameters():
         param.grad = torch.zeros_like(param)
     opt.step()  # AdamW's moments exist, as in any checkpoint after step 0
-    parts = {"model": model, "optimizer": opt, "trainer": Counters(), "loader": None, "rng": checkpoint.RNG(),
-             "scaler": None}
+    parts = {
+        "model": model,
+        "optimizer": opt,
+        "trainer": Counters(),
+        "loader": None,
+        "rng": checkpoint.RNG(),
+        "scaler": None,
+    }
     run = tempfile.mkdtemp(dir=args.dir)
     try:
         for step in range(1, args.rounds + 1):
@@ -55,8 +62,9 @@ def main() -> None:
                 checkpoint.sha256(f)
             t3 = time.perf_counter()
             size = sum(os.path.getsize(f) for f in files)
-            print(f"save {t1 - t0:.2f} s, verify {t2 - t1:.2f} s (hashing alone {t3 - t2:.2f} s), "
-                  f"{size / 2 ** 30:.2f} GiB")
+            print(
+                f"save {t1 - t0:.2f} s, verify {t2 - t1:.2f} s (hashing alone {t3 - t2:.2f} s), {size / 2**30:.2f} GiB"
+            )
     finally:
         shutil.rmtree(run)  # the run directory this script made
 

@@ -1,4 +1,5 @@
 """The Markdown tables of benchmarks/inference_cpu.sh's outputs: python benchmarks/inference_table.py OUT_DIR"""
+
 from __future__ import annotations
 
 import json
@@ -9,18 +10,24 @@ import sys
 
 
 def _read(out: pathlib.Path) -> dict:
-    return {p.stem: json.loads(p.read_text().strip().splitlines()[-1])
-            for p in sorted(out.glob("*.json")) if p.read_text().strip()}
+    return {
+        p.stem: json.loads(p.read_text().strip().splitlines()[-1])
+        for p in sorted(out.glob("*.json"))
+        if p.read_text().strip()
+    }
 
 
 def sample_tables(runs: dict) -> None:
     auto = runs.get("sample-auto")
     if auto:
         t, ct = auto["tok_per_s"], auto.get("ctranslate2_tok_per_s", {})
-        print(f"Default (`{auto['inference']['dtype']}/{auto['inference']['kernel']}`): **{t['sample']:.1f}** tok/s; "
-              f"`generate()` {t['generate']:.1f}; unprepared under autocast {t['unprepared']:.1f}; "
-              f"transformers {t.get('transformers', 0):.1f}; "
-              + "; ".join(f"CTranslate2 {k} {v:.1f}" for k, v in ct.items() if isinstance(v, float)) + "\n")
+        print(
+            f"Default (`{auto['inference']['dtype']}/{auto['inference']['kernel']}`): **{t['sample']:.1f}** tok/s; "
+            f"`generate()` {t['generate']:.1f}; unprepared under autocast {t['unprepared']:.1f}; "
+            f"transformers {t.get('transformers', 0):.1f}; "
+            + "; ".join(f"CTranslate2 {k} {v:.1f}" for k, v in ct.items() if isinstance(v, float))
+            + "\n"
+        )
     for name in ("sample-settings", "sample-int8"):
         r = runs.get(name)
         if not r:
@@ -30,7 +37,9 @@ def sample_tables(runs: dict) -> None:
         print("| --- | --- | --- |")
         for way, v in t.items():
             if v:
-                label = "default (" + f"{r['inference']['dtype']}/{r['inference']['kernel']})" if way == "sample" else way
+                label = (
+                    "default (" + f"{r['inference']['dtype']}/{r['inference']['kernel']})" if way == "sample" else way
+                )
                 print(f"| {label} | {v:.1f} | {v / t['sample']:.2f}x |")
         for k, v in r.get("ctranslate2_tok_per_s", {}).items():
             if isinstance(v, float):
@@ -51,13 +60,17 @@ def serve_table(runs: dict) -> None:
     for setting, rs in by.items():
         vals = {n: [next(x["aggregate_tok_per_s"] for x in r["load"] if x["streams"] == n) for r in rs] for n in (1, 8)}
         held = ", ".join(sorted({f"{r['inference']['dtype']}/{r['inference']['kernel']}" for r in rs}))
-        print(f"| {setting} | {held} | " + " | ".join(
-            f"**{statistics.median(v):.1f}** ({', '.join(f'{x:.0f}' for x in v)})" for v in vals.values()) + " |")
+        print(
+            f"| {setting} | {held} | "
+            + " | ".join(f"**{statistics.median(v):.1f}** ({', '.join(f'{x:.0f}' for x in v)})" for v in vals.values())
+            + " |"
+        )
         for r in rs:
             ct2 = {c["rows"]: c["aggregate_tok_per_s"] for c in r.get("ctranslate2", [])}
             for kind in ("float32", "int8", "bfloat16"):
                 if all(isinstance(ct2.get(n, {}).get(kind), float) for n in (1, 8)):
-                    print(f"| CTranslate2 {kind}: a 1-row and an 8-row batch | | {ct2[1][kind]:.1f} | {ct2[8][kind]:.1f} |")
+                    row = f"| CTranslate2 {kind}: a 1-row and an 8-row batch | | {ct2[1][kind]:.1f} |"
+                    print(f"{row} {ct2[8][kind]:.1f} |")
 
 
 def main() -> None:

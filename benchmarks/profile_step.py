@@ -7,12 +7,12 @@ bf16, compiled, one micro-step of B x T tokens), warms up (compilation), profile
 ``--steps`` steps and prints the operators by total device time (CPU time on a CPU),
 the top of the table last. With --out it also writes the table and a Chrome trace.
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from gpt2lab.benchmarks.ladder import SIZES, _gpt2lab_step

@@ -9,6 +9,7 @@ wiki-cpu-long-fast:value_embeds=1``), one warm-up step each, then ``--rounds`` r
 per recipe in turn. Prints each recipe's median ``dt_ms`` and every round's. Run directories go to a
 temporary folder this script makes and removes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,9 +19,9 @@ import tempfile
 
 import torch
 
+from gpt2lab.benchmarks.train import interleaved_step_ms
 from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.train.config import load_preset
-from gpt2lab.benchmarks.train import interleaved_step_ms
 from gpt2lab.train.trainer import Trainer
 
 RECIPES = {
@@ -35,14 +36,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", required=True, help="token shards made by gpt2lab prepare")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--recipe", action="append", default=None, metavar="PRESET[:field=value,...]",
-                   help="a recipe to time instead of the default four (repeat for more)")
+    p.add_argument(
+        "--recipe",
+        action="append",
+        default=None,
+        metavar="PRESET[:field=value,...]",
+        help="a recipe to time instead of the default four (repeat for more)",
+    )
     args = p.parse_args()
     recipes = dict(_parse(r) for r in args.recipe) if args.recipe else RECIPES
     with tempfile.TemporaryDirectory() as tmp:
-        trainers = {name: Trainer.from_config(load_preset(preset, data=args.data, out=f"{tmp}/{i}", progress=False,
-                                              eval_interval=0, **changes), DistInfo(device=torch.device("cpu")))
-                    for i, (name, (preset, changes)) in enumerate(recipes.items())}
+        trainers = {
+            name: Trainer.from_config(
+                load_preset(preset, data=args.data, out=f"{tmp}/{i}", progress=False, eval_interval=0, **changes),
+                DistInfo(device=torch.device("cpu")),
+            )
+            for i, (name, (preset, changes)) in enumerate(recipes.items())
+        }
         times = interleaved_step_ms(trainers, args.rounds)
     for name, ms in times.items():
         print(f"{name}: median {statistics.median(ms):.0f} ms per step ({', '.join(f'{m:.0f}' for m in ms)})")

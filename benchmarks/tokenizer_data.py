@@ -15,6 +15,7 @@ next, at least 2,000 characters); every tenth section is held out. The package i
 Same machine, same files: the same bytes. Held-out files come first in name order, so
 ``gpt2lab prepare --source OUT/code --val-tokens N`` with N their tokens makes them the val split.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,16 +65,21 @@ def code(out: str, megabytes: float) -> dict:
             train.append(row)
             budget -= len(text.encode())
     os.makedirs(out, exist_ok=True)
-    return {"stdlib": root, "python": sys.version.split()[0], "unreadable_files": unreadable,
-            "heldout": {"files": len(held), "bytes": write_jsonl(os.path.join(out, "0_heldout.jsonl"), held)},
-            "train": {"files": len(train), "bytes": write_jsonl(os.path.join(out, "1_train.jsonl"), train)}}
+    return {
+        "stdlib": root,
+        "python": sys.version.split()[0],
+        "unreadable_files": unreadable,
+        "heldout": {"files": len(held), "bytes": write_jsonl(os.path.join(out, "0_heldout.jsonl"), held)},
+        "train": {"files": len(train), "bytes": write_jsonl(os.path.join(out, "1_train.jsonl"), train)},
+    }
 
 
 def german(out: str, deb: str | None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         if deb is None:
-            subprocess.run(["apt-get", "download", "debian-reference-de"], cwd=tmp, check=True,
-                           stdout=subprocess.DEVNULL)
+            subprocess.run(
+                ["apt-get", "download", "debian-reference-de"], cwd=tmp, check=True, stdout=subprocess.DEVNULL
+            )
             deb = os.path.join(tmp, next(f for f in os.listdir(tmp) if f.endswith(".deb")))
         subprocess.run(["dpkg-deb", "-x", deb, os.path.join(tmp, "x")], check=True)
         with gzip.open(os.path.join(tmp, "x", GERMAN_TXT), "rt", encoding="utf-8") as f:
@@ -90,9 +96,12 @@ def german(out: str, deb: str | None) -> dict:
             doc = ""
     held = [{"text": s} for i, s in enumerate(sections) if i % 10 == 9]
     train = [{"text": s} for i, s in enumerate(sections) if i % 10 != 9]
-    return {"package": package, "licence": "GPL-2+ (copyright file beside the text)",
-            "heldout": {"sections": len(held), "bytes": write_jsonl(os.path.join(out, "0_heldout.jsonl"), held)},
-            "train": {"sections": len(train), "bytes": write_jsonl(os.path.join(out, "1_train.jsonl"), train)}}
+    return {
+        "package": package,
+        "licence": "GPL-2+ (copyright file beside the text)",
+        "heldout": {"sections": len(held), "bytes": write_jsonl(os.path.join(out, "0_heldout.jsonl"), held)},
+        "train": {"sections": len(train), "bytes": write_jsonl(os.path.join(out, "1_train.jsonl"), train)},
+    }
 
 
 def main() -> None:
@@ -101,8 +110,10 @@ def main() -> None:
     p.add_argument("--code-mb", type=float, default=4.0, help="MB of training code (default 4)")
     p.add_argument("--deb", default=None, help="a debian-reference-de .deb already at hand")
     args = p.parse_args()
-    summary = {"code": code(os.path.join(args.out, "code"), args.code_mb),
-               "german": german(os.path.join(args.out, "german"), args.deb)}
+    summary = {
+        "code": code(os.path.join(args.out, "code"), args.code_mb),
+        "german": german(os.path.join(args.out, "german"), args.deb),
+    }
     print(json.dumps(summary, indent=1))
 
 

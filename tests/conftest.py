@@ -1,18 +1,27 @@
 """Shared tiny-model fixtures (CPU, seconds). Other areas may append fixtures at the end."""
+
 from __future__ import annotations
 
 import atexit
+import contextlib
+import functools
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
 
+from gpt2lab.data.tokenizer import gpt2_tokenizer
 from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.serve.limits import Limits
 from gpt2lab.weights import export
 
 # gpt2lab's cache (the CPU and decode probes, downloads) goes to a directory of this test session,
@@ -25,8 +34,8 @@ if not os.environ.get("GPT2LAB_TEST_CACHE"):
 os.environ["GPT2LAB_CACHE"] = os.environ["GPT2LAB_TEST_CACHE"]
 
 TESTS = Path(__file__).resolve().parent  # shared helpers live here; unit/ and e2e/ hold the tests
-DATA = TESTS / "data"                    # small fixtures: HellaSwag slice, text slices
-ROOT = TESTS.parent                      # the repository
+DATA = TESTS / "data"  # small fixtures: HellaSwag slice, text slices
+ROOT = TESTS.parent  # the repository
 
 # Two deliberately different small shapes, so a transpose or head-split bug cannot hide
 # behind a square matrix or a single head.
@@ -78,17 +87,14 @@ def gpt2_vocab_export(tmp_path_factory) -> tuple[GPT, str]:
     return model, d
 
 
-def run_gpt2lab(*args: str, env: dict | None = None, timeout: float = 120,
-                cwd: str | None = None) -> subprocess.CompletedProcess:
+def run_gpt2lab(
+    *args: str, env: dict | None = None, timeout: float = 120, cwd: str | None = None
+) -> subprocess.CompletedProcess:
     """``python -m gpt2lab ARGS`` in a fresh process (for exit codes and real stdout/stderr)."""
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "gpt2lab", *args], capture_output=True, text=True,
-                          env=full_env, timeout=timeout, cwd=cwd)
-
-
-# Session fixtures of train_utils that several modules use: defined here once, so the session
-# makes them once (a fixture imported into each module is made once per module).
-from train_utils import finished_run, tiny_data  # noqa: E402, F401
+    return subprocess.run(
+        [sys.executable, "-m", "gpt2lab", *args], capture_output=True, text=True, env=full_env, timeout=timeout, cwd=cwd
+    )
 
 
 @pytest.fixture(scope="module")
@@ -129,14 +135,6 @@ def damaged_copy(src: str, dst: str, what: str) -> str:
 # --- gpt2lab serve: a running app (uvicorn in a thread, on a free port), the servers several test
 # modules share, and requests and /metrics as the serve tests make and read them
 
-import contextlib  # noqa: E402
-import functools  # noqa: E402
-import json  # noqa: E402
-import time  # noqa: E402
-from typing import Iterator  # noqa: E402
-
-from gpt2lab.serve.limits import Limits  # noqa: E402
-
 
 @contextlib.contextmanager
 def serving_in_thread(workers: dict, host: str = "127.0.0.1") -> Iterator[str]:
@@ -155,8 +153,14 @@ def serving_in_thread(workers: dict, host: str = "127.0.0.1") -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def running_server(models: list[str], limits=None, deterministic: bool = False, linear: str = "packed",
-                   dtype: str = "float32", quantize: str = "none") -> Iterator[str]:
+def running_server(
+    models: list[str],
+    limits=None,
+    deterministic: bool = False,
+    linear: str = "packed",
+    dtype: str = "float32",
+    quantize: str = "none",
+) -> Iterator[str]:
     """Load ``models`` ([NAME=]MODEL, as on the command line) on CPU, serve them; yield the base URL.
     ``limits`` (serve.limits.Limits), ``deterministic``, ``linear`` (--cpu-linear), ``dtype`` and
     ``quantize`` are the serve flags of those names; the tests run fp32 packed linears (one candidate:
@@ -176,8 +180,9 @@ def scrape(url: str) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(url + "/metrics", timeout=30).text
-    return {(s.name, *sorted(s.labels.items())): s.value for f in text_string_to_metric_families(text)
-            for s in f.samples}
+    return {
+        (s.name, *sorted(s.labels.items())): s.value for f in text_string_to_metric_families(text) for s in f.samples
+    }
 
 
 def wait_until_idle(url: str, model: str, timeout: float = 30) -> dict:
@@ -223,16 +228,23 @@ def post_completion(url: str, body, **headers):
     import httpx
 
     content = body if isinstance(body, bytes) else json.dumps(body).encode()  # json.dumps keeps \ud800 escaped
-    return httpx.post(url + "/v1/completions", content=content, timeout=60,
-                      headers={"Content-Type": "application/json", **headers})
+    return httpx.post(
+        url + "/v1/completions", content=content, timeout=60, headers={"Content-Type": "application/json", **headers}
+    )
 
 
 def post_chat(url: str, body: dict):
     """POST ``body`` for the model "tiny" to /v1/chat/completions; the httpx response."""
     import httpx
 
-    return httpx.post(url + "/v1/chat/completions", content=json.dumps({"model": "tiny", **body}).encode(),
-                      headers={"Content-Type": "application/json"}, timeout=60)  # json.dumps keeps \ud800 escaped
+    return httpx.post(
+        url + "/v1/chat/completions",
+        content=json.dumps({"model": "tiny", **body}).encode(),
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )  # json.dumps keeps \ud800 escaped
+
+
 @pytest.fixture(scope="session")
 def small_text(tmp_path_factory) -> str:
     """200 KB of plain text (Tiny Shakespeare's first) in one .txt file, prepared with every default."""
@@ -244,3 +256,242 @@ def small_text(tmp_path_factory) -> str:
     (root / "small.txt").write_bytes(asset.read_bytes()[:200_000])
     assert cli.main(["prepare", "--source", str(root / "small.txt"), "--out", str(root / "data"), "--quiet"]) == 0
     return str(root / "data")
+
+
+# --- training: tiny shards, tiny configs, CLI runs in a subprocess
+
+# A model small enough that a step takes milliseconds; the vocabulary stays GPT-2's (padded).
+TINY = dict(
+    n_layer=2,
+    n_head=2,
+    n_embd=32,
+    block_size=32,
+    seq_len=32,
+    micro_batch_size=2,
+    total_batch_tokens=128,
+    max_steps=10,
+    warmup_steps=3,
+    max_lr=3e-3,
+    min_lr=3e-4,
+    dtype="float32",
+    device="cpu",
+    compile=False,
+    seed=1234,
+    eval_interval=0,
+    hellaswag_interval=0,
+    sample_interval=0,
+    ckpt_interval=0,
+    progress=False,
+    keep_cpu_memory=False,
+)  # in-process tests must not change the test process's allocator
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> str:
+    """Tiny Shakespeare as token shards, made with the data package's own prepare()."""
+    from gpt2lab.data.prepare import prepare
+
+    out = tmp_path_factory.mktemp("shards") / "tinyshakespeare"
+    prepare("tinyshakespeare", str(out), progress=False)
+    return str(out)
+
+
+def cli_args(**fields) -> list[str]:
+    """``--field value`` flags for ``gpt2lab train`` from TINY plus overrides."""
+    args = []
+    for key, value in {**TINY, **fields}.items():
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        args += ["--" + key.replace("_", "-"), text]
+    return args
+
+
+def env() -> dict:
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    src = str(ROOT / "src")
+    e["PYTHONPATH"] = src + os.pathsep + e.get("PYTHONPATH", "")
+    return e
+
+
+def train_cmd(**fields) -> list[str]:
+    return [sys.executable, "-m", "gpt2lab", "train", "--preset", "shakespeare-cpu", *cli_args(**fields)]
+
+
+def run_train(resume: str | None = None, timeout: float = 120, **fields) -> subprocess.CompletedProcess:
+    cmd = train_cmd(**fields) + (["--resume", resume] if resume else [])
+    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc
+
+
+def records(run_dir) -> list[dict]:
+    """Every record of a run's metrics.jsonl, in order."""
+    return [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines() if line]
+
+
+def torchrun_cmd(nproc: int = 2, **fields) -> list[str]:
+    """`torchrun --standalone --nproc_per_node N -m gpt2lab train ...` for the tiny run."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "gpt2lab",
+        *train_cmd(**fields)[3:],
+    ]
+
+
+def train_losses(run_dir: str) -> dict[int, float]:
+    """step -> train_loss from a run's metrics.jsonl."""
+    out = {}
+    for line in Path(run_dir, "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "train_loss" in rec:
+            out[rec["step"]] = rec["train_loss"]
+    return out
+
+
+@pytest.fixture(scope="session")
+def finished_run(tiny_data, tmp_path_factory) -> Path:
+    """A finished 4-step run with every evaluation on (for report tests); read-only.
+
+    Made by the real CLI in this process (``cli.main`` with ``sys.argv`` as the console
+    script would set it): a subprocess would cost a second torch import.
+    """
+    from unittest import mock
+
+    from gpt2lab import cli
+
+    out = tmp_path_factory.mktemp("finished") / "run"
+    hellaswag = str(DATA / "hellaswag_val_200.jsonl")
+    argv = [
+        "train",
+        "--preset",
+        "shakespeare-cpu",
+        *cli_args(
+            data=tiny_data,
+            out=str(out),
+            max_steps=4,
+            eval_interval=2,
+            eval_tokens=128,
+            hellaswag_interval=4,
+            hellaswag_data=hellaswag,
+            hellaswag_limit=4,
+            sample_interval=2,
+            sample_tokens=6,
+            ckpt_interval=2,
+            keep_checkpoints=0,
+        ),
+    ]
+    with mock.patch.object(sys, "argv", ["/venv/bin/gpt2lab", *argv]):
+        assert cli.main(argv) == 0
+    return out
+
+
+# --- references and helpers several test modules share
+
+
+def reference_scores(model, examples) -> list[tuple[list[float], list[float]]]:
+    """Plain loop: one row per (example, ending), no padding, transformers forward."""
+    enc, out = gpt2_tokenizer(), []
+    with torch.no_grad():
+        for ex in examples:
+            ctx = enc.encode(ex.ctx)
+            sums, means = [], []
+            for ending in ex.endings:
+                end = enc.encode(" " + ending)
+                hidden = model.transformer(torch.tensor([ctx + end])).last_hidden_state[0]
+                # logits only where the next token is an ending token (the rest is unused)
+                logp = torch.log_softmax(model.lm_head(hidden[len(ctx) - 1 : -1]), -1)
+                losses = [-logp[j, t].item() for j, t in enumerate(end)]
+                sums.append(sum(losses))
+                means.append(sum(losses) / len(losses))
+            out.append((sums, means))
+    return out
+
+
+def argmin(xs):
+    return min(range(len(xs)), key=xs.__getitem__)
+
+
+ALL_ON = dict(
+    pos_emb="rotary",
+    rope_theta=500.0,
+    norm="rmsnorm",
+    qk_norm=True,
+    mlp_act="relu2",
+    tie_embeddings=False,
+    zero_init_proj=False,
+    logit_softcap=12.0,
+)
+
+
+def reference_newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """The quintic iteration as the Muon write-up states it, in float64, no fused ops."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g.double()
+    transposed = x.shape[0] > x.shape[1]
+    if transposed:
+        x = x.t()
+    x = x / torch.linalg.matrix_norm(x)  # Frobenius norm: every singular value <= 1
+    for _ in range(steps):
+        A = x @ x.t()
+        B = b * A + c * (A @ A)
+        x = a * x + B @ x
+    return x.t() if transposed else x
+
+
+def saved_bytes(m: torch.nn.Module, run) -> int:
+    """Bytes of every storage autograd keeps while ``run`` runs, parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in m.parameters()}
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(n for ptr, n in saved.items() if ptr not in params)
+
+
+def val_losses(run_dir) -> dict[int, float]:
+    return {r["step"]: r["val_loss"] for r in records(run_dir) if "val_loss" in r}
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"run ended (rc {proc.returncode}) before {path} appeared"
+        assert time.time() < deadline, f"{path} did not appear"
+        time.sleep(0.005)
+
+
+def straight_and_killed(tmp_path, fields: dict, kill_after: str):
+    """The run trained straight through into tmp_path/straight, and the same run kill -9'd once
+    checkpoints/KILL_AFTER exists, in tmp_path/killed (returned)."""
+    run_train(out=str(tmp_path / "straight"), **fields)
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(
+        train_cmd(out=str(out), **fields), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    wait_for(out / "checkpoints" / kill_after, proc)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    return out
+
+
+def killed_then_resumed_equals_straight(tmp_path, fields: dict, kill_after: str):
+    """Kill -9 a run after ``kill_after``, resume it; every step's loss equals the straight run's
+    (to 1e-6: bit for bit on the same kernels and threads). Returns the resumed run's directory."""
+    steps = fields["max_steps"]
+    out = straight_and_killed(tmp_path, fields, kill_after)
+    assert max(train_losses(out)) < steps - 1, "the run finished before it was killed"
+    resumed = run_train(out=str(out), resume="auto", **fields)
+    assert "resumed from" in resumed.stdout
+    straight, again = train_losses(tmp_path / "straight"), train_losses(out)
+    assert sorted(again) == list(range(steps))
+    for step in range(steps):
+        assert abs(again[step] - straight[step]) <= 1e-6, (step, again[step], straight[step])
+    return out

@@ -10,11 +10,20 @@ None of them measures, prints or writes anything it was not asked to. Each is im
 so that ``import gpt2lab`` (and commands that need no model, such as ``prepare``) do not pay for
 importing torch.
 """
+
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["GPT", "GPTConfig", "get_tokenizer", "from_pretrained", "save_pretrained", "generate", "for_inference",
-           "__version__"]
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "get_tokenizer",
+    "from_pretrained",
+    "save_pretrained",
+    "generate",
+    "for_inference",
+    "__version__",
+]
 
 # public name -> the module that defines it
 _API = {

@@ -5,6 +5,7 @@ which registers its flags and sets ``func(args) -> int`` as the parser default. 
 code raises typed errors (gpt2lab.system.errors); ``main`` prints each as one line and exits
 with its documented code.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,11 +18,31 @@ import warnings
 from typing import Optional, Sequence
 
 from gpt2lab import __version__
-from gpt2lab.system.errors import (EXIT_CODES, EXIT_DISK_FULL, EXIT_ERROR, EXIT_INTERRUPTED, GPT2LabError,
-                            disk_full, is_disk_full)
+from gpt2lab.system.errors import (
+    EXIT_CODES,
+    EXIT_DISK_FULL,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    GPT2LabError,
+    disk_full,
+    is_disk_full,
+)
 
-COMMANDS = ["tokenizer", "prepare", "train", "sample", "eval", "export", "plot", "compare", "bench", "demo", "env",
-            "serve", "report"]
+COMMANDS = [
+    "tokenizer",
+    "prepare",
+    "train",
+    "sample",
+    "eval",
+    "export",
+    "plot",
+    "compare",
+    "bench",
+    "demo",
+    "env",
+    "serve",
+    "report",
+]
 
 
 class Parser(argparse.ArgumentParser):
@@ -86,8 +107,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return EXIT_DISK_FULL
         what = f"{e.filename}: " if e.filename else ""
         why = e.strerror or str(e)
-        hint = "check the path and its permissions" if e.errno in (errno.ENOENT, errno.EACCES, errno.EPERM,
-                                                                     errno.ENOTDIR, errno.EISDIR) else ""
+        hint = (
+            "check the path and its permissions"
+            if e.errno in (errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR)
+            else ""
+        )
         print(f"{prefix}: {what}{why}" + (f"; {hint}" if hint else ""), file=sys.stderr)
         return EXIT_ERROR
     finally:

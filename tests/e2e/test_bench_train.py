@@ -1,4 +1,5 @@
 """gpt2lab bench train: its reference model is the same network, and the command runs end to end."""
+
 from __future__ import annotations
 
 import json
@@ -6,10 +7,10 @@ import subprocess
 import sys
 
 import torch
+from conftest import cli_args, env
 
 from gpt2lab.benchmarks.train import ReferenceGPT
 from gpt2lab.model.gpt import GPT, GPTConfig
-from train_utils import cli_args, env, tiny_data  # noqa: F401 (fixture)
 
 
 def _reference_state(sd: dict) -> dict:
@@ -36,8 +37,25 @@ def test_reference_model_is_the_same_network():
 
 def test_bench_train_cli_times_both_sides(tiny_data):  # noqa: F811
     flags = cli_args(data=tiny_data, max_steps=100)
-    cmd = [sys.executable, "-m", "gpt2lab", "bench", "train", "--preset", "shakespeare-cpu", *flags,
-           "--reference", "--reference-compile", "false", "--rounds", "2", "--steps", "1", "--warmup", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gpt2lab",
+        "bench",
+        "train",
+        "--preset",
+        "shakespeare-cpu",
+        *flags,
+        "--reference",
+        "--reference-compile",
+        "false",
+        "--rounds",
+        "2",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+    ]
     proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout.strip().splitlines()[-1])

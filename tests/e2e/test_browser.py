@@ -5,6 +5,7 @@ Debian's chromium when it is missing). To run it on Debian/Ubuntu: ``apt-get ins
 chromium`` and ``pip install playwright`` (no ``playwright install`` needed: the system
 Chromium is used). GPT2LAB_CHROMIUM may point at another binary.
 """
+
 from __future__ import annotations
 
 import os
@@ -12,11 +13,17 @@ import shutil
 
 import httpx
 import pytest
-
 from conftest import running_server, wait_until_idle
 
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--no-first-run", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+    "--disable-sync",
+]
 
 
 def _chromium() -> str | None:
@@ -26,7 +33,9 @@ def _chromium() -> str | None:
 
 @pytest.fixture(scope="module")
 def browser():
-    sync_api = pytest.importorskip("playwright.sync_api", reason="browser tests need playwright: pip install playwright")
+    sync_api = pytest.importorskip(
+        "playwright.sync_api", reason="browser tests need playwright: pip install playwright"
+    )
     path = _chromium()
     if path is None:
         pytest.skip("browser tests need Chromium: apt-get install -y chromium (or set GPT2LAB_CHROMIUM)")
@@ -42,8 +51,14 @@ def test_playground_streams_each_models_text_into_its_column(browser, gpt2_vocab
         page = browser.new_page()
         page.goto(url + "/")
         page.wait_for_function("document.querySelectorAll('.col').length === 2")
-        settings = {"prompt": "The playground says", "max_tokens": "24", "temperature": "0.8", "top_k": "50",
-                    "top_p": "1", "seed": "5"}
+        settings = {
+            "prompt": "The playground says",
+            "max_tokens": "24",
+            "temperature": "0.8",
+            "top_k": "50",
+            "top_p": "1",
+            "seed": "5",
+        }
         for field, value in settings.items():
             page.fill(f"#{field}", value)
         # count DOM updates of each output: streamed text arrives in several steps, not at once (how
@@ -55,8 +70,9 @@ def test_playground_streams_each_models_text_into_its_column(browser, gpt2_vocab
                 col.querySelector('.out'), {subtree: true, childList: true, characterData: true});
             } }""")
         page.click("#go")
-        page.wait_for_function("[...document.querySelectorAll('.meta')].every(m => m.textContent.includes('tokens in'))",
-                               timeout=60_000)
+        page.wait_for_function(
+            "[...document.querySelectorAll('.meta')].every(m => m.textContent.includes('tokens in'))", timeout=60_000
+        )
         body = {"prompt": settings["prompt"], "max_tokens": 24, "temperature": 0.8, "top_k": 50, "top_p": 1, "seed": 5}
         for model in ("tiny", "twin"):
             col = page.locator(f".col[data-model='{model}']")
@@ -81,8 +97,14 @@ def test_playground_chat_mode_streams_each_reply_as_a_turn(browser, gpt2_vocab_e
         assert not page.is_visible("#system")
         page.check("#chat_mode")
         assert page.inner_text("#go") == "Send" and page.is_visible("#system")
-        settings = {"system": "You answer briefly.", "max_tokens": "10", "temperature": "0.8", "top_k": "50",
-                    "top_p": "1", "seed": "9"}
+        settings = {
+            "system": "You answer briefly.",
+            "max_tokens": "10",
+            "temperature": "0.8",
+            "top_k": "50",
+            "top_p": "1",
+            "seed": "9",
+        }
         for field, value in settings.items():
             page.fill(f"#{field}", value)
         body = {"model": "tiny", "max_tokens": 10, "temperature": 0.8, "top_k": 50, "top_p": 1, "seed": 9}
@@ -90,15 +112,18 @@ def test_playground_chat_mode_streams_each_reply_as_a_turn(browser, gpt2_vocab_e
         for n, message in enumerate(["Hello there!", "And then?"], start=1):
             page.fill("#prompt", message)
             page.click("#go")
-            page.wait_for_function(f"document.querySelectorAll('.turn').length === {2 * n} && "
-                                   "document.querySelector('.meta').textContent.includes('tokens in')",
-                                   timeout=60_000)
+            page.wait_for_function(
+                f"document.querySelectorAll('.turn').length === {2 * n} && "
+                "document.querySelector('.meta').textContent.includes('tokens in')",
+                timeout=60_000,
+            )
             assert page.input_value("#prompt") == ""  # sent
             messages.append({"role": "user", "content": message})
             expected = httpx.post(url + "/v1/chat/completions", json={**body, "messages": messages}, timeout=60).json()
             reply = expected["choices"][0]["message"]["content"]
-            turns = page.eval_on_selector_all(".turn", "ts => ts.map(t => [t.classList[1], "
-                                                       "t.querySelector('.content').textContent])")
+            turns = page.eval_on_selector_all(
+                ".turn", "ts => ts.map(t => [t.classList[1], t.querySelector('.content').textContent])"
+            )
             assert turns[-2:] == [["user", message], ["assistant", reply]]
             assert f"{expected['usage']['completion_tokens']} tokens in" in page.inner_text(".meta")
             messages.append({"role": "assistant", "content": reply})
@@ -109,6 +134,7 @@ def test_playground_shows_a_refused_request_then_streams(browser, tmp_path):
     """A full queue (one row, one waiting request) answers the page's request with 429: the
     column shows the error; once the queue drains, the same button streams a completion."""
     from conftest import tiny_gpt
+
     from gpt2lab.serve.limits import Limits
     from gpt2lab.weights import export
 
@@ -130,8 +156,9 @@ def test_playground_shows_a_refused_request_then_streams(browser, tmp_path):
                 with c.stream("POST", url + "/v1/completions", json=long) as waiting:
                     assert waiting.status_code == 200  # accepted: it holds the one queue place
                     page.click("#go")
-                    page.wait_for_function("document.querySelector('.meta').classList.contains('error')",
-                                           timeout=60_000)
+                    page.wait_for_function(
+                        "document.querySelector('.meta').classList.contains('error')", timeout=60_000
+                    )
                     assert meta.inner_text().startswith("error 429:") and "--max-queue 1" in meta.inner_text()
         # both clients hung up: once the server has seen it (asynchronously: their connections close
         # beside the page's), the queue place and the row are free, and the page's next request streams
@@ -140,9 +167,19 @@ def test_playground_shows_a_refused_request_then_streams(browser, tmp_path):
         page.click("#go")
         page.wait_for_function("document.querySelector('.meta').textContent.includes('tokens in')", timeout=60_000)
         assert "12 tokens in" in meta.inner_text() and "error" not in (meta.get_attribute("class") or "")
-        expected = httpx.post(url + "/v1/completions", timeout=60, json={
-            "model": "solo", "prompt": page.input_value("#prompt"), "max_tokens": 12, "temperature": 1.0,
-            "top_k": 50, "top_p": 1.0, "seed": 42}).json()
+        expected = httpx.post(
+            url + "/v1/completions",
+            timeout=60,
+            json={
+                "model": "solo",
+                "prompt": page.input_value("#prompt"),
+                "max_tokens": 12,
+                "temperature": 1.0,
+                "top_k": 50,
+                "top_p": 1.0,
+                "seed": 42,
+            },
+        ).json()
         assert page.locator(".col .completion").inner_text() == expected["choices"][0]["text"]
         page.close()
 
@@ -153,8 +190,10 @@ def test_report_card_opens_with_its_plot(browser, finished_run, tmp_path):
 
     out_html, _, rep = write_report(str(finished_run), str(tmp_path / "report.html"))
     page = browser.new_page()
-    page.route("**/*", lambda route: route.abort() if not route.request.url.startswith(("file:", "data:"))
-               else route.continue_())  # self-contained: any other fetch fails the checks below
+    page.route(
+        "**/*",
+        lambda route: route.abort() if not route.request.url.startswith(("file:", "data:")) else route.continue_(),
+    )  # self-contained: any other fetch fails the checks below
     page.goto(f"file://{out_html}")
     assert page.inner_text("#status") == rep.status and rep.status.startswith("finished")
     size = page.evaluate("() => { const i = document.querySelector('img'); return [i.complete, i.naturalWidth]; }")

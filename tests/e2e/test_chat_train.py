@@ -1,17 +1,33 @@
 """Training on conversations keeps what training promises: DDP and FSDP on two processes equal one
 process (the masked loss normalised over the step's assistant tokens on all ranks), kill -9 then
 resume equals an uninterrupted run, and the dry run says what the loss is taken on."""
+
 from __future__ import annotations
 
 import subprocess
 
 import pytest
-from conftest import DATA
-from test_train_dist import _killed_then_resumed_equals_straight, _val
-from train_utils import cli_args, env, records, run_train, torchrun_cmd, train_losses  # noqa: F401
+from conftest import (
+    DATA,
+    cli_args,
+    env,
+    killed_then_resumed_equals_straight,
+    records,
+    run_train,
+    torchrun_cmd,
+    train_losses,
+    val_losses,
+)
 
-FIELDS = dict(total_batch_tokens=256, max_steps=3, eval_interval=3, eval_tokens=256, sample_interval=3,
-              sample_tokens=4, sample_prompt="Hi!")
+FIELDS = dict(
+    total_batch_tokens=256,
+    max_steps=3,
+    eval_interval=3,
+    eval_tokens=256,
+    sample_interval=3,
+    sample_tokens=4,
+    sample_prompt="Hi!",
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +54,7 @@ def test_ddp_and_fsdp_on_conversations_equal_one_process(chat_data, tmp_path):
     for name in ("ddp", "fsdp"):
         other = train_losses(tmp_path / name)
         assert all(abs(one[s] - other[s]) < 1e-5 for s in one), (name, one, other)
-        val, val_ref = _val(tmp_path / name), _val(tmp_path / "one")
+        val, val_ref = val_losses(tmp_path / name), val_losses(tmp_path / "one")
         assert sorted(val) == sorted(val_ref) == [0, 3] and all(abs(val[s] - val_ref[s]) < 1e-5 for s in val)
     samples = [r["sample"] for r in records(tmp_path / "one") if "sample" in r]
     assert samples and all(s.startswith("User: Hi!\nAssistant: ") for s in samples)  # a chat run's sample is a reply
@@ -46,7 +62,7 @@ def test_ddp_and_fsdp_on_conversations_equal_one_process(chat_data, tmp_path):
 
 def test_kill_9_then_resume_on_conversations_equals_uninterrupted(chat_data, tmp_path):
     fields = dict(data=chat_data, max_steps=24, ckpt_interval=6, keep_checkpoints=2, keep_cpu_memory=True)
-    _killed_then_resumed_equals_straight(tmp_path, fields, "step_000012")
+    killed_then_resumed_equals_straight(tmp_path, fields, "step_000012")
 
 
 def test_dry_run_says_what_the_loss_is_taken_on(chat_data, tmp_path):
@@ -55,9 +71,22 @@ def test_dry_run_says_what_the_loss_is_taken_on(chat_data, tmp_path):
 
     manifest = json.loads(open(f"{chat_data}/manifest.json").read())
     n, total = manifest["splits"]["train"]["supervised"], manifest["splits"]["train"]["tokens"]
-    proc = subprocess.run([sys.executable, "-m", "gpt2lab", "train", "--preset", "shakespeare-cpu", "--dry-run",
-                           *cli_args(data=chat_data, out=str(tmp_path / "run"))],
-                          env=env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpt2lab",
+            "train",
+            "--preset",
+            "shakespeare-cpu",
+            "--dry-run",
+            *cli_args(data=chat_data, out=str(tmp_path / "run")),
+        ],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert f"supervised on {n:,} of {total:,} tokens" in proc.stdout
     assert not (tmp_path / "run").exists()
@@ -76,17 +105,43 @@ def test_chat_gpt2_preset_from_an_hf_gpt2_directory_trains_on_conversations(chat
 
     src = tmp_path / "hf"
     torch.manual_seed(0)
-    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=128,
-                                                         vocab_size=50257)).save_pretrained(src)
+    transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=128, vocab_size=50257)
+    ).save_pretrained(src)
     from unittest import mock
 
     from gpt2lab import cli
 
     out = tmp_path / "run"  # in this process (no second torch import); the allocator left as it is
-    argv = ["train", "--preset", "chat-gpt2", "--init-from", str(src), "--data", chat_data, "--out", str(out),
-            "--device", "cpu", "--max-steps", "1", "--micro-batch-size", "2", "--seq-len", "64",
-            "--total-batch-tokens", "128", "--eval-interval", "0", "--sample-interval", "0", "--progress", "false",
-            "--keep-cpu-memory", "false"]
+    argv = [
+        "train",
+        "--preset",
+        "chat-gpt2",
+        "--init-from",
+        str(src),
+        "--data",
+        chat_data,
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--max-steps",
+        "1",
+        "--micro-batch-size",
+        "2",
+        "--seq-len",
+        "64",
+        "--total-batch-tokens",
+        "128",
+        "--eval-interval",
+        "0",
+        "--sample-interval",
+        "0",
+        "--progress",
+        "false",
+        "--keep-cpu-memory",
+        "false",
+    ]
     with mock.patch.object(sys, "argv", ["/venv/bin/gpt2lab", *argv]):
         assert cli.main(argv) == 0
     cfg = json.loads((out / "config.json").read_text())

@@ -1,10 +1,11 @@
 """The console script: --help everywhere, clear errors, sample and export end to end."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import run_gpt2lab
+
 from gpt2lab import cli, get_tokenizer
 from gpt2lab.commands.bench import BENCHES
 from gpt2lab.model.sampling import generate
@@ -31,8 +32,26 @@ def test_bad_model_path_clear_error_and_nonzero_exit(tmp_path, capsys):
 def test_sample_streams_greedy_text_from_exported_dir(gpt2_vocab_export, capsys):
     model, d = gpt2_vocab_export
     prompt = "Hello, I'm a language model,"
-    code = cli.main(["sample", "--model", d, "--prompt", prompt, "--num-samples", "2", "--max-new-tokens", "12",
-                     "--temperature", "0", "--device", "cpu", "--dtype", "float32", "--no-stop-at-eot"])
+    code = cli.main(
+        [
+            "sample",
+            "--model",
+            d,
+            "--prompt",
+            prompt,
+            "--num-samples",
+            "2",
+            "--max-new-tokens",
+            "12",
+            "--temperature",
+            "0",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--no-stop-at-eot",
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     enc = get_tokenizer()
@@ -45,8 +64,21 @@ def test_sample_streams_greedy_text_from_exported_dir(gpt2_vocab_export, capsys)
 
 def test_sample_seeded_is_reproducible(gpt2_vocab_export, capsys):
     _, d = gpt2_vocab_export
-    argv = ["sample", "--model", d, "--prompt", "", "--max-new-tokens", "10", "--seed", "7", "--top-p", "0.9",
-            "--device", "cpu"]
+    argv = [
+        "sample",
+        "--model",
+        d,
+        "--prompt",
+        "",
+        "--max-new-tokens",
+        "10",
+        "--seed",
+        "7",
+        "--top-p",
+        "0.9",
+        "--device",
+        "cpu",
+    ]
     cli.main(argv)
     first = capsys.readouterr().out
     cli.main(argv)

@@ -3,6 +3,7 @@
 The reference for every token stream is a plain loop: for each document, EOT then
 ``encode_ordinary(text)``.
 """
+
 import json
 import os
 import sys
@@ -23,8 +24,7 @@ from gpt2lab.data.shards import write_shard as real_write_shard
 from gpt2lab.data.sources import SourceError, resolve_source
 from gpt2lab.data.tokenizer import EOT_ID, asset_path, gpt2_tokenizer
 
-DOCS = [f"Document {i}: " + "the quick brown fox " * (i % 7) + "ünïcödé ✓ 漢字" * (i % 3)
-        for i in range(40)]
+DOCS = [f"Document {i}: " + "the quick brown fox " * (i % 7) + "ünïcödé ✓ 漢字" * (i % 3) for i in range(40)]
 DOCS[5] = ""  # an empty document is still a document
 DOCS[9] = "a literal <|endoftext|> in text is text, not the separator"
 
@@ -57,8 +57,9 @@ def _files(out):
 
 def test_round_trip_jsonl_and_manifest(tmp_path):
     out = tmp_path / "out"
-    m = prepare(str(_jsonl(tmp_path / "docs.jsonl")), str(out), shard_tokens=97,
-                val_tokens=150, workers=1, progress=False)
+    m = prepare(
+        str(_jsonl(tmp_path / "docs.jsonl")), str(out), shard_tokens=97, val_tokens=150, workers=1, progress=False
+    )
     stream = _stream(out, m)
     assert np.array_equal(stream, _reference(DOCS))
     starts = np.flatnonzero(stream == EOT_ID)
@@ -69,8 +70,14 @@ def test_round_trip_jsonl_and_manifest(tmp_path):
     # val is exactly the first 150 tokens (the default --val-split tokens)
     lengths = [1 + len(enc.encode_ordinary(d)) for d in DOCS]
     assert m["splits"]["val"]["tokens"] == 150 and m["splits"]["val"]["shards"] == ["val_000000.bin", "val_000001.bin"]
-    assert m["files"] == [{"path": str(tmp_path / "docs.jsonl"), "bytes": (tmp_path / "docs.jsonl").stat().st_size,
-                           "documents": len(DOCS), "tokens": sum(lengths)}]
+    assert m["files"] == [
+        {
+            "path": str(tmp_path / "docs.jsonl"),
+            "bytes": (tmp_path / "docs.jsonl").stat().st_size,
+            "documents": len(DOCS),
+            "tokens": sum(lengths),
+        }
+    ]
     for split in ("val", "train"):
         shards = [s for s in m["shards"] if s["split"] == split]
         assert all(s["tokens"] == 97 for s in shards[:-1]) and 0 < shards[-1]["tokens"] <= 97
@@ -93,7 +100,7 @@ def test_one_worker_and_two_workers_write_the_same_shards(tmp_path, monkeypatch,
 
 
 # Above Linux's largest pid_max (2**22): the process that left a temporary with this pid is gone.
-DEAD_PID = 2 ** 22 + 1
+DEAD_PID = 2**22 + 1
 
 
 def _crash_after(monkeypatch, n_shards, exc=KeyboardInterrupt):
@@ -140,12 +147,22 @@ def test_local_sources_agree(tmp_path):
     for i, d in enumerate(docs):
         (txt / f"{i:02d}.txt").write_text(d, encoding="utf-8")
     ref = _reference(docs)
-    for name, src in [("pq", tmp_path / "docs.parquet"), ("jl", tmp_path / "docs.jsonl"),
-                      ("dir", txt), ("glob", txt / "*.txt")]:
+    for name, src in [
+        ("pq", tmp_path / "docs.parquet"),
+        ("jl", tmp_path / "docs.jsonl"),
+        ("dir", txt),
+        ("glob", txt / "*.txt"),
+    ]:
         m = prepare(str(src), str(tmp_path / name), val_tokens=0, text_field="body", progress=False)
         assert np.array_equal(_stream(tmp_path / name, m), ref), name
-    m = prepare(str(tmp_path / "docs.jsonl"), str(tmp_path / "lim"), val_tokens=0,
-                text_field="body", limit_docs=5, progress=False)
+    m = prepare(
+        str(tmp_path / "docs.jsonl"),
+        str(tmp_path / "lim"),
+        val_tokens=0,
+        text_field="body",
+        limit_docs=5,
+        progress=False,
+    )
     assert np.array_equal(_stream(tmp_path / "lim", m), _reference(docs[:5]))
 
 
@@ -171,8 +188,9 @@ def test_hub_source_streams_through_datasets(tmp_path, monkeypatch):
     assert asked[-1][:2] == ("some/name", "cfg")
     ref_files = _files(tmp_path / "ref")
     out_files = _files(tmp_path / "out")
-    assert {k: v for k, v in out_files.items() if k != "manifest.json"} == \
-           {k: v for k, v in ref_files.items() if k != "manifest.json"}
+    assert {k: v for k, v in out_files.items() if k != "manifest.json"} == {
+        k: v for k, v in ref_files.items() if k != "manifest.json"
+    }
 
 
 def test_hub_without_datasets_says_how_to_install(tmp_path, monkeypatch):
@@ -192,12 +210,15 @@ def test_hub_unreachable_is_a_clear_error(tmp_path, monkeypatch):
         prepare("fineweb", str(tmp_path / "out"), config="sample-100BT", workers=1, progress=False)
 
 
-@pytest.mark.parametrize("line, match", [
-    ('{"text": "ok"', r"docs.jsonl:3: not valid JSON"),
-    ('{"body": "no text field"}', r"docs.jsonl:3: no field 'text' \(fields: body\)"),
-    ('{"text": 42}', r"docs.jsonl:3: field 'text' is int"),
-    ('["a", "list"]', r"docs.jsonl:3: a JSON list"),
-])
+@pytest.mark.parametrize(
+    "line, match",
+    [
+        ('{"text": "ok"', r"docs.jsonl:3: not valid JSON"),
+        ('{"body": "no text field"}', r"docs.jsonl:3: no field 'text' \(fields: body\)"),
+        ('{"text": 42}', r"docs.jsonl:3: field 'text' is int"),
+        ('["a", "list"]', r"docs.jsonl:3: a JSON list"),
+    ],
+)
 def test_bad_jsonl_names_file_and_line(tmp_path, line, match):
     path = tmp_path / "docs.jsonl"
     path.write_text('{"text": "a"}\n{"text": "b"}\n' + line + "\n")
@@ -241,8 +262,21 @@ def test_tinyshakespeare_documents_are_its_speeches():
 
 def test_cli_prepare(tmp_path, capsys):
     src = str(_jsonl(tmp_path / "docs.jsonl"))
-    rc = main(["prepare", "--source", src, "--out", str(tmp_path / "out"), "--shard-tokens", "100",
-               "--val-tokens", "50", "--workers", "1"])
+    rc = main(
+        [
+            "prepare",
+            "--source",
+            src,
+            "--out",
+            str(tmp_path / "out"),
+            "--shard-tokens",
+            "100",
+            "--val-tokens",
+            "50",
+            "--workers",
+            "1",
+        ]
+    )
     cap = capsys.readouterr()
     out = json.loads(cap.out)
     assert rc == 0 and out["documents"] == len(DOCS) and out["splits"]["val"]["tokens"] == 50
@@ -263,8 +297,20 @@ def test_ctrl_c_of_the_cli_then_rerun_equals_uninterrupted(tmp_path):
     for scale in (4, 16, 64):
         src = str(_jsonl(tmp_path / f"big{scale}.jsonl", speeches * scale))
         out = tmp_path / f"out{scale}"
-        cmd = [sys.executable, "-m", "gpt2lab", "prepare", "--source", src, "--out", str(out),
-               "--workers", "2", "--quiet", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "gpt2lab",
+            "prepare",
+            "--source",
+            src,
+            "--out",
+            str(out),
+            "--workers",
+            "2",
+            "--quiet",
+            *args,
+        ]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         manifest = out / "manifest.json"
         deadline = time.time() + 60
@@ -307,8 +353,9 @@ def test_compressed_sources_agree_with_plain_ones(tmp_path):
 
     rows = _wiki_rows()[:6]
     lines = "".join(json.dumps(r) + "\n" for r in rows)
-    frames = zstandard.ZstdCompressor().compress(lines[:len(lines) // 2].encode()) + \
-        zstandard.ZstdCompressor().compress(lines[len(lines) // 2:].encode())  # two frames, as pzstd writes
+    frames = zstandard.ZstdCompressor().compress(
+        lines[: len(lines) // 2].encode()
+    ) + zstandard.ZstdCompressor().compress(lines[len(lines) // 2 :].encode())  # two frames, as pzstd writes
     d = tmp_path / "mixed"
     d.mkdir()
     (d / "a.jsonl").write_text(lines)
@@ -327,9 +374,15 @@ def test_compressed_sources_agree_with_plain_ones(tmp_path):
     enc = gpt2_tokenizer()
     per_doc = [1 + len(enc.encode_ordinary(t)) for t in texts]
     counts = {Path(f["path"]).name: (f["documents"], f["tokens"]) for f in m["files"]}
-    assert counts == {**{n: (6, sum(per_doc)) for n in ["a.jsonl", "b.jsonl.gz", "c.json.gz", "d.jsonl.zst",
-                                                          "e.jsonl.xz", "f.jsonl.bz2"]},
-                      "g.txt.gz": (1, per_doc[0]), "h.txt.zst": (1, per_doc[1]), "i.txt.xz": (1, per_doc[2])}
+    assert counts == {
+        **{
+            n: (6, sum(per_doc))
+            for n in ["a.jsonl", "b.jsonl.gz", "c.json.gz", "d.jsonl.zst", "e.jsonl.xz", "f.jsonl.bz2"]
+        },
+        "g.txt.gz": (1, per_doc[0]),
+        "h.txt.zst": (1, per_doc[1]),
+        "i.txt.xz": (1, per_doc[2]),
+    }
     m = prepare(str(d / "*.jsonl.*"), str(tmp_path / "glob"), val_tokens=0, workers=1, progress=False)
     assert np.array_equal(_stream(tmp_path / "glob", m), _reference(texts * 4))
 
@@ -341,9 +394,14 @@ def _damaged(tmp_path):
 
     lines = "".join(json.dumps(r) + "\n" for r in _wiki_rows()[:4]).encode()
     z, g = zstandard.compress(lines), gzip.compress(lines)
-    files = {"cut.jsonl.zst": z[:len(z) // 2], "cut.jsonl.gz": g[:len(g) // 2],
-             "junk.jsonl.zst": b"not zstd at all" * 50, "junk.txt.gz": b"not gzip" * 50,
-             "junk.txt.xz": b"not xz" * 50, "junk.jsonl.bz2": b"not bz2" * 50}
+    files = {
+        "cut.jsonl.zst": z[: len(z) // 2],
+        "cut.jsonl.gz": g[: len(g) // 2],
+        "junk.jsonl.zst": b"not zstd at all" * 50,
+        "junk.txt.gz": b"not gzip" * 50,
+        "junk.txt.xz": b"not xz" * 50,
+        "junk.jsonl.bz2": b"not bz2" * 50,
+    }
     for name, data in files.items():
         (tmp_path / name).write_bytes(data)
     return list(files)
@@ -353,8 +411,18 @@ def _damaged(tmp_path):
 def test_damaged_compressed_file_is_one_line_naming_it(tmp_path, monkeypatch, capsys, workers):
     monkeypatch.setattr(par, "THREAD_POOL_MAX_BYTES", 0)  # 2 workers: processes
     for name in _damaged(tmp_path):
-        rc = main(["prepare", "--source", str(tmp_path / name), "--out", str(tmp_path / f"out-{name}"),
-                   "--workers", str(workers), "--quiet"])
+        rc = main(
+            [
+                "prepare",
+                "--source",
+                str(tmp_path / name),
+                "--out",
+                str(tmp_path / f"out-{name}"),
+                "--workers",
+                str(workers),
+                "--quiet",
+            ]
+        )
         err = capsys.readouterr().err
         assert rc == 1 and err.count("\n") == 1 and "Traceback" not in err, err
         assert err.startswith(f"gpt2lab prepare: {tmp_path / name}: not a readable .") and "corrupt or truncated" in err
@@ -366,8 +434,11 @@ def test_directory_with_unreadable_files_is_refused_naming_each(tmp_path):
     _jsonl(d / "a.jsonl")
     (d / "b.jsonl.lz4").write_bytes(b"x")
     (d / "README.md").write_text("about")
-    with pytest.raises(SourceError, match=r"holds 2 file\(s\) prepare cannot read \(.*README.md, .*b.jsonl.lz4\).*"
-                                          r"--source '.*src/\*.jsonl'"):
+    with pytest.raises(
+        SourceError,
+        match=r"holds 2 file\(s\) prepare cannot read \(.*README.md, .*b.jsonl.lz4\).*"
+        r"--source '.*src/\*.jsonl'",
+    ):
         prepare(str(d), str(tmp_path / "out"), progress=False)
     assert not (tmp_path / "out").exists()
 
@@ -385,7 +456,7 @@ def test_rerun_after_a_bad_file_was_removed_starts_cleanly(tmp_path, capsys, bad
     d.mkdir()
     (d / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[10:13]))
     whole = zstandard.compress(("".join(json.dumps(r) + "\n" for r in rows[:10])).encode())
-    (d / "b.jsonl.zst").write_bytes(b"\0" * len(whole) if bad == "garbage" else whole[:len(whole) * 3 // 4])
+    (d / "b.jsonl.zst").write_bytes(b"\0" * len(whole) if bad == "garbage" else whole[: len(whole) * 3 // 4])
     args = ["prepare", "--source", str(d), "--shard-tokens", "2000", "--workers", "1", "--quiet"]
     assert main([*args, "--out", str(tmp_path / "out")]) == 1
     assert "b.jsonl.zst: not a readable .zst file" in capsys.readouterr().err
@@ -408,8 +479,15 @@ def test_rerun_after_a_bad_file_was_removed_starts_cleanly(tmp_path, capsys, bad
 def test_val_split_is_whole_held_out_articles(tmp_path):
     rows = _wiki_rows()
     enc = gpt2_tokenizer()
-    m = prepare(str(WIKI), str(tmp_path / "out"), shard_tokens=6000, val_tokens=20_000, workers=2, progress=False,
-                val_split="documents")
+    m = prepare(
+        str(WIKI),
+        str(tmp_path / "out"),
+        shard_tokens=6000,
+        val_tokens=20_000,
+        workers=2,
+        progress=False,
+        val_split="documents",
+    )
 
     def docs(split):
         toks = np.concatenate([_read(tmp_path / "out" / n) for n in m["splits"][split]["shards"]])
@@ -454,12 +532,15 @@ def test_ctrl_c_at_many_moments_ends_fast_and_resumes_byte_identically(tmp_path)
     src = tmp_path / "wiki.jsonl.zst"
     src.write_bytes(zstandard.compress(lines.encode()))
     flags = ["--shard-tokens", "7000", "--val-tokens", "20000", "--workers", "2", "--quiet"]
-    code = ("import sys, gpt2lab.data.parallel as p; p.THREAD_POOL_MAX_BYTES = 0; p.TASK_CHARS_MAX = 1 << 15; "
-            "from gpt2lab.cli import main; sys.exit(main(sys.argv[1:]))")
+    code = (
+        "import sys, gpt2lab.data.parallel as p; p.THREAD_POOL_MAX_BYTES = 0; p.TASK_CHARS_MAX = 1 << 15; "
+        "from gpt2lab.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
     out = tmp_path / "out"
     cmd = [sys.executable, "-c", code, "prepare", "--source", str(src), "--out", str(out), *flags]
     interrupted, waits = 0, []
     for delay in [0.0, 0.02, 0.05, 0.1, 0.2, 0.4, 0.8]:  # early ones too: a fast machine finishes in ~0.5 s
+
         def manifest_inode():
             try:
                 return os.stat(out / "manifest.json").st_ino
@@ -495,8 +576,9 @@ def test_prepare_removes_its_own_stopped_temporaries_and_no_one_elses(tmp_path):
     (out / "shard_000001.bin.tmp").write_bytes(b"not gpt2lab's name")
     (out / f".tmp_{MANIFEST}_{DEAD_PID}").write_text("{")
     with pytest.warns(UserWarning, match="removed 1 temporary file"):
-        prepare(str(_jsonl(tmp_path / "docs.jsonl")), str(out), shard_tokens=64, val_tokens=100, workers=1,
-                progress=False)
+        prepare(
+            str(_jsonl(tmp_path / "docs.jsonl")), str(out), shard_tokens=64, val_tokens=100, workers=1, progress=False
+        )
     assert (out / "keep.tmp").read_text() == "someone else's"
     assert (out / "shard_000001.bin.tmp").read_bytes() == b"not gpt2lab's name"
     assert not (out / f".tmp_{MANIFEST}_{DEAD_PID}").exists()

@@ -1,23 +1,41 @@
 """The demo's default recipe leaves gpt2lab: a few steps of `shakespeare-cpu-fast` (its model as the demo
 trains it), `gpt2lab export` to Hugging Face NanoChat, and `gpt2lab sample` of the export writes what
 sampling the run writes; transformers' AutoModelForCausalLM computes the run's logits from the export."""
+
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 import torch
-from conftest import run_gpt2lab
-from train_utils import env, tiny_data  # noqa: F401  (tiny_data is a fixture)
+from conftest import env, run_gpt2lab
 
 from gpt2lab.train.config import load_preset
 
 
 def test_the_demo_preset_exports_and_samples_the_same(tiny_data, tmp_path):  # noqa: F811
     run, hf_dir = tmp_path / "run", tmp_path / "hf"
-    r = run_gpt2lab("train", "--preset", "shakespeare-cpu-fast", "--data", tiny_data, "--out", str(run),
-                    "--max-steps", "3", "--eval-interval", "0", "--sample-interval", "0", "--progress", "false",
-                    "--dtype", "float32", env=env(), timeout=300)
+    r = run_gpt2lab(
+        "train",
+        "--preset",
+        "shakespeare-cpu-fast",
+        "--data",
+        tiny_data,
+        "--out",
+        str(run),
+        "--max-steps",
+        "3",
+        "--eval-interval",
+        "0",
+        "--sample-interval",
+        "0",
+        "--progress",
+        "false",
+        "--dtype",
+        "float32",
+        env=env(),
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "gpt2lab train: export Hugging Face NanoChatForCausalLM" in r.stdout  # said before the first step
     assert json.loads((run / "run_info.json").read_text())["plan"]["export"] == "Hugging Face NanoChatForCausalLM"
@@ -28,9 +46,21 @@ def test_the_demo_preset_exports_and_samples_the_same(tiny_data, tmp_path):  # n
 
     texts = []
     for model in (run, hf_dir):  # sample's defaults (temperature 1, top-k 50, seed 42), in fp32
-        r = run_gpt2lab("sample", "--model", str(model), "--prompt", "ROMEO:", "--max-new-tokens", "24",
-                        "--device", "cpu", "--dtype", "float32", "--no-stop-at-eot",
-                        env={**env(), "GPT2LAB_PROBE": "0"})  # the device's rule picks the kernels: nothing timed
+        r = run_gpt2lab(
+            "sample",
+            "--model",
+            str(model),
+            "--prompt",
+            "ROMEO:",
+            "--max-new-tokens",
+            "24",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--no-stop-at-eot",
+            env={**env(), "GPT2LAB_PROBE": "0"},
+        )  # the device's rule picks the kernels: nothing timed
         assert r.returncode == 0, r.stderr
         texts.append(r.stdout)
     assert texts[0] == texts[1] and texts[0].startswith("--- sample 1/1\nROMEO:") and len(texts[0]) > 40

@@ -3,6 +3,7 @@
 bf16 autocast stays close to fp32, torch.compile matches eager, and KV-cached greedy
 sampling matches the uncached loop, all on the device where users train.
 """
+
 import pytest
 import torch
 

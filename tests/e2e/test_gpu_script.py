@@ -1,6 +1,7 @@
 """The GPU proof's tools run end to end on the CPU (tiny sizes), so a session lent a GPU
 spends its device time measuring, not debugging: `bench ladder`, `bench memory` and
 benchmarks/gpu.sh in its smoke mode."""
+
 from __future__ import annotations
 
 import json
@@ -8,21 +9,41 @@ import os
 import subprocess
 import sys
 
-from train_utils import env
-from conftest import ROOT
-
+from conftest import ROOT, env
 
 
 def test_ladder_rungs_are_cumulative_and_timed():
-    cmd = [sys.executable, "-m", "gpt2lab", "bench", "ladder", "--size", "tiny", "--batch-size", "2",
-           "--seq-len", "16", "--steps", "2", "--warmup", "1", "--device", "cpu", "--rungs", "fp32,tf32,bf16"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gpt2lab",
+        "bench",
+        "ladder",
+        "--size",
+        "tiny",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--device",
+        "cpu",
+        "--rungs",
+        "fp32,tf32,bf16",
+    ]
     proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     rungs = res["rungs"]
     assert [r["rung"] for r in rungs] == ["fp32", "tf32", "bf16"]
-    assert [(r["tf32"], r["bf16"], r["compile"]) for r in rungs] == [(False, False, False), (True, False, False),
-                                                                     (True, True, False)]
+    assert [(r["tf32"], r["bf16"], r["compile"]) for r in rungs] == [
+        (False, False, False),
+        (True, False, False),
+        (True, True, False),
+    ]
     for r in rungs:
         assert abs(r["tok_per_s"] - 32 / (r["ms_per_step"] / 1000)) <= 1
         assert 10 < r["loss"] < 12  # ln(50257) = 10.8 at init
@@ -33,10 +54,22 @@ def test_ladder_rungs_are_cumulative_and_timed():
 def _gpu_sh(tmp_path, *stages: str) -> tuple:
     """benchmarks/gpu.sh STAGES in its smoke mode (tiny, CPU); (OUT, RUN)."""
     out, run = tmp_path / "out", tmp_path / "run"
-    e = dict(env(), GPU_SH_SMOKE="1", OUT=str(out), RUN=str(run), PYTHON=sys.executable,
-             HELLASWAG=str(ROOT / "tests" / "data" / "hellaswag_val_200.jsonl"))
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), *stages], env=e,
-                          capture_output=True, text=True, timeout=300, cwd=os.getcwd())
+    e = dict(
+        env(),
+        GPU_SH_SMOKE="1",
+        OUT=str(out),
+        RUN=str(run),
+        PYTHON=sys.executable,
+        HELLASWAG=str(ROOT / "tests" / "data" / "hellaswag_val_200.jsonl"),
+    )
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu.sh"), *stages],
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.getcwd(),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, run
 
@@ -44,9 +77,12 @@ def _gpu_sh(tmp_path, *stages: str) -> tuple:
 def test_gpu_sh_smoke_memory_big(tmp_path):
     out, _ = _gpu_sh(tmp_path, "memory", "big")
     mem = json.loads((out / "memory.jsonl").read_text())
-    assert mem["largest_micro_batch"] == 1 and [{k: t[k] for k in ("B", "fits", "peak_gib")} for t in mem["tries"]] \
-        == [{"B": 1, "fits": True, "peak_gib": None}]
-    assert mem["tries"][0]["predicted_gib"] > 1.8  # gpt2lab.distributed.memplan: 124M's fp32 weights, grads, AdamW (16 B/param)
+    assert mem["largest_micro_batch"] == 1 and [{k: t[k] for k in ("B", "fits", "peak_gib")} for t in mem["tries"]] == [
+        {"B": 1, "fits": True, "peak_gib": None}
+    ]
+    assert (
+        mem["tries"][0]["predicted_gib"] > 1.8
+    )  # gpt2lab.distributed.memplan: 124M's fp32 weights, grads, AdamW (16 B/param)
     big = [json.loads(x) for x in (out / "big.jsonl").read_text().splitlines()]
     assert [b["preset"] for b in big] == ["gpt2-350m", "gpt2-774m"] and all(b["tok_per_s_median"] > 0 for b in big)
 
@@ -81,8 +117,17 @@ def test_ladder_records_an_out_of_memory_rung_and_goes_on(monkeypatch, capsys):
         return real(rung, *a, **k)
 
     monkeypatch.setattr(ladder, "_build", build)
-    args = argparse.Namespace(size="tiny", batch_size=2, seq_len=16, steps=1, warmup=1, rungs="fp32,tf32",
-                              data=None, device="cpu", peak_flops=None)
+    args = argparse.Namespace(
+        size="tiny",
+        batch_size=2,
+        seq_len=16,
+        steps=1,
+        warmup=1,
+        rungs="fp32,tf32",
+        data=None,
+        device="cpu",
+        peak_flops=None,
+    )
     res = ladder.run(args)
     assert [r["rung"] for r in res["rungs"]] == ["fp32", "tf32"]
     assert res["rungs"][0]["oom"] is True and "ms_per_step" not in res["rungs"][0]
@@ -95,7 +140,8 @@ def test_gpu_sh_never_works_in_a_folder_it_did_not_make(tmp_path):
     (mine / "run").mkdir(parents=True)
     (mine / "run" / "keep.txt").write_text("mine")
     e = dict(env(), GPU_SH_SMOKE="1", OUT=str(tmp_path / "out"), RUN=str(mine), PYTHON=sys.executable)
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "train"], env=e, capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu.sh"), "train"], env=e, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2 and "was not made by gpu.sh" in proc.stderr
     assert (mine / "run" / "keep.txt").read_text() == "mine" and sorted(p.name for p in mine.iterdir()) == ["run"]

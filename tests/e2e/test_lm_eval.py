@@ -9,6 +9,7 @@ divides by the ending's length in bytes; ours (the reference recipe's) by its le
 tokens, so the task reports a token-normalised accuracy computed from the harness's
 log-likelihoods.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,7 +48,7 @@ metric_list:
     higher_is_better: true
 """
 
-UTILS = '''
+UTILS = """
 from gpt2lab.data.tokenizer import gpt2_tokenizer
 
 
@@ -58,7 +59,7 @@ def process_results(doc, results):
     label = int(doc["label"])
     return {"acc": float(max(range(4), key=lls.__getitem__) == label),
             "acc_norm_tokens": float(max(range(4), key=per_token.__getitem__) == label)}
-'''
+"""
 
 
 def _tiny_export(tmp_path):
@@ -95,9 +96,14 @@ def test_lm_eval_matches_gpt2lab_on_hellaswag_slice(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     model, export = _tiny_export(tmp_path)
     data, task_manager = _slice_task(tmp_path, N)
-    out = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={export},dtype=float32",
-                                  tasks=["gpt2lab_hellaswag_slice"], device="cpu", batch_size=4,
-                                  task_manager=task_manager)
+    out = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={export},dtype=float32",
+        tasks=["gpt2lab_hellaswag_slice"],
+        device="cpu",
+        batch_size=4,
+        task_manager=task_manager,
+    )
     theirs = out["results"]["gpt2lab_hellaswag_slice"]
     ours = evaluate_hellaswag(model, data, device="cpu", batch_size=4)
     assert ours["n"] == N == len(load_examples(data))
@@ -115,8 +121,24 @@ def test_lm_eval_local_completions_against_gpt2lab_serve_equals_eval_hellaswag(t
     _, export = _tiny_export(tmp_path)
     data, task_manager = _slice_task(tmp_path, 16)
     log = open(tmp_path / "serve.log", "w+")
-    server = subprocess.Popen([sys.executable, "-m", "gpt2lab", "serve", "--model", f"tiny={export}",
-                               "--device", "cpu", "--dtype", "float32", "--port", "0"], stderr=log, text=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gpt2lab",
+            "serve",
+            "--model",
+            f"tiny={export}",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--port",
+            "0",
+        ],
+        stderr=log,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while " at http://" not in (started := (tmp_path / "serve.log").read_text()):
@@ -124,9 +146,13 @@ def test_lm_eval_local_completions_against_gpt2lab_serve_equals_eval_hellaswag(t
             time.sleep(0.1)
         url = started.split(" at ")[1].split("/ ")[0]
         out = lm_eval.simple_evaluate(
-            model="local-completions", tasks=["gpt2lab_hellaswag_slice"], batch_size=8, task_manager=task_manager,
+            model="local-completions",
+            tasks=["gpt2lab_hellaswag_slice"],
+            batch_size=8,
+            task_manager=task_manager,
             model_args=f"base_url={url}/v1/completions,model=tiny,tokenizer_backend=huggingface,"
-                       f"tokenizer={export},max_retries=1")
+            f"tokenizer={export},max_retries=1",
+        )
         served = (tmp_path / "serve.log").read_text()
     finally:
         server.terminate()

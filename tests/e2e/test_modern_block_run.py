@@ -2,6 +2,7 @@
 eval/HellaSwag/sample, then `eval loss`, `eval hellaswag`, sampling with the KV cache, a
 served request, `report`, `--init-from` with LoRA, and `export` (refused in one line: biases and no
 embedding norm keep it from NanoChat; an untied head alone exports to GPT-2 and matches transformers)."""
+
 from __future__ import annotations
 
 import json
@@ -12,22 +13,26 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
+from conftest import DATA, TINY, cli_args
 from torch.nn import functional as F
-
-from train_utils import TINY, cli_args, tiny_data  # noqa: F401  (tiny_data is a fixture)
-
-from conftest import DATA
 
 from gpt2lab import cli
 from gpt2lab.model.sampling import generate
-from gpt2lab.weights import export
 from gpt2lab.system.errors import EXIT_USAGE
+from gpt2lab.weights import export
 from gpt2lab.weights.load import load_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:HellaSwag")  # block_size 32 cuts some contexts
 HELLASWAG = str(DATA / "hellaswag_val_200.jsonl")
-MODERN = dict(pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2", tie_embeddings=False,
-              zero_init_proj=True, logit_softcap=15.0)
+MODERN = dict(
+    pos_emb="rotary",
+    norm="rmsnorm",
+    qk_norm=True,
+    mlp_act="relu2",
+    tie_embeddings=False,
+    zero_init_proj=True,
+    logit_softcap=15.0,
+)
 
 
 def _main(argv: list[str]) -> int:
@@ -42,10 +47,26 @@ def _last_json(out: str) -> dict:
 @pytest.fixture(scope="module")
 def modern_run(tiny_data, tmp_path_factory) -> str:  # noqa: F811
     out = tmp_path_factory.mktemp("modern") / "run"
-    argv = ["train", "--preset", "shakespeare-cpu", *cli_args(
-        data=tiny_data, out=str(out), max_steps=4, eval_interval=2, eval_tokens=128, hellaswag_interval=4,
-        hellaswag_data=HELLASWAG, hellaswag_limit=4, sample_interval=4, sample_tokens=6, ckpt_interval=2,
-        keep_checkpoints=0, **MODERN)]
+    argv = [
+        "train",
+        "--preset",
+        "shakespeare-cpu",
+        *cli_args(
+            data=tiny_data,
+            out=str(out),
+            max_steps=4,
+            eval_interval=2,
+            eval_tokens=128,
+            hellaswag_interval=4,
+            hellaswag_data=HELLASWAG,
+            hellaswag_limit=4,
+            sample_interval=4,
+            sample_tokens=6,
+            ckpt_interval=2,
+            keep_checkpoints=0,
+            **MODERN,
+        ),
+    ]
     assert _main(argv) == 0
     return str(out)
 
@@ -62,13 +83,31 @@ def test_run_saves_its_untied_head_and_modern_config(modern_run):
 
 def test_eval_loss_matches_a_plain_forward(modern_run, tiny_data, capsys):  # noqa: F811
     B, T, n = 2, 32, 256
-    rc = _main(["eval", "loss", "--model", modern_run, "--data", tiny_data, "--tokens", str(n), "--batch-size",
-                str(B), "--seq-len", str(T), "--device", "cpu", "--dtype", "float32"])
+    rc = _main(
+        [
+            "eval",
+            "loss",
+            "--model",
+            modern_run,
+            "--data",
+            tiny_data,
+            "--tokens",
+            str(n),
+            "--batch-size",
+            str(B),
+            "--seq-len",
+            str(T),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+        ]
+    )
     assert rc == 0
     result = _last_json(capsys.readouterr().out)
     from gpt2lab.data.shards import list_shards, open_shard
 
-    buf = torch.tensor(np.asarray(open_shard(list_shards(tiny_data, "val")[0])[:n + 1]).astype(np.int64))
+    buf = torch.tensor(np.asarray(open_shard(list_shards(tiny_data, "val")[0])[: n + 1]).astype(np.int64))
     m = load_model(modern_run)
     with torch.no_grad():  # the logits path (softcapped), not the chunked loss
         logits = m(buf[:-1].view(-1, T))[0]
@@ -77,11 +116,27 @@ def test_eval_loss_matches_a_plain_forward(modern_run, tiny_data, capsys):  # no
 
 
 def test_eval_hellaswag_matches_a_plain_loop(modern_run, capsys):
-    from gpt2lab.evals.hellaswag import load_examples
     from gpt2lab.data.tokenizer import gpt2_tokenizer
+    from gpt2lab.evals.hellaswag import load_examples
 
-    rc = _main(["eval", "hellaswag", "--model", modern_run, "--data", HELLASWAG, "--limit", "6", "--batch-size", "4",
-                "--device", "cpu", "--dtype", "float32"])
+    rc = _main(
+        [
+            "eval",
+            "hellaswag",
+            "--model",
+            modern_run,
+            "--data",
+            HELLASWAG,
+            "--limit",
+            "6",
+            "--batch-size",
+            "4",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+        ]
+    )
     assert rc == 0
     result = _last_json(capsys.readouterr().out)
     m, enc, hits, hits_norm = load_model(modern_run), gpt2_tokenizer(), 0, 0
@@ -90,9 +145,9 @@ def test_eval_hellaswag_matches_a_plain_loop(modern_run, capsys):
         for ex in examples:
             ctx, sums, means = enc.encode(ex.ctx), [], []
             ends = [enc.encode(" " + e) for e in ex.endings]
-            ctx = ctx[max(0, len(ctx) - (32 - max(map(len, ends)))):]  # block_size 32: the context cut from the left
+            ctx = ctx[max(0, len(ctx) - (32 - max(map(len, ends)))) :]  # block_size 32: the context cut from the left
             for end in ends:
-                logp = torch.log_softmax(m(torch.tensor([ctx + end]))[0][0, len(ctx) - 1:-1].float(), -1)
+                logp = torch.log_softmax(m(torch.tensor([ctx + end]))[0][0, len(ctx) - 1 : -1].float(), -1)
                 nll = -logp[torch.arange(len(end)), torch.tensor(end)].sum().item()
                 sums.append(nll)
                 means.append(nll / len(end))
@@ -119,8 +174,11 @@ def test_serve_answers_with_the_models_greedy_tokens(modern_run):
     prompt = "The king said"
     ids = generate(m, torch.tensor([enc.encode(prompt)]), 8, temperature=0, use_cache=False)[0, -8:].tolist()
     with running_server([f"modern={modern_run}"]) as url:
-        r = httpx.post(url + "/v1/completions", json={"model": "modern", "prompt": prompt, "max_tokens": 8,
-                                                       "temperature": 0}, timeout=60)
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"model": "modern", "prompt": prompt, "max_tokens": 8, "temperature": 0},
+            timeout=60,
+        )
     assert r.status_code == 200
     text = r.json()["choices"][0]["text"]
     assert enc.decode(ids).startswith(text) and len(text) > 0
@@ -132,13 +190,28 @@ def test_report_runs(modern_run, tmp_path):
 
 def test_init_from_with_lora_keeps_the_modern_block(modern_run, tiny_data, tmp_path):  # noqa: F811
     out = tmp_path / "ft"
-    argv = ["train", "--preset", "shakespeare-cpu", "--init-from", modern_run, *cli_args(
-        data=tiny_data, out=str(out), max_steps=2, ckpt_interval=2, keep_checkpoints=0, lora_rank=2,
-        lora_targets="c_attn,c_fc", **{k: v for k, v in TINY.items() if k in ("n_layer", "n_head", "n_embd")})]
+    argv = [
+        "train",
+        "--preset",
+        "shakespeare-cpu",
+        "--init-from",
+        modern_run,
+        *cli_args(
+            data=tiny_data,
+            out=str(out),
+            max_steps=2,
+            ckpt_interval=2,
+            keep_checkpoints=0,
+            lora_rank=2,
+            lora_targets="c_attn,c_fc",
+            **{k: v for k, v in TINY.items() if k in ("n_layer", "n_head", "n_embd")},
+        ),
+    ]
     assert _main(argv) == 0
     saved = json.loads(Path(out, "config.json").read_text())
-    assert {k: saved["model"][k] for k in MODERN if k != "zero_init_proj"} == \
-        {k: v for k, v in MODERN.items() if k != "zero_init_proj"}
+    assert {k: saved["model"][k] for k in MODERN if k != "zero_init_proj"} == {
+        k: v for k, v in MODERN.items() if k != "zero_init_proj"
+    }
     ft = load_model(str(out))
     assert ft.config.pos_emb == "rotary" and not ft.config.tie_embeddings
 
@@ -148,8 +221,9 @@ def test_export_refuses_in_one_line(modern_run, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert rc == EXIT_USAGE and len(err.splitlines()) == 1 and "Traceback" not in err
     # the nearer target, NanoChat, computes the rest of the modern block: the two fields it lacks, and why
-    assert ("NanoChatForCausalLM would need bias=false (no biases), embed_norm=true (always RMS-normalises the "
-            "embeddings)") in err
+    assert (
+        "NanoChatForCausalLM would need bias=false (no biases), embed_norm=true (always RMS-normalises the embeddings)"
+    ) in err
     assert "sample, serve and eval run it natively" in err and "tie_embeddings" not in err
     assert not (tmp_path / "hf").exists()
 
@@ -160,8 +234,18 @@ def test_untied_head_exports_and_matches_transformers(tmp_path):
     from gpt2lab.model.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
-    m = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=50304, token_vocab_size=50257,
-                      tie_embeddings=False, zero_init_proj=True)).eval()
+    m = GPT(
+        GPTConfig(
+            n_layer=2,
+            n_head=2,
+            n_embd=32,
+            block_size=32,
+            vocab_size=50304,
+            token_vocab_size=50257,
+            tie_embeddings=False,
+            zero_init_proj=True,
+        )
+    ).eval()
     with torch.no_grad():
         for block in m.transformer.h:  # zero-init projections would hide the blocks from the comparison
             block.attn.c_proj.weight.normal_(0, 0.02)

@@ -2,6 +2,7 @@
 blocks the next run, damaged checkpoints are named (and skipped by --resume auto), every error is
 one line with a documented exit code, Ctrl-C/SIGTERM stop cleanly, and loss spikes are skipped.
 """
+
 from __future__ import annotations
 
 import errno
@@ -17,16 +18,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from train_utils import TINY, cli_args, env, records, tiny_data, train_cmd, train_losses  # noqa: F401
+from conftest import ROOT, TINY, cli_args, env, records, train_cmd, train_losses
 
 from gpt2lab.checkpoint import store as ckpt
-from gpt2lab.system import files
 from gpt2lab.cli import build_parser, main
-from gpt2lab.train.config import load_preset
 from gpt2lab.distributed.dist import DistInfo
+from gpt2lab.system import files
 from gpt2lab.system.errors import EXIT_CODES, DiskFullError
+from gpt2lab.train.config import load_preset
 from gpt2lab.train.run import train
-from conftest import ROOT
 
 CPU = torch.device("cpu")
 
@@ -101,8 +101,7 @@ def test_startup_sweeps_dead_processes_temporaries_only(run_copy, tiny_data, tmp
         elsewhere.mkdir()
         with pytest.warns(UserWarning, match="left by stopped runs"):
             train(_cfg(tiny_data, run_copy, max_steps=5, keep_checkpoints=0), DistInfo(device=CPU), "auto")
-        assert sorted(os.listdir(ck)) == [f".tmp_step_000008_{live.pid}", "step_000002", "step_000004",
-                                          "step_000005"]
+        assert sorted(os.listdir(ck)) == [f".tmp_step_000008_{live.pid}", "step_000002", "step_000004", "step_000005"]
         assert not os.path.exists(Path(run_copy, f".tmp_config.json_{dead.pid}")) and elsewhere.exists()
     finally:
         live.kill()
@@ -128,8 +127,9 @@ def test_disk_full_during_checkpoint_then_resume_auto(where, tiny_data, tmp_path
     def failing_at_step_4(obj, path, *args, **kwargs):
         return (fail if "step_000004" in str(path) else real)(obj, path, *args, **kwargs)
 
-    monkeypatch.setattr(torch, "save", failing_at_step_4) if where == "torch.save" else \
-        monkeypatch.setattr(ckpt, "save_file", failing_at_step_4)
+    monkeypatch.setattr(torch, "save", failing_at_step_4) if where == "torch.save" else monkeypatch.setattr(
+        ckpt, "save_file", failing_at_step_4
+    )
     argv = _argv(tiny_data, out, max_steps=4, ckpt_interval=2)
     assert main(argv) == 4
     line = _one_line(capsys.readouterr().err)
@@ -172,10 +172,12 @@ def test_damaged_checkpoint_is_one_line_for_every_command(run_copy, tiny_data, t
     newest = os.path.join(run_copy, "checkpoints", "step_000004")
     weights = Path(newest, "model.safetensors")
     weights.write_bytes(weights.read_bytes()[:100])  # truncated
-    commands = [["sample", "--model", newest, "--device", "cpu", "--max-new-tokens", "1"],
-                ["eval", "loss", "--model", run_copy, "--data", tiny_data, "--tokens", "64", "--device", "cpu"],
-                ["export", newest, str(tmp_path / "hf")],
-                _argv(tiny_data, run_copy, "--resume", newest, max_steps=6)]
+    commands = [
+        ["sample", "--model", newest, "--device", "cpu", "--max-new-tokens", "1"],
+        ["eval", "loss", "--model", run_copy, "--data", tiny_data, "--tokens", "64", "--device", "cpu"],
+        ["export", newest, str(tmp_path / "hf")],
+        _argv(tiny_data, run_copy, "--resume", newest, max_steps=6),
+    ]
     for argv in commands:
         assert main(argv) == 3, argv
         line = _one_line(capsys.readouterr().err)
@@ -328,8 +330,16 @@ def test_prepare_disk_full_then_rerun_resumes(tmp_path, capsys, monkeypatch):
 POISON_STEPS = (17, 20)  # these steps' batches are random token ids (loss ~ ln 50304 = 10.8)
 # A 6-step window and z 4 (default 100 and 6) so a 30-step run can show it; the clean run
 # below checks that even these tighter settings never fire on healthy data.
-GUARD = dict(max_steps=30, ckpt_interval=8, keep_checkpoints=0, eval_interval=30, eval_tokens=1024,
-             spike_window=6, spike_loss_z=4.0, spike_rollback=2)
+GUARD = dict(
+    max_steps=30,
+    ckpt_interval=8,
+    keep_checkpoints=0,
+    eval_interval=30,
+    eval_tokens=1024,
+    spike_window=6,
+    spike_loss_z=4.0,
+    spike_rollback=2,
+)
 
 
 def _poison(src: str, dst: Path) -> None:
@@ -372,8 +382,9 @@ def test_spike_guard_skips_and_rolls_back_poisoned_data(tiny_data, tmp_path):
     assert ranges[0][0] == POISON_STEPS[0] * TINY["total_batch_tokens"]  # exactly from the first bad batch
     assert ranges[-1][1] >= (POISON_STEPS[1] + 1) * TINY["total_batch_tokens"]  # through the last one
     assert set(train_losses(guarded)) | set(spikes) == set(range(30))  # each step trained or skipped
-    assert max(v for s, v in train_losses(guarded).items() if s >= 8) < 10.5 < min(r["loss"] for r in recs
-                                                                                  if "loss" in r)
+    assert (
+        max(v for s, v in train_losses(guarded).items() if s >= 8) < 10.5 < min(r["loss"] for r in recs if "loss" in r)
+    )
     assert abs(_val(guarded) - _val(clean)) < 0.1, (_val(guarded), _val(clean))
     # with the guard off, the same data visibly spikes: losses near chance
     off = tmp_path / "off"
@@ -402,8 +413,10 @@ def test_spike_guard_on_the_device_read_back_every_few_steps_decides_as_every_st
     timing = ("dt_ms", "tok_per_s", "mfu")
 
     def plain(run):  # the checkpoint rolled back to by name (the runs' folders differ)
-        return [{k: os.path.basename(v) if k == "rollback_to" else v for k, v in r.items() if k not in timing}
-                for r in records(run)]
+        return [
+            {k: os.path.basename(v) if k == "rollback_to" else v for k, v in r.items() if k not in timing}
+            for r in records(run)
+        ]
 
     assert [r for r in records(few) if "rollback_to" in r]  # the poison still calls for a rollback
     assert plain(few) == plain(every)

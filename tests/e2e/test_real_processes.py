@@ -2,6 +2,7 @@
 ranks scoring HellaSwag, a torch.compile'd model (inductor compiles C++ in worker processes),
 the CLI's one-line errors and warnings as a console user sees them (stderr of a fresh
 interpreter), and modules the CLI imports without torch."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,8 @@ import sys
 import pytest
 import torch
 import torch.multiprocessing as mp
-
 from conftest import DATA, damaged_copy, run_gpt2lab
+
 from gpt2lab.evals.hellaswag import evaluate_hellaswag, load_examples, score_examples
 
 SLICE = str(DATA / "hellaswag_val_200.jsonl")
@@ -27,8 +28,9 @@ def _rank_main(rank: int, world: int, store: str, model_dir: str, out_dir: str) 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        res = evaluate_hellaswag(load_model(model_dir), SLICE, device="cpu", batch_size=4, limit=30,
-                                 rank=rank, world_size=world)
+        res = evaluate_hellaswag(
+            load_model(model_dir), SLICE, device="cpu", batch_size=4, limit=30, rank=rank, world_size=world
+        )
     finally:
         dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

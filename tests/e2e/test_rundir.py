@@ -1,6 +1,7 @@
 """A run directory belongs to one run (gpt2lab.system.rundir): train writes only into a missing,
 empty or gpt2lab run directory; a live run holds an OS lock that a second train meets at once,
 that report/plot/sample only mention, and that kill -9 of the holder never leaves behind."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from train_utils import cli_args, env, tiny_data, train_cmd  # noqa: F401  (tiny_data is a fixture)
+from conftest import cli_args, env, train_cmd
 
 from gpt2lab import cli
 from gpt2lab.system import rundir
@@ -56,8 +57,7 @@ def test_train_refuses_someones_files_and_an_export(tiny_data, tmp_path, capsys,
 
 def test_prepare_and_export_refuse_a_run_directory(tiny_data, tmp_path, capsys):
     run = tmp_path / "run"
-    assert cli.main(["train", "--preset", "shakespeare-cpu", *cli_args(data=tiny_data, out=str(run),
-                                                                        max_steps=1)]) == 0
+    assert cli.main(["train", "--preset", "shakespeare-cpu", *cli_args(data=tiny_data, out=str(run), max_steps=1)]) == 0
     capsys.readouterr()
     before = _tree(run)
     assert cli.main(["prepare", "--source", "tinyshakespeare", "--out", str(run)]) != 0
@@ -69,8 +69,24 @@ def test_prepare_and_export_refuse_a_run_directory(tiny_data, tmp_path, capsys):
 
 def test_failed_start_leaves_no_directory(tmp_path, capsys):
     out = tmp_path / "a" / "b" / "run"
-    assert cli.main(["train", "--preset", "shakespeare-cpu", "--out", str(out), "--data", str(tmp_path / "none"),
-                     "--hellaswag-interval", "0", "--init-from", str(tmp_path / "missing")]) == 2
+    assert (
+        cli.main(
+            [
+                "train",
+                "--preset",
+                "shakespeare-cpu",
+                "--out",
+                str(out),
+                "--data",
+                str(tmp_path / "none"),
+                "--hellaswag-interval",
+                "0",
+                "--init-from",
+                str(tmp_path / "missing"),
+            ]
+        )
+        == 2
+    )
     capsys.readouterr()
     assert os.listdir(tmp_path) == []  # the run dir and the parents it made are gone again
 
@@ -104,9 +120,13 @@ def test_second_train_refuses_readers_say_live_and_kill_9_then_resume(tiny_data,
     once, naming the first), report and sample (they read the live run); after kill -9 of the
     first, a new run on the directory starts and resumes from its last checkpoint."""
     run = tmp_path / "run"
-    first = subprocess.Popen(train_cmd(data=tiny_data, out=str(run), max_steps=100000, ckpt_interval=2,
-                                       keep_checkpoints=2), env=env(), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        train_cmd(data=tiny_data, out=str(run), max_steps=100000, ckpt_interval=2, keep_checkpoints=2),
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     argv = ["train", "--preset", "shakespeare-cpu"]
     try:
         deadline = time.monotonic() + 120
@@ -119,14 +139,15 @@ def test_second_train_refuses_readers_say_live_and_kill_9_then_resume(tiny_data,
         assert f"is in use by another run (pid {first.pid} on " in _one_line(capsys.readouterr().err)
         assert cli.main(["report", str(run), "--out", str(tmp_path / "report.html")]) == 0
         assert f"lock held by pid {first.pid}" in capsys.readouterr().out
-        assert cli.main(["sample", "--model", str(run), "--max-new-tokens", "2", "--device", "cpu",
-                         "--dtype", "float32"]) == 0
+        assert (
+            cli.main(["sample", "--model", str(run), "--max-new-tokens", "2", "--device", "cpu", "--dtype", "float32"])
+            == 0
+        )
         assert f"is a live run (pid {first.pid}" in capsys.readouterr().err
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
     steps = sorted(int(p.name[5:]) for p in (run / "checkpoints").glob("step_*"))
-    assert cli.main([*argv, *cli_args(data=tiny_data, out=str(run), max_steps=steps[-1] + 1),
-                     "--resume", "auto"]) == 0
+    assert cli.main([*argv, *cli_args(data=tiny_data, out=str(run), max_steps=steps[-1] + 1), "--resume", "auto"]) == 0
     info = json.loads((run / "run_info.json").read_text())
     assert info["resumed_from"].endswith(f"step_{steps[-1]:06d}") and rundir.holder(str(run)) is None

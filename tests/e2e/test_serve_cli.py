@@ -1,5 +1,6 @@
 """Ctrl-C ends `gpt2lab serve` with exit 130, SIGTERM with 143 (a real process and a real signal; the port
 errors are in unit/test_serve_command.py), ending the requests still open with an error."""
+
 from __future__ import annotations
 
 import signal
@@ -17,8 +18,11 @@ def test_ctrl_c_or_sigterm_stops_the_server_with_its_exit_code(gpt2_vocab_export
     import httpx
 
     _, d = gpt2_vocab_export
-    p = subprocess.Popen([sys.executable, "-m", "gpt2lab", "serve", "--model", f"tiny={d}", "--device", "cpu",
-                          "--port", "0"], stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "gpt2lab", "serve", "--model", f"tiny={d}", "--device", "cpu", "--port", "0"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while " at http://" not in (line := p.stderr.readline()):
@@ -41,12 +45,27 @@ def test_ctrl_c_ends_each_open_request_with_an_error_says_one_line_and_exits_130
     import threading
 
     import httpx
-
     from conftest import scrape
 
     _, d = gpt2_vocab_export
-    p = subprocess.Popen([sys.executable, "-m", "gpt2lab", "serve", "--model", f"tiny={d}", "--device", "cpu",
-                          "--port", "0", "--max-batch", "2"], stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gpt2lab",
+            "serve",
+            "--model",
+            f"tiny={d}",
+            "--device",
+            "cpu",
+            "--port",
+            "0",
+            "--max-batch",
+            "2",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while " at http://" not in (line := p.stderr.readline()):
@@ -54,8 +73,9 @@ def test_ctrl_c_ends_each_open_request_with_an_error_says_one_line_and_exits_130
         url = line.split(" at ")[1].split("/ ")[0]
         long = {"model": "tiny", "prompt": ["x"] * 16, "n": 16, "max_tokens": 120}  # far from done at Ctrl-C
         whole: list = []
-        waiting = threading.Thread(target=lambda: whole.append(
-            httpx.post(url + "/v1/completions", json=long, timeout=60)))
+        waiting = threading.Thread(
+            target=lambda: whole.append(httpx.post(url + "/v1/completions", json=long, timeout=60))
+        )
         with httpx.stream("POST", url + "/v1/completions", json={**long, "stream": True}, timeout=60) as s:
             lines = (line for line in s.iter_lines() if line)
             assert next(lines).startswith("data: {")  # the stream runs
@@ -65,15 +85,16 @@ def test_ctrl_c_ends_each_open_request_with_an_error_says_one_line_and_exits_130
             p.send_signal(signal.SIGINT)
             rest = list(lines)
         assert rest[-1] == "data: [DONE]"
-        err = json.loads(rest[-2][len("data: "):])["error"]
+        err = json.loads(rest[-2][len("data: ") :])["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["code"] == "server_shutting_down"
         assert err["message"].startswith("server shutting down")
         assert p.wait(timeout=30) == 130
         waiting.join(timeout=30)
         assert whole[0].status_code == 503 and whole[0].json()["error"]["code"] == "server_shutting_down"
         said = [line for line in p.stderr.read().splitlines() if "stopping" in line or "interrupted" in line]
-        assert said == ["gpt2lab serve: interrupted; stopping (2 open requests ended with a 'server shutting "
-                        "down' error)"]
+        assert said == [
+            "gpt2lab serve: interrupted; stopping (2 open requests ended with a 'server shutting down' error)"
+        ]
     finally:
         if p.poll() is None:
             p.kill()

@@ -4,6 +4,7 @@ export (logits against transformers), and a checkpoint not fully written is neve
 
 Two torchrun launches (the killed run and its resume); everything else runs in this process.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,12 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cli_args, env, torchrun_cmd, train_losses, wait_for
 
 from gpt2lab.checkpoint import store as ckpt
 from gpt2lab.system.errors import CheckpointError
 from gpt2lab.weights.load import from_checkpoint
-from test_train_dist import _wait_for
-from train_utils import cli_args, env, tiny_data, torchrun_cmd, train_cmd, train_losses  # noqa: F401
 
 # TINY: 128 tokens a step = 2 micro-steps on one process, 1 per rank on two
 FIELDS = dict(max_steps=12, ckpt_interval=4, keep_checkpoints=2)
@@ -72,15 +72,17 @@ def runs(tiny_data, tmp_path_factory) -> dict:
     straight, fsdp = root / "straight", root / "fsdp"
     _train_here(straight, tiny_data, "--keep-checkpoints", "0")
     shutil.copytree(straight / "checkpoints" / "step_000004", fsdp / "checkpoints" / "step_000004")
-    proc = subprocess.Popen(_torchrun(fsdp, tiny_data, "--resume", "auto"), env=env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    _wait_for(fsdp / "checkpoints" / "step_000008", proc)
+    proc = subprocess.Popen(
+        _torchrun(fsdp, tiny_data, "--resume", "auto"), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    wait_for(fsdp / "checkpoints" / "step_000008", proc)
     _kill_9_all(proc)
     before = train_losses(fsdp)
     assert max(before) < 11, "the run finished before it was killed"
     shutil.copytree(fsdp / "checkpoints" / "step_000008", root / "step_000008")  # as the kill left it
-    resumed = subprocess.run(_torchrun(fsdp, tiny_data, "--resume", "auto"), env=env(), capture_output=True,
-                             text=True, timeout=180)
+    resumed = subprocess.run(
+        _torchrun(fsdp, tiny_data, "--resume", "auto"), env=env(), capture_output=True, text=True, timeout=180
+    )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed from " + str(fsdp / "checkpoints" / "step_000008") in resumed.stdout
     assert "strategy fsdp" in resumed.stdout
@@ -124,9 +126,9 @@ def test_sharded_checkpoint_exports_with_transformers_logits(runs, tmp_path):
 
     import gpt2lab
     from gpt2lab.cli import main
+    from gpt2lab.model.gpt import GPT
     from gpt2lab.train.init_from import find_source, load_source
     from gpt2lab.weights.load import load_model
-    from gpt2lab.model.gpt import GPT
 
     assert main(["export", str(runs["fsdp"]), str(tmp_path / "hf")]) == 0  # consolidated in this process
     theirs = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
@@ -170,7 +172,7 @@ def test_sigterm_to_torchrun_saves_a_sharded_checkpoint_that_resumes(tiny_data, 
     cmd[cmd.index("--max-steps") + 1] = "100000"
     cmd[cmd.index("--ckpt-interval") + 1] = "0"
     proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for(out / "metrics.jsonl", proc)
+    wait_for(out / "metrics.jsonl", proc)
     while len(train_losses(out)) < 3:
         assert proc.poll() is None
         time.sleep(0.01)

@@ -1,4 +1,5 @@
 """Whole runs in subprocesses: DDP (2 processes, gloo) vs one process, kill -9 + resume, SIGTERM."""
+
 from __future__ import annotations
 
 import json
@@ -6,19 +7,35 @@ import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
-
-from train_utils import cli_args, env, records, run_train, tiny_data, torchrun_cmd, train_cmd, train_losses  # noqa: F401
-from conftest import DATA
-
+from conftest import (
+    DATA,
+    cli_args,
+    env,
+    killed_then_resumed_equals_straight,
+    records,
+    run_train,
+    torchrun_cmd,
+    train_cmd,
+    train_losses,
+    val_losses,
+    wait_for,
+)
 
 # B=2, T=32: 256 tokens/step = 4 micro-steps on 1 process, 2 per rank on 2 processes. HellaSwag's 3
 # examples split 2 + 1 over two ranks (uneven work) and a sample is generated at the end.
-DIST_FIELDS = dict(total_batch_tokens=256, max_steps=4, eval_interval=2, eval_tokens=256, hellaswag_interval=4,
-                   hellaswag_data=str(DATA / "hellaswag_val_200.jsonl"),
-                   hellaswag_limit=3, sample_interval=4, sample_tokens=4)
+DIST_FIELDS = dict(
+    total_batch_tokens=256,
+    max_steps=4,
+    eval_interval=2,
+    eval_tokens=256,
+    hellaswag_interval=4,
+    hellaswag_data=str(DATA / "hellaswag_val_200.jsonl"),
+    hellaswag_limit=3,
+    sample_interval=4,
+    sample_tokens=4,
+)
 
 
 def _torchrun(out, **fields) -> subprocess.CompletedProcess:
@@ -45,7 +62,7 @@ def test_ddp_two_processes_equal_one_with_double_accumulation(one_and_ddp):
     assert one[3] < one[0]  # it trained
     assert "2 process(es), 2 micro-steps/step" in proc.stdout
     assert "1 process(es)" not in proc.stdout  # rank 1 printed nothing
-    val_one, val_two = _val(one_dir), _val(two_dir)
+    val_one, val_two = val_losses(one_dir), val_losses(two_dir)
     assert sorted(val_one) == sorted(val_two) == [0, 2, 4]  # every eval_interval and the end
     for step in val_one:  # the same val tokens, split over ranks and averaged
         assert abs(val_one[step] - val_two[step]) < 1e-5
@@ -54,8 +71,7 @@ def test_ddp_two_processes_equal_one_with_double_accumulation(one_and_ddp):
 def test_fsdp_two_processes_equal_one_process_and_ddp(one_and_ddp, tiny_data, tmp_path):
     """FSDP2 (with activation checkpointing on) against the unsharded runs: losses, grad norms, evals."""
     one_dir, ddp_dir, _ = one_and_ddp
-    proc = _torchrun(tmp_path / "fsdp", data=tiny_data, strategy="fsdp", activation_checkpointing=True,
-                     **DIST_FIELDS)
+    proc = _torchrun(tmp_path / "fsdp", data=tiny_data, strategy="fsdp", activation_checkpointing=True, **DIST_FIELDS)
     assert "strategy fsdp (asked for with --strategy fsdp); activation checkpointing on" in proc.stdout
     dirs = {"one": one_dir, "ddp": ddp_dir, "fsdp": tmp_path / "fsdp"}
     runs = {name: records(d) for name, d in dirs.items()}
@@ -69,64 +85,33 @@ def test_fsdp_two_processes_equal_one_process_and_ddp(one_and_ddp, tiny_data, tm
             # (mostly tiny lm_head terms) are off by up to ~3e-4 of the float64 norm, differently for a
             # whole tensor and for two halves; the losses above show the updates are the same
             assert abs(rec["grad_norm"] - ref["grad_norm"]) < 1e-3 * ref["grad_norm"], (other, step)
-        val, val_ref = _val(dirs["fsdp"]), _val(dirs[other])
+        val, val_ref = val_losses(dirs["fsdp"]), val_losses(dirs[other])
         assert sorted(val) == sorted(val_ref) == [0, 2, 4]
         assert all(abs(val[s] - val_ref[s]) < 1e-5 for s in val)
     # every rank scored its HellaSwag examples and took part in the sample (gathered weights)
-    evals = {name: [(r["step"], r.get("hellaswag_n"), r.get("hellaswag_acc"), r.get("sample"))
-                    for r in recs if "hellaswag_n" in r or "sample" in r] for name, recs in runs.items()}
+    evals = {
+        name: [
+            (r["step"], r.get("hellaswag_n"), r.get("hellaswag_acc"), r.get("sample"))
+            for r in recs
+            if "hellaswag_n" in r or "sample" in r
+        ]
+        for name, recs in runs.items()
+    }
     assert [e[:2] for e in evals["fsdp"]] == [(0, 3), (0, None), (4, 3), (4, None)]
     assert evals["fsdp"] == evals["one"] == evals["ddp"]
     info = json.loads((tmp_path / "fsdp" / "run_info.json").read_text())
     assert info["choices"]["strategy"] == "fsdp" and info["choices"]["activation_checkpointing"] is True
     # sharded: rank 0 holds half of every parameter (dim 0 split in two; every dim 0 here is even)
-    assert info["params_on_rank_0"] * 2 == info["params"] == json.loads((ddp_dir / "run_info.json").read_text())[
-        "params_on_rank_0"]
-
-
-def _val(run_dir) -> dict[int, float]:
-    return {r["step"]: r["val_loss"] for r in records(run_dir) if "val_loss" in r}
-
-
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while not path.exists():
-        assert proc.poll() is None, f"run ended (rc {proc.returncode}) before {path} appeared"
-        assert time.time() < deadline, f"{path} did not appear"
-        time.sleep(0.005)
-
-
-def _straight_and_killed(tmp_path, fields: dict, kill_after: str):
-    """The run trained straight through into tmp_path/straight, and the same run kill -9'd once
-    checkpoints/KILL_AFTER exists, in tmp_path/killed (returned)."""
-    run_train(out=str(tmp_path / "straight"), **fields)
-    out = tmp_path / "killed"
-    proc = subprocess.Popen(train_cmd(out=str(out), **fields), env=env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    _wait_for(out / "checkpoints" / kill_after, proc)
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait(timeout=30) == -signal.SIGKILL
-    return out
-
-
-def _killed_then_resumed_equals_straight(tmp_path, fields: dict, kill_after: str):
-    """Kill -9 a run after ``kill_after``, resume it; every step's loss equals the straight run's
-    (to 1e-6: bit for bit on the same kernels and threads). Returns the resumed run's directory."""
-    steps = fields["max_steps"]
-    out = _straight_and_killed(tmp_path, fields, kill_after)
-    assert max(train_losses(out)) < steps - 1, "the run finished before it was killed"
-    resumed = run_train(out=str(out), resume="auto", **fields)
-    assert "resumed from" in resumed.stdout
-    straight, again = train_losses(tmp_path / "straight"), train_losses(out)
-    assert sorted(again) == list(range(steps))
-    for step in range(steps):
-        assert abs(again[step] - straight[step]) <= 1e-6, (step, again[step], straight[step])
-    return out
+    assert (
+        info["params_on_rank_0"] * 2
+        == info["params"]
+        == json.loads((ddp_dir / "run_info.json").read_text())["params_on_rank_0"]
+    )
 
 
 def test_kill_9_then_resume_equals_uninterrupted(tiny_data, tmp_path):
     fields = dict(data=tiny_data, max_steps=40, ckpt_interval=8, keep_checkpoints=2, keep_cpu_memory=True)
-    out = _killed_then_resumed_equals_straight(tmp_path, fields, "step_000016")  # same kernels and threads
+    out = killed_then_resumed_equals_straight(tmp_path, fields, "step_000016")  # same kernels and threads
     names = sorted(os.listdir(out / "checkpoints"))
     assert names == ["step_000032", "step_000040"]  # the newest two kept
 
@@ -147,15 +132,22 @@ def test_kill_9_then_resume_keeps_where_an_init_from_run_began(tiny_data, tmp_pa
     weights = os.path.join(src, "model.safetensors")
     out = tmp_path / "run"
     fields = dict(data=tiny_data, out=str(out), max_steps=100000, ckpt_interval=2, keep_checkpoints=0)
-    proc = subprocess.Popen(train_cmd(init_from=src, **fields), env=env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    _wait_for(out / "checkpoints" / "step_000002", proc)
+    proc = subprocess.Popen(
+        train_cmd(init_from=src, **fields), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    wait_for(out / "checkpoints" / "step_000002", proc)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(timeout=30) == -signal.SIGKILL
     began = json.loads((out / "run_info.json").read_text())["init_from"]
     digest = sha256_file(weights)
-    assert began == {"source": src, "kind": "hf_dir", "weights": weights, "sha256": digest, "step": None,
-                     "id": f"sha256:{digest}"}
+    assert began == {
+        "source": src,
+        "kind": "hf_dir",
+        "weights": weights,
+        "sha256": digest,
+        "step": None,
+        "id": f"sha256:{digest}",
+    }
     config = json.loads((out / "config.json").read_text())
     assert config["finetune"]["init_from"] == src and "init_from_id" not in json.dumps(config)
     last = step_of(list_checkpoints(str(out))[-1])
@@ -171,10 +163,11 @@ def test_kill_9_then_resume_keeps_where_an_init_from_run_began(tiny_data, tmp_pa
 def test_sigterm_finishes_the_step_saves_and_exits_preempted(tiny_data, tmp_path):
     out = tmp_path / "run"
     fields = dict(data=tiny_data, max_steps=100000, ckpt_interval=0)
-    proc = subprocess.Popen(train_cmd(out=str(out), **fields), env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        train_cmd(out=str(out), **fields), env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     metrics = out / "metrics.jsonl"
-    _wait_for(metrics, proc)
+    wait_for(metrics, proc)
     while len(train_losses(out)) < 3:
         assert proc.poll() is None
         time.sleep(0.01)
@@ -203,9 +196,22 @@ def test_existing_run_needs_resume_flag(tiny_data, tmp_path, capsys):
 
 # Muon + AdamW (and the wsd schedule) on the modern block (every switch on, so an untied head
 # has its own --head-lr), fp32 Newton-Schulz so that this CPU runs it fast.
-MUON_FIELDS = dict(optimizer="muon", muon_lr=0.02, embed_lr=6e-3, head_lr=4e-3, lr_schedule="wsd", decay_frac=0.5,
-                   muon_ns_dtype="float32", pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2",
-                   tie_embeddings=False, zero_init_proj=True, logit_softcap=15.0)
+MUON_FIELDS = dict(
+    optimizer="muon",
+    muon_lr=0.02,
+    embed_lr=6e-3,
+    head_lr=4e-3,
+    lr_schedule="wsd",
+    decay_frac=0.5,
+    muon_ns_dtype="float32",
+    pos_emb="rotary",
+    norm="rmsnorm",
+    qk_norm=True,
+    mlp_act="relu2",
+    tie_embeddings=False,
+    zero_init_proj=True,
+    logit_softcap=15.0,
+)
 
 
 def test_muon_ddp_two_processes_equal_one_with_double_accumulation(tiny_data, tmp_path):
@@ -220,51 +226,82 @@ def test_muon_ddp_two_processes_equal_one_with_double_accumulation(tiny_data, tm
     for step in one:
         assert abs(one[step] - two[step]) < 1e-5, (step, one[step], two[step])
     assert one[3] < one[0]
-    val_one, val_two = _val(tmp_path / "one"), _val(tmp_path / "ddp")
+    val_one, val_two = val_losses(tmp_path / "one"), val_losses(tmp_path / "ddp")
     assert all(abs(val_one[s] - val_two[s]) < 1e-5 for s in val_one)
     choices = json.loads((tmp_path / "ddp" / "run_info.json").read_text())["choices"]
     assert choices["muon_ns_dtype"] == "float32" and choices["muon_ns_dtype_reason"] == "asked for with --muon-ns-dtype"
 
 
 def test_muon_kill_9_then_resume_equals_uninterrupted(tiny_data, tmp_path):
-    fields = dict(data=tiny_data, max_steps=24, ckpt_interval=6, keep_checkpoints=2, keep_cpu_memory=True,
-                  **MUON_FIELDS)
+    fields = dict(
+        data=tiny_data, max_steps=24, ckpt_interval=6, keep_checkpoints=2, keep_cpu_memory=True, **MUON_FIELDS
+    )
     # the Muon momentum and AdamW moments come back: bit for bit
-    out = _killed_then_resumed_equals_straight(tmp_path, fields, "step_000012")
+    out = killed_then_resumed_equals_straight(tmp_path, fields, "step_000012")
     # resuming it as an AdamW run is one line naming the optimizers (what the run trains), exit 2
-    proc = subprocess.run(train_cmd(out=str(out), **{**fields, "optimizer": "adamw", "embed_lr": "none", "head_lr": "none",
-                                                     "max_steps": 30}) + ["--resume", "auto"],
-                          env=env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        train_cmd(
+            out=str(out), **{**fields, "optimizer": "adamw", "embed_lr": "none", "head_lr": "none", "max_steps": 30}
+        )
+        + ["--resume", "auto"],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
-    assert "--optimizer adamw: the checkpoint " in proc.stderr and "was trained with optimizer muon; resume with " \
-        "--optimizer muon" in proc.stderr and "Traceback" not in proc.stderr
+    assert (
+        "--optimizer adamw: the checkpoint " in proc.stderr
+        and "was trained with optimizer muon; resume with --optimizer muon" in proc.stderr
+        and "Traceback" not in proc.stderr
+    )
 
 
 # The speedrun's levers, every one on: value embeddings, U-net skips, a zero-initialised
 # untied head, NorMuon, and the batch ramp, which the kill lands in the middle of (steps 0-11 ramp from
 # 128 to 512 tokens; the checkpoint at step 4).
-LEVER_FIELDS = dict(value_embeds=1, unet_skips=True, tie_embeddings=False, zero_init_head=True, optimizer="muon",
-                    muon_variant="normuon", muon_ns_dtype="float32", lr_schedule="wsd", total_batch_tokens=512,
-                    batch_ramp_steps=12, batch_ramp_start=128)
+LEVER_FIELDS = dict(
+    value_embeds=1,
+    unet_skips=True,
+    tie_embeddings=False,
+    zero_init_head=True,
+    optimizer="muon",
+    muon_variant="normuon",
+    muon_ns_dtype="float32",
+    lr_schedule="wsd",
+    total_batch_tokens=512,
+    batch_ramp_steps=12,
+    batch_ramp_start=128,
+)
 
 
 def test_levers_kill_9_mid_ramp_then_resume_equals_uninterrupted(tiny_data, tmp_path):
-    fields = dict(data=tiny_data, max_steps=24, ckpt_interval=4, keep_checkpoints=2, keep_cpu_memory=True,
-                  **LEVER_FIELDS)
+    fields = dict(
+        data=tiny_data, max_steps=24, ckpt_interval=4, keep_checkpoints=2, keep_cpu_memory=True, **LEVER_FIELDS
+    )
     # NorMuon's second moments, the loader's position and the ramp's step come back: bit for bit
-    out = _killed_then_resumed_equals_straight(tmp_path, fields, "step_000004")
+    out = killed_then_resumed_equals_straight(tmp_path, fields, "step_000004")
     # the tokens of each step: 128 x (1 + 3 * step // 12) on the ramp, then 512
     per_step = [128 * (1 + 3 * s // 12) if s < 12 else 512 for s in range(24)]
     tokens = {r["step"]: r["tokens"] for r in records(out) if "tokens" in r}
-    assert [tokens[s] for s in range(24)] == [sum(per_step[:s + 1]) for s in range(24)]
+    assert [tokens[s] for s in range(24)] == [sum(per_step[: s + 1]) for s in range(24)]
 
 
 def test_levers_fsdp_two_processes_equal_one_process(tiny_data, tmp_path):
     """FSDP2 shards the gates (1-D: it refuses 0-d parameters), the skip weights and the value-embedding
     tables; with activation checkpointing the blocks recompute with their value embeddings; the ramp's
     steps hold the same tokens on two processes as on one."""
-    fields = dict(data=tiny_data, total_batch_tokens=256, max_steps=4, value_embeds=1, unet_skips=True,
-                  tie_embeddings=False, zero_init_head=True, batch_ramp_steps=2, batch_ramp_start=128)
+    fields = dict(
+        data=tiny_data,
+        total_batch_tokens=256,
+        max_steps=4,
+        value_embeds=1,
+        unet_skips=True,
+        tie_embeddings=False,
+        zero_init_head=True,
+        batch_ramp_steps=2,
+        batch_ramp_start=128,
+    )
     run_train(out=str(tmp_path / "one"), **fields)
     _torchrun(tmp_path / "fsdp", strategy="fsdp", activation_checkpointing=True, **fields)
     one, fsdp = train_losses(tmp_path / "one"), train_losses(tmp_path / "fsdp")

@@ -1,6 +1,7 @@
 """Weights & Biases logging in WANDB_MODE=offline: the run files W&B writes hold the same
 records as metrics.jsonl, a resumed run continues the same W&B run, and a missing package
 or a failed login costs one line while metrics.jsonl is written as always."""
+
 from __future__ import annotations
 
 import json
@@ -11,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY
 
-from gpt2lab.train.config import load_preset
 from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.observe.metrics import MetricsLogger
-from train_utils import TINY
+from gpt2lab.train.config import load_preset
 
 
 def wandb_records(path: Path) -> list:
@@ -30,8 +31,8 @@ def wandb_records(path: Path) -> list:
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind == 0:
             break
         parts = chunk if kind in (1, 2) else parts + chunk
@@ -55,8 +56,11 @@ def finished_records(run_dir: Path, timeout: float = 60.0) -> list:
 
 
 def history(records: list) -> list[dict]:
-    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
-            for r in records if r.WhichOneof("record_type") == "history"]
+    return [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
 
 
 @pytest.fixture
@@ -74,10 +78,23 @@ def test_offline_run_files_hold_the_metrics_and_a_resume_continues_the_run(offli
     from gpt2lab.train.run import train
 
     out = tmp_path / "run"
-    fields = {**TINY, "data": tiny_data, "out": str(out), "eval_interval": 2, "eval_tokens": 128,
-              "sample_interval": 2, "sample_tokens": 6, "ckpt_interval": 2, "wandb_project": "gpt2lab-test"}
+    fields = {
+        **TINY,
+        "data": tiny_data,
+        "out": str(out),
+        "eval_interval": 2,
+        "eval_tokens": 128,
+        "sample_interval": 2,
+        "sample_tokens": 6,
+        "ckpt_interval": 2,
+        "wandb_project": "gpt2lab-test",
+    }
     train(load_preset("shakespeare-cpu", **{**fields, "max_steps": 2}), DistInfo(device=torch.device("cpu")))
-    train(load_preset("shakespeare-cpu", **{**fields, "max_steps": 4}), DistInfo(device=torch.device("cpu")), resume="auto")
+    train(
+        load_preset("shakespeare-cpu", **{**fields, "max_steps": 4}),
+        DistInfo(device=torch.device("cpu")),
+        resume="auto",
+    )
     run_id = (out / "wandb_id").read_text().strip()
     runs = sorted((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(r.name.endswith("-" + run_id) for r in runs)  # one W&B run, resumed
@@ -92,8 +109,12 @@ def test_offline_run_files_hold_the_metrics_and_a_resume_continues_the_run(offli
     last = json.loads((runs[-1] / "files" / tables[-1]).read_text())
     assert last["columns"] == ["step", "sample"]
     assert last["data"] == [[m["step"], m["sample"]] for m in metrics if "sample" in m]  # 0, 2 and 4
-    config = {i.key: json.loads(i.value_json) for r in records if r.WhichOneof("record_type") == "run"
-              for i in r.run.config.update}
+    config = {
+        i.key: json.loads(i.value_json)
+        for r in records
+        if r.WhichOneof("record_type") == "run"
+        for i in r.run.config.update
+    }
     assert config["model"]["n_layer"] == 2 and config["logging"]["wandb_project"] == "gpt2lab-test"
     assert config["optim"]["max_steps"] in (2, 4)  # the run's config.json, nested by section
 
@@ -104,8 +125,10 @@ def test_missing_package_is_one_line_and_local_logging_goes_on(tmp_path, monkeyp
     log.log({"step": 0, "val_loss": 3.5})
     log.close()
     err = capfd.readouterr().err.strip().splitlines()
-    assert err == ["gpt2lab: W&B logging off: the wandb package is not installed (pip install 'gpt2lab[wandb]'); "
-                   "metrics.jsonl is written as always"]
+    assert err == [
+        "gpt2lab: W&B logging off: the wandb package is not installed (pip install 'gpt2lab[wandb]'); "
+        "metrics.jsonl is written as always"
+    ]
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 0, "val_loss": 3.5}
 
 

@@ -1,6 +1,7 @@
 """`gpt2lab bench sample` and `bench serve` end to end on a tiny shape, in process: the peers run on
 the very weights gpt2lab runs and give the same greedy tokens in fp32 (transformers and CTranslate2
 are the independent references); the library's generate() and `sample` agree token for token."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,24 @@ def _json(out: str) -> dict:
 def test_bench_sample_times_every_way_beside_its_peers_on_the_same_weights(capsys, tmp_path, monkeypatch):
     pytest.importorskip("ctranslate2", reason="the CTranslate2 peer needs pip install ctranslate2")
     monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path))
-    assert cli.main(["bench", "sample", *TINY, "--new-tokens", "24", "--repeats", "1", "--dtype", "float32",
-                     "--peer", "transformers,ctranslate2"]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "sample",
+                *TINY,
+                "--new-tokens",
+                "24",
+                "--repeats",
+                "1",
+                "--dtype",
+                "float32",
+                "--peer",
+                "transformers,ctranslate2",
+            ]
+        )
+        == 0
+    )
     r = _json(capsys.readouterr().out)
     assert r["asked"] == {"dtype": "float32", "quantize": "none", "cpu_linear": "auto"}
     assert r["inference"]["dtype"] == "float32" and r["inference"]["kernel"] in ("plain", "decode", "packed")
@@ -30,7 +47,9 @@ def test_bench_sample_times_every_way_beside_its_peers_on_the_same_weights(capsy
     assert r["first_mismatch_vs_transformers"] is None
     assert r["first_mismatch_vs_ctranslate2_float32"] is None
     assert r["ctranslate2_tok_per_s"]["float32"] > 0 and r["ctranslate2_tok_per_s"]["int8"] > 0
-    assert r["vs_ctranslate2"]["float32"] == pytest.approx(r["tok_per_s"]["sample"] / r["ctranslate2_tok_per_s"]["float32"])
+    assert r["vs_ctranslate2"]["float32"] == pytest.approx(
+        r["tok_per_s"]["sample"] / r["ctranslate2_tok_per_s"]["float32"]
+    )
 
 
 def test_bench_serve_defaults_are_serves_and_the_peer_runs_a_batch_per_stream_count(capsys, tmp_path, monkeypatch):
@@ -38,8 +57,28 @@ def test_bench_serve_defaults_are_serves_and_the_peer_runs_a_batch_per_stream_co
     pytest.importorskip("uvicorn", reason="gpt2lab serve needs the serve extra")
     monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path))
     monkeypatch.setenv("GPT2LAB_PROBE", "0")  # the device's rule decides: nothing measured
-    assert cli.main(["bench", "serve", *TINY, "--device", "cpu", "--new-tokens", "8", "--streams", "1,2",
-                     "--seconds", "0.5", "--max-batch", "2", "--peer", "ctranslate2"]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "serve",
+                *TINY,
+                "--device",
+                "cpu",
+                "--new-tokens",
+                "8",
+                "--streams",
+                "1,2",
+                "--seconds",
+                "0.5",
+                "--max-batch",
+                "2",
+                "--peer",
+                "ctranslate2",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     r = _json(captured.out)
     assert r["asked"] == {"dtype": "auto", "quantize": "none", "cpu_linear": "auto"}  # serve's defaults
@@ -52,5 +91,8 @@ def test_bench_serve_defaults_are_serves_and_the_peer_runs_a_batch_per_stream_co
 
 def test_a_peer_that_is_not_one_is_one_line(capsys):
     assert cli.main(["bench", "sample", *TINY, "--peer", "vllm"]) == 2
-    assert capsys.readouterr().err.strip().endswith("--peer vllm: choose from transformers, ctranslate2 or none "
-                                                    "(comma-separated)")
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith("--peer vllm: choose from transformers, ctranslate2 or none (comma-separated)")
+    )

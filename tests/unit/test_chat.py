@@ -1,5 +1,6 @@
 """Conversations: the ChatML template against transformers' apply_chat_template, the loss mask, shards
 with masks, the masked loss against a hand-computed mean, and the chat evals' scoring."""
+
 from __future__ import annotations
 
 import json
@@ -72,15 +73,18 @@ def test_mask_covers_exactly_the_assistant_content_and_its_end_token(conversatio
         assert kept.count(chat.IM_END_ID) == sum(r == "assistant" for r, _ in turns)
 
 
-@pytest.mark.parametrize("row, field", [
-    ({"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}, "messages[1].role"),
-    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant"}]}, "messages[1].content"),
-    ({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "b"}]}, "messages[0].content"),
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "user", "content": "only a question"}]}, "no assistant turn"),
-    ({"question": "q", "answer": None}, "answer"),
-    ({"text": "plain"}, "no \"messages\""),
-])
+@pytest.mark.parametrize(
+    "row, field",
+    [
+        ({"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}, "messages[1].role"),
+        ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant"}]}, "messages[1].content"),
+        ({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "b"}]}, "messages[0].content"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": "only a question"}]}, "no assistant turn"),
+        ({"question": "q", "answer": None}, "answer"),
+        ({"text": "plain"}, 'no "messages"'),
+    ],
+)
 def test_a_bad_record_names_its_field(row, field):
     with pytest.raises(chat.ChatFormatError, match=re.escape(field)):
         chat.conversation(row)
@@ -150,7 +154,7 @@ def test_loader_targets_are_minus_one_where_the_mask_is_zero(chat_shards):
     t = np.asarray(open_shard(path)).astype(np.int64)
     m = np.asarray(open_mask(path, len(t)))
     for r in range(3):  # unshuffled val: row r is tokens [40r, 40r + 41)
-        seg, seg_m = t[40 * r:40 * r + 41], m[40 * r:40 * r + 41]
+        seg, seg_m = t[40 * r : 40 * r + 41], m[40 * r : 40 * r + 41]
         assert x[r].tolist() == seg[:-1].tolist()
         assert y[r].tolist() == np.where(seg_m[1:] == 1, seg[1:], -1).tolist()
 
@@ -208,8 +212,19 @@ def test_accumulated_step_is_the_gradient_of_the_mean_over_all_supervised_target
 
 
 # -- the evals' scoring --------------------------------------------------------------------------
-@pytest.mark.parametrize("expr, value", [("48/2", "24"), ("12/60", "0.2"), ("0.2*50", "10"), ("(3+4)*2-1", "13"),
-                                         ("1,000+5", "1005"), ("7%3", "1"), ("2**10", "1024"), ("-3+1", "-2")])
+@pytest.mark.parametrize(
+    "expr, value",
+    [
+        ("48/2", "24"),
+        ("12/60", "0.2"),
+        ("0.2*50", "10"),
+        ("(3+4)*2-1", "13"),
+        ("1,000+5", "1005"),
+        ("7%3", "1"),
+        ("2**10", "1024"),
+        ("-3+1", "-2"),
+    ],
+)
 def test_calculator_values(expr, value):
     from gpt2lab.evals.chat import calculate
 
@@ -238,15 +253,18 @@ def test_gsm8k_scores_equal_an_independent_scoring(monkeypatch):
 
     problems = chat_eval.read_conversations(GSM8K_SLICE, limit=6, gsm8k=True)
     refs = [re.search(r"####\s*(\S+)", t[1][1]).group(1) for t in problems]
-    replies = [f"It is {refs[0]}.\n#### {refs[0]}",                 # right
-               f"#### {int(refs[1]) + 1}",                           # wrong
-               "no final answer",                                   # none
-               f"#### {int(refs[3]):,}.00".replace(".00", ""),       # right, with a thousands comma
-               f"#### ${refs[4]}",                                   # right, with a dollar sign
-               f"#### {refs[5]}0"]                                   # wrong: ten times
+    replies = [
+        f"It is {refs[0]}.\n#### {refs[0]}",  # right
+        f"#### {int(refs[1]) + 1}",  # wrong
+        "no final answer",  # none
+        f"#### {int(refs[3]):,}.00".replace(".00", ""),  # right, with a thousands comma
+        f"#### ${refs[4]}",  # right, with a dollar sign
+        f"#### {refs[5]}0",
+    ]  # wrong: ten times
     it = iter(replies)
-    monkeypatch.setattr(chat_eval, "greedy_reply",
-                        lambda model, prompt, max_tokens, tool=None: chat_eval.Reply([], next(it), True))
+    monkeypatch.setattr(
+        chat_eval, "greedy_reply", lambda model, prompt, max_tokens, tool=None: chat_eval.Reply([], next(it), True)
+    )
     model = tiny_gpt(vocab_size=50304)
     summary, rows = chat_eval.evaluate_gsm8k(model, problems, max_tokens=8)
 
@@ -294,13 +312,17 @@ def test_lora_and_muon_train_on_conversations(chat_shards, tmp_path, fields):
     import sys
     from unittest import mock
 
-    from train_utils import cli_args, train_losses
+    from conftest import cli_args, train_losses
 
     from gpt2lab import cli
 
     out = tmp_path / "run"
-    argv = ["train", "--preset", "shakespeare-cpu", *cli_args(data=str(chat_shards[0]), out=str(out), max_steps=2,
-                                                              **fields)]
+    argv = [
+        "train",
+        "--preset",
+        "shakespeare-cpu",
+        *cli_args(data=str(chat_shards[0]), out=str(out), max_steps=2, **fields),
+    ]
     with mock.patch.object(sys, "argv", ["/venv/bin/gpt2lab", *argv]):
         assert cli.main(argv) == 0
     losses = train_losses(out)
@@ -313,7 +335,7 @@ def test_a_trainer_built_from_a_config_takes_the_datas_template(chat_shards, tmp
     """Trainer.from_config (the benchmarks' and tests' way in) on conversations: GPT-2's derived
     token count gives way to the data's template, as on the command line."""
     import torch
-    from train_utils import TINY
+    from conftest import TINY
 
     from gpt2lab.distributed.dist import DistInfo
     from gpt2lab.train.config import load_preset

@@ -1,4 +1,5 @@
 """Checkpoints: atomic, pruned, prefix-free, loadable with weights_only, accepted as a model spec."""
+
 from __future__ import annotations
 
 import json
@@ -9,12 +10,12 @@ import torch
 from safetensors.torch import load_file
 
 from gpt2lab.checkpoint import store as ckpt
+from gpt2lab.model.gpt import GPT
 from gpt2lab.system import formats
 from gpt2lab.system.errors import CheckpointError
 from gpt2lab.train.config import model_from_config
-from gpt2lab.model.gpt import GPT
-from gpt2lab.weights.load import from_checkpoint
 from gpt2lab.train.optim import make_optimizer
+from gpt2lab.weights.load import from_checkpoint
 
 CFG = {"model": dict(block_size=16, vocab_size=50304, token_vocab_size=50257, n_layer=2, n_head=2, n_embd=16)}
 
@@ -22,8 +23,7 @@ CFG = {"model": dict(block_size=16, vocab_size=50304, token_vocab_size=50257, n_
 def _trained(seed: int = 0) -> tuple[GPT, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = GPT(model_from_config(CFG))
-    opt = make_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8,
-                         device=torch.device("cpu"))
+    opt = make_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device=torch.device("cpu"))
     x = torch.randint(0, 50257, (2, 16))
     _, loss = model(x, x)
     loss.backward()
@@ -45,8 +45,14 @@ class Plain:
 
 
 def _parts(model, opt, step=0) -> dict:
-    return {"model": model, "optimizer": opt, "loader": Plain(position=step), "rng": ckpt.RNG(), "scaler": None,
-            "trainer": Plain(step=step, tokens=step * 32)}
+    return {
+        "model": model,
+        "optimizer": opt,
+        "loader": Plain(position=step),
+        "rng": ckpt.RNG(),
+        "scaler": None,
+        "trainer": Plain(step=step, tokens=step * 32),
+    }
 
 
 def _save(run, model, opt, step, keep=0):
@@ -124,8 +130,11 @@ def test_every_checkpoint_file_gets_the_umasks_mode(tmp_path):
         path = _save(tmp_path, model, opt, 3)
     finally:
         os.umask(old)
-    modes = {name: stat.S_IMODE(os.stat(os.path.join(path, name)).st_mode) for name in os.listdir(path)
-             if os.path.isfile(os.path.join(path, name))}
+    modes = {
+        name: stat.S_IMODE(os.stat(os.path.join(path, name)).st_mode)
+        for name in os.listdir(path)
+        if os.path.isfile(os.path.join(path, name))
+    }
     assert "model.safetensors" in modes and set(modes.values()) == {0o640}, {k: oct(v) for k, v in modes.items()}
 
 
@@ -156,8 +165,12 @@ def test_a_checkpoint_of_another_format_version_is_refused_in_one_line(tmp_path,
     todo = "train it again, or read it with the gpt2lab 0.1.x that wrote it" if version != 99 else "upgrade gpt2lab"
     from gpt2lab.train import init_from
 
-    for read in (lambda: from_checkpoint(str(tmp_path)), lambda: ckpt.load(path, _parts(*_trained(1))),
-                 lambda: ckpt.check_format(path), lambda: init_from.find_source(str(tmp_path))):
+    for read in (
+        lambda: from_checkpoint(str(tmp_path)),
+        lambda: ckpt.load(path, _parts(*_trained(1))),
+        lambda: ckpt.check_format(path),
+        lambda: init_from.find_source(str(tmp_path)),
+    ):
         with pytest.raises(CheckpointError) as e:
             read()
         text = str(e.value)

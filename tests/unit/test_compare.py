@@ -1,4 +1,5 @@
 """gpt2lab compare on hand-made run directories: tokens and seconds to a loss, worked out by hand."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def make_run(path, *, tokens_per_step, dt_ms, val, steps, resumed_from=None):
     """A run of ``steps`` steps, each ``dt_ms`` long, with val losses {step: loss}."""
     path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps({"format_version": 2, "batch": {"total_batch_tokens": tokens_per_step},
-                                                  "model": {}}))
+    (path / "config.json").write_text(
+        json.dumps({"format_version": 2, "batch": {"total_batch_tokens": tokens_per_step}, "model": {}})
+    )
     recs = []
     for s in range(steps):
         if s in val:
@@ -24,8 +26,10 @@ def make_run(path, *, tokens_per_step, dt_ms, val, steps, resumed_from=None):
     if steps in val:
         recs.append({"step": steps, "val_loss": val[steps]})
     if resumed_from is not None:  # a resumed run logs the steps after its checkpoint again
-        recs += [{"step": s, "train_loss": 10.0 - s / 10, "dt_ms": dt_ms, "tokens": (s + 1) * tokens_per_step}
-                 for s in range(resumed_from, steps)]
+        recs += [
+            {"step": s, "train_loss": 10.0 - s / 10, "dt_ms": dt_ms, "tokens": (s + 1) * tokens_per_step}
+            for s in range(resumed_from, steps)
+        ]
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     return path
 
@@ -33,11 +37,18 @@ def make_run(path, *, tokens_per_step, dt_ms, val, steps, resumed_from=None):
 @pytest.fixture
 def runs(tmp_path):
     # baseline: 40 steps of 1000 tokens at 500 ms; val every 10 steps, final 6.0
-    base = make_run(tmp_path / "faithful", tokens_per_step=1000, dt_ms=500.0, steps=40,
-                    val={0: 11.0, 10: 8.0, 20: 7.0, 30: 6.5, 40: 6.0}, resumed_from=25)
+    base = make_run(
+        tmp_path / "faithful",
+        tokens_per_step=1000,
+        dt_ms=500.0,
+        steps=40,
+        val={0: 11.0, 10: 8.0, 20: 7.0, 30: 6.5, 40: 6.0},
+        resumed_from=25,
+    )
     # fast: 20 steps of 1000 tokens at 600 ms; below 6.0 first at step 15
-    fast = make_run(tmp_path / "fast", tokens_per_step=1000, dt_ms=600.0, steps=20,
-                    val={0: 11.0, 5: 7.5, 10: 6.4, 15: 5.9, 20: 5.7})
+    fast = make_run(
+        tmp_path / "fast", tokens_per_step=1000, dt_ms=600.0, steps=20, val={0: 11.0, 5: 7.5, 10: 6.4, 15: 5.9, 20: 5.7}
+    )
     return base, fast
 
 
@@ -45,8 +56,9 @@ def test_tokens_per_step_from_config_json(tmp_path):
     from gpt2lab.observe.compare import _tokens_per_step
     from gpt2lab.system.errors import ConfigError
 
-    (tmp_path / "config.json").write_text(json.dumps({"format_version": 2, "batch": {"total_batch_tokens": 768},
-                                                      "model": {}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"format_version": 2, "batch": {"total_batch_tokens": 768}, "model": {}})
+    )
     assert _tokens_per_step(str(tmp_path)) == 768
     (tmp_path / "config.json").write_text(json.dumps({"total_batch_tokens": 512, "n_layer": 2}))  # the first runs'
     with pytest.raises(ConfigError, match="config.json: a run config without format_version, written by an older"):
@@ -59,8 +71,13 @@ def test_curve_points_count_tokens_and_seconds_before_each_eval(runs):
     base, fast = runs
     c = load_curve(str(base))
     # val at step s = after s steps: s * 1000 tokens and s * 0.5 s (the resumed steps 25..39 count once)
-    assert c.points == [(0, 0, 0.0, 11.0), (10, 10000, 5.0, 8.0), (20, 20000, 10.0, 7.0),
-                        (30, 30000, 15.0, 6.5), (40, 40000, 20.0, 6.0)]
+    assert c.points == [
+        (0, 0, 0.0, 11.0),
+        (10, 10000, 5.0, 8.0),
+        (20, 20000, 10.0, 7.0),
+        (30, 30000, 15.0, 6.5),
+        (40, 40000, 20.0, 6.0),
+    ]
     assert load_curve(str(fast)).reach(6.0) == (15, 15000, pytest.approx(9.0), 5.9)
     assert load_curve(str(fast)).reach(5.0) is None
 

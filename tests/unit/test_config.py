@@ -1,17 +1,45 @@
 """Config: presets parse, CLI flags come from the dataclass, bad settings fail early and clearly."""
+
 from __future__ import annotations
 
 import argparse
 
 import pytest
 
-from gpt2lab.train.config import (SECTION_OF, TOP_FIELDS, ConfigError, TrainConfig, add_config_flags, config_value,
-                                  load_preset, overrides_from_args, preset_names)
+from gpt2lab.train.config import (
+    SECTION_OF,
+    TOP_FIELDS,
+    ConfigError,
+    TrainConfig,
+    add_config_flags,
+    config_value,
+    load_preset,
+    overrides_from_args,
+    preset_names,
+)
 
-REFERENCE = dict(total_batch_tokens=524288, micro_batch_size=64, seq_len=1024, max_lr=6e-4, min_lr=6e-5,
-                 warmup_steps=715, max_steps=19073, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
-                 grad_clip=1.0, vocab_size=50304, dtype="auto", compile="auto", eval_interval=250,
-                 ckpt_interval=5000, n_layer=12, n_head=12, n_embd=768)
+REFERENCE = dict(
+    total_batch_tokens=524288,
+    micro_batch_size=64,
+    seq_len=1024,
+    max_lr=6e-4,
+    min_lr=6e-5,
+    warmup_steps=715,
+    max_steps=19073,
+    beta1=0.9,
+    beta2=0.95,
+    eps=1e-8,
+    weight_decay=0.1,
+    grad_clip=1.0,
+    vocab_size=50304,
+    dtype="auto",
+    compile="auto",
+    eval_interval=250,
+    ckpt_interval=5000,
+    n_layer=12,
+    n_head=12,
+    n_embd=768,
+)
 
 
 @pytest.mark.parametrize("name", preset_names())
@@ -23,8 +51,15 @@ def test_every_preset_parses_and_divides(name):
 
 
 def test_expected_presets_are_shipped():
-    assert {"gpt2-124m", "gpt2-124m-40b", "gpt3-124m", "gpt2-350m", "gpt2-774m", "gpt2-1558m",
-            "shakespeare-cpu"} <= set(preset_names())
+    assert {
+        "gpt2-124m",
+        "gpt2-124m-40b",
+        "gpt3-124m",
+        "gpt2-350m",
+        "gpt2-774m",
+        "gpt2-1558m",
+        "shakespeare-cpu",
+    } <= set(preset_names())
 
 
 def test_gpt2_124m_is_the_reference_run():
@@ -64,14 +99,38 @@ def test_every_field_is_a_flag_and_only_given_flags_override():
     # one flat flag per field of every section, but no derived or retired one
     assert flags == set(TOP_FIELDS) | set(SECTION_OF) - {"token_vocab_size", "chat_template", "tokenizer"}
     assert {"n_layer", "attn_pdrop", "max_lr", "spike_window", "lora_rank"} <= flags and "init_from_id" not in flags
-    got = _parse(["--max-steps", "7", "--compile", "false", "--max-lr", "2e-3", "--dtype", "float32",
-                  "--peak-flops", "none", "--hellaswag-data", "x.jsonl", "--seed", "3"])
-    assert got == {"seed": 3, "optim": {"max_steps": 7, "max_lr": 2e-3},
-                   "system": {"compile": "false", "dtype": "float32", "peak_flops": None},
-                   "eval": {"hellaswag_data": "x.jsonl"}}
+    got = _parse(
+        [
+            "--max-steps",
+            "7",
+            "--compile",
+            "false",
+            "--max-lr",
+            "2e-3",
+            "--dtype",
+            "float32",
+            "--peak-flops",
+            "none",
+            "--hellaswag-data",
+            "x.jsonl",
+            "--seed",
+            "3",
+        ]
+    )
+    assert got == {
+        "seed": 3,
+        "optim": {"max_steps": 7, "max_lr": 2e-3},
+        "system": {"compile": "false", "dtype": "float32", "peak_flops": None},
+        "eval": {"hellaswag_data": "x.jsonl"},
+    }
     cfg, base = load_preset("shakespeare-cpu", **got), load_preset("shakespeare-cpu")
-    assert (cfg.optim.max_steps, cfg.optim.max_lr, cfg.system.compile, cfg.eval.hellaswag_data, cfg.seed) == \
-        (7, 2e-3, "false", "x.jsonl", 3)
+    assert (cfg.optim.max_steps, cfg.optim.max_lr, cfg.system.compile, cfg.eval.hellaswag_data, cfg.seed) == (
+        7,
+        2e-3,
+        "false",
+        "x.jsonl",
+        3,
+    )
     assert cfg.model == base.model and cfg.optim.min_lr == base.optim.min_lr  # the rest is the preset's
 
 
@@ -81,24 +140,28 @@ def test_a_flat_flag_lands_in_its_section():
     assert cfg.spike.spike_rollback == load_preset("shakespeare-cpu").spike.spike_rollback == 3
 
 
-@pytest.mark.parametrize("argv", [["--compile", "maybe"], ["--dtype", "float8"], ["--max-steps", "x"],
-                                  ["--no-such-field", "1"]])
+@pytest.mark.parametrize(
+    "argv", [["--compile", "maybe"], ["--dtype", "float8"], ["--max-steps", "x"], ["--no-such-field", "1"]]
+)
 def test_bad_flags_are_rejected(argv):
     with pytest.raises(SystemExit):
         _parse(argv)
 
 
-@pytest.mark.parametrize("overrides, words", [
-    (dict(seq_len=2048), ["seq_len 2048", "block_size 1024"]),
-    (dict(n_head=5), ["n_embd 768", "n_head 5"]),
-    (dict(vocab_size=1000), ["vocab_size 1000", "50257"]),
-    (dict(min_lr=1.0), ["min_lr", "max_lr"]),
-    (dict(max_steps=0), ["max_steps must be >= 1"]),
-    (dict(eval_interval=-1), ["eval_interval must be >= 0"]),
-    (dict(no_such=1), ["unknown field(s) no_such"]),
-    (dict(spike_window=-1), ["spike_window must be >= 0, got -1"]),
-    (dict(dtype="float8"), ["dtype 'float8': choose one of auto, float32, bfloat16, float16"]),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (dict(seq_len=2048), ["seq_len 2048", "block_size 1024"]),
+        (dict(n_head=5), ["n_embd 768", "n_head 5"]),
+        (dict(vocab_size=1000), ["vocab_size 1000", "50257"]),
+        (dict(min_lr=1.0), ["min_lr", "max_lr"]),
+        (dict(max_steps=0), ["max_steps must be >= 1"]),
+        (dict(eval_interval=-1), ["eval_interval must be >= 0"]),
+        (dict(no_such=1), ["unknown field(s) no_such"]),
+        (dict(spike_window=-1), ["spike_window must be >= 0, got -1"]),
+        (dict(dtype="float8"), ["dtype 'float8': choose one of auto, float32, bfloat16, float16"]),
+    ],
+)
 def test_invalid_settings_say_what_to_change(overrides, words):
     with pytest.raises(ConfigError) as e:
         load_preset("gpt2-124m", **overrides)
@@ -133,7 +196,7 @@ def test_list_presets_states_each_presets_size_cost_and_export(capsys):
 
     def block(name: str) -> list[str]:
         i = lines.index(next(h for h in heads if h.startswith(name + ":")))
-        return lines[i:i + 3]
+        return lines[i : i + 3]
 
     head, time, export = block("shakespeare-cpu")
     assert f"{GPT(load_preset('shakespeare-cpu').model).num_params():,} parameters" in head
@@ -149,5 +212,7 @@ def test_list_presets_states_each_presets_size_cost_and_export(capsys):
     from gpt2lab.train.presets import MEASURED
 
     assert set(MEASURED) <= set(preset_names())  # a renamed preset keeps its measured time
-    assert block("wiki-cpu-fast")[1] == f"    time    {MEASURED['wiki-cpu-fast'].wall_s / 60:.1f} min on " \
+    assert (
+        block("wiki-cpu-fast")[1] == f"    time    {MEASURED['wiki-cpu-fast'].wall_s / 60:.1f} min on "
         f"{MEASURED['wiki-cpu-fast'].machine} (measured)"
+    )

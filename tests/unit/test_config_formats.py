@@ -3,6 +3,7 @@ GPTConfig; the rest under "batch", "optim", ...) with its format_version, flat f
 keys mapped into their sections, and the one check of every file's format version
 (system/formats.py): a file of an older version (a config.json without one: the flat or
 half-nested form of gpt2lab 0.1.0's first runs) or a newer one is refused in one line."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,11 +14,23 @@ from unittest import mock
 import pytest
 
 from gpt2lab import cli
-from gpt2lab.system import formats
-from gpt2lab.train.config import (ConfigError, TrainConfig, add_config_flags, config_file_values,
-                                  config_value, load_preset, merge_config, model_from_config, nest_config,
-                                  overrides_from_args, preset_names, save_config, tomllib)
 from gpt2lab.model.gpt import GPTConfig
+from gpt2lab.system import formats
+from gpt2lab.train.config import (
+    ConfigError,
+    TrainConfig,
+    add_config_flags,
+    config_file_values,
+    config_value,
+    load_preset,
+    merge_config,
+    model_from_config,
+    nest_config,
+    overrides_from_args,
+    preset_names,
+    save_config,
+    tomllib,
+)
 
 
 def _main(argv: list[str]) -> int:
@@ -33,8 +46,22 @@ def _flags(argv: list[str]) -> dict:
 
 
 def test_flat_flags_and_toml_keys_map_into_the_model():
-    flags = _flags(["--n-layer", "3", "--n-embd", "48", "--n-head", "4", "--attn-pdrop", "0.1",
-                    "--layer-norm-epsilon", "1e-6", "--max-steps", "9"])
+    flags = _flags(
+        [
+            "--n-layer",
+            "3",
+            "--n-embd",
+            "48",
+            "--n-head",
+            "4",
+            "--attn-pdrop",
+            "0.1",
+            "--layer-norm-epsilon",
+            "1e-6",
+            "--max-steps",
+            "9",
+        ]
+    )
     cfg = load_preset("shakespeare-cpu", **flags)
     base = load_preset("shakespeare-cpu")
     assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.model.attn_pdrop) == (3, 48, 4, 0.1)
@@ -69,17 +96,20 @@ def test_preset_files_may_use_a_model_table(tmp_path, monkeypatch):
         load_preset("both")
 
 
-@pytest.mark.parametrize("values, words", [
-    ({"n_layers": 3}, ["unknown field(s) n_layers", "n_layer"]),
-    ({"model": {"n_layers": 3}}, ["unknown model field(s) n_layers", "n_layer"]),
-    ({"model": 3}, ['"model" must be a table']),
-    ({"n_layer": 0}, ["n_layer must be >= 1, got 0"]),
-    ({"model": {"n_layer": "2"}}, ["n_layer must be a whole number, got '2'"]),
-    ({"attn_pdrop": True}, ["attn_pdrop must be a number, got True"]),
-    ({"model": {"n_head": 5}}, ["n_embd 768 is not divisible by n_head 5"]),
-    ({"resid_pdrop": 1.5}, ["resid_pdrop 1.5 must be in [0, 1)"]),
-    ({"token_vocab_size": 100}, ["token_vocab_size 100", "drop it"]),
-])
+@pytest.mark.parametrize(
+    "values, words",
+    [
+        ({"n_layers": 3}, ["unknown field(s) n_layers", "n_layer"]),
+        ({"model": {"n_layers": 3}}, ["unknown model field(s) n_layers", "n_layer"]),
+        ({"model": 3}, ['"model" must be a table']),
+        ({"n_layer": 0}, ["n_layer must be >= 1, got 0"]),
+        ({"model": {"n_layer": "2"}}, ["n_layer must be a whole number, got '2'"]),
+        ({"attn_pdrop": True}, ["attn_pdrop must be a number, got True"]),
+        ({"model": {"n_head": 5}}, ["n_embd 768 is not divisible by n_head 5"]),
+        ({"resid_pdrop": 1.5}, ["resid_pdrop 1.5 must be in [0, 1)"]),
+        ({"token_vocab_size": 100}, ["token_vocab_size 100", "drop it"]),
+    ],
+)
 def test_bad_model_values_get_one_line(values, words):
     with pytest.raises(ConfigError) as e:
         TrainConfig.from_dict(values, source="x.toml")
@@ -96,15 +126,36 @@ def test_bad_model_flag_exits_2_with_one_line(capsys):
 def test_config_json_round_trips():
     cfg = load_preset("gpt2-350m", attn_pdrop=0.1)
     written = json.loads(json.dumps(cfg.to_dict()))
-    assert list(written) == ["model", "data", "out", "seed", "batch", "optim", "system", "eval", "checkpoint",
-                             "logging", "spike", "finetune", "parallel"]
+    assert list(written) == [
+        "model",
+        "data",
+        "out",
+        "seed",
+        "batch",
+        "optim",
+        "system",
+        "eval",
+        "checkpoint",
+        "logging",
+        "spike",
+        "finetune",
+        "parallel",
+    ]
     assert set(written["model"]) == {f for f in GPTConfig.__dataclass_fields__}
     assert "n_layer" not in written and written["model"]["n_layer"] == 24
-    assert written["batch"] == {"micro_batch_size": 64, "seq_len": 1024, "total_batch_tokens": 524288,
-                                "batch_ramp_steps": 0, "batch_ramp_start": None}  # the batch ramp: off
+    assert written["batch"] == {
+        "micro_batch_size": 64,
+        "seq_len": 1024,
+        "total_batch_tokens": 524288,
+        "batch_ramp_steps": 0,
+        "batch_ramp_start": None,
+    }  # the batch ramp: off
     assert written["spike"] == {"spike_window": 100, "spike_loss_z": 6.0, "spike_norm_z": 20.0, "spike_rollback": 3}
-    assert (written["optim"]["max_lr"], written["optim"]["min_lr"], written["parallel"]["strategy"]) == \
-        (3e-4, 3e-5, "auto")
+    assert (written["optim"]["max_lr"], written["optim"]["min_lr"], written["parallel"]["strategy"]) == (
+        3e-4,
+        3e-5,
+        "auto",
+    )
     assert (written["data"], written["out"], written["seed"]) == ("data/fineweb-edu-10b", "runs/gpt2-350m", 1337)
     assert TrainConfig.from_dict(written) == cfg
     assert model_from_config(written) == cfg.model
@@ -169,16 +220,32 @@ def test_presets_land_in_their_sections():
     assert (xl.model.n_layer, xl.model.n_head, xl.model.n_embd) == (48, 25, 1600)
     assert (xl.batch.micro_batch_size, xl.batch.total_batch_tokens, xl.batch.seq_len) == (16, 1048576, 1024)
     assert (xl.optim.max_steps, xl.optim.warmup_steps, xl.optim.max_lr, xl.optim.min_lr) == (9536, 358, 2e-4, 2e-5)
-    assert (xl.parallel.strategy, xl.eval.eval_interval, xl.checkpoint.ckpt_interval, xl.out) == \
-        ("auto", 250, 5000, "runs/gpt2-1558m")  # eval_interval and ckpt_interval from its base, gpt2-124m
+    assert (xl.parallel.strategy, xl.eval.eval_interval, xl.checkpoint.ckpt_interval, xl.out) == (
+        "auto",
+        250,
+        5000,
+        "runs/gpt2-1558m",
+    )  # eval_interval and ckpt_interval from its base, gpt2-124m
     ft = load_preset("finetune-shakespeare")
-    assert (ft.finetune.init_from, ft.model.attn_pdrop, ft.eval.eval_tokens, ft.eval.sample_prompt) == \
-        ("gpt2", 0.1, 8192, "ROMEO:")
-    assert (ft.logging.log_interval, ft.checkpoint.keep_checkpoints, ft.optim.max_lr, ft.optim.min_lr) == \
-        (10, 2, 3e-5, 3e-5)
+    assert (ft.finetune.init_from, ft.model.attn_pdrop, ft.eval.eval_tokens, ft.eval.sample_prompt) == (
+        "gpt2",
+        0.1,
+        8192,
+        "ROMEO:",
+    )
+    assert (ft.logging.log_interval, ft.checkpoint.keep_checkpoints, ft.optim.max_lr, ft.optim.min_lr) == (
+        10,
+        2,
+        3e-5,
+        3e-5,
+    )
     fast = load_preset("gpt2-124m-fast")
-    assert (fast.optim.optimizer, fast.optim.lr_schedule, fast.optim.decay_frac, fast.optim.muon_ns_dtype) == \
-        ("muon", "wsd", 0.4, "auto")
+    assert (fast.optim.optimizer, fast.optim.lr_schedule, fast.optim.decay_frac, fast.optim.muon_ns_dtype) == (
+        "muon",
+        "wsd",
+        0.4,
+        "auto",
+    )
 
 
 def test_a_retired_key_is_refused():
@@ -200,18 +267,26 @@ def test_a_resume_reads_what_the_run_began_from_in_state_pt(tmp_path):
     assert began_from(str(tmp_path)) == record
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"optim": {"spike_window": 3}}, "x.toml: spike_window is in [optim] but belongs in [spike]"),
-    ({"model": {"max_lr": 1e-3}}, "x.toml: max_lr is in [model] but belongs in [optim]"),
-    ({"optim": {"seed": 3}}, "x.toml: seed is in [optim] but belongs at the top level"),
-    ({"optim": {"max_lrr": 1e-3}}, "x.toml: unknown optim field(s) max_lrr; known optim fields: max_steps, max_lr,"),
-    ({"max_lrr": 1e-3}, "x.toml: unknown field(s) max_lrr; known fields: "),
-    ({"optimizer": "muon", "optim": {"optimizer": "adamw"}},
-     "x.toml: optimizer set both as a key and in [optim]; keep one"),
-    ({"spike": 3}, 'x.toml: "spike" must be a table of spike fields (spike_window, spike_loss_z'),
-    ({"optim": {"max_steps": 2.5}}, "x.toml: max_steps must be a whole number, got 2.5"),
-    ({"system": {"keep_cpu_memory": "yes"}}, "x.toml: keep_cpu_memory must be true or false, got 'yes'"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"optim": {"spike_window": 3}}, "x.toml: spike_window is in [optim] but belongs in [spike]"),
+        ({"model": {"max_lr": 1e-3}}, "x.toml: max_lr is in [model] but belongs in [optim]"),
+        ({"optim": {"seed": 3}}, "x.toml: seed is in [optim] but belongs at the top level"),
+        (
+            {"optim": {"max_lrr": 1e-3}},
+            "x.toml: unknown optim field(s) max_lrr; known optim fields: max_steps, max_lr,",
+        ),
+        ({"max_lrr": 1e-3}, "x.toml: unknown field(s) max_lrr; known fields: "),
+        (
+            {"optimizer": "muon", "optim": {"optimizer": "adamw"}},
+            "x.toml: optimizer set both as a key and in [optim]; keep one",
+        ),
+        ({"spike": 3}, 'x.toml: "spike" must be a table of spike fields (spike_window, spike_loss_z'),
+        ({"optim": {"max_steps": 2.5}}, "x.toml: max_steps must be a whole number, got 2.5"),
+        ({"system": {"keep_cpu_memory": "yes"}}, "x.toml: keep_cpu_memory must be true or false, got 'yes'"),
+    ],
+)
 def test_a_key_unknown_or_in_the_wrong_section_is_one_line(values, message):
     with pytest.raises(ConfigError) as e:
         TrainConfig.from_dict(values, source="x.toml")
@@ -220,11 +295,15 @@ def test_a_key_unknown_or_in_the_wrong_section_is_one_line(values, message):
 
 def test_toml_files_take_section_tables_and_flags_go_over_them(tmp_path, capsys):
     path = tmp_path / "mine.toml"
-    path.write_text('base = "shakespeare-cpu"\nmax_steps = 9\n[optim]\nmax_lr = 1e-3\nmin_lr = 1e-4\n'
-                    "[spike]\nspike_window = 7\n")
+    path.write_text(
+        'base = "shakespeare-cpu"\nmax_steps = 9\n[optim]\nmax_lr = 1e-3\nmin_lr = 1e-4\n[spike]\nspike_window = 7\n'
+    )
     values = config_file_values(str(path))
-    assert values["optim"]["max_lr"] == 1e-3 and values["optim"]["max_steps"] == 9 and values["spike"] == {
-        "spike_window": 7}
+    assert (
+        values["optim"]["max_lr"] == 1e-3
+        and values["optim"]["max_steps"] == 9
+        and values["spike"] == {"spike_window": 7}
+    )
     cfg = TrainConfig.from_dict(values)
     base = load_preset("shakespeare-cpu")
     assert (cfg.optim.max_steps, cfg.optim.max_lr, cfg.optim.min_lr, cfg.spike.spike_window) == (9, 1e-3, 1e-4, 7)
@@ -232,8 +311,9 @@ def test_toml_files_take_section_tables_and_flags_go_over_them(tmp_path, capsys)
     # train --config FILE with flags: the flags win field by field, the file's other values stay
     from gpt2lab.commands.train import _request
 
-    args = cli.build_parser().parse_args(["train", "--config", str(path), "--max-lr", "2e-3", "--spike-window", "5",
-                                          "--n-layer", "3"])
+    args = cli.build_parser().parse_args(
+        ["train", "--config", str(path), "--max-lr", "2e-3", "--spike-window", "5", "--n-layer", "3"]
+    )
     request = _request(args)
     assert request.values["optim"]["max_lr"] == 2e-3 and request.values["optim"]["min_lr"] == 1e-4
     assert request.values["spike"] == {"spike_window": 5} and request.explicit == {"n_layer": 3}
@@ -254,8 +334,11 @@ def test_a_run_directory_is_known_by_its_nested_config_json(tmp_path):
     from gpt2lab.system import rundir
 
     written = load_preset("shakespeare-cpu").to_dict()
-    for name, config, kind in (("nested", written, rundir.RUN), ("stamped", formats.stamp(written, formats.RUN),
-                               rundir.RUN), ("flat", _flatten(written), "foreign")):
+    for name, config, kind in (
+        ("nested", written, rundir.RUN),
+        ("stamped", formats.stamp(written, formats.RUN), rundir.RUN),
+        ("flat", _flatten(written), "foreign"),
+    ):
         alone = tmp_path / name / "alone"
         alone.mkdir(parents=True)
         (alone / "config.json").write_text(json.dumps(config))
@@ -273,14 +356,22 @@ OLDER = "written by an older gpt2lab; this gpt2lab (0.1.0) reads"
 AGAIN = "train it again, or read it with the gpt2lab 0.1.x that wrote it"
 
 
-@pytest.mark.parametrize("found, words", [
-    (None, ["RUN/config.json: a run config without format_version,", OLDER + " run config format 2;", AGAIN]),
-    (1, ["RUN/config.json: run config format 1, " + OLDER + " run config format 2;", AGAIN]),
-    (3, ["RUN/config.json: run config format 3, written by a newer gpt2lab; this gpt2lab (0.1.0) reads run "
-         "config format 2; upgrade gpt2lab to read it"]),
-    ("2", ["RUN/config.json: run config format '2', unknown to this gpt2lab;", "upgrade gpt2lab"]),
-    (True, ["RUN/config.json: run config format True, unknown to this gpt2lab;"]),
-])
+@pytest.mark.parametrize(
+    "found, words",
+    [
+        (None, ["RUN/config.json: a run config without format_version,", OLDER + " run config format 2;", AGAIN]),
+        (1, ["RUN/config.json: run config format 1, " + OLDER + " run config format 2;", AGAIN]),
+        (
+            3,
+            [
+                "RUN/config.json: run config format 3, written by a newer gpt2lab; this gpt2lab (0.1.0) reads run "
+                "config format 2; upgrade gpt2lab to read it"
+            ],
+        ),
+        ("2", ["RUN/config.json: run config format '2', unknown to this gpt2lab;", "upgrade gpt2lab"]),
+        (True, ["RUN/config.json: run config format True, unknown to this gpt2lab;"]),
+    ],
+)
 def test_another_format_version_is_refused_in_one_line(found, words):
     with pytest.raises(ConfigError) as e:
         formats.check("RUN/config.json", found, formats.RUN)
@@ -294,38 +385,61 @@ def test_stamp_and_unstamp():
     formats.check("x", formats.CHECKPOINT.version, formats.CHECKPOINT)  # its own version passes
     from gpt2lab.system.errors import CheckpointError
 
-    with pytest.raises(CheckpointError, match="^CKPT/state.pt: checkpoint format 2, written by a newer gpt2lab; "
-                       r"this gpt2lab \(0.1.0\) reads checkpoint format 1; upgrade gpt2lab to read it$"):
+    with pytest.raises(
+        CheckpointError,
+        match="^CKPT/state.pt: checkpoint format 2, written by a newer gpt2lab; "
+        r"this gpt2lab \(0.1.0\) reads checkpoint format 1; upgrade gpt2lab to read it$",
+    ):
         formats.unstamp({"format_version": 2}, "CKPT/state.pt", formats.CHECKPOINT, CheckpointError)
     assert formats.is_current({"version": 1, "probes": {}}, formats.PROBES, key="version")
-    assert not any(formats.is_current(d, formats.PROBES, key="version")
-                   for d in ({"version": 0}, {"version": 2}, {}, [], {"version": "1"}))
+    assert not any(
+        formats.is_current(d, formats.PROBES, key="version")
+        for d in ({"version": 0}, {"version": 2}, {}, [], {"version": "1"})
+    )
 
 
 def _old_run(path, config: dict) -> str:
     path.mkdir()
     (path / "config.json").write_text(json.dumps(config))
-    (path / "metrics.jsonl").write_text('{"step": 0, "train_loss": 5.0, "dt_ms": 10, "tok_per_s": 1, "tokens": 64}\n'
-                                        '{"step": 1, "val_loss": 4.0}\n')
+    (path / "metrics.jsonl").write_text(
+        '{"step": 0, "train_loss": 5.0, "dt_ms": 10, "tok_per_s": 1, "tokens": 64}\n{"step": 1, "val_loss": 4.0}\n'
+    )
     return str(path)
 
 
 @pytest.mark.parametrize("command", ["report", "plot", "compare"])
 def test_report_plot_and_compare_refuse_a_run_of_another_format_in_one_line(command, tmp_path, capsys):
     written = load_preset("shakespeare-cpu").to_dict()
-    runs = {"flat": (_flatten(written), "a run config without format_version, " + OLDER),
-            "half": ({"model": written["model"], **_flatten({k: v for k, v in written.items() if k != "model"})},
-                     "a run config without format_version, " + OLDER),
-            "newer": ({**formats.stamp(written, formats.RUN), "format_version": 3},
-                      "run config format 3, written by a newer gpt2lab")}
+    runs = {
+        "flat": (_flatten(written), "a run config without format_version, " + OLDER),
+        "half": (
+            {"model": written["model"], **_flatten({k: v for k, v in written.items() if k != "model"})},
+            "a run config without format_version, " + OLDER,
+        ),
+        "newer": (
+            {**formats.stamp(written, formats.RUN), "format_version": 3},
+            "run config format 3, written by a newer gpt2lab",
+        ),
+    }
     good = _old_run(tmp_path / "good", formats.stamp(written, formats.RUN))
     for name, (config, words) in runs.items():
         run = _old_run(tmp_path / name, config)
-        argv = {"report": ["report", run], "plot": ["plot", run, "--out", str(tmp_path / "p.png")],
-                "compare": ["compare", good, run]}[command]
+        argv = {
+            "report": ["report", run],
+            "plot": ["plot", run, "--out", str(tmp_path / "p.png")],
+            "compare": ["compare", good, run],
+        }[command]
         assert _main(argv) == 2, name
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and f"{run}/config.json: {words}" in err, err
         assert (AGAIN if name != "newer" else "upgrade gpt2lab to read it") in err, err
-    assert _main({"report": ["report", good], "plot": ["plot", good, "--out", str(tmp_path / "p.png")],
-                  "compare": ["compare", good, good]}[command]) == 0
+    assert (
+        _main(
+            {
+                "report": ["report", good],
+                "plot": ["plot", good, "--out", str(tmp_path / "p.png")],
+                "compare": ["compare", good, good],
+            }[command]
+        )
+        == 0
+    )

@@ -3,6 +3,7 @@
 The shards hold synthetic documents whose tokens are unique and count up inside each
 document, so every check can name exactly which tokens a batch holds.
 """
+
 import json
 
 import numpy as np
@@ -155,7 +156,7 @@ def test_val_reads_in_order_same_every_time_for_any_world_size(data):
     assert loader.shuffle is False and TokenLoader(root, "train", 2, T).shuffle is True
     first = _batches(loader, 4)
     # in order: row i is tokens [i*T, i*T+T+1) of the shards read one after the other
-    rows = [s[i * T:i * T + T + 1] for s in val for i in range((len(s) - 1) // T)]
+    rows = [s[i * T : i * T + T + 1] for s in val for i in range((len(s) - 1) // T)]
     for k, (x, y) in enumerate(first):
         for j in range(2):
             row = rows[2 * k + j].astype(np.int64)

@@ -2,6 +2,7 @@
 line naming the file, its version, the version this gpt2lab reads and what to do, both where a
 directory is read (shards.read_manifest: training, eval, the loader) and where prepare resumes it;
 an older layout of the same version is refused as unreadable, not guessed at."""
+
 from __future__ import annotations
 
 import json
@@ -15,18 +16,25 @@ from gpt2lab.data.prepare import prepare
 from gpt2lab.data.shards import MANIFEST_FORMAT, MANIFEST_VERSION, ShardError, read_manifest
 from gpt2lab.system.errors import EXIT_ERROR, DataError
 
-OLDER = ("{path}: manifest version {v}, written by an older gpt2lab; this gpt2lab reads version "
-         f"{MANIFEST_VERSION}: prepare the data again into a new directory")
-NEWER = ("{path}: manifest version {v}, written by a newer gpt2lab; this gpt2lab reads version "
-         f"{MANIFEST_VERSION}: upgrade gpt2lab")
-VERSIONS = [pytest.param(MANIFEST_VERSION - 1, OLDER, id="older"),
-            pytest.param(MANIFEST_VERSION + 1, NEWER, id="newer")]
+OLDER = (
+    "{path}: manifest version {v}, written by an older gpt2lab; this gpt2lab reads version "
+    f"{MANIFEST_VERSION}: prepare the data again into a new directory"
+)
+NEWER = (
+    "{path}: manifest version {v}, written by a newer gpt2lab; this gpt2lab reads version "
+    f"{MANIFEST_VERSION}: upgrade gpt2lab"
+)
+VERSIONS = [
+    pytest.param(MANIFEST_VERSION - 1, OLDER, id="older"),
+    pytest.param(MANIFEST_VERSION + 1, NEWER, id="newer"),
+]
 
 
 def _source(tmp_path: Path) -> str:
     path = tmp_path / "docs.jsonl"
-    path.write_text("".join(json.dumps({"text": f"Document {i}: " + "the quick brown fox " * i}) + "\n"
-                            for i in range(30)))
+    path.write_text(
+        "".join(json.dumps({"text": f"Document {i}: " + "the quick brown fox " * i}) + "\n" for i in range(30))
+    )
     return str(path)
 
 
@@ -85,38 +93,57 @@ def test_the_cli_prints_the_refusal_as_one_line_and_exits_1(tmp_path, capsys, ve
 
 @pytest.mark.parametrize("complete", [True, False], ids=["finished", "unfinished"])
 @pytest.mark.parametrize("version, line", VERSIONS)
-def test_prepare_refuses_to_resume_or_check_a_directory_of_another_version(tmp_path, capsys, version, line,
-                                                                            complete):
+def test_prepare_refuses_to_resume_or_check_a_directory_of_another_version(tmp_path, capsys, version, line, complete):
     data = _prepare(tmp_path)
     before = {p.name: p.read_bytes() for p in Path(data).iterdir() if p.name != "manifest.json"}
     path = _set(data, version=version, complete=complete)
-    argv = ["prepare", "--source", _source(tmp_path), "--out", data, "--shard-tokens", "100", "--val-tokens", "120",
-            "--workers", "1", "--quiet"]
+    argv = [
+        "prepare",
+        "--source",
+        _source(tmp_path),
+        "--out",
+        data,
+        "--shard-tokens",
+        "100",
+        "--val-tokens",
+        "120",
+        "--workers",
+        "1",
+        "--quiet",
+    ]
     assert cli.main(argv) == EXIT_ERROR
     assert _one_line(capsys.readouterr().err) == "gpt2lab prepare: " + line.format(path=path, v=version)
     assert {p.name: p.read_bytes() for p in Path(data).iterdir() if p.name != "manifest.json"} == before
     assert json.loads(path.read_text())["version"] == version  # nothing was started over
 
 
-@pytest.mark.parametrize("fields, found", [
-    (dict(version=None), f"format {MANIFEST_FORMAT!r}, version None"),
-    (dict(version="2"), f"format {MANIFEST_FORMAT!r}, version '2'"),
-    (dict(format="someone-else", version=MANIFEST_VERSION), f"format 'someone-else', version {MANIFEST_VERSION}"),
-])
+@pytest.mark.parametrize(
+    "fields, found",
+    [
+        (dict(version=None), f"format {MANIFEST_FORMAT!r}, version None"),
+        (dict(version="2"), f"format {MANIFEST_FORMAT!r}, version '2'"),
+        (dict(format="someone-else", version=MANIFEST_VERSION), f"format 'someone-else', version {MANIFEST_VERSION}"),
+    ],
+)
 def test_a_manifest_without_gpt2labs_format_and_version_is_not_read(tmp_path, fields, found):
     data = _prepare(tmp_path)
     path = _set(data, **fields)
-    for read in (read_manifest, lambda d: prepare(_source(tmp_path), d, shard_tokens=100, val_tokens=120,
-                                                  workers=1, progress=False)):
+    for read in (
+        read_manifest,
+        lambda d: prepare(_source(tmp_path), d, shard_tokens=100, val_tokens=120, workers=1, progress=False),
+    ):
         with pytest.raises(ShardError) as e:
             read(data)
-        assert str(e.value) == (f"{path}: not a gpt2lab prepare manifest ({found}; this gpt2lab reads "
-                                f"{MANIFEST_FORMAT!r} version {MANIFEST_VERSION}); prepare the data again into a "
-                                "new directory")
+        assert str(e.value) == (
+            f"{path}: not a gpt2lab prepare manifest ({found}; this gpt2lab reads "
+            f"{MANIFEST_FORMAT!r} version {MANIFEST_VERSION}); prepare the data again into a "
+            "new directory"
+        )
 
 
-@pytest.mark.parametrize("drop, named", [("dtype", "dtype"), ("val_split", "settings.val_split"),
-                                         ("format", "settings.format")])
+@pytest.mark.parametrize(
+    "drop, named", [("dtype", "dtype"), ("val_split", "settings.val_split"), ("format", "settings.format")]
+)
 def test_an_older_layout_of_the_same_version_is_refused_not_guessed(tmp_path, drop, named):
     """Manifests written before these fields existed were read with defaults; no longer."""
     data = _prepare(tmp_path)
@@ -127,5 +154,4 @@ def test_an_older_layout_of_the_same_version_is_refused_not_guessed(tmp_path, dr
     path.write_text(json.dumps(manifest))
     with pytest.raises(ShardError) as e:
         prepare(_source(tmp_path), data, shard_tokens=100, val_tokens=120, workers=1, progress=False)
-    assert str(e.value) == (f"{path}: not a readable gpt2lab prepare manifest (KeyError: '{named}'); "
-                            "use another --out")
+    assert str(e.value) == (f"{path}: not a readable gpt2lab prepare manifest (KeyError: '{named}'); use another --out")

@@ -1,5 +1,6 @@
 """The ordered parallel map prepare tokenizes with: threads below the measured crossover, processes
 above it; results in the documents' order from either pool; a task's error raised in its place."""
+
 from __future__ import annotations
 
 from typing import List
@@ -15,7 +16,7 @@ def test_prepare_pool_crossover_scales_with_workers():
     assert use_threads((8 << 20) - 1, 2) and not use_threads(8 << 20, 2)
     four = (8 << 20) * 0.5 / 0.75  # W > S / (f (1 - 1/w)): 1 - 1/4 = 0.75 against 0.5 at 2 workers
     assert use_threads(int(four) - 1, 4) and not use_threads(int(four) + 1, 4)
-    assert use_threads(10 ** 12, 1)  # one worker: no pool to pay for
+    assert use_threads(10**12, 1)  # one worker: no pool to pay for
     assert not use_threads(None, 2)  # unknown size (the hub)
 
 
@@ -36,8 +37,11 @@ def _fails_on_seven(docs: List[str]) -> List[int]:
     return _lengths(docs)
 
 
-POOLS = [pytest.param(1, 1 << 40, id="one-worker"), pytest.param(2, 1 << 40, id="threads"),
-         pytest.param(2, 0, id="processes")]
+POOLS = [
+    pytest.param(1, 1 << 40, id="one-worker"),
+    pytest.param(2, 1 << 40, id="threads"),
+    pytest.param(2, 0, id="processes"),
+]
 
 
 @pytest.mark.parametrize("workers, crossover", POOLS)

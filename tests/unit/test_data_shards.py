@@ -1,4 +1,5 @@
 """Shard format (llm.c header, .npy) and every bad-input error of the loader."""
+
 import json
 
 import numpy as np
@@ -58,7 +59,7 @@ def test_missing_empty_and_wrong_split(tmp_path):
 def test_truncated_shard(tmp_path):
     path = tmp_path / "train_000000.bin"
     write_shard(path, _tokens())
-    path.write_bytes(path.read_bytes()[:HEADER_BYTES + 300])
+    path.write_bytes(path.read_bytes()[: HEADER_BYTES + 300])
     msg = _bad(path, "truncated")
     assert str(path) in msg and "header says 200 tokens but the file holds 150" in msg
 

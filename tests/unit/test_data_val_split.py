@@ -1,5 +1,6 @@
 """The default val split of ``gpt2lab prepare``: half a percent of a local source, but enough for one
 evaluation batch of the small presets; a single .txt is one document of each split."""
+
 from __future__ import annotations
 
 import json

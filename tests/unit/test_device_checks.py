@@ -1,6 +1,7 @@
 """The NaN and spike checks on the device: no host sync inside a step, the same verdicts as the
 host's guard, skipped updates that leave weights and optimizer state exactly as they were, and
 records read back a few steps at a time that equal the ones read every step."""
+
 from __future__ import annotations
 
 import math
@@ -8,12 +9,12 @@ import math
 import numpy as np
 import pytest
 import torch
-from train_utils import TINY, tiny_data  # noqa: F401  (tiny_data is a fixture)
+from conftest import TINY
 
 from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.model.loss import LossPath
 from gpt2lab.train.config import load_preset
-from gpt2lab.train.optim import Muon, apply_update, make_optimizer, skips_on_device
+from gpt2lab.train.optim import Muon, make_optimizer, skips_on_device
 from gpt2lab.train.spikes import DeviceGuard, SpikeGuard
 from gpt2lab.train.trainer import GPU_CHECK_INTERVAL, Trainer, TrainingError, check_interval
 
@@ -55,8 +56,9 @@ def test_device_guard_gives_the_host_guards_verdicts_and_z_scores(window, loss_z
     for i, (loss, norm) in enumerate(_values(60, 2), start=12):
         finite = math.isfinite(loss) and math.isfinite(norm)
         want = host.check(i, i, loss, norm) if finite else None
-        bad, z_loss, z_norm = device.check(torch.tensor(loss, dtype=torch.float32),
-                                           torch.tensor(norm, dtype=torch.float32))
+        bad, z_loss, z_norm = device.check(
+            torch.tensor(loss, dtype=torch.float32), torch.tensor(norm, dtype=torch.float32)
+        )
         assert bad.dtype == torch.float32  # found_inf for the fused kernels
         assert bool(bad) == (not finite or want is not None), (i, loss, norm, want)
         if want is not None:
@@ -84,8 +86,9 @@ def test_a_step_skipped_on_the_device_changes_nothing_and_a_kept_one_is_the_plai
         if kind == "adamw":
             opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
         else:
-            opt = Muon(params, lr=0.02, momentum=0.95, weight_decay=0.01, nesterov=True, ns_dtype=torch.float32,
-                       variant=kind)
+            opt = Muon(
+                params, lr=0.02, momentum=0.95, weight_decay=0.01, nesterov=True, ns_dtype=torch.float32, variant=kind
+            )
         return params, opt
 
     (a, opt_a), (b, opt_b) = make(), make()
@@ -103,8 +106,9 @@ def test_a_step_skipped_on_the_device_changes_nothing_and_a_kept_one_is_the_plai
             del opt_a.found_inf
             assert all(torch.equal(x, p) for x, p in zip(before, a))
             after = [(k, v) for p in a for k, v in sorted(opt_a.state[p].items())]
-            assert len(after) == len(state) and all(k == j and torch.equal(v, w)
-                                                    for (k, v), (j, w) in zip(after, state))
+            assert len(after) == len(state) and all(
+                k == j and torch.equal(v, w) for (k, v), (j, w) in zip(after, state)
+            )
             continue
         opt_a.found_inf = torch.tensor(0.0)
         opt_a.step()
@@ -142,6 +146,7 @@ def test_a_step_with_device_checks_never_waits_for_the_device(tiny_data, tmp_pat
         def watch(self, *a, _real=real, _name=name, **k):
             calls.append(_name)
             return _real(self, *a, **k)
+
         monkeypatch.setattr(torch.Tensor, name, watch)
     for _ in range(3):
         assert trainer.train_step() is None
@@ -156,7 +161,8 @@ def test_nan_steps_are_skipped_on_the_device_and_counted_when_read_back(tiny_dat
     trainer = _trainer(tiny_data, tmp_path, max_bad_steps=3, check_interval=8)
     forward, poison = trainer.model.forward, {"on": False}
     trainer.model.forward = lambda *a, **k: (lambda lo: (lo[0], lo[1] * float("nan") if poison["on"] else lo[1]))(
-        forward(*a, **k))
+        forward(*a, **k)
+    )
 
     def step():
         assert trainer.train_step() is None

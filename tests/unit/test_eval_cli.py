@@ -1,4 +1,5 @@
 """`gpt2lab eval hellaswag|loss` on an exported tiny model vs plain transformers loops."""
+
 from __future__ import annotations
 
 import json
@@ -6,10 +7,10 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import DATA
 
 from gpt2lab.cli import main
 from gpt2lab.data.tokenizer import asset_path, gpt2_tokenizer
-from conftest import DATA
 
 SLICE = str(DATA / "hellaswag_val_200.jsonl")
 
@@ -27,7 +28,7 @@ def _hf(d: str):
 
 def test_eval_hellaswag_cli_matches_transformers(tmp_path, capsys):
     import transformers
-    from test_hellaswag import argmin, reference_scores
+    from conftest import argmin, reference_scores
 
     from gpt2lab.evals.hellaswag import load_examples
 
@@ -38,8 +39,24 @@ def test_eval_hellaswag_cli_matches_transformers(tmp_path, capsys):
         model.transformer.wte.weight.mul_(5)  # logits far from uniform: no near-ties between endings
     d = str(tmp_path / "hf")
     model.save_pretrained(d)
-    rc = main(["eval", "hellaswag", "--model", d, "--data", SLICE, "--limit", "12", "--batch-size", "4",
-               "--device", "cpu", "--dtype", "float32"])
+    rc = main(
+        [
+            "eval",
+            "hellaswag",
+            "--model",
+            d,
+            "--data",
+            SLICE,
+            "--limit",
+            "12",
+            "--batch-size",
+            "4",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+        ]
+    )
     assert rc == 0
     result = _last_json(capsys.readouterr().out)
     examples = load_examples(SLICE, limit=12)
@@ -76,12 +93,30 @@ def test_eval_loss_cli_matches_transformers(gpt2_vocab_export, tmp_path, capsys)
     _, d = gpt2_vocab_export
     data, tokens = _val_shards(tmp_path)
     B, T, n_tokens = 2, 64, 512
-    rc = main(["eval", "loss", "--model", d, "--data", data, "--tokens", str(n_tokens), "--batch-size", str(B),
-               "--seq-len", str(T), "--device", "cpu", "--dtype", "float32"])
+    rc = main(
+        [
+            "eval",
+            "loss",
+            "--model",
+            d,
+            "--data",
+            data,
+            "--tokens",
+            str(n_tokens),
+            "--batch-size",
+            str(B),
+            "--seq-len",
+            str(T),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+        ]
+    )
     assert rc == 0
     result = _last_json(capsys.readouterr().out)
     # Independent: the first 512 target tokens, read in order as 8 rows of 64, scored by transformers.
-    buf = torch.tensor(tokens[:n_tokens + 1].astype(np.int64))
+    buf = torch.tensor(tokens[: n_tokens + 1].astype(np.int64))
     x, y = buf[:-1].view(-1, T), buf[1:].view(-1, T)
     with torch.no_grad():
         logits = _hf(d)(x).logits
@@ -93,5 +128,19 @@ def test_eval_loss_cli_matches_transformers(gpt2_vocab_export, tmp_path, capsys)
 def test_eval_loss_cli_missing_dir(gpt2_vocab_export, tmp_path):
     _, d = gpt2_vocab_export
     with pytest.raises((SystemExit, FileNotFoundError, ValueError), match="nowhere"):
-        main(["eval", "loss", "--model", d, "--data", str(tmp_path / "nowhere"), "--tokens", "128",
-              "--seq-len", "64", "--device", "cpu"])
+        main(
+            [
+                "eval",
+                "loss",
+                "--model",
+                d,
+                "--data",
+                str(tmp_path / "nowhere"),
+                "--tokens",
+                "128",
+                "--seq-len",
+                "64",
+                "--device",
+                "cpu",
+            ]
+        )

@@ -1,4 +1,5 @@
 """The one-place facts: the GPT-2 sizes table and the accelerator table, against independent figures."""
+
 from __future__ import annotations
 
 import pytest
@@ -31,11 +32,20 @@ def test_padded_vocab_is_the_next_multiple_of_128():
     assert PADDED_VOCAB_SIZE % 128 == 0 and 0 <= PADDED_VOCAB_SIZE - GPT2_VOCAB_SIZE < 128
 
 
-@pytest.mark.parametrize("name, tflops", [
-    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835),
-    ("NVIDIA H200", 989), ("NVIDIA H200 NVL", 835), ("NVIDIA A100-SXM4-80GB", 312),
-    ("NVIDIA A100 80GB PCIe", 312), ("Tesla T4", None), ("cpu", None),
-])
+@pytest.mark.parametrize(
+    "name, tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", 989),
+        ("NVIDIA H100 PCIe", 756),
+        ("NVIDIA H100 NVL", 835),
+        ("NVIDIA H200", 989),
+        ("NVIDIA H200 NVL", 835),
+        ("NVIDIA A100-SXM4-80GB", 312),
+        ("NVIDIA A100 80GB PCIe", 312),
+        ("Tesla T4", None),
+        ("cpu", None),
+    ],
+)
 def test_peak_flops_tell_the_h100_forms_apart(name, tflops):
     got = peak_flops(name)
     assert (got is None and tflops is None) or got == tflops * 1e12

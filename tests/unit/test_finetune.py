@@ -1,6 +1,7 @@
 """Fine-tuning: --init-from (HF dir, run dir), dropout, LoRA, the finetune-shakespeare preset,
 and the messages for a source that cannot start a run. References: transformers' GPT-2 and
 torch.optim.AdamW, the source checkpoint's own tensors, and the model before training."""
+
 from __future__ import annotations
 
 import json
@@ -9,18 +10,17 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import hf_gpt2, tiny_gpt
+from conftest import TINY, hf_gpt2, tiny_gpt
 from safetensors.torch import load_file
-from train_utils import TINY, tiny_data  # noqa: F401  (tiny_data is a fixture)
 
 from gpt2lab import cli
-from gpt2lab.weights import export, gpt2, read
-from gpt2lab.train.config import load_preset
 from gpt2lab.distributed.dist import DistInfo
+from gpt2lab.model.sampling import generate
+from gpt2lab.train.config import load_preset
 from gpt2lab.train.init_from import InitFromError, adapt_config, sha256_file
 from gpt2lab.train.run import train
 from gpt2lab.train.trainer import Trainer
-from gpt2lab.model.sampling import generate
+from gpt2lab.weights import export, gpt2, read
 
 CPU = torch.device("cpu")
 NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -41,8 +41,10 @@ def hf_src(tmp_path_factory):
 def pretrained_run(tiny_data, tmp_path_factory):  # noqa: F811
     """A gpt2lab run pre-trained for a few steps on Tiny Shakespeare (the run-dir source)."""
     out = tmp_path_factory.mktemp("pre") / "run"
-    cfg = load_preset("shakespeare-cpu", **{**TINY, "data": tiny_data, "out": str(out), "max_steps": 8,
-                                            "block_size": 64, "ckpt_interval": 4})
+    cfg = load_preset(
+        "shakespeare-cpu",
+        **{**TINY, "data": tiny_data, "out": str(out), "max_steps": 8, "block_size": 64, "ckpt_interval": 4},
+    )
     train(cfg, DistInfo(device=CPU))
     return str(out)
 
@@ -61,9 +63,21 @@ def test_hf_source_loss_and_adamw_steps_match_transformers(hf_src, tiny_data, tm
     """Step 0's loss is transformers' on the same batch; after 4 AdamW steps the weights are
     those of transformers + torch.optim.AdamW with the same settings (constant LR, clip 1)."""
     ref, src_dir = hf_src
-    cfg = adapt_config(_cfg(tiny_data, tmp_path / "run", init_from=src_dir, vocab_size=50257, block_size=64,
-                            total_batch_tokens=64, max_lr=1e-3, min_lr=1e-3, warmup_steps=0, weight_decay=0.1,
-                            grad_clip=1.0))
+    cfg = adapt_config(
+        _cfg(
+            tiny_data,
+            tmp_path / "run",
+            init_from=src_dir,
+            vocab_size=50257,
+            block_size=64,
+            total_batch_tokens=64,
+            max_lr=1e-3,
+            min_lr=1e-3,
+            warmup_steps=0,
+            weight_decay=0.1,
+            grad_clip=1.0,
+        )
+    )
     trainer = Trainer.from_config(cfg, DistInfo(device=CPU))
     batches = _batches(4)
     feed = iter(batches)
@@ -73,9 +87,15 @@ def test_hf_source_loss_and_adamw_steps_match_transformers(hf_src, tiny_data, tm
     ref.load_state_dict(hf_src[0].state_dict())
     ref.train()
     params = [p for p in ref.parameters()]
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     for step, (x, y) in enumerate(batches):
         rec = trainer.train_step()
         trainer.step += 1
@@ -106,8 +126,18 @@ def test_run_dir_source_gives_its_weights_and_a_fresh_start(pretrained_run, tiny
     assert trainer.loader.state_dict() == fresh.loader.state_dict()
     assert trainer.plan.init_record["id"] == f"step 8, sha256:{sha256_file(f'{ckpt}/model.safetensors')}"
     # a smaller block keeps the first positions; the older checkpoint is taken when named
-    short = Trainer.from_config(adapt_config(_cfg(tiny_data, tmp_path / "s", init_from=f"{pretrained_run}/checkpoints/step_000004",
-                                      block_size=32, seq_len=32)), DistInfo(device=CPU))
+    short = Trainer.from_config(
+        adapt_config(
+            _cfg(
+                tiny_data,
+                tmp_path / "s",
+                init_from=f"{pretrained_run}/checkpoints/step_000004",
+                block_size=32,
+                seq_len=32,
+            )
+        ),
+        DistInfo(device=CPU),
+    )
     older = load_file(f"{pretrained_run}/checkpoints/step_000004/model.safetensors")
     assert torch.equal(short.raw.transformer.wpe.weight.detach(), older["transformer.wpe.weight"][:32])
 
@@ -157,15 +187,29 @@ def test_lora_trains_only_adapters_and_merged_export_matches(hf_src, tiny_data, 
     from gpt2lab.weights.load import load_model
 
     # the fine-tuning preset (dropout 0.1) from the tiny HF directory, with tiny overrides
-    cfg = adapt_config(_cfg(tiny_data, tmp_path / "lora", "finetune-shakespeare", init_from=hf_src[1], lora_rank=4,
-                            lora_alpha=8.0, lora_targets="c_attn,mlp.c_proj", max_steps=3, max_lr=1e-2, min_lr=1e-2, warmup_steps=0))
+    cfg = adapt_config(
+        _cfg(
+            tiny_data,
+            tmp_path / "lora",
+            "finetune-shakespeare",
+            init_from=hf_src[1],
+            lora_rank=4,
+            lora_alpha=8.0,
+            lora_targets="c_attn,mlp.c_proj",
+            max_steps=3,
+            max_lr=1e-2,
+            min_lr=1e-2,
+            warmup_steps=0,
+        )
+    )
     assert cfg.model.attn_pdrop == 0.1 and cfg.optim.max_steps == 3
     trainer = Trainer.from_config(cfg, DistInfo(device=CPU))
     before = {k: v.detach().clone() for k, v in trainer.raw.state_dict().items()}
     trainable = {n for n, p in trainer.raw.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
-    assert {id(p) for g in trainer.optimizer.param_groups for p in g["params"]} == \
-        {id(p) for n, p in trainer.raw.named_parameters() if n in trainable}
+    assert {id(p) for g in trainer.optimizer.param_groups for p in g["params"]} == {
+        id(p) for n, p in trainer.raw.named_parameters() if n in trainable
+    }
     for _ in range(3):
         trainer.train_step()
         trainer.step += 1
@@ -195,15 +239,51 @@ def test_lora_trains_only_adapters_and_merged_export_matches(hf_src, tiny_data, 
 def test_finetune_preset_lowers_held_out_loss(pretrained_run, tiny_data, tmp_path):  # noqa: F811
     """From the pre-trained run, the finetune-shakespeare preset (tiny overrides, through the
     CLI) lowers the loss on the held-out val split below the source's."""
-    from gpt2lab.weights.load import from_checkpoint as load_model
     from gpt2lab.evals.loss import evaluate_loss
+    from gpt2lab.weights.load import from_checkpoint as load_model
 
     out = tmp_path / "ft"
-    rc = cli.main(["train", "--preset", "finetune-shakespeare", "--init-from", pretrained_run, "--data", tiny_data,
-                   "--out", str(out), "--device", "cpu", "--dtype", "float32", "--compile", "false",
-                   "--seq-len", "32", "--micro-batch-size", "4", "--total-batch-tokens", "128", "--max-steps", "10",
-                   "--max-lr", "3e-3", "--min-lr", "3e-3", "--warmup-steps", "2", "--eval-interval", "0",
-                   "--sample-interval", "0", "--progress", "false", "--keep-cpu-memory", "false"])
+    rc = cli.main(
+        [
+            "train",
+            "--preset",
+            "finetune-shakespeare",
+            "--init-from",
+            pretrained_run,
+            "--data",
+            tiny_data,
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--compile",
+            "false",
+            "--seq-len",
+            "32",
+            "--micro-batch-size",
+            "4",
+            "--total-batch-tokens",
+            "128",
+            "--max-steps",
+            "10",
+            "--max-lr",
+            "3e-3",
+            "--min-lr",
+            "3e-3",
+            "--warmup-steps",
+            "2",
+            "--eval-interval",
+            "0",
+            "--sample-interval",
+            "0",
+            "--progress",
+            "false",
+            "--keep-cpu-memory",
+            "false",
+        ]
+    )
     assert rc == 0
     val = lambda m: evaluate_loss(m, tiny_data, tokens=2048, batch_size=8, seq_len=32, device=CPU)  # noqa: E731
     start, end = val(load_model(pretrained_run)), val(load_model(str(out)))
@@ -217,6 +297,7 @@ def test_finetune_preset_lowers_held_out_loss(pretrained_run, tiny_data, tmp_pat
 
 
 # ---------------------------------------------------------------- bad input: one line, exit 2
+
 
 def _train_cli(capsys, *args: str) -> str:
     capsys.readouterr()  # drop what came before (progress bars of the fixtures)

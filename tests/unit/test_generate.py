@@ -1,11 +1,12 @@
 """Sampling: KV cache vs none vs transformers, past the block, top-k/top-p/temperature, EOT."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import tiny_gpt
+
 from gpt2lab.model.sampling import generate, generate_stream, sample_next
 from gpt2lab.weights import export
 
@@ -14,7 +15,7 @@ from gpt2lab.weights import export
 def _plain_greedy(model, idx: torch.Tensor, n: int) -> torch.Tensor:
     """The textbook loop: re-run the last block_size tokens, take the argmax."""
     for _ in range(n):
-        logits, _ = model(idx[:, -model.config.block_size:])
+        logits, _ = model(idx[:, -model.config.block_size :])
         idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     return idx
 
@@ -31,8 +32,14 @@ def test_greedy_cache_equals_no_cache_equals_transformers(tmp_path):
     export.save_pretrained(model, str(tmp_path))
     theirs_model = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path)).eval()
     with torch.no_grad():
-        theirs = theirs_model.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=60, min_new_tokens=60,
-                             do_sample=False, use_cache=True)
+        theirs = theirs_model.generate(
+            idx,
+            attention_mask=torch.ones_like(idx),
+            max_new_tokens=60,
+            min_new_tokens=60,
+            do_sample=False,
+            use_cache=True,
+        )
     assert torch.equal(cached, theirs)
 
 
@@ -71,13 +78,13 @@ def test_stop_token_finishes_each_row_separately():
             assert torch.equal(out[r], free[r, : out.size(1)])
         else:
             assert torch.equal(out[r, : first[r] + 1], free[r, : first[r] + 1])
-            assert (out[r, first[r]:] == stop).all()  # finished rows repeat the stop token
+            assert (out[r, first[r] :] == stop).all()  # finished rows repeat the stop token
     if all(f is not None for f in first):
         assert out.size(1) == max(first) + 1  # the stream ends once every row is done
     flags = torch.stack([f.clone() for _, f in generate_stream(model, idx, 20, temperature=0.0, stop_token=stop)])
     for r in range(2):  # (steps, B): a row is finished from its stop token on, not before
         if first[r] is not None:
-            assert not flags[: first[r], r].any() and flags[first[r]:, r].all()
+            assert not flags[: first[r], r].any() and flags[first[r] :, r].all()
 
 
 def _frequencies(logits: torch.Tensor, n: int = 4000, **kw) -> torch.Tensor:
@@ -88,8 +95,10 @@ def _frequencies(logits: torch.Tensor, n: int = 4000, **kw) -> torch.Tensor:
 
 def test_top_k_top_p_temperature_distributions():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    assert torch.equal(sample_next(logits.expand(50, -1), top_k=1, generator=torch.Generator().manual_seed(1)),
-                       torch.zeros(50, dtype=torch.long))  # top_k=1 is greedy
+    assert torch.equal(
+        sample_next(logits.expand(50, -1), top_k=1, generator=torch.Generator().manual_seed(1)),
+        torch.zeros(50, dtype=torch.long),
+    )  # top_k=1 is greedy
     f = _frequencies(logits, top_k=2)
     assert f[2:].sum() == 0 and f[0].item() == pytest.approx(0.5 / 0.8, abs=0.03)
     # top_p=0.7: 0.5 alone is short of 0.7, 0.5+0.3 reaches it; the rest is cut.
@@ -116,8 +125,18 @@ def test_bad_sampling_arguments():
 def test_seeded_sampling_is_reproducible():
     model = tiny_gpt(seed=9)
     idx = torch.randint(0, 128, (2, 5))
-    run = lambda: generate(model, idx, 12, temperature=0.9, top_k=20, top_p=0.95,  # noqa: E731
-                                 generator=torch.Generator().manual_seed(123))
+
+    def run():
+        return generate(
+            model,
+            idx,
+            12,
+            temperature=0.9,
+            top_k=20,
+            top_p=0.95,
+            generator=torch.Generator().manual_seed(123),
+        )
+
     a, b = run(), run()
     assert torch.equal(a, b)
     c = generate(model, idx, 12, temperature=0.9, top_k=20, top_p=0.95, generator=torch.Generator().manual_seed(124))

@@ -1,5 +1,6 @@
 """HellaSwag scoring vs hand-computed losses and a plain transformers loop; ranks, compile, bad input
 (two gloo ranks in real processes: tests/e2e/test_real_processes.py)."""
+
 from __future__ import annotations
 
 import json
@@ -7,38 +8,15 @@ import math
 
 import pytest
 import torch
+from conftest import DATA, argmin, reference_scores
 
+from gpt2lab.data.tokenizer import gpt2_tokenizer
 from gpt2lab.evals import hellaswag as hs
 from gpt2lab.evals.hellaswag import Example, evaluate_hellaswag, load_examples, score_examples
 from gpt2lab.model.gpt import GPT, GPTConfig
-from gpt2lab.data.tokenizer import gpt2_tokenizer
-from conftest import DATA
 
 SLICE = str(DATA / "hellaswag_val_200.jsonl")
 VOCAB = 50257
-
-
-def reference_scores(model, examples) -> list[tuple[list[float], list[float]]]:
-    """Plain loop: one row per (example, ending), no padding, transformers forward."""
-    enc, out = gpt2_tokenizer(), []
-    with torch.no_grad():
-        for ex in examples:
-            ctx = enc.encode(ex.ctx)
-            sums, means = [], []
-            for ending in ex.endings:
-                end = enc.encode(" " + ending)
-                hidden = model.transformer(torch.tensor([ctx + end])).last_hidden_state[0]
-                # logits only where the next token is an ending token (the rest is unused)
-                logp = torch.log_softmax(model.lm_head(hidden[len(ctx) - 1:-1]), -1)
-                losses = [-logp[j, t].item() for j, t in enumerate(end)]
-                sums.append(sum(losses))
-                means.append(sum(losses) / len(losses))
-            out.append((sums, means))
-    return out
-
-
-def argmin(xs):
-    return min(range(len(xs)), key=xs.__getitem__)
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +76,9 @@ def test_hand_built_example_known_from_logits(tmp_path, strategy):
         assert sc.mean_loss == pytest.approx(means, rel=1e-4)
         assert (sc.pred, sc.pred_norm) == (0, 1)
     path = tmp_path / "two.jsonl"
-    path.write_text("".join(json.dumps({"ctx": e.ctx, "endings": list(e.endings), "label": e.label}) + "\n"
-                            for e in examples))
+    path.write_text(
+        "".join(json.dumps({"ctx": e.ctx, "endings": list(e.endings), "label": e.label}) + "\n" for e in examples)
+    )
     res = evaluate_hellaswag(model, str(path), device="cpu", strategy=strategy)
     assert res == {"task": "hellaswag", "n": 2, "acc": 0.5, "acc_norm": 0.5}
 
@@ -162,6 +141,7 @@ def test_bfloat16_autocast_close_to_float32(hf_ref):
 
 # ------------------------------------------------------------------ data
 
+
 def _write(tmp_path, lines: list[str]) -> str:
     p = tmp_path / "data.jsonl"
     p.write_text("\n".join(lines) + "\n")
@@ -178,12 +158,15 @@ def test_load_examples_reads_slice_and_limit():
     assert len(load_examples(SLICE, limit=7)) == 7
 
 
-@pytest.mark.parametrize("bad, message", [
-    ('{"ctx": "A", "endings": ["a", "b"', ":3: not valid JSON"),
-    (json.dumps({"ctx": "A", "endings": ["a", "b", "c", "d"], "label": 4}), ":3: 'label' must be an integer 0-3"),
-    (json.dumps({"ctx": "A", "endings": ["a", "b", "c"], "label": 0}), ":3: 'endings' must be a list of 4"),
-    (json.dumps({"endings": ["a", "b", "c", "d"], "label": 0}), ":3: 'ctx' must be a non-empty string"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ('{"ctx": "A", "endings": ["a", "b"', ":3: not valid JSON"),
+        (json.dumps({"ctx": "A", "endings": ["a", "b", "c", "d"], "label": 4}), ":3: 'label' must be an integer 0-3"),
+        (json.dumps({"ctx": "A", "endings": ["a", "b", "c"], "label": 0}), ":3: 'endings' must be a list of 4"),
+        (json.dumps({"endings": ["a", "b", "c", "d"], "label": 0}), ":3: 'ctx' must be a non-empty string"),
+    ],
+)
 def test_bad_lines_name_file_and_line(tmp_path, bad, message):
     path = _write(tmp_path, [GOOD, GOOD, bad])
     with pytest.raises(ValueError) as e:

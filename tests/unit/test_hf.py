@@ -1,4 +1,5 @@
 """HF weights in and out, checked against transformers' own GPT2LMHeadModel."""
+
 from __future__ import annotations
 
 import json
@@ -6,8 +7,8 @@ import os
 
 import pytest
 import torch
-
 from conftest import TINY_SHAPES, tiny_gpt
+
 from gpt2lab import GPT, from_pretrained
 from gpt2lab.weights import export, read
 from gpt2lab.weights.load import is_hf_dir, load_model
@@ -48,8 +49,13 @@ def test_pytorch_model_bin_with_bare_keys_and_mask_buffers(hf_dirs, tmp_path):
     assert _max_diff(ours, theirs, idx) <= 1e-4
 
 
-@pytest.mark.parametrize("shape", [dict(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=128),
-                                   dict(n_layer=3, n_head=4, n_embd=48, block_size=80, vocab_size=300)])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=128),
+        dict(n_layer=3, n_head=4, n_embd=48, block_size=80, vocab_size=300),
+    ],
+)
 def test_export_loads_in_transformers_with_same_logits(tmp_path, shape):
     import transformers
 
@@ -67,7 +73,10 @@ def test_reverse_round_trip_is_exact(hf_dirs, tmp_path):
 
     theirs, d = hf_dirs[0]
     export.save_pretrained(read.from_hf_dir(d), str(tmp_path / "again"))
-    before, after = load_file(os.path.join(d, "model.safetensors")), load_file(str(tmp_path / "again/model.safetensors"))
+    before, after = (
+        load_file(os.path.join(d, "model.safetensors")),
+        load_file(str(tmp_path / "again/model.safetensors")),
+    )
     assert sorted(before) == sorted(after)
     for k in before:
         assert torch.equal(before[k], after[k]), k
@@ -95,8 +104,15 @@ def test_export_has_tokenizer_files_autotokenizer_loads(gpt2_vocab_export):
     import transformers
 
     _, d = gpt2_vocab_export
-    for name in ("config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer_config.json",
-                 "special_tokens_map.json", "generation_config.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "vocab.json",
+        "merges.txt",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "generation_config.json",
+    ):
         assert os.path.isfile(os.path.join(d, name)), name
     tok = transformers.AutoTokenizer.from_pretrained(d)
     assert tok("Hello, I'm a language model,")["input_ids"] == [15496, 11, 314, 1101, 257, 3303, 2746, 11]

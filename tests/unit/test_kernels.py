@@ -1,6 +1,7 @@
 """inference/kernels.py, choice.py, probe.py and form.py: each decode linear against F.linear on the same
 (rounded or dequantized) weights, a prepared model against the model it came from, and the choice
 of precision and kernel in every branch with faked facts."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -9,20 +10,28 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import tiny_gpt
+
 from gpt2lab.inference import probe as prep
-from gpt2lab.inference.form import for_inference, hold
-from gpt2lab.inference.kernels import (DecodeLinear, Int8Linear, PackedLinear, PlainLinear, int8_available,
-                                       packing_available, packing_bf16_error, quantize_int8, swap_linears)
 from gpt2lab.inference.choice import Candidate, InferenceFacts, InferenceRequest, Timing, candidates, choose
+from gpt2lab.inference.form import for_inference, hold
+from gpt2lab.inference.kernels import (
+    DecodeLinear,
+    Int8Linear,
+    PackedLinear,
+    PlainLinear,
+    int8_available,
+    packing_available,
+    packing_bf16_error,
+    quantize_int8,
+    swap_linears,
+)
 from gpt2lab.system import formats
 from gpt2lab.system.runtime import ChoiceError
 
 needs_onednn = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN packed linear")
 needs_int8 = pytest.mark.skipif(int8_available(torch.device("cpu")) is not None, reason="no int8 weight-only kernel")
-MODERN = dict(pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2", tie_embeddings=False,
-              logit_softcap=15.0)
+MODERN = dict(pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2", tie_embeddings=False, logit_softcap=15.0)
 
 
 def _layer_inputs(bias: bool, shape=(5, 24)):
@@ -38,8 +47,11 @@ def test_fp32_decode_linears_equal_f_linear(kernel, bias, shape):
     if kernel == "packed" and not packing_available():
         pytest.skip("this torch build has no oneDNN packed linear")
     w, b, x = _layer_inputs(bias, shape)
-    layer = (PackedLinear(w, b, torch.float32, batch_hint=8) if kernel == "packed"
-             else PlainLinear(w, b, torch.float32, column_major=kernel == "decode"))
+    layer = (
+        PackedLinear(w, b, torch.float32, batch_hint=8)
+        if kernel == "packed"
+        else PlainLinear(w, b, torch.float32, column_major=kernel == "decode")
+    )
     with torch.inference_mode():
         got = layer(x)
     assert got.shape == (*shape[:-1], 40) and got.dtype == torch.float32
@@ -53,11 +65,14 @@ def test_bf16_decode_linears_multiply_bf16_inputs_by_bf16_weights(kernel):
     if kernel == "packed" and not packing_available():
         pytest.skip("this torch build has no oneDNN packed linear")
     if kernel == "packed" and packing_bf16_error():
-        pytest.skip(f"oneDNN cannot pack bf16 weights on this CPU ({packing_bf16_error()}); "
-                    "test_bf16_packing_fact_is_what_onednn_does checks the refusal here")
+        pytest.skip(
+            f"oneDNN cannot pack bf16 weights on this CPU ({packing_bf16_error()}); "
+            "test_bf16_packing_fact_is_what_onednn_does checks the refusal here"
+        )
     w, b, x = _layer_inputs(True)
-    layer = (PackedLinear(w, b, torch.bfloat16, batch_hint=4) if kernel == "packed"
-             else PlainLinear(w, b, torch.bfloat16))
+    layer = (
+        PackedLinear(w, b, torch.bfloat16, batch_hint=4) if kernel == "packed" else PlainLinear(w, b, torch.bfloat16)
+    )
     with torch.inference_mode():
         got = layer(x)  # an fp32 input is cast: the layer returns bf16
     assert got.dtype == torch.bfloat16
@@ -69,7 +84,7 @@ def test_bf16_decode_linears_multiply_bf16_inputs_by_bf16_weights(kernel):
 def test_int8_quantization_is_symmetric_per_row_within_half_a_step():
     w = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
     w[2] *= 100  # rows of very different ranges get their own scales
-    w[4] = 0.0   # an all-zero row must not divide by zero
+    w[4] = 0.0  # an all-zero row must not divide by zero
     q, scale = quantize_int8(w)
     assert q.dtype == torch.int8 and int(q.abs().max()) == 127
     torch.testing.assert_close(scale[:4], w[:4].abs().amax(dim=1) / 127)
@@ -95,8 +110,9 @@ def test_int8_linear_multiplies_by_the_dequantized_weight(dtype, width):
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("block", [{}, MODERN, dict(MODERN, value_embeds=1, unet_skips=True)],
-                         ids=["gpt2", "modern", "levers"])
+@pytest.mark.parametrize(
+    "block", [{}, MODERN, dict(MODERN, value_embeds=1, unet_skips=True)], ids=["gpt2", "modern", "levers"]
+)
 @pytest.mark.parametrize("kernel", ["decode", "packed"])
 def test_a_prepared_fp32_model_gives_the_models_logits_and_shares_its_other_weights(block, kernel):
     if kernel == "packed" and not packing_available():
@@ -155,9 +171,14 @@ def test_swap_linears_gives_a_tied_head_its_own_copy():
 # -- the choice, with faked facts -------------------------------------------------------------
 ZEN = InferenceFacts("cpu", "AMD EPYC (Zen 4)", native_bf16=True, packing=True)
 XEON = InferenceFacts("cpu", "Intel Xeon (AVX-512, no AVX512_BF16)", native_bf16=False, packing=True)
-AVX2 = InferenceFacts("cpu", "AMD EPYC (AVX2 only)", native_bf16=False, packing=True,
-                      packing_bf16_error="mkldnn_reorder_linear_weight: bf16 path needs the cpu support "
-                                         "avx_ne_convert or avx512bw, avx512vl and avx512dq")
+AVX2 = InferenceFacts(
+    "cpu",
+    "AMD EPYC (AVX2 only)",
+    native_bf16=False,
+    packing=True,
+    packing_bf16_error="mkldnn_reorder_linear_weight: bf16 path needs the cpu support "
+    "avx_ne_convert or avx512bw, avx512vl and avx512dq",
+)
 NO_ONEDNN = InferenceFacts("cpu", "a CPU build without oneDNN", native_bf16=False, packing=False)
 H100 = InferenceFacts("cuda", "NVIDIA H100", native_bf16=True, int8_error="no CUDA int8 weight-only kernel")
 V100 = InferenceFacts("cuda", "Tesla V100", native_bf16=False)
@@ -185,49 +206,81 @@ def _names(cands):
     return [c.name for c in cands]
 
 
-@pytest.mark.parametrize("facts, request_, want", [
-    (ZEN, InferenceRequest(), ["float32/plain", "float32/decode", "float32/packed",
-                               "bfloat16/plain", "bfloat16/decode", "bfloat16/packed"]),
-    (NO_ONEDNN, InferenceRequest(), ["float32/plain", "float32/decode", "bfloat16/plain", "bfloat16/decode"]),
-    (AVX2, InferenceRequest(dtype="float32", linear="packed"), ["float32/packed"]),
-    (AVX2, InferenceRequest(), ["float32/plain", "float32/decode", "float32/packed",  # oneDNN packs no bf16 there
-                                "bfloat16/plain", "bfloat16/decode"]),
-    (XEON, InferenceRequest(dtype="bfloat16", linear="plain"), ["bfloat16/plain", "bfloat16/decode"]),
-    (ZEN, InferenceRequest(quantize="int8"), ["float32/int8", "bfloat16/int8"]),
-    (H100, InferenceRequest(), ["float32/plain", "bfloat16/plain"]),
-    (V100, InferenceRequest(), ["float32/plain", "float16/plain"]),
-    (V100, InferenceRequest(dtype="float16"), ["float16/plain"]),
-    (MPS, InferenceRequest(), ["float32/plain", "float16/plain"]),
-])
+@pytest.mark.parametrize(
+    "facts, request_, want",
+    [
+        (
+            ZEN,
+            InferenceRequest(),
+            [
+                "float32/plain",
+                "float32/decode",
+                "float32/packed",
+                "bfloat16/plain",
+                "bfloat16/decode",
+                "bfloat16/packed",
+            ],
+        ),
+        (NO_ONEDNN, InferenceRequest(), ["float32/plain", "float32/decode", "bfloat16/plain", "bfloat16/decode"]),
+        (AVX2, InferenceRequest(dtype="float32", linear="packed"), ["float32/packed"]),
+        (
+            AVX2,
+            InferenceRequest(),
+            [
+                "float32/plain",
+                "float32/decode",
+                "float32/packed",  # oneDNN packs no bf16 there
+                "bfloat16/plain",
+                "bfloat16/decode",
+            ],
+        ),
+        (XEON, InferenceRequest(dtype="bfloat16", linear="plain"), ["bfloat16/plain", "bfloat16/decode"]),
+        (ZEN, InferenceRequest(quantize="int8"), ["float32/int8", "bfloat16/int8"]),
+        (H100, InferenceRequest(), ["float32/plain", "bfloat16/plain"]),
+        (V100, InferenceRequest(), ["float32/plain", "float16/plain"]),
+        (V100, InferenceRequest(dtype="float16"), ["float16/plain"]),
+        (MPS, InferenceRequest(), ["float32/plain", "float16/plain"]),
+    ],
+)
 def test_candidates_are_what_the_device_runs_and_the_request_allows(facts, request_, want):
     assert _names(candidates(request_, facts)) == want
 
 
-@pytest.mark.parametrize("facts, request_, needle", [
-    (ZEN, InferenceRequest(dtype="float16"), "--dtype float16 needs a GPU"),
-    (V100, InferenceRequest(dtype="bfloat16"), "has no bf16"),
-    (H100, InferenceRequest(quantize="int8"), "--quantize int8 cannot run here: no CUDA int8"),
-    (NO_ONEDNN, InferenceRequest(linear="packed"), "--cpu-linear packed cannot run here"),
-    (AVX2, InferenceRequest(dtype="bfloat16", linear="packed"), "--dtype bfloat16 --cpu-linear packed cannot run here"),
-    (H100, InferenceRequest(linear="packed"), "--cpu-linear packed cannot run here"),
-    (ZEN, InferenceRequest(quantize="int4"), "--quantize int4"),
-])
+@pytest.mark.parametrize(
+    "facts, request_, needle",
+    [
+        (ZEN, InferenceRequest(dtype="float16"), "--dtype float16 needs a GPU"),
+        (V100, InferenceRequest(dtype="bfloat16"), "has no bf16"),
+        (H100, InferenceRequest(quantize="int8"), "--quantize int8 cannot run here: no CUDA int8"),
+        (NO_ONEDNN, InferenceRequest(linear="packed"), "--cpu-linear packed cannot run here"),
+        (
+            AVX2,
+            InferenceRequest(dtype="bfloat16", linear="packed"),
+            "--dtype bfloat16 --cpu-linear packed cannot run here",
+        ),
+        (H100, InferenceRequest(linear="packed"), "--cpu-linear packed cannot run here"),
+        (ZEN, InferenceRequest(quantize="int4"), "--quantize int4"),
+    ],
+)
 def test_what_cannot_run_is_one_line_naming_the_flag(facts, request_, needle):
     with pytest.raises(ChoiceError, match=needle):
         candidates(request_, facts)
 
 
-@pytest.mark.parametrize("facts, request_, want", [
-    (ZEN, InferenceRequest(), "bfloat16/packed"),
-    (XEON, InferenceRequest(), "float32/packed"),
-    (AVX2, InferenceRequest(workload="serve", rows=8), "float32/packed"),
-    (NO_ONEDNN, InferenceRequest(), "float32/decode"),
-    (ZEN, InferenceRequest(quantize="int8"), "bfloat16/int8"),
-    (XEON, InferenceRequest(quantize="int8"), "float32/int8"),
-    (H100, InferenceRequest(), "bfloat16/plain"),
-    (V100, InferenceRequest(), "float16/plain"),
-    (MPS, InferenceRequest(), "float32/plain"),
-])
+@pytest.mark.parametrize(
+    "facts, request_, want",
+    [
+        (ZEN, InferenceRequest(), "bfloat16/packed"),
+        (XEON, InferenceRequest(), "float32/packed"),
+        (AVX2, InferenceRequest(workload="serve", rows=8), "float32/packed"),
+        (NO_ONEDNN, InferenceRequest(), "float32/decode"),
+        (ZEN, InferenceRequest(quantize="int8"), "bfloat16/int8"),
+        (XEON, InferenceRequest(quantize="int8"), "float32/int8"),
+        (H100, InferenceRequest(), "bfloat16/plain"),
+        (V100, InferenceRequest(), "float16/plain"),
+        (MPS, InferenceRequest(), "float32/plain"),
+    ],
+)
 def test_unmeasured_the_devices_facts_decide(facts, request_, want):
     d = choose(request_, facts)
     assert d.candidate.name == want and "not measured" in d.reason
@@ -246,17 +299,25 @@ def test_sample_keeps_the_cheapest_request_prefill_plus_its_decode_steps():
     # sample's cost: prefill + 128 one-row steps. bf16/packed: 100 + 128 * 8 = 1124; fp32/packed:
     # 40 + 128 * 9 = 1192 (the faster prefill does not make up for the slower steps); fp32/plain:
     # 40 + 128 * 20 = 2600; others failed or were given up.
-    facts = _facts(XEON, float32__plain=Timing(40.0, 20.0), float32__decode="failed: no",
-                   float32__packed=Timing(40.0, 9.0), bfloat16__packed=Timing(100.0, 8.0),
-                   bfloat16__plain="given up: slow", bfloat16__decode="given up: slow")
+    facts = _facts(
+        XEON,
+        float32__plain=Timing(40.0, 20.0),
+        float32__decode="failed: no",
+        float32__packed=Timing(40.0, 9.0),
+        bfloat16__packed=Timing(100.0, 8.0),
+        bfloat16__plain="given up: slow",
+        bfloat16__decode="given up: slow",
+    )
     d = choose(InferenceRequest(), facts)
     assert d.candidate.name == "bfloat16/packed"
     assert "next float32/packed prefill 40.0 / step 9.00 ms (1.06x)" in d.reason
-    assert d.reason.endswith("; dropped: float32/decode failed: no; bfloat16/plain given up: slow; "
-                             "bfloat16/decode given up: slow")
+    assert d.reason.endswith(
+        "; dropped: float32/decode failed: no; bfloat16/plain given up: slow; bfloat16/decode given up: slow"
+    )
     assert choose(InferenceRequest(workload="score"), facts).candidate.name == "float32/packed"  # the prefill alone
     assert choose(InferenceRequest(workload="score"), facts).reason.startswith(
-        "fastest measured for score: float32/packed prefill 40.0 ms")
+        "fastest measured for score: float32/packed prefill 40.0 ms"
+    )
 
 
 def test_serve_keeps_the_candidate_whose_worse_slowdown_at_one_row_or_a_full_batch_is_least():
@@ -264,8 +325,12 @@ def test_serve_keeps_the_candidate_whose_worse_slowdown_at_one_row_or_a_full_bat
     #   A fp32/packed:  10 + 128 * 10 = 1290,   10 + 128 * 16 / 8 = 266  -> max(1290/1034, 266/138) = 1.93
     #   B bf16/packed:  10 + 128 * 8 = 1034,    10 + 128 * 24 / 8 = 394  -> max(1.00, 2.86) = 2.86
     #   C bf16/plain:   10 + 128 * 9 = 1162,    10 + 128 * 8 / 8 = 138   -> max(1.12, 1.00) = 1.12
-    facts = _facts(ZEN, float32__packed=Timing(10.0, 10.0, 16.0), bfloat16__packed=Timing(10.0, 8.0, 24.0),
-                   bfloat16__plain=Timing(10.0, 9.0, 8.0))
+    facts = _facts(
+        ZEN,
+        float32__packed=Timing(10.0, 10.0, 16.0),
+        bfloat16__packed=Timing(10.0, 8.0, 24.0),
+        bfloat16__plain=Timing(10.0, 9.0, 8.0),
+    )
     d = choose(InferenceRequest(workload="serve", rows=8), facts)
     assert d.candidate.name == "bfloat16/plain" and "(1.93x)" in d.reason and "(2.86x)" in d.reason
     assert choose(InferenceRequest(workload="sample"), facts).candidate.name == "bfloat16/packed"
@@ -317,8 +382,12 @@ def test_the_tests_keep_gpt2labs_cache_out_of_the_users_home():
     from gpt2lab.system.runtime import _cache_dir
 
     home = os.path.realpath(os.path.expanduser("~")) + os.sep
-    child = subprocess.run([sys.executable, "-c", "from gpt2lab.system.runtime import _cache_dir; print(_cache_dir())"],
-                           capture_output=True, text=True, check=True).stdout.strip()
+    child = subprocess.run(
+        [sys.executable, "-c", "from gpt2lab.system.runtime import _cache_dir; print(_cache_dir())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     for where in (_cache_dir(), cache_dir(), child):
         assert not os.path.realpath(where).startswith(home), where
     assert _cache_dir() == cache_dir() == child == os.environ["GPT2LAB_TEST_CACHE"]
@@ -349,7 +418,10 @@ def test_the_probe_cache_is_one_bounded_versioned_file(tmp_path, monkeypatch):
     measured = len(calls)
     prep.decide(model, torch.device("cpu"), request, facts=ZEN)
     assert len(calls) == measured  # read back
-    for version in (formats.PROBES.version - 1, formats.PROBES.version + 1):  # another format: only a cache, measured again
+    for version in (
+        formats.PROBES.version - 1,
+        formats.PROBES.version + 1,
+    ):  # another format: only a cache, measured again
         (tmp_path / prep.PROBE_FILE).write_text(json.dumps({**saved, "version": version}))
         prep.decide(model, torch.device("cpu"), request, facts=ZEN)
         assert len(calls) == measured + len(names)
@@ -364,8 +436,9 @@ def test_a_first_probe_says_once_on_stderr_what_it_does_and_about_how_long(tmp_p
     model, cpu = tiny_gpt(seed=0, vocab_size=97, block_size=16), torch.device("cpu")
     prep.decide(model, cpu, InferenceRequest(linear="plain"), facts=ZEN, command="gpt2lab sample")
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].startswith("gpt2lab sample: measuring 4 ways to run this model on this "
-                                               "machine for sample (bfloat16/decode, "), err
+    assert len(err) == 1 and err[0].startswith(
+        "gpt2lab sample: measuring 4 ways to run this model on this machine for sample (bfloat16/decode, "
+    ), err
     assert "about 12 s; done once per machine and model shape" in err[0] and "GPT2LAB_PROBE=0" in err[0]
     prep.decide(model, cpu, InferenceRequest(linear="plain"), facts=ZEN, command="gpt2lab sample")
     assert capsys.readouterr().err == ""  # read back from the cache: nothing measured, nothing said
@@ -381,6 +454,7 @@ def test_the_probe_estimate_counts_the_calls_measure_makes():
             return float(next(clock))
 
     import unittest.mock as mock
+
     with mock.patch.object(prep, "time", FakeTime):
         sample = prep.estimate_seconds(model, 2, InferenceRequest(), cpu)
         serve = prep.estimate_seconds(model, 1, InferenceRequest(workload="serve", rows=8), cpu)
@@ -396,7 +470,6 @@ def test_measure_times_a_real_prefill_and_real_steps_and_gives_up_on_a_hopeless_
     assert prep.measure(model, Candidate("float32", "plain"), InferenceRequest(workload="score"), cpu).step1 is None
     with pytest.raises(prep._TooSlow, match="not timed further"):
         prep.measure(model, Candidate("float32", "plain"), InferenceRequest(), cpu, best=Timing(prefill=1e-9))
-
 
 
 def test_start_up_says_why_each_dropped_candidate_was_dropped():
@@ -417,8 +490,9 @@ def test_start_up_says_why_each_dropped_candidate_was_dropped():
     d = choose(request, facts)
     assert d.candidate.name == "bfloat16/int8" and d.reason.endswith(f"; dropped: float32/int8 given up: {why}")
     failed = _facts(XEON, bfloat16__int8=t, float32__int8="failed: no int8 kernel for float32 activations")
-    assert choose(request, failed).reason.endswith("; dropped: float32/int8 failed: no int8 kernel for float32 "
-                                                   "activations")
+    assert choose(request, failed).reason.endswith(
+        "; dropped: float32/int8 failed: no int8 kernel for float32 activations"
+    )
 
 
 # -- for_inference(): the library's inference form, by the device's rule -------------------------
@@ -434,8 +508,9 @@ def test_for_inference_holds_a_copy_by_the_rule_and_generates_the_models_tokens(
     fast = for_inference(model)
     picked = rule(InferenceRequest(dtype="float32"), detect_facts(cpu)).candidate
     assert fast is not model and picked.dtype == "float32"  # the model's own dtype
-    assert {(m.kernel, m.dtype) for m in fast.modules() if isinstance(m, DecodeLinear)} == {(picked.kernel,
-                                                                                           torch.float32)}
+    assert {(m.kernel, m.dtype) for m in fast.modules() if isinstance(m, DecodeLinear)} == {
+        (picked.kernel, torch.float32)
+    }
     assert sum(type(m) is torch.nn.Linear for m in model.modules()) == 9  # the model keeps its own linears
     with torch.inference_mode():
         want = model(idx)[0][:, -1]
@@ -452,8 +527,7 @@ def test_for_inference_holds_a_copy_by_the_rule_and_generates_the_models_tokens(
 
 
 @needs_int8
-def test_sample_quantize_int8_continues_as_the_dequantized_weights_do(gpt2_vocab_export, capsys, tmp_path,
-                                                                      monkeypatch):
+def test_sample_quantize_int8_continues_as_the_dequantized_weights_do(gpt2_vocab_export, capsys, tmp_path, monkeypatch):
     """`gpt2lab sample --quantize int8` against an independent reference: the fp32 model whose every
     linear weight (the tied head's own copy included; the embedding lookup keeps fp32) is q * scale."""
     import copy
@@ -464,8 +538,29 @@ def test_sample_quantize_int8_continues_as_the_dequantized_weights_do(gpt2_vocab
 
     model, d = gpt2_vocab_export
     monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path))
-    assert cli.main(["sample", "--model", d, "--prompt", "Hello there", "--device", "cpu", "--dtype", "float32",
-                     "--quantize", "int8", "--temperature", "0", "--max-new-tokens", "16", "--no-stop-at-eot"]) == 0
+    assert (
+        cli.main(
+            [
+                "sample",
+                "--model",
+                d,
+                "--prompt",
+                "Hello there",
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--quantize",
+                "int8",
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "16",
+                "--no-stop-at-eot",
+            ]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     assert "gpt2lab sample: dtype float32, int8 linears (asked for)" in err
     ref = copy.deepcopy(model)
@@ -477,5 +572,5 @@ def test_sample_quantize_int8_continues_as_the_dequantized_weights_do(gpt2_vocab
                 m.weight.copy_(q.float() * scale[:, None])
     enc = gpt2_tokenizer()
     idx = torch.tensor([enc.encode("Hello there")])
-    want = generate(ref, idx, 16, temperature=0.0)[0, idx.size(1):].tolist()
+    want = generate(ref, idx, 16, temperature=0.0)[0, idx.size(1) :].tolist()
     assert out == f"--- sample 1/1\nHello there{enc.decode(want)}\n"

@@ -5,29 +5,29 @@ Every import counts, including those inside functions: a lazy import is still a 
 are no exceptions. And no two files import each other, however indirectly (``file_cycles``): within a
 package too, the imports between files form no circle.
 """
+
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-
 SRC = Path(__file__).resolve().parents[2] / "src" / "gpt2lab"
 
 # package -> layer; a module may import its own package and packages of strictly lower layers.
 LAYERS = {
-    "system": 0,       # errors, files, runtime facts and choices, hardware table: the stdlib and torch only
-    "model": 1,        # the network, its config, its loss, LoRA adapters: no I/O
-    "data": 2,         # tokenizer, sources, shards, loader, prepare
+    "system": 0,  # errors, files, runtime facts and choices, hardware table: the stdlib and torch only
+    "model": 1,  # the network, its config, its loss, LoRA adapters: no I/O
+    "data": 2,  # tokenizer, sources, shards, loader, prepare
     "distributed": 3,  # process groups, DDP/FSDP wrapping, the memory planner
-    "checkpoint": 4,   # saving and loading a run's state (full and sharded)
-    "weights": 5,      # weights in and out: HF hub/dirs, export, --model arguments
-    "inference": 6,    # sampling and completion
-    "evals": 6,        # validation loss, HellaSwag
-    "observe": 6,      # metrics, W&B, plots, reports
-    "train": 7,        # the run plan, the trainer, optimizers, the spike guard, TrainConfig
-    "serve": 8,        # the HTTP server
-    "benchmarks": 9,   # gpt2lab bench ...: measure the layers below
-    "commands": 10,    # the CLI's subcommands (`bench` runs the benchmarks)
+    "checkpoint": 4,  # saving and loading a run's state (full and sharded)
+    "weights": 5,  # weights in and out: HF hub/dirs, export, --model arguments
+    "inference": 6,  # sampling and completion
+    "evals": 6,  # validation loss, HellaSwag
+    "observe": 6,  # metrics, W&B, plots, reports
+    "train": 7,  # the run plan, the trainer, optimizers, the spike guard, TrainConfig
+    "serve": 8,  # the HTTP server
+    "benchmarks": 9,  # gpt2lab bench ...: measure the layers below
+    "commands": 10,  # the CLI's subcommands (`bench` runs the benchmarks)
     "cli": 11,
 }
 TOP = {"__init__", "__main__"}  # the package's front door (lazy API) and `python -m gpt2lab`
@@ -76,8 +76,10 @@ def violations(src: Path = SRC) -> list[str]:
             if target == pkg or target == "__version__":
                 continue
             if target not in LAYERS or LAYERS[target] >= LAYERS[pkg]:
-                bad.append(f"{path.relative_to(src)}:{line}: {pkg} (layer {LAYERS[pkg]}) imports "
-                           f"{target} (layer {LAYERS.get(target, '?')})" + (f" in {scope}" if scope else ""))
+                bad.append(
+                    f"{path.relative_to(src)}:{line}: {pkg} (layer {LAYERS[pkg]}) imports "
+                    f"{target} (layer {LAYERS.get(target, '?')})" + (f" in {scope}" if scope else "")
+                )
     return bad
 
 

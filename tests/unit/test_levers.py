@@ -2,6 +2,7 @@
 lm_head, the batch-size ramp and NorMuon, each against a written-out formula or a hand count: a
 hand-written attention and U-net forward, a float64 NorMuon loop, the ramp's micro-steps by hand,
 the planner's bytes against what autograd keeps and what the optimizer holds."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,8 @@ import math
 
 import pytest
 import torch
+from conftest import TINY, saved_bytes
 from torch.nn import functional as F
-from train_utils import TINY, tiny_data  # noqa: F401  (tiny_data is a fixture)
 
 from gpt2lab.distributed import memplan
 from gpt2lab.distributed.dist import DistInfo
@@ -52,16 +53,23 @@ def test_every_lever_is_off_by_default_and_gpt2_is_unchanged():
     on = model(value_embeds=2, unet_skips=True)
     assert on.config.modern() == {"value_embeds": 2, "unet_skips": True}
     # a config.json without these fields: off
-    assert model_from_config({"model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16,
-                                        "vocab_size": 96}}).modern() == {}
+    assert (
+        model_from_config(
+            {"model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "vocab_size": 96}}
+        ).modern()
+        == {}
+    )
 
 
-@pytest.mark.parametrize("bad, needle", [
-    (dict(value_embeds=3), "value_embeds 3 must be in [0, n_layer / 2]"),
-    (dict(value_embeds=-1), "value_embeds -1 must be in [0, n_layer / 2]"),
-    (dict(n_layer=1, unet_skips=True), "unet_skips needs n_layer >= 2"),
-    (dict(zero_init_head=True), "zero_init_head needs tie_embeddings false"),
-])
+@pytest.mark.parametrize(
+    "bad, needle",
+    [
+        (dict(value_embeds=3), "value_embeds 3 must be in [0, n_layer / 2]"),
+        (dict(value_embeds=-1), "value_embeds -1 must be in [0, n_layer / 2]"),
+        (dict(n_layer=1, unet_skips=True), "unet_skips needs n_layer >= 2"),
+        (dict(zero_init_head=True), "zero_init_head needs tie_embeddings false"),
+    ],
+)
 def test_bad_lever_values_are_named(bad, needle):
     with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("]", r"\]")):
         GPTConfig(**{**SMALL, **bad})
@@ -133,7 +141,7 @@ def test_closed_gates_and_skips_give_the_plain_models_logits():
 
 
 def test_kv_cache_decode_and_activation_checkpointing_with_every_lever_on():
-    from test_modern_block import ALL_ON
+    from conftest import ALL_ON
 
     m = randomize_levers(model(**{**ALL_ON, **LEVERS, "n_layer": 5, "value_embeds": 2}))
     idx = torch.randint(0, 96, (2, 24))
@@ -176,8 +184,12 @@ def test_parameter_counts_by_hand_and_the_optimizer_groups():
     assert m.num_params(non_embedding=True) == total - T * C - 2 * V * C  # the tables are looked up only
     names = {id(p): n for n, p in m.named_parameters()}
     split = {role: sorted(names[id(p)] for p in ps) for role, ps in muon_split(m).items()}
-    assert split["embed"] == ["transformer.ve.0.weight", "transformer.ve.1.weight", "transformer.wpe.weight",
-                              "transformer.wte.weight"]
+    assert split["embed"] == [
+        "transformer.ve.0.weight",
+        "transformer.ve.1.weight",
+        "transformer.wpe.weight",
+        "transformer.wte.weight",
+    ]
     assert "skip_weights" in split["other"] and sum("ve_gate" in n for n in split["other"]) == 4
     assert len(split["hidden"]) == 4 * L  # Muon still gets exactly the blocks' matrices
 
@@ -193,26 +205,14 @@ def test_export_refuses_the_levers_in_one_line_and_init_from_takes_them():
     assert neither == ["value_embeds=1", "unet_skips=true"]  # zero_init_head: initial weights only
     with pytest.raises(UsageError) as e:
         targets.check_exportable(cfg)
-    assert "\n" not in str(e.value) and ("value_embeds=1 (GPT-2 and NanoChat: no value embeddings); unet_skips=true "
-                                         "(GPT-2 and NanoChat: no skips between blocks)") in str(e.value)
+    assert "\n" not in str(e.value) and (
+        "value_embeds=1 (GPT-2 and NanoChat: no value embeddings); unet_skips=true "
+        "(GPT-2 and NanoChat: no skips between blocks)"
+    ) in str(e.value)
     assert targets.export_target(GPTConfig(**{**SMALL, "tie_embeddings": False, "zero_init_head": True})).name
 
 
 # -- the memory planner --------------------------------------------------------------------------
-def _saved_bytes(m: torch.nn.Module, run) -> int:
-    """Bytes of every storage autograd keeps while ``run`` runs, parameters left out."""
-    params = {p.untyped_storage().data_ptr() for p in m.parameters()}
-    saved = {}
-
-    def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run()
-    return sum(n for ptr, n in saved.items() if ptr not in params)
-
-
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("n_layer", [4, 5])
 @pytest.mark.parametrize("block", [{}, dict(pos_emb="rotary", qk_norm=True, norm="rmsnorm")], ids=["gpt2", "modern"])
@@ -232,7 +232,8 @@ def test_lever_bytes_equal_what_autograd_keeps(n_layer, dtype, block):
         def forward():
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):
                 m(idx, idx, return_logits=False)
-        kept.append(_saved_bytes(m, forward))
+
+        kept.append(saved_bytes(m, forward))
     act = 4 if dtype is None else 2
     cfg = GPTConfig(**base, value_embeds=K, unet_skips=True)
     predicted = memplan.lever_bytes(cfg, B * T, act, recompute=False)
@@ -258,8 +259,13 @@ def test_optimizer_state_bytes_with_levers_and_normuon_equal_what_it_keeps(varia
     idx = torch.randint(0, 96, (2, 16))
     m(idx, idx)[1].backward()
     optimizer.step()
-    kept = sum(t.numel() * t.element_size() for o in parts(optimizer) for state in o.state.values()
-               for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+    kept = sum(
+        t.numel() * t.element_size()
+        for o in parts(optimizer)
+        for state in o.state.values()
+        for t in state.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
     assert kept == memplan.optimizer_state_bytes(cfg, "muon", variant)
     muon = memplan.optimizer_state_bytes(cfg, "muon")
     assert kept - muon == (4 * 9 * 32 * 4 if variant == "normuon" else 0)  # one fp32 per row: 3C + C + 4C + C
@@ -302,15 +308,23 @@ def test_normuon_step_matches_the_written_out_update():
     """Three steps of our Muon(variant="normuon") against the update written out in float64:
     Nesterov momentum, the quintic Newton-Schulz iteration, NorMuon's rows, decoupled weight
     decay and Muon's per-matrix rate sqrt(max(1, rows/cols))."""
-    from test_muon import reference_newton_schulz
+    from conftest import reference_newton_schulz
 
     lr, momentum, wd, beta2 = 0.02, 0.95, 0.01, 0.9
     gen = torch.Generator().manual_seed(7)
     shapes = [(24, 8), (8, 24)]
     params = [torch.nn.Parameter(torch.randn(*s, generator=gen)) for s in shapes]
     start = [p.detach().double().clone() for p in params]
-    opt = Muon(params, lr=lr, momentum=momentum, weight_decay=wd, nesterov=True, ns_dtype=torch.float32,
-               variant="normuon", beta2=beta2)
+    opt = Muon(
+        params,
+        lr=lr,
+        momentum=momentum,
+        weight_decay=wd,
+        nesterov=True,
+        ns_dtype=torch.float32,
+        variant="normuon",
+        beta2=beta2,
+    )
     ref = [dict(w=w, buf=torch.zeros_like(w), v=torch.zeros(w.shape[0], dtype=torch.float64)) for w in start]
     for step in range(3):
         grads = [torch.randn(*s, generator=gen) for s in shapes]
@@ -356,8 +370,9 @@ def test_normuon_state_round_trips_and_resumes_bit_for_bit():
 # -- the batch-size ramp ----------------------------------------------------------------------
 def _ramp_cfg(**kw):
     # TINY: micro-batch 2 x seq 32 = 64 tokens a micro-step; 512 tokens a step = 8 micro-steps
-    return load_preset("shakespeare-cpu", **{**TINY, "total_batch_tokens": 512, "batch_ramp_steps": 4,
-                                             "batch_ramp_start": 128, **kw})
+    return load_preset(
+        "shakespeare-cpu", **{**TINY, "total_batch_tokens": 512, "batch_ramp_steps": 4, "batch_ramp_start": 128, **kw}
+    )
 
 
 def test_ramp_micro_steps_by_hand():
@@ -371,19 +386,23 @@ def test_ramp_micro_steps_by_hand():
     assert [off.accum_at(s, 1) for s in range(3)] == [8, 8, 8] == [off.grad_accum_steps(1)] * 3
 
 
-@pytest.mark.parametrize("fields, needle", [
-    (dict(batch_ramp_start=None), "the ramp needs both"),
-    (dict(batch_ramp_steps=0), "the ramp needs both"),
-    (dict(batch_ramp_start=1024), "total_batch_tokens 512 is not a multiple of batch_ramp_start 1024"),
-    (dict(batch_ramp_start=192), "total_batch_tokens 512 is not a multiple of batch_ramp_start 192"),
-    (dict(batch_ramp_steps=-1), "batch_ramp_steps must be >= 0"),
-    (dict(muon_variant="normuon"), "muon_variant normuon: applies to --optimizer muon"),
-    (dict(optimizer="muon", muon_variant="adam"), "muon_variant 'adam': choose one of muon, normuon"),
-    (dict(optimizer="muon", muon_beta2=1.0), "muon_beta2 1.0 must be in [0, 1)"),
-])
+@pytest.mark.parametrize(
+    "fields, needle",
+    [
+        (dict(batch_ramp_start=None), "the ramp needs both"),
+        (dict(batch_ramp_steps=0), "the ramp needs both"),
+        (dict(batch_ramp_start=1024), "total_batch_tokens 512 is not a multiple of batch_ramp_start 1024"),
+        (dict(batch_ramp_start=192), "total_batch_tokens 512 is not a multiple of batch_ramp_start 192"),
+        (dict(batch_ramp_steps=-1), "batch_ramp_steps must be >= 0"),
+        (dict(muon_variant="normuon"), "muon_variant normuon: applies to --optimizer muon"),
+        (dict(optimizer="muon", muon_variant="adam"), "muon_variant 'adam': choose one of muon, normuon"),
+        (dict(optimizer="muon", muon_beta2=1.0), "muon_beta2 1.0 must be in [0, 1)"),
+    ],
+)
 def test_bad_ramp_and_variant_settings_are_one_line(fields, needle):
-    with pytest.raises(ConfigError, match=needle.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")
-                       .replace(")", r"\)")):
+    with pytest.raises(
+        ConfigError, match=needle.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(").replace(")", r"\)")
+    ):
         _ramp_cfg(**fields)
 
 
@@ -407,8 +426,9 @@ def test_the_planner_peaks_at_the_final_accumulation(tmp_path):
     kw = dict(micro_batch=2, seq_len=32, dtype="float32", device="cpu", optimizer="muon", muon_variant="normuon")
     assert plan.memory == memplan.predict(cfg.model, accum=8, **kw).to_dict()
     ramp = {cfg.accum_at(s, 1) for s in range(4)}
-    assert all(memplan.predict(cfg.model, accum=a, **kw).total <= memplan.predict(cfg.model, accum=8, **kw).total
-               for a in ramp)
+    assert all(
+        memplan.predict(cfg.model, accum=a, **kw).total <= memplan.predict(cfg.model, accum=8, **kw).total for a in ramp
+    )
     line = next(x for x in plan.lines() if x.startswith("batch"))
     assert "ramped from 128 tokens (2 micro-steps) at step 0 over 4 steps" in line
     assert any(x.startswith("optimizer muon (normuon), cosine schedule; Newton-Schulz in") for x in plan.lines())
@@ -424,12 +444,15 @@ def test_ramp_run_resumed_mid_ramp_takes_the_same_batches(tiny_data, tmp_path, c
     from gpt2lab.train.plan import make_plan
     from gpt2lab.train.trainer import Trainer
 
-    fields = dict(data=tiny_data, max_steps=6, optimizer="muon", muon_variant="normuon", muon_ns_dtype="float32",
-                  **LEVERS)
+    fields = dict(
+        data=tiny_data, max_steps=6, optimizer="muon", muon_variant="normuon", muon_ns_dtype="float32", **LEVERS
+    )
 
     def trainer(out, resume=None):
-        return Trainer(make_plan(_ramp_cfg(out=str(out), **fields), MachineFacts(runtime.Facts("cpu")), resume=resume),
-                       DistInfo(device=CPU))
+        return Trainer(
+            make_plan(_ramp_cfg(out=str(out), **fields), MachineFacts(runtime.Facts("cpu")), resume=resume),
+            DistInfo(device=CPU),
+        )
 
     def steps(t, n):
         recs = []
@@ -454,11 +477,18 @@ def test_ramp_run_resumed_mid_ramp_takes_the_same_batches(tiny_data, tmp_path, c
     assert again.loader.position == straight.loader.position
     assert cli.main(["export", path, str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "value_embeds=1 (GPT-2 and NanoChat: no value embeddings); unet_skips=true" \
-        in err and "Traceback" not in err
+    assert (
+        len(err.splitlines()) == 1
+        and "value_embeds=1 (GPT-2 and NanoChat: no value embeddings); unet_skips=true" in err
+        and "Traceback" not in err
+    )
     assert not (tmp_path / "hf").exists()
-    assert json.loads((tmp_path / "resumed" / "checkpoints" / "step_000003" / "config.json").read_text())[
-        "batch"]["batch_ramp_start"] == 128
+    assert (
+        json.loads((tmp_path / "resumed" / "checkpoints" / "step_000003" / "config.json").read_text())["batch"][
+            "batch_ramp_start"
+        ]
+        == 128
+    )
 
 
 def test_flags_and_help_come_from_the_fields(capsys):
@@ -469,9 +499,28 @@ def test_flags_and_help_come_from_the_fields(capsys):
 
     p = argparse.ArgumentParser()
     add_config_flags(p)
-    args = p.parse_args(["--value-embeds", "2", "--unet-skips", "true", "--tie-embeddings", "false",
-                         "--zero-init-head", "yes", "--optimizer", "muon", "--muon-variant", "NorMuon",
-                         "--muon-beta2", "0.9", "--batch-ramp-steps", "10", "--batch-ramp-start", "65536"])
+    args = p.parse_args(
+        [
+            "--value-embeds",
+            "2",
+            "--unet-skips",
+            "true",
+            "--tie-embeddings",
+            "false",
+            "--zero-init-head",
+            "yes",
+            "--optimizer",
+            "muon",
+            "--muon-variant",
+            "NorMuon",
+            "--muon-beta2",
+            "0.9",
+            "--batch-ramp-steps",
+            "10",
+            "--batch-ramp-start",
+            "65536",
+        ]
+    )
     cfg = TrainConfig.from_dict(overrides_from_args(args))
     assert cfg.model.modern() == dict(value_embeds=2, unet_skips=True, tie_embeddings=False, zero_init_head=True)
     assert (cfg.optim.muon_variant, cfg.optim.muon_beta2) == ("normuon", 0.9)
@@ -479,6 +528,13 @@ def test_flags_and_help_come_from_the_fields(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     out = capsys.readouterr().out
-    for flag in ("--value-embeds", "--unet-skips", "--zero-init-head", "--muon-variant", "--muon-beta2",
-                 "--batch-ramp-steps", "--batch-ramp-start"):
+    for flag in (
+        "--value-embeds",
+        "--unet-skips",
+        "--zero-init-head",
+        "--muon-variant",
+        "--muon-beta2",
+        "--batch-ramp-steps",
+        "--batch-ramp-start",
+    ):
         assert flag in out

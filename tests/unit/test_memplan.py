@@ -1,6 +1,7 @@
 """The memory planner (gpt2lab.distributed.memplan) and `gpt2lab bench memory`: hand-derived byte counts,
 the saved tensors of a real Block, the profiler's record of a real CPU step, the plan, the
 presets' stated assumptions."""
+
 from __future__ import annotations
 
 import itertools
@@ -12,13 +13,13 @@ import pytest
 import torch
 
 from gpt2lab import cli
-from gpt2lab.distributed import memplan
 from gpt2lab.benchmarks.memory import model_config
-from gpt2lab.train.config import load_preset
+from gpt2lab.distributed import memplan
+from gpt2lab.distributed.parallel import choose_strategy
 from gpt2lab.model import loss as chunked
 from gpt2lab.model.config import MLP_ACTS, NORMS, POS_EMB
 from gpt2lab.model.gpt import GPT, Block, GPTConfig, rotary_cos_sin
-from gpt2lab.distributed.parallel import choose_strategy
+from gpt2lab.train.config import load_preset
 
 N_124M = 124_475_904  # GPT-2 124M with the vocab padded to 50304 (nanoGPT's printed count)
 
@@ -50,7 +51,7 @@ def test_state_bytes_ddp_16_per_param_fsdp_sharded():
     acc = phase("forward", strategy="fsdp", world_size=2, accum=4)
     assert acc["weight_copies"] == 4 * 39_421_440 + 12 * 2 * 7_087_872 and acc["grads"] == 4 * N_124M
     # DDP under bf16 autocast: the cached bf16 casts of the 12 blocks' Linear weights and biases
-    assert phase("forward", world_size=2)["weight_copies"] == 12 * 2 * (12 * 768 ** 2 + 9 * 768)
+    assert phase("forward", world_size=2)["weight_copies"] == 12 * 2 * (12 * 768**2 + 9 * 768)
     pred = memplan.predict(cfg, device="cuda", micro_batch=1)
     assert pred.terms["runtime"] == memplan.CUDA_RUNTIME_BYTES and pred.total == sum(pred.terms.values())
 
@@ -59,8 +60,11 @@ SWITCHES = list(itertools.product(POS_EMB, NORMS, (False, True), MLP_ACTS))
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("pos_emb,norm,qk_norm,mlp_act", SWITCHES,
-                         ids=["-".join(map(str, s)).replace("True", "qk").replace("False", "noqk") for s in SWITCHES])
+@pytest.mark.parametrize(
+    "pos_emb,norm,qk_norm,mlp_act",
+    SWITCHES,
+    ids=["-".join(map(str, s)).replace("True", "qk").replace("False", "noqk") for s in SWITCHES],
+)
 def test_block_saved_bytes_equal_what_autograd_keeps(pos_emb, norm, qk_norm, mlp_act, dtype):
     """Every tensor a real Block saves for backward (CPU), by storage, against the planner.
 
@@ -71,8 +75,17 @@ def test_block_saved_bytes_equal_what_autograd_keeps(pos_emb, norm, qk_norm, mlp
     aten::_fused_rms_norm), SDPA's output laid out like q, elementwise ops keeping their input's
     layout (the rotated q). A torch whose kernels differ there fails here first."""
     C, B, T, nh = 48, 3, 10, 4  # head size 12: no size equals another, per-token terms apart from per-(T, hs)
-    cfg = GPTConfig(n_layer=1, n_head=nh, n_embd=C, vocab_size=64, block_size=T, pos_emb=pos_emb, norm=norm,
-                    qk_norm=qk_norm, mlp_act=mlp_act)
+    cfg = GPTConfig(
+        n_layer=1,
+        n_head=nh,
+        n_embd=C,
+        vocab_size=64,
+        block_size=T,
+        pos_emb=pos_emb,
+        norm=norm,
+        qk_norm=qk_norm,
+        mlp_act=mlp_act,
+    )
     block = Block(cfg, 0)
     x = torch.randn(B, T, C, requires_grad=True)
     # rotary: the fp32 tables GPT.forward builds once for all blocks; the planner counts them with
@@ -109,16 +122,18 @@ def test_loss_workspace_is_the_peak_of_the_chunked_loss(monkeypatch, N, V, C, dt
     planner's replay of the loop's own tensors does not hold."""
     from torch.profiler import ProfilerActivity, profile
 
-    monkeypatch.setattr(chunked, "_CHUNK_ELEMENTS", 2 ** 14)
-    monkeypatch.setattr(chunked, "_GROUP_ELEMENTS", 2 ** 15)
+    monkeypatch.setattr(chunked, "_CHUNK_ELEMENTS", 2**14)
+    monkeypatch.setattr(chunked, "_GROUP_ELEMENTS", 2**15)
     torch.manual_seed(0)
     x, w = torch.randn(N, C, requires_grad=True), torch.randn(V, C, requires_grad=True)
     targets = torch.randint(0, V, (N,))
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, torch.backends.mkldnn.flags(enabled=False):
+    with (
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
+        torch.backends.mkldnn.flags(enabled=False),
+    ):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):
             chunked.chunked_cross_entropy(x, w, targets, softcap=softcap)
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     live = peak = 0
     for _, nbytes in events:
         live += nbytes
@@ -131,31 +146,36 @@ def test_loss_workspace_is_the_peak_of_the_chunked_loss(monkeypatch, N, V, C, dt
 
 def test_plan_is_the_largest_micro_batch_that_fits():
     cfg = model_config("350M", 1024)
-    budget = 40 * 2 ** 30
+    budget = 40 * 2**30
     rows = {(r["strategy"], r["activation_checkpointing"]): r for r in memplan.plan(budget, cfg, world_size=8)}
     for (strategy, ac), r in rows.items():
         B = r["micro_batch"]
 
         def total(b):
-            return memplan.predict(cfg, strategy=strategy, world_size=8, micro_batch=b,
-                                   activation_checkpointing=ac, compiled=True).total  # plan's default
+            return memplan.predict(
+                cfg, strategy=strategy, world_size=8, micro_batch=b, activation_checkpointing=ac, compiled=True
+            ).total  # plan's default
+
         assert B >= 1 and total(B) <= budget < total(B + 1) and r["predicted_bytes"] == total(B)
     assert rows[("ddp", True)]["micro_batch"] > rows[("ddp", False)]["micro_batch"]
     assert rows[("fsdp", False)]["micro_batch"] > rows[("ddp", False)]["micro_batch"]
-    assert all(r["micro_batch"] == 0 for r in memplan.plan(2 ** 30, cfg))  # nothing fits 1 GiB
+    assert all(r["micro_batch"] == 0 for r in memplan.plan(2**30, cfg))  # nothing fits 1 GiB
 
 
 def test_bench_plan_and_bad_values(capsys):
     assert cli.main(["bench", "memory", "--size", "774M", "--plan", "40", "--world-size", "8"]) == 0
     out = json.loads(capsys.readouterr().out)
-    expect = memplan.plan(40 * 2 ** 30, model_config("774M", 1024), world_size=8)
-    assert [(r["strategy"], r["activation_checkpointing"], r["micro_batch"]) for r in out["plans"]] == \
-        [(r["strategy"], r["activation_checkpointing"], r["micro_batch"]) for r in expect]
-    for argv, msg in ((["--strategy", "zero", "--plan", "80"], "strategy 'zero' unknown"),
-                      (["--dtype", "fp8", "--plan", "80"], "dtype 'fp8' unknown"),
-                      (["--size", "huge", "--plan", "80"], "--size huge"),
-                      (["--plan", "0"], "must be positive"),
-                      (["--micro-batch", "2", "--world-size", "3"], "torchrun --nproc_per_node 3")):
+    expect = memplan.plan(40 * 2**30, model_config("774M", 1024), world_size=8)
+    assert [(r["strategy"], r["activation_checkpointing"], r["micro_batch"]) for r in out["plans"]] == [
+        (r["strategy"], r["activation_checkpointing"], r["micro_batch"]) for r in expect
+    ]
+    for argv, msg in (
+        (["--strategy", "zero", "--plan", "80"], "strategy 'zero' unknown"),
+        (["--dtype", "fp8", "--plan", "80"], "dtype 'fp8' unknown"),
+        (["--size", "huge", "--plan", "80"], "--size huge"),
+        (["--plan", "0"], "must be positive"),
+        (["--micro-batch", "2", "--world-size", "3"], "torchrun --nproc_per_node 3"),
+    ):
         assert cli.main(["bench", "memory", *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert msg in err and "\n" not in err
@@ -172,12 +192,22 @@ def test_a_modern_preset_is_planned_with_its_modern_block(capsys):
 
     cfg = load_preset("gpt2-124m-fast", data="unused", hellaswag_interval=0)
     assert cfg.model.modern()["pos_emb"] == "rotary" and cfg.model.logit_softcap > 0
-    h100 = MachineFacts(runtime.Facts("cuda", "NVIDIA H100 80GB HBM3", cuda_bf16=True), world_size=8,
-                 device_bytes=80 * 2 ** 30)
+    h100 = MachineFacts(
+        runtime.Facts("cuda", "NVIDIA H100 80GB HBM3", cuda_bf16=True), world_size=8, device_bytes=80 * 2**30
+    )
     plan = make_plan(cfg, h100)
-    kw = dict(strategy=plan.strategy.value, world_size=8, micro_batch=cfg.batch.micro_batch_size, seq_len=cfg.batch.seq_len,
-              dtype="bfloat16", accum=plan.accum, device="cuda", compiled=True, optimizer=cfg.optim.optimizer,
-              muon_variant=cfg.optim.muon_variant)
+    kw = dict(
+        strategy=plan.strategy.value,
+        world_size=8,
+        micro_batch=cfg.batch.micro_batch_size,
+        seq_len=cfg.batch.seq_len,
+        dtype="bfloat16",
+        accum=plan.accum,
+        device="cuda",
+        compiled=True,
+        optimizer=cfg.optim.optimizer,
+        muon_variant=cfg.optim.muon_variant,
+    )
     assert cfg.optim.optimizer == "muon"
     assert plan.memory == memplan.predict(cfg.model, **kw).to_dict()
     gpt2 = replace(cfg.model, pos_emb="learned", norm="layernorm", qk_norm=False, mlp_act="gelu")
@@ -189,15 +219,37 @@ def test_a_modern_preset_is_planned_with_its_modern_block(capsys):
     assert blocks > 0 and modern["activations"] - plain["activations"] == blocks + ln_f + rope_tables
 
     # bench memory --preset: the same architecture, its seq_len; the softcap's loss workspace on CPU
-    assert cli.main(["bench", "memory", "--preset", "wiki-cpu-fast", "--micro-batch", "2", "--dtype", "float32",
-                     "--device", "cpu", "--measure", "false"]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "memory",
+                "--preset",
+                "wiki-cpu-fast",
+                "--micro-batch",
+                "2",
+                "--dtype",
+                "float32",
+                "--device",
+                "cpu",
+                "--measure",
+                "false",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     fast = load_preset("wiki-cpu-fast")
     assert out["seq_len"] == fast.batch.seq_len and out["modern"] == fast.model.modern()
     want = memplan.predict(fast.model, micro_batch=2, seq_len=fast.batch.seq_len, dtype="float32", device="cpu")
     assert out["predicted_mib"] == want.to_dict()
-    capped = memplan.predict(replace(fast.model, logit_softcap=15.0), micro_batch=2, seq_len=fast.batch.seq_len,
-                             dtype="float32", device="cpu")
+    capped = memplan.predict(
+        replace(fast.model, logit_softcap=15.0),
+        micro_batch=2,
+        seq_len=fast.batch.seq_len,
+        dtype="float32",
+        device="cpu",
+    )
     assert capped.terms["loss"] > want.terms["loss"]
     assert cli.main(["bench", "memory", "--preset", "wiki-cpu", "--size", "124M", "--measure", "false"]) == 2
     assert "--size and --preset" in capsys.readouterr().err
@@ -208,28 +260,69 @@ def test_presets_state_what_the_planner_chooses():
         text = (resources.files("gpt2lab") / "presets" / f"{name}.toml").read_text()
         cfg = load_preset(name)
         model = cfg.model
-        stated = re.findall(r"# assumes (\d+) x (\d+)GB: (ddp|fsdp)(, activation checkpointing)?, "
-                            r"micro_batch_size (\d+)", text)
+        stated = re.findall(
+            r"# assumes (\d+) x (\d+)GB: (ddp|fsdp)(, activation checkpointing)?, "
+            r"micro_batch_size (\d+)",
+            text,
+        )
         assert {s[1] for s in stated} == {"80", "40"}, name
         for world, gb, strategy, ac, mb in stated:
-            got = memplan.choose(int(gb) * 2 ** 30, model, world_size=int(world), seq_len=cfg.batch.seq_len,
-                                 total_batch_tokens=cfg.batch.total_batch_tokens)
+            got = memplan.choose(
+                int(gb) * 2**30,
+                model,
+                world_size=int(world),
+                seq_len=cfg.batch.seq_len,
+                total_batch_tokens=cfg.batch.total_batch_tokens,
+            )
             assert got == {"strategy": strategy, "activation_checkpointing": bool(ac), "micro_batch": int(mb)}, name
             if gb == "80":  # the values the preset trains with; --strategy auto lands on the stated one
-                assert (cfg.parallel.strategy, cfg.batch.micro_batch_size, cfg.parallel.activation_checkpointing) == \
-                    ("auto", int(mb), bool(ac)), name
-                ddp = memplan.predict(model, strategy="ddp", world_size=int(world), micro_batch=int(mb),
-                                      seq_len=cfg.batch.seq_len, dtype="bfloat16", activation_checkpointing=bool(ac),
-                                      accum=cfg.grad_accum_steps(int(world)), device="cuda",
-                                      compiled=True).total
-                auto = choose_strategy("auto", world_size=int(world), device_type="cuda", dtype="bfloat16",
-                                       ddp_bytes=ddp, device_bytes=int(gb) * 2 ** 30)
+                assert (cfg.parallel.strategy, cfg.batch.micro_batch_size, cfg.parallel.activation_checkpointing) == (
+                    "auto",
+                    int(mb),
+                    bool(ac),
+                ), name
+                ddp = memplan.predict(
+                    model,
+                    strategy="ddp",
+                    world_size=int(world),
+                    micro_batch=int(mb),
+                    seq_len=cfg.batch.seq_len,
+                    dtype="bfloat16",
+                    activation_checkpointing=bool(ac),
+                    accum=cfg.grad_accum_steps(int(world)),
+                    device="cuda",
+                    compiled=True,
+                ).total
+                auto = choose_strategy(
+                    "auto",
+                    world_size=int(world),
+                    device_type="cuda",
+                    dtype="bfloat16",
+                    ddp_bytes=ddp,
+                    device_bytes=int(gb) * 2**30,
+                )
                 assert auto.value == strategy, (name, auto.reason)
 
 
 def test_cpu_step_measured_next_to_the_prediction(capsys):
-    argv = ["bench", "memory", "--size", "tiny", "--seq-len", "32", "--micro-batch", "2", "--dtype", "float32",
-            "--steps", "2", "--tensor-peak", "true", "--device", "cpu"]
+    argv = [
+        "bench",
+        "memory",
+        "--size",
+        "tiny",
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "2",
+        "--dtype",
+        "float32",
+        "--steps",
+        "2",
+        "--tensor-peak",
+        "true",
+        "--device",
+        "cpu",
+    ]
     assert cli.main(argv) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     pred = out["predicted_mib"]
@@ -253,13 +346,16 @@ def test_the_loss_term_follows_the_trainers_loss_and_the_h100_peaks():
     assert fused.terms["loss"] == 64 * 1024 * 50304 * 2
     assert memplan.predict(cfg, strategy="fsdp", world_size=2, compiled=True, **kw).terms["loss"] < fused.terms["loss"]
     for pred, measured in ((chunked, 23.92), (fused, 28.48)):
-        tensors = (pred.total - pred.terms["runtime"]) / 2 ** 30
+        tensors = (pred.total - pred.terms["runtime"]) / 2**30
         assert tensors == pytest.approx(measured, rel=0.03)
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-@pytest.mark.parametrize("block", [{}, dict(pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2",
-                                            tie_embeddings=False)], ids=["gpt2", "modern"])
+@pytest.mark.parametrize(
+    "block",
+    [{}, dict(pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2", tie_embeddings=False)],
+    ids=["gpt2", "modern"],
+)
 def test_optimizer_state_bytes_equal_what_the_optimizer_keeps(optimizer, block):
     """The real optimizer of a run (train.optim.build_optimizer) after one step: its state's
     tensors (0-d step counters aside) against the planner's count."""
@@ -274,8 +370,13 @@ def test_optimizer_state_bytes_equal_what_the_optimizer_keeps(optimizer, block):
     idx = torch.randint(0, 101, (2, 16))
     model(idx, targets=idx)[1].backward()
     optim.step()
-    kept = sum(t.numel() * t.element_size() for o in parts(optim) for state in o.state.values()
-               for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+    kept = sum(
+        t.numel() * t.element_size()
+        for o in parts(optim)
+        for state in o.state.values()
+        for t in state.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
     assert kept == memplan.optimizer_state_bytes(cfg, optimizer)
     if optimizer == "muon":  # one buffer instead of two for the blocks' four matrices
-        assert kept == memplan.optimizer_state_bytes(cfg, "adamw") - 4 * 2 * 12 * 32 ** 2
+        assert kept == memplan.optimizer_state_bytes(cfg, "adamw") - 4 * 2 * 12 * 32**2

@@ -1,10 +1,11 @@
 """The GPT-2 module itself: sizes, initialisation, loss, KV cache, padded vocabulary."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny_gpt
+
 from gpt2lab.model.gpt import GPT, GPTConfig
 
 

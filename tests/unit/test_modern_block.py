@@ -1,21 +1,21 @@
 """The modern block's switches (GPTConfig.pos_emb, norm, qk_norm, mlp_act, tie_embeddings,
 zero_init_proj, logit_softcap), each against an independent reference: formulas written out
 here, transformers' rotary helper, plain F.cross_entropy through autograd, hand counts."""
+
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
+from conftest import ALL_ON
 from torch.nn import functional as F
 
 from gpt2lab.distributed import memplan
-from gpt2lab.model.loss import chunked_cross_entropy
 from gpt2lab.model.gpt import GPT, GPTConfig, apply_rotary, norm_layer, rotary_cos_sin
+from gpt2lab.model.loss import chunked_cross_entropy
 
 SMALL = dict(n_layer=2, n_head=2, n_embd=32, block_size=24, vocab_size=96)
-ALL_ON = dict(pos_emb="rotary", rope_theta=500.0, norm="rmsnorm", qk_norm=True, mlp_act="relu2",
-              tie_embeddings=False, zero_init_proj=False, logit_softcap=12.0)
 
 
 def model(seed: int = 0, **overrides) -> GPT:
@@ -25,21 +25,31 @@ def model(seed: int = 0, **overrides) -> GPT:
 
 def test_defaults_are_gpt2():
     cfg = GPTConfig()
-    assert (cfg.pos_emb, cfg.norm, cfg.qk_norm, cfg.mlp_act, cfg.tie_embeddings, cfg.zero_init_proj,
-            cfg.logit_softcap) == ("learned", "layernorm", False, "gelu", True, False, 0.0)
+    assert (
+        cfg.pos_emb,
+        cfg.norm,
+        cfg.qk_norm,
+        cfg.mlp_act,
+        cfg.tie_embeddings,
+        cfg.zero_init_proj,
+        cfg.logit_softcap,
+    ) == ("learned", "layernorm", False, "gelu", True, False, 0.0)
     assert cfg.modern() == {}
     m = model()
     assert m.lm_head.weight is m.transformer.wte.weight and "wpe" in m.transformer
     assert isinstance(m.transformer.h[0].ln_1, torch.nn.LayerNorm)
 
 
-@pytest.mark.parametrize("bad, needle", [
-    (dict(pos_emb="alibi"), "pos_emb 'alibi' must be one of learned, rotary"),
-    (dict(norm="batchnorm"), "norm 'batchnorm' must be one of layernorm, rmsnorm"),
-    (dict(mlp_act="swiglu"), "mlp_act 'swiglu' must be one of gelu, relu2"),
-    (dict(logit_softcap=-1.0), "logit_softcap -1.0 must be >= 0"),
-    (dict(pos_emb="rotary", n_embd=30, n_head=2), "rotary positions need an even head size"),
-])
+@pytest.mark.parametrize(
+    "bad, needle",
+    [
+        (dict(pos_emb="alibi"), "pos_emb 'alibi' must be one of learned, rotary"),
+        (dict(norm="batchnorm"), "norm 'batchnorm' must be one of layernorm, rmsnorm"),
+        (dict(mlp_act="swiglu"), "mlp_act 'swiglu' must be one of gelu, relu2"),
+        (dict(logit_softcap=-1.0), "logit_softcap -1.0 must be >= 0"),
+        (dict(pos_emb="rotary", n_embd=30, n_head=2), "rotary positions need an even head size"),
+    ],
+)
 def test_bad_values_are_named(bad, needle):
     with pytest.raises(ValueError, match=needle):
         GPTConfig(**{**SMALL, **bad})
@@ -64,8 +74,14 @@ def test_rotary_matches_transformers_llama_helper():
     hs, start, T = 16, 5, 7
     torch.manual_seed(0)
     q, k = torch.randn(2, 2, T, hs), torch.randn(2, 2, T, hs)
-    ref_emb = LlamaRotaryEmbedding(LlamaConfig(hidden_size=32, num_attention_heads=2, max_position_embeddings=64,
-                                               rope_parameters={"rope_type": "default", "rope_theta": 500.0}))
+    ref_emb = LlamaRotaryEmbedding(
+        LlamaConfig(
+            hidden_size=32,
+            num_attention_heads=2,
+            max_position_embeddings=64,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        )
+    )
     cos_ref, sin_ref = ref_emb(q, torch.arange(start, start + T)[None])
     q_ref, k_ref = apply_rotary_pos_emb(q, k, cos_ref, sin_ref)
     cos, sin = rotary_cos_sin(cfg, torch.arange(start, start + T))
@@ -166,14 +182,20 @@ def test_chunked_loss_with_softcap_matches_cross_entropy_value_and_gradient(dtyp
     torch.testing.assert_close(x.grad.float(), xr.grad, **tol)
     torch.testing.assert_close(w.grad.float(), wr.grad, **tol)
     with torch.no_grad():  # the evaluation path (no gradient work)
-        torch.testing.assert_close(chunked_cross_entropy(x0, w0, t, softcap=cap),
-                                   F.cross_entropy(cap * torch.tanh(x0 @ w0.T / cap), t, ignore_index=-1))
+        torch.testing.assert_close(
+            chunked_cross_entropy(x0, w0, t, softcap=cap),
+            F.cross_entropy(cap * torch.tanh(x0 @ w0.T / cap), t, ignore_index=-1),
+        )
 
 
 @pytest.mark.slow
 def test_compiled_chunked_loss_with_softcap_matches():
     torch.manual_seed(4)
-    x, w, t = torch.randn(24, 16, requires_grad=True), torch.randn(80, 16, requires_grad=True), torch.randint(0, 80, (24,))
+    x, w, t = (
+        torch.randn(24, 16, requires_grad=True),
+        torch.randn(80, 16, requires_grad=True),
+        torch.randint(0, 80, (24,)),
+    )
     loss = chunked_cross_entropy(x, w, t, compiled=True, softcap=2.5)
     gx, gw = torch.autograd.grad(loss, (x, w))
     ref = F.cross_entropy(2.5 * torch.tanh(x @ w.T / 2.5), t)
@@ -233,14 +255,19 @@ def test_parameter_counts_and_flops_by_hand():
     assert m.num_params(non_embedding=True) == 31_456 - V * C  # wte is looked up only; lm_head multiplies
     assert m.flops_per_token(T) == 6 * (31_456 - V * C) + 12 * L * C * T
     gpt2 = GPTConfig(**SMALL)  # learned positions, LayerNorm (2C each), tied
-    assert memplan.param_counts(gpt2)["total"] == GPT(gpt2).num_params() == \
-        L * (12 * C * C + 13 * C) + V * C + T * C + 2 * C
+    assert (
+        memplan.param_counts(gpt2)["total"]
+        == GPT(gpt2).num_params()
+        == L * (12 * C * C + 13 * C) + V * C + T * C + 2 * C
+    )
 
 
 def test_init_from_takes_the_modern_fields_from_the_source():
     from gpt2lab.train.init_from import ARCH_FIELDS
 
-    assert {"pos_emb", "rope_theta", "norm", "qk_norm", "mlp_act", "tie_embeddings", "logit_softcap"} <= set(ARCH_FIELDS)
+    assert {"pos_emb", "rope_theta", "norm", "qk_norm", "mlp_act", "tie_embeddings", "logit_softcap"} <= set(
+        ARCH_FIELDS
+    )
     assert "zero_init_proj" not in ARCH_FIELDS  # it only sets the initial weights
 
 
@@ -251,12 +278,37 @@ def test_flags_toml_and_old_configs(tmp_path):
 
     p = argparse.ArgumentParser()
     add_config_flags(p)
-    args = p.parse_args(["--pos-emb", "ROTARY", "--norm", "rmsnorm", "--qk-norm", "true", "--mlp-act", "relu2",
-                         "--tie-embeddings", "false", "--zero-init-proj", "yes", "--logit-softcap", "15",
-                         "--rope-theta", "1000"])
+    args = p.parse_args(
+        [
+            "--pos-emb",
+            "ROTARY",
+            "--norm",
+            "rmsnorm",
+            "--qk-norm",
+            "true",
+            "--mlp-act",
+            "relu2",
+            "--tie-embeddings",
+            "false",
+            "--zero-init-proj",
+            "yes",
+            "--logit-softcap",
+            "15",
+            "--rope-theta",
+            "1000",
+        ]
+    )
     cfg = TrainConfig.from_dict(overrides_from_args(args))
-    assert cfg.model.modern() == dict(pos_emb="rotary", rope_theta=1000.0, norm="rmsnorm", qk_norm=True,
-                                      mlp_act="relu2", tie_embeddings=False, zero_init_proj=True, logit_softcap=15.0)
+    assert cfg.model.modern() == dict(
+        pos_emb="rotary",
+        rope_theta=1000.0,
+        norm="rmsnorm",
+        qk_norm=True,
+        mlp_act="relu2",
+        tie_embeddings=False,
+        zero_init_proj=True,
+        logit_softcap=15.0,
+    )
     with pytest.raises(SystemExit):
         p.parse_args(["--norm", "batchnorm"])
     with pytest.raises(ConfigError, match="qk_norm must be true or false, got 'yes'"):

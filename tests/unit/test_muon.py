@@ -1,36 +1,22 @@
 """Muon: the Newton-Schulz iteration against a written-out reference and the SVD, its dtype
 (bf16 vs fp32, chosen from faked machine facts), the update against torch.optim.Muon, the
 parameter split, the combined optimizer's state, the wsd schedule and the config checks."""
+
 from __future__ import annotations
 
 import copy
 
 import pytest
 import torch
+from conftest import reference_newton_schulz
 
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.system import runtime
 from gpt2lab.system.runtime import Facts, Probe, choose_ns_dtype
 from gpt2lab.train.config import ConfigError, load_preset
-from gpt2lab.train.optim import (Muon, Optimizers, lr_at, make_muon, muon_split, orthogonalize, scheduled_lr,
-                                 set_lrs)
+from gpt2lab.train.optim import Muon, Optimizers, lr_at, make_muon, muon_split, orthogonalize, scheduled_lr, set_lrs
 
 CPU = torch.device("cpu")
-
-
-def reference_newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """The quintic iteration as the Muon write-up states it, in float64, no fused ops."""
-    a, b, c = 3.4445, -4.7750, 2.0315
-    x = g.double()
-    transposed = x.shape[0] > x.shape[1]
-    if transposed:
-        x = x.t()
-    x = x / torch.linalg.matrix_norm(x)  # Frobenius norm: every singular value <= 1
-    for _ in range(steps):
-        A = x @ x.t()
-        B = b * A + c * (A @ A)
-        x = a * x + B @ x
-    return x.t() if transposed else x
 
 
 @pytest.mark.parametrize("shape", [(24, 72), (72, 24), (48, 48)])
@@ -74,8 +60,11 @@ def _muon_on_hidden(model: GPT, cls, **kw):
 def test_muon_step_equals_torch_muon_in_bf16_and_close_in_fp32():
     """Our Muon with the iteration in bf16 is torch.optim.Muon's update; in fp32 it differs only by bf16 rounding."""
     ref, bf16, fp32 = _model(), _model(), _model()
-    opts = [_muon_on_hidden(ref, torch.optim.Muon), _muon_on_hidden(bf16, Muon, ns_dtype=torch.bfloat16),
-            _muon_on_hidden(fp32, Muon, ns_dtype=torch.float32)]
+    opts = [
+        _muon_on_hidden(ref, torch.optim.Muon),
+        _muon_on_hidden(bf16, Muon, ns_dtype=torch.bfloat16),
+        _muon_on_hidden(fp32, Muon, ns_dtype=torch.float32),
+    ]
     start = [p.detach().clone() for p in ref.parameters()]
     for step in range(3):
         for model, opt in zip((ref, bf16, fp32), opts):
@@ -92,8 +81,9 @@ def test_muon_step_equals_torch_muon_in_bf16_and_close_in_fp32():
         assert (moved_fp32 - moved_ref).norm() / moved_ref.norm() < 0.05
     # the momentum buffers are torch's state, under torch's key
     p = muon_split(bf16)["hidden"][0]
-    torch.testing.assert_close(opts[1].state[p]["momentum_buffer"],
-                               opts[0].state[muon_split(ref)["hidden"][0]]["momentum_buffer"])
+    torch.testing.assert_close(
+        opts[1].state[p]["momentum_buffer"], opts[0].state[muon_split(ref)["hidden"][0]]["momentum_buffer"]
+    )
 
 
 def test_split_gives_muon_the_blocks_matrices_and_adamw_the_rest():
@@ -101,8 +91,11 @@ def test_split_gives_muon_the_blocks_matrices_and_adamw_the_rest():
     split = muon_split(model)
     names = {id(p): n for n, p in model.named_parameters()}
     role = {r: sorted(names[id(p)] for p in ps) for r, ps in split.items()}
-    assert role["hidden"] == sorted(f"transformer.h.{i}.{m}.weight" for i in range(2)
-                                    for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
+    assert role["hidden"] == sorted(
+        f"transformer.h.{i}.{m}.weight"
+        for i in range(2)
+        for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    )
     assert role["embed"] == ["transformer.wpe.weight", "transformer.wte.weight"]
     assert role["head"] == []  # tied to wte: trained once, as the embedding
     assert all(n.endswith(".bias") or ".ln_" in n for n in role["other"])
@@ -113,16 +106,38 @@ def test_split_gives_muon_the_blocks_matrices_and_adamw_the_rest():
 
 
 def _cfg(**kw):
-    return load_preset("shakespeare-cpu", optimizer="muon", max_lr=1e-3, min_lr=1e-4, warmup_steps=2,
-                       max_steps=10, embed_lr=3e-3, head_lr=2e-3, muon_lr=0.05, lr_schedule="wsd",
-                       decay_frac=0.5, **kw)
+    return load_preset(
+        "shakespeare-cpu",
+        optimizer="muon",
+        max_lr=1e-3,
+        min_lr=1e-4,
+        warmup_steps=2,
+        max_steps=10,
+        embed_lr=3e-3,
+        head_lr=2e-3,
+        muon_lr=0.05,
+        lr_schedule="wsd",
+        decay_frac=0.5,
+        **kw,
+    )
 
 
 def _make(model, cfg):
     o = cfg.optim
-    return make_muon(model, muon_lr=o.muon_lr, muon_momentum=0.95, muon_weight_decay=0.0,
-                     ns_dtype=torch.float32, lr=o.max_lr, embed_lr=o.embed_lr, head_lr=o.head_lr,
-                     weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device=CPU)
+    return make_muon(
+        model,
+        muon_lr=o.muon_lr,
+        muon_momentum=0.95,
+        muon_weight_decay=0.0,
+        ns_dtype=torch.float32,
+        lr=o.max_lr,
+        embed_lr=o.embed_lr,
+        head_lr=o.head_lr,
+        weight_decay=0.1,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        device=CPU,
+    )
 
 
 def test_every_group_gets_its_peak_and_the_same_schedule_factor():
@@ -166,14 +181,17 @@ def test_combined_state_round_trips_and_refuses_another_optimizers_state():
 
 # -- the schedule ----------------------------------------------------------------------------
 def test_wsd_schedule_hand_derived_values():
-    lr = lambda s, **kw: lr_at(s, **{**dict(max_lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=100,
-                                            schedule="wsd", decay_frac=0.2), **kw})
+    def lr(s, **kw):
+        return lr_at(
+            s, **{**dict(max_lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=100, schedule="wsd", decay_frac=0.2), **kw}
+        )
+
     assert lr(0) == pytest.approx(0.1) and lr(5) == pytest.approx(0.6)  # the same warmup as cosine
-    assert lr(10) == lr(50) == lr(79) == lr(80) == 1.0                  # stable until step 80 = 100 - 20
-    assert lr(90) == pytest.approx(1 - 0.9 * 10 / 20)                    # half-way down: 0.55
-    assert lr(99) == pytest.approx(1 - 0.9 * 19 / 20)                    # the last step: 0.145
-    assert lr(100) == lr(150) == 0.1                                     # min_lr at and after the end
-    assert lr(99, decay_frac=0.0) == 1.0                                 # no decay at all
+    assert lr(10) == lr(50) == lr(79) == lr(80) == 1.0  # stable until step 80 = 100 - 20
+    assert lr(90) == pytest.approx(1 - 0.9 * 10 / 20)  # half-way down: 0.55
+    assert lr(99) == pytest.approx(1 - 0.9 * 19 / 20)  # the last step: 0.145
+    assert lr(100) == lr(150) == 0.1  # min_lr at and after the end
+    assert lr(99, decay_frac=0.0) == 1.0  # no decay at all
     # a decay longer than what follows the warmup starts when the warmup ends
     assert lr(15, max_steps=20, decay_frac=0.9) == pytest.approx(1 - 0.9 * 5 / 10)
     # cosine stays the default shape
@@ -181,15 +199,18 @@ def test_wsd_schedule_hand_derived_values():
 
 
 # -- the Newton-Schulz dtype, from faked machine facts ----------------------------------------
-@pytest.mark.parametrize("facts, want", [
-    (Facts("cuda", "H100", cuda_bf16=True), "bfloat16"),
-    (Facts("cuda", "V100", cuda_bf16=False), "float32"),
-    (Facts("mps"), "float32"),
-    (Facts("cpu", probe=Probe(fp32_gflops=116, bf16_gflops=0.7)), "float32"),   # AVX2 EPYC: emulated bf16
-    (Facts("cpu", probe=Probe(fp32_gflops=100, bf16_gflops=300)), "bfloat16"),  # AVX512_BF16 / AMX
-    (Facts("cpu", cpu_flags=("avx512_bf16",)), "bfloat16"),                       # not probed: the flag
-    (Facts("cpu", cpu_flags=("avx2", "fma")), "float32"),
-])
+@pytest.mark.parametrize(
+    "facts, want",
+    [
+        (Facts("cuda", "H100", cuda_bf16=True), "bfloat16"),
+        (Facts("cuda", "V100", cuda_bf16=False), "float32"),
+        (Facts("mps"), "float32"),
+        (Facts("cpu", probe=Probe(fp32_gflops=116, bf16_gflops=0.7)), "float32"),  # AVX2 EPYC: emulated bf16
+        (Facts("cpu", probe=Probe(fp32_gflops=100, bf16_gflops=300)), "bfloat16"),  # AVX512_BF16 / AMX
+        (Facts("cpu", cpu_flags=("avx512_bf16",)), "bfloat16"),  # not probed: the flag
+        (Facts("cpu", cpu_flags=("avx2", "fma")), "float32"),
+    ],
+)
 def test_ns_dtype_follows_the_machine(facts, want):
     choice = choose_ns_dtype("auto", facts)
     assert choice.value == want and choice.reason
@@ -209,15 +230,18 @@ def test_ns_choice_is_recorded_only_for_muon():
 
 
 # -- config checks ----------------------------------------------------------------------------
-@pytest.mark.parametrize("fields, message", [
-    (dict(optimizer="muon", strategy="fsdp"), "use --strategy ddp"),
-    (dict(optimizer="muon", lora_rank=4), "use --optimizer adamw"),
-    (dict(embed_lr=1e-3), "per-group rates apply to --optimizer muon"),
-    (dict(optimizer="sgd"), "optimizer 'sgd': choose one of adamw, muon"),
-    (dict(lr_schedule="linear"), "lr_schedule 'linear': choose one of cosine, wsd"),
-    (dict(decay_frac=1.5), "decay_frac 1.5 must be in [0, 1]"),
-    (dict(optimizer="muon", muon_momentum=1.0), "0 <= muon_momentum < 1"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(optimizer="muon", strategy="fsdp"), "use --strategy ddp"),
+        (dict(optimizer="muon", lora_rank=4), "use --optimizer adamw"),
+        (dict(embed_lr=1e-3), "per-group rates apply to --optimizer muon"),
+        (dict(optimizer="sgd"), "optimizer 'sgd': choose one of adamw, muon"),
+        (dict(lr_schedule="linear"), "lr_schedule 'linear': choose one of cosine, wsd"),
+        (dict(decay_frac=1.5), "decay_frac 1.5 must be in [0, 1]"),
+        (dict(optimizer="muon", muon_momentum=1.0), "0 <= muon_momentum < 1"),
+    ],
+)
 def test_bad_optimizer_settings_are_one_line(fields, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
         load_preset("shakespeare-cpu", **fields)
@@ -263,16 +287,32 @@ def test_wiki_cpu_long_pair_differs_only_in_recipe_and_steps():
 
 def test_split_of_the_modern_block():
     """Rotary (no wpe), RMSNorm gains, an untied head: Muon still gets exactly the blocks' matrices."""
-    model = _model(pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2", tie_embeddings=False,
-                   zero_init_proj=True, logit_softcap=15.0)
+    model = _model(
+        pos_emb="rotary",
+        norm="rmsnorm",
+        qk_norm=True,
+        mlp_act="relu2",
+        tie_embeddings=False,
+        zero_init_proj=True,
+        logit_softcap=15.0,
+    )
     names = {id(p): n for n, p in model.named_parameters()}
     role = {r: sorted(names[id(p)] for p in ps) for r, ps in muon_split(model).items()}
     assert role["embed"] == ["transformer.wte.weight"] and role["head"] == ["lm_head.weight"]
     assert len(role["hidden"]) == 4 * 2 and all(n.startswith("transformer.h.") for n in role["hidden"])
-    assert all(names_p.endswith(".weight") and "ln" in names_p or names_p.endswith(".bias") for names_p in role["other"])
+    assert all(
+        names_p.endswith(".weight") and "ln" in names_p or names_p.endswith(".bias") for names_p in role["other"]
+    )
     fast = load_preset("wiki-cpu-fast").model
-    assert (fast.pos_emb, fast.norm, fast.qk_norm, fast.mlp_act, fast.tie_embeddings, fast.zero_init_proj,
-            fast.logit_softcap) == ("rotary", "rmsnorm", True, "relu2", False, True, 0.0)  # softcap: see the preset
+    assert (
+        fast.pos_emb,
+        fast.norm,
+        fast.qk_norm,
+        fast.mlp_act,
+        fast.tie_embeddings,
+        fast.zero_init_proj,
+        fast.logit_softcap,
+    ) == ("rotary", "rmsnorm", True, "relu2", False, True, 0.0)  # softcap: see the preset
 
 
 def test_demo_recipes_are_the_shakespeare_pair():

@@ -2,6 +2,7 @@
 NanoChat format both ways. References: transformers' own NanoChatForCausalLM and GPT2LMHeadModel (each
 export loaded by AutoModelForCausalLM, a NanoChat made and saved by transformers itself), formulas
 written out here, what autograd keeps, and the optimizer's groups counted by hand."""
+
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from train_utils import TINY, tiny_data  # noqa: F401  (tiny_data is a fixture)
+from conftest import TINY, saved_bytes
 
 from gpt2lab import cli, from_pretrained
 from gpt2lab.distributed import memplan
@@ -21,8 +22,9 @@ from gpt2lab.weights import export, nanochat, read, targets
 from gpt2lab.weights.load import HF_DIR, load_model, source_kind
 
 # The modern block NanoChat computes: gpt2lab's switches with no biases and a normalised embedding.
-NANOCHAT = dict(pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2", tie_embeddings=False,
-                bias=False, embed_norm=True)
+NANOCHAT = dict(
+    pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2", tie_embeddings=False, bias=False, embed_norm=True
+)
 SMALL = dict(n_layer=2, n_head=4, n_embd=64, block_size=48, vocab_size=50304, token_vocab_size=50257)
 PROMPT = torch.tensor([[464, 3290, 318, 257, 1332]])
 
@@ -55,7 +57,7 @@ def _hf(path: str):
 
 def _logits_diff(ours: GPT, theirs, idx: torch.Tensor) -> float:
     with torch.no_grad():
-        a = ours(idx)[0][..., :ours.config.real_vocab_size]
+        a = ours(idx)[0][..., : ours.config.real_vocab_size]
         b = theirs(idx).logits
     assert a.shape == b.shape and a.abs().max() > 1.0  # logits large enough for a difference to show
     return (a - b).abs().max().item()
@@ -76,8 +78,12 @@ def test_defaults_keep_every_bias_and_no_embed_norm():
     assert {"bias", "embed_norm"} <= set(ARCH_FIELDS)  # --init-from takes them from the source
     gpt2 = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=64, block_size=8))
     names = {n for n, _ in gpt2.named_parameters()}
-    assert {"transformer.h.0.ln_1.bias", "transformer.h.0.attn.c_attn.bias", "transformer.h.0.mlp.c_proj.bias",
-            "transformer.ln_f.bias"} <= names
+    assert {
+        "transformer.h.0.ln_1.bias",
+        "transformer.h.0.attn.c_attn.bias",
+        "transformer.h.0.mlp.c_proj.bias",
+        "transformer.ln_f.bias",
+    } <= names
 
 
 @pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
@@ -94,8 +100,13 @@ def test_bias_false_is_gpt2_with_zero_biases(norm, tmp_path):
     idx = torch.randint(0, 96, (2, 16))
     with torch.no_grad():
         assert torch.equal(plain(idx)[0], biased(idx)[0])
-    assert memplan.param_counts(plain.config)["total"] == plain.num_params() == biased.num_params() - \
-        2 * (9 * 32 + (2 * 32 if norm == "layernorm" else 0)) - (32 if norm == "layernorm" else 0)
+    assert (
+        memplan.param_counts(plain.config)["total"]
+        == plain.num_params()
+        == biased.num_params()
+        - 2 * (9 * 32 + (2 * 32 if norm == "layernorm" else 0))
+        - (32 if norm == "layernorm" else 0)
+    )
     if norm == "layernorm":
         big = randomized(GPTConfig(**{**shape, "vocab_size": 50304, "token_vocab_size": 50257}, bias=False), seed=1)
         assert export.save_pretrained(big, str(tmp_path / "hf")) == "GPT2LMHeadModel"
@@ -106,8 +117,19 @@ def test_bias_false_is_gpt2_with_zero_biases(norm, tmp_path):
 
 @pytest.mark.parametrize("pos_emb", ["learned", "rotary"])
 def test_embed_norm_is_the_written_out_rms_of_the_stream_start(pos_emb):
-    m = randomized(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=96, pos_emb=pos_emb,
-                             embed_norm=True, layer_norm_epsilon=1e-3), seed=2)
+    m = randomized(
+        GPTConfig(
+            n_layer=2,
+            n_head=2,
+            n_embd=32,
+            block_size=16,
+            vocab_size=96,
+            pos_emb=pos_emb,
+            embed_norm=True,
+            layer_norm_epsilon=1e-3,
+        ),
+        seed=2,
+    )
     idx = torch.randint(0, 96, (2, 10))
     with torch.no_grad():
         x = m.transformer.wte(idx) + (m.transformer.wpe(torch.arange(10)) if pos_emb == "learned" else 0)
@@ -137,8 +159,9 @@ def test_optimizers_without_biases():
     decay, no_decay = param_groups(m, 0.1)
     assert len(no_decay["params"]) == 7 and all(p.dim() == 1 for p in no_decay["params"])
     for optimizer in ("adamw", "muon"):
-        opt = build_optimizer(m, replace(load_preset("shakespeare-cpu-fast").optim, optimizer=optimizer),
-                              torch.device("cpu"))
+        opt = build_optimizer(
+            m, replace(load_preset("shakespeare-cpu-fast").optim, optimizer=optimizer), torch.device("cpu")
+        )
         before = [p.detach().clone() for p in m.parameters()]
         idx = torch.randint(0, 96, (2, 16))
         m(idx, idx)[1].backward()
@@ -148,12 +171,12 @@ def test_optimizers_without_biases():
 
 
 # -- the memory planner -------------------------------------------------------------------------
-from test_levers import _saved_bytes  # noqa: E402  (what autograd keeps, parameters left out)
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("block", [{}, dict(pos_emb="rotary", qk_norm=True, norm="rmsnorm", mlp_act="relu2")],
-                         ids=["gpt2", "modern"])
+@pytest.mark.parametrize(
+    "block", [{}, dict(pos_emb="rotary", qk_norm=True, norm="rmsnorm", mlp_act="relu2")], ids=["gpt2", "modern"]
+)
 def test_planner_counts_what_autograd_keeps_for_the_switches(block, dtype):
     """A whole training forward (chunked loss included): without biases autograd keeps exactly what it keeps
     with them; embed_norm keeps the embedding and its rstd (fp32, N (C + 1) x 4 bytes), and the planner's
@@ -169,9 +192,10 @@ def test_planner_counts_what_autograd_keeps_for_the_switches(block, dtype):
         def forward():
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):
                 m(idx, idx, return_logits=False)
-        kept[name] = _saved_bytes(m, forward)
+
+        kept[name] = saved_bytes(m, forward)
     assert kept["no_bias"] == kept["base"]
-    assert kept["embed_norm"] - kept["no_bias"] == B * T * memplan.embed_norm_saved_bytes(C) == B * T * (C + 1) * 4
+    assert kept["embed_norm"] - kept["no_bias"] == B * T * memplan.embed_normsaved_bytes(C) == B * T * (C + 1) * 4
     kw = dict(micro_batch=B, seq_len=T, dtype="float32" if dtype is None else "bfloat16", device="cpu", accum=1)
     on, off = (memplan.phases(GPTConfig(**base, bias=False, embed_norm=e), **kw)[0].terms for e in (True, False))
     assert on["activations"] - off["activations"] == B * T * (C + 1) * 4
@@ -180,11 +204,15 @@ def test_planner_counts_what_autograd_keeps_for_the_switches(block, dtype):
 def test_planner_counts_the_parameters_and_casts_without_biases():
     for norm in ("layernorm", "rmsnorm"):
         for tied in (True, False):
-            cfg = GPTConfig(n_layer=3, n_head=2, n_embd=32, vocab_size=96, block_size=16, norm=norm, bias=False,
-                            tie_embeddings=tied)
+            cfg = GPTConfig(
+                n_layer=3, n_head=2, n_embd=32, vocab_size=96, block_size=16, norm=norm, bias=False, tie_embeddings=tied
+            )
             assert memplan.param_counts(cfg)["total"] == GPT(cfg).num_params()
-    bf16 = memplan.phases(GPTConfig(n_layer=3, n_head=2, n_embd=32, vocab_size=96, block_size=16, bias=False),
-                          micro_batch=1, dtype="bfloat16")[0]
+    bf16 = memplan.phases(
+        GPTConfig(n_layer=3, n_head=2, n_embd=32, vocab_size=96, block_size=16, bias=False),
+        micro_batch=1,
+        dtype="bfloat16",
+    )[0]
     assert bf16.terms["weight_copies"] == 3 * 2 * 12 * 32 * 32  # autocast casts the four matrices, no biases
 
 
@@ -231,8 +259,12 @@ def test_nanochat_export_files(tmp_path):
     d = tmp_path / "hf"
     assert sorted(os.listdir(d)) == sorted(export.EXPORT_FILES)
     cfg = json.loads((d / "config.json").read_text())
-    assert (cfg["model_type"], cfg["vocab_size"], cfg["intermediate_size"], cfg["tie_word_embeddings"]) == \
-        ("nanochat", 50257, 256, False)
+    assert (cfg["model_type"], cfg["vocab_size"], cfg["intermediate_size"], cfg["tie_word_embeddings"]) == (
+        "nanochat",
+        50257,
+        256,
+        False,
+    )
     assert cfg["rope_parameters"] == {"rope_type": "default", "rope_theta": 500.0}
     assert cfg["final_logit_softcapping"] == 12.0 and cfg["pad_token_id"] == 50256
     tok = transformers.AutoTokenizer.from_pretrained(str(d))
@@ -242,8 +274,11 @@ def test_nanochat_export_files(tmp_path):
     assert _logits_diff(m, theirs, torch.randint(0, 50257, (2, 48))) <= 1e-4
 
 
-@pytest.mark.parametrize("variant", [dict(tie_embeddings=True), dict(mlp_act="gelu"), dict(logit_softcap=3.0)],
-                         ids=["tied", "gelu", "softcap"])
+@pytest.mark.parametrize(
+    "variant",
+    [dict(tie_embeddings=True), dict(mlp_act="gelu"), dict(logit_softcap=3.0)],
+    ids=["tied", "gelu", "softcap"],
+)
 def test_nanochat_export_variants(variant, tmp_path):
     """A tied head (exported untied: ln_f's gain folds into the head, not into wte), tanh GELU, a softcap."""
     m = randomized(GPTConfig(**{**SMALL, **NANOCHAT, **variant}), seed=4)
@@ -263,14 +298,19 @@ def test_rotary_direction_needs_the_flipped_halves(tmp_path, monkeypatch):
 
 
 # -- refusals -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("fields, needle", [
-    (dict(value_embeds=1), "value_embeds=1 (GPT-2 and NanoChat: no value embeddings)"),
-    (dict(unet_skips=True, bias=False, embed_norm=True), "unet_skips=true (GPT-2 and NanoChat: no skips"),
-    (dict(bias=True), "NanoChatForCausalLM would need bias=false (no biases)"),
-    (dict(norm="layernorm"), "NanoChatForCausalLM would need norm=rmsnorm (RMSNorm only)"),
-    (dict(pos_emb="learned", norm="layernorm", qk_norm=False, mlp_act="gelu", bias=True, embed_norm=True),
-     "GPT2LMHeadModel would need embed_norm=false (no norm of the embeddings)"),
-])
+@pytest.mark.parametrize(
+    "fields, needle",
+    [
+        (dict(value_embeds=1), "value_embeds=1 (GPT-2 and NanoChat: no value embeddings)"),
+        (dict(unet_skips=True, bias=False, embed_norm=True), "unet_skips=true (GPT-2 and NanoChat: no skips"),
+        (dict(bias=True), "NanoChatForCausalLM would need bias=false (no biases)"),
+        (dict(norm="layernorm"), "NanoChatForCausalLM would need norm=rmsnorm (RMSNorm only)"),
+        (
+            dict(pos_emb="learned", norm="layernorm", qk_norm=False, mlp_act="gelu", bias=True, embed_norm=True),
+            "GPT2LMHeadModel would need embed_norm=false (no norm of the embeddings)",
+        ),
+    ],
+)
 def test_what_neither_computes_is_refused_in_one_line(fields, needle, tmp_path):
     cfg = GPTConfig(**{**SMALL, **NANOCHAT, **fields})
     with pytest.raises(UsageError) as e:
@@ -285,8 +325,17 @@ def _transformers_nanochat(tmp_path, seed: int = 0, **overrides):
     import transformers
 
     transformers.logging.set_verbosity_error()
-    cfg = {**dict(vocab_size=300, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                  max_position_embeddings=40), **overrides}
+    cfg = {
+        **dict(
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=40,
+        ),
+        **overrides,
+    }
     torch.manual_seed(seed)
     theirs = transformers.NanoChatForCausalLM(transformers.NanoChatConfig(**cfg)).eval()
     with torch.no_grad():  # HF's init leaves small logits; larger weights make any difference show
@@ -297,10 +346,19 @@ def _transformers_nanochat(tmp_path, seed: int = 0, **overrides):
     return theirs, d
 
 
-@pytest.mark.parametrize("overrides", [{}, dict(tie_word_embeddings=True, final_logit_softcapping=None),
-                                       dict(hidden_act="gelu_pytorch_tanh", rms_norm_eps=1e-5,
-                                            rope_parameters={"rope_type": "default", "rope_theta": 100.0})],
-                         ids=["defaults", "tied-no-cap", "gelu-eps-theta"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        dict(tie_word_embeddings=True, final_logit_softcapping=None),
+        dict(
+            hidden_act="gelu_pytorch_tanh",
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 100.0},
+        ),
+    ],
+    ids=["defaults", "tied-no-cap", "gelu-eps-theta"],
+)
 def test_a_nanochat_saved_by_transformers_loads_with_its_logits(overrides, tmp_path):
     theirs, d = _transformers_nanochat(tmp_path, **overrides)
     assert source_kind(d) == HF_DIR
@@ -310,20 +368,24 @@ def test_a_nanochat_saved_by_transformers_loads_with_its_logits(overrides, tmp_p
         assert _logits_diff(ours, theirs, torch.randint(0, 300, (2, 40))) <= 1e-4
         # the cache path too: greedy decoding from a prompt, token by token
         with torch.no_grad():
-            want = theirs.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                                   pad_token_id=0)
+            want = theirs.generate(
+                torch.tensor([[5, 6, 7]]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
         from gpt2lab.model.sampling import generate
 
         assert torch.equal(generate(ours, torch.tensor([[5, 6, 7]]), 12, temperature=0), want)
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (dict(num_key_value_heads=2), "num_key_value_heads=2"),
-    (dict(intermediate_size=192), "intermediate_size=192"),
-    (dict(attention_bias=True), "attention_bias=True"),
-    (dict(hidden_act="silu"), "hidden_act='silu'"),
-    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}), "rope_parameters="),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (dict(num_key_value_heads=2), "num_key_value_heads=2"),
+        (dict(intermediate_size=192), "intermediate_size=192"),
+        (dict(attention_bias=True), "attention_bias=True"),
+        (dict(hidden_act="silu"), "hidden_act='silu'"),
+        (dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}), "rope_parameters="),
+    ],
+)
 def test_a_nanochat_gpt2lab_cannot_compute_is_refused_by_field(overrides, needle, tmp_path, capsys):
     _, d = _transformers_nanochat(tmp_path, **overrides)
     with pytest.raises(read.WeightsError) as e:

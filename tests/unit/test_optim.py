@@ -1,4 +1,5 @@
 """Optimizer groups, AdamW against torch's reference implementation, and the LR schedule."""
+
 from __future__ import annotations
 
 import math
@@ -6,8 +7,8 @@ import math
 import pytest
 import torch
 
-from gpt2lab.train.config import load_preset
 from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.train.config import load_preset
 from gpt2lab.train.optim import lr_at, make_optimizer, param_groups
 
 
@@ -33,8 +34,10 @@ def test_adamw_step_matches_torch_reference():
     """Our AdamW (fused where available) against plain, unfused torch.optim.AdamW, same gradients."""
     a, b = _model(), _model()
     opt_a = make_optimizer(a, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device=torch.device("cpu"))
-    groups_b = [{"params": [p for p in b.parameters() if p.dim() >= 2], "weight_decay": 0.1},
-                {"params": [p for p in b.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    groups_b = [
+        {"params": [p for p in b.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in b.parameters() if p.dim() < 2], "weight_decay": 0.0},
+    ]
     opt_b = torch.optim.AdamW(groups_b, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
@@ -50,15 +53,18 @@ def test_adamw_step_matches_torch_reference():
 
 def test_lr_schedule_reference_values():
     o = load_preset("gpt2-124m").optim
-    lr = lambda s: lr_at(s, max_lr=o.max_lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, max_steps=o.max_steps)
-    assert lr(0) == pytest.approx(6e-4 / 715)            # first step: max_lr / warmup, never 0
-    assert lr(357) == pytest.approx(6e-4 * 358 / 715)    # linear in the warmup
-    assert lr(714) == pytest.approx(6e-4)                # last warmup step reaches max_lr
-    assert lr(715) == pytest.approx(6e-4)                # cosine starts at max_lr
-    mid = 715 + (19073 - 715) // 2                       # 9894: half-way through the decay
-    assert lr(mid) == pytest.approx(3.3e-4, rel=1e-6)    # (max + min) / 2
-    assert lr(19073) == pytest.approx(6e-5)              # the end: min_lr
-    assert lr(30000) == pytest.approx(6e-5)              # and after it
+
+    def lr(s):
+        return lr_at(s, max_lr=o.max_lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, max_steps=o.max_steps)
+
+    assert lr(0) == pytest.approx(6e-4 / 715)  # first step: max_lr / warmup, never 0
+    assert lr(357) == pytest.approx(6e-4 * 358 / 715)  # linear in the warmup
+    assert lr(714) == pytest.approx(6e-4)  # last warmup step reaches max_lr
+    assert lr(715) == pytest.approx(6e-4)  # cosine starts at max_lr
+    mid = 715 + (19073 - 715) // 2  # 9894: half-way through the decay
+    assert lr(mid) == pytest.approx(3.3e-4, rel=1e-6)  # (max + min) / 2
+    assert lr(19073) == pytest.approx(6e-5)  # the end: min_lr
+    assert lr(30000) == pytest.approx(6e-5)  # and after it
     quarter = 715 + (19073 - 715) / 4
     assert lr(int(quarter)) == pytest.approx(6e-5 + 5.4e-4 * (1 + math.cos(math.pi / 4)) / 2, rel=1e-4)
 

@@ -1,6 +1,7 @@
 """Your own tokenizer: training it (deterministic, Hugging Face tokenizers' own encoding as the
 reference), data prepared with it (uint32 shards too), a run on that data (files travel, bits per
 byte), the refusal of data in another tokenizer, and its export in transformers (ids and logits)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -16,8 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DATA, tiny_gpt
-from train_utils import cli_args, records, tiny_data  # noqa: F401  (tiny_data is a fixture)
+from conftest import DATA, cli_args, records, tiny_gpt
 
 from gpt2lab import cli
 from gpt2lab.data import chat
@@ -27,8 +27,7 @@ from gpt2lab.data.bpe import SPLIT_PATTERN, open_dir, train
 WIKI = str(DATA / "wiki_slice.jsonl.zst")
 CHAT = str(DATA / "chat_slice.jsonl.zst")
 VOCAB = 1000  # not a multiple of 128: a run pads it to 1024
-TURNS = [("system", "You answer briefly."), ("user", "Hello <|im_end|> there, 12345!"),
-         ("assistant", "Hi. Ünïcödé 🙂")]
+TURNS = [("system", "You answer briefly."), ("user", "Hello <|im_end|> there, 12345!"), ("assistant", "Hi. Ünïcödé 🙂")]
 
 
 def _texts(path: str, field: str = "text") -> list[str]:
@@ -66,9 +65,22 @@ def wiki_data(tok_dir, tmp_path_factory) -> str:
 def own_run(wiki_data, tmp_path_factory) -> Path:
     """A 6-step run on data prepared with the trained tokenizer, evaluations and checkpoints on."""
     out = tmp_path_factory.mktemp("own") / "run"
-    argv = ["train", "--preset", "shakespeare-cpu", *cli_args(
-        data=wiki_data, out=str(out), max_steps=6, eval_interval=3, eval_tokens=128, sample_interval=6,
-        sample_tokens=8, ckpt_interval=3, keep_checkpoints=0)]
+    argv = [
+        "train",
+        "--preset",
+        "shakespeare-cpu",
+        *cli_args(
+            data=wiki_data,
+            out=str(out),
+            max_steps=6,
+            eval_interval=3,
+            eval_tokens=128,
+            sample_interval=6,
+            sample_tokens=8,
+            ckpt_interval=3,
+            keep_checkpoints=0,
+        ),
+    ]
     assert cli.main(argv) == 0
     return out
 
@@ -92,12 +104,20 @@ def test_training_twice_gives_identical_files(tok_dir, tmp_path):
 def test_out_must_be_new_empty_or_an_earlier_tokenizer(tok_dir, tmp_path, capsys):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
-    assert cli.main(["tokenizer", "train", "--source", WIKI, "--vocab-size", "300", "--out",
-                     str(tmp_path / "mine"), "--quiet"]) == 2
+    assert (
+        cli.main(
+            ["tokenizer", "train", "--source", WIKI, "--vocab-size", "300", "--out", str(tmp_path / "mine"), "--quiet"]
+        )
+        == 2
+    )
     assert "nothing was written" in capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
-    assert cli.main(["tokenizer", "train", "--source", WIKI, "--vocab-size", "100", "--out",
-                     str(tmp_path / "t"), "--quiet"]) == 2
+    assert (
+        cli.main(
+            ["tokenizer", "train", "--source", WIKI, "--vocab-size", "100", "--out", str(tmp_path / "t"), "--quiet"]
+        )
+        == 2
+    )
     assert "--vocab-size 100: must be 260" in capsys.readouterr().err
 
 
@@ -138,12 +158,17 @@ def test_bytes_per_token_against_gpt2(tok_dir, capsys):
 
 # -- data ------------------------------------------------------------------------------------------
 def test_prepare_writes_the_tokenizers_ids_and_names_it(wiki_data, tok_dir, tok, capsys):
-    from gpt2lab.data.shards import list_shards, open_shard
     from tokenizers import Tokenizer
 
+    from gpt2lab.data.shards import list_shards, open_shard
+
     manifest = json.loads((Path(wiki_data) / "manifest.json").read_text())
-    assert (manifest["tokenizer"], manifest["vocab_size"], manifest["dtype"], manifest["eot_id"]) == \
-        (tok.identity, VOCAB, "uint16", 0)
+    assert (manifest["tokenizer"], manifest["vocab_size"], manifest["dtype"], manifest["eot_id"]) == (
+        tok.identity,
+        VOCAB,
+        "uint16",
+        0,
+    )
     assert (Path(wiki_data) / "tokenizer.json").read_bytes() == (Path(tok_dir) / "tokenizer.json").read_bytes()
     ref = Tokenizer.from_file(str(Path(tok_dir) / "tokenizer.json"))
     stream = np.concatenate([open_shard(p) for s in ("val", "train") for p in list_shards(wiki_data, s)])
@@ -175,12 +200,15 @@ def test_uint32_shards_for_a_vocabulary_past_65536(tmp_path):
 
 # -- a run on it -----------------------------------------------------------------------------------
 def test_a_run_takes_the_datas_tokenizer_and_it_travels(own_run, tok, monkeypatch):
-    from gpt2lab.weights.load import from_checkpoint as load_model
     from gpt2lab.inference.completion import tokenizer_for
+    from gpt2lab.weights.load import from_checkpoint as load_model
 
     model_cfg = json.loads((own_run / "config.json").read_text())["model"]
-    assert (model_cfg["tokenizer"], model_cfg["token_vocab_size"], model_cfg["vocab_size"]) == \
-        (tok.identity, VOCAB, 1024)
+    assert (model_cfg["tokenizer"], model_cfg["token_vocab_size"], model_cfg["vocab_size"]) == (
+        tok.identity,
+        VOCAB,
+        1024,
+    )
     for where in (own_run, own_run / "checkpoints" / "step_000003", own_run / "checkpoints" / "step_000006"):
         assert (where / "tokenizer.json").read_text() == tok.text
     assert "tokenizer.json" in json.loads((own_run / "checkpoints" / "step_000006" / "checksums.json").read_text())
@@ -233,24 +261,43 @@ def _one_line(err: str) -> str:
 
 
 @pytest.mark.parametrize("dry", [False, True])
-def test_data_in_another_tokenizer_is_refused_before_the_first_step(own_run, tiny_data, wiki_data,  # noqa: F811
-                                                                     tmp_path, capsys, dry):
+def test_data_in_another_tokenizer_is_refused_before_the_first_step(
+    own_run,
+    tiny_data,
+    wiki_data,  # noqa: F811
+    tmp_path,
+    capsys,
+    dry,
+):
     flag = ["--dry-run"] if dry else []
     out = tmp_path / "from_own"
-    argv = ["train", "--preset", "shakespeare-cpu", *cli_args(data=tiny_data, out=str(out), init_from=str(own_run)),
-            *flag]
+    argv = [
+        "train",
+        "--preset",
+        "shakespeare-cpu",
+        *cli_args(data=tiny_data, out=str(out), init_from=str(own_run)),
+        *flag,
+    ]
     assert cli.main(argv) == 2
     model_tok = json.loads((own_run / "config.json").read_text())["model"]["tokenizer"]
     assert _one_line(capsys.readouterr().err) == (
         f"gpt2lab train: --data {tiny_data} was prepared with GPT-2's BPE, but the model of --init-from {own_run} "
         f"uses sha256:{model_tok[:12]}; prepare it with that model's tokenizer (gpt2lab prepare --tokenizer DIR, "
-        "DIR holding its tokenizer.json: the run, checkpoint or export), or start from another model")
+        "DIR holding its tokenizer.json: the run, checkpoint or export), or start from another model"
+    )
     assert not out.exists()
     resumed = tmp_path / "resumed"  # a copy of the run resumed on GPT-2's data
     shutil.copytree(own_run, resumed)
     before = sorted(p.name for p in resumed.rglob("*"))
-    argv = ["train", "--preset", "shakespeare-cpu", *cli_args(data=tiny_data, out=str(resumed), max_steps=9),
-            "--resume", "auto", *flag]
+    argv = [
+        "train",
+        "--preset",
+        "shakespeare-cpu",
+        *cli_args(data=tiny_data, out=str(resumed), max_steps=9),
+        "--resume",
+        "auto",
+        *flag,
+    ]
     assert cli.main(argv) == 2
     assert "was prepared with GPT-2's BPE, but the model of the checkpoint" in _one_line(capsys.readouterr().err)
     assert sorted(p.name for p in resumed.rglob("*")) == before
@@ -258,11 +305,17 @@ def test_data_in_another_tokenizer_is_refused_before_the_first_step(own_run, tin
 
     gpt2 = str(tmp_path / "gpt2")  # and a GPT-2 model (TINY's shape) onto data in the trained tokenizer
     export.save_pretrained(tiny_gpt(vocab_size=50257, block_size=32), gpt2)
-    argv = ["train", "--preset", "shakespeare-cpu", *cli_args(data=wiki_data, out=str(tmp_path / "gpt2_from"),
-                                                              init_from=gpt2), *flag]
+    argv = [
+        "train",
+        "--preset",
+        "shakespeare-cpu",
+        *cli_args(data=wiki_data, out=str(tmp_path / "gpt2_from"), init_from=gpt2),
+        *flag,
+    ]
     assert cli.main(argv) == 2
-    assert f"was prepared with sha256:{model_tok[:12]}, but the model of --init-from" in \
-        _one_line(capsys.readouterr().err)
+    assert f"was prepared with sha256:{model_tok[:12]}, but the model of --init-from" in _one_line(
+        capsys.readouterr().err
+    )
 
 
 def test_vocab_size_follows_the_tokenizer_unless_given(wiki_data, tmp_path):
@@ -273,9 +326,18 @@ def test_vocab_size_follows_the_tokenizer_unless_given(wiki_data, tmp_path):
     from gpt2lab.train.plan import Request, make_plan
 
     facts = MachineFacts(runtime.Facts("cpu", "x", ()))
-    values = lambda **model: merge_config(preset_values("shakespeare-cpu"), {  # noqa: E731
-        "data": wiki_data, "out": str(tmp_path / "r"), "system": {"dtype": "float32", "compile": "false"},
-        "model": model})
+
+    def values(**model):
+        return merge_config(
+            preset_values("shakespeare-cpu"),
+            {  # noqa: E731
+                "data": wiki_data,
+                "out": str(tmp_path / "r"),
+                "system": {"dtype": "float32", "compile": "false"},
+                "model": model,
+            },
+        )
+
     assert make_plan(Request(values(), {}), facts).config.model.vocab_size == 1024  # the preset's 50304 gives way
     assert make_plan(Request(values(vocab_size=1152), {"vocab_size": 1152}), facts).config.model.vocab_size == 1152
     with pytest.raises(ConfigError, match="--vocab-size 512 is smaller than the tokenizer's 1000 tokens .* use 1024"):
@@ -291,10 +353,10 @@ def _hand_bpb(model, data: str, tok, steps: int, B: int, T: int, masked: bool) -
     nats, n, n_bytes = 0.0, 0, 0
     with torch.no_grad():
         for s in range(steps * B):
-            seq = torch.from_numpy(raw[s * T:s * T + T + 1])
+            seq = torch.from_numpy(raw[s * T : s * T + T + 1])
             logits, _ = model(seq[None, :-1])
             losses = F.cross_entropy(logits[0].float(), seq[1:], reduction="none")
-            for t, loss, k in zip(seq[1:].tolist(), losses.tolist(), keep[s * T + 1:s * T + T + 1]):
+            for t, loss, k in zip(seq[1:].tolist(), losses.tolist(), keep[s * T + 1 : s * T + T + 1]):
                 if k:
                     nats += loss
                     n += 1
@@ -318,10 +380,28 @@ def test_bits_per_byte_is_the_loss_over_the_texts_bytes(wiki_data, tok_dir, tok,
     assert 1.5 < bpb < loss  # a random model's bits per byte: its loss over more than one byte per token
 
 
-def test_eval_loss_reports_bpb_and_refuses_data_in_another_tokenizer(own_run, wiki_data, tiny_data,  # noqa: F811
-                                                                      capsys):
-    argv = ["eval", "loss", "--model", str(own_run), "--tokens", "128", "--batch-size", "2", "--seq-len", "32",
-            "--device", "cpu", "--dtype", "float32"]
+def test_eval_loss_reports_bpb_and_refuses_data_in_another_tokenizer(
+    own_run,
+    wiki_data,
+    tiny_data,  # noqa: F811
+    capsys,
+):
+    argv = [
+        "eval",
+        "loss",
+        "--model",
+        str(own_run),
+        "--tokens",
+        "128",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+    ]
     assert cli.main([*argv, "--data", wiki_data]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["bpb"] == pytest.approx(out["loss"] * 128 / (math.log(2) * out["bytes"]))
@@ -330,8 +410,18 @@ def test_eval_loss_reports_bpb_and_refuses_data_in_another_tokenizer(own_run, wi
 
 
 # -- the export ------------------------------------------------------------------------------------
-ARCHS = {"gpt2": {}, "modern": dict(pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2", bias=False,
-                                    embed_norm=True, tie_embeddings=False)}
+ARCHS = {
+    "gpt2": {},
+    "modern": dict(
+        pos_emb="rotary",
+        norm="rmsnorm",
+        qk_norm=True,
+        mlp_act="relu2",
+        bias=False,
+        embed_norm=True,
+        tie_embeddings=False,
+    ),
+}
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -343,8 +433,15 @@ def test_export_loads_in_transformers_with_our_ids_and_logits(tok, tmp_path, arc
     from gpt2lab.weights.load import load_model
 
     transformers.logging.set_verbosity_error()
-    model = tiny_gpt(seed=2, vocab_size=1024, token_vocab_size=VOCAB, tokenizer=tok, block_size=128,
-                     chat_template="chatml" if chat_model else None, **ARCHS[arch])
+    model = tiny_gpt(
+        seed=2,
+        vocab_size=1024,
+        token_vocab_size=VOCAB,
+        tokenizer=tok,
+        block_size=128,
+        chat_template="chatml" if chat_model else None,
+        **ARCHS[arch],
+    )
     d = str(tmp_path / "export")
     assert export.save_pretrained(model, d) == {"gpt2": "GPT2LMHeadModel", "modern": "NanoChatForCausalLM"}[arch]
     theirs_tok = transformers.AutoTokenizer.from_pretrained(d)
@@ -373,8 +470,11 @@ def test_a_model_with_its_own_tokenizer_needs_it_given_and_says_how(tok):
 
     config = GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=VOCAB, tokenizer=tok.identity)
     assert for_config(config, tok) is tok
-    with pytest.raises(TokenizerError, match=r"has its own tokenizer sha256:\w{12} and none was given; read it "
-                                             r"from where the model came from \(gpt2lab.get_tokenizer\(SOURCE\)"):
+    with pytest.raises(
+        TokenizerError,
+        match=r"has its own tokenizer sha256:\w{12} and none was given; read it "
+        r"from where the model came from \(gpt2lab.get_tokenizer\(SOURCE\)",
+    ):
         for_config(config)
     with pytest.raises(TokenizerError, match="and GPT-2's BPE was given"):
         for_config(config, gpt2_tokenizer())
@@ -396,23 +496,36 @@ def test_serve_reads_and_writes_text_in_the_models_tokenizer(tok, tmp_path):
     from gpt2lab.evals.chat import greedy_reply
     from gpt2lab.weights import export
 
-    model = tiny_gpt(seed=4, vocab_size=1024, token_vocab_size=VOCAB, tokenizer=tok, block_size=128,
-                     chat_template="chatml")
+    model = tiny_gpt(
+        seed=4, vocab_size=1024, token_vocab_size=VOCAB, tokenizer=tok, block_size=128, chat_template="chatml"
+    )
     export.save_pretrained(model, str(tmp_path / "m"))
     text = "def f(x):\n    return x ** 2  # naïve 🙂"
     turns = [("user", "Hello there, what is 12345?")]
     prompt = chat.encode_chat(turns, add_generation_prompt=True, tokenizer=tok)[0]
     reply = greedy_reply(model, prompt, 12)
     with running_server([f"own={tmp_path / 'm'}"]) as url:
-        r = httpx.post(url + "/v1/completions", json={"model": "own", "prompt": text, "echo": True, "max_tokens": 0,
-                                                       "logprobs": 1}, timeout=60).json()
-        c = httpx.post(url + "/v1/chat/completions", json={"model": "own", "max_tokens": 12, "temperature": 0,
-                       "messages": [{"role": r_, "content": t} for r_, t in turns]}, timeout=60).json()
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"model": "own", "prompt": text, "echo": True, "max_tokens": 0, "logprobs": 1},
+            timeout=60,
+        ).json()
+        c = httpx.post(
+            url + "/v1/chat/completions",
+            json={
+                "model": "own",
+                "max_tokens": 12,
+                "temperature": 0,
+                "messages": [{"role": r_, "content": t} for r_, t in turns],
+            },
+            timeout=60,
+        ).json()
     ids = tok.encode_ordinary(text)
     assert r["usage"]["prompt_tokens"] == len(ids) and r["choices"][0]["text"] == text
     names = r["choices"][0]["logprobs"]["tokens"]
-    assert [n.encode() if not n.startswith("bytes:") else None for n in names] == \
-        [b if not _split_char(b) else None for b in map(tok.decode_single_token_bytes, ids)]
+    assert [n.encode() if not n.startswith("bytes:") else None for n in names] == [
+        b if not _split_char(b) else None for b in map(tok.decode_single_token_bytes, ids)
+    ]
     assert c["usage"]["prompt_tokens"] == len(prompt)
     assert c["choices"][0]["message"]["content"] == reply.text
 
@@ -430,15 +543,27 @@ def test_fsdp_checkpoints_carry_the_tokenizer_too(wiki_data, tok, tmp_path, monk
     into the checkpoint, the checksums cover it, and the checkpoint loads alone with it."""
     import subprocess
 
-    from train_utils import env, torchrun_cmd
+    from conftest import env, torchrun_cmd
 
-    from gpt2lab.weights.load import from_checkpoint as load_model
     from gpt2lab.inference.completion import tokenizer_for
+    from gpt2lab.weights.load import from_checkpoint as load_model
 
     out = tmp_path / "fsdp"
-    proc = subprocess.run(torchrun_cmd(data=wiki_data, out=str(out), strategy="fsdp", max_steps=2, ckpt_interval=2,
-                                       eval_interval=0, sample_interval=0),
-                          env=env(), capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        torchrun_cmd(
+            data=wiki_data,
+            out=str(out),
+            strategy="fsdp",
+            max_steps=2,
+            ckpt_interval=2,
+            eval_interval=0,
+            sample_interval=0,
+        ),
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "strategy fsdp" in proc.stdout
     ckpt = out / "checkpoints" / "step_000002"

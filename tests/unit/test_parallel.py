@@ -2,24 +2,26 @@
 
 The 2-process FSDP run is in test_train_dist.py, beside the DDP one it is compared with.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny_gpt
-from gpt2lab.train.config import ConfigError, FinetuneConfig, ParallelConfig, TrainConfig
+
 from gpt2lab.distributed.parallel import choose_strategy
-from gpt2lab.system.runtime import ChoiceError
 from gpt2lab.model.sampling import generate
+from gpt2lab.system.runtime import ChoiceError
+from gpt2lab.train.config import ConfigError, FinetuneConfig, ParallelConfig, TrainConfig
 
 GiB = 2**30
 
 
 def test_auto_is_ddp_for_one_process_even_when_fsdp_is_asked():
     for requested in ("auto", "ddp", "fsdp"):
-        choice = choose_strategy(requested, world_size=1, device_type="cuda", ddp_bytes=100 * GiB,
-                                 device_bytes=80 * GiB)
+        choice = choose_strategy(
+            requested, world_size=1, device_type="cuda", ddp_bytes=100 * GiB, device_bytes=80 * GiB
+        )
         assert choice.value == "ddp" and "one process" in choice.reason
     assert "torchrun" in choose_strategy("fsdp", world_size=1, device_type="cpu").reason
 
@@ -27,17 +29,23 @@ def test_auto_is_ddp_for_one_process_even_when_fsdp_is_asked():
 def test_auto_shards_what_does_not_fit():
     # gpt2-xl, 1558M parameters: 16 bytes each under DDP = 23.2 GiB of weights, grads and AdamW state
     need = 16 * 1_557_611_200  # DDP's fp32 weight, gradient and two AdamW moments per parameter
-    big = choose_strategy("auto", world_size=8, device_type="cuda", dtype="bfloat16", ddp_bytes=need,
-                          device_bytes=16 * GiB)
+    big = choose_strategy(
+        "auto", world_size=8, device_type="cuda", dtype="bfloat16", ddp_bytes=need, device_bytes=16 * GiB
+    )
     assert big.value == "fsdp" and "23.2 GiB" in big.reason and "8 processes" in big.reason
-    fits = choose_strategy("auto", world_size=8, device_type="cuda", dtype="bfloat16", ddp_bytes=need,
-                           device_bytes=80 * GiB)
+    fits = choose_strategy(
+        "auto", world_size=8, device_type="cuda", dtype="bfloat16", ddp_bytes=need, device_bytes=80 * GiB
+    )
     assert fits.value == "ddp" and "fits" in fits.reason
     # the edge: exactly the device's memory still fits (the prediction holds the margins), one byte more does not
     edge = 40 * GiB
-    assert choose_strategy("auto", world_size=2, device_type="cuda", ddp_bytes=edge, device_bytes=40 * GiB).value == "ddp"
-    assert choose_strategy("auto", world_size=2, device_type="cuda", ddp_bytes=edge + 1,
-                           device_bytes=40 * GiB).value == "fsdp"
+    assert (
+        choose_strategy("auto", world_size=2, device_type="cuda", ddp_bytes=edge, device_bytes=40 * GiB).value == "ddp"
+    )
+    assert (
+        choose_strategy("auto", world_size=2, device_type="cuda", ddp_bytes=edge + 1, device_bytes=40 * GiB).value
+        == "fsdp"
+    )
 
 
 def test_auto_without_a_prediction_or_when_fsdp_cannot_help_is_ddp():
@@ -51,8 +59,10 @@ def test_auto_without_a_prediction_or_when_fsdp_cannot_help_is_ddp():
 def test_asked_for_is_kept_or_refused_in_one_line():
     small = dict(world_size=2, device_type="cuda", ddp_bytes=GiB, device_bytes=80 * GiB)
     assert choose_strategy("fsdp", **small).value == "fsdp"  # fits, but asked for
-    assert choose_strategy("ddp", world_size=2, device_type="cuda", ddp_bytes=100 * GiB,
-                           device_bytes=16 * GiB).value == "ddp"  # the user's call, even if it will not fit
+    assert (
+        choose_strategy("ddp", world_size=2, device_type="cuda", ddp_bytes=100 * GiB, device_bytes=16 * GiB).value
+        == "ddp"
+    )  # the user's call, even if it will not fit
     with pytest.raises(ChoiceError, match="--strategy fsdp with float16"):
         choose_strategy("fsdp", dtype="float16", **small)
     with pytest.raises(ChoiceError, match="choose one of auto, ddp, fsdp"):
@@ -120,8 +130,17 @@ def test_auto_asks_the_planner_what_ddp_needs_on_a_gpu():
     from gpt2lab.train.plan import strategy_for
 
     cfg = load_preset("gpt2-1558m", data="unused", total_batch_tokens=1024 * 16 * 8)
-    need = memplan.predict(cfg.model, strategy="ddp", world_size=8, micro_batch=16, seq_len=1024,
-                           dtype="bfloat16", accum=1, device="cuda", compiled=True).total
+    need = memplan.predict(
+        cfg.model,
+        strategy="ddp",
+        world_size=8,
+        micro_batch=16,
+        seq_len=1024,
+        dtype="bfloat16",
+        accum=1,
+        device="cuda",
+        compiled=True,
+    ).total
     gpu = runtime.Facts("cuda", "NVIDIA H100 80GB HBM3", cuda_bf16=True)
     for card, expect in ((need, "ddp"), (need - 1, "fsdp")):
         machine = MachineFacts(gpu, world_size=8, device_bytes=card)

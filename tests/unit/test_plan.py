@@ -1,6 +1,7 @@
 """The run plan (gpt2lab.train.plan): each start-up decision from faked machine facts, the one
 resume rule (also where the architecture comes from), --init-from found and hashed once,
 --dry-run (CPU, a faked 8-GPU machine, a resume) and the plan recorded in run_info.json."""
+
 from __future__ import annotations
 
 import json
@@ -9,19 +10,18 @@ import shutil
 
 import pytest
 import torch
-from conftest import tiny_gpt
+from conftest import TINY, cli_args, tiny_gpt
 from safetensors.torch import load_file
-from train_utils import TINY, cli_args, tiny_data  # noqa: F401  (tiny_data is a fixture)
 
 from gpt2lab import cli
 from gpt2lab.checkpoint import store as ckpt
 from gpt2lab.distributed import memplan
 from gpt2lab.distributed.dist import DistInfo
+from gpt2lab.model.loss import choose_loss
 from gpt2lab.system import runtime
 from gpt2lab.system.errors import ConfigError
 from gpt2lab.train import init_from
 from gpt2lab.train.config import load_preset, merge_config, preset_values
-from gpt2lab.model.loss import choose_loss
 from gpt2lab.train.gather import Gathered, MachineFacts, Resumed, fake_machine
 from gpt2lab.train.plan import Request, decide, make_plan
 from gpt2lab.train.run import train
@@ -32,7 +32,7 @@ CPU = torch.device("cpu")
 PLAIN_CPU = MachineFacts(runtime.Facts("cpu", "some x86", ("avx2", "fma")))
 BF16_CPU = MachineFacts(runtime.Facts("cpu", "sapphire rapids", ("amx_bf16", "avx512_bf16", "avx512f")))
 H100 = runtime.Facts("cuda", "NVIDIA H100 80GB HBM3", cuda_bf16=True)
-GIB = 2 ** 30
+GIB = 2**30
 
 
 def _cfg(out, preset="shakespeare-cpu", **fields):
@@ -50,20 +50,37 @@ def test_cpu_dtype_follows_the_cpus_bf16(tmp_path):
     assert (plain.dtype.value, native.dtype.value) == ("float32", "bfloat16")
     assert "no native bf16" in plain.dtype.reason and "amx_bf16" in native.dtype.reason
     for plan in (plain, native):  # one process on a CPU: unwrapped, chunked loss, no datasheet peak, eager
-        assert (plan.strategy.value, plan.loss.value, plan.peak_flops.value, plan.compile.value) == \
-            ("ddp", "chunked", None, False)
+        assert (plan.strategy.value, plan.loss.value, plan.peak_flops.value, plan.compile.value) == (
+            "ddp",
+            "chunked",
+            None,
+            False,
+        )
         assert plan.resume is None and plan.init is None and plan.machine.world_size == 1
 
 
 def test_eight_h100s_ddp_fused_loss_datasheet_peak_and_memory(tmp_path):
     cfg = _big("gpt2-124m", tmp_path / "r")
     plan = make_plan(cfg, MachineFacts(H100, world_size=8, device_bytes=80 * GIB))
-    assert (plan.dtype.value, plan.compile.value, plan.strategy.value, plan.loss.value) == \
-        ("bfloat16", True, "ddp", "fused")
+    assert (plan.dtype.value, plan.compile.value, plan.strategy.value, plan.loss.value) == (
+        "bfloat16",
+        True,
+        "ddp",
+        "fused",
+    )
     assert plan.peak_flops.value == 989e12  # the SXM datasheet figure
     assert plan.accum == 524288 // (64 * 1024 * 8) == 1
-    ref = memplan.predict(cfg.model, strategy="ddp", world_size=8, micro_batch=64, seq_len=1024, dtype="bfloat16",
-                          accum=1, device="cuda", compiled=True)
+    ref = memplan.predict(
+        cfg.model,
+        strategy="ddp",
+        world_size=8,
+        micro_batch=64,
+        seq_len=1024,
+        dtype="bfloat16",
+        accum=1,
+        device="cuda",
+        compiled=True,
+    )
     assert plan.memory == ref.to_dict() and plan.params == 124_475_904  # GPT-2 small, padded vocab
     assert "fits" in plan.strategy.reason
 
@@ -74,16 +91,35 @@ def test_a_model_too_big_for_ddp_shards_and_keeps_the_chunked_loss(tmp_path):
     plan = make_plan(cfg, MachineFacts(a100, world_size=8, device_bytes=40 * GIB))
     assert (plan.strategy.value, plan.loss.value, plan.peak_flops.value) == ("fsdp", "chunked", 312e12)
     assert "FSDP" in plan.loss.reason
-    ddp = memplan.predict(cfg.model, strategy="ddp", world_size=8, micro_batch=16, seq_len=1024, dtype="bfloat16",
-                          accum=1, device="cuda", compiled=True).total
+    ddp = memplan.predict(
+        cfg.model,
+        strategy="ddp",
+        world_size=8,
+        micro_batch=16,
+        seq_len=1024,
+        dtype="bfloat16",
+        accum=1,
+        device="cuda",
+        compiled=True,
+    ).total
     assert ddp > 40 * GIB and f"{ddp / GIB:.1f} GiB" in plan.strategy.reason
-    fsdp = memplan.predict(cfg.model, strategy="fsdp", world_size=8, micro_batch=16, seq_len=1024, dtype="bfloat16",
-                           accum=1, device="cuda", compiled=True)
+    fsdp = memplan.predict(
+        cfg.model,
+        strategy="fsdp",
+        world_size=8,
+        micro_batch=16,
+        seq_len=1024,
+        dtype="bfloat16",
+        accum=1,
+        device="cuda",
+        compiled=True,
+    )
     assert plan.memory == fsdp.to_dict()
 
 
-@pytest.mark.parametrize("name, peak", [("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
-                                        ("NVIDIA GeForce RTX 4090", None)])
+@pytest.mark.parametrize(
+    "name, peak", [("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12), ("NVIDIA GeForce RTX 4090", None)]
+)
 def test_peak_flops_by_gpu_name_or_flag(name, peak, tmp_path):
     facts = MachineFacts(runtime.Facts("cuda", name, cuda_bf16=True), device_bytes=24 * GIB)
     assert make_plan(_cfg(tmp_path / "r"), facts).peak_flops.value == peak
@@ -92,16 +128,24 @@ def test_peak_flops_by_gpu_name_or_flag(name, peak, tmp_path):
 
 def test_gpu_without_bf16_gets_fp16_and_ddp(tmp_path):
     t4 = runtime.Facts("cuda", "Tesla T4", cuda_bf16=False)
-    plan = make_plan(_big("gpt2-124m", tmp_path / "r", micro_batch_size=8), MachineFacts(t4, world_size=8,
-                                                                                  device_bytes=15 * GIB))
+    plan = make_plan(
+        _big("gpt2-124m", tmp_path / "r", micro_batch_size=8), MachineFacts(t4, world_size=8, device_bytes=15 * GIB)
+    )
     assert (plan.dtype.value, plan.strategy.value) == ("float16", "ddp") and "float16" in plan.strategy.reason
 
 
 def test_loss_path_rule():
-    assert [choose_loss(d, c, s).value for d, c, s in
-            [("cpu", False, False), ("cpu", True, False), ("cuda", False, False), ("cuda", True, False),
-             ("cuda", True, True), ("mps", False, False)]] == \
-        ["chunked", "chunked", "chunked", "fused", "chunked", "chunked"]
+    assert [
+        choose_loss(d, c, s).value
+        for d, c, s in [
+            ("cpu", False, False),
+            ("cpu", True, False),
+            ("cuda", False, False),
+            ("cuda", True, False),
+            ("cuda", True, True),
+            ("mps", False, False),
+        ]
+    ] == ["chunked", "chunked", "chunked", "fused", "chunked", "chunked"]
 
 
 def test_decide_reads_no_file(monkeypatch):
@@ -109,9 +153,12 @@ def test_decide_reads_no_file(monkeypatch):
     manifest (a chat template, conversations' counts); any file opened during the decision fails the test."""
     cfg = _cfg("/nowhere/run")
     saved = {**cfg.to_dict(), "model": {**cfg.to_dict()["model"], "chat_template": "chatml"}}
-    found = Gathered(PLAIN_CPU, resumed=Resumed("/nowhere/run/checkpoints/step_000002", saved),
-                     skipped=("step_000003: damaged",),
-                     manifest={"chat_template": "chatml", "splits": {"train": {"supervised": 10, "tokens": 40}}})
+    found = Gathered(
+        PLAIN_CPU,
+        resumed=Resumed("/nowhere/run/checkpoints/step_000002", saved),
+        skipped=("step_000003: damaged",),
+        manifest={"chat_template": "chatml", "splits": {"train": {"supervised": 10, "tokens": 40}}},
+    )
 
     def no_files(*args, **kwargs):
         raise AssertionError(f"decide opened {args[0]!r}")
@@ -135,8 +182,17 @@ def test_accumulation_and_its_error_name_the_world_size(tmp_path):
 
 def test_fake_facts_file(tmp_path):
     f = tmp_path / "f.json"
-    f.write_text(json.dumps({"device_type": "cuda", "device_name": "NVIDIA H100 80GB HBM3", "cuda_bf16": True,
-                             "world_size": 8, "device_gib": 79.1}))
+    f.write_text(
+        json.dumps(
+            {
+                "device_type": "cuda",
+                "device_name": "NVIDIA H100 80GB HBM3",
+                "cuda_bf16": True,
+                "world_size": 8,
+                "device_gib": 79.1,
+            }
+        )
+    )
     facts = fake_machine(str(f))
     assert (facts.world_size, facts.device_bytes, facts.device.native_bf16) == (8, int(79.1 * GIB), True)
     f.write_text(json.dumps({"device_type": "tpu"}))
@@ -160,16 +216,28 @@ def test_resume_arch_and_weights_come_from_the_same_checkpoint(sources, tiny_dat
     """The newest checkpoint is damaged and says the run began from a 3-layer model; the older,
     intact one from a 2-layer model. Both the architecture and the weights come from the older."""
     out = tmp_path / "run"
-    cfg = load_preset("shakespeare-cpu", **{**TINY, "data": tiny_data, "out": str(out), "max_steps": 2,
-                                            "ckpt_interval": 1, "keep_checkpoints": 0, "init_from": sources[2]})
+    cfg = load_preset(
+        "shakespeare-cpu",
+        **{
+            **TINY,
+            "data": tiny_data,
+            "out": str(out),
+            "max_steps": 2,
+            "ckpt_interval": 1,
+            "keep_checkpoints": 0,
+            "init_from": sources[2],
+        },
+    )
     train(init_from.adapt_config(cfg), DistInfo(device=CPU))
     older, newest = ckpt.list_checkpoints(str(out))
     saved = json.loads((open(os.path.join(newest, "config.json")).read()))
     saved["model"]["n_layer"], saved["finetune"]["init_from"] = 3, sources[3]  # its bytes change: the checksum fails
     with open(os.path.join(newest, "config.json"), "w") as fh:
         json.dump(saved, fh)
-    request = Request(merge_config(preset_values("shakespeare-cpu"), {**TINY, "data": tiny_data, "out": str(out),
-                                                                      "max_steps": 4}), resume="auto")
+    request = Request(
+        merge_config(preset_values("shakespeare-cpu"), {**TINY, "data": tiny_data, "out": str(out), "max_steps": 4}),
+        resume="auto",
+    )
     plan = make_plan(request, PLAIN_CPU, report=lambda line: None)
     assert plan.resume == older and len(plan.skipped) == 1 and newest in plan.skipped[0]
     assert plan.config.model.n_layer == 2 and plan.config.finetune.init_from == sources[2]
@@ -182,8 +250,10 @@ def test_resume_arch_and_weights_come_from_the_same_checkpoint(sources, tiny_dat
 
 def test_resume_path_rules(tmp_path, tiny_data):
     out = tmp_path / "run"
-    train(load_preset("shakespeare-cpu", **{**TINY, "data": tiny_data, "out": str(out), "max_steps": 1}),
-          DistInfo(device=CPU))
+    train(
+        load_preset("shakespeare-cpu", **{**TINY, "data": tiny_data, "out": str(out), "max_steps": 1}),
+        DistInfo(device=CPU),
+    )
     cfg = _cfg(out)
     with pytest.raises(ConfigError, match="already has checkpoints; continue it with --resume auto"):
         make_plan(cfg, PLAIN_CPU)
@@ -213,14 +283,21 @@ def test_init_from_is_found_and_hashed_once(sources, tmp_path, monkeypatch):
     monkeypatch.setattr(init_from, "find_source", counted_find)
     monkeypatch.setattr(init_from, "sha256_file", counted_sha)
     asked = {**TINY, "data": "unused", "out": str(tmp_path / "r"), "init_from": sources[3], "n_layer": 2}
-    request = Request(merge_config(preset_values("shakespeare-cpu"), asked),
-                      explicit={})  # the preset's n_layer gives way to the source's
+    request = Request(
+        merge_config(preset_values("shakespeare-cpu"), asked), explicit={}
+    )  # the preset's n_layer gives way to the source's
     plan = make_plan(request, PLAIN_CPU)
     assert calls == {"find": 1, "sha": 1}
     weights = os.path.join(sources[3], "model.safetensors")
     assert plan.init.sha256 == sha(weights) and plan.init_record["id"] == f"sha256:{plan.init.sha256}"
-    assert plan.record()["init_from"] == {"source": sources[3], "kind": "hf_dir", "weights": weights,
-                                          "sha256": sha(weights), "step": None, "id": f"sha256:{sha(weights)}"}
+    assert plan.record()["init_from"] == {
+        "source": sources[3],
+        "kind": "hf_dir",
+        "weights": weights,
+        "sha256": sha(weights),
+        "step": None,
+        "id": f"sha256:{sha(weights)}",
+    }
     assert "init_from_id" not in json.dumps(plan.config.to_dict())  # provenance, not a setting
     assert plan.config.model.n_layer == 3
     with pytest.raises(init_from.InitFromError, match="drop --n-layer"):
@@ -229,23 +306,45 @@ def test_init_from_is_found_and_hashed_once(sources, tmp_path, monkeypatch):
 
 # -- --dry-run and run_info.json ----------------------------------------------------------------
 def _tree(root) -> dict:
-    return {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns
-            for d, _, files in os.walk(root) for f in files}
+    return {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns for d, _, files in os.walk(root) for f in files}
 
 
 def test_dry_run_cpu_fake_gpus_and_resume_write_nothing(tiny_data, tmp_path, capsys, monkeypatch):
     out = tmp_path / "new"
-    assert cli.main(["train", "--preset", "shakespeare-cpu", *cli_args(data=tiny_data, out=str(out)),
-                     "--dry-run"]) == 0
+    assert cli.main(["train", "--preset", "shakespeare-cpu", *cli_args(data=tiny_data, out=str(out)), "--dry-run"]) == 0
     text = capsys.readouterr().out
     assert "dtype     float32 (asked for with --dtype)" in text and "cpu x 1" in text and not out.exists()
 
     facts = tmp_path / "h100x8.json"
-    facts.write_text(json.dumps({"device_type": "cuda", "device_name": "NVIDIA H100 80GB HBM3", "cuda_bf16": True,
-                                 "world_size": 8, "device_gib": 80}))
+    facts.write_text(
+        json.dumps(
+            {
+                "device_type": "cuda",
+                "device_name": "NVIDIA H100 80GB HBM3",
+                "cuda_bf16": True,
+                "world_size": 8,
+                "device_gib": 80,
+            }
+        )
+    )
     monkeypatch.setenv("GPT2LAB_FAKE_FACTS", str(facts))
-    assert cli.main(["train", "--preset", "gpt2-124m", "--out", str(out), "--data", "unused",
-                     "--hellaswag-interval", "0", "--dry-run"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "--preset",
+                "gpt2-124m",
+                "--out",
+                str(out),
+                "--data",
+                "unused",
+                "--hellaswag-interval",
+                "0",
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "cuda x 8 (NVIDIA H100 80GB HBM3, 80.0 GiB each)" in text and "strategy  ddp" in text
     assert "989 TFLOP/s" in text and "loss      fused" in text and not out.exists()
@@ -258,8 +357,20 @@ def test_dry_run_cpu_fake_gpus_and_resume_write_nothing(tiny_data, tmp_path, cap
     assert cli.main(argv) == 0
     capsys.readouterr()
     before = _tree(tmp_path)
-    assert cli.main(["train", "--preset", "shakespeare-cpu", *cli_args(data=tiny_data, out=str(run), max_steps=4),
-                     "--resume", "auto", "--dry-run"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "--preset",
+                "shakespeare-cpu",
+                *cli_args(data=tiny_data, out=str(run), max_steps=4),
+                "--resume",
+                "auto",
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
     assert f"resume from {run}/checkpoints/step_000002" in capsys.readouterr().out
     assert _tree(tmp_path) == before  # nothing written, not even a lock file
 
@@ -276,17 +387,21 @@ def test_run_info_holds_the_plan_the_run_used(tiny_data, tmp_path):
     shutil.rmtree(tmp_path / "r")
 
 
-NANOCHAT = dict(pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2", tie_embeddings=False, bias=False,
-                embed_norm=True)
+NANOCHAT = dict(
+    pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2", tie_embeddings=False, bias=False, embed_norm=True
+)
 
 
-@pytest.mark.parametrize("fields, line", [
-    ({}, "export    Hugging Face GPT2LMHeadModel"),
-    (dict(bias=False), "export    Hugging Face GPT2LMHeadModel"),  # zero biases
-    (NANOCHAT, "export    Hugging Face NanoChatForCausalLM"),
-    (dict(value_embeds=1), "export    none (value_embeds=1 (GPT-2 and NanoChat: no value embeddings))"),
-    ({**NANOCHAT, "bias": True}, "export    none (NanoChatForCausalLM would need bias=false (no biases))"),
-])
+@pytest.mark.parametrize(
+    "fields, line",
+    [
+        ({}, "export    Hugging Face GPT2LMHeadModel"),
+        (dict(bias=False), "export    Hugging Face GPT2LMHeadModel"),  # zero biases
+        (NANOCHAT, "export    Hugging Face NanoChatForCausalLM"),
+        (dict(value_embeds=1), "export    none (value_embeds=1 (GPT-2 and NanoChat: no value embeddings))"),
+        ({**NANOCHAT, "bias": True}, "export    none (NanoChatForCausalLM would need bias=false (no biases))"),
+    ],
+)
 def test_the_plan_says_what_export_will_write(fields, line, tmp_path):
     for facts in (PLAIN_CPU, MachineFacts(H100, world_size=8, device_bytes=80 * GIB)):
         plan = make_plan(_cfg(tmp_path / "r", total_batch_tokens=512, **fields), facts)
@@ -296,9 +411,21 @@ def test_the_plan_says_what_export_will_write(fields, line, tmp_path):
 
 def test_a_lever_that_cannot_export_is_in_the_dry_run(tiny_data, tmp_path, capsys):
     out = tmp_path / "r"
-    assert cli.main(["train", "--preset", "shakespeare-cpu", *cli_args(data=tiny_data, out=str(out), value_embeds=1,
-                                                                       unet_skips=True), "--dry-run"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "--preset",
+                "shakespeare-cpu",
+                *cli_args(data=tiny_data, out=str(out), value_embeds=1, unet_skips=True),
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
-    assert ("export    none (value_embeds=1 (GPT-2 and NanoChat: no value embeddings); unet_skips=true (GPT-2 and "
-            "NanoChat: no skips between blocks))") in [line.strip() for line in text.splitlines()]
+    assert (
+        "export    none (value_embeds=1 (GPT-2 and NanoChat: no value embeddings); unet_skips=true (GPT-2 and "
+        "NanoChat: no skips between blocks))"
+    ) in [line.strip() for line in text.splitlines()]
     assert not out.exists()

@@ -1,4 +1,5 @@
 """Plots and summaries from run dirs made here with synthetic metrics.jsonl / config.json."""
+
 from __future__ import annotations
 
 import json
@@ -14,19 +15,30 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def make_run(path, *, n_layer=12, n_embd=768, hellaswag=True, steps=50):
     path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps({"format_version": 2, "model": {"n_layer": n_layer, "n_head": 12,
-                                                                              "n_embd": n_embd}}))
+    (path / "config.json").write_text(
+        json.dumps({"format_version": 2, "model": {"n_layer": n_layer, "n_head": 12, "n_embd": n_embd}})
+    )
     lines, val, hs = [], {}, {}
     for s in range(steps):
-        lines.append({"step": s, "train_loss": 11 * math.exp(-s / 20) + 3, "lr": 6e-4, "grad_norm": 1.0,
-                      "dt_ms": 10.0, "tok_per_s": 1e5, "mfu": 0.4})
+        lines.append(
+            {
+                "step": s,
+                "train_loss": 11 * math.exp(-s / 20) + 3,
+                "lr": 6e-4,
+                "grad_norm": 1.0,
+                "dt_ms": 10.0,
+                "tok_per_s": 1e5,
+                "mfu": 0.4,
+            }
+        )
         if s % 10 == 0:
             val[s] = 10 * math.exp(-s / 25) + 3.1 + (2.0 if s == 40 else 0)  # best is at step 30
             lines.append({"step": s, "val_loss": val[s]})
             if hellaswag:
                 hs[s] = 0.25 + s / 1000 - (0.02 if s == 40 else 0)  # best at 30
-                lines.append({"step": s, "hellaswag_acc": hs[s] - 0.01, "hellaswag_acc_norm": hs[s],
-                              "hellaswag_n": 10042})
+                lines.append(
+                    {"step": s, "hellaswag_acc": hs[s] - 0.01, "hellaswag_acc_norm": hs[s], "hellaswag_n": 10042}
+                )
             lines.append({"step": s, "sample": "Hello, I'm a language model,"})
     (path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     return val, hs

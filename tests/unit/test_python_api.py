@@ -1,6 +1,7 @@
 """The Python API's loaders: ``gpt2lab.from_pretrained`` and ``gpt2lab.get_tokenizer`` take what the
 CLI's ``--model`` takes (a run directory, a checkpoint, an HF directory; the hub is test_hf's), through
 the CLI's own loader, and a bad source is an exception naming it, never SystemExit."""
+
 from __future__ import annotations
 
 import os
@@ -8,14 +9,14 @@ import shutil
 
 import pytest
 import torch
+from conftest import damaged_copy
 from safetensors.torch import load_file
 
 import gpt2lab
-from conftest import damaged_copy
 from gpt2lab import GPT
 from gpt2lab.system.errors import CheckpointError
-from gpt2lab.weights.read import WeightsError
 from gpt2lab.weights.load import load_model
+from gpt2lab.weights.read import WeightsError
 
 
 def _same_weights(a: GPT, b: GPT) -> None:
@@ -57,11 +58,15 @@ def test_a_bad_source_raises_an_error_naming_it(tmp_path, gpt2_vocab_export, fin
     a_file.write_bytes(b"x")
     empty.mkdir()
     cut = damaged_copy(gpt2_vocab_export[1], str(tmp_path / "cut"), "weights")
-    cases = [(tmp_path / "nowhere", "no such directory, and not a GPT-2 hub name"), (a_file, "is a file"),
-             (empty, "neither a checkpoint"), (tmp_path / "cut", f"{cut}: cannot be read")]
+    cases = [
+        (tmp_path / "nowhere", "no such directory, and not a GPT-2 hub name"),
+        (a_file, "is a file"),
+        (empty, "neither a checkpoint"),
+        (tmp_path / "cut", f"{cut}: cannot be read"),
+    ]
     for source, why in cases:
         # get_tokenizer reads no weights: a source whose weights are cut short still has its tokenizer
-        for entry in (gpt2lab.from_pretrained, gpt2lab.get_tokenizer)[:1 if source == tmp_path / "cut" else 2]:
+        for entry in (gpt2lab.from_pretrained, gpt2lab.get_tokenizer)[: 1 if source == tmp_path / "cut" else 2]:
             with pytest.raises(WeightsError) as e:
                 entry(str(source))
             assert str(e.value).startswith(f"{source}: ") and why in str(e.value), str(e.value)
@@ -77,7 +82,7 @@ def test_a_bad_source_raises_an_error_naming_it(tmp_path, gpt2_vocab_export, fin
 
 def test_init_from_reads_a_source_as_the_loader_does(tmp_path, gpt2_vocab_export):
     """One reading of a source (weights.load.source_kind): --init-from says what --model and the API say."""
-    from gpt2lab.train.init_from import find_source, InitFromError
+    from gpt2lab.train.init_from import InitFromError, find_source
 
     a_file = tmp_path / "weights.bin"
     a_file.write_bytes(b"x")
@@ -97,8 +102,16 @@ def test_get_tokenizer_takes_a_source_and_refuses_other_types(finished_run, gpt2
 
     assert gpt2lab.get_tokenizer() is gpt2_tokenizer()
     for source in (str(finished_run), gpt2_vocab_export[1], "gpt2", tmp_path.__class__(gpt2_vocab_export[1])):
-        assert gpt2lab.get_tokenizer(source).encode("Hello, I'm a language model,") == \
-            [15496, 11, 314, 1101, 257, 3303, 2746, 11]
+        assert gpt2lab.get_tokenizer(source).encode("Hello, I'm a language model,") == [
+            15496,
+            11,
+            314,
+            1101,
+            257,
+            3303,
+            2746,
+            11,
+        ]
     for bad in (True, False, 3, b"runs/x", ["gpt2"]):
         with pytest.raises(TypeError, match=r"get_tokenizer\(source\): a path or a hub name"):
             gpt2lab.get_tokenizer(bad)

@@ -1,5 +1,6 @@
 """gpt2lab report on runs made here: a finished run (by the real CLI), then copies of it
 made running, stopped and crashed (a metrics.jsonl whose last line is cut)."""
+
 from __future__ import annotations
 
 import base64
@@ -12,12 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-from train_utils import records
-
-from gpt2lab.system import rundir
+from conftest import records
 
 from gpt2lab import cli
 from gpt2lab.observe.report import build_report, write_report
+from gpt2lab.system import rundir
 
 pytest.importorskip("matplotlib", reason="the report's curves need matplotlib (plot extra)")
 HOUR_AGO = time.time() - 3600
@@ -75,8 +75,10 @@ def test_crashed_run_with_a_cut_last_line(finished_run, tmp_path):
     os.utime(run / "metrics.jsonl", (HOUR_AGO, HOUR_AGO))
     out_html, out_md, rep = write_report(str(run), str(tmp_path / "out" / "card.html"))
     last_train = max(r["step"] for r in records(finished_run) if "train_loss" in r)
-    assert rep.status == (f"crashed: metrics.jsonl ends in a cut line (killed mid-write) at step {last_train} of 4; "
-                          "`--resume auto` continues from step 2")
+    assert rep.status == (
+        f"crashed: metrics.jsonl ends in a cut line (killed mid-write) at step {last_train} of 4; "
+        "`--resume auto` continues from step 2"
+    )
     assert out_md == str(tmp_path / "out" / "card.md") and "![Curves](card.png)" in Path(out_md).read_text()
     assert "crashed" in Path(out_html).read_text()
     assert not (run / "report.html").exists()  # --out elsewhere writes nothing in the run dir
@@ -87,16 +89,21 @@ def test_running_stopped_and_killed_runs(finished_run, tmp_path):
     just_killed = copy_run(finished_run, tmp_path / "just_killed", drop_checkpoints=[4], mtime=time.time() - 3)
     assert (just_killed / rundir.LOCK_FILE).is_file() and rundir.holder(str(just_killed)) is None
     status = build_report(str(just_killed), curves=False).status
-    assert re.match(r"crashed or killed at step 3 of 4 \(last record \d s ago\); `--resume auto` continues from "
-                    r"step 2$", status), status
+    assert re.match(
+        r"crashed or killed at step 3 of 4 \(last record \d s ago\); `--resume auto` continues from "
+        r"step 2$",
+        status,
+    ), status
     # a run of a version that kept no lock file: only its last record can say it is live
     old = copy_run(finished_run, tmp_path / "old", drop_checkpoints=[4], mtime=time.time())
     os.remove(old / rundir.LOCK_FILE)
     assert build_report(str(old), curves=False).status.startswith("running: at step 3 of 4 (last record")
     locked = copy_run(finished_run, tmp_path / "locked", drop_checkpoints=[4])
     with rundir.lock(str(locked)):  # the run lock (system.rundir), held as a live run holds it
-        assert build_report(str(locked), curves=False).status == \
-            f"running: at step 3 of 4 (lock held by pid {os.getpid()})"
+        assert (
+            build_report(str(locked), curves=False).status
+            == f"running: at step 3 of 4 (lock held by pid {os.getpid()})"
+        )
     # the lock file of a run that was killed: no process holds the lock, so the run is not live
     assert build_report(str(locked), curves=False).status.startswith("crashed or killed at step 3 of 4")
     killed = copy_run(finished_run, tmp_path / "killed", drop_checkpoints=[4])
@@ -120,8 +127,10 @@ def test_events_and_new_run_info_keys_are_shown(finished_run, tmp_path):
     info["autocast"] = {"chosen": "bfloat16", "reason": "CPU with AMX: bf16 matmuls are fastest"}
     (run / "run_info.json").write_text(json.dumps(info))
     rep = build_report(str(run), curves=False)
-    assert section(rep, "Skipped").table[1:] == [[3, "skipped nan, loss nan, grad_norm nan, lr 0.001"],
-                                                 [3, "spike 7.5, rollback step_000002"]]
+    assert section(rep, "Skipped").table[1:] == [
+        [3, "skipped nan, loss nan, grad_norm nan, lr 0.001"],
+        [3, "spike 7.5, rollback step_000002"],
+    ]
     env = dict(map(tuple, section(rep, "Environment").table[1:]))
     assert env["autocast.chosen"] == "bfloat16" and env["autocast.reason"].startswith("CPU with AMX")
 

@@ -1,4 +1,5 @@
 """dtype/compile ``auto``: every branch of the choice, from made-up capability facts."""
+
 from __future__ import annotations
 
 import json
@@ -20,17 +21,20 @@ V100 = Facts("cuda", "Tesla V100", cuda_bf16=False)
 MPS = Facts("mps", "Apple MPS")
 
 
-@pytest.mark.parametrize("facts, expected", [
-    (CPU_NO_BF16, "float32"),
-    (CPU_BF16, "bfloat16"),
-    (A100, "bfloat16"),
-    (V100, "float16"),
-    (MPS, "float32"),
-    # no probe: the CPU flags decide
-    (Facts("cpu", cpu_flags=("avx2",)), "float32"),
-    (Facts("cpu", cpu_flags=("amx_bf16", "avx512_bf16")), "bfloat16"),
-    (Facts("cpu", cpu_flags=("asimd", "bf16")), "bfloat16"),
-])
+@pytest.mark.parametrize(
+    "facts, expected",
+    [
+        (CPU_NO_BF16, "float32"),
+        (CPU_BF16, "bfloat16"),
+        (A100, "bfloat16"),
+        (V100, "float16"),
+        (MPS, "float32"),
+        # no probe: the CPU flags decide
+        (Facts("cpu", cpu_flags=("avx2",)), "float32"),
+        (Facts("cpu", cpu_flags=("amx_bf16", "avx512_bf16")), "bfloat16"),
+        (Facts("cpu", cpu_flags=("asimd", "bf16")), "bfloat16"),
+    ],
+)
 def test_auto_dtype(facts, expected):
     choice = choose_dtype("auto", facts)
     assert choice.value == expected and choice.reason and choice.warning is None
@@ -73,8 +77,9 @@ def test_slow_bf16_on_cpu_runs_with_a_warning():
     assert "without native bf16" in choose_dtype("bfloat16", Facts("cpu", cpu_flags=("avx2",))).warning
 
 
-@pytest.mark.parametrize("facts, expected", [(A100, True), (V100, True), (CPU_BF16, False), (CPU_NO_BF16, False),
-                                             (MPS, False)])
+@pytest.mark.parametrize(
+    "facts, expected", [(A100, True), (V100, True), (CPU_BF16, False), (CPU_NO_BF16, False), (MPS, False)]
+)
 def test_auto_compile(facts, expected):
     assert choose_compile("auto", facts).value is expected
 

@@ -1,6 +1,7 @@
 """The ASGI middleware in front of the app (serve/asgi.py): a body past the 1 MiB cap is refused
 with 413 however it is framed, reading no more than the cap (and the drain) of it; a body that never
 ends gets 408 at its deadline; the app never sees either."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,14 +25,23 @@ def test_a_chunked_body_over_the_cap_gets_413_and_the_server_goes_on(pair_server
     assert r.status_code == 413, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and f"at most {1 << 20}" in err["message"]
-    small = httpx.post(url + "/v1/completions", content=b"".join([head, b" " * 1000, tail]),
-                       headers={"Content-Type": "application/json"}, timeout=60)  # the same, under the cap
+    small = httpx.post(
+        url + "/v1/completions",
+        content=b"".join([head, b" " * 1000, tail]),
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )  # the same, under the cap
     assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] == 1
 
 
 # an ASGI request as a client sends a chunked body: no Content-Length to refuse it by
-_CHUNKED_POST = {"type": "http", "method": "POST", "path": "/v1/completions", "client": ("127.0.0.1", 1),
-                 "headers": [(b"content-type", b"application/json"), (b"transfer-encoding", b"chunked")]}
+_CHUNKED_POST = {
+    "type": "http",
+    "method": "POST",
+    "path": "/v1/completions",
+    "client": ("127.0.0.1", 1),
+    "headers": [(b"content-type", b"application/json"), (b"transfer-encoding", b"chunked")],
+}
 
 
 def test_a_body_that_never_ends_gets_408_after_the_deadline(monkeypatch):

@@ -2,13 +2,13 @@
 draws for each alone; a row's logits in the batch equal the one-row model's, as rows join and leave,
 with GPT-2's block and the modern one, plain and packed linears; a sampling error ends its request
 with a 500 instead of leaving it to time out."""
+
 from __future__ import annotations
 
 import threading
 
 import pytest
 import torch
-
 from conftest import openai_client, post_completion, running_server, tiny_gpt
 
 openai = pytest.importorskip("openai", reason="the serve tests use the official openai client (test extra)")
@@ -26,16 +26,23 @@ def test_batched_requests_draw_the_tokens_sample_draws(pair_server, gpt2_vocab_e
     expected = []
     for prompt, seed, temperature, top_k in cases:
         s = Sampling(max_new_tokens=20, temperature=temperature, top_k=top_k)
-        expected.append("".join(t for _, t, _ in stream_text(model, prompt_ids(prompt, model), s,
-                                                           seeded_generator(torch.device("cpu"), seed))))
+        expected.append(
+            "".join(
+                t
+                for _, t, _ in stream_text(
+                    model, prompt_ids(prompt, model), s, seeded_generator(torch.device("cpu"), seed)
+                )
+            )
+        )
     got: dict[int, str] = {}
     barrier = threading.Barrier(len(cases))
 
     def run(i: int) -> None:
         prompt, seed, temperature, top_k = cases[i]
         barrier.wait()
-        r = openai_client(url).completions.create(model="tiny", prompt=prompt, max_tokens=20, seed=seed,
-                                           temperature=temperature, extra_body={"top_k": top_k})
+        r = openai_client(url).completions.create(
+            model="tiny", prompt=prompt, max_tokens=20, seed=seed, temperature=temperature, extra_body={"top_k": top_k}
+        )
         got[i] = r.choices[0].text
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
@@ -47,8 +54,7 @@ def test_batched_requests_draw_the_tokens_sample_draws(pair_server, gpt2_vocab_e
     assert len(set(expected)) == len(cases)
 
 
-MODERN = dict(pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2", tie_embeddings=False,
-              logit_softcap=15.0)
+MODERN = dict(pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2", tie_embeddings=False, logit_softcap=15.0)
 
 
 @pytest.mark.parametrize("linear", ["plain", "packed"])
@@ -59,9 +65,9 @@ def test_batched_rows_give_the_unbatched_models_logits(block, linear):
     its own positions), also with the server's packed linears against the plain model."""
     import copy
 
-    from gpt2lab.inference.kernels import packing_available
     from gpt2lab.inference.choice import Candidate
     from gpt2lab.inference.form import hold as apply
+    from gpt2lab.inference.kernels import packing_available
     from gpt2lab.serve.batch import RowsCache
 
     model = tiny_gpt(seed=5, vocab_size=97, block_size=48, **block)

@@ -4,6 +4,7 @@ name, response_format; a base model says it is not a chat model; and a chat mode
 and back: its export in transformers (apply_chat_template + generate) gives the tokens `gpt2lab
 serve` replies with, the template travels with the export, typed markers stay user text, and
 `gpt2lab sample --chat` replies as the evals' greedy reply does."""
+
 from __future__ import annotations
 
 import io
@@ -11,20 +12,22 @@ import sys
 
 import pytest
 import torch
-
 from conftest import openai_client, post_chat, running_server, tiny_gpt
-from gpt2lab.data.tokenizer import gpt2_tokenizer
+
 from gpt2lab.data import chat
+from gpt2lab.data.tokenizer import gpt2_tokenizer
 from gpt2lab.weights import export
 
 openai = pytest.importorskip("openai", reason="the serve tests use the official openai client (test extra)")
 httpx = pytest.importorskip("httpx")
 
 
-CONVERSATION = [{"role": "system", "content": "You answer briefly."},
-                {"role": "user", "content": "Hello!"},
-                {"role": "assistant", "content": "Hi."},
-                {"role": "user", "content": [{"type": "text", "text": "How are "}, {"type": "text", "text": "you?"}]}]
+CONVERSATION = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "Hello!"},
+    {"role": "assistant", "content": "Hi."},
+    {"role": "user", "content": [{"type": "text", "text": "How are "}, {"type": "text", "text": "you?"}]},
+]
 
 
 # The plain template of inference/chat.py, written out by hand
@@ -43,13 +46,17 @@ def test_chat_through_the_openai_client_continues_the_template(tiny_server):
     assert whole.choices[0].finish_reason == plain.choices[0].finish_reason
     assert whole.usage.prompt_tokens == len(gpt2_tokenizer().encode(RENDERED))
     assert whole.usage.completion_tokens == plain.usage.completion_tokens
-    chunks = list(openai_client(url).chat.completions.create(messages=CONVERSATION, stream=True,
-                                                      stream_options={"include_usage": True}, **kw))
+    chunks = list(
+        openai_client(url).chat.completions.create(
+            messages=CONVERSATION, stream=True, stream_options={"include_usage": True}, **kw
+        )
+    )
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
-        whole.choices[0].finish_reason]
+        whole.choices[0].finish_reason
+    ]
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
 
 
@@ -76,7 +83,7 @@ def test_chat_stops_where_the_model_starts_the_users_next_turn(turn_taker, deter
         full = openai_client(url).completions.create(prompt=RENDERED, **kw).choices[0].text
         assert "\nUser:" in full.lstrip()  # the model does begin a user turn, after some text
         r = openai_client(url).chat.completions.create(messages=CONVERSATION, **kw)
-        assert r.choices[0].message.content == full[:full.index("\nUser:")].lstrip()
+        assert r.choices[0].message.content == full[: full.index("\nUser:")].lstrip()
         assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 80
         streamed = openai_client(url).chat.completions.create(messages=CONVERSATION, stream=True, **kw)
         assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == r.choices[0].message.content
@@ -88,15 +95,30 @@ def test_models_say_they_are_not_chat_models(tiny_server):
     assert "not a chat model" in entry["note"]
     # how it is held, as loaded (running_server asks fp32 packed: one candidate, nothing measured)
     assert {k: entry["inference"][k] for k in ("dtype", "kernel", "reason")} == {
-        "dtype": "float32", "kernel": "packed", "reason": "asked for"}
+        "dtype": "float32",
+        "kernel": "packed",
+        "reason": "asked for",
+    }
 
 
 def test_a_chat_message_may_carry_a_name_and_an_unknown_key_is_named_with_its_place(tiny_server):
     url, _ = tiny_server
-    named = post_chat(url, {"messages": [{"role": "system", "content": "Be brief."},
-                                    {"role": "user", "content": "Hi", "name": "ann"}], "max_tokens": 3, "seed": 1})
-    plain = post_chat(url, {"messages": [{"role": "system", "content": "Be brief."},
-                                    {"role": "user", "content": "Hi"}], "max_tokens": 3, "seed": 1})
+    named = post_chat(
+        url,
+        {
+            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi", "name": "ann"}],
+            "max_tokens": 3,
+            "seed": 1,
+        },
+    )
+    plain = post_chat(
+        url,
+        {
+            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+            "max_tokens": 3,
+            "seed": 1,
+        },
+    )
     assert named.status_code == 200 and named.json()["choices"] == plain.json()["choices"]  # not in the template
     r = post_chat(url, {"messages": [{"role": "user", "content": "Hi"}, {"role": "user", "content": "x", "foo": 1}]})
     assert r.status_code == 400
@@ -119,15 +141,19 @@ def test_response_format_text_is_accepted_and_other_formats_are_refused(tiny_ser
 # --- a chat model out of gpt2lab and back
 
 
-MESSAGES = [{"role": "system", "content": "You answer briefly."},
-            {"role": "user", "content": "Hello there!"},
-            {"role": "assistant", "content": "Hi."},
-            {"role": "user", "content": "How are you today?"}]
+MESSAGES = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "Hello there!"},
+    {"role": "assistant", "content": "Hi."},
+    {"role": "user", "content": "How are you today?"},
+]
 
 
 # GPT-2's block (exported as GPT2LMHeadModel) and the modern one of the demo (NanoChatForCausalLM)
-ARCHS = {"gpt2": {}, "modern": dict(pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2", bias=False,
-                                    embed_norm=True)}
+ARCHS = {
+    "gpt2": {},
+    "modern": dict(pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2", bias=False, embed_norm=True),
+}
 
 
 def _chat_model(arch: str):
@@ -135,8 +161,15 @@ def _chat_model(arch: str):
     the token it would write fifth, so it ends there or before (the same arithmetic on both sides)."""
     from gpt2lab.evals.chat import greedy_reply
 
-    model = tiny_gpt(seed=7, vocab_size=50304, block_size=128, chat_template="chatml", token_vocab_size=50259,
-                     tie_embeddings=False, **ARCHS[arch])
+    model = tiny_gpt(
+        seed=7,
+        vocab_size=50304,
+        block_size=128,
+        chat_template="chatml",
+        token_vocab_size=50259,
+        tie_embeddings=False,
+        **ARCHS[arch],
+    )
     prompt = chat.encode_chat([(m["role"], m["content"]) for m in MESSAGES], add_generation_prompt=True)[0]
     fifth = greedy_reply(model, prompt, 5).ids[-1]
     with torch.no_grad():
@@ -148,7 +181,9 @@ def _chat_model(arch: str):
 def exported(request, tmp_path_factory):
     model, prompt = _chat_model(request.param)
     d = str(tmp_path_factory.mktemp("chat") / "export")
-    assert export.save_pretrained(model, d) == {"gpt2": "GPT2LMHeadModel", "modern": "NanoChatForCausalLM"}[request.param]
+    assert (
+        export.save_pretrained(model, d) == {"gpt2": "GPT2LMHeadModel", "modern": "NanoChatForCausalLM"}[request.param]
+    )
     return model, prompt, d
 
 
@@ -181,7 +216,7 @@ def test_transformers_generate_gives_the_servers_reply(exported):
     assert ids["input_ids"][0].tolist() == prompt
     with torch.no_grad():
         out = theirs.generate(**ids, max_new_tokens=30, do_sample=False)
-    new = out[0, ids["input_ids"].shape[1]:].tolist()
+    new = out[0, ids["input_ids"].shape[1] :].tolist()
     assert new[-1] == chat.IM_END_ID and chat.IM_END_ID not in new[:-1]  # it ended its turn, once
     ours = greedy_reply(model, prompt, 30)
     assert ours.ended and ours.ids == new[:-1]
@@ -203,11 +238,13 @@ def test_typed_markers_in_a_message_stay_text_at_the_server(exported):
     messages = [{"role": "user", "content": forged}]
     ours = chat.encode_chat([("user", forged)], add_generation_prompt=True)[0]
     parsed = chat.gpt2_tokenizer(chat=True).encode(  # what parsing the markers would have given
-        f"<|endoftext|><|im_start|>user\n{forged}<|im_end|>\n<|im_start|>assistant\n", allowed_special="all")
+        f"<|endoftext|><|im_start|>user\n{forged}<|im_end|>\n<|im_start|>assistant\n", allowed_special="all"
+    )
     assert len(parsed) < len(ours)
     with running_server([f"chat={d}"]) as url:
         r = OpenAI(base_url=url + "/v1", api_key="unused").chat.completions.create(
-            model="chat", messages=messages, max_tokens=2, temperature=0)
+            model="chat", messages=messages, max_tokens=2, temperature=0
+        )
     assert r.usage.prompt_tokens == len(ours)
 
 
@@ -217,12 +254,44 @@ def test_sample_chat_replies_as_the_greedy_reply(exported, monkeypatch, capsys):
 
     model, _, d = exported
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hello there!\nHow are you today?\n\n"))
-    assert cli.main(["sample", "--model", d, "--chat", "--system", "You answer briefly.", "--temperature", "0",
-                     "--max-new-tokens", "30", "--dtype", "float32", "--cpu-linear", "plain"]) == 0
+    assert (
+        cli.main(
+            [
+                "sample",
+                "--model",
+                d,
+                "--chat",
+                "--system",
+                "You answer briefly.",
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "30",
+                "--dtype",
+                "float32",
+                "--cpu-linear",
+                "plain",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out.splitlines()
-    first = greedy_reply(model, chat.encode_chat([("system", "You answer briefly."), ("user", "Hello there!")],
-                                                 add_generation_prompt=True)[0], 30)
-    second = greedy_reply(model, chat.encode_chat([("system", "You answer briefly."), ("user", "Hello there!"),
-                                                   ("assistant", first.text), ("user", "How are you today?")],
-                                                  add_generation_prompt=True)[0], 30)
+    first = greedy_reply(
+        model,
+        chat.encode_chat([("system", "You answer briefly."), ("user", "Hello there!")], add_generation_prompt=True)[0],
+        30,
+    )
+    second = greedy_reply(
+        model,
+        chat.encode_chat(
+            [
+                ("system", "You answer briefly."),
+                ("user", "Hello there!"),
+                ("assistant", first.text),
+                ("user", "How are you today?"),
+            ],
+            add_generation_prompt=True,
+        )[0],
+        30,
+    )
     assert out[:2] == [first.text, second.text]

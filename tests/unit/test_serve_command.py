@@ -1,6 +1,7 @@
 """`gpt2lab serve`'s refusals before it serves, each one line and its exit code: a model that is not
 there, a bad limit, a model id given twice, a port in use or out of range, a precision the device
 cannot run (the signals are in e2e/test_serve_cli.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -31,7 +32,8 @@ def test_port_in_use_is_one_line_and_exit_2(gpt2_vocab_export, capsys):
     finally:
         holder.close()
     assert capsys.readouterr().err.splitlines() == [
-        f"gpt2lab serve: --port {port} on 127.0.0.1 is in use (another server?); stop it or pick another --port"]
+        f"gpt2lab serve: --port {port} on 127.0.0.1 is in use (another server?); stop it or pick another --port"
+    ]
 
 
 @pytest.mark.parametrize("port", ["99999", "-1"])
@@ -39,7 +41,8 @@ def test_port_out_of_range_is_one_line_and_exit_2(gpt2_vocab_export, capsys, por
     _, d = gpt2_vocab_export
     assert cli.main(["serve", "--model", d, "--device", "cpu", "--port", port]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        f"gpt2lab serve: --port {port}: must be 0 to 65535 (0 lets the system pick a free one)"]
+        f"gpt2lab serve: --port {port}: must be 0 to 65535 (0 lets the system pick a free one)"
+    ]
 
 
 def test_a_precision_the_device_cannot_run_is_one_line_and_exit_2_before_loading(capsys):

@@ -3,6 +3,7 @@ seeded or not), streamed token by token or whole, for 8 concurrent clients, cut 
 ``logprobs`` and ``echo`` score text as the model's own log-softmax and loss do; so small a
 temperature or top_p that it overflows is greedy, and a lone surrogate reads as the tokenizer reads
 it, in the server as in `gpt2lab sample`."""
+
 from __future__ import annotations
 
 import functools
@@ -12,8 +13,8 @@ import threading
 
 import pytest
 import torch
-
 from conftest import openai_client, post_chat, post_completion, running_server
+
 from gpt2lab import cli, get_tokenizer
 from gpt2lab.model.sampling import sample_next
 
@@ -21,8 +22,10 @@ openai = pytest.importorskip("openai", reason="the serve tests use the official 
 httpx = pytest.importorskip("httpx")
 
 # ASCII, a word with an accent, and characters whose bytes are split across tokens
-PROMPT = ("The quick brown fox jumps over the lazy dog; the café serves tea ☃ and 日本語 to every "
-          "guest who asks, twice a day, in the garden by the river.")
+PROMPT = (
+    "The quick brown fox jumps over the lazy dog; the café serves tea ☃ and 日本語 to every "
+    "guest who asks, twice a day, in the garden by the river."
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,24 +44,37 @@ def post_ok(url: str, path: str, body: dict) -> dict:
 
 def sample_cli(capsys, d: str, prompt: str, **flags) -> list[str]:
     """The continuations `gpt2lab sample` prints (prompt and trailing newline removed)."""
-    argv = ["sample", "--model", d, "--prompt", prompt, "--device", "cpu", "--dtype", "float32",
-            "--cpu-linear", "packed"]
+    argv = [
+        "sample",
+        "--model",
+        d,
+        "--prompt",
+        prompt,
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--cpu-linear",
+        "packed",
+    ]
     for k, v in flags.items():
         argv += ["--" + k.replace("_", "-"), str(v)]
     assert cli.main(argv) == 0
     parts = re.split(r"--- sample \d+/\d+\n", capsys.readouterr().out)[1:]
     assert all(p.startswith(prompt) and p.endswith("\n") for p in parts)
-    return [p[len(prompt):-1] for p in parts]
+    return [p[len(prompt) : -1] for p in parts]
 
 
 @pytest.mark.parametrize("mode", ["pair_server", "turns_pair_server"])
 def test_openai_client_completion_equals_gpt2lab_sample(mode, request, capsys):
     url, d = request.getfixturevalue(mode)
     prompt = "The meaning of life is"
-    expected = sample_cli(capsys, d, prompt, num_samples=2, max_new_tokens=20, seed=7, temperature=0.9,
-                          top_k=40, top_p=0.95)
-    r = openai_client(url).completions.create(model="tiny", prompt=prompt, max_tokens=20, seed=7, temperature=0.9,
-                                       top_p=0.95, n=2, extra_body={"top_k": 40})
+    expected = sample_cli(
+        capsys, d, prompt, num_samples=2, max_new_tokens=20, seed=7, temperature=0.9, top_k=40, top_p=0.95
+    )
+    r = openai_client(url).completions.create(
+        model="tiny", prompt=prompt, max_tokens=20, seed=7, temperature=0.9, top_p=0.95, n=2, extra_body={"top_k": 40}
+    )
     assert [c.text for c in r.choices] == expected
     assert expected[0] != expected[1]  # the two samples continue one generator, as sample's do
     assert [c.index for c in r.choices] == [0, 1] and r.object == "text_completion" and r.model == "tiny"
@@ -90,8 +106,17 @@ def test_streaming_yields_the_same_text_token_by_token(pair_server):
 
 def test_eight_concurrent_clients_each_get_their_own_continuation(pair_server):
     url, _ = pair_server
-    jobs = [dict(model=("tiny", "twin")[i % 2], prompt=f"Request number {i} says", max_tokens=12, seed=100 + i,
-                 temperature=0.8, stream=bool(i % 3 == 0)) for i in range(8)]
+    jobs = [
+        dict(
+            model=("tiny", "twin")[i % 2],
+            prompt=f"Request number {i} says",
+            max_tokens=12,
+            seed=100 + i,
+            temperature=0.8,
+            stream=bool(i % 3 == 0),
+        )
+        for i in range(8)
+    ]
 
     def run(job: dict) -> str:
         r = openai_client(url).completions.create(**job)
@@ -118,9 +143,9 @@ def test_stop_strings_cut_the_text_in_both_modes(pair_server):
     url, _ = pair_server
     kw = dict(model="tiny", prompt="Hello", max_tokens=24, seed=11)
     full = openai_client(url).completions.create(**kw).choices[0].text
-    stop = full[len(full) // 2: len(full) // 2 + 3]  # spans token boundaries in general
+    stop = full[len(full) // 2 : len(full) // 2 + 3]  # spans token boundaries in general
     cut = openai_client(url).completions.create(stop=[stop, "never appears \x00"], **kw).choices[0]
-    assert cut.text == full[:full.index(stop)] and cut.finish_reason == "stop"
+    assert cut.text == full[: full.index(stop)] and cut.finish_reason == "stop"
     streamed = openai_client(url).completions.create(stop=stop, stream=True, **kw)
     assert "".join(c.choices[0].text for c in streamed) == cut.text
     echo = openai_client(url).completions.create(echo=True, **kw).choices[0].text
@@ -183,8 +208,9 @@ def check_logprobs(lp: dict, ids: list[int], model, top: int) -> None:
 
 def test_echo_with_max_tokens_0_scores_the_prompt_with_the_models_log_softmax(tiny_server):
     url, model = tiny_server
-    r = post_ok(url, "/v1/completions", {"model": "tiny", "prompt": PROMPT, "echo": True, "max_tokens": 0,
-                                      "logprobs": 5})
+    r = post_ok(
+        url, "/v1/completions", {"model": "tiny", "prompt": PROMPT, "echo": True, "max_tokens": 0, "logprobs": 5}
+    )
     ids = get_tokenizer().encode(PROMPT)
     assert len(ids) > 3 * 7 and any(t.startswith("bytes:") for t in r["choices"][0]["logprobs"]["tokens"])
     choice = r["choices"][0]
@@ -199,8 +225,9 @@ def test_the_echoed_logprobs_sum_to_minus_the_models_loss(tiny_server):
     url, model = tiny_server
     enc = get_tokenizer()
     prompts = [enc.encode(PROMPT), enc.encode("A second, shorter text to score.")]
-    r = post_ok(url, "/v1/completions", {"model": "tiny", "prompt": prompts, "echo": True, "max_tokens": 0,
-                                      "logprobs": 0})
+    r = post_ok(
+        url, "/v1/completions", {"model": "tiny", "prompt": prompts, "echo": True, "max_tokens": 0, "logprobs": 0}
+    )
     for ids, choice in zip(prompts, r["choices"]):
         idx = torch.tensor([ids])
         with torch.no_grad():
@@ -208,7 +235,8 @@ def test_the_echoed_logprobs_sum_to_minus_the_models_loss(tiny_server):
         assert sum(choice["logprobs"]["token_logprobs"][1:]) == pytest.approx(-loss.item() * (len(ids) - 1), rel=1e-6)
         # logprobs 0: no other tokens, only each token itself in its top_logprobs
         assert [list(top) for top in choice["logprobs"]["top_logprobs"][1:]] == [
-            [t] for t in choice["logprobs"]["tokens"][1:]]
+            [t] for t in choice["logprobs"]["tokens"][1:]
+        ]
 
 
 def test_sampled_tokens_carry_their_logprob_before_temperature_and_top_k(tiny_server):
@@ -216,8 +244,16 @@ def test_sampled_tokens_carry_their_logprob_before_temperature_and_top_k(tiny_se
     top-k 5 change what is drawn, not what is reported); streamed, the chunks' logprobs add up to
     the whole response's."""
     url, model = tiny_server
-    body = {"model": "tiny", "prompt": "Once upon a time", "echo": True, "max_tokens": 10, "logprobs": 3,
-            "seed": 4, "temperature": 1.3, "top_k": 5}
+    body = {
+        "model": "tiny",
+        "prompt": "Once upon a time",
+        "echo": True,
+        "max_tokens": 10,
+        "logprobs": 3,
+        "seed": 4,
+        "temperature": 1.3,
+        "top_k": 5,
+    }
     r = post_ok(url, "/v1/completions", body)
     choice = r["choices"][0]
     lp = choice["logprobs"]
@@ -243,13 +279,16 @@ def test_sampled_tokens_carry_their_logprob_before_temperature_and_top_k(tiny_se
 
 def test_logprobs_without_echo_cover_the_completion_only(tiny_server):
     url, model = tiny_server
-    r = post_ok(url, "/v1/completions", {"model": "tiny", "prompt": "Hello there", "max_tokens": 4, "logprobs": 1,
-                                      "seed": 2, "temperature": 0})
+    r = post_ok(
+        url,
+        "/v1/completions",
+        {"model": "tiny", "prompt": "Hello there", "max_tokens": 4, "logprobs": 1, "seed": 2, "temperature": 0},
+    )
     lp = r["choices"][0]["logprobs"]
     ids = get_tokenizer().encode("Hello there")
     new = [token_ids_by_name()[t] for t in lp["tokens"]]
     assert len(new) == 4 and r["choices"][0]["text"] == get_tokenizer().decode(new)
-    ref = log_softmax_of(model, ids + new)[len(ids) - 1:]
+    ref = log_softmax_of(model, ids + new)[len(ids) - 1 :]
     assert new == ref.argmax(-1).tolist()  # greedy
     assert lp["token_logprobs"] == pytest.approx(ref.max(-1).values.tolist(), abs=1e-5)
     assert lp["text_offset"][0] == len("Hello there")  # offsets count from the prompt's start, as OpenAI's
@@ -259,7 +298,7 @@ def test_logprobs_of_a_stopped_choice_end_with_the_token_that_completed_the_stop
     url, _ = tiny_server
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": 24, "seed": 11, "logprobs": 0}
     full = post_ok(url, "/v1/completions", body)["choices"][0]["text"]
-    stop = full[len(full) // 2: len(full) // 2 + 3]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
     r = post_ok(url, "/v1/completions", {**body, "stop": stop})
     ids = [token_ids_by_name()[t] for t in r["choices"][0]["logprobs"]["tokens"]]
     assert r["choices"][0]["finish_reason"] == "stop" and len(ids) == r["usage"]["completion_tokens"]
@@ -270,8 +309,9 @@ def test_logprobs_of_a_stopped_choice_end_with_the_token_that_completed_the_stop
 # --- so small a temperature or top_p that it overflows; a lone surrogate (the server as `gpt2lab sample`)
 
 
-@pytest.mark.parametrize("field,value", [("temperature", 1e-45), ("temperature", 1e-320),
-                                         ("top_p", 1e-45), ("top_p", 1e-320)])
+@pytest.mark.parametrize(
+    "field,value", [("temperature", 1e-45), ("temperature", 1e-320), ("top_p", 1e-45), ("top_p", 1e-320)]
+)
 def test_tiny_temperature_and_top_p_sample_the_greedy_token(tiny_server, field, value):
     """So small a temperature (or top_p) leaves all the mass on the most likely token: greedy's text."""
     url, _ = tiny_server
@@ -293,12 +333,24 @@ def test_sample_next_with_overflowing_temperature_is_argmax_and_ties_stay_random
     assert drawn == {0, 1}
 
 
-@pytest.mark.parametrize("flag,value", [("--temperature", "1e-45"), ("--temperature", "1e-320"),
-                                        ("--top-p", "1e-320")])
+@pytest.mark.parametrize("flag,value", [("--temperature", "1e-45"), ("--temperature", "1e-320"), ("--top-p", "1e-320")])
 def test_sample_with_tiny_temperature_or_top_p_prints_the_greedy_text(gpt2_vocab_export, capsys, flag, value):
     _, d = gpt2_vocab_export
-    argv = ["sample", "--model", d, "--prompt", "The sea", "--device", "cpu", "--dtype", "float32",
-            "--max-new-tokens", "6", "--top-k", "0"]
+    argv = [
+        "sample",
+        "--model",
+        d,
+        "--prompt",
+        "The sea",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "6",
+        "--top-k",
+        "0",
+    ]
     assert cli.main(argv + ["--temperature", "0"]) == 0
     greedy = capsys.readouterr().out
     assert cli.main(argv + [flag, value]) == 0
@@ -306,7 +358,7 @@ def test_sample_with_tiny_temperature_or_top_p_prints_the_greedy_text(gpt2_vocab
 
 
 def test_a_lone_surrogate_reads_as_the_tokenizer_reads_it_on_every_path(tiny_server):
-    """"\\ud800" is valid JSON but no UTF-8 character: the GPT-2 tokenizer reads it as U+FFFD, so the
+    """ "\\ud800" is valid JSON but no UTF-8 character: the GPT-2 tokenizer reads it as U+FFFD, so the
     server does too, echoed or not, streamed or not, in a prompt, a chat message and a stop string."""
     url, _ = tiny_server
     enc = get_tokenizer()
@@ -316,14 +368,20 @@ def test_a_lone_surrogate_reads_as_the_tokenizer_reads_it_on_every_path(tiny_ser
     assert whole.status_code == 200, whole.text
     same = post_completion(url, {**body, "prompt": "a\ufffdb"}).json()
     assert whole.json()["choices"] == same["choices"] and same["choices"][0]["text"].startswith("a\ufffdb")
-    with httpx.stream("POST", url + "/v1/completions", content=json.dumps({**body, "stream": True}).encode(),
-                      headers={"Content-Type": "application/json"}, timeout=60) as s:
+    with httpx.stream(
+        "POST",
+        url + "/v1/completions",
+        content=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    ) as s:
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     assert "".join(e["choices"][0]["text"] for e in events) == same["choices"][0]["text"]
     messages = [{"role": "user", "content": "a\ud800b"}]
     lone = post_chat(url, {"messages": messages, "max_tokens": 4, "seed": 7, "stop": "\ud800"})
-    fffd = post_chat(url, {"messages": [{"role": "user", "content": "a\ufffdb"}], "max_tokens": 4, "seed": 7,
-                      "stop": "\ufffd"})
+    fffd = post_chat(
+        url, {"messages": [{"role": "user", "content": "a\ufffdb"}], "max_tokens": 4, "seed": 7, "stop": "\ufffd"}
+    )
     assert lone.status_code == 200 and lone.json()["choices"] == fffd.json()["choices"]
     assert lone.json()["usage"] == fffd.json()["usage"]
 

@@ -1,12 +1,13 @@
 """What both workers share (serve/engine.py): a stop string's possible start is held back until it is
 known, and a waiting request whose client left gives its queue place back at once, once."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny_gpt
-from gpt2lab.serve.engine import Job, QueueFull, StopFilter, Worker, Work
+
+from gpt2lab.serve.engine import Job, QueueFull, StopFilter, Work, Worker
 from gpt2lab.serve.limits import Limits
 
 

@@ -3,35 +3,42 @@ a body that is not UTF-8 or not sent as JSON, an unknown model, even one whose n
 encoded, wrong types (booleans are not integers), values out of range, token ids past the
 vocabulary, a context too long, in words that say what the request asked), unknown routes and wrong
 methods included, and the server goes on serving; in both server modes where it matters."""
+
 from __future__ import annotations
 
 import pytest
-
 from conftest import openai_client, post_chat, post_completion
+
 from gpt2lab import get_tokenizer
 
 openai = pytest.importorskip("openai", reason="the serve tests use the official openai client (test extra)")
 httpx = pytest.importorskip("httpx")
 
 
-@pytest.mark.parametrize("body,status,needle", [
-    (b'{"model": "tiny", "prompt": ', 400, "not valid JSON"),
-    ({"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
-    ({"model": "tiny", "prompt": "x", "max_tokens": 200}, 400, "maximum context length is 128"),
-    ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
-    ({"model": "tiny", "prompt": "x", "n": 0}, 400, "n"),
-    ({"model": "tiny", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
-    ({"model": "tiny", "prompt": [60000]}, 400, "token ids are 0 to 50256"),
-    ({"model": "tiny", "prompt": "x", "max_new_tokens": 5}, 400, "unrecognized request argument"),
-    ({"model": "tiny", "prompt": "x", "logprobs": 6}, 400, "logprobs"),
-    ({"model": "tiny", "prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias is not supported"),
-    ({"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
-    ({"prompt": "x"}, 400, "model"),
-])
+@pytest.mark.parametrize(
+    "body,status,needle",
+    [
+        (b'{"model": "tiny", "prompt": ', 400, "not valid JSON"),
+        ({"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": 200}, 400, "maximum context length is 128"),
+        ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"model": "tiny", "prompt": "x", "n": 0}, 400, "n"),
+        ({"model": "tiny", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+        ({"model": "tiny", "prompt": [60000]}, 400, "token ids are 0 to 50256"),
+        ({"model": "tiny", "prompt": "x", "max_new_tokens": 5}, 400, "unrecognized request argument"),
+        ({"model": "tiny", "prompt": "x", "logprobs": 6}, 400, "logprobs"),
+        ({"model": "tiny", "prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias is not supported"),
+        ({"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
+        ({"prompt": "x"}, 400, "model"),
+    ],
+)
 def test_bad_requests_get_4xx_with_an_openai_error_and_the_server_keeps_serving(pair_server, body, status, needle):
     url, _ = pair_server
-    kw = ({"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes)
-          else {"json": body})
+    kw = (
+        {"content": body, "headers": {"Content-Type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body}
+    )
     r = httpx.post(url + "/v1/completions", timeout=30, **kw)
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -52,15 +59,20 @@ def test_models_list_and_client_errors(pair_server):
     assert page.status_code == 200 and "<script>" in page.text and "/v1/completions" in page.text
 
 
-@pytest.mark.parametrize("body,needle", [
-    ({"messages": []}, "at least one message"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role 'tool'"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "only text parts"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs is not supported"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": []}, "unrecognized request argument: tools"),
-    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 500}, "maximum context length is 128"),
-])
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        ({"messages": []}, "at least one message"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role 'tool'"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "only text parts",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs is not supported"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": []}, "unrecognized request argument: tools"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 500}, "maximum context length is 128"),
+    ],
+)
 def test_bad_chat_requests_get_a_400_with_openais_error(tiny_server, body, needle):
     url, _ = tiny_server
     r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", **body}, timeout=30)
@@ -68,9 +80,16 @@ def test_bad_chat_requests_get_a_400_with_openais_error(tiny_server, body, needl
     assert r.json()["error"]["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("method,path,status", [("GET", "/v1/nothing", 404), ("POST", "/v1/engines", 404),
-                                                ("GET", "/v1/completions", 405), ("GET", "/v1/chat/completions", 405),
-                                                ("DELETE", "/v1/models", 405)])
+@pytest.mark.parametrize(
+    "method,path,status",
+    [
+        ("GET", "/v1/nothing", 404),
+        ("POST", "/v1/engines", 404),
+        ("GET", "/v1/completions", 405),
+        ("GET", "/v1/chat/completions", 405),
+        ("DELETE", "/v1/models", 405),
+    ],
+)
 def test_unknown_routes_and_wrong_methods_answer_openais_error_body(tiny_server, method, path, status):
     url, _ = tiny_server
     r = httpx.request(method, url + path, timeout=30)
@@ -90,8 +109,9 @@ def test_a_model_name_that_cannot_be_encoded_gets_a_json_404(tiny_server):
     assert err["code"] == "model_not_found" and "\\ud800" in err["message"] and "tiny" in err["message"]
 
 
-@pytest.mark.parametrize("headers", [{"Content-Type": "text/plain"},
-                                     {"Content-Type": "application/x-www-form-urlencoded"}])
+@pytest.mark.parametrize(
+    "headers", [{"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"}]
+)
 def test_a_body_without_json_content_type_is_refused_naming_the_header(tiny_server, headers):
     url, _ = tiny_server
     r = post_completion(url, {"model": "tiny", "prompt": "x", "max_tokens": 1}, **headers)
@@ -104,8 +124,9 @@ def test_a_body_with_no_content_type_header_is_refused_naming_the_header(tiny_se
     url, _ = tiny_server
     r = httpx.post(url + "/v1/completions", content=b'{"model": "tiny", "prompt": "x"}', timeout=60)
     assert r.status_code == 415 and "Content-Type: application/json" in r.json()["error"]["message"]
-    ok = post_completion(url, {"model": "tiny", "prompt": "x", "max_tokens": 1},
-                         **{"Content-Type": "application/json; charset=utf-8"})
+    ok = post_completion(
+        url, {"model": "tiny", "prompt": "x", "max_tokens": 1}, **{"Content-Type": "application/json; charset=utf-8"}
+    )
     assert ok.status_code == 200, ok.text
 
 
@@ -115,34 +136,49 @@ def test_a_body_that_is_not_utf8_is_named_as_such(tiny_server):
     r = post_completion(url, body)
     assert r.status_code == 400, r.text
     msg = r.json()["error"]["message"]
-    assert "not UTF-8" in msg and f"byte 0xe9 at position {body.index(0xe9)}" in msg
+    assert "not UTF-8" in msg and f"byte 0xe9 at position {body.index(0xE9)}" in msg
 
 
-@pytest.mark.parametrize("path,field,value", [
-    ("completions", "max_tokens", True), ("completions", "n", True), ("completions", "seed", False),
-    ("completions", "top_k", True), ("completions", "logprobs", True), ("completions", "prompt", [True, False]),
-    ("completions", "prompt", [[1, True]]), ("completions", "stream", 1),
-    ("chat/completions", "max_tokens", True), ("chat/completions", "max_completion_tokens", True),
-    ("chat/completions", "n", True)])
+@pytest.mark.parametrize(
+    "path,field,value",
+    [
+        ("completions", "max_tokens", True),
+        ("completions", "n", True),
+        ("completions", "seed", False),
+        ("completions", "top_k", True),
+        ("completions", "logprobs", True),
+        ("completions", "prompt", [True, False]),
+        ("completions", "prompt", [[1, True]]),
+        ("completions", "stream", 1),
+        ("chat/completions", "max_tokens", True),
+        ("chat/completions", "max_completion_tokens", True),
+        ("chat/completions", "n", True),
+    ],
+)
 def test_booleans_are_not_integers_nor_integers_booleans(tiny_server, path, field, value):
     url, _ = tiny_server
-    body = {"model": "tiny", "prompt": "x"} if path == "completions" else {
-        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    body = (
+        {"model": "tiny", "prompt": "x"}
+        if path == "completions"
+        else {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    )
     r = httpx.post(f"{url}/v1/{path}", json={**body, field: value}, timeout=60)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == field and err["message"].startswith(f"{field}: ") and f"(got {value!r})" in err["message"]
 
 
-@pytest.mark.parametrize("prompt,where,bad,position", [([-1, 5], "prompt", -1, 0),
-                                                        ([[5], [3, 50257]], "prompt[1]", 50257, 1)])
+@pytest.mark.parametrize(
+    "prompt,where,bad,position", [([-1, 5], "prompt", -1, 0), ([[5], [3, 50257]], "prompt[1]", 50257, 1)]
+)
 def test_a_token_id_out_of_range_names_the_prompt_and_the_range(tiny_server, prompt, where, bad, position):
     url, _ = tiny_server
     r = post_completion(url, {"model": "tiny", "prompt": prompt})
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "prompt"
-    assert err["message"] == (f"{where}: token id {bad} at position {position} is out of range: this model's token "
-                              "ids are 0 to 50256")
+    assert err["message"] == (
+        f"{where}: token id {bad} at position {position} is out of range: this model's token ids are 0 to 50256"
+    )
 
 
 def test_a_context_error_says_what_the_request_asked(tiny_server):
@@ -155,11 +191,14 @@ def test_a_context_error_says_what_the_request_asked(tiny_server):
     r = post_chat(url, {"messages": [{"role": "user", "content": content}]})
     err = r.json()["error"]
     assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "messages"
-    assert err["message"] == (f"This model's maximum context length is 128 tokens, and the messages alone take {n} "
-                              "tokens (as the chat template writes them). Shorten the messages.")
+    assert err["message"] == (
+        f"This model's maximum context length is 128 tokens, and the messages alone take {n} "
+        "tokens (as the chat template writes them). Shorten the messages."
+    )
     prompt = "word " * 119
     m = len(enc.encode(prompt))
     r = post_completion(url, {"model": "tiny", "prompt": prompt})
     assert r.status_code == 400 and r.json()["error"]["message"] == (
         f"This model's maximum context length is 128 tokens; you asked for {m + 16} ({m} in the prompt, "
-        "max_tokens' default of 16). Shorten the prompt or lower max_tokens.")
+        "max_tokens' default of 16). Shorten the prompt or lower max_tokens."
+    )

@@ -2,14 +2,15 @@
 400, a body past the cap 413, a request past --timeout 504 (whole or streamed, in both modes), and
 /metrics and the access log count it all; a client that hangs up, streamed or not, frees its row and
 its queue place."""
+
 from __future__ import annotations
 
 import logging
 import threading
 
 import pytest
-
 from conftest import running_server, scrape, tiny_gpt, wait_until_idle
+
 from gpt2lab.serve.limits import Limits
 from gpt2lab.weights import export
 
@@ -37,8 +38,9 @@ def test_limits_queue_full_is_429_the_cap_is_400_and_metrics_count_it_all(gpt2_v
         ok = [r for r in answers if r.status_code == 200]
         busy = [r for r in answers if r.status_code == 429]
         assert len(ok) + len(busy) == 6 and len(ok) >= 2 and busy, [r.status_code for r in answers]
-        assert all(r.json()["error"]["code"] == "queue_full" and "--max-queue 1" in r.json()["error"]["message"]
-                   for r in busy)
+        assert all(
+            r.json()["error"]["code"] == "queue_full" and "--max-queue 1" in r.json()["error"]["message"] for r in busy
+        )
         assert len({r.json()["choices"][0]["text"] for r in ok}) == 1  # greedy: the same text each time
         capped = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 101}, timeout=30)
         assert capped.status_code == 400 and "--max-tokens" in capped.json()["error"]["message"]
@@ -85,8 +87,7 @@ def test_a_client_that_hangs_up_frees_its_row(tmp_path):
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_a_client_that_hangs_up_on_a_whole_answer_frees_its_row_and_its_queue_place(gpt2_vocab_export,
-                                                                                     deterministic):
+def test_a_client_that_hangs_up_on_a_whole_answer_frees_its_row_and_its_queue_place(gpt2_vocab_export, deterministic):
     """Not streamed: the server notices the hang-up while the answer is being generated (one row, one
     queue place, each taken by a request of 16 prompts x 16 samples x 120 tokens whose client left)."""
     _, d = gpt2_vocab_export

@@ -1,4 +1,5 @@
 """The offline GPT-2 BPE: reference ids, <|endoftext|>, checksums, and agreement with HF's tokenizer."""
+
 from __future__ import annotations
 
 import shutil

@@ -1,4 +1,5 @@
 """The training step in-process: overfitting, accumulation, NaN skipping, golden losses, val loss."""
+
 from __future__ import annotations
 
 import json
@@ -7,14 +8,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from train_utils import TINY, tiny_data  # noqa: F401  (tiny_data is a fixture)
+from conftest import DATA, TINY
 
-from gpt2lab.train.config import load_preset
 from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.train.config import load_preset
 from gpt2lab.train.optim import make_optimizer
 from gpt2lab.train.trainer import Trainer, TrainingError, accumulate_gradients
-from conftest import DATA
 
 CPU = torch.device("cpu")
 # The first 10 train losses of _trainer(...) below, recorded with torch 2.13 on CPU (fp32).
@@ -119,13 +119,13 @@ def test_val_loss_equals_a_plain_loop(tiny_data, tmp_path):
     model = GPT(GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=32))
     got = evaluate_loss(model, tiny_data, tokens=4 * 3 * 32, batch_size=3, seq_len=32, device="cpu")
     tokens = np.concatenate([open_shard(p) for p in list_shards(tiny_data, "val")]).astype(np.int64)
-    rows = torch.tensor(np.stack([tokens[i * 32: i * 32 + 33] for i in range(12)]))
+    rows = torch.tensor(np.stack([tokens[i * 32 : i * 32 + 33] for i in range(12)]))
     with torch.no_grad():
         logits = model(rows[:, :-1])[0]
         ref = F.cross_entropy(logits.reshape(-1, logits.size(-1)), rows[:, 1:].reshape(-1))
     assert abs(got - ref.item()) < 1e-5
     with pytest.raises(ValueError, match="fewer than"):
-        evaluate_loss(model, tiny_data, tokens=10 ** 8, batch_size=3, seq_len=32, device="cpu")
+        evaluate_loss(model, tiny_data, tokens=10**8, batch_size=3, seq_len=32, device="cpu")
 
 
 def test_fp16_scaler_survives_nan_steps_and_resume(tiny_data, tmp_path, monkeypatch):
@@ -141,26 +141,29 @@ def test_fp16_scaler_survives_nan_steps_and_resume(tiny_data, tmp_path, monkeypa
     trainer = Trainer(plan, DistInfo(device=CPU))
     forward, poison = trainer.model.forward, {"on": True}
     trainer.model.forward = lambda *a, **k: (lambda lo: (lo[0], lo[1] * float("nan") if poison["on"] else lo[1]))(
-        forward(*a, **k))
+        forward(*a, **k)
+    )
     for _ in range(2):  # two NaN steps in a row: the second must not find the scaler mid-step
         rec = trainer.train_step()
         trainer.spikes.check_bad(rec)
         assert rec["skipped"] == "nan"
-    assert trainer.scaler.get_scale() == 2.0 ** 14  # backed off twice from 2**16
+    assert trainer.scaler.get_scale() == 2.0**14  # backed off twice from 2**16
     poison["on"] = False
     rec = trainer.train_step()
     trainer.spikes.check_bad(rec)
     assert np.isfinite(rec["train_loss"]) and trainer.spikes.bad_steps == 0
-    trainer.scaler.update(2.0 ** 100)  # overflows the fp16 gradients: the scaler's routine skip
+    trainer.scaler.update(2.0**100)  # overflows the fp16 gradients: the scaler's routine skip
     rec = trainer.train_step()
     trainer.spikes.check_bad(rec)
     assert rec["skipped"] in ("inf", "nan") and rec["grad_scaler"] and trainer.spikes.bad_steps == 0  # not counted
     json.dumps(rec, allow_nan=False)  # metrics.jsonl stays strict JSON
-    assert trainer.scaler.get_scale() == 2.0 ** 99
+    assert trainer.scaler.get_scale() == 2.0**99
     trainer.step = 4
     path = trainer.save()
-    resumed = Trainer(dataclasses.replace(make_plan(cfg, MachineFacts(runtime.Facts("cpu")), resume=path),
-                                          dtype=plan.dtype), DistInfo(device=CPU))
+    resumed = Trainer(
+        dataclasses.replace(make_plan(cfg, MachineFacts(runtime.Facts("cpu")), resume=path), dtype=plan.dtype),
+        DistInfo(device=CPU),
+    )
     assert resumed.scaler.state_dict() == trainer.scaler.state_dict()
 
 
@@ -170,15 +173,28 @@ def test_run_logs_val_hellaswag_samples_tensorboard_and_plot(tiny_data, tmp_path
 
     from gpt2lab.evals.hellaswag import evaluate_hellaswag
     from gpt2lab.evals.loss import evaluate_loss
-    from gpt2lab.weights.load import load_model
     from gpt2lab.train.run import train
+    from gpt2lab.weights.load import load_model
 
     slice_ = str(DATA / "hellaswag_val_200.jsonl")
     out = tmp_path / "run"
-    cfg = load_preset("shakespeare-cpu", **{**TINY, "data": tiny_data, "out": str(out), "max_steps": 4,
-                                            "eval_interval": 2, "eval_tokens": 2 * 64, "hellaswag_interval": 4,
-                                            "hellaswag_data": slice_, "hellaswag_limit": 6, "sample_interval": 4,
-                                            "sample_tokens": 8, "tensorboard": True})
+    cfg = load_preset(
+        "shakespeare-cpu",
+        **{
+            **TINY,
+            "data": tiny_data,
+            "out": str(out),
+            "max_steps": 4,
+            "eval_interval": 2,
+            "eval_tokens": 2 * 64,
+            "hellaswag_interval": 4,
+            "hellaswag_data": slice_,
+            "hellaswag_limit": 6,
+            "sample_interval": 4,
+            "sample_tokens": 8,
+            "tensorboard": True,
+        },
+    )
     last = train(cfg, DistInfo(device=CPU))
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     val = {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
@@ -187,10 +203,13 @@ def test_run_logs_val_hellaswag_samples_tensorboard_and_plot(tiny_data, tmp_path
     assert sorted(val) == [0, 2, 4] and sorted(hs) == [0, 4] and sorted(samples) == [0, 4]
     assert all(isinstance(s, str) and s.startswith("ROMEO:") for s in samples.values())
     model = load_model(last, CPU)
-    assert abs(val[4] - evaluate_loss(model, tiny_data, tokens=2 * 64, batch_size=2, seq_len=32,
-                                      device=CPU)) < 1e-5
+    assert abs(val[4] - evaluate_loss(model, tiny_data, tokens=2 * 64, batch_size=2, seq_len=32, device=CPU)) < 1e-5
     ref = evaluate_hellaswag(model, slice_, device=CPU, limit=6)
-    assert (hs[4]["hellaswag_n"], hs[4]["hellaswag_acc"], hs[4]["hellaswag_acc_norm"]) == (6, ref["acc"], ref["acc_norm"])
+    assert (hs[4]["hellaswag_n"], hs[4]["hellaswag_acc"], hs[4]["hellaswag_acc_norm"]) == (
+        6,
+        ref["acc"],
+        ref["acc_norm"],
+    )
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -201,8 +220,9 @@ def test_rollback_is_a_decision_made_without_the_trainer(tmp_path):
     checkpoint stop the run; with no checkpoint before the spikes it trains on."""
     from gpt2lab.train.rollback import MAX_ROLLBACKS, Rollback
 
-    cfg = load_preset("shakespeare-cpu", **{**TINY, "data": "unused", "out": str(tmp_path), "spike_window": 4,
-                                           "spike_rollback": 2})
+    cfg = load_preset(
+        "shakespeare-cpu", **{**TINY, "data": "unused", "out": str(tmp_path), "spike_window": 4, "spike_rollback": 2}
+    )
     early = Rollback(cfg)
     early.guard.spikes = [[3, 60], [4, 80]]
     none = early.decide(end=100, step=5)  # nothing saved yet

@@ -1,4 +1,5 @@
 """The chunked training loss equals the plain cross entropy over materialised logits."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,12 +20,15 @@ def _case(vocab=300, n=70, c=24, seed=0):
     return x, w, t
 
 
-@pytest.mark.parametrize("chunk_elements, group_elements, compiled", [
-    (300 * 7, 2 ** 28, False),    # several chunks, the last one ragged
-    (300 * 8, 300 * 16, False),   # several groups for grad_w
-    (2 ** 24, 2 ** 28, False),    # one chunk
-    (300 * 16, 300 * 32, True),   # the torch.compile'd kernel (the --compile true path)
-])
+@pytest.mark.parametrize(
+    "chunk_elements, group_elements, compiled",
+    [
+        (300 * 7, 2**28, False),  # several chunks, the last one ragged
+        (300 * 8, 300 * 16, False),  # several groups for grad_w
+        (2**24, 2**28, False),  # one chunk
+        (300 * 16, 300 * 32, True),  # the torch.compile'd kernel (the --compile true path)
+    ],
+)
 def test_chunked_loss_and_grads_match_cross_entropy(monkeypatch, chunk_elements, group_elements, compiled):
     monkeypatch.setattr(model_mod, "_CHUNK_ELEMENTS", chunk_elements)
     monkeypatch.setattr(model_mod, "_GROUP_ELEMENTS", group_elements)
@@ -57,8 +61,8 @@ def test_bf16_autocast_matches_the_autocast_reference():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref = F.cross_entropy((x @ w.t()).float(), t, ignore_index=-1)
         loss = model_mod.chunked_cross_entropy(x, w, t)
-    gw_ref, = torch.autograd.grad(ref, (w,))
-    gw, = torch.autograd.grad(loss, (w,))
+    (gw_ref,) = torch.autograd.grad(ref, (w,))
+    (gw,) = torch.autograd.grad(loss, (w,))
     assert abs(loss.item() - ref.item()) < 1e-3  # both from the same bf16 logits
     assert (gw - gw_ref).abs().max() < 0.02 * gw_ref.abs().max()
 
@@ -88,9 +92,16 @@ def test_unchunked_training_path_returns_the_same_loss_without_logits():
     assert logits is None and abs(plain.item() - ref.item()) < 1e-6 and abs(chunked.item() - ref.item()) < 1e-5
 
 
-@pytest.mark.parametrize("device,compiled,expect", [("cuda", True, (True, False)), ("cuda", False, (False, True)),
-                                                    ("cpu", True, (True, True)), ("cpu", False, (False, True)),
-                                                    ("mps", True, (True, True))])
+@pytest.mark.parametrize(
+    "device,compiled,expect",
+    [
+        ("cuda", True, (True, False)),
+        ("cuda", False, (False, True)),
+        ("cpu", True, (True, True)),
+        ("cpu", False, (False, True)),
+        ("mps", True, (True, True)),
+    ],
+)
 def test_loss_settings_by_device(device, compiled, expect):
     path = choose_loss(torch.device(device).type, compiled)  # (its kernel compiled, chunked)
     assert (path.compiled, path.chunked) == expect
@@ -107,13 +118,13 @@ def test_fp16_logit_gradients_do_not_underflow(monkeypatch):
     w = torch.randn(vocab, c, generator=g, requires_grad=True)
     t = torch.randint(0, vocab // 2, (n,), generator=g)  # rows vocab//2.. get only the p terms
     x16, w16 = (a.detach().half().float().requires_grad_() for a in (x, w))
-    exact, = torch.autograd.grad(F.cross_entropy(x16 @ w16.t(), t), (w16,))
+    (exact,) = torch.autograd.grad(F.cross_entropy(x16 @ w16.t(), t), (w16,))
     with torch.autocast("cpu", dtype=torch.float16):
         scaled = F.cross_entropy((x @ w.t()).float(), t) * 65536.0
-    ref, = torch.autograd.grad(scaled, (w,))
+    (ref,) = torch.autograd.grad(scaled, (w,))
     with torch.autocast("cpu", dtype=torch.float16):
         loss = model_mod.chunked_cross_entropy(x, w, t, compiled=True)
-    gw, = torch.autograd.grad(loss * 65536.0, (w,))  # the scaler's scale reaches us only here
+    (gw,) = torch.autograd.grad(loss * 65536.0, (w,))  # the scaler's scale reaches us only here
     rows = slice(vocab // 2, vocab)
     ref_err = ((ref[rows] / 65536 - exact[rows]).norm() / exact[rows].norm()).item()
     err = ((gw[rows] / 65536 - exact[rows]).norm() / exact[rows].norm()).item()

@@ -2,15 +2,15 @@
 written out by hand in float64 over snapshots of the trained weights; the checkpoint holds it
 as model.safetensors (what every reader loads) and the weights as trained beside it, and a
 resume continues both exactly; the training itself does not change."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
-from train_utils import TINY, tiny_data  # noqa: F401  (tiny_data is a fixture)
+from conftest import TINY
 
-from gpt2lab.checkpoint import store
 from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.evals.loss import evaluate_loss
 from gpt2lab.system.errors import ConfigError
@@ -56,18 +56,34 @@ def test_the_average_is_the_written_out_one_and_evaluations_read_it(tiny_data, t
     for k, v in avg.items():
         torch.testing.assert_close(got[k].double(), v, rtol=1e-6, atol=1e-7)
     # it is not the trained weights (the test would pass vacuously if it were)
-    assert (got["transformer.h.0.mlp.c_fc.weight"] - t.raw.state_dict()["transformer.h.0.mlp.c_fc.weight"]).abs().max() > 1e-4
+    assert (
+        got["transformer.h.0.mlp.c_fc.weight"] - t.raw.state_dict()["transformer.h.0.mlp.c_fc.weight"]
+    ).abs().max() > 1e-4
     # the val loss the run logs is the average's: a GPT holding the hand-made average scores the same
     from gpt2lab.model.gpt import GPT
 
     hand = GPT(t.raw.config)
     hand.load_state_dict({k: v.float() for k, v in avg.items()})
     cfg = t.cfg
-    want = evaluate_loss(hand, cfg.data, tokens=256, batch_size=cfg.batch.micro_batch_size, seq_len=cfg.batch.seq_len,
-                         device=CPU, dtype="float32")
+    want = evaluate_loss(
+        hand,
+        cfg.data,
+        tokens=256,
+        batch_size=cfg.batch.micro_batch_size,
+        seq_len=cfg.batch.seq_len,
+        device=CPU,
+        dtype="float32",
+    )
     assert t.evaluate.val_loss() == pytest.approx(want, abs=1e-5)
-    raw = evaluate_loss(t.raw, cfg.data, tokens=256, batch_size=cfg.batch.micro_batch_size, seq_len=cfg.batch.seq_len,
-                        device=CPU, dtype="float32")
+    raw = evaluate_loss(
+        t.raw,
+        cfg.data,
+        tokens=256,
+        batch_size=cfg.batch.micro_batch_size,
+        seq_len=cfg.batch.seq_len,
+        device=CPU,
+        dtype="float32",
+    )
     assert abs(raw - want) > 1e-4
 
 
@@ -94,8 +110,9 @@ def test_checkpoint_holds_the_average_and_a_resume_continues_both_exactly(tiny_d
     from safetensors.torch import load_file
 
     trained = load_file(f"{path}/training.safetensors")
-    assert torch.equal(trained["transformer.h.1.attn.c_attn.weight"],
-                       first.raw.state_dict()["transformer.h.1.attn.c_attn.weight"])
+    assert torch.equal(
+        trained["transformer.h.1.attn.c_attn.weight"], first.raw.state_dict()["transformer.h.1.attn.c_attn.weight"]
+    )
     again = trainer(tiny_data, tmp_path / "resumed", resume=path, ema_decay=0.8)
     assert again.step == 3 and int(again.average.averaged.n_averaged) == 3
     run(again, 3)
@@ -155,10 +172,13 @@ def test_a_sharded_model_is_refused_in_one_line(monkeypatch):
         WeightAverage(GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=16)), 0.9)
 
 
-@pytest.mark.parametrize("fields, needle", [
-    ({"parallel": {"strategy": "fsdp"}}, "--ema-decay with --strategy fsdp"),
-    ({"finetune": {"lora_rank": 4}}, "--ema-decay with --lora-rank"),
-])
+@pytest.mark.parametrize(
+    "fields, needle",
+    [
+        ({"parallel": {"strategy": "fsdp"}}, "--ema-decay with --strategy fsdp"),
+        ({"finetune": {"lora_rank": 4}}, "--ema-decay with --lora-rank"),
+    ],
+)
 def test_settings_the_average_cannot_join_are_refused_in_one_line(fields, needle):
     with pytest.raises(ConfigError, match=needle):
         TrainConfig.from_dict({"optim": {"ema_decay": 0.9}, **fields})
@@ -173,5 +193,5 @@ def test_the_planner_counts_the_average_as_the_copy_it_keeps(tiny_data, tmp_path
     with_avg, without = memplan.predict(t.raw.config, average=True, **kw), memplan.predict(t.raw.config, **kw)
     assert with_avg.terms["average"] == kept and "average" not in without.terms
     assert with_avg.total - without.total == kept
-    assert t.plan.memory["average"] == round(kept / 2 ** 20, 1)  # the run's plan counts it too
+    assert t.plan.memory["average"] == round(kept / 2**20, 1)  # the run's plan counts it too
     assert any("weight average (EMA) 0.9" in line for line in t.plan.lines())

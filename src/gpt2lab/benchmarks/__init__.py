@@ -1,4 +1,5 @@
 """Benchmarks behind `gpt2lab bench NAME` (see commands/bench.py), and their shared timer."""
+
 from __future__ import annotations
 
 import time

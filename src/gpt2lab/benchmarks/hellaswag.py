@@ -9,6 +9,7 @@ its speed can be read as a share of the machine's FLOP rate. Methods take turns 
 the whole set, ``--repeats`` times, and the best time of each is kept, so load from
 other processes falls on all of them alike.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,24 +19,29 @@ import torch
 from torch.nn import functional as F
 
 from gpt2lab.benchmarks import timed
+from gpt2lab.data.tokenizer import for_config
 from gpt2lab.distributed.dist import DTYPES, autocast
 from gpt2lab.evals.hellaswag import DEFAULT_BATCH_SIZE, load_examples, render_example, resolve_strategy, score_examples
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.system.runtime import inference_dtype
-from gpt2lab.data.tokenizer import for_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", default=None,
-                   help="HellaSwag jsonl (default: the test slice shipped in the repo, tests/data/)")
+    p.add_argument(
+        "--data", default=None, help="HellaSwag jsonl (default: the test slice shipped in the repo, tests/data/)"
+    )
     p.add_argument("--size", default="124M", help="GPT-2 size of the random model (124M, 350M, ...)")
     p.add_argument("--limit", type=int, default=128, help="examples scored by each method")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="examples per batch, batched methods")
     p.add_argument("--repeats", type=int, default=2, help="timed runs of each method over the whole set")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["auto", *sorted(DTYPES)],
-                   help="autocast dtype of every method (the reference recipe on CPU: float32; auto: what "
-                        "`gpt2lab eval` would use here)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["auto", *sorted(DTYPES)],
+        help="autocast dtype of every method (the reference recipe on CPU: float32; auto: what "
+        "`gpt2lab eval` would use here)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
@@ -48,8 +54,7 @@ def _default_data() -> str:
 
 
 @torch.no_grad()
-def reference_predictions(model: GPT, examples, device: torch.device,
-                          dtype: str = "float32") -> list[tuple[int, int]]:
+def reference_predictions(model: GPT, examples, device: torch.device, dtype: str = "float32") -> list[tuple[int, int]]:
     """(acc, acc_norm) predictions the reference way: one example (4 rows) per forward."""
     enc, preds = for_config(model.config, model.tokenizer), []
     for ex in examples:
@@ -58,13 +63,14 @@ def reference_predictions(model: GPT, examples, device: torch.device,
         tokens = torch.zeros(4, T, dtype=torch.long)
         mask = torch.zeros(4, T, dtype=torch.long)
         for i, e in enumerate(ends):
-            tokens[i, :len(ctx) + len(e)] = torch.tensor(ctx + e)
-            mask[i, len(ctx):len(ctx) + len(e)] = 1
+            tokens[i, : len(ctx) + len(e)] = torch.tensor(ctx + e)
+            mask[i, len(ctx) : len(ctx) + len(e)] = 1
         tokens, mask = tokens.to(device), mask.to(device)
         with autocast(device, dtype):
             logits, _ = model(tokens)  # (4, T, V): every position, as the reference computes it
-        losses = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(),
-                                 tokens[:, 1:].reshape(-1), reduction="none").view(4, -1)
+        losses = F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.size(-1)).float(), tokens[:, 1:].reshape(-1), reduction="none"
+        ).view(4, -1)
         m = mask[:, 1:]
         sums = (losses * m).sum(1)
         preds.append((int(sums.argmin()), int((sums / m.sum(1)).argmin())))
@@ -103,11 +109,18 @@ def run(args: argparse.Namespace) -> dict:
     examples = load_examples(args.data or _default_data(), args.limit)
 
     def batched(strategy):
-        return lambda exs: [(s.pred, s.pred_norm) for s in score_examples(
-            model, exs, device=device, dtype=args.dtype, strategy=strategy, batch_size=args.batch_size)]
+        return lambda exs: [
+            (s.pred, s.pred_norm)
+            for s in score_examples(
+                model, exs, device=device, dtype=args.dtype, strategy=strategy, batch_size=args.batch_size
+            )
+        ]
 
-    methods = {"reference": lambda exs: reference_predictions(model, exs, device, args.dtype),
-               "padded": batched("padded"), "shared": batched("shared")}
+    methods = {
+        "reference": lambda exs: reference_predictions(model, exs, device, args.dtype),
+        "padded": batched("padded"),
+        "shared": batched("shared"),
+    }
     for fn in methods.values():  # warm-up: one-time allocations and thread pools
         fn(examples[:2])
     counter = MatmulFlops(model)
@@ -120,16 +133,29 @@ def run(args: argparse.Namespace) -> dict:
             times[name].append(round(dt, 2))
             flops[name] = counter.flops
     n = len(examples)
-    result = {"bench": "hellaswag", "size": args.size, "device": str(device), "threads": torch.get_num_threads(),
-              "dtype": args.dtype, "examples": n, "batch_size": args.batch_size, "repeats": args.repeats,
-              "default_strategy": resolve_strategy("auto", model, device),
-              "loadavg_1_5_15": {"before": [round(x, 2) for x in load_before],
-                                 "after": [round(x, 2) for x in os.getloadavg()]}}
+    result = {
+        "bench": "hellaswag",
+        "size": args.size,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "dtype": args.dtype,
+        "examples": n,
+        "batch_size": args.batch_size,
+        "repeats": args.repeats,
+        "default_strategy": resolve_strategy("auto", model, device),
+        "loadavg_1_5_15": {
+            "before": [round(x, 2) for x in load_before],
+            "after": [round(x, 2) for x in os.getloadavg()],
+        },
+    }
     for name in methods:
         best = min(times[name])
-        result[name] = {"examples_per_s": round(n / best, 2), "seconds": times[name],
-                        "gflop_per_example": round(flops[name] / n / 1e9, 1),
-                        "gflop_per_s": round(flops[name] / best / 1e9, 1)}
+        result[name] = {
+            "examples_per_s": round(n / best, 2),
+            "seconds": times[name],
+            "gflop_per_example": round(flops[name] / n / 1e9, 1),
+            "gflop_per_s": round(flops[name] / best / 1e9, 1),
+        }
         if name != "reference":
             result[name]["speedup"] = round(min(times["reference"]) / best, 2)
             same = sum(a == b for a, b in zip(preds[name], preds["reference"]))

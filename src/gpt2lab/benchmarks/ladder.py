@@ -11,12 +11,14 @@ settings: ``gpt2lab`` (exactly ``gpt2lab train``'s step on real token shards) an
 AdamW). Two diagnostic rungs split the gpt2lab step in parts: ``model_chunked`` (gpt2lab's
 GPT, compiled, its chunked loss, in the recipe's step: no trainer, no loader, no ``.item()``)
 and ``model_ce`` (the same with materialised logits and one ``F.cross_entropy``, so the
-chunked loss is compared with what the compiler makes of the plain one). Every rung reports ms/step, tok/s, MFU and peak memory. MFU divides
+chunked loss is compared with what the compiler makes of the plain one). Every rung reports ms/step,
+tok/s, MFU and peak memory. MFU divides
 FLOPs/token = 6N + 12 * n_layer * n_embd * T (PaLM; N without position embeddings) by
 both the datasheet peak and the bf16 matmul rate measured at the start of the same run.
 
 Meant for a GPU (see benchmarks/gpu.sh); on a CPU it runs too, for a smoke test.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,10 +29,10 @@ import statistics
 
 import torch
 
-from gpt2lab.model.config import SIZES as GPT2_SIZES
 from gpt2lab.benchmarks import timed
 from gpt2lab.benchmarks.train import ReferenceGPT
 from gpt2lab.distributed.dist import pick_device
+from gpt2lab.model.config import SIZES as GPT2_SIZES
 from gpt2lab.train.optim import make_optimizer
 
 RUNGS = ("fp32", "tf32", "bf16", "compile", "flash", "vocab50304", "fused_adamw")
@@ -45,9 +47,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--steps", type=int, default=10, help="timed steps per rung (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
-    p.add_argument("--rungs", default=",".join(RUNGS + EXTRA),
-                   help=f"comma list from {', '.join(RUNGS + EXTRA + DIAGNOSTIC)}; the ladder is cumulative "
-                   "either way")
+    p.add_argument(
+        "--rungs",
+        default=",".join(RUNGS + EXTRA),
+        help=f"comma list from {', '.join(RUNGS + EXTRA + DIAGNOSTIC)}; the ladder is cumulative either way",
+    )
     p.add_argument("--data", default=None, help="token shards for the gpt2lab rung (gpt2lab prepare output)")
     p.add_argument("--device", default=None)
     p.add_argument("--peak-flops", type=float, default=None, help="datasheet peak FLOP/s (default: by GPU name)")
@@ -55,9 +59,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def settings(rung: str) -> dict:
     """What is switched on at ``rung`` (each rung keeps everything before it; gpt2lab and hf: all)."""
-    on = RUNGS[:RUNGS.index(rung) + 1] if rung in RUNGS else RUNGS
-    return {"tf32": "tf32" in on, "bf16": "bf16" in on, "compile": "compile" in on, "flash": "flash" in on,
-            "vocab": 50304 if "vocab50304" in on else 50257, "fused": "fused_adamw" in on}
+    on = RUNGS[: RUNGS.index(rung) + 1] if rung in RUNGS else RUNGS
+    return {
+        "tf32": "tf32" in on,
+        "bf16": "bf16" in on,
+        "compile": "compile" in on,
+        "flash": "flash" in on,
+        "vocab": 50304 if "vocab50304" in on else 50257,
+        "fused": "fused_adamw" in on,
+    }
 
 
 def matmul_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
@@ -68,7 +78,7 @@ def matmul_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     timed(lambda: [a @ b for _ in range(3)], device)  # warm-up
     seconds, _ = timed(lambda: [a @ b for _ in range(reps)], device)
-    return 2 * n ** 3 * reps / seconds / 1e12
+    return 2 * n**3 * reps / seconds / 1e12
 
 
 def _adamw(model, fused: bool, device: torch.device) -> torch.optim.Optimizer:
@@ -89,6 +99,7 @@ def _time_steps(step, device: torch.device, steps: int, warmup: int) -> tuple[fl
 
 def _step(loss_fn, model, opt, device: torch.device, bf16: bool):
     """The recipe's step around ``loss_fn``: forward (bf16 autocast or not), backward, clip 1.0, AdamW."""
+
     def step():
         with torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
             loss = loss_fn()
@@ -119,8 +130,17 @@ def _hf_step(shape, B: int, T: int, device: torch.device):
     n_layer, n_head, n_embd = shape
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=T, vocab_size=50304,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    cfg = transformers.GPT2Config(
+        n_layer=n_layer,
+        n_head=n_head,
+        n_embd=n_embd,
+        n_positions=T,
+        vocab_size=50304,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+    )
     model = transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa").to(device).train()
     opt = _adamw(model, True, device)
     fwd = torch.compile(model)
@@ -129,14 +149,27 @@ def _hf_step(shape, B: int, T: int, device: torch.device):
 
 
 def _gpt2lab_step(shape, B: int, T: int, device: torch.device, data: str):
-    from gpt2lab.train.config import load_preset
     from gpt2lab.distributed.dist import DistInfo
+    from gpt2lab.train.config import load_preset
     from gpt2lab.train.trainer import Trainer
 
     n_layer, n_head, n_embd = shape
-    cfg = load_preset("gpt2-124m", data=data, n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=T,
-                      seq_len=T, micro_batch_size=B, total_batch_tokens=B * T, device=str(device),
-                      compile=True, dtype="bfloat16", hellaswag_interval=0, progress=False)
+    cfg = load_preset(
+        "gpt2-124m",
+        data=data,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_embd=n_embd,
+        block_size=T,
+        seq_len=T,
+        micro_batch_size=B,
+        total_batch_tokens=B * T,
+        device=str(device),
+        compile=True,
+        dtype="bfloat16",
+        hellaswag_interval=0,
+        progress=False,
+    )
     trainer = Trainer.from_config(cfg, DistInfo(device=device))
     return (lambda: trainer.train_step()["train_loss"]), trainer.raw
 
@@ -147,8 +180,9 @@ def _model_step(shape, B: int, T: int, device: torch.device, chunked: bool):
 
     n_layer, n_head, n_embd = shape
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=T, vocab_size=50304, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-                          token_vocab_size=50257)).to(device)
+    model = GPT(
+        GPTConfig(block_size=T, vocab_size=50304, n_layer=n_layer, n_head=n_head, n_embd=n_embd, token_vocab_size=50257)
+    ).to(device)
     model.set_loss(LossPath(chunked=True, compiled=True))
     opt = _adamw(model, True, device)
     fwd = torch.compile(model)
@@ -181,16 +215,23 @@ def run(args: argparse.Namespace) -> dict:
     wanted = [r.strip() for r in args.rungs.split(",") if r.strip()]
     unknown = [r for r in wanted if r not in RUNGS + EXTRA + DIAGNOSTIC]
     if unknown:
-        raise SystemExit(f"--rungs: unknown {', '.join(unknown)}; choose from "
-                         f"{', '.join(RUNGS + EXTRA + DIAGNOSTIC)}")
+        raise SystemExit(f"--rungs: unknown {', '.join(unknown)}; choose from {', '.join(RUNGS + EXTRA + DIAGNOSTIC)}")
     if "gpt2lab" in wanted and not args.data:
         raise SystemExit("--rungs gpt2lab needs --data DIR (token shards from gpt2lab prepare)")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = args.peak_flops or peak_flops(name)
     measured = matmul_tflops(device)
-    out = {"device": name, "torch": torch.__version__, "size": args.size, "B": B, "T": T,
-           "bf16_matmul_tflops_measured": round(measured, 3), "peak_flops_datasheet": peak,
-           "mfu_formula": "6N + 12*n_layer*n_embd*T per token (PaLM), N without wpe", "rungs": []}
+    out = {
+        "device": name,
+        "torch": torch.__version__,
+        "size": args.size,
+        "B": B,
+        "T": T,
+        "bf16_matmul_tflops_measured": round(measured, 3),
+        "peak_flops_datasheet": peak,
+        "mfu_formula": "6N + 12*n_layer*n_embd*T per token (PaLM), N without wpe",
+        "rungs": [],
+    }
     for rung in wanted:
         s = settings(rung)
         if device.type == "cuda":
@@ -213,12 +254,19 @@ def run(args: argparse.Namespace) -> dict:
         n = sum(p.numel() for p in model.parameters()) - T * shape[2]  # without wpe, tied counted once
         fpt = 6 * n + 12 * shape[0] * shape[2] * T
         tok_s = B * T / (ms / 1000)
-        rec = {"rung": rung, **s, "ms_per_step": round(ms, 2), "tok_per_s": round(tok_s),
-               "loss": round(loss, 4), "flops_per_token": fpt,
-               "mfu_datasheet": round(fpt * tok_s / peak, 4) if peak else None,
-               "mfu_measured_matmul": round(fpt * tok_s / (measured * 1e12), 4),
-               "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2)
-               if device.type == "cuda" else None}
+        rec = {
+            "rung": rung,
+            **s,
+            "ms_per_step": round(ms, 2),
+            "tok_per_s": round(tok_s),
+            "loss": round(loss, 4),
+            "flops_per_token": fpt,
+            "mfu_datasheet": round(fpt * tok_s / peak, 4) if peak else None,
+            "mfu_measured_matmul": round(fpt * tok_s / (measured * 1e12), 4),
+            "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+            if device.type == "cuda"
+            else None,
+        }
         print(json.dumps(rec), flush=True)
         out["rungs"].append(rec)
         del step, model  # free this rung's model, optimizer and compiled graphs before the next

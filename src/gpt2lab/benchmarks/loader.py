@@ -5,6 +5,7 @@ Without --data it writes synthetic shards (random tokens, FineWeb-like documents
 the shuffled train split, finding and permuting its documents. --step-model also times
 one CPU forward+backward of GPT-2 124M at (1, T) and scales it by B, to compare.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--batches", type=int, default=1000, help="batches timed per split")
     parser.add_argument("--shard-tokens", type=int, default=10_000_000, help="synthetic shard size")
-    parser.add_argument("--step-model", action="store_true",
-                        help="also time a CPU GPT-2 124M training step for the ratio")
+    parser.add_argument(
+        "--step-model", action="store_true", help="also time a CPU GPT-2 124M training step for the ratio"
+    )
 
 
 def synthetic_shards(root: str, split: str, n_shards: int, tokens: int, seed: int = 0) -> None:
@@ -47,8 +49,11 @@ def _rate(loader: TokenLoader, batches: int) -> Dict:
     for _ in range(batches):
         loader.next_batch()
     dt = time.perf_counter() - t0
-    return {"batches_per_s": round(batches / dt, 1), "first_batch_ms": round(first * 1e3, 1),
-            "tokens_per_s": round(batches * loader.B * loader.T / dt)}
+    return {
+        "batches_per_s": round(batches / dt, 1),
+        "first_batch_ms": round(first * 1e3, 1),
+        "tokens_per_s": round(batches * loader.B * loader.T / dt),
+    }
 
 
 def _model_step_s(batch_size: int, seq_len: int) -> float:

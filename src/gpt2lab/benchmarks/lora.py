@@ -7,6 +7,7 @@ meta device (the default) nothing is allocated, so gpt2-xl is counted on any mac
 with ``--device cpu`` the step is a real forward/backward on random tokens and the
 process's peak RSS is reported too (run one ``--mode`` per process for that figure).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,9 @@ def measure(args: argparse.Namespace, lora: bool) -> dict:
         from gpt2lab.model.lora import add_lora
 
         add_lora(model, args.rank, 2.0 * args.rank, args.targets)
-    opt = make_optimizer(model, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device=device,
-                         fused=device.type == "cpu")
+    opt = make_optimizer(
+        model, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device=device, fused=device.type == "cpu"
+    )
     trainable = [p for p in model.parameters() if p.requires_grad]
     if device.type == "meta":
         for p in trainable:
@@ -48,13 +50,18 @@ def measure(args: argparse.Namespace, lora: bool) -> dict:
         x = torch.randint(0, 50257, (args.batch, args.seq_len))
         model(x, x, return_logits=False)[1].backward()
     opt.step()
-    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
-                if isinstance(t, torch.Tensor))
+    state = sum(
+        t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+    )
     n_train = sum(p.numel() for p in trainable)
-    out = {"mode": "lora" if lora else "full", "params": model.num_params(), "trainable_params": n_train,
-           "weights_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / GIB,
-           "grads_gib": sum(p.numel() * p.element_size() for p in trainable) / GIB,
-           "adamw_state_gib": state / GIB}
+    out = {
+        "mode": "lora" if lora else "full",
+        "params": model.num_params(),
+        "trainable_params": n_train,
+        "weights_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / GIB,
+        "grads_gib": sum(p.numel() * p.element_size() for p in trainable) / GIB,
+        "adamw_state_gib": state / GIB,
+    }
     if device.type == "cpu":
         out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
     return out
@@ -62,5 +69,10 @@ def measure(args: argparse.Namespace, lora: bool) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     modes = {"full": [False], "lora": [True], "both": [False, True]}[args.mode]
-    return {"size": args.size, "device": args.device, "rank": args.rank, "targets": args.targets,
-            "results": [measure(args, lora) for lora in modes]}
+    return {
+        "size": args.size,
+        "device": args.device,
+        "rank": args.rank,
+        "targets": args.targets,
+        "results": [measure(args, lora) for lora in modes],
+    }

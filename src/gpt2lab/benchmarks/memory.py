@@ -21,6 +21,7 @@ built as ``gpt2lab train`` builds it. The optimizer is AdamW either way, and so 
 prediction beside it, whatever the preset trains with (the run plan of a Muon run predicts
 Muon's smaller state: memplan.optimizer_state_bytes).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,47 +33,70 @@ from typing import Optional
 
 import torch
 
-from gpt2lab.model.config import GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE
-from gpt2lab.distributed import memplan
 from gpt2lab.benchmarks import timed
+from gpt2lab.distributed import memplan
 from gpt2lab.distributed.dist import pick_device
-from gpt2lab.system.errors import UsageError
+from gpt2lab.model.config import GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.model.loss import choose_loss
+from gpt2lab.system.errors import UsageError
 from gpt2lab.train.optim import make_optimizer
 from gpt2lab.train.trainer import accumulate_gradients
 
-MiB = 2 ** 20
+MiB = 2**20
 TINY = dict(n_layer=2, n_head=2, n_embd=64)  # for CPU measurements and tests
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", default=None, help="GPT-2 size: 124M (default), 350M, 774M, 1558M, or tiny (2 x 64)")
-    p.add_argument("--preset", default=None, metavar="NAME",
-                   help="instead of --size: a training preset's architecture (its modern-block switches, "
-                        "block_size, vocab) and seq_len; the other settings are this command's flags")
+    p.add_argument(
+        "--preset",
+        default=None,
+        metavar="NAME",
+        help="instead of --size: a training preset's architecture (its modern-block switches, "
+        "block_size, vocab) and seq_len; the other settings are this command's flags",
+    )
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 1024, or the preset's)")
     p.add_argument("--max-batch", type=int, default=1024, help="search mode: stop searching here")
     p.add_argument("--compile", default="false", choices=["true", "false"])
     p.add_argument("--device", default=None)
     p.add_argument("--strategy", default="ddp", help=f"one of {', '.join(memplan.STRATEGIES)}")
-    p.add_argument("--world-size", type=int, default=None,
-                   help="ranks to predict for (default: torchrun's WORLD_SIZE, else 1)")
+    p.add_argument(
+        "--world-size", type=int, default=None, help="ranks to predict for (default: torchrun's WORLD_SIZE, else 1)"
+    )
     p.add_argument("--micro-batch", type=int, default=None, help="predict (and measure) this micro-batch")
     p.add_argument("--dtype", default="bfloat16", help=f"one of {', '.join(memplan.DTYPE_BYTES)}")
     p.add_argument("--activation-checkpointing", default="false", choices=["true", "false"])
-    p.add_argument("--accum", type=int, default=2, help="micro-steps per step (more than 1 keeps gradients "
-                                                         "alive through the forward)")
-    p.add_argument("--steps", type=int, default=2,
-                   help="measured training steps (at least 2: the first creates AdamW's moments)")
-    p.add_argument("--keep-cpu-memory", default="true", choices=["true", "false"],
-                   help="CPU: glibc keeps freed memory in the process, as the trainer's keep_cpu_memory")
-    p.add_argument("--tensor-peak", default="false", choices=["true", "false"],
-                   help="CPU: also record every allocation (torch.profiler) and report the peak of live "
-                        "tensor bytes, the planner's tensor terms (slower; its RSS is not the trainer's)")
+    p.add_argument(
+        "--accum",
+        type=int,
+        default=2,
+        help="micro-steps per step (more than 1 keeps gradients alive through the forward)",
+    )
+    p.add_argument(
+        "--steps", type=int, default=2, help="measured training steps (at least 2: the first creates AdamW's moments)"
+    )
+    p.add_argument(
+        "--keep-cpu-memory",
+        default="true",
+        choices=["true", "false"],
+        help="CPU: glibc keeps freed memory in the process, as the trainer's keep_cpu_memory",
+    )
+    p.add_argument(
+        "--tensor-peak",
+        default="false",
+        choices=["true", "false"],
+        help="CPU: also record every allocation (torch.profiler) and report the peak of live "
+        "tensor bytes, the planner's tensor terms (slower; its RSS is not the trainer's)",
+    )
     p.add_argument("--measure", default="true", choices=["true", "false"], help="false: the prediction only")
-    p.add_argument("--plan", type=float, default=None, metavar="GPU_GB",
-                   help="largest micro-batch per strategy that fits a card of this many GiB")
+    p.add_argument(
+        "--plan",
+        type=float,
+        default=None,
+        metavar="GPU_GB",
+        help="largest micro-batch per strategy that fits a card of this many GiB",
+    )
 
 
 def model_config(size: str, seq_len: int) -> GPTConfig:
@@ -82,8 +106,12 @@ def model_config(size: str, seq_len: int) -> GPTConfig:
     extra = TINY if size.lower() == "tiny" else {}
     try:
         if extra:
-            return GPTConfig(vocab_size=PADDED_VOCAB_SIZE, token_vocab_size=GPT2_VOCAB_SIZE, block_size=seq_len, **extra)
-        return GPTConfig.preset(size, vocab_size=PADDED_VOCAB_SIZE, token_vocab_size=GPT2_VOCAB_SIZE, block_size=seq_len)
+            return GPTConfig(
+                vocab_size=PADDED_VOCAB_SIZE, token_vocab_size=GPT2_VOCAB_SIZE, block_size=seq_len, **extra
+            )
+        return GPTConfig.preset(
+            size, vocab_size=PADDED_VOCAB_SIZE, token_vocab_size=GPT2_VOCAB_SIZE, block_size=seq_len
+        )
     except ValueError as e:
         raise UsageError(f"--size {size}: {e}") from None
 
@@ -103,8 +131,9 @@ def resolve_model(args: argparse.Namespace) -> GPTConfig:
     preset = load_preset(args.preset)
     args.seq_len = preset.batch.seq_len if args.seq_len is None else args.seq_len
     if not 1 <= args.seq_len <= preset.model.block_size:
-        raise UsageError(f"--seq-len {args.seq_len}: preset {args.preset} takes 1 to its block_size "
-                         f"{preset.model.block_size}")
+        raise UsageError(
+            f"--seq-len {args.seq_len}: preset {args.preset} takes 1 to its block_size {preset.model.block_size}"
+        )
     args.size = args.preset
     return preset.model
 
@@ -124,17 +153,31 @@ def run(args: argparse.Namespace) -> Optional[dict]:
 def plan(cfg: GPTConfig, args: argparse.Namespace) -> dict:
     world = args.world_size or 1
     # for a run as `gpt2lab train` makes it on a GPU: compiled (memplan.plan's default)
-    rows = memplan.plan(int(args.plan * 2 ** 30), cfg, world_size=world, seq_len=args.seq_len, dtype=args.dtype)
+    rows = memplan.plan(int(args.plan * 2**30), cfg, world_size=world, seq_len=args.seq_len, dtype=args.dtype)
     for r in rows:
-        r["predicted_gib"] = round(r.pop("predicted_bytes") / 2 ** 30, 2)
-    return {"size": args.size, "gpu_gib": args.plan, "world_size": world, "seq_len": args.seq_len,
-            "dtype": args.dtype, "plans": rows}
+        r["predicted_gib"] = round(r.pop("predicted_bytes") / 2**30, 2)
+    return {
+        "size": args.size,
+        "gpu_gib": args.plan,
+        "world_size": world,
+        "seq_len": args.seq_len,
+        "dtype": args.dtype,
+        "plans": rows,
+    }
 
 
 def _prediction(cfg: GPTConfig, args: argparse.Namespace, world: int, device: str, B: int) -> memplan.Prediction:
-    return memplan.predict(cfg, strategy=args.strategy, world_size=world, micro_batch=B, seq_len=args.seq_len,
-                           dtype=args.dtype, activation_checkpointing=args.activation_checkpointing == "true",
-                           accum=args.accum, device=device)  # measured eagerly (_build): the chunked loss
+    return memplan.predict(
+        cfg,
+        strategy=args.strategy,
+        world_size=world,
+        micro_batch=B,
+        seq_len=args.seq_len,
+        dtype=args.dtype,
+        activation_checkpointing=args.activation_checkpointing == "true",
+        accum=args.accum,
+        device=device,
+    )  # measured eagerly (_build): the chunked loss
 
 
 def tensor_bytes(pred: memplan.Prediction) -> int:
@@ -146,16 +189,27 @@ def predict_and_measure(cfg: GPTConfig, args: argparse.Namespace) -> Optional[di
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     measure = args.measure == "true"
     if measure and args.world_size not in (None, env_world):
-        raise UsageError(f"--world-size {args.world_size}: a measured run has torchrun's {env_world} ranks; "
-                         f"launch with torchrun --nproc_per_node {args.world_size}, or add --measure false")
+        raise UsageError(
+            f"--world-size {args.world_size}: a measured run has torchrun's {env_world} ranks; "
+            f"launch with torchrun --nproc_per_node {args.world_size}, or add --measure false"
+        )
     world = args.world_size or env_world
     device = "cuda" if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda") else "cpu"
     pred = _prediction(cfg, args, world, device, args.micro_batch)
-    out = {"size": args.size, "modern": cfg.modern(), "params": memplan.param_counts(cfg)["total"],
-           "strategy": args.strategy,
-           "world_size": world, "micro_batch": args.micro_batch, "seq_len": args.seq_len, "dtype": args.dtype,
-           "activation_checkpointing": args.activation_checkpointing == "true", "accum": args.accum,
-           "device": device, "predicted_mib": pred.to_dict(MiB)}
+    out = {
+        "size": args.size,
+        "modern": cfg.modern(),
+        "params": memplan.param_counts(cfg)["total"],
+        "strategy": args.strategy,
+        "world_size": world,
+        "micro_batch": args.micro_batch,
+        "seq_len": args.seq_len,
+        "dtype": args.dtype,
+        "activation_checkpointing": args.activation_checkpointing == "true",
+        "accum": args.accum,
+        "device": device,
+        "predicted_mib": pred.to_dict(MiB),
+    }
     if not measure:
         return out
     peaks, rank = measure_peaks(cfg, args)
@@ -226,8 +280,9 @@ def _measure(cfg: GPTConfig, args: argparse.Namespace, info) -> tuple:
     return _peak_bytes(info.device), baseline, tensors, statistics.median(times[1:])
 
 
-def step(model: torch.nn.Module, raw: GPT, opt, x: torch.Tensor, args: argparse.Namespace,
-         device: torch.device) -> None:
+def step(
+    model: torch.nn.Module, raw: GPT, opt, x: torch.Tensor, args: argparse.Namespace, device: torch.device
+) -> None:
     """One optimizer step as the trainer takes it (micro-steps, clipping, AdamW)."""
     from gpt2lab.distributed import parallel
 
@@ -245,8 +300,9 @@ def _build(cfg: GPTConfig, args: argparse.Namespace, info) -> tuple[torch.nn.Mod
     torch.manual_seed(0)
     raw = GPT(cfg).to(info.device)
     raw.activation_checkpointing = args.activation_checkpointing == "true"
-    model, _ = parallel.wrap(raw, args.strategy, distributed=info.distributed, device=info.device,
-                             dtype=args.dtype, compile=False)
+    model, _ = parallel.wrap(
+        raw, args.strategy, distributed=info.distributed, device=info.device, dtype=args.dtype, compile=False
+    )
     opt = make_optimizer(raw, lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device=info.device)
     return model, raw, opt
 
@@ -258,8 +314,11 @@ def _tensor_peak(fn) -> int:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]" and e.device_type().name == "CPU")
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type().name == "CPU"
+    )
     live = peak = 0
     for _, nbytes in events:
         live += nbytes
@@ -296,7 +355,7 @@ def try_batch(model: GPT, opt, B: int, T: int, device: torch.device, compiled, d
         fits = False
     finally:
         opt.zero_grad(set_to_none=True)
-    peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return {"B": B, "fits": fits, "peak_gib": round(peak, 2) if peak is not None else None}
 
 
@@ -313,9 +372,17 @@ def search(cfg: GPTConfig, args: argparse.Namespace) -> dict:
 
     def attempt(B: int) -> dict:
         rec = try_batch(model, opt, B, args.seq_len, device, compiled, args.dtype)
-        pred = memplan.predict(cfg, micro_batch=B, seq_len=args.seq_len, dtype=args.dtype, accum=1, device=kind,
-                               activation_checkpointing=ac, compiled=compile)
-        rec["predicted_gib"] = round(tensor_bytes(pred) / 2 ** 30, 2)  # tensors only, like the peak
+        pred = memplan.predict(
+            cfg,
+            micro_batch=B,
+            seq_len=args.seq_len,
+            dtype=args.dtype,
+            accum=1,
+            device=kind,
+            activation_checkpointing=ac,
+            compiled=compile,
+        )
+        rec["predicted_gib"] = round(tensor_bytes(pred) / 2**30, 2)  # tensors only, like the peak
         print(json.dumps(rec), flush=True)
         return rec
 
@@ -332,6 +399,14 @@ def search(cfg: GPTConfig, args: argparse.Namespace) -> dict:
         rec = attempt(mid)
         tries.append(rec)
         good, bad = (mid, bad) if rec["fits"] else (good, mid)
-    return {"size": args.size, "seq_len": args.seq_len, "device": str(device), "params": model.num_params(),
-            "compile": compile, "activation_checkpointing": ac, "largest_micro_batch": good or None,
-            "searched_up_to": args.max_batch, "tries": tries}
+    return {
+        "size": args.size,
+        "seq_len": args.seq_len,
+        "device": str(device),
+        "params": model.num_params(),
+        "compile": compile,
+        "activation_checkpointing": ac,
+        "largest_micro_batch": good or None,
+        "searched_up_to": args.max_batch,
+        "tries": tries,
+    }

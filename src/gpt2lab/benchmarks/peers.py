@@ -2,6 +2,7 @@
 ``GPT2LMHeadModel.generate`` and CTranslate2's ``Generator`` (optional extras: ``pip install
 transformers ctranslate2``). Each is handed the very weights gpt2lab runs, through ``gpt2lab export``'s
 HF directory (and, for CTranslate2, its own converter, ``ct2-transformers-converter``'s code)."""
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,15 @@ def transformers_model(hf_dir: str, device: torch.device, dtype: str):
 
 def transformers_greedy(hf, prompt: torch.Tensor, n: int) -> torch.Tensor:
     with torch.inference_mode():
-        out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
-                          do_sample=False, use_cache=True, pad_token_id=hf.config.eos_token_id)
+        out = hf.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            use_cache=True,
+            pad_token_id=hf.config.eos_token_id,
+        )
     return out[:, -n:]
 
 
@@ -70,8 +78,9 @@ class CT2:
         self.generators, self.errors = {}, {}
         for ct in CT2_COMPUTE_TYPES:
             try:
-                self.generators[ct] = ctranslate2.Generator(self.path, device="cpu", compute_type=ct,
-                                                            intra_threads=threads, inter_threads=1)
+                self.generators[ct] = ctranslate2.Generator(
+                    self.path, device="cpu", compute_type=ct, intra_threads=threads, inter_threads=1
+                )
             except (ValueError, RuntimeError) as e:  # e.g. bfloat16 on a CPU it judges too slow for it
                 self.errors[ct] = str(e).splitlines()[0]
 
@@ -79,7 +88,8 @@ class CT2:
         """Exactly ``n`` new tokens for each of ``rows`` copies of ``prompt``, greedy, as token ids."""
         tokens = [self.vocab[i] for i in prompt]
         res = self.generators[compute_type].generate_batch(
-            [tokens] * rows, max_length=n, min_length=n, sampling_topk=1, include_prompt_in_result=False)
+            [tokens] * rows, max_length=n, min_length=n, sampling_topk=1, include_prompt_in_result=False
+        )
         return [r.sequences_ids[0] for r in res]
 
     def tok_per_s(self, prompt: list[int], rows: int, n: int, repeats: int) -> dict:

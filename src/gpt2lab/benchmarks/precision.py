@@ -12,6 +12,7 @@ activations, each with the kernel ``--cpu-linear`` names; the reference: fp32 we
   of each continuation before its first differing token;
 * HellaSwag accuracy on ``--hellaswag-limit`` examples of ``--hellaswag`` (0 skips it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,17 +36,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--hellaswag", default=None, help="HellaSwag jsonl (default: the official validation set)")
     p.add_argument("--hellaswag-limit", type=int, default=0, help="examples scored (0: skip HellaSwag)")
-    p.add_argument("--cpu-linear", default="packed", choices=[c for c in LINEAR_CHOICES if c != "auto"],
-                   help="the kernel of the float candidates (default packed)")
+    p.add_argument(
+        "--cpu-linear",
+        default="packed",
+        choices=[c for c in LINEAR_CHOICES if c != "auto"],
+        help="the kernel of the float candidates (default packed)",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=None)
 
 
 def _ways(linear: str) -> dict[str, Candidate]:
     kernel = "plain" if linear == "plain" else "packed"
-    return {"float32": Candidate("float32", "plain"), "float32_" + kernel: Candidate("float32", kernel),
-            "bfloat16": Candidate("bfloat16", kernel), "int8_fp32_act": Candidate("float32", "int8"),
-            "int8_bf16_act": Candidate("bfloat16", "int8")}
+    return {
+        "float32": Candidate("float32", "plain"),
+        "float32_" + kernel: Candidate("float32", kernel),
+        "bfloat16": Candidate("bfloat16", kernel),
+        "int8_fp32_act": Candidate("float32", "int8"),
+        "int8_bf16_act": Candidate("bfloat16", "int8"),
+    }
 
 
 @torch.inference_mode()
@@ -63,8 +72,15 @@ def run(args: argparse.Namespace) -> dict:
     x, y = zip(*(loader.next_batch() for _ in range(rows)))
     x, y = torch.cat(x).to(device), torch.cat(y).to(device)
     prompts = x.reshape(-1)[: args.prompts * args.prompt_tokens].reshape(args.prompts, args.prompt_tokens)
-    out: dict = {"model": args.model, "device": str(device), "torch": torch.__version__,
-                 "val_tokens": int(y.numel()), "prompts": args.prompts, "new_tokens": args.new_tokens, "ways": {}}
+    out: dict = {
+        "model": args.model,
+        "device": str(device),
+        "torch": torch.__version__,
+        "val_tokens": int(y.numel()),
+        "prompts": args.prompts,
+        "new_tokens": args.new_tokens,
+        "ways": {},
+    }
     ref_argmax = ref_greedy = None
     for name, cand in _ways(args.cpu_linear).items():
         m = hold(model, cand, rows=1)
@@ -72,9 +88,9 @@ def run(args: argparse.Namespace) -> dict:
         for xs, ys in zip(x.split(1), y.split(1)):
             logits, loss = m(xs, ys)
             losses.append(float(loss))
-            argmax.append(logits[..., :model.config.real_vocab_size].argmax(-1))
+            argmax.append(logits[..., : model.config.real_vocab_size].argmax(-1))
         argmax = torch.cat(argmax)
-        greedy = generate(m, prompts, args.new_tokens, temperature=0.0)[:, args.prompt_tokens:]
+        greedy = generate(m, prompts, args.new_tokens, temperature=0.0)[:, args.prompt_tokens :]
         way = {"kernel": cand.name, "val_loss": sum(losses) / len(losses)}
         if ref_argmax is None:
             ref_argmax, ref_greedy, ref_loss = argmax, greedy, way["val_loss"]

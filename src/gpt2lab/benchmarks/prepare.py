@@ -6,6 +6,7 @@ documents already in memory, ``encode_ordinary`` on each. ``prepare`` is timed w
 Sources: the bundled Tiny Shakespeare (7,222 speeches) and WikiText-2 test, split into its
 articles and written to a temporary .jsonl.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,9 +28,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="prepare workers (default 2)")
     parser.add_argument("--repeat", type=int, default=3, help="best of N runs (default 3)")
     parser.add_argument("--wikitext", default=str(WIKITEXT), help="wiki.test.raw to benchmark")
-    parser.add_argument("--scale", type=int, default=1,
-                        help="repeat each source's documents N times (N > 1: steady state, "
-                        "amortizing the ~40 ms of worker start-up)")
+    parser.add_argument(
+        "--scale",
+        type=int,
+        default=1,
+        help="repeat each source's documents N times (N > 1: steady state, amortizing the ~40 ms of worker start-up)",
+    )
 
 
 def wikitext_articles(path: str) -> List[str]:
@@ -86,15 +90,20 @@ def _bench_source(name: str, source: str, workers: int, repeat: int, tmp: str) -
     enc = gpt2_tokenizer()
     tokens = sum(len(enc.encode_ordinary(d)) + 1 for d in docs)  # + the EOT per document
     base, cpu = _best(lambda: [enc.encode_ordinary(d) for d in docs], repeat)
-    result = {"documents": len(docs), "tokens": tokens, "baseline_tok_s": round(tokens / base),
-              "baseline_cpu_s_per_mtok": round(cpu / tokens * 1e6, 3)}
+    result = {
+        "documents": len(docs),
+        "tokens": tokens,
+        "baseline_tok_s": round(tokens / base),
+        "baseline_cpu_s_per_mtok": round(cpu / tokens * 1e6, 3),
+    }
     if hasattr(os, "fork"):  # how much parallelism the cores give right now (other load included)
         ceiling, _ = _best(lambda: _forked_encode(docs, workers), repeat)
         result[f"forked_w{workers}_ceiling_speedup"] = round(base / ceiling, 2)
     for w in sorted({1, workers}):
         runs = iter(range(repeat))
-        t, cpu = _best(lambda: prepare(source, os.path.join(tmp, f"{name}-{w}-{next(runs)}"),
-                                       workers=w, progress=False), repeat)
+        t, cpu = _best(
+            lambda: prepare(source, os.path.join(tmp, f"{name}-{w}-{next(runs)}"), workers=w, progress=False), repeat
+        )
         result[f"prepare_w{w}_tok_s"] = round(tokens / t)
         result[f"prepare_w{w}_cpu_s_per_mtok"] = round(cpu / tokens * 1e6, 3)
     result["speedup_vs_baseline"] = round(result[f"prepare_w{workers}_tok_s"] / result["baseline_tok_s"], 2)
@@ -102,8 +111,12 @@ def _bench_source(name: str, source: str, workers: int, repeat: int, tmp: str) -
 
 
 def run(args) -> Dict:
-    out: Dict = {"workers": args.workers, "cpu_count": os.cpu_count(), "repeat": args.repeat,
-                 "load_avg_1m_before": round(os.getloadavg()[0], 2)}
+    out: Dict = {
+        "workers": args.workers,
+        "cpu_count": os.cpu_count(),
+        "repeat": args.repeat,
+        "load_avg_1m_before": round(os.getloadavg()[0], 2),
+    }
     out["scale"] = args.scale
     with tempfile.TemporaryDirectory() as tmp:
         sources = {"tinyshakespeare": "tinyshakespeare"}

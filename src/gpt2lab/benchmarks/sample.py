@@ -17,6 +17,7 @@ every time kept):
   CTranslate2 (fp32 and int8, and bf16 where it runs), converted from the same weights, same
   threads, same prompt, exactly as many new tokens.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,12 +28,12 @@ import torch
 
 from gpt2lab.benchmarks import peers, timed
 from gpt2lab.distributed.dist import autocast, pick_device
-from gpt2lab.inference.flags import add_inference_flags, inference_request
 from gpt2lab.inference.choice import InferenceRequest, candidates, rule
+from gpt2lab.inference.flags import add_inference_flags, inference_request
 from gpt2lab.inference.form import detect_facts, for_inference, hold
 from gpt2lab.inference.probe import announce, decide
-from gpt2lab.model.sampling import generate
 from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.model.sampling import generate
 from gpt2lab.system.errors import UsageError
 
 
@@ -46,18 +47,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=16, help="length of the random prompt")
     p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto (cuda > mps > cpu)")
     add_inference_flags(p)
-    p.add_argument("--peer", default="transformers",
-                   help="peers timed beside gpt2lab, comma-separated: transformers, ctranslate2 (or none)")
-    p.add_argument("--ways", default="sample,generate,unprepared",
-                   help="gpt2lab's ways timed, comma-separated (sample always): generate, unprepared")
-    p.add_argument("--all-settings", action="store_true",
-                   help="also time every explicit (dtype, kernel) this device can run, in the same rounds: "
-                        "how far the default's pick is from the best one")
+    p.add_argument(
+        "--peer",
+        default="transformers",
+        help="peers timed beside gpt2lab, comma-separated: transformers, ctranslate2 (or none)",
+    )
+    p.add_argument(
+        "--ways",
+        default="sample,generate,unprepared",
+        help="gpt2lab's ways timed, comma-separated (sample always): generate, unprepared",
+    )
+    p.add_argument(
+        "--all-settings",
+        action="store_true",
+        help="also time every explicit (dtype, kernel) this device can run, in the same rounds: "
+        "how far the default's pick is from the best one",
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed rounds")
     p.add_argument("--no-cache-repeats", type=int, default=1, help="timed runs without the cache (slow; 0 skips)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch (and CTranslate2) CPU threads (default: torch's choice)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch (and CTranslate2) CPU threads (default: torch's choice)"
+    )
 
 
 def first_mismatch(a: torch.Tensor, b: torch.Tensor) -> int | None:
@@ -74,8 +85,13 @@ def run(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     wanted = peers.parse_peers(args.peer)
     torch.manual_seed(args.seed)
-    config = GPTConfig(block_size=args.block_size, vocab_size=args.vocab_size,
-                       n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    config = GPTConfig(
+        block_size=args.block_size,
+        vocab_size=args.vocab_size,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+    )
     model = GPT(config).to(device).eval()
     request = inference_request(args, "sample")
     decision = decide(model, device, request, command="bench sample")
@@ -104,7 +120,9 @@ def run(args: argparse.Namespace) -> dict:
         if "transformers" in wanted:
             hf = peers.transformers_model(hf_dir, device, dtype)
             ways["transformers"] = lambda: peers.transformers_greedy(hf, prompt, n)
-        ct2 = peers.CT2(hf_dir, d, torch.get_num_threads()) if "ctranslate2" in wanted and device.type == "cpu" else None
+        ct2 = (
+            peers.CT2(hf_dir, d, torch.get_num_threads()) if "ctranslate2" in wanted and device.type == "cpu" else None
+        )
         for fn in ways.values():  # warm-up: allocator growth, library set-up
             with torch.inference_mode():
                 fn() if n <= 8 else _short(fn)
@@ -116,12 +134,16 @@ def run(args: argparse.Namespace) -> dict:
                 times[name].append(t)
         times["no_cache"] = []
         for _ in range(args.no_cache_repeats):
-            t, tokens["no_cache"] = timed(lambda: generate(prepared, prompt, n, temperature=0.0,
-                                                           use_cache=False)[:, -n:], device)
+            t, tokens["no_cache"] = timed(
+                lambda: generate(prepared, prompt, n, temperature=0.0, use_cache=False)[:, -n:], device
+            )
             times["no_cache"].append(t)
         ct2_tps = ct2.tok_per_s(prompt[0].tolist(), 1, n, args.repeats) if ct2 else None
-        ct2_agree = (first_mismatch(torch.tensor([ct2.greedy("float32", prompt[0].tolist(), 1, n)[0]]),
-                                    tokens["sample"].cpu()) if ct2 and "float32" in ct2.generators else None)
+        ct2_agree = (
+            first_mismatch(torch.tensor([ct2.greedy("float32", prompt[0].tolist(), 1, n)[0]]), tokens["sample"].cpu())
+            if ct2 and "float32" in ct2.generators
+            else None
+        )
     out = _report(args, device, decision, times, tokens, ct2_tps, ct2_agree, "ctranslate2" in wanted and not ct2)
     if "generate" in ways:
         out["generate_kernel"] = library_pick.name
@@ -142,11 +164,14 @@ def _report(args, device, decision, times, tokens, ct2_tps, ct2_agree, ct2_skipp
     n = args.new_tokens
     tps = {k: (n / min(v) if v else None) for k, v in times.items()}
     out = {
-        "device": str(device), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
         "config": dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, vocab_size=args.vocab_size),
         "asked": {"dtype": args.dtype, "quantize": args.quantize, "cpu_linear": args.cpu_linear},
         "inference": decision.record(),
-        "prompt_tokens": args.prompt_tokens, "new_tokens": n,
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": n,
         "tok_per_s": tps,
         "seconds": {k: [round(t, 3) for t in v] for k, v in times.items()},
         "cache_speedup": tps["sample"] / tps["no_cache"] if tps["no_cache"] else None,

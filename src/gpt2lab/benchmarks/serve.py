@@ -17,6 +17,7 @@ and bodies, and a burst of ``max_batch + max_queue + 8`` requests at once; every
 get a result or a JSON error, the disconnected rows must be freed, the server must still
 answer, and the process's RSS is read before and after.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,11 +32,11 @@ from typing import Optional
 
 import torch
 
+from gpt2lab.benchmarks import peers
+from gpt2lab.inference.flags import add_inference_flags, inference_request
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.serve.limits import Limits
 from gpt2lab.system.errors import UsageError
-from gpt2lab.benchmarks import peers
-from gpt2lab.inference.flags import add_inference_flags, inference_request
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,9 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=30.0, help="how long clients keep sending, per count")
     p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto (cuda > mps > cpu), as serve's")
     add_inference_flags(p)  # serve's flags and defaults: a default figure is a user's figure
-    p.add_argument("--peer", default="none",
-                   help="ctranslate2: time CTranslate2's generate_batch of as many rows as each stream count, "
-                        "same weights, threads, prompt and new tokens (fp32 and int8; default none)")
+    p.add_argument(
+        "--peer",
+        default="none",
+        help="ctranslate2: time CTranslate2's generate_batch of as many rows as each stream count, "
+        "same weights, threads, prompt and new tokens (fp32 and int8; default none)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-batch", type=int, default=d.max_batch)
@@ -72,8 +76,17 @@ def _prompt(seed: int) -> str:
 
 
 def _body(seed: int, n: int, **extra) -> bytes:
-    return json.dumps({"model": "bench", "prompt": _prompt(seed), "max_tokens": n,
-                       "seed": seed, "stream": True, "stream_options": {"include_usage": True}, **extra}).encode()
+    return json.dumps(
+        {
+            "model": "bench",
+            "prompt": _prompt(seed),
+            "max_tokens": n,
+            "seed": seed,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **extra,
+        }
+    ).encode()
 
 
 def _events(resp: http.client.HTTPResponse):
@@ -144,11 +157,17 @@ def load(url: str, streams: int, seconds: float, n: int) -> dict:
     firsts = [r["first_s"] for r in ok if r["first_s"] is not None]
     gaps = [g for r in ok for g in r["gaps"]]
     return {
-        "streams": streams, "requests": len(done), "errors": len(done) - len(ok), "tokens": tokens,
-        "wall_s": round(wall, 2), "aggregate_tok_per_s": tokens / wall,
+        "streams": streams,
+        "requests": len(done),
+        "errors": len(done) - len(ok),
+        "tokens": tokens,
+        "wall_s": round(wall, 2),
+        "aggregate_tok_per_s": tokens / wall,
         "per_stream_tok_per_s_mean": statistics.mean(r["tokens"] / r["total_s"] for r in ok) if ok else None,
-        "first_token_s_p50": _percentile(firsts, 50), "first_token_s_p99": _percentile(firsts, 99),
-        "token_s_p50": _percentile(gaps, 50), "token_s_p99": _percentile(gaps, 99),
+        "first_token_s_p50": _percentile(firsts, 50),
+        "first_token_s_p99": _percentile(firsts, 99),
+        "token_s_p50": _percentile(gaps, 50),
+        "token_s_p99": _percentile(gaps, 99),
     }
 
 
@@ -165,7 +184,7 @@ def _load_elsewhere(url: str, streams: int, seconds: float, n: int) -> dict:
 def _rss_mb() -> float:
     import psutil  # a dependency of several of ours (accelerate, wandb); read lazily
 
-    return psutil.Process().memory_info().rss / 2 ** 20
+    return psutil.Process().memory_info().rss / 2**20
 
 
 def _answer(url: str, body: bytes) -> tuple[int, bool]:
@@ -214,8 +233,9 @@ def fault_run(url: str, limits: Limits, block_size: int, new_tokens: int, discon
         "malformed_json": b'{"model": "bench", "prompt": ',
         "oversize_prompt": json.dumps({"model": "bench", "prompt": [1] * (block_size + 1)}).encode(),
         "oversize_body": json.dumps({"model": "bench", "prompt": "x" * (2 << 20)}).encode(),
-        "max_tokens_past_cap": json.dumps({"model": "bench", "prompt": "x",
-                                           "max_tokens": limits.max_tokens + 1}).encode(),
+        "max_tokens_past_cap": json.dumps(
+            {"model": "bench", "prompt": "x", "max_tokens": limits.max_tokens + 1}
+        ).encode(),
     }
     for name, body in bad.items():
         out[name] = _answer(url, body)[0]
@@ -226,8 +246,9 @@ def fault_run(url: str, limits: Limits, block_size: int, new_tokens: int, discon
 
     def client(i: int) -> None:
         barrier.wait()
-        answers[i] = _answer(url, json.dumps({"model": "bench", "prompt": f"burst {i}", "max_tokens": new_tokens,
-                                              "seed": i}).encode())
+        answers[i] = _answer(
+            url, json.dumps({"model": "bench", "prompt": f"burst {i}", "max_tokens": new_tokens, "seed": i}).encode()
+        )
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(burst)]
     for t in threads:
@@ -254,8 +275,9 @@ def run(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     counts = [int(c) for c in str(args.streams).split(",") if c.strip()]
-    config = GPTConfig(block_size=args.block_size, vocab_size=50257, n_layer=args.n_layer, n_head=args.n_head,
-                       n_embd=args.n_embd)
+    config = GPTConfig(
+        block_size=args.block_size, vocab_size=50257, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd
+    )
     try:
         limits = Limits(max_batch=args.max_batch, max_queue=args.max_queue)
     except ValueError as e:  # Limits names the flag
@@ -265,13 +287,19 @@ def run(args: argparse.Namespace) -> dict:
         raise UsageError("--peer transformers: bench serve times CTranslate2 only (bench sample times both)")
     with tempfile.TemporaryDirectory() as d:
         hf_dir = peers.export(GPT(config), d)
-        workers = load_workers([f"bench={hf_dir}"], args.device, inference_request(args, "serve"), limits,
-                               args.deterministic)
+        workers = load_workers(
+            [f"bench={hf_dir}"], args.device, inference_request(args, "serve"), limits, args.deterministic
+        )
         out = {
-            "device": str(workers["bench"].device), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "device": str(workers["bench"].device),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
             "config": dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, vocab_size=50257),
-            "scheduling": "turns (--deterministic)" if args.deterministic else f"batches of up to {args.max_batch} rows",
-            "new_tokens": args.new_tokens, "seconds": args.seconds,
+            "scheduling": "turns (--deterministic)"
+            if args.deterministic
+            else f"batches of up to {args.max_batch} rows",
+            "new_tokens": args.new_tokens,
+            "seconds": args.seconds,
             "asked": {"dtype": args.dtype, "quantize": args.quantize, "cpu_linear": args.cpu_linear},
             "inference": workers["bench"].decision.record(),
         }

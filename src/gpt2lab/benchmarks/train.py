@@ -8,6 +8,7 @@ same batches, alternating with gpt2lab's step for several rounds; it reports the
 of each side and their ratio. Each side runs in a process of its own, so that neither
 inherits the other's CPU allocator setting or heap.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,8 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from gpt2lab.train.config import add_config_flags, load_preset, overrides_from_args
 from gpt2lab.distributed.dist import DistInfo, autocast, pick_device
+from gpt2lab.train.config import add_config_flags, load_preset, overrides_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,13 +32,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
     p.add_argument("--rounds", type=int, default=8, help="rounds (alternating with the reference when asked)")
     p.add_argument("--reference", action="store_true", help="also time the reference recipe's model")
-    p.add_argument("--reference-compile", default="true", choices=["true", "false"],
-                   help="torch.compile the reference model (as the recipe does)")
-    p.add_argument("--reference-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="autocast dtype of the reference model (the recipe on CPU: float32; on GPU: bfloat16)")
-    p.add_argument("--reference-keep-memory", default="false", choices=["true", "false"],
-                   help="give the reference gpt2lab's CPU allocator setting (--keep-cpu-memory); "
-                        "false = glibc defaults, as the recipe runs")
+    p.add_argument(
+        "--reference-compile",
+        default="true",
+        choices=["true", "false"],
+        help="torch.compile the reference model (as the recipe does)",
+    )
+    p.add_argument(
+        "--reference-dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="autocast dtype of the reference model (the recipe on CPU: float32; on GPU: bfloat16)",
+    )
+    p.add_argument(
+        "--reference-keep-memory",
+        default="false",
+        choices=["true", "false"],
+        help="give the reference gpt2lab's CPU allocator setting (--keep-cpu-memory); "
+        "false = glibc defaults, as the recipe runs",
+    )
     add_config_flags(p)
 
 
@@ -49,9 +62,12 @@ def run(args: argparse.Namespace) -> dict:
     # Each side runs in a process of its own: the CPU allocator setting (mallopt) and the
     # heap it leaves behind are per process, and one side's setting must not tax the other.
     ctx = mp.get_context("spawn")
-    opts = dict(warmup=args.warmup, reference_compile=args.reference_compile == "true",
-                reference_dtype=args.reference_dtype,
-                reference_keep_memory=args.reference_keep_memory == "true")
+    opts = dict(
+        warmup=args.warmup,
+        reference_compile=args.reference_compile == "true",
+        reference_dtype=args.reference_dtype,
+        reference_keep_memory=args.reference_keep_memory == "true",
+    )
     sides = []
     try:
         for name in names:
@@ -79,27 +95,42 @@ def run(args: argparse.Namespace) -> dict:
     tok_per_s = cfg.batch.total_batch_tokens / (ms / 1000)
     ours = info["gpt2lab"]
     result = {
-        "preset": args.preset, "n_layer": cfg.model.n_layer, "n_embd": cfg.model.n_embd,
-        "seq_len": cfg.batch.seq_len, "micro_batch_size": cfg.batch.micro_batch_size,
+        "preset": args.preset,
+        "n_layer": cfg.model.n_layer,
+        "n_embd": cfg.model.n_embd,
+        "seq_len": cfg.batch.seq_len,
+        "micro_batch_size": cfg.batch.micro_batch_size,
         "total_batch_tokens": cfg.batch.total_batch_tokens,
-        "vocab_size": cfg.model.vocab_size, "dtype_asked": cfg.system.dtype, "compile_asked": cfg.system.compile,
-        "dtype": ours["dtype"], "compile": ours["compile"], "choices": ours["choices"], "device": str(device),
-        "threads": ours["threads"], "keep_cpu_memory": cfg.system.keep_cpu_memory,
-        "ms_per_step": round(ms, 2), "tok_per_s": round(tok_per_s, 1),
+        "vocab_size": cfg.model.vocab_size,
+        "dtype_asked": cfg.system.dtype,
+        "compile_asked": cfg.system.compile,
+        "dtype": ours["dtype"],
+        "compile": ours["compile"],
+        "choices": ours["choices"],
+        "device": str(device),
+        "threads": ours["threads"],
+        "keep_cpu_memory": cfg.system.keep_cpu_memory,
+        "ms_per_step": round(ms, 2),
+        "tok_per_s": round(tok_per_s, 1),
         "mfu": ours["flops_per_token"] * tok_per_s / ours["peak"] if ours["peak"] else None,
-        "flops_per_token": ours["flops_per_token"], "rounds_ms": [round(m, 1) for m in rounds["gpt2lab"]],
+        "flops_per_token": ours["flops_per_token"],
+        "rounds_ms": [round(m, 1) for m in rounds["gpt2lab"]],
     }
     if args.reference:
         ref = rounds["reference"]
         ref_ms = statistics.median(ref)
         ratios = [r / o for o, r in zip(rounds["gpt2lab"], ref)]  # per round: same machine load
-        result.update(reference_keep_cpu_memory=args.reference_keep_memory == "true",
-                      reference_compile=args.reference_compile == "true", reference_dtype=args.reference_dtype,
-                      reference_ms_per_step=round(ref_ms, 2),
-                      reference_tok_per_s=round(cfg.batch.total_batch_tokens / (ref_ms / 1000), 1),
-                      reference_rounds_ms=[round(m, 1) for m in ref], speedup=round(ref_ms / ms, 3),
-                      speedup_median_of_rounds=round(statistics.median(ratios), 3),
-                      speedup_best_vs_best=round(min(ref) / min(rounds["gpt2lab"]), 3))
+        result.update(
+            reference_keep_cpu_memory=args.reference_keep_memory == "true",
+            reference_compile=args.reference_compile == "true",
+            reference_dtype=args.reference_dtype,
+            reference_ms_per_step=round(ref_ms, 2),
+            reference_tok_per_s=round(cfg.batch.total_batch_tokens / (ref_ms / 1000), 1),
+            reference_rounds_ms=[round(m, 1) for m in ref],
+            speedup=round(ref_ms / ms, 3),
+            speedup_median_of_rounds=round(statistics.median(ratios), 3),
+            speedup_best_vs_best=round(min(ref) / min(rounds["gpt2lab"]), 3),
+        )
     return result
 
 
@@ -125,16 +156,22 @@ def _worker(conn, name: str, cfg, device: str, opts: dict) -> None:
         info = {"threads": torch.get_num_threads(), "flops_per_token": None, "peak": None}
         if name == "gpt2lab":  # exactly the step `gpt2lab train` runs
             trainer = Trainer.from_config(cfg, DistInfo(device=device))
-            info.update(flops_per_token=trainer.flops_per_token, peak=trainer.peak, dtype=trainer.dtype,
-                        compile=trainer.compile, choices=trainer.choices.summary())
+            info.update(
+                flops_per_token=trainer.flops_per_token,
+                peak=trainer.peak,
+                dtype=trainer.dtype,
+                compile=trainer.compile,
+                choices=trainer.choices.summary(),
+            )
             fn = lambda: trainer.train_step()["train_loss"]  # noqa: E731
         else:  # the same batches (same loader, same seed)
             if device.type == "cuda":
                 torch.set_float32_matmul_precision("high")  # TF32, as the recipe sets it
             torch.manual_seed(cfg.seed)
             loader = TokenLoader(cfg.data, "train", cfg.batch.micro_batch_size, cfg.batch.seq_len, seed=cfg.seed)
-            fn = ReferenceStep(cfg, device, loader.next_batch, compile=opts["reference_compile"],
-                               dtype=opts["reference_dtype"]).step
+            fn = ReferenceStep(
+                cfg, device, loader.next_batch, compile=opts["reference_compile"], dtype=opts["reference_dtype"]
+            ).step
         for _ in range(opts["warmup"]):
             fn()
         conn.send(info)
@@ -179,8 +216,9 @@ class _Block(nn.Module):
         super().__init__()
         self.ln_1, self.ln_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
         self.attn = _Attention(n_embd, n_head, flash)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(approximate="tanh"),
-                                 nn.Linear(4 * n_embd, n_embd))
+        self.mlp = nn.Sequential(
+            nn.Linear(n_embd, 4 * n_embd), nn.GELU(approximate="tanh"), nn.Linear(4 * n_embd, n_embd)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -218,8 +256,10 @@ class ReferenceStep:
         self.model = ReferenceGPT(m.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd).to(device)
         params = [p for p in self.model.parameters()]
         o = cfg.optim
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
         fused = "fused" in inspect.signature(torch.optim.AdamW).parameters and device.type == "cuda"
         self.opt = torch.optim.AdamW(groups, lr=o.max_lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused or None)
         self.fwd = torch.compile(self.model) if compile else self.model

@@ -12,6 +12,7 @@ The checkpoint directory is written under rank 0's temporary name, completed by 
 (checksums, then the rename) after every rank has finished: a checkpoint killed half-way
 stays a ``.tmp_*`` directory that nothing ever chooses.
 """
+
 from __future__ import annotations
 
 import os
@@ -54,7 +55,7 @@ def save(tmp: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
 def digests(folder: str, hash_file: Callable[[str], str]) -> dict[str, str]:
     """sha256 of every file in ``folder``, the files spread over the ranks (each hashes 1/world)."""
     names = broadcast(sorted(n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n))))
-    mine = {n: hash_file(os.path.join(folder, n)) for n in names[rank()::world()]}
+    mine = {n: hash_file(os.path.join(folder, n)) for n in names[rank() :: world()]}
     return dict(sorted(item for part in gather(mine) for item in part.items()))
 
 
@@ -64,8 +65,11 @@ def saved_model(ckpt: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
 
     meta = FileSystemReader(ckpt).read_metadata().state_dict_metadata
     prefix = "model."
-    return {k[len(prefix):]: (tuple(v.size), v.properties.dtype) for k, v in meta.items()
-            if k.startswith(prefix) and hasattr(v, "size")}
+    return {
+        k[len(prefix) :]: (tuple(v.size), v.properties.dtype)
+        for k, v in meta.items()
+        if k.startswith(prefix) and hasattr(v, "size")
+    }
 
 
 def read_model(ckpt: str) -> dict[str, torch.Tensor]:
@@ -99,9 +103,11 @@ def load(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
             dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=ckpt)
     except Exception as e:  # CheckpointException: DCP's errors have no common base with OSError
         text = str(e).strip().splitlines()
-        raise CheckpointError(f"checkpoint {ckpt}: cannot load its model and optimizer shards "
-                              f"({text[-1] if text else type(e).__name__}); resume with the "
-                              "checkpoint's settings") from e
+        raise CheckpointError(
+            f"checkpoint {ckpt}: cannot load its model and optimizer shards "
+            f"({text[-1] if text else type(e).__name__}); resume with the "
+            "checkpoint's settings"
+        ) from e
     if tied:
         msd[TIED] = msd[WTE]  # the tie: one tensor under both names, as get_state_dict gave it
     set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
@@ -125,5 +131,10 @@ def load_full(model: torch.nn.Module, optimizer: torch.optim.Optimizer, weights:
     if WTE in weights and TIED not in weights:  # tied: stored once, as wte
         weights = {**weights, TIED: weights[WTE]}
     adam = {"state": state, "param_groups": groups}
-    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=adam,
-                   options=StateDictOptions(full_state_dict=True))
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=weights,
+        optim_state_dict=adam,
+        options=StateDictOptions(full_state_dict=True),
+    )

@@ -34,6 +34,7 @@ ranks, and weights/load.py consolidates it in one process for sample, eval and e
 Every reader (``read_config``, ``read_state``, ``check_format``) refuses a checkpoint of
 another format version in one line (CheckpointError).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,22 +49,21 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from gpt2lab.distributed import dist
-from gpt2lab.distributed import parallel
 from gpt2lab.checkpoint import sharded
+from gpt2lab.distributed import dist, parallel
+from gpt2lab.model.config import model_from_config
 from gpt2lab.system import formats
-from gpt2lab.system.errors import CheckpointError
+from gpt2lab.system.errors import CheckpointError, ConfigError
 from gpt2lab.system.files import atomic_dir, sha256_file, write_json
-from gpt2lab.model.config import config_value, model_from_config
-from gpt2lab.system.errors import ConfigError
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 _PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DDP wrappers
 CHECKSUMS = "checksums.json"
 FILES = ("model.safetensors", "optimizer.pt", "state.pt", "config.json")
 TRAINING = "training.safetensors"  # beside model.safetensors when it holds the weight average
-_DISK_FULL_NEXT = ("free some space (or lower --keep-checkpoints), then continue from the last "
-                   "checkpoint with --resume auto")
+_DISK_FULL_NEXT = (
+    "free some space (or lower --keep-checkpoints), then continue from the last checkpoint with --resume auto"
+)
 
 
 def clean_state_dict(state: dict) -> dict:
@@ -76,7 +76,7 @@ def clean_state_dict(state: dict) -> dict:
             changed = False
             for prefix in _PREFIXES:
                 if key.startswith(prefix):
-                    key, changed = key[len(prefix):], True
+                    key, changed = key[len(prefix) :], True
         if key == "lm_head.weight":
             head = value
         else:
@@ -131,8 +131,14 @@ class RNG:
         set_rng_state(state)
 
 
-def save(run_dir: str, step: int, parts: Mapping[str, Optional[Stateful]], config: dict,
-         keep: int = 0, files: Sequence[str] = ()) -> str:
+def save(
+    run_dir: str,
+    step: int,
+    parts: Mapping[str, Optional[Stateful]],
+    config: dict,
+    keep: int = 0,
+    files: Sequence[str] = (),
+) -> str:
     """Write ``parts`` as the checkpoint of ``step`` completed steps; prune to the newest ``keep``.
 
     Called on every rank. ``parts["model"]`` and ``parts["optimizer"]`` go to the backend:
@@ -172,8 +178,11 @@ def save(run_dir: str, step: int, parts: Mapping[str, Optional[Stateful]], confi
 
 def _plain_state(parts: Mapping[str, Optional[Stateful]]) -> dict:
     """state.pt's content: the trainer's entries at the top, every other part under its name."""
-    state = {name: (part.state_dict() if part is not None else None)
-             for name, part in parts.items() if name not in ("model", "optimizer", "trainer")}
+    state = {
+        name: (part.state_dict() if part is not None else None)
+        for name, part in parts.items()
+        if name not in ("model", "optimizer", "trainer")
+    }
     return {**parts["trainer"].state_dict(), **state}
 
 
@@ -186,8 +195,7 @@ def _write_rest(tmp: str, plain: dict, config: dict, files: Sequence[str] = ()) 
     return tuple(os.path.basename(path) for path in files)
 
 
-def _save_sharded(final: str, model, optimizer, plain: Optional[dict], config: dict,
-                  files: Sequence[str] = ()) -> None:
+def _save_sharded(final: str, model, optimizer, plain: Optional[dict], config: dict, files: Sequence[str] = ()) -> None:
     """Every rank writes its shard into rank 0's temporary directory; rank 0 completes it.
 
     Rank 0 (the one with ``plain``) writes state.pt and config.json; once every rank is
@@ -262,8 +270,11 @@ def damaged(ckpt: str, why: str) -> CheckpointError:
     """The one-line error for a damaged checkpoint, pointing at the intact ones before it."""
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
     earlier = [p for p in list_checkpoints(run_dir) if step_of(p) < step_of(ckpt)]
-    hint = (f"use an earlier one: --resume {earlier[-1]} (or --model {earlier[-1]})" if earlier
-            else "no earlier checkpoint in this run; start again with a new --out")
+    hint = (
+        f"use an earlier one: --resume {earlier[-1]} (or --model {earlier[-1]})"
+        if earlier
+        else "no earlier checkpoint in this run; start again with a new --out"
+    )
     err = CheckpointError(f"checkpoint {ckpt} is damaged: {why}; {hint}")
     err.why = why
     return err
@@ -318,8 +329,10 @@ def resolve(path: str) -> str:
         return path
     latest = find_latest(path)
     if latest is None:
-        raise FileNotFoundError(f"{path}: neither a checkpoint (no model.safetensors or sharded .metadata) nor a run "
-                                "directory with checkpoints/step_*/; train first or pass a checkpoint dir")
+        raise FileNotFoundError(
+            f"{path}: neither a checkpoint (no model.safetensors or sharded .metadata) nor a run "
+            "directory with checkpoints/step_*/; train first or pass a checkpoint dir"
+        )
     return latest
 
 
@@ -399,16 +412,21 @@ def _mismatch(ckpt: str, model: torch.nn.Module, mine: dict, theirs: dict) -> st
     diff = sorted(set(mine) ^ set(theirs)) or [k for k in mine if mine[k] != theirs.get(k)]
     k = diff[0]
     tensor = f"{k} is {theirs.get(k, 'absent')} there, {mine.get(k, 'absent')} here"
-    fields = [f"{name} {have[name]} there, {value} here" for name, value in want.items()
-              if have is not None and name in have and have[name] != value]
+    fields = [
+        f"{name} {have[name]} there, {value} here"
+        for name, value in want.items()
+        if have is not None and name in have and have[name] != value
+    ]
     if fields:
         what = "; ".join(fields)
     elif have is None:
         what = f"its config.json is unreadable, and {tensor}"
     else:  # same config, other tensors: the config.json was written over (or the weights)
         what = f"its config.json names this model's shape but its weights do not fit it: {tensor}"
-    return (f"checkpoint {ckpt} holds another model shape than this one: {what}; resume with the "
-            "checkpoint's model settings, or train this shape into a new --out")
+    return (
+        f"checkpoint {ckpt} holds another model shape than this one: {what}; resume with the "
+        "checkpoint's model settings, or train this shape into a new --out"
+    )
 
 
 def _first_line(e: BaseException) -> str:
@@ -485,5 +503,7 @@ def _load_optimizer(ckpt: str, apply: Callable[[dict], None]) -> None:
     try:
         apply(opt)
     except (ValueError, KeyError, RuntimeError) as e:
-        raise CheckpointError(f"checkpoint {ckpt}: its optimizer state does not fit this run "
-                              f"({_first_line(e)}); resume with the checkpoint's settings") from e
+        raise CheckpointError(
+            f"checkpoint {ckpt}: its optimizer state does not fit this run "
+            f"({_first_line(e)}); resume with the checkpoint's settings"
+        ) from e

@@ -1,4 +1,5 @@
 """Subcommands of the ``gpt2lab`` CLI (see cli.py)."""
+
 import argparse
 
 

@@ -3,6 +3,7 @@
 Each benchmark is a module ``gpt2lab.benchmarks.<name>`` with ``add_arguments(parser)``
 and ``run(args) -> dict``; the dict is printed as JSON.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -40,4 +41,3 @@ def _runner(mod):
         return 0
 
     return run
-

@@ -1,4 +1,5 @@
 """gpt2lab compare: the tokens and seconds runs took to reach a loss, and their curves on one plot."""
+
 from __future__ import annotations
 
 import argparse
@@ -6,15 +7,27 @@ import argparse
 
 def add_parser(sub) -> None:
     p = sub.add_parser("compare", help="tokens and seconds each run took to reach a loss; curves vs tokens")
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="two or more run directories (the first is the "
-                   "baseline)")
-    p.add_argument("--loss", type=float, default=None, metavar="X",
-                   help="the target value of --metric (default: the first run's final one)")
-    p.add_argument("--metric", choices=("val_loss", "train_loss", "val_bpb"), default="val_loss",
-                   help="what is compared (default val_loss, nats per token); val_bpb, validation bits per byte, "
-                   "compares runs whose tokenizers differ")
-    p.add_argument("--out", default=None, metavar="FILE.png",
-                   help="also plot the runs' curves against tokens and against seconds (needs matplotlib)")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="two or more run directories (the first is the baseline)")
+    p.add_argument(
+        "--loss",
+        type=float,
+        default=None,
+        metavar="X",
+        help="the target value of --metric (default: the first run's final one)",
+    )
+    p.add_argument(
+        "--metric",
+        choices=("val_loss", "train_loss", "val_bpb"),
+        default="val_loss",
+        help="what is compared (default val_loss, nats per token); val_bpb, validation bits per byte, "
+        "compares runs whose tokenizers differ",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="FILE.png",
+        help="also plot the runs' curves against tokens and against seconds (needs matplotlib)",
+    )
     p.set_defaults(func=run)
 
 

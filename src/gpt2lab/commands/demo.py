@@ -1,14 +1,14 @@
 """gpt2lab demo: prepare Tiny Shakespeare, train a small GPT on it, sample from it.
 
-A few minutes on two CPU cores, from a fresh clone (``make demo``). ``--recipe fast`` (the
-default) trains ``shakespeare-cpu-fast``, the modern recipe; ``--recipe faithful`` trains
-``shakespeare-cpu``, GPT-2's. Each demo run gets its own run directory, so running it twice
-never touches an earlier run.
+A few minutes on two CPU cores, from a fresh clone (``make demo``). ``--recipe fast`` (the default) trains
+``shakespeare-cpu-fast``, the modern recipe; ``--recipe faithful`` trains ``shakespeare-cpu``, GPT-2's. Each
+demo run gets its own run directory, so running it twice never touches an earlier run.
 
-``--chat``: the next step, base model to chat model. It fine-tunes a base model (``--base RUN``, or
-the default demo's at ``CHAT_BASE_LAYERS`` layers, trained first) on the bundled conversations (preset ``chat-cpu``: the loss on
-the assistant's tokens only) and shows three fixed messages answered before and after, greedily.
-"""
+``--chat``: the next step, base model to chat model. It fine-tunes a base model (``--base RUN``, or the
+default demo's at ``CHAT_BASE_LAYERS`` layers, trained first) on the bundled conversations (preset
+``chat-cpu``: the loss on the assistant's tokens only) and shows three fixed messages answered before and
+after, greedily."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,7 +17,6 @@ import os
 import time
 
 from gpt2lab.system.choices import DTYPE_CHOICES as DTYPE_NAMES
-
 
 # The demo's recipes: the preset each trains and what to say about it; the figures live in
 # docs/benchmarks.md ("The demo preset"), with the machine they were measured on.
@@ -29,35 +28,58 @@ RECIPES = {"fast": "shakespeare-cpu-fast", "faithful": "shakespeare-cpu"}
 CHAT_BASE_LAYERS = 4
 WHY = {
     "fast": "the modern recipe (rotary, RMSNorm, QK-norm, ReLU^2, Muon, warmup-stable-decay): a lower "
-            "validation loss than GPT-2's in the same time (measured: docs/benchmarks.md, \"The modern "
-            "recipe in the demo\"); --recipe faithful trains GPT-2's",
+    "validation loss than GPT-2's in the same time (measured: docs/benchmarks.md, \"The modern "
+    "recipe in the demo\"); --recipe faithful trains GPT-2's",
     "faithful": "GPT-2's recipe (learned positions, LayerNorm, GELU, AdamW); the default --recipe fast "
-                "reaches a lower loss in the same time",
+    "reaches a lower loss in the same time",
 }
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="prepare Tiny Shakespeare, train a small GPT, sample (minutes on CPU)")
-    p.add_argument("--recipe", default="fast", choices=sorted(RECIPES),
-                   help="fast (default): the modern recipe, shakespeare-cpu-fast; faithful: GPT-2's, shakespeare-cpu")
+    p.add_argument(
+        "--recipe",
+        default="fast",
+        choices=sorted(RECIPES),
+        help="fast (default): the modern recipe, shakespeare-cpu-fast; faithful: GPT-2's, shakespeare-cpu",
+    )
     p.add_argument("--data", default="data/tinyshakespeare", help="where the token shards go (reused if complete)")
-    p.add_argument("--out", default=None, help="run directory (default runs/<preset>-<time>; with --chat, the chat "
-                   "model's)")
-    p.add_argument("--max-steps", type=int, default=None,
-                   help="override the preset's step count (with --chat: of each run it trains)")
+    p.add_argument(
+        "--out", default=None, help="run directory (default runs/<preset>-<time>; with --chat, the chat model's)"
+    )
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="override the preset's step count (with --chat: of each run it trains)",
+    )
     p.add_argument("--prompt", default="ROMEO:", help="prompt of the final sample")
     p.add_argument("--tokens", type=int, default=200, help="tokens in the final sample")
     p.add_argument("--seed", type=int, default=1337, help="seed of the final sample")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
-                   help="training dtype; auto (default): bf16 only where this CPU runs it faster than fp32")
-    p.add_argument("--chat", action="store_true",
-                   help="fine-tune a base model into a chat model on the bundled conversations (preset chat-cpu) "
-                   "and show three messages answered before and after")
-    p.add_argument("--base", default=None, metavar="RUN",
-                   help="with --chat: the base model to start from (default: train the default demo first, "
-                        f"{CHAT_BASE_LAYERS} layers deep)")
-    p.add_argument("--chat-data", default="data/chitchat",
-                   help="with --chat: where the conversations' token shards go (reused if complete)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_NAMES,
+        help="training dtype; auto (default): bf16 only where this CPU runs it faster than fp32",
+    )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="fine-tune a base model into a chat model on the bundled conversations (preset chat-cpu) "
+        "and show three messages answered before and after",
+    )
+    p.add_argument(
+        "--base",
+        default=None,
+        metavar="RUN",
+        help="with --chat: the base model to start from (default: train the default demo first, "
+        f"{CHAT_BASE_LAYERS} layers deep)",
+    )
+    p.add_argument(
+        "--chat-data",
+        default="data/chitchat",
+        help="with --chat: where the conversations' token shards go (reused if complete)",
+    )
     p.set_defaults(func=run)
 
 
@@ -76,9 +98,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_base(args: argparse.Namespace) -> int:
-    from gpt2lab.train.config import load_preset
     from gpt2lab.data.prepare import prepare
     from gpt2lab.distributed.dist import init_distributed
+    from gpt2lab.train.config import load_preset
     from gpt2lab.train.run import train
 
     t0 = time.perf_counter()
@@ -118,8 +140,11 @@ def run_chat(args: argparse.Namespace) -> int:
     base = args.base
     if base is None:
         base = os.path.join("runs", time.strftime(f"{RECIPES[args.recipe]}-%Y%m%d-%H%M%S"))
-        print(f"[demo --chat] no --base: training the default demo's model first, {CHAT_BASE_LAYERS} layers deep, "
-              f"into {base}", flush=True)
+        print(
+            f"[demo --chat] no --base: training the default demo's model first, {CHAT_BASE_LAYERS} layers deep, "
+            f"into {base}",
+            flush=True,
+        )
         run_base(argparse.Namespace(**{**vars(args), "out": base, "n_layer": CHAT_BASE_LAYERS}))
     print(f"[demo --chat] preparing the bundled conversations into {args.chat_data}", flush=True)
     prepare("chitchat", args.chat_data, progress=False)
@@ -128,17 +153,25 @@ def run_chat(args: argparse.Namespace) -> int:
     if args.max_steps is not None:
         overrides["max_steps"] = args.max_steps
     # as `gpt2lab train --preset chat-cpu --init-from BASE`: the architecture comes from the base
-    request = Request(merge_config(preset_values("chat-cpu"), overrides, source="preset 'chat-cpu'"),
-                      source="preset 'chat-cpu' with the demo's settings")
+    request = Request(
+        merge_config(preset_values("chat-cpu"), overrides, source="preset 'chat-cpu'"),
+        source="preset 'chat-cpu' with the demo's settings",
+    )
     before = chat_replies(base)
-    print(f"[demo --chat] fine-tuning {base} on conversations (preset chat-cpu, {request.get('max_steps')} steps; "
-          f"the loss on the assistant's tokens only) into {out}", flush=True)
+    print(
+        f"[demo --chat] fine-tuning {base} on conversations (preset chat-cpu, {request.get('max_steps')} steps; "
+        f"the loss on the assistant's tokens only) into {out}",
+        flush=True,
+    )
     train(request, init_distributed(str(request.get("device"))))
     after = chat_replies(out)
     losses = val_losses(out)
     if len(losses) >= 2:
-        print(f"[demo --chat] loss on the held-out conversations' assistant tokens: {losses[0]:.2f} before, "
-              f"{losses[-1]:.2f} after", flush=True)
+        print(
+            f"[demo --chat] loss on the held-out conversations' assistant tokens: {losses[0]:.2f} before, "
+            f"{losses[-1]:.2f} after",
+            flush=True,
+        )
     for message, old, new in zip(CHAT_PROMPTS, before, after):
         print(f"\nUser: {message}\n  base model: {_shown(old)}\n  chat model: {_shown(new)}", flush=True)
     print(f"\n[demo --chat] done in {time.perf_counter() - t0:.0f} s. chat model: {out}")
@@ -148,16 +181,17 @@ def run_chat(args: argparse.Namespace) -> int:
 
 def chat_replies(model_dir: str, max_tokens: int = 48) -> list:
     """The greedy replies of a model to CHAT_PROMPTS, each a conversation of its own (evals.chat's)."""
-    from gpt2lab.data.chat import encode_chat
-    from gpt2lab.evals.chat import greedy_reply
-    from gpt2lab.inference.completion import load_for_inference
-    from gpt2lab.inference.choice import InferenceRequest
-
     import torch
 
+    from gpt2lab.data.chat import encode_chat
+    from gpt2lab.evals.chat import greedy_reply
+    from gpt2lab.inference.choice import InferenceRequest
+    from gpt2lab.inference.completion import load_for_inference
+
     model, _ = load_for_inference(model_dir, torch.device("cpu"), InferenceRequest(), "gpt2lab demo")
-    return [greedy_reply(model, encode_chat([("user", m)], add_generation_prompt=True)[0], max_tokens)
-            for m in CHAT_PROMPTS]
+    return [
+        greedy_reply(model, encode_chat([("user", m)], add_generation_prompt=True)[0], max_tokens) for m in CHAT_PROMPTS
+    ]
 
 
 def _shown(reply) -> str:

@@ -5,6 +5,7 @@ measured afresh (about a second), whether torch.compile can build kernels, what
 ``--dtype auto`` and ``--compile auto`` would choose and why, and which optional extras are
 installed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,19 @@ import platform
 import sys
 
 # The optional extras' packages (pyproject.toml), by what they enable.
-OPTIONAL_PACKAGES = ("datasets", "pyarrow", "matplotlib", "tensorboard", "transformers", "lm_eval",
-                     "peft", "fastapi", "uvicorn", "openai", "wandb")
+OPTIONAL_PACKAGES = (
+    "datasets",
+    "pyarrow",
+    "matplotlib",
+    "tensorboard",
+    "transformers",
+    "lm_eval",
+    "peft",
+    "fastapi",
+    "uvicorn",
+    "openai",
+    "wandb",
+)
 
 
 def add_parser(sub) -> None:
@@ -31,8 +43,8 @@ def collect(device_name: str = "auto") -> dict:
     import torch
 
     from gpt2lab import __version__
-    from gpt2lab.system import runtime
     from gpt2lab.distributed.dist import pick_device
+    from gpt2lab.system import runtime
 
     device = pick_device(device_name)
     facts = runtime.detect(device, probe=False)
@@ -41,19 +53,32 @@ def collect(device_name: str = "auto") -> dict:
         facts = dataclasses.replace(facts, probe=probe)
     choices = runtime.resolve(device, "auto", "auto", facts=facts, ns_dtype="auto")
     info = {
-        "gpt2lab": __version__, "python": sys.version.split()[0], "platform": platform.platform(),
-        "torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+        "gpt2lab": __version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "mps_available": bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()),
-        "device": str(device), "device_name": facts.device_name,
-        "cpu": runtime.cpu_name(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "cpu_flags": list(facts.cpu_flags), "native_bf16": facts.native_bf16,
+        "device": str(device),
+        "device_name": facts.device_name,
+        "cpu": runtime.cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_flags": list(facts.cpu_flags),
+        "native_bf16": facts.native_bf16,
         "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
-        "matmul_fp32_gflops": probe.fp32_gflops, "matmul_bf16_gflops": probe.bf16_gflops,
-        "matmul_size": runtime.PROBE_N, "compile_available": facts.can_compile,
-        "auto_dtype": choices.dtype.value, "auto_dtype_reason": choices.dtype.reason,
-        "auto_compile": choices.compile.value, "auto_compile_reason": choices.compile.reason,
-        "auto_muon_ns_dtype": choices.ns_dtype.value, "auto_muon_ns_dtype_reason": choices.ns_dtype.reason,
+        "matmul_fp32_gflops": probe.fp32_gflops,
+        "matmul_bf16_gflops": probe.bf16_gflops,
+        "matmul_size": runtime.PROBE_N,
+        "compile_available": facts.can_compile,
+        "auto_dtype": choices.dtype.value,
+        "auto_dtype_reason": choices.dtype.reason,
+        "auto_compile": choices.compile.value,
+        "auto_compile_reason": choices.compile.reason,
+        "auto_muon_ns_dtype": choices.ns_dtype.value,
+        "auto_muon_ns_dtype_reason": choices.ns_dtype.reason,
         "extras": {name: _version(name) for name in OPTIONAL_PACKAGES},
     }
     return info

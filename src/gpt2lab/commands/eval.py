@@ -1,4 +1,5 @@
 """gpt2lab eval hellaswag|loss|chat|gsm8k: evaluate any model; the last line printed is JSON."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,16 +14,27 @@ def add_parser(sub) -> None:
 
     hs = esub.add_parser("hellaswag", help="HellaSwag acc and acc_norm (works under torchrun)")
     _common(hs)
-    hs.add_argument("--data", default=None,
-                    help="jsonl with ctx/endings/label per line (default: the official validation set, "
-                         "downloaded once into ~/.cache/gpt2lab or $GPT2LAB_CACHE)")
+    hs.add_argument(
+        "--data",
+        default=None,
+        help="jsonl with ctx/endings/label per line (default: the official validation set, "
+        "downloaded once into ~/.cache/gpt2lab or $GPT2LAB_CACHE)",
+    )
     hs.add_argument("--limit", type=int, default=None, help="score only the first N examples")
-    hs.add_argument("--batch-size", type=int, default=None,
-                    help="examples per batch, 4 rows each (default: 16, the fastest measured on CPU)")
-    hs.add_argument("--strategy", choices=("auto", "padded", "shared"), default="auto",
-                    help="padded: rows of many examples padded into one forward; shared: each context once, "
-                         "continued into its endings via the KV cache; auto (default): shared for an eager "
-                         "model on CPU, else padded")
+    hs.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="examples per batch, 4 rows each (default: 16, the fastest measured on CPU)",
+    )
+    hs.add_argument(
+        "--strategy",
+        choices=("auto", "padded", "shared"),
+        default="auto",
+        help="padded: rows of many examples padded into one forward; shared: each context once, "
+        "continued into its endings via the KV cache; auto (default): shared for an eager "
+        "model on CPU, else padded",
+    )
     hs.add_argument("--compile", action="store_true", help="torch.compile the model first")
     hs.set_defaults(func=run_hellaswag)
 
@@ -36,27 +48,51 @@ def add_parser(sub) -> None:
     lo.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's block size)")
     lo.set_defaults(func=run_loss)
 
-    ch = esub.add_parser("chat", help="held-out conversations: the loss on the assistant's tokens and the share "
-                         "of greedy replies that end their turn")
+    ch = esub.add_parser(
+        "chat",
+        help="held-out conversations: the loss on the assistant's tokens and the share "
+        "of greedy replies that end their turn",
+    )
     _common(ch)
-    ch.add_argument("--data", required=True, help="conversations: JSON lines in the messages format "
-                    "(.jsonl, also .jsonl.zst/.gz/.xz, a directory or a glob)")
-    ch.add_argument("--max-tokens", type=int, default=128,
-                    help="a reply that has not ended its turn after this many tokens did not end it (default 128)")
+    ch.add_argument(
+        "--data",
+        required=True,
+        help="conversations: JSON lines in the messages format "
+        "(.jsonl, also .jsonl.zst/.gz/.xz, a directory or a glob)",
+    )
+    ch.add_argument(
+        "--max-tokens",
+        type=int,
+        default=128,
+        help="a reply that has not ended its turn after this many tokens did not end it (default 128)",
+    )
     ch.add_argument("--limit", type=int, default=None, help="only the first N conversations")
     ch.set_defaults(func=run_chat)
 
     gs = esub.add_parser("gsm8k", help="GSM8K: greedy answers, exact match on the number after ####")
     _common(gs)
-    gs.add_argument("--data", required=True, help="GSM8K rows {question, answer} as JSON lines (or messages: one "
-                    "user turn, one assistant turn ending '#### N')")
+    gs.add_argument(
+        "--data",
+        required=True,
+        help="GSM8K rows {question, answer} as JSON lines (or messages: one "
+        "user turn, one assistant turn ending '#### N')",
+    )
     gs.add_argument("--max-tokens", type=int, default=256, help="tokens a reply may take (default 256)")
     gs.add_argument("--limit", type=int, default=None, help="only the first N problems")
-    gs.add_argument("--calculator", type=_on_off, default=True, metavar="on|off",
-                    help="on (default): the reply's <<expr=...>> annotations run as a tool (the value is written "
-                    "for the model, as nanochat does); off: the model writes every number itself")
-    gs.add_argument("--samples", default=None, metavar="FILE.jsonl",
-                    help="write each problem's reply, extracted answer and verdict to this file")
+    gs.add_argument(
+        "--calculator",
+        type=_on_off,
+        default=True,
+        metavar="on|off",
+        help="on (default): the reply's <<expr=...>> annotations run as a tool (the value is written "
+        "for the model, as nanochat does); off: the model writes every number itself",
+    )
+    gs.add_argument(
+        "--samples",
+        default=None,
+        metavar="FILE.jsonl",
+        help="write each problem's reply, extracted answer and verdict to this file",
+    )
     gs.set_defaults(func=run_gsm8k)
 
 
@@ -69,8 +105,11 @@ def _on_off(text: str) -> bool:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True,
-                   help="HF name (gpt2, gpt2-medium, ...), HF model dir, gpt2lab run dir or checkpoint dir")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="HF name (gpt2, gpt2-medium, ...), HF model dir, gpt2lab run dir or checkpoint dir",
+    )
     p.add_argument("--device", default=None, help="cpu, cuda, mps (default: the best available)")
     add_inference_flags(p)
 
@@ -124,10 +163,17 @@ def run_hellaswag(args: argparse.Namespace) -> int:
         if args.compile:
             model = torch.compile(model)
         try:
-            result = evaluate_hellaswag(model, data, device=info.device,
-                                        batch_size=args.batch_size or DEFAULT_BATCH_SIZE, limit=args.limit,
-                                        rank=info.rank, world_size=info.world_size, strategy=args.strategy,
-                                        progress=True)
+            result = evaluate_hellaswag(
+                model,
+                data,
+                device=info.device,
+                batch_size=args.batch_size or DEFAULT_BATCH_SIZE,
+                limit=args.limit,
+                rank=info.rank,
+                world_size=info.world_size,
+                strategy=args.strategy,
+                progress=True,
+            )
         except (FileNotFoundError, ValueError, RuntimeError) as e:
             raise SystemExit(f"gpt2lab eval hellaswag: {e}") from None
         print0(json.dumps({**result, "inference": decision.record()}))
@@ -152,17 +198,38 @@ def run_loss(args: argparse.Namespace) -> int:
         _same_tokenizer(model.config, args.data)
         seq_len = args.seq_len or model.config.block_size
         try:
-            res = evaluate(model, args.data, tokens=args.tokens, batch_size=args.batch_size, seq_len=seq_len,
-                           device=info.device, split=args.split, rank=info.rank, world_size=info.world_size,
-                           flags=("--tokens", "--batch-size"))
+            res = evaluate(
+                model,
+                args.data,
+                tokens=args.tokens,
+                batch_size=args.batch_size,
+                seq_len=seq_len,
+                device=info.device,
+                split=args.split,
+                rank=info.rank,
+                world_size=info.world_size,
+                flags=("--tokens", "--batch-size"),
+            )
         except UsageError:  # a flag value: cli.main prints it, exit 2
             raise
         except (FileNotFoundError, ValueError) as e:
             raise SystemExit(f"gpt2lab eval loss: {e}") from None
         tokens = max(1, args.tokens // (args.batch_size * seq_len * info.world_size)) * (
-            args.batch_size * seq_len * info.world_size)
-        print0(json.dumps({"task": "loss", "split": args.split, "tokens": tokens, "loss": res.loss, "bpb": res.bpb,
-                           "bytes": res.bytes, "inference": decision.record()}))
+            args.batch_size * seq_len * info.world_size
+        )
+        print0(
+            json.dumps(
+                {
+                    "task": "loss",
+                    "split": args.split,
+                    "tokens": tokens,
+                    "loss": res.loss,
+                    "bpb": res.bpb,
+                    "bytes": res.bytes,
+                    "inference": decision.record(),
+                }
+            )
+        )
     finally:
         cleanup()
     return 0
@@ -177,9 +244,11 @@ def _same_tokenizer(config, data: str) -> None:
     found = read_manifest(data).get("tokenizer", GPT2)
     theirs = None if found == GPT2 else str(found)
     if theirs != config.tokenizer:
-        raise UsageError(f"--data {data} was prepared with {short(theirs)}, but --model uses "
-                         f"{short(config.tokenizer)}; evaluate on data prepared with the model's tokenizer "
-                         "(gpt2lab prepare --tokenizer DIR)")
+        raise UsageError(
+            f"--data {data} was prepared with {short(theirs)}, but --model uses "
+            f"{short(config.tokenizer)}; evaluate on data prepared with the model's tokenizer "
+            "(gpt2lab prepare --tokenizer DIR)"
+        )
 
 
 def _chat_model(args: argparse.Namespace, info):
@@ -214,12 +283,16 @@ def run_gsm8k(args: argparse.Namespace) -> int:
     problems = read_conversations(args.data, args.limit, gsm8k=True)
     info = init_distributed(args.device)
     model, decision = _chat_model(args, info)
-    summary, rows = evaluate_gsm8k(model, problems, max_tokens=args.max_tokens, calculator=args.calculator,
-                                   progress=True)
+    summary, rows = evaluate_gsm8k(
+        model, problems, max_tokens=args.max_tokens, calculator=args.calculator, progress=True
+    )
     if args.samples:
         with atomic_write(args.samples, "w") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
-    print(json.dumps({**summary, "model": args.model, "data": args.data, "samples": args.samples,
-                      "inference": decision.record()}))
+    print(
+        json.dumps(
+            {**summary, "model": args.model, "data": args.data, "samples": args.samples, "inference": decision.record()}
+        )
+    )
     return 0

@@ -1,4 +1,5 @@
 """gpt2lab plot: loss and HellaSwag curves of runs vs GPT-2/GPT-3, and a Markdown summary."""
+
 from __future__ import annotations
 
 import argparse

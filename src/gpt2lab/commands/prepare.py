@@ -1,4 +1,5 @@
 """gpt2lab prepare: text (FineWeb-Edu, hub datasets, local files, Tiny Shakespeare) -> token shards."""
+
 from __future__ import annotations
 
 import json
@@ -12,30 +13,49 @@ def add_parser(sub) -> None:
         description="Tokenize SRC with the GPT-2 BPE (or --tokenizer DIR's) into llm.c-style shards "
         "({split}_{index:06d}.bin) and a manifest.json. Re-run the same command to resume.",
     )
-    p.add_argument("--source", required=True,
-                   help="tinyshakespeare, chitchat (bundled conversations), fineweb-edu, fineweb, hf:NAME[:CONFIG], or a local "
-                   ".txt/.jsonl/.parquet file, directory or glob")
+    p.add_argument(
+        "--source",
+        required=True,
+        help="tinyshakespeare, chitchat (bundled conversations), fineweb-edu, fineweb, hf:NAME[:CONFIG], or a local "
+        ".txt/.jsonl/.parquet file, directory or glob",
+    )
     p.add_argument("--out", required=True, help="output directory for shards and manifest.json")
     p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 1e8)")
-    p.add_argument("--val-tokens", type=int, default=None,
-                   help="tokens for the val split (default: one shard for hub sources, "
-                   "0.5%% of a local source but at least 8192 or a tenth of a smaller one, 5%% of tinyshakespeare)")
-    p.add_argument("--val-split", choices=("tokens", "documents"), default=None,
-                   help="tokens (the default for text, the reference FineWeb layout): val is exactly the "
-                   "first --val-tokens tokens; documents (the default for conversations): val ends with the "
-                   "document that reaches them, so no document is in both splits (held-out articles)")
-    p.add_argument("--format", choices=("auto", "text", "chat"), default="auto", dest="data_format",
-                   help="auto (default): conversations when the first JSON line holds \"messages\" "
-                   "(or GSM8K's \"question\"/\"answer\"), else text; chat: conversations in the ChatML "
-                   "template with a loss mask on the assistant's tokens; text: documents")
-    p.add_argument("--tokenizer", default=None, metavar="DIR",
-                   help="a tokenizer from `gpt2lab tokenizer train` (default: GPT-2's BPE); its tokenizer.json "
-                   "goes beside the shards and every model trained on them uses it")
+    p.add_argument(
+        "--val-tokens",
+        type=int,
+        default=None,
+        help="tokens for the val split (default: one shard for hub sources, "
+        "0.5%% of a local source but at least 8192 or a tenth of a smaller one, 5%% of tinyshakespeare)",
+    )
+    p.add_argument(
+        "--val-split",
+        choices=("tokens", "documents"),
+        default=None,
+        help="tokens (the default for text, the reference FineWeb layout): val is exactly the "
+        "first --val-tokens tokens; documents (the default for conversations): val ends with the "
+        "document that reaches them, so no document is in both splits (held-out articles)",
+    )
+    p.add_argument(
+        "--format",
+        choices=("auto", "text", "chat"),
+        default="auto",
+        dest="data_format",
+        help='auto (default): conversations when the first JSON line holds "messages" '
+        '(or GSM8K\'s "question"/"answer"), else text; chat: conversations in the ChatML '
+        "template with a loss mask on the assistant's tokens; text: documents",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="a tokenizer from `gpt2lab tokenizer train` (default: GPT-2's BPE); its tokenizer.json "
+        "goes beside the shards and every model trained on them uses it",
+    )
     p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
     p.add_argument("--text-field", default="text", help="jsonl/parquet/hub field holding the text")
     p.add_argument("--limit-docs", type=int, default=None, help="use only the first N documents")
-    p.add_argument("--config", default=None,
-                   help="hub dataset config (default sample-10BT for fineweb-edu/fineweb)")
+    p.add_argument("--config", default=None, help="hub dataset config (default sample-10BT for fineweb-edu/fineweb)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -45,21 +65,41 @@ def run(args) -> int:
     from gpt2lab.system.errors import GPT2LabError
 
     try:
-        manifest = prepare(args.source, args.out, shard_tokens=args.shard_tokens,
-                           val_tokens=args.val_tokens, workers=args.workers,
-                           text_field=args.text_field, limit_docs=args.limit_docs,
-                           config=args.config, progress=not args.quiet, val_split=args.val_split,
-                           data_format=args.data_format, tokenizer=args.tokenizer)
+        manifest = prepare(
+            args.source,
+            args.out,
+            shard_tokens=args.shard_tokens,
+            val_tokens=args.val_tokens,
+            workers=args.workers,
+            text_field=args.text_field,
+            limit_docs=args.limit_docs,
+            config=args.config,
+            progress=not args.quiet,
+            val_split=args.val_split,
+            data_format=args.data_format,
+            tokenizer=args.tokenizer,
+        )
     except GPT2LabError:  # SourceError, ShardError, UsageError, DiskFullError: cli.main, its exit code
         raise
     except ValueError as e:  # a bad number (--shard-tokens 0 ...)
         print(f"gpt2lab prepare: {e}", file=sys.stderr)
         return 2
-    summary = {name: {k: v for k, v in s.items() if k != "shards"} | {"shards": len(s["shards"])}
-               for name, s in manifest["splits"].items()}
+    summary = {
+        name: {k: v for k, v in s.items() if k != "shards"} | {"shards": len(s["shards"])}
+        for name, s in manifest["splits"].items()
+    }
     extra = {"chat_template": manifest["chat_template"]} if "chat_template" in manifest else {}
     if manifest.get("tokenizer", "gpt2") != "gpt2":
         extra = {**extra, "tokenizer": manifest["tokenizer"], "vocab_size": manifest["vocab_size"]}
-    print(json.dumps({"out": args.out, "documents": manifest["documents"],
-                      "tokens": manifest["tokens"], **extra, "splits": summary}))
+    print(
+        json.dumps(
+            {
+                "out": args.out,
+                "documents": manifest["documents"],
+                "tokens": manifest["tokens"],
+                **extra,
+                "splits": summary,
+            }
+        )
+    )
     return 0

@@ -1,4 +1,5 @@
 """gpt2lab report: a run's one-page report card (self-contained HTML) and its Markdown twin."""
+
 from __future__ import annotations
 
 import argparse
@@ -7,8 +8,9 @@ import argparse
 def add_parser(sub) -> None:
     p = sub.add_parser("report", help="a run's report card: HTML (plots embedded) and Markdown")
     p.add_argument("run", metavar="RUN_DIR", help="run directory (config.json, metrics.jsonl, checkpoints/)")
-    p.add_argument("--out", default=None,
-                   help="HTML file to write (default RUN_DIR/report.html); the .md and .png go beside it")
+    p.add_argument(
+        "--out", default=None, help="HTML file to write (default RUN_DIR/report.html); the .md and .png go beside it"
+    )
     p.set_defaults(func=run)
 
 

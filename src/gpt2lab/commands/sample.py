@@ -1,9 +1,9 @@
 """gpt2lab sample: stream text from a model (hub name, HF directory, run dir or checkpoint)."""
+
 from __future__ import annotations
 
 import argparse
 import sys
-
 from typing import TYPE_CHECKING
 
 from gpt2lab.inference.flags import add_inference_flags
@@ -15,28 +15,42 @@ if TYPE_CHECKING:
 def add_parser(sub) -> None:
     from gpt2lab.commands import DefaultsHelp
 
-    p = sub.add_parser("sample", help="generate text from a model, streamed as it is sampled",
-                       formatter_class=DefaultsHelp)
-    p.add_argument("--model", default="gpt2",
-                   help="HF name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), HF model dir, run dir or checkpoint dir")
-    p.add_argument("--prompt", default="Hello, I'm a language model,",
-                   help="text to continue ('' starts from <|endoftext|>); with --max-new-tokens it must fit the "
-                        "model's context")
+    p = sub.add_parser(
+        "sample", help="generate text from a model, streamed as it is sampled", formatter_class=DefaultsHelp
+    )
+    p.add_argument(
+        "--model",
+        default="gpt2",
+        help="HF name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), HF model dir, run dir or checkpoint dir",
+    )
+    p.add_argument(
+        "--prompt",
+        default="Hello, I'm a language model,",
+        help="text to continue ('' starts from <|endoftext|>); with --max-new-tokens it must fit the model's context",
+    )
     p.add_argument("--num-samples", type=int, default=1, help="how many continuations, one after another")
     p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate after the prompt")
     p.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
     p.add_argument("--top-k", type=int, default=50, help="sample from the k most likely tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=None,
-                   help="nucleus sampling: smallest set holding this much mass (default: off)")
+    p.add_argument(
+        "--top-p", type=float, default=None, help="nucleus sampling: smallest set holding this much mass (default: off)"
+    )
     p.add_argument("--seed", type=int, default=42, help="seed of the sampling generator")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
     add_inference_flags(p)
-    p.add_argument("--stop-at-eot", action=argparse.BooleanOptionalAction, default=True,
-                   help="end a sample at the model's end token: <|endoftext|>, a chat model's <|im_end|>")
-    p.add_argument("--chat", action="store_true",
-                   help="talk to the model turn by turn: each line read from stdin is your message, the reply "
-                   "streams back (in the model's chat template, or plain 'User:'/'Assistant:' lines for a base "
-                   "model); an empty line or end of input ends it; --prompt is not used")
+    p.add_argument(
+        "--stop-at-eot",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="end a sample at the model's end token: <|endoftext|>, a chat model's <|im_end|>",
+    )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="talk to the model turn by turn: each line read from stdin is your message, the reply "
+        "streams back (in the model's chat template, or plain 'User:'/'Assistant:' lines for a base "
+        "model); an empty line or end of input ends it; --prompt is not used",
+    )
     p.add_argument("--system", default=None, help="with --chat: a system message opening the conversation")
     p.set_defaults(func=run)
 
@@ -74,17 +88,22 @@ def check_context(prompt_tokens: int, max_new_tokens: int, context: int) -> None
 
     if fits_context(prompt_tokens, max_new_tokens, context):
         return
-    room = (f"lower --max-new-tokens to {context - prompt_tokens} or shorten the prompt" if prompt_tokens < context
-            else f"shorten the prompt to under {context} tokens")
+    room = (
+        f"lower --max-new-tokens to {context - prompt_tokens} or shorten the prompt"
+        if prompt_tokens < context
+        else f"shorten the prompt to under {context} tokens"
+    )
     total = prompt_tokens + max_new_tokens
-    raise UsageError(f"--prompt is {prompt_tokens} tokens and --max-new-tokens {max_new_tokens}: {total} tokens, "
-                     f"more than this model's context of {context} tokens; {room}")
+    raise UsageError(
+        f"--prompt is {prompt_tokens} tokens and --max-new-tokens {max_new_tokens}: {total} tokens, "
+        f"more than this model's context of {context} tokens; {room}"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpt2lab.inference.flags import inference_request
-    from gpt2lab.inference.completion import load_for_inference, seeded_generator
     from gpt2lab.distributed.dist import pick_device
+    from gpt2lab.inference.completion import load_for_inference, seeded_generator
+    from gpt2lab.inference.flags import inference_request
 
     _check(args)
     device = pick_device(args.device)
@@ -97,8 +116,7 @@ def run(args: argparse.Namespace) -> int:
         check_context(len(ids), args.max_new_tokens, model.config.block_size)
 
     # a bad --model, --dtype, --prompt or --max-new-tokens fails before any other output
-    model, _ = load_for_inference(args.model, device, inference_request(args, "sample"), "gpt2lab sample",
-                                  check=check)
+    model, _ = load_for_inference(args.model, device, inference_request(args, "sample"), "gpt2lab sample", check=check)
     _say_if_live(args.model)
     generator = seeded_generator(device, args.seed)
     if args.chat:
@@ -124,8 +142,13 @@ def _stream_one(model, ids: list[int], args: argparse.Namespace, generator: torc
     """Print the prompt, then each token's text as it comes (completion.stream_text)."""
     from gpt2lab.inference.completion import Sampling, prompt_text, stream_text
 
-    sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                        top_p=args.top_p, stop_at_eot=args.stop_at_eot)
+    sampling = Sampling(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        stop_at_eot=args.stop_at_eot,
+    )
     out = sys.stdout
     out.write(prompt_text(args.prompt))  # the text the model was given (an undecodable byte as U+FFFD)
     for _, text, _ in stream_text(model, ids, sampling, generator):
@@ -142,10 +165,18 @@ def _chat(model, args: argparse.Namespace, generator: torch.Generator) -> int:
     from gpt2lab.inference.chat import chat_prompt, note
     from gpt2lab.inference.completion import Sampling, StopFilter, stream_text
 
-    print(f"gpt2lab sample --chat: {note(model.config)}; type a message, an empty line or Ctrl-D ends",
-          file=sys.stderr, flush=True)
-    sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                        top_p=args.top_p, stop_at_eot=True)
+    print(
+        f"gpt2lab sample --chat: {note(model.config)}; type a message, an empty line or Ctrl-D ends",
+        file=sys.stderr,
+        flush=True,
+    )
+    sampling = Sampling(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        stop_at_eot=True,
+    )
     system = [("system", args.system)] if args.system else []
     turns: list[tuple[str, str]] = []
     told = False
@@ -162,8 +193,12 @@ def _chat(model, args: argparse.Namespace, generator: torch.Generator) -> int:
             turns = turns[2:] if turns[0][0] == "user" and len(turns) > 2 else turns[1:]
             prompt = chat_prompt(model, system + turns)
             if not told:
-                print("gpt2lab sample --chat: note: the conversation outgrew the model's context "
-                      f"({model.config.block_size} tokens); its first turns are left out", file=sys.stderr, flush=True)
+                print(
+                    "gpt2lab sample --chat: note: the conversation outgrew the model's context "
+                    f"({model.config.block_size} tokens); its first turns are left out",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 told = True
         reply, stop, hit = [], StopFilter(list(prompt.stops)), False
         for _, piece, _ in stream_text(model, prompt.ids, sampling, generator):

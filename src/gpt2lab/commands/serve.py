@@ -1,4 +1,5 @@
 """gpt2lab serve: an OpenAI-compatible completions API and a playground page for one or more models."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,30 +16,53 @@ from gpt2lab.system.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 def add_parser(sub) -> None:
     from gpt2lab.commands import DefaultsHelp
 
-    p = sub.add_parser("serve", help="serve models over an OpenAI-compatible API, with a playground page at /",
-                       formatter_class=DefaultsHelp)
-    p.add_argument("--model", action="append", required=True, metavar="[NAME=]MODEL",
-                   help="HF name (gpt2 ... gpt2-xl), HF model dir, run dir or checkpoint dir; repeat for "
-                        "several models side by side. The API's model id is NAME, else MODEL as written")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind: 127.0.0.1 is this machine only; 0.0.0.0 opens it to the network")
+    p = sub.add_parser(
+        "serve",
+        help="serve models over an OpenAI-compatible API, with a playground page at /",
+        formatter_class=DefaultsHelp,
+    )
+    p.add_argument(
+        "--model",
+        action="append",
+        required=True,
+        metavar="[NAME=]MODEL",
+        help="HF name (gpt2 ... gpt2-xl), HF model dir, run dir or checkpoint dir; repeat for "
+        "several models side by side. The API's model id is NAME, else MODEL as written",
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind: 127.0.0.1 is this machine only; 0.0.0.0 opens it to the network",
+    )
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: the system picks a free one)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
     add_inference_flags(p)
     d = Limits()
-    p.add_argument("--max-batch", type=int, default=d.max_batch,
-                   help="rows (prompt x sample streams) generated together per model")
-    p.add_argument("--max-queue", type=int, default=d.max_queue,
-                   help="requests waiting for a row; past it the server answers 429 at once")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
-                   help="the largest max_tokens a request may ask for")
-    p.add_argument("--timeout", type=float, default=d.timeout_s,
-                   help="seconds a request may wait and run; past it, a 504 error")
-    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
-                   help="prompt tokens run per step while other requests decode (long prompts take several steps)")
-    p.add_argument("--deterministic", action="store_true",
-                   help="no batching: requests take turns token by token, each exactly as `gpt2lab sample` "
-                        "runs it (seeded requests reproduce `sample` bit for bit; the aggregate is one stream's)")
+    p.add_argument(
+        "--max-batch", type=int, default=d.max_batch, help="rows (prompt x sample streams) generated together per model"
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=d.max_queue,
+        help="requests waiting for a row; past it the server answers 429 at once",
+    )
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="the largest max_tokens a request may ask for")
+    p.add_argument(
+        "--timeout", type=float, default=d.timeout_s, help="seconds a request may wait and run; past it, a 504 error"
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=d.prefill_chunk,
+        help="prompt tokens run per step while other requests decode (long prompts take several steps)",
+    )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="no batching: requests take turns token by token, each exactly as `gpt2lab sample` "
+        "runs it (seeded requests reproduce `sample` bit for bit; the aggregate is one stream's)",
+    )
     p.set_defaults(func=run)
 
 
@@ -47,8 +71,13 @@ def limits_from(args: argparse.Namespace) -> Limits:
     from gpt2lab.system.errors import UsageError
 
     try:
-        return Limits(max_batch=args.max_batch, max_queue=args.max_queue, max_tokens=args.max_tokens,
-                      timeout_s=args.timeout, prefill_chunk=args.prefill_chunk)
+        return Limits(
+            max_batch=args.max_batch,
+            max_queue=args.max_queue,
+            max_tokens=args.max_tokens,
+            timeout_s=args.timeout,
+            prefill_chunk=args.prefill_chunk,
+        )
     except ValueError as e:  # Limits names the flag
         raise UsageError(str(e)) from None
 
@@ -70,8 +99,12 @@ def run(args: argparse.Namespace) -> int:
         raise
     host = f"[{args.host}]" if ":" in args.host else args.host
     mode = "requests in turns (--deterministic)" if args.deterministic else f"batches of up to {limits.max_batch} rows"
-    print(f"gpt2lab serve: {', '.join(names)} at http://{host}:{sock.getsockname()[1]}/ (API: /v1/completions, /v1/chat/completions, /v1/models, "
-          f"/metrics); {mode}, queue {limits.max_queue}", file=sys.stderr, flush=True)
+    print(
+        f"gpt2lab serve: {', '.join(names)} at http://{host}:{sock.getsockname()[1]}/ "
+        f"(API: /v1/completions, /v1/chat/completions, /v1/models, /metrics); {mode}, queue {limits.max_queue}",
+        file=sys.stderr,
+        flush=True,
+    )
     access = logging.getLogger("gpt2lab.serve.access")  # one line per request on stderr
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
@@ -82,8 +115,12 @@ def run(args: argparse.Namespace) -> int:
     def stopping(ended: int) -> None:  # at Ctrl-C, the one line (cli.main's "interrupted" would come late)
         plural = "" if ended == 1 else "s"
         why = "SIGTERM" if terminated else "interrupted"
-        print(f"gpt2lab serve: {why}; stopping" + (f" ({ended} open request{plural} ended with a 'server "
-              "shutting down' error)" if ended else ""), file=sys.stderr, flush=True)
+        print(
+            f"gpt2lab serve: {why}; stopping"
+            + (f" ({ended} open request{plural} ended with a 'server shutting down' error)" if ended else ""),
+            file=sys.stderr,
+            flush=True,
+        )
         said.append(ended)
 
     def on_sigterm(signum, frame) -> None:  # a service manager's stop: the same orderly end as Ctrl-C

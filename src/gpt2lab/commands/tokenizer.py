@@ -1,4 +1,5 @@
 """gpt2lab tokenizer train|eval: your own byte-level BPE (data/bpe.py), and its bytes per token against GPT-2's."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,16 +11,25 @@ def add_parser(sub) -> None:
     p = sub.add_parser("tokenizer", help="train your own byte-level BPE tokenizer; bytes per token against GPT-2's")
     tsub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
 
-    tr = tsub.add_parser("train", help="train a byte-level BPE on text sources (Hugging Face tokenizers)",
-                         description="Train a byte-level BPE with GPT-4's pre-tokenisation split and the special "
-                         "tokens <|endoftext|>, <|im_start|>, <|im_end|> (ids 0, 1, 2) into DIR: tokenizer.json "
-                         "and gpt2lab_tokenizer.json. The same files give the same bytes. Then "
-                         "`gpt2lab prepare --tokenizer DIR` tokenizes data with it.")
+    tr = tsub.add_parser(
+        "train",
+        help="train a byte-level BPE on text sources (Hugging Face tokenizers)",
+        description="Train a byte-level BPE with GPT-4's pre-tokenisation split and the special "
+        "tokens <|endoftext|>, <|im_start|>, <|im_end|> (ids 0, 1, 2) into DIR: tokenizer.json "
+        "and gpt2lab_tokenizer.json. The same files give the same bytes. Then "
+        "`gpt2lab prepare --tokenizer DIR` tokenizes data with it.",
+    )
     _sources(tr)
-    tr.add_argument("--vocab-size", type=int, required=True, metavar="N",
-                    help="tokens in the vocabulary, the 256 bytes and the 3 special tokens included")
-    tr.add_argument("--out", required=True, metavar="DIR",
-                    help="directory to write: new, empty, or an earlier tokenizer (replaced)")
+    tr.add_argument(
+        "--vocab-size",
+        type=int,
+        required=True,
+        metavar="N",
+        help="tokens in the vocabulary, the 256 bytes and the 3 special tokens included",
+    )
+    tr.add_argument(
+        "--out", required=True, metavar="DIR", help="directory to write: new, empty, or an earlier tokenizer (replaced)"
+    )
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
     tr.set_defaults(func=run_train)
 
@@ -31,9 +41,14 @@ def add_parser(sub) -> None:
 
 
 def _sources(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--source", required=True, action="append", metavar="SRC",
-                   help="what `gpt2lab prepare --source` takes: tinyshakespeare, a local .txt/.jsonl/.parquet file "
-                   "(also compressed), a directory or a glob, a hub dataset; repeat for several")
+    p.add_argument(
+        "--source",
+        required=True,
+        action="append",
+        metavar="SRC",
+        help="what `gpt2lab prepare --source` takes: tinyshakespeare, a local .txt/.jsonl/.parquet file "
+        "(also compressed), a directory or a glob, a hub dataset; repeat for several",
+    )
     p.add_argument("--text-field", default="text", help="jsonl/parquet/hub field holding the text")
 
 
@@ -42,10 +57,14 @@ def run_train(args: argparse.Namespace) -> int:
 
     marker = train(args.source, args.vocab_size, args.out, text_field=args.text_field, progress=not args.quiet)
     if marker["vocab_size"] < args.vocab_size:
-        print(f"gpt2lab tokenizer: warning: the sources gave {marker['vocab_size']:,} tokens, fewer than the "
-              f"{args.vocab_size:,} asked for (no pair left to merge); train on more text for more", file=sys.stderr)
-    print(json.dumps({"out": args.out, **{k: marker[k] for k in ("identity", "vocab_size", "special_tokens",
-                                                                   "sources")}}))
+        print(
+            f"gpt2lab tokenizer: warning: the sources gave {marker['vocab_size']:,} tokens, fewer than the "
+            f"{args.vocab_size:,} asked for (no pair left to merge); train on more text for more",
+            file=sys.stderr,
+        )
+    print(
+        json.dumps({"out": args.out, **{k: marker[k] for k in ("identity", "vocab_size", "special_tokens", "sources")}})
+    )
     return 0
 
 

@@ -1,35 +1,57 @@
 """gpt2lab train: run a preset with any field overridden; single process or under torchrun."""
+
 from __future__ import annotations
 
 import argparse
 import os
 import shlex
 
-from gpt2lab.train.config import (ConfigError, add_config_flags, config_file_values, merge_config,
-                                  overrides_from_args, preset_names, preset_values)
+from gpt2lab.train.config import (
+    ConfigError,
+    add_config_flags,
+    config_file_values,
+    merge_config,
+    overrides_from_args,
+    preset_names,
+    preset_values,
+)
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
-        "train", help="train a model from a preset (torchrun for several processes)",
+        "train",
+        help="train a model from a preset (torchrun for several processes)",
         description="Train from a preset; every config field is a flag. Several processes: "
-                    "torchrun --standalone --nproc_per_node=N -m gpt2lab train ...",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        "torchrun --standalone --nproc_per_node=N -m gpt2lab train ...",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     start = p.add_mutually_exclusive_group(required=True)
     start.add_argument("--preset", metavar="NAME", help=f"one of: {', '.join(preset_names())}")
-    start.add_argument("--config", metavar="FILE.toml",
-                       help='your own settings: a TOML file with the presets\' keys; base = "PRESET" starts '
-                            "from a packaged preset")
-    start.add_argument("--list-presets", action="store_true",
-                       help="list every preset: parameters, recipe, steps, tokens, the time it takes where "
-                            "measured (and on what), and what `gpt2lab export` writes for its model")
-    p.add_argument("--resume", default=None, metavar="auto|PATH",
-                   help="auto: continue from the newest intact checkpoint in --out (fresh start if none); "
-                        "PATH: a run directory or a checkpoint directory")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the run plan (every start-up decision and its reason) and exit without "
-                        "training or writing anything; GPT2LAB_FAKE_FACTS=FILE.json plans for a machine "
-                        "described in FILE (see gpt2lab.train.gather)")
+    start.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        help='your own settings: a TOML file with the presets\' keys; base = "PRESET" starts from a packaged preset',
+    )
+    start.add_argument(
+        "--list-presets",
+        action="store_true",
+        help="list every preset: parameters, recipe, steps, tokens, the time it takes where "
+        "measured (and on what), and what `gpt2lab export` writes for its model",
+    )
+    p.add_argument(
+        "--resume",
+        default=None,
+        metavar="auto|PATH",
+        help="auto: continue from the newest intact checkpoint in --out (fresh start if none); "
+        "PATH: a run directory or a checkpoint directory",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the run plan (every start-up decision and its reason) and exit without "
+        "training or writing anything; GPT2LAB_FAKE_FACTS=FILE.json plans for a machine "
+        "described in FILE (see gpt2lab.train.gather)",
+    )
     add_config_flags(p)
     p.set_defaults(func=run)
 
@@ -41,12 +63,10 @@ def run(args: argparse.Namespace) -> int:
 
         print("\n".join(listing()))
         return 0
-    from gpt2lab.distributed.dist import cleanup, init_distributed
+    from gpt2lab.distributed.dist import DistInfo, cleanup, init_distributed
+    from gpt2lab.train.gather import FAKE_FACTS_ENV
     from gpt2lab.train.run import train
     from gpt2lab.train.trainer import Stopped
-
-    from gpt2lab.distributed.dist import DistInfo
-    from gpt2lab.train.gather import FAKE_FACTS_ENV
 
     request = _request(args)
     device = str(request.get("device"))
@@ -82,11 +102,14 @@ def _request(args: argparse.Namespace):
     overrides = overrides_from_args(args)  # nested: {"optim": {"max_lr": ...}, ...}
     finetune, model = overrides.get("finetune", {}), overrides.get("model", {})
     if "init_from" in finetune and args.resume:
-        raise ConfigError(f"--init-from {finetune['init_from']} and --resume {args.resume} both given: "
-                          "--init-from starts a new run from those weights (fresh optimizer, step 0), "
-                          "--resume continues a run where it stopped; pass one of them")
+        raise ConfigError(
+            f"--init-from {finetune['init_from']} and --resume {args.resume} both given: "
+            "--init-from starts a new run from those weights (fresh optimizer, step 0), "
+            "--resume continues a run where it stopped; pass one of them"
+        )
     source = f"{f'preset {args.preset!r}' if args.preset else args.config} with overrides"
-    values = merge_config(preset_values(args.preset) if args.preset else config_file_values(args.config), overrides,
-                          source=source)
+    values = merge_config(
+        preset_values(args.preset) if args.preset else config_file_values(args.config), overrides, source=source
+    )
     explicit = {k: v for k, v in model.items() if k in ARCH_FIELDS or k == "vocab_size"}
     return Request(values, explicit, args.resume, source=source)

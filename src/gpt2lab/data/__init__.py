@@ -3,6 +3,7 @@
 ``from gpt2lab.data import TokenLoader`` is the public entry point for training scripts;
 ``gpt2lab.data.prepare.prepare`` turns text into shards (``gpt2lab prepare``).
 """
+
 from gpt2lab.data.shards import ShardError
 
 
@@ -13,5 +14,6 @@ def __getattr__(name: str):
 
         return TokenLoader
     raise AttributeError(f"module 'gpt2lab.data' has no attribute {name!r}")
+
 
 __all__ = ["TokenLoader", "ShardError"]

@@ -17,6 +17,7 @@ one source of truth) and ``gpt2lab_tokenizer.json``, the marker (system/rundir.p
 identity (the sha256 of tokenizer.json), vocabulary size, special token ids, the split pattern and
 the sources with their bytes. ``<|endoftext|>``, ``<|im_start|>`` and ``<|im_end|>`` are ids 0, 1, 2.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,14 +26,23 @@ from typing import Iterable, Iterator
 
 from gpt2lab.data import chat
 from gpt2lab.data.sources import JsonLine, SourceError, as_text, resolve_source
-from gpt2lab.data.tokenizer import (SPECIAL_TOKENS, TOKENIZER_FILE, Tokenizer, TokenizerError, TrainedBPE,
-                                    gpt2_tokenizer, load_tokenizer)
+from gpt2lab.data.tokenizer import (
+    SPECIAL_TOKENS,
+    TOKENIZER_FILE,
+    Tokenizer,
+    TokenizerError,
+    TrainedBPE,
+    gpt2_tokenizer,
+    load_tokenizer,
+)
 from gpt2lab.system import rundir
 from gpt2lab.system.errors import UsageError
 from gpt2lab.system.files import atomic_dir, read_json_object, write_json
 
-SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
-                 r"""|\s*[\r\n]|\s+(?!\S)|\s+""")
+SPLIT_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
+    r"""|\s*[\r\n]|\s+(?!\S)|\s+"""
+)
 MARKER, FORMAT, VERSION = rundir.TOKENIZER_MARKER, rundir.TOKENIZER_FORMAT, 1
 FILES = (TOKENIZER_FILE, MARKER)
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS) + 1  # the byte alphabet, the special tokens and one merge
@@ -44,12 +54,19 @@ def _bpe(vocab_size: int):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     return tok, trainer
 
 
@@ -88,8 +105,10 @@ def train(sources: list[str], vocab_size: int, out: str, text_field: str = "text
     ``out`` follows system/rundir's rule: missing, empty or an earlier tokenizer directory (holding
     nothing else), which the new one replaces whole (written beside it, then renamed)."""
     if not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
-        raise UsageError(f"--vocab-size {vocab_size}: must be {MIN_VOCAB} to {MAX_VOCAB:,} (256 bytes, "
-                         f"{len(SPECIAL_TOKENS)} special tokens and at least one merge)")
+        raise UsageError(
+            f"--vocab-size {vocab_size}: must be {MIN_VOCAB} to {MAX_VOCAB:,} (256 bytes, "
+            f"{len(SPECIAL_TOKENS)} special tokens and at least one merge)"
+        )
     if not sources:
         raise UsageError("--source: give at least one text source")
     replace = _check_out(out)
@@ -103,8 +122,15 @@ def train(sources: list[str], vocab_size: int, out: str, text_field: str = "text
         raise SourceError(f"--source {' '.join(sources)}: no documents; check the paths")
     text = tok.to_str()
     trained = TrainedBPE(text)  # the checks any reader makes, before anything is written
-    marker = {"format": FORMAT, "version": VERSION, "identity": trained.identity, "vocab_size": trained.n_vocab,
-              "special_tokens": dict(trained.specials), "split_pattern": SPLIT_PATTERN, "sources": counts}
+    marker = {
+        "format": FORMAT,
+        "version": VERSION,
+        "identity": trained.identity,
+        "vocab_size": trained.n_vocab,
+        "special_tokens": dict(trained.specials),
+        "split_pattern": SPLIT_PATTERN,
+        "sources": counts,
+    }
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     with atomic_dir(os.path.abspath(out), replace=replace, what_next="free some space and train again") as tmp:
@@ -120,8 +146,10 @@ def _check_out(out: str) -> bool:
     found = rundir.check(out, rundir.TOKENIZER, flag="--out", what_next=what_next)
     if found.kind == rundir.TOKENIZER and not set(found.entries) <= set(FILES):
         extra = sorted(set(found.entries) - set(FILES))
-        raise UsageError(f"--out {out}: an earlier tokenizer, but it also holds {', '.join(extra[:4])}, which "
-                         f"training would replace; nothing was written; {what_next}")
+        raise UsageError(
+            f"--out {out}: an earlier tokenizer, but it also holds {', '.join(extra[:4])}, which "
+            f"training would replace; nothing was written; {what_next}"
+        )
     return found.kind != "missing"
 
 
@@ -143,13 +171,16 @@ def open_dir(path: str, flag: str = "--tokenizer") -> TrainedBPE:
     """The tokenizer in a directory ``gpt2lab tokenizer train`` wrote (or any holding a tokenizer.json
     with gpt2lab's special tokens), checked against its marker's identity."""
     if not os.path.isdir(path):
-        raise UsageError(f"{flag} {path}: no such directory; make one with `gpt2lab tokenizer train --source SRC "
-                         f"--vocab-size N --out {path}`")
+        raise UsageError(
+            f"{flag} {path}: no such directory; make one with `gpt2lab tokenizer train --source SRC "
+            f"--vocab-size N --out {path}`"
+        )
     marker = read_json_object(os.path.join(path, MARKER)) or {}
     identity = marker.get("identity")
     try:
-        return load_tokenizer(path, identity if isinstance(identity, str) else None,
-                              what_next=f"train the tokenizer in {path} again")
+        return load_tokenizer(
+            path, identity if isinstance(identity, str) else None, what_next=f"train the tokenizer in {path} again"
+        )
     except TokenizerError as e:
         raise TokenizerError(f"{flag} {e}") from None
 
@@ -166,8 +197,14 @@ def bytes_per_token(tokenizers: dict[str, Tokenizer], sources: list[str], text_f
             for name, tok in tokenizers.items():
                 tokens[name] += len(tok.encode_ordinary(text))
         n = counts[0]["bytes"]
-        rows.append({**counts[0], "tokenizers": {name: {"tokens": t, "bytes_per_token": n / t if t else None}
-                                                 for name, t in tokens.items()}})
+        rows.append(
+            {
+                **counts[0],
+                "tokenizers": {
+                    name: {"tokens": t, "bytes_per_token": n / t if t else None} for name, t in tokens.items()
+                },
+            }
+        )
     return rows
 
 
@@ -179,12 +216,17 @@ def evaluate(tokenizer_dir: str, sources: Iterable[str], text_field: str = "text
 
 def table(rows: list[dict], name: str = "ours") -> str:
     """``evaluate``'s rows as a Markdown table."""
-    lines = [f"| source | bytes | documents | tokens ({name}) | bytes/token ({name}) | tokens (GPT-2) | "
-             "bytes/token (GPT-2) | GPT-2 tokens / ours |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"| source | bytes | documents | tokens ({name}) | bytes/token ({name}) | tokens (GPT-2) | "
+        "bytes/token (GPT-2) | GPT-2 tokens / ours |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
         a, b = r["tokenizers"]["ours"], r["tokenizers"]["gpt2"]
         ratio = f"{b['tokens'] / a['tokens']:.3f}" if a["tokens"] else "-"
         fmt = lambda v: f"{v:.3f}" if v is not None else "-"  # noqa: E731
-        lines.append(f"| {r['source']} | {r['bytes']:,} | {r['documents']:,} | {a['tokens']:,} | "
-                     f"{fmt(a['bytes_per_token'])} | {b['tokens']:,} | {fmt(b['bytes_per_token'])} | {ratio} |")
+        lines.append(
+            f"| {r['source']} | {r['bytes']:,} | {r['documents']:,} | {a['tokens']:,} | "
+            f"{fmt(a['bytes_per_token'])} | {b['tokens']:,} | {fmt(b['bytes_per_token'])} | {ratio} |"
+        )
     return "\n".join(lines)

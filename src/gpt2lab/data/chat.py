@@ -27,6 +27,7 @@ The loss mask is 1 on the tokens an assistant wrote (its content and its ``<|im_
 on everything else: the template, the system and user turns. A token is the assistant's when
 it holds at least one byte of the assistant's content.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,18 @@ from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
-from gpt2lab.data.tokenizer import (CHAT_VOCAB_SIZE, EOT_ID, EOT_TOKEN, IM_END, IM_END_ID, IM_START,  # noqa: F401
-                                   IM_START_ID, Tokenizer, for_chat, gpt2_tokenizer, token_dtype)
+from gpt2lab.data.tokenizer import (
+    EOT_ID,
+    EOT_TOKEN,
+    IM_END,
+    IM_END_ID,
+    IM_START,  # noqa: F401
+    IM_START_ID,
+    Tokenizer,
+    for_chat,
+    gpt2_tokenizer,
+    token_dtype,
+)
 
 TEMPLATE = "chatml"  # the name a manifest, a run's config and an export record
 SPECIAL_TOKENS = {EOT_TOKEN: EOT_ID, IM_START: IM_START_ID, IM_END: IM_END_ID}  # GPT-2's (special_tokens: any)
@@ -64,19 +75,21 @@ def conversation(row: Any) -> list[Message]:
     ``{"messages": [{"role", "content"}, ...]}`` or GSM8K's ``{"question", "answer"}`` (a user
     turn and an assistant turn). Raises ChatFormatError naming the field that is wrong."""
     if not isinstance(row, dict):
-        raise ChatFormatError(f"a JSON {type(row).__name__}, not an object with \"messages\"")
+        raise ChatFormatError(f'a JSON {type(row).__name__}, not an object with "messages"')
     if "messages" not in row and "question" in row and "answer" in row:
         return [("user", _text(row, "question", "question")), (ASSISTANT, _text(row, "answer", "answer"))]
     if "messages" not in row:
-        raise ChatFormatError(f"no \"messages\" (fields: {', '.join(list(row)[:10])}); a conversation is "
-                              "{\"messages\": [{\"role\": ..., \"content\": ...}, ...]} or {\"question\", \"answer\"}")
+        raise ChatFormatError(
+            f'no "messages" (fields: {", ".join(list(row)[:10])}); a conversation is '
+            '{"messages": [{"role": ..., "content": ...}, ...]} or {"question", "answer"}'
+        )
     messages = row["messages"]
     if not isinstance(messages, list) or not messages:
-        raise ChatFormatError("messages: must be a non-empty list of {\"role\", \"content\"} objects")
+        raise ChatFormatError('messages: must be a non-empty list of {"role", "content"} objects')
     turns = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise ChatFormatError(f"messages[{i}]: a JSON {type(m).__name__}, not a {{\"role\", \"content\"}} object")
+            raise ChatFormatError(f'messages[{i}]: a JSON {type(m).__name__}, not a {{"role", "content"}} object')
         role = m.get("role")
         if role not in ROLES:
             raise ChatFormatError(f"messages[{i}].role: {role!r} is not one of {', '.join(ROLES)}")
@@ -105,8 +118,9 @@ def special_tokens(tok: Tokenizer) -> dict[str, int]:
     return {EOT_TOKEN: tok.eot_id, IM_START: tok.im_start_id, IM_END: tok.im_end_id}
 
 
-def encode_chat(turns: Sequence[Message], add_generation_prompt: bool = False,
-                tokenizer: Optional[Tokenizer] = None) -> tuple[list[int], list[int]]:
+def encode_chat(
+    turns: Sequence[Message], add_generation_prompt: bool = False, tokenizer: Optional[Tokenizer] = None
+) -> tuple[list[int], list[int]]:
     """(token ids, loss mask) of a conversation in the template, in ``tokenizer``'s ids (default GPT-2's);
     with ``add_generation_prompt`` the ids end with ``<|im_start|>assistant\\n``, where the model's
     reply begins."""
@@ -143,8 +157,10 @@ def _content_mask(enc, body: list[int], head_bytes: int) -> list[int]:
     return out
 
 
-def encode_records(records: Iterable[Sequence[Message]], tokenizer: Optional[Tokenizer] = None,
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def encode_records(
+    records: Iterable[Sequence[Message]],
+    tokenizer: Optional[Tokenizer] = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Conversations -> (ids, each conversation <|endoftext|> first, concatenated, in the shard dtype of
     ``tokenizer``'s vocabulary; lengths; uint8 loss mask), the shapes ``prepare`` writes."""
     enc = for_chat(tokenizer if tokenizer is not None else gpt2_tokenizer())
@@ -156,8 +172,11 @@ def encode_records(records: Iterable[Sequence[Message]], tokenizer: Optional[Tok
         ids.extend(a)
         mask.extend(m)
         lengths.append(len(a))
-    return (np.asarray(ids, dtype=token_dtype(enc.n_vocab)), np.asarray(lengths, dtype=np.int64),
-            np.asarray(mask, dtype=np.uint8))
+    return (
+        np.asarray(ids, dtype=token_dtype(enc.n_vocab)),
+        np.asarray(lengths, dtype=np.int64),
+        np.asarray(mask, dtype=np.uint8),
+    )
 
 
 def parse_line(line: str) -> Optional[Any]:

@@ -19,6 +19,7 @@ Conversations (shards ``prepare`` wrote with a loss mask, data/chat.py) come in 
 sequences, packed end to end as text is; each target whose mask is 0 (the template, the system
 and user turns) is -1, which the loss ignores, so the loss is the mean over the assistant's tokens.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -45,8 +46,13 @@ class SplitTooSmall(ShardError):
 class _ShardView:
     """One shard's tokens with its documents in one epoch's order."""
 
-    def __init__(self, tokens: np.ndarray, rng: Optional[np.random.Generator],
-                 mask: Optional[np.ndarray] = None, eot_id: int = EOT_ID) -> None:
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        rng: Optional[np.random.Generator],
+        mask: Optional[np.ndarray] = None,
+        eot_id: int = EOT_ID,
+    ) -> None:
         self.tokens, self.mask = tokens, mask
         if rng is None:  # stored order: one "document" covering the shard
             self.starts = np.zeros(1, dtype=np.int64)
@@ -86,9 +92,18 @@ class TokenLoader:
     ``reset()`` goes back to them.
     """
 
-    def __init__(self, data_dir: PathLike, split: str, batch_size: int, seq_len: int,
-                 rank: int = 0, world_size: int = 1, shuffle: Optional[bool] = None,
-                 seed: int = 0, vocab_size: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        data_dir: PathLike,
+        split: str,
+        batch_size: int,
+        seq_len: int,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: Optional[bool] = None,
+        seed: int = 0,
+        vocab_size: Optional[int] = None,
+    ) -> None:
         _check_args(batch_size, seq_len, rank, world_size, seed)
         self.data_dir, self.split = Path(data_dir), split
         self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
@@ -102,9 +117,12 @@ class TokenLoader:
         self.counts = [len(open_shard(p)) for p in self.paths]
         self.seqs = np.array([max(0, (n - 1) // seq_len) for n in self.counts], dtype=np.int64)
         if self.seqs.sum() == 0:
-            raise SplitTooSmall(f"{self.data_dir}: split '{split}' has {sum(self.counts)} tokens, "
-                                f"too few for one sequence of seq_len {seq_len} + 1 in any shard; "
-                                "use a smaller seq_len or prepare more data", sum(self.counts))
+            raise SplitTooSmall(
+                f"{self.data_dir}: split '{split}' has {sum(self.counts)} tokens, "
+                f"too few for one sequence of seq_len {seq_len} + 1 in any shard; "
+                "use a smaller seq_len or prepare more data",
+                sum(self.counts),
+            )
         self.position = 0
         self._layout_cache: Tuple[int, np.ndarray, np.ndarray] = (-1, np.empty(0), np.empty(0))
         self._views: "OrderedDict[Tuple[int, int], _ShardView]" = OrderedDict()
@@ -195,15 +213,19 @@ class TokenLoader:
     def load_state_dict(self, state: Dict) -> None:
         """Continue exactly where the saved loader stopped (batch size and world size may differ)."""
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"loader state version {state.get('version')!r} is not "
-                             f"{STATE_VERSION}; it was saved by another gpt2lab version")
+            raise ValueError(
+                f"loader state version {state.get('version')!r} is not "
+                f"{STATE_VERSION}; it was saved by another gpt2lab version"
+            )
         mine = self.state_dict()
         for key in ("split", "seq_len", "shuffle", "seed", "shards"):
             saved = [list(s) for s in state[key]] if key == "shards" else state[key]
             if saved != mine[key]:
-                raise ValueError(f"loader state does not match this loader: {key} was "
-                                 f"{_short(saved)}, now {_short(mine[key])} (data dir "
-                                 f"{self.data_dir}); resume with the same data and settings")
+                raise ValueError(
+                    f"loader state does not match this loader: {key} was "
+                    f"{_short(saved)}, now {_short(mine[key])} (data dir "
+                    f"{self.data_dir}); resume with the same data and settings"
+                )
         self.position = int(state["position"])
 
 
@@ -226,8 +248,9 @@ def _check_manifest(data_dir: Path) -> dict:
     path = data_dir / "manifest.json"
     manifest = read_manifest(data_dir)
     if not manifest.get("complete", True):
-        raise ShardError(f"{path}: `gpt2lab prepare` has not finished for this directory "
-                         f"(source {manifest.get('source')!r}); re-run the same prepare command "
-                         "to complete it")
+        raise ShardError(
+            f"{path}: `gpt2lab prepare` has not finished for this directory "
+            f"(source {manifest.get('source')!r}); re-run the same prepare command "
+            "to complete it"
+        )
     return manifest
-

@@ -7,6 +7,7 @@ match the source starts over; one made with other flags, of another format versi
 (data/writer.py) the manifest records each one and where to resume; ``finish_manifest`` turns that
 into the per-split and per-file counts of a finished directory.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,27 +17,52 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from gpt2lab.data import chat
-from gpt2lab.data.shards import (MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, ShardError, check_manifest_version,
-                                 mask_path, read_header, shard_name)
+from gpt2lab.data.shards import (
+    MANIFEST,
+    MANIFEST_FORMAT,
+    MANIFEST_VERSION,
+    ShardError,
+    check_manifest_version,
+    mask_path,
+    read_header,
+    shard_name,
+)
 from gpt2lab.data.sources import Source
 from gpt2lab.data.tokenizer import GPT2, Tokenizer, token_dtype
 from gpt2lab.system import rundir
 from gpt2lab.system.files import write_json
 
 # The prepare flag of each setting, for a refusal that names what differs.
-FLAGS = {"source": "--source", "config": "--config", "text_field": "--text-field",
-         "limit_docs": "--limit-docs", "shard_tokens": "--shard-tokens", "val_tokens": "--val-tokens",
-         "val_split": "--val-split", "format": "--format", "tokenizer": "--tokenizer"}
+FLAGS = {
+    "source": "--source",
+    "config": "--config",
+    "text_field": "--text-field",
+    "limit_docs": "--limit-docs",
+    "shard_tokens": "--shard-tokens",
+    "val_tokens": "--val-tokens",
+    "val_split": "--val-split",
+    "format": "--format",
+    "tokenizer": "--tokenizer",
+}
 
 
 def fresh_manifest(settings: Dict, tok: Tokenizer) -> Dict:
     """The manifest of a run that has written nothing yet."""
     conversations = settings["format"] == "chat"
-    manifest = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "source": settings["source"],
-                "tokenizer": tok.identity or GPT2, "eot_id": tok.eot_id, "vocab_size": tok.n_vocab,
-                "dtype": token_dtype(tok.n_vocab).name, "settings": settings, "complete": False, "shards": [],
-                "files": [], "resume": {"next_doc": 0, "offset": 0, "tokens": 0,
-                                        "val_end": 0 if settings["val_tokens"] == 0 else None}}
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "source": settings["source"],
+        "tokenizer": tok.identity or GPT2,
+        "eot_id": tok.eot_id,
+        "vocab_size": tok.n_vocab,
+        "dtype": token_dtype(tok.n_vocab).name,
+        "settings": settings,
+        "complete": False,
+        "shards": [],
+        "files": [],
+        "resume": {"next_doc": 0, "offset": 0, "tokens": 0, "val_end": 0 if settings["val_tokens"] == 0 else None},
+    }
     if conversations:  # the loader takes the loss on the masked tokens only; a run records the template
         manifest["chat_template"] = chat.TEMPLATE
     return manifest
@@ -66,8 +92,9 @@ def start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: Source, 
     except ShardError:
         raise
     except (ValueError, KeyError, TypeError) as e:
-        raise ShardError(f"{path}: not a readable gpt2lab prepare manifest ({type(e).__name__}: {e}); "
-                         "use another --out") from e
+        raise ShardError(
+            f"{path}: not a readable gpt2lab prepare manifest ({type(e).__name__}: {e}); use another --out"
+        ) from e
     keys = [*settings, *(["tokenizer"] if "tokenizer" not in settings else [])]  # GPT-2's is no key
     differ = [k for k in keys if old.get(k) != settings.get(k) and not (k == "val_tokens" and val_defaulted)]
     if not manifest.get("complete") and not manifest.get("shards"):
@@ -75,9 +102,11 @@ def start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: Source, 
     if differ:
         was = ", ".join(f"{FLAGS[k]} {_flag_value(old.get(k), k)}" for k in differ)
         now = ", ".join(f"{FLAGS[k]} {_flag_value(settings.get(k), k)}" for k in differ)
-        raise ShardError(f"{path}: this directory was prepared with {was}, not {now}; rerun with "
-                         f"the same flags to {'resume' if not manifest['complete'] else 'check'} it, "
-                         "or use another --out")
+        raise ShardError(
+            f"{path}: this directory was prepared with {was}, not {now}; rerun with "
+            f"the same flags to {'resume' if not manifest['complete'] else 'check'} it, "
+            "or use another --out"
+        )
     if not manifest["complete"]:
         why = _source_changed(manifest, src)
         if why:
@@ -124,20 +153,21 @@ def refuse_foreign_shards(out: Path) -> None:
     found = rundir.inspect(str(out))
     shards = sorted(p.name for p in out.glob("*.bin"))
     if found.kind in (rundir.RUN, rundir.EXPORT, "hf_model"):
-        raise ShardError(f"{out}: holds {rundir.what(found)}, not token shards; nothing was written there; "
-                         "use an empty --out directory")
+        raise ShardError(
+            f"{out}: holds {rundir.what(found)}, not token shards; nothing was written there; "
+            "use an empty --out directory"
+        )
     if shards:
-        raise ShardError(f"{out}: holds shards ({', '.join(shards[:3])}) but no {MANIFEST}; "
-                         "use an empty --out directory")
+        raise ShardError(
+            f"{out}: holds shards ({', '.join(shards[:3])}) but no {MANIFEST}; use an empty --out directory"
+        )
 
 
 def _check_done_shard(path: Path, tokens: int) -> None:
     if not path.exists():
-        raise ShardError(f"{path}: listed in {MANIFEST} but missing; delete {path.parent} "
-                         "and prepare again")
+        raise ShardError(f"{path}: listed in {MANIFEST} but missing; delete {path.parent} and prepare again")
     if read_header(path) != tokens:
-        raise ShardError(f"{path}: token count differs from {MANIFEST}; delete {path.parent} "
-                         "and prepare again")
+        raise ShardError(f"{path}: token count differs from {MANIFEST}; delete {path.parent} and prepare again")
 
 
 def save_manifest(out: Path, manifest: Dict) -> None:
@@ -159,7 +189,9 @@ def finish_manifest(manifest: Dict) -> None:
     manifest["documents"] = manifest["resume"]["next_doc"]
     files = manifest["files"]  # first_doc/first_token -> documents/tokens of each file
     ends = [(f["first_doc"], f["first_token"]) for f in files[1:]] + [(manifest["documents"], manifest["tokens"])]
-    manifest["files"] = [{"path": f["path"], "bytes": f["bytes"], "documents": d - f["first_doc"],
-                          "tokens": t - f["first_token"]} for f, (d, t) in zip(files, ends)]
+    manifest["files"] = [
+        {"path": f["path"], "bytes": f["bytes"], "documents": d - f["first_doc"], "tokens": t - f["first_token"]}
+        for f, (d, t) in zip(files, ends)
+    ]
     manifest["complete"] = True
     del manifest["resume"]

@@ -6,6 +6,7 @@ list of documents) into one result. Nothing here knows what ``encode`` makes or 
 its results (data/prepare.py writes them into shards): the map only keeps the order, bounds how
 far it reads ahead, and ends cleanly on an error or Ctrl-C.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -55,8 +56,9 @@ def task_chars(size_bytes: Optional[int], workers: int) -> int:
 
 
 @contextmanager
-def ordered_map(encode: Encode, docs: Iterable[Document], workers: int,
-                size_bytes: Optional[int]) -> Iterator[Iterator[R]]:
+def ordered_map(
+    encode: Encode, docs: Iterable[Document], workers: int, size_bytes: Optional[int]
+) -> Iterator[Iterator[R]]:
     """``encode``'s result per task of ``docs``, in order, from ``workers`` threads or processes
     (chosen by ``use_threads`` for a source of ``size_bytes``). ``encode`` holds whatever it needs
     (its tokenizer), built once by the caller: forked workers and threads share it.
@@ -175,8 +177,9 @@ def _process_pool(docs: Iterable[Document], workers: int, chars_per_task: int, e
             for _ in range(workers):
                 task_r, task_w = ctx.Pipe(duplex=False)
                 result_r, result_w = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=_worker, args=(task_r, result_w, encode), daemon=True,
-                                name="gpt2lab-prepare-worker")
+                p = ctx.Process(
+                    target=_worker, args=(task_r, result_w, encode), daemon=True, name="gpt2lab-prepare-worker"
+                )
                 p.start()
                 task_r.close()
                 result_w.close()
@@ -238,5 +241,6 @@ def _results(dispatch: _Dispatch, procs, conns) -> Iterator:
 
 
 def _died(proc) -> RuntimeError:
-    return RuntimeError(f"a tokenizer worker died (exit code {proc.exitcode}); run the same "
-                        "prepare command again to resume")
+    return RuntimeError(
+        f"a tokenizer worker died (exit code {proc.exitcode}); run the same prepare command again to resume"
+    )

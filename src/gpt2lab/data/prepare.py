@@ -17,6 +17,7 @@ This file is the orchestration: the settings, the text or conversation format, t
 encode function. The pieces it runs: data/manifest.py (start, resume or refuse a directory),
 data/parallel.py (the ordered parallel map), data/writer.py (the stream cut into shards).
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,11 +39,21 @@ from gpt2lab.system.errors import UsageError
 from gpt2lab.system.files import sweep_stale
 
 
-def prepare(source: str, out_dir: str, *, shard_tokens: int = 100_000_000,
-            val_tokens: Optional[int] = None, workers: Optional[int] = None,
-            text_field: str = "text", limit_docs: Optional[int] = None,
-            config: Optional[str] = None, progress: bool = True, val_split: Optional[str] = None,
-            data_format: str = "auto", tokenizer: Optional[str] = None) -> Dict:
+def prepare(
+    source: str,
+    out_dir: str,
+    *,
+    shard_tokens: int = 100_000_000,
+    val_tokens: Optional[int] = None,
+    workers: Optional[int] = None,
+    text_field: str = "text",
+    limit_docs: Optional[int] = None,
+    config: Optional[str] = None,
+    progress: bool = True,
+    val_split: Optional[str] = None,
+    data_format: str = "auto",
+    tokenizer: Optional[str] = None,
+) -> Dict:
     """Tokenize ``source`` into shards under ``out_dir``; return the manifest.
 
     ``val_tokens=None``: one shard for hub sources; for local and bundled ones a fraction
@@ -71,9 +82,16 @@ def prepare(source: str, out_dir: str, *, shard_tokens: int = 100_000_000,
     fmt = detect_format(src, data_format, text_field)
     val_split = val_split or ("documents" if fmt == "chat" else "tokens")
     tok = _tokenizer(tokenizer, fmt)
-    settings = {"source": source, "config": src.hub_config, "text_field": text_field,
-                "limit_docs": limit_docs, "shard_tokens": shard_tokens, "val_tokens": val_tokens,
-                "val_split": val_split, "format": fmt}
+    settings = {
+        "source": source,
+        "config": src.hub_config,
+        "text_field": text_field,
+        "limit_docs": limit_docs,
+        "shard_tokens": shard_tokens,
+        "val_tokens": val_tokens,
+        "val_split": val_split,
+        "format": fmt,
+    }
     if tok.identity is not None:  # GPT-2's manifests stay as they were
         settings["tokenizer"] = tok.identity
     if val_split not in VAL_SPLITS:
@@ -83,8 +101,10 @@ def prepare(source: str, out_dir: str, *, shard_tokens: int = 100_000_000,
         raise UsageError(f"--out {out_dir} is a file, not a directory; choose a directory for the shards")
     out.mkdir(parents=True, exist_ok=True)
     if not os.access(out, os.W_OK | os.X_OK):
-        raise UsageError(f"--out {out_dir}: cannot write into this directory (permission denied); "
-                         "choose another --out or fix its permissions")
+        raise UsageError(
+            f"--out {out_dir}: cannot write into this directory (permission denied); "
+            "choose another --out or fix its permissions"
+        )
     manifest = start_manifest(out, settings, val_defaulted, src, tok)
     if not manifest["complete"]:
         save_manifest(out, manifest)  # marks the directory unfinished until the end
@@ -139,8 +159,10 @@ def detect_format(src: Source, asked: str, text_field: str) -> str:
         raise UsageError(f"--format {asked!r}: choose one of {', '.join(FORMATS)}")
     if asked != "auto":
         if asked == "chat" and src.kind != "local":
-            raise UsageError(f"--format chat: {src.name} is not a local JSON-lines file; conversations are "
-                             "read from .jsonl files (also .jsonl.zst/.gz/.xz)")
+            raise UsageError(
+                f"--format chat: {src.name} is not a local JSON-lines file; conversations are "
+                "read from .jsonl files (also .jsonl.zst/.gz/.xz)"
+            )
         return asked
     if src.kind != "local":
         return "text"
@@ -176,21 +198,25 @@ def encode_documents(docs: List[Document], tokenizer: Optional[Tokenizer] = None
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     for s, x in zip(starts, ids):
         flat[s] = enc.eot_id
-        flat[s + 1:s + 1 + len(x)] = x
+        flat[s + 1 : s + 1 + len(x)] = x
     if len(flat) and (flat.max() >= enc.n_vocab or flat.min() < 0):
         raise ValueError(f"token id {int(flat.max())} does not fit the tokenizer's {enc.n_vocab} tokens")
     return flat.astype(token_dtype(enc.n_vocab)), lengths
 
 
-def encode_conversations(docs: List[Document], tokenizer: Optional[Tokenizer] = None,
-                         ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+def encode_conversations(
+    docs: List[Document],
+    tokenizer: Optional[Tokenizer] = None,
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """JSON-lines conversations -> (uint16 tokens, lengths, uint8 loss mask) in data/chat.py's
     template; a record that is not a conversation is a SourceError naming its file, line and field."""
     records = []
     for doc in docs:
         if not isinstance(doc, JsonLine):
-            raise SourceError("conversations are read from JSON-lines files (.jsonl, also compressed); "
-                              "prepare text with --format text")
+            raise SourceError(
+                "conversations are read from JSON-lines files (.jsonl, also compressed); "
+                "prepare text with --format text"
+            )
         try:
             records.append(chat.conversation(doc.row()))
         except chat.ChatFormatError as e:
@@ -202,8 +228,7 @@ def encode_conversations(docs: List[Document], tokenizer: Optional[Tokenizer] = 
 def _progress(enabled: bool, initial: int):
     from tqdm import tqdm
 
-    bar = tqdm(disable=not enabled, unit="tok", unit_scale=True, initial=initial,
-               desc="prepare", dynamic_ncols=True)
+    bar = tqdm(disable=not enabled, unit="tok", unit_scale=True, initial=initial, desc="prepare", dynamic_ncols=True)
     try:
         yield bar
     finally:

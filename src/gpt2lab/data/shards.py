@@ -9,6 +9,7 @@ hours into a run is expensive.
 ``read_manifest`` reads the manifest.json ``gpt2lab prepare`` writes beside its shards (data/manifest.py),
 refusing one of another format version.
 """
+
 from __future__ import annotations
 
 import json
@@ -91,8 +92,9 @@ def open_mask(shard: PathLike, tokens: int) -> np.ndarray:
     if header is None or header[0] != MASK_MAGIC or header[1] != VERSION:
         raise ShardError(f"{path}: not a gpt2lab loss mask (bad header); {redo}")
     if int(header[2]) != tokens or size - HEADER_BYTES != tokens:
-        raise ShardError(f"{path}: holds {size - HEADER_BYTES} of {tokens} tokens' mask (header says "
-                         f"{int(header[2])}); {redo}")
+        raise ShardError(
+            f"{path}: holds {size - HEADER_BYTES} of {tokens} tokens' mask (header says {int(header[2])}); {redo}"
+        )
     if tokens == 0:
         return np.zeros(0, dtype=np.uint8)
     return np.memmap(path, dtype=np.uint8, mode="r", offset=HEADER_BYTES, shape=(tokens,))
@@ -107,24 +109,30 @@ def _header(path: PathLike) -> tuple[int, np.dtype]:
     """(token count, token dtype) of a ``.bin`` shard whose header and size are valid."""
     size = os.path.getsize(path)
     if size < HEADER_BYTES:
-        raise ShardError(f"{path}: {size} bytes, shorter than the {HEADER_BYTES}-byte header; "
-                         "the shard is truncated: delete it and re-run gpt2lab prepare")
+        raise ShardError(
+            f"{path}: {size} bytes, shorter than the {HEADER_BYTES}-byte header; "
+            "the shard is truncated: delete it and re-run gpt2lab prepare"
+        )
     header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
     magic, version = int(header[0]), int(header[1])
     if magic not in {m for m, _ in HEADERS}:
-        raise ShardError(f"{path}: magic {magic} is not {MAGIC}; not a gpt2lab/llm.c "
-                         "token shard (re-create it with gpt2lab prepare)")
+        raise ShardError(
+            f"{path}: magic {magic} is not {MAGIC}; not a gpt2lab/llm.c token shard (re-create it with gpt2lab prepare)"
+        )
     dtype = HEADERS.get((magic, version))
     if dtype is None:
         expected = " or ".join(f"{v} ({HEADERS[m, v]} tokens)" for m, v in HEADERS if m == magic)
-        raise ShardError(f"{path}: shard version {version} is not supported (expected {expected}); "
-                         "re-create it with gpt2lab prepare")
+        raise ShardError(
+            f"{path}: shard version {version} is not supported (expected {expected}); re-create it with gpt2lab prepare"
+        )
     count = int(header[2])
     have = (size - HEADER_BYTES) // dtype.itemsize
     if have != count or (size - HEADER_BYTES) % dtype.itemsize:
         what = "truncated" if have < count else "longer than its header says"
-        raise ShardError(f"{path}: header says {count} tokens but the file holds {have}; the shard "
-                         f"is {what}: delete it and re-run gpt2lab prepare")
+        raise ShardError(
+            f"{path}: header says {count} tokens but the file holds {have}; the shard "
+            f"is {what}: delete it and re-run gpt2lab prepare"
+        )
     return count, dtype
 
 
@@ -143,11 +151,14 @@ def _open_npy(path: str) -> np.ndarray:
     try:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
-        raise ShardError(f"{path}: not a readable .npy token shard ({e}); "
-                         "re-create it or remove it from the directory") from e
+        raise ShardError(
+            f"{path}: not a readable .npy token shard ({e}); re-create it or remove it from the directory"
+        ) from e
     if arr.dtype != np.uint16 or arr.ndim != 1:
-        raise ShardError(f"{path}: a .npy shard must be a 1-D uint16 array, got "
-                         f"{arr.ndim}-D {arr.dtype}; re-create it with gpt2lab prepare")
+        raise ShardError(
+            f"{path}: a .npy shard must be a 1-D uint16 array, got "
+            f"{arr.ndim}-D {arr.dtype}; re-create it with gpt2lab prepare"
+        )
     return arr
 
 
@@ -155,9 +166,11 @@ def check_vocab(path: PathLike, tokens: np.ndarray, vocab_size: int) -> None:
     """Fail on any token id >= vocab_size, naming the file and the first bad position."""
     if len(tokens) and int(tokens.max()) >= vocab_size:
         pos = int(np.argmax(tokens >= vocab_size))
-        raise ShardError(f"{path}: token {int(tokens[pos])} at position {pos} is >= the vocab "
-                         f"size {vocab_size}; the shard was made with another tokenizer or is "
-                         "corrupt: re-create it with gpt2lab prepare")
+        raise ShardError(
+            f"{path}: token {int(tokens[pos])} at position {pos} is >= the vocab "
+            f"size {vocab_size}; the shard was made with another tokenizer or is "
+            "corrupt: re-create it with gpt2lab prepare"
+        )
 
 
 # -- the manifest data/manifest.py writes beside the shards ------------------------------------
@@ -187,14 +200,20 @@ def check_manifest_version(path: PathLike, manifest: dict) -> dict:
     fmt, version = manifest.get("format"), manifest.get("version")
     again = "prepare the data again into a new directory"
     if fmt != MANIFEST_FORMAT or type(version) is not int:
-        raise ShardError(f"{path}: not a gpt2lab prepare manifest (format {fmt!r}, version {version!r}; "
-                         f"this gpt2lab reads {MANIFEST_FORMAT!r} version {MANIFEST_VERSION}); {again}")
+        raise ShardError(
+            f"{path}: not a gpt2lab prepare manifest (format {fmt!r}, version {version!r}; "
+            f"this gpt2lab reads {MANIFEST_FORMAT!r} version {MANIFEST_VERSION}); {again}"
+        )
     if version < MANIFEST_VERSION:
-        raise ShardError(f"{path}: manifest version {version}, written by an older gpt2lab; this gpt2lab "
-                         f"reads version {MANIFEST_VERSION}: {again}")
+        raise ShardError(
+            f"{path}: manifest version {version}, written by an older gpt2lab; this gpt2lab "
+            f"reads version {MANIFEST_VERSION}: {again}"
+        )
     if version > MANIFEST_VERSION:
-        raise ShardError(f"{path}: manifest version {version}, written by a newer gpt2lab; this gpt2lab "
-                         f"reads version {MANIFEST_VERSION}: upgrade gpt2lab")
+        raise ShardError(
+            f"{path}: manifest version {version}, written by a newer gpt2lab; this gpt2lab "
+            f"reads version {MANIFEST_VERSION}: upgrade gpt2lab"
+        )
     return manifest
 
 
@@ -206,16 +225,19 @@ def list_shards(data_dir: PathLike, split: str) -> List[Path]:
     """
     root = Path(data_dir)
     if not root.is_dir():
-        raise ShardError(f"{root}: no such data directory; create it with "
-                         f"`gpt2lab prepare --source SRC --out {root}`")
+        raise ShardError(f"{root}: no such data directory; create it with `gpt2lab prepare --source SRC --out {root}`")
     files = [p for p in root.iterdir() if p.is_file() and p.suffix in SHARD_SUFFIXES]
     if not files:
-        raise ShardError(f"{root}: no .bin or .npy token shards in this directory; create them "
-                         f"with `gpt2lab prepare --source SRC --out {root}`")
+        raise ShardError(
+            f"{root}: no .bin or .npy token shards in this directory; create them "
+            f"with `gpt2lab prepare --source SRC --out {root}`"
+        )
     word = re.compile(rf"(^|[_.\-]){re.escape(split)}([_.\-]|$)")
     mine = sorted(p for p in files if word.search(p.stem))
     if not mine:
         names = ", ".join(sorted(p.name for p in files)[:5])
-        raise ShardError(f"{root}: no shards for split '{split}' (found: {names}); shard names "
-                         f"must contain '{split}', e.g. {shard_name(split, 0)}")
+        raise ShardError(
+            f"{root}: no shards for split '{split}' (found: {names}); shard names "
+            f"must contain '{split}', e.g. {shard_name(split, 0)}"
+        )
     return mine

@@ -18,6 +18,7 @@
 
 Bad input raises ``SourceError`` naming the file (and line or row) and what to do.
 """
+
 from __future__ import annotations
 
 import bz2
@@ -30,13 +31,13 @@ import lzma
 import os
 import warnings
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from contextlib import contextmanager
 from typing import IO, Callable, Iterable, Iterator, List, NamedTuple, Optional, Tuple, Union
 
-from gpt2lab.system.errors import DataError
 from gpt2lab.data.tokenizer import asset_path
+from gpt2lab.system.errors import DataError
 
 HUB_ALIASES = {
     "fineweb-edu": "HuggingFaceFW/fineweb-edu",
@@ -99,22 +100,34 @@ def resolve_source(source: str, text_field: str = "text", config: Optional[str] 
     """Turn the ``--source`` string into a Source."""
     if source == "tinyshakespeare":
         # 5%: a val split of ~17k tokens, enough for a steady val loss at T=256
-        return Source(source, "bundled", os.path.getsize(asset_path("tinyshakespeare.txt")),
-                      _slice(_shakespeare_docs), val_fraction=0.05)
+        return Source(
+            source,
+            "bundled",
+            os.path.getsize(asset_path("tinyshakespeare.txt")),
+            _slice(_shakespeare_docs),
+            val_fraction=0.05,
+        )
     if source in HUB_ALIASES or source.startswith("hf:"):
         return _hub_source(source, text_field, config)
     if source == "chitchat":  # 2%: a val split of ~30 whole conversations
         path = asset_path("chitchat.jsonl.zst")
         starts: List[int] = []
-        return Source(source, "local", os.path.getsize(path) * 4,
-                      _slice(lambda: _local_docs([path], text_field, starts)), val_fraction=0.02, files=[path],
-                      file_starts=starts)
+        return Source(
+            source,
+            "local",
+            os.path.getsize(path) * 4,
+            _slice(lambda: _local_docs([path], text_field, starts)),
+            val_fraction=0.02,
+            files=[path],
+            file_starts=starts,
+        )
     files = _local_files(source)
     # compressed text is ~3-4x its file size: the val default estimates the text's size
     size = sum(os.path.getsize(f) * (4 if f.endswith(COMPRESSIONS) else 1) for f in files)
     starts: List[int] = []
-    return Source(source, "local", size, _slice(lambda: _local_docs(files, text_field, starts)), files=files,
-                  file_starts=starts)
+    return Source(
+        source, "local", size, _slice(lambda: _local_docs(files, text_field, starts)), files=files, file_starts=starts
+    )
 
 
 def _slice(make: Callable[[], Iterable[Document]]) -> Callable[[int, Optional[int]], Iterator[Document]]:
@@ -139,18 +152,24 @@ def _local_files(source: str) -> List[str]:
     elif os.path.isfile(source):
         files, what = [source], f"{source} is"
     else:
-        raise SourceError(f"--source {source!r}: no such file or directory, and not one of "
-                          f"tinyshakespeare, chitchat, {', '.join(HUB_ALIASES)}, hf:NAME[:CONFIG]")
+        raise SourceError(
+            f"--source {source!r}: no such file or directory, and not one of "
+            f"tinyshakespeare, chitchat, {', '.join(HUB_ALIASES)}, hf:NAME[:CONFIG]"
+        )
     usable = [f for f in files if f.endswith(LOCAL_SUFFIXES)]
     if not usable:
-        raise SourceError(f"{what} no readable files ({KINDS_HINT}); point --source at text files "
-                          "(.txt is one document, .jsonl/.parquet one per row)")
+        raise SourceError(
+            f"{what} no readable files ({KINDS_HINT}); point --source at text files "
+            "(.txt is one document, .jsonl/.parquet one per row)"
+        )
     other = [f for f in files if f not in usable]
     if other:  # never tokenize part of a directory without saying so: name every other file
         names = ", ".join(other[:20]) + (f" and {len(other) - 20} more" if len(other) > 20 else "")
-        raise SourceError(f"{what} {len(other)} file(s) prepare cannot read ({names}); it reads "
-                          f"{KINDS_HINT}. Move them out, or pick the files with a glob "
-                          f"(e.g. --source '{source.rstrip('/')}/*{_common_suffix(usable)}')")
+        raise SourceError(
+            f"{what} {len(other)} file(s) prepare cannot read ({names}); it reads "
+            f"{KINDS_HINT}. Move them out, or pick the files with a glob "
+            f"(e.g. --source '{source.rstrip('/')}/*{_common_suffix(usable)}')"
+        )
     return usable
 
 
@@ -165,7 +184,7 @@ KINDS_HINT = ".txt, .jsonl, .json (JSON lines), .parquet; .txt/.jsonl/.json also
 def kind_of(path: str) -> Tuple[str, Optional[str]]:
     """(``txt``/``jsonl``/``parquet``, compression suffix or None) of a local file name."""
     comp = next((c for c in COMPRESSIONS if path.endswith(c)), None)
-    inner = path[:-len(comp)] if comp else path
+    inner = path[: -len(comp)] if comp else path
     return TEXT_KINDS[Path(inner).suffix], comp
 
 
@@ -212,7 +231,7 @@ class _ZstdRaw(io.RawIOBase):
                     self.d = self.zstd.ZstdDecompressor().decompressobj()
             self.pending, self.pos = b"".join(out), 0
         n = min(len(b), len(self.pending) - self.pos)
-        b[:n] = memoryview(self.pending)[self.pos:self.pos + n]
+        b[:n] = memoryview(self.pending)[self.pos : self.pos + n]
         self.pos += n
         return n
 
@@ -260,8 +279,10 @@ def _reading(path: str) -> Iterator[None]:
     except _read_errors() as e:
         comp = kind_of(path)[1]
         what = f"not a readable {comp} file" if comp else "cannot be read"
-        raise SourceError(f"{path}: {what} ({type(e).__name__}: {e}); the file is corrupt or "
-                          "truncated: fetch it again, or remove it from --source") from e
+        raise SourceError(
+            f"{path}: {what} ({type(e).__name__}: {e}); the file is corrupt or "
+            "truncated: fetch it again, or remove it from --source"
+        ) from e
 
 
 def _txt_docs(path: str, text_field: str) -> Iterator[str]:
@@ -284,23 +305,27 @@ def _json_line(line: str, path: str, lineno: int) -> dict:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
-        raise SourceError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); "
-                          "fix or remove that line") from e
+        raise SourceError(
+            f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); fix or remove that line"
+        ) from e
     if not isinstance(row, dict):
-        raise SourceError(f"{path}:{lineno}: a JSON {type(row).__name__}, not an object with "
-                          "a text field; each line must be {\"text\": ...}")
+        raise SourceError(
+            f"{path}:{lineno}: a JSON {type(row).__name__}, not an object with "
+            'a text field; each line must be {"text": ...}'
+        )
     return row
 
 
 def _field(row: dict, text_field: str, where: str) -> str:
     if text_field not in row:
         fields = ", ".join(list(row)[:10])
-        raise SourceError(f"{where}: no field '{text_field}' (fields: {fields}); "
-                          "pass --text-field NAME")
+        raise SourceError(f"{where}: no field '{text_field}' (fields: {fields}); pass --text-field NAME")
     text = row[text_field]
     if not isinstance(text, str):
-        raise SourceError(f"{where}: field '{text_field}' is {type(text).__name__}, not text; "
-                          "fix the row or pick another --text-field")
+        raise SourceError(
+            f"{where}: field '{text_field}' is {type(text).__name__}, not text; "
+            "fix the row or pick another --text-field"
+        )
     return text
 
 
@@ -312,11 +337,13 @@ def _parquet_docs(path: str, text_field: str) -> Iterator[str]:
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises ArrowInvalid (not a Parquet file), OSError, ...
-        raise SourceError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e}); "
-                          "convert it or remove it from --source") from e
+        raise SourceError(
+            f"{path}: not a readable Parquet file ({type(e).__name__}: {e}); convert it or remove it from --source"
+        ) from e
     if text_field not in pf.schema_arrow.names:
-        raise SourceError(f"{path}: no column '{text_field}' (columns: "
-                          f"{', '.join(pf.schema_arrow.names)}); pass --text-field NAME")
+        raise SourceError(
+            f"{path}: no column '{text_field}' (columns: {', '.join(pf.schema_arrow.names)}); pass --text-field NAME"
+        )
     row = 0
     for batch in pf.iter_batches(columns=[text_field], batch_size=4096):
         for text in batch.column(0).to_pylist():
@@ -329,7 +356,7 @@ def _hub_source(source: str, text_field: str, config: Optional[str]) -> Source:
     if source in HUB_ALIASES:
         name, config = HUB_ALIASES[source], config or HUB_DEFAULT_CONFIG
     else:
-        name, _, cfg = source[len("hf:"):].partition(":")
+        name, _, cfg = source[len("hf:") :].partition(":")
         config = config or cfg or None
         if not name:
             raise SourceError(f"--source {source!r}: write hf:NAME or hf:NAME:CONFIG")
@@ -353,5 +380,7 @@ def _load_streaming(name: str, config: Optional[str]):
     try:
         return datasets.load_dataset(name, config, split="train", streaming=True)
     except Exception as e:  # network, unknown name or config: one clear message, not a traceback
-        raise SourceError(f"hub dataset {name} (config {config}): {type(e).__name__}: {e}; check "
-                          "the name, --config and the network, or prepare a local copy") from e
+        raise SourceError(
+            f"hub dataset {name} (config {config}): {type(e).__name__}: {e}; check "
+            "the name, --config and the network, or prepare a local copy"
+        ) from e

@@ -15,6 +15,7 @@ reads a model from one of them reads its ``tokenizer.json`` from the same place 
 which checks the identity) and hands it on: there is no process-wide registry of tokenizers.
 ``for_config(config, own)`` is the one rule for a model's tokenizer given what was read.
 """
+
 from __future__ import annotations
 
 import functools
@@ -61,16 +62,17 @@ class TokenizerError(DataError):
 class Tokenizer(Protocol):
     """What gpt2lab asks of a tokenizer (GPT-2's tiktoken Encoding and a trained one both are one)."""
 
-    identity: Optional[str]       # sha256 of tokenizer.json; None: GPT-2's
-    eot_id: int                   # <|endoftext|>: every document starts with it
-    im_start_id: Optional[int]    # the chat template's turn tokens (None: GPT-2's without them)
+    identity: Optional[str]  # sha256 of tokenizer.json; None: GPT-2's
+    eot_id: int  # <|endoftext|>: every document starts with it
+    im_start_id: Optional[int]  # the chat template's turn tokens (None: GPT-2's without them)
     im_end_id: Optional[int]
 
     @property
     def n_vocab(self) -> int: ...
     def encode_ordinary(self, text: str) -> list[int]: ...
-    def encode(self, text: str, *, allowed_special: Specials = ...,
-               disallowed_special: Specials = ...) -> list[int]: ...
+    def encode(
+        self, text: str, *, allowed_special: Specials = ..., disallowed_special: Specials = ...
+    ) -> list[int]: ...
     def decode(self, tokens: list[int], errors: str = "replace") -> str: ...
     def decode_single_token_bytes(self, token: int) -> bytes: ...
 
@@ -103,8 +105,13 @@ class GPT2Encoding(tiktoken.Encoding):
         self.chat = chat
         self.im_start_id, self.im_end_id = (IM_START_ID, IM_END_ID) if chat else (None, None)
         specials = {EOT_TOKEN: EOT_ID, **({IM_START: IM_START_ID, IM_END: IM_END_ID} if chat else {})}
-        super().__init__(name="gpt2-chatml" if chat else "gpt2", pat_str=_PAT_STR, mergeable_ranks=_ranks(),
-                         special_tokens=specials, explicit_n_vocab=CHAT_VOCAB_SIZE if chat else GPT2_VOCAB_SIZE)
+        super().__init__(
+            name="gpt2-chatml" if chat else "gpt2",
+            pat_str=_PAT_STR,
+            mergeable_ranks=_ranks(),
+            special_tokens=specials,
+            explicit_n_vocab=CHAT_VOCAB_SIZE if chat else GPT2_VOCAB_SIZE,
+        )
 
     def __reduce__(self):
         return gpt2_tokenizer, (self.chat,)
@@ -121,8 +128,9 @@ def gpt2_tokenizer(chat: bool = False) -> GPT2Encoding:
 
 @functools.lru_cache(maxsize=1)
 def _ranks() -> dict:
-    return data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=_checked("vocab.bpe"),
-                                           encoder_json_file=_checked("encoder.json"))
+    return data_gym_to_mergeable_bpe_ranks(
+        vocab_bpe_file=_checked("vocab.bpe"), encoder_json_file=_checked("encoder.json")
+    )
 
 
 # -- a trained one -----------------------------------------------------------------------------------
@@ -155,14 +163,18 @@ class TrainedBPE:
         try:
             self._tok = HFTokenizer.from_str(text)
         except Exception as e:  # tokenizers raises its own Exception subclass on a bad file
-            raise TokenizerError(f"{where}: not a Hugging Face tokenizer.json ({str(e)[:200]}); "
-                                 "train it again with gpt2lab tokenizer train") from e
+            raise TokenizerError(
+                f"{where}: not a Hugging Face tokenizer.json ({str(e)[:200]}); "
+                "train it again with gpt2lab tokenizer train"
+            ) from e
         self._tok.encode_special_tokens = True  # text is text: "<|im_end|>" typed in a message stays characters
         self.specials = {t: self._tok.token_to_id(t) for t in SPECIAL_TOKENS}
         missing = [t for t, i in self.specials.items() if i is None]
         if missing:
-            raise TokenizerError(f"{where}: has no {', '.join(missing)} token; gpt2lab needs "
-                                 f"{', '.join(SPECIAL_TOKENS)} (gpt2lab tokenizer train adds them)")
+            raise TokenizerError(
+                f"{where}: has no {', '.join(missing)} token; gpt2lab needs "
+                f"{', '.join(SPECIAL_TOKENS)} (gpt2lab tokenizer train adds them)"
+            )
         self.eot_id, self.im_start_id, self.im_end_id = (self.specials[t] for t in SPECIAL_TOKENS)
         self._bytes = self._token_bytes(where)
         self._special_re = {}
@@ -179,8 +191,9 @@ class TrainedBPE:
             try:
                 out[i] = bytes(table[c] for c in piece)
             except KeyError:
-                raise TokenizerError(f"{where}: token {piece!r} (id {i}) is not byte-level BPE; train it with "
-                                     "gpt2lab tokenizer train") from None
+                raise TokenizerError(
+                    f"{where}: token {piece!r} (id {i}) is not byte-level BPE; train it with gpt2lab tokenizer train"
+                ) from None
         if any(b is None for b in out):
             raise TokenizerError(f"{where}: its token ids are not 0..{len(out) - 1} without gaps")
         return out  # type: ignore[return-value]
@@ -195,16 +208,19 @@ class TrainedBPE:
     def encode_ordinary(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def encode(self, text: str, *, allowed_special: Specials = frozenset(),
-               disallowed_special: Specials = "all") -> list[int]:
+    def encode(
+        self, text: str, *, allowed_special: Specials = frozenset(), disallowed_special: Specials = "all"
+    ) -> list[int]:
         """tiktoken's ``encode``: the allowed special tokens written in ``text`` are those tokens; a
         disallowed one there is a ValueError; ``disallowed_special=()`` encodes the rest as text."""
         allowed = set(self.specials) if allowed_special == "all" else set(allowed_special)
         disallowed = set(self.specials) - allowed if disallowed_special == "all" else set(disallowed_special)
         for token in disallowed:
             if token in text:
-                raise ValueError(f"text contains the special token {token!r}, which is not allowed here; pass "
-                                 "allowed_special or disallowed_special=() to encode it as text")
+                raise ValueError(
+                    f"text contains the special token {token!r}, which is not allowed here; pass "
+                    "allowed_special or disallowed_special=() to encode it as text"
+                )
         if not allowed:
             return self.encode_ordinary(text)
         pattern = self._special_re.get(frozenset(allowed))
@@ -213,7 +229,7 @@ class TrainedBPE:
             self._special_re[frozenset(allowed)] = pattern
         ids, at = [], 0
         for m in pattern.finditer(text):
-            ids += self.encode_ordinary(text[at:m.start()]) if m.start() > at else []
+            ids += self.encode_ordinary(text[at : m.start()]) if m.start() > at else []
             ids.append(self.specials[m.group()])
             at = m.end()
         return ids + (self.encode_ordinary(text[at:]) if at < len(text) else [])
@@ -272,8 +288,11 @@ def for_data(data_dir: str) -> Tokenizer:
     name = manifest.get("tokenizer", GPT2)
     if name == GPT2:
         return gpt2_tokenizer(chat="chat_template" in manifest)
-    return load_tokenizer(os.path.join(data_dir, TOKENIZER_FILE), str(name),
-                          what_next=f"prepare {data_dir} again (gpt2lab prepare --tokenizer DIR)")
+    return load_tokenizer(
+        os.path.join(data_dir, TOKENIZER_FILE),
+        str(name),
+        what_next=f"prepare {data_dir} again (gpt2lab prepare --tokenizer DIR)",
+    )
 
 
 def short(identity: Optional[str]) -> str:
@@ -289,9 +308,11 @@ def for_config(config: GPTConfig, own: Optional[Tokenizer] = None) -> Tokenizer:
         return gpt2_tokenizer(chat=config.chat_template is not None)
     if own is None or own.identity != config.tokenizer:
         what = "none was given" if own is None else f"{short(own.identity)} was given"
-        raise TokenizerError(f"the model has its own tokenizer {short(config.tokenizer)} and {what}; read it "
-                             "from where the model came from (gpt2lab.get_tokenizer(SOURCE), or "
-                             "gpt2lab.from_pretrained, whose model carries it)")
+        raise TokenizerError(
+            f"the model has its own tokenizer {short(config.tokenizer)} and {what}; read it "
+            "from where the model came from (gpt2lab.get_tokenizer(SOURCE), or "
+            "gpt2lab.from_pretrained, whose model carries it)"
+        )
     return own
 
 
@@ -312,8 +333,9 @@ def byte_lengths(tok: Tokenizer) -> np.ndarray:
     key = (tok.identity, tok.n_vocab)
     if key not in _BYTE_LENGTHS:
         specials = {tok.eot_id, tok.im_start_id, tok.im_end_id} - {None}
-        _BYTE_LENGTHS[key] = np.array([0 if i in specials else len(tok.decode_single_token_bytes(i))
-                                       for i in range(tok.n_vocab)], dtype=np.int64)
+        _BYTE_LENGTHS[key] = np.array(
+            [0 if i in specials else len(tok.decode_single_token_bytes(i)) for i in range(tok.n_vocab)], dtype=np.int64
+        )
     return _BYTE_LENGTHS[key]
 
 

@@ -6,6 +6,7 @@ reaches them (``documents``), are the ``val`` split and the rest ``train``, each
 the manifest with the (document, offset) to resume from, so a run that stopped goes on from its last
 listed shard and writes the same bytes as one that never stopped.
 """
+
 from __future__ import annotations
 
 import os
@@ -77,9 +78,9 @@ class ShardWriter:
             if self.val_end is not None and self.written < self.val_end:
                 cap = min(cap, self.val_end - self.written)
             n = min(cap - self.fill, len(tokens) - pos)
-            self.buf[self.fill:self.fill + n] = tokens[pos:pos + n]
+            self.buf[self.fill : self.fill + n] = tokens[pos : pos + n]
             if self.mask is not None:
-                self.mask[self.fill:self.fill + n] = mask[pos:pos + n]
+                self.mask[self.fill : self.fill + n] = mask[pos : pos + n]
             self.docs_in_shard += int(np.searchsorted(starts, pos + n) - np.searchsorted(starts, pos))
             self.fill, pos = self.fill + n, pos + n
             if self.fill == cap:
@@ -93,13 +94,17 @@ class ShardWriter:
         name = shard_name(split, index)
         entry = {"name": name, "split": split, "tokens": self.fill, "documents": self.docs_in_shard}
         if self.mask is not None:  # the mask first: a shard listed or found on disk has its mask
-            write_mask(mask_path(self.out / name), self.mask[:self.fill])
-            entry["supervised"] = int(self.mask[:self.fill].sum(dtype=np.int64))
-        write_shard(self.out / name, self.buf[:self.fill])
+            write_mask(mask_path(self.out / name), self.mask[: self.fill])
+            entry["supervised"] = int(self.mask[: self.fill].sum(dtype=np.int64))
+        write_shard(self.out / name, self.buf[: self.fill])
         self.written += self.fill
         self.manifest["shards"].append(entry)
-        self.manifest["resume"] = {"next_doc": next_doc, "offset": offset, "tokens": self.written,
-                                   "val_end": self.val_end}
+        self.manifest["resume"] = {
+            "next_doc": next_doc,
+            "offset": offset,
+            "tokens": self.written,
+            "val_end": self.val_end,
+        }
         save_manifest(self.out, self.manifest)  # after the rename: a listed shard is whole
         self.fill, self.docs_in_shard = 0, 0
 
@@ -109,20 +114,26 @@ class ShardWriter:
         self._files_seen(self.written, np.zeros(0, dtype=np.int64), 0)
         for i in range(len(self.manifest["files"]), len(self.src.file_starts)):  # files with no documents left
             path = self.src.files[i]
-            self.manifest["files"].append({"path": path, "bytes": os.path.getsize(path),
-                                           "first_doc": self.doc, "first_token": self.written})
+            self.manifest["files"].append(
+                {"path": path, "bytes": os.path.getsize(path), "first_doc": self.doc, "first_token": self.written}
+            )
         self.manifest["resume"]["next_doc"] = self.doc
         if not self.manifest["shards"]:
-            raise SourceError(f"source {self.manifest['settings']['source']!r}: no documents; "
-                              "check the path, glob or --limit-docs")
+            raise SourceError(
+                f"source {self.manifest['settings']['source']!r}: no documents; check the path, glob or --limit-docs"
+            )
         if self.written == self.doc:  # one <|endoftext|> per document and nothing else
-            raise SourceError(f"source {self.manifest['settings']['source']!r}: all {self.doc} document(s) "
-                              "are empty; point --source at files with text")
+            raise SourceError(
+                f"source {self.manifest['settings']['source']!r}: all {self.doc} document(s) "
+                "are empty; point --source at files with text"
+            )
         finish_manifest(self.manifest)
         for info in self.manifest["splits"].values():  # a split that begins inside a document holds it too
             if open_shard(self.out / info["shards"][0])[0] != self.manifest["eot_id"]:
                 info["documents"] += 1
         if "train" not in self.manifest["splits"]:
-            warnings.warn(f"{self.out}: all {self.written} tokens went to val (val_tokens "
-                          f"{self.val_tokens}); pass a smaller --val-tokens to get a train split")
+            warnings.warn(
+                f"{self.out}: all {self.written} tokens went to val (val_tokens "
+                f"{self.val_tokens}); pass a smaller --val-tokens to get a train split"
+            )
         save_manifest(self.out, self.manifest)

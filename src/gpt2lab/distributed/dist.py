@@ -3,6 +3,7 @@
 Serves a plain ``python`` run (one process, any device), ``torchrun`` on one node or many
 (NCCL on CUDA, gloo on CPU), CPU and Apple MPS alike.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -16,16 +16,17 @@ A step's memory peaks at one of three moments, and the prediction is the largest
 - ``recompute``: with activation checkpointing, the first block recomputed in backward;
 - ``step``: the optimizer step, with every gradient and no activation.
 """
+
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
+from gpt2lab.model.config import GPTConfig
 from gpt2lab.model.loss import choose_loss, chunk_rows
 from gpt2lab.system.choices import STRATEGIES
 from gpt2lab.system.errors import UsageError
-from gpt2lab.model.config import GPTConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # What a rank holds besides tensors. CUDA: the context, cuBLAS workspaces and NCCL buffers,
@@ -33,8 +34,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # with torch 2.x), plus room for the caching allocator's fragmentation. CPU: the resident
 # size of a process that imported torch and gpt2lab's trainer (measured ~300 MB on x86-64,
 # torch 2.13; the same under torchrun once gloo's process group is up).
-CUDA_RUNTIME_BYTES = 2 * 2 ** 30
-CPU_PROCESS_BYTES = 300 * 2 ** 20
+CUDA_RUNTIME_BYTES = 2 * 2**30
+CPU_PROCESS_BYTES = 300 * 2**20
 FP32 = 4
 # CPython before 3.11 keeps a Python call's arguments on the caller's stack until the call returns
 # (3.11+ moves them into the callee's frame): what a callee rebinds is not freed there (loss_workspace_bytes)
@@ -56,10 +57,13 @@ class Prediction:
     def total(self) -> int:
         return sum(self.terms.values())
 
-    def to_dict(self, unit: float = 2 ** 20) -> dict:
+    def to_dict(self, unit: float = 2**20) -> dict:
         """Terms and total in MiB by default (``unit`` bytes each)."""
-        return {"phase": self.phase, **{k: round(v / unit, 1) for k, v in self.terms.items()},
-                "total": round(self.total / unit, 1)}
+        return {
+            "phase": self.phase,
+            **{k: round(v / unit, 1) for k, v in self.terms.items()},
+            "total": round(self.total / unit, 1),
+        }
 
 
 def param_counts(cfg: GPTConfig) -> dict[str, int]:
@@ -74,14 +78,21 @@ def param_counts(cfg: GPTConfig) -> dict[str, int]:
     """
     C = cfg.n_embd
     norm = 2 * C if cfg.norm == "layernorm" and cfg.bias else C
-    matmul = 12 * C * C + (9 * C if cfg.bias else 0)  # c_attn 3C^2+3C, attn c_proj C^2+C, c_fc 4C^2+4C, mlp c_proj 4C^2+C
+    matmul = 12 * C * C + (
+        9 * C if cfg.bias else 0
+    )  # c_attn 3C^2+3C, attn c_proj C^2+C, c_fc 4C^2+4C, mlp c_proj 4C^2+C
     block = matmul + 2 * norm
     root = cfg.vocab_size * C * (1 if cfg.tie_embeddings else 2) + norm
     root += cfg.block_size * C if cfg.pos_emb == "learned" else 0
     root += cfg.value_embeds * cfg.vocab_size * C + (cfg.n_layer // 2 if cfg.unet_skips else 0)
     blocks = cfg.n_layer * block + 2 * cfg.value_embeds
-    return {"block": block, "blocks": blocks, "root": root, "total": blocks + root,
-            "block_matmul": matmul}  # what autocast casts: Linear weights and biases
+    return {
+        "block": block,
+        "blocks": blocks,
+        "root": root,
+        "total": blocks + root,
+        "block_matmul": matmul,
+    }  # what autocast casts: Linear weights and biases
 
 
 def norm_saved_bytes(norm: str, C: int, device: str) -> int:
@@ -118,7 +129,7 @@ def optimizer_state_bytes(cfg: GPTConfig, optimizer: str = "adamw", muon_variant
     if optimizer == "adamw":
         return 2 * FP32 * p["total"]
     if optimizer == "muon":
-        hidden = cfg.n_layer * 12 * cfg.n_embd ** 2
+        hidden = cfg.n_layer * 12 * cfg.n_embd**2
         rows = cfg.n_layer * 9 * cfg.n_embd if muon_variant == "normuon" else 0
         return FP32 * (hidden + rows + 2 * (p["total"] - hidden))
     raise PlanError(f"optimizer {optimizer!r}: choose adamw or muon")
@@ -215,8 +226,7 @@ def lever_bytes(cfg: GPTConfig, N: int, act: int, recompute: bool) -> int:
     return out
 
 
-def loss_workspace_bytes(N: int, V: int, C: int, compute: int, x_size: int, w_size: int,
-                         softcap: float = 0.0) -> int:
+def loss_workspace_bytes(N: int, V: int, C: int, compute: int, x_size: int, w_size: int, softcap: float = 0.0) -> int:
     """Peak bytes inside chunked_cross_entropy's forward (eager kernel), replaying its loop.
 
     Alive throughout: x and the weight cast to the compute dtype (when they are not in it
@@ -266,21 +276,46 @@ def loss_workspace_bytes(N: int, V: int, C: int, compute: int, x_size: int, w_si
     return peak
 
 
-def predict(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_batch: int = 1,
-            seq_len: Optional[int] = None, dtype: str = "bfloat16", activation_checkpointing: bool = False,
-            accum: int = 2, device: str = "cuda", compiled: bool = False, optimizer: str = "adamw",
-            muon_variant: str = "muon", average: bool = False) -> Prediction:
+def predict(
+    cfg: GPTConfig,
+    *,
+    strategy: str = "ddp",
+    world_size: int = 1,
+    micro_batch: int = 1,
+    seq_len: Optional[int] = None,
+    dtype: str = "bfloat16",
+    activation_checkpointing: bool = False,
+    accum: int = 2,
+    device: str = "cuda",
+    compiled: bool = False,
+    optimizer: str = "adamw",
+    muon_variant: str = "muon",
+    average: bool = False,
+) -> Prediction:
     """Peak per-rank bytes of one training step: the largest of ``phases``, plus the runtime.
 
     ``accum`` is the run's accumulation after any batch ramp (--batch-ramp-steps): a ramp's
     early steps accumulate fewer micro-batches of the same size, never more, so they peak no
     higher (the ramp is otherwise ignored here)."""
     check(strategy, world_size, micro_batch, dtype, accum, device)
-    peak = max(phases(cfg, strategy=strategy, world_size=world_size, micro_batch=micro_batch, seq_len=seq_len,
-                      dtype=dtype, activation_checkpointing=activation_checkpointing, accum=accum,
-                      chunked_loss=choose_loss(device, compiled, sharded=strategy == "fsdp").chunked, device=device,
-                      optimizer=optimizer, muon_variant=muon_variant, average=average),
-               key=lambda ph: ph.total)
+    peak = max(
+        phases(
+            cfg,
+            strategy=strategy,
+            world_size=world_size,
+            micro_batch=micro_batch,
+            seq_len=seq_len,
+            dtype=dtype,
+            activation_checkpointing=activation_checkpointing,
+            accum=accum,
+            chunked_loss=choose_loss(device, compiled, sharded=strategy == "fsdp").chunked,
+            device=device,
+            optimizer=optimizer,
+            muon_variant=muon_variant,
+            average=average,
+        ),
+        key=lambda ph: ph.total,
+    )
     peak.terms["runtime"] = runtime_bytes(device)
     # On CPU the peak RSS exceeds the peak of live tensors by about one more chunked-loss
     # workspace (docs/benchmarks.md): the trainer keeps freed memory in glibc's heap
@@ -288,15 +323,28 @@ def predict(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro
     # and the next micro-step's workspace extends the heap past them.
     if device == "cpu":
         T = seq_len or cfg.block_size
-        peak.terms["allocator"] = loss_workspace_bytes(micro_batch * T, cfg.vocab_size, cfg.n_embd,
-                                                       DTYPE_BYTES[dtype], FP32, FP32, cfg.logit_softcap)
+        peak.terms["allocator"] = loss_workspace_bytes(
+            micro_batch * T, cfg.vocab_size, cfg.n_embd, DTYPE_BYTES[dtype], FP32, FP32, cfg.logit_softcap
+        )
     return peak
 
 
-def phases(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_batch: int = 1,
-           seq_len: Optional[int] = None, dtype: str = "bfloat16", activation_checkpointing: bool = False,
-           accum: int = 2, chunked_loss: bool = True, device: str = "cuda",
-           optimizer: str = "adamw", muon_variant: str = "muon", average: bool = False) -> list[Prediction]:
+def phases(
+    cfg: GPTConfig,
+    *,
+    strategy: str = "ddp",
+    world_size: int = 1,
+    micro_batch: int = 1,
+    seq_len: Optional[int] = None,
+    dtype: str = "bfloat16",
+    activation_checkpointing: bool = False,
+    accum: int = 2,
+    chunked_loss: bool = True,
+    device: str = "cuda",
+    optimizer: str = "adamw",
+    muon_variant: str = "muon",
+    average: bool = False,
+) -> list[Prediction]:
     """Tensor bytes per rank at each moment a step can peak (see the module docstring).
 
     Activations are autocast's under both strategies (the norms in fp32, the residual stream
@@ -324,8 +372,11 @@ def phases(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_
     whole = FP32 * p["total"]
     fsdp = strategy == "fsdp" and world_size > 1
     shard = world_size if fsdp else 1
-    fixed = {"weights": whole // shard, "optimizer": optimizer_state_bytes(cfg, optimizer, muon_variant) // shard,
-             "comm_buffers": whole if strategy == "ddp" and world_size > 1 else 0}
+    fixed = {
+        "weights": whole // shard,
+        "optimizer": optimizer_state_bytes(cfg, optimizer, muon_variant) // shard,
+        "comm_buffers": whole if strategy == "ddp" and world_size > 1 else 0,
+    }
     if average:
         fixed["average"] = whole
     if fsdp:
@@ -348,13 +399,26 @@ def phases(cfg: GPTConfig, *, strategy: str = "ddp", world_size: int = 1, micro_
     # the chunked loss's workspace, or the logits (N, V) in ``dtype`` that a compiled graph's fused
     # cross-entropy keeps (H100, 124M, B=64: 28.48 GiB measured, 28.36 predicted this way)
     loss = loss_workspace_bytes(N, V, C, a, FP32, FP32, cfg.logit_softcap) if chunked_loss else N * V * a
-    out = [Prediction("forward", {**fixed, "grads": grads_fwd, "weight_copies": copies, "activations": kept + head,
-                                  "loss": loss})]
+    out = [
+        Prediction(
+            "forward", {**fixed, "grads": grads_fwd, "weight_copies": copies, "activations": kept + head, "loss": loss}
+        )
+    ]
     if activation_checkpointing:  # the last block recomputed next to the loss's saved gradients
         saved_loss = FP32 * (N * C + V * C)
         block += value_gate_saved_bytes(N, C, a) if cfg.value_embeds else 0  # the last block reads one
-        out.append(Prediction("recompute", {**fixed, "grads": grads_bwd, "weight_copies": one_copy,
-                                            "activations": kept + block + saved_loss, "loss": 0}))
+        out.append(
+            Prediction(
+                "recompute",
+                {
+                    **fixed,
+                    "grads": grads_bwd,
+                    "weight_copies": one_copy,
+                    "activations": kept + block + saved_loss,
+                    "loss": 0,
+                },
+            )
+        )
     out.append(Prediction("step", {**fixed, "grads": whole // shard, "weight_copies": 0, "activations": 0, "loss": 0}))
     return out
 
@@ -374,8 +438,16 @@ def fits(predicted_bytes: int, device_bytes: int) -> bool:
     return predicted_bytes <= device_bytes
 
 
-def plan(gpu_bytes: int, cfg: GPTConfig, *, world_size: int = 1, seq_len: Optional[int] = None,
-         dtype: str = "bfloat16", max_batch: int = 4096, compiled: bool = True) -> list[dict]:
+def plan(
+    gpu_bytes: int,
+    cfg: GPTConfig,
+    *,
+    world_size: int = 1,
+    seq_len: Optional[int] = None,
+    dtype: str = "bfloat16",
+    max_batch: int = 4096,
+    compiled: bool = True,
+) -> list[dict]:
     """The largest micro-batch whose predicted peak fits ``gpu_bytes``, per strategy and
     activation checkpointing: [{"strategy", "activation_checkpointing", "micro_batch",
     "predicted_bytes"}]; micro_batch 0 where not even one sequence fits."""
@@ -384,14 +456,36 @@ def plan(gpu_bytes: int, cfg: GPTConfig, *, world_size: int = 1, seq_len: Option
     rows = []
     for strategy in STRATEGIES:
         for ac in (False, True):
+
             def fits_at(B: int) -> bool:
-                return fits(predict(cfg, strategy=strategy, world_size=world_size, micro_batch=B, seq_len=seq_len,
-                                    dtype=dtype, activation_checkpointing=ac, compiled=compiled).total, gpu_bytes)
+                return fits(
+                    predict(
+                        cfg,
+                        strategy=strategy,
+                        world_size=world_size,
+                        micro_batch=B,
+                        seq_len=seq_len,
+                        dtype=dtype,
+                        activation_checkpointing=ac,
+                        compiled=compiled,
+                    ).total,
+                    gpu_bytes,
+                )
+
             best = _largest(fits_at, max_batch)
-            total = predict(cfg, strategy=strategy, world_size=world_size, micro_batch=max(best, 1), seq_len=seq_len,
-                            dtype=dtype, activation_checkpointing=ac, compiled=compiled).total
-            rows.append({"strategy": strategy, "activation_checkpointing": ac, "micro_batch": best,
-                         "predicted_bytes": total})
+            total = predict(
+                cfg,
+                strategy=strategy,
+                world_size=world_size,
+                micro_batch=max(best, 1),
+                seq_len=seq_len,
+                dtype=dtype,
+                activation_checkpointing=ac,
+                compiled=compiled,
+            ).total
+            rows.append(
+                {"strategy": strategy, "activation_checkpointing": ac, "micro_batch": best, "predicted_bytes": total}
+            )
     return rows
 
 
@@ -422,8 +516,9 @@ def check(strategy: str, world_size: int, micro_batch: int, dtype: str, accum: i
             raise PlanError(f"{name} must be at least 1, got {v}")
 
 
-def choose(gpu_bytes: int, cfg: GPTConfig, *, world_size: int, seq_len: int, total_batch_tokens: int,
-           dtype: str = "bfloat16") -> dict:
+def choose(
+    gpu_bytes: int, cfg: GPTConfig, *, world_size: int, seq_len: int, total_batch_tokens: int, dtype: str = "bfloat16"
+) -> dict:
     """What a size preset assumes for a card: {"strategy", "activation_checkpointing", "micro_batch"}.
 
     The micro-batch is a power of two (so it divides a power-of-two batch at any power-of-two
@@ -437,6 +532,12 @@ def choose(gpu_bytes: int, cfg: GPTConfig, *, world_size: int, seq_len: int, tot
         B = 1 << (row["micro_batch"].bit_length() - 1) if row["micro_batch"] else 0
         key = (not row["activation_checkpointing"] and B > 0, B, row["strategy"] == "ddp")
         if best is None or key > best[0]:
-            best = (key, {"strategy": row["strategy"], "activation_checkpointing": row["activation_checkpointing"],
-                          "micro_batch": B})
+            best = (
+                key,
+                {
+                    "strategy": row["strategy"],
+                    "activation_checkpointing": row["activation_checkpointing"],
+                    "micro_batch": B,
+                },
+            )
     return best[1]

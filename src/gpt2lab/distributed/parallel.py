@@ -25,6 +25,7 @@ the same values, summed in a different order.
 a sharded model differently: gradient sync during accumulation, the clipping norm, the
 finite-weights check and evaluation (``gathered``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,15 +35,21 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gpt2lab.system.choices import STRATEGY_CHOICES
 from gpt2lab.distributed.dist import DTYPES, agree
+from gpt2lab.system.choices import STRATEGY_CHOICES
 from gpt2lab.system.runtime import Choice, ChoiceError
 
 
-
-def choose_strategy(requested: str, *, world_size: int, device_type: str, dtype: str = "float32",
-                    lora: bool = False, ddp_bytes: Optional[int] = None,
-                    device_bytes: Optional[int] = None) -> Choice:
+def choose_strategy(
+    requested: str,
+    *,
+    world_size: int,
+    device_type: str,
+    dtype: str = "float32",
+    lora: bool = False,
+    ddp_bytes: Optional[int] = None,
+    device_bytes: Optional[int] = None,
+) -> Choice:
     """ddp or fsdp for a run: the user's request if it can run here, else what fits.
 
     (--strategy fsdp with --lora-rank is refused by TrainConfig itself, before any process starts work.)
@@ -54,27 +61,41 @@ def choose_strategy(requested: str, *, world_size: int, device_type: str, dtype:
         raise ChoiceError(f"strategy {requested!r}: choose one of {', '.join(STRATEGY_CHOICES)}")
     if world_size == 1:
         why = "one process: nothing to shard, the model trains unwrapped"
-        return Choice("ddp", why + (" (--strategy fsdp applies under torchrun with several processes)"
-                                    if requested == "fsdp" else ""))
+        return Choice(
+            "ddp",
+            why + (" (--strategy fsdp applies under torchrun with several processes)" if requested == "fsdp" else ""),
+        )
     if requested == "fsdp":
         if dtype == "float16":
-            raise ChoiceError("--strategy fsdp with float16 (a GPU without bf16): the gradient scaler is not "
-                              "wired for sharded gradients; use --dtype float32 or --strategy ddp")
+            raise ChoiceError(
+                "--strategy fsdp with float16 (a GPU without bf16): the gradient scaler is not "
+                "wired for sharded gradients; use --dtype float32 or --strategy ddp"
+            )
         return Choice("fsdp", "asked for with --strategy fsdp")
     if requested == "ddp":
         return Choice("ddp", "asked for with --strategy ddp")
     if lora or dtype == "float16":
-        return Choice("ddp", "LoRA: only the adapters have gradients and AdamW state" if lora
-                      else "float16: the gradient scaler needs DDP's whole gradients")
+        return Choice(
+            "ddp",
+            "LoRA: only the adapters have gradients and AdamW state"
+            if lora
+            else "float16: the gradient scaler needs DDP's whole gradients",
+        )
     if ddp_bytes is None or device_bytes is None:
-        return Choice("ddp", f"{world_size} processes; no memory prediction for this {device_type}, so DDP "
-                             "(--strategy fsdp shards weights, gradients and AdamW state)")
+        return Choice(
+            "ddp",
+            f"{world_size} processes; no memory prediction for this {device_type}, so DDP "
+            "(--strategy fsdp shards weights, gradients and AdamW state)",
+        )
     need, have = ddp_bytes / 2**30, device_bytes / 2**30
     from gpt2lab.distributed.memplan import fits
 
     if not fits(ddp_bytes, device_bytes):
-        return Choice("fsdp", f"DDP would need {need:.1f} GiB per rank (gpt2lab.distributed.memplan), more than "
-                              f"the device's {have:.1f} GiB: sharded over {world_size} processes")
+        return Choice(
+            "fsdp",
+            f"DDP would need {need:.1f} GiB per rank (gpt2lab.distributed.memplan), more than "
+            f"the device's {have:.1f} GiB: sharded over {world_size} processes",
+        )
     return Choice("ddp", f"DDP needs {need:.1f} GiB per rank of the device's {have:.1f} GiB: it fits")
 
 
@@ -86,8 +107,9 @@ def device_bytes(device: torch.device) -> Optional[int]:
 
 
 # -- wrapping ------------------------------------------------------------------------------
-def wrap(model: nn.Module, strategy: str, *, distributed: bool, device: torch.device, dtype: str,
-         compile: bool) -> tuple[nn.Module, nn.Module]:
+def wrap(
+    model: nn.Module, strategy: str, *, distributed: bool, device: torch.device, dtype: str, compile: bool
+) -> tuple[nn.Module, nn.Module]:
     """(module to train, module to evaluate) around ``model``, which stays the GPT to save.
 
     One process: the (compiled) model for both. DDP: DDP around the compiled model, the

@@ -13,6 +13,7 @@ a tool, as nanochat's engine does: when the model has written ``<<expr=``, the v
 and ``>>`` are appended to its reply as if it had written them (the data writes ``<<48/2=24>>24``);
 the tool evaluates + - * / % ** and parentheses on numbers only (``calculate``).
 """
+
 from __future__ import annotations
 
 import ast
@@ -43,8 +44,9 @@ def _check(model) -> None:
 
 # -- the assistant-token loss -----------------------------------------------------------------
 @torch.no_grad()
-def assistant_loss(model, conversations: Sequence[Sequence[Message]], device: torch.device,
-                   dtype: str = "float32") -> tuple[float, int]:
+def assistant_loss(
+    model, conversations: Sequence[Sequence[Message]], device: torch.device, dtype: str = "float32"
+) -> tuple[float, int]:
     """(mean loss over the assistant's tokens, their number) of ``conversations``: each one's ids cut
     into windows of block_size + 1 (targets the next tokens; masked targets skipped)."""
     T, tok = model.config.block_size, chat_tokenizer(model)
@@ -53,9 +55,9 @@ def assistant_loss(model, conversations: Sequence[Sequence[Message]], device: to
         ids, mask = encode_chat(turns, tokenizer=tok)
         for start in range(0, len(ids) - 1, T):
             end = min(start + T, len(ids) - 1)  # inputs start..end-1 predict start+1..end
-            m = mask[start + 1:end + 1]
+            m = mask[start + 1 : end + 1]
             x = torch.tensor([ids[start:end]], device=device)
-            y = torch.tensor([[t if keep else -1 for t, keep in zip(ids[start + 1:end + 1], m)]], device=device)
+            y = torch.tensor([[t if keep else -1 for t, keep in zip(ids[start + 1 : end + 1], m)]], device=device)
             n = sum(m)
             if n == 0:
                 continue
@@ -69,15 +71,16 @@ def assistant_loss(model, conversations: Sequence[Sequence[Message]], device: to
 # -- greedy replies ----------------------------------------------------------------------------
 @dataclass
 class Reply:
-    ids: list[int]    # the reply's tokens, <|im_end|> excluded
+    ids: list[int]  # the reply's tokens, <|im_end|> excluded
     text: str
-    ended: bool       # the model wrote <|im_end|> within max_tokens
+    ended: bool  # the model wrote <|im_end|> within max_tokens
     tool_calls: int = 0
 
 
 @torch.inference_mode()
-def greedy_reply(model, prompt: Sequence[int], max_tokens: int,
-                 tool: Optional[Callable[[str], Optional[str]]] = None) -> Reply:
+def greedy_reply(
+    model, prompt: Sequence[int], max_tokens: int, tool: Optional[Callable[[str], Optional[str]]] = None
+) -> Reply:
     """The model's greedy continuation of ``prompt`` up to ``<|im_end|>`` or ``max_tokens`` tokens.
     ``tool(reply_text)`` may return text to append (a calculator's result): its tokens are fed to
     the model as if generated, and count toward ``max_tokens``."""
@@ -85,8 +88,9 @@ def greedy_reply(model, prompt: Sequence[int], max_tokens: int,
     device = next(model.parameters()).device
     budget = min(max_tokens, model.config.block_size - len(prompt))
     if budget < 1:
-        raise ValueError(f"the prompt of {len(prompt)} tokens leaves no room in the model's "
-                         f"{model.config.block_size}-token context")
+        raise ValueError(
+            f"the prompt of {len(prompt)} tokens leaves no room in the model's {model.config.block_size}-token context"
+        )
     cache = model.new_kv_cache(len(prompt) + budget)
     pending, out, calls = list(prompt), [], 0
     real_vocab = model.config.real_vocab_size
@@ -99,7 +103,7 @@ def greedy_reply(model, prompt: Sequence[int], max_tokens: int,
         pending = [nxt]
         extra = tool(enc.decode(out, errors="replace")) if tool else None
         if extra:
-            forced = enc.encode_ordinary(extra)[:budget - len(out)]
+            forced = enc.encode_ordinary(extra)[: budget - len(out)]
             out.extend(forced)
             pending.extend(forced)
             calls += 1
@@ -114,8 +118,15 @@ def first_reply_prompt(turns: Sequence[Message], tokenizer: Optional[Tokenizer] 
     return None
 
 
-def evaluate_chat(model, conversations: Sequence[Sequence[Message]], *, max_tokens: int,
-                  device: torch.device, dtype: str = "float32", progress: bool = False) -> dict:
+def evaluate_chat(
+    model,
+    conversations: Sequence[Sequence[Message]],
+    *,
+    max_tokens: int,
+    device: torch.device,
+    dtype: str = "float32",
+    progress: bool = False,
+) -> dict:
     """The assistant-token loss and the share of greedy replies that end their turn (module docstring)."""
     _check(model)
     loss, kept = assistant_loss(model, conversations, device, dtype)
@@ -129,11 +140,18 @@ def evaluate_chat(model, conversations: Sequence[Sequence[Message]], *, max_toke
         replies += 1
         ended += r.ended
         lengths.append(len(r.ids))
-    return {"task": "chat", "conversations": len(conversations), "assistant_tokens": kept,
-            "assistant_loss": loss, "replies": replies, "ended": ended,
-            "ended_share": ended / replies if replies else None, "max_tokens": max_tokens,
-            "mean_reply_tokens": sum(lengths) / len(lengths) if lengths else None,
-            "skipped_no_room": skipped}
+    return {
+        "task": "chat",
+        "conversations": len(conversations),
+        "assistant_tokens": kept,
+        "assistant_loss": loss,
+        "replies": replies,
+        "ended": ended,
+        "ended_share": ended / replies if replies else None,
+        "max_tokens": max_tokens,
+        "mean_reply_tokens": sum(lengths) / len(lengths) if lengths else None,
+        "skipped_no_room": skipped,
+    }
 
 
 # -- GSM8K ---------------------------------------------------------------------------------------
@@ -155,8 +173,16 @@ def same_number(a: Optional[str], b: Optional[str]) -> bool:
         return False
 
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.Mod: operator.mod, ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
 
 
 def calculate(expr: str) -> Optional[str]:
@@ -195,12 +221,13 @@ def calculator_tool(text: str) -> Optional[str]:
     start = text.rfind("<<")
     if start < 0 or text.rfind(">>") > start:
         return None
-    value = calculate(text[start + 2:-1])
+    value = calculate(text[start + 2 : -1])
     return None if value is None else f"{value}>>"
 
 
-def evaluate_gsm8k(model, problems: Sequence[Sequence[Message]], *, max_tokens: int, calculator: bool = True,
-                   progress: bool = False) -> tuple[dict, list[dict]]:
+def evaluate_gsm8k(
+    model, problems: Sequence[Sequence[Message]], *, max_tokens: int, calculator: bool = True, progress: bool = False
+) -> tuple[dict, list[dict]]:
     """(summary, one record per problem): each problem's user turn answered greedily, exact match of
     the number after ``####`` against the reference answer's."""
     _check(model)
@@ -212,11 +239,29 @@ def evaluate_gsm8k(model, problems: Sequence[Sequence[Message]], *, max_tokens: 
         answer, expected = final_number(r.text), final_number(reference)
         ok = same_number(answer, expected)
         correct += ok
-        rows.append({"question": question, "reference": expected, "reply": r.text, "answer": answer,
-                     "correct": ok, "ended": r.ended, "tool_calls": r.tool_calls})
+        rows.append(
+            {
+                "question": question,
+                "reference": expected,
+                "reply": r.text,
+                "answer": answer,
+                "correct": ok,
+                "ended": r.ended,
+                "tool_calls": r.tool_calls,
+            }
+        )
     n = len(rows)
-    return ({"task": "gsm8k", "n": n, "correct": correct, "accuracy": correct / n if n else None,
-             "calculator": calculator, "max_tokens": max_tokens}, rows)
+    return (
+        {
+            "task": "gsm8k",
+            "n": n,
+            "correct": correct,
+            "accuracy": correct / n if n else None,
+            "calculator": calculator,
+            "max_tokens": max_tokens,
+        },
+        rows,
+    )
 
 
 def read_conversations(source: str, limit: Optional[int] = None, gsm8k: bool = False) -> list[list[Message]]:

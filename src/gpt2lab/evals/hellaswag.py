@@ -11,6 +11,7 @@ length and right-pads them (padding after a row cannot change a causal model's o
 on it); 'shared' runs each context once into the KV cache and continues it into its
 four endings.
 """
+
 from __future__ import annotations
 
 import json
@@ -70,6 +71,7 @@ class Score:
 
 # ---------------------------------------------------------------- data
 
+
 def cache_dir() -> str:
     """Where downloads are kept: gpt2lab's cache ($GPT2LAB_CACHE, else ~/.cache/gpt2lab), as the probes'."""
     from gpt2lab.system.runtime import _cache_dir
@@ -88,8 +90,9 @@ def load_examples(path: Optional[str] = None, limit: Optional[int] = None, flag:
     if path is None:
         path = official_validation_file(flag=flag)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"HellaSwag data {path}: no such file; pass {flag} FILE with a jsonl "
-                                "of ctx/endings/label lines")
+        raise FileNotFoundError(
+            f"HellaSwag data {path}: no such file; pass {flag} FILE with a jsonl of ctx/endings/label lines"
+        )
     examples = []
     for lineno, line in _lines(path):
         examples.append(_parse_line(line, path, lineno))
@@ -167,9 +170,11 @@ def official_validation_file(flag: str = "--data") -> str:
 
 
 def _unavailable(dest: str, flag: str, why: str) -> RuntimeError:
-    return RuntimeError(f"the official HellaSwag validation set is not in the cache ({dest}) and could not be "
-                        f"downloaded ({why}); pass {flag} FILE (a jsonl with ctx, endings, label) or place the "
-                        "official hellaswag_val.jsonl there")
+    return RuntimeError(
+        f"the official HellaSwag validation set is not in the cache ({dest}) and could not be "
+        f"downloaded ({why}); pass {flag} FILE (a jsonl with ctx, endings, label) or place the "
+        "official hellaswag_val.jsonl there"
+    )
 
 
 def _atomic_write(dest: str, fetch) -> None:
@@ -200,6 +205,7 @@ def _download_hf(dest: str) -> None:
 
 # ---------------------------------------------------------------- scoring
 
+
 def render_example(enc, ex: Example) -> tuple[list[int], list[list[int]]]:
     """Context tokens and the tokens of ``" " + ending`` for each ending (as the reference)."""
     return enc.encode(ex.ctx), [enc.encode(" " + e) for e in ex.endings]
@@ -211,10 +217,11 @@ def _render(enc, ex: Example, block_size: int) -> tuple[list[int], list[list[int
     ctx, ends = render_example(enc, ex)
     longest = max(len(e) for e in ends)
     if longest > block_size - 1:
-        raise ValueError(f"HellaSwag ending of {longest} tokens cannot be scored by a model with "
-                         f"block_size {block_size}")
+        raise ValueError(
+            f"HellaSwag ending of {longest} tokens cannot be scored by a model with block_size {block_size}"
+        )
     keep = min(len(ctx), block_size - longest)
-    return ctx[len(ctx) - keep:], ends, keep < len(ctx)
+    return ctx[len(ctx) - keep :], ends, keep < len(ctx)
 
 
 def _is_compiled(model) -> bool:
@@ -243,14 +250,14 @@ def _round_up(n: int, multiple: int) -> int:
 
 def _losses(logits: torch.Tensor, targets: list[int], rows: list[int], n_rows: int, device) -> torch.Tensor:
     """Summed cross entropy per row of the scored positions (targets -1 count zero)."""
-    losses = F.cross_entropy(logits.float(), torch.tensor(targets, device=device), ignore_index=-1,
-                             reduction="none")
+    losses = F.cross_entropy(logits.float(), torch.tensor(targets, device=device), ignore_index=-1, reduction="none")
     return torch.zeros(n_rows, device=device).index_add_(0, torch.tensor(rows, device=device), losses)
 
 
 @torch.no_grad()
-def _score_padded(model, rows: list[tuple[list[int], list[int]]], *, device, dtype,
-                  compiled_rows: int = 0) -> torch.Tensor:
+def _score_padded(
+    model, rows: list[tuple[list[int], list[int]]], *, device, dtype, compiled_rows: int = 0
+) -> torch.Tensor:
     """Summed ending loss of each (context, ending) row, all rows in one forward pass.
 
     Rows are right-padded (padding after a row cannot change a causal model's outputs on
@@ -267,7 +274,7 @@ def _score_padded(model, rows: list[tuple[list[int], list[int]]], *, device, dty
     positions, targets, row_of = [], [], []
     for r, (ctx, end) in enumerate(rows):
         seq = ctx + end
-        tokens[r, :len(seq) - 1] = torch.tensor(seq[:-1])
+        tokens[r, : len(seq) - 1] = torch.tensor(seq[:-1])
         first = r * T + len(ctx) - 1  # its output predicts the first ending token
         positions += range(first, first + len(end))
         targets += end
@@ -277,7 +284,7 @@ def _score_padded(model, rows: list[tuple[list[int], list[int]]], *, device, dty
         positions, targets, row_of = positions + [0] * pad, targets + [-1] * pad, row_of + [0] * pad
     with autocast(device, dtype):
         logits, _ = model(tokens.to(device), positions=torch.tensor(positions, device=device))
-    return _losses(logits, targets, row_of, R, device)[:len(rows)].cpu()
+    return _losses(logits, targets, row_of, R, device)[: len(rows)].cpu()
 
 
 @torch.no_grad()
@@ -293,19 +300,20 @@ def _score_shared(model, ctxs: list[list[int]], ends: list[list[list[int]]], *, 
     with autocast(device, dtype):
         first, _ = model(torch.tensor(ctxs, device=device), kv_cache=ctx_cache, last_only=True)
     # The last context position predicts every ending's first token.
-    sums = _losses(first[:, 0].repeat_interleave(N_ENDINGS, dim=0), [e[0] for e in flat], list(range(len(flat))),
-                   len(flat), device)
+    sums = _losses(
+        first[:, 0].repeat_interleave(N_ENDINGS, dim=0), [e[0] for e in flat], list(range(len(flat))), len(flat), device
+    )
     order = sorted(range(len(flat)), key=lambda r: len(flat[r]))
     per_pass = max(n, SHARED_MIN_ROWS)
     for s in range(0, len(flat), per_pass):
-        rows = order[s:s + per_pass]
+        rows = order[s : s + per_pass]
         T = max(len(flat[r]) for r in rows) - 1  # an ending's last token predicts nothing scored
         if T == 0:
             continue
         tokens, positions, targets, row_of = torch.zeros(len(rows), T, dtype=torch.long), [], [], []
         for k, r in enumerate(rows):
             e = flat[r]
-            tokens[k, :len(e) - 1] = torch.tensor(e[:-1])
+            tokens[k, : len(e) - 1] = torch.tensor(e[:-1])
             positions += range(k * T, k * T + len(e) - 1)
             targets += e[1:]
             row_of += [r] * (len(e) - 1)
@@ -349,20 +357,30 @@ def _batches(rendered, strategy: str, batch_size: int) -> list[tuple[str, list]]
     with equal context length.
     """
     if strategy == "padded":
-        rows = sorted(((i, j) for i in range(len(rendered)) for j in range(N_ENDINGS)),
-                      key=lambda ij: -(len(rendered[ij[0]][0]) + len(rendered[ij[0]][1][ij[1]])))
+        rows = sorted(
+            ((i, j) for i in range(len(rendered)) for j in range(N_ENDINGS)),
+            key=lambda ij: -(len(rendered[ij[0]][0]) + len(rendered[ij[0]][1][ij[1]])),
+        )
         size = N_ENDINGS * batch_size
-        return [("padded", rows[s:s + size]) for s in range(0, len(rows), size)]
+        return [("padded", rows[s : s + size]) for s in range(0, len(rows), size)]
     by_len: dict[int, list[int]] = {}
     for i in sorted(range(len(rendered)), key=lambda i: (-len(rendered[i][0]), -max(map(len, rendered[i][1])))):
         by_len.setdefault(len(rendered[i][0]), []).append(i)
-    return [("shared", group[s:s + batch_size]) for group in by_len.values()
-            for s in range(0, len(group), batch_size)]
+    return [
+        ("shared", group[s : s + batch_size]) for group in by_len.values() for s in range(0, len(group), batch_size)
+    ]
 
 
-def score_examples(model, examples: list[Example], *, device, dtype: str = "float32",
-                   batch_size: int = DEFAULT_BATCH_SIZE, strategy: str = "auto",
-                   progress: bool = False) -> list[Score]:
+def score_examples(
+    model,
+    examples: list[Example],
+    *,
+    device,
+    dtype: str = "float32",
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    strategy: str = "auto",
+    progress: bool = False,
+) -> list[Score]:
     """Score every example, up to ``batch_size`` examples per forward; results in input order."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -372,8 +390,9 @@ def score_examples(model, examples: list[Example], *, device, dtype: str = "floa
     rendered = [_render(enc, ex, block) for ex in examples]
     n_cut = sum(r[2] for r in rendered)
     if n_cut:
-        warnings.warn(f"HellaSwag: {n_cut} of {len(examples)} contexts were cut from the left to fit "
-                      f"block_size {block}")
+        warnings.warn(
+            f"HellaSwag: {n_cut} of {len(examples)} contexts were cut from the left to fit block_size {block}"
+        )
     batches = _batches(rendered, strategy, batch_size)
     if progress:
         from tqdm import tqdm
@@ -382,12 +401,14 @@ def score_examples(model, examples: list[Example], *, device, dtype: str = "floa
     sums = torch.zeros(len(examples), N_ENDINGS)
     for kind, idx in batches:
         if kind == "shared":
-            sums[idx] = _score_shared(model, [rendered[i][0] for i in idx], [rendered[i][1] for i in idx],
-                                      device=device, dtype=dtype)
+            sums[idx] = _score_shared(
+                model, [rendered[i][0] for i in idx], [rendered[i][1] for i in idx], device=device, dtype=dtype
+            )
         else:
             rows = [(rendered[i][0], rendered[i][1][j]) for i, j in idx]
-            sums[tuple(zip(*idx))] = _score_padded(model, rows, device=device, dtype=dtype,
-                                                   compiled_rows=N_ENDINGS * batch_size if compiled else 0)
+            sums[tuple(zip(*idx))] = _score_padded(
+                model, rows, device=device, dtype=dtype, compiled_rows=N_ENDINGS * batch_size if compiled else 0
+            )
     scores = []
     for ex, (_, ends, _), s in zip(examples, rendered, sums):
         m = s / torch.tensor([len(e) for e in ends])
@@ -395,9 +416,19 @@ def score_examples(model, examples: list[Example], *, device, dtype: str = "floa
     return scores
 
 
-def evaluate_hellaswag(model, data_path: Optional[str] = None, *, device, dtype: str = "float32",
-                       batch_size: int = DEFAULT_BATCH_SIZE, limit: Optional[int] = None, rank: int = 0,
-                       world_size: int = 1, strategy: str = "auto", progress: bool = False) -> dict:
+def evaluate_hellaswag(
+    model,
+    data_path: Optional[str] = None,
+    *,
+    device,
+    dtype: str = "float32",
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    limit: Optional[int] = None,
+    rank: int = 0,
+    world_size: int = 1,
+    strategy: str = "auto",
+    progress: bool = False,
+) -> dict:
     """HellaSwag accuracy of ``model``: {"task", "n", "acc", "acc_norm"}.
 
     Under torch.distributed each rank scores examples rank, rank + world_size, ... and the
@@ -408,10 +439,20 @@ def evaluate_hellaswag(model, data_path: Optional[str] = None, *, device, dtype:
         raise RuntimeError(f"world_size {world_size} needs an initialised torch.distributed process group")
     examples = load_examples(data_path, limit)
     mine = examples[rank::world_size]
-    scores = score_examples(model, mine, device=device, dtype=dtype, batch_size=batch_size, strategy=strategy,
-                            progress=progress and rank == 0)
-    counts = torch.tensor([len(scores), sum(s.pred == s.label for s in scores),
-                           sum(s.pred_norm == s.label for s in scores)], dtype=torch.long, device=device)
+    scores = score_examples(
+        model,
+        mine,
+        device=device,
+        dtype=dtype,
+        batch_size=batch_size,
+        strategy=strategy,
+        progress=progress and rank == 0,
+    )
+    counts = torch.tensor(
+        [len(scores), sum(s.pred == s.label for s in scores), sum(s.pred_norm == s.label for s in scores)],
+        dtype=torch.long,
+        device=device,
+    )
     if world_size > 1:
         all_reduce_sum(counts)
     n, correct, correct_norm = counts.tolist()

@@ -7,6 +7,7 @@ evaluated target tokens, in bits, over the UTF-8 bytes those tokens decode to, s
 taken on (a per-token byte-length table of the data's tokenizer), so conversations count the
 assistant's tokens only.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,14 +21,14 @@ from gpt2lab.distributed.dist import all_reduce_mean, all_reduce_sum, autocast
 # A model held for inference (inference/form.py) has no chunked loss: its loss is taken from
 # whole logits. Its batches run this many logits at a time at most (the chunked loss's own bound,
 # model/loss.py: 512 MB of fp32 logits), a few sequences per forward.
-LOGITS_PER_FORWARD = 2 ** 27
+LOGITS_PER_FORWARD = 2**27
 
 
 @dataclass(frozen=True)
 class LossResult:
-    loss: float     # mean loss per target token, nats
-    targets: int    # target tokens the loss is the mean over, all ranks
-    bytes: int      # UTF-8 bytes those targets decode to
+    loss: float  # mean loss per target token, nats
+    targets: int  # target tokens the loss is the mean over, all ranks
+    bytes: int  # UTF-8 bytes those targets decode to
 
     @property
     def bpb(self) -> Optional[float]:
@@ -41,10 +42,20 @@ def evaluate_loss(model: torch.nn.Module, data_dir: str, **kwargs) -> float:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, data_dir: str, *, tokens: int, batch_size: int, seq_len: int,
-             device: torch.device | str, dtype: str = "float32", split: str = "val",
-             rank: int = 0, world_size: int = 1,
-             flags: tuple[str, str] = ("--eval-tokens", "--micro-batch-size")) -> LossResult:
+def evaluate(
+    model: torch.nn.Module,
+    data_dir: str,
+    *,
+    tokens: int,
+    batch_size: int,
+    seq_len: int,
+    device: torch.device | str,
+    dtype: str = "float32",
+    split: str = "val",
+    rank: int = 0,
+    world_size: int = 1,
+    flags: tuple[str, str] = ("--eval-tokens", "--micro-batch-size"),
+) -> LossResult:
     """Mean loss over the first ``tokens`` target tokens of ``split`` (at least one batch per rank), with
     the targets counted and their bytes (bits per byte).
 
@@ -65,9 +76,11 @@ def evaluate(model: torch.nn.Module, data_dir: str, *, tokens: int, batch_size: 
     if steps * per_step > available:  # ``flags``: the caller's names for tokens and batch_size
         from gpt2lab.system.errors import UsageError
 
-        raise UsageError(f"{data_dir}: split '{split}' has {available} tokens in sequences of {seq_len}, "
-                         f"fewer than the {steps * per_step} requested; lower {flags[0]} (or {flags[1]}) "
-                         "or prepare a larger split")
+        raise UsageError(
+            f"{data_dir}: split '{split}' has {available} tokens in sequences of {seq_len}, "
+            f"fewer than the {steps * per_step} requested; lower {flags[0]} (or {flags[1]}) "
+            "or prepare a larger split"
+        )
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float32, device=device)

@@ -19,12 +19,14 @@ Each message is ``ROLE: content`` on a line of its own (the content as sent, new
 continuation, its leading whitespace removed; it ends at <|endoftext|>, at ``NEXT_TURN`` (the model
 starting the user's next line), at the caller's own stop strings, or at the token limit.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
 
-from gpt2lab.data.chat import ROLES as CHAT_ROLES, encode_chat
+from gpt2lab.data.chat import ROLES as CHAT_ROLES
+from gpt2lab.data.chat import encode_chat
 from gpt2lab.inference.completion import tokenizer_for
 from gpt2lab.model.config import GPTConfig
 from gpt2lab.model.gpt import GPT
@@ -40,6 +42,7 @@ TEMPLATE_ROLES = {**{r: r for r in CHAT_ROLES}, "developer": "system"}
 class ChatPrompt:
     """A conversation as the model is given it: its ids, its text, the stop strings of its template
     (beyond the model's end token), and whether the reply's leading whitespace is dropped."""
+
     ids: list[int]
     text: str
     stops: tuple[str, ...]
@@ -49,10 +52,14 @@ class ChatPrompt:
 def note(config: GPTConfig) -> str:
     """What ``/v1/models`` says of a model's chat: which template it is talked to in."""
     if config.chat_template:
-        return (f"a chat model: /v1/chat/completions writes the messages in its {config.chat_template} template "
-                "and the reply ends at its end-of-turn token")
-    return ("a base language model, not a chat model: /v1/chat/completions writes the messages as plain "
-            "'System: ...', 'User: ...' lines and lets the model continue after 'Assistant:'")
+        return (
+            f"a chat model: /v1/chat/completions writes the messages in its {config.chat_template} template "
+            "and the reply ends at its end-of-turn token"
+        )
+    return (
+        "a base language model, not a chat model: /v1/chat/completions writes the messages as plain "
+        "'System: ...', 'User: ...' lines and lets the model continue after 'Assistant:'"
+    )
 
 
 def render_plain(messages: Sequence[tuple[str, str]]) -> str:
@@ -65,8 +72,7 @@ def chat_prompt(model: GPT, messages: Sequence[tuple[str, str]]) -> ChatPrompt:
     model; a ValueError naming ``messages[i].role`` for a role neither takes."""
     for i, (role, _) in enumerate(messages):
         if role not in PLAIN_ROLES:
-            raise ValueError(f"messages[{i}].role {role!r}: not a role this server takes "
-                             f"({', '.join(PLAIN_ROLES)})")
+            raise ValueError(f"messages[{i}].role {role!r}: not a role this server takes ({', '.join(PLAIN_ROLES)})")
     tok = tokenizer_for(model)
     if model.config.chat_template:
         ids = encode_chat([(TEMPLATE_ROLES[r], c) for r, c in messages], add_generation_prompt=True, tokenizer=tok)[0]

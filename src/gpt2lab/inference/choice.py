@@ -17,6 +17,7 @@ form (kernels.py):
   the prefill alone. Unmeasured, the device's rule decides (``rule``): the documented choice that
   needs no timing, which the library's ``for_inference`` uses.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,8 +37,8 @@ REQUEST_TOKENS = 128
 
 @dataclass(frozen=True)
 class Candidate:
-    dtype: str      # compute dtype of the linears: float32, bfloat16, float16
-    kernel: str     # kernels.KERNELS
+    dtype: str  # compute dtype of the linears: float32, bfloat16, float16
+    kernel: str  # kernels.KERNELS
 
     @property
     def name(self) -> str:
@@ -47,6 +48,7 @@ class Candidate:
 @dataclass(frozen=True)
 class Timing:
     """Measured ms: a prefill of REQUEST_TOKENS tokens, a decode step at one row and at the request's rows."""
+
     prefill: Optional[float] = None
     step1: Optional[float] = None
     step_rows: Optional[float] = None
@@ -55,6 +57,7 @@ class Timing:
 @dataclass(frozen=True)
 class InferenceRequest:
     """What the command asked for (``dtype`` "auto" or a dtype name; ``rows``: the server's --max-batch)."""
+
     dtype: str = "auto"
     quantize: str = "none"
     linear: str = "auto"
@@ -65,13 +68,14 @@ class InferenceRequest:
 @dataclass(frozen=True)
 class InferenceFacts:
     """What the decision depends on; ``detect_facts`` fills the device's, ``measure`` the timings."""
+
     device_type: str
     device_name: str = ""
-    native_bf16: bool = False               # CPU flag (AVX512_BF16/AMX/BF16) or the GPU's bf16
-    packing: bool = False                   # oneDNN's packed linear is there (CPU)
+    native_bf16: bool = False  # CPU flag (AVX512_BF16/AMX/BF16) or the GPU's bf16
+    packing: bool = False  # oneDNN's packed linear is there (CPU)
     packing_bf16_error: Optional[str] = None  # why oneDNN cannot pack bf16 weights here (None: it can)
-    int8_error: Optional[str] = None        # why int8 weight-only cannot run (None: it can)
-    timings: Optional[dict] = None          # candidate name -> Timing, or -> the error it failed with
+    int8_error: Optional[str] = None  # why int8 weight-only cannot run (None: it can)
+    timings: Optional[dict] = None  # candidate name -> Timing, or -> the error it failed with
 
 
 @dataclass(frozen=True)
@@ -86,10 +90,17 @@ class Decision:
 
     def record(self) -> dict:
         """The figures behind the choice, for JSON outputs."""
-        return {"dtype": self.candidate.dtype, "kernel": self.candidate.kernel, "reason": self.reason,
-                "workload": self.request.workload, "rows": self.request.rows, "quantize": self.request.quantize,
-                "timings_ms": {k: (dataclasses.asdict(v) if isinstance(v, Timing) else v)
-                               for k, v in (self.timings or {}).items()}}
+        return {
+            "dtype": self.candidate.dtype,
+            "kernel": self.candidate.kernel,
+            "reason": self.reason,
+            "workload": self.request.workload,
+            "rows": self.request.rows,
+            "quantize": self.request.quantize,
+            "timings_ms": {
+                k: (dataclasses.asdict(v) if isinstance(v, Timing) else v) for k, v in (self.timings or {}).items()
+            },
+        }
 
 
 def _dtypes(request: InferenceRequest, facts: InferenceFacts) -> list[str]:
@@ -123,13 +134,22 @@ def candidates(request: InferenceRequest, facts: InferenceFacts) -> list[Candida
         raise ChoiceError(f"--cpu-linear packed cannot run here ({why}); use auto or plain")
     if not cpu:
         return [Candidate(d, "plain") for d in dtypes]
-    kernels = {"auto": ["plain", "decode"] + (["packed"] if facts.packing else []),
-               "plain": ["plain", "decode"], "packed": ["packed"]}[request.linear]
-    out = [Candidate(d, k) for d in dtypes for k in kernels
-           if not (k == "packed" and d == "bfloat16" and facts.packing_bf16_error)]
+    kernels = {
+        "auto": ["plain", "decode"] + (["packed"] if facts.packing else []),
+        "plain": ["plain", "decode"],
+        "packed": ["packed"],
+    }[request.linear]
+    out = [
+        Candidate(d, k)
+        for d in dtypes
+        for k in kernels
+        if not (k == "packed" and d == "bfloat16" and facts.packing_bf16_error)
+    ]
     if not out:  # only bf16 packed was asked for, and oneDNN cannot pack bf16 on this CPU
-        raise ChoiceError(f"--dtype bfloat16 --cpu-linear packed cannot run here (oneDNN: "
-                          f"{facts.packing_bf16_error}); use --cpu-linear plain or --dtype float32")
+        raise ChoiceError(
+            f"--dtype bfloat16 --cpu-linear packed cannot run here (oneDNN: "
+            f"{facts.packing_bf16_error}); use --cpu-linear plain or --dtype float32"
+        )
     return out
 
 
@@ -149,8 +169,9 @@ def choose(request: InferenceRequest, facts: InferenceFacts) -> Decision:
     if len(cands) == 1:
         why = "asked for" if request.dtype != "auto" or request.quantize != "none" else "the only one here"
         return Decision(cands[0], why, request, facts.timings)
-    measured = {c: facts.timings[c.name] for c in cands
-                if facts.timings and isinstance(facts.timings.get(c.name), Timing)}
+    measured = {
+        c: facts.timings[c.name] for c in cands if facts.timings and isinstance(facts.timings.get(c.name), Timing)
+    }
     if not measured:
         return Decision(device_pick(cands, facts), _unmeasured_reason(facts), request, facts.timings)
     cost = {c: costs(request, t) for c, t in measured.items()}
@@ -177,13 +198,17 @@ def device_pick(cands: list[Candidate], facts: InferenceFacts) -> Candidate:
 
 def _unmeasured_reason(facts: InferenceFacts) -> str:
     if facts.device_type == "cpu":
-        return ("not measured; " + ("native bf16 on this CPU" if facts.native_bf16 else "no native bf16 on this CPU")
-                + (", oneDNN packed linears" if facts.packing else ""))
+        return (
+            "not measured; "
+            + ("native bf16 on this CPU" if facts.native_bf16 else "no native bf16 on this CPU")
+            + (", oneDNN packed linears" if facts.packing else "")
+        )
     return f"not measured; {facts.device_type}: half precision reads half the bytes"
 
 
-def _measured_reason(request: InferenceRequest, pick: Candidate, measured: dict, slowdown: dict,
-                     timings: Optional[dict]) -> str:
+def _measured_reason(
+    request: InferenceRequest, pick: Candidate, measured: dict, slowdown: dict, timings: Optional[dict]
+) -> str:
     def fig(c: Candidate) -> str:
         t = measured[c]
         parts = [f"prefill {t.prefill:.1f}"]

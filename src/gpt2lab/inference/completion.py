@@ -1,10 +1,10 @@
 """Text in, text out: the one path that both ``gpt2lab sample`` and ``gpt2lab serve`` take.
 
-Loading (the model held for inference as measured: inference/probe.py, form.py), prompt encoding, seeding and the token-by-token decode
-live here once, so a seeded request to the server and ``gpt2lab sample`` with the same
-seed and settings cannot drift apart; so do the log-probabilities the server reports
-(``token_logprobs``, ``score_prompt``), one definition for both of its workers.
-"""
+Loading (the model held for inference as measured: inference/probe.py, form.py), prompt encoding, seeding and
+the token-by-token decode live here once, so a seeded request to the server and ``gpt2lab sample`` with the
+same seed and settings cannot drift apart; so do the log-probabilities the server reports (``token_logprobs``,
+``score_prompt``), one definition for both of its workers."""
+
 from __future__ import annotations
 
 import codecs
@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 
-from gpt2lab.model.gpt import GPT
 from gpt2lab.data.tokenizer import Tokenizer, for_config, gpt2_tokenizer, short
+from gpt2lab.model.gpt import GPT
 
 if TYPE_CHECKING:
     from gpt2lab.inference.choice import Decision
@@ -27,6 +27,7 @@ class PromptError(ValueError):
 @dataclass(frozen=True)
 class Sampling:
     """How to continue a prompt; ``top_k`` 0 or None keeps every token, ``top_p`` 1 or None all the mass."""
+
     max_new_tokens: int = 100
     temperature: float = 1.0
     top_k: Optional[int] = None
@@ -47,8 +48,13 @@ def check_request(request, device: torch.device) -> None:
     candidates(request, detect_facts(device))
 
 
-def load_for_inference(spec: str, device: torch.device, request=None, command: str = "gpt2lab",
-                       check: Optional[Callable[[GPT], None]] = None) -> tuple[GPT, "Decision"]:
+def load_for_inference(
+    spec: str,
+    device: torch.device,
+    request=None,
+    command: str = "gpt2lab",
+    check: Optional[Callable[[GPT], None]] = None,
+) -> tuple[GPT, "Decision"]:
     """(The model named by ``spec`` (see load.load_model, its tokenizer with it) held for ``request`` (an
     InferenceRequest; default: sampling one row, dtype auto) on ``device`` as measured (inference/probe.py),
     the decision, which is printed on stderr). ``check`` sees the model as loaded, before the (possibly
@@ -116,10 +122,13 @@ def check_ids(ids: list[int], vocab: int, from_text: bool = False, tokenizer: st
     if bad is None:
         return
     if from_text:
-        raise PromptError(f"the tokenizer ({tokenizer}) gives token id {ids[bad]}, outside this model's vocabulary "
-                          f"of {vocab}; this model was not trained with that tokenizer")
-    raise PromptError(f"token id {ids[bad]} at position {bad} is out of range: this model's token ids are "
-                      f"0 to {vocab - 1}")
+        raise PromptError(
+            f"the tokenizer ({tokenizer}) gives token id {ids[bad]}, outside this model's vocabulary "
+            f"of {vocab}; this model was not trained with that tokenizer"
+        )
+    raise PromptError(
+        f"token id {ids[bad]} at position {bad} is out of range: this model's token ids are 0 to {vocab - 1}"
+    )
 
 
 def fits_context(prompt_tokens: int, max_new_tokens: int, context: int) -> bool:
@@ -136,6 +145,7 @@ def seeded_generator(device: torch.device, seed: int) -> torch.Generator:
 class TokenLogprob:
     """A token and its log-probability under the model (None for a text's first token, which
     nothing predicts), with the most likely tokens at that position, most likely first."""
+
     token: int
     logprob: Optional[float]
     top: tuple[tuple[int, float], ...] = ()
@@ -165,8 +175,9 @@ def score_prompt(model: GPT, ids: list[int], top: int) -> list[TokenLogprob]:
     return [first, *token_logprobs(logits[0, :-1], idx[0, 1:], model.config.real_vocab_size, top)]
 
 
-def stream_text(model: GPT, ids: list[int], sampling: Sampling, generator: torch.Generator,
-                logprobs: Optional[int] = None) -> Iterator[tuple[Optional[int], str, Optional[TokenLogprob]]]:
+def stream_text(
+    model: GPT, ids: list[int], sampling: Sampling, generator: torch.Generator, logprobs: Optional[int] = None
+) -> Iterator[tuple[Optional[int], str, Optional[TokenLogprob]]]:
     """Yield (token id, text, log-probability) per sampled token, ending at <|endoftext|> (if asked)
     or the limit; the log-probability (``token_logprobs``, with the ``logprobs`` most likely
     tokens) only when ``logprobs`` is given, else None.
@@ -181,9 +192,16 @@ def stream_text(model: GPT, ids: list[int], sampling: Sampling, generator: torch
     stop = end_token(model) if sampling.stop_at_eot else None
     prompt = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
     seen: list[torch.Tensor] = []  # the logits each token was drawn from, when logprobs are asked
-    stream = generate_stream(model, prompt, sampling.max_new_tokens, temperature=sampling.temperature,
-                             **sampling.filters(), generator=generator, stop_token=stop,
-                             on_logits=None if logprobs is None else seen.append)
+    stream = generate_stream(
+        model,
+        prompt,
+        sampling.max_new_tokens,
+        temperature=sampling.temperature,
+        **sampling.filters(),
+        generator=generator,
+        stop_token=stop,
+        on_logits=None if logprobs is None else seen.append,
+    )
     for tok, _ in stream:
         t = int(tok[0])
         if stop is not None and t == stop:
@@ -226,10 +244,10 @@ class StopFilter:
         hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         if hits:
             self.pending = ""
-            return text[:min(hits)], True
+            return text[: min(hits)], True
         hold = max((n for s in self.stops for n in range(len(s) - 1, 0, -1) if text.endswith(s[:n])), default=0)
-        self.pending = text[len(text) - hold:] if hold else ""
-        return text[:len(text) - hold], False
+        self.pending = text[len(text) - hold :] if hold else ""
+        return text[: len(text) - hold], False
 
     def flush(self) -> str:
         text, self.pending = self.pending, ""

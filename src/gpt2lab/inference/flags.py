@@ -1,5 +1,6 @@
 """The inference flags of every command that runs a trained model (sample, serve, eval, bench
 sample/serve): one set, one set of defaults. Torch-free, so building the CLI stays cheap."""
+
 from __future__ import annotations
 
 from gpt2lab.system.choices import DTYPE_CHOICES, LINEAR_CHOICES, QUANTIZE_CHOICES
@@ -7,21 +8,34 @@ from gpt2lab.system.choices import DTYPE_CHOICES, LINEAR_CHOICES, QUANTIZE_CHOIC
 
 def add_inference_flags(p) -> None:
     """``--dtype``, ``--quantize`` and ``--cpu-linear`` (decided in inference/choice.py)."""
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="the dtype the model's weights are held and multiplied in; auto: the fastest measured "
-                        "on this machine for this command's workload (printed; cached per machine) "
-                        "(default: %(default)s)")
-    p.add_argument("--quantize", default="none", choices=QUANTIZE_CHOICES,
-                   help="int8: weight-only int8 linears (per-row scales, torch._weight_int8pack_mm), activations "
-                        "in --dtype (auto: measured); quality in docs/benchmarks.md (default: %(default)s)")
-    p.add_argument("--cpu-linear", default="auto", choices=LINEAR_CHOICES,
-                   help="on a CPU: weights prepacked by oneDNN (packed) or F.linear on the weight as stored or "
-                        "column-major (plain); auto measures them along with the dtypes (default: %(default)s)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="the dtype the model's weights are held and multiplied in; auto: the fastest measured "
+        "on this machine for this command's workload (printed; cached per machine) "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--quantize",
+        default="none",
+        choices=QUANTIZE_CHOICES,
+        help="int8: weight-only int8 linears (per-row scales, torch._weight_int8pack_mm), activations "
+        "in --dtype (auto: measured); quality in docs/benchmarks.md (default: %(default)s)",
+    )
+    p.add_argument(
+        "--cpu-linear",
+        default="auto",
+        choices=LINEAR_CHOICES,
+        help="on a CPU: weights prepacked by oneDNN (packed) or F.linear on the weight as stored or "
+        "column-major (plain); auto measures them along with the dtypes (default: %(default)s)",
+    )
 
 
 def inference_request(args, workload: str, rows: int = 1):
     """The InferenceRequest of a command's inference flags."""
     from gpt2lab.inference.choice import InferenceRequest
 
-    return InferenceRequest(dtype=args.dtype, quantize=args.quantize, linear=args.cpu_linear,
-                            workload=workload, rows=rows)
+    return InferenceRequest(
+        dtype=args.dtype, quantize=args.quantize, linear=args.cpu_linear, workload=workload, rows=rows
+    )

@@ -5,6 +5,7 @@ parameters shared with the model it came from.
 device's facts and inference/choice.py's rule, which needs no timing, so it prints nothing and writes
 nothing. The commands measure instead (inference/probe.py) and hold their measured choice the same way.
 """
+
 from __future__ import annotations
 
 import copy
@@ -22,10 +23,14 @@ from gpt2lab.system import runtime
 def detect_facts(device: torch.device) -> InferenceFacts:
     """The device's facts the choice depends on (no timing: system/runtime's flags, what oneDNN and int8 can do)."""
     f = runtime.detect(device, probe=False)
-    return InferenceFacts(device.type, f.device_name, native_bf16=f.native_bf16,
-                          packing=(packing := device.type == "cpu" and packing_available()),
-                          packing_bf16_error=packing_bf16_error() if packing else None,
-                          int8_error=int8_available(device))
+    return InferenceFacts(
+        device.type,
+        f.device_name,
+        native_bf16=f.native_bf16,
+        packing=(packing := device.type == "cpu" and packing_available()),
+        packing_bf16_error=packing_bf16_error() if packing else None,
+        int8_error=int8_available(device),
+    )
 
 
 def _shared_copy(model: GPT) -> GPT:
@@ -48,8 +53,9 @@ def hold(model: GPT, cand: Candidate, rows: int = 1, inplace: bool = False) -> G
     return target
 
 
-def for_inference(model: GPT, *, dtype: Optional[str] = None, quantize: str = "none", linear: str = "auto",
-                  rows: int = 1) -> GPT:
+def for_inference(
+    model: GPT, *, dtype: Optional[str] = None, quantize: str = "none", linear: str = "auto", rows: int = 1
+) -> GPT:
     """``gpt2lab.for_inference``: a copy of ``model`` (sharing its weights) held for generating ``rows`` rows
     on the device its parameters are on, in ``dtype`` (default: the model's own; "auto": the device's rule,
     half precision where the device computes it natively) or with int8 weights (``quantize="int8"``), the

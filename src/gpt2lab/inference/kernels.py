@@ -23,6 +23,7 @@ Kernels are chosen by measuring them (probe.py), never by their names: torchao's
 weight-only tensor, for one, dequantizes the whole weight on every eager call (25 ms for the
 head at one row on that Zen 5, against 0.5 ms for ``_weight_int8pack_mm``).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -38,8 +39,12 @@ def packing_available() -> bool:
     """oneDNN is built in and exposes the reorder and the packed linear (torch >= 2.0 CPU builds)."""
     ops = getattr(torch.ops, "mkldnn", None)
     try:
-        return bool(torch.backends.mkldnn.is_available() and ops is not None
-                    and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise"))
+        return bool(
+            torch.backends.mkldnn.is_available()
+            and ops is not None
+            and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_linear_pointwise")
+        )
     except (AttributeError, RuntimeError):
         return False
 
@@ -78,15 +83,18 @@ class DecodeLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().to(dtype).contiguous()
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"{self.kernel} {str(self.dtype).removeprefix('torch.')}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"{self.kernel} {str(self.dtype).removeprefix('torch.')}"
+        )
 
 
 class PlainLinear(DecodeLinear):
     """``F.linear`` on the weight in ``dtype``: row-major, or column-major with ``column_major``."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype,
-                 column_major: bool = False) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype, column_major: bool = False
+    ) -> None:
         super().__init__(weight, bias, dtype)
         w = weight.detach().to(dtype)
         self.weight = w.t().contiguous().t() if column_major else w.contiguous()
@@ -101,8 +109,7 @@ class PackedLinear(DecodeLinear):
 
     kernel = "packed"
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype,
-                 batch_hint: int) -> None:
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype, batch_hint: int) -> None:
         super().__init__(weight, bias, dtype)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), batch_hint)
 
@@ -160,8 +167,12 @@ def swap_linears(model: nn.Module, kernel: str, dtype: torch.dtype, batch_hint: 
 
     A tied output head gets its own copy (the embedding keeps the shared table, looked up, not
     multiplied); every other weight is held once, in its new form."""
-    swaps = [(parent, name, child) for parent in model.modules()
-             for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    swaps = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear)
+    ]
     with torch.no_grad():
         for parent, name, child in swaps:
             setattr(parent, name, make_linear(child, kernel, dtype, batch_hint))

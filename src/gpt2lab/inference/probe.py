@@ -7,6 +7,7 @@ Only commands call this (``sample``, ``serve``, ``eval``, ``bench``): the librar
 takes the rule that needs no timing. ``GPT2LAB_PROBE=0`` skips the measuring (the device's rule
 decides); ``GPT2LAB_PROBE=fresh`` measures again.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,15 +20,24 @@ from typing import Optional
 
 import torch
 
-from gpt2lab.inference.choice import (REQUEST_TOKENS, Candidate, Decision, InferenceFacts, InferenceRequest, Timing,
-                                      candidates, choose, device_pick)
+from gpt2lab.inference.choice import (
+    REQUEST_TOKENS,
+    Candidate,
+    Decision,
+    InferenceFacts,
+    InferenceRequest,
+    Timing,
+    candidates,
+    choose,
+    device_pick,
+)
 from gpt2lab.inference.form import detect_facts, hold
 from gpt2lab.model.gpt import GPT
 from gpt2lab.system import formats, runtime
 
-CONTEXT = 32        # tokens already cached when decode steps are timed
-STEPS = 4           # decode steps per timed call
-REPEATS = 3         # timed calls per figure (the best is kept), after one untimed
+CONTEXT = 32  # tokens already cached when decode steps are timed
+STEPS = 4  # decode steps per timed call
+REPEATS = 3  # timed calls per figure (the best is kept), after one untimed
 # A candidate whose untimed first call of a figure is this many times the best candidate's figure
 # so far is dropped untimed: it cannot win (a cost sums the figures, each at least this far behind
 # except one), and a kernel 20-50x off (int8 with fp32 activations on a Zen 5) would take most of
@@ -54,8 +64,10 @@ def _best_ms(fn, device: torch.device, per_call: int = 1, limit: Optional[float]
     _sync(device)
     first = 1e3 * (time.perf_counter() - t0) / per_call
     if limit is not None and first > GIVE_UP * limit:
-        raise _TooSlow(f"{what} {first:.3g} ms against the best candidate's {limit:.3g} ms (over {GIVE_UP:g}x): "
-                       "slower, not timed further")
+        raise _TooSlow(
+            f"{what} {first:.3g} ms against the best candidate's {limit:.3g} ms (over {GIVE_UP:g}x): "
+            "slower, not timed further"
+        )
     times = []
     for _ in range(REPEATS):
         t0 = time.perf_counter()
@@ -66,8 +78,9 @@ def _best_ms(fn, device: torch.device, per_call: int = 1, limit: Optional[float]
 
 
 @torch.inference_mode()
-def measure(model: GPT, cand: Candidate, request: InferenceRequest, device: torch.device,
-            best: Optional[Timing] = None) -> Timing:
+def measure(
+    model: GPT, cand: Candidate, request: InferenceRequest, device: torch.device, best: Optional[Timing] = None
+) -> Timing:
     """The workload's figures for ``model`` held as ``cand``: a real prefill and real decode steps
     (given the ``best`` figures so far, a candidate far behind is given up: _TooSlow)."""
     best = best or Timing()
@@ -76,8 +89,12 @@ def measure(model: GPT, cand: Candidate, request: InferenceRequest, device: torc
     gen = torch.Generator().manual_seed(0)
     prompt = min(REQUEST_TOKENS, block)
     ids = torch.randint(0, vocab, (1, prompt), generator=gen).to(device)
-    prefill = _best_ms(lambda: prepared(ids, kv_cache=prepared.new_kv_cache(prompt), last_only=True), device,
-                       limit=best.prefill, what="prefill")
+    prefill = _best_ms(
+        lambda: prepared(ids, kv_cache=prepared.new_kv_cache(prompt), last_only=True),
+        device,
+        limit=best.prefill,
+        what="prefill",
+    )
     if request.workload == "score":
         return Timing(prefill=prefill)
     context = min(CONTEXT, max(1, block // 4))
@@ -91,6 +108,7 @@ def measure(model: GPT, cand: Candidate, request: InferenceRequest, device: torc
         def run() -> None:
             for _ in range(steps):
                 prepared(tok, kv_cache=cache, last_only=True)
+
         return _best_ms(run, device, steps, limit, "step" if rows == 1 else f"{rows}-row step")
 
     step1 = decode_ms(1, best.step1)
@@ -104,11 +122,16 @@ PROBE_ENTRIES = 32
 
 
 def _probe_key(model: GPT, request: InferenceRequest, device: torch.device, names: list[str]) -> str:
-    parts = [runtime._machine_key(), str(device), json.dumps(dataclasses.asdict(model.config), sort_keys=True),
-             request.workload, str(request.rows), ",".join(sorted(names)), str(REQUEST_TOKENS)]
+    parts = [
+        runtime._machine_key(),
+        str(device),
+        json.dumps(dataclasses.asdict(model.config), sort_keys=True),
+        request.workload,
+        str(request.rows),
+        ",".join(sorted(names)),
+        str(REQUEST_TOKENS),
+    ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-
-
 
 
 def _read_probes(path: str) -> dict:
@@ -171,18 +194,29 @@ def estimate_seconds(model: GPT, n_candidates: int, request: InferenceRequest, d
     return n_candidates * per
 
 
-def _notice(command: str, model: GPT, cands: list[Candidate], request: InferenceRequest, device: torch.device,
-            where: str) -> None:
+def _notice(
+    command: str, model: GPT, cands: list[Candidate], request: InferenceRequest, device: torch.device, where: str
+) -> None:
     """The one stderr line before the probe: what it does, about how long, and that it is done once."""
     secs = estimate_seconds(model, len(cands), request, device)
     about = f"about {secs:.0f} s" if secs >= 1 else "under a second"
-    print(f"{command}: measuring {len(cands)} ways to run this model on this machine for {request.workload} "
-          f"({', '.join(c.name for c in cands)}), {about}; done once per machine and model shape "
-          f"(kept in {where}; GPT2LAB_PROBE=0 skips it)", file=sys.stderr, flush=True)
+    print(
+        f"{command}: measuring {len(cands)} ways to run this model on this machine for {request.workload} "
+        f"({', '.join(c.name for c in cands)}), {about}; done once per machine and model shape "
+        f"(kept in {where}; GPT2LAB_PROBE=0 skips it)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
-def timings(model: GPT, cands: list[Candidate], request: InferenceRequest, device: torch.device,
-            cache: bool = True, command: str = "gpt2lab") -> Optional[dict]:
+def timings(
+    model: GPT,
+    cands: list[Candidate],
+    request: InferenceRequest,
+    device: torch.device,
+    cache: bool = True,
+    command: str = "gpt2lab",
+) -> Optional[dict]:
     """Each candidate's Timing (or the error it failed with), from the cache when it can; None with
     GPT2LAB_PROBE=0; GPT2LAB_PROBE=fresh measures again (a probe taken on a busy machine) and keeps that.
     Before measuring, one line on stderr says so (``command`` first)."""
@@ -199,8 +233,12 @@ def timings(model: GPT, cands: list[Candidate], request: InferenceRequest, devic
     out: dict = {}
     for c in cands:
         done = [t for t in out.values() if isinstance(t, Timing)]
-        best = Timing(*(min((getattr(t, f) for t in done if getattr(t, f) is not None), default=None)
-                        for f in ("prefill", "step1", "step_rows")))
+        best = Timing(
+            *(
+                min((getattr(t, f) for t in done if getattr(t, f) is not None), default=None)
+                for f in ("prefill", "step1", "step_rows")
+            )
+        )
         try:
             out[c.name] = measure(model, c, request, device, best)
         except _TooSlow as e:
@@ -212,8 +250,13 @@ def timings(model: GPT, cands: list[Candidate], request: InferenceRequest, devic
     return out
 
 
-def decide(model: GPT, device: torch.device, request: InferenceRequest,
-           facts: Optional[InferenceFacts] = None, command: str = "gpt2lab") -> Decision:
+def decide(
+    model: GPT,
+    device: torch.device,
+    request: InferenceRequest,
+    facts: Optional[InferenceFacts] = None,
+    command: str = "gpt2lab",
+) -> Decision:
     """Measure (where there is a choice; a first measurement says so on stderr, ``command`` first) and choose."""
     facts = facts or detect_facts(device)
     cands = candidates(request, facts)

@@ -4,6 +4,7 @@ It lives apart from model.py only so that building the CLI (whose ``--n-layer``-
 flags come from these fields) does not import torch. Each field's ``help`` becomes its
 flag's help text; a field marked ``derived`` is set by the trainer, never by a flag.
 """
+
 from __future__ import annotations
 
 import re
@@ -19,13 +20,27 @@ GPT2_VOCAB_SIZE = 50257
 CHAT_VOCAB_SIZES = {"chatml": GPT2_VOCAB_SIZE + 2}
 
 
-def _f(default: Any, help: str, derived: bool = False, shape: bool = False, arch: Optional[bool] = None,
-       choices: tuple = ()) -> Any:
+def _f(
+    default: Any,
+    help: str,
+    derived: bool = False,
+    shape: bool = False,
+    arch: Optional[bool] = None,
+    choices: tuple = (),
+) -> Any:
     # shape: the field sets parameter shapes (a checkpoint loads only into the same values).
     # arch: the field changes what the weights compute, so ``--init-from`` takes it from the
     # source (every shape field, and the modern block's switches). choices: a text field's values.
-    return field(default=default, metadata={"help": help, "derived": derived, "shape": shape,
-                                            "arch": shape if arch is None else arch, "choices": choices})
+    return field(
+        default=default,
+        metadata={
+            "help": help,
+            "derived": derived,
+            "shape": shape,
+            "arch": shape if arch is None else arch,
+            "choices": choices,
+        },
+    )
 
 
 # The modern block's switches (modded-nanogpt's speedrun record log measures each). Every
@@ -40,76 +55,103 @@ class GPTConfig:
     n_layer: int = _f(12, "transformer blocks", shape=True)
     n_head: int = _f(12, "attention heads per block", shape=True)
     n_embd: int = _f(768, "width of the residual stream", shape=True)
-    block_size: int = _f(1024, "longest sequence the model accepts (rows of the position embedding)",
-                         shape=True)
-    vocab_size: int = _f(50257, "rows of wte / lm_head; 50304 = 50257 padded to a multiple of 128 for "
-                         "speed", shape=True)
+    block_size: int = _f(1024, "longest sequence the model accepts (rows of the position embedding)", shape=True)
+    vocab_size: int = _f(
+        50257, "rows of wte / lm_head; 50304 = 50257 padded to a multiple of 128 for speed", shape=True
+    )
     # Rows of wte at or above it are padding: trained like any other but never sampled and
     # dropped on export. None means vocab_size. A run derives it from the tokenizer.
-    token_vocab_size: Optional[int] = _f(None, "the tokenizer's vocabulary (rows past it are padding)",
-                                         derived=True)
+    token_vocab_size: Optional[int] = _f(None, "the tokenizer's vocabulary (rows past it are padding)", derived=True)
     # A chat model's template (data/chat.py: "chatml", whose two turn tokens make the tokenizer's
     # vocabulary 50259); None for a base model. A run derives it from its data (or its --init-from).
-    chat_template: Optional[str] = _f(None, "the chat template the model was fine-tuned in (chatml); none for a "
-                                      "base model", derived=True)
+    chat_template: Optional[str] = _f(
+        None, "the chat template the model was fine-tuned in (chatml); none for a base model", derived=True
+    )
     # The tokenizer's identity: the sha256 of its tokenizer.json (data/tokenizer.py; `gpt2lab tokenizer
     # train`), whose file travels with the model; None for GPT-2's BPE. A run derives it from its data.
-    tokenizer: Optional[str] = _f(None, "the model's own tokenizer (sha256 of its tokenizer.json); none for "
-                                  "GPT-2's", derived=True)
+    tokenizer: Optional[str] = _f(
+        None, "the model's own tokenizer (sha256 of its tokenizer.json); none for GPT-2's", derived=True
+    )
     layer_norm_epsilon: float = _f(1e-5, "epsilon of every LayerNorm")
     # Dropout as GPT-2 has it (HF's names). Active only in training mode.
     embd_pdrop: float = _f(0.0, "dropout on the token + position embeddings (GPT-2 fine-tuning: 0.1)")
     attn_pdrop: float = _f(0.0, "dropout on the attention weights")
     resid_pdrop: float = _f(0.0, "dropout on each residual branch's output")
     # The modern block (docs/recipes.md, "A modern block"): each off by default, any combination allowed.
-    pos_emb: str = _f("learned", "positions: learned (GPT-2's wpe table) or rotary (RoPE, Su et al. 2021: "
-                      "q and k rotated per position, no table)", shape=True, choices=POS_EMB)
-    rope_theta: float = _f(10000.0, "rotary base: pair i of a head turns at rope_theta^(-2i/head_size) "
-                           "radians per position", arch=True)
-    norm: str = _f("layernorm", "normalisation of every block input and of ln_f: layernorm (GPT-2) or "
-                   "rmsnorm (a gain, no bias, no mean)", shape=True, choices=NORMS)
+    pos_emb: str = _f(
+        "learned",
+        "positions: learned (GPT-2's wpe table) or rotary (RoPE, Su et al. 2021: "
+        "q and k rotated per position, no table)",
+        shape=True,
+        choices=POS_EMB,
+    )
+    rope_theta: float = _f(
+        10000.0, "rotary base: pair i of a head turns at rope_theta^(-2i/head_size) radians per position", arch=True
+    )
+    norm: str = _f(
+        "layernorm",
+        "normalisation of every block input and of ln_f: layernorm (GPT-2) or rmsnorm (a gain, no bias, no mean)",
+        shape=True,
+        choices=NORMS,
+    )
     qk_norm: bool = _f(False, "RMS-normalise each head's queries and keys (no gain) before attention", arch=True)
-    mlp_act: str = _f("gelu", "MLP activation: gelu (tanh approximation, GPT-2) or relu2 (relu(x)^2)",
-                      arch=True, choices=MLP_ACTS)
-    tie_embeddings: bool = _f(True, "lm_head shares wte's matrix (GPT-2); false: a separate output matrix",
-                              shape=True)
-    bias: bool = _f(True, "biases in every Linear and LayerNorm (GPT-2); false: none (nanoGPT's bias=False)",
-                    shape=True)
-    embed_norm: bool = _f(False, "RMS-normalise (no gain, epsilon layer_norm_epsilon) the residual stream's start, "
-                          "the token embedding (plus the position embedding), before the first block", arch=True)
-    zero_init_proj: bool = _f(False, "initialise the attention and MLP output projections (c_proj) to zero, "
-                              "so every block starts as the identity")
+    mlp_act: str = _f(
+        "gelu", "MLP activation: gelu (tanh approximation, GPT-2) or relu2 (relu(x)^2)", arch=True, choices=MLP_ACTS
+    )
+    tie_embeddings: bool = _f(True, "lm_head shares wte's matrix (GPT-2); false: a separate output matrix", shape=True)
+    bias: bool = _f(
+        True, "biases in every Linear and LayerNorm (GPT-2); false: none (nanoGPT's bias=False)", shape=True
+    )
+    embed_norm: bool = _f(
+        False,
+        "RMS-normalise (no gain, epsilon layer_norm_epsilon) the residual stream's start, "
+        "the token embedding (plus the position embedding), before the first block",
+        arch=True,
+    )
+    zero_init_proj: bool = _f(
+        False,
+        "initialise the attention and MLP output projections (c_proj) to zero, so every block starts as the identity",
+    )
     logit_softcap: float = _f(0.0, "cap the logits smoothly at +-X: X * tanh(logits / X); 0 = off", arch=True)
     # The open GPT-2 speedrun's levers (modded-nanogpt's record log): each off by default.
-    value_embeds: int = _f(0, "K extra token-embedding tables mixed into the attention values, U-net style: "
-                           "table i into layer i and into layer n_layer-K+i, as v = (1-g) v + g table[token] "
-                           "with a learned scalar g per layer (starting at 0.5); 0 = off", shape=True)
-    unet_skips: bool = _f(False, "U-net skips between blocks: the output of block i (i < n_layer // 2), times a "
-                          "learned scalar (starting at 1), is added to the input of its mirror block n_layer-1-i",
-                          shape=True)
-    zero_init_head: bool = _f(False, "initialise an untied lm_head to zero (every first logit 0); needs "
-                              "tie_embeddings false")
+    value_embeds: int = _f(
+        0,
+        "K extra token-embedding tables mixed into the attention values, U-net style: "
+        "table i into layer i and into layer n_layer-K+i, as v = (1-g) v + g table[token] "
+        "with a learned scalar g per layer (starting at 0.5); 0 = off",
+        shape=True,
+    )
+    unet_skips: bool = _f(
+        False,
+        "U-net skips between blocks: the output of block i (i < n_layer // 2), times a "
+        "learned scalar (starting at 1), is added to the input of its mirror block n_layer-1-i",
+        shape=True,
+    )
+    zero_init_head: bool = _f(
+        False, "initialise an untied lm_head to zero (every first logit 0); needs tie_embeddings false"
+    )
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}; "
-                             "change one of them")
+            raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}; change one of them")
         if self.token_vocab_size is not None and not 1 <= self.token_vocab_size <= self.vocab_size:
-            raise ValueError(f"token_vocab_size {self.token_vocab_size} must be in [1, vocab_size "
-                             f"{self.vocab_size}]")
+            raise ValueError(f"token_vocab_size {self.token_vocab_size} must be in [1, vocab_size {self.vocab_size}]")
         for name in ("embd_pdrop", "attn_pdrop", "resid_pdrop"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} {getattr(self, name)} must be in [0, 1)")
         for f in fields(self):
             if f.metadata["choices"] and getattr(self, f.name) not in f.metadata["choices"]:
-                raise ValueError(f"{f.name} {getattr(self, f.name)!r} must be one of "
-                                 f"{', '.join(f.metadata['choices'])}")
+                raise ValueError(
+                    f"{f.name} {getattr(self, f.name)!r} must be one of {', '.join(f.metadata['choices'])}"
+                )
         if self.pos_emb == "rotary" and (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"rotary positions need an even head size; n_embd {self.n_embd} / n_head "
-                             f"{self.n_head} = {self.n_embd // self.n_head}")
+            raise ValueError(
+                f"rotary positions need an even head size; n_embd {self.n_embd} / n_head "
+                f"{self.n_head} = {self.n_embd // self.n_head}"
+            )
         if self.tokenizer is not None and not re.fullmatch(r"[0-9a-f]{64}", str(self.tokenizer)):
             raise ValueError(f"tokenizer {self.tokenizer!r} must be the sha256 (64 hex digits) of a tokenizer.json")
         if self.chat_template is not None and self.chat_template not in CHAT_VOCAB_SIZES:
@@ -119,13 +161,17 @@ class GPTConfig:
         if self.logit_softcap < 0:
             raise ValueError(f"logit_softcap {self.logit_softcap} must be >= 0 (0 = off)")
         if not 0 <= 2 * self.value_embeds <= self.n_layer:
-            raise ValueError(f"value_embeds {self.value_embeds} must be in [0, n_layer / 2] (each table feeds a "
-                             f"first and a last layer; n_layer {self.n_layer})")
+            raise ValueError(
+                f"value_embeds {self.value_embeds} must be in [0, n_layer / 2] (each table feeds a "
+                f"first and a last layer; n_layer {self.n_layer})"
+            )
         if self.unet_skips and self.n_layer < 2:
             raise ValueError("unet_skips needs n_layer >= 2 (block i feeds block n_layer-1-i for i < n_layer // 2)")
         if self.zero_init_head and self.tie_embeddings:
-            raise ValueError("zero_init_head needs tie_embeddings false (a tied lm_head is wte: zeroing it would "
-                             "zero the token embeddings)")
+            raise ValueError(
+                "zero_init_head needs tie_embeddings false (a tied lm_head is wte: zeroing it would "
+                "zero the token embeddings)"
+            )
 
     @property
     def real_vocab_size(self) -> int:
@@ -134,8 +180,11 @@ class GPTConfig:
     def modern(self) -> dict:
         """The modern-block and lever fields set away from GPT-2's defaults, by name."""
         base = GPTConfig()
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name in MODERN_FIELDS and getattr(self, f.name) != getattr(base, f.name)}
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name in MODERN_FIELDS and getattr(self, f.name) != getattr(base, f.name)
+        }
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -168,12 +217,12 @@ def padded_vocab(n_vocab: int, multiple: int = 128) -> int:
 class Size:
     """One released GPT-2 size (Radford et al. 2019, table 2, as published on the hub)."""
 
-    label: str        # "124M"
-    hub: str          # its name on the Hugging Face hub (openai-community/NAME)
+    label: str  # "124M"
+    hub: str  # its name on the Hugging Face hub (openai-community/NAME)
     n_layer: int
     n_head: int
     n_embd: int
-    params: int       # parameters: tied embeddings, vocab 50257, 1024 positions
+    params: int  # parameters: tied embeddings, vocab 50257, 1024 positions
     hellaswag_gpt2: float  # HellaSwag acc_norm of OpenAI's GPT-2 of this size
     hellaswag_gpt3: float  # and of GPT-3 at the same size (Brown et al. 2020)
 
@@ -196,9 +245,23 @@ PRESET_ALIASES = {s.label.lower(): s.hub for s in SIZES}
 def size_named(label: str) -> Size:
     return next(s for s in SIZES if s.label == label)
 
+
 # The fields a GPT-2 does not have: the modern block's switches and the speedrun's levers.
-MODERN_FIELDS = ("pos_emb", "rope_theta", "norm", "qk_norm", "mlp_act", "tie_embeddings", "bias", "embed_norm",
-                 "zero_init_proj", "logit_softcap", "value_embeds", "unet_skips", "zero_init_head")
+MODERN_FIELDS = (
+    "pos_emb",
+    "rope_theta",
+    "norm",
+    "qk_norm",
+    "mlp_act",
+    "tie_embeddings",
+    "bias",
+    "embed_norm",
+    "zero_init_proj",
+    "logit_softcap",
+    "value_embeds",
+    "unet_skips",
+    "zero_init_head",
+)
 
 
 # -- the architecture in a run config (config.json, presets, flags) ------------------------
@@ -219,8 +282,9 @@ def config_value(values: Mapping[str, Any], name: str, default: Any = None) -> A
 def gpt_config(values: dict, source: str) -> GPTConfig:
     unknown = sorted(set(values) - set(MODEL_KEYS))
     if unknown:
-        raise ConfigError(f"{source}: unknown model field(s) {', '.join(unknown)}; "
-                          f"known model fields: {', '.join(MODEL_KEYS)}")
+        raise ConfigError(
+            f"{source}: unknown model field(s) {', '.join(unknown)}; known model fields: {', '.join(MODEL_KEYS)}"
+        )
     check_types(values, get_type_hints(GPTConfig), source)
     try:
         return GPTConfig(**values)
@@ -235,8 +299,9 @@ def check_types(values: dict, hints: dict, source: str, also: Optional[dict] = N
         if name not in hints:
             continue
         tp, optional = field_type(hints[name])
-        ok = (value is None and optional) or (isinstance(value, (int, float) if tp is float else tp)
-                                               and (tp is bool or not isinstance(value, bool)))
+        ok = (value is None and optional) or (
+            isinstance(value, (int, float) if tp is float else tp) and (tp is bool or not isinstance(value, bool))
+        )
         if not ok and not isinstance(value, (also or {}).get(name, ())):
             kind = {int: "a whole number", float: "a number", bool: "true or false", str: "text"}.get(tp, str(tp))
             raise ConfigError(f"{source}: {name} must be {kind}, got {value!r}")
@@ -251,8 +316,7 @@ def model_from_config(values: Mapping[str, Any], source: str = "config") -> GPTC
     """
     model = values.get("model", {})
     if not isinstance(model, dict):
-        raise ConfigError(f"{source}: \"model\" must be a table of model fields ({', '.join(MODEL_KEYS)}), "
-                          f"got {model!r}")
+        raise ConfigError(f'{source}: "model" must be a table of model fields ({", ".join(MODEL_KEYS)}), got {model!r}')
     return gpt_config(model, source)
 
 

@@ -8,6 +8,7 @@ Beside GPT-2, the modern block's switches (GPTConfig.pos_emb, norm, qk_norm, mlp
 tie_embeddings, bias, embed_norm, zero_init_proj, logit_softcap) and the speedrun's levers (value_embeds,
 unet_skips, zero_init_head), each a small branch below; off, the model is GPT-2's to the bit.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -18,9 +19,9 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-from gpt2lab.model.loss import LossPath, chunked_cross_entropy
 # Defined torch-free (the CLI's flags come from its fields); this is its home for every caller.
 from gpt2lab.model.config import PRESET_ALIASES, PRESETS, GPTConfig  # noqa: F401
+from gpt2lab.model.loss import LossPath, chunked_cross_entropy
 
 
 def rotary_cos_sin(config: GPTConfig, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,8 +93,8 @@ class KVCache:
         if self.k[layer] is None:
             self.k[layer] = k.new_empty(B, nh, self.max_len, hs)
             self.v[layer] = v.new_empty(B, nh, self.max_len, hs)
-        self.k[layer][:, :, self.pos:end] = k
-        self.v[layer][:, :, self.pos:end] = v
+        self.k[layer][:, :, self.pos : end] = k
+        self.v[layer][:, :, self.pos : end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
     def positions(self, T: int, device: torch.device) -> torch.Tensor:
@@ -119,7 +120,7 @@ class KVCache:
             for layer, past in enumerate(old):
                 past = past[rows]  # (len(rows), nh, pos, hs)
                 buf[layer] = past.new_empty(past.shape[0], past.shape[1], max_len, past.shape[3])
-                buf[layer][:, :, :self.pos] = past
+                buf[layer][:, :, : self.pos] = past
         return new
 
 
@@ -148,9 +149,13 @@ class CausalSelfAttention(nn.Module):
         if value_embed_table(config, layer_idx) is not None:  # 1-D: FSDP2 shards no 0-d parameter
             self.ve_gate = nn.Parameter(torch.full((1,), 0.5))
 
-    def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None,
-                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                ve: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        kv_cache: Optional[KVCache] = None,
+        rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        ve: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         if ve is not None:  # value embedding: v = (1 - g) v + g ve (g 0-d: v keeps its dtype under autocast)
@@ -199,9 +204,13 @@ class Block(nn.Module):
         self.ln_2 = norm_layer(config)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None,
-                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                ve: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        kv_cache: Optional[KVCache] = None,
+        rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        ve: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         # Pre-LayerNorm: the residual stream itself is never normalised, only each branch's input.
         x = x + self.attn(self.ln_1(x), kv_cache, rope, ve)
         return x + self.mlp(self.ln_2(x))
@@ -219,14 +228,17 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(config.vocab_size, config.n_embd)))
         if config.pos_emb == "learned":  # rotary has no table: q and k are turned in attention
             self.transformer["wpe"] = nn.Embedding(config.block_size, config.n_embd)  # (second: optimizer order)
-        self.transformer.update(dict(
-            drop=nn.Dropout(config.embd_pdrop),
-            h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
-            ln_f=norm_layer(config),
-        ))
+        self.transformer.update(
+            dict(
+                drop=nn.Dropout(config.embd_pdrop),
+                h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+                ln_f=norm_layer(config),
+            )
+        )
         if config.value_embeds:  # value_embed_table says which layers read each one
-            self.transformer["ve"] = nn.ModuleList(nn.Embedding(config.vocab_size, config.n_embd)
-                                                   for _ in range(config.value_embeds))
+            self.transformer["ve"] = nn.ModuleList(
+                nn.Embedding(config.vocab_size, config.n_embd) for _ in range(config.value_embeds)
+            )
         if config.unet_skips:  # entry i: the weight of block i's output in the input of block n_layer-1-i
             self.skip_weights = nn.Parameter(torch.ones(config.n_layer // 2))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -339,16 +351,22 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         cap = self.config.logit_softcap
         if targets is not None and not return_logits and self._chunked_loss:
-            return None, chunked_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1),
-                                               compiled=self._compile_loss, softcap=cap)
+            return None, chunked_cross_entropy(
+                x.reshape(-1, x.size(-1)),
+                self.lm_head.weight,
+                targets.reshape(-1),
+                compiled=self._compile_loss,
+                softcap=cap,
+            )
         logits = self.lm_head(x)  # (B, T, vocab_size), or (N, vocab_size) at positions
         if cap:  # smooth cap at +-cap, in fp32
             logits = cap * torch.tanh(logits.float() / cap)
         loss = None
         if targets is not None:
             # the mean over the kept targets, 0 when none is kept (a turn with no assistant token)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1,
-                                   reduction="sum") / (targets != -1).sum().clamp(min=1)
+            loss = F.cross_entropy(
+                logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1, reduction="sum"
+            ) / (targets != -1).sum().clamp(min=1)
         return (logits if return_logits or targets is None else None), loss
 
     def new_kv_cache(self, max_len: Optional[int] = None) -> KVCache:

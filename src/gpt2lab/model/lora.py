@@ -8,11 +8,12 @@ weights and the adapters under peft's names (``c_attn.base_layer.weight``,
 weights with peft's own merge, giving back a plain GPT for sample, eval and export.
 peft is an optional extra (``pip install gpt2lab[lora]``), imported only here.
 """
+
 from __future__ import annotations
 
-from gpt2lab.system.errors import ConfigError
 from gpt2lab.model.config import config_value
 from gpt2lab.model.gpt import GPT
+from gpt2lab.system.errors import ConfigError
 
 ADAPTER = "default"
 
@@ -21,8 +22,9 @@ def _peft():
     try:
         import peft
     except ImportError as e:
-        raise ConfigError(f"--lora-rank needs Hugging Face peft ({e}); pip install 'gpt2lab[lora]' "
-                          "or set --lora-rank 0") from e
+        raise ConfigError(
+            f"--lora-rank needs Hugging Face peft ({e}); pip install 'gpt2lab[lora]' or set --lora-rank 0"
+        ) from e
     return peft
 
 
@@ -34,8 +36,9 @@ def add_lora(model: GPT, rank: int, alpha: float, targets: str):
     first step.
     """
     peft = _peft()
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",
-                             target_modules=[t.strip() for t in targets.split(",")])
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", target_modules=[t.strip() for t in targets.split(",")]
+    )
     return peft.LoraModel(model, config, ADAPTER)  # replaces the Linears inside ``model``, freezes the base
 
 

@@ -4,12 +4,14 @@
 equals ``F.cross_entropy(x @ W.T, targets)`` (tests/unit/test_train_loss.py) and is faster and
 smaller, because it never holds fp32 logits and computes both gradients in its forward.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
+
 
 # At GPT-2 sizes the vocabulary projection and its softmax dominate a CPU step: (B*T, 50304)
 # logits in fp32 are ~400 MB for 2048 tokens, written and read several times by the plain
@@ -33,9 +35,10 @@ def chunk_rows(V: int) -> tuple[int, int]:
 @dataclass(frozen=True)
 class LossPath:
     """How ``GPT.forward`` computes the training loss (``GPT.set_loss``); ``choose_loss`` decides it."""
-    chunked: bool = True    # chunked_cross_entropy, never holding the logits; False: logits + F.cross_entropy
+
+    chunked: bool = True  # chunked_cross_entropy, never holding the logits; False: logits + F.cross_entropy
     compiled: bool = False  # the chunked loss's per-chunk kernel through torch.compile
-    reason: str = ""        # why, for the run plan's line
+    reason: str = ""  # why, for the run plan's line
 
     @property
     def value(self) -> str:
@@ -55,8 +58,11 @@ def choose_loss(device_type: str, compiled: bool, sharded: bool = False) -> Loss
     loss regardless: the root, which computes the loss, is not compiled there (distributed.parallel.shard).
     """
     if sharded and compiled and device_type == "cuda":
-        return LossPath(True, compiled, "FSDP: the root, which computes the loss, is not compiled, so the full "
-                                        "logits would be held eagerly")
+        return LossPath(
+            True,
+            compiled,
+            "FSDP: the root, which computes the loss, is not compiled, so the full logits would be held eagerly",
+        )
     if compiled and device_type == "cuda":
         return LossPath(False, compiled, "compiled on CUDA: inductor fuses the cross-entropy into the model's graph")
     if device_type == "cpu":
@@ -64,12 +70,13 @@ def choose_loss(device_type: str, compiled: bool, sharded: bool = False) -> Loss
     return LossPath(True, compiled, f"{device_type}, not compiled: F.cross_entropy would hold the logits in fp32")
 
 
-_CHUNK_ELEMENTS = 2 ** 27  # logits per chunk
-_GROUP_ELEMENTS = 2 ** 28  # logit gradients kept for one grad_w matmul (512 MB in bf16)
+_CHUNK_ELEMENTS = 2**27  # logits per chunk
+_GROUP_ELEMENTS = 2**28  # logit gradients kept for one grad_w matmul (512 MB in bf16)
 
 
-def _softmax_grad(logits: torch.Tensor, tgt: torch.Tensor, keep: torch.Tensor,
-                  scale: torch.Tensor, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def _softmax_grad(
+    logits: torch.Tensor, tgt: torch.Tensor, keep: torch.Tensor, scale: torch.Tensor, softcap: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """scale * (softmax - onehot) of one chunk in the logits' dtype, zero on ignored rows; summed nll.
 
     Written for torch.compile, which fuses it into one read of the logits and one write
@@ -91,8 +98,9 @@ def _softmax_grad(logits: torch.Tensor, tgt: torch.Tensor, keep: torch.Tensor,
     return d, (nll * keep).sum()
 
 
-def _softmax_grad_eager(logits: torch.Tensor, tgt: torch.Tensor, keep: torch.Tensor,
-                        scale: torch.Tensor | None = None, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def _softmax_grad_eager(
+    logits: torch.Tensor, tgt: torch.Tensor, keep: torch.Tensor, scale: torch.Tensor | None = None, softcap: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """_softmax_grad without the scale (the caller applies it), in few eager kernels: one softmax, one cast."""
     dtype = logits.dtype
     if softcap:  # the capped logits in fp32, and the tanh kept for the gradient through the cap
@@ -128,8 +136,9 @@ def _kernel(compiled: bool):
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, compiled: bool,
-                softcap: float) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, compiled: bool, softcap: float
+    ) -> torch.Tensor:
         cd = _compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             loss, grad_x, grad_w = _loss_and_grads(x.to(cd), weight.to(cd), targets, *_kernel(compiled), softcap)
@@ -147,8 +156,9 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
-def _loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, kernel, kernel_scales: bool,
-                    softcap: float = 0.0):
+def _loss_and_grads(
+    x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, kernel, kernel_scales: bool, softcap: float = 0.0
+):
     """Mean loss, d/dx (N, C) and d/dw (V, C) in fp32; x and w already in the compute dtype.
 
     The 1/n of the mean is applied inside the compiled kernel, or else to the (N, C) and
@@ -185,8 +195,9 @@ def _loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, ker
 
 
 @torch.compiler.disable  # the model graph-breaks here; the loss runs as written (its kernel compiled or not)
-def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                          compiled: bool = False, softcap: float = 0.0) -> torch.Tensor:
+def chunked_cross_entropy(
+    x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, compiled: bool = False, softcap: float = 0.0
+) -> torch.Tensor:
     """Mean cross entropy of ``x @ weight.T`` (N, V) against targets (N,), -1 ignored; with
     ``softcap`` > 0, of ``softcap * tanh(x @ weight.T / softcap)`` (GPTConfig.logit_softcap).
 
@@ -199,8 +210,8 @@ def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.
     with torch.autocast(x.device.type, enabled=False):
         wc = weight.to(cd)
         for s in range(0, x.shape[0], rows):  # evaluation: the same chunks, no gradient work
-            logits = (x[s:s + rows].to(cd) @ wc.t()).float()
+            logits = (x[s : s + rows].to(cd) @ wc.t()).float()
             if softcap:
                 logits = softcap * torch.tanh(logits / softcap)
-            total += F.cross_entropy(logits, targets[s:s + rows], ignore_index=-1, reduction="sum")
+            total += F.cross_entropy(logits, targets[s : s + rows], ignore_index=-1, reduction="sum")
     return total / (targets != -1).sum().clamp(min=1)

@@ -9,13 +9,13 @@ With the KV cache the prompt is run once and each new token costs one position o
 compute; without it (or once the sequence outgrows the block) the last ``block_size``
 tokens are re-run every step, which is what the cache must reproduce token for token.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Iterator, Optional
 
 import torch
 from torch.nn import functional as F
-
 
 # Below this temperature logits / T can overflow float32; sample_next shifts the logits first.
 SMALL_TEMPERATURE = 1e-20
@@ -100,10 +100,10 @@ def generate_stream(
     for n in range(T, T + max_new_tokens):
         if cache is not None and n <= cache.max_len:
             # The whole prompt on the first step, then only the token sampled last.
-            logits, _ = model(seq[:, cache.pos:n], kv_cache=cache, last_only=True)
+            logits, _ = model(seq[:, cache.pos : n], kv_cache=cache, last_only=True)
         else:
             # Past the block the window slides, every position moves, and the cache no longer applies.
-            logits, _ = model(seq[:, max(0, n - block):n], last_only=True)
+            logits, _ = model(seq[:, max(0, n - block) : n], last_only=True)
         logits = logits[:, -1, :real_vocab]  # padded vocabulary rows are never sampled
         if on_logits is not None:
             on_logits(logits)

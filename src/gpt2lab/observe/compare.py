@@ -9,6 +9,7 @@ start-up or evaluations. A resumed run's repeated steps count once (the later re
 "Reached" is the first evaluation at or below the target, so its resolution is the run's
 eval_interval.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,6 +23,7 @@ from gpt2lab.observe.plot import read_metrics, read_run_config, save_png
 @dataclass
 class Curve:
     """One run's loss curve with the tokens and training seconds behind each point."""
+
     name: str
     points: list[tuple[int, int, float, float]] = field(default_factory=list)  # (step, tokens, seconds, loss)
     tokens_per_step: Optional[int] = None
@@ -74,11 +76,13 @@ def comparison_table(curves: list[Curve], target: float, metric: str = "val_loss
     """Markdown: per run, its final loss, and the steps, tokens and seconds to reach ``target``
     (with their ratio to the first run's)."""
     first = curves[0].reach(target)
-    lines = [f"{metric} target {target:.4f}; seconds = training steps' time (no start-up, no evaluations)",
-             "",
-             f"| run | final {metric} | final step | final tokens | final seconds | step reaching target | "
-             "tokens to target | seconds to target | tokens vs first | seconds vs first |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"{metric} target {target:.4f}; seconds = training steps' time (no start-up, no evaluations)",
+        "",
+        f"| run | final {metric} | final step | final tokens | final seconds | step reaching target | "
+        "tokens to target | seconds to target | tokens vs first | seconds vs first |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for c in curves:
         if c.final is None:
             lines.append(f"| {c.name} | no {metric} logged | - | - | - | - | - | - | - | - |")
@@ -88,7 +92,10 @@ def comparison_table(curves: list[Curve], target: float, metric: str = "val_loss
         if hit is None:
             reached = "not reached | - | - | - | -"
         else:
-            ratio = (lambda i: f"{hit[i] / first[i]:.2f}x" if first is not None and first[i] else "-")
+
+            def ratio(i):
+                return f"{hit[i] / first[i]:.2f}x" if first is not None and first[i] else "-"
+
             reached = f"{hit[0]} | {hit[1]:,} | {hit[2]:.1f} | {ratio(1)} | {ratio(2)}"
         lines.append(f"| {c.name} | {loss:.4f} | {step} | {tokens:,} | {seconds:.1f} | {reached} |")
     return "\n".join(lines)
@@ -115,8 +122,9 @@ def build_figure(curves: list[Curve], target: float, metric: str = "val_loss"):
     return fig
 
 
-def compare_runs(run_dirs: list[str], out_png: Optional[str], target: Optional[float] = None,
-                 metric: str = "val_loss") -> str:
+def compare_runs(
+    run_dirs: list[str], out_png: Optional[str], target: Optional[float] = None, metric: str = "val_loss"
+) -> str:
     """The comparison table of ``run_dirs`` (target: the first run's final loss unless given);
     with ``out_png``, the plot too (written atomically)."""
     if len(run_dirs) < 2:

@@ -13,6 +13,7 @@
 With ``wandb_project`` each record also goes to Weights & Biases (wandb_log.py).
 ``run_info.json`` beside it records the code version, library versions and hardware.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,10 +32,20 @@ from gpt2lab.system.runtime import cpu_name
 class MetricsLogger:
     """Writes on the main process only; every other rank gets a logger that does nothing."""
 
-    def __init__(self, run_dir: str, *, enabled: bool, total_steps: int, start_step: int = 0,
-                 log_interval: int = 1, tensorboard: bool = False, progress: bool = True,
-                 wandb_project: Optional[str] = None, wandb_run_name: Optional[str] = None,
-                 config: Optional[dict] = None) -> None:
+    def __init__(
+        self,
+        run_dir: str,
+        *,
+        enabled: bool,
+        total_steps: int,
+        start_step: int = 0,
+        log_interval: int = 1,
+        tensorboard: bool = False,
+        progress: bool = True,
+        wandb_project: Optional[str] = None,
+        wandb_run_name: Optional[str] = None,
+        config: Optional[dict] = None,
+    ) -> None:
         self.enabled, self.log_interval = enabled, log_interval
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._fh = self._tb = self._bar = self._wandb = None
@@ -51,8 +62,7 @@ class MetricsLogger:
         if progress:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
-                             file=sys.stderr)
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -123,8 +133,10 @@ class MetricsLogger:
 
 def format_train(r: dict) -> str:
     mfu = "n/a" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
-    return (f"step {r['step']:6d} | loss {r['train_loss']:.4f} | lr {r['lr']:.2e} | norm {r['grad_norm']:.3f}"
-            f" | {r['dt_ms']:.0f} ms | {r['tok_per_s']:,.0f} tok/s | mfu {mfu}")
+    return (
+        f"step {r['step']:6d} | loss {r['train_loss']:.4f} | lr {r['lr']:.2e} | norm {r['grad_norm']:.3f}"
+        f" | {r['dt_ms']:.0f} ms | {r['tok_per_s']:,.0f} tok/s | mfu {mfu}"
+    )
 
 
 def format_other(r: dict) -> str:
@@ -132,7 +144,8 @@ def format_other(r: dict) -> str:
     if "sample" in rest:
         return f"step {r['step']:6d} | sample: {rest['sample']!r}"
     return f"step {r['step']:6d} | " + " | ".join(
-        f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in rest.items())
+        f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in rest.items()
+    )
 
 
 def truncate_after(path: str, start_step: int, keep: Optional[Callable[[dict], bool]] = None) -> None:
@@ -159,8 +172,11 @@ def truncate_after(path: str, start_step: int, keep: Optional[Callable[[dict], b
             if step < start_step or (keep is not None and keep(rec)):
                 kept.append(line if line.endswith("\n") else line + "\n")
     if bad:
-        warnings.warn(f"{path}: dropped {len(bad)} unreadable line(s) (line {', '.join(map(str, bad[:5]))}), "
-                      "probably cut by a full disk or a killed run", stacklevel=2)
+        warnings.warn(
+            f"{path}: dropped {len(bad)} unreadable line(s) (line {', '.join(map(str, bad[:5]))}), "
+            "probably cut by a full disk or a killed run",
+            stacklevel=2,
+        )
     from gpt2lab.system.files import atomic_write
 
     with atomic_write(path) as fh:
@@ -171,8 +187,7 @@ def _tensorboard_writer(log_dir: str):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as e:
-        raise SystemExit("--tensorboard true needs the tensorboard package: "
-                         "pip install 'gpt2lab[tensorboard]'") from e
+        raise SystemExit("--tensorboard true needs the tensorboard package: pip install 'gpt2lab[tensorboard]'") from e
     return SummaryWriter(log_dir)
 
 

@@ -4,6 +4,7 @@ Reads what the trainer writes: ``RUN/metrics.jsonl`` (one JSON object per line, 
 ``step``) and ``RUN/config.json``. Uses matplotlib's Agg canvas directly (no pyplot), so
 it is safe inside a training process and never needs a display.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,10 +13,10 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
+from gpt2lab.model.config import SIZES
 from gpt2lab.system import formats
 from gpt2lab.system.errors import DataError
 from gpt2lab.system.files import atomic_write
-from gpt2lab.model.config import SIZES
 
 GPT2_124M_VAL_LOSS = 3.2924  # OpenAI GPT-2 124M on the FineWeb-Edu val shard (reference recipe)
 # HellaSwag acc_norm by model size: (GPT-2, GPT-3) as published (model.config.SIZES).
@@ -42,8 +43,10 @@ def read_metrics(path: str) -> list[dict]:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         lineno = data.count(b"\n", 0, e.start) + 1
-        raise DataError(f"{path}:{lineno}: not UTF-8 text (byte {data[e.start]:#04x}); is this a gpt2lab "
-                        "metrics.jsonl? It holds one JSON object per line") from None
+        raise DataError(
+            f"{path}:{lineno}: not UTF-8 text (byte {data[e.start]:#04x}); is this a gpt2lab "
+            "metrics.jsonl? It holds one JSON object per line"
+        ) from None
     lines = text.split("\n")
     records = []
     for lineno, line in enumerate(lines, start=1):
@@ -127,8 +130,12 @@ def build_figure(runs: list[Run]):
         if run.series.get("hellaswag_acc_norm"):
             steps, values = zip(*run.series["hellaswag_acc_norm"])
             ax_hs.plot(steps, values, marker=".", label=f"{run.name} acc_norm")
-    ax_loss.axhline(GPT2_124M_VAL_LOSS, color="r", ls="--",
-                    label=f"OpenAI GPT-2 (124M), FineWeb-Edu val shard: {GPT2_124M_VAL_LOSS}")
+    ax_loss.axhline(
+        GPT2_124M_VAL_LOSS,
+        color="r",
+        ls="--",
+        label=f"OpenAI GPT-2 (124M), FineWeb-Edu val shard: {GPT2_124M_VAL_LOSS}",
+    )
     ax_loss.set_yscale("log")
     ax_loss.set(xlabel="step", ylabel="loss", title="Loss")
     for size in sorted({r.size for r in runs if r.size}, key=lambda s: SIZE_BY_PARAMS[s]):
@@ -137,8 +144,15 @@ def build_figure(runs: list[Run]):
         ax_hs.axhline(gpt3, color="g", ls="--", label=f"OpenAI GPT-3 ({size}) {gpt3}")
     ax_hs.set(xlabel="step", ylabel="accuracy (acc_norm)", title="HellaSwag")
     if not any(r.series.get("hellaswag_acc_norm") for r in runs):
-        ax_hs.text(0.5, 0.5, "no HellaSwag evaluations in these runs\n(train with --hellaswag-interval N)",
-                   ha="center", va="center", transform=ax_hs.transAxes, color="0.4")
+        ax_hs.text(
+            0.5,
+            0.5,
+            "no HellaSwag evaluations in these runs\n(train with --hellaswag-interval N)",
+            ha="center",
+            va="center",
+            transform=ax_hs.transAxes,
+            color="0.4",
+        )
     for ax in (ax_loss, ax_hs):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
@@ -149,18 +163,20 @@ def build_figure(runs: list[Run]):
 
 def summary_table(runs: list[Run]) -> str:
     """Markdown: per run, last step, best val loss and best HellaSwag acc_norm (with steps)."""
+
     def best(series, pick):
         if not series:
             return "-"
         step, value = pick(series, key=lambda sv: sv[1])
         return f"{value:.4f} (step {step})"
 
-    lines = ["| run | size | last step | best val loss | best HellaSwag acc_norm |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = ["| run | size | last step | best val loss | best HellaSwag acc_norm |", "| --- | --- | --- | --- | --- |"]
     for r in runs:
         last = max((s for series in r.series.values() for s, _ in series), default="-")
-        lines.append(f"| {r.name} | {r.size or '-'} | {last} | {best(r.series.get('val_loss'), min)} | "
-                     f"{best(r.series.get('hellaswag_acc_norm'), max)} |")
+        lines.append(
+            f"| {r.name} | {r.size or '-'} | {last} | {best(r.series.get('val_loss'), min)} | "
+            f"{best(r.series.get('hellaswag_acc_norm'), max)} |"
+        )
     return "\n".join(lines)
 
 
@@ -192,8 +208,10 @@ def written_by_gpt2lab(path: str) -> bool:
         return False
     if b"Software\x00" + PNG_SOFTWARE.encode() in head:
         return True
-    return (os.path.basename(path) == "plot.png"
-            and rundir.inspect(os.path.dirname(os.path.abspath(path))).kind == rundir.RUN)
+    return (
+        os.path.basename(path) == "plot.png"
+        and rundir.inspect(os.path.dirname(os.path.abspath(path))).kind == rundir.RUN
+    )
 
 
 def save_png(fig, out_png: str, flag: str = "--out") -> None:
@@ -206,8 +224,9 @@ def save_png(fig, out_png: str, flag: str = "--out") -> None:
     from gpt2lab.system.errors import UsageError
 
     if os.path.lexists(out_png) and not (os.path.isfile(out_png) and written_by_gpt2lab(out_png)):
-        raise UsageError(f"{flag} {out_png}: a file gpt2lab did not write is there; pick another path "
-                         "(nothing was overwritten)")
+        raise UsageError(
+            f"{flag} {out_png}: a file gpt2lab did not write is there; pick another path (nothing was overwritten)"
+        )
     FigureCanvasAgg(fig)
     os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
     with atomic_write(out_png, "wb") as fh:

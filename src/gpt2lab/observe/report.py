@@ -6,6 +6,7 @@ so keys added later show up by themselves), ``metrics.jsonl`` (through plot.read
 which leaves out a cut last line) and ``checkpoints/``. Works on a finished, a running
 and a crashed run, and says which.
 """
+
 from __future__ import annotations
 
 import base64
@@ -21,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from gpt2lab.data.tokenizer import short
-from gpt2lab.observe import plot
 from gpt2lab.model.config import config_value
+from gpt2lab.observe import plot
 from gpt2lab.system import rundir
 
 RUNNING_IF_WRITTEN_WITHIN_S = 600  # or 20 median steps, whichever is longer: evaluations pause the log
@@ -104,10 +105,9 @@ def run_status(run_dir: str, config: dict, records: list[dict], cut: bool, ckpts
     if pid is not None:  # the lock is the truth: the kernel drops it with its process, however it ends
         return f"running: at {where} (lock held by pid {pid})"
     if not os.path.exists(os.path.join(run_dir, rundir.LOCK_FILE)) and age < window:  # a run of a version
-        return f"running: at {where} (last record {age:.0f} s ago)"                   # that kept no lock
+        return f"running: at {where} (last record {age:.0f} s ago)"  # that kept no lock
     if cut:
-        return (f"crashed: metrics.jsonl ends in a cut line (killed mid-write) at {where}; "
-                + _resume_hint(ckpt_steps))
+        return f"crashed: metrics.jsonl ends in a cut line (killed mid-write) at {where}; " + _resume_hint(ckpt_steps)
     if last is not None and ckpt_steps and ckpt_steps[-1] == last + 1:
         return f"stopped at {where} with a checkpoint there; continue with `gpt2lab train ... --resume auto`"
     ago = f"{age:.0f} s" if age < 120 else f"{age / 60:.0f} min"
@@ -166,19 +166,33 @@ def _speed(records: list[dict], config: dict, run_dir: str) -> list[list[Any]]:
     batch = config_value(config, "total_batch_tokens", 0)
     tokens = train[-1].get("tokens") or len(train) * batch
     recent = train[-50:]
-    rows = [["figure", "value"], ["train steps logged", len(train)], ["tokens seen", f"{tokens:,}"],
-            ["time in training steps", _fmt_duration(step_time)],
-            ["tok/s (all steps)", f"{len(train) * batch / step_time:,.0f}" if step_time and batch else "-"],
-            [f"tok/s (median of last {len(recent)} steps)", f"{statistics.median(r['tok_per_s'] for r in recent):,.0f}"],
-            [f"ms/step (median of last {len(recent)})", f"{statistics.median(r['dt_ms'] for r in recent):,.1f}"]]
+    rows = [
+        ["figure", "value"],
+        ["train steps logged", len(train)],
+        ["tokens seen", f"{tokens:,}"],
+        ["time in training steps", _fmt_duration(step_time)],
+        ["tok/s (all steps)", f"{len(train) * batch / step_time:,.0f}" if step_time and batch else "-"],
+        [f"tok/s (median of last {len(recent)} steps)", f"{statistics.median(r['tok_per_s'] for r in recent):,.0f}"],
+        [f"ms/step (median of last {len(recent)})", f"{statistics.median(r['dt_ms'] for r in recent):,.1f}"],
+    ]
     mfus = [r["mfu"] for r in recent if isinstance(r.get("mfu"), (int, float))]
-    rows.append(["MFU (median of last steps)", f"{100 * statistics.median(mfus):.1f}%" if mfus else
-                 "n/a (no peak FLOP/s known for this device; see --peak-flops)"])
+    rows.append(
+        [
+            "MFU (median of last steps)",
+            f"{100 * statistics.median(mfus):.1f}%"
+            if mfus
+            else "n/a (no peak FLOP/s known for this device; see --peak-flops)",
+        ]
+    )
     first = os.path.join(run_dir, "config.json")
     last = os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(first) and os.path.exists(last):
-        rows.append(["wall clock, config.json to last record (includes evaluations, pauses)",
-                     _fmt_duration(max(0.0, os.path.getmtime(last) - os.path.getmtime(first)))])
+        rows.append(
+            [
+                "wall clock, config.json to last record (includes evaluations, pauses)",
+                _fmt_duration(max(0.0, os.path.getmtime(last) - os.path.getmtime(first))),
+            ]
+        )
     return rows
 
 
@@ -193,9 +207,16 @@ def _results(records: list[dict], size: Optional[str]) -> list[list[Any]]:
     val, hs = _last(records, "val_loss"), _last(records, "hellaswag_acc_norm")
     bpb = _last(records, "val_bpb")
     fmt = lambda sv: f"{sv[1]:.4f} (step {sv[0]})" if sv else "-"  # noqa: E731
-    rows = [["metric", "this run", f"OpenAI GPT-2 {ref}", f"OpenAI GPT-3 {ref}"],
-            ["val loss (the run's val split; GPT-2's on FineWeb-Edu val)", fmt(val), plot.GPT2_124M_VAL_LOSS if ref == "124M" else "-", "-"],
-            ["HellaSwag acc_norm", fmt(hs), gpt2_hs, gpt3_hs]]
+    rows = [
+        ["metric", "this run", f"OpenAI GPT-2 {ref}", f"OpenAI GPT-3 {ref}"],
+        [
+            "val loss (the run's val split; GPT-2's on FineWeb-Edu val)",
+            fmt(val),
+            plot.GPT2_124M_VAL_LOSS if ref == "124M" else "-",
+            "-",
+        ],
+        ["HellaSwag acc_norm", fmt(hs), gpt2_hs, gpt3_hs],
+    ]
     if bpb:  # bits per byte: comparable across tokenizers (runs written before it have none)
         rows.append(["val bits per byte (the loss over the text's UTF-8 bytes)", fmt(bpb), "-", "-"])
     return rows
@@ -224,34 +245,67 @@ def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True)
     size = plot.detect_size(config) if config else None
     arch = _model_section(config)
     status = run_status(run_dir, config, records, cut, ckpts, time.time() if now is None else now)
-    what = [["item", "value"], ["run dir", os.path.abspath(run_dir)], ["preset", preset_of(info) or "-"],
-            ["command", command_line(info) or "-"], ["code version (git)", info.get("git_sha") or "-"],
-            ["model", f"{arch.get('n_layer')} layers, {arch.get('n_head')} heads, {arch.get('n_embd')} wide"
-                      + (f" (GPT-2 {size} shape)" if size else "")],
-            ["parameters", f"{info['params']:,}" if isinstance(info.get("params"), int) else "-"],
-            ["tokenizer", short(arch.get("tokenizer")) + (f", {arch['token_vocab_size']:,} tokens"
-                                                          if isinstance(arch.get("token_vocab_size"), int) else "")]]
+    what = [
+        ["item", "value"],
+        ["run dir", os.path.abspath(run_dir)],
+        ["preset", preset_of(info) or "-"],
+        ["command", command_line(info) or "-"],
+        ["code version (git)", info.get("git_sha") or "-"],
+        [
+            "model",
+            f"{arch.get('n_layer')} layers, {arch.get('n_head')} heads, {arch.get('n_embd')} wide"
+            + (f" (GPT-2 {size} shape)" if size else ""),
+        ],
+        ["parameters", f"{info['params']:,}" if isinstance(info.get("params"), int) else "-"],
+        [
+            "tokenizer",
+            short(arch.get("tokenizer"))
+            + (f", {arch['token_vocab_size']:,} tokens" if isinstance(arch.get("token_vocab_size"), int) else ""),
+        ],
+    ]
     events = [r for r in records if any(k in r for k in EVENT_KEYS)]
     samples = [[r["step"], r["sample"]] for r in records if isinstance(r.get("sample"), str)]
     rep = Report(title=f"gpt2lab report: {os.path.basename(os.path.abspath(run_dir))}", status=status)
     rep.sections += [
         Section("What was run", table=what),
         Section("How long and how fast", table=_speed(records, config, run_dir)),
-        Section("Final metrics against OpenAI's models", table=_results(records, size),
-                text="" if size else "This run is not a GPT-2 size; the 124M baselines are shown for scale."),
-        Section("Curves", image_png=_figure_png(run_dir) if records and curves else None,
-                text="" if records else "No metrics logged yet."),
-        Section("Samples", table=[["step", "sample"], *samples] if samples else None,
-                text="" if samples else "No samples logged (train with --sample-interval N)."),
-        Section("Skipped and spike steps", table=[["step", "event"], *[[r["step"], _event_text(r)] for r in events]]
-                if events else None, text="" if events else "None: every step was applied."),
-        Section("Checkpoints", table=[["step", "path", "size"], *[[s, p, f"{b / 2 ** 20:,.1f} MiB"] for s, p, b in ckpts]]
-                if ckpts else None, text="" if ckpts else "No checkpoint saved yet."),
-        Section("Environment and automatic choices (run_info.json)",
-                table=[["key", "value"], *_flatten(info)] if info else None,
-                text="" if info else "run_info.json is missing."),
-        Section("Config (config.json)", table=[["field", "value"], *_flatten(config)] if config else None,
-                text="" if config else "config.json is missing."),
+        Section(
+            "Final metrics against OpenAI's models",
+            table=_results(records, size),
+            text="" if size else "This run is not a GPT-2 size; the 124M baselines are shown for scale.",
+        ),
+        Section(
+            "Curves",
+            image_png=_figure_png(run_dir) if records and curves else None,
+            text="" if records else "No metrics logged yet.",
+        ),
+        Section(
+            "Samples",
+            table=[["step", "sample"], *samples] if samples else None,
+            text="" if samples else "No samples logged (train with --sample-interval N).",
+        ),
+        Section(
+            "Skipped and spike steps",
+            table=[["step", "event"], *[[r["step"], _event_text(r)] for r in events]] if events else None,
+            text="" if events else "None: every step was applied.",
+        ),
+        Section(
+            "Checkpoints",
+            table=[["step", "path", "size"], *[[s, p, f"{b / 2**20:,.1f} MiB"] for s, p, b in ckpts]]
+            if ckpts
+            else None,
+            text="" if ckpts else "No checkpoint saved yet.",
+        ),
+        Section(
+            "Environment and automatic choices (run_info.json)",
+            table=[["key", "value"], *_flatten(info)] if info else None,
+            text="" if info else "run_info.json is missing.",
+        ),
+        Section(
+            "Config (config.json)",
+            table=[["field", "value"], *_flatten(config)] if config else None,
+            text="" if config else "config.json is missing.",
+        ),
     ]
     return rep
 
@@ -275,9 +329,11 @@ def _cell(v: Any) -> str:
 
 def to_html(rep: Report) -> str:
     kind = rep.status.split(":")[0].split()[0]
-    parts = [f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(rep.title)}</title>"
-             f"<style>{_CSS}</style></head><body><h1>{html.escape(rep.title)}</h1>",
-             f"<p class='status {html.escape(kind)}' id='status'>{html.escape(rep.status)}</p>"]
+    parts = [
+        f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(rep.title)}</title>"
+        f"<style>{_CSS}</style></head><body><h1>{html.escape(rep.title)}</h1>",
+        f"<p class='status {html.escape(kind)}' id='status'>{html.escape(rep.status)}</p>",
+    ]
     for s in rep.sections:
         parts.append(f"<h2>{html.escape(s.title)}</h2>")
         if s.text:

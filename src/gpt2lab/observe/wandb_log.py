@@ -7,6 +7,7 @@ run repeats are logged again instead of being dropped as out of order. Samples g
 table. Without the package, an API key or the network, one line says so and training goes
 on with local logging only.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,11 @@ ID_FILE = "wandb_id"
 
 
 def _say(message: str) -> None:
-    print(f"gpt2lab: W&B logging off: {message.rstrip('.')}; metrics.jsonl is written as always", file=sys.stderr, flush=True)
+    print(
+        f"gpt2lab: W&B logging off: {message.rstrip('.')}; metrics.jsonl is written as always",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _run_id(run_dir: str) -> str:
@@ -68,8 +73,14 @@ class WandbLogger:
             return
         run_id = _run_id(run_dir)
         try:
-            self.run = wandb.init(project=project, name=name or os.path.basename(os.path.abspath(run_dir)),
-                                  id=run_id, resume="allow", config=config, dir=run_dir)
+            self.run = wandb.init(
+                project=project,
+                name=name or os.path.basename(os.path.abspath(run_dir)),
+                id=run_id,
+                resume="allow",
+                config=config,
+                dir=run_dir,
+            )
         except Exception as e:  # no API key, no network, a bad project name: W&B's own message, one line
             _say(" ".join(str(e).split()) or type(e).__name__)
             return

@@ -8,6 +8,7 @@ OpenAI's error body ``{"error": {"message", "type", "param", "code"}}`` and the 
 serving; a full queue gets 429 at once, a request past the timeout 504, a body past
 asgi.MAX_BODY_BYTES 413 however it is framed. A client that hangs up frees its row, streamed or not.
 """
+
 from __future__ import annotations
 
 from importlib import resources
@@ -21,8 +22,8 @@ from gpt2lab.inference import chat
 from gpt2lab.serve.asgi import AccessLog
 from gpt2lab.serve.completions import ChatCompletion, Completion
 from gpt2lab.serve.engine import Worker
-from gpt2lab.serve.metrics import ServeMetrics
 from gpt2lab.serve.errors import APIError, error_body
+from gpt2lab.serve.metrics import ServeMetrics
 from gpt2lab.serve.responses import respond, stream_chat, stream_completion, whole_chat, whole_completion
 from gpt2lab.serve.schemas import ChatRequest, CompletionRequest, validation_error
 
@@ -51,8 +52,10 @@ def create_app(workers: dict[str, Worker]) -> FastAPI:
         where = f"{request.method} {request.url.path}"
         bad = exc.__cause__  # FastAPI's "error parsing the body" keeps what went wrong here
         if isinstance(bad, UnicodeDecodeError):
-            message = (f"the request body is not UTF-8 JSON: byte {bad.object[bad.start]:#04x} at position "
-                       f"{bad.start} is not UTF-8; send the JSON encoded as UTF-8")
+            message = (
+                f"the request body is not UTF-8 JSON: byte {bad.object[bad.start]:#04x} at position "
+                f"{bad.start} is not UTF-8; send the JSON encoded as UTF-8"
+            )
         elif exc.status_code == 404:
             message = f"Invalid URL ({where}): this server answers {', '.join(ROUTES)}"
         elif exc.status_code == 405:
@@ -67,8 +70,9 @@ def create_app(workers: dict[str, Worker]) -> FastAPI:
         kind = request.headers.get("content-type", "")
         if request.method == "POST" and kind.split(";")[0].strip().lower() != "application/json":
             got = f"Content-Type: {kind}" if kind else "no Content-Type header"
-            return APIError(415, f"send the request body as JSON with the header Content-Type: application/json "
-                                 f"(got {got})").response()
+            return APIError(
+                415, f"send the request body as JSON with the header Content-Type: application/json (got {got})"
+            ).response()
         return validation_error(exc).response()
 
     @app.get("/", response_class=HTMLResponse)
@@ -81,10 +85,22 @@ def create_app(workers: dict[str, Worker]) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "gpt2lab", "context_length": w.block_size,
-             "chat_template": w.model.config.chat_template, "note": chat.note(w.model.config), **_inference(w)}
-            for name, w in workers.items()]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "gpt2lab",
+                    "context_length": w.block_size,
+                    "chat_template": w.model.config.chat_template,
+                    "note": chat.note(w.model.config),
+                    **_inference(w),
+                }
+                for name, w in workers.items()
+            ],
+        }
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):

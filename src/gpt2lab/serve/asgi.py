@@ -3,6 +3,7 @@ whatever its framing, refused past MAX_BODY_BYTES (413, drained first so the cli
 when not whole BODY_TIMEOUT_S after the request began (408); a client that left while sending
 gets nothing; one access-log line (logger ``gpt2lab.serve.access``) and one ``/metrics`` count
 per request."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,8 +14,8 @@ from typing import Optional
 
 from fastapi.responses import JSONResponse
 
-from gpt2lab.serve.metrics import ServeMetrics
 from gpt2lab.serve.errors import error_body
+from gpt2lab.serve.metrics import ServeMetrics
 
 # A request body past this is refused (413), unread when its Content-Length says so, else as soon
 # as this much has come: GPT-2's longest context is 1024 tokens, a few KB of text; 1 MiB leaves
@@ -62,8 +63,10 @@ async def read_body(scope, receive) -> Optional[bytes]:
             return None
         n += len(message.get("body", b""))
         if n > MAX_BODY_BYTES:
-            raise BodyTooLarge(f"the request body is over {MAX_BODY_BYTES} bytes (read {n} before stopping); "
-                               f"this server takes at most {MAX_BODY_BYTES}")
+            raise BodyTooLarge(
+                f"the request body is over {MAX_BODY_BYTES} bytes (read {n} before stopping); "
+                f"this server takes at most {MAX_BODY_BYTES}"
+            )
         parts.append(message.get("body", b""))
         if not message.get("more_body", False):
             return b"".join(parts)
@@ -75,6 +78,7 @@ def _replay(body: bytes, receive):
 
     async def replay():
         return pending.pop() if pending else await receive()
+
     return replay
 
 
@@ -100,8 +104,9 @@ class AccessLog:
             code = status[0] or 499  # 499: the client went away before a response started
             path = scope["path"] if scope["path"] in self.routes else "other"  # bounded label values
             self.metrics.requests.labels(path, str(code)).inc()
-            access_log.info('%s "%s %s" %d %.3fs', client[0], scope["method"], scope["path"], code,
-                            time.monotonic() - t0)
+            access_log.info(
+                '%s "%s %s" %d %.3fs', client[0], scope["method"], scope["path"], code, time.monotonic() - t0
+            )
 
         async def sending(message) -> None:
             if message["type"] == "http.response.start":
@@ -119,9 +124,14 @@ class AccessLog:
                 response = JSONResponse(status_code=413, content=error_body(str(e)), headers={"Connection": "close"})
                 return await response(scope, receive, sending)
             except asyncio.TimeoutError:
-                response = JSONResponse(status_code=408, headers={"Connection": "close"}, content=error_body(
-                    f"the request body was not whole {BODY_TIMEOUT_S:g} s after the request began; send it at once",
-                    code="request_timeout"))
+                response = JSONResponse(
+                    status_code=408,
+                    headers={"Connection": "close"},
+                    content=error_body(
+                        f"the request body was not whole {BODY_TIMEOUT_S:g} s after the request began; send it at once",
+                        code="request_timeout",
+                    ),
+                )
                 return await response(scope, receive, sending)
             if body is not None:  # else the client left before its request was whole: nothing to answer
                 await self.app(scope, _replay(body, receive), sending)

@@ -23,6 +23,7 @@ float rounding (tests/unit/test_serve_batch.py checks them against the one-row f
 matmul may round differently, so a seeded request can in rare cases draw another token than
 ``gpt2lab sample``; ``--deterministic`` (engine.TurnsWorker) keeps exact equality.
 """
+
 from __future__ import annotations
 
 import collections
@@ -32,8 +33,8 @@ from typing import Iterator, Optional
 import torch
 
 from gpt2lab.inference.completion import TokenLogprob, TokenText, end_token, seeded_generator, token_logprobs
-from gpt2lab.model.sampling import sample_next
 from gpt2lab.model.gpt import KVCache
+from gpt2lab.model.sampling import sample_next
 from gpt2lab.serve.engine import Finish, Job, StopFilter, Text, Worker
 
 
@@ -67,7 +68,7 @@ class RowsCache:
             for layer, old in enumerate(bufs):
                 new = like.new_zeros(S, like.shape[1], L, like.shape[3])
                 if old is not None:
-                    new[:old.shape[0], :, :old.shape[2]] = old
+                    new[: old.shape[0], :, : old.shape[2]] = old
                 bufs[layer] = new
 
     def put(self, slot: int, cache: KVCache, capacity: int) -> None:
@@ -117,7 +118,7 @@ class RowsCache:
         rows = torch.arange(self.rows, device=k.device)
         self.k[layer][rows, :, self._lengths] = k[:, :, 0]  # (rows, heads, head size) at each row's position
         self.v[layer][rows, :, self._lengths] = v[:, :, 0]
-        return self.k[layer][:self.rows, :, :self.pos + 1], self.v[layer][:self.rows, :, :self.pos + 1]
+        return self.k[layer][: self.rows, :, : self.pos + 1], self.v[layer][: self.rows, :, : self.pos + 1]
 
     def advance(self, T: int) -> None:
         self.lengths = [n + T for n in self.lengths]
@@ -186,8 +187,9 @@ class BatchWorker(Worker):
                 continue
             self.rows_left[id(job)] = len(r.prompts)
             # each prompt gets a generator seeded with its seed, as in completion_events
-            self.prefill.extend(Row(job, p, seeded_generator(self.device, r.seeds[p]), self.model)
-                                for p in range(len(r.prompts)))
+            self.prefill.extend(
+                Row(job, p, seeded_generator(self.device, r.seeds[p]), self.model) for p in range(len(r.prompts))
+            )
 
     def _drop_ended(self, now: float) -> None:
         """Requests whose client went away or whose time is up leave before the next step."""
@@ -220,16 +222,19 @@ class BatchWorker(Worker):
     def _prefill_step(self, row: Row) -> None:
         """Run the next chunk of ``row``'s prompt; at its end, sample the first token and join the batch."""
         if row.cache is None:
-            row.cache = self.model.new_kv_cache(min(self.block_size, len(row.ids) + row.job.request.sampling.max_new_tokens))
+            row.cache = self.model.new_kv_cache(
+                min(self.block_size, len(row.ids) + row.job.request.sampling.max_new_tokens)
+            )
         start = row.cache.pos
-        chunk = row.ids[start:start + self.limits.prefill_chunk]
+        chunk = row.ids[start : start + self.limits.prefill_chunk]
         idx = torch.tensor([chunk], dtype=torch.long, device=self.device)
         r = row.job.request
         logits, _ = self.model(idx, kv_cache=row.cache, last_only=not r.scores_prompt)
         if r.scores_prompt:  # position i predicts prompt token i + 1, which may lie in the next chunk
-            targets = torch.tensor(row.ids[start + 1:start + len(chunk) + 1], dtype=torch.long)
-            row.scored += token_logprobs(logits[0, :len(targets)], targets, self.model.config.real_vocab_size,
-                                         r.logprobs)
+            targets = torch.tensor(row.ids[start + 1 : start + len(chunk) + 1], dtype=torch.long)
+            row.scored += token_logprobs(
+                logits[0, : len(targets)], targets, self.model.config.real_vocab_size, r.logprobs
+            )
         if row.cache.pos < len(row.ids):
             return  # more of the prompt next step
         if r.scores_prompt:
@@ -252,7 +257,7 @@ class BatchWorker(Worker):
         self.metrics.batch_size.labels(self.name).observe(len(rows))
         idx = torch.tensor([[r.last] for r in rows], dtype=torch.long, device=self.device)
         logits, _ = self.model(idx, kv_cache=self.cache.view(self.device), last_only=True)
-        going = [self._sampled(r, *self._sample(r, logits[i:i + 1, -1])) for i, r in enumerate(rows)]
+        going = [self._sampled(r, *self._sample(r, logits[i : i + 1, -1])) for i, r in enumerate(rows)]
         for slot in reversed(range(len(rows))):
             if not going[slot]:
                 self._leave(slot)
@@ -261,7 +266,7 @@ class BatchWorker(Worker):
         """The next token of ``row`` from its logits (1, vocab), as generate_stream draws it, and
         its log-probability when the request asks for logprobs."""
         r = row.job.request
-        logits = logits[:, :self.model.config.real_vocab_size]  # padded vocabulary rows are never sampled
+        logits = logits[:, : self.model.config.real_vocab_size]  # padded vocabulary rows are never sampled
         t = sample_next(logits, r.sampling.temperature, **r.sampling.filters(), generator=row.generator)
         lp = None if r.logprobs is None else token_logprobs(logits, t, logits.size(-1), r.logprobs)[0]
         return int(t), lp

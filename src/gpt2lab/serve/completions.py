@@ -2,6 +2,7 @@
 messages in the model's chat template as one prompt) check what the schema cannot (the model, the
 prompt's tokens, the context length, the --max-tokens cap, the parameters served only at their
 neutral values), each refusal an ``APIError`` naming its field, and become the engine's ``Work``."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,8 +12,15 @@ from typing import Optional, Union
 
 from gpt2lab.data.tokenizer import short
 from gpt2lab.inference import chat
-from gpt2lab.inference.completion import (PromptError, Sampling, TokenText, check_ids, encode_prompt, fits_context,
-                                          prompt_text)
+from gpt2lab.inference.completion import (
+    PromptError,
+    Sampling,
+    TokenText,
+    check_ids,
+    encode_prompt,
+    fits_context,
+    prompt_text,
+)
 from gpt2lab.serve.engine import Job, QueueFull, ShuttingDown, Work, Worker
 from gpt2lab.serve.errors import APIError, shutting_down
 from gpt2lab.serve.logprobs import Logprobs
@@ -63,19 +71,34 @@ def _check_length(prompts: list[list[int]], max_tokens: int, worker: Worker, def
     when the request left max_tokens out; ``what`` names its prompt ("prompt" or "messages")."""
     said = f"max_tokens' default of {max_tokens}" if default else f"max_tokens {max_tokens}"
     if max_tokens > worker.limits.max_tokens:
-        raise APIError(400, f"max_tokens: this server gives at most {worker.limits.max_tokens} tokens per "
-                            f"choice (--max-tokens); you asked for {said}", param="max_tokens")
+        raise APIError(
+            400,
+            f"max_tokens: this server gives at most {worker.limits.max_tokens} tokens per "
+            f"choice (--max-tokens); you asked for {said}",
+            param="max_tokens",
+        )
     longest, block = max(len(p) for p in prompts), worker.block_size
     if longest > block or (longest == block and max_tokens > 0):  # no max_tokens could make it fit
-        alone = {"prompt": f"the {'longest ' if len(prompts) > 1 else ''}prompt alone takes {longest} tokens",
-                 "messages": f"the messages alone take {longest} tokens (as the chat template writes them)"}[what]
+        alone = {
+            "prompt": f"the {'longest ' if len(prompts) > 1 else ''}prompt alone takes {longest} tokens",
+            "messages": f"the messages alone take {longest} tokens (as the chat template writes them)",
+        }[what]
         room = "" if longest > block else ", which leaves no room for a completion"
-        raise APIError(400, f"This model's maximum context length is {block} tokens, and {alone}{room}. "
-                            f"Shorten the {what}.", param=what, code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {block} tokens, and {alone}{room}. Shorten the {what}.",
+            param=what,
+            code="context_length_exceeded",
+        )
     if not fits_context(longest, max_tokens, block):
-        raise APIError(400, f"This model's maximum context length is {block} tokens; you asked for "
-                            f"{longest + max_tokens} ({longest} in the {what}, {said}). Shorten the {what} or "
-                            "lower max_tokens.", param="max_tokens", code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {block} tokens; you asked for "
+            f"{longest + max_tokens} ({longest} in the {what}, {said}). Shorten the {what} or "
+            "lower max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
 
 
 def _stops(stop: Optional[Union[str, list[str]]]) -> list[str]:
@@ -87,8 +110,12 @@ def _stops(stop: Optional[Union[str, list[str]]]) -> list[str]:
 
 def _worker(model: str, workers: dict[str, Worker]) -> Worker:
     if model not in workers:
-        raise APIError(404, f"The model {model!r} does not exist; this server has: "
-                            f"{', '.join(workers)}", param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"The model {model!r} does not exist; this server has: {', '.join(workers)}",
+            param="model",
+            code="model_not_found",
+        )
     return workers[model]
 
 
@@ -97,30 +124,48 @@ class Completion:
 
     def __init__(self, req: CompletionRequest, workers: dict[str, Worker]) -> None:
         self.req, self.worker = req, _worker(req.model, workers)
-        _unsupported((("best_of", req.best_of not in (None, 1, req.n)),
-                      ("presence_penalty", bool(req.presence_penalty)),
-                      ("frequency_penalty", bool(req.frequency_penalty)),
-                      ("logit_bias", bool(req.logit_bias)), ("suffix", bool(req.suffix))))
+        _unsupported(
+            (
+                ("best_of", req.best_of not in (None, 1, req.n)),
+                ("presence_penalty", bool(req.presence_penalty)),
+                ("frequency_penalty", bool(req.frequency_penalty)),
+                ("logit_bias", bool(req.logit_bias)),
+                ("suffix", bool(req.suffix)),
+            )
+        )
         self.prompts, self.texts = _prompts(req, self.worker.model)
         default = req.max_tokens is None or "max_tokens" not in req.model_fields_set
-        self._prepare(16 if req.max_tokens is None else req.max_tokens, _stops(req.stop),
-                      echo=self.texts if req.echo else [], logprobs=req.logprobs, default=default)
+        self._prepare(
+            16 if req.max_tokens is None else req.max_tokens,
+            _stops(req.stop),
+            echo=self.texts if req.echo else [],
+            logprobs=req.logprobs,
+            default=default,
+        )
         self.id = f"cmpl-{secrets.token_hex(12)}"
 
-    def _prepare(self, max_tokens: int, stops: list[str], echo: list[str], logprobs: Optional[int],
-                 default: bool, what: str = "prompt") -> None:
+    def _prepare(
+        self,
+        max_tokens: int,
+        stops: list[str],
+        echo: list[str],
+        logprobs: Optional[int],
+        default: bool,
+        what: str = "prompt",
+    ) -> None:
         """The work of ``self.prompts`` with the request's sampling settings (shared with chat)."""
         req = self.req
         _check_length(self.prompts, max_tokens, self.worker, default, what)
-        self.sampling = Sampling(max_new_tokens=max_tokens, temperature=_or(req.temperature, 1.0),
-                                 top_k=req.top_k, top_p=req.top_p)
+        self.sampling = Sampling(
+            max_new_tokens=max_tokens, temperature=_or(req.temperature, 1.0), top_k=req.top_k, top_p=req.top_p
+        )
         # without a seed each prompt draws its own (equal prompts get their own samples); with one,
         # every prompt starts from it, as `gpt2lab sample --seed` does
-        seeds = ([req.seed] * len(self.prompts) if req.seed is not None
-                 else [secrets.randbelow(2 ** 63) for _ in self.prompts])
+        seeds = (
+            [req.seed] * len(self.prompts) if req.seed is not None else [secrets.randbelow(2**63) for _ in self.prompts]
+        )
         self.n = req.n or 1
-        self.work = Work(self.prompts, self.sampling, n=self.n, seeds=seeds, stops=stops, echo=echo,
-                         logprobs=logprobs)
+        self.work = Work(self.prompts, self.sampling, n=self.n, seeds=seeds, stops=stops, echo=echo, logprobs=logprobs)
         self.created = int(time.time())
 
     def start(self) -> Job:
@@ -136,20 +181,31 @@ class Completion:
 
     def usage(self, completion_tokens: int) -> dict:
         prompt_tokens = sum(len(p) for p in self.prompts)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
 
     def chunk(self, choices: list[dict], **extra) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.req.model,
-                "choices": choices, **extra}
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.req.model,
+            "choices": choices,
+            **extra,
+        }
 
     def logprobs(self) -> dict[int, Logprobs]:
         """Each choice's logprobs, built as its tokens come (empty without ``logprobs``). Text offsets
         count from the start of the prompt, echoed or not, as OpenAI's do."""
         if self.work.logprobs is None:
             return {}
-        return {i: Logprobs(0 if self.work.echo else len(self.texts[i // self.n]), self.worker.model)
-                for i in range(len(self.prompts) * self.n)}
+        return {
+            i: Logprobs(0 if self.work.echo else len(self.texts[i // self.n]), self.worker.model)
+            for i in range(len(self.prompts) * self.n)
+        }
 
 
 class ChatCompletion(Completion):
@@ -157,12 +213,22 @@ class ChatCompletion(Completion):
 
     def __init__(self, req: ChatRequest, workers: dict[str, Worker]) -> None:
         self.req, self.worker = req, _worker(req.model, workers)
-        _unsupported((("logprobs", bool(req.logprobs)), ("top_logprobs", req.top_logprobs is not None),
-                      ("presence_penalty", bool(req.presence_penalty)),
-                      ("frequency_penalty", bool(req.frequency_penalty)), ("logit_bias", bool(req.logit_bias))))
+        _unsupported(
+            (
+                ("logprobs", bool(req.logprobs)),
+                ("top_logprobs", req.top_logprobs is not None),
+                ("presence_penalty", bool(req.presence_penalty)),
+                ("frequency_penalty", bool(req.frequency_penalty)),
+                ("logit_bias", bool(req.logit_bias)),
+            )
+        )
         if req.response_format is not None and req.response_format.get("type") != "text":
-            raise APIError(400, "response_format: only {\"type\": \"text\"} is supported (a base model cannot be "
-                                f"held to a format); got {req.response_format!r}", param="response_format")
+            raise APIError(
+                400,
+                'response_format: only {"type": "text"} is supported (a base model cannot be '
+                f"held to a format); got {req.response_format!r}",
+                param="response_format",
+            )
         if not req.messages:
             raise APIError(400, "messages: pass at least one message", param="messages")
         try:  # text in a message is text: "<|endoftext|>" or "<|im_end|>" typed there cannot end a turn
@@ -179,13 +245,20 @@ class ChatCompletion(Completion):
         default = max_tokens is None
         if default:  # as OpenAI: what the context leaves, here up to --max-tokens
             max_tokens = max(1, min(self.worker.limits.max_tokens, self.worker.block_size - len(ids)))
-        self._prepare(max_tokens, [*_stops(req.stop), *prompt.stops], echo=[], logprobs=None, default=default,
-                      what="messages")
+        self._prepare(
+            max_tokens, [*_stops(req.stop), *prompt.stops], echo=[], logprobs=None, default=default, what="messages"
+        )
         self.id = f"chatcmpl-{secrets.token_hex(12)}"
 
     def chunk(self, choices: list[dict], **extra) -> dict:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.req.model,
-                "choices": choices, **extra}
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.req.model,
+            "choices": choices,
+            **extra,
+        }
 
 
 def _content(i: int, m: ChatMessage) -> str:
@@ -196,7 +269,9 @@ def _content(i: int, m: ChatMessage) -> str:
     parts = []
     for part in m.content:
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise ValueError(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
-                             f"are supported, got {part.get('type')!r}")
+            raise ValueError(
+                f'messages[{i}].content: only text parts ({{"type": "text", "text": ...}}) '
+                f"are supported, got {part.get('type')!r}"
+            )
         parts.append(prompt_text(part["text"]))
     return "".join(parts)

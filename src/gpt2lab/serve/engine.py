@@ -12,6 +12,7 @@ QueueFull; a request whose client left gives its place back at once, Job.cancel)
 request that outlives ``timeout_s``; ``Worker.shut_down`` ends every open request when the
 server stops.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,9 +25,15 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from gpt2lab.inference.completion import (Sampling, StopFilter, TokenLogprob, score_prompt, seeded_generator,  # noqa: F401
-                                          stream_text)
 from gpt2lab.inference.choice import Decision
+from gpt2lab.inference.completion import (
+    Sampling,
+    StopFilter,
+    TokenLogprob,
+    score_prompt,
+    seeded_generator,  # noqa: F401
+    stream_text,
+)
 from gpt2lab.model.gpt import GPT
 from gpt2lab.serve.limits import Limits
 from gpt2lab.serve.metrics import ServeMetrics
@@ -55,9 +62,17 @@ class Failed:
 Event = Union[Text, Finish, Failed, None]  # None: the request is complete
 
 
-def completion_events(model: GPT, prompts: list[list[int]], sampling: Sampling, *, n: int, seeds: list[int],
-                      stops: list[str], echo: list[str],
-                      logprobs: Optional[int] = None) -> Iterator[Union[Text, Finish]]:
+def completion_events(
+    model: GPT,
+    prompts: list[list[int]],
+    sampling: Sampling,
+    *,
+    n: int,
+    seeds: list[int],
+    stops: list[str],
+    echo: list[str],
+    logprobs: Optional[int] = None,
+) -> Iterator[Union[Text, Finish]]:
     """The events of one request, one token per step: prompt p gets a generator seeded with
     ``seeds[p]`` and its ``n`` samples one after another (as ``gpt2lab sample --num-samples n``).
     With ``logprobs`` every sampled token carries its log-probability, and an echoed prompt its
@@ -100,6 +115,7 @@ class ShuttingDown(Exception):
 @dataclass
 class Work:
     """What one completion request asks of a worker."""
+
     prompts: list[list[int]]
     sampling: Sampling
     n: int
@@ -149,8 +165,10 @@ class Job:
         return now > self.deadline
 
     def timed_out(self, limits: Limits) -> TimedOut:
-        return TimedOut(f"the request took longer than the server's {limits.timeout_s:g} s timeout "
-                        "(--timeout); ask for fewer tokens or retry when the server is less busy")
+        return TimedOut(
+            f"the request took longer than the server's {limits.timeout_s:g} s timeout "
+            "(--timeout); ask for fewer tokens or retry when the server is less busy"
+        )
 
 
 class Worker:
@@ -158,8 +176,14 @@ class Worker:
     write ``_steps``, a generator that does one step of work per ``next`` and says whether it
     had any (False: idle until a request arrives)."""
 
-    def __init__(self, name: str, model: GPT, device: torch.device, limits: Optional[Limits] = None,
-                 decision: Optional[Decision] = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        model: GPT,
+        device: torch.device,
+        limits: Optional[Limits] = None,
+        decision: Optional[Decision] = None,
+    ) -> None:
         self.name, self.model, self.device = name, model, device  # a model held by serve/models.py (or as given)
         self.decision = decision  # how it is held and why (inference/choice.py), where serve/models.py decided
         self.limits = limits or Limits()
@@ -182,8 +206,10 @@ class Worker:
             if self._stopping is not None:
                 raise self._stopping
             if self._waiting >= self.limits.max_queue:
-                raise QueueFull(f"the server is busy: {self._waiting} requests are waiting for model "
-                                f"'{self.name}' (--max-queue {self.limits.max_queue}); retry later")
+                raise QueueFull(
+                    f"the server is busy: {self._waiting} requests are waiting for model "
+                    f"'{self.name}' (--max-queue {self.limits.max_queue}); retry later"
+                )
             self._waiting += 1
             job.worker, job.queued = self, True
             self._open.add(job)
@@ -323,8 +349,21 @@ class TurnsWorker(Worker):
                 job = waiting.popleft()
                 self._started(job)
                 r = job.request
-                active.append((job, completion_events(self.model, r.prompts, r.sampling, n=r.n, seeds=r.seeds,
-                                                      stops=r.stops, echo=r.echo, logprobs=r.logprobs)))
+                active.append(
+                    (
+                        job,
+                        completion_events(
+                            self.model,
+                            r.prompts,
+                            r.sampling,
+                            n=r.n,
+                            seeds=r.seeds,
+                            stops=r.stops,
+                            echo=r.echo,
+                            logprobs=r.logprobs,
+                        ),
+                    )
+                )
             self._rows = len(active)
             if not active:
                 yield False

@@ -1,4 +1,5 @@
 """What a serving worker takes on; torch-free, so the CLI's flags can show the defaults."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Limits:
     """What one worker takes on (the ``gpt2lab serve`` flags of the same names)."""
+
     max_batch: int = 16  # rows (prompt x sample streams) generated together; in turns, requests
     max_queue: int = 64  # requests accepted and waiting for a row; past it: 429
     max_tokens: int = 1024  # the largest max_tokens a request may ask for

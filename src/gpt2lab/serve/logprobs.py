@@ -1,5 +1,6 @@
 """A choice's ``logprobs`` in OpenAI's completions shape: each token named as OpenAI names it, its
 log-probability, the most likely tokens, and where its text starts."""
+
 from __future__ import annotations
 
 from gpt2lab.inference.completion import TokenLogprob, TokenText, tokenizer_for

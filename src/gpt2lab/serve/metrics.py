@@ -5,6 +5,7 @@ process). Workers report tokens, first-token and per-token latency, and batch si
 access-log middleware reports requests by path and status; queue depth and active rows are
 read from the workers when scraped.
 """
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -18,21 +19,33 @@ class ServeMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("gpt2lab_requests", "HTTP requests answered, by path and status code",
-                                ["path", "status"], registry=r)
+        self.requests = Counter(
+            "gpt2lab_requests", "HTTP requests answered, by path and status code", ["path", "status"], registry=r
+        )
         self.tokens = Counter("gpt2lab_generated_tokens", "Completion tokens sampled", ["model"], registry=r)
-        self.queue_depth = Gauge("gpt2lab_queue_depth", "Requests accepted and waiting for a batch row",
-                                 ["model"], registry=r)
-        self.active_rows = Gauge("gpt2lab_active_rows", "Rows (prompt x sample streams) being generated",
-                                 ["model"], registry=r)
-        self.batch_size = Histogram("gpt2lab_batch_size", "Rows in each decode step", ["model"],
-                                    buckets=BATCH_BUCKETS, registry=r)
-        self.first_token = Histogram("gpt2lab_time_to_first_token_seconds",
-                                     "From a request's arrival to its first sampled token", ["model"],
-                                     buckets=LATENCY_BUCKETS, registry=r)
-        self.per_token = Histogram("gpt2lab_time_per_output_token_seconds",
-                                   "Between consecutive sampled tokens of one stream", ["model"],
-                                   buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_depth = Gauge(
+            "gpt2lab_queue_depth", "Requests accepted and waiting for a batch row", ["model"], registry=r
+        )
+        self.active_rows = Gauge(
+            "gpt2lab_active_rows", "Rows (prompt x sample streams) being generated", ["model"], registry=r
+        )
+        self.batch_size = Histogram(
+            "gpt2lab_batch_size", "Rows in each decode step", ["model"], buckets=BATCH_BUCKETS, registry=r
+        )
+        self.first_token = Histogram(
+            "gpt2lab_time_to_first_token_seconds",
+            "From a request's arrival to its first sampled token",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.per_token = Histogram(
+            "gpt2lab_time_per_output_token_seconds",
+            "Between consecutive sampled tokens of one stream",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
 
     def watch(self, worker) -> None:
         """Read ``worker``'s queue depth and active rows at each scrape."""

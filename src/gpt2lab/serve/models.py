@@ -1,4 +1,5 @@
 """The models a server holds: ``--model [NAME=]MODEL`` specs -> one worker per model."""
+
 from __future__ import annotations
 
 from gpt2lab.serve.limits import Limits
@@ -17,8 +18,9 @@ def model_names(specs: list[str]) -> dict[str, str]:
     return out
 
 
-def load_workers(specs: list[str], device_name: str, request=None, limits: Limits | None = None,
-                 deterministic: bool = False) -> dict:
+def load_workers(
+    specs: list[str], device_name: str, request=None, limits: Limits | None = None, deterministic: bool = False
+) -> dict:
     """One worker per ``--model``, loaded and prepared before the server starts serving (errors come
     first): batching (serve/batch.py), or requests in turns with ``deterministic`` (serve/engine.py).
 
@@ -29,8 +31,8 @@ def load_workers(specs: list[str], device_name: str, request=None, limits: Limit
     import dataclasses
 
     from gpt2lab.distributed.dist import pick_device
-    from gpt2lab.inference.completion import check_request, load_for_inference
     from gpt2lab.inference.choice import InferenceRequest
+    from gpt2lab.inference.completion import check_request, load_for_inference
     from gpt2lab.serve.batch import BatchWorker
     from gpt2lab.serve.engine import TurnsWorker
 

@@ -1,6 +1,7 @@
-"""OpenAI's answers: a whole completion or chat completion, and the server-sent events of a stream (an error after the headers went out is an
-event, then ``[DONE]``); ``respond`` answers one started request, whole or streamed, and frees its
-row when the client hangs up before the answer is whole."""
+"""OpenAI's answers: a whole completion or chat completion, and the server-sent events of a stream (an error
+after the headers went out is an event, then ``[DONE]``); ``respond`` answers one started request, whole or
+streamed, and frees its row when the client hangs up before the answer is whole."""
+
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +15,6 @@ from gpt2lab.serve.completions import ChatCompletion, Completion
 from gpt2lab.serve.engine import Failed, Finish, Job, ShuttingDown, Text, TimedOut
 from gpt2lab.serve.errors import APIError, error_body, shutting_down
 from gpt2lab.serve.logprobs import Logprobs
-
 
 
 def _choice(index: int, text: str, finish: Optional[str], logprobs: Optional[dict] = None) -> dict:
@@ -53,9 +53,15 @@ async def whole_completion(c: Completion, job: Job) -> dict:
 
 async def whole_chat(c: ChatCompletion, job: Job) -> dict:
     texts, finish, tokens, _ = await _collect(c, job)
-    choices = [{"index": i, "message": {"role": "assistant", "content": text.lstrip() if c.strip else text},
-                "logprobs": None,
-                "finish_reason": finish.get(i)} for i, text in texts.items()]
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": text.lstrip() if c.strip else text},
+            "logprobs": None,
+            "finish_reason": finish.get(i),
+        }
+        for i, text in texts.items()
+    ]
     return {**c.chunk(choices, usage=c.usage(tokens)), "object": "chat.completion"}
 
 
@@ -119,8 +125,11 @@ async def respond(c: Completion, stream, whole, request: Request):
     answer once; errors as OpenAI's JSON."""
     job = c.start()
     if c.req.stream:  # StreamingResponse watches for the client's hang-up itself
-        return StreamingResponse(_sse_stream(stream(c, job)), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            _sse_stream(stream(c, job)),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
     try:
         answer = await _unless_hung_up(whole(c, job), request)
     except APIError:

@@ -1,6 +1,7 @@
 """What a request body may hold: OpenAI's completion and chat parameters as strict pydantic models,
 the limits on their lists (MAX_N, MAX_PROMPTS, MAX_STOPS, MAX_LOGPROBS), and FastAPI's validation
 errors (malformed JSON, wrong types, out-of-range values) as one OpenAI error naming the field."""
+
 from __future__ import annotations
 
 import re
@@ -20,6 +21,7 @@ MAX_LOGPROBS = 5  # as OpenAI's completions
 class CompletionRequest(BaseModel):
     """OpenAI's completion parameters; ``top_k`` is an extra (0 or absent keeps every token). Strict:
     ``true`` is not an integer (pydantic's lax mode takes it as 1), nor ``1`` a boolean."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
@@ -30,7 +32,7 @@ class CompletionRequest(BaseModel):
     top_k: Optional[int] = Field(None, ge=0)
     n: Optional[int] = Field(1, ge=1, le=MAX_N)
     stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = Field(None, ge=0, lt=2 ** 63)
+    seed: Optional[int] = Field(None, ge=0, lt=2**63)
     stream: Optional[bool] = False
     stream_options: Optional[dict] = None
     echo: Optional[bool] = False
@@ -54,6 +56,7 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(BaseModel):
     """OpenAI's chat parameters (the ones a plain-text template can honour); ``top_k`` is an extra."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
@@ -65,7 +68,7 @@ class ChatRequest(BaseModel):
     top_k: Optional[int] = Field(None, ge=0)
     n: Optional[int] = Field(1, ge=1, le=MAX_N)
     stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = Field(None, ge=0, lt=2 ** 63)
+    seed: Optional[int] = Field(None, ge=0, lt=2**63)
     stream: Optional[bool] = False
     stream_options: Optional[dict] = None
     # accepted for compatibility only at their neutral values
@@ -79,8 +82,11 @@ class ChatRequest(BaseModel):
 
 
 # What a union-typed field takes, for an error that fits none of its types (pydantic reports one per type)
-UNIONS = {"prompt": "text, a list of texts, a list of token ids (integers) or a list of such lists",
-          "stop": "a string or a list of strings", "content": 'a string, a list of {"type": "text"} parts or null'}
+UNIONS = {
+    "prompt": "text, a list of texts, a list of token ids (integers) or a list of such lists",
+    "stop": "a string or a list of strings",
+    "content": 'a string, a list of {"type": "text"} parts or null',
+}
 # The tags pydantic puts in an error's location for a union's member types: "str", "list[int]", ...
 _MEMBER = re.compile(r"(str|int|float|bool|dict|list|none)(\[.*\])?")
 
@@ -104,8 +110,11 @@ def validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
     if first.get("type") == "json_invalid":
-        return APIError(400, f"the request body is not valid JSON ({first.get('msg')}); "
-                             "send a JSON object with Content-Type: application/json")
+        return APIError(
+            400,
+            f"the request body is not valid JSON ({first.get('msg')}); "
+            "send a JSON object with Content-Type: application/json",
+        )
     where, union = _where(tuple(first.get("loc", ())))
     if first.get("type") == "extra_forbidden":
         return APIError(400, f"unrecognized request argument: {where or '?'}", param=where or None)

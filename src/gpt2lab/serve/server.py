@@ -2,6 +2,7 @@
 ``make_server`` (uvicorn), ``uvicorn_in_thread`` (uvicorn from a thread; at Ctrl-C the open
 requests end with a shutdown error before it drains) and ``serve_here`` (the models run in the
 calling thread, the engine's, beside uvicorn's)."""
+
 from __future__ import annotations
 
 import contextlib

@@ -3,6 +3,7 @@
 "auto" is decided by gpt2lab.system.runtime (dtype, compile) and
 gpt2lab.distributed.parallel.choose_strategy (strategy).
 """
+
 # Autocast dtypes by torch name; gpt2lab.distributed.dist.DTYPES maps them to torch dtypes.
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_CHOICES = ("auto", *DTYPES)

@@ -6,6 +6,7 @@ class's code (``--debug`` or ``GPT2LAB_DEBUG=1`` shows the traceback instead). E
 class also derives from the builtin the code raised before it existed (ValueError,
 OSError, RuntimeError), so ``except ValueError`` around library calls keeps working.
 """
+
 from __future__ import annotations
 
 import errno
@@ -13,13 +14,13 @@ import signal
 
 # The documented exit codes (README "Exit codes", `gpt2lab --help`).
 EXIT_OK = 0
-EXIT_ERROR = 1        # bad input: a data, source or model file that cannot be used
-EXIT_USAGE = 2        # a flag or config value that cannot work (argparse uses 2 as well)
-EXIT_CHECKPOINT = 3   # a checkpoint that is damaged or does not fit the model
-EXIT_DISK_FULL = 4    # no space left on the device (nothing half-written is left behind)
-EXIT_DIVERGED = 5     # training stopped: the loss kept being non-finite or spiking
-EXIT_INTERRUPTED = 128 + signal.SIGINT    # 130: Ctrl-C; a training run saved a checkpoint first
-EXIT_PREEMPTED = 128 + signal.SIGTERM     # 143: SIGTERM; checkpoint saved, resume with --resume auto
+EXIT_ERROR = 1  # bad input: a data, source or model file that cannot be used
+EXIT_USAGE = 2  # a flag or config value that cannot work (argparse uses 2 as well)
+EXIT_CHECKPOINT = 3  # a checkpoint that is damaged or does not fit the model
+EXIT_DISK_FULL = 4  # no space left on the device (nothing half-written is left behind)
+EXIT_DIVERGED = 5  # training stopped: the loss kept being non-finite or spiking
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130: Ctrl-C; a training run saved a checkpoint first
+EXIT_PREEMPTED = 128 + signal.SIGTERM  # 143: SIGTERM; checkpoint saved, resume with --resume auto
 
 EXIT_CODES = {
     EXIT_OK: "done",
@@ -76,8 +77,14 @@ class RunDiverged(GPT2LabError, RuntimeError):
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # Writers that report a short write without its errno: torch.save's zip writer says
 # "unexpected pos" (or "file write failed"), safetensors says StorageFull / os error 28.
-_DISK_FULL_TEXT = ("No space left", "StorageFull", "os error 28", "unexpected pos", "file write failed",
-                   "Disk quota exceeded")
+_DISK_FULL_TEXT = (
+    "No space left",
+    "StorageFull",
+    "os error 28",
+    "unexpected pos",
+    "file write failed",
+    "Disk quota exceeded",
+)
 
 
 def is_disk_full(exc: BaseException) -> bool:
@@ -104,7 +111,6 @@ def disk_full(path: str, what_next: str = "free some space and run the command a
         free = f"{shutil.disk_usage(where or '.').free / 2**20:.0f} MiB free"
     except OSError:
         free = "free space unknown"
-    err = DiskFullError(f"disk full while writing {path} ({free}); nothing half-written was kept; "
-                        f"{what_next}")
+    err = DiskFullError(f"disk full while writing {path} ({free}); nothing half-written was kept; {what_next}")
     err.errno = errno.ENOSPC
     return err

@@ -6,6 +6,7 @@ atomic on one filesystem). A failure removes the temporary; a full disk becomes 
 ``DiskFullError`` naming the path. A process killed mid-write leaves its temporary
 behind: ``sweep_stale`` removes those of dead processes at the next start-up.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -160,8 +161,11 @@ def sweep_stale(folder: str) -> list[str]:
             _remove(os.path.join(folder, name))
             removed.append(name)
     if removed:
-        warnings.warn(f"{folder}: removed {len(removed)} temporary file(s) left by stopped runs "
-                      f"({', '.join(removed[:3])}{', ...' if len(removed) > 3 else ''})", stacklevel=2)
+        warnings.warn(
+            f"{folder}: removed {len(removed)} temporary file(s) left by stopped runs "
+            f"({', '.join(removed[:3])}{', ...' if len(removed) > 3 else ''})",
+            stacklevel=2,
+        )
     return removed
 
 

@@ -17,6 +17,7 @@ file, its version, the one this gpt2lab reads and what to do, as the reader's ty
 Nothing converts an old file: a layout changes, its version goes up, and the files of the
 version before are refused.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -32,6 +33,7 @@ FORMAT_KEY = "format_version"
 class Format:
     """One kind of file: what it is called in a message, the version this gpt2lab writes and
     reads, and what to do with a file of an older one."""
+
     what: str
     version: int
     older: str

@@ -4,6 +4,7 @@ Names are matched against ``torch.cuda.get_device_name``; the first row whose ev
 is in the name wins, so the H100 PCIe and NVL (lower clocks and power) are told apart from
 the SXM part, whose name ("NVIDIA H100 80GB HBM3") names no form factor.
 """
+
 from __future__ import annotations
 
 from typing import Optional

@@ -20,6 +20,7 @@ stale. The file holds the holder's pid, host and start time, read by whoever fin
 a second ``train`` refuses at once naming them, ``report``/``plot``/``sample`` say the run is
 live (``holder``) and only read.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,9 +43,12 @@ DATA_MARKER, DATA_FORMAT = "manifest.json", "gpt2lab-token-shards"
 TOKENIZER_MARKER, TOKENIZER_FORMAT = "gpt2lab_tokenizer.json", "gpt2lab-tokenizer"
 LOCK_FILE = "run.lock"
 _MARKERS = {RUN: RUN_MARKER, EXPORT: EXPORT_MARKER, DATA: DATA_MARKER, TOKENIZER: TOKENIZER_MARKER}
-_WHAT = {RUN: "a gpt2lab run (run_info.json)", EXPORT: "a gpt2lab export (gpt2lab_export.json, written by "
-         "`gpt2lab export`)", DATA: "prepared token shards (manifest.json of `gpt2lab prepare`)",
-         TOKENIZER: "a gpt2lab tokenizer (gpt2lab_tokenizer.json, written by `gpt2lab tokenizer train`)"}
+_WHAT = {
+    RUN: "a gpt2lab run (run_info.json)",
+    EXPORT: "a gpt2lab export (gpt2lab_export.json, written by `gpt2lab export`)",
+    DATA: "prepared token shards (manifest.json of `gpt2lab prepare`)",
+    TOKENIZER: "a gpt2lab tokenizer (gpt2lab_tokenizer.json, written by `gpt2lab tokenizer train`)",
+}
 # How long `claim` retries a lock that is busy: a reader's probe (``holder``) holds it for microseconds.
 _LOCK_RETRY_S = 0.5
 
@@ -55,7 +59,7 @@ class DirectoryError(UsageError):
 
 @dataclass(frozen=True)
 class Found:
-    kind: str                 # "missing", "empty", "file", RUN, EXPORT, DATA, TOKENIZER, "hf_model" or "foreign"
+    kind: str  # "missing", "empty", "file", RUN, EXPORT, DATA, TOKENIZER, "hf_model" or "foreign"
     entries: tuple[str, ...]  # the directory's names, sorted
 
     def shown(self, n: int = 4) -> str:
@@ -229,15 +233,21 @@ def lock(path: str) -> Iterator[None]:
                 if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise
                 if time.monotonic() > deadline:
-                    raise DirectoryError(f"{path} is in use by another run ({describe(_holder_info(fd))}); "
-                                         "wait for it to end or stop it (it saves a checkpoint on SIGTERM), "
-                                         "or train into another --out") from None
+                    raise DirectoryError(
+                        f"{path} is in use by another run ({describe(_holder_info(fd))}); "
+                        "wait for it to end or stop it (it saves a checkpoint on SIGTERM), "
+                        "or train into another --out"
+                    ) from None
                 time.sleep(0.05)
         # the lock file is the lock itself, so it is rewritten in place (a rename would make a new,
         # unlocked file); readers only read it while it is held, and tolerate a partial line
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                  "started": round(time.time(), 3)}).encode() + b"\n", 0)
+        os.pwrite(
+            fd,
+            json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": round(time.time(), 3)}).encode()
+            + b"\n",
+            0,
+        )
         yield
     finally:
         os.close(fd)  # drops the lock (the kernel does the same when the process dies)
@@ -245,8 +255,18 @@ def lock(path: str) -> Iterator[None]:
 
 # What a run writes at the top of its directory: a start that fails before training removes those of
 # them it created (Claim.undo), never another name.
-RUN_WRITES = (RUN_MARKER, LOCK_FILE, "config.json", "metrics.jsonl", "plot.png", "tensorboard", "wandb",
-              "wandb_id", "checkpoints", "tokenizer.json")
+RUN_WRITES = (
+    RUN_MARKER,
+    LOCK_FILE,
+    "config.json",
+    "metrics.jsonl",
+    "plot.png",
+    "tensorboard",
+    "wandb",
+    "wandb_id",
+    "checkpoints",
+    "tokenizer.json",
+)
 
 
 class Claim:

@@ -11,6 +11,7 @@ The CPU probe times fp32 and bf16 matrix multiplies for a fraction of a second a
 cached per machine (CPU model, flags, torch version, threads, oneDNN ISA cap), so a run
 pays for it once; ``gpt2lab env`` always measures afresh.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,13 +40,14 @@ NOTED_CPU_FLAGS = BF16_CPU_FLAGS + ("amx_tile", "avx512f", "avx512_vnni", "avx2"
 # weights, so a matmul that is only a little faster in bf16 does not make the step faster.
 # Native-bf16 CPUs clear it by far (AVX512_BF16 ~3x, AMX more); emulating ones fall below 1.
 BF16_MIN_SPEEDUP = 1.3
-PROBE_N = 1024          # square matmul side: 2 GFLOP a call, big enough to reach the GEMM rate
-PROBE_SECONDS = 0.2     # timed per dtype, after one untimed call
+PROBE_N = 1024  # square matmul side: 2 GFLOP a call, big enough to reach the GEMM rate
+PROBE_SECONDS = 0.2  # timed per dtype, after one untimed call
 
 
 @dataclass(frozen=True)
 class Probe:
     """Measured dense matmul rates (GFLOP/s) on the device."""
+
     fp32_gflops: float
     bf16_gflops: float
 
@@ -57,12 +59,13 @@ class Probe:
 @dataclass(frozen=True)
 class Facts:
     """Everything the choices depend on; ``detect()`` fills it for this machine."""
-    device_type: str                       # "cpu", "cuda" or "mps"
-    device_name: str = ""                  # CPU model or GPU name
-    cpu_flags: tuple[str, ...] = ()        # the NOTED_CPU_FLAGS this CPU has
-    cuda_bf16: bool = False                # torch.cuda.is_bf16_supported()
-    can_compile: bool = True               # a kernel compiler for the device (triton / a C++ compiler)
-    probe: Optional[Probe] = None          # CPU: matmul rates, None when not measured
+
+    device_type: str  # "cpu", "cuda" or "mps"
+    device_name: str = ""  # CPU model or GPU name
+    cpu_flags: tuple[str, ...] = ()  # the NOTED_CPU_FLAGS this CPU has
+    cuda_bf16: bool = False  # torch.cuda.is_bf16_supported()
+    can_compile: bool = True  # a kernel compiler for the device (triton / a C++ compiler)
+    probe: Optional[Probe] = None  # CPU: matmul rates, None when not measured
 
     @property
     def native_bf16(self) -> bool:
@@ -75,7 +78,7 @@ class Facts:
 class Choice:
     value: object
     reason: str
-    warning: Optional[str] = None          # a choice that runs, but slower than it could
+    warning: Optional[str] = None  # a choice that runs, but slower than it could
 
 
 class ChoiceError(ConfigError):
@@ -95,8 +98,11 @@ def choose_dtype(requested: str, facts: Facts) -> Choice:
             return Choice("bfloat16", f"{facts.device_name or 'this GPU'} supports bf16")
         return Choice("float16", f"{facts.device_name or 'this GPU'} has no bf16: fp16 with a gradient scaler")
     if dev == "mps":
-        return Choice("float32", "MPS: autocast training in bf16/fp16 is not reliable across macOS and torch "
-                                 "versions, so fp32 (try --dtype bfloat16 to measure it on yours)")
+        return Choice(
+            "float32",
+            "MPS: autocast training in bf16/fp16 is not reliable across macOS and torch "
+            "versions, so fp32 (try --dtype bfloat16 to measure it on yours)",
+        )
     return _cpu_auto_dtype(facts)
 
 
@@ -116,18 +122,24 @@ def _cpu_auto_dtype(facts: Facts) -> Choice:
 def _check_explicit_dtype(requested: str, facts: Facts) -> Choice:
     dev = facts.device_type
     if requested == "float16" and dev == "cpu":
-        raise ChoiceError("--dtype float16 needs a GPU (fp16 training relies on a gradient scaler "
-                          "and CPU fp16 kernels are slow); use --dtype auto, bfloat16 or float32")
+        raise ChoiceError(
+            "--dtype float16 needs a GPU (fp16 training relies on a gradient scaler "
+            "and CPU fp16 kernels are slow); use --dtype auto, bfloat16 or float32"
+        )
     if requested == "bfloat16" and dev == "cuda" and not facts.cuda_bf16:
-        raise ChoiceError(f"--dtype bfloat16: {facts.device_name or 'this GPU'} has no bf16; "
-                          "use --dtype auto (fp16 with a gradient scaler) or float32")
+        raise ChoiceError(
+            f"--dtype bfloat16: {facts.device_name or 'this GPU'} has no bf16; "
+            "use --dtype auto (fp16 with a gradient scaler) or float32"
+        )
     warning = None
     if requested == "bfloat16" and dev == "cpu":
         p = facts.probe
         if p is not None and p.bf16_speedup < 1.0:
-            warning = (f"--dtype bfloat16 is {1 / max(p.bf16_speedup, 1e-9):.1f}x slower than fp32 on this "
-                       f"CPU (matmul probe: bf16 {p.bf16_gflops:.0f} vs fp32 {p.fp32_gflops:.0f} GFLOP/s); "
-                       "--dtype auto would use float32")
+            warning = (
+                f"--dtype bfloat16 is {1 / max(p.bf16_speedup, 1e-9):.1f}x slower than fp32 on this "
+                f"CPU (matmul probe: bf16 {p.bf16_gflops:.0f} vs fp32 {p.fp32_gflops:.0f} GFLOP/s); "
+                "--dtype auto would use float32"
+            )
         elif p is None and not facts.native_bf16:
             warning = "--dtype bfloat16 on a CPU without native bf16 is usually slower than float32"
     return Choice(requested, "asked for with --dtype", warning)
@@ -139,8 +151,9 @@ def choose_compile(requested: str, facts: Facts) -> Choice:
         raise ChoiceError(f"compile {requested!r}: choose one of {', '.join(COMPILE_CHOICES)}")
     if requested == "true":
         if not facts.can_compile:
-            raise ChoiceError(f"--compile true: torch.compile cannot build kernels here ({_no_compiler(facts)}); "
-                              "use --compile false")
+            raise ChoiceError(
+                f"--compile true: torch.compile cannot build kernels here ({_no_compiler(facts)}); use --compile false"
+            )
         return Choice(True, "asked for with --compile true")
     if requested == "false":
         return Choice(False, "asked for with --compile false")
@@ -150,9 +163,12 @@ def choose_compile(requested: str, facts: Facts) -> Choice:
         return Choice(True, "CUDA: fused kernels pay back the compile time within the first steps")
     if facts.device_type == "mps":
         return Choice(False, "MPS: torch.compile support is still experimental")
-    return Choice(False, "CPU: compiled steps measured no faster than eager (the matmuls, run by the same "
-                         "oneDNN/MKL kernels either way, are the step), and compiling costs a minute; "
-                         "see docs/benchmarks.md")
+    return Choice(
+        False,
+        "CPU: compiled steps measured no faster than eager (the matmuls, run by the same "
+        "oneDNN/MKL kernels either way, are the step), and compiling costs a minute; "
+        "see docs/benchmarks.md",
+    )
 
 
 def choose_ns_dtype(requested: str, facts: Facts) -> Choice:
@@ -233,7 +249,7 @@ def measure_matmul(device, n: int = PROBE_N, seconds: float = PROBE_SECONDS) -> 
             _sync(device)
             dt = time.perf_counter() - t0
             if dt >= seconds:
-                return 2 * n ** 3 * calls / dt / 1e9
+                return 2 * n**3 * calls / dt / 1e9
 
     return Probe(fp32_gflops=round(rate(torch.float32), 1), bf16_gflops=round(rate(torch.bfloat16), 1))
 
@@ -286,8 +302,13 @@ def _machine_key() -> str:
     """What a probe's answer depends on: the CPU, its flags, torch, threads and the kernels' ISA caps."""
     import torch
 
-    parts = [cpu_name(), ",".join(cpu_flags()), torch.__version__, str(torch.get_num_threads()),
-             *(os.environ.get(v, "") for v in ISA_CAPS)]
+    parts = [
+        cpu_name(),
+        ",".join(cpu_flags()),
+        torch.__version__,
+        str(torch.get_num_threads()),
+        *(os.environ.get(v, "") for v in ISA_CAPS),
+    ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -297,52 +318,74 @@ def detect(device, probe: bool = True) -> Facts:
 
     dev = torch.device(device)
     if dev.type == "cuda":
-        return Facts("cuda", torch.cuda.get_device_name(dev), cpu_flags(),
-                     cuda_bf16=torch.cuda.is_bf16_supported(), can_compile=can_compile("cuda"))
+        return Facts(
+            "cuda",
+            torch.cuda.get_device_name(dev),
+            cpu_flags(),
+            cuda_bf16=torch.cuda.is_bf16_supported(),
+            can_compile=can_compile("cuda"),
+        )
     if dev.type == "mps":
         return Facts("mps", "Apple MPS", cpu_flags(), can_compile=can_compile("mps"))
-    return Facts("cpu", cpu_name(), cpu_flags(), can_compile=can_compile("cpu"),
-                 probe=cached_cpu_probe() if probe else None)
+    return Facts(
+        "cpu", cpu_name(), cpu_flags(), can_compile=can_compile("cpu"), probe=cached_cpu_probe() if probe else None
+    )
 
 
 @dataclass(frozen=True)
 class Resolved:
     """The choices made for a run, with the facts behind them."""
+
     dtype: Choice
     compile: Choice
     facts: Facts
-    ns_dtype: Optional[Choice] = None      # Muon's Newton-Schulz dtype (None: no Muon in this run)
+    ns_dtype: Optional[Choice] = None  # Muon's Newton-Schulz dtype (None: no Muon in this run)
 
     def summary(self) -> str:
         """One console line: what was chosen and why."""
-        return (f"dtype {self.dtype.value} ({self.dtype.reason}); "
-                f"compile {'on' if self.compile.value else 'off'} ({self.compile.reason})"
-                + (f"; Muon Newton-Schulz in {self.ns_dtype.value} ({self.ns_dtype.reason})"
-                   if self.ns_dtype else ""))
+        return (
+            f"dtype {self.dtype.value} ({self.dtype.reason}); "
+            f"compile {'on' if self.compile.value else 'off'} ({self.compile.reason})"
+            + (f"; Muon Newton-Schulz in {self.ns_dtype.value} ({self.ns_dtype.reason})" if self.ns_dtype else "")
+        )
 
     def record(self) -> dict:
         """The run_info.json entry."""
         f = self.facts
-        return {"dtype": self.dtype.value, "dtype_reason": self.dtype.reason,
-                "compile": self.compile.value, "compile_reason": self.compile.reason,
-                "warnings": [c.warning for c in (self.dtype, self.compile) if c.warning],
-                "device_type": f.device_type, "device_name": f.device_name,
-                "cpu_flags": list(f.cpu_flags), "native_bf16": f.native_bf16,
-                "matmul_probe_gflops": dataclasses.asdict(f.probe) if f.probe else None,
-                **({"muon_ns_dtype": self.ns_dtype.value, "muon_ns_dtype_reason": self.ns_dtype.reason}
-                   if self.ns_dtype else {})}
+        return {
+            "dtype": self.dtype.value,
+            "dtype_reason": self.dtype.reason,
+            "compile": self.compile.value,
+            "compile_reason": self.compile.reason,
+            "warnings": [c.warning for c in (self.dtype, self.compile) if c.warning],
+            "device_type": f.device_type,
+            "device_name": f.device_name,
+            "cpu_flags": list(f.cpu_flags),
+            "native_bf16": f.native_bf16,
+            "matmul_probe_gflops": dataclasses.asdict(f.probe) if f.probe else None,
+            **(
+                {"muon_ns_dtype": self.ns_dtype.value, "muon_ns_dtype_reason": self.ns_dtype.reason}
+                if self.ns_dtype
+                else {}
+            ),
+        }
 
 
-def resolve(device, dtype: str = "auto", compile: str = "false", facts: Optional[Facts] = None,
-            ns_dtype: Optional[str] = None) -> Resolved:
+def resolve(
+    device, dtype: str = "auto", compile: str = "false", facts: Optional[Facts] = None, ns_dtype: Optional[str] = None
+) -> Resolved:
     """Decide dtype and compile (and Muon's Newton-Schulz dtype, unless ``ns_dtype`` is None: no
     Muon) for ``device``; the CPU probe runs only when an answer needs it."""
     dtype, compile = str(dtype), str(compile).lower()
     if facts is None:
         needs_probe = dtype in ("auto", "bfloat16") or ns_dtype == "auto"
         facts = detect(device, probe=needs_probe)
-    return Resolved(choose_dtype(dtype, facts), choose_compile(compile, facts), facts,
-                    choose_ns_dtype(ns_dtype, facts) if ns_dtype is not None else None)
+    return Resolved(
+        choose_dtype(dtype, facts),
+        choose_compile(compile, facts),
+        facts,
+        choose_ns_dtype(ns_dtype, facts) if ns_dtype is not None else None,
+    )
 
 
 def inference_dtype(device, requested: str = "auto", command: str = "gpt2lab") -> str:

@@ -12,6 +12,7 @@ and lean towards the last batches seen; their average sits nearer the floor, as 
 learning-rate decay would, without stopping the training (docs/benchmarks.md, "The longer
 horizon": "Averaging the weights"). Costs a copy of the parameters and one foreach lerp a step.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,10 @@ class WeightAverage:
 
     def __init__(self, model: torch.nn.Module, decay: float) -> None:
         if parallel.is_sharded(model):
-            raise ConfigError("--ema-decay: the model is sharded (FSDP) and the average keeps whole weights; "
-                              "use --strategy ddp, or --ema-decay 0 with FSDP")
+            raise ConfigError(
+                "--ema-decay: the model is sharded (FSDP) and the average keeps whole weights; "
+                "use --strategy ddp, or --ema-decay 0 with FSDP"
+            )
         self.averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=False)
 
     @property

@@ -15,6 +15,7 @@ lays one nested dict over another field by field. A preset
 ``base = "NAME"``); command-line flags override the preset. Each field's ``help`` metadata
 becomes its ``--flag`` help text.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,11 +25,25 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Callable, Optional, Union, get_type_hints
 
-from gpt2lab.model.config import (CHAT_VOCAB_SIZES, GPT2_VOCAB_SIZE, MODEL_KEYS, PADDED_VOCAB_SIZE, GPTConfig, check_types,  # noqa: F401
-                                  config_value, field_type, gpt_config, model_from_config)
+from gpt2lab.model.config import (
+    CHAT_VOCAB_SIZES,
+    GPT2_VOCAB_SIZE,
+    PADDED_VOCAB_SIZE,
+    GPTConfig,
+    check_types,  # noqa: F401
+    field_type,
+    gpt_config,
+)
 from gpt2lab.system import formats
-from gpt2lab.system.choices import (COMPILE_CHOICES, DTYPE_CHOICES, LR_SCHEDULES, MUON_VARIANTS,  # noqa: F401
-                                    NS_DTYPE_CHOICES, OPTIMIZERS, STRATEGY_CHOICES)
+from gpt2lab.system.choices import (
+    COMPILE_CHOICES,
+    DTYPE_CHOICES,
+    LR_SCHEDULES,
+    MUON_VARIANTS,  # noqa: F401
+    NS_DTYPE_CHOICES,
+    OPTIMIZERS,
+    STRATEGY_CHOICES,
+)
 from gpt2lab.system.errors import ConfigError, UsageError  # noqa: F401
 
 try:
@@ -40,8 +55,13 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, packaged as tomli
 LORA_TARGETS = ("c_attn", "c_proj", "c_fc", "attn.c_proj", "mlp.c_proj")
 
 
-def _f(default: Any, help: str, at_least: Optional[float] = None, choices: tuple = (),
-       keep: Union[bool, Callable[["TrainConfig"], bool]] = False) -> Any:
+def _f(
+    default: Any,
+    help: str,
+    at_least: Optional[float] = None,
+    choices: tuple = (),
+    keep: Union[bool, Callable[["TrainConfig"], bool]] = False,
+) -> Any:
     # at_least: the smallest value allowed; choices: a text field's values (also its flag's);
     # keep: the field changes what the run trains, so a resume must keep the value its checkpoint
     # trained with (train.plan.check_resume_settings); a function: only where it applies to the run
@@ -89,27 +109,42 @@ class _Section:
 class BatchConfig(_Section):
     micro_batch_size: int = _f(64, "sequences per forward/backward on each process", at_least=1)
     seq_len: int = _f(1024, "tokens per sequence (at most block_size)", at_least=1, keep=True)
-    total_batch_tokens: int = _f(524288, "tokens per optimizer step over all processes; "
-                                 "accumulation = this / (micro_batch_size * seq_len * world size)", at_least=1,
-                                 keep=True)
+    total_batch_tokens: int = _f(
+        524288,
+        "tokens per optimizer step over all processes; accumulation = this / (micro_batch_size * seq_len * world size)",
+        at_least=1,
+        keep=True,
+    )
     # The batch-size ramp (a speedrun lever): a pure function of the step (TrainConfig.accum_at), so a
     # resumed run, whose loader continues from its saved position, takes the same batches.
-    batch_ramp_steps: int = _f(0, "ramp the tokens per step over the first N steps, linearly from batch_ramp_start "
-                               "up to total_batch_tokens in whole multiples of batch_ramp_start (0 = off)", at_least=0,
-                               keep=True)
-    batch_ramp_start: Optional[int] = _f(None, "batch ramp: tokens in step 0 (a multiple of micro_batch_size x "
-                                         "seq_len x world size that divides total_batch_tokens)", at_least=1,
-                                         keep=_ramp)
+    batch_ramp_steps: int = _f(
+        0,
+        "ramp the tokens per step over the first N steps, linearly from batch_ramp_start "
+        "up to total_batch_tokens in whole multiples of batch_ramp_start (0 = off)",
+        at_least=0,
+        keep=True,
+    )
+    batch_ramp_start: Optional[int] = _f(
+        None,
+        "batch ramp: tokens in step 0 (a multiple of micro_batch_size x "
+        "seq_len x world size that divides total_batch_tokens)",
+        at_least=1,
+        keep=_ramp,
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if bool(self.batch_ramp_steps) != (self.batch_ramp_start is not None):
-            raise ConfigError(f"batch_ramp_steps {self.batch_ramp_steps} and batch_ramp_start "
-                              f"{self.batch_ramp_start}: the ramp needs both (or neither: 0 and none)")
+            raise ConfigError(
+                f"batch_ramp_steps {self.batch_ramp_steps} and batch_ramp_start "
+                f"{self.batch_ramp_start}: the ramp needs both (or neither: 0 and none)"
+            )
         if self.batch_ramp_start is not None and self.total_batch_tokens % self.batch_ramp_start:
-            raise ConfigError(f"total_batch_tokens {self.total_batch_tokens} is not a multiple of batch_ramp_start "
-                              f"{self.batch_ramp_start}; the ramp goes from it up to total_batch_tokens in "
-                              "multiples of it")
+            raise ConfigError(
+                f"total_batch_tokens {self.total_batch_tokens} is not a multiple of batch_ramp_start "
+                f"{self.batch_ramp_start}; the ramp goes from it up to total_batch_tokens in "
+                "multiples of it"
+            )
 
 
 @dataclass
@@ -123,77 +158,120 @@ class OptimConfig(_Section):
     beta2: float = _f(0.95, "AdamW beta2", keep=True)
     eps: float = _f(1e-8, "AdamW epsilon", keep=True)
     grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = no clipping)", at_least=0, keep=True)
-    lr_schedule: str = _f("cosine", "the LR schedule after warmup: cosine (decay to min_lr at max_steps) or wsd "
-                          "(warmup-stable-decay: max_lr, then a linear decay to min_lr over the last decay_frac "
-                          "of the steps)", choices=LR_SCHEDULES, keep=True)
+    lr_schedule: str = _f(
+        "cosine",
+        "the LR schedule after warmup: cosine (decay to min_lr at max_steps) or wsd "
+        "(warmup-stable-decay: max_lr, then a linear decay to min_lr over the last decay_frac "
+        "of the steps)",
+        choices=LR_SCHEDULES,
+        keep=True,
+    )
     decay_frac: float = _f(0.2, "wsd: fraction of max_steps in the final linear decay", keep=_wsd)
-    optimizer: str = _f("adamw", "adamw (one AdamW, the GPT-2 recipe) or muon (Muon on the blocks' 2-D matrices, "
-                        "AdamW with max_lr/embed_lr/head_lr on the rest; the schedule scales every group)",
-                        choices=OPTIMIZERS, keep=True)
-    muon_lr: float = _f(0.02, "muon: Muon's peak learning rate (scaled by sqrt(max(1, rows/cols)) per matrix)",
-                        keep=_muon)
+    optimizer: str = _f(
+        "adamw",
+        "adamw (one AdamW, the GPT-2 recipe) or muon (Muon on the blocks' 2-D matrices, "
+        "AdamW with max_lr/embed_lr/head_lr on the rest; the schedule scales every group)",
+        choices=OPTIMIZERS,
+        keep=True,
+    )
+    muon_lr: float = _f(
+        0.02, "muon: Muon's peak learning rate (scaled by sqrt(max(1, rows/cols)) per matrix)", keep=_muon
+    )
     muon_momentum: float = _f(0.95, "muon: Muon's Nesterov momentum", keep=_muon)
     muon_weight_decay: float = _f(0.0, "muon: Muon's decoupled weight decay (p *= 1 - lr * this)", keep=_muon)
-    muon_ns_dtype: str = _f("auto", "muon: dtype of the Newton-Schulz iteration: auto, float32 or bfloat16; "
-                            "auto = bf16 where a bf16 matmul measures fast (GPUs with bf16, CPUs with native "
-                            "bf16), else fp32", choices=NS_DTYPE_CHOICES)
-    embed_lr: Optional[float] = _f(None, "muon: AdamW peak rate of the embedding tables (default max_lr)",
-                                   keep=_muon)
-    head_lr: Optional[float] = _f(None, "muon: AdamW peak rate of an untied output head (default max_lr)",
-                                  keep=_muon)
-    muon_variant: str = _f("muon", "muon: the update of the blocks' matrices: muon (orthogonalised momentum, "
-                           "torch.optim.Muon's) or normuon (NorMuon: then each output neuron's row divided by the "
-                           "root of its running mean square, rescaled to the same norm)", choices=MUON_VARIANTS,
-                           keep=_muon)
+    muon_ns_dtype: str = _f(
+        "auto",
+        "muon: dtype of the Newton-Schulz iteration: auto, float32 or bfloat16; "
+        "auto = bf16 where a bf16 matmul measures fast (GPUs with bf16, CPUs with native "
+        "bf16), else fp32",
+        choices=NS_DTYPE_CHOICES,
+    )
+    embed_lr: Optional[float] = _f(None, "muon: AdamW peak rate of the embedding tables (default max_lr)", keep=_muon)
+    head_lr: Optional[float] = _f(None, "muon: AdamW peak rate of an untied output head (default max_lr)", keep=_muon)
+    muon_variant: str = _f(
+        "muon",
+        "muon: the update of the blocks' matrices: muon (orthogonalised momentum, "
+        "torch.optim.Muon's) or normuon (NorMuon: then each output neuron's row divided by the "
+        "root of its running mean square, rescaled to the same norm)",
+        choices=MUON_VARIANTS,
+        keep=_muon,
+    )
     muon_beta2: float = _f(0.95, "normuon: decay of the per-neuron running mean square", keep=_normuon)
-    ema_decay: float = _f(0.0, "average the weights as they train: after each step avg = d * avg + (1 - d) * "
-                          "weights (torch.optim.swa_utils.AveragedModel); evaluations, samples and the "
-                          "checkpoints' model.safetensors are the average (0 = off)", keep=True)
+    ema_decay: float = _f(
+        0.0,
+        "average the weights as they train: after each step avg = d * avg + (1 - d) * "
+        "weights (torch.optim.swa_utils.AveragedModel); evaluations, samples and the "
+        "checkpoints' model.safetensors are the average (0 = off)",
+        keep=True,
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 0 < self.max_lr or self.min_lr > self.max_lr:
             raise ConfigError(f"need 0 < min_lr <= max_lr, got min_lr {self.min_lr}, max_lr {self.max_lr}")
         if not 0.0 <= self.decay_frac <= 1.0:
-            raise ConfigError(f"decay_frac {self.decay_frac} must be in [0, 1] (the fraction of max_steps "
-                              "in the wsd schedule's final decay)")
+            raise ConfigError(
+                f"decay_frac {self.decay_frac} must be in [0, 1] (the fraction of max_steps "
+                "in the wsd schedule's final decay)"
+            )
         if not self.muon_lr > 0 or not 0.0 <= self.muon_momentum < 1.0 or self.muon_weight_decay < 0:
-            raise ConfigError(f"need muon_lr > 0, 0 <= muon_momentum < 1 and muon_weight_decay >= 0, got "
-                              f"{self.muon_lr}, {self.muon_momentum} and {self.muon_weight_decay}")
+            raise ConfigError(
+                f"need muon_lr > 0, 0 <= muon_momentum < 1 and muon_weight_decay >= 0, got "
+                f"{self.muon_lr}, {self.muon_momentum} and {self.muon_weight_decay}"
+            )
         for name in ("embed_lr", "head_lr"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"{name} must be > 0, got {value}")
             if value is not None and self.optimizer == "adamw":
-                raise ConfigError(f"{name} {value}: per-group rates apply to --optimizer muon; with adamw every "
-                                  "group follows --max-lr (drop it, or add --optimizer muon)")
+                raise ConfigError(
+                    f"{name} {value}: per-group rates apply to --optimizer muon; with adamw every "
+                    "group follows --max-lr (drop it, or add --optimizer muon)"
+                )
         if self.muon_variant != "muon" and self.optimizer == "adamw":
-            raise ConfigError(f"muon_variant {self.muon_variant}: applies to --optimizer muon (drop it, or add "
-                              "--optimizer muon)")
+            raise ConfigError(
+                f"muon_variant {self.muon_variant}: applies to --optimizer muon (drop it, or add --optimizer muon)"
+            )
         if not 0.0 <= self.muon_beta2 < 1.0:
             raise ConfigError(f"muon_beta2 {self.muon_beta2} must be in [0, 1)")
         if not 0.0 <= self.ema_decay < 1.0:
-            raise ConfigError(f"ema_decay {self.ema_decay} must be in [0, 1) (0 = no weight average; 0.95 "
-                              "averages over about the last 20 steps)")
+            raise ConfigError(
+                f"ema_decay {self.ema_decay} must be in [0, 1) (0 = no weight average; 0.95 "
+                "averages over about the last 20 steps)"
+            )
 
 
 @dataclass
 class SystemConfig(_Section):
     device: str = _f("auto", "cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
-    dtype: str = _f("auto", "autocast dtype: auto, float32, bfloat16 or float16 (fp16 uses a grad scaler); "
-                    "auto = bf16 on GPUs that have it (else fp16), on CPUs only where bf16 measures faster "
-                    "than fp32, else fp32", choices=DTYPE_CHOICES)
-    compile: str = _f("auto", "torch.compile the model: auto, true or false; auto = on for CUDA, off where "
-                      "it does not pay (CPU, MPS)", choices=COMPILE_CHOICES)
+    dtype: str = _f(
+        "auto",
+        "autocast dtype: auto, float32, bfloat16 or float16 (fp16 uses a grad scaler); "
+        "auto = bf16 on GPUs that have it (else fp16), on CPUs only where bf16 measures faster "
+        "than fp32, else fp32",
+        choices=DTYPE_CHOICES,
+    )
+    compile: str = _f(
+        "auto",
+        "torch.compile the model: auto, true or false; auto = on for CUDA, off where it does not pay (CPU, MPS)",
+        choices=COMPILE_CHOICES,
+    )
     peak_flops: Optional[float] = _f(None, "peak FLOP/s for MFU; default from the GPU name (A100, H100, H200)")
     max_bad_steps: int = _f(5, "stop after this many NaN/inf steps in a row", at_least=1)
-    check_interval: int = _f(0, "steps between the host reading back losses, gradient norms and the "
-                             "NaN/spike verdicts, which the device reaches and acts on at every step; "
-                             "0 = auto: every step on a CPU (reading back costs nothing there), every "
-                             "16 on a GPU (each read-back waits for the GPU to drain)", at_least=0)
-    keep_cpu_memory: bool = _f(True, "on CPU, keep freed memory in the process (glibc mallopt) instead of "
-                               "returning it to the OS: fresh pages for the large logit buffers cost "
-                               "about half of a small model's step")
+    check_interval: int = _f(
+        0,
+        "steps between the host reading back losses, gradient norms and the "
+        "NaN/spike verdicts, which the device reaches and acts on at every step; "
+        "0 = auto: every step on a CPU (reading back costs nothing there), every "
+        "16 on a GPU (each read-back waits for the GPU to drain)",
+        at_least=0,
+    )
+    keep_cpu_memory: bool = _f(
+        True,
+        "on CPU, keep freed memory in the process (glibc mallopt) instead of "
+        "returning it to the OS: fresh pages for the large logit buffers cost "
+        "about half of a small model's step",
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.compile, bool):  # compile=False from Python (load_preset, from_dict) or TOML
@@ -204,6 +282,7 @@ class SystemConfig(_Section):
 @dataclass
 class EvalConfig(_Section):
     """Evaluations and samples (an interval of 0 means never)."""
+
     eval_interval: int = _f(250, "steps between validation losses", at_least=0)
     eval_tokens: int = _f(10485760, "validation tokens per evaluation (over all processes)", at_least=0)
     hellaswag_interval: int = _f(250, "steps between HellaSwag evaluations", at_least=0)
@@ -225,36 +304,59 @@ class LoggingConfig(_Section):
     log_interval: int = _f(1, "steps between console lines (metrics.jsonl gets every step)", at_least=0)
     tensorboard: bool = _f(False, "also write TensorBoard events to OUT/tensorboard")
     progress: bool = _f(True, "show a progress bar on rank 0")
-    wandb_project: Optional[str] = _f(None, "also log to this Weights & Biases project (rank 0; needs "
-                                      "pip install 'gpt2lab[wandb]'); a resumed run continues its W&B run")
+    wandb_project: Optional[str] = _f(
+        None,
+        "also log to this Weights & Biases project (rank 0; needs "
+        "pip install 'gpt2lab[wandb]'); a resumed run continues its W&B run",
+    )
     wandb_run_name: Optional[str] = _f(None, "W&B run name (default: the run directory's name)")
 
 
 @dataclass
 class SpikeConfig(_Section):
     """The loss-spike guard (gpt2lab/train/spikes.py)."""
-    spike_window: int = _f(100, "recent healthy steps a step's loss and grad norm are compared with; the "
-                           "guard starts once it has seen that many (0 = guard off)", at_least=0)
-    spike_loss_z: float = _f(6.0, "a loss this many standard deviations above the window's mean is a "
-                             "spike: the step's update is skipped (0 = do not check the loss)", at_least=0)
+
+    spike_window: int = _f(
+        100,
+        "recent healthy steps a step's loss and grad norm are compared with; the "
+        "guard starts once it has seen that many (0 = guard off)",
+        at_least=0,
+    )
+    spike_loss_z: float = _f(
+        6.0,
+        "a loss this many standard deviations above the window's mean is a "
+        "spike: the step's update is skipped (0 = do not check the loss)",
+        at_least=0,
+    )
     spike_norm_z: float = _f(20.0, "the same for the log of the gradient norm (0 = do not check it)", at_least=0)
-    spike_rollback: int = _f(3, "this many spikes within spike_window steps roll back to the last checkpoint "
-                             "before them and skip the data of the spiking steps (0 = never roll back)", at_least=0)
+    spike_rollback: int = _f(
+        3,
+        "this many spikes within spike_window steps roll back to the last checkpoint "
+        "before them and skip the data of the spiking steps (0 = never roll back)",
+        at_least=0,
+    )
 
 
 @dataclass
 class FinetuneConfig(_Section):
     """Fine-tuning (gpt2lab/train/init_from.py, gpt2lab/model/lora.py; dropout is in the model).
     What --init-from resolved to is no setting: the run plan records it (RunPlan.init_record)."""
-    init_from: Optional[str] = _f(None, "start from these weights (new optimizer, step 0): gpt2, gpt2-medium, "
-                                  "gpt2-large, gpt2-xl, a local HF GPT-2 directory, a gpt2lab run directory "
-                                  "(its newest checkpoint) or a checkpoint directory; the architecture "
-                                  "comes from it")
-    lora_rank: int = _f(0, "train LoRA adapters of this rank (through peft) instead of all weights; 0 = off",
-                        keep=True)
+
+    init_from: Optional[str] = _f(
+        None,
+        "start from these weights (new optimizer, step 0): gpt2, gpt2-medium, "
+        "gpt2-large, gpt2-xl, a local HF GPT-2 directory, a gpt2lab run directory "
+        "(its newest checkpoint) or a checkpoint directory; the architecture "
+        "comes from it",
+    )
+    lora_rank: int = _f(0, "train LoRA adapters of this rank (through peft) instead of all weights; 0 = off", keep=True)
     lora_alpha: float = _f(16.0, "LoRA scale numerator: the update is (alpha / rank) * B @ A", keep=_lora)
-    lora_targets: str = _f("c_attn", "comma-separated layers that get LoRA adapters: c_attn, c_proj, c_fc "
-                           "(attn.c_proj or mlp.c_proj for one of the two c_proj)", keep=_lora)
+    lora_targets: str = _f(
+        "c_attn",
+        "comma-separated layers that get LoRA adapters: c_attn, c_proj, c_fc "
+        "(attn.c_proj or mlp.c_proj for one of the two c_proj)",
+        keep=_lora,
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -269,32 +371,43 @@ class FinetuneConfig(_Section):
 @dataclass
 class ParallelConfig(_Section):
     """Sharding and activation memory (gpt2lab/distributed/parallel.py)."""
-    strategy: str = _f("auto", "how the processes of a torchrun share the model: ddp (each holds all weights, "
-                       "gradients and AdamW state), fsdp (FSDP2: all three sharded over the processes) or "
-                       "auto = ddp for one process or a model that fits, else fsdp", choices=STRATEGY_CHOICES)
-    activation_checkpointing: bool = _f(False, "keep only each block's input in the forward and recompute "
-                                        "the rest in the backward: about a third more compute for a "
-                                        "fraction of the activation memory")
+
+    strategy: str = _f(
+        "auto",
+        "how the processes of a torchrun share the model: ddp (each holds all weights, "
+        "gradients and AdamW state), fsdp (FSDP2: all three sharded over the processes) or "
+        "auto = ddp for one process or a model that fits, else fsdp",
+        choices=STRATEGY_CHOICES,
+    )
+    activation_checkpointing: bool = _f(
+        False,
+        "keep only each block's input in the forward and recompute "
+        "the rest in the backward: about a third more compute for a "
+        "fraction of the activation memory",
+    )
 
 
 @dataclass
 class TrainConfig:
     """A run's settings: three top-level fields and one section per concern (``cfg.optim.max_lr``)."""
+
     model: GPTConfig = field(default_factory=_default_model, metadata={"help": "the architecture"})
     data: str = _f("data/fineweb-edu-10b", "directory of token shards made by `gpt2lab prepare`")
     out: str = _f("runs/gpt2-124m", "run directory: config.json, metrics.jsonl, checkpoints/")
     seed: int = _f(1337, "seed for initialisation and data order", at_least=0, keep=True)
     batch: BatchConfig = field(default_factory=BatchConfig, metadata={"help": "the batch"})
-    optim: OptimConfig = field(default_factory=OptimConfig,
-                               metadata={"help": "optimizer, learning-rate schedule and run length"})
+    optim: OptimConfig = field(
+        default_factory=OptimConfig, metadata={"help": "optimizer, learning-rate schedule and run length"}
+    )
     system: SystemConfig = field(default_factory=SystemConfig, metadata={"help": "device, precision, compilation"})
     eval: EvalConfig = field(default_factory=EvalConfig, metadata={"help": "validation loss, HellaSwag, samples"})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "checkpoints"})
     logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "console, TensorBoard, W&B"})
     spike: SpikeConfig = field(default_factory=SpikeConfig, metadata={"help": "the loss-spike guard"})
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig, metadata={"help": "starting weights and LoRA"})
-    parallel: ParallelConfig = field(default_factory=ParallelConfig,
-                                     metadata={"help": "sharding and activation checkpointing"})
+    parallel: ParallelConfig = field(
+        default_factory=ParallelConfig, metadata={"help": "sharding and activation checkpointing"}
+    )
 
     def __post_init__(self) -> None:
         if self.seed < 0:
@@ -308,38 +421,52 @@ class TrainConfig:
         m = self.model
         if m.tokenizer is not None:
             if m.token_vocab_size is None:
-                raise ConfigError(f"tokenizer {m.tokenizer[:12]}: its vocabulary size is not known; a run takes both "
-                                  "from its data (gpt2lab prepare --tokenizer DIR), so drop tokenizer")
+                raise ConfigError(
+                    f"tokenizer {m.tokenizer[:12]}: its vocabulary size is not known; a run takes both "
+                    "from its data (gpt2lab prepare --tokenizer DIR), so drop tokenizer"
+                )
             return  # GPTConfig checks vocab_size >= token_vocab_size
         tokens = CHAT_VOCAB_SIZES[m.chat_template] if m.chat_template else GPT2_VOCAB_SIZE
         if m.vocab_size < tokens:
-            raise ConfigError(f"vocab_size {m.vocab_size} is smaller than the tokenizer's {tokens} tokens"
-                              + (f" (GPT-2's and the {m.chat_template} turn tokens)" if m.chat_template else "")
-                              + f"; use {PADDED_VOCAB_SIZE}")
+            raise ConfigError(
+                f"vocab_size {m.vocab_size} is smaller than the tokenizer's {tokens} tokens"
+                + (f" (GPT-2's and the {m.chat_template} turn tokens)" if m.chat_template else "")
+                + f"; use {PADDED_VOCAB_SIZE}"
+            )
         if m.token_vocab_size not in (None, tokens):
-            raise ConfigError(f"token_vocab_size {m.token_vocab_size}: it is not a setting (a run uses its "
-                              f"tokenizer's {tokens}); drop it")
+            raise ConfigError(
+                f"token_vocab_size {m.token_vocab_size}: it is not a setting (a run uses its "
+                f"tokenizer's {tokens}); drop it"
+            )
         if m.token_vocab_size is None:
             self.model = dataclasses.replace(m, token_vocab_size=tokens)
 
     def _check_combinations(self) -> None:
         """The checks across sections (each section checks its own fields)."""
         if self.batch.seq_len > self.model.block_size:
-            raise ConfigError(f"seq_len {self.batch.seq_len} exceeds block_size {self.model.block_size}; "
-                              f"lower --seq-len or raise --block-size")
+            raise ConfigError(
+                f"seq_len {self.batch.seq_len} exceeds block_size {self.model.block_size}; "
+                f"lower --seq-len or raise --block-size"
+            )
         optimizer, strategy, lora = self.optim.optimizer, self.parallel.strategy, self.finetune.lora_rank
         if optimizer == "muon" and strategy == "fsdp":
-            raise ConfigError("--optimizer muon with --strategy fsdp: Muon orthogonalises whole matrices, FSDP "
-                              "shards them; use --strategy ddp, or --optimizer adamw with FSDP")
+            raise ConfigError(
+                "--optimizer muon with --strategy fsdp: Muon orthogonalises whole matrices, FSDP "
+                "shards them; use --strategy ddp, or --optimizer adamw with FSDP"
+            )
         if optimizer == "muon" and lora:
             raise ConfigError("--optimizer muon with --lora-rank: LoRA trains small adapters; use --optimizer adamw")
         if lora and strategy == "fsdp":
-            raise ConfigError("strategy fsdp with lora_rank: LoRA trains only the adapters, so DDP keeps no "
-                              "gradients or AdamW state for the frozen weights; use --strategy ddp")
+            raise ConfigError(
+                "strategy fsdp with lora_rank: LoRA trains only the adapters, so DDP keeps no "
+                "gradients or AdamW state for the frozen weights; use --strategy ddp"
+            )
         if self.optim.ema_decay and (strategy == "fsdp" or lora):
-            raise ConfigError(f"--ema-decay with {'--strategy fsdp' if strategy == 'fsdp' else '--lora-rank'}: the "
-                              "weight average keeps a whole copy of a model trained whole; use "
-                              f"{'--strategy ddp' if strategy == 'fsdp' else 'full fine-tuning'}, or --ema-decay 0")
+            raise ConfigError(
+                f"--ema-decay with {'--strategy fsdp' if strategy == 'fsdp' else '--lora-rank'}: the "
+                "weight average keeps a whole copy of a model trained whole; use "
+                f"{'--strategy ddp' if strategy == 'fsdp' else 'full fine-tuning'}, or --ema-decay 0"
+            )
 
     def grad_accum_steps(self, world_size: int) -> int:
         """Micro-steps per optimizer step (after any batch ramp); raises unless the total batch divides evenly."""
@@ -364,7 +491,8 @@ class TrainConfig:
             raise ConfigError(
                 f"{name} {tokens} is not divisible by micro_batch_size "
                 f"{b.micro_batch_size} x seq_len {b.seq_len} x world size {world_size} = {per_micro}; "
-                f"set --{name.replace('_', '-')} to a multiple of {per_micro} or change --micro-batch-size")
+                f"set --{name.replace('_', '-')} to a multiple of {per_micro} or change --micro-batch-size"
+            )
         return tokens // per_micro
 
     def to_dict(self) -> dict:
@@ -403,8 +531,7 @@ SECTION_OF = {key: name for name, keys in SECTION_FIELDS.items() for key in keys
 TOP_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name not in SECTIONS)  # data, out, seed
 
 
-def nest_sections(values: Mapping[str, Any], sections: Mapping[str, Iterable[str]],
-                  source: str = "config") -> dict:
+def nest_sections(values: Mapping[str, Any], sections: Mapping[str, Iterable[str]], source: str = "config") -> dict:
     """``values`` with each flat key that names a field of a section moved into that section's dict.
 
     ``sections``: section name -> its field names. A section given as a dict keeps its keys
@@ -416,8 +543,9 @@ def nest_sections(values: Mapping[str, Any], sections: Mapping[str, Iterable[str
     for section, names in sections.items():
         table = values.get(section, {})
         if not isinstance(table, dict):
-            raise ConfigError(f"{source}: \"{section}\" must be a table of {section} fields "
-                              f"({', '.join(names)}), got {table!r}")
+            raise ConfigError(
+                f'{source}: "{section}" must be a table of {section} fields ({", ".join(names)}), got {table!r}'
+            )
         flat = {k: out.pop(k) for k in names if k in out}
         both = sorted(set(flat) & set(table))
         if both:
@@ -435,9 +563,11 @@ def nest_config(values: Mapping[str, Any], source: str = "config") -> dict:
     nested = nest_sections(values, SECTION_FIELDS, source)
     unknown = sorted(set(nested) - set(SECTIONS) - set(TOP_FIELDS))
     if unknown:
-        raise ConfigError(f"{source}: unknown field(s) {', '.join(unknown)}; known fields: "
-                          f"{', '.join(sorted([*TOP_FIELDS, *SECTION_OF]))} (or their sections: "
-                          f"{', '.join(SECTIONS)})")
+        raise ConfigError(
+            f"{source}: unknown field(s) {', '.join(unknown)}; known fields: "
+            f"{', '.join(sorted([*TOP_FIELDS, *SECTION_OF]))} (or their sections: "
+            f"{', '.join(SECTIONS)})"
+        )
     for name, table in nested.items():
         if name not in SECTIONS:
             continue
@@ -448,8 +578,10 @@ def nest_config(values: Mapping[str, Any], source: str = "config") -> dict:
             raise ConfigError(f"{source}: {key} is in [{name}] but belongs {home}")
         strange = sorted(set(table) - set(SECTION_FIELDS[name]))
         if strange:
-            raise ConfigError(f"{source}: unknown {name} field(s) {', '.join(strange)}; known {name} fields: "
-                              f"{', '.join(SECTION_FIELDS[name])}")
+            raise ConfigError(
+                f"{source}: unknown {name} field(s) {', '.join(strange)}; known {name} fields: "
+                f"{', '.join(SECTION_FIELDS[name])}"
+            )
     return nested
 
 
@@ -555,8 +687,11 @@ def _flag_fields() -> list[tuple[dataclasses.Field, Any, Any]]:
     """(field, type annotation, base default) per flag: GPTConfig's settable fields, then
     TrainConfig's top-level ones, then each section's. A flag's name is its field's flat name."""
     model_hints, model = get_type_hints(GPTConfig), _default_model()
-    out = [(f, model_hints[f.name], getattr(model, f.name)) for f in dataclasses.fields(GPTConfig)
-           if not f.metadata["derived"]]
+    out = [
+        (f, model_hints[f.name], getattr(model, f.name))
+        for f in dataclasses.fields(GPTConfig)
+        if not f.metadata["derived"]
+    ]
     hints = get_type_hints(TrainConfig)
     out += [(f, hints[f.name], f.default) for f in dataclasses.fields(TrainConfig) if f.name in TOP_FIELDS]
     for section in SECTIONS.values():
@@ -572,8 +707,12 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("config fields (override the preset)")
     for f, hint, default in _flag_fields():
         tp, optional = field_type(hint)
-        kwargs: dict = dict(dest=f.name, default=argparse.SUPPRESS, type=_converter(tp, optional),
-                            help=f"{f.metadata['help']} (base default {default!r}; the preset may set it)")
+        kwargs: dict = dict(
+            dest=f.name,
+            default=argparse.SUPPRESS,
+            type=_converter(tp, optional),
+            help=f"{f.metadata['help']} (base default {default!r}; the preset may set it)",
+        )
         kwargs["metavar"] = {bool: "true|false", int: "N", float: "X"}.get(tp, "TEXT")
         if f.metadata.get("choices"):  # text fields that name their values
             kwargs.update(choices=f.metadata["choices"], type=str.lower, metavar="|".join(f.metadata["choices"]))

@@ -5,6 +5,7 @@ Every rank calls ``Evaluator.__call__`` at the start of each step (and once at t
 what is due at that step runs on every rank (the losses are averaged over ranks, FSDP's
 shards are gathered once), rank 0 alone logs, generates the sample and draws the plot.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,9 @@ def due(interval: int, step: int, final: int) -> bool:
 class Evaluator:
     """What runs between steps; ``raw`` is the GPT (sharded in place under FSDP), ``model`` what evaluates."""
 
-    def __init__(self, cfg: TrainConfig, info: DistInfo, raw: torch.nn.Module, model: torch.nn.Module,
-                 dtype: str) -> None:
+    def __init__(
+        self, cfg: TrainConfig, info: DistInfo, raw: torch.nn.Module, model: torch.nn.Module, dtype: str
+    ) -> None:
         self.cfg, self.info, self.raw, self.model, self.dtype = cfg, info, raw, model, dtype
         self.device = info.device
         self.eval_tokens: Optional[int] = None  # --eval-tokens, or all the val split holds (preflight.eval_tokens)
@@ -48,11 +50,24 @@ class Evaluator:
             from gpt2lab.evals.hellaswag import evaluate_hellaswag
 
             with parallel.gathered(self.raw):  # FSDP: ranks score different numbers of batches
-                res = evaluate_hellaswag(self.model, ev.hellaswag_data, device=self.device, dtype=self.dtype,
-                                         batch_size=self.cfg.batch.micro_batch_size, limit=ev.hellaswag_limit,
-                                         rank=self.info.rank, world_size=self.info.world_size)
-            log.log({"step": step, "hellaswag_acc": res["acc"], "hellaswag_acc_norm": res["acc_norm"],
-                     "hellaswag_n": res["n"]})
+                res = evaluate_hellaswag(
+                    self.model,
+                    ev.hellaswag_data,
+                    device=self.device,
+                    dtype=self.dtype,
+                    batch_size=self.cfg.batch.micro_batch_size,
+                    limit=ev.hellaswag_limit,
+                    rank=self.info.rank,
+                    world_size=self.info.world_size,
+                )
+            log.log(
+                {
+                    "step": step,
+                    "hellaswag_acc": res["acc"],
+                    "hellaswag_acc_norm": res["acc_norm"],
+                    "hellaswag_n": res["n"],
+                }
+            )
         if due(ev.sample_interval, step, last):
             with parallel.gathered(self.raw):  # FSDP: every rank gathers; rank 0 alone generates
                 text = self.sample() if self.info.is_main else None
@@ -72,9 +87,17 @@ class Evaluator:
         if self.eval_tokens is None:  # the start said so when it trims
             self.eval_tokens = preflight.eval_tokens(cfg, self.info.world_size)
         with parallel.gathered(self.raw):  # FSDP: one all-gather, not one per block and batch
-            return evaluate(self.model, cfg.data, tokens=self.eval_tokens, batch_size=cfg.batch.micro_batch_size,
-                            seq_len=cfg.batch.seq_len, device=self.device, dtype=self.dtype, rank=self.info.rank,
-                            world_size=self.info.world_size)
+            return evaluate(
+                self.model,
+                cfg.data,
+                tokens=self.eval_tokens,
+                batch_size=cfg.batch.micro_batch_size,
+                seq_len=cfg.batch.seq_len,
+                device=self.device,
+                dtype=self.dtype,
+                rank=self.info.rank,
+                world_size=self.info.world_size,
+            )
 
     @torch.no_grad()
     def sample(self) -> str:
@@ -85,8 +108,11 @@ class Evaluator:
 
         prompt, chat = self.cfg.eval.sample_prompt, self.cfg.model.chat_template is not None
         enc = for_config(self.cfg.model, self.raw.tokenizer)
-        ids = encode_chat([("user", prompt)], add_generation_prompt=True, tokenizer=enc)[0] if chat else \
-            enc.encode(prompt, allowed_special="all")
+        ids = (
+            encode_chat([("user", prompt)], add_generation_prompt=True, tokenizer=enc)[0]
+            if chat
+            else enc.encode(prompt, allowed_special="all")
+        )
         stop = enc.im_end_id if chat else enc.eot_id
         idx = torch.tensor([ids], device=self.device)
         gen = torch.Generator(device=self.device).manual_seed(42)  # own generator: training RNG untouched
@@ -97,7 +123,7 @@ class Evaluator:
             out = generate(self.raw, idx, self.cfg.eval.sample_tokens, top_k=50, generator=gen, stop_token=stop)
         self.raw.train()
         if chat:
-            return f"User: {prompt}\nAssistant: " + enc.decode([t for t in out[0, len(ids):].tolist() if t != stop])
+            return f"User: {prompt}\nAssistant: " + enc.decode([t for t in out[0, len(ids) :].tolist() if t != stop])
         return enc.decode([t for t in out[0].tolist() if t != enc.eot_id])
 
 

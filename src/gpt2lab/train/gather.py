@@ -15,6 +15,7 @@ replaces them (for ``--dry-run`` only: ``fake_machine``) to see the plan of a ma
 have, e.g. ``{"device_type": "cuda", "device_name": "NVIDIA H100 80GB HBM3", "cuda_bf16": true,
 "world_size": 8, "device_gib": 79.1}``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,17 +38,19 @@ FAKE_FACTS_ENV = "GPT2LAB_FAKE_FACTS"
 @dataclass(frozen=True)
 class MachineFacts:
     """What the plan depends on about the machine (``detect_machine``, ``fake_machine``, or made up in tests)."""
-    device: runtime.Facts                  # device type and name, CPU flags, bf16, compiler, probe
-    world_size: int = 1                    # processes of the run (torchrun's WORLD_SIZE)
-    device_bytes: Optional[int] = None     # memory of one accelerator; None for a CPU (shared RAM)
-    faked: Optional[str] = None            # the GPT2LAB_FAKE_FACTS file these came from
-    host_bytes: Optional[int] = None       # a CPU run's share of this machine's RAM per process; None: unknown
+
+    device: runtime.Facts  # device type and name, CPU flags, bf16, compiler, probe
+    world_size: int = 1  # processes of the run (torchrun's WORLD_SIZE)
+    device_bytes: Optional[int] = None  # memory of one accelerator; None for a CPU (shared RAM)
+    faked: Optional[str] = None  # the GPT2LAB_FAKE_FACTS file these came from
+    host_bytes: Optional[int] = None  # a CPU run's share of this machine's RAM per process; None: unknown
 
     def describe(self) -> str:
         d = self.device
         mem = f", {self.device_bytes / 2**30:.1f} GiB each" if self.device_bytes else ""
-        return (f"{d.device_type} x {self.world_size} ({d.device_name or 'unknown'}{mem})"
-                + (f" [faked by {FAKE_FACTS_ENV}={self.faked}]" if self.faked else ""))
+        return f"{d.device_type} x {self.world_size} ({d.device_name or 'unknown'}{mem})" + (
+            f" [faked by {FAKE_FACTS_ENV}={self.faked}]" if self.faked else ""
+        )
 
 
 def detect_machine(device, world_size: int = 1, dtype: str = "auto") -> MachineFacts:
@@ -55,8 +58,12 @@ def detect_machine(device, world_size: int = 1, dtype: str = "auto") -> MachineF
     import torch
 
     dev = torch.device(device)
-    return MachineFacts(runtime.detect(dev, probe=str(dtype) in ("auto", "bfloat16")), world_size,
-                        parallel.device_bytes(dev), host_bytes=host_share(world_size) if dev.type == "cpu" else None)
+    return MachineFacts(
+        runtime.detect(dev, probe=str(dtype) in ("auto", "bfloat16")),
+        world_size,
+        parallel.device_bytes(dev),
+        host_bytes=host_share(world_size) if dev.type == "cpu" else None,
+    )
 
 
 def host_bytes() -> Optional[int]:
@@ -91,22 +98,30 @@ def fake_machine(path: str) -> MachineFacts:
         known = {f.name for f in dataclasses.fields(runtime.Facts)}
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ValueError(f"unknown key(s) {', '.join(unknown)}; known: "
-                             f"{', '.join(sorted(known | {'world_size', 'device_gib', 'device_bytes', 'host_gib'}))}")
+            raise ValueError(
+                f"unknown key(s) {', '.join(unknown)}; known: "
+                f"{', '.join(sorted(known | {'world_size', 'device_gib', 'device_bytes', 'host_gib'}))}"
+            )
         raw["cpu_flags"] = tuple(raw.get("cpu_flags", ()))
         dev = runtime.Facts(**raw, probe=runtime.Probe(**probe) if probe else None)
         if dev.device_type not in ("cpu", "cuda", "mps") or world < 1:
             raise ValueError(f"device_type {dev.device_type!r} (cpu, cuda or mps), world_size {world} (>= 1)")
     except (OSError, ValueError, TypeError) as e:
         raise ConfigError(f"{FAKE_FACTS_ENV}={path}: cannot use it ({e}); see gpt2lab.train.gather") from e
-    return MachineFacts(dev, world, None if mem is None else int(mem), faked=path,
-                        host_bytes=None if host_gib is None else int(float(host_gib) * 2**30 / world))
+    return MachineFacts(
+        dev,
+        world,
+        None if mem is None else int(mem),
+        faked=path,
+        host_bytes=None if host_gib is None else int(float(host_gib) * 2**30 / world),
+    )
 
 
 # -- what the files hold -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class InitFrom:
     """The resolved --init-from source and its provenance (hashed once, by ``gather``)."""
+
     source: init_from.Source
     sha256: str
 
@@ -117,31 +132,46 @@ class InitFrom:
 
     def record(self) -> dict:
         s = self.source
-        return {"source": s.spec, "kind": s.kind, "weights": os.path.abspath(s.weights), "sha256": self.sha256,
-                "step": s.step, "id": self.id}
+        return {
+            "source": s.spec,
+            "kind": s.kind,
+            "weights": os.path.abspath(s.weights),
+            "sha256": self.sha256,
+            "step": s.step,
+            "id": self.id,
+        }
 
 
 @dataclass(frozen=True)
 class Resumed:
     """The checkpoint a run continues from, as read."""
-    where: str                                  # its directory (checksums verified)
-    saved: dict                                 # its config.json, either form
-    source: Optional[init_from.Source] = None   # a run begun from other weights: the checkpoint read as a source
-    began: Optional[dict] = None                # and the record of the weights it began from (began_from)
+
+    where: str  # its directory (checksums verified)
+    saved: dict  # its config.json, either form
+    source: Optional[init_from.Source] = None  # a run begun from other weights: the checkpoint read as a source
+    began: Optional[dict] = None  # and the record of the weights it began from (began_from)
 
 
 @dataclass(frozen=True)
 class Gathered:
     """Everything train.plan decides from besides the request: plain data, made up freely in tests."""
+
     machine: MachineFacts
     resumed: Optional[Resumed] = None
-    skipped: tuple[str, ...] = ()               # damaged checkpoints passed over, one line each
-    init: Optional[InitFrom] = None             # --init-from of a fresh run
+    skipped: tuple[str, ...] = ()  # damaged checkpoints passed over, one line each
+    init: Optional[InitFrom] = None  # --init-from of a fresh run
     manifest: Mapping = field(default_factory=dict)  # the data's manifest.json ({}: none, or no data here)
 
 
-def gather(machine: MachineFacts, *, out: str, resume: Optional[str], source: Optional[str], data: str,
-           report: Callable[[str], None]) -> Gathered:
+def gather(
+    machine: MachineFacts,
+    *,
+    out: str,
+    resume: Optional[str],
+    source: Optional[str],
+    data: str,
+    report: Callable[[str], None],
+) -> Gathered:
     """Read what a run's plan needs (the module docstring's list): ``out`` the run directory, ``resume``
     as ``--resume`` gave it, ``source`` the --init-from value asked for, ``data`` the data directory.
     ``report`` hears of each damaged checkpoint passed over as it is found. Raises the first problem found."""
@@ -183,8 +213,7 @@ def find_resume(out: str, resume: Optional[str], report: Callable[[str], None] =
     """
     if resume is None:
         if ckpt.find_latest(out):
-            raise ConfigError(f"{out} already has checkpoints; continue it with --resume auto "
-                              "or choose another --out")
+            raise ConfigError(f"{out} already has checkpoints; continue it with --resume auto or choose another --out")
         return None
     if ckpt.has_weights(resume):
         ckpt.verify(resume)
@@ -194,9 +223,11 @@ def find_resume(out: str, resume: Optional[str], report: Callable[[str], None] =
     if found is None and ckpt.find_latest(run_dir):
         raise CheckpointError(f"{run_dir}: every checkpoint is damaged; start again with a new --out")
     if found is None and resume != "auto":
-        raise CheckpointError(f"--resume {resume}: neither a checkpoint (no model.safetensors or sharded "
-                              ".metadata) nor a run directory with checkpoints/step_*/; pass a checkpoint "
-                              "directory or --resume auto")
+        raise CheckpointError(
+            f"--resume {resume}: neither a checkpoint (no model.safetensors or sharded "
+            ".metadata) nor a run directory with checkpoints/step_*/; pass a checkpoint "
+            "directory or --resume auto"
+        )
     return found
 
 

@@ -7,6 +7,7 @@ from SRC (``adapt_config``); the run may pad the vocabulary (50257 -> 50304) and
 fewer positions (a smaller ``--block-size``). Every problem with SRC is an ``InitFromError``
 naming it, raised before any training work.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,15 +17,14 @@ from typing import Mapping, Optional
 
 import torch
 
-from gpt2lab.system.files import read_json_object, sha256_file
 from gpt2lab.checkpoint import store as ckpt
-from gpt2lab.weights import read
-from gpt2lab.weights.load import from_checkpoint
-from gpt2lab.train.config import ConfigError, TrainConfig, model_from_config
-from gpt2lab.weights.load import CHECKPOINT, HF_DIR, source_kind
-from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.data.tokenizer import GPT2_VOCAB_SIZE
 from gpt2lab.model.config import CHAT_VOCAB_SIZES
+from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.system.files import read_json_object, sha256_file
+from gpt2lab.train.config import ConfigError, TrainConfig, model_from_config
+from gpt2lab.weights import read
+from gpt2lab.weights.load import CHECKPOINT, HF_DIR, from_checkpoint, source_kind
 
 # What the source decides: every field that sets a parameter shape or what the weights compute
 # (the modern block's switches), but the vocabulary (a run may pad it).
@@ -60,9 +60,11 @@ def find_source(spec: str) -> Source:
     template = src.config.chat_template
     tokens = CHAT_VOCAB_SIZES[template] if template else GPT2_VOCAB_SIZE
     if src.config.tokenizer is None and src.config.real_vocab_size != tokens:  # its own tokenizer says its vocabulary
-        raise src._fail(f"its vocabulary has {src.config.real_vocab_size} tokens, not GPT-2's "
-                        f"{GPT2_VOCAB_SIZE}, and no gpt2lab tokenizer.json is beside it; pass a GPT-2 model or "
-                        "one gpt2lab trained (its tokenizer travels with it)")
+        raise src._fail(
+            f"its vocabulary has {src.config.real_vocab_size} tokens, not GPT-2's "
+            f"{GPT2_VOCAB_SIZE}, and no gpt2lab tokenizer.json is beside it; pass a GPT-2 model or "
+            "one gpt2lab trained (its tokenizer travels with it)"
+        )
     _check_readable(src)
     return src
 
@@ -90,42 +92,47 @@ def _hf_config(path: str) -> GPTConfig:
 def _checkpoint_source(spec: str) -> Source:
     config = read_json_object(os.path.join(spec, "config.json"))
     if config is not None and config.get("model_type") in read.MODEL_TYPES:  # is_hf_dir found no weights
-        raise InitFromError(f"--init-from {spec}: an HF {config['model_type']} config.json without a weights file "
-                            f"(looked for {', '.join(read.WEIGHT_FILES)}); copy the weights beside it")
+        raise InitFromError(
+            f"--init-from {spec}: an HF {config['model_type']} config.json without a weights file "
+            f"(looked for {', '.join(read.WEIGHT_FILES)}); copy the weights beside it"
+        )
     if config is not None and "model_type" in config:  # an HF directory of another kind
-        raise InitFromError(f"--init-from {spec}: model_type {config['model_type']!r} is not GPT-2 or NanoChat; "
-                            "pass a model of model_type gpt2 or nanochat")
+        raise InitFromError(
+            f"--init-from {spec}: model_type {config['model_type']!r} is not GPT-2 or NanoChat; "
+            "pass a model of model_type gpt2 or nanochat"
+        )
     verified = False
     if ckpt.has_weights(spec):
         where = spec
     else:  # the run's newest intact checkpoint: the one rule of resume (train.gather.find_resume) too
         where, verified = ckpt.find_intact(spec), True
         if where is None and ckpt.find_latest(spec):
-            raise InitFromError(f"--init-from {spec}: every checkpoint of this run is damaged; "
-                                "pass another source")
+            raise InitFromError(f"--init-from {spec}: every checkpoint of this run is damaged; pass another source")
         if where is None:
-            raise InitFromError(f"--init-from {spec}: neither an HF GPT-2 directory (config.json + "
-                                "model.safetensors) nor a run directory with a complete checkpoint "
-                                "(checkpoints/step_*/) nor a checkpoint directory; check the path")
+            raise InitFromError(
+                f"--init-from {spec}: neither an HF GPT-2 directory (config.json + "
+                "model.safetensors) nor a run directory with a complete checkpoint "
+                "(checkpoints/step_*/) nor a checkpoint directory; check the path"
+            )
     weights = ckpt.weights_file(where)
     needed = (os.path.basename(weights), "state.pt", "config.json")
     missing = [f for f in needed if not os.path.isfile(os.path.join(where, f))]
     config = read_json_object(os.path.join(where, "config.json"))
     if missing or config is None:
         what = "it is" if where == spec else f"{where} is"  # the source named once
-        raise InitFromError(f"--init-from {spec}: {what} an incomplete checkpoint (missing or unreadable: "
-                            f"{', '.join(missing) or 'config.json'}); pass its run directory (newest complete "
-                            "checkpoint) or another step_* directory")
+        raise InitFromError(
+            f"--init-from {spec}: {what} an incomplete checkpoint (missing or unreadable: "
+            f"{', '.join(missing) or 'config.json'}); pass its run directory (newest complete "
+            "checkpoint) or another step_* directory"
+        )
     ckpt.check_format(where)  # one of another gpt2lab's format version: refused as such (CheckpointError)
     try:
         model_config = model_from_config(config)
         step = int(torch.load(os.path.join(where, "state.pt"), weights_only=True, map_location="cpu")["step"])
     except (KeyError, TypeError, ValueError, RuntimeError, OSError) as e:
         what = "the checkpoint" if where == spec else f"the checkpoint {where}"
-        raise InitFromError(f"--init-from {spec}: cannot read {what} ({e}); "
-                            "pass another step_* directory") from e
-    return Source(spec, CHECKPOINT, model_config, weights, os.path.join(where, "config.json"), step,
-                  verified=verified)
+        raise InitFromError(f"--init-from {spec}: cannot read {what} ({e}); pass another step_* directory") from e
+    return Source(spec, CHECKPOINT, model_config, weights, os.path.join(where, "config.json"), step, verified=verified)
 
 
 def _check_readable(src: Source) -> None:
@@ -140,8 +147,10 @@ def _check_readable(src: Source) -> None:
     except Exception as e:  # safetensors raises its own error types for a damaged file
         raise src._fail(f"{src.weights} is damaged or half-written ({e}); pass a complete copy") from e
     if not any(k.endswith(("wte.weight", "embed_tokens.weight")) for k in keys):
-        raise src._fail(f"{src.weights} holds no token embedding (wte.weight, or NanoChat's embed_tokens.weight); "
-                        "pass a GPT-2 or NanoChat model")
+        raise src._fail(
+            f"{src.weights} holds no token embedding (wte.weight, or NanoChat's embed_tokens.weight); "
+            "pass a GPT-2 or NanoChat model"
+        )
 
 
 def adapt_config(cfg: TrainConfig) -> TrainConfig:
@@ -177,8 +186,10 @@ def check_arch(src: Source, explicit: Mapping[str, object]) -> dict[str, object]
             arch[name] = ours
             continue
         option = "--" + name.replace("_", "-")
-        raise src._fail(f"it has {name} {theirs} but {option} {ours} was given; the architecture comes "
-                        f"from the source, so drop {option}" + (" or lower it" if name == "block_size" else ""))
+        raise src._fail(
+            f"it has {name} {theirs} but {option} {ours} was given; the architecture comes "
+            f"from the source, so drop {option}" + (" or lower it" if name == "block_size" else "")
+        )
     return arch
 
 
@@ -206,8 +217,11 @@ def load_source(model: GPT, src: Source) -> None:
     Position rows past the run's block_size are dropped.
     """
     try:
-        loaded = from_checkpoint(os.path.dirname(src.weights), verified=src.verified) if src.kind == CHECKPOINT \
+        loaded = (
+            from_checkpoint(os.path.dirname(src.weights), verified=src.verified)
+            if src.kind == CHECKPOINT
             else read.load_files(src.config_path, src.weights)
+        )
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise src._fail(f"cannot load its weights ({e}); pass a complete copy") from e
     theirs = dict(loaded.named_parameters())
@@ -224,9 +238,11 @@ def _copy_param(src: Source, name: str, p: torch.Tensor, w: torch.Tensor, real_v
         if real_vocab > theirs:  # tokens new to the model: from the mean row too
             p[theirs:real_vocab] = w[:theirs].mean(0)
     elif name == "transformer.wpe.weight" and p.shape[1:] == w.shape[1:] and len(p) <= len(w):
-        p.copy_(w[:len(p)])
+        p.copy_(w[: len(p)])
     elif p.shape == w.shape:
         p.copy_(w)
     else:
-        raise src._fail(f"{name} has shape {tuple(w.shape)}, the run needs {tuple(p.shape)}; "
-                        "let the architecture come from the source (drop --n-layer/--n-head/--n-embd)")
+        raise src._fail(
+            f"{name} has shape {tuple(w.shape)}, the run needs {tuple(p.shape)}; "
+            "let the architecture come from the source (drop --n-layer/--n-head/--n-embd)"
+        )

@@ -7,6 +7,7 @@ embeddings, the head, gains and biases, each group with its own peak rate; the s
 (cosine or warmup-stable-decay) scales every group by the same factor. ``--muon-variant
 normuon`` adds NorMuon's per-neuron normalisation after Muon's orthogonalisation.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -39,17 +40,31 @@ def fused_available(device: torch.device) -> bool:
     return device.type in ("cuda", "cpu")
 
 
-def make_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
-                   eps: float, device: torch.device, fused: bool | None = None) -> torch.optim.AdamW:
+def make_optimizer(
+    model: nn.Module,
+    *,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+    device: torch.device,
+    fused: bool | None = None,
+) -> torch.optim.AdamW:
     """AdamW over ``param_groups``; fused when the device has the kernel (``fused=None``)."""
     use_fused = fused_available(device) if fused is None else fused
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps,
-                             fused=use_fused or None)
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=use_fused or None)
 
 
-
-def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, max_steps: int,
-          schedule: str = "cosine", decay_frac: float = 0.2) -> float:
+def lr_at(
+    step: int,
+    *,
+    max_lr: float,
+    min_lr: float,
+    warmup_steps: int,
+    max_steps: int,
+    schedule: str = "cosine",
+    decay_frac: float = 0.2,
+) -> float:
     """The learning rate of step ``step``: linear warmup to max_lr over ``warmup_steps``, then
 
     * ``cosine``: cosine decay to min_lr at ``max_steps``;
@@ -82,8 +97,13 @@ def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, max_ste
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
-def orthogonalize(g: torch.Tensor, dtype: torch.dtype, coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-                  steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+def orthogonalize(
+    g: torch.Tensor,
+    dtype: torch.dtype,
+    coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    steps: int = 5,
+    eps: float = 1e-7,
+) -> torch.Tensor:
     """Muon's approximate orthogonalisation of the 2-D ``g`` (roughly U V^T of its SVD), run in ``dtype``.
 
     ``g`` is scaled to Frobenius norm 1 (so every singular value is <= 1), then each of
@@ -99,12 +119,17 @@ def orthogonalize(g: torch.Tensor, dtype: torch.dtype, coefficients: tuple[float
     for _ in range(steps):
         gram = x @ x.T
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b*G + c*G@G
-        x = torch.addmm(x, poly, x, beta=a)                    # a*X + poly@X
+        x = torch.addmm(x, poly, x, beta=a)  # a*X + poly@X
     return x.T if tall else x
 
 
-def normalize_neurons(update: torch.Tensor, second_moment: torch.Tensor, beta2: float,
-                      eps: float = 1e-8, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+def normalize_neurons(
+    update: torch.Tensor,
+    second_moment: torch.Tensor,
+    beta2: float,
+    eps: float = 1e-8,
+    keep: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """NorMuon's step after the orthogonalisation (Li et al. 2025, "NorMuon"), in fp32.
 
     Each output neuron (row i of the (out, in) ``update`` O) keeps a running mean of its
@@ -145,8 +170,9 @@ class Muon(torch.optim.Muon):
     beta2 are attributes, not group entries, so a resume uses the run's own, not the checkpoint's.
     """
 
-    def __init__(self, params, *, ns_dtype: torch.dtype = torch.bfloat16, variant: str = "muon", beta2: float = 0.95,
-                 **kwargs) -> None:
+    def __init__(
+        self, params, *, ns_dtype: torch.dtype = torch.bfloat16, variant: str = "muon", beta2: float = 0.95, **kwargs
+    ) -> None:
         super().__init__(params, **kwargs)
         self.ns_dtype, self.variant, self.beta2 = ns_dtype, variant, beta2
 
@@ -179,8 +205,7 @@ class Muon(torch.optim.Muon):
                 else:  # a skipped step leaves the buffer as it was (weight 0); a kept one moves it as above
                     buf.lerp_(p.grad, (keep * (1 - momentum)).to(buf.dtype))
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = orthogonalize(update, self.ns_dtype, group["ns_coefficients"], group["ns_steps"],
-                                       group["eps"])
+                update = orthogonalize(update, self.ns_dtype, group["ns_coefficients"], group["ns_steps"], group["eps"])
                 if self.variant == "normuon":
                     if "second_moment" not in state:
                         state["second_moment"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
@@ -221,8 +246,10 @@ class Optimizers:
     def load_state_dict(self, state: dict) -> None:
         if sorted(state) != sorted(self.named):
             have = "+".join(sorted(state)) if "state" not in state else "one optimizer (adamw)"
-            raise ValueError(f"the checkpoint holds {have}, this run uses {'+'.join(sorted(self.named))}; "
-                             "resume with the checkpoint's --optimizer")
+            raise ValueError(
+                f"the checkpoint holds {have}, this run uses {'+'.join(sorted(self.named))}; "
+                "resume with the checkpoint's --optimizer"
+            )
         for name, opt in self.named.items():
             opt.load_state_dict(state[name])
 
@@ -240,44 +267,75 @@ def muon_split(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     head = getattr(model, "lm_head", None)
     head_ids = {id(p) for p in head.parameters()} - embed_ids if head is not None else set()
     blocks = getattr(getattr(model, "transformer", None), "h", None)
-    hidden_ids = ({id(p) for p in blocks.parameters() if p.dim() == 2} if blocks is not None else set())
+    hidden_ids = {id(p) for p in blocks.parameters() if p.dim() == 2} if blocks is not None else set()
     out: dict[str, list[nn.Parameter]] = {"hidden": [], "embed": [], "head": [], "other": []}
     for p in model.parameters():  # de-duplicated: a tied head appears once, as the embedding
         if not p.requires_grad:
             continue
-        role = ("embed" if id(p) in embed_ids else "head" if id(p) in head_ids
-                else "hidden" if id(p) in hidden_ids else "other")
+        role = (
+            "embed"
+            if id(p) in embed_ids
+            else "head"
+            if id(p) in head_ids
+            else "hidden"
+            if id(p) in hidden_ids
+            else "other"
+        )
         out[role].append(p)
     return out
 
 
-def make_muon(model: nn.Module, *, muon_lr: float, muon_momentum: float, muon_weight_decay: float,
-              ns_dtype: torch.dtype, lr: float, embed_lr: float, head_lr: float, weight_decay: float,
-              betas: tuple[float, float], eps: float, device: torch.device, variant: str = "muon",
-              muon_beta2: float = 0.95) -> Optimizers:
+def make_muon(
+    model: nn.Module,
+    *,
+    muon_lr: float,
+    muon_momentum: float,
+    muon_weight_decay: float,
+    ns_dtype: torch.dtype,
+    lr: float,
+    embed_lr: float,
+    head_lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+    device: torch.device,
+    variant: str = "muon",
+    muon_beta2: float = 0.95,
+) -> Optimizers:
     """Muon on the blocks' 2-D matrices, AdamW (fused where available) on the rest.
 
     Every group carries ``lr_name``, the TrainConfig field its peak rate comes from
     (``set_lrs``): muon_lr, embed_lr, head_lr or max_lr (gains, biases, other matrices).
     """
     if any(_is_dtensor(p) for p in model.parameters()):
-        raise ConfigError("--optimizer muon: the model is sharded (FSDP), and Muon orthogonalises whole "
-                          "matrices; use --strategy ddp, or --optimizer adamw with FSDP")
+        raise ConfigError(
+            "--optimizer muon: the model is sharded (FSDP), and Muon orthogonalises whole "
+            "matrices; use --strategy ddp, or --optimizer adamw with FSDP"
+        )
     split = muon_split(model)
     if not split["hidden"]:
-        raise ConfigError("--optimizer muon: the model has no 2-D matrices inside its blocks to give Muon; "
-                          "use --optimizer adamw")
-    muon = Muon([{"params": split["hidden"], "lr_name": "muon_lr"}], lr=muon_lr, momentum=muon_momentum,
-                weight_decay=muon_weight_decay, nesterov=True, ns_dtype=ns_dtype, variant=variant, beta2=muon_beta2)
+        raise ConfigError(
+            "--optimizer muon: the model has no 2-D matrices inside its blocks to give Muon; use --optimizer adamw"
+        )
+    muon = Muon(
+        [{"params": split["hidden"], "lr_name": "muon_lr"}],
+        lr=muon_lr,
+        momentum=muon_momentum,
+        weight_decay=muon_weight_decay,
+        nesterov=True,
+        ns_dtype=ns_dtype,
+        variant=variant,
+        beta2=muon_beta2,
+    )
     other = split["other"]
-    groups = [{"params": split["embed"], "lr": embed_lr, "weight_decay": weight_decay, "lr_name": "embed_lr"},
-              {"params": split["head"], "lr": head_lr, "weight_decay": weight_decay, "lr_name": "head_lr"},
-              {"params": [p for p in other if p.dim() >= 2], "lr": lr, "weight_decay": weight_decay,
-               "lr_name": "max_lr"},
-              {"params": [p for p in other if p.dim() < 2], "lr": lr, "weight_decay": 0.0, "lr_name": "max_lr"}]
+    groups = [
+        {"params": split["embed"], "lr": embed_lr, "weight_decay": weight_decay, "lr_name": "embed_lr"},
+        {"params": split["head"], "lr": head_lr, "weight_decay": weight_decay, "lr_name": "head_lr"},
+        {"params": [p for p in other if p.dim() >= 2], "lr": lr, "weight_decay": weight_decay, "lr_name": "max_lr"},
+        {"params": [p for p in other if p.dim() < 2], "lr": lr, "weight_decay": 0.0, "lr_name": "max_lr"},
+    ]
     use_fused = fused_available(device)
-    adamw = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps,
-                              fused=use_fused or None)
+    adamw = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps, fused=use_fused or None)
     return Optimizers(adamw=adamw, muon=muon)
 
 
@@ -293,13 +351,30 @@ def build_optimizer(model: nn.Module, opt, device: torch.device, ns_dtype: Optio
     """The optimizer a TrainConfig's ``optim`` section (``opt``) asks for: today's AdamW
     (``make_optimizer``) or Muon + AdamW."""
     if opt.optimizer == "adamw":
-        return make_optimizer(model, lr=opt.max_lr, weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2),
-                              eps=opt.eps, device=device)
-    return make_muon(model, muon_lr=opt.muon_lr, muon_momentum=opt.muon_momentum,
-                     muon_weight_decay=opt.muon_weight_decay, ns_dtype=getattr(torch, ns_dtype or "float32"),
-                     lr=opt.max_lr, embed_lr=peak_lr(opt, "embed_lr"), head_lr=peak_lr(opt, "head_lr"),
-                     weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2), eps=opt.eps, device=device,
-                     variant=opt.muon_variant, muon_beta2=opt.muon_beta2)
+        return make_optimizer(
+            model,
+            lr=opt.max_lr,
+            weight_decay=opt.weight_decay,
+            betas=(opt.beta1, opt.beta2),
+            eps=opt.eps,
+            device=device,
+        )
+    return make_muon(
+        model,
+        muon_lr=opt.muon_lr,
+        muon_momentum=opt.muon_momentum,
+        muon_weight_decay=opt.muon_weight_decay,
+        ns_dtype=getattr(torch, ns_dtype or "float32"),
+        lr=opt.max_lr,
+        embed_lr=peak_lr(opt, "embed_lr"),
+        head_lr=peak_lr(opt, "head_lr"),
+        weight_decay=opt.weight_decay,
+        betas=(opt.beta1, opt.beta2),
+        eps=opt.eps,
+        device=device,
+        variant=opt.muon_variant,
+        muon_beta2=opt.muon_beta2,
+    )
 
 
 def peak_lr(opt, name: str) -> float:
@@ -313,8 +388,15 @@ def scheduled_lr(step: int, opt, name: str = "max_lr") -> float:
     by the same ratio (min_lr / max_lr), so every group moves by the same factor."""
     peak = peak_lr(opt, name)
     floor = opt.min_lr if peak == opt.max_lr else peak * (opt.min_lr / opt.max_lr)
-    return lr_at(step, max_lr=peak, min_lr=floor, warmup_steps=opt.warmup_steps, max_steps=opt.max_steps,
-                 schedule=opt.lr_schedule, decay_frac=opt.decay_frac)
+    return lr_at(
+        step,
+        max_lr=peak,
+        min_lr=floor,
+        warmup_steps=opt.warmup_steps,
+        max_steps=opt.max_steps,
+        schedule=opt.lr_schedule,
+        decay_frac=opt.decay_frac,
+    )
 
 
 def set_lrs(optimizer, step: int, opt) -> None:
@@ -340,8 +422,10 @@ def unscaled_grad_norm(model: nn.Module, optimizer, scaler, grad_clip: float) ->
 def skips_on_device(optimizer) -> bool:
     """Whether every part of ``optimizer`` can skip a step on the device (``apply_update``'s
     ``skip``): fused AdamW (torch's kernel takes ``found_inf``, as GradScaler uses it) and our Muon."""
-    return all(isinstance(one, Muon) or (isinstance(one, torch.optim.AdamW) and one.defaults.get("fused"))
-               for one in parts(optimizer))
+    return all(
+        isinstance(one, Muon) or (isinstance(one, torch.optim.AdamW) and one.defaults.get("fused"))
+        for one in parts(optimizer)
+    )
 
 
 def apply_update(optimizer, scaler, step: int, opt, take: bool, skip: Optional[torch.Tensor] = None) -> None:

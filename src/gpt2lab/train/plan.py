@@ -21,6 +21,7 @@ torchrun, rank 0 makes the plan and hands it to the others in one broadcast (``t
 Trainer builds from it and decides nothing. The plan is printed at start, written to
 ``run_info.json`` and is all that ``gpt2lab train --dry-run`` shows.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,11 +48,12 @@ PLAN_VERSION = 1
 class Request:
     """What the user asked for: preset values with the flags over them (nested as config.json,
     any form accepted: ``nest_config``), not yet validated."""
+
     values: Mapping[str, object]
     # architecture values the user gave himself (and vocab_size, which otherwise follows the tokenizer)
     explicit: Mapping[str, object] = field(default_factory=dict)
-    resume: Optional[str] = None           # None, "auto" or a run/checkpoint directory
-    source: str = "config"                 # for messages: "preset 'x' with overrides"
+    resume: Optional[str] = None  # None, "auto" or a run/checkpoint directory
+    source: str = "config"  # for messages: "preset 'x' with overrides"
 
     @classmethod
     def of(cls, cfg: TrainConfig, resume: Optional[str] = None) -> "Request":
@@ -74,21 +76,21 @@ class Request:
 # -- the plan --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RunPlan:
-    config: TrainConfig                    # final: the architecture filled in
-    machine: MachineFacts                  # what it plans for (train.gather)
-    resume: Optional[str]                  # the checkpoint to continue from (checksums verified)
-    skipped: tuple[str, ...]               # damaged checkpoints passed over, one line each
-    init: Optional[InitFrom]               # --init-from of a fresh run (None when resuming)
+    config: TrainConfig  # final: the architecture filled in
+    machine: MachineFacts  # what it plans for (train.gather)
+    resume: Optional[str]  # the checkpoint to continue from (checksums verified)
+    skipped: tuple[str, ...]  # damaged checkpoints passed over, one line each
+    init: Optional[InitFrom]  # --init-from of a fresh run (None when resuming)
     dtype: Choice
     compile: Choice
     strategy: Choice
-    loss: LossPath                         # value "chunked" or "fused" (model.loss.choose_loss)
-    peak_flops: Choice                     # value: FLOP/s per device, or None
-    accum: int                             # micro-steps per optimizer step
-    params: int                            # parameters of the model (before LoRA)
-    memory: Optional[dict]                 # memplan's prediction per rank, MiB by term
-    ns_dtype: Optional[Choice] = None      # Muon's Newton-Schulz dtype (None: the run has no Muon)
-    began: Optional[dict] = None           # a resumed run's init-from record, from its checkpoint (began_from)
+    loss: LossPath  # value "chunked" or "fused" (model.loss.choose_loss)
+    peak_flops: Choice  # value: FLOP/s per device, or None
+    accum: int  # micro-steps per optimizer step
+    params: int  # parameters of the model (before LoRA)
+    memory: Optional[dict]  # memplan's prediction per rank, MiB by term
+    ns_dtype: Optional[Choice] = None  # Muon's Newton-Schulz dtype (None: the run has no Muon)
+    began: Optional[dict] = None  # a resumed run's init-from record, from its checkpoint (began_from)
     supervised: Optional[tuple[int, int]] = None  # conversations: (assistant tokens, all tokens) of train
 
     @property
@@ -108,20 +110,40 @@ class RunPlan:
     def record(self) -> dict:
         """run_info.json's "plan" entry (plain JSON)."""
         c = self.config
-        choice = lambda ch: {"value": ch.value, "reason": ch.reason,  # noqa: E731
-                             **({"warning": ch.warning} if ch.warning else {})}
-        return {"version": PLAN_VERSION, "facts": {**self.choices.record(), "world_size": self.machine.world_size,
-                                                   "device_bytes": self.machine.device_bytes,
-                                                   "host_bytes": self.machine.host_bytes,
-                                                   "faked": self.machine.faked},
-                "resume": self.resume, "skipped_checkpoints": list(self.skipped), "init_from": self.init_record,
-                "dtype": choice(self.dtype), "compile": choice(self.compile), "strategy": choice(self.strategy),
-                "loss": {"value": self.loss.value, "reason": self.loss.reason}, "peak_flops": choice(self.peak_flops),
-                "muon_ns_dtype": choice(self.ns_dtype) if self.ns_dtype else None,
-                "activation_checkpointing": c.parallel.activation_checkpointing, "grad_accum_steps": self.accum,
-                "params": self.params, "memory_mib": self.memory, "supervised": self.supervised,
-                "export": self.export,
-                "config": c.to_dict()}
+
+        def choice(ch):
+            return {
+                "value": ch.value,
+                "reason": ch.reason,
+                **({"warning": ch.warning} if ch.warning else {}),
+            }
+
+        return {
+            "version": PLAN_VERSION,
+            "facts": {
+                **self.choices.record(),
+                "world_size": self.machine.world_size,
+                "device_bytes": self.machine.device_bytes,
+                "host_bytes": self.machine.host_bytes,
+                "faked": self.machine.faked,
+            },
+            "resume": self.resume,
+            "skipped_checkpoints": list(self.skipped),
+            "init_from": self.init_record,
+            "dtype": choice(self.dtype),
+            "compile": choice(self.compile),
+            "strategy": choice(self.strategy),
+            "loss": {"value": self.loss.value, "reason": self.loss.reason},
+            "peak_flops": choice(self.peak_flops),
+            "muon_ns_dtype": choice(self.ns_dtype) if self.ns_dtype else None,
+            "activation_checkpointing": c.parallel.activation_checkpointing,
+            "grad_accum_steps": self.accum,
+            "params": self.params,
+            "memory_mib": self.memory,
+            "supervised": self.supervised,
+            "export": self.export,
+            "config": c.to_dict(),
+        }
 
     def lines(self) -> list[str]:
         """What start-up prints (and --dry-run shows), one decision a line."""
@@ -134,60 +156,90 @@ class RunPlan:
                 have = f" of the device's {f.device_bytes / 2**30:.1f} GiB"
             elif f.host_bytes:
                 have = f" of this machine's {f.host_bytes / 2**30:.1f} GiB of RAM" + (
-                    " per process" if f.world_size > 1 else "")
+                    " per process" if f.world_size > 1 else ""
+                )
             mem = f"{self.memory['total'] / 1024:.2f} GiB per rank predicted{have} (peak at {self.memory['phase']})"
         peak = self.peak_flops.value
         b = c.batch
-        ramp = (f"; ramped from {b.batch_ramp_start:,} tokens ({c.accum_at(0, self.machine.world_size)} micro-steps) "
-                f"at step 0 over {b.batch_ramp_steps} steps" if b.batch_ramp_steps else "")
-        out = [f"out       {c.out}" + (f" (resume from {self.resume})" if self.resume else " (new run)"),
-               f"machine   {self.machine.describe()}",
-               f"model     {m.n_layer} layers, {m.n_head} heads, {m.n_embd} wide, block {m.block_size}, "
-               f"{self.params:,} params" + (f", LoRA rank {ft.lora_rank} on {ft.lora_targets}" if ft.lora_rank else ""),
-               f"export    {self.export}"]
+        ramp = (
+            f"; ramped from {b.batch_ramp_start:,} tokens ({c.accum_at(0, self.machine.world_size)} micro-steps) "
+            f"at step 0 over {b.batch_ramp_steps} steps"
+            if b.batch_ramp_steps
+            else ""
+        )
+        out = [
+            f"out       {c.out}" + (f" (resume from {self.resume})" if self.resume else " (new run)"),
+            f"machine   {self.machine.describe()}",
+            f"model     {m.n_layer} layers, {m.n_head} heads, {m.n_embd} wide, block {m.block_size}, "
+            f"{self.params:,} params" + (f", LoRA rank {ft.lora_rank} on {ft.lora_targets}" if ft.lora_rank else ""),
+            f"export    {self.export}",
+        ]
         if m.tokenizer:
-            out.append(f"tokenizer sha256:{m.tokenizer[:12]} (the data's): {m.token_vocab_size:,} tokens in "
-                       f"{m.vocab_size:,} embedding rows")
+            out.append(
+                f"tokenizer sha256:{m.tokenizer[:12]} (the data's): {m.token_vocab_size:,} tokens in "
+                f"{m.vocab_size:,} embedding rows"
+            )
         if self.supervised:
             n, total = self.supervised
-            out.append(f"data      {c.data}: conversations in the {m.chat_template} template, supervised on "
-                       f"{n:,} of {total:,} tokens ({n / max(total, 1):.0%}: the assistant's turns)")
+            out.append(
+                f"data      {c.data}: conversations in the {m.chat_template} template, supervised on "
+                f"{n:,} of {total:,} tokens ({n / max(total, 1):.0%}: the assistant's turns)"
+            )
         out += [f"skipped   {line}" for line in self.skipped]
         if self.init_record:
             r = self.init_record
             out.append(f"init from {r['source']} ({r.get('kind', 'recorded by the run')}, {r['id']})")
-        out += [f"dtype     {self.dtype.value} ({self.dtype.reason})",
-                f"compile   {on(self.compile.value)} ({self.compile.reason})",
-                f"strategy  {self.strategy.value} ({self.strategy.reason})"
-                + ("; activation checkpointing on" if c.parallel.activation_checkpointing else ""),
-                f"loss      {self.loss.value} ({self.loss.reason})",
-                f"optimizer {c.optim.optimizer}"
-                + (f" ({c.optim.muon_variant})" if c.optim.muon_variant != "muon" else "")
-                + f", {c.optim.lr_schedule} schedule"
-                + (f"; Newton-Schulz in {self.ns_dtype.value} ({self.ns_dtype.reason})" if self.ns_dtype else "")
-                + (f"; weight average (EMA) {c.optim.ema_decay}: evaluations and checkpoints hold it"
-                   if c.optim.ema_decay else ""),
-                f"batch     {c.batch.total_batch_tokens:,} tokens/step = micro-batch {c.batch.micro_batch_size} "
-                f"x seq {c.batch.seq_len} x {self.machine.world_size} process(es) x {self.accum} micro-steps{ramp}; "
-                f"steps to {c.optim.max_steps}",
-                "peak      " + (f"{peak / 1e12:.0f} TFLOP/s per device ({self.peak_flops.reason})" if peak
-                                 else f"unknown ({self.peak_flops.reason}); no MFU"),
-                f"memory    {mem}"]
+        out += [
+            f"dtype     {self.dtype.value} ({self.dtype.reason})",
+            f"compile   {on(self.compile.value)} ({self.compile.reason})",
+            f"strategy  {self.strategy.value} ({self.strategy.reason})"
+            + ("; activation checkpointing on" if c.parallel.activation_checkpointing else ""),
+            f"loss      {self.loss.value} ({self.loss.reason})",
+            f"optimizer {c.optim.optimizer}"
+            + (f" ({c.optim.muon_variant})" if c.optim.muon_variant != "muon" else "")
+            + f", {c.optim.lr_schedule} schedule"
+            + (f"; Newton-Schulz in {self.ns_dtype.value} ({self.ns_dtype.reason})" if self.ns_dtype else "")
+            + (
+                f"; weight average (EMA) {c.optim.ema_decay}: evaluations and checkpoints hold it"
+                if c.optim.ema_decay
+                else ""
+            ),
+            f"batch     {c.batch.total_batch_tokens:,} tokens/step = micro-batch {c.batch.micro_batch_size} "
+            f"x seq {c.batch.seq_len} x {self.machine.world_size} process(es) x {self.accum} micro-steps{ramp}; "
+            f"steps to {c.optim.max_steps}",
+            "peak      "
+            + (
+                f"{peak / 1e12:.0f} TFLOP/s per device ({self.peak_flops.reason})"
+                if peak
+                else f"unknown ({self.peak_flops.reason}); no MFU"
+            ),
+            f"memory    {mem}",
+        ]
         out += [f"warning: {ch.warning}" for ch in (self.dtype, self.compile) if ch.warning]
         return out
 
 
 # -- the decisions: pure functions of (request, gathered) -------------------------------------
-def make_plan(request: Request | TrainConfig, machine: MachineFacts, resume: Optional[str] = None,
-              report: Optional[Callable[[str], None]] = None) -> RunPlan:
+def make_plan(
+    request: Request | TrainConfig,
+    machine: MachineFacts,
+    resume: Optional[str] = None,
+    report: Optional[Callable[[str], None]] = None,
+) -> RunPlan:
     """Every start-up decision of a run: train.gather.gather, then ``decide``; raises the first problem found.
 
     A TrainConfig is taken as a request whose architecture values are all given (``Request.of``).
     ``report`` hears of damaged checkpoints passed over as they are found (default: stderr).
     """
     req = request if isinstance(request, Request) else Request.of(request, resume)
-    found = gather(machine, out=req.out, resume=req.resume, source=req.get("init_from"), data=str(req.get("data")),
-                   report=report or _to_stderr)
+    found = gather(
+        machine,
+        out=req.out,
+        resume=req.resume,
+        source=req.get("init_from"),
+        data=str(req.get("data")),
+        report=report or _to_stderr,
+    )
     return decide(req, found)
 
 
@@ -197,8 +249,9 @@ def decide(req: Request, found: Gathered) -> RunPlan:
     values = nest_config(req.values, req.source)
     if resumed is not None and resumed.source is not None:  # began from other weights: the checkpoint's architecture
         arch = init_from.check_arch(resumed.source, req.explicit)
-        values = merge_config(values, {"init_from": config_value(resumed.saved, "init_from"), "model": arch},
-                              source=req.source)
+        values = merge_config(
+            values, {"init_from": config_value(resumed.saved, "init_from"), "model": arch}, source=req.source
+        )
     elif init is not None:
         arch = init_from.check_arch(init.source, req.explicit)
         values = merge_config(values, {"model": arch}, source=req.source)
@@ -214,20 +267,37 @@ def decide(req: Request, found: Gathered) -> RunPlan:
     accum = cfg.grad_accum_steps(machine.world_size)
     cfg.accum_at(0, machine.world_size)  # the batch ramp's start divides evenly too (raises if not)
     muon = cfg.optim.optimizer == "muon"
-    choices = runtime.resolve(machine.device.device_type, cfg.system.dtype, cfg.system.compile, facts=machine.device,
-                              ns_dtype=cfg.optim.muon_ns_dtype if muon else None)
+    choices = runtime.resolve(
+        machine.device.device_type,
+        cfg.system.dtype,
+        cfg.system.compile,
+        facts=machine.device,
+        ns_dtype=cfg.optim.muon_ns_dtype if muon else None,
+    )
     dtype, compiled = str(choices.dtype.value), bool(choices.compile.value)
     strategy = strategy_for(cfg, machine, dtype, accum, compiled)
     sharded = strategy.value == "fsdp" and machine.world_size > 1
     memory = None
     if machine.device.device_type in ("cuda", "cpu"):
         memory = _predict(cfg, machine, str(strategy.value), dtype, accum, compiled).to_dict()
-    return RunPlan(config=cfg, machine=machine, resume=resumed.where if resumed else None, skipped=found.skipped,
-                   init=init, dtype=choices.dtype, compile=choices.compile, strategy=strategy,
-                   loss=choose_loss(machine.device.device_type, compiled, sharded),
-                   peak_flops=choose_peak_flops(cfg.system.peak_flops, machine), accum=accum,
-                   params=memplan.param_counts(cfg.model)["total"], memory=memory, ns_dtype=choices.ns_dtype,
-                   began=resumed.began if resumed else None, supervised=supervised_tokens(found.manifest))
+    return RunPlan(
+        config=cfg,
+        machine=machine,
+        resume=resumed.where if resumed else None,
+        skipped=found.skipped,
+        init=init,
+        dtype=choices.dtype,
+        compile=choices.compile,
+        strategy=strategy,
+        loss=choose_loss(machine.device.device_type, compiled, sharded),
+        peak_flops=choose_peak_flops(cfg.system.peak_flops, machine),
+        accum=accum,
+        params=memplan.param_counts(cfg.model)["total"],
+        memory=memory,
+        ns_dtype=choices.ns_dtype,
+        began=resumed.began if resumed else None,
+        supervised=supervised_tokens(found.manifest),
+    )
 
 
 def choose_peak_flops(requested: Optional[float], machine: MachineFacts) -> Choice:
@@ -237,8 +307,9 @@ def choose_peak_flops(requested: Optional[float], machine: MachineFacts) -> Choi
         return Choice(None, f"no datasheet figure for a {machine.device.device_type}")
     found = hardware.peak_flops(machine.device.device_name)
     if found is None:
-        return Choice(None, f"{machine.device.device_name!r} is not in gpt2lab.system.hardware's table; "
-                            "pass --peak-flops")
+        return Choice(
+            None, f"{machine.device.device_name!r} is not in gpt2lab.system.hardware's table; pass --peak-flops"
+        )
     return Choice(found, f"datasheet dense bf16 of {machine.device.device_name}")
 
 
@@ -248,19 +319,34 @@ def strategy_for(cfg: TrainConfig, machine: MachineFacts, dtype: str, accum: int
     ddp_bytes = None
     if machine.device_bytes is not None and machine.world_size > 1:
         ddp_bytes = _predict(cfg, machine, "ddp", dtype, accum, compiled).total
-    return parallel.choose_strategy(cfg.parallel.strategy, world_size=machine.world_size,
-                                    device_type=machine.device.device_type, dtype=dtype,
-                                    lora=bool(cfg.finetune.lora_rank), ddp_bytes=ddp_bytes,
-                                    device_bytes=machine.device_bytes)
+    return parallel.choose_strategy(
+        cfg.parallel.strategy,
+        world_size=machine.world_size,
+        device_type=machine.device.device_type,
+        dtype=dtype,
+        lora=bool(cfg.finetune.lora_rank),
+        ddp_bytes=ddp_bytes,
+        device_bytes=machine.device_bytes,
+    )
 
 
 def _predict(cfg: TrainConfig, machine: MachineFacts, strategy: str, dtype: str, accum: int, compiled: bool):
     device = "cuda" if machine.device.device_type == "cuda" else "cpu"
-    return memplan.predict(cfg.model, strategy=strategy, world_size=machine.world_size,
-                           micro_batch=cfg.batch.micro_batch_size, seq_len=cfg.batch.seq_len, dtype=dtype,
-                           activation_checkpointing=cfg.parallel.activation_checkpointing, accum=accum,
-                           device=device, compiled=compiled, optimizer=cfg.optim.optimizer,
-                           muon_variant=cfg.optim.muon_variant, average=bool(cfg.optim.ema_decay))
+    return memplan.predict(
+        cfg.model,
+        strategy=strategy,
+        world_size=machine.world_size,
+        micro_batch=cfg.batch.micro_batch_size,
+        seq_len=cfg.batch.seq_len,
+        dtype=dtype,
+        activation_checkpointing=cfg.parallel.activation_checkpointing,
+        accum=accum,
+        device=device,
+        compiled=compiled,
+        optimizer=cfg.optim.optimizer,
+        muon_variant=cfg.optim.muon_variant,
+        average=bool(cfg.optim.ema_decay),
+    )
 
 
 def check_memory(plan: RunPlan) -> None:
@@ -273,24 +359,44 @@ def check_memory(plan: RunPlan) -> None:
 
     def total_at(B: int) -> int:
         c = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, micro_batch_size=B))
-        return _predict(c, machine, str(plan.strategy.value), str(plan.dtype.value),
-                        c.grad_accum_steps(machine.world_size), bool(plan.compile.value)).total
+        return _predict(
+            c,
+            machine,
+            str(plan.strategy.value),
+            str(plan.dtype.value),
+            c.grad_accum_steps(machine.world_size),
+            bool(plan.compile.value),
+        ).total
 
     if limit is None or not plan.memory or memplan.fits(total_at(cfg.batch.micro_batch_size), limit):
         return
     b, world = cfg.batch, machine.world_size
     rows = max(1, b.total_batch_tokens // (b.seq_len * world))  # a micro-batch must divide a step's rows
-    fit = next((B for B in range(min(b.micro_batch_size - 1, rows), 0, -1)
-                if rows % B == 0 and memplan.fits(total_at(B), limit)), None)
-    have = (f"the {limit / 2**30:.1f} GiB of {machine.device.device_name or 'the GPU'}" if cuda
-            else f"this machine's {limit / 2**30:.1f} GiB of RAM" + (f" per process ({world})" if world > 1 else ""))
-    fix = (f"lower --micro-batch-size to {fit} ({total_at(fit) / 2**30:.1f} GiB predicted)" if fit
-           else "not even a micro-batch of 1 fits: a smaller model or a larger machine")
+    fit = next(
+        (
+            B
+            for B in range(min(b.micro_batch_size - 1, rows), 0, -1)
+            if rows % B == 0 and memplan.fits(total_at(B), limit)
+        ),
+        None,
+    )
+    have = (
+        f"the {limit / 2**30:.1f} GiB of {machine.device.device_name or 'the GPU'}"
+        if cuda
+        else f"this machine's {limit / 2**30:.1f} GiB of RAM" + (f" per process ({world})" if world > 1 else "")
+    )
+    fix = (
+        f"lower --micro-batch-size to {fit} ({total_at(fit) / 2**30:.1f} GiB predicted)"
+        if fit
+        else "not even a micro-batch of 1 fits: a smaller model or a larger machine"
+    )
     if not cfg.parallel.activation_checkpointing:
         fix += " or set --activation-checkpointing true"
-    raise ConfigError(f"--micro-batch-size {b.micro_batch_size}: the run is predicted to need "
-                      f"{total_at(b.micro_batch_size) / 2**30:.1f} GiB per process at its peak "
-                      f"({plan.memory['phase']}), more than {have}; {fix}")
+    raise ConfigError(
+        f"--micro-batch-size {b.micro_batch_size}: the run is predicted to need "
+        f"{total_at(b.micro_batch_size) / 2**30:.1f} GiB per process at its peak "
+        f"({plan.memory['phase']}), more than {have}; {fix}"
+    )
 
 
 def resume_fields(cfg: TrainConfig) -> list[str]:
@@ -327,8 +433,10 @@ def check_resume_settings(cfg: TrainConfig, saved: dict, where: str) -> None:
         return
     flags = lambda side: " ".join(f"--{n.replace('_', '-')} {_flag_text(v[side])}" for n, *v in differ)  # noqa: E731
     was = ", ".join(f"{n} {_flag_text(theirs)}" for n, theirs, _ in differ)
-    raise ConfigError(f"{flags(1)}: the checkpoint {where} was trained with {was}; resume with {flags(0)}, "
-                      "or start a new run in another --out")
+    raise ConfigError(
+        f"{flags(1)}: the checkpoint {where} was trained with {was}; resume with {flags(0)}, "
+        "or start a new run in another --out"
+    )
 
 
 def _flag_text(value) -> str:
@@ -355,8 +463,9 @@ def chat_template(manifest: Mapping, init: Optional[InitFrom], resumed: Optional
     return config_value(resumed.saved, "chat_template") if resumed else None
 
 
-def tokenizer_fields(values: dict, req: Request, manifest: Mapping, init: Optional[InitFrom],
-                     resumed: Optional[Resumed]) -> dict:
+def tokenizer_fields(
+    values: dict, req: Request, manifest: Mapping, init: Optional[InitFrom], resumed: Optional[Resumed]
+) -> dict:
     """The run's tokenizer as model fields (empty for GPT-2's): its data's (``gpt2lab prepare
     --tokenizer``, named in its ``manifest``), which must be the tokenizer of the model it continues (an
     --init-from source's, a resumed checkpoint's; refused in one line naming both); without data here (a
@@ -376,17 +485,25 @@ def tokenizer_fields(values: dict, req: Request, manifest: Mapping, init: Option
         found = manifest.get("tokenizer", GPT2)
         ours = None if found == GPT2 else str(found)  # its tokenizer.json was checked when gathered
         if whose is not None and ours != theirs:
-            fix = (f"prepare it with that model's tokenizer (gpt2lab prepare --tokenizer DIR, DIR holding its "
-                   "tokenizer.json: the run, checkpoint or export)" if theirs else "prepare it without --tokenizer")
-            raise ConfigError(f"--data {data} was prepared with {short(ours)}, but the model of {whose} uses "
-                              f"{short(theirs)}; {fix}, or start from another model")
+            fix = (
+                "prepare it with that model's tokenizer (gpt2lab prepare --tokenizer DIR, DIR holding its "
+                "tokenizer.json: the run, checkpoint or export)"
+                if theirs
+                else "prepare it without --tokenizer"
+            )
+            raise ConfigError(
+                f"--data {data} was prepared with {short(ours)}, but the model of {whose} uses "
+                f"{short(theirs)}; {fix}, or start from another model"
+            )
         theirs, n = ours, manifest.get("vocab_size")
     if theirs is None:
         return {}
     given = req.explicit.get("vocab_size")
     if isinstance(given, int) and given < int(n):
-        raise ConfigError(f"--vocab-size {given} is smaller than the tokenizer's {n} tokens (of --data {data}); "
-                          f"use {padded_vocab(int(n))}, or leave it out")
+        raise ConfigError(
+            f"--vocab-size {given} is smaller than the tokenizer's {n} tokens (of --data {data}); "
+            f"use {padded_vocab(int(n))}, or leave it out"
+        )
     fields = {"tokenizer": theirs, "token_vocab_size": int(n)}
     if resumed is not None and "vocab_size" not in req.explicit:
         fields["vocab_size"] = config_value(resumed.saved, "vocab_size")

@@ -5,6 +5,7 @@ data at hand (a dry run never downloads it). A problem is one line naming the fl
 (ConfigError, exit 2: the data is too small for these settings); what a start only says (a warning,
 a trim) comes back as lines to print. (What a resumed checkpoint cannot take is the run plan's:
 plan.check_resume_settings.)"""
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,10 @@ def check_present(data: str, faked: bool = False) -> list[str]:
         return []
     if faked:
         return [f"note: --data {data} is not on this machine, so its splits are not checked here"]
-    raise ConfigError(f"--data {data}: no such directory; make it with `gpt2lab prepare --source SRC "
-                      f"--out {data}` or pass --data DIR (a directory of token shards)")
+    raise ConfigError(
+        f"--data {data}: no such directory; make it with `gpt2lab prepare --source SRC "
+        f"--out {data}` or pass --data DIR (a directory of token shards)"
+    )
 
 
 def check_data(cfg: TrainConfig, world_size: int, dry_run: bool = False) -> list[str]:
@@ -39,32 +42,38 @@ def check_splits(cfg: TrainConfig, world_size: int) -> list[str]:
     lines = []
     train = split_loader(cfg, "train", world_size)
     if train.sequences_per_epoch < batch:
-        lines.append(f"warning: the train split of {cfg.data} holds {train.sequences_per_epoch} sequences of seq_len "
-                     f"{cfg.batch.seq_len}, fewer than one micro-batch of {per}; every batch repeats sequences "
-                     "(lower --micro-batch-size or prepare more data)")
+        lines.append(
+            f"warning: the train split of {cfg.data} holds {train.sequences_per_epoch} sequences of seq_len "
+            f"{cfg.batch.seq_len}, fewer than one micro-batch of {per}; every batch repeats sequences "
+            "(lower --micro-batch-size or prepare more data)"
+        )
     if not cfg.eval.eval_interval:
         return lines
     val = split_loader(cfg, "val", world_size)
     if val.sequences_per_epoch < batch:
         fits = max(1, val.sequences_per_epoch // world_size)
-        raise ConfigError(f"the val split of {cfg.data} holds {val.sequences_per_epoch} sequences of seq_len "
-                          f"{cfg.batch.seq_len}, fewer than one micro-batch of {per}, so it cannot give a validation "
-                          f"loss; lower --micro-batch-size to {fits}, prepare a larger val split (gpt2lab "
-                          "prepare --val-tokens), or set --eval-interval 0")
+        raise ConfigError(
+            f"the val split of {cfg.data} holds {val.sequences_per_epoch} sequences of seq_len "
+            f"{cfg.batch.seq_len}, fewer than one micro-batch of {per}, so it cannot give a validation "
+            f"loss; lower --micro-batch-size to {fits}, prepare a larger val split (gpt2lab "
+            "prepare --val-tokens), or set --eval-interval 0"
+        )
     tokens = eval_tokens(cfg, world_size, val)
     if tokens < cfg.eval.eval_tokens:
         steps = tokens // (batch * cfg.batch.seq_len)
-        lines.append(f"note: --eval-tokens {cfg.eval.eval_tokens:,} is more than the val split of {cfg.data} holds; "
-                     f"each evaluation takes all it holds in whole micro-batches: {tokens:,} tokens ({steps} of "
-                     f"{per} x {cfg.batch.seq_len})")
+        lines.append(
+            f"note: --eval-tokens {cfg.eval.eval_tokens:,} is more than the val split of {cfg.data} holds; "
+            f"each evaluation takes all it holds in whole micro-batches: {tokens:,} tokens ({steps} of "
+            f"{per} x {cfg.batch.seq_len})"
+        )
     return lines
 
 
 def split_loader(cfg: TrainConfig, split: str, world_size: int):
     """The split's loader (rank 0's view); a split missing, or too short for one sequence, names its flags."""
+    from gpt2lab.data import ShardError
     from gpt2lab.data.loader import SplitTooSmall, TokenLoader
     from gpt2lab.data.shards import list_shards
-    from gpt2lab.data import ShardError
 
     try:
         list_shards(cfg.data, split)
@@ -73,11 +82,16 @@ def split_loader(cfg: TrainConfig, split: str, world_size: int):
     try:
         return TokenLoader(cfg.data, split, cfg.batch.micro_batch_size, cfg.batch.seq_len, world_size=world_size)
     except SplitTooSmall as e:
-        more = ("prepare a larger val split (gpt2lab prepare --val-tokens) or set --eval-interval 0" if split == "val"
-                else "prepare more text")
-        raise ConfigError(f"the {split} split of {cfg.data} holds {e.tokens} tokens, too few for one sequence of "
-                          f"--seq-len {cfg.batch.seq_len} (and the token after it); {more}, or lower "
-                          "--seq-len") from None
+        more = (
+            "prepare a larger val split (gpt2lab prepare --val-tokens) or set --eval-interval 0"
+            if split == "val"
+            else "prepare more text"
+        )
+        raise ConfigError(
+            f"the {split} split of {cfg.data} holds {e.tokens} tokens, too few for one sequence of "
+            f"--seq-len {cfg.batch.seq_len} (and the token after it); {more}, or lower "
+            "--seq-len"
+        ) from None
 
 
 def eval_tokens(cfg: TrainConfig, world_size: int, val=None) -> int:
@@ -98,17 +112,22 @@ def check_hellaswag(cfg: TrainConfig, download: bool = True) -> list[str]:
     if not n:
         return []
     try:
-        from gpt2lab.evals.hellaswag import load_examples, offline, official_path
+        from gpt2lab.evals.hellaswag import load_examples, official_path, offline
     except ImportError as e:
-        raise ConfigError(f"--hellaswag-interval {n}: HellaSwag evaluation is unavailable ({e}); "
-                          "set --hellaswag-interval 0") from e
+        raise ConfigError(
+            f"--hellaswag-interval {n}: HellaSwag evaluation is unavailable ({e}); set --hellaswag-interval 0"
+        ) from e
     if cfg.eval.hellaswag_data is None and not download and not os.path.isfile(official_path()):
         if not offline():
-            return [f"note: HellaSwag's official validation set is not in the cache yet; a real start downloads it "
-                    f"into {official_path()} (or pass --hellaswag-data FILE)"]
-        raise ConfigError(f"--hellaswag-interval {n}: the official HellaSwag validation set is not in the cache "
-                          f"({official_path()}) and {' and '.join(offline())} is set; pass --hellaswag-data FILE "
-                          "or set --hellaswag-interval 0")
+            return [
+                f"note: HellaSwag's official validation set is not in the cache yet; a real start downloads it "
+                f"into {official_path()} (or pass --hellaswag-data FILE)"
+            ]
+        raise ConfigError(
+            f"--hellaswag-interval {n}: the official HellaSwag validation set is not in the cache "
+            f"({official_path()}) and {' and '.join(offline())} is set; pass --hellaswag-data FILE "
+            "or set --hellaswag-interval 0"
+        )
     try:
         load_examples(cfg.eval.hellaswag_data, limit=1, flag="--hellaswag-data")
     except (OSError, ValueError, RuntimeError) as e:

@@ -6,6 +6,7 @@ model (weights/targets.py). ``MEASURED`` is the one place in the package for the
 times; each says its machine (the commands and conditions: docs/benchmarks.md, "The presets'
 cost"). A GPU preset's time is its tokens at a throughput measured for that model and batch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from gpt2lab.weights.targets import export_target
 class Measured:
     """A preset's measured cost: ``wall_s``, seconds of the whole ``gpt2lab train --preset NAME`` (start-up,
     evaluations and checkpoints included), or ``tok_per_s``, the training throughput of its model and batch."""
+
     machine: str
     wall_s: Optional[float] = None
     tok_per_s: Optional[float] = None
@@ -54,12 +56,15 @@ MEASURED = {
 
 # Presets that fine-tune a model given with --init-from rather than train one: what they do to it. The
 # size the listing shows for one with no --init-from of its own is its base preset's, for a model that size.
-FINE_TUNES = {"chat-cpu": "supervised fine-tuning on conversations, of the model given with --init-from RUN",
-              "chat-gpt2": "supervised fine-tuning on conversations", "finetune-shakespeare": "fine-tuning"}
+FINE_TUNES = {
+    "chat-cpu": "supervised fine-tuning on conversations, of the model given with --init-from RUN",
+    "chat-gpt2": "supervised fine-tuning on conversations",
+    "finetune-shakespeare": "fine-tuning",
+}
 
 
 def recipe(cfg: TrainConfig, name: str = "") -> str:
-    """"faithful GPT-2" (GPT-2's block, AdamW, cosine) or "modern" (any modern-block field, lever or Muon/WSD);
+    """ "faithful GPT-2" (GPT-2's block, AdamW, cosine) or "modern" (any modern-block field, lever or Muon/WSD);
     a fine-tuning preset's FINE_TUNES entry."""
     if name in FINE_TUNES:
         return FINE_TUNES[name]
@@ -81,11 +86,13 @@ def describe(name: str) -> list[str]:
     m, n = cfg.model, tokens(cfg)
     source = f" (the architecture comes from --init-from {cfg.finetune.init_from})" if cfg.finetune.init_from else ""
     measured = MEASURED.get(name)
-    return [f"{name}: {m.n_layer} layers x {m.n_embd} wide, {param_counts(m)['total']:,} parameters{source}; "
-            f"{recipe(cfg, name)}{'' if name in FINE_TUNES else ' recipe'}; {cfg.optim.max_steps:,} steps, "
-            f"{n:,} tokens",
-            f"    time    {measured.describe(n) if measured else 'not measured'}",
-            f"    export  {export_target(m).describe()}"]
+    return [
+        f"{name}: {m.n_layer} layers x {m.n_embd} wide, {param_counts(m)['total']:,} parameters{source}; "
+        f"{recipe(cfg, name)}{'' if name in FINE_TUNES else ' recipe'}; {cfg.optim.max_steps:,} steps, "
+        f"{n:,} tokens",
+        f"    time    {measured.describe(n) if measured else 'not measured'}",
+        f"    export  {export_target(m).describe()}",
+    ]
 
 
 def listing() -> list[str]:

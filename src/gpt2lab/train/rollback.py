@@ -8,6 +8,7 @@ are saved in each checkpoint), the rollbacks since the last save (the run gives 
 steps in a row. ``decide`` returns a ``RollbackDecision``; the trainer restores the checkpoint it
 names and hands it back (``rolled_back``). A run that must stop raises ``TrainingError``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,9 +30,10 @@ class TrainingError(RunDiverged):
 @dataclass(frozen=True)
 class RollbackDecision:
     """What the trainer does after spikes called for a rollback."""
-    record: dict                 # the metrics line that says what was decided
-    target: Optional[str]        # the checkpoint to restore; None: none before the spikes, train on from here
-    skips: list[list[int]]       # every [start, end) loader range never trained on, the new one included:
+
+    record: dict  # the metrics line that says what was decided
+    target: Optional[str]  # the checkpoint to restore; None: none before the spikes, train on from here
+    skips: list[list[int]]  # every [start, end) loader range never trained on, the new one included:
     # newer than the target checkpoint's own, so they stay after it is restored (``Rollback.rolled_back``)
 
 
@@ -57,7 +59,8 @@ class Rollback:
             raise TrainingError(
                 f"{self.bad_steps} steps in a row had a non-finite or spiking loss or gradient norm (last at step "
                 f"{record['step']}); stopping. The last good checkpoint is {last}. Lower --max-lr, "
-                "raise --warmup-steps or use --dtype bfloat16/float32, then --resume from it.")
+                "raise --warmup-steps or use --dtype bfloat16/float32, then --resume from it."
+            )
 
     def check(self, step: int, position: int, loss: float, norm: float) -> Optional[dict]:
         """The spike's z-scores (its update must be skipped), or None for a healthy step."""
@@ -90,22 +93,29 @@ class Rollback:
         the rollback (the trainer's device checks read steps back a few at a time, so not always now).
         Raises TrainingError after ``MAX_ROLLBACKS`` rollbacks to the same checkpoint."""
         first_step, first_pos = self.guard.first_spike()
-        target = next((p for p in reversed(ckpt.list_checkpoints(self.cfg.out)) if ckpt.step_of(p) <= first_step),
-                      None)
+        target = next((p for p in reversed(ckpt.list_checkpoints(self.cfg.out)) if ckpt.step_of(p) <= first_step), None)
         skip = [first_pos, end]
         self.skips.append(skip)
         T = self.cfg.batch.seq_len
-        record = {"step": step, "rollback_to": target, "skip_positions": skip,
-                  "skip_tokens": [skip[0] * T, skip[1] * T], "spike_steps": [s for s, _ in self.guard.spikes]}
+        record = {
+            "step": step,
+            "rollback_to": target,
+            "skip_positions": skip,
+            "skip_tokens": [skip[0] * T, skip[1] * T],
+            "spike_steps": [s for s, _ in self.guard.spikes],
+        }
         if target is None:  # nothing saved before the spikes; their updates were skipped anyway: go on
             self.guard.spikes = []
-            return RollbackDecision({**record, "note": "no checkpoint before the spikes; continuing without "
-                                                       "rolling back"}, None, self.skips)
+            return RollbackDecision(
+                {**record, "note": "no checkpoint before the spikes; continuing without rolling back"}, None, self.skips
+            )
         self.rollbacks += 1
         if self.rollbacks > MAX_ROLLBACKS:
-            raise TrainingError(f"rolled back to {target} {MAX_ROLLBACKS} times and the loss still spikes; "
-                                "the data is not the cause: lower --max-lr or raise --warmup-steps and "
-                                f"--resume from {target}, or set --spike-rollback 0")
+            raise TrainingError(
+                f"rolled back to {target} {MAX_ROLLBACKS} times and the loss still spikes; "
+                "the data is not the cause: lower --max-lr or raise --warmup-steps and "
+                f"--resume from {target}, or set --spike-rollback 0"
+            )
         return RollbackDecision(record, target, self.skips)
 
     def rolled_back(self, decision: RollbackDecision) -> None:

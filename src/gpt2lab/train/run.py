@@ -13,6 +13,7 @@
 A failure before the first step removes what this start wrote (system.rundir.Claim.undo).
 ``dry_run`` stops after 2 (the plan printed, nothing written, the directory untouched, no network).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,10 +29,10 @@ from gpt2lab.observe.metrics import MetricsLogger, run_info
 from gpt2lab.system import rundir
 from gpt2lab.system.errors import ConfigError, DataError, UsageError
 from gpt2lab.system.files import sweep_stale, write_json
+from gpt2lab.train import preflight
 from gpt2lab.train.config import TrainConfig, save_config
 from gpt2lab.train.gather import FAKE_FACTS_ENV, MachineFacts, detect_machine, fake_machine
 from gpt2lab.train.plan import Request, RunPlan, check_memory, make_plan
-from gpt2lab.train import preflight
 from gpt2lab.train.trainer import Stopped, Trainer
 
 
@@ -40,14 +41,17 @@ def machine_facts(info: DistInfo, dtype: str, dry_run: bool) -> MachineFacts:
     path = os.environ.get(FAKE_FACTS_ENV)
     if path:
         if not dry_run:
-            raise ConfigError(f"{FAKE_FACTS_ENV}={path} is set: made-up machine facts can only be planned "
-                              f"with, not trained on; add --dry-run or unset {FAKE_FACTS_ENV}")
+            raise ConfigError(
+                f"{FAKE_FACTS_ENV}={path} is set: made-up machine facts can only be planned "
+                f"with, not trained on; add --dry-run or unset {FAKE_FACTS_ENV}"
+            )
         return fake_machine(path)
     return detect_machine(info.device, info.world_size, dtype)
 
 
-def start(request: Request, info: DistInfo, dry_run: bool = False,
-          stack: Optional[contextlib.ExitStack] = None) -> tuple[RunPlan, Optional[rundir.Claim]]:
+def start(
+    request: Request, info: DistInfo, dry_run: bool = False, stack: Optional[contextlib.ExitStack] = None
+) -> tuple[RunPlan, Optional[rundir.Claim]]:
     """Steps 1-2 on rank 0, the plan on every rank; the lock goes on ``stack`` (held until it closes).
     Returns the plan and, on rank 0 of a real start, its Claim on the run directory."""
     claimed: list[rundir.Claim] = []
@@ -59,8 +63,12 @@ def start(request: Request, info: DistInfo, dry_run: bool = False,
             rundir.check(out, rundir.RUN, flag="--out", what_next=_WHAT_NEXT)  # read-only
             who = rundir.holder(out)
             if who is not None:
-                print(f"gpt2lab train: note: {out} is in use by a live run ({rundir.describe(who)}); "
-                      "a real start would be refused", file=sys.stderr, flush=True)
+                print(
+                    f"gpt2lab train: note: {out} is in use by a live run ({rundir.describe(who)}); "
+                    "a real start would be refused",
+                    file=sys.stderr,
+                    flush=True,
+                )
         else:
             claimed.append(stack.enter_context(rundir.claim(out, flag="--out", what_next=_WHAT_NEXT)))
         with _no_downloads() if dry_run else contextlib.nullcontext():
@@ -97,8 +105,9 @@ def _no_downloads():
 _WHAT_NEXT = "choose a new or empty --out"
 
 
-def train(config: TrainConfig | Request, info: DistInfo, resume: Optional[str] = None,
-          dry_run: bool = False) -> Optional[str]:
+def train(
+    config: TrainConfig | Request, info: DistInfo, resume: Optional[str] = None, dry_run: bool = False
+) -> Optional[str]:
     """Everything ``gpt2lab train`` does after parsing; returns the last checkpoint path
     (None for ``dry_run``, which prints the plan and writes nothing)."""
     request = config if isinstance(config, Request) else Request.of(config, resume)
@@ -127,8 +136,10 @@ def _run(plan: RunPlan, info: DistInfo, claim: Optional[rundir.Claim] = None) ->
     except (torch.OutOfMemoryError, MemoryError) as e:  # one line, not a traceback
         at = f"at step {trainer.step}" if trainer is not None else "building the model"
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"--micro-batch-size {plan.config.batch.micro_batch_size}: out of memory {at} "
-                          f"({first[:200]}); lower --micro-batch-size or set --activation-checkpointing true") from e
+        raise ConfigError(
+            f"--micro-batch-size {plan.config.batch.micro_batch_size}: out of memory {at} "
+            f"({first[:200]}); lower --micro-batch-size or set --activation-checkpointing true"
+        ) from e
     finally:
         if claim is not None and trainer is not None and trainer.steps_taken:
             claim.began = True  # from here on the run's files are kept whatever happens
@@ -140,37 +151,66 @@ def _train(plan: RunPlan, info: DistInfo, trainer: Trainer) -> Optional[str]:
         save_config(cfg, os.path.join(cfg.out, "config.json"))
         if trainer.tokenizer is not None:  # the model's own tokenizer travels with the run (and each checkpoint)
             save_tokenizer(trainer.tokenizer, cfg.out, what_next="free some space and start again")
-        write_json(os.path.join(cfg.out, rundir.RUN_MARKER), {
-            **rundir.run_marker(), **run_info(info.device, info.world_size), "grad_accum_steps": plan.accum,
-            "resumed_from": plan.resume, "params": trainer.raw.num_params(),
-            "params_on_rank_0": parallel.params_on_this_rank(trainer.raw),
-            "choices": {**plan.choices.record(), "strategy": plan.strategy.value,
-                        "strategy_reason": plan.strategy.reason, "loss": plan.loss.value,
-                        "activation_checkpointing": cfg.parallel.activation_checkpointing},
-            "init_from": plan.init_record, "keep_cpu_memory_applied": trainer.malloc_tuned,
-            "flops_per_token": trainer.flops_per_token, "peak_flops": plan.peak_flops.value,
-            "mfu_formula": "6N + 12*n_layer*n_embd*T per token (PaLM), N without wpe",
-            "plan": plan.record()})
+        write_json(
+            os.path.join(cfg.out, rundir.RUN_MARKER),
+            {
+                **rundir.run_marker(),
+                **run_info(info.device, info.world_size),
+                "grad_accum_steps": plan.accum,
+                "resumed_from": plan.resume,
+                "params": trainer.raw.num_params(),
+                "params_on_rank_0": parallel.params_on_this_rank(trainer.raw),
+                "choices": {
+                    **plan.choices.record(),
+                    "strategy": plan.strategy.value,
+                    "strategy_reason": plan.strategy.reason,
+                    "loss": plan.loss.value,
+                    "activation_checkpointing": cfg.parallel.activation_checkpointing,
+                },
+                "init_from": plan.init_record,
+                "keep_cpu_memory_applied": trainer.malloc_tuned,
+                "flops_per_token": trainer.flops_per_token,
+                "peak_flops": plan.peak_flops.value,
+                "mfu_formula": "6N + 12*n_layer*n_embd*T per token (PaLM), N without wpe",
+                "plan": plan.record(),
+            },
+        )
     lg = cfg.logging
-    log = MetricsLogger(cfg.out, enabled=info.is_main, total_steps=cfg.optim.max_steps, start_step=trainer.step,
-                        log_interval=lg.log_interval, tensorboard=lg.tensorboard, progress=lg.progress,
-                        wandb_project=lg.wandb_project, wandb_run_name=lg.wandb_run_name, config=cfg.to_dict())
+    log = MetricsLogger(
+        cfg.out,
+        enabled=info.is_main,
+        total_steps=cfg.optim.max_steps,
+        start_step=trainer.step,
+        log_interval=lg.log_interval,
+        tensorboard=lg.tensorboard,
+        progress=lg.progress,
+        wandb_project=lg.wandb_project,
+        wandb_run_name=lg.wandb_run_name,
+        config=cfg.to_dict(),
+    )
     log.console(f"gpt2lab train: {plan.choices.summary()}")
-    log.console(f"gpt2lab train: strategy {plan.strategy.value} ({plan.strategy.reason})"
-                + ("; activation checkpointing on" if cfg.parallel.activation_checkpointing else ""))
+    log.console(
+        f"gpt2lab train: strategy {plan.strategy.value} ({plan.strategy.reason})"
+        + ("; activation checkpointing on" if cfg.parallel.activation_checkpointing else "")
+    )
     log.console(f"gpt2lab train: loss {plan.loss.value} ({plan.loss.reason}); {plan.lines()[-1]}")
     log.console(f"gpt2lab train: export {plan.export}")
     for choice in (plan.dtype, plan.compile):
         if choice.warning:
             log.console(f"gpt2lab train: warning: {choice.warning}")
-    log.console(f"gpt2lab train: {trainer.raw.num_params():,} params, {info.world_size} process(es), "
-                f"{trainer.accum} micro-steps/step, steps {trainer.step}..{cfg.optim.max_steps}, out {cfg.out}"
-                + (f", resumed from {plan.resume}" if plan.resume else ""))
+    log.console(
+        f"gpt2lab train: {trainer.raw.num_params():,} params, {info.world_size} process(es), "
+        f"{trainer.accum} micro-steps/step, steps {trainer.step}..{cfg.optim.max_steps}, out {cfg.out}"
+        + (f", resumed from {plan.resume}" if plan.resume else "")
+    )
     try:
         last = trainer.run(log)
     finally:
         log.close()
     if trainer.stop_signal is not None:  # "preempted, resume me", told apart from "done" by the exit code
-        raise Stopped(f"stopped by {signal.Signals(trainer.stop_signal).name} at step {trainer.step}; "
-                      f"resume with --resume auto (last checkpoint {last})", trainer.stop_signal)
+        raise Stopped(
+            f"stopped by {signal.Signals(trainer.stop_signal).name} at step {trainer.step}; "
+            f"resume with --resume auto (last checkpoint {last})",
+            trainer.stop_signal,
+        )
     return last

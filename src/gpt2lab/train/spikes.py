@@ -8,6 +8,7 @@ somewhere bad): the trainer rolls back to the newest checkpoint before the first
 and skips the loader positions of the spiking steps. The guard's whole state is plain
 lists, saved in each checkpoint, so a resumed run makes the same decisions.
 """
+
 from __future__ import annotations
 
 import math
@@ -72,8 +73,11 @@ class SpikeGuard:
         return self.spikes[0][0], self.spikes[0][1]
 
     def state_dict(self) -> dict:
-        return {"losses": list(self.losses), "log_norms": list(self.log_norms),
-                "spikes": [list(s) for s in self.spikes]}
+        return {
+            "losses": list(self.losses),
+            "log_norms": list(self.log_norms),
+            "spikes": [list(s) for s in self.spikes],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.losses.clear()
@@ -111,8 +115,9 @@ class DeviceGuard:
         log_norm = torch.log(norm.clamp(min=1e-12))
         finite = torch.isfinite(loss) & torch.isfinite(norm)
         z_loss = _zscore(loss, self.losses, LOSS_STD_FLOOR * self.losses.mean().abs())
-        z_norm = _zscore(log_norm, self.log_norms, torch.tensor(LOG_NORM_STD_FLOOR, dtype=self.dtype,
-                                                               device=loss.device))
+        z_norm = _zscore(
+            log_norm, self.log_norms, torch.tensor(LOG_NORM_STD_FLOOR, dtype=self.dtype, device=loss.device)
+        )
         spike = torch.zeros_like(finite)
         if self.loss_z > 0:
             spike = spike | (z_loss > self.loss_z)

@@ -13,6 +13,7 @@ whole command. Under torchrun every rank runs the same loop on its slice of each
 alone prints, logs and writes checkpoints. Steps are counted from 0; a checkpoint named ``step_N``
 holds the state after N completed steps, and a resumed run continues with step N.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,9 +38,9 @@ from gpt2lab.system.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, GPT2LabError
 from gpt2lab.train.averaging import WeightAverage
 from gpt2lab.train.config import TrainConfig
 from gpt2lab.train.evaluation import Evaluator, due
+from gpt2lab.train.gather import detect_machine
 from gpt2lab.train.init_from import load_source
 from gpt2lab.train.optim import apply_update, build_optimizer, scheduled_lr, skips_on_device, unscaled_grad_norm
-from gpt2lab.train.gather import detect_machine
 from gpt2lab.train.plan import RunPlan, make_plan
 from gpt2lab.train.rollback import Rollback, RollbackDecision, TrainingError  # noqa: F401  (TrainingError re-exported)
 from gpt2lab.train.spikes import DeviceGuard
@@ -72,8 +73,15 @@ class Stopped(GPT2LabError):
         self.exit_code = EXIT_PREEMPTED if signum == signal.SIGTERM else EXIT_INTERRUPTED
 
 
-def accumulate_gradients(model: torch.nn.Module, next_batch: Callable[[], Batch], accum: int,
-                         device: torch.device, dtype: str, scaler=None, masked: bool = False) -> torch.Tensor:
+def accumulate_gradients(
+    model: torch.nn.Module,
+    next_batch: Callable[[], Batch],
+    accum: int,
+    device: torch.device,
+    dtype: str,
+    scaler=None,
+    masked: bool = False,
+) -> torch.Tensor:
     """Forward/backward ``accum`` micro-batches; return the mean loss over the step's targets, all ranks.
 
     Each micro-loss (a mean over its targets) is weighted so that the summed gradients are those
@@ -144,14 +152,27 @@ class Trainer:
         self.raw = build_model(plan, self.device, self.tokenizer)
         # self.raw stays the GPT (sharded in place under FSDP); train_model runs the micro-steps,
         # self.model the evaluations. The optimizer is built on the (sharded) parameters after wrapping.
-        self.train_model, self.model = parallel.wrap(self.raw, str(plan.strategy.value), distributed=info.distributed,
-                                                     device=self.device, dtype=self.dtype, compile=self.compile)
+        self.train_model, self.model = parallel.wrap(
+            self.raw,
+            str(plan.strategy.value),
+            distributed=info.distributed,
+            device=self.device,
+            dtype=self.dtype,
+            compile=self.compile,
+        )
         ns = plan.ns_dtype
         self.optimizer = build_optimizer(self.raw, cfg.optim, self.device, ns_dtype=str(ns.value) if ns else None)
         from gpt2lab.data import TokenLoader
 
-        self.loader = TokenLoader(cfg.data, "train", cfg.batch.micro_batch_size, cfg.batch.seq_len,
-                                  rank=info.rank, world_size=info.world_size, seed=cfg.seed)
+        self.loader = TokenLoader(
+            cfg.data,
+            "train",
+            cfg.batch.micro_batch_size,
+            cfg.batch.seq_len,
+            rank=info.rank,
+            world_size=info.world_size,
+            seed=cfg.seed,
+        )
         self.step, self.tokens = 0, 0
         # --ema-decay: the weight average is what evaluations see (and what checkpoints hand on)
         self.average = WeightAverage(self.raw, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
@@ -164,8 +185,9 @@ class Trainer:
         self.peak = plan.peak_flops.value
         self.stop_requested, self.stop_signal = False, None
         self.steps_taken = 0  # by this process: a start that failed before its first step removes what it wrote
-        self.check_interval = check_interval(cfg.system.check_interval, self.device, self.optimizer, self.scaler,
-                                             self.average)
+        self.check_interval = check_interval(
+            cfg.system.check_interval, self.device, self.optimizer, self.scaler, self.average
+        )
         self.pending: list[tuple] = []  # steps the device has run and judged, their records not yet read back
         self.device_guard: Optional[DeviceGuard] = None  # built from the host guard's state when first used
         self.since = time.perf_counter()  # the start of the pending steps' training time
@@ -179,15 +201,26 @@ class Trainer:
     # -- state ---------------------------------------------------------------------------
     def parts(self) -> dict:
         """What a checkpoint holds: each part has state_dict/load_state_dict (None: not in this run)."""
-        return {"model": self.raw, "optimizer": self.optimizer, "loader": self.loader, "rng": ckpt.RNG(),
-                "scaler": self.scaler, "average": self.average, "trainer": self}
+        return {
+            "model": self.raw,
+            "optimizer": self.optimizer,
+            "loader": self.loader,
+            "rng": ckpt.RNG(),
+            "scaler": self.scaler,
+            "average": self.average,
+            "trainer": self,
+        }
 
     def state_dict(self) -> dict:
         """The trainer's own part: counters, the spike guard's memory and the data skipped; and
         the record of the weights the run began from, which a resume's plan reads back
         (train.gather.began_from) rather than this."""
-        return {"step": self.step, "tokens": self.tokens, "init_from": self.plan.init_record,
-                **self.spikes.state_dict()}
+        return {
+            "step": self.step,
+            "tokens": self.tokens,
+            "init_from": self.plan.init_record,
+            **self.spikes.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
@@ -201,13 +234,21 @@ class Trainer:
         """Every rank: write the checkpoint for the steps completed so far (never a non-finite model)."""
         # every rank gets the same answer (FSDP: each checks its shard): all raise together, none waits
         if not parallel.all_finite(self.raw):
-            raise TrainingError(f"model has non-finite weights at step {self.step}; not saving over "
-                                f"the last good checkpoint in {self.cfg.out}/checkpoints")
+            raise TrainingError(
+                f"model has non-finite weights at step {self.step}; not saving over "
+                f"the last good checkpoint in {self.cfg.out}/checkpoints"
+            )
         # the model's own tokenizer goes into the checkpoint: the run's copy (rank 0 writes checkpoints' files)
         own = self.tokenizer is not None and self.info.is_main
         files = [save_tokenizer(self.tokenizer, self.cfg.out)] if own else []
-        path = ckpt.save(self.cfg.out, self.step, self.parts(), self.cfg.to_dict(),
-                         keep=self.cfg.checkpoint.keep_checkpoints, files=files)
+        path = ckpt.save(
+            self.cfg.out,
+            self.step,
+            self.parts(),
+            self.cfg.to_dict(),
+            keep=self.cfg.checkpoint.keep_checkpoints,
+            files=files,
+        )
         self.spikes.saved()
         if self.info.distributed:
             tdist.barrier()
@@ -222,8 +263,15 @@ class Trainer:
         lr = scheduled_lr(self.step, cfg.optim)  # max_lr's group; set_lrs gives every group its own
         position = self.loader.position = self.spikes.skip_bad_data(self.loader.position)
         accum = cfg.accum_at(self.step, self.info.world_size)  # self.accum, or fewer on the batch ramp
-        loss = accumulate_gradients(self.train_model, self.loader.next_batch, accum, self.device, self.dtype,
-                                    self.scaler, masked=self.loader.masked)
+        loss = accumulate_gradients(
+            self.train_model,
+            self.loader.next_batch,
+            accum,
+            self.device,
+            self.dtype,
+            self.scaler,
+            masked=self.loader.masked,
+        )
         norm = unscaled_grad_norm(self.raw, self.optimizer, self.scaler, cfg.optim.grad_clip)
         tokens = accum * cfg.batch.micro_batch_size * cfg.batch.seq_len * self.info.world_size
         self.tokens += tokens
@@ -276,16 +324,21 @@ class Trainer:
         now = time.perf_counter()
         dt, self.since = (now - self.since) / len(self.pending), now
         out = []
-        for (step, lr, position, after, tokens, total, _), (loss, norm, bad, z_loss, z_norm) in zip(self.pending,
-                                                                                                   values):
+        for (step, lr, position, after, tokens, total, _), (loss, norm, bad, z_loss, z_norm) in zip(
+            self.pending, values
+        ):
             record, verdict = {"step": step, "lr": lr}, (step, position, loss, norm, bool(bad))
             if not (math.isfinite(loss) and math.isfinite(norm)):
-                record.update(skipped="nan" if math.isnan(loss) or math.isnan(norm) else "inf", loss=str(loss),
-                              grad_norm=str(norm))
+                record.update(
+                    skipped="nan" if math.isnan(loss) or math.isnan(norm) else "inf",
+                    loss=str(loss),
+                    grad_norm=str(norm),
+                )
                 verdict = None
             elif bad:
-                record.update(skipped="spike", loss=loss, grad_norm=norm, loss_z=round(z_loss, 2),
-                              norm_z=round(z_norm, 2))
+                record.update(
+                    skipped="spike", loss=loss, grad_norm=norm, loss_z=round(z_loss, 2), norm_z=round(z_norm, 2)
+                )
             else:
                 record.update(train_loss=loss, grad_norm=norm, **self._speed(dt, tokens, total))
             out.append((record, after, verdict))
@@ -298,19 +351,28 @@ class Trainer:
         anything else happens between steps (evaluation, checkpoint, the end) and, in one process,
         at a stop signal (across processes the signal is agreed at the regular read-backs)."""
         s = self.step
-        return (len(self.pending) >= self.check_interval or self.steps_taken == 1 or s == self.cfg.optim.max_steps
-                or (self.stop_requested and not self.info.distributed)
-                or due(self.cfg.checkpoint.ckpt_interval, s, -1) or self.evaluate.any_due(s))
+        return (
+            len(self.pending) >= self.check_interval
+            or self.steps_taken == 1
+            or s == self.cfg.optim.max_steps
+            or (self.stop_requested and not self.info.distributed)
+            or due(self.cfg.checkpoint.ckpt_interval, s, -1)
+            or self.evaluate.any_due(s)
+        )
 
     def _speed(self, dt: float, tokens: int, total: Optional[int] = None) -> dict:
         """Throughput, MFU and (CUDA) peak memory of a step of ``tokens`` that took ``dt`` seconds
         (``total``: the run's tokens after it, default all so far)."""
         tok_per_s = tokens / dt
         mfu = self.flops_per_token * tok_per_s / (self.peak * self.info.world_size) if self.peak else None
-        out = {"dt_ms": 1000 * dt, "tok_per_s": tok_per_s, "mfu": mfu,
-               "tokens": self.tokens if total is None else total}
+        out = {
+            "dt_ms": 1000 * dt,
+            "tok_per_s": tok_per_s,
+            "mfu": mfu,
+            "tokens": self.tokens if total is None else total,
+        }
         if self.device.type == "cuda":
-            out["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 30  # since the start
+            out["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30  # since the start
         return out
 
     # -- the loop ----------------------------------------------------------------------------
@@ -385,15 +447,19 @@ def _stop_on_signals(trainer: Trainer):
     A second Ctrl-C stops at once (KeyboardInterrupt): the last checkpoint stays intact,
     a save in progress is dropped whole.
     """
+
     def handler(signum, frame):
         if signum == signal.SIGINT and trainer.stop_signal == signal.SIGINT:
             raise KeyboardInterrupt
         trainer.stop_requested, trainer.stop_signal = True, signum
         if trainer.info.is_main:
             name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-            print(f"{name}: stopping after this step, saving a checkpoint"
-                  + ("; press Ctrl-C again to stop now" if signum == signal.SIGINT else ""),
-                  file=sys.stderr, flush=True)
+            print(
+                f"{name}: stopping after this step, saving a checkpoint"
+                + ("; press Ctrl-C again to stop now" if signum == signal.SIGINT else ""),
+                file=sys.stderr,
+                flush=True,
+            )
 
     old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:

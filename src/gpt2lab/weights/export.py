@@ -4,6 +4,7 @@ config.json, generation_config.json, the tokenizer's files (GPT-2's, or a traine
 export marker. Written whole into a temporary sibling and renamed into place; only an empty directory or
 an earlier export is ever replaced.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,15 +23,31 @@ from gpt2lab.weights.targets import check_exportable
 # What an export writes; the marker file tells a directory gpt2lab exported (safe to replace) apart
 # from anything else, such as a run directory or a model fine-tuned in place.
 EXPORT_MARKER = rundir.EXPORT_MARKER  # the directory's owner mark (system.rundir)
-EXPORT_FILES = ("model.safetensors", "config.json", "generation_config.json", "vocab.json", "merges.txt",
-                "tokenizer_config.json", "special_tokens_map.json", EXPORT_MARKER)
+EXPORT_FILES = (
+    "model.safetensors",
+    "config.json",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    EXPORT_MARKER,
+)
 # ... and of a model with its own tokenizer (data/tokenizer.py): its tokenizer.json in place of GPT-2's files
-TRAINED_EXPORT_FILES = ("model.safetensors", "config.json", "generation_config.json", TOKENIZER_FILE,
-                        "tokenizer_config.json", "special_tokens_map.json", EXPORT_MARKER)
+TRAINED_EXPORT_FILES = (
+    "model.safetensors",
+    "config.json",
+    "generation_config.json",
+    TOKENIZER_FILE,
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    EXPORT_MARKER,
+)
 
 
-def write_tokenizer(out: str, block_size: int, chat_template: Optional[str] = None,
-                    tokenizer: Optional[TrainedBPE] = None) -> list[str]:
+def write_tokenizer(
+    out: str, block_size: int, chat_template: Optional[str] = None, tokenizer: Optional[TrainedBPE] = None
+) -> list[str]:
     """A model's tokenizer files in HF layout; returns their names. GPT-2's: its vocab.json is OpenAI's
     encoder.json, merges.txt its vocab.bpe. A trained ``tokenizer``: its tokenizer.json as it is (the
     file whose sha256 names it) with tokenizer_config.json naming PreTrainedTokenizerFast.
@@ -43,14 +60,26 @@ def write_tokenizer(out: str, block_size: int, chat_template: Optional[str] = No
     shutil.copyfile(asset_path("encoder.json"), os.path.join(out, "vocab.json"))
     shutil.copyfile(asset_path("vocab.bpe"), os.path.join(out, "merges.txt"))
     special = {"bos_token": EOT_TOKEN, "eos_token": EOT_TOKEN, "unk_token": EOT_TOKEN}
-    tok_config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": block_size,
-                  "add_prefix_space": False, **special}
+    tok_config = {
+        "tokenizer_class": "GPT2Tokenizer",
+        "model_max_length": block_size,
+        "add_prefix_space": False,
+        **special,
+    }
     if chat_template:
         special = {**special, "eos_token": chat.IM_END, "pad_token": EOT_TOKEN}
-        added = {str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False, "normalized": False,
-                          "single_word": False} for t, i in chat.SPECIAL_TOKENS.items()}
-        tok_config = {**tok_config, **special, "added_tokens_decoder": added,
-                      "chat_template": chat.CHAT_TEMPLATE}
+        added = {
+            str(i): {
+                "content": t,
+                "special": True,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "single_word": False,
+            }
+            for t, i in chat.SPECIAL_TOKENS.items()
+        }
+        tok_config = {**tok_config, **special, "added_tokens_decoder": added, "chat_template": chat.CHAT_TEMPLATE}
     write_json(os.path.join(out, "tokenizer_config.json"), tok_config)
     write_json(os.path.join(out, "special_tokens_map.json"), special)
     return ["vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json"]
@@ -59,12 +88,25 @@ def write_tokenizer(out: str, block_size: int, chat_template: Optional[str] = No
 def _write_trained(out: str, block_size: int, chat_template: Optional[str], tokenizer: TrainedBPE) -> list[str]:
     with open(os.path.join(out, TOKENIZER_FILE), "w", encoding="utf-8") as f:
         f.write(tokenizer.text)
-    special = {"bos_token": EOT_TOKEN, "eos_token": chat.IM_END if chat_template else EOT_TOKEN,
-               "pad_token": EOT_TOKEN}
-    added = {str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False, "normalized": False,
-                      "single_word": False} for t, i in chat.special_tokens(tokenizer).items()}
-    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": block_size, **special,
-                  "added_tokens_decoder": added, **({"chat_template": chat.CHAT_TEMPLATE} if chat_template else {})}
+    special = {"bos_token": EOT_TOKEN, "eos_token": chat.IM_END if chat_template else EOT_TOKEN, "pad_token": EOT_TOKEN}
+    added = {
+        str(i): {
+            "content": t,
+            "special": True,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "single_word": False,
+        }
+        for t, i in chat.special_tokens(tokenizer).items()
+    }
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": block_size,
+        **special,
+        "added_tokens_decoder": added,
+        **({"chat_template": chat.CHAT_TEMPLATE} if chat_template else {}),
+    }
     write_json(os.path.join(out, "tokenizer_config.json"), tok_config)
     write_json(os.path.join(out, "special_tokens_map.json"), special)
     return [TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json"]
@@ -96,14 +138,22 @@ def save_pretrained(model: GPT, out_dir: str) -> str:
         write_json(os.path.join(tmp, "config.json"), config)
         eot, end = gpt2.special_ids(model.config, tok)
         # generate stops where gpt2lab does: a chat model at <|im_end|> (its turn), else at <|endoftext|>
-        write_json(os.path.join(tmp, "generation_config.json"),
-                   {"bos_token_id": eot, "eos_token_id": end, **({"pad_token_id": eot} if model.config.chat_template
-                                                                 else {})})
+        write_json(
+            os.path.join(tmp, "generation_config.json"),
+            {"bos_token_id": eot, "eos_token_id": end, **({"pad_token_id": eot} if model.config.chat_template else {})},
+        )
         trained = tok if model.config.tokenizer else None
         names = write_tokenizer(tmp, model.config.block_size, model.config.chat_template, trained)
         files = ["model.safetensors", "config.json", "generation_config.json", *names, EXPORT_MARKER]
-        write_json(os.path.join(tmp, EXPORT_MARKER), {"format": rundir.EXPORT_FORMAT, "version": 1, "files": files,
-                                                       **({"tokenizer": trained.identity} if trained else {})})
+        write_json(
+            os.path.join(tmp, EXPORT_MARKER),
+            {
+                "format": rundir.EXPORT_FORMAT,
+                "version": 1,
+                "files": files,
+                **({"tokenizer": trained.identity} if trained else {}),
+            },
+        )
     return target
 
 
@@ -116,6 +166,8 @@ def _check_export_target(out_dir: str) -> bool:
         return found.kind == "empty"
     if found.kind == rundir.EXPORT and set(found.entries) <= {*EXPORT_FILES, *TRAINED_EXPORT_FILES}:
         return True  # an earlier export: it holds nothing an export does not write again
-    raise UsageError(f"{out_dir} is not empty ({len(found.entries)} entries: {found.shown()}) and is not an earlier "
-                     f"gpt2lab export: it holds {rundir.what(found)}; nothing was written. Choose a new or "
-                     "empty OUT_DIR")
+    raise UsageError(
+        f"{out_dir} is not empty ({len(found.entries)} entries: {found.shown()}) and is not an earlier "
+        f"gpt2lab export: it holds {rundir.what(found)}; nothing was written. Choose a new or "
+        "empty OUT_DIR"
+    )

@@ -6,6 +6,7 @@ So converting is: strip/add the ``transformer.`` prefix, transpose four weights,
 HF's causal-mask buffers, and let the tied lm_head follow wte. Pure mapping: no I/O.
 (NanoChat's mapping is weights/nanochat.py.)
 """
+
 from __future__ import annotations
 
 from dataclasses import replace

@@ -5,6 +5,7 @@ One reading of a source for all who take one: every command's ``--model``, expor
 train's ``--init-from`` (``source_kind``) and the Python API's ``gpt2lab.from_pretrained`` and
 ``gpt2lab.get_tokenizer`` (``load_model`` and ``source_tokenizer`` themselves).
 """
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,15 @@ from typing import Optional
 import torch
 
 from gpt2lab.checkpoint import store
-from gpt2lab.data.tokenizer import (TOKENIZER_FILE, Tokenizer, TokenizerError, for_config, for_data, gpt2_tokenizer,
-                                    load_tokenizer)
+from gpt2lab.data.tokenizer import (
+    TOKENIZER_FILE,
+    Tokenizer,
+    TokenizerError,
+    for_config,
+    for_data,
+    gpt2_tokenizer,
+    load_tokenizer,
+)
 from gpt2lab.model.config import HUB_NAMES, config_value, model_from_config
 from gpt2lab.model.gpt import GPT
 from gpt2lab.system import rundir
@@ -57,13 +65,16 @@ def source_kind(spec: str) -> str:
     if os.path.isdir(spec):
         return HF_DIR if is_hf_dir(spec) else CHECKPOINT
     if os.path.exists(spec):
-        raise WeightsError("is a file; pass its directory (an HF model directory, a run directory or a "
-                           "checkpoint directory)")
+        raise WeightsError(
+            "is a file; pass its directory (an HF model directory, a run directory or a checkpoint directory)"
+        )
     if spec in HUB_NAMES or spec.startswith("openai-community/"):
         return HUB
-    raise WeightsError(f"no such directory, and not a GPT-2 hub name ({', '.join(HUB_NAMES)}); pass an HF "
-                       "GPT-2 or NanoChat directory (config.json + model.safetensors), a run directory or a "
-                       "checkpoint directory")
+    raise WeightsError(
+        f"no such directory, and not a GPT-2 hub name ({', '.join(HUB_NAMES)}); pass an HF "
+        "GPT-2 or NanoChat directory (config.json + model.safetensors), a run directory or a "
+        "checkpoint directory"
+    )
 
 
 def load_model(spec: str, device: Optional[torch.device | str] = None, arg: Optional[str] = "--model") -> GPT:
@@ -90,7 +101,7 @@ def load_model(spec: str, device: Optional[torch.device | str] = None, arg: Opti
 def _unnamed(message: str, spec: str) -> str:
     """``message`` without a leading ``spec: `` (a lower layer that named the source itself), so the
     source is named once, as the caller names it."""
-    return message[len(spec) + 2:] if message.startswith(f"{spec}: ") else message
+    return message[len(spec) + 2 :] if message.startswith(f"{spec}: ") else message
 
 
 def from_pretrained(source: str, device: Optional[torch.device | str] = None) -> GPT:

@@ -16,6 +16,7 @@ Loading gives gains of one. What gpt2lab does not compute (GQA, another MLP widt
 biases, another RoPE type) is refused by field. Pure mapping: no I/O; errors are ValueErrors that
 weights/read.py turns into one line naming the file.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,10 +37,20 @@ NEEDS = {
     "unet_skips": (False, "no skips between blocks"),
 }
 # transformers' NanoChatConfig defaults: its save_pretrained leaves out every value equal to one.
-DEFAULTS = {"vocab_size": 50304, "hidden_size": 768, "intermediate_size": 8192, "num_hidden_layers": 12,
-            "num_attention_heads": 6, "max_position_embeddings": 2048, "hidden_act": "relu2",
-            "attention_dropout": 0.0, "rms_norm_eps": 1e-6, "final_logit_softcapping": 15.0,
-            "attention_bias": False, "tie_word_embeddings": False}
+DEFAULTS = {
+    "vocab_size": 50304,
+    "hidden_size": 768,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 6,
+    "max_position_embeddings": 2048,
+    "hidden_act": "relu2",
+    "attention_dropout": 0.0,
+    "rms_norm_eps": 1e-6,
+    "final_logit_softcapping": 15.0,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+}
 ACTS = {"relu2": "relu2", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu"}  # hidden_act -> mlp_act
 LAYER = "model.layers.{}."
 
@@ -52,6 +63,7 @@ def flip_halves(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- export
+
 
 def config_to_nanochat(config: GPTConfig, dtype: torch.dtype, tok: Tokenizer) -> dict:
     """The config.json transformers' NanoChatForCausalLM reads (``tok``: the model's tokenizer, for its
@@ -105,32 +117,52 @@ def to_nanochat_state_dict(model: GPT) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------- loading
 
+
 def config_from_nanochat(cfg: dict) -> GPTConfig:
     """GPTConfig for a NanoChat config.json; a ValueError naming the first field gpt2lab cannot compute."""
     get = lambda name: cfg.get(name, DEFAULTS.get(name))  # noqa: E731
     C, heads = get("hidden_size"), get("num_attention_heads")
     rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0)}
     checks = (
-        ("num_key_value_heads", cfg.get("num_key_value_heads") in (None, heads),
-         f"gpt2lab has one key/value head per query head ({heads}), not grouped-query attention"),
+        (
+            "num_key_value_heads",
+            cfg.get("num_key_value_heads") in (None, heads),
+            f"gpt2lab has one key/value head per query head ({heads}), not grouped-query attention",
+        ),
         ("intermediate_size", get("intermediate_size") == 4 * C, f"gpt2lab's MLP is 4 x hidden_size = {4 * C} wide"),
         ("attention_bias", get("attention_bias") is False, "gpt2lab's NanoChat block has no attention biases"),
         ("hidden_act", get("hidden_act") in ACTS, f"gpt2lab has {', '.join(ACTS)}"),
         ("rope_parameters", rope.get("rope_type", "default") == "default", "gpt2lab has the default RoPE only"),
         ("rope_scaling", cfg.get("rope_scaling") is None, "gpt2lab has the default RoPE only"),
-        ("head_dim", cfg.get("head_dim") in (None, C // heads), f"gpt2lab's head size is hidden_size / heads = "
-                                                               f"{C // heads}"),
+        (
+            "head_dim",
+            cfg.get("head_dim") in (None, C // heads),
+            f"gpt2lab's head size is hidden_size / heads = {C // heads}",
+        ),
     )
     for name, ok, why in checks:
         if not ok:
             value = rope if name == "rope_parameters" else cfg.get(name, DEFAULTS.get(name))
             raise ValueError(f"{name}={value!r} is not supported by gpt2lab ({why})")
     return GPTConfig(
-        n_layer=get("num_hidden_layers"), n_head=heads, n_embd=C, block_size=get("max_position_embeddings"),
-        vocab_size=get("vocab_size"), layer_norm_epsilon=get("rms_norm_eps"), attn_pdrop=get("attention_dropout"),
-        embd_pdrop=0.0, resid_pdrop=0.0, pos_emb="rotary", rope_theta=float(rope.get("rope_theta", 10000.0)),
-        norm="rmsnorm", qk_norm=True, mlp_act=ACTS[get("hidden_act")], bias=False, embed_norm=True,
-        tie_embeddings=bool(get("tie_word_embeddings")), logit_softcap=float(get("final_logit_softcapping") or 0.0),
+        n_layer=get("num_hidden_layers"),
+        n_head=heads,
+        n_embd=C,
+        block_size=get("max_position_embeddings"),
+        vocab_size=get("vocab_size"),
+        layer_norm_epsilon=get("rms_norm_eps"),
+        attn_pdrop=get("attention_dropout"),
+        embd_pdrop=0.0,
+        resid_pdrop=0.0,
+        pos_emb="rotary",
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        norm="rmsnorm",
+        qk_norm=True,
+        mlp_act=ACTS[get("hidden_act")],
+        bias=False,
+        embed_norm=True,
+        tie_embeddings=bool(get("tie_word_embeddings")),
+        logit_softcap=float(get("final_logit_softcapping") or 0.0),
     )
 
 

@@ -6,6 +6,7 @@ by transformers) or none (GPT-2's BPE). The hub is reached only for GPT-2's name
 not at all under HF_HUB_OFFLINE. huggingface_hub and safetensors are imported inside the functions that
 need them, so ``import gpt2lab`` stays cheap.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,8 +17,16 @@ from typing import Optional
 import torch
 
 from gpt2lab.data import chat
-from gpt2lab.data.tokenizer import (CHAT_VOCAB_SIZE, EOT_TOKEN, GPT2_VOCAB_SIZE, TOKENIZER_FILE, Tokenizer,
-                                    TokenizerError, TrainedBPE, load_tokenizer)
+from gpt2lab.data.tokenizer import (
+    CHAT_VOCAB_SIZE,
+    EOT_TOKEN,
+    GPT2_VOCAB_SIZE,
+    TOKENIZER_FILE,
+    Tokenizer,
+    TokenizerError,
+    TrainedBPE,
+    load_tokenizer,
+)
 from gpt2lab.model.config import HUB_NAMES
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.system import rundir
@@ -47,8 +56,9 @@ def config_from_hf(cfg: dict, where: str = "config.json") -> GPTConfig:
         raise WeightsError(f"{where}: {e}") from e
 
 
-def model_from_state_dict(config: GPTConfig, sd: dict[str, torch.Tensor], where: str,
-                          tokenizer: Optional[Tokenizer] = None) -> GPT:
+def model_from_state_dict(
+    config: GPTConfig, sd: dict[str, torch.Tensor], where: str, tokenizer: Optional[Tokenizer] = None
+) -> GPT:
     """A GPT holding exactly the tensors of ``sd`` (gpt2lab names), without a random init first, with
     ``tokenizer`` (its own, where it has one)."""
     with torch.device("meta"):
@@ -57,7 +67,9 @@ def model_from_state_dict(config: GPTConfig, sd: dict[str, torch.Tensor], where:
     expected = {k for k in model.state_dict() if k != "lm_head.weight" or not tied}
     missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
     if missing or unexpected:
-        raise WeightsError(f"{where}: weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise WeightsError(
+            f"{where}: weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     for key, t in model.state_dict().items():
         if key in sd and sd[key].shape != t.shape:
             raise WeightsError(f"{where}: {key} has shape {tuple(sd[key].shape)}, config needs {tuple(t.shape)}")
@@ -93,16 +105,19 @@ def load_files(config_path: str, weights_path: str) -> GPT:
         with open(config_path) as f:
             cfg = json.load(f)
     except (OSError, ValueError) as e:
-        raise WeightsError(f"{config_path}: not a readable JSON config ({e}); restore the file (download or "
-                           "export the model again)") from e
+        raise WeightsError(
+            f"{config_path}: not a readable JSON config ({e}); restore the file (download or export the model again)"
+        ) from e
     if not isinstance(cfg, dict):
         raise WeightsError(f"{config_path}: holds {type(cfg).__name__}, not a JSON object; restore the file")
     try:
         sd = _read_weights(weights_path)
     except Exception as e:  # safetensors' SafetensorError shares no base with OSError/ValueError
         why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise WeightsError(f"{weights_path}: cannot be read ({why}); the file is damaged or cut short: "
-                           "download or export the model again") from e
+        raise WeightsError(
+            f"{weights_path}: cannot be read ({why}); the file is damaged or cut short: "
+            "download or export the model again"
+        ) from e
     config, tok = dir_config(cfg, config_path)
     if cfg.get("model_type") == nanochat.MODEL_TYPE:
         return model_from_state_dict(config, nanochat.from_nanochat_state_dict(sd, config), weights_path, tok)

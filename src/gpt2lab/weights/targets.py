@@ -3,6 +3,7 @@ GPT-2 with zero biases), NanoChatForCausalLM for one NanoChat computes, else why
 and what the nearer one would need). The run plan shows it; ``gpt2lab export`` refuses in one line.
 A pure function of a GPTConfig.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ def gaps(config: GPTConfig, needs: dict) -> list[str]:
 class ExportTarget:
     """What ``gpt2lab export`` writes for a model: ``name`` (GPT2LMHeadModel, NanoChatForCausalLM) or
     None, and then ``why``: each field that keeps it from both, and what the nearer one would need."""
+
     name: Optional[str]
     why: str = ""
 
@@ -40,7 +42,9 @@ def export_target(config: GPTConfig) -> ExportTarget:
         return ExportTarget(gpt2.ARCHITECTURE if not g else nanochat.ARCHITECTURE)
     neither = [x for x in g if x in n]
     parts = [f"{x} (GPT-2 and NanoChat: {gpt2.NEEDS[x.split('=')[0]][1]})" for x in neither]
-    name, needs, missing = (gpt2.ARCHITECTURE, gpt2.NEEDS, g) if len(g) < len(n) else (nanochat.ARCHITECTURE, nanochat.NEEDS, n)
+    name, needs, missing = (
+        (gpt2.ARCHITECTURE, gpt2.NEEDS, g) if len(g) < len(n) else (nanochat.ARCHITECTURE, nanochat.NEEDS, n)
+    )
     rest = [x.split("=")[0] for x in missing if x not in neither]
     if rest:
         wants = ", ".join(f"{k}={_show(needs[k][0])} ({needs[k][1]})" for k in rest)
@@ -52,7 +56,9 @@ def check_exportable(config: GPTConfig) -> ExportTarget:
     """The export target; one line (a UsageError, exit 2) when neither GPT-2 nor NanoChat computes this model."""
     target = export_target(config)
     if target.name is None:
-        raise UsageError(f"export writes Hugging Face GPT-2 or NanoChat, and neither computes this model: "
-                         f"{target.why}; nothing was written. sample, serve and eval run it natively; to export, "
-                         "train without those fields")
+        raise UsageError(
+            f"export writes Hugging Face GPT-2 or NanoChat, and neither computes this model: "
+            f"{target.why}; nothing was written. sample, serve and eval run it natively; to export, "
+            "train without those fields"
+        )
     return target

@@ -1,13 +1,13 @@
 """Poor loading cases: a truncated model.safetensors or an invalid config.json in an HF
 directory is one line naming the file in every command that takes a model; a resume with another
 --lora-rank names the flag; the "another model shape" message lists only the fields that differ."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import damaged_copy, tiny_gpt
+
 from gpt2lab import cli
 from gpt2lab.checkpoint import store
 from gpt2lab.system.errors import CheckpointError
@@ -19,15 +19,27 @@ def command(name: str, model: str, tmp_path, data: str) -> list[str]:
         "export": ["export", model, str(tmp_path / "exported")],
         "eval": ["eval", "loss", "--model", model, "--data", data, "--device", "cpu"],
         "serve": ["serve", "--model", model, "--device", "cpu", "--port", "0"],
-        "train": ["train", "--preset", "shakespeare-cpu", "--init-from", model, "--data", data, "--device", "cpu",
-                  "--out", str(tmp_path / "run"), "--max-steps", "1"],
+        "train": [
+            "train",
+            "--preset",
+            "shakespeare-cpu",
+            "--init-from",
+            model,
+            "--data",
+            data,
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path / "run"),
+            "--max-steps",
+            "1",
+        ],
     }[name]
 
 
 @pytest.mark.parametrize("what", ["weights", "config"])
 @pytest.mark.parametrize("name", ["sample", "export", "eval", "serve", "train"])
-def test_a_damaged_hf_directory_is_one_line_naming_the_file(gpt2_vocab_export, tiny_data, tmp_path, capsys,
-                                                            name, what):
+def test_a_damaged_hf_directory_is_one_line_naming_the_file(gpt2_vocab_export, tiny_data, tmp_path, capsys, name, what):
     _, d = gpt2_vocab_export
     bad = damaged_copy(d, str(tmp_path / "model"), what)
     code = cli.main(command(name, str(tmp_path / "model"), tmp_path, tiny_data))  # no SystemExit: cli.main's line
@@ -56,8 +68,10 @@ def test_another_model_shape_names_only_the_fields_that_differ(tmp_path):
     assert "n_head" not in msg and "n_embd" not in msg and "vocab_size" not in msg, msg
 
 
-@pytest.mark.parametrize("argv, named", [(["export", "{src}", "{out}"], "SRC"),
-                                         (["sample", "--model", "{src}", "--device", "cpu"], "--model")])
+@pytest.mark.parametrize(
+    "argv, named",
+    [(["export", "{src}", "{out}"], "SRC"), (["sample", "--model", "{src}", "--device", "cpu"], "--model")],
+)
 def test_a_missing_model_is_named_as_the_argument_that_gave_it(tmp_path, capsys, argv, named):
     src, out = str(tmp_path / "nowhere"), str(tmp_path / "out")
     assert cli.main([a.format(src=src, out=out) for a in argv]) == 1  # a model file that cannot be used

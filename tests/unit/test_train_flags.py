@@ -1,6 +1,7 @@
 """Poor train/config/eval cases: TOML values of the wrong type, a user's own --config
 file, sample/eval flag values (exit 2), eval loss --tokens past the split, a resume with another
 --lora-rank, a split smaller than one micro-batch, and a full disk under metrics.jsonl."""
+
 from __future__ import annotations
 
 import errno
@@ -10,15 +11,18 @@ import shutil
 from collections import namedtuple
 
 import pytest
+from conftest import cli_args
 
 from gpt2lab import cli
-from train_utils import cli_args
 
 
 def one_line(err: str) -> str:
     assert "Traceback" not in err, err
-    lines = [line for line in err.strip().splitlines()
-             if line.startswith("gpt2lab") and ": dtype " not in line and ": measuring " not in line]
+    lines = [
+        line
+        for line in err.strip().splitlines()
+        if line.startswith("gpt2lab") and ": dtype " not in line and ": measuring " not in line
+    ]
     assert len(lines) == 1, err  # the error (the probe's notice and the dtype choice are info lines before it)
     return lines[0]
 
@@ -28,11 +32,16 @@ def train_argv(data: str, out, *extra: str, **fields) -> list[str]:
 
 
 # -- config files ---------------------------------------------------------------------------
-@pytest.mark.parametrize("line,key,kind", [('max_steps = "ten"', "max_steps", "a whole number"),
-                                           ("max_steps = 2.5", "max_steps", "a whole number"),
-                                           ("max_lr = true", "max_lr", "a number"),
-                                           ('n_layer = "two"', "n_layer", "a whole number"),
-                                           ("compile = 3", "compile", "text")])
+@pytest.mark.parametrize(
+    "line,key,kind",
+    [
+        ('max_steps = "ten"', "max_steps", "a whole number"),
+        ("max_steps = 2.5", "max_steps", "a whole number"),
+        ("max_lr = true", "max_lr", "a number"),
+        ('n_layer = "two"', "n_layer", "a whole number"),
+        ("compile = 3", "compile", "text"),
+    ],
+)
 def test_a_wrong_type_in_a_config_file_is_one_line_naming_the_key(tmp_path, capsys, line, key, kind):
     path = tmp_path / "mine.toml"
     path.write_text(f'base = "shakespeare-cpu"\n{line}\n')
@@ -44,11 +53,13 @@ def test_a_wrong_type_in_a_config_file_is_one_line_naming_the_key(tmp_path, caps
 
 def test_a_users_config_file_trains_with_its_values_and_flags_override_it(tiny_data, tmp_path, capsys):
     path = tmp_path / "mine.toml"
-    path.write_text('base = "shakespeare-cpu"  # a packaged preset to start from\n'
-                    "n_layer = 1\nn_head = 2\nn_embd = 32\nblock_size = 32\nseq_len = 32\nmicro_batch_size = 2\n"
-                    "total_batch_tokens = 64\nmax_steps = 3\nwarmup_steps = 1\n"
-                    "eval_interval = 0\nsample_interval = 0\nckpt_interval = 0\nprogress = false\n"
-                    "keep_cpu_memory = false\n[model]\ntie_embeddings = false\n")
+    path.write_text(
+        'base = "shakespeare-cpu"  # a packaged preset to start from\n'
+        "n_layer = 1\nn_head = 2\nn_embd = 32\nblock_size = 32\nseq_len = 32\nmicro_batch_size = 2\n"
+        "total_batch_tokens = 64\nmax_steps = 3\nwarmup_steps = 1\n"
+        "eval_interval = 0\nsample_interval = 0\nckpt_interval = 0\nprogress = false\n"
+        "keep_cpu_memory = false\n[model]\ntie_embeddings = false\n"
+    )
     out = tmp_path / "run"
     assert cli.main(["train", "--config", str(path), "--data", tiny_data, "--out", str(out), "--max-steps", "2"]) == 0
     saved = json.loads((out / "config.json").read_text())
@@ -81,14 +92,17 @@ def test_config_file_problems_are_one_line(tmp_path, capsys):
 
 
 # -- sample and eval flags --------------------------------------------------------------------
-@pytest.mark.parametrize("argv,flag", [
-    (["sample", "--num-samples", "0"], "--num-samples 0"),
-    (["sample", "--top-p", "1.5"], "--top-p 1.5"),
-    (["sample", "--temperature", "-1"], "--temperature -1"),
-    (["eval", "loss", "--tokens", "0", "--data", "x"], "--tokens 0"),
-    (["eval", "loss", "--batch-size", "-2", "--data", "x"], "--batch-size -2"),
-    (["eval", "hellaswag", "--limit", "0"], "--limit 0"),
-])
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["sample", "--num-samples", "0"], "--num-samples 0"),
+        (["sample", "--top-p", "1.5"], "--top-p 1.5"),
+        (["sample", "--temperature", "-1"], "--temperature -1"),
+        (["eval", "loss", "--tokens", "0", "--data", "x"], "--tokens 0"),
+        (["eval", "loss", "--batch-size", "-2", "--data", "x"], "--batch-size -2"),
+        (["eval", "hellaswag", "--limit", "0"], "--limit 0"),
+    ],
+)
 def test_bad_sample_and_eval_flags_exit_2_naming_the_flag(gpt2_vocab_export, capsys, argv, flag):
     _, d = gpt2_vocab_export
     assert cli.main([*argv, "--model", d, "--device", "cpu"]) == 2
@@ -97,8 +111,24 @@ def test_bad_sample_and_eval_flags_exit_2_naming_the_flag(gpt2_vocab_export, cap
 
 def test_eval_loss_tokens_past_the_split_names_the_tokens_flag(gpt2_vocab_export, tiny_data, capsys):
     _, d = gpt2_vocab_export
-    argv = ["eval", "loss", "--model", d, "--data", tiny_data, "--device", "cpu", "--dtype", "float32", "--seq-len", "32",
-            "--batch-size", "4", "--tokens", str(10 ** 7)]
+    argv = [
+        "eval",
+        "loss",
+        "--model",
+        d,
+        "--data",
+        tiny_data,
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "4",
+        "--tokens",
+        str(10**7),
+    ]
     assert cli.main(argv) == 2
     msg = one_line(capsys.readouterr().err)
     assert "--tokens" in msg and "--eval-tokens" not in msg and "split 'val' has" in msg, msg
@@ -137,33 +167,48 @@ def test_a_train_split_smaller_than_one_micro_batch_warns_in_one_line(small_val,
     manifest = json.loads(open(os.path.join(small_val, "manifest.json")).read())
     for shard in manifest["shards"]:
         src = os.path.join(small_val, shard["name"])
-        name = shard["name"].replace("val_", "train_") if shard["split"] == "val" else shard["name"].replace(
-            "train_", "val_")
+        name = (
+            shard["name"].replace("val_", "train_")
+            if shard["split"] == "val"
+            else shard["name"].replace("train_", "val_")
+        )
         shutil.copy(src, data / name)
         shard["name"], shard["split"] = name, {"val": "train", "train": "val"}[shard["split"]]
     (data / "manifest.json").write_text(json.dumps(manifest))
     argv = train_argv(str(data), tmp_path / "run", max_steps=1, micro_batch_size=4, total_batch_tokens=128)
     assert cli.main(argv) == 0
     warned = [x for x in capsys.readouterr().err.splitlines() if "warning" in x]
-    assert warned == [f"gpt2lab train: warning: the train split of {data} holds 3 sequences of seq_len 32, fewer "
-                      "than one micro-batch of 4; every batch repeats sequences (lower --micro-batch-size or "
-                      "prepare more data)"]
+    assert warned == [
+        f"gpt2lab train: warning: the train split of {data} holds 3 sequences of seq_len 32, fewer "
+        "than one micro-batch of 4; every batch repeats sequences (lower --micro-batch-size or "
+        "prepare more data)"
+    ]
 
 
 def test_a_val_split_smaller_than_one_micro_batch_is_refused_before_training(small_val, tmp_path, capsys):
-    argv = train_argv(small_val, tmp_path / "run", max_steps=2, micro_batch_size=4, total_batch_tokens=128,
-                      eval_interval=1, eval_tokens=128)
+    argv = train_argv(
+        small_val,
+        tmp_path / "run",
+        max_steps=2,
+        micro_batch_size=4,
+        total_batch_tokens=128,
+        eval_interval=1,
+        eval_tokens=128,
+    )
     assert cli.main(argv) == 2
     msg = one_line(capsys.readouterr().err)
-    assert msg == (f"gpt2lab train: the val split of {small_val} holds 3 sequences of seq_len 32, fewer than one "
-                   "micro-batch of 4, so it cannot give a validation loss; lower --micro-batch-size to 3, "
-                   "prepare a larger val split (gpt2lab prepare --val-tokens), or set --eval-interval 0")
+    assert msg == (
+        f"gpt2lab train: the val split of {small_val} holds 3 sequences of seq_len 32, fewer than one "
+        "micro-batch of 4, so it cannot give a validation loss; lower --micro-batch-size to 3, "
+        "prepare a larger val split (gpt2lab prepare --val-tokens), or set --eval-interval 0"
+    )
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 # -- a full disk under metrics.jsonl --------------------------------------------------------------
-def test_disk_full_in_metrics_jsonl_names_it_and_its_own_filesystems_free_space(tiny_data, tmp_path, capsys,
-                                                                                monkeypatch):
+def test_disk_full_in_metrics_jsonl_names_it_and_its_own_filesystems_free_space(
+    tiny_data, tmp_path, capsys, monkeypatch
+):
     from gpt2lab.observe import metrics
 
     out = tmp_path / "run"
@@ -200,9 +245,12 @@ def test_disk_full_in_metrics_jsonl_names_it_and_its_own_filesystems_free_space(
     real_usage = shutil.disk_usage
     monkeypatch.setattr(metrics, "open", fake_open, raising=False)
     # the run's filesystem has 3 MiB free, the current directory's another amount
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(1, 1, 3 * 2**20) if str(p).startswith(str(tmp_path))
-                        else real_usage(p))
+    monkeypatch.setattr(
+        shutil, "disk_usage", lambda p: Usage(1, 1, 3 * 2**20) if str(p).startswith(str(tmp_path)) else real_usage(p)
+    )
     assert cli.main(train_argv(tiny_data, out, max_steps=3)) == 4
     msg = one_line(capsys.readouterr().err)
-    assert msg == (f"gpt2lab train: disk full while writing {out / 'metrics.jsonl'} (3 MiB free); nothing "
-                   "half-written was kept; free some space, then continue with --resume auto"), msg
+    assert msg == (
+        f"gpt2lab train: disk full while writing {out / 'metrics.jsonl'} (3 MiB free); nothing "
+        "half-written was kept; free some space, then continue with --resume auto"
+    ), msg

@@ -3,6 +3,7 @@ what is missing with the flag that supplies it; HellaSwag without data fails at 
 attempt at most; a start that fails before its first step removes exactly what it wrote; a small
 text prepares into data the small presets train and evaluate on (its val split: test_data_val_split.py);
 a resume that would change what the run trains is refused naming the fields."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,7 @@ import urllib.error
 from pathlib import Path
 
 import pytest
-from conftest import DATA
-from train_utils import cli_args, records
+from conftest import DATA, cli_args, records
 
 from gpt2lab import cli
 from gpt2lab.distributed import memplan
@@ -53,31 +53,42 @@ def no_network(tmp_path, monkeypatch):
 
 
 # -- 1. --dry-run: every check, in seconds, no network ---------------------------------------------
-def test_a_dry_run_of_the_reference_preset_names_the_missing_data_and_never_downloads(no_network, tmp_path,
-                                                                                       capsys, monkeypatch):
+def test_a_dry_run_of_the_reference_preset_names_the_missing_data_and_never_downloads(
+    no_network, tmp_path, capsys, monkeypatch
+):
     (tmp_path / "fresh").mkdir()
     monkeypatch.chdir(tmp_path / "fresh")  # a fresh clone: no data/, no runs/
     assert cli.main(["train", "--preset", "gpt2-124m", "--dry-run"]) == 2
     assert one_line(capsys.readouterr().err) == (
         "gpt2lab train: --data data/fineweb-edu-10b: no such directory; make it with `gpt2lab prepare --source SRC "
-        "--out data/fineweb-edu-10b` or pass --data DIR (a directory of token shards)")
+        "--out data/fineweb-edu-10b` or pass --data DIR (a directory of token shards)"
+    )
     assert no_network == [] and os.listdir(tmp_path / "fresh") == []  # no download tried, nothing written
 
 
-def test_a_dry_run_notes_hellaswag_to_download_and_offline_refuses_it(no_network, tiny_data, tmp_path, capsys,
-                                                                       monkeypatch):
-    argv = ["train", "--preset", "shakespeare-cpu", *cli_args(data=tiny_data, out=str(tmp_path / "run"),
-                                                              hellaswag_interval=5), "--dry-run"]
+def test_a_dry_run_notes_hellaswag_to_download_and_offline_refuses_it(
+    no_network, tiny_data, tmp_path, capsys, monkeypatch
+):
+    argv = [
+        "train",
+        "--preset",
+        "shakespeare-cpu",
+        *cli_args(data=tiny_data, out=str(tmp_path / "run"), hellaswag_interval=5),
+        "--dry-run",
+    ]
     assert cli.main(argv) == 0
     out, err = capsys.readouterr()
     assert "the plan (nothing trained, nothing written)" in out
-    assert one_line(err).startswith("gpt2lab train: note: HellaSwag's official validation set is not in the cache "
-                                    "yet; a real start downloads it into ")
+    assert one_line(err).startswith(
+        "gpt2lab train: note: HellaSwag's official validation set is not in the cache "
+        "yet; a real start downloads it into "
+    )
     assert no_network == [] and not (tmp_path / "run").exists()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # where a real start could not download it either
     assert cli.main(argv) == 2
-    assert "and HF_HUB_OFFLINE is set; pass --hellaswag-data FILE or set --hellaswag-interval 0" in \
-        one_line(capsys.readouterr().err)
+    assert "and HF_HUB_OFFLINE is set; pass --hellaswag-data FILE or set --hellaswag-interval 0" in one_line(
+        capsys.readouterr().err
+    )
     assert no_network == []
 
 
@@ -87,8 +98,12 @@ def test_a_real_start_tries_hellaswag_once_and_names_the_train_flag(no_network, 
     argv = ["train", "--preset", "shakespeare-cpu", *cli_args(data=tiny_data, out=str(out), hellaswag_interval=5)]
     assert cli.main(argv) == 2
     line = one_line(capsys.readouterr().err)
-    assert line.startswith("gpt2lab train: --hellaswag-interval 5: the official HellaSwag validation set is not in "
-                           "the cache") and "Network is unreachable" in line, line
+    assert (
+        line.startswith(
+            "gpt2lab train: --hellaswag-interval 5: the official HellaSwag validation set is not in the cache"
+        )
+        and "Network is unreachable" in line
+    ), line
     assert "pass --hellaswag-data FILE" in line and "--data FILE" not in line.replace("--hellaswag-data FILE", "")
     assert [t[0] for t in no_network] == ["url"] and no_network[0][2] == hs.DOWNLOAD_TIMEOUT_S  # one try, no hub
     assert os.listdir(tmp_path / "fresh") == []  # the run directory and its parent are gone again
@@ -132,13 +147,19 @@ def short_val(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("dry", [True, False])
 def test_data_too_small_is_exit_2_naming_the_flags_in_a_dry_run_too(short_val, tmp_path, capsys, dry):
-    argv = ["train", "--preset", "shakespeare-cpu", *cli_args(data=short_val, out=str(tmp_path / "run"),
-                                                              eval_interval=5), *(["--dry-run"] if dry else [])]
+    argv = [
+        "train",
+        "--preset",
+        "shakespeare-cpu",
+        *cli_args(data=short_val, out=str(tmp_path / "run"), eval_interval=5),
+        *(["--dry-run"] if dry else []),
+    ]
     assert cli.main(argv) == 2
     assert one_line(capsys.readouterr().err) == (
         f"gpt2lab train: the val split of {short_val} holds 20 tokens, too few for one sequence of --seq-len 32 (and "
         "the token after it); prepare a larger val split (gpt2lab prepare --val-tokens) or set --eval-interval 0, or "
-        "lower --seq-len")
+        "lower --seq-len"
+    )
     assert not (tmp_path / "run").exists()
 
 
@@ -146,12 +167,23 @@ def test_a_dry_run_refuses_a_val_split_smaller_than_a_micro_batch_as_a_start_doe
     from gpt2lab.data import TokenLoader
 
     val = TokenLoader(tiny_data, "val", 1, 32).sequences_per_epoch
-    argv = ["train", "--preset", "shakespeare-cpu", *cli_args(data=tiny_data, out=str(tmp_path / "run"),
-                                                              eval_interval=5, micro_batch_size=val + 1,
-                                                              total_batch_tokens=32 * (val + 1)), "--dry-run"]
+    argv = [
+        "train",
+        "--preset",
+        "shakespeare-cpu",
+        *cli_args(
+            data=tiny_data,
+            out=str(tmp_path / "run"),
+            eval_interval=5,
+            micro_batch_size=val + 1,
+            total_batch_tokens=32 * (val + 1),
+        ),
+        "--dry-run",
+    ]
     assert cli.main(argv) == 2
-    assert f"holds {val} sequences of seq_len 32, fewer than one micro-batch of {val + 1}" in \
-        one_line(capsys.readouterr().err)
+    assert f"holds {val} sequences of seq_len 32, fewer than one micro-batch of {val + 1}" in one_line(
+        capsys.readouterr().err
+    )
 
 
 def test_a_run_predicted_past_this_machines_memory_is_refused_naming_a_micro_batch_that_fits(tmp_path):
@@ -159,15 +191,24 @@ def test_a_run_predicted_past_this_machines_memory_is_refused_naming_a_micro_bat
     cpu = runtime.Facts("cpu", "some x86", ("avx2",))
 
     def need(B: int) -> int:  # memplan's prediction, as the plan makes it (fp32, eager, one process)
-        return memplan.predict(cfg.model, micro_batch=B, seq_len=1024, dtype="float32", device="cpu",
-                               compiled=False, accum=524288 // (B * 1024)).total
+        return memplan.predict(
+            cfg.model,
+            micro_batch=B,
+            seq_len=1024,
+            dtype="float32",
+            device="cpu",
+            compiled=False,
+            accum=524288 // (B * 1024),
+        ).total
 
     ram = (need(16) + need(32)) // 2  # 16 fits, 32 does not
     with pytest.raises(ConfigError) as e:
         check_memory(make_plan(cfg, MachineFacts(cpu, host_bytes=ram)))
-    assert str(e.value).startswith(f"--micro-batch-size 64: the run is predicted to need {need(64) / 2**30:.1f} GiB "
-                                   f"per process at its peak (forward), more than this machine's {ram / 2**30:.1f} GiB "
-                                   "of RAM; lower --micro-batch-size to 16")
+    assert str(e.value).startswith(
+        f"--micro-batch-size 64: the run is predicted to need {need(64) / 2**30:.1f} GiB "
+        f"per process at its peak (forward), more than this machine's {ram / 2**30:.1f} GiB "
+        "of RAM; lower --micro-batch-size to 16"
+    )
     plan = make_plan(cfg.with_values(micro_batch_size=16), MachineFacts(cpu, host_bytes=ram))  # what it named fits
     check_memory(plan)
     assert plan.memory["total"] == round(need(16) / 2**20, 1)
@@ -180,28 +221,37 @@ class Boom(GPT2LabError):
 
 
 @pytest.mark.parametrize("where", ["build", "first step", "out of memory"])
-def test_a_start_failing_before_its_first_step_removes_its_new_directory(tiny_data, tmp_path, capsys, monkeypatch,
-                                                                         where):
+def test_a_start_failing_before_its_first_step_removes_its_new_directory(
+    tiny_data, tmp_path, capsys, monkeypatch, where
+):
     import torch
 
     from gpt2lab.train import trainer
 
     def fail(*a):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB") if where == "out of memory" \
+        raise (
+            torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            if where == "out of memory"
             else Boom("no memory for it")
+        )
 
     if where == "build":  # before config.json
         monkeypatch.setattr(trainer, "build_model", fail)
     else:  # after config.json, run_info.json and metrics.jsonl are written
         monkeypatch.setattr(trainer.Trainer, "train_step", fail)
     out = tmp_path / "new" / "run"
-    argv = ["train", "--preset", "shakespeare-cpu", *cli_args(data=tiny_data, out=str(out), eval_interval=2,
-                                                              eval_tokens=128, tensorboard=True)]
+    argv = [
+        "train",
+        "--preset",
+        "shakespeare-cpu",
+        *cli_args(data=tiny_data, out=str(out), eval_interval=2, eval_tokens=128, tensorboard=True),
+    ]
     if where == "out of memory":
         assert cli.main(argv) == 2
         assert one_line(capsys.readouterr().err) == (
             "gpt2lab train: --micro-batch-size 2: out of memory at step 0 (CUDA out of memory. Tried to allocate "
-            "2.00 GiB); lower --micro-batch-size or set --activation-checkpointing true")
+            "2.00 GiB); lower --micro-batch-size or set --activation-checkpointing true"
+        )
     else:
         assert cli.main(argv) == 1
         assert "no memory" in capsys.readouterr().err
@@ -232,8 +282,14 @@ def test_a_resume_failing_before_its_first_step_changes_nothing_there(tiny_data,
     capsys.readouterr()
     before = {p: b for p, b in _tree(out).items() if not p.endswith(("run_info.json", "config.json", "run.lock"))}
     monkeypatch.setattr(trainer.Trainer, "train_step", lambda self: (_ for _ in ()).throw(Boom("no memory")))
-    argv = ["train", "--preset", "shakespeare-cpu", *cli_args(data=tiny_data, out=str(out), max_steps=4,
-                                                              tensorboard=True), "--resume", "auto"]
+    argv = [
+        "train",
+        "--preset",
+        "shakespeare-cpu",
+        *cli_args(data=tiny_data, out=str(out), max_steps=4, tensorboard=True),
+        "--resume",
+        "auto",
+    ]
     assert cli.main(argv) == 1
     capsys.readouterr()
     after = _tree(out)
@@ -264,18 +320,39 @@ def test_a_small_presets_run_on_it_trains_and_evaluates_what_val_holds(small_tex
     from gpt2lab.data import TokenLoader
 
     out = tmp_path / "run"
-    argv = ["train", "--preset", "shakespeare-cpu", "--data", small_text, "--out", str(out), "--max-steps", "1",
-            "--progress", "false", "--sample-interval", "0", "--dtype", "float32"]
+    argv = [
+        "train",
+        "--preset",
+        "shakespeare-cpu",
+        "--data",
+        small_text,
+        "--out",
+        str(out),
+        "--max-steps",
+        "1",
+        "--progress",
+        "false",
+        "--sample-interval",
+        "0",
+        "--dtype",
+        "float32",
+    ]
     assert cli.main([*argv, "--dry-run"]) == 0
     dry = capsys.readouterr().err
     assert cli.main(argv) == 0
     out_text, err = capsys.readouterr()
-    assert out_text.splitlines()[-4:] == [f"run dir: {out}", f"last checkpoint: {out}/checkpoints/step_000001",
-                                          f"plot: {out}/plot.png", f"report: gpt2lab report {out}"]
+    assert out_text.splitlines()[-4:] == [
+        f"run dir: {out}",
+        f"last checkpoint: {out}/checkpoints/step_000001",
+        f"plot: {out}/plot.png",
+        f"report: gpt2lab report {out}",
+    ]
     val = TokenLoader(small_text, "val", 6, 128).sequences_per_epoch
     whole = val // 6 * 6 * 128
-    note = (f"gpt2lab train: note: --eval-tokens 13,056 is more than the val split of {small_text} holds; each "
-            f"evaluation takes all it holds in whole micro-batches: {whole:,} tokens ({val // 6} of 6 x 128)")
+    note = (
+        f"gpt2lab train: note: --eval-tokens 13,056 is more than the val split of {small_text} holds; each "
+        f"evaluation takes all it holds in whole micro-batches: {whole:,} tokens ({val // 6} of 6 x 128)"
+    )
     assert [line for line in err.splitlines() if "note" in line or "warning" in line] == [note]
     assert note in dry.splitlines()  # the dry run says what the start says
     assert [r["step"] for r in records(out) if "val_loss" in r] == [0, 1]
@@ -292,21 +369,40 @@ def muon_run(tiny_data, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("change, line", [
-    (dict(muon_variant="muon"), "--muon-variant muon: the checkpoint {ckpt} was trained with muon_variant normuon; "
-                                "resume with --muon-variant normuon, or start a new run in another --out"),
-    (dict(ema_decay=0.5), "--ema-decay 0.5: the checkpoint {ckpt} was trained with ema_decay 0.9; resume with "
-                          "--ema-decay 0.9, or start a new run in another --out"),
-    (dict(ema_decay=0.0, mlp_act="relu2", seed=7),
-     "--mlp-act relu2 --seed 7 --ema-decay 0.0: the checkpoint {ckpt} was trained with mlp_act gelu, seed 1234, "
-     "ema_decay 0.9; resume with --mlp-act gelu --seed 1234 --ema-decay 0.9, or start a new run in another --out"),
-])
-def test_a_resume_that_changes_what_the_run_trains_is_refused_and_config_json_kept(muon_run, tiny_data, capsys,
-                                                                                  change, line):
+@pytest.mark.parametrize(
+    "change, line",
+    [
+        (
+            dict(muon_variant="muon"),
+            "--muon-variant muon: the checkpoint {ckpt} was trained with muon_variant normuon; "
+            "resume with --muon-variant normuon, or start a new run in another --out",
+        ),
+        (
+            dict(ema_decay=0.5),
+            "--ema-decay 0.5: the checkpoint {ckpt} was trained with ema_decay 0.9; resume with "
+            "--ema-decay 0.9, or start a new run in another --out",
+        ),
+        (
+            dict(ema_decay=0.0, mlp_act="relu2", seed=7),
+            "--mlp-act relu2 --seed 7 --ema-decay 0.0: the checkpoint {ckpt} was trained with mlp_act gelu, "
+            "seed 1234, ema_decay 0.9; resume with --mlp-act gelu --seed 1234 --ema-decay 0.9, or start a new run "
+            "in another --out",
+        ),
+    ],
+)
+def test_a_resume_that_changes_what_the_run_trains_is_refused_and_config_json_kept(
+    muon_run, tiny_data, capsys, change, line
+):
     before = _tree(muon_run)
     del before[str(muon_run / "run.lock")]  # the lock's holder: whoever took it last
-    argv = ["train", "--preset", "shakespeare-cpu",
-            *cli_args(data=tiny_data, out=str(muon_run), **{**MUON, "max_steps": 4, **change}), "--resume", "auto"]
+    argv = [
+        "train",
+        "--preset",
+        "shakespeare-cpu",
+        *cli_args(data=tiny_data, out=str(muon_run), **{**MUON, "max_steps": 4, **change}),
+        "--resume",
+        "auto",
+    ]
     assert cli.main(argv) == 2
     ckpt = muon_run / "checkpoints" / "step_000002"
     assert one_line(capsys.readouterr().err) == "gpt2lab train: " + line.format(ckpt=ckpt)
@@ -320,9 +416,25 @@ def test_a_resume_may_change_what_does_not_change_the_training(muon_run, tiny_da
 
     run = tmp_path / "run"
     shutil.copytree(muon_run, run)
-    argv = ["train", "--preset", "shakespeare-cpu", *cli_args(data=tiny_data, out=str(run), **{
-        **MUON, "max_steps": 3, "eval_interval": 3, "eval_tokens": 64, "muon_ns_dtype": "float32",
-        "micro_batch_size": 4}), "--resume", "auto"]
+    argv = [
+        "train",
+        "--preset",
+        "shakespeare-cpu",
+        *cli_args(
+            data=tiny_data,
+            out=str(run),
+            **{
+                **MUON,
+                "max_steps": 3,
+                "eval_interval": 3,
+                "eval_tokens": 64,
+                "muon_ns_dtype": "float32",
+                "micro_batch_size": 4,
+            },
+        ),
+        "--resume",
+        "auto",
+    ]
     assert cli.main(argv) == 0
     capsys.readouterr()
     saved = json.loads((run / "config.json").read_text())
@@ -342,8 +454,17 @@ def test_a_checkpoint_written_before_a_field_existed_resumes_with_its_default(tm
 
 
 def test_hellaswag_slice_is_still_accepted_by_a_dry_run(tiny_data, tmp_path, capsys, no_network):
-    argv = ["train", "--preset", "shakespeare-cpu", *cli_args(
-        data=tiny_data, out=str(tmp_path / "run"), hellaswag_interval=5,
-        hellaswag_data=str(DATA / "hellaswag_val_200.jsonl")), "--dry-run"]
+    argv = [
+        "train",
+        "--preset",
+        "shakespeare-cpu",
+        *cli_args(
+            data=tiny_data,
+            out=str(tmp_path / "run"),
+            hellaswag_interval=5,
+            hellaswag_data=str(DATA / "hellaswag_val_200.jsonl"),
+        ),
+        "--dry-run",
+    ]
     assert cli.main(argv) == 0
     assert capsys.readouterr().err == "" and no_network == []

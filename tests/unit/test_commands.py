@@ -1,6 +1,7 @@
 """What a newcomer meets at the command line: a prompt past the model's context refused as the server
 refuses it, the first sample's probe announced before it runs and its choice on a line of its own
 before the text, every default in `sample --help` and `serve --help`, a bad model source named once."""
+
 from __future__ import annotations
 
 import io
@@ -21,12 +22,24 @@ def _one_line(err: str) -> str:
 
 # -- a prompt longer than the context ------------------------------------------------------------
 def _sample(model: str, prompt: str, new: int) -> list[str]:
-    return ["sample", "--model", model, "--device", "cpu", "--prompt", prompt, "--max-new-tokens", str(new),
-            "--seed", "1"]
+    return [
+        "sample",
+        "--model",
+        model,
+        "--device",
+        "cpu",
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        str(new),
+        "--seed",
+        "1",
+    ]
 
 
-def test_sample_refuses_a_prompt_and_new_tokens_past_the_context_as_the_server_does(gpt2_vocab_export, capsys,
-                                                                                   monkeypatch):
+def test_sample_refuses_a_prompt_and_new_tokens_past_the_context_as_the_server_does(
+    gpt2_vocab_export, capsys, monkeypatch
+):
     monkeypatch.setenv("GPT2LAB_PROBE", "0")
     model, d = gpt2_vocab_export  # block_size 128
     long_prompt = " one" * 150
@@ -35,13 +48,16 @@ def test_sample_refuses_a_prompt_and_new_tokens_past_the_context_as_the_server_d
     assert cli.main(_sample(d, long_prompt, 10)) == 2
     captured = capsys.readouterr()
     assert captured.out == ""  # nothing sampled, not even the prompt
-    assert _one_line(captured.err) == ("gpt2lab sample: --prompt is 150 tokens and --max-new-tokens 10: 160 tokens, "
-                                       "more than this model's context of 128 tokens; shorten the prompt to under "
-                                       "128 tokens")
+    assert _one_line(captured.err) == (
+        "gpt2lab sample: --prompt is 150 tokens and --max-new-tokens 10: 160 tokens, "
+        "more than this model's context of 128 tokens; shorten the prompt to under "
+        "128 tokens"
+    )
     short = " one" * 100  # 100 tokens: 28 new ones fit exactly, 29 do not
     assert cli.main(_sample(d, short, 29)) == 2
-    assert _one_line(capsys.readouterr().err).endswith("129 tokens, more than this model's context of 128 tokens; "
-                                                       "lower --max-new-tokens to 28 or shorten the prompt")
+    assert _one_line(capsys.readouterr().err).endswith(
+        "129 tokens, more than this model's context of 128 tokens; lower --max-new-tokens to 28 or shorten the prompt"
+    )
     assert cli.main(_sample(d, short, 28)) == 0
     assert capsys.readouterr().out.startswith("--- sample 1/1\n" + short)
 
@@ -71,8 +87,9 @@ def test_the_server_refuses_by_the_same_rule(monkeypatch):
 
 
 # -- the first sample on a new machine ------------------------------------------------------------
-def test_the_probe_is_announced_before_it_runs_and_its_choice_precedes_the_text(gpt2_vocab_export, tmp_path,
-                                                                               monkeypatch):
+def test_the_probe_is_announced_before_it_runs_and_its_choice_precedes_the_text(
+    gpt2_vocab_export, tmp_path, monkeypatch
+):
     monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path))  # a new machine: nothing measured yet
     monkeypatch.delenv("GPT2LAB_PROBE", raising=False)
     _, d = gpt2_vocab_export
@@ -81,8 +98,11 @@ def test_the_probe_is_announced_before_it_runs_and_its_choice_precedes_the_text(
     monkeypatch.setattr(sys, "stderr", both)
     assert cli.main(_sample(d, "Hello", 5)) == 0
     lines = both.getvalue().splitlines()
-    assert lines[0].startswith("gpt2lab sample: measuring ") and re.search(r"(about \d+ s|under a second); done "
-                                                                            "once per machine", lines[0]), lines
+    assert lines[0].startswith("gpt2lab sample: measuring ") and re.search(
+        r"(about \d+ s|under a second); done "
+        "once per machine",
+        lines[0],
+    ), lines
     assert lines[1].startswith("gpt2lab sample: dtype "), lines
     assert lines[2] == "--- sample 1/1" and lines[3].startswith("Hello") and len(lines) == 4, lines
     both.truncate(0)
@@ -93,12 +113,45 @@ def test_the_probe_is_announced_before_it_runs_and_its_choice_precedes_the_text(
 
 
 # -- --help shows the defaults --------------------------------------------------------------------
-@pytest.mark.parametrize("command, defaults", [
-    ("sample", ["--max-new-tokens", "(default: 100)", "--temperature", "(default: 1.0)", "--top-k", "(default: 50)",
-                "--seed", "(default: 42)", "--top-p", "(default: off)", "--dtype", "(default: auto)"]),
-    ("serve", ["--port", "(default: 8000)", "--host", "(default: 127.0.0.1)", "--max-batch", "(default: 16)",
-               "--max-tokens", "(default: 1024)", "--timeout", "(default: 600.0)", "--dtype", "(default: auto)"]),
-])
+@pytest.mark.parametrize(
+    "command, defaults",
+    [
+        (
+            "sample",
+            [
+                "--max-new-tokens",
+                "(default: 100)",
+                "--temperature",
+                "(default: 1.0)",
+                "--top-k",
+                "(default: 50)",
+                "--seed",
+                "(default: 42)",
+                "--top-p",
+                "(default: off)",
+                "--dtype",
+                "(default: auto)",
+            ],
+        ),
+        (
+            "serve",
+            [
+                "--port",
+                "(default: 8000)",
+                "--host",
+                "(default: 127.0.0.1)",
+                "--max-batch",
+                "(default: 16)",
+                "--max-tokens",
+                "(default: 1024)",
+                "--timeout",
+                "(default: 600.0)",
+                "--dtype",
+                "(default: auto)",
+            ],
+        ),
+    ],
+)
 def test_help_shows_each_default_once(command, defaults, capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         cli.main([command, "--help"])
@@ -117,8 +170,14 @@ def test_help_shows_each_default_once(command, defaults, capsys, monkeypatch):
 
 
 # -- a bad model source is named once -------------------------------------------------------------
-@pytest.mark.parametrize("argv", [["sample", "--model", "{m}", "--device", "cpu"], ["export", "{m}", "{out}"],
-                                  ["eval", "loss", "--model", "{m}", "--data", "{out}", "--device", "cpu"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["sample", "--model", "{m}", "--device", "cpu"],
+        ["export", "{m}", "{out}"],
+        ["eval", "loss", "--model", "{m}", "--data", "{out}", "--device", "cpu"],
+    ],
+)
 def test_a_directory_of_junk_is_named_once(tmp_path, capsys, monkeypatch, argv):
     monkeypatch.chdir(tmp_path)
     junk = tmp_path / "junk2"
@@ -142,8 +201,23 @@ def test_the_python_api_and_init_from_name_a_junk_source_once(tmp_path, capsys, 
     (tmp_path / "junk3").mkdir()
     (tmp_path / "junk3" / "model.safetensors").write_bytes(b"x")
     (tmp_path / "junk3" / "config.json").write_text("{}")
-    assert cli.main(["train", "--preset", "shakespeare-cpu", "--init-from", "junk3", "--data", tiny_data,
-                     "--out", str(tmp_path / "run"), "--dry-run"]) == 2
+    assert (
+        cli.main(
+            [
+                "train",
+                "--preset",
+                "shakespeare-cpu",
+                "--init-from",
+                "junk3",
+                "--data",
+                tiny_data,
+                "--out",
+                str(tmp_path / "run"),
+                "--dry-run",
+            ]
+        )
+        == 2
+    )
     line = _one_line(capsys.readouterr().err)
     assert line.count("junk3") == 1 and "--init-from junk3: it is an incomplete checkpoint" in line, line
 
@@ -156,8 +230,9 @@ def test_make_says_what_its_first_install_does_before_pip_runs_quietly():
 
     if not shutil.which("make"):
         pytest.skip("no make on this machine")
-    lines = subprocess.run(["make", "-n", "-B", "install"], cwd=ROOT, capture_output=True, text=True,
-                           check=True).stdout.splitlines()
+    lines = subprocess.run(
+        ["make", "-n", "-B", "install"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     say = next(i for i, line in enumerate(lines) if line.startswith("echo "))
     pip = next(i for i, line in enumerate(lines) if "pip install -q" in line)
     assert say < pip and "a few minutes" in lines[say], lines

@@ -1,5 +1,6 @@
 """Poor output cases: export's file modes under the user's umask, report/plot on a
 metrics.jsonl of garbage bytes, and warnings printed as one `gpt2lab CMD: warning: ...` line."""
+
 from __future__ import annotations
 
 import os
@@ -19,7 +20,9 @@ def test_export_writes_every_file_with_the_umasks_mode(gpt2_vocab_export, tmp_pa
     finally:
         os.umask(old)
     modes = {name: stat.S_IMODE(os.stat(tmp_path / "out" / name).st_mode) for name in os.listdir(tmp_path / "out")}
-    assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}, {k: oct(v) for k, v in modes.items()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}, {
+        k: oct(v) for k, v in modes.items()
+    }
     assert stat.S_IMODE(os.stat(tmp_path / "out").st_mode) == 0o777 & ~umask
 
 
@@ -53,8 +56,12 @@ def test_the_warning_format_is_restored_after_main(tmp_path, capsys):
 def _metrics_run(path, name: str):
     run = path / name
     run.mkdir()
-    (run / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "train_loss": {3.0 - s / 10}, "val_loss": '
-                                               f'{3.1 - s / 10}, "tokens": {1000 * s}}}\n' for s in range(5)))
+    (run / "metrics.jsonl").write_text(
+        "".join(
+            f'{{"step": {s}, "train_loss": {3.0 - s / 10}, "val_loss": {3.1 - s / 10}, "tokens": {1000 * s}}}\n'
+            for s in range(5)
+        )
+    )
     return str(run)
 
 
@@ -85,7 +92,8 @@ def test_plot_and_compare_never_overwrite_a_file_they_did_not_write(tmp_path, ca
         assert cli.main([command, *runs, "--out", str(target)]) == 2
         assert capsys.readouterr().err.strip() == (
             f"gpt2lab {command}: --out {target}: a file gpt2lab did not write is there; pick another path "
-            "(nothing was overwritten)")
+            "(nothing was overwritten)"
+        )
         assert (target.read_bytes() if target.is_file() else None) == before
     ours = tmp_path / "ours.png"
     for _ in range(2):  # the second run replaces the first's PNG
