@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file
 
 from gpt2lab.checkpoint import store as ckpt
+from gpt2lab.model.config import model_from_config
 from gpt2lab.model.gpt import GPT
 from gpt2lab.system import formats
 from gpt2lab.system.errors import CheckpointError
-from gpt2lab.train.config import model_from_config
 from gpt2lab.train.optim import make_optimizer
 from gpt2lab.weights.load import from_checkpoint
 

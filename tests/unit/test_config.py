@@ -6,13 +6,13 @@ import argparse
 
 import pytest
 
+from gpt2lab.model.config import config_value
 from gpt2lab.train.config import (
     SECTION_OF,
     TOP_FIELDS,
     ConfigError,
     TrainConfig,
     add_config_flags,
-    config_value,
     load_preset,
     overrides_from_args,
     preset_names,

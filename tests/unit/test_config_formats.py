@@ -14,6 +14,7 @@ from unittest import mock
 import pytest
 
 from gpt2lab import cli
+from gpt2lab.model.config import config_value, model_from_config
 from gpt2lab.model.gpt import GPTConfig
 from gpt2lab.system import formats
 from gpt2lab.train.config import (
@@ -21,10 +22,8 @@ from gpt2lab.train.config import (
     TrainConfig,
     add_config_flags,
     config_file_values,
-    config_value,
     load_preset,
     merge_config,
-    model_from_config,
     nest_config,
     overrides_from_args,
     preset_names,

@@ -274,7 +274,8 @@ def test_init_from_takes_the_modern_fields_from_the_source():
 def test_flags_toml_and_old_configs(tmp_path):
     import argparse
 
-    from gpt2lab.train.config import ConfigError, TrainConfig, add_config_flags, model_from_config, overrides_from_args
+    from gpt2lab.model.config import model_from_config
+    from gpt2lab.train.config import ConfigError, TrainConfig, add_config_flags, overrides_from_args
 
     p = argparse.ArgumentParser()
     add_config_flags(p)

@@ -19,10 +19,10 @@ import torch
 
 from gpt2lab.checkpoint import store as ckpt
 from gpt2lab.data.tokenizer import GPT2_VOCAB_SIZE
-from gpt2lab.model.config import CHAT_VOCAB_SIZES
+from gpt2lab.model.config import CHAT_VOCAB_SIZES, model_from_config
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.system.files import read_json_object, sha256_file
-from gpt2lab.train.config import ConfigError, TrainConfig, model_from_config
+from gpt2lab.train.config import ConfigError, TrainConfig
 from gpt2lab.weights import read
 from gpt2lab.weights.load import CHECKPOINT, HF_DIR, from_checkpoint, source_kind
 

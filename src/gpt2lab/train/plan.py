@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
 from gpt2lab.distributed import memplan, parallel
-from gpt2lab.model.config import GPTConfig, padded_vocab
+from gpt2lab.model.config import GPTConfig, config_value, padded_vocab
 from gpt2lab.model.loss import LossPath, choose_loss
 from gpt2lab.system import hardware, runtime
 from gpt2lab.system.errors import ConfigError
 from gpt2lab.system.runtime import Choice
 from gpt2lab.train import init_from
-from gpt2lab.train.config import SECTIONS, TrainConfig, config_value, default_value, merge_config, nest_config
+from gpt2lab.train.config import SECTIONS, TrainConfig, default_value, merge_config, nest_config
 from gpt2lab.train.gather import Gathered, InitFrom, MachineFacts, Resumed, gather
 from gpt2lab.weights.targets import export_target
 
