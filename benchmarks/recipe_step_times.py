@@ -21,7 +21,7 @@ import torch
 
 from gpt2lab.benchmarks.train import interleaved_step_ms
 from gpt2lab.distributed.dist import DistInfo
-from gpt2lab.train.config import load_preset
+from gpt2lab.train.settings import load_preset
 from gpt2lab.train.trainer import Trainer
 
 RECIPES = {

@@ -10,7 +10,7 @@ import pytest
 from conftest import env, run_gpt2lab
 
 from gpt2lab.system import runtime
-from gpt2lab.train.config import load_preset
+from gpt2lab.train.settings import load_preset
 
 
 def test_env_prints_the_fields_a_bug_report_needs():

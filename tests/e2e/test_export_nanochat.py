@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from conftest import env, run_gpt2lab
 
-from gpt2lab.train.config import load_preset
+from gpt2lab.train.settings import load_preset
 
 
 def test_the_demo_preset_exports_and_samples_the_same(tiny_data, tmp_path):  # noqa: F811

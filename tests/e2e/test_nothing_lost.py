@@ -25,8 +25,8 @@ from gpt2lab.cli import build_parser, main
 from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.system import files
 from gpt2lab.system.errors import EXIT_CODES, DiskFullError
-from gpt2lab.train.config import load_preset
 from gpt2lab.train.run import train
+from gpt2lab.train.settings import load_preset
 
 CPU = torch.device("cpu")
 

@@ -16,7 +16,7 @@ from conftest import TINY
 
 from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.observe.metrics import MetricsLogger
-from gpt2lab.train.config import load_preset
+from gpt2lab.train.settings import load_preset
 
 
 def wandb_records(path: Path) -> list:

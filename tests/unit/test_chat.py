@@ -338,7 +338,7 @@ def test_a_trainer_built_from_a_config_takes_the_datas_template(chat_shards, tmp
     from conftest import TINY
 
     from gpt2lab.distributed.dist import DistInfo
-    from gpt2lab.train.config import load_preset
+    from gpt2lab.train.settings import load_preset
     from gpt2lab.train.trainer import Trainer
 
     cfg = load_preset("shakespeare-cpu", **{**TINY, "data": str(chat_shards[0]), "out": str(tmp_path / "run")})

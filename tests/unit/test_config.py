@@ -7,16 +7,8 @@ import argparse
 import pytest
 
 from gpt2lab.model.config import config_value
-from gpt2lab.train.config import (
-    SECTION_OF,
-    TOP_FIELDS,
-    ConfigError,
-    TrainConfig,
-    add_config_flags,
-    load_preset,
-    overrides_from_args,
-    preset_names,
-)
+from gpt2lab.train.config import SECTION_OF, TOP_FIELDS, ConfigError, TrainConfig
+from gpt2lab.train.settings import add_config_flags, load_preset, overrides_from_args, preset_names
 
 REFERENCE = dict(
     total_batch_tokens=524288,

@@ -17,17 +17,13 @@ from gpt2lab import cli
 from gpt2lab.model.config import config_value, model_from_config
 from gpt2lab.model.gpt import GPTConfig
 from gpt2lab.system import formats
-from gpt2lab.train.config import (
-    ConfigError,
-    TrainConfig,
+from gpt2lab.train.config import ConfigError, TrainConfig, merge_config, nest_config, save_config
+from gpt2lab.train.settings import (
     add_config_flags,
     config_file_values,
     load_preset,
-    merge_config,
-    nest_config,
     overrides_from_args,
     preset_names,
-    save_config,
     tomllib,
 )
 
@@ -82,13 +78,13 @@ def test_flat_flags_and_toml_keys_map_into_the_model():
 def test_preset_files_may_use_a_model_table(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from gpt2lab.train import config
+    from gpt2lab.train import settings
 
     (tmp_path / "presets").mkdir()
     (tmp_path / "presets" / "flat.toml").write_text("n_layer = 2\nn_embd = 32\nn_head = 2\nmax_steps = 5\n")
     (tmp_path / "presets" / "nested.toml").write_text('base = "flat"\nmax_steps = 6\n[model]\nn_layer = 3\n')
     (tmp_path / "presets" / "both.toml").write_text("n_layer = 2\n[model]\nn_layer = 3\n")
-    monkeypatch.setattr(config, "resources", SimpleNamespace(files=lambda package: tmp_path))
+    monkeypatch.setattr(settings, "resources", SimpleNamespace(files=lambda package: tmp_path))
     cfg = load_preset("nested", n_head=4)
     assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.optim.max_steps) == (3, 32, 4, 6)
     with pytest.raises(ConfigError, match=r"both.toml: n_layer set both as a key and in \[model\]; keep one"):

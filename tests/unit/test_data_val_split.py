@@ -12,7 +12,7 @@ import pytest
 from gpt2lab.data import TokenLoader
 from gpt2lab.data.prepare import default_val_tokens
 from gpt2lab.data.shards import open_shard
-from gpt2lab.train.config import load_preset
+from gpt2lab.train.settings import load_preset
 
 
 def test_a_small_txt_gets_a_val_split_for_the_small_presets_and_counts_as_a_document_of_each(small_text):

@@ -13,8 +13,8 @@ from conftest import TINY
 
 from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.model.loss import LossPath
-from gpt2lab.train.config import load_preset
 from gpt2lab.train.optim import Muon, make_optimizer, skips_on_device
+from gpt2lab.train.settings import load_preset
 from gpt2lab.train.spikes import DeviceGuard, SpikeGuard
 from gpt2lab.train.trainer import GPU_CHECK_INTERVAL, Trainer, TrainingError, check_interval
 

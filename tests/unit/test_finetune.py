@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 from gpt2lab import cli
 from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.model.sampling import generate
-from gpt2lab.train.config import load_preset
 from gpt2lab.train.init_from import InitFromError, adapt_config, sha256_file
 from gpt2lab.train.run import train
+from gpt2lab.train.settings import load_preset
 from gpt2lab.train.trainer import Trainer
 from gpt2lab.weights import export, gpt2, read
 

@@ -18,8 +18,8 @@ from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.model.config import model_from_config
 from gpt2lab.model.gpt import GPT, GPTConfig, value_embed_table
 from gpt2lab.system.errors import ConfigError
-from gpt2lab.train.config import load_preset
 from gpt2lab.train.optim import Muon, build_optimizer, muon_split, normalize_neurons, parts
+from gpt2lab.train.settings import load_preset
 
 CPU = torch.device("cpu")
 SMALL = dict(n_layer=4, n_head=2, n_embd=32, block_size=24, vocab_size=96)
@@ -495,7 +495,8 @@ def test_flags_and_help_come_from_the_fields(capsys):
     import argparse
 
     from gpt2lab.cli import main
-    from gpt2lab.train.config import TrainConfig, add_config_flags, overrides_from_args
+    from gpt2lab.train.config import TrainConfig
+    from gpt2lab.train.settings import add_config_flags, overrides_from_args
 
     p = argparse.ArgumentParser()
     add_config_flags(p)

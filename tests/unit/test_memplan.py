@@ -19,7 +19,7 @@ from gpt2lab.distributed.parallel import choose_strategy
 from gpt2lab.model import loss as chunked
 from gpt2lab.model.config import MLP_ACTS, NORMS, POS_EMB
 from gpt2lab.model.gpt import GPT, Block, GPTConfig, rotary_cos_sin
-from gpt2lab.train.config import load_preset
+from gpt2lab.train.settings import load_preset
 
 N_124M = 124_475_904  # GPT-2 124M with the vocab padded to 50304 (nanoGPT's printed count)
 

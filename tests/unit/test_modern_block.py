@@ -275,7 +275,8 @@ def test_flags_toml_and_old_configs(tmp_path):
     import argparse
 
     from gpt2lab.model.config import model_from_config
-    from gpt2lab.train.config import ConfigError, TrainConfig, add_config_flags, overrides_from_args
+    from gpt2lab.train.config import ConfigError, TrainConfig
+    from gpt2lab.train.settings import add_config_flags, overrides_from_args
 
     p = argparse.ArgumentParser()
     add_config_flags(p)

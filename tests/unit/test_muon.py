@@ -13,8 +13,9 @@ from conftest import reference_newton_schulz
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.system import runtime
 from gpt2lab.system.runtime import Facts, Probe, choose_ns_dtype
-from gpt2lab.train.config import ConfigError, load_preset
+from gpt2lab.train.config import ConfigError
 from gpt2lab.train.optim import Muon, Optimizers, lr_at, make_muon, muon_split, orthogonalize, scheduled_lr, set_lrs
+from gpt2lab.train.settings import load_preset
 
 CPU = torch.device("cpu")
 

@@ -17,7 +17,7 @@ from gpt2lab import cli, from_pretrained
 from gpt2lab.distributed import memplan
 from gpt2lab.model.gpt import GPT, GPTConfig, rotary_cos_sin
 from gpt2lab.system.errors import UsageError
-from gpt2lab.train.config import load_preset, preset_names
+from gpt2lab.train.settings import load_preset, preset_names
 from gpt2lab.weights import export, nanochat, read, targets
 from gpt2lab.weights.load import HF_DIR, load_model, source_kind
 
@@ -195,7 +195,7 @@ def test_planner_counts_what_autograd_keeps_for_the_switches(block, dtype):
 
         kept[name] = saved_bytes(m, forward)
     assert kept["no_bias"] == kept["base"]
-    assert kept["embed_norm"] - kept["no_bias"] == B * T * memplan.embed_normsaved_bytes(C) == B * T * (C + 1) * 4
+    assert kept["embed_norm"] - kept["no_bias"] == B * T * memplan.embed_norm_saved_bytes(C) == B * T * (C + 1) * 4
     kw = dict(micro_batch=B, seq_len=T, dtype="float32" if dtype is None else "bfloat16", device="cpu", accum=1)
     on, off = (memplan.phases(GPTConfig(**base, bias=False, embed_norm=e), **kw)[0].terms for e in (True, False))
     assert on["activations"] - off["activations"] == B * T * (C + 1) * 4

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from gpt2lab.model.gpt import GPT, GPTConfig
-from gpt2lab.train.config import load_preset
 from gpt2lab.train.optim import lr_at, make_optimizer, param_groups
+from gpt2lab.train.settings import load_preset
 
 
 def _model() -> GPT:

@@ -321,9 +321,10 @@ def test_data_in_another_tokenizer_is_refused_before_the_first_step(
 def test_vocab_size_follows_the_tokenizer_unless_given(wiki_data, tmp_path):
     from gpt2lab.system import runtime
     from gpt2lab.system.errors import ConfigError
-    from gpt2lab.train.config import merge_config, preset_values
+    from gpt2lab.train.config import merge_config
     from gpt2lab.train.gather import MachineFacts
     from gpt2lab.train.plan import Request, make_plan
+    from gpt2lab.train.settings import preset_values
 
     facts = MachineFacts(runtime.Facts("cpu", "x", ()))
 

@@ -125,9 +125,9 @@ def test_auto_asks_the_planner_what_ddp_needs_on_a_gpu():
     """--strategy auto on GPUs: DDP's per-rank memory comes from memplan.predict for this very run."""
     from gpt2lab.distributed import memplan
     from gpt2lab.system import runtime
-    from gpt2lab.train.config import load_preset
     from gpt2lab.train.gather import MachineFacts
     from gpt2lab.train.plan import strategy_for
+    from gpt2lab.train.settings import load_preset
 
     cfg = load_preset("gpt2-1558m", data="unused", total_batch_tokens=1024 * 16 * 8)
     need = memplan.predict(

@@ -21,10 +21,11 @@ from gpt2lab.model.loss import choose_loss
 from gpt2lab.system import runtime
 from gpt2lab.system.errors import ConfigError
 from gpt2lab.train import init_from
-from gpt2lab.train.config import load_preset, merge_config, preset_values
+from gpt2lab.train.config import merge_config
 from gpt2lab.train.gather import Gathered, MachineFacts, Resumed, fake_machine
 from gpt2lab.train.plan import Request, decide, make_plan
 from gpt2lab.train.run import train
+from gpt2lab.train.settings import load_preset, preset_values
 from gpt2lab.train.trainer import Trainer
 from gpt2lab.weights import export, targets
 

@@ -12,8 +12,8 @@ from conftest import DATA, TINY
 
 from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.model.gpt import GPT, GPTConfig
-from gpt2lab.train.config import load_preset
 from gpt2lab.train.optim import make_optimizer
+from gpt2lab.train.settings import load_preset
 from gpt2lab.train.trainer import Trainer, TrainingError, accumulate_gradients
 
 CPU = torch.device("cpu")

@@ -19,9 +19,9 @@ from gpt2lab.distributed import memplan
 from gpt2lab.evals import hellaswag as hs
 from gpt2lab.system import runtime
 from gpt2lab.system.errors import ConfigError, GPT2LabError
-from gpt2lab.train.config import load_preset
 from gpt2lab.train.gather import MachineFacts
 from gpt2lab.train.plan import check_memory, make_plan
+from gpt2lab.train.settings import load_preset
 
 
 def one_line(err: str) -> str:

@@ -14,7 +14,8 @@ from conftest import TINY
 from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.evals.loss import evaluate_loss
 from gpt2lab.system.errors import ConfigError
-from gpt2lab.train.config import TrainConfig, load_preset
+from gpt2lab.train.config import TrainConfig
+from gpt2lab.train.settings import load_preset
 from gpt2lab.weights.load import from_checkpoint
 
 CPU = torch.device("cpu")

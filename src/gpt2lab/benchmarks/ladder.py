@@ -150,7 +150,7 @@ def _hf_step(shape, B: int, T: int, device: torch.device):
 
 def _gpt2lab_step(shape, B: int, T: int, device: torch.device, data: str):
     from gpt2lab.distributed.dist import DistInfo
-    from gpt2lab.train.config import load_preset
+    from gpt2lab.train.settings import load_preset
     from gpt2lab.train.trainer import Trainer
 
     n_layer, n_head, n_embd = shape

@@ -126,7 +126,7 @@ def resolve_model(args: argparse.Namespace) -> GPTConfig:
         return model_config(args.size, args.seq_len)
     if args.size is not None:
         raise UsageError("--size and --preset both given; pass one (a preset brings its own architecture)")
-    from gpt2lab.train.config import load_preset
+    from gpt2lab.train.settings import load_preset
 
     preset = load_preset(args.preset)
     args.seq_len = preset.batch.seq_len if args.seq_len is None else args.seq_len

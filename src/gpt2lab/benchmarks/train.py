@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from gpt2lab.distributed.dist import DistInfo, autocast, pick_device
-from gpt2lab.train.config import add_config_flags, load_preset, overrides_from_args
+from gpt2lab.train.settings import add_config_flags, load_preset, overrides_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -100,8 +100,8 @@ def run(args: argparse.Namespace) -> int:
 def run_base(args: argparse.Namespace) -> int:
     from gpt2lab.data.prepare import prepare
     from gpt2lab.distributed.dist import init_distributed
-    from gpt2lab.train.config import load_preset
     from gpt2lab.train.run import train
+    from gpt2lab.train.settings import load_preset
 
     t0 = time.perf_counter()
     print(f"[demo] preparing Tiny Shakespeare into {args.data}", flush=True)
@@ -132,9 +132,10 @@ def run_chat(args: argparse.Namespace) -> int:
     """Base model -> chat model on the bundled conversations; three messages answered before and after."""
     from gpt2lab.data.prepare import prepare
     from gpt2lab.distributed.dist import init_distributed
-    from gpt2lab.train.config import merge_config, preset_values
+    from gpt2lab.train.config import merge_config
     from gpt2lab.train.plan import Request
     from gpt2lab.train.run import train
+    from gpt2lab.train.settings import preset_values
 
     t0 = time.perf_counter()
     base = args.base

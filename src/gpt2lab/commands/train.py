@@ -6,11 +6,10 @@ import argparse
 import os
 import shlex
 
-from gpt2lab.train.config import (
-    ConfigError,
+from gpt2lab.train.config import ConfigError, merge_config
+from gpt2lab.train.settings import (
     add_config_flags,
     config_file_values,
-    merge_config,
     overrides_from_args,
     preset_names,
     preset_values,

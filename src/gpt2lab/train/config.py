@@ -1,28 +1,23 @@
-"""Run settings: one dataclass of sections, TOML presets shipped in the package, CLI overrides, validation.
+"""Run settings: ``TrainConfig``, one dataclass of sections, and its one nested layout.
 
 ``TrainConfig`` has three top-level fields (data, out, seed) and one section per concern, each a
 dataclass of its own: ``model`` (a ``GPTConfig``, gpt2lab/model/config.py, the only definition
 of the model's fields), ``batch``, ``optim``, ``system``, ``eval``, ``checkpoint``, ``logging``,
 ``spike``, ``finetune`` and ``parallel`` (``cfg.optim.max_lr``). Every default and every check of
 a field lives with the field. A field keeps one flat name in every section (``max_lr``), so
-flags and TOML keys stay flat (``--max-lr``, ``max_lr = 6e-4``; a ``[optim]`` table works too);
-``SECTION_OF``, derived from the dataclasses, says where each flat name lives. config.json is
-written nested, with its format version (``save_config``; its readers refuse a file of another
-version: system/formats.py); ``nest_config`` is the one place that turns the flat form of flags,
-TOML keys and Python overrides, and mixed ones, into the nested one, and ``merge_config``
-lays one nested dict over another field by field. A preset
-(``presets/NAME.toml``) overrides some fields (and may start from another preset with
-``base = "NAME"``); command-line flags override the preset. Each field's ``help`` metadata
-becomes its ``--flag`` help text.
+flags and TOML keys stay flat; ``SECTION_OF``, derived from the dataclasses, says where each flat
+name lives. config.json is written nested, with its format version (``save_config``; its readers
+refuse a file of another version: system/formats.py); ``nest_config`` is the one place that turns
+the flat form of flags, TOML keys and Python overrides, and mixed ones, into the nested one, and
+``merge_config`` lays one nested dict over another field by field. Where settings come from
+(presets, ``--config`` files, flags): train/settings.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from importlib import resources
 from typing import Any, Callable, Optional, Union, get_type_hints
 
 from gpt2lab.model.config import (
@@ -31,7 +26,6 @@ from gpt2lab.model.config import (
     PADDED_VOCAB_SIZE,
     GPTConfig,
     check_types,  # noqa: F401
-    field_type,
     gpt_config,
 )
 from gpt2lab.system import formats
@@ -45,11 +39,6 @@ from gpt2lab.system.choices import (
     STRATEGY_CHOICES,
 )
 from gpt2lab.system.errors import ConfigError, UsageError  # noqa: F401
-
-try:
-    import tomllib  # Python >= 3.11
-except ModuleNotFoundError:  # Python 3.10: the same parser, packaged as tomli
-    import tomli as tomllib
 
 # Layers --lora-targets may name (peft matches a module whose name ends with ".TARGET").
 LORA_TARGETS = ("c_attn", "c_proj", "c_fc", "attn.c_proj", "mlp.c_proj")
@@ -88,7 +77,7 @@ def _ramp(cfg: "TrainConfig") -> bool:
     return bool(cfg.batch.batch_ramp_steps)
 
 
-def _default_model() -> GPTConfig:
+def default_model() -> GPTConfig:
     return GPTConfig(vocab_size=PADDED_VOCAB_SIZE)
 
 
@@ -391,7 +380,7 @@ class ParallelConfig(_Section):
 class TrainConfig:
     """A run's settings: three top-level fields and one section per concern (``cfg.optim.max_lr``)."""
 
-    model: GPTConfig = field(default_factory=_default_model, metadata={"help": "the architecture"})
+    model: GPTConfig = field(default_factory=default_model, metadata={"help": "the architecture"})
     data: str = _f("data/fineweb-edu-10b", "directory of token shards made by `gpt2lab prepare`")
     out: str = _f("runs/gpt2-124m", "run directory: config.json, metrics.jsonl, checkpoints/")
     seed: int = _f(1337, "seed for initialisation and data order", at_least=0, keep=True)
@@ -505,7 +494,7 @@ class TrainConfig:
         a mix (``nest_config``'s rules). A saved config.json's format version is its reader's to
         check (``system.formats.unstamp``)."""
         nested = nest_config(values, source)
-        _check_types(nested, source)
+        check_nested_types(nested, source)
         top = {k: v for k, v in nested.items() if k not in SECTIONS}
         parts = {name: section(**nested.get(name, {})) for name, section in SECTIONS.items() if name != "model"}
         return cls(**top, **parts, model=gpt_config(nested.get("model", {}), source))
@@ -599,130 +588,15 @@ def default_value(name: str) -> Any:
     """A field's default by its flat name (``"dtype"`` -> ``"auto"``)."""
     home = SECTIONS.get(SECTION_OF.get(name)) or TrainConfig
     f = home.__dataclass_fields__[name]
-    return getattr(_default_model(), name) if home is GPTConfig else f.default
+    return getattr(default_model(), name) if home is GPTConfig else f.default
 
 
-def _check_types(nested: Mapping[str, Any], source: str) -> None:
+def check_nested_types(nested: Mapping[str, Any], source: str) -> None:
     """Each value of its field's type (check_types), section by section."""
     check_types({k: v for k, v in nested.items() if k not in SECTIONS}, get_type_hints(TrainConfig), source)
     for name, section in SECTIONS.items():
         # compile: also true/false (Python's compile=False, TOML's compile = false): SystemConfig makes it text
         check_types(nested.get(name, {}), get_type_hints(section), source, also={"compile": bool})
-
-
-# -- presets ----------------------------------------------------------------------------
-def preset_names() -> list[str]:
-    folder = resources.files("gpt2lab") / "presets"
-    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".toml"))
-
-
-def preset_values(name: str, _seen: tuple = ()) -> dict:
-    """The fields a preset sets (its ``base`` chain resolved), nested, not yet a TrainConfig."""
-    if name not in preset_names():
-        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(preset_names())}")
-    if name in _seen:
-        raise ConfigError(f"preset {name!r}: base presets form a cycle ({' -> '.join(_seen + (name,))})")
-    path = resources.files("gpt2lab") / "presets" / f"{name}.toml"
-    return _toml_values(path.read_text(), str(path), _seen + (name,))
-
-
-def config_file_values(path: str) -> dict:
-    """``train --config FILE``: a TOML file with the presets' keys (``base = "PRESET"`` starts from a
-    packaged preset), nested, its values checked here so that an error names the file and the key."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise ConfigError(f"--config {path}: no such file; pass a TOML file with the presets' keys") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--config {path}: cannot be read ({e})") from None
-    values = _toml_values(text, path, ())
-    _check_types(values, path)
-    return values
-
-
-def _toml_values(text: str, where: str, seen: tuple) -> dict:
-    """A preset's or config file's fields, nested, on top of its ``base`` preset's: flat keys
-    (``max_lr = 3e-4``) and section tables (``[optim]``) alike, merged field by field."""
-    try:
-        values = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{where}: not valid TOML ({e})") from e
-    base = values.pop("base", None)
-    if base is not None and not isinstance(base, str):
-        raise ConfigError(f"{where}: base must be a preset name (text), got {base!r}")
-    own = nest_config(values, where)
-    return merge_config(preset_values(base, seen), own, source=where) if base else own
-
-
-def load_preset(name: str, **overrides: Any) -> TrainConfig:
-    """A preset with ``overrides`` over it: flat names (``max_lr=1e-3``) or sections (``optim={...}``)."""
-    source = f"preset {name!r} with overrides"
-    return TrainConfig.from_dict(merge_config(preset_values(name), overrides, source=source), source=source)
-
-
-# -- command line -----------------------------------------------------------------------
-def parse_bool(text: str) -> bool:
-    low = text.lower()
-    if low in ("true", "1", "yes", "on"):
-        return True
-    if low in ("false", "0", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-def _converter(tp: Any, optional: bool):
-    base = parse_bool if tp is bool else tp
-
-    def convert(text: str):
-        if optional and text.lower() in ("none", "null", ""):
-            return None
-        return base(text)
-
-    convert.__name__ = getattr(tp, "__name__", "value")  # argparse names the type in its errors
-    return convert
-
-
-def _flag_fields() -> list[tuple[dataclasses.Field, Any, Any]]:
-    """(field, type annotation, base default) per flag: GPTConfig's settable fields, then
-    TrainConfig's top-level ones, then each section's. A flag's name is its field's flat name."""
-    model_hints, model = get_type_hints(GPTConfig), _default_model()
-    out = [
-        (f, model_hints[f.name], getattr(model, f.name))
-        for f in dataclasses.fields(GPTConfig)
-        if not f.metadata["derived"]
-    ]
-    hints = get_type_hints(TrainConfig)
-    out += [(f, hints[f.name], f.default) for f in dataclasses.fields(TrainConfig) if f.name in TOP_FIELDS]
-    for section in SECTIONS.values():
-        if section is not GPTConfig:
-            hints = get_type_hints(section)
-            out += [(f, hints[f.name], f.default) for f in dataclasses.fields(section)]
-    return out
-
-
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One ``--field-name VALUE`` flag per config field, flat whatever its section; unset flags
-    stay out of the overrides."""
-    group = parser.add_argument_group("config fields (override the preset)")
-    for f, hint, default in _flag_fields():
-        tp, optional = field_type(hint)
-        kwargs: dict = dict(
-            dest=f.name,
-            default=argparse.SUPPRESS,
-            type=_converter(tp, optional),
-            help=f"{f.metadata['help']} (base default {default!r}; the preset may set it)",
-        )
-        kwargs["metavar"] = {bool: "true|false", int: "N", float: "X"}.get(tp, "TEXT")
-        if f.metadata.get("choices"):  # text fields that name their values
-            kwargs.update(choices=f.metadata["choices"], type=str.lower, metavar="|".join(f.metadata["choices"]))
-        group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
-
-
-def overrides_from_args(args: argparse.Namespace) -> dict:
-    """The flags given, nested (``--max-lr 1e-3`` -> ``{"optim": {"max_lr": 0.001}}``)."""
-    names = {f.name for f, _, _ in _flag_fields()}
-    return nest_config({k: v for k, v in vars(args).items() if k in names}, "the flags")
 
 
 def save_config(cfg: TrainConfig, path: str) -> None:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from gpt2lab.distributed.memplan import param_counts
-from gpt2lab.train.config import TrainConfig, load_preset, preset_names
+from gpt2lab.train.config import TrainConfig
+from gpt2lab.train.settings import load_preset, preset_names
 from gpt2lab.weights.targets import export_target
 
 
