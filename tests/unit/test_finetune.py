@@ -10,13 +10,13 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY, hf_gpt2, tiny_gpt
+from conftest import TINY, adapt_config, hf_gpt2, tiny_gpt
 from safetensors.torch import load_file
 
 from gpt2lab import cli
 from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.model.sampling import generate
-from gpt2lab.train.init_from import InitFromError, adapt_config, sha256_file
+from gpt2lab.train.init_from import InitFromError, sha256_file
 from gpt2lab.train.run import train
 from gpt2lab.train.settings import load_preset
 from gpt2lab.train.trainer import Trainer
@@ -239,7 +239,8 @@ def test_lora_trains_only_adapters_and_merged_export_matches(hf_src, tiny_data, 
 def test_finetune_preset_lowers_held_out_loss(pretrained_run, tiny_data, tmp_path):  # noqa: F811
     """From the pre-trained run, the finetune-shakespeare preset (tiny overrides, through the
     CLI) lowers the loss on the held-out val split below the source's."""
-    from gpt2lab.evals.loss import evaluate_loss
+    from conftest import evaluate_loss
+
     from gpt2lab.weights.load import from_checkpoint as load_model
 
     out = tmp_path / "ft"

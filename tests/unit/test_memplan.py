@@ -147,7 +147,10 @@ def test_loss_workspace_is_the_peak_of_the_chunked_loss(monkeypatch, N, V, C, dt
 def test_plan_is_the_largest_micro_batch_that_fits():
     cfg = model_config("350M", 1024)
     budget = 40 * 2**30
-    rows = {(r["strategy"], r["activation_checkpointing"]): r for r in memplan.plan(budget, cfg, world_size=8)}
+    rows = {
+        (r["strategy"], r["activation_checkpointing"]): r
+        for r in memplan.largest_micro_batches(budget, cfg, world_size=8)
+    }
     for (strategy, ac), r in rows.items():
         B = r["micro_batch"]
 
@@ -159,13 +162,13 @@ def test_plan_is_the_largest_micro_batch_that_fits():
         assert B >= 1 and total(B) <= budget < total(B + 1) and r["predicted_bytes"] == total(B)
     assert rows[("ddp", True)]["micro_batch"] > rows[("ddp", False)]["micro_batch"]
     assert rows[("fsdp", False)]["micro_batch"] > rows[("ddp", False)]["micro_batch"]
-    assert all(r["micro_batch"] == 0 for r in memplan.plan(2**30, cfg))  # nothing fits 1 GiB
+    assert all(r["micro_batch"] == 0 for r in memplan.largest_micro_batches(2**30, cfg))  # nothing fits 1 GiB
 
 
 def test_bench_plan_and_bad_values(capsys):
     assert cli.main(["bench", "memory", "--size", "774M", "--plan", "40", "--world-size", "8"]) == 0
     out = json.loads(capsys.readouterr().out)
-    expect = memplan.plan(40 * 2**30, model_config("774M", 1024), world_size=8)
+    expect = memplan.largest_micro_batches(40 * 2**30, model_config("774M", 1024), world_size=8)
     assert [(r["strategy"], r["activation_checkpointing"], r["micro_batch"]) for r in out["plans"]] == [
         (r["strategy"], r["activation_checkpointing"], r["micro_batch"]) for r in expect
     ]

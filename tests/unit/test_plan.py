@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import TINY, cli_args, tiny_gpt
+from conftest import TINY, adapt_config, cli_args, tiny_gpt
 from safetensors.torch import load_file
 
 from gpt2lab import cli
@@ -229,7 +229,7 @@ def test_resume_arch_and_weights_come_from_the_same_checkpoint(sources, tiny_dat
             "init_from": sources[2],
         },
     )
-    train(init_from.adapt_config(cfg), DistInfo(device=CPU))
+    train(adapt_config(cfg), DistInfo(device=CPU))
     older, newest = ckpt.list_checkpoints(str(out))
     saved = json.loads((open(os.path.join(newest, "config.json")).read()))
     saved["model"]["n_layer"], saved["finetune"]["init_from"] = 3, sources[3]  # its bytes change: the checksum fails

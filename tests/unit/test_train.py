@@ -112,8 +112,9 @@ def test_bad_weights_never_overwrite_a_checkpoint(tiny_data, tmp_path):
 
 
 def test_val_loss_equals_a_plain_loop(tiny_data, tmp_path):
+    from conftest import evaluate_loss
+
     from gpt2lab.data.shards import list_shards, open_shard
-    from gpt2lab.evals.loss import evaluate_loss
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=32))
@@ -171,8 +172,9 @@ def test_run_logs_val_hellaswag_samples_tensorboard_and_plot(tiny_data, tmp_path
     """A short run with every in-training evaluation on; the logged figures equal the
     standalone evaluators applied to the checkpoint the run saved at its last step."""
 
+    from conftest import evaluate_loss
+
     from gpt2lab.evals.hellaswag import evaluate_hellaswag
-    from gpt2lab.evals.loss import evaluate_loss
     from gpt2lab.train.run import train
     from gpt2lab.weights.load import load_model
 

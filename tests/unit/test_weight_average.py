@@ -9,10 +9,9 @@ import json
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, evaluate_loss
 
 from gpt2lab.distributed.dist import DistInfo
-from gpt2lab.evals.loss import evaluate_loss
 from gpt2lab.system.errors import ConfigError
 from gpt2lab.train.config import TrainConfig
 from gpt2lab.train.settings import load_preset

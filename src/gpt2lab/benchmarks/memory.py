@@ -144,16 +144,18 @@ def run(args: argparse.Namespace) -> Optional[dict]:
     if args.steps < 2:  # the first step creates AdamW's moments; the planned peak is a later step's
         raise UsageError(f"--steps must be at least 2, got {args.steps}")
     if args.plan is not None:
-        return plan(cfg, args)
+        return budget_table(cfg, args)
     if args.micro_batch is not None:
         return predict_and_measure(cfg, args)
     return search(cfg, args)
 
 
-def plan(cfg: GPTConfig, args: argparse.Namespace) -> dict:
+def budget_table(cfg: GPTConfig, args: argparse.Namespace) -> dict:
     world = args.world_size or 1
-    # for a run as `gpt2lab train` makes it on a GPU: compiled (memplan.plan's default)
-    rows = memplan.plan(int(args.plan * 2**30), cfg, world_size=world, seq_len=args.seq_len, dtype=args.dtype)
+    # for a run as `gpt2lab train` makes it on a GPU: compiled (memplan.largest_micro_batches' default)
+    rows = memplan.largest_micro_batches(
+        int(args.plan * 2**30), cfg, world_size=world, seq_len=args.seq_len, dtype=args.dtype
+    )
     for r in rows:
         r["predicted_gib"] = round(r.pop("predicted_bytes") / 2**30, 2)
     return {

@@ -134,11 +134,6 @@ class TokenLoader:
         return int(self.seqs.sum())
 
     @property
-    def tokens_per_epoch(self) -> int:
-        """Target tokens in one epoch (every sequence gives T of them)."""
-        return self.sequences_per_epoch * self.T
-
-    @property
     def steps_per_epoch(self) -> int:
         """Whole steps (all ranks together) in one epoch."""
         return self.sequences_per_epoch // (self.B * self.world_size)

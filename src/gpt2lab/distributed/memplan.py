@@ -438,7 +438,7 @@ def fits(predicted_bytes: int, device_bytes: int) -> bool:
     return predicted_bytes <= device_bytes
 
 
-def plan(
+def largest_micro_batches(
     gpu_bytes: int,
     cfg: GPTConfig,
     *,
@@ -528,7 +528,9 @@ def choose(
     """
     cap = max(1, total_batch_tokens // (seq_len * world_size))
     best = None
-    for row in plan(gpu_bytes, cfg, world_size=world_size, seq_len=seq_len, dtype=dtype, max_batch=cap):
+    for row in largest_micro_batches(
+        gpu_bytes, cfg, world_size=world_size, seq_len=seq_len, dtype=dtype, max_batch=cap
+    ):
         B = 1 << (row["micro_batch"].bit_length() - 1) if row["micro_batch"] else 0
         key = (not row["activation_checkpointing"] and B > 0, B, row["strategy"] == "ddp")
         if best is None or key > best[0]:

@@ -36,11 +36,6 @@ class LossResult:
         return self.loss * self.targets / (math.log(2) * self.bytes) if self.bytes else None
 
 
-def evaluate_loss(model: torch.nn.Module, data_dir: str, **kwargs) -> float:
-    """Mean loss over the first ``tokens`` target tokens of ``split`` (``evaluate``'s loss)."""
-    return evaluate(model, data_dir, **kwargs).loss
-
-
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module,

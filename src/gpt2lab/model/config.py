@@ -242,10 +242,6 @@ PRESETS = {s.hub: s.shape for s in SIZES}
 PRESET_ALIASES = {s.label.lower(): s.hub for s in SIZES}
 
 
-def size_named(label: str) -> Size:
-    return next(s for s in SIZES if s.label == label)
-
-
 # The fields a GPT-2 does not have: the modern block's switches and the speedrun's levers.
 MODERN_FIELDS = (
     "pos_emb",

@@ -3,7 +3,7 @@
 SRC is a hub name (gpt2 ... gpt2-xl), a local HF GPT-2 directory, a gpt2lab run directory
 (its newest checkpoint) or one checkpoint directory. Only the weights are taken: the run
 gets a new optimizer, step 0, its own LR schedule and data order. The architecture comes
-from SRC (``adapt_config``); the run may pad the vocabulary (50257 -> 50304) and keep
+from SRC (``source_arch``, which the run plan applies); the run may pad the vocabulary (50257 -> 50304) and keep
 fewer positions (a smaller ``--block-size``). Every problem with SRC is an ``InitFromError``
 naming it, raised before any training work.
 """
@@ -22,7 +22,7 @@ from gpt2lab.data.tokenizer import GPT2_VOCAB_SIZE
 from gpt2lab.model.config import CHAT_VOCAB_SIZES, model_from_config
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.system.files import read_json_object, sha256_file
-from gpt2lab.train.config import ConfigError, TrainConfig
+from gpt2lab.train.config import ConfigError
 from gpt2lab.weights import read
 from gpt2lab.weights.load import CHECKPOINT, HF_DIR, from_checkpoint, source_kind
 
@@ -151,17 +151,6 @@ def _check_readable(src: Source) -> None:
             f"{src.weights} holds no token embedding (wte.weight, or NanoChat's embed_tokens.weight); "
             "pass a GPT-2 or NanoChat model"
         )
-
-
-def adapt_config(cfg: TrainConfig) -> TrainConfig:
-    """``cfg`` with the architecture of ``cfg.finetune.init_from``; each of cfg's values must agree
-    with it (a smaller block_size keeps SRC's first positions)."""
-    arch = source_arch(cfg.finetune.init_from, {name: getattr(cfg.model, name) for name in ARCH_FIELDS})
-    try:
-        return cfg.with_model(**arch)
-    except ConfigError as e:
-        sizes = ", ".join(f"{k} {v}" for k, v in arch.items())
-        raise InitFromError(f"--init-from {cfg.finetune.init_from} ({sizes}): {e}") from e
 
 
 def source_arch(spec: str, explicit: Mapping[str, object], flag: str = "--init-from") -> dict[str, object]:

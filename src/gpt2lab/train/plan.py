@@ -57,7 +57,8 @@ class Request:
 
     @classmethod
     def of(cls, cfg: TrainConfig, resume: Optional[str] = None) -> "Request":
-        """A TrainConfig as a request: every architecture value counts as given (adapt_config's rule)."""
+        """A TrainConfig as a request: every architecture value counts as given (each must agree with an
+        --init-from source)."""
         explicit = {name: getattr(cfg.model, name) for name in (*init_from.ARCH_FIELDS, "vocab_size")}
         values = cfg.to_dict()
         if cfg.model.tokenizer is None:  # GPT-2's count, derived (train.config): the data's template may add to it
