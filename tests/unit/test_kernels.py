@@ -340,8 +340,11 @@ def test_an_asked_half_precision_unmeasured_is_held_on_a_cpu_without_native_bf16
     """The device's rule prefers fp32 on such a CPU, but an asked --dtype bfloat16 is the only dtype there is."""
     for facts in (XEON, AVX2):
         d = choose(InferenceRequest(dtype="bfloat16"), facts)
-        assert d.candidate == Candidate("bfloat16", "packed" if not facts.packing_bf16_error else "decode")
+        assert d.candidate == Candidate("bfloat16", "packed" if not facts.packing_bf16_error else "plain")
     assert choose(InferenceRequest(), XEON).candidate == Candidate("float32", "packed")
+    # without oneDNN: fp32 weights column-major, half-precision ones row-major
+    assert choose(InferenceRequest(), NO_ONEDNN).candidate == Candidate("float32", "decode")
+    assert choose(InferenceRequest(dtype="bfloat16"), NO_ONEDNN).candidate == Candidate("bfloat16", "plain")
 
 
 def test_the_probe_is_cached_per_machine_and_model_and_can_be_turned_off(tmp_path, monkeypatch):
@@ -436,8 +439,11 @@ def test_a_first_probe_says_once_on_stderr_what_it_does_and_about_how_long(tmp_p
     model, cpu = tiny_gpt(seed=0, vocab_size=97, block_size=16), torch.device("cpu")
     prep.decide(model, cpu, InferenceRequest(linear="plain"), facts=ZEN, command="gpt2lab sample")
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].startswith(
-        "gpt2lab sample: measuring 4 ways to run this model on this machine for sample (bfloat16/decode, "
+    assert (
+        len(err) == 1
+        and err[0].startswith(
+            "gpt2lab sample: measuring 4 ways to run this model on this machine for sample (bfloat16/plain, "  # the rule's pick first
+        )
     ), err
     assert "about 12 s; done once per machine and model shape" in err[0] and "GPT2LAB_PROBE=0" in err[0]
     prep.decide(model, cpu, InferenceRequest(linear="plain"), facts=ZEN, command="gpt2lab sample")

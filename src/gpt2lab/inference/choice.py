@@ -184,12 +184,17 @@ def choose(request: InferenceRequest, facts: InferenceFacts) -> Decision:
 def device_pick(cands: list[Candidate], facts: InferenceFacts) -> Candidate:
     """The device's rule: half precision where the device computes it natively (fp32 on a CPU without
     native bf16, and on MPS), of those dtypes the candidates hold (an asked-for dtype is the only one);
-    oneDNN's packed linear first, then the column-major one."""
+    oneDNN's packed linear first; then, for fp32 weights, the column-major layout, for half-precision
+    ones the row-major (a column-major bf16 weight was 1.4x slower than row-major on a Zen 5 with
+    AVX512_BF16, and 20x on an AVX2-only EPYC; fp32 gained 1.2x from it on both)."""
     half = [c for c in cands if c.dtype != "float32"]
     fp32 = [c for c in cands if c.dtype == "float32"]
     prefer_fp32 = facts.device_type == "mps" or (facts.device_type == "cpu" and not facts.native_bf16)
     pool = (fp32 if prefer_fp32 else half) or cands
-    for kernel in ("packed", "decode", "int8", "plain"):
+    order = (
+        ("packed", "decode", "int8", "plain") if pool[0].dtype == "float32" else ("packed", "int8", "plain", "decode")
+    )
+    for kernel in order:
         for c in pool:
             if c.kernel == kernel:
                 return c
