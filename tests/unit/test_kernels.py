@@ -439,11 +439,8 @@ def test_a_first_probe_says_once_on_stderr_what_it_does_and_about_how_long(tmp_p
     model, cpu = tiny_gpt(seed=0, vocab_size=97, block_size=16), torch.device("cpu")
     prep.decide(model, cpu, InferenceRequest(linear="plain"), facts=ZEN, command="gpt2lab sample")
     err = capsys.readouterr().err.splitlines()
-    assert (
-        len(err) == 1
-        and err[0].startswith(
-            "gpt2lab sample: measuring 4 ways to run this model on this machine for sample (bfloat16/plain, "  # the rule's pick first
-        )
+    assert len(err) == 1 and err[0].startswith(
+        "gpt2lab sample: measuring 4 ways to run this model on this machine for sample (bfloat16/plain, "
     ), err
     assert "about 12 s; done once per machine and model shape" in err[0] and "GPT2LAB_PROBE=0" in err[0]
     prep.decide(model, cpu, InferenceRequest(linear="plain"), facts=ZEN, command="gpt2lab sample")
