@@ -30,6 +30,10 @@ httpx = pytest.importorskip("httpx")
         ({"model": "tiny", "prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias is not supported"),
         ({"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
         ({"prompt": "x"}, 400, "model"),
+        (b'{"model": "tiny", "prompt": "x", "temperature": Infinity}', 400, "temperature"),
+        (b'{"model": "tiny", "prompt": "x", "temperature": 1e999}', 400, "temperature"),
+        (b'{"model": "tiny", "prompt": "x", "top_p": NaN}', 400, "top_p"),
+        (b'{"model": "tiny", "prompt": "x", "presence_penalty": -Infinity}', 400, "presence_penalty"),
     ],
 )
 def test_bad_requests_get_4xx_with_an_openai_error_and_the_server_keeps_serving(pair_server, body, status, needle):

@@ -20,9 +20,10 @@ MAX_LOGPROBS = 5  # as OpenAI's completions
 
 class CompletionRequest(BaseModel):
     """OpenAI's completion parameters; ``top_k`` is an extra (0 or absent keeps every token). Strict:
-    ``true`` is not an integer (pydantic's lax mode takes it as 1), nor ``1`` a boolean."""
+    ``true`` is not an integer (pydantic's lax mode takes it as 1), nor ``1`` a boolean; no number is
+    infinite or NaN (``Infinity``, ``NaN`` and ``1e999`` parse as JSON numbers in Python)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     model: str
     prompt: Union[str, list[str], list[int], list[list[int]]] = "<|endoftext|>"
@@ -47,7 +48,7 @@ class CompletionRequest(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     role: str
     content: Union[str, list[dict], None] = None
@@ -57,7 +58,7 @@ class ChatMessage(BaseModel):
 class ChatRequest(BaseModel):
     """OpenAI's chat parameters (the ones a plain-text template can honour); ``top_k`` is an extra."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     model: str
     messages: list[ChatMessage]
