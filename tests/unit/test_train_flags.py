@@ -40,6 +40,8 @@ def train_argv(data: str, out, *extra: str, **fields) -> list[str]:
         ("max_lr = true", "max_lr", "a number"),
         ('n_layer = "two"', "n_layer", "a whole number"),
         ("compile = 3", "compile", "text"),
+        ("max_lr = inf", "max_lr", "a number"),
+        ("min_lr = nan", "min_lr", "a number"),
     ],
 )
 def test_a_wrong_type_in_a_config_file_is_one_line_naming_the_key(tmp_path, capsys, line, key, kind):
@@ -107,6 +109,27 @@ def test_bad_sample_and_eval_flags_exit_2_naming_the_flag(gpt2_vocab_export, cap
     _, d = gpt2_vocab_export
     assert cli.main([*argv, "--model", d, "--device", "cpu"]) == 2
     assert flag in one_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["sample", "--temperature", "inf"],
+        ["sample", "--top-p", "nan"],
+        ["sample", "--temperature", "1e999"],
+        ["train", "--max-lr", "nan", "--dry-run"],
+        ["serve", "--timeout", "-inf"],
+        ["compare", "a", "b", "--loss", "nan"],
+    ],
+)
+def test_an_infinite_or_nan_number_flag_is_refused_naming_it(argv, capsys):
+    """Every number flag is finite: "inf", "nan" and "1e999" parse as floats and mean no setting."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = one_line(capsys.readouterr().err)
+    flag = next(a for a in argv if a.startswith("--") and a != "--dry-run")
+    assert f"argument {flag}: expected a finite number, got {argv[argv.index(flag) + 1]!r}" in err
 
 
 def test_eval_loss_tokens_past_the_split_names_the_tokens_flag(gpt2_vocab_export, tiny_data, capsys):

@@ -33,6 +33,7 @@ from gpt2lab.benchmarks import timed
 from gpt2lab.benchmarks.train import ReferenceGPT
 from gpt2lab.distributed.dist import pick_device
 from gpt2lab.model.config import SIZES as GPT2_SIZES
+from gpt2lab.system.choices import finite_float
 from gpt2lab.train.optim import make_optimizer
 
 RUNGS = ("fp32", "tf32", "bf16", "compile", "flash", "vocab50304", "fused_adamw")
@@ -54,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--data", default=None, help="token shards for the gpt2lab rung (gpt2lab prepare output)")
     p.add_argument("--device", default=None)
-    p.add_argument("--peak-flops", type=float, default=None, help="datasheet peak FLOP/s (default: by GPU name)")
+    p.add_argument("--peak-flops", type=finite_float, default=None, help="datasheet peak FLOP/s (default: by GPU name)")
 
 
 def settings(rung: str) -> dict:

@@ -39,6 +39,7 @@ from gpt2lab.distributed.dist import pick_device
 from gpt2lab.model.config import GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.model.loss import choose_loss
+from gpt2lab.system.choices import finite_float
 from gpt2lab.system.errors import UsageError
 from gpt2lab.train.optim import make_optimizer
 from gpt2lab.train.trainer import accumulate_gradients
@@ -92,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measure", default="true", choices=["true", "false"], help="false: the prediction only")
     p.add_argument(
         "--plan",
-        type=float,
+        type=finite_float,
         default=None,
         metavar="GPU_GB",
         help="largest micro-batch per strategy that fits a card of this many GiB",

@@ -36,6 +36,7 @@ from gpt2lab.benchmarks import peers
 from gpt2lab.inference.flags import add_inference_flags, inference_request
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.serve.limits import Limits
+from gpt2lab.system.choices import finite_float
 from gpt2lab.system.errors import UsageError
 
 
@@ -47,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=1024)
     p.add_argument("--new-tokens", type=int, default=64, help="tokens asked of each request")
     p.add_argument("--streams", default="1,8", help="comma-separated counts of concurrent clients (default 1,8)")
-    p.add_argument("--seconds", type=float, default=30.0, help="how long clients keep sending, per count")
+    p.add_argument("--seconds", type=finite_float, default=30.0, help="how long clients keep sending, per count")
     p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto (cuda > mps > cpu), as serve's")
     add_inference_flags(p)  # serve's flags and defaults: a default figure is a user's figure
     p.add_argument(

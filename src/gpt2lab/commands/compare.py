@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 
+from gpt2lab.system.choices import finite_float
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("compare", help="tokens and seconds each run took to reach a loss; curves vs tokens")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="two or more run directories (the first is the baseline)")
     p.add_argument(
         "--loss",
-        type=float,
+        type=finite_float,
         default=None,
         metavar="X",
         help="the target value of --metric (default: the first run's final one)",

@@ -10,6 +10,7 @@ import sys
 from gpt2lab.inference.flags import add_inference_flags, inference_request
 from gpt2lab.serve.limits import Limits
 from gpt2lab.serve.models import load_workers, model_names
+from gpt2lab.system.choices import finite_float
 from gpt2lab.system.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 
@@ -49,7 +50,10 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="the largest max_tokens a request may ask for")
     p.add_argument(
-        "--timeout", type=float, default=d.timeout_s, help="seconds a request may wait and run; past it, a 504 error"
+        "--timeout",
+        type=finite_float,
+        default=d.timeout_s,
+        help="seconds a request may wait and run; past it, a 504 error",
     )
     p.add_argument(
         "--prefill-chunk",

@@ -7,6 +7,7 @@ flag's help text; a field marked ``derived`` is set by the trainer, never by a f
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -290,13 +291,16 @@ def gpt_config(values: dict, source: str) -> GPTConfig:
 
 def check_types(values: dict, hints: dict, source: str, also: Optional[dict] = None) -> None:
     """Each value of the type its field's annotation names (an int passes for a float, a bool for
-    nothing but a bool); else a ConfigError naming the key. ``also``: name -> other types allowed."""
+    nothing but a bool; a number is finite: TOML's ``inf`` and ``nan`` are no setting); else a
+    ConfigError naming the key. ``also``: name -> other types allowed."""
     for name, value in values.items():
         if name not in hints:
             continue
         tp, optional = field_type(hints[name])
         ok = (value is None and optional) or (
-            isinstance(value, (int, float) if tp is float else tp) and (tp is bool or not isinstance(value, bool))
+            isinstance(value, (int, float) if tp is float else tp)
+            and (tp is bool or not isinstance(value, bool))
+            and (not isinstance(value, float) or math.isfinite(value))
         )
         if not ok and not isinstance(value, (also or {}).get(name, ())):
             kind = {int: "a whole number", float: "a number", bool: "true or false", str: "text"}.get(tp, str(tp))

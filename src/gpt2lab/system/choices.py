@@ -1,4 +1,5 @@
-"""The names a run's settings accept, defined once (torch-free, so building the CLI stays cheap).
+"""The names a run's settings accept, defined once (torch-free, so building the CLI stays cheap), and
+``finite_float``, the type of every number flag.
 
 "auto" is decided by gpt2lab.system.runtime (dtype, compile) and
 gpt2lab.distributed.parallel.choose_strategy (strategy).
@@ -21,3 +22,18 @@ NS_DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 # ("plain": F.linear on the weight as stored or column-major; "auto": measured).
 QUANTIZE_CHOICES = ("none", "int8")
 LINEAR_CHOICES = ("auto", "packed", "plain")
+
+
+def finite_float(text: str) -> float:
+    """argparse's type for a number flag: a float that is neither infinite nor NaN ("inf", "nan" and
+    "1e999" parse as floats, and no setting means them)."""
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value

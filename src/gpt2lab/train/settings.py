@@ -13,6 +13,7 @@ from importlib import resources
 from typing import Any, get_type_hints
 
 from gpt2lab.model.config import GPTConfig, field_type
+from gpt2lab.system.choices import finite_float
 from gpt2lab.system.errors import ConfigError
 from gpt2lab.train.config import (
     SECTIONS,
@@ -92,7 +93,7 @@ def parse_bool(text: str) -> bool:
 
 
 def _converter(tp: Any, optional: bool):
-    base = parse_bool if tp is bool else tp
+    base = parse_bool if tp is bool else finite_float if tp is float else tp
 
     def convert(text: str):
         if optional and text.lower() in ("none", "null", ""):
