@@ -105,6 +105,15 @@ def test_unknown_routes_and_wrong_methods_answer_openais_error_body(tiny_server,
         assert ("POST" if "completions" in path else "GET") in r.headers["allow"]
 
 
+@pytest.mark.parametrize("path", ["/", "/metrics", "/v1/models"])
+def test_head_on_a_get_route_answers_as_get_without_a_body(tiny_server, path):
+    """HTTP's HEAD is GET without the body (RFC 9110), which health checks and proxies send."""
+    url, _ = tiny_server
+    got, head = httpx.get(url + path, timeout=30), httpx.head(url + path, timeout=30)
+    assert head.status_code == got.status_code == 200 and head.content == b""
+    assert head.headers["content-type"] == got.headers["content-type"]
+
+
 def test_a_model_name_that_cannot_be_encoded_gets_a_json_404(tiny_server):
     url, _ = tiny_server
     r = post_completion(url, {"model": "\ud800", "prompt": "x"})

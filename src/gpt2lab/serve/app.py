@@ -75,15 +75,15 @@ def create_app(workers: dict[str, Worker]) -> FastAPI:
             ).response()
         return validation_error(exc).response()
 
-    @app.get("/", response_class=HTMLResponse)
+    @app.api_route("/", methods=["GET", "HEAD"], response_class=HTMLResponse)
     async def playground() -> str:
         return page
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus() -> Response:
         return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> dict:
         return {
             "object": "list",
