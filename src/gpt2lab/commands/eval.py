@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from gpt2lab.inference.flags import add_inference_flags
 
@@ -56,9 +57,10 @@ def add_parser(sub) -> None:
     _common(ch)
     ch.add_argument(
         "--data",
-        required=True,
-        help="conversations: JSON lines in the messages format "
-        "(.jsonl, also .jsonl.zst/.gz/.xz, a directory or a glob)",
+        default=None,
+        help="conversations: JSON lines in the messages format (.jsonl, also .jsonl.zst/.gz/.xz, a "
+        "directory or a glob), or a directory from gpt2lab prepare (its held-out conversations, "
+        "held_out.jsonl); default: those of the prepared data the --model run trained on",
     )
     ch.add_argument(
         "--max-tokens",
@@ -73,9 +75,10 @@ def add_parser(sub) -> None:
     _common(gs)
     gs.add_argument(
         "--data",
-        required=True,
-        help="GSM8K rows {question, answer} as JSON lines (or messages: one "
-        "user turn, one assistant turn ending '#### N')",
+        default=None,
+        help="GSM8K rows {question, answer} as JSON lines (or messages: one user turn, one assistant "
+        "turn ending '#### N'); default: GSM8K's official test split, downloaded once into "
+        "~/.cache/gpt2lab or $GPT2LAB_CACHE",
     )
     gs.add_argument("--max-tokens", type=int, default=256, help="tokens a reply may take (default 256)")
     gs.add_argument("--limit", type=int, default=None, help="only the first N problems")
@@ -261,38 +264,51 @@ def _chat_model(args: argparse.Namespace, info):
 
 def run_chat(args: argparse.Namespace) -> int:
     from gpt2lab.distributed.dist import init_distributed
-    from gpt2lab.evals.chat import evaluate_chat, read_conversations
+    from gpt2lab.evals.chat import chat_data, evaluate_chat, read_conversations
 
     _positive(args.max_tokens, "--max-tokens")
     _positive(args.limit, "--limit")
-    conversations = read_conversations(args.data, args.limit)
+    data, note = chat_data(args.data, args.model)
+    if note:
+        print(f"gpt2lab eval chat: {note}", file=sys.stderr, flush=True)
+    conversations = read_conversations(data, args.limit)
     info = init_distributed(args.device)
     model, decision = _chat_model(args, info)
-    result = evaluate_chat(model, conversations, max_tokens=args.max_tokens, device=info.device, progress=True)
-    print(json.dumps({**result, "model": args.model, "data": args.data, "inference": decision.record()}))
+    try:
+        result = evaluate_chat(model, conversations, max_tokens=args.max_tokens, device=info.device, progress=True)
+    except ValueError as e:  # a model that cannot take the template
+        raise SystemExit(f"gpt2lab eval chat: --model {args.model}: {e}") from None
+    print(json.dumps({**result, "model": args.model, "data": data, "inference": decision.record()}))
     return 0
 
 
 def run_gsm8k(args: argparse.Namespace) -> int:
     from gpt2lab.distributed.dist import init_distributed
-    from gpt2lab.evals.chat import evaluate_gsm8k, read_conversations
+    from gpt2lab.evals.chat import evaluate_gsm8k, gsm8k_test_file, read_conversations
     from gpt2lab.system.files import atomic_write
 
     _positive(args.max_tokens, "--max-tokens")
     _positive(args.limit, "--limit")
-    problems = read_conversations(args.data, args.limit, gsm8k=True)
+    try:  # the data first: no data, or no network to fetch it, fails before the model loads
+        data = args.data or gsm8k_test_file(flag="--data")
+    except RuntimeError as e:
+        raise SystemExit(f"gpt2lab eval gsm8k: {e}") from None
+    problems = read_conversations(data, args.limit, gsm8k=True)
     info = init_distributed(args.device)
     model, decision = _chat_model(args, info)
-    summary, rows = evaluate_gsm8k(
-        model, problems, max_tokens=args.max_tokens, calculator=args.calculator, progress=True
-    )
+    try:
+        summary, rows = evaluate_gsm8k(
+            model, problems, max_tokens=args.max_tokens, calculator=args.calculator, progress=True
+        )
+    except ValueError as e:  # a model that cannot take the template
+        raise SystemExit(f"gpt2lab eval gsm8k: --model {args.model}: {e}") from None
     if args.samples:
         with atomic_write(args.samples, "w") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
     print(
         json.dumps(
-            {**summary, "model": args.model, "data": args.data, "samples": args.samples, "inference": decision.record()}
+            {**summary, "model": args.model, "data": data, "samples": args.samples, "inference": decision.record()}
         )
     )
     return 0
