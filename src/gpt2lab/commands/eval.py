@@ -44,7 +44,12 @@ def add_parser(sub) -> None:
     lo.add_argument("--data", required=True, help="token shard directory (from gpt2lab prepare)")
     lo.add_argument("--split", default="val")
     # 20 batches of 64 x 1024: what the reference recipe's GPT-2 baseline (3.2924) was measured on.
-    lo.add_argument("--tokens", type=int, default=20 * 64 * 1024, help="tokens to evaluate")
+    lo.add_argument(
+        "--tokens",
+        type=int,
+        default=20 * 64 * 1024,
+        help="tokens to evaluate (a split that holds fewer: all its whole batches, with a note)",
+    )
     lo.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
     lo.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's block size)")
     lo.set_defaults(func=run_loss)
@@ -190,7 +195,7 @@ def run_loss(args: argparse.Namespace) -> int:
     from gpt2lab.system.errors import UsageError
 
     try:
-        from gpt2lab.evals.loss import evaluate
+        from gpt2lab.evals.loss import evaluate, fit_to_split
     except ImportError as e:
         raise SystemExit(f"gpt2lab eval loss: validation loss is not available in this install ({e})") from None
     for value, flag in ((args.tokens, "--tokens"), (args.batch_size, "--batch-size"), (args.seq_len, "--seq-len")):
@@ -201,10 +206,14 @@ def run_loss(args: argparse.Namespace) -> int:
         _same_tokenizer(model.config, args.data)
         seq_len = args.seq_len or model.config.block_size
         try:
+            # as train does with --eval-tokens: a split holding fewer tokens is taken whole, with a note
+            tokens, note = fit_to_split(args.data, args.split, args.tokens, args.batch_size, seq_len, info.world_size)
+            if note and info.rank == 0:
+                print(f"gpt2lab eval loss: {note}", file=sys.stderr, flush=True)
             res = evaluate(
                 model,
                 args.data,
-                tokens=args.tokens,
+                tokens=tokens,
                 batch_size=args.batch_size,
                 seq_len=seq_len,
                 device=info.device,
@@ -217,15 +226,12 @@ def run_loss(args: argparse.Namespace) -> int:
             raise
         except (FileNotFoundError, ValueError) as e:
             raise SystemExit(f"gpt2lab eval loss: {e}") from None
-        tokens = max(1, args.tokens // (args.batch_size * seq_len * info.world_size)) * (
-            args.batch_size * seq_len * info.world_size
-        )
         print0(
             json.dumps(
                 {
                     "task": "loss",
                     "split": args.split,
-                    "tokens": tokens,
+                    "tokens": res.tokens,
                     "loss": res.loss,
                     "bpb": res.bpb,
                     "bytes": res.bytes,
