@@ -124,3 +124,17 @@ def test_eval_chat_without_data_scores_the_runs_held_out_conversations(chat_dir,
     val = manifest["splits"]["val"]
     assert result["data"] == held and result["conversations"] == val["documents"]
     assert result["assistant_tokens"] == val["supervised"]  # the val shards' supervised tokens, all of them
+
+
+def test_a_rerun_after_the_source_changed_does_not_write_other_conversations(tmp_path):
+    import shutil
+
+    src = tmp_path / "chats.jsonl.zst"
+    shutil.copy(CHAT_SLICE, src)
+    out = tmp_path / "shards"
+    prepare(str(src), str(out), progress=False, shard_tokens=20_000, val_tokens=2000)
+    (out / HELD_OUT).unlink()
+    src.write_bytes(src.read_bytes()[:-10])  # the source is not what the shards were made from
+    with pytest.warns(UserWarning, match=f"{HELD_OUT} not written: {src} is not the file these shards were made"):
+        prepare(str(src), str(out), progress=False, shard_tokens=20_000, val_tokens=2000)
+    assert not (out / HELD_OUT).exists()
