@@ -25,7 +25,7 @@ from gpt2lab.serve.engine import Worker
 from gpt2lab.serve.errors import APIError, error_body
 from gpt2lab.serve.metrics import ServeMetrics
 from gpt2lab.serve.responses import respond, stream_chat, stream_completion, whole_chat, whole_completion
-from gpt2lab.serve.schemas import ChatRequest, CompletionRequest, validation_error
+from gpt2lab.serve.schemas import ChatRequest, CompletionRequest, lone_surrogate, validation_error
 
 # The paths served: named in a 404's message, counted by name in /metrics (any other path as "other")
 ROUTES = ("/", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
@@ -104,13 +104,22 @@ def create_app(workers: dict[str, Worker]) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
+        _text_only(req)
         return await respond(Completion(req, workers), stream_completion, whole_completion, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
+        _text_only(req)
         return await respond(ChatCompletion(req, workers), stream_chat, whole_chat, request)
 
     return app
+
+
+def _text_only(req) -> None:
+    """A request whose strings hold a lone surrogate (pydantic takes one in a value) is a 400 naming it."""
+    found = lone_surrogate(req.model_dump(exclude_unset=True))
+    if found is not None:
+        raise found
 
 
 def _inference(worker: Worker) -> dict:
