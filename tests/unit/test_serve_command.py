@@ -15,8 +15,11 @@ def test_serve_bad_model_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.strip().startswith(f"gpt2lab serve: --model {missing}: no such directory")
     assert cli.main(["serve", "--model", missing, "--max-queue", "0", "--port", "0"]) == 2  # a UsageError
     assert capsys.readouterr().err.strip().endswith("--max-queue 0: must be at least 1")
-    with pytest.raises(SystemExit, match="given twice"):
-        cli.main(["serve", "--model", f"a={missing}", "--model", f"a={tmp_path}", "--port", "0"])
+    # an id given twice: a UsageError naming it, before any model is looked for
+    assert cli.main(["serve", "--model", f"a={missing}", "--model", f"a={tmp_path}", "--port", "0"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"gpt2lab serve: --model a={tmp_path}: the id 'a' is given twice; name them apart with NAME=MODEL"
+    ]
 
 
 def test_port_in_use_is_one_line_and_exit_2(gpt2_vocab_export, capsys):
