@@ -19,7 +19,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from gpt2lab.inference import chat
-from gpt2lab.serve.asgi import AccessLog
+from gpt2lab.serve.asgi import AccessLog, HostCheck
 from gpt2lab.serve.completions import ChatCompletion, Completion
 from gpt2lab.serve.engine import Worker
 from gpt2lab.serve.errors import APIError, error_body
@@ -31,14 +31,16 @@ from gpt2lab.serve.schemas import ChatRequest, CompletionRequest, lone_surrogate
 ROUTES = ("/", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
-def create_app(workers: dict[str, Worker]) -> FastAPI:
-    """The app serving ``workers``: they report to its own ``/metrics`` from now on."""
+def create_app(workers: dict[str, Worker], host: str = "127.0.0.1", allowed_hosts: tuple[str, ...] = ()) -> FastAPI:
+    """The app serving ``workers``: they report to its own ``/metrics`` from now on. ``host``, the
+    address it is bound to, and ``allowed_hosts`` decide which Host names it answers (asgi.HostCheck)."""
     metrics = ServeMetrics()
     for w in workers.values():
         w.metrics = metrics
         metrics.watch(w)
     app = FastAPI(title="gpt2lab serve", docs_url=None, redoc_url=None)
-    app.add_middleware(AccessLog, metrics=metrics, routes=ROUTES)
+    app.state.metrics = metrics  # the server's connection guard reports to it too (server.make_server)
+    app.add_middleware(AccessLog, metrics=metrics, routes=ROUTES, hosts=HostCheck(host, allowed_hosts))
     page = (resources.files("gpt2lab") / "assets" / "playground.html").read_text(encoding="utf-8")
 
     @app.exception_handler(APIError)
