@@ -167,7 +167,21 @@ def _check_export_target(out_dir: str) -> bool:
     if found.kind == rundir.EXPORT and set(found.entries) <= {*EXPORT_FILES, *TRAINED_EXPORT_FILES}:
         return True  # an earlier export: it holds nothing an export does not write again
     raise UsageError(
-        f"{out_dir} is not empty ({len(found.entries)} entries: {found.shown()}) and is not an earlier "
-        f"gpt2lab export: it holds {rundir.what(found)}; nothing was written. Choose a new or "
-        "empty OUT_DIR"
+        f"{out_dir} is not empty and is not an earlier gpt2lab export: it holds {_what_is_there(out_dir, found)}; "
+        "nothing was written. Choose a new or empty OUT_DIR"
     )
+
+
+def _what_is_there(out_dir: str, found: rundir.Found) -> str:
+    """What a directory export refuses holds, naming files that are there: a checkpoint and a run's
+    checkpoints folder are told apart from a run (whose run_info.json they lack) and from files
+    gpt2lab did not write."""
+    names = set(found.entries)
+    if found.kind == rundir.RUN and rundir.RUN_MARKER not in names:
+        what = "a gpt2lab checkpoint" if "model.safetensors" in names else "a gpt2lab run without its run_info.json"
+        return f"{what} ({found.shown()})"
+    steps = [n for n in found.entries if n.startswith("step_")]
+    if found.kind == "foreign" and steps == list(found.entries):
+        if any(rundir.inspect(os.path.join(out_dir, n)).kind == rundir.RUN for n in steps):
+            return f"a gpt2lab run's checkpoints ({found.shown()})"
+    return rundir.what(found) if found.kind == "foreign" else f"{rundir.what(found)}: {found.shown()}"
