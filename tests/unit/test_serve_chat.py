@@ -230,6 +230,25 @@ def test_transformers_generate_gives_the_servers_reply(exported):
     assert models[0].chat_template == "chatml" and "chat model" in models[0].note
 
 
+def test_a_developer_turn_is_a_system_turn_in_the_export_and_at_the_server(exported):
+    """OpenAI's ``developer`` is its newer name of ``system``: the exported template (transformers'
+    apply_chat_template) and the server's (inference/chat.py) both write it as a system turn."""
+    import transformers
+
+    from gpt2lab.inference.chat import chat_prompt
+
+    model, _, d = exported
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    messages = [{"role": "developer", "content": "Answer in French."}, *MESSAGES[1:]]
+    theirs = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    ours = chat_prompt(model, [(m["role"], m["content"]) for m in messages]).ids
+    as_system = chat.encode_chat(
+        [("system", "Answer in French."), *((m["role"], m["content"]) for m in MESSAGES[1:])],
+        add_generation_prompt=True,
+    )[0]
+    assert list(theirs["input_ids"]) == ours == as_system
+
+
 def test_typed_markers_in_a_message_stay_text_at_the_server(exported):
     from openai import OpenAI
 
