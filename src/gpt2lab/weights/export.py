@@ -54,6 +54,9 @@ def write_tokenizer(
 
     A chat model's (``chat_template``, data/chat.py) add its two turn tokens as special added tokens
     at their ids, the template in Jinja (``apply_chat_template``) and ``<|im_end|>`` as the end token.
+    The tokenizer's pad token is ``<|endoftext|>``: its padding comes with an attention mask, and the
+    pad id ``generate`` reads without one is generation_config.json's (gpt2.pad_id), which cannot be
+    a tokenizer's pad token (its text, "ÿ", would be read out of a message as that token).
     """
     if tokenizer is not None:
         return _write_trained(out, block_size, chat_template, tokenizer)
@@ -137,10 +140,12 @@ def save_pretrained(model: GPT, out_dir: str) -> str:
         save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         write_json(os.path.join(tmp, "config.json"), config)
         eot, end = gpt2.special_ids(model.config, tok)
-        # generate stops where gpt2lab does: a chat model at <|im_end|> (its turn), else at <|endoftext|>
+        # generate stops where gpt2lab does: a chat model at <|im_end|> (its turn), else at <|endoftext|>;
+        # a chat model pads (batched chats) with a token no prompt holds (gpt2.pad_id)
+        pad = gpt2.pad_id(model.config, tok) if model.config.chat_template else None
         write_json(
             os.path.join(tmp, "generation_config.json"),
-            {"bos_token_id": eot, "eos_token_id": end, **({"pad_token_id": eot} if model.config.chat_template else {})},
+            {"bos_token_id": eot, "eos_token_id": end, **({"pad_token_id": pad} if pad is not None else {})},
         )
         trained = tok if model.config.tokenizer else None
         names = write_tokenizer(tmp, model.config.block_size, model.config.chat_template, trained)
