@@ -193,9 +193,8 @@ def run(args: argparse.Namespace) -> int:
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        serve_here(
-            workers, sock, stopping=stopping, connections=connections
-        )  # the models run in this (the main) thread
+        # the models run in this (the main) thread
+        serve_here(workers, sock, stopping=stopping, connections=connections)
     except KeyboardInterrupt:
         if not said:  # not while serving: cli.main says it
             raise

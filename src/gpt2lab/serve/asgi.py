@@ -103,7 +103,7 @@ class HostCheck:
 
     def __init__(self, bound: str, allowed: Sequence[str] = ()) -> None:
         self.bound = bound
-        self.allowed = {h.lower().rstrip(".") for h in allowed}
+        self.allowed = {h.strip("[]").lower().rstrip(".") for h in allowed}  # an IPv6 address bracketed or not
         self.active = "*" not in self.allowed and (is_loopback(bound) or bool(self.allowed))
 
     def refusal(self, scope) -> Optional[str]:
@@ -114,14 +114,14 @@ class HostCheck:
         if header is None:
             return None
         value = header.decode("latin-1")
-        name = host_name(value.strip()).lower().rstrip(".")
+        name = host_name(value.strip()).strip("[]").lower().rstrip(".")
         if is_loopback(name) or name in self.allowed:
             return None
-        others = f", {', '.join(sorted(self.allowed))}" if self.allowed else ""
+        names = ["localhost", "127.0.0.1", "[::1]", *sorted(self.allowed)]
         return (
-            f"Host {value!r} is not a name this server answers: it answers localhost, 127.0.0.1 and [::1]"
-            f"{others} (a page on another site may be reaching it through a name of its own: DNS rebinding); "
-            f"to serve this name, start gpt2lab serve with --allowed-hosts {name or value!r}"
+            f"Host {value!r} is not a name this server answers: it answers {', '.join(names[:-1])} and "
+            f"{names[-1]} (a page on another site may be reaching it through a name of its own: DNS "
+            f"rebinding); to serve this name, start gpt2lab serve with --allowed-hosts {name or value}"
         )
 
 
