@@ -320,14 +320,19 @@ NEXT_LEVERS = dict(
 NEXT_MUON = dict(optimizer="muon", muon_orth="polar_express", muon_ns_dtype="float32", muon_weight_decay=0.05)
 
 
-@pytest.mark.parametrize("optim", [{}, NEXT_MUON], ids=["adamw", "muon"])
-def test_next_levers_ddp_two_processes_equal_one_with_double_accumulation(tiny_data, tmp_path, optim):
+@pytest.mark.parametrize(
+    "optim, strategy",
+    [({}, "ddp"), (NEXT_MUON, "ddp"), ({"activation_checkpointing": True}, "fsdp")],
+    ids=["adamw", "muon", "adamw-fsdp"],
+)
+def test_next_levers_two_processes_equal_one_with_double_accumulation(tiny_data, tmp_path, optim, strategy):
+    """DDP (and FSDP2, which shards the heads with the root) on two processes against one."""
     fields = dict(
         data=tiny_data, **{**DIST_FIELDS, "eval_interval": 0, "hellaswag_interval": 0}, **NEXT_LEVERS, **optim
     )
     fields["seq_len_ramp_steps"] = 2  # 4 steps: 8 tokens a row, then 16, then 32 twice
     run_train(out=str(tmp_path / "one"), **fields)
-    proc = _torchrun(tmp_path / "ddp", strategy="ddp", **fields)
+    proc = _torchrun(tmp_path / "ddp", strategy=strategy, **fields)
     assert "2 process(es), 2 micro-steps/step" in proc.stdout
     one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "ddp")
     assert sorted(one) == sorted(two) == [0, 1, 2, 3]
