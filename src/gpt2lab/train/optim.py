@@ -58,9 +58,7 @@ class CautiousAdamW(torch.optim.AdamW):
     from it before torch's step, which then runs (fused or not) with weight decay 0: the decay reads
     the weight before the update, as the paper's x_{t+1} = x_t - lr (u_t + wd I(u_t x_t >= 0) x_t).
     Each group keeps its own ``weight_decay`` (0 on gains and biases: no decay there either). A
-    step skipped on the device (``found_inf``) is skipped by the decay too."""
-
-    _step_supports_amp_scaling = True
+    step skipped on the device (``found_inf``: fused only, as torch's) is skipped by the decay too."""
 
     @torch.no_grad()
     def step(self, closure=None):
