@@ -1,7 +1,10 @@
 """The open GPT-2 speedrun's levers: value embeddings, U-net skips between blocks, a zero
 lm_head, the batch-size ramp and NorMuon, each against a written-out formula or a hand count: a
 hand-written attention and U-net forward, a float64 NorMuon loop, the ramp's micro-steps by hand,
-the planner's bytes against what autograd keeps and what the optimizer holds."""
+the planner's bytes against what autograd keeps and what the optimizer holds. Then multi-token
+prediction (its loss written out position by position, its export through transformers), the
+sequence-length ramp (the loader's rows against the full batch), Polar Express (against
+torch.linalg.svd and a float64 loop) and cautious weight decay (a step by hand)."""
 
 from __future__ import annotations
 
@@ -1022,3 +1025,25 @@ def test_new_lever_flags_and_memory_in_the_plan(tmp_path):
     ]
     assert plans[1].memory["total"] > plans[0].memory["total"]
     assert plans[1].params == plans[0].params + 2 * 32 * 32
+
+
+def test_dry_run_shows_the_new_levers_and_a_resume_keeps_them(tiny_data, tmp_path, capsys):  # noqa: F811
+    from conftest import cli_args
+
+    from gpt2lab.cli import main
+    from gpt2lab.train.plan import resume_fields
+
+    flags = cli_args(data=tiny_data, out=str(tmp_path / "run"), **NEXT)
+    assert main(["train", "--preset", "shakespeare-cpu", *flags, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert not (tmp_path / "run").exists()
+    assert "drops mtp_heads=2 (multi-token prediction heads, a training loss: not written)" in out
+    assert "multi-token prediction: 2 more heads (tokens t+2..t+3), weight 0.5, to 0.1 at the last step" in out
+    assert "sequences of 8 tokens at step 0 (micro-batch 8 rows), doubling to 32 by step 4" in out
+    assert "Polar Express in place of Newton-Schulz's polynomial; cautious weight decay" in out
+    # what changes the training must stay the same on a resume (mtp_heads: the checkpoint's shapes)
+    kept = resume_fields(_ramp_cfg(**NEXT))
+    assert {"mtp_weight", "mtp_weight_final", "seq_len_ramp_steps", "seq_len_start", "muon_orth", "cautious_wd"} <= set(
+        kept
+    )
+    assert "muon_orth" not in resume_fields(_ramp_cfg())
