@@ -18,7 +18,7 @@ from gpt2lab.system import rundir
 from gpt2lab.system.errors import UsageError
 from gpt2lab.system.files import atomic_dir, write_json
 from gpt2lab.weights import gpt2, nanochat
-from gpt2lab.weights.targets import check_exportable
+from gpt2lab.weights.targets import check_exportable, exported_model
 
 # What an export writes; the marker file tells a directory gpt2lab exported (safe to replace) apart
 # from anything else, such as a run directory or a model fine-tuned in place.
@@ -127,6 +127,7 @@ def save_pretrained(model: GPT, out_dir: str) -> str:
     from safetensors.torch import save_file
 
     target = check_exportable(model.config).name
+    model = exported_model(model)  # training-only weights (multi-token prediction heads) are not written
     out_dir = os.path.abspath(out_dir)
     replace_dir = _check_export_target(out_dir)
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
