@@ -430,3 +430,51 @@ def test_a_lever_that_cannot_export_is_in_the_dry_run(tiny_data, tmp_path, capsy
         "NanoChat: no skips between blocks))"
     ) in [line.strip() for line in text.splitlines()]
     assert not out.exists()
+
+
+# -- what the checkpoints take on disk ----------------------------------------------------------
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"optimizer": "muon", "muon_variant": "normuon", "tie_embeddings": False, "muon_ns_dtype": "float32"},
+        {"ema_decay": 0.9},
+    ],
+    ids=["adamw", "normuon-untied", "ema"],
+)
+def test_the_plan_says_what_a_checkpoint_takes_as_saved(fields, tiny_data, tmp_path):
+    """The plan's bytes per file against the files torch and safetensors write (headers and pickling:
+    kilobytes); the written and kept counts against the directories left."""
+    cfg = load_preset("shakespeare-cpu", **{**TINY, "data": tiny_data, "out": str(tmp_path), **fields})
+    cfg = cfg.with_values(max_steps=5, ckpt_interval=2, keep_checkpoints=2)
+    plan = make_plan(cfg, PLAIN_CPU)
+    disk = plan.record()["checkpoints"]
+    trainer = Trainer(plan, DistInfo())
+    while trainer.step < 5:  # the optimizer's state exists from its first step
+        trainer.train_step()
+        trainer.step += 1
+        if trainer.step in (2, 4, 5):  # as the loop saves: every 2 steps and at the end
+            where = trainer.save()
+    size = lambda name: os.path.getsize(os.path.join(where, name))  # noqa: E731
+    each = disk["bytes"]
+    assert 0 <= size("model.safetensors") - each["weights"] < 64 * 1024
+    assert 0 <= size("optimizer.pt") - each["optimizer"] < 64 * 1024
+    if fields.get("ema_decay"):
+        assert 0 <= size(ckpt.TRAINING) - each["training_weights"] < 64 * 1024
+    whole = sum(os.path.getsize(os.path.join(where, f)) for f in os.listdir(where))
+    assert 0 <= whole - each["total"] < 128 * 1024
+    assert (disk["written"], disk["kept"], len(ckpt.list_checkpoints(str(tmp_path)))) == (3, 2, 2)
+    assert disk["kept_bytes"] == 2 * each["total"] and disk["peak_bytes"] == 3 * each["total"]
+    line = next(x for x in plan.lines() if x.startswith("disk "))
+    assert f"{each['total'] / 2**20:,.0f} MiB per checkpoint" in line and "3 written, 2 kept" in line
+
+
+def test_cpu_presets_keep_one_checkpoint_and_gpu_presets_keep_theirs():
+    from gpt2lab.train.settings import preset_names
+
+    for name in preset_names():
+        cfg = load_preset(name)
+        if cfg.system.device == "cpu":
+            assert cfg.checkpoint.keep_checkpoints == 1, name
+    assert load_preset("gpt2-124m").checkpoint.keep_checkpoints == 3  # the field's default, unchanged
+    assert load_preset("chat-gpt2").checkpoint.keep_checkpoints == 2

@@ -104,6 +104,11 @@ class RunPlan:
         return export_target(self.config.model).describe()
 
     @property
+    def checkpoints(self) -> dict:
+        """What the run's checkpoints take on disk (``checkpoint_bytes``) and how many it keeps."""
+        return checkpoint_disk(self.config)
+
+    @property
     def init_record(self) -> Optional[dict]:
         """run_info.json's "init_from": this run's source, or the one a resumed run began from."""
         return self.init.record() if self.init is not None else self.began
@@ -142,6 +147,7 @@ class RunPlan:
             "params": self.params,
             "memory_mib": self.memory,
             "supervised": self.supervised,
+            "checkpoints": self.checkpoints,
             "export": self.export,
             "config": c.to_dict(),
         }
@@ -215,6 +221,7 @@ class RunPlan:
                 else f"unknown ({self.peak_flops.reason}); no MFU"
             ),
             f"memory    {mem}",
+            f"disk      {describe_checkpoints(self.checkpoints)}",
         ]
         out += [f"warning: {ch.warning}" for ch in (self.dtype, self.compile) if ch.warning]
         return out
@@ -397,6 +404,61 @@ def check_memory(plan: RunPlan) -> None:
         f"--micro-batch-size {b.micro_batch_size}: the run is predicted to need "
         f"{total_at(b.micro_batch_size) / 2**30:.1f} GiB per process at its peak "
         f"({plan.memory['phase']}), more than {have}; {fix}"
+    )
+
+
+def checkpoint_bytes(cfg: TrainConfig) -> dict:
+    """Bytes of one checkpoint of ``cfg``'s run by file, as checkpoint.store writes it: the weights in
+    fp32 (model.safetensors; the tied head once; LoRA's adapters with the base), the optimizer's fp32
+    state (optimizer.pt: memplan's, or the adapters' two AdamW moments under LoRA) and, with
+    --ema-decay, the trained weights beside the average (training.safetensors). state.pt, config.json
+    and checksums add kilobytes, left out."""
+    m, ft = cfg.model, cfg.finetune
+    params = memplan.param_counts(m)["total"]
+    if ft.lora_rank:
+        C = m.n_embd
+        shapes = {"c_attn": [(C, 3 * C)], "c_fc": [(C, 4 * C)], "attn.c_proj": [(C, C)], "mlp.c_proj": [(4 * C, C)]}
+        shapes["c_proj"] = shapes["attn.c_proj"] + shapes["mlp.c_proj"]
+        targets = {t.strip() for t in ft.lora_targets.split(",")}
+        linears = {shape for t in targets for shape in shapes[t]}  # c_proj and attn.c_proj: the same layer once
+        adapters = m.n_layer * sum(ft.lora_rank * (a + b) for a, b in linears)
+        weights, optimizer = memplan.FP32 * (params + adapters), 2 * memplan.FP32 * adapters
+    else:
+        weights = memplan.FP32 * params
+        optimizer = memplan.optimizer_state_bytes(m, cfg.optim.optimizer, cfg.optim.muon_variant)
+    out = {"weights": weights, "optimizer": optimizer}
+    if cfg.optim.ema_decay:
+        out["training_weights"] = weights
+    return {**out, "total": sum(out.values())}
+
+
+def checkpoint_disk(cfg: TrainConfig) -> dict:
+    """``checkpoint_bytes`` with the count the run writes (every ckpt_interval steps and at the end) and
+    keeps (--keep-checkpoints, 0: all), and the disk that takes: ``kept`` checkpoints, one more while
+    the next is written (the oldest goes once the new one is whole)."""
+    c, steps = cfg.checkpoint, cfg.optim.max_steps
+    each = checkpoint_bytes(cfg)
+    written = steps // c.ckpt_interval + (1 if steps % c.ckpt_interval else 0) if c.ckpt_interval else 1
+    kept = min(c.keep_checkpoints, written) if c.keep_checkpoints else written
+    return {
+        "bytes": each,
+        "written": written,
+        "keep_checkpoints": c.keep_checkpoints,
+        "kept": kept,
+        "kept_bytes": kept * each["total"],
+        "peak_bytes": min(kept + 1, written) * each["total"],
+    }
+
+
+def describe_checkpoints(disk: dict) -> str:
+    """The plan's line about checkpoints on disk."""
+    each, mib = disk["bytes"], lambda n: f"{n / 2**20:,.0f} MiB"  # noqa: E731
+    parts = ", ".join(f"{k.replace('_', ' ')} {mib(v)}" for k, v in each.items() if k != "total")
+    keep = "all kept" if not disk["keep_checkpoints"] else f"{disk['kept']} kept (--keep-checkpoints)"
+    return (
+        f"{mib(each['total'])} per checkpoint ({parts}); {disk['written']} written, {keep}: "
+        f"{mib(disk['kept_bytes'])}"
+        + (f", {mib(disk['peak_bytes'])} while the next is written" if disk["peak_bytes"] > disk["kept_bytes"] else "")
     )
 
 
