@@ -110,6 +110,7 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Name
     if extra:
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    args.argv = list(argv)  # the words as typed: a command's advice repeats them (train's --resume auto)
     return args
 
 

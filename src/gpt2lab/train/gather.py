@@ -171,10 +171,12 @@ def gather(
     source: Optional[str],
     data: str,
     report: Callable[[str], None],
+    resume_with: str = "--resume auto",
 ) -> Gathered:
     """Read what a run's plan needs (the module docstring's list): ``out`` the run directory, ``resume``
     as ``--resume`` gave it, ``source`` the --init-from value asked for, ``data`` the data directory.
-    ``report`` hears of each damaged checkpoint passed over as it is found. Raises the first problem found."""
+    ``report`` hears of each damaged checkpoint passed over as it is found; ``resume_with`` is how the
+    user continues the run (advice in errors). Raises the first problem found."""
     from gpt2lab.data.shards import read_manifest
     from gpt2lab.data.tokenizer import GPT2, for_data
 
@@ -185,7 +187,7 @@ def gather(
         report(line)
 
     resumed, init = None, None
-    where = find_resume(out, resume, skip)
+    where = find_resume(out, resume, skip, resume_with)
     if where is not None:
         saved = ckpt.read_config(where)
         src = began = None
@@ -193,6 +195,8 @@ def gather(
             src = init_from.find_source(where)
             src.flag = "--resume"
             began = began_from(where)
+        if source:  # the command that began it, repeated: the same weights, or refused naming both
+            same_source(str(source), where, config_value(saved, "init_from"), began)
         resumed = Resumed(where, saved, src, began)
     elif source:
         src = init_from.find_source(str(source))
@@ -203,18 +207,51 @@ def gather(
     return Gathered(machine, resumed, tuple(skipped), init, manifest)
 
 
-def find_resume(out: str, resume: Optional[str], report: Callable[[str], None] = lambda line: None) -> Optional[str]:
+def same_source(source: str, where: str, began_as: Optional[str], began: Optional[dict]) -> None:
+    """A resume given ``--init-from SOURCE`` too (the command that began the run, with --resume auto):
+    fine when SOURCE is the weights the run began from (``began``, the checkpoint ``where``'s record:
+    the same spelling resolving to the same file, else the same sha256); else refused naming both."""
+    if not began_as:
+        raise ConfigError(
+            f"--init-from {source}: the checkpoint {where} belongs to a run that began from scratch; "
+            "resume it without --init-from, or start a new run in another --out"
+        )
+    src = init_from.find_source(source)
+    if began and source == began.get("source") and os.path.abspath(src.weights) == began.get("weights"):
+        return
+    if began and init_from.digest(src) == began.get("sha256"):
+        return
+    now = InitFrom(src, init_from.digest(src)).id
+    was = f"{began_as} ({began['id']})" if began and began.get("id") else began_as
+    raise ConfigError(
+        f"--init-from {source} ({now}): the run of {where} began from {was}, other weights; "
+        f"resume it with --init-from {began_as} (or without --init-from), or start a new run in another --out"
+    )
+
+
+def find_resume(
+    out: str,
+    resume: Optional[str],
+    report: Callable[[str], None] = lambda line: None,
+    resume_with: str = "--resume auto",
+) -> Optional[str]:
     """The checkpoint a run continues from: the newest intact one (checksums verified here).
 
-    ``resume`` None: none, and a run directory that already has checkpoints is refused;
-    "auto": the newest intact checkpoint of ``out`` (None if it has none); a run directory:
-    its newest intact one; a checkpoint directory: that one, which must be intact.
-    ``report`` hears of each damaged checkpoint passed over.
+    ``resume`` None: none, and a run directory that already has checkpoints is refused (naming
+    ``resume_with``, how to continue it); "auto": the newest intact checkpoint of ``out`` (None if it
+    has none); a run directory: its newest intact one; a checkpoint directory: that one, which must be
+    intact. A path that is not there is a usage error. ``report`` hears of each damaged checkpoint
+    passed over.
     """
     if resume is None:
         if ckpt.find_latest(out):
-            raise ConfigError(f"{out} already has checkpoints; continue it with --resume auto or choose another --out")
+            raise ConfigError(f"{out} already has checkpoints; continue it with {resume_with} or choose another --out")
         return None
+    if resume != "auto" and not os.path.isdir(resume):
+        raise ConfigError(
+            f"--resume {resume}: no such directory; pass auto (the newest checkpoint in --out), a run "
+            "directory or a checkpoint directory"
+        )
     if ckpt.has_weights(resume):
         ckpt.verify(resume)
         return resume
@@ -223,7 +260,7 @@ def find_resume(out: str, resume: Optional[str], report: Callable[[str], None] =
     if found is None and ckpt.find_latest(run_dir):
         raise CheckpointError(f"{run_dir}: every checkpoint is damaged; start again with a new --out")
     if found is None and resume != "auto":
-        raise CheckpointError(
+        raise ConfigError(
             f"--resume {resume}: neither a checkpoint (no model.safetensors or sharded "
             ".metadata) nor a run directory with checkpoints/step_*/; pass a checkpoint "
             "directory or --resume auto"

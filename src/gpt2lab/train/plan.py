@@ -29,6 +29,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
+from gpt2lab.checkpoint.store import step_of
 from gpt2lab.distributed import memplan, parallel
 from gpt2lab.model.config import GPTConfig, config_value, padded_vocab
 from gpt2lab.model.loss import LossPath, choose_loss
@@ -54,6 +55,12 @@ class Request:
     explicit: Mapping[str, object] = field(default_factory=dict)
     resume: Optional[str] = None  # None, "auto" or a run/checkpoint directory
     source: str = "config"  # for messages: "preset 'x' with overrides"
+    command: Optional[str] = None  # the command line that continues this run (the commands build it)
+
+    @property
+    def resume_advice(self) -> str:
+        """How to continue this run, for messages: its command line, else the flag (the Python API)."""
+        return f"`{self.command}`" if self.command else "--resume auto"
 
     @classmethod
     def of(cls, cfg: TrainConfig, resume: Optional[str] = None) -> "Request":
@@ -92,6 +99,8 @@ class RunPlan:
     memory: Optional[dict]  # memplan's prediction per rank, MiB by term
     ns_dtype: Optional[Choice] = None  # Muon's Newton-Schulz dtype (None: the run has no Muon)
     began: Optional[dict] = None  # a resumed run's init-from record, from its checkpoint (began_from)
+    schedule_change: Optional[str] = None  # a resume's new LR schedule, said in one line (schedule_change)
+    data_source: Optional[str] = None  # what the data was prepared from (its manifest's source): the report's baselines
     supervised: Optional[tuple[int, int]] = None  # conversations: (assistant tokens, all tokens) of train
 
     @property
@@ -134,6 +143,8 @@ class RunPlan:
                 "faked": self.machine.faked,
             },
             "resume": self.resume,
+            "schedule_change": self.schedule_change,
+            "data_source": self.data_source,
             "skipped_checkpoints": list(self.skipped),
             "init_from": self.init_record,
             "dtype": choice(self.dtype),
@@ -193,6 +204,8 @@ class RunPlan:
                 f"{n:,} of {total:,} tokens ({n / max(total, 1):.0%}: the assistant's turns)"
             )
         out += [f"skipped   {line}" for line in self.skipped]
+        if self.schedule_change:
+            out.append(f"schedule  {self.schedule_change}")
         if self.init_record:
             r = self.init_record
             out.append(f"init from {r['source']} ({r.get('kind', 'recorded by the run')}, {r['id']})")
@@ -247,6 +260,7 @@ def make_plan(
         source=req.get("init_from"),
         data=str(req.get("data")),
         report=report or _to_stderr,
+        resume_with=req.resume_advice,
     )
     return decide(req, found)
 
@@ -270,8 +284,10 @@ def decide(req: Request, found: Gathered) -> RunPlan:
     if model:
         values = merge_config(values, {"model": model}, source=req.source)
     cfg = _config(values, req, init)
+    change = None
     if resumed is not None:
         check_resume_settings(cfg, resumed.saved, resumed.where)
+        change = schedule_change(cfg, resumed.saved, step_of(resumed.where))
     accum = cfg.grad_accum_steps(machine.world_size)
     cfg.accum_at(0, machine.world_size)  # the batch ramp's start divides evenly too (raises if not)
     muon = cfg.optim.optimizer == "muon"
@@ -304,6 +320,8 @@ def decide(req: Request, found: Gathered) -> RunPlan:
         memory=memory,
         ns_dtype=choices.ns_dtype,
         began=resumed.began if resumed else None,
+        schedule_change=change,
+        data_source=found.manifest.get("source"),
         supervised=supervised_tokens(found.manifest),
     )
 
@@ -500,6 +518,43 @@ def check_resume_settings(cfg: TrainConfig, saved: dict, where: str) -> None:
         f"{flags(1)}: the checkpoint {where} was trained with {was}; resume with {flags(0)}, "
         "or start a new run in another --out"
     )
+
+
+# The fields that shape the LR schedule (train.optim.lr_at); those marked ``keep`` are refused before.
+SCHEDULE_FIELDS = ("max_steps", "warmup_steps", "lr_schedule", "decay_frac", "max_lr", "min_lr")
+
+
+def schedule_change(cfg: TrainConfig, saved: dict, step: int) -> Optional[str]:
+    """One line naming what a resume changes in the LR schedule its checkpoint (``saved``, at ``step``)
+    trained with: each field from what to what, the decay's new end and the rate of the next step
+    before and after; None when it changes nothing. A rate's schedule is a function of max_steps, so
+    resuming with another --max-steps moves the decay (cosine: its whole length; wsd: its start)."""
+    from gpt2lab.train.optim import lr_at
+
+    def schedule(opt: dict) -> dict:
+        return {n: opt[n] for n in SCHEDULE_FIELDS if n != "decay_frac" or opt["lr_schedule"] == "wsd"}
+
+    mine = {n: getattr(cfg.optim, n) for n in SCHEDULE_FIELDS}
+    theirs = {n: _saved_value(saved, n) for n in SCHEDULE_FIELDS}
+    old, new = schedule(theirs), schedule(mine)
+    if old == new:
+        return None
+    changed = ", ".join(f"{n} {old.get(n, '-')} -> {new.get(n, '-')}" for n in new if old.get(n) != new.get(n))
+
+    def rate(opt: dict) -> float:
+        return lr_at(step, schedule=opt["lr_schedule"], **{n: opt[n] for n in SCHEDULE_FIELDS if n != "lr_schedule"})
+
+    return (
+        f"resuming at step {step} with another LR schedule than its checkpoint's: {changed}; the "
+        f"{new['lr_schedule']} schedule now ends at step {new['max_steps']}, and step {step}'s learning rate is "
+        f"{rate(mine):.3g} (the checkpoint's schedule: {rate(theirs):.3g})"
+    )
+
+
+def _saved_value(saved: dict, name: str):
+    """A field of a checkpoint's config.json; one written before the field existed: its default."""
+    value = config_value(saved, name, _ABSENT)
+    return default_value(name) if value is _ABSENT else value
 
 
 def _flag_text(value) -> str:
