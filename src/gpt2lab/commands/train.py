@@ -15,6 +15,7 @@ from gpt2lab.train.settings import (
     overrides_from_args,
     preset_names,
     preset_values,
+    prompt_written_for,
 )
 
 
@@ -111,4 +112,6 @@ def _request(args: argparse.Namespace):
     explicit = {k: v for k, v in model.items() if k in ARCH_FIELDS or k == "vocab_size"}
     # --resume with --init-from: continues the run that began from those weights (train.gather.same_source)
     words = getattr(args, "argv", None) or ["train"]  # as typed (cli.parse keeps it); the resume advice
-    return Request(values, explicit, args.resume, source=source, command=resume_command(words))
+    given = "sample_prompt" in overrides.get("eval", {})  # a prompt for this run; else the settings' (for their data)
+    prompt_for = None if given else prompt_written_for(args.preset, None if args.preset else args.config)
+    return Request(values, explicit, args.resume, source=source, command=resume_command(words), prompt_for=prompt_for)

@@ -161,6 +161,7 @@ class Gathered:
     skipped: tuple[str, ...] = ()  # damaged checkpoints passed over, one line each
     init: Optional[InitFrom] = None  # --init-from of a fresh run
     manifest: Mapping = field(default_factory=dict)  # the data's manifest.json ({}: none, or no data here)
+    val_start: Optional[str] = None  # the start of the first validation document (asked for: ``val_start``)
 
 
 def gather(
@@ -172,11 +173,13 @@ def gather(
     data: str,
     report: Callable[[str], None],
     resume_with: str = "--resume auto",
+    prompt_from_data: bool = False,
 ) -> Gathered:
     """Read what a run's plan needs (the module docstring's list): ``out`` the run directory, ``resume``
     as ``--resume`` gave it, ``source`` the --init-from value asked for, ``data`` the data directory.
     ``report`` hears of each damaged checkpoint passed over as it is found; ``resume_with`` is how the
-    user continues the run (advice in errors). Raises the first problem found."""
+    user continues the run (advice in errors); ``prompt_from_data``: read the start of the data's first
+    validation document (the samples' prompt, train.plan.sample_prompt). Raises the first problem found."""
     from gpt2lab.data.shards import read_manifest
     from gpt2lab.data.tokenizer import GPT2, for_data
 
@@ -204,7 +207,45 @@ def gather(
     manifest = read_manifest(data)
     if manifest and manifest.get("tokenizer", GPT2) != GPT2:  # its tokenizer.json is there and is the one named
         for_data(data)
-    return Gathered(machine, resumed, tuple(skipped), init, manifest)
+    start = val_start(data, manifest) if prompt_from_data and manifest else None
+    return Gathered(machine, resumed, tuple(skipped), init, manifest, start)
+
+
+# Tokens of a text prompt taken from the data: the start of a line or a sentence, enough to show what
+# the text is and leave the rest to the model; a count of tokens, so the same on any text.
+PROMPT_TOKENS = 8
+
+
+def val_start(data: str, manifest: Mapping) -> Optional[str]:
+    """The start of ``data``'s first validation document, decoded with the data's tokenizer: its first
+    PROMPT_TOKENS tokens, or for conversations its first user message; None without a validation split
+    (or an empty first document)."""
+    from gpt2lab.data.shards import list_shards, open_shard
+    from gpt2lab.data.tokenizer import for_data
+    from gpt2lab.system.errors import DataError
+
+    try:
+        shards = list_shards(data, "val")
+    except DataError:
+        return None
+    if not shards:
+        return None
+    enc = for_data(data)
+    ids = [int(t) for t in open_shard(shards[0])[:4096]]
+    while ids and ids[0] == enc.eot_id:  # every document starts with <|endoftext|>
+        ids = ids[1:]
+    doc = ids[: ids.index(enc.eot_id)] if enc.eot_id in ids else ids
+    if "chat_template" not in manifest:
+        return enc.decode(doc[:PROMPT_TOKENS]) or None
+    turns, start = [], None
+    for i, t in enumerate(doc):  # <|im_start|>role\ncontent<|im_end|>
+        if t == enc.im_start_id:
+            start = i + 1
+        elif t == enc.im_end_id and start is not None:
+            turns.append(enc.decode(doc[start:i]))
+            start = None
+    users = [turn.split("\n", 1)[1] for turn in turns if turn.startswith("user\n")]
+    return users[0] if users and users[0].strip() else None
 
 
 def same_source(source: str, where: str, began_as: Optional[str], began: Optional[dict]) -> None:

@@ -25,6 +25,7 @@ Trainer builds from it and decides nothing. The plan is printed at start, writte
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
@@ -56,6 +57,8 @@ class Request:
     resume: Optional[str] = None  # None, "auto" or a run/checkpoint directory
     source: str = "config"  # for messages: "preset 'x' with overrides"
     command: Optional[str] = None  # the command line that continues this run (the commands build it)
+    # the data the settings' sample_prompt was written for (settings.prompt_written_for); None: this run's
+    prompt_for: Optional[str] = None
 
     @property
     def resume_advice(self) -> str:
@@ -101,6 +104,7 @@ class RunPlan:
     began: Optional[dict] = None  # a resumed run's init-from record, from its checkpoint (began_from)
     schedule_change: Optional[str] = None  # a resume's new LR schedule, said in one line (schedule_change)
     data_source: Optional[str] = None  # what the data was prepared from (its manifest's source): the report's baselines
+    prompt_reason: Optional[str] = None  # why the samples' prompt is not the settings' (sample_prompt)
     supervised: Optional[tuple[int, int]] = None  # conversations: (assistant tokens, all tokens) of train
 
     @property
@@ -145,6 +149,7 @@ class RunPlan:
             "resume": self.resume,
             "schedule_change": self.schedule_change,
             "data_source": self.data_source,
+            "sample_prompt": {"value": c.eval.sample_prompt, "reason": self.prompt_reason or "as set"},
             "skipped_checkpoints": list(self.skipped),
             "init_from": self.init_record,
             "dtype": choice(self.dtype),
@@ -203,6 +208,8 @@ class RunPlan:
                 f"data      {c.data}: conversations in the {m.chat_template} template, supervised on "
                 f"{n:,} of {total:,} tokens ({n / max(total, 1):.0%}: the assistant's turns)"
             )
+        if self.prompt_reason:
+            out.append(f"sample    prompt {c.eval.sample_prompt!r} ({self.prompt_reason})")
         out += [f"skipped   {line}" for line in self.skipped]
         if self.schedule_change:
             out.append(f"schedule  {self.schedule_change}")
@@ -261,6 +268,7 @@ def make_plan(
         data=str(req.get("data")),
         report=report or _to_stderr,
         resume_with=req.resume_advice,
+        prompt_from_data=not prompt_fits(req),
     )
     return decide(req, found)
 
@@ -277,6 +285,9 @@ def decide(req: Request, found: Gathered) -> RunPlan:
     elif init is not None:
         arch = init_from.check_arch(init.source, req.explicit)
         values = merge_config(values, {"model": arch}, source=req.source)
+    prompt, prompt_reason = sample_prompt(req, found)
+    if prompt_reason:
+        values = merge_config(values, {"eval": {"sample_prompt": prompt}}, source=req.source)
     template = chat_template(found.manifest, init, resumed)
     if template:
         values = merge_config(values, {"model": {"chat_template": template}}, source=req.source)
@@ -322,8 +333,30 @@ def decide(req: Request, found: Gathered) -> RunPlan:
         began=resumed.began if resumed else None,
         schedule_change=change,
         data_source=found.manifest.get("source"),
+        prompt_reason=prompt_reason,
         supervised=supervised_tokens(found.manifest),
     )
+
+
+def prompt_fits(req: Request) -> bool:
+    """Whether the settings' sample prompt was written for this run's data (or for this run: ``prompt_for``
+    None): the same directory path, made absolute (no file read: a link to it counts as another)."""
+    if req.prompt_for is None:
+        return True
+    return os.path.abspath(str(req.prompt_for)) == os.path.abspath(str(req.get("data")))
+
+
+def sample_prompt(req: Request, found: Gathered) -> tuple[str, Optional[str]]:
+    """The prompt of the samples logged in training and its reason where it is not the settings' own: a
+    preset's prompt (Tiny Shakespeare's "ROMEO:") is for the data that preset names; on other data the
+    samples start from that data's first validation document (train.gather.val_start), or from nothing."""
+    prompt = str(req.get("sample_prompt"))
+    if prompt_fits(req):
+        return prompt, None
+    why = f"the settings' {prompt!r} was written for {req.prompt_for}"
+    if found.val_start:
+        return found.val_start, f"the start of {req.get('data')}'s first validation document; {why}"
+    return "", f"empty: {req.get('data')} has no validation text to start from; {why}"
 
 
 def choose_peak_flops(requested: Optional[float], machine: MachineFacts) -> Choice:
