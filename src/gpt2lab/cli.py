@@ -9,6 +9,7 @@ with its documented code.
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import importlib
 import os
@@ -57,6 +58,34 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-inf$")
 
+    def error(self, message: str):
+        """This parser's usage (a subcommand's own; a long one shortened to a pointer at --help), then
+        one line: the error, with "did you mean" for a mistyped flag or choice. Exit 2."""
+        usage = self.format_usage().strip()
+        if "\n" in usage or len(usage) > 120:
+            usage = f"usage: {self.prog} [options] ({self.prog} --help lists them)"
+        self.exit(2, f"{usage}\n{self.prog}: error: {suggest(message, self)}\n")
+
+
+def suggest(message: str, parser: argparse.ArgumentParser) -> str:
+    """``message`` with the nearest known name (difflib) for each unknown flag of ``parser`` it names
+    ("unrecognized arguments: ...") or for an invalid choice, unless argparse suggested one already."""
+    unknown = re.match(r"unrecognized arguments: (.*)", message)
+    if unknown:
+        known = [s for a in parser._actions for s in a.option_strings]  # argparse keeps no public list
+        flags = [w.split("=", 1)[0] for w in unknown.group(1).split() if w.startswith("-")]
+        hints = [(f, near[0]) for f in flags for near in [difflib.get_close_matches(f, known, n=1)] if near]
+        if len(flags) == 1 and hints:
+            return f"{message}; did you mean {hints[0][1]}?"
+        return message + (f"; did you mean {', '.join(f'{near} for {f}' for f, near in hints)}?" if hints else "")
+    choice = re.match(r"argument (.*): invalid choice: '([^']*)'.*\(choose from (.*)\)$", message, re.S)
+    if choice and "maybe you meant" not in message:
+        names = re.findall(r"'([^']*)'", choice.group(3)) or [c.strip() for c in choice.group(3).split(",")]
+        near = difflib.get_close_matches(choice.group(2), names, n=1)
+        if near:
+            return f"{message}; did you mean {near[0]}?"
+    return message
+
 
 def build_parser() -> argparse.ArgumentParser:
     codes = "\n".join(f"  {code:3d}  {what}" for code, what in EXIT_CODES.items())
@@ -74,6 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, except that flags its subcommand does not know are that
+    subcommand's error (its usage, a suggestion), not the top-level parser's."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    args.argv = list(argv)  # the words as typed: a command's advice repeats them (train's --resume auto)
+    return args
+
+
 def _debug(argv: Sequence[str]) -> bool:
     return "--debug" in argv or os.environ.get("GPT2LAB_DEBUG", "") not in ("", "0")
 
@@ -87,7 +127,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     shown = warnings.formatwarning  # warnings as one line: "gpt2lab CMD: warning: ...", not file:line: UserWarning
     warnings.formatwarning = lambda message, category, *rest, **kw: f"{prefix}: warning: {message}\n"
     try:
-        args = build_parser().parse_args(argv)
+        args = parse(build_parser(), argv)
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         if debug:

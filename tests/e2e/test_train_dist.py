@@ -178,7 +178,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_preempted(tiny_data, tmp_path
     steps = len(train_losses(out))
     ckpts = os.listdir(out / "checkpoints")
     assert ckpts == [f"step_{steps:06d}"], (ckpts, steps)  # every logged step is in the checkpoint
-    assert "resume with --resume auto" in stdout + stderr
+    assert stderr.rstrip().endswith(" --resume auto`")  # the command that continues it (test_resume_advice)
     run_train(out=str(out), resume="auto", **{**fields, "max_steps": steps + 2})
     assert sorted(train_losses(out)) == list(range(steps + 2))
 

@@ -77,6 +77,7 @@ def own_run(wiki_data, tmp_path_factory) -> Path:
             eval_tokens=128,
             sample_interval=6,
             sample_tokens=8,
+            sample_prompt="ROMEO:",  # given: used on any data (the preset's would give way to the data's start)
             ckpt_interval=3,
             keep_checkpoints=0,
         ),

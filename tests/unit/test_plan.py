@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -430,3 +431,118 @@ def test_a_lever_that_cannot_export_is_in_the_dry_run(tiny_data, tmp_path, capsy
         "NanoChat: no skips between blocks))"
     ) in [line.strip() for line in text.splitlines()]
     assert not out.exists()
+
+
+# -- what the checkpoints take on disk ----------------------------------------------------------
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"optimizer": "muon", "muon_variant": "normuon", "tie_embeddings": False, "muon_ns_dtype": "float32"},
+        {"ema_decay": 0.9},
+    ],
+    ids=["adamw", "normuon-untied", "ema"],
+)
+def test_the_plan_says_what_a_checkpoint_takes_as_saved(fields, tiny_data, tmp_path):
+    """The plan's bytes per file against the files torch and safetensors write (headers and pickling:
+    kilobytes); the written and kept counts against the directories left."""
+    cfg = load_preset("shakespeare-cpu", **{**TINY, "data": tiny_data, "out": str(tmp_path), **fields})
+    cfg = cfg.with_values(max_steps=5, ckpt_interval=2, keep_checkpoints=2)
+    plan = make_plan(cfg, PLAIN_CPU)
+    disk = plan.record()["checkpoints"]
+    trainer = Trainer(plan, DistInfo())
+    while trainer.step < 5:  # the optimizer's state exists from its first step
+        trainer.train_step()
+        trainer.step += 1
+        if trainer.step in (2, 4, 5):  # as the loop saves: every 2 steps and at the end
+            where = trainer.save()
+    size = lambda name: os.path.getsize(os.path.join(where, name))  # noqa: E731
+    each = disk["bytes"]
+    assert 0 <= size("model.safetensors") - each["weights"] < 64 * 1024
+    assert 0 <= size("optimizer.pt") - each["optimizer"] < 64 * 1024
+    if fields.get("ema_decay"):
+        assert 0 <= size(ckpt.TRAINING) - each["training_weights"] < 64 * 1024
+    whole = sum(os.path.getsize(os.path.join(where, f)) for f in os.listdir(where))
+    assert 0 <= whole - each["total"] < 128 * 1024
+    assert (disk["written"], disk["kept"], len(ckpt.list_checkpoints(str(tmp_path)))) == (3, 2, 2)
+    assert disk["kept_bytes"] == 2 * each["total"] and disk["peak_bytes"] == 3 * each["total"]
+    line = next(x for x in plan.lines() if x.startswith("disk "))
+    assert f"{each['total'] / 2**20:,.0f} MiB per checkpoint" in line and "3 written, 2 kept" in line
+
+
+def test_cpu_presets_keep_one_checkpoint_and_gpu_presets_keep_theirs():
+    from gpt2lab.train.settings import preset_names
+
+    for name in preset_names():
+        cfg = load_preset(name)
+        if cfg.system.device == "cpu":
+            assert cfg.checkpoint.keep_checkpoints == 1, name
+    assert load_preset("gpt2-124m").checkpoint.keep_checkpoints == 3  # the field's default, unchanged
+    assert load_preset("chat-gpt2").checkpoint.keep_checkpoints == 2
+
+
+# -- the samples' prompt: the settings' on the data it was written for, else the data's own start ----------
+def _prompt_request(data: str, prompt_for) -> Request:
+    values = merge_config(preset_values("shakespeare-cpu"), {"data": data, "out": "/nowhere/run"}, source="test")
+    return Request(values, source="test", prompt_for=prompt_for)
+
+
+def test_a_presets_prompt_is_kept_for_its_data_and_replaced_by_the_datas_start_elsewhere():
+    found = Gathered(PLAIN_CPU, manifest={"source": "x"}, val_start="First Citizen:")
+    same = decide(_prompt_request("data/tinyshakespeare", "data/tinyshakespeare"), found)
+    assert same.config.eval.sample_prompt == "ROMEO:" and same.prompt_reason is None
+    assert not any(line.startswith("sample ") for line in same.lines())
+    other = decide(_prompt_request("data/mine", "data/tinyshakespeare"), found)
+    assert other.config.eval.sample_prompt == "First Citizen:"
+    assert (
+        "sample    prompt 'First Citizen:' (the start of data/mine's first validation document; the "
+        "settings' 'ROMEO:' was written for data/tinyshakespeare)" in other.lines()
+    )
+    assert other.record()["sample_prompt"]["value"] == "First Citizen:"
+    empty = decide(_prompt_request("data/mine", "data/tinyshakespeare"), Gathered(PLAIN_CPU, manifest={"a": 1}))
+    assert empty.config.eval.sample_prompt == "" and empty.prompt_reason.startswith("empty: data/mine has no")
+    given = decide(_prompt_request("data/mine", None), found)  # --sample-prompt, or the Python API's config
+    assert given.config.eval.sample_prompt == "ROMEO:"
+
+
+def test_the_datas_start_is_its_first_validation_documents_first_tokens(tiny_data, tmp_path):
+    import gpt2lab
+    from gpt2lab.data.shards import read_manifest
+    from gpt2lab.data.tokenizer import gpt2_tokenizer
+    from gpt2lab.train.gather import PROMPT_TOKENS, val_start
+
+    text = (Path(gpt2lab.__file__).parent / "assets" / "tinyshakespeare.txt").read_text()
+    start = val_start(tiny_data, read_manifest(tiny_data))  # the val split is the text's first part
+    assert (
+        text.startswith(start)
+        and gpt2_tokenizer().encode_ordinary(start) == gpt2_tokenizer().encode_ordinary(text[:200])[:PROMPT_TOKENS]
+    )
+    rows = [
+        {"messages": [{"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content": f"answer {i}."}]}
+        for i in range(400)
+    ]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = str(tmp_path / "chat")
+    assert cli.main(["prepare", "--source", str(tmp_path / "c.jsonl"), "--out", out, "--quiet"]) == 0
+    assert val_start(out, read_manifest(out)) == "question 0?"  # the first user message, as written
+
+
+def test_training_samples_start_from_the_data_unless_it_is_the_presets(tiny_data, tmp_path, monkeypatch):
+    """End to end: the CLI run on the preset's own data directory samples after "ROMEO:", on another after
+    that data's start; a --sample-prompt is used as given."""
+    from conftest import records
+
+    def samples(out, *extra) -> list[str]:
+        argv = ["train", "--preset", "shakespeare-cpu", *cli_args(out=str(out), max_steps=1, sample_interval=1)]
+        assert cli.main([*argv, "--sample-tokens", "3", *extra]) == 0
+        return [r["sample"] for r in records(out) if "sample" in r]
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    shutil.copytree(tiny_data, tmp_path / "data" / "tinyshakespeare")  # the preset's data = "data/tinyshakespeare"
+    assert all(s.startswith("ROMEO:") for s in samples(tmp_path / "own", "--data", "data/tinyshakespeare"))
+    elsewhere = samples(tmp_path / "other", "--data", tiny_data)
+    assert elsewhere and all(s.startswith("First Citizen:\nBefore we proceed any") for s in elsewhere)
+    assert all(
+        s.startswith("JULIET:") for s in samples(tmp_path / "given", "--data", tiny_data, "--sample-prompt", "JULIET:")
+    )

@@ -51,7 +51,8 @@ def test_finished_run_report_html_and_markdown(finished_run, tmp_path, capsys):
     samples = [r for r in recs if "sample" in r]
     rep = build_report(str(finished_run))
     results = section(rep, "Final metrics").table
-    assert results[1][1] == f"{val['val_loss']:.4f} (step 4)" and results[1][2] == 3.2924
+    # Tiny Shakespeare: no FineWeb-Edu val loss beside its own; HellaSwag against OpenAI's (124M for scale)
+    assert results[1][1] == f"{val['val_loss']:.4f} (step 4)" and results[1][2] == "-"
     assert results[2][1] == f"{hs['hellaswag_acc_norm']:.4f} (step 4)" and results[2][2:] == [0.2955, 0.337]
     speed = dict(map(tuple, section(rep, "How long").table[1:]))
     assert speed["tokens seen"] == f"{train[-1]['tokens']:,}" == "512"
@@ -75,9 +76,11 @@ def test_crashed_run_with_a_cut_last_line(finished_run, tmp_path):
     os.utime(run / "metrics.jsonl", (HOUR_AGO, HOUR_AGO))
     out_html, out_md, rep = write_report(str(run), str(tmp_path / "out" / "card.html"))
     last_train = max(r["step"] for r in records(finished_run) if "train_loss" in r)
+    resume = json.loads((run / "run_info.json").read_text())["resume_with"]
+    assert resume.startswith("`") and f" --out {finished_run} " in resume and resume.endswith(" --resume auto`")
     assert rep.status == (
         f"crashed: metrics.jsonl ends in a cut line (killed mid-write) at step {last_train} of 4; "
-        "`--resume auto` continues from step 2"
+        f"{resume} continues from step 2"
     )
     assert out_md == str(tmp_path / "out" / "card.md") and "![Curves](card.png)" in Path(out_md).read_text()
     assert "crashed" in Path(out_html).read_text()
@@ -90,8 +93,8 @@ def test_running_stopped_and_killed_runs(finished_run, tmp_path):
     assert (just_killed / rundir.LOCK_FILE).is_file() and rundir.holder(str(just_killed)) is None
     status = build_report(str(just_killed), curves=False).status
     assert re.match(
-        r"crashed or killed at step 3 of 4 \(last record \d s ago\); `--resume auto` continues from "
-        r"step 2$",
+        r"crashed or killed at step 3 of 4 \(last record \d s ago\); `[^`]* train [^`]* --resume auto` "
+        r"continues from step 2$",
         status,
     ), status
     # a run of a version that kept no lock file: only its last record can say it is live
@@ -142,3 +145,97 @@ def test_report_errors_are_one_line(tmp_path):
     (tmp_path / "bad" / "metrics.jsonl").write_text('{"step": 0}\nnot json\n{"step": 1}\n')
     with pytest.raises(SystemExit, match=r"metrics.jsonl:2: not valid JSON"):
         cli.main(["report", str(tmp_path / "bad")])
+
+
+# -- only what applies: a faked run directory ---------------------------------------------------
+def fake_run(path: Path, *, source: str, val_steps=(0, 4), hellaswag=False, info: dict | None = None) -> Path:
+    """A run directory as train writes it, made up: config.json, run_info.json (its plan naming the data's
+    source), metrics.jsonl with train losses at steps 0-4 and validation at ``val_steps``."""
+    path.mkdir(parents=True)
+    config = {"format_version": 2, "data": "data/x", "model": {"n_layer": 2, "n_head": 2, "n_embd": 64}}
+    config["optim"] = {"max_steps": 5}
+    (path / "config.json").write_text(json.dumps(config))
+    base = {"format": "gpt2lab-run", "command": ["/venv/bin/gpt2lab", "train", "--preset", "wiki-cpu"]}
+    info = dict(info or {})
+    plan = {"data_source": source, **info.pop("plan", {})}  # last, as train writes it
+    (path / "run_info.json").write_text(json.dumps({**base, **info, "plan": plan}))
+    lines = [
+        {"step": s, "train_loss": 9.0 - s, "dt_ms": 10.0, "tok_per_s": 1e4, "tokens": 64 * (s + 1)} for s in range(5)
+    ]
+    lines += [{"step": s, "val_loss": 8.5 - s} for s in val_steps]
+    if hellaswag:
+        lines += [{"step": 4, "hellaswag_acc": 0.24, "hellaswag_acc_norm": 0.25, "hellaswag_n": 10}]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def test_two_validation_points_are_drawn_as_points_and_no_baseline_of_another_corpus(tmp_path):
+    from gpt2lab.observe import plot
+
+    run = fake_run(tmp_path / "wiki", source="/data/wikipedia")
+    fig = plot.build_figure([plot.load_run(str(run))])
+    assert len(fig.axes) == 1  # no HellaSwag results: no HellaSwag panel
+    lines = {line.get_label(): line for line in fig.axes[0].lines}
+    assert set(lines) == {"wiki train loss", "wiki val loss"}  # no FineWeb-Edu line on Wikipedia
+    assert lines["wiki val loss"].get_marker() == "o" and list(lines["wiki val loss"].get_xdata()) == [0, 4]
+    rep = build_report(str(run), curves=False)
+    assert section(rep, "Final metrics").table == [
+        ["metric", "this run"],
+        ["val loss (the run's val split)", "4.5000 (step 4)"],
+    ]
+    many = fake_run(tmp_path / "long", source="x", val_steps=range(0, 5 * (plot.MARKED_UP_TO + 1), 5))
+    val = next(x for x in plot.build_figure([plot.load_run(str(many))]).axes[0].lines if "val" in x.get_label())
+    assert val.get_marker() in ("None", "", None)  # enough points to be a curve
+
+
+@pytest.mark.parametrize("source", ["fineweb-edu", "HuggingFaceFW/fineweb-edu", "/data/edu_fineweb10B"])
+def test_fineweb_edu_runs_get_gpt2s_val_loss_and_hellaswag_its_panel(tmp_path, source):
+    from gpt2lab.observe import plot
+
+    run = fake_run(tmp_path / "fw", source=source, hellaswag=True)
+    ax_loss, ax_hs = plot.build_figure([plot.load_run(str(run))]).axes
+    flat = {line.get_ydata()[0] for line in ax_loss.lines if len(set(line.get_ydata())) == 1}
+    assert flat == {plot.GPT2_124M_VAL_LOSS} and ax_hs.get_title() == "HellaSwag"
+    table = section(build_report(str(run), curves=False), "Final metrics against").table
+    assert table[1][2] == plot.GPT2_124M_VAL_LOSS  # 2 x 64 is no GPT-2 size: 124M's, for scale, as the card says
+    assert table[2] == ["HellaSwag acc_norm", "0.2500 (step 4)", 0.2955, 0.337]
+
+
+def test_each_fact_of_run_info_is_shown_once(tmp_path):
+    choices = {"dtype": "float32", "dtype_reason": "fp32 is faster here", "strategy": "ddp"}
+    plan = {
+        "data_source": "x",
+        "facts": {"dtype": "float32", "dtype_reason": "fp32 is faster here", "world_size": 1},
+        "dtype": {"value": "float32", "reason": "fp32 is faster here"},
+        "strategy": {"value": "ddp", "reason": "one process"},
+        "config": {"optim": {"max_lr": 0.001}},
+    }
+    run = fake_run(tmp_path / "r", source="x", info={"choices": choices, "plan": plan, "params": 5})
+    env = section(build_report(str(run), curves=False), "Environment").table[1:]
+    keys = [k for k, _ in env]
+    assert "choices.dtype" in keys and "choices.dtype_reason" in keys and "choices.strategy" in keys
+    assert "plan.facts.world_size" in keys and "plan.strategy.reason" in keys and "params" in keys
+    for gone in (
+        "plan.facts.dtype",
+        "plan.facts.dtype_reason",
+        "plan.dtype.value",
+        "plan.dtype.reason",
+        "plan.strategy.value",
+        "plan.config.optim.max_lr",
+    ):
+        assert gone not in keys
+    assert sum(v == "fp32 is faster here" for _, v in env) == 1
+
+
+def test_a_stopped_runs_card_says_the_command_its_start_recorded(tmp_path):
+    said = "`gpt2lab train --preset chat-cpu --init-from runs/base --out runs/chat --resume auto`"
+    run = fake_run(tmp_path / "r", source="x", info={"resume_with": said})
+    os.makedirs(run / "checkpoints" / "step_000005")  # not a complete checkpoint: none counted
+    status = build_report(str(run), now=time.time() + 3600, curves=False).status
+    assert status.endswith("no checkpoint was saved: start again")
+    from gpt2lab.observe.report import resume_command
+
+    assert resume_command({"resume_with": said}) == said
+    typed = {"command": ["/v/bin/gpt2lab", "train", "--preset", "p", "--resume", "runs/a/checkpoints/step_000002"]}
+    assert resume_command(typed) == "`gpt2lab train --preset p --resume auto`"
+    assert resume_command({"command": ["/v/bin/gpt2lab", "demo"]}) == "`--resume auto`"

@@ -273,7 +273,9 @@ def test_disk_full_in_metrics_jsonl_names_it_and_its_own_filesystems_free_space(
     )
     assert cli.main(train_argv(tiny_data, out, max_steps=3)) == 4
     msg = one_line(capsys.readouterr().err)
+    said = json.loads((out / "run_info.json").read_text())["resume_with"]  # the command, as train built it
+    assert said.startswith("`") and said.endswith(f" --out {out} --resume auto`")
     assert msg == (
         f"gpt2lab train: disk full while writing {out / 'metrics.jsonl'} (3 MiB free); nothing "
-        "half-written was kept; free some space, then continue with --resume auto"
+        f"half-written was kept; free some space, then continue with {said}"
     ), msg

@@ -12,10 +12,12 @@ after, greedily."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import time
 
+from gpt2lab.commands import program, resume_command
 from gpt2lab.system.choices import DTYPE_CHOICES as DTYPE_NAMES
 
 # The demo's recipes: the preset each trains and what to say about it; the figures live in
@@ -97,9 +99,15 @@ def run(args: argparse.Namespace) -> int:
     return run_base(args)
 
 
+def _flags(values: dict, *names: str) -> list:
+    """``--name value`` words for those of ``names`` in ``values``."""
+    return [w for n in names if n in values for w in (f"--{n.replace('_', '-')}", str(values[n]))]
+
+
 def run_base(args: argparse.Namespace) -> int:
     from gpt2lab.data.prepare import prepare
     from gpt2lab.distributed.dist import init_distributed
+    from gpt2lab.train.plan import Request
     from gpt2lab.train.run import train
     from gpt2lab.train.settings import load_preset
 
@@ -114,9 +122,13 @@ def run_base(args: argparse.Namespace) -> int:
     if getattr(args, "n_layer", None):
         overrides["n_layer"] = args.n_layer
     cfg = load_preset(preset, **overrides)
+    # what continues this run if it stops: the train command of the same settings (the demo starts anew)
+    words = ["train", "--preset", preset, "--data", args.data, "--out", out, "--progress", "false"]
+    words += ["--dtype", args.dtype] + _flags(overrides, "max_steps", "n_layer")
+    request = dataclasses.replace(Request.of(cfg), command=resume_command(words))
     print(f"[demo] recipe {args.recipe}: {WHY[args.recipe]}", flush=True)
     print(f"[demo] training {preset} for {cfg.optim.max_steps} steps into {out}", flush=True)
-    train(cfg, init_distributed(cfg.system.device))
+    train(request, init_distributed(cfg.system.device))
     val = last_val_loss(out)
     if val is not None:
         chance = math.log(cfg.model.vocab_size)  # a uniform guess over the model's outputs
@@ -124,7 +136,7 @@ def run_base(args: argparse.Namespace) -> int:
     print(f"[demo] sample from the trained model ({args.prompt!r}, seed {args.seed}):\n", flush=True)
     print(sample(out, args.prompt, args.tokens, args.seed))
     print(f"\n[demo] done in {time.perf_counter() - t0:.0f} s. run dir: {out}")
-    print(f"[demo] more samples: {_command()} sample --model {out} --prompt 'JULIET:'", flush=True)
+    print(f"[demo] more samples: {program()} sample --model {out} --prompt 'JULIET:'", flush=True)
     return 0
 
 
@@ -154,9 +166,12 @@ def run_chat(args: argparse.Namespace) -> int:
     if args.max_steps is not None:
         overrides["max_steps"] = args.max_steps
     # as `gpt2lab train --preset chat-cpu --init-from BASE`: the architecture comes from the base
+    words = ["train", "--preset", "chat-cpu", "--data", args.chat_data, "--out", out, "--init-from", base]
+    words += ["--progress", "false", "--dtype", args.dtype] + _flags(overrides, "max_steps")
     request = Request(
         merge_config(preset_values("chat-cpu"), overrides, source="preset 'chat-cpu'"),
         source="preset 'chat-cpu' with the demo's settings",
+        command=resume_command(words),  # what continues it if it stops: the same as a train command
     )
     before = chat_replies(base)
     print(
@@ -176,7 +191,7 @@ def run_chat(args: argparse.Namespace) -> int:
     for message, old, new in zip(CHAT_PROMPTS, before, after):
         print(f"\nUser: {message}\n  base model: {_shown(old)}\n  chat model: {_shown(new)}", flush=True)
     print(f"\n[demo --chat] done in {time.perf_counter() - t0:.0f} s. chat model: {out}")
-    print(f"[demo --chat] talk to it: {_command()} sample --model {out} --chat", flush=True)
+    print(f"[demo --chat] talk to it: {program()} sample --model {out} --chat", flush=True)
     return 0
 
 
@@ -233,20 +248,3 @@ def sample(run_dir: str, prompt: str, tokens: int, seed: int) -> str:
     gen = torch.Generator().manual_seed(seed)
     out = generate(model, idx, tokens, temperature=0.8, top_k=50, generator=gen, stop_token=enc.eot_id)
     return enc.decode([t for t in out[0].tolist() if t != enc.eot_id])
-
-
-def _command() -> str:
-    """How the user can call gpt2lab: plain ``gpt2lab`` when that is on PATH, else the
-    script beside this Python (``.venv/bin/gpt2lab`` after ``make demo``)."""
-    import os
-    import shutil
-    import sys
-
-    script = os.path.join(os.path.dirname(sys.executable), "gpt2lab")
-    on_path = shutil.which("gpt2lab")
-    if on_path and os.path.exists(script) and os.path.samefile(on_path, script):
-        return "gpt2lab"
-    if os.path.exists(script):
-        rel = os.path.relpath(script)
-        return rel if not rel.startswith("..") else script
-    return f"{sys.executable} -m gpt2lab"

@@ -5,14 +5,17 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import sys
 
-from gpt2lab.train.config import ConfigError, merge_config
+from gpt2lab.commands import resume_command
+from gpt2lab.train.config import merge_config
 from gpt2lab.train.settings import (
     add_config_flags,
     config_file_values,
     overrides_from_args,
     preset_names,
     preset_values,
+    prompt_written_for,
 )
 
 
@@ -73,7 +76,9 @@ def run(args: argparse.Namespace) -> int:
     info = DistInfo() if faked else init_distributed(None if device == "auto" else device)
     try:
         last = train(request, info, dry_run=args.dry_run)
-    except Stopped as e:  # saved and said so; the exit code tells "resume me" from "done"
+    except Stopped as e:  # saved; the exit code tells "resume me" from "done", the line how to go on
+        if info.is_main:
+            print(f"gpt2lab train: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     finally:
         cleanup()
@@ -99,16 +104,14 @@ def _request(args: argparse.Namespace):
     from gpt2lab.train.plan import Request
 
     overrides = overrides_from_args(args)  # nested: {"optim": {"max_lr": ...}, ...}
-    finetune, model = overrides.get("finetune", {}), overrides.get("model", {})
-    if "init_from" in finetune and args.resume:
-        raise ConfigError(
-            f"--init-from {finetune['init_from']} and --resume {args.resume} both given: "
-            "--init-from starts a new run from those weights (fresh optimizer, step 0), "
-            "--resume continues a run where it stopped; pass one of them"
-        )
+    model = overrides.get("model", {})
     source = f"{f'preset {args.preset!r}' if args.preset else args.config} with overrides"
     values = merge_config(
         preset_values(args.preset) if args.preset else config_file_values(args.config), overrides, source=source
     )
     explicit = {k: v for k, v in model.items() if k in ARCH_FIELDS or k == "vocab_size"}
-    return Request(values, explicit, args.resume, source=source)
+    # --resume with --init-from: continues the run that began from those weights (train.gather.same_source)
+    words = getattr(args, "argv", None) or ["train"]  # as typed (cli.parse keeps it); the resume advice
+    given = "sample_prompt" in overrides.get("eval", {})  # a prompt for this run; else the settings' (for their data)
+    prompt_for = None if given else prompt_written_for(args.preset, None if args.preset else args.config)
+    return Request(values, explicit, args.resume, source=source, command=resume_command(words), prompt_for=prompt_for)

@@ -19,6 +19,8 @@ from gpt2lab.system.errors import DataError
 from gpt2lab.system.files import atomic_write
 
 GPT2_124M_VAL_LOSS = 3.2924  # OpenAI GPT-2 124M on the FineWeb-Edu val shard (reference recipe)
+# A curve of at most this many points is drawn with a marker on each: a line between two points is no curve.
+MARKED_UP_TO = 20
 # HellaSwag acc_norm by model size: (GPT-2, GPT-3) as published (model.config.SIZES).
 HELLASWAG_BASELINES = {s.label: (s.hellaswag_gpt2, s.hellaswag_gpt3) for s in SIZES}
 SIZE_BY_SHAPE = {(s.n_layer, s.n_embd): s.label for s in SIZES}
@@ -30,6 +32,36 @@ class Run:
     name: str
     series: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # metric -> [(step, value)]
     size: Optional[str] = None
+    data: Optional[str] = None  # the data's source (data_source): FineWeb-Edu's val loss baseline needs it
+
+
+def is_fineweb_edu(source: Optional[str]) -> bool:
+    """Whether a run's data source names FineWeb-Edu (``prepare --source fineweb-edu``, the hub id, or a
+    directory named for it, as build-nanogpt's edu_fineweb10B): the corpus GPT-2's val loss baseline is on."""
+    text = (source or "").lower().replace("_", "-")
+    return "fineweb-edu" in text or "edu-fineweb" in text
+
+
+def data_source(run_dir: str, config: Optional[dict]) -> Optional[str]:
+    """What a run trained on: the data's source its plan recorded (run_info.json), else the source in the
+    manifest of its --data directory if that is still there, else that directory's path."""
+    try:
+        with open(os.path.join(run_dir, "run_info.json"), encoding="utf-8") as fh:
+            info = json.load(fh)
+        found = info.get("plan", {}).get("data_source")
+        if isinstance(found, str):
+            return found
+    except (OSError, ValueError, AttributeError):
+        pass
+    data = (config or {}).get("data")
+    if not isinstance(data, str):
+        return None
+    try:
+        with open(os.path.join(data, "manifest.json"), encoding="utf-8") as fh:
+            source = json.load(fh).get("source")
+        return source if isinstance(source, str) else data
+    except (OSError, ValueError, AttributeError):
+        return data
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -93,6 +125,7 @@ def load_run(run_dir: str) -> Run:
     config = read_run_config(run_dir)
     if config is not None:
         run.size = detect_size(config)
+    run.data = data_source(run_dir, config)
     return run
 
 
@@ -116,44 +149,43 @@ def read_run_config(run_dir: str) -> Optional[dict]:
     return formats.unstamp(config, path, formats.RUN)
 
 
+def _points(values: list) -> dict:
+    """A marker on each point of a short series (``MARKED_UP_TO``), where a line alone would hide them."""
+    return dict(marker="o", ms=4) if len(values) <= MARKED_UP_TO else {}
+
+
 def build_figure(runs: list[Run]):
-    """Left: train and val loss (log y) vs GPT-2 124M; right: HellaSwag acc_norm vs baselines."""
+    """Train and val loss (log y), with GPT-2 124M's val loss where a run trained on its corpus
+    (FineWeb-Edu); beside it, where a run has HellaSwag results, their acc_norm against OpenAI's."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(14, 5))
-    ax_loss, ax_hs = fig.subplots(1, 2)
+    hellaswag = any(r.series.get("hellaswag_acc_norm") for r in runs)
+    fig = Figure(figsize=(14, 5) if hellaswag else (8, 5))
+    ax_loss, ax_hs = fig.subplots(1, 2) if hellaswag else (fig.subplots(1, 1), None)
     for run in runs:
         for metric, style in (("train_loss", dict(alpha=0.6, lw=1)), ("val_loss", dict(lw=2))):
             if run.series.get(metric):
                 steps, values = zip(*run.series[metric])
-                ax_loss.plot(steps, values, label=f"{run.name} {metric.replace('_', ' ')}", **style)
-        if run.series.get("hellaswag_acc_norm"):
+                ax_loss.plot(steps, values, label=f"{run.name} {metric.replace('_', ' ')}", **style, **_points(values))
+        if ax_hs is not None and run.series.get("hellaswag_acc_norm"):
             steps, values = zip(*run.series["hellaswag_acc_norm"])
             ax_hs.plot(steps, values, marker=".", label=f"{run.name} acc_norm")
-    ax_loss.axhline(
-        GPT2_124M_VAL_LOSS,
-        color="r",
-        ls="--",
-        label=f"OpenAI GPT-2 (124M), FineWeb-Edu val shard: {GPT2_124M_VAL_LOSS}",
-    )
+    if any(is_fineweb_edu(r.data) for r in runs):
+        ax_loss.axhline(
+            GPT2_124M_VAL_LOSS,
+            color="r",
+            ls="--",
+            label=f"OpenAI GPT-2 (124M), FineWeb-Edu val shard: {GPT2_124M_VAL_LOSS}",
+        )
     ax_loss.set_yscale("log")
     ax_loss.set(xlabel="step", ylabel="loss", title="Loss")
-    for size in sorted({r.size for r in runs if r.size}, key=lambda s: SIZE_BY_PARAMS[s]):
-        gpt2, gpt3 = HELLASWAG_BASELINES[size]
-        ax_hs.axhline(gpt2, color="r", ls="--", label=f"OpenAI GPT-2 ({size}) {gpt2}")
-        ax_hs.axhline(gpt3, color="g", ls="--", label=f"OpenAI GPT-3 ({size}) {gpt3}")
-    ax_hs.set(xlabel="step", ylabel="accuracy (acc_norm)", title="HellaSwag")
-    if not any(r.series.get("hellaswag_acc_norm") for r in runs):
-        ax_hs.text(
-            0.5,
-            0.5,
-            "no HellaSwag evaluations in these runs\n(train with --hellaswag-interval N)",
-            ha="center",
-            va="center",
-            transform=ax_hs.transAxes,
-            color="0.4",
-        )
-    for ax in (ax_loss, ax_hs):
+    if ax_hs is not None:
+        for size in sorted({r.size for r in runs if r.size}, key=lambda s: SIZE_BY_PARAMS[s]):
+            gpt2, gpt3 = HELLASWAG_BASELINES[size]
+            ax_hs.axhline(gpt2, color="r", ls="--", label=f"OpenAI GPT-2 ({size}) {gpt2}")
+            ax_hs.axhline(gpt3, color="g", ls="--", label=f"OpenAI GPT-3 ({size}) {gpt3}")
+        ax_hs.set(xlabel="step", ylabel="accuracy (acc_norm)", title="HellaSwag")
+    for ax in fig.axes:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
         ax.grid(alpha=0.3)

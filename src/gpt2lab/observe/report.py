@@ -89,7 +89,9 @@ def _live_lock(run_dir: str) -> Optional[int]:
     return None if who is None else who.get("pid")
 
 
-def run_status(run_dir: str, config: dict, records: list[dict], cut: bool, ckpts: list, now: float) -> str:
+def run_status(
+    run_dir: str, config: dict, records: list[dict], cut: bool, ckpts: list, now: float, info: Optional[dict] = None
+) -> str:
     max_steps = config_value(config, "max_steps")
     steps = [r["step"] for r in records if "train_loss" in r or any(k in r for k in EVENT_KEYS)]
     last = max(steps) if steps else None
@@ -106,18 +108,38 @@ def run_status(run_dir: str, config: dict, records: list[dict], cut: bool, ckpts
         return f"running: at {where} (lock held by pid {pid})"
     if not os.path.exists(os.path.join(run_dir, rundir.LOCK_FILE)) and age < window:  # a run of a version
         return f"running: at {where} (last record {age:.0f} s ago)"  # that kept no lock
+    resume = resume_command(info or {})
     if cut:
-        return f"crashed: metrics.jsonl ends in a cut line (killed mid-write) at {where}; " + _resume_hint(ckpt_steps)
+        return f"crashed: metrics.jsonl ends in a cut line (killed mid-write) at {where}; " + _resume_hint(
+            ckpt_steps, resume
+        )
     if last is not None and ckpt_steps and ckpt_steps[-1] == last + 1:
-        return f"stopped at {where} with a checkpoint there; continue with `gpt2lab train ... --resume auto`"
+        return f"stopped at {where} with a checkpoint there; continue with {resume}"
     ago = f"{age:.0f} s" if age < 120 else f"{age / 60:.0f} min"
-    return f"crashed or killed at {where} (last record {ago} ago); " + _resume_hint(ckpt_steps)
+    return f"crashed or killed at {where} (last record {ago} ago); " + _resume_hint(ckpt_steps, resume)
 
 
-def _resume_hint(ckpt_steps: list[int]) -> str:
+def _resume_hint(ckpt_steps: list[int], resume: str) -> str:
     if not ckpt_steps:
         return "no checkpoint was saved: start again"
-    return f"`--resume auto` continues from step {ckpt_steps[-1]}"
+    return f"{resume} continues from step {ckpt_steps[-1]}"
+
+
+def resume_command(info: dict) -> str:
+    """How to continue the run: the command its start recorded (run_info.json's ``resume_with``), else its
+    ``gpt2lab train`` command line with ``--resume auto`` in place of any --resume, else the flag."""
+    said = info.get("resume_with")
+    if isinstance(said, str) and said:
+        return said
+    line = command_line(info)
+    if not line or not line.startswith("gpt2lab train "):
+        return "`--resume auto`"
+    words, out = shlex.split(line), []
+    for i, word in enumerate(words):
+        if word == "--resume" or word.startswith("--resume=") or (i and words[i - 1] == "--resume"):
+            continue
+        out.append(word)
+    return f"`{shlex.join(out + ['--resume', 'auto'])}`"
 
 
 def command_line(info: dict) -> Optional[str]:
@@ -201,24 +223,54 @@ def _last(records: list[dict], key: str) -> Optional[tuple[int, float]]:
     return found[-1] if found else None
 
 
-def _results(records: list[dict], size: Optional[str]) -> list[list[Any]]:
+def _results(records: list[dict], size: Optional[str], fineweb_edu: bool) -> list[list[Any]]:
+    """The last of each metric the run logged, beside OpenAI's where they apply: GPT-2 124M's val loss on
+    FineWeb-Edu for a run on that corpus, HellaSwag's published acc_norm for a run with HellaSwag results
+    (its size's, else 124M's for scale). No baseline that applies: no baseline columns."""
     ref = size or "124M"
     gpt2_hs, gpt3_hs = plot.HELLASWAG_BASELINES[ref]
     val, hs = _last(records, "val_loss"), _last(records, "hellaswag_acc_norm")
     bpb = _last(records, "val_bpb")
     fmt = lambda sv: f"{sv[1]:.4f} (step {sv[0]})" if sv else "-"  # noqa: E731
+    gpt2_val = plot.GPT2_124M_VAL_LOSS if fineweb_edu and ref == "124M" and val else "-"
     rows = [
-        ["metric", "this run", f"OpenAI GPT-2 {ref}", f"OpenAI GPT-3 {ref}"],
         [
-            "val loss (the run's val split; GPT-2's on FineWeb-Edu val)",
+            "val loss (the run's val split" + ("; GPT-2's on FineWeb-Edu val)" if gpt2_val != "-" else ")"),
             fmt(val),
-            plot.GPT2_124M_VAL_LOSS if ref == "124M" else "-",
+            gpt2_val,
             "-",
-        ],
-        ["HellaSwag acc_norm", fmt(hs), gpt2_hs, gpt3_hs],
+        ]
     ]
+    if hs:
+        rows.append(["HellaSwag acc_norm", fmt(hs), gpt2_hs, gpt3_hs])
     if bpb:  # bits per byte: comparable across tokenizers (runs written before it have none)
         rows.append(["val bits per byte (the loss over the text's UTF-8 bytes)", fmt(bpb), "-", "-"])
+    if all(row[2:] == ["-", "-"] for row in rows):
+        return [["metric", "this run"], *[row[:2] for row in rows]]
+    return [["metric", "this run", f"OpenAI GPT-2 {ref}", f"OpenAI GPT-3 {ref}"], *rows]
+
+
+# run_info.json keys the report shows elsewhere: the plan's config is config.json's (its own section)
+_SHOWN_ELSEWHERE = ("plan.config",)
+
+
+def _facts(info: dict) -> list[list[Any]]:
+    """run_info.json key by key, each fact once: a later key holding what an earlier one showed (the
+    plan's ``dtype.value`` after ``choices.dtype``, its ``facts.*`` after ``choices.*``) is left out.
+    Facts are named by their last key, ``value`` by its owner and ``reason`` as ``OWNER_reason``."""
+    rows, seen = [], set()
+    for key, value in _flatten(info):
+        if any(key == k or key.startswith(k + ".") for k in _SHOWN_ELSEWHERE):
+            continue
+        parts = key.split(".")
+        name = parts[-1]
+        if name in ("value", "reason") and len(parts) > 1:
+            name = parts[-2] if name == "value" else f"{parts[-2]}_reason"
+        fact = (name, json.dumps(value, sort_keys=True, default=str))
+        if fact in seen:
+            continue
+        seen.add(fact)
+        rows.append([key, value])
     return rows
 
 
@@ -244,7 +296,8 @@ def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True)
     ckpts = _checkpoints(run_dir)
     size = plot.detect_size(config) if config else None
     arch = _model_section(config)
-    status = run_status(run_dir, config, records, cut, ckpts, time.time() if now is None else now)
+    status = run_status(run_dir, config, records, cut, ckpts, time.time() if now is None else now, info)
+    fineweb_edu = plot.is_fineweb_edu(plot.data_source(run_dir, config))
     what = [
         ["item", "value"],
         ["run dir", os.path.abspath(run_dir)],
@@ -269,11 +322,7 @@ def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True)
     rep.sections += [
         Section("What was run", table=what),
         Section("How long and how fast", table=_speed(records, config, run_dir)),
-        Section(
-            "Final metrics against OpenAI's models",
-            table=_results(records, size),
-            text="" if size else "This run is not a GPT-2 size; the 124M baselines are shown for scale.",
-        ),
+        _results_section(_results(records, size, fineweb_edu), size),
         Section(
             "Curves",
             image_png=_figure_png(run_dir) if records and curves else None,
@@ -298,7 +347,7 @@ def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True)
         ),
         Section(
             "Environment and automatic choices (run_info.json)",
-            table=[["key", "value"], *_flatten(info)] if info else None,
+            table=[["key", "value"], *_facts(info)] if info else None,
             text="" if info else "run_info.json is missing.",
         ),
         Section(
@@ -308,6 +357,16 @@ def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True)
         ),
     ]
     return rep
+
+
+def _results_section(table: list[list[Any]], size: Optional[str]) -> Section:
+    if len(table[0]) == 2:
+        return Section("Final metrics", table=table)
+    return Section(
+        "Final metrics against OpenAI's models",
+        table=table,
+        text="" if size else "This run is not a GPT-2 size; the 124M baselines are shown for scale.",
+    )
 
 
 def _event_text(r: dict) -> str:

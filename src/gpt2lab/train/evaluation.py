@@ -111,7 +111,7 @@ class Evaluator:
         ids = (
             encode_chat([("user", prompt)], add_generation_prompt=True, tokenizer=enc)[0]
             if chat
-            else enc.encode(prompt, allowed_special="all")
+            else enc.encode(prompt, allowed_special="all") or [enc.eot_id]  # no prompt: a document's start
         )
         stop = enc.im_end_id if chat else enc.eot_id
         idx = torch.tensor([ids], device=self.device)

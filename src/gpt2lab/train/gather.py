@@ -161,6 +161,7 @@ class Gathered:
     skipped: tuple[str, ...] = ()  # damaged checkpoints passed over, one line each
     init: Optional[InitFrom] = None  # --init-from of a fresh run
     manifest: Mapping = field(default_factory=dict)  # the data's manifest.json ({}: none, or no data here)
+    val_start: Optional[str] = None  # the start of the first validation document (asked for: ``val_start``)
 
 
 def gather(
@@ -171,10 +172,14 @@ def gather(
     source: Optional[str],
     data: str,
     report: Callable[[str], None],
+    resume_with: str = "--resume auto",
+    prompt_from_data: bool = False,
 ) -> Gathered:
     """Read what a run's plan needs (the module docstring's list): ``out`` the run directory, ``resume``
     as ``--resume`` gave it, ``source`` the --init-from value asked for, ``data`` the data directory.
-    ``report`` hears of each damaged checkpoint passed over as it is found. Raises the first problem found."""
+    ``report`` hears of each damaged checkpoint passed over as it is found; ``resume_with`` is how the
+    user continues the run (advice in errors); ``prompt_from_data``: read the start of the data's first
+    validation document (the samples' prompt, train.plan.sample_prompt). Raises the first problem found."""
     from gpt2lab.data.shards import read_manifest
     from gpt2lab.data.tokenizer import GPT2, for_data
 
@@ -185,7 +190,7 @@ def gather(
         report(line)
 
     resumed, init = None, None
-    where = find_resume(out, resume, skip)
+    where = find_resume(out, resume, skip, resume_with)
     if where is not None:
         saved = ckpt.read_config(where)
         src = began = None
@@ -193,6 +198,8 @@ def gather(
             src = init_from.find_source(where)
             src.flag = "--resume"
             began = began_from(where)
+        if source:  # the command that began it, repeated: the same weights, or refused naming both
+            same_source(str(source), where, config_value(saved, "init_from"), began)
         resumed = Resumed(where, saved, src, began)
     elif source:
         src = init_from.find_source(str(source))
@@ -200,21 +207,92 @@ def gather(
     manifest = read_manifest(data)
     if manifest and manifest.get("tokenizer", GPT2) != GPT2:  # its tokenizer.json is there and is the one named
         for_data(data)
-    return Gathered(machine, resumed, tuple(skipped), init, manifest)
+    start = val_start(data, manifest) if prompt_from_data and manifest else None
+    return Gathered(machine, resumed, tuple(skipped), init, manifest, start)
 
 
-def find_resume(out: str, resume: Optional[str], report: Callable[[str], None] = lambda line: None) -> Optional[str]:
+# Tokens of a text prompt taken from the data: the start of a line or a sentence, enough to show what
+# the text is and leave the rest to the model; a count of tokens, so the same on any text.
+PROMPT_TOKENS = 8
+
+
+def val_start(data: str, manifest: Mapping) -> Optional[str]:
+    """The start of ``data``'s first validation document, decoded with the data's tokenizer: its first
+    PROMPT_TOKENS tokens, or for conversations its first user message; None without a validation split
+    (or an empty first document)."""
+    from gpt2lab.data.shards import list_shards, open_shard
+    from gpt2lab.data.tokenizer import for_data
+    from gpt2lab.system.errors import DataError
+
+    try:
+        shards = list_shards(data, "val")
+    except DataError:
+        return None
+    if not shards:
+        return None
+    enc = for_data(data)
+    ids = [int(t) for t in open_shard(shards[0])[:4096]]
+    while ids and ids[0] == enc.eot_id:  # every document starts with <|endoftext|>
+        ids = ids[1:]
+    doc = ids[: ids.index(enc.eot_id)] if enc.eot_id in ids else ids
+    if "chat_template" not in manifest:
+        return enc.decode(doc[:PROMPT_TOKENS]) or None
+    turns, start = [], None
+    for i, t in enumerate(doc):  # <|im_start|>role\ncontent<|im_end|>
+        if t == enc.im_start_id:
+            start = i + 1
+        elif t == enc.im_end_id and start is not None:
+            turns.append(enc.decode(doc[start:i]))
+            start = None
+    users = [turn.split("\n", 1)[1] for turn in turns if turn.startswith("user\n")]
+    return users[0] if users and users[0].strip() else None
+
+
+def same_source(source: str, where: str, began_as: Optional[str], began: Optional[dict]) -> None:
+    """A resume given ``--init-from SOURCE`` too (the command that began the run, with --resume auto):
+    fine when SOURCE is the weights the run began from (``began``, the checkpoint ``where``'s record:
+    the same spelling resolving to the same file, else the same sha256); else refused naming both."""
+    if not began_as:
+        raise ConfigError(
+            f"--init-from {source}: the checkpoint {where} belongs to a run that began from scratch; "
+            "resume it without --init-from, or start a new run in another --out"
+        )
+    src = init_from.find_source(source)
+    if began and source == began.get("source") and os.path.abspath(src.weights) == began.get("weights"):
+        return
+    if began and init_from.digest(src) == began.get("sha256"):
+        return
+    now = InitFrom(src, init_from.digest(src)).id
+    was = f"{began_as} ({began['id']})" if began and began.get("id") else began_as
+    raise ConfigError(
+        f"--init-from {source} ({now}): the run of {where} began from {was}, other weights; "
+        f"resume it with --init-from {began_as} (or without --init-from), or start a new run in another --out"
+    )
+
+
+def find_resume(
+    out: str,
+    resume: Optional[str],
+    report: Callable[[str], None] = lambda line: None,
+    resume_with: str = "--resume auto",
+) -> Optional[str]:
     """The checkpoint a run continues from: the newest intact one (checksums verified here).
 
-    ``resume`` None: none, and a run directory that already has checkpoints is refused;
-    "auto": the newest intact checkpoint of ``out`` (None if it has none); a run directory:
-    its newest intact one; a checkpoint directory: that one, which must be intact.
-    ``report`` hears of each damaged checkpoint passed over.
+    ``resume`` None: none, and a run directory that already has checkpoints is refused (naming
+    ``resume_with``, how to continue it); "auto": the newest intact checkpoint of ``out`` (None if it
+    has none); a run directory: its newest intact one; a checkpoint directory: that one, which must be
+    intact. A path that is not there is a usage error. ``report`` hears of each damaged checkpoint
+    passed over.
     """
     if resume is None:
         if ckpt.find_latest(out):
-            raise ConfigError(f"{out} already has checkpoints; continue it with --resume auto or choose another --out")
+            raise ConfigError(f"{out} already has checkpoints; continue it with {resume_with} or choose another --out")
         return None
+    if resume != "auto" and not os.path.isdir(resume):
+        raise ConfigError(
+            f"--resume {resume}: no such directory; pass auto (the newest checkpoint in --out), a run "
+            "directory or a checkpoint directory"
+        )
     if ckpt.has_weights(resume):
         ckpt.verify(resume)
         return resume
@@ -223,7 +301,7 @@ def find_resume(out: str, resume: Optional[str], report: Callable[[str], None] =
     if found is None and ckpt.find_latest(run_dir):
         raise CheckpointError(f"{run_dir}: every checkpoint is damaged; start again with a new --out")
     if found is None and resume != "auto":
-        raise CheckpointError(
+        raise ConfigError(
             f"--resume {resume}: neither a checkpoint (no model.safetensors or sharded "
             ".metadata) nor a run directory with checkpoints/step_*/; pass a checkpoint "
             "directory or --resume auto"

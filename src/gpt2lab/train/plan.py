@@ -25,10 +25,12 @@ Trainer builds from it and decides nothing. The plan is printed at start, writte
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
+from gpt2lab.checkpoint.store import step_of
 from gpt2lab.distributed import memplan, parallel
 from gpt2lab.model.config import GPTConfig, config_value, padded_vocab
 from gpt2lab.model.loss import LossPath, choose_loss
@@ -54,6 +56,14 @@ class Request:
     explicit: Mapping[str, object] = field(default_factory=dict)
     resume: Optional[str] = None  # None, "auto" or a run/checkpoint directory
     source: str = "config"  # for messages: "preset 'x' with overrides"
+    command: Optional[str] = None  # the command line that continues this run (the commands build it)
+    # the data the settings' sample_prompt was written for (settings.prompt_written_for); None: this run's
+    prompt_for: Optional[str] = None
+
+    @property
+    def resume_advice(self) -> str:
+        """How to continue this run, for messages: its command line, else the flag (the Python API)."""
+        return f"`{self.command}`" if self.command else "--resume auto"
 
     @classmethod
     def of(cls, cfg: TrainConfig, resume: Optional[str] = None) -> "Request":
@@ -92,6 +102,9 @@ class RunPlan:
     memory: Optional[dict]  # memplan's prediction per rank, MiB by term
     ns_dtype: Optional[Choice] = None  # Muon's Newton-Schulz dtype (None: the run has no Muon)
     began: Optional[dict] = None  # a resumed run's init-from record, from its checkpoint (began_from)
+    schedule_change: Optional[str] = None  # a resume's new LR schedule, said in one line (schedule_change)
+    data_source: Optional[str] = None  # what the data was prepared from (its manifest's source): the report's baselines
+    prompt_reason: Optional[str] = None  # why the samples' prompt is not the settings' (sample_prompt)
     supervised: Optional[tuple[int, int]] = None  # conversations: (assistant tokens, all tokens) of train
 
     @property
@@ -102,6 +115,11 @@ class RunPlan:
     def export(self) -> str:
         """What ``gpt2lab export`` will write for this run's model, or why nothing (weights/targets.py)."""
         return export_target(self.config.model).describe()
+
+    @property
+    def checkpoints(self) -> dict:
+        """What the run's checkpoints take on disk (``checkpoint_bytes``) and how many it keeps."""
+        return checkpoint_disk(self.config)
 
     @property
     def init_record(self) -> Optional[dict]:
@@ -129,6 +147,9 @@ class RunPlan:
                 "faked": self.machine.faked,
             },
             "resume": self.resume,
+            "schedule_change": self.schedule_change,
+            "data_source": self.data_source,
+            "sample_prompt": {"value": c.eval.sample_prompt, "reason": self.prompt_reason or "as set"},
             "skipped_checkpoints": list(self.skipped),
             "init_from": self.init_record,
             "dtype": choice(self.dtype),
@@ -142,6 +163,7 @@ class RunPlan:
             "params": self.params,
             "memory_mib": self.memory,
             "supervised": self.supervised,
+            "checkpoints": self.checkpoints,
             "export": self.export,
             "config": c.to_dict(),
         }
@@ -198,7 +220,11 @@ class RunPlan:
                 f"data      {c.data}: conversations in the {m.chat_template} template, supervised on "
                 f"{n:,} of {total:,} tokens ({n / max(total, 1):.0%}: the assistant's turns)"
             )
+        if self.prompt_reason:
+            out.append(f"sample    prompt {c.eval.sample_prompt!r} ({self.prompt_reason})")
         out += [f"skipped   {line}" for line in self.skipped]
+        if self.schedule_change:
+            out.append(f"schedule  {self.schedule_change}")
         if self.init_record:
             r = self.init_record
             out.append(f"init from {r['source']} ({r.get('kind', 'recorded by the run')}, {r['id']})")
@@ -229,6 +255,7 @@ class RunPlan:
                 else f"unknown ({self.peak_flops.reason}); no MFU"
             ),
             f"memory    {mem}",
+            f"disk      {describe_checkpoints(self.checkpoints)}",
         ]
         out += [f"warning: {ch.warning}" for ch in (self.dtype, self.compile) if ch.warning]
         return out
@@ -254,6 +281,8 @@ def make_plan(
         source=req.get("init_from"),
         data=str(req.get("data")),
         report=report or _to_stderr,
+        resume_with=req.resume_advice,
+        prompt_from_data=not prompt_fits(req),
     )
     return decide(req, found)
 
@@ -270,6 +299,9 @@ def decide(req: Request, found: Gathered) -> RunPlan:
     elif init is not None:
         arch = init_from.check_arch(init.source, req.explicit)
         values = merge_config(values, {"model": arch}, source=req.source)
+    prompt, prompt_reason = sample_prompt(req, found)
+    if prompt_reason:
+        values = merge_config(values, {"eval": {"sample_prompt": prompt}}, source=req.source)
     template = chat_template(found.manifest, init, resumed)
     if template:
         values = merge_config(values, {"model": {"chat_template": template}}, source=req.source)
@@ -277,8 +309,10 @@ def decide(req: Request, found: Gathered) -> RunPlan:
     if model:
         values = merge_config(values, {"model": model}, source=req.source)
     cfg = _config(values, req, init)
+    change = None
     if resumed is not None:
         check_resume_settings(cfg, resumed.saved, resumed.where)
+        change = schedule_change(cfg, resumed.saved, step_of(resumed.where))
     accum = cfg.grad_accum_steps(machine.world_size)
     cfg.accum_at(0, machine.world_size)  # the batch ramp's start divides evenly too (raises if not)
     muon = cfg.optim.optimizer == "muon"
@@ -311,8 +345,32 @@ def decide(req: Request, found: Gathered) -> RunPlan:
         memory=memory,
         ns_dtype=choices.ns_dtype,
         began=resumed.began if resumed else None,
+        schedule_change=change,
+        data_source=found.manifest.get("source"),
+        prompt_reason=prompt_reason,
         supervised=supervised_tokens(found.manifest),
     )
+
+
+def prompt_fits(req: Request) -> bool:
+    """Whether the settings' sample prompt was written for this run's data (or for this run: ``prompt_for``
+    None): the same directory path, made absolute (no file read: a link to it counts as another)."""
+    if req.prompt_for is None:
+        return True
+    return os.path.abspath(str(req.prompt_for)) == os.path.abspath(str(req.get("data")))
+
+
+def sample_prompt(req: Request, found: Gathered) -> tuple[str, Optional[str]]:
+    """The prompt of the samples logged in training and its reason where it is not the settings' own: a
+    preset's prompt (Tiny Shakespeare's "ROMEO:") is for the data that preset names; on other data the
+    samples start from that data's first validation document (train.gather.val_start), or from nothing."""
+    prompt = str(req.get("sample_prompt"))
+    if prompt_fits(req):
+        return prompt, None
+    why = f"the settings' {prompt!r} was written for {req.prompt_for}"
+    if found.val_start:
+        return found.val_start, f"the start of {req.get('data')}'s first validation document; {why}"
+    return "", f"empty: {req.get('data')} has no validation text to start from; {why}"
 
 
 def choose_peak_flops(requested: Optional[float], machine: MachineFacts) -> Choice:
@@ -414,6 +472,61 @@ def check_memory(plan: RunPlan) -> None:
     )
 
 
+def checkpoint_bytes(cfg: TrainConfig) -> dict:
+    """Bytes of one checkpoint of ``cfg``'s run by file, as checkpoint.store writes it: the weights in
+    fp32 (model.safetensors; the tied head once; LoRA's adapters with the base), the optimizer's fp32
+    state (optimizer.pt: memplan's, or the adapters' two AdamW moments under LoRA) and, with
+    --ema-decay, the trained weights beside the average (training.safetensors). state.pt, config.json
+    and checksums add kilobytes, left out."""
+    m, ft = cfg.model, cfg.finetune
+    params = memplan.param_counts(m)["total"]
+    if ft.lora_rank:
+        C = m.n_embd
+        shapes = {"c_attn": [(C, 3 * C)], "c_fc": [(C, 4 * C)], "attn.c_proj": [(C, C)], "mlp.c_proj": [(4 * C, C)]}
+        shapes["c_proj"] = shapes["attn.c_proj"] + shapes["mlp.c_proj"]
+        targets = {t.strip() for t in ft.lora_targets.split(",")}
+        linears = {shape for t in targets for shape in shapes[t]}  # c_proj and attn.c_proj: the same layer once
+        adapters = m.n_layer * sum(ft.lora_rank * (a + b) for a, b in linears)
+        weights, optimizer = memplan.FP32 * (params + adapters), 2 * memplan.FP32 * adapters
+    else:
+        weights = memplan.FP32 * params
+        optimizer = memplan.optimizer_state_bytes(m, cfg.optim.optimizer, cfg.optim.muon_variant)
+    out = {"weights": weights, "optimizer": optimizer}
+    if cfg.optim.ema_decay:
+        out["training_weights"] = weights
+    return {**out, "total": sum(out.values())}
+
+
+def checkpoint_disk(cfg: TrainConfig) -> dict:
+    """``checkpoint_bytes`` with the count the run writes (every ckpt_interval steps and at the end) and
+    keeps (--keep-checkpoints, 0: all), and the disk that takes: ``kept`` checkpoints, one more while
+    the next is written (the oldest goes once the new one is whole)."""
+    c, steps = cfg.checkpoint, cfg.optim.max_steps
+    each = checkpoint_bytes(cfg)
+    written = steps // c.ckpt_interval + (1 if steps % c.ckpt_interval else 0) if c.ckpt_interval else 1
+    kept = min(c.keep_checkpoints, written) if c.keep_checkpoints else written
+    return {
+        "bytes": each,
+        "written": written,
+        "keep_checkpoints": c.keep_checkpoints,
+        "kept": kept,
+        "kept_bytes": kept * each["total"],
+        "peak_bytes": min(kept + 1, written) * each["total"],
+    }
+
+
+def describe_checkpoints(disk: dict) -> str:
+    """The plan's line about checkpoints on disk."""
+    each, mib = disk["bytes"], lambda n: f"{n / 2**20:,.0f} MiB"  # noqa: E731
+    parts = ", ".join(f"{k.replace('_', ' ')} {mib(v)}" for k, v in each.items() if k != "total")
+    keep = "all kept" if not disk["keep_checkpoints"] else f"{disk['kept']} kept (--keep-checkpoints)"
+    return (
+        f"{mib(each['total'])} per checkpoint ({parts}); {disk['written']} written, {keep}: "
+        f"{mib(disk['kept_bytes'])}"
+        + (f", {mib(disk['peak_bytes'])} while the next is written" if disk["peak_bytes"] > disk["kept_bytes"] else "")
+    )
+
+
 def resume_fields(cfg: TrainConfig) -> list[str]:
     """The settings a resumed run must keep, by flat name: each field marked ``keep`` (train.config)
     that applies to ``cfg``, and every architecture field that sets no shape (a checkpoint's shapes
@@ -452,6 +565,43 @@ def check_resume_settings(cfg: TrainConfig, saved: dict, where: str) -> None:
         f"{flags(1)}: the checkpoint {where} was trained with {was}; resume with {flags(0)}, "
         "or start a new run in another --out"
     )
+
+
+# The fields that shape the LR schedule (train.optim.lr_at); those marked ``keep`` are refused before.
+SCHEDULE_FIELDS = ("max_steps", "warmup_steps", "lr_schedule", "decay_frac", "max_lr", "min_lr")
+
+
+def schedule_change(cfg: TrainConfig, saved: dict, step: int) -> Optional[str]:
+    """One line naming what a resume changes in the LR schedule its checkpoint (``saved``, at ``step``)
+    trained with: each field from what to what, the decay's new end and the rate of the next step
+    before and after; None when it changes nothing. A rate's schedule is a function of max_steps, so
+    resuming with another --max-steps moves the decay (cosine: its whole length; wsd: its start)."""
+    from gpt2lab.train.optim import lr_at
+
+    def schedule(opt: dict) -> dict:
+        return {n: opt[n] for n in SCHEDULE_FIELDS if n != "decay_frac" or opt["lr_schedule"] == "wsd"}
+
+    mine = {n: getattr(cfg.optim, n) for n in SCHEDULE_FIELDS}
+    theirs = {n: _saved_value(saved, n) for n in SCHEDULE_FIELDS}
+    old, new = schedule(theirs), schedule(mine)
+    if old == new:
+        return None
+    changed = ", ".join(f"{n} {old.get(n, '-')} -> {new.get(n, '-')}" for n in new if old.get(n) != new.get(n))
+
+    def rate(opt: dict) -> float:
+        return lr_at(step, schedule=opt["lr_schedule"], **{n: opt[n] for n in SCHEDULE_FIELDS if n != "lr_schedule"})
+
+    return (
+        f"resuming at step {step} with another LR schedule than its checkpoint's: {changed}; the "
+        f"{new['lr_schedule']} schedule now ends at step {new['max_steps']}, and step {step}'s learning rate is "
+        f"{rate(mine):.3g} (the checkpoint's schedule: {rate(theirs):.3g})"
+    )
+
+
+def _saved_value(saved: dict, name: str):
+    """A field of a checkpoint's config.json; one written before the field existed: its default."""
+    value = config_value(saved, name, _ABSENT)
+    return default_value(name) if value is _ABSENT else value
 
 
 def _flag_text(value) -> str:

@@ -58,8 +58,10 @@ class Rollback:
             last = ckpt.find_latest(self.cfg.out) or "none yet"
             raise TrainingError(
                 f"{self.bad_steps} steps in a row had a non-finite or spiking loss or gradient norm (last at step "
-                f"{record['step']}); stopping. The last good checkpoint is {last}. Lower --max-lr, "
-                "raise --warmup-steps or use --dtype bfloat16/float32, then --resume from it."
+                f"{record['step']}); stopping. The last good checkpoint is {last}: continue from it with "
+                "--dtype bfloat16 or float32 (the same command with --resume auto), or start a new run from its "
+                "weights with a lower --max-lr or more --warmup-steps (--init-from it, another --out); a resume "
+                "keeps the learning rates"
             )
 
     def check(self, step: int, position: int, loss: float, norm: float) -> Optional[dict]:
@@ -113,8 +115,9 @@ class Rollback:
         if self.rollbacks > MAX_ROLLBACKS:
             raise TrainingError(
                 f"rolled back to {target} {MAX_ROLLBACKS} times and the loss still spikes; "
-                "the data is not the cause: lower --max-lr or raise --warmup-steps and "
-                f"--resume from {target}, or set --spike-rollback 0"
+                "the data is not the cause: start a new run from its weights with a lower --max-lr or more "
+                f"--warmup-steps (--init-from {target}, another --out), or continue with --spike-rollback 0 "
+                "(the same command with --resume auto)"
             )
         return RollbackDecision(record, target, self.skips)
 

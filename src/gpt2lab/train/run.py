@@ -27,7 +27,7 @@ from gpt2lab.distributed import parallel
 from gpt2lab.distributed.dist import DistInfo, decided_on_rank_0
 from gpt2lab.observe.metrics import MetricsLogger, run_info
 from gpt2lab.system import rundir
-from gpt2lab.system.errors import ConfigError, DataError, UsageError
+from gpt2lab.system.errors import ConfigError, DataError, DiskFullError, UsageError
 from gpt2lab.system.files import sweep_stale, write_json
 from gpt2lab.train import preflight
 from gpt2lab.train.config import TrainConfig, save_config
@@ -73,6 +73,8 @@ def start(
             claimed.append(stack.enter_context(rundir.claim(out, flag="--out", what_next=_WHAT_NEXT)))
         with _no_downloads() if dry_run else contextlib.nullcontext():
             plan = make_plan(request, facts)
+        if plan.schedule_change:  # said before anything else: the user may not have meant it
+            print(f"gpt2lab train: note: {plan.schedule_change}", file=sys.stderr, flush=True)
         lines = preflight.check_present(plan.config.data, faked=facts.faked is not None)  # before the rest
         check_memory(plan)
         for line in lines + preflight.check_data(plan.config, facts.world_size, dry_run):
@@ -119,10 +121,12 @@ def train(
                 for line in plan.lines():
                     print(f"  {line}")
             return None
-        return _run(plan, info, claim)
+        return _run(plan, info, claim, request.resume_advice)
 
 
-def _run(plan: RunPlan, info: DistInfo, claim: Optional[rundir.Claim] = None) -> Optional[str]:
+def _run(
+    plan: RunPlan, info: DistInfo, claim: Optional[rundir.Claim] = None, resume_with: str = "--resume auto"
+) -> Optional[str]:
     """Steps 3-4; until the first step is taken a failure removes what this start wrote (``claim``)."""
     if info.is_main:  # temporaries of killed runs (never of a live one) would block a full disk
         for folder in (plan.config.out, os.path.join(plan.config.out, "checkpoints")):
@@ -132,7 +136,7 @@ def _run(plan: RunPlan, info: DistInfo, claim: Optional[rundir.Claim] = None) ->
     trainer = None
     try:
         trainer = Trainer(plan, info)
-        return _train(plan, info, trainer)
+        return _train(plan, info, trainer, resume_with)
     except (torch.OutOfMemoryError, MemoryError) as e:  # one line, not a traceback
         at = f"at step {trainer.step}" if trainer is not None else "building the model"
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -145,7 +149,7 @@ def _run(plan: RunPlan, info: DistInfo, claim: Optional[rundir.Claim] = None) ->
             claim.began = True  # from here on the run's files are kept whatever happens
 
 
-def _train(plan: RunPlan, info: DistInfo, trainer: Trainer) -> Optional[str]:
+def _train(plan: RunPlan, info: DistInfo, trainer: Trainer, resume_with: str = "--resume auto") -> Optional[str]:
     cfg = plan.config
     if info.is_main:
         save_config(cfg, os.path.join(cfg.out, "config.json"))
@@ -173,6 +177,7 @@ def _train(plan: RunPlan, info: DistInfo, trainer: Trainer) -> Optional[str]:
                 "peak_flops": plan.peak_flops.value,
                 "mfu_formula": "6N + 12*n_layer*n_embd*T per token (PaLM), N without wpe",
                 "plan": plan.record(),
+                "resume_with": resume_with,
             },
         )
     lg = cfg.logging
@@ -204,13 +209,18 @@ def _train(plan: RunPlan, info: DistInfo, trainer: Trainer) -> Optional[str]:
         + (f", resumed from {plan.resume}" if plan.resume else "")
     )
     try:
-        last = trainer.run(log)
-    finally:
-        log.close()
+        try:
+            last = trainer.run(log)
+        finally:
+            log.close()
+    except DiskFullError as e:  # its advice ("--resume auto") as the command that continues this run
+        if resume_with == "--resume auto" or "--resume auto" not in str(e):
+            raise
+        raise DiskFullError(str(e).replace("--resume auto", resume_with)) from e
     if trainer.stop_signal is not None:  # "preempted, resume me", told apart from "done" by the exit code
         raise Stopped(
-            f"stopped by {signal.Signals(trainer.stop_signal).name} at step {trainer.step}; "
-            f"resume with --resume auto (last checkpoint {last})",
+            f"stopped by {signal.Signals(trainer.stop_signal).name} at step {trainer.step} "
+            f"(last checkpoint {last}); continue with {resume_with}",
             trainer.stop_signal,
         )
     return last

@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from importlib import resources
-from typing import Any, get_type_hints
+from typing import Any, Optional, get_type_hints
 
-from gpt2lab.model.config import GPTConfig, field_type
+from gpt2lab.model.config import GPTConfig, config_value, field_type
 from gpt2lab.system.choices import finite_float
 from gpt2lab.system.errors import ConfigError
 from gpt2lab.train.config import (
@@ -21,6 +21,7 @@ from gpt2lab.train.config import (
     TrainConfig,
     check_nested_types,
     default_model,
+    default_value,
     merge_config,
     nest_config,
 )
@@ -74,6 +75,24 @@ def _toml_values(text: str, where: str, seen: tuple) -> dict:
         raise ConfigError(f"{where}: base must be a preset name (text), got {base!r}")
     own = nest_config(values, where)
     return merge_config(preset_values(base, seen), own, source=where) if base else own
+
+
+def prompt_written_for(preset: Optional[str] = None, path: Optional[str] = None) -> str:
+    """The data directory the sample prompt of a preset (or ``--config`` file) was written for: the
+    data of the preset or file that sets ``sample_prompt`` (its own, or the one it inherits), found
+    along the ``base`` chain; the built-in default prompt's, the default data."""
+    if preset is not None:
+        text, where = (resources.files("gpt2lab") / "presets" / f"{preset}.toml").read_text(), preset
+        values = preset_values(preset)
+    else:
+        with open(str(path), encoding="utf-8") as f:
+            text, where = f.read(), str(path)
+        values = config_file_values(str(path))
+    own = tomllib.loads(text)
+    base = own.pop("base", None)
+    if config_value(nest_config(own, where), "sample_prompt", None) is not None:
+        return str(config_value(values, "data", default_value("data")))
+    return prompt_written_for(preset=base) if base else str(default_value("data"))
 
 
 def load_preset(name: str, **overrides: Any) -> TrainConfig:

@@ -409,7 +409,7 @@ class Trainer:
                 if stop or self.step == cfg.optim.max_steps or due(cfg.checkpoint.ckpt_interval, self.step, -1):
                     last_ckpt = self.save() or last_ckpt
                 if stop:
-                    log.console(f"stop signal: saved step {self.step} to {last_ckpt}; resume with --resume auto")
+                    log.console(f"stop signal: saved step {self.step} to {last_ckpt}")  # train.run says how to go on
                     self.stop_signal = self.stop_signal or signal.SIGTERM  # another rank's signal
                     return last_ckpt
         self.evaluate(self.step, log)  # the end-of-run evaluation (step == max_steps)
