@@ -97,11 +97,11 @@ def split_loader(cfg: TrainConfig, split: str, world_size: int):
 def eval_tokens(cfg: TrainConfig, world_size: int, val=None) -> int:
     """The tokens each evaluation takes: --eval-tokens, or, when the val split holds fewer, all the
     whole micro-batches it holds (at least one: check_splits refuses a smaller val split)."""
+    from gpt2lab.evals.loss import tokens_within  # the one rule, `eval loss`'s too
+
     val = val if val is not None else split_loader(cfg, "val", world_size)
-    per_step = cfg.batch.micro_batch_size * cfg.batch.seq_len * world_size
-    steps = max(1, cfg.eval.eval_tokens // per_step)
-    whole = max(1, val.sequences_per_epoch // (cfg.batch.micro_batch_size * world_size))
-    return cfg.eval.eval_tokens if steps <= whole else whole * per_step
+    b = cfg.batch
+    return tokens_within(cfg.eval.eval_tokens, val.sequences_per_epoch, b.micro_batch_size, b.seq_len, world_size)
 
 
 def check_hellaswag(cfg: TrainConfig, download: bool = True) -> list[str]:
