@@ -67,7 +67,8 @@ def add_parser(sub) -> None:
         "--tokenizer",
         default=None,
         metavar="DIR",
-        help="a tokenizer from `gpt2lab tokenizer train` (default: GPT-2's BPE); its tokenizer.json "
+        help="a tokenizer from `gpt2lab tokenizer train` (its directory or its tokenizer.json; default: "
+        "GPT-2's BPE, as is a directory holding GPT-2's own vocabulary, a GPT-2 export); its tokenizer.json "
         "goes beside the shards and every model trained on them uses it",
     )
     p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")

@@ -21,6 +21,7 @@ the sources with their bytes. ``<|endoftext|>``, ``<|im_start|>`` and ``<|im_end
 from __future__ import annotations
 
 import os
+import warnings
 from contextlib import contextmanager
 from typing import Iterable, Iterator
 
@@ -33,6 +34,7 @@ from gpt2lab.data.tokenizer import (
     TokenizerError,
     TrainedBPE,
     gpt2_tokenizer,
+    is_gpt2_vocabulary,
     load_tokenizer,
 )
 from gpt2lab.system import rundir
@@ -118,10 +120,20 @@ def train(sources: list[str], vocab_size: int, out: str, text_field: str = "text
     counts: list[dict] = []
     with _bar(progress, sources, text_field) as bar:
         tok.train_from_iterator(read_texts(sources, text_field, counts, bar), trainer)
-    if not any(c["documents"] for c in counts):
-        raise SourceError(f"--source {' '.join(sources)}: no documents; check the paths")
+    if not sum(c["bytes"] for c in counts):  # nothing to learn from: 259 tokens, below MIN_VOCAB
+        docs = sum(c["documents"] for c in counts)
+        raise UsageError(
+            f"--source {' '.join(sources)}: no text to train on ({docs} document(s), 0 bytes); "
+            "nothing was written; point --source at files with text"
+        )
     text = tok.to_str()
     trained = TrainedBPE(text)  # the checks any reader makes, before anything is written
+    if trained.n_vocab < vocab_size:
+        warnings.warn(
+            f"the sources gave {trained.n_vocab:,} tokens, fewer than the {vocab_size:,} asked for "
+            "(no pair left to merge); train on more text for more",
+            stacklevel=2,
+        )
     marker = {
         "format": FORMAT,
         "version": VERSION,
@@ -167,19 +179,30 @@ def _bar(enabled: bool, sources: list[str], text_field: str):
 
 
 # -- reading one back ---------------------------------------------------------------------------
-def open_dir(path: str, flag: str = "--tokenizer") -> TrainedBPE:
+def open_dir(path: str, flag: str = "--tokenizer") -> Tokenizer:
     """The tokenizer in a directory ``gpt2lab tokenizer train`` wrote (or any holding a tokenizer.json
-    with gpt2lab's special tokens), checked against its marker's identity."""
-    if not os.path.isdir(path):
+    with gpt2lab's special tokens), checked against its marker's identity; ``path`` may be that
+    tokenizer.json itself. A directory or file holding GPT-2's own vocabulary (a GPT-2 export, the
+    hub's gpt2) is GPT-2's BPE (``gpt2_tokenizer``)."""
+    make = f"make one with `gpt2lab tokenizer train --source SRC --vocab-size N --out {path}`"
+    if os.path.isfile(path):
+        folder, file = os.path.dirname(path) or ".", path
+    elif os.path.isdir(path):
+        folder, file = path, os.path.join(path, TOKENIZER_FILE)
+    else:
+        raise UsageError(f"{flag} {path}: no such directory or file; {make}")
+    if is_gpt2_vocabulary(path):
+        return gpt2_tokenizer()
+    if not os.path.isfile(file):
         raise UsageError(
-            f"{flag} {path}: no such directory; make one with `gpt2lab tokenizer train --source SRC "
-            f"--vocab-size N --out {path}`"
+            f"{flag} {path}: holds no {TOKENIZER_FILE} (nor GPT-2's vocab.json and merges.txt); give a "
+            f"directory from `gpt2lab tokenizer train` or its {TOKENIZER_FILE}"
         )
-    marker = read_json_object(os.path.join(path, MARKER)) or {}
-    identity = marker.get("identity")
+    marker = read_json_object(os.path.join(folder, MARKER)) if os.path.basename(file) == TOKENIZER_FILE else None
+    identity = (marker or {}).get("identity")
     try:
         return load_tokenizer(
-            path, identity if isinstance(identity, str) else None, what_next=f"train the tokenizer in {path} again"
+            file, identity if isinstance(identity, str) else None, what_next=f"train the tokenizer in {folder} again"
         )
     except TokenizerError as e:
         raise TokenizerError(f"{flag} {e}") from None

@@ -176,12 +176,12 @@ def _doc_text(doc: Document, fmt: str) -> str:
 
 
 def _tokenizer(path: Optional[str], fmt: str) -> Tokenizer:
-    """GPT-2's BPE (its chat variant for conversations), or the trained one in ``path``."""
-    if path is None:
-        return gpt2_tokenizer(chat=fmt == "chat")
+    """GPT-2's BPE (its chat variant for conversations), or the trained one in ``path``; a ``path``
+    holding GPT-2's own vocabulary (a GPT-2 export) is GPT-2's BPE, as with no ``path``."""
     from gpt2lab.data.bpe import open_dir
 
-    return open_dir(path)
+    tok = open_dir(path) if path is not None else None
+    return gpt2_tokenizer(chat=fmt == "chat") if tok is None or tok.identity is None else tok
 
 
 # A local source's val split is its val_fraction (0.5%; Tiny Shakespeare 5%), but at least this many
