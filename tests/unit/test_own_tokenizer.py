@@ -646,3 +646,21 @@ def test_a_gpt2_export_is_gpt2s_bpe(gpt2_exports, tok_dir, tmp_path, capsys):
         assert json.loads((out / "manifest.json").read_text())["tokenizer"] == "gpt2"
     assert not tokenizers_mod.is_gpt2_vocabulary(tok_dir)
     assert not tokenizers_mod.is_gpt2_vocabulary(str(tmp_path / "ref"))
+
+
+def test_train_reads_a_glob_of_code_and_says_once_which_files_it_skipped(tmp_path):
+    import warnings
+
+    (tmp_path / "src" / "pkg").mkdir(parents=True)
+    code = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    x: int = 0\n"
+    (tmp_path / "src" / "pkg" / "m.py").write_text(code)
+    (tmp_path / "src" / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        marker = train([str(tmp_path / "src")], 300, str(tmp_path / "tok"), progress=False)
+    skipped = [str(w.message) for w in caught if "not UTF-8 text" in str(w.message)]
+    src = tmp_path / "src"
+    assert skipped == [f"directory {src} holds 1 file(s) that are not UTF-8 text, skipped: {src / 'logo.png'}"]
+    assert marker["sources"] == [{"source": str(tmp_path / "src"), "bytes": len(code.encode()), "documents": 1}]
+    glob = str(tmp_path / "src" / "**" / "*.py")
+    assert train([glob], 300, str(tmp_path / "tok"), progress=False)["sources"][0]["documents"] == 1

@@ -23,10 +23,10 @@ from __future__ import annotations
 import os
 import warnings
 from contextlib import contextmanager
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Optional
 
 from gpt2lab.data import chat
-from gpt2lab.data.sources import JsonLine, SourceError, as_text, resolve_source
+from gpt2lab.data.sources import JsonLine, Source, SourceError, as_text, resolve_source
 from gpt2lab.data.tokenizer import (
     SPECIAL_TOKENS,
     TOKENIZER_FILE,
@@ -85,10 +85,10 @@ def document_text(doc, text_field: str) -> str:
     return as_text(doc)
 
 
-def read_texts(sources: list[str], text_field: str, counts: list[dict], bar=None) -> Iterator[str]:
-    """The documents' texts of every source in turn; ``counts`` gets each source's bytes and documents."""
-    for spec in sources:
-        src = resolve_source(spec, text_field)
+def read_texts(sources: list[tuple[str, Source]], text_field: str, counts: list[dict], bar=None) -> Iterator[str]:
+    """The documents' texts of every source (each ``--source`` string and what it resolved to) in
+    turn; ``counts`` gets each source's bytes and documents."""
+    for spec, src in sources:
         entry = {"source": spec, "bytes": 0, "documents": 0}
         counts.append(entry)
         for doc in src.documents(0, None):
@@ -114,12 +114,12 @@ def train(sources: list[str], vocab_size: int, out: str, text_field: str = "text
     if not sources:
         raise UsageError("--source: give at least one text source")
     replace = _check_out(out)
-    for spec in sources:  # every source resolves (a bad path, a file of the wrong kind) before the long part
-        resolve_source(spec, text_field)
+    # every source resolves (a bad path, no text files) before the long part, once (a warning says it once)
+    resolved = [(spec, resolve_source(spec, text_field)) for spec in sources]
     tok, trainer = _bpe(vocab_size)
     counts: list[dict] = []
-    with _bar(progress, sources, text_field) as bar:
-        tok.train_from_iterator(read_texts(sources, text_field, counts, bar), trainer)
+    with _bar(progress, [src.size_bytes for _, src in resolved]) as bar:
+        tok.train_from_iterator(read_texts(resolved, text_field, counts, bar), trainer)
     if not sum(c["bytes"] for c in counts):  # nothing to learn from: 259 tokens, below MIN_VOCAB
         docs = sum(c["documents"] for c in counts)
         raise UsageError(
@@ -166,11 +166,10 @@ def _check_out(out: str) -> bool:
 
 
 @contextmanager
-def _bar(enabled: bool, sources: list[str], text_field: str):
+def _bar(enabled: bool, sizes: list[Optional[int]]):
     from tqdm import tqdm
 
-    sizes = [resolve_source(s, text_field).size_bytes for s in sources] if enabled else []
-    total = sum(sizes) if sizes and None not in sizes else None  # compressed files: an estimate
+    total = sum(sizes) if enabled and None not in sizes else None  # compressed files: an estimate
     bar = tqdm(disable=not enabled, total=total, unit="B", unit_scale=True, desc="tokenizer", dynamic_ncols=True)
     try:
         yield bar
@@ -216,7 +215,7 @@ def bytes_per_token(tokenizers: dict[str, Tokenizer], sources: list[str], text_f
     for spec in sources:
         counts: list[dict] = []
         tokens = dict.fromkeys(tokenizers, 0)
-        for text in read_texts([spec], text_field, counts):
+        for text in read_texts([(spec, resolve_source(spec, text_field))], text_field, counts):
             for name, tok in tokenizers.items():
                 tokens[name] += len(tok.encode_ordinary(text))
         n = counts[0]["bytes"]
