@@ -131,3 +131,20 @@ def test_val_docs_resumes_byte_identically_and_refuses_mixed_sizes(code, tmp_pat
         prepare(str(root / "*.py"), str(tmp_path / "x"), val_tokens=10, val_docs=1, progress=False)
     with pytest.raises(UsageError, match="--val-bytes with --val-split tokens"):
         prepare(str(root / "*.py"), str(tmp_path / "x"), val_bytes=10, val_split="tokens", progress=False)
+
+
+def test_cli_val_docs_and_its_refusals(code, tmp_path, capsys):
+    from gpt2lab import cli
+
+    root, _ = code
+    args = ["prepare", "--source", str(root / "*.py"), "--out", str(tmp_path / "d"), "--quiet", "--workers", "1"]
+    assert cli.main([*args, "--val-docs", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["splits"]["val"]["documents"] == 2 and out["documents"] == len(list(root.glob("*.py")))
+    for extra, msg in (
+        (["--val-docs", "2", "--val-split", "tokens"], "--val-docs with --val-split tokens"),
+        (["--val-bytes", "9", "--val-tokens", "9"], "--val-tokens and --val-bytes: give one size"),
+    ):
+        assert cli.main([*args[:4], str(tmp_path / "x"), *args[5:], *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and msg in err and not (tmp_path / "x").exists()
