@@ -516,3 +516,57 @@ def adapt_config(cfg):
     except ConfigError as e:
         sizes = ", ".join(f"{k} {v}" for k, v in arch.items())
         raise InitFromError(f"--init-from {cfg.finetune.init_from} ({sizes}): {e}") from e
+
+
+# --- gpt2lab serve's connection guard (serve/connections.py, asgi.HostCheck): a server with its own
+# Connections, and raw sockets against it
+
+
+@contextlib.contextmanager
+def guarded_server(model_dir: str, connections=None, host: str = "127.0.0.1") -> Iterator[str]:
+    """The model in ``model_dir`` served as "tiny" on ``host`` (a free port) with ``connections``
+    (serve.limits.Connections: head deadline, connection cap, Host names); yields the base URL."""
+    pytest.importorskip("uvicorn", reason="gpt2lab serve needs the serve extra (fastapi, uvicorn)")
+    from gpt2lab.inference.choice import InferenceRequest
+    from gpt2lab.serve.engine import Engine
+    from gpt2lab.serve.models import load_workers
+    from gpt2lab.serve.server import bind, uvicorn_in_thread
+
+    workers = load_workers([f"tiny={model_dir}"], "cpu", InferenceRequest(dtype="float32", linear="packed"))
+    engine = Engine(workers).start()
+    with uvicorn_in_thread(workers, bind(host, 0), connections=connections) as url:
+        try:
+            yield url
+        finally:
+            engine.close()
+
+
+def until_closed(socks: list, timeout: float) -> dict:
+    """Read each socket until the server closes it (or resets it): {index: (time.monotonic() then,
+    the bytes it sent)}; the sockets still open after ``timeout`` seconds are left out."""
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    got: dict = {}
+    for i, s in enumerate(socks):
+        s.setblocking(False)
+        sel.register(s, selectors.EVENT_READ, i)
+        got[i] = b""
+    closed: dict = {}
+    deadline = time.monotonic() + timeout
+    while len(closed) < len(socks) and time.monotonic() < deadline:
+        for key, _ in sel.select(timeout=max(0.0, deadline - time.monotonic())):
+            i = key.data
+            try:
+                data = key.fileobj.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except ConnectionResetError:
+                data = b""
+            if data:
+                got[i] += data
+            else:
+                closed[i] = (time.monotonic(), got[i])
+                sel.unregister(key.fileobj)
+    sel.close()
+    return closed

@@ -184,6 +184,27 @@ def test_playground_shows_a_refused_request_then_streams(browser, tmp_path):
         page.close()
 
 
+def test_playground_opens_in_chat_mode_when_every_model_is_a_chat_model(browser, gpt2_vocab_export, tmp_path):
+    """Served chat models only, the page opens in chat mode (/v1/models gives each one's chat_template);
+    with a base model beside them, in completion mode, as before."""
+    from conftest import tiny_gpt
+
+    from gpt2lab.weights import export
+
+    _, base = gpt2_vocab_export
+    chat = str(tmp_path / "chat")
+    export.save_pretrained(tiny_gpt(vocab_size=50304, token_vocab_size=50259, chat_template="chatml"), chat)
+    for models, chat_mode in (([f"chat={chat}", f"twin={chat}"], True), ([f"chat={chat}", f"base={base}"], False)):
+        with running_server(models) as url:
+            page = browser.new_page()
+            page.goto(url + "/")
+            page.wait_for_function("document.querySelectorAll('.col').length === 2")
+            assert page.is_checked("#chat_mode") == chat_mode
+            assert page.inner_text("#go") == ("Send" if chat_mode else "Generate")
+            assert page.is_visible("#system") == chat_mode
+            page.close()
+
+
 def test_report_card_opens_with_its_plot(browser, finished_run, tmp_path):
     pytest.importorskip("matplotlib")
     from gpt2lab.observe.report import write_report

@@ -26,6 +26,7 @@ def test_env_prints_the_fields_a_bug_report_needs():
         "native_bf16",
         "matmul_fp32_gflops",
         "matmul_bf16_gflops",
+        "read_gb_per_s",
         "compile_available",
         "auto_dtype",
         "auto_dtype_reason",
@@ -34,7 +35,7 @@ def test_env_prints_the_fields_a_bug_report_needs():
         "extras",
     ):
         assert key in info, key
-    assert info["matmul_fp32_gflops"] > 0 and info["matmul_bf16_gflops"] > 0
+    assert info["matmul_fp32_gflops"] > 0 and info["matmul_bf16_gflops"] > 0 and info["read_gb_per_s"] > 0
     # what env says auto picks is what the choice function gives for the rates it measured
     probe = runtime.Probe(info["matmul_fp32_gflops"], info["matmul_bf16_gflops"])
     facts = runtime.Facts("cpu", cpu_flags=tuple(info["cpu_flags"]), probe=probe)

@@ -98,3 +98,59 @@ def test_ctrl_c_ends_each_open_request_with_an_error_says_one_line_and_exits_130
     finally:
         if p.poll() is None:
             p.kill()
+
+
+@pytest.mark.slow
+def test_a_flood_of_connections_past_the_open_file_limit_is_refused_quietly_and_the_server_recovers(
+    gpt2_vocab_export,
+):
+    """Three times the process's open-file limit of connections that never finish their headers: the
+    ones past the default cap are refused at once, the rest closed at --header-timeout, stderr holds
+    a few warning lines and no traceback, and a normal request is served once the deadline has passed
+    (before: the server ran out of files, logged a traceback per accept, and served no one)."""
+    import resource
+    import socket
+
+    import httpx
+
+    _, d = gpt2_vocab_export
+    limit = 256
+
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+    argv = ["serve", "--model", f"tiny={d}", "--device", "cpu", "--port", "0", "--header-timeout", "1"]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "gpt2lab", *argv], stderr=subprocess.PIPE, text=True, preexec_fn=low_limit
+    )
+    flood = []
+    try:
+        deadline = time.monotonic() + 120
+        while " at http://" not in (line := p.stderr.readline()):
+            assert line and time.monotonic() < deadline, "the server did not start"
+        url = line.split(" at ")[1].split("/ ")[0]
+        cap = int(line.rsplit("up to ", 1)[1].split(" connections")[0])
+        assert 0 < cap < limit
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        for _ in range(3 * limit):
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            flood.append(s)
+        served, t0 = None, time.monotonic()
+        while served is None and time.monotonic() < t0 + 10:
+            try:
+                r = httpx.get(url + "/v1/models", timeout=5)
+                served = r if r.status_code == 200 else None
+            except httpx.TransportError:  # refused while the cap is full
+                pass
+            time.sleep(0.1)
+        assert served is not None and served.json()["data"][0]["id"] == "tiny"
+        assert p.poll() is None
+    finally:
+        for s in flood:
+            s.close()
+        p.terminate()
+        err = p.communicate(timeout=60)[1]
+    assert "Traceback" not in err and "Too many open files" not in err, err[-3000:]
+    warnings = [x for x in err.splitlines() if "connections are open" in x or "request head was not whole" in x]
+    assert 1 <= len(warnings) <= 4, err[-3000:]  # one line per condition, not one per connection

@@ -310,3 +310,46 @@ def test_levers_fsdp_two_processes_equal_one_process(tiny_data, tmp_path):
         assert abs(one[step] - fsdp[step]) < 1e-5, (step, one[step], fsdp[step])
     tokens = [r["tokens"] for r in records(tmp_path / "fsdp") if "tokens" in r]
     assert tokens == [128, 256, 512, 768]  # 128 x (1 + 1 * step // 2) on the ramp, then 256
+
+
+# The next levers: multi-token prediction (its weight decaying), the sequence-length ramp (8, then 16,
+# then 32 tokens a row over the first 8 steps), cautious weight decay; with Muon, Polar Express.
+NEXT_LEVERS = dict(
+    mtp_heads=2, mtp_weight=0.5, mtp_weight_final=0.1, seq_len_ramp_steps=8, seq_len_start=8, cautious_wd=True
+)
+NEXT_MUON = dict(optimizer="muon", muon_orth="polar_express", muon_ns_dtype="float32", muon_weight_decay=0.05)
+
+
+@pytest.mark.parametrize(
+    "optim, strategy",
+    [({}, "ddp"), (NEXT_MUON, "ddp"), ({"activation_checkpointing": True}, "fsdp")],
+    ids=["adamw", "muon", "adamw-fsdp"],
+)
+def test_next_levers_two_processes_equal_one_with_double_accumulation(tiny_data, tmp_path, optim, strategy):
+    """DDP (and FSDP2, which shards the heads with the root) on two processes against one."""
+    fields = dict(
+        data=tiny_data, **{**DIST_FIELDS, "eval_interval": 0, "hellaswag_interval": 0}, **NEXT_LEVERS, **optim
+    )
+    fields["seq_len_ramp_steps"] = 2  # 4 steps: 8 tokens a row, then 16, then 32 twice
+    run_train(out=str(tmp_path / "one"), **fields)
+    proc = _torchrun(tmp_path / "ddp", strategy=strategy, **fields)
+    assert "2 process(es), 2 micro-steps/step" in proc.stdout
+    one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "ddp")
+    assert sorted(one) == sorted(two) == [0, 1, 2, 3]
+    for step in one:
+        assert abs(one[step] - two[step]) < 1e-5, (step, one[step], two[step])
+
+
+def test_next_levers_kill_9_in_the_short_sequences_then_resume_equals_uninterrupted(tiny_data, tmp_path):
+    """Killed after the checkpoint of step 2, while the rows are 8 tokens long (steps 0-3): the loader's
+    position, the heads, the weight's schedule and the optimizers' state come back bit for bit."""
+    fields = dict(
+        data=tiny_data,
+        max_steps=16,
+        ckpt_interval=2,
+        keep_checkpoints=2,
+        keep_cpu_memory=True,
+        **NEXT_LEVERS,
+        **NEXT_MUON,
+    )
+    killed_then_resumed_equals_straight(tmp_path, fields, "step_000002")

@@ -96,3 +96,57 @@ def test_a_peer_that_is_not_one_is_one_line(capsys):
         .err.strip()
         .endswith("--peer vllm: choose from transformers, ctranslate2 or none (comma-separated)")
     )
+
+
+FAKE_CONVERTER = """
+import sys
+hf_dir = sys.argv[1]
+outfile, kind = sys.argv[sys.argv.index("--outfile") + 1], sys.argv[sys.argv.index("--outtype") + 1]
+assert open(hf_dir + "/config.json").read()  # handed gpt2lab's export
+if kind == "bf16":
+    sys.exit("NotImplementedError: no bf16 here")
+open(outfile, "w").write(kind)
+"""
+
+FAKE_BENCH = """#!{python}
+import json, sys
+args = sys.argv[1:]
+open({log!r}, "a").write(" ".join(args) + "\\n")
+kind = open(args[args.index("-m") + 1]).read()
+samples = {{"f32": [10.0, 12.5, 11.0], "f16": [7.0], "q8_0": [20.0, 19.0]}}[kind]
+print(json.dumps([{{"n_gen": int(args[args.index("-n") + 1]), "samples_ts": samples}}]))
+"""
+
+
+def test_llama_cpp_peer_converts_the_export_and_reads_llama_benchs_json(capsys, tmp_path, monkeypatch):
+    """The plumbing around llama.cpp, with stand-ins for its converter and llama-bench: every type is
+    converted from gpt2lab's export, timed with the run's shape and threads, the best sample kept,
+    and a type that fails is named with its error, not dropped."""
+    import sys
+
+    monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path))
+    tree = tmp_path / "llama.cpp"
+    (tree / "build" / "bin").mkdir(parents=True)
+    (tree / "convert_hf_to_gguf.py").write_text(FAKE_CONVERTER)
+    bench, log = tree / "build" / "bin" / "llama-bench", tmp_path / "calls.txt"
+    bench.write_text(FAKE_BENCH.format(python=sys.executable, log=str(log)))
+    bench.chmod(0o755)
+    argv = ["bench", "sample", *TINY, "--new-tokens", "24", "--prompt-tokens", "16", "--repeats", "2"]
+    assert cli.main([*argv, "--dtype", "float32", "--peer", "none", "--ways", "sample", "--llama-cpp", str(bench)]) == 0
+    r = _json(capsys.readouterr().out)
+    got = r["llama_cpp_tok_per_s"]
+    assert (got["f32"], got["f16"], got["q8_0"]) == (12.5, 7.0, 20.0)
+    assert got["bf16"].startswith("not run: conversion failed: NotImplementedError: no bf16 here")
+    assert (
+        r["vs_llama_cpp"]["f32"] == pytest.approx(r["tok_per_s"]["sample"] / 12.5) and "bf16" not in r["vs_llama_cpp"]
+    )
+    for call in log.read_text().splitlines():
+        assert " -p 0 -n 24 -d 16 -r 2 -t 1 -o json" in call
+
+
+def test_llama_cpp_without_its_converter_is_one_line(capsys, tmp_path):
+    bench = tmp_path / "llama-bench"
+    bench.write_text("#!/bin/sh\n")
+    bench.chmod(0o755)
+    assert cli.main(["bench", "sample", *TINY, "--peer", "none", "--llama-cpp", str(bench)]) == 2
+    assert "no convert_hf_to_gguf.py in the llama.cpp tree above it" in capsys.readouterr().err

@@ -24,8 +24,50 @@ def test_bench_serve_runs_and_counts_every_token():
         assert row["streams"] == streams and row["errors"] == 0 and row["requests"] >= streams
         assert row["tokens"] == 6 * row["requests"]  # seeded: no <|endoftext|> among these draws
         assert row["aggregate_tok_per_s"] == pytest.approx(row["tokens"] / row["wall_s"], rel=0.01)
-        assert 0 < row["first_token_s_p50"] <= row["first_token_s_p99"] < row["wall_s"]
-        assert 0 < row["token_s_p50"] <= row["token_s_p99"]
+        assert 0 < row["median_ttft_ms"] <= row["p99_ttft_ms"] < 1000 * row["wall_s"]
+        assert 0 < row["median_itl_ms"] <= row["p99_itl_ms"] and 0 < row["median_tpot_ms"] <= row["p99_tpot_ms"]
+        assert row["median_ttft_ms"] < row["median_e2el_ms"] <= row["p99_e2el_ms"]
+        assert row["request_throughput"] == pytest.approx(row["requests"] / row["wall_s"], rel=0.01)
+
+
+def test_poisson_arrivals_have_the_asked_rate_and_repeat_by_seed():
+    from gpt2lab.benchmarks.serve import arrivals
+
+    times = arrivals(rate=50.0, seconds=200.0, seed=3)
+    # a Poisson count over 200 s at 50/s: mean 10,000, standard deviation 100; 5 sigma either side
+    assert abs(len(times) - 10_000) < 500
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 50, rel=0.05)  # exponential gaps of mean 1/rate
+    assert times == sorted(times) and times[-1] < 200 and arrivals(50.0, 200.0, seed=3) == times
+    assert arrivals(50.0, 200.0, seed=4) != times
+
+
+def test_latency_figures_are_vllms_definitions():
+    """TPOT = (E2EL - TTFT) / (tokens - 1) per request, ITL = every gap, each summarized in ms."""
+    from gpt2lab.benchmarks.serve import summarize, table
+
+    done = [
+        {"first_s": 0.1, "gaps": [0.02, 0.04], "tokens": 3, "total_s": 0.16, "error": None},
+        {"first_s": 0.3, "gaps": [0.05], "tokens": 2, "total_s": 0.35, "error": None},
+        {"first_s": None, "gaps": [], "tokens": 0, "total_s": 0.01, "error": "HTTP 429"},
+    ]
+    out = summarize(done, wall=2.0, streams=2, rate=1.5)
+    assert (out["requests"], out["errors"], out["tokens"]) == (3, 1, 5)
+    assert out["request_throughput"] == pytest.approx(1.0) and out["aggregate_tok_per_s"] == pytest.approx(2.5)
+    assert out["mean_ttft_ms"] == pytest.approx(200) and out["p99_ttft_ms"] == pytest.approx(300)
+    assert out["mean_tpot_ms"] == pytest.approx((30 + 50) / 2)  # (0.16-0.1)/2 and (0.35-0.3)/1
+    assert out["mean_itl_ms"] == pytest.approx((20 + 40 + 50) / 3) and out["median_itl_ms"] == pytest.approx(40)
+    assert out["median_e2el_ms"] == pytest.approx(160)  # the lower middle of two, as _percentile rounds
+    assert "| 2 | 1.50 | 3 (1) | 2.5 |" in table([out])
+
+
+def test_bench_serve_at_a_request_rate_sends_the_poisson_schedule():
+    from gpt2lab.benchmarks.serve import arrivals
+
+    out = _bench("--block-size", "64", "--new-tokens", "4", "--streams", "2", "--seconds", "1", "--request-rate", "6")
+    row = out["load"][0]
+    assert row["request_rate"] == 6 and row["requests"] == len(arrivals(6.0, 1.0, seed=1)) and row["errors"] == 0
+    assert row["tokens"] == 4 * row["requests"]
 
 
 def test_bench_serve_fault_run_answers_everything_and_stays_up():
@@ -71,3 +113,13 @@ def test_bench_serve_refuses_a_zero_batch_in_one_line(capsys):
         == 2
     )
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith("--max-batch 0: must be at least 1")
+
+
+@pytest.mark.parametrize(
+    "flag, line",
+    [(("--request-rate", "0"), "--request-rate 0.0: must be > 0"), (("--streams", "1,x"), "--streams 1,x")],
+)
+def test_bench_serve_refuses_a_bad_rate_or_count_in_one_line(capsys, flag, line):
+    argv = ["bench", "serve", "--n-layer", "1", "--n-head", "1", "--n-embd", "8", "--block-size", "8", *flag]
+    assert cli.main(argv) == 2
+    assert line in capsys.readouterr().err.strip().splitlines()[-1]

@@ -77,11 +77,11 @@ def test_eval_hellaswag_cli_bad_input(gpt2_vocab_export, tmp_path, capsys):
     assert capsys.readouterr().err.strip().endswith("--limit 0: must be a positive number")
 
 
-def _val_shards(tmp_path) -> tuple[str, np.ndarray]:
+def _val_shards(tmp_path, chars: int = 20_000) -> tuple[str, np.ndarray]:
     from gpt2lab.data.shards import shard_name, write_shard
 
     with open(asset_path("tinyshakespeare.txt"), encoding="utf-8") as f:
-        text = f.read(20_000)
+        text = f.read(chars)
     tokens = np.array(gpt2_tokenizer().encode_ordinary(text), dtype=np.uint16)
     d = tmp_path / "shards"
     d.mkdir()
@@ -144,3 +144,43 @@ def test_eval_loss_cli_missing_dir(gpt2_vocab_export, tmp_path):
                 "cpu",
             ]
         )
+
+
+def test_eval_loss_cli_takes_a_small_split_whole_with_a_note(gpt2_vocab_export, tmp_path, capsys, monkeypatch):
+    """More --tokens than the split holds: as train does with --eval-tokens, every whole batch of the
+    split, a note saying so, the loss equal to transformers' on exactly those tokens."""
+    monkeypatch.setenv("GPT2LAB_PROBE", "0")  # the device's rule: no timing of the kernels
+    _, d = gpt2_vocab_export
+    data, tokens = _val_shards(tmp_path, chars=2_000)  # some 500 tokens
+    B, T = 2, 64
+    batches = ((len(tokens) - 1) // T) // B  # sequences of T and the token after, B a batch
+    used = batches * B * T
+    argv = ["eval", "loss", "--model", d, "--data", data, "--tokens", "1000000", "--batch-size", str(B)]
+    assert main([*argv, "--seq-len", str(T), "--device", "cpu", "--dtype", "float32"]) == 0
+    out, err = capsys.readouterr()
+    assert (
+        f"gpt2lab eval loss: note: --tokens 1,000,000 is more than the val split of {data} holds; the "
+        f"evaluation takes all it holds in whole batches: {used:,} tokens ({batches} of {B} x {T})"
+    ) in err
+    result = _last_json(out)
+    buf = torch.tensor(tokens[: used + 1].astype(np.int64))
+    x, y = buf[:-1].view(-1, T), buf[1:].view(-1, T)
+    with torch.no_grad():
+        logits = _hf(d)(x).logits
+    expected = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1)).item()
+    assert result["tokens"] == used and result["loss"] == pytest.approx(expected, abs=1e-4)
+
+
+def test_eval_loss_cli_refuses_a_split_smaller_than_one_batch(gpt2_vocab_export, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("GPT2LAB_PROBE", "0")
+    _, d = gpt2_vocab_export
+    data, tokens = _val_shards(tmp_path, chars=2_000)
+    B = (len(tokens) - 1) // 64 + 1  # one sequence more than the split holds
+    argv = ["eval", "loss", "--model", d, "--data", data, "--batch-size", str(B), "--seq-len", "64"]
+    assert main([*argv, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # the inference decision, then the refusal alone
+    assert err[-1] == (
+        f"gpt2lab eval: {data}: split 'val' has {(B - 1) * 64} tokens in sequences of 64, fewer than the "
+        f"{B * 64} requested; lower --batch-size or prepare a larger split"
+    )
+    assert not any("note:" in line for line in err)

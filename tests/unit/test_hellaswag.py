@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -181,27 +182,37 @@ def test_missing_file_and_string_label(tmp_path):
     assert load_examples(path)[0].label == 1  # the HF dataset's labels are strings
 
 
-def _fail(dest):
+def _fail(out):
     raise OSError("network is unreachable")
 
 
 def test_official_file_no_network_no_cache_says_pass_data(tmp_path, monkeypatch):
+    import urllib.error
+    import urllib.request
+
+    def unreachable(url, timeout=None):
+        raise urllib.error.URLError(OSError(101, "Network is unreachable"))
+
     monkeypatch.setenv(hs.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(hs, "_download_url", _fail)
+    monkeypatch.setattr(urllib.request, "urlopen", unreachable)
     monkeypatch.setattr(hs, "_download_hf", _fail)
-    with pytest.raises(RuntimeError, match="pass --data FILE"):
+    with pytest.raises(RuntimeError, match="pass --data FILE") as e:
         load_examples()
+    assert hs.HELLASWAG_URL in str(e.value) and "\n" not in str(e.value)  # one line naming the URL
     assert not any(p.is_file() for p in tmp_path.rglob("*"))  # no half-written cache
 
 
 def test_official_file_downloaded_once_then_cached(tmp_path, monkeypatch):
-    import shutil
+    """evals/download.py's one fetch, from a file:// URL (urllib reads it as it reads https)."""
+    import urllib.request
 
-    monkeypatch.setenv(hs.CACHE_ENV, str(tmp_path))
-    calls = []
-    monkeypatch.setattr(hs, "_download_url", lambda dest: (calls.append(dest), shutil.copy(SLICE, dest)))
+    monkeypatch.setenv(hs.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(hs, "HELLASWAG_URL", (DATA / "hellaswag_val_200.jsonl").resolve().as_uri())
     monkeypatch.setattr(hs, "_download_hf", _fail)
+    calls, urlopen = [], urllib.request.urlopen
+    monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout=None: (calls.append(url), urlopen(url))[1])
     assert len(load_examples(limit=5)) == 5
-    monkeypatch.setattr(hs, "_download_url", _fail)  # second call must not touch the network
-    assert len(load_examples()) == 200 and len(calls) == 1
-    assert (tmp_path / "hellaswag" / "hellaswag_val.jsonl").is_file()
+    assert len(load_examples()) == 200 and calls == [hs.HELLASWAG_URL]  # the second call did not fetch
+    cached = tmp_path / "cache" / "hellaswag" / "hellaswag_val.jsonl"
+    assert cached.read_bytes() == (DATA / "hellaswag_val_200.jsonl").read_bytes()
+    assert os.listdir(cached.parent) == ["hellaswag_val.jsonl"]  # no temporary left beside it

@@ -129,6 +129,34 @@ def test_save_pretrained_replaces_an_earlier_export_and_leaves_no_temp(tmp_path)
     assert oct(os.stat(out).st_mode & 0o777) != oct(0o700)  # umask permissions, not mkdtemp's
 
 
+def test_export_into_a_checkpoint_or_a_runs_checkpoints_names_what_is_there(gpt2_vocab_export, tmp_path, capsys):
+    """A checkpoint has no run_info.json: the refusal says checkpoint and lists its files; a run's
+    checkpoints folder is not "files that gpt2lab did not write"."""
+    import types
+
+    from gpt2lab import cli
+    from gpt2lab.checkpoint import store
+    from gpt2lab.train.config import TrainConfig
+
+    _, src = gpt2_vocab_export
+    model = tiny_gpt()
+    trainer = types.SimpleNamespace(state_dict=lambda: {"step": 2})  # the trainer's part of state.pt
+    parts = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1), "trainer": trainer}
+    ckpt = store.save(str(tmp_path / "run"), 2, parts, TrainConfig().to_dict())
+    before = sorted(os.listdir(ckpt))
+    assert "run_info.json" not in before
+    for out, said in (
+        (ckpt, f"it holds a gpt2lab checkpoint ({', '.join(before[:4])}, ...); nothing was written"),
+        (os.path.dirname(ckpt), "it holds a gpt2lab run's checkpoints (step_000002); nothing was written"),
+    ):
+        assert cli.main(["export", src, out]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line == f"gpt2lab export: {out} is not empty and is not an earlier gpt2lab export: {said}. " + (
+            "Choose a new or empty OUT_DIR"
+        )
+    assert sorted(os.listdir(ckpt)) == before
+
+
 def test_mismatched_weights_and_unsupported_config_are_refused(hf_dirs, tmp_path):
     theirs, d = hf_dirs[0]
     cfg = json.loads(open(os.path.join(d, "config.json")).read())

@@ -1,7 +1,10 @@
 """The open GPT-2 speedrun's levers: value embeddings, U-net skips between blocks, a zero
 lm_head, the batch-size ramp and NorMuon, each against a written-out formula or a hand count: a
 hand-written attention and U-net forward, a float64 NorMuon loop, the ramp's micro-steps by hand,
-the planner's bytes against what autograd keeps and what the optimizer holds."""
+the planner's bytes against what autograd keeps and what the optimizer holds. Then multi-token
+prediction (its loss written out position by position, its export through transformers), the
+sequence-length ramp (the loader's rows against the full batch), Polar Express (against
+torch.linalg.svd and a float64 loop) and cautious weight decay (a step by hand)."""
 
 from __future__ import annotations
 
@@ -539,3 +542,508 @@ def test_flags_and_help_come_from_the_fields(capsys):
         "--batch-ramp-start",
     ):
         assert flag in out
+
+
+# -- multi-token prediction ----------------------------------------------------------------------
+MTP = dict(mtp_heads=2, mtp_weight=0.5)
+
+
+def reference_mtp_loss(m: GPT, idx: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The training loss with multi-token prediction written out: the main head's mean cross entropy plus
+    mtp_weight times the mean, over every (head d, position t) whose target y[t+d] is in the row and kept,
+    of the cross entropy of (h + W_d h)[t] through the shared unembedding, logits held in full."""
+    B, T = idx.shape
+    cap = m.config.logit_softcap
+    x = m.transformer.wte(idx) + m.transformer.wpe(torch.arange(T))
+    for block in m.transformer.h:
+        x = block(x)
+    h = m.transformer.ln_f(x)
+
+    def nll(z, t):  # z (C,), t an id
+        logits = z @ m.lm_head.weight.T
+        logits = cap * torch.tanh(logits / cap) if cap else logits
+        return torch.logsumexp(logits, 0) - logits[t]
+
+    main = [nll(h[b, t], y[b, t]) for b in range(B) for t in range(T) if y[b, t] != -1]
+    extra = [
+        nll(h[b, t] + m.mtp[d - 1].weight @ h[b, t], y[b, t + d])
+        for d in range(1, m.config.mtp_heads + 1)
+        for b in range(B)
+        for t in range(T - d)
+        if y[b, t + d] != -1
+    ]
+    return torch.stack(main).mean() + m.mtp_weight * torch.stack(extra).mean()
+
+
+def mtp_model(seed: int = 0, **overrides) -> GPT:
+    m = model(seed, **{**MTP, **overrides}).train()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for head in m.mtp:  # away from their zero start: nothing hides
+            head.weight.normal_(0, 0.1, generator=gen)
+    return m
+
+
+def test_mtp_is_off_by_default_and_adds_heads_and_a_weight_only_when_asked():
+    assert (GPTConfig().mtp_heads, GPTConfig().mtp_weight_final) == (0, None)
+    assert not hasattr(model(), "mtp") and "mtp_weight" not in dict(model().named_buffers())
+    m = model(**MTP)
+    assert [n for n, _ in m.named_parameters() if n.startswith("mtp")] == ["mtp.0.weight", "mtp.1.weight"]
+    assert all(h.weight.abs().max() == 0 for h in m.mtp)  # every head starts as the next-token head
+    assert "mtp_weight" not in m.state_dict() and m.mtp_weight.item() == 0.5
+    assert m.config.modern() == {"mtp_heads": 2}
+    assert m.num_params() == memplan.param_counts(m.config)["total"] == model().num_params() + 2 * 32 * 32
+    with pytest.raises(ValueError, match=r"mtp_heads 24 must be in \[0, block_size 24\)"):
+        GPTConfig(**{**SMALL, "mtp_heads": 24})
+    with pytest.raises(ValueError, match="mtp_weight_final -0.1 must be >= 0"):
+        GPTConfig(**{**SMALL, "mtp_weight_final": -0.1})
+
+
+@pytest.mark.parametrize("softcap", [0.0, 8.0], ids=["nocap", "softcap"])
+def test_mtp_loss_and_gradients_match_the_written_out_heads(softcap):
+    """Chunked (never the logits) and fused (logits + F.cross_entropy) against the loss written out
+    position by position, with ignored targets; both paths' gradients alike."""
+    from gpt2lab.model.loss import LossPath
+
+    m = mtp_model(logit_softcap=softcap, n_layer=2)
+    idx, y = torch.randint(0, 96, (3, 11)), torch.randint(0, 96, (3, 11))
+    y[0, 4] = y[2, 10] = -1
+    m.set_mtp_weight(0.7)
+    want = reference_mtp_loss(m, idx, y)
+    want.backward()
+    ref = {n: p.grad.clone() for n, p in m.named_parameters()}
+    for path in (LossPath(True), LossPath(False)):
+        m.zero_grad()
+        _, loss = m.set_loss(path)(idx, y, return_logits=False)
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+        loss.backward()
+        for n, p in m.named_parameters():
+            torch.testing.assert_close(p.grad, ref[n], rtol=1e-4, atol=1e-6, msg=n)
+    assert ref["mtp.1.weight"].abs().max() > 0
+
+
+def test_mtp_leaves_evaluation_and_generation_alone():
+    """Outside training (and for positions, last_only, the KV cache) the loss is the next-token loss alone."""
+    m, plain = mtp_model(tie_embeddings=True), model()
+    plain.load_state_dict(m.state_dict(), strict=False)
+    idx, y = torch.randint(0, 96, (2, 9)), torch.randint(0, 96, (2, 9))
+    with torch.no_grad():
+        m.eval()
+        assert torch.equal(m(idx, y, return_logits=False)[1], plain(idx, y, return_logits=False)[1])
+        assert torch.equal(m(idx)[0], plain(idx)[0])
+        m.train()
+        plain.train()
+        assert m(idx, y, return_logits=False)[1] > plain(idx, y, return_logits=False)[1]  # the heads' loss added
+        m.set_mtp_weight(0.0)
+        torch.testing.assert_close(m(idx, y, return_logits=False)[1], plain(idx, y, return_logits=False)[1])
+
+
+def test_mtp_weight_schedule_by_hand():
+    cfg = _ramp_cfg(max_steps=11, mtp_heads=2, mtp_weight=0.5, mtp_weight_final=0.1)
+    # 0.5 at step 0, linearly to 0.1 at step 10 (the last of 11), then held
+    assert [round(cfg.mtp_weight_at(s), 6) for s in (0, 5, 10, 20)] == [0.5, 0.3, 0.1, 0.1]
+    assert [_ramp_cfg(max_steps=11, mtp_weight=0.5).mtp_weight_at(s) for s in (0, 10)] == [0.5, 0.5]
+
+
+def test_mtp_heads_are_training_only_for_export(tmp_path):
+    """A config exportable without the heads stays exportable with them; the export holds no head, and
+    transformers' GPT-2 computes the model's next-token logits from it."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from gpt2lab.weights import targets
+    from gpt2lab.weights.export import save_pretrained
+
+    cfg = GPTConfig(**{**SMALL, **MTP})
+    target = targets.export_target(cfg)
+    assert target.name == "GPT2LMHeadModel" and target.dropped == (
+        "mtp_heads=2 (multi-token prediction heads, a training loss: not written)",
+    )
+    assert targets.check_exportable(cfg).name == "GPT2LMHeadModel"
+    assert targets.export_target(GPTConfig(**SMALL)).describe() == "Hugging Face GPT2LMHeadModel"
+    modern = dict(norm="rmsnorm", bias=False, embed_norm=True, pos_emb="rotary", qk_norm=True)
+    assert targets.export_target(GPTConfig(**{**SMALL, **MTP, **modern})).name == "NanoChatForCausalLM"
+    neither = GPTConfig(**{**SMALL, **MTP, "value_embeds": 1})
+    with pytest.raises(Exception, match="value_embeds=1"):
+        targets.check_exportable(neither)
+    m = mtp_model()
+    stripped = targets.exported_model(m)
+    assert stripped.config.mtp_heads == 0 and stripped.lm_head.weight is stripped.transformer.wte.weight
+    assert stripped.transformer.wte.weight is m.transformer.wte.weight  # the same tensors, nothing copied
+    save_pretrained(m, str(tmp_path / "hf"))
+    assert not any("mtp" in k for k in load_file(str(tmp_path / "hf" / "model.safetensors")))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    idx = torch.randint(0, 96, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, m.eval()(idx)[0], rtol=1e-4, atol=1e-5)
+    assert m.config.mtp_heads == 2 and len(m.mtp) == 2  # the model exported is left as it was
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("K", [1, 3])
+def test_mtp_bytes_equal_what_autograd_keeps(K, dtype):
+    """A training forward with K heads, less the same model without, against the planner: the heads'
+    activations (mtp_bytes), the multi-token loss's saved gradients (grad_x (K*N, C), grad_w (V, C),
+    fp32) and under autocast the cached bf16 casts of the K matrices W_d (weight copies)."""
+    B, T, C, V = 3, 10, 48, 64
+    base = dict(n_layer=2, n_head=4, n_embd=C, vocab_size=V, block_size=T)
+    idx = torch.randint(0, V, (B, T))
+    kept = []
+    for heads in (0, K):
+        torch.manual_seed(0)
+        m = GPT(GPTConfig(**base, mtp_heads=heads)).train()
+
+        def forward():
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):
+                m(idx, idx, return_logits=False)
+
+        kept.append(saved_bytes(m, forward))
+    act, N = (4 if dtype is None else 2), B * T
+    casts = K * C * C * act if dtype is not None else 0
+    cfg = GPTConfig(**base, mtp_heads=K)
+    assert kept[1] - kept[0] == memplan.mtp_bytes(cfg, N, act) + 4 * (K * N * C + V * C) + casts
+    kw = dict(micro_batch=B, seq_len=T, dtype="float32" if dtype is None else "bfloat16", device="cpu", accum=1)
+    on, off = (memplan.phases(c, **kw)[0].terms for c in (cfg, GPTConfig(**base)))
+    assert on["activations"] - off["activations"] == memplan.mtp_bytes(cfg, N, act)
+    assert on["weight_copies"] - off["weight_copies"] == casts
+
+
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mtp_loss_term_is_the_peak_of_the_two_losses(monkeypatch, dtype):
+    """The profiler's peak of live bytes through the main loss and then the heads' (chunks shrunk so
+    there are several), against mtp_loss_bytes; left out: the shifted targets (int64, K*N and their
+    pieces) and per-row vectors."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from gpt2lab.model import loss as chunked
+
+    monkeypatch.setattr(chunked, "_CHUNK_ELEMENTS", 2**14)
+    monkeypatch.setattr(chunked, "_GROUP_ELEMENTS", 2**15)
+    B, T, C, V, K = 4, 25, 16, 500, 2
+    m = mtp_model(n_embd=C, n_head=2, vocab_size=V, block_size=T, mtp_heads=K)
+    h = torch.randn(B, T, C, requires_grad=True) * 1.0  # not a leaf, as ln_f's output (autocast caches a leaf's cast)
+    y = torch.randint(0, V, (B, T))
+    with (
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
+        torch.backends.mkldnn.flags(enabled=False),
+    ):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):
+            main = chunked.chunked_cross_entropy(h.reshape(-1, C), m.lm_head.weight, y.reshape(-1))
+            extra = m._mtp_loss(h, y, True)
+            del main, extra
+    live = peak = 0
+    for _, nbytes in sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    ):
+        live += nbytes
+        peak = max(peak, live)
+    act, N = (4 if dtype is None else 2), B * T
+    predicted = memplan.mtp_loss_bytes(m.config, N, act, chunked=True)
+    # the heads' inputs (bf16: their casts) are activations, counted by mtp_bytes: alive here too
+    predicted += memplan.mtp_bytes(m.config, N, act) - 4 - (N * C * 4 if dtype is None else 0)
+    predicted += K * C * C * act if dtype is not None else 0  # and autocast's casts of the W_d (weight copies)
+    rows, _ = chunked.chunk_rows(V)
+    assert 0 <= peak - predicted <= 3 * 8 * K * N + 16 * rows, (peak, predicted)
+
+
+# -- the sequence-length ramp ---------------------------------------------------------------------
+def test_seq_len_ramp_by_hand_and_bad_values():
+    # seq_len 32 from 8: k = 2 doublings over 12 steps: 8 for steps 0-5, 16 for 6-11, then 32
+    cfg = _ramp_cfg(seq_len_ramp_steps=12, seq_len_start=8)
+    assert [cfg.seq_len_at(s) for s in range(14)] == [8] * 6 + [16] * 6 + [32] * 2
+    # 4 -> 32 (k = 3) over 5 steps: 4 * 2^floor(3s/5), floor(0, 0.6, 1.2, 1.8, 2.4) = 0, 0, 1, 1, 2
+    assert [_ramp_cfg(seq_len_ramp_steps=5, seq_len_start=4).seq_len_at(s) for s in range(6)] == [4, 4, 8, 8, 16, 32]
+    off = _ramp_cfg()
+    assert {off.seq_len_at(s) for s in range(5)} == {32}
+    # the accumulation and the tokens of a step do not change on the ramp
+    assert [cfg.accum_at(s, 1) for s in range(6)] == [off.accum_at(s, 1) for s in range(6)]
+    for fields, needle in [
+        (dict(seq_len_ramp_steps=4), "the sequence-length ramp needs both"),
+        (dict(seq_len_start=8), "the sequence-length ramp needs both"),
+        (dict(seq_len_ramp_steps=4, seq_len_start=12), "seq_len_start 12 must be seq_len 32 divided by a power of two"),
+        (dict(seq_len_ramp_steps=4, seq_len_start=32), "seq_len_start 32 must be seq_len 32 divided by a power of two"),
+    ]:
+        with pytest.raises(ConfigError, match=needle):
+            _ramp_cfg(**fields)
+
+
+def test_loader_cuts_each_sequence_into_shorter_rows_and_moves_as_before(tiny_data):  # noqa: F811
+    """next_batch(L): row j of sequence i is its tokens [j*L, (j+1)*L] (inputs and targets one on), the
+    same tokens as the full batch; the position advances by the same sequences."""
+    from gpt2lab.data import TokenLoader
+
+    full, short = (TokenLoader(tiny_data, "train", 3, 32, seed=5) for _ in range(2))
+    for _ in range(3):
+        x, y = full.next_batch()
+        xs, ys = short.next_batch(8)
+        assert xs.shape == ys.shape == (12, 8) and short.position == full.position
+        for i in range(3):
+            for j in range(4):
+                assert torch.equal(xs[4 * i + j], x[i, 8 * j : 8 * j + 8])
+                assert torch.equal(ys[4 * i + j], y[i, 8 * j : 8 * j + 8])
+                assert torch.equal(ys[4 * i + j, :-1], xs[4 * i + j, 1:])  # a target is the next input
+    assert torch.equal(short.next_batch(32)[0], full.next_batch()[0])
+    with pytest.raises(ValueError, match="seq_len 12 must divide the loader's sequence length 32"):
+        short.next_batch(12)
+
+
+# -- Polar Express --------------------------------------------------------------------------------
+def reference_polar_express(g: torch.Tensor, steps: int) -> torch.Tensor:
+    """Algorithm 1 of the Polar Express paper written out in float64: the published polynomials, each
+    but the last evaluated at x / 1.01, on g / (1.01 ||g||_F); the last repeated past the eighth."""
+    published = [
+        (8.28721201814563, -23.595886519098837, 17.300387312530933),
+        (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+        (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+        (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+        (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+        (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+        (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+        (1.875, -1.25, 0.375),
+    ]
+    x = g.double()
+    wide = x.t() if x.shape[0] > x.shape[1] else x
+    wide = wide / (1.01 * torch.linalg.matrix_norm(wide) + 1e-7)
+    for t in range(steps):
+        a, b, c = published[min(t, 7)]
+        s = 1.01 if t < 7 else 1.0  # p(x / s) = (a / s) x + (b / s^3) x^3 + (c / s^5) x^5
+        xxt = wide @ wide.t()
+        wide = (a / s) * wide + ((b / s**3) * xxt + (c / s**5) * (xxt @ xxt)) @ wide
+    return wide.t() if x.shape[0] > x.shape[1] else wide
+
+
+@pytest.mark.parametrize("shape", [(96, 48), (48, 96), (64, 64)])
+def test_polar_express_singular_values_are_near_one_and_nearer_than_newton_schulz(shape):
+    """Against torch.linalg.svd of the input (U V^T is the target): at 5 steps the singular values are
+    nearer 1 than the quintic Newton-Schulz's at 5 (0.13 against 0.32 off for these rectangular matrices,
+    0.30 against 0.62 for the square one, whose smallest singular value is 0.3% of its largest), the
+    output nearer U V^T; by 8 steps Polar Express has converged (Newton-Schulz's polynomial plateaus
+    near 0.7-1.2 at any count). Equal to the float64 written-out algorithm at 5 and 10 steps."""
+    from gpt2lab.train.optim import orthogonalize, polar_express
+
+    gen = torch.Generator().manual_seed(3)
+    g = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    u, s, vh = torch.linalg.svd(g, full_matrices=False)
+    assert s.min() / s.max() > 1e-3  # inside the interval the polynomials were fitted on
+    polar = u @ vh
+    pe = polar_express(g.float(), torch.float32, steps=5)
+    ns = orthogonalize(g.float(), torch.float32, steps=5)
+    off_pe, off_ns = ((torch.linalg.svdvals(o.double()) - 1).abs().max() for o in (pe, ns))
+    assert off_pe < 0.31 and off_pe < 0.6 * off_ns
+    assert torch.linalg.matrix_norm(pe.double() - polar) < 0.5 * torch.linalg.matrix_norm(ns.double() - polar)
+    torch.testing.assert_close(pe.double(), reference_polar_express(g, 5), rtol=1e-4, atol=1e-5)
+    for steps in (8, 10):  # past the eighth the last polynomial repeats: converged to U V^T
+        pe_n = polar_express(g.float(), torch.float32, steps=steps).double()
+        ns_n = orthogonalize(g.float(), torch.float32, steps=steps).double()
+        assert (torch.linalg.svdvals(pe_n) - 1).abs().max() < 1e-3 < 0.3 < (torch.linalg.svdvals(ns_n) - 1).abs().max()
+        torch.testing.assert_close(pe_n, reference_polar_express(g, steps), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(pe_n, polar, rtol=0, atol=1e-3)
+
+
+def test_muon_with_polar_express_steps_as_written_out():
+    """Two steps of Muon(orth="polar_express") against Nesterov momentum, the written-out Polar Express
+    and Muon's per-matrix rate, in float64."""
+    lr, momentum = 0.02, 0.95
+    gen = torch.Generator().manual_seed(11)
+    shapes = [(24, 8), (8, 24)]
+    params = [torch.nn.Parameter(torch.randn(*s, generator=gen)) for s in shapes]
+    ref = [dict(w=p.detach().double().clone(), buf=torch.zeros(s, dtype=torch.float64)) for p, s in zip(params, shapes)]
+    opt = Muon(
+        params, lr=lr, momentum=momentum, weight_decay=0.0, nesterov=True, ns_dtype=torch.float32, orth="polar_express"
+    )
+    for _ in range(2):
+        for p, r in zip(params, ref):
+            g = torch.randn(p.shape, generator=gen)
+            p.grad = g
+            r["buf"] = momentum * r["buf"] + (1 - momentum) * g.double()
+            o = reference_polar_express((1 - momentum) * g.double() + momentum * r["buf"], 5)
+            rows, cols = p.shape
+            r["w"] = r["w"] - lr * math.sqrt(max(1.0, rows / cols)) * o
+        opt.step()
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.detach().double(), r["w"], rtol=1e-5, atol=1e-6)
+
+
+# -- cautious weight decay ------------------------------------------------------------------------
+def test_cautious_adamw_step_by_hand():
+    """One AdamW step on a 2x2 weight, by hand. betas (0.5, 0.5), eps 0: m = 0.5 g, v = 0.5 g^2, and the
+    bias-corrected update u = m_hat / sqrt(v_hat) = sign(g). lr 0.1, wd 0.5: where u and w agree in sign
+    the weight moves by -0.1 * (sign(g) + 0.5 w), elsewhere by -0.1 * sign(g) only."""
+    from gpt2lab.train.optim import CautiousAdamW
+
+    w0 = torch.tensor([[1.0, -2.0], [0.5, -0.25]])
+    g = torch.tensor([[0.3, 0.7], [-0.2, -0.1]])  # signs: +,+,-,-; agree with w at (0,0) and (1,1)
+    by_hand = torch.tensor(
+        [
+            [1.0 - 0.1 * (1 + 0.5 * 1.0), -2.0 - 0.1 * 1],
+            [0.5 + 0.1 * 1, -0.25 - 0.1 * (-1 + 0.5 * -0.25)],
+        ]
+    )
+    for fused in (False, True):
+        p = torch.nn.Parameter(w0.clone())
+        p.grad = g.clone()
+        opt = CautiousAdamW([p], lr=0.1, betas=(0.5, 0.5), eps=0.0, weight_decay=0.5, fused=fused or None)
+        opt.step()
+        torch.testing.assert_close(p.detach(), by_hand, rtol=0, atol=1e-6)
+        assert opt.param_groups[0]["weight_decay"] == 0.5  # the group keeps its decay
+        plain = torch.nn.Parameter(w0.clone())
+        plain.grad = g.clone()
+        torch.optim.AdamW([plain], lr=0.1, betas=(0.5, 0.5), eps=0.0, weight_decay=0.5).step()
+        assert (plain.detach() - p.detach()).abs().max() > 0.05  # plain AdamW decays every coordinate
+    # a step the device skips (found_inf 1) leaves the weight as it was, decay included
+    p = torch.nn.Parameter(w0.clone())
+    p.grad = g.clone()
+    opt = CautiousAdamW([p], lr=0.1, betas=(0.5, 0.5), eps=0.0, weight_decay=0.5, fused=True)
+    opt.found_inf = torch.ones(())
+    opt.step()
+    assert torch.equal(p.detach(), w0)
+
+
+def test_cautious_muon_step_by_hand():
+    """Muon's cautious decay against the update written out: O from the float64 Newton-Schulz reference;
+    w -= lr * wd * I(O * w >= 0) * w, then w -= lr * sqrt(max(1, rows/cols)) * O."""
+    from conftest import reference_newton_schulz
+
+    lr, momentum, wd = 0.1, 0.9, 0.5
+    gen = torch.Generator().manual_seed(2)
+    w0, g = torch.randn(6, 4, generator=gen), torch.randn(6, 4, generator=gen)
+    p = torch.nn.Parameter(w0.clone())
+    p.grad = g.clone()
+    opt = Muon([p], lr=lr, momentum=momentum, weight_decay=wd, nesterov=True, ns_dtype=torch.float32, cautious=True)
+    opt.step()
+    buf = (1 - momentum) * g.double()
+    o = reference_newton_schulz((1 - momentum) * g.double() + momentum * buf)
+    w = w0.double()
+    mask = (o * w >= 0).double()
+    assert 0 < mask.sum() < mask.numel()  # some coordinates agree in sign, some do not
+    want = w - lr * wd * mask * w - lr * math.sqrt(6 / 4) * o
+    torch.testing.assert_close(p.detach().double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_new_levers_reach_the_optimizers_and_refuse_what_does_not_apply():
+    from gpt2lab.train.optim import CautiousAdamW
+
+    m = model(**LEVERS)
+    cfg = load_preset("wiki-cpu-fast", muon_orth="polar_express", cautious_wd=True).optim
+    opt = build_optimizer(m, cfg, CPU)
+    assert (opt.named["muon"].orth, opt.named["muon"].cautious) == ("polar_express", True)
+    assert type(opt.named["adamw"]) is CautiousAdamW
+    plain = build_optimizer(m, load_preset("wiki-cpu-fast").optim, CPU)
+    assert (plain.named["muon"].orth, plain.named["muon"].cautious) == ("newton_schulz", False)
+    assert type(plain.named["adamw"]) is torch.optim.AdamW
+    assert type(build_optimizer(m, _ramp_cfg(cautious_wd=True).optim, CPU)) is CautiousAdamW
+    assert type(build_optimizer(m, _ramp_cfg().optim, CPU)) is torch.optim.AdamW
+    with pytest.raises(ConfigError, match="muon_orth polar_express: applies to --optimizer muon"):
+        _ramp_cfg(muon_orth="polar_express")
+    with pytest.raises(ConfigError, match="muon_orth 'cubic': choose one of newton_schulz, polar_express"):
+        _ramp_cfg(optimizer="muon", muon_orth="cubic")
+
+
+# -- the new levers in a run ---------------------------------------------------------------------
+NO_BATCH_RAMP = dict(batch_ramp_steps=0, batch_ramp_start=None)
+NEXT = dict(
+    mtp_heads=2,
+    mtp_weight=0.5,
+    mtp_weight_final=0.1,
+    seq_len_ramp_steps=4,
+    seq_len_start=8,
+    optimizer="muon",
+    muon_orth="polar_express",
+    muon_ns_dtype="float32",
+    muon_weight_decay=0.1,
+    cautious_wd=True,
+)
+
+
+def test_a_run_with_the_new_levers_resumes_mid_ramp_as_it_ran(tiny_data, tmp_path):  # noqa: F811
+    """Multi-token prediction (its weight decaying), the sequence-length ramp, Polar Express and cautious
+    weight decay: a run saved at step 2 (sequences of 8, then 16 tokens) and resumed equals the run
+    straight through, loss for loss; the micro-batches have the ramp's shapes; the plan says each."""
+    from gpt2lab.system import runtime
+    from gpt2lab.train.gather import MachineFacts
+    from gpt2lab.train.plan import make_plan
+    from gpt2lab.train.trainer import Trainer
+
+    def trainer(out, resume=None):
+        cfg = _ramp_cfg(out=str(out), data=tiny_data, max_steps=6, total_batch_tokens=128, **NO_BATCH_RAMP, **NEXT)
+        return Trainer(make_plan(cfg, MachineFacts(runtime.Facts("cpu")), resume=resume), DistInfo(device=CPU))
+
+    shapes, weights = [], []
+
+    def steps(t, n):
+        recs = []
+        forward = t.raw.forward
+        t.raw.forward = lambda idx, *a, **k: (shapes.append(tuple(idx.shape)), forward(idx, *a, **k))[1]
+        for _ in range(n):
+            recs.append(t.train_step())
+            weights.append(round(t.raw.mtp_weight.item(), 6))
+            t.step += 1
+        return recs
+
+    straight = trainer(tmp_path / "straight")
+    records = steps(straight, 6)
+    # 128 tokens a step: 2 micro-steps of 2 x 32 tokens, on the ramp 8 rows of 8, then 4 rows of 16
+    assert shapes == [(8, 8)] * 4 + [(4, 16)] * 4 + [(2, 32)] * 4
+    assert [r["tokens"] for r in records] == [128 * (s + 1) for s in range(6)]
+    assert weights == [0.5, 0.42, 0.34, 0.26, 0.18, 0.1]  # 0.5 to 0.1 over steps 0..5
+    first = trainer(tmp_path / "resumed")
+    steps(first, 2)
+    again = trainer(tmp_path / "resumed", resume=first.save())
+    assert again.step == 2 and again.loader.position == first.loader.position == 2 * 2 * 2
+    later = steps(again, 4)
+    assert [r["train_loss"] for r in later] == [r["train_loss"] for r in records[2:]]
+    assert all(torch.equal(a, b) for a, b in zip(again.raw.state_dict().values(), straight.raw.state_dict().values()))
+    lines = "\n".join(straight.plan.lines())
+    assert "export    Hugging Face GPT2LMHeadModel; drops mtp_heads=2 (multi-token prediction heads" in lines
+    assert "multi-token prediction: 2 more heads (tokens t+2..t+3), weight 0.5, to 0.1 at the last step" in lines
+    assert "sequences of 8 tokens at step 0 (micro-batch 8 rows), doubling to 32 by step 4" in lines
+    assert "; Polar Express in place of Newton-Schulz's polynomial; cautious weight decay" in lines
+
+
+def test_new_lever_flags_and_memory_in_the_plan(tmp_path):
+    import argparse
+
+    from gpt2lab.system import runtime
+    from gpt2lab.train.config import TrainConfig
+    from gpt2lab.train.gather import MachineFacts
+    from gpt2lab.train.plan import make_plan
+    from gpt2lab.train.settings import add_config_flags, overrides_from_args
+
+    p = argparse.ArgumentParser()
+    add_config_flags(p)
+    flags = "--mtp-heads 3 --mtp-weight 0.2 --mtp-weight-final none --seq-len-ramp-steps 10 --seq-len-start 256"
+    flags += " --optimizer muon --muon-orth polar_express --cautious-wd true"
+    cfg = TrainConfig.from_dict(overrides_from_args(p.parse_args(flags.split())))
+    assert (cfg.model.mtp_heads, cfg.model.mtp_weight, cfg.model.mtp_weight_final) == (3, 0.2, None)
+    assert (cfg.batch.seq_len_ramp_steps, cfg.batch.seq_len_start, cfg.seq_len_at(5)) == (10, 256, 512)
+    assert (cfg.optim.muon_orth, cfg.optim.cautious_wd) == ("polar_express", True)
+    # the heads' memory is in the plan: more than the same run without them, by the planner's terms
+    plans = [
+        make_plan(_ramp_cfg(data="unused", out=str(tmp_path), mtp_heads=k), MachineFacts(runtime.Facts("cpu")))
+        for k in (0, 2)
+    ]
+    assert plans[1].memory["total"] > plans[0].memory["total"]
+    assert plans[1].params == plans[0].params + 2 * 32 * 32
+
+
+def test_dry_run_shows_the_new_levers_and_a_resume_keeps_them(tiny_data, tmp_path, capsys):  # noqa: F811
+    from conftest import cli_args
+
+    from gpt2lab.cli import main
+    from gpt2lab.train.plan import resume_fields
+
+    flags = cli_args(data=tiny_data, out=str(tmp_path / "run"), **NEXT)
+    assert main(["train", "--preset", "shakespeare-cpu", *flags, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert not (tmp_path / "run").exists()
+    assert "drops mtp_heads=2 (multi-token prediction heads, a training loss: not written)" in out
+    assert "multi-token prediction: 2 more heads (tokens t+2..t+3), weight 0.5, to 0.1 at the last step" in out
+    assert "sequences of 8 tokens at step 0 (micro-batch 8 rows), doubling to 32 by step 4" in out
+    assert "Polar Express in place of Newton-Schulz's polynomial; cautious weight decay" in out
+    # what changes the training must stay the same on a resume (mtp_heads: the checkpoint's shapes)
+    kept = resume_fields(_ramp_cfg(**NEXT))
+    assert {"mtp_weight", "mtp_weight_final", "seq_len_ramp_steps", "seq_len_start", "muon_orth", "cautious_wd"} <= set(
+        kept
+    )
+    assert "muon_orth" not in resume_fields(_ramp_cfg())

@@ -14,6 +14,7 @@ import torch
 from conftest import TINY, saved_bytes
 
 from gpt2lab import cli, from_pretrained
+from gpt2lab.data.tokenizer import gpt2_tokenizer
 from gpt2lab.distributed import memplan
 from gpt2lab.model.gpt import GPT, GPTConfig, rotary_cos_sin
 from gpt2lab.system.errors import UsageError
@@ -266,7 +267,9 @@ def test_nanochat_export_files(tmp_path):
         False,
     )
     assert cfg["rope_parameters"] == {"rope_type": "default", "rope_theta": 500.0}
-    assert cfg["final_logit_softcapping"] == 12.0 and cfg["pad_token_id"] == 50256
+    assert cfg["final_logit_softcapping"] == 12.0
+    # the pad (the embedding's padding_idx, a row fine-tuning leaves alone): the byte 0xFF's token, in no text
+    assert gpt2_tokenizer().decode_single_token_bytes(cfg["pad_token_id"]) == b"\xff"
     tok = transformers.AutoTokenizer.from_pretrained(str(d))
     assert tok("Hello, I'm a language model,")["input_ids"] == [15496, 11, 314, 1101, 257, 3303, 2746, 11]
     theirs = _hf(str(d))

@@ -456,6 +456,8 @@ def test_export_loads_in_transformers_with_our_ids_and_logits(tok, tmp_path, arc
         got = theirs_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
         assert got["input_ids"] == chat.encode_chat(turns, add_generation_prompt=True, tokenizer=tok)[0]
         assert theirs.generation_config.eos_token_id == 2
+        pad = theirs.generation_config.pad_token_id  # generate's pad: the byte 0xFF, in no prompt
+        assert tok.decode_single_token_bytes(pad) == b"\xff" and pad not in got["input_ids"]
     x = torch.tensor([ids])
     with torch.no_grad():
         ours = model(x)[0][..., :VOCAB]

@@ -230,6 +230,48 @@ def test_transformers_generate_gives_the_servers_reply(exported):
     assert models[0].chat_template == "chatml" and "chat model" in models[0].note
 
 
+def test_transformers_generate_without_an_attention_mask_gives_gpt2labs_reply(exported):
+    """``generate(input_ids)`` alone infers a mask from the pad id: the export's pad is a token no prompt
+    holds (the byte 0xFF's, which UTF-8 never has), so the prompt's leading <|endoftext|> is read, not
+    masked, and the reply is gpt2lab's token for token."""
+    import json
+    import os
+
+    import transformers
+
+    from gpt2lab.evals.chat import greedy_reply
+
+    model, prompt, d = exported
+    pad = json.load(open(os.path.join(d, "generation_config.json")))["pad_token_id"]
+    assert gpt2_tokenizer().decode_single_token_bytes(pad) == b"\xff" and pad not in prompt
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    assert theirs.generation_config.pad_token_id == pad
+    with torch.no_grad():
+        out = theirs.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False)
+    new = out[0, len(prompt) :].tolist()
+    ours = greedy_reply(model, prompt, 30)
+    assert ours.ended and new == [*ours.ids, chat.IM_END_ID]
+
+
+def test_a_developer_turn_is_a_system_turn_in_the_export_and_at_the_server(exported):
+    """OpenAI's ``developer`` is its newer name of ``system``: the exported template (transformers'
+    apply_chat_template) and the server's (inference/chat.py) both write it as a system turn."""
+    import transformers
+
+    from gpt2lab.inference.chat import chat_prompt
+
+    model, _, d = exported
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    messages = [{"role": "developer", "content": "Answer in French."}, *MESSAGES[1:]]
+    theirs = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    ours = chat_prompt(model, [(m["role"], m["content"]) for m in messages]).ids
+    as_system = chat.encode_chat(
+        [("system", "Answer in French."), *((m["role"], m["content"]) for m in MESSAGES[1:])],
+        add_generation_prompt=True,
+    )[0]
+    assert list(theirs["input_ids"]) == ours == as_system
+
+
 def test_typed_markers_in_a_message_stay_text_at_the_server(exported):
     from openai import OpenAI
 

@@ -15,8 +15,40 @@ def test_serve_bad_model_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.strip().startswith(f"gpt2lab serve: --model {missing}: no such directory")
     assert cli.main(["serve", "--model", missing, "--max-queue", "0", "--port", "0"]) == 2  # a UsageError
     assert capsys.readouterr().err.strip().endswith("--max-queue 0: must be at least 1")
-    with pytest.raises(SystemExit, match="given twice"):
-        cli.main(["serve", "--model", f"a={missing}", "--model", f"a={tmp_path}", "--port", "0"])
+    # an id given twice: a UsageError naming it, before any model is looked for
+    assert cli.main(["serve", "--model", f"a={missing}", "--model", f"a={tmp_path}", "--port", "0"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"gpt2lab serve: --model a={tmp_path}: the id 'a' is given twice; name them apart with NAME=MODEL"
+    ]
+
+
+@pytest.mark.parametrize(
+    "flags,said",
+    [
+        (["--header-timeout", "0"], "gpt2lab serve: --header-timeout 0.0: must be positive"),
+        (["--max-connections", "0"], "gpt2lab serve: --max-connections 0: must be at least 1"),
+    ],
+)
+def test_bad_connection_flags_are_one_line_and_exit_2(flags, said, capsys):
+    assert cli.main(["serve", "--model", "no/such/dir", "--port", "0", *flags]) == 2
+    assert capsys.readouterr().err.splitlines() == [said]
+
+
+def test_a_cap_past_the_open_file_limit_is_one_line_and_exit_2(capsys):
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        pytest.skip("no open-file limit to pass")
+    assert cli.main(["serve", "--model", "no/such/dir", "--port", "0", "--max-connections", str(soft)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"gpt2lab serve: --max-connections {soft}: this process may open {soft} files (ulimit -n)")
+
+
+def test_allowed_hosts_takes_names_not_urls(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--model", "m", "--allowed-hosts", "example.org:8000"])
+    assert e.value.code == 2 and "without ports or schemes" in capsys.readouterr().err
 
 
 def test_port_in_use_is_one_line_and_exit_2(gpt2_vocab_export, capsys):

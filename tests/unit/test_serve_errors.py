@@ -114,12 +114,55 @@ def test_head_on_a_get_route_answers_as_get_without_a_body(tiny_server, path):
     assert head.headers["content-type"] == got.headers["content-type"]
 
 
-def test_a_model_name_that_cannot_be_encoded_gets_a_json_404(tiny_server):
+# JSON's "\ud800" without its pair: a lone surrogate, which no text holds (json.dumps keeps it escaped)
+@pytest.mark.parametrize(
+    "path,body,param,said",
+    [
+        ("completions", {"\ud800": 1, "model": "tiny", "prompt": "x"}, "\\ud800", "unrecognized request argument"),
+        ("completions", {"model": "tiny", "prompt": "x", "\udfff\ud800": 1}, "\\udfff\\ud800", "unrecognized"),
+        ("completions", {"model": "\ud800", "prompt": "x"}, "model", "lone UTF-16 surrogate (\\ud800 at character 0)"),
+        ("completions", {"model": "tiny", "prompt": "ok \udc00"}, "prompt", "(\\udc00 at character 3)"),
+        ("completions", {"model": "tiny", "prompt": ["a", "b\ud800"]}, "prompt[1]", "lone UTF-16 surrogate"),
+        ("completions", {"model": "tiny", "prompt": "a\ud800b", "stream": True}, "prompt", "lone UTF-16 surrogate"),
+        ("completions", {"model": "tiny", "prompt": "x", "stop": ["\ud800"]}, "stop[0]", "lone UTF-16 surrogate"),
+        (
+            "completions",
+            {"model": "tiny", "prompt": "x", "stream_options": {"\ud800": True}},
+            "stream_options.\\ud800",
+            "unrecognized request argument",
+        ),
+        (
+            "chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi", "\ud800": 2}]},
+            "messages[0].\\ud800",
+            "unrecognized request argument",
+        ),
+        (
+            "chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": "h\ud800i"}]},
+            "messages[0].content",
+            "lone UTF-16 surrogate",
+        ),
+    ],
+)
+def test_a_lone_surrogate_in_a_key_or_a_value_is_a_400_naming_it(tiny_server, path, body, param, said):
+    import json
+
     url, _ = tiny_server
-    r = post_completion(url, {"model": "\ud800", "prompt": "x"})
-    assert r.status_code == 404 and r.headers["content-type"] == "application/json"
+    r = httpx.post(
+        f"{url}/v1/{path}", content=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, timeout=30
+    )
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json", r.text
     err = r.json()["error"]
-    assert err["code"] == "model_not_found" and "\\ud800" in err["message"] and "tiny" in err["message"]
+    assert err["param"] == param and said in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_a_surrogate_pair_is_one_character_of_text(tiny_server):
+    url, _ = tiny_server
+    ok = post_completion(url, b'{"model": "tiny", "prompt": "\\ud83d\\ude00", "max_tokens": 1}')
+    assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == len(get_tokenizer().encode("\U0001f600"))
+    key = post_completion(url, b'{"model": "tiny", "prompt": "x", "\\ud83d\\ude00": 1}')
+    assert key.status_code == 400 and key.json()["error"]["message"] == "unrecognized request argument: \U0001f600"
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,7 @@ def no_network(tmp_path, monkeypatch):
         tries.append(("url", url, timeout))
         raise urllib.error.URLError(OSError(101, "Network is unreachable"))
 
-    monkeypatch.setattr(hs.urllib.request, "urlopen", urlopen)
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
     monkeypatch.setattr(hs, "_download_hf", lambda dest: tries.append(("hub", dest)))
     return tries
 
@@ -129,7 +130,7 @@ def test_an_unreachable_network_is_one_attempt_and_a_missing_file_on_the_server_
         no_network.append(("url", url, timeout))
         raise urllib.error.HTTPError(url, 404, "Not Found", {}, None)
 
-    hs.urllib.request.urlopen = gone  # monkeypatched by the fixture: restored after the test
+    urllib.request.urlopen = gone  # monkeypatched by the fixture: restored after the test
     with pytest.raises(RuntimeError, match="404"):
         hs.load_examples()
     assert [t[0] for t in no_network] == ["url", "hub"]

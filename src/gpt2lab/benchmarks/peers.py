@@ -1,13 +1,18 @@
-"""The peers a user would pick instead, timed in the same process on the same weights: transformers'
+"""The peers a user would pick instead, timed in the same run on the same weights: transformers'
 ``GPT2LMHeadModel.generate`` and CTranslate2's ``Generator`` (optional extras: ``pip install
-transformers ctranslate2``). Each is handed the very weights gpt2lab runs, through ``gpt2lab export``'s
-HF directory (and, for CTranslate2, its own converter, ``ct2-transformers-converter``'s code)."""
+transformers ctranslate2``), in this process; and llama.cpp, whose ``llama-bench`` the user builds and
+names (``--llama-cpp PATH``), in its own. Each is handed the very weights gpt2lab runs, through
+``gpt2lab export``'s HF directory (and each peer's own converter from it: ``ct2-transformers-converter``'s
+code; llama.cpp's ``convert_hf_to_gguf.py``, found in the llama.cpp tree ``llama-bench`` was built in)."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -104,3 +109,67 @@ class CT2:
                 best = min(best, time.perf_counter() - t0)
             out[ct] = sum(len(g) for g in got) / best
         return out
+
+
+# llama.cpp's GGUF types timed beside gpt2lab: its float types and q8_0 (8-bit weights in blocks of 32
+# with a scale each), the one the int8 paths are compared with.
+LLAMA_TYPES = ("f32", "f16", "bf16", "q8_0")
+
+
+def find_converter(bench: str, convert: "str | None" = None) -> str:
+    """llama.cpp's ``convert_hf_to_gguf.py``: ``convert`` if given, else in the source tree above
+    ``bench`` (``build/bin/llama-bench`` is three levels below it)."""
+    if convert:
+        if not os.path.isfile(convert):
+            raise UsageError(f"--llama-cpp-convert {convert}: no such file (llama.cpp's convert_hf_to_gguf.py)")
+        return convert
+    for parent in list(Path(bench).resolve().parents)[:4]:
+        if (parent / "convert_hf_to_gguf.py").is_file():
+            return str(parent / "convert_hf_to_gguf.py")
+    raise UsageError(
+        f"--llama-cpp {bench}: no convert_hf_to_gguf.py in the llama.cpp tree above it; "
+        "give its path with --llama-cpp-convert"
+    )
+
+
+class LlamaCpp:
+    """gpt2lab's export converted by llama.cpp's own converter to each of ``LLAMA_TYPES``, timed by
+    ``llama-bench`` in a process of its own (a type the converter or the CPU cannot do: its error)."""
+
+    def __init__(self, bench: str, hf_dir: str, directory: str, threads: int, convert: "str | None" = None) -> None:
+        if not (os.path.isfile(bench) and os.access(bench, os.X_OK)):
+            raise UsageError(f"--llama-cpp {bench}: not an executable file (the llama-bench of a llama.cpp build)")
+        self.bench, self.threads = bench, threads
+        converter = find_converter(bench, convert)
+        self.models, self.errors = {}, {}
+        for kind in LLAMA_TYPES:
+            path = os.path.join(directory, f"model-{kind}.gguf")
+            done = subprocess.run(
+                [sys.executable, converter, hf_dir, "--outfile", path, "--outtype", kind],
+                capture_output=True,
+                text=True,
+            )
+            if done.returncode == 0 and os.path.isfile(path):
+                self.models[kind] = path
+            else:
+                self.errors[kind] = f"conversion failed: {_last_line(done.stderr)}"
+
+    def tok_per_s(self, prompt_tokens: int, n: int, repeats: int) -> dict:
+        """Each type's decode tok/s: ``llama-bench`` generating ``n`` tokens after a context of
+        ``prompt_tokens`` (``-d``), ``repeats`` times, the best run's (its samples are in its JSON)."""
+        out: dict = {kind: f"not run: {e}" for kind, e in self.errors.items()}
+        for kind, path in self.models.items():
+            cmd = [self.bench, "-m", path, "-p", "0", "-n", str(n), "-d", str(prompt_tokens)]
+            cmd += ["-r", str(repeats), "-t", str(self.threads), "-o", "json"]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            try:
+                rows = json.loads(done.stdout)
+                out[kind] = max(rows[0]["samples_ts"])
+            except (ValueError, LookupError, TypeError):
+                out[kind] = f"not run: llama-bench exit {done.returncode}: {_last_line(done.stderr)}"
+        return out
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "no output"

@@ -15,7 +15,12 @@ every time kept):
 * ``no_cache``: the prepared model re-running the whole window every step (``--no-cache-repeats``);
 * peers (``--peer``, comma-separated): transformers' ``generate`` in the same float dtype, and
   CTranslate2 (fp32 and int8, and bf16 where it runs), converted from the same weights, same
-  threads, same prompt, exactly as many new tokens.
+  threads, same prompt, exactly as many new tokens;
+* llama.cpp (``--llama-cpp PATH`` to a ``llama-bench`` build; CPU only): the same weights converted
+  by llama.cpp's own converter to f32, f16, bf16 and q8_0, each timed by ``llama-bench`` generating
+  as many tokens after a context of ``--prompt-tokens`` (``-d``), same threads, after gpt2lab's
+  rounds. Its figure counts decoding only; gpt2lab's includes reading the prompt, so a tie favours
+  llama.cpp.
 """
 
 from __future__ import annotations
@@ -62,6 +67,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also time every explicit (dtype, kernel) this device can run, in the same rounds: "
         "how far the default's pick is from the best one",
+    )
+    p.add_argument(
+        "--llama-cpp",
+        default=None,
+        metavar="PATH",
+        help="a llama.cpp build's llama-bench: time llama.cpp beside gpt2lab on the same weights (CPU only)",
+    )
+    p.add_argument(
+        "--llama-cpp-convert",
+        default=None,
+        metavar="PATH",
+        help="llama.cpp's convert_hf_to_gguf.py (default: found in the tree above --llama-cpp)",
     )
     p.add_argument("--repeats", type=int, default=3, help="timed rounds")
     p.add_argument("--no-cache-repeats", type=int, default=1, help="timed runs without the cache (slow; 0 skips)")
@@ -115,8 +132,15 @@ def run(args: argparse.Namespace) -> dict:
         for cand in candidates(dataclasses.replace(request, dtype="auto", linear="auto"), detect_facts(device)):
             held = hold(model, cand, request.rows)
             ways[f"setting {cand.name}"] = lambda held=held: generate(held, prompt, n, temperature=0.0)[:, -n:]
+    if args.llama_cpp and device.type != "cpu":
+        raise UsageError(f"--llama-cpp: llama.cpp is timed on the CPU only (device {device}); add --device cpu")
     with tempfile.TemporaryDirectory() as d:
-        hf_dir = peers.export(model, d) if wanted else None
+        hf_dir = peers.export(model, d) if wanted or args.llama_cpp else None
+        llama = (
+            peers.LlamaCpp(args.llama_cpp, hf_dir, d, torch.get_num_threads(), args.llama_cpp_convert)
+            if args.llama_cpp
+            else None
+        )
         if "transformers" in wanted:
             hf = peers.transformers_model(hf_dir, device, dtype)
             ways["transformers"] = lambda: peers.transformers_greedy(hf, prompt, n)
@@ -144,9 +168,13 @@ def run(args: argparse.Namespace) -> dict:
             if ct2 and "float32" in ct2.generators
             else None
         )
+        llama_tps = llama.tok_per_s(args.prompt_tokens, n, args.repeats) if llama else None
     out = _report(args, device, decision, times, tokens, ct2_tps, ct2_agree, "ctranslate2" in wanted and not ct2)
     if "generate" in ways:
         out["generate_kernel"] = library_pick.name
+    if llama_tps is not None:
+        out["llama_cpp_tok_per_s"] = llama_tps
+        out["vs_llama_cpp"] = {k: out["tok_per_s"]["sample"] / v for k, v in llama_tps.items() if isinstance(v, float)}
     return out
 
 

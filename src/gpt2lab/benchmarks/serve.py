@@ -5,12 +5,19 @@ loaded and run the way ``gpt2lab serve --model DIR`` runs it (the model in this 
 thread, uvicorn in another, bound to 127.0.0.1) and is driven over HTTP by clients in a process
 of their own.
 
-Load: for each count in ``--streams`` (e.g. 1,2,4,8,16), that many client threads each send
-streamed ``/v1/completions`` requests one after another for ``--seconds``, each asking for
-exactly ``--new-tokens`` tokens (a random model seldom draws <|endoftext|>; counts come from
-``usage``). Reported per count: aggregate tok/s (all tokens / wall time), per-stream tok/s
-(a request's tokens / its duration), p50/p99 time to first token and between tokens (SSE
-chunk arrivals), requests and errors.
+Load: for each count in ``--streams`` (e.g. 1,8,32), at most that many requests in flight (vLLM's
+``--max-concurrency``), each a streamed ``/v1/completions`` request asking for exactly
+``--new-tokens`` tokens (a random model seldom draws <|endoftext|>; counts come from ``usage``).
+Without ``--request-rate`` the clients send back to back for ``--seconds`` (a closed loop: the
+server's capacity at that concurrency); with ``--request-rate R`` requests arrive as a Poisson
+process of R per second (seeded) for ``--seconds``, each waiting for a free slot when the cap is
+reached (an open loop: what users at that rate feel). Reported per count, in the terms of vLLM's
+``bench serve``: request and output-token throughput; TTFT (time to first token, from the request's
+send to its first text), TPOT (time per output token after the first: (E2EL - TTFT) / (tokens - 1)),
+ITL (the gaps between streamed chunks), E2EL (a request's whole time), each as mean, median (p50)
+and p99 in milliseconds; requests and errors. ``aggregate_tok_per_s`` (all tokens / wall time) and
+``per_stream_tok_per_s_mean`` (a request's tokens / its duration) as before. A table of these goes
+to stderr; the JSON to stdout.
 
 Fault run (``--fault``): clients that disconnect mid-stream, malformed JSON, oversize prompts
 and bodies, and a burst of ``max_batch + max_queue + 8`` requests at once; every request must
@@ -25,6 +32,7 @@ import gc
 import http.client
 import json
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -47,8 +55,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-embd", type=int, default=768)
     p.add_argument("--block-size", type=int, default=1024)
     p.add_argument("--new-tokens", type=int, default=64, help="tokens asked of each request")
-    p.add_argument("--streams", default="1,8", help="comma-separated counts of concurrent clients (default 1,8)")
+    p.add_argument(
+        "--streams", default="1,8", help="comma-separated counts of requests in flight at most (default 1,8)"
+    )
     p.add_argument("--seconds", type=finite_float, default=30.0, help="how long clients keep sending, per count")
+    p.add_argument(
+        "--request-rate",
+        type=finite_float,
+        default=None,
+        help="requests per second arriving as a Poisson process (seeded by --seed), at most --streams in "
+        "flight; default: each stream sends its next request when its last one ends",
+    )
     p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto (cuda > mps > cpu), as serve's")
     add_inference_flags(p)  # serve's flags and defaults: a default figure is a user's figure
     p.add_argument(
@@ -133,53 +150,119 @@ def _percentile(values: list[float], q: float) -> Optional[float]:
     return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
 
 
-def load(url: str, streams: int, seconds: float, n: int) -> dict:
-    """``streams`` clients each sending streamed requests back to back for ``seconds``."""
-    results: list[list[dict]] = [[] for _ in range(streams)]
-    barrier = threading.Barrier(streams)
+def _ms_stats(name: str, seconds: list[float]) -> dict:
+    """mean, median and p99 of ``seconds`` in milliseconds, keyed as vLLM's bench serve names them."""
+    if not seconds:
+        return {f"mean_{name}_ms": None, f"median_{name}_ms": None, f"p99_{name}_ms": None}
+    return {
+        f"mean_{name}_ms": 1000 * statistics.mean(seconds),
+        f"median_{name}_ms": 1000 * _percentile(seconds, 50),
+        f"p99_{name}_ms": 1000 * _percentile(seconds, 99),
+    }
 
-    def client(i: int) -> None:
-        barrier.wait()
-        end, k = time.perf_counter() + seconds, 0
-        while time.perf_counter() < end:
-            results[i].append(_stream(url, 1000 * i + k, n))
-            k += 1
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(streams)]
+def arrivals(rate: float, seconds: float, seed: int) -> list[float]:
+    """Poisson arrival times (exponential gaps of mean 1/rate) within ``seconds``, reproducible by seed."""
+    import random
+
+    rng, t, times = random.Random(seed), 0.0, []
+    while True:
+        t += rng.expovariate(rate)
+        if t >= seconds:
+            return times
+        times.append(t)
+
+
+def summarize(done: list[dict], wall: float, streams: int, rate: Optional[float]) -> dict:
+    """One load run's figures from its requests' records (see ``_stream``)."""
+    ok = [r for r in done if r["error"] is None]
+    tokens = sum(r["tokens"] for r in ok)
+    firsts = [r["first_s"] for r in ok if r["first_s"] is not None]
+    tpots = [
+        (r["total_s"] - r["first_s"]) / (r["tokens"] - 1) for r in ok if r["first_s"] is not None and r["tokens"] > 1
+    ]
+    return {
+        "streams": streams,
+        "request_rate": rate,
+        "requests": len(done),
+        "errors": len(done) - len(ok),
+        "tokens": tokens,
+        "wall_s": round(wall, 2),
+        "request_throughput": len(ok) / wall,
+        "aggregate_tok_per_s": tokens / wall,
+        "per_stream_tok_per_s_mean": statistics.mean(r["tokens"] / r["total_s"] for r in ok) if ok else None,
+        **_ms_stats("ttft", firsts),
+        **_ms_stats("tpot", tpots),
+        **_ms_stats("itl", [g for r in ok for g in r["gaps"]]),
+        **_ms_stats("e2el", [r["total_s"] for r in ok]),
+    }
+
+
+def load(url: str, streams: int, seconds: float, n: int, rate: Optional[float] = None, seed: int = 0) -> dict:
+    """At most ``streams`` requests in flight for ``seconds``: back to back, or arriving at ``rate`` per second."""
+    done: list[dict] = []
+    lock = threading.Lock()
+    if rate is None:
+        barrier = threading.Barrier(streams)
+
+        def client(i: int) -> None:
+            barrier.wait()
+            end, k = time.perf_counter() + seconds, 0
+            while time.perf_counter() < end:
+                r = _stream(url, 1000 * i + k, n)
+                with lock:
+                    done.append(r)
+                k += 1
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(streams)]
+    else:
+        slots = threading.Semaphore(streams)
+        t_start = time.perf_counter() + 0.05
+
+        def client(i: int) -> None:
+            time.sleep(max(0.0, t_start + times[i] - time.perf_counter()))
+            with slots:  # a request waits here for a slot; its clock starts when it is sent, as vLLM's
+                r = _stream(url, i, n)
+            with lock:
+                done.append(r)
+
+        times = arrivals(rate, seconds, seed)
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(times))]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
-    done = [r for rs in results for r in rs]
-    ok = [r for r in done if r["error"] is None]
-    tokens = sum(r["tokens"] for r in ok)
-    firsts = [r["first_s"] for r in ok if r["first_s"] is not None]
-    gaps = [g for r in ok for g in r["gaps"]]
-    return {
-        "streams": streams,
-        "requests": len(done),
-        "errors": len(done) - len(ok),
-        "tokens": tokens,
-        "wall_s": round(wall, 2),
-        "aggregate_tok_per_s": tokens / wall,
-        "per_stream_tok_per_s_mean": statistics.mean(r["tokens"] / r["total_s"] for r in ok) if ok else None,
-        "first_token_s_p50": _percentile(firsts, 50),
-        "first_token_s_p99": _percentile(firsts, 99),
-        "token_s_p50": _percentile(gaps, 50),
-        "token_s_p99": _percentile(gaps, 99),
-    }
+    return summarize(done, time.perf_counter() - t0, streams, rate)
 
 
-def _load_elsewhere(url: str, streams: int, seconds: float, n: int) -> dict:
+def table(rows: list[dict]) -> str:
+    """The load runs as a Markdown table: throughput, then TTFT / TPOT / ITL / E2EL median and p99 (ms)."""
+
+    def f(v, digits=1):
+        return "-" if v is None else f"{v:.{digits}f}"
+
+    lines = [
+        "| in flight | rate req/s | requests (errors) | out tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
+        "| ITL p50 / p99 ms | E2EL p50 / p99 ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        cells = [str(r["streams"]), "closed loop" if r["request_rate"] is None else f(r["request_rate"], 2)]
+        cells += [f"{r['requests']} ({r['errors']})", f(r["aggregate_tok_per_s"])]
+        cells += [f"{f(r[f'median_{m}_ms'])} / {f(r[f'p99_{m}_ms'])}" for m in ("ttft", "tpot", "itl", "e2el")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _load_elsewhere(url: str, streams: int, seconds: float, n: int, rate: Optional[float], seed: int) -> dict:
     """``load`` from a process of its own, as real clients are: client threads in the server's process
     would take the interpreter lock from its event loop and worker (seen: 1 stream 57 vs 65 tok/s)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(load, url, streams, seconds, n).result()
+        return pool.submit(load, url, streams, seconds, n, rate, seed).result()
 
 
 def _rss_mb() -> float:
@@ -275,7 +358,14 @@ def run(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    counts = [int(c) for c in str(args.streams).split(",") if c.strip()]
+    try:
+        counts = [int(c) for c in str(args.streams).split(",") if c.strip()]
+    except ValueError:
+        counts = [0]
+    if any(c < 1 for c in counts):
+        raise UsageError(f"--streams {args.streams}: give whole counts of at least 1, comma-separated (e.g. 1,8,32)")
+    if args.request_rate is not None and args.request_rate <= 0:
+        raise UsageError(f"--request-rate {args.request_rate}: must be > 0 (leave it out for back-to-back requests)")
     config = GPTConfig(
         block_size=args.block_size, vocab_size=50257, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd
     )
@@ -301,13 +391,17 @@ def run(args: argparse.Namespace) -> dict:
             else f"batches of up to {args.max_batch} rows",
             "new_tokens": args.new_tokens,
             "seconds": args.seconds,
+            "request_rate": args.request_rate,
             "asked": {"dtype": args.dtype, "quantize": args.quantize, "cpu_linear": args.cpu_linear},
             "inference": workers["bench"].decision.record(),
         }
 
         def clients(url: str) -> None:
             _stream(url, 0, 4)  # warm-up: allocator growth, first-call set-up
-            out["load"] = [_load_elsewhere(url, n, args.seconds, args.new_tokens) for n in counts]
+            out["load"] = [
+                _load_elsewhere(url, n, args.seconds, args.new_tokens, args.request_rate, args.seed) for n in counts
+            ]
+            print(table(out["load"]), file=sys.stderr, flush=True)
             if args.fault:
                 out["fault"] = fault_run(url, limits, args.block_size, args.new_tokens)
 

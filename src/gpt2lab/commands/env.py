@@ -1,7 +1,7 @@
 """gpt2lab env: what gpt2lab sees on this machine, for bug reports (like torch.utils.collect_env).
 
 Versions, the device ``auto`` picks, the CPU's capability flags, fp32 and bf16 matmul rates
-measured afresh (about a second), whether torch.compile can build kernels, what
+and the memory read bandwidth measured afresh (about two seconds), whether torch.compile can build kernels, what
 ``--dtype auto`` and ``--compile auto`` would choose and why, and which optional extras are
 installed.
 """
@@ -72,6 +72,7 @@ def collect(device_name: str = "auto") -> dict:
         "matmul_fp32_gflops": probe.fp32_gflops,
         "matmul_bf16_gflops": probe.bf16_gflops,
         "matmul_size": runtime.PROBE_N,
+        "read_gb_per_s": runtime.measure_read_bandwidth(device),  # what bounds decoding: each token reads every weight
         "compile_available": facts.can_compile,
         "auto_dtype": choices.dtype.value,
         "auto_dtype_reason": choices.dtype.reason,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from gpt2lab.inference.flags import add_inference_flags
 
@@ -43,7 +44,12 @@ def add_parser(sub) -> None:
     lo.add_argument("--data", required=True, help="token shard directory (from gpt2lab prepare)")
     lo.add_argument("--split", default="val")
     # 20 batches of 64 x 1024: what the reference recipe's GPT-2 baseline (3.2924) was measured on.
-    lo.add_argument("--tokens", type=int, default=20 * 64 * 1024, help="tokens to evaluate")
+    lo.add_argument(
+        "--tokens",
+        type=int,
+        default=20 * 64 * 1024,
+        help="tokens to evaluate (a split that holds fewer: all its whole batches, with a note)",
+    )
     lo.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
     lo.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's block size)")
     lo.set_defaults(func=run_loss)
@@ -56,9 +62,10 @@ def add_parser(sub) -> None:
     _common(ch)
     ch.add_argument(
         "--data",
-        required=True,
-        help="conversations: JSON lines in the messages format "
-        "(.jsonl, also .jsonl.zst/.gz/.xz, a directory or a glob)",
+        default=None,
+        help="conversations: JSON lines in the messages format (.jsonl, also .jsonl.zst/.gz/.xz, a "
+        "directory or a glob), or a directory from gpt2lab prepare (its held-out conversations, "
+        "held_out.jsonl); default: those of the prepared data the --model run trained on",
     )
     ch.add_argument(
         "--max-tokens",
@@ -73,9 +80,10 @@ def add_parser(sub) -> None:
     _common(gs)
     gs.add_argument(
         "--data",
-        required=True,
-        help="GSM8K rows {question, answer} as JSON lines (or messages: one "
-        "user turn, one assistant turn ending '#### N')",
+        default=None,
+        help="GSM8K rows {question, answer} as JSON lines (or messages: one user turn, one assistant "
+        "turn ending '#### N'); default: GSM8K's official test split, downloaded once into "
+        "~/.cache/gpt2lab or $GPT2LAB_CACHE",
     )
     gs.add_argument("--max-tokens", type=int, default=256, help="tokens a reply may take (default 256)")
     gs.add_argument("--limit", type=int, default=None, help="only the first N problems")
@@ -187,7 +195,7 @@ def run_loss(args: argparse.Namespace) -> int:
     from gpt2lab.system.errors import UsageError
 
     try:
-        from gpt2lab.evals.loss import evaluate
+        from gpt2lab.evals.loss import evaluate, fit_to_split
     except ImportError as e:
         raise SystemExit(f"gpt2lab eval loss: validation loss is not available in this install ({e})") from None
     for value, flag in ((args.tokens, "--tokens"), (args.batch_size, "--batch-size"), (args.seq_len, "--seq-len")):
@@ -198,10 +206,14 @@ def run_loss(args: argparse.Namespace) -> int:
         _same_tokenizer(model.config, args.data)
         seq_len = args.seq_len or model.config.block_size
         try:
+            # as train does with --eval-tokens: a split holding fewer tokens is taken whole, with a note
+            tokens, note = fit_to_split(args.data, args.split, args.tokens, args.batch_size, seq_len, info.world_size)
+            if note and info.rank == 0:
+                print(f"gpt2lab eval loss: {note}", file=sys.stderr, flush=True)
             res = evaluate(
                 model,
                 args.data,
-                tokens=args.tokens,
+                tokens=tokens,
                 batch_size=args.batch_size,
                 seq_len=seq_len,
                 device=info.device,
@@ -214,15 +226,12 @@ def run_loss(args: argparse.Namespace) -> int:
             raise
         except (FileNotFoundError, ValueError) as e:
             raise SystemExit(f"gpt2lab eval loss: {e}") from None
-        tokens = max(1, args.tokens // (args.batch_size * seq_len * info.world_size)) * (
-            args.batch_size * seq_len * info.world_size
-        )
         print0(
             json.dumps(
                 {
                     "task": "loss",
                     "split": args.split,
-                    "tokens": tokens,
+                    "tokens": res.tokens,
                     "loss": res.loss,
                     "bpb": res.bpb,
                     "bytes": res.bytes,
@@ -261,38 +270,51 @@ def _chat_model(args: argparse.Namespace, info):
 
 def run_chat(args: argparse.Namespace) -> int:
     from gpt2lab.distributed.dist import init_distributed
-    from gpt2lab.evals.chat import evaluate_chat, read_conversations
+    from gpt2lab.evals.chat import chat_data, evaluate_chat, read_conversations
 
     _positive(args.max_tokens, "--max-tokens")
     _positive(args.limit, "--limit")
-    conversations = read_conversations(args.data, args.limit)
+    data, note = chat_data(args.data, args.model)
+    if note:
+        print(f"gpt2lab eval chat: {note}", file=sys.stderr, flush=True)
+    conversations = read_conversations(data, args.limit)
     info = init_distributed(args.device)
     model, decision = _chat_model(args, info)
-    result = evaluate_chat(model, conversations, max_tokens=args.max_tokens, device=info.device, progress=True)
-    print(json.dumps({**result, "model": args.model, "data": args.data, "inference": decision.record()}))
+    try:
+        result = evaluate_chat(model, conversations, max_tokens=args.max_tokens, device=info.device, progress=True)
+    except ValueError as e:  # a model that cannot take the template
+        raise SystemExit(f"gpt2lab eval chat: --model {args.model}: {e}") from None
+    print(json.dumps({**result, "model": args.model, "data": data, "inference": decision.record()}))
     return 0
 
 
 def run_gsm8k(args: argparse.Namespace) -> int:
     from gpt2lab.distributed.dist import init_distributed
-    from gpt2lab.evals.chat import evaluate_gsm8k, read_conversations
+    from gpt2lab.evals.chat import evaluate_gsm8k, gsm8k_test_file, read_conversations
     from gpt2lab.system.files import atomic_write
 
     _positive(args.max_tokens, "--max-tokens")
     _positive(args.limit, "--limit")
-    problems = read_conversations(args.data, args.limit, gsm8k=True)
+    try:  # the data first: no data, or no network to fetch it, fails before the model loads
+        data = args.data or gsm8k_test_file(flag="--data")
+    except RuntimeError as e:
+        raise SystemExit(f"gpt2lab eval gsm8k: {e}") from None
+    problems = read_conversations(data, args.limit, gsm8k=True)
     info = init_distributed(args.device)
     model, decision = _chat_model(args, info)
-    summary, rows = evaluate_gsm8k(
-        model, problems, max_tokens=args.max_tokens, calculator=args.calculator, progress=True
-    )
+    try:
+        summary, rows = evaluate_gsm8k(
+            model, problems, max_tokens=args.max_tokens, calculator=args.calculator, progress=True
+        )
+    except ValueError as e:  # a model that cannot take the template
+        raise SystemExit(f"gpt2lab eval gsm8k: --model {args.model}: {e}") from None
     if args.samples:
         with atomic_write(args.samples, "w") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
     print(
         json.dumps(
-            {**summary, "model": args.model, "data": args.data, "samples": args.samples, "inference": decision.record()}
+            {**summary, "model": args.model, "data": data, "samples": args.samples, "inference": decision.record()}
         )
     )
     return 0

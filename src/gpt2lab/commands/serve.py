@@ -8,7 +8,7 @@ import signal
 import sys
 
 from gpt2lab.inference.flags import add_inference_flags, inference_request
-from gpt2lab.serve.limits import Limits
+from gpt2lab.serve.limits import Connections, Limits
 from gpt2lab.serve.models import load_workers, model_names
 from gpt2lab.system.choices import finite_float
 from gpt2lab.system.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
@@ -34,6 +34,15 @@ def add_parser(sub) -> None:
         "--host",
         default="127.0.0.1",
         help="address to bind: 127.0.0.1 is this machine only; 0.0.0.0 opens it to the network",
+    )
+    p.add_argument(
+        "--allowed-hosts",
+        type=_host_list,
+        default=None,
+        metavar="NAME[,NAME...]",
+        help="Host names answered beyond localhost, 127.0.0.1 and [::1] ('*': any). Bound to a loopback "
+        "address the server answers only those (another name is a web page rebinding its own name to "
+        "this machine: 421); bound elsewhere, any name unless this is given",
     )
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: the system picks a free one)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
@@ -61,6 +70,23 @@ def add_parser(sub) -> None:
         default=d.prefill_chunk,
         help="prompt tokens run per step while other requests decode (long prompts take several steps)",
     )
+    c = Connections()
+    p.add_argument(
+        "--header-timeout",
+        type=finite_float,
+        default=c.header_timeout_s,
+        metavar="SECONDS",
+        help="a connection whose request line and headers are not whole this long after it opened (or "
+        "after the first byte of its next request) is closed",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        metavar="N",
+        help="connections open at once; past it a new one gets 503 and is closed (default: what the "
+        "open-file limit, ulimit -n, leaves after the files the server holds, four listen backlogs and 64 spare)",
+    )
     p.add_argument(
         "--deterministic",
         action="store_true",
@@ -68,6 +94,34 @@ def add_parser(sub) -> None:
         "runs it (seeded requests reproduce `sample` bit for bit; the aggregate is one stream's)",
     )
     p.set_defaults(func=run)
+
+
+def _host_list(text: str) -> tuple[str, ...]:
+    """--allowed-hosts: comma-separated names, without ports."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    bad = [n for n in names if n != "*" and ("/" in n or " " in n or (n.count(":") == 1 and not n.startswith("[")))]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(
+            f"expected host names separated by commas, without ports or schemes (example.org,10.0.0.5), got {text!r}"
+        )
+    return names
+
+
+def connections_from(args: argparse.Namespace) -> Connections:
+    """The connection flags as Connections, the connection cap resolved against the open-file limit;
+    a value out of range is a UsageError (exit 2) naming the flag."""
+    from gpt2lab.serve.connections import resolve
+    from gpt2lab.system.errors import UsageError
+
+    try:
+        c = Connections(
+            header_timeout_s=args.header_timeout,
+            max_connections=args.max_connections,
+            allowed_hosts=args.allowed_hosts or (),
+        )
+    except ValueError as e:  # Connections names the flag
+        raise UsageError(str(e)) from None
+    return resolve(c)
 
 
 def limits_from(args: argparse.Namespace) -> Limits:
@@ -95,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"gpt2lab serve needs FastAPI and uvicorn ({e}); pip install 'gpt2lab[serve]'") from None
     names = model_names(args.model)  # a bad --model fails before any loading
     limits = limits_from(args)
+    connections = connections_from(args)
     sock = bind(args.host, args.port)  # a port in use fails before the models load, too
     try:
         workers = load_workers(args.model, args.device, inference_request(args, "serve"), limits, args.deterministic)
@@ -103,17 +158,22 @@ def run(args: argparse.Namespace) -> int:
         raise
     host = f"[{args.host}]" if ":" in args.host else args.host
     mode = "requests in turns (--deterministic)" if args.deterministic else f"batches of up to {limits.max_batch} rows"
+    cap = connections.max_connections
     print(
         f"gpt2lab serve: {', '.join(names)} at http://{host}:{sock.getsockname()[1]}/ "
-        f"(API: /v1/completions, /v1/chat/completions, /v1/models, /metrics); {mode}, queue {limits.max_queue}",
+        f"(API: /v1/completions, /v1/chat/completions, /v1/models, /metrics); {mode}, queue {limits.max_queue}"
+        + (f", up to {cap} connections" if cap is not None else ""),
         file=sys.stderr,
         flush=True,
     )
-    access = logging.getLogger("gpt2lab.serve.access")  # one line per request on stderr
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    access = logging.getLogger("gpt2lab.serve.access")  # one line per request on stderr
     access.addHandler(handler)
     access.setLevel(logging.INFO)
+    guard = logging.getLogger("gpt2lab.serve.connections")  # the connection guard's warnings, a few at most
+    guard.addHandler(handler)
+    guard.setLevel(logging.WARNING)
     said, terminated = [], []
 
     def stopping(ended: int) -> None:  # at Ctrl-C, the one line (cli.main's "interrupted" would come late)
@@ -133,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        serve_here(workers, sock, stopping=stopping)  # the models run in this (the main) thread
+        # the models run in this (the main) thread
+        serve_here(workers, sock, stopping=stopping, connections=connections)
     except KeyboardInterrupt:
         if not said:  # not while serving: cli.main says it
             raise

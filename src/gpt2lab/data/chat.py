@@ -53,11 +53,14 @@ SPECIAL_TOKENS = {EOT_TOKEN: EOT_ID, IM_START: IM_START_ID, IM_END: IM_END_ID}  
 ROLES = ("system", "user", "assistant")
 ASSISTANT = "assistant"
 
-# The same template in Jinja, for Hugging Face's tokenizer_config.json (apply_chat_template).
+# The same template in Jinja, for Hugging Face's tokenizer_config.json (apply_chat_template). OpenAI's
+# "developer" role, its newer name of "system", is written as "system", as the server writes it
+# (inference/chat.py): the model was only ever taught "system".
 CHAT_TEMPLATE = (
     "{{ '<|endoftext|>' }}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% set role = 'system' if message['role'] == 'developer' else message['role'] %}"
+    "{{ '<|im_start|>' + role + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )

@@ -15,6 +15,11 @@ Every call to ``next_batch`` on every rank takes the same step: rank r reads seq
 batches of ranks 0..w-1 at one step are the batches one rank reads over w micro-steps.
 ``position`` is the whole state: a checkpoint may even resume on another world size.
 
+A shorter length L (``next_batch(seq_len=L)``, L dividing T: the trainer's sequence-length ramp) reads
+the same B sequences and cuts each into T/L rows of L: row j of a sequence is its inputs
+``[j*L, (j+1)*L)`` and their targets, one token on. The batch holds the same tokens and targets, and
+``position`` moves as it always does, so a run resumed in the middle of the ramp reads what it would have.
+
 Conversations (shards ``prepare`` wrote with a loss mask, data/chat.py) come in the same
 sequences, packed end to end as text is; each target whose mask is 0 (the template, the system
 and user turns) is -1, which the loss ignores, so the loss is the mean over the assistant's tokens.
@@ -143,7 +148,16 @@ class TokenLoader:
         return self.position // self.sequences_per_epoch
 
     # -- batches -----------------------------------------------------------------------
-    def next_batch(self) -> Tuple[torch.Tensor, torch.Tensor]:
+    def next_batch(self, seq_len: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The next (x, y), each (B, T); with ``seq_len`` L (dividing T), the same tokens as (B*T/L, L)."""
+        x, y = self._next()
+        if seq_len is None or seq_len == self.T:
+            return x, y
+        if seq_len < 1 or self.T % seq_len:
+            raise ValueError(f"seq_len {seq_len} must divide the loader's sequence length {self.T}")
+        return x.reshape(-1, seq_len), y.reshape(-1, seq_len)
+
+    def _next(self) -> Tuple[torch.Tensor, torch.Tensor]:
         first = self.position + self.rank * self.B
         rows = np.stack([self._sequence(first + i) for i in range(self.B)])  # (B, T+1), masked: (B, 2, T+1)
         self.position += self.B * self.world_size

@@ -15,7 +15,8 @@ document of each) and per source file.
 
 This file is the orchestration: the settings, the text or conversation format, the tokenizer and the
 encode function. The pieces it runs: data/manifest.py (start, resume or refuse a directory),
-data/parallel.py (the ordered parallel map), data/writer.py (the stream cut into shards).
+data/parallel.py (the ordered parallel map), data/writer.py (the stream cut into shards),
+data/held_out.py (conversations: the val split's, as held_out.jsonl beside the shards).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from gpt2lab.data import chat
+from gpt2lab.data.held_out import write_held_out
 from gpt2lab.data.manifest import save_manifest, start_manifest
 from gpt2lab.data.parallel import ordered_map
 from gpt2lab.data.sources import Document, JsonLine, Source, SourceError, as_text, resolve_source
@@ -131,6 +133,8 @@ def prepare(
             save_tokenizer(tok, str(out), what_next="run the same prepare command again")
         n_val = val_docs if val_bytes is None else val_documents(src, val_bytes, fmt, limit_docs)
         _run(src, out, manifest, n_workers, progress, tok, n_val)
+    if fmt == "chat":  # the val split's conversations, for `gpt2lab eval chat` (data/held_out.py)
+        write_held_out(src, out, manifest)
     return manifest
 
 

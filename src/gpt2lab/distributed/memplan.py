@@ -5,7 +5,7 @@ gradients, the optimizer's fp32 state (AdamW's two moments; Muon's one momentum 
 blocks' matrices, NorMuon's one more value per row), DDP's gradient buckets, the low-precision
 weight copies a step keeps (autocast's casts; FSDP's all-gathered blocks), the tensors autograd
 saves for backward (derived from model/gpt.py and model/loss.py, see ``block_saved_bytes`` and,
-for the speedrun's levers, ``lever_bytes``), the chunked
+for the speedrun's levers, ``lever_bytes``; for multi-token prediction, ``mtp_bytes``), the chunked
 loss's workspace, and a fixed runtime overhead (on CPU also glibc's heap slack). ``plan``
 searches the largest micro-batch that fits a given memory. ``gpt2lab bench memory`` prints
 both next to measured peaks.
@@ -74,7 +74,9 @@ def param_counts(cfg: GPTConfig) -> dict[str, int]:
     biases a block and LayerNorm's (C each); QK-norm, ReLU^2, embed_norm, zero init and the
     softcap add no parameters. The levers: ``value_embeds`` K adds K tables of V*C to the root
     and one gate to each of the 2K blocks that read them ("blocks" counts the gates, "block" is a
-    block without one); ``unet_skips`` adds n_layer // 2 weights to the root; zero_init_head none.
+    block without one); ``unet_skips`` adds n_layer // 2 weights to the root; zero_init_head none;
+    ``mtp_heads`` K adds K matrices of C*C to the root (multi-token prediction's W_d; its unembedding is
+    the model's own).
     """
     C = cfg.n_embd
     norm = 2 * C if cfg.norm == "layernorm" and cfg.bias else C
@@ -85,6 +87,7 @@ def param_counts(cfg: GPTConfig) -> dict[str, int]:
     root = cfg.vocab_size * C * (1 if cfg.tie_embeddings else 2) + norm
     root += cfg.block_size * C if cfg.pos_emb == "learned" else 0
     root += cfg.value_embeds * cfg.vocab_size * C + (cfg.n_layer // 2 if cfg.unet_skips else 0)
+    root += cfg.mtp_heads * C * C
     blocks = cfg.n_layer * block + 2 * cfg.value_embeds
     return {
         "block": block,
@@ -226,6 +229,36 @@ def lever_bytes(cfg: GPTConfig, N: int, act: int, recompute: bool) -> int:
     return out
 
 
+def mtp_bytes(cfg: GPTConfig, N: int, act: int) -> int:
+    """Activation bytes multi-token prediction (``mtp_heads`` K > 0) adds to a training forward over N
+    tokens, besides its loss (``mtp_loss_bytes``): each head's W_d h keeps its input, the final hidden
+    state h (N, C), fp32 and shared by the K heads in fp32, or under autocast K casts of it to act (one
+    per head's matmul); and the weight's product with the loss keeps the 0-d fp32 weight. The sums
+    h + W_d h and their concatenation keep nothing (the loss saves its gradients instead).
+    tests/unit/test_levers.py counts what autograd keeps against this, fp32 and bf16 autocast."""
+    K, C = cfg.mtp_heads, cfg.n_embd
+    if not K:
+        return 0
+    return (N * C * FP32 if act == FP32 else K * N * C * act) + FP32
+
+
+def mtp_loss_bytes(cfg: GPTConfig, N: int, act: int, chunked: bool) -> int:
+    """The loss term of a training forward over N tokens with ``mtp_heads`` K: the main loss's, or, if
+    larger, the multi-token loss's, which runs after it. Chunked: the main loss's saved gradients
+    (grad_x (N, C) and grad_w (V, C), fp32), the heads' concatenated inputs z (K*N, C) fp32, and the
+    chunked loss's workspace over K*N rows (``loss_workspace_bytes``; never the (K*N, V) logits).
+    Fused (a compiled model on a GPU): the logits of the main head and of the K heads, (1 + K) N V in
+    act, and z cast to act for the unembedding's backward (derived like the main head's, not measured)."""
+    K, V, C = cfg.mtp_heads, cfg.vocab_size, cfg.n_embd
+    if not chunked:
+        return (1 + K) * N * V * act + K * N * C * act
+    main = loss_workspace_bytes(N, V, C, act, FP32, FP32, cfg.logit_softcap)
+    if not K:
+        return main
+    heads = FP32 * (N * C + V * C) + FP32 * K * N * C
+    return max(main, heads + loss_workspace_bytes(K * N, V, C, act, FP32, FP32, cfg.logit_softcap))
+
+
 def loss_workspace_bytes(N: int, V: int, C: int, compute: int, x_size: int, w_size: int, softcap: float = 0.0) -> int:
     """Peak bytes inside chunked_cross_entropy's forward (eager kernel), replaying its loop.
 
@@ -296,7 +329,9 @@ def predict(
 
     ``accum`` is the run's accumulation after any batch ramp (--batch-ramp-steps): a ramp's
     early steps accumulate fewer micro-batches of the same size, never more, so they peak no
-    higher (the ramp is otherwise ignored here)."""
+    higher (the ramp is otherwise ignored here). ``seq_len`` is the run's after any sequence-length
+    ramp (--seq-len-ramp-steps): a shorter step's micro-batch holds the same tokens in more rows, so
+    every term but the rotary tables (smaller) is the same; it peaks no higher either."""
     check(strategy, world_size, micro_batch, dtype, accum, device)
     peak = max(
         phases(
@@ -324,7 +359,13 @@ def predict(
     if device == "cpu":
         T = seq_len or cfg.block_size
         peak.terms["allocator"] = loss_workspace_bytes(
-            micro_batch * T, cfg.vocab_size, cfg.n_embd, DTYPE_BYTES[dtype], FP32, FP32, cfg.logit_softcap
+            micro_batch * T * max(1, cfg.mtp_heads),  # multi-token prediction's is the larger
+            cfg.vocab_size,
+            cfg.n_embd,
+            DTYPE_BYTES[dtype],
+            FP32,
+            FP32,
+            cfg.logit_softcap,
         )
     return peak
 
@@ -362,7 +403,9 @@ def phases(
     ``chunked_loss`` False: the loss of a compiled model on a GPU (model.loss.choose_loss).
     ``device`` picks what differs between CPU and CUDA kernels in what autograd keeps
     (``block_saved_bytes``: RMSNorm, ReLU^2 under autocast). The speedrun's levers: ``lever_bytes``;
-    FSDP's two blocks in flight are counted without the value-embedding gates (one value each).
+    FSDP's two blocks in flight are counted without the value-embedding gates (one value each);
+    multi-token prediction: ``mtp_bytes`` and ``mtp_loss_bytes``, and under autocast the heads' K
+    cached casts of W_d (K C^2 act, with the weight copies), which its backward keeps.
     ``average``: --ema-decay's fp32 copy of the weights (never sharded: refused with FSDP).
     """
     check(strategy, world_size, micro_batch, dtype, accum, device)
@@ -388,9 +431,11 @@ def phases(
         cast = a * p["block_matmul"] if a != FP32 else 0
         copies, one_copy = L * cast, cast
         grads_fwd, grads_bwd = (whole if accum > 1 else 0), whole
+    heads = a * cfg.mtp_heads * C * C if a != FP32 else 0  # multi-token prediction: W_d's casts, kept
+    copies, one_copy = copies + heads, one_copy + heads
     block = block_saved_bytes(cfg, micro_batch, T, a, device)
     kept = L * FP32 * N * C if activation_checkpointing else L * block
-    kept += lever_bytes(cfg, N, a, activation_checkpointing)
+    kept += lever_bytes(cfg, N, a, activation_checkpointing) + mtp_bytes(cfg, N, a)
     # ln_f's saved tensors and its output, the token ids (inputs and targets, int64); rotary: the fp32
     # cos and sin tables (T, head size) GPT.forward builds once and passes to every block
     head = N * norm_saved_bytes(cfg.norm, C, device) + FP32 * N * C + 16 * N
@@ -398,14 +443,14 @@ def phases(
     head += N * embed_norm_saved_bytes(C) if cfg.embed_norm else 0
     # the chunked loss's workspace, or the logits (N, V) in ``dtype`` that a compiled graph's fused
     # cross-entropy keeps (H100, 124M, B=64: 28.48 GiB measured, 28.36 predicted this way)
-    loss = loss_workspace_bytes(N, V, C, a, FP32, FP32, cfg.logit_softcap) if chunked_loss else N * V * a
+    loss = mtp_loss_bytes(cfg, N, a, chunked_loss)  # with mtp_heads 0: the main loss's alone
     out = [
         Prediction(
             "forward", {**fixed, "grads": grads_fwd, "weight_copies": copies, "activations": kept + head, "loss": loss}
         )
     ]
     if activation_checkpointing:  # the last block recomputed next to the loss's saved gradients
-        saved_loss = FP32 * (N * C + V * C)
+        saved_loss = FP32 * (N * C + V * C) + (FP32 * (cfg.mtp_heads * N * C + V * C) if cfg.mtp_heads else 0)
         block += value_gate_saved_bytes(N, C, a) if cfg.value_embeds else 0  # the last block reads one
         out.append(
             Prediction(

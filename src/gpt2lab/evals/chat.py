@@ -12,22 +12,34 @@ what is measured.
 a tool, as nanochat's engine does: when the model has written ``<<expr=``, the value of ``expr``
 and ``>>`` are appended to its reply as if it had written them (the data writes ``<<48/2=24>>24``);
 the tool evaluates + - * / % ** and parentheses on numbers only (``calculate``).
+
+Where the data comes from: ``chat_data`` (``eval chat``: a file, a prepared directory's held-out
+conversations, or by default those of the data the run trained on) and ``gsm8k_test_file`` (``eval
+gsm8k``: GSM8K's official test split, downloaded once into gpt2lab's cache by evals/download.py).
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import math
 import operator
+import os
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence
+from typing import BinaryIO, Callable, Iterable, Optional, Sequence
 
 import torch
 
-from gpt2lab.data.chat import Message, encode_chat
+from gpt2lab.data.chat import ChatFormatError, Message, conversation, encode_chat
 from gpt2lab.data.tokenizer import Tokenizer, for_chat, for_config
 from gpt2lab.distributed.dist import autocast
+from gpt2lab.evals.download import DataSet, cached_file
+
+# GSM8K's official test split (1,319 problems, rows {"question", "answer"}, each answer ending
+# "#### N"); the Hugging Face dataset's "main" config holds the same rows, the second source.
+GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/test.jsonl"
+GSM8K_HF = "openai/gsm8k"
 
 
 def chat_tokenizer(model) -> Tokenizer:
@@ -36,10 +48,16 @@ def chat_tokenizer(model) -> Tokenizer:
 
 
 def _check(model) -> None:
-    if model.config.chat_template is None:
-        return  # a base model: scored in the template all the same (its turn tokens are untrained rows)
-    if model.config.real_vocab_size <= chat_tokenizer(model).im_end_id:
+    """A chat model, or a base model with rows for the turn tokens (scored in the template all the same:
+    its turn tokens are untrained rows); anything else a ValueError saying why."""
+    im_end, config = chat_tokenizer(model).im_end_id, model.config
+    if config.chat_template is not None and config.real_vocab_size <= im_end:
         raise ValueError("the model's vocabulary has no turn tokens")
+    if config.vocab_size <= im_end:  # GPT-2's own 50257 rows: <|im_start|> and <|im_end|> would index past them
+        raise ValueError(
+            f"the model's {config.vocab_size} embedding rows hold no chat turn tokens (<|im_end|> is id {im_end}); "
+            "evaluate a chat model, or a base model gpt2lab trained (its vocabulary is padded past them)"
+        )
 
 
 # -- the assistant-token loss -----------------------------------------------------------------
@@ -264,10 +282,17 @@ def evaluate_gsm8k(
     )
 
 
+def _problem(row) -> list[Message]:
+    """A GSM8K problem's two turns (its row or the messages format); ChatFormatError naming the field."""
+    turns = conversation(row)
+    if not (len(turns) == 2 and turns[0][0] == "user" and final_number(turns[1][1]) is not None):
+        raise ChatFormatError("answer: GSM8K's answer must end with '#### <number>' after one user turn")
+    return turns
+
+
 def read_conversations(source: str, limit: Optional[int] = None, gsm8k: bool = False) -> list[list[Message]]:
     """The conversations of a JSON-lines file (directory, glob; compressed too): OpenAI's messages format
     or GSM8K's question/answer rows; a bad record is a SourceError naming file, line and field."""
-    from gpt2lab.data.chat import ChatFormatError, conversation
     from gpt2lab.data.sources import JsonLine, SourceError, resolve_source
 
     out = []
@@ -276,15 +301,103 @@ def read_conversations(source: str, limit: Optional[int] = None, gsm8k: bool = F
             raise SourceError(f"{source}: conversations are JSON lines (.jsonl, also .jsonl.zst/.gz/.xz)")
         row = doc.row()
         try:
-            turns = conversation(row)
-            if gsm8k and not (len(turns) == 2 and turns[0][0] == "user" and final_number(turns[1][1]) is not None):
-                raise ChatFormatError("answer: GSM8K's answer must end with '#### <number>' after one user turn")
+            turns = _problem(row) if gsm8k else conversation(row)
         except ChatFormatError as e:
             raise SourceError(f"{doc.path}:{doc.lineno}: {e}; fix or remove that line") from e
         out.append(turns)
     if not out:
         raise SourceError(f"{source}: no conversations")
     return out
+
+
+# -- where the data comes from -----------------------------------------------------------------
+def gsm8k_test() -> DataSet:
+    """GSM8K's test split as evals/download.py fetches it: the official file, then the HF dataset."""
+    return DataSet(
+        what="GSM8K's test split",
+        url=GSM8K_URL,
+        path=os.path.join("gsm8k", "test.jsonl"),
+        form='JSON lines of GSM8K\'s {"question", "answer"} rows',
+        check=_check_gsm8k_file,
+        second=(GSM8K_HF, lambda out: _gsm8k_from_hub(out)),  # looked up at the call: tests replace it
+    )
+
+
+def gsm8k_test_file(flag: str = "--data") -> str:
+    """The cached GSM8K test split, downloaded on first use; offline or unreachable, a RuntimeError in
+    one line naming the URL and ``flag`` (the caller's flag for a local file)."""
+    return cached_file(gsm8k_test(), flag)
+
+
+def _check_gsm8k_file(path: str) -> int:
+    """How many GSM8K problems ``path`` holds; a ValueError naming the line that is not one."""
+    n = 0
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                _problem(json.loads(line))
+            except ValueError as e:  # not JSON, or not a problem (ChatFormatError)
+                raise ValueError(f"line {lineno}: {e}") from None
+            n += 1
+    if not n:
+        raise ValueError("no problems in the file")
+    return n
+
+
+def _gsm8k_from_hub(out: BinaryIO) -> None:
+    from datasets import load_dataset  # optional dependency, only for this fallback
+
+    for row in load_dataset(GSM8K_HF, "main", split="test"):
+        out.write((json.dumps({"question": row["question"], "answer": row["answer"]}) + "\n").encode("utf-8"))
+
+
+def chat_data(data: Optional[str], model: str) -> tuple[str, Optional[str]]:
+    """What ``eval chat`` reads and, where it chose it, a note saying so: ``data`` as given (a file, a
+    glob, a directory of JSON lines), a prepared directory's held-out conversations
+    (data/held_out.py), or, with no ``data``, those of the prepared data the run ``model`` trained on.
+    What cannot be found is a UsageError in one line saying what to pass."""
+    from gpt2lab.data.held_out import HELD_OUT, held_out_file
+    from gpt2lab.data.shards import MANIFEST
+    from gpt2lab.system.errors import UsageError
+
+    if data is not None:
+        if not os.path.isfile(os.path.join(data, MANIFEST)):
+            return data, None
+        found = held_out_file(data)
+        if found is None:
+            raise UsageError(
+                f"--data {data}: prepared data without held-out conversations ({HELD_OUT}); it is written "
+                "by gpt2lab prepare of conversations with a val split (run the same prepare command again "
+                "to add it), or pass --data FILE.jsonl"
+            )
+        return found, None
+    trained_on = _run_data(model)
+    what = "pass --data FILE.jsonl (conversations in the messages format) or --data DIR (from gpt2lab prepare)"
+    if trained_on is None:
+        raise UsageError(f"--data is needed: --model {model} is not a run that names its prepared data; {what}")
+    if not os.path.isdir(trained_on):
+        raise UsageError(f"--data is needed: {trained_on}, the data --model {model} trained on, is not here; {what}")
+    found = held_out_file(trained_on)
+    if found is None:
+        raise UsageError(
+            f"--data is needed: {trained_on}, the data --model {model} trained on, holds no held-out "
+            f"conversations ({HELD_OUT}: gpt2lab prepare writes it for conversations with a val split; "
+            f"its same prepare command run again adds it); {what}"
+        )
+    return found, f"no --data: the held-out conversations of {trained_on}, which --model {model} trained on: {found}"
+
+
+def _run_data(model: str) -> Optional[str]:
+    """The --data a gpt2lab run (or one of its checkpoints) trained on, from its config.json; None for
+    anything else (a hub name, an HF directory)."""
+    from gpt2lab.system import formats
+    from gpt2lab.system.files import read_json_object
+
+    config = read_json_object(os.path.join(model, "config.json")) if os.path.isdir(model) else None
+    data = config.get("data") if config is not None and formats.is_current(config, formats.RUN) else None
+    return data if isinstance(data, str) else None
 
 
 def _bar(items: Iterable, enabled: bool, desc: str):

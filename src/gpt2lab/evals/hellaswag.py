@@ -16,29 +16,28 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
-import urllib.error
-import urllib.request
 import warnings
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import BinaryIO, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
 from gpt2lab.distributed.dist import all_reduce_sum, autocast
+from gpt2lab.evals.download import (  # CACHE_ENV ... offline: train's preflight reads them here too
+    CACHE_ENV,  # noqa: F401
+    DOWNLOAD_TIMEOUT_S,  # noqa: F401
+    DataSet,
+    cache_dir,  # noqa: F401
+    cached_file,
+    offline,  # noqa: F401
+)
 
 # The official validation file (10,042 examples). The repository may go away; the HF
 # dataset below is the second source.
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HF_DATASET = "Rowan/hellaswag"
-CACHE_ENV = "GPT2LAB_CACHE"
-OFFLINE_ENVS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-# Seconds the one download attempt waits to connect (and for each read): an unreachable network
-# fails in this long at most, with no retries.
-DOWNLOAD_TIMEOUT_S = 10
 N_ENDINGS = 4
 # A compiled model recompiles for every new input shape: round lengths up to a coarse
 # multiple so the whole validation set needs only a handful of shapes.
@@ -70,13 +69,6 @@ class Score:
 
 
 # ---------------------------------------------------------------- data
-
-
-def cache_dir() -> str:
-    """Where downloads are kept: gpt2lab's cache ($GPT2LAB_CACHE, else ~/.cache/gpt2lab), as the probes'."""
-    from gpt2lab.system.runtime import _cache_dir
-
-    return _cache_dir()
 
 
 def load_examples(path: Optional[str] = None, limit: Optional[int] = None, flag: str = "--data") -> list[Example]:
@@ -130,77 +122,38 @@ def _parse_line(line: str, path: str, lineno: int) -> Example:
     return Example(ctx=ctx, endings=tuple(endings), label=label)
 
 
-def official_path() -> str:
-    """Where the official validation set is cached (it may not be there yet)."""
-    return os.path.join(cache_dir(), "hellaswag", "hellaswag_val.jsonl")
-
-
-def offline() -> list[str]:
-    """Hugging Face's offline switches that are set (no download is even tried then)."""
-    return [v for v in OFFLINE_ENVS if os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")]
-
-
-def official_validation_file(flag: str = "--data") -> str:
-    """Path of the cached official validation jsonl, downloading it on first use.
-
-    One attempt at the file's URL (``DOWNLOAD_TIMEOUT_S``); the Hugging Face dataset only when that
-    server answered without the file. Offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) or unreachable,
-    it fails at once naming ``flag``, the caller's flag for a local file.
-    """
-    dest = official_path()
-    if os.path.isfile(dest):
-        return dest
-    if offline():
-        raise _unavailable(dest, flag, f"{' and '.join(offline())} set")
-    os.makedirs(os.path.dirname(dest), exist_ok=True)
-    try:
-        _atomic_write(dest, _download_url)
-        return dest
-    except urllib.error.HTTPError as e:  # the server is there but the file is not: try the hub's copy
-        first = f"{HELLASWAG_URL}: {e}"
-    except OSError as e:  # no network, no DNS, a proxy that refuses: a second source would fail the same way
-        raise _unavailable(dest, flag, f"{HELLASWAG_URL}: {getattr(e, 'reason', None) or e}") from None
-    except ValueError as e:  # downloaded, but not HellaSwag lines
-        first = f"{HELLASWAG_URL}: {e}"
-    try:
-        _atomic_write(dest, _download_hf)
-        return dest
-    except Exception as e:  # the hub raises many types
-        raise _unavailable(dest, flag, f"{first}; {HF_DATASET}: {type(e).__name__}: {e}") from None
-
-
-def _unavailable(dest: str, flag: str, why: str) -> RuntimeError:
-    return RuntimeError(
-        f"the official HellaSwag validation set is not in the cache ({dest}) and could not be "
-        f"downloaded ({why}); pass {flag} FILE (a jsonl with ctx, endings, label) or place the "
-        "official hellaswag_val.jsonl there"
+def official() -> DataSet:
+    """The official validation set as evals/download.py fetches it: the file's URL, then the HF dataset."""
+    return DataSet(
+        what="the official HellaSwag validation set",
+        url=HELLASWAG_URL,
+        path=os.path.join("hellaswag", "hellaswag_val.jsonl"),
+        form="a jsonl with ctx, endings, label",
+        check=load_examples,  # refuse to cache a file we cannot read
+        second=(HF_DATASET, lambda out: _download_hf(out)),  # looked up at the call: tests replace it
     )
 
 
-def _atomic_write(dest: str, fetch) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(dest), prefix=".tmp-")
-    os.close(fd)
-    try:
-        fetch(tmp)
-        load_examples(tmp)  # refuse to cache a file we cannot read
-        os.replace(tmp, dest)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+def official_path() -> str:
+    """Where the official validation set is cached (it may not be there yet)."""
+    return official().cached()
 
 
-def _download_url(dest: str) -> None:
-    with urllib.request.urlopen(HELLASWAG_URL, timeout=DOWNLOAD_TIMEOUT_S) as r, open(dest, "wb") as f:
-        shutil.copyfileobj(r, f)
+def official_validation_file(flag: str = "--data") -> str:
+    """Path of the cached official validation jsonl, downloading it on first use (evals/download.py:
+    one attempt at the file's URL, the Hugging Face dataset only when that server answered without
+    the file). Offline or unreachable, it fails at once naming ``flag``, the caller's flag for a local file.
+    """
+    return cached_file(official(), flag)
 
 
-def _download_hf(dest: str) -> None:
+def _download_hf(out: BinaryIO) -> None:
     from datasets import load_dataset  # optional dependency, only for this fallback
 
     ds = load_dataset(HF_DATASET, split="validation")
-    with open(dest, "w", encoding="utf-8") as f:
-        for row in ds:
-            f.write(json.dumps({"ctx": row["ctx"], "endings": row["endings"], "label": int(row["label"])}) + "\n")
+    for row in ds:
+        line = json.dumps({"ctx": row["ctx"], "endings": row["endings"], "label": int(row["label"])}) + "\n"
+        out.write(line.encode("utf-8"))
 
 
 # ---------------------------------------------------------------- scoring

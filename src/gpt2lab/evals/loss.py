@@ -29,11 +29,43 @@ class LossResult:
     loss: float  # mean loss per target token, nats
     targets: int  # target tokens the loss is the mean over, all ranks
     bytes: int  # UTF-8 bytes those targets decode to
+    tokens: int  # tokens read: the whole batches of the tokens asked for, all ranks
 
     @property
     def bpb(self) -> Optional[float]:
         """Bits per byte (module docstring); None where the targets hold no text (special tokens only)."""
         return self.loss * self.targets / (math.log(2) * self.bytes) if self.bytes else None
+
+
+def tokens_within(tokens: int, sequences: int, batch_size: int, seq_len: int, world_size: int = 1) -> int:
+    """The tokens an evaluation of ``tokens`` takes from a split of ``sequences`` sequences of ``seq_len``:
+    ``tokens`` where the split holds them (``evaluate`` reads them in whole batches of ``batch_size`` x
+    ``world_size`` sequences), else all the whole batches the split holds (at least one: a split
+    smaller than one batch is ``evaluate``'s refusal). The rule ``train`` follows for --eval-tokens.
+    """
+    per_step = batch_size * seq_len * world_size
+    steps = max(1, tokens // per_step)
+    whole = max(1, sequences // (batch_size * world_size))
+    return tokens if steps <= whole else whole * per_step
+
+
+def fit_to_split(
+    data_dir: str, split: str, tokens: int, batch_size: int, seq_len: int, world_size: int = 1, flag: str = "--tokens"
+) -> tuple[int, Optional[str]]:
+    """``tokens_within`` for ``split`` of prepared data, and the note to print where it takes all the
+    split holds (``flag``: the caller's flag for ``tokens``)."""
+    from gpt2lab.data import TokenLoader  # lazy: the model side never needs the data package
+
+    sequences = TokenLoader(data_dir, split, 1, seq_len, shuffle=False).sequences_per_epoch
+    fit = tokens_within(tokens, sequences, batch_size, seq_len, world_size)
+    if fit >= tokens or sequences < batch_size * world_size:  # the latter: not one batch, evaluate refuses
+        return fit, None
+    per = f"{batch_size}" + (f" x {world_size} processes" if world_size > 1 else "")
+    return fit, (
+        f"note: {flag} {tokens:,} is more than the {split} split of {data_dir} holds; the evaluation takes "
+        f"all it holds in whole batches: {fit:,} tokens ({fit // (batch_size * seq_len * world_size)} of "
+        f"{per} x {seq_len})"
+    )
 
 
 @torch.no_grad()
@@ -71,10 +103,10 @@ def evaluate(
     if steps * per_step > available:  # ``flags``: the caller's names for tokens and batch_size
         from gpt2lab.system.errors import UsageError
 
+        lower = f"lower {flags[1]}" if steps == 1 else f"lower {flags[0]} (or {flags[1]})"
         raise UsageError(
             f"{data_dir}: split '{split}' has {available} tokens in sequences of {seq_len}, "
-            f"fewer than the {steps * per_step} requested; lower {flags[0]} (or {flags[1]}) "
-            "or prepare a larger split"
+            f"fewer than the {steps * per_step} requested; {lower} or prepare a larger split"
         )
     was_training = model.training
     model.eval()
@@ -104,4 +136,4 @@ def evaluate(
         loss = (all_reduce_sum(total) / all_reduce_sum(kept).clamp(min=1)).item()
     else:
         loss = all_reduce_mean(total / steps).item()
-    return LossResult(loss, targets, n_bytes)
+    return LossResult(loss, targets, n_bytes, steps * per_step)

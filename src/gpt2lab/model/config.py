@@ -131,6 +131,22 @@ class GPTConfig:
     zero_init_head: bool = _f(
         False, "initialise an untied lm_head to zero (every first logit 0); needs tie_embeddings false"
     )
+    # Multi-token prediction (Gloeckle et al. 2024; DeepSeek-V3's MTP): a training loss only. Its heads
+    # are written to checkpoints but never exported (weights/targets.py: TRAINING_ONLY).
+    mtp_heads: int = _f(
+        0,
+        "multi-token prediction: K extra heads, head d predicting token t+1+d from position t's final "
+        "hidden state h (after ln_f) through h + W_d h (W_d a C x C matrix, zero at the start) and "
+        "the shared unembedding; their mean cross entropy is an auxiliary training loss, dropped "
+        "at export (0 = off)",
+        shape=True,
+    )
+    mtp_weight: float = _f(0.3, "multi-token prediction: weight of the auxiliary loss at step 0")
+    mtp_weight_final: Optional[float] = _f(
+        None,
+        "multi-token prediction: weight of the auxiliary loss at the last step, reached linearly "
+        "from mtp_weight (none = mtp_weight throughout)",
+    )
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
@@ -168,6 +184,15 @@ class GPTConfig:
             )
         if self.unet_skips and self.n_layer < 2:
             raise ValueError("unet_skips needs n_layer >= 2 (block i feeds block n_layer-1-i for i < n_layer // 2)")
+        if not 0 <= self.mtp_heads < self.block_size:
+            raise ValueError(
+                f"mtp_heads {self.mtp_heads} must be in [0, block_size {self.block_size}) (head d predicts "
+                "the token d+1 places after its own position, inside the sequence)"
+            )
+        for name in ("mtp_weight", "mtp_weight_final"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} {value} must be >= 0 (the auxiliary loss's weight)")
         if self.zero_init_head and self.tie_embeddings:
             raise ValueError(
                 "zero_init_head needs tie_embeddings false (a tied lm_head is wte: zeroing it would "
@@ -258,6 +283,7 @@ MODERN_FIELDS = (
     "value_embeds",
     "unet_skips",
     "zero_init_head",
+    "mtp_heads",
 )
 
 

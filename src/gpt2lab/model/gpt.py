@@ -6,7 +6,8 @@ No I/O, printing, optimizer or distributed code lives here.
 
 Beside GPT-2, the modern block's switches (GPTConfig.pos_emb, norm, qk_norm, mlp_act,
 tie_embeddings, bias, embed_norm, zero_init_proj, logit_softcap) and the speedrun's levers (value_embeds,
-unet_skips, zero_init_head), each a small branch below; off, the model is GPT-2's to the bit.
+unet_skips, zero_init_head; mtp_heads, a training loss only), each a small branch below; off, the model is
+GPT-2's to the bit.
 """
 
 from __future__ import annotations
@@ -248,6 +249,15 @@ class GPT(nn.Module):
         self.apply(self._init_weights)
         if config.zero_init_head:
             nn.init.zeros_(self.lm_head.weight)
+        if config.mtp_heads:  # W_d of each extra head, zero: every head starts as the next-token head
+            self.mtp = nn.ModuleList(
+                nn.Linear(config.n_embd, config.n_embd, bias=False) for _ in range(config.mtp_heads)
+            )
+            for head in self.mtp:
+                nn.init.zeros_(head.weight)
+            # the auxiliary loss's weight, set by the trainer each step (set_mtp_weight); a buffer filled in
+            # place, so a compiled model sees no new constant; not saved (the step decides it)
+            self.register_buffer("mtp_weight", torch.tensor(float(config.mtp_weight)), persistent=False)
         self.set_loss(LossPath())  # the chunked loss, its kernel eager, until a caller chooses (set_loss)
         # Activation checkpointing (--activation-checkpointing): in training, keep only each
         # block's input and recompute its insides during backward (about a third more compute
@@ -260,6 +270,11 @@ class GPT(nn.Module):
         ``path.compiled``; else logits + F.cross_entropy, which torch.compile fuses into the model's
         graph. model.loss.choose_loss decides it for a run. Returns the model."""
         self._chunked_loss, self._compile_loss = bool(path.chunked), bool(path.compiled)
+        return self
+
+    def set_mtp_weight(self, weight: float) -> "GPT":
+        """The weight of the multi-token prediction loss in the training loss (mtp_heads > 0)."""
+        self.mtp_weight.fill_(weight)
         return self
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -350,14 +365,17 @@ class GPT(nn.Module):
             targets = None if targets is None else targets.reshape(-1)[positions]
         x = self.transformer.ln_f(x)
         cap = self.config.logit_softcap
+        # multi-token prediction: in training, on whole sequences (never in evaluation or generation)
+        mtp = self.config.mtp_heads and self.training and targets is not None and positions is None and not last_only
         if targets is not None and not return_logits and self._chunked_loss:
-            return None, chunked_cross_entropy(
+            loss = chunked_cross_entropy(
                 x.reshape(-1, x.size(-1)),
                 self.lm_head.weight,
                 targets.reshape(-1),
                 compiled=self._compile_loss,
                 softcap=cap,
             )
+            return None, (loss + self.mtp_weight * self._mtp_loss(x, targets, True) if mtp else loss)
         logits = self.lm_head(x)  # (B, T, vocab_size), or (N, vocab_size) at positions
         if cap:  # smooth cap at +-cap, in fp32
             logits = cap * torch.tanh(logits.float() / cap)
@@ -367,16 +385,50 @@ class GPT(nn.Module):
             loss = F.cross_entropy(
                 logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1, reduction="sum"
             ) / (targets != -1).sum().clamp(min=1)
+            if mtp:
+                loss = loss + self.mtp_weight * self._mtp_loss(x, targets, False)
         return (logits if return_logits or targets is None else None), loss
+
+    def _mtp_loss(self, h: torch.Tensor, targets: torch.Tensor, chunked: bool) -> torch.Tensor:
+        """The multi-token prediction loss of the final hidden states h (B, T, C), after ln_f: head d
+        (1..K) reads z = h + W_d h at position t and is scored against token t+1+d, which is
+        targets[:, t+d] (positions whose target lies past the row, and targets of -1, are left out),
+        through the shared unembedding and softcap. The mean cross entropy over every kept (head,
+        position) pair; ``chunked``: model.loss's chunked loss, which never holds the (K*B*T, vocab)
+        logits, else logits + F.cross_entropy (the fused path of a compiled model)."""
+        B, T, C = h.shape
+        z = torch.cat([h + head(h) for head in self.mtp])  # (K*B, T, C): head d's rows are block d-1
+        ignored = targets.new_full((B, self.config.mtp_heads), -1)
+        shifted = torch.cat(
+            [torch.cat((targets[:, d:], ignored[:, :d]), 1)[:, :T] for d in range(1, len(self.mtp) + 1)]
+        )
+        if chunked:
+            return chunked_cross_entropy(
+                z.reshape(-1, C),
+                self.lm_head.weight,
+                shifted.reshape(-1),
+                compiled=self._compile_loss,
+                softcap=self.config.logit_softcap,
+            )
+        logits = self.lm_head(z).float()
+        cap = self.config.logit_softcap
+        if cap:
+            logits = cap * torch.tanh(logits / cap)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), shifted.view(-1), ignore_index=-1, reduction="sum") / (
+            shifted != -1
+        ).sum().clamp(min=1)
 
     def new_kv_cache(self, max_len: Optional[int] = None) -> KVCache:
         return KVCache(self.config.n_layer, max_len or self.config.block_size)
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: 6N + 12 * n_layer * n_embd * T (PaLM appendix B; N
-        without position embeddings). The second term is attention's QK^T and AV."""
+        without position embeddings). The second term is attention's QK^T and AV. Multi-token
+        prediction's heads multiply by the shared unembedding once more each: 6 * mtp_heads * V * C
+        (their W_d are in N)."""
         c = self.config
-        return 6 * self.num_params(non_embedding=True) + 12 * c.n_layer * c.n_embd * seq_len
+        mtp = 6 * c.mtp_heads * c.vocab_size * c.n_embd
+        return 6 * self.num_params(non_embedding=True) + 12 * c.n_layer * c.n_embd * seq_len + mtp
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
         """nanoGPT's habit: ``model.sampling.generate(self, idx, max_new_tokens, **kwargs)``, the model as it is."""

@@ -19,26 +19,28 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from gpt2lab.inference import chat
-from gpt2lab.serve.asgi import AccessLog
+from gpt2lab.serve.asgi import AccessLog, HostCheck
 from gpt2lab.serve.completions import ChatCompletion, Completion
 from gpt2lab.serve.engine import Worker
 from gpt2lab.serve.errors import APIError, error_body
 from gpt2lab.serve.metrics import ServeMetrics
 from gpt2lab.serve.responses import respond, stream_chat, stream_completion, whole_chat, whole_completion
-from gpt2lab.serve.schemas import ChatRequest, CompletionRequest, validation_error
+from gpt2lab.serve.schemas import ChatRequest, CompletionRequest, lone_surrogate, validation_error
 
 # The paths served: named in a 404's message, counted by name in /metrics (any other path as "other")
 ROUTES = ("/", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
-def create_app(workers: dict[str, Worker]) -> FastAPI:
-    """The app serving ``workers``: they report to its own ``/metrics`` from now on."""
+def create_app(workers: dict[str, Worker], host: str = "127.0.0.1", allowed_hosts: tuple[str, ...] = ()) -> FastAPI:
+    """The app serving ``workers``: they report to its own ``/metrics`` from now on. ``host``, the
+    address it is bound to, and ``allowed_hosts`` decide which Host names it answers (asgi.HostCheck)."""
     metrics = ServeMetrics()
     for w in workers.values():
         w.metrics = metrics
         metrics.watch(w)
     app = FastAPI(title="gpt2lab serve", docs_url=None, redoc_url=None)
-    app.add_middleware(AccessLog, metrics=metrics, routes=ROUTES)
+    app.state.metrics = metrics  # the server's connection guard reports to it too (server.make_server)
+    app.add_middleware(AccessLog, metrics=metrics, routes=ROUTES, hosts=HostCheck(host, allowed_hosts))
     page = (resources.files("gpt2lab") / "assets" / "playground.html").read_text(encoding="utf-8")
 
     @app.exception_handler(APIError)
@@ -104,13 +106,22 @@ def create_app(workers: dict[str, Worker]) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
+        _text_only(req)
         return await respond(Completion(req, workers), stream_completion, whole_completion, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
+        _text_only(req)
         return await respond(ChatCompletion(req, workers), stream_chat, whole_chat, request)
 
     return app
+
+
+def _text_only(req) -> None:
+    """A request whose strings hold a lone surrogate (pydantic takes one in a value) is a 400 naming it."""
+    found = lone_surrogate(req.model_dump(exclude_unset=True))
+    if found is not None:
+        raise found
 
 
 def _inference(worker: Worker) -> dict:

@@ -1,16 +1,17 @@
-"""The raw ASGI middleware in front of the app (``AccessLog``): each request's body read whole
-whatever its framing, refused past MAX_BODY_BYTES (413, drained first so the client reads it) or
-when not whole BODY_TIMEOUT_S after the request began (408); a client that left while sending
-gets nothing; one access-log line (logger ``gpt2lab.serve.access``) and one ``/metrics`` count
-per request."""
+"""The raw ASGI middleware in front of the app (``AccessLog``): a request for a Host name the server
+does not answer refused (421, ``HostCheck``); each request's body read whole whatever its framing,
+refused past MAX_BODY_BYTES (413, drained first so the client reads it) or when not whole
+BODY_TIMEOUT_S after the request began (408); a client that left while sending gets nothing; one
+access-log line (logger ``gpt2lab.serve.access``) and one ``/metrics`` count per request."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 from fastapi.responses import JSONResponse
 
@@ -72,6 +73,58 @@ async def read_body(scope, receive) -> Optional[bytes]:
             return b"".join(parts)
 
 
+def is_loopback(name: str) -> bool:
+    """Whether a host name or address (``[::1]`` bracketed or not) is this machine's loopback:
+    ``localhost``, 127.0.0.0/8 or ::1."""
+    name = name.strip("[]").lower().rstrip(".")
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def host_name(header: str) -> str:
+    """A Host header's name without its port: ``[::1]:8000`` -> ``[::1]``, ``localhost:80`` -> ``localhost``."""
+    if header.startswith("["):
+        return header[: header.find("]") + 1] if "]" in header else header
+    name, colon, port = header.rpartition(":")
+    return name if colon and port.isdigit() else header
+
+
+class HostCheck:
+    """Which Host names the server answers. Bound to a loopback address, only loopback ones
+    (``localhost``, 127.0.0.1, ``[::1]``, any port) and ``allowed`` (--allowed-hosts): a web page
+    elsewhere can point a name of its own at 127.0.0.1 (DNS rebinding) and have the visitor's browser
+    read this server's answers as its own site's; the browser still sends that name as the Host.
+    Bound to another address, every name unless ``allowed`` is given. ``*`` in ``allowed``: every
+    name. A request without a Host header (HTTP/1.0) names none and is served."""
+
+    def __init__(self, bound: str, allowed: Sequence[str] = ()) -> None:
+        self.bound = bound
+        self.allowed = {h.strip("[]").lower().rstrip(".") for h in allowed}  # an IPv6 address bracketed or not
+        self.active = "*" not in self.allowed and (is_loopback(bound) or bool(self.allowed))
+
+    def refusal(self, scope) -> Optional[str]:
+        """Why ``scope``'s request is not served (its Host), or None when it is."""
+        if not self.active:
+            return None
+        header = dict(scope.get("headers") or []).get(b"host")
+        if header is None:
+            return None
+        value = header.decode("latin-1")
+        name = host_name(value.strip()).strip("[]").lower().rstrip(".")
+        if is_loopback(name) or name in self.allowed:
+            return None
+        names = ["localhost", "127.0.0.1", "[::1]", *sorted(self.allowed)]
+        return (
+            f"Host {value!r} is not a name this server answers: it answers {', '.join(names[:-1])} and "
+            f"{names[-1]} (a page on another site may be reaching it through a name of its own: DNS "
+            f"rebinding); to serve this name, start gpt2lab serve with --allowed-hosts {name or value}"
+        )
+
+
 def _replay(body: bytes, receive):
     """An ASGI receive that gives ``body`` as one message, then the client's own messages (its disconnect)."""
     pending = [{"type": "http.request", "body": body, "more_body": False}]
@@ -83,13 +136,15 @@ def _replay(body: bytes, receive):
 
 
 class AccessLog:
-    """ASGI middleware: reads each request's body, refusing one over MAX_BODY_BYTES (413) however it
+    """ASGI middleware: refuses a request for a Host name ``hosts`` does not serve (421, before its
+    body is read), reads each request's body, refusing one over MAX_BODY_BYTES (413) however it
     is framed (read_body), then logs one line per request and counts it in ``/metrics`` as its
     response's last part goes out (a stream's too): before the client has it all, so what the client
     does next is logged after it."""
 
-    def __init__(self, app, metrics: ServeMetrics, routes: tuple[str, ...]) -> None:
+    def __init__(self, app, metrics: ServeMetrics, routes: tuple[str, ...], hosts: Optional[HostCheck] = None) -> None:
         self.app, self.metrics, self.routes = app, metrics, routes  # routes: counted by path, the rest as "other"
+        self.hosts = hosts
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -116,6 +171,10 @@ class AccessLog:
             await send(message)
 
         try:
+            refused = self.hosts.refusal(scope) if self.hosts is not None else None
+            if refused is not None:  # the body is left unread: uvicorn reads past it to the next request
+                response = JSONResponse(status_code=421, content=error_body(refused, code="invalid_host"))
+                return await response(scope, receive, sending)
             try:
                 body = await asyncio.wait_for(read_body(scope, receive), BODY_TIMEOUT_S)
             except BodyTooLarge as e:  # Connection: close, so that the server reads no more of it than _drain

@@ -43,7 +43,7 @@ def _prompts(req: CompletionRequest, model) -> tuple[list[list[int]], list[str]]
     p, vocab = req.prompt, model.config.real_vocab_size
     texts = None
     if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(x, str) for x in p)):
-        texts = [prompt_text(t) for t in ([p] if isinstance(p, str) else p)]  # a lone surrogate is U+FFFD
+        texts = [prompt_text(t) for t in ([p] if isinstance(p, str) else p)]  # as sample
         ids = [encode_prompt(t, model) for t in texts]  # as sample
     elif isinstance(p, list) and p and all(isinstance(x, int) for x in p):
         ids = [p]
@@ -262,8 +262,7 @@ class ChatCompletion(Completion):
 
 
 def _content(i: int, m: ChatMessage) -> str:
-    """A message's text: a string, or the text of its ``{"type": "text"}`` parts (a lone surrogate
-    as U+FFFD, as in a prompt)."""
+    """A message's text: a string, or the text of its ``{"type": "text"}`` parts (read as a prompt is)."""
     if m.content is None or isinstance(m.content, str):
         return prompt_text(m.content or "")
     parts = []

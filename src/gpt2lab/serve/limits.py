@@ -1,8 +1,10 @@
-"""What a serving worker takes on; torch-free, so the CLI's flags can show the defaults."""
+"""What a serving worker takes on, and what the server takes from a connection before it is a
+request; torch-free, so the CLI's flags can show the defaults."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -23,3 +25,27 @@ class Limits:
             if not value > 0:
                 flag = "--timeout" if name == "timeout_s" else "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} {value}: must be " + ("positive" if name == "timeout_s" else "at least 1"))
+
+
+# A request's headers are a few hundred bytes (uvicorn takes at most 16 KiB of them): they arrive in
+# one round trip on any working link, and 10 s leaves room for a slow one with a lost packet or two
+# (TCP retransmits after 1, 2, 4 s). A client that opens connections and never finishes their headers
+# holds each one no longer than this.
+HEADER_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Connections:
+    """What the server takes from a connection before it is a request (the ``gpt2lab serve`` flags
+    ``--header-timeout``, ``--max-connections``, ``--allowed-hosts``; serve/connections.py and
+    serve/asgi.py carry them out)."""
+
+    header_timeout_s: float = HEADER_TIMEOUT_S  # a connection without a whole request head by then is closed
+    max_connections: Optional[int] = None  # open at once; None: from the open-file limit (connections.py)
+    allowed_hosts: tuple[str, ...] = ()  # Host names served beyond the loopback ones ("*": any)
+
+    def __post_init__(self) -> None:
+        if not self.header_timeout_s > 0:
+            raise ValueError(f"--header-timeout {self.header_timeout_s}: must be positive")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"--max-connections {self.max_connections}: must be at least 1")

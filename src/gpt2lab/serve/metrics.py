@@ -2,8 +2,9 @@
 
 One ``ServeMetrics`` per app, each in its own registry (tests run several apps in one
 process). Workers report tokens, first-token and per-token latency, and batch sizes; the
-access-log middleware reports requests by path and status; queue depth and active rows are
-read from the workers when scraped.
+access-log middleware reports requests by path and status; the connection guard
+(serve/connections.py) the connections it closed before a request; queue depth, active rows and
+open connections are read when scraped.
 """
 
 from __future__ import annotations
@@ -37,6 +38,14 @@ class ServeMetrics:
             "From a request's arrival to its first sampled token",
             ["model"],
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.connections = Gauge("gpt2lab_open_connections", "HTTP connections open", registry=r)
+        self.dropped = Counter(
+            "gpt2lab_connections_dropped",
+            "Connections closed before a request: past --max-connections (max_connections) or without a "
+            "whole request head within --header-timeout (header_timeout)",
+            ["reason"],
             registry=r,
         )
         self.per_token = Histogram(

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from gpt2lab.serve.limits import Limits
+from gpt2lab.system.errors import UsageError
 
 
 def model_names(specs: list[str]) -> dict[str, str]:
-    """API model id -> model spec; ``NAME=MODEL`` names a model, else the spec is its id."""
+    """API model id -> model spec; ``NAME=MODEL`` names a model, else the spec is its id. A spec
+    that names no model, or an id given twice, is a UsageError (exit 2) naming --model."""
     out: dict[str, str] = {}
     for spec in specs:
         name, _, path = spec.partition("=") if "=" in spec else (spec, "", spec)
         if not name or not path:
-            raise SystemExit(f"--model {spec}: expected MODEL or NAME=MODEL")
+            raise UsageError(f"--model {spec}: expected MODEL or NAME=MODEL")
         if name in out:
-            raise SystemExit(f"--model {spec}: the id {name!r} is given twice; name them apart with NAME=MODEL")
+            raise UsageError(f"--model {spec}: the id {name!r} is given twice; name them apart with NAME=MODEL")
         out[name] = path
     return out
 

@@ -1,6 +1,7 @@
 """What a request body may hold: OpenAI's completion and chat parameters as strict pydantic models,
-the limits on their lists (MAX_N, MAX_PROMPTS, MAX_STOPS, MAX_LOGPROBS), and FastAPI's validation
-errors (malformed JSON, wrong types, out-of-range values) as one OpenAI error naming the field."""
+the limits on their lists (MAX_N, MAX_PROMPTS, MAX_STOPS, MAX_LOGPROBS), FastAPI's validation
+errors (malformed JSON, wrong types, out-of-range values) as one OpenAI error naming the field, and
+no text anywhere in a body (a key or a value) with a lone UTF-16 surrogate (``lone_surrogate``)."""
 
 from __future__ import annotations
 
@@ -106,8 +107,51 @@ def _where(loc: tuple) -> tuple[str, bool]:
     return path, False
 
 
+# JSON's "\ud800" escape without its pair parses to a lone surrogate: a code point no text holds (UTF-8
+# cannot encode it; a tokenizer would swap in U+FFFD unasked). A pair parses to one character.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _shown(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")  # "\ud800" as its escape
+
+
+def lone_surrogate(value, path: str = "") -> Optional[APIError]:
+    """A 400 naming the first key or string in a parsed request body (``path`` is where ``value`` is)
+    that holds a lone surrogate: a key as an unrecognized argument, a value as not text; else None."""
+    if isinstance(value, str):
+        m = _SURROGATE.search(value)
+        if m is None:
+            return None
+        where = _shown(path) or "body"
+        return APIError(
+            400,
+            f"{where}: holds a lone UTF-16 surrogate ({_shown(m.group())} at character {m.start()}), which is "
+            "not text; send valid Unicode (a surrogate only as half of a pair)",
+            param=_shown(path) or None,
+        )
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and _SURROGATE.search(key):
+            return APIError(
+                400,
+                f"unrecognized request argument: {_shown(where)} (its name holds a lone UTF-16 surrogate, "
+                "which no parameter's name has)",
+                param=_shown(where),
+            )
+        found = lone_surrogate(item, where)
+        if found is not None:
+            return found
+    return None
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
-    """FastAPI's checks (malformed JSON, wrong types, out-of-range values) as one OpenAI error."""
+    """FastAPI's checks (malformed JSON, wrong types, out-of-range values) as one OpenAI error; a lone
+    surrogate in the body (pydantic cannot read one in a key) first."""
+    surrogate = lone_surrogate(exc.body) if isinstance(exc.body, (dict, list)) else None
+    if surrogate is not None:
+        return surrogate
     errors = exc.errors()
     first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
     if first.get("type") == "json_invalid":

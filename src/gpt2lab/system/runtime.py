@@ -254,6 +254,30 @@ def measure_matmul(device, n: int = PROBE_N, seconds: float = PROBE_SECONDS) -> 
     return Probe(fp32_gflops=round(rate(torch.float32), 1), bf16_gflops=round(rate(torch.bfloat16), 1))
 
 
+# The buffer `measure_read_bandwidth` reads: 1 GiB, more than any CPU's last-level cache (the largest,
+# AMD's 3D V-Cache parts, hold about 1.1 GiB across a whole socket, which a slice of cores does not
+# see), so the figure is memory's, the one that bounds decoding: each token reads every weight.
+READ_BYTES = 1 << 30
+
+
+def measure_read_bandwidth(device, nbytes: int = READ_BYTES, repeats: int = 5, clock=time.perf_counter) -> float:
+    """GB/s reading ``nbytes`` once (a sum over them, every thread torch uses), the best of ``repeats``
+    after one warm-up: the memory bandwidth a decode step, which reads every weight, can reach."""
+    import torch
+
+    x = torch.ones(nbytes // 4, device=device, dtype=torch.float32)
+    best = float("inf")
+    for i in range(repeats + 1):
+        _sync(device)
+        t0 = clock()
+        x.sum()
+        _sync(device)
+        seconds = clock() - t0
+        if i:  # the first call pages the buffer in and warms the kernel
+            best = min(best, seconds)
+    return round(x.numel() * 4 / best / 1e9, 1)
+
+
 def _sync(device) -> None:
     import torch
 

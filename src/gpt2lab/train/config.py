@@ -40,6 +40,8 @@ from gpt2lab.system.choices import (
 )
 from gpt2lab.system.errors import ConfigError, UsageError  # noqa: F401
 
+# Muon's orthogonalisation (--muon-orth; train/optim.py): the quintic Newton-Schulz iteration or Polar Express.
+MUON_ORTHS = ("newton_schulz", "polar_express")
 # Layers --lora-targets may name (peft matches a module whose name ends with ".TARGET").
 LORA_TARGETS = ("c_attn", "c_proj", "c_fc", "attn.c_proj", "mlp.c_proj")
 
@@ -75,6 +77,10 @@ def _wsd(cfg: "TrainConfig") -> bool:
 
 def _ramp(cfg: "TrainConfig") -> bool:
     return bool(cfg.batch.batch_ramp_steps)
+
+
+def _seq_ramp(cfg: "TrainConfig") -> bool:
+    return bool(cfg.batch.seq_len_ramp_steps)
 
 
 def default_model() -> GPTConfig:
@@ -121,8 +127,37 @@ class BatchConfig(_Section):
         keep=_ramp,
     )
 
+    # The sequence-length ramp: short sequences first, as many tokens a step (TrainConfig.seq_len_at).
+    seq_len_ramp_steps: int = _f(
+        0,
+        "train the first N steps on shorter sequences: seq_len_start, doubling at even intervals "
+        "up to seq_len at step N; each micro-batch keeps its tokens (rows x length), so the loader "
+        "cuts each sequence into pieces (0 = off)",
+        at_least=0,
+        keep=True,
+    )
+    seq_len_start: Optional[int] = _f(
+        None,
+        "sequence-length ramp: the length of step 0 (seq_len divided by a power of two)",
+        at_least=1,
+        keep=_seq_ramp,
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if bool(self.seq_len_ramp_steps) != (self.seq_len_start is not None):
+            raise ConfigError(
+                f"seq_len_ramp_steps {self.seq_len_ramp_steps} and seq_len_start {self.seq_len_start}: "
+                "the sequence-length ramp needs both (or neither: 0 and none)"
+            )
+        start = self.seq_len_start
+        if start is not None and (
+            start >= self.seq_len or self.seq_len % start or (self.seq_len // start) & (self.seq_len // start - 1)
+        ):
+            raise ConfigError(
+                f"seq_len_start {start} must be seq_len {self.seq_len} divided by a power of two "
+                f"(the ramp doubles it up to seq_len), e.g. {max(1, self.seq_len // 4)}"
+            )
         if bool(self.batch_ramp_steps) != (self.batch_ramp_start is not None):
             raise ConfigError(
                 f"batch_ramp_steps {self.batch_ramp_steps} and batch_ramp_start "
@@ -186,6 +221,21 @@ class OptimConfig(_Section):
         keep=_muon,
     )
     muon_beta2: float = _f(0.95, "normuon: decay of the per-neuron running mean square", keep=_normuon)
+    muon_orth: str = _f(
+        "newton_schulz",
+        "muon: how the update is orthogonalised: newton_schulz (the quintic iteration, one polynomial "
+        "5 times) or polar_express (Amsel et al. 2025: a polynomial of its own each iteration, "
+        "singular values closer to 1 in as many matmuls)",
+        choices=MUON_ORTHS,
+        keep=_muon,
+    )
+    cautious_wd: bool = _f(
+        False,
+        "cautious weight decay (Chen et al. 2025): decay a weight only where the optimizer's update "
+        "and the weight have the same sign, p -= lr * wd * I(update * p >= 0) * p; for AdamW's "
+        "weight_decay and Muon's muon_weight_decay alike",
+        keep=True,
+    )
     ema_decay: float = _f(
         0.0,
         "average the weights as they train: after each step avg = d * avg + (1 - d) * "
@@ -217,6 +267,10 @@ class OptimConfig(_Section):
                     f"{name} {value}: per-group rates apply to --optimizer muon; with adamw every "
                     "group follows --max-lr (drop it, or add --optimizer muon)"
                 )
+        if self.muon_orth != "newton_schulz" and self.optimizer == "adamw":
+            raise ConfigError(
+                f"muon_orth {self.muon_orth}: applies to --optimizer muon (drop it, or add --optimizer muon)"
+            )
         if self.muon_variant != "muon" and self.optimizer == "adamw":
             raise ConfigError(
                 f"muon_variant {self.muon_variant}: applies to --optimizer muon (drop it, or add --optimizer muon)"
@@ -472,6 +526,27 @@ class TrainConfig:
             return end
         units = 1 + (b.total_batch_tokens // b.batch_ramp_start - 1) * step // b.batch_ramp_steps
         return units * self._micro_steps("batch_ramp_start", world_size)
+
+    def seq_len_at(self, step: int) -> int:
+        """The sequence length of step ``step``: seq_len, but on the sequence-length ramp (step < N =
+        seq_len_ramp_steps) seq_len_start S times 2^floor(k * step / N), k = log2(seq_len / S): S
+        doubling at even intervals, seq_len from step N. A step's micro-batches hold the same tokens
+        at any length (micro_batch_size x seq_len / length rows), so accumulation, tokens and the
+        loader's position are the ramp's own business nowhere else. A pure function of the step."""
+        b = self.batch
+        if step >= b.seq_len_ramp_steps:
+            return b.seq_len
+        k = (b.seq_len // b.seq_len_start).bit_length() - 1
+        return b.seq_len_start << (k * step // b.seq_len_ramp_steps)
+
+    def mtp_weight_at(self, step: int) -> float:
+        """The multi-token prediction loss's weight at ``step``: mtp_weight at step 0, moving linearly to
+        mtp_weight_final at the last step (max_steps - 1) and staying there; mtp_weight throughout when
+        mtp_weight_final is none. A pure function of the step."""
+        start, end, last = self.model.mtp_weight, self.model.mtp_weight_final, self.optim.max_steps - 1
+        if end is None:
+            return start
+        return end if last <= 0 else start + (end - start) * min(1.0, step / last)
 
     def _micro_steps(self, name: str, world_size: int) -> int:
         b = self.batch

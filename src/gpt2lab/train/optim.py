@@ -5,7 +5,9 @@
 ``gpt2lab.system.runtime`` chooses for the machine) on the blocks' 2-D matrices and AdamW on
 embeddings, the head, gains and biases, each group with its own peak rate; the schedule
 (cosine or warmup-stable-decay) scales every group by the same factor. ``--muon-variant
-normuon`` adds NorMuon's per-neuron normalisation after Muon's orthogonalisation.
+normuon`` adds NorMuon's per-neuron normalisation after Muon's orthogonalisation; ``--muon-orth
+polar_express`` orthogonalises with the Polar Express polynomials instead of Newton-Schulz's one;
+``--cautious-wd`` decays only where the update and the weight have the same sign (AdamW and Muon).
 """
 
 from __future__ import annotations
@@ -40,6 +42,51 @@ def fused_available(device: torch.device) -> bool:
     return device.type in ("cuda", "cpu")
 
 
+def cautious_mask(update: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Where cautious weight decay applies (Chen et al. 2025, "Cautious Weight Decay"): the
+    coordinates whose update u (the step is p -= lr * u) and weight have the same sign, I(u * p >= 0),
+    as 0/1 in p's dtype. There the decay and the update both pull the weight towards zero; elsewhere
+    the update moves it away from zero, and the decay would work against it."""
+    return (update * p >= 0).to(p.dtype)
+
+
+class CautiousAdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` with cautious weight decay: p -= lr * wd * I(u * p >= 0) * p, u Adam's
+    update m_hat / (sqrt(v_hat) + eps), in place of the decay p *= 1 - lr * wd on every coordinate.
+
+    u has the sign of the new first moment m = lerp(m, grad, 1 - beta1), so the mask is computed
+    from it before torch's step, which then runs (fused or not) with weight decay 0: the decay reads
+    the weight before the update, as the paper's x_{t+1} = x_t - lr (u_t + wd I(u_t x_t >= 0) x_t).
+    Each group keeps its own ``weight_decay`` (0 on gains and biases: no decay there either). A
+    step skipped on the device (``found_inf``: fused only, as torch's) is skipped by the decay too."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if getattr(self, "grad_scale", None) is not None:
+            raise RuntimeError("CautiousAdamW: gradients scaled for fp16 must be unscaled first (GradScaler.unscale_)")
+        found_inf = getattr(self, "found_inf", None)
+        keep = None if found_inf is None else 1 - found_inf.float()
+        decays = [group["weight_decay"] for group in self.param_groups]
+        for group, wd in zip(self.param_groups, decays):
+            if not wd:
+                continue
+            rate = float(group["lr"]) * wd
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                m = self.state[p].get("exp_avg")
+                beta1 = group["betas"][0]
+                new_m = p.grad * (1 - beta1) if m is None else m.lerp(p.grad, 1 - beta1)
+                decay = cautious_mask(new_m, p) * rate
+                p.sub_(p * (decay if keep is None else decay * keep.to(p.dtype)))
+            group["weight_decay"] = 0.0
+        try:
+            return super().step(closure)
+        finally:
+            for group, wd in zip(self.param_groups, decays):
+                group["weight_decay"] = wd
+
+
 def make_optimizer(
     model: nn.Module,
     *,
@@ -49,10 +96,13 @@ def make_optimizer(
     eps: float,
     device: torch.device,
     fused: bool | None = None,
+    cautious: bool = False,
 ) -> torch.optim.AdamW:
-    """AdamW over ``param_groups``; fused when the device has the kernel (``fused=None``)."""
+    """AdamW over ``param_groups``; fused when the device has the kernel (``fused=None``);
+    ``cautious``: its weight decay cautious (``CautiousAdamW``)."""
     use_fused = fused_available(device) if fused is None else fused
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=use_fused or None)
+    adamw = CautiousAdamW if cautious else torch.optim.AdamW
+    return adamw(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=use_fused or None)
 
 
 def lr_at(
@@ -110,16 +160,60 @@ def orthogonalize(
     ``steps`` iterations maps X to aX + (bXX^T + c(XX^T)^2)X on the short side (X X^T is the
     smaller Gram matrix). The result is in ``dtype``.
     """
-    a, b, c = coefficients
     x = g.to(dtype)
     tall = x.size(0) > x.size(1)
     if tall:
         x = x.T
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(steps):
+    x = _quintic_steps(x / x.norm().clamp(min=eps), [coefficients] * steps)
+    return x.T if tall else x
+
+
+def _quintic_steps(x: torch.Tensor, coefficients) -> torch.Tensor:
+    """X -> aX + (bXX^T + c(XX^T)^2)X, once per (a, b, c), X the wide (rows <= columns) matrix."""
+    for a, b, c in coefficients:
         gram = x @ x.T
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b*G + c*G@G
         x = torch.addmm(x, poly, x, beta=a)  # a*X + poly@X
+    return x
+
+
+# The Polar Express polynomials of degree 5 (Amsel, Persson, Musco and Gower 2025, "The Polar Express:
+# Optimal Matrix Sign Methods and Their Application to the Muon Algorithm", algorithm 1): iteration t's
+# (a, b, c) is the odd quintic closest to 1, in the worst case, on the interval the previous ones leave
+# the singular values in (starting from [1e-3, 1]); from the eighth on, the last one repeats.
+POLAR_EXPRESS_COEFFICIENTS = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+# The paper's safety factor for low precision: every polynomial but the last is p(x / 1.01) (a / 1.01,
+# b / 1.01^3, c / 1.01^5), and the input is divided by 1.01 times its Frobenius norm, so that rounding
+# never carries a singular value past the interval a polynomial was fitted on.
+POLAR_EXPRESS_SAFETY = 1.01
+
+
+def polar_express_coefficients(steps: int) -> list[tuple[float, float, float]]:
+    """The (a, b, c) of each of ``steps`` Polar Express iterations, the safety factor applied."""
+    s = POLAR_EXPRESS_SAFETY
+    safe = [(a / s, b / s**3, c / s**5) for a, b, c in POLAR_EXPRESS_COEFFICIENTS[:-1]]
+    safe.append(POLAR_EXPRESS_COEFFICIENTS[-1])
+    return safe[:steps] + [safe[-1]] * max(0, steps - len(safe))
+
+
+def polar_express(g: torch.Tensor, dtype: torch.dtype, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """``orthogonalize`` with the Polar Express polynomials (``--muon-orth polar_express``): ``g`` divided
+    by 1.01 times its Frobenius norm, then iteration t maps X to a_t X + (b_t XX^T + c_t (XX^T)^2) X,
+    in ``dtype``. The same matmuls as Newton-Schulz's; singular values closer to 1 at as many steps."""
+    x = g.to(dtype)
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    x = _quintic_steps(x / (x.norm() * POLAR_EXPRESS_SAFETY + eps), polar_express_coefficients(steps))
     return x.T if tall else x
 
 
@@ -166,15 +260,27 @@ class Muon(torch.optim.Muon):
     matrix) are used as they are; only ``step`` is ours, because torch offers no hook for
     the dtype. It is torch's update, written out: Nesterov momentum, orthogonalise, decoupled
     weight decay ``p *= 1 - lr*wd``, ``p -= lr * muon_lr_scale * O``. NorMuon's second moment is
-    one more state entry per matrix, ``second_moment`` (fp32, one value per row). The variant and
-    beta2 are attributes, not group entries, so a resume uses the run's own, not the checkpoint's.
+    one more state entry per matrix, ``second_moment`` (fp32, one value per row). ``orth``
+    "polar_express" orthogonalises with ``polar_express`` (``ns_steps`` iterations) in place of
+    Newton-Schulz; ``cautious`` decays only where ``cautious_mask`` of the update O is 1:
+    ``p *= 1 - lr*wd*I(O*p >= 0)``. The variant, beta2, orth and cautious are attributes, not group
+    entries, so a resume uses the run's own, not the checkpoint's.
     """
 
     def __init__(
-        self, params, *, ns_dtype: torch.dtype = torch.bfloat16, variant: str = "muon", beta2: float = 0.95, **kwargs
+        self,
+        params,
+        *,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        variant: str = "muon",
+        beta2: float = 0.95,
+        orth: str = "newton_schulz",
+        cautious: bool = False,
+        **kwargs,
     ) -> None:
         super().__init__(params, **kwargs)
         self.ns_dtype, self.variant, self.beta2 = ns_dtype, variant, beta2
+        self.orth, self.cautious = orth, cautious
 
     # torch.amp.GradScaler and apply_update's device-side skip set ``found_inf`` (a 0-d tensor, 1: skip)
     _step_supports_amp_scaling = True
@@ -205,16 +311,26 @@ class Muon(torch.optim.Muon):
                 else:  # a skipped step leaves the buffer as it was (weight 0); a kept one moves it as above
                     buf.lerp_(p.grad, (keep * (1 - momentum)).to(buf.dtype))
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = orthogonalize(update, self.ns_dtype, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                if self.orth == "polar_express":
+                    update = polar_express(update, self.ns_dtype, group["ns_steps"], group["eps"])
+                else:
+                    update = orthogonalize(
+                        update, self.ns_dtype, group["ns_coefficients"], group["ns_steps"], group["eps"]
+                    )
                 if self.variant == "normuon":
                     if "second_moment" not in state:
                         state["second_moment"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
                     update = normalize_neurons(update, state["second_moment"], self.beta2, keep=keep)
-                if keep is None:
+                if self.cautious and wd:  # the decay where the update and the weight agree in sign
+                    decay = cautious_mask(update, p) * (lr * wd)
+                    p.sub_(p * (decay if keep is None else decay * keep.to(p.dtype)))
+                elif keep is None:
                     p.mul_(1 - lr * wd)
-                    p.add_(update, alpha=-scale)
                 else:
                     p.mul_((1 - lr * wd * keep).to(p.dtype))
+                if keep is None:
+                    p.add_(update, alpha=-scale)
+                else:
                     p.sub_(update.to(p.dtype) * (scale * keep))
         return loss
 
@@ -301,11 +417,15 @@ def make_muon(
     device: torch.device,
     variant: str = "muon",
     muon_beta2: float = 0.95,
+    orth: str = "newton_schulz",
+    cautious: bool = False,
 ) -> Optimizers:
     """Muon on the blocks' 2-D matrices, AdamW (fused where available) on the rest.
 
     Every group carries ``lr_name``, the TrainConfig field its peak rate comes from
     (``set_lrs``): muon_lr, embed_lr, head_lr or max_lr (gains, biases, other matrices).
+    ``orth`` and ``cautious``: Muon's orthogonalisation and cautious weight decay for both (``Muon``,
+    ``CautiousAdamW``).
     """
     if any(_is_dtensor(p) for p in model.parameters()):
         raise ConfigError(
@@ -326,6 +446,8 @@ def make_muon(
         ns_dtype=ns_dtype,
         variant=variant,
         beta2=muon_beta2,
+        orth=orth,
+        cautious=cautious,
     )
     other = split["other"]
     groups = [
@@ -335,7 +457,9 @@ def make_muon(
         {"params": [p for p in other if p.dim() < 2], "lr": lr, "weight_decay": 0.0, "lr_name": "max_lr"},
     ]
     use_fused = fused_available(device)
-    adamw = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps, fused=use_fused or None)
+    adamw = (CautiousAdamW if cautious else torch.optim.AdamW)(
+        [g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps, fused=use_fused or None
+    )
     return Optimizers(adamw=adamw, muon=muon)
 
 
@@ -358,6 +482,7 @@ def build_optimizer(model: nn.Module, opt, device: torch.device, ns_dtype: Optio
             betas=(opt.beta1, opt.beta2),
             eps=opt.eps,
             device=device,
+            cautious=opt.cautious_wd,
         )
     return make_muon(
         model,
@@ -374,6 +499,8 @@ def build_optimizer(model: nn.Module, opt, device: torch.device, ns_dtype: Optio
         device=device,
         variant=opt.muon_variant,
         muon_beta2=opt.muon_beta2,
+        orth=opt.muon_orth,
+        cautious=opt.cautious_wd,
     )
 
 

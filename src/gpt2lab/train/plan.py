@@ -168,6 +168,18 @@ class RunPlan:
             if b.batch_ramp_steps
             else ""
         )
+        if b.seq_len_ramp_steps:  # the sequence-length ramp: the same tokens in shorter rows
+            ramp += (
+                f"; sequences of {b.seq_len_start} tokens at step 0 (micro-batch "
+                f"{b.micro_batch_size * b.seq_len // b.seq_len_start} rows), doubling to {b.seq_len} by step "
+                f"{b.seq_len_ramp_steps}"
+            )
+        if m.mtp_heads:
+            final = "" if m.mtp_weight_final is None else f", to {m.mtp_weight_final} at the last step"
+            mtp = (
+                f"; multi-token prediction: {m.mtp_heads} more heads (tokens t+2..t+{m.mtp_heads + 1}), "
+                f"weight {m.mtp_weight}{final}"
+            )
         out = [
             f"out       {c.out}" + (f" (resume from {self.resume})" if self.resume else " (new run)"),
             f"machine   {self.machine.describe()}",
@@ -195,11 +207,13 @@ class RunPlan:
             f"compile   {on(self.compile.value)} ({self.compile.reason})",
             f"strategy  {self.strategy.value} ({self.strategy.reason})"
             + ("; activation checkpointing on" if c.parallel.activation_checkpointing else ""),
-            f"loss      {self.loss.value} ({self.loss.reason})",
+            f"loss      {self.loss.value} ({self.loss.reason})" + (mtp if m.mtp_heads else ""),
             f"optimizer {c.optim.optimizer}"
             + (f" ({c.optim.muon_variant})" if c.optim.muon_variant != "muon" else "")
             + f", {c.optim.lr_schedule} schedule"
             + (f"; Newton-Schulz in {self.ns_dtype.value} ({self.ns_dtype.reason})" if self.ns_dtype else "")
+            + ("; Polar Express in place of Newton-Schulz's polynomial" if c.optim.muon_orth == "polar_express" else "")
+            + ("; cautious weight decay" if c.optim.cautious_wd else "")
             + (
                 f"; weight average (EMA) {c.optim.ema_decay}: evaluations and checkpoints hold it"
                 if c.optim.ema_decay

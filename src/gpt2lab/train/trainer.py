@@ -17,6 +17,7 @@ holds the state after N completed steps, and a resumed run continues with step N
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import random
 import signal
@@ -263,9 +264,14 @@ class Trainer:
         lr = scheduled_lr(self.step, cfg.optim)  # max_lr's group; set_lrs gives every group its own
         position = self.loader.position = self.spikes.skip_bad_data(self.loader.position)
         accum = cfg.accum_at(self.step, self.info.world_size)  # self.accum, or fewer on the batch ramp
+        if cfg.model.mtp_heads:  # the multi-token prediction loss's weight at this step
+            self.raw.set_mtp_weight(cfg.mtp_weight_at(self.step))
+        length, next_batch = cfg.seq_len_at(self.step), self.loader.next_batch
+        if length != cfg.batch.seq_len:  # the sequence-length ramp: the same tokens in shorter rows
+            next_batch = functools.partial(next_batch, length)
         loss = accumulate_gradients(
             self.train_model,
-            self.loader.next_batch,
+            next_batch,
             accum,
             self.device,
             self.dtype,

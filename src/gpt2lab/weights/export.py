@@ -18,7 +18,7 @@ from gpt2lab.system import rundir
 from gpt2lab.system.errors import UsageError
 from gpt2lab.system.files import atomic_dir, write_json
 from gpt2lab.weights import gpt2, nanochat
-from gpt2lab.weights.targets import check_exportable
+from gpt2lab.weights.targets import check_exportable, exported_model
 
 # What an export writes; the marker file tells a directory gpt2lab exported (safe to replace) apart
 # from anything else, such as a run directory or a model fine-tuned in place.
@@ -54,6 +54,9 @@ def write_tokenizer(
 
     A chat model's (``chat_template``, data/chat.py) add its two turn tokens as special added tokens
     at their ids, the template in Jinja (``apply_chat_template``) and ``<|im_end|>`` as the end token.
+    The tokenizer's pad token is ``<|endoftext|>``: its padding comes with an attention mask, and the
+    pad id ``generate`` reads without one is generation_config.json's (gpt2.pad_id), which cannot be
+    a tokenizer's pad token (its text, "ÿ", would be read out of a message as that token).
     """
     if tokenizer is not None:
         return _write_trained(out, block_size, chat_template, tokenizer)
@@ -124,6 +127,7 @@ def save_pretrained(model: GPT, out_dir: str) -> str:
     from safetensors.torch import save_file
 
     target = check_exportable(model.config).name
+    model = exported_model(model)  # training-only weights (multi-token prediction heads) are not written
     out_dir = os.path.abspath(out_dir)
     replace_dir = _check_export_target(out_dir)
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
@@ -137,10 +141,12 @@ def save_pretrained(model: GPT, out_dir: str) -> str:
         save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         write_json(os.path.join(tmp, "config.json"), config)
         eot, end = gpt2.special_ids(model.config, tok)
-        # generate stops where gpt2lab does: a chat model at <|im_end|> (its turn), else at <|endoftext|>
+        # generate stops where gpt2lab does: a chat model at <|im_end|> (its turn), else at <|endoftext|>;
+        # a chat model pads (batched chats) with a token no prompt holds (gpt2.pad_id)
+        pad = gpt2.pad_id(model.config, tok) if model.config.chat_template else None
         write_json(
             os.path.join(tmp, "generation_config.json"),
-            {"bos_token_id": eot, "eos_token_id": end, **({"pad_token_id": eot} if model.config.chat_template else {})},
+            {"bos_token_id": eot, "eos_token_id": end, **({"pad_token_id": pad} if pad is not None else {})},
         )
         trained = tok if model.config.tokenizer else None
         names = write_tokenizer(tmp, model.config.block_size, model.config.chat_template, trained)
@@ -167,7 +173,21 @@ def _check_export_target(out_dir: str) -> bool:
     if found.kind == rundir.EXPORT and set(found.entries) <= {*EXPORT_FILES, *TRAINED_EXPORT_FILES}:
         return True  # an earlier export: it holds nothing an export does not write again
     raise UsageError(
-        f"{out_dir} is not empty ({len(found.entries)} entries: {found.shown()}) and is not an earlier "
-        f"gpt2lab export: it holds {rundir.what(found)}; nothing was written. Choose a new or "
-        "empty OUT_DIR"
+        f"{out_dir} is not empty and is not an earlier gpt2lab export: it holds {_what_is_there(out_dir, found)}; "
+        "nothing was written. Choose a new or empty OUT_DIR"
     )
+
+
+def _what_is_there(out_dir: str, found: rundir.Found) -> str:
+    """What a directory export refuses holds, naming files that are there: a checkpoint and a run's
+    checkpoints folder are told apart from a run (whose run_info.json they lack) and from files
+    gpt2lab did not write."""
+    names = set(found.entries)
+    if found.kind == rundir.RUN and rundir.RUN_MARKER not in names:
+        what = "a gpt2lab checkpoint" if "model.safetensors" in names else "a gpt2lab run without its run_info.json"
+        return f"{what} ({found.shown()})"
+    steps = [n for n in found.entries if n.startswith("step_")]
+    if found.kind == "foreign" and steps == list(found.entries):
+        if any(rundir.inspect(os.path.join(out_dir, n)).kind == rundir.RUN for n in steps):
+            return f"a gpt2lab run's checkpoints ({found.shown()})"
+    return rundir.what(found) if found.kind == "foreign" else f"{rundir.what(found)}: {found.shown()}"

@@ -110,6 +110,22 @@ def special_ids(config: GPTConfig, tok: Tokenizer) -> tuple[Optional[int], Optio
     return eot, (tok.im_end_id if config.chat_template else eot)
 
 
+# A byte no UTF-8 text holds. A byte-level BPE (GPT-2's, or one gpt2lab trained) has a token for each
+# byte, and no text encodes to this one: no prompt holds it, nor any training document.
+NOT_IN_TEXT = b"\xff"
+
+
+def pad_id(config: GPTConfig, tok: Tokenizer) -> Optional[int]:
+    """The id an export pads with: the token of NOT_IN_TEXT, so never one a prompt holds (transformers'
+    ``generate``, given input ids without an attention mask, masks every pad id it finds in them: a
+    chat prompt's leading <|endoftext|> would be masked if that were the pad). None when the model's
+    vocabulary has no such token (tiny test vocabularies)."""
+    for i in range(min(config.real_vocab_size, tok.n_vocab)):  # the byte tokens come first
+        if tok.decode_single_token_bytes(i) == NOT_IN_TEXT:
+            return i
+    return None
+
+
 def config_to_hf(config: GPTConfig, dtype: torch.dtype, tok: Tokenizer) -> dict:
     """The config.json transformers' GPT2LMHeadModel reads; vocab is the real (unpadded) one."""
     vocab = config.real_vocab_size

@@ -23,6 +23,7 @@ import torch
 
 from gpt2lab.data.tokenizer import Tokenizer
 from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.weights import gpt2
 
 ARCHITECTURE = "NanoChatForCausalLM"
 MODEL_TYPE = "nanochat"
@@ -90,7 +91,8 @@ def config_to_nanochat(config: GPTConfig, dtype: torch.dtype, tok: Tokenizer) ->
         "attention_bias": False,
         "bos_token_id": eot,
         "eos_token_id": end,
-        "pad_token_id": eot,  # the embedding's padding_idx: the forward does not read it
+        # the embedding's padding_idx (a row fine-tuning leaves alone: never <|endoftext|>) and generate's pad
+        "pad_token_id": gpt2.pad_id(config, tok),
         "tie_word_embeddings": False,  # ln_f's gain is folded into the head, so it is never wte
         "use_cache": True,
         "dtype": str(dtype).removeprefix("torch."),

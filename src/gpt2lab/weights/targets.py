@@ -2,11 +2,15 @@
 GPT-2 with zero biases), NanoChatForCausalLM for one NanoChat computes, else why neither (each field,
 and what the nearer one would need). The run plan shows it; ``gpt2lab export`` refuses in one line.
 A pure function of a GPTConfig.
+
+Training-only fields (``TRAINING_ONLY``: the multi-token prediction heads) add weights that train the
+model but compute none of its logits: no target needs them, the target names what it drops, and
+``exported_model`` is the model without them, which is what an export writes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from gpt2lab.model.config import GPTConfig
@@ -23,23 +27,42 @@ def gaps(config: GPTConfig, needs: dict) -> list[str]:
     return [f"{k}={_show(getattr(config, k))}" for k, (v, _) in needs.items() if getattr(config, k) != v]
 
 
+# Fields whose weights only train the model: field -> (its off value, what an export does with them).
+TRAINING_ONLY = {
+    "mtp_heads": (0, "multi-token prediction heads, a training loss: not written"),
+}
+
+
+def training_only(config: GPTConfig) -> list[str]:
+    """The training-only fields ``config`` sets, as ``field=value (what export does)``."""
+    return [
+        f"{k}={_show(getattr(config, k))} ({why})"
+        for k, (off, why) in TRAINING_ONLY.items()
+        if getattr(config, k) != off
+    ]
+
+
 @dataclass(frozen=True)
 class ExportTarget:
     """What ``gpt2lab export`` writes for a model: ``name`` (GPT2LMHeadModel, NanoChatForCausalLM) or
-    None, and then ``why``: each field that keeps it from both, and what the nearer one would need."""
+    None, and then ``why``: each field that keeps it from both, and what the nearer one would need.
+    ``dropped``: the training-only fields it leaves out (``training_only``)."""
 
     name: Optional[str]
     why: str = ""
+    dropped: tuple[str, ...] = ()
 
     def describe(self) -> str:
-        return f"Hugging Face {self.name}" if self.name else f"none ({self.why})"
+        if not self.name:
+            return f"none ({self.why})"
+        return f"Hugging Face {self.name}" + (f"; drops {', '.join(self.dropped)}" if self.dropped else "")
 
 
 def export_target(config: GPTConfig) -> ExportTarget:
     """The Hugging Face model that computes ``config``'s logits (GPT-2 first), or why none does."""
     g, n = gaps(config, gpt2.NEEDS), gaps(config, nanochat.NEEDS)
     if not g or not n:
-        return ExportTarget(gpt2.ARCHITECTURE if not g else nanochat.ARCHITECTURE)
+        return ExportTarget(gpt2.ARCHITECTURE if not g else nanochat.ARCHITECTURE, dropped=tuple(training_only(config)))
     neither = [x for x in g if x in n]
     parts = [f"{x} (GPT-2 and NanoChat: {gpt2.NEEDS[x.split('=')[0]][1]})" for x in neither]
     name, needs, missing = (
@@ -62,3 +85,21 @@ def check_exportable(config: GPTConfig) -> ExportTarget:
             "train without those fields"
         )
     return target
+
+
+def exported_model(model):
+    """``model`` (a GPT) as an export writes it: without its training-only weights (``TRAINING_ONLY``),
+    its config's fields for them off; the other parameters are the same tensors. ``model`` itself
+    when it has none."""
+    if not training_only(model.config):
+        return model
+    import torch
+
+    from gpt2lab.model.gpt import GPT
+
+    config = replace(model.config, **{k: off for k, (off, _) in TRAINING_ONLY.items()})
+    with torch.device("meta"):
+        out = GPT(config, model.tokenizer)
+    kept = {k: v for k, v in model.state_dict(keep_vars=True).items() if k in out.state_dict()}
+    out.load_state_dict(kept, assign=True)  # the same Parameters (a tied head stays tied)
+    return out.train(model.training)

@@ -1,0 +1,126 @@
+"""The data sets an evaluation downloads (HellaSwag, GSM8K): fetched once into gpt2lab's cache, whole
+and checked, or not at all.
+
+``cached_file`` is the one way every eval gets its data set. A file already in the cache is used as it
+is, with no network. Otherwise: one attempt at the data set's URL (``DOWNLOAD_TIMEOUT_S``, no
+retries); a second source (a Hugging Face dataset's copy) only where that server answered without the
+file, or with a file that is not the data set; nothing at all under HF_HUB_OFFLINE /
+HF_DATASETS_OFFLINE. The bytes go to a temporary name beside the cache file (system/files.py), are
+checked by the data set's own reader, and are renamed into place only then: a download cut short
+(fewer bytes than the server announced) or not the data set never stands in the cache. A failure is
+one line naming the data set, the URL, the flag for a local file and where the file could be put.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import shutil
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import BinaryIO, Callable, Optional
+
+from gpt2lab.system.errors import GPT2LabError
+from gpt2lab.system.files import atomic_write, sweep_stale, tmp_name
+
+CACHE_ENV = "GPT2LAB_CACHE"
+OFFLINE_ENVS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+# Seconds the one download attempt waits to connect (and for each read): an unreachable network
+# fails in this long at most, with no retries.
+DOWNLOAD_TIMEOUT_S = 10
+
+
+@dataclass(frozen=True)
+class DataSet:
+    """A file an eval downloads: what it is (for messages), its URL, its place in the cache, what a
+    local file passed instead holds, its reader (raises ValueError on a file that is not the data
+    set) and, optionally, a second source: a name and a writer of that source's copy."""
+
+    what: str  # "the official HellaSwag validation set"
+    url: str
+    path: str  # under cache_dir(): "hellaswag/hellaswag_val.jsonl"
+    form: str  # what --data FILE holds instead: "a jsonl with ctx, endings, label"
+    check: Callable[[str], object]
+    second: Optional[tuple[str, Callable[[BinaryIO], None]]] = None
+
+    def cached(self) -> str:
+        """Where it is cached (it may not be there yet)."""
+        return os.path.join(cache_dir(), self.path)
+
+
+def cache_dir() -> str:
+    """Where downloads are kept: gpt2lab's cache ($GPT2LAB_CACHE, else ~/.cache/gpt2lab), as the probes'."""
+    from gpt2lab.system.runtime import _cache_dir
+
+    return _cache_dir()
+
+
+def offline() -> list[str]:
+    """Hugging Face's offline switches that are set (no download is even tried then)."""
+    return [v for v in OFFLINE_ENVS if os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")]
+
+
+def cached_file(ds: DataSet, flag: str = "--data") -> str:
+    """The path of ``ds`` in the cache, downloading it on first use (module docstring). Offline,
+    unreachable or no good copy anywhere: a RuntimeError in one line naming ``flag``, the caller's
+    flag for a local file."""
+    dest = ds.cached()
+    if os.path.isfile(dest):
+        return dest
+    if offline():
+        raise _unavailable(ds, flag, f"{' and '.join(offline())} set")
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    sweep_stale(os.path.dirname(dest))  # the temporaries of downloads that were killed
+    try:
+        _store(ds, lambda out: _fetch_url(ds.url, out))
+        return dest
+    except GPT2LabError:  # a full disk: its own error and exit code
+        raise
+    except urllib.error.HTTPError as e:  # the server is there but the file is not: try the second source
+        first = str(e)
+    except (OSError, http.client.HTTPException) as e:  # no network, no DNS, cut short: a second would fail too
+        raise _unavailable(ds, flag, str(getattr(e, "reason", None) or e)) from None
+    except ValueError as e:  # downloaded, but not the data set
+        first = f"not {ds.what}: {e}"
+    if ds.second is None:
+        raise _unavailable(ds, flag, first)
+    name, write = ds.second
+    try:
+        _store(ds, write)
+        return dest
+    except GPT2LabError:
+        raise
+    except Exception as e:  # the hub raises many types
+        raise _unavailable(ds, flag, f"{first}; {name}: {type(e).__name__}: {e}") from None
+
+
+def _unavailable(ds: DataSet, flag: str, why: str) -> RuntimeError:
+    return RuntimeError(
+        f"{ds.what} is not in the cache and could not be downloaded from {ds.url} ({why}); "
+        f"pass {flag} FILE ({ds.form}), or download that file to {ds.cached()}"
+    )
+
+
+def _store(ds: DataSet, fetch: Callable[[BinaryIO], None]) -> None:
+    """``fetch`` writes the file; it becomes the cache file only once ``ds.check`` has read it whole."""
+    dest = ds.cached()
+    with atomic_write(dest, "wb", what_next=f"free some space, or pass a local file instead of {ds.what}") as out:
+        fetch(out)
+        out.flush()
+        ds.check(tmp_name(dest))  # the temporary atomic_write renames when the block ends
+
+
+class CutShort(OSError):
+    """A download that ended before the bytes its server announced."""
+
+
+def _fetch_url(url: str, out: BinaryIO) -> None:
+    with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as r:
+        announced = r.headers.get("Content-Length")
+        start = out.tell()
+        shutil.copyfileobj(r, out)
+        got = out.tell() - start
+    # http.client returns what it got when a connection closes early, so the length is checked here
+    if announced is not None and announced.isdigit() and got != int(announced):
+        raise CutShort(f"the download ended after {got:,} of {int(announced):,} bytes")
