@@ -244,7 +244,7 @@ def test_other_bad_sources(tmp_path):
     with pytest.raises(SourceError, match="no such file or directory"):
         prepare(str(tmp_path / "missing.jsonl"), str(tmp_path / "out"), progress=False)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(SourceError, match=r"empty holds no readable files \(.txt, .jsonl"):
+    with pytest.raises(SourceError, match=r"empty holds no files; point --source at text files \(any UTF-8 text file"):
         prepare(str(tmp_path / "empty"), str(tmp_path / "out"), progress=False)
     pq.write_table(pa.table({"content": ["x"]}), tmp_path / "d.parquet")
     with pytest.raises(SourceError, match=r"d.parquet: no column 'text' \(columns: content\)"):
@@ -428,19 +428,35 @@ def test_damaged_compressed_file_is_one_line_naming_it(tmp_path, monkeypatch, ca
         assert err.startswith(f"gpt2lab prepare: {tmp_path / name}: not a readable .") and "corrupt or truncated" in err
 
 
-def test_directory_with_unreadable_files_is_refused_naming_each(tmp_path):
+def test_any_text_file_is_a_document_and_binary_ones_are_skipped_naming_each(tmp_path):
+    """Files of no known kind are text, one document each; in a directory those that are not UTF-8 text
+    (a NUL byte, bytes UTF-8 does not have) are skipped with a warning naming them, and names beginning
+    with a dot are left out, as a glob leaves them."""
     d = tmp_path / "src"
-    d.mkdir()
+    (d / "pkg" / "sub").mkdir(parents=True)
+    (d / ".git").mkdir()
     _jsonl(d / "a.jsonl")
-    (d / "b.jsonl.lz4").write_bytes(b"x")
-    (d / "README.md").write_text("about")
-    with pytest.raises(
-        SourceError,
-        match=r"holds 2 file\(s\) prepare cannot read \(.*README.md, .*b.jsonl.lz4\).*"
-        r"--source '.*src/\*.jsonl'",
-    ):
-        prepare(str(d), str(tmp_path / "out"), progress=False)
-    assert not (tmp_path / "out").exists()
+    (d / "README.md").write_text("about ✓")
+    (d / "pkg" / "sub" / "mod.py").write_text("def f():\n    return 1\n")
+    (d / "pkg" / "img.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
+    (d / "pkg" / "old.dat").write_bytes("café".encode("latin-1"))
+    (d / ".git" / "config").write_text("[core]")
+    (d / ".hidden.md").write_text("secret")
+    with pytest.warns(UserWarning, match=r"holds 2 file\(s\) that are not UTF-8 text, skipped: .*img.png, .*old.dat$"):
+        m = prepare(str(d), str(tmp_path / "out"), val_tokens=0, workers=1, progress=False)
+    assert [f["path"] for f in m["files"]] == [str(d / "README.md"), str(d / "a.jsonl"), str(d / "pkg/sub/mod.py")]
+    got = np.concatenate(
+        [np.fromfile(tmp_path / "out" / n, dtype=np.uint16, offset=1024) for n in m["splits"]["train"]["shards"]]
+    )
+    np.testing.assert_array_equal(got, _reference(["about ✓", *DOCS, "def f():\n    return 1\n"]))
+    # a recursive glob, quoted: the same .py file, nothing else
+    m = prepare(str(d / "**" / "*.py"), str(tmp_path / "py"), val_tokens=0, workers=1, progress=False)
+    assert [f["path"] for f in m["files"]] == [str(d / "pkg/sub/mod.py")]
+    # named alone, a file that is not UTF-8 is one line naming it
+    with pytest.raises(SourceError, match=r"old.dat: not UTF-8 text .*convert it to UTF-8"):
+        prepare(str(d / "pkg" / "old.dat"), str(tmp_path / "one"), workers=1, progress=False)
+    with pytest.raises(SourceError, match=r"matches no files \(the 1 there are not UTF-8 text\)"):
+        prepare(str(d / "pkg" / "*.png"), str(tmp_path / "png"), workers=1, progress=False)
 
 
 @pytest.mark.parametrize("bad", ["garbage", "truncated"])

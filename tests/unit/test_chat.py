@@ -346,3 +346,62 @@ def test_a_trainer_built_from_a_config_takes_the_datas_template(chat_shards, tmp
     trainer = Trainer.from_config(cfg, DistInfo(device=torch.device("cpu")))
     assert (trainer.cfg.model.chat_template, trainer.cfg.model.token_vocab_size) == ("chatml", 50259)
     assert trainer.loader.masked and np.isfinite(trainer.train_step()["train_loss"])
+
+
+# -- content as a list of text parts, as the server takes it ---------------------------------------
+PARTS = [
+    [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world ✓"}],
+    [],
+    [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}],
+    [{"type": "text", "text": 3}],
+    [{"type": "text"}],
+    ["plain string part"],
+    [{"text": "no type"}],
+]
+
+
+@pytest.mark.parametrize("content", PARTS, ids=range(len(PARTS)))
+def test_content_parts_follow_the_servers_rules(content):
+    """prepare's parser accepts a content list exactly where the server does (its schema and its
+    reading, serve/completions.py), with the same text."""
+    from pydantic import ValidationError
+
+    from gpt2lab.serve.completions import _content
+    from gpt2lab.serve.schemas import ChatMessage
+
+    try:
+        expected = _content(0, ChatMessage.model_validate({"role": "user", "content": content}))
+    except (ValueError, ValidationError):
+        expected = None
+    row = {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "b"}]}
+    if expected is None:
+        with pytest.raises(chat.ChatFormatError, match=r"messages\[0\]\.content\[\d\]: only text parts"):
+            chat.conversation(row)
+    else:
+        assert chat.conversation(row) == [("user", expected), ("assistant", "b")]
+
+
+def test_prepare_reads_content_parts_as_their_joined_text(tmp_path):
+    from gpt2lab.data.prepare import prepare
+    from gpt2lab.data.shards import open_mask, open_shard
+
+    def row(user, assistant):
+        return json.dumps(
+            {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]}
+        )
+
+    parts = [
+        row([{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}], [{"type": "text", "text": "Yo."}])
+    ]
+    (tmp_path / "parts.jsonl").write_text("\n".join(parts * 3) + "\n")
+    (tmp_path / "text.jsonl").write_text("\n".join([row("Hi there", "Yo.")] * 3) + "\n")
+    for name in ("parts", "text"):
+        prepare(str(tmp_path / f"{name}.jsonl"), str(tmp_path / name), val_docs=1, workers=1, progress=False)
+    for shard in ("val_000000.bin", "train_000000.bin"):
+        a, b = open_shard(tmp_path / "parts" / shard), open_shard(tmp_path / "text" / shard)
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(
+            open_mask(tmp_path / "parts" / shard, len(a)), open_mask(tmp_path / "text" / shard, len(b))
+        )
+    ids, _ = chat.encode_chat([("user", "Hi there"), ("assistant", "Yo.")])
+    assert open_shard(tmp_path / "parts" / "val_000000.bin").tolist() == ids

@@ -576,3 +576,94 @@ def test_fsdp_checkpoints_carry_the_tokenizer_too(wiki_data, tok, tmp_path, monk
     alone = tmp_path / "alone"
     shutil.copytree(ckpt, alone)
     assert tokenizer_for(load_model(str(alone))).identity == tok.identity
+
+
+# -- what a user may get wrong ------------------------------------------------------------------------
+def test_a_vocabulary_not_reached_is_a_warning_with_the_size_reached(tmp_path):
+    from tokenizers import Tokenizer
+
+    (tmp_path / "a.txt").write_text("hello world hello world, the same few words again and again")
+    with pytest.warns(UserWarning, match=r"the sources gave ([\d,]+) tokens, fewer than the 1,000 asked for") as w:
+        marker = train([str(tmp_path / "a.txt")], 1000, str(tmp_path / "tok"), progress=False)
+    reached = Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json")).get_vocab_size()
+    assert 259 < reached == marker["vocab_size"] < 1000
+    assert f"gave {reached:,} tokens" in str(w[0].message)
+
+
+def test_an_empty_source_is_exit_2_in_one_line_and_writes_nothing(tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    for src in (str(tmp_path / "empty.txt"), str(tmp_path / "pkg" / "*.py")):
+        argv = ["tokenizer", "train", "--source", src, "--vocab-size", "300", "--out", str(tmp_path / "t"), "--quiet"]
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.splitlines()[-1]
+        assert err.startswith(f"gpt2lab tokenizer: --source {src}: no text to train on (1 document(s), 0 bytes)")
+        assert not (tmp_path / "t").exists()
+
+
+def test_tokenizer_json_itself_is_taken_and_a_missing_path_says_which(wiki_data, tok_dir, tmp_path, capsys):
+    from gpt2lab.data.prepare import prepare
+
+    out = str(tmp_path / "data")
+    prepare(WIKI, out, tokenizer=str(Path(tok_dir) / "tokenizer.json"), progress=False, workers=1)
+    for name in ("manifest.json", "tokenizer.json", "val_000000.bin", "train_000000.bin"):
+        a, b = Path(out, name).read_bytes(), Path(wiki_data, name).read_bytes()
+        assert a == b or name == "manifest.json" and json.loads(a)["tokenizer"] == json.loads(b)["tokenizer"]
+    argv = ["prepare", "--source", WIKI, "--out", str(tmp_path / "x"), "--tokenizer", str(tmp_path / "nope"), "--quiet"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--tokenizer {tmp_path / 'nope'}: no such directory or file" in err
+    (tmp_path / "empty").mkdir()
+    assert cli.main([*argv[:-2], str(tmp_path / "empty"), "--quiet"]) == 2
+    assert "holds no tokenizer.json (nor GPT-2's vocab.json and merges.txt)" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def gpt2_exports(tmp_path_factory) -> list[str]:
+    """GPT-2's own vocabulary as others write it: vocab.json + merges.txt (an export of a GPT-2 model, the
+    hub's gpt2), and transformers' tokenizer.json of it (save_pretrained)."""
+    from transformers import GPT2TokenizerFast
+
+    root = tmp_path_factory.mktemp("gpt2")
+    (root / "files").mkdir()
+    shutil.copy(tokenizers_mod.asset_path("encoder.json"), root / "files" / "vocab.json")
+    shutil.copy(tokenizers_mod.asset_path("vocab.bpe"), root / "files" / "merges.txt")
+    hf = GPT2TokenizerFast.from_pretrained(str(root / "files"))
+    assert hf("Hello, I'm a language model,").input_ids == [15496, 11, 314, 1101, 257, 3303, 2746, 11]
+    hf.save_pretrained(str(root / "saved"))
+    assert (root / "saved" / "tokenizer.json").is_file()
+    return [str(root / "files"), str(root / "saved"), str(root / "saved" / "tokenizer.json")]
+
+
+def test_a_gpt2_export_is_gpt2s_bpe(gpt2_exports, tok_dir, tmp_path, capsys):
+    from gpt2lab.data.prepare import prepare
+
+    prepare(WIKI, str(tmp_path / "ref"), progress=False, workers=1)
+    ref = sorted(p.name for p in (tmp_path / "ref").iterdir())
+    for i, path in enumerate(gpt2_exports):
+        out = tmp_path / f"out{i}"
+        assert cli.main(["prepare", "--source", WIKI, "--out", str(out), "--tokenizer", path, "--quiet"]) == 0
+        assert sorted(p.name for p in out.iterdir()) == ref  # no tokenizer.json: the manifest says "gpt2"
+        assert all((out / n).read_bytes() == (tmp_path / "ref" / n).read_bytes() for n in ref if n != "manifest.json")
+        assert json.loads((out / "manifest.json").read_text())["tokenizer"] == "gpt2"
+    assert not tokenizers_mod.is_gpt2_vocabulary(tok_dir)
+    assert not tokenizers_mod.is_gpt2_vocabulary(str(tmp_path / "ref"))
+
+
+def test_train_reads_a_glob_of_code_and_says_once_which_files_it_skipped(tmp_path):
+    import warnings
+
+    (tmp_path / "src" / "pkg").mkdir(parents=True)
+    code = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    x: int = 0\n"
+    (tmp_path / "src" / "pkg" / "m.py").write_text(code)
+    (tmp_path / "src" / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        marker = train([str(tmp_path / "src")], 300, str(tmp_path / "tok"), progress=False)
+    skipped = [str(w.message) for w in caught if "not UTF-8 text" in str(w.message)]
+    src = tmp_path / "src"
+    assert skipped == [f"directory {src} holds 1 file(s) that are not UTF-8 text, skipped: {src / 'logo.png'}"]
+    assert marker["sources"] == [{"source": str(tmp_path / "src"), "bytes": len(code.encode()), "documents": 1}]
+    glob = str(tmp_path / "src" / "**" / "*.py")
+    assert train([glob], 300, str(tmp_path / "tok"), progress=False)["sources"][0]["documents"] == 1

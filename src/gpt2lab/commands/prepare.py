@@ -16,8 +16,10 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--source",
         required=True,
-        help="tinyshakespeare, chitchat (bundled conversations), fineweb-edu, fineweb, hf:NAME[:CONFIG], or a local "
-        ".txt/.jsonl/.parquet file, directory or glob",
+        help="tinyshakespeare, chitchat (bundled conversations), fineweb-edu, fineweb, hf:NAME[:CONFIG], or local "
+        "files: a file, a directory or a quoted glob ('src/**/*.py', recursive); .jsonl/.json/.parquet are one "
+        "document per row, any other UTF-8 text file one document (files in a directory or glob that are not "
+        "UTF-8 text are skipped with a warning naming them)",
     )
     p.add_argument("--out", required=True, help="output directory for shards and manifest.json")
     p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 1e8)")
@@ -29,12 +31,28 @@ def add_parser(sub) -> None:
         "0.5%% of a local source but at least 8192 or a tenth of a smaller one, 5%% of tinyshakespeare)",
     )
     p.add_argument(
+        "--val-docs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="val is the first N documents (implies --val-split documents); the same text whatever "
+        "the tokenizer, so models on data in two tokenizers compare in bits per byte",
+    )
+    p.add_argument(
+        "--val-bytes",
+        type=int,
+        default=None,
+        metavar="B",
+        help="val is the first documents until their text holds B UTF-8 bytes, the one reaching B included "
+        "(implies --val-split documents); the same text whatever the tokenizer, like --val-docs",
+    )
+    p.add_argument(
         "--val-split",
         choices=("tokens", "documents"),
         default=None,
         help="tokens (the default for text, the reference FineWeb layout): val is exactly the "
-        "first --val-tokens tokens; documents (the default for conversations): val ends with the "
-        "document that reaches them, so no document is in both splits (held-out articles)",
+        "first --val-tokens tokens; documents (the default for conversations and with --val-docs/--val-bytes): "
+        "val ends with a whole document, so no document is in both splits (held-out articles)",
     )
     p.add_argument(
         "--format",
@@ -49,7 +67,8 @@ def add_parser(sub) -> None:
         "--tokenizer",
         default=None,
         metavar="DIR",
-        help="a tokenizer from `gpt2lab tokenizer train` (default: GPT-2's BPE); its tokenizer.json "
+        help="a tokenizer from `gpt2lab tokenizer train` (its directory or its tokenizer.json; default: "
+        "GPT-2's BPE, as is a directory holding GPT-2's own vocabulary, a GPT-2 export); its tokenizer.json "
         "goes beside the shards and every model trained on them uses it",
     )
     p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
@@ -78,6 +97,8 @@ def run(args) -> int:
             val_split=args.val_split,
             data_format=args.data_format,
             tokenizer=args.tokenizer,
+            val_docs=args.val_docs,
+            val_bytes=args.val_bytes,
         )
     except GPT2LabError:  # SourceError, ShardError, UsageError, DiskFullError: cli.main, its exit code
         raise

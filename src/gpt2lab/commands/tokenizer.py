@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 
 def add_parser(sub) -> None:
@@ -34,7 +33,12 @@ def add_parser(sub) -> None:
     tr.set_defaults(func=run_train)
 
     ev = tsub.add_parser("eval", help="bytes per token of a tokenizer against GPT-2's on each source")
-    ev.add_argument("--tokenizer", required=True, metavar="DIR", help="a directory from gpt2lab tokenizer train")
+    ev.add_argument(
+        "--tokenizer",
+        required=True,
+        metavar="DIR",
+        help="a directory from gpt2lab tokenizer train, or its tokenizer.json",
+    )
     _sources(ev)
     ev.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ev.set_defaults(func=run_eval)
@@ -46,8 +50,9 @@ def _sources(p: argparse.ArgumentParser) -> None:
         required=True,
         action="append",
         metavar="SRC",
-        help="what `gpt2lab prepare --source` takes: tinyshakespeare, a local .txt/.jsonl/.parquet file "
-        "(also compressed), a directory or a glob, a hub dataset; repeat for several",
+        help="what `gpt2lab prepare --source` takes: tinyshakespeare, a local file (.jsonl/.parquet: one "
+        "document per row, any other UTF-8 text file one document), a directory or a quoted glob "
+        "('src/**/*.py', recursive), a hub dataset; repeat for several",
     )
     p.add_argument("--text-field", default="text", help="jsonl/parquet/hub field holding the text")
 
@@ -56,12 +61,6 @@ def run_train(args: argparse.Namespace) -> int:
     from gpt2lab.data.bpe import train
 
     marker = train(args.source, args.vocab_size, args.out, text_field=args.text_field, progress=not args.quiet)
-    if marker["vocab_size"] < args.vocab_size:
-        print(
-            f"gpt2lab tokenizer: warning: the sources gave {marker['vocab_size']:,} tokens, fewer than the "
-            f"{args.vocab_size:,} asked for (no pair left to merge); train on more text for more",
-            file=sys.stderr,
-        )
     print(
         json.dumps({"out": args.out, **{k: marker[k] for k in ("identity", "vocab_size", "special_tokens", "sources")}})
     )

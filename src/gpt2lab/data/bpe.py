@@ -21,11 +21,12 @@ the sources with their bytes. ``<|endoftext|>``, ``<|im_start|>`` and ``<|im_end
 from __future__ import annotations
 
 import os
+import warnings
 from contextlib import contextmanager
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Optional
 
 from gpt2lab.data import chat
-from gpt2lab.data.sources import JsonLine, SourceError, as_text, resolve_source
+from gpt2lab.data.sources import JsonLine, Source, SourceError, as_text, resolve_source
 from gpt2lab.data.tokenizer import (
     SPECIAL_TOKENS,
     TOKENIZER_FILE,
@@ -33,6 +34,7 @@ from gpt2lab.data.tokenizer import (
     TokenizerError,
     TrainedBPE,
     gpt2_tokenizer,
+    is_gpt2_vocabulary,
     load_tokenizer,
 )
 from gpt2lab.system import rundir
@@ -83,10 +85,10 @@ def document_text(doc, text_field: str) -> str:
     return as_text(doc)
 
 
-def read_texts(sources: list[str], text_field: str, counts: list[dict], bar=None) -> Iterator[str]:
-    """The documents' texts of every source in turn; ``counts`` gets each source's bytes and documents."""
-    for spec in sources:
-        src = resolve_source(spec, text_field)
+def read_texts(sources: list[tuple[str, Source]], text_field: str, counts: list[dict], bar=None) -> Iterator[str]:
+    """The documents' texts of every source (each ``--source`` string and what it resolved to) in
+    turn; ``counts`` gets each source's bytes and documents."""
+    for spec, src in sources:
         entry = {"source": spec, "bytes": 0, "documents": 0}
         counts.append(entry)
         for doc in src.documents(0, None):
@@ -112,16 +114,26 @@ def train(sources: list[str], vocab_size: int, out: str, text_field: str = "text
     if not sources:
         raise UsageError("--source: give at least one text source")
     replace = _check_out(out)
-    for spec in sources:  # every source resolves (a bad path, a file of the wrong kind) before the long part
-        resolve_source(spec, text_field)
+    # every source resolves (a bad path, no text files) before the long part, once (a warning says it once)
+    resolved = [(spec, resolve_source(spec, text_field)) for spec in sources]
     tok, trainer = _bpe(vocab_size)
     counts: list[dict] = []
-    with _bar(progress, sources, text_field) as bar:
-        tok.train_from_iterator(read_texts(sources, text_field, counts, bar), trainer)
-    if not any(c["documents"] for c in counts):
-        raise SourceError(f"--source {' '.join(sources)}: no documents; check the paths")
+    with _bar(progress, [src.size_bytes for _, src in resolved]) as bar:
+        tok.train_from_iterator(read_texts(resolved, text_field, counts, bar), trainer)
+    if not sum(c["bytes"] for c in counts):  # nothing to learn from: 259 tokens, below MIN_VOCAB
+        docs = sum(c["documents"] for c in counts)
+        raise UsageError(
+            f"--source {' '.join(sources)}: no text to train on ({docs} document(s), 0 bytes); "
+            "nothing was written; point --source at files with text"
+        )
     text = tok.to_str()
     trained = TrainedBPE(text)  # the checks any reader makes, before anything is written
+    if trained.n_vocab < vocab_size:
+        warnings.warn(
+            f"the sources gave {trained.n_vocab:,} tokens, fewer than the {vocab_size:,} asked for "
+            "(no pair left to merge); train on more text for more",
+            stacklevel=2,
+        )
     marker = {
         "format": FORMAT,
         "version": VERSION,
@@ -154,11 +166,10 @@ def _check_out(out: str) -> bool:
 
 
 @contextmanager
-def _bar(enabled: bool, sources: list[str], text_field: str):
+def _bar(enabled: bool, sizes: list[Optional[int]]):
     from tqdm import tqdm
 
-    sizes = [resolve_source(s, text_field).size_bytes for s in sources] if enabled else []
-    total = sum(sizes) if sizes and None not in sizes else None  # compressed files: an estimate
+    total = sum(sizes) if enabled and None not in sizes else None  # compressed files: an estimate
     bar = tqdm(disable=not enabled, total=total, unit="B", unit_scale=True, desc="tokenizer", dynamic_ncols=True)
     try:
         yield bar
@@ -167,19 +178,30 @@ def _bar(enabled: bool, sources: list[str], text_field: str):
 
 
 # -- reading one back ---------------------------------------------------------------------------
-def open_dir(path: str, flag: str = "--tokenizer") -> TrainedBPE:
+def open_dir(path: str, flag: str = "--tokenizer") -> Tokenizer:
     """The tokenizer in a directory ``gpt2lab tokenizer train`` wrote (or any holding a tokenizer.json
-    with gpt2lab's special tokens), checked against its marker's identity."""
-    if not os.path.isdir(path):
+    with gpt2lab's special tokens), checked against its marker's identity; ``path`` may be that
+    tokenizer.json itself. A directory or file holding GPT-2's own vocabulary (a GPT-2 export, the
+    hub's gpt2) is GPT-2's BPE (``gpt2_tokenizer``)."""
+    make = f"make one with `gpt2lab tokenizer train --source SRC --vocab-size N --out {path}`"
+    if os.path.isfile(path):
+        folder, file = os.path.dirname(path) or ".", path
+    elif os.path.isdir(path):
+        folder, file = path, os.path.join(path, TOKENIZER_FILE)
+    else:
+        raise UsageError(f"{flag} {path}: no such directory or file; {make}")
+    if is_gpt2_vocabulary(path):
+        return gpt2_tokenizer()
+    if not os.path.isfile(file):
         raise UsageError(
-            f"{flag} {path}: no such directory; make one with `gpt2lab tokenizer train --source SRC "
-            f"--vocab-size N --out {path}`"
+            f"{flag} {path}: holds no {TOKENIZER_FILE} (nor GPT-2's vocab.json and merges.txt); give a "
+            f"directory from `gpt2lab tokenizer train` or its {TOKENIZER_FILE}"
         )
-    marker = read_json_object(os.path.join(path, MARKER)) or {}
-    identity = marker.get("identity")
+    marker = read_json_object(os.path.join(folder, MARKER)) if os.path.basename(file) == TOKENIZER_FILE else None
+    identity = (marker or {}).get("identity")
     try:
         return load_tokenizer(
-            path, identity if isinstance(identity, str) else None, what_next=f"train the tokenizer in {path} again"
+            file, identity if isinstance(identity, str) else None, what_next=f"train the tokenizer in {folder} again"
         )
     except TokenizerError as e:
         raise TokenizerError(f"{flag} {e}") from None
@@ -193,7 +215,7 @@ def bytes_per_token(tokenizers: dict[str, Tokenizer], sources: list[str], text_f
     for spec in sources:
         counts: list[dict] = []
         tokens = dict.fromkeys(tokenizers, 0)
-        for text in read_texts([spec], text_field, counts):
+        for text in read_texts([(spec, resolve_source(spec, text_field))], text_field, counts):
             for name, tok in tokenizers.items():
                 tokens[name] += len(tok.encode_ordinary(text))
         n = counts[0]["bytes"]

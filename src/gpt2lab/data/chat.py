@@ -75,7 +75,8 @@ Message = tuple[str, str]  # (role, content)
 
 def conversation(row: Any) -> list[Message]:
     """The (role, content) turns of one JSON record: OpenAI's messages format
-    ``{"messages": [{"role", "content"}, ...]}`` or GSM8K's ``{"question", "answer"}`` (a user
+    ``{"messages": [{"role", "content"}, ...]}`` (content: text, or a list of text parts
+    ``{"type": "text", "text": ...}``, joined, as the server takes it) or GSM8K's ``{"question", "answer"}`` (a user
     turn and an assistant turn). Raises ChatFormatError naming the field that is wrong."""
     if not isinstance(row, dict):
         raise ChatFormatError(f'a JSON {type(row).__name__}, not an object with "messages"')
@@ -96,10 +97,25 @@ def conversation(row: Any) -> list[Message]:
         role = m.get("role")
         if role not in ROLES:
             raise ChatFormatError(f"messages[{i}].role: {role!r} is not one of {', '.join(ROLES)}")
-        turns.append((role, _text(m, "content", f"messages[{i}].content")))
+        turns.append((role, _content(m, f"messages[{i}].content")))
     if not any(role == ASSISTANT for role, _ in turns):
         raise ChatFormatError("messages: no assistant turn, so nothing to learn from; drop the record")
     return turns
+
+
+def _content(message: dict, field: str) -> str:
+    """A message's content as the server takes it (serve/schemas.py): text, or a list of text parts
+    ``[{"type": "text", "text": ...}, ...]``, joined; any other part names its place."""
+    value = message.get("content")
+    if not isinstance(value, list):
+        return _text(message, "content", field)
+    texts = []
+    for j, part in enumerate(value):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            got = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ChatFormatError(f'{field}[{j}]: only text parts ({{"type": "text", "text": ...}}), got {got!r}')
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def _text(obj: dict, key: str, field: str) -> str:

@@ -41,6 +41,8 @@ FLAGS = {
     "shard_tokens": "--shard-tokens",
     "val_tokens": "--val-tokens",
     "val_split": "--val-split",
+    "val_docs": "--val-docs",
+    "val_bytes": "--val-bytes",
     "format": "--format",
     "tokenizer": "--tokenizer",
 }

@@ -3,8 +3,8 @@
 
 The documents are tokenized in order (in parallel, order kept), each one preceded by
 ``<|endoftext|>``, into one token stream. The stream is cut at fixed places: the first
-``val_tokens`` tokens are the ``val`` split and the rest ``train``, each split in shards
-of ``shard_tokens`` (a document may run on into the next shard, as in llm.c and
+``val_tokens`` tokens (or the first documents: ``val_split="documents"``) are the ``val`` split and
+the rest ``train``, each split in shards of ``shard_tokens`` (a document may run on into the next shard, as in llm.c and
 build-nanogpt). Because shard contents depend only on the stream, a run that resumes
 after a crash (from the (document, offset) saved with each finished shard) writes the
 same bytes as one that never stopped, and the worker count changes nothing.
@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -55,6 +56,8 @@ def prepare(
     val_split: Optional[str] = None,
     data_format: str = "auto",
     tokenizer: Optional[str] = None,
+    val_docs: Optional[int] = None,
+    val_bytes: Optional[int] = None,
 ) -> Dict:
     """Tokenize ``source`` into shards under ``out_dir``; return the manifest.
 
@@ -64,7 +67,10 @@ def prepare(
     ``val_tokens`` tokens, and the document they cut continues in train. ``"documents"``: val
     is whole documents, the first ones of the source until it holds at least ``val_tokens``
     tokens; train starts with the next document, so no document is in both (held-out text; the
-    default for conversations).
+    default for conversations). ``val_docs`` (the first N documents) or ``val_bytes`` (the first
+    documents until their text holds at least B UTF-8 bytes) size that split in text instead of
+    tokens (and imply ``"documents"``): two prepares of one source with two tokenizers then hold the
+    same val documents, so the models' bits per byte are measured on the same text.
     Re-running the same command after a crash or Ctrl-C finishes the job; on a finished
     directory it only checks the shards.
     ``data_format``: ``text`` (documents), ``chat`` (conversations: data/chat.py's template, with
@@ -75,14 +81,18 @@ def prepare(
     if shard_tokens < 1:
         raise ValueError(f"shard_tokens {shard_tokens} must be >= 1")
     n_workers = _workers(workers)
+    in_text = _val_in_text(val_tokens, val_docs, val_bytes, val_split)
     src = resolve_source(source, text_field, config)
-    val_defaulted = val_tokens is None
-    if val_tokens is None:
+    val_defaulted = val_tokens is None and not in_text
+    if val_defaulted:
         val_tokens = default_val_tokens(src, shard_tokens)
-    if val_tokens < 0 or (limit_docs is not None and limit_docs < 0):
-        raise ValueError(f"val_tokens {val_tokens} and limit_docs {limit_docs} must be >= 0")
+    if any(v is not None and v < 0 for v in (val_tokens, val_docs, val_bytes, limit_docs)):
+        raise ValueError(
+            f"val_tokens {val_tokens}, val_docs {val_docs}, val_bytes {val_bytes} and limit_docs {limit_docs} "
+            "must be >= 0"
+        )
     fmt = detect_format(src, data_format, text_field)
-    val_split = val_split or ("documents" if fmt == "chat" else "tokens")
+    val_split = val_split or ("documents" if fmt == "chat" or in_text else "tokens")
     tok = _tokenizer(tokenizer, fmt)
     settings = {
         "source": source,
@@ -92,6 +102,8 @@ def prepare(
         "shard_tokens": shard_tokens,
         "val_tokens": val_tokens,
         "val_split": val_split,
+        "val_docs": val_docs,
+        "val_bytes": val_bytes,
         "format": fmt,
     }
     if tok.identity is not None:  # GPT-2's manifests stay as they were
@@ -109,22 +121,71 @@ def prepare(
         )
     manifest = start_manifest(out, settings, val_defaulted, src, tok)
     if not manifest["complete"]:
+        if tok.identity is not None and not in_text:
+            warnings.warn(
+                "the val split is sized in this tokenizer's tokens, so it holds other text than data "
+                "prepared with another tokenizer and bits per byte will not compare; to compare, "
+                "prepare both with the same --val-docs N or --val-bytes B",
+                stacklevel=2,
+            )
         save_manifest(out, manifest)  # marks the directory unfinished until the end
         if tok.identity is not None:  # after the manifest: a directory with one is prepare's own
             save_tokenizer(tok, str(out), what_next="run the same prepare command again")
-        _run(src, out, manifest, n_workers, progress, tok)
+        n_val = val_docs if val_bytes is None else val_documents(src, val_bytes, fmt, limit_docs)
+        _run(src, out, manifest, n_workers, progress, tok, n_val)
     if fmt == "chat":  # the val split's conversations, for `gpt2lab eval chat` (data/held_out.py)
         write_held_out(src, out, manifest)
     return manifest
 
 
+def _val_in_text(
+    val_tokens: Optional[int], val_docs: Optional[int], val_bytes: Optional[int], val_split: Optional[str]
+) -> bool:
+    """Whether the val split is sized in documents or bytes (the same text whatever the tokenizer);
+    at most one of the three sizes, and a text size only with ``--val-split documents``."""
+    sizes = (("--val-tokens", val_tokens), ("--val-docs", val_docs), ("--val-bytes", val_bytes))
+    given = [flag for flag, v in sizes if v is not None]
+    if len(given) > 1:
+        raise UsageError(f"{' and '.join(given)}: give one size for the val split, not {len(given)}")
+    in_text = val_docs is not None or val_bytes is not None
+    if in_text and val_split == "tokens":
+        raise UsageError(
+            f"{given[0]} with --val-split tokens: a split sized in text ends with a whole document; "
+            "use --val-split documents (the default with it), or --val-tokens"
+        )
+    return in_text
+
+
+def val_documents(src: Source, val_bytes: int, fmt: str, limit_docs: Optional[int]) -> int:
+    """How many of the first documents the val split holds for ``--val-bytes``: up to the one whose
+    text reaches ``val_bytes`` UTF-8 bytes (a conversation's text: its messages' contents), read
+    from the source itself, so the count is the same whatever the tokenizer."""
+    if val_bytes == 0:
+        return 0
+    total, n = 0, 0
+    for n, doc in enumerate(src.documents(0, limit_docs), 1):
+        total += len(_doc_text(doc, fmt).encode("utf-8", "surrogatepass"))
+        if total >= val_bytes:
+            break
+    return n
+
+
+def _doc_text(doc: Document, fmt: str) -> str:
+    if fmt != "chat" or not isinstance(doc, JsonLine):
+        return as_text(doc)
+    try:
+        return "".join(content for _, content in chat.conversation(doc.row()))
+    except chat.ChatFormatError as e:
+        raise SourceError(f"{doc.path}:{doc.lineno}: {e}; fix or remove that line") from e
+
+
 def _tokenizer(path: Optional[str], fmt: str) -> Tokenizer:
-    """GPT-2's BPE (its chat variant for conversations), or the trained one in ``path``."""
-    if path is None:
-        return gpt2_tokenizer(chat=fmt == "chat")
+    """GPT-2's BPE (its chat variant for conversations), or the trained one in ``path``; a ``path``
+    holding GPT-2's own vocabulary (a GPT-2 export) is GPT-2's BPE, as with no ``path``."""
     from gpt2lab.data.bpe import open_dir
 
-    return open_dir(path)
+    tok = open_dir(path) if path is not None else None
+    return gpt2_tokenizer(chat=fmt == "chat") if tok is None or tok.identity is None else tok
 
 
 # A local source's val split is its val_fraction (0.5%; Tiny Shakespeare 5%), but at least this many
@@ -177,9 +238,11 @@ def detect_format(src: Source, asked: str, text_field: str) -> str:
     return "chat" if chat.is_conversation(row) and text_field not in row else "text"
 
 
-def _run(src: Source, out: Path, manifest: Dict, workers: int, progress: bool, tok: Tokenizer) -> None:
+def _run(
+    src: Source, out: Path, manifest: Dict, workers: int, progress: bool, tok: Tokenizer, val_docs: Optional[int]
+) -> None:
     sweep_stale(str(out))
-    writer = ShardWriter(out, manifest, src)
+    writer = ShardWriter(out, manifest, src, val_docs)
     docs = src.documents(writer.doc, manifest["settings"]["limit_docs"])
     chat_data = manifest["settings"]["format"] == "chat"
     encode = functools.partial(encode_conversations if chat_data else encode_documents, tokenizer=tok)

@@ -5,14 +5,17 @@
   permute. Joining the documents with a blank line gives the file back exactly.
 - ``chitchat``: 1,500 two-person conversations shipped in the package (``assets/chitchat.jsonl.zst``,
   the messages format; what ``gpt2lab demo --chat`` fine-tunes on), read as the local file it is.
-- local files: a ``.txt`` (one document), ``.jsonl``/``.json`` (JSON lines: one document
-  per line, field ``text_field``), ``.parquet`` (column ``text_field``), the text and JSON
-  lines ones also compressed (``.gz``, ``.zst``, ``.xz``, ``.bz2``: ``docs.jsonl.zst``,
-  ``book.txt.gz``), or a directory / glob of them (files in sorted order). Compressed files
-  are decompressed as a stream, a chunk at a time; a corrupt or truncated one is a
-  ``SourceError`` naming it. A directory or glob that holds a file of any other kind is
-  refused with every such file named: prepare never trains on part of the user's data
-  without saying so.
+- local files: ``.jsonl``/``.json`` (JSON lines: one document per line, field ``text_field``),
+  ``.parquet`` (column ``text_field``), and any other file as UTF-8 text, one document per file
+  (``.txt``, ``.py``, ``.md``, ``Makefile``, ...); ``.txt`` and the JSON lines ones also
+  compressed (``.gz``, ``.zst``, ``.xz``, ``.bz2``: ``docs.jsonl.zst``, ``book.txt.gz``); or a
+  directory / glob of them (files in sorted order; ``'src/**/*.py'`` is recursive; a directory
+  leaves out names beginning with a dot, as a glob does). Compressed files are decompressed as a
+  stream, a chunk at a time; a corrupt or truncated one is a ``SourceError`` naming it. A file of
+  no known kind in a directory or glob that is not UTF-8 text (an image, a ``.tar.gz``: a NUL
+  byte or a byte sequence UTF-8 does not have) is skipped, and a warning line gives how many and
+  names them: prepare never leaves out part of the user's data without saying so. Named alone, such
+  a file is a ``SourceError``.
 - the hub, through HF ``datasets`` streaming: ``fineweb-edu``, ``fineweb`` (config
   ``sample-10BT`` unless ``config`` says otherwise) and any ``hf:NAME[:CONFIG]``.
 
@@ -22,6 +25,7 @@ Bad input raises ``SourceError`` naming the file (and line or row) and what to d
 from __future__ import annotations
 
 import bz2
+import codecs
 import glob
 import gzip
 import io
@@ -147,45 +151,69 @@ def _local_files(source: str) -> List[str]:
         files = sorted(f for f in glob.glob(source, recursive=True) if os.path.isfile(f))
         what = f"glob {source!r} matches"
     elif os.path.isdir(source):
-        files = sorted(str(p) for p in Path(source).rglob("*") if p.is_file())
+        files = sorted(str(p) for p in Path(source).rglob("*") if p.is_file() and not _hidden(p, source))
         what = f"directory {source} holds"
     elif os.path.isfile(source):
-        files, what = [source], f"{source} is"
+        return [source]  # named alone: read as what it is (text that is not UTF-8: one line, when read)
     else:
         raise SourceError(
             f"--source {source!r}: no such file or directory, and not one of "
             f"tinyshakespeare, chitchat, {', '.join(HUB_ALIASES)}, hf:NAME[:CONFIG]"
         )
-    usable = [f for f in files if f.endswith(LOCAL_SUFFIXES)]
+    binary = [f for f in files if not _known(f) and not _is_utf8_text(f)]
+    usable = [f for f in files if f not in set(binary)]
     if not usable:
-        raise SourceError(
-            f"{what} no readable files ({KINDS_HINT}); point --source at text files "
-            "(.txt is one document, .jsonl/.parquet one per row)"
-        )
-    other = [f for f in files if f not in usable]
-    if other:  # never tokenize part of a directory without saying so: name every other file
-        names = ", ".join(other[:20]) + (f" and {len(other) - 20} more" if len(other) > 20 else "")
-        raise SourceError(
-            f"{what} {len(other)} file(s) prepare cannot read ({names}); it reads "
-            f"{KINDS_HINT}. Move them out, or pick the files with a glob "
-            f"(e.g. --source '{source.rstrip('/')}/*{_common_suffix(usable)}')"
-        )
+        found = f" (the {len(binary)} there are not UTF-8 text)" if binary else ""
+        raise SourceError(f"{what} no files{found}; point --source at text files ({KINDS_HINT})")
+    if binary:  # never leave out part of the user's data without saying so: how many, and which
+        names = ", ".join(binary[:10]) + (f" and {len(binary) - 10} more" if len(binary) > 10 else "")
+        warnings.warn(f"{what} {len(binary)} file(s) that are not UTF-8 text, skipped: {names}", stacklevel=3)
     return usable
 
 
-def _common_suffix(files: List[str]) -> str:
-    suffixes = [next(s for s in sorted(LOCAL_SUFFIXES, key=len, reverse=True) if f.endswith(s)) for f in files]
-    return max(set(suffixes), key=suffixes.count)
+def _hidden(path: Path, root: str) -> bool:
+    """Whether a path under ``root`` has a part beginning with a dot (``.git/``, ``.DS_Store``)."""
+    return any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
-KINDS_HINT = ".txt, .jsonl, .json (JSON lines), .parquet; .txt/.jsonl/.json also as .gz/.zst/.xz/.bz2"
+def _known(path: str) -> bool:
+    """Whether a file's name says its kind (JSON lines, Parquet, text, compressed ones of those)."""
+    return path.endswith(LOCAL_SUFFIXES)
+
+
+def _is_utf8_text(path: str) -> bool:
+    """Whether a file of no known kind is UTF-8 text: no NUL byte (the mark of binary data, as
+    git and grep take it) and every byte sequence one UTF-8 has. An unreadable file counts as text
+    here, so that reading it gives its one-line error."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(READ_CHUNK):
+                if b"\0" in chunk:
+                    return False
+                decoder.decode(chunk)
+            decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+KINDS_HINT = (
+    "any UTF-8 text file is one document; .jsonl/.json (JSON lines) and .parquet one per row; "
+    ".txt/.jsonl/.json also as .gz/.zst/.xz/.bz2"
+)
 
 
 def kind_of(path: str) -> Tuple[str, Optional[str]]:
-    """(``txt``/``jsonl``/``parquet``, compression suffix or None) of a local file name."""
+    """(``txt``/``jsonl``/``parquet``, compression suffix or None) of a local file name; a name of no
+    known kind is text (``txt``), read as it is."""
     comp = next((c for c in COMPRESSIONS if path.endswith(c)), None)
+    if comp is not None and not path.endswith(LOCAL_SUFFIXES):
+        comp = None  # notes.tar.gz: not a compressed kind prepare reads; its bytes, as a file of no known kind
     inner = path[: -len(comp)] if comp else path
-    return TEXT_KINDS[Path(inner).suffix], comp
+    return TEXT_KINDS.get(Path(inner).suffix, "txt"), comp
 
 
 def _local_docs(files: List[str], text_field: str, starts: List[int]) -> Iterator[Document]:
@@ -289,7 +317,8 @@ def _txt_docs(path: str, text_field: str) -> Iterator[str]:
     # one document, so whole in memory (as for .txt); JSON lines stream document by document
     with _reading(path), _open_text(path) as f:
         text = f.read()
-    if not text.strip():  # kept (as a .jsonl's empty row is), but worth knowing about
+    if not text.strip() and _known(path):  # kept (as a .jsonl's empty row is), but worth knowing about
+        # (a .txt only: an empty file of code, an __init__.py, is common and says nothing)
         warnings.warn(f"{path}: empty text file; it adds only an <|endoftext|>", stacklevel=2)
     yield text
 

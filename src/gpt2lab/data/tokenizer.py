@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 import re
 from importlib import resources
@@ -131,6 +132,42 @@ def _ranks() -> dict:
     return data_gym_to_mergeable_bpe_ranks(
         vocab_bpe_file=_checked("vocab.bpe"), encoder_json_file=_checked("encoder.json")
     )
+
+
+def is_gpt2_vocabulary(path: str) -> bool:
+    """Whether ``path`` (a Hugging Face tokenizer directory, or a tokenizer.json) holds GPT-2's own BPE:
+    OpenAI's vocabulary and merges, as vocab.json + merges.txt (a GPT-2 export, the hub's gpt2) or in a
+    tokenizer.json. Compared token by token and merge by merge with the files shipped here."""
+    vocab, merges = _gpt2_vocab_and_merges()
+    try:
+        if os.path.isdir(path) and os.path.isfile(os.path.join(path, "vocab.json")):
+            with open(os.path.join(path, "vocab.json"), encoding="utf-8") as f:
+                if json.load(f) != vocab:
+                    return False
+            with open(os.path.join(path, "merges.txt"), encoding="utf-8") as f:
+                return _merge_lines(f.read()) == merges
+        file = os.path.join(path, TOKENIZER_FILE) if os.path.isdir(path) else path
+        with open(file, encoding="utf-8") as f:
+            model = json.load(f).get("model", {})
+        if not isinstance(model, dict) or model.get("type") != "BPE" or model.get("vocab") != vocab:
+            return False
+        got = model.get("merges")
+        return isinstance(got, list) and [m if isinstance(m, str) else " ".join(m) for m in got] == merges
+    except (OSError, ValueError, TypeError, AttributeError):  # missing, not JSON, another shape: not GPT-2's
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def _gpt2_vocab_and_merges() -> tuple[dict, list[str]]:
+    with open(_checked("encoder.json"), encoding="utf-8") as f:
+        vocab = json.load(f)
+    with open(_checked("vocab.bpe"), encoding="utf-8") as f:
+        return vocab, _merge_lines(f.read())
+
+
+def _merge_lines(text: str) -> list[str]:
+    """The merges of a merges.txt / vocab.bpe: one "a b" per line, after the "#version" line."""
+    return [line for line in text.split("\n") if line and not line.startswith("#version")]
 
 
 # -- a trained one -----------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The shard writer of ``gpt2lab prepare``: the token stream, cut into shards at fixed places.
 
 The first ``val_tokens`` tokens (``--val-split tokens``), or the documents up to the one that
-reaches them (``documents``), are the ``val`` split and the rest ``train``, each in shards of
+reaches them (``documents``), or the first ``val_docs`` documents (``--val-docs``, and
+``--val-bytes`` as the documents its bytes take), are the ``val`` split and the rest ``train``, each in shards of
 ``shard_tokens``. Each finished shard is written whole (temp name, then rename) and then listed in
 the manifest with the (document, offset) to resume from, so a run that stopped goes on from its last
 listed shard and writes the same bytes as one that never stopped.
@@ -25,18 +26,20 @@ class ShardWriter:
     """Cuts the token stream into shards; saves the resume state with each shard.
 
     Train shards hold ``shard_tokens`` tokens each (the last one fewer). The val split ends
-    at ``val_end``, the end of the document that reaches ``val_tokens``, so its last shard
-    is usually short and train starts with a whole document.
+    at ``val_end``, the end of the document that reaches ``val_tokens`` (or of document
+    ``val_docs``), so its last shard is usually short and train starts with a whole document.
     """
 
-    def __init__(self, out: Path, manifest: Dict, src: Source) -> None:
+    def __init__(self, out: Path, manifest: Dict, src: Source, val_docs: Optional[int] = None) -> None:
         self.out, self.manifest, self.src = out, manifest, src
         s = manifest["settings"]
-        self.shard_tokens, self.val_tokens = s["shard_tokens"], s["val_tokens"]
+        self.shard_tokens, self.val_tokens, self.val_docs = s["shard_tokens"], s["val_tokens"], val_docs
         r = manifest["resume"]
         self.doc, self.offset, self.written, self.val_end = r["next_doc"], r["offset"], r["tokens"], r["val_end"]
         if self.val_end is None and s["val_split"] == "tokens":
             self.val_end = self.val_tokens  # a token count, wherever it falls in a document
+        if self.val_end is None and val_docs == 0:
+            self.val_end = 0
         self.buf = np.empty(self.shard_tokens, dtype=manifest["dtype"])
         # conversations: the loss mask beside the tokens, cut into shards at the same places
         self.mask = np.empty(self.shard_tokens, dtype=np.uint8) if s["format"] == "chat" else None
@@ -68,9 +71,12 @@ class ShardWriter:
         starts = ends - lengths
         base = self.written + self.fill - self.offset  # stream position of this batch's first token
         self._files_seen(base, starts, len(lengths))
-        if self.val_end is None:  # "documents": val ends with the first document to reach val_tokens
-            k = int(np.searchsorted(base + ends, self.val_tokens, side="left"))
-            if k < len(lengths):
+        if self.val_end is None:  # "documents": val ends with document val_docs, or the first to reach val_tokens
+            if self.val_docs is not None:
+                k = self.val_docs - 1 - self.doc
+            else:
+                k = int(np.searchsorted(base + ends, self.val_tokens, side="left"))
+            if 0 <= k < len(lengths):
                 self.val_end = base + int(ends[k])
         pos, self.offset = self.offset, 0  # only the first document after a resume is partial
         while pos < len(tokens):
@@ -132,8 +138,11 @@ class ShardWriter:
             if open_shard(self.out / info["shards"][0])[0] != self.manifest["eot_id"]:
                 info["documents"] += 1
         if "train" not in self.manifest["splits"]:
+            s = self.manifest["settings"]
+            sizes = (("--val-docs", "val_docs"), ("--val-bytes", "val_bytes"), ("--val-tokens", "val_tokens"))
+            flag, size = next((f, s.get(k)) for f, k in sizes if s.get(k) is not None)
             warnings.warn(
-                f"{self.out}: all {self.written} tokens went to val (val_tokens "
-                f"{self.val_tokens}); pass a smaller --val-tokens to get a train split"
+                f"{self.out}: all {self.written} tokens ({self.doc} documents) went to val ({flag} "
+                f"{size}); pass a smaller {flag} to get a train split"
             )
         save_manifest(self.out, self.manifest)
