@@ -88,6 +88,20 @@ def test_openai_client_completion_equals_gpt2lab_sample(mode, request, capsys):
     assert r.choices[0].text == greedy[0] and r.usage.prompt_tokens == 1  # '' is <|endoftext|>, as in sample
 
 
+@pytest.mark.parametrize("mode", ["pair_server", "turns_pair_server"])
+def test_a_seeded_request_with_the_default_settings_gives_samples_default_text(mode, request, capsys):
+    """No temperature, top_p or top_k on either side: the API's absent fields are `sample`'s defaults
+    (top-k 50), so the texts agree; `--top-k 0` (every token) gives another text, so they would not
+    agree if the API's default kept every token."""
+    url, d = request.getfixturevalue(mode)
+    prompt = "Once upon a time"
+    [expected] = sample_cli(capsys, d, prompt, max_new_tokens=24, seed=11)
+    r = openai_client(url).completions.create(model="tiny", prompt=prompt, max_tokens=24, seed=11)
+    assert r.choices[0].text == expected
+    [every] = sample_cli(capsys, d, prompt, max_new_tokens=24, seed=11, top_k=0)
+    assert every != expected
+
+
 def test_streaming_yields_the_same_text_token_by_token(pair_server):
     url, _ = pair_server
     kw = dict(model="tiny", prompt="Once upon a time", max_tokens=16, seed=3, extra_body={"top_k": 50})

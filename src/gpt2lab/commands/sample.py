@@ -7,6 +7,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from gpt2lab.inference.flags import add_inference_flags
+from gpt2lab.model.sampling_defaults import SAMPLING
 from gpt2lab.system.choices import finite_float
 
 if TYPE_CHECKING:
@@ -31,13 +32,21 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--num-samples", type=int, default=1, help="how many continuations, one after another")
     p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate after the prompt")
-    p.add_argument("--temperature", type=finite_float, default=1.0, help="0 means greedy")
-    p.add_argument("--top-k", type=int, default=50, help="sample from the k most likely tokens (0: all)")
+    # the defaults are the server's and generate()'s too (model/sampling_defaults.py)
+    p.add_argument(
+        "--temperature", type=finite_float, default=SAMPLING.temperature, help="0 means greedy (as the API's default)"
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=SAMPLING.top_k,
+        help="sample from the k most likely tokens, 0 keeps every token; the API's default too (absent top_k)",
+    )
     p.add_argument(
         "--top-p",
         type=finite_float,
-        default=None,
-        help="nucleus sampling: smallest set holding this much mass (default: off)",
+        default=SAMPLING.top_p,
+        help="nucleus sampling: the smallest set holding this much of the mass, 1 keeps all (as the API's default)",
     )
     p.add_argument("--seed", type=int, default=42, help="seed of the sampling generator")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")

@@ -15,6 +15,7 @@ import torch
 
 from gpt2lab.data.tokenizer import Tokenizer, for_config, gpt2_tokenizer, short
 from gpt2lab.model.gpt import GPT
+from gpt2lab.model.sampling_defaults import SAMPLING
 
 if TYPE_CHECKING:
     from gpt2lab.inference.choice import Decision
@@ -26,12 +27,13 @@ class PromptError(ValueError):
 
 @dataclass(frozen=True)
 class Sampling:
-    """How to continue a prompt; ``top_k`` 0 or None keeps every token, ``top_p`` 1 or None all the mass."""
+    """How to continue a prompt (the defaults: ``SAMPLING``, model/sampling_defaults.py); ``top_k`` 0 or
+    None keeps every token, ``top_p`` 1 or None all the mass."""
 
     max_new_tokens: int = 100
-    temperature: float = 1.0
-    top_k: Optional[int] = None
-    top_p: Optional[float] = None
+    temperature: float = SAMPLING.temperature
+    top_k: Optional[int] = SAMPLING.top_k
+    top_p: Optional[float] = SAMPLING.top_p
     stop_at_eot: bool = True
 
     def filters(self) -> dict:
