@@ -8,12 +8,14 @@ decode step), from which the dtype is chosen, the same for every workload; for `
 
 * each figure is the best of ``REPEATS`` calls after an untimed one; when the second best is over
   ``UNSTEADY`` times the best, ``REPEATS`` more are timed, and a figure whose two best calls of all
-  still disagree that much is used for this run and not kept;
+  still disagree that much is neither kept nor used (below);
 * the best candidate of each dtype is timed a second time after all the others (a load that slowed one
   candidate's every call passes by then); the best of both is kept, unless the two passes are over
   ``UNSTEADY`` times apart;
 * a figure that contradicts the work it measures is not kept: a one-row step (or a ``--max-batch``-row
   step of at most ``REQUEST_TOKENS`` rows) over ``ABSURD`` times the same candidate's prefill;
+* figures not kept are not used either: the device's rule decides this run (the batch figures alone:
+  the kernel by the one-row figures), so that processes on a busy machine still agree on a choice;
 * a run that sees its choice run far slower than its figure (``Watch``) removes the entry, so the next
   run measures again.
 
@@ -281,9 +283,13 @@ def _notice(command: str, what: str, secs: float, where: str) -> None:
     )
 
 
+NOT_KEPT = "measured on a busy machine (not kept), the device's rule"
+
+
 def _not_kept(command: str, doubts: list) -> None:
     print(
-        f"{command}: figures not kept, the next run measures again (the machine was busy?): {'; '.join(doubts)}",
+        f"{command}: figures neither used nor kept, the next run measures again (the machine was busy?): "
+        f"{'; '.join(doubts)}",
         file=sys.stderr,
         flush=True,
     )
@@ -323,12 +329,12 @@ def decide(
         doubts: list = []
         timings = reference_timings(model, cands, device, doubts)
         entry = None
-        if doubts:
-            kept = False
+        if doubts:  # neither kept nor used: the device's rule decides, the same in every process
             _not_kept(command, doubts)
-        else:
-            probe_cache.save_timings(key, model.config, device, timings)
-            entry = {}
+            decision = choose(request, facts)
+            return dataclasses.replace(decision, reason=decision.reason.replace("not measured", NOT_KEPT, 1))
+        probe_cache.save_timings(key, model.config, device, timings)
+        entry = {}
     if serve:
         dtype, _ = choose_dtype(cands, dataclasses.replace(facts, timings=timings))
         pool = [c for c in cands if c.dtype == dtype and isinstance(timings.get(c.name), Timing)]
@@ -343,10 +349,11 @@ def decide(
                 r = rows.get(c.name)
                 if isinstance(r, float):
                     doubts.extend(_absurd(c.name, dataclasses.replace(t, step_rows=r), request.rows))
-            if doubts:
+            if doubts:  # not used either: the kernel by the one-row figures, as any process takes it
                 kept = False
                 _not_kept(command, doubts)
-            elif kept:
+                rows = None
+            else:
                 probe_cache.save_rows(key, request.rows, rows)
         for name, r in (rows or {}).items():
             if isinstance(timings.get(name), Timing):
