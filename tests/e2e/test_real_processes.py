@@ -80,7 +80,10 @@ def test_warnings_print_as_one_line_with_the_command(tmp_path):
     assert r.stderr.splitlines() == [f"gpt2lab plot: warning: {path}:3: unfinished last line left out"]
 
 
-@pytest.mark.parametrize("module", ["gpt2lab.model.config", "gpt2lab.train.config", "gpt2lab.system.choices"])
+@pytest.mark.parametrize(
+    "module",
+    ["gpt2lab.model.config", "gpt2lab.model.sampling_defaults", "gpt2lab.train.config", "gpt2lab.system.choices"],
+)
 def test_config_modules_import_no_torch(module):
     """The CLI builds its flags from these; importing them must not import torch."""
     code = f"import sys, {module}; print('torch' in sys.modules)"

@@ -90,8 +90,13 @@ def test_the_server_refuses_by_the_same_rule(monkeypatch):
 def test_the_probe_is_announced_before_it_runs_and_its_choice_precedes_the_text(
     gpt2_vocab_export, tmp_path, monkeypatch
 ):
+    from gpt2lab.inference import probe
+    from gpt2lab.inference.choice import Timing
+
     monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path))  # a new machine: nothing measured yet
     monkeypatch.delenv("GPT2LAB_PROBE", raising=False)
+    # steady figures no run is far slower than (a busy machine's real ones are not kept: another line)
+    monkeypatch.setattr(probe, "measure", lambda *a, **k: Timing(1e3, 1e3))
     _, d = gpt2_vocab_export
     both = io.StringIO()  # stdout and stderr as one terminal shows them, in order
     monkeypatch.setattr(sys, "stdout", both)
@@ -128,7 +133,7 @@ def test_the_probe_is_announced_before_it_runs_and_its_choice_precedes_the_text(
                 "--seed",
                 "(default: 42)",
                 "--top-p",
-                "(default: off)",
+                "(default: 1.0)",
                 "--dtype",
                 "(default: auto)",
             ],

@@ -115,7 +115,7 @@ def test_top_k_top_p_temperature_distributions():
 
 def test_bad_sampling_arguments():
     logits = torch.zeros(1, 4)
-    for kw, msg in [(dict(temperature=-1), "temperature"), (dict(top_k=0), "top_k"), (dict(top_p=0.0), "top_p")]:
+    for kw, msg in [(dict(temperature=-1), "temperature"), (dict(top_k=-1), "top_k"), (dict(top_p=0.0), "top_p")]:
         with pytest.raises(ValueError, match=msg):
             sample_next(logits, **kw)
     with pytest.raises(ValueError, match="idx"):
@@ -175,3 +175,47 @@ def test_model_generate_returns_what_generate_returns():
     assert torch.equal(mine, generate(model, idx, 20, use_cache=False, **kw))
     with pytest.raises(TypeError, match="no_such_option"):  # keywords reach generate unchanged
         model.generate(idx, 2, no_such_option=1)
+
+
+# -- one set of sampling defaults: sample's flags, the API's absent fields, generate() ---------------
+def test_sample_the_api_and_generate_share_one_set_of_sampling_defaults():
+    import inspect
+
+    from gpt2lab import cli
+    from gpt2lab.inference.completion import Sampling
+    from gpt2lab.model.sampling_defaults import SAMPLING
+    from gpt2lab.serve.schemas import ChatRequest, CompletionRequest
+
+    assert (SAMPLING.temperature, SAMPLING.top_k, SAMPLING.top_p) == (1.0, 50, 1.0)  # GPT-2's recipe: top-k 50
+    args = cli.build_parser().parse_args(["sample"])
+    want = {"temperature": SAMPLING.temperature, "top_k": SAMPLING.top_k, "top_p": SAMPLING.top_p}
+    assert {k: getattr(args, k) for k in want} == want
+    for schema in (CompletionRequest, ChatRequest):  # a request that leaves them out
+        absent = schema(model="m", **({"messages": []} if schema is ChatRequest else {}))
+        assert {k: getattr(absent, k) for k in want} == want
+    for fn in (generate_stream, sample_next):  # generate() passes its keywords to generate_stream
+        params = inspect.signature(fn).parameters
+        assert {k: params[k].default for k in want} == want
+    assert {k: getattr(Sampling(), k) for k in want} == want
+
+
+def test_generate_samples_from_the_50_most_likely_tokens_by_default_and_0_keeps_every_token():
+    """Each drawn token's rank in the logits it was drawn from (an independent count, not sample_next's
+    topk): under 50 by default; with top_k=0 the tail of a near-uniform 211-token model is drawn too."""
+    model = tiny_gpt(seed=5, vocab_size=211, block_size=96)
+    idx = torch.randint(0, 211, (4, 3), generator=torch.Generator().manual_seed(0))
+
+    def ranks(**kw) -> list[int]:
+        seen: list[torch.Tensor] = []
+        g = torch.Generator().manual_seed(1)
+        out = []
+        for tok, _ in generate_stream(model, idx, 40, generator=g, on_logits=seen.append, **kw):
+            logits = seen.pop()
+            picked = logits.gather(-1, tok[:, None])
+            out += (logits > picked).sum(-1).tolist()  # how many tokens were more likely than the one drawn
+        return out
+
+    assert max(ranks()) < 50
+    assert max(ranks(top_k=0)) >= 50
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert torch.equal(generate(model, idx, 20, generator=g1), generate(model, idx, 20, top_k=50, generator=g2))

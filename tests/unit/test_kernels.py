@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from conftest import tiny_gpt
 
 from gpt2lab.inference import probe as prep
+from gpt2lab.inference import probe_cache
 from gpt2lab.inference.choice import Candidate, InferenceFacts, InferenceRequest, Timing, candidates, choose
 from gpt2lab.inference.form import for_inference, hold
 from gpt2lab.inference.kernels import (
@@ -310,14 +311,18 @@ def test_sample_keeps_the_cheapest_request_prefill_plus_its_decode_steps():
     )
     d = choose(InferenceRequest(), facts)
     assert d.candidate.name == "bfloat16/packed"
-    assert "next float32/packed prefill 40.0 / step 9.00 ms (1.06x)" in d.reason
+    assert d.reason.startswith(
+        "bfloat16 for every workload: a 128-token prefill and 128 one-row steps in 1124.0 ms, "
+        "against float32's 1192.0 ms (1.06x); fastest of the bfloat16 kernels measured for sample: "
+        "bfloat16/packed prefill 100.0 / step 8.00 ms"
+    )
     assert d.reason.endswith(
         "; dropped: float32/decode failed: no; bfloat16/plain given up: slow; bfloat16/decode given up: slow"
     )
-    assert choose(InferenceRequest(workload="score"), facts).candidate.name == "float32/packed"  # the prefill alone
-    assert choose(InferenceRequest(workload="score"), facts).reason.startswith(
-        "fastest measured for score: float32/packed prefill 40.0 ms"
-    )
+    # the evals score with the prefill alone, where fp32/packed is faster: the dtype is still bf16's
+    score = choose(InferenceRequest(workload="score"), facts)
+    assert score.candidate.name == "bfloat16/packed"
+    assert "fastest of the bfloat16 kernels measured for score: bfloat16/packed prefill 100.0 ms" in score.reason
 
 
 def test_serve_keeps_the_candidate_whose_worse_slowdown_at_one_row_or_a_full_batch_is_least():
@@ -332,8 +337,35 @@ def test_serve_keeps_the_candidate_whose_worse_slowdown_at_one_row_or_a_full_bat
         bfloat16__plain=Timing(10.0, 9.0, 8.0),
     )
     d = choose(InferenceRequest(workload="serve", rows=8), facts)
-    assert d.candidate.name == "bfloat16/plain" and "(1.93x)" in d.reason and "(2.86x)" in d.reason
+    assert d.candidate.name == "bfloat16/plain" and "(2.86x)" in d.reason
+    assert "against float32's 1290.0 ms (1.25x)" in d.reason  # the dtype: bf16's best request, 1034 ms
     assert choose(InferenceRequest(workload="sample"), facts).candidate.name == "bfloat16/packed"
+
+
+def test_the_dtype_is_one_for_every_workload_only_the_kernel_follows_the_workload():
+    """Figures that chose fp32 for sample and bf16 for serve (a batch step of fp32/packed 5x bf16's)
+    now choose one dtype for both (and for score): the one whose best request at one row is cheapest.
+    Within it the kernel still follows the workload: serve takes fp32/plain, whose batch step is best.
+      reference (prefill + 128 * step1): fp32/packed 10 + 1024 = 1034, fp32/plain 10 + 1088 = 1098,
+      bf16/packed 10 + 1152 = 1162 -> float32.
+      before: serve's worse slowdown (one row; batch prefill + 128 * step8 / 8): fp32/packed
+      max(1, 650/170 = 3.82), bf16/packed max(1.12, 1) -> bf16. Now, within fp32: fp32/packed
+      max(1, 650/202 = 3.22), fp32/plain max(1098/1034 = 1.06, 1) -> fp32/plain."""
+    facts = _facts(
+        ZEN,
+        float32__packed=Timing(10.0, 8.0, 40.0),
+        float32__plain=Timing(10.0, 8.5, 12.0),
+        bfloat16__packed=Timing(10.0, 9.0, 10.0),
+    )
+    picks = {
+        w: choose(InferenceRequest(workload=w, rows=8 if w == "serve" else 1), facts).candidate
+        for w in ("sample", "serve", "score")
+    }
+    assert {c.dtype for c in picks.values()} == {"float32"}
+    assert picks["sample"].name == "float32/packed" and picks["serve"].name == "float32/plain"
+    # the old rule, one cost per workload across every dtype, would have split them
+    slow = {n: max(a, b) for n, (a, b) in {"fp32": (1.0, 650 / 170), "bf16": (1162 / 1034, 1.0)}.items()}
+    assert min(slow, key=slow.get) == "bf16"
 
 
 def test_an_asked_half_precision_unmeasured_is_held_on_a_cpu_without_native_bf16():
@@ -352,7 +384,7 @@ def test_the_probe_is_cached_per_machine_and_model_and_can_be_turned_off(tmp_pat
     monkeypatch.delenv("GPT2LAB_PROBE", raising=False)
     calls = []
 
-    def fake_measure(model, cand, request, device, best=None):
+    def fake_measure(model, cand, request, device, best=None, figures=prep.FIGURES, doubts=None):
         calls.append(cand.name)
         return Timing(1.0, 2.0 if cand.dtype == "float32" else 1.0)
 
@@ -360,18 +392,21 @@ def test_the_probe_is_cached_per_machine_and_model_and_can_be_turned_off(tmp_pat
     model, cpu = tiny_gpt(seed=0, vocab_size=97, block_size=16), torch.device("cpu")
     request = InferenceRequest(linear="plain")
     first = prep.decide(model, cpu, request, facts=ZEN)
-    assert first.candidate.name == "bfloat16/decode" and len(calls) == 4  # a tie: the first by name
-    assert prep.decide(model, cpu, request, facts=ZEN) == first and len(calls) == 4  # read back, not measured
-    [entry] = json.loads((tmp_path / prep.PROBE_FILE).read_text())["entries"].values()
+    # 4 candidates, then the best of each dtype again: 6 calls; a tie between kernels: the first by name
+    assert first.candidate.name == "bfloat16/decode" and len(calls) == 6
+    assert prep.decide(model, cpu, request, facts=ZEN) == first and len(calls) == 6  # read back, not measured
+    [entry] = json.loads((tmp_path / probe_cache.PROBE_FILE).read_text())["entries"].values()
     assert entry["timings"]["float32/decode"] == {"prefill": 1.0, "step1": 2.0, "step_rows": None}
+    assert entry["model"] == {"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 97, "block_size": 16}
+    assert entry["choices"] == {"sample": "bfloat16/decode"} and entry["device"] == "cpu"
     other = tiny_gpt(seed=0, vocab_size=97, block_size=16, n_layer=3)  # another shape: measured anew
     prep.decide(other, cpu, request, facts=ZEN)
-    assert len(calls) == 8
+    assert len(calls) == 12
     monkeypatch.setenv("GPT2LAB_PROBE", "fresh")  # measured again, and kept
     prep.decide(other, cpu, request, facts=ZEN)
-    assert len(calls) == 12
+    assert len(calls) == 18
     monkeypatch.setenv("GPT2LAB_PROBE", "0")
-    assert "not measured" in prep.decide(other, cpu, request, facts=ZEN).reason and len(calls) == 12
+    assert "not measured" in prep.decide(other, cpu, request, facts=ZEN).reason and len(calls) == 18
 
 
 def test_the_tests_keep_gpt2labs_cache_out_of_the_users_home():
@@ -401,12 +436,12 @@ def test_the_probe_cache_is_one_bounded_versioned_file(tmp_path, monkeypatch):
     monkeypatch.delenv("GPT2LAB_PROBE", raising=False)
     calls = []
 
-    def fake_measure(model, cand, request, device, best=None):
+    def fake_measure(model, cand, request, device, best=None, figures=prep.FIGURES, doubts=None):
         calls.append(cand.name)
         return Timing(1.0, 1.0)
 
     monkeypatch.setattr(prep, "measure", fake_measure)
-    monkeypatch.setattr(prep, "PROBE_ENTRIES", 3)
+    monkeypatch.setattr(probe_cache, "PROBE_ENTRIES", 3)
     (tmp_path / "notes.json").write_text("{}")  # not the probe's: stays
     keys = []
     request = InferenceRequest(linear="plain")
@@ -414,9 +449,9 @@ def test_the_probe_cache_is_one_bounded_versioned_file(tmp_path, monkeypatch):
     for n_layer in range(1, 6):  # five shapes, three kept: the two written first are dropped
         model = tiny_gpt(seed=0, vocab_size=97, block_size=16, n_layer=n_layer)
         prep.decide(model, torch.device("cpu"), request, facts=ZEN)
-        keys.append(prep._probe_key(model, request, torch.device("cpu"), names))
+        keys.append(probe_cache.key(model.config, torch.device("cpu"), names))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["decode-probes.json", "notes.json"]
-    saved = json.loads((tmp_path / prep.PROBE_FILE).read_text())
+    saved = json.loads((tmp_path / probe_cache.PROBE_FILE).read_text())
     assert saved["version"] == formats.PROBES.version and sorted(saved["entries"]) == sorted(keys[2:])
     measured = len(calls)
     prep.decide(model, torch.device("cpu"), request, facts=ZEN)
@@ -425,24 +460,26 @@ def test_the_probe_cache_is_one_bounded_versioned_file(tmp_path, monkeypatch):
         formats.PROBES.version - 1,
         formats.PROBES.version + 1,
     ):  # another format: only a cache, measured again
-        (tmp_path / prep.PROBE_FILE).write_text(json.dumps({**saved, "version": version}))
+        (tmp_path / probe_cache.PROBE_FILE).write_text(json.dumps({**saved, "version": version}))
         prep.decide(model, torch.device("cpu"), request, facts=ZEN)
-        assert len(calls) == measured + len(names)
+        assert len(calls) == measured + len(names) + 2  # and the best of each dtype again
         measured = len(calls)
-        assert json.loads((tmp_path / prep.PROBE_FILE).read_text())["version"] == formats.PROBES.version
+        assert json.loads((tmp_path / probe_cache.PROBE_FILE).read_text())["version"] == formats.PROBES.version
 
 
 def test_a_first_probe_says_once_on_stderr_what_it_does_and_about_how_long(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path))
     monkeypatch.delenv("GPT2LAB_PROBE", raising=False)
-    monkeypatch.setattr(prep, "estimate_seconds", lambda model, n, request, device: 12.4)
+    monkeypatch.setattr(prep, "estimate_seconds", lambda model, n, request, device, n_rows=0: 12.4)
+    monkeypatch.setattr(prep, "measure", lambda *a, **k: Timing(1.0, 1.0))  # steady: no other line
     model, cpu = tiny_gpt(seed=0, vocab_size=97, block_size=16), torch.device("cpu")
     prep.decide(model, cpu, InferenceRequest(linear="plain"), facts=ZEN, command="gpt2lab sample")
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith(
-        "gpt2lab sample: measuring 4 ways to run this model on this machine for sample (bfloat16/plain, "
+        "gpt2lab sample: measuring 4 ways to run this model (bfloat16/plain, "
     ), err
-    assert "about 12 s; done once per machine and model shape" in err[0] and "GPT2LAB_PROBE=0" in err[0]
+    assert "on this machine, about 12 s; done once per machine and model shape" in err[0]
+    assert "GPT2LAB_PROBE=0" in err[0]
     prep.decide(model, cpu, InferenceRequest(linear="plain"), facts=ZEN, command="gpt2lab sample")
     assert capsys.readouterr().err == ""  # read back from the cache: nothing measured, nothing said
 
@@ -460,17 +497,23 @@ def test_the_probe_estimate_counts_the_calls_measure_makes():
 
     with mock.patch.object(prep, "time", FakeTime):
         sample = prep.estimate_seconds(model, 2, InferenceRequest(), cpu)
-        serve = prep.estimate_seconds(model, 1, InferenceRequest(workload="serve", rows=8), cpu)
+        serve = prep.estimate_seconds(model, 1, InferenceRequest(workload="serve", rows=8), cpu, n_rows=1)
     per = (1 + prep.REPEATS) * (1 + prep.STEPS) + prep.CONTEXT / prep.REQUEST_TOKENS
+    rows = (1 + prep.REPEATS) * prep.STEPS * (1 + 8 / prep.REQUEST_TOKENS) + prep.CONTEXT / prep.REQUEST_TOKENS
     assert sample == pytest.approx(2 * per)
-    assert serve == pytest.approx(per + (1 + prep.REPEATS) * prep.STEPS * (1 + 8 / prep.REQUEST_TOKENS))
+    assert serve == pytest.approx(per + rows)
 
 
 def test_measure_times_a_real_prefill_and_real_steps_and_gives_up_on_a_hopeless_candidate():
     model, cpu = tiny_gpt(seed=0, vocab_size=97, block_size=64), torch.device("cpu")
-    t = prep.measure(model, Candidate("float32", "decode"), InferenceRequest(workload="serve", rows=3), cpu)
+    every = ("prefill", "step1", "step_rows")
+    t = prep.measure(
+        model, Candidate("float32", "decode"), InferenceRequest(workload="serve", rows=3), cpu, None, every
+    )
     assert all(v is not None and v > 0 for v in (t.prefill, t.step1, t.step_rows))
-    assert prep.measure(model, Candidate("float32", "plain"), InferenceRequest(workload="score"), cpu).step1 is None
+    assert (
+        prep.measure(model, Candidate("float32", "plain"), InferenceRequest(), cpu, figures=("prefill",)).step1 is None
+    )
     with pytest.raises(prep._TooSlow, match="not timed further"):
         prep.measure(model, Candidate("float32", "plain"), InferenceRequest(), cpu, best=Timing(prefill=1e-9))
 
@@ -480,14 +523,16 @@ def test_start_up_says_why_each_dropped_candidate_was_dropped():
     was too slow against the best one's (measured here on a real model), or the kernel's error."""
     model, cpu = tiny_gpt(seed=0, vocab_size=97, block_size=64), torch.device("cpu")
     request = InferenceRequest(quantize="int8", workload="serve", rows=3)
-    t = prep.measure(model, Candidate("float32", "plain"), request, cpu)
+    every = ("prefill", "step1", "step_rows")
+    t = prep.measure(model, Candidate("float32", "plain"), request, cpu, figures=every)
     best = Timing(None, None, t.step_rows / 1e3)  # a 3-row step far ahead of any real one (the only bar: a busy
     # machine cannot give up the prefill or the one-row step first)
     with pytest.raises(prep._TooSlow) as slow:
-        prep.measure(model, Candidate("float32", "plain"), request, cpu, best=best)
+        prep.measure(model, Candidate("float32", "plain"), request, cpu, best=best, figures=every)
     why = str(slow.value)
-    assert why.startswith("3-row step ") and f"against the best candidate's {best.step_rows:.3g} ms (over 10x)" in why
-    first = float(why.split()[2])
+    assert why.startswith("float32/plain 3-row step ")
+    assert f"against the best candidate's {best.step_rows:.3g} ms (over 10x)" in why
+    first = float(why.split()[3])
     assert first > 10 * best.step_rows
     facts = _facts(XEON, bfloat16__int8=t, float32__int8=f"given up: {why}")
     d = choose(request, facts)
@@ -577,3 +622,188 @@ def test_sample_quantize_int8_continues_as_the_dequantized_weights_do(gpt2_vocab
     idx = torch.tensor([enc.encode("Hello there")])
     want = generate(ref, idx, 16, temperature=0.0)[0, idx.size(1) :].tolist()
     assert out == f"--- sample 1/1\nHello there{enc.decode(want)}\n"
+
+
+# -- a measured choice robust to a loaded machine (probe.py) ------------------------------------
+class _Clock:
+    """time for probe.py: each call of fn lasts the next of ``durations`` seconds (the untimed one first)."""
+
+    def __init__(self, durations):
+        self.ends = iter(durations)
+        self.now, self.started = 0.0, False
+
+    def perf_counter(self):
+        if self.started:  # the end of a call
+            self.now += next(self.ends)
+        self.started = not self.started
+        return self.now
+
+
+@pytest.mark.parametrize(
+    "durations, best, unsteady",
+    [
+        ([5.0, 1.0, 1.5, 9.0], 1.0, False),  # two of three within 2x of the best: kept
+        ([5.0, 1.0, 3.0, 9.0, 2.9, 1.1, 8.0], 1.0, False),  # unsteady, timed again: 1.0 and 1.1 agree
+        ([5.0, 2.0, 6.0, 9.0, 7.0, 5.0, 6.0], 2.0, True),  # still 2.5x apart after six calls: not kept
+    ],
+)
+def test_each_figure_is_the_best_of_repeats_and_an_unsteady_one_is_timed_again_then_doubted(
+    monkeypatch, durations, best, unsteady
+):
+    monkeypatch.setattr(prep, "time", _Clock(durations))
+    doubts: list = []
+    assert prep._best_ms(lambda: None, torch.device("cpu"), what="x/y step", doubts=doubts) == 1e3 * best
+    assert doubts == (["x/y step unsteady (2.5x between its best calls)"] if unsteady else [])
+
+
+def _fake_measure(figures_of, calls):
+    """probe.measure answering ``figures_of(name, how many times it was measured before)``."""
+
+    def fake(model, cand, request, device, best=None, figures=prep.FIGURES, doubts=None):
+        calls.append(cand.name)
+        return figures_of(cand.name, calls.count(cand.name) - 1)
+
+    return fake
+
+
+def test_a_load_that_slowed_one_candidate_is_caught_by_the_second_pass_and_not_kept(tmp_path, monkeypatch, capsys):
+    """bf16/plain measured while the machine was busy (3x its figure): its dtype's best is timed again
+    after the others, the two passes disagree, and the figures are neither kept nor used (the device's
+    rule decides this run, as it would in any other process): the next run measures again. A step over
+    2x its prefill is neither kept nor used either."""
+    monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path))
+    monkeypatch.delenv("GPT2LAB_PROBE", raising=False)
+    monkeypatch.setattr(prep, "estimate_seconds", lambda *a, **k: 1.0)
+    calls: list = []
+
+    def busy_first(name, before):
+        if name.startswith("float32"):
+            return Timing(10.0, 10.0)
+        return Timing(10.0, 24.0 if before == 0 else 8.0)  # 3x slower while busy
+
+    monkeypatch.setattr(prep, "measure", _fake_measure(busy_first, calls))
+    model, cpu = tiny_gpt(seed=0, vocab_size=97, block_size=16), torch.device("cpu")
+    request = InferenceRequest(linear="plain")
+    d = prep.decide(model, cpu, request, facts=ZEN, command="gpt2lab sample")
+    assert d.candidate == prep.choose(request, ZEN).candidate  # the rule's: bf16 on this CPU, plain linears
+    assert d.reason.startswith("measured on a busy machine (not kept), the device's rule; native bf16")
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("gpt2lab sample: figures neither used nor kept, the next run measures again")
+    assert "bfloat16/plain step1 24 then 8 ms" in err[-1]
+    assert not (tmp_path / probe_cache.PROBE_FILE).exists()
+    n = len(calls)
+    prep.decide(model, cpu, request, facts=ZEN)
+    assert len(calls) == 2 * n  # measured again: on a quiet machine now, so kept
+    assert len(probe_cache.entries()) == 1 and "not kept" not in capsys.readouterr().err
+    monkeypatch.setattr(prep, "measure", _fake_measure(lambda name, before: Timing(10.0, 10.0), calls))
+    assert prep.decide(model, cpu, request, facts=ZEN).candidate.dtype == "bfloat16"  # 8 beats 10, read back
+
+    monkeypatch.setenv("GPT2LAB_PROBE", "fresh")
+    monkeypatch.setattr(prep, "measure", _fake_measure(lambda name, before: Timing(1.0, 5.0), []))
+    prep.decide(model, cpu, request, facts=ZEN, command="gpt2lab sample")
+    err = capsys.readouterr().err
+    assert "neither used nor kept" in err and "bfloat16/plain one-row step 5 ms over 2x its prefill's 1 ms" in err
+    [entry] = probe_cache.entries().values()
+    assert entry["timings"]["bfloat16/plain"]["step1"] == 8.0  # the kept figures are not replaced
+
+
+def test_the_serve_figures_are_the_chosen_dtypes_kernels_at_its_batch_and_kept_beside_the_reference(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path))
+    monkeypatch.delenv("GPT2LAB_PROBE", raising=False)
+    calls: list = []
+    # reference: fp32/plain 100 + 128 * 8 = 1124 is the cheapest -> float32 for both workloads;
+    # serve (8 rows) within it: plain max(1, (100 + 640) / (100 + 192) = 2.53), decode max(1188 / 1124, 1)
+    table = {"float32/plain": (100.0, 8.0, 40.0), "float32/decode": (100.0, 8.5, 12.0)}
+    table |= {"bfloat16/plain": (100.0, 9.0, 10.0), "bfloat16/decode": (100.0, 9.5, 10.0)}
+
+    def fake(model, cand, request, device, best=None, figures=prep.FIGURES, doubts=None):
+        what = figures
+        calls.append((cand.name, what))
+        p, s1, sr = table[cand.name]
+        return Timing(p, s1) if what == prep.FIGURES else Timing(step_rows=sr)
+
+    monkeypatch.setattr(prep, "measure", fake)
+    model, cpu = tiny_gpt(seed=0, vocab_size=97, block_size=16), torch.device("cpu")
+    serve = prep.decide(model, cpu, InferenceRequest(linear="plain", workload="serve", rows=8), facts=ZEN)
+    sample = prep.decide(model, cpu, InferenceRequest(linear="plain"), facts=ZEN)
+    assert (serve.candidate.name, sample.candidate.name) == ("float32/decode", "float32/plain")
+    rows_calls = [n for n, what in calls if what == ("step_rows",)]
+    assert sorted(rows_calls) == ["float32/decode", "float32/plain"]  # the chosen dtype's kernels only
+    [entry] = json.loads((tmp_path / probe_cache.PROBE_FILE).read_text())["entries"].values()
+    assert entry["rows"]["8"]["timings"] == {"float32/plain": 40.0, "float32/decode": 12.0}
+    assert entry["choices"] == {"serve 8 rows": "float32/decode", "sample": "float32/plain"}
+    n = len(calls)
+    prep.decide(model, cpu, InferenceRequest(linear="plain", workload="serve", rows=8), facts=ZEN)
+    assert len(calls) == n  # both read back
+
+
+def _sample(d: str, *extra: str) -> list[str]:
+    from gpt2lab import cli
+
+    argv = ["sample", "--model", d, "--device", "cpu", "--max-new-tokens", "24", "--no-stop-at-eot", *extra]
+    assert cli.main(argv) == 0
+    return argv
+
+
+def test_a_run_whose_steps_are_far_slower_than_its_cached_figure_drops_it_once(
+    gpt2_vocab_export, tmp_path, monkeypatch, capsys
+):
+    """Cached figures no real step can meet (a 1e-6 ms step): `gpt2lab sample` sees its own steps take
+    far longer, says so once and drops the entry, and the next run measures again. Figures its steps
+    meet (1e6 ms) stay."""
+    _, d = gpt2_vocab_export
+    monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path))
+    monkeypatch.delenv("GPT2LAB_PROBE", raising=False)
+    monkeypatch.setattr(prep, "estimate_seconds", lambda *a, **k: 1.0)
+    calls: list = []
+    fast = lambda name, before: Timing(1e-6, 1e-6) if name == "float32/plain" else Timing(1.0, 1.0)  # noqa: E731
+    monkeypatch.setattr(prep, "measure", _fake_measure(fast, calls))
+    _sample(d)
+    err = capsys.readouterr().err
+    assert "gpt2lab sample: dtype float32, plain linears" in err
+    dropped = [line for line in err.splitlines() if "those figures are dropped" in line]
+    assert len(dropped) == 1 and "measured for float32/plain: those figures are dropped" in dropped[0]
+    assert json.loads((tmp_path / probe_cache.PROBE_FILE).read_text())["entries"] == {}
+    n = len(calls)
+    slow = lambda name, before: Timing(1e6, 1e6) if name == "float32/plain" else Timing(2e6, 2e6)  # noqa: E731
+    monkeypatch.setattr(prep, "measure", _fake_measure(slow, calls))
+    _sample(d)
+    assert len(calls) > n and "dropped" not in capsys.readouterr().err  # measured again; these hold
+    assert len(json.loads((tmp_path / probe_cache.PROBE_FILE).read_text())["entries"]) == 1
+
+
+def test_for_inference_auto_takes_the_cached_measured_dtype_and_writes_nothing(tmp_path, monkeypatch):
+    """for_inference(dtype="auto") holds what `sample` measured for this model on this machine (either
+    way the figures go), the device's rule when nothing is cached or GPT2LAB_PROBE=0."""
+    from gpt2lab.inference.choice import rule
+    from gpt2lab.inference.form import detect_facts
+
+    monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path))
+    monkeypatch.delenv("GPT2LAB_PROBE", raising=False)
+    model, cpu = tiny_gpt(seed=7, vocab_size=97, block_size=32), torch.device("cpu")
+    facts = detect_facts(cpu)
+    if len({c.dtype for c in candidates(InferenceRequest(), facts)}) < 2:
+        pytest.skip("one dtype on this device")
+
+    def held(m):
+        return {
+            (mod.kernel, str(mod.dtype).removeprefix("torch.")) for mod in m.modules() if isinstance(mod, DecodeLinear)
+        }
+
+    by_rule = rule(InferenceRequest(), facts).candidate
+    assert held(for_inference(model, dtype="auto")) == {(by_rule.kernel, by_rule.dtype)}  # nothing cached
+    for winner in ("float32", "bfloat16"):
+        calls: list = []
+        pick = lambda name, before: Timing(10.0, 1.0 if name.startswith(winner + "/") else 3.0)  # noqa: E731
+        monkeypatch.setattr(prep, "measure", _fake_measure(pick, calls))
+        monkeypatch.setenv("GPT2LAB_PROBE", "fresh")
+        measured = prep.decide(model, cpu, InferenceRequest()).candidate
+        monkeypatch.delenv("GPT2LAB_PROBE")
+        assert measured.dtype == winner
+        stamp = (tmp_path / probe_cache.PROBE_FILE).stat().st_mtime_ns
+        assert held(for_inference(model, dtype="auto")) == {(measured.kernel, winner)}
+        assert (tmp_path / probe_cache.PROBE_FILE).stat().st_mtime_ns == stamp  # read, not written
+    monkeypatch.setenv("GPT2LAB_PROBE", "0")
+    assert held(for_inference(model, dtype="auto")) == {(by_rule.kernel, by_rule.dtype)}

@@ -88,6 +88,46 @@ def test_openai_client_completion_equals_gpt2lab_sample(mode, request, capsys):
     assert r.choices[0].text == greedy[0] and r.usage.prompt_tokens == 1  # '' is <|endoftext|>, as in sample
 
 
+@pytest.mark.parametrize("mode", ["pair_server", "turns_pair_server"])
+def test_a_seeded_request_with_the_default_settings_gives_samples_default_text(mode, request, capsys):
+    """No temperature, top_p or top_k on either side: the API's absent fields are `sample`'s defaults
+    (top-k 50), so the texts agree; `--top-k 0` (every token) gives another text, so they would not
+    agree if the API's default kept every token."""
+    url, d = request.getfixturevalue(mode)
+    prompt = "Once upon a time"
+    [expected] = sample_cli(capsys, d, prompt, max_new_tokens=24, seed=11)
+    r = openai_client(url).completions.create(model="tiny", prompt=prompt, max_tokens=24, seed=11)
+    assert r.choices[0].text == expected
+    [every] = sample_cli(capsys, d, prompt, max_new_tokens=24, seed=11, top_k=0)
+    assert every != expected
+
+
+@pytest.mark.slow
+def test_with_every_default_flag_sample_and_both_server_modes_hold_one_dtype(
+    gpt2_vocab_export, tmp_path, monkeypatch, capsys
+):
+    """No --dtype or --cpu-linear anywhere (auto: measured, or the device's rule on a busy machine):
+    `sample`, the batching server and the --deterministic one hold the model in one dtype, and a
+    seeded request in turns, with no sampling settings, gives `sample`'s text."""
+    _, d = gpt2_vocab_export
+    monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path))  # a new machine: the first of them measures
+    monkeypatch.delenv("GPT2LAB_PROBE", raising=False)
+    prompt = "Once upon a time"
+    assert cli.main(["sample", "--model", d, "--device", "cpu", "--prompt", prompt, "--max-new-tokens", "16"]) == 0
+    out, err = capsys.readouterr()
+    expected = out.split("--- sample 1/1\n")[1][len(prompt) : -1]
+    dtype = re.search(r"gpt2lab sample: dtype (\w+),", err).group(1)
+    held = {}
+    for mode in ("batched", "turns"):
+        with running_server([f"tiny={d}"], deterministic=mode == "turns", linear="auto", dtype="auto") as url:
+            [listed] = httpx.get(url + "/v1/models", timeout=60).json()["data"]
+            held[mode] = listed["inference"]["dtype"]
+            if mode == "turns":
+                r = openai_client(url).completions.create(model="tiny", prompt=prompt, max_tokens=16, seed=42)
+                assert r.choices[0].text == expected
+    assert held == {"batched": dtype, "turns": dtype}
+
+
 def test_streaming_yields_the_same_text_token_by_token(pair_server):
     url, _ = pair_server
     kw = dict(model="tiny", prompt="Once upon a time", max_tokens=16, seed=3, extra_body={"top_k": 50})

@@ -115,6 +115,7 @@ def test_bad_sample_and_eval_flags_exit_2_naming_the_flag(gpt2_vocab_export, cap
     "argv",
     [
         ["sample", "--temperature", "inf"],
+        ["sample", "--temperature", "nan"],
         ["sample", "--top-p", "nan"],
         ["sample", "--temperature", "1e999"],
         ["train", "--max-lr", "nan", "--dry-run"],

@@ -1,9 +1,11 @@
 """gpt2lab env: what gpt2lab sees on this machine, for bug reports (like torch.utils.collect_env).
 
 Versions, the device ``auto`` picks, the CPU's capability flags, fp32 and bf16 matmul rates
-and the memory read bandwidth measured afresh (about two seconds), whether torch.compile can build kernels, what
-``--dtype auto`` and ``--compile auto`` would choose and why, and which optional extras are
-installed.
+and the memory read bandwidth measured afresh (about two seconds), whether torch.compile can build
+kernels, what ``--dtype auto`` and ``--compile auto`` would choose and why, which optional extras are
+installed, and what the inference probe has cached (the file, and per model shape: the device, when
+measured, what each workload chose, every candidate's figures). ``--clear-cache`` removes that file
+only, so the next ``sample``, ``serve`` or ``eval`` measures again.
 """
 
 from __future__ import annotations
@@ -36,6 +38,13 @@ def add_parser(sub) -> None:
     p = sub.add_parser("env", help="print what gpt2lab sees: versions, device, bf16, matmul GFLOP/s, auto choices")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
+    p.add_argument(
+        "--clear-cache",
+        action="store_true",
+        help="remove gpt2lab's inference probe cache (decode-probes.json in $GPT2LAB_CACHE or "
+        "~/.cache/gpt2lab) and nothing else, so that the next sample, serve or eval measures again; "
+        "prints what it removed",
+    )
     p.set_defaults(func=run)
 
 
@@ -81,8 +90,40 @@ def collect(device_name: str = "auto") -> dict:
         "auto_muon_ns_dtype": choices.ns_dtype.value,
         "auto_muon_ns_dtype_reason": choices.ns_dtype.reason,
         "extras": {name: _version(name) for name in OPTIONAL_PACKAGES},
+        "probe_cache": probe_cache_info(),
     }
     return info
+
+
+def probe_cache_info() -> dict:
+    """The inference probe cache: its path and its entries as stored (inference/probe_cache.py)."""
+    from gpt2lab.inference import probe_cache
+
+    return {"path": probe_cache.path(), "entries": probe_cache.entries()}
+
+
+def _probe_cache_lines(found: dict) -> list[str]:
+    from gpt2lab.inference import probe_cache
+
+    n = len(found["entries"])
+    lines = [f"{'probe_cache:':<22} {found['path']} ({n} {'entry' if n == 1 else 'entries'})"]
+    for key, entry in found["entries"].items():
+        first, *rest = probe_cache.describe(entry)
+        lines += [f"  {key}: {first}", *(f"    {line}" for line in rest)]
+    return lines
+
+
+def clear_cache() -> int:
+    """``--clear-cache``: remove the probe cache file, saying what was removed (or that there was none)."""
+    from gpt2lab.inference import probe_cache
+
+    n = len(probe_cache.entries())
+    where = probe_cache.clear()
+    if where is None:
+        print(f"gpt2lab env: no inference probe cache at {probe_cache.path()}; nothing removed")
+    else:
+        print(f"gpt2lab env: removed {where} ({n} {'entry' if n == 1 else 'entries'} of measured figures)")
+    return 0
 
 
 def _version(package: str):
@@ -93,11 +134,16 @@ def _version(package: str):
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.clear_cache:
+        return clear_cache()
     info = collect(args.device)
     if args.json:
         print(json.dumps(info))
         return 0
     for key, value in info.items():
+        if key == "probe_cache":
+            print("\n".join(_probe_cache_lines(value)))
+            continue
         if key == "extras":
             value = ", ".join(f"{k} {v}" if v else f"{k} (not installed)" for k, v in value.items())
         elif isinstance(value, list):

@@ -7,6 +7,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from gpt2lab.inference.flags import add_inference_flags
+from gpt2lab.model.sampling_defaults import SAMPLING
 from gpt2lab.system.choices import finite_float
 
 if TYPE_CHECKING:
@@ -17,7 +18,12 @@ def add_parser(sub) -> None:
     from gpt2lab.commands import DefaultsHelp
 
     p = sub.add_parser(
-        "sample", help="generate text from a model, streamed as it is sampled", formatter_class=DefaultsHelp
+        "sample",
+        help="generate text from a model, streamed as it is sampled",
+        description="Generate text from a model, streamed as it is sampled. The defaults of --temperature, "
+        "--top-k and --top-p are also the server's for a request that leaves them out, and generate()'s: "
+        "a request with the same seed gives this command's text.",
+        formatter_class=DefaultsHelp,
     )
     p.add_argument(
         "--model",
@@ -31,13 +37,16 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--num-samples", type=int, default=1, help="how many continuations, one after another")
     p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate after the prompt")
-    p.add_argument("--temperature", type=finite_float, default=1.0, help="0 means greedy")
-    p.add_argument("--top-k", type=int, default=50, help="sample from the k most likely tokens (0: all)")
+    # one set of defaults with the server and generate() (model/sampling_defaults.py)
+    p.add_argument("--temperature", type=finite_float, default=SAMPLING.temperature, help="0 means greedy")
+    p.add_argument(
+        "--top-k", type=int, default=SAMPLING.top_k, help="sample from the k most likely tokens; 0 keeps every token"
+    )
     p.add_argument(
         "--top-p",
         type=finite_float,
-        default=None,
-        help="nucleus sampling: smallest set holding this much mass (default: off)",
+        default=SAMPLING.top_p,
+        help="nucleus sampling: the smallest set of tokens holding this much of the mass; 1 keeps all (off)",
     )
     p.add_argument("--seed", type=int, default=42, help="seed of the sampling generator")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
@@ -108,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     from gpt2lab.distributed.dist import pick_device
     from gpt2lab.inference.completion import load_for_inference, seeded_generator
     from gpt2lab.inference.flags import inference_request
+    from gpt2lab.inference.probe import watch
 
     _check(args)
     device = pick_device(args.device)
@@ -120,14 +130,17 @@ def run(args: argparse.Namespace) -> int:
         check_context(len(ids), args.max_new_tokens, model.config.block_size)
 
     # a bad --model, --dtype, --prompt or --max-new-tokens fails before any other output
-    model, _ = load_for_inference(args.model, device, inference_request(args, "sample"), "gpt2lab sample", check=check)
+    model, decision = load_for_inference(
+        args.model, device, inference_request(args, "sample"), "gpt2lab sample", check=check
+    )
     _say_if_live(args.model)
     generator = seeded_generator(device, args.seed)
+    seen = watch(decision, model, device, "gpt2lab sample")  # steps far slower than measured: measured again
     if args.chat:
-        return _chat(model, args, generator)
+        return _chat(model, args, generator, seen)
     for i in range(args.num_samples):
         print(f"--- sample {i + 1}/{args.num_samples}", flush=True)
-        _stream_one(model, ids, args, generator)
+        _stream_one(model, ids, args, generator, seen)
     return 0
 
 
@@ -142,7 +155,7 @@ def _say_if_live(model: str) -> None:
         print(f"gpt2lab sample: note: {note}", file=sys.stderr, flush=True)
 
 
-def _stream_one(model, ids: list[int], args: argparse.Namespace, generator: torch.Generator) -> None:
+def _stream_one(model, ids: list[int], args: argparse.Namespace, generator: torch.Generator, watch=None) -> None:
     """Print the prompt, then each token's text as it comes (completion.stream_text)."""
     from gpt2lab.inference.completion import Sampling, prompt_text, stream_text
 
@@ -155,14 +168,14 @@ def _stream_one(model, ids: list[int], args: argparse.Namespace, generator: torc
     )
     out = sys.stdout
     out.write(prompt_text(args.prompt))  # the text the model was given (an undecodable byte as U+FFFD)
-    for _, text, _ in stream_text(model, ids, sampling, generator):
+    for _, text, _ in stream_text(model, ids, sampling, generator, watch=watch):
         out.write(text)
         out.flush()
     out.write("\n")
     out.flush()
 
 
-def _chat(model, args: argparse.Namespace, generator: torch.Generator) -> int:
+def _chat(model, args: argparse.Namespace, generator: torch.Generator, watch=None) -> int:
     """Turn by turn: each stdin line a user message, the reply streamed (inference/chat.py's prompt,
     ended by the model's end token or its template's stop strings). The oldest turns leave the
     prompt once the conversation outgrows the context (said once)."""
@@ -205,7 +218,7 @@ def _chat(model, args: argparse.Namespace, generator: torch.Generator) -> int:
                 )
                 told = True
         reply, stop, hit = [], StopFilter(list(prompt.stops)), False
-        for _, piece, _ in stream_text(model, prompt.ids, sampling, generator):
+        for _, piece, _ in stream_text(model, prompt.ids, sampling, generator, watch=watch):
             text, hit = stop.feed(piece)
             _say(reply, text.lstrip() if prompt.strip and not "".join(reply) else text)
             if hit:

@@ -11,11 +11,15 @@ form (kernels.py):
   allows (``candidates``): on a CPU fp32 and bf16, each with the plain, column-major and
   oneDNN-packed linears; int8 weights with fp32 or bf16 activations under ``--quantize int8``;
   on a GPU fp32 and bf16 (fp16 without bf16); on MPS fp32 and fp16;
-* ``choose`` keeps the cheapest measured for the workload: ``sample`` a request of ``REQUEST_TOKENS``
-  prompt tokens and as many new ones at one row; ``serve`` the same at one row and at a full batch,
-  the candidate whose worse slowdown against the best of either is smallest; ``score`` (the evals)
-  the prefill alone. Unmeasured, the device's rule decides (``rule``): the documented choice that
-  needs no timing, which the library's ``for_inference`` uses.
+* ``choose`` decides in two steps. The **dtype** is one per model and machine, whatever the
+  workload (``choose_dtype``): the dtype whose best kernel serves the reference request cheapest,
+  ``REQUEST_TOKENS`` prompt tokens and as many new ones at one row (prefill + 128 one-row steps), so
+  ``sample``, ``serve``, the evals and ``for_inference(dtype="auto")`` hold the same precision and a
+  seeded request gives the same text in each. The **kernel** within that dtype is the cheapest
+  measured for the workload: ``sample`` that same request; ``serve`` it at one row and at a full
+  batch, the kernel whose worse slowdown against the best of either is smallest; ``score`` (the
+  evals) the prefill alone. Unmeasured, the device's rule decides (``rule``): the documented choice
+  that needs no timing, which the library's ``for_inference`` uses when nothing was measured.
 """
 
 from __future__ import annotations
@@ -153,32 +157,80 @@ def candidates(request: InferenceRequest, facts: InferenceFacts) -> list[Candida
     return out
 
 
+def reference_cost(t: Timing) -> float:
+    """The cost in ms of the reference request (the dtype's figure): its prefill and REQUEST_TOKENS one-row steps."""
+    return t.prefill + REQUEST_TOKENS * t.step1
+
+
 def costs(request: InferenceRequest, t: Timing) -> tuple[float, ...]:
-    """The workload's cost(s) in ms of a candidate's timing (lower is better)."""
+    """The workload's cost(s) in ms of a candidate's timing (lower is better): the kernel's figure."""
     if request.workload == "score":
         return (t.prefill,)
-    one = t.prefill + REQUEST_TOKENS * t.step1
-    if request.workload == "sample":
+    one = reference_cost(t)
+    if request.workload == "sample" or t.step_rows is None:
         return (one,)
     return one, t.prefill + REQUEST_TOKENS * t.step_rows / request.rows  # serve: one row, and a full batch
 
 
+def _has(t, *fields: str) -> bool:
+    return isinstance(t, Timing) and all(getattr(t, f) is not None for f in fields)
+
+
+def choose_dtype(cands: list[Candidate], facts: InferenceFacts) -> tuple[str, str]:
+    """(The dtype every workload holds ``cands``' model in, why): of the dtypes measured with the reference
+    figures (prefill and one-row step), the one whose best kernel is cheapest for the reference request;
+    unmeasured, the device's rule. No workload enters it."""
+    timings = facts.timings or {}
+    best: dict[str, tuple[float, Candidate]] = {}
+    for c in cands:
+        t = timings.get(c.name)
+        if _has(t, "prefill", "step1"):
+            cost = reference_cost(t)
+            if c.dtype not in best or cost < best[c.dtype][0]:
+                best[c.dtype] = (cost, c)
+    if not best:
+        return device_pick(cands, facts).dtype, _unmeasured_reason(facts)
+    dtype = min(best, key=lambda d: (best[d][0], d))
+    low = best[dtype][0]
+    text = (
+        f"{dtype} for every workload: a {REQUEST_TOKENS}-token prefill and {REQUEST_TOKENS} one-row steps "
+        f"in {low:.1f} ms"
+    )
+    others = sorted((d for d in best if d != dtype), key=lambda d: best[d][0])
+    if others:
+        text += ", against " + ", ".join(f"{d}'s {best[d][0]:.1f} ms ({best[d][0] / low:.2f}x)" for d in others)
+    return dtype, text
+
+
 def choose(request: InferenceRequest, facts: InferenceFacts) -> Decision:
-    """The candidate for ``request``: the only one, the cheapest measured, or (unmeasured) the device's rule."""
+    """The candidate for ``request``: the only one; else the dtype (``choose_dtype``, the same for every
+    workload) and, of its kernels, the cheapest measured for the workload, or (unmeasured) the device's rule."""
     cands = candidates(request, facts)
     if len(cands) == 1:
         why = "asked for" if request.dtype != "auto" or request.quantize != "none" else "the only one here"
         return Decision(cands[0], why, request, facts.timings)
-    measured = {
-        c: facts.timings[c.name] for c in cands if facts.timings and isinstance(facts.timings.get(c.name), Timing)
-    }
+    if len({c.dtype for c in cands}) == 1:  # an asked-for dtype: only the kernel is left to choose
+        dtype, dtype_why = cands[0].dtype, ""
+    else:
+        dtype, dtype_why = choose_dtype(cands, facts)
+    pool = [c for c in cands if c.dtype == dtype]
+    need = ("prefill",) if request.workload == "score" else ("prefill", "step1")
+    measured = {c: facts.timings[c.name] for c in pool if facts.timings and _has(facts.timings.get(c.name), *need)}
+    if request.workload == "serve" and any(t.step_rows is not None for t in measured.values()):
+        measured = {c: t for c, t in measured.items() if t.step_rows is not None}  # one cost for them all
     if not measured:
-        return Decision(device_pick(cands, facts), _unmeasured_reason(facts), request, facts.timings)
+        pick = device_pick(pool, facts)
+        return Decision(pick, _join(dtype_why, _unmeasured_reason(facts)), request, facts.timings)
     cost = {c: costs(request, t) for c, t in measured.items()}
     best = [min(v[i] for v in cost.values()) for i in range(len(next(iter(cost.values()))))]
     slowdown = {c: max(v[i] / best[i] for i in range(len(best))) for c, v in cost.items()}
     pick = min(measured, key=lambda c: (slowdown[c], c.name))
-    return Decision(pick, _measured_reason(request, pick, measured, slowdown, facts.timings), request, facts.timings)
+    why = _measured_reason(request, pick, measured, slowdown, facts.timings)
+    return Decision(pick, _join(dtype_why, why), request, facts.timings)
+
+
+def _join(dtype_why: str, kernel_why: str) -> str:
+    return kernel_why if dtype_why in ("", kernel_why) else f"{dtype_why}; {kernel_why}"
 
 
 def device_pick(cands: list[Candidate], facts: InferenceFacts) -> Candidate:
@@ -219,12 +271,12 @@ def _measured_reason(
         parts = [f"prefill {t.prefill:.1f}"]
         if request.workload != "score":
             parts.append(f"step {t.step1:.2f}")
-        if request.workload == "serve":
+        if request.workload == "serve" and t.step_rows is not None:
             parts.append(f"{request.rows}-row step {t.step_rows:.2f}")
         return f"{c.name} {' / '.join(parts)} ms"
 
     others = sorted((c for c in measured if c != pick), key=lambda c: slowdown[c])
-    text = f"fastest measured for {request.workload}: {fig(pick)}"
+    text = f"fastest of the {pick.dtype} kernels measured for {request.workload}: {fig(pick)}"
     if others:
         text += "; next " + "; ".join(f"{fig(c)} ({slowdown[c]:.2f}x)" for c in others[:3])
     dropped = [f"{n} {t}" for n, t in (timings or {}).items() if not isinstance(t, Timing)]  # t: why

@@ -15,6 +15,7 @@ import torch
 
 from gpt2lab.data.tokenizer import Tokenizer, for_config, gpt2_tokenizer, short
 from gpt2lab.model.gpt import GPT
+from gpt2lab.model.sampling_defaults import SAMPLING
 
 if TYPE_CHECKING:
     from gpt2lab.inference.choice import Decision
@@ -26,12 +27,13 @@ class PromptError(ValueError):
 
 @dataclass(frozen=True)
 class Sampling:
-    """How to continue a prompt; ``top_k`` 0 or None keeps every token, ``top_p`` 1 or None all the mass."""
+    """How to continue a prompt (the defaults: ``SAMPLING``, model/sampling_defaults.py); ``top_k`` 0 or
+    None keeps every token, ``top_p`` 1 or None all the mass."""
 
     max_new_tokens: int = 100
-    temperature: float = 1.0
-    top_k: Optional[int] = None
-    top_p: Optional[float] = None
+    temperature: float = SAMPLING.temperature
+    top_k: Optional[int] = SAMPLING.top_k
+    top_p: Optional[float] = SAMPLING.top_p
     stop_at_eot: bool = True
 
     def filters(self) -> dict:
@@ -176,22 +178,38 @@ def score_prompt(model: GPT, ids: list[int], top: int) -> list[TokenLogprob]:
 
 
 def stream_text(
-    model: GPT, ids: list[int], sampling: Sampling, generator: torch.Generator, logprobs: Optional[int] = None
+    model: GPT,
+    ids: list[int],
+    sampling: Sampling,
+    generator: torch.Generator,
+    logprobs: Optional[int] = None,
+    watch=None,
 ) -> Iterator[tuple[Optional[int], str, Optional[TokenLogprob]]]:
     """Yield (token id, text, log-probability) per sampled token, ending at <|endoftext|> (if asked)
     or the limit; the log-probability (``token_logprobs``, with the ``logprobs`` most likely
-    tokens) only when ``logprobs`` is given, else None.
+    tokens) only when ``logprobs`` is given, else None. ``watch`` (inference/probe.py's Watch), if
+    given, sees how long each decode step's forward took.
 
     Bytes of a character split across tokens are held back until the character is
     complete (their token yields ''); the last item is (None, what was held back, None), and
     the EOT token itself yields nothing.
     """
+    import time
+
     from gpt2lab.model.sampling import generate_stream
 
     text = TokenText(model)
     stop = end_token(model) if sampling.stop_at_eot else None
     prompt = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
     seen: list[torch.Tensor] = []  # the logits each token was drawn from, when logprobs are asked
+    started = [0.0, len(ids)]  # when the step now running began, and its new token's position
+
+    def on_logits(logits: torch.Tensor) -> None:
+        if watch is not None and started[1] > len(ids):  # a decode step (the first is the prefill)
+            watch.see(started[1], 1e3 * (time.perf_counter() - started[0]))
+        if logprobs is not None:
+            seen.append(logits)
+
     stream = generate_stream(
         model,
         prompt,
@@ -200,7 +218,7 @@ def stream_text(
         **sampling.filters(),
         generator=generator,
         stop_token=stop,
-        on_logits=None if logprobs is None else seen.append,
+        on_logits=None if logprobs is None and watch is None else on_logits,
     )
     for tok, _ in stream:
         t = int(tok[0])
@@ -210,6 +228,7 @@ def stream_text(
         if logprobs is not None:
             lp = token_logprobs(seen.pop(), tok, model.config.real_vocab_size, logprobs)[0]
         yield t, text.feed(t), lp
+        started[0], started[1] = time.perf_counter(), started[1] + 1  # the next step starts
     yield None, text.flush(), None
 
 

@@ -13,8 +13,8 @@ def add_inference_flags(p) -> None:
         default="auto",
         choices=DTYPE_CHOICES,
         help="the dtype the model's weights are held and multiplied in; auto: the fastest measured "
-        "on this machine for this command's workload (printed; cached per machine) "
-        "(default: %(default)s)",
+        "for this model on this machine, the same for sample, serve and eval (printed; cached per "
+        "machine and model shape, listed by gpt2lab env) (default: %(default)s)",
     )
     p.add_argument(
         "--quantize",

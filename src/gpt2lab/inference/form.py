@@ -3,17 +3,22 @@ parameters shared with the model it came from.
 
 ``hold`` applies a choice; ``for_inference`` is the library's way to it (``gpt2lab.for_inference``): the
 device's facts and inference/choice.py's rule, which needs no timing, so it prints nothing and writes
-nothing. The commands measure instead (inference/probe.py) and hold their measured choice the same way.
+nothing; with ``dtype="auto"`` it takes the commands' measured choice where the probe cache holds one
+for this model and machine (read, never written). The commands measure (inference/probe.py) and hold
+their choice the same way.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import os
 from typing import Optional
 
 import torch
 
-from gpt2lab.inference.choice import Candidate, InferenceFacts, InferenceRequest, rule
+from gpt2lab.inference import probe_cache
+from gpt2lab.inference.choice import Candidate, InferenceFacts, InferenceRequest, candidates, choose
 from gpt2lab.inference.kernels import int8_available, packing_available, packing_bf16_error, swap_linears
 from gpt2lab.model.gpt import GPT
 from gpt2lab.model.loss import LossPath
@@ -57,14 +62,21 @@ def for_inference(
     model: GPT, *, dtype: Optional[str] = None, quantize: str = "none", linear: str = "auto", rows: int = 1
 ) -> GPT:
     """``gpt2lab.for_inference``: a copy of ``model`` (sharing its weights) held for generating ``rows`` rows
-    on the device its parameters are on, in ``dtype`` (default: the model's own; "auto": the device's rule,
-    half precision where the device computes it natively) or with int8 weights (``quantize="int8"``), the
-    kernel by the device's rule (``linear``: auto, plain or packed). No timing, no output, no files: the
-    rule's choice is inference/choice.py's ``rule``; to take exactly what ``gpt2lab sample`` measured, pass
-    the dtype and kernel it printed. Greedy tokens at the model's own fp32 are those of the model as it is."""
+    on the device its parameters are on, in ``dtype`` (default: the model's own; "auto": the dtype the
+    commands measured for this model shape on this machine, the same for ``sample``, ``serve`` and the
+    evals, where gpt2lab's probe cache holds it, else the device's rule, half precision where the device
+    computes it natively) or with int8 weights (``quantize="int8"``), the kernel likewise (``linear``:
+    auto, plain or packed). No timing, no output, no files written: the choice is inference/choice.py's
+    ``choose`` on the cached figures (``GPT2LAB_PROBE=0``: none) or its ``rule``. Greedy tokens at the
+    model's own fp32 are those of the model as it is."""
     if not isinstance(model, GPT):
         raise TypeError(f"for_inference(model): a gpt2lab GPT, got {type(model).__name__}")
     device = next(model.parameters()).device
     dtype = dtype or str(next(model.parameters()).dtype).removeprefix("torch.")
     request = InferenceRequest(dtype=dtype, quantize=quantize, linear=linear, workload="sample", rows=rows)
-    return hold(model, rule(request, detect_facts(device)).candidate, rows)
+    facts = detect_facts(device)
+    if dtype == "auto" and os.environ.get("GPT2LAB_PROBE", "1") != "0":
+        names = [c.name for c in candidates(request, facts)]
+        found = probe_cache.entries().get(probe_cache.key(model.config, device, names))
+        facts = dataclasses.replace(facts, timings=probe_cache.timings(found))
+    return hold(model, choose(request, facts).candidate, rows)

@@ -1,25 +1,41 @@
 """Measuring the inference candidates on this machine, for the CLI: the device's facts, then each
-candidate timed on the model itself (a prefill of ``REQUEST_TOKENS`` tokens and decode steps at one row
-and at the request's rows), cached per machine and model shape in one bounded file, announced on stderr
-before it runs. ``decide`` hands the figures to inference/choice.py's ``choose``.
+candidate timed on the model itself, cached per machine and model shape (inference/probe_cache.py),
+announced on stderr before it runs. ``decide`` hands the figures to inference/choice.py's ``choose``.
+
+What is timed: every candidate's reference figures (a ``REQUEST_TOKENS``-token prefill and a one-row
+decode step), from which the dtype is chosen, the same for every workload; for ``serve``, then, the
+``--max-batch``-row step of the chosen dtype's kernels. A loaded machine must not decide for good:
+
+* each figure is the best of ``REPEATS`` calls after an untimed one; when the second best is over
+  ``UNSTEADY`` times the best, ``REPEATS`` more are timed, and a figure whose two best calls of all
+  still disagree that much is neither kept nor used (below);
+* the best candidate of each dtype is timed a second time after all the others (a load that slowed one
+  candidate's every call passes by then); the best of both is kept, unless the two passes are over
+  ``UNSTEADY`` times apart;
+* a figure that contradicts the work it measures is not kept: a one-row step (or a ``--max-batch``-row
+  step of at most ``REQUEST_TOKENS`` rows) over ``ABSURD`` times the same candidate's prefill;
+* figures not kept are not used either: the device's rule decides this run (the batch figures alone:
+  the kernel by the one-row figures), so that processes on a busy machine still agree on a choice;
+* a run that sees its choice run far slower than its figure (``Watch``) removes the entry, so the next
+  run measures again.
 
 Only commands call this (``sample``, ``serve``, ``eval``, ``bench``): the library's ``for_inference``
-takes the rule that needs no timing. ``GPT2LAB_PROBE=0`` skips the measuring (the device's rule
-decides); ``GPT2LAB_PROBE=fresh`` measures again.
+reads the cache at most. ``GPT2LAB_PROBE=0`` skips the measuring (the device's rule decides);
+``GPT2LAB_PROBE=fresh`` measures again.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
+import statistics
 import sys
 import time
 from typing import Optional
 
 import torch
 
+from gpt2lab.inference import probe_cache
 from gpt2lab.inference.choice import (
     REQUEST_TOKENS,
     Candidate,
@@ -29,11 +45,12 @@ from gpt2lab.inference.choice import (
     Timing,
     candidates,
     choose,
+    choose_dtype,
     device_pick,
+    reference_cost,
 )
 from gpt2lab.inference.form import detect_facts, hold
 from gpt2lab.model.gpt import GPT
-from gpt2lab.system import formats, runtime
 
 CONTEXT = 32  # tokens already cached when decode steps are timed
 STEPS = 4  # decode steps per timed call
@@ -43,6 +60,19 @@ REPEATS = 3  # timed calls per figure (the best is kept), after one untimed
 # except one), and a kernel 20-50x off (int8 with fp32 activations on a Zen 5) would take most of
 # the probe's time.
 GIVE_UP = 10.0
+# Back-to-back calls of one computation on one machine differ by clock ramps and caches, a few
+# percent, on any machine: a call twice as slow as the best of the same work had the cores or the
+# device taken from it for half its time. A ratio of the same work, so it holds whatever the speed.
+UNSTEADY = 2.0
+# A one-row step does 1/128 of the 128-token prefill's work on the same weights (read once either
+# way): on any device it costs at most a prefill (about one where both are launch-bound, on a GPU
+# with a small model). Twice the prefill is a step timed while something else ran.
+ABSURD = 2.0
+# A run's own one-row steps (the same held weights, one row, at most REQUEST_TOKENS positions, so at
+# most a few tens of percent more attention than the probe's) against its choice's figure: 3x is
+# no noise of the same work; the figure was taken on another machine state.
+DISAGREE = 3.0
+WATCH_STEPS = 8  # the run's steps whose median is compared (after its prefill)
 
 
 def _sync(device: torch.device) -> None:
@@ -56,9 +86,17 @@ class _TooSlow(Exception):
     pass
 
 
-def _best_ms(fn, device: torch.device, per_call: int = 1, limit: Optional[float] = None, what: str = "") -> float:
-    """The best of REPEATS timed calls of ``fn`` in ms (per ``per_call``); _TooSlow, naming the figure
-    ``what``, when the untimed first is over GIVE_UP times ``limit``."""
+def _best_ms(
+    fn,
+    device: torch.device,
+    per_call: int = 1,
+    limit: Optional[float] = None,
+    what: str = "",
+    doubts: Optional[list] = None,
+) -> float:
+    """The best of REPEATS timed calls of ``fn`` in ms (per ``per_call``), timed once more when unsteady
+    (an unsteady figure is added to ``doubts``); _TooSlow, naming the figure ``what``, when the untimed
+    first is over GIVE_UP times ``limit``."""
     t0 = time.perf_counter()
     fn()
     _sync(device)
@@ -68,40 +106,59 @@ def _best_ms(fn, device: torch.device, per_call: int = 1, limit: Optional[float]
             f"{what} {first:.3g} ms against the best candidate's {limit:.3g} ms (over {GIVE_UP:g}x): "
             "slower, not timed further"
         )
-    times = []
-    for _ in range(REPEATS):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return 1e3 * min(times) / per_call
+    times: list[float] = []
+    for _ in range(2):  # a second round only when the first is unsteady; the best of all is kept
+        for _ in range(REPEATS):
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        if times[1] <= UNSTEADY * times[0]:  # two calls agree: the best is the machine's, not luck
+            break
+    else:
+        if doubts is not None:
+            doubts.append(f"{what} unsteady ({times[1] / times[0]:.1f}x between its best calls)")
+    return 1e3 * times[0] / per_call
+
+
+FIGURES = ("prefill", "step1")  # the reference figures; "step_rows" is serve's
 
 
 @torch.inference_mode()
 def measure(
-    model: GPT, cand: Candidate, request: InferenceRequest, device: torch.device, best: Optional[Timing] = None
+    model: GPT,
+    cand: Candidate,
+    request: InferenceRequest,
+    device: torch.device,
+    best: Optional[Timing] = None,
+    figures: tuple = FIGURES,
+    doubts: Optional[list] = None,
 ) -> Timing:
-    """The workload's figures for ``model`` held as ``cand``: a real prefill and real decode steps
-    (given the ``best`` figures so far, a candidate far behind is given up: _TooSlow)."""
+    """``figures`` of ``model`` held as ``cand`` (for ``request.rows`` rows when the ``step_rows`` figure
+    is asked, else one): a real prefill, real decode steps (given the ``best`` figures so far, a
+    candidate far behind is given up: _TooSlow). What should not be kept goes to ``doubts``."""
     best = best or Timing()
-    prepared = hold(model, cand, request.rows)
+    rows = request.rows if "step_rows" in figures else 1
+    prepared = hold(model, cand, rows)
     block, vocab = model.config.block_size, model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    prompt = min(REQUEST_TOKENS, block)
-    ids = torch.randint(0, vocab, (1, prompt), generator=gen).to(device)
-    prefill = _best_ms(
-        lambda: prepared(ids, kv_cache=prepared.new_kv_cache(prompt), last_only=True),
-        device,
-        limit=best.prefill,
-        what="prefill",
-    )
-    if request.workload == "score":
-        return Timing(prefill=prefill)
+    out: dict = {}
+    if "prefill" in figures:
+        prompt = min(REQUEST_TOKENS, block)
+        ids = torch.randint(0, vocab, (1, prompt), generator=gen).to(device)
+        out["prefill"] = _best_ms(
+            lambda: prepared(ids, kv_cache=prepared.new_kv_cache(prompt), last_only=True),
+            device,
+            limit=best.prefill,
+            what=f"{cand.name} prefill",
+            doubts=doubts,
+        )
     context = min(CONTEXT, max(1, block // 4))
-    steps = max(1, min(STEPS, (block - context) // (REPEATS + 1)))
+    steps = max(1, min(STEPS, (block - context) // (2 * REPEATS + 1)))
 
     def decode_ms(rows: int, limit: Optional[float]) -> float:
-        cache = prepared.new_kv_cache(min(block, context + steps * (REPEATS + 1)))
+        cache = prepared.new_kv_cache(min(block, context + steps * (2 * REPEATS + 1)))
         prepared(torch.randint(0, vocab, (rows, context), generator=gen).to(device), kv_cache=cache)
         tok = torch.randint(0, vocab, (rows, 1), generator=gen).to(device)
 
@@ -109,71 +166,93 @@ def measure(
             for _ in range(steps):
                 prepared(tok, kv_cache=cache, last_only=True)
 
-        return _best_ms(run, device, steps, limit, "step" if rows == 1 else f"{rows}-row step")
+        what = f"{cand.name} " + ("step" if rows == 1 else f"{rows}-row step")
+        return _best_ms(run, device, steps, limit, what, doubts)
 
-    step1 = decode_ms(1, best.step1)
-    return Timing(prefill, step1, decode_ms(request.rows, best.step_rows) if request.workload == "serve" else None)
-
-
-# The probe's figures, one entry per (machine, device, model shape, workload, candidates), all in one
-# file; past this many entries the oldest written goes (a day of tests builds dozens of shapes).
-PROBE_FILE = "decode-probes.json"
-PROBE_ENTRIES = 32
+    if "step1" in figures:
+        out["step1"] = decode_ms(1, best.step1)
+    if "step_rows" in figures:
+        out["step_rows"] = decode_ms(request.rows, best.step_rows)
+    return Timing(**out)
 
 
-def _probe_key(model: GPT, request: InferenceRequest, device: torch.device, names: list[str]) -> str:
-    parts = [
-        runtime._machine_key(),
-        str(device),
-        json.dumps(dataclasses.asdict(model.config), sort_keys=True),
-        request.workload,
-        str(request.rows),
-        ",".join(sorted(names)),
-        str(REQUEST_TOKENS),
-    ]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+def _bar(done: dict) -> Timing:
+    """The best of each figure measured so far (the bar a hopeless candidate is given up at)."""
+    ts = [t for t in done.values() if isinstance(t, Timing)]
+    return Timing(
+        *(
+            min((getattr(t, f) for t in ts if getattr(t, f) is not None), default=None)
+            for f in ("prefill", "step1", "step_rows")
+        )
+    )
 
 
-def _read_probes(path: str) -> dict:
-    """The cache file's entries ({key: {"written": time, "timings": {...}}}); {} if absent, unreadable or
-    of another format version."""
-    try:
-        with open(path) as fh:
-            data = json.load(fh)
-        entries = data.get("entries", {}) if formats.is_current(data, formats.PROBES, key="version") else {}
-        return entries if isinstance(entries, dict) else {}
-    except (OSError, ValueError, AttributeError):
-        return {}
+def _measure_each(model, cands, request, device, figures, doubts) -> dict:
+    out: dict = {}
+    for c in cands:
+        try:
+            out[c.name] = measure(model, c, request, device, _bar(out), figures=figures, doubts=doubts)
+        except _TooSlow as e:
+            out[c.name] = f"given up: {e}"
+        except (RuntimeError, NotImplementedError) as e:  # a kernel this build cannot run with these weights
+            out[c.name] = f"failed: {str(e).splitlines()[0][:160]}"
+    return out
 
 
-def _save_probe(path: str, key: str, figures: dict) -> None:
-    """Add one entry (the oldest go past PROBE_ENTRIES), written atomically. A read-only cache is no
-    harm: the probe runs again next time."""
-    from gpt2lab.system.files import write_json
-
-    entries = _read_probes(path)
-    entries[key] = {"written": time.time(), "timings": figures}
-    keep = sorted(entries, key=lambda k: entries[k].get("written", 0) if isinstance(entries[k], dict) else 0)
-    entries = {k: entries[k] for k in keep[-PROBE_ENTRIES:]}
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_json(path, {"version": formats.PROBES.version, "entries": entries}, indent=None)
-    except OSError:
-        pass
+def _absurd(name: str, t: Timing, rows: int) -> list[str]:
+    out = []
+    if t.prefill is not None and t.step1 is not None and t.step1 > ABSURD * t.prefill:
+        out.append(f"{name} one-row step {t.step1:.3g} ms over {ABSURD:g}x its prefill's {t.prefill:.3g} ms")
+    rows_ok = t.step_rows is None or rows > REQUEST_TOKENS or t.prefill is None
+    if not rows_ok and t.step_rows > ABSURD * t.prefill:
+        out.append(f"{name} {rows}-row step {t.step_rows:.3g} ms over {ABSURD:g}x its prefill's {t.prefill:.3g} ms")
+    return out
 
 
-def _cached(path: str, key: str) -> Optional[dict]:
-    entry = _read_probes(path).get(key)
-    try:
-        return {k: Timing(**v) if isinstance(v, dict) else str(v) for k, v in entry["timings"].items()}
-    except (TypeError, KeyError, AttributeError):
-        return None
+def reference_timings(model: GPT, cands: list[Candidate], device: torch.device, doubts: list) -> dict:
+    """Every candidate's reference figures, the best candidate of each dtype timed twice (module docstring);
+    what should not be kept goes to ``doubts``."""
+    one = InferenceRequest(rows=1)
+    out = _measure_each(model, cands, one, device, FIGURES, doubts)
+    per_dtype: dict[str, Candidate] = {}
+    for c in cands:
+        t = out[c.name]
+        if isinstance(t, Timing) and (
+            c.dtype not in per_dtype or reference_cost(t) < reference_cost(out[per_dtype[c.dtype].name])
+        ):
+            per_dtype[c.dtype] = c
+    if len(per_dtype) > 1:  # the dtype is decided between these: a second pass, after all the others
+        for c in per_dtype.values():
+            again = measure(model, c, one, device, figures=FIGURES, doubts=doubts)
+            then = out[c.name]
+            for f in FIGURES:
+                a, b = getattr(then, f), getattr(again, f)
+                if max(a, b) > UNSTEADY * min(a, b):
+                    doubts.append(f"{c.name} {f} {a:.3g} then {b:.3g} ms")
+            out[c.name] = Timing(min(then.prefill, again.prefill), min(then.step1, again.step1))
+    for name, t in out.items():
+        if isinstance(t, Timing):
+            doubts.extend(_absurd(name, t, 1))
+    return out
+
+
+def _rows_timings(model, pool, request, device, doubts: list) -> dict:
+    """The ``request.rows``-row step of each candidate in ``pool`` (ms, or why dropped)."""
+    out = _measure_each(model, pool, request, device, ("step_rows",), doubts)
+    return {k: (t.step_rows if isinstance(t, Timing) else t) for k, t in out.items()}
+
+
+def _probe_mode() -> str:
+    return os.environ.get("GPT2LAB_PROBE", "1")
 
 
 @torch.inference_mode()
-def estimate_seconds(model: GPT, n_candidates: int, request: InferenceRequest, device: torch.device) -> float:
-    """About how long ``timings`` takes: one prefill and one decode step of ``model`` as it is, timed
-    here, times the calls ``measure`` makes per candidate (a rough figure for the notice)."""
+def estimate_seconds(
+    model: GPT, n_candidates: int, request: InferenceRequest, device: torch.device, n_rows: int = 0
+) -> float:
+    """About how long the measuring takes: one prefill and one decode step of ``model`` as it is, timed
+    here, times the calls ``measure`` makes for ``n_candidates`` (and their second pass, at most one per
+    candidate) and, for ``serve``, the ``n_rows`` candidates' batch steps (a rough figure for the notice)."""
     block, vocab = model.config.block_size, model.config.vocab_size
     prompt = max(1, min(REQUEST_TOKENS, block - 1))  # and room for one decode step after it
     ids = torch.randint(0, vocab, (1, prompt), generator=torch.Generator().manual_seed(0)).to(device)
@@ -189,65 +268,35 @@ def estimate_seconds(model: GPT, n_candidates: int, request: InferenceRequest, d
         _sync(device)
     prefill, step = t1 - t0, time.perf_counter() - t1
     per = (1 + REPEATS) * (prefill + STEPS * step) + prefill * CONTEXT / prompt
-    if request.workload == "serve":
-        per += (1 + REPEATS) * STEPS * (step + prefill * request.rows / prompt)
-    return n_candidates * per
+    rows = (1 + REPEATS) * STEPS * (step + prefill * request.rows / prompt) + prefill * CONTEXT / prompt
+    return n_candidates * per + (n_rows * rows if request.workload == "serve" else 0.0)
 
 
-def _notice(
-    command: str, model: GPT, cands: list[Candidate], request: InferenceRequest, device: torch.device, where: str
-) -> None:
-    """The one stderr line before the probe: what it does, about how long, and that it is done once."""
-    secs = estimate_seconds(model, len(cands), request, device)
+def _notice(command: str, what: str, secs: float, where: str) -> None:
+    """The one stderr line before measuring: what, about how long, and that it is done once."""
     about = f"about {secs:.0f} s" if secs >= 1 else "under a second"
     print(
-        f"{command}: measuring {len(cands)} ways to run this model on this machine for {request.workload} "
-        f"({', '.join(c.name for c in cands)}), {about}; done once per machine and model shape "
+        f"{command}: measuring {what} on this machine, {about}; done once per machine and model shape "
         f"(kept in {where}; GPT2LAB_PROBE=0 skips it)",
         file=sys.stderr,
         flush=True,
     )
 
 
-def timings(
-    model: GPT,
-    cands: list[Candidate],
-    request: InferenceRequest,
-    device: torch.device,
-    cache: bool = True,
-    command: str = "gpt2lab",
-) -> Optional[dict]:
-    """Each candidate's Timing (or the error it failed with), from the cache when it can; None with
-    GPT2LAB_PROBE=0; GPT2LAB_PROBE=fresh measures again (a probe taken on a busy machine) and keeps that.
-    Before measuring, one line on stderr says so (``command`` first)."""
-    mode = os.environ.get("GPT2LAB_PROBE", "1")
-    if mode == "0":
-        return None
-    names = [c.name for c in cands]
-    path, key = os.path.join(runtime._cache_dir(), PROBE_FILE), _probe_key(model, request, device, names)
-    if cache and mode != "fresh":
-        found = _cached(path, key)
-        if found is not None:
-            return found
-    _notice(command, model, cands, request, device, path)
-    out: dict = {}
-    for c in cands:
-        done = [t for t in out.values() if isinstance(t, Timing)]
-        best = Timing(
-            *(
-                min((getattr(t, f) for t in done if getattr(t, f) is not None), default=None)
-                for f in ("prefill", "step1", "step_rows")
-            )
-        )
-        try:
-            out[c.name] = measure(model, c, request, device, best)
-        except _TooSlow as e:
-            out[c.name] = f"given up: {e}"
-        except (RuntimeError, NotImplementedError) as e:  # a kernel this build cannot run with these weights
-            out[c.name] = f"failed: {str(e).splitlines()[0][:160]}"
-    if cache:
-        _save_probe(path, key, {k: dataclasses.asdict(v) if isinstance(v, Timing) else v for k, v in out.items()})
-    return out
+NOT_KEPT = "measured on a busy machine (not kept), the device's rule"
+
+
+def _not_kept(command: str, doubts: list) -> None:
+    print(
+        f"{command}: figures neither used nor kept, the next run measures again (the machine was busy?): "
+        f"{'; '.join(doubts)}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _label(request: InferenceRequest) -> str:
+    return f"serve {request.rows} rows" if request.workload == "serve" else request.workload
 
 
 def decide(
@@ -257,14 +306,102 @@ def decide(
     facts: Optional[InferenceFacts] = None,
     command: str = "gpt2lab",
 ) -> Decision:
-    """Measure (where there is a choice; a first measurement says so on stderr, ``command`` first) and choose."""
+    """Measure (where there is a choice, and the cache has no figures; a first measurement says so on
+    stderr, ``command`` first) and choose."""
     facts = facts or detect_facts(device)
     cands = candidates(request, facts)
-    if len(cands) > 1:  # the device rule's pick first: the likeliest winner sets the bar to give up at
-        first = device_pick(cands, facts)
-        cands = [first] + [c for c in cands if c != first]
-        facts = dataclasses.replace(facts, timings=timings(model, cands, request, device, command=command))
-    return choose(request, facts)
+    mode = _probe_mode()
+    if len(cands) == 1 or mode == "0":
+        return choose(request, facts)
+    first = device_pick(cands, facts)  # the likeliest winner first: it sets the bar to give up at
+    cands = [first] + [c for c in cands if c != first]
+    names = [c.name for c in cands]
+    where, key = probe_cache.path(), probe_cache.key(model.config, device, names)
+    entry = None if mode == "fresh" else probe_cache.entries(where).get(key)
+    timings = probe_cache.timings(entry)
+    kept = True
+    serve = request.workload == "serve"
+    if timings is None or set(timings) != set(names):
+        n_dtypes = len({c.dtype for c in cands})
+        n_rows = max(sum(c.dtype == d for c in cands) for d in {c.dtype for c in cands}) if serve else 0
+        secs = estimate_seconds(model, len(cands) + (n_dtypes if n_dtypes > 1 else 0), request, device, n_rows)
+        _notice(command, f"{len(cands)} ways to run this model ({', '.join(names)})", secs, where)
+        doubts: list = []
+        timings = reference_timings(model, cands, device, doubts)
+        entry = None
+        if doubts:  # neither kept nor used: the device's rule decides, the same in every process
+            _not_kept(command, doubts)
+            decision = choose(request, facts)
+            return dataclasses.replace(decision, reason=decision.reason.replace("not measured", NOT_KEPT, 1))
+        probe_cache.save_timings(key, model.config, device, timings)
+        entry = {}
+    if serve:
+        dtype, _ = choose_dtype(cands, dataclasses.replace(facts, timings=timings))
+        pool = [c for c in cands if c.dtype == dtype and isinstance(timings.get(c.name), Timing)]
+        rows = probe_cache.rows_timings(entry, request.rows)  # None when measured afresh
+        if len(pool) > 1 and (rows is None or not set(c.name for c in pool) <= set(rows)):
+            secs = estimate_seconds(model, 0, request, device, len(pool))
+            _notice(command, f"the {request.rows}-row step of {len(pool)} ways to serve this model", secs, where)
+            doubts = []
+            rows = _rows_timings(model, pool, request, device, doubts)
+            for c in pool:
+                t = timings[c.name]
+                r = rows.get(c.name)
+                if isinstance(r, float):
+                    doubts.extend(_absurd(c.name, dataclasses.replace(t, step_rows=r), request.rows))
+            if doubts:  # not used either: the kernel by the one-row figures, as any process takes it
+                kept = False
+                _not_kept(command, doubts)
+                rows = None
+            else:
+                probe_cache.save_rows(key, request.rows, rows)
+        for name, r in (rows or {}).items():
+            if isinstance(timings.get(name), Timing):
+                timings[name] = dataclasses.replace(timings[name], step_rows=r) if isinstance(r, float) else r
+    decision = choose(request, dataclasses.replace(facts, timings=timings))
+    if kept:
+        probe_cache.note_choice(key, _label(request), decision.candidate.name)
+    return decision
+
+
+class Watch:
+    """A run's own one-row steps against the cached figure of its choice: a median of WATCH_STEPS steps
+    over DISAGREE times that figure removes the cache entry (said once on stderr), so the next run
+    measures again. Fed by inference/completion.stream_text."""
+
+    def __init__(self, key: str, name: str, step_ms: float, command: str) -> None:
+        self.key, self.name, self.step_ms, self.command = key, name, step_ms, command
+        self.seen: list[float] = []
+        self.done = False
+
+    def see(self, position: int, ms: float) -> None:
+        """One decode step of ``ms`` whose new token is at ``position`` (0-based) of its sequence."""
+        if self.done or position > REQUEST_TOKENS:
+            return
+        self.seen.append(ms)
+        if len(self.seen) < WATCH_STEPS:
+            return
+        self.done = True
+        run = statistics.median(self.seen)
+        if run > DISAGREE * self.step_ms and probe_cache.drop(self.key):
+            print(
+                f"{self.command}: this run's steps took {run:.3g} ms, {run / self.step_ms:.1f}x the "
+                f"{self.step_ms:.3g} ms measured for {self.name}: those figures are dropped, the next run "
+                "measures again",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def watch(decision: Decision, model: GPT, device: torch.device, command: str) -> Optional[Watch]:
+    """The Watch of a decision whose figures are in the cache (None otherwise: nothing to drop)."""
+    t = (decision.timings or {}).get(decision.candidate.name)
+    if _probe_mode() == "0" or not isinstance(t, Timing) or t.step1 is None:
+        return None
+    key = probe_cache.key(model.config, device, list(decision.timings))
+    if key not in probe_cache.entries():
+        return None
+    return Watch(key, decision.candidate.name, t.step1, command)
 
 
 def announce(decision: Decision, command: str) -> None:

@@ -8,6 +8,10 @@ model it is given, as it is: it times nothing, prints nothing and writes nothing
 With the KV cache the prompt is run once and each new token costs one position of
 compute; without it (or once the sequence outgrows the block) the last ``block_size``
 tokens are re-run every step, which is what the cache must reproduce token for token.
+
+The defaults (temperature 1, top-k 50, top-p 1) are ``SAMPLING`` (model/sampling_defaults.py), the same
+for ``gpt2lab sample``, the server and ``generate``; ``top_k`` 0 or None keeps every token, ``top_p`` 1 or
+None all the mass.
 """
 
 from __future__ import annotations
@@ -17,15 +21,17 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch.nn import functional as F
 
+from gpt2lab.model.sampling_defaults import SAMPLING
+
 # Below this temperature logits / T can overflow float32; sample_next shifts the logits first.
 SMALL_TEMPERATURE = 1e-20
 
 
 def sample_next(
     logits: torch.Tensor,
-    temperature: float = 1.0,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
+    temperature: float = SAMPLING.temperature,
+    top_k: Optional[int] = SAMPLING.top_k,
+    top_p: Optional[float] = SAMPLING.top_p,
     generator: Optional[torch.Generator] = None,
 ) -> torch.Tensor:
     """Pick one token per row from logits (B, V); temperature 0 is greedy (argmax)."""
@@ -43,13 +49,13 @@ def sample_next(
     else:
         logits = logits / temperature
     ids = None  # (B, k): the token of each column of ``logits`` once only some tokens can be drawn
-    if top_k is not None:
-        if top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_k is not None and top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 keeps every token), got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k:
         logits, ids = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1)  # sorted, most likely first
-    if top_p is not None:
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_p is not None and top_p < 1:  # 1 keeps all (a cumulative sum can reach 1.0 early in float32)
         if ids is None:
             logits, ids = torch.sort(logits, descending=True, dim=-1)
         probs = F.softmax(logits, dim=-1)
@@ -71,9 +77,9 @@ def generate_stream(
     model: torch.nn.Module,
     idx: torch.Tensor,
     max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
+    temperature: float = SAMPLING.temperature,
+    top_k: Optional[int] = SAMPLING.top_k,
+    top_p: Optional[float] = SAMPLING.top_p,
     generator: Optional[torch.Generator] = None,
     stop_token: Optional[int] = None,
     use_cache: bool = True,
@@ -120,6 +126,7 @@ def generate_stream(
 @torch.no_grad()
 def generate(model: torch.nn.Module, idx: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
     """idx (B, T) followed by the generated tokens: (B, T + n), n <= max_new_tokens; keyword
-    arguments as ``generate_stream``. The model runs as given (see the module's docstring)."""
+    arguments as ``generate_stream`` (by default ``SAMPLING``'s: temperature 1, top-k 50, top-p 1, as
+    ``gpt2lab sample``). The model runs as given (see the module's docstring)."""
     new = [tok[:, None] for tok, _ in generate_stream(model, idx, max_new_tokens, **kwargs)]
     return torch.cat([idx, *new], dim=1)

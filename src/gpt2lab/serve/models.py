@@ -27,9 +27,10 @@ def load_workers(
     first): batching (serve/batch.py), or requests in turns with ``deterministic`` (serve/engine.py).
 
     ``request`` (an InferenceRequest: the --dtype, --quantize, --cpu-linear flags) is prepared for
-    the batching worker's workload, one row and ``--max-batch`` rows (inference/probe.py); in turns
-    each request runs exactly as ``gpt2lab sample`` runs it, so the model is prepared as ``sample``
-    prepares it (one row), and a seeded request gives ``sample``'s tokens."""
+    the batching worker's workload (inference/probe.py): ``sample``'s dtype, one per model and machine,
+    with the kernel of that dtype best at one row and ``--max-batch`` rows; in turns each request runs
+    exactly as ``gpt2lab sample`` runs it, so the model is prepared as ``sample`` prepares it (one row),
+    and a seeded request gives ``sample``'s tokens."""
     import dataclasses
 
     from gpt2lab.distributed.dist import pick_device

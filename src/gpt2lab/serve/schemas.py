@@ -11,6 +11,7 @@ from typing import Optional, Union
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field
 
+from gpt2lab.model.sampling_defaults import SAMPLING
 from gpt2lab.serve.errors import APIError
 
 MAX_N = 16  # choices per request (per prompt)
@@ -20,7 +21,8 @@ MAX_LOGPROBS = 5  # as OpenAI's completions
 
 
 class CompletionRequest(BaseModel):
-    """OpenAI's completion parameters; ``top_k`` is an extra (0 or absent keeps every token). Strict:
+    """OpenAI's completion parameters; ``top_k`` is an extra (0 keeps every token). ``temperature``,
+    ``top_p`` and ``top_k`` left out are ``gpt2lab sample``'s defaults (``SAMPLING``: 1, 1, 50). Strict:
     ``true`` is not an integer (pydantic's lax mode takes it as 1), nor ``1`` a boolean; no number is
     infinite or NaN (``Infinity``, ``NaN`` and ``1e999`` parse as JSON numbers in Python)."""
 
@@ -29,9 +31,9 @@ class CompletionRequest(BaseModel):
     model: str
     prompt: Union[str, list[str], list[int], list[list[int]]] = "<|endoftext|>"
     max_tokens: Optional[int] = Field(16, ge=0)
-    temperature: Optional[float] = Field(1.0, ge=0)
-    top_p: Optional[float] = Field(1.0, gt=0, le=1)
-    top_k: Optional[int] = Field(None, ge=0)
+    temperature: Optional[float] = Field(SAMPLING.temperature, ge=0)
+    top_p: Optional[float] = Field(SAMPLING.top_p, gt=0, le=1)
+    top_k: Optional[int] = Field(SAMPLING.top_k, ge=0)
     n: Optional[int] = Field(1, ge=1, le=MAX_N)
     stop: Optional[Union[str, list[str]]] = None
     seed: Optional[int] = Field(None, ge=0, lt=2**63)
@@ -57,7 +59,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(BaseModel):
-    """OpenAI's chat parameters (the ones a plain-text template can honour); ``top_k`` is an extra."""
+    """OpenAI's chat parameters (the ones a plain-text template can honour); ``top_k`` is an extra;
+    sampling fields left out as in ``CompletionRequest``."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -65,9 +68,9 @@ class ChatRequest(BaseModel):
     messages: list[ChatMessage]
     max_tokens: Optional[int] = Field(None, ge=1)  # None: the rest of the context, up to --max-tokens
     max_completion_tokens: Optional[int] = Field(None, ge=1)  # OpenAI's newer name for it
-    temperature: Optional[float] = Field(1.0, ge=0)
-    top_p: Optional[float] = Field(1.0, gt=0, le=1)
-    top_k: Optional[int] = Field(None, ge=0)
+    temperature: Optional[float] = Field(SAMPLING.temperature, ge=0)
+    top_p: Optional[float] = Field(SAMPLING.top_p, gt=0, le=1)
+    top_k: Optional[int] = Field(SAMPLING.top_k, ge=0)
     n: Optional[int] = Field(1, ge=1, le=MAX_N)
     stop: Optional[Union[str, list[str]]] = None
     seed: Optional[int] = Field(None, ge=0, lt=2**63)
