@@ -100,6 +100,10 @@ def test_a_seeded_request_with_the_default_settings_gives_samples_default_text(m
     assert r.choices[0].text == expected
     [every] = sample_cli(capsys, d, prompt, max_new_tokens=24, seed=11, top_k=0)
     assert every != expected
+    # a field sent as null is its default too, as OpenAI reads null
+    nulls = {"temperature": None, "top_p": None, "top_k": None}
+    r = openai_client(url).completions.create(model="tiny", prompt=prompt, max_tokens=24, seed=11, extra_body=nulls)
+    assert r.choices[0].text == expected
 
 
 @pytest.mark.slow

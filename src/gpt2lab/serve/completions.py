@@ -21,6 +21,7 @@ from gpt2lab.inference.completion import (
     fits_context,
     prompt_text,
 )
+from gpt2lab.model.sampling_defaults import SAMPLING
 from gpt2lab.serve.engine import Job, QueueFull, ShuttingDown, Work, Worker
 from gpt2lab.serve.errors import APIError, shutting_down
 from gpt2lab.serve.logprobs import Logprobs
@@ -157,7 +158,10 @@ class Completion:
         req = self.req
         _check_length(self.prompts, max_tokens, self.worker, default, what)
         self.sampling = Sampling(
-            max_new_tokens=max_tokens, temperature=_or(req.temperature, 1.0), top_k=req.top_k, top_p=req.top_p
+            max_new_tokens=max_tokens,  # a field sent as null is its default, as left out (OpenAI's reading)
+            temperature=_or(req.temperature, SAMPLING.temperature),
+            top_k=_or(req.top_k, SAMPLING.top_k),
+            top_p=_or(req.top_p, SAMPLING.top_p),
         )
         # without a seed each prompt draws its own (equal prompts get their own samples); with one,
         # every prompt starts from it, as `gpt2lab sample --seed` does
