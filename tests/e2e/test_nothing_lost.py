@@ -42,7 +42,7 @@ def _argv(data, out, *extra, **fields) -> list[str]:
 def _one_line(err: str) -> str:
     """The error line (warnings printed before it are allowed); there must be no traceback."""
     assert "Traceback" not in err, err
-    lines = [line for line in err.strip().splitlines() if line.startswith("gpt2lab")]
+    lines = [line for line in err.strip().splitlines() if line.startswith("gpt2lab") and ": note: " not in line]
     assert len(lines) == 1, err
     return lines[0]
 

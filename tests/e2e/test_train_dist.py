@@ -189,7 +189,9 @@ def test_existing_run_needs_resume_flag(tiny_data, tmp_path, capsys):
     argv = ["train", "--preset", "shakespeare-cpu", *cli_args(out=str(tmp_path), data=tiny_data, max_steps=2)]
     assert main(argv) == 0 and sorted(train_losses(tmp_path)) == [0, 1]
     assert main(argv) == 2
-    assert "already has checkpoints; continue it with --resume auto" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "already has checkpoints; continue it with `" in err and "gpt2lab train --preset shakespeare-cpu" in err
+    assert err.rstrip().endswith(" --resume auto` or choose another --out"), err
     assert main(argv + ["--resume", "auto", "--max-steps", "3"]) == 0
     assert sorted(train_losses(tmp_path)) == [0, 1, 2]
 

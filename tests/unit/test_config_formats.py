@@ -144,7 +144,9 @@ def test_config_json_round_trips():
         "total_batch_tokens": 524288,
         "batch_ramp_steps": 0,
         "batch_ramp_start": None,
-    }  # the batch ramp: off
+        "seq_len_ramp_steps": 0,
+        "seq_len_start": None,
+    }  # the batch and sequence-length ramps: off
     assert written["spike"] == {"spike_window": 100, "spike_loss_z": 6.0, "spike_norm_z": 20.0, "spike_rollback": 3}
     assert (written["optim"]["max_lr"], written["optim"]["min_lr"], written["parallel"]["strategy"]) == (
         3e-4,

@@ -22,7 +22,7 @@ def test_batched_requests_draw_the_tokens_sample_draws(pair_server, gpt2_vocab_e
 
     url, _ = pair_server
     model, _ = gpt2_vocab_export
-    cases = [(f"Prompt {i}: " + "word " * (3 * i), 10 + i, [0.7, 1.0, 1.3][i % 3], [None, 40][i % 2]) for i in range(8)]
+    cases = [(f"Prompt {i}: " + "word " * (3 * i), 10 + i, [0.7, 1.0, 1.3][i % 3], [0, 40][i % 2]) for i in range(8)]
     expected = []
     for prompt, seed, temperature, top_k in cases:
         s = Sampling(max_new_tokens=20, temperature=temperature, top_k=top_k)

@@ -133,31 +133,6 @@ def test_an_infinite_or_nan_number_flag_is_refused_naming_it(argv, capsys):
     assert f"argument {flag}: expected a finite number, got {argv[argv.index(flag) + 1]!r}" in err
 
 
-def test_eval_loss_tokens_past_the_split_names_the_tokens_flag(gpt2_vocab_export, tiny_data, capsys):
-    _, d = gpt2_vocab_export
-    argv = [
-        "eval",
-        "loss",
-        "--model",
-        d,
-        "--data",
-        tiny_data,
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--seq-len",
-        "32",
-        "--batch-size",
-        "4",
-        "--tokens",
-        str(10**7),
-    ]
-    assert cli.main(argv) == 2
-    msg = one_line(capsys.readouterr().err)
-    assert "--tokens" in msg and "--eval-tokens" not in msg and "split 'val' has" in msg, msg
-
-
 # -- resume ----------------------------------------------------------------------------------
 def test_resume_with_another_lora_rank_names_the_flag(gpt2_vocab_export, tiny_data, tmp_path, capsys):
     _, d = gpt2_vocab_export
