@@ -386,27 +386,31 @@ def test_the_probe_is_cached_per_machine_and_model_and_can_be_turned_off(tmp_pat
 
     def fake_measure(model, cand, request, device, best=None, figures=prep.FIGURES, doubts=None):
         calls.append(cand.name)
+        if figures == ("step_batch",):
+            return Timing(step_batch=1.5)
         return Timing(1.0, 2.0 if cand.dtype == "float32" else 1.0)
 
     monkeypatch.setattr(prep, "measure", fake_measure)
     model, cpu = tiny_gpt(seed=0, vocab_size=97, block_size=16), torch.device("cpu")
     request = InferenceRequest(linear="plain")
     first = prep.decide(model, cpu, request, facts=ZEN)
-    # 4 candidates, then the best of each dtype again: 6 calls; a tie between kernels: the first by name
-    assert first.candidate.name == "bfloat16/decode" and len(calls) == 6
-    assert prep.decide(model, cpu, request, facts=ZEN) == first and len(calls) == 6  # read back, not measured
+    # 4 candidates, then the best of each dtype again and at 16 rows: 8 calls; a tie between kernels: the
+    # first by name
+    assert first.candidate.name == "bfloat16/decode" and len(calls) == 8
+    assert prep.decide(model, cpu, request, facts=ZEN) == first and len(calls) == 8  # read back, not measured
     [entry] = json.loads((tmp_path / probe_cache.PROBE_FILE).read_text())["entries"].values()
-    assert entry["timings"]["float32/decode"] == {"prefill": 1.0, "step1": 2.0, "step_rows": None}
+    assert entry["timings"]["float32/decode"] == {"prefill": 1.0, "step1": 2.0, "step_rows": None, "step_batch": None}
+    assert entry["timings"]["float32/plain"]["step_batch"] == 1.5  # the dtype's best kernel (the first of a tie)
     assert entry["model"] == {"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 97, "block_size": 16}
     assert entry["choices"] == {"sample": "bfloat16/decode"} and entry["device"] == "cpu"
     other = tiny_gpt(seed=0, vocab_size=97, block_size=16, n_layer=3)  # another shape: measured anew
     prep.decide(other, cpu, request, facts=ZEN)
-    assert len(calls) == 12
+    assert len(calls) == 16
     monkeypatch.setenv("GPT2LAB_PROBE", "fresh")  # measured again, and kept
     prep.decide(other, cpu, request, facts=ZEN)
-    assert len(calls) == 18
+    assert len(calls) == 24
     monkeypatch.setenv("GPT2LAB_PROBE", "0")
-    assert "not measured" in prep.decide(other, cpu, request, facts=ZEN).reason and len(calls) == 18
+    assert "not measured" in prep.decide(other, cpu, request, facts=ZEN).reason and len(calls) == 24
 
 
 def test_the_tests_keep_gpt2labs_cache_out_of_the_users_home():
@@ -462,7 +466,7 @@ def test_the_probe_cache_is_one_bounded_versioned_file(tmp_path, monkeypatch):
     ):  # another format: only a cache, measured again
         (tmp_path / probe_cache.PROBE_FILE).write_text(json.dumps({**saved, "version": version}))
         prep.decide(model, torch.device("cpu"), request, facts=ZEN)
-        assert len(calls) == measured + len(names) + 2  # and the best of each dtype again
+        assert len(calls) == measured + len(names) + 4  # and the best of each dtype again, and at 16 rows
         measured = len(calls)
         assert json.loads((tmp_path / probe_cache.PROBE_FILE).read_text())["version"] == formats.PROBES.version
 
@@ -807,3 +811,30 @@ def test_for_inference_auto_takes_the_cached_measured_dtype_and_writes_nothing(t
         assert (tmp_path / probe_cache.PROBE_FILE).stat().st_mtime_ns == stamp  # read, not written
     monkeypatch.setenv("GPT2LAB_PROBE", "0")
     assert held(for_inference(model, dtype="auto")) == {(by_rule.kernel, by_rule.dtype)}
+
+
+@pytest.mark.parametrize("workload", ["sample", "serve", "score"])
+def test_the_dtype_is_the_least_behind_at_its_worse_of_one_row_and_a_batch(workload):
+    """Figures as measured on a 2-core AVX2 EPYC (no native bf16): bf16 weights read half the bytes, so
+    its one-row reference request is 1.19x cheaper, but its 16-row steps are emulated bf16 matmuls, 4x
+    fp32's. Worse cases: fp32 1.19x (one row), bf16 ~3.4x (the batch): fp32 for every workload. Where bf16
+    leads at both (a CPU with native bf16), bf16."""
+    from gpt2lab.inference.choice import BATCH_ROWS, REQUEST_TOKENS, batch_cost, choose, reference_cost
+
+    emulated = {
+        "float32/packed": Timing(308.0, 53.5, None, 74.9),
+        "float32/decode": Timing(290.0, 55.0),
+        "bfloat16/plain": Timing(1292.6, 36.94, None, 300.0),
+    }
+    one = {n: reference_cost(t) for n, t in emulated.items()}
+    assert one["bfloat16/plain"] < one["float32/packed"] / 1.15  # bf16 leads at one row
+    bf16_batch = batch_cost(emulated["bfloat16/plain"]) / batch_cost(emulated["float32/packed"])
+    assert bf16_batch == pytest.approx((1292.6 + REQUEST_TOKENS * 300.0 / BATCH_ROWS) / (308 + 128 * 74.9 / 16))
+    assert bf16_batch > 3  # and falls far behind in a batch
+    request = InferenceRequest(workload=workload, rows=BATCH_ROWS)
+    d = choose(request, dataclasses.replace(AVX2, timings=emulated))
+    assert d.candidate.dtype == "float32" and "the least behind at its worse" in d.reason
+    native = {**emulated, "bfloat16/plain": Timing(200.0, 20.0, None, 40.0)}
+    assert choose(request, dataclasses.replace(AVX2, timings=native)).candidate.dtype == "bfloat16"
+    one_row_only = {n: dataclasses.replace(t, step_batch=None) for n, t in emulated.items()}
+    assert choose(request, dataclasses.replace(AVX2, timings=one_row_only)).candidate.dtype == "bfloat16"

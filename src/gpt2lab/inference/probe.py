@@ -3,8 +3,9 @@ candidate timed on the model itself, cached per machine and model shape (inferen
 announced on stderr before it runs. ``decide`` hands the figures to inference/choice.py's ``choose``.
 
 What is timed: every candidate's reference figures (a ``REQUEST_TOKENS``-token prefill and a one-row
-decode step), from which the dtype is chosen, the same for every workload; for ``serve``, then, the
-``--max-batch``-row step of the chosen dtype's kernels. A loaded machine must not decide for good:
+decode step) and, where several dtypes run, a ``BATCH_ROWS``-row step of each dtype's best kernel, from
+which the dtype is chosen, the same for every workload; for ``serve``, then, the ``--max-batch``-row step
+of the chosen dtype's kernels. A loaded machine must not decide for good:
 
 * each figure is the best of ``REPEATS`` calls after an untimed one; when the second best is over
   ``UNSTEADY`` times the best, ``REPEATS`` more are timed, and a figure whose two best calls of all
@@ -37,6 +38,7 @@ import torch
 
 from gpt2lab.inference import probe_cache
 from gpt2lab.inference.choice import (
+    BATCH_ROWS,
     REQUEST_TOKENS,
     Candidate,
     Decision,
@@ -139,7 +141,7 @@ def measure(
     is asked, else one): a real prefill, real decode steps (given the ``best`` figures so far, a
     candidate far behind is given up: _TooSlow). What should not be kept goes to ``doubts``."""
     best = best or Timing()
-    rows = request.rows if "step_rows" in figures else 1
+    rows = request.rows if "step_rows" in figures else BATCH_ROWS if "step_batch" in figures else 1
     prepared = hold(model, cand, rows)
     block, vocab = model.config.block_size, model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -173,6 +175,8 @@ def measure(
         out["step1"] = decode_ms(1, best.step1)
     if "step_rows" in figures:
         out["step_rows"] = decode_ms(request.rows, best.step_rows)
+    if "step_batch" in figures:
+        out["step_batch"] = decode_ms(BATCH_ROWS, best.step_batch)
     return Timing(**out)
 
 
@@ -182,7 +186,7 @@ def _bar(done: dict) -> Timing:
     return Timing(
         *(
             min((getattr(t, f) for t in ts if getattr(t, f) is not None), default=None)
-            for f in ("prefill", "step1", "step_rows")
+            for f in ("prefill", "step1", "step_rows", "step_batch")
         )
     )
 
@@ -206,6 +210,10 @@ def _absurd(name: str, t: Timing, rows: int) -> list[str]:
     rows_ok = t.step_rows is None or rows > REQUEST_TOKENS or t.prefill is None
     if not rows_ok and t.step_rows > ABSURD * t.prefill:
         out.append(f"{name} {rows}-row step {t.step_rows:.3g} ms over {ABSURD:g}x its prefill's {t.prefill:.3g} ms")
+    if t.step_batch is not None and t.prefill is not None and t.step_batch > ABSURD * t.prefill:
+        out.append(
+            f"{name} {BATCH_ROWS}-row step {t.step_batch:.3g} ms over {ABSURD:g}x its prefill's {t.prefill:.3g} ms"
+        )
     return out
 
 
@@ -230,6 +238,9 @@ def reference_timings(model: GPT, cands: list[Candidate], device: torch.device, 
                 if max(a, b) > UNSTEADY * min(a, b):
                     doubts.append(f"{c.name} {f} {a:.3g} then {b:.3g} ms")
             out[c.name] = Timing(min(then.prefill, again.prefill), min(then.step1, again.step1))
+        for c in per_dtype.values():  # the dtypes' batch figure: each dtype's best kernel at BATCH_ROWS rows
+            batch = measure(model, c, one, device, figures=("step_batch",), doubts=doubts)
+            out[c.name] = dataclasses.replace(out[c.name], step_batch=batch.step_batch)
     for name, t in out.items():
         if isinstance(t, Timing):
             doubts.extend(_absurd(name, t, 1))

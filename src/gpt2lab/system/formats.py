@@ -42,7 +42,7 @@ class Format:
 _AGAIN = "train it again, or read it with the gpt2lab 0.1.x that wrote it"
 RUN = Format("run config", 2, _AGAIN)
 CHECKPOINT = Format("checkpoint", 1, _AGAIN)
-PROBES = Format("decode-probe cache", 2, "it is measured again")
+PROBES = Format("decode-probe cache", 3, "it is measured again")
 
 
 def stamp(data: Mapping[str, Any], fmt: Format) -> dict:
