@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_gpt
 
+from gpt2lab.inference import kernels, probe_cache
 from gpt2lab.inference import probe as prep
-from gpt2lab.inference import probe_cache
 from gpt2lab.inference.choice import Candidate, InferenceFacts, InferenceRequest, Timing, candidates, choose
 from gpt2lab.inference.form import for_inference, hold
 from gpt2lab.inference.kernels import (
@@ -21,6 +22,7 @@ from gpt2lab.inference.kernels import (
     Int8Linear,
     PackedLinear,
     PlainLinear,
+    UpcastLinear,
     int8_available,
     packing_available,
     packing_bf16_error,
@@ -82,6 +84,36 @@ def test_bf16_decode_linears_multiply_bf16_inputs_by_bf16_weights(kernel):
     torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=2e-2)  # bf16's own rounding of the output
 
 
+@pytest.mark.parametrize("shape", [(1, 24), (1, 1, 24), (5, 24), (3, 7, 24)])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("batch_hint", [1, 4])
+def test_upcast_multiplies_bf16_inputs_by_bf16_weights_one_row_as_held_more_in_fp32(
+    batch_hint, bias, shape, monkeypatch
+):
+    """One row: torch's bf16 F.linear on the weight as held (the same call, the same bits). More rows: the
+    rounded operands multiplied in fp32, the weight converted a slice at a time (3 slices of 16 output rows
+    and one of 8 here, 40 rows: each slice's values the right ones), or, held for batches of 4 where
+    oneDNN packs, by its fp32 values packed once."""
+    packs = batch_hint > 1 and packing_available()
+    monkeypatch.setattr(kernels, "UPCAST_SLICE", 16 * 24 + 5)  # not a whole number of rows either
+    monkeypatch.setattr(kernels, "_scratch", threading.local())  # a buffer of that size
+    w, b, x = _layer_inputs(bias, shape)
+    layer = UpcastLinear(w, b, torch.bfloat16, batch_hint)
+    assert layer.weight.dtype == torch.bfloat16 and layer.slice_rows == 16 and (layer.packed is not None) == packs
+    with torch.inference_mode():
+        got = layer(x)
+    assert got.shape == (*shape[:-1], 40)
+    bf = lambda t: t.bfloat16().double()  # noqa: E731  the rounded operands, multiplied exactly
+    want = F.linear(bf(x), bf(w), None if b is None else bf(b))
+    if x.numel() == 24:
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, F.linear(x.bfloat16(), w.bfloat16(), None if b is None else b.bfloat16()))
+        torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=2e-2)
+    else:
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)  # fp32 sums of exact products
+
+
 def test_int8_quantization_is_symmetric_per_row_within_half_a_step():
     w = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
     w[2] *= 100  # rows of very different ranges get their own scales
@@ -141,9 +173,11 @@ def test_a_prepared_fp32_model_gives_the_models_logits_and_shares_its_other_weig
     assert all(p.requires_grad for p in model.parameters())  # the model still trains
 
 
-def test_a_bf16_prepared_model_keeps_an_fp32_residual_stream_and_a_bf16_cache():
-    """bf16 weights: each linear's output is bf16 and adds into the fp32 residual, as under autocast;
-    the logits are those of the bf16-rounded weights within bf16's rounding of the activations."""
+@pytest.mark.parametrize("kernel, rows", [("plain", 1), ("upcast", 1), ("upcast", 4)])
+def test_a_bf16_prepared_model_keeps_an_fp32_residual_stream_and_an_fp32_attention_on_a_cpu(kernel, rows):
+    """bf16 weights: each linear's output adds into the fp32 residual, as under autocast; on a CPU the
+    attention, and so the KV cache, runs in fp32; the logits are those of the bf16-rounded weights within
+    bf16's rounding of the activations."""
     model = tiny_gpt(seed=4, vocab_size=97, block_size=32)
     rounded = tiny_gpt(seed=4, vocab_size=97, block_size=32)
     with torch.no_grad():
@@ -153,11 +187,15 @@ def test_a_bf16_prepared_model_keeps_an_fp32_residual_stream_and_a_bf16_cache():
                 m.bias.copy_(m.bias.bfloat16().float())
     idx = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
-        ready = hold(model, Candidate("bfloat16", "plain"))
-        cache = ready.new_kv_cache(9)
+        ready = hold(model, Candidate("bfloat16", kernel), rows)
+        cache = ready.new_kv_cache(10)
         got, _ = ready(idx, kv_cache=cache)
+        step, _ = ready(idx[:, :1], kv_cache=cache)  # one more position: one row at a time through the cache
         want, _ = rounded(idx)
-    assert got.dtype == torch.bfloat16 and cache.k[0].dtype == torch.bfloat16
+        want_step, _ = rounded(torch.cat([idx, idx[:, :1]], 1))
+    assert cache.k[0].dtype == torch.float32 and cache.v[0].dtype == torch.float32
+    assert got.dtype == (torch.bfloat16 if kernel == "plain" else torch.float32)  # several rows in fp32
+    torch.testing.assert_close(step[:, -1].float(), want_step[:, -1], rtol=0, atol=0.05 * float(want.abs().max()))
     assert model.transformer.wte.weight.dtype == torch.float32
     torch.testing.assert_close(got.float(), want, rtol=0, atol=0.05 * float(want.abs().max()))
 
@@ -219,10 +257,15 @@ def _names(cands):
                 "float32/packed",
                 "bfloat16/plain",
                 "bfloat16/decode",
+                "bfloat16/upcast",
                 "bfloat16/packed",
             ],
         ),
-        (NO_ONEDNN, InferenceRequest(), ["float32/plain", "float32/decode", "bfloat16/plain", "bfloat16/decode"]),
+        (
+            NO_ONEDNN,
+            InferenceRequest(),
+            ["float32/plain", "float32/decode", "bfloat16/plain", "bfloat16/decode", "bfloat16/upcast"],
+        ),
         (AVX2, InferenceRequest(dtype="float32", linear="packed"), ["float32/packed"]),
         (
             AVX2,
@@ -233,6 +276,7 @@ def _names(cands):
                 "float32/packed",  # oneDNN packs no bf16 there
                 "bfloat16/plain",
                 "bfloat16/decode",
+                "bfloat16/upcast",  # fp32 needs no converting
             ],
         ),
         (XEON, InferenceRequest(dtype="bfloat16", linear="plain"), ["bfloat16/plain", "bfloat16/decode"]),
@@ -372,11 +416,13 @@ def test_an_asked_half_precision_unmeasured_is_held_on_a_cpu_without_native_bf16
     """The device's rule prefers fp32 on such a CPU, but an asked --dtype bfloat16 is the only dtype there is."""
     for facts in (XEON, AVX2):
         d = choose(InferenceRequest(dtype="bfloat16"), facts)
-        assert d.candidate == Candidate("bfloat16", "packed" if not facts.packing_bf16_error else "plain")
+        assert d.candidate == Candidate("bfloat16", "packed" if not facts.packing_bf16_error else "upcast")
     assert choose(InferenceRequest(), XEON).candidate == Candidate("float32", "packed")
-    # without oneDNN: fp32 weights column-major, half-precision ones row-major
+    # without oneDNN: fp32 weights column-major, half-precision ones upcast (fp32 products for several rows)
     assert choose(InferenceRequest(), NO_ONEDNN).candidate == Candidate("float32", "decode")
-    assert choose(InferenceRequest(dtype="bfloat16"), NO_ONEDNN).candidate == Candidate("bfloat16", "plain")
+    assert choose(InferenceRequest(dtype="bfloat16"), NO_ONEDNN).candidate == Candidate("bfloat16", "upcast")
+    # with native bf16, an unmeasured half precision keeps its own matmuls
+    assert choose(InferenceRequest(dtype="bfloat16", linear="plain"), ZEN).candidate == Candidate("bfloat16", "plain")
 
 
 def test_the_probe_is_cached_per_machine_and_model_and_can_be_turned_off(tmp_path, monkeypatch):

@@ -20,9 +20,15 @@ import torch
 from gpt2lab.inference import probe_cache
 from gpt2lab.inference.choice import Candidate, InferenceFacts, InferenceRequest, candidates, choose
 from gpt2lab.inference.kernels import int8_available, packing_available, packing_bf16_error, swap_linears
-from gpt2lab.model.gpt import GPT
+from gpt2lab.model.gpt import GPT, CausalSelfAttention
 from gpt2lab.model.loss import LossPath
 from gpt2lab.system import runtime
+
+# On a CPU the attention of a held model runs in fp32, whatever its linears' dtype (its KV cache is then
+# fp32 too). A decode step's attention reads a few MB at most; what it costs is the kernel: PyTorch's
+# CPU attention at one query is several times slower in bf16 than in fp32 (an AVX2 EPYC, 12 heads of 64:
+# 126-146 us against 26 at 144 keys, 860-3400 against 114 at 1024; docs/benchmarks.md).
+CPU_ATTENTION_DTYPE = torch.float32
 
 
 def detect_facts(device: torch.device) -> InferenceFacts:
@@ -51,6 +57,10 @@ def hold(model: GPT, cand: Candidate, rows: int = 1, inplace: bool = False) -> G
     """``model`` (or a copy sharing its other parameters) with every linear held as ``cand``; for inference only."""
     target = model if inplace else _shared_copy(model)
     swap_linears(target, cand.kernel, getattr(torch, cand.dtype), batch_hint=rows)
+    if next(model.parameters()).device.type == "cpu":  # attention in fp32 (CPU_ATTENTION_DTYPE's note)
+        for m in target.modules():
+            if isinstance(m, CausalSelfAttention):
+                m.attn_dtype = CPU_ATTENTION_DTYPE
     target.eval()
     if inplace:  # a copy shares the model's other parameters: their requires_grad is the model's business
         target.requires_grad_(False)

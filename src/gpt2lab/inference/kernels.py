@@ -15,6 +15,17 @@ what autocast computes, without re-reading and casting the weights at every step
   multiplied by ``_linear_pointwise``; fp32 or bf16. On CPUs this is the fastest small-M kernel
   by far where it runs (a 2-core Zen 5: the 768 x 50304 head at one row 3.6 ms packed fp32 vs
   9.0 plain; bf16 1.5 vs 2.5; docs/benchmarks.md);
+* ``upcast``: half-precision weights (CPU) multiplied as held at one row (torch's half GEMV streams
+  them at about fp32's bytes a second, so twice the weights a second), and at several rows in fp32,
+  a slice of the weight at a time converted into a scratch buffer that stays in the cache and
+  multiplied there. Where the CPU emulates half-precision matmuls (no AVX512_BF16: a 16-row bf16
+  step 3-4x slower than fp32's on an AVX2 EPYC) the batch then costs about what an fp32 one does
+  (on that EPYC 57 ms against fp32's 104 plain and 51 packed, for the 124M's linears at 16 rows),
+  and the half-precision weights keep their one-row speed. Held for batches of several rows (the
+  server's) where oneDNN packs, the weight's exact fp32 values are kept beside it, packed, in place of
+  the slices (1.5x an fp32 model's memory): a batch then costs what a packed fp32 one does, where the
+  conversion of every slice at every step would cost most at a few rows. The inputs are rounded to
+  the weight's dtype, as at one row; the output of several rows stays fp32;
 * ``int8``: weight-only int8, symmetric per output channel (scale = max |w| / 127), multiplied
   by PyTorch's own ``torch._weight_int8pack_mm`` with activations in fp32 or bf16. Which one is
   measured: on the Zen 5 the kernel is 20x slower with fp32 activations than with bf16.
@@ -26,13 +37,14 @@ head at one row on that Zen 5, against 0.5 ms for ``_weight_int8pack_mm``).
 
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-KERNELS = ("plain", "decode", "packed", "int8")
+KERNELS = ("plain", "decode", "packed", "upcast", "int8")
 
 
 def packing_available() -> bool:
@@ -117,6 +129,60 @@ class PackedLinear(DecodeLinear):
         return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, self.bias, "none", [], "")
 
 
+# The fp32 values of one slice of an upcast weight. Converted, then multiplied, it must still be in the
+# cache: 4 MB fits the last-level cache of any x86 or Arm CPU of the last decade (>= 8 MB), and at
+# 16 rows its matmul (~30 MFLOP) is long against the ~10 us a slice costs in Python. Not a tuning:
+# the kernel is measured against the others, and slices from 0.5 to 4 MB timed within 10% of each
+# other on an AVX2 EPYC (32 MB L3, 512 KB L2 a core).
+UPCAST_SLICE = 1 << 20
+_scratch = threading.local()  # one fp32 buffer of UPCAST_SLICE values a thread, shared by every layer
+
+
+def _scratch_buffer(device: torch.device) -> torch.Tensor:
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.device != device:
+        buf = _scratch.buf = torch.empty(UPCAST_SLICE, dtype=torch.float32, device=device)
+    return buf
+
+
+class UpcastLinear(DecodeLinear):
+    """Half-precision weights: one row by ``F.linear`` as held, more rows in fp32 (CPU): slice by slice, or,
+    held for a ``batch_hint`` of several rows where oneDNN packs, by the weight's fp32 values packed once.
+    The output of one row is in ``dtype``, of several in fp32."""
+
+    kernel = "upcast"
+
+    def __init__(
+        self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype, batch_hint: int = 1
+    ) -> None:
+        super().__init__(weight, bias, dtype)
+        self.weight = weight.detach().to(dtype).contiguous()
+        self.bias32 = None if bias is None else self.bias.float()
+        self.slice_rows = max(1, UPCAST_SLICE // self.in_features)
+        self.packed = None
+        if batch_hint > 1 and weight.device.type == "cpu" and packing_available():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.float(), batch_hint)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.dtype)
+        lead, n = x.shape[:-1], x.numel() // self.in_features
+        if n == 1:
+            return F.linear(x, self.weight, self.bias)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, self.bias32, "none", [], "")
+        xt = x.reshape(n, self.in_features).float().t()  # (in, n)
+        out = torch.empty(self.out_features, n, dtype=torch.float32, device=x.device)  # y.T, filled a slice at a time
+        buf = _scratch_buffer(x.device)
+        for s in range(0, self.out_features, self.slice_rows):
+            e = min(self.out_features, s + self.slice_rows)
+            w = buf[: (e - s) * self.in_features].view(e - s, self.in_features)
+            w.copy_(self.weight[s:e])
+            torch.mm(w, xt, out=out[s:e])
+        if self.bias32 is not None:
+            out += self.bias32[:, None]
+        return out.t().contiguous().reshape(*lead, self.out_features)  # fp32: rounding it costs a strided pass
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 weight, fp32 scale per output row): symmetric, ``w ~= q * scale`` with |q| <= 127."""
     w = weight.detach().float()
@@ -157,6 +223,8 @@ def make_linear(layer: nn.Linear, kernel: str, dtype: torch.dtype, batch_hint: i
         return PlainLinear(layer.weight, layer.bias, dtype, column_major=kernel == "decode")
     if kernel == "packed":
         return PackedLinear(layer.weight, layer.bias, dtype, batch_hint)
+    if kernel == "upcast":
+        return UpcastLinear(layer.weight, layer.bias, dtype, batch_hint)
     if kernel == "int8":
         return Int8Linear(layer.weight, layer.bias, dtype)
     raise ValueError(f"kernel {kernel!r}: one of {', '.join(KERNELS)}")

@@ -149,6 +149,7 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
         if value_embed_table(config, layer_idx) is not None:  # 1-D: FSDP2 shards no 0-d parameter
             self.ve_gate = nn.Parameter(torch.full((1,), 0.5))
+        self.attn_dtype: Optional[torch.dtype] = None  # q, k, v (and the KV cache) cast to this; None: as computed
 
     def forward(
         self,
@@ -158,7 +159,8 @@ class CausalSelfAttention(nn.Module):
         ve: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
+        qkv = self.c_attn(x)
+        q, k, v = (qkv if self.attn_dtype is None else qkv.to(self.attn_dtype)).split(C, dim=2)
         if ve is not None:  # value embedding: v = (1 - g) v + g ve (g 0-d: v keeps its dtype under autocast)
             g = self.ve_gate[0]
             v = (1 - g) * v + g * ve.to(v.dtype)
