@@ -97,6 +97,9 @@ def test_upcast_multiplies_bf16_inputs_by_bf16_weights_one_row_as_held_more_in_f
     packs = batch_hint > 1 and packing_available()
     monkeypatch.setattr(kernels, "UPCAST_SLICE", 16 * 24 + 5)  # not a whole number of rows either
     monkeypatch.setattr(kernels, "_scratch", threading.local())  # a buffer of that size
+    wide = UpcastLinear(torch.ones(3, 500), None, torch.bfloat16)  # a row wider than a slice: one row a slice
+    assert wide.slice_rows == 1
+    torch.testing.assert_close(wide(torch.ones(2, 500)), torch.full((2, 3), 500.0))
     w, b, x = _layer_inputs(bias, shape)
     layer = UpcastLinear(w, b, torch.bfloat16, batch_hint)
     assert layer.weight.dtype == torch.bfloat16 and layer.slice_rows == 16 and (layer.packed is not None) == packs

@@ -138,10 +138,11 @@ UPCAST_SLICE = 1 << 20
 _scratch = threading.local()  # one fp32 buffer of UPCAST_SLICE values a thread, shared by every layer
 
 
-def _scratch_buffer(device: torch.device) -> torch.Tensor:
+def _scratch_buffer(device: torch.device, n: int) -> torch.Tensor:
+    """This thread's buffer of at least ``n`` fp32 values (UPCAST_SLICE, or one row of a wider weight)."""
     buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.device != device:
-        buf = _scratch.buf = torch.empty(UPCAST_SLICE, dtype=torch.float32, device=device)
+    if buf is None or buf.device != device or buf.numel() < n:
+        buf = _scratch.buf = torch.empty(max(n, UPCAST_SLICE), dtype=torch.float32, device=device)
     return buf
 
 
@@ -172,7 +173,7 @@ class UpcastLinear(DecodeLinear):
             return torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, self.bias32, "none", [], "")
         xt = x.reshape(n, self.in_features).float().t()  # (in, n)
         out = torch.empty(self.out_features, n, dtype=torch.float32, device=x.device)  # y.T, filled a slice at a time
-        buf = _scratch_buffer(x.device)
+        buf = _scratch_buffer(x.device, self.slice_rows * self.in_features)
         for s in range(0, self.out_features, self.slice_rows):
             e = min(self.out_features, s + self.slice_rows)
             w = buf[: (e - s) * self.in_features].view(e - s, self.in_features)
