@@ -225,11 +225,11 @@ wiki() {  # Wikipedia prepared on the machine from the compressed files carried 
     fi
 }
 
-stage_fastvs() {  # gpt2-124m against gpt2-124m-fast on the same Wikipedia tokens and the same number of steps
+stage_fastvs() {  # gpt2-124m against FV_FAST (gpt2-124m-fast) on the same Wikipedia tokens and the same number of steps
     wiki
     : > "$OUT/fastvs.jsonl"
-    local preset steps=${FV_STEPS:-40} flags
-    for preset in gpt2-124m gpt2-124m-fast; do
+    local preset steps=${FV_STEPS:-40} flags fast=${FV_FAST:-gpt2-124m-fast}
+    for preset in gpt2-124m "$fast"; do
         flags=(--max-steps "$steps" --warmup-steps $((steps / 10)) --eval-interval "${FV_EVAL:-5}"
                --eval-tokens 1048576 $(short_run))
         [ "$SMOKE" = 1 ] && flags=($(tiny_flags) --max-steps 6 --warmup-steps 1 --eval-interval 2 --eval-tokens 1024
@@ -238,7 +238,7 @@ stage_fastvs() {  # gpt2-124m against gpt2-124m-fast on the same Wikipedia token
         g train --preset "$preset" --data "$RUN/wiki" --out "$RUN/fv_$preset" "${flags[@]}" > "$OUT/fv_$preset.log" 2>&1
         cp "$RUN/fv_$preset/metrics.jsonl" "$OUT/fv_${preset}_metrics.jsonl"
     done
-    "$PY" - "$RUN/fv_gpt2-124m/metrics.jsonl" "$RUN/fv_gpt2-124m-fast/metrics.jsonl" <<'EOF2' | tee -a "$OUT/fastvs.jsonl"
+    "$PY" - "$RUN/fv_gpt2-124m/metrics.jsonl" "$RUN/fv_$fast/metrics.jsonl" "$fast" <<'EOF2' | tee -a "$OUT/fastvs.jsonl"
 import json, sys
 def load(path):
     recs = [json.loads(x) for x in open(path)]
@@ -259,7 +259,7 @@ out = {"faithful_final": {"step": fe[-1][0], "val_loss": target, "tokens": tok(f
        "fast_reaches_faithful_final_at": None if hit is None else
            {"step": hit, "tokens": tok(mt, hit), "seconds": secs(mt, hit)},
        "faithful_evals": fe, "fast_evals": me,
-       "tok_per_s_median": {"gpt2-124m": round(med(ft)), "gpt2-124m-fast": round(med(mt))}}
+       "tok_per_s_median": {"gpt2-124m": round(med(ft)), sys.argv[3]: round(med(mt))}}
 print(json.dumps(out))
 EOF2
 }

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import env, run_gpt2lab
 
@@ -78,3 +79,45 @@ def test_the_demo_preset_exports_and_samples_the_same(tiny_data, tmp_path):  # n
         diff = (ours(idx)[0][..., :50257] - theirs(idx).logits).abs().max().item()
     assert diff <= 1e-4
     assert Path(hf_dir, "gpt2lab_export.json").is_file()
+
+
+@pytest.mark.slow
+def test_the_flagship_long_preset_exports_what_its_run_computes(tiny_data, tmp_path):  # noqa: F811
+    """wiki-cpu-long-fast, its own shape and levers (the weight average: the checkpoint holds the average),
+    a few steps: the export is a NanoChat whose logits are the run's."""
+    run, hf_dir = tmp_path / "run", tmp_path / "hf"
+    r = run_gpt2lab(
+        "train",
+        "--preset",
+        "wiki-cpu-long-fast",
+        "--data",
+        tiny_data,
+        "--out",
+        str(run),
+        "--max-steps",
+        "2",
+        "--eval-interval",
+        "0",
+        "--progress",
+        "false",
+        "--dtype",
+        "float32",
+        env=env(),
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    r = run_gpt2lab("export", str(run), str(hf_dir), env=env())
+    assert r.returncode == 0, r.stderr
+    import transformers
+
+    from gpt2lab.weights.load import load_model
+
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir)).eval()
+    assert type(theirs).__name__ == "NanoChatForCausalLM"
+    ours = load_model(str(run))
+    preset = load_preset("wiki-cpu-long-fast").model
+    assert (ours.config.n_layer, ours.config.n_embd, ours.config.value_embeds) == (preset.n_layer, preset.n_embd, 0)
+    idx = torch.randint(0, 50257, (2, 128), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (ours(idx)[0][..., :50257] - theirs(idx).logits).abs().max().item()
+    assert diff <= 1e-4

@@ -197,10 +197,12 @@ def test_list_presets_states_each_presets_size_cost_and_export(capsys):
     assert block("gpt2-124m")[1] == "    time    5.7 h on one NVIDIA H100 80GB HBM3 (at 486,800 tok/s measured)"
     assert 19073 * 524288 / 486_800 / 3600 == pytest.approx(5.7, abs=0.05)
     assert block("gpt3-124m")[1] == "    time    not measured"
-    long_fast = block("wiki-cpu-long-fast")
-    assert "modern recipe" in long_fast[0]
-    assert long_fast[2] == "    export  " + export_target(load_preset("wiki-cpu-long-fast").model).describe()
-    assert long_fast[2].startswith("    export  none (value_embeds=1")
+    for name in ("wiki-cpu-long-fast", "gpt2-124m-fast"):  # the flagships export; their record twins do not
+        fast, record = block(name), block(name.replace("-fast", "-record"))
+        assert "modern recipe" in fast[0] and "modern recipe" in record[0]
+        assert fast[2] == "    export  " + export_target(load_preset(name).model).describe()
+        assert fast[2] == "    export  Hugging Face NanoChatForCausalLM"
+        assert record[2].startswith("    export  none (value_embeds=1")
     from gpt2lab.train.presets import MEASURED
 
     assert set(MEASURED) <= set(preset_names())  # a renamed preset keeps its measured time
