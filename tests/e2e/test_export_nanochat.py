@@ -14,30 +14,35 @@ from conftest import env, run_gpt2lab
 from gpt2lab.train.settings import load_preset
 
 
-def test_the_demo_preset_exports_and_samples_the_same(tiny_data, tmp_path):  # noqa: F811
-    run, hf_dir = tmp_path / "run", tmp_path / "hf"
+def _train(preset: str, data: str, run: Path, steps: int, *extra: str):
+    """A few fp32 steps of ``preset`` into ``run``, no evaluation; the finished process."""
     r = run_gpt2lab(
         "train",
         "--preset",
-        "shakespeare-cpu-fast",
+        preset,
         "--data",
-        tiny_data,
+        data,
         "--out",
         str(run),
         "--max-steps",
-        "3",
+        str(steps),
         "--eval-interval",
-        "0",
-        "--sample-interval",
         "0",
         "--progress",
         "false",
         "--dtype",
         "float32",
+        *extra,
         env=env(),
         timeout=300,
     )
     assert r.returncode == 0, r.stderr
+    return r
+
+
+def test_the_demo_preset_exports_and_samples_the_same(tiny_data, tmp_path):  # noqa: F811
+    run, hf_dir = tmp_path / "run", tmp_path / "hf"
+    r = _train("shakespeare-cpu-fast", tiny_data, run, 3, "--sample-interval", "0")
     assert "gpt2lab train: export Hugging Face NanoChatForCausalLM" in r.stdout  # said before the first step
     assert json.loads((run / "run_info.json").read_text())["plan"]["export"] == "Hugging Face NanoChatForCausalLM"
     r = run_gpt2lab("export", str(run), str(hf_dir), env=env())
@@ -86,26 +91,7 @@ def test_the_flagship_long_preset_exports_what_its_run_computes(tiny_data, tmp_p
     """wiki-cpu-long-fast, its own shape and levers (the weight average: the checkpoint holds the average),
     a few steps: the export is a NanoChat whose logits are the run's."""
     run, hf_dir = tmp_path / "run", tmp_path / "hf"
-    r = run_gpt2lab(
-        "train",
-        "--preset",
-        "wiki-cpu-long-fast",
-        "--data",
-        tiny_data,
-        "--out",
-        str(run),
-        "--max-steps",
-        "2",
-        "--eval-interval",
-        "0",
-        "--progress",
-        "false",
-        "--dtype",
-        "float32",
-        env=env(),
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr
+    _train("wiki-cpu-long-fast", tiny_data, run, 2)
     r = run_gpt2lab("export", str(run), str(hf_dir), env=env())
     assert r.returncode == 0, r.stderr
     import transformers
