@@ -11,17 +11,38 @@ import pytest
 import torch
 from conftest import openai_client, post_completion, running_server, tiny_gpt
 
+from gpt2lab.weights import export
+
 openai = pytest.importorskip("openai", reason="the serve tests use the official openai client (test extra)")
 httpx = pytest.importorskip("httpx")
 
 
-def test_batched_requests_draw_the_tokens_sample_draws(pair_server, gpt2_vocab_export):
-    """Item 2's test set: 8 prompts x seeds in flight together (one batch) give the text that
+@pytest.fixture(scope="module")
+def confident_server(tmp_path_factory):
+    """A tiny real-vocabulary model whose next-token distributions are peaked, served; (url, model).
+
+    A draw is one uniform number placed in the cumulative distribution; a batch's matmuls round
+    differently from one row's (~1e-7), which moves every boundary of that distribution a little.
+    Over 50,257 near-equal tokens (a random model's logits are all ~0) the boundaries lie ~2e-5
+    apart, so now and then a draw sits within rounding of one and the batch picks the neighbour.
+    With the embedding (tied to the head) 60 times larger, a few tokens hold the mass and a draw's
+    distance to the nearest boundary is 1e-4 or more for these cases: only a real difference between
+    the batch and one row can change a token."""
+    model = tiny_gpt(seed=3, vocab_size=50257, block_size=128)
+    with torch.no_grad():
+        model.transformer.wte.weight.mul_(60.0)
+    d = str(tmp_path_factory.mktemp("confident") / "model")
+    export.save_pretrained(model, d)
+    with running_server([f"tiny={d}"]) as url:
+        yield url, model
+
+
+def test_batched_requests_draw_the_tokens_sample_draws(confident_server):
+    """8 prompts x seeds in flight together (one batch) give the text that
     completion.stream_text (gpt2lab sample's code) gives each alone."""
     from gpt2lab.inference.completion import Sampling, prompt_ids, seeded_generator, stream_text
 
-    url, _ = pair_server
-    model, _ = gpt2_vocab_export
+    url, model = confident_server
     cases = [(f"Prompt {i}: " + "word " * (3 * i), 10 + i, [0.7, 1.0, 1.3][i % 3], [0, 40][i % 2]) for i in range(8)]
     expected = []
     for prompt, seed, temperature, top_k in cases:
