@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import threading
 
 import pytest
@@ -19,11 +20,13 @@ from gpt2lab.inference.choice import Candidate, InferenceFacts, InferenceRequest
 from gpt2lab.inference.form import for_inference, hold
 from gpt2lab.inference.kernels import (
     DecodeLinear,
+    Int8GemvLinear,
     Int8Linear,
     PackedLinear,
     PlainLinear,
     UpcastLinear,
     int8_available,
+    int8_gemv_error,
     packing_available,
     packing_bf16_error,
     quantize_int8,
@@ -146,6 +149,73 @@ def test_int8_linear_multiplies_by_the_dequantized_weight(dtype, width):
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
 
 
+needs_gemv = pytest.mark.skipif(
+    int8_gemv_error(torch.device("cpu")) is not None, reason=str(int8_gemv_error(torch.device("cpu")))
+)
+
+
+@needs_gemv
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])  # one row; several: groups of four and what is left
+@pytest.mark.parametrize("width", [8, 37, 64, 100])  # the 32-wide steps, the 8-wide ones and the tail
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_gemv_multiplies_fp32_inputs_by_the_dequantized_weight(rows, width, bias):
+    g = torch.Generator().manual_seed(rows * 1000 + width)
+    w, b = torch.randn(45, width, generator=g), torch.randn(45, generator=g) if bias else None
+    x = torch.randn(rows, width, generator=g)
+    q, scale = quantize_int8(w)
+    want = F.linear(x.double(), q.double() * scale.double()[:, None], None if b is None else b.double())
+    layer = Int8GemvLinear(w, b, torch.float32)
+    for threads in (1, 2):  # rows shared among threads give the same sums
+        torch.set_num_threads(threads)
+        with torch.inference_mode():
+            got = layer(x[None].transpose(0, 1))  # a non-contiguous (rows, 1, width) input
+        assert got.dtype == torch.float32 and got.shape == (rows, 1, 45)
+        torch.testing.assert_close(got[:, 0].double(), want, rtol=1e-5, atol=1e-5)
+    torch.set_num_threads(1)
+    assert layer(torch.empty(0, width)).shape == (0, 45)
+    with pytest.raises(ValueError, match="computes in float32"):
+        Int8GemvLinear(w, b, torch.bfloat16)
+
+
+def test_int8_gemv_says_why_it_cannot_run(monkeypatch):
+    """Not compiled (no C compiler at install), a CPU without AVX2, another device: one reason each."""
+    import sys
+
+    assert "CPU kernel" in int8_gemv_error(torch.device("cuda"))
+    monkeypatch.setitem(sys.modules, "gpt2lab.inference._int8gemv", None)  # what an install without it gives
+    assert "not compiled" in int8_gemv_error(torch.device("cpu"))
+    monkeypatch.undo()
+    if int8_gemv_error(torch.device("cpu")) is None:
+        from gpt2lab.inference import _int8gemv
+
+        monkeypatch.setattr(_int8gemv, "has_avx2", lambda: False)
+        assert "no AVX2" in int8_gemv_error(torch.device("cpu"))
+
+
+@needs_gemv
+def test_an_int8_gemv_model_gives_the_dequantized_models_logits():
+    """Every linear int8 through the compiled kernel against the model whose weights are the dequantized
+    int8 values, as plain fp32 linears: prefill, decoding through the KV cache, a batch of rows."""
+    model = tiny_gpt(seed=4, vocab_size=97, block_size=32, **MODERN)
+    idx = torch.randint(0, 97, (3, 11), generator=torch.Generator().manual_seed(2))
+    ready = hold(model, Candidate("float32", "int8-gemv"), rows=3)
+    reference = hold(model, Candidate("float32", "plain"))
+    with torch.no_grad():
+        for m in reference.modules():
+            if isinstance(m, PlainLinear):
+                q, scale = quantize_int8(m.weight)
+                m.weight.copy_(q.float() * scale[:, None])
+    with torch.inference_mode():
+        want, _ = reference(idx)
+        got, _ = ready(idx)
+        cache = ready.new_kv_cache(16)
+        ready(idx[:1, :10], kv_cache=cache)
+        last, _ = ready(idx[:1, 10:], kv_cache=cache, last_only=True)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(last[0, -1], want[0, -1], rtol=1e-4, atol=1e-4)
+    assert {m.kernel for m in ready.modules() if isinstance(m, DecodeLinear)} == {"int8-gemv"}
+
+
 @pytest.mark.parametrize(
     "block", [{}, MODERN, dict(MODERN, value_embeds=1, unet_skips=True)], ids=["gpt2", "modern", "levers"]
 )
@@ -221,6 +291,7 @@ AVX2 = InferenceFacts(
     packing_bf16_error="mkldnn_reorder_linear_weight: bf16 path needs the cpu support "
     "avx_ne_convert or avx512bw, avx512vl and avx512dq",
 )
+GEMV = dataclasses.replace(AVX2, int8_gemv_error=None)  # gpt2lab's int8 GEMV compiled, AVX2 there
 NO_ONEDNN = InferenceFacts("cpu", "a CPU build without oneDNN", native_bf16=False, packing=False)
 H100 = InferenceFacts("cuda", "NVIDIA H100", native_bf16=True, int8_error="no CUDA int8 weight-only kernel")
 V100 = InferenceFacts("cuda", "Tesla V100", native_bf16=False)
@@ -284,6 +355,9 @@ def _names(cands):
         ),
         (XEON, InferenceRequest(dtype="bfloat16", linear="plain"), ["bfloat16/plain", "bfloat16/decode"]),
         (ZEN, InferenceRequest(quantize="int8"), ["float32/int8", "bfloat16/int8"]),
+        (GEMV, InferenceRequest(quantize="int8"), ["float32/int8", "float32/int8-gemv", "bfloat16/int8"]),
+        (GEMV, InferenceRequest(quantize="int8", dtype="bfloat16"), ["bfloat16/int8"]),  # it computes in fp32
+        (GEMV, InferenceRequest(quantize="int8", dtype="float32"), ["float32/int8", "float32/int8-gemv"]),
         (H100, InferenceRequest(), ["float32/plain", "bfloat16/plain"]),
         (V100, InferenceRequest(), ["float32/plain", "float16/plain"]),
         (V100, InferenceRequest(dtype="float16"), ["float16/plain"]),
@@ -324,6 +398,7 @@ def test_what_cannot_run_is_one_line_naming_the_flag(facts, request_, needle):
         (NO_ONEDNN, InferenceRequest(), "float32/decode"),
         (ZEN, InferenceRequest(quantize="int8"), "bfloat16/int8"),
         (XEON, InferenceRequest(quantize="int8"), "float32/int8"),
+        (GEMV, InferenceRequest(quantize="int8"), "float32/int8-gemv"),
         (H100, InferenceRequest(), "bfloat16/plain"),
         (V100, InferenceRequest(), "float16/plain"),
         (MPS, InferenceRequest(), "float32/plain"),
@@ -663,7 +738,8 @@ def test_sample_quantize_int8_continues_as_the_dequantized_weights_do(gpt2_vocab
         == 0
     )
     out, err = capsys.readouterr()
-    assert "gpt2lab sample: dtype float32, int8 linears (asked for)" in err
+    # PyTorch's int8 kernel, or gpt2lab's compiled one where it was built (measured): the same weights
+    assert re.search(r"gpt2lab sample: dtype float32, int8(-gemv)? linears", err)
     ref = copy.deepcopy(model)
     with torch.no_grad():
         ref.lm_head.weight = torch.nn.Parameter(ref.lm_head.weight.clone())  # untie: the head alone is quantized

@@ -9,7 +9,8 @@ form (kernels.py):
 
 * the candidates are the (compute dtype, kernel) pairs the device can run and the request
   allows (``candidates``): on a CPU fp32 and bf16, each with the plain, column-major and
-  oneDNN-packed linears; int8 weights with fp32 or bf16 activations under ``--quantize int8``;
+  oneDNN-packed linears; int8 weights with fp32 or bf16 activations under ``--quantize int8``
+  (PyTorch's int8 kernel; with fp32 ones gpt2lab's compiled GEMV too, where it was built);
   on a GPU fp32 and bf16 (fp16 without bf16); on MPS fp32 and fp16;
 * ``choose`` decides in two steps. The **dtype** is one per model and machine, whatever the
   workload (``choose_dtype``): the dtype whose best kernel serves the reference request cheapest,
@@ -87,6 +88,8 @@ class InferenceFacts:
     packing: bool = False  # oneDNN's packed linear is there (CPU)
     packing_bf16_error: Optional[str] = None  # why oneDNN cannot pack bf16 weights here (None: it can)
     int8_error: Optional[str] = None  # why int8 weight-only cannot run (None: it can)
+    # why gpt2lab's compiled int8 GEMV cannot run (None: it can); detect_facts finds out
+    int8_gemv_error: Optional[str] = "not detected"
     timings: Optional[dict] = None  # candidate name -> Timing, or -> the error it failed with
 
 
@@ -140,7 +143,10 @@ def candidates(request: InferenceRequest, facts: InferenceFacts) -> list[Candida
     if request.quantize == "int8":
         if facts.int8_error:
             raise ChoiceError(f"--quantize int8 cannot run here: {facts.int8_error}; leave --quantize out")
-        return [Candidate(d, "int8") for d in dtypes]
+        out = [Candidate(d, "int8") for d in dtypes]
+        if cpu and "float32" in dtypes and facts.int8_gemv_error is None:  # it computes in fp32
+            out.insert(dtypes.index("float32") + 1, Candidate("float32", "int8-gemv"))
+        return out
     if request.linear == "packed" and not (cpu and facts.packing):
         why = "this torch build has no oneDNN packed linear" if cpu else f"{facts.device_type} has no oneDNN"
         raise ChoiceError(f"--cpu-linear packed cannot run here ({why}); use auto or plain")
@@ -277,13 +283,15 @@ def device_pick(cands: list[Candidate], facts: InferenceFacts) -> Candidate:
     ones the row-major (a column-major bf16 weight was 1.4x slower than row-major on a Zen 5 with
     AVX512_BF16, and 20x on an AVX2-only EPYC; fp32 gained 1.2x from it on both); an asked-for half
     precision on a CPU without native bf16 that oneDNN cannot pack takes ``upcast``, whose several-row
-    products are fp32 ones (a 128-token prefill 1.2 s in bf16, 0.2 s upcast, on that EPYC)."""
+    products are fp32 ones (a 128-token prefill 1.2 s in bf16, 0.2 s upcast, on that EPYC). Int8 weights
+    in fp32 take gpt2lab's compiled GEMV where it runs (``int8-gemv``: on that EPYC it read them at ~12
+    GB/s, PyTorch's int8 kernel at ~1.3 with fp32 activations)."""
     half = [c for c in cands if c.dtype != "float32"]
     fp32 = [c for c in cands if c.dtype == "float32"]
     prefer_fp32 = facts.device_type == "mps" or (facts.device_type == "cpu" and not facts.native_bf16)
     pool = (fp32 if prefer_fp32 else half) or cands
     if pool[0].dtype == "float32":
-        order = ("packed", "decode", "int8", "plain")
+        order = ("packed", "decode", "int8-gemv", "int8", "plain")
     elif facts.device_type == "cpu" and not facts.native_bf16:  # its half-precision matmuls of several rows emulated
         order = ("packed", "upcast", "int8", "plain", "decode")
     else:

@@ -19,7 +19,13 @@ import torch
 
 from gpt2lab.inference import probe_cache
 from gpt2lab.inference.choice import Candidate, InferenceFacts, InferenceRequest, candidates, choose
-from gpt2lab.inference.kernels import int8_available, packing_available, packing_bf16_error, swap_linears
+from gpt2lab.inference.kernels import (
+    int8_available,
+    int8_gemv_error,
+    packing_available,
+    packing_bf16_error,
+    swap_linears,
+)
 from gpt2lab.model.gpt import GPT, CausalSelfAttention
 from gpt2lab.model.loss import LossPath
 from gpt2lab.system import runtime
@@ -41,6 +47,7 @@ def detect_facts(device: torch.device) -> InferenceFacts:
         packing=(packing := device.type == "cpu" and packing_available()),
         packing_bf16_error=packing_bf16_error() if packing else None,
         int8_error=int8_available(device),
+        int8_gemv_error=int8_gemv_error(device),
     )
 
 

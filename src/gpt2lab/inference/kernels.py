@@ -28,7 +28,13 @@ what autocast computes, without re-reading and casting the weights at every step
   the weight's dtype, as at one row; the output of several rows stays fp32;
 * ``int8``: weight-only int8, symmetric per output channel (scale = max |w| / 127), multiplied
   by PyTorch's own ``torch._weight_int8pack_mm`` with activations in fp32 or bf16. Which one is
-  measured: on the Zen 5 the kernel is 20x slower with fp32 activations than with bf16.
+  measured: on the Zen 5 the kernel is 20x slower with fp32 activations than with bf16;
+* ``int8-gemv``: the same int8 weights and scales multiplied by gpt2lab's compiled kernel
+  (``_int8gemv.c``: each weight row read once, converted to fp32 in registers, products and sums in
+  fp32, rows shared among the threads), with fp32 activations. Where pip compiled it (a C compiler
+  with OpenMP, Linux) and the CPU has AVX2 and FMA; elsewhere it is no candidate. On an AVX2 EPYC it
+  read the int8 weights at ~12 GB/s where ``_weight_int8pack_mm`` read 6-10 (bf16 activations) or
+  ~1.3 (fp32).
 
 Kernels are chosen by measuring them (probe.py), never by their names: torchao's int8
 weight-only tensor, for one, dequantizes the whole weight on every eager call (25 ms for the
@@ -37,6 +43,7 @@ head at one row on that Zen 5, against 0.5 ms for ``_weight_int8pack_mm``).
 
 from __future__ import annotations
 
+import importlib
 import threading
 from typing import Optional
 
@@ -44,7 +51,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-KERNELS = ("plain", "decode", "packed", "upcast", "int8")
+KERNELS = ("plain", "decode", "packed", "upcast", "int8", "int8-gemv")
 
 
 def packing_available() -> bool:
@@ -218,6 +225,48 @@ class Int8Linear(DecodeLinear):
         return y.reshape(*lead, self.out_features)
 
 
+def int8_gemv_error(device: torch.device) -> Optional[str]:
+    """Why the int8-gemv kernel cannot run on ``device``, or None where it can."""
+    if device.type != "cpu":
+        return f"gpt2lab's int8 GEMV is a CPU kernel, not {device.type}'s"
+    try:
+        _int8gemv = importlib.import_module("gpt2lab.inference._int8gemv")
+    except ImportError:
+        return "gpt2lab's int8 GEMV was not compiled when gpt2lab was installed (it needs a C compiler with OpenMP)"
+    if not _int8gemv.has_avx2():
+        return "this CPU has no AVX2 and FMA, which gpt2lab's int8 GEMV needs to be faster than PyTorch's"
+    return None
+
+
+class Int8GemvLinear(DecodeLinear):
+    """Int8Linear's quantization (``quantize_int8``) multiplied by gpt2lab's compiled kernel
+    (``_int8gemv.c``) with fp32 activations, any width (no padding)."""
+
+    kernel = "int8-gemv"
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype) -> None:
+        if dtype != torch.float32:
+            raise ValueError(f"the int8-gemv kernel computes in float32, not {dtype}")
+        from gpt2lab.inference import _int8gemv
+
+        super().__init__(weight, bias, dtype)
+        q, scale = quantize_int8(weight)
+        self.qweight, self.scale = q.contiguous(), scale.contiguous()
+        self.gemv = _int8gemv.int8_gemv
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x = x.reshape(-1, self.in_features).float().contiguous()
+        y = torch.empty(x.size(0), self.out_features, dtype=torch.float32, device=x.device)
+        if x.size(0):
+            bias = 0 if self.bias is None else self.bias.data_ptr()
+            self.gemv(
+                x.data_ptr(), self.qweight.data_ptr(), self.scale.data_ptr(), bias, y.data_ptr(),
+                x.size(0), self.in_features, self.out_features, torch.get_num_threads(),
+            )  # fmt: skip
+        return y.reshape(*lead, self.out_features)
+
+
 def make_linear(layer: nn.Linear, kernel: str, dtype: torch.dtype, batch_hint: int = 1) -> DecodeLinear:
     """``layer``'s weight held for inference with ``kernel`` in ``dtype``."""
     if kernel in ("plain", "decode"):
@@ -228,6 +277,8 @@ def make_linear(layer: nn.Linear, kernel: str, dtype: torch.dtype, batch_hint: i
         return UpcastLinear(layer.weight, layer.bias, dtype, batch_hint)
     if kernel == "int8":
         return Int8Linear(layer.weight, layer.bias, dtype)
+    if kernel == "int8-gemv":
+        return Int8GemvLinear(layer.weight, layer.bias, dtype)
     raise ValueError(f"kernel {kernel!r}: one of {', '.join(KERNELS)}")
 
 
