@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint format install bench clean
+.PHONY: demo test test-slow test-fast lint format install bench clean
 
 $(STAMP): pyproject.toml setup.py src/gpt2lab/inference/_int8gemv.c constraints.txt
 	@echo "Installing gpt2lab, torch (CPU) and the test tools into $(VENV): once, a few minutes on a first run (pip is quiet meanwhile)"
@@ -21,9 +21,14 @@ demo: $(STAMP)
 
 # Two pytest workers of one thread each: most tests are single-threaded Python or launch their
 # own processes, so two workers keep two cores busy where one worker left one idle.
-# tests/unit (in-process, under a minute) and tests/e2e (whatever starts a process, the demo).
+# tests/unit (in-process) and tests/e2e (whatever starts a process), without the tests marked slow
+# (torchrun ranks against one process, kill -9 and resume, the demos, the GPU script's smoke run,
+# lm-eval end to end): those are `make test-slow`, which CI runs after this.
 test: $(STAMP) lint
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -x -n 2 --durations=15 tests/unit tests/e2e
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -x -n 2 -m "not slow" --durations=15 tests/unit tests/e2e
+
+test-slow: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -x -n 2 -m slow --durations=15 tests/unit tests/e2e
 
 # ruff: the lint rules and the format pyproject.toml sets, checked (`make format` applies them).
 lint: $(STAMP)

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from conftest import cli_args, env
 
@@ -35,6 +36,7 @@ def test_reference_model_is_the_same_network():
     assert abs(loss.item() - ref(x, y).item()) < 1e-5
 
 
+@pytest.mark.slow
 def test_bench_train_cli_times_both_sides(tiny_data):  # noqa: F811
     flags = cli_args(data=tiny_data, max_steps=100)
     cmd = [

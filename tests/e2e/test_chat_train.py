@@ -45,6 +45,7 @@ def _torchrun(out, **fields) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.slow
 def test_ddp_and_fsdp_on_conversations_equal_one_process(chat_data, tmp_path):
     run_train(out=str(tmp_path / "one"), data=chat_data, **FIELDS)
     _torchrun(tmp_path / "ddp", data=chat_data, strategy="ddp", **FIELDS)
@@ -60,6 +61,7 @@ def test_ddp_and_fsdp_on_conversations_equal_one_process(chat_data, tmp_path):
     assert samples and all(s.startswith("User: Hi!\nAssistant: ") for s in samples)  # a chat run's sample is a reply
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume_on_conversations_equals_uninterrupted(chat_data, tmp_path):
     fields = dict(data=chat_data, max_steps=24, ckpt_interval=6, keep_checkpoints=2, keep_cpu_memory=True)
     killed_then_resumed_equals_straight(tmp_path, fields, "step_000012")

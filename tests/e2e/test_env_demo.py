@@ -13,6 +13,7 @@ from gpt2lab.system import runtime
 from gpt2lab.train.settings import load_preset
 
 
+@pytest.mark.slow
 def test_env_prints_the_fields_a_bug_report_needs():
     r = run_gpt2lab("env", "--json", "--device", "cpu", env=env())
     assert r.returncode == 0, r.stderr
@@ -46,6 +47,7 @@ def test_env_prints_the_fields_a_bug_report_needs():
     assert re.search(r"^auto_dtype:\s+(float32|bfloat16)$", text.stdout, re.M), text.stdout
 
 
+@pytest.mark.slow
 def test_demo_preset_trains_in_fp32_end_to_end(tmp_path):
     """The path CPUs without native bf16 take (auto -> float32), at the demo's real model size, with
     the default recipe (the modern one, shakespeare-cpu-fast)."""
@@ -117,6 +119,7 @@ def test_demo_chat_trains_its_base_deeper(monkeypatch, tmp_path):
     assert seen[0].n_layer == demo.CHAT_BASE_LAYERS == 4 and seen[0].out.startswith("runs")
 
 
+@pytest.mark.slow
 def test_demo_chat_fine_tunes_a_base_and_answers_before_and_after(tiny_data, tmp_path):  # noqa: F811
     """`demo --chat --base RUN`: chat-cpu from the base on the bundled conversations; the losses before
     and after and three messages answered by each (a small base of the demo's preset, one step)."""

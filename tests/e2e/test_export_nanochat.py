@@ -40,6 +40,7 @@ def _train(preset: str, data: str, run: Path, steps: int, *extra: str):
     return r
 
 
+@pytest.mark.slow
 def test_the_demo_preset_exports_and_samples_the_same(tiny_data, tmp_path):  # noqa: F811
     run, hf_dir = tmp_path / "run", tmp_path / "hf"
     r = _train("shakespeare-cpu-fast", tiny_data, run, 3, "--sample-interval", "0")

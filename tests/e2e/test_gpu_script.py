@@ -9,9 +9,11 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT, env
 
 
+@pytest.mark.slow
 def test_ladder_rungs_are_cumulative_and_timed():
     cmd = [
         sys.executable,
@@ -74,6 +76,7 @@ def _gpu_sh(tmp_path, *stages: str) -> tuple:
     return out, run
 
 
+@pytest.mark.slow
 def test_gpu_sh_smoke_memory_big(tmp_path):
     out, _ = _gpu_sh(tmp_path, "memory", "big")
     mem = json.loads((out / "memory.jsonl").read_text())
@@ -87,6 +90,7 @@ def test_gpu_sh_smoke_memory_big(tmp_path):
     assert [b["preset"] for b in big] == ["gpt2-350m", "gpt2-774m"] and all(b["tok_per_s_median"] > 0 for b in big)
 
 
+@pytest.mark.slow
 def test_gpu_sh_smoke_train_eval_finetune(tmp_path):
     out, run = _gpu_sh(tmp_path, "train", "eval", "finetune")
     steps = [json.loads(x) for x in (out / "train_metrics.jsonl").read_text().splitlines()]

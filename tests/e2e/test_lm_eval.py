@@ -89,6 +89,7 @@ def _slice_task(tmp_path, n: int):
     return str(data), TaskManager(include_path=str(tasks))
 
 
+@pytest.mark.slow
 def test_lm_eval_matches_gpt2lab_on_hellaswag_slice(tmp_path, monkeypatch):
     from gpt2lab.evals.hellaswag import evaluate_hellaswag, load_examples
 
@@ -111,6 +112,7 @@ def test_lm_eval_matches_gpt2lab_on_hellaswag_slice(tmp_path, monkeypatch):
     assert theirs["acc,none"] == pytest.approx(ours["acc"])
 
 
+@pytest.mark.slow
 def test_lm_eval_local_completions_against_gpt2lab_serve_equals_eval_hellaswag(tmp_path, monkeypatch):
     """lm-eval's ``local-completions`` asks a real `gpt2lab serve` (loopback) for each ending's
     log-likelihood (prompt token ids, echo, logprobs 1, max_tokens 1, several prompts per

@@ -28,6 +28,10 @@ from gpt2lab.weights.load import from_checkpoint
 FIELDS = dict(max_steps=12, ckpt_interval=4, keep_checkpoints=2)
 
 
+# Every test here trains with torchrun (the module's runs: two ranks, ~40 s on 2 cores): make test-slow.
+pytestmark = pytest.mark.slow
+
+
 def _torchrun(out: Path, data: str, *extra: str) -> list[str]:
     return [*torchrun_cmd(out=str(out), data=data, strategy="fsdp", **FIELDS), *extra]
 

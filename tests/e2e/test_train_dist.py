@@ -53,6 +53,7 @@ def one_and_ddp(tiny_data, tmp_path_factory):
     return root / "one", root / "ddp", proc
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_equal_one_with_double_accumulation(one_and_ddp):
     one_dir, two_dir, proc = one_and_ddp
     one, two = train_losses(one_dir), train_losses(two_dir)
@@ -68,6 +69,7 @@ def test_ddp_two_processes_equal_one_with_double_accumulation(one_and_ddp):
         assert abs(val_one[step] - val_two[step]) < 1e-5
 
 
+@pytest.mark.slow
 def test_fsdp_two_processes_equal_one_process_and_ddp(one_and_ddp, tiny_data, tmp_path):
     """FSDP2 (with activation checkpointing on) against the unsharded runs: losses, grad norms, evals."""
     one_dir, ddp_dir, _ = one_and_ddp
@@ -109,6 +111,7 @@ def test_fsdp_two_processes_equal_one_process_and_ddp(one_and_ddp, tiny_data, tm
     )
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume_equals_uninterrupted(tiny_data, tmp_path):
     fields = dict(data=tiny_data, max_steps=40, ckpt_interval=8, keep_checkpoints=2, keep_cpu_memory=True)
     out = killed_then_resumed_equals_straight(tmp_path, fields, "step_000016")  # same kernels and threads
@@ -216,6 +219,7 @@ MUON_FIELDS = dict(
 )
 
 
+@pytest.mark.slow
 def test_muon_ddp_two_processes_equal_one_with_double_accumulation(tiny_data, tmp_path):
     """Also with the checks on the device, read back every 3 steps over two ranks (a GPU's way)
     against the one process's every step."""
@@ -234,6 +238,7 @@ def test_muon_ddp_two_processes_equal_one_with_double_accumulation(tiny_data, tm
     assert choices["muon_ns_dtype"] == "float32" and choices["muon_ns_dtype_reason"] == "asked for with --muon-ns-dtype"
 
 
+@pytest.mark.slow
 def test_muon_kill_9_then_resume_equals_uninterrupted(tiny_data, tmp_path):
     fields = dict(
         data=tiny_data, max_steps=24, ckpt_interval=6, keep_checkpoints=2, keep_cpu_memory=True, **MUON_FIELDS
@@ -277,6 +282,7 @@ LEVER_FIELDS = dict(
 )
 
 
+@pytest.mark.slow
 def test_levers_kill_9_mid_ramp_then_resume_equals_uninterrupted(tiny_data, tmp_path):
     fields = dict(
         data=tiny_data, max_steps=24, ckpt_interval=4, keep_checkpoints=2, keep_cpu_memory=True, **LEVER_FIELDS
@@ -289,6 +295,7 @@ def test_levers_kill_9_mid_ramp_then_resume_equals_uninterrupted(tiny_data, tmp_
     assert [tokens[s] for s in range(24)] == [sum(per_step[: s + 1]) for s in range(24)]
 
 
+@pytest.mark.slow
 def test_levers_fsdp_two_processes_equal_one_process(tiny_data, tmp_path):
     """FSDP2 shards the gates (1-D: it refuses 0-d parameters), the skip weights and the value-embedding
     tables; with activation checkpointing the blocks recompute with their value embeddings; the ramp's
@@ -327,6 +334,7 @@ NEXT_MUON = dict(optimizer="muon", muon_orth="polar_express", muon_ns_dtype="flo
     [({}, "ddp"), (NEXT_MUON, "ddp"), ({"activation_checkpointing": True}, "fsdp")],
     ids=["adamw", "muon", "adamw-fsdp"],
 )
+@pytest.mark.slow
 def test_next_levers_two_processes_equal_one_with_double_accumulation(tiny_data, tmp_path, optim, strategy):
     """DDP (and FSDP2, which shards the heads with the root) on two processes against one."""
     fields = dict(
@@ -342,6 +350,7 @@ def test_next_levers_two_processes_equal_one_with_double_accumulation(tiny_data,
         assert abs(one[step] - two[step]) < 1e-5, (step, one[step], two[step])
 
 
+@pytest.mark.slow
 def test_next_levers_kill_9_in_the_short_sequences_then_resume_equals_uninterrupted(tiny_data, tmp_path):
     """Killed after the checkpoint of step 2, while the rows are 8 tokens long (steps 0-3): the loader's
     position, the heads, the weight's schedule and the optimizers' state come back bit for bit."""
