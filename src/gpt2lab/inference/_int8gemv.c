@@ -111,7 +111,7 @@ static int cpu_has_avx2(void) {
 #endif
 }
 
-/* Rows [lo, hi) of y for all m; w: a K-float buffer of this thread. Returns nothing: pure arithmetic. */
+/* Weight row r against every input row: y[i, r] for i < m; w is this thread's K-float buffer (m > 1). */
 static void rows(const float *x, const int8_t *q, const float *scale, const float *bias, float *y, Py_ssize_t m,
                  Py_ssize_t k, Py_ssize_t n, Py_ssize_t r, float *w, int avx2) {
     const int8_t *qr = q + r * k;
