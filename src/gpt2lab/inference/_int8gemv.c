@@ -70,19 +70,6 @@ __attribute__((target("avx2,fma"))) static void widen_avx2(const int8_t *q, floa
     for (; i < k; i++) w[i] = (float)q[i];
 }
 
-__attribute__((target("avx2,fma"))) static float dot_f32_avx2(const float *w, const float *x, Py_ssize_t k) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    Py_ssize_t i = 0;
-    for (; i + 32 <= k; i += 32) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 16), _mm256_loadu_ps(x + i + 16), a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 24), _mm256_loadu_ps(x + i + 24), a3);
-    }
-    float tail = dot_f32_plain(w + i, x + i, k - i);
-    return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3))) + tail;
-}
-
 /* Four input rows against one widened weight row: each weight vector loaded once for four FMAs. */
 __attribute__((target("avx2,fma"))) static void dot4_f32_avx2(const float *w, const float *x, Py_ssize_t k,
                                                                float *out) {
@@ -111,19 +98,17 @@ static int cpu_has_avx2(void) {
 #endif
 }
 
-/* Weight row r against every input row: y[i, r] for i < m; w is this thread's K-float buffer (m > 1). */
+/* Weight row r against every input row: y[i, r] for i < m; w is this thread's K-float buffer
+ * (several rows, AVX2: the weight row widened once for all of them). */
 static void rows(const float *x, const int8_t *q, const float *scale, const float *bias, float *y, Py_ssize_t m,
                  Py_ssize_t k, Py_ssize_t n, Py_ssize_t r, float *w, int avx2) {
     const int8_t *qr = q + r * k;
     float b = bias ? bias[r] : 0.f;
-    if (m == 1) {
 #ifdef GEMV_X86
-        if (avx2) { y[r] = scale[r] * dot_i8_avx2(qr, x, k) + b; return; }
-#endif
-        y[r] = scale[r] * dot_i8_plain(qr, x, k) + b;
+    if (avx2 && m == 1) {
+        y[r] = scale[r] * dot_i8_avx2(qr, x, k) + b;
         return;
     }
-#ifdef GEMV_X86
     if (avx2) {
         float four[4];
         Py_ssize_t i = 0;
@@ -132,12 +117,11 @@ static void rows(const float *x, const int8_t *q, const float *scale, const floa
             dot4_f32_avx2(w, x + i * k, k, four);
             for (int j = 0; j < 4; j++) y[(i + j) * n + r] = scale[r] * four[j] + b;
         }
-        for (; i < m; i++) y[i * n + r] = scale[r] * dot_f32_avx2(w, x + i * k, k) + b;
+        for (; i < m; i++) y[i * n + r] = scale[r] * dot_i8_avx2(qr, x + i * k, k) + b;  /* the rows left */
         return;
     }
 #endif
-    for (Py_ssize_t j = 0; j < k; j++) w[j] = (float)qr[j];
-    for (Py_ssize_t i = 0; i < m; i++) y[i * n + r] = scale[r] * dot_f32_plain(w, x + i * k, k) + b;
+    for (Py_ssize_t i = 0; i < m; i++) y[i * n + r] = scale[r] * dot_i8_plain(qr, x + i * k, k) + b;
 }
 
 static PyObject *int8_gemv(PyObject *self, PyObject *args) {
@@ -159,8 +143,8 @@ static PyObject *int8_gemv(PyObject *self, PyObject *args) {
 #pragma omp parallel num_threads(threads)
 #endif
     {
-        float *w = m > 1 ? (float *)malloc((size_t)k * sizeof(float)) : NULL;
-        if (m > 1 && !w) {
+        float *w = m > 1 && avx2 ? (float *)malloc((size_t)k * sizeof(float)) : NULL;
+        if (m > 1 && avx2 && !w) {
 #ifdef _OPENMP
 #pragma omp atomic write
 #endif
@@ -170,7 +154,7 @@ static PyObject *int8_gemv(PyObject *self, PyObject *args) {
 #pragma omp for schedule(static)
 #endif
         for (Py_ssize_t r = 0; r < n; r++)
-            if (m == 1 || w) rows(x, q, scale, bias, y, m, k, n, r, w, avx2);
+            if (w || m == 1 || !avx2) rows(x, q, scale, bias, y, m, k, n, r, w, avx2);
         free(w);
     }
     Py_END_ALLOW_THREADS
