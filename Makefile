@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-slow test-fast lint format install bench clean
 
-$(STAMP): pyproject.toml setup.py src/gpt2lab/inference/_int8gemv.c constraints.txt
+$(STAMP): pyproject.toml setup.py src/gpt2lab/inference/_gemv.c constraints.txt
 	@echo "Installing gpt2lab, torch (CPU) and the test tools into $(VENV): once, a few minutes on a first run (pip is quiet meanwhile)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

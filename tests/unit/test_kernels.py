@@ -20,13 +20,14 @@ from gpt2lab.inference.choice import Candidate, InferenceFacts, InferenceRequest
 from gpt2lab.inference.form import for_inference, hold
 from gpt2lab.inference.kernels import (
     DecodeLinear,
+    GemvLinear,
     Int8GemvLinear,
     Int8Linear,
     PackedLinear,
     PlainLinear,
     UpcastLinear,
+    gemv_error,
     int8_available,
-    int8_gemv_error,
     packing_available,
     packing_bf16_error,
     quantize_int8,
@@ -106,8 +107,12 @@ def test_upcast_multiplies_bf16_inputs_by_bf16_weights_one_row_as_held_more_in_f
     w, b, x = _layer_inputs(bias, shape)
     layer = UpcastLinear(w, b, torch.bfloat16, batch_hint)
     assert layer.weight.dtype == torch.bfloat16 and layer.slice_rows == 16 and (layer.packed is not None) == packs
+    monkeypatch.setattr(kernels, "_scratch", threading.local())
     with torch.inference_mode():
-        got = layer(x)
+        got = layer(x)  # the slices' buffer, where used, made under inference_mode
+    with torch.no_grad():  # ... and outside it made again (torch refuses writes to an inference tensor)
+        torch.testing.assert_close(layer(x), got, rtol=0, atol=0)
+    assert layer(torch.empty(0, 24)).shape == (0, 40)
     assert got.shape == (*shape[:-1], 40)
     bf = lambda t: t.bfloat16().double()  # noqa: E731  the rounded operands, multiplied exactly
     want = F.linear(bf(x), bf(w), None if b is None else bf(b))
@@ -150,7 +155,7 @@ def test_int8_linear_multiplies_by_the_dequantized_weight(dtype, width):
 
 
 needs_gemv = pytest.mark.skipif(
-    int8_gemv_error(torch.device("cpu")) is not None, reason=str(int8_gemv_error(torch.device("cpu")))
+    gemv_error(torch.device("cpu")) is not None, reason=str(gemv_error(torch.device("cpu")))
 )
 
 
@@ -158,13 +163,20 @@ needs_gemv = pytest.mark.skipif(
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])  # one row; several: groups of four and what is left
 @pytest.mark.parametrize("width", [8, 37, 64, 100])  # the 32-wide steps, the 8-wide ones and the tail
 @pytest.mark.parametrize("bias", [True, False])
-def test_int8_gemv_multiplies_fp32_inputs_by_the_dequantized_weight(rows, width, bias):
+@pytest.mark.parametrize("held", ["int8", "bf16"])
+def test_compiled_gemv_multiplies_fp32_inputs_by_the_held_weight(held, rows, width, bias):
+    """int8-gemv against the dequantized weight, gemv against the bf16-rounded one, the inputs unrounded
+    (fp64 reference); one row through the C kernel, several too (int8) or as upcast does them (bf16)."""
     g = torch.Generator().manual_seed(rows * 1000 + width)
     w, b = torch.randn(45, width, generator=g), torch.randn(45, generator=g) if bias else None
     x = torch.randn(rows, width, generator=g)
-    q, scale = quantize_int8(w)
-    want = F.linear(x.double(), q.double() * scale.double()[:, None], None if b is None else b.double())
-    layer = Int8GemvLinear(w, b, torch.float32)
+    if held == "int8":
+        q, scale = quantize_int8(w)
+        exact, layer = q.double() * scale.double()[:, None], Int8GemvLinear(w, b, torch.float32)
+    else:
+        exact, layer = w.bfloat16().double(), GemvLinear(w, b, torch.bfloat16, batch_hint=rows)
+        b = None if b is None else b.bfloat16()  # held in the weight's dtype, as every decode linear's
+    want = F.linear(x.double(), exact, None if b is None else b.double())
     for threads in (1, 2):  # rows shared among threads give the same sums
         torch.set_num_threads(threads)
         with torch.inference_mode():
@@ -173,47 +185,77 @@ def test_int8_gemv_multiplies_fp32_inputs_by_the_dequantized_weight(rows, width,
         torch.testing.assert_close(got[:, 0].double(), want, rtol=1e-5, atol=1e-5)
     torch.set_num_threads(1)
     assert layer(torch.empty(0, width)).shape == (0, 45)
-    with pytest.raises(ValueError, match="computes in float32"):
-        Int8GemvLinear(w, b, torch.bfloat16)
+    with pytest.raises(ValueError, match="computes in float32|holds bfloat16"):
+        (Int8GemvLinear if held == "int8" else GemvLinear)(w, b, torch.float16)
 
 
-def test_int8_gemv_says_why_it_cannot_run(monkeypatch):
+def test_compiled_gemv_says_why_it_cannot_run(monkeypatch):
     """Not compiled (no C compiler at install), a CPU without AVX2, another device: one reason each."""
     import sys
 
-    assert "CPU kernel" in int8_gemv_error(torch.device("cuda"))
-    monkeypatch.setitem(sys.modules, "gpt2lab.inference._int8gemv", None)  # what an install without it gives
-    assert "not compiled" in int8_gemv_error(torch.device("cpu"))
+    assert "CPU kernel" in gemv_error(torch.device("cuda"))
+    monkeypatch.setitem(sys.modules, "gpt2lab.inference._gemv", None)  # what an install without it gives
+    assert "not built" in gemv_error(torch.device("cpu"))
     monkeypatch.undo()
-    if int8_gemv_error(torch.device("cpu")) is None:
-        from gpt2lab.inference import _int8gemv
+    if gemv_error(torch.device("cpu")) is None:
+        from gpt2lab.inference import _gemv
 
-        monkeypatch.setattr(_int8gemv, "has_avx2", lambda: False)
-        assert "no AVX2" in int8_gemv_error(torch.device("cpu"))
+        monkeypatch.setattr(_gemv, "has_avx2", lambda: False)
+        assert "no AVX2" in gemv_error(torch.device("cpu"))
 
 
-@needs_gemv
-def test_an_int8_gemv_model_gives_the_dequantized_models_logits():
-    """Every linear int8 through the compiled kernel against the model whose weights are the dequantized
-    int8 values, as plain fp32 linears: prefill, decoding through the KV cache, a batch of rows."""
-    model = tiny_gpt(seed=4, vocab_size=97, block_size=32, **MODERN)
-    idx = torch.randint(0, 97, (3, 11), generator=torch.Generator().manual_seed(2))
-    ready = hold(model, Candidate("float32", "int8-gemv"), rows=3)
+def _exact_reference(model, held: str):
+    """``model`` held as plain fp32 linears whose weights are the values the compiled kernel multiplies."""
     reference = hold(model, Candidate("float32", "plain"))
     with torch.no_grad():
         for m in reference.modules():
             if isinstance(m, PlainLinear):
-                q, scale = quantize_int8(m.weight)
-                m.weight.copy_(q.float() * scale[:, None])
+                if held == "int8":
+                    q, scale = quantize_int8(m.weight)
+                    m.weight.copy_(q.float() * scale[:, None])
+                else:
+                    m.weight.copy_(m.weight.bfloat16().float())
+                    if m.bias is not None:
+                        m.bias.copy_(m.bias.bfloat16().float())
+    return reference
+
+
+@needs_gemv
+@pytest.mark.parametrize("block", [{}, MODERN], ids=["gpt2", "modern"])
+@pytest.mark.parametrize("cand", [Candidate("float32", "int8-gemv"), Candidate("bfloat16", "gemv")], ids=str)
+def test_a_compiled_gemv_model_gives_the_exact_weights_logits_and_greedy_tokens(cand, block, monkeypatch):
+    """Every linear through the compiled kernel against the model whose weights are the held values
+    (int8 dequantized, bf16 rounded) as plain fp32 linears: prefill, a batch of rows, decoding through
+    the KV cache (GPT-2's block: the fused step, one call a block), greedy tokens equal."""
+    from gpt2lab.inference import _gemv
+    from gpt2lab.inference.fused import FusedDecodeBlock
+    from gpt2lab.model.sampling import generate
+
+    calls = []
+    step = _gemv.block_step
+    monkeypatch.setattr(_gemv, "block_step", lambda *a: (calls.append(a), step(*a))[1])
+    model = tiny_gpt(seed=4, vocab_size=97, block_size=32, **block)
+    idx = torch.randint(0, 97, (3, 11), generator=torch.Generator().manual_seed(2))
+    ready = hold(model, cand, rows=3)
+    reference = _exact_reference(model, "int8" if cand.kernel == "int8-gemv" else "bf16")
     with torch.inference_mode():
         want, _ = reference(idx)
         got, _ = ready(idx)
-        cache = ready.new_kv_cache(16)
-        ready(idx[:1, :10], kv_cache=cache)
-        last, _ = ready(idx[:1, 10:], kv_cache=cache, last_only=True)
+        steps = []
+        for m in (ready, reference):
+            cache = m.new_kv_cache(16)
+            m(idx[:1, :6], kv_cache=cache)
+            steps.append(torch.cat([m(idx[:1, t : t + 1], kv_cache=cache)[0] for t in range(6, 11)], dim=1))
+        tokens = [generate(m, idx[:1, :5], 20, temperature=0.0) for m in (ready, reference)]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(last[0, -1], want[0, -1], rtol=1e-4, atol=1e-4)
-    assert {m.kernel for m in ready.modules() if isinstance(m, DecodeLinear)} == {"int8-gemv"}
+    torch.testing.assert_close(steps[0], steps[1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(steps[0][0], want[0, 6:], rtol=1e-4, atol=1e-4)
+    assert torch.equal(tokens[0], tokens[1])
+    assert {m.kernel for m in ready.modules() if isinstance(m, DecodeLinear)} == {cand.kernel}
+    fused = sum(isinstance(m, FusedDecodeBlock) for m in ready.modules())
+    assert fused == (model.config.n_layer if not block else 0)
+    # GPT-2's block: each one-token step of one row after the prompt, fused (5 steps, then 19 of generate's 20)
+    assert len(calls) == (0 if block else (5 + 19) * model.config.n_layer)
 
 
 @pytest.mark.parametrize(
@@ -291,7 +333,7 @@ AVX2 = InferenceFacts(
     packing_bf16_error="mkldnn_reorder_linear_weight: bf16 path needs the cpu support "
     "avx_ne_convert or avx512bw, avx512vl and avx512dq",
 )
-GEMV = dataclasses.replace(AVX2, int8_gemv_error=None)  # gpt2lab's int8 GEMV compiled, AVX2 there
+GEMV = dataclasses.replace(AVX2, gemv_error=None)  # gpt2lab's int8 GEMV compiled, AVX2 there
 NO_ONEDNN = InferenceFacts("cpu", "a CPU build without oneDNN", native_bf16=False, packing=False)
 H100 = InferenceFacts("cuda", "NVIDIA H100", native_bf16=True, int8_error="no CUDA int8 weight-only kernel")
 V100 = InferenceFacts("cuda", "Tesla V100", native_bf16=False)

@@ -53,7 +53,7 @@ def collect(device_name: str = "auto") -> dict:
 
     from gpt2lab import __version__
     from gpt2lab.distributed.dist import pick_device
-    from gpt2lab.inference.kernels import int8_gemv_error
+    from gpt2lab.inference.kernels import gemv_error
     from gpt2lab.system import runtime
 
     device = pick_device(device_name)
@@ -84,8 +84,8 @@ def collect(device_name: str = "auto") -> dict:
         "matmul_size": runtime.PROBE_N,
         "read_gb_per_s": runtime.measure_read_bandwidth(device),  # what bounds decoding: each token reads every weight
         "compile_available": facts.can_compile,
-        # --quantize int8's compiled kernel (setup.py builds it where a C compiler is): "runs here" or why not
-        "int8_gemv": int8_gemv_error(torch.device("cpu")) or "runs here",
+        # gpt2lab's compiled GEMV (bf16, int8; setup.py builds it where a C compiler is): "runs here" or why not
+        "compiled_gemv": gemv_error(torch.device("cpu")) or "runs here",
         "auto_dtype": choices.dtype.value,
         "auto_dtype_reason": choices.dtype.reason,
         "auto_compile": choices.compile.value,

@@ -88,8 +88,8 @@ class InferenceFacts:
     packing: bool = False  # oneDNN's packed linear is there (CPU)
     packing_bf16_error: Optional[str] = None  # why oneDNN cannot pack bf16 weights here (None: it can)
     int8_error: Optional[str] = None  # why int8 weight-only cannot run (None: it can)
-    # why gpt2lab's compiled int8 GEMV cannot run (None: it can); detect_facts finds out
-    int8_gemv_error: Optional[str] = "not detected"
+    # why gpt2lab's compiled GEMV (bf16 and int8 weights) cannot run (None: it can); detect_facts finds out
+    gemv_error: Optional[str] = "not detected"
     timings: Optional[dict] = None  # candidate name -> Timing, or -> the error it failed with
 
 
@@ -144,7 +144,7 @@ def candidates(request: InferenceRequest, facts: InferenceFacts) -> list[Candida
         if facts.int8_error:
             raise ChoiceError(f"--quantize int8 cannot run here: {facts.int8_error}; leave --quantize out")
         out = [Candidate(d, "int8") for d in dtypes]
-        if cpu and "float32" in dtypes and facts.int8_gemv_error is None:  # it computes in fp32
+        if cpu and "float32" in dtypes and facts.gemv_error is None:  # it computes in fp32
             out.insert(dtypes.index("float32") + 1, Candidate("float32", "int8-gemv"))
         return out
     if request.linear == "packed" and not (cpu and facts.packing):
@@ -153,7 +153,9 @@ def candidates(request: InferenceRequest, facts: InferenceFacts) -> list[Candida
     if not cpu:
         return [Candidate(d, "plain") for d in dtypes]
     kernels = {
-        "auto": ["plain", "decode", "upcast"] + (["packed"] if facts.packing else []),
+        "auto": ["plain", "decode", "upcast"]
+        + (["gemv"] if facts.gemv_error is None else [])
+        + (["packed"] if facts.packing else []),
         "plain": ["plain", "decode"],
         "packed": ["packed"],
     }[request.linear]
@@ -162,7 +164,7 @@ def candidates(request: InferenceRequest, facts: InferenceFacts) -> list[Candida
         for d in dtypes
         for k in kernels
         if not (k == "packed" and d == "bfloat16" and facts.packing_bf16_error)
-        and not (k == "upcast" and d == "float32")  # fp32 needs no converting
+        and not (k in ("upcast", "gemv") and d == "float32")  # fp32 needs no converting
     ]
     if not out:  # only bf16 packed was asked for, and oneDNN cannot pack bf16 on this CPU
         raise ChoiceError(
@@ -283,7 +285,9 @@ def device_pick(cands: list[Candidate], facts: InferenceFacts) -> Candidate:
     ones the row-major (a column-major bf16 weight was 1.4x slower than row-major on a Zen 5 with
     AVX512_BF16, and 20x on an AVX2-only EPYC; fp32 gained 1.2x from it on both); an asked-for half
     precision on a CPU without native bf16 that oneDNN cannot pack takes ``upcast``, whose several-row
-    products are fp32 ones (a 128-token prefill 1.2 s in bf16, 0.2 s upcast, on that EPYC). Int8 weights
+    products are fp32 ones (a 128-token prefill 1.2 s in bf16, 0.2 s upcast, on that EPYC), and where
+    gpt2lab's compiled GEMV runs, ``gemv`` before it (the same several-row products, its one row read
+    faster: 12-16 GB/s against torch's 10 on that EPYC). Int8 weights
     in fp32 take gpt2lab's compiled GEMV where it runs (``int8-gemv``: on that EPYC it read them at ~12
     GB/s, PyTorch's int8 kernel at ~1.3 with fp32 activations)."""
     half = [c for c in cands if c.dtype != "float32"]
@@ -293,9 +297,9 @@ def device_pick(cands: list[Candidate], facts: InferenceFacts) -> Candidate:
     if pool[0].dtype == "float32":
         order = ("packed", "decode", "int8-gemv", "int8", "plain")
     elif facts.device_type == "cpu" and not facts.native_bf16:  # its half-precision matmuls of several rows emulated
-        order = ("packed", "upcast", "int8", "plain", "decode")
+        order = ("packed", "gemv", "upcast", "int8", "plain", "decode")
     else:
-        order = ("packed", "int8", "plain", "decode", "upcast")
+        order = ("packed", "int8", "plain", "decode", "gemv", "upcast")
     for kernel in order:
         for c in pool:
             if c.kernel == kernel:

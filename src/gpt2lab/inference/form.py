@@ -19,9 +19,10 @@ import torch
 
 from gpt2lab.inference import probe_cache
 from gpt2lab.inference.choice import Candidate, InferenceFacts, InferenceRequest, candidates, choose
+from gpt2lab.inference.fused import fuse_blocks
 from gpt2lab.inference.kernels import (
+    gemv_error,
     int8_available,
-    int8_gemv_error,
     packing_available,
     packing_bf16_error,
     swap_linears,
@@ -47,7 +48,7 @@ def detect_facts(device: torch.device) -> InferenceFacts:
         packing=(packing := device.type == "cpu" and packing_available()),
         packing_bf16_error=packing_bf16_error() if packing else None,
         int8_error=int8_available(device),
-        int8_gemv_error=int8_gemv_error(device),
+        gemv_error=gemv_error(device),
     )
 
 
@@ -68,6 +69,7 @@ def hold(model: GPT, cand: Candidate, rows: int = 1, inplace: bool = False) -> G
         for m in target.modules():
             if isinstance(m, CausalSelfAttention):
                 m.attn_dtype = CPU_ATTENTION_DTYPE
+        fuse_blocks(target)  # GPT-2 blocks held by the compiled GEMV: one call a block for one token (fused.py)
     target.eval()
     if inplace:  # a copy shares the model's other parameters: their requires_grad is the model's business
         target.requires_grad_(False)

@@ -26,15 +26,17 @@ what autocast computes, without re-reading and casting the weights at every step
   the slices (1.5x an fp32 model's memory): a batch then costs what a packed fp32 one does, where the
   conversion of every slice at every step would cost most at a few rows. The inputs are rounded to
   the weight's dtype, as at one row; the output of several rows stays fp32;
+* ``gemv``: ``upcast`` with its one row multiplied by gpt2lab's compiled GEMV (``_gemv.c``): each bf16
+  weight row read once, widened to fp32 in AVX2 registers, products and sums in fp32, rows shared
+  among the threads (the input is not rounded to bf16). Where pip compiled it (a C compiler with
+  OpenMP, Linux) and the CPU has AVX2 and FMA; elsewhere it is no candidate. On an AVX2 EPYC it read
+  a 768 x 3072 bf16 weight at 12-16 GB/s where torch's bf16 GEMV read 10;
 * ``int8``: weight-only int8, symmetric per output channel (scale = max |w| / 127), multiplied
   by PyTorch's own ``torch._weight_int8pack_mm`` with activations in fp32 or bf16. Which one is
   measured: on the Zen 5 the kernel is 20x slower with fp32 activations than with bf16;
-* ``int8-gemv``: the same int8 weights and scales multiplied by gpt2lab's compiled kernel
-  (``_int8gemv.c``: each weight row read once, converted to fp32 in registers, products and sums in
-  fp32, rows shared among the threads), with fp32 activations. Where pip compiled it (a C compiler
-  with OpenMP, Linux) and the CPU has AVX2 and FMA; elsewhere it is no candidate. On an AVX2 EPYC it
-  read the int8 weights at ~12 GB/s where ``_weight_int8pack_mm`` read 6-10 (bf16 activations) or
-  ~1.3 (fp32).
+* ``int8-gemv``: the same int8 weights and scales multiplied by the compiled GEMV, with fp32
+  activations; same conditions. On that EPYC it read the int8 weights at ~12 GB/s where
+  ``_weight_int8pack_mm`` read 6-10 (bf16 activations) or ~1.3 (fp32).
 
 Kernels are chosen by measuring them (probe.py), never by their names: torchao's int8
 weight-only tensor, for one, dequantizes the whole weight on every eager call (25 ms for the
@@ -51,7 +53,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-KERNELS = ("plain", "decode", "packed", "upcast", "int8", "int8-gemv")
+KERNELS = ("plain", "decode", "packed", "upcast", "gemv", "int8", "int8-gemv")
 
 
 def packing_available() -> bool:
@@ -148,7 +150,9 @@ _scratch = threading.local()  # one fp32 buffer of UPCAST_SLICE values a thread,
 def _scratch_buffer(device: torch.device, n: int) -> torch.Tensor:
     """This thread's buffer of at least ``n`` fp32 values (UPCAST_SLICE, or one row of a wider weight)."""
     buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.device != device or buf.numel() < n:
+    # one made under inference_mode cannot be written outside it (torch refuses): made again there
+    stale = buf is not None and buf.is_inference() and not torch.is_inference_mode_enabled()
+    if buf is None or stale or buf.device != device or buf.numel() < n:
         buf = _scratch.buf = torch.empty(max(n, UPCAST_SLICE), dtype=torch.float32, device=device)
     return buf
 
@@ -171,11 +175,15 @@ class UpcastLinear(DecodeLinear):
         if batch_hint > 1 and weight.device.type == "cpu" and packing_available():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.float(), batch_hint)
 
+    round_inputs = True  # several rows: the inputs rounded to the weight's dtype, as the one-row product does
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(self.dtype)
+        x = x.to(self.dtype) if self.round_inputs else x
         lead, n = x.shape[:-1], x.numel() // self.in_features
         if n == 1:
             return F.linear(x, self.weight, self.bias)
+        if n == 0:
+            return x.new_empty(*lead, self.out_features, dtype=torch.float32)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, self.bias32, "none", [], "")
         xt = x.reshape(n, self.in_features).float().t()  # (in, n)
@@ -225,46 +233,75 @@ class Int8Linear(DecodeLinear):
         return y.reshape(*lead, self.out_features)
 
 
-def int8_gemv_error(device: torch.device) -> Optional[str]:
-    """Why the int8-gemv kernel cannot run on ``device``, or None where it can."""
+def gemv_error(device: torch.device) -> Optional[str]:
+    """Why gpt2lab's compiled GEMV (the ``gemv`` and ``int8-gemv`` kernels) cannot run on ``device``, or None
+    where it can."""
     if device.type != "cpu":
-        return f"gpt2lab's int8 GEMV is a CPU kernel, not {device.type}'s"
+        return f"gpt2lab's compiled GEMV is a CPU kernel, not {device.type}'s"
     try:
-        _int8gemv = importlib.import_module("gpt2lab.inference._int8gemv")
+        compiled = importlib.import_module("gpt2lab.inference._gemv")
     except ImportError:
-        return "gpt2lab's int8 GEMV was not compiled when gpt2lab was installed (it needs a C compiler with OpenMP)"
-    if not _int8gemv.has_avx2():
-        return "this CPU has no AVX2 and FMA, which gpt2lab's int8 GEMV needs to be faster than PyTorch's"
+        return "gpt2lab's compiled GEMV was not built when gpt2lab was installed (it needs a C compiler with OpenMP)"
+    if not compiled.has_avx2():
+        return "this CPU has no AVX2 and FMA, which gpt2lab's compiled GEMV needs to be faster than PyTorch's"
     return None
+
+
+def _compiled_gemv(name: str, x: torch.Tensor, w: torch.Tensor, scale, bias, n_out: int) -> torch.Tensor:
+    """``_gemv.<name>`` on ``x`` (rows, in) fp32 contiguous: (rows, n_out) fp32; ``scale``/``bias`` tensors or None."""
+    from gpt2lab.inference import _gemv
+
+    y = torch.empty(x.size(0), n_out, dtype=torch.float32, device=x.device)
+    if x.size(0):
+        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+        getattr(_gemv, name)(
+            x.data_ptr(), w.data_ptr(), ptr(scale), ptr(bias), y.data_ptr(), x.size(0), x.size(1), n_out,
+            torch.get_num_threads(),
+        )  # fmt: skip
+    return y
+
+
+class GemvLinear(UpcastLinear):
+    """``upcast`` (bf16 weights; several rows as it does them) with one row by gpt2lab's compiled GEMV
+    (``_gemv.c``): the bf16 weight row read once, widened to fp32 in registers. The inputs are not
+    rounded to bf16, at one row or several (a row gives the same sums alone or in a batch, up to their
+    order); the output is fp32."""
+
+    kernel = "gemv"
+    round_inputs = False
+
+    def __init__(
+        self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype, batch_hint: int = 1
+    ) -> None:
+        if dtype != torch.bfloat16:
+            raise ValueError(f"the gemv kernel holds bfloat16 weights, not {dtype}")
+        super().__init__(weight, bias, dtype, batch_hint)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() != self.in_features:
+            return super().forward(x)
+        x32 = x.reshape(1, self.in_features).float().contiguous()
+        y = _compiled_gemv("bf16_gemv", x32, self.weight, None, self.bias32, self.out_features)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
 
 class Int8GemvLinear(DecodeLinear):
     """Int8Linear's quantization (``quantize_int8``) multiplied by gpt2lab's compiled kernel
-    (``_int8gemv.c``) with fp32 activations, any width (no padding)."""
+    (``_gemv.c``) with fp32 activations, any width (no padding)."""
 
     kernel = "int8-gemv"
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype) -> None:
         if dtype != torch.float32:
             raise ValueError(f"the int8-gemv kernel computes in float32, not {dtype}")
-        from gpt2lab.inference import _int8gemv
-
         super().__init__(weight, bias, dtype)
         q, scale = quantize_int8(weight)
         self.qweight, self.scale = q.contiguous(), scale.contiguous()
-        self.gemv = _int8gemv.int8_gemv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x = x.reshape(-1, self.in_features).float().contiguous()
-        y = torch.empty(x.size(0), self.out_features, dtype=torch.float32, device=x.device)
-        if x.size(0):
-            bias = 0 if self.bias is None else self.bias.data_ptr()
-            self.gemv(
-                x.data_ptr(), self.qweight.data_ptr(), self.scale.data_ptr(), bias, y.data_ptr(),
-                x.size(0), self.in_features, self.out_features, torch.get_num_threads(),
-            )  # fmt: skip
-        return y.reshape(*lead, self.out_features)
+        x32 = x.reshape(-1, self.in_features).float().contiguous()
+        y = _compiled_gemv("int8_gemv", x32, self.qweight, self.scale, self.bias, self.out_features)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
 
 def make_linear(layer: nn.Linear, kernel: str, dtype: torch.dtype, batch_hint: int = 1) -> DecodeLinear:
@@ -275,6 +312,8 @@ def make_linear(layer: nn.Linear, kernel: str, dtype: torch.dtype, batch_hint: i
         return PackedLinear(layer.weight, layer.bias, dtype, batch_hint)
     if kernel == "upcast":
         return UpcastLinear(layer.weight, layer.bias, dtype, batch_hint)
+    if kernel == "gemv":
+        return GemvLinear(layer.weight, layer.bias, dtype, batch_hint)
     if kernel == "int8":
         return Int8Linear(layer.weight, layer.bias, dtype)
     if kernel == "int8-gemv":

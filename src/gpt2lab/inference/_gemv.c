@@ -1,0 +1,388 @@
+/* gpt2lab's compiled GEMV (kernels.py's GemvLinear and Int8GemvLinear): y = scale * (W @ x) + bias
+ * for weights W (N, K, row-major) held as int8 with one fp32 scale per row, or as bf16 (no scale),
+ * and fp32 inputs x (M, K); products and sums in fp32.
+ *
+ * Decoding one row is bound by reading the weights: each weight row is read once, converted to fp32
+ * in registers and multiplied there; the rows are shared among OpenMP threads. At several rows a
+ * weight row is converted once into a per-thread buffer and every input row is multiplied by it, so
+ * the weights are still read once. The AVX2/FMA routines are compiled for that instruction set alone
+ * (a target attribute) and used only where the CPU reports both; the plain C loops serve elsewhere
+ * (kernels.py then leaves these kernels out: they would not be faster).
+ *
+ * Called from Python with tensors' data pointers; kernels.py checks dtypes, shapes and contiguity.
+ * The GIL is released while it runs. Built at install by setup.py; optional (no compiler, no kernel). */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <math.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define GEMV_X86 1
+#include <immintrin.h>
+#endif
+
+enum held { HELD_INT8, HELD_BF16 };
+
+/* A bf16 value is the high half of the fp32 with the same sign, exponent and leading mantissa bits. */
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static float dot_plain(enum held kind, const void *w, const float *x, Py_ssize_t k) {
+    float acc = 0.f;
+    if (kind == HELD_INT8)
+        for (Py_ssize_t i = 0; i < k; i++) acc += (float)((const int8_t *)w)[i] * x[i];
+    else
+        for (Py_ssize_t i = 0; i < k; i++) acc += bf16_to_f32(((const uint16_t *)w)[i]) * x[i];
+    return acc;
+}
+
+static float dot_f32_plain(const float *w, const float *x, Py_ssize_t k) {
+    float acc = 0.f;
+    for (Py_ssize_t i = 0; i < k; i++) acc += w[i] * x[i];
+    return acc;
+}
+
+#ifdef GEMV_X86
+__attribute__((target("avx2,fma"))) static float hsum(__m256 s) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+    return _mm_cvtss_f32(h);
+}
+
+/* Eight weights as eight floats. int8: the sign extension reads its 8 bytes straight from memory;
+ * bf16: 16 bytes zero-extended to 32 bits a value and shifted into the high half. */
+__attribute__((target("avx2,fma"))) static inline __m256 widen8(enum held kind, const void *w, Py_ssize_t i) {
+    if (kind == HELD_INT8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)w + i))));
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + i)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+/* 32 weights a step, multiplied into four accumulators (four independent chains keep the FMA units
+ * busy). ``kind`` is a constant at each call site, so each routine is compiled once a kind. */
+__attribute__((target("avx2,fma"))) static inline float dot_avx2(enum held kind, const void *w, const float *x,
+                                                                 Py_ssize_t k) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    Py_ssize_t i = 0;
+    for (; i + 32 <= k; i += 32) {
+        a0 = _mm256_fmadd_ps(widen8(kind, w, i), _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(widen8(kind, w, i + 8), _mm256_loadu_ps(x + i + 8), a1);
+        a2 = _mm256_fmadd_ps(widen8(kind, w, i + 16), _mm256_loadu_ps(x + i + 16), a2);
+        a3 = _mm256_fmadd_ps(widen8(kind, w, i + 24), _mm256_loadu_ps(x + i + 24), a3);
+    }
+    const void *rest = kind == HELD_INT8 ? (const void *)((const int8_t *)w + i) : (const void *)((const uint16_t *)w + i);
+    return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3))) + dot_plain(kind, rest, x + i, k - i);
+}
+
+__attribute__((target("avx2,fma"))) static float dot_i8_avx2(const void *w, const float *x, Py_ssize_t k) {
+    return dot_avx2(HELD_INT8, w, x, k);
+}
+
+__attribute__((target("avx2,fma"))) static float dot_bf16_avx2(const void *w, const float *x, Py_ssize_t k) {
+    return dot_avx2(HELD_BF16, w, x, k);
+}
+
+__attribute__((target("avx2,fma"))) static void widen_avx2(enum held kind, const void *w, float *out, Py_ssize_t k) {
+    Py_ssize_t i = 0;
+    for (; i + 8 <= k; i += 8) _mm256_storeu_ps(out + i, widen8(kind, w, i));
+    for (; i < k; i++)
+        out[i] = kind == HELD_INT8 ? (float)((const int8_t *)w)[i] : bf16_to_f32(((const uint16_t *)w)[i]);
+}
+
+/* Four input rows against one widened weight row: each weight vector loaded once for four FMAs. */
+__attribute__((target("avx2,fma"))) static void dot4_f32_avx2(const float *w, const float *x, Py_ssize_t k,
+                                                               float *out) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    Py_ssize_t i = 0;
+    for (; i + 8 <= k; i += 8) {
+        __m256 v = _mm256_loadu_ps(w + i);
+        a0 = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + k + i), a1);
+        a2 = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + 2 * k + i), a2);
+        a3 = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + 3 * k + i), a3);
+    }
+    out[0] = hsum(a0) + dot_f32_plain(w + i, x + i, k - i);
+    out[1] = hsum(a1) + dot_f32_plain(w + i, x + k + i, k - i);
+    out[2] = hsum(a2) + dot_f32_plain(w + i, x + 2 * k + i, k - i);
+    out[3] = hsum(a3) + dot_f32_plain(w + i, x + 3 * k + i, k - i);
+}
+#endif
+
+static int cpu_has_avx2(void) {
+#ifdef GEMV_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}
+
+/* Weight row r against every input row: y[i, r] for i < m; buf is this thread's K-float buffer
+ * (several rows, AVX2: the weight row widened once for all of them). */
+static void rows(enum held kind, const float *x, const void *wts, const float *scale, const float *bias, float *y,
+                 Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t r, float *buf, int avx2) {
+    const void *wr = kind == HELD_INT8 ? (const void *)((const int8_t *)wts + r * k)
+                                       : (const void *)((const uint16_t *)wts + r * k);
+    float s = scale ? scale[r] : 1.f, b = bias ? bias[r] : 0.f;
+#ifdef GEMV_X86
+    if (avx2) {
+        float (*dot)(const void *, const float *, Py_ssize_t) = kind == HELD_INT8 ? dot_i8_avx2 : dot_bf16_avx2;
+        Py_ssize_t i = 0;
+        if (m >= 4) {
+            float four[4];
+            widen_avx2(kind, wr, buf, k);
+            for (; i + 4 <= m; i += 4) {
+                dot4_f32_avx2(buf, x + i * k, k, four);
+                for (int j = 0; j < 4; j++) y[(i + j) * n + r] = s * four[j] + b;
+            }
+        }
+        for (; i < m; i++) y[i * n + r] = s * dot(wr, x + i * k, k) + b; /* one row, or the rows left */
+        return;
+    }
+#endif
+    for (Py_ssize_t i = 0; i < m; i++) y[i * n + r] = s * dot_plain(kind, wr, x + i * k, k) + b;
+}
+
+static PyObject *gemv(enum held kind, PyObject *args) {
+    unsigned long long xp, wp, sp, bp, yp;
+    Py_ssize_t m, k, n;
+    int threads;
+    if (!PyArg_ParseTuple(args, "KKKKKnnni", &xp, &wp, &sp, &bp, &yp, &m, &k, &n, &threads)) return NULL;
+    if (m < 1 || k < 1 || n < 1 || threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "gemv: m, k, n and threads must be positive");
+        return NULL;
+    }
+    const float *x = (const float *)(uintptr_t)xp, *scale = (const float *)(uintptr_t)sp;
+    const float *bias = (const float *)(uintptr_t)bp;
+    const void *w = (const void *)(uintptr_t)wp;
+    float *y = (float *)(uintptr_t)yp;
+    int avx2 = cpu_has_avx2(), failed = 0, need = avx2 && m >= 4;
+    Py_BEGIN_ALLOW_THREADS
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+#endif
+    {
+        float *buf = need ? (float *)malloc((size_t)k * sizeof(float)) : NULL;
+        if (need && !buf) {
+#ifdef _OPENMP
+#pragma omp atomic write
+#endif
+            failed = 1;
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (Py_ssize_t r = 0; r < n; r++)
+            if (buf || !need) rows(kind, x, w, scale, bias, y, m, k, n, r, buf, avx2);
+        free(buf);
+    }
+    Py_END_ALLOW_THREADS
+    if (failed) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* ---- One GPT-2 block for one new token (kernels.py's fused decode step) ----
+ *
+ * x (C floats, the residual stream) becomes x + attn(ln_1(x)), then + mlp(ln_2(x)), as the model's Block
+ * computes it for one token with a KV cache: LayerNorm, the q/k/v linear, this token's keys and values
+ * written into the cache at ``pos``, attention of the query to the pos + 1 cached keys (scale
+ * 1/sqrt(head size), no mask: every cached key precedes it), the output linear added to x, LayerNorm,
+ * the fc linear, GELU (tanh), the projection added to x. One OpenMP region runs it all: the threads
+ * share each linear's rows and the heads, with a barrier between the phases, so a block costs one call
+ * from Python where the operators one by one cost ~25 calls and ~300 us. */
+
+struct linear {
+    const void *w;      /* (n, k) int8 or bf16, row-major */
+    const float *scale; /* int8: one a row; bf16: NULL */
+    const float *bias;  /* NULL: none */
+};
+
+static void layernorm(const float *x, const float *g, const float *b, float eps, float *out, Py_ssize_t c) {
+    double mean = 0., var = 0.;
+    for (Py_ssize_t i = 0; i < c; i++) mean += x[i];
+    mean /= (double)c;
+    for (Py_ssize_t i = 0; i < c; i++) var += (x[i] - mean) * (x[i] - mean);
+    float inv = (float)(1. / sqrt(var / (double)c + (double)eps)), m = (float)mean;
+    for (Py_ssize_t i = 0; i < c; i++) out[i] = (x[i] - m) * inv * g[i] + (b ? b[i] : 0.f);
+}
+
+static inline float gelu_tanh(float v) {
+    const float k = 0.7978845608028654f; /* sqrt(2 / pi) */
+    return 0.5f * v * (1.f + tanhf(k * (v + 0.044715f * v * v * v)));
+}
+
+/* Row r of a linear against the input in: its output before the epilogue. */
+static inline float linear_row(enum held kind, const struct linear *l, const float *in, Py_ssize_t k,
+                               Py_ssize_t r, int avx2) {
+    const void *wr = kind == HELD_INT8 ? (const void *)((const int8_t *)l->w + r * k)
+                                       : (const void *)((const uint16_t *)l->w + r * k);
+    float d;
+#ifdef GEMV_X86
+    if (avx2)
+        d = kind == HELD_INT8 ? dot_i8_avx2(wr, in, k) : dot_bf16_avx2(wr, in, k);
+    else
+#endif
+        d = dot_plain(kind, wr, in, k);
+    return (l->scale ? l->scale[r] : 1.f) * d + (l->bias ? l->bias[r] : 0.f);
+}
+
+#ifdef GEMV_X86
+/* One head's attention: scores of q against keys 0..t-1, softmax, the weighted sum of the values. */
+__attribute__((target("avx2,fma"))) static void attend_avx2(const float *q, const float *kc, const float *vc,
+                                                             Py_ssize_t t, Py_ssize_t hs, float scale,
+                                                             float *sc, float *out) {
+    float top = -INFINITY, sum = 0.f;
+    for (Py_ssize_t j = 0; j < t; j++) {
+        const float *kj = kc + j * hs;
+        __m256 a = _mm256_setzero_ps();
+        Py_ssize_t d = 0;
+        for (; d + 8 <= hs; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kj + d), a);
+        sc[j] = (hsum(a) + dot_f32_plain(q + d, kj + d, hs - d)) * scale;
+        if (sc[j] > top) top = sc[j];
+    }
+    for (Py_ssize_t j = 0; j < t; j++) sum += (sc[j] = expf(sc[j] - top));
+    for (Py_ssize_t d = 0; d < hs; d++) out[d] = 0.f;
+    for (Py_ssize_t j = 0; j < t; j++) {
+        const float *vj = vc + j * hs;
+        __m256 p = _mm256_set1_ps(sc[j] / sum);
+        Py_ssize_t d = 0;
+        for (; d + 8 <= hs; d += 8)
+            _mm256_storeu_ps(out + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + d), _mm256_loadu_ps(out + d)));
+        for (; d < hs; d++) out[d] += sc[j] / sum * vj[d];
+    }
+}
+#endif
+
+static void attend_plain(const float *q, const float *kc, const float *vc, Py_ssize_t t, Py_ssize_t hs,
+                         float scale, float *sc, float *out) {
+    float top = -INFINITY, sum = 0.f;
+    for (Py_ssize_t j = 0; j < t; j++) {
+        sc[j] = dot_f32_plain(q, kc + j * hs, hs) * scale;
+        if (sc[j] > top) top = sc[j];
+    }
+    for (Py_ssize_t j = 0; j < t; j++) sum += (sc[j] = expf(sc[j] - top));
+    for (Py_ssize_t d = 0; d < hs; d++) out[d] = 0.f;
+    for (Py_ssize_t j = 0; j < t; j++)
+        for (Py_ssize_t d = 0; d < hs; d++) out[d] += sc[j] / sum * vc[j * hs + d];
+}
+
+static PyObject *block_step(PyObject *self, PyObject *args) {
+    int bf16, threads;
+    unsigned long long xp, g1, b1, g2, b2, lw[4], ls[4], lb[4], kp, vp;
+    Py_ssize_t c, nh, pos, max_len;
+    float eps;
+    if (!PyArg_ParseTuple(args, "pKnnKKKKf(KKK)(KKK)(KKK)(KKK)KKnni", &bf16, &xp, &c, &nh, &g1, &b1, &g2, &b2, &eps,
+                          &lw[0], &ls[0], &lb[0], &lw[1], &ls[1], &lb[1], &lw[2], &ls[2], &lb[2], &lw[3], &ls[3],
+                          &lb[3], &kp, &vp, &pos, &max_len, &threads))
+        return NULL;
+    if (c < 1 || nh < 1 || c % nh || pos < 0 || pos >= max_len || threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "block_step: bad width, heads, position or threads");
+        return NULL;
+    }
+    enum held kind = bf16 ? HELD_BF16 : HELD_INT8;
+    struct linear lin[4];
+    for (int i = 0; i < 4; i++) {
+        lin[i].w = (const void *)(uintptr_t)lw[i];
+        lin[i].scale = (const float *)(uintptr_t)ls[i];
+        lin[i].bias = (const float *)(uintptr_t)lb[i];
+    }
+    float *x = (float *)(uintptr_t)xp, *kc = (float *)(uintptr_t)kp, *vc = (float *)(uintptr_t)vp;
+    const float *ln1g = (const float *)(uintptr_t)g1, *ln1b = (const float *)(uintptr_t)b1;
+    const float *ln2g = (const float *)(uintptr_t)g2, *ln2b = (const float *)(uintptr_t)b2;
+    Py_ssize_t hs = c / nh, t = pos + 1;
+    /* h: a norm's output (C); qkv (3C); y: the heads' output (C); f: the MLP's hidden (4C); scores. */
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(9 * c + nh * t));
+    if (!buf) return PyErr_NoMemory();
+    float *h = buf, *qkv = h + c, *y = qkv + 3 * c, *f = y + c, *sc = f + 4 * c;
+    float scale = 1.f / sqrtf((float)hs);
+    int avx2 = cpu_has_avx2();
+    Py_BEGIN_ALLOW_THREADS
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+#endif
+    {
+#ifdef _OPENMP
+#pragma omp single
+#endif
+        layernorm(x, ln1g, ln1b, eps, h, c);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (Py_ssize_t r = 0; r < 3 * c; r++) qkv[r] = linear_row(kind, &lin[0], h, c, r, avx2);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (Py_ssize_t hd = 0; hd < nh; hd++) {
+            float *kh = kc + hd * max_len * hs, *vh = vc + hd * max_len * hs;
+            memcpy(kh + pos * hs, qkv + c + hd * hs, sizeof(float) * (size_t)hs);
+            memcpy(vh + pos * hs, qkv + 2 * c + hd * hs, sizeof(float) * (size_t)hs);
+#ifdef GEMV_X86
+            if (avx2)
+                attend_avx2(qkv + hd * hs, kh, vh, t, hs, scale, sc + hd * t, y + hd * hs);
+            else
+#endif
+                attend_plain(qkv + hd * hs, kh, vh, t, hs, scale, sc + hd * t, y + hd * hs);
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (Py_ssize_t r = 0; r < c; r++) x[r] += linear_row(kind, &lin[1], y, c, r, avx2);
+#ifdef _OPENMP
+#pragma omp single
+#endif
+        layernorm(x, ln2g, ln2b, eps, h, c);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (Py_ssize_t r = 0; r < 4 * c; r++) f[r] = gelu_tanh(linear_row(kind, &lin[2], h, c, r, avx2));
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (Py_ssize_t r = 0; r < c; r++) x[r] += linear_row(kind, &lin[3], f, 4 * c, r, avx2);
+    }
+    Py_END_ALLOW_THREADS
+    free(buf);
+    Py_RETURN_NONE;
+}
+
+static PyObject *int8_gemv(PyObject *self, PyObject *args) { return gemv(HELD_INT8, args); }
+
+static PyObject *bf16_gemv(PyObject *self, PyObject *args) { return gemv(HELD_BF16, args); }
+
+static PyObject *has_avx2(PyObject *self, PyObject *unused) { return PyBool_FromLong(cpu_has_avx2()); }
+
+static PyObject *has_openmp(PyObject *self, PyObject *unused) {
+#ifdef _OPENMP
+    Py_RETURN_TRUE;
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
+static PyMethodDef methods[] = {
+    {"int8_gemv", int8_gemv, METH_VARARGS,
+     "int8_gemv(x, q, scale, bias, y, m, k, n, threads): y = scale * (q @ x) + bias, data pointers (bias 0: none)"},
+    {"bf16_gemv", bf16_gemv, METH_VARARGS,
+     "bf16_gemv(x, w, 0, bias, y, m, k, n, threads): y = w @ x + bias for bf16 w, data pointers (bias 0: none)"},
+    {"block_step", block_step, METH_VARARGS,
+     "block_step(bf16, x, C, n_head, ln1 g, b, ln2 g, b, eps, (w, scale, bias) x 4, k cache, v cache, pos, max_len, "
+     "threads): one GPT-2 block for one token, in place on x; pointers (0: none)"},
+    {"has_avx2", has_avx2, METH_NOARGS, "whether this CPU runs the AVX2/FMA routines"},
+    {"has_openmp", has_openmp, METH_NOARGS, "whether the kernels were built with OpenMP (threads)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_gemv", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__gemv(void) { return PyModule_Create(&module); }

@@ -1,0 +1,113 @@
+"""The fused decode step: a GPT-2 block held with gpt2lab's compiled GEMV runs one new token in one call.
+
+At one row a decode step's linears read the weights once (kernels.py's ``gemv`` and ``int8-gemv``);
+what is left is ~25 small operators a block (two LayerNorms, the q/k/v split and cast, the KV-cache
+writes, attention, GELU, two residual adds), ~300 us of dispatch and Python a block on a 2-core EPYC,
+~3-4 ms a token, a fifth of the step. ``_gemv.block_step`` computes the same block for one token in
+one OpenMP region (``_gemv.c``): the same weights as held, the same fp32 activations, norms, softmax
+and KV cache; only the order of the sums differs.
+
+``fuse_blocks`` gives every block of a held model whose structure it computes (GPT-2's: LayerNorm,
+learned positions, tanh GELU, no q/k norm, no value embeddings, its four linears held by one of those
+kernels, fp32 norms and attention) this step for the calls it covers: one row, one new token, no
+gradient, a cache already holding the prompt in fp32 (B, heads, positions, head size) buffers. Every
+other call, and every other block (the modern one), runs the model's own code.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from gpt2lab.inference.kernels import GemvLinear, Int8GemvLinear
+from gpt2lab.model.gpt import Block
+
+
+def _linear_args(m: nn.Module) -> tuple[int, int, int]:
+    """(weight, scale, bias) data pointers of a compiled-GEMV linear (0: none)."""
+    if isinstance(m, Int8GemvLinear):
+        return m.qweight.data_ptr(), m.scale.data_ptr(), 0 if m.bias is None else m.bias.data_ptr()
+    return m.weight.data_ptr(), 0, 0 if m.bias32 is None else m.bias32.data_ptr()
+
+
+def fusable(block: nn.Module) -> bool:
+    """Whether ``_gemv.block_step`` computes ``block`` (structure, kernels and dtypes; not the call)."""
+    if not isinstance(block, Block):
+        return False
+    attn, mlp = block.attn, block.mlp
+    linears = (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)
+    kinds = {type(m) for m in linears}
+    norms = (block.ln_1, block.ln_2)
+    return (
+        len(kinds) == 1
+        and kinds <= {GemvLinear, Int8GemvLinear}
+        and all(type(n) is nn.LayerNorm and n.weight is not None and n.weight.dtype == torch.float32 for n in norms)
+        and all(n.bias is None or n.bias.dtype == torch.float32 for n in norms)
+        and norms[0].eps == norms[1].eps
+        and isinstance(mlp.act, nn.GELU)
+        and mlp.act.approximate == "tanh"
+        and not attn.qk_norm
+        and not hasattr(attn, "ve_gate")
+        and attn.attn_dtype == torch.float32
+    )
+
+
+class FusedDecodeBlock(Block):
+    """A held ``Block`` (``fuse_blocks`` sets a fusable block's class to this one): one token of one row
+    through ``_gemv.block_step``, anything else through ``Block.forward``."""
+
+    def _fused_args(self) -> tuple:
+        a, m = self.attn, self.mlp
+        C = a.c_attn.in_features
+        ln = lambda n: (n.weight.data_ptr(), 0 if n.bias is None else n.bias.data_ptr())  # noqa: E731
+        return (
+            isinstance(a.c_attn, GemvLinear), C, a.n_head, *ln(self.ln_1), *ln(self.ln_2), float(self.ln_1.eps),
+            *(_linear_args(x) for x in (a.c_attn, a.c_proj, m.c_fc, m.c_proj)),
+        )  # fmt: skip
+
+    def forward(self, x, kv_cache=None, rope=None, ve=None):
+        k = kv_cache.k[self.attn.layer_idx] if kv_cache is not None and kv_cache.pos > 0 else None
+        if (
+            k is None
+            or rope is not None
+            or ve is not None
+            or x.shape[0] != 1
+            or x.shape[1] != 1
+            or x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or self.training
+            or (torch.is_grad_enabled() and x.requires_grad)
+        ):
+            return super().forward(x, kv_cache, rope, ve)
+        v = kv_cache.v[self.attn.layer_idx]
+        nh, C = self.attn.n_head, x.shape[-1]
+        if not (
+            k.dtype == v.dtype == torch.float32
+            and k.dim() == 4
+            and k.shape == v.shape
+            and k.shape[1] == nh
+            and k.shape[3] * nh == C
+            and kv_cache.pos < k.shape[2]
+            and k.is_contiguous()
+            and v.is_contiguous()
+        ):
+            return super().forward(x, kv_cache, rope, ve)
+        from gpt2lab.inference import _gemv
+
+        out = x.contiguous().clone()  # the caller's x is left as it was
+        bf16, C, nh, g1, b1, g2, b2, eps, *lin = self._fused_args()
+        _gemv.block_step(
+            bf16, out.data_ptr(), C, nh, g1, b1, g2, b2, eps, *lin, k.data_ptr(), v.data_ptr(),
+            kv_cache.pos, k.shape[2], torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+
+def fuse_blocks(model: nn.Module) -> int:
+    """Give every fusable block of a held ``model`` the fused decode step (in place); returns how many."""
+    n = 0
+    for m in model.modules():
+        if type(m) is Block and fusable(m):
+            m.__class__ = FusedDecodeBlock
+            n += 1
+    return n
