@@ -41,11 +41,12 @@ def _unfused(model):
 
 @pytest.mark.parametrize("cand", CANDS, ids=str)
 @pytest.mark.parametrize("shape", [dict(n_head=2, n_embd=32), dict(n_head=3, n_embd=36, bias=False)], ids=["32", "36"])
-def test_one_token_fused_equals_the_blocks_own_forward_with_the_same_cache(cand, shape, counted):
+@pytest.mark.parametrize("rows", [1, 6])  # six: a group of four rows through each widened weight row, two left
+def test_one_token_fused_equals_the_blocks_own_forward_with_the_same_cache(cand, shape, rows, counted):
     """Logits and the KV cache after several one-token steps, fused against unfused, from the same prompt
     (36 wide: heads of 12, not a multiple of 8; no biases)."""
     model = tiny_gpt(seed=5, vocab_size=97, block_size=40, **shape)
-    idx = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(3))
+    idx = torch.randint(0, 97, (rows, 30), generator=torch.Generator().manual_seed(3))
     outs, caches = [], []
     for fused in (True, False):
         ready = hold(model, cand)
@@ -63,9 +64,9 @@ def test_one_token_fused_equals_the_blocks_own_forward_with_the_same_cache(cand,
 
 
 @pytest.mark.parametrize("cand", CANDS, ids=str)
-def test_the_servers_rows_cache_one_row_fused_several_rows_not(cand, counted):
-    """A row the server decodes alone takes the fused step (its RowsCache slot 0), two rows the model's own
-    code; every row's logits those of its sequence run whole."""
+def test_the_servers_rows_each_at_its_own_position(cand, counted):
+    """The server's RowsCache: two rows of different lengths in one fused step, then the first alone (its
+    slot 0); every row's logits those of its sequence run whole."""
     model = tiny_gpt(seed=6, vocab_size=97, block_size=40)
     ready = hold(model, cand, rows=2)
     idx = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(4))
@@ -76,18 +77,18 @@ def test_the_servers_rows_cache_one_row_fused_several_rows_not(cand, counted):
             cache = ready.new_kv_cache(40)
             ready(idx[slot : slot + 1, :n], kv_cache=cache)
             rows.put(slot, cache, capacity=2)
+        assert counted == []  # the prompts: the model's code
         both, _ = ready(torch.stack([idx[0, 7:8], idx[1, 10:11]]), kv_cache=rows.view(torch.device("cpu")))
-        assert counted == []
         rows.remove(1)
         alone, _ = ready(idx[:1, 8:9], kv_cache=rows.view(torch.device("cpu")))
-    assert len(counted) == model.config.n_layer
+    assert len(counted) == 2 * model.config.n_layer
     torch.testing.assert_close(both[:, 0], torch.stack([whole[0, 7], whole[1, 10]]), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(alone[0, 0], whole[0, 8], rtol=1e-4, atol=1e-4)
 
 
 def test_what_it_leaves_to_the_model(counted):
-    """The modern block is not fusable; a prompt, a batch, training and a gradient-tracking input run the
-    model's code; the fused step changes no tensor the caller holds."""
+    """The modern block is not fusable; a prompt, training and a gradient-tracking input run the model's
+    code; the fused step changes no tensor the caller holds."""
     assert not any(fusable(b) for b in hold(tiny_gpt(seed=1, norm="rmsnorm"), CANDS[0]).transformer.h)
     assert not any(fusable(b) for b in hold(tiny_gpt(seed=1), Candidate("float32", "plain")).transformer.h)
     ready = hold(tiny_gpt(seed=2, vocab_size=97), CANDS[0])

@@ -128,10 +128,25 @@ static int cpu_has_avx2(void) {
 #endif
 }
 
+/* What a row's result does to its place in y: set it, add to it (a residual), or set its GELU. */
+enum epilogue { SET, ADD, GELU };
+
+static inline float gelu_tanh(float v) {
+    const float k = 0.7978845608028654f; /* sqrt(2 / pi) */
+    return 0.5f * v * (1.f + tanhf(k * (v + 0.044715f * v * v * v)));
+}
+
+static inline void put(float *p, float v, enum epilogue e) {
+    if (e == ADD)
+        *p += v;
+    else
+        *p = e == GELU ? gelu_tanh(v) : v;
+}
+
 /* Weight row r against every input row: y[i, r] for i < m; buf is this thread's K-float buffer
- * (several rows, AVX2: the weight row widened once for all of them). */
+ * (four rows or more, AVX2: the weight row widened once for all of them). */
 static void rows(enum held kind, const float *x, const void *wts, const float *scale, const float *bias, float *y,
-                 Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t r, float *buf, int avx2) {
+                 Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t r, float *buf, int avx2, enum epilogue e) {
     const void *wr = kind == HELD_INT8 ? (const void *)((const int8_t *)wts + r * k)
                                        : (const void *)((const uint16_t *)wts + r * k);
     float s = scale ? scale[r] : 1.f, b = bias ? bias[r] : 0.f;
@@ -144,14 +159,14 @@ static void rows(enum held kind, const float *x, const void *wts, const float *s
             widen_avx2(kind, wr, buf, k);
             for (; i + 4 <= m; i += 4) {
                 dot4_f32_avx2(buf, x + i * k, k, four);
-                for (int j = 0; j < 4; j++) y[(i + j) * n + r] = s * four[j] + b;
+                for (int j = 0; j < 4; j++) put(y + (i + j) * n + r, s * four[j] + b, e);
             }
         }
-        for (; i < m; i++) y[i * n + r] = s * dot(wr, x + i * k, k) + b; /* one row, or the rows left */
+        for (; i < m; i++) put(y + i * n + r, s * dot(wr, x + i * k, k) + b, e); /* one row, or the rows left */
         return;
     }
 #endif
-    for (Py_ssize_t i = 0; i < m; i++) y[i * n + r] = s * dot_plain(kind, wr, x + i * k, k) + b;
+    for (Py_ssize_t i = 0; i < m; i++) put(y + i * n + r, s * dot_plain(kind, wr, x + i * k, k) + b, e);
 }
 
 static PyObject *gemv(enum held kind, PyObject *args) {
@@ -184,7 +199,7 @@ static PyObject *gemv(enum held kind, PyObject *args) {
 #pragma omp for schedule(static)
 #endif
         for (Py_ssize_t r = 0; r < n; r++)
-            if (buf || !need) rows(kind, x, w, scale, bias, y, m, k, n, r, buf, avx2);
+            if (buf || !need) rows(kind, x, w, scale, bias, y, m, k, n, r, buf, avx2, SET);
         free(buf);
     }
     Py_END_ALLOW_THREADS
@@ -192,14 +207,15 @@ static PyObject *gemv(enum held kind, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* ---- One GPT-2 block for one new token (kernels.py's fused decode step) ----
+/* ---- One GPT-2 block for one new token of each of m rows (kernels.py's fused decode step) ----
  *
- * x (C floats, the residual stream) becomes x + attn(ln_1(x)), then + mlp(ln_2(x)), as the model's Block
- * computes it for one token with a KV cache: LayerNorm, the q/k/v linear, this token's keys and values
- * written into the cache at ``pos``, attention of the query to the pos + 1 cached keys (scale
- * 1/sqrt(head size), no mask: every cached key precedes it), the output linear added to x, LayerNorm,
- * the fc linear, GELU (tanh), the projection added to x. One OpenMP region runs it all: the threads
- * share each linear's rows and the heads, with a barrier between the phases, so a block costs one call
+ * Each row of x (m x C floats, the residual stream) becomes x + attn(ln_1(x)), then + mlp(ln_2(x)), as
+ * the model's Block computes it for one token with a KV cache: LayerNorm, the q/k/v linear, the token's
+ * keys and values written into the row's cache slot at its position, attention of the query to the
+ * position + 1 keys of its slot (scale 1/sqrt(head size), no mask: every one of them precedes it), the
+ * output linear added to x, LayerNorm, the fc linear with GELU (tanh), the projection added to x. One
+ * OpenMP region runs it all: the threads share each linear's weight rows (each read once for every
+ * row of x) and the (row, head) pairs, with a barrier between the phases, so a block costs one call
  * from Python where the operators one by one cost ~25 calls and ~300 us. */
 
 struct linear {
@@ -215,26 +231,6 @@ static void layernorm(const float *x, const float *g, const float *b, float eps,
     for (Py_ssize_t i = 0; i < c; i++) var += (x[i] - mean) * (x[i] - mean);
     float inv = (float)(1. / sqrt(var / (double)c + (double)eps)), m = (float)mean;
     for (Py_ssize_t i = 0; i < c; i++) out[i] = (x[i] - m) * inv * g[i] + (b ? b[i] : 0.f);
-}
-
-static inline float gelu_tanh(float v) {
-    const float k = 0.7978845608028654f; /* sqrt(2 / pi) */
-    return 0.5f * v * (1.f + tanhf(k * (v + 0.044715f * v * v * v)));
-}
-
-/* Row r of a linear against the input in: its output before the epilogue. */
-static inline float linear_row(enum held kind, const struct linear *l, const float *in, Py_ssize_t k,
-                               Py_ssize_t r, int avx2) {
-    const void *wr = kind == HELD_INT8 ? (const void *)((const int8_t *)l->w + r * k)
-                                       : (const void *)((const uint16_t *)l->w + r * k);
-    float d;
-#ifdef GEMV_X86
-    if (avx2)
-        d = kind == HELD_INT8 ? dot_i8_avx2(wr, in, k) : dot_bf16_avx2(wr, in, k);
-    else
-#endif
-        d = dot_plain(kind, wr, in, k);
-    return (l->scale ? l->scale[r] : 1.f) * d + (l->bias ? l->bias[r] : 0.f);
 }
 
 #ifdef GEMV_X86
@@ -279,15 +275,24 @@ static void attend_plain(const float *q, const float *kc, const float *vc, Py_ss
 
 static PyObject *block_step(PyObject *self, PyObject *args) {
     int bf16, threads;
-    unsigned long long xp, g1, b1, g2, b2, lw[4], ls[4], lb[4], kp, vp;
-    Py_ssize_t c, nh, pos, max_len;
+    unsigned long long xp, g1, b1, g2, b2, lw[4], ls[4], lb[4], kp, vp, pp;
+    Py_ssize_t m, c, nh, max_len;
     float eps;
-    if (!PyArg_ParseTuple(args, "pKnnKKKKf(KKK)(KKK)(KKK)(KKK)KKnni", &bf16, &xp, &c, &nh, &g1, &b1, &g2, &b2, &eps,
-                          &lw[0], &ls[0], &lb[0], &lw[1], &ls[1], &lb[1], &lw[2], &ls[2], &lb[2], &lw[3], &ls[3],
-                          &lb[3], &kp, &vp, &pos, &max_len, &threads))
+    if (!PyArg_ParseTuple(args, "pKnnnKKKKf(KKK)(KKK)(KKK)(KKK)KKKni", &bf16, &xp, &m, &c, &nh, &g1, &b1, &g2, &b2,
+                          &eps, &lw[0], &ls[0], &lb[0], &lw[1], &ls[1], &lb[1], &lw[2], &ls[2], &lb[2], &lw[3],
+                          &ls[3], &lb[3], &kp, &vp, &pp, &max_len, &threads))
         return NULL;
-    if (c < 1 || nh < 1 || c % nh || pos < 0 || pos >= max_len || threads < 1) {
-        PyErr_SetString(PyExc_ValueError, "block_step: bad width, heads, position or threads");
+    const int64_t *pos = (const int64_t *)(uintptr_t)pp;
+    Py_ssize_t tmax = 0;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (pos[i] < 0 || pos[i] >= max_len) {
+            PyErr_SetString(PyExc_ValueError, "block_step: a position outside the cache");
+            return NULL;
+        }
+        if (pos[i] + 1 > tmax) tmax = pos[i] + 1;
+    }
+    if (m < 1 || c < 1 || nh < 1 || c % nh || threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "block_step: bad rows, width, heads or threads");
         return NULL;
     }
     enum held kind = bf16 ? HELD_BF16 : HELD_INT8;
@@ -300,59 +305,80 @@ static PyObject *block_step(PyObject *self, PyObject *args) {
     float *x = (float *)(uintptr_t)xp, *kc = (float *)(uintptr_t)kp, *vc = (float *)(uintptr_t)vp;
     const float *ln1g = (const float *)(uintptr_t)g1, *ln1b = (const float *)(uintptr_t)b1;
     const float *ln2g = (const float *)(uintptr_t)g2, *ln2b = (const float *)(uintptr_t)b2;
-    Py_ssize_t hs = c / nh, t = pos + 1;
-    /* h: a norm's output (C); qkv (3C); y: the heads' output (C); f: the MLP's hidden (4C); scores. */
-    float *buf = (float *)malloc(sizeof(float) * (size_t)(9 * c + nh * t));
+    Py_ssize_t hs = c / nh;
+    /* Per row: h, a norm's output (C); qkv (3C); y, the heads' output (C); f, the MLP's hidden (4C);
+     * then the scores of each (row, head). */
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(m * (9 * c + nh * tmax)));
     if (!buf) return PyErr_NoMemory();
-    float *h = buf, *qkv = h + c, *y = qkv + 3 * c, *f = y + c, *sc = f + 4 * c;
+    float *h = buf, *qkv = h + m * c, *y = qkv + m * 3 * c, *f = y + m * c, *sc = f + m * 4 * c;
     float scale = 1.f / sqrtf((float)hs);
-    int avx2 = cpu_has_avx2();
+    int avx2 = cpu_has_avx2(), failed = 0, need = avx2 && m >= 4;
     Py_BEGIN_ALLOW_THREADS
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
 #endif
     {
+        float *wb = need ? (float *)malloc(sizeof(float) * (size_t)(4 * c)) : NULL; /* a widened weight row */
+        if (need && !wb) {
 #ifdef _OPENMP
-#pragma omp single
+#pragma omp atomic write
 #endif
-        layernorm(x, ln1g, ln1b, eps, h, c);
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-        for (Py_ssize_t r = 0; r < 3 * c; r++) qkv[r] = linear_row(kind, &lin[0], h, c, r, avx2);
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-        for (Py_ssize_t hd = 0; hd < nh; hd++) {
-            float *kh = kc + hd * max_len * hs, *vh = vc + hd * max_len * hs;
-            memcpy(kh + pos * hs, qkv + c + hd * hs, sizeof(float) * (size_t)hs);
-            memcpy(vh + pos * hs, qkv + 2 * c + hd * hs, sizeof(float) * (size_t)hs);
-#ifdef GEMV_X86
-            if (avx2)
-                attend_avx2(qkv + hd * hs, kh, vh, t, hs, scale, sc + hd * t, y + hd * hs);
-            else
-#endif
-                attend_plain(qkv + hd * hs, kh, vh, t, hs, scale, sc + hd * t, y + hd * hs);
+            failed = 1;
         }
 #ifdef _OPENMP
-#pragma omp for schedule(static)
+#pragma omp barrier
 #endif
-        for (Py_ssize_t r = 0; r < c; r++) x[r] += linear_row(kind, &lin[1], y, c, r, avx2);
-#ifdef _OPENMP
-#pragma omp single
-#endif
-        layernorm(x, ln2g, ln2b, eps, h, c);
+        if (!failed) {
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-        for (Py_ssize_t r = 0; r < 4 * c; r++) f[r] = gelu_tanh(linear_row(kind, &lin[2], h, c, r, avx2));
+            for (Py_ssize_t i = 0; i < m; i++) layernorm(x + i * c, ln1g, ln1b, eps, h + i * c, c);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-        for (Py_ssize_t r = 0; r < c; r++) x[r] += linear_row(kind, &lin[3], f, 4 * c, r, avx2);
+            for (Py_ssize_t r = 0; r < 3 * c; r++)
+                rows(kind, h, lin[0].w, lin[0].scale, lin[0].bias, qkv, m, c, 3 * c, r, wb, avx2, SET);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+            for (Py_ssize_t task = 0; task < m * nh; task++) {
+                Py_ssize_t i = task / nh, hd = task % nh, p = (Py_ssize_t)pos[i];
+                float *kh = kc + (i * nh + hd) * max_len * hs, *vh = vc + (i * nh + hd) * max_len * hs;
+                const float *q = qkv + i * 3 * c + hd * hs;
+                memcpy(kh + p * hs, q + c, sizeof(float) * (size_t)hs);
+                memcpy(vh + p * hs, q + 2 * c, sizeof(float) * (size_t)hs);
+#ifdef GEMV_X86
+                if (avx2)
+                    attend_avx2(q, kh, vh, p + 1, hs, scale, sc + task * tmax, y + i * c + hd * hs);
+                else
+#endif
+                    attend_plain(q, kh, vh, p + 1, hs, scale, sc + task * tmax, y + i * c + hd * hs);
+            }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+            for (Py_ssize_t r = 0; r < c; r++)
+                rows(kind, y, lin[1].w, lin[1].scale, lin[1].bias, x, m, c, c, r, wb, avx2, ADD);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+            for (Py_ssize_t i = 0; i < m; i++) layernorm(x + i * c, ln2g, ln2b, eps, h + i * c, c);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+            for (Py_ssize_t r = 0; r < 4 * c; r++)
+                rows(kind, h, lin[2].w, lin[2].scale, lin[2].bias, f, m, c, 4 * c, r, wb, avx2, GELU);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+            for (Py_ssize_t r = 0; r < c; r++)
+                rows(kind, f, lin[3].w, lin[3].scale, lin[3].bias, x, m, 4 * c, c, r, wb, avx2, ADD);
+        }
+        free(wb);
     }
     Py_END_ALLOW_THREADS
     free(buf);
+    if (failed) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
@@ -376,8 +402,8 @@ static PyMethodDef methods[] = {
     {"bf16_gemv", bf16_gemv, METH_VARARGS,
      "bf16_gemv(x, w, 0, bias, y, m, k, n, threads): y = w @ x + bias for bf16 w, data pointers (bias 0: none)"},
     {"block_step", block_step, METH_VARARGS,
-     "block_step(bf16, x, C, n_head, ln1 g, b, ln2 g, b, eps, (w, scale, bias) x 4, k cache, v cache, pos, max_len, "
-     "threads): one GPT-2 block for one token, in place on x; pointers (0: none)"},
+     "block_step(bf16, x, m, C, n_head, ln1 g, b, ln2 g, b, eps, (w, scale, bias) x 4, k cache, v cache, positions, "
+     "max_len, threads): one GPT-2 block for one token of each of m rows, in place on x; pointers (0: none)"},
     {"has_avx2", has_avx2, METH_NOARGS, "whether this CPU runs the AVX2/FMA routines"},
     {"has_openmp", has_openmp, METH_NOARGS, "whether the kernels were built with OpenMP (threads)"},
     {NULL, NULL, 0, NULL},

@@ -1,17 +1,19 @@
-"""The fused decode step: a GPT-2 block held with gpt2lab's compiled GEMV runs one new token in one call.
+"""The fused decode step: a GPT-2 block held with gpt2lab's compiled GEMV runs a new token in one call.
 
 At one row a decode step's linears read the weights once (kernels.py's ``gemv`` and ``int8-gemv``);
 what is left is ~25 small operators a block (two LayerNorms, the q/k/v split and cast, the KV-cache
 writes, attention, GELU, two residual adds), ~300 us of dispatch and Python a block on a 2-core EPYC,
-~3-4 ms a token, a fifth of the step. ``_gemv.block_step`` computes the same block for one token in
-one OpenMP region (``_gemv.c``): the same weights as held, the same fp32 activations, norms, softmax
-and KV cache; only the order of the sums differs.
+~3-4 ms a token, a fifth of the step. ``_gemv.block_step`` computes the same block for one new token
+of each row in one OpenMP region (``_gemv.c``): the same weights as held, the same fp32 activations,
+norms, softmax and KV cache; only the order of the sums differs.
 
 ``fuse_blocks`` gives every block of a held model whose structure it computes (GPT-2's: LayerNorm,
 learned positions, tanh GELU, no q/k norm, no value embeddings, its four linears held by one of those
-kernels, fp32 norms and attention) this step for the calls it covers: one row, one new token, no
-gradient, a cache already holding the prompt in fp32 (B, heads, positions, head size) buffers. Every
-other call, and every other block (the modern one), runs the model's own code.
+kernels, fp32 norms and attention) this step for the calls it covers: one new token a row, no
+gradient, a cache already holding the prompt in fp32 (slots, heads, positions, head size) buffers,
+row i in slot i at the cache's position for it (``positions``: one for all rows in a ``KVCache``, each
+its own in the server's ``RowsCache``). Every other call, and every other block (the modern one), runs
+the model's own code.
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ def fusable(block: nn.Module) -> bool:
 
 
 class FusedDecodeBlock(Block):
-    """A held ``Block`` (``fuse_blocks`` sets a fusable block's class to this one): one token of one row
-    through ``_gemv.block_step``, anything else through ``Block.forward``."""
+    """A held ``Block`` (``fuse_blocks`` sets a fusable block's class to this one): one new token a row,
+    after the prompt, through ``_gemv.block_step``; anything else through ``Block.forward``."""
 
     def _fused_args(self) -> tuple:
         a, m = self.attn, self.mlp
@@ -71,7 +73,6 @@ class FusedDecodeBlock(Block):
             k is None
             or rope is not None
             or ve is not None
-            or x.shape[0] != 1
             or x.shape[1] != 1
             or x.dtype != torch.float32
             or x.device.type != "cpu"
@@ -80,25 +81,28 @@ class FusedDecodeBlock(Block):
         ):
             return super().forward(x, kv_cache, rope, ve)
         v = kv_cache.v[self.attn.layer_idx]
-        nh, C = self.attn.n_head, x.shape[-1]
+        B, nh, C = x.shape[0], self.attn.n_head, x.shape[-1]
         if not (
             k.dtype == v.dtype == torch.float32
             and k.dim() == 4
             and k.shape == v.shape
+            and k.shape[0] >= B
             and k.shape[1] == nh
             and k.shape[3] * nh == C
-            and kv_cache.pos < k.shape[2]
+            and kv_cache.pos < k.shape[2]  # the longest row's position
             and k.is_contiguous()
             and v.is_contiguous()
         ):
             return super().forward(x, kv_cache, rope, ve)
         from gpt2lab.inference import _gemv
 
+        # each row's position: one for all (KVCache), or the row's own (the server's RowsCache)
+        pos = kv_cache.positions(1, x.device).reshape(-1).to(torch.int64).expand(B).contiguous()
         out = x.contiguous().clone()  # the caller's x is left as it was
         bf16, C, nh, g1, b1, g2, b2, eps, *lin = self._fused_args()
         _gemv.block_step(
-            bf16, out.data_ptr(), C, nh, g1, b1, g2, b2, eps, *lin, k.data_ptr(), v.data_ptr(),
-            kv_cache.pos, k.shape[2], torch.get_num_threads(),
+            bf16, out.data_ptr(), B, C, nh, g1, b1, g2, b2, eps, *lin, k.data_ptr(), v.data_ptr(), pos.data_ptr(),
+            k.shape[2], torch.get_num_threads(),
         )  # fmt: skip
         return out
 
