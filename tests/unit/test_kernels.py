@@ -333,7 +333,8 @@ AVX2 = InferenceFacts(
     packing_bf16_error="mkldnn_reorder_linear_weight: bf16 path needs the cpu support "
     "avx_ne_convert or avx512bw, avx512vl and avx512dq",
 )
-GEMV = dataclasses.replace(AVX2, gemv_error=None)  # gpt2lab's int8 GEMV compiled, AVX2 there
+GEMV = dataclasses.replace(AVX2, gemv_error=None)  # gpt2lab's compiled GEMV built, AVX2 there
+ZEN_GEMV = dataclasses.replace(ZEN, gemv_error=None)
 NO_ONEDNN = InferenceFacts("cpu", "a CPU build without oneDNN", native_bf16=False, packing=False)
 H100 = InferenceFacts("cuda", "NVIDIA H100", native_bf16=True, int8_error="no CUDA int8 weight-only kernel")
 V100 = InferenceFacts("cuda", "Tesla V100", native_bf16=False)
@@ -396,6 +397,20 @@ def _names(cands):
             ],
         ),
         (XEON, InferenceRequest(dtype="bfloat16", linear="plain"), ["bfloat16/plain", "bfloat16/decode"]),
+        (
+            GEMV,
+            InferenceRequest(),
+            [
+                "float32/plain",
+                "float32/decode",
+                "float32/packed",
+                "bfloat16/plain",
+                "bfloat16/decode",
+                "bfloat16/upcast",
+                "bfloat16/gemv",  # bf16 weights only: fp32 ones need no widening
+            ],
+        ),
+        (GEMV, InferenceRequest(dtype="bfloat16", linear="plain"), ["bfloat16/plain", "bfloat16/decode"]),
         (ZEN, InferenceRequest(quantize="int8"), ["float32/int8", "bfloat16/int8"]),
         (GEMV, InferenceRequest(quantize="int8"), ["float32/int8", "float32/int8-gemv", "bfloat16/int8"]),
         (GEMV, InferenceRequest(quantize="int8", dtype="bfloat16"), ["bfloat16/int8"]),  # it computes in fp32
@@ -441,6 +456,10 @@ def test_what_cannot_run_is_one_line_naming_the_flag(facts, request_, needle):
         (ZEN, InferenceRequest(quantize="int8"), "bfloat16/int8"),
         (XEON, InferenceRequest(quantize="int8"), "float32/int8"),
         (GEMV, InferenceRequest(quantize="int8"), "float32/int8-gemv"),
+        (GEMV, InferenceRequest(), "float32/packed"),  # no native bf16: fp32 unmeasured
+        (GEMV, InferenceRequest(dtype="bfloat16"), "bfloat16/gemv"),  # upcast's batches, a faster one row
+        (ZEN_GEMV, InferenceRequest(), "bfloat16/packed"),  # native bf16: oneDNN's packed bf16 first
+        (ZEN_GEMV, InferenceRequest(dtype="bfloat16", linear="auto"), "bfloat16/packed"),
         (H100, InferenceRequest(), "bfloat16/plain"),
         (V100, InferenceRequest(), "float16/plain"),
         (MPS, InferenceRequest(), "float32/plain"),

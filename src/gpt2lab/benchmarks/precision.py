@@ -2,8 +2,10 @@
 
 One trained model (``--model``: a run, checkpoint or HF directory) is held every way the
 inference path can hold it (inference/form.py: bf16 weights, int8 weights with fp32 or bf16
-activations, each with the kernel ``--cpu-linear`` names; the reference: fp32 weights,
-``F.linear``), and each is compared with the reference on held-out text:
+activations, each with the kernel ``--cpu-linear`` names, and where gpt2lab's compiled kernels run,
+bf16 ``gemv`` and ``int8-gemv``; the reference: fp32 weights, ``F.linear``), and each is compared with
+the reference on held-out text (greedy decoding of all prompts at once: a batch, which the compiled
+kernels' fused step runs too):
 
 * validation loss on the first ``--tokens`` tokens of ``--data``'s val split (and its difference);
 * teacher-forced top-1 agreement: on those tokens, how often the next-token argmax equals fp32's;
@@ -22,6 +24,7 @@ import torch
 from gpt2lab.distributed.dist import pick_device
 from gpt2lab.inference.choice import Candidate
 from gpt2lab.inference.form import hold
+from gpt2lab.inference.kernels import gemv_error, packing_bf16_error
 from gpt2lab.model.sampling import generate
 from gpt2lab.system.choices import LINEAR_CHOICES
 
@@ -46,15 +49,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None)
 
 
-def _ways(linear: str) -> dict[str, Candidate]:
+def _ways(linear: str, device: torch.device) -> dict[str, Candidate]:
+    """The ways compared; gpt2lab's compiled kernels (the fused step with them) where they run."""
     kernel = "plain" if linear == "plain" else "packed"
-    return {
+    # where oneDNN packs no bf16 (a CPU without AVX-512 or AVX-NE-CONVERT), bf16 weights as auto holds them
+    half = "upcast" if kernel == "packed" and device.type == "cpu" and packing_bf16_error() else kernel
+    ways = {
         "float32": Candidate("float32", "plain"),
         "float32_" + kernel: Candidate("float32", kernel),
-        "bfloat16": Candidate("bfloat16", kernel),
+        "bfloat16": Candidate("bfloat16", half),
         "int8_fp32_act": Candidate("float32", "int8"),
         "int8_bf16_act": Candidate("bfloat16", "int8"),
     }
+    if gemv_error(device) is None:
+        ways.update(bfloat16_gemv=Candidate("bfloat16", "gemv"), int8_gemv=Candidate("float32", "int8-gemv"))
+    return ways
 
 
 @torch.inference_mode()
@@ -82,7 +91,7 @@ def run(args: argparse.Namespace) -> dict:
         "ways": {},
     }
     ref_argmax = ref_greedy = None
-    for name, cand in _ways(args.cpu_linear).items():
+    for name, cand in _ways(args.cpu_linear, device).items():
         m = hold(model, cand, rows=1)
         losses, argmax = [], []
         for xs, ys in zip(x.split(1), y.split(1)):
