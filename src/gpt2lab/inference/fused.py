@@ -76,6 +76,8 @@ class FusedDecodeBlock(Block):
             or x.shape[1] != 1
             or x.dtype != torch.float32
             or x.device.type != "cpu"
+            or self.ln_1.weight.dtype != torch.float32  # the norms' parameters follow a model's .to()
+            or self.ln_2.weight.dtype != torch.float32
             or self.training
             or (torch.is_grad_enabled() and x.requires_grad)
         ):
