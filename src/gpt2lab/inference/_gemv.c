@@ -117,6 +117,27 @@ __attribute__((target("avx2,fma"))) static void dot4_f32_avx2(const float *w, co
     out[2] = hsum(a2) + dot_f32_plain(w + i, x + 2 * k + i, k - i);
     out[3] = hsum(a3) + dot_f32_plain(w + i, x + 3 * k + i, k - i);
 }
+
+/* Two widened weight rows (w, w + k) against four input rows: eight sums, each input vector loaded
+ * once for two FMAs and each weight vector once for four (dot4 alone loads five vectors for four). */
+__attribute__((target("avx2,fma"))) static void dot2x4_f32_avx2(const float *w, const float *x, Py_ssize_t k,
+                                                                 float *out) {
+    __m256 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+    Py_ssize_t i = 0;
+    for (; i + 8 <= k; i += 8) {
+        __m256 v0 = _mm256_loadu_ps(w + i), v1 = _mm256_loadu_ps(w + k + i);
+        for (int j = 0; j < 4; j++) {
+            __m256 xv = _mm256_loadu_ps(x + j * k + i);
+            a[j] = _mm256_fmadd_ps(v0, xv, a[j]);
+            a[4 + j] = _mm256_fmadd_ps(v1, xv, a[4 + j]);
+        }
+    }
+    for (int j = 0; j < 4; j++) {
+        out[j] = hsum(a[j]) + dot_f32_plain(w + i, x + j * k + i, k - i);
+        out[4 + j] = hsum(a[4 + j]) + dot_f32_plain(w + k + i, x + j * k + i, k - i);
+    }
+}
 #endif
 
 static int cpu_has_avx2(void) {
@@ -169,6 +190,38 @@ static void rows(enum held kind, const float *x, const void *wts, const float *s
     for (Py_ssize_t i = 0; i < m; i++) put(y + i * n + r, s * dot_plain(kind, wr, x + i * k, k) + b, e);
 }
 
+/* Weight rows r and r + 1 (r alone where it is the last) against every input row; buf holds two
+ * widened weight rows (2K floats) where four input rows or more share them (AVX2). */
+static void rows_pair(enum held kind, const float *x, const void *wts, const float *scale, const float *bias,
+                      float *y, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, Py_ssize_t r, float *buf, int avx2,
+                      enum epilogue e) {
+#ifdef GEMV_X86
+    if (avx2 && m >= 4 && r + 1 < n) {
+        size_t es = kind == HELD_INT8 ? 1 : 2;
+        const char *w0 = (const char *)wts + (size_t)(r * k) * es;
+        float s0 = scale ? scale[r] : 1.f, s1 = scale ? scale[r + 1] : 1.f;
+        float b0 = bias ? bias[r] : 0.f, b1 = bias ? bias[r + 1] : 0.f, eight[8];
+        Py_ssize_t i = 0;
+        widen_avx2(kind, w0, buf, k);
+        widen_avx2(kind, w0 + (size_t)k * es, buf + k, k);
+        for (; i + 4 <= m; i += 4) {
+            dot2x4_f32_avx2(buf, x + i * k, k, eight);
+            for (int j = 0; j < 4; j++) {
+                put(y + (i + j) * n + r, s0 * eight[j] + b0, e);
+                put(y + (i + j) * n + r + 1, s1 * eight[4 + j] + b1, e);
+            }
+        }
+        if (i < m) { /* the input rows left, one at a time */
+            rows(kind, x + i * k, wts, scale, bias, y + i * n, m - i, k, n, r, buf, avx2, e);
+            rows(kind, x + i * k, wts, scale, bias, y + i * n, m - i, k, n, r + 1, buf, avx2, e);
+        }
+        return;
+    }
+#endif
+    rows(kind, x, wts, scale, bias, y, m, k, n, r, buf, avx2, e);
+    if (r + 1 < n) rows(kind, x, wts, scale, bias, y, m, k, n, r + 1, buf, avx2, e);
+}
+
 static PyObject *gemv(enum held kind, PyObject *args) {
     unsigned long long xp, wp, sp, bp, yp;
     Py_ssize_t m, k, n;
@@ -188,7 +241,7 @@ static PyObject *gemv(enum held kind, PyObject *args) {
 #pragma omp parallel num_threads(threads)
 #endif
     {
-        float *buf = need ? (float *)malloc((size_t)k * sizeof(float)) : NULL;
+        float *buf = need ? (float *)malloc((size_t)(2 * k) * sizeof(float)) : NULL;
         if (need && !buf) {
 #ifdef _OPENMP
 #pragma omp atomic write
@@ -198,8 +251,8 @@ static PyObject *gemv(enum held kind, PyObject *args) {
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-        for (Py_ssize_t r = 0; r < n; r++)
-            if (buf || !need) rows(kind, x, w, scale, bias, y, m, k, n, r, buf, avx2, SET);
+        for (Py_ssize_t r = 0; r < n; r += 2)
+            if (buf || !need) rows_pair(kind, x, w, scale, bias, y, m, k, n, r, buf, avx2, SET);
         free(buf);
     }
     Py_END_ALLOW_THREADS
@@ -318,7 +371,7 @@ static PyObject *block_step(PyObject *self, PyObject *args) {
 #pragma omp parallel num_threads(threads)
 #endif
     {
-        float *wb = need ? (float *)malloc(sizeof(float) * (size_t)(4 * c)) : NULL; /* a widened weight row */
+        float *wb = need ? (float *)malloc(sizeof(float) * (size_t)(8 * c)) : NULL; /* two widened weight rows */
         if (need && !wb) {
 #ifdef _OPENMP
 #pragma omp atomic write
@@ -336,8 +389,8 @@ static PyObject *block_step(PyObject *self, PyObject *args) {
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-            for (Py_ssize_t r = 0; r < 3 * c; r++)
-                rows(kind, h, lin[0].w, lin[0].scale, lin[0].bias, qkv, m, c, 3 * c, r, wb, avx2, SET);
+            for (Py_ssize_t r = 0; r < 3 * c; r += 2)
+                rows_pair(kind, h, lin[0].w, lin[0].scale, lin[0].bias, qkv, m, c, 3 * c, r, wb, avx2, SET);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
@@ -357,8 +410,8 @@ static PyObject *block_step(PyObject *self, PyObject *args) {
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-            for (Py_ssize_t r = 0; r < c; r++)
-                rows(kind, y, lin[1].w, lin[1].scale, lin[1].bias, x, m, c, c, r, wb, avx2, ADD);
+            for (Py_ssize_t r = 0; r < c; r += 2)
+                rows_pair(kind, y, lin[1].w, lin[1].scale, lin[1].bias, x, m, c, c, r, wb, avx2, ADD);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
@@ -366,13 +419,13 @@ static PyObject *block_step(PyObject *self, PyObject *args) {
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-            for (Py_ssize_t r = 0; r < 4 * c; r++)
-                rows(kind, h, lin[2].w, lin[2].scale, lin[2].bias, f, m, c, 4 * c, r, wb, avx2, GELU);
+            for (Py_ssize_t r = 0; r < 4 * c; r += 2)
+                rows_pair(kind, h, lin[2].w, lin[2].scale, lin[2].bias, f, m, c, 4 * c, r, wb, avx2, GELU);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-            for (Py_ssize_t r = 0; r < c; r++)
-                rows(kind, f, lin[3].w, lin[3].scale, lin[3].bias, x, m, 4 * c, c, r, wb, avx2, ADD);
+            for (Py_ssize_t r = 0; r < c; r += 2)
+                rows_pair(kind, f, lin[3].w, lin[3].scale, lin[3].bias, x, m, 4 * c, c, r, wb, avx2, ADD);
         }
         free(wb);
     }
