@@ -222,6 +222,22 @@ static void rows_pair(enum held kind, const float *x, const void *wts, const flo
     if (r + 1 < n) rows(kind, x, wts, scale, bias, y, m, k, n, r + 1, buf, avx2, e);
 }
 
+struct linear {
+    const void *w;      /* (n, k) int8 or bf16, row-major */
+    const float *scale; /* int8: one a row; bf16: NULL */
+    const float *bias;  /* NULL: none */
+};
+
+/* The threads of the enclosing OpenMP region share the weight rows of one linear, two at a time:
+ * out[i, r] for every input row i < m (an orphaned worksharing loop: called from inside the region). */
+static void linear_rows(enum held kind, const struct linear *l, const float *in, float *out, Py_ssize_t m,
+                        Py_ssize_t k, Py_ssize_t n, float *wb, int avx2, enum epilogue e) {
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (Py_ssize_t r = 0; r < n; r += 2) rows_pair(kind, in, l->w, l->scale, l->bias, out, m, k, n, r, wb, avx2, e);
+}
+
 static PyObject *gemv(enum held kind, PyObject *args) {
     unsigned long long xp, wp, sp, bp, yp;
     Py_ssize_t m, k, n;
@@ -231,9 +247,8 @@ static PyObject *gemv(enum held kind, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "gemv: m, k, n and threads must be positive");
         return NULL;
     }
-    const float *x = (const float *)(uintptr_t)xp, *scale = (const float *)(uintptr_t)sp;
-    const float *bias = (const float *)(uintptr_t)bp;
-    const void *w = (const void *)(uintptr_t)wp;
+    struct linear l = {(const void *)(uintptr_t)wp, (const float *)(uintptr_t)sp, (const float *)(uintptr_t)bp};
+    const float *x = (const float *)(uintptr_t)xp;
     float *y = (float *)(uintptr_t)yp;
     int avx2 = cpu_has_avx2(), failed = 0, need = avx2 && m >= 4;
     Py_BEGIN_ALLOW_THREADS
@@ -241,7 +256,7 @@ static PyObject *gemv(enum held kind, PyObject *args) {
 #pragma omp parallel num_threads(threads)
 #endif
     {
-        float *buf = need ? (float *)malloc((size_t)(2 * k) * sizeof(float)) : NULL;
+        float *buf = need ? (float *)malloc((size_t)(2 * k) * sizeof(float)) : NULL; /* two widened weight rows */
         if (need && !buf) {
 #ifdef _OPENMP
 #pragma omp atomic write
@@ -249,10 +264,9 @@ static PyObject *gemv(enum held kind, PyObject *args) {
             failed = 1;
         }
 #ifdef _OPENMP
-#pragma omp for schedule(static)
+#pragma omp barrier
 #endif
-        for (Py_ssize_t r = 0; r < n; r += 2)
-            if (buf || !need) rows_pair(kind, x, w, scale, bias, y, m, k, n, r, buf, avx2, SET);
+        if (!failed) linear_rows(kind, &l, x, y, m, k, n, buf, avx2, SET);
         free(buf);
     }
     Py_END_ALLOW_THREADS
@@ -270,12 +284,6 @@ static PyObject *gemv(enum held kind, PyObject *args) {
  * OpenMP region runs it all: the threads share each linear's weight rows (each read once for every
  * row of x) and the (row, head) pairs, with a barrier between the phases, so a block costs one call
  * from Python where the operators one by one cost ~25 calls and ~300 us. */
-
-struct linear {
-    const void *w;      /* (n, k) int8 or bf16, row-major */
-    const float *scale; /* int8: one a row; bf16: NULL */
-    const float *bias;  /* NULL: none */
-};
 
 static void layernorm(const float *x, const float *g, const float *b, float eps, float *out, Py_ssize_t c) {
     double mean = 0., var = 0.;
@@ -386,11 +394,7 @@ static PyObject *block_step(PyObject *self, PyObject *args) {
 #pragma omp for schedule(static)
 #endif
             for (Py_ssize_t i = 0; i < m; i++) layernorm(x + i * c, ln1g, ln1b, eps, h + i * c, c);
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-            for (Py_ssize_t r = 0; r < 3 * c; r += 2)
-                rows_pair(kind, h, lin[0].w, lin[0].scale, lin[0].bias, qkv, m, c, 3 * c, r, wb, avx2, SET);
+            linear_rows(kind, &lin[0], h, qkv, m, c, 3 * c, wb, avx2, SET);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
@@ -407,25 +411,13 @@ static PyObject *block_step(PyObject *self, PyObject *args) {
 #endif
                     attend_plain(q, kh, vh, p + 1, hs, scale, sc + task * tmax, y + i * c + hd * hs);
             }
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-            for (Py_ssize_t r = 0; r < c; r += 2)
-                rows_pair(kind, y, lin[1].w, lin[1].scale, lin[1].bias, x, m, c, c, r, wb, avx2, ADD);
+            linear_rows(kind, &lin[1], y, x, m, c, c, wb, avx2, ADD);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
             for (Py_ssize_t i = 0; i < m; i++) layernorm(x + i * c, ln2g, ln2b, eps, h + i * c, c);
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-            for (Py_ssize_t r = 0; r < 4 * c; r += 2)
-                rows_pair(kind, h, lin[2].w, lin[2].scale, lin[2].bias, f, m, c, 4 * c, r, wb, avx2, GELU);
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-            for (Py_ssize_t r = 0; r < c; r += 2)
-                rows_pair(kind, f, lin[3].w, lin[3].scale, lin[3].bias, x, m, 4 * c, c, r, wb, avx2, ADD);
+            linear_rows(kind, &lin[2], h, f, m, c, 4 * c, wb, avx2, GELU);
+            linear_rows(kind, &lin[3], f, x, m, 4 * c, c, wb, avx2, ADD);
         }
         free(wb);
     }

@@ -9,8 +9,9 @@ form (kernels.py):
 
 * the candidates are the (compute dtype, kernel) pairs the device can run and the request
   allows (``candidates``): on a CPU fp32 and bf16, each with the plain, column-major and
-  oneDNN-packed linears; int8 weights with fp32 or bf16 activations under ``--quantize int8``
-  (PyTorch's int8 kernel; with fp32 ones gpt2lab's compiled GEMV too, where it was built);
+  oneDNN-packed linears, bf16 also upcast and, where gpt2lab's compiled GEMV runs, ``gemv``;
+  int8 weights with fp32 or bf16 activations under ``--quantize int8`` (PyTorch's int8 kernel;
+  with fp32 ones gpt2lab's compiled GEMV too, where it was built);
   on a GPU fp32 and bf16 (fp16 without bf16); on MPS fp32 and fp16;
 * ``choose`` decides in two steps. The **dtype** is one per model and machine, whatever the
   workload (``choose_dtype``): the dtype whose best kernel serves the reference request cheapest,
