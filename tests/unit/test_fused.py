@@ -1,6 +1,6 @@
-"""inference/fused.py: the fused decode step (``_gemv.block_step``) against the model's own block on the same
-held weights, through both caches the model decodes with (KVCache, the server's RowsCache), and the calls
-it must leave to the model's code."""
+"""inference/fused.py: the fused decode step, whole (``_gemv.model_step``) and block by block
+(``_gemv.block_step``), against the model's own code on the same held weights, through both caches the
+model decodes with (KVCache, the server's RowsCache), and the calls it must leave to the model's code."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from conftest import tiny_gpt
 
 from gpt2lab.inference.choice import Candidate
 from gpt2lab.inference.form import hold
-from gpt2lab.inference.fused import FusedDecodeBlock, fusable
+from gpt2lab.inference.fused import FusedDecodeBlock, FusedDecodeGPT, fusable
 from gpt2lab.inference.kernels import gemv_error
-from gpt2lab.model.gpt import Block
+from gpt2lab.model.gpt import GPT, Block
 from gpt2lab.serve.batch import RowsCache
 
 WHY_NOT = gemv_error(torch.device("cpu"))
@@ -24,42 +24,65 @@ CANDS = [Candidate("float32", "int8-gemv"), Candidate("bfloat16", "gemv")]
 
 @pytest.fixture
 def counted(monkeypatch):
-    """The number of fused block calls made while the test runs."""
+    """The fused calls that did their work while the test runs: {"model_step": [...], "block_step": [...]}
+    (model_step returns False, having done nothing, for an id or a position outside its table)."""
     from gpt2lab.inference import _gemv
 
-    calls = []
-    step = _gemv.block_step
-    monkeypatch.setattr(_gemv, "block_step", lambda *a: (calls.append(a), step(*a))[1])
+    calls = {"model_step": [], "block_step": []}
+
+    def spy(fn, seen):
+        def call(*a):
+            done = fn(*a)
+            if done is not False:
+                seen.append(a)
+            return done
+
+        return call
+
+    for name, seen in calls.items():
+        monkeypatch.setattr(_gemv, name, spy(getattr(_gemv, name), seen))
     return calls
 
 
+def _blocks_only(model):
+    """The same held model stepping block by block (the model's class swap undone, the blocks' kept)."""
+    if isinstance(model, FusedDecodeGPT):
+        model.__class__ = GPT
+    return model
+
+
 def _unfused(model):
-    """The same held model with its blocks' own forward (the class swap undone)."""
+    """The same held model with its own forward everywhere (every class swap undone)."""
     for m in model.modules():
         if isinstance(m, FusedDecodeBlock):
             m.__class__ = Block
-    return model
+    return _blocks_only(model)
 
 
 @pytest.mark.parametrize("cand", CANDS, ids=str)
 @pytest.mark.parametrize("shape", [dict(n_head=2, n_embd=32), dict(n_head=3, n_embd=36, bias=False)], ids=["32", "36"])
 @pytest.mark.parametrize("rows", [1, 6])  # six: a group of four rows through each widened weight row, two left
-def test_one_token_fused_equals_the_blocks_own_forward_with_the_same_cache(cand, shape, rows, counted):
-    """Logits and the KV cache after several one-token steps, fused against unfused, from the same prompt
-    (36 wide: heads of 12, not a multiple of 8; no biases)."""
+@pytest.mark.parametrize("way", ["whole", "blocks"])
+def test_one_token_fused_equals_the_models_own_forward_with_the_same_cache(cand, shape, rows, way, counted):
+    """Logits and the KV cache after several one-token steps, fused (the whole step, or block by block)
+    against unfused, from the same prompt (36 wide: heads of 12, not a multiple of 8; no biases). The
+    whole step takes the head where its kernel would take those rows alone (int8: any; bf16: one row)."""
     model = tiny_gpt(seed=5, vocab_size=97, block_size=40, **shape)
     idx = torch.randint(0, 97, (rows, 30), generator=torch.Generator().manual_seed(3))
     outs, caches = [], []
     for fused in (True, False):
         ready = hold(model, cand)
-        if not fused:
-            _unfused(ready)
+        assert isinstance(ready, FusedDecodeGPT)
+        (_blocks_only if way == "blocks" else lambda m: m)(ready) if fused else _unfused(ready)
         cache = ready.new_kv_cache(40)
         with torch.inference_mode():
             ready(idx[:, :9], kv_cache=cache)
             outs.append(torch.cat([ready(idx[:, t : t + 1], kv_cache=cache)[0] for t in range(9, 30)], dim=1))
         caches.append(cache)
-    assert len(counted) == 21 * model.config.n_layer
+    if way == "whole":
+        assert len(counted["model_step"]) == 21 and counted["block_step"] == []
+    else:
+        assert len(counted["block_step"]) == 21 * model.config.n_layer and counted["model_step"] == []
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
     for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
         torch.testing.assert_close(a[:, :, :30], b[:, :, :30], rtol=1e-5, atol=1e-5)
@@ -79,11 +102,11 @@ def test_the_servers_rows_each_at_its_own_position(cand, counted):
             cache = ready.new_kv_cache(40)
             ready(idx[slot : slot + 1, :n], kv_cache=cache)
             rows.put(slot, cache, capacity=2)
-        assert counted == []  # the prompts: the model's code
+        assert counted == {"model_step": [], "block_step": []}  # the prompts: the model's code
         both, _ = ready(torch.stack([idx[0, 7:8], idx[1, 10:11]]), kv_cache=rows.view(torch.device("cpu")))
         rows.remove(1)
         alone, _ = ready(idx[:1, 8:9], kv_cache=rows.view(torch.device("cpu")))
-    assert len(counted) == 2 * model.config.n_layer
+    assert len(counted["model_step"]) == 2
     torch.testing.assert_close(both[:, 0], torch.stack([whole[0, 7], whole[1, 10]]), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(alone[0, 0], whole[0, 8], rtol=1e-4, atol=1e-4)
 
@@ -99,7 +122,8 @@ def test_what_it_leaves_to_the_model(counted):
     cache = ready.new_kv_cache(20)
     with torch.no_grad():
         ready(torch.tensor([[1, 2, 3]]), kv_cache=cache)  # the prompt
-    assert counted == []
+    assert counted == {"model_step": [], "block_step": []}
+    counted = counted["block_step"]
     x = torch.randn(1, 1, 32, requires_grad=True)
     y = block(x, cache)  # gradient wanted: the model's code, which autograd follows
     y.sum().backward()
@@ -116,3 +140,69 @@ def test_what_it_leaves_to_the_model(counted):
         with contextlib.suppress(RuntimeError):  # which may refuse the mix of dtypes; the kernel would misread it
             block(x.detach(), cache)
         assert len(counted) == 1
+
+
+def test_what_the_whole_step_leaves_to_the_model(counted):
+    """The whole step only where the model's structure and the call are what model_step computes; every
+    other call runs GPT.forward (which says what is wrong with a bad one), with the same logits."""
+    assert not isinstance(hold(tiny_gpt(seed=1, logit_softcap=30.0), CANDS[0]), FusedDecodeGPT)  # blocks only
+    ready = hold(tiny_gpt(seed=2, vocab_size=97, block_size=16), CANDS[0])
+    steps = counted["model_step"]
+    cache = ready.new_kv_cache(16)
+    tok = torch.tensor([[5]])
+    with torch.no_grad():
+        ready(torch.tensor([[1, 2, 3]]), kv_cache=cache)  # the prompt
+        assert steps == []
+        want, _ = ready(tok, kv_cache=cache)
+        assert len(steps) == 1 and cache.pos == 4
+        cache.pos = 3
+        for call in (
+            lambda: ready(tok, kv_cache=cache, targets=torch.tensor([[7]])),  # a loss wanted
+            lambda: ready(tok, kv_cache=cache, positions=torch.tensor([0])),
+            lambda: ready(tok.int(), kv_cache=cache),  # int32 ids: the embedding takes them, the kernel does not
+        ):
+            got, _ = call()
+            cache.pos = 3
+            torch.testing.assert_close(got.reshape(-1), want.reshape(-1), rtol=1e-5, atol=1e-5)
+        ready.train()
+        ready(tok, kv_cache=cache)
+        ready.eval()
+        cache.pos = 3
+        with pytest.raises(IndexError):  # an id outside the vocabulary: the embedding's own error
+            ready(torch.tensor([[97]]), kv_cache=cache)
+        cache.pos = 16
+        with pytest.raises(ValueError, match="block_size"):  # past the model's positions
+            ready(tok, kv_cache=cache)
+        cache.pos = 3
+        ready.transformer.ln_f.double()  # the final norm cast after holding: the model's code
+        with contextlib.suppress(RuntimeError):
+            ready(tok, kv_cache=cache)
+    assert len(steps) == 1
+    cache.pos = 3
+    ready.transformer.ln_f.float()
+    with torch.enable_grad():  # an embedding that wants gradients, with grad on: the model's code for autograd
+        ready.transformer.wte.weight.requires_grad_(True)
+        got, _ = ready(tok, kv_cache=cache)
+    assert len(steps) == 1
+    torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cand", CANDS, ids=str)
+def test_gelu_and_softmax_far_from_zero(cand, counted):
+    """The kernel's own exp (GELU, softmax) over wide inputs: fc pre-activations of tens (GELU's tails, where
+    it is 0 or the input) and attention scores spread over tens, fused against unfused."""
+    model = tiny_gpt(seed=8, vocab_size=97, block_size=40)
+    with torch.no_grad():
+        for b in model.transformer.h:
+            b.mlp.c_fc.weight.mul_(40.0)
+            b.attn.c_attn.weight[: model.config.n_embd].mul_(30.0)  # the queries: scores of tens
+    idx = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(9))
+    outs = []
+    for ready in (hold(model, cand), _unfused(hold(model, cand))):
+        cache = ready.new_kv_cache(40)
+        with torch.inference_mode():
+            ready(idx[:, :9], kv_cache=cache)
+            outs.append(torch.cat([ready(idx[:, t : t + 1], kv_cache=cache)[0] for t in range(9, 30)], dim=1))
+    assert len(counted["model_step"]) == 21
+    scale = outs[1].abs().max()
+    torch.testing.assert_close(outs[0] / scale, outs[1] / scale, rtol=0, atol=2e-6)

@@ -149,19 +149,72 @@ static int cpu_has_avx2(void) {
 #endif
 }
 
-/* What a row's result does to its place in y: set it, add to it (a residual), or set its GELU. */
-enum epilogue { SET, ADD, GELU };
-
-static inline float gelu_tanh(float v) {
-    const float k = 0.7978845608028654f; /* sqrt(2 / pi) */
-    return 0.5f * v * (1.f + tanhf(k * (v + 0.044715f * v * v * v)));
-}
+/* What a row's result does to its place in y: set it, or add to it (a residual). */
+enum epilogue { SET, ADD };
 
 static inline void put(float *p, float v, enum epilogue e) {
     if (e == ADD)
         *p += v;
     else
-        *p = e == GELU ? gelu_tanh(v) : v;
+        *p = v;
+}
+
+/* GELU (tanh form): 0.5 v (1 + tanh(u)) with u = sqrt(2/pi) (v + 0.044715 v^3), written v / (1 + exp(-2u)). */
+#define GELU_K 0.7978845608028654f /* sqrt(2 / pi) */
+
+static inline float gelu_tanh(float v) { return 0.5f * v * (1.f + tanhf(GELU_K * (v + 0.044715f * v * v * v))); }
+
+#ifdef GEMV_X86
+/* exp of eight floats: x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts), e^r by its degree-6 Taylor-like
+ * minimax polynomial (Cephes' expf coefficients, ~1 ulp), times 2^n built in the exponent bits. x is
+ * clamped to [-87, 88], where every result is a normal float (e^-87 ~ 1.6e-38: a softmax or a GELU
+ * treats it as the 0 it rounds to in the sums). */
+__attribute__((target("avx2,fma"))) static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+__attribute__((target("avx2,fma"))) static void gelu_avx2(float *v, Py_ssize_t n) {
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(v + i);
+        __m256 u = _mm256_mul_ps(_mm256_set1_ps(GELU_K),
+                                 _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), x), _mm256_mul_ps(x, x), x));
+        __m256 d = _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_mul_ps(_mm256_set1_ps(-2.f), u)));
+        _mm256_storeu_ps(v + i, _mm256_div_ps(x, d));
+    }
+    for (; i < n; i++) v[i] = gelu_tanh(v[i]);
+}
+#endif
+
+/* GELU in place on n floats, shared among the threads of the enclosing region (a worksharing loop). */
+static void gelu_shared(float *v, Py_ssize_t n, int avx2) {
+    const Py_ssize_t chunk = 256;
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (Py_ssize_t s = 0; s < n; s += chunk) {
+        Py_ssize_t e = s + chunk < n ? s + chunk : n;
+#ifdef GEMV_X86
+        if (avx2) {
+            gelu_avx2(v + s, e - s);
+            continue;
+        }
+#endif
+        for (Py_ssize_t i = s; i < e; i++) v[i] = gelu_tanh(v[i]);
+    }
 }
 
 /* Weight row r against every input row: y[i, r] for i < m; buf is this thread's K-float buffer
@@ -308,7 +361,15 @@ __attribute__((target("avx2,fma"))) static void attend_avx2(const float *q, cons
         sc[j] = (hsum(a) + dot_f32_plain(q + d, kj + d, hs - d)) * scale;
         if (sc[j] > top) top = sc[j];
     }
-    for (Py_ssize_t j = 0; j < t; j++) sum += (sc[j] = expf(sc[j] - top));
+    Py_ssize_t j = 0;
+    __m256 acc = _mm256_setzero_ps();
+    for (; j + 8 <= t; j += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), _mm256_set1_ps(top)));
+        _mm256_storeu_ps(sc + j, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    sum = hsum(acc);
+    for (; j < t; j++) sum += (sc[j] = expf(sc[j] - top));
     for (Py_ssize_t d = 0; d < hs; d++) out[d] = 0.f;
     for (Py_ssize_t j = 0; j < t; j++) {
         const float *vj = vc + j * hs;
@@ -334,6 +395,96 @@ static void attend_plain(const float *q, const float *kc, const float *vc, Py_ss
         for (Py_ssize_t d = 0; d < hs; d++) out[d] += sc[j] / sum * vc[j * hs + d];
 }
 
+/* One block's weights and cache: the norms, the four linears (q/k/v, output, fc, projection) and the
+ * layer's key and value buffers (slots, heads, max_len, head size). */
+struct block {
+    const float *ln1g, *ln1b, *ln2g, *ln2b;
+    struct linear lin[4];
+    float *kc, *vc;
+};
+
+/* Scratch for m rows: a norm's output (C); qkv (3C); the heads' output (C); the MLP's hidden (4C); the
+ * scores of each (row, head) for up to tmax keys. */
+struct scratch {
+    float *h, *qkv, *y, *f, *sc;
+};
+
+static float *scratch_alloc(struct scratch *s, Py_ssize_t m, Py_ssize_t c, Py_ssize_t nh, Py_ssize_t tmax) {
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(m * (9 * c + nh * tmax)));
+    if (buf) {
+        s->h = buf;
+        s->qkv = s->h + m * c;
+        s->y = s->qkv + m * 3 * c;
+        s->f = s->y + m * c;
+        s->sc = s->f + m * 4 * c;
+    }
+    return buf;
+}
+
+/* The block on x, run by every thread of the enclosing OpenMP region (worksharing loops, each ending
+ * in a barrier); wb: this thread's two widened weight rows (8C floats) where m >= 4 (AVX2). */
+static void block_body(enum held kind, const struct block *bl, float *x, Py_ssize_t m, Py_ssize_t c, Py_ssize_t nh,
+                       float eps, const int64_t *pos, Py_ssize_t max_len, Py_ssize_t tmax, const struct scratch *s,
+                       float *wb, int avx2) {
+    Py_ssize_t hs = c / nh;
+    float scale = 1.f / sqrtf((float)hs);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (Py_ssize_t i = 0; i < m; i++) layernorm(x + i * c, bl->ln1g, bl->ln1b, eps, s->h + i * c, c);
+    linear_rows(kind, &bl->lin[0], s->h, s->qkv, m, c, 3 * c, wb, avx2, SET);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (Py_ssize_t task = 0; task < m * nh; task++) {
+        Py_ssize_t i = task / nh, hd = task % nh, p = (Py_ssize_t)pos[i];
+        float *kh = bl->kc + (i * nh + hd) * max_len * hs, *vh = bl->vc + (i * nh + hd) * max_len * hs;
+        const float *q = s->qkv + i * 3 * c + hd * hs;
+        memcpy(kh + p * hs, q + c, sizeof(float) * (size_t)hs);
+        memcpy(vh + p * hs, q + 2 * c, sizeof(float) * (size_t)hs);
+#ifdef GEMV_X86
+        if (avx2)
+            attend_avx2(q, kh, vh, p + 1, hs, scale, s->sc + task * tmax, s->y + i * c + hd * hs);
+        else
+#endif
+            attend_plain(q, kh, vh, p + 1, hs, scale, s->sc + task * tmax, s->y + i * c + hd * hs);
+    }
+    linear_rows(kind, &bl->lin[1], s->y, x, m, c, c, wb, avx2, ADD);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (Py_ssize_t i = 0; i < m; i++) layernorm(x + i * c, bl->ln2g, bl->ln2b, eps, s->h + i * c, c);
+    linear_rows(kind, &bl->lin[2], s->h, s->f, m, c, 4 * c, wb, avx2, SET);
+    gelu_shared(s->f, m * 4 * c, avx2);
+    linear_rows(kind, &bl->lin[3], s->f, x, m, 4 * c, c, wb, avx2, ADD);
+}
+
+/* This thread's two widened weight rows (8C floats covers the widest input, 4C), where m >= 4 (AVX2);
+ * on failure sets *failed; every thread then meets at a barrier, so all see it before any work. */
+static float *thread_rows(int need, Py_ssize_t c, int *failed) {
+    float *wb = need ? (float *)malloc(sizeof(float) * (size_t)(8 * c)) : NULL;
+    if (need && !wb) {
+#ifdef _OPENMP
+#pragma omp atomic write
+#endif
+        *failed = 1;
+    }
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+    return wb;
+}
+
+/* The longest row's key count (position + 1), or -1 where a position is outside [0, limit). */
+static Py_ssize_t keys_needed(const int64_t *pos, Py_ssize_t m, Py_ssize_t limit) {
+    Py_ssize_t tmax = 0;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (pos[i] < 0 || pos[i] >= limit) return -1;
+        if (pos[i] + 1 > tmax) tmax = pos[i] + 1;
+    }
+    return tmax;
+}
+
 static PyObject *block_step(PyObject *self, PyObject *args) {
     int bf16, threads;
     unsigned long long xp, g1, b1, g2, b2, lw[4], ls[4], lb[4], kp, vp, pp;
@@ -343,88 +494,136 @@ static PyObject *block_step(PyObject *self, PyObject *args) {
                           &eps, &lw[0], &ls[0], &lb[0], &lw[1], &ls[1], &lb[1], &lw[2], &ls[2], &lb[2], &lw[3],
                           &ls[3], &lb[3], &kp, &vp, &pp, &max_len, &threads))
         return NULL;
-    const int64_t *pos = (const int64_t *)(uintptr_t)pp;
-    Py_ssize_t tmax = 0;
-    for (Py_ssize_t i = 0; i < m; i++) {
-        if (pos[i] < 0 || pos[i] >= max_len) {
-            PyErr_SetString(PyExc_ValueError, "block_step: a position outside the cache");
-            return NULL;
-        }
-        if (pos[i] + 1 > tmax) tmax = pos[i] + 1;
-    }
     if (m < 1 || c < 1 || nh < 1 || c % nh || threads < 1) {
         PyErr_SetString(PyExc_ValueError, "block_step: bad rows, width, heads or threads");
         return NULL;
     }
-    enum held kind = bf16 ? HELD_BF16 : HELD_INT8;
-    struct linear lin[4];
-    for (int i = 0; i < 4; i++) {
-        lin[i].w = (const void *)(uintptr_t)lw[i];
-        lin[i].scale = (const float *)(uintptr_t)ls[i];
-        lin[i].bias = (const float *)(uintptr_t)lb[i];
+    const int64_t *pos = (const int64_t *)(uintptr_t)pp;
+    Py_ssize_t tmax = keys_needed(pos, m, max_len);
+    if (tmax < 0) {
+        PyErr_SetString(PyExc_ValueError, "block_step: a position outside the cache");
+        return NULL;
     }
-    float *x = (float *)(uintptr_t)xp, *kc = (float *)(uintptr_t)kp, *vc = (float *)(uintptr_t)vp;
-    const float *ln1g = (const float *)(uintptr_t)g1, *ln1b = (const float *)(uintptr_t)b1;
-    const float *ln2g = (const float *)(uintptr_t)g2, *ln2b = (const float *)(uintptr_t)b2;
-    Py_ssize_t hs = c / nh;
-    /* Per row: h, a norm's output (C); qkv (3C); y, the heads' output (C); f, the MLP's hidden (4C);
-     * then the scores of each (row, head). */
-    float *buf = (float *)malloc(sizeof(float) * (size_t)(m * (9 * c + nh * tmax)));
+    enum held kind = bf16 ? HELD_BF16 : HELD_INT8;
+    struct block bl = {(const float *)(uintptr_t)g1, (const float *)(uintptr_t)b1, (const float *)(uintptr_t)g2,
+                       (const float *)(uintptr_t)b2};
+    for (int i = 0; i < 4; i++)
+        bl.lin[i] = (struct linear){(const void *)(uintptr_t)lw[i], (const float *)(uintptr_t)ls[i],
+                                    (const float *)(uintptr_t)lb[i]};
+    bl.kc = (float *)(uintptr_t)kp;
+    bl.vc = (float *)(uintptr_t)vp;
+    float *x = (float *)(uintptr_t)xp;
+    struct scratch s;
+    float *buf = scratch_alloc(&s, m, c, nh, tmax);
     if (!buf) return PyErr_NoMemory();
-    float *h = buf, *qkv = h + m * c, *y = qkv + m * 3 * c, *f = y + m * c, *sc = f + m * 4 * c;
-    float scale = 1.f / sqrtf((float)hs);
     int avx2 = cpu_has_avx2(), failed = 0, need = avx2 && m >= 4;
     Py_BEGIN_ALLOW_THREADS
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
 #endif
     {
-        float *wb = need ? (float *)malloc(sizeof(float) * (size_t)(8 * c)) : NULL; /* two widened weight rows */
-        if (need && !wb) {
-#ifdef _OPENMP
-#pragma omp atomic write
-#endif
-            failed = 1;
-        }
-#ifdef _OPENMP
-#pragma omp barrier
-#endif
-        if (!failed) {
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-            for (Py_ssize_t i = 0; i < m; i++) layernorm(x + i * c, ln1g, ln1b, eps, h + i * c, c);
-            linear_rows(kind, &lin[0], h, qkv, m, c, 3 * c, wb, avx2, SET);
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-            for (Py_ssize_t task = 0; task < m * nh; task++) {
-                Py_ssize_t i = task / nh, hd = task % nh, p = (Py_ssize_t)pos[i];
-                float *kh = kc + (i * nh + hd) * max_len * hs, *vh = vc + (i * nh + hd) * max_len * hs;
-                const float *q = qkv + i * 3 * c + hd * hs;
-                memcpy(kh + p * hs, q + c, sizeof(float) * (size_t)hs);
-                memcpy(vh + p * hs, q + 2 * c, sizeof(float) * (size_t)hs);
-#ifdef GEMV_X86
-                if (avx2)
-                    attend_avx2(q, kh, vh, p + 1, hs, scale, sc + task * tmax, y + i * c + hd * hs);
-                else
-#endif
-                    attend_plain(q, kh, vh, p + 1, hs, scale, sc + task * tmax, y + i * c + hd * hs);
-            }
-            linear_rows(kind, &lin[1], y, x, m, c, c, wb, avx2, ADD);
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-            for (Py_ssize_t i = 0; i < m; i++) layernorm(x + i * c, ln2g, ln2b, eps, h + i * c, c);
-            linear_rows(kind, &lin[2], h, f, m, c, 4 * c, wb, avx2, GELU);
-            linear_rows(kind, &lin[3], f, x, m, 4 * c, c, wb, avx2, ADD);
-        }
+        float *wb = thread_rows(need, c, &failed);
+        if (!failed) block_body(kind, &bl, x, m, c, nh, eps, pos, max_len, tmax, &s, wb, avx2);
         free(wb);
     }
     Py_END_ALLOW_THREADS
     free(buf);
     if (failed) return PyErr_NoMemory();
     Py_RETURN_NONE;
+}
+
+/* ---- A whole decode step of a GPT-2 model for one new token of each of m rows ----
+ *
+ * The token's embedding plus its position's, every block as block_body computes it, the final
+ * LayerNorm and, where a head is given, the vocabulary projection: one OpenMP region a token, so the
+ * threads wake once where block by block they wake 13 times and Python runs between them. The layers'
+ * pointers come in one int64 array, LAYER_FIELDS a layer (the order fused.py writes). Returns False,
+ * having done nothing, where a token id or a position is outside its table (the caller then runs the
+ * model's own code, which says so). */
+#define LAYER_FIELDS 18
+
+static PyObject *model_step(PyObject *self, PyObject *args) {
+    int bf16, head_bf16, threads;
+    unsigned long long idp, wtep, wpep, tp, pp, op, gfp, bfp, hwp, hsp, hbp;
+    Py_ssize_t m, c, nh, n_layer, vocab, n_pos, max_len, pos0, n_out;
+    float eps, eps_f;
+    if (!PyArg_ParseTuple(args, "pnnnnKKKnnKnKnKfKKfpKKKni", &bf16, &m, &c, &nh, &n_layer, &idp, &wtep, &wpep,
+                          &vocab, &n_pos, &tp, &max_len, &pp, &pos0, &op, &eps, &gfp, &bfp, &eps_f, &head_bf16, &hwp,
+                          &hsp, &hbp, &n_out, &threads))
+        return NULL;
+    if (m < 1 || c < 1 || nh < 1 || c % nh || n_layer < 1 || threads < 1 || vocab < 1 || n_pos < 1 || n_out < 1) {
+        PyErr_SetString(PyExc_ValueError, "model_step: bad rows, width, heads, layers, tables or threads");
+        return NULL;
+    }
+    const int64_t *ids = (const int64_t *)(uintptr_t)idp, *table = (const int64_t *)(uintptr_t)tp;
+    int64_t *pos = (int64_t *)malloc(sizeof(int64_t) * (size_t)m);
+    if (!pos) return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < m; i++) pos[i] = pp ? ((const int64_t *)(uintptr_t)pp)[i] : pos0;
+    Py_ssize_t tmax = keys_needed(pos, m, max_len < n_pos ? max_len : n_pos);
+    for (Py_ssize_t i = 0; i < m && tmax >= 0; i++)
+        if (ids[i] < 0 || ids[i] >= vocab) tmax = -1;
+    if (tmax < 0) {
+        free(pos);
+        Py_RETURN_FALSE;
+    }
+    struct block *bl = (struct block *)malloc(sizeof(struct block) * (size_t)n_layer);
+    struct scratch s;
+    float *buf = bl ? scratch_alloc(&s, m, c, nh, tmax) : NULL, *x = bl ? (float *)malloc(sizeof(float) * (size_t)(m * c)) : NULL;
+    if (!buf || !x) {
+        free(x);
+        free(buf);
+        free(bl);
+        free(pos);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t l = 0; l < n_layer; l++) {
+        const int64_t *t = table + l * LAYER_FIELDS;
+        bl[l].ln1g = (const float *)(uintptr_t)t[0];
+        bl[l].ln1b = (const float *)(uintptr_t)t[1];
+        bl[l].ln2g = (const float *)(uintptr_t)t[2];
+        bl[l].ln2b = (const float *)(uintptr_t)t[3];
+        for (int i = 0; i < 4; i++)
+            bl[l].lin[i] = (struct linear){(const void *)(uintptr_t)t[4 + 3 * i],
+                                           (const float *)(uintptr_t)t[5 + 3 * i],
+                                           (const float *)(uintptr_t)t[6 + 3 * i]};
+        bl[l].kc = (float *)(uintptr_t)t[16];
+        bl[l].vc = (float *)(uintptr_t)t[17];
+    }
+    const float *wte = (const float *)(uintptr_t)wtep, *wpe = (const float *)(uintptr_t)wpep;
+    const float *gf = (const float *)(uintptr_t)gfp, *bf = (const float *)(uintptr_t)bfp;
+    struct linear head = {(const void *)(uintptr_t)hwp, (const float *)(uintptr_t)hsp, (const float *)(uintptr_t)hbp};
+    float *out = (float *)(uintptr_t)op; /* the logits (m x n_out), or without a head the final norm's output (m x C) */
+    enum held kind = bf16 ? HELD_BF16 : HELD_INT8, head_kind = head_bf16 ? HELD_BF16 : HELD_INT8;
+    int avx2 = cpu_has_avx2(), failed = 0, need = avx2 && m >= 4;
+    Py_BEGIN_ALLOW_THREADS
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+#endif
+    {
+        float *wb = thread_rows(need, c, &failed);
+        if (!failed) {
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+            for (Py_ssize_t i = 0; i < m; i++)
+                for (Py_ssize_t j = 0; j < c; j++) x[i * c + j] = wte[ids[i] * c + j] + wpe[pos[i] * c + j];
+            for (Py_ssize_t l = 0; l < n_layer; l++)
+                block_body(kind, &bl[l], x, m, c, nh, eps, pos, max_len, tmax, &s, wb, avx2);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+            for (Py_ssize_t i = 0; i < m; i++) layernorm(x + i * c, gf, bf, eps_f, head.w ? s.h + i * c : out + i * c, c);
+            if (head.w) linear_rows(head_kind, &head, s.h, out, m, c, n_out, wb, avx2, SET);
+        }
+        free(wb);
+    }
+    Py_END_ALLOW_THREADS
+    free(x);
+    free(buf);
+    free(bl);
+    free(pos);
+    if (failed) return PyErr_NoMemory();
+    Py_RETURN_TRUE;
 }
 
 static PyObject *int8_gemv(PyObject *self, PyObject *args) { return gemv(HELD_INT8, args); }
@@ -449,6 +648,11 @@ static PyMethodDef methods[] = {
     {"block_step", block_step, METH_VARARGS,
      "block_step(bf16, x, m, C, n_head, ln1 g, b, ln2 g, b, eps, (w, scale, bias) x 4, k cache, v cache, positions, "
      "max_len, threads): one GPT-2 block for one token of each of m rows, in place on x; pointers (0: none)"},
+    {"model_step", model_step, METH_VARARGS,
+     "model_step(bf16, m, C, n_head, n_layer, ids, wte, wpe, vocab, n_pos, layers, max_len, positions, pos0, out, "
+     "eps, ln_f g, b, eps, head bf16, head w, scale, bias, n_out, threads): a GPT-2 decode step for one token of "
+     "each of m rows into out (logits, or without a head w the final norm's output); pointers (0: none); False "
+     "(nothing done) where an id or position is outside its table"},
     {"has_avx2", has_avx2, METH_NOARGS, "whether this CPU runs the AVX2/FMA routines"},
     {"has_openmp", has_openmp, METH_NOARGS, "whether the kernels were built with OpenMP (threads)"},
     {NULL, NULL, 0, NULL},

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from gpt2lab.inference.kernels import GemvLinear, Int8GemvLinear
-from gpt2lab.model.gpt import Block
+from gpt2lab.model.gpt import GPT, Block, KVCache
 
 
 def _linear_args(m: nn.Module) -> tuple[int, int, int]:
@@ -109,11 +109,112 @@ class FusedDecodeBlock(Block):
         return out
 
 
+def _fp32_cpu(*tensors) -> bool:
+    return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu") for t in tensors)
+
+
+class FusedDecodeGPT(GPT):
+    """A held GPT-2 whose every block is fused (``fuse_blocks`` sets its class to this one): one new token a
+    row, after the prompt, as one ``_gemv.model_step`` call (embedding, blocks, final norm and, where its
+    kernel takes those rows at once, the head); anything else through ``GPT.forward``."""
+
+    def forward(self, idx, targets=None, kv_cache=None, last_only=False, return_logits=True, positions=None):
+        if targets is None and positions is None and kv_cache is not None:
+            logits = self._decode_step(idx, kv_cache)
+            if logits is not None:
+                return logits, None
+        return super().forward(idx, targets, kv_cache, last_only, return_logits, positions)
+
+    def _decode_step(self, idx: torch.Tensor, kv_cache) -> torch.Tensor | None:
+        """The logits (B, 1, vocab) of one step through ``_gemv.model_step``, or None where it does not apply."""
+        blocks, tr = self.transformer.h, self.transformer
+        wte, wpe, ln_f = tr.wte.weight, tr.wpe.weight, tr.ln_f
+        if (
+            idx.dim() != 2
+            or idx.shape[1] != 1
+            or idx.dtype != torch.int64
+            or idx.device.type != "cpu"
+            or kv_cache.pos <= 0
+            or self.training
+            or (torch.is_grad_enabled() and wte.requires_grad)
+            or not _fp32_cpu(wte, wpe, ln_f.weight, ln_f.bias)
+            or not wte.is_contiguous()
+            or not wpe.is_contiguous()
+        ):
+            return None
+        B, C, nh = idx.shape[0], self.config.n_embd, self.config.n_head
+        bf16 = isinstance(blocks[0].attn.c_attn, GemvLinear)
+        rows = []
+        for b in blocks:
+            k, v = kv_cache.k[b.attn.layer_idx], kv_cache.v[b.attn.layer_idx]
+            if (
+                type(b) is not FusedDecodeBlock
+                or isinstance(b.attn.c_attn, GemvLinear) != bf16
+                or not _fp32_cpu(b.ln_1.weight, b.ln_1.bias, b.ln_2.weight, b.ln_2.bias, k, v)
+                or k.dim() != 4
+                or k.shape != v.shape
+                or k.shape[0] < B
+                or k.shape[1] != nh
+                or k.shape[3] * nh != C
+                or k.shape[2] != kv_cache.k[0].shape[2]
+                or not (k.is_contiguous() and v.is_contiguous())
+            ):
+                return None
+            _, _, _, g1, b1, g2, b2, _, *lin = b._fused_args()
+            rows += [g1, b1, g2, b2, *(p for w in lin for p in w), k.data_ptr(), v.data_ptr()]
+        head = self.lm_head
+        in_c = isinstance(head, Int8GemvLinear) or (isinstance(head, GemvLinear) and B == 1)
+        if type(kv_cache) is KVCache:  # one position for all rows
+            pos = None
+        else:  # each row its own (the server's RowsCache)
+            pos = kv_cache.positions(1, idx.device).reshape(-1).to(torch.int64).expand(B).contiguous()
+        ids = idx.contiguous()  # held here: the kernel reads it through its address
+        n_out = head.out_features if in_c else C
+        out = torch.empty(B, 1, n_out, dtype=torch.float32)
+        table = torch.tensor(rows, dtype=torch.int64)
+        hw, hs, hb = _linear_args(head) if in_c else (0, 0, 0)
+        from gpt2lab.inference import _gemv
+
+        done = _gemv.model_step(
+            bf16, B, C, nh, len(blocks), ids.data_ptr(), wte.data_ptr(), wpe.data_ptr(), wte.shape[0],
+            wpe.shape[0], table.data_ptr(), kv_cache.k[0].shape[2], 0 if pos is None else pos.data_ptr(), kv_cache.pos,
+            out.data_ptr(), float(blocks[0].ln_1.eps), ln_f.weight.data_ptr(),
+            0 if ln_f.bias is None else ln_f.bias.data_ptr(), float(ln_f.eps), isinstance(head, GemvLinear), hw, hs, hb,
+            n_out, torch.get_num_threads(),
+        )  # fmt: skip
+        if not done:  # a token id or position outside its table: the model's code says which
+            return None
+        kv_cache.advance(1)
+        return out if in_c else head(out)
+
+
+def _whole_step_fusable(model: nn.Module) -> bool:
+    """Whether ``model`` is a GPT whose structure ``_gemv.model_step`` computes (every block fused)."""
+    c = getattr(model, "config", None)
+    return (
+        type(model) is GPT
+        and len(model.transformer.h) > 0
+        and all(type(b) is FusedDecodeBlock for b in model.transformer.h)
+        and len({b.ln_1.eps for b in model.transformer.h}) == 1
+        and c.pos_emb == "learned"
+        and not c.embed_norm
+        and not c.value_embeds
+        and not c.unet_skips
+        and not c.logit_softcap
+        and type(model.transformer.ln_f) is nn.LayerNorm
+        and model.transformer.ln_f.weight is not None
+        and isinstance(model.lm_head, (GemvLinear, Int8GemvLinear))
+    )
+
+
 def fuse_blocks(model: nn.Module) -> int:
-    """Give every fusable block of a held ``model`` the fused decode step (in place); returns how many."""
+    """Give every fusable block of a held ``model`` the fused decode step (in place), and the model the whole
+    step where every block has it; returns how many blocks."""
     n = 0
     for m in model.modules():
         if type(m) is Block and fusable(m):
             m.__class__ = FusedDecodeBlock
             n += 1
+    if _whole_step_fusable(model):
+        model.__class__ = FusedDecodeGPT
     return n
