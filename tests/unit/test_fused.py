@@ -206,3 +206,22 @@ def test_gelu_and_softmax_far_from_zero(cand, counted):
     assert len(counted["model_step"]) == 21
     scale = outs[1].abs().max()
     torch.testing.assert_close(outs[0] / scale, outs[1] / scale, rtol=0, atol=2e-6)
+
+
+def test_a_cast_and_back_reads_the_new_tensors(counted):
+    """After the held model is cast and cast back (its embeddings and norms now in new storage) the whole step
+    reads the new tensors: the same logits as before, and as the model's own code."""
+    ready = hold(tiny_gpt(seed=3, vocab_size=97, block_size=16), CANDS[0])
+    prompt, tok = torch.tensor([[4, 8, 15]]), torch.tensor([[16]])
+    got = []
+    for cast in (False, True, False):
+        if cast:
+            ready.double().float()
+        model = ready if len(got) < 2 else _unfused(ready)
+        cache = model.new_kv_cache(16)
+        with torch.inference_mode():
+            model(prompt, kv_cache=cache)
+            got.append(model(tok, kv_cache=cache)[0])
+    assert len(counted["model_step"]) == 2
+    torch.testing.assert_close(got[1], got[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], got[2], rtol=1e-5, atol=1e-5)

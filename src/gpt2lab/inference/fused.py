@@ -18,6 +18,8 @@ the model's own code.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn as nn
 
@@ -109,8 +111,44 @@ class FusedDecodeBlock(Block):
         return out
 
 
-def _fp32_cpu(*tensors) -> bool:
-    return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu") for t in tensors)
+def _held_tensors(m: nn.Module) -> tuple:
+    """(weight, scale, bias) tensors of a compiled-GEMV linear (None: none)."""
+    if isinstance(m, Int8GemvLinear):
+        return m.qweight, m.scale, m.bias
+    return m.weight, None, m.bias32
+
+
+class _StepPlan:
+    """What ``_gemv.model_step`` reads of a held model, gathered once: looking the tensors up through the
+    modules costs ~1 ms a step, reading the addresses and dtypes of the tensors themselves ~50 us. Made again
+    after the model is cast or moved (``FusedDecodeGPT._apply``)."""
+
+    def __init__(self, model: GPT) -> None:
+        tr, blocks = model.transformer, list(model.transformer.h)
+        self.bf16 = isinstance(blocks[0].attn.c_attn, GemvLinear)
+        self.ok = all(
+            type(b) is FusedDecodeBlock and isinstance(b.attn.c_attn, GemvLinear) == self.bf16 for b in blocks
+        )
+        self.layers = [b.attn.layer_idx for b in blocks]
+        self.per_layer = []  # ln_1 g, b, ln_2 g, b, then (weight, scale, bias) of the four linears
+        for b in blocks:
+            a, m = b.attn, b.mlp
+            self.per_layer += [b.ln_1.weight, b.ln_1.bias, b.ln_2.weight, b.ln_2.bias]
+            self.per_layer += [t for lin in (a.c_attn, a.c_proj, m.c_fc, m.c_proj) for t in _held_tensors(lin)]
+        self.wte, self.wpe, self.ln_f = tr.wte.weight, tr.wpe.weight, tr.ln_f
+        # read as fp32 on the CPU: the embeddings and every norm (the parameters a model's .to() casts)
+        norms = [self.ln_f.weight, self.ln_f.bias, *(t for i, t in enumerate(self.per_layer) if i % 16 < 4)]
+        self.fp32 = [t for t in (self.wte, self.wpe, *norms) if t is not None]
+        self.eps, self.eps_f = float(blocks[0].ln_1.eps), float(self.ln_f.eps)
+        self.head = model.lm_head
+        self.head_tensors = _held_tensors(self.head)
+
+
+_PLANS: "weakref.WeakKeyDictionary[GPT, _StepPlan]" = weakref.WeakKeyDictionary()
+
+
+def _ptr(t) -> int:
+    return 0 if t is None else t.data_ptr()
 
 
 class FusedDecodeGPT(GPT):
@@ -125,62 +163,70 @@ class FusedDecodeGPT(GPT):
                 return logits, None
         return super().forward(idx, targets, kv_cache, last_only, return_logits, positions)
 
+    def _apply(self, fn, *args, **kwargs):
+        _PLANS.pop(self, None)  # a cast or a move: the tensors are looked up again
+        return super()._apply(fn, *args, **kwargs)
+
     def _decode_step(self, idx: torch.Tensor, kv_cache) -> torch.Tensor | None:
         """The logits (B, 1, vocab) of one step through ``_gemv.model_step``, or None where it does not apply."""
-        blocks, tr = self.transformer.h, self.transformer
-        wte, wpe, ln_f = tr.wte.weight, tr.wpe.weight, tr.ln_f
+        plan = _PLANS.get(self)
+        if plan is None:
+            plan = _PLANS[self] = _StepPlan(self)
+        f32 = torch.float32
         if (
-            idx.dim() != 2
+            not plan.ok
+            or idx.dim() != 2
             or idx.shape[1] != 1
             or idx.dtype != torch.int64
-            or idx.device.type != "cpu"
+            or not idx.is_cpu
             or kv_cache.pos <= 0
             or self.training
-            or (torch.is_grad_enabled() and wte.requires_grad)
-            or not _fp32_cpu(wte, wpe, ln_f.weight, ln_f.bias)
-            or not wte.is_contiguous()
-            or not wpe.is_contiguous()
+            or any(t.dtype != f32 or not t.is_cpu for t in plan.fp32)
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in plan.fp32))
+            or not (plan.wte.is_contiguous() and plan.wpe.is_contiguous())
         ):
             return None
         B, C, nh = idx.shape[0], self.config.n_embd, self.config.n_head
-        bf16 = isinstance(blocks[0].attn.c_attn, GemvLinear)
-        rows = []
-        for b in blocks:
-            k, v = kv_cache.k[b.attn.layer_idx], kv_cache.v[b.attn.layer_idx]
+        ptrs = [0 if t is None else t.data_ptr() for t in plan.per_layer]
+        rows, max_len = [], None
+        for i, layer in enumerate(plan.layers):
+            k, v = kv_cache.k[layer], kv_cache.v[layer]
             if (
-                type(b) is not FusedDecodeBlock
-                or isinstance(b.attn.c_attn, GemvLinear) != bf16
-                or not _fp32_cpu(b.ln_1.weight, b.ln_1.bias, b.ln_2.weight, b.ln_2.bias, k, v)
+                k is None
+                or v is None
+                or k.dtype != f32
+                or v.dtype != f32
+                or not k.is_cpu
+                or not v.is_cpu
                 or k.dim() != 4
                 or k.shape != v.shape
                 or k.shape[0] < B
                 or k.shape[1] != nh
                 or k.shape[3] * nh != C
-                or k.shape[2] != kv_cache.k[0].shape[2]
+                or k.shape[2] != (max_len := max_len or k.shape[2])
                 or not (k.is_contiguous() and v.is_contiguous())
             ):
                 return None
-            _, _, _, g1, b1, g2, b2, _, *lin = b._fused_args()
-            rows += [g1, b1, g2, b2, *(p for w in lin for p in w), k.data_ptr(), v.data_ptr()]
-        head = self.lm_head
-        in_c = isinstance(head, Int8GemvLinear) or (isinstance(head, GemvLinear) and B == 1)
+            rows += ptrs[16 * i : 16 * i + 16]
+            rows += (k.data_ptr(), v.data_ptr())
+        head = plan.head
+        in_c = isinstance(head, Int8GemvLinear) or B == 1  # the rows its own forward takes through the kernel
         if type(kv_cache) is KVCache:  # one position for all rows
             pos = None
         else:  # each row its own (the server's RowsCache)
             pos = kv_cache.positions(1, idx.device).reshape(-1).to(torch.int64).expand(B).contiguous()
         ids = idx.contiguous()  # held here: the kernel reads it through its address
         n_out = head.out_features if in_c else C
-        out = torch.empty(B, 1, n_out, dtype=torch.float32)
+        out = torch.empty(B, 1, n_out, dtype=f32)
         table = torch.tensor(rows, dtype=torch.int64)
-        hw, hs, hb = _linear_args(head) if in_c else (0, 0, 0)
+        hw, hs, hb = (_ptr(t) for t in plan.head_tensors) if in_c else (0, 0, 0)
         from gpt2lab.inference import _gemv
 
         done = _gemv.model_step(
-            bf16, B, C, nh, len(blocks), ids.data_ptr(), wte.data_ptr(), wpe.data_ptr(), wte.shape[0],
-            wpe.shape[0], table.data_ptr(), kv_cache.k[0].shape[2], 0 if pos is None else pos.data_ptr(), kv_cache.pos,
-            out.data_ptr(), float(blocks[0].ln_1.eps), ln_f.weight.data_ptr(),
-            0 if ln_f.bias is None else ln_f.bias.data_ptr(), float(ln_f.eps), isinstance(head, GemvLinear), hw, hs, hb,
-            n_out, torch.get_num_threads(),
+            plan.bf16, B, C, nh, len(plan.layers), ids.data_ptr(), plan.wte.data_ptr(), plan.wpe.data_ptr(),
+            plan.wte.shape[0], plan.wpe.shape[0], table.data_ptr(), max_len, _ptr(pos), kv_cache.pos, out.data_ptr(),
+            plan.eps, plan.ln_f.weight.data_ptr(), _ptr(plan.ln_f.bias), plan.eps_f, isinstance(head, GemvLinear), hw,
+            hs, hb, n_out, torch.get_num_threads(),
         )  # fmt: skip
         if not done:  # a token id or position outside its table: the model's code says which
             return None
