@@ -1,19 +1,24 @@
-"""The fused decode step: a GPT-2 block held with gpt2lab's compiled GEMV runs a new token in one call.
+"""The fused decode step: a GPT-2 model held with gpt2lab's compiled GEMV runs a new token in one call.
 
 At one row a decode step's linears read the weights once (kernels.py's ``gemv`` and ``int8-gemv``);
 what is left is ~25 small operators a block (two LayerNorms, the q/k/v split and cast, the KV-cache
 writes, attention, GELU, two residual adds), ~300 us of dispatch and Python a block on a 2-core EPYC,
-~3-4 ms a token, a fifth of the step. ``_gemv.block_step`` computes the same block for one new token
-of each row in one OpenMP region (``_gemv.c``): the same weights as held, the same fp32 activations,
-norms, softmax and KV cache; only the order of the sums differs.
+~3-4 ms a token, a fifth of the step; and each kernel call wakes the threads again. ``_gemv.block_step``
+computes the same block for one new token of each row in one OpenMP region (``_gemv.c``): the same
+weights as held, the same fp32 activations, norms, softmax and KV cache; only the order of the sums
+differs (and exp, in GELU and the softmax, is the kernel's own, within ~1 ulp of the C library's).
+``_gemv.model_step`` runs the whole step in one region: the token's and position's embeddings, every
+block, the final norm and the head (where the head's kernel takes those rows itself: int8 always, bf16
+at one row; else the head runs in PyTorch as it would).
 
 ``fuse_blocks`` gives every block of a held model whose structure it computes (GPT-2's: LayerNorm,
 learned positions, tanh GELU, no q/k norm, no value embeddings, its four linears held by one of those
 kernels, fp32 norms and attention) this step for the calls it covers: one new token a row, no
 gradient, a cache already holding the prompt in fp32 (slots, heads, positions, head size) buffers,
 row i in slot i at the cache's position for it (``positions``: one for all rows in a ``KVCache``, each
-its own in the server's ``RowsCache``). Every other call, and every other block (the modern one), runs
-the model's own code.
+its own in the server's ``RowsCache``). A model every one of whose blocks has it, with GPT-2's
+embeddings and final norm and a compiled-GEMV head, gets the whole step for the same calls. Every other
+call, and every other block (the modern one), runs the model's own code.
 """
 
 from __future__ import annotations
