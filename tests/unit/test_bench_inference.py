@@ -140,6 +140,10 @@ def test_llama_cpp_peer_converts_the_export_and_reads_llama_benchs_json(capsys, 
     assert (
         r["vs_llama_cpp"]["f32"] == pytest.approx(r["tok_per_s"]["sample"] / 12.5) and "bf16" not in r["vs_llama_cpp"]
     )
+    # decoding alone (23 steps after the first new token) is faster than the whole run, prompt included
+    decoding = r["decode_tok_per_s"]["sample"]
+    assert decoding > r["tok_per_s"]["sample"] * 23 / 24
+    assert r["decoding_vs_llama_cpp"]["q8_0"] == pytest.approx(decoding / 20.0)
     for call in log.read_text().splitlines():
         assert " -p 0 -n 24 -d 16 -r 2 -t 1 -o json" in call
 

@@ -19,8 +19,9 @@ every time kept):
 * llama.cpp (``--llama-cpp PATH`` to a ``llama-bench`` build; CPU only): the same weights converted
   by llama.cpp's own converter to f32, f16, bf16 and q8_0, each timed by ``llama-bench`` generating
   as many tokens after a context of ``--prompt-tokens`` (``-d``), same threads, after gpt2lab's
-  rounds. Its figure counts decoding only; gpt2lab's includes reading the prompt, so a tie favours
-  llama.cpp.
+  rounds. Its figure counts decoding only, so beside gpt2lab's whole figure (the prompt read
+  included) the output has ``sample``'s decoding alone (``decode_tok_per_s``: the n - 1 steps from
+  its first new token to its last, in the same timed runs) and both ratios.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import tempfile
+import time
 
 import torch
 
@@ -38,7 +40,7 @@ from gpt2lab.inference.flags import add_inference_flags, inference_request
 from gpt2lab.inference.form import detect_facts, for_inference, hold
 from gpt2lab.inference.probe import announce, decide
 from gpt2lab.model.gpt import GPT, GPTConfig
-from gpt2lab.model.sampling import generate
+from gpt2lab.model.sampling import generate, generate_stream
 from gpt2lab.system.errors import UsageError
 
 
@@ -119,8 +121,9 @@ def run(args: argparse.Namespace) -> dict:
     library_pick = rule(InferenceRequest(dtype=dtype, quantize=args.quantize), detect_facts(device)).candidate
     prompt = torch.randint(0, config.vocab_size, (1, args.prompt_tokens), device=device)
     n = args.new_tokens
+    spans: list[tuple[float, float]] = []  # sample's (first new token, last) times, each timed run
     ways = {
-        "sample": lambda: generate(prepared, prompt, n, temperature=0.0)[:, -n:],
+        "sample": lambda: _decoding(prepared, prompt, n, device, spans),
         "generate": lambda: generate(library, prompt, n, temperature=0.0)[:, -n:],
         "unprepared": lambda: _unprepared(model, prompt, n, device, dtype),
     }
@@ -150,6 +153,7 @@ def run(args: argparse.Namespace) -> dict:
         for fn in ways.values():  # warm-up: allocator growth, library set-up
             with torch.inference_mode():
                 fn() if n <= 8 else _short(fn)
+        spans.clear()
         times: dict[str, list[float]] = {k: [] for k in ways}
         tokens: dict[str, torch.Tensor] = {}
         for _ in range(args.repeats):
@@ -172,10 +176,27 @@ def run(args: argparse.Namespace) -> dict:
     out = _report(args, device, decision, times, tokens, ct2_tps, ct2_agree, "ctranslate2" in wanted and not ct2)
     if "generate" in ways:
         out["generate_kernel"] = library_pick.name
+    decoding = max(((n - 1) / (t1 - t0) for t0, t1 in spans if t1 > t0), default=None) if n > 1 else None
+    out["decode_tok_per_s"] = {"sample": decoding}
     if llama_tps is not None:
         out["llama_cpp_tok_per_s"] = llama_tps
         out["vs_llama_cpp"] = {k: out["tok_per_s"]["sample"] / v for k, v in llama_tps.items() if isinstance(v, float)}
+        if decoding:
+            out["decoding_vs_llama_cpp"] = {k: decoding / v for k, v in llama_tps.items() if isinstance(v, float)}
     return out
+
+
+def _decoding(model, prompt: torch.Tensor, n: int, device: torch.device, spans: list) -> torch.Tensor:
+    """``generate``'s n new tokens (1, n), from the same loop, keeping the times of the first and the last in
+    ``spans``: between them the model decodes alone, n - 1 steps, as llama-bench's generation figure counts."""
+    new, first = [], None
+    for tok, _ in generate_stream(model, prompt, n, temperature=0.0):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        new.append(tok[:, None])
+        first = first or time.perf_counter()
+    spans.append((first, time.perf_counter()))
+    return torch.cat(new, dim=1)
 
 
 def _short(fn):
