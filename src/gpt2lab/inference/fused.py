@@ -32,11 +32,39 @@ from gpt2lab.inference.kernels import GemvLinear, Int8GemvLinear
 from gpt2lab.model.gpt import GPT, Block, KVCache
 
 
-def _linear_args(m: nn.Module) -> tuple[int, int, int]:
-    """(weight, scale, bias) data pointers of a compiled-GEMV linear (0: none)."""
+def _held_tensors(m: nn.Module) -> tuple:
+    """(weight, scale, bias) tensors of a compiled-GEMV linear (None: none)."""
     if isinstance(m, Int8GemvLinear):
-        return m.qweight.data_ptr(), m.scale.data_ptr(), 0 if m.bias is None else m.bias.data_ptr()
-    return m.weight.data_ptr(), 0, 0 if m.bias32 is None else m.bias32.data_ptr()
+        return m.qweight, m.scale, m.bias
+    return m.weight, None, m.bias32
+
+
+def _ptr(t) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _linear_args(m: nn.Module) -> tuple[int, ...]:
+    """(weight, scale, bias) data pointers of a compiled-GEMV linear (0: none)."""
+    return tuple(_ptr(t) for t in _held_tensors(m))
+
+
+def _kv_fits(k, v, rows: int, n_head: int, width: int) -> bool:
+    """Whether a layer's cached keys and values are buffers the kernel reads: fp32 on the CPU, contiguous,
+    (slots >= rows, heads, positions, head size)."""
+    return (
+        k is not None
+        and v is not None
+        and k.dtype == v.dtype == torch.float32
+        and k.is_cpu
+        and v.is_cpu
+        and k.dim() == 4
+        and k.shape == v.shape
+        and k.shape[0] >= rows
+        and k.shape[1] == n_head
+        and k.shape[3] * n_head == width
+        and k.is_contiguous()
+        and v.is_contiguous()
+    )
 
 
 def fusable(block: nn.Module) -> bool:
@@ -91,17 +119,7 @@ class FusedDecodeBlock(Block):
             return super().forward(x, kv_cache, rope, ve)
         v = kv_cache.v[self.attn.layer_idx]
         B, nh, C = x.shape[0], self.attn.n_head, x.shape[-1]
-        if not (
-            k.dtype == v.dtype == torch.float32
-            and k.dim() == 4
-            and k.shape == v.shape
-            and k.shape[0] >= B
-            and k.shape[1] == nh
-            and k.shape[3] * nh == C
-            and kv_cache.pos < k.shape[2]  # the longest row's position
-            and k.is_contiguous()
-            and v.is_contiguous()
-        ):
+        if not (_kv_fits(k, v, B, nh, C) and kv_cache.pos < k.shape[2]):  # pos: the longest row's
             return super().forward(x, kv_cache, rope, ve)
         from gpt2lab.inference import _gemv
 
@@ -114,13 +132,6 @@ class FusedDecodeBlock(Block):
             k.shape[2], torch.get_num_threads(),
         )  # fmt: skip
         return out
-
-
-def _held_tensors(m: nn.Module) -> tuple:
-    """(weight, scale, bias) tensors of a compiled-GEMV linear (None: none)."""
-    if isinstance(m, Int8GemvLinear):
-        return m.qweight, m.scale, m.bias
-    return m.weight, None, m.bias32
 
 
 class _StepPlan:
@@ -150,10 +161,6 @@ class _StepPlan:
 
 
 _PLANS: "weakref.WeakKeyDictionary[GPT, _StepPlan]" = weakref.WeakKeyDictionary()
-
-
-def _ptr(t) -> int:
-    return 0 if t is None else t.data_ptr()
 
 
 class FusedDecodeGPT(GPT):
@@ -196,21 +203,7 @@ class FusedDecodeGPT(GPT):
         rows, max_len = [], None
         for i, layer in enumerate(plan.layers):
             k, v = kv_cache.k[layer], kv_cache.v[layer]
-            if (
-                k is None
-                or v is None
-                or k.dtype != f32
-                or v.dtype != f32
-                or not k.is_cpu
-                or not v.is_cpu
-                or k.dim() != 4
-                or k.shape != v.shape
-                or k.shape[0] < B
-                or k.shape[1] != nh
-                or k.shape[3] * nh != C
-                or k.shape[2] != (max_len := max_len or k.shape[2])
-                or not (k.is_contiguous() and v.is_contiguous())
-            ):
+            if not _kv_fits(k, v, B, nh, C) or k.shape[2] != (max_len := max_len or k.shape[2]):  # one length
                 return None
             rows += ptrs[16 * i : 16 * i + 16]
             rows += (k.data_ptr(), v.data_ptr())
