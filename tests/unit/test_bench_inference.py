@@ -43,6 +43,7 @@ def test_bench_sample_times_every_way_beside_its_peers_on_the_same_weights(capsy
     assert r["inference"]["dtype"] == "float32" and r["inference"]["kernel"] in ("plain", "decode", "packed")
     assert set(r["inference"]["timings_ms"]) == {"float32/plain", "float32/decode", "float32/packed"}
     assert all(v > 0 for v in r["tok_per_s"].values())
+    assert r["held_pages"].startswith("4 KiB pages (")  # fp32 weights as stored: the source model's own
     assert r["tokens_agree_generate_vs_sample"] and r["tokens_agree_cache_vs_no_cache"]
     assert r["first_mismatch_vs_transformers"] is None
     assert r["first_mismatch_vs_ctranslate2_float32"] is None

@@ -174,6 +174,8 @@ def run(args: argparse.Namespace) -> dict:
         )
         llama_tps = llama.tok_per_s(args.prompt_tokens, n, args.repeats) if llama else None
     out = _report(args, device, decision, times, tokens, ct2_tps, ct2_agree, "ctranslate2" in wanted and not ct2)
+    if prepared.held_pages is not None:  # where the held weights live (inference/pages.py)
+        out["held_pages"] = prepared.held_pages.describe()
     if "generate" in ways:
         out["generate_kernel"] = library_pick.name
     decoding = max(((n - 1) / (t1 - t0) for t0, t1 in spans if t1 > t0), default=None) if n > 1 else None

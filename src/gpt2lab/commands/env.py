@@ -2,10 +2,11 @@
 
 Versions, the device ``auto`` picks, the CPU's capability flags, fp32 and bf16 matmul rates
 and the memory read bandwidth measured afresh (about two seconds), whether torch.compile can build
-kernels, what ``--dtype auto`` and ``--compile auto`` would choose and why, which optional extras are
-installed, and what the inference probe has cached (the file, and per model shape: the device, when
-measured, what each workload chose, every candidate's figures). ``--clear-cache`` removes that file
-only, so the next ``sample``, ``serve`` or ``eval`` measures again.
+kernels, whether a CPU hold's weights go on huge pages, what ``--dtype auto`` and ``--compile auto``
+would choose and why, which optional extras are installed, and what the inference probe has cached
+(the file, and per model shape: the device, when measured, what each workload chose, every
+candidate's figures). ``--clear-cache`` removes that file only, so the next ``sample``, ``serve`` or
+``eval`` measures again.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def collect(device_name: str = "auto") -> dict:
 
     from gpt2lab import __version__
     from gpt2lab.distributed.dist import pick_device
+    from gpt2lab.inference import pages
     from gpt2lab.inference.kernels import gemv_error
     from gpt2lab.system import runtime
 
@@ -83,6 +85,8 @@ def collect(device_name: str = "auto") -> dict:
         "matmul_bf16_gflops": probe.bf16_gflops,
         "matmul_size": runtime.PROBE_N,
         "read_gb_per_s": runtime.measure_read_bandwidth(device),  # what bounds decoding: each token reads every weight
+        # where a CPU hold puts its weights (inference/pages.py): Linux's transparent huge pages, or why not
+        "held_weight_pages": pages.detect().why_not() or f"huge pages of {pages.detect().size // 2**20} MiB",
         "compile_available": facts.can_compile,
         # gpt2lab's compiled GEMV (bf16, int8; setup.py builds it where a C compiler is): "runs here" or why not
         "compiled_gemv": gemv_error(torch.device("cpu")) or "runs here",

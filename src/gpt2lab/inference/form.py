@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from gpt2lab.inference import probe_cache
+from gpt2lab.inference import pages, probe_cache
 from gpt2lab.inference.choice import Candidate, InferenceFacts, InferenceRequest, candidates, choose
 from gpt2lab.inference.fused import fuse_blocks
 from gpt2lab.inference.kernels import (
@@ -65,7 +65,10 @@ def hold(model: GPT, cand: Candidate, rows: int = 1, inplace: bool = False) -> G
     """``model`` (or a copy sharing its other parameters) with every linear held as ``cand``; for inference only."""
     target = model if inplace else _shared_copy(model)
     swap_linears(target, cand.kernel, getattr(torch, cand.dtype), batch_hint=rows)
+    target.held_pages = None
     if next(model.parameters()).device.type == "cpu":  # attention in fp32 (CPU_ATTENTION_DTYPE's note)
+        # the weights the hold made, on huge pages where Linux gives them (pages.py); the source model's own stay
+        target.held_pages = pages.place(target, keep=[*model.parameters(), *target.parameters()])
         for m in target.modules():
             if isinstance(m, CausalSelfAttention):
                 m.attn_dtype = CPU_ATTENTION_DTYPE
