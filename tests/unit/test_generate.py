@@ -110,6 +110,8 @@ def test_top_k_top_p_temperature_distributions():
     assert f[3].item() == pytest.approx(0.05, abs=0.015)
     f = _frequencies(logits, temperature=2.0)
     assert torch.allclose(f, F.softmax(logits[0] / 2.0, -1), atol=0.03)
+    f = _frequencies(logits, temperature=2.0, top_k=2)  # the two best, at temperature 2
+    assert f[2:].sum() == 0 and torch.allclose(f[:2], F.softmax(logits[0, :2] / 2.0, -1), atol=0.03)
     assert torch.equal(sample_next(logits, temperature=0.0), torch.tensor([0]))
 
 
@@ -219,3 +221,22 @@ def test_generate_samples_from_the_50_most_likely_tokens_by_default_and_0_keeps_
     assert max(ranks(top_k=0)) >= 50
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     assert torch.equal(generate(model, idx, 20, generator=g1), generate(model, idx, 20, top_k=50, generator=g2))
+
+
+def _draws_dividing_the_vocabulary_first(logits, temperature, top_k, top_p, g):
+    """The textbook order: every logit over T, then top-k, top-p and one uniform draw a row."""
+    v, ids = torch.topk(logits / temperature, top_k, dim=-1)
+    probs = F.softmax(v, dim=-1)
+    v = v.masked_fill((probs.cumsum(-1) - probs >= top_p) & (torch.arange(top_k) > 0), float("-inf"))
+    cdf = F.softmax(v, dim=-1).cumsum(-1)
+    u = torch.rand(cdf.size(0), 1, generator=g) * cdf[:, -1:]
+    return ids.gather(-1, torch.searchsorted(cdf, u, right=True).clamp_(max=top_k - 1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.0, 1.6])
+def test_dividing_after_top_k_draws_the_tokens_dividing_first_draws(temperature):
+    logits = torch.randn(16, 5000, generator=torch.Generator().manual_seed(3)) * 4
+    for top_k, top_p in ((50, 1.0), (50, 0.8), (5000, 0.9)):
+        got = sample_next(logits, temperature, top_k, top_p, torch.Generator().manual_seed(7))
+        want = _draws_dividing_the_vocabulary_first(logits, temperature, top_k, top_p, torch.Generator().manual_seed(7))
+        assert torch.equal(got, want)
