@@ -69,13 +69,27 @@ __attribute__((target("avx2,fma"))) static inline __m256 widen8(enum held kind, 
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
 
+/* How far ahead of the one-row product the weights are asked for (software prefetch, into every
+ * cache level). A thread streams its rows front to back; what keeps the memory busy is the lines in
+ * flight, and this loop's out-of-order window holds fewer lines than the loads of a plain read would
+ * (an AVX2 EPYC: its GEMV read 15-17% slower than a plain sum of the same bytes; asked for 1 KiB
+ * ahead, the 124M's one-row step 3% (bf16) and 8% (int8) faster on huge pages, 5-10% on 4 KiB ones).
+ * Why 1 KiB holds elsewhere: it is 1/32 of the smallest L1 data cache of the CPUs these kernels run
+ * on (32 KiB), so nothing asked for is evicted before its use, and a prefetch of a line already on
+ * its way costs one instruction a 64-byte line; where the hardware keeps enough lines in flight
+ * without it, it changes nothing. */
+#define PREFETCH_AHEAD 1024
+
 /* 32 weights a step, multiplied into four accumulators (four independent chains keep the FMA units
  * busy). ``kind`` is a constant at each call site, so each routine is compiled once a kind. */
 __attribute__((target("avx2,fma"))) static inline float dot_avx2(enum held kind, const void *w, const float *x,
                                                                  Py_ssize_t k) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
     Py_ssize_t i = 0;
+    const char *bytes = (const char *)w;
+    Py_ssize_t es = kind == HELD_INT8 ? 1 : 2;
     for (; i + 32 <= k; i += 32) {
+        _mm_prefetch(bytes + i * es + PREFETCH_AHEAD, _MM_HINT_T0); /* never faults, even past the end */
         a0 = _mm256_fmadd_ps(widen8(kind, w, i), _mm256_loadu_ps(x + i), a0);
         a1 = _mm256_fmadd_ps(widen8(kind, w, i + 8), _mm256_loadu_ps(x + i + 8), a1);
         a2 = _mm256_fmadd_ps(widen8(kind, w, i + 16), _mm256_loadu_ps(x + i + 16), a2);
