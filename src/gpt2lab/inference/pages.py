@@ -8,7 +8,7 @@ Linux gives a private anonymous mapping huge pages where its transparent huge pa
 "madvise" and the mapping is advised ``MADV_HUGEPAGE``: ``place`` copies the weights a hold made (its
 bf16 and int8 copies, never a tensor the model it came from still holds) into one such mapping. The
 values are the same bytes, so every result is unchanged; on an AVX2 EPYC the 124M's one-row decode
-step took 8-15% less time (docs/benchmarks.md). Where Linux says "never", on another system, or where
+step took 6-15% less time (docs/benchmarks.md). Where Linux says "never", on another system, or where
 the kernel refuses the advice, the weights stay where they are, and the placement says why.
 
 The mapping costs at most one huge page beyond the weights (its start aligned to a huge page) and lives
