@@ -9,6 +9,7 @@ import json
 import pytest
 
 from gpt2lab import cli
+from gpt2lab.benchmarks import peers
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "64", "--threads", "1"]
 
@@ -114,15 +115,17 @@ import json, sys
 args = sys.argv[1:]
 open({log!r}, "a").write(" ".join(args) + "\\n")
 kind = open(args[args.index("-m") + 1]).read()
-samples = {{"f32": [10.0, 12.5, 11.0], "f16": [7.0], "q8_0": [20.0, 19.0]}}[kind]
+calls = sum(args[args.index("-m") + 1] in line for line in open({log!r}))  # this one included
+runs = int(args[args.index("-r") + 1])
+samples = {{"f32": [10.0, 12.5, 11.0], "f16": [7.0, 6.0], "q8_0": [19.0, 20.0]}}[kind][calls - 1 : calls - 1 + runs]
 print(json.dumps([{{"n_gen": int(args[args.index("-n") + 1]), "samples_ts": samples}}]))
 """
 
 
 def test_llama_cpp_peer_converts_the_export_and_reads_llama_benchs_json(capsys, tmp_path, monkeypatch):
     """The plumbing around llama.cpp, with stand-ins for its converter and llama-bench: every type is
-    converted from gpt2lab's export, timed with the run's shape and threads, the best sample kept,
-    and a type that fails is named with its error, not dropped."""
+    converted from gpt2lab's export, timed with the run's shape and threads once in each of gpt2lab's
+    rounds, the best round kept, and a type that fails is named with its error, not dropped."""
     import sys
 
     monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path))
@@ -145,8 +148,10 @@ def test_llama_cpp_peer_converts_the_export_and_reads_llama_benchs_json(capsys, 
     decoding = r["decode_tok_per_s"]["sample"]
     assert decoding > r["tok_per_s"]["sample"] * 23 / 24
     assert r["decoding_vs_llama_cpp"]["q8_0"] == pytest.approx(decoding / 20.0)
-    for call in log.read_text().splitlines():
-        assert " -p 0 -n 24 -d 16 -r 2 -t 1 -o json" in call
+    calls = log.read_text().splitlines()
+    assert len(calls) == 2 * 3  # two rounds of the three types that converted
+    for call in calls:
+        assert " -p 0 -n 24 -d 16 -r 1 -t 1 -o json" in call
 
 
 def test_llama_cpp_without_its_converter_is_one_line(capsys, tmp_path):
@@ -155,3 +160,12 @@ def test_llama_cpp_without_its_converter_is_one_line(capsys, tmp_path):
     bench.chmod(0o755)
     assert cli.main(["bench", "sample", *TINY, "--peer", "none", "--llama-cpp", str(bench)]) == 2
     assert "no convert_hf_to_gguf.py in the llama.cpp tree above it" in capsys.readouterr().err
+
+
+def test_llama_cpp_rounds_keep_each_types_best_and_an_error_only_where_no_round_ran():
+    rounds = [
+        {"f32": 10.0, "bf16": "not run: llama-bench exit -9: killed", "q8_0": "not run: conversion failed"},
+        {"f32": 9.0, "bf16": 31.5, "q8_0": "not run: conversion failed"},
+        {"f32": 11.5, "bf16": 30.0, "q8_0": "not run: conversion failed"},
+    ]
+    assert peers.best_rounds(rounds) == {"f32": 11.5, "bf16": 31.5, "q8_0": "not run: conversion failed"}

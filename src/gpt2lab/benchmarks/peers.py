@@ -170,6 +170,19 @@ class LlamaCpp:
         return out
 
 
+def best_rounds(rounds: list[dict]) -> dict:
+    """Each type's best tok/s over ``rounds`` (``LlamaCpp.tok_per_s`` results); a type no round ran
+    keeps its first round's error."""
+    out: dict = {}
+    for got in rounds:
+        for kind, v in got.items():
+            if isinstance(v, float):
+                out[kind] = max(v, out[kind]) if isinstance(out.get(kind), float) else v
+            else:
+                out.setdefault(kind, v)
+    return out
+
+
 def _last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1][:300] if lines else "no output"

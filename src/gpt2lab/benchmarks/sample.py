@@ -18,10 +18,12 @@ every time kept):
   threads, same prompt, exactly as many new tokens;
 * llama.cpp (``--llama-cpp PATH`` to a ``llama-bench`` build; CPU only): the same weights converted
   by llama.cpp's own converter to f32, f16, bf16 and q8_0, each timed by ``llama-bench`` generating
-  as many tokens after a context of ``--prompt-tokens`` (``-d``), same threads, after gpt2lab's
-  rounds. Its figure counts decoding only, so beside gpt2lab's whole figure (the prompt read
-  included) the output has ``sample``'s decoding alone (``decode_tok_per_s``: the n - 1 steps from
-  its first new token to its last, in the same timed runs) and both ratios.
+  as many tokens after a context of ``--prompt-tokens`` (``-d``), same threads, once in each of
+  gpt2lab's rounds, right after it (the best of its rounds reported, like gpt2lab's: a machine whose
+  speed drifts over minutes moves both alike). Its figure counts decoding only, so beside gpt2lab's
+  whole figure (the prompt read included) the output has ``sample``'s decoding alone
+  (``decode_tok_per_s``: the n - 1 steps from its first new token to its last, in the same timed
+  runs) and both ratios.
 """
 
 from __future__ import annotations
@@ -156,10 +158,13 @@ def run(args: argparse.Namespace) -> dict:
         spans.clear()
         times: dict[str, list[float]] = {k: [] for k in ways}
         tokens: dict[str, torch.Tensor] = {}
+        llama_rounds: list[dict] = []
         for _ in range(args.repeats):
             for name, fn in ways.items():
                 t, tokens[name] = timed(fn, device)
                 times[name].append(t)
+            if llama:  # in the same round: the box's drift over minutes falls on both alike
+                llama_rounds.append(llama.tok_per_s(args.prompt_tokens, n, 1))
         times["no_cache"] = []
         for _ in range(args.no_cache_repeats):
             t, tokens["no_cache"] = timed(
@@ -172,7 +177,7 @@ def run(args: argparse.Namespace) -> dict:
             if ct2 and "float32" in ct2.generators
             else None
         )
-        llama_tps = llama.tok_per_s(args.prompt_tokens, n, args.repeats) if llama else None
+        llama_tps = peers.best_rounds(llama_rounds) if llama else None
     out = _report(args, device, decision, times, tokens, ct2_tps, ct2_agree, "ctranslate2" in wanted and not ct2)
     if prepared.held_pages is not None:  # where the held weights live (inference/pages.py)
         out["held_pages"] = prepared.held_pages.describe()
