@@ -140,6 +140,8 @@ def test_llama_cpp_peer_converts_the_export_and_reads_llama_benchs_json(capsys, 
     r = _json(capsys.readouterr().out)
     got = r["llama_cpp_tok_per_s"]
     assert (got["f32"], got["f16"], got["q8_0"]) == (12.5, 7.0, 20.0)
+    assert [x["f16"] for x in r["llama_cpp_rounds"]] == [7.0, 6.0]  # one a round, as gpt2lab's seconds
+    assert len(r["seconds"]["sample"]) == 2
     assert got["bf16"].startswith("not run: conversion failed: NotImplementedError: no bf16 here")
     assert (
         r["vs_llama_cpp"]["f32"] == pytest.approx(r["tok_per_s"]["sample"] / 12.5) and "bf16" not in r["vs_llama_cpp"]

@@ -187,6 +187,7 @@ def run(args: argparse.Namespace) -> dict:
     out["decode_tok_per_s"] = {"sample": decoding}
     if llama_tps is not None:
         out["llama_cpp_tok_per_s"] = llama_tps
+        out["llama_cpp_rounds"] = llama_rounds  # each round's, beside gpt2lab's ``seconds`` of the same rounds
         out["vs_llama_cpp"] = {k: out["tok_per_s"]["sample"] / v for k, v in llama_tps.items() if isinstance(v, float)}
         if decoding:
             out["decoding_vs_llama_cpp"] = {k: decoding / v for k, v in llama_tps.items() if isinstance(v, float)}
