@@ -16,6 +16,8 @@ from gpt2lab.inference.form import hold
 from gpt2lab.inference.kernels import gemv_error
 
 MiB = 2**20
+# held in bf16 ~4 MB, in int8 ~2.3 MB: more than one huge page (2 MiB) either way
+BIG = dict(n_embd=256, n_head=4, vocab_size=3000)
 HERE = pages.detect()
 NO_THP = pages.PageFacts(None, None)
 CANDS = [Candidate("bfloat16", "upcast"), Candidate("float32", "int8")]
@@ -39,7 +41,7 @@ def _logits(model, idx):
 @pytest.mark.skipif(HERE.why_not() is not None, reason=f"this machine: {HERE.why_not()}")
 @pytest.mark.parametrize("cand", CANDS, ids=lambda c: c.name)
 def test_placed_weights_share_one_aligned_mapping_and_give_the_same_logits(cand, monkeypatch):
-    model = tiny_gpt(n_embd=64, vocab_size=300)
+    model = tiny_gpt(**BIG)
     own = {n: p.data_ptr() for n, p in model.named_parameters()}
     placed = hold(model, cand)
     monkeypatch.setattr(pages, "detect", lambda: NO_THP)
@@ -59,7 +61,7 @@ def test_placed_weights_share_one_aligned_mapping_and_give_the_same_logits(cand,
     for (_, _, a), (_, _, b) in zip(held, _held(plain)):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
-    idx = torch.randint(0, 300, (2, 9))
+    idx = torch.randint(0, 3000, (2, 9))
     for got, want in zip(_logits(placed, idx), _logits(plain, idx)):
         assert torch.equal(got, want)
 
@@ -118,7 +120,7 @@ def test_no_huge_pages_leaves_every_weight_where_it_is(facts, says, monkeypatch)
 
 def test_a_refused_advice_leaves_the_weights_and_says_so(monkeypatch):
     monkeypatch.setattr(pages, "detect", lambda: NO_THP)
-    held = hold(tiny_gpt(), Candidate("bfloat16", "upcast"))
+    held = hold(tiny_gpt(**BIG), Candidate("bfloat16", "upcast"))
     before = [t.data_ptr() for _, _, t in _held(held)]
 
     class Refusing:
@@ -144,10 +146,19 @@ def test_weights_shared_with_the_source_model_are_not_copied():
 
 @pytest.mark.skipif(HERE.why_not() is not None, reason=f"this machine: {HERE.why_not()}")
 def test_a_weight_two_modules_hold_is_placed_once_for_both():
-    held = hold(tiny_gpt(), Candidate("bfloat16", "upcast"), rows=1)
+    held = hold(tiny_gpt(**BIG), Candidate("bfloat16", "upcast"), rows=1)
     a, b = held.transformer.h[0].mlp.c_fc, held.transformer.h[1].mlp.c_fc
     b.weight = a.weight  # the same tensor in two modules
     want = a.weight.clone()
     p = pages.place(held)
     assert a.weight.data_ptr() == b.weight.data_ptr() and torch.equal(a.weight, want)
     assert p.moved == sum(-(-t.nbytes // 64) * 64 for t in {id(t): t for _, _, t in _held(held)}.values())
+
+
+def test_weights_smaller_than_one_huge_page_stay():
+    held = hold(tiny_gpt(), Candidate("bfloat16", "upcast"))  # ~30 KB of weights
+    before = [t.data_ptr() for _, _, t in _held(held)]
+    p = pages.place(held, facts=pages.PageFacts(2 * MiB, "madvise"))
+    total = sum(-(-t.nbytes // 64) * 64 for _, _, t in _held(held))
+    assert p.moved == 0 and p.why_not == f"held weights ({total} bytes) smaller than one huge page"
+    assert [t.data_ptr() for _, _, t in _held(held)] == before

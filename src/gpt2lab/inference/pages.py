@@ -11,8 +11,8 @@ values are the same bytes, so every result is unchanged; on an AVX2 EPYC the 124
 step took 6-15% less time (docs/benchmarks.md). Where Linux says "never", on another system, or where
 the kernel refuses the advice, the weights stay where they are, and the placement says why.
 
-The mapping costs at most one huge page beyond the weights (its start aligned to a huge page) and lives
-as long as the tensors in it.
+The mapping costs at most two huge pages beyond the weights (its start aligned to a huge page, its end
+rounded up to one) and lives as long as the tensors in it; weights smaller than one huge page stay.
 """
 
 from __future__ import annotations
@@ -122,6 +122,8 @@ def place(model: nn.Module, keep: Iterable[torch.Tensor] = (), facts: Optional[P
         if id(t) not in offsets:
             offsets[id(t)] = total
             total += -(-t.nbytes // ALIGN) * ALIGN
+    if total < facts.size:  # a few 4 KiB pages: nothing to gain, and a whole huge page to lose
+        return Placement(why_not=f"held weights ({total} bytes) smaller than one huge page")
     size = -(-total // facts.size) * facts.size + facts.size  # room to start on a huge page
     try:
         area = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
