@@ -66,7 +66,8 @@ def _unfused(model):
 def test_one_token_fused_equals_the_models_own_forward_with_the_same_cache(cand, shape, rows, way, counted):
     """Logits and the KV cache after several one-token steps, fused (the whole step, or block by block)
     against unfused, from the same prompt (36 wide: heads of 12, not a multiple of 8; no biases). The
-    whole step takes the head where its kernel would take those rows alone (int8: any; bf16: one row)."""
+    whole step takes the head too, at any rows (its forward takes a bf16 head's several rows through
+    PyTorch)."""
     model = tiny_gpt(seed=5, vocab_size=97, block_size=40, **shape)
     idx = torch.randint(0, 97, (rows, 30), generator=torch.Generator().manual_seed(3))
     outs, caches = [], []
@@ -81,6 +82,7 @@ def test_one_token_fused_equals_the_models_own_forward_with_the_same_cache(cand,
         caches.append(cache)
     if way == "whole":
         assert len(counted["model_step"]) == 21 and counted["block_step"] == []
+        assert all(a[20] != 0 and a[23] == 97 for a in counted["model_step"])  # the head's weight, its 97 outputs
     else:
         assert len(counted["block_step"]) == 21 * model.config.n_layer and counted["model_step"] == []
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
