@@ -366,6 +366,7 @@ def _val(run) -> float:
     return [r["val_loss"] for r in records(run) if "val_loss" in r][-1]
 
 
+@pytest.mark.slow  # two 30-step training runs, ~16-22 s: `make test-slow`
 def test_spike_guard_skips_and_rolls_back_poisoned_data(tiny_data, tmp_path):
     poisoned = tmp_path / "poisoned"
     _poison(tiny_data, poisoned)

@@ -542,6 +542,7 @@ def _split_char(raw: bytes) -> bool:
         return True
 
 
+@pytest.mark.slow  # two FSDP processes, ~18 s: `make test-slow`
 def test_fsdp_checkpoints_carry_the_tokenizer_too(wiki_data, tok, tmp_path, monkeypatch):
     """Two processes sharding the model (FSDP2, a DCP checkpoint): rank 0 copies the run's tokenizer
     into the checkpoint, the checksums cover it, and the checkpoint loads alone with it."""
