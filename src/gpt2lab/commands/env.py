@@ -64,6 +64,7 @@ def collect(device_name: str = "auto") -> dict:
     if device.type == "cpu":
         facts = dataclasses.replace(facts, probe=probe)
     choices = runtime.resolve(device, "auto", "auto", facts=facts, ns_dtype="auto")
+    thp = pages.detect()
     info = {
         "gpt2lab": __version__,
         "python": sys.version.split()[0],
@@ -86,7 +87,7 @@ def collect(device_name: str = "auto") -> dict:
         "matmul_size": runtime.PROBE_N,
         "read_gb_per_s": runtime.measure_read_bandwidth(device),  # what bounds decoding: each token reads every weight
         # where a CPU hold puts its weights (inference/pages.py): Linux's transparent huge pages, or why not
-        "held_weight_pages": pages.detect().why_not() or f"huge pages of {pages.detect().size // 2**20} MiB",
+        "held_weight_pages": thp.why_not() or f"huge pages of {thp.size // 2**20} MiB",
         "compile_available": facts.can_compile,
         # gpt2lab's compiled GEMV (bf16, int8; setup.py builds it where a C compiler is): "runs here" or why not
         "compiled_gemv": gemv_error(torch.device("cpu")) or "runs here",
