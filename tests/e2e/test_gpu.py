@@ -73,3 +73,31 @@ def test_a_step_judged_bad_on_the_gpu_is_skipped_there():
         del opt.found_inf
         skipped = torch.equal(before, p.detach())
         assert skipped == (loss != loss or loss == 9.0), loss  # NaN, then a spike (z > 4 over the window)
+
+
+def test_bf16_decoding_with_a_kv_cache_runs_without_cudnn_attention():
+    """A held bf16 model's steps with a cache never reach cuDNN's attention (a plan built per new key
+    length: milliseconds of host time each, docs/benchmarks.md); a call without a cache may."""
+    model = _model().to(torch.bfloat16)
+    idx = torch.randint(0, 50257, (1, 16), device="cuda")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        a = generate(model, idx, 24, temperature=0, use_cache=True)
+    assert a.shape == (1, 40) and not [e.key for e in prof.key_averages() if "cudnn_attention" in e.key]
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # the process's flag as it was
+
+
+def test_bench_memory_searches_on_the_gpu():
+    """Its batches are made on the GPU: the trainer's micro-step pins CPU batches only."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "gpt2lab", "bench", "memory", "--size", "124M", "--max-batch", "2", "--seq-len", "128"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rec = json.loads(out.stdout.strip().splitlines()[-1])
+    assert rec["device"] == "cuda" and rec["largest_micro_batch"] == 2

@@ -99,6 +99,44 @@ def test_kv_cache_chunks_equal_full_forward():
 
 
 @torch.no_grad()
+def test_calls_with_a_kv_cache_keep_cudnn_attention_off_and_restore_the_flag(monkeypatch):
+    """cuDNN's attention builds a plan per new shape (milliseconds of host time each): every call with a
+    cache runs without it, a call without one (training's fixed shape) with it, and the process's flag is
+    as it was after each call, an exception included, and stays off where the user turned it off."""
+    model, seen = tiny_gpt(), []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*a, **k):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return real(*a, **k)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    idx = torch.randint(0, 128, (1, 8))
+    model(idx)
+    assert seen == [True, True]  # two layers, no cache
+    cache = model.new_kv_cache()
+    model(idx, kv_cache=cache)
+    model(idx[:, :1], kv_cache=cache)
+    assert seen[2:] == [False] * 4 and torch.backends.cuda.cudnn_sdp_enabled()
+
+    def broken(*a, **k):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", broken)
+    with pytest.raises(RuntimeError, match="planted"):
+        model(idx[:, :1], kv_cache=cache)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        model(idx[:, :1], kv_cache=model.new_kv_cache())
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+
+
+@torch.no_grad()
 def test_last_only_and_block_size_limit():
     model = tiny_gpt()
     idx = torch.randint(0, 128, (2, 10))

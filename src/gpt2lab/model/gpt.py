@@ -305,6 +305,22 @@ class GPT(nn.Module):
             n -= sum(p.numel() for p in self.transformer.ve.parameters()) if "ve" in self.transformer else 0
         return n
 
+    def _blocks(self, x: torch.Tensor, idx: torch.Tensor, kv_cache: Optional[KVCache], rope) -> torch.Tensor:
+        recompute = self.activation_checkpointing and self.training and kv_cache is None
+        ves = [table(idx) for table in self.transformer.ve] if "ve" in self.transformer else []
+        skips = []  # unet_skips: the outputs of the first n_layer // 2 blocks
+        for i, block in enumerate(self.transformer.h):
+            mirror = self.config.n_layer - 1 - i
+            if mirror < len(skips):  # a late block: its input gets its early mirror's output, weighted
+                x = x + self.skip_weights[mirror] * skips[mirror]
+            t = value_embed_table(self.config, i)
+            ve = None if t is None else ves[t]
+            # non-reentrant checkpointing replays the block's dropout masks (it saves the RNG state)
+            x = checkpoint(block, x, None, rope, ve, use_reentrant=False) if recompute else block(x, kv_cache, rope, ve)
+            if self.config.unet_skips and i < self.config.n_layer // 2:
+                skips.append(x)
+        return x
+
     def forward(
         self,
         idx: torch.Tensor,
@@ -345,19 +361,21 @@ class GPT(nn.Module):
         if self.config.embed_norm:  # the stream starts at unit RMS (no gain), as NanoChat's
             x = F.rms_norm(x, (x.size(-1),), eps=self.config.layer_norm_epsilon)
         x = self.transformer.drop(x)
-        recompute = self.activation_checkpointing and self.training and kv_cache is None
-        ves = [table(idx) for table in self.transformer.ve] if "ve" in self.transformer else []
-        skips = []  # unet_skips: the outputs of the first n_layer // 2 blocks
-        for i, block in enumerate(self.transformer.h):
-            mirror = self.config.n_layer - 1 - i
-            if mirror < len(skips):  # a late block: its input gets its early mirror's output, weighted
-                x = x + self.skip_weights[mirror] * skips[mirror]
-            t = value_embed_table(self.config, i)
-            ve = None if t is None else ves[t]
-            # non-reentrant checkpointing replays the block's dropout masks (it saves the RNG state)
-            x = checkpoint(block, x, None, rope, ve, use_reentrant=False) if recompute else block(x, kv_cache, rope, ve)
-            if self.config.unet_skips and i < self.config.n_layer // 2:
-                skips.append(x)
+        # A KV cache gives the attention new key lengths (and strides) every call. cuDNN's attention, SDPA's
+        # first choice for bf16 on Hopper GPUs, builds a plan for each new shape: ~4 ms of host time a
+        # layer against ~3 us of GPU work (an H200, torch 2.11: a 124M decode step 43-56 ms where its
+        # shapes were new, 4-6 ms where seen; docs/benchmarks.md). Calls with a cache take SDPA's other
+        # kernels; training's one shape keeps cuDNN. The flag is the process's: set for this call only.
+        plan_free = (
+            kv_cache is not None and torch.backends.cuda.cudnn_sdp_enabled() and not torch.compiler.is_compiling()
+        )
+        if plan_free:
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        try:
+            x = self._blocks(x, idx, kv_cache, rope)
+        finally:
+            if plan_free:
+                torch.backends.cuda.enable_cudnn_sdp(True)
         if kv_cache is not None:
             kv_cache.advance(T)
         if last_only:  # generation needs the next token only: skip T-1 rows of the vocab matmul
