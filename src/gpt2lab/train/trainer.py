@@ -97,8 +97,8 @@ def accumulate_gradients(
     total = torch.zeros((), dtype=torch.float32, device=device)
     for micro in range(accum):
         x, y = batches[micro] if masked else next_batch()
-        if device.type == "cuda":  # from pinned memory the copy is queued; from pageable it waits for the GPU
-            x, y = x.pin_memory(), y.pin_memory()
+        if device.type == "cuda" and x.device.type == "cpu":  # from pinned memory the copy is queued; from
+            x, y = x.pin_memory(), y.pin_memory()  # pageable it waits for the GPU (bench memory's are on the GPU)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         last = micro == accum - 1
         with parallel.sync_gradients(model, last):
