@@ -13,6 +13,7 @@
 #   benchmarks/gpu.sh finetune    --init-from that run: 60 steps of the finetune-shakespeare preset
 #                                 (dropout 0.1), then the same with --lora-rank 8; val loss before/after
 #   benchmarks/gpu.sh profile     torch.profiler over gpt2lab's step at B=64 (where the time goes)
+#   (and speed, fastvs, infer, sft, ac, decode, chat: docs/benchmarks.md's table "gpu.sh stages")
 #
 # No install: it runs from the tree (PYTHONPATH=src) on the machine's own torch, transformers,
 # tiktoken and numpy. Results (JSON, logs, the plot) go to $OUT (the device tool's folder) or
@@ -77,7 +78,12 @@ stage_ladder() {  # $1 = micro-batch
 }
 
 stage_memory() {  # the search, next to the planner's prediction; 124M and 350M with activation checkpointing too
-    local sizes=(124M 124M 350M 350M 774M 1558M) ac=(false true false true false false) max=(512 1024 256 512 64 32)
+    # MEMORY_CASES="SIZE:AC:MAX ..." searches those cases alone (e.g. "1558M:false:64 774M:true:256")
+    local sizes=(124M 124M 350M 350M 774M 1558M) ac=(false true false true false false) max=(512 1024 256 512 64 32) c
+    if [ -n "${MEMORY_CASES:-}" ]; then
+        sizes=() ac=() max=()
+        for c in $MEMORY_CASES; do IFS=: read -r s a m <<< "$c"; sizes+=("$s") ac+=("$a") max+=("$m"); done
+    fi
     local flags=(--seq-len 1024)
     [ "$SMOKE" = 1 ] && sizes=(124M) ac=(false) max=(1) flags=(--seq-len 32 --device cpu)
     : > "$OUT/memory.jsonl"
@@ -304,6 +310,33 @@ EOF2
     done
 }
 
+stage_decode() {  # a one-row decode step per held copy, one change at a time, profiles (benchmarks/decode_stall.py)
+    local a=(--holds 4 --steps 50)
+    [ "$SMOKE" = 1 ] && a=(--holds 1 --steps 2 --tiny)
+    "$PY" benchmarks/decode_stall.py "${a[@]}" > "$OUT/decode.jsonl" 2> "$OUT/decode_profile.txt"
+    # PyTorch reads DISABLE_ADDMM_CUDA_LT once a process: bias-fused addmm without cuBLASLt, in a process of its own
+    DISABLE_ADDMM_CUDA_LT=1 "$PY" benchmarks/decode_stall.py "${a[@]}" --variant DISABLE_ADDMM_CUDA_LT=1 \
+        >> "$OUT/decode.jsonl" 2>> "$OUT/decode_profile.txt"
+    cat "$OUT/decode.jsonl"
+}
+
+stage_chat() {  # chat-gpt2 on the bundled conversations from CHAT_INIT, else a randomly initialised GPT-2 (no hub)
+    local init=${CHAT_INIT:-$RUN/gpt2_random} flags=()
+    [ "$SMOKE" = 1 ] && flags=($(tiny_flags) --max-steps 2 --eval-interval 1 --eval-tokens 256 $(short_run))
+    if [ -z "${CHAT_INIT:-}" ] && [ ! -f "$init/config.json" ]; then
+        local shape="GPT2Config()"
+        [ "$SMOKE" = 1 ] && shape="GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=64)"
+        "$PY" -c "import sys, torch; from transformers import GPT2Config, GPT2LMHeadModel; torch.manual_seed(0)
+GPT2LMHeadModel($shape).save_pretrained(sys.argv[1])" "$init"
+    fi
+    [ -f "$RUN/chat/manifest.json" ] || g prepare --source chitchat --out "$RUN/chat" --quiet
+    rm -rf "$RUN/chat_run"
+    g train --preset chat-gpt2 --init-from "$init" --data "$RUN/chat" --out "$RUN/chat_run" --progress false \
+        "${flags[@]}" > "$OUT/chat.log" 2>&1
+    cp "$RUN/chat_run/metrics.jsonl" "$OUT/chat_metrics.jsonl"
+    tail -n 12 "$OUT/chat.log"
+}
+
 stage_ac() {  # activation checkpointing's cost at 124M: tok/s and peak memory with it on and off
     data
     : > "$OUT/ac.jsonl"
@@ -337,7 +370,9 @@ for stage in "$@"; do
         infer) stage_infer ;;
         sft) stage_sft ;;
         ac) stage_ac ;;
+        decode) stage_decode ;;
+        chat) stage_chat ;;
         *) echo "unknown stage $stage; stages: tests ladder16 ladder64 memory big train eval finetune profile" \
-                "speed fastvs infer sft ac" >&2; exit 2 ;;
+                "speed fastvs infer sft ac decode chat" >&2; exit 2 ;;
     esac
 done

@@ -149,3 +149,16 @@ def test_gpu_sh_never_works_in_a_folder_it_did_not_make(tmp_path):
     )
     assert proc.returncode == 2 and "was not made by gpu.sh" in proc.stderr
     assert (mine / "run" / "keep.txt").read_text() == "mine" and sorted(p.name for p in mine.iterdir()) == ["run"]
+
+
+@pytest.mark.slow
+def test_gpu_sh_smoke_decode_and_chat(tmp_path):
+    out, run = _gpu_sh(tmp_path, "decode", "chat")
+    decode = [json.loads(x) for x in (out / "decode.jsonl").read_text().splitlines()]
+    holds = [r for r in decode if "dtype" in r]
+    assert [r["dtype"] for r in holds] == ["bfloat16", "float32"] and all(len(r["ms"]) == 2 for r in holds)
+    assert "DISABLE_ADDMM_CUDA_LT=1" in {r.get("variant") for r in decode}
+    assert "by self CPU time" in (out / "decode_profile.txt").read_text()
+    chat = [json.loads(x) for x in (out / "chat_metrics.jsonl").read_text().splitlines()]
+    assert sorted(r["step"] for r in chat if "train_loss" in r) == [0, 1]  # from the random GPT-2 it wrote
+    assert (run / "gpt2_random" / "config.json").exists()
