@@ -26,6 +26,7 @@ from gpt2lab.inference.kernels import (
     PackedLinear,
     PlainLinear,
     UpcastLinear,
+    _compiled_gemv,
     gemv_error,
     int8_available,
     packing_available,
@@ -161,12 +162,14 @@ needs_gemv = pytest.mark.skipif(
 
 @needs_gemv
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])  # one row; several: groups of four and what is left
-@pytest.mark.parametrize("width", [8, 37, 64, 100])  # the 32-wide steps, the 8-wide ones and the tail
+@pytest.mark.parametrize("width", [8, 37, 48, 64, 100])  # the 32-wide steps, the 8-wide ones and the tail
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("held", ["int8", "bf16"])
 def test_compiled_gemv_multiplies_fp32_inputs_by_the_held_weight(held, rows, width, bias):
     """int8-gemv against the dequantized weight, gemv against the bf16-rounded one, the inputs unrounded
-    (fp64 reference); one row through the C kernel, several too (int8) or as upcast does them (bf16)."""
+    (fp64 reference); one row through the C kernel, several too (int8) or as upcast does them (bf16),
+    and the C kernel's several rows for bf16 as well (the fused step's and the head's path); 45 weight
+    rows: pairs of rows and the last alone."""
     g = torch.Generator().manual_seed(rows * 1000 + width)
     w, b = torch.randn(45, width, generator=g), torch.randn(45, generator=g) if bias else None
     x = torch.randn(rows, width, generator=g)
@@ -183,6 +186,9 @@ def test_compiled_gemv_multiplies_fp32_inputs_by_the_held_weight(held, rows, wid
             got = layer(x[None].transpose(0, 1))  # a non-contiguous (rows, 1, width) input
         assert got.dtype == torch.float32 and got.shape == (rows, 1, 45)
         torch.testing.assert_close(got[:, 0].double(), want, rtol=1e-5, atol=1e-5)
+        if held == "bf16":
+            c = _compiled_gemv("bf16_gemv", x, layer.weight, None, layer.bias32, 45)
+            torch.testing.assert_close(c.double(), want, rtol=1e-5, atol=1e-5)
     torch.set_num_threads(1)
     assert layer(torch.empty(0, width)).shape == (0, 45)
     with pytest.raises(ValueError, match="computes in float32|holds bfloat16"):
