@@ -161,7 +161,7 @@ needs_gemv = pytest.mark.skipif(
 
 
 @needs_gemv
-@pytest.mark.parametrize("rows", [1, 3, 4, 9])  # one row; several: groups of four and what is left
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 7, 9])  # one row; several: groups of four and what is left
 @pytest.mark.parametrize("width", [8, 37, 48, 64, 100])  # the 32-wide steps, the 8-wide ones and the tail
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("held", ["int8", "bf16"])
