@@ -60,12 +60,17 @@ def _unfused(model):
 
 
 @pytest.mark.parametrize("cand", CANDS, ids=str)
-@pytest.mark.parametrize("shape", [dict(n_head=2, n_embd=32), dict(n_head=3, n_embd=36, bias=False)], ids=["32", "36"])
-@pytest.mark.parametrize("rows", [1, 6])  # six: a group of four rows through each widened weight row, two left
+@pytest.mark.parametrize(
+    "shape",
+    [dict(n_head=2, n_embd=32), dict(n_head=3, n_embd=36, bias=False), dict(n_head=2, n_embd=144)],
+    ids=["32", "36", "144"],
+)
+@pytest.mark.parametrize("rows", [1, 6])  # six: a tile of four rows, then one of two
 @pytest.mark.parametrize("way", ["whole", "blocks"])
 def test_one_token_fused_equals_the_models_own_forward_with_the_same_cache(cand, shape, rows, way, counted):
     """Logits and the KV cache after several one-token steps, fused (the whole step, or block by block)
-    against unfused, from the same prompt (36 wide: heads of 12, not a multiple of 8; no biases). The
+    against unfused, from the same prompt (36 wide: heads of 12, not a multiple of 8; no biases; 144:
+    heads of 72, wider than GPT-2's 64). The
     whole step takes the head too, at any rows (its forward takes a bf16 head's several rows through
     PyTorch)."""
     model = tiny_gpt(seed=5, vocab_size=97, block_size=40, **shape)
