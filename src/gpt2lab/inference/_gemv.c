@@ -5,9 +5,10 @@
  * Decoding one row is bound by reading the weights: each weight row is read once, converted to fp32
  * in registers and multiplied there; the rows are shared among OpenMP threads. At four rows or more
  * two weight rows are converted in registers and multiplied with four input rows at a time (eight
- * sums in registers), so the weights are still read from memory once. The AVX2/FMA routines are compiled for that instruction set alone
- * (a target attribute) and used only where the CPU reports both; the plain C loops serve elsewhere
- * (kernels.py then leaves these kernels out: they would not be faster).
+ * sums in registers), so the weights are still read from memory once. The AVX2/FMA routines are
+ * compiled for that instruction set alone (a target attribute) and used only where the CPU reports
+ * both; the plain C loops serve elsewhere (kernels.py then leaves these kernels out: they would not be
+ * faster).
  *
  * Called from Python with tensors' data pointers; kernels.py checks dtypes, shapes and contiguity.
  * The GIL is released while it runs. Built at install by setup.py; optional (no compiler, no kernel). */
@@ -140,7 +141,7 @@ __attribute__((target("avx2,fma"))) static inline __m256 hsum8(const __m256 *a) 
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* Eight weights of rows w0 and w1 from i on, widened, against nr (1-4) input rows: into a[j], a[4 + j]. */
+/* Eight weights of rows w0 and w1 from i on, widened, against nr (2-4) input rows: into a[j], a[4 + j]. */
 __attribute__((target("avx2,fma"), always_inline)) static inline void fma2xn(enum held kind, const void *w0,
                                                                              const void *w1, const float *x,
                                                                              Py_ssize_t k, Py_ssize_t i, int nr,
@@ -153,10 +154,10 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void fma2xn(enu
     }
 }
 
-/* Two held weight rows (w0, and w1 right after it) against nr (2-4; a constant where it is inlined,
- * so each count is compiled apart: tile2x4, 2x3, 2x2) input rows, the weights widened in registers: each weight vector loaded
- * once for 2nr FMAs, each input vector once for two, 2nr independent sums. out[j] = w0 . x_j,
- * out[4 + j] = w1 . x_j.
+/* Two held weight rows (w0, and w1 right after it) against nr input rows (2-4: a constant where it
+ * is inlined, so each count is compiled apart: tile2x4, 2x3, 2x2), the weights widened in registers:
+ * each weight vector loaded once for 2nr FMAs, each input vector once for two, 2nr independent sums.
+ * out[j] = w0 . x_j, out[4 + j] = w1 . x_j.
  *
  * With four rows or more the product is bound by the FMAs, not by the read: while this pair is
  * multiplied, the next pair (the same offset two rows on, where a thread's rows continue) is asked
@@ -322,9 +323,10 @@ static void rows_pair(enum held kind, const float *x, const void *wts, const flo
         float b0 = bias ? bias[r] : 0.f, b1 = bias ? bias[r + 1] : 0.f, eight[8];
         Py_ssize_t i = 0;
         /* Four input rows at a time, then the two or three left, the weight rows now in cache. Two or
-         * three rows alone go row by row (rows()): their product is still bound by the weights' read, which
-         * the one-row kernel streams faster (the 124M's head at two rows: 6.1-6.5 ms against 7.2-7.3 by a
-         * tile, an AVX2 EPYC), where the seven rows of a 4 + 3 batch gain (the step 45.9 -> 37.4 ms). */
+         * three rows alone go row by row (rows()): their product is still bound by the weights' read,
+         * which the one-row kernel streams faster (the 124M's head at two rows: 6.1-6.5 ms against
+         * 7.2-7.3 by a tile, an AVX2 EPYC), where the seven rows of a 4 + 3 batch gain (the step
+         * 45.9 -> 37.4 ms). */
         while (m - i >= 4 || (i > 0 && m - i >= 2)) {
             int nr = m - i >= 4 ? 4 : (int)(m - i);
             (nr == 4 ? tile2x4 : nr == 3 ? tile2x3 : tile2x2)(kind, w0, x + i * k, k, eight);

@@ -306,6 +306,7 @@ class GPT(nn.Module):
         return n
 
     def _blocks(self, x: torch.Tensor, idx: torch.Tensor, kv_cache: Optional[KVCache], rope) -> torch.Tensor:
+        """The residual stream ``x`` through every block (value embeddings, U-net skips, checkpointing)."""
         recompute = self.activation_checkpointing and self.training and kv_cache is None
         ves = [table(idx) for table in self.transformer.ve] if "ve" in self.transformer else []
         skips = []  # unet_skips: the outputs of the first n_layer // 2 blocks
