@@ -195,6 +195,89 @@ def test_compiled_gemv_multiplies_fp32_inputs_by_the_held_weight(held, rows, wid
         (Int8GemvLinear if held == "int8" else GemvLinear)(w, b, torch.float16)
 
 
+@needs_gemv
+def test_gemv_multiplies_up_to_its_tile_rows_by_the_compiled_tiles_and_more_rows_as_upcast(monkeypatch):
+    """A hold's ``tile_rows`` routes each call by its rows: up to it the compiled GEMV, past it upcast's
+    matmul; both the bf16-rounded weight's product (fp64 reference)."""
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(40, 48, generator=g), torch.randn(2, 3, 48, generator=g)  # 6 rows a call
+    layer = GemvLinear(w, None, torch.bfloat16, batch_hint=6)
+    want = F.linear(x.double(), w.bfloat16().double())
+    seen = []
+    monkeypatch.setattr(kernels, "_compiled_gemv", lambda *a: seen.append(a[1].shape[0]) or _compiled_gemv(*a))
+    for tile_rows, compiled in ((1, []), (5, []), (6, [6]), (64, [6])):
+        seen.clear()
+        kernels.set_tile_rows(layer, tile_rows)
+        with torch.inference_mode():
+            got = layer(x)
+        assert seen == compiled and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    kernels.set_tile_rows(layer, 0)
+    assert layer.tile_rows == 1  # one row is always the compiled GEMV's
+
+
+@pytest.mark.parametrize(
+    "short, long, rows",
+    [
+        # the tiles 50 ms ahead at 16 tokens, 100 behind at 128: the lead falls 150 ms over 112 tokens,
+        # to zero at 16 + 50 * 112 / 150 = 53.3 tokens
+        ((90.0, 40.0), (300.0, 400.0), 53),
+        ((90.0, 40.0), (300.0, 290.0), 128),  # ahead at both: as far as measured, no further
+        ((90.0, 40.0), (300.0, 200.0), 128),  # ahead and gaining
+        ((50.0, 60.0), (300.0, 250.0), 1),  # behind at 16, gaining later: not a prefix, upcast
+        # behind 10 at 16, 200 at 128: the lead falls 190 over 112 tokens, zero at 16 - 10 * 112 / 190 = 10.1
+        ((50.0, 60.0), (300.0, 500.0), 10),
+        ((50.0, 100.0), (300.0, 500.0), 1),  # zero at 16 - 50 * 112 / 150 = -21: never ahead
+    ],
+)
+def test_the_tiles_stop_where_their_measured_line_crosses_upcasts(short, long, rows):
+    from gpt2lab.inference.choice import crossover
+
+    assert crossover(short, long, (16, 128)) == rows
+
+
+@needs_gemv
+def test_the_probe_measures_where_the_tiles_stop_and_every_hold_of_the_choice_keeps_it(tmp_path, monkeypatch):
+    """The real probe gives a ``gemv`` candidate its ``tile_rows`` within what it measured; from the cache,
+    a decision's (and ``for_inference``'s) hold multiplies that many rows by the tiles, and the probe's own
+    later figures of the candidate are taken held so."""
+    model = tiny_gpt(seed=1, vocab_size=97, block_size=64)
+    cpu, gemv = torch.device("cpu"), Candidate("bfloat16", "gemv")
+    t = prep.measure(model, gemv, InferenceRequest(rows=1), cpu, figures=prep.FIGURES + ("tile_rows",))
+    assert 1 <= t.tile_rows <= 64 and t.prefill > 0 and t.step1 > 0
+    assert prep.measure(model, Candidate("bfloat16", "upcast"), InferenceRequest(), cpu).tile_rows is None
+
+    monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path))
+    monkeypatch.delenv("GPT2LAB_PROBE", raising=False)
+    held_with = {}
+
+    def fake(model, cand, request, device, best=None, figures=prep.FIGURES, doubts=None, tile_rows=1):
+        held_with.setdefault(cand.name, []).append(tile_rows)
+        if "prefill" not in figures:
+            return Timing(step_batch=1.0, step_rows=1.0)
+        fast = cand.kernel == "gemv"
+        return Timing(
+            1.0 if fast else 9.0, 1.0 if fast else 9.0, tile_rows=7 if fast and "tile_rows" in figures else None
+        )
+
+    monkeypatch.setattr(prep, "measure", fake)
+    facts = dataclasses.replace(prep.detect_facts(cpu), native_bf16=True)  # both dtypes measured
+    decision = prep.decide(model, cpu, InferenceRequest(), facts=facts)
+    assert decision.candidate == gemv and decision.tile_rows == 7 and "by its tiles up to 7" in decision.summary()
+    assert held_with["bfloat16/gemv"] == [1, 7, 7]  # first measured; again and at 16 rows held with its tiles
+    assert decision.record()["tile_rows"] == 7
+    [entry] = probe_cache.entries().values()
+    assert "bfloat16/gemv: prefill 1 ms, one-row step 1 ms, its tiles up to 7 rows" in probe_cache.describe(entry)
+    tiles = lambda m: {x.tile_rows for x in m.modules() if isinstance(x, GemvLinear)}  # noqa: E731
+    assert tiles(hold(model, decision.candidate, tile_rows=decision.tile_rows)) == {7}
+    monkeypatch.setattr(prep, "detect_facts", lambda device: facts)
+    import gpt2lab.inference.form as form
+
+    monkeypatch.setattr(form, "detect_facts", lambda device: facts)
+    assert tiles(for_inference(model, dtype="auto")) == {7}  # read from the cache, not measured
+    assert tiles(hold(model, decision.candidate)) == {1}  # unmeasured: one row only
+
+
 def test_compiled_gemv_says_why_it_cannot_run(monkeypatch):
     """Not compiled (no C compiler at install), a CPU without AVX2, another device: one reason each."""
     import sys
@@ -575,7 +658,7 @@ def test_the_probe_is_cached_per_machine_and_model_and_can_be_turned_off(tmp_pat
     monkeypatch.delenv("GPT2LAB_PROBE", raising=False)
     calls = []
 
-    def fake_measure(model, cand, request, device, best=None, figures=prep.FIGURES, doubts=None):
+    def fake_measure(model, cand, request, device, best=None, figures=prep.FIGURES, doubts=None, tile_rows=1):
         calls.append(cand.name)
         if figures == ("step_batch",):
             return Timing(step_batch=1.5)
@@ -590,7 +673,13 @@ def test_the_probe_is_cached_per_machine_and_model_and_can_be_turned_off(tmp_pat
     assert first.candidate.name == "bfloat16/decode" and len(calls) == 8
     assert prep.decide(model, cpu, request, facts=ZEN) == first and len(calls) == 8  # read back, not measured
     [entry] = json.loads((tmp_path / probe_cache.PROBE_FILE).read_text())["entries"].values()
-    assert entry["timings"]["float32/decode"] == {"prefill": 1.0, "step1": 2.0, "step_rows": None, "step_batch": None}
+    assert entry["timings"]["float32/decode"] == {
+        "prefill": 1.0,
+        "step1": 2.0,
+        "step_rows": None,
+        "step_batch": None,
+        "tile_rows": None,
+    }
     assert entry["timings"]["float32/plain"]["step_batch"] == 1.5  # the dtype's best kernel (the first of a tie)
     assert entry["model"] == {"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 97, "block_size": 16}
     assert entry["choices"] == {"sample": "bfloat16/decode"} and entry["device"] == "cpu"
@@ -631,7 +720,7 @@ def test_the_probe_cache_is_one_bounded_versioned_file(tmp_path, monkeypatch):
     monkeypatch.delenv("GPT2LAB_PROBE", raising=False)
     calls = []
 
-    def fake_measure(model, cand, request, device, best=None, figures=prep.FIGURES, doubts=None):
+    def fake_measure(model, cand, request, device, best=None, figures=prep.FIGURES, doubts=None, tile_rows=1):
         calls.append(cand.name)
         return Timing(1.0, 1.0)
 
@@ -855,7 +944,7 @@ def test_each_figure_is_the_best_of_repeats_and_an_unsteady_one_is_timed_again_t
 def _fake_measure(figures_of, calls):
     """probe.measure answering ``figures_of(name, how many times it was measured before)``."""
 
-    def fake(model, cand, request, device, best=None, figures=prep.FIGURES, doubts=None):
+    def fake(model, cand, request, device, best=None, figures=prep.FIGURES, doubts=None, tile_rows=1):
         calls.append(cand.name)
         return figures_of(cand.name, calls.count(cand.name) - 1)
 
@@ -914,11 +1003,11 @@ def test_the_serve_figures_are_the_chosen_dtypes_kernels_at_its_batch_and_kept_b
     table = {"float32/plain": (100.0, 8.0, 40.0), "float32/decode": (100.0, 8.5, 12.0)}
     table |= {"bfloat16/plain": (100.0, 9.0, 10.0), "bfloat16/decode": (100.0, 9.5, 10.0)}
 
-    def fake(model, cand, request, device, best=None, figures=prep.FIGURES, doubts=None):
+    def fake(model, cand, request, device, best=None, figures=prep.FIGURES, doubts=None, tile_rows=1):
         what = figures
         calls.append((cand.name, what))
         p, s1, sr = table[cand.name]
-        return Timing(p, s1) if what == prep.FIGURES else Timing(step_rows=sr)
+        return Timing(p, s1) if "prefill" in what else Timing(step_rows=sr)
 
     monkeypatch.setattr(prep, "measure", fake)
     model, cpu = tiny_gpt(seed=0, vocab_size=97, block_size=16), torch.device("cpu")

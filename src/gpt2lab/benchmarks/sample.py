@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> dict:
     model = GPT(config).to(device).eval()
     request = inference_request(args, "sample")
     decision = decide(model, device, request, command="bench sample")
-    prepared = hold(model, decision.candidate, request.rows)
+    prepared = hold(model, decision.candidate, request.rows, tile_rows=decision.tile_rows)
     announce(decision, "bench sample")
     dtype = decision.candidate.dtype  # the float dtype of every float comparison (int8's activations)
     library = for_inference(model, dtype=dtype, quantize=args.quantize)  # what a Python user's call holds
@@ -135,7 +135,8 @@ def run(args: argparse.Namespace) -> dict:
     ways = {k: v for k, v in ways.items() if k in asked}
     if args.all_settings:  # every explicit setting the device runs, each held as it would be
         for cand in candidates(dataclasses.replace(request, dtype="auto", linear="auto"), detect_facts(device)):
-            held = hold(model, cand, request.rows)
+            t = (decision.timings or {}).get(cand.name)  # its own measured tiles, where it has them
+            held = hold(model, cand, request.rows, tile_rows=getattr(t, "tile_rows", None) or 1)
             ways[f"setting {cand.name}"] = lambda held=held: generate(held, prompt, n, temperature=0.0)[:, -n:]
     if args.llama_cpp and device.type != "cpu":
         raise UsageError(f"--llama-cpp: llama.cpp is timed on the CPU only (device {device}); add --device cpu")

@@ -242,7 +242,8 @@ def sample(run_dir: str, prompt: str, tokens: int, seed: int) -> str:
     from gpt2lab.weights.load import from_checkpoint
 
     model = from_checkpoint(run_dir).eval()
-    model = hold(model, decide(model, torch.device("cpu"), InferenceRequest(), command="gpt2lab demo").candidate)
+    decision = decide(model, torch.device("cpu"), InferenceRequest(), command="gpt2lab demo")
+    model = hold(model, decision.candidate, tile_rows=decision.tile_rows)
     enc = tokenizer_for(model)
     idx = torch.tensor([enc.encode(prompt)])
     gen = torch.Generator().manual_seed(seed)

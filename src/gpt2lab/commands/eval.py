@@ -142,7 +142,7 @@ def _load(args: argparse.Namespace, info, compiled: bool = False):
     decision = decided_on_rank_0(lambda: decide(model, info.device, request, command="gpt2lab eval"))
     if info.rank == 0:
         announce(decision, "gpt2lab eval")
-    return hold(model, decision.candidate, request.rows, inplace=True), decision
+    return hold(model, decision.candidate, request.rows, inplace=True, tile_rows=decision.tile_rows), decision
 
 
 def _positive(value, flag: str) -> None:

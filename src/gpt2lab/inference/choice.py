@@ -27,6 +27,7 @@ form (kernels.py):
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -60,12 +61,15 @@ class Candidate:
 @dataclass(frozen=True)
 class Timing:
     """Measured ms: a prefill of REQUEST_TOKENS tokens, a decode step at one row, at the request's rows
-    (serve's --max-batch) and at BATCH_ROWS rows (measured for each dtype's best kernel)."""
+    (serve's --max-batch) and at BATCH_ROWS rows (measured for each dtype's best kernel); and, for the
+    ``gemv`` kernel, up to how many rows a product goes through its compiled tiles rather than upcast's
+    fp32 matmul (``tile_rows``, from the prefill timed both ways at two lengths: ``crossover``)."""
 
     prefill: Optional[float] = None
     step1: Optional[float] = None
     step_rows: Optional[float] = None
     step_batch: Optional[float] = None
+    tile_rows: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -101,14 +105,22 @@ class Decision:
     request: InferenceRequest
     timings: Optional[dict] = None
 
+    @property
+    def tile_rows(self) -> int:
+        """Up to how many rows the chosen ``gemv`` linears multiply by their compiled tiles (1 unmeasured)."""
+        t = (self.timings or {}).get(self.candidate.name)
+        return t.tile_rows if isinstance(t, Timing) and t.tile_rows else 1
+
     def summary(self) -> str:
-        return f"dtype {self.candidate.dtype}, {self.candidate.kernel} linears ({self.reason})"
+        tiles = f", several rows by its tiles up to {self.tile_rows}" if self.tile_rows > 1 else ""
+        return f"dtype {self.candidate.dtype}, {self.candidate.kernel} linears{tiles} ({self.reason})"
 
     def record(self) -> dict:
         """The figures behind the choice, for JSON outputs."""
         return {
             "dtype": self.candidate.dtype,
             "kernel": self.candidate.kernel,
+            "tile_rows": self.tile_rows,
             "reason": self.reason,
             "workload": self.request.workload,
             "rows": self.request.rows,
@@ -198,6 +210,21 @@ def costs(request: InferenceRequest, t: Timing) -> tuple[float, ...]:
 
 def _has(t, *fields: str) -> bool:
     return isinstance(t, Timing) and all(getattr(t, f) is not None for f in fields)
+
+
+def crossover(short: tuple[float, float], long: tuple[float, float], lengths: tuple[int, int]) -> int:
+    """Up to how many rows the ``gemv`` kernel's compiled tiles multiply: from its prefill timed both ways,
+    (upcast ms, tiles ms), at each of two prompt lengths (``lengths``, the shorter first). Each way is taken
+    as a straight line in the length (upcast: the weights widened once, then an fp32 matmul a row; the
+    tiles: each row's products, no widening pass), and the answer is the longest length, from 1 to the
+    longer one measured (never further than measured), at which the tiles' line is not above upcast's:
+    where they cross is the machine's (an AVX2 EPYC: about 60 tokens), so it is measured, not set."""
+    (s, r), (u_s, c_s), (u_r, c_r) = lengths, short, long
+    ahead_s, ahead_r = u_s - c_s, u_r - c_r  # the tiles' lead at each length (ms)
+    slope = (ahead_r - ahead_s) / (r - s)
+    if slope >= 0:
+        return r if ahead_s >= 0 else 1
+    return int(max(1, min(r, math.floor(s + ahead_s / -slope))))
 
 
 def choose_dtype(cands: list[Candidate], facts: InferenceFacts) -> tuple[str, str]:

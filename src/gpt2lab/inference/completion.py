@@ -73,7 +73,7 @@ def load_for_inference(
         check(model)
     decision = decide(model, device, request, command=command)
     announce(decision, command)
-    return hold(model, decision.candidate, request.rows, inplace=True), decision
+    return hold(model, decision.candidate, request.rows, inplace=True, tile_rows=decision.tile_rows), decision
 
 
 def prompt_text(text: str) -> str:

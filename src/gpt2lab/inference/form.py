@@ -25,6 +25,7 @@ from gpt2lab.inference.kernels import (
     int8_available,
     packing_available,
     packing_bf16_error,
+    set_tile_rows,
     swap_linears,
 )
 from gpt2lab.model.gpt import GPT, CausalSelfAttention
@@ -61,10 +62,12 @@ def _shared_copy(model: GPT) -> GPT:
     return copy.deepcopy(model, memo)
 
 
-def hold(model: GPT, cand: Candidate, rows: int = 1, inplace: bool = False) -> GPT:
-    """``model`` (or a copy sharing its other parameters) with every linear held as ``cand``; for inference only."""
+def hold(model: GPT, cand: Candidate, rows: int = 1, inplace: bool = False, tile_rows: int = 1) -> GPT:
+    """``model`` (or a copy sharing its other parameters) with every linear held as ``cand`` (``gemv``: up to
+    ``tile_rows`` rows by its compiled tiles, a decision's ``tile_rows``); for inference only."""
     target = model if inplace else _shared_copy(model)
     swap_linears(target, cand.kernel, getattr(torch, cand.dtype), batch_hint=rows)
+    set_tile_rows(target, tile_rows)
     target.held_pages = None
     if next(model.parameters()).device.type == "cpu":  # attention in fp32 (CPU_ATTENTION_DTYPE's note)
         # the weights the hold made, on huge pages where Linux gives them (pages.py); the source model's own stay
@@ -101,4 +104,5 @@ def for_inference(
         names = [c.name for c in candidates(request, facts)]
         found = probe_cache.entries().get(probe_cache.key(model.config, device, names))
         facts = dataclasses.replace(facts, timings=probe_cache.timings(found))
-    return hold(model, choose(request, facts).candidate, rows)
+    decision = choose(request, facts)
+    return hold(model, decision.candidate, rows, tile_rows=decision.tile_rows)

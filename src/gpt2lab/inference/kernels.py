@@ -262,13 +262,17 @@ def _compiled_gemv(name: str, x: torch.Tensor, w: torch.Tensor, scale, bias, n_o
 
 
 class GemvLinear(UpcastLinear):
-    """``upcast`` (bf16 weights; several rows as it does them) with one row by gpt2lab's compiled GEMV
-    (``_gemv.c``): the bf16 weight row read once, widened to fp32 in registers. The inputs are not
-    rounded to bf16, at one row or several (a row gives the same sums alone or in a batch, up to their
-    order); the output is fp32."""
+    """``upcast`` (bf16 weights; many rows as it does them) with one row, and up to ``tile_rows`` rows, by
+    gpt2lab's compiled GEMV (``_gemv.c``): the bf16 weights read once, widened to fp32 in registers (several
+    rows by its tiles, each weight vector for up to four rows). Where the tiles stop paying is the
+    machine's (widening every weight once for upcast's fp32 matmul costs a fixed time that the tiles save,
+    the matmul is faster a row): the probe measures it (choice.crossover), a hold sets it; 1 unmeasured.
+    The inputs are not rounded to bf16, at one row or several (a row gives the same sums alone or in a
+    batch, either way, up to their order); the output is fp32."""
 
     kernel = "gemv"
     round_inputs = False
+    tile_rows = 1
 
     def __init__(
         self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype, batch_hint: int = 1
@@ -278,11 +282,19 @@ class GemvLinear(UpcastLinear):
         super().__init__(weight, bias, dtype, batch_hint)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() != self.in_features:
+        n = x.numel() // self.in_features
+        if n > self.tile_rows or n == 0:
             return super().forward(x)
-        x32 = x.reshape(1, self.in_features).float().contiguous()
+        x32 = x.reshape(n, self.in_features).float().contiguous()
         y = _compiled_gemv("bf16_gemv", x32, self.weight, None, self.bias32, self.out_features)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def set_tile_rows(model: nn.Module, rows: int) -> None:
+    """Every ``gemv`` linear of ``model`` multiplies up to ``rows`` rows by its compiled tiles (at least 1)."""
+    for m in model.modules():
+        if isinstance(m, GemvLinear):
+            m.tile_rows = max(1, int(rows))
 
 
 class Int8GemvLinear(DecodeLinear):

@@ -48,10 +48,12 @@ from gpt2lab.inference.choice import (
     candidates,
     choose,
     choose_dtype,
+    crossover,
     device_pick,
     reference_cost,
 )
 from gpt2lab.inference.form import detect_facts, hold
+from gpt2lab.inference.kernels import set_tile_rows
 from gpt2lab.model.gpt import GPT
 
 CONTEXT = 32  # tokens already cached when decode steps are timed
@@ -75,6 +77,10 @@ ABSURD = 2.0
 # no noise of the same work; the figure was taken on another machine state.
 DISAGREE = 3.0
 WATCH_STEPS = 8  # the run's steps whose median is compared (after its prefill)
+# The shorter of the two prompts the ``gemv`` kernel's prefill is timed at both ways (upcast, tiles), the
+# longer being REQUEST_TOKENS (choice.crossover): short enough that the tiles' lead, where a machine gives
+# them one, shows (the widening pass they save is most of a short prefill), long enough to be timed well.
+SHORT_TOKENS = 16
 
 
 def _sync(device: torch.device) -> None:
@@ -136,13 +142,16 @@ def measure(
     best: Optional[Timing] = None,
     figures: tuple = FIGURES,
     doubts: Optional[list] = None,
+    tile_rows: int = 1,
 ) -> Timing:
     """``figures`` of ``model`` held as ``cand`` (for ``request.rows`` rows when the ``step_rows`` figure
-    is asked, else one): a real prefill, real decode steps (given the ``best`` figures so far, a
-    candidate far behind is given up: _TooSlow). What should not be kept goes to ``doubts``."""
+    is asked, else one; ``gemv``: its tiles up to ``tile_rows`` rows): a real prefill, real decode steps
+    (given the ``best`` figures so far, a candidate far behind is given up: _TooSlow); ``tile_rows`` asked
+    of a ``gemv`` candidate: where its tiles stop paying (_tiles), the prefill then the faster way's.
+    What should not be kept goes to ``doubts``."""
     best = best or Timing()
     rows = request.rows if "step_rows" in figures else BATCH_ROWS if "step_batch" in figures else 1
-    prepared = hold(model, cand, rows)
+    prepared = hold(model, cand, rows, tile_rows=tile_rows)
     block, vocab = model.config.block_size, model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     out: dict = {}
@@ -156,6 +165,8 @@ def measure(
             what=f"{cand.name} prefill",
             doubts=doubts,
         )
+        if "tile_rows" in figures and cand.kernel == "gemv":
+            out.update(_tiles(prepared, out["prefill"], device, gen))
     context = min(CONTEXT, max(1, block // 4))
     steps = max(1, min(STEPS, (block - context) // (2 * REPEATS + 1)))
 
@@ -180,6 +191,30 @@ def measure(
     return Timing(**out)
 
 
+def _tiles(prepared: GPT, upcast_long: float, device: torch.device, gen: torch.Generator) -> dict:
+    """A ``gemv`` hold's prefill timed at SHORT_TOKENS both ways and at REQUEST_TOKENS by its tiles (upcast's
+    there: ``upcast_long``): ``tile_rows`` (choice.crossover) and the prefill of REQUEST_TOKENS the faster
+    way, as the hold then runs it. Not checked for steadiness: a figure off by a busy moment moves where
+    the tiles stop, which is a speed (both ways compute the same products, summed in another order)."""
+    block, vocab = prepared.config.block_size, prepared.config.vocab_size
+    lengths = (min(SHORT_TOKENS, block), min(REQUEST_TOKENS, block))
+    if lengths[0] >= lengths[1]:
+        return {}
+    ids = torch.randint(0, vocab, (1, lengths[1]), generator=gen).to(device)
+
+    def prefill_ms(n: int, rows: int) -> float:
+        set_tile_rows(prepared, rows)
+        return _best_ms(lambda: prepared(ids[:, :n], kv_cache=prepared.new_kv_cache(n), last_only=True), device)
+
+    try:
+        short = (prefill_ms(lengths[0], 1), prefill_ms(lengths[0], lengths[0]))
+        tiles_long = prefill_ms(lengths[1], lengths[1])
+    finally:
+        set_tile_rows(prepared, 1)
+    rows = crossover(short, (upcast_long, tiles_long), lengths)
+    return {"tile_rows": rows, "prefill": tiles_long if rows >= lengths[1] else upcast_long}
+
+
 def _bar(done: dict) -> Timing:
     """The best of each figure measured so far (the bar a hopeless candidate is given up at)."""
     ts = [t for t in done.values() if isinstance(t, Timing)]
@@ -191,11 +226,19 @@ def _bar(done: dict) -> Timing:
     )
 
 
-def _measure_each(model, cands, request, device, figures, doubts) -> dict:
+def _tile_rows(t) -> int:
+    """A candidate's measured ``tile_rows`` (1 where none)."""
+    return t.tile_rows if isinstance(t, Timing) and t.tile_rows else 1
+
+
+def _measure_each(model, cands, request, device, figures, doubts, held: Optional[dict] = None) -> dict:
+    """``figures`` of each of ``cands``, each held with the ``tile_rows`` of its figures in ``held``."""
     out: dict = {}
     for c in cands:
         try:
-            out[c.name] = measure(model, c, request, device, _bar(out), figures=figures, doubts=doubts)
+            out[c.name] = measure(
+                model, c, request, device, _bar(out), figures, doubts, _tile_rows((held or {}).get(c.name))
+            )
         except _TooSlow as e:
             out[c.name] = f"given up: {e}"
         except (RuntimeError, NotImplementedError) as e:  # a kernel this build cannot run with these weights
@@ -221,7 +264,7 @@ def reference_timings(model: GPT, cands: list[Candidate], device: torch.device, 
     """Every candidate's reference figures, the best candidate of each dtype timed twice (module docstring);
     what should not be kept goes to ``doubts``."""
     one = InferenceRequest(rows=1)
-    out = _measure_each(model, cands, one, device, FIGURES, doubts)
+    out = _measure_each(model, cands, one, device, FIGURES + ("tile_rows",), doubts)
     per_dtype: dict[str, Candidate] = {}
     for c in cands:
         t = out[c.name]
@@ -231,15 +274,18 @@ def reference_timings(model: GPT, cands: list[Candidate], device: torch.device, 
             per_dtype[c.dtype] = c
     if len(per_dtype) > 1:  # the dtype is decided between these: a second pass, after all the others
         for c in per_dtype.values():
-            again = measure(model, c, one, device, figures=FIGURES, doubts=doubts)
             then = out[c.name]
+            again = measure(model, c, one, device, figures=FIGURES, doubts=doubts, tile_rows=_tile_rows(then))
             for f in FIGURES:
                 a, b = getattr(then, f), getattr(again, f)
                 if max(a, b) > UNSTEADY * min(a, b):
                     doubts.append(f"{c.name} {f} {a:.3g} then {b:.3g} ms")
-            out[c.name] = Timing(min(then.prefill, again.prefill), min(then.step1, again.step1))
+            best = Timing(min(then.prefill, again.prefill), min(then.step1, again.step1), tile_rows=then.tile_rows)
+            out[c.name] = best
         for c in per_dtype.values():  # the dtypes' batch figure: each dtype's best kernel at BATCH_ROWS rows
-            batch = measure(model, c, one, device, figures=("step_batch",), doubts=doubts)
+            batch = measure(
+                model, c, one, device, figures=("step_batch",), doubts=doubts, tile_rows=_tile_rows(out[c.name])
+            )
             out[c.name] = dataclasses.replace(out[c.name], step_batch=batch.step_batch)
     for name, t in out.items():
         if isinstance(t, Timing):
@@ -247,9 +293,10 @@ def reference_timings(model: GPT, cands: list[Candidate], device: torch.device, 
     return out
 
 
-def _rows_timings(model, pool, request, device, doubts: list) -> dict:
-    """The ``request.rows``-row step of each candidate in ``pool`` (ms, or why dropped)."""
-    out = _measure_each(model, pool, request, device, ("step_rows",), doubts)
+def _rows_timings(model, pool, request, device, doubts: list, held: dict) -> dict:
+    """The ``request.rows``-row step of each candidate in ``pool`` (ms, or why dropped), held as its reference
+    figures in ``held`` say."""
+    out = _measure_each(model, pool, request, device, ("step_rows",), doubts, held)
     return {k: (t.step_rows if isinstance(t, Timing) else t) for k, t in out.items()}
 
 
@@ -335,7 +382,9 @@ def decide(
     if timings is None or set(timings) != set(names):
         n_dtypes = len({c.dtype for c in cands})
         n_rows = max(sum(c.dtype == d for c in cands) for d in {c.dtype for c in cands}) if serve else 0
-        secs = estimate_seconds(model, len(cands) + (n_dtypes if n_dtypes > 1 else 0), request, device, n_rows)
+        n_tiles = sum(c.kernel == "gemv" for c in cands)  # its prefill timed three more ways: about a candidate
+        n_timed = len(cands) + n_tiles + (n_dtypes if n_dtypes > 1 else 0)
+        secs = estimate_seconds(model, n_timed, request, device, n_rows)
         _notice(command, f"{len(cands)} ways to run this model ({', '.join(names)})", secs, where)
         doubts: list = []
         timings = reference_timings(model, cands, device, doubts)
@@ -354,7 +403,7 @@ def decide(
             secs = estimate_seconds(model, 0, request, device, len(pool))
             _notice(command, f"the {request.rows}-row step of {len(pool)} ways to serve this model", secs, where)
             doubts = []
-            rows = _rows_timings(model, pool, request, device, doubts)
+            rows = _rows_timings(model, pool, request, device, doubts, timings)
             for c in pool:
                 t = timings[c.name]
                 r = rows.get(c.name)

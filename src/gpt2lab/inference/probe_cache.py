@@ -172,7 +172,8 @@ def describe(entry: dict) -> list[str]:
         lines.append("chose: " + ", ".join(f"{w} {c}" for w, c in sorted(choices.items())))
     for name, t in (timings(entry) or {}).items():
         if isinstance(t, Timing):
-            lines.append(f"{name}: prefill {t.prefill:.3g} ms, one-row step {t.step1:.3g} ms")
+            tiles = f", its tiles up to {t.tile_rows} rows" if t.tile_rows else ""
+            lines.append(f"{name}: prefill {t.prefill:.3g} ms, one-row step {t.step1:.3g} ms{tiles}")
         else:
             lines.append(f"{name}: {t}")
     for rows, found in sorted((entry.get("rows") or {}).items()):
