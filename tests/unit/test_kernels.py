@@ -545,7 +545,9 @@ def test_what_cannot_run_is_one_line_naming_the_flag(facts, request_, needle):
         (ZEN, InferenceRequest(quantize="int8"), "bfloat16/int8"),
         (XEON, InferenceRequest(quantize="int8"), "float32/int8"),
         (GEMV, InferenceRequest(quantize="int8"), "float32/int8-gemv"),
-        (GEMV, InferenceRequest(), "float32/packed"),  # no native bf16: fp32 unmeasured
+        (GEMV, InferenceRequest(), "bfloat16/gemv"),  # no native bf16, but the GEMV's half the bytes and fp32 tiles
+        (GEMV, InferenceRequest(workload="serve", rows=8), "bfloat16/gemv"),
+        (dataclasses.replace(XEON, gemv_error=None), InferenceRequest(), "bfloat16/gemv"),  # before emulated packed
         (GEMV, InferenceRequest(dtype="bfloat16"), "bfloat16/gemv"),  # upcast's batches, a faster one row
         (ZEN_GEMV, InferenceRequest(), "bfloat16/packed"),  # native bf16: oneDNN's packed bf16 first
         (ZEN_GEMV, InferenceRequest(dtype="bfloat16", linear="auto"), "bfloat16/packed"),

@@ -307,25 +307,28 @@ def _join(dtype_why: str, kernel_why: str) -> str:
 
 
 def device_pick(cands: list[Candidate], facts: InferenceFacts) -> Candidate:
-    """The device's rule: half precision where the device computes it natively (fp32 on a CPU without
-    native bf16, and on MPS), of those dtypes the candidates hold (an asked-for dtype is the only one);
-    oneDNN's packed linear first; then, for fp32 weights, the column-major layout, for half-precision
-    ones the row-major (a column-major bf16 weight was 1.4x slower than row-major on a Zen 5 with
-    AVX512_BF16, and 20x on an AVX2-only EPYC; fp32 gained 1.2x from it on both); an asked-for half
-    precision on a CPU without native bf16 that oneDNN cannot pack takes ``upcast``, whose several-row
-    products are fp32 ones (a 128-token prefill 1.2 s in bf16, 0.2 s upcast, on that EPYC), and where
-    gpt2lab's compiled GEMV runs, ``gemv`` before it (the same several-row products, its one row read
-    faster: 12-16 GB/s against torch's 10 on that EPYC). Int8 weights
-    in fp32 take gpt2lab's compiled GEMV where it runs (``int8-gemv``: on that EPYC it read them at ~12
-    GB/s, PyTorch's int8 kernel at ~1.3 with fp32 activations)."""
+    """The device's rule: half precision where the device computes it natively, or where gpt2lab's
+    compiled GEMV holds it (``gemv``), of those dtypes the candidates hold (an asked-for dtype is the only
+    one); fp32 on a CPU without either, and on MPS. Then oneDNN's packed linear first, but ``gemv`` before
+    it on a CPU without native bf16 (its one row reads half fp32's bytes at the read's pace on any such
+    CPU, and several rows are its fp32 tiles, not emulated bf16 matmuls: on an AVX2-only EPYC 2.46x faster
+    than fp32 at one row and 1.38-2.0x in a 16-row batch); for fp32 weights the column-major layout, for
+    half-precision ones the row-major (a column-major bf16 weight was 1.4x slower than row-major on a Zen 5
+    with AVX512_BF16, and 20x on an AVX2-only EPYC; fp32 gained 1.2x from it on both); an asked-for half
+    precision on a CPU without native bf16 that neither oneDNN nor gpt2lab's GEMV holds takes ``upcast``,
+    whose several-row products are fp32 ones (a 128-token prefill 1.2 s in bf16, 0.2 s upcast, on that
+    EPYC). Int8 weights in fp32 take gpt2lab's compiled GEMV where it runs (``int8-gemv``: on that EPYC it
+    read them at ~12 GB/s, PyTorch's int8 kernel at ~1.3 with fp32 activations)."""
     half = [c for c in cands if c.dtype != "float32"]
     fp32 = [c for c in cands if c.dtype == "float32"]
-    prefer_fp32 = facts.device_type == "mps" or (facts.device_type == "cpu" and not facts.native_bf16)
+    emulated = facts.device_type == "cpu" and not facts.native_bf16  # its half-precision matmuls emulated
+    gemv = any(c.kernel == "gemv" for c in half)
+    prefer_fp32 = facts.device_type == "mps" or (emulated and not gemv)
     pool = (fp32 if prefer_fp32 else half) or cands
     if pool[0].dtype == "float32":
         order = ("packed", "decode", "int8-gemv", "int8", "plain")
-    elif facts.device_type == "cpu" and not facts.native_bf16:  # its half-precision matmuls of several rows emulated
-        order = ("packed", "gemv", "upcast", "int8", "plain", "decode")
+    elif emulated:
+        order = ("gemv", "packed", "upcast", "int8", "plain", "decode")
     else:
         order = ("packed", "int8", "plain", "decode", "gemv", "upcast")
     for kernel in order:
@@ -341,6 +344,7 @@ def _unmeasured_reason(facts: InferenceFacts) -> str:
             "not measured; "
             + ("native bf16 on this CPU" if facts.native_bf16 else "no native bf16 on this CPU")
             + (", oneDNN packed linears" if facts.packing else "")
+            + (", gpt2lab's compiled GEMV" if facts.gemv_error is None else "")
         )
     return f"not measured; {facts.device_type}: half precision reads half the bytes"
 
