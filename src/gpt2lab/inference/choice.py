@@ -312,7 +312,7 @@ def device_pick(cands: list[Candidate], facts: InferenceFacts) -> Candidate:
     one); fp32 on a CPU without either, and on MPS. Then oneDNN's packed linear first, but ``gemv`` before
     it on a CPU without native bf16 (its one row reads half fp32's bytes at the read's pace on any such
     CPU, and several rows are its fp32 tiles, not emulated bf16 matmuls: on an AVX2-only EPYC 2.46x faster
-    than fp32 at one row and 1.38-2.0x in a 16-row batch); for fp32 weights the column-major layout, for
+    than fp32 at one row and 1.4-2.2x in a 16-row batch); for fp32 weights the column-major layout, for
     half-precision ones the row-major (a column-major bf16 weight was 1.4x slower than row-major on a Zen 5
     with AVX512_BF16, and 20x on an AVX2-only EPYC; fp32 gained 1.2x from it on both); an asked-for half
     precision on a CPU without native bf16 that neither oneDNN nor gpt2lab's GEMV holds takes ``upcast``,
