@@ -232,3 +232,14 @@ def test_a_cast_and_back_reads_the_new_tensors(counted):
     assert len(counted["model_step"]) == 2
     torch.testing.assert_close(got[1], got[0], rtol=0, atol=0)
     torch.testing.assert_close(got[1], got[2], rtol=1e-5, atol=1e-5)
+
+
+def test_the_whole_step_refuses_a_model_without_a_head():
+    """model_step computes the logits: a head weight of 0 is refused before anything is read."""
+    from gpt2lab.inference import _gemv
+
+    # bf16, rows, width, heads, layers, ids, wte, wpe, vocab, n_pos, layers' table, max_len, positions, pos0,
+    # out, eps, ln_f g, b, eps, head bf16, head weight (none), scale, bias, n_out, threads
+    args = [True, 1, 8, 2, 1, 0, 0, 0, 10, 10, 0, 4, 0, 1, 0, 1e-5, 0, 0, 1e-5, True, 0, 0, 0, 10, 1]
+    with pytest.raises(ValueError, match="model_step: bad .* head"):
+        _gemv.model_step(*args)

@@ -607,7 +607,7 @@ static PyObject *block_step(PyObject *self, PyObject *args) {
 /* ---- A whole decode step of a GPT-2 model for one new token of each of m rows ----
  *
  * The token's embedding plus its position's, every block as block_body computes it, the final
- * LayerNorm and, where a head is given, the vocabulary projection: one OpenMP region a token, so the
+ * LayerNorm and the vocabulary projection (the head): one OpenMP region a token, so the
  * threads wake once where block by block they wake 13 times and Python runs between them. The layers'
  * pointers come in one int64 array, LAYER_FIELDS a layer (the order fused.py writes). Returns False,
  * having done nothing, where a token id or a position is outside its table (the caller then runs the
@@ -623,8 +623,9 @@ static PyObject *model_step(PyObject *self, PyObject *args) {
                           &vocab, &n_pos, &tp, &max_len, &pp, &pos0, &op, &eps, &gfp, &bfp, &eps_f, &head_bf16, &hwp,
                           &hsp, &hbp, &n_out, &threads))
         return NULL;
-    if (m < 1 || c < 1 || nh < 1 || c % nh || n_layer < 1 || threads < 1 || vocab < 1 || n_pos < 1 || n_out < 1) {
-        PyErr_SetString(PyExc_ValueError, "model_step: bad rows, width, heads, layers, tables or threads");
+    if (m < 1 || c < 1 || nh < 1 || c % nh || n_layer < 1 || threads < 1 || vocab < 1 || n_pos < 1 || n_out < 1 ||
+        !hwp) {
+        PyErr_SetString(PyExc_ValueError, "model_step: bad rows, width, heads, layers, tables, head or threads");
         return NULL;
     }
     const int64_t *ids = (const int64_t *)(uintptr_t)idp, *table = (const int64_t *)(uintptr_t)tp;
@@ -664,7 +665,7 @@ static PyObject *model_step(PyObject *self, PyObject *args) {
     const float *wte = (const float *)(uintptr_t)wtep, *wpe = (const float *)(uintptr_t)wpep;
     const float *gf = (const float *)(uintptr_t)gfp, *bf = (const float *)(uintptr_t)bfp;
     struct linear head = {(const void *)(uintptr_t)hwp, (const float *)(uintptr_t)hsp, (const float *)(uintptr_t)hbp};
-    float *out = (float *)(uintptr_t)op; /* the logits (m x n_out), or without a head the final norm's output (m x C) */
+    float *out = (float *)(uintptr_t)op; /* the logits (m x n_out) */
     enum held kind = bf16 ? HELD_BF16 : HELD_INT8, head_kind = head_bf16 ? HELD_BF16 : HELD_INT8;
     int avx2 = cpu_has_avx2(), failed = 0, need = avx2 && m >= 4;
     Py_BEGIN_ALLOW_THREADS
@@ -684,8 +685,8 @@ static PyObject *model_step(PyObject *self, PyObject *args) {
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-            for (Py_ssize_t i = 0; i < m; i++) layernorm(x + i * c, gf, bf, eps_f, head.w ? s.h + i * c : out + i * c, c);
-            if (head.w) linear_rows(head_kind, &head, s.h, out, m, c, n_out, wb, avx2, SET);
+            for (Py_ssize_t i = 0; i < m; i++) layernorm(x + i * c, gf, bf, eps_f, s.h + i * c, c);
+            linear_rows(head_kind, &head, s.h, out, m, c, n_out, wb, avx2, SET);
         }
         free(wb);
     }
@@ -723,7 +724,7 @@ static PyMethodDef methods[] = {
     {"model_step", model_step, METH_VARARGS,
      "model_step(bf16, m, C, n_head, n_layer, ids, wte, wpe, vocab, n_pos, layers, max_len, positions, pos0, out, "
      "eps, ln_f g, b, eps, head bf16, head w, scale, bias, n_out, threads): a GPT-2 decode step for one token of "
-     "each of m rows into out (logits, or without a head w the final norm's output); pointers (0: none); False "
+     "each of m rows into out (its logits); pointers (0: none; the head's weight is needed); False "
      "(nothing done) where an id or position is outside its table"},
     {"has_avx2", has_avx2, METH_NOARGS, "whether this CPU runs the AVX2/FMA routines"},
     {"has_openmp", has_openmp, METH_NOARGS, "whether the kernels were built with OpenMP (threads)"},
