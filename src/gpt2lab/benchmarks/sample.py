@@ -37,7 +37,7 @@ import torch
 
 from gpt2lab.benchmarks import peers, timed
 from gpt2lab.distributed.dist import autocast, pick_device
-from gpt2lab.inference.choice import InferenceRequest, candidates, rule
+from gpt2lab.inference.choice import InferenceRequest, candidates, rule, tile_rows_of
 from gpt2lab.inference.flags import add_inference_flags, inference_request
 from gpt2lab.inference.form import detect_facts, for_inference, hold
 from gpt2lab.inference.probe import announce, decide
@@ -135,8 +135,8 @@ def run(args: argparse.Namespace) -> dict:
     ways = {k: v for k, v in ways.items() if k in asked}
     if args.all_settings:  # every explicit setting the device runs, each held as it would be
         for cand in candidates(dataclasses.replace(request, dtype="auto", linear="auto"), detect_facts(device)):
-            t = (decision.timings or {}).get(cand.name)  # its own measured tiles, where it has them
-            held = hold(model, cand, request.rows, tile_rows=getattr(t, "tile_rows", None) or 1)
+            tiles = tile_rows_of((decision.timings or {}).get(cand.name))  # its own, where measured
+            held = hold(model, cand, request.rows, tile_rows=tiles)
             ways[f"setting {cand.name}"] = lambda held=held: generate(held, prompt, n, temperature=0.0)[:, -n:]
     if args.llama_cpp and device.type != "cpu":
         raise UsageError(f"--llama-cpp: llama.cpp is timed on the CPU only (device {device}); add --device cpu")

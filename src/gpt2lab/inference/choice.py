@@ -72,6 +72,12 @@ class Timing:
     tile_rows: Optional[int] = None
 
 
+def tile_rows_of(t) -> int:
+    """Up to how many rows a candidate's figures ``t`` (a Timing, or why it was dropped) hold its ``gemv``
+    linears' compiled tiles: 1 where none were measured."""
+    return t.tile_rows if isinstance(t, Timing) and t.tile_rows else 1
+
+
 @dataclass(frozen=True)
 class InferenceRequest:
     """What the command asked for (``dtype`` "auto" or a dtype name; ``rows``: the server's --max-batch)."""
@@ -108,8 +114,7 @@ class Decision:
     @property
     def tile_rows(self) -> int:
         """Up to how many rows the chosen ``gemv`` linears multiply by their compiled tiles (1 unmeasured)."""
-        t = (self.timings or {}).get(self.candidate.name)
-        return t.tile_rows if isinstance(t, Timing) and t.tile_rows else 1
+        return tile_rows_of((self.timings or {}).get(self.candidate.name))
 
     def summary(self) -> str:
         tiles = f", several rows by its tiles up to {self.tile_rows}" if self.tile_rows > 1 else ""

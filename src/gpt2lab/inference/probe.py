@@ -51,6 +51,7 @@ from gpt2lab.inference.choice import (
     crossover,
     device_pick,
     reference_cost,
+    tile_rows_of,
 )
 from gpt2lab.inference.form import detect_facts, hold
 from gpt2lab.inference.kernels import set_tile_rows
@@ -226,18 +227,13 @@ def _bar(done: dict) -> Timing:
     )
 
 
-def _tile_rows(t) -> int:
-    """A candidate's measured ``tile_rows`` (1 where none)."""
-    return t.tile_rows if isinstance(t, Timing) and t.tile_rows else 1
-
-
 def _measure_each(model, cands, request, device, figures, doubts, held: Optional[dict] = None) -> dict:
     """``figures`` of each of ``cands``, each held with the ``tile_rows`` of its figures in ``held``."""
     out: dict = {}
     for c in cands:
         try:
             out[c.name] = measure(
-                model, c, request, device, _bar(out), figures, doubts, _tile_rows((held or {}).get(c.name))
+                model, c, request, device, _bar(out), figures, doubts, tile_rows_of((held or {}).get(c.name))
             )
         except _TooSlow as e:
             out[c.name] = f"given up: {e}"
@@ -275,16 +271,17 @@ def reference_timings(model: GPT, cands: list[Candidate], device: torch.device, 
     if len(per_dtype) > 1:  # the dtype is decided between these: a second pass, after all the others
         for c in per_dtype.values():
             then = out[c.name]
-            again = measure(model, c, one, device, figures=FIGURES, doubts=doubts, tile_rows=_tile_rows(then))
+            again = measure(model, c, one, device, figures=FIGURES, doubts=doubts, tile_rows=tile_rows_of(then))
             for f in FIGURES:
                 a, b = getattr(then, f), getattr(again, f)
                 if max(a, b) > UNSTEADY * min(a, b):
                     doubts.append(f"{c.name} {f} {a:.3g} then {b:.3g} ms")
-            best = Timing(min(then.prefill, again.prefill), min(then.step1, again.step1), tile_rows=then.tile_rows)
-            out[c.name] = best
+            out[c.name] = dataclasses.replace(
+                then, prefill=min(then.prefill, again.prefill), step1=min(then.step1, again.step1)
+            )
         for c in per_dtype.values():  # the dtypes' batch figure: each dtype's best kernel at BATCH_ROWS rows
             batch = measure(
-                model, c, one, device, figures=("step_batch",), doubts=doubts, tile_rows=_tile_rows(out[c.name])
+                model, c, one, device, figures=("step_batch",), doubts=doubts, tile_rows=tile_rows_of(out[c.name])
             )
             out[c.name] = dataclasses.replace(out[c.name], step_batch=batch.step_batch)
     for name, t in out.items():
