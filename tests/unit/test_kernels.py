@@ -216,6 +216,48 @@ def test_gemv_multiplies_up_to_its_tile_rows_by_the_compiled_tiles_and_more_rows
     assert layer.tile_rows == 1  # one row is always the compiled GEMV's
 
 
+@needs_gemv
+def test_gemv_runs_a_prompt_past_its_tiles_by_the_bf16_matmul_where_asked_and_a_batch_of_new_tokens_in_fp32():
+    """``prompt_bf16``: a prompt's tokens past the tiles are oneDNN's bf16 matmul, the inputs rounded to
+    bf16 (fp64 reference of the rounded inputs, to the output's bf16 rounding); one new token of many rows
+    (a server's batch) keeps fp32 products (fp64 reference of the unrounded inputs); no fp32 copy is packed."""
+    g = torch.Generator().manual_seed(4)
+    w, b = torch.randn(40, 48, generator=g), torch.randn(40, generator=g)
+    prompt, batch = torch.randn(1, 6, 48, generator=g), torch.randn(6, 1, 48, generator=g)
+    layer = GemvLinear(w, b, torch.bfloat16, batch_hint=6, prompt_bf16=True)
+    assert layer.packed is None
+    wb, bb = w.bfloat16().double(), b.bfloat16().double()
+    with torch.inference_mode():
+        got_prompt, got_batch = layer(prompt), layer(batch)
+    assert got_prompt.dtype == got_batch.dtype == torch.float32
+    rounded = F.linear(prompt.bfloat16().double(), wb, bb)
+    torch.testing.assert_close(got_prompt.double(), rounded, rtol=8e-3, atol=8e-3)
+    unrounded = F.linear(prompt.double(), wb, bb)
+    assert (got_prompt.double() - unrounded).abs().max() > 1e-4  # the rounding shows: not the fp32 route
+    torch.testing.assert_close(got_batch.double(), F.linear(batch.double(), wb, bb), rtol=1e-5, atol=1e-5)
+    plain = GemvLinear(w, b, torch.bfloat16, batch_hint=6)
+    with torch.inference_mode():
+        torch.testing.assert_close(plain(prompt).double(), unrounded, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("flags, native", [(("avx512_bf16", "avx512f", "avx2", "fma"), True), (("avx2", "fma"), False)])
+def test_a_gemv_hold_takes_the_bf16_matmul_for_prompts_where_the_cpu_computes_bf16_natively(monkeypatch, flags, native):
+    """The hold and the decision follow the same fact (faked CPU flags), and the decision says so."""
+    from gpt2lab.system import runtime
+
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: flags)
+    held = hold(tiny_gpt(seed=1), Candidate("bfloat16", "gemv"))
+    assert {m.prompt_bf16 for m in held.modules() if isinstance(m, GemvLinear)} == {native}
+    request = InferenceRequest(dtype="bfloat16")
+    for kernel in ("gemv", "upcast"):  # the one measured is chosen
+        timings = {f"bfloat16/{kernel}": Timing(prefill=10.0, step1=1.0)}
+        facts = InferenceFacts("cpu", native_bf16=native, packing=True, gemv_error=None, timings=timings)
+        d = choose(request, facts)
+        ours = kernel == "gemv" and native
+        assert d.candidate.kernel == kernel and d.prompt_bf16 == ours and d.record()["prompt_bf16"] == ours
+        assert ("oneDNN's bf16 matmul" in d.summary()) == ours
+
+
 @pytest.mark.parametrize(
     "short, long, rows",
     [
@@ -315,7 +357,8 @@ def _exact_reference(model, held: str):
 def test_a_compiled_gemv_model_gives_the_exact_weights_logits_and_greedy_tokens(cand, block, monkeypatch):
     """Every linear through the compiled kernel against the model whose weights are the held values
     (int8 dequantized, bf16 rounded) as plain fp32 linears: prefill, a batch of rows, decoding through
-    the KV cache (GPT-2's block: the fused step, one call a token), greedy tokens equal."""
+    the KV cache (GPT-2's block: the fused step, one call a token), greedy tokens equal. A prompt's rows
+    in fp32 too, as on a CPU without native bf16 (with it, the bf16 matmul's own test above)."""
     from gpt2lab.inference import _gemv
     from gpt2lab.inference.fused import FusedDecodeBlock
     from gpt2lab.model.sampling import generate
@@ -325,7 +368,7 @@ def test_a_compiled_gemv_model_gives_the_exact_weights_logits_and_greedy_tokens(
     monkeypatch.setattr(_gemv, "model_step", lambda *a: (calls.append(a), step(*a))[1])
     model = tiny_gpt(seed=4, vocab_size=97, block_size=32, **block)
     idx = torch.randint(0, 97, (3, 11), generator=torch.Generator().manual_seed(2))
-    ready = hold(model, cand, rows=3)
+    ready = hold(model, cand, rows=3, prompt_bf16=False)
     reference = _exact_reference(model, "int8" if cand.kernel == "int8-gemv" else "bf16")
     with torch.inference_mode():
         want, _ = reference(idx)

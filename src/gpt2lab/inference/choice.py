@@ -62,8 +62,9 @@ class Candidate:
 class Timing:
     """Measured ms: a prefill of REQUEST_TOKENS tokens, a decode step at one row, at the request's rows
     (serve's --max-batch) and at BATCH_ROWS rows (measured for each dtype's best kernel); and, for the
-    ``gemv`` kernel, up to how many rows a product goes through its compiled tiles rather than upcast's
-    fp32 matmul (``tile_rows``, from the prefill timed both ways at two lengths: ``crossover``)."""
+    ``gemv`` kernel, up to how many rows a product goes through its compiled tiles rather than a matmul
+    (upcast's fp32 one, or the bf16 one: ``gemv_prompt_bf16``): ``tile_rows``, from the prefill timed
+    both ways at two lengths (``crossover``)."""
 
     prefill: Optional[float] = None
     step1: Optional[float] = None
@@ -110,6 +111,9 @@ class Decision:
     reason: str
     request: InferenceRequest
     timings: Optional[dict] = None
+    # gemv on a CPU that computes bf16 natively: more rows than its tiles take go through oneDNN's bf16
+    # matmul rather than upcast's fp32 one (kernels.GemvLinear; form.hold follows the same fact)
+    prompt_bf16: bool = False
 
     @property
     def tile_rows(self) -> int:
@@ -118,6 +122,8 @@ class Decision:
 
     def summary(self) -> str:
         tiles = f", several rows by its tiles up to {self.tile_rows}" if self.tile_rows > 1 else ""
+        if self.prompt_bf16:
+            tiles += f", {'more' if self.tile_rows > 1 else 'several'} rows by oneDNN's bf16 matmul (native bf16)"
         return f"dtype {self.candidate.dtype}, {self.candidate.kernel} linears{tiles} ({self.reason})"
 
     def record(self) -> dict:
@@ -126,6 +132,7 @@ class Decision:
             "dtype": self.candidate.dtype,
             "kernel": self.candidate.kernel,
             "tile_rows": self.tile_rows,
+            "prompt_bf16": self.prompt_bf16,
             "reason": self.reason,
             "workload": self.request.workload,
             "rows": self.request.rows,
@@ -219,11 +226,13 @@ def _has(t, *fields: str) -> bool:
 
 def crossover(short: tuple[float, float], long: tuple[float, float], lengths: tuple[int, int]) -> int:
     """Up to how many rows the ``gemv`` kernel's compiled tiles multiply: from its prefill timed both ways,
-    (upcast ms, tiles ms), at each of two prompt lengths (``lengths``, the shorter first). Each way is taken
-    as a straight line in the length (upcast: the weights widened once, then an fp32 matmul a row; the
-    tiles: each row's products, no widening pass), and the answer is the longest length, from 1 to the
-    longer one measured (never further than measured), at which the tiles' line is not above upcast's:
-    where they cross is the machine's (an AVX2 EPYC: about 60 tokens), so it is measured, not set."""
+    (matmul ms, tiles ms), at each of two prompt lengths (``lengths``, the shorter first); the matmul is
+    upcast's, or oneDNN's bf16 one where the hold takes it (``gemv_prompt_bf16``). Each way is taken as a
+    straight line in the length (the matmul: a fixed cost (upcast: the weights widened once), then a cost
+    a row; the tiles: each row's products, no fixed pass), and the answer is the longest length, from 1 to
+    the longer one measured (never further than measured), at which the tiles' line is not above the
+    matmul's: where they cross is the machine's (an AVX2 EPYC against upcast: about 60 tokens; a Zen 4
+    against the bf16 matmul: about 12), so it is measured, not set."""
     (s, r), (u_s, c_s), (u_r, c_r) = lengths, short, long
     ahead_s, ahead_r = u_s - c_s, u_r - c_r  # the tiles' lead at each length (ms)
     slope = (ahead_r - ahead_s) / (r - s)
@@ -283,6 +292,18 @@ def choose_dtype(cands: list[Candidate], facts: InferenceFacts) -> tuple[str, st
 def choose(request: InferenceRequest, facts: InferenceFacts) -> Decision:
     """The candidate for ``request``: the only one; else the dtype (``choose_dtype``, the same for every
     workload) and, of its kernels, the cheapest measured for the workload, or (unmeasured) the device's rule."""
+    d = _choose(request, facts)
+    return dataclasses.replace(d, prompt_bf16=d.candidate.kernel == "gemv" and gemv_prompt_bf16(facts))
+
+
+def gemv_prompt_bf16(facts: InferenceFacts) -> bool:
+    """Whether a ``gemv`` hold multiplies more rows than its tiles take by oneDNN's bf16 matmul: where the
+    CPU computes bf16 natively (AVX512_BF16, AMX), that matmul is 2x or more upcast's fp32 one, the same
+    fact the training dtype rests on; elsewhere bf16 matmuls are emulated, slower than fp32."""
+    return facts.device_type == "cpu" and facts.native_bf16
+
+
+def _choose(request: InferenceRequest, facts: InferenceFacts) -> Decision:
     cands = candidates(request, facts)
     if len(cands) == 1:
         why = "asked for" if request.dtype != "auto" or request.quantize != "none" else "the only one here"

@@ -18,7 +18,14 @@ from typing import Optional
 import torch
 
 from gpt2lab.inference import pages, probe_cache
-from gpt2lab.inference.choice import Candidate, InferenceFacts, InferenceRequest, candidates, choose
+from gpt2lab.inference.choice import (
+    Candidate,
+    InferenceFacts,
+    InferenceRequest,
+    candidates,
+    choose,
+    gemv_prompt_bf16,
+)
 from gpt2lab.inference.fused import fuse_blocks
 from gpt2lab.inference.kernels import (
     gemv_error,
@@ -62,11 +69,23 @@ def _shared_copy(model: GPT) -> GPT:
     return copy.deepcopy(model, memo)
 
 
-def hold(model: GPT, cand: Candidate, rows: int = 1, inplace: bool = False, tile_rows: int = 1) -> GPT:
+def hold(
+    model: GPT,
+    cand: Candidate,
+    rows: int = 1,
+    inplace: bool = False,
+    tile_rows: int = 1,
+    prompt_bf16: Optional[bool] = None,
+) -> GPT:
     """``model`` (or a copy sharing its other parameters) with every linear held as ``cand`` (``gemv``: up to
-    ``tile_rows`` rows by its compiled tiles, a decision's ``tile_rows``); for inference only."""
+    ``tile_rows`` rows by its compiled tiles, a decision's ``tile_rows``; more by oneDNN's bf16 matmul with
+    ``prompt_bf16``, by default where the device's facts say so: choice.gemv_prompt_bf16); for inference only."""
     target = model if inplace else _shared_copy(model)
-    swap_linears(target, cand.kernel, getattr(torch, cand.dtype), batch_hint=rows)
+    if prompt_bf16 is None:
+        device = next(model.parameters()).device
+        flags = InferenceFacts(device.type, native_bf16=runtime.detect(device, probe=False).native_bf16)
+        prompt_bf16 = cand.kernel == "gemv" and gemv_prompt_bf16(flags)
+    swap_linears(target, cand.kernel, getattr(torch, cand.dtype), batch_hint=rows, prompt_bf16=prompt_bf16)
     set_tile_rows(target, tile_rows)
     target.held_pages = None
     if next(model.parameters()).device.type == "cpu":  # attention in fp32 (CPU_ATTENTION_DTYPE's note)

@@ -262,27 +262,39 @@ def _compiled_gemv(name: str, x: torch.Tensor, w: torch.Tensor, scale, bias, n_o
 
 
 class GemvLinear(UpcastLinear):
-    """``upcast`` (bf16 weights; many rows as it does them) with one row, and up to ``tile_rows`` rows, by
-    gpt2lab's compiled GEMV (``_gemv.c``): the bf16 weights read once, widened to fp32 in registers (several
-    rows by its tiles, each weight vector for up to four rows). Where the tiles stop paying is the
-    machine's (widening every weight once for upcast's fp32 matmul costs a fixed time that the tiles save,
-    the matmul is faster a row): the probe measures it (choice.crossover), a hold sets it; 1 unmeasured.
-    The inputs are not rounded to bf16, at one row or several (a row gives the same sums alone or in a
-    batch, either way, up to their order); the output is fp32."""
+    """bf16 weights multiplied by gpt2lab's compiled GEMV (``_gemv.c``) at one row and up to ``tile_rows``
+    rows: the weights read once, widened to fp32 in registers (several rows by its tiles, each weight
+    vector for up to four rows), the inputs not rounded. More rows are a matmul, bound by its products,
+    not by the read: a prompt's tokens with ``prompt_bf16`` (a CPU that computes bf16 natively:
+    AVX512_BF16, AMX) by oneDNN's bf16 matmul on the held weights, the inputs rounded to bf16 as every
+    bf16 matmul does (1.9x upcast's at 128 tokens, a Zen 4); else, and one new token of many rows (a
+    server's batch), as ``upcast`` does them (fp32 products, no rounding: a decoded row gives the same
+    sums alone or in a batch, up to their order). Where the tiles stop paying
+    against that matmul is the machine's: the probe measures it (choice.crossover), a hold sets it; 1
+    unmeasured. The output is fp32."""
 
     kernel = "gemv"
     round_inputs = False
     tile_rows = 1
 
     def __init__(
-        self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype, batch_hint: int = 1
+        self,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        dtype: torch.dtype,
+        batch_hint: int = 1,
+        prompt_bf16: bool = False,
     ) -> None:
         if dtype != torch.bfloat16:
             raise ValueError(f"the gemv kernel holds bfloat16 weights, not {dtype}")
-        super().__init__(weight, bias, dtype, batch_hint)
+        # upcast's fp32 copy packed for a batch is not made where prompts take the bf16 matmul
+        super().__init__(weight, bias, dtype, 1 if prompt_bf16 else batch_hint)
+        self.prompt_bf16 = prompt_bf16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.numel() // self.in_features
+        if n > self.tile_rows and self.prompt_bf16 and x.dim() > 2 and x.size(-2) > 1:  # a prompt's tokens
+            return F.linear(x.to(torch.bfloat16), self.weight, self.bias).float()
         if n > self.tile_rows or n == 0:
             return super().forward(x)
         x32 = x.reshape(n, self.in_features).float().contiguous()
@@ -316,8 +328,10 @@ class Int8GemvLinear(DecodeLinear):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-def make_linear(layer: nn.Linear, kernel: str, dtype: torch.dtype, batch_hint: int = 1) -> DecodeLinear:
-    """``layer``'s weight held for inference with ``kernel`` in ``dtype``."""
+def make_linear(
+    layer: nn.Linear, kernel: str, dtype: torch.dtype, batch_hint: int = 1, prompt_bf16: bool = False
+) -> DecodeLinear:
+    """``layer``'s weight held for inference with ``kernel`` in ``dtype`` (``prompt_bf16``: GemvLinear's)."""
     if kernel in ("plain", "decode"):
         return PlainLinear(layer.weight, layer.bias, dtype, column_major=kernel == "decode")
     if kernel == "packed":
@@ -325,7 +339,7 @@ def make_linear(layer: nn.Linear, kernel: str, dtype: torch.dtype, batch_hint: i
     if kernel == "upcast":
         return UpcastLinear(layer.weight, layer.bias, dtype, batch_hint)
     if kernel == "gemv":
-        return GemvLinear(layer.weight, layer.bias, dtype, batch_hint)
+        return GemvLinear(layer.weight, layer.bias, dtype, batch_hint, prompt_bf16)
     if kernel == "int8":
         return Int8Linear(layer.weight, layer.bias, dtype)
     if kernel == "int8-gemv":
@@ -333,7 +347,9 @@ def make_linear(layer: nn.Linear, kernel: str, dtype: torch.dtype, batch_hint: i
     raise ValueError(f"kernel {kernel!r}: one of {', '.join(KERNELS)}")
 
 
-def swap_linears(model: nn.Module, kernel: str, dtype: torch.dtype, batch_hint: int = 1) -> int:
+def swap_linears(
+    model: nn.Module, kernel: str, dtype: torch.dtype, batch_hint: int = 1, prompt_bf16: bool = False
+) -> int:
     """Replace every ``nn.Linear`` of ``model`` by its decode linear (in place); returns how many.
 
     A tied output head gets its own copy (the embedding keeps the shared table, looked up, not
@@ -346,5 +362,5 @@ def swap_linears(model: nn.Module, kernel: str, dtype: torch.dtype, batch_hint: 
     ]
     with torch.no_grad():
         for parent, name, child in swaps:
-            setattr(parent, name, make_linear(child, kernel, dtype, batch_hint))
+            setattr(parent, name, make_linear(child, kernel, dtype, batch_hint, prompt_bf16))
     return len(swaps)

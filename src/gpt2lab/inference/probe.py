@@ -78,7 +78,7 @@ ABSURD = 2.0
 # no noise of the same work; the figure was taken on another machine state.
 DISAGREE = 3.0
 WATCH_STEPS = 8  # the run's steps whose median is compared (after its prefill)
-# The shorter of the two prompts the ``gemv`` kernel's prefill is timed at both ways (upcast, tiles), the
+# The shorter of the two prompts the ``gemv`` kernel's prefill is timed at both ways (matmul, tiles), the
 # longer being REQUEST_TOKENS (choice.crossover): short enough that the tiles' lead, where a machine gives
 # them one, shows (the widening pass they save is most of a short prefill), long enough to be timed well.
 SHORT_TOKENS = 16
@@ -192,11 +192,12 @@ def measure(
     return Timing(**out)
 
 
-def _tiles(prepared: GPT, upcast_long: float, device: torch.device, gen: torch.Generator) -> dict:
-    """A ``gemv`` hold's prefill timed at SHORT_TOKENS both ways and at REQUEST_TOKENS by its tiles (upcast's
-    there: ``upcast_long``): ``tile_rows`` (choice.crossover) and the prefill of REQUEST_TOKENS the faster
-    way, as the hold then runs it. Not checked for steadiness: a figure off by a busy moment moves where
-    the tiles stop, which is a speed (both ways compute the same products, summed in another order)."""
+def _tiles(prepared: GPT, matmul_long: float, device: torch.device, gen: torch.Generator) -> dict:
+    """A ``gemv`` hold's prefill timed at SHORT_TOKENS both ways and at REQUEST_TOKENS by its tiles (by its
+    matmul there, upcast's or bf16's as held: ``matmul_long``): ``tile_rows`` (choice.crossover) and the
+    prefill of REQUEST_TOKENS the faster way, as the hold then runs it. Not checked for steadiness: a
+    figure off by a busy moment moves where the tiles stop, which is a speed (the same products, summed
+    in another order; past the tiles a bf16 matmul rounds a prompt's inputs to bf16, as bf16 does)."""
     block, vocab = prepared.config.block_size, prepared.config.vocab_size
     lengths = (min(SHORT_TOKENS, block), min(REQUEST_TOKENS, block))
     if lengths[0] >= lengths[1]:
@@ -212,8 +213,8 @@ def _tiles(prepared: GPT, upcast_long: float, device: torch.device, gen: torch.G
         tiles_long = prefill_ms(lengths[1], lengths[1])
     finally:
         set_tile_rows(prepared, 1)
-    rows = crossover(short, (upcast_long, tiles_long), lengths)
-    return {"tile_rows": rows, "prefill": tiles_long if rows >= lengths[1] else upcast_long}
+    rows = crossover(short, (matmul_long, tiles_long), lengths)
+    return {"tile_rows": rows, "prefill": tiles_long if rows >= lengths[1] else matmul_long}
 
 
 def _bar(done: dict) -> Timing:
