@@ -592,8 +592,8 @@ def test_what_cannot_run_is_one_line_naming_the_flag(facts, request_, needle):
         (GEMV, InferenceRequest(workload="serve", rows=8), "bfloat16/gemv"),
         (dataclasses.replace(XEON, gemv_error=None), InferenceRequest(), "bfloat16/gemv"),  # before emulated packed
         (GEMV, InferenceRequest(dtype="bfloat16"), "bfloat16/gemv"),  # upcast's batches, a faster one row
-        (ZEN_GEMV, InferenceRequest(), "bfloat16/packed"),  # native bf16: oneDNN's packed bf16 first
-        (ZEN_GEMV, InferenceRequest(dtype="bfloat16", linear="auto"), "bfloat16/packed"),
+        (ZEN_GEMV, InferenceRequest(), "bfloat16/gemv"),  # native bf16 too: the GEMV's one row, bf16 prompts
+        (ZEN_GEMV, InferenceRequest(workload="serve", rows=8), "bfloat16/gemv"),
         (H100, InferenceRequest(), "bfloat16/plain"),
         (V100, InferenceRequest(), "float16/plain"),
         (MPS, InferenceRequest(), "float32/plain"),

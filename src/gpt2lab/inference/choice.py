@@ -335,10 +335,12 @@ def _join(dtype_why: str, kernel_why: str) -> str:
 def device_pick(cands: list[Candidate], facts: InferenceFacts) -> Candidate:
     """The device's rule: half precision where the device computes it natively, or where gpt2lab's
     compiled GEMV holds it (``gemv``), of those dtypes the candidates hold (an asked-for dtype is the only
-    one); fp32 on a CPU without either, and on MPS. Then oneDNN's packed linear first, but ``gemv`` before
-    it on a CPU without native bf16 (its one row reads half fp32's bytes at the read's pace on any such
-    CPU, and several rows are its fp32 tiles, not emulated bf16 matmuls: on an AVX2-only EPYC 2.46x faster
-    than fp32 at one row and 1.4-2.2x in a 16-row batch); for fp32 weights the column-major layout, for
+    one); fp32 on a CPU without either, and on MPS. Then ``gemv`` first where it runs (its one row reads
+    the bf16 bytes at the read's pace in one call a token; on a CPU without native bf16 several rows are
+    its fp32 tiles, not emulated bf16 matmuls: on an AVX2-only EPYC 2.46x faster than fp32 at one row and
+    1.4-2.2x in a 16-row batch; with native bf16 a prompt is oneDNN's bf16 matmul: on a Zen 4 its step
+    1.8-1.9x oneDNN's packed bf16 linear's at one row, 1.34x behind at 16 rows, a 128-token prefill
+    within 9%), then oneDNN's packed linear; for fp32 weights the column-major layout, for
     half-precision ones the row-major (a column-major bf16 weight was 1.4x slower than row-major on a Zen 5
     with AVX512_BF16, and 20x on an AVX2-only EPYC; fp32 gained 1.2x from it on both); an asked-for half
     precision on a CPU without native bf16 that neither oneDNN nor gpt2lab's GEMV holds takes ``upcast``,
@@ -356,7 +358,7 @@ def device_pick(cands: list[Candidate], facts: InferenceFacts) -> Candidate:
     elif emulated:
         order = ("gemv", "packed", "upcast", "int8", "plain", "decode")
     else:
-        order = ("packed", "int8", "plain", "decode", "gemv", "upcast")
+        order = ("gemv", "packed", "int8", "plain", "decode", "upcast")
     for kernel in order:
         for c in pool:
             if c.kernel == kernel:
