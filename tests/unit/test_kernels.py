@@ -34,7 +34,7 @@ from gpt2lab.inference.kernels import (
     quantize_int8,
     swap_linears,
 )
-from gpt2lab.system import formats
+from gpt2lab.system import formats, runtime
 from gpt2lab.system.runtime import ChoiceError
 
 needs_onednn = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN packed linear")
@@ -217,45 +217,75 @@ def test_gemv_multiplies_up_to_its_tile_rows_by_the_compiled_tiles_and_more_rows
 
 
 @needs_gemv
-def test_gemv_runs_a_prompt_past_its_tiles_by_the_bf16_matmul_where_asked_and_a_batch_of_new_tokens_in_fp32():
-    """``prompt_bf16``: a prompt's tokens past the tiles are oneDNN's bf16 matmul, the inputs rounded to
-    bf16 (fp64 reference of the rounded inputs, to the output's bf16 rounding); one new token of many rows
-    (a server's batch) keeps fp32 products (fp64 reference of the unrounded inputs); no fp32 copy is packed."""
+@pytest.mark.parametrize("dot", [True, False], ids=["bf16-dot-where-the-cpu-has-it", "fp32-routines"])
+@pytest.mark.parametrize("k", [64, 48, 100])  # whole 32-weight lines; a part line; an odd part
+def test_the_compiled_gemv_multiplies_inputs_rounded_to_bf16_at_any_rows_either_way(dot, k):
+    """``round_inputs``: each product that of the inputs rounded to bf16 (fp64 reference of the rounded
+    inputs), at 1-9 rows (tiles of four, then three, two or one) and an odd count of weight rows (the last
+    alone), by the AVX512_BF16 routines where the CPU has them and by the fp32 ones on the rounded values
+    (the other branch, asked for); without it the inputs are not rounded."""
+    from gpt2lab.inference import _gemv
+
+    g = torch.Generator().manual_seed(k)
+    w, b = torch.randn(41, k, generator=g).bfloat16(), torch.randn(41, generator=g)
+    try:
+        _gemv.set_bf16_dot(dot)
+        assert _gemv.has_bf16_dot() == (dot and "avx512_bf16" in runtime.cpu_flags())
+        for m in range(1, 10):
+            x = torch.randn(m, k, generator=g)
+            got = _compiled_gemv("bf16_gemv", x, w, None, b, 41, True)
+            want = F.linear(x.bfloat16().double(), w.double(), b.double())
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+            assert (got.double() - F.linear(x.double(), w.double(), b.double())).abs().max() > 1e-5
+            unrounded = _compiled_gemv("bf16_gemv", x, w, None, b, 41)
+            plain = F.linear(x.double(), w.double(), b.double())
+            torch.testing.assert_close(unrounded.double(), plain, rtol=1e-5, atol=1e-5)
+    finally:
+        _gemv.set_bf16_dot(True)
+
+
+@needs_gemv
+def test_gemv_with_bf16_inputs_rounds_every_route_and_runs_a_prompt_past_its_tiles_by_the_bf16_matmul():
+    """``bf16_inputs``: a prompt's tokens past the tiles are oneDNN's bf16 matmul (fp64 reference of the
+    rounded inputs, to the output's bf16 rounding); a batch of new tokens past the tiles, and rows up to
+    them, are the rounded inputs' products in fp32 (to 1e-5); no fp32 copy is packed. Without it, every
+    route multiplies the unrounded inputs."""
     g = torch.Generator().manual_seed(4)
     w, b = torch.randn(40, 48, generator=g), torch.randn(40, generator=g)
     prompt, batch = torch.randn(1, 6, 48, generator=g), torch.randn(6, 1, 48, generator=g)
-    layer = GemvLinear(w, b, torch.bfloat16, batch_hint=6, prompt_bf16=True)
-    assert layer.packed is None
     wb, bb = w.bfloat16().double(), b.bfloat16().double()
-    with torch.inference_mode():
-        got_prompt, got_batch = layer(prompt), layer(batch)
-    assert got_prompt.dtype == got_batch.dtype == torch.float32
-    rounded = F.linear(prompt.bfloat16().double(), wb, bb)
-    torch.testing.assert_close(got_prompt.double(), rounded, rtol=8e-3, atol=8e-3)
-    unrounded = F.linear(prompt.double(), wb, bb)
-    assert (got_prompt.double() - unrounded).abs().max() > 1e-4  # the rounding shows: not the fp32 route
-    torch.testing.assert_close(got_batch.double(), F.linear(batch.double(), wb, bb), rtol=1e-5, atol=1e-5)
-    plain = GemvLinear(w, b, torch.bfloat16, batch_hint=6)
-    with torch.inference_mode():
-        torch.testing.assert_close(plain(prompt).double(), unrounded, rtol=1e-5, atol=1e-5)
+    ref = lambda x, rounded: F.linear((x.bfloat16() if rounded else x).double(), wb, bb)  # noqa: E731
+    for rounded in (True, False):
+        layer = GemvLinear(w, b, torch.bfloat16, batch_hint=6, bf16_inputs=rounded)
+        assert (layer.packed is None) == rounded or not kernels.packing_available()
+        for tile_rows in (1, 6):  # past the tiles; through them
+            kernels.set_tile_rows(layer, tile_rows)
+            with torch.inference_mode():
+                got_prompt, got_batch = layer(prompt), layer(batch)
+            assert got_prompt.dtype == got_batch.dtype == torch.float32
+            exact = not rounded or tile_rows == 6  # the bf16 matmul rounds its output
+            tol = 1e-5 if exact else 8e-3
+            torch.testing.assert_close(got_prompt.double(), ref(prompt, rounded), rtol=tol, atol=tol)
+            torch.testing.assert_close(got_batch.double(), ref(batch, rounded), rtol=1e-5, atol=1e-5)
+        assert ((got_batch.double() - ref(batch, False)).abs().max() > 1e-4) == rounded  # the rounding shows
 
 
 @pytest.mark.parametrize("flags, native", [(("avx512_bf16", "avx512f", "avx2", "fma"), True), (("avx2", "fma"), False)])
-def test_a_gemv_hold_takes_the_bf16_matmul_for_prompts_where_the_cpu_computes_bf16_natively(monkeypatch, flags, native):
+def test_a_gemv_hold_rounds_its_inputs_to_bf16_where_the_cpu_computes_bf16_natively(monkeypatch, flags, native):
     """The hold and the decision follow the same fact (faked CPU flags), and the decision says so."""
     from gpt2lab.system import runtime
 
     monkeypatch.setattr(runtime, "cpu_flags", lambda: flags)
     held = hold(tiny_gpt(seed=1), Candidate("bfloat16", "gemv"))
-    assert {m.prompt_bf16 for m in held.modules() if isinstance(m, GemvLinear)} == {native}
+    assert {m.bf16_inputs for m in held.modules() if isinstance(m, GemvLinear)} == {native}
     request = InferenceRequest(dtype="bfloat16")
     for kernel in ("gemv", "upcast"):  # the one measured is chosen
         timings = {f"bfloat16/{kernel}": Timing(prefill=10.0, step1=1.0)}
         facts = InferenceFacts("cpu", native_bf16=native, packing=True, gemv_error=None, timings=timings)
         d = choose(request, facts)
         ours = kernel == "gemv" and native
-        assert d.candidate.kernel == kernel and d.prompt_bf16 == ours and d.record()["prompt_bf16"] == ours
-        assert ("oneDNN's bf16 matmul" in d.summary()) == ours
+        assert d.candidate.kernel == kernel and d.bf16_inputs == ours and d.record()["bf16_inputs"] == ours
+        assert ("inputs rounded to bf16" in d.summary()) == ours
 
 
 @pytest.mark.parametrize(
@@ -368,7 +398,7 @@ def test_a_compiled_gemv_model_gives_the_exact_weights_logits_and_greedy_tokens(
     monkeypatch.setattr(_gemv, "model_step", lambda *a: (calls.append(a), step(*a))[1])
     model = tiny_gpt(seed=4, vocab_size=97, block_size=32, **block)
     idx = torch.randint(0, 97, (3, 11), generator=torch.Generator().manual_seed(2))
-    ready = hold(model, cand, rows=3, prompt_bf16=False)
+    ready = hold(model, cand, rows=3, bf16_inputs=False)
     reference = _exact_reference(model, "int8" if cand.kernel == "int8-gemv" else "bf16")
     with torch.inference_mode():
         want, _ = reference(idx)

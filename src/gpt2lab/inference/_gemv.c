@@ -28,7 +28,15 @@
 #include <immintrin.h>
 #endif
 
-enum held { HELD_INT8, HELD_BF16 };
+/* What a linear holds: int8 weights, bf16 weights, or bf16 weights whose inputs are rounded to bf16
+ * first (the Python side's codes 0, 1, 2; a hold on a CPU with native bf16 asks for the last). */
+enum held { HELD_INT8, HELD_BF16, HELD_BF16_ROUNDED };
+
+/* The AVX512_BF16 routines, where the compiler knows the instruction set (GCC 11, clang 9 and later);
+ * elsewhere inputs rounded to bf16 are multiplied by the fp32 routines. */
+#if defined(GEMV_X86) && ((defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && __GNUC__ >= 11))
+#define GEMV_DP 1
+#endif
 
 /* A bf16 value is the high half of the fp32 with the same sign, exponent and leading mantissa bits. */
 static inline float bf16_to_f32(uint16_t h) {
@@ -36,6 +44,20 @@ static inline float bf16_to_f32(uint16_t h) {
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
+}
+
+/* fp32 to bf16, to nearest with ties to even (as PyTorch's conversion); a NaN stays a NaN. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static float dot_bf16_pairs(const uint16_t *w, const uint16_t *x, Py_ssize_t k) {
+    float acc = 0.f;
+    for (Py_ssize_t i = 0; i < k; i++) acc += bf16_to_f32(w[i]) * bf16_to_f32(x[i]);
+    return acc;
 }
 
 static float dot_plain(enum held kind, const void *w, const float *x, Py_ssize_t k) {
@@ -204,12 +226,79 @@ __attribute__((target("avx2,fma"))) static void tile2x2(enum held kind, const vo
                                                         float *out) {
     tile2xn(kind, w0, x, k, 2, out);
 }
+
+#ifdef GEMV_DP
+/* bf16 weights against inputs already rounded to bf16 (xb), by the AVX512_BF16 dot product: one
+ * VDPBF16PS multiplies 32 bf16 pairs (each product exact in fp32) into 16 fp32 sums, where the fp32
+ * tiles above widen every weight and need four FMAs for the same products (a Zen 4: eight rows against
+ * the 124M's weights 9.0 ms a pass against 15.1). Two weight rows (one with ``two`` 0: a last row
+ * alone) against nr (1-4) input rows: out[j] = w0 . x_j, out[4 + j] = w1 . x_j; the next rows asked
+ * for meanwhile, as tile2xn does. */
+#define DP_TARGET "avx512f,avx512bf16"
+__attribute__((target(DP_TARGET), always_inline)) static inline void tile_dp(const uint16_t *w0, const uint16_t *xb,
+                                                                             Py_ssize_t k, int nr, int two,
+                                                                             float *out) {
+    const uint16_t *w1 = w0 + k;
+    const char *next = (const char *)(w0 + (two ? 2 : 1) * k);
+    __m512 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm512_setzero_ps();
+    Py_ssize_t i = 0;
+    for (; i + 32 <= k; i += 32) { /* 32 weights a row: one 64-byte line */
+        _mm_prefetch(next + 2 * i, _MM_HINT_T0);
+        if (two) _mm_prefetch(next + 2 * (k + i), _MM_HINT_T0);
+        __m512bh v0 = (__m512bh)_mm512_loadu_si512((const void *)(w0 + i));
+        __m512bh v1 = two ? (__m512bh)_mm512_loadu_si512((const void *)(w1 + i)) : v0;
+        for (int j = 0; j < nr; j++) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + j * k + i));
+            a[j] = _mm512_dpbf16_ps(a[j], v0, xv);
+            if (two) a[4 + j] = _mm512_dpbf16_ps(a[4 + j], v1, xv);
+        }
+    }
+    for (int j = 0; j < nr; j++) {
+        out[j] = _mm512_reduce_add_ps(a[j]) + dot_bf16_pairs(w0 + i, xb + j * k + i, k - i);
+        if (two) out[4 + j] = _mm512_reduce_add_ps(a[4 + j]) + dot_bf16_pairs(w1 + i, xb + j * k + i, k - i);
+    }
+}
+
+/* The counts rows_pair_dp asks for, each compiled apart. */
+__attribute__((target(DP_TARGET))) static void dp2x4(const uint16_t *w, const uint16_t *x, Py_ssize_t k, float *o) {
+    tile_dp(w, x, k, 4, 1, o);
+}
+
+__attribute__((target(DP_TARGET))) static void dp2x3(const uint16_t *w, const uint16_t *x, Py_ssize_t k, float *o) {
+    tile_dp(w, x, k, 3, 1, o);
+}
+
+__attribute__((target(DP_TARGET))) static void dp2x2(const uint16_t *w, const uint16_t *x, Py_ssize_t k, float *o) {
+    tile_dp(w, x, k, 2, 1, o);
+}
+
+__attribute__((target(DP_TARGET))) static void dp2x1(const uint16_t *w, const uint16_t *x, Py_ssize_t k, float *o) {
+    tile_dp(w, x, k, 1, 1, o);
+}
+
+__attribute__((target(DP_TARGET))) static void dp1x1(const uint16_t *w, const uint16_t *x, Py_ssize_t k, float *o) {
+    tile_dp(w, x, k, 1, 0, o);
+}
+#endif
 #endif
 
 static int cpu_has_avx2(void) {
 #ifdef GEMV_X86
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}
+
+/* Whether the AVX512_BF16 routines run here; set_bf16_dot can turn them off (tests: the other branch). */
+static int bf16_dot_allowed = 1;
+
+static int cpu_has_bf16_dot(void) {
+#ifdef GEMV_DP
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
 #else
     return 0;
 #endif
@@ -353,21 +442,96 @@ struct linear {
     const float *bias;  /* NULL: none */
 };
 
+#ifdef GEMV_DP
+/* Weight rows r and r + 1 (r alone where it is the last) of a bf16 linear against every input row, the
+ * inputs rounded to bf16 (xb), by the AVX512_BF16 tiles: four input rows at a time, then the rest. */
+static void rows_pair_dp(const struct linear *l, const uint16_t *xb, float *y, Py_ssize_t m, Py_ssize_t k,
+                         Py_ssize_t n, Py_ssize_t r, enum epilogue e) {
+    const uint16_t *w0 = (const uint16_t *)l->w + r * k;
+    float b0 = l->bias ? l->bias[r] : 0.f, eight[8];
+    if (r + 1 == n) {
+        for (Py_ssize_t i = 0; i < m; i++) {
+            dp1x1(w0, xb + i * k, k, eight);
+            put(y + i * n + r, eight[0] + b0, e);
+        }
+        return;
+    }
+    float b1 = l->bias ? l->bias[r + 1] : 0.f;
+    for (Py_ssize_t i = 0; i < m;) {
+        int nr = m - i >= 4 ? 4 : (int)(m - i);
+        (nr == 4 ? dp2x4 : nr == 3 ? dp2x3 : nr == 2 ? dp2x2 : dp2x1)(w0, xb + i * k, k, eight);
+        for (int j = 0; j < nr; j++) {
+            put(y + (i + j) * n + r, eight[j] + b0, e);
+            put(y + (i + j) * n + r + 1, eight[4 + j] + b1, e);
+        }
+        i += nr;
+    }
+}
+#endif
+
+/* The inputs of a HELD_BF16_ROUNDED linear rounded to bf16, shared by the threads (m rows of the widest
+ * input): as bf16 for the AVX512_BF16 tiles (dp), else as the fp32 values of those bf16s, which the
+ * fp32 routines multiply (the same products; the sums in another order). */
+struct rounded {
+    uint16_t *xb;
+    float *xr;
+    int dp;
+};
+
 /* The threads of the enclosing OpenMP region share the weight rows of one linear, two at a time:
- * out[i, r] for every input row i < m (an orphaned worksharing loop: called from inside the region). */
+ * out[i, r] for every input row i < m (orphaned worksharing loops: called from inside the region).
+ * HELD_BF16_ROUNDED: the inputs are rounded first (``rd``), a loop whose end every thread waits at. */
 static void linear_rows(enum held kind, const struct linear *l, const float *in, float *out, Py_ssize_t m,
-                        Py_ssize_t k, Py_ssize_t n, float *wb, int avx2, enum epilogue e) {
+                        Py_ssize_t k, Py_ssize_t n, float *wb, int avx2, enum epilogue e, const struct rounded *rd) {
+    if (kind == HELD_BF16_ROUNDED) {
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (Py_ssize_t s = 0; s < m * k; s += 256) {
+            Py_ssize_t end = s + 256 < m * k ? s + 256 : m * k;
+            for (Py_ssize_t j = s; j < end; j++) {
+                rd->xb[j] = f32_to_bf16(in[j]);
+                if (!rd->dp) rd->xr[j] = bf16_to_f32(rd->xb[j]);
+            }
+        }
+#ifdef GEMV_DP
+        if (rd->dp) {
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+            for (Py_ssize_t r = 0; r < n; r += 2) rows_pair_dp(l, rd->xb, out, m, k, n, r, e);
+            return;
+        }
+#endif
+        kind = HELD_BF16;
+        in = rd->xr;
+    }
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
     for (Py_ssize_t r = 0; r < n; r += 2) rows_pair(kind, in, l->w, l->scale, l->bias, out, m, k, n, r, wb, avx2, e);
 }
 
+/* Room for m rows of k inputs rounded (NULL where the kind does not round, or where malloc failed:
+ * *ok then 0); filled in by linear_rows. */
+static void *rounded_alloc(struct rounded *rd, enum held kind, Py_ssize_t m, Py_ssize_t k, int *ok) {
+    rd->dp = bf16_dot_allowed && cpu_has_bf16_dot();
+    *ok = 1;
+    if (kind != HELD_BF16_ROUNDED) return NULL;
+    void *buf = malloc((size_t)(m * k) * (sizeof(uint16_t) + sizeof(float)));
+    *ok = buf != NULL;
+    rd->xr = (float *)buf;
+    rd->xb = buf ? (uint16_t *)(rd->xr + m * k) : NULL;
+    return buf;
+}
+
 static PyObject *gemv(enum held kind, PyObject *args) {
     unsigned long long xp, wp, sp, bp, yp;
     Py_ssize_t m, k, n;
-    int threads;
-    if (!PyArg_ParseTuple(args, "KKKKKnnni", &xp, &wp, &sp, &bp, &yp, &m, &k, &n, &threads)) return NULL;
+    int threads, round_inputs = 0;
+    if (!PyArg_ParseTuple(args, "KKKKKnnni|p", &xp, &wp, &sp, &bp, &yp, &m, &k, &n, &threads, &round_inputs))
+        return NULL;
+    if (round_inputs && kind == HELD_BF16) kind = HELD_BF16_ROUNDED;
     if (m < 1 || k < 1 || n < 1 || threads < 1) {
         PyErr_SetString(PyExc_ValueError, "gemv: m, k, n and threads must be positive");
         return NULL;
@@ -375,7 +539,10 @@ static PyObject *gemv(enum held kind, PyObject *args) {
     struct linear l = {(const void *)(uintptr_t)wp, (const float *)(uintptr_t)sp, (const float *)(uintptr_t)bp};
     const float *x = (const float *)(uintptr_t)xp;
     float *y = (float *)(uintptr_t)yp;
-    int avx2 = cpu_has_avx2(), failed = 0, need = avx2 && m >= 4;
+    int avx2 = cpu_has_avx2(), failed = 0, need = avx2 && m >= 4, ok;
+    struct rounded rd;
+    void *rbuf = rounded_alloc(&rd, kind, m, k, &ok);
+    if (!ok) return PyErr_NoMemory();
     Py_BEGIN_ALLOW_THREADS
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
@@ -391,10 +558,11 @@ static PyObject *gemv(enum held kind, PyObject *args) {
 #ifdef _OPENMP
 #pragma omp barrier
 #endif
-        if (!failed) linear_rows(kind, &l, x, y, m, k, n, buf, avx2, SET);
+        if (!failed) linear_rows(kind, &l, x, y, m, k, n, buf, avx2, SET, &rd);
         free(buf);
     }
     Py_END_ALLOW_THREADS
+    free(rbuf);
     if (failed) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
@@ -497,14 +665,14 @@ static float *scratch_alloc(struct scratch *s, Py_ssize_t m, Py_ssize_t c, Py_ss
  * in a barrier); wb: this thread's widened weight row (4C floats) where m >= 4 (AVX2). */
 static void block_body(enum held kind, const struct block *bl, float *x, Py_ssize_t m, Py_ssize_t c, Py_ssize_t nh,
                        float eps, const int64_t *pos, Py_ssize_t max_len, Py_ssize_t tmax, const struct scratch *s,
-                       float *wb, int avx2) {
+                       float *wb, int avx2, const struct rounded *rd) {
     Py_ssize_t hs = c / nh;
     float scale = 1.f / sqrtf((float)hs);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
     for (Py_ssize_t i = 0; i < m; i++) layernorm(x + i * c, bl->ln1g, bl->ln1b, eps, s->h + i * c, c);
-    linear_rows(kind, &bl->lin[0], s->h, s->qkv, m, c, 3 * c, wb, avx2, SET);
+    linear_rows(kind, &bl->lin[0], s->h, s->qkv, m, c, 3 * c, wb, avx2, SET, rd);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
@@ -521,14 +689,14 @@ static void block_body(enum held kind, const struct block *bl, float *x, Py_ssiz
 #endif
             attend_plain(q, kh, vh, p + 1, hs, scale, s->sc + task * tmax, s->y + i * c + hd * hs);
     }
-    linear_rows(kind, &bl->lin[1], s->y, x, m, c, c, wb, avx2, ADD);
+    linear_rows(kind, &bl->lin[1], s->y, x, m, c, c, wb, avx2, ADD, rd);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
     for (Py_ssize_t i = 0; i < m; i++) layernorm(x + i * c, bl->ln2g, bl->ln2b, eps, s->h + i * c, c);
-    linear_rows(kind, &bl->lin[2], s->h, s->f, m, c, 4 * c, wb, avx2, SET);
+    linear_rows(kind, &bl->lin[2], s->h, s->f, m, c, 4 * c, wb, avx2, SET, rd);
     gelu_shared(s->f, m * 4 * c, avx2);
-    linear_rows(kind, &bl->lin[3], s->f, x, m, 4 * c, c, wb, avx2, ADD);
+    linear_rows(kind, &bl->lin[3], s->f, x, m, 4 * c, c, wb, avx2, ADD, rd);
 }
 
 /* This thread's widened weight row (4C floats: the widest input), where m >= 4 (AVX2);
@@ -562,12 +730,12 @@ static PyObject *block_step(PyObject *self, PyObject *args) {
     unsigned long long xp, g1, b1, g2, b2, lw[4], ls[4], lb[4], kp, vp, pp;
     Py_ssize_t m, c, nh, max_len;
     float eps;
-    if (!PyArg_ParseTuple(args, "pKnnnKKKKf(KKK)(KKK)(KKK)(KKK)KKKni", &bf16, &xp, &m, &c, &nh, &g1, &b1, &g2, &b2,
+    if (!PyArg_ParseTuple(args, "iKnnnKKKKf(KKK)(KKK)(KKK)(KKK)KKKni", &bf16, &xp, &m, &c, &nh, &g1, &b1, &g2, &b2,
                           &eps, &lw[0], &ls[0], &lb[0], &lw[1], &ls[1], &lb[1], &lw[2], &ls[2], &lb[2], &lw[3],
                           &ls[3], &lb[3], &kp, &vp, &pp, &max_len, &threads))
         return NULL;
-    if (m < 1 || c < 1 || nh < 1 || c % nh || threads < 1) {
-        PyErr_SetString(PyExc_ValueError, "block_step: bad rows, width, heads or threads");
+    if (m < 1 || c < 1 || nh < 1 || c % nh || threads < 1 || bf16 < HELD_INT8 || bf16 > HELD_BF16_ROUNDED) {
+        PyErr_SetString(PyExc_ValueError, "block_step: bad kind, rows, width, heads or threads");
         return NULL;
     }
     const int64_t *pos = (const int64_t *)(uintptr_t)pp;
@@ -576,7 +744,7 @@ static PyObject *block_step(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "block_step: a position outside the cache");
         return NULL;
     }
-    enum held kind = bf16 ? HELD_BF16 : HELD_INT8;
+    enum held kind = (enum held)bf16;
     struct block bl = {(const float *)(uintptr_t)g1, (const float *)(uintptr_t)b1, (const float *)(uintptr_t)g2,
                        (const float *)(uintptr_t)b2};
     for (int i = 0; i < 4; i++)
@@ -588,17 +756,24 @@ static PyObject *block_step(PyObject *self, PyObject *args) {
     struct scratch s;
     float *buf = scratch_alloc(&s, m, c, nh, tmax);
     if (!buf) return PyErr_NoMemory();
-    int avx2 = cpu_has_avx2(), failed = 0, need = avx2 && m >= 4;
+    int avx2 = cpu_has_avx2(), failed = 0, need = avx2 && m >= 4, ok;
+    struct rounded rd;
+    void *rbuf = rounded_alloc(&rd, kind, m, 4 * c, &ok); /* 4C: the widest input (the projection's) */
+    if (!ok) {
+        free(buf);
+        return PyErr_NoMemory();
+    }
     Py_BEGIN_ALLOW_THREADS
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
 #endif
     {
         float *wb = thread_rows(need, c, &failed);
-        if (!failed) block_body(kind, &bl, x, m, c, nh, eps, pos, max_len, tmax, &s, wb, avx2);
+        if (!failed) block_body(kind, &bl, x, m, c, nh, eps, pos, max_len, tmax, &s, wb, avx2, &rd);
         free(wb);
     }
     Py_END_ALLOW_THREADS
+    free(rbuf);
     free(buf);
     if (failed) return PyErr_NoMemory();
     Py_RETURN_NONE;
@@ -619,13 +794,13 @@ static PyObject *model_step(PyObject *self, PyObject *args) {
     unsigned long long idp, wtep, wpep, tp, pp, op, gfp, bfp, hwp, hsp, hbp;
     Py_ssize_t m, c, nh, n_layer, vocab, n_pos, max_len, pos0, n_out;
     float eps, eps_f;
-    if (!PyArg_ParseTuple(args, "pnnnnKKKnnKnKnKfKKfpKKKni", &bf16, &m, &c, &nh, &n_layer, &idp, &wtep, &wpep,
+    if (!PyArg_ParseTuple(args, "innnnKKKnnKnKnKfKKfiKKKni", &bf16, &m, &c, &nh, &n_layer, &idp, &wtep, &wpep,
                           &vocab, &n_pos, &tp, &max_len, &pp, &pos0, &op, &eps, &gfp, &bfp, &eps_f, &head_bf16, &hwp,
                           &hsp, &hbp, &n_out, &threads))
         return NULL;
     if (m < 1 || c < 1 || nh < 1 || c % nh || n_layer < 1 || threads < 1 || vocab < 1 || n_pos < 1 || n_out < 1 ||
-        !hwp) {
-        PyErr_SetString(PyExc_ValueError, "model_step: bad rows, width, heads, layers, tables, head or threads");
+        !hwp || bf16 < HELD_INT8 || bf16 > HELD_BF16_ROUNDED || head_bf16 < HELD_INT8 || head_bf16 > HELD_BF16_ROUNDED) {
+        PyErr_SetString(PyExc_ValueError, "model_step: bad kinds, rows, width, heads, layers, tables, head or threads");
         return NULL;
     }
     const int64_t *ids = (const int64_t *)(uintptr_t)idp, *table = (const int64_t *)(uintptr_t)tp;
@@ -666,8 +841,17 @@ static PyObject *model_step(PyObject *self, PyObject *args) {
     const float *gf = (const float *)(uintptr_t)gfp, *bf = (const float *)(uintptr_t)bfp;
     struct linear head = {(const void *)(uintptr_t)hwp, (const float *)(uintptr_t)hsp, (const float *)(uintptr_t)hbp};
     float *out = (float *)(uintptr_t)op; /* the logits (m x n_out) */
-    enum held kind = bf16 ? HELD_BF16 : HELD_INT8, head_kind = head_bf16 ? HELD_BF16 : HELD_INT8;
-    int avx2 = cpu_has_avx2(), failed = 0, need = avx2 && m >= 4;
+    enum held kind = (enum held)bf16, head_kind = (enum held)head_bf16;
+    int avx2 = cpu_has_avx2(), failed = 0, need = avx2 && m >= 4, ok;
+    struct rounded rd; /* room for the blocks' inputs (4C wide at most) and the head's (C) */
+    void *rbuf = rounded_alloc(&rd, kind == HELD_BF16_ROUNDED ? kind : head_kind, m, 4 * c, &ok);
+    if (!ok) {
+        free(x);
+        free(buf);
+        free(bl);
+        free(pos);
+        return PyErr_NoMemory();
+    }
     Py_BEGIN_ALLOW_THREADS
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
@@ -681,16 +865,17 @@ static PyObject *model_step(PyObject *self, PyObject *args) {
             for (Py_ssize_t i = 0; i < m; i++)
                 for (Py_ssize_t j = 0; j < c; j++) x[i * c + j] = wte[ids[i] * c + j] + wpe[pos[i] * c + j];
             for (Py_ssize_t l = 0; l < n_layer; l++)
-                block_body(kind, &bl[l], x, m, c, nh, eps, pos, max_len, tmax, &s, wb, avx2);
+                block_body(kind, &bl[l], x, m, c, nh, eps, pos, max_len, tmax, &s, wb, avx2, &rd);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
             for (Py_ssize_t i = 0; i < m; i++) layernorm(x + i * c, gf, bf, eps_f, s.h + i * c, c);
-            linear_rows(head_kind, &head, s.h, out, m, c, n_out, wb, avx2, SET);
+            linear_rows(head_kind, &head, s.h, out, m, c, n_out, wb, avx2, SET, &rd);
         }
         free(wb);
     }
     Py_END_ALLOW_THREADS
+    free(rbuf);
     free(x);
     free(buf);
     free(bl);
@@ -705,6 +890,17 @@ static PyObject *bf16_gemv(PyObject *self, PyObject *args) { return gemv(HELD_BF
 
 static PyObject *has_avx2(PyObject *self, PyObject *unused) { return PyBool_FromLong(cpu_has_avx2()); }
 
+static PyObject *has_bf16_dot(PyObject *self, PyObject *unused) {
+    return PyBool_FromLong(bf16_dot_allowed && cpu_has_bf16_dot());
+}
+
+static PyObject *set_bf16_dot(PyObject *self, PyObject *args) {
+    int allowed;
+    if (!PyArg_ParseTuple(args, "p", &allowed)) return NULL;
+    bf16_dot_allowed = allowed;
+    Py_RETURN_NONE;
+}
+
 static PyObject *has_openmp(PyObject *self, PyObject *unused) {
 #ifdef _OPENMP
     Py_RETURN_TRUE;
@@ -717,16 +913,22 @@ static PyMethodDef methods[] = {
     {"int8_gemv", int8_gemv, METH_VARARGS,
      "int8_gemv(x, q, scale, bias, y, m, k, n, threads): y = scale * (q @ x) + bias, data pointers (bias 0: none)"},
     {"bf16_gemv", bf16_gemv, METH_VARARGS,
-     "bf16_gemv(x, w, 0, bias, y, m, k, n, threads): y = w @ x + bias for bf16 w, data pointers (bias 0: none)"},
+     "bf16_gemv(x, w, 0, bias, y, m, k, n, threads[, round_inputs]): y = w @ x + bias for bf16 w, data pointers "
+     "(bias 0: none); round_inputs: x rounded to bf16 first"},
     {"block_step", block_step, METH_VARARGS,
-     "block_step(bf16, x, m, C, n_head, ln1 g, b, ln2 g, b, eps, (w, scale, bias) x 4, k cache, v cache, positions, "
+     "block_step(kind (0 int8, 1 bf16, 2 bf16 with inputs rounded), x, m, C, n_head, ln1 g, b, ln2 g, b, eps, (w, scale, bias) x 4, k cache, v cache, positions, "
      "max_len, threads): one GPT-2 block for one token of each of m rows, in place on x; pointers (0: none)"},
     {"model_step", model_step, METH_VARARGS,
-     "model_step(bf16, m, C, n_head, n_layer, ids, wte, wpe, vocab, n_pos, layers, max_len, positions, pos0, out, "
-     "eps, ln_f g, b, eps, head bf16, head w, scale, bias, n_out, threads): a GPT-2 decode step for one token of "
+     "model_step(kind, m, C, n_head, n_layer, ids, wte, wpe, vocab, n_pos, layers, max_len, positions, pos0, out, "
+     "eps, ln_f g, b, eps, head kind, head w, scale, bias, n_out, threads): a GPT-2 decode step for one token of "
      "each of m rows into out (its logits); pointers (0: none; the head's weight is needed); False "
      "(nothing done) where an id or position is outside its table"},
     {"has_avx2", has_avx2, METH_NOARGS, "whether this CPU runs the AVX2/FMA routines"},
+    {"has_bf16_dot", has_bf16_dot, METH_NOARGS,
+     "whether inputs rounded to bf16 are multiplied by the AVX512_BF16 routines here (the CPU has them, allowed)"},
+    {"set_bf16_dot", set_bf16_dot, METH_VARARGS,
+     "set_bf16_dot(allowed): allow the AVX512_BF16 routines where the CPU has them (else the fp32 ones on the "
+     "rounded values; the same products)"},
     {"has_openmp", has_openmp, METH_NOARGS, "whether the kernels were built with OpenMP (threads)"},
     {NULL, NULL, 0, NULL},
 };

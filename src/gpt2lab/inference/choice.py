@@ -63,7 +63,7 @@ class Timing:
     """Measured ms: a prefill of REQUEST_TOKENS tokens, a decode step at one row, at the request's rows
     (serve's --max-batch) and at BATCH_ROWS rows (measured for each dtype's best kernel); and, for the
     ``gemv`` kernel, up to how many rows a product goes through its compiled tiles rather than a matmul
-    (upcast's fp32 one, or the bf16 one: ``gemv_prompt_bf16``): ``tile_rows``, from the prefill timed
+    (upcast's fp32 one, or oneDNN's bf16 one: ``gemv_bf16_inputs``): ``tile_rows``, from the prefill timed
     both ways at two lengths (``crossover``)."""
 
     prefill: Optional[float] = None
@@ -111,9 +111,9 @@ class Decision:
     reason: str
     request: InferenceRequest
     timings: Optional[dict] = None
-    # gemv on a CPU that computes bf16 natively: more rows than its tiles take go through oneDNN's bf16
-    # matmul rather than upcast's fp32 one (kernels.GemvLinear; form.hold follows the same fact)
-    prompt_bf16: bool = False
+    # gemv on a CPU that computes bf16 natively: every product's inputs rounded to bf16, a prompt past the
+    # tiles by oneDNN's bf16 matmul (kernels.GemvLinear; form.hold follows the same fact: gemv_bf16_inputs)
+    bf16_inputs: bool = False
 
     @property
     def tile_rows(self) -> int:
@@ -122,8 +122,8 @@ class Decision:
 
     def summary(self) -> str:
         tiles = f", several rows by its tiles up to {self.tile_rows}" if self.tile_rows > 1 else ""
-        if self.prompt_bf16:
-            tiles += f", {'more' if self.tile_rows > 1 else 'several'} rows by oneDNN's bf16 matmul (native bf16)"
+        if self.bf16_inputs:
+            tiles += ", inputs rounded to bf16 (native bf16: a longer prompt by oneDNN's bf16 matmul)"
         return f"dtype {self.candidate.dtype}, {self.candidate.kernel} linears{tiles} ({self.reason})"
 
     def record(self) -> dict:
@@ -132,7 +132,7 @@ class Decision:
             "dtype": self.candidate.dtype,
             "kernel": self.candidate.kernel,
             "tile_rows": self.tile_rows,
-            "prompt_bf16": self.prompt_bf16,
+            "bf16_inputs": self.bf16_inputs,
             "reason": self.reason,
             "workload": self.request.workload,
             "rows": self.request.rows,
@@ -227,7 +227,7 @@ def _has(t, *fields: str) -> bool:
 def crossover(short: tuple[float, float], long: tuple[float, float], lengths: tuple[int, int]) -> int:
     """Up to how many rows the ``gemv`` kernel's compiled tiles multiply: from its prefill timed both ways,
     (matmul ms, tiles ms), at each of two prompt lengths (``lengths``, the shorter first); the matmul is
-    upcast's, or oneDNN's bf16 one where the hold takes it (``gemv_prompt_bf16``). Each way is taken as a
+    upcast's, or oneDNN's bf16 one where the hold takes it (``gemv_bf16_inputs``). Each way is taken as a
     straight line in the length (the matmul: a fixed cost (upcast: the weights widened once), then a cost
     a row; the tiles: each row's products, no fixed pass), and the answer is the longest length, from 1 to
     the longer one measured (never further than measured), at which the tiles' line is not above the
@@ -293,13 +293,16 @@ def choose(request: InferenceRequest, facts: InferenceFacts) -> Decision:
     """The candidate for ``request``: the only one; else the dtype (``choose_dtype``, the same for every
     workload) and, of its kernels, the cheapest measured for the workload, or (unmeasured) the device's rule."""
     d = _choose(request, facts)
-    return dataclasses.replace(d, prompt_bf16=d.candidate.kernel == "gemv" and gemv_prompt_bf16(facts))
+    return dataclasses.replace(d, bf16_inputs=d.candidate.kernel == "gemv" and gemv_bf16_inputs(facts))
 
 
-def gemv_prompt_bf16(facts: InferenceFacts) -> bool:
-    """Whether a ``gemv`` hold multiplies more rows than its tiles take by oneDNN's bf16 matmul: where the
-    CPU computes bf16 natively (AVX512_BF16, AMX), that matmul is 2x or more upcast's fp32 one, the same
-    fact the training dtype rests on; elsewhere bf16 matmuls are emulated, slower than fp32."""
+def gemv_bf16_inputs(facts: InferenceFacts) -> bool:
+    """Whether a ``gemv`` hold rounds every product's inputs to bf16, so that a prompt past its tiles is
+    oneDNN's bf16 matmul and its tiles the AVX512_BF16 dot product (a row's sums then the same alone, in a
+    batch or in a prompt, up to their order): where the CPU computes bf16 natively (AVX512_BF16, AMX), as
+    its bf16 matmuls are 2x or more fp32's, the fact the training dtype rests on (a Zen 4: a 128-token
+    prefill 1.9x upcast's, eight rows' tiles 1.7x the fp32 ones); elsewhere bf16 matmuls are emulated,
+    slower than fp32, and the inputs stay fp32."""
     return facts.device_type == "cpu" and facts.native_bf16
 
 

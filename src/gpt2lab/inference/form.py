@@ -24,7 +24,7 @@ from gpt2lab.inference.choice import (
     InferenceRequest,
     candidates,
     choose,
-    gemv_prompt_bf16,
+    gemv_bf16_inputs,
 )
 from gpt2lab.inference.fused import fuse_blocks
 from gpt2lab.inference.kernels import (
@@ -75,17 +75,18 @@ def hold(
     rows: int = 1,
     inplace: bool = False,
     tile_rows: int = 1,
-    prompt_bf16: Optional[bool] = None,
+    bf16_inputs: Optional[bool] = None,
 ) -> GPT:
     """``model`` (or a copy sharing its other parameters) with every linear held as ``cand`` (``gemv``: up to
-    ``tile_rows`` rows by its compiled tiles, a decision's ``tile_rows``; more by oneDNN's bf16 matmul with
-    ``prompt_bf16``, by default where the device's facts say so: choice.gemv_prompt_bf16); for inference only."""
+    ``tile_rows`` rows by its compiled tiles, a decision's ``tile_rows``; ``bf16_inputs``: every product's
+    inputs rounded to bf16, by default where the device's facts say so: choice.gemv_bf16_inputs); for
+    inference only."""
     target = model if inplace else _shared_copy(model)
-    if prompt_bf16 is None:
+    if bf16_inputs is None:
         device = next(model.parameters()).device
         flags = InferenceFacts(device.type, native_bf16=runtime.detect(device, probe=False).native_bf16)
-        prompt_bf16 = cand.kernel == "gemv" and gemv_prompt_bf16(flags)
-    swap_linears(target, cand.kernel, getattr(torch, cand.dtype), batch_hint=rows, prompt_bf16=prompt_bf16)
+        bf16_inputs = cand.kernel == "gemv" and gemv_bf16_inputs(flags)
+    swap_linears(target, cand.kernel, getattr(torch, cand.dtype), batch_hint=rows, bf16_inputs=bf16_inputs)
     set_tile_rows(target, tile_rows)
     target.held_pages = None
     if next(model.parameters()).device.type == "cpu":  # attention in fp32 (CPU_ATTENTION_DTYPE's note)

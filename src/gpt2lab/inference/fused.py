@@ -45,6 +45,12 @@ def _ptr(t) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+def _kind(m: nn.Module) -> int:
+    """``_gemv.c``'s code for what a compiled-GEMV linear holds: 0 int8, 1 bf16, 2 bf16 whose inputs are
+    rounded to bf16 (GemvLinear.bf16_inputs)."""
+    return (2 if m.bf16_inputs else 1) if isinstance(m, GemvLinear) else 0
+
+
 def _linear_args(m: nn.Module) -> tuple[int, ...]:
     """(weight, scale, bias) data pointers of a compiled-GEMV linear (0: none)."""
     return tuple(_ptr(t) for t in _held_tensors(m))
@@ -100,7 +106,7 @@ class FusedDecodeBlock(Block):
         C = a.c_attn.in_features
         ln = lambda n: (n.weight.data_ptr(), 0 if n.bias is None else n.bias.data_ptr())  # noqa: E731
         return (
-            isinstance(a.c_attn, GemvLinear), C, a.n_head, *ln(self.ln_1), *ln(self.ln_2), float(self.ln_1.eps),
+            _kind(a.c_attn), C, a.n_head, *ln(self.ln_1), *ln(self.ln_2), float(self.ln_1.eps),
             *(_linear_args(x) for x in (a.c_attn, a.c_proj, m.c_fc, m.c_proj)),
         )  # fmt: skip
 
@@ -128,9 +134,9 @@ class FusedDecodeBlock(Block):
         # each row's position: one for all (KVCache), or the row's own (the server's RowsCache)
         pos = kv_cache.positions(1, x.device).reshape(-1).to(torch.int64).expand(B).contiguous()
         out = x.contiguous().clone()  # the caller's x is left as it was
-        bf16, C, nh, g1, b1, g2, b2, eps, *lin = self._fused_args()
+        kind, C, nh, g1, b1, g2, b2, eps, *lin = self._fused_args()
         _gemv.block_step(
-            bf16, out.data_ptr(), B, C, nh, g1, b1, g2, b2, eps, *lin, k.data_ptr(), v.data_ptr(), pos.data_ptr(),
+            kind, out.data_ptr(), B, C, nh, g1, b1, g2, b2, eps, *lin, k.data_ptr(), v.data_ptr(), pos.data_ptr(),
             k.shape[2], torch.get_num_threads(),
         )  # fmt: skip
         return out
@@ -143,10 +149,8 @@ class _StepPlan:
 
     def __init__(self, model: GPT) -> None:
         tr, blocks = model.transformer, list(model.transformer.h)
-        self.bf16 = isinstance(blocks[0].attn.c_attn, GemvLinear)
-        self.ok = all(
-            type(b) is FusedDecodeBlock and isinstance(b.attn.c_attn, GemvLinear) == self.bf16 for b in blocks
-        )
+        self.kind = _kind(blocks[0].attn.c_attn)
+        self.ok = all(type(b) is FusedDecodeBlock and _kind(b.attn.c_attn) == self.kind for b in blocks)
         self.layers = [b.attn.layer_idx for b in blocks]
         self.per_layer = []  # ln_1 g, b, ln_2 g, b, then (weight, scale, bias) of the four linears
         for b in blocks:
@@ -222,9 +226,9 @@ class FusedDecodeGPT(GPT):
         from gpt2lab.inference import _gemv
 
         done = _gemv.model_step(
-            plan.bf16, B, C, nh, len(plan.layers), ids.data_ptr(), plan.wte.data_ptr(), plan.wpe.data_ptr(),
+            plan.kind, B, C, nh, len(plan.layers), ids.data_ptr(), plan.wte.data_ptr(), plan.wpe.data_ptr(),
             plan.wte.shape[0], plan.wpe.shape[0], table.data_ptr(), max_len, _ptr(pos), kv_cache.pos, out.data_ptr(),
-            plan.eps, plan.ln_f.weight.data_ptr(), _ptr(plan.ln_f.bias), plan.eps_f, isinstance(head, GemvLinear), hw,
+            plan.eps, plan.ln_f.weight.data_ptr(), _ptr(plan.ln_f.bias), plan.eps_f, _kind(head), hw,
             hs, hb, n_out, torch.get_num_threads(),
         )  # fmt: skip
         if not done:  # a token id or position outside its table: the model's code says which

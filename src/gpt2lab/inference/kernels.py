@@ -247,8 +247,11 @@ def gemv_error(device: torch.device) -> Optional[str]:
     return None
 
 
-def _compiled_gemv(name: str, x: torch.Tensor, w: torch.Tensor, scale, bias, n_out: int) -> torch.Tensor:
-    """``_gemv.<name>`` on ``x`` (rows, in) fp32 contiguous: (rows, n_out) fp32; ``scale``/``bias`` tensors or None."""
+def _compiled_gemv(
+    name: str, x: torch.Tensor, w: torch.Tensor, scale, bias, n_out: int, round_inputs: bool = False
+) -> torch.Tensor:
+    """``_gemv.<name>`` on ``x`` (rows, in) fp32 contiguous: (rows, n_out) fp32; ``scale``/``bias`` tensors or
+    None; ``round_inputs`` (bf16 weights): ``x`` rounded to bf16 first."""
     from gpt2lab.inference import _gemv
 
     y = torch.empty(x.size(0), n_out, dtype=torch.float32, device=x.device)
@@ -256,7 +259,7 @@ def _compiled_gemv(name: str, x: torch.Tensor, w: torch.Tensor, scale, bias, n_o
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
         getattr(_gemv, name)(
             x.data_ptr(), w.data_ptr(), ptr(scale), ptr(bias), y.data_ptr(), x.size(0), x.size(1), n_out,
-            torch.get_num_threads(),
+            torch.get_num_threads(), *((True,) if round_inputs else ()),
         )  # fmt: skip
     return y
 
@@ -264,17 +267,19 @@ def _compiled_gemv(name: str, x: torch.Tensor, w: torch.Tensor, scale, bias, n_o
 class GemvLinear(UpcastLinear):
     """bf16 weights multiplied by gpt2lab's compiled GEMV (``_gemv.c``) at one row and up to ``tile_rows``
     rows: the weights read once, widened to fp32 in registers (several rows by its tiles, each weight
-    vector for up to four rows), the inputs not rounded. More rows are a matmul, bound by its products,
-    not by the read: a prompt's tokens with ``prompt_bf16`` (a CPU that computes bf16 natively:
-    AVX512_BF16, AMX) by oneDNN's bf16 matmul on the held weights, the inputs rounded to bf16 as every
-    bf16 matmul does (1.9x upcast's at 128 tokens, a Zen 4); else, and one new token of many rows (a
-    server's batch), as ``upcast`` does them (fp32 products, no rounding: a decoded row gives the same
-    sums alone or in a batch, up to their order). Where the tiles stop paying
-    against that matmul is the machine's: the probe measures it (choice.crossover), a hold sets it; 1
+    vector for up to four rows). More rows are a matmul, bound by its products, not by the read.
+
+    ``bf16_inputs`` (a CPU that computes bf16 natively: AVX512_BF16, AMX): every product's inputs are
+    rounded to bf16 first, as any bf16 matmul's are, so a row's sums are the same alone, in a batch or in a
+    prompt, up to their order: the compiled kernel multiplies them by the AVX512_BF16 dot product (its
+    tiles 1.7x the fp32 ones at eight rows on a Zen 4; one row is bound by the read either way), a prompt
+    past the tiles is oneDNN's bf16 matmul (1.9x upcast's at 128 tokens, a Zen 4; its output rounded to
+    bf16, as that matmul gives it), a server's batch past them upcast's fp32 matmul of the rounded inputs.
+    Without it the inputs are not rounded: upcast's fp32 matmul past the tiles. Where the tiles stop paying
+    against the matmul is the machine's: the probe measures it (choice.crossover), a hold sets it; 1
     unmeasured. The output is fp32."""
 
     kernel = "gemv"
-    round_inputs = False
     tile_rows = 1
 
     def __init__(
@@ -283,22 +288,22 @@ class GemvLinear(UpcastLinear):
         bias: Optional[torch.Tensor],
         dtype: torch.dtype,
         batch_hint: int = 1,
-        prompt_bf16: bool = False,
+        bf16_inputs: bool = False,
     ) -> None:
         if dtype != torch.bfloat16:
             raise ValueError(f"the gemv kernel holds bfloat16 weights, not {dtype}")
         # upcast's fp32 copy packed for a batch is not made where prompts take the bf16 matmul
-        super().__init__(weight, bias, dtype, 1 if prompt_bf16 else batch_hint)
-        self.prompt_bf16 = prompt_bf16
+        super().__init__(weight, bias, dtype, 1 if bf16_inputs else batch_hint)
+        self.bf16_inputs = self.round_inputs = bf16_inputs  # round_inputs: upcast's products alike
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.numel() // self.in_features
-        if n > self.tile_rows and self.prompt_bf16 and x.dim() > 2 and x.size(-2) > 1:  # a prompt's tokens
+        if n > self.tile_rows and self.bf16_inputs and x.dim() > 2 and x.size(-2) > 1:  # a prompt's tokens
             return F.linear(x.to(torch.bfloat16), self.weight, self.bias).float()
         if n > self.tile_rows or n == 0:
             return super().forward(x)
         x32 = x.reshape(n, self.in_features).float().contiguous()
-        y = _compiled_gemv("bf16_gemv", x32, self.weight, None, self.bias32, self.out_features)
+        y = _compiled_gemv("bf16_gemv", x32, self.weight, None, self.bias32, self.out_features, self.bf16_inputs)
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -329,9 +334,9 @@ class Int8GemvLinear(DecodeLinear):
 
 
 def make_linear(
-    layer: nn.Linear, kernel: str, dtype: torch.dtype, batch_hint: int = 1, prompt_bf16: bool = False
+    layer: nn.Linear, kernel: str, dtype: torch.dtype, batch_hint: int = 1, bf16_inputs: bool = False
 ) -> DecodeLinear:
-    """``layer``'s weight held for inference with ``kernel`` in ``dtype`` (``prompt_bf16``: GemvLinear's)."""
+    """``layer``'s weight held for inference with ``kernel`` in ``dtype`` (``bf16_inputs``: GemvLinear's)."""
     if kernel in ("plain", "decode"):
         return PlainLinear(layer.weight, layer.bias, dtype, column_major=kernel == "decode")
     if kernel == "packed":
@@ -339,7 +344,7 @@ def make_linear(
     if kernel == "upcast":
         return UpcastLinear(layer.weight, layer.bias, dtype, batch_hint)
     if kernel == "gemv":
-        return GemvLinear(layer.weight, layer.bias, dtype, batch_hint, prompt_bf16)
+        return GemvLinear(layer.weight, layer.bias, dtype, batch_hint, bf16_inputs)
     if kernel == "int8":
         return Int8Linear(layer.weight, layer.bias, dtype)
     if kernel == "int8-gemv":
@@ -348,7 +353,7 @@ def make_linear(
 
 
 def swap_linears(
-    model: nn.Module, kernel: str, dtype: torch.dtype, batch_hint: int = 1, prompt_bf16: bool = False
+    model: nn.Module, kernel: str, dtype: torch.dtype, batch_hint: int = 1, bf16_inputs: bool = False
 ) -> int:
     """Replace every ``nn.Linear`` of ``model`` by its decode linear (in place); returns how many.
 
@@ -362,5 +367,5 @@ def swap_linears(
     ]
     with torch.no_grad():
         for parent, name, child in swaps:
-            setattr(parent, name, make_linear(child, kernel, dtype, batch_hint, prompt_bf16))
+            setattr(parent, name, make_linear(child, kernel, dtype, batch_hint, bf16_inputs))
     return len(swaps)
