@@ -230,55 +230,40 @@ __attribute__((target("avx2,fma"))) static void tile2x2(enum held kind, const vo
 #ifdef GEMV_DP
 /* bf16 weights against inputs already rounded to bf16 (xb), by the AVX512_BF16 dot product: one
  * VDPBF16PS multiplies 32 bf16 pairs (each product exact in fp32) into 16 fp32 sums, where the fp32
- * tiles above widen every weight and need four FMAs for the same products (a Zen 4: eight rows against
- * the 124M's weights 9.0 ms a pass against 15.1). Two weight rows (one with ``two`` 0: a last row
- * alone) against nr (1-4) input rows: out[j] = w0 . x_j, out[4 + j] = w1 . x_j; the next rows asked
- * for meanwhile, as tile2xn does. */
+ * tiles above widen every weight and need four FMAs for the same products. One weight row against nr
+ * (1-4) input rows, out[j] = w . x_j: the weights streamed a row at a time and asked for ahead as the
+ * one-row product does them (two rows read together, as tile2xn does, streamed the 124M's head from
+ * memory 1.2-1.6x slower at two and four rows on a Zen 4). */
 #define DP_TARGET "avx512f,avx512bf16"
-__attribute__((target(DP_TARGET), always_inline)) static inline void tile_dp(const uint16_t *w0, const uint16_t *xb,
-                                                                             Py_ssize_t k, int nr, int two,
-                                                                             float *out) {
-    const uint16_t *w1 = w0 + k;
-    const char *next = (const char *)(w0 + (two ? 2 : 1) * k);
-    __m512 a[8];
-    for (int j = 0; j < 8; j++) a[j] = _mm512_setzero_ps();
+__attribute__((target(DP_TARGET), always_inline)) static inline void tile_dp(const uint16_t *w, const uint16_t *xb,
+                                                                             Py_ssize_t k, int nr, float *out) {
+    __m512 a[4];
+    for (int j = 0; j < 4; j++) a[j] = _mm512_setzero_ps();
     Py_ssize_t i = 0;
-    for (; i + 32 <= k; i += 32) { /* 32 weights a row: one 64-byte line */
-        _mm_prefetch(next + 2 * i, _MM_HINT_T0);
-        if (two) _mm_prefetch(next + 2 * (k + i), _MM_HINT_T0);
-        __m512bh v0 = (__m512bh)_mm512_loadu_si512((const void *)(w0 + i));
-        __m512bh v1 = two ? (__m512bh)_mm512_loadu_si512((const void *)(w1 + i)) : v0;
-        for (int j = 0; j < nr; j++) {
-            __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + j * k + i));
-            a[j] = _mm512_dpbf16_ps(a[j], v0, xv);
-            if (two) a[4 + j] = _mm512_dpbf16_ps(a[4 + j], v1, xv);
-        }
+    for (; i + 32 <= k; i += 32) { /* 32 weights: one 64-byte line */
+        _mm_prefetch((const char *)(w + i) + PREFETCH_AHEAD, _MM_HINT_T0);
+        __m512bh v = (__m512bh)_mm512_loadu_si512((const void *)(w + i));
+        for (int j = 0; j < nr; j++)
+            a[j] = _mm512_dpbf16_ps(a[j], v, (__m512bh)_mm512_loadu_si512((const void *)(xb + j * k + i)));
     }
-    for (int j = 0; j < nr; j++) {
-        out[j] = _mm512_reduce_add_ps(a[j]) + dot_bf16_pairs(w0 + i, xb + j * k + i, k - i);
-        if (two) out[4 + j] = _mm512_reduce_add_ps(a[4 + j]) + dot_bf16_pairs(w1 + i, xb + j * k + i, k - i);
-    }
+    for (int j = 0; j < nr; j++) out[j] = _mm512_reduce_add_ps(a[j]) + dot_bf16_pairs(w + i, xb + j * k + i, k - i);
 }
 
 /* The counts rows_pair_dp asks for, each compiled apart. */
-__attribute__((target(DP_TARGET))) static void dp2x4(const uint16_t *w, const uint16_t *x, Py_ssize_t k, float *o) {
-    tile_dp(w, x, k, 4, 1, o);
+__attribute__((target(DP_TARGET))) static void dp4(const uint16_t *w, const uint16_t *x, Py_ssize_t k, float *o) {
+    tile_dp(w, x, k, 4, o);
 }
 
-__attribute__((target(DP_TARGET))) static void dp2x3(const uint16_t *w, const uint16_t *x, Py_ssize_t k, float *o) {
-    tile_dp(w, x, k, 3, 1, o);
+__attribute__((target(DP_TARGET))) static void dp3(const uint16_t *w, const uint16_t *x, Py_ssize_t k, float *o) {
+    tile_dp(w, x, k, 3, o);
 }
 
-__attribute__((target(DP_TARGET))) static void dp2x2(const uint16_t *w, const uint16_t *x, Py_ssize_t k, float *o) {
-    tile_dp(w, x, k, 2, 1, o);
+__attribute__((target(DP_TARGET))) static void dp2(const uint16_t *w, const uint16_t *x, Py_ssize_t k, float *o) {
+    tile_dp(w, x, k, 2, o);
 }
 
-__attribute__((target(DP_TARGET))) static void dp2x1(const uint16_t *w, const uint16_t *x, Py_ssize_t k, float *o) {
-    tile_dp(w, x, k, 1, 1, o);
-}
-
-__attribute__((target(DP_TARGET))) static void dp1x1(const uint16_t *w, const uint16_t *x, Py_ssize_t k, float *o) {
-    tile_dp(w, x, k, 1, 0, o);
+__attribute__((target(DP_TARGET))) static void dp1(const uint16_t *w, const uint16_t *x, Py_ssize_t k, float *o) {
+    tile_dp(w, x, k, 1, o);
 }
 #endif
 #endif
@@ -444,34 +429,26 @@ struct linear {
 
 #ifdef GEMV_DP
 /* Weight rows r and r + 1 (r alone where it is the last) of a bf16 linear against every input row, the
- * inputs rounded to bf16 (xb), by the AVX512_BF16 tiles: four input rows at a time, then the rest. */
+ * inputs rounded to bf16 (xb), by the AVX512_BF16 tiles: each weight row against four input rows at a
+ * time, then the rest (the row then in cache). */
 static void rows_pair_dp(const struct linear *l, const uint16_t *xb, float *y, Py_ssize_t m, Py_ssize_t k,
                          Py_ssize_t n, Py_ssize_t r, enum epilogue e) {
-    const uint16_t *w0 = (const uint16_t *)l->w + r * k;
-    float b0 = l->bias ? l->bias[r] : 0.f, eight[8];
-    if (r + 1 == n) {
-        for (Py_ssize_t i = 0; i < m; i++) {
-            dp1x1(w0, xb + i * k, k, eight);
-            put(y + i * n + r, eight[0] + b0, e);
+    for (Py_ssize_t q = r; q < r + 2 && q < n; q++) {
+        const uint16_t *w = (const uint16_t *)l->w + q * k;
+        float b = l->bias ? l->bias[q] : 0.f, four[4];
+        for (Py_ssize_t i = 0; i < m;) {
+            int nr = m - i >= 4 ? 4 : (int)(m - i);
+            (nr == 4 ? dp4 : nr == 3 ? dp3 : nr == 2 ? dp2 : dp1)(w, xb + i * k, k, four);
+            for (int j = 0; j < nr; j++) put(y + (i + j) * n + q, four[j] + b, e);
+            i += nr;
         }
-        return;
-    }
-    float b1 = l->bias ? l->bias[r + 1] : 0.f;
-    for (Py_ssize_t i = 0; i < m;) {
-        int nr = m - i >= 4 ? 4 : (int)(m - i);
-        (nr == 4 ? dp2x4 : nr == 3 ? dp2x3 : nr == 2 ? dp2x2 : dp2x1)(w0, xb + i * k, k, eight);
-        for (int j = 0; j < nr; j++) {
-            put(y + (i + j) * n + r, eight[j] + b0, e);
-            put(y + (i + j) * n + r + 1, eight[4 + j] + b1, e);
-        }
-        i += nr;
     }
 }
 #endif
 
 /* The inputs of a HELD_BF16_ROUNDED linear rounded to bf16, shared by the threads (m rows of the widest
- * input): as bf16 for the AVX512_BF16 tiles (dp), else as the fp32 values of those bf16s, which the
- * fp32 routines multiply (the same products; the sums in another order). */
+ * input): as bf16 for the AVX512_BF16 tiles (dp: the CPU has them; two rows or more), else as the fp32
+ * values of those bf16s, which the fp32 routines multiply (the same products; the sums in another order). */
 struct rounded {
     uint16_t *xb;
     float *xr;
@@ -484,18 +461,24 @@ struct rounded {
 static void linear_rows(enum held kind, const struct linear *l, const float *in, float *out, Py_ssize_t m,
                         Py_ssize_t k, Py_ssize_t n, float *wb, int avx2, enum epilogue e, const struct rounded *rd) {
     if (kind == HELD_BF16_ROUNDED) {
+        /* One row is bound by the weights' read, which the one-row fp32 routine streams faster than a
+         * tile of dot products (a Zen 4's 124M step: 7.9-8.3 ms against 10.0-12.0): the fp32 values then. */
+        int dp = rd->dp && m >= 2;
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
         for (Py_ssize_t s = 0; s < m * k; s += 256) {
             Py_ssize_t end = s + 256 < m * k ? s + 256 : m * k;
             for (Py_ssize_t j = s; j < end; j++) {
-                rd->xb[j] = f32_to_bf16(in[j]);
-                if (!rd->dp) rd->xr[j] = bf16_to_f32(rd->xb[j]);
+                uint16_t h = f32_to_bf16(in[j]);
+                if (dp)
+                    rd->xb[j] = h;
+                else
+                    rd->xr[j] = bf16_to_f32(h);
             }
         }
 #ifdef GEMV_DP
-        if (rd->dp) {
+        if (dp) {
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
