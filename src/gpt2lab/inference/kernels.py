@@ -26,11 +26,12 @@ what autocast computes, without re-reading and casting the weights at every step
   the slices (1.5x an fp32 model's memory): a batch then costs what a packed fp32 one does, where the
   conversion of every slice at every step would cost most at a few rows. The inputs are rounded to
   the weight's dtype, as at one row; the output of several rows stays fp32;
-* ``gemv``: ``upcast`` with its one row multiplied by gpt2lab's compiled GEMV (``_gemv.c``): each bf16
-  weight row read once, widened to fp32 in AVX2 registers, products and sums in fp32, rows shared
-  among the threads (the input is not rounded to bf16). Where pip compiled it (a C compiler with
-  OpenMP, Linux) and the CPU has AVX2 and FMA; elsewhere it is no candidate. On an AVX2 EPYC it read
-  a 768 x 3072 bf16 weight at 12-16 GB/s where torch's bf16 GEMV read 10;
+* ``gemv``: ``upcast`` with its one row, and a few more, multiplied by gpt2lab's compiled GEMV
+  (``_gemv.c``): each bf16 weight row read once, widened to fp32 in AVX2 registers, products and sums
+  in fp32, rows shared among the threads; on a CPU with native bf16 the inputs rounded to bf16 first
+  and several rows multiplied by AVX512_BF16 dot products (GemvLinear). Where pip compiled it (a C
+  compiler with OpenMP, Linux) and the CPU has AVX2 and FMA; elsewhere it is no candidate. On an AVX2
+  EPYC it read a 768 x 3072 bf16 weight at 12-16 GB/s where torch's bf16 GEMV read 10;
 * ``int8``: weight-only int8, symmetric per output channel (scale = max |w| / 127), multiplied
   by PyTorch's own ``torch._weight_int8pack_mm`` with activations in fp32 or bf16. Which one is
   measured: on the Zen 5 the kernel is 20x slower with fp32 activations than with bf16;
