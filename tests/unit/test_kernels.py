@@ -270,6 +270,17 @@ def test_gemv_with_bf16_inputs_rounds_every_route_and_runs_a_prompt_past_its_til
         assert ((got_batch.double() - ref(batch, False)).abs().max() > 1e-4) == rounded  # the rounding shows
 
 
+@needs_gemv
+@pytest.mark.parametrize("flags, native", [(("avx512_bf16", "avx2", "fma"), True), (("avx2", "fma"), False)])
+def test_bench_precision_measures_gemv_with_fp32_inputs_too_where_the_default_rounds_them(monkeypatch, flags, native):
+    from gpt2lab.benchmarks import precision
+
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: flags)
+    ways = precision._ways("packed", torch.device("cpu"))
+    assert ways["bfloat16_gemv"] == Candidate("bfloat16", "gemv")
+    assert (ways.get(precision.FP32_INPUTS) == Candidate("bfloat16", "gemv")) == native
+
+
 @pytest.mark.parametrize("flags, native", [(("avx512_bf16", "avx512f", "avx2", "fma"), True), (("avx2", "fma"), False)])
 def test_a_gemv_hold_rounds_its_inputs_to_bf16_where_the_cpu_computes_bf16_natively(monkeypatch, flags, native):
     """The hold and the decision follow the same fact (faked CPU flags), and the decision says so."""

@@ -3,7 +3,8 @@
 One trained model (``--model``: a run, checkpoint or HF directory) is held every way the
 inference path can hold it (inference/form.py: bf16 weights, int8 weights with fp32 or bf16
 activations, each with the kernel ``--cpu-linear`` names, and where gpt2lab's compiled kernels run,
-bf16 ``gemv`` and ``int8-gemv``; the reference: fp32 weights, ``F.linear``), and each is compared with
+bf16 ``gemv`` and ``int8-gemv``, and on a CPU with native bf16, where ``gemv`` rounds its inputs to bf16,
+also ``gemv`` with fp32 inputs; the reference: fp32 weights, ``F.linear``), and each is compared with
 the reference on held-out text (greedy decoding of all prompts at once: a batch, which the compiled
 kernels' fused step runs too):
 
@@ -22,8 +23,8 @@ import argparse
 import torch
 
 from gpt2lab.distributed.dist import pick_device
-from gpt2lab.inference.choice import Candidate
-from gpt2lab.inference.form import hold
+from gpt2lab.inference.choice import Candidate, gemv_bf16_inputs
+from gpt2lab.inference.form import detect_facts, hold
 from gpt2lab.inference.kernels import gemv_error, packing_bf16_error
 from gpt2lab.model.sampling import generate
 from gpt2lab.system.choices import LINEAR_CHOICES
@@ -63,7 +64,13 @@ def _ways(linear: str, device: torch.device) -> dict[str, Candidate]:
     }
     if gemv_error(device) is None:
         ways.update(bfloat16_gemv=Candidate("bfloat16", "gemv"), int8_gemv=Candidate("float32", "int8-gemv"))
+        if gemv_bf16_inputs(detect_facts(device)):  # the default rounds its inputs here: also the fp32 ones
+            ways[FP32_INPUTS] = Candidate("bfloat16", "gemv")
     return ways
+
+
+# bf16 weights by the compiled GEMV with the inputs kept fp32, where a hold would round them (native bf16)
+FP32_INPUTS = "bfloat16_gemv_fp32_inputs"
 
 
 @torch.inference_mode()
@@ -92,7 +99,7 @@ def run(args: argparse.Namespace) -> dict:
     }
     ref_argmax = ref_greedy = None
     for name, cand in _ways(args.cpu_linear, device).items():
-        m = hold(model, cand, rows=1)
+        m = hold(model, cand, rows=1, **({"bf16_inputs": False} if name == FP32_INPUTS else {}))
         losses, argmax = [], []
         for xs, ys in zip(x.split(1), y.split(1)):
             logits, loss = m(xs, ys)
@@ -100,7 +107,8 @@ def run(args: argparse.Namespace) -> dict:
             argmax.append(logits[..., : model.config.real_vocab_size].argmax(-1))
         argmax = torch.cat(argmax)
         greedy = generate(m, prompts, args.new_tokens, temperature=0.0)[:, args.prompt_tokens :]
-        way = {"kernel": cand.name, "val_loss": sum(losses) / len(losses)}
+        rounded = any(getattr(lin, "bf16_inputs", False) for lin in m.modules())
+        way = {"kernel": cand.name, "bf16_inputs": rounded, "val_loss": sum(losses) / len(losses)}
         if ref_argmax is None:
             ref_argmax, ref_greedy, ref_loss = argmax, greedy, way["val_loss"]
         way["val_loss_minus_fp32"] = way["val_loss"] - ref_loss
