@@ -68,7 +68,11 @@ def _unfused(model):
     return _blocks_only(model)
 
 
-@pytest.mark.parametrize("cand", CANDS, ids=str)
+@pytest.mark.parametrize(
+    "cand, rounded",
+    [(c, False) for c in CANDS] + [(Candidate("bfloat16", "gemv"), True)],  # rounding: bf16 weights only
+    ids=lambda v: {False: "fp32-inputs", True: "bf16-inputs"}.get(v, str(v)) if isinstance(v, bool) else str(v),
+)
 @pytest.mark.parametrize(
     "shape",
     [dict(n_head=2, n_embd=32), dict(n_head=3, n_embd=36, bias=False), dict(n_head=2, n_embd=144)],
@@ -76,7 +80,6 @@ def _unfused(model):
 )
 @pytest.mark.parametrize("rows", [1, 6])  # six: a tile of four rows, then one of two
 @pytest.mark.parametrize("way", ["whole", "blocks"])
-@pytest.mark.parametrize("rounded", [False, True], ids=["fp32-inputs", "bf16-inputs"])
 def test_one_token_fused_equals_the_models_own_forward_with_the_same_cache(cand, shape, rows, way, rounded, counted):
     """Logits and the KV cache after several one-token steps, fused (the whole step, or block by block)
     against unfused, from the same prompt (36 wide: heads of 12, not a multiple of 8; no biases; 144:
@@ -84,8 +87,6 @@ def test_one_token_fused_equals_the_models_own_forward_with_the_same_cache(cand,
     CPU with native bf16: the fused step's products and the linears' own alike). The
     whole step takes the head too, at any rows (its forward takes a bf16 head's several rows through
     PyTorch)."""
-    if rounded and cand.kernel != "gemv":
-        pytest.skip("inputs are rounded to bf16 for bf16 weights only")
     model = tiny_gpt(seed=5, vocab_size=97, block_size=40, **shape)
     idx = torch.randint(0, 97, (rows, 30), generator=torch.Generator().manual_seed(3))
     outs, caches = [], []
