@@ -35,6 +35,14 @@ OPTIONAL_PACKAGES = (
 )
 
 
+def _gemv_routines() -> str:
+    """What gpt2lab's compiled GEMV runs here: AVX2, and the AVX512_BF16 dot product for inputs rounded to
+    bf16 where the CPU has it (a hold on a CPU with native bf16 rounds them)."""
+    from gpt2lab.inference import _gemv
+
+    return "runs here (AVX2" + (", AVX512_BF16 dot products)" if _gemv.has_bf16_dot() else ")")
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("env", help="print what gpt2lab sees: versions, device, bf16, matmul GFLOP/s, auto choices")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
@@ -90,7 +98,7 @@ def collect(device_name: str = "auto") -> dict:
         "held_weight_pages": thp.why_not() or f"huge pages of {thp.size // 2**20} MiB",
         "compile_available": facts.can_compile,
         # gpt2lab's compiled GEMV (bf16, int8; setup.py builds it where a C compiler is): "runs here" or why not
-        "compiled_gemv": gemv_error(torch.device("cpu")) or "runs here",
+        "compiled_gemv": gemv_error(torch.device("cpu")) or _gemv_routines(),
         "auto_dtype": choices.dtype.value,
         "auto_dtype_reason": choices.dtype.reason,
         "auto_compile": choices.compile.value,
