@@ -341,11 +341,12 @@ def device_pick(cands: list[Candidate], facts: InferenceFacts) -> Candidate:
     one); fp32 on a CPU without either, and on MPS. Then ``gemv`` first where it runs (its one row reads
     the bf16 bytes at the read's pace in one call a token; on a CPU without native bf16 several rows are
     its fp32 tiles, not emulated bf16 matmuls: on an AVX2-only EPYC 2.46x faster than fp32 at one row and
-    1.4-2.2x in a 16-row batch; with native bf16 a prompt is oneDNN's bf16 matmul: on a Zen 4 its step
-    1.8-1.9x oneDNN's packed bf16 linear's at one row, 1.34x behind at 16 rows, a 128-token prefill
-    within 9%), then oneDNN's packed linear; for fp32 weights the column-major layout, for
-    half-precision ones the row-major (a column-major bf16 weight was 1.4x slower than row-major on a Zen 5
-    with AVX512_BF16, and 20x on an AVX2-only EPYC; fp32 gained 1.2x from it on both); an asked-for half
+    1.4-2.2x in a 16-row batch; with native bf16 several rows are AVX512_BF16 dot products and a prompt
+    oneDNN's bf16 matmul: on a Zen 4 its step 1.8-2.1x oneDNN's packed bf16 linear's at one row, at 16
+    rows 26.1 against 28.5 ms, a 128-token prefill within 9%), then oneDNN's packed linear; for fp32
+    weights the column-major layout, for half-precision ones the row-major (a column-major bf16 weight
+    was 1.4x slower than row-major on a Zen 5 with AVX512_BF16, and 20x on an AVX2-only EPYC; fp32
+    gained 1.2x from it on both); an asked-for half
     precision on a CPU without native bf16 that neither oneDNN nor gpt2lab's GEMV holds takes ``upcast``,
     whose several-row products are fp32 ones (a 128-token prefill 1.2 s in bf16, 0.2 s upcast, on that
     EPYC). Int8 weights in fp32 take gpt2lab's compiled GEMV where it runs (``int8-gemv``: on that EPYC it
