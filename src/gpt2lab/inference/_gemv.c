@@ -8,7 +8,8 @@
  * sums in registers), so the weights are still read from memory once. The AVX2/FMA routines are
  * compiled for that instruction set alone (a target attribute) and used only where the CPU reports
  * both; the plain C loops serve elsewhere (kernels.py then leaves these kernels out: they would not be
- * faster).
+ * faster). bf16 weights may ask for their inputs rounded to bf16 first (HELD_BF16_ROUNDED): two rows or
+ * more are then multiplied by AVX512_BF16 dot products where the CPU and the compiler have them.
  *
  * Called from Python with tensors' data pointers; kernels.py checks dtypes, shapes and contiguity.
  * The GIL is released while it runs. Built at install by setup.py; optional (no compiler, no kernel). */
@@ -280,10 +281,10 @@ static int cpu_has_avx2(void) {
 /* Whether the AVX512_BF16 routines run here; set_bf16_dot can turn them off (tests: the other branch). */
 static int bf16_dot_allowed = 1;
 
-static int cpu_has_bf16_dot(void) {
+static int bf16_dot_runs(void) {
 #ifdef GEMV_DP
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+    return bf16_dot_allowed && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
 #else
     return 0;
 #endif
@@ -498,7 +499,7 @@ static void linear_rows(enum held kind, const struct linear *l, const float *in,
 /* Room for m rows of k inputs rounded (NULL where the kind does not round, or where malloc failed:
  * *ok then 0); filled in by linear_rows. */
 static void *rounded_alloc(struct rounded *rd, enum held kind, Py_ssize_t m, Py_ssize_t k, int *ok) {
-    rd->dp = bf16_dot_allowed && cpu_has_bf16_dot();
+    rd->dp = bf16_dot_runs();
     *ok = 1;
     if (kind != HELD_BF16_ROUNDED) return NULL;
     void *buf = malloc((size_t)(m * k) * (sizeof(uint16_t) + sizeof(float)));
@@ -873,9 +874,7 @@ static PyObject *bf16_gemv(PyObject *self, PyObject *args) { return gemv(HELD_BF
 
 static PyObject *has_avx2(PyObject *self, PyObject *unused) { return PyBool_FromLong(cpu_has_avx2()); }
 
-static PyObject *has_bf16_dot(PyObject *self, PyObject *unused) {
-    return PyBool_FromLong(bf16_dot_allowed && cpu_has_bf16_dot());
-}
+static PyObject *has_bf16_dot(PyObject *self, PyObject *unused) { return PyBool_FromLong(bf16_dot_runs()); }
 
 static PyObject *set_bf16_dot(PyObject *self, PyObject *args) {
     int allowed;

@@ -298,8 +298,8 @@ def choose(request: InferenceRequest, facts: InferenceFacts) -> Decision:
 
 def gemv_bf16_inputs(facts: InferenceFacts) -> bool:
     """Whether a ``gemv`` hold rounds every product's inputs to bf16, so that a prompt past its tiles is
-    oneDNN's bf16 matmul and its tiles the AVX512_BF16 dot product (a row's sums then the same alone, in a
-    batch or in a prompt, up to their order): where the CPU computes bf16 natively (AVX512_BF16, AMX), as
+    oneDNN's bf16 matmul and its tiles the AVX512_BF16 dot product (a row's products then the same alone,
+    in a batch or in a prompt): where the CPU computes bf16 natively (AVX512_BF16, AMX), as
     its bf16 matmuls are 2x or more fp32's, the fact the training dtype rests on (a Zen 4: a 128-token
     prefill 1.9x upcast's, eight rows' tiles 1.7x the fp32 ones); elsewhere bf16 matmuls are emulated,
     slower than fp32, and the inputs stay fp32."""
@@ -346,11 +346,11 @@ def device_pick(cands: list[Candidate], facts: InferenceFacts) -> Candidate:
     rows 26.1 against 28.5 ms, a 128-token prefill within 9%), then oneDNN's packed linear; for fp32
     weights the column-major layout, for half-precision ones the row-major (a column-major bf16 weight
     was 1.4x slower than row-major on a Zen 5 with AVX512_BF16, and 20x on an AVX2-only EPYC; fp32
-    gained 1.2x from it on both); an asked-for half
-    precision on a CPU without native bf16 that neither oneDNN nor gpt2lab's GEMV holds takes ``upcast``,
-    whose several-row products are fp32 ones (a 128-token prefill 1.2 s in bf16, 0.2 s upcast, on that
-    EPYC). Int8 weights in fp32 take gpt2lab's compiled GEMV where it runs (``int8-gemv``: on that EPYC it
-    read them at ~12 GB/s, PyTorch's int8 kernel at ~1.3 with fp32 activations)."""
+    gained 1.2x from it on both); an asked-for half precision on a CPU without native bf16 that neither
+    oneDNN nor gpt2lab's GEMV holds takes ``upcast``, whose several-row products are fp32 ones (a
+    128-token prefill 1.2 s in bf16, 0.2 s upcast, on that EPYC). Int8 weights in fp32 take gpt2lab's
+    compiled GEMV where it runs (``int8-gemv``: on that EPYC it read them at ~12 GB/s, PyTorch's int8
+    kernel at ~1.3 with fp32 activations)."""
     half = [c for c in cands if c.dtype != "float32"]
     fp32 = [c for c in cands if c.dtype == "float32"]
     emulated = facts.device_type == "cpu" and not facts.native_bf16  # its half-precision matmuls emulated

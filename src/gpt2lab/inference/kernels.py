@@ -271,11 +271,12 @@ class GemvLinear(UpcastLinear):
     vector for up to four rows). More rows are a matmul, bound by its products, not by the read.
 
     ``bf16_inputs`` (a CPU that computes bf16 natively: AVX512_BF16, AMX): every product's inputs are
-    rounded to bf16 first, as any bf16 matmul's are, so a row's sums are the same alone, in a batch or in a
-    prompt, up to their order: the compiled kernel multiplies them by the AVX512_BF16 dot product (its
-    tiles 1.7x the fp32 ones at eight rows on a Zen 4; one row is bound by the read either way), a prompt
-    past the tiles is oneDNN's bf16 matmul (1.9x upcast's at 128 tokens, a Zen 4; its output rounded to
-    bf16, as that matmul gives it), a server's batch past them upcast's fp32 matmul of the rounded inputs.
+    rounded to bf16 first, as any bf16 matmul's are, so a row's products are the same alone, in a batch or
+    in a prompt (its sums alone or in a batch the same up to their order): the compiled kernel multiplies
+    them by the AVX512_BF16 dot product (its tiles 1.7x the fp32 ones at eight rows on a Zen 4; one row
+    is bound by the read either way), a prompt past the tiles is oneDNN's bf16 matmul (1.9x upcast's at
+    128 tokens, a Zen 4; its output rounded to bf16, as that matmul gives it), a server's batch past them
+    upcast's fp32 matmul of the rounded inputs.
     Without it the inputs are not rounded: upcast's fp32 matmul past the tiles. Where the tiles stop paying
     against the matmul is the machine's: the probe measures it (choice.crossover), a hold sets it; 1
     unmeasured. The output is fp32."""
