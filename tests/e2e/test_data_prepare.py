@@ -555,19 +555,27 @@ def test_ctrl_c_at_many_moments_ends_fast_and_resumes_byte_identically(tmp_path)
     out = tmp_path / "out"
     cmd = [sys.executable, "-c", code, "prepare", "--source", str(src), "--out", str(out), *flags]
     interrupted, waits = 0, []
-    for delay in [0.0, 0.02, 0.05, 0.1, 0.2, 0.4, 0.8]:  # early ones too: a fast machine finishes in ~0.5 s
 
-        def manifest_inode():
-            try:
-                return os.stat(out / "manifest.json").st_ino
-            except FileNotFoundError:
-                return None
+    def manifest_inode():
+        try:
+            return os.stat(out / "manifest.json").st_ino
+        except FileNotFoundError:
+            return None
 
-        before = manifest_inode()
+    def shards():
+        return {p.name for p in out.glob("*.bin")} if out.exists() else set()
+
+    # Moments measured by the run's own progress, not by the clock (a fast machine finishes the whole
+    # source in a few tenths of a second): right after its manifest, then after 1, 2, 5 and 8 shards
+    # more than it found, and once 20 ms after its next shard (tasks in flight in the pool).
+    for new_shards, delay in [(0, 0.0), (1, 0.0), (2, 0.0), (5, 0.0), (1, 0.02), (8, 0.0)]:
+        before, found = manifest_inode(), shards()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         deadline = time.time() + 60
         while manifest_inode() in (None, before) and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.002)  # until the run has begun: it writes its manifest (a new file) first
+            time.sleep(0.001)  # until the run has begun: it writes its manifest (a new file) first
+        while len(shards() - found) < new_shards and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.001)
         time.sleep(delay)
         sent = time.time()
         os.killpg(proc.pid, signal.SIGINT)

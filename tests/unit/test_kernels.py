@@ -1037,6 +1037,30 @@ def _fake_measure(figures_of, calls):
     return fake
 
 
+def test_a_steps_bound_is_its_share_of_the_prefills_products_never_under_two_prefills():
+    """The share counted by hand: a GPT-2 block multiplies 12 C^2 weights (qkv 3, proj 1, fc 4, proj 4);
+    the prefill runs min(128, block) positions through the blocks and its last through the head."""
+    C, L = 32, 2
+    body = L * 12 * C * C
+    for vocab, block, rows in [(50257, 128, 16), (97, 16, 1), (50257, 128, 1)]:
+        model = tiny_gpt(seed=0, vocab_size=vocab, block_size=block)
+        head = vocab * C
+        want = rows * (body + head) / (min(128, block) * body + head)
+        assert prep._step_work(model, rows) == pytest.approx(want, rel=1e-12)
+    big_head = tiny_gpt(seed=0, vocab_size=50257, block_size=128)  # the head is most of a step's products
+    share = prep._step_work(big_head, prep.BATCH_ROWS)
+    assert 5 < share < 6
+    fine = Timing(prefill=1.0, step1=0.5, step_batch=0.9 * prep.ABSURD * share)
+    assert prep._absurd("x", fine, 1, big_head) == []
+    busy = Timing(prefill=1.0, step1=0.5, step_batch=1.1 * prep.ABSURD * share)
+    [why] = prep._absurd("x", busy, 1, big_head)
+    assert why.startswith(f"x {prep.BATCH_ROWS}-row step")
+    small_head = tiny_gpt(seed=0, vocab_size=97, block_size=128)  # a step's share under one: two prefills
+    assert prep._step_work(small_head, prep.BATCH_ROWS) < 1
+    assert prep._absurd("x", Timing(prefill=1.0, step1=1.9, step_batch=1.9), 1, small_head) == []
+    assert len(prep._absurd("x", Timing(prefill=1.0, step1=2.1, step_batch=2.1), 1, small_head)) == 2
+
+
 def test_a_load_that_slowed_one_candidate_is_caught_by_the_second_pass_and_not_kept(tmp_path, monkeypatch, capsys):
     """bf16/plain measured while the machine was busy (3x its figure): its dtype's best is timed again
     after the others, the two passes disagree, and the figures are neither kept nor used (the device's
@@ -1073,7 +1097,7 @@ def test_a_load_that_slowed_one_candidate_is_caught_by_the_second_pass_and_not_k
     monkeypatch.setattr(prep, "measure", _fake_measure(lambda name, before: Timing(1.0, 5.0), []))
     prep.decide(model, cpu, request, facts=ZEN, command="gpt2lab sample")
     err = capsys.readouterr().err
-    assert "neither used nor kept" in err and "bfloat16/plain one-row step 5 ms over 2x its prefill's 1 ms" in err
+    assert "neither used nor kept" in err and "bfloat16/plain one-row step 5 ms over 2 ms (its prefill 1 ms)" in err
     [entry] = probe_cache.entries().values()
     assert entry["timings"]["bfloat16/plain"]["step1"] == 8.0  # the kept figures are not replaced
 

@@ -14,7 +14,8 @@ of the chosen dtype's kernels. A loaded machine must not decide for good:
   candidate's every call passes by then); the best of both is kept, unless the two passes are over
   ``UNSTEADY`` times apart;
 * a figure that contradicts the work it measures is not kept: a one-row step (or a ``--max-batch``-row
-  step of at most ``REQUEST_TOKENS`` rows) over ``ABSURD`` times the same candidate's prefill;
+  step of at most ``REQUEST_TOKENS`` rows) over ``ABSURD`` times what its share of the same candidate's
+  prefill's matrix products allows (never under ``ABSURD`` prefills);
 * figures not kept are not used either: the device's rule decides this run (the batch figures alone:
   the kernel by the one-row figures), so that processes on a busy machine still agree on a choice;
 * a run that sees its choice run far slower than its figure (``Watch``) removes the entry, so the next
@@ -35,6 +36,7 @@ import time
 from typing import Optional
 
 import torch
+from torch import nn
 
 from gpt2lab.inference import probe_cache
 from gpt2lab.inference.choice import (
@@ -69,9 +71,11 @@ GIVE_UP = 10.0
 # percent, on any machine: a call twice as slow as the best of the same work had the cores or the
 # device taken from it for half its time. A ratio of the same work, so it holds whatever the speed.
 UNSTEADY = 2.0
-# A one-row step does 1/128 of the 128-token prefill's work on the same weights (read once either
-# way): on any device it costs at most a prefill (about one where both are launch-bound, on a GPU
-# with a small model). Twice the prefill is a step timed while something else ran.
+# A step costs at most what its share of the prefill's matrix products says (_step_work: a one-row step
+# of GPT-2 124M does 1/100 of the 128-token prefill's, on the same weights read once either way; a
+# 16-row step of a tiny model with GPT-2's vocabulary does 5x, its head's products being most of it),
+# and never less than a prefill where the share is under one (both launch-bound, on a GPU with a small
+# model). Twice that is a step timed while something else ran.
 ABSURD = 2.0
 # A run's own one-row steps (the same held weights, one row, at most REQUEST_TOKENS positions, so at
 # most a few tens of percent more attention than the probe's) against its choice's figure: 3x is
@@ -243,16 +247,35 @@ def _measure_each(model, cands, request, device, figures, doubts, held: Optional
     return out
 
 
-def _absurd(name: str, t: Timing, rows: int) -> list[str]:
+def _step_work(model: GPT, rows: int) -> float:
+    """A ``rows``-row decode step's matrix products as a share of the reference prefill's, as ``measure``
+    runs them (REQUEST_TOKENS positions through the blocks, the last alone through the head): the
+    weights each multiplies, counted on the model. Attention's products are left out (they only add to
+    the prefill's side)."""
+    head = model.lm_head.weight.numel()
+    body = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear) and m is not model.lm_head)
+    prompt = min(REQUEST_TOKENS, model.config.block_size)
+    return rows * (body + head) / (prompt * body + head)
+
+
+def _absurd(name: str, t: Timing, rows: int, model: GPT) -> list[str]:
+    """Why ``t``'s steps cannot be the work they time (ABSURD): empty when they can."""
     out = []
-    if t.prefill is not None and t.step1 is not None and t.step1 > ABSURD * t.prefill:
-        out.append(f"{name} one-row step {t.step1:.3g} ms over {ABSURD:g}x its prefill's {t.prefill:.3g} ms")
+
+    def bound(step_rows: int) -> float:
+        return ABSURD * t.prefill * max(1.0, _step_work(model, step_rows))
+
+    if t.prefill is not None and t.step1 is not None and t.step1 > bound(1):
+        out.append(f"{name} one-row step {t.step1:.3g} ms over {bound(1):.3g} ms (its prefill {t.prefill:.3g} ms)")
     rows_ok = t.step_rows is None or rows > REQUEST_TOKENS or t.prefill is None
-    if not rows_ok and t.step_rows > ABSURD * t.prefill:
-        out.append(f"{name} {rows}-row step {t.step_rows:.3g} ms over {ABSURD:g}x its prefill's {t.prefill:.3g} ms")
-    if t.step_batch is not None and t.prefill is not None and t.step_batch > ABSURD * t.prefill:
+    if not rows_ok and t.step_rows > bound(rows):
         out.append(
-            f"{name} {BATCH_ROWS}-row step {t.step_batch:.3g} ms over {ABSURD:g}x its prefill's {t.prefill:.3g} ms"
+            f"{name} {rows}-row step {t.step_rows:.3g} ms over {bound(rows):.3g} ms (its prefill {t.prefill:.3g} ms)"
+        )
+    if t.step_batch is not None and t.prefill is not None and t.step_batch > bound(BATCH_ROWS):
+        out.append(
+            f"{name} {BATCH_ROWS}-row step {t.step_batch:.3g} ms over {bound(BATCH_ROWS):.3g} ms "
+            f"(its prefill {t.prefill:.3g} ms)"
         )
     return out
 
@@ -287,7 +310,7 @@ def reference_timings(model: GPT, cands: list[Candidate], device: torch.device, 
             out[c.name] = dataclasses.replace(out[c.name], step_batch=batch.step_batch)
     for name, t in out.items():
         if isinstance(t, Timing):
-            doubts.extend(_absurd(name, t, 1))
+            doubts.extend(_absurd(name, t, 1, model))
     return out
 
 
@@ -406,7 +429,7 @@ def decide(
                 t = timings[c.name]
                 r = rows.get(c.name)
                 if isinstance(r, float):
-                    doubts.extend(_absurd(c.name, dataclasses.replace(t, step_rows=r), request.rows))
+                    doubts.extend(_absurd(c.name, dataclasses.replace(t, step_rows=r), request.rows, model))
             if doubts:  # not used either: the kernel by the one-row figures, as any process takes it
                 kept = False
                 _not_kept(command, doubts)
