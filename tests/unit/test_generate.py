@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_gpt
 
-from gpt2lab.model.sampling import generate, generate_stream, sample_next
+from gpt2lab.model.sampling import generate, generate_stream, sample_next, top_k_rows
 from gpt2lab.weights import export
 
 
@@ -240,3 +240,25 @@ def test_dividing_after_top_k_draws_the_tokens_dividing_first_draws(temperature)
         got = sample_next(logits, temperature, top_k, top_p, torch.Generator().manual_seed(7))
         want = _draws_dividing_the_vocabulary_first(logits, temperature, top_k, top_p, torch.Generator().manual_seed(7))
         assert torch.equal(got, want)
+
+
+def test_a_batchs_rows_narrowed_together_draw_what_each_draws_alone():
+    """top_k_rows: one topk per k over a batch whose rows ask different settings; each row's values and
+    tokens equal its own topk's (ties included: logits rounded to bf16 repeat), and sample_next given
+    them draws the token it draws alone, under the same seeded generator."""
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(9, 1000)).bfloat16().float()  # many ties at 1000 values
+    logits[4, :60] = 7.0  # a row whose top 50 are all tied
+    settings = [(1.0, 50), (0.7, 50), (1.0, None), (0.0, 50), (1.0, 50), (1e-30, 50), (1.3, 5), (1.0, 0), (0.9, 5000)]
+    tops = top_k_rows(logits, settings)
+    for i, (temperature, k) in enumerate(settings):
+        row = logits[i : i + 1]
+        narrowed = k and temperature >= 1e-20
+        assert (tops[i] is not None) == bool(narrowed)
+        if narrowed:
+            values, ids = torch.topk(row, min(k, row.size(-1)), dim=-1)
+            assert torch.equal(tops[i][0], values) and torch.equal(tops[i][1], ids)
+        for seed in range(5):
+            alone = sample_next(row, temperature, k, 0.9, torch.Generator().manual_seed(seed))
+            together = sample_next(row, temperature, k, 0.9, torch.Generator().manual_seed(seed), narrowed=tops[i])
+            assert int(alone) == int(together)

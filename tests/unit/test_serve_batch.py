@@ -139,3 +139,43 @@ def test_batched_worker_fails_a_request_whose_first_sample_raises(gpt2_vocab_exp
     with running_server([f"tiny={d}"], limits=Limits(timeout_s=20)) as url:
         r = post_completion(url, {"model": "tiny", "prompt": "x", "max_tokens": 2})
     assert r.status_code == 500 and "sampling broke" in r.json()["error"]["message"]
+
+
+def test_an_engine_steps_events_reach_each_loop_in_one_call_in_the_order_sent():
+    """Outside a step each event is handed to its loop at once; inside one, they wait, and ``deliver``
+    hands each loop the step's events in one call, every job's in the order sent."""
+    from gpt2lab.serve import engine
+
+    class Loop:
+        def __init__(self):
+            self.calls = []
+
+        def call_soon_threadsafe(self, fn, *args):
+            self.calls.append((fn, args))
+
+    a, b = Loop(), Loop()
+    one, two, three = engine.Job(None, a, 60), engine.Job(None, b, 60), engine.Job(None, a, 60)
+    one.send("now")
+    assert len(a.calls) == 1
+    a.calls[0][0](*a.calls[0][1])
+    assert one.out.get_nowait() == "now"
+    a.calls.clear()
+    engine._OUTBOX.pending = []
+    try:
+        for job, event in [(one, "x1"), (two, "y1"), (three, "z1"), (one, "x2"), (two, "y2"), (one, None)]:
+            job.send(event)
+        assert a.calls == [] and b.calls == []
+        engine.deliver()
+        assert len(a.calls) == 1 and len(b.calls) == 1 and engine._OUTBOX.pending == []
+        engine.deliver()  # nothing more sent: no call
+        assert len(a.calls) == 1 and len(b.calls) == 1
+    finally:
+        engine._OUTBOX.pending = None
+    for loop in (a, b):
+        fn, args = loop.calls[0]
+        fn(*args)
+
+    def drained(job):
+        return [job.out.get_nowait() for _ in range(job.out.qsize())]
+
+    assert drained(one) == ["x1", "x2", None] and drained(two) == ["y1", "y2"] and drained(three) == ["z1"]

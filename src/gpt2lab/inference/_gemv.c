@@ -238,16 +238,27 @@ __attribute__((target("avx2,fma"))) static void tile2x2(enum held kind, const vo
 #define DP_TARGET "avx512f,avx512bf16"
 __attribute__((target(DP_TARGET), always_inline)) static inline void tile_dp(const uint16_t *w, const uint16_t *xb,
                                                                              Py_ssize_t k, int nr, float *out) {
-    __m512 a[4];
-    for (int j = 0; j < 4; j++) a[j] = _mm512_setzero_ps();
+    __m512 a[4], b[4]; /* two sums an input row, even and odd lines: a dot product waits on its sum's last */
+    for (int j = 0; j < 4; j++) a[j] = b[j] = _mm512_setzero_ps();
     Py_ssize_t i = 0;
-    for (; i + 32 <= k; i += 32) { /* 32 weights: one 64-byte line */
+    for (; i + 64 <= k; i += 64) { /* 64 weights: two 64-byte lines */
+        _mm_prefetch((const char *)(w + i) + PREFETCH_AHEAD, _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + i) + PREFETCH_AHEAD + 64, _MM_HINT_T0);
+        __m512bh v = (__m512bh)_mm512_loadu_si512((const void *)(w + i));
+        __m512bh u = (__m512bh)_mm512_loadu_si512((const void *)(w + i + 32));
+        for (int j = 0; j < nr; j++) {
+            a[j] = _mm512_dpbf16_ps(a[j], v, (__m512bh)_mm512_loadu_si512((const void *)(xb + j * k + i)));
+            b[j] = _mm512_dpbf16_ps(b[j], u, (__m512bh)_mm512_loadu_si512((const void *)(xb + j * k + i + 32)));
+        }
+    }
+    for (; i + 32 <= k; i += 32) {
         _mm_prefetch((const char *)(w + i) + PREFETCH_AHEAD, _MM_HINT_T0);
         __m512bh v = (__m512bh)_mm512_loadu_si512((const void *)(w + i));
         for (int j = 0; j < nr; j++)
             a[j] = _mm512_dpbf16_ps(a[j], v, (__m512bh)_mm512_loadu_si512((const void *)(xb + j * k + i)));
     }
-    for (int j = 0; j < nr; j++) out[j] = _mm512_reduce_add_ps(a[j]) + dot_bf16_pairs(w + i, xb + j * k + i, k - i);
+    for (int j = 0; j < nr; j++)
+        out[j] = _mm512_reduce_add_ps(_mm512_add_ps(a[j], b[j])) + dot_bf16_pairs(w + i, xb + j * k + i, k - i);
 }
 
 /* The counts rows_pair_dp asks for, each compiled apart. */

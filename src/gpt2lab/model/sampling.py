@@ -33,8 +33,10 @@ def sample_next(
     top_k: Optional[int] = SAMPLING.top_k,
     top_p: Optional[float] = SAMPLING.top_p,
     generator: Optional[torch.Generator] = None,
+    narrowed: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
-    """Pick one token per row from logits (B, V); temperature 0 is greedy (argmax)."""
+    """Pick one token per row from logits (B, V); temperature 0 is greedy (argmax). ``narrowed``: these
+    logits' ``torch.topk`` at ``top_k`` where the caller has it already (``top_k_rows``)."""
     logits = logits.float()
     if temperature == 0:
         return logits.argmax(dim=-1)
@@ -51,8 +53,8 @@ def sample_next(
         raise ValueError(f"top_k must be >= 0 (0 keeps every token), got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k:
-        logits, ids = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1)  # sorted, most likely first
+    if top_k:  # sorted, most likely first
+        logits, ids = narrowed if narrowed is not None else torch.topk(logits, min(top_k, logits.size(-1)), dim=-1)
     if temperature >= SMALL_TEMPERATURE and temperature != 1:
         # after top-k: dividing by T > 0 keeps the order (ties aside), so the same tokens are kept and
         # only k logits are divided, not the vocabulary (a pass over 50,257 floats a token, ~0.15 ms on
@@ -73,6 +75,24 @@ def sample_next(
     u = torch.rand(cdf.size(0), 1, generator=generator, device=cdf.device) * cdf[:, -1:]
     pick = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.size(-1) - 1)  # never a zero-probability token
     return (pick if ids is None else ids.gather(-1, pick)).squeeze(-1)
+
+
+def top_k_rows(logits: torch.Tensor, settings: list[tuple[float, Optional[int]]]) -> list:
+    """For a batch whose rows draw with settings of their own ((temperature, top_k) each), each row's
+    ``narrowed`` for ``sample_next``: one ``torch.topk`` for all the rows of a k (a server's rows mostly share
+    one), a row's values and tokens those it gets alone (topk works row by row). None for a row that
+    narrows otherwise: greedy, no top-k, or a temperature so small that its logits are shifted first."""
+    logits = logits.float()
+    out: list = [None] * len(settings)
+    by_k: dict[int, list[int]] = {}
+    for i, (temperature, k) in enumerate(settings):
+        if k and k > 0 and temperature >= SMALL_TEMPERATURE:
+            by_k.setdefault(min(k, logits.size(-1)), []).append(i)
+    for k, rows in by_k.items():
+        values, ids = torch.topk(logits if len(rows) == logits.size(0) else logits[rows], k, dim=-1)
+        for j, i in enumerate(rows):
+            out[i] = (values[j : j + 1], ids[j : j + 1])
+    return out
 
 
 @torch.inference_mode()

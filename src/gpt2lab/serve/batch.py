@@ -34,8 +34,8 @@ import torch
 
 from gpt2lab.inference.completion import TokenLogprob, TokenText, end_token, seeded_generator, token_logprobs
 from gpt2lab.model.gpt import KVCache
-from gpt2lab.model.sampling import sample_next
-from gpt2lab.serve.engine import Finish, Job, StopFilter, Text, Worker
+from gpt2lab.model.sampling import sample_next, top_k_rows
+from gpt2lab.serve.engine import Finish, Job, StopFilter, Text, Worker, deliver
 
 
 class RowsCache:
@@ -164,6 +164,7 @@ class BatchWorker(Worker):
             try:
                 if self.prefill and len(self.decoding) < self.limits.max_batch:
                     self._prefill_step(self.prefill[0])
+                    deliver()  # a first token goes out now, not after the decode step
                 if self.decoding:
                     self._decode_step()
             except Exception as e:  # a failed forward: its rows' requests get the error, the worker goes on
@@ -257,17 +258,23 @@ class BatchWorker(Worker):
         self.metrics.batch_size.labels(self.name).observe(len(rows))
         idx = torch.tensor([[r.last] for r in rows], dtype=torch.long, device=self.device)
         logits, _ = self.model(idx, kv_cache=self.cache.view(self.device), last_only=True)
-        going = [self._sampled(r, *self._sample(r, logits[i : i + 1, -1])) for i, r in enumerate(rows)]
+        logits = logits[:, -1, : self.model.config.real_vocab_size]
+        tops = top_k_rows(
+            logits, [(s.temperature, s.filters()["top_k"]) for s in (r.job.request.sampling for r in rows)]
+        )
+        going = [self._sampled(r, *self._sample(r, logits[i : i + 1], tops[i])) for i, r in enumerate(rows)]
         for slot in reversed(range(len(rows))):
             if not going[slot]:
                 self._leave(slot)
 
-    def _sample(self, row: Row, logits: torch.Tensor) -> tuple[int, Optional[TokenLogprob]]:
-        """The next token of ``row`` from its logits (1, vocab), as generate_stream draws it, and
-        its log-probability when the request asks for logprobs."""
+    def _sample(self, row: Row, logits: torch.Tensor, narrowed=None) -> tuple[int, Optional[TokenLogprob]]:
+        """The next token of ``row`` from its logits (1, vocab), as generate_stream draws it (``narrowed``:
+        their top-k, from the batch's ``top_k_rows``), and its log-probability when the request asks for logprobs."""
         r = row.job.request
         logits = logits[:, : self.model.config.real_vocab_size]  # padded vocabulary rows are never sampled
-        t = sample_next(logits, r.sampling.temperature, **r.sampling.filters(), generator=row.generator)
+        t = sample_next(
+            logits, r.sampling.temperature, **r.sampling.filters(), generator=row.generator, narrowed=narrowed
+        )
         lp = None if r.logprobs is None else token_logprobs(logits, t, logits.size(-1), r.logprobs)[0]
         return int(t), lp
 

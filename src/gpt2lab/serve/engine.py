@@ -130,6 +130,17 @@ class Work:
         return bool(self.echo) and self.logprobs is not None
 
 
+class _Outbox(threading.local):
+    """The events the engine's thread sent during the step it is in (None outside a step): handed to
+    each event loop in one call when the step ends (``deliver``), a wake-up of the loop's thread
+    a step, not one a token of every row."""
+
+    pending: Optional[list] = None
+
+
+_OUTBOX = _Outbox()
+
+
 class Job:
     """One request in a worker: what it asks, and the asyncio queue its handler reads."""
 
@@ -147,7 +158,10 @@ class Job:
     def send(self, event: Event) -> None:
         if event is None and self.worker is not None:  # complete: no longer open
             self.worker._finished(self)
-        self.loop.call_soon_threadsafe(self.out.put_nowait, event)
+        if _OUTBOX.pending is not None:  # in an engine step: delivered when it ends
+            _OUTBOX.pending.append((self, event))
+        else:
+            self.loop.call_soon_threadsafe(self.out.put_nowait, event)
 
     def cancel(self) -> None:
         """Its client went away (the handler calls this): the worker drops the job at its next step,
@@ -286,6 +300,26 @@ class Worker:
         raise NotImplementedError
 
 
+def deliver() -> None:
+    """Hand the events sent so far in this engine step to their jobs' queues, in the order sent: one
+    call a loop. The engine calls it when a step ends; a worker, after a prompt's first token, so that
+    the token does not wait for the decode step that follows in the same step."""
+    pending = _OUTBOX.pending
+    if not pending:
+        return
+    _OUTBOX.pending = []
+    by_loop: dict = {}
+    for job, event in pending:
+        by_loop.setdefault(job.loop, []).append((job.out, event))
+    for loop, items in by_loop.items():
+        loop.call_soon_threadsafe(_put_each, items)
+
+
+def _put_each(items: list) -> None:
+    for out, event in items:
+        out.put_nowait(event)
+
+
 class Engine:
     """Runs every worker's steps in ONE thread, round robin, sleeping while all are idle.
 
@@ -312,10 +346,14 @@ class Engine:
                 self.wake.clear()  # before looking: a request arriving from here on wakes the wait below
                 busy = False
                 for w, g in list(steps.items()):
+                    _OUTBOX.pending = []
                     try:
                         busy = next(g) or busy
                     except StopIteration:
                         del steps[w]
+                    finally:
+                        deliver()
+                        _OUTBOX.pending = None
                 if steps and not busy:
                     self.wake.wait()
 
