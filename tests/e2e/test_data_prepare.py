@@ -606,3 +606,47 @@ def test_prepare_removes_its_own_stopped_temporaries_and_no_one_elses(tmp_path):
     assert (out / "keep.tmp").read_text() == "someone else's"
     assert (out / "shard_000001.bin.tmp").read_bytes() == b"not gpt2lab's name"
     assert not (out / f".tmp_{MANIFEST}_{DEAD_PID}").exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the pool forks its workers on Linux only")
+def test_ctrl_c_while_the_workers_fork_leaves_none_of_them_running(monkeypatch):
+    """Ctrl-C landing inside Process.start, after the fork: the worker must still be among those killed
+    (a worker left out lived on, blocked on its task pipe, and a caller reading the output waited for
+    ever). Here the signal is sent to the process just after each fork, while another thread runs: the
+    kernel may hand it to that thread (blocking it in the main one is no protection), and Python raises
+    it in the main thread all the same."""
+    import multiprocessing.process
+    import signal
+    import threading
+    import time
+
+    import psutil
+
+    started, real_start = [], multiprocessing.process.BaseProcess.start
+
+    def start_then_ctrl_c(self):
+        real_start(self)
+        started.append(self.pid)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # Python runs the handler at its next check, here
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", start_then_ctrl_c)
+    done = threading.Event()
+    other = threading.Thread(target=done.wait)
+    other.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with par._process_pool([], 2, 1 << 15, len) as results:
+                list(results)
+    finally:
+        done.set()
+        other.join()
+    assert len(started) == 2  # both forks ran: the signal waited for the end of the loop
+
+    def running(pid):
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    assert not any(running(pid) for pid in started)

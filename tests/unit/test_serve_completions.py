@@ -117,8 +117,13 @@ def test_with_every_default_flag_sample_and_both_server_modes_hold_one_dtype(
     monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path))  # a new machine: the first of them measures
     monkeypatch.delenv("GPT2LAB_PROBE", raising=False)
     prompt = "Once upon a time"
-    assert cli.main(["sample", "--model", d, "--device", "cpu", "--prompt", prompt, "--max-new-tokens", "16"]) == 0
-    out, err = capsys.readouterr()
+    # Figures taken while the machine was busy are not kept, and a run whose steps ran far slower than its
+    # figure drops them (probe.Watch): either way the next run measures again, and may choose otherwise.
+    for _ in range(3):
+        assert cli.main(["sample", "--model", d, "--device", "cpu", "--prompt", prompt, "--max-new-tokens", "16"]) == 0
+        out, err = capsys.readouterr()
+        if "the next run measures again" not in err and "those figures are dropped" not in err:
+            break  # kept: the servers read this choice
     expected = out.split("--- sample 1/1\n")[1][len(prompt) : -1]
     dtype = re.search(r"gpt2lab sample: dtype (\w+),", err).group(1)
     held = {}

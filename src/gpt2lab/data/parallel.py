@@ -117,10 +117,10 @@ def _ordered(executor: ThreadPoolExecutor, tasks: Iterator[List[Document]], wind
 POLL_S = 0.2  # how often a waiting main process checks that the workers are alive
 
 
-def _worker(tasks, results, encode: Encode) -> None:
+def _worker(tasks, results, encode: Encode, parents_ends: tuple = ()) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    for c in parents_ends:  # a forked worker's copies of the main process's ends: once that process is
+        c.close()  # gone (even by kill -9), its task pipe has no writer left and recv ends (EOFError)
     while True:
         try:
             task = tasks.recv()
@@ -164,21 +164,39 @@ class _Dispatch(threading.Thread):
 
 
 @contextmanager
+def _ctrl_c_after() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT) that lands in the block until it ends, then deliver it to the handler
+    that was there (KeyboardInterrupt, as a rule). Blocking the signal in this thread is not enough:
+    the kernel hands it to another thread of the process, and Python then raises it in the main thread
+    anyway, possibly inside ``Process.start`` after the fork, where the new worker is not yet listed
+    to be killed and lives on, holding the pipes (a caller waiting for their end waits for ever)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals reach the main thread only
+        return
+    held: list[int] = []
+    before = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+    if held:
+        signal.raise_signal(signal.SIGINT)
+
+
+@contextmanager
 def _process_pool(docs: Iterable[Document], workers: int, chars_per_task: int, encode: Encode):
     # fork on Linux: workers start in milliseconds with the tokenizer already built
     ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
     procs, task_conns, result_conns = [], [], []
     dispatch = None
-    masked = hasattr(signal, "pthread_sigmask") and threading.current_thread() is threading.main_thread()
     try:
-        if masked:  # a Ctrl-C during the forks waits until every worker ignores SIGINT
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
+        with _ctrl_c_after():  # a worker forked as Ctrl-C lands is in procs, so it is killed with the rest
             for _ in range(workers):
                 task_r, task_w = ctx.Pipe(duplex=False)
                 result_r, result_w = ctx.Pipe(duplex=False)
+                ends = (task_w, result_r, *task_conns, *result_conns) if ctx.get_start_method() == "fork" else ()
                 p = ctx.Process(
-                    target=_worker, args=(task_r, result_w, encode), daemon=True, name="gpt2lab-prepare-worker"
+                    target=_worker, args=(task_r, result_w, encode, ends), daemon=True, name="gpt2lab-prepare-worker"
                 )
                 p.start()
                 task_r.close()
@@ -186,9 +204,6 @@ def _process_pool(docs: Iterable[Document], workers: int, chars_per_task: int, e
                 procs.append(p)
                 task_conns.append(task_w)
                 result_conns.append(result_r)
-        finally:
-            if masked:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         dispatch = _Dispatch(docs, task_conns, chars_per_task)
         dispatch.start()
         yield _results(dispatch, procs, result_conns)

@@ -79,9 +79,11 @@ def sample_next(
 
 def top_k_rows(logits: torch.Tensor, settings: list[tuple[float, Optional[int]]]) -> list:
     """For a batch whose rows draw with settings of their own ((temperature, top_k) each), each row's
-    ``narrowed`` for ``sample_next``: one ``torch.topk`` for all the rows of a k (a server's rows mostly share
-    one), a row's values and tokens those it gets alone (topk works row by row). None for a row that
-    narrows otherwise: greedy, no top-k, or a temperature so small that its logits are shifted first."""
+    ``narrowed`` for ``sample_next``: one ``torch.topk`` for all the rows of a k (a server's rows mostly
+    share one). On a CPU a row's values and tokens are those it gets alone (topk works row by row); a GPU
+    may order tied logits otherwise in a batch, where a batch's logits already differ from a row's alone.
+    None for a row that narrows otherwise: greedy, no top-k, or a temperature so small that its logits
+    are shifted first."""
     logits = logits.float()
     out: list = [None] * len(settings)
     by_k: dict[int, list[int]] = {}
