@@ -261,9 +261,10 @@ def _step_work(model: GPT, rows: int) -> float:
 def _absurd(name: str, t: Timing, rows: int, model: GPT) -> list[str]:
     """Why ``t``'s steps cannot be the work they time (ABSURD): empty when they can."""
     out = []
+    per_row = _step_work(model, 1)  # a step's share grows with its rows: the model is counted once
 
     def bound(step_rows: int) -> float:
-        return ABSURD * t.prefill * max(1.0, _step_work(model, step_rows))
+        return ABSURD * t.prefill * max(1.0, per_row * step_rows)
 
     if t.prefill is not None and t.step1 is not None and t.step1 > bound(1):
         out.append(f"{name} one-row step {t.step1:.3g} ms over {bound(1):.3g} ms (its prefill {t.prefill:.3g} ms)")
