@@ -10,10 +10,11 @@ import pytest
 import torch
 from conftest import tiny_gpt
 
+from gpt2lab.inference import kernels
 from gpt2lab.inference.choice import Candidate
 from gpt2lab.inference.form import hold as _hold
 from gpt2lab.inference.fused import FusedDecodeBlock, FusedDecodeGPT, fusable
-from gpt2lab.inference.kernels import gemv_error
+from gpt2lab.inference.kernels import PanelLinear, gemv_error
 from gpt2lab.model.gpt import GPT, Block
 from gpt2lab.serve.batch import RowsCache
 
@@ -29,6 +30,19 @@ def hold(model, cand, **kw):
 
 
 CANDS = [Candidate("float32", "int8-gemv"), Candidate("bfloat16", "gemv")]
+# How bf16 weights meet their inputs: unrounded; rounded to bf16, the weights row-major (a CPU whose
+# compiled kernel has no AVX512_BF16 routines) or in panels (one that has them; elsewhere the panels'
+# plain C loops, the same sums): both branches on any CPU.
+INPUTS = ["fp32-inputs", "bf16-inputs-rows", "bf16-inputs-panels"]
+
+
+def _hold_as(model, cand, inputs, monkeypatch, **kw):
+    """form.hold of ``cand`` with its inputs as ``inputs`` (one of INPUTS) asks."""
+    monkeypatch.setattr(kernels, "panels_run", lambda k: inputs == "bf16-inputs-panels" and k % 2 == 0)
+    ready = _hold(model, cand, bf16_inputs=inputs != "fp32-inputs", **kw)
+    want = PanelLinear if inputs == "bf16-inputs-panels" and cand.kernel == "gemv" else None
+    assert want is None or any(isinstance(m, want) for m in ready.modules())
+    return ready
 
 
 @pytest.fixture
@@ -69,9 +83,9 @@ def _unfused(model):
 
 
 @pytest.mark.parametrize(
-    "cand, rounded",
-    [(c, False) for c in CANDS] + [(Candidate("bfloat16", "gemv"), True)],  # rounding: bf16 weights only
-    ids=lambda v: {False: "fp32-inputs", True: "bf16-inputs"}.get(v, str(v)) if isinstance(v, bool) else str(v),
+    "cand, inputs",
+    [(c, INPUTS[0]) for c in CANDS] + [(Candidate("bfloat16", "gemv"), i) for i in INPUTS[1:]],  # bf16 weights
+    ids=str,
 )
 @pytest.mark.parametrize(
     "shape",
@@ -80,18 +94,21 @@ def _unfused(model):
 )
 @pytest.mark.parametrize("rows", [1, 6])  # six: a tile of four rows, then one of two
 @pytest.mark.parametrize("way", ["whole", "blocks"])
-def test_one_token_fused_equals_the_models_own_forward_with_the_same_cache(cand, shape, rows, way, rounded, counted):
+def test_one_token_fused_equals_the_models_own_forward_with_the_same_cache(
+    cand, shape, rows, way, inputs, counted, monkeypatch
+):
     """Logits and the KV cache after several one-token steps, fused (the whole step, or block by block)
     against unfused, from the same prompt (36 wide: heads of 12, not a multiple of 8; no biases; 144:
     heads of 72, wider than GPT-2's 64); bf16 weights also with their inputs rounded to bf16 (a hold on a
-    CPU with native bf16: the fused step's products and the linears' own alike). The
+    CPU with native bf16: the fused step's products and the linears' own alike), the weights row-major or
+    in panels. The
     whole step takes the head too, at any rows (its forward takes a bf16 head's several rows through
     PyTorch)."""
     model = tiny_gpt(seed=5, vocab_size=97, block_size=40, **shape)
     idx = torch.randint(0, 97, (rows, 30), generator=torch.Generator().manual_seed(3))
     outs, caches = [], []
     for fused in (True, False):
-        ready = _hold(model, cand, bf16_inputs=rounded)
+        ready = _hold_as(model, cand, inputs, monkeypatch)
         assert isinstance(ready, FusedDecodeGPT)
         (_blocks_only if way == "blocks" else lambda m: m)(ready) if fused else _unfused(ready)
         cache = ready.new_kv_cache(40)
@@ -110,18 +127,19 @@ def test_one_token_fused_equals_the_models_own_forward_with_the_same_cache(cand,
     # across a rounding boundary now and then (one bf16 step, 2^-8 of it, in one product), and the cache
     # carries that on; so rounded, the two agree to what such steps move (the products themselves: the
     # rounded kernels' exact tests in test_kernels.py; a row alone or in a batch: the test below).
-    tol = 2e-3 if rounded else 1e-5
+    tol = 1e-5 if inputs == "fp32-inputs" else 2e-3
     for a, b in pairs:
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("rounded", [False, True], ids=["fp32-inputs", "bf16-inputs"])
-def test_a_decoded_row_is_the_same_alone_or_in_a_batch(rounded, counted):
+@pytest.mark.parametrize("inputs", INPUTS)
+def test_a_decoded_row_is_the_same_alone_or_in_a_batch(inputs, counted, monkeypatch):
     """Each of five rows decoded in one fused step (a tile of four, then one row) against each row alone,
     from the same prompts: the same sums up to their order, with the inputs rounded to bf16 too (the
-    server's batch gives a request the text it would get alone)."""
+    server's batch gives a request the text it would get alone); in panels the very same sums, bit for
+    bit (each output's sum runs over the inputs in one order whatever the rows)."""
     model = tiny_gpt(seed=7, vocab_size=97, block_size=40)
-    ready = _hold(model, Candidate("bfloat16", "gemv"), rows=5, bf16_inputs=rounded)
+    ready = _hold_as(model, Candidate("bfloat16", "gemv"), inputs, monkeypatch, rows=5)
     idx = torch.randint(0, 97, (5, 12), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
         batch_cache = ready.new_kv_cache(40)
@@ -133,7 +151,8 @@ def test_a_decoded_row_is_the_same_alone_or_in_a_batch(rounded, counted):
             ready(idx[r : r + 1, :11], kv_cache=cache)
             alone.append(ready(idx[r : r + 1, 11:], kv_cache=cache)[0])
     assert len(counted["model_step"]) == 6
-    torch.testing.assert_close(both, torch.cat(alone), rtol=1e-5, atol=1e-5)
+    tol = 0 if inputs == "bf16-inputs-panels" else 1e-5
+    torch.testing.assert_close(both, torch.cat(alone), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("cand", CANDS, ids=str)
@@ -276,8 +295,8 @@ def test_a_cast_and_back_reads_the_new_tensors(counted):
 
 
 def test_the_whole_step_refuses_a_model_without_a_head_or_a_kind_it_does_not_know():
-    """model_step computes the logits: a head weight of 0, or a kind other than 0-2 (int8, bf16, bf16 with
-    its inputs rounded), is refused before anything is read."""
+    """model_step computes the logits: a head weight of 0, or a kind other than 0-3 (int8, bf16, bf16 with
+    its inputs rounded, that in panels), is refused before anything is read."""
     from gpt2lab.inference import _gemv
 
     # kind, rows, width, heads, layers, ids, wte, wpe, vocab, n_pos, layers' table, max_len, positions, pos0,
@@ -287,4 +306,4 @@ def test_the_whole_step_refuses_a_model_without_a_head_or_a_kind_it_does_not_kno
         _gemv.model_step(*args)
     for at in (0, 19):  # the blocks' kind, the head's
         with pytest.raises(ValueError, match="model_step: bad kinds"):
-            _gemv.model_step(*args[:at], 3, *args[at + 1 : 20], 1, *args[21:])
+            _gemv.model_step(*args[:at], 4, *args[at + 1 : 20], 1, *args[21:])

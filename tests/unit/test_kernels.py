@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from conftest import tiny_gpt
 
@@ -24,6 +25,7 @@ from gpt2lab.inference.kernels import (
     Int8GemvLinear,
     Int8Linear,
     PackedLinear,
+    PanelLinear,
     PlainLinear,
     UpcastLinear,
     _compiled_gemv,
@@ -244,6 +246,64 @@ def test_the_compiled_gemv_multiplies_inputs_rounded_to_bf16_at_any_rows_either_
         _gemv.set_bf16_dot(True)
 
 
+def test_panels_place_each_weight_where_the_kernel_reads_it():
+    """pack_panels against its layout written out: weight (32g + 16p + o, 2q + t) at [g, q, p, o, t], the
+    outputs padded with zeros to a whole group; unpack_panels gives the weight back; an odd width refused."""
+    w = torch.randn(45, 6).bfloat16()
+    panels = kernels.pack_panels(w)
+    assert panels.shape == (2, 3, 2, 16, 2) and panels.dtype == torch.bfloat16
+    for g, q, p, o, t in [(0, 0, 0, 0, 0), (0, 2, 1, 15, 1), (1, 1, 0, 12, 0), (0, 1, 1, 3, 1)]:
+        assert panels[g, q, p, o, t] == w[32 * g + 16 * p + o, 2 * q + t]
+    assert not panels[1, :, 0, 13:].any() and not panels[1, :, 1].any()  # outputs 45-63: padding
+    assert torch.equal(kernels.unpack_panels(panels, 45), w)
+    with pytest.raises(ValueError, match="even number of inputs, not 7"):
+        kernels.pack_panels(torch.zeros(4, 7))
+
+
+@needs_gemv
+@pytest.mark.parametrize("dot", [True, False], ids=["bf16-dot-where-the-cpu-has-it", "plain-c"])
+@pytest.mark.parametrize("n, k", [(45, 64), (41, 100), (32, 2), (16, 48), (70, 768)])
+def test_panels_multiply_rounded_inputs_at_any_rows_and_a_row_alone_as_in_a_batch_or_a_prompt(dot, n, k):
+    """PanelLinear: each product that of the inputs rounded to bf16 (fp64 reference), at 1-17 rows (tiles of
+    eight, then what is left), outputs not a whole group, by the AVX512_BF16 routines where they run and by
+    the plain C loops (asked for); each row's outputs the same bits alone, in a batch, as a prompt's tokens
+    and on one thread or two."""
+    from gpt2lab.inference import _gemv
+
+    g = torch.Generator().manual_seed(n * k)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    layer = PanelLinear(w, b, torch.bfloat16)
+    assert layer.extra_repr().endswith("gemv bfloat16") and torch.equal(layer.weight, w.bfloat16())
+    try:
+        _gemv.set_bf16_dot(dot)
+        for m in (1, 2, 8, 9, 17):
+            x = torch.randn(m, k, generator=g)
+            want = F.linear(x.bfloat16().double(), w.bfloat16().double(), b.bfloat16().double())
+            outs = []
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                with torch.inference_mode():
+                    outs += [layer(x), torch.cat([layer(x[i : i + 1]) for i in range(m)]), layer(x[None])[0]]
+            assert outs[0].dtype == torch.float32 and outs[0].shape == (m, n)
+            torch.testing.assert_close(outs[0].double(), want, rtol=1e-5, atol=1e-5)
+            assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    finally:
+        _gemv.set_bf16_dot(True)
+        torch.set_num_threads(1)
+    with pytest.raises(ValueError, match="holds bfloat16"):
+        PanelLinear(w, b, torch.float32)
+
+
+@pytest.mark.parametrize("runs", [True, False])
+def test_a_gemv_hold_with_rounded_inputs_takes_panels_where_they_run_and_the_width_is_even(monkeypatch, runs):
+    """make_linear: panels for a bf16 ``gemv`` linear with rounded inputs where the AVX512_BF16 routines run
+    (faked either way) and its inputs are even; row-major otherwise, and for unrounded inputs."""
+    monkeypatch.setattr(kernels, "panels_run", lambda k: runs and k % 2 == 0)
+    for width, inputs, panels in ((48, True, runs), (47, True, False), (48, False, False)):
+        layer = kernels.make_linear(nn.Linear(width, 40), "gemv", torch.bfloat16, bf16_inputs=inputs)
+        assert isinstance(layer, PanelLinear if panels else GemvLinear) and layer.bf16_inputs == inputs
+
+
 @needs_gemv
 def test_gemv_with_bf16_inputs_rounds_every_route_and_runs_a_prompt_past_its_tiles_by_the_bf16_matmul():
     """``bf16_inputs``: a prompt's tokens past the tiles are oneDNN's bf16 matmul (fp64 reference of the
@@ -288,7 +348,10 @@ def test_a_gemv_hold_rounds_its_inputs_to_bf16_where_the_cpu_computes_bf16_nativ
 
     monkeypatch.setattr(runtime, "cpu_flags", lambda: flags)
     held = hold(tiny_gpt(seed=1), Candidate("bfloat16", "gemv"))
-    assert {m.bf16_inputs for m in held.modules() if isinstance(m, GemvLinear)} == {native}
+    linears = [m for m in held.modules() if isinstance(m, (GemvLinear, PanelLinear))]
+    assert linears and {m.bf16_inputs for m in linears} == {native}
+    # panels where the inputs are rounded and the compiled AVX512_BF16 routines run (the real CPU's fact)
+    assert {type(m) for m in linears} == {PanelLinear if native and kernels.panels_run(64) else GemvLinear}
     request = InferenceRequest(dtype="bfloat16")
     for kernel in ("gemv", "upcast"):  # the one measured is chosen
         timings = {f"bfloat16/{kernel}": Timing(prefill=10.0, step1=1.0)}
@@ -324,6 +387,7 @@ def test_the_probe_measures_where_the_tiles_stop_and_every_hold_of_the_choice_ke
     """The real probe gives a ``gemv`` candidate its ``tile_rows`` within what it measured; from the cache,
     a decision's (and ``for_inference``'s) hold multiplies that many rows by the tiles, and the probe's own
     later figures of the candidate are taken held so."""
+    monkeypatch.setattr(kernels, "panels_run", lambda k: False)  # a hold with tiles, where panels would not
     model = tiny_gpt(seed=1, vocab_size=97, block_size=64)
     cpu, gemv = torch.device("cpu"), Candidate("bfloat16", "gemv")
     t = prep.measure(model, gemv, InferenceRequest(rows=1), cpu, figures=prep.FIGURES + ("tile_rows",))
@@ -359,6 +423,35 @@ def test_the_probe_measures_where_the_tiles_stop_and_every_hold_of_the_choice_ke
     monkeypatch.setattr(form, "detect_facts", lambda device: facts)
     assert tiles(for_inference(model, dtype="auto")) == {7}  # read from the cache, not measured
     assert tiles(hold(model, decision.candidate)) == {1}  # unmeasured: one row only
+
+
+@needs_gemv
+def test_a_panel_hold_has_no_tiles_to_measure(monkeypatch):
+    """A ``gemv`` hold in panels takes every row count by its kernel: the probe times its prefill once and
+    gives it no ``tile_rows``."""
+    import gpt2lab.inference.form as form
+
+    monkeypatch.setattr(kernels, "panels_run", lambda k: k % 2 == 0)
+    monkeypatch.setattr(form, "gemv_bf16_inputs", lambda facts: True)  # a CPU with native bf16
+    monkeypatch.setattr(prep, "_tiles", lambda *a: pytest.fail("a panel hold's tiles were timed"))
+    model = tiny_gpt(seed=1, vocab_size=97, block_size=64)
+    held = hold(model, Candidate("bfloat16", "gemv"))
+    assert not kernels.has_tiles(held) and any(isinstance(m, PanelLinear) for m in held.modules())
+    t = prep.measure(model, Candidate("bfloat16", "gemv"), InferenceRequest(), torch.device("cpu"),
+                     figures=prep.FIGURES + ("tile_rows",))  # fmt: skip
+    assert t.tile_rows is None and t.prefill > 0 and t.step1 > 0
+
+
+def test_the_probe_cache_keeps_a_builds_figures_apart(monkeypatch):
+    """The probe's entry for a model on this machine names the compiled kernel's build: figures measured
+    with one build are not read for another."""
+    model = tiny_gpt(seed=1, vocab_size=97, block_size=64)
+    keys = set()
+    for build in ("aaaa", "bbbb", "aaaa"):
+        monkeypatch.setattr(probe_cache, "compiled_build", lambda: build)
+        keys.add(probe_cache.key(model.config, torch.device("cpu"), ["bfloat16/gemv"]))
+    assert len(keys) == 2
+    assert kernels.compiled_build() != "none" or gemv_error(torch.device("cpu")) is not None
 
 
 def test_compiled_gemv_says_why_it_cannot_run(monkeypatch):

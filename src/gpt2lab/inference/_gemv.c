@@ -8,8 +8,9 @@
  * sums in registers), so the weights are still read from memory once. The AVX2/FMA routines are
  * compiled for that instruction set alone (a target attribute) and used only where the CPU reports
  * both; the plain C loops serve elsewhere (kernels.py then leaves these kernels out: they would not be
- * faster). bf16 weights may ask for their inputs rounded to bf16 first (HELD_BF16_ROUNDED): two rows or
- * more are then multiplied by AVX512_BF16 dot products where the CPU and the compiler have them.
+ * faster). bf16 weights may ask for their inputs rounded to bf16 first (HELD_BF16_ROUNDED), multiplied
+ * by the fp32 routines; where the CPU and the compiler have AVX512_BF16 such weights are held in panels
+ * instead (HELD_BF16_PANELS, below) and every row count is multiplied by its dot products.
  *
  * Called from Python with tensors' data pointers; kernels.py checks dtypes, shapes and contiguity.
  * The GIL is released while it runs. Built at install by setup.py; optional (no compiler, no kernel). */
@@ -29,9 +30,19 @@
 #include <immintrin.h>
 #endif
 
-/* What a linear holds: int8 weights, bf16 weights, or bf16 weights whose inputs are rounded to bf16
- * first (the Python side's codes 0, 1, 2; a hold on a CPU with native bf16 asks for the last). */
-enum held { HELD_INT8, HELD_BF16, HELD_BF16_ROUNDED };
+/* What a linear holds: int8 weights, bf16 weights, bf16 weights whose inputs are rounded to bf16 first,
+ * or such weights in panels (the Python side's codes 0, 1, 2, 3; a hold on a CPU with native bf16 asks
+ * for the last where the AVX512_BF16 routines run, else for the third). */
+enum held { HELD_INT8, HELD_BF16, HELD_BF16_ROUNDED, HELD_BF16_PANELS };
+
+/* bf16 weights in panels (kernels.py's pack_panels): a group of PANEL_OUT outputs (two panels of 16, one
+ * 512-bit register each) holds, for each pair of inputs (2q, 2q + 1), the 32 bf16 weights of each panel,
+ * output o's pair at 2o and 2o + 1: the layout VDPBF16PS multiplies against one pair of inputs broadcast
+ * to every lane, 16 outputs' sums in one register, so no sum is reduced across lanes and each weight
+ * register serves every input row of a tile. A group's pairs follow each other, so its weights are one
+ * sequential stream; the outputs are padded with zero weights to a whole group, the inputs to an even
+ * count (K odd is not held so). */
+#define PANEL_OUT 32
 
 /* The AVX512_BF16 routines, where the compiler knows the instruction set (GCC 11, clang 9 and later);
  * elsewhere inputs rounded to bf16 are multiplied by the fp32 routines. */
@@ -229,54 +240,50 @@ __attribute__((target("avx2,fma"))) static void tile2x2(enum held kind, const vo
 }
 
 #ifdef GEMV_DP
-/* bf16 weights against inputs already rounded to bf16 (xb), by the AVX512_BF16 dot product: one
- * VDPBF16PS multiplies 32 bf16 pairs (each product exact in fp32) into 16 fp32 sums, where the fp32
- * tiles above widen every weight and need four FMAs for the same products. One weight row against nr
- * (1-4) input rows, out[j] = w . x_j: the weights streamed a row at a time and asked for ahead as the
- * one-row product does them (two rows read together, as tile2xn does, streamed the 124M's head from
- * memory 1.2-1.6x slower at two and four rows on a Zen 4). */
 #define DP_TARGET "avx512f,avx512bf16"
-__attribute__((target(DP_TARGET), always_inline)) static inline void tile_dp(const uint16_t *w, const uint16_t *xb,
-                                                                             Py_ssize_t k, int nr, float *out) {
-    __m512 a[4], b[4]; /* two sums an input row, even and odd lines: a dot product waits on its sum's last */
-    for (int j = 0; j < 4; j++) a[j] = b[j] = _mm512_setzero_ps();
-    Py_ssize_t i = 0;
-    for (; i + 64 <= k; i += 64) { /* 64 weights: two 64-byte lines */
-        _mm_prefetch((const char *)(w + i) + PREFETCH_AHEAD, _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + i) + PREFETCH_AHEAD + 64, _MM_HINT_T0);
-        __m512bh v = (__m512bh)_mm512_loadu_si512((const void *)(w + i));
-        __m512bh u = (__m512bh)_mm512_loadu_si512((const void *)(w + i + 32));
+/* One group of panels (g: its first weights) against nr (1-8) input rows rounded to bf16 (xb, row j at
+ * j * k; k even): a[j][p] += pair q of panel p times row j's inputs 2q, 2q + 1, for every pair in turn.
+ * Each output's sum is a chain over the pairs in order whatever nr is, so a row's results are the same
+ * alone, in a batch or in a prompt. Two weight registers and 2nr sums: at one row two chains of
+ * VDPBF16PS are enough to stream the weights (each waits on its last for one 64-byte line), at eight the
+ * registers are full (16 sums). The weights are asked for PREFETCH_AHEAD on, as the one-row product's. */
+__attribute__((target(DP_TARGET), always_inline)) static inline void group_dp(const uint16_t *g, const uint16_t *xb,
+                                                                              Py_ssize_t k, int nr, __m512 *a) {
+    for (int j = 0; j < 2 * nr; j++) a[j] = _mm512_setzero_ps();
+    for (Py_ssize_t q = 0; q < k / 2; q++) {
+        const uint16_t *wq = g + q * 2 * PANEL_OUT;
+        _mm_prefetch((const char *)wq + PREFETCH_AHEAD, _MM_HINT_T0);
+        _mm_prefetch((const char *)wq + PREFETCH_AHEAD + 64, _MM_HINT_T0);
+        __m512bh v0 = (__m512bh)_mm512_loadu_si512((const void *)wq);
+        __m512bh v1 = (__m512bh)_mm512_loadu_si512((const void *)(wq + 32));
         for (int j = 0; j < nr; j++) {
-            a[j] = _mm512_dpbf16_ps(a[j], v, (__m512bh)_mm512_loadu_si512((const void *)(xb + j * k + i)));
-            b[j] = _mm512_dpbf16_ps(b[j], u, (__m512bh)_mm512_loadu_si512((const void *)(xb + j * k + i + 32)));
+            int32_t pair;
+            memcpy(&pair, xb + j * k + 2 * q, sizeof pair);
+            __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            a[2 * j] = _mm512_dpbf16_ps(a[2 * j], v0, xv);
+            a[2 * j + 1] = _mm512_dpbf16_ps(a[2 * j + 1], v1, xv);
         }
     }
-    for (; i + 32 <= k; i += 32) {
-        _mm_prefetch((const char *)(w + i) + PREFETCH_AHEAD, _MM_HINT_T0);
-        __m512bh v = (__m512bh)_mm512_loadu_si512((const void *)(w + i));
-        for (int j = 0; j < nr; j++)
-            a[j] = _mm512_dpbf16_ps(a[j], v, (__m512bh)_mm512_loadu_si512((const void *)(xb + j * k + i)));
+}
+
+/* The row counts panel_rows asks for, each compiled apart (nr a constant: the sums stay in registers). */
+#define GROUP_DP(NR)                                                                                              \
+    __attribute__((target(DP_TARGET))) static void group_dp##NR(const uint16_t *g, const uint16_t *xb,        \
+                                                                  Py_ssize_t k, float *out) {                 \
+        __m512 a[2 * NR];                                                                                     \
+        group_dp(g, xb, k, NR, a);                                                                            \
+        for (int j = 0; j < 2 * NR; j++) _mm512_storeu_ps(out + 16 * j, a[j]);                               \
     }
-    for (int j = 0; j < nr; j++)
-        out[j] = _mm512_reduce_add_ps(_mm512_add_ps(a[j], b[j])) + dot_bf16_pairs(w + i, xb + j * k + i, k - i);
-}
-
-/* The counts rows_pair_dp asks for, each compiled apart. */
-__attribute__((target(DP_TARGET))) static void dp4(const uint16_t *w, const uint16_t *x, Py_ssize_t k, float *o) {
-    tile_dp(w, x, k, 4, o);
-}
-
-__attribute__((target(DP_TARGET))) static void dp3(const uint16_t *w, const uint16_t *x, Py_ssize_t k, float *o) {
-    tile_dp(w, x, k, 3, o);
-}
-
-__attribute__((target(DP_TARGET))) static void dp2(const uint16_t *w, const uint16_t *x, Py_ssize_t k, float *o) {
-    tile_dp(w, x, k, 2, o);
-}
-
-__attribute__((target(DP_TARGET))) static void dp1(const uint16_t *w, const uint16_t *x, Py_ssize_t k, float *o) {
-    tile_dp(w, x, k, 1, o);
-}
+GROUP_DP(1)
+GROUP_DP(2)
+GROUP_DP(3)
+GROUP_DP(4)
+GROUP_DP(5)
+GROUP_DP(6)
+GROUP_DP(7)
+GROUP_DP(8)
+static void (*const group_dp_rows[9])(const uint16_t *, const uint16_t *, Py_ssize_t, float *) = {
+    NULL, group_dp1, group_dp2, group_dp3, group_dp4, group_dp5, group_dp6, group_dp7, group_dp8};
 #endif
 #endif
 
@@ -439,43 +446,63 @@ struct linear {
     const float *bias;  /* NULL: none */
 };
 
-#ifdef GEMV_DP
-/* Weight rows r and r + 1 (r alone where it is the last) of a bf16 linear against every input row, the
- * inputs rounded to bf16 (xb), by the AVX512_BF16 tiles: each weight row against four input rows at a
- * time, then the rest (the row then in cache). */
-static void rows_pair_dp(const struct linear *l, const uint16_t *xb, float *y, Py_ssize_t m, Py_ssize_t k,
-                         Py_ssize_t n, Py_ssize_t r, enum epilogue e) {
-    for (Py_ssize_t q = r; q < r + 2 && q < n; q++) {
-        const uint16_t *w = (const uint16_t *)l->w + q * k;
-        float b = l->bias ? l->bias[q] : 0.f, four[4];
-        for (Py_ssize_t i = 0; i < m;) {
-            int nr = m - i >= 4 ? 4 : (int)(m - i);
-            (nr == 4 ? dp4 : nr == 3 ? dp3 : nr == 2 ? dp2 : dp1)(w, xb + i * k, k, four);
-            for (int j = 0; j < nr; j++) put(y + (i + j) * n + q, four[j] + b, e);
-            i += nr;
-        }
-    }
-}
-#endif
 
-/* The inputs of a HELD_BF16_ROUNDED linear rounded to bf16, shared by the threads (m rows of the widest
- * input): as bf16 for the AVX512_BF16 tiles (dp: the CPU has them; two rows or more), else as the fp32
- * values of those bf16s, which the fp32 routines multiply (the same products; the sums in another order). */
+/* The inputs of a HELD_BF16_ROUNDED or HELD_BF16_PANELS linear rounded to bf16, shared by the threads (m
+ * rows of the widest input): as bf16 for the panels (dp: by the AVX512_BF16 routines, which run here),
+ * else as the fp32 values of those bf16s, which the fp32 routines multiply. */
 struct rounded {
     uint16_t *xb;
     float *xr;
     int dp;
 };
 
+/* The same sums as group_dp in plain C, pair by pair (where the AVX512_BF16 routines do not run: a test
+ * turned them off after the hold). */
+static void group_plain(const uint16_t *g, const uint16_t *xb, Py_ssize_t k, int nr, float *out) {
+    for (int j = 0; j < nr; j++) {
+        float *acc = out + PANEL_OUT * j;
+        for (int o = 0; o < PANEL_OUT; o++) acc[o] = 0.f;
+        for (Py_ssize_t q = 0; q < k / 2; q++) {
+            const uint16_t *w = g + q * 2 * PANEL_OUT;
+            float x0 = bf16_to_f32(xb[j * k + 2 * q]), x1 = bf16_to_f32(xb[j * k + 2 * q + 1]);
+            for (int o = 0; o < PANEL_OUT; o++) {
+                acc[o] += bf16_to_f32(w[2 * o + 1]) * x1;
+                acc[o] += bf16_to_f32(w[2 * o]) * x0;
+            }
+        }
+    }
+}
+
+/* Group gi of a panel-held linear against every input row (xb, rounded; k even), up to eight rows at a
+ * time (the rows past the first eight read the group again from the cache): out[i, o] for its outputs
+ * o < n. */
+static void panel_rows(const struct linear *l, const uint16_t *xb, float *y, Py_ssize_t m, Py_ssize_t k,
+                       Py_ssize_t n, Py_ssize_t gi, int dp, enum epilogue e) {
+    const uint16_t *g = (const uint16_t *)l->w + gi * k * PANEL_OUT;
+    Py_ssize_t o0 = gi * PANEL_OUT, width = n - o0 < PANEL_OUT ? n - o0 : PANEL_OUT;
+    float tile[8 * PANEL_OUT];
+    for (Py_ssize_t i = 0; i < m; i += 8) {
+        int nr = m - i >= 8 ? 8 : (int)(m - i);
+#ifdef GEMV_DP
+        if (dp)
+            group_dp_rows[nr](g, xb + i * k, k, tile);
+        else
+#endif
+            group_plain(g, xb + i * k, k, nr, tile);
+        for (int j = 0; j < nr; j++)
+            for (Py_ssize_t o = 0; o < width; o++)
+                put(y + (i + j) * n + o0 + o, tile[PANEL_OUT * j + o] + (l->bias ? l->bias[o0 + o] : 0.f), e);
+    }
+}
+
 /* The threads of the enclosing OpenMP region share the weight rows of one linear, two at a time:
  * out[i, r] for every input row i < m (orphaned worksharing loops: called from inside the region).
- * HELD_BF16_ROUNDED: the inputs are rounded first (``rd``), a loop whose end every thread waits at. */
+ * HELD_BF16_ROUNDED, HELD_BF16_PANELS: the inputs are rounded first (``rd``), a loop whose end every
+ * thread waits at; panels are shared a group at a time. */
 static void linear_rows(enum held kind, const struct linear *l, const float *in, float *out, Py_ssize_t m,
                         Py_ssize_t k, Py_ssize_t n, float *wb, int avx2, enum epilogue e, const struct rounded *rd) {
-    if (kind == HELD_BF16_ROUNDED) {
-        /* One row is bound by the weights' read, which the one-row fp32 routine streams faster than a
-         * tile of dot products (a Zen 4's 124M step: 7.9-8.3 ms against 10.0-12.0): the fp32 values then. */
-        int dp = rd->dp && m >= 2;
+    if (kind == HELD_BF16_ROUNDED || kind == HELD_BF16_PANELS) {
+        int panels = kind == HELD_BF16_PANELS; /* panels read bf16 inputs; the fp32 routines their values */
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
@@ -483,21 +510,20 @@ static void linear_rows(enum held kind, const struct linear *l, const float *in,
             Py_ssize_t end = s + 256 < m * k ? s + 256 : m * k;
             for (Py_ssize_t j = s; j < end; j++) {
                 uint16_t h = f32_to_bf16(in[j]);
-                if (dp)
+                if (panels)
                     rd->xb[j] = h;
                 else
                     rd->xr[j] = bf16_to_f32(h);
             }
         }
-#ifdef GEMV_DP
-        if (dp) {
+        if (panels) {
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-            for (Py_ssize_t r = 0; r < n; r += 2) rows_pair_dp(l, rd->xb, out, m, k, n, r, e);
+            for (Py_ssize_t gi = 0; gi < (n + PANEL_OUT - 1) / PANEL_OUT; gi++)
+                panel_rows(l, rd->xb, out, m, k, n, gi, rd->dp, e);
             return;
         }
-#endif
         kind = HELD_BF16;
         in = rd->xr;
     }
@@ -512,7 +538,7 @@ static void linear_rows(enum held kind, const struct linear *l, const float *in,
 static void *rounded_alloc(struct rounded *rd, enum held kind, Py_ssize_t m, Py_ssize_t k, int *ok) {
     rd->dp = bf16_dot_runs();
     *ok = 1;
-    if (kind != HELD_BF16_ROUNDED) return NULL;
+    if (kind != HELD_BF16_ROUNDED && kind != HELD_BF16_PANELS) return NULL;
     void *buf = malloc((size_t)(m * k) * (sizeof(uint16_t) + sizeof(float)));
     *ok = buf != NULL;
     rd->xr = (float *)buf;
@@ -729,7 +755,7 @@ static PyObject *block_step(PyObject *self, PyObject *args) {
                           &eps, &lw[0], &ls[0], &lb[0], &lw[1], &ls[1], &lb[1], &lw[2], &ls[2], &lb[2], &lw[3],
                           &ls[3], &lb[3], &kp, &vp, &pp, &max_len, &threads))
         return NULL;
-    if (m < 1 || c < 1 || nh < 1 || c % nh || threads < 1 || bf16 < HELD_INT8 || bf16 > HELD_BF16_ROUNDED) {
+    if (m < 1 || c < 1 || nh < 1 || c % nh || threads < 1 || bf16 < HELD_INT8 || bf16 > HELD_BF16_PANELS) {
         PyErr_SetString(PyExc_ValueError, "block_step: bad kind, rows, width, heads or threads");
         return NULL;
     }
@@ -794,7 +820,7 @@ static PyObject *model_step(PyObject *self, PyObject *args) {
                           &hsp, &hbp, &n_out, &threads))
         return NULL;
     if (m < 1 || c < 1 || nh < 1 || c % nh || n_layer < 1 || threads < 1 || vocab < 1 || n_pos < 1 || n_out < 1 ||
-        !hwp || bf16 < HELD_INT8 || bf16 > HELD_BF16_ROUNDED || head_bf16 < HELD_INT8 || head_bf16 > HELD_BF16_ROUNDED) {
+        !hwp || bf16 < HELD_INT8 || bf16 > HELD_BF16_PANELS || head_bf16 < HELD_INT8 || head_bf16 > HELD_BF16_PANELS) {
         PyErr_SetString(PyExc_ValueError, "model_step: bad kinds, rows, width, heads, layers, tables, head or threads");
         return NULL;
     }
@@ -839,7 +865,7 @@ static PyObject *model_step(PyObject *self, PyObject *args) {
     enum held kind = (enum held)bf16, head_kind = (enum held)head_bf16;
     int avx2 = cpu_has_avx2(), failed = 0, need = avx2 && m >= 4, ok;
     struct rounded rd; /* room for the blocks' inputs (4C wide at most) and the head's (C) */
-    void *rbuf = rounded_alloc(&rd, kind == HELD_BF16_ROUNDED ? kind : head_kind, m, 4 * c, &ok);
+    void *rbuf = rounded_alloc(&rd, kind >= HELD_BF16_ROUNDED ? kind : head_kind, m, 4 * c, &ok);
     if (!ok) {
         free(x);
         free(buf);
@@ -883,6 +909,8 @@ static PyObject *int8_gemv(PyObject *self, PyObject *args) { return gemv(HELD_IN
 
 static PyObject *bf16_gemv(PyObject *self, PyObject *args) { return gemv(HELD_BF16, args); }
 
+static PyObject *panels_gemv(PyObject *self, PyObject *args) { return gemv(HELD_BF16_PANELS, args); }
+
 static PyObject *has_avx2(PyObject *self, PyObject *unused) { return PyBool_FromLong(cpu_has_avx2()); }
 
 static PyObject *has_bf16_dot(PyObject *self, PyObject *unused) { return PyBool_FromLong(bf16_dot_runs()); }
@@ -908,8 +936,11 @@ static PyMethodDef methods[] = {
     {"bf16_gemv", bf16_gemv, METH_VARARGS,
      "bf16_gemv(x, w, 0, bias, y, m, k, n, threads[, round_inputs]): y = w @ x + bias for bf16 w, data pointers "
      "(bias 0: none); round_inputs: x rounded to bf16 first"},
+    {"panels_gemv", panels_gemv, METH_VARARGS,
+     "panels_gemv(x, panels, 0, bias, y, m, k, n, threads): y = w @ x + bias for bf16 w held in panels "
+     "(kernels.pack_panels; k even), x rounded to bf16 first, data pointers (bias 0: none)"},
     {"block_step", block_step, METH_VARARGS,
-     "block_step(kind (0 int8, 1 bf16, 2 bf16 with inputs rounded), x, m, C, n_head, ln1 g, b, ln2 g, b, eps, (w, scale, bias) x 4, k cache, v cache, positions, "
+     "block_step(kind (0 int8, 1 bf16, 2 bf16 with inputs rounded, 3 that in panels), x, m, C, n_head, ln1 g, b, ln2 g, b, eps, (w, scale, bias) x 4, k cache, v cache, positions, "
      "max_len, threads): one GPT-2 block for one token of each of m rows, in place on x; pointers (0: none)"},
     {"model_step", model_step, METH_VARARGS,
      "model_step(kind, m, C, n_head, n_layer, ids, wte, wpe, vocab, n_pos, layers, max_len, positions, pos0, out, "
@@ -918,10 +949,10 @@ static PyMethodDef methods[] = {
      "(nothing done) where an id or position is outside its table"},
     {"has_avx2", has_avx2, METH_NOARGS, "whether this CPU runs the AVX2/FMA routines"},
     {"has_bf16_dot", has_bf16_dot, METH_NOARGS,
-     "whether inputs rounded to bf16 are multiplied by the AVX512_BF16 routines here (the CPU has them, allowed)"},
+     "whether bf16 weights in panels are multiplied by the AVX512_BF16 routines here (the CPU has them, allowed)"},
     {"set_bf16_dot", set_bf16_dot, METH_VARARGS,
-     "set_bf16_dot(allowed): allow the AVX512_BF16 routines where the CPU has them (else the fp32 ones on the "
-     "rounded values; the same products)"},
+     "set_bf16_dot(allowed): allow the AVX512_BF16 routines where the CPU has them (else panels are multiplied "
+     "by plain C loops; the same products)"},
     {"has_openmp", has_openmp, METH_NOARGS, "whether the kernels were built with OpenMP (threads)"},
     {NULL, NULL, 0, NULL},
 };

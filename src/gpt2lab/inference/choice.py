@@ -102,6 +102,8 @@ class InferenceFacts:
     int8_error: Optional[str] = None  # why int8 weight-only cannot run (None: it can)
     # why gpt2lab's compiled GEMV (bf16 and int8 weights) cannot run (None: it can); detect_facts finds out
     gemv_error: Optional[str] = "not detected"
+    # the compiled kernel's AVX512_BF16 routines run: a gemv hold with rounded inputs is in panels (kernels.py)
+    gemv_panels: bool = False
     timings: Optional[dict] = None  # candidate name -> Timing, or -> the error it failed with
 
 
@@ -111,9 +113,11 @@ class Decision:
     reason: str
     request: InferenceRequest
     timings: Optional[dict] = None
-    # gemv on a CPU that computes bf16 natively: every product's inputs rounded to bf16, a prompt past the
-    # tiles by oneDNN's bf16 matmul (kernels.GemvLinear; form.hold follows the same fact: gemv_bf16_inputs)
+    # gemv on a CPU that computes bf16 natively: every product's inputs rounded to bf16 (form.hold follows the
+    # same fact: gemv_bf16_inputs); in panels where the compiled AVX512_BF16 routines run (kernels.PanelLinear:
+    # every row count by them), else row-major, a prompt past the tiles by oneDNN's bf16 matmul (GemvLinear)
     bf16_inputs: bool = False
+    panels: bool = False
 
     @property
     def tile_rows(self) -> int:
@@ -122,7 +126,9 @@ class Decision:
 
     def summary(self) -> str:
         tiles = f", several rows by its tiles up to {self.tile_rows}" if self.tile_rows > 1 else ""
-        if self.bf16_inputs:
+        if self.panels:
+            tiles += ", inputs rounded to bf16, weights in panels (native bf16: every row count by its dot products)"
+        elif self.bf16_inputs:
             tiles += ", inputs rounded to bf16 (native bf16: a longer prompt by oneDNN's bf16 matmul)"
         return f"dtype {self.candidate.dtype}, {self.candidate.kernel} linears{tiles} ({self.reason})"
 
@@ -133,6 +139,7 @@ class Decision:
             "kernel": self.candidate.kernel,
             "tile_rows": self.tile_rows,
             "bf16_inputs": self.bf16_inputs,
+            "panels": self.panels,
             "reason": self.reason,
             "workload": self.request.workload,
             "rows": self.request.rows,
@@ -293,7 +300,8 @@ def choose(request: InferenceRequest, facts: InferenceFacts) -> Decision:
     """The candidate for ``request``: the only one; else the dtype (``choose_dtype``, the same for every
     workload) and, of its kernels, the cheapest measured for the workload, or (unmeasured) the device's rule."""
     d = _choose(request, facts)
-    return dataclasses.replace(d, bf16_inputs=d.candidate.kernel == "gemv" and gemv_bf16_inputs(facts))
+    rounded = d.candidate.kernel == "gemv" and gemv_bf16_inputs(facts)
+    return dataclasses.replace(d, bf16_inputs=rounded, panels=rounded and facts.gemv_panels)
 
 
 def gemv_bf16_inputs(facts: InferenceFacts) -> bool:

@@ -32,6 +32,7 @@ from gpt2lab.inference.kernels import (
     int8_available,
     packing_available,
     packing_bf16_error,
+    panels_run,
     set_tile_rows,
     swap_linears,
 )
@@ -56,7 +57,8 @@ def detect_facts(device: torch.device) -> InferenceFacts:
         packing=(packing := device.type == "cpu" and packing_available()),
         packing_bf16_error=packing_bf16_error() if packing else None,
         int8_error=int8_available(device),
-        gemv_error=gemv_error(device),
+        gemv_error=(why := gemv_error(device)),
+        gemv_panels=why is None and panels_run(2),
     )
 
 

@@ -30,7 +30,7 @@ import weakref
 import torch
 import torch.nn as nn
 
-from gpt2lab.inference.kernels import GemvLinear, Int8GemvLinear
+from gpt2lab.inference.kernels import GemvLinear, Int8GemvLinear, PanelLinear
 from gpt2lab.model.gpt import GPT, Block, KVCache
 
 
@@ -38,6 +38,8 @@ def _held_tensors(m: nn.Module) -> tuple:
     """(weight, scale, bias) tensors of a compiled-GEMV linear (None: none)."""
     if isinstance(m, Int8GemvLinear):
         return m.qweight, m.scale, m.bias
+    if isinstance(m, PanelLinear):
+        return m.panels, None, m.bias32
     return m.weight, None, m.bias32
 
 
@@ -47,7 +49,9 @@ def _ptr(t) -> int:
 
 def _kind(m: nn.Module) -> int:
     """``_gemv.c``'s code for what a compiled-GEMV linear holds: 0 int8, 1 bf16, 2 bf16 whose inputs are
-    rounded to bf16 (GemvLinear.bf16_inputs)."""
+    rounded to bf16 (GemvLinear.bf16_inputs), 3 that in panels (PanelLinear)."""
+    if isinstance(m, PanelLinear):
+        return 3
     return (2 if m.bf16_inputs else 1) if isinstance(m, GemvLinear) else 0
 
 
@@ -85,7 +89,7 @@ def fusable(block: nn.Module) -> bool:
     norms = (block.ln_1, block.ln_2)
     return (
         len(kinds) == 1
-        and kinds <= {GemvLinear, Int8GemvLinear}
+        and kinds <= {GemvLinear, Int8GemvLinear, PanelLinear}
         and all(type(n) is nn.LayerNorm and n.weight is not None and n.weight.dtype == torch.float32 for n in norms)
         and all(n.bias is None or n.bias.dtype == torch.float32 for n in norms)
         and norms[0].eps == norms[1].eps
@@ -252,7 +256,7 @@ def _whole_step_fusable(model: nn.Module) -> bool:
         and not c.logit_softcap
         and type(model.transformer.ln_f) is nn.LayerNorm
         and model.transformer.ln_f.weight is not None
-        and isinstance(model.lm_head, (GemvLinear, Int8GemvLinear))
+        and isinstance(model.lm_head, (GemvLinear, Int8GemvLinear, PanelLinear))
     )
 
 

@@ -46,6 +46,7 @@ head at one row on that Zen 5, against 0.5 ms for ``_weight_int8pack_mm``).
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import threading
 from typing import Optional
@@ -234,6 +235,17 @@ class Int8Linear(DecodeLinear):
         return y.reshape(*lead, self.out_features)
 
 
+def compiled_build() -> str:
+    """Which build of the compiled kernel this is (a hash of its file; "none" where it was not built): a
+    figure measured with one build says nothing of another's speed."""
+    try:
+        compiled = importlib.import_module("gpt2lab.inference._gemv")
+        with open(compiled.__file__, "rb") as fh:
+            return hashlib.sha256(fh.read()).hexdigest()[:16]
+    except (ImportError, OSError, TypeError):
+        return "none"
+
+
 def gemv_error(device: torch.device) -> Optional[str]:
     """Why gpt2lab's compiled GEMV (the ``gemv`` and ``int8-gemv`` kernels) cannot run on ``device``, or None
     where it can."""
@@ -309,6 +321,74 @@ class GemvLinear(UpcastLinear):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
+PANEL_OUT = 32  # _gemv.c's group of outputs: two 16-lane registers of fp32 sums
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 (out, in) weight in ``_gemv.c``'s panels: groups of PANEL_OUT outputs (the last padded with zero
+    weights), each group's weights pair of inputs by pair, two panels of 16 outputs a pair, each output's two
+    weights side by side: ``[group, in // 2, panel, output, 2]``. ``in`` must be even."""
+    n, k = weight.shape
+    if k % 2:
+        raise ValueError(f"panels hold an even number of inputs, not {k}")
+    groups = -(-n // PANEL_OUT)
+    w = F.pad(weight.to(torch.bfloat16), (0, 0, 0, groups * PANEL_OUT - n))
+    return w.view(groups, 2, 16, k // 2, 2).permute(0, 3, 1, 2, 4).contiguous()
+
+
+def unpack_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
+    """``pack_panels``' inverse: the (n, in) weight."""
+    groups, half = panels.shape[:2]
+    return panels.permute(0, 2, 3, 1, 4).reshape(groups * PANEL_OUT, 2 * half)[:n]
+
+
+def panels_run(in_features: int) -> bool:
+    """Whether a bf16 weight with inputs rounded to bf16 is held in panels here: the compiled kernel's
+    AVX512_BF16 routines run (this CPU has them and the compiler knew them) and ``in_features`` is even."""
+    if in_features % 2:
+        return False
+    try:
+        from gpt2lab.inference import _gemv
+    except ImportError:
+        return False
+    return bool(_gemv.has_bf16_dot())
+
+
+class PanelLinear(DecodeLinear):
+    """The ``gemv`` kernel's hold where the CPU computes bf16 natively and the compiled kernel's AVX512_BF16
+    routines run: the bf16 weight in panels (``pack_panels``; held once, no row-major copy), every product's
+    inputs rounded to bf16, and every row count, a prompt's too, multiplied by ``_gemv.c``'s dot products
+    (16 outputs a register, no sum reduced across lanes, each weight register serving up to eight rows).
+    Each output's sum runs over the inputs in the same order whatever the rows, so a row's results are the
+    same alone, in a server's batch or in a prompt, and on any number of threads. The output is fp32."""
+
+    kernel = "gemv"
+    bf16_inputs = True
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype) -> None:
+        if dtype != torch.bfloat16:
+            raise ValueError(f"the gemv kernel holds bfloat16 weights, not {dtype}")
+        super().__init__(weight, bias, dtype)
+        self.panels = pack_panels(weight.detach())
+        self.bias32 = None if self.bias is None else self.bias.float()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The held weight as (out, in) bf16 (a copy: the kernel reads the panels)."""
+        return unpack_panels(self.panels, self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.reshape(-1, self.in_features).float().contiguous()
+        y = _compiled_gemv("panels_gemv", x32, self.panels, None, self.bias32, self.out_features)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def has_tiles(model: nn.Module) -> bool:
+    """Whether ``model`` holds a ``gemv`` linear whose rows past its ``tile_rows`` go to a matmul (GemvLinear);
+    a PanelLinear multiplies every row count by its own kernel."""
+    return any(isinstance(m, GemvLinear) for m in model.modules())
+
+
 def set_tile_rows(model: nn.Module, rows: int) -> None:
     """Every ``gemv`` linear of ``model`` multiplies up to ``rows`` rows by its compiled tiles (at least 1)."""
     for m in model.modules():
@@ -345,6 +425,8 @@ def make_linear(
         return PackedLinear(layer.weight, layer.bias, dtype, batch_hint)
     if kernel == "upcast":
         return UpcastLinear(layer.weight, layer.bias, dtype, batch_hint)
+    if kernel == "gemv" and bf16_inputs and dtype == torch.bfloat16 and panels_run(layer.in_features):
+        return PanelLinear(layer.weight, layer.bias, dtype)
     if kernel == "gemv":
         return GemvLinear(layer.weight, layer.bias, dtype, batch_hint, bf16_inputs)
     if kernel == "int8":

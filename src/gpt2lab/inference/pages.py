@@ -26,7 +26,7 @@ import torch.nn as nn
 
 THP_DIR = "/sys/kernel/mm/transparent_hugepage"
 ALIGN = 64  # each tensor's start: the alignment PyTorch's own CPU allocator gives (c10's gAlignment)
-ATTRIBUTES = ("weight", "qweight")  # the decode linears' (inference/kernels.py) matmul weights
+ATTRIBUTES = ("weight", "qweight", "panels")  # the decode linears' (inference/kernels.py) matmul weights
 
 
 @dataclasses.dataclass(frozen=True)

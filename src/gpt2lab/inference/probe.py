@@ -56,7 +56,7 @@ from gpt2lab.inference.choice import (
     tile_rows_of,
 )
 from gpt2lab.inference.form import detect_facts, hold
-from gpt2lab.inference.kernels import set_tile_rows
+from gpt2lab.inference.kernels import has_tiles, set_tile_rows
 from gpt2lab.model.gpt import GPT
 
 CONTEXT = 32  # tokens already cached when decode steps are timed
@@ -152,8 +152,9 @@ def measure(
     """``figures`` of ``model`` held as ``cand`` (for ``request.rows`` rows when the ``step_rows`` figure
     is asked, else one; ``gemv``: its tiles up to ``tile_rows`` rows): a real prefill, real decode steps
     (given the ``best`` figures so far, a candidate far behind is given up: _TooSlow); ``tile_rows`` asked
-    of a ``gemv`` candidate: where its tiles stop paying (_tiles), the prefill then the faster way's.
-    What should not be kept goes to ``doubts``."""
+    of a ``gemv`` candidate held with tiles (kernels.has_tiles; not a panel hold, whose kernel takes every
+    row count): where its tiles stop paying (_tiles), the prefill then the faster way's. What should not be
+    kept goes to ``doubts``."""
     best = best or Timing()
     rows = request.rows if "step_rows" in figures else BATCH_ROWS if "step_batch" in figures else 1
     prepared = hold(model, cand, rows, tile_rows=tile_rows)
@@ -170,7 +171,7 @@ def measure(
             what=f"{cand.name} prefill",
             doubts=doubts,
         )
-        if "tile_rows" in figures and cand.kernel == "gemv":
+        if "tile_rows" in figures and cand.kernel == "gemv" and has_tiles(prepared):
             out.update(_tiles(prepared, out["prefill"], device, gen))
     context = min(CONTEXT, max(1, block // 4))
     steps = max(1, min(STEPS, (block - context) // (2 * REPEATS + 1)))

@@ -19,6 +19,7 @@ import time
 from typing import Optional
 
 from gpt2lab.inference.choice import REQUEST_TOKENS, Timing
+from gpt2lab.inference.kernels import compiled_build
 from gpt2lab.system import formats, runtime
 from gpt2lab.system.files import write_json
 
@@ -33,9 +34,11 @@ def path() -> str:
 
 
 def key(config, device, names: list[str]) -> str:
-    """The entry of a model (its GPTConfig) on ``device`` of this machine, for these candidates."""
+    """The entry of a model (its GPTConfig) on ``device`` of this machine and this build of the compiled
+    kernel, for these candidates."""
     parts = [
         runtime._machine_key(),
+        compiled_build(),
         str(device),
         json.dumps(dataclasses.asdict(config), sort_keys=True),
         ",".join(sorted(names)),
