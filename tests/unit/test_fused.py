@@ -89,8 +89,13 @@ def _unfused(model):
 )
 @pytest.mark.parametrize(
     "shape",
-    [dict(n_head=2, n_embd=32), dict(n_head=3, n_embd=36, bias=False), dict(n_head=2, n_embd=144)],
-    ids=["32", "36", "144"],
+    [
+        dict(n_head=2, n_embd=32),
+        dict(n_head=3, n_embd=36, bias=False),
+        dict(n_head=2, n_embd=144),
+        dict(n_head=1, n_embd=128),
+    ],
+    ids=["32", "36", "144", "128"],
 )
 @pytest.mark.parametrize("rows", [1, 6])  # six: a tile of four rows, then one of two
 @pytest.mark.parametrize("way", ["whole", "blocks"])
@@ -99,11 +104,11 @@ def test_one_token_fused_equals_the_models_own_forward_with_the_same_cache(
 ):
     """Logits and the KV cache after several one-token steps, fused (the whole step, or block by block)
     against unfused, from the same prompt (36 wide: heads of 12, not a multiple of 8; no biases; 144:
-    heads of 72, wider than GPT-2's 64); bf16 weights also with their inputs rounded to bf16 (a hold on a
-    CPU with native bf16: the fused step's products and the linears' own alike), the weights row-major or
-    in panels. The
-    whole step takes the head too, at any rows (its forward takes a bf16 head's several rows through
-    PyTorch)."""
+    heads of 72, wider than GPT-2's 64; 128: one head of 128, the values summed 64 dimensions at a time;
+    10-30 keys, so the keys are scored eight at a time with some left over); bf16 weights also with their
+    inputs rounded to bf16 (a hold on a CPU with native bf16: the fused step's products and the linears'
+    own alike), the weights row-major or in panels. The whole step takes the head too, at any rows (its
+    forward takes a bf16 head's several rows through PyTorch)."""
     model = tiny_gpt(seed=5, vocab_size=97, block_size=40, **shape)
     idx = torch.randint(0, 97, (rows, 30), generator=torch.Generator().manual_seed(3))
     outs, caches = [], []

@@ -609,19 +609,47 @@ static void layernorm(const float *x, const float *g, const float *b, float eps,
 }
 
 #ifdef GEMV_X86
-/* One head's attention: scores of q against keys 0..t-1, softmax, the weighted sum of the values. */
+/* Scores of q against keys j..j+7 (the last ones repeat key t - 1 where fewer are left) into the first
+ * min(8, t - j) of sc[j..]: eight sums over the head's dimensions, reduced together (hsum8), so each
+ * key's sum is reduced by the same tree wherever it falls. hs a multiple of 8. */
+__attribute__((target("avx2,fma"))) static inline void scores8(const float *q, const float *kc, Py_ssize_t j,
+                                                               Py_ssize_t t, Py_ssize_t hs, float scale,
+                                                               float *sc) {
+    const float *k[8];
+    __m256 a[8];
+    for (int u = 0; u < 8; u++) {
+        k[u] = kc + (j + u < t ? j + u : t - 1) * hs;
+        a[u] = _mm256_setzero_ps();
+    }
+    for (Py_ssize_t d = 0; d < hs; d += 8) {
+        __m256 qv = _mm256_loadu_ps(q + d);
+        for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[u] + d), a[u]);
+    }
+    float eight[8];
+    _mm256_storeu_ps(eight, _mm256_mul_ps(hsum8(a), _mm256_set1_ps(scale)));
+    for (int u = 0; u < 8 && j + u < t; u++) sc[j + u] = eight[u];
+}
+
+/* One head's attention: scores of q against keys 0..t-1, softmax, the weighted sum of the values. Where
+ * the head size is a multiple of 8 the keys are scored eight at a time, and where it is one of 64 the
+ * values are summed 64 dimensions at a time in registers (GPT-2's heads: one pass), each dimension's sum
+ * over the keys in order as the plain loop does it. */
 __attribute__((target("avx2,fma"))) static void attend_avx2(const float *q, const float *kc, const float *vc,
                                                              Py_ssize_t t, Py_ssize_t hs, float scale,
                                                              float *sc, float *out) {
     float top = -INFINITY, sum = 0.f;
-    for (Py_ssize_t j = 0; j < t; j++) {
-        const float *kj = kc + j * hs;
-        __m256 a = _mm256_setzero_ps();
-        Py_ssize_t d = 0;
-        for (; d + 8 <= hs; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kj + d), a);
-        sc[j] = (hsum(a) + dot_f32_plain(q + d, kj + d, hs - d)) * scale;
+    if (hs % 8 == 0)
+        for (Py_ssize_t j = 0; j < t; j += 8) scores8(q, kc, j, t, hs, scale, sc);
+    else
+        for (Py_ssize_t j = 0; j < t; j++) {
+            const float *kj = kc + j * hs;
+            __m256 a = _mm256_setzero_ps();
+            Py_ssize_t d = 0;
+            for (; d + 8 <= hs; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kj + d), a);
+            sc[j] = (hsum(a) + dot_f32_plain(q + d, kj + d, hs - d)) * scale;
+        }
+    for (Py_ssize_t j = 0; j < t; j++)
         if (sc[j] > top) top = sc[j];
-    }
     Py_ssize_t j = 0;
     __m256 acc = _mm256_setzero_ps();
     for (; j + 8 <= t; j += 8) {
@@ -631,6 +659,19 @@ __attribute__((target("avx2,fma"))) static void attend_avx2(const float *q, cons
     }
     sum = hsum(acc);
     for (; j < t; j++) sum += (sc[j] = expf(sc[j] - top));
+    if (hs % 64 == 0) {
+        for (Py_ssize_t d0 = 0; d0 < hs; d0 += 64) {
+            __m256 o[8];
+            for (int i = 0; i < 8; i++) o[i] = _mm256_setzero_ps();
+            for (Py_ssize_t j = 0; j < t; j++) {
+                const float *vj = vc + j * hs + d0;
+                __m256 p = _mm256_set1_ps(sc[j] / sum);
+                for (int i = 0; i < 8; i++) o[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * i), o[i]);
+            }
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(out + d0 + 8 * i, o[i]);
+        }
+        return;
+    }
     for (Py_ssize_t d = 0; d < hs; d++) out[d] = 0.f;
     for (Py_ssize_t j = 0; j < t; j++) {
         const float *vj = vc + j * hs;
