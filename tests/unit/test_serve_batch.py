@@ -141,6 +141,41 @@ def test_batched_worker_fails_a_request_whose_first_sample_raises(gpt2_vocab_exp
     assert r.status_code == 500 and "sampling broke" in r.json()["error"]["message"]
 
 
+def test_shutting_down_after_a_step_cut_short_delivers_its_events_then_the_errors():
+    """A Ctrl-C raised in the engine's thread after a step's events were sent but before its delivery:
+    shut_down hands the step's events over first, then ends each open job with the error, at once (the
+    error was held for a delivery that never came, and uvicorn closed the connections unanswered)."""
+    from gpt2lab.serve import engine
+    from gpt2lab.serve.engine import ShuttingDown
+
+    class Loop:
+        def __init__(self):
+            self.calls = []
+
+        def call_soon_threadsafe(self, fn, *args):
+            self.calls.append((fn, args))
+
+    class Open(engine.Worker):
+        def _steps(self):
+            yield False
+
+    loop, error = Loop(), ShuttingDown("server shutting down")
+    worker = Open("tiny", tiny_gpt(seed=1), torch.device("cpu"))
+    job = engine.Job(None, loop, 60)
+    worker._open.add(job)
+    engine._OUTBOX.pending = []  # the step's outbox, never delivered
+    try:
+        job.send("token")
+        assert worker.shut_down(error) == 1
+        assert engine._OUTBOX.pending is None
+    finally:
+        engine._OUTBOX.pending = None
+    for fn, args in loop.calls:
+        fn(*args)
+    got = [job.out.get_nowait() for _ in range(job.out.qsize())]
+    assert got == ["token", engine.Failed(error), None]
+
+
 def test_an_engine_steps_events_reach_each_loop_in_one_call_in_the_order_sent():
     """Outside a step each event is handed to its loop at once; inside one, they wait, and ``deliver``
     hands each loop the step's events in one call, every job's in the order sent."""

@@ -244,6 +244,7 @@ class Worker:
             self._stopping = error
             jobs, self._open = list(self._open), set()
         ended = sum(not job.cancelled for job in jobs)  # before failing them: a handler cancels its job as it ends
+        settle_outbox()  # a Ctrl-C may have cut the step's delivery short: its events first, then these
         for job in jobs:
             self._started(job)  # its queue place, if it held one
             job.fail(error)
@@ -313,6 +314,17 @@ def deliver() -> None:
         by_loop.setdefault(job.loop, []).append((job.out, event))
     for loop, items in by_loop.items():
         loop.call_soon_threadsafe(_put_each, items)
+
+
+def settle_outbox() -> None:
+    """Deliver what a step of this thread left in its outbox and send every event at once from here on:
+    for a step that ended without its own delivery (a Ctrl-C raised in the engine's thread between a
+    step's last event and the end of its ``finally``), so that the events sent after it (shut_down's
+    errors) are not held for a delivery that never comes."""
+    try:
+        deliver()
+    finally:
+        _OUTBOX.pending = None
 
 
 def _put_each(items: list) -> None:
