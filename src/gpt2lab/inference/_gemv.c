@@ -1,6 +1,6 @@
-/* gpt2lab's compiled GEMV (kernels.py's GemvLinear and Int8GemvLinear): y = scale * (W @ x) + bias
- * for weights W (N, K, row-major) held as int8 with one fp32 scale per row, or as bf16 (no scale),
- * and fp32 inputs x (M, K); products and sums in fp32.
+/* gpt2lab's compiled GEMV (kernels.py's GemvLinear, PanelLinear and Int8GemvLinear): y = scale * (W @ x)
+ * + bias for weights W (N, K, row-major) held as int8 with one fp32 scale per row, or as bf16 (no
+ * scale; row-major or in panels), and fp32 inputs x (M, K); products and sums in fp32.
  *
  * Decoding one row is bound by reading the weights: each weight row is read once, converted to fp32
  * in registers and multiplied there; the rows are shared among OpenMP threads. At four rows or more
@@ -64,12 +64,6 @@ static inline uint16_t f32_to_bf16(float f) {
     memcpy(&u, &f, sizeof u);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-static float dot_bf16_pairs(const uint16_t *w, const uint16_t *x, Py_ssize_t k) {
-    float acc = 0.f;
-    for (Py_ssize_t i = 0; i < k; i++) acc += bf16_to_f32(w[i]) * bf16_to_f32(x[i]);
-    return acc;
 }
 
 static float dot_plain(enum held kind, const void *w, const float *x, Py_ssize_t k) {
@@ -456,8 +450,9 @@ struct rounded {
     int dp;
 };
 
-/* The same sums as group_dp in plain C, pair by pair (where the AVX512_BF16 routines do not run: a test
- * turned them off after the hold). */
+/* The same sums as group_dp in plain C, pair by pair, each pair's second product added first as
+ * VDPBF16PS is specified to (where the AVX512_BF16 routines do not run: turned off after the hold, as a
+ * test does, or a PanelLinear made where they do not run). */
 static void group_plain(const uint16_t *g, const uint16_t *xb, Py_ssize_t k, int nr, float *out) {
     for (int j = 0; j < nr; j++) {
         float *acc = out + PANEL_OUT * j;

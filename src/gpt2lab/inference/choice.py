@@ -305,12 +305,12 @@ def choose(request: InferenceRequest, facts: InferenceFacts) -> Decision:
 
 
 def gemv_bf16_inputs(facts: InferenceFacts) -> bool:
-    """Whether a ``gemv`` hold rounds every product's inputs to bf16, so that a prompt past its tiles is
-    oneDNN's bf16 matmul and its tiles the AVX512_BF16 dot product (a row's products then the same alone,
-    in a batch or in a prompt): where the CPU computes bf16 natively (AVX512_BF16, AMX), as
-    its bf16 matmuls are 2x or more fp32's, the fact the training dtype rests on (a Zen 4: a 128-token
-    prefill 1.9x upcast's, eight rows' tiles 1.7x the fp32 ones); elsewhere bf16 matmuls are emulated,
-    slower than fp32, and the inputs stay fp32."""
+    """Whether a ``gemv`` hold rounds every product's inputs to bf16, so that its products are bf16 ones (in
+    panels, by the compiled AVX512_BF16 dot product at every row count, where those routines run; else a
+    prompt past the tiles by oneDNN's bf16 matmul): where the CPU computes bf16 natively (AVX512_BF16,
+    AMX), as its bf16 matmuls are 2x or more fp32's, the fact the training dtype rests on (a Zen 4: a
+    128-token prefill 1.9x upcast's); elsewhere bf16 matmuls are emulated, slower than fp32, and the
+    inputs stay fp32."""
     return facts.device_type == "cpu" and facts.native_bf16
 
 
@@ -349,9 +349,9 @@ def device_pick(cands: list[Candidate], facts: InferenceFacts) -> Candidate:
     one); fp32 on a CPU without either, and on MPS. Then ``gemv`` first where it runs (its one row reads
     the bf16 bytes at the read's pace in one call a token; on a CPU without native bf16 several rows are
     its fp32 tiles, not emulated bf16 matmuls: on an AVX2-only EPYC 2.46x faster than fp32 at one row and
-    1.4-2.2x in a 16-row batch; with native bf16 several rows are AVX512_BF16 dot products and a prompt
-    oneDNN's bf16 matmul: on a Zen 4 its step 1.8-2.1x oneDNN's packed bf16 linear's at one row, at 16
-    rows 26.1 against 28.5 ms, a 128-token prefill within 9%), then oneDNN's packed linear; for fp32
+    1.4-2.2x in a 16-row batch; with native bf16 the weights in panels, every row count AVX512_BF16 dot
+    products: on a Zen 4 its step 2.2x oneDNN's packed bf16 linear's at one row, at 16 rows 17.2 against
+    33.7 ms, a 128-token prefill 76 against 81 ms), then oneDNN's packed linear; for fp32
     weights the column-major layout, for half-precision ones the row-major (a column-major bf16 weight
     was 1.4x slower than row-major on a Zen 5 with AVX512_BF16, and 20x on an AVX2-only EPYC; fp32
     gained 1.2x from it on both); an asked-for half precision on a CPU without native bf16 that neither

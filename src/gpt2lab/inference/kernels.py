@@ -28,8 +28,9 @@ what autocast computes, without re-reading and casting the weights at every step
   the weight's dtype, as at one row; the output of several rows stays fp32;
 * ``gemv``: ``upcast`` with its one row, and a few more, multiplied by gpt2lab's compiled GEMV
   (``_gemv.c``): each bf16 weight row read once, widened to fp32 in AVX2 registers, products and sums
-  in fp32, rows shared among the threads; on a CPU with native bf16 the inputs rounded to bf16 first
-  and several rows multiplied by AVX512_BF16 dot products (GemvLinear). Where pip compiled it (a C
+  in fp32, rows shared among the threads (GemvLinear); on a CPU with native bf16 the inputs rounded to
+  bf16 first, and where the kernel's AVX512_BF16 routines run the weights held in panels, every row
+  count, a prompt's too, multiplied by their dot products (PanelLinear). Where pip compiled it (a C
   compiler with OpenMP, Linux) and the CPU has AVX2 and FMA; elsewhere it is no candidate. On an AVX2
   EPYC it read a 768 x 3072 bf16 weight at 12-16 GB/s where torch's bf16 GEMV read 10;
 * ``int8``: weight-only int8, symmetric per output channel (scale = max |w| / 127), multiplied
@@ -282,13 +283,12 @@ class GemvLinear(UpcastLinear):
     rows: the weights read once, widened to fp32 in registers (several rows by its tiles, each weight
     vector for up to four rows). More rows are a matmul, bound by its products, not by the read.
 
-    ``bf16_inputs`` (a CPU that computes bf16 natively: AVX512_BF16, AMX): every product's inputs are
-    rounded to bf16 first, as any bf16 matmul's are, so a row's products are the same alone, in a batch or
-    in a prompt (its sums alone or in a batch the same up to their order): the compiled kernel multiplies
-    them by the AVX512_BF16 dot product (its tiles 1.7x the fp32 ones at eight rows on a Zen 4; one row
-    is bound by the read either way), a prompt past the tiles is oneDNN's bf16 matmul (1.9x upcast's at
-    128 tokens, a Zen 4; its output rounded to bf16, as that matmul gives it), a server's batch past them
-    upcast's fp32 matmul of the rounded inputs.
+    ``bf16_inputs`` (a CPU that computes bf16 natively: AVX512_BF16, AMX, where the compiled kernel's
+    AVX512_BF16 routines do not run or the width is odd; elsewhere such a hold is a PanelLinear): every
+    product's inputs are rounded to bf16 first, as any bf16 matmul's are, and multiplied by the fp32
+    routines; a prompt past the tiles is oneDNN's bf16 matmul (1.9x upcast's at 128 tokens, a Zen 4; its
+    output rounded to bf16, as that matmul gives it), a server's batch past them upcast's fp32 matmul of
+    the rounded inputs.
     Without it the inputs are not rounded: upcast's fp32 matmul past the tiles. Where the tiles stop paying
     against the matmul is the machine's: the probe measures it (choice.crossover), a hold sets it; 1
     unmeasured. The output is fp32."""
