@@ -78,6 +78,87 @@ def test_batched_requests_draw_the_tokens_sample_draws(confident_server):
 MODERN = dict(pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2", tie_embeddings=False, logit_softcap=15.0)
 
 
+@pytest.mark.parametrize("block", [{}, MODERN], ids=["gpt2", "modern"])
+def test_prompts_run_together_right_padded_give_each_row_its_own_logits(block):
+    """Three prompts of 3, 9 and 16 tokens in one forward, right-padded to 16: the logits at each row's
+    own last position, and every decode step after the rows join the batch from that cache, equal the
+    one-row forward of the row's whole sequence without a cache."""
+    import copy
+
+    from gpt2lab.serve.batch import RowsCache
+
+    model = tiny_gpt(seed=6, vocab_size=97, block_size=48, **block)
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (3, 9, 16)]
+    T = max(map(len, seqs))
+    with torch.inference_mode():
+        together = model.new_kv_cache(T)
+        idx = torch.tensor([s + [5] * (T - len(s)) for s in seqs])
+        last = torch.tensor([b * T + len(s) - 1 for b, s in enumerate(seqs)])
+        first, _ = model(idx, kv_cache=together, positions=last)
+        cache = RowsCache(model.config.n_layer, model.config.block_size)
+        for b, seq in enumerate(seqs):
+            alone, _ = reference(torch.tensor([seq]), last_only=True)
+            torch.testing.assert_close(first[b], alone[0, -1], rtol=1e-5, atol=1e-5)
+            cache.put(b, together, 4, row=b, length=len(seq))
+        assert cache.lengths == [3, 9, 16]
+        for _ in range(4):
+            new = torch.randint(0, 97, (len(seqs), 1), generator=g)
+            batched, _ = model(new, kv_cache=cache.view(torch.device("cpu")), last_only=True)
+            for i, seq in enumerate(seqs):
+                seq.append(int(new[i]))
+                alone, _ = reference(torch.tensor([seq]), last_only=True)
+                torch.testing.assert_close(batched[i, -1], alone[0, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_burst_of_prompts_is_prefilled_in_one_forward_and_each_gets_the_text_it_gets_alone(
+    confident_server, monkeypatch
+):
+    """Five requests arriving before a step (prompts of 2 to 30 tokens, seeded, one of them two samples,
+    one greedy, one stopping after its first token): their prompts run in one padded forward (a
+    sixth, too long for the chunk with them, alone), and each gets the text completion.stream_text
+    (gpt2lab sample's code) gives it alone."""
+    from gpt2lab.inference.completion import Sampling, prompt_ids, seeded_generator, stream_text
+    from gpt2lab.serve import batch, engine
+    from gpt2lab.serve.limits import Limits
+
+    _, model = confident_server
+
+    class Loop:
+        def call_soon_threadsafe(self, fn, *args):
+            fn(*args)
+
+    worker = batch.BatchWorker("tiny", model, torch.device("cpu"), Limits(prefill_chunk=160))
+    groups = []
+    together = batch.BatchWorker._prefill_together
+    monkeypatch.setattr(
+        batch.BatchWorker, "_prefill_together", lambda w, rows: groups.append(len(rows)) or together(w, rows)
+    )
+    cases = [("A " * 1, 1, 0.8, 12, 1), ("B b " * 7, 2, 0.0, 12, 1), ("C " * 29, 3, 1.0, 12, 2), ("D d", 4, 1.2, 1, 1),
+             ("E " * 12, 5, 0.7, 12, 1), ("F " * 100, 6, 1.0, 6, 1)]  # fmt: skip
+    jobs, expected = [], []
+    for prompt, seed, temperature, tokens, n in cases:
+        s = Sampling(max_new_tokens=tokens, temperature=temperature, top_k=40)
+        ids = prompt_ids(prompt, model)
+        gen = seeded_generator(torch.device("cpu"), seed)
+        expected.append(["".join(t for _, t, _ in stream_text(model, ids, s, gen)) for _ in range(n)])
+        job = engine.Job(engine.Work([ids], s, n=n, seeds=[seed], stops=[], echo=[]), Loop(), 60)
+        worker.submit(job)
+        jobs.append(job)
+    steps = worker._steps()
+    with torch.inference_mode():
+        for _ in range(200):
+            if not next(steps) and all(job not in worker._open for job in jobs):
+                break
+    assert groups == [5]  # the five that fit one chunk (30 x 5 = 150 <= 160); the sixth alone
+    for job, want in zip(jobs, expected):
+        events = [job.out.get_nowait() for _ in range(job.out.qsize())]
+        assert events[-1] is None and not any(isinstance(e, engine.Failed) for e in events)
+        got = ["".join(e.text for e in events if isinstance(e, engine.Text) and e.index == i) for i in range(len(want))]
+        assert got == want
+
+
 @pytest.mark.parametrize("linear", ["plain", "packed"])
 @pytest.mark.parametrize("block", [{}, MODERN], ids=["gpt2", "modern"])
 def test_batched_rows_give_the_unbatched_models_logits(block, linear):

@@ -7,7 +7,10 @@ steps the worker lets rows join and leave:
 * a new row's prompt runs alone, ``prefill_chunk`` tokens per step, into a one-row
   ``KVCache`` (so a long prompt delays the running streams by one chunk per step, not by the
   whole prompt); its last logits give its first token, and its keys and values move into a
-  free slot of the shared ``RowsCache``;
+  free slot of the shared ``RowsCache``. New rows waiting together whose whole prompts fit in
+  one chunk (rows x the longest, right-padded) run in one forward instead, each row's first
+  token drawn from the logits at its own last position: the weights are read once for all of
+  them (the requests of a burst no longer wait for one prefill after another);
 * each step then runs one forward of (rows, 1) tokens over ``RowsCache``: row i at its own
   position, attending to its own keys only (a per-row mask over the padded length);
 * a row that finishes, is cancelled (its client went away) or times out leaves at once: the
@@ -71,14 +74,15 @@ class RowsCache:
                     new[: old.shape[0], :, : old.shape[2]] = old
                 bufs[layer] = new
 
-    def put(self, slot: int, cache: KVCache, capacity: int) -> None:
-        """Copy the one-row ``cache`` into ``slot`` (the next free one), with room for ``capacity`` slots."""
+    def put(self, slot: int, cache: KVCache, capacity: int, row: int = 0, length: Optional[int] = None) -> None:
+        """Copy row ``row`` of ``cache`` (its first ``length`` positions, by default all it holds) into
+        ``slot`` (the next free one), with room for ``capacity`` slots."""
         assert slot == len(self.lengths), "rows join at the end"
-        n = cache.pos
+        n = cache.pos if length is None else length
         self._room(capacity, n + 1, cache.k[0])
         for mine, theirs in ((self.k, cache.k), (self.v, cache.v)):
             for layer in range(self.n_layer):
-                mine[layer][slot, :, :n] = theirs[layer][0, :, :n]
+                mine[layer][slot, :, :n] = theirs[layer][row, :, :n]
         self.lengths.append(n)
 
     def remove(self, slot: int) -> None:
@@ -163,7 +167,11 @@ class BatchWorker(Worker):
             self._admit()
             try:
                 if self.prefill and len(self.decoding) < self.limits.max_batch:
-                    self._prefill_step(self.prefill[0])
+                    together = self._prefill_group()
+                    if len(together) > 1:
+                        self._prefill_together(together)
+                    else:
+                        self._prefill_step(self.prefill[0])
                     deliver()  # a first token goes out now, not after the decode step
                 if self.decoding:
                     self._decode_step()
@@ -252,6 +260,43 @@ class BatchWorker(Worker):
             self.cache.put(len(self.decoding), row.cache, self.limits.max_batch)
             self.decoding.append(row)
         row.cache = None
+
+    def _prefill_group(self) -> list[Row]:
+        """The rows at the front of the prefill queue that run their prompts in one forward: not started,
+        not scoring their prompt, asking for tokens, as many as the batch has free rows, while the rows
+        times the longest prompt (the padded forward) fit in one ``prefill_chunk``."""
+        room, group, longest = self.limits.max_batch - len(self.decoding), [], 0
+        for row in self.prefill:
+            r = row.job.request
+            if len(group) == room or row.cache is not None or r.scores_prompt or r.sampling.max_new_tokens == 0:
+                break
+            if max(longest, len(row.ids)) * (len(group) + 1) > self.limits.prefill_chunk:
+                break
+            longest = max(longest, len(row.ids))
+            group.append(row)
+        return group
+
+    def _prefill_together(self, rows: list[Row]) -> None:
+        """``rows`` (the front of the prefill queue) in one forward, each prompt right-padded to the longest
+        (a padded position follows every real one, so no real position sees it, and it is never copied
+        into the batch's cache); each row's first token from the logits at its own last position, then
+        each joins the batch as ``_prefill_step`` would have it join."""
+        T = max(len(r.ids) for r in rows)
+        idx = torch.tensor([r.ids + [0] * (T - len(r.ids)) for r in rows], dtype=torch.long, device=self.device)
+        last = torch.tensor([b * T + len(r.ids) - 1 for b, r in enumerate(rows)], dtype=torch.long, device=self.device)
+        cache = self.model.new_kv_cache(T)
+        logits, _ = self.model(idx, kv_cache=cache, positions=last)  # (rows, vocab): a failure fails them all
+        for _ in rows:
+            self.prefill.popleft()
+        for b, row in enumerate(rows):
+            try:
+                t, lp = self._sample(row, logits[b : b + 1])
+            except Exception:
+                self.prefill.extendleft(reversed(rows[b:]))  # not started yet: the error fails their requests
+                raise
+            if self._sampled(row, t, lp):
+                self.cache.put(len(self.decoding), cache, self.limits.max_batch, row=b, length=len(row.ids))
+                self.decoding.append(row)
 
     def _decode_step(self) -> None:
         rows = self.decoding
