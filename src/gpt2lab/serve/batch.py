@@ -268,7 +268,8 @@ class BatchWorker(Worker):
         room, group, longest = self.limits.max_batch - len(self.decoding), [], 0
         for row in self.prefill:
             r = row.job.request
-            if len(group) == room or row.cache is not None or r.scores_prompt or r.sampling.max_new_tokens == 0:
+            alone = row.cache is not None or not row.ids  # a prompt part run already, or none
+            if len(group) == room or alone or r.scores_prompt or r.sampling.max_new_tokens == 0:
                 break
             if max(longest, len(row.ids)) * (len(group) + 1) > self.limits.prefill_chunk:
                 break
