@@ -78,6 +78,30 @@ def test_batched_requests_draw_the_tokens_sample_draws(confident_server):
 MODERN = dict(pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2", tie_embeddings=False, logit_softcap=15.0)
 
 
+def _one_step_as_alone(model, reference, cache, seqs: list[list[int]], g: torch.Generator) -> None:
+    """One new random token a row through ``cache`` (a RowsCache holding ``seqs``), each row's logits against
+    ``reference``'s one-row forward of the row's whole sequence without a cache; ``seqs`` grow by the token."""
+    new = torch.randint(0, 97, (len(seqs), 1), generator=g)
+    batched, _ = model(new, kv_cache=cache.view(torch.device("cpu")), last_only=True)
+    for i, seq in enumerate(seqs):
+        seq.append(int(new[i]))
+        alone, _ = reference(torch.tensor([seq]), last_only=True)
+        torch.testing.assert_close(batched[i, -1], alone[0, -1], rtol=1e-5, atol=1e-5)
+
+
+class _Loop:
+    """An event loop's thread-safe call, recorded (``calls``) to run later, or run at once (``now``)."""
+
+    def __init__(self, now: bool = False) -> None:
+        self.now, self.calls = now, []
+
+    def call_soon_threadsafe(self, fn, *args):
+        if self.now:
+            fn(*args)
+        else:
+            self.calls.append((fn, args))
+
+
 @pytest.mark.parametrize("block", [{}, MODERN], ids=["gpt2", "modern"])
 def test_prompts_run_together_right_padded_give_each_row_its_own_logits(block):
     """Three prompts of 3, 9 and 16 tokens in one forward, right-padded to 16: the logits at each row's
@@ -104,12 +128,7 @@ def test_prompts_run_together_right_padded_give_each_row_its_own_logits(block):
             cache.put(b, together, 4, row=b, length=len(seq))
         assert cache.lengths == [3, 9, 16]
         for _ in range(4):
-            new = torch.randint(0, 97, (len(seqs), 1), generator=g)
-            batched, _ = model(new, kv_cache=cache.view(torch.device("cpu")), last_only=True)
-            for i, seq in enumerate(seqs):
-                seq.append(int(new[i]))
-                alone, _ = reference(torch.tensor([seq]), last_only=True)
-                torch.testing.assert_close(batched[i, -1], alone[0, -1], rtol=1e-5, atol=1e-5)
+            _one_step_as_alone(model, reference, cache, seqs, g)
 
 
 def test_a_burst_of_prompts_is_prefilled_in_one_forward_and_each_gets_the_text_it_gets_alone(
@@ -125,10 +144,6 @@ def test_a_burst_of_prompts_is_prefilled_in_one_forward_and_each_gets_the_text_i
 
     _, model = confident_server
 
-    class Loop:
-        def call_soon_threadsafe(self, fn, *args):
-            fn(*args)
-
     worker = batch.BatchWorker("tiny", model, torch.device("cpu"), Limits(prefill_chunk=160))
     groups = []
     together = batch.BatchWorker._prefill_together
@@ -143,7 +158,7 @@ def test_a_burst_of_prompts_is_prefilled_in_one_forward_and_each_gets_the_text_i
         ids = prompt_ids(prompt, model)
         gen = seeded_generator(torch.device("cpu"), seed)
         expected.append(["".join(t for _, t, _ in stream_text(model, ids, s, gen)) for _ in range(n)])
-        job = engine.Job(engine.Work([ids], s, n=n, seeds=[seed], stops=[], echo=[]), Loop(), 60)
+        job = engine.Job(engine.Work([ids], s, n=n, seeds=[seed], stops=[], echo=[]), _Loop(now=True), 60)
         worker.submit(job)
         jobs.append(job)
     steps = worker._steps()
@@ -196,12 +211,7 @@ def test_batched_rows_give_the_unbatched_models_logits(block, linear):
                 seqs[0] = seqs.pop()
                 seqs.append(torch.randint(0, 97, (5,), generator=g).tolist())
                 join(seqs[-1])
-            new = torch.randint(0, 97, (len(seqs), 1), generator=g)
-            batched, _ = model(new, kv_cache=cache.view(torch.device("cpu")), last_only=True)
-            for i, seq in enumerate(seqs):
-                seq.append(int(new[i]))
-                alone, _ = reference(torch.tensor([seq]), last_only=True)
-                torch.testing.assert_close(batched[i, -1], alone[0, -1], rtol=1e-5, atol=1e-5)
+            _one_step_as_alone(model, reference, cache, seqs, g)
             assert cache.lengths == [len(s) for s in seqs]
         cache.remove(1), cache.remove(1), cache.remove(0)
     assert cache.k[0] is None  # idle: the buffers are given back
@@ -229,18 +239,11 @@ def test_shutting_down_after_a_step_cut_short_delivers_its_events_then_the_error
     from gpt2lab.serve import engine
     from gpt2lab.serve.engine import ShuttingDown
 
-    class Loop:
-        def __init__(self):
-            self.calls = []
-
-        def call_soon_threadsafe(self, fn, *args):
-            self.calls.append((fn, args))
-
     class Open(engine.Worker):
         def _steps(self):
             yield False
 
-    loop, error = Loop(), ShuttingDown("server shutting down")
+    loop, error = _Loop(), ShuttingDown("server shutting down")
     worker = Open("tiny", tiny_gpt(seed=1), torch.device("cpu"))
     job = engine.Job(None, loop, 60)
     worker._open.add(job)
@@ -262,14 +265,7 @@ def test_an_engine_steps_events_reach_each_loop_in_one_call_in_the_order_sent():
     hands each loop the step's events in one call, every job's in the order sent."""
     from gpt2lab.serve import engine
 
-    class Loop:
-        def __init__(self):
-            self.calls = []
-
-        def call_soon_threadsafe(self, fn, *args):
-            self.calls.append((fn, args))
-
-    a, b = Loop(), Loop()
+    a, b = _Loop(), _Loop()
     one, two, three = engine.Job(None, a, 60), engine.Job(None, b, 60), engine.Job(None, a, 60)
     one.send("now")
     assert len(a.calls) == 1

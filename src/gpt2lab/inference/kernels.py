@@ -47,6 +47,7 @@ head at one row on that Zen 5, against 0.5 ms for ``_weight_int8pack_mm``).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import threading
@@ -236,6 +237,7 @@ class Int8Linear(DecodeLinear):
         return y.reshape(*lead, self.out_features)
 
 
+@functools.cache
 def compiled_build() -> str:
     """Which build of the compiled kernel this is (a hash of its file; "none" where it was not built): a
     figure measured with one build says nothing of another's speed."""

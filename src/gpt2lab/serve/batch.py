@@ -269,11 +269,12 @@ class BatchWorker(Worker):
         for row in self.prefill:
             r = row.job.request
             alone = row.cache is not None or not row.ids  # a prompt part run already, or none
+            padded = max(longest, len(row.ids))
             if len(group) == room or alone or r.scores_prompt or r.sampling.max_new_tokens == 0:
                 break
-            if max(longest, len(row.ids)) * (len(group) + 1) > self.limits.prefill_chunk:
+            if padded * (len(group) + 1) > self.limits.prefill_chunk:
                 break
-            longest = max(longest, len(row.ids))
+            longest = padded
             group.append(row)
         return group
 

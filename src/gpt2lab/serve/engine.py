@@ -303,8 +303,8 @@ class Worker:
 
 def deliver() -> None:
     """Hand the events sent so far in this engine step to their jobs' queues, in the order sent: one
-    call a loop. The engine calls it when a step ends; a worker, after a prompt's first token, so that
-    the token does not wait for the decode step that follows in the same step."""
+    call a loop. A step's end does (settle_outbox); a worker, after a prompt's first token, so that the
+    token does not wait for the decode step that follows in the same step."""
     pending = _OUTBOX.pending
     if not pending:
         return
@@ -317,10 +317,10 @@ def deliver() -> None:
 
 
 def settle_outbox() -> None:
-    """Deliver what a step of this thread left in its outbox and send every event at once from here on:
-    for a step that ended without its own delivery (a Ctrl-C raised in the engine's thread between a
-    step's last event and the end of its ``finally``), so that the events sent after it (shut_down's
-    errors) are not held for a delivery that never comes."""
+    """End this thread's step: deliver what it sent and send every event at once from here on. The engine
+    calls it when a step ends; shut_down too, for a step a Ctrl-C cut short (raised in the engine's thread
+    between a step's last event and its end), so that the events sent after it (shut_down's errors) are
+    not held for a delivery that never comes."""
     try:
         deliver()
     finally:
@@ -364,8 +364,7 @@ class Engine:
                     except StopIteration:
                         del steps[w]
                     finally:
-                        deliver()
-                        _OUTBOX.pending = None
+                        settle_outbox()
                 if steps and not busy:
                     self.wake.wait()
 
