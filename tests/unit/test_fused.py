@@ -183,6 +183,45 @@ def test_the_servers_rows_each_at_its_own_position(cand, counted):
     torch.testing.assert_close(alone[0, 0], whole[0, 8], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("cand", CANDS, ids=str)
+def test_prompts_run_as_rows_of_the_step_beside_decoding_rows(cand, counted):
+    """step_rows (the server's mixed step): a running row's next token (slot 0) and two prompts of 5 and 3
+    tokens (slots 2 and 1, each token a row at its own position, the second's in reverse order: every key
+    and value is written before any row attends) in one fused call. The logits asked for
+    (the running row's and each prompt's last, in the order asked) and every later step from that cache
+    equal each sequence run whole; a slot outside the buffers or a position past them is refused (None),
+    the cache untouched."""
+    model = tiny_gpt(seed=6, vocab_size=97, block_size=40)
+    ready = hold(model, cand, rows=3)
+    g = torch.Generator().manual_seed(8)
+    seqs = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (9, 3, 5)]
+    i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    with torch.inference_mode():
+        rows = RowsCache(model.config.n_layer, 40)
+        cache = ready.new_kv_cache(40)
+        ready(torch.tensor([seqs[0][:8]]), kv_cache=cache)
+        rows.put(0, cache, capacity=1)
+        rows.reserve(3, 9, model.config.n_head, model.config.n_embd // model.config.n_head)
+        before = [t.clone() for t in rows.k]
+        ids = [seqs[0][8], *seqs[2], *reversed(seqs[1])]
+        slots, positions = [0, 2, 2, 2, 2, 2, 1, 1, 1], [8, 0, 1, 2, 3, 4, 2, 1, 0]
+        refused = (([0, 2, 2, 2, 2, 3, 1, 1, 1], positions), (slots, [8, 0, 1, 2, 3, 40, 2, 1, 0]))  # slot 3; 40
+        for bad_slots, bad_positions in refused:
+            assert ready.step_rows(i64(ids), i64(bad_slots), i64(bad_positions), i64([0, 5, 6]), rows) is None
+        assert all(torch.equal(a, b) for a, b in zip(before, rows.k))
+        got = ready.step_rows(i64(ids), i64(slots), i64(positions), i64([0, 6, 5]), rows)
+        rows.lengths = [9, 3, 5]
+        for seq, logits in zip(seqs, got):
+            torch.testing.assert_close(logits, ready(torch.tensor([seq]))[0][0, -1], rtol=1e-4, atol=1e-4)
+        for _ in range(3):  # the prompts' keys and values are where the next steps read them
+            new = torch.randint(0, 97, (3, 1), generator=g)
+            step, _ = ready(new, kv_cache=rows.view(torch.device("cpu")))
+            for i, seq in enumerate(seqs):
+                seq.append(int(new[i]))
+                torch.testing.assert_close(step[i, 0], ready(torch.tensor([seq]))[0][0, -1], rtol=1e-4, atol=1e-4)
+    assert len(counted["model_step"]) == 4  # the mixed step and three decode steps (the refused ones did nothing)
+
+
 def test_what_it_leaves_to_the_model(counted):
     """The modern block is not fusable; a prompt, training and a gradient-tracking input run the model's
     code; the fused step changes no tensor the caller holds."""
@@ -305,8 +344,9 @@ def test_the_whole_step_refuses_a_model_without_a_head_or_a_kind_it_does_not_kno
     from gpt2lab.inference import _gemv
 
     # kind, rows, width, heads, layers, ids, wte, wpe, vocab, n_pos, layers' table, max_len, positions, pos0,
-    # out, eps, ln_f g, b, eps, head kind, head weight (none), scale, bias, n_out, threads
-    args = [1, 1, 8, 2, 1, 0, 0, 0, 10, 10, 0, 4, 0, 1, 0, 1e-5, 0, 0, 1e-5, 1, 0, 0, 0, 10, 1]
+    # out, eps, ln_f g, b, eps, head kind, head weight (none), scale, bias, n_out, threads, slots, n_slots,
+    # wanted, n_wanted
+    args = [1, 1, 8, 2, 1, 0, 0, 0, 10, 10, 0, 4, 0, 1, 0, 1e-5, 0, 0, 1e-5, 1, 0, 0, 0, 10, 1, 0, 1, 0, 0]
     with pytest.raises(ValueError, match="model_step: bad .* head"):
         _gemv.model_step(*args)
     for at in (0, 19):  # the blocks' kind, the head's

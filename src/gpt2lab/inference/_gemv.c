@@ -719,10 +719,13 @@ static float *scratch_alloc(struct scratch *s, Py_ssize_t m, Py_ssize_t c, Py_ss
 }
 
 /* The block on x, run by every thread of the enclosing OpenMP region (worksharing loops, each ending
- * in a barrier); wb: this thread's widened weight row (4C floats) where m >= 4 (AVX2). */
+ * in a barrier); wb: this thread's widened weight row (4C floats) where m >= 4 (AVX2). Row i is the
+ * token at position pos[i] of cache slot slot[i] (slot NULL: slot i); every row's key and value are
+ * written before any row attends, so rows of one slot at consecutive positions (a prompt's tokens in
+ * the step) each see the ones before them. */
 static void block_body(enum held kind, const struct block *bl, float *x, Py_ssize_t m, Py_ssize_t c, Py_ssize_t nh,
-                       float eps, const int64_t *pos, Py_ssize_t max_len, Py_ssize_t tmax, const struct scratch *s,
-                       float *wb, int avx2, const struct rounded *rd) {
+                       float eps, const int64_t *pos, const int64_t *slot, Py_ssize_t max_len, Py_ssize_t tmax,
+                       const struct scratch *s, float *wb, int avx2, const struct rounded *rd) {
     Py_ssize_t hs = c / nh;
     float scale = 1.f / sqrtf((float)hs);
 #ifdef _OPENMP
@@ -734,11 +737,19 @@ static void block_body(enum held kind, const struct block *bl, float *x, Py_ssiz
 #pragma omp for schedule(static)
 #endif
     for (Py_ssize_t task = 0; task < m * nh; task++) {
-        Py_ssize_t i = task / nh, hd = task % nh, p = (Py_ssize_t)pos[i];
-        float *kh = bl->kc + (i * nh + hd) * max_len * hs, *vh = bl->vc + (i * nh + hd) * max_len * hs;
+        Py_ssize_t i = task / nh, hd = task % nh, p = (Py_ssize_t)pos[i], sl = slot ? (Py_ssize_t)slot[i] : i;
+        float *kh = bl->kc + (sl * nh + hd) * max_len * hs, *vh = bl->vc + (sl * nh + hd) * max_len * hs;
         const float *q = s->qkv + i * 3 * c + hd * hs;
         memcpy(kh + p * hs, q + c, sizeof(float) * (size_t)hs);
         memcpy(vh + p * hs, q + 2 * c, sizeof(float) * (size_t)hs);
+    }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (Py_ssize_t task = 0; task < m * nh; task++) {
+        Py_ssize_t i = task / nh, hd = task % nh, p = (Py_ssize_t)pos[i], sl = slot ? (Py_ssize_t)slot[i] : i;
+        const float *kh = bl->kc + (sl * nh + hd) * max_len * hs, *vh = bl->vc + (sl * nh + hd) * max_len * hs;
+        const float *q = s->qkv + i * 3 * c + hd * hs;
 #ifdef GEMV_X86
         if (avx2)
             attend_avx2(q, kh, vh, p + 1, hs, scale, s->sc + task * tmax, s->y + i * c + hd * hs);
@@ -826,7 +837,7 @@ static PyObject *block_step(PyObject *self, PyObject *args) {
 #endif
     {
         float *wb = thread_rows(need, c, &failed);
-        if (!failed) block_body(kind, &bl, x, m, c, nh, eps, pos, max_len, tmax, &s, wb, avx2, &rd);
+        if (!failed) block_body(kind, &bl, x, m, c, nh, eps, pos, NULL, max_len, tmax, &s, wb, avx2, &rd);
         free(wb);
     }
     Py_END_ALLOW_THREADS
@@ -841,19 +852,21 @@ static PyObject *block_step(PyObject *self, PyObject *args) {
  * The token's embedding plus its position's, every block as block_body computes it, the final
  * LayerNorm and the vocabulary projection (the head): one OpenMP region a token, so the
  * threads wake once where block by block they wake 13 times and Python runs between them. The layers'
- * pointers come in one int64 array, LAYER_FIELDS a layer (the order fused.py writes). Returns False,
- * having done nothing, where a token id or a position is outside its table (the caller then runs the
- * model's own code, which says so). */
+ * pointers come in one int64 array, LAYER_FIELDS a layer (the order fused.py writes). Row i is cache slot
+ * slots[i] (slots 0: slot i; each below n_slots) at its position; the head runs on the rows listed in
+ * wanted (n_wanted of them, in that order, out holding one row of logits each; wanted 0: every row).
+ * Returns False, having done nothing, where a token id, a position or a slot is outside its table (the
+ * caller then runs the model's own code, which says so). */
 #define LAYER_FIELDS 18
 
 static PyObject *model_step(PyObject *self, PyObject *args) {
     int bf16, head_bf16, threads;
-    unsigned long long idp, wtep, wpep, tp, pp, op, gfp, bfp, hwp, hsp, hbp;
-    Py_ssize_t m, c, nh, n_layer, vocab, n_pos, max_len, pos0, n_out;
+    unsigned long long idp, wtep, wpep, tp, pp, op, gfp, bfp, hwp, hsp, hbp, slp, wnp;
+    Py_ssize_t m, c, nh, n_layer, vocab, n_pos, max_len, pos0, n_out, n_slots, n_wanted;
     float eps, eps_f;
-    if (!PyArg_ParseTuple(args, "innnnKKKnnKnKnKfKKfiKKKni", &bf16, &m, &c, &nh, &n_layer, &idp, &wtep, &wpep,
+    if (!PyArg_ParseTuple(args, "innnnKKKnnKnKnKfKKfiKKKniKnKn", &bf16, &m, &c, &nh, &n_layer, &idp, &wtep, &wpep,
                           &vocab, &n_pos, &tp, &max_len, &pp, &pos0, &op, &eps, &gfp, &bfp, &eps_f, &head_bf16, &hwp,
-                          &hsp, &hbp, &n_out, &threads))
+                          &hsp, &hbp, &n_out, &threads, &slp, &n_slots, &wnp, &n_wanted))
         return NULL;
     if (m < 1 || c < 1 || nh < 1 || c % nh || n_layer < 1 || threads < 1 || vocab < 1 || n_pos < 1 || n_out < 1 ||
         !hwp || bf16 < HELD_INT8 || bf16 > HELD_BF16_PANELS || head_bf16 < HELD_INT8 || head_bf16 > HELD_BF16_PANELS) {
@@ -861,12 +874,16 @@ static PyObject *model_step(PyObject *self, PyObject *args) {
         return NULL;
     }
     const int64_t *ids = (const int64_t *)(uintptr_t)idp, *table = (const int64_t *)(uintptr_t)tp;
+    const int64_t *slots = (const int64_t *)(uintptr_t)slp, *wanted = (const int64_t *)(uintptr_t)wnp;
+    if (!wanted) n_wanted = m;
     int64_t *pos = (int64_t *)malloc(sizeof(int64_t) * (size_t)m);
     if (!pos) return PyErr_NoMemory();
     for (Py_ssize_t i = 0; i < m; i++) pos[i] = pp ? ((const int64_t *)(uintptr_t)pp)[i] : pos0;
     Py_ssize_t tmax = keys_needed(pos, m, max_len < n_pos ? max_len : n_pos);
     for (Py_ssize_t i = 0; i < m && tmax >= 0; i++)
-        if (ids[i] < 0 || ids[i] >= vocab) tmax = -1;
+        if (ids[i] < 0 || ids[i] >= vocab || (slots && (slots[i] < 0 || slots[i] >= n_slots))) tmax = -1;
+    for (Py_ssize_t i = 0; wanted && i < n_wanted && tmax >= 0; i++)
+        if (wanted[i] < 0 || wanted[i] >= m) tmax = -1;
     if (tmax < 0) {
         free(pos);
         Py_RETURN_FALSE;
@@ -922,12 +939,13 @@ static PyObject *model_step(PyObject *self, PyObject *args) {
             for (Py_ssize_t i = 0; i < m; i++)
                 for (Py_ssize_t j = 0; j < c; j++) x[i * c + j] = wte[ids[i] * c + j] + wpe[pos[i] * c + j];
             for (Py_ssize_t l = 0; l < n_layer; l++)
-                block_body(kind, &bl[l], x, m, c, nh, eps, pos, max_len, tmax, &s, wb, avx2, &rd);
+                block_body(kind, &bl[l], x, m, c, nh, eps, pos, slots, max_len, tmax, &s, wb, avx2, &rd);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-            for (Py_ssize_t i = 0; i < m; i++) layernorm(x + i * c, gf, bf, eps_f, s.h + i * c, c);
-            linear_rows(head_kind, &head, s.h, out, m, c, n_out, wb, avx2, SET, &rd);
+            for (Py_ssize_t i = 0; i < n_wanted; i++)
+                layernorm(x + (wanted ? wanted[i] : i) * c, gf, bf, eps_f, s.h + i * c, c);
+            linear_rows(head_kind, &head, s.h, out, n_wanted, c, n_out, wb, avx2, SET, &rd);
         }
         free(wb);
     }
@@ -980,9 +998,10 @@ static PyMethodDef methods[] = {
      "max_len, threads): one GPT-2 block for one token of each of m rows, in place on x; pointers (0: none)"},
     {"model_step", model_step, METH_VARARGS,
      "model_step(kind, m, C, n_head, n_layer, ids, wte, wpe, vocab, n_pos, layers, max_len, positions, pos0, out, "
-     "eps, ln_f g, b, eps, head kind, head w, scale, bias, n_out, threads): a GPT-2 decode step for one token of "
-     "each of m rows into out (its logits); pointers (0: none; the head's weight is needed); False "
-     "(nothing done) where an id or position is outside its table"},
+     "eps, ln_f g, b, eps, head kind, head w, scale, bias, n_out, threads, slots, n_slots, wanted, n_wanted): a "
+     "GPT-2 step for one token of each of m rows (row i in cache slot slots[i]; 0: slot i) into out (the logits "
+     "of the rows in wanted, in order; 0: every row); pointers (0: none; the head's weight is needed); False "
+     "(nothing done) where an id, position or slot is outside its table"},
     {"has_avx2", has_avx2, METH_NOARGS, "whether this CPU runs the AVX2/FMA routines"},
     {"has_bf16_dot", has_bf16_dot, METH_NOARGS,
      "whether bf16 weights in panels are multiplied by the AVX512_BF16 routines here (the CPU has them, allowed)"},

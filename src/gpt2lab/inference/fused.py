@@ -11,7 +11,11 @@ differs (and exp, in GELU and the softmax, is the kernel's own, within ~1 ulp of
 block, the final norm and the head, at any rows the head by the same compiled products as the blocks'
 linears (a bf16 head's own forward takes several rows through PyTorch's packed fp32 copy, which reads
 twice the bytes: on a 2-core AVX2 EPYC the 124M's 4-row step 20% and 8-row step 8% faster in C, the
-16-row step within 3%; the probe times the server's batch step with it, as with every kernel).
+16-row step within 3%; the probe times the server's batch step with it, as with every kernel). Its rows
+need not be one token of each cache slot: ``FusedDecodeGPT.step_rows`` gives each row a slot and a
+position and asks for the logits of some rows only, and every row's key and value are written before
+any row attends, so a prompt's tokens run as rows beside the other rows' next tokens (the server's mixed
+step, serve/batch.py).
 
 ``fuse_blocks`` gives every block of a held model whose structure it computes (GPT-2's: LayerNorm,
 learned positions, tanh GELU, no q/k norm, no value embeddings, its four linears held by one of those
@@ -191,54 +195,77 @@ class FusedDecodeGPT(GPT):
 
     def _decode_step(self, idx: torch.Tensor, kv_cache) -> torch.Tensor | None:
         """The logits (B, 1, vocab) of one step through ``_gemv.model_step``, or None where it does not apply."""
+        if idx.dim() != 2 or idx.shape[1] != 1 or kv_cache.pos <= 0:
+            return None
+        B = idx.shape[0]
+        if type(kv_cache) is KVCache:  # one position for all rows
+            pos = None
+        else:  # each row its own (the server's RowsCache)
+            pos = kv_cache.positions(1, idx.device).reshape(-1).to(torch.int64).expand(B).contiguous()
+        out = self._run(idx.reshape(-1), kv_cache, pos, kv_cache.pos, None, None)
+        if out is None:
+            return None
+        kv_cache.advance(1)
+        return out.unsqueeze(1)
+
+    def step_rows(
+        self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, wanted: torch.Tensor, kv_cache
+    ) -> torch.Tensor | None:
+        """One step over rows of any cache slots and positions (int64 CPU tensors, one entry a row; ``wanted``: the
+        rows whose logits come back, in that order), None where the fused step does not apply. Row i puts its
+        key and value at ``positions[i]`` of slot ``slots[i]`` of ``kv_cache``'s buffers and attends to that
+        slot's positions up to it, the keys of the step's other rows included: several rows of one slot at
+        consecutive positions are a prompt's tokens run together with the other rows' next tokens (the
+        server's mixed step). The cache's buffers must hold every slot and position; nothing in the cache is
+        advanced."""
+        ok = all(t.dtype == torch.int64 and t.is_cpu and t.dim() == 1 for t in (ids, slots, positions, wanted))
+        if not ok or not (len(ids) == len(slots) == len(positions) > 0) or len(wanted) == 0:
+            return None
+        return self._run(ids, kv_cache, positions.contiguous(), 0, slots.contiguous(), wanted.contiguous())
+
+    def _run(self, ids, kv_cache, pos, pos0: int, slots, wanted) -> torch.Tensor | None:
+        """``_gemv.model_step`` over rows ``ids`` (m,): logits (rows of ``wanted`` or all, vocab), or None."""
         plan = _PLANS.get(self)
         if plan is None:
             plan = _PLANS[self] = _StepPlan(self)
         f32 = torch.float32
         if (
             not plan.ok
-            or idx.dim() != 2
-            or idx.shape[1] != 1
-            or idx.dtype != torch.int64
-            or not idx.is_cpu
-            or kv_cache.pos <= 0
+            or ids.dtype != torch.int64
+            or not ids.is_cpu
             or self.training
             or any(t.dtype != f32 or not t.is_cpu for t in plan.fp32)
             or (torch.is_grad_enabled() and any(t.requires_grad for t in plan.fp32))
             or not (plan.wte.is_contiguous() and plan.wpe.is_contiguous())
         ):
             return None
-        B, C, nh = idx.shape[0], self.config.n_embd, self.config.n_head
+        m, C, nh = ids.shape[0], self.config.n_embd, self.config.n_head
+        fits = m if slots is None else 1  # the rows' own slots: the kernel checks each against n_slots
         ptrs = [0 if t is None else t.data_ptr() for t in plan.per_layer]
-        rows, max_len = [], None
+        rows, max_len, n_slots = [], None, None
         for i, layer in enumerate(plan.layers):
             k, v = kv_cache.k[layer], kv_cache.v[layer]
-            if not _kv_fits(k, v, B, nh, C) or k.shape[2] != (max_len := max_len or k.shape[2]):  # one length
+            if not _kv_fits(k, v, fits, nh, C) or k.shape[2] != (max_len := max_len or k.shape[2]):  # one length
                 return None
+            n_slots = min(n_slots or k.shape[0], k.shape[0])  # the slots every layer holds
             rows += ptrs[16 * i : 16 * i + 16]
             rows += (k.data_ptr(), v.data_ptr())
         head = plan.head  # a compiled-GEMV linear (_whole_step_fusable): in C at any rows, as the blocks' linears
-        if type(kv_cache) is KVCache:  # one position for all rows
-            pos = None
-        else:  # each row its own (the server's RowsCache)
-            pos = kv_cache.positions(1, idx.device).reshape(-1).to(torch.int64).expand(B).contiguous()
-        ids = idx.contiguous()  # held here: the kernel reads it through its address
+        ids = ids.contiguous()  # held here: the kernel reads it through its address
         n_out = head.out_features
-        out = torch.empty(B, 1, n_out, dtype=f32)
+        out = torch.empty(m if wanted is None else len(wanted), n_out, dtype=f32)
         table = torch.tensor(rows, dtype=torch.int64)
         hw, hs, hb = (_ptr(t) for t in plan.head_tensors)
         from gpt2lab.inference import _gemv
 
         done = _gemv.model_step(
-            plan.kind, B, C, nh, len(plan.layers), ids.data_ptr(), plan.wte.data_ptr(), plan.wpe.data_ptr(),
-            plan.wte.shape[0], plan.wpe.shape[0], table.data_ptr(), max_len, _ptr(pos), kv_cache.pos, out.data_ptr(),
+            plan.kind, m, C, nh, len(plan.layers), ids.data_ptr(), plan.wte.data_ptr(), plan.wpe.data_ptr(),
+            plan.wte.shape[0], plan.wpe.shape[0], table.data_ptr(), max_len, _ptr(pos), pos0, out.data_ptr(),
             plan.eps, plan.ln_f.weight.data_ptr(), _ptr(plan.ln_f.bias), plan.eps_f, _kind(head), hw,
-            hs, hb, n_out, torch.get_num_threads(),
+            hs, hb, n_out, torch.get_num_threads(), _ptr(slots), n_slots, _ptr(wanted),
+            0 if wanted is None else len(wanted),
         )  # fmt: skip
-        if not done:  # a token id or position outside its table: the model's code says which
-            return None
-        kv_cache.advance(1)
-        return out
+        return out if done else None  # not done: a token id or position outside its table (the model's code says which)
 
 
 def _whole_step_fusable(model: nn.Module) -> bool:
