@@ -174,6 +174,79 @@ def test_a_burst_of_prompts_is_prefilled_in_one_forward_and_each_gets_the_text_i
         assert got == want
 
 
+def test_prompts_join_the_fused_step_of_running_rows_each_getting_its_text_alone(confident_server, monkeypatch):
+    """With the fused step (a model held with the compiled kernel), a running request and then a burst of
+    five (prompts of 1 to 30 tokens, seeded, one of them two samples, one greedy, one ending after its
+    first token): every prompt joins a decode step as rows of its own slot (the mixed step), none runs a
+    prefill of its own, the burst's first four in one step beside the running row (their 24 tokens fit the
+    chunk of 40, the fifth's 30 do not), and each request gets the text completion.stream_text (gpt2lab
+    sample's code) gives it alone on the same held model. In every step, each row's logits are those of its
+    whole sequence run alone (its prompt's keys and values in its own slot)."""
+    from gpt2lab.inference.choice import Candidate
+    from gpt2lab.inference.completion import Sampling, prompt_ids, seeded_generator, stream_text
+    from gpt2lab.inference.form import hold
+    from gpt2lab.inference.fused import FusedDecodeGPT
+    from gpt2lab.inference.kernels import gemv_error
+    from gpt2lab.serve import batch, engine
+    from gpt2lab.serve.limits import Limits
+
+    if gemv_error(torch.device("cpu")) is not None:
+        pytest.skip(str(gemv_error(torch.device("cpu"))))
+    _, plain = confident_server
+    model = hold(plain, Candidate("bfloat16", "gemv"), rows=8)
+    assert isinstance(model, FusedDecodeGPT)
+    worker = batch.BatchWorker("tiny", model, torch.device("cpu"), Limits(prefill_chunk=40))
+    mixed, alone = [], []
+    step = batch.BatchWorker._mixed_step
+    monkeypatch.setattr(
+        batch.BatchWorker, "_mixed_step", lambda w, rows: mixed.append((len(w.decoding), len(rows))) or step(w, rows)
+    )
+    for name in ("_prefill_step", "_prefill_together"):
+        monkeypatch.setattr(batch.BatchWorker, name, lambda w, *a, name=name: alone.append(name))
+    drawn, checked = {}, []  # (row, sample) -> its tokens so far; each step's rows against their sequences
+
+    def draw(w, logits, draw=batch.BatchWorker._draw):
+        for i, row in enumerate(w.decoding):
+            seq = row.ids + drawn.get((id(row), row.sample), [])
+            alone, _ = w.model(torch.tensor([seq]))
+            torch.testing.assert_close(logits[i], alone[0, -1], rtol=1e-4, atol=1e-4)
+            checked.append(len(seq))
+        return draw(w, logits)
+
+    def sampled(w, row, t, lp=None, sampled=batch.BatchWorker._sampled):
+        drawn.setdefault((id(row), row.sample), []).append(t)
+        return sampled(w, row, t, lp)
+
+    monkeypatch.setattr(batch.BatchWorker, "_draw", draw)
+    monkeypatch.setattr(batch.BatchWorker, "_sampled", sampled)
+    cases = [("R r " * 3, 9, 0.9, 16, 1), ("A", 1, 0.8, 12, 1), ("B b " * 4, 2, 0.0, 12, 1), ("C " * 12, 3, 1.0, 12, 2),
+             ("D d", 4, 1.2, 1, 1), ("E " * 30, 5, 0.7, 12, 1)]  # fmt: skip
+    jobs, expected = [], []
+    steps = worker._steps()
+    with torch.inference_mode():
+        for i, (prompt, seed, temperature, tokens, n) in enumerate(cases):
+            s = Sampling(max_new_tokens=tokens, temperature=temperature, top_k=40)
+            ids = prompt_ids(prompt, model)
+            gen = seeded_generator(torch.device("cpu"), seed)
+            expected.append(["".join(t for _, t, _ in stream_text(model, ids, s, gen)) for _ in range(n)])
+            job = engine.Job(engine.Work([ids], s, n=n, seeds=[seed], stops=[], echo=[]), _Loop(now=True), 60)
+            worker.submit(job)
+            jobs.append(job)
+            if i == 0:  # the running request's prompt, then two of its tokens, before the burst
+                for _ in range(3):
+                    next(steps)
+        for _ in range(200):
+            if not next(steps) and all(job not in worker._open for job in jobs):
+                break
+    assert alone == [] and len(checked) > 50  # rows checked, step by step
+    assert mixed[:3] == [(0, 1), (1, 4), (4, 1)]  # the running row; the burst's four beside it; the fifth
+    for job, want in zip(jobs, expected):
+        events = [job.out.get_nowait() for _ in range(job.out.qsize())]
+        assert events[-1] is None and not any(isinstance(e, engine.Failed) for e in events)
+        got = ["".join(e.text for e in events if isinstance(e, engine.Text) and e.index == i) for i in range(len(want))]
+        assert got == want
+
+
 @pytest.mark.parametrize("linear", ["plain", "packed"])
 @pytest.mark.parametrize("block", [{}, MODERN], ids=["gpt2", "modern"])
 def test_batched_rows_give_the_unbatched_models_logits(block, linear):

@@ -13,6 +13,12 @@ steps the worker lets rows join and leave:
   them (the requests of a burst no longer wait for one prefill after another);
 * each step then runs one forward of (rows, 1) tokens over ``RowsCache``: row i at its own
   position, attending to its own keys only (a per-row mask over the padded length);
+* where the model has gpt2lab's fused step (``FusedDecodeGPT.step_rows``: a GPT-2 held with the
+  compiled kernel on a CPU), new rows' whole prompts instead join that step as rows of their own
+  cache slots, as many as fit in one ``prefill_chunk`` (the mixed step): the weights are read once
+  for the running rows' next tokens and the prompts together, and the running streams do not stop
+  for a prefill of their own (a prompt longer than a chunk, or one whose tokens are scored, runs as
+  in the first point);
 * a row that finishes, is cancelled (its client went away) or times out leaves at once: the
   last row moves into its slot, so the rows of a step are always slots 0..rows-1 and the
   cache is read as one slice, never gathered.
@@ -59,6 +65,11 @@ class RowsCache:
         self.rows = 0
         self.pos = 0
         self._lengths: Optional[torch.Tensor] = None  # lengths of the viewed rows, on the device
+
+    def reserve(self, slots: int, positions: int, heads: int, head_size: int) -> None:
+        """Make the buffers hold at least ``slots`` rows of ``positions`` each (fp32 on the CPU where none
+        exist yet: the fused step's cache)."""
+        self._room(slots, positions, self.k[0] if self.k[0] is not None else torch.empty(0, heads, 0, head_size))
 
     def _room(self, slots: int, positions: int, like: torch.Tensor) -> None:
         """Make the buffers hold at least ``slots`` rows of ``positions`` each."""
@@ -159,6 +170,7 @@ class BatchWorker(Worker):
         self.prefill: collections.deque[Row] = collections.deque()  # prompt not yet run
         self.decoding: list[Row] = []  # row i is slot i of self.cache
         self.rows_left: dict[int, int] = {}  # id(job) -> rows not finished
+        self._mixes = hasattr(self.model, "step_rows")  # the fused step: prompts join the decode step
         while self._arrived(self.waiting):  # new requests join between steps
             if not (self.waiting or self.prefill or self.decoding):
                 yield False
@@ -166,14 +178,18 @@ class BatchWorker(Worker):
             self._drop_ended(time.monotonic())
             self._admit()
             try:
+                mixed = False
                 if self.prefill and len(self.decoding) < self.limits.max_batch:
-                    together = self._prefill_group()
-                    if len(together) > 1:
-                        self._prefill_together(together)
-                    else:
-                        self._prefill_step(self.prefill[0])
-                    deliver()  # a first token goes out now, not after the decode step
-                if self.decoding:
+                    joining = self._mixed_group() if self._mixes else []
+                    mixed = bool(joining) and self._mixed_step(joining)
+                    if not mixed:
+                        together = self._prefill_group()
+                        if len(together) > 1:
+                            self._prefill_together(together)
+                        else:
+                            self._prefill_step(self.prefill[0])
+                        deliver()  # a first token goes out now, not after the decode step
+                if self.decoding and not mixed:
                     self._decode_step()
             except Exception as e:  # a failed forward: its rows' requests get the error, the worker goes on
                 for job in {id(r.job): r.job for r in [*self.prefill, *self.decoding]}.values():
@@ -300,12 +316,59 @@ class BatchWorker(Worker):
                 self.cache.put(len(self.decoding), cache, self.limits.max_batch, row=b, length=len(row.ids))
                 self.decoding.append(row)
 
+    def _mixed_group(self) -> list[Row]:
+        """The rows at the front of the prefill queue whose whole prompts join the next decode step: not
+        started, not scoring their prompt, asking for tokens, as many as the batch has free rows, while their
+        prompts' tokens together fit in one ``prefill_chunk``."""
+        room, group, tokens = self.limits.max_batch - len(self.decoding), [], 0
+        for row in self.prefill:
+            r = row.job.request
+            if len(group) == room or row.cache is not None or not row.ids or r.scores_prompt:
+                break
+            if r.sampling.max_new_tokens == 0 or tokens + len(row.ids) > self.limits.prefill_chunk:
+                break
+            tokens += len(row.ids)
+            group.append(row)
+        return group
+
+    def _mixed_step(self, joining: list[Row]) -> bool:
+        """One fused step over the running rows' next tokens and ``joining``'s whole prompts (the front of the
+        prefill queue), each prompt in the next free slot, its first token drawn from the logits at its last
+        position; False, having changed nothing, where the fused step does not apply (the worker then stops
+        mixing)."""
+        rows, cache, n = self.decoding, self.cache, len(self.decoding)
+        ids, slots, positions, wanted = [r.last for r in rows], list(range(n)), list(cache.lengths), list(range(n))
+        for j, row in enumerate(joining):
+            ids += row.ids
+            slots += [n + j] * len(row.ids)
+            positions += range(len(row.ids))
+            wanted.append(len(ids) - 1)
+        c = self.model.config
+        cache.reserve(n + len(joining), max(positions) + 1, c.n_head, c.n_embd // c.n_head)
+        as_tensor = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+        logits = self.model.step_rows(as_tensor(ids), as_tensor(slots), as_tensor(positions), as_tensor(wanted), cache)
+        if logits is None:
+            self._mixes = False
+            return False
+        self.metrics.batch_size.labels(self.name).observe(len(ids))
+        cache.lengths = [length + 1 for length in cache.lengths] + [len(row.ids) for row in joining]
+        for row in joining:
+            self.prefill.popleft()
+            rows.append(row)  # slot n + j, as the kernel wrote it
+        self._draw(logits)
+        return True
+
     def _decode_step(self) -> None:
         rows = self.decoding
         self.metrics.batch_size.labels(self.name).observe(len(rows))
         idx = torch.tensor([[r.last] for r in rows], dtype=torch.long, device=self.device)
         logits, _ = self.model(idx, kv_cache=self.cache.view(self.device), last_only=True)
-        logits = logits[:, -1, : self.model.config.real_vocab_size]
+        self._draw(logits[:, -1])
+
+    def _draw(self, logits: torch.Tensor) -> None:
+        """Each row's next token from its row of ``logits`` (rows, vocab); the rows whose sample ended leave."""
+        rows = self.decoding
+        logits = logits[:, : self.model.config.real_vocab_size]
         tops = top_k_rows(
             logits, [(s.temperature, s.filters()["top_k"]) for s in (r.job.request.sampling for r in rows)]
         )
