@@ -350,7 +350,7 @@ class BatchWorker(Worker):
         if logits is None:
             self._mixes = False
             return False
-        self.metrics.batch_size.labels(self.name).observe(len(ids))
+        self.metrics.batch_size.labels(self.name).observe(n + len(joining))  # rows, a prompt one of them
         cache.lengths = [length + 1 for length in cache.lengths] + [len(row.ids) for row in joining]
         for row in joining:
             self.prefill.popleft()
