@@ -222,6 +222,25 @@ def test_prompts_run_as_rows_of_the_step_beside_decoding_rows(cand, counted):
     assert len(counted["model_step"]) == 4  # the mixed step and three decode steps (the refused ones did nothing)
 
 
+def test_prompt_rows_the_fused_step_takes_by_how_the_linears_meet_a_prompt(monkeypatch):
+    """fused.prompt_rows, faked on any CPU: panels (the AVX512_BF16 routines, or their plain C loops) and
+    int8-gemv run a prompt by the same kernel either way, so the fused step takes the whole context; a
+    row-major bf16 hold (no AVX512_BF16 routines, or fp32 inputs) only up to its tile_rows, past which its
+    forward's matmul was measured faster; a model without the fused step none."""
+    from gpt2lab.inference.fused import prompt_rows
+    from gpt2lab.inference.kernels import set_tile_rows
+
+    model = tiny_gpt(seed=6, vocab_size=97, block_size=40)
+    assert prompt_rows(model) == 0
+    assert prompt_rows(_hold_as(model, Candidate("bfloat16", "gemv"), "bf16-inputs-panels", monkeypatch)) == 40
+    assert prompt_rows(hold(model, Candidate("float32", "int8-gemv"))) == 40
+    for inputs in ("fp32-inputs", "bf16-inputs-rows"):
+        rows = _hold_as(model, Candidate("bfloat16", "gemv"), inputs, monkeypatch)
+        set_tile_rows(rows, 6)
+        assert prompt_rows(rows) == 6
+        assert prompt_rows(_unfused(rows)) == 0
+
+
 def test_what_it_leaves_to_the_model(counted):
     """The modern block is not fusable; a prompt, training and a gradient-tracking input run the model's
     code; the fused step changes no tensor the caller holds."""

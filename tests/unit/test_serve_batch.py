@@ -247,6 +247,46 @@ def test_prompts_join_the_fused_step_of_running_rows_each_getting_its_text_alone
         assert got == want
 
 
+def test_a_row_major_bf16_hold_mixes_only_the_prompts_its_tiles_run(confident_server, monkeypatch):
+    """Held row-major (bf16 weights, fp32 inputs: a CPU without native bf16), the fused step multiplies a
+    prompt by its tiles, which the probe measured faster than the forward's matmul only up to tile_rows (4
+    here): a 2-token prompt joins the decode step, an 11-token one runs through the model's forward."""
+    from gpt2lab.inference.choice import Candidate
+    from gpt2lab.inference.completion import Sampling, prompt_ids
+    from gpt2lab.inference.form import hold
+    from gpt2lab.inference.kernels import gemv_error, set_tile_rows
+    from gpt2lab.serve import batch, engine
+    from gpt2lab.serve.limits import Limits
+
+    if gemv_error(torch.device("cpu")) is not None:
+        pytest.skip(str(gemv_error(torch.device("cpu"))))
+    _, plain = confident_server
+    model = hold(plain, Candidate("bfloat16", "gemv"), rows=8, bf16_inputs=False)
+    set_tile_rows(model, 4)
+    worker = batch.BatchWorker("tiny", model, torch.device("cpu"), Limits(prefill_chunk=40))
+    ran = []  # (the way, its prompts' lengths)
+
+    def recorded(name):
+        way = getattr(batch.BatchWorker, name)
+
+        def run(w, rows):
+            ran.append((name, [len(r.ids) for r in (rows if isinstance(rows, list) else [rows])]))
+            return way(w, rows)
+
+        return run
+
+    for name in ("_mixed_step", "_prefill_step"):
+        monkeypatch.setattr(batch.BatchWorker, name, recorded(name))
+    steps = worker._steps()
+    with torch.inference_mode():
+        for prompt in ("A b", "C " * 10):
+            ids = prompt_ids(prompt, model)
+            work = engine.Work([ids], Sampling(max_new_tokens=2), n=1, seeds=[1], stops=[], echo=[])
+            worker.submit(engine.Job(work, _Loop(now=True), 60))
+            next(steps)
+    assert ran == [("_mixed_step", [2]), ("_prefill_step", [11])]
+
+
 @pytest.mark.parametrize("linear", ["plain", "packed"])
 @pytest.mark.parametrize("block", [{}, MODERN], ids=["gpt2", "modern"])
 def test_batched_rows_give_the_unbatched_models_logits(block, linear):

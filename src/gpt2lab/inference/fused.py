@@ -287,6 +287,17 @@ def _whole_step_fusable(model: nn.Module) -> bool:
     )
 
 
+def prompt_rows(model: nn.Module) -> int:
+    """How many prompt tokens ``model``'s fused step takes as rows (``step_rows``) at least as fast as its own
+    forward would run them: a prompt through a panel-held or int8-gemv linear is the same compiled kernel
+    either way (any count), while a row-major bf16 ``gemv`` linear multiplies a prompt past its ``tile_rows``
+    (where the probe measured the matmul faster) by a matmul; 0 where the model has no fused step."""
+    if type(model) is not FusedDecodeGPT:
+        return 0
+    tiles = [m.tile_rows for m in model.modules() if isinstance(m, GemvLinear) and not isinstance(m, PanelLinear)]
+    return min(tiles) if tiles else model.config.block_size
+
+
 def fuse_blocks(model: nn.Module) -> int:
     """Give every fusable block of a held ``model`` the fused decode step (in place), and the model the whole
     step where every block has it; returns how many blocks."""

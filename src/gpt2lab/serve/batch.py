@@ -42,6 +42,7 @@ from typing import Iterator, Optional
 import torch
 
 from gpt2lab.inference.completion import TokenLogprob, TokenText, end_token, seeded_generator, token_logprobs
+from gpt2lab.inference.fused import prompt_rows
 from gpt2lab.model.gpt import KVCache
 from gpt2lab.model.sampling import sample_next, top_k_rows
 from gpt2lab.serve.engine import Finish, Job, StopFilter, Text, Worker, deliver
@@ -170,7 +171,8 @@ class BatchWorker(Worker):
         self.prefill: collections.deque[Row] = collections.deque()  # prompt not yet run
         self.decoding: list[Row] = []  # row i is slot i of self.cache
         self.rows_left: dict[int, int] = {}  # id(job) -> rows not finished
-        self._mixes = hasattr(self.model, "step_rows")  # the fused step: prompts join the decode step
+        # the fused step: prompts join the decode step, as many tokens as it runs as fast as the model's forward
+        self._mix_tokens = min(self.limits.prefill_chunk, prompt_rows(self.model))
         while self._arrived(self.waiting):  # new requests join between steps
             if not (self.waiting or self.prefill or self.decoding):
                 yield False
@@ -180,7 +182,7 @@ class BatchWorker(Worker):
             try:
                 mixed = False
                 if self.prefill and len(self.decoding) < self.limits.max_batch:
-                    joining = self._mixed_group() if self._mixes else []
+                    joining = self._mixed_group() if self._mix_tokens else []
                     mixed = bool(joining) and self._mixed_step(joining)
                     if not mixed:
                         together = self._prefill_group()
@@ -319,13 +321,14 @@ class BatchWorker(Worker):
     def _mixed_group(self) -> list[Row]:
         """The rows at the front of the prefill queue whose whole prompts join the next decode step: not
         started, not scoring their prompt, asking for tokens, as many as the batch has free rows, while their
-        prompts' tokens together fit in one ``prefill_chunk``."""
+        prompts' tokens together fit in one ``prefill_chunk`` and in what the fused step runs as fast as the
+        model's forward (``fused.prompt_rows``: a row-major bf16 hold's ``tile_rows``)."""
         room, group, tokens = self.limits.max_batch - len(self.decoding), [], 0
         for row in self.prefill:
             r = row.job.request
             if len(group) == room or row.cache is not None or not row.ids or r.scores_prompt:
                 break
-            if r.sampling.max_new_tokens == 0 or tokens + len(row.ids) > self.limits.prefill_chunk:
+            if r.sampling.max_new_tokens == 0 or tokens + len(row.ids) > self._mix_tokens:
                 break
             tokens += len(row.ids)
             group.append(row)
@@ -348,7 +351,7 @@ class BatchWorker(Worker):
         as_tensor = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
         logits = self.model.step_rows(as_tensor(ids), as_tensor(slots), as_tensor(positions), as_tensor(wanted), cache)
         if logits is None:
-            self._mixes = False
+            self._mix_tokens = 0
             return False
         self.metrics.batch_size.labels(self.name).observe(n + len(joining))  # rows, a prompt one of them
         cache.lengths = [length + 1 for length in cache.lengths] + [len(row.ids) for row in joining]
