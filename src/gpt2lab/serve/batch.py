@@ -337,8 +337,8 @@ class BatchWorker(Worker):
     def _mixed_step(self, joining: list[Row]) -> bool:
         """One fused step over the running rows' next tokens and ``joining``'s whole prompts (the front of the
         prefill queue), each prompt in the next free slot, its first token drawn from the logits at its last
-        position; False, having changed nothing, where the fused step does not apply (the worker then stops
-        mixing)."""
+        position; False, having run and drawn nothing, where the fused step does not apply (the worker then
+        stops mixing)."""
         rows, cache, n = self.decoding, self.cache, len(self.decoding)
         ids, slots, positions, wanted = [r.last for r in rows], list(range(n)), list(cache.lengths), list(range(n))
         for j, row in enumerate(joining):
@@ -347,7 +347,7 @@ class BatchWorker(Worker):
             positions += range(len(row.ids))
             wanted.append(len(ids) - 1)
         c = self.model.config
-        cache.reserve(n + len(joining), max(positions) + 1, c.n_head, c.n_embd // c.n_head)
+        cache.reserve(self.limits.max_batch, max(positions) + 1, c.n_head, c.n_embd // c.n_head)  # as put's
         as_tensor = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
         logits = self.model.step_rows(as_tensor(ids), as_tensor(slots), as_tensor(positions), as_tensor(wanted), cache)
         if logits is None:
