@@ -262,3 +262,35 @@ def test_a_batchs_rows_narrowed_together_draw_what_each_draws_alone():
             alone = sample_next(row, temperature, k, 0.9, torch.Generator().manual_seed(seed))
             together = sample_next(row, temperature, k, 0.9, torch.Generator().manual_seed(seed), narrowed=tops[i])
             assert int(alone) == int(together)
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p", [(1.0, 50, None), (0.7, 50, 0.9), (1.3, None, None), (0.8, None, 0.5), (0.0, 50, None)]
+)
+def test_rows_drawn_together_on_their_own_generators_draw_what_each_draws_alone(temperature, top_k, top_p):
+    """sample_next over several rows, each on its own seeded generator (the server's rows that draw alike,
+    narrowed together by top_k_rows or not narrowed at all): each row's token is the one sample_next draws
+    for that row alone under the same generator, on 2 threads as on 1."""
+    torch.manual_seed(1)
+    logits = (3 * torch.randn(7, 5000)).bfloat16().float()  # ties included
+    logits[2, :80] = 6.0  # a row whose top 50 are all tied
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for seed in range(6):
+                narrowed = top_k_rows(logits, [(temperature, top_k)] * 7)
+                together_tops = None if narrowed[0] is None else tuple(torch.cat(t) for t in zip(*narrowed))
+                gens = [torch.Generator().manual_seed(100 * seed + i) for i in range(7)]
+                together = sample_next(logits, temperature, top_k, top_p, gens, narrowed=together_tops)
+                alone = [
+                    int(
+                        sample_next(
+                            logits[i : i + 1], temperature, top_k, top_p, torch.Generator().manual_seed(100 * seed + i)
+                        )
+                    )
+                    for i in range(7)
+                ]
+                assert together.tolist() == alone
+    finally:
+        torch.set_num_threads(before)

@@ -16,7 +16,7 @@ None all the mass.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch.nn import functional as F
@@ -32,11 +32,13 @@ def sample_next(
     temperature: float = SAMPLING.temperature,
     top_k: Optional[int] = SAMPLING.top_k,
     top_p: Optional[float] = SAMPLING.top_p,
-    generator: Optional[torch.Generator] = None,
+    generator: Union[torch.Generator, Sequence[torch.Generator], None] = None,
     narrowed: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Pick one token per row from logits (B, V); temperature 0 is greedy (argmax). ``narrowed``: these
-    logits' ``torch.topk`` at ``top_k`` where the caller has it already (``top_k_rows``)."""
+    logits' ``torch.topk`` at ``top_k`` where the caller has it already (``top_k_rows``). ``generator``: one
+    for all rows, or one per row (a server's rows, each its request's: row i then draws what it draws alone,
+    every step of the draw being row by row)."""
     logits = logits.float()
     if temperature == 0:
         return logits.argmax(dim=-1)
@@ -72,7 +74,11 @@ def sample_next(
     # One uniform number per row through the cumulative distribution (inverse transform sampling):
     # torch.multinomial draws an exponential per token, 50,257 of them a row (~0.8 ms on a 2-core Zen 5).
     cdf = F.softmax(logits, dim=-1).cumsum(dim=-1)
-    u = torch.rand(cdf.size(0), 1, generator=generator, device=cdf.device) * cdf[:, -1:]
+    if isinstance(generator, (list, tuple)):
+        u = torch.cat([torch.rand(1, 1, generator=g, device=cdf.device) for g in generator])
+    else:
+        u = torch.rand(cdf.size(0), 1, generator=generator, device=cdf.device)
+    u = u * cdf[:, -1:]
     pick = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.size(-1) - 1)  # never a zero-probability token
     return (pick if ids is None else ids.gather(-1, pick)).squeeze(-1)
 

@@ -369,13 +369,30 @@ class BatchWorker(Worker):
         self._draw(logits[:, -1])
 
     def _draw(self, logits: torch.Tensor) -> None:
-        """Each row's next token from its row of ``logits`` (rows, vocab); the rows whose sample ended leave."""
+        """Each row's next token from its row of ``logits`` (rows, vocab); the rows whose sample ended leave.
+        Rows that draw alike (temperature, top-k, top-p; no logprobs) draw in one ``sample_next`` call, each
+        on its own generator: the same token each would draw alone."""
         rows = self.decoding
         logits = logits[:, : self.model.config.real_vocab_size]
-        tops = top_k_rows(
-            logits, [(s.temperature, s.filters()["top_k"]) for s in (r.job.request.sampling for r in rows)]
-        )
-        going = [self._sampled(r, *self._sample(r, logits[i : i + 1], tops[i])) for i, r in enumerate(rows)]
+        settings = [r.job.request.sampling for r in rows]
+        tops = top_k_rows(logits, [(s.temperature, s.filters()["top_k"]) for s in settings])
+        drawn: list = [None] * len(rows)
+        alike: dict[tuple, list[int]] = {}
+        for i, (row, s) in enumerate(zip(rows, settings)):
+            if row.job.request.logprobs is None:
+                alike.setdefault((s.temperature, *s.filters().values()), []).append(i)
+            else:
+                drawn[i] = self._sample(row, logits[i : i + 1], tops[i])
+        for group in alike.values():
+            s, every = settings[group[0]], len(group) == len(rows)
+            narrowed = None if tops[group[0]] is None else tuple(torch.cat(t) for t in zip(*(tops[i] for i in group)))
+            picked = sample_next(
+                logits if every else logits[group], s.temperature, **s.filters(),
+                generator=[rows[i].generator for i in group], narrowed=narrowed,
+            )  # fmt: skip
+            for i, t in zip(group, picked.tolist()):
+                drawn[i] = (t, None)
+        going = [self._sampled(r, *d) for r, d in zip(rows, drawn)]
         for slot in reversed(range(len(rows))):
             if not going[slot]:
                 self._leave(slot)
