@@ -46,7 +46,7 @@ PARTS = [
     (batch.BatchWorker, "_prefill_step", "prompt alone"),
     (batch.BatchWorker, "_prefill_together", "prompts together"),
     (batch, "top_k_rows", "top-k"),
-    (batch.BatchWorker, "_sample", "draw"),
+    (batch, "sample_next", "draws (sample_next)"),
     (batch.BatchWorker, "_sampled", "sampled (text, events)"),
     (engine, "settle_outbox", "settle_outbox"),
 ]
