@@ -265,7 +265,7 @@ class FusedDecodeGPT(GPT):
             hs, hb, n_out, torch.get_num_threads(), _ptr(slots), n_slots, _ptr(wanted),
             0 if wanted is None else len(wanted),
         )  # fmt: skip
-        return out if done else None  # not done: a token id or position outside its table (the model's code says which)
+        return out if done else None  # not done: a token id, position or slot outside its table
 
 
 def _whole_step_fusable(model: nn.Module) -> bool:
