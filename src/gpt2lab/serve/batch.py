@@ -36,6 +36,7 @@ matmul may round differently, so a seeded request can in rare cases draw another
 from __future__ import annotations
 
 import collections
+import itertools
 import time
 from typing import Iterator, Optional
 
@@ -279,17 +280,22 @@ class BatchWorker(Worker):
             self.decoding.append(row)
         row.cache = None
 
-    def _prefill_group(self) -> list[Row]:
-        """The rows at the front of the prefill queue that run their prompts in one forward: not started,
-        not scoring their prompt, asking for tokens, as many as the batch has free rows, while the rows
-        times the longest prompt (the padded forward) fit in one ``prefill_chunk``."""
-        room, group, longest = self.limits.max_batch - len(self.decoding), [], 0
-        for row in self.prefill:
+    def _front_rows(self) -> Iterator[Row]:
+        """The rows at the front of the prefill queue that may run their prompts with others: not started
+        (no part of the prompt run yet), with a prompt, not scoring it, asking for tokens; as many as the
+        batch has free rows."""
+        for row in itertools.islice(self.prefill, self.limits.max_batch - len(self.decoding)):
             r = row.job.request
-            alone = row.cache is not None or not row.ids  # a prompt part run already, or none
+            if row.cache is not None or not row.ids or r.scores_prompt or r.sampling.max_new_tokens == 0:
+                return
+            yield row
+
+    def _prefill_group(self) -> list[Row]:
+        """The front rows (``_front_rows``) that run their prompts in one forward: while the rows times the
+        longest prompt (the padded forward) fit in one ``prefill_chunk``."""
+        group, longest = [], 0
+        for row in self._front_rows():
             padded = max(longest, len(row.ids))
-            if len(group) == room or alone or r.scores_prompt or r.sampling.max_new_tokens == 0:
-                break
             if padded * (len(group) + 1) > self.limits.prefill_chunk:
                 break
             longest = padded
@@ -319,16 +325,12 @@ class BatchWorker(Worker):
                 self.decoding.append(row)
 
     def _mixed_group(self) -> list[Row]:
-        """The rows at the front of the prefill queue whose whole prompts join the next decode step: not
-        started, not scoring their prompt, asking for tokens, as many as the batch has free rows, while their
-        prompts' tokens together fit in one ``prefill_chunk`` and in what the fused step runs as fast as the
-        model's forward (``fused.prompt_rows``: a row-major bf16 hold's ``tile_rows``)."""
-        room, group, tokens = self.limits.max_batch - len(self.decoding), [], 0
-        for row in self.prefill:
-            r = row.job.request
-            if len(group) == room or row.cache is not None or not row.ids or r.scores_prompt:
-                break
-            if r.sampling.max_new_tokens == 0 or tokens + len(row.ids) > self._mix_tokens:
+        """The front rows (``_front_rows``) whose whole prompts join the next decode step: while their prompts'
+        tokens together fit in one ``prefill_chunk`` and in what the fused step runs as fast as the model's
+        forward (``fused.prompt_rows``: a row-major bf16 hold's ``tile_rows``)."""
+        group, tokens = [], 0
+        for row in self._front_rows():
+            if tokens + len(row.ids) > self._mix_tokens:
                 break
             tokens += len(row.ids)
             group.append(row)
