@@ -131,6 +131,37 @@ def test_prompts_run_together_right_padded_give_each_row_its_own_logits(block):
             _one_step_as_alone(model, reference, cache, seqs, g)
 
 
+def _submit_as_sample(worker, model, prompt: str, seed: int, temperature: float, tokens: int, n: int):
+    """Submit a seeded request of ``n`` samples (top-k 40) to ``worker``; (its job, the texts
+    completion.stream_text (gpt2lab sample's code) gives each sample alone on ``model``)."""
+    from gpt2lab.inference.completion import Sampling, prompt_ids, seeded_generator, stream_text
+    from gpt2lab.serve import engine
+
+    s = Sampling(max_new_tokens=tokens, temperature=temperature, top_k=40)
+    ids = prompt_ids(prompt, model)
+    gen = seeded_generator(torch.device("cpu"), seed)
+    expected = ["".join(t for _, t, _ in stream_text(model, ids, s, gen)) for _ in range(n)]
+    job = engine.Job(engine.Work([ids], s, n=n, seeds=[seed], stops=[], echo=[]), _Loop(now=True), 60)
+    worker.submit(job)
+    return job, expected
+
+
+def _finish_and_check_texts(worker, steps, jobs, expected) -> None:
+    """Step ``worker`` (its ``steps``) until every job has ended; each ended without a failure and its
+    samples' texts are ``expected``'s."""
+    from gpt2lab.serve import engine
+
+    with torch.inference_mode():
+        for _ in range(200):
+            if not next(steps) and all(job not in worker._open for job in jobs):
+                break
+    for job, want in zip(jobs, expected):
+        events = [job.out.get_nowait() for _ in range(job.out.qsize())]
+        assert events[-1] is None and not any(isinstance(e, engine.Failed) for e in events)
+        got = ["".join(e.text for e in events if isinstance(e, engine.Text) and e.index == i) for i in range(len(want))]
+        assert got == want
+
+
 def test_a_burst_of_prompts_is_prefilled_in_one_forward_and_each_gets_the_text_it_gets_alone(
     confident_server, monkeypatch
 ):
@@ -138,8 +169,7 @@ def test_a_burst_of_prompts_is_prefilled_in_one_forward_and_each_gets_the_text_i
     one greedy, one stopping after its first token): their prompts run in one padded forward (a
     sixth, too long for the chunk with them, alone), and each gets the text completion.stream_text
     (gpt2lab sample's code) gives it alone."""
-    from gpt2lab.inference.completion import Sampling, prompt_ids, seeded_generator, stream_text
-    from gpt2lab.serve import batch, engine
+    from gpt2lab.serve import batch
     from gpt2lab.serve.limits import Limits
 
     _, model = confident_server
@@ -152,26 +182,9 @@ def test_a_burst_of_prompts_is_prefilled_in_one_forward_and_each_gets_the_text_i
     )
     cases = [("A " * 1, 1, 0.8, 12, 1), ("B b " * 7, 2, 0.0, 12, 1), ("C " * 29, 3, 1.0, 12, 2), ("D d", 4, 1.2, 1, 1),
              ("E " * 12, 5, 0.7, 12, 1), ("F " * 100, 6, 1.0, 6, 1)]  # fmt: skip
-    jobs, expected = [], []
-    for prompt, seed, temperature, tokens, n in cases:
-        s = Sampling(max_new_tokens=tokens, temperature=temperature, top_k=40)
-        ids = prompt_ids(prompt, model)
-        gen = seeded_generator(torch.device("cpu"), seed)
-        expected.append(["".join(t for _, t, _ in stream_text(model, ids, s, gen)) for _ in range(n)])
-        job = engine.Job(engine.Work([ids], s, n=n, seeds=[seed], stops=[], echo=[]), _Loop(now=True), 60)
-        worker.submit(job)
-        jobs.append(job)
-    steps = worker._steps()
-    with torch.inference_mode():
-        for _ in range(200):
-            if not next(steps) and all(job not in worker._open for job in jobs):
-                break
+    jobs, expected = zip(*(_submit_as_sample(worker, model, *case) for case in cases))
+    _finish_and_check_texts(worker, worker._steps(), jobs, expected)
     assert groups == [5]  # the five that fit one chunk (30 x 5 = 150 <= 160); the sixth alone
-    for job, want in zip(jobs, expected):
-        events = [job.out.get_nowait() for _ in range(job.out.qsize())]
-        assert events[-1] is None and not any(isinstance(e, engine.Failed) for e in events)
-        got = ["".join(e.text for e in events if isinstance(e, engine.Text) and e.index == i) for i in range(len(want))]
-        assert got == want
 
 
 def test_prompts_join_the_fused_step_of_running_rows_each_getting_its_text_alone(confident_server, monkeypatch):
@@ -183,11 +196,10 @@ def test_prompts_join_the_fused_step_of_running_rows_each_getting_its_text_alone
     sample's code) gives it alone on the same held model. In every step, each row's logits are those of its
     whole sequence run alone (its prompt's keys and values in its own slot)."""
     from gpt2lab.inference.choice import Candidate
-    from gpt2lab.inference.completion import Sampling, prompt_ids, seeded_generator, stream_text
     from gpt2lab.inference.form import hold
     from gpt2lab.inference.fused import FusedDecodeGPT
     from gpt2lab.inference.kernels import gemv_error
-    from gpt2lab.serve import batch, engine
+    from gpt2lab.serve import batch
     from gpt2lab.serve.limits import Limits
 
     if gemv_error(torch.device("cpu")) is not None:
@@ -224,27 +236,16 @@ def test_prompts_join_the_fused_step_of_running_rows_each_getting_its_text_alone
     jobs, expected = [], []
     steps = worker._steps()
     with torch.inference_mode():
-        for i, (prompt, seed, temperature, tokens, n) in enumerate(cases):
-            s = Sampling(max_new_tokens=tokens, temperature=temperature, top_k=40)
-            ids = prompt_ids(prompt, model)
-            gen = seeded_generator(torch.device("cpu"), seed)
-            expected.append(["".join(t for _, t, _ in stream_text(model, ids, s, gen)) for _ in range(n)])
-            job = engine.Job(engine.Work([ids], s, n=n, seeds=[seed], stops=[], echo=[]), _Loop(now=True), 60)
-            worker.submit(job)
+        for i, case in enumerate(cases):
+            job, want = _submit_as_sample(worker, model, *case)
             jobs.append(job)
+            expected.append(want)
             if i == 0:  # the running request's prompt, then two of its tokens, before the burst
                 for _ in range(3):
                     next(steps)
-        for _ in range(200):
-            if not next(steps) and all(job not in worker._open for job in jobs):
-                break
+    _finish_and_check_texts(worker, steps, jobs, expected)
     assert alone == [] and len(checked) > 50  # rows checked, step by step
     assert mixed[:3] == [(0, 1), (1, 4), (4, 1)]  # the running row; the burst's four beside it; the fifth
-    for job, want in zip(jobs, expected):
-        events = [job.out.get_nowait() for _ in range(job.out.qsize())]
-        assert events[-1] is None and not any(isinstance(e, engine.Failed) for e in events)
-        got = ["".join(e.text for e in events if isinstance(e, engine.Text) and e.index == i) for i in range(len(want))]
-        assert got == want
 
 
 def test_a_row_major_bf16_hold_mixes_only_the_prompts_its_tiles_run(confident_server, monkeypatch):
