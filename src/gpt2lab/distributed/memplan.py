@@ -138,6 +138,12 @@ def optimizer_state_bytes(cfg: GPTConfig, optimizer: str = "adamw", muon_variant
     raise PlanError(f"optimizer {optimizer!r}: choose adamw or muon")
 
 
+def feature_state_bytes(cfg: GPTConfig, n_features: int) -> int:
+    """--token-features' optimizer state (train.token_features): Adam's two fp32 moments of a vector per
+    feature (n_features x C) for each token table it shares (the embedding, and an untied head)."""
+    return 2 * FP32 * n_features * cfg.n_embd * (1 if cfg.tie_embeddings else 2)
+
+
 def block_saved_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, act: int, device: str = "cuda") -> int:
     """Bytes autograd keeps for one Block's backward over micro_batch x seq_len tokens.
 
@@ -324,6 +330,7 @@ def predict(
     optimizer: str = "adamw",
     muon_variant: str = "muon",
     average: bool = False,
+    token_features: int = 0,
 ) -> Prediction:
     """Peak per-rank bytes of one training step: the largest of ``phases``, plus the runtime.
 
@@ -352,6 +359,9 @@ def predict(
         key=lambda ph: ph.total,
     )
     peak.terms["runtime"] = runtime_bytes(device)
+    if token_features:  # the moments, and a step's feature gradient and update (n_features x C each)
+        step = 2 * FP32 * token_features * cfg.n_embd
+        peak.terms["token_features"] = feature_state_bytes(cfg, token_features) + step
     # On CPU the peak RSS exceeds the peak of live tensors by about one more chunked-loss
     # workspace (docs/benchmarks.md): the trainer keeps freed memory in glibc's heap
     # (keep_cpu_memory), gradients made in a backward land in the hole the workspace left,
@@ -407,6 +417,7 @@ def phases(
     multi-token prediction: ``mtp_bytes`` and ``mtp_loss_bytes``, and under autocast the heads' K
     cached casts of W_d (K C^2 act, with the weight copies), which its backward keeps.
     ``average``: --ema-decay's fp32 copy of the weights (never sharded: refused with FSDP).
+    ``token_features``: --token-features' feature count (0: off), ``feature_state_bytes``.
     """
     check(strategy, world_size, micro_batch, dtype, accum, device)
     T = seq_len or cfg.block_size

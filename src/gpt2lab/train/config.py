@@ -236,6 +236,15 @@ class OptimConfig(_Section):
         "weight_decay and Muon's muon_weight_decay alike",
         keep=True,
     )
+    token_features: bool = _f(
+        False,
+        "share what the token embedding and an untied head learn between tokens with a feature in "
+        "common (the word in another case or without its leading space, the shape, the last 2-3 "
+        "letters, the block of the tokenizer's merge order): a learned vector per feature, trained "
+        "with Adam at the table's rate and added to its tokens' rows; training only, the model stays "
+        "a plain GPT (docs/recipes.md)",
+        keep=True,
+    )
     ema_decay: float = _f(
         0.0,
         "average the weights as they train: after each step avg = d * avg + (1 - d) * "
@@ -503,6 +512,16 @@ class TrainConfig:
             raise ConfigError(
                 "strategy fsdp with lora_rank: LoRA trains only the adapters, so DDP keeps no "
                 "gradients or AdamW state for the frozen weights; use --strategy ddp"
+            )
+        if self.optim.token_features and (strategy == "fsdp" or lora):
+            raise ConfigError(
+                f"--token-features with {'--strategy fsdp' if strategy == 'fsdp' else '--lora-rank'}: "
+                + (
+                    "the features mix rows that FSDP shards apart; use --strategy ddp"
+                    if strategy == "fsdp"
+                    else "LoRA freezes the token tables the features train; use full fine-tuning"
+                )
+                + ", or --token-features false"
             )
         if self.optim.ema_decay and (strategy == "fsdp" or lora):
             raise ConfigError(

@@ -471,9 +471,24 @@ def _is_dtensor(p: torch.Tensor) -> bool:
     return isinstance(p, DTensor)
 
 
-def build_optimizer(model: nn.Module, opt, device: torch.device, ns_dtype: Optional[str] = None):
+def build_optimizer(model: nn.Module, opt, device: torch.device, ns_dtype: Optional[str] = None, tokenizer=None):
     """The optimizer a TrainConfig's ``optim`` section (``opt``) asks for: today's AdamW
-    (``make_optimizer``) or Muon + AdamW."""
+    (``make_optimizer``) or Muon + AdamW; with ``token_features``, the feature share of the
+    token tables (train.token_features; ``tokenizer``: the run's, None for GPT-2's) stepped after them."""
+    optimizer = _build_optimizer(model, opt, device, ns_dtype)
+    if not opt.token_features:
+        return optimizer
+    from gpt2lab.data.tokenizer import gpt2_tokenizer
+    from gpt2lab.train.token_features import make_feature_share
+
+    share = make_feature_share(
+        model, tokenizer or gpt2_tokenizer(), optimizer, betas=(opt.beta1, opt.beta2), eps=opt.eps
+    )
+    named = optimizer.named if isinstance(optimizer, Optimizers) else {"adamw": optimizer}
+    return Optimizers(**named, token_features=share)
+
+
+def _build_optimizer(model: nn.Module, opt, device: torch.device, ns_dtype: Optional[str] = None):
     if opt.optimizer == "adamw":
         return make_optimizer(
             model,
@@ -535,13 +550,21 @@ def set_lrs(optimizer, step: int, opt) -> None:
         group["lr"] = scheduled_lr(step, opt, group.get("lr_name", "max_lr"))
 
 
+def _scaled(optimizer) -> list[torch.optim.Optimizer]:
+    """The parts fp16's GradScaler unscales and steps: all but the feature share, whose tables'
+    gradients belong to (and are unscaled with) the part that owns the tables."""
+    from gpt2lab.train.token_features import FeatureShare
+
+    return [one for one in parts(optimizer) if not isinstance(one, FeatureShare)]
+
+
 def unscaled_grad_norm(model: nn.Module, optimizer, scaler, grad_clip: float) -> torch.Tensor:
     """The whole gradient's norm (sharded or not), after fp16's scaler has unscaled it and the
     gradient has been clipped to ``grad_clip`` (0: not clipped)."""
     from gpt2lab.distributed import parallel
 
     if scaler is not None:
-        for opt in parts(optimizer):
+        for opt in _scaled(optimizer):
             scaler.unscale_(opt)
     return parallel.clip_grad_norm(model, grad_clip if grad_clip > 0 else float("inf"))
 
@@ -549,8 +572,10 @@ def unscaled_grad_norm(model: nn.Module, optimizer, scaler, grad_clip: float) ->
 def skips_on_device(optimizer) -> bool:
     """Whether every part of ``optimizer`` can skip a step on the device (``apply_update``'s
     ``skip``): fused AdamW (torch's kernel takes ``found_inf``, as GradScaler uses it) and our Muon."""
+    from gpt2lab.train.token_features import FeatureShare
+
     return all(
-        isinstance(one, Muon) or (isinstance(one, torch.optim.AdamW) and one.defaults.get("fused"))
+        isinstance(one, (Muon, FeatureShare)) or (isinstance(one, torch.optim.AdamW) and one.defaults.get("fused"))
         for one in parts(optimizer)
     )
 
@@ -574,8 +599,12 @@ def apply_update(optimizer, scaler, step: int, opt, take: bool, skip: Optional[t
     if take:
         set_lrs(optimizer, step, opt)
         if scaler is not None:
+            scaled = _scaled(optimizer)
             for one in parts(optimizer):
-                scaler.step(one)
+                if any(one is each for each in scaled):
+                    scaler.step(one)
+                else:  # the feature share: its tables' gradients are unscaled already; it skips inf itself
+                    one.step()
         else:
             optimizer.step()
     if scaler is not None:

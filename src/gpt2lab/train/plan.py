@@ -240,6 +240,7 @@ class RunPlan:
             + (f"; Newton-Schulz in {self.ns_dtype.value} ({self.ns_dtype.reason})" if self.ns_dtype else "")
             + ("; Polar Express in place of Newton-Schulz's polynomial" if c.optim.muon_orth == "polar_express" else "")
             + ("; cautious weight decay" if c.optim.cautious_wd else "")
+            + ("; token features shared by the token tables (training only)" if c.optim.token_features else "")
             + (
                 f"; weight average (EMA) {c.optim.ema_decay}: evaluations and checkpoints hold it"
                 if c.optim.ema_decay
@@ -419,6 +420,7 @@ def _predict(cfg: TrainConfig, machine: MachineFacts, strategy: str, dtype: str,
         optimizer=cfg.optim.optimizer,
         muon_variant=cfg.optim.muon_variant,
         average=bool(cfg.optim.ema_decay),
+        token_features=token_features(cfg),
     )
 
 
@@ -472,6 +474,15 @@ def check_memory(plan: RunPlan) -> None:
     )
 
 
+def token_features(cfg: TrainConfig) -> int:
+    """How many features --token-features gives the run's tokenizer (0: off)."""
+    if not cfg.optim.token_features:
+        return 0
+    from gpt2lab.train.token_features import feature_count
+
+    return feature_count(cfg.data if cfg.model.tokenizer else None, cfg.model.vocab_size)
+
+
 def checkpoint_bytes(cfg: TrainConfig) -> dict:
     """Bytes of one checkpoint of ``cfg``'s run by file, as checkpoint.store writes it: the weights in
     fp32 (model.safetensors; the tied head once; LoRA's adapters with the base), the optimizer's fp32
@@ -491,6 +502,7 @@ def checkpoint_bytes(cfg: TrainConfig) -> dict:
     else:
         weights = memplan.FP32 * params
         optimizer = memplan.optimizer_state_bytes(m, cfg.optim.optimizer, cfg.optim.muon_variant)
+        optimizer += memplan.feature_state_bytes(m, token_features(cfg))
     out = {"weights": weights, "optimizer": optimizer}
     if cfg.optim.ema_decay:
         out["training_weights"] = weights

@@ -162,7 +162,9 @@ class Trainer:
             compile=self.compile,
         )
         ns = plan.ns_dtype
-        self.optimizer = build_optimizer(self.raw, cfg.optim, self.device, ns_dtype=str(ns.value) if ns else None)
+        self.optimizer = build_optimizer(
+            self.raw, cfg.optim, self.device, ns_dtype=str(ns.value) if ns else None, tokenizer=self.tokenizer
+        )
         from gpt2lab.data import TokenLoader
 
         self.loader = TokenLoader(
