@@ -283,3 +283,32 @@ def test_a_run_plans_the_state_it_keeps(tiny_data, tmp_path):
     plain = load_preset("shakespeare-cpu", **fields)
     assert checkpoint_bytes(cfg)["optimizer"] - checkpoint_bytes(plain)["optimizer"] == kept
     assert any("token features shared by the token tables" in line for line in t.plan.lines())
+
+
+def test_under_fp16s_grad_scaler_the_share_steps_once_on_unscaled_gradients():
+    """The scaler's path (a loss scaled by 2^10, unscaled, stepped) against the plain one: the same
+    weights to the bit (a power-of-two scale is exact), so the share's tables were unscaled once
+    and stepped once; an inf gradient then skips every part, the share included."""
+    from gpt2lab.train.optim import unscaled_grad_norm
+
+    tok = Words(40)
+    cfg = load_preset("wiki-cpu", token_features=True, warmup_steps=0, grad_clip=0.0).optim
+    a = _model(False)
+    b = copy.deepcopy(a)
+    opt_a, opt_b = (build_optimizer(m, cfg, CPU, tokenizer=tok) for m in (a, b))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    idx = torch.randint(0, 40, (2, 12))
+    for step in range(2):
+        a(idx, idx)[1].backward()
+        apply_update(opt_a, None, step, cfg, take=True)
+        scaler.scale(b(idx, idx)[1]).backward()
+        unscaled_grad_norm(b, opt_b, scaler, 0.0)
+        apply_update(opt_b, scaler, step, cfg, take=True)
+    assert all(torch.equal(pa, pb) for pa, pb in zip(a.parameters(), b.parameters()))
+    before = [p.detach().clone() for p in b.parameters()]
+    scaler.scale(b(idx, idx)[1]).backward()
+    b.lm_head.weight.grad[0, 0] = float("inf")
+    unscaled_grad_norm(b, opt_b, scaler, 0.0)
+    apply_update(opt_b, scaler, 2, cfg, take=True)
+    assert all(torch.equal(x, y) for x, y in zip(before, b.parameters()))
+    assert scaler.get_scale() < 2.0**10  # the scaler saw the inf and backed off

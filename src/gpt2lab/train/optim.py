@@ -571,7 +571,8 @@ def unscaled_grad_norm(model: nn.Module, optimizer, scaler, grad_clip: float) ->
 
 def skips_on_device(optimizer) -> bool:
     """Whether every part of ``optimizer`` can skip a step on the device (``apply_update``'s
-    ``skip``): fused AdamW (torch's kernel takes ``found_inf``, as GradScaler uses it) and our Muon."""
+    ``skip``): fused AdamW (torch's kernel takes ``found_inf``, as GradScaler uses it), our Muon and
+    the token features' share."""
     from gpt2lab.train.token_features import FeatureShare
 
     return all(
