@@ -36,8 +36,8 @@ class Measured:
 # The CPU presets: `gpt2lab train --preset NAME` with the preset's own settings, one run at a time on a quiet
 # machine, data/tinyshakespeare and data/wiki (docs/benchmarks.md, "The presets' cost").
 XEON_AMX = "a 2-core Intel Xeon with AMX (bf16 autocast), torch 2.13"
-# the same command on held-out Wikipedia articles of the same shapes, every 12 steps evaluated (docs/recipes.md)
-EPYC_AVX2 = "a 2-core AMD EPYC with AVX2 only (fp32), torch 2.13"
+# the same command on held-out Wikipedia articles (data/wikialt, seed 1337), evaluated every 12 steps
+EPYC_ZEN4 = "a 2-core AMD EPYC Zen 4 (bf16 autocast), torch 2.13"
 # gpt2-124m on one H100, B=64 x 8 micro-steps, compiled, bf16: docs/benchmarks.md, "Training speed on a GPU"
 H100_124M = Measured("one NVIDIA H100 80GB HBM3", tok_per_s=486_800)
 # gpt2-124m-record on one H200, the same batch: the median step of 30 (docs/benchmarks.md, "The GPU proof on one H200")
@@ -48,8 +48,8 @@ MEASURED = {
     "wiki-cpu": Measured(XEON_AMX, wall_s=86.0),
     "wiki-cpu-fast": Measured(XEON_AMX, wall_s=51.3),
     "wiki-cpu-long": Measured(XEON_AMX, wall_s=368.7),
-    "wiki-cpu-long-fast": Measured(EPYC_AVX2, wall_s=657.0),
-    "wiki-cpu-long-record": Measured(XEON_AMX, wall_s=187.2),
+    "wiki-cpu-long-fast": Measured(EPYC_ZEN4, wall_s=184.5),
+    "wiki-cpu-long-record": Measured(EPYC_ZEN4, wall_s=233.1),
     "gpt2-124m": H100_124M,
     "gpt2-124m-40b": H100_124M,  # the same model and batch, four times the steps
     "gpt2-124m-record": H200_124M_FAST,
