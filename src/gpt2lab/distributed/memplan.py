@@ -338,7 +338,9 @@ def predict(
     early steps accumulate fewer micro-batches of the same size, never more, so they peak no
     higher (the ramp is otherwise ignored here). ``seq_len`` is the run's after any sequence-length
     ramp (--seq-len-ramp-steps): a shorter step's micro-batch holds the same tokens in more rows, so
-    every term but the rotary tables (smaller) is the same; it peaks no higher either."""
+    every term but the rotary tables (smaller) is the same; it peaks no higher either.
+    ``token_features``: --token-features' feature count (0: off); their optimizer state
+    (``feature_state_bytes``) and a step's feature gradient and update are one more term."""
     check(strategy, world_size, micro_batch, dtype, accum, device)
     peak = max(
         phases(
@@ -417,7 +419,6 @@ def phases(
     multi-token prediction: ``mtp_bytes`` and ``mtp_loss_bytes``, and under autocast the heads' K
     cached casts of W_d (K C^2 act, with the weight copies), which its backward keeps.
     ``average``: --ema-decay's fp32 copy of the weights (never sharded: refused with FSDP).
-    ``token_features``: --token-features' feature count (0: off), ``feature_state_bytes``.
     """
     check(strategy, world_size, micro_batch, dtype, accum, device)
     T = seq_len or cfg.block_size

@@ -420,7 +420,7 @@ def _predict(cfg: TrainConfig, machine: MachineFacts, strategy: str, dtype: str,
         optimizer=cfg.optim.optimizer,
         muon_variant=cfg.optim.muon_variant,
         average=bool(cfg.optim.ema_decay),
-        token_features=token_features(cfg),
+        token_features=token_feature_count(cfg),
     )
 
 
@@ -474,7 +474,7 @@ def check_memory(plan: RunPlan) -> None:
     )
 
 
-def token_features(cfg: TrainConfig) -> int:
+def token_feature_count(cfg: TrainConfig) -> int:
     """How many features --token-features gives the run's tokenizer (0: off)."""
     if not cfg.optim.token_features:
         return 0
@@ -502,7 +502,7 @@ def checkpoint_bytes(cfg: TrainConfig) -> dict:
     else:
         weights = memplan.FP32 * params
         optimizer = memplan.optimizer_state_bytes(m, cfg.optim.optimizer, cfg.optim.muon_variant)
-        optimizer += memplan.feature_state_bytes(m, token_features(cfg))
+        optimizer += memplan.feature_state_bytes(m, token_feature_count(cfg))
     out = {"weights": weights, "optimizer": optimizer}
     if cfg.optim.ema_decay:
         out["training_weights"] = weights
