@@ -592,17 +592,19 @@ def test_ctrl_c_at_many_moments_ends_fast_and_resumes_byte_identically(tmp_path)
     assert _files(tmp_path / "ref") == _files(out)
 
 
-def test_prepare_removes_its_own_stopped_temporaries_and_no_one_elses(tmp_path):
+def test_prepare_removes_its_own_stopped_temporaries_and_no_one_elses(tmp_path, monkeypatch):
     """A stopped run's temporary (.tmp_NAME_PID of a dead process) goes; another program's *.tmp stays."""
-    out = tmp_path / "out"
-    out.mkdir()
+    out, src = tmp_path / "out", str(_jsonl(tmp_path / "docs.jsonl"))
+    kw = dict(shard_tokens=64, val_tokens=100, workers=1, progress=False)
+    _crash_after(monkeypatch, 1)  # a stopped prepare: its directory, unfinished
+    with pytest.raises(KeyboardInterrupt):
+        prepare(src, str(out), **kw)
+    monkeypatch.setattr(shard_writer, "write_shard", real_write_shard)
     (out / "keep.tmp").write_text("someone else's")
     (out / "shard_000001.bin.tmp").write_bytes(b"not gpt2lab's name")
     (out / f".tmp_{MANIFEST}_{DEAD_PID}").write_text("{")
-    with pytest.warns(UserWarning, match="removed 1 temporary file"):
-        prepare(
-            str(_jsonl(tmp_path / "docs.jsonl")), str(out), shard_tokens=64, val_tokens=100, workers=1, progress=False
-        )
+    with pytest.warns(UserWarning, match="removed 2 temporary file"):  # the crash's half shard too
+        prepare(src, str(out), **kw)
     assert (out / "keep.tmp").read_text() == "someone else's"
     assert (out / "shard_000001.bin.tmp").read_bytes() == b"not gpt2lab's name"
     assert not (out / f".tmp_{MANIFEST}_{DEAD_PID}").exists()

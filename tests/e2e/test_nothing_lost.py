@@ -66,16 +66,52 @@ def run_copy(run_dir, tmp_path) -> str:
     return str(dst)
 
 
-# -- 1. export never deletes what it did not write --------------------------------------------
-def test_export_refuses_the_run_its_parent_and_any_non_export(run_copy, tmp_path, capsys):
-    parent, other = os.path.dirname(run_copy), tmp_path / "notes"
-    other.mkdir()
-    (other / "mine.txt").write_text("keep me")
+# -- 1. no command writes over or into what gpt2lab did not write ------------------------------
+def test_every_writing_command_leaves_the_users_directory_and_file_as_they_were(run_copy, tiny_data, tmp_path, capsys):
+    """Every command that writes (train, prepare, tokenizer train, export, report, plot, compare, eval
+    gsm8k --samples), pointed at a directory of the user's and at a file of the user's: exit 2, one line
+    naming the path and what to do, and not a byte of anything there changed (system/rundir.check)."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "tokenizer.json").write_text("my notes")  # a name prepare and tokenizer train write
+    for name, text in (("mine.html", "<p>my page</p>"), ("card.md", "my card"), ("mine.png", "my picture")):
+        (tmp_path / name).write_text(text)
+    (tmp_path / "mine.jsonl").write_text('{"my": "rows"}\n')
+    html, card, png, rows = (str(tmp_path / n) for n in ("mine.html", "card.md", "mine.png", "mine.jsonl"))
+    commands = [  # (argv for a path, the user's file it is pointed at, the path the refusal names)
+        (lambda p: _argv(tiny_data, p), html, html),
+        (lambda p: ["prepare", "--source", "tinyshakespeare", "--out", p, "--quiet"], html, html),
+        (
+            lambda p: ["tokenizer", "train", "--source", "tinyshakespeare", "--vocab-size", "300", "--out", p],
+            html,
+            html,
+        ),
+        (lambda p: ["export", run_copy, p], html, html),
+        (lambda p: ["report", run_copy, "--out", p], html, html),
+        (lambda p: ["report", run_copy, "--out", p], str(tmp_path / "card.html"), card),  # its .md beside
+        (lambda p: ["plot", run_copy, "--out", p], png, png),
+        (lambda p: ["compare", run_copy, run_copy, "--metric", "train_loss", "--out", p], png, png),
+        (lambda p: ["eval", "gsm8k", "--model", run_copy, "--data", rows, "--samples", p], rows, rows),
+    ]
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    for argv, theirs, named in commands:
+        for target, said in ((str(mine), str(mine)), (theirs, named)):
+            assert main(argv(target)) == 2, argv(target)
+            line = _one_line(capsys.readouterr().err)
+            assert (
+                f" {said}: " in line
+                and "nothing was written there; " in line
+                and ("choose a new or empty" in line or "pick another" in line)
+            ), line
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_export_refuses_the_run_and_its_parent_and_replaces_its_own_export(run_copy, tmp_path, capsys):
     before = _snapshot(tmp_path)
-    for out in (run_copy, parent, str(other)):
+    for out in (run_copy, os.path.dirname(run_copy)):
         assert main(["export", run_copy, out]) == 2
         line = _one_line(capsys.readouterr().err)
-        assert f"{out} is not empty" in line and "nothing was written" in line
+        assert f"{out}: holds " in line and "nothing was written there" in line
     assert _snapshot(tmp_path) == before  # not one file touched
     fresh = tmp_path / "hf"
     for _ in range(2):  # the second time it replaces its own earlier export
@@ -287,7 +323,7 @@ def test_prepare_errors_are_one_line(tmp_path, capsys, monkeypatch):
     src = tmp_path / "text.txt"
     src.write_text("To be, or not to be, that is the question. " * 200)
     assert main(["prepare", "--source", str(src), "--out", str(a_file), "--quiet"]) == 2
-    assert f"--out {a_file} is a file" in _one_line(capsys.readouterr().err)
+    assert f"--out {a_file}: is a file, not a directory" in _one_line(capsys.readouterr().err)
     fake = tmp_path / "fake.parquet"
     fake.write_text("not parquet")
     assert main(["prepare", "--source", str(fake), "--out", str(tmp_path / "o1"), "--quiet"]) == 1

@@ -129,9 +129,13 @@ def test_save_pretrained_replaces_an_earlier_export_and_leaves_no_temp(tmp_path)
     assert oct(os.stat(out).st_mode & 0o777) != oct(0o700)  # umask permissions, not mkdtemp's
 
 
-def test_export_into_a_checkpoint_or_a_runs_checkpoints_names_what_is_there(gpt2_vocab_export, tmp_path, capsys):
+def test_export_into_a_checkpoint_a_runs_checkpoints_or_an_export_with_a_readme_names_what_is_there(
+    gpt2_vocab_export, tmp_path, capsys
+):
     """A checkpoint has no run_info.json: the refusal says checkpoint and lists its files; a run's
-    checkpoints folder is not "files that gpt2lab did not write"."""
+    checkpoints folder is not "files that gpt2lab did not write"; an earlier export beside the user's
+    README.md is an export that replacing would take the README.md with."""
+    import shutil
     import types
 
     from gpt2lab import cli
@@ -145,16 +149,21 @@ def test_export_into_a_checkpoint_or_a_runs_checkpoints_names_what_is_there(gpt2
     ckpt = store.save(str(tmp_path / "run"), 2, parts, TrainConfig().to_dict())
     before = sorted(os.listdir(ckpt))
     assert "run_info.json" not in before
+    carded = shutil.copytree(src, tmp_path / "carded")
+    (carded / "README.md").write_text("my model card")
     for out, said in (
-        (ckpt, f"it holds a gpt2lab checkpoint ({', '.join(before[:4])}, ...); nothing was written"),
-        (os.path.dirname(ckpt), "it holds a gpt2lab run's checkpoints (step_000002); nothing was written"),
+        (ckpt, f"holds a gpt2lab checkpoint ({', '.join(before[:4])}, ...)"),
+        (os.path.dirname(ckpt), "holds a gpt2lab run's checkpoints (step_000002)"),
+        (
+            carded,
+            "holds a gpt2lab export (gpt2lab_export.json, written by `gpt2lab export`) and README.md, which "
+            "gpt2lab did not write and replacing it would remove",
+        ),
     ):
-        assert cli.main(["export", src, out]) == 2
+        assert cli.main(["export", src, str(out)]) == 2
         (line,) = capsys.readouterr().err.splitlines()
-        assert line == f"gpt2lab export: {out} is not empty and is not an earlier gpt2lab export: {said}. " + (
-            "Choose a new or empty OUT_DIR"
-        )
-    assert sorted(os.listdir(ckpt)) == before
+        assert line == f"gpt2lab export: {out}: {said}; nothing was written there; choose a new or empty OUT_DIR"
+    assert sorted(os.listdir(ckpt)) == before and (carded / "README.md").read_text() == "my model card"
 
 
 def test_mismatched_weights_and_unsupported_config_are_refused(hf_dirs, tmp_path):

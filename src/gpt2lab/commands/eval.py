@@ -99,7 +99,8 @@ def add_parser(sub) -> None:
         "--samples",
         default=None,
         metavar="FILE.jsonl",
-        help="write each problem's reply, extracted answer and verdict to this file",
+        help="write the summary (the first line) and each problem's reply, extracted answer and verdict "
+        "to this file (new, or one gpt2lab wrote)",
     )
     gs.set_defaults(func=run_gsm8k)
 
@@ -291,10 +292,13 @@ def run_chat(args: argparse.Namespace) -> int:
 def run_gsm8k(args: argparse.Namespace) -> int:
     from gpt2lab.distributed.dist import init_distributed
     from gpt2lab.evals.chat import evaluate_gsm8k, gsm8k_test_file, read_conversations
+    from gpt2lab.system import rundir
     from gpt2lab.system.files import atomic_write
 
     _positive(args.max_tokens, "--max-tokens")
     _positive(args.limit, "--limit")
+    if args.samples:  # before the long part: a file there that gpt2lab did not write is refused
+        rundir.check(args.samples, rundir.FILE, "--samples", "pick another path")
     try:  # the data first: no data, or no network to fetch it, fails before the model loads
         data = args.data or gsm8k_test_file(flag="--data")
     except RuntimeError as e:
@@ -308,13 +312,10 @@ def run_gsm8k(args: argparse.Namespace) -> int:
         )
     except ValueError as e:  # a model that cannot take the template
         raise SystemExit(f"gpt2lab eval gsm8k: --model {args.model}: {e}") from None
-    if args.samples:
+    result = {**summary, "model": args.model, "data": data, "samples": args.samples, "inference": decision.record()}
+    if args.samples:  # the first line is the summary, marked as gpt2lab's (system/rundir.py)
         with atomic_write(args.samples, "w") as f:
-            for row in rows:
+            for row in [{"format": "gpt2lab-gsm8k-samples", **result}, *rows]:
                 f.write(json.dumps(row) + "\n")
-    print(
-        json.dumps(
-            {**summary, "model": args.model, "data": data, "samples": args.samples, "inference": decision.record()}
-        )
-    )
+    print(json.dumps(result))
     return 0

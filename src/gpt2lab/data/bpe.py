@@ -113,7 +113,7 @@ def train(sources: list[str], vocab_size: int, out: str, text_field: str = "text
         )
     if not sources:
         raise UsageError("--source: give at least one text source")
-    replace = _check_out(out)
+    rundir.check(out, rundir.TOKENIZER, "--out", "choose a new or empty --out", replaces=FILES)
     # every source resolves (a bad path, no text files) before the long part, once (a warning says it once)
     resolved = [(spec, resolve_source(spec, text_field)) for spec in sources]
     tok, trainer = _bpe(vocab_size)
@@ -145,24 +145,11 @@ def train(sources: list[str], vocab_size: int, out: str, text_field: str = "text
     }
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
-    with atomic_dir(os.path.abspath(out), replace=replace, what_next="free some space and train again") as tmp:
+    with atomic_dir(os.path.abspath(out), replace=True, what_next="free some space and train again") as tmp:
         with open(os.path.join(tmp, TOKENIZER_FILE), "w", encoding="utf-8") as f:
             f.write(text)
         write_json(os.path.join(tmp, MARKER), marker)
     return marker
-
-
-def _check_out(out: str) -> bool:
-    """Whether ``out`` exists and may be replaced (empty, or an earlier tokenizer and nothing else)."""
-    what_next = "choose a new or empty --out"
-    found = rundir.check(out, rundir.TOKENIZER, flag="--out", what_next=what_next)
-    if found.kind == rundir.TOKENIZER and not set(found.entries) <= set(FILES):
-        extra = sorted(set(found.entries) - set(FILES))
-        raise UsageError(
-            f"--out {out}: an earlier tokenizer, but it also holds {', '.join(extra[:4])}, which "
-            f"training would replace; nothing was written; {what_next}"
-        )
-    return found.kind != "missing"
 
 
 @contextmanager

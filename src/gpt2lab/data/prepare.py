@@ -38,6 +38,7 @@ from gpt2lab.data.parallel import ordered_map
 from gpt2lab.data.sources import Document, JsonLine, Source, SourceError, as_text, resolve_source
 from gpt2lab.data.tokenizer import Tokenizer, gpt2_tokenizer, save_tokenizer, token_dtype
 from gpt2lab.data.writer import ShardWriter
+from gpt2lab.system import rundir
 from gpt2lab.system.errors import UsageError
 from gpt2lab.system.files import sweep_stale
 
@@ -110,9 +111,8 @@ def prepare(
         settings["tokenizer"] = tok.identity
     if val_split not in VAL_SPLITS:
         raise UsageError(f"--val-split {val_split!r}: choose one of {', '.join(VAL_SPLITS)}")
+    rundir.check(out_dir, rundir.DATA, "--out", "choose a new or empty --out")
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out_dir} is a file, not a directory; choose a directory for the shards")
     out.mkdir(parents=True, exist_ok=True)
     if not os.access(out, os.W_OK | os.X_OK):
         raise UsageError(

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from gpt2lab.model.config import SIZES
-from gpt2lab.system import formats
+from gpt2lab.system import formats, rundir
 from gpt2lab.system.errors import DataError
 from gpt2lab.system.files import atomic_write
 
@@ -222,44 +222,13 @@ def plot_runs(run_dirs: list[str], out_png: str, summary: bool = False) -> Optio
     return summary_table(runs) if summary else None
 
 
-# The tEXt chunk every PNG gpt2lab writes carries; an existing file is replaced only with it.
-PNG_SOFTWARE = "gpt2lab"
-
-
-def written_by_gpt2lab(path: str) -> bool:
-    """``path`` is a PNG that save_png wrote (its Software text chunk says so), or a run
-    directory's own plot.png (from a version that wrote no chunk)."""
-    from gpt2lab.system import rundir
-
-    try:
-        with open(path, "rb") as f:
-            head = f.read(1 << 16)  # matplotlib writes its text chunks before the image data
-    except OSError:
-        return False
-    if not head.startswith(b"\x89PNG"):
-        return False
-    if b"Software\x00" + PNG_SOFTWARE.encode() in head:
-        return True
-    return (
-        os.path.basename(path) == "plot.png"
-        and rundir.inspect(os.path.dirname(os.path.abspath(path))).kind == rundir.RUN
-    )
-
-
 def save_png(fig, out_png: str, flag: str = "--out") -> None:
-    """A matplotlib figure as a PNG at ``out_png``, atomically (a temporary sibling, then rename).
-
-    A file already at ``out_png`` is replaced only if gpt2lab wrote it (``written_by_gpt2lab``);
-    anything else there is a UsageError naming ``flag`` and the path, and stays untouched."""
+    """A matplotlib figure as a PNG at ``out_png``, atomically, with gpt2lab's mark; a file there that
+    gpt2lab did not write is refused (system/rundir.py's rule) and stays untouched."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    from gpt2lab.system.errors import UsageError
-
-    if os.path.lexists(out_png) and not (os.path.isfile(out_png) and written_by_gpt2lab(out_png)):
-        raise UsageError(
-            f"{flag} {out_png}: a file gpt2lab did not write is there; pick another path (nothing was overwritten)"
-        )
+    rundir.check(out_png, rundir.FILE, flag, "pick another path")
     FigureCanvasAgg(fig)
     os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
     with atomic_write(out_png, "wb") as fh:
-        fig.savefig(fh, format="png", dpi=100, metadata={"Software": PNG_SOFTWARE})
+        fig.savefig(fh, format="png", dpi=100, metadata=rundir.PNG_MARK)

@@ -25,6 +25,7 @@ from gpt2lab.data.tokenizer import short
 from gpt2lab.model.config import config_value
 from gpt2lab.observe import plot
 from gpt2lab.system import rundir
+from gpt2lab.system.files import atomic_write
 
 RUNNING_IF_WRITTEN_WITHIN_S = 600  # or 20 median steps, whichever is longer: evaluations pause the log
 EVENT_KEYS = ("skipped", "spike", "rollback")  # records that mark a step out of the ordinary
@@ -282,7 +283,7 @@ def _figure_png(run_dir: str) -> bytes:
         fig = plot.build_figure([plot.load_run(run_dir)])
     FigureCanvasAgg(fig)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
+    fig.savefig(buf, format="png", dpi=90, metadata=rundir.PNG_MARK)
     return buf.getvalue()
 
 
@@ -389,8 +390,8 @@ def _cell(v: Any) -> str:
 def to_html(rep: Report) -> str:
     kind = rep.status.split(":")[0].split()[0]
     parts = [
-        f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(rep.title)}</title>"
-        f"<style>{_CSS}</style></head><body><h1>{html.escape(rep.title)}</h1>",
+        f"<!doctype html>{rundir.TEXT_MARK}<html lang='en'><head><meta charset='utf-8'>"
+        f"<title>{html.escape(rep.title)}</title><style>{_CSS}</style></head><body><h1>{html.escape(rep.title)}</h1>",
         f"<p class='status {html.escape(kind)}' id='status'>{html.escape(rep.status)}</p>",
     ]
     for s in rep.sections:
@@ -414,7 +415,7 @@ def _md_cell(v: Any) -> str:
 
 
 def to_markdown(rep: Report, image_name: Optional[str]) -> str:
-    lines = [f"# {rep.title}", "", f"**Status:** {rep.status}", ""]
+    lines = [rundir.TEXT_MARK, f"# {rep.title}", "", f"**Status:** {rep.status}", ""]
     for s in rep.sections:
         lines += [f"## {s.title}", ""]
         if s.text:
@@ -430,23 +431,21 @@ def to_markdown(rep: Report, image_name: Optional[str]) -> str:
     return "\n".join(lines)
 
 
-def _write(path: str, data: bytes) -> None:
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-    os.replace(tmp, path)
-
-
 def write_report(run_dir: str, out_html: Optional[str] = None) -> tuple[str, str, Report]:
     """Write the HTML report (default RUN/report.html), its Markdown twin (.md) and the
-    curves beside it (.png, which the Markdown shows); return (html path, md path, report)."""
+    curves beside it (.png, which the Markdown shows); return (html path, md path, report).
+    Each replaces only a file gpt2lab wrote (system/rundir.py's rule), checked before any is written."""
     out_html = out_html or os.path.join(run_dir, "report.html")
-    rep = build_report(run_dir)
     base = out_html[:-5] if out_html.endswith(".html") else out_html
+    for path in (out_html, base + ".md", base + ".png"):
+        rundir.check(path, rundir.FILE, "--out", "pick another --out")
+    rep = build_report(run_dir)
     os.makedirs(os.path.dirname(os.path.abspath(out_html)), exist_ok=True)
     png = next((s.image_png for s in rep.sections if s.image_png), None)
-    if png:
-        _write(base + ".png", png)
-    _write(out_html, to_html(rep).encode("utf-8"))
-    _write(base + ".md", to_markdown(rep, os.path.basename(base) + ".png" if png else None).encode("utf-8"))
+    files = {base + ".png": png} if png else {}  # the image first: the Markdown shows it
+    files[out_html] = to_html(rep).encode()
+    files[base + ".md"] = to_markdown(rep, os.path.basename(base) + ".png" if png else None).encode()
+    for path, data in files.items():
+        with atomic_write(path, "wb") as fh:
+            fh.write(data)
     return out_html, base + ".md", rep

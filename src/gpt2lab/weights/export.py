@@ -15,7 +15,6 @@ from gpt2lab.data import chat
 from gpt2lab.data.tokenizer import EOT_TOKEN, TOKENIZER_FILE, TrainedBPE, asset_path, for_config
 from gpt2lab.model.gpt import GPT
 from gpt2lab.system import rundir
-from gpt2lab.system.errors import UsageError
 from gpt2lab.system.files import atomic_dir, write_json
 from gpt2lab.weights import gpt2, nanochat
 from gpt2lab.weights.targets import check_exportable, exported_model
@@ -115,6 +114,12 @@ def _write_trained(out: str, block_size: int, chat_template: Optional[str], toke
     return [TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json"]
 
 
+def check_target(out_dir: str) -> rundir.Found:
+    """What ``out_dir`` is when an export may be written there (system/rundir.py's rule), else raise."""
+    replaces = (*EXPORT_FILES, *TRAINED_EXPORT_FILES)
+    return rundir.check(out_dir, rundir.EXPORT, "", "choose a new or empty OUT_DIR", replaces=replaces)
+
+
 def save_pretrained(model: GPT, out_dir: str) -> str:
     """Write ``out_dir`` so transformers' AutoModelForCausalLM / AutoTokenizer load it unchanged; returns
     the architecture written (``export_target``: GPT2LMHeadModel or NanoChatForCausalLM).
@@ -128,10 +133,10 @@ def save_pretrained(model: GPT, out_dir: str) -> str:
 
     target = check_exportable(model.config).name
     model = exported_model(model)  # training-only weights (multi-token prediction heads) are not written
+    check_target(out_dir)  # what is there may be replaced
     out_dir = os.path.abspath(out_dir)
-    replace_dir = _check_export_target(out_dir)
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
-    with atomic_dir(out_dir, replace=replace_dir) as tmp:
+    with atomic_dir(out_dir, replace=True) as tmp:
         dtype = model.transformer.wte.weight.dtype
         tok = for_config(model.config, model.tokenizer)
         if target == gpt2.ARCHITECTURE:
@@ -161,33 +166,3 @@ def save_pretrained(model: GPT, out_dir: str) -> str:
             },
         )
     return target
-
-
-def _check_export_target(out_dir: str) -> bool:
-    """Whether ``out_dir`` exists and may be replaced; raises if it must not be touched (system.rundir's rule)."""
-    found = rundir.inspect(out_dir)
-    if found.kind == "file":
-        raise UsageError(f"{out_dir} exists and is not a directory; choose another output path")
-    if found.kind in ("missing", "empty"):
-        return found.kind == "empty"
-    if found.kind == rundir.EXPORT and set(found.entries) <= {*EXPORT_FILES, *TRAINED_EXPORT_FILES}:
-        return True  # an earlier export: it holds nothing an export does not write again
-    raise UsageError(
-        f"{out_dir} is not empty and is not an earlier gpt2lab export: it holds {_what_is_there(out_dir, found)}; "
-        "nothing was written. Choose a new or empty OUT_DIR"
-    )
-
-
-def _what_is_there(out_dir: str, found: rundir.Found) -> str:
-    """What a directory export refuses holds, naming files that are there: a checkpoint and a run's
-    checkpoints folder are told apart from a run (whose run_info.json they lack) and from files
-    gpt2lab did not write."""
-    names = set(found.entries)
-    if found.kind == rundir.RUN and rundir.RUN_MARKER not in names:
-        what = "a gpt2lab checkpoint" if "model.safetensors" in names else "a gpt2lab run without its run_info.json"
-        return f"{what} ({found.shown()})"
-    steps = [n for n in found.entries if n.startswith("step_")]
-    if found.kind == "foreign" and steps == list(found.entries):
-        if any(rundir.inspect(os.path.join(out_dir, n)).kind == rundir.RUN for n in steps):
-            return f"a gpt2lab run's checkpoints ({found.shown()})"
-    return rundir.what(found) if found.kind == "foreign" else f"{rundir.what(found)}: {found.shown()}"
