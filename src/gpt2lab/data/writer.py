@@ -20,6 +20,7 @@ import numpy as np
 from gpt2lab.data.manifest import finish_manifest, save_manifest
 from gpt2lab.data.shards import mask_path, open_shard, shard_name, write_mask, write_shard
 from gpt2lab.data.sources import Source, SourceError
+from gpt2lab.system.files import sha256_file
 
 
 class ShardWriter:
@@ -57,9 +58,13 @@ class ShardWriter:
             d = self.src.file_starts[i]
             if d >= self.doc + n_docs:
                 break
-            token = base + int(starts[d - self.doc]) if d >= self.doc else base
-            path = self.src.files[i]
-            files.append({"path": path, "bytes": os.path.getsize(path), "first_doc": d, "first_token": token})
+            self._file(i, d, base + int(starts[d - self.doc]) if d >= self.doc else base)
+
+    def _file(self, i: int, first_doc: int, first_token: int) -> None:
+        """Record source file ``i`` by its content (sha256: data/manifest.py) and where it starts in the stream."""
+        path = self.src.files[i]
+        entry = {"path": path, "bytes": os.path.getsize(path), "sha256": sha256_file(path)}
+        self.manifest["files"].append({**entry, "first_doc": first_doc, "first_token": first_token})
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray, mask: Optional[np.ndarray] = None) -> None:
         """Append whole documents (concatenated, EOT first; conversations with their loss ``mask``);
@@ -104,13 +109,10 @@ class ShardWriter:
             entry["supervised"] = int(self.mask[: self.fill].sum(dtype=np.int64))
         write_shard(self.out / name, self.buf[: self.fill])
         self.written += self.fill
+        # where to resume after this shard: a source file changed later goes back to a shard's (data/manifest.py)
+        entry["resume"] = {"next_doc": next_doc, "offset": offset, "tokens": self.written, "val_end": self.val_end}
         self.manifest["shards"].append(entry)
-        self.manifest["resume"] = {
-            "next_doc": next_doc,
-            "offset": offset,
-            "tokens": self.written,
-            "val_end": self.val_end,
-        }
+        self.manifest["resume"] = dict(entry["resume"])
         save_manifest(self.out, self.manifest)  # after the rename: a listed shard is whole
         self.fill, self.docs_in_shard = 0, 0
 
@@ -119,10 +121,7 @@ class ShardWriter:
             self._flush(self.doc, 0)
         self._files_seen(self.written, np.zeros(0, dtype=np.int64), 0)
         for i in range(len(self.manifest["files"]), len(self.src.file_starts)):  # files with no documents left
-            path = self.src.files[i]
-            self.manifest["files"].append(
-                {"path": path, "bytes": os.path.getsize(path), "first_doc": self.doc, "first_token": self.written}
-            )
+            self._file(i, self.doc, self.written)
         self.manifest["resume"]["next_doc"] = self.doc
         if not self.manifest["shards"]:
             raise SourceError(
