@@ -333,6 +333,21 @@ def test_prepare_errors_are_one_line(tmp_path, capsys, monkeypatch):
     with pytest.warns(UserWarning, match=f"{empty}: empty text file"):
         assert main(["prepare", "--source", str(empty), "--out", str(tmp_path / "o2"), "--quiet"]) == 1
     assert "are empty" in _one_line(capsys.readouterr().err)
+    bad = tmp_path / "bad.jsonl"  # a malformed line after 2,000 documents
+    bad.write_text((json.dumps({"text": "To be, or not to be."}) + "\n") * 2000 + "{not json\n")
+    assert main(["prepare", "--source", str(bad), "--out", str(tmp_path / "o3"), "--shard-tokens", "500"]) == 1
+    assert f"{bad}:2001: not valid JSON" in _one_line(capsys.readouterr().err)
+    for out in ("o2", "o3"):  # training on what a failed prepare left: it says so, not "no shards"
+        assert main(_argv(tmp_path / out, tmp_path / "run")) == 1  # bad input: the data
+        assert _one_line(capsys.readouterr().err).endswith(
+            f"{tmp_path / out / 'manifest.json'}: `gpt2lab prepare` has not finished this directory (source "
+            f"{str(empty if out == 'o2' else bad)!r}: it stopped, failed or is still running); run the same "
+            "prepare command again to finish it"
+        )
+    assert main(["prepare", "--source", "/dev/zero", "--out", str(tmp_path / "o4")]) == 1
+    assert _one_line(capsys.readouterr().err) == (
+        "gpt2lab prepare: --source '/dev/zero': not a file or a directory (a device, pipe or socket); name files"
+    )
 
 
 def test_prepare_disk_full_then_rerun_resumes(tmp_path, capsys, monkeypatch):

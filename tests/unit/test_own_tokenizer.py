@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from conftest import DATA, cli_args, records, tiny_gpt
 
+import gpt2lab
 from gpt2lab import cli
 from gpt2lab.data import chat
 from gpt2lab.data import tokenizer as tokenizers_mod
@@ -611,6 +612,8 @@ def test_tokenizer_json_itself_is_taken_and_a_missing_path_says_which(wiki_data,
     for name in ("manifest.json", "tokenizer.json", "val_000000.bin", "train_000000.bin"):
         a, b = Path(out, name).read_bytes(), Path(wiki_data, name).read_bytes()
         assert a == b or name == "manifest.json" and json.loads(a)["tokenizer"] == json.loads(b)["tokenizer"]
+    file = Path(tok_dir) / "tokenizer.json"  # the Python API takes the file prepare takes
+    assert gpt2lab.get_tokenizer(str(file)).identity == hashlib.sha256(file.read_bytes()).hexdigest()
     argv = ["prepare", "--source", WIKI, "--out", str(tmp_path / "x"), "--tokenizer", str(tmp_path / "nope"), "--quiet"]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err

@@ -58,19 +58,24 @@ def test_a_bad_source_raises_an_error_naming_it(tmp_path, gpt2_vocab_export, fin
     a_file.write_bytes(b"x")
     empty.mkdir()
     cut = damaged_copy(gpt2_vocab_export[1], str(tmp_path / "cut"), "weights")
-    cases = [
-        (tmp_path / "nowhere", "no such directory, and not a GPT-2 hub name"),
-        (a_file, "is a file"),
-        (empty, "neither a checkpoint"),
-        (tmp_path / "cut", f"{cut}: cannot be read"),
+    cases = [  # (source, what from_pretrained says, what get_tokenizer says)
+        (tmp_path / "nowhere", *["no such directory, and not a GPT-2 hub name"] * 2),
+        (a_file, "is a file", "not a Hugging Face tokenizer.json"),  # get_tokenizer takes a tokenizer.json
+        (empty, *["neither a checkpoint"] * 2),
+        (tmp_path / "cut", f"{cut}: cannot be read", None),  # get_tokenizer reads no weights: it has its tokenizer
     ]
-    for source, why in cases:
-        # get_tokenizer reads no weights: a source whose weights are cut short still has its tokenizer
-        for entry in (gpt2lab.from_pretrained, gpt2lab.get_tokenizer)[: 1 if source == tmp_path / "cut" else 2]:
+    for source, *whys in cases:
+        for entry, why in zip((gpt2lab.from_pretrained, gpt2lab.get_tokenizer), whys):
+            if why is None:
+                continue
             with pytest.raises(WeightsError) as e:
                 entry(str(source))
             assert str(e.value).startswith(f"{source}: ") and why in str(e.value), str(e.value)
             assert e.value.exit_code == 1
+    for entry in (gpt2lab.from_pretrained, gpt2lab.get_tokenizer):
+        with pytest.raises(WeightsError) as e:
+            entry("")
+        assert str(e.value) == f"{entry.__name__}(''): an empty path; pass a path or a hub name"
     damaged = tmp_path / "run"
     shutil.copytree(finished_run, damaged)
     weights = damaged / "checkpoints" / "step_000004" / "model.safetensors"

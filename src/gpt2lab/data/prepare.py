@@ -35,6 +35,7 @@ from gpt2lab.data import chat
 from gpt2lab.data.held_out import write_held_out
 from gpt2lab.data.manifest import save_manifest, start_manifest
 from gpt2lab.data.parallel import ordered_map
+from gpt2lab.data.shards import val_size
 from gpt2lab.data.sources import Document, JsonLine, Source, SourceError, as_text, resolve_source
 from gpt2lab.data.tokenizer import Tokenizer, gpt2_tokenizer, save_tokenizer, token_dtype
 from gpt2lab.data.writer import ShardWriter
@@ -133,6 +134,11 @@ def prepare(
             save_tokenizer(tok, str(out), what_next="run the same prepare command again")
         n_val = val_docs if val_bytes is None else val_documents(src, val_bytes, fmt, limit_docs)
         _run(src, out, manifest, n_workers, progress, tok, n_val)
+    if "train" not in manifest["splits"]:
+        warnings.warn(
+            f"{out}: all {manifest['tokens']} tokens ({manifest['documents']} documents) went to val "
+            f"({val_size(settings)}); pass a smaller one to get a train split"
+        )
     if fmt == "chat":  # the val split's conversations, for `gpt2lab eval chat` (data/held_out.py)
         write_held_out(src, out, manifest)
     return manifest

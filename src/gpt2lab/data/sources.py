@@ -155,6 +155,8 @@ def _local_files(source: str) -> List[str]:
         what = f"directory {source} holds"
     elif os.path.isfile(source):
         return [source]  # named alone: read as what it is (text that is not UTF-8: one line, when read)
+    elif os.path.exists(source):
+        raise SourceError(f"--source {source!r}: not a file or a directory (a device, pipe or socket); name files")
     else:
         raise SourceError(
             f"--source {source!r}: no such file or directory, and not one of "

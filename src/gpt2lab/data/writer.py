@@ -11,7 +11,6 @@ listed shard and writes the same bytes as one that never stopped.
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -136,12 +135,4 @@ class ShardWriter:
         for info in self.manifest["splits"].values():  # a split that begins inside a document holds it too
             if open_shard(self.out / info["shards"][0])[0] != self.manifest["eot_id"]:
                 info["documents"] += 1
-        if "train" not in self.manifest["splits"]:
-            s = self.manifest["settings"]
-            sizes = (("--val-docs", "val_docs"), ("--val-bytes", "val_bytes"), ("--val-tokens", "val_tokens"))
-            flag, size = next((f, s.get(k)) for f, k in sizes if s.get(k) is not None)
-            warnings.warn(
-                f"{self.out}: all {self.written} tokens ({self.doc} documents) went to val ({flag} "
-                f"{size}); pass a smaller {flag} to get a train split"
-            )
         save_manifest(self.out, self.manifest)

@@ -117,7 +117,7 @@ def get_tokenizer(source: Optional[str] = None) -> Tokenizer:
     """``gpt2lab.get_tokenizer``: the tokenizer of anything ``from_pretrained`` takes, read from that same
     source without its weights (a trained tokenizer.json beside them, checked against the identity the
     model names; GPT-2's BPE, with its chat turn tokens for a chat model, otherwise); also of a prepared
-    data directory or a ``gpt2lab tokenizer train`` directory. No ``source``: GPT-2's BPE."""
+    data directory or a ``gpt2lab tokenizer train`` directory or its tokenizer.json. No ``source``: GPT-2's BPE."""
     if source is None:
         return gpt2_tokenizer()
     _check_source("get_tokenizer", source)
@@ -133,6 +133,8 @@ def get_tokenizer(source: Optional[str] = None) -> Tokenizer:
 def _check_source(func: str, source: object) -> None:
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(f"{func}(source): a path or a hub name (str or os.PathLike), got {type(source).__name__}")
+    if not os.fspath(source):
+        raise WeightsError(f"{func}(''): an empty path; pass a path or a hub name")
 
 
 def source_tokenizer(spec: str) -> Tokenizer:
@@ -140,7 +142,7 @@ def source_tokenizer(spec: str) -> Tokenizer:
     found = rundir.inspect(spec).kind
     if found == rundir.DATA:
         return for_data(spec)
-    if found == rundir.TOKENIZER:  # gpt2lab tokenizer train --out
+    if found in (rundir.TOKENIZER, "file"):  # gpt2lab tokenizer train --out, or its tokenizer.json
         return load_tokenizer(spec)
     kind = source_kind(spec)
     if kind == HUB:
