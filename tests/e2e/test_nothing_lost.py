@@ -200,14 +200,6 @@ def test_resume_auto_skips_a_corrupt_checkpoint_and_says_so(run_copy, tiny_data,
     assert sorted(train_losses(run_copy)) == [0, 1, 2, 3, 4]
 
 
-def test_resume_with_another_model_size_names_the_field_that_differs(run_copy, tiny_data, capsys):
-    assert main(_argv(tiny_data, run_copy, "--resume", "auto", max_steps=6, n_layer=3)) == 3
-    line = _one_line(capsys.readouterr().err)
-    assert "holds another model shape than this one: n_layer 2 there, 3 here;" in line
-    assert "n_embd" not in line and "n_head" not in line
-    assert "new --out" in line
-
-
 # -- the command line ----------------------------------------------------------------------
 def test_no_abbreviations_negative_values_and_documented_codes(capsys):
     with pytest.raises(SystemExit) as e:
