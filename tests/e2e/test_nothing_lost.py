@@ -249,6 +249,38 @@ def test_ctrl_c_once_finishes_the_step_and_saves(tiny_data, tmp_path):
     assert int(saved.split("_")[-1]) == len(train_losses(out))  # every logged step is in the checkpoint
 
 
+def test_sigterm_during_a_long_sample_saves_at_once_and_the_resume_goes_on_as_if_never_stopped(tiny_data, tmp_path):
+    """A training-time sample of a million tokens (hours here) at step 6: SIGTERM during it stops it at its
+    next token, unlogged; the 6 steps are saved and the run exits 143 at once. The resumed run samples
+    step 6 again and trains on to the losses of a run never stopped (one thread each, as a subprocess)."""
+    fields = dict(max_steps=8, min_lr=TINY["max_lr"], ckpt_interval=0, keep_checkpoints=0)  # max_steps moves no rate
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the subprocess (conftest.env: OMP_NUM_THREADS=1): the same sums
+    try:
+        train(_cfg(tiny_data, tmp_path / "straight", **fields), DistInfo(device=CPU))
+        out = tmp_path / "run"
+        train(_cfg(tiny_data, out, **{**fields, "max_steps": 4}), DistInfo(device=CPU))
+        long = dict(data=tiny_data, out=str(out), sample_interval=6, sample_tokens=10**6, **fields)
+        cmd = train_cmd(**long) + ["--resume", "auto"]
+        proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _wait_steps(proc, out, 6)  # steps 0-5 logged: the sample of step 6 is next
+        proc.send_signal(signal.SIGTERM)
+        stdout, err = proc.communicate(timeout=120)  # without a look at the flag per token: hours
+        assert proc.returncode == 143 and "Traceback" not in err, err
+        assert sorted(os.listdir(out / "checkpoints")) == ["step_000004", "step_000006"]
+        assert not [r for r in records(out) if "sample" in r and r["step"] >= 6]  # cut short: not logged
+        train(
+            _cfg(tiny_data, out, **{**fields, "sample_interval": 6, "sample_tokens": 4}), DistInfo(device=CPU), "auto"
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert [r["step"] for r in records(out) if "sample" in r] == [6, 8]  # step 6 again, and the end's
+    straight, again = train_losses(tmp_path / "straight"), train_losses(out)
+    assert sorted(again) == list(range(8))
+    for step in range(8):
+        assert abs(again[step] - straight[step]) <= 1e-6, (step, again[step], straight[step])
+
+
 def test_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(tiny_data, tmp_path, monkeypatch, capsys):
     from gpt2lab.train.trainer import Trainer, _stop_on_signals
 
