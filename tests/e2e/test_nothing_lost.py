@@ -183,9 +183,34 @@ def test_damaged_checkpoint_is_one_line_for_every_command(run_copy, tiny_data, t
         line = _one_line(capsys.readouterr().err)
         assert f"checkpoint {newest} is damaged: model.safetensors does not match its checksum" in line
         assert "--resume " + os.path.join(run_copy, "checkpoints", "step_000002") in line
-    os.remove(Path(newest, ckpt.CHECKSUMS))  # a checkpoint from before checksums: safetensors' own check
-    assert main(commands[0]) == 3
-    assert "model.safetensors cannot be read (SafetensorError" in _one_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("checksums", [None, "garbage", "[]", '{"state.pt": "00"}'])
+def test_a_checkpoint_its_checksums_cannot_vouch_for_is_named_by_every_reader(run_copy, tiny_data, capsys, checksums):
+    """A checksums.json missing, unreadable or leaving files out (here beside a garbage state.pt, which
+    unpickles to nothing): one rule for every reader. train passes the checkpoint over, saying so and
+    why; sample refuses it in one line naming the file; neither shows a traceback."""
+    newest = Path(run_copy, "checkpoints", "step_000004")
+    (newest / "state.pt").write_bytes(b"\xc9" * 3000)
+    os.remove(newest / ckpt.CHECKSUMS)
+    if checksums is not None:
+        (newest / ckpt.CHECKSUMS).write_text(checksums)
+    why = {None: "unreadable (No such file or directory)", "garbage": "unreadable (Expecting value"}
+    said = f"checksums.json {why.get(checksums, 'leaves out ')}"
+    assert main(["sample", "--model", str(newest), "--device", "cpu", "--max-new-tokens", "1"]) == 3
+    assert f"checkpoint {newest} is damaged: {said}" in _one_line(capsys.readouterr().err)
+    assert main(_argv(tiny_data, run_copy, "--resume", "auto", max_steps=5)) == 0
+    err = capsys.readouterr().err
+    assert f"checkpoint {newest} is damaged ({said}" in err and "trying the one before it" in err, err
+    assert "Traceback" not in err and sorted(train_losses(run_copy)) == [0, 1, 2, 3, 4]
+
+
+def test_garbage_state_pt_is_a_damaged_checkpoint_not_a_traceback(run_copy):
+    """Its bytes unpickle to nothing (UnpicklingError, no OSError): the shared reader names the file."""
+    newest = os.path.join(run_copy, "checkpoints", "step_000004")
+    Path(newest, "state.pt").write_bytes(b"\xc9" * 3000)
+    with pytest.raises(ckpt.CheckpointError, match=f"checkpoint {newest} is damaged: UnpicklingError"):
+        ckpt.read_state(newest)
 
 
 def test_resume_auto_skips_a_corrupt_checkpoint_and_says_so(run_copy, tiny_data, capsys):
