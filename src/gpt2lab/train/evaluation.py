@@ -10,6 +10,7 @@ still meets the others at an evaluation's sums, which carry the stop to all of t
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Callable, Optional
 
@@ -120,14 +121,12 @@ class Evaluator:
         gen = torch.Generator(device=self.device).manual_seed(42)  # own generator: training RNG untouched
         self.raw.eval()
         # eager: under FSDP the blocks are compiled in place, and generation has varying shapes
-        new = []
         with autocast(self.device, self.dtype), torch.compiler.set_stance("force_eager"):
             # the model as it trains (no second copy of the weights beside the optimizer's state)
-            n = self.cfg.eval.sample_tokens
-            for token, _ in generate_stream(self.raw, idx, n, top_k=50, generator=gen, stop_token=stop):
-                if self.stopping():
-                    break
-                new.append(int(token))
+            stream = generate_stream(
+                self.raw, idx, self.cfg.eval.sample_tokens, top_k=50, generator=gen, stop_token=stop
+            )
+            new = [int(t) for t, _ in itertools.takewhile(lambda _: not self.stopping(), stream)]  # a token at a time
         self.raw.train()
         if self.stopping():
             return None

@@ -42,8 +42,7 @@ def preset_names() -> list[str]:
 def preset_values(name: str, _seen: tuple = ()) -> dict:
     """The fields a preset sets (its ``base`` chain resolved), nested, not yet a TrainConfig."""
     if name not in preset_names():
-        near = difflib.get_close_matches(name, preset_names(), n=1)
-        hint = f"; did you mean {near[0]}?" if near else ""
+        hint = "".join(f"; did you mean {near}?" for near in difflib.get_close_matches(name, preset_names(), n=1))
         raise ConfigError(f"unknown preset {name!r}{hint} (the presets: {', '.join(preset_names())})")
     if name in _seen:
         raise ConfigError(f"preset {name!r}: base presets form a cycle ({' -> '.join(_seen + (name,))})")
