@@ -457,7 +457,8 @@ class Trainer:
 
 @contextlib.contextmanager
 def _stop_on_signals(trainer: Trainer):
-    """SIGTERM/SIGINT set a flag: the current step finishes, a checkpoint is saved, then exit.
+    """SIGTERM/SIGINT set a flag: the current step (or evaluation batch, or sample token) finishes, a
+    checkpoint is saved, then exit.
 
     A second Ctrl-C stops at once (KeyboardInterrupt): the last checkpoint stays intact,
     a save in progress is dropped whole.
