@@ -97,7 +97,7 @@ def test_preset_files_may_use_a_model_table(tmp_path, monkeypatch):
         ({"n_layers": 3}, ["unknown field(s) n_layers", "n_layer"]),
         ({"model": {"n_layers": 3}}, ["unknown model field(s) n_layers", "n_layer"]),
         ({"model": 3}, ['"model" must be a table']),
-        ({"n_layer": 0}, ["n_layer must be >= 1, got 0"]),
+        ({"n_layer": 0}, ["n_layer 0 must be >= 1"]),
         ({"model": {"n_layer": "2"}}, ["n_layer must be a whole number, got '2'"]),
         ({"attn_pdrop": True}, ["attn_pdrop must be a number, got True"]),
         ({"model": {"n_head": 5}}, ["n_embd 768 is not divisible by n_head 5"]),
@@ -248,7 +248,9 @@ def test_presets_land_in_their_sections():
 def test_a_retired_key_is_refused():
     """init_from_id (what --init-from resolved to, now the plan's record in state.pt) was in the
     first runs' config.json; no setting reads it now."""
-    with pytest.raises(ConfigError, match=r"^x.toml: unknown field\(s\) init_from_id; known fields: "):
+    with pytest.raises(
+        ConfigError, match=r"^x.toml: unknown field\(s\) init_from_id \(did you mean init_from\?\); known"
+    ):
         TrainConfig.from_dict({"init_from_id": "sha256:" + "ab" * 32}, source="x.toml")
 
 
@@ -274,7 +276,7 @@ def test_a_resume_reads_what_the_run_began_from_in_state_pt(tmp_path):
             {"optim": {"max_lrr": 1e-3}},
             "x.toml: unknown optim field(s) max_lrr; known optim fields: max_steps, max_lr,",
         ),
-        ({"max_lrr": 1e-3}, "x.toml: unknown field(s) max_lrr; known fields: "),
+        ({"max_lrr": 1e-3}, "x.toml: unknown field(s) max_lrr (did you mean max_lr?); known fields: "),
         (
             {"optimizer": "muon", "optim": {"optimizer": "adamw"}},
             "x.toml: optimizer set both as a key and in [optim]; keep one",

@@ -43,9 +43,9 @@ def test_defaults_are_gpt2():
 @pytest.mark.parametrize(
     "bad, needle",
     [
-        (dict(pos_emb="alibi"), "pos_emb 'alibi' must be one of learned, rotary"),
-        (dict(norm="batchnorm"), "norm 'batchnorm' must be one of layernorm, rmsnorm"),
-        (dict(mlp_act="swiglu"), "mlp_act 'swiglu' must be one of gelu, relu2"),
+        (dict(pos_emb="alibi"), "pos_emb 'alibi': choose one of learned, rotary"),
+        (dict(norm="batchnorm"), "norm 'batchnorm': choose one of layernorm, rmsnorm"),
+        (dict(mlp_act="swiglu"), "mlp_act 'swiglu': choose one of gelu, relu2"),
         (dict(logit_softcap=-1.0), "logit_softcap -1.0 must be >= 0"),
         (dict(pos_emb="rotary", n_embd=30, n_head=2), "rotary positions need an even head size"),
     ],

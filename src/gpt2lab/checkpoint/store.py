@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -232,19 +233,21 @@ def _save_sharded(final: str, model, optimizer, plain: Optional[dict], config: d
 
 
 def verify(ckpt: str, share: tuple[int, int] = (0, 1)) -> None:
-    """Raise CheckpointError unless every file matches the checksum written at save.
-
-    Checkpoints from before checksums existed have no checksums.json and pass unchecked.
+    """Raise CheckpointError unless checksums.json lists every file of the checkpoint and every file
+    matches the checksum written at save. One rule for every reader: a checksums.json missing (every
+    checkpoint of this format has one), unreadable or leaving a file out makes the checkpoint damaged,
+    named so (train then passes it over for the one before it, saying so; the others refuse it).
     ``share=(r, w)`` hashes only every w-th file from the r-th (``verify_together``).
     """
-    path = os.path.join(ckpt, CHECKSUMS)
-    if not os.path.exists(path):
-        return
     try:
-        with open(path) as fh:
+        with open(os.path.join(ckpt, CHECKSUMS)) as fh:
             expected = json.load(fh)
     except (OSError, ValueError) as e:
-        raise damaged(ckpt, f"{CHECKSUMS} unreadable ({e})") from e
+        raise damaged(ckpt, f"{CHECKSUMS} unreadable ({getattr(e, 'strerror', None) or e})") from e
+    held = sorted(n for n in os.listdir(ckpt) if n != CHECKSUMS and os.path.isfile(os.path.join(ckpt, n)))
+    unlisted = [n for n in held if n not in expected] if isinstance(expected, dict) else held
+    if unlisted or not isinstance(expected, dict):
+        raise damaged(ckpt, f"{CHECKSUMS} leaves out {', '.join(unlisted) or 'every file'}")
     for i, (name, digest) in enumerate(expected.items()):
         file = os.path.join(ckpt, name)
         if not os.path.isfile(file):
@@ -440,7 +443,7 @@ def read_state(ckpt: str) -> dict:
     path = os.path.join(ckpt, "state.pt")
     try:
         state = torch.load(path, weights_only=True, map_location="cpu")
-    except (OSError, RuntimeError, EOFError, ValueError) as e:
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
         raise damaged(ckpt, _first_line(e)) from e
     if not isinstance(state, dict):
         raise damaged(ckpt, f"state.pt holds no dict ({type(state).__name__})")
@@ -498,7 +501,7 @@ def _load_optimizer(ckpt: str, apply: Callable[[dict], None]) -> None:
     """optimizer.pt, handed to ``apply`` (one fitting error for both of its callers)."""
     try:
         opt = torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True, map_location="cpu")
-    except (OSError, RuntimeError, EOFError, ValueError) as e:
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
         raise damaged(ckpt, _first_line(e)) from e
     try:
         apply(opt)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -15,16 +16,19 @@ import torch
 import torch.distributed as dist
 
 from gpt2lab.system import choices
+from gpt2lab.system.errors import ConfigError
 
 
 def pick_device(name: Optional[str] = None) -> torch.device:
-    """``name`` if given ('cpu', 'cuda', 'cuda:1', 'mps'), else the best available: cuda > mps > cpu."""
+    """``name`` if given ('cpu', 'cuda', 'cuda:1', 'mps'), else the best available: cuda > mps > cpu.
+    A name that is no device of this machine is a ConfigError (exit 2), the same for every command."""
     if name and name != "auto":
+        if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", name):
+            raise ConfigError(f"--device {name}: not a device; use cpu, cuda, cuda:N, mps or auto")
         dev = torch.device(name)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise SystemExit(f"--device {name}: CUDA is not available on this machine; use --device cpu")
-        if dev.type == "mps" and not torch.backends.mps.is_available():
-            raise SystemExit(f"--device {name}: MPS is not available on this machine; use --device cpu")
+        there = {"cpu": 1, "cuda": torch.cuda.device_count(), "mps": int(torch.backends.mps.is_available())}[dev.type]
+        if (dev.index or 0) >= there:
+            raise ConfigError(f"--device {name}: this machine has {there} {dev.type} device(s); use --device auto")
         return dev
     if torch.cuda.is_available():
         return torch.device("cuda")

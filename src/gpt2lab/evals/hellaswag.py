@@ -18,7 +18,7 @@ import json
 import os
 import warnings
 from dataclasses import dataclass
-from typing import BinaryIO, Iterator, Optional
+from typing import BinaryIO, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -333,8 +333,10 @@ def score_examples(
     batch_size: int = DEFAULT_BATCH_SIZE,
     strategy: str = "auto",
     progress: bool = False,
+    stop: Callable[[], bool] = bool,
 ) -> list[Score]:
-    """Score every example, up to ``batch_size`` examples per forward; results in input order."""
+    """Score every example, up to ``batch_size`` examples per forward; results in input order. ``stop()``
+    true before a batch (default: never) ends the scoring there: the scores after it are meaningless."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     device = torch.device(device)
@@ -353,6 +355,8 @@ def score_examples(
         batches = tqdm(batches, desc="hellaswag", unit="batch")
     sums = torch.zeros(len(examples), N_ENDINGS)
     for kind, idx in batches:
+        if stop():
+            break
         if kind == "shared":
             sums[idx] = _score_shared(
                 model, [rendered[i][0] for i in idx], [rendered[i][1] for i in idx], device=device, dtype=dtype
@@ -381,11 +385,14 @@ def evaluate_hellaswag(
     world_size: int = 1,
     strategy: str = "auto",
     progress: bool = False,
-) -> dict:
-    """HellaSwag accuracy of ``model``: {"task", "n", "acc", "acc_norm"}.
+    stop: Callable[[], bool] = bool,
+) -> Optional[dict]:
+    """HellaSwag accuracy of ``model``: {"task", "n", "acc", "acc_norm"}; None when ``stop()`` (looked at
+    before each batch; default: never) said to stop on any rank.
 
     Under torch.distributed each rank scores examples rank, rank + world_size, ... and the
-    counts are summed over ranks, so every rank returns the same, whole-set result.
+    counts are summed over ranks, so every rank returns the same, whole-set result (a rank that stops
+    early still meets the others at the sum).
     ``strategy`` is how rows share a forward pass (see ``resolve_strategy``).
     """
     if world_size > 1 and not (dist.is_available() and dist.is_initialized()):
@@ -400,13 +407,14 @@ def evaluate_hellaswag(
         batch_size=batch_size,
         strategy=strategy,
         progress=progress and rank == 0,
+        stop=stop,
     )
     counts = torch.tensor(
-        [len(scores), sum(s.pred == s.label for s in scores), sum(s.pred_norm == s.label for s in scores)],
+        [len(scores), sum(s.pred == s.label for s in scores), sum(s.pred_norm == s.label for s in scores), stop()],
         dtype=torch.long,
         device=device,
     )
     if world_size > 1:
         all_reduce_sum(counts)
-    n, correct, correct_norm = counts.tolist()
-    return {"task": "hellaswag", "n": n, "acc": correct / n, "acc_norm": correct_norm / n}
+    n, correct, correct_norm, stopped = counts.tolist()
+    return None if stopped else {"task": "hellaswag", "n": n, "acc": correct / n, "acc_norm": correct_norm / n}

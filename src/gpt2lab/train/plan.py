@@ -541,9 +541,9 @@ def describe_checkpoints(disk: dict) -> str:
 
 def resume_fields(cfg: TrainConfig) -> list[str]:
     """The settings a resumed run must keep, by flat name: each field marked ``keep`` (train.config)
-    that applies to ``cfg``, and every architecture field that sets no shape (a checkpoint's shapes
-    are checked when it loads, naming the shape fields that differ: exit 3)."""
-    out = [f.name for f in dataclasses.fields(GPTConfig) if not (f.metadata["shape"] or f.metadata["derived"])]
+    that applies to ``cfg``, and every architecture field the run does not derive (its shapes too: refused
+    here, a dry run too, not when the checkpoint loads)."""
+    out = [f.name for f in dataclasses.fields(GPTConfig) if not f.metadata["derived"]]
     for owner in [TrainConfig, *(section for name, section in SECTIONS.items() if name != "model")]:
         for f in dataclasses.fields(owner):
             keep = f.metadata.get("keep")

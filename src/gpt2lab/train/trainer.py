@@ -181,6 +181,7 @@ class Trainer:
         self.average = WeightAverage(self.raw, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
         seen = (self.raw, self.model) if self.average is None else (self.average.module,) * 2
         self.spikes, self.evaluate = Rollback(cfg), Evaluator(cfg, info, *seen, self.dtype)
+        self.evaluate.stopping = lambda: self.stop_requested
         self.scaler = torch.amp.GradScaler(self.device.type) if self.dtype == "float16" else None
         if plan.resume:
             self.restore(plan.resume, verified=True)  # the plan checked its checksums
@@ -387,11 +388,16 @@ class Trainer:
     def run(self, log: MetricsLogger) -> Optional[str]:
         """Train to ``max_steps`` (or a stop signal); return the last checkpoint written. Each step:
         evaluate if due, train it, log the records at hand (one, or the device's read back), roll back
-        if the spikes say so, save if due or stopping."""
-        cfg, last_ckpt = self.cfg, None
+        if the spikes say so, save if due or stopping. A stop during an evaluation (which it cuts short)
+        saves the steps so far at once (unless saved already), so that a resumed run evaluates that step again."""
+        cfg, last_ckpt = self.cfg, self.plan.resume
         with _stop_on_signals(self):
-            while self.step < cfg.optim.max_steps:
-                self.evaluate(self.step, log)
+            while True:
+                if self.evaluate(self.step, log) and self._stop_agreed():  # evaluations: on every rank alike
+                    saved = not self.steps_taken or last_ckpt == ckpt.checkpoint_dir(cfg.out, self.step)
+                    return self._stopped(last_ckpt if saved else self.save(), log)
+                if self.step >= cfg.optim.max_steps:  # after the end-of-run evaluation
+                    return last_ckpt
                 if not self.pending:
                     self.since = time.perf_counter()
                 record = self.train_step()
@@ -411,10 +417,11 @@ class Trainer:
                 if stop or self.step == cfg.optim.max_steps or due(cfg.checkpoint.ckpt_interval, self.step, -1):
                     last_ckpt = self.save() or last_ckpt
                 if stop:
-                    log.console(f"stop signal: saved step {self.step} to {last_ckpt}")  # train.run says how to go on
-                    self.stop_signal = self.stop_signal or signal.SIGTERM  # another rank's signal
-                    return last_ckpt
-        self.evaluate(self.step, log)  # the end-of-run evaluation (step == max_steps)
+                    return self._stopped(last_ckpt, log)
+
+    def _stopped(self, last_ckpt: Optional[str], log: MetricsLogger) -> Optional[str]:
+        log.console(f"stop signal: saved step {self.step} to {last_ckpt}")  # train.run says how to go on
+        self.stop_signal = self.stop_signal or signal.SIGTERM  # another rank's signal
         return last_ckpt
 
     def _log(self, done: list[tuple[dict, int, Optional[tuple]]], log: MetricsLogger) -> Optional[RollbackDecision]:
@@ -450,7 +457,8 @@ class Trainer:
 
 @contextlib.contextmanager
 def _stop_on_signals(trainer: Trainer):
-    """SIGTERM/SIGINT set a flag: the current step finishes, a checkpoint is saved, then exit.
+    """SIGTERM/SIGINT set a flag: the current step (or evaluation batch, or sample token) finishes, a
+    checkpoint is saved, then exit.
 
     A second Ctrl-C stops at once (KeyboardInterrupt): the last checkpoint stays intact,
     a save in progress is dropped whole.
