@@ -12,7 +12,6 @@ import argparse
 import difflib
 import errno
 import importlib
-import os
 import re
 import sys
 import warnings
@@ -115,7 +114,9 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Name
 
 
 def _debug(argv: Sequence[str]) -> bool:
-    return "--debug" in argv or os.environ.get("GPT2LAB_DEBUG", "") not in ("", "0")
+    from gpt2lab.system import env
+
+    return "--debug" in argv or env.debug()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 from typing import Optional
@@ -39,6 +38,7 @@ from gpt2lab.distributed.dist import pick_device
 from gpt2lab.model.config import GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.model.loss import choose_loss
+from gpt2lab.system import env
 from gpt2lab.system.choices import finite_float
 from gpt2lab.system.errors import UsageError
 from gpt2lab.train.optim import make_optimizer
@@ -189,7 +189,7 @@ def tensor_bytes(pred: memplan.Prediction) -> int:
 
 
 def predict_and_measure(cfg: GPTConfig, args: argparse.Namespace) -> Optional[dict]:
-    env_world = int(os.environ.get("WORLD_SIZE", "1"))
+    env_world = env.launch().world_size
     measure = args.measure == "true"
     if measure and args.world_size not in (None, env_world):
         raise UsageError(

@@ -23,9 +23,12 @@ def program() -> str:
     the script beside this Python (``.venv/bin/gpt2lab`` after ``make demo``), else ``python -m
     gpt2lab``; under torchrun, torchrun with this node's process count (several nodes: the user's
     own rendezvous flags, which no process sees)."""
-    if os.environ.get("TORCHELASTIC_RUN_ID") is not None:
-        local, nodes = os.environ.get("LOCAL_WORLD_SIZE", "1"), os.environ.get("GROUP_WORLD_SIZE", "1")
-        if nodes == "1":
+    from gpt2lab.system import env
+
+    launch = env.launch()
+    if launch.elastic:
+        local, nodes = launch.local_world_size or 1, launch.nodes
+        if nodes == 1:
             return f"torchrun --standalone --nproc_per_node={local} -m gpt2lab"
         return f"torchrun --nnodes={nodes} --nproc_per_node={local} <your --rdzv flags> -m gpt2lab"
     script = os.path.join(os.path.dirname(sys.executable), "gpt2lab")

@@ -64,6 +64,7 @@ def collect(device_name: str = "auto") -> dict:
     from gpt2lab.distributed.dist import pick_device
     from gpt2lab.inference import pages
     from gpt2lab.inference.kernels import gemv_error
+    from gpt2lab.system import env as sysenv
     from gpt2lab.system import runtime
 
     device = pick_device(device_name)
@@ -89,7 +90,7 @@ def collect(device_name: str = "auto") -> dict:
         "torch_threads": torch.get_num_threads(),
         "cpu_flags": list(facts.cpu_flags),
         "native_bf16": facts.native_bf16,
-        "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+        "onednn_max_cpu_isa": sysenv.isa_caps().get("ONEDNN_MAX_CPU_ISA"),
         "matmul_fp32_gflops": probe.fp32_gflops,
         "matmul_bf16_gflops": probe.bf16_gflops,
         "matmul_size": runtime.PROBE_N,

@@ -66,13 +66,13 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(listing()))
         return 0
     from gpt2lab.distributed.dist import DistInfo, cleanup, init_distributed
-    from gpt2lab.train.gather import FAKE_FACTS_ENV
+    from gpt2lab.system import env
     from gpt2lab.train.run import train
     from gpt2lab.train.trainer import Stopped
 
     request = _request(args)
     device = str(request.get("device"))
-    faked = args.dry_run and os.environ.get(FAKE_FACTS_ENV)  # a plan for another machine: none of this one's devices
+    faked = args.dry_run and env.fake_facts()  # a plan for another machine: none of this one's devices
     info = DistInfo() if faked else init_distributed(None if device == "auto" else device)
     try:
         last = train(request, info, dry_run=args.dry_run)

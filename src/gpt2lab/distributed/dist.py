@@ -7,7 +7,6 @@ Serves a plain ``python`` run (one process, any device), ``torchrun`` on one nod
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -15,7 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from gpt2lab.system import choices
+from gpt2lab.system import choices, env
 from gpt2lab.system.errors import ConfigError
 
 
@@ -73,9 +72,8 @@ def init_distributed(device: Optional[str] = None) -> DistInfo:
     Without torchrun this is a single process on ``pick_device(device)``. Under torchrun
     each process takes cuda:LOCAL_RANK on GPU machines (NCCL) or the CPU (gloo).
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    launch = env.launch()
+    world, rank, local_rank = launch.world_size, launch.rank, launch.local_rank
     dev = pick_device(device)
     if world > 1:
         if dev.type == "cuda":
@@ -158,5 +156,5 @@ def decided_on_rank_0(decide):
 
 def print0(*args, **kwargs) -> None:
     """print on rank 0 only."""
-    if int(os.environ.get("RANK", "0")) == 0:
+    if env.launch().rank == 0:
         print(*args, **kwargs, flush=True)

@@ -21,11 +21,11 @@ import urllib.request
 from dataclasses import dataclass
 from typing import BinaryIO, Callable, Optional
 
+from gpt2lab.system import env
 from gpt2lab.system.errors import GPT2LabError
 from gpt2lab.system.files import atomic_write, sweep_stale, tmp_name
 
 CACHE_ENV = "GPT2LAB_CACHE"
-OFFLINE_ENVS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 # Seconds the one download attempt waits to connect (and for each read): an unreachable network
 # fails in this long at most, with no retries.
 DOWNLOAD_TIMEOUT_S = 10
@@ -51,14 +51,12 @@ class DataSet:
 
 def cache_dir() -> str:
     """Where downloads are kept: gpt2lab's cache ($GPT2LAB_CACHE, else ~/.cache/gpt2lab), as the probes'."""
-    from gpt2lab.system.runtime import _cache_dir
-
-    return _cache_dir()
+    return env.cache_dir()
 
 
 def offline() -> list[str]:
     """Hugging Face's offline switches that are set (no download is even tried then)."""
-    return [v for v in OFFLINE_ENVS if os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")]
+    return env.offline()
 
 
 def cached_file(ds: DataSet, flag: str = "--data") -> str:

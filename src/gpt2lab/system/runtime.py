@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from gpt2lab.system import env
 from gpt2lab.system.choices import COMPILE_CHOICES, DTYPE_CHOICES, NS_DTYPE_CHOICES
 from gpt2lab.system.errors import ConfigError
 
@@ -229,7 +230,7 @@ def can_compile(device_type: str) -> bool:
         return importlib.util.find_spec("triton") is not None
     if device_type == "mps":
         return True
-    return any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c)
+    return any(shutil.which(c) for c in (env.cxx(), "g++", "c++", "clang++") if c)
 
 
 def measure_matmul(device, n: int = PROBE_N, seconds: float = PROBE_SECONDS) -> Probe:
@@ -290,7 +291,7 @@ def cached_cpu_probe(cache_dir: Optional[str] = None) -> Optional[Probe]:
 
     ``GPT2LAB_PROBE=0`` turns it off (the choice then follows the CPU flags).
     """
-    if os.environ.get("GPT2LAB_PROBE", "1") == "0":
+    if env.probe_mode() == "0":
         return None
     import torch
 
@@ -313,13 +314,7 @@ def cached_cpu_probe(cache_dir: Optional[str] = None) -> Optional[Probe]:
 
 
 def _cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.environ.get("GPT2LAB_CACHE", os.path.join(base, "gpt2lab"))
-
-
-# Environment variables that cap the instruction sets of the kernels (oneDNN, ATen's own, MKL): a probe
-# taken under one cap says nothing of the others.
-ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+    return env.cache_dir()
 
 
 def _machine_key() -> str:
@@ -331,7 +326,7 @@ def _machine_key() -> str:
         ",".join(cpu_flags()),
         torch.__version__,
         str(torch.get_num_threads()),
-        *(os.environ.get(v, "") for v in ISA_CAPS),
+        *(env.isa_caps().get(v, "") for v in env.ISA_CAPS),
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 

@@ -27,11 +27,9 @@ from typing import Callable, Mapping, Optional
 from gpt2lab.checkpoint import store as ckpt
 from gpt2lab.distributed import parallel
 from gpt2lab.model.config import config_value
-from gpt2lab.system import runtime
+from gpt2lab.system import env, runtime
 from gpt2lab.system.errors import CheckpointError, ConfigError
 from gpt2lab.train import init_from
-
-FAKE_FACTS_ENV = "GPT2LAB_FAKE_FACTS"
 
 
 # -- the machine ---------------------------------------------------------------------------
@@ -49,7 +47,7 @@ class MachineFacts:
         d = self.device
         mem = f", {self.device_bytes / 2**30:.1f} GiB each" if self.device_bytes else ""
         return f"{d.device_type} x {self.world_size} ({d.device_name or 'unknown'}{mem})" + (
-            f" [faked by {FAKE_FACTS_ENV}={self.faked}]" if self.faked else ""
+            f" [faked by {env.FAKE_FACTS}={self.faked}]" if self.faked else ""
         )
 
 
@@ -77,7 +75,7 @@ def host_bytes() -> Optional[int]:
 def host_share(world_size: int) -> Optional[int]:
     """A CPU process's share of the RAM: the processes of this node (torchrun's LOCAL_WORLD_SIZE) share it."""
     total = host_bytes()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or 1)
+    local = env.launch().local_world_size or world_size
     return None if total is None else total // max(1, local)
 
 
@@ -107,7 +105,7 @@ def fake_machine(path: str) -> MachineFacts:
         if dev.device_type not in ("cpu", "cuda", "mps") or world < 1:
             raise ValueError(f"device_type {dev.device_type!r} (cpu, cuda or mps), world_size {world} (>= 1)")
     except (OSError, ValueError, TypeError) as e:
-        raise ConfigError(f"{FAKE_FACTS_ENV}={path}: cannot use it ({e}); see gpt2lab.train.gather") from e
+        raise ConfigError(f"{env.FAKE_FACTS}={path}: cannot use it ({e}); see gpt2lab.train.gather") from e
     return MachineFacts(
         dev,
         world,

@@ -29,7 +29,7 @@ from gpt2lab.data.tokenizer import (
 )
 from gpt2lab.model.config import HUB_NAMES
 from gpt2lab.model.gpt import GPT, GPTConfig
-from gpt2lab.system import rundir
+from gpt2lab.system import env, rundir
 from gpt2lab.system.errors import DataError
 from gpt2lab.system.files import read_json_object
 from gpt2lab.weights import gpt2, nanochat
@@ -183,10 +183,6 @@ def from_hf_dir(path: str) -> GPT:
     raise WeightsError(f"{path}: no weights file (looked for {', '.join(WEIGHT_FILES)})")
 
 
-def _hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
-
-
 def from_hub(name: str) -> GPT:
     """gpt2 / gpt2-medium / gpt2-large / gpt2-xl (or an owner/repo id) from the Hugging Face hub.
 
@@ -201,7 +197,7 @@ def hub_files(name: str) -> tuple[str, str]:
     from huggingface_hub import hf_hub_download
 
     repo = HUB_REPOS.get(name, name)
-    offline = _hub_offline()
+    offline = env.hub_offline()
     try:
         config_path = hf_hub_download(repo, "config.json", local_files_only=offline)
         weights_path = hf_hub_download(repo, "model.safetensors", local_files_only=offline)
