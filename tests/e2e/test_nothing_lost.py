@@ -208,17 +208,17 @@ def test_damaged_checkpoint_is_one_line_for_every_command(run_copy, tiny_data, t
     newest = os.path.join(run_copy, "checkpoints", "step_000004")
     weights = Path(newest, "model.safetensors")
     weights.write_bytes(weights.read_bytes()[:100])  # truncated
-    commands = [
-        ["sample", "--model", newest, "--device", "cpu", "--max-new-tokens", "1"],
-        ["eval", "loss", "--model", run_copy, "--data", tiny_data, "--tokens", "64", "--device", "cpu"],
-        ["export", newest, str(tmp_path / "hf")],
-        _argv(tiny_data, run_copy, "--resume", newest, max_steps=6),
+    commands = [  # each named the damaged checkpoint itself: refused, the one before it in the command's own flag
+        (["sample", "--model", newest, "--device", "cpu", "--max-new-tokens", "1"], "--model"),
+        (["eval", "loss", "--model", newest, "--data", tiny_data, "--tokens", "64", "--device", "cpu"], "--model"),
+        (["export", newest, str(tmp_path / "hf")], "SRC"),
+        (_argv(tiny_data, run_copy, "--resume", newest, max_steps=6), "--resume"),
     ]
-    for argv in commands:
+    for argv, flag in commands:
         assert main(argv) == 3, argv
         line = _one_line(capsys.readouterr().err)
         assert f"checkpoint {newest} is damaged: model.safetensors does not match its checksum" in line
-        assert "--resume " + os.path.join(run_copy, "checkpoints", "step_000002") in line
+        assert line.endswith(f"use an earlier one: {flag} " + os.path.join(run_copy, "checkpoints", "step_000002"))
 
 
 @pytest.mark.parametrize("checksums", [None, "garbage", "[]", '{"state.pt": "00"}'])
@@ -247,6 +247,48 @@ def test_garbage_state_pt_is_a_damaged_checkpoint_not_a_traceback(run_copy):
     Path(newest, "state.pt").write_bytes(b"\xc9" * 3000)
     with pytest.raises(ckpt.CheckpointError, match=f"checkpoint {newest} is damaged: UnpicklingError"):
         ckpt.read_state(newest)
+
+
+def test_every_reader_of_a_run_passes_over_its_damaged_newest_checkpoint_alike(run_copy, tiny_data, tmp_path):
+    """One checkpoint rule (weights.load.checkpoint_of), in real processes: with a run's newest checkpoint
+    damaged, sample, export, train --init-from and train --resume auto all read the one before it, and each
+    names the damaged one on stderr."""
+    from safetensors.torch import load_file, save_file
+
+    from gpt2lab.weights.load import load_model
+
+    newest, before = (os.path.join(run_copy, "checkpoints", f"step_00000{n}") for n in (4, 2))
+    weights = os.path.join(newest, "model.safetensors")  # zeros: a model read from them would say "!!!..."
+    save_file({k: torch.zeros_like(v) for k, v in load_file(weights).items()}, weights)
+    greedy = ["sample", "--prompt", "ROMEO:", "--max-new-tokens", "8", "--temperature", "0", "--device", "cpu"]
+    commands = {
+        "sample": [*greedy, "--model", run_copy],
+        "reference": [*greedy, "--model", before],  # the checkpoint before it, named itself
+        "export": ["export", run_copy, str(tmp_path / "hf")],
+        "init": _argv(tiny_data, tmp_path / "new", "--init-from", run_copy, "--dry-run"),
+        "resume": _argv(tiny_data, run_copy, "--resume", "auto", "--dry-run"),
+    }
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "gpt2lab", *argv],
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, argv in commands.items()
+    }
+    out = {name: p.communicate(timeout=300) for name, p in procs.items()}
+    assert all(p.returncode == 0 for p in procs.values()), out
+    said = f"checkpoint {newest} is damaged (model.safetensors does not match its checksum"
+    for name, (_, err) in out.items():
+        assert (said in err and "trying the one before it" in err) == (name != "reference"), (name, err)
+    assert out["sample"][0] == out["reference"][0] and "!!!!" not in out["sample"][0], out["sample"]
+    x = torch.randint(0, 50257, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(load_model(str(tmp_path / "hf"))(x)[0], load_model(before)(x)[0][..., :50257])
+    assert f"init from {run_copy} (checkpoint, step 2, sha256:" in out["init"][0], out["init"]
+    assert f"(resume from {before})" in out["resume"][0], out["resume"]
 
 
 def test_resume_auto_skips_a_corrupt_checkpoint_and_says_so(run_copy, tiny_data, capsys):

@@ -20,7 +20,8 @@ from gpt2lab.train.init_from import InitFromError, sha256_file
 from gpt2lab.train.run import train
 from gpt2lab.train.settings import load_preset
 from gpt2lab.train.trainer import Trainer
-from gpt2lab.weights import export, gpt2, read
+from gpt2lab.weights import export, gpt2
+from gpt2lab.weights.load import load_model
 
 CPU = torch.device("cpu")
 NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -176,7 +177,7 @@ def test_dropout_trains_stochastically_but_evaluates_like_none(tmp_path):
     export.save_pretrained(drop, str(tmp_path / "exp"))
     loaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "exp"))
     assert (loaded.config.embd_pdrop, loaded.config.attn_pdrop, loaded.config.resid_pdrop) == (0.1, 0.1, 0.1)
-    back = read.from_hf_dir(str(tmp_path / "exp"))
+    back = load_model(str(tmp_path / "exp"))
     assert (back.config.embd_pdrop, back.config.attn_pdrop, back.config.resid_pdrop) == (0.1, 0.1, 0.1)
     with torch.no_grad():
         assert torch.allclose(loaded.eval()(x).logits, plain(x)[0], atol=1e-5)
@@ -184,8 +185,6 @@ def test_dropout_trains_stochastically_but_evaluates_like_none(tmp_path):
 
 def test_lora_trains_only_adapters_and_merged_export_matches(hf_src, tiny_data, tmp_path):  # noqa: F811
     import transformers
-
-    from gpt2lab.weights.load import load_model
 
     # the fine-tuning preset (dropout 0.1) from the tiny HF directory, with tiny overrides
     cfg = adapt_config(
@@ -241,8 +240,6 @@ def test_finetune_preset_lowers_held_out_loss(pretrained_run, tiny_data, tmp_pat
     """From the pre-trained run, the finetune-shakespeare preset (tiny overrides, through the
     CLI) lowers the loss on the held-out val split below the source's."""
     from conftest import evaluate_loss
-
-    from gpt2lab.weights.load import from_checkpoint as load_model
 
     out = tmp_path / "ft"
     rc = cli.main(

@@ -72,7 +72,7 @@ def test_reverse_round_trip_is_exact(hf_dirs, tmp_path):
     from safetensors.torch import load_file
 
     theirs, d = hf_dirs[0]
-    export.save_pretrained(read.from_hf_dir(d), str(tmp_path / "again"))
+    export.save_pretrained(load_model(d), str(tmp_path / "again"))
     before, after = (
         load_file(os.path.join(d, "model.safetensors")),
         load_file(str(tmp_path / "again/model.safetensors")),
@@ -96,7 +96,7 @@ def test_padded_vocab_export_trims_to_50257(tmp_path):
     assert theirs.transformer.wte.weight.shape == (50257, 32)
     idx = torch.randint(0, 50257, (2, 24))
     assert _max_diff(ours, theirs, idx, vocab=50257) <= 1e-4
-    back = read.from_hf_dir(out)
+    back = load_model(out)
     assert back.config.vocab_size == 50257
 
 
@@ -172,10 +172,10 @@ def test_mismatched_weights_and_unsupported_config_are_refused(hf_dirs, tmp_path
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "n_embd": 64}))
     os.link(os.path.join(d, "model.safetensors"), tmp_path / "model.safetensors")
     with pytest.raises(read.WeightsError, match="model.safetensors"):
-        read.from_hf_dir(str(tmp_path))
+        load_model(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "activation_function": "relu"}))
     with pytest.raises(read.WeightsError, match="activation_function"):
-        read.from_hf_dir(str(tmp_path))
+        load_model(str(tmp_path))
 
 
 def test_checkpoint_like_dir_is_not_taken_for_hf(tmp_path):

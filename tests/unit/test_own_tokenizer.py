@@ -203,7 +203,7 @@ def test_uint32_shards_for_a_vocabulary_past_65536(tmp_path):
 # -- a run on it -----------------------------------------------------------------------------------
 def test_a_run_takes_the_datas_tokenizer_and_it_travels(own_run, tok, monkeypatch):
     from gpt2lab.inference.completion import tokenizer_for
-    from gpt2lab.weights.load import from_checkpoint as load_model
+    from gpt2lab.weights.load import load_model
 
     model_cfg = json.loads((own_run / "config.json").read_text())["model"]
     assert (model_cfg["tokenizer"], model_cfg["token_vocab_size"], model_cfg["vocab_size"]) == (
@@ -552,7 +552,7 @@ def test_fsdp_checkpoints_carry_the_tokenizer_too(wiki_data, tok, tmp_path, monk
     from conftest import env, torchrun_cmd
 
     from gpt2lab.inference.completion import tokenizer_for
-    from gpt2lab.weights.load import from_checkpoint as load_model
+    from gpt2lab.weights.load import load_model
 
     out = tmp_path / "fsdp"
     proc = subprocess.run(

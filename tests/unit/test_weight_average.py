@@ -15,7 +15,7 @@ from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.system.errors import ConfigError
 from gpt2lab.train.config import TrainConfig
 from gpt2lab.train.settings import load_preset
-from gpt2lab.weights.load import from_checkpoint
+from gpt2lab.weights.load import load_model
 
 CPU = torch.device("cpu")
 
@@ -104,7 +104,7 @@ def test_checkpoint_holds_the_average_and_a_resume_continues_both_exactly(tiny_d
     files = json.loads(open(f"{path}/checksums.json").read())
     assert "training.safetensors" in files and "model.safetensors" in files
     # model.safetensors is the average (what sample, serve, eval and export load); the trained weights beside it
-    loaded = from_checkpoint(path)
+    loaded = load_model(path)
     for k, v in weights(first.average.module).items():
         assert torch.equal(loaded.state_dict()[k], v), k
     from safetensors.torch import load_file

@@ -269,12 +269,13 @@ def verify_together(ckpt: str) -> None:
         raise damaged(ckpt, found[0])
 
 
-def damaged(ckpt: str, why: str) -> CheckpointError:
-    """The one-line error for a damaged checkpoint, pointing at the intact ones before it."""
+def damaged(ckpt: str, why: str, flag: Optional[str] = "--resume") -> CheckpointError:
+    """The one-line error for a damaged checkpoint, pointing at the one before it, as ``flag`` (the
+    command's own, which named the checkpoint; None: the path alone) would name it."""
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
     earlier = [p for p in list_checkpoints(run_dir) if step_of(p) < step_of(ckpt)]
     hint = (
-        f"use an earlier one: --resume {earlier[-1]} (or --model {earlier[-1]})"
+        f"use an earlier one: {flag + ' ' if flag else ''}{earlier[-1]}"
         if earlier
         else "no earlier checkpoint in this run; start again with a new --out"
     )

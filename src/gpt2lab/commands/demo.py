@@ -239,9 +239,9 @@ def sample(run_dir: str, prompt: str, tokens: int, seed: int) -> str:
     from gpt2lab.inference.form import hold
     from gpt2lab.inference.probe import decide
     from gpt2lab.model.sampling import generate
-    from gpt2lab.weights.load import from_checkpoint
+    from gpt2lab.weights.load import load_model
 
-    model = from_checkpoint(run_dir).eval()
+    model = load_model(run_dir)
     decision = decide(model, torch.device("cpu"), InferenceRequest(), command="gpt2lab demo")
     model = hold(model, decision.candidate, tile_rows=decision.tile_rows)
     enc = tokenizer_for(model)

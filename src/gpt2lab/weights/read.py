@@ -98,9 +98,8 @@ def _read_weights(path: str) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def load_files(config_path: str, weights_path: str) -> GPT:
-    """A GPT from an HF config.json and a weights file (.safetensors, index, or .bin), with the trained
-    tokenizer beside the config.json where it has one."""
+def read_config(config_path: str) -> tuple[GPTConfig, Optional[TrainedBPE]]:
+    """An HF directory's architecture and its own tokenizer (``dir_config``), from its config.json."""
     try:
         with open(config_path) as f:
             cfg = json.load(f)
@@ -110,6 +109,11 @@ def load_files(config_path: str, weights_path: str) -> GPT:
         ) from e
     if not isinstance(cfg, dict):
         raise WeightsError(f"{config_path}: holds {type(cfg).__name__}, not a JSON object; restore the file")
+    return dir_config(cfg, config_path)
+
+
+def from_files(config: GPTConfig, tok: Optional[TrainedBPE], weights_path: str) -> GPT:
+    """A GPT of ``config`` holding ``tok`` from an HF weights file (.safetensors, index, or .bin)."""
     try:
         sd = _read_weights(weights_path)
     except Exception as e:  # safetensors' SafetensorError shares no base with OSError/ValueError
@@ -118,8 +122,7 @@ def load_files(config_path: str, weights_path: str) -> GPT:
             f"{weights_path}: cannot be read ({why}); the file is damaged or cut short: "
             "download or export the model again"
         ) from e
-    config, tok = dir_config(cfg, config_path)
-    if cfg.get("model_type") == nanochat.MODEL_TYPE:
+    if config.embed_norm:  # NanoChat's config always sets it (config_from_nanochat), GPT-2's never
         return model_from_state_dict(config, nanochat.from_nanochat_state_dict(sd, config), weights_path, tok)
     return model_from_state_dict(config, gpt2.from_hf_state_dict(sd, config.tie_embeddings), weights_path, tok)
 
@@ -169,27 +172,6 @@ def chat_template_of(path: str, trained: bool = False) -> Optional[str]:
     have = {str(v.get("content")): k for k, v in added.items() if isinstance(v, dict)}
     ours = all(have.get(t) == str(i) for t, i in chat.SPECIAL_TOKENS.items() if t != EOT_TOKEN)
     return chat.TEMPLATE if ours else None
-
-
-def from_hf_dir(path: str) -> GPT:
-    """A GPT from a local HF GPT-2 or NanoChat directory (config.json + model.safetensors or pytorch_model.bin),
-    with its trained tokenizer where it has one."""
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
-        raise WeightsError(f"{path}: no config.json; is this a Hugging Face model directory?")
-    for name in WEIGHT_FILES:
-        if os.path.isfile(os.path.join(path, name)):
-            return load_files(config_path, os.path.join(path, name))
-    raise WeightsError(f"{path}: no weights file (looked for {', '.join(WEIGHT_FILES)})")
-
-
-def from_hub(name: str) -> GPT:
-    """gpt2 / gpt2-medium / gpt2-large / gpt2-xl (or an owner/repo id) from the Hugging Face hub.
-
-    Downloads config.json and model.safetensors into the hub cache (HF_HOME), or reads
-    them from it when HF_HUB_OFFLINE is set.
-    """
-    return load_files(*hub_files(name))
 
 
 def hub_files(name: str) -> tuple[str, str]:
