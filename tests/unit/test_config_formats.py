@@ -373,7 +373,7 @@ AGAIN = "train it again, or read it with the gpt2lab 0.1.x that wrote it"
 )
 def test_another_format_version_is_refused_in_one_line(found, words):
     with pytest.raises(ConfigError) as e:
-        formats.check("RUN/config.json", found, formats.RUN)
+        formats.check_version("RUN/config.json", found, formats.RUN)
     assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
 
 
@@ -381,7 +381,7 @@ def test_stamp_and_unstamp():
     stamped = formats.stamp({"model": {}, "format_version": 7}, formats.RUN)
     assert stamped == {"format_version": 2, "model": {}} and list(stamped)[0] == "format_version"
     assert formats.unstamp(stamped, "x", formats.RUN) == {"model": {}}
-    formats.check("x", formats.CHECKPOINT.version, formats.CHECKPOINT)  # its own version passes
+    formats.check_version("x", formats.CHECKPOINT.version, formats.CHECKPOINT)  # its own version passes
     from gpt2lab.system.errors import CheckpointError
 
     with pytest.raises(

@@ -42,13 +42,13 @@ def code(tmp_path_factory) -> tuple[Path, str]:
     import shutil
 
     import gpt2lab.data
-    from gpt2lab.data.bpe import train
+    from gpt2lab.data.bpe import train_tokenizer
 
     root = tmp_path_factory.mktemp("code")
     for f in sorted(Path(gpt2lab.data.__file__).parent.glob("*.py"))[:8]:
         shutil.copy(f, root / f.name)
     tok = str(root.parent / "tok")
-    train([str(root / "*.py")], 400, tok, progress=False)
+    train_tokenizer([str(root / "*.py")], 400, tok, progress=False)
     return root, tok
 
 

@@ -200,11 +200,11 @@ def test_parameter_counts_by_hand_and_the_optimizer_groups():
 def test_export_refuses_the_levers_in_one_line_and_init_from_takes_them():
     from gpt2lab.system.errors import UsageError
     from gpt2lab.train.init_from import ARCH_FIELDS
-    from gpt2lab.weights import gpt2, nanochat, targets
+    from gpt2lab.weights import targets
 
     assert {"value_embeds", "unet_skips"} <= set(ARCH_FIELDS) and "zero_init_head" not in ARCH_FIELDS
     cfg = GPTConfig(**{**SMALL, **LEVERS})
-    neither = [x for x in targets.gaps(cfg, gpt2.NEEDS) if x in targets.gaps(cfg, nanochat.NEEDS)]
+    neither = [x for x in targets.gaps(cfg, targets.GPT2_HF.needs) if x in targets.gaps(cfg, targets.NANOCHAT_HF.needs)]
     assert neither == ["value_embeds=1", "unet_skips=true"]  # zero_init_head: initial weights only
     with pytest.raises(UsageError) as e:
         targets.check_exportable(cfg)

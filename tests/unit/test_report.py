@@ -233,9 +233,9 @@ def test_a_stopped_runs_card_says_the_command_its_start_recorded(tmp_path):
     os.makedirs(run / "checkpoints" / "step_000005")  # not a complete checkpoint: none counted
     status = build_report(str(run), now=time.time() + 3600, curves=False).status
     assert status.endswith("no checkpoint was saved: start again")
-    from gpt2lab.observe.report import resume_command
+    from gpt2lab.observe.report import continue_command
 
-    assert resume_command({"resume_with": said}) == said
+    assert continue_command({"resume_with": said}) == said
     typed = {"command": ["/v/bin/gpt2lab", "train", "--preset", "p", "--resume", "runs/a/checkpoints/step_000002"]}
-    assert resume_command(typed) == "`gpt2lab train --preset p --resume auto`"
-    assert resume_command({"command": ["/v/bin/gpt2lab", "demo"]}) == "`--resume auto`"
+    assert continue_command(typed) == "`gpt2lab train --preset p --resume auto`"
+    assert continue_command({"command": ["/v/bin/gpt2lab", "demo"]}) == "`--resume auto`"

@@ -17,6 +17,7 @@ from conftest import DATA, cli_args, records
 
 from gpt2lab import cli
 from gpt2lab.distributed import memplan
+from gpt2lab.evals import download
 from gpt2lab.evals import hellaswag as hs
 from gpt2lab.system import runtime
 from gpt2lab.system.errors import ConfigError, GPT2LabError
@@ -106,7 +107,7 @@ def test_a_real_start_tries_hellaswag_once_and_names_the_train_flag(no_network, 
         and "Network is unreachable" in line
     ), line
     assert "pass --hellaswag-data FILE" in line and "--data FILE" not in line.replace("--hellaswag-data FILE", "")
-    assert [t[0] for t in no_network] == ["url"] and no_network[0][2] == hs.DOWNLOAD_TIMEOUT_S  # one try, no hub
+    assert [t[0] for t in no_network] == ["url"] and no_network[0][2] == download.DOWNLOAD_TIMEOUT_S  # one try, no hub
     assert os.listdir(tmp_path / "fresh") == []  # the run directory and its parent are gone again
 
 

@@ -327,19 +327,6 @@ def find_latest(run_dir: str) -> Optional[str]:
     return ckpts[-1] if ckpts else None
 
 
-def resolve(path: str) -> str:
-    """A checkpoint directory, given it or a run directory (then its newest checkpoint)."""
-    if has_weights(path):
-        return path
-    latest = find_latest(path)
-    if latest is None:
-        raise FileNotFoundError(
-            f"{path}: neither a checkpoint (no model.safetensors or sharded .metadata) nor a run "
-            "directory with checkpoints/step_*/; train first or pass a checkpoint dir"
-        )
-    return latest
-
-
 def has_weights(path: str) -> bool:
     """Whether ``path`` is a checkpoint directory of either layout (not a run directory)."""
     return os.path.isfile(os.path.join(path, "model.safetensors")) or sharded.is_sharded_checkpoint(path)

@@ -5,7 +5,6 @@ import os
 import shlex
 import shutil
 import sys
-from typing import Optional, Sequence
 
 
 class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
@@ -39,17 +38,3 @@ def program() -> str:
         rel = os.path.relpath(script)
         return shlex.quote(rel if not rel.startswith("..") else script)
     return f"{shlex.quote(sys.executable)} -m gpt2lab"
-
-
-def resume_command(words: Sequence[str], prog: Optional[str] = None) -> str:
-    """The command line that continues a run started by ``gpt2lab WORDS`` (``train ...``): the same
-    words with ``--resume auto`` for any --resume given, without --dry-run."""
-    out, skip = [], False
-    for word in words:
-        if skip:
-            skip = False
-        elif word == "--resume":
-            skip = True
-        elif not (word.startswith("--resume=") or word == "--dry-run"):
-            out.append(word)
-    return f"{prog or program()} {shlex.join([*out, '--resume', 'auto'])}"

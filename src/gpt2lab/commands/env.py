@@ -37,10 +37,10 @@ OPTIONAL_PACKAGES = (
 
 def _gemv_routines() -> str:
     """What gpt2lab's compiled GEMV runs here: AVX2, and the AVX512_BF16 dot product for inputs rounded to
-    bf16 where the CPU has it (a hold on a CPU with native bf16 rounds them)."""
-    from gpt2lab.inference import _gemv
+    bf16 where the CPU has it (a hold on a CPU with native bf16 rounds them: panels, kernels.panels_run)."""
+    from gpt2lab.inference.kernels import panels_run
 
-    return "runs here (AVX2" + (", AVX512_BF16 dot products)" if _gemv.has_bf16_dot() else ")")
+    return "runs here (AVX2" + (", AVX512_BF16 dot products)" if panels_run(2) else ")")
 
 
 def add_parser(sub) -> None:

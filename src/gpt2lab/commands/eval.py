@@ -7,6 +7,7 @@ import json
 import sys
 
 from gpt2lab.inference.flags import add_inference_flags
+from gpt2lab.system.choices import HELLASWAG_STRATEGIES
 
 
 def add_parser(sub) -> None:
@@ -30,14 +31,14 @@ def add_parser(sub) -> None:
     )
     hs.add_argument(
         "--strategy",
-        choices=("auto", "padded", "shared"),
+        choices=HELLASWAG_STRATEGIES,
         default="auto",
         help="padded: rows of many examples padded into one forward; shared: each context once, "
         "continued into its endings via the KV cache; auto (default): shared for an eager "
         "model on CPU, else padded",
     )
     hs.add_argument("--compile", action="store_true", help="torch.compile the model first")
-    hs.set_defaults(func=run_hellaswag)
+    hs.set_defaults(func=eval_hellaswag)
 
     lo = esub.add_parser("loss", help="mean next-token loss over the first N tokens of a split")
     _common(lo)
@@ -52,7 +53,7 @@ def add_parser(sub) -> None:
     )
     lo.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
     lo.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's block size)")
-    lo.set_defaults(func=run_loss)
+    lo.set_defaults(func=eval_loss)
 
     ch = esub.add_parser(
         "chat",
@@ -74,7 +75,7 @@ def add_parser(sub) -> None:
         help="a reply that has not ended its turn after this many tokens did not end it (default 128)",
     )
     ch.add_argument("--limit", type=int, default=None, help="only the first N conversations")
-    ch.set_defaults(func=run_chat)
+    ch.set_defaults(func=eval_chat)
 
     gs = esub.add_parser("gsm8k", help="GSM8K: greedy answers, exact match on the number after ####")
     _common(gs)
@@ -102,7 +103,7 @@ def add_parser(sub) -> None:
         help="write the summary (the first line) and each problem's reply, extracted answer and verdict "
         "to this file (new, or one gpt2lab wrote)",
     )
-    gs.set_defaults(func=run_gsm8k)
+    gs.set_defaults(func=eval_gsm8k)
 
 
 def _on_off(text: str) -> bool:
@@ -153,7 +154,7 @@ def _positive(value, flag: str) -> None:
         raise UsageError(f"{flag} {value}: must be a positive number")
 
 
-def run_hellaswag(args: argparse.Namespace) -> int:
+def eval_hellaswag(args: argparse.Namespace) -> int:
     import torch
 
     from gpt2lab.distributed.dist import cleanup, init_distributed, print0
@@ -191,7 +192,7 @@ def run_hellaswag(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_loss(args: argparse.Namespace) -> int:
+def eval_loss(args: argparse.Namespace) -> int:
     from gpt2lab.distributed.dist import cleanup, init_distributed, print0
     from gpt2lab.system.errors import UsageError
 
@@ -269,7 +270,7 @@ def _chat_model(args: argparse.Namespace, info):
     return load_for_inference(args.model, info.device, inference_request(args, "sample"), command="gpt2lab eval")
 
 
-def run_chat(args: argparse.Namespace) -> int:
+def eval_chat(args: argparse.Namespace) -> int:
     from gpt2lab.distributed.dist import init_distributed
     from gpt2lab.evals.chat import chat_data, evaluate_chat, read_conversations
 
@@ -289,7 +290,7 @@ def run_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_gsm8k(args: argparse.Namespace) -> int:
+def eval_gsm8k(args: argparse.Namespace) -> int:
     from gpt2lab.distributed.dist import init_distributed
     from gpt2lab.evals.chat import evaluate_gsm8k, gsm8k_test_file, read_conversations
     from gpt2lab.system import rundir

@@ -7,7 +7,8 @@ import os
 import shlex
 import sys
 
-from gpt2lab.commands import resume_command
+from gpt2lab.commands import program
+from gpt2lab.system.rundir import resume_command
 from gpt2lab.train.config import merge_config
 from gpt2lab.train.settings import (
     add_config_flags,
@@ -114,4 +115,6 @@ def _request(args: argparse.Namespace):
     words = getattr(args, "argv", None) or ["train"]  # as typed (cli.parse keeps it); the resume advice
     given = "sample_prompt" in overrides.get("eval", {})  # a prompt for this run; else the settings' (for their data)
     prompt_for = None if given else prompt_written_for(args.preset, None if args.preset else args.config)
-    return Request(values, explicit, args.resume, source=source, command=resume_command(words), prompt_for=prompt_for)
+    return Request(
+        values, explicit, args.resume, source=source, command=resume_command(words, program()), prompt_for=prompt_for
+    )

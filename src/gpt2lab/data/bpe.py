@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from typing import Iterable, Iterator, Optional
 
 from gpt2lab.data import chat
-from gpt2lab.data.sources import JsonLine, Source, SourceError, as_text, resolve_source
+from gpt2lab.data.sources import JsonLine, SourceError, TextSource, as_text, resolve_source
 from gpt2lab.data.tokenizer import (
     SPECIAL_TOKENS,
     TOKENIZER_FILE,
@@ -45,8 +45,8 @@ SPLIT_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
     r"""|\s*[\r\n]|\s+(?!\S)|\s+"""
 )
-MARKER, FORMAT, VERSION = rundir.TOKENIZER_MARKER, rundir.TOKENIZER_FORMAT, 1
-FILES = (TOKENIZER_FILE, MARKER)
+MARKER, FORMAT, MARKER_VERSION = rundir.TOKENIZER_MARKER, rundir.TOKENIZER_FORMAT, 1
+TOKENIZER_FILES = (TOKENIZER_FILE, MARKER)  # what a tokenizer directory holds
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS) + 1  # the byte alphabet, the special tokens and one merge
 MAX_VOCAB = 1 << 20
 
@@ -85,7 +85,7 @@ def document_text(doc, text_field: str) -> str:
     return as_text(doc)
 
 
-def read_texts(sources: list[tuple[str, Source]], text_field: str, counts: list[dict], bar=None) -> Iterator[str]:
+def read_texts(sources: list[tuple[str, TextSource]], text_field: str, counts: list[dict], bar=None) -> Iterator[str]:
     """The documents' texts of every source (each ``--source`` string and what it resolved to) in
     turn; ``counts`` gets each source's bytes and documents."""
     for spec, src in sources:
@@ -101,7 +101,9 @@ def read_texts(sources: list[tuple[str, Source]], text_field: str, counts: list[
             yield text
 
 
-def train(sources: list[str], vocab_size: int, out: str, text_field: str = "text", progress: bool = True) -> dict:
+def train_tokenizer(
+    sources: list[str], vocab_size: int, out: str, text_field: str = "text", progress: bool = True
+) -> dict:
     """Train a tokenizer of ``vocab_size`` tokens on ``sources`` into the directory ``out``; returns its marker.
 
     ``out`` follows system/rundir's rule: missing, empty or an earlier tokenizer directory (holding
@@ -113,7 +115,7 @@ def train(sources: list[str], vocab_size: int, out: str, text_field: str = "text
         )
     if not sources:
         raise UsageError("--source: give at least one text source")
-    rundir.check(out, rundir.TOKENIZER, "--out", "choose a new or empty --out", replaces=FILES)
+    rundir.check(out, rundir.TOKENIZER, "--out", "choose a new or empty --out", replaces=TOKENIZER_FILES)
     # every source resolves (a bad path, no text files) before the long part, once (a warning says it once)
     resolved = [(spec, resolve_source(spec, text_field)) for spec in sources]
     tok, trainer = _bpe(vocab_size)
@@ -136,7 +138,7 @@ def train(sources: list[str], vocab_size: int, out: str, text_field: str = "text
         )
     marker = {
         "format": FORMAT,
-        "version": VERSION,
+        "version": MARKER_VERSION,
         "identity": trained.identity,
         "vocab_size": trained.n_vocab,
         "special_tokens": dict(trained.specials),
@@ -217,14 +219,14 @@ def bytes_per_token(tokenizers: dict[str, Tokenizer], sources: list[str], text_f
     return rows
 
 
-def evaluate(tokenizer_dir: str, sources: Iterable[str], text_field: str = "text") -> list[dict]:
+def evaluate_tokenizer(tokenizer_dir: str, sources: Iterable[str], text_field: str = "text") -> list[dict]:
     """Bytes per token of ``tokenizer_dir``'s tokenizer against GPT-2's on each source."""
     ours = open_dir(tokenizer_dir)
     return bytes_per_token({"ours": ours, "gpt2": gpt2_tokenizer()}, list(sources), text_field)
 
 
-def table(rows: list[dict], name: str = "ours") -> str:
-    """``evaluate``'s rows as a Markdown table."""
+def markdown_table(rows: list[dict], name: str = "ours") -> str:
+    """``evaluate_tokenizer``'s rows as a Markdown table."""
     lines = [
         f"| source | bytes | documents | tokens ({name}) | bytes/token ({name}) | tokens (GPT-2) | "
         "bytes/token (GPT-2) | GPT-2 tokens / ours |",

@@ -21,7 +21,7 @@ from typing import Dict, Optional
 from gpt2lab.data.chat import conversation
 from gpt2lab.data.manifest import save_manifest
 from gpt2lab.data.shards import MANIFEST, open_shard, read_manifest
-from gpt2lab.data.sources import Source
+from gpt2lab.data.sources import TextSource
 from gpt2lab.system.files import atomic_write
 
 HELD_OUT = "held_out.jsonl"
@@ -40,7 +40,7 @@ def held_out_count(out: Path, manifest: Dict) -> int:
     return n
 
 
-def write_held_out(src: Source, out: Path, manifest: Dict) -> Optional[str]:
+def write_held_out(src: TextSource, out: Path, manifest: Dict) -> Optional[str]:
     """Write ``out``'s held-out conversations, unless its finished manifest already names a file that
     is there; record the file in the manifest. Returns its path (None: no val split, nothing written)."""
     path = out / HELD_OUT

@@ -30,7 +30,7 @@ from gpt2lab.data.shards import (
     read_header,
     shard_name,
 )
-from gpt2lab.data.sources import Source
+from gpt2lab.data.sources import TextSource
 from gpt2lab.data.tokenizer import GPT2, Tokenizer, token_dtype
 from gpt2lab.system.files import sha256_file, write_json
 
@@ -76,7 +76,7 @@ def _fresh_resume(settings: Dict) -> Dict:
     return {"next_doc": 0, "offset": 0, "tokens": 0, "val_end": 0 if settings["val_tokens"] == 0 else None}
 
 
-def start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: Source, tok: Tokenizer) -> Dict:
+def start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: TextSource, tok: Tokenizer) -> Dict:
     """A fresh manifest, or the one of an earlier run of the same command (checked, and rolled back
     to before the first source file that is not the one recorded).
 

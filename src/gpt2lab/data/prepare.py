@@ -36,7 +36,7 @@ from gpt2lab.data.held_out import write_held_out
 from gpt2lab.data.manifest import save_manifest, start_manifest
 from gpt2lab.data.parallel import ordered_map
 from gpt2lab.data.shards import val_size
-from gpt2lab.data.sources import Document, JsonLine, Source, SourceError, as_text, resolve_source
+from gpt2lab.data.sources import Document, JsonLine, SourceError, TextSource, as_text, resolve_source
 from gpt2lab.data.tokenizer import Tokenizer, gpt2_tokenizer, save_tokenizer, token_dtype
 from gpt2lab.data.writer import ShardWriter
 from gpt2lab.system import rundir
@@ -162,7 +162,7 @@ def _val_in_text(
     return in_text
 
 
-def val_documents(src: Source, val_bytes: int, fmt: str, limit_docs: Optional[int]) -> int:
+def val_documents(src: TextSource, val_bytes: int, fmt: str, limit_docs: Optional[int]) -> int:
     """How many of the first documents the val split holds for ``--val-bytes``: up to the one whose
     text reaches ``val_bytes`` UTF-8 bytes (a conversation's text: its messages' contents), read
     from the source itself, so the count is the same whatever the tokenizer."""
@@ -201,7 +201,7 @@ MIN_VAL_TOKENS = 8192
 SMALL_VAL_FRACTION = 0.1
 
 
-def default_val_tokens(src: Source, shard_tokens: int) -> int:
+def default_val_tokens(src: TextSource, shard_tokens: int) -> int:
     if src.size_bytes is None:  # the hub: size unknown up front; one shard, like the reference
         return shard_tokens
     estimate = src.size_bytes / 4  # GPT-2 BPE averages about 4 bytes of English per token
@@ -222,7 +222,7 @@ FORMATS = ("auto", "text", "chat")
 VAL_SPLITS = ("tokens", "documents")
 
 
-def detect_format(src: Source, asked: str, text_field: str) -> str:
+def detect_format(src: TextSource, asked: str, text_field: str) -> str:
     """``text`` or ``chat`` for ``--format asked``: auto reads the first record of a JSON-lines
     source (a conversation when it has "messages", or GSM8K's "question" and "answer", and no
     ``text_field``); every other source is text."""
@@ -245,7 +245,7 @@ def detect_format(src: Source, asked: str, text_field: str) -> str:
 
 
 def _run(
-    src: Source, out: Path, manifest: Dict, workers: int, progress: bool, tok: Tokenizer, val_docs: Optional[int]
+    src: TextSource, out: Path, manifest: Dict, workers: int, progress: bool, tok: Tokenizer, val_docs: Optional[int]
 ) -> None:
     sweep_stale(str(out))
     writer = ShardWriter(out, manifest, src, val_docs)

@@ -83,7 +83,7 @@ def as_text(doc: Document) -> str:
 
 
 @dataclass
-class Source:
+class TextSource:
     """An ordered document stream; ``documents(skip, limit)`` yields documents ``skip..limit-1``.
 
     A document is its text, or a ``JsonLine`` that ``as_text`` turns into its text.
@@ -100,11 +100,11 @@ class Source:
     file_starts: List[int] = field(default_factory=list)
 
 
-def resolve_source(source: str, text_field: str = "text", config: Optional[str] = None) -> Source:
-    """Turn the ``--source`` string into a Source."""
+def resolve_source(source: str, text_field: str = "text", config: Optional[str] = None) -> TextSource:
+    """Turn the ``--source`` string into a TextSource."""
     if source == "tinyshakespeare":
         # 5%: a val split of ~17k tokens, enough for a steady val loss at T=256
-        return Source(
+        return TextSource(
             source,
             "bundled",
             os.path.getsize(asset_path("tinyshakespeare.txt")),
@@ -116,7 +116,7 @@ def resolve_source(source: str, text_field: str = "text", config: Optional[str] 
     if source == "chitchat":  # 2%: a val split of ~30 whole conversations
         path = asset_path("chitchat.jsonl.zst")
         starts: List[int] = []
-        return Source(
+        return TextSource(
             source,
             "local",
             os.path.getsize(path) * 4,
@@ -129,7 +129,7 @@ def resolve_source(source: str, text_field: str = "text", config: Optional[str] 
     # compressed text is ~3-4x its file size: the val default estimates the text's size
     size = sum(os.path.getsize(f) * (4 if f.endswith(COMPRESSIONS) else 1) for f in files)
     starts: List[int] = []
-    return Source(
+    return TextSource(
         source, "local", size, _slice(lambda: _local_docs(files, text_field, starts)), files=files, file_starts=starts
     )
 
@@ -383,7 +383,7 @@ def _parquet_docs(path: str, text_field: str) -> Iterator[str]:
 
 
 # -- the hub -----------------------------------------------------------------------------
-def _hub_source(source: str, text_field: str, config: Optional[str]) -> Source:
+def _hub_source(source: str, text_field: str, config: Optional[str]) -> TextSource:
     if source in HUB_ALIASES:
         name, config = HUB_ALIASES[source], config or HUB_DEFAULT_CONFIG
     else:
@@ -400,7 +400,7 @@ def _hub_source(source: str, text_field: str, config: Optional[str]) -> Source:
         for i, row in enumerate(rows, skip):
             yield _field(row, text_field, f"{name} ({config}) row {i}")
 
-    return Source(name, "hub", None, documents, hub_config=config)
+    return TextSource(name, "hub", None, documents, hub_config=config)
 
 
 def _load_streaming(name: str, config: Optional[str]):

@@ -18,7 +18,7 @@ import numpy as np
 
 from gpt2lab.data.manifest import finish_manifest, save_manifest
 from gpt2lab.data.shards import mask_path, open_shard, shard_name, write_mask, write_shard
-from gpt2lab.data.sources import Source, SourceError
+from gpt2lab.data.sources import SourceError, TextSource
 from gpt2lab.system.files import sha256_file
 
 
@@ -30,7 +30,7 @@ class ShardWriter:
     ``val_docs``), so its last shard is usually short and train starts with a whole document.
     """
 
-    def __init__(self, out: Path, manifest: Dict, src: Source, val_docs: Optional[int] = None) -> None:
+    def __init__(self, out: Path, manifest: Dict, src: TextSource, val_docs: Optional[int] = None) -> None:
         self.out, self.manifest, self.src = out, manifest, src
         s = manifest["settings"]
         self.shard_tokens, self.val_tokens, self.val_docs = s["shard_tokens"], s["val_tokens"], val_docs

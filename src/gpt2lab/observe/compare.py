@@ -101,7 +101,7 @@ def comparison_table(curves: list[Curve], target: float, metric: str = "val_loss
     return "\n".join(lines)
 
 
-def build_figure(curves: list[Curve], target: float, metric: str = "val_loss"):
+def compare_figure(curves: list[Curve], target: float, metric: str = "val_loss"):
     """Left: the loss against tokens; right: against training seconds; the target dashed."""
     from matplotlib.figure import Figure
 
@@ -135,5 +135,5 @@ def compare_runs(
             raise ValueError(f"{run_dirs[0]}: no {metric} logged; pass --loss X")
         target = curves[0].final[3]
     if out_png:
-        save_png(build_figure(curves, target, metric), out_png)
+        save_png(compare_figure(curves, target, metric), out_png)
     return comparison_table(curves, target, metric)

@@ -109,7 +109,7 @@ def run_status(
         return f"running: at {where} (lock held by pid {pid})"
     if not os.path.exists(os.path.join(run_dir, rundir.LOCK_FILE)) and age < window:  # a run of a version
         return f"running: at {where} (last record {age:.0f} s ago)"  # that kept no lock
-    resume = resume_command(info or {})
+    resume = continue_command(info or {})
     if cut:
         return f"crashed: metrics.jsonl ends in a cut line (killed mid-write) at {where}; " + _resume_hint(
             ckpt_steps, resume
@@ -126,7 +126,7 @@ def _resume_hint(ckpt_steps: list[int], resume: str) -> str:
     return f"{resume} continues from step {ckpt_steps[-1]}"
 
 
-def resume_command(info: dict) -> str:
+def continue_command(info: dict) -> str:
     """How to continue the run: the command its start recorded (run_info.json's ``resume_with``), else its
     ``gpt2lab train`` command line with ``--resume auto`` in place of any --resume, else the flag."""
     said = info.get("resume_with")
@@ -135,12 +135,7 @@ def resume_command(info: dict) -> str:
     line = command_line(info)
     if not line or not line.startswith("gpt2lab train "):
         return "`--resume auto`"
-    words, out = shlex.split(line), []
-    for i, word in enumerate(words):
-        if word == "--resume" or word.startswith("--resume=") or (i and words[i - 1] == "--resume"):
-            continue
-        out.append(word)
-    return f"`{shlex.join(out + ['--resume', 'auto'])}`"
+    return f"`{rundir.resume_command(shlex.split(line)[1:], 'gpt2lab')}`"
 
 
 def command_line(info: dict) -> Optional[str]:

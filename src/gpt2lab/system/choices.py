@@ -22,6 +22,8 @@ NS_DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 # ("plain": F.linear on the weight as stored or column-major; "auto": measured).
 QUANTIZE_CHOICES = ("none", "int8")
 LINEAR_CHOICES = ("auto", "packed", "plain")
+# How HellaSwag's rows share a forward pass (gpt2lab.evals.hellaswag.resolve_strategy).
+HELLASWAG_STRATEGIES = ("auto", "padded", "shared")
 
 
 def finite_float(text: str) -> float:

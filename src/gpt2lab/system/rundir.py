@@ -31,11 +31,12 @@ import contextlib
 import errno
 import json
 import os
+import shlex
 import shutil
 import socket
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 from gpt2lab.system.errors import UsageError
 from gpt2lab.system.files import read_json_object, tmp_name, write_json
@@ -197,6 +198,20 @@ def _create_marker(path: str) -> None:
         pass
     finally:
         os.unlink(tmp)
+
+
+def resume_command(words: Sequence[str], prog: str) -> str:
+    """The command line that continues a run started by ``PROG WORDS`` (``train ...``): the same words
+    with ``--resume auto`` for any --resume given, without --dry-run."""
+    out, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+        elif word == "--resume":
+            skip = True
+        elif not (word.startswith("--resume=") or word == "--dry-run"):
+            out.append(word)
+    return f"{prog} {shlex.join([*out, '--resume', 'auto'])}"
 
 
 # -- the lock --------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from gpt2lab.model.config import CHAT_VOCAB_SIZES
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.system.files import read_json_object, sha256_file
 from gpt2lab.train.config import ConfigError
-from gpt2lab.weights.load import CHECKPOINT, Source, WeightsError, model_of, named, resolve
+from gpt2lab.weights.load import CHECKPOINT_DIR, Source, WeightsError, model_of, model_source, named
 
 # What the source decides: every field that sets a parameter shape or what the weights compute
 # (the modern block's switches), but the vocabulary (a run may pad it).
@@ -38,10 +38,10 @@ def fail(src: Source, what: str) -> InitFromError:
 
 
 def find_source(spec: str) -> Source:
-    """SRC as the loader reads it (weights.load.resolve: a run directory's newest intact checkpoint),
+    """SRC as the loader reads it (weights.load.model_source: a run directory's newest intact checkpoint),
     checked to start a run: a vocabulary gpt2lab has a tokenizer for, a weights file whose header reads."""
     try:
-        src = resolve(spec, "--init-from")
+        src = model_source(spec, "--init-from")
     except WeightsError as e:
         then = " Then train with --init-from DIR." if "local directory" in str(e) else ""
         raise InitFromError(named("--init-from", spec, e) + then) from e
@@ -110,7 +110,7 @@ def check_arch(src: Source, explicit: Mapping[str, object]) -> dict[str, object]
 def digest(src: Source) -> str:
     """sha256 of SRC's weights file, computed once: a checkpoint's from its checksums.json (verified when
     it was resolved)."""
-    if src.kind == CHECKPOINT:
+    if src.kind == CHECKPOINT_DIR:
         sums = read_json_object(os.path.join(src.where, ckpt.CHECKSUMS)) or {}
         name = os.path.basename(src.weights)
         if name in sums:

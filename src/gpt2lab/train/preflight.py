@@ -116,7 +116,8 @@ def check_hellaswag(cfg: TrainConfig, download: bool = True) -> list[str]:
     if not n:
         return []
     try:
-        from gpt2lab.evals.hellaswag import load_examples, official_path, offline
+        from gpt2lab.evals.hellaswag import load_examples, official_path
+        from gpt2lab.system.env import offline
     except ImportError as e:
         raise ConfigError(
             f"--hellaswag-interval {n}: HellaSwag evaluation is unavailable ({e}); set --hellaswag-interval 0"

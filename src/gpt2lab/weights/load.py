@@ -4,7 +4,7 @@ The one reading of a model source for everyone who takes one: every command's ``
 ``SRC``, train's ``--init-from`` and ``--resume`` (train.gather.find_resume), and the Python API
 (``gpt2lab.from_pretrained``, ``GPT.from_pretrained``, ``gpt2lab.get_tokenizer``). A source is a GPT-2
 hub name (``HUB``), a Hugging Face GPT-2 or NanoChat directory (``HF_DIR``), or a gpt2lab run directory
-or one of its checkpoints, either layout (``CHECKPOINT``). ``resolve`` reads what it is, its architecture
+or one of its checkpoints, either layout (``CHECKPOINT_DIR``). ``model_source`` reads what it is, its architecture
 and its own tokenizer, without its weights; ``model_of`` reads the weights into a GPT.
 
 One checkpoint rule (``checkpoint_of``): a run directory is read at its newest intact checkpoint
@@ -42,15 +42,15 @@ from gpt2lab.system.files import read_json_object
 from gpt2lab.weights import read
 from gpt2lab.weights.read import MODEL_TYPES, WEIGHT_FILES, WeightsError
 
-HUB, HF_DIR, CHECKPOINT = "hub", "hf_dir", "checkpoint"  # what source_kind says a source is
+HUB, HF_DIR, CHECKPOINT_DIR = "hub", "hf_dir", "checkpoint"  # what source_kind says a source is
 
 
 @dataclass
 class Source:
-    """A model source as ``resolve`` read it: everything but its weights."""
+    """A model source as ``model_source`` read it: everything but its weights."""
 
     spec: str  # as the user gave it
-    kind: str  # HUB, HF_DIR or CHECKPOINT
+    kind: str  # HUB, HF_DIR or CHECKPOINT_DIR
     config: GPTConfig  # its architecture
     tokenizer: Optional[TrainedBPE]  # its own tokenizer, read beside it; None: GPT-2's BPE
     weights: str  # the weights file (a checkpoint's model.safetensors; a sharded one's checksums.json)
@@ -85,7 +85,7 @@ def is_hf_dir(path: str) -> bool:
 
 
 def source_kind(spec: str) -> str:
-    """What the model source ``spec`` is: ``HF_DIR`` (a directory is_hf_dir accepts), ``CHECKPOINT``
+    """What the model source ``spec`` is: ``HF_DIR`` (a directory is_hf_dir accepts), ``CHECKPOINT_DIR``
     (any other directory: a run directory or one checkpoint, either layout) or ``HUB`` (a GPT-2
     name, gpt2 ... gpt2-xl or openai-community/...).
 
@@ -93,7 +93,7 @@ def source_kind(spec: str) -> str:
     does not repeat ``spec``: each caller puts the source first, as its user named it.
     """
     if os.path.isdir(spec):
-        return HF_DIR if is_hf_dir(spec) else CHECKPOINT
+        return HF_DIR if is_hf_dir(spec) else CHECKPOINT_DIR
     if os.path.exists(spec):
         raise WeightsError(
             "is a file; pass its directory (an HF model directory, a run directory or a checkpoint directory)"
@@ -152,12 +152,12 @@ def checkpoint_of(path: str, flag: Optional[str] = "--model", report: Callable[[
     )
 
 
-def resolve(spec: str, flag: Optional[str] = "--model", report: Callable[[str], None] = _warn) -> Source:
+def model_source(spec: str, flag: Optional[str] = "--model", report: Callable[[str], None] = _warn) -> Source:
     """The source ``spec`` read without its weights: its kind, architecture and own tokenizer, and which
     files hold it (a run directory: its newest intact checkpoint, ``checkpoint_of``). A source that is
     none of the three raises WeightsError, a damaged checkpoint CheckpointError (its own exit code)."""
     kind = source_kind(spec)
-    if kind == CHECKPOINT:
+    if kind == CHECKPOINT_DIR:
         ckpt = checkpoint_of(spec, flag, report)
         step = store.read_state(ckpt).get("step")  # its format version too
         config = _checkpoint_config(ckpt)
@@ -169,12 +169,12 @@ def resolve(spec: str, flag: Optional[str] = "--model", report: Callable[[str], 
         weights = next(os.path.join(spec, f) for f in WEIGHT_FILES if os.path.isfile(os.path.join(spec, f)))
     else:
         path, weights = read.hub_files(spec)  # offline: WeightsError saying how to pass a local directory
-    return Source(spec, kind, *read.read_config(path), weights, path, flag=flag)
+    return Source(spec, kind, *read.hf_config(path), weights, path, flag=flag)
 
 
 def model_of(src: Source) -> GPT:
     """The GPT of a resolved source, holding its tokenizer; a LoRA run's adapters merged (a plain GPT)."""
-    if src.kind != CHECKPOINT:
+    if src.kind != CHECKPOINT_DIR:
         return read.from_files(src.config, src.tokenizer, src.weights)
     model = GPT(src.config, src.tokenizer)
     saved = store.read_config(src.where)
@@ -196,7 +196,7 @@ def named(flag: Optional[str], spec: str, error: Exception) -> str:
 
 
 def load_model(spec: str, device: Optional[torch.device | str] = None, arg: Optional[str] = "--model") -> GPT:
-    """The model named by ``spec`` (anything ``resolve`` reads), in eval mode, on ``device`` (default cpu),
+    """The model named by ``spec`` (anything ``model_source`` reads), in eval mode, on ``device`` (default cpu),
     holding its own tokenizer (``model.tokenizer``) where it has one.
 
     A source that cannot become a GPT raises WeightsError (a DataError: the CLI prints one line, exit 1)
@@ -205,7 +205,7 @@ def load_model(spec: str, device: Optional[torch.device | str] = None, arg: Opti
     CheckpointError (exit 3), which names the checkpoint.
     """
     try:
-        model = model_of(resolve(spec, arg))
+        model = model_of(model_source(spec, arg))
     except CheckpointError:  # already one line naming the checkpoint; its own exit code
         raise
     except (OSError, ValueError, KeyError, RuntimeError) as e:  # WeightsError is a ValueError
@@ -255,7 +255,7 @@ def source_tokenizer(spec: str) -> Tokenizer:
         return load_tokenizer(spec)
     if source_kind(spec) == HUB:  # GPT-2's, with no download
         return gpt2_tokenizer()
-    src = resolve(spec, None)
+    src = model_source(spec, None)
     return for_config(src.config, src.tokenizer)
 
 

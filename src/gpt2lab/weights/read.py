@@ -25,6 +25,7 @@ from gpt2lab.data.tokenizer import (
     Tokenizer,
     TokenizerError,
     TrainedBPE,
+    gpt2_tokenizer,
     load_tokenizer,
 )
 from gpt2lab.model.config import HUB_NAMES
@@ -33,10 +34,11 @@ from gpt2lab.system import env, rundir
 from gpt2lab.system.errors import DataError
 from gpt2lab.system.files import read_json_object
 from gpt2lab.weights import gpt2, nanochat
+from gpt2lab.weights.targets import GPT2_HF, NANOCHAT_HF
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 HUB_REPOS = {name: f"openai-community/{name}" for name in HUB_NAMES}
-MODEL_TYPES = (gpt2.MODEL_TYPE, nanochat.MODEL_TYPE)  # the config.json model_types that load
+MODEL_TYPES = (GPT2_HF.model_type, NANOCHAT_HF.model_type)  # the config.json model_types that load
 
 
 class WeightsError(DataError):
@@ -47,11 +49,11 @@ class WeightsError(DataError):
 def config_from_hf(cfg: dict, where: str = "config.json") -> GPTConfig:
     """GPTConfig for an HF GPT-2 or NanoChat config dict; an option gpt2lab's model does not have is a
     WeightsError naming ``where``."""
-    kind = cfg.get("model_type", gpt2.MODEL_TYPE)
+    kind = cfg.get("model_type", GPT2_HF.model_type)
     if kind not in MODEL_TYPES:
         raise WeightsError(f"{where}: model_type {kind!r} is not gpt2 or nanochat")
     try:
-        return nanochat.config_from_nanochat(cfg) if kind == nanochat.MODEL_TYPE else gpt2.config_from_gpt2(cfg)
+        return nanochat.config_from_nanochat(cfg) if kind == NANOCHAT_HF.model_type else gpt2.config_from_gpt2(cfg)
     except (ValueError, TypeError) as e:
         raise WeightsError(f"{where}: {e}") from e
 
@@ -98,7 +100,7 @@ def _read_weights(path: str) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def read_config(config_path: str) -> tuple[GPTConfig, Optional[TrainedBPE]]:
+def hf_config(config_path: str) -> tuple[GPTConfig, Optional[TrainedBPE]]:
     """An HF directory's architecture and its own tokenizer (``dir_config``), from its config.json."""
     try:
         with open(config_path) as f:
@@ -170,7 +172,7 @@ def chat_template_of(path: str, trained: bool = False) -> Optional[str]:
     if not isinstance(added, dict):
         return None
     have = {str(v.get("content")): k for k, v in added.items() if isinstance(v, dict)}
-    ours = all(have.get(t) == str(i) for t, i in chat.SPECIAL_TOKENS.items() if t != EOT_TOKEN)
+    ours = all(have.get(t) == str(i) for t, i in chat.special_tokens(gpt2_tokenizer()).items() if t != EOT_TOKEN)
     return chat.TEMPLATE if ours else None
 
 
