@@ -131,6 +131,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     warnings.formatwarning = lambda message, category, *rest, **kw: f"{prefix}: warning: {message}\n"
     try:
         args = parse(build_parser(command), argv)
+        prefix = " ".join(
+            ["gpt2lab", *(str(getattr(args, k)) for k in ("command", "task", "action") if hasattr(args, k))]
+        )
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         if debug:

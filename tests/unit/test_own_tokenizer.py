@@ -600,7 +600,7 @@ def test_an_empty_source_is_exit_2_in_one_line_and_writes_nothing(tmp_path, caps
         argv = ["tokenizer", "train", "--source", src, "--vocab-size", "300", "--out", str(tmp_path / "t"), "--quiet"]
         assert cli.main(argv) == 2
         err = capsys.readouterr().err.splitlines()[-1]
-        assert err.startswith(f"gpt2lab tokenizer: --source {src}: no text to train on (1 document(s), 0 bytes)")
+        assert err.startswith(f"gpt2lab tokenizer train: --source {src}: no text to train on (1 document(s), 0 bytes)")
         assert not (tmp_path / "t").exists()
 
 

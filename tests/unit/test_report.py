@@ -138,13 +138,13 @@ def test_events_and_new_run_info_keys_are_shown(finished_run, tmp_path):
     assert env["autocast.chosen"] == "bfloat16" and env["autocast.reason"].startswith("CPU with AMX")
 
 
-def test_report_errors_are_one_line(tmp_path):
-    with pytest.raises(SystemExit, match="no such run directory"):
-        cli.main(["report", str(tmp_path / "nothing")])
+def test_report_errors_are_one_line(tmp_path, capsys):
+    assert cli.main(["report", str(tmp_path / "nothing")]) == 1
+    assert capsys.readouterr().err == f"gpt2lab report: {tmp_path / 'nothing'}: no such run directory\n"
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "metrics.jsonl").write_text('{"step": 0}\nnot json\n{"step": 1}\n')
-    with pytest.raises(SystemExit, match=r"metrics.jsonl:2: not valid JSON"):
-        cli.main(["report", str(tmp_path / "bad")])
+    assert cli.main(["report", str(tmp_path / "bad")]) == 1
+    assert capsys.readouterr().err.startswith(f"gpt2lab report: {tmp_path / 'bad' / 'metrics.jsonl'}:2: not valid JSON")
 
 
 # -- only what applies: a faked run directory ---------------------------------------------------

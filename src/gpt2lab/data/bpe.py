@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import os
 import warnings
-from contextlib import contextmanager
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Iterator
 
 from gpt2lab.data import chat
-from gpt2lab.data.sources import JsonLine, SourceError, TextSource, as_text, resolve_source
+from gpt2lab.data.sources import JsonLine, TextSource, as_text, resolve_source
 from gpt2lab.data.tokenizer import (
     SPECIAL_TOKENS,
     TOKENIZER_FILE,
@@ -78,10 +77,7 @@ def document_text(doc, text_field: str) -> str:
     if isinstance(doc, JsonLine):
         row = doc.row()
         if text_field not in row and chat.is_conversation(row):
-            try:
-                return "\n".join(content for _, content in chat.conversation(row))
-            except chat.ChatFormatError as e:
-                raise SourceError(f"{doc.path}:{doc.lineno}: {e}; fix or remove that line") from e
+            return "\n".join(content for _, content in doc.turns())
     return as_text(doc)
 
 
@@ -120,7 +116,13 @@ def train_tokenizer(
     resolved = [(spec, resolve_source(spec, text_field)) for spec in sources]
     tok, trainer = _bpe(vocab_size)
     counts: list[dict] = []
-    with _bar(progress, [src.size_bytes for _, src in resolved]) as bar:
+    from tqdm import tqdm
+
+    sizes = [src.size_bytes for _, src in resolved]
+    total = sum(sizes) if None not in sizes else None  # compressed files: an estimate
+    with tqdm(
+        disable=not progress, total=total, unit="B", unit_scale=True, desc="tokenizer", dynamic_ncols=True
+    ) as bar:
         tok.train_from_iterator(read_texts(resolved, text_field, counts, bar), trainer)
     if not sum(c["bytes"] for c in counts):  # nothing to learn from: 259 tokens, below MIN_VOCAB
         docs = sum(c["documents"] for c in counts)
@@ -152,18 +154,6 @@ def train_tokenizer(
             f.write(text)
         write_json(os.path.join(tmp, MARKER), marker)
     return marker
-
-
-@contextmanager
-def _bar(enabled: bool, sizes: list[Optional[int]]):
-    from tqdm import tqdm
-
-    total = sum(sizes) if enabled and None not in sizes else None  # compressed files: an estimate
-    bar = tqdm(disable=not enabled, total=total, unit="B", unit_scale=True, desc="tokenizer", dynamic_ncols=True)
-    try:
-        yield bar
-    finally:
-        bar.close()
 
 
 # -- reading one back ---------------------------------------------------------------------------

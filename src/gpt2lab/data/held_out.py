@@ -18,7 +18,6 @@ import os
 from pathlib import Path
 from typing import Dict, Optional
 
-from gpt2lab.data.chat import conversation
 from gpt2lab.data.manifest import save_manifest
 from gpt2lab.data.shards import MANIFEST, open_shard, read_manifest
 from gpt2lab.data.sources import TextSource
@@ -51,7 +50,7 @@ def write_held_out(src: TextSource, out: Path, manifest: Dict) -> Optional[str]:
         return None
     with atomic_write(str(path), "w", what_next="free some space and run the same prepare command again") as f:
         for doc in src.documents(0, n):  # the source's first n records: encode_conversations read them
-            turns = conversation(doc.row())
+            turns = doc.turns()
             f.write(json.dumps({"messages": [{"role": r, "content": c} for r, c in turns]}) + "\n")
     manifest[KEY] = HELD_OUT
     save_manifest(out, manifest)

@@ -25,7 +25,6 @@ import functools
 import math
 import os
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -81,7 +80,7 @@ def prepare(
     records its identity, vocabulary and shard dtype, and its tokenizer.json goes beside the shards.
     """
     if shard_tokens < 1:
-        raise ValueError(f"shard_tokens {shard_tokens} must be >= 1")
+        raise UsageError(f"shard_tokens {shard_tokens} must be >= 1")
     n_workers = _workers(workers)
     in_text = _val_in_text(val_tokens, val_docs, val_bytes, val_split)
     src = resolve_source(source, text_field, config)
@@ -89,7 +88,7 @@ def prepare(
     if val_defaulted:
         val_tokens = default_val_tokens(src, shard_tokens)
     if any(v is not None and v < 0 for v in (val_tokens, val_docs, val_bytes, limit_docs)):
-        raise ValueError(
+        raise UsageError(
             f"val_tokens {val_tokens}, val_docs {val_docs}, val_bytes {val_bytes} and limit_docs {limit_docs} "
             "must be >= 0"
         )
@@ -179,10 +178,7 @@ def val_documents(src: TextSource, val_bytes: int, fmt: str, limit_docs: Optiona
 def _doc_text(doc: Document, fmt: str) -> str:
     if fmt != "chat" or not isinstance(doc, JsonLine):
         return as_text(doc)
-    try:
-        return "".join(content for _, content in chat.conversation(doc.row()))
-    except chat.ChatFormatError as e:
-        raise SourceError(f"{doc.path}:{doc.lineno}: {e}; fix or remove that line") from e
+    return "".join(content for _, content in doc.turns())
 
 
 def _tokenizer(path: Optional[str], fmt: str) -> Tokenizer:
@@ -213,7 +209,7 @@ def _workers(workers: Optional[int]) -> int:
     if workers is None:
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if workers < 1:
-        raise ValueError(f"workers {workers} must be >= 1")
+        raise UsageError(f"workers {workers} must be >= 1")
     return workers
 
 
@@ -247,12 +243,24 @@ def detect_format(src: TextSource, asked: str, text_field: str) -> str:
 def _run(
     src: TextSource, out: Path, manifest: Dict, workers: int, progress: bool, tok: Tokenizer, val_docs: Optional[int]
 ) -> None:
+    from tqdm import tqdm
+
     sweep_stale(str(out))
     writer = ShardWriter(out, manifest, src, val_docs)
     docs = src.documents(writer.doc, manifest["settings"]["limit_docs"])
     chat_data = manifest["settings"]["format"] == "chat"
     encode = functools.partial(encode_conversations if chat_data else encode_documents, tokenizer=tok)
-    with ordered_map(encode, docs, workers, src.size_bytes) as stream, _progress(progress, writer.written) as bar:
+    with (
+        ordered_map(encode, docs, workers, src.size_bytes) as stream,
+        tqdm(
+            disable=not progress,
+            unit="tok",
+            unit_scale=True,
+            initial=writer.written,
+            desc="prepare",
+            dynamic_ncols=True,
+        ) as bar,
+    ):
         for tokens, lengths, *mask in stream:
             writer.add(tokens, lengths, *mask)
             bar.update(int(lengths.sum()))
@@ -283,26 +291,8 @@ def encode_conversations(
 ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """JSON-lines conversations -> (uint16 tokens, lengths, uint8 loss mask) in data/chat.py's
     template; a record that is not a conversation is a SourceError naming its file, line and field."""
-    records = []
-    for doc in docs:
-        if not isinstance(doc, JsonLine):
-            raise SourceError(
-                "conversations are read from JSON-lines files (.jsonl, also compressed); "
-                "prepare text with --format text"
-            )
-        try:
-            records.append(chat.conversation(doc.row()))
-        except chat.ChatFormatError as e:
-            raise SourceError(f"{doc.path}:{doc.lineno}: {e}; fix or remove that line") from e
-    return chat.encode_records(records, tokenizer)
-
-
-@contextmanager
-def _progress(enabled: bool, initial: int):
-    from tqdm import tqdm
-
-    bar = tqdm(disable=not enabled, unit="tok", unit_scale=True, initial=initial, desc="prepare", dynamic_ncols=True)
-    try:
-        yield bar
-    finally:
-        bar.close()
+    if not all(isinstance(doc, JsonLine) for doc in docs):
+        raise SourceError(
+            "conversations are read from JSON-lines files (.jsonl, also compressed); prepare text with --format text"
+        )
+    return chat.encode_records([doc.turns() for doc in docs], tokenizer)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable, Iterable, Iterator, List, NamedTuple, Optional, Tuple, Union
 
+from gpt2lab.data import chat
 from gpt2lab.data.tokenizer import asset_path
 from gpt2lab.system.errors import DataError
 
@@ -73,6 +74,14 @@ class JsonLine(NamedTuple):
 
     def text(self) -> str:
         return _field(self.row(), self.field, f"{self.path}:{self.lineno}")
+
+    def turns(self) -> list[tuple[str, str]]:
+        """The line's conversation (data/chat.py: (role, content) turns); a SourceError naming the file,
+        line and field when it is not one."""
+        try:
+            return chat.conversation(self.row())
+        except chat.ChatFormatError as e:
+            raise SourceError(f"{self.path}:{self.lineno}: {e}; fix or remove that line") from e
 
 
 Document = Union[str, JsonLine]

@@ -25,6 +25,7 @@ from gpt2lab.data.tokenizer import short
 from gpt2lab.model.config import config_value
 from gpt2lab.observe import plot
 from gpt2lab.system import rundir
+from gpt2lab.system.errors import DataError
 from gpt2lab.system.files import atomic_write
 
 RUNNING_IF_WRITTEN_WITHIN_S = 600  # or 20 median steps, whichever is longer: evaluations pause the log
@@ -59,9 +60,9 @@ def _read_json(path: str) -> dict:
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e.msg}); the report needs it readable or absent") from None
+        raise DataError(f"{path}: not valid JSON ({e.msg}); the report needs it readable or absent") from None
     except UnicodeDecodeError:
-        raise ValueError(f"{path}: not UTF-8 text, so not JSON; the report needs it readable or absent") from None
+        raise DataError(f"{path}: not UTF-8 text, so not JSON; the report needs it readable or absent") from None
     return data if isinstance(data, dict) else {}
 
 
@@ -271,11 +272,11 @@ def _facts(info: dict) -> list[list[Any]]:
 
 
 def _figure_png(run_dir: str) -> bytes:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the cut last line is reported in the status instead
         fig = plot.build_figure([plot.load_run(run_dir)])
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
     FigureCanvasAgg(fig)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, metadata=rundir.PNG_MARK)
