@@ -49,12 +49,7 @@ def write_shard(path: PathLike, tokens: np.ndarray) -> None:
     temp name, then rename."""
     if tokens.dtype not in HEADER_OF:
         raise TypeError(f"{path}: shard tokens must be uint16 or uint32, got {tokens.dtype}")
-    header = np.zeros(HEADER_INTS, dtype=np.int32)
-    header[:3] = (*HEADER_OF[tokens.dtype], len(tokens))
-    again = "free some space and run the same prepare command again: it resumes after the last whole shard"
-    with atomic_write(str(path), "wb", what_next=again) as f:
-        f.write(header.tobytes())
-        f.write(np.ascontiguousarray(tokens).tobytes())
+    _write(path, HEADER_OF[tokens.dtype], tokens)
 
 
 # A conversation shard's loss mask (``train_000000.mask`` beside ``train_000000.bin``): the same
@@ -72,12 +67,16 @@ def write_mask(path: PathLike, mask: np.ndarray) -> None:
     """Write a shard's loss mask (uint8 0/1); atomic, like write_shard."""
     if mask.dtype != np.uint8:
         raise TypeError(f"{path}: a loss mask must be uint8, got {mask.dtype}")
+    _write(path, (MASK_MAGIC, VERSION), mask)
+
+
+def _write(path: PathLike, magic_version: tuple[int, int], values: np.ndarray) -> None:
     header = np.zeros(HEADER_INTS, dtype=np.int32)
-    header[:3] = (MASK_MAGIC, VERSION, len(mask))
+    header[:3] = (*magic_version, len(values))
     again = "free some space and run the same prepare command again: it resumes after the last whole shard"
     with atomic_write(str(path), "wb", what_next=again) as f:
         f.write(header.tobytes())
-        f.write(np.ascontiguousarray(mask).tobytes())
+        f.write(np.ascontiguousarray(values).tobytes())
 
 
 def open_mask(shard: PathLike, tokens: int) -> np.ndarray:

@@ -223,13 +223,11 @@ class GPTConfig:
         return self.token_vocab_size or self.vocab_size
 
     def modern(self) -> dict:
-        """The modern-block and lever fields set away from GPT-2's defaults, by name."""
-        base = GPTConfig()
-        return {
-            f.name: getattr(self, f.name)
-            for f in fields(self)
-            if f.name in MODERN_FIELDS and getattr(self, f.name) != getattr(base, f.name)
-        }
+        """The modern-block and lever fields (declared from ``pos_emb`` to ``mtp_heads``: what a GPT-2 does
+        not have) set away from GPT-2's defaults, by name."""
+        names, base = [f.name for f in fields(self)], GPTConfig()
+        modern = names[names.index("pos_emb") : names.index("mtp_heads") + 1]
+        return {n: getattr(self, n) for n in modern if getattr(self, n) != getattr(base, n)}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -285,25 +283,6 @@ SIZES = (
 HUB_NAMES = tuple(s.hub for s in SIZES)
 PRESETS = {s.hub: s.shape for s in SIZES}
 PRESET_ALIASES = {s.label.lower(): s.hub for s in SIZES}
-
-
-# The fields a GPT-2 does not have: the modern block's switches and the speedrun's levers.
-MODERN_FIELDS = (
-    "pos_emb",
-    "rope_theta",
-    "norm",
-    "qk_norm",
-    "mlp_act",
-    "tie_embeddings",
-    "bias",
-    "embed_norm",
-    "zero_init_proj",
-    "logit_softcap",
-    "value_embeds",
-    "unet_skips",
-    "zero_init_head",
-    "mtp_heads",
-)
 
 
 # -- the architecture in a run config (config.json, presets, flags) ------------------------

@@ -47,12 +47,6 @@ class Report:
     sections: list[Section] = field(default_factory=list)
 
 
-def _model_section(config: dict) -> dict:
-    """The architecture fields of a run's config.json (its "model" section)."""
-    model = config.get("model")
-    return model if isinstance(model, dict) else {}  # a "model" that is no table: the report still shows the rest
-
-
 def _read_json(path: str) -> dict:
     if not os.path.isfile(path):
         return {}
@@ -85,12 +79,6 @@ def _checkpoints(run_dir: str) -> list[tuple[int, str, int]]:
     return out
 
 
-def _live_lock(run_dir: str) -> Optional[int]:
-    """The pid of the live run holding the directory's lock (system.rundir), if one does."""
-    who = rundir.holder(run_dir)
-    return None if who is None else who.get("pid")
-
-
 def run_status(
     run_dir: str, config: dict, records: list[dict], cut: bool, ckpts: list, now: float, info: Optional[dict] = None
 ) -> str:
@@ -105,9 +93,9 @@ def run_status(
     age = now - os.path.getmtime(metrics) if os.path.exists(metrics) else float("inf")
     dts = [r["dt_ms"] / 1000 for r in records if isinstance(r.get("dt_ms"), (int, float))]
     window = max(RUNNING_IF_WRITTEN_WITHIN_S, 20 * statistics.median(dts)) if dts else RUNNING_IF_WRITTEN_WITHIN_S
-    pid = _live_lock(run_dir)
-    if pid is not None:  # the lock is the truth: the kernel drops it with its process, however it ends
-        return f"running: at {where} (lock held by pid {pid})"
+    who = rundir.holder(run_dir)
+    if who is not None:  # the lock is the truth: the kernel drops it with its process, however it ends
+        return f"running: at {where} (lock held by pid {who.get('pid')})"
     if not os.path.exists(os.path.join(run_dir, rundir.LOCK_FILE)) and age < window:  # a run of a version
         return f"running: at {where} (last record {age:.0f} s ago)"  # that kept no lock
     resume = continue_command(info or {})
@@ -220,7 +208,7 @@ def _last(records: list[dict], key: str) -> Optional[tuple[int, float]]:
     return found[-1] if found else None
 
 
-def _results(records: list[dict], size: Optional[str], fineweb_edu: bool) -> list[list[Any]]:
+def _results(records: list[dict], size: Optional[str], fineweb_edu: bool) -> Section:
     """The last of each metric the run logged, beside OpenAI's where they apply: GPT-2 124M's val loss on
     FineWeb-Edu for a run on that corpus, HellaSwag's published acc_norm for a run with HellaSwag results
     (its size's, else 124M's for scale). No baseline that applies: no baseline columns."""
@@ -243,8 +231,10 @@ def _results(records: list[dict], size: Optional[str], fineweb_edu: bool) -> lis
     if bpb:  # bits per byte: comparable across tokenizers (runs written before it have none)
         rows.append(["val bits per byte (the loss over the text's UTF-8 bytes)", fmt(bpb), "-", "-"])
     if all(row[2:] == ["-", "-"] for row in rows):
-        return [["metric", "this run"], *[row[:2] for row in rows]]
-    return [["metric", "this run", f"OpenAI GPT-2 {ref}", f"OpenAI GPT-3 {ref}"], *rows]
+        return Section("Final metrics", table=[["metric", "this run"], *[row[:2] for row in rows]])
+    head = ["metric", "this run", f"OpenAI GPT-2 {ref}", f"OpenAI GPT-3 {ref}"]
+    scale = "" if size else "This run is not a GPT-2 size; the 124M baselines are shown for scale."
+    return Section("Final metrics against OpenAI's models", text=scale, table=[head, *rows])
 
 
 # run_info.json keys the report shows elsewhere: the plan's config is config.json's (its own section)
@@ -292,7 +282,7 @@ def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True)
     records, cut = read_records(run_dir)
     ckpts = _checkpoints(run_dir)
     size = plot.detect_size(config) if config else None
-    arch = _model_section(config)
+    arch = config.get("model") if isinstance(config.get("model"), dict) else {}  # no table: the rest still shows
     status = run_status(run_dir, config, records, cut, ckpts, time.time() if now is None else now, info)
     fineweb_edu = plot.is_fineweb_edu(plot.data_source(run_dir, config))
     what = [
@@ -319,7 +309,7 @@ def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True)
     rep.sections += [
         Section("What was run", table=what),
         Section("How long and how fast", table=_speed(records, config, run_dir)),
-        _results_section(_results(records, size, fineweb_edu), size),
+        _results(records, size, fineweb_edu),
         Section(
             "Curves",
             image_png=_figure_png(run_dir) if records and curves else None,
@@ -354,16 +344,6 @@ def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True)
         ),
     ]
     return rep
-
-
-def _results_section(table: list[list[Any]], size: Optional[str]) -> Section:
-    if len(table[0]) == 2:
-        return Section("Final metrics", table=table)
-    return Section(
-        "Final metrics against OpenAI's models",
-        table=table,
-        text="" if size else "This run is not a GPT-2 size; the 124M baselines are shown for scale.",
-    )
 
 
 def _event_text(r: dict) -> str:
