@@ -508,9 +508,9 @@ def adapt_config(cfg):
     """``cfg`` with the architecture of its ``--init-from`` source, as the run plan takes it (each of cfg's
     values must agree with the source; a smaller block_size keeps its first positions)."""
     from gpt2lab.system.errors import ConfigError
-    from gpt2lab.train.init_from import ARCH_FIELDS, InitFromError, source_arch
+    from gpt2lab.train.init_from import ARCH_FIELDS, InitFromError, check_arch, find_source
 
-    arch = source_arch(cfg.finetune.init_from, {name: getattr(cfg.model, name) for name in ARCH_FIELDS})
+    arch = check_arch(find_source(cfg.finetune.init_from), {name: getattr(cfg.model, name) for name in ARCH_FIELDS})
     try:
         return cfg.with_model(**arch)
     except ConfigError as e:

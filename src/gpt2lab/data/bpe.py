@@ -187,10 +187,11 @@ def open_dir(path: str, flag: str = "--tokenizer") -> Tokenizer:
 
 
 # -- bytes per token ------------------------------------------------------------------------------
-def bytes_per_token(tokenizers: dict[str, Tokenizer], sources: list[str], text_field: str = "text") -> list[dict]:
-    """Per source: its UTF-8 bytes, documents, and each tokenizer's tokens and bytes per token (the
-    documents encoded as text, as ``prepare`` encodes them, without the <|endoftext|> before each)."""
-    rows = []
+def evaluate_tokenizer(tokenizer_dir: str, sources: Iterable[str], text_field: str = "text") -> list[dict]:
+    """Per source: its UTF-8 bytes, documents, and the tokens and bytes per token of ``tokenizer_dir``'s
+    tokenizer ("ours") and GPT-2's (the documents encoded as text, as ``prepare`` encodes them, without
+    the <|endoftext|> before each)."""
+    tokenizers, rows = {"ours": open_dir(tokenizer_dir), "gpt2": gpt2_tokenizer()}, []
     for spec in sources:
         counts: list[dict] = []
         tokens = dict.fromkeys(tokenizers, 0)
@@ -198,21 +199,9 @@ def bytes_per_token(tokenizers: dict[str, Tokenizer], sources: list[str], text_f
             for name, tok in tokenizers.items():
                 tokens[name] += len(tok.encode_ordinary(text))
         n = counts[0]["bytes"]
-        rows.append(
-            {
-                **counts[0],
-                "tokenizers": {
-                    name: {"tokens": t, "bytes_per_token": n / t if t else None} for name, t in tokens.items()
-                },
-            }
-        )
+        per = {name: {"tokens": t, "bytes_per_token": n / t if t else None} for name, t in tokens.items()}
+        rows.append({**counts[0], "tokenizers": per})
     return rows
-
-
-def evaluate_tokenizer(tokenizer_dir: str, sources: Iterable[str], text_field: str = "text") -> list[dict]:
-    """Bytes per token of ``tokenizer_dir``'s tokenizer against GPT-2's on each source."""
-    ours = open_dir(tokenizer_dir)
-    return bytes_per_token({"ours": ours, "gpt2": gpt2_tokenizer()}, list(sources), text_field)
 
 
 def markdown_table(rows: list[dict], name: str = "ours") -> str:

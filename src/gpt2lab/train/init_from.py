@@ -3,7 +3,7 @@
 SRC is anything ``--model`` takes (weights.load): a hub name, a local HF GPT-2 or NanoChat directory, a run directory
 (its newest intact checkpoint) or one checkpoint directory. Only the weights are taken: the run
 gets a new optimizer, step 0, its own LR schedule and data order. The architecture comes
-from SRC (``source_arch``, which the run plan applies); the run may pad the vocabulary (50257 -> 50304) and keep
+from SRC (``check_arch``, which the run plan applies); the run may pad the vocabulary (50257 -> 50304) and keep
 fewer positions (a smaller ``--block-size``). Every problem with SRC is an ``InitFromError``
 naming it, raised before any training work.
 """
@@ -75,13 +75,6 @@ def _check_readable(src: Source) -> None:
             f"{src.weights} holds no token embedding (wte.weight, or NanoChat's embed_tokens.weight); "
             "pass a GPT-2 or NanoChat model",
         )
-
-
-def source_arch(spec: str, explicit: Mapping[str, object], flag: str = "--init-from") -> dict[str, object]:
-    """SRC's ARCH_FIELDS (n_layer ... block_size, the modern block's), checked against the values the user gave."""
-    src = find_source(spec)
-    src.flag = flag
-    return check_arch(src, explicit)
 
 
 def check_arch(src: Source, explicit: Mapping[str, object]) -> dict[str, object]:
