@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Optional
 
 from gpt2lab.data import chat
 from gpt2lab.data.sources import JsonLine, TextSource, as_text, resolve_source
@@ -157,23 +157,25 @@ def train_tokenizer(
 
 
 # -- reading one back ---------------------------------------------------------------------------
-def open_dir(path: str, flag: str = "--tokenizer") -> Tokenizer:
+def open_dir(path: str, flag: Optional[str] = "--tokenizer") -> Tokenizer:
     """The tokenizer in a directory ``gpt2lab tokenizer train`` wrote (or any holding a tokenizer.json
     with gpt2lab's special tokens), checked against its marker's identity; ``path`` may be that
     tokenizer.json itself. A directory or file holding GPT-2's own vocabulary (a GPT-2 export, the
-    hub's gpt2) is GPT-2's BPE (``gpt2_tokenizer``)."""
+    hub's gpt2) is GPT-2's BPE (``gpt2_tokenizer``). ``flag``: how the user named ``path`` (None: the
+    path alone, as gpt2lab.get_tokenizer names it)."""
+    said = f"{flag} {path}" if flag else path
     make = f"make one with `gpt2lab tokenizer train --source SRC --vocab-size N --out {path}`"
     if os.path.isfile(path):
         folder, file = os.path.dirname(path) or ".", path
     elif os.path.isdir(path):
         folder, file = path, os.path.join(path, TOKENIZER_FILE)
     else:
-        raise UsageError(f"{flag} {path}: no such directory or file; {make}")
+        raise UsageError(f"{said}: no such directory or file; {make}")
     if is_gpt2_vocabulary(path):
         return gpt2_tokenizer()
     if not os.path.isfile(file):
         raise UsageError(
-            f"{flag} {path}: holds no {TOKENIZER_FILE} (nor GPT-2's vocab.json and merges.txt); give a "
+            f"{said}: holds no {TOKENIZER_FILE} (nor GPT-2's vocab.json and merges.txt); give a "
             f"directory from `gpt2lab tokenizer train` or its {TOKENIZER_FILE}"
         )
     marker = read_json_object(os.path.join(folder, MARKER)) if os.path.basename(file) == TOKENIZER_FILE else None
@@ -183,6 +185,8 @@ def open_dir(path: str, flag: str = "--tokenizer") -> Tokenizer:
             file, identity if isinstance(identity, str) else None, what_next=f"train the tokenizer in {folder} again"
         )
     except TokenizerError as e:
+        if not flag:
+            raise
         raise TokenizerError(f"{flag} {e}") from None
 
 

@@ -34,21 +34,6 @@ from gpt2lab.data.sources import TextSource
 from gpt2lab.data.tokenizer import GPT2, Tokenizer, token_dtype
 from gpt2lab.system.files import sha256_file, write_json
 
-# The prepare flag of each setting, for a refusal that names what differs.
-FLAGS = {
-    "source": "--source",
-    "config": "--config",
-    "text_field": "--text-field",
-    "limit_docs": "--limit-docs",
-    "shard_tokens": "--shard-tokens",
-    "val_tokens": "--val-tokens",
-    "val_split": "--val-split",
-    "val_docs": "--val-docs",
-    "val_bytes": "--val-bytes",
-    "format": "--format",
-    "tokenizer": "--tokenizer",
-}
-
 
 def fresh_manifest(settings: Dict, tok: Tokenizer) -> Dict:
     """The manifest of a run that has written nothing yet."""
@@ -108,8 +93,8 @@ def start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: TextSour
         _roll_back(out, manifest, 0)
         return fresh_manifest(settings, tok)
     if differ:
-        was = ", ".join(f"{FLAGS[k]} {_flag_value(old.get(k), k)}" for k in differ)
-        now = ", ".join(f"{FLAGS[k]} {_flag_value(settings.get(k), k)}" for k in differ)
+        was = ", ".join(f"{_flag(k)} {_flag_value(old.get(k), k)}" for k in differ)
+        now = ", ".join(f"{_flag(k)} {_flag_value(settings.get(k), k)}" for k in differ)
         raise ShardError(
             f"{path}: this directory was prepared with {was}, not {now}; rerun with "
             f"the same flags to {'resume' if not manifest['complete'] else 'check'} it, "
@@ -128,6 +113,11 @@ def start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: TextSour
     again = f"that file on, after the {kept} shard(s) made before it" if kept else "the start"
     warnings.warn(f"{out}: {why}; preparing it again from {again}")
     return manifest if kept else fresh_manifest(settings, tok)
+
+
+def _flag(key: str) -> str:
+    """The prepare flag that gives a setting (``val_tokens``: ``--val-tokens``), for a refusal naming it."""
+    return "--" + key.replace("_", "-")
 
 
 def _flag_value(v, key: str = "") -> str:

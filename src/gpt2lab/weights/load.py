@@ -24,6 +24,7 @@ from typing import Callable, Optional
 import torch
 
 from gpt2lab.checkpoint import store
+from gpt2lab.data.bpe import open_dir
 from gpt2lab.data.tokenizer import (
     TOKENIZER_FILE,
     Tokenizer,
@@ -163,7 +164,7 @@ def model_source(spec: str, flag: Optional[str] = "--model", report: Callable[[s
         config = _checkpoint_config(ckpt)
         tok = _checkpoint_tokenizer(ckpt, config.tokenizer)
         path = os.path.join(ckpt, "config.json")
-        return Source(spec, kind, config, tok, store.weights_file(ckpt), path, int(step), flag)
+        return Source(spec, kind, config, tok, store.weights_file(ckpt), path, step, flag)
     if kind == HF_DIR:
         path = os.path.join(spec, "config.json")
         weights = next(os.path.join(spec, f) for f in WEIGHT_FILES if os.path.isfile(os.path.join(spec, f)))
@@ -252,7 +253,7 @@ def source_tokenizer(spec: str) -> Tokenizer:
     if found == rundir.DATA:
         return for_data(spec)
     if found in (rundir.TOKENIZER, "file"):  # gpt2lab tokenizer train --out, or its tokenizer.json
-        return load_tokenizer(spec)
+        return open_dir(spec, None)
     if source_kind(spec) == HUB:  # GPT-2's, with no download
         return gpt2_tokenizer()
     src = model_source(spec, None)
