@@ -37,6 +37,7 @@ from gpt2lab.data.tokenizer import (
 )
 from gpt2lab.model.config import HUB_NAMES, GPTConfig, config_value, model_from_config
 from gpt2lab.model.gpt import GPT
+from gpt2lab.model.lora import add_lora, lora_args, merge_lora  # peft is imported only where a run used it
 from gpt2lab.system import rundir
 from gpt2lab.system.errors import CheckpointError, ConfigError
 from gpt2lab.system.files import read_json_object
@@ -177,16 +178,10 @@ def model_of(src: Source) -> GPT:
     """The GPT of a resolved source, holding its tokenizer; a LoRA run's adapters merged (a plain GPT)."""
     if src.kind != CHECKPOINT_DIR:
         return read.from_files(src.config, src.tokenizer, src.weights)
-    model = GPT(src.config, src.tokenizer)
-    saved = store.read_config(src.where)
-    if config_value(saved, "lora_rank"):
-        from gpt2lab.model.lora import add_lora, lora_args, merge_lora
-
-        adapted = add_lora(model, *lora_args(saved))
-        store.load_weights(model, src.where, verified=True)
-        return merge_lora(adapted)
-    store.load_weights(model, src.where, verified=True)
-    return model
+    model, saved = GPT(src.config, src.tokenizer), store.read_config(src.where)
+    adapted = add_lora(model, *lora_args(saved)) if config_value(saved, "lora_rank") else None
+    store.load_weights(model, src.where, verified=True)  # a LoRA run's weights: the base's and its adapters
+    return merge_lora(adapted) if adapted is not None else model
 
 
 def named(flag: Optional[str], spec: str, error: Exception) -> str:
