@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DATA, tiny_gpt
+from conftest import DATA, step_record, tiny_gpt
 
 from gpt2lab.data import chat
 from gpt2lab.data.tokenizer import EOT_ID, gpt2_tokenizer
@@ -345,7 +345,7 @@ def test_a_trainer_built_from_a_config_takes_the_datas_template(chat_shards, tmp
     assert cfg.model.token_vocab_size == 50257 and cfg.model.chat_template is None
     trainer = Trainer.from_config(cfg, DistInfo(device=torch.device("cpu")))
     assert (trainer.cfg.model.chat_template, trainer.cfg.model.token_vocab_size) == ("chatml", 50259)
-    assert trainer.loader.masked and np.isfinite(trainer.train_step()["train_loss"])
+    assert trainer.loader.masked and np.isfinite(step_record(trainer)["train_loss"])
 
 
 # -- content as a list of text parts, as the server takes it ---------------------------------------

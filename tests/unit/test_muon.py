@@ -16,7 +16,8 @@ from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.system import runtime
 from gpt2lab.system.runtime import Facts, Probe, choose_ns_dtype
 from gpt2lab.train.config import ConfigError
-from gpt2lab.train.optim import Muon, Optimizers, lr_at, make_muon, muon_split, orthogonalize, scheduled_lr, set_lrs
+from gpt2lab.train.optim import Muon, Optimizers, make_muon, muon_split, orthogonalize
+from gpt2lab.train.schedule import lr_at, scheduled_lr, set_lrs
 from gpt2lab.train.settings import load_preset
 
 CPU = torch.device("cpu")

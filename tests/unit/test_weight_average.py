@@ -35,7 +35,6 @@ def run(t, n) -> list[dict]:
     snaps = []
     for _ in range(n):
         t.train_step()
-        t.step += 1
         snaps.append({k: v.detach().double().clone() for k, v in t.raw.state_dict().items()})
     return snaps
 

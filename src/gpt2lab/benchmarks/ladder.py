@@ -30,7 +30,7 @@ import statistics
 import torch
 
 from gpt2lab.benchmarks import timed
-from gpt2lab.benchmarks.train import ReferenceGPT
+from gpt2lab.benchmarks.train import ReferenceGPT, loss_of_step
 from gpt2lab.distributed.dist import pick_device
 from gpt2lab.model.config import SIZES as GPT2_SIZES
 from gpt2lab.system.choices import finite_float
@@ -172,7 +172,7 @@ def _gpt2lab_step(shape, B: int, T: int, device: torch.device, data: str):
         progress=False,
     )
     trainer = Trainer.from_config(cfg, DistInfo(device=device))
-    return (lambda: trainer.train_step()["train_loss"]), trainer.raw
+    return loss_of_step(trainer), trainer.raw
 
 
 def _model_step(shape, B: int, T: int, device: torch.device, chunked: bool):

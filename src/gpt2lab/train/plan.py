@@ -40,6 +40,7 @@ from gpt2lab.system.runtime import Choice
 from gpt2lab.train import init_from
 from gpt2lab.train.config import SECTIONS, TrainConfig, default_value, merge_config, nest_config
 from gpt2lab.train.gather import Gathered, InitFrom, MachineFacts, Resumed, gather
+from gpt2lab.train.schedule import accum_at, lr_at
 from gpt2lab.weights.targets import export_target
 
 PLAN_VERSION = 1
@@ -185,7 +186,7 @@ class RunPlan:
         peak = self.peak_flops.value
         b = c.batch
         ramp = (
-            f"; ramped from {b.batch_ramp_start:,} tokens ({c.accum_at(0, self.machine.world_size)} micro-steps) "
+            f"; ramped from {b.batch_ramp_start:,} tokens ({accum_at(c, 0, self.machine.world_size)} micro-steps) "
             f"at step 0 over {b.batch_ramp_steps} steps"
             if b.batch_ramp_steps
             else ""
@@ -315,7 +316,7 @@ def decide(req: Request, found: Gathered) -> RunPlan:
         check_resume_settings(cfg, resumed.saved, resumed.where)
         change = schedule_change(cfg, resumed.saved, step_of(resumed.where))
     accum = cfg.grad_accum_steps(machine.world_size)
-    cfg.accum_at(0, machine.world_size)  # the batch ramp's start divides evenly too (raises if not)
+    accum_at(cfg, 0, machine.world_size)  # the batch ramp's start divides evenly too (raises if not)
     muon = cfg.optim.optimizer == "muon"
     choices = runtime.resolve(
         machine.device.device_type,
@@ -579,7 +580,7 @@ def check_resume_settings(cfg: TrainConfig, saved: dict, where: str) -> None:
     )
 
 
-# The fields that shape the LR schedule (train.optim.lr_at); those marked ``keep`` are refused before.
+# The fields that shape the LR schedule (train.schedule.lr_at); those marked ``keep`` are refused before.
 SCHEDULE_FIELDS = ("max_steps", "warmup_steps", "lr_schedule", "decay_frac", "max_lr", "min_lr")
 
 
@@ -588,7 +589,6 @@ def schedule_change(cfg: TrainConfig, saved: dict, step: int) -> Optional[str]:
     trained with: each field from what to what, the decay's new end and the rate of the next step
     before and after; None when it changes nothing. A rate's schedule is a function of max_steps, so
     resuming with another --max-steps moves the decay (cosine: its whole length; wsd: its start)."""
-    from gpt2lab.train.optim import lr_at
 
     def schedule(opt: dict) -> dict:
         return {n: opt[n] for n in SCHEDULE_FIELDS if n != "decay_frac" or opt["lr_schedule"] == "wsd"}

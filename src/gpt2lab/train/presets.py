@@ -14,6 +14,7 @@ from typing import Optional
 
 from gpt2lab.distributed.memplan import param_counts
 from gpt2lab.train.config import TrainConfig
+from gpt2lab.train.schedule import accum_at
 from gpt2lab.train.settings import load_preset, preset_names
 from gpt2lab.weights.targets import export_target
 
@@ -81,7 +82,7 @@ def tokens(cfg: TrainConfig) -> int:
     b, steps = cfg.batch, cfg.optim.max_steps
     per_micro = b.micro_batch_size * b.seq_len
     ramp = min(steps, b.batch_ramp_steps)
-    return sum(cfg.accum_at(s, 1) for s in range(ramp)) * per_micro + (steps - ramp) * b.total_batch_tokens
+    return sum(accum_at(cfg, s, 1) for s in range(ramp)) * per_micro + (steps - ramp) * b.total_batch_tokens
 
 
 def describe(name: str) -> list[str]:
