@@ -190,7 +190,7 @@ def test_accumulated_step_is_the_gradient_of_the_mean_over_all_supervised_target
     """Two micro-batches with different numbers of assistant tokens: the step's gradient is that of
     one mean over all of them (not the mean of the two means)."""
     from gpt2lab.data.loader import TokenLoader
-    from gpt2lab.train.trainer import accumulate_gradients
+    from gpt2lab.distributed.parallel import accumulate_gradients
 
     out, _ = chat_shards
     batches = [TokenLoader(out, "train", 2, 48, seed=s).next_batch() for s in (5, 9)]

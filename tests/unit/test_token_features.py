@@ -11,9 +11,9 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
-from gpt2lab.distributed import memplan
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.system.errors import ConfigError
+from gpt2lab.train import memplan, plan_text
 from gpt2lab.train.optim import build_optimizer, param_groups, parts
 from gpt2lab.train.schedule import set_lrs
 from gpt2lab.train.settings import load_preset
@@ -272,7 +272,8 @@ def test_a_run_plans_the_state_it_keeps(tiny_data, tmp_path):
     from gpt2lab.distributed.dist import DistInfo
     from gpt2lab.system import runtime
     from gpt2lab.train.gather import MachineFacts
-    from gpt2lab.train.plan import checkpoint_bytes, make_plan
+    from gpt2lab.train.plan import make_plan
+    from gpt2lab.train.plan_text import checkpoint_bytes
     from gpt2lab.train.trainer import Trainer
 
     fields = {**TINY, "data": tiny_data, "out": str(tmp_path), "max_steps": 2, "tie_embeddings": False}
@@ -286,7 +287,7 @@ def test_a_run_plans_the_state_it_keeps(tiny_data, tmp_path):
     assert t.plan.memory["token_features"] == round((kept + step) / 2**20, 1)
     plain = load_preset("shakespeare-cpu", **fields)
     assert checkpoint_bytes(cfg)["optimizer"] - checkpoint_bytes(plain)["optimizer"] == kept
-    assert any("token features shared by the token tables" in line for line in t.plan.lines())
+    assert any("token features shared by the token tables" in line for line in plan_text.lines(t.plan))
 
 
 def test_under_fp16s_grad_scaler_the_share_steps_once_on_unscaled_gradients():

@@ -11,10 +11,11 @@ import torch.nn.functional as F
 from conftest import DATA, TINY, step_record
 
 from gpt2lab.distributed.dist import DistInfo
+from gpt2lab.distributed.parallel import accumulate_gradients
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.train.optim import make_optimizer
 from gpt2lab.train.settings import load_preset
-from gpt2lab.train.trainer import Trainer, TrainingError, accumulate_gradients
+from gpt2lab.train.trainer import Trainer, TrainingError
 
 CPU = torch.device("cpu")
 # The first 10 train losses of _trainer(...) below, recorded with torch 2.13 on CPU (fp32).

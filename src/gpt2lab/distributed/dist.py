@@ -122,7 +122,7 @@ def broadcast(value):
     return box[0]
 
 
-def gather(value) -> list:
+def collect(value) -> list:
     """Every rank's ``value``, in rank order, on every rank."""
     if world() == 1:
         return [value]
@@ -136,7 +136,7 @@ def agree(failed: bool) -> bool:
 
     An object collective: it works on gloo and NCCL alike, whatever device holds the model.
     """
-    return any(gather(bool(failed)))
+    return any(collect(bool(failed)))
 
 
 def decided_on_rank_0(decide):

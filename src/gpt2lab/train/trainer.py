@@ -24,7 +24,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ import torch.distributed as tdist
 from gpt2lab.checkpoint import store as ckpt
 from gpt2lab.data.tokenizer import save_tokenizer
 from gpt2lab.distributed import parallel
-from gpt2lab.distributed.dist import DistInfo, all_reduce_mean, all_reduce_sum, autocast, decided_on_rank_0
+from gpt2lab.distributed.dist import DistInfo, decided_on_rank_0
 from gpt2lab.model.gpt import GPT
 from gpt2lab.observe.metrics import MetricsLogger
 from gpt2lab.system.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, GPT2LabError
@@ -46,8 +46,6 @@ from gpt2lab.train.init_from import load_source
 from gpt2lab.train.optim import build_optimizer, unscale
 from gpt2lab.train.plan import RunPlan, make_plan
 from gpt2lab.train.rollback import Rollback, RollbackDecision, TrainingError  # noqa: F401  (TrainingError re-exported)
-
-Batch = tuple[torch.Tensor, torch.Tensor]
 
 # Steps between read-backs on a GPU (--check-interval 0). A read-back waits for the GPU's queue to
 # drain, so the next step starts late by the host's launch time; every 16 steps spreads that over
@@ -88,52 +86,6 @@ class Stopped(GPT2LabError):
     def __init__(self, message: str, signum: int) -> None:
         super().__init__(message)
         self.exit_code = EXIT_PREEMPTED if signum == signal.SIGTERM else EXIT_INTERRUPTED
-
-
-def accumulate_gradients(
-    model: torch.nn.Module,
-    next_batch: Callable[[], Batch],
-    accum: int,
-    device: torch.device,
-    dtype: str,
-    scaler=None,
-    masked: bool = False,
-) -> torch.Tensor:
-    """Forward/backward ``accum`` micro-batches; return the mean loss over the step's targets, all ranks.
-
-    Each micro-loss (a mean over its targets) is weighted so that the summed gradients are those
-    of the mean over every target of the step: 1/accum when every micro-batch has the same number
-    of targets (text); ``masked`` (conversations, where targets the loss skips are -1), its share of
-    the step's supervised targets summed over ranks, so a micro-batch holding few assistant tokens
-    counts for few. Under DDP and FSDP, gradients are reduced over ranks (a mean) only on the last
-    micro-step.
-    """
-    batches = [next_batch() for _ in range(accum)] if masked else None
-    weights = _target_weights(batches, device) if masked else [1.0 / accum] * accum
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for micro in range(accum):
-        x, y = batches[micro] if masked else next_batch()
-        if device.type == "cuda" and x.device.type == "cpu":  # from pinned memory the copy is queued; from
-            x, y = x.pin_memory(), y.pin_memory()  # pageable it waits for the GPU (bench memory's are on the GPU)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        last = micro == accum - 1
-        with parallel.sync_gradients(model, last):
-            with autocast(device, dtype):
-                _, loss = model(x, y, return_logits=False)
-            loss = loss * weights[micro]
-            total += loss.detach().float()
-            (scaler.scale(loss) if scaler is not None else loss).backward()
-    return all_reduce_mean(total)
-
-
-def _target_weights(batches: list[Batch], device: torch.device) -> list[torch.Tensor]:
-    """Each micro-batch's weight n_i * world / N: n_i its supervised targets, N the step's over all
-    ranks (summed on the device: no host sync). Ranks' gradients are then averaged, so the step's
-    gradient is that of the mean loss over all N targets."""
-    counts = torch.tensor([float((y != -1).sum()) for _, y in batches], device=device)
-    n = all_reduce_sum(counts.sum())
-    world = tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1
-    return list(counts * world / n.clamp(min=1))
 
 
 def build_model(plan: RunPlan, device: torch.device, tokenizer=None) -> GPT:
@@ -286,7 +238,7 @@ class Trainer:
             self.raw.set_mtp_weight(schedule.mtp_weight_at(cfg, step))
         # the micro-batches, forward and backward, from past any data a rollback marked bad
         start = self.loader.position = self.spikes.skip_bad_data(self.loader.position)
-        loss = accumulate_gradients(
+        loss = parallel.accumulate_gradients(
             self.train_model,
             lambda: self.loader.next_batch(length),  # the sequence-length ramp: the same tokens in shorter rows
             accum,
