@@ -30,7 +30,7 @@ import torch
 
 from gpt2lab.benchmarks import timed
 from gpt2lab.benchmarks.loader import synthetic_shards
-from gpt2lab.distributed.dist import DistInfo, cleanup, collect, init_distributed, pick_device
+from gpt2lab.distributed.dist import DistInfo, cleanup, from_every_rank, init_distributed, pick_device
 from gpt2lab.model.config import PRESET_ALIASES, PRESETS
 from gpt2lab.system import env
 from gpt2lab.system.choices import DTYPES, STRATEGIES, finite_float
@@ -133,7 +133,7 @@ def run_config(args: argparse.Namespace, micro_batch: int, accum: int, world: in
 
 
 def run(args: argparse.Namespace) -> Optional[dict]:
-    memplan.check(args.strategy, args.world_size or 1, args.micro_batch or 1, args.dtype, args.accum, "cpu")
+    memplan.check_values(args.strategy, args.world_size or 1, args.micro_batch or 1, args.dtype, args.accum, "cpu")
     if args.steps < 2:  # the first step creates AdamW's moments; the planned peak is a later step's
         raise UsageError(f"--steps must be at least 2, got {args.steps}")
     if args.plan is not None:
@@ -186,7 +186,7 @@ def predict_and_measure(args: argparse.Namespace) -> Optional[dict]:
         # the trainer, DDP's reducer and FSDP's state are gone when _measure returns: freed
         # after the process group is destroyed, DDP's reducer can wait forever on gloo
         with tempfile.TemporaryDirectory() as tmp:
-            peaks = collect(_measure(cfg, args, info, tmp))
+            peaks = from_every_rank(_measure(cfg, args, info, tmp))
     finally:
         cleanup()
     if info.rank != 0:

@@ -7,23 +7,19 @@ where model and optimizer go depends on the model. Layout of one checkpoint (NNN
 optimizer steps completed):
 
   full (a model every rank holds whole: one process, DDP), written by rank 0:
-    model.safetensors  weights (the tied lm_head is stored once, as wte); with --ema-decay
-                       their running average, the model every reader gets (sample, serve,
-                       eval, export, --init-from)
+    model.safetensors  weights (the tied lm_head once, as wte); with --ema-decay their running
+                       average, the model every reader gets (sample, serve, eval, export, --init-from)
     training.safetensors  only with --ema-decay: the weights as trained, which a resume continues
     optimizer.pt       AdamW state (torch.save; read with weights_only=True)
   sharded (an FSDP model), every rank writing its shard through torch.distributed.checkpoint:
     .metadata          DCP's index: which slice of which tensor lies in which file
     __R_0.distcp       rank R's slices of the weights ("model.*") and AdamW state ("optimizer.*")
   both:
-    state.pt           the checkpoint's format_version (system/formats.py: CHECKPOINT), the
-                       trainer's step, tokens, guard, skips and the record of the weights the
-                       run began from (--init-from; train.plan.began_from reads it) at the top
-                       level, and "loader", "rng" (python, numpy, torch, cuda) and "scaler" entries
-    config.json        the run's resolved TrainConfig, nested by section, with the run format's
-                       format_version (system/formats.py: RUN)
-    tokenizer.json     only for a model with its own tokenizer (GPTConfig.tokenizer): so the
-                       checkpoint alone loads
+    state.pt           its format_version (system/formats.py: CHECKPOINT); the trainer's step, tokens,
+                       guard, skips and the record of the weights the run began from (--init-from;
+                       train.gather.began_from reads it) at the top level; "loader", "rng", "scaler"
+    config.json        the run's resolved TrainConfig, nested, with its format_version (formats.RUN)
+    tokenizer.json     only for a model with its own tokenizer (GPTConfig.tokenizer)
     checksums.json     sha256 of each file above, verified when the checkpoint is loaded
 
 A checkpoint is written under a temporary name and renamed when complete (a sharded one
@@ -88,28 +84,6 @@ def clean_state_dict(state: dict) -> dict:
     return out
 
 
-def rng_state() -> dict:
-    np_state = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def checkpoint_dir(run_dir: str, step: int) -> str:
     return os.path.join(run_dir, "checkpoints", f"step_{step:06d}")
 
@@ -126,10 +100,24 @@ class RNG:
     """The process's random generators (python, numpy, torch, cuda) as a checkpoint part."""
 
     def state_dict(self) -> dict:
-        return rng_state()
+        np_state = np.random.get_state()
+        state = {
+            "python": random.getstate(),
+            "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        set_rng_state(state)
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def save(
@@ -264,7 +252,7 @@ def verify_together(ckpt: str) -> None:
         verify(ckpt, share=(dist.rank(), dist.world()))
     except CheckpointError as e:
         why = e.why
-    found = [w for w in dist.collect(why) if w]
+    found = [w for w in dist.from_every_rank(why) if w]
     if found:
         raise damaged(ckpt, found[0])
 
@@ -326,7 +314,7 @@ def find_latest(run_dir: str) -> Optional[str]:
     return ckpts[-1] if ckpts else None
 
 
-def resolve(path: str) -> str:
+def checkpoint_in(path: str) -> str:
     """A checkpoint directory, given it or a run directory (then its newest checkpoint)."""
     if has_weights(path):
         return path

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gpt2lab.distributed.dist import DTYPES, agree, all_reduce_mean, all_reduce_sum, autocast
+from gpt2lab.distributed.dist import agree, all_reduce_mean, all_reduce_sum, autocast
 from gpt2lab.system.choices import STRATEGY_CHOICES
 from gpt2lab.system.runtime import Choice, ChoiceError
 
@@ -145,7 +145,7 @@ def shard(model: nn.Module, *, dtype: str, compile: bool) -> nn.Module:
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    low = DTYPES[dtype]
+    low = getattr(torch, dtype)
     # cast_forward_inputs=False: the residual stream enters each block in fp32, as under DDP
     block_policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for block in model.transformer.h:

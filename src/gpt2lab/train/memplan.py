@@ -1,6 +1,6 @@
 """Per-rank memory of a training step, measured on fake tensors: the trainer's own step, nothing allocated.
 
-``measure`` builds a run's model (its LoRA adapters too) and optimizer under torch's
+``fake_step`` builds a run's model (its LoRA adapters too) and optimizer under torch's
 ``FakeTensorMode`` (tensors with shapes, dtypes and devices but no storage) and runs the trainer's
 own code on them: the optimizer's state made, the last micro-step of a step (forward, the loss and
 backward; with accumulation, into the gradients the micro-steps before it left), clipping and the
@@ -177,7 +177,7 @@ def sizes(cfg: TrainConfig) -> tuple[int, int]:
     return _cached(repr(("sizes", cfg.model, cfg.optim, cfg.finetune)), count)
 
 
-def measure(cfg: TrainConfig, dtype: str, accum: int) -> Measured:
+def fake_step(cfg: TrainConfig, dtype: str, accum: int) -> Measured:
     """One eager step of ``cfg``'s run in one process (``accum`` micro-steps, the chunked loss) on fake
     tensors; cached by what changes it (the architecture, batch shape, optimizer, checkpointing)."""
     b = cfg.batch
@@ -257,10 +257,10 @@ def predict(
     weights, gradients and state split over the ranks, the root (wte = lm_head, wpe, ln_f) whole, the
     blocks gathered in ``dtype`` (two at a time, all of them through a step's micro-steps before the
     last, which neither reduce nor reshard), autocast's copies of the blocks' weights not made."""
-    check(strategy, world_size, cfg.batch.micro_batch_size, dtype, accum, device)
+    check_values(strategy, world_size, cfg.batch.micro_batch_size, dtype, accum, device)
     m, a, tokens = cfg.model, DTYPE_BYTES[dtype], cfg.batch.micro_batch_size * cfg.batch.seq_len
     sharded = strategy == "fsdp" and world_size > 1
-    got = measure(cfg, dtype, accum)
+    got = fake_step(cfg, dtype, accum)
     fixed = got.weights + got.state
     terms = {"weights": got.weights, "optimizer": got.state}
     if sharded:
@@ -368,7 +368,7 @@ def _largest(fits, cap: int, powers_of_two: bool = False) -> int:
     return good
 
 
-def check(strategy: str, world_size: int, micro_batch: int, dtype: str, accum: int, device: str) -> None:
+def check_values(strategy: str, world_size: int, micro_batch: int, dtype: str, accum: int, device: str) -> None:
     """Raise PlanError naming the first value the planner cannot use."""
     if strategy not in STRATEGIES:
         raise PlanError(f"strategy {strategy!r} unknown; use one of {', '.join(STRATEGIES)}")

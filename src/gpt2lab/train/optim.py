@@ -388,31 +388,12 @@ def muon_split(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     return out
 
 
-def make_muon(
-    model: nn.Module,
-    *,
-    muon_lr: float,
-    muon_momentum: float,
-    muon_weight_decay: float,
-    ns_dtype: torch.dtype,
-    lr: float,
-    embed_lr: float,
-    head_lr: float,
-    weight_decay: float,
-    betas: tuple[float, float],
-    eps: float,
-    device: torch.device,
-    variant: str = "muon",
-    muon_beta2: float = 0.95,
-    orth: str = "newton_schulz",
-    cautious: bool = False,
-) -> Optimizers:
-    """Muon on the blocks' 2-D matrices, AdamW (fused where available) on the rest.
+def make_muon(model: nn.Module, opt, device: torch.device, ns_dtype: torch.dtype = torch.float32) -> Optimizers:
+    """Muon on the blocks' 2-D matrices, AdamW (fused where available) on the rest, as the optim section
+    ``opt`` sets them (its variant, orthogonalisation and cautious weight decay, for both).
 
     Every group carries ``lr_name``, the TrainConfig field its peak rate comes from
     (``set_lrs``): muon_lr, embed_lr, head_lr or max_lr (gains, biases, other matrices).
-    ``orth`` and ``cautious``: Muon's orthogonalisation and cautious weight decay for both (``Muon``,
-    ``AdamW``).
     """
     if any(_is_dtensor(p) for p in model.parameters()):
         raise ConfigError(
@@ -426,26 +407,30 @@ def make_muon(
         )
     muon = Muon(
         [{"params": split["hidden"], "lr_name": "muon_lr"}],
-        lr=muon_lr,
-        momentum=muon_momentum,
-        weight_decay=muon_weight_decay,
+        lr=opt.muon_lr,
+        momentum=opt.muon_momentum,
+        weight_decay=opt.muon_weight_decay,
         nesterov=True,
         ns_dtype=ns_dtype,
-        variant=variant,
-        beta2=muon_beta2,
-        orth=orth,
-        cautious=cautious,
+        variant=opt.muon_variant,
+        beta2=opt.muon_beta2,
+        orth=opt.muon_orth,
+        cautious=opt.cautious_wd,
     )
-    other = split["other"]
+    other, wd = split["other"], opt.weight_decay
     groups = [
-        {"params": split["embed"], "lr": embed_lr, "weight_decay": weight_decay, "lr_name": "embed_lr"},
-        {"params": split["head"], "lr": head_lr, "weight_decay": weight_decay, "lr_name": "head_lr"},
-        {"params": [p for p in other if p.dim() >= 2], "lr": lr, "weight_decay": weight_decay, "lr_name": "max_lr"},
-        {"params": [p for p in other if p.dim() < 2], "lr": lr, "weight_decay": 0.0, "lr_name": "max_lr"},
+        {"params": split["embed"], "lr": peak_lr(opt, "embed_lr"), "weight_decay": wd, "lr_name": "embed_lr"},
+        {"params": split["head"], "lr": peak_lr(opt, "head_lr"), "weight_decay": wd, "lr_name": "head_lr"},
+        {"params": [p for p in other if p.dim() >= 2], "lr": opt.max_lr, "weight_decay": wd, "lr_name": "max_lr"},
+        {"params": [p for p in other if p.dim() < 2], "lr": opt.max_lr, "weight_decay": 0.0, "lr_name": "max_lr"},
     ]
-    use_fused = fused_available(device)
     adamw = AdamW(
-        [g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps, fused=use_fused or None, cautious=cautious
+        [g for g in groups if g["params"]],
+        lr=opt.max_lr,
+        betas=(opt.beta1, opt.beta2),
+        eps=opt.eps,
+        fused=fused_available(device) or None,
+        cautious=opt.cautious_wd,
     )
     return Optimizers(adamw=adamw, muon=muon)
 
@@ -462,7 +447,18 @@ def build_optimizer(model: nn.Module, opt, device: torch.device, ns_dtype: Optio
     """The optimizer a TrainConfig's ``optim`` section (``opt``) asks for: today's AdamW
     (``make_optimizer``) or Muon + AdamW; with ``token_features``, the feature share of the
     token tables (train.token_features; ``tokenizer``: the run's, None for GPT-2's) stepped after them."""
-    optimizer = _build_optimizer(model, opt, device, ns_dtype)
+    if opt.optimizer == "adamw":
+        optimizer = make_optimizer(
+            model,
+            lr=opt.max_lr,
+            weight_decay=opt.weight_decay,
+            betas=(opt.beta1, opt.beta2),
+            eps=opt.eps,
+            device=device,
+            cautious=opt.cautious_wd,
+        )
+    else:
+        optimizer = make_muon(model, opt, device, getattr(torch, ns_dtype or "float32"))
     if not opt.token_features:
         return optimizer
     from gpt2lab.data.tokenizer import gpt2_tokenizer
@@ -473,37 +469,6 @@ def build_optimizer(model: nn.Module, opt, device: torch.device, ns_dtype: Optio
     )
     named = optimizer.named if isinstance(optimizer, Optimizers) else {"adamw": optimizer}
     return Optimizers(**named, token_features=share)
-
-
-def _build_optimizer(model: nn.Module, opt, device: torch.device, ns_dtype: Optional[str] = None):
-    if opt.optimizer == "adamw":
-        return make_optimizer(
-            model,
-            lr=opt.max_lr,
-            weight_decay=opt.weight_decay,
-            betas=(opt.beta1, opt.beta2),
-            eps=opt.eps,
-            device=device,
-            cautious=opt.cautious_wd,
-        )
-    return make_muon(
-        model,
-        muon_lr=opt.muon_lr,
-        muon_momentum=opt.muon_momentum,
-        muon_weight_decay=opt.muon_weight_decay,
-        ns_dtype=getattr(torch, ns_dtype or "float32"),
-        lr=opt.max_lr,
-        embed_lr=peak_lr(opt, "embed_lr"),
-        head_lr=peak_lr(opt, "head_lr"),
-        weight_decay=opt.weight_decay,
-        betas=(opt.beta1, opt.beta2),
-        eps=opt.eps,
-        device=device,
-        variant=opt.muon_variant,
-        muon_beta2=opt.muon_beta2,
-        orth=opt.muon_orth,
-        cautious=opt.cautious_wd,
-    )
 
 
 def unscale(optimizer, scaler) -> None:

@@ -152,7 +152,7 @@ def source_tokenizer(spec: str) -> Tokenizer:
         with open(config_path) as f:
             config, own = read.dir_config(json.load(f), config_path)
         return for_config(config, own)
-    ckpt = store.resolve(spec)
+    ckpt = store.checkpoint_in(spec)
     config = _checkpoint_config(ckpt)
     return for_config(config, _checkpoint_tokenizer(ckpt, config.tokenizer))
 
@@ -164,7 +164,7 @@ def from_checkpoint(path: str, verified: bool = False) -> GPT:
     A LoRA run's adapters are merged into the weights (a plain GPT comes back).
     ``verified``: its checksums were just checked (train's plan, which hashes once).
     """
-    ckpt = store.resolve(path)
+    ckpt = store.checkpoint_in(path)
     if not verified:
         store.verify(ckpt)
     store.read_state(ckpt)  # its format version (config.json's is read with it)
