@@ -288,15 +288,3 @@ def loss_of_step(trainer):
         return done[-1].record.get("train_loss", float("nan")) if done else 0.0
 
     return step
-
-
-def interleaved_step_ms(trainers: dict, rounds: int) -> dict[str, list[float]]:
-    """Each CPU ``Trainer``'s step time (``dt_ms``) over ``rounds`` rounds of one step of each in turn, after an
-    untimed step each, so that every trainer sees the same machine load (the benchmarks/ scripts' comparisons)."""
-    for t in trainers.values():
-        t.train_step()
-    times: dict[str, list[float]] = {name: [] for name in trainers}
-    for _ in range(rounds):
-        for name, t in trainers.items():
-            times[name].append(t.train_step()[0].record["dt_ms"])
-    return times
