@@ -296,6 +296,12 @@ def tiny_data(tmp_path_factory) -> str:
     return str(out)
 
 
+def step_record(trainer) -> dict:
+    """Run one step of a ``Trainer`` whose verdicts are read back every step (a CPU's); its record."""
+    (done,) = trainer.train_step()
+    return done.record
+
+
 def cli_args(**fields) -> list[str]:
     """``--field value`` flags for ``gpt2lab train`` from TINY plus overrides."""
     args = []

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DATA, tiny_gpt
+from conftest import DATA, step_record, tiny_gpt
 
 from gpt2lab.data import chat
 from gpt2lab.data.tokenizer import EOT_ID, IM_END_ID, IM_START_ID, gpt2_tokenizer
@@ -190,7 +190,7 @@ def test_accumulated_step_is_the_gradient_of_the_mean_over_all_supervised_target
     """Two micro-batches with different numbers of assistant tokens: the step's gradient is that of
     one mean over all of them (not the mean of the two means)."""
     from gpt2lab.data.loader import TokenLoader
-    from gpt2lab.train.trainer import accumulate_gradients
+    from gpt2lab.distributed.parallel import accumulate_gradients
 
     out, _ = chat_shards
     batches = [TokenLoader(out, "train", 2, 48, seed=s).next_batch() for s in (5, 9)]
@@ -345,7 +345,7 @@ def test_a_trainer_built_from_a_config_takes_the_datas_template(chat_shards, tmp
     assert cfg.model.token_vocab_size == 50257 and cfg.model.chat_template is None
     trainer = Trainer.from_config(cfg, DistInfo(device=torch.device("cpu")))
     assert (trainer.cfg.model.chat_template, trainer.cfg.model.token_vocab_size) == ("chatml", 50259)
-    assert trainer.loader.masked and np.isfinite(trainer.train_step()["train_loss"])
+    assert trainer.loader.masked and np.isfinite(step_record(trainer)["train_loss"])
 
 
 # -- content as a list of text parts, as the server takes it ---------------------------------------

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY, adapt_config, hf_gpt2, tiny_gpt
+from conftest import TINY, adapt_config, hf_gpt2, step_record, tiny_gpt
 from safetensors.torch import load_file
 
 from gpt2lab import cli
@@ -83,7 +83,7 @@ def test_hf_source_loss_and_adamw_steps_match_transformers(hf_src, tiny_data, tm
     trainer = Trainer.from_config(cfg, DistInfo(device=CPU))
     batches = _batches(4)
     feed = iter(batches)
-    trainer.loader.next_batch = lambda: next(feed)
+    trainer.loader.next_batch = lambda seq_len=None: next(feed)
 
     ref = hf_gpt2(seed=5, **SRC_SHAPE)  # the same weights as the saved source, trained separately
     ref.load_state_dict(hf_src[0].state_dict())
@@ -99,8 +99,7 @@ def test_hf_source_loss_and_adamw_steps_match_transformers(hf_src, tiny_data, tm
         eps=1e-8,
     )
     for step, (x, y) in enumerate(batches):
-        rec = trainer.train_step()
-        trainer.step += 1
+        rec = step_record(trainer)
         logits = ref(x).logits
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
         if step == 0:
@@ -212,7 +211,6 @@ def test_lora_trains_only_adapters_and_merged_export_matches(hf_src, tiny_data, 
     }
     for _ in range(3):
         trainer.train_step()
-        trainer.step += 1
     after = trainer.raw.state_dict()
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and changed <= {k for k in before if ".lora_B." in k or ".lora_A." in k}

@@ -16,7 +16,8 @@ from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.system import runtime
 from gpt2lab.system.runtime import Facts, Probe, choose_ns_dtype
 from gpt2lab.train.config import ConfigError
-from gpt2lab.train.optim import Muon, Optimizers, lr_at, make_muon, muon_split, orthogonalize, scheduled_lr, set_lrs
+from gpt2lab.train.optim import Muon, Optimizers, make_muon, muon_split, orthogonalize
+from gpt2lab.train.schedule import lr_at, scheduled_lr, set_lrs
 from gpt2lab.train.settings import load_preset
 
 CPU = torch.device("cpu")
@@ -126,21 +127,7 @@ def _cfg(**kw):
 
 
 def _make(model, cfg):
-    o = cfg.optim
-    return make_muon(
-        model,
-        muon_lr=o.muon_lr,
-        muon_momentum=0.95,
-        muon_weight_decay=0.0,
-        ns_dtype=torch.float32,
-        lr=o.max_lr,
-        embed_lr=o.embed_lr,
-        head_lr=o.head_lr,
-        weight_decay=0.1,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-        device=CPU,
-    )
+    return make_muon(model, cfg.optim, CPU)
 
 
 def test_every_group_gets_its_peak_and_the_same_schedule_factor():

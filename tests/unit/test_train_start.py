@@ -16,11 +16,11 @@ import pytest
 from conftest import DATA, cli_args, records
 
 from gpt2lab import cli
-from gpt2lab.distributed import memplan
 from gpt2lab.evals import download
 from gpt2lab.evals import hellaswag as hs
 from gpt2lab.system import runtime
 from gpt2lab.system.errors import ConfigError, GPT2LabError
+from gpt2lab.train import memplan
 from gpt2lab.train.gather import MachineFacts
 from gpt2lab.train.plan import check_memory, make_plan
 from gpt2lab.train.settings import load_preset
@@ -193,22 +193,15 @@ def test_a_run_predicted_past_this_machines_memory_is_refused_naming_a_micro_bat
     cpu = runtime.Facts("cpu", "some x86", ("avx2",))
 
     def need(B: int) -> int:  # memplan's prediction, as the plan makes it (fp32, eager, one process)
-        return memplan.predict(
-            cfg.model,
-            micro_batch=B,
-            seq_len=1024,
-            dtype="float32",
-            device="cpu",
-            compiled=False,
-            accum=524288 // (B * 1024),
-        ).total
+        run = cfg.with_values(micro_batch_size=B)
+        return memplan.predict(run, dtype="float32", device="cpu", compiled=False, accum=524288 // (B * 1024)).total
 
     ram = (need(16) + need(32)) // 2  # 16 fits, 32 does not
     with pytest.raises(ConfigError) as e:
         check_memory(make_plan(cfg, MachineFacts(cpu, host_bytes=ram)))
     assert str(e.value).startswith(
         f"--micro-batch-size 64: the run is predicted to need {need(64) / 2**30:.1f} GiB "
-        f"per process at its peak (forward), more than this machine's {ram / 2**30:.1f} GiB "
+        f"per process at its peak (micro-step), more than this machine's {ram / 2**30:.1f} GiB "
         "of RAM; lower --micro-batch-size to 16"
     )
     plan = make_plan(cfg.with_values(micro_batch_size=16), MachineFacts(cpu, host_bytes=ram))  # what it named fits

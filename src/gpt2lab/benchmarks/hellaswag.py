@@ -20,9 +20,10 @@ from torch.nn import functional as F
 
 from gpt2lab.benchmarks import timed
 from gpt2lab.data.tokenizer import for_model
-from gpt2lab.distributed.dist import DTYPES, autocast
+from gpt2lab.distributed.dist import autocast
 from gpt2lab.evals.hellaswag import DEFAULT_BATCH_SIZE, load_examples, render_example, resolve_strategy, score_examples
 from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.system.choices import DTYPES
 from gpt2lab.system.runtime import inference_dtype
 
 

@@ -264,7 +264,7 @@ def verify_together(ckpt: str) -> None:
         verify(ckpt, share=(dist.rank(), dist.world()))
     except CheckpointError as e:
         why = e.why
-    found = [w for w in dist.gather(why) if w]
+    found = [w for w in dist.from_every_rank(why) if w]
     if found:
         raise damaged(ckpt, found[0])
 

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from gpt2lab.system import choices, env
+from gpt2lab.system import env
 from gpt2lab.system.errors import ConfigError
 
 
@@ -36,15 +36,12 @@ def pick_device(name: Optional[str] = None) -> torch.device:
     return torch.device("cpu")
 
 
-DTYPES = {name: getattr(torch, name) for name in choices.DTYPES}
-
-
 def autocast(device: torch.device, dtype: str | torch.dtype = "float32"):
     """Mixed-precision context for ``device`` (its own device type: MPS is not CPU).
 
     float32 means no autocast at all.
     """
-    dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if dt == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dt)
@@ -122,7 +119,7 @@ def broadcast(value):
     return box[0]
 
 
-def gather(value) -> list:
+def from_every_rank(value) -> list:
     """Every rank's ``value``, in rank order, on every rank."""
     if world() == 1:
         return [value]
@@ -136,7 +133,7 @@ def agree(failed: bool) -> bool:
 
     An object collective: it works on gloo and NCCL alike, whatever device holds the model.
     """
-    return any(gather(bool(failed)))
+    return any(from_every_rank(bool(failed)))
 
 
 def decided_on_rank_0(decide):

@@ -5,7 +5,7 @@
 gpt2lab.distributed.parallel.choose_strategy (strategy).
 """
 
-# Autocast dtypes by torch name; gpt2lab.distributed.dist.DTYPES maps them to torch dtypes.
+# Autocast dtypes by torch name (torch.<name>).
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_CHOICES = ("auto", *DTYPES)
 COMPILE_CHOICES = ("auto", "true", "false")

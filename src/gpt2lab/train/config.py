@@ -111,7 +111,7 @@ class BatchConfig(_Section):
         AT_LEAST_1,
         keep=True,
     )
-    # The batch-size ramp (a speedrun lever): a pure function of the step (TrainConfig.accum_at), so a
+    # The batch-size ramp (a speedrun lever): a pure function of the step (train.schedule.accum_at), so a
     # resumed run, whose loader continues from its saved position, takes the same batches.
     batch_ramp_steps: int = _f(
         0,
@@ -128,7 +128,7 @@ class BatchConfig(_Section):
         keep=_ramp,
     )
 
-    # The sequence-length ramp: short sequences first, as many tokens a step (TrainConfig.seq_len_at).
+    # The sequence-length ramp: short sequences first, as many tokens a step (train.schedule.seq_len_at).
     seq_len_ramp_steps: int = _f(
         0,
         "train the first N steps on shorter sequences: seq_len_start, doubling at even intervals "
@@ -516,42 +516,11 @@ class TrainConfig:
 
     def grad_accum_steps(self, world_size: int) -> int:
         """Micro-steps per optimizer step (after any batch ramp); raises unless the total batch divides evenly."""
-        return self._micro_steps("total_batch_tokens", world_size)
+        return self.micro_steps("total_batch_tokens", world_size)
 
-    def accum_at(self, step: int, world_size: int) -> int:
-        """Micro-steps of step ``step``: ``grad_accum_steps``, but on the batch ramp (step < N =
-        batch_ramp_steps) those of batch_ramp_start S times 1 + floor((total_batch_tokens / S - 1)
-        * step / N): the step's tokens go from S up in multiples of S, the same for any world
-        size. A pure function of the step: a resumed run takes the batches the uninterrupted one
-        took, from the loader position its checkpoint saved."""
-        end, b = self.grad_accum_steps(world_size), self.batch
-        if step >= b.batch_ramp_steps:
-            return end
-        units = 1 + (b.total_batch_tokens // b.batch_ramp_start - 1) * step // b.batch_ramp_steps
-        return units * self._micro_steps("batch_ramp_start", world_size)
-
-    def seq_len_at(self, step: int) -> int:
-        """The sequence length of step ``step``: seq_len, but on the sequence-length ramp (step < N =
-        seq_len_ramp_steps) seq_len_start S times 2^floor(k * step / N), k = log2(seq_len / S): S
-        doubling at even intervals, seq_len from step N. A step's micro-batches hold the same tokens
-        at any length (micro_batch_size x seq_len / length rows), so accumulation, tokens and the
-        loader's position are the ramp's own business nowhere else. A pure function of the step."""
-        b = self.batch
-        if step >= b.seq_len_ramp_steps:
-            return b.seq_len
-        k = (b.seq_len // b.seq_len_start).bit_length() - 1
-        return b.seq_len_start << (k * step // b.seq_len_ramp_steps)
-
-    def mtp_weight_at(self, step: int) -> float:
-        """The multi-token prediction loss's weight at ``step``: mtp_weight at step 0, moving linearly to
-        mtp_weight_final at the last step (max_steps - 1) and staying there; mtp_weight throughout when
-        mtp_weight_final is none. A pure function of the step."""
-        start, end, last = self.model.mtp_weight, self.model.mtp_weight_final, self.optim.max_steps - 1
-        if end is None:
-            return start
-        return end if last <= 0 else start + (end - start) * min(1.0, step / last)
-
-    def _micro_steps(self, name: str, world_size: int) -> int:
+    def micro_steps(self, name: str, world_size: int) -> int:
+        """Micro-steps of a step of ``name``'s tokens (total_batch_tokens, batch_ramp_start); raises unless
+        they divide evenly."""
         b = self.batch
         tokens, per_micro = getattr(b, name), b.micro_batch_size * b.seq_len * world_size
         if tokens % per_micro:

@@ -29,7 +29,7 @@ from gpt2lab.observe.metrics import MetricsLogger, run_info
 from gpt2lab.system import env, rundir
 from gpt2lab.system.errors import ConfigError, DataError, DiskFullError, UsageError
 from gpt2lab.system.files import sweep_stale, write_json
-from gpt2lab.train import preflight
+from gpt2lab.train import plan_text, preflight
 from gpt2lab.train.config import TrainConfig, save_config
 from gpt2lab.train.gather import MachineFacts, detect_machine, fake_machine
 from gpt2lab.train.plan import Request, RunPlan, check_memory, make_plan
@@ -112,7 +112,7 @@ def train(
         if dry_run:
             if info.is_main:
                 print("gpt2lab train --dry-run: the plan (nothing trained, nothing written)")
-                for line in plan.lines():
+                for line in plan_text.lines(plan):
                     print(f"  {line}")
             return None
         return _run(plan, info, claim, request.resume_advice)
@@ -170,7 +170,7 @@ def _train(plan: RunPlan, info: DistInfo, trainer: Trainer, resume_with: str = "
                 "flops_per_token": trainer.flops_per_token,
                 "peak_flops": plan.peak_flops.value,
                 "mfu_formula": "6N + 12*n_layer*n_embd*T per token (PaLM), N without wpe",
-                "plan": plan.record(),
+                "plan": plan_text.record(plan),
                 "resume_with": resume_with,
             },
         )
@@ -192,8 +192,8 @@ def _train(plan: RunPlan, info: DistInfo, trainer: Trainer, resume_with: str = "
         f"gpt2lab train: strategy {plan.strategy.value} ({plan.strategy.reason})"
         + ("; activation checkpointing on" if cfg.parallel.activation_checkpointing else "")
     )
-    log.console(f"gpt2lab train: loss {plan.loss.value} ({plan.loss.reason}); {plan.lines()[-1]}")
-    log.console(f"gpt2lab train: export {plan.export}")
+    log.console(f"gpt2lab train: loss {plan.loss.value} ({plan.loss.reason}); {plan_text.lines(plan)[-1]}")
+    log.console(f"gpt2lab train: export {plan_text.export(plan)}")
     for choice in (plan.dtype, plan.compile):
         if choice.warning:
             log.console(f"gpt2lab train: warning: {choice.warning}")
