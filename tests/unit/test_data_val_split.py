@@ -144,10 +144,13 @@ def test_cli_val_docs_and_its_refusals(code, tmp_path, capsys):
     for extra, msg in (
         (["--val-docs", "2", "--val-split", "tokens"], "--val-docs with --val-split tokens"),
         (["--val-bytes", "9", "--val-tokens", "9"], "--val-tokens and --val-bytes: give one size"),
+        (["--val-tokens", "-1"], "--val-tokens -1: must be 0 or more"),  # the flag given, no other
+        (["--val-bytes", "-3"], "--val-bytes -3: must be 0 or more"),
+        (["--limit-docs", "-2"], "--limit-docs -2: must be 0 or more"),
     ):
         assert cli.main([*args[:4], str(tmp_path / "x"), *args[5:], *extra]) == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and msg in err and not (tmp_path / "x").exists()
+        assert err.count("\n") == 1 and msg in err and "val_docs" not in err and not (tmp_path / "x").exists()
 
 
 def test_a_val_split_that_takes_everything_is_said_on_every_run_and_by_train(code, tmp_path, capsys):

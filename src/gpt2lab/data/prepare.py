@@ -87,11 +87,11 @@ def prepare(
     val_defaulted = val_tokens is None and not in_text
     if val_defaulted:
         val_tokens = default_val_tokens(src, shard_tokens)
-    if any(v is not None and v < 0 for v in (val_tokens, val_docs, val_bytes, limit_docs)):
-        raise UsageError(
-            f"val_tokens {val_tokens}, val_docs {val_docs}, val_bytes {val_bytes} and limit_docs {limit_docs} "
-            "must be >= 0"
-        )
+    for flag, v in (("--val-tokens", val_tokens), ("--val-docs", val_docs), ("--val-bytes", val_bytes)):
+        if v is not None and v < 0:
+            raise UsageError(f"{flag} {v}: must be 0 or more (0: no val split)")
+    if limit_docs is not None and limit_docs < 0:
+        raise UsageError(f"--limit-docs {limit_docs}: must be 0 or more")
     fmt = detect_format(src, data_format, text_field)
     val_split = val_split or ("documents" if fmt == "chat" or in_text else "tokens")
     tok = _tokenizer(tokenizer, fmt)
