@@ -671,3 +671,30 @@ def test_train_reads_a_glob_of_code_and_says_once_which_files_it_skipped(tmp_pat
     assert marker["sources"] == [{"source": str(tmp_path / "src"), "bytes": len(code.encode()), "documents": 1}]
     glob = str(tmp_path / "src" / "**" / "*.py")
     assert train_tokenizer([glob], 300, str(tmp_path / "tok"), progress=False)["sources"][0]["documents"] == 1
+
+
+def test_an_exports_swapped_tokenizer_json_is_read_as_transformers_reads_it(
+    gpt2_vocab_export, gpt2_exports, tok, tok_dir, tmp_path, capsys
+):
+    """A GPT-2 export whose tokenizer.json was put there by hand: gpt2lab reads the ids AutoTokenizer reads
+    (the trained one, or GPT-2's own), and a tokenizer.json it cannot read is exit 1 in one line naming it."""
+    import transformers
+
+    from gpt2lab.weights.load import load_model
+
+    text = "The city's 1,234 bridges — naïve 日本 🙂\n    indented"
+    for given, identity in ((Path(tok_dir, "tokenizer.json"), tok.identity), (Path(gpt2_exports[2]), None)):
+        d = tmp_path / f"swapped{identity is None}"
+        shutil.copytree(gpt2_vocab_export[1], d)
+        shutil.copy(given, d / "tokenizer.json")
+        theirs = transformers.AutoTokenizer.from_pretrained(str(d))(text)["input_ids"]
+        assert gpt2lab.get_tokenizer(str(d)).encode(text) == theirs
+        assert (theirs == tok.encode(text)) == (identity is not None)
+        assert load_model(str(d)).config.tokenizer == identity
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(d / "tokenizer.json"))
+    assert cli.main(["export", str(d), str(tmp_path / "out")]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert f"SRC {d}: {d}/tokenizer.json: neither GPT-2's BPE nor a tokenizer gpt2lab reads" in line
+    assert line.endswith("or export it again") and not (tmp_path / "out").exists(), line

@@ -18,14 +18,13 @@ import torch
 
 from gpt2lab.data import chat
 from gpt2lab.data.tokenizer import (
-    CHAT_VOCAB_SIZE,
     EOT_TOKEN,
-    GPT2_VOCAB_SIZE,
     TOKENIZER_FILE,
     Tokenizer,
     TokenizerError,
     TrainedBPE,
     gpt2_tokenizer,
+    is_gpt2_vocabulary,
     load_tokenizer,
 )
 from gpt2lab.model.config import HUB_NAMES
@@ -144,21 +143,27 @@ def dir_config(cfg: dict, config_path: str) -> tuple[GPTConfig, Optional[Trained
 
 
 def dir_tokenizer(path: str, vocab: int) -> Optional[TrainedBPE]:
-    """The trained tokenizer of an HF directory, loaded: its tokenizer.json where gpt2lab's export marker
-    names it, or where the model's vocabulary is not GPT-2's and that file is a gpt2lab tokenizer (one a
-    directory saved again by transformers keeps). None: GPT-2's BPE (its HF files, if any, are GPT-2's)."""
+    """The tokenizer of an HF directory that transformers' AutoTokenizer reads there too: its tokenizer.json
+    (checked against the identity gpt2lab's export marker names, where it names one), loaded, unless that
+    file is GPT-2's own BPE; None: GPT-2's BPE (no tokenizer.json, or GPT-2's). A tokenizer.json that is
+    neither GPT-2's nor one gpt2lab reads, or has more tokens than the model, is refused naming it."""
     file = os.path.join(path, TOKENIZER_FILE)
     if not os.path.isfile(file):
         return None
     named = (read_json_object(os.path.join(path, rundir.EXPORT_MARKER)) or {}).get("tokenizer")
     if isinstance(named, str):
         return load_tokenizer(file, named, what_next="export the model again")
-    if vocab in (GPT2_VOCAB_SIZE, CHAT_VOCAB_SIZE):
+    if is_gpt2_vocabulary(file):
         return None
+    fix = "put the model's own tokenizer.json back (or GPT-2's vocab.json and merges.txt alone), or export it again"
     try:
-        return load_tokenizer(file)
-    except TokenizerError:  # someone else's tokenizer: gpt2lab reads text with GPT-2's, as it always did
-        return None
+        tok = load_tokenizer(file)
+    except TokenizerError as e:
+        why = str(e).removeprefix(f"{file}: ")
+        raise TokenizerError(f"{file}: neither GPT-2's BPE nor a tokenizer gpt2lab reads ({why}); {fix}") from e
+    if tok.n_vocab > vocab:
+        raise TokenizerError(f"{file}: has {tok.n_vocab:,} tokens, more than the model's {vocab:,}; {fix}")
+    return tok
 
 
 def chat_template_of(path: str, trained: bool = False) -> Optional[str]:
