@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import records
+from conftest import cli_args, records
 
 from gpt2lab import cli
 from gpt2lab.observe.report import build_report, write_report
@@ -239,3 +239,34 @@ def test_a_stopped_runs_card_says_the_command_its_start_recorded(tmp_path):
     typed = {"command": ["/v/bin/gpt2lab", "train", "--preset", "p", "--resume", "runs/a/checkpoints/step_000002"]}
     assert continue_command(typed) == "`gpt2lab train --preset p --resume auto`"
     assert continue_command({"command": ["/v/bin/gpt2lab", "demo"]}) == "`--resume auto`"
+
+
+def test_a_resumed_runs_clocks_add_up_over_its_starts_and_its_commands_are_each_shown(tiny_data, tmp_path):
+    """Two starts of one run (the second a resume): the card's wall clock is the first start's span (its
+    start to its last record, put 100 s apart here) plus the second's, never less than the time in
+    training steps, and its command row shows the first command and then the resume."""
+    from unittest import mock
+
+    out = tmp_path / "run"
+    first = ["train", "--preset", "shakespeare-cpu", *cli_args(data=tiny_data, out=str(out), max_steps=2)]
+    with mock.patch("sys.argv", ["/venv/bin/gpt2lab", *first]):
+        assert cli.main(first) == 0
+    info = json.loads((out / "run_info.json").read_text())
+    (start,) = info["segments"]
+    start["started"] = time.time() - 1000  # the first start began 1000 s ago and wrote its last record 900 s ago
+    (out / "run_info.json").write_text(json.dumps(info))
+    os.utime(out / "metrics.jsonl", (time.time() - 900, time.time() - 900))
+    again = [*first, "--max-steps", "4", "--resume", "auto"]
+    with mock.patch("sys.argv", ["/venv/bin/gpt2lab", *again]):
+        assert cli.main(again) == 0
+    began = json.loads((out / "run_info.json").read_text())["segments"][1]["started"]
+    rep = build_report(str(out), curves=False)
+    speed = dict(map(tuple, section(rep, "How long").table[1:]))
+    second = os.path.getmtime(out / "metrics.jsonl") - began
+    wall = speed["wall clock, its 2 starts added up, each to its last record (includes evaluations, pauses)"]
+    m, s = map(int, re.fullmatch(r"(\d+)m (\d+)s", wall).groups())
+    assert abs(60 * m + s - (100 + second)) <= 1
+    steps = sum(r["dt_ms"] for r in {r["step"]: r for r in records(out) if "train_loss" in r}.values()) / 1000
+    assert 60 * m + s >= steps - 1
+    what = dict(map(tuple, section(rep, "What was run").table[1:]))
+    assert what["command"].split("\n") == ["gpt2lab " + " ".join(first), "gpt2lab " + " ".join(again)]

@@ -21,6 +21,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 import warnings
 from typing import Any, Callable, Optional
 
@@ -191,8 +192,9 @@ def _tensorboard_writer(log_dir: str):
     return SummaryWriter(log_dir)
 
 
-def run_info(device: torch.device, world_size: int) -> dict:
-    """Code version, library versions and hardware, so a number can be traced to its source."""
+def run_info(device: torch.device, world_size: int, run_dir: Optional[str] = None) -> dict:
+    """Code version, library versions and hardware, so a number can be traced to its source; with
+    ``run_dir``, its ``segments`` too (``segments``)."""
     import numpy
 
     info: dict[str, Any] = {
@@ -211,7 +213,23 @@ def run_info(device: torch.device, world_size: int) -> dict:
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
         info["cuda"] = torch.version.cuda
+    if run_dir is not None:
+        info["segments"] = segments(run_dir, info["command"])
     return info
+
+
+def segments(run_dir: str, command: list) -> list[dict]:
+    """The run's starts so far, this one (``command``, now) last: {"command", "started", "ended"}, read from
+    its run_info.json before this start replaces it. A start's end is its last record's time: the
+    metrics.jsonl's modification time when the next one begins (the newest's: when it is read)."""
+    from gpt2lab.system.files import read_json_object
+
+    before = (read_json_object(os.path.join(run_dir, "run_info.json")) or {}).get("segments")
+    before = [dict(s) for s in before if isinstance(s, dict)] if isinstance(before, list) else []
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if before and "ended" not in before[-1] and os.path.exists(metrics):
+        before[-1]["ended"] = round(os.path.getmtime(metrics), 3)
+    return [*before, {"command": command, "started": round(time.time(), 3)}]
 
 
 def _git_sha() -> Optional[str]:

@@ -163,7 +163,7 @@ def _fmt_duration(s: float) -> str:
     return f"{h}h {rem // 60:02d}m {rem % 60:02d}s" if h else f"{rem // 60}m {rem % 60:02d}s"
 
 
-def _speed(records: list[dict], config: dict, run_dir: str) -> list[list[Any]]:
+def _speed(records: list[dict], config: dict, run_dir: str, info: dict) -> list[list[Any]]:
     train = [r for r in records if "train_loss" in r]
     if not train:
         return [["figure", "value"], ["train steps logged", 0]]
@@ -191,16 +191,27 @@ def _speed(records: list[dict], config: dict, run_dir: str) -> list[list[Any]]:
             else "n/a (no peak FLOP/s known for this device; see --peak-flops)",
         ]
     )
-    first = os.path.join(run_dir, "config.json")
     last = os.path.join(run_dir, "metrics.jsonl")
-    if os.path.exists(first) and os.path.exists(last):
-        rows.append(
-            [
-                "wall clock, config.json to last record (includes evaluations, pauses)",
-                _fmt_duration(max(0.0, os.path.getmtime(last) - os.path.getmtime(first))),
-            ]
-        )
+    starts = _segments(info)
+    if starts and os.path.exists(last):  # the newest start ends at its last record
+        ends = [s.get("ended") for s in starts[:-1]] + [os.path.getmtime(last)]
+        wall = sum(max(0.0, e - s["started"]) for s, e in zip(starts, ends) if isinstance(e, (int, float)))
+        each = f"its {len(starts)} starts added up, each" if len(starts) > 1 else "start"
+        rows.append([f"wall clock, {each} to its last record (includes evaluations, pauses)", _fmt_duration(wall)])
+    elif os.path.exists(first := os.path.join(run_dir, "config.json")) and os.path.exists(last):  # older runs
+        wall = max(0.0, os.path.getmtime(last) - os.path.getmtime(first))
+        rows.append(["wall clock, config.json to last record (includes evaluations, pauses)", _fmt_duration(wall)])
     return rows
+
+
+def _segments(info: dict) -> list[dict]:
+    """run_info.json's starts of the run (observe/metrics.segments), each with a start time."""
+    found = info.get("segments")
+    return (
+        [s for s in found if isinstance(s, dict) and isinstance(s.get("started"), (int, float))]
+        if isinstance(found, list)
+        else []
+    )
 
 
 def _last(records: list[dict], key: str) -> Optional[tuple[int, float]]:
@@ -289,7 +300,7 @@ def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True)
         ["item", "value"],
         ["run dir", os.path.abspath(run_dir)],
         ["preset", preset_of(info) or "-"],
-        ["command", command_line(info) or "-"],
+        ["command", "\n".join(filter(None, map(command_line, _segments(info) or [info]))) or "-"],
         ["code version (git)", info.get("git_sha") or "-"],
         [
             "model",
@@ -308,7 +319,7 @@ def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True)
     rep = Report(title=f"gpt2lab report: {os.path.basename(os.path.abspath(run_dir))}", status=status)
     rep.sections += [
         Section("What was run", table=what),
-        Section("How long and how fast", table=_speed(records, config, run_dir)),
+        Section("How long and how fast", table=_speed(records, config, run_dir, info)),
         _results(records, size, fineweb_edu),
         Section(
             "Curves",

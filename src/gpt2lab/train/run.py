@@ -153,7 +153,7 @@ def _train(plan: RunPlan, info: DistInfo, trainer: Trainer, resume_with: str = "
             os.path.join(cfg.out, rundir.RUN_MARKER),
             {
                 **rundir.run_marker(),
-                **run_info(info.device, info.world_size),
+                **run_info(info.device, info.world_size, cfg.out),
                 "grad_accum_steps": plan.accum,
                 "resumed_from": plan.resume,
                 "params": trainer.raw.num_params(),
