@@ -53,18 +53,18 @@ def runs(tmp_path):
 
 
 def test_tokens_per_step_from_config_json(tmp_path):
-    from gpt2lab.observe.compare import _tokens_per_step
     from gpt2lab.system.errors import ConfigError
 
+    (tmp_path / "metrics.jsonl").write_text("")
     (tmp_path / "config.json").write_text(
         json.dumps({"format_version": 2, "batch": {"total_batch_tokens": 768}, "model": {}})
     )
-    assert _tokens_per_step(str(tmp_path)) == 768
+    assert load_curve(str(tmp_path)).tokens_per_step == 768
     (tmp_path / "config.json").write_text(json.dumps({"total_batch_tokens": 512, "n_layer": 2}))  # the first runs'
     with pytest.raises(ConfigError, match="config.json: a run config without format_version, written by an older"):
-        _tokens_per_step(str(tmp_path))
+        load_curve(str(tmp_path))
     (tmp_path / "config.json").unlink()
-    assert _tokens_per_step(str(tmp_path)) is None
+    assert load_curve(str(tmp_path)).tokens_per_step is None
 
 
 def test_curve_points_count_tokens_and_seconds_before_each_eval(runs):

@@ -12,12 +12,11 @@ eval_interval.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
 from gpt2lab.model.config import config_value
-from gpt2lab.observe.plot import new_figure, read_metrics, read_run_config, save_png
+from gpt2lab.observe.plot import load_run, new_figure, save_png
 from gpt2lab.system.errors import DataError, UsageError
 
 
@@ -41,18 +40,19 @@ class Curve:
 def load_curve(run_dir: str, metric: str = "val_loss", name: Optional[str] = None) -> Curve:
     """``metric`` (val_loss, train_loss, or val_bpb: bits per byte, for runs with different tokenizers) of a
     run directory against tokens and seconds."""
-    records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
-    tokens_per_step = _tokens_per_step(run_dir)
+    run = load_run(run_dir)
+    tokens_per_step = config_value(run.config, "total_batch_tokens") if run.config else None
+    tokens_per_step = tokens_per_step if isinstance(tokens_per_step, int) else None
     train: dict[int, dict] = {}
     values: dict[int, float] = {}
-    for rec in records:  # later records of a step win (a resumed run logs some steps again)
+    for rec in run.records:  # later records of a step win (a resumed run logs some steps again)
         if "train_loss" in rec:
             train[rec["step"]] = rec
         value = rec.get(metric)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             # train_loss of step s is measured before its update: the model after s steps, like val at s
             values[rec["step"]] = float(value)
-    curve = Curve(name or os.path.basename(os.path.normpath(run_dir)), tokens_per_step=tokens_per_step)
+    curve = Curve(name or run.name, tokens_per_step=tokens_per_step)
     seconds, tokens, done = 0.0, 0, 0
     steps = sorted(train)
     for step in sorted(values):
@@ -65,12 +65,6 @@ def load_curve(run_dir: str, metric: str = "val_loss", name: Optional[str] = Non
             tokens = step * tokens_per_step
         curve.points.append((step, tokens, seconds, values[step]))
     return curve
-
-
-def _tokens_per_step(run_dir: str) -> Optional[int]:
-    config = read_run_config(run_dir)
-    value = config_value(config, "total_batch_tokens") if isinstance(config, dict) else None
-    return value if isinstance(value, int) else None
 
 
 def comparison_table(curves: list[Curve], target: float, metric: str = "val_loss") -> str:

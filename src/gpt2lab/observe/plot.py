@@ -16,7 +16,7 @@ from typing import Optional
 from gpt2lab.model.config import SIZES
 from gpt2lab.system import formats, rundir
 from gpt2lab.system.errors import DataError, UsageError
-from gpt2lab.system.files import atomic_write
+from gpt2lab.system.files import atomic_write, read_json_object
 
 GPT2_124M_VAL_LOSS = 3.2924  # OpenAI GPT-2 124M on the FineWeb-Edu val shard (reference recipe)
 # A curve of at most this many points is drawn with a marker on each: a line between two points is no curve.
@@ -29,10 +29,40 @@ SIZE_BY_PARAMS = {s.label: s.params for s in SIZES}
 
 @dataclass
 class Run:
+    """A run directory as its writers left it, read once (``load_run``) for plot, compare and report."""
+
     name: str
-    series: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # metric -> [(step, value)]
-    size: Optional[str] = None
-    data: Optional[str] = None  # the data's source (data_source): FineWeb-Edu's val loss baseline needs it
+    records: list[dict] = field(default_factory=list)  # metrics.jsonl's
+    cut: bool = False  # its last line was cut (a run killed mid-write): left out
+    config: Optional[dict] = None  # config.json, nested (read_run_config); None where it has none
+    info: dict = field(default_factory=dict)  # run_info.json; {} where it has none
+
+    @property
+    def series(self) -> dict[str, list[tuple[int, float]]]:
+        """metric -> [(step, value)]; a resumed run logs some steps again: the later value wins."""
+        by_metric: dict[str, dict[int, float]] = {}
+        for rec in self.records:
+            for key, value in rec.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    by_metric.setdefault(key, {})[rec["step"]] = float(value)
+        return {k: sorted(v.items()) for k, v in by_metric.items()}
+
+    @property
+    def size(self) -> Optional[str]:
+        return detect_size(self.config) if self.config else None
+
+    @property
+    def data(self) -> Optional[str]:
+        """What the run trained on: the data's source its plan recorded (run_info.json), else the source in
+        the manifest of its --data directory if that is still there, else that directory's path."""
+        found = self.info.get("plan", {}).get("data_source") if isinstance(self.info.get("plan"), dict) else None
+        if isinstance(found, str):
+            return found
+        data = (self.config or {}).get("data")
+        if not isinstance(data, str):
+            return None
+        source = (read_json_object(os.path.join(data, "manifest.json")) or {}).get("source")
+        return source if isinstance(source, str) else data
 
 
 def is_fineweb_edu(source: Optional[str]) -> bool:
@@ -40,28 +70,6 @@ def is_fineweb_edu(source: Optional[str]) -> bool:
     directory named for it, as build-nanogpt's edu_fineweb10B): the corpus GPT-2's val loss baseline is on."""
     text = (source or "").lower().replace("_", "-")
     return "fineweb-edu" in text or "edu-fineweb" in text
-
-
-def data_source(run_dir: str, config: Optional[dict]) -> Optional[str]:
-    """What a run trained on: the data's source its plan recorded (run_info.json), else the source in the
-    manifest of its --data directory if that is still there, else that directory's path."""
-    try:
-        with open(os.path.join(run_dir, "run_info.json"), encoding="utf-8") as fh:
-            info = json.load(fh)
-        found = info.get("plan", {}).get("data_source")
-        if isinstance(found, str):
-            return found
-    except (OSError, ValueError, AttributeError):
-        pass
-    data = (config or {}).get("data")
-    if not isinstance(data, str):
-        return None
-    try:
-        with open(os.path.join(data, "manifest.json"), encoding="utf-8") as fh:
-            source = json.load(fh).get("source")
-        return source if isinstance(source, str) else data
-    except (OSError, ValueError, AttributeError):
-        return data
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -113,37 +121,44 @@ def detect_size(config: dict) -> Optional[str]:
     return None
 
 
-def load_run(run_dir: str) -> Run:
-    run = Run(name=os.path.basename(os.path.normpath(run_dir)))
-    by_metric: dict[str, dict[int, float]] = {}
-    for rec in read_metrics(os.path.join(run_dir, "metrics.jsonl")):
-        for key, value in rec.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                # a resumed run logs some steps again: the later value wins
-                by_metric.setdefault(key, {})[rec["step"]] = float(value)
-    run.series = {k: sorted(v.items()) for k, v in by_metric.items()}
-    config = read_run_config(run_dir)
-    if config is not None:
-        run.size = detect_size(config)
-    run.data = data_source(run_dir, config)
-    return run
-
-
-def read_run_config(run_dir: str) -> Optional[dict]:
-    """A run's config.json, nested, without its format_version; None where it has none (plot,
-    compare and report read it for the size, the tokens per step and the settings). A file that
-    is not a JSON object is a ValueError naming it; one of another format version (an older
-    run's, flat or half-nested, has none) a ConfigError in one line (system/formats.py)."""
-    path = os.path.join(run_dir, "config.json")
+def read_json(path: str) -> Optional[object]:
+    """The JSON value in ``path``; None where there is no such file; one line naming it where it is not JSON."""
     if not os.path.isfile(path):
         return None
     with open(path, encoding="utf-8") as f:
         try:
-            config = json.load(f)
+            return json.load(f)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}: not valid JSON ({e.msg})") from None
         except UnicodeDecodeError:
             raise DataError(f"{path}: not UTF-8 text, so not JSON") from None
+
+
+def load_run(run_dir: str) -> Run:
+    """The run in ``run_dir``: its records (``read_metrics``), config.json and run_info.json."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    for w in caught:  # said again to the caller (the report says it in its status instead)
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    info = read_json(os.path.join(run_dir, "run_info.json"))
+    return Run(
+        os.path.basename(os.path.normpath(run_dir)),
+        records,
+        cut=any("unfinished last line" in str(w.message) for w in caught),
+        config=read_run_config(run_dir),
+        info=info if isinstance(info, dict) else {},
+    )
+
+
+def read_run_config(run_dir: str) -> Optional[dict]:
+    """A run's config.json, nested, without its format_version; None where it has none. A file that
+    is not a JSON object is a DataError naming it; one of another format version (an older run's,
+    flat or half-nested, has none) a ConfigError in one line (system/formats.py)."""
+    path = os.path.join(run_dir, "config.json")
+    config = read_json(path)
+    if config is None:
+        return None
     if not isinstance(config, dict):
         raise DataError(f"{path}: not a JSON object (a run's config.json holds its settings by section)")
     return formats.unstamp(config, path, formats.RUN)

@@ -25,7 +25,6 @@ from gpt2lab.data.tokenizer import short
 from gpt2lab.model.config import config_value
 from gpt2lab.observe import plot
 from gpt2lab.system import rundir
-from gpt2lab.system.errors import DataError
 from gpt2lab.system.files import atomic_write
 
 RUNNING_IF_WRITTEN_WITHIN_S = 600  # or 20 median steps, whichever is longer: evaluations pause the log
@@ -45,27 +44,6 @@ class Report:
     title: str
     status: str
     sections: list[Section] = field(default_factory=list)
-
-
-def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path}: not valid JSON ({e.msg}); the report needs it readable or absent") from None
-    except UnicodeDecodeError:
-        raise DataError(f"{path}: not UTF-8 text, so not JSON; the report needs it readable or absent") from None
-    return data if isinstance(data, dict) else {}
-
-
-def read_records(run_dir: str) -> tuple[list[dict], bool]:
-    """metrics.jsonl records and whether its last line was cut (left out)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        records = plot.read_metrics(os.path.join(run_dir, "metrics.jsonl"))
-    return records, any("unfinished last line" in str(w.message) for w in caught)
 
 
 def _checkpoints(run_dir: str) -> list[tuple[int, str, int]]:
@@ -272,10 +250,8 @@ def _facts(info: dict) -> list[list[Any]]:
     return rows
 
 
-def _figure_png(run_dir: str) -> bytes:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the cut last line is reported in the status instead
-        fig = plot.build_figure([plot.load_run(run_dir)])
+def _figure_png(run: plot.Run) -> bytes:
+    fig = plot.build_figure([run])
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(fig)
@@ -288,14 +264,14 @@ def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True)
     """Everything the card shows; ``curves=False`` leaves out the plot (the costly part)."""
     if not os.path.isdir(run_dir):
         raise FileNotFoundError(f"{run_dir}: no such run directory")
-    config = plot.read_run_config(run_dir) or {}
-    info = _read_json(os.path.join(run_dir, "run_info.json"))
-    records, cut = read_records(run_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the cut last line is reported in the status instead
+        run = plot.load_run(run_dir)
+    config, info, records, size = run.config or {}, run.info, run.records, run.size
     ckpts = _checkpoints(run_dir)
-    size = plot.detect_size(config) if config else None
     arch = config.get("model") if isinstance(config.get("model"), dict) else {}  # no table: the rest still shows
-    status = run_status(run_dir, config, records, cut, ckpts, time.time() if now is None else now, info)
-    fineweb_edu = plot.is_fineweb_edu(plot.data_source(run_dir, config))
+    status = run_status(run_dir, config, records, run.cut, ckpts, time.time() if now is None else now, info)
+    fineweb_edu = plot.is_fineweb_edu(run.data)
     what = [
         ["item", "value"],
         ["run dir", os.path.abspath(run_dir)],
@@ -323,7 +299,7 @@ def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True)
         _results(records, size, fineweb_edu),
         Section(
             "Curves",
-            image_png=_figure_png(run_dir) if records and curves else None,
+            image_png=_figure_png(run) if records and curves else None,
             text="" if records else "No metrics logged yet.",
         ),
         Section(
