@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import gpt2lab
 from gpt2lab import cli
 from gpt2lab.data import TokenLoader
 from gpt2lab.data.prepare import prepare
@@ -17,12 +18,14 @@ from gpt2lab.data.shards import MANIFEST_FORMAT, MANIFEST_VERSION, ShardError, r
 from gpt2lab.system.errors import EXIT_ERROR, DataError
 
 OLDER = (
-    "{path}: manifest version {v}, written by an older gpt2lab; this gpt2lab reads version "
-    f"{MANIFEST_VERSION}: prepare the data again into a new directory"
+    "{path}: prepare manifest format {v}, written by an older gpt2lab; this gpt2lab ("
+    + gpt2lab.__version__
+    + f") reads prepare manifest format {MANIFEST_VERSION}; prepare the data again into a new directory"
 )
 NEWER = (
-    "{path}: manifest version {v}, written by a newer gpt2lab; this gpt2lab reads version "
-    f"{MANIFEST_VERSION}: upgrade gpt2lab"
+    "{path}: prepare manifest format {v}, written by a newer gpt2lab; this gpt2lab ("
+    + gpt2lab.__version__
+    + f") reads prepare manifest format {MANIFEST_VERSION}; upgrade gpt2lab to read it"
 )
 VERSIONS = [
     pytest.param(MANIFEST_VERSION - 1, OLDER, id="older"),

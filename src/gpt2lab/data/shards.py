@@ -20,7 +20,7 @@ from typing import List, Union
 
 import numpy as np
 
-from gpt2lab.system import rundir
+from gpt2lab.system import formats, rundir
 from gpt2lab.system.errors import DataError
 from gpt2lab.system.files import atomic_write
 
@@ -175,7 +175,7 @@ def check_vocab(path: PathLike, tokens: np.ndarray, vocab_size: int) -> None:
 # -- the manifest data/manifest.py writes beside the shards ------------------------------------
 MANIFEST = rundir.DATA_MARKER  # manifest.json: the directory's owner mark (system.rundir)
 MANIFEST_FORMAT = rundir.DATA_FORMAT
-MANIFEST_VERSION = 2  # 2: the val split is whole documents, per-file counts
+MANIFEST_VERSION = formats.MANIFEST.version
 
 
 def read_manifest(data_dir: PathLike) -> dict:
@@ -215,16 +215,7 @@ def check_manifest_version(path: PathLike, manifest: dict) -> dict:
             f"{path}: not a gpt2lab prepare manifest (format {fmt!r}, version {version!r}; "
             f"this gpt2lab reads {MANIFEST_FORMAT!r} version {MANIFEST_VERSION}); {again}"
         )
-    if version < MANIFEST_VERSION:
-        raise ShardError(
-            f"{path}: manifest version {version}, written by an older gpt2lab; this gpt2lab "
-            f"reads version {MANIFEST_VERSION}: {again}"
-        )
-    if version > MANIFEST_VERSION:
-        raise ShardError(
-            f"{path}: manifest version {version}, written by a newer gpt2lab; this gpt2lab "
-            f"reads version {MANIFEST_VERSION}: upgrade gpt2lab"
-        )
+    formats.check_version(str(path), version, formats.MANIFEST, ShardError)
     return manifest
 
 
