@@ -59,8 +59,7 @@ def config_to_nanochat(config: GPTConfig, dtype: torch.dtype, tok: Tokenizer) ->
     """The config.json transformers' NanoChatForCausalLM reads (``tok``: the model's tokenizer, for its
     special ids); vocab is the real (unpadded) one."""
     vocab = config.real_vocab_size
-    eot = tok.eot_id if vocab > tok.eot_id else None  # tiny test vocabularies have no <|endoftext|>
-    end = tok.im_end_id if config.chat_template else eot  # a chat model ends its turn at <|im_end|>
+    eot, end = gpt2.special_ids(config, tok)
     return {
         "architectures": [NANOCHAT_HF.architecture],
         "model_type": NANOCHAT_HF.model_type,
