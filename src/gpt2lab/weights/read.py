@@ -45,18 +45,6 @@ class WeightsError(DataError):
     that cannot become a GPT; the message names it and says why."""
 
 
-def config_from_hf(cfg: dict, where: str = "config.json") -> GPTConfig:
-    """GPTConfig for an HF GPT-2 or NanoChat config dict; an option gpt2lab's model does not have is a
-    WeightsError naming ``where``."""
-    kind = cfg.get("model_type", GPT2_HF.model_type)
-    if kind not in MODEL_TYPES:
-        raise WeightsError(f"{where}: model_type {kind!r} is not gpt2 or nanochat")
-    try:
-        return nanochat.config_from_nanochat(cfg) if kind == NANOCHAT_HF.model_type else gpt2.config_from_gpt2(cfg)
-    except (ValueError, TypeError) as e:
-        raise WeightsError(f"{where}: {e}") from e
-
-
 def model_from_state_dict(
     config: GPTConfig, sd: dict[str, torch.Tensor], where: str, tokenizer: Optional[Tokenizer] = None
 ) -> GPT:
@@ -100,7 +88,9 @@ def _read_weights(path: str) -> dict[str, torch.Tensor]:
 
 
 def hf_config(config_path: str) -> tuple[GPTConfig, Optional[TrainedBPE]]:
-    """An HF directory's architecture and its own tokenizer (``dir_config``), from its config.json."""
+    """An HF directory's architecture, from its config.json (GPT-2's or NanoChat's; an option gpt2lab's
+    model does not have is a WeightsError naming the file), naming the tokenizer beside it and its chat
+    template; and that tokenizer where it is a trained one (``dir_tokenizer``), else None: GPT-2's."""
     try:
         with open(config_path) as f:
             cfg = json.load(f)
@@ -110,7 +100,21 @@ def hf_config(config_path: str) -> tuple[GPTConfig, Optional[TrainedBPE]]:
         ) from e
     if not isinstance(cfg, dict):
         raise WeightsError(f"{config_path}: holds {type(cfg).__name__}, not a JSON object; restore the file")
-    return dir_config(cfg, config_path)
+    kind = cfg.get("model_type", GPT2_HF.model_type)
+    if kind not in MODEL_TYPES:
+        raise WeightsError(f"{config_path}: model_type {kind!r} is not gpt2 or nanochat")
+    try:
+        config = nanochat.config_from_nanochat(cfg) if kind == NANOCHAT_HF.model_type else gpt2.config_from_gpt2(cfg)
+    except (ValueError, TypeError) as e:
+        raise WeightsError(f"{config_path}: {e}") from e
+    path = os.path.dirname(config_path)
+    tok = dir_tokenizer(path, config.real_vocab_size)
+    if tok is not None:
+        config = dataclasses.replace(config, tokenizer=tok.identity)
+    template = chat_template_of(path, trained=tok is not None)
+    if template:  # the tokenizer's turn tokens: a chat model (its vocabulary holds them)
+        config = dataclasses.replace(config, chat_template=template)
+    return config, tok
 
 
 def from_files(config: GPTConfig, tok: Optional[TrainedBPE], weights_path: str) -> GPT:
@@ -126,20 +130,6 @@ def from_files(config: GPTConfig, tok: Optional[TrainedBPE], weights_path: str) 
     if config.embed_norm:  # NanoChat's config always sets it (config_from_nanochat), GPT-2's never
         return model_from_state_dict(config, nanochat.from_nanochat_state_dict(sd, config), weights_path, tok)
     return model_from_state_dict(config, gpt2.from_hf_state_dict(sd, config.tie_embeddings), weights_path, tok)
-
-
-def dir_config(cfg: dict, config_path: str) -> tuple[GPTConfig, Optional[TrainedBPE]]:
-    """(The GPTConfig of an HF directory: its config.json's, naming the tokenizer beside it and its chat
-    template; that tokenizer where it is a trained one (``dir_tokenizer``), else None: GPT-2's)."""
-    config = config_from_hf(cfg, config_path)
-    path = os.path.dirname(config_path)
-    tok = dir_tokenizer(path, config.real_vocab_size)
-    if tok is not None:
-        config = dataclasses.replace(config, tokenizer=tok.identity)
-    template = chat_template_of(path, trained=tok is not None)
-    if template:  # the tokenizer's turn tokens: a chat model (its vocabulary holds them)
-        config = dataclasses.replace(config, chat_template=template)
-    return config, tok
 
 
 def dir_tokenizer(path: str, vocab: int) -> Optional[TrainedBPE]:
