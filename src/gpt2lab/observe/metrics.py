@@ -71,11 +71,8 @@ class MetricsLogger:
         try:
             self._fh.write(json.dumps(record) + "\n")
             self._fh.flush()
-        except OSError as e:
-            from gpt2lab.system.errors import disk_full, is_disk_full
-
-            if is_disk_full(e):  # the cut line is dropped by the next run's truncate_after
-                raise disk_full(self.path, "free some space, then continue with --resume auto") from e
+        except OSError as e:  # a full disk: the cut line is dropped by the next run's truncate_after
+            self._if_full(e)
             raise
         step = record["step"]
         if self._tb is not None:
@@ -123,13 +120,17 @@ class MetricsLogger:
             try:
                 fh.close()  # flushes what a failed write left in the buffer: a full disk fails again here
             except OSError as e:
-                from gpt2lab.system.errors import disk_full, is_disk_full
-
                 if failing:
                     return  # that error (a DiskFullError naming this file) is the one to report
-                if is_disk_full(e):
-                    raise disk_full(self.path, "free some space, then continue with --resume auto") from e
+                self._if_full(e)
                 raise
+
+    def _if_full(self, e: OSError) -> None:
+        """Where ``e`` is a full disk, raise a DiskFullError naming metrics.jsonl and what to do."""
+        from gpt2lab.system.errors import disk_full, is_disk_full
+
+        if is_disk_full(e):
+            raise disk_full(self.path, "free some space, then continue with --resume auto") from e
 
 
 def format_train(r: dict) -> str:
