@@ -691,6 +691,9 @@ def test_an_exports_swapped_tokenizer_json_is_read_as_transformers_reads_it(
         assert gpt2lab.get_tokenizer(str(d)).encode(text) == theirs
         assert (theirs == tok.encode(text)) == (identity is not None)
         assert load_model(str(d)).config.tokenizer == identity
+        out = tmp_path / f"data{identity is None}"  # prepare --tokenizer reads the same file
+        assert cli.main(["prepare", "--source", WIKI, "--out", str(out), "--tokenizer", str(d), "--quiet"]) == 0
+        assert json.loads((out / "manifest.json").read_text())["tokenizer"] == (identity or "gpt2")
     from tokenizers import Tokenizer, models
 
     Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(d / "tokenizer.json"))

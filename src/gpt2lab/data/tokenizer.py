@@ -138,10 +138,11 @@ def _ranks() -> dict:
 def is_gpt2_vocabulary(path: str) -> bool:
     """Whether ``path`` (a Hugging Face tokenizer directory, or a tokenizer.json) holds GPT-2's own BPE:
     OpenAI's vocabulary and merges, as vocab.json + merges.txt (a GPT-2 export, the hub's gpt2) or in a
-    tokenizer.json. Compared token by token and merge by merge with the files shipped here."""
+    tokenizer.json (which a directory's tokenizer.json decides where it has one, as for transformers'
+    AutoTokenizer). Compared token by token and merge by merge with the files shipped here."""
     vocab, merges = _gpt2_vocab_and_merges()
     try:
-        if os.path.isdir(path) and os.path.isfile(os.path.join(path, "vocab.json")):
+        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, TOKENIZER_FILE)):
             with open(os.path.join(path, "vocab.json"), encoding="utf-8") as f:
                 if json.load(f) != vocab:
                     return False
