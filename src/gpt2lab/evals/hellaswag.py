@@ -192,6 +192,19 @@ def _losses(logits: torch.Tensor, targets: list[int], rows: list[int], n_rows: i
     return torch.zeros(n_rows, device=device).index_add_(0, torch.tensor(rows, device=device), losses)
 
 
+def _pack(rows: list[tuple[list[int], int, list[int], int]], n_rows: int, T: int):
+    """A batch of ``n_rows`` rows of ``T`` tokens (right-padded) from (fed tokens, position of the first
+    scored output, its targets, the row they count for); with the flat positions of the scored outputs,
+    their targets and rows."""
+    tokens, positions, targets, row_of = torch.zeros(n_rows, T, dtype=torch.long), [], [], []
+    for k, (fed, first, target, r) in enumerate(rows):
+        tokens[k, : len(fed)] = torch.tensor(fed)
+        positions += range(k * T + first, k * T + first + len(target))
+        targets += target
+        row_of += [r] * len(target)
+    return tokens, positions, targets, row_of
+
+
 @torch.no_grad()
 def _score_padded(
     model, rows: list[tuple[list[int], list[int]]], *, device, dtype, compiled_rows: int = 0
@@ -208,15 +221,10 @@ def _score_padded(
     T = max(len(c) + len(e) - 1 for c, e in rows)
     T = min(_round_up(T, COMPILED_PAD_MULTIPLE) if compiled else T, _block_size(model))
     R = max(compiled_rows, len(rows))
-    tokens = torch.zeros(R, T, dtype=torch.long)
-    positions, targets, row_of = [], [], []
-    for r, (ctx, end) in enumerate(rows):
-        seq = ctx + end
-        tokens[r, : len(seq) - 1] = torch.tensor(seq[:-1])
-        first = r * T + len(ctx) - 1  # its output predicts the first ending token
-        positions += range(first, first + len(end))
-        targets += end
-        row_of += [r] * len(end)
+    # row r's last context token's output predicts its first ending token
+    tokens, positions, targets, row_of = _pack(
+        [((c + e)[:-1], len(c) - 1, e, r) for r, (c, e) in enumerate(rows)], R, T
+    )
     if compiled:  # padding positions have target -1, which scores zero
         pad = _round_up(len(positions), 8 * R) - len(positions)
         positions, targets, row_of = positions + [0] * pad, targets + [-1] * pad, row_of + [0] * pad
@@ -248,13 +256,7 @@ def _score_shared(model, ctxs: list[list[int]], ends: list[list[list[int]]], *, 
         T = max(len(flat[r]) for r in rows) - 1  # an ending's last token predicts nothing scored
         if T == 0:
             continue
-        tokens, positions, targets, row_of = torch.zeros(len(rows), T, dtype=torch.long), [], [], []
-        for k, r in enumerate(rows):
-            e = flat[r]
-            tokens[k, : len(e) - 1] = torch.tensor(e[:-1])
-            positions += range(k * T, k * T + len(e) - 1)
-            targets += e[1:]
-            row_of += [r] * (len(e) - 1)
+        tokens, positions, targets, row_of = _pack([(flat[r][:-1], 0, flat[r][1:], r) for r in rows], len(rows), T)
         cache = ctx_cache.fork(torch.tensor([r // N_ENDINGS for r in rows], device=device), ctx_cache.pos + T)
         with autocast(device, dtype):
             logits, _ = model(tokens.to(device), kv_cache=cache, positions=torch.tensor(positions, device=device))
