@@ -172,3 +172,16 @@ def test_eval_loss_cli_refuses_a_split_smaller_than_one_batch(gpt2_vocab_export,
         f"{B * 64} requested; lower --batch-size or prepare a larger split"
     )
     assert not any("note:" in line for line in err)
+
+
+def test_eval_gsm8k_calculator_takes_on_off_as_trains_booleans_do(capsys):
+    """--calculator reads on/off (and true/false, yes/no, 1/0) by train's one boolean reader; anything
+    else exits 2 naming the flag and the value."""
+    from gpt2lab.cli import build_parser
+
+    parser = build_parser("eval")
+    for text, value in (("on", True), ("OFF", False), ("false", False), ("1", True)):
+        assert parser.parse_args(["eval", "gsm8k", "--model", "gpt2", "--calculator", text]).calculator is value
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["eval", "gsm8k", "--model", "gpt2", "--calculator", "maybe"])
+    assert e.value.code == 2 and "argument --calculator: expected true or false, got 'maybe'" in capsys.readouterr().err

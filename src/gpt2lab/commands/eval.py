@@ -9,6 +9,7 @@ import sys
 
 from gpt2lab.inference.flags import add_inference_flags
 from gpt2lab.system.choices import HELLASWAG_STRATEGIES, positive_int
+from gpt2lab.train.settings import parse_bool
 
 
 def add_parser(sub) -> None:
@@ -93,7 +94,7 @@ def add_parser(sub) -> None:
     gs.add_argument("--limit", type=positive_int, default=None, help="only the first N problems")
     gs.add_argument(
         "--calculator",
-        type=_on_off,
+        type=parse_bool,
         default=True,
         metavar="on|off",
         help="on (default): the reply's <<expr=...>> annotations run as a tool (the value is written "
@@ -107,14 +108,6 @@ def add_parser(sub) -> None:
         "to this file (new, or one gpt2lab wrote)",
     )
     gs.set_defaults(func=eval_gsm8k)
-
-
-def _on_off(text: str) -> bool:
-    if text.lower() in ("on", "true", "1", "yes"):
-        return True
-    if text.lower() in ("off", "false", "0", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
