@@ -10,7 +10,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from conftest import DATA, cli_args
+from conftest import DATA, ROOT, cli_args
 
 from gpt2lab import cli
 from gpt2lab.data import chat
@@ -145,3 +145,19 @@ def test_a_rerun_after_the_source_changed_writes_the_new_sources_conversations(t
         assert (tmp_path / "shards" / name).read_bytes() == (tmp_path / "fresh" / name).read_bytes(), name
     first = json.loads((tmp_path / "fresh" / HELD_OUT).read_text().splitlines()[0])
     assert first["messages"][0]["content"] == json.loads(lines[1])["messages"][0]["content"]
+
+
+def test_the_docs_count_of_chitchats_held_out_conversations_is_what_prepare_holds_out(tmp_path):
+    """`prepare --source chitchat` holds out as many conversations as README and the docs say it does
+    (the figure `eval chat --data data/chitchat` scores, not the 306 outside the bundled set)."""
+    out = tmp_path / "chitchat"
+    prepare("chitchat", str(out), progress=False)
+    n = len(read_conversations(str(out / HELD_OUT)))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert n == sum(s["documents"] for s in manifest["shards"] if s["split"] == "val") > 0
+    docs = {p: (ROOT / p).read_text() for p in ("README.md", "docs/evaluation.md", "docs/fine-tuning.md")}
+    assert f"holds out {n} of the bundled ones" in " ".join(docs["README.md"].split())
+    assert f"held-out {n} are what `eval chat --data data/chitchat` scores" in " ".join(
+        docs["docs/evaluation.md"].split()
+    )
+    assert f"(not its held-out {n})" in docs["docs/fine-tuning.md"]

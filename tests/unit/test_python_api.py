@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import damaged_copy
+from conftest import ROOT, damaged_copy, tiny_gpt
 from safetensors.torch import load_file
 
 import gpt2lab
@@ -141,3 +141,20 @@ def test_get_tokenizer_takes_a_source_and_refuses_other_types(finished_run, gpt2
             gpt2lab.get_tokenizer(bad)
         with pytest.raises(TypeError, match=r"from_pretrained\(source\): a path or a hub name"):
             gpt2lab.from_pretrained(bad)
+
+
+def test_generate_is_seeded_as_the_docs_say():
+    """docs/export.md: generate() draws from ``generator=``, else from torch's global generator, so
+    ``torch.manual_seed(42)`` before the call gives the text of ``generator=Generator().manual_seed(42)``."""
+    model = tiny_gpt(seed=3, n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=97)
+    idx = torch.randint(0, 97, (2, 4), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=30, temperature=0.8, top_k=50)
+    seeded = gpt2lab.generate(model, idx, generator=torch.Generator("cpu").manual_seed(42), **kw)
+    with torch.random.fork_rng():  # the global generator as it was after the test
+        torch.manual_seed(42)
+        assert torch.equal(gpt2lab.generate(model, idx, **kw), seeded)
+        torch.manual_seed(43)
+        assert not torch.equal(gpt2lab.generate(model, idx, **kw), seeded)
+    assert "torch.manual_seed(42)` before the call seeds it too" in " ".join(
+        (ROOT / "docs/export.md").read_text().split()
+    )
