@@ -16,6 +16,7 @@ from importlib import resources
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from gpt2lab.inference import chat
@@ -104,15 +105,19 @@ def create_app(workers: dict[str, Worker], host: str = "127.0.0.1", allowed_host
             ],
         }
 
+    # A request is checked and its prompt tokenized in a thread: a long prompt takes a second or two to
+    # tokenize (refused past the context only then), while the event loop goes on streaming others' tokens.
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         _text_only(req)
-        return await respond(Completion(req, workers), stream_completion, whole_completion, request)
+        return await respond(
+            await run_in_threadpool(Completion, req, workers), stream_completion, whole_completion, request
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
         _text_only(req)
-        return await respond(ChatCompletion(req, workers), stream_chat, whole_chat, request)
+        return await respond(await run_in_threadpool(ChatCompletion, req, workers), stream_chat, whole_chat, request)
 
     return app
 
