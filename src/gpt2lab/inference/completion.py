@@ -260,6 +260,9 @@ class StopString:
     def __init__(self, text: str) -> None:
         self.text, self.border = text, [0]
 
+    def __len__(self) -> int:
+        return len(self.text)
+
     def step(self, q: int, c: str) -> int:
         """The characters of the string matched after ``c``, ``q`` being those matched before it (amortised O(1))."""
         s, border = self.text, self.border
@@ -296,7 +299,7 @@ class StopFilter:
             ended = 0
             for i, stop in enumerate(self.stops):
                 self.matched[i] = q = stop.step(self.matched[i], c)
-                if q == len(stop.text):
+                if q == len(stop):
                     ended = max(ended, q)
             if ended:
                 text = self.flush()
