@@ -938,11 +938,10 @@ def test_a_first_probe_says_once_on_stderr_what_it_does_and_about_how_long(tmp_p
     model, cpu = tiny_gpt(seed=0, vocab_size=97, block_size=16), torch.device("cpu")
     prep.decide(model, cpu, InferenceRequest(linear="plain"), facts=ZEN, command="gpt2lab sample")
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].startswith(
-        "gpt2lab sample: measuring 4 ways to run this model (bfloat16/plain, "
-    ), err
-    assert "on this machine, about 12 s; done once per machine and model shape" in err[0]
-    assert "GPT2LAB_PROBE=0" in err[0]
+    assert err == [
+        "gpt2lab sample: measuring 4 ways to run this model on this machine, about 12 s, once per machine and "
+        "model shape (GPT2LAB_PROBE=0 skips it; gpt2lab env lists the figures)"
+    ]
     prep.decide(model, cpu, InferenceRequest(linear="plain"), facts=ZEN, command="gpt2lab sample")
     assert capsys.readouterr().err == ""  # read back from the cache: nothing measured, nothing said
 
@@ -1174,25 +1173,26 @@ def test_a_load_that_slowed_one_candidate_is_caught_by_the_second_pass_and_not_k
     request = InferenceRequest(linear="plain")
     d = prep.decide(model, cpu, request, facts=ZEN, command="gpt2lab sample")
     assert d.candidate == prep.choose(request, ZEN).candidate  # the rule's: bf16 on this CPU, plain linears
-    assert d.reason.startswith("measured on a busy machine (not kept), the device's rule; native bf16")
-    err = capsys.readouterr().err.splitlines()
-    assert err[-1].startswith("gpt2lab sample: figures neither used nor kept, the next run measures again")
-    assert "bfloat16/plain step1 24 then 8 ms" in err[-1]
-    assert not (tmp_path / probe_cache.PROBE_FILE).exists()
+    assert d.reason.startswith("measured on a busy machine, not kept (gpt2lab env says why), the device's rule")
+    assert len(capsys.readouterr().err.splitlines()) == 1  # the notice; why not kept is gpt2lab env's
+    [entry] = probe_cache.entries().values()
+    assert probe_cache.timings(entry) is None and "bfloat16/plain step1 24 then 8 ms" in probe_cache.describe(entry)[-1]
     n = len(calls)
     prep.decide(model, cpu, request, facts=ZEN)
     assert len(calls) == 2 * n  # measured again: on a quiet machine now, so kept
-    assert len(probe_cache.entries()) == 1 and "not kept" not in capsys.readouterr().err
+    [entry] = probe_cache.entries().values()
+    assert "not_kept" not in entry and not any("not kept" in line for line in probe_cache.describe(entry))
     monkeypatch.setattr(prep, "measure", _fake_measure(lambda name, before: Timing(10.0, 10.0), calls))
     assert prep.decide(model, cpu, request, facts=ZEN).candidate.dtype == "bfloat16"  # 8 beats 10, read back
 
     monkeypatch.setenv("GPT2LAB_PROBE", "fresh")
     monkeypatch.setattr(prep, "measure", _fake_measure(lambda name, before: Timing(1.0, 5.0), []))
     prep.decide(model, cpu, request, facts=ZEN, command="gpt2lab sample")
-    err = capsys.readouterr().err
-    assert "neither used nor kept" in err and "bfloat16/plain one-row step 5 ms over 2 ms (its prefill 1 ms)" in err
     [entry] = probe_cache.entries().values()
     assert entry["timings"]["bfloat16/plain"]["step1"] == 8.0  # the kept figures are not replaced
+    said = probe_cache.describe(entry)[-1]
+    assert said.startswith("not kept (reference figures, ") and "the machine was busy): " in said
+    assert "bfloat16/plain one-row step 5 ms over 2 ms (its prefill 1 ms)" in said
 
 
 def test_the_serve_figures_are_the_chosen_dtypes_kernels_at_its_batch_and_kept_beside_the_reference(

@@ -125,12 +125,15 @@ class Decision:
         return tile_rows_of((self.timings or {}).get(self.candidate.name))
 
     def summary(self) -> str:
+        """One short line: what was chosen and why (every figure: ``record`` and ``gpt2lab env``)."""
         tiles = f", several rows by its tiles up to {self.tile_rows}" if self.tile_rows > 1 else ""
-        if self.panels:
-            tiles += ", inputs rounded to bf16, weights in panels (native bf16: every row count by its dot products)"
-        elif self.bf16_inputs:
-            tiles += ", inputs rounded to bf16 (native bf16: a longer prompt by oneDNN's bf16 matmul)"
-        return f"dtype {self.candidate.dtype}, {self.candidate.kernel} linears{tiles} ({self.reason})"
+        if self.bf16_inputs:
+            tiles += ", inputs rounded to bf16" + (", weights in panels" if self.panels else "")
+        t, why = (self.timings or {}).get(self.candidate.name), self.reason
+        if isinstance(t, Timing) and _has(t, "prefill"):  # measured: its own figures, the others' in gpt2lab env
+            ways = sum(isinstance(v, Timing) for v in self.timings.values())
+            why = f"measured for {self.request.workload}: {_figures(self.request, t)} ms, the pick of {ways} ways"
+        return f"dtype {self.candidate.dtype}, {self.candidate.kernel} linears{tiles} ({why})"
 
     def record(self) -> dict:
         """The figures behind the choice, for JSON outputs."""
@@ -147,6 +150,7 @@ class Decision:
             "timings_ms": {
                 k: (dataclasses.asdict(v) if isinstance(v, Timing) else v) for k, v in (self.timings or {}).items()
             },
+            "threads_wait": runtime.WAIT.reason if runtime.WAIT else None,  # as the command started
         }
 
 
@@ -389,17 +393,21 @@ def _unmeasured_reason(facts: InferenceFacts) -> str:
     return f"not measured; {facts.device_type}: half precision reads half the bytes"
 
 
+def _figures(request: InferenceRequest, t: Timing) -> str:
+    """The figures of ``t`` that ``request``'s workload is chosen by (ms)."""
+    parts = [f"prefill {t.prefill:.1f}"]
+    if request.workload != "score" and t.step1 is not None:
+        parts.append(f"step {t.step1:.2f}")
+    if request.workload == "serve" and t.step_rows is not None:
+        parts.append(f"{request.rows}-row step {t.step_rows:.2f}")
+    return " / ".join(parts)
+
+
 def _measured_reason(
     request: InferenceRequest, pick: Candidate, measured: dict, slowdown: dict, timings: Optional[dict]
 ) -> str:
     def fig(c: Candidate) -> str:
-        t = measured[c]
-        parts = [f"prefill {t.prefill:.1f}"]
-        if request.workload != "score":
-            parts.append(f"step {t.step1:.2f}")
-        if request.workload == "serve" and t.step_rows is not None:
-            parts.append(f"{request.rows}-row step {t.step_rows:.2f}")
-        return f"{c.name} {' / '.join(parts)} ms"
+        return f"{c.name} {_figures(request, measured[c])} ms"
 
     others = sorted((c for c in measured if c != pick), key=lambda c: slowdown[c])
     text = f"fastest of the {pick.dtype} kernels measured for {request.workload}: {fig(pick)}"

@@ -17,7 +17,8 @@ of the chosen dtype's kernels. A loaded machine must not decide for good:
   step of at most ``REQUEST_TOKENS`` rows) over ``ABSURD`` times what its share of the same candidate's
   prefill's matrix products allows (never under ``ABSURD`` prefills);
 * figures not kept are not used either: the device's rule decides this run (the batch figures alone:
-  the kernel by the one-row figures), so that processes on a busy machine still agree on a choice;
+  the kernel by the one-row figures), so that processes on a busy machine still agree on a choice; why
+  they were not kept is noted in the cache, for ``gpt2lab env`` (the console has one line: the choice);
 * a run that sees its choice run far slower than its figure (``Watch``) removes the entry, so the next
   run measures again.
 
@@ -58,6 +59,7 @@ from gpt2lab.inference.choice import (
 from gpt2lab.inference.form import detect_facts, hold
 from gpt2lab.inference.kernels import has_tiles, set_tile_rows
 from gpt2lab.model.gpt import GPT
+from gpt2lab.system import runtime
 
 CONTEXT = 32  # tokens already cached when decode steps are timed
 STEPS = 4  # decode steps per timed call
@@ -353,27 +355,18 @@ def estimate_seconds(
     return n_candidates * per + (n_rows * rows if request.workload == "serve" else 0.0)
 
 
-def _notice(command: str, what: str, secs: float, where: str) -> None:
+def _notice(command: str, what: str, secs: float) -> None:
     """The one stderr line before measuring: what, about how long, and that it is done once."""
     about = f"about {secs:.0f} s" if secs >= 1 else "under a second"
     print(
-        f"{command}: measuring {what} on this machine, {about}; done once per machine and model shape "
-        f"(kept in {where}; GPT2LAB_PROBE=0 skips it)",
+        f"{command}: measuring {what} on this machine, {about}, once per machine and model shape "
+        "(GPT2LAB_PROBE=0 skips it; gpt2lab env lists the figures)",
         file=sys.stderr,
         flush=True,
     )
 
 
-NOT_KEPT = "measured on a busy machine (not kept), the device's rule"
-
-
-def _not_kept(command: str, doubts: list) -> None:
-    print(
-        f"{command}: figures neither used nor kept, the next run measures again (the machine was busy?): "
-        f"{'; '.join(doubts)}",
-        file=sys.stderr,
-        flush=True,
-    )
+NOT_KEPT = "measured on a busy machine, not kept (gpt2lab env says why), the device's rule"
 
 
 def _label(request: InferenceRequest) -> str:
@@ -408,12 +401,12 @@ def decide(
         n_tiles = sum(c.kernel == "gemv" for c in cands)  # its prefill timed three more ways: about a candidate
         n_timed = len(cands) + n_tiles + (n_dtypes if n_dtypes > 1 else 0)
         secs = estimate_seconds(model, n_timed, request, device, n_rows)
-        _notice(command, f"{len(cands)} ways to run this model ({', '.join(names)})", secs, where)
+        _notice(command, f"{len(cands)} ways to run this model", secs)
         doubts: list = []
         timings = reference_timings(model, cands, device, doubts)
         entry = None
         if doubts:  # neither kept nor used: the device's rule decides, the same in every process
-            _not_kept(command, doubts)
+            probe_cache.note_not_kept(key, model.config, device, doubts)
             decision = choose(request, facts)
             return dataclasses.replace(decision, reason=decision.reason.replace("not measured", NOT_KEPT, 1))
         probe_cache.save_timings(key, model.config, device, timings)
@@ -424,7 +417,7 @@ def decide(
         rows = probe_cache.rows_timings(entry, request.rows)  # None when measured afresh
         if len(pool) > 1 and (rows is None or not set(c.name for c in pool) <= set(rows)):
             secs = estimate_seconds(model, 0, request, device, len(pool))
-            _notice(command, f"the {request.rows}-row step of {len(pool)} ways to serve this model", secs, where)
+            _notice(command, f"the {request.rows}-row step of {len(pool)} ways to serve this model", secs)
             doubts = []
             rows = _rows_timings(model, pool, request, device, doubts, timings)
             for c in pool:
@@ -434,7 +427,7 @@ def decide(
                     doubts.extend(_absurd(c.name, dataclasses.replace(t, step_rows=r), request.rows, model))
             if doubts:  # not used either: the kernel by the one-row figures, as any process takes it
                 kept = False
-                _not_kept(command, doubts)
+                probe_cache.note_not_kept(key, model.config, device, doubts, request.rows)
                 rows = None
             else:
                 probe_cache.save_rows(key, request.rows, rows)
@@ -488,5 +481,8 @@ def watch(decision: Decision, model: GPT, device: torch.device, command: str) ->
 
 
 def announce(decision: Decision, command: str) -> None:
-    """One stderr line: what was chosen and why."""
-    print(f"{command}: {decision.summary()}", file=sys.stderr, flush=True)
+    """One stderr line: what was chosen and why, and that the threads sleep while they wait where the
+    machine was busy as the command started (system/runtime.py's ``choose_wait``)."""
+    wait = runtime.WAIT
+    busy = f"; {wait.reason}" if wait is not None and wait.value == "PASSIVE" else ""
+    print(f"{command}: {decision.summary()}{busy}", file=sys.stderr, flush=True)

@@ -122,6 +122,21 @@ def save_timings(k: str, config, device, figures: dict) -> None:
 def save_rows(k: str, rows: int, figures: dict) -> None:
     def change(entry: dict) -> None:
         entry.setdefault("rows", {})[str(rows)] = {"written": time.time(), "timings": figures}
+        if isinstance(entry.get("not_kept"), dict):
+            entry["not_kept"].pop("rows", None)
+
+    update(k, change)
+
+
+def note_not_kept(k: str, config, device, doubts: list[str], rows: Optional[int] = None) -> None:
+    """Why the figures just measured for entry ``k`` (``rows``: its ``rows``-row step figures) were not kept
+    (inference/probe.py's doubts), for ``gpt2lab env``; figures kept before stay, and are used."""
+
+    def change(entry: dict) -> None:
+        if not entry:
+            entry.update(written=time.time(), model={f: getattr(config, f) for f in SHAPE}, device=str(device))
+        notes = entry["not_kept"] = entry.get("not_kept") if isinstance(entry.get("not_kept"), dict) else {}
+        notes["rows" if rows else "reference"] = {"written": time.time(), "why": doubts}
 
     update(k, change)
 
@@ -160,10 +175,10 @@ def clear() -> Optional[str]:
 
 def describe(entry: dict) -> list[str]:
     """An entry as lines for ``gpt2lab env``: the model's shape and device, when measured, what each
-    workload chose, each candidate's figures."""
+    workload chose, each candidate's figures (or why it was dropped), and why figures measured on a busy
+    machine were not kept."""
     shape = entry.get("model") or {}
-    when = entry.get("written")
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) if isinstance(when, (int, float)) else "?"
+    stamp = _stamp(entry)
     head = (
         f"{shape.get('n_layer', '?')} layers, {shape.get('n_head', '?')} heads, {shape.get('n_embd', '?')} wide, "
         f"vocabulary {shape.get('vocab_size', '?')}, block {shape.get('block_size', '?')} on "
@@ -183,4 +198,13 @@ def describe(entry: dict) -> list[str]:
         figs = rows_timings(entry, int(rows)) or {}
         text = ", ".join(f"{n} {v:.3g} ms" if isinstance(v, float) else f"{n} {v}" for n, v in figs.items())
         lines.append(f"{rows}-row step (serve): {text}")
+    for what, note in sorted((entry.get("not_kept") or {}).items()):  # a machine too busy to measure on
+        why = note.get("why") if isinstance(note, dict) else None
+        why = "; ".join(map(str, why)) if isinstance(why, list) else "?"
+        lines.append(f"not kept ({what} figures, {_stamp(note)}: the machine was busy): {why}")
     return lines
+
+
+def _stamp(found) -> str:
+    when = found.get("written") if isinstance(found, dict) else None
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) if isinstance(when, (int, float)) else "?"
