@@ -18,6 +18,7 @@ import torch
 
 from gpt2lab.checkpoint import store as checkpoint
 from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.system.files import sha256_file
 from gpt2lab.train.optim import make_optimizer
 
 
@@ -59,7 +60,7 @@ def main() -> None:
             t2 = time.perf_counter()
             files = [os.path.join(path, f) for f in os.listdir(path)]
             for f in files:
-                checkpoint.sha256(f)
+                sha256_file(f)
             t3 = time.perf_counter()
             size = sum(os.path.getsize(f) for f in files)
             print(

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Peak memory per rank on CPU next to gpt2lab.distributed.memplan's prediction (docs/benchmarks.md):
+# Peak memory per rank on CPU next to gpt2lab.train.memplan's prediction (docs/benchmarks.md):
 # tiny and 124M, one process and 2 ranks (gloo) under DDP and FSDP, activation checkpointing
 # off and on. Each configuration is a fresh process (peak RSS never goes down), 3 steps of
 # --accum 2 micro-steps on random tokens; one JSON line per configuration.

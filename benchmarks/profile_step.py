@@ -15,14 +15,14 @@ import os
 
 from torch.profiler import ProfilerActivity, profile
 
-from gpt2lab.benchmarks.ladder import SIZES, _gpt2lab_step
+from gpt2lab.benchmarks.ladder import SHAPES, _gpt2lab_step
 from gpt2lab.distributed.dist import pick_device
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", required=True, help="token shards (gpt2lab prepare output)")
-    p.add_argument("--size", default="124M", choices=sorted(SIZES))
+    p.add_argument("--size", default="124M", choices=sorted(SHAPES))
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=3)
@@ -32,7 +32,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="folder for profile.txt and trace.json")
     args = p.parse_args()
     device = pick_device(args.device)
-    step, _ = _gpt2lab_step(SIZES[args.size], args.batch_size, args.seq_len, device, args.data)
+    step, _ = _gpt2lab_step(SHAPES[args.size], args.batch_size, args.seq_len, device, args.data)
     for _ in range(args.warmup):
         step()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

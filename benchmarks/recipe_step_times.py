@@ -1,12 +1,15 @@
-"""Step time of the wiki-cpu recipes, interleaved so that every recipe sees the same machine load:
+"""Step times of several runs, interleaved so that every run sees the same machine load:
 
     PYTHONPATH=src python benchmarks/recipe_step_times.py --data data/wiki [--rounds 2]
         [--recipe PRESET[:field=value,...] ...]
 
 One ``Trainer`` per recipe (default: wiki-cpu; wiki-cpu-fast with the logit softcap at 15 and
 off; off with a tied head; ``--recipe`` names others, e.g. ``--recipe wiki-cpu-long --recipe
-wiki-cpu-long-fast:value_embeds=1``), one warm-up step each, then ``--rounds`` rounds of one step
-per recipe in turn. Prints each recipe's median ``dt_ms`` and every round's. Run directories go to a
+wiki-cpu-long-fast:value_embeds=1``, or the same preset on two data directories: ``--data
+data/tinyshakespeare --recipe chat-cpu --recipe chat-cpu:data=data/chitchat`` times a step on
+conversations, the loader's mask and the micro-batches' weights, against one on text), one
+warm-up step each, then ``--rounds`` rounds of one step per recipe in turn. Prints each recipe's
+median ``dt_ms``, every round's, and its ratio to the first recipe's. Run directories go to a
 temporary folder this script makes and removes.
 """
 
@@ -19,7 +22,6 @@ import tempfile
 
 import torch
 
-from gpt2lab.benchmarks.train import interleaved_step_ms
 from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.train.settings import load_preset
 from gpt2lab.train.trainer import Trainer
@@ -45,17 +47,26 @@ def main() -> None:
     )
     args = p.parse_args()
     recipes = dict(_parse(r) for r in args.recipe) if args.recipe else RECIPES
+    off = dict(progress=False, eval_interval=0, sample_interval=0, init_from=None)
     with tempfile.TemporaryDirectory() as tmp:
         trainers = {
             name: Trainer.from_config(
-                load_preset(preset, data=args.data, out=f"{tmp}/{i}", progress=False, eval_interval=0, **changes),
+                load_preset(preset, **{"data": args.data, "out": f"{tmp}/{i}", **off, **changes}),
                 DistInfo(device=torch.device("cpu")),
             )
             for i, (name, (preset, changes)) in enumerate(recipes.items())
         }
-        times = interleaved_step_ms(trainers, args.rounds)
+        for t in trainers.values():  # a warm-up step each, then one step of each in turn
+            t.train_step()
+        times: dict[str, list[float]] = {name: [] for name in trainers}
+        for _ in range(args.rounds):
+            for name, t in trainers.items():
+                times[name].append(t.train_step()[0].record["dt_ms"])
+    first = statistics.median(next(iter(times.values())))
     for name, ms in times.items():
-        print(f"{name}: median {statistics.median(ms):.0f} ms per step ({', '.join(f'{m:.0f}' for m in ms)})")
+        med = statistics.median(ms)
+        rounds = ", ".join(f"{m:.0f}" for m in ms)
+        print(f"{name}: median {med:.0f} ms per step, {med / first:.3f}x the first ({rounds})")
 
 
 def _parse(text: str) -> tuple[str, tuple[str, dict]]:

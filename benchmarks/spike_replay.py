@@ -5,11 +5,12 @@ norm before the update, so an unguarded run's trajectory is the guarded run's.
 """
 
 import json
-import math
 import sys
 
+import torch
+
 from gpt2lab.train.config import TrainConfig
-from gpt2lab.train.spikes import LOG_NORM_STD_FLOOR, LOSS_STD_FLOOR, SpikeGuard, zscore
+from gpt2lab.train.spikes import VALUES, SpikeGuard
 
 d = TrainConfig().spike
 for path in sys.argv[1:]:
@@ -17,13 +18,12 @@ for path in sys.argv[1:]:
     recs = [r for r in (json.loads(line) for line in open(path) if line.strip()) if "train_loss" in r]
     fired, zl, zn = [], -99.0, -99.0
     for r in recs:
-        if g.active:
-            mean = sum(g.losses) / len(g.losses)
-            zl = max(zl, zscore(r["train_loss"], list(g.losses), LOSS_STD_FLOOR * mean))
-            zn = max(zn, zscore(math.log(r["grad_norm"]), list(g.log_norms), LOG_NORM_STD_FLOOR))
-        hit = g.check(r["step"], 0, r["train_loss"], r["grad_norm"])
-        if hit:
-            fired.append((r["step"], hit))
+        active = int(g.count) >= d.spike_window > 0
+        v = dict(zip(VALUES, g.judge(torch.tensor(r["train_loss"]), torch.tensor(r["grad_norm"])).tolist()))
+        if active:
+            zl, zn = max(zl, v["loss_z"]), max(zn, v["norm_z"])
+        if v["skip"]:
+            fired.append((r["step"], round(v["loss_z"], 2), round(v["norm_z"], 2)))
     print(
         f"{path}: {len(recs)} steps, guard active for {max(0, len(recs) - d.spike_window)}, "
         f"max loss z {zl:.2f}, max grad-norm z {zn:.2f}, spikes: {fired}"

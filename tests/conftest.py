@@ -296,6 +296,12 @@ def tiny_data(tmp_path_factory) -> str:
     return str(out)
 
 
+def step_record(trainer) -> dict:
+    """Run one step of a ``Trainer`` whose verdicts are read back every step (a CPU's); its record."""
+    (done,) = trainer.train_step()
+    return done.record
+
+
 def cli_args(**fields) -> list[str]:
     """``--field value`` flags for ``gpt2lab train`` from TINY plus overrides."""
     args = []
@@ -508,9 +514,9 @@ def adapt_config(cfg):
     """``cfg`` with the architecture of its ``--init-from`` source, as the run plan takes it (each of cfg's
     values must agree with the source; a smaller block_size keeps its first positions)."""
     from gpt2lab.system.errors import ConfigError
-    from gpt2lab.train.init_from import ARCH_FIELDS, InitFromError, source_arch
+    from gpt2lab.train.init_from import ARCH_FIELDS, InitFromError, check_arch, find_source
 
-    arch = source_arch(cfg.finetune.init_from, {name: getattr(cfg.model, name) for name in ARCH_FIELDS})
+    arch = check_arch(find_source(cfg.finetune.init_from), {name: getattr(cfg.model, name) for name in ARCH_FIELDS})
     try:
         return cfg.with_model(**arch)
     except ConfigError as e:

@@ -12,7 +12,6 @@ import argparse
 import difflib
 import errno
 import importlib
-import os
 import re
 import sys
 import warnings
@@ -88,7 +87,9 @@ def suggest(message: str, parser: argparse.ArgumentParser) -> str:
     return message
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
+    """The CLI's parser; with ``command``, its subcommand's flags alone (the others' modules are not
+    imported: ``gpt2lab prepare`` does not pay for the torch that ``bench``'s flags import)."""
     codes = "\n".join(f"  {code:3d}  {what}" for code, what in EXIT_CODES.items())
     parser = Parser(
         prog="gpt2lab",
@@ -99,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gpt2lab {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMANDS:
+    for name in [command] if command else COMMANDS:
         importlib.import_module(f"gpt2lab.commands.{name}").add_parser(sub)
     return parser
 
@@ -116,7 +117,9 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Name
 
 
 def _debug(argv: Sequence[str]) -> bool:
-    return "--debug" in argv or os.environ.get("GPT2LAB_DEBUG", "") not in ("", "0")
+    from gpt2lab.system import env
+
+    return "--debug" in argv or env.debug()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -129,7 +132,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     shown = warnings.formatwarning  # warnings as one line: "gpt2lab CMD: warning: ...", not file:line: UserWarning
     warnings.formatwarning = lambda message, category, *rest, **kw: f"{prefix}: warning: {message}\n"
     try:
-        args = parse(build_parser(), argv)
+        args = parse(build_parser(command), argv)
+        prefix = " ".join(
+            ["gpt2lab", *(str(getattr(args, k)) for k in ("command", "task", "action") if hasattr(args, k))]
+        )
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         if debug:

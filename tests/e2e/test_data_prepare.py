@@ -4,6 +4,7 @@ The reference for every token stream is a plain loop: for each document, EOT the
 ``encode_ordinary(text)``.
 """
 
+import hashlib
 import json
 import os
 import sys
@@ -70,10 +71,14 @@ def test_round_trip_jsonl_and_manifest(tmp_path):
     # val is exactly the first 150 tokens (the default --val-split tokens)
     lengths = [1 + len(enc.encode_ordinary(d)) for d in DOCS]
     assert m["splits"]["val"]["tokens"] == 150 and m["splits"]["val"]["shards"] == ["val_000000.bin", "val_000001.bin"]
+    raw = (tmp_path / "docs.jsonl").read_bytes()
     assert m["files"] == [
         {
             "path": str(tmp_path / "docs.jsonl"),
-            "bytes": (tmp_path / "docs.jsonl").stat().st_size,
+            "bytes": len(raw),
+            "sha256": hashlib.sha256(raw).hexdigest(),  # the file is known by its content
+            "first_doc": 0,
+            "first_token": 0,
             "documents": len(DOCS),
             "tokens": sum(lengths),
         }
@@ -133,6 +138,54 @@ def test_crash_then_rerun_equals_uninterrupted_run(tmp_path, monkeypatch, thread
     assert _files(tmp_path / "ref") == _files(tmp_path / "out")
     with pytest.raises(ShardError, match="prepared with"):
         prepare(src, str(tmp_path / "out"), workers=1, shard_tokens=81, val_tokens=120, progress=False)
+
+
+@pytest.mark.parametrize("first_run", ["killed", "finished", "earlier gpt2lab"])
+def test_a_source_file_edited_in_place_is_named_and_never_mixed_in(tmp_path, monkeypatch, first_run):
+    """The second of three files edited in place, its size and its mtime kept: the rerun names it and
+    ends with exactly the files of a fresh prepare of the edited source, whether the first run was
+    killed after some of the file's shards or had finished (the shards made before the file are
+    kept, not written again). A manifest of the earlier gpt2lab (no content recorded, no resume point per
+    shard) is read and prepared again from the start."""
+    d = tmp_path / "src"
+    d.mkdir()
+    for i, name in enumerate("abc"):
+        _jsonl(d / f"{name}.jsonl", DOCS[i::3])
+    kw = dict(shard_tokens=60, val_tokens=100, workers=1, progress=False)
+    if first_run == "finished":
+        prepare(str(d), str(tmp_path / "out"), **kw)
+    else:
+        _crash_after(monkeypatch, 12)
+        with pytest.raises(KeyboardInterrupt):
+            prepare(str(d), str(tmp_path / "out"), **kw)
+        monkeypatch.setattr(shard_writer, "write_shard", real_write_shard)
+    path = tmp_path / "out" / MANIFEST
+    old = json.loads(path.read_text())
+    assert len(old["files"]) >= 2 and old["files"][1]["path"] == str(d / "b.jsonl")  # shards hold some of b
+    kept = [s["name"] for s in old["shards"] if s["resume"]["tokens"] < old["files"][1]["first_token"]]
+    if first_run == "earlier gpt2lab":  # as the version before content ids wrote it
+        for entry in old["files"] + old["shards"]:
+            entry.pop("sha256", None), entry.pop("resume", None)
+        path.write_text(json.dumps(old))
+    b = d / "b.jsonl"
+    stat, text = b.stat(), b.read_text()
+    b.write_text(text.replace("quick", "QUICK"))  # the same size, other text
+    os.utime(b, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert b.stat().st_size == stat.st_size and b.stat().st_mtime_ns == stat.st_mtime_ns and b.read_text() != text
+    if first_run == "earlier gpt2lab":
+        kept, said = [], f"{d / 'a.jsonl'}: its content is not recorded (prepared by an earlier gpt2lab)"
+        said += "; preparing it again from the start"
+    else:
+        said = f"{b} changed since it was prepared (its content differs); preparing it again from that file on, "
+        said += f"after the {len(kept)} shard(s) made before it"
+    assert len(kept) > 1 or first_run == "earlier gpt2lab"
+    inodes = {n: (tmp_path / "out" / n).stat().st_ino for n in kept}
+    with pytest.warns(UserWarning) as caught:
+        prepare(str(d), str(tmp_path / "out"), **kw)
+    assert said in [str(w.message).split(": ", 1)[1] for w in caught]
+    prepare(str(d), str(tmp_path / "fresh"), **kw)
+    assert _files(tmp_path / "out") == _files(tmp_path / "fresh")
+    assert {n: (tmp_path / "out" / n).stat().st_ino for n in kept} == inodes  # kept, not written again
 
 
 def test_local_sources_agree(tmp_path):
@@ -464,7 +517,8 @@ def test_rerun_after_a_bad_file_was_removed_starts_cleanly(tmp_path, capsys, bad
     """garbage: none of the bad file reached a shard, so the rerun goes on from what is
     there (its --val-tokens default, worked out from the source's size, changed with the
     removal and must not matter: the bug was a refusal over it); truncated: shards hold
-    some of its articles, so the rerun starts over. Either way the shards equal a fresh run's."""
+    some of its articles, so the rerun starts over (the --val-tokens default moved with the source).
+    Either way the shards equal a fresh run's."""
     import zstandard
 
     rows = _wiki_rows()
@@ -482,7 +536,8 @@ def test_rerun_after_a_bad_file_was_removed_starts_cleanly(tmp_path, capsys, bad
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert main([*args, "--out", str(tmp_path / "out")]) == 0, capsys.readouterr().err
-    assert ("starting over" in " ".join(str(w.message) for w in caught)) == (bad == "truncated")
+    said = f"{d / 'b.jsonl.zst'} is no longer file 2 of the source; preparing it again from the start"
+    assert (said in " ".join(str(w.message) for w in caught)) == (bad == "truncated")
     assert main([*args, "--out", str(tmp_path / "ref")]) == 0
     out, ref = _files(tmp_path / "out"), _files(tmp_path / "ref")
     assert out.pop("manifest.json") and ref.pop("manifest.json") and out == ref and len(out) > 3
@@ -592,17 +647,19 @@ def test_ctrl_c_at_many_moments_ends_fast_and_resumes_byte_identically(tmp_path)
     assert _files(tmp_path / "ref") == _files(out)
 
 
-def test_prepare_removes_its_own_stopped_temporaries_and_no_one_elses(tmp_path):
+def test_prepare_removes_its_own_stopped_temporaries_and_no_one_elses(tmp_path, monkeypatch):
     """A stopped run's temporary (.tmp_NAME_PID of a dead process) goes; another program's *.tmp stays."""
-    out = tmp_path / "out"
-    out.mkdir()
+    out, src = tmp_path / "out", str(_jsonl(tmp_path / "docs.jsonl"))
+    kw = dict(shard_tokens=64, val_tokens=100, workers=1, progress=False)
+    _crash_after(monkeypatch, 1)  # a stopped prepare: its directory, unfinished
+    with pytest.raises(KeyboardInterrupt):
+        prepare(src, str(out), **kw)
+    monkeypatch.setattr(shard_writer, "write_shard", real_write_shard)
     (out / "keep.tmp").write_text("someone else's")
     (out / "shard_000001.bin.tmp").write_bytes(b"not gpt2lab's name")
     (out / f".tmp_{MANIFEST}_{DEAD_PID}").write_text("{")
-    with pytest.warns(UserWarning, match="removed 1 temporary file"):
-        prepare(
-            str(_jsonl(tmp_path / "docs.jsonl")), str(out), shard_tokens=64, val_tokens=100, workers=1, progress=False
-        )
+    with pytest.warns(UserWarning, match="removed 2 temporary file"):  # the crash's half shard too
+        prepare(src, str(out), **kw)
     assert (out / "keep.tmp").read_text() == "someone else's"
     assert (out / "shard_000001.bin.tmp").read_bytes() == b"not gpt2lab's name"
     assert not (out / f".tmp_{MANIFEST}_{DEAD_PID}").exists()

@@ -59,18 +59,16 @@ def test_kv_cache_greedy_equals_no_cache_on_gpu():
 def test_a_step_judged_bad_on_the_gpu_is_skipped_there():
     """The trainer's checks on the device: the guard's verdict, computed on the GPU, makes fused
     AdamW skip the step in its kernel (weights and state untouched); a healthy verdict steps."""
-    from gpt2lab.train.spikes import DeviceGuard, SpikeGuard
+    from gpt2lab.train.optim import AdamW
+    from gpt2lab.train.spikes import SpikeGuard
 
-    guard = DeviceGuard(SpikeGuard(4, 4.0, 6.0, 3), torch.device("cuda"))
+    guard = SpikeGuard(4, 4.0, 6.0, 3, torch.device("cuda"))
     p = torch.nn.Parameter(torch.randn(64, 64, device="cuda"))
-    opt = torch.optim.AdamW([p], lr=1e-2, fused=True)
+    opt = AdamW([p], lr=1e-2, fused=True)
     for loss in (5.0, 5.1, 4.9, 5.0, float("nan"), 9.0, 5.0):
         p.grad = torch.randn_like(p)
         before = p.detach().clone()
-        bad, _, _ = guard.check(torch.tensor(loss, device="cuda"), p.grad.norm())
-        opt.found_inf = bad
-        opt.step()
-        del opt.found_inf
+        opt.step(skip=guard.judge(torch.tensor(loss, device="cuda"), p.grad.norm())[2])
         skipped = torch.equal(before, p.detach())
         assert skipped == (loss != loss or loss == 9.0), loss  # NaN, then a spike (z > 4 over the window)
 

@@ -66,16 +66,52 @@ def run_copy(run_dir, tmp_path) -> str:
     return str(dst)
 
 
-# -- 1. export never deletes what it did not write --------------------------------------------
-def test_export_refuses_the_run_its_parent_and_any_non_export(run_copy, tmp_path, capsys):
-    parent, other = os.path.dirname(run_copy), tmp_path / "notes"
-    other.mkdir()
-    (other / "mine.txt").write_text("keep me")
+# -- 1. no command writes over or into what gpt2lab did not write ------------------------------
+def test_every_writing_command_leaves_the_users_directory_and_file_as_they_were(run_copy, tiny_data, tmp_path, capsys):
+    """Every command that writes (train, prepare, tokenizer train, export, report, plot, compare, eval
+    gsm8k --samples), pointed at a directory of the user's and at a file of the user's: exit 2, one line
+    naming the path and what to do, and not a byte of anything there changed (system/rundir.check)."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "tokenizer.json").write_text("my notes")  # a name prepare and tokenizer train write
+    for name, text in (("mine.html", "<p>my page</p>"), ("card.md", "my card"), ("mine.png", "my picture")):
+        (tmp_path / name).write_text(text)
+    (tmp_path / "mine.jsonl").write_text('{"my": "rows"}\n')
+    html, card, png, rows = (str(tmp_path / n) for n in ("mine.html", "card.md", "mine.png", "mine.jsonl"))
+    commands = [  # (argv for a path, the user's file it is pointed at, the path the refusal names)
+        (lambda p: _argv(tiny_data, p), html, html),
+        (lambda p: ["prepare", "--source", "tinyshakespeare", "--out", p, "--quiet"], html, html),
+        (
+            lambda p: ["tokenizer", "train", "--source", "tinyshakespeare", "--vocab-size", "300", "--out", p],
+            html,
+            html,
+        ),
+        (lambda p: ["export", run_copy, p], html, html),
+        (lambda p: ["report", run_copy, "--out", p], html, html),
+        (lambda p: ["report", run_copy, "--out", p], str(tmp_path / "card.html"), card),  # its .md beside
+        (lambda p: ["plot", run_copy, "--out", p], png, png),
+        (lambda p: ["compare", run_copy, run_copy, "--metric", "train_loss", "--out", p], png, png),
+        (lambda p: ["eval", "gsm8k", "--model", run_copy, "--data", rows, "--samples", p], rows, rows),
+    ]
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    for argv, theirs, named in commands:
+        for target, said in ((str(mine), str(mine)), (theirs, named)):
+            assert main(argv(target)) == 2, argv(target)
+            line = _one_line(capsys.readouterr().err)
+            assert (
+                f" {said}: " in line
+                and "nothing was written there; " in line
+                and ("choose a new or empty" in line or "pick another" in line)
+            ), line
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_export_refuses_the_run_and_its_parent_and_replaces_its_own_export(run_copy, tmp_path, capsys):
     before = _snapshot(tmp_path)
-    for out in (run_copy, parent, str(other)):
+    for out in (run_copy, os.path.dirname(run_copy)):
         assert main(["export", run_copy, out]) == 2
         line = _one_line(capsys.readouterr().err)
-        assert f"{out} is not empty" in line and "nothing was written" in line
+        assert f"{out}: holds " in line and "nothing was written there" in line
     assert _snapshot(tmp_path) == before  # not one file touched
     fresh = tmp_path / "hf"
     for _ in range(2):  # the second time it replaces its own earlier export
@@ -172,20 +208,87 @@ def test_damaged_checkpoint_is_one_line_for_every_command(run_copy, tiny_data, t
     newest = os.path.join(run_copy, "checkpoints", "step_000004")
     weights = Path(newest, "model.safetensors")
     weights.write_bytes(weights.read_bytes()[:100])  # truncated
-    commands = [
-        ["sample", "--model", newest, "--device", "cpu", "--max-new-tokens", "1"],
-        ["eval", "loss", "--model", run_copy, "--data", tiny_data, "--tokens", "64", "--device", "cpu"],
-        ["export", newest, str(tmp_path / "hf")],
-        _argv(tiny_data, run_copy, "--resume", newest, max_steps=6),
+    commands = [  # each named the damaged checkpoint itself: refused, the one before it in the command's own flag
+        (["sample", "--model", newest, "--device", "cpu", "--max-new-tokens", "1"], "--model"),
+        (["eval", "loss", "--model", newest, "--data", tiny_data, "--tokens", "64", "--device", "cpu"], "--model"),
+        (["export", newest, str(tmp_path / "hf")], "SRC"),
+        (_argv(tiny_data, run_copy, "--resume", newest, max_steps=6), "--resume"),
     ]
-    for argv in commands:
+    for argv, flag in commands:
         assert main(argv) == 3, argv
         line = _one_line(capsys.readouterr().err)
         assert f"checkpoint {newest} is damaged: model.safetensors does not match its checksum" in line
-        assert "--resume " + os.path.join(run_copy, "checkpoints", "step_000002") in line
-    os.remove(Path(newest, ckpt.CHECKSUMS))  # a checkpoint from before checksums: safetensors' own check
-    assert main(commands[0]) == 3
-    assert "model.safetensors cannot be read (SafetensorError" in _one_line(capsys.readouterr().err)
+        assert line.endswith(f"use an earlier one: {flag} " + os.path.join(run_copy, "checkpoints", "step_000002"))
+
+
+@pytest.mark.parametrize("checksums", [None, "garbage", "[]", '{"state.pt": "00"}'])
+def test_a_checkpoint_its_checksums_cannot_vouch_for_is_named_by_every_reader(run_copy, tiny_data, capsys, checksums):
+    """A checksums.json missing, unreadable or leaving files out (here beside a garbage state.pt, which
+    unpickles to nothing): one rule for every reader. train passes the checkpoint over, saying so and
+    why; sample refuses it in one line naming the file; neither shows a traceback."""
+    newest = Path(run_copy, "checkpoints", "step_000004")
+    (newest / "state.pt").write_bytes(b"\xc9" * 3000)
+    os.remove(newest / ckpt.CHECKSUMS)
+    if checksums is not None:
+        (newest / ckpt.CHECKSUMS).write_text(checksums)
+    why = {None: "unreadable (No such file or directory)", "garbage": "unreadable (Expecting value"}
+    said = f"checksums.json {why.get(checksums, 'leaves out ')}"
+    assert main(["sample", "--model", str(newest), "--device", "cpu", "--max-new-tokens", "1"]) == 3
+    assert f"checkpoint {newest} is damaged: {said}" in _one_line(capsys.readouterr().err)
+    assert main(_argv(tiny_data, run_copy, "--resume", "auto", max_steps=5)) == 0
+    err = capsys.readouterr().err
+    assert f"checkpoint {newest} is damaged ({said}" in err and "trying the one before it" in err, err
+    assert "Traceback" not in err and sorted(train_losses(run_copy)) == [0, 1, 2, 3, 4]
+
+
+def test_garbage_state_pt_is_a_damaged_checkpoint_not_a_traceback(run_copy):
+    """Its bytes unpickle to nothing (UnpicklingError, no OSError): the shared reader names the file."""
+    newest = os.path.join(run_copy, "checkpoints", "step_000004")
+    Path(newest, "state.pt").write_bytes(b"\xc9" * 3000)
+    with pytest.raises(ckpt.CheckpointError, match=f"checkpoint {newest} is damaged: UnpicklingError"):
+        ckpt.read_state(newest)
+
+
+def test_every_reader_of_a_run_passes_over_its_damaged_newest_checkpoint_alike(run_copy, tiny_data, tmp_path):
+    """One checkpoint rule (weights.load.checkpoint_of), in real processes: with a run's newest checkpoint
+    damaged, sample, export, train --init-from and train --resume auto all read the one before it, and each
+    names the damaged one on stderr."""
+    from safetensors.torch import load_file, save_file
+
+    from gpt2lab.weights.load import load_model
+
+    newest, before = (os.path.join(run_copy, "checkpoints", f"step_00000{n}") for n in (4, 2))
+    weights = os.path.join(newest, "model.safetensors")  # zeros: a model read from them would say "!!!..."
+    save_file({k: torch.zeros_like(v) for k, v in load_file(weights).items()}, weights)
+    greedy = ["sample", "--prompt", "ROMEO:", "--max-new-tokens", "8", "--temperature", "0", "--device", "cpu"]
+    commands = {
+        "sample": [*greedy, "--model", run_copy],
+        "reference": [*greedy, "--model", before],  # the checkpoint before it, named itself
+        "export": ["export", run_copy, str(tmp_path / "hf")],
+        "init": _argv(tiny_data, tmp_path / "new", "--init-from", run_copy, "--dry-run"),
+        "resume": _argv(tiny_data, run_copy, "--resume", "auto", "--dry-run"),
+    }
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "gpt2lab", *argv],
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, argv in commands.items()
+    }
+    out = {name: p.communicate(timeout=300) for name, p in procs.items()}
+    assert all(p.returncode == 0 for p in procs.values()), out
+    said = f"checkpoint {newest} is damaged (model.safetensors does not match its checksum"
+    for name, (_, err) in out.items():
+        assert (said in err and "trying the one before it" in err) == (name != "reference"), (name, err)
+    assert out["sample"][0] == out["reference"][0] and "!!!!" not in out["sample"][0], out["sample"]
+    x = torch.randint(0, 50257, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(load_model(str(tmp_path / "hf"))(x)[0], load_model(before)(x)[0][..., :50257])
+    assert f"init from {run_copy} (checkpoint, step 2, sha256:" in out["init"][0], out["init"]
+    assert f"(resume from {before})" in out["resume"][0], out["resume"]
 
 
 def test_resume_auto_skips_a_corrupt_checkpoint_and_says_so(run_copy, tiny_data, capsys):
@@ -198,14 +301,6 @@ def test_resume_auto_skips_a_corrupt_checkpoint_and_says_so(run_copy, tiny_data,
     assert "step_000004 is damaged (model.safetensors does not match its checksum" in cap.err
     assert "resumed from " + os.path.join(run_copy, "checkpoints", "step_000002") in cap.out
     assert sorted(train_losses(run_copy)) == [0, 1, 2, 3, 4]
-
-
-def test_resume_with_another_model_size_names_the_field_that_differs(run_copy, tiny_data, capsys):
-    assert main(_argv(tiny_data, run_copy, "--resume", "auto", max_steps=6, n_layer=3)) == 3
-    line = _one_line(capsys.readouterr().err)
-    assert "holds another model shape than this one: n_layer 2 there, 3 here;" in line
-    assert "n_embd" not in line and "n_head" not in line
-    assert "new --out" in line
 
 
 # -- the command line ----------------------------------------------------------------------
@@ -257,6 +352,38 @@ def test_ctrl_c_once_finishes_the_step_and_saves(tiny_data, tmp_path):
     assert int(saved.split("_")[-1]) == len(train_losses(out))  # every logged step is in the checkpoint
 
 
+def test_sigterm_during_a_long_sample_saves_at_once_and_the_resume_goes_on_as_if_never_stopped(tiny_data, tmp_path):
+    """A training-time sample of a million tokens (hours here) at step 6: SIGTERM during it stops it at its
+    next token, unlogged; the 6 steps are saved and the run exits 143 at once. The resumed run samples
+    step 6 again and trains on to the losses of a run never stopped (one thread each, as a subprocess)."""
+    fields = dict(max_steps=8, min_lr=TINY["max_lr"], ckpt_interval=0, keep_checkpoints=0)  # max_steps moves no rate
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the subprocess (conftest.env: OMP_NUM_THREADS=1): the same sums
+    try:
+        train(_cfg(tiny_data, tmp_path / "straight", **fields), DistInfo(device=CPU))
+        out = tmp_path / "run"
+        train(_cfg(tiny_data, out, **{**fields, "max_steps": 4}), DistInfo(device=CPU))
+        long = dict(data=tiny_data, out=str(out), sample_interval=6, sample_tokens=10**6, **fields)
+        cmd = train_cmd(**long) + ["--resume", "auto"]
+        proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _wait_steps(proc, out, 6)  # steps 0-5 logged: the sample of step 6 is next
+        proc.send_signal(signal.SIGTERM)
+        stdout, err = proc.communicate(timeout=120)  # without a look at the flag per token: hours
+        assert proc.returncode == 143 and "Traceback" not in err, err
+        assert sorted(os.listdir(out / "checkpoints")) == ["step_000004", "step_000006"]
+        assert not [r for r in records(out) if "sample" in r and r["step"] >= 6]  # cut short: not logged
+        train(
+            _cfg(tiny_data, out, **{**fields, "sample_interval": 6, "sample_tokens": 4}), DistInfo(device=CPU), "auto"
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert [r["step"] for r in records(out) if "sample" in r] == [6, 8]  # step 6 again, and the end's
+    straight, again = train_losses(tmp_path / "straight"), train_losses(out)
+    assert sorted(again) == list(range(8))
+    for step in range(8):
+        assert abs(again[step] - straight[step]) <= 1e-6, (step, again[step], straight[step])
+
+
 def test_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(tiny_data, tmp_path, monkeypatch, capsys):
     from gpt2lab.train.trainer import Trainer, _stop_on_signals
 
@@ -287,7 +414,7 @@ def test_prepare_errors_are_one_line(tmp_path, capsys, monkeypatch):
     src = tmp_path / "text.txt"
     src.write_text("To be, or not to be, that is the question. " * 200)
     assert main(["prepare", "--source", str(src), "--out", str(a_file), "--quiet"]) == 2
-    assert f"--out {a_file} is a file" in _one_line(capsys.readouterr().err)
+    assert f"--out {a_file}: is a file, not a directory" in _one_line(capsys.readouterr().err)
     fake = tmp_path / "fake.parquet"
     fake.write_text("not parquet")
     assert main(["prepare", "--source", str(fake), "--out", str(tmp_path / "o1"), "--quiet"]) == 1
@@ -297,6 +424,21 @@ def test_prepare_errors_are_one_line(tmp_path, capsys, monkeypatch):
     with pytest.warns(UserWarning, match=f"{empty}: empty text file"):
         assert main(["prepare", "--source", str(empty), "--out", str(tmp_path / "o2"), "--quiet"]) == 1
     assert "are empty" in _one_line(capsys.readouterr().err)
+    bad = tmp_path / "bad.jsonl"  # a malformed line after 2,000 documents
+    bad.write_text((json.dumps({"text": "To be, or not to be."}) + "\n") * 2000 + "{not json\n")
+    assert main(["prepare", "--source", str(bad), "--out", str(tmp_path / "o3"), "--shard-tokens", "500"]) == 1
+    assert f"{bad}:2001: not valid JSON" in _one_line(capsys.readouterr().err)
+    for out in ("o2", "o3"):  # training on what a failed prepare left: it says so, not "no shards"
+        assert main(_argv(tmp_path / out, tmp_path / "run")) == 1  # bad input: the data
+        assert _one_line(capsys.readouterr().err).endswith(
+            f"{tmp_path / out / 'manifest.json'}: `gpt2lab prepare` has not finished this directory (source "
+            f"{str(empty if out == 'o2' else bad)!r}: it stopped, failed or is still running); run the same "
+            "prepare command again to finish it"
+        )
+    assert main(["prepare", "--source", "/dev/zero", "--out", str(tmp_path / "o4")]) == 1
+    assert _one_line(capsys.readouterr().err) == (
+        "gpt2lab prepare: --source '/dev/zero': not a file or a directory (a device, pipe or socket); name files"
+    )
 
 
 def test_prepare_disk_full_then_rerun_resumes(tmp_path, capsys, monkeypatch):

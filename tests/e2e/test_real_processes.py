@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import DATA, damaged_copy, run_gpt2lab
+from conftest import DATA, damaged_copy, env, run_gpt2lab
 
 from gpt2lab.evals.hellaswag import evaluate_hellaswag, load_examples, score_examples
 
@@ -89,6 +89,24 @@ def test_config_modules_import_no_torch(module):
     code = f"import sys, {module}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_commands_that_need_no_model_import_no_torch(tmp_path):
+    """``gpt2lab prepare`` (a whole run of it) and the other commands that read no model parse their flags
+    and run without importing torch: the CLI builds only the parser of the command it runs."""
+    out = tmp_path / "data"
+    prepare = ["prepare", "--source", "tinyshakespeare", "--out", str(out), "--quiet", "--workers", "1"]
+    code = (
+        "import sys; from gpt2lab import cli\n"
+        f"rc = cli.main({prepare!r})\n"
+        "for c in ('tokenizer', 'plot', 'compare', 'report', 'export', 'env', 'eval', 'sample', 'train'):\n"
+        "    try: cli.main([c, '--help'])\n"
+        "    except SystemExit: pass\n"
+        "print(rc, 'torch' in sys.modules)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env(), check=True)
+    assert r.stdout.strip().splitlines()[-1] == "0 False", r.stdout + r.stderr
+    assert (out / "manifest.json").is_file()
 
 
 def test_compiled_and_eager_same_predictions(hf_ref):

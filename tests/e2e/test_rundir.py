@@ -61,7 +61,7 @@ def test_prepare_and_export_refuse_a_run_directory(tiny_data, tmp_path, capsys):
     capsys.readouterr()
     before = _tree(run)
     assert cli.main(["prepare", "--source", "tinyshakespeare", "--out", str(run)]) != 0
-    assert "holds a gpt2lab run (run_info.json), not token shards" in _one_line(capsys.readouterr().err)
+    assert "holds a gpt2lab run (run_info.json); nothing was written there" in _one_line(capsys.readouterr().err)
     assert cli.main(["export", str(run), str(run)]) == 2
     assert "a gpt2lab run (run_info.json)" in _one_line(capsys.readouterr().err)
     assert _tree(run) == before

@@ -22,7 +22,7 @@ from conftest import cli_args, env, torchrun_cmd, train_losses, wait_for
 
 from gpt2lab.checkpoint import store as ckpt
 from gpt2lab.system.errors import CheckpointError
-from gpt2lab.weights.load import from_checkpoint
+from gpt2lab.weights.load import load_model
 
 # TINY: 128 tokens a step = 2 micro-steps on one process, 1 per rank on two
 FIELDS = dict(max_steps=12, ckpt_interval=4, keep_checkpoints=2)
@@ -163,7 +163,7 @@ def test_flipped_bytes_in_a_shard_are_named(runs, tmp_path):
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="__0_0.distcp does not match its checksum"):
-        from_checkpoint(str(good))
+        load_model(str(good))
 
 
 def test_sigterm_to_torchrun_saves_a_sharded_checkpoint_that_resumes(tiny_data, tmp_path):

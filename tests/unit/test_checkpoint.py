@@ -15,7 +15,7 @@ from gpt2lab.model.gpt import GPT
 from gpt2lab.system import formats
 from gpt2lab.system.errors import CheckpointError
 from gpt2lab.train.optim import make_optimizer
-from gpt2lab.weights.load import from_checkpoint
+from gpt2lab.weights.load import WeightsError, load_model
 
 CFG = {"model": dict(block_size=16, vocab_size=50304, token_vocab_size=50257, n_layer=2, n_head=2, n_embd=16)}
 
@@ -100,17 +100,14 @@ def test_load_model_from_run_or_checkpoint_dir(tmp_path):
     path = _save(tmp_path, model, opt, 2)
     x = torch.randint(0, 50257, (1, 8))
     for spec in (str(tmp_path), path):
-        loaded = from_checkpoint(spec).eval()
+        loaded = load_model(spec)
         assert loaded.config.token_vocab_size == 50257  # padded rows are never sampled
         assert torch.equal(loaded(x)[0], model.eval()(x)[0])
-    from gpt2lab.weights.load import load_model  # the spec every command accepts
-
-    assert torch.equal(load_model(str(tmp_path))(x)[0], model(x)[0])
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="neither a checkpoint"):
-        from_checkpoint(str(tmp_path))
+    with pytest.raises(WeightsError, match="neither a checkpoint"):
+        load_model(str(tmp_path))
 
 
 def test_optimizer_file_loads_with_weights_only(tmp_path):
@@ -166,7 +163,7 @@ def test_a_checkpoint_of_another_format_version_is_refused_in_one_line(tmp_path,
     from gpt2lab.train import init_from
 
     for read in (
-        lambda: from_checkpoint(str(tmp_path)),
+        lambda: load_model(str(tmp_path)),
         lambda: ckpt.load(path, _parts(*_trained(1))),
         lambda: ckpt.check_format(path),
         lambda: init_from.find_source(str(tmp_path)),

@@ -147,10 +147,10 @@ def test_bad_flags_are_rejected(argv):
         (dict(n_head=5), ["n_embd 768", "n_head 5"]),
         (dict(vocab_size=1000), ["vocab_size 1000", "50257"]),
         (dict(min_lr=1.0), ["min_lr", "max_lr"]),
-        (dict(max_steps=0), ["max_steps must be >= 1"]),
-        (dict(eval_interval=-1), ["eval_interval must be >= 0"]),
+        (dict(max_steps=0), ["max_steps 0 must be >= 1"]),
+        (dict(eval_interval=-1), ["eval_interval -1 must be >= 0"]),
         (dict(no_such=1), ["unknown field(s) no_such"]),
-        (dict(spike_window=-1), ["spike_window must be >= 0, got -1"]),
+        (dict(spike_window=-1), ["spike_window -1 must be >= 0"]),
         (dict(dtype="float8"), ["dtype 'float8': choose one of auto, float32, bfloat16, float16"]),
     ],
 )

@@ -97,7 +97,7 @@ def test_preset_files_may_use_a_model_table(tmp_path, monkeypatch):
         ({"n_layers": 3}, ["unknown field(s) n_layers", "n_layer"]),
         ({"model": {"n_layers": 3}}, ["unknown model field(s) n_layers", "n_layer"]),
         ({"model": 3}, ['"model" must be a table']),
-        ({"n_layer": 0}, ["n_layer must be >= 1, got 0"]),
+        ({"n_layer": 0}, ["n_layer 0 must be >= 1"]),
         ({"model": {"n_layer": "2"}}, ["n_layer must be a whole number, got '2'"]),
         ({"attn_pdrop": True}, ["attn_pdrop must be a number, got True"]),
         ({"model": {"n_head": 5}}, ["n_embd 768 is not divisible by n_head 5"]),
@@ -248,7 +248,9 @@ def test_presets_land_in_their_sections():
 def test_a_retired_key_is_refused():
     """init_from_id (what --init-from resolved to, now the plan's record in state.pt) was in the
     first runs' config.json; no setting reads it now."""
-    with pytest.raises(ConfigError, match=r"^x.toml: unknown field\(s\) init_from_id; known fields: "):
+    with pytest.raises(
+        ConfigError, match=r"^x.toml: unknown field\(s\) init_from_id \(did you mean init_from\?\); known"
+    ):
         TrainConfig.from_dict({"init_from_id": "sha256:" + "ab" * 32}, source="x.toml")
 
 
@@ -274,7 +276,7 @@ def test_a_resume_reads_what_the_run_began_from_in_state_pt(tmp_path):
             {"optim": {"max_lrr": 1e-3}},
             "x.toml: unknown optim field(s) max_lrr; known optim fields: max_steps, max_lr,",
         ),
-        ({"max_lrr": 1e-3}, "x.toml: unknown field(s) max_lrr; known fields: "),
+        ({"max_lrr": 1e-3}, "x.toml: unknown field(s) max_lrr (did you mean max_lr?); known fields: "),
         (
             {"optimizer": "muon", "optim": {"optimizer": "adamw"}},
             "x.toml: optimizer set both as a key and in [optim]; keep one",
@@ -371,7 +373,7 @@ AGAIN = "train it again, or read it with the gpt2lab 0.1.x that wrote it"
 )
 def test_another_format_version_is_refused_in_one_line(found, words):
     with pytest.raises(ConfigError) as e:
-        formats.check("RUN/config.json", found, formats.RUN)
+        formats.check_version("RUN/config.json", found, formats.RUN)
     assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
 
 
@@ -379,7 +381,7 @@ def test_stamp_and_unstamp():
     stamped = formats.stamp({"model": {}, "format_version": 7}, formats.RUN)
     assert stamped == {"format_version": 2, "model": {}} and list(stamped)[0] == "format_version"
     assert formats.unstamp(stamped, "x", formats.RUN) == {"model": {}}
-    formats.check("x", formats.CHECKPOINT.version, formats.CHECKPOINT)  # its own version passes
+    formats.check_version("x", formats.CHECKPOINT.version, formats.CHECKPOINT)  # its own version passes
     from gpt2lab.system.errors import CheckpointError
 
     with pytest.raises(

@@ -42,13 +42,13 @@ def code(tmp_path_factory) -> tuple[Path, str]:
     import shutil
 
     import gpt2lab.data
-    from gpt2lab.data.bpe import train
+    from gpt2lab.data.bpe import train_tokenizer
 
     root = tmp_path_factory.mktemp("code")
     for f in sorted(Path(gpt2lab.data.__file__).parent.glob("*.py"))[:8]:
         shutil.copy(f, root / f.name)
     tok = str(root.parent / "tok")
-    train([str(root / "*.py")], 400, tok, progress=False)
+    train_tokenizer([str(root / "*.py")], 400, tok, progress=False)
     return root, tok
 
 
@@ -148,3 +148,28 @@ def test_cli_val_docs_and_its_refusals(code, tmp_path, capsys):
         assert cli.main([*args[:4], str(tmp_path / "x"), *args[5:], *extra]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and msg in err and not (tmp_path / "x").exists()
+
+
+def test_a_val_split_that_takes_everything_is_said_on_every_run_and_by_train(code, tmp_path, capsys):
+    """--val-docs past the source's documents: all of it is val. prepare says so each time it runs
+    (a warning line, exit 0), and train on it names the split and the flag, exit 2, one line."""
+    from gpt2lab import cli
+
+    root, _ = code
+    out = tmp_path / "all"
+    args = ["prepare", "--source", str(root / "*.py"), "--out", str(out), "--quiet", "--workers", "1"]
+    for _ in range(2):  # the rerun only checks the finished directory, and says it again
+        with pytest.warns(UserWarning) as said:
+            assert cli.main([*args, "--val-docs", "100000"]) == 0
+        tokens, docs = json.loads(capsys.readouterr().out)["tokens"], len(list(root.glob("*.py")))
+        assert [str(w.message) for w in said] == [
+            f"{out}: all {tokens} tokens ({docs} documents) went to val (--val-docs 100000); pass a smaller one "
+            "to get a train split"
+        ]
+    assert tokens == sum(len(open_shard(p)) for p in out.glob("val_*.bin")) and not list(out.glob("train_*"))
+    train = ["train", "--preset", "shakespeare-cpu", "--data", str(out), "--out", str(tmp_path / "run")]
+    assert cli.main([*train, "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == (
+        f"gpt2lab train: --data {out}: no train split: prepared with --val-docs 100000, all its {tokens:,} "
+        "tokens are in val; prepare it again with another size\n"
+    )

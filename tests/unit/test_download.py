@@ -138,9 +138,13 @@ def test_eval_gsm8k_without_data_scores_the_downloaded_split(server, tmp_path, m
     model = str(tmp_path / "model")  # a base model whose padded vocabulary has rows for the turn tokens
     gpt2lab.save_pretrained(tiny_gpt(seed=1, vocab_size=50304, block_size=256), model)
     argv = ["eval", "gsm8k", "--model", model, "--limit", "2", "--max-tokens", "2", "--device", "cpu"]
-    assert main([*argv, "--dtype", "float32"]) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert result["data"] == str(tmp_path / "cache" / "gsm8k" / "test.jsonl") and result["n"] == 2
+    samples = tmp_path / "replies.jsonl"
+    for _ in range(2):  # the second run replaces the file the first wrote (its first line marks it gpt2lab's)
+        assert main([*argv, "--dtype", "float32", "--samples", str(samples)]) == 0
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        head, *rows = [json.loads(line) for line in samples.read_text().splitlines()]
+        assert head == {"format": "gpt2lab-gsm8k-samples", **result} and len(rows) == result["n"] == 2
+    assert result["data"] == str(tmp_path / "cache" / "gsm8k" / "test.jsonl")
     assert len(_Handler.hits) == 1
     monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path / "empty"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

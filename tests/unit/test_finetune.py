@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY, adapt_config, hf_gpt2, tiny_gpt
+from conftest import TINY, adapt_config, hf_gpt2, step_record, tiny_gpt
 from safetensors.torch import load_file
 
 from gpt2lab import cli
@@ -20,7 +20,8 @@ from gpt2lab.train.init_from import InitFromError, sha256_file
 from gpt2lab.train.run import train
 from gpt2lab.train.settings import load_preset
 from gpt2lab.train.trainer import Trainer
-from gpt2lab.weights import export, gpt2, read
+from gpt2lab.weights import export, gpt2
+from gpt2lab.weights.load import load_model
 
 CPU = torch.device("cpu")
 NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -82,7 +83,7 @@ def test_hf_source_loss_and_adamw_steps_match_transformers(hf_src, tiny_data, tm
     trainer = Trainer.from_config(cfg, DistInfo(device=CPU))
     batches = _batches(4)
     feed = iter(batches)
-    trainer.loader.next_batch = lambda: next(feed)
+    trainer.loader.next_batch = lambda seq_len=None: next(feed)
 
     ref = hf_gpt2(seed=5, **SRC_SHAPE)  # the same weights as the saved source, trained separately
     ref.load_state_dict(hf_src[0].state_dict())
@@ -98,8 +99,7 @@ def test_hf_source_loss_and_adamw_steps_match_transformers(hf_src, tiny_data, tm
         eps=1e-8,
     )
     for step, (x, y) in enumerate(batches):
-        rec = trainer.train_step()
-        trainer.step += 1
+        rec = step_record(trainer)
         logits = ref(x).logits
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
         if step == 0:
@@ -176,7 +176,7 @@ def test_dropout_trains_stochastically_but_evaluates_like_none(tmp_path):
     export.save_pretrained(drop, str(tmp_path / "exp"))
     loaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "exp"))
     assert (loaded.config.embd_pdrop, loaded.config.attn_pdrop, loaded.config.resid_pdrop) == (0.1, 0.1, 0.1)
-    back = read.from_hf_dir(str(tmp_path / "exp"))
+    back = load_model(str(tmp_path / "exp"))
     assert (back.config.embd_pdrop, back.config.attn_pdrop, back.config.resid_pdrop) == (0.1, 0.1, 0.1)
     with torch.no_grad():
         assert torch.allclose(loaded.eval()(x).logits, plain(x)[0], atol=1e-5)
@@ -184,8 +184,6 @@ def test_dropout_trains_stochastically_but_evaluates_like_none(tmp_path):
 
 def test_lora_trains_only_adapters_and_merged_export_matches(hf_src, tiny_data, tmp_path):  # noqa: F811
     import transformers
-
-    from gpt2lab.weights.load import load_model
 
     # the fine-tuning preset (dropout 0.1) from the tiny HF directory, with tiny overrides
     cfg = adapt_config(
@@ -213,7 +211,6 @@ def test_lora_trains_only_adapters_and_merged_export_matches(hf_src, tiny_data, 
     }
     for _ in range(3):
         trainer.train_step()
-        trainer.step += 1
     after = trainer.raw.state_dict()
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and changed <= {k for k in before if ".lora_B." in k or ".lora_A." in k}
@@ -241,8 +238,6 @@ def test_finetune_preset_lowers_held_out_loss(pretrained_run, tiny_data, tmp_pat
     """From the pre-trained run, the finetune-shakespeare preset (tiny overrides, through the
     CLI) lowers the loss on the held-out val split below the source's."""
     from conftest import evaluate_loss
-
-    from gpt2lab.weights.load import from_checkpoint as load_model
 
     out = tmp_path / "ft"
     rc = cli.main(

@@ -126,15 +126,22 @@ def test_eval_chat_without_data_scores_the_runs_held_out_conversations(chat_dir,
     assert result["assistant_tokens"] == val["supervised"]  # the val shards' supervised tokens, all of them
 
 
-def test_a_rerun_after_the_source_changed_does_not_write_other_conversations(tmp_path):
-    import shutil
+def test_a_rerun_after_the_source_changed_writes_the_new_sources_conversations(tmp_path):
+    """The source changed under a finished directory (its first conversation dropped): the rerun
+    prepares it again, and its held-out conversations are those of a fresh prepare of the new source."""
+    import zstandard
 
     src = tmp_path / "chats.jsonl.zst"
-    shutil.copy(CHAT_SLICE, src)
-    out = tmp_path / "shards"
-    prepare(str(src), str(out), progress=False, shard_tokens=20_000, val_tokens=2000)
-    (out / HELD_OUT).unlink()
-    src.write_bytes(src.read_bytes()[:-10])  # the source is not what the shards were made from
-    with pytest.warns(UserWarning, match=f"{HELD_OUT} not written: {src} is not the file these shards were made"):
-        prepare(str(src), str(out), progress=False, shard_tokens=20_000, val_tokens=2000)
-    assert not (out / HELD_OUT).exists()
+    src.write_bytes(open(CHAT_SLICE, "rb").read())
+    kw = dict(progress=False, shard_tokens=20_000, val_tokens=2000)
+    prepare(str(src), str(tmp_path / "shards"), **kw)
+    (tmp_path / "shards" / HELD_OUT).unlink()
+    lines = zstandard.ZstdDecompressor().stream_reader(open(CHAT_SLICE, "rb")).read().splitlines(keepends=True)
+    src.write_bytes(zstandard.compress(b"".join(lines[1:])))  # not what the shards were made from
+    with pytest.warns(UserWarning, match=f"{src} changed since it was prepared"):
+        prepare(str(src), str(tmp_path / "shards"), **kw)
+    prepare(str(src), str(tmp_path / "fresh"), **kw)
+    for name in (HELD_OUT, "manifest.json", "val_000000.bin"):
+        assert (tmp_path / "shards" / name).read_bytes() == (tmp_path / "fresh" / name).read_bytes(), name
+    first = json.loads((tmp_path / "fresh" / HELD_OUT).read_text().splitlines()[0])
+    assert first["messages"][0]["content"] == json.loads(lines[1])["messages"][0]["content"]

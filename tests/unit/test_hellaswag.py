@@ -193,7 +193,7 @@ def test_official_file_no_network_no_cache_says_pass_data(tmp_path, monkeypatch)
     def unreachable(url, timeout=None):
         raise urllib.error.URLError(OSError(101, "Network is unreachable"))
 
-    monkeypatch.setenv(hs.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path))
     monkeypatch.setattr(urllib.request, "urlopen", unreachable)
     monkeypatch.setattr(hs, "_download_hf", _fail)
     with pytest.raises(RuntimeError, match="pass --data FILE") as e:
@@ -206,7 +206,7 @@ def test_official_file_downloaded_once_then_cached(tmp_path, monkeypatch):
     """evals/download.py's one fetch, from a file:// URL (urllib reads it as it reads https)."""
     import urllib.request
 
-    monkeypatch.setenv(hs.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(hs, "HELLASWAG_URL", (DATA / "hellaswag_val_200.jsonl").resolve().as_uri())
     monkeypatch.setattr(hs, "_download_hf", _fail)
     calls, urlopen = [], urllib.request.urlopen

@@ -72,7 +72,7 @@ def test_reverse_round_trip_is_exact(hf_dirs, tmp_path):
     from safetensors.torch import load_file
 
     theirs, d = hf_dirs[0]
-    export.save_pretrained(read.from_hf_dir(d), str(tmp_path / "again"))
+    export.save_pretrained(load_model(d), str(tmp_path / "again"))
     before, after = (
         load_file(os.path.join(d, "model.safetensors")),
         load_file(str(tmp_path / "again/model.safetensors")),
@@ -96,7 +96,7 @@ def test_padded_vocab_export_trims_to_50257(tmp_path):
     assert theirs.transformer.wte.weight.shape == (50257, 32)
     idx = torch.randint(0, 50257, (2, 24))
     assert _max_diff(ours, theirs, idx, vocab=50257) <= 1e-4
-    back = read.from_hf_dir(out)
+    back = load_model(out)
     assert back.config.vocab_size == 50257
 
 
@@ -129,9 +129,13 @@ def test_save_pretrained_replaces_an_earlier_export_and_leaves_no_temp(tmp_path)
     assert oct(os.stat(out).st_mode & 0o777) != oct(0o700)  # umask permissions, not mkdtemp's
 
 
-def test_export_into_a_checkpoint_or_a_runs_checkpoints_names_what_is_there(gpt2_vocab_export, tmp_path, capsys):
+def test_export_into_a_checkpoint_a_runs_checkpoints_or_an_export_with_a_readme_names_what_is_there(
+    gpt2_vocab_export, tmp_path, capsys
+):
     """A checkpoint has no run_info.json: the refusal says checkpoint and lists its files; a run's
-    checkpoints folder is not "files that gpt2lab did not write"."""
+    checkpoints folder is not "files that gpt2lab did not write"; an earlier export beside the user's
+    README.md is an export that replacing would take the README.md with."""
+    import shutil
     import types
 
     from gpt2lab import cli
@@ -145,16 +149,21 @@ def test_export_into_a_checkpoint_or_a_runs_checkpoints_names_what_is_there(gpt2
     ckpt = store.save(str(tmp_path / "run"), 2, parts, TrainConfig().to_dict())
     before = sorted(os.listdir(ckpt))
     assert "run_info.json" not in before
+    carded = shutil.copytree(src, tmp_path / "carded")
+    (carded / "README.md").write_text("my model card")
     for out, said in (
-        (ckpt, f"it holds a gpt2lab checkpoint ({', '.join(before[:4])}, ...); nothing was written"),
-        (os.path.dirname(ckpt), "it holds a gpt2lab run's checkpoints (step_000002); nothing was written"),
+        (ckpt, f"holds a gpt2lab checkpoint ({', '.join(before[:4])}, ...)"),
+        (os.path.dirname(ckpt), "holds a gpt2lab run's checkpoints (step_000002)"),
+        (
+            carded,
+            "holds a gpt2lab export (gpt2lab_export.json, written by `gpt2lab export`) and README.md, which "
+            "gpt2lab did not write and replacing it would remove",
+        ),
     ):
-        assert cli.main(["export", src, out]) == 2
+        assert cli.main(["export", src, str(out)]) == 2
         (line,) = capsys.readouterr().err.splitlines()
-        assert line == f"gpt2lab export: {out} is not empty and is not an earlier gpt2lab export: {said}. " + (
-            "Choose a new or empty OUT_DIR"
-        )
-    assert sorted(os.listdir(ckpt)) == before
+        assert line == f"gpt2lab export: {out}: {said}; nothing was written there; choose a new or empty OUT_DIR"
+    assert sorted(os.listdir(ckpt)) == before and (carded / "README.md").read_text() == "my model card"
 
 
 def test_mismatched_weights_and_unsupported_config_are_refused(hf_dirs, tmp_path):
@@ -163,10 +172,10 @@ def test_mismatched_weights_and_unsupported_config_are_refused(hf_dirs, tmp_path
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "n_embd": 64}))
     os.link(os.path.join(d, "model.safetensors"), tmp_path / "model.safetensors")
     with pytest.raises(read.WeightsError, match="model.safetensors"):
-        read.from_hf_dir(str(tmp_path))
+        load_model(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "activation_function": "relu"}))
     with pytest.raises(read.WeightsError, match="activation_function"):
-        read.from_hf_dir(str(tmp_path))
+        load_model(str(tmp_path))
 
 
 def test_checkpoint_like_dir_is_not_taken_for_hf(tmp_path):

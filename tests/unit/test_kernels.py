@@ -879,7 +879,7 @@ def test_the_tests_keep_gpt2labs_cache_out_of_the_users_home():
     import subprocess
     import sys
 
-    from gpt2lab.evals.hellaswag import cache_dir
+    from gpt2lab.system.env import cache_dir
     from gpt2lab.system.runtime import _cache_dir
 
     home = os.path.realpath(os.path.expanduser("~")) + os.sep

@@ -15,7 +15,6 @@ from conftest import TINY, saved_bytes
 
 from gpt2lab import cli, from_pretrained
 from gpt2lab.data.tokenizer import gpt2_tokenizer
-from gpt2lab.distributed import memplan
 from gpt2lab.model.gpt import GPT, GPTConfig, rotary_cos_sin
 from gpt2lab.system.errors import UsageError
 from gpt2lab.train.settings import load_preset, preset_names
@@ -101,12 +100,8 @@ def test_bias_false_is_gpt2_with_zero_biases(norm, tmp_path):
     idx = torch.randint(0, 96, (2, 16))
     with torch.no_grad():
         assert torch.equal(plain(idx)[0], biased(idx)[0])
-    assert (
-        memplan.param_counts(plain.config)["total"]
-        == plain.num_params()
-        == biased.num_params()
-        - 2 * (9 * 32 + (2 * 32 if norm == "layernorm" else 0))
-        - (32 if norm == "layernorm" else 0)
+    assert plain.num_params() == biased.num_params() - 2 * (9 * 32 + (2 * 32 if norm == "layernorm" else 0)) - (
+        32 if norm == "layernorm" else 0
     )
     if norm == "layernorm":
         big = randomized(GPTConfig(**{**shape, "vocab_size": 50304, "token_vocab_size": 50257}, bias=False), seed=1)
@@ -171,17 +166,16 @@ def test_optimizers_without_biases():
         assert all(not torch.equal(a, p) for a, p in zip(before, m.parameters()))
 
 
-# -- the memory planner -------------------------------------------------------------------------
+# -- what the switches keep for backward ------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     "block", [{}, dict(pos_emb="rotary", qk_norm=True, norm="rmsnorm", mlp_act="relu2")], ids=["gpt2", "modern"]
 )
-def test_planner_counts_what_autograd_keeps_for_the_switches(block, dtype):
+def test_what_autograd_keeps_for_the_switches(block, dtype):
     """A whole training forward (chunked loss included): without biases autograd keeps exactly what it keeps
-    with them; embed_norm keeps the embedding and its rstd (fp32, N (C + 1) x 4 bytes), and the planner's
-    activations move by exactly that."""
+    with them; embed_norm keeps the embedding and its rstd (fp32, N (C + 1) x 4 bytes)."""
     B, T, C = 3, 10, 48
     base = dict(n_layer=2, n_head=4, n_embd=C, vocab_size=64, block_size=T, **block)
     idx = torch.randint(0, 64, (B, T))
@@ -196,25 +190,7 @@ def test_planner_counts_what_autograd_keeps_for_the_switches(block, dtype):
 
         kept[name] = saved_bytes(m, forward)
     assert kept["no_bias"] == kept["base"]
-    assert kept["embed_norm"] - kept["no_bias"] == B * T * memplan.embed_norm_saved_bytes(C) == B * T * (C + 1) * 4
-    kw = dict(micro_batch=B, seq_len=T, dtype="float32" if dtype is None else "bfloat16", device="cpu", accum=1)
-    on, off = (memplan.phases(GPTConfig(**base, bias=False, embed_norm=e), **kw)[0].terms for e in (True, False))
-    assert on["activations"] - off["activations"] == B * T * (C + 1) * 4
-
-
-def test_planner_counts_the_parameters_and_casts_without_biases():
-    for norm in ("layernorm", "rmsnorm"):
-        for tied in (True, False):
-            cfg = GPTConfig(
-                n_layer=3, n_head=2, n_embd=32, vocab_size=96, block_size=16, norm=norm, bias=False, tie_embeddings=tied
-            )
-            assert memplan.param_counts(cfg)["total"] == GPT(cfg).num_params()
-    bf16 = memplan.phases(
-        GPTConfig(n_layer=3, n_head=2, n_embd=32, vocab_size=96, block_size=16, bias=False),
-        micro_batch=1,
-        dtype="bfloat16",
-    )[0]
-    assert bf16.terms["weight_copies"] == 3 * 2 * 12 * 32 * 32  # autocast casts the four matrices, no biases
+    assert kept["embed_norm"] - kept["no_bias"] == B * T * (C + 1) * 4
 
 
 # -- export: every preset whose model a Hugging Face class computes --------------------------------

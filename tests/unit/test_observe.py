@@ -90,9 +90,9 @@ def test_plot_and_compare_never_overwrite_a_file_they_did_not_write(tmp_path, ca
     for target in (theirs, other, folder, in_run):
         before = target.read_bytes() if target.is_file() else None
         assert cli.main([command, *runs, "--out", str(target)]) == 2
+        said = "is a directory" if target == folder else "is a file gpt2lab did not write"
         assert capsys.readouterr().err.strip() == (
-            f"gpt2lab {command}: --out {target}: a file gpt2lab did not write is there; pick another path "
-            "(nothing was overwritten)"
+            f"gpt2lab {command}: --out {target}: {said}; nothing was written there; pick another path"
         )
         assert (target.read_bytes() if target.is_file() else None) == before
     ours = tmp_path / "ours.png"

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from gpt2lab.model.gpt import GPT, GPTConfig
-from gpt2lab.train.optim import lr_at, make_optimizer, param_groups
+from gpt2lab.train.optim import make_optimizer, param_groups
+from gpt2lab.train.schedule import lr_at
 from gpt2lab.train.settings import load_preset
 
 

@@ -19,10 +19,11 @@ import torch
 import torch.nn.functional as F
 from conftest import DATA, cli_args, records, tiny_gpt
 
+import gpt2lab
 from gpt2lab import cli
 from gpt2lab.data import chat
 from gpt2lab.data import tokenizer as tokenizers_mod
-from gpt2lab.data.bpe import SPLIT_PATTERN, open_dir, train
+from gpt2lab.data.bpe import SPLIT_PATTERN, open_dir, train_tokenizer
 
 WIKI = str(DATA / "wiki_slice.jsonl.zst")
 CHAT = str(DATA / "chat_slice.jsonl.zst")
@@ -43,7 +44,7 @@ def _texts(path: str, field: str = "text") -> list[str]:
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory) -> str:
     out = str(tmp_path_factory.mktemp("tok") / "tokenizer")
-    train([WIKI, CHAT], VOCAB, out, progress=False)
+    train_tokenizer([WIKI, CHAT], VOCAB, out, progress=False)
     return out
 
 
@@ -89,7 +90,7 @@ def own_run(wiki_data, tmp_path_factory) -> Path:
 # -- training the tokenizer --------------------------------------------------------------------
 def test_training_twice_gives_identical_files(tok_dir, tmp_path):
     again = tmp_path / "again"
-    train([WIKI, CHAT], VOCAB, str(again), progress=False)
+    train_tokenizer([WIKI, CHAT], VOCAB, str(again), progress=False)
     for name in ("tokenizer.json", "gpt2lab_tokenizer.json"):
         assert (again / name).read_bytes() == (Path(tok_dir) / name).read_bytes()
     marker = json.loads((again / "gpt2lab_tokenizer.json").read_text())
@@ -98,7 +99,7 @@ def test_training_twice_gives_identical_files(tok_dir, tmp_path):
     assert marker["special_tokens"] == {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
     expected = [len("".join(_texts(WIKI)).encode()), len("".join(_texts(CHAT)).encode())]
     assert [s["bytes"] for s in marker["sources"]] == expected
-    train([WIKI, CHAT], VOCAB, str(again), progress=False)  # an earlier tokenizer is replaced, the same again
+    train_tokenizer([WIKI, CHAT], VOCAB, str(again), progress=False)  # an earlier tokenizer is replaced, the same again
     assert (again / "tokenizer.json").read_bytes() == (Path(tok_dir) / "tokenizer.json").read_bytes()
 
 
@@ -202,7 +203,7 @@ def test_uint32_shards_for_a_vocabulary_past_65536(tmp_path):
 # -- a run on it -----------------------------------------------------------------------------------
 def test_a_run_takes_the_datas_tokenizer_and_it_travels(own_run, tok, monkeypatch):
     from gpt2lab.inference.completion import tokenizer_for
-    from gpt2lab.weights.load import from_checkpoint as load_model
+    from gpt2lab.weights.load import load_model
 
     model_cfg = json.loads((own_run / "config.json").read_text())["model"]
     assert (model_cfg["tokenizer"], model_cfg["token_vocab_size"], model_cfg["vocab_size"]) == (
@@ -487,7 +488,7 @@ def test_a_model_with_its_own_tokenizer_needs_it_given_and_says_how(tok):
 def test_progress_goes_to_stderr_as_bytes(tmp_path):
     err = io.StringIO()
     with mock.patch.object(sys, "stderr", err):
-        train([WIKI], 300, str(tmp_path / "t"), progress=True)
+        train_tokenizer([WIKI], 300, str(tmp_path / "t"), progress=True)
     assert "tokenizer" in err.getvalue() and "B" in err.getvalue()
 
 
@@ -551,7 +552,7 @@ def test_fsdp_checkpoints_carry_the_tokenizer_too(wiki_data, tok, tmp_path, monk
     from conftest import env, torchrun_cmd
 
     from gpt2lab.inference.completion import tokenizer_for
-    from gpt2lab.weights.load import from_checkpoint as load_model
+    from gpt2lab.weights.load import load_model
 
     out = tmp_path / "fsdp"
     proc = subprocess.run(
@@ -585,7 +586,7 @@ def test_a_vocabulary_not_reached_is_a_warning_with_the_size_reached(tmp_path):
 
     (tmp_path / "a.txt").write_text("hello world hello world, the same few words again and again")
     with pytest.warns(UserWarning, match=r"the sources gave ([\d,]+) tokens, fewer than the 1,000 asked for") as w:
-        marker = train([str(tmp_path / "a.txt")], 1000, str(tmp_path / "tok"), progress=False)
+        marker = train_tokenizer([str(tmp_path / "a.txt")], 1000, str(tmp_path / "tok"), progress=False)
     reached = Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json")).get_vocab_size()
     assert 259 < reached == marker["vocab_size"] < 1000
     assert f"gave {reached:,} tokens" in str(w[0].message)
@@ -599,7 +600,7 @@ def test_an_empty_source_is_exit_2_in_one_line_and_writes_nothing(tmp_path, caps
         argv = ["tokenizer", "train", "--source", src, "--vocab-size", "300", "--out", str(tmp_path / "t"), "--quiet"]
         assert cli.main(argv) == 2
         err = capsys.readouterr().err.splitlines()[-1]
-        assert err.startswith(f"gpt2lab tokenizer: --source {src}: no text to train on (1 document(s), 0 bytes)")
+        assert err.startswith(f"gpt2lab tokenizer train: --source {src}: no text to train on (1 document(s), 0 bytes)")
         assert not (tmp_path / "t").exists()
 
 
@@ -611,6 +612,8 @@ def test_tokenizer_json_itself_is_taken_and_a_missing_path_says_which(wiki_data,
     for name in ("manifest.json", "tokenizer.json", "val_000000.bin", "train_000000.bin"):
         a, b = Path(out, name).read_bytes(), Path(wiki_data, name).read_bytes()
         assert a == b or name == "manifest.json" and json.loads(a)["tokenizer"] == json.loads(b)["tokenizer"]
+    file = Path(tok_dir) / "tokenizer.json"  # the Python API takes the file prepare takes
+    assert gpt2lab.get_tokenizer(str(file)).identity == hashlib.sha256(file.read_bytes()).hexdigest()
     argv = ["prepare", "--source", WIKI, "--out", str(tmp_path / "x"), "--tokenizer", str(tmp_path / "nope"), "--quiet"]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
@@ -661,10 +664,10 @@ def test_train_reads_a_glob_of_code_and_says_once_which_files_it_skipped(tmp_pat
     (tmp_path / "src" / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        marker = train([str(tmp_path / "src")], 300, str(tmp_path / "tok"), progress=False)
+        marker = train_tokenizer([str(tmp_path / "src")], 300, str(tmp_path / "tok"), progress=False)
     skipped = [str(w.message) for w in caught if "not UTF-8 text" in str(w.message)]
     src = tmp_path / "src"
     assert skipped == [f"directory {src} holds 1 file(s) that are not UTF-8 text, skipped: {src / 'logo.png'}"]
     assert marker["sources"] == [{"source": str(tmp_path / "src"), "bytes": len(code.encode()), "documents": 1}]
     glob = str(tmp_path / "src" / "**" / "*.py")
-    assert train([glob], 300, str(tmp_path / "tok"), progress=False)["sources"][0]["documents"] == 1
+    assert train_tokenizer([glob], 300, str(tmp_path / "tok"), progress=False)["sources"][0]["documents"] == 1

@@ -123,19 +123,17 @@ def test_activation_checkpointing_is_off_outside_training():
 
 def test_auto_asks_the_planner_what_ddp_needs_on_a_gpu():
     """--strategy auto on GPUs: DDP's per-rank memory comes from memplan.predict for this very run."""
-    from gpt2lab.distributed import memplan
     from gpt2lab.system import runtime
+    from gpt2lab.train import memplan
     from gpt2lab.train.gather import MachineFacts
     from gpt2lab.train.plan import strategy_for
     from gpt2lab.train.settings import load_preset
 
     cfg = load_preset("gpt2-1558m", data="unused", total_batch_tokens=1024 * 16 * 8)
     need = memplan.predict(
-        cfg.model,
+        cfg,
         strategy="ddp",
         world_size=8,
-        micro_batch=16,
-        seq_len=1024,
         dtype="bfloat16",
         accum=1,
         device="cuda",

@@ -16,15 +16,14 @@ from safetensors.torch import load_file
 
 from gpt2lab import cli
 from gpt2lab.checkpoint import store as ckpt
-from gpt2lab.distributed import memplan
 from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.model.loss import choose_loss
 from gpt2lab.system import runtime
 from gpt2lab.system.errors import ConfigError
-from gpt2lab.train import init_from
+from gpt2lab.train import init_from, memplan, plan_text
 from gpt2lab.train.config import merge_config
 from gpt2lab.train.gather import Gathered, MachineFacts, Resumed, fake_machine
-from gpt2lab.train.plan import Request, decide, make_plan
+from gpt2lab.train.plan import Request, decide_plan, make_plan
 from gpt2lab.train.run import train
 from gpt2lab.train.settings import load_preset, preset_values
 from gpt2lab.train.trainer import Trainer
@@ -73,11 +72,9 @@ def test_eight_h100s_ddp_fused_loss_datasheet_peak_and_memory(tmp_path):
     assert plan.peak_flops.value == 989e12  # the SXM datasheet figure
     assert plan.accum == 524288 // (64 * 1024 * 8) == 1
     ref = memplan.predict(
-        cfg.model,
+        cfg,
         strategy="ddp",
         world_size=8,
-        micro_batch=64,
-        seq_len=1024,
         dtype="bfloat16",
         accum=1,
         device="cuda",
@@ -94,11 +91,9 @@ def test_a_model_too_big_for_ddp_shards_and_keeps_the_chunked_loss(tmp_path):
     assert (plan.strategy.value, plan.loss.value, plan.peak_flops.value) == ("fsdp", "chunked", 312e12)
     assert "FSDP" in plan.loss.reason
     ddp = memplan.predict(
-        cfg.model,
+        cfg,
         strategy="ddp",
         world_size=8,
-        micro_batch=16,
-        seq_len=1024,
         dtype="bfloat16",
         accum=1,
         device="cuda",
@@ -106,11 +101,9 @@ def test_a_model_too_big_for_ddp_shards_and_keeps_the_chunked_loss(tmp_path):
     ).total
     assert ddp > 40 * GIB and f"{ddp / GIB:.1f} GiB" in plan.strategy.reason
     fsdp = memplan.predict(
-        cfg.model,
+        cfg,
         strategy="fsdp",
         world_size=8,
-        micro_batch=16,
-        seq_len=1024,
         dtype="bfloat16",
         accum=1,
         device="cuda",
@@ -167,12 +160,12 @@ def test_decide_reads_no_file(monkeypatch):
 
     monkeypatch.setattr("builtins.open", no_files)
     monkeypatch.setattr("io.open", no_files)
-    plan = decide(Request.of(cfg, resume="auto"), found)
+    plan = decide_plan(Request.of(cfg, resume="auto"), found)
     assert plan.resume == "/nowhere/run/checkpoints/step_000002" and plan.skipped == ("step_000003: damaged",)
     assert plan.config.model.chat_template == "chatml" and plan.supervised == (10, 40)
     assert plan.machine is PLAIN_CPU and plan.loss.value == "chunked"
     with pytest.raises(ConfigError, match="was trained with"):  # the checkpoint's settings, from its config alone
-        decide(Request.of(cfg.with_values(seed=cfg.seed + 1), resume="auto"), found)
+        decide_plan(Request.of(cfg.with_values(seed=cfg.seed + 1), resume="auto"), found)
 
 
 def test_accumulation_and_its_error_name_the_world_size(tmp_path):
@@ -292,7 +285,7 @@ def test_init_from_is_found_and_hashed_once(sources, tmp_path, monkeypatch):
     assert calls == {"find": 1, "sha": 1}
     weights = os.path.join(sources[3], "model.safetensors")
     assert plan.init.sha256 == sha(weights) and plan.init_record["id"] == f"sha256:{plan.init.sha256}"
-    assert plan.record()["init_from"] == {
+    assert plan_text.record(plan)["init_from"] == {
         "source": sources[3],
         "kind": "hf_dir",
         "weights": weights,
@@ -381,7 +374,7 @@ def test_run_info_holds_the_plan_the_run_used(tiny_data, tmp_path):
     cfg = load_preset("shakespeare-cpu", **{**TINY, "data": tiny_data, "out": str(tmp_path / "r"), "max_steps": 1})
     from gpt2lab.train.gather import detect_machine
 
-    expect = make_plan(cfg, detect_machine(CPU, 1, cfg.system.dtype)).record()
+    expect = plan_text.record(make_plan(cfg, detect_machine(CPU, 1, cfg.system.dtype)))
     train(cfg, DistInfo(device=CPU))
     info = json.loads((tmp_path / "r" / "run_info.json").read_text())
     assert info["format"] == "gpt2lab-run" and info["plan"] == json.loads(json.dumps(expect))
@@ -407,8 +400,8 @@ NANOCHAT = dict(
 def test_the_plan_says_what_export_will_write(fields, line, tmp_path):
     for facts in (PLAIN_CPU, MachineFacts(H100, world_size=8, device_bytes=80 * GIB)):
         plan = make_plan(_cfg(tmp_path / "r", total_batch_tokens=512, **fields), facts)
-        assert line in plan.lines() and plan.record()["export"] == line.removeprefix("export    ")
-        assert plan.record()["export"] == targets.export_target(plan.config.model).describe()
+        assert line in plan_text.lines(plan) and plan_text.record(plan)["export"] == line.removeprefix("export    ")
+        assert plan_text.record(plan)["export"] == targets.export_target(plan.config.model).describe()
 
 
 def test_a_lever_that_cannot_export_is_in_the_dry_run(tiny_data, tmp_path, capsys):
@@ -449,11 +442,10 @@ def test_the_plan_says_what_a_checkpoint_takes_as_saved(fields, tiny_data, tmp_p
     cfg = load_preset("shakespeare-cpu", **{**TINY, "data": tiny_data, "out": str(tmp_path), **fields})
     cfg = cfg.with_values(max_steps=5, ckpt_interval=2, keep_checkpoints=2)
     plan = make_plan(cfg, PLAIN_CPU)
-    disk = plan.record()["checkpoints"]
+    disk = plan_text.record(plan)["checkpoints"]
     trainer = Trainer(plan, DistInfo())
     while trainer.step < 5:  # the optimizer's state exists from its first step
         trainer.train_step()
-        trainer.step += 1
         if trainer.step in (2, 4, 5):  # as the loop saves: every 2 steps and at the end
             where = trainer.save()
     size = lambda name: os.path.getsize(os.path.join(where, name))  # noqa: E731
@@ -466,7 +458,7 @@ def test_the_plan_says_what_a_checkpoint_takes_as_saved(fields, tiny_data, tmp_p
     assert 0 <= whole - each["total"] < 128 * 1024
     assert (disk["written"], disk["kept"], len(ckpt.list_checkpoints(str(tmp_path)))) == (3, 2, 2)
     assert disk["kept_bytes"] == 2 * each["total"] and disk["peak_bytes"] == 3 * each["total"]
-    line = next(x for x in plan.lines() if x.startswith("disk "))
+    line = next(x for x in plan_text.lines(plan) if x.startswith("disk "))
     assert f"{each['total'] / 2**20:,.0f} MiB per checkpoint" in line and "3 written, 2 kept" in line
 
 
@@ -489,19 +481,19 @@ def _prompt_request(data: str, prompt_for) -> Request:
 
 def test_a_presets_prompt_is_kept_for_its_data_and_replaced_by_the_datas_start_elsewhere():
     found = Gathered(PLAIN_CPU, manifest={"source": "x"}, val_start="First Citizen:")
-    same = decide(_prompt_request("data/tinyshakespeare", "data/tinyshakespeare"), found)
+    same = decide_plan(_prompt_request("data/tinyshakespeare", "data/tinyshakespeare"), found)
     assert same.config.eval.sample_prompt == "ROMEO:" and same.prompt_reason is None
-    assert not any(line.startswith("sample ") for line in same.lines())
-    other = decide(_prompt_request("data/mine", "data/tinyshakespeare"), found)
+    assert not any(line.startswith("sample ") for line in plan_text.lines(same))
+    other = decide_plan(_prompt_request("data/mine", "data/tinyshakespeare"), found)
     assert other.config.eval.sample_prompt == "First Citizen:"
     assert (
         "sample    prompt 'First Citizen:' (the start of data/mine's first validation document; the "
-        "settings' 'ROMEO:' was written for data/tinyshakespeare)" in other.lines()
+        "settings' 'ROMEO:' was written for data/tinyshakespeare)" in plan_text.lines(other)
     )
-    assert other.record()["sample_prompt"]["value"] == "First Citizen:"
-    empty = decide(_prompt_request("data/mine", "data/tinyshakespeare"), Gathered(PLAIN_CPU, manifest={"a": 1}))
+    assert plan_text.record(other)["sample_prompt"]["value"] == "First Citizen:"
+    empty = decide_plan(_prompt_request("data/mine", "data/tinyshakespeare"), Gathered(PLAIN_CPU, manifest={"a": 1}))
     assert empty.config.eval.sample_prompt == "" and empty.prompt_reason.startswith("empty: data/mine has no")
-    given = decide(_prompt_request("data/mine", None), found)  # --sample-prompt, or the Python API's config
+    given = decide_plan(_prompt_request("data/mine", None), found)  # --sample-prompt, or the Python API's config
     assert given.config.eval.sample_prompt == "ROMEO:"
 
 

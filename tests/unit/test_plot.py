@@ -108,7 +108,7 @@ def test_size_detection():
     assert detect_size({"n_layer": 36, "n_embd": 1280}) is None  # the architecture is read from its section only
 
 
-def test_bad_run_dirs(tmp_path):
+def test_bad_run_dirs(tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         load_run(str(tmp_path))
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "train_loss": 3}\n{"step": 2, "train\n{"step": 3}\n')
@@ -119,5 +119,5 @@ def test_bad_run_dirs(tmp_path):
     with pytest.warns(UserWarning, match=":2: unfinished last line"):
         run = load_run(str(tmp_path))
     assert run.series["train_loss"] == [(1, 3.5)]
-    with pytest.raises(SystemExit, match="several runs need --out"):
-        main(["plot", str(tmp_path), str(tmp_path)])
+    assert main(["plot", str(tmp_path), str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == "gpt2lab plot: several runs need --out FILE.png"

@@ -26,7 +26,7 @@ def _same_weights(a: GPT, b: GPT) -> None:
         assert torch.equal(sa[k], sb[k]), k
 
 
-@pytest.mark.parametrize("entry", [gpt2lab.from_pretrained], ids=["gpt2lab"])
+@pytest.mark.parametrize("entry", [gpt2lab.from_pretrained, GPT.from_pretrained], ids=["gpt2lab", "GPT"])
 def test_a_finished_run_and_its_checkpoints_load_as_sample_loads_them(finished_run, entry):
     run = str(finished_run)
     newest, older = (os.path.join(run, "checkpoints", f"step_00000{s}") for s in (4, 2))
@@ -42,13 +42,26 @@ def test_a_finished_run_and_its_checkpoints_load_as_sample_loads_them(finished_r
     assert not torch.equal(entry(older).transformer.wte.weight, entry(run).transformer.wte.weight)
 
 
-@pytest.mark.parametrize("entry", [gpt2lab.from_pretrained], ids=["gpt2lab"])
+@pytest.mark.parametrize("entry", [gpt2lab.from_pretrained, GPT.from_pretrained], ids=["gpt2lab", "GPT"])
 def test_an_hf_directory_loads_with_the_exported_models_logits(gpt2_vocab_export, entry):
     model, d = gpt2_vocab_export
     loaded = entry(d, device="cpu")
     idx = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(loaded(idx)[0], model(idx)[0])
+
+
+def test_gpt_from_pretrained_is_the_one_loader(finished_run, gpt2_vocab_export):
+    """The seed's habit, ``GPT.from_pretrained(SOURCE)``: the logits of ``gpt2lab.from_pretrained(SOURCE)``,
+    for a run directory and an HF export, and those of the model that was exported."""
+    exported, d = gpt2_vocab_export
+    idx = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for source in (str(finished_run), d):
+            model = GPT.from_pretrained(source)
+            assert type(model) is GPT and not model.training
+            assert torch.equal(model(idx)[0], gpt2lab.from_pretrained(source)(idx)[0]), source
+        assert torch.allclose(model(idx)[0], exported.eval()(idx)[0], atol=1e-5)
 
 
 def test_a_bad_source_raises_an_error_naming_it(tmp_path, gpt2_vocab_export, finished_run):
@@ -58,26 +71,37 @@ def test_a_bad_source_raises_an_error_naming_it(tmp_path, gpt2_vocab_export, fin
     a_file.write_bytes(b"x")
     empty.mkdir()
     cut = damaged_copy(gpt2_vocab_export[1], str(tmp_path / "cut"), "weights")
-    cases = [
-        (tmp_path / "nowhere", "no such directory, and not a GPT-2 hub name"),
-        (a_file, "is a file"),
-        (empty, "neither a checkpoint"),
-        (tmp_path / "cut", f"{cut}: cannot be read"),
+    cases = [  # (source, what from_pretrained says, what get_tokenizer says)
+        (tmp_path / "nowhere", *["no such directory, and not a GPT-2 hub name"] * 2),
+        (a_file, "is a file", "not a Hugging Face tokenizer.json"),  # get_tokenizer takes a tokenizer.json
+        (empty, *["neither a checkpoint"] * 2),
+        (tmp_path / "cut", f"{cut}: cannot be read", None),  # get_tokenizer reads no weights: it has its tokenizer
     ]
-    for source, why in cases:
-        # get_tokenizer reads no weights: a source whose weights are cut short still has its tokenizer
-        for entry in (gpt2lab.from_pretrained, gpt2lab.get_tokenizer)[: 1 if source == tmp_path / "cut" else 2]:
+    for source, *whys in cases:
+        for entry, why in zip((gpt2lab.from_pretrained, gpt2lab.get_tokenizer), whys):
+            if why is None:
+                continue
             with pytest.raises(WeightsError) as e:
                 entry(str(source))
             assert str(e.value).startswith(f"{source}: ") and why in str(e.value), str(e.value)
             assert e.value.exit_code == 1
+    for entry in (gpt2lab.from_pretrained, gpt2lab.get_tokenizer):
+        with pytest.raises(WeightsError) as e:
+            entry("")
+        assert str(e.value) == f"{entry.__name__}(''): an empty path; pass a path or a hub name"
     damaged = tmp_path / "run"
     shutil.copytree(finished_run, damaged)
     weights = damaged / "checkpoints" / "step_000004" / "model.safetensors"
     os.truncate(weights, os.path.getsize(weights) // 2)
-    with pytest.raises(CheckpointError, match="step_000004 is damaged") as e:
-        gpt2lab.from_pretrained(str(damaged))
+    newest, before = (str(damaged / "checkpoints" / f"step_00000{n}") for n in (4, 2))
+    with pytest.raises(CheckpointError, match=f"step_000004 is damaged: .*; use an earlier one: {before}$") as e:
+        gpt2lab.from_pretrained(newest)  # named itself: refused
     assert e.value.exit_code == 3
+    with pytest.warns(UserWarning, match=f"checkpoint {newest} is damaged .*; trying the one before it"):
+        model = gpt2lab.from_pretrained(str(damaged))  # the run: its newest intact checkpoint, the damaged one named
+    x = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        assert torch.equal(model(x)[0], gpt2lab.from_pretrained(before)(x)[0])
 
 
 def test_init_from_reads_a_source_as_the_loader_does(tmp_path, gpt2_vocab_export):

@@ -138,13 +138,13 @@ def test_events_and_new_run_info_keys_are_shown(finished_run, tmp_path):
     assert env["autocast.chosen"] == "bfloat16" and env["autocast.reason"].startswith("CPU with AMX")
 
 
-def test_report_errors_are_one_line(tmp_path):
-    with pytest.raises(SystemExit, match="no such run directory"):
-        cli.main(["report", str(tmp_path / "nothing")])
+def test_report_errors_are_one_line(tmp_path, capsys):
+    assert cli.main(["report", str(tmp_path / "nothing")]) == 1
+    assert capsys.readouterr().err == f"gpt2lab report: {tmp_path / 'nothing'}: no such run directory\n"
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "metrics.jsonl").write_text('{"step": 0}\nnot json\n{"step": 1}\n')
-    with pytest.raises(SystemExit, match=r"metrics.jsonl:2: not valid JSON"):
-        cli.main(["report", str(tmp_path / "bad")])
+    assert cli.main(["report", str(tmp_path / "bad")]) == 1
+    assert capsys.readouterr().err.startswith(f"gpt2lab report: {tmp_path / 'bad' / 'metrics.jsonl'}:2: not valid JSON")
 
 
 # -- only what applies: a faked run directory ---------------------------------------------------
@@ -233,9 +233,9 @@ def test_a_stopped_runs_card_says_the_command_its_start_recorded(tmp_path):
     os.makedirs(run / "checkpoints" / "step_000005")  # not a complete checkpoint: none counted
     status = build_report(str(run), now=time.time() + 3600, curves=False).status
     assert status.endswith("no checkpoint was saved: start again")
-    from gpt2lab.observe.report import resume_command
+    from gpt2lab.observe.report import continue_command
 
-    assert resume_command({"resume_with": said}) == said
+    assert continue_command({"resume_with": said}) == said
     typed = {"command": ["/v/bin/gpt2lab", "train", "--preset", "p", "--resume", "runs/a/checkpoints/step_000002"]}
-    assert resume_command(typed) == "`gpt2lab train --preset p --resume auto`"
-    assert resume_command({"command": ["/v/bin/gpt2lab", "demo"]}) == "`--resume auto`"
+    assert continue_command(typed) == "`gpt2lab train --preset p --resume auto`"
+    assert continue_command({"command": ["/v/bin/gpt2lab", "demo"]}) == "`--resume auto`"

@@ -27,10 +27,10 @@ def stop_at(monkeypatch):
 
     def arm(step: int) -> None:
         def train_step(self):
-            record = original(self)
-            if self.step + 1 == step and not self.stop_requested:
+            done = original(self)  # counts the step
+            if self.step == step and not self.stop_requested:
                 self.stop_requested, self.stop_signal = True, signal.SIGTERM
-            return record
+            return done
 
         monkeypatch.setattr(Trainer, "train_step", train_step)
 

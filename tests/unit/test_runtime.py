@@ -176,10 +176,10 @@ def test_the_machines_load_is_the_median_of_a_few_looks_at_the_threads_running(t
     stat.write_text("cpu  1 2 3\nprocs_running 4\nprocs_blocked 0\n")
     assert runtime._running(str(stat)) == 4 and runtime._running(str(tmp_path / "none")) is None
     looks = iter([1, 9, 3, 3, 1])
-    load = runtime.machine_load(5, 0.0, running=lambda: next(looks), env={"OMP_NUM_THREADS": "1"})
+    load = runtime.machine_load(5, 0.0, running=lambda: next(looks), settings={"OMP_NUM_THREADS": "1"})
     assert (load.threads, load.others, load.asked) == (1, 2, "")  # looks 0, 8, 2, 2, 0: the median is 2
     env = {"GOMP_SPINCOUNT": "1000", "OMP_NUM_THREADS": "junk"}
-    load = runtime.machine_load(3, 0.0, running=lambda: None, env=env)  # no /proc: nothing seen running
+    load = runtime.machine_load(3, 0.0, running=lambda: None, settings=env)  # no /proc: nothing seen running
     assert (load.others, load.asked) == (0, "GOMP_SPINCOUNT=1000") and load.threads == load.cores >= 1
 
 
@@ -195,7 +195,8 @@ def test_the_command_line_sets_the_policy_before_openmp_reads_it():
         "from gpt2lab.system import runtime\n"
         "runtime.machine_load = lambda: runtime.Load(2, 2, 3)\n"
         "from gpt2lab import cli\n"
-        "try:\n    cli.main(['env', '--help'])  # the parser imports torch\nexcept SystemExit:\n    pass\n"
+        "try:\n    cli.main(['env', '--help'])\nexcept SystemExit:\n    pass\n"
+        "import torch  # libgomp loads: it reads the policy now\n"
         "from gpt2lab.inference.choice import InferenceFacts, InferenceRequest, choose\n"
         "print(choose(InferenceRequest(), InferenceFacts('cpu')).record()['threads_wait'])\n"
     )

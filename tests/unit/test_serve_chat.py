@@ -15,7 +15,7 @@ import torch
 from conftest import openai_client, post_chat, running_server, tiny_gpt
 
 from gpt2lab.data import chat
-from gpt2lab.data.tokenizer import gpt2_tokenizer
+from gpt2lab.data.tokenizer import IM_END_ID, gpt2_tokenizer
 from gpt2lab.weights import export
 
 openai = pytest.importorskip("openai", reason="the serve tests use the official openai client (test extra)")
@@ -173,7 +173,7 @@ def _chat_model(arch: str):
     prompt = chat.encode_chat([(m["role"], m["content"]) for m in MESSAGES], add_generation_prompt=True)[0]
     fifth = greedy_reply(model, prompt, 5).ids[-1]
     with torch.no_grad():
-        model.lm_head.weight[chat.IM_END_ID] = 3 * model.lm_head.weight[fifth]
+        model.lm_head.weight[IM_END_ID] = 3 * model.lm_head.weight[fifth]
     return model, prompt
 
 
@@ -197,7 +197,7 @@ def test_export_carries_the_template_and_reads_back_as_a_chat_model(exported):
     tok = json.load(open(os.path.join(d, "tokenizer_config.json")))
     assert tok["chat_template"] == chat.CHAT_TEMPLATE and tok["eos_token"] == "<|im_end|>"
     assert tok["added_tokens_decoder"]["50258"]["content"] == "<|im_end|>"
-    assert json.load(open(os.path.join(d, "generation_config.json")))["eos_token_id"] == chat.IM_END_ID
+    assert json.load(open(os.path.join(d, "generation_config.json")))["eos_token_id"] == IM_END_ID
     assert json.load(open(os.path.join(d, "config.json")))["vocab_size"] == 50259
     back = load_model(d)
     assert back.config.chat_template == "chatml" and back.config.real_vocab_size == 50259
@@ -217,7 +217,7 @@ def test_transformers_generate_gives_the_servers_reply(exported):
     with torch.no_grad():
         out = theirs.generate(**ids, max_new_tokens=30, do_sample=False)
     new = out[0, ids["input_ids"].shape[1] :].tolist()
-    assert new[-1] == chat.IM_END_ID and chat.IM_END_ID not in new[:-1]  # it ended its turn, once
+    assert new[-1] == IM_END_ID and IM_END_ID not in new[:-1]  # it ended its turn, once
     ours = greedy_reply(model, prompt, 30)
     assert ours.ended and ours.ids == new[:-1]
     with running_server([f"chat={d}"]) as url:
@@ -250,7 +250,7 @@ def test_transformers_generate_without_an_attention_mask_gives_gpt2labs_reply(ex
         out = theirs.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False)
     new = out[0, len(prompt) :].tolist()
     ours = greedy_reply(model, prompt, 30)
-    assert ours.ended and new == [*ours.ids, chat.IM_END_ID]
+    assert ours.ended and new == [*ours.ids, IM_END_ID]
 
 
 def test_a_developer_turn_is_a_system_turn_in_the_export_and_at_the_server(exported):

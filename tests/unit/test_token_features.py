@@ -11,10 +11,11 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
-from gpt2lab.distributed import memplan
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.system.errors import ConfigError
-from gpt2lab.train.optim import apply_update, build_optimizer, param_groups, parts
+from gpt2lab.train import memplan, plan_text
+from gpt2lab.train.optim import build_optimizer, param_groups, parts
+from gpt2lab.train.schedule import set_lrs
 from gpt2lab.train.settings import load_preset
 from gpt2lab.train.token_features import FeatureShare, feature_index, token_features
 
@@ -146,7 +147,9 @@ def test_steps_equal_the_table_plus_features_trained_by_adam(tie):
         idx = torch.randint(0, 40, (2, 12))
         ours.train()(idx, idx)[1].backward()
         ref.train()(idx, idx)[1].backward()
-        apply_update(optimizer, None, 0, opt_cfg, take=True)
+        set_lrs(optimizer, 0, opt_cfg)
+        optimizer.step()
+        optimizer.zero_grad()
         for o in (ref_adamw, ref_adam):
             for g in o.param_groups:
                 g["lr"] = optimizer.param_groups[0]["lr"]
@@ -167,7 +170,9 @@ def test_steps_equal_the_table_plus_features_trained_by_adam(tie):
     for step in range(3):
         idx = torch.randint(0, 40, (2, 12))
         plain.train()(idx, idx)[1].backward()
-        apply_update(plain_opt, None, 0, opt_cfg, take=True)
+        set_lrs(plain_opt, 0, opt_cfg)
+        plain_opt.step()
+        plain_opt.zero_grad()
     gap = (plain.transformer.wte.weight - ours.transformer.wte.weight).abs().max()
     assert gap > 1e-3
 
@@ -183,9 +188,8 @@ def test_a_skipped_step_leaves_tables_and_state_as_they_were():
     share.step()
     before = [p.detach().clone() for p in m.parameters()], copy.deepcopy(share.state_dict())
     m(idx, idx)[1].backward()
-    share.found_inf = torch.ones(())
-    share.step()
-    del share.found_inf
+    share.step(skip=torch.ones((), dtype=torch.float64))  # the device's verdict
+    share.step(skip=True)  # the host's
     m.lm_head.weight.grad[3, 2] = float("inf")  # fp16's scaler skipping: not finite
     share.step()
     assert all(torch.equal(a, b) for a, b in zip(before[0], m.parameters()))
@@ -268,7 +272,8 @@ def test_a_run_plans_the_state_it_keeps(tiny_data, tmp_path):
     from gpt2lab.distributed.dist import DistInfo
     from gpt2lab.system import runtime
     from gpt2lab.train.gather import MachineFacts
-    from gpt2lab.train.plan import checkpoint_bytes, make_plan
+    from gpt2lab.train.plan import make_plan
+    from gpt2lab.train.plan_text import checkpoint_bytes
     from gpt2lab.train.trainer import Trainer
 
     fields = {**TINY, "data": tiny_data, "out": str(tmp_path), "max_steps": 2, "tie_embeddings": False}
@@ -282,14 +287,15 @@ def test_a_run_plans_the_state_it_keeps(tiny_data, tmp_path):
     assert t.plan.memory["token_features"] == round((kept + step) / 2**20, 1)
     plain = load_preset("shakespeare-cpu", **fields)
     assert checkpoint_bytes(cfg)["optimizer"] - checkpoint_bytes(plain)["optimizer"] == kept
-    assert any("token features shared by the token tables" in line for line in t.plan.lines())
+    assert any("token features shared by the token tables" in line for line in plan_text.lines(t.plan))
 
 
 def test_under_fp16s_grad_scaler_the_share_steps_once_on_unscaled_gradients():
     """The scaler's path (a loss scaled by 2^10, unscaled, stepped) against the plain one: the same
     weights to the bit (a power-of-two scale is exact), so the share's tables were unscaled once
-    and stepped once; an inf gradient then skips every part, the share included."""
-    from gpt2lab.train.optim import unscaled_grad_norm
+    and stepped once; an inf gradient then makes the guard skip the step and the scaler back off."""
+    from gpt2lab.train.optim import unscale
+    from gpt2lab.train.spikes import SpikeGuard
 
     tok = Words(40)
     cfg = load_preset("wiki-cpu", token_features=True, warmup_steps=0, grad_clip=0.0).optim
@@ -300,15 +306,21 @@ def test_under_fp16s_grad_scaler_the_share_steps_once_on_unscaled_gradients():
     idx = torch.randint(0, 40, (2, 12))
     for step in range(2):
         a(idx, idx)[1].backward()
-        apply_update(opt_a, None, step, cfg, take=True)
+        set_lrs(opt_a, step, cfg)
+        opt_a.step()
+        opt_a.zero_grad()
         scaler.scale(b(idx, idx)[1]).backward()
-        unscaled_grad_norm(b, opt_b, scaler, 0.0)
-        apply_update(opt_b, scaler, step, cfg, take=True)
+        unscale(opt_b, scaler)  # as Trainer.train_step: unscaled, stepped, the scale updated
+        set_lrs(opt_b, step, cfg)
+        opt_b.step()
+        scaler.update()
+        opt_b.zero_grad()
     assert all(torch.equal(pa, pb) for pa, pb in zip(a.parameters(), b.parameters()))
-    before = [p.detach().clone() for p in b.parameters()]
-    scaler.scale(b(idx, idx)[1]).backward()
+    loss = scaler.scale(b(idx, idx)[1])
+    loss.backward()
     b.lm_head.weight.grad[0, 0] = float("inf")
-    unscaled_grad_norm(b, opt_b, scaler, 0.0)
-    apply_update(opt_b, scaler, 2, cfg, take=True)
-    assert all(torch.equal(x, y) for x, y in zip(before, b.parameters()))
+    unscale(opt_b, scaler)
+    norm = torch.nn.utils.clip_grad_norm_(b.parameters(), float("inf"))
+    assert SpikeGuard(0, 6.0, 20.0, 3).judge(loss, norm)[2] == 1  # the step is skipped
+    scaler.update()
     assert scaler.get_scale() < 2.0**10  # the scaler saw the inf and backed off

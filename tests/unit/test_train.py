@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DATA, TINY
+from conftest import DATA, TINY, step_record
 
 from gpt2lab.distributed.dist import DistInfo
+from gpt2lab.distributed.parallel import accumulate_gradients
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.train.optim import make_optimizer
 from gpt2lab.train.settings import load_preset
-from gpt2lab.train.trainer import Trainer, TrainingError, accumulate_gradients
+from gpt2lab.train.trainer import Trainer, TrainingError
 
 CPU = torch.device("cpu")
 # The first 10 train losses of _trainer(...) below, recorded with torch 2.13 on CPU (fp32).
@@ -62,8 +63,7 @@ def test_golden_first_losses(tiny_data, tmp_path):
     trainer = _trainer(tiny_data, tmp_path)
     losses = []
     for _ in range(10):
-        losses.append(trainer.train_step()["train_loss"])
-        trainer.step += 1
+        losses.append(step_record(trainer)["train_loss"])
     assert np.allclose(losses, GOLDEN, atol=2e-4), [round(v, 4) for v in losses]
 
 
@@ -77,24 +77,24 @@ def test_nan_step_is_skipped_then_training_continues(tiny_data, tmp_path):
         return logits, loss * float("nan") if poison["on"] else loss
 
     trainer.model.forward = maybe_nan
-    trainer.spikes.check_bad(trainer.train_step())
+    trainer.spikes.check_bad(step_record(trainer))
     before = [p.detach().clone() for p in trainer.raw.parameters()]
     adam_steps = trainer.optimizer.state_dict()["state"][0]["step"].item()
     poison["on"] = True
-    rec = trainer.train_step()
+    rec = step_record(trainer)
     trainer.spikes.check_bad(rec)
     assert rec["skipped"] == "nan" and trainer.spikes.bad_steps == 1
     assert all(torch.equal(a, p) for a, p in zip(before, trainer.raw.parameters()))  # no update at all
     assert trainer.optimizer.state_dict()["state"][0]["step"].item() == adam_steps
     poison["on"] = False
-    rec = trainer.train_step()
+    rec = step_record(trainer)
     trainer.spikes.check_bad(rec)
     assert "skipped" not in rec and np.isfinite(rec["train_loss"]) and trainer.spikes.bad_steps == 0
     poison["on"] = True
-    trainer.spikes.check_bad(trainer.train_step())
-    trainer.spikes.check_bad(trainer.train_step())
+    trainer.spikes.check_bad(step_record(trainer))
+    trainer.spikes.check_bad(step_record(trainer))
     with pytest.raises(TrainingError, match="3 steps in a row"):
-        trainer.spikes.check_bad(trainer.train_step())
+        trainer.spikes.check_bad(step_record(trainer))
 
 
 def test_bad_weights_never_overwrite_a_checkpoint(tiny_data, tmp_path):
@@ -145,16 +145,16 @@ def test_fp16_scaler_survives_nan_steps_and_resume(tiny_data, tmp_path, monkeypa
         forward(*a, **k)
     )
     for _ in range(2):  # two NaN steps in a row: the second must not find the scaler mid-step
-        rec = trainer.train_step()
+        rec = step_record(trainer)
         trainer.spikes.check_bad(rec)
         assert rec["skipped"] == "nan"
     assert trainer.scaler.get_scale() == 2.0**14  # backed off twice from 2**16
     poison["on"] = False
-    rec = trainer.train_step()
+    rec = step_record(trainer)
     trainer.spikes.check_bad(rec)
     assert np.isfinite(rec["train_loss"]) and trainer.spikes.bad_steps == 0
     trainer.scaler.update(2.0**100)  # overflows the fp16 gradients: the scaler's routine skip
-    rec = trainer.train_step()
+    rec = step_record(trainer)
     trainer.spikes.check_bad(rec)
     assert rec["skipped"] in ("inf", "nan") and rec["grad_scaler"] and trainer.spikes.bad_steps == 0  # not counted
     json.dumps(rec, allow_nan=False)  # metrics.jsonl stays strict JSON

@@ -81,11 +81,11 @@ def test_config_file_problems_are_one_line(tmp_path, capsys):
     unknown = tmp_path / "unknown.toml"
     unknown.write_text("max_stepz = 3\n")
     assert cli.main(["train", "--config", str(unknown)]) == 2
-    assert "unknown field(s) max_stepz" in one_line(capsys.readouterr().err)
+    assert "unknown field(s) max_stepz (did you mean max_steps?)" in one_line(capsys.readouterr().err)
     base = tmp_path / "base.toml"
     base.write_text('base = "gpt2-125m"\n')
     assert cli.main(["train", "--config", str(base)]) == 2
-    assert "unknown preset 'gpt2-125m'" in one_line(capsys.readouterr().err)
+    assert "unknown preset 'gpt2-125m'; did you mean gpt2-124m?" in one_line(capsys.readouterr().err)
     assert cli.main(["train", "--config", str(tmp_path / "missing.toml")]) == 2
     assert f"--config {tmp_path / 'missing.toml'}: no such file" in one_line(capsys.readouterr().err)
     with pytest.raises(SystemExit) as e:  # argparse: one of the two, not both

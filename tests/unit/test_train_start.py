@@ -16,10 +16,11 @@ import pytest
 from conftest import DATA, cli_args, records
 
 from gpt2lab import cli
-from gpt2lab.distributed import memplan
+from gpt2lab.evals import download
 from gpt2lab.evals import hellaswag as hs
 from gpt2lab.system import runtime
 from gpt2lab.system.errors import ConfigError, GPT2LabError
+from gpt2lab.train import memplan
 from gpt2lab.train.gather import MachineFacts
 from gpt2lab.train.plan import check_memory, make_plan
 from gpt2lab.train.settings import load_preset
@@ -106,7 +107,7 @@ def test_a_real_start_tries_hellaswag_once_and_names_the_train_flag(no_network, 
         and "Network is unreachable" in line
     ), line
     assert "pass --hellaswag-data FILE" in line and "--data FILE" not in line.replace("--hellaswag-data FILE", "")
-    assert [t[0] for t in no_network] == ["url"] and no_network[0][2] == hs.DOWNLOAD_TIMEOUT_S  # one try, no hub
+    assert [t[0] for t in no_network] == ["url"] and no_network[0][2] == download.DOWNLOAD_TIMEOUT_S  # one try, no hub
     assert os.listdir(tmp_path / "fresh") == []  # the run directory and its parent are gone again
 
 
@@ -192,22 +193,15 @@ def test_a_run_predicted_past_this_machines_memory_is_refused_naming_a_micro_bat
     cpu = runtime.Facts("cpu", "some x86", ("avx2",))
 
     def need(B: int) -> int:  # memplan's prediction, as the plan makes it (fp32, eager, one process)
-        return memplan.predict(
-            cfg.model,
-            micro_batch=B,
-            seq_len=1024,
-            dtype="float32",
-            device="cpu",
-            compiled=False,
-            accum=524288 // (B * 1024),
-        ).total
+        run = cfg.with_values(micro_batch_size=B)
+        return memplan.predict(run, dtype="float32", device="cpu", compiled=False, accum=524288 // (B * 1024)).total
 
     ram = (need(16) + need(32)) // 2  # 16 fits, 32 does not
     with pytest.raises(ConfigError) as e:
         check_memory(make_plan(cfg, MachineFacts(cpu, host_bytes=ram)))
     assert str(e.value).startswith(
         f"--micro-batch-size 64: the run is predicted to need {need(64) / 2**30:.1f} GiB "
-        f"per process at its peak (forward), more than this machine's {ram / 2**30:.1f} GiB "
+        f"per process at its peak (micro-step), more than this machine's {ram / 2**30:.1f} GiB "
         "of RAM; lower --micro-batch-size to 16"
     )
     plan = make_plan(cfg.with_values(micro_batch_size=16), MachineFacts(cpu, host_bytes=ram))  # what it named fits
@@ -441,6 +435,76 @@ def test_a_resume_may_change_what_does_not_change_the_training(muon_run, tiny_da
     saved = json.loads((run / "config.json").read_text())
     assert saved["optim"]["max_steps"] == 3 and saved["batch"]["micro_batch_size"] == 4
     assert saved["optim"]["muon_variant"] == "normuon" and saved["optim"]["ema_decay"] == 0.9
+
+
+# -- 6. one validation: what a dry run passes, a start does not refuse --------------------------------
+@pytest.mark.parametrize(
+    "fields, line",
+    [
+        (dict(log_interval=0), "log_interval 0 must be >= 1"),
+        (dict(beta1=1.5), "beta1 1.5 must be in [0, 1)"),
+        (dict(beta2=1.0), "beta2 1.0 must be in [0, 1)"),
+        (dict(eps=-1), "eps -1.0 must be > 0"),
+        (dict(seed=2**32), "seed 4294967296 must be in [0, 4294967295]"),
+        (dict(hellaswag_limit=0), "hellaswag_limit 0 must be >= 1"),
+        (dict(device="tpu"), "--device tpu: not a device; use cpu, cuda, cuda:N, mps or auto"),
+        (dict(device="cuda:99"), "--device cuda:99: this machine has {gpus} cuda device(s); use --device auto"),
+        (
+            dict(n_layer=3, resume=True),
+            "--n-layer 3: the checkpoint {ckpt} was trained with n_layer 2; resume with "
+            "--n-layer 2, or start a new run in another --out",
+        ),
+    ],
+)
+def test_a_refused_setting_is_the_same_one_line_in_a_dry_run_and_a_start(
+    muon_run, tiny_data, tmp_path, capsys, fields, line
+):
+    """Every setting is checked by the same code before either (its range, the device, what a resume must
+    keep): exit 2 and the same line in both, nothing written (a resumed run's directory: not a byte)."""
+    import torch
+
+    resume = fields.pop("resume", False)
+    out = muon_run if resume else tmp_path / "run"
+
+    def files() -> dict:
+        tree = _tree(out)
+        tree.pop(str(out / "run.lock"), None)  # its holder: whoever took it last
+        return tree
+
+    before = files()
+    argv = ["train", "--preset", "shakespeare-cpu", *cli_args(data=tiny_data, out=str(out), **{**MUON, **fields})]
+    said = []
+    for dry in (["--dry-run"], []):
+        assert cli.main(argv + (["--resume", "auto"] if resume else []) + dry) == 2
+        said.append(one_line(capsys.readouterr().err))
+        assert files() == before and out.exists() == resume
+    ckpt = muon_run / "checkpoints" / "step_000002"
+    assert said == 2 * ["gpt2lab train: " + line.format(gpus=torch.cuda.device_count(), ckpt=ckpt)]
+
+
+def test_every_number_setting_declares_its_range_and_a_value_past_it_is_refused():
+    """A sweep over every number field of a run's settings (the architecture's too): each declares its
+    range (``within``), and the value just past either end is refused naming the field and the value."""
+    import dataclasses
+    from typing import get_type_hints
+
+    from gpt2lab.model.config import field_type
+    from gpt2lab.train.config import SECTIONS, TrainConfig
+
+    for owner in [TrainConfig, *SECTIONS.values()]:
+        hints = get_type_hints(owner)
+        for f in dataclasses.fields(owner):
+            tp, _ = field_type(hints[f.name])
+            if tp not in (int, float):
+                continue
+            within = f.metadata.get("within")
+            assert within, f"{owner.__name__}.{f.name} declares no range"
+            low, high = within[1:-1].split(", ")
+            past = [tp(float(low)) - (within[0] == "[")]
+            past += [] if high == "inf" else [tp(float(high)) + (within[-1] == "]")]
+            for value in past:
+                with pytest.raises(ConfigError, match=f"{f.name} {value} must be "):
+                    TrainConfig.from_dict({f.name: value})
 
 
 def test_a_checkpoint_written_before_a_field_existed_resumes_with_its_default(tmp_path):

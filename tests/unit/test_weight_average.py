@@ -13,9 +13,10 @@ from conftest import TINY, evaluate_loss
 
 from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.system.errors import ConfigError
+from gpt2lab.train import plan_text
 from gpt2lab.train.config import TrainConfig
 from gpt2lab.train.settings import load_preset
-from gpt2lab.weights.load import from_checkpoint
+from gpt2lab.weights.load import load_model
 
 CPU = torch.device("cpu")
 
@@ -35,7 +36,6 @@ def run(t, n) -> list[dict]:
     snaps = []
     for _ in range(n):
         t.train_step()
-        t.step += 1
         snaps.append({k: v.detach().double().clone() for k, v in t.raw.state_dict().items()})
     return snaps
 
@@ -104,7 +104,7 @@ def test_checkpoint_holds_the_average_and_a_resume_continues_both_exactly(tiny_d
     files = json.loads(open(f"{path}/checksums.json").read())
     assert "training.safetensors" in files and "model.safetensors" in files
     # model.safetensors is the average (what sample, serve, eval and export load); the trained weights beside it
-    loaded = from_checkpoint(path)
+    loaded = load_model(path)
     for k, v in weights(first.average.module).items():
         assert torch.equal(loaded.state_dict()[k], v), k
     from safetensors.torch import load_file
@@ -185,13 +185,13 @@ def test_settings_the_average_cannot_join_are_refused_in_one_line(fields, needle
 
 
 def test_the_planner_counts_the_average_as_the_copy_it_keeps(tiny_data, tmp_path):  # noqa: F811
-    from gpt2lab.distributed import memplan
+    from gpt2lab.train import memplan
 
     t = trainer(tiny_data, tmp_path, ema_decay=0.9)
     kept = sum(p.numel() * p.element_size() for p in t.average.module.parameters())
-    kw = dict(micro_batch=2, seq_len=32, dtype="float32", device="cpu")
-    with_avg, without = memplan.predict(t.raw.config, average=True, **kw), memplan.predict(t.raw.config, **kw)
+    kw = dict(dtype="float32", device="cpu")
+    with_avg, without = memplan.predict(t.cfg, **kw), memplan.predict(t.cfg.with_values(ema_decay=0.0), **kw)
     assert with_avg.terms["average"] == kept and "average" not in without.terms
     assert with_avg.total - without.total == kept
     assert t.plan.memory["average"] == round(kept / 2**20, 1)  # the run's plan counts it too
-    assert any("weight average (EMA) 0.9" in line for line in t.plan.lines())
+    assert any("weight average (EMA) 0.9" in line for line in plan_text.lines(t.plan))

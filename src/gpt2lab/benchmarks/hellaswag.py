@@ -19,10 +19,11 @@ import torch
 from torch.nn import functional as F
 
 from gpt2lab.benchmarks import timed
-from gpt2lab.data.tokenizer import for_config
-from gpt2lab.distributed.dist import DTYPES, autocast
+from gpt2lab.data.tokenizer import for_model
+from gpt2lab.distributed.dist import autocast
 from gpt2lab.evals.hellaswag import DEFAULT_BATCH_SIZE, load_examples, render_example, resolve_strategy, score_examples
 from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.system.choices import DTYPES
 from gpt2lab.system.runtime import inference_dtype
 
 
@@ -56,7 +57,7 @@ def _default_data() -> str:
 @torch.no_grad()
 def reference_predictions(model: GPT, examples, device: torch.device, dtype: str = "float32") -> list[tuple[int, int]]:
     """(acc, acc_norm) predictions the reference way: one example (4 rows) per forward."""
-    enc, preds = for_config(model.config, model.tokenizer), []
+    enc, preds = for_model(model), []
     for ex in examples:
         ctx, ends = render_example(enc, ex)
         T = max(len(ctx) + len(e) for e in ends)

@@ -30,7 +30,7 @@ import statistics
 import torch
 
 from gpt2lab.benchmarks import timed
-from gpt2lab.benchmarks.train import ReferenceGPT
+from gpt2lab.benchmarks.train import ReferenceGPT, loss_of_step
 from gpt2lab.distributed.dist import pick_device
 from gpt2lab.model.config import SIZES as GPT2_SIZES
 from gpt2lab.system.choices import finite_float
@@ -39,11 +39,11 @@ from gpt2lab.train.optim import make_optimizer
 RUNGS = ("fp32", "tf32", "bf16", "compile", "flash", "vocab50304", "fused_adamw")
 EXTRA = ("gpt2lab", "hf")
 DIAGNOSTIC = ("model_chunked", "model_ce")
-SIZES = {**{s.label: (s.n_layer, s.n_head, s.n_embd) for s in GPT2_SIZES[:2]}, "tiny": (2, 2, 64)}
+SHAPES = {**{s.label: (s.n_layer, s.n_head, s.n_embd) for s in GPT2_SIZES[:2]}, "tiny": (2, 2, 64)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--size", default="124M", choices=sorted(SIZES), help="model size (tiny: smoke tests)")
+    p.add_argument("--size", default="124M", choices=sorted(SHAPES), help="model size (tiny: smoke tests)")
     p.add_argument("--batch-size", type=int, default=16, help="micro-batch B (one micro-step per step)")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--steps", type=int, default=10, help="timed steps per rung (median reported)")
@@ -172,7 +172,7 @@ def _gpt2lab_step(shape, B: int, T: int, device: torch.device, data: str):
         progress=False,
     )
     trainer = Trainer.from_config(cfg, DistInfo(device=device))
-    return (lambda: trainer.train_step()["train_loss"]), trainer.raw
+    return loss_of_step(trainer), trainer.raw
 
 
 def _model_step(shape, B: int, T: int, device: torch.device, chunked: bool):
@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> dict:
     from gpt2lab.system.hardware import peak_flops
 
     device = pick_device(args.device)
-    shape, B, T = SIZES[args.size], args.batch_size, args.seq_len
+    shape, B, T = SHAPES[args.size], args.batch_size, args.seq_len
     wanted = [r.strip() for r in args.rungs.split(",") if r.strip()]
     unknown = [r for r in wanted if r not in RUNGS + EXTRA + DIAGNOSTIC]
     if unknown:

@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=128, help="sequence length of the real step (--device cpu)")
 
 
-def measure(args: argparse.Namespace, lora: bool) -> dict:
+def count_state(args: argparse.Namespace, lora: bool) -> dict:
     device = torch.device(args.device)
     with device:
         model = GPT(GPTConfig.preset(args.size, vocab_size=50304, token_vocab_size=50257))
@@ -74,5 +74,5 @@ def run(args: argparse.Namespace) -> dict:
         "device": args.device,
         "rank": args.rank,
         "targets": args.targets,
-        "results": [measure(args, lora) for lora in modes],
+        "results": [count_state(args, lora) for lora in modes],
     }

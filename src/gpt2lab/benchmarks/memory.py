@@ -1,48 +1,43 @@
-"""gpt2lab bench memory: predicted per-rank memory of a training step next to the measured
-peak, the micro-batch a card fits, and the largest micro-batch that trains.
+"""gpt2lab bench memory: the run plan's per-rank memory of a training step (gpt2lab.train.memplan) next
+to the peak measured on the trainer's own step, the micro-batch a card fits, and the largest that trains.
 
-Three modes:
-- ``--micro-batch B``: the planner's prediction (gpt2lab.distributed.memplan, term by term) for the
-  size, strategy, world size, dtype and activation checkpointing given, and, unless
-  ``--measure false``, ``--steps`` training steps as ``gpt2lab train`` runs them (autocast,
-  the chunked loss, fused AdamW, ``--accum`` micro-steps, clipping) on random tokens with
-  the peak measured: ``torch.cuda.max_memory_allocated`` on a GPU, the process's peak
-  RSS on CPU. Under torchrun every rank measures itself; rank 0 prints all of them.
-- ``--plan GPU_GB``: the largest micro-batch per strategy and activation checkpointing
-  whose predicted peak fits a card of GPU_GB GiB (an "80 GB" H100 or A100 holds 80 GiB).
-- otherwise the search: at doubling micro-batch sizes until one runs out of memory, then a
-  bisection between the last that fit and the first that did not, each try printed with
-  its peak memory and the prediction. On CPU it runs only the tries it is given
-  (``--max-batch``).
+Three modes, each for a run as ``gpt2lab train`` makes it (its plan, its Trainer), on random tokens
+(shards written to a temporary folder, removed after):
+- ``--micro-batch B``: the plan's prediction, term by term, and, unless ``--measure false``,
+  ``--steps`` steps of ``Trainer.train_step`` with the peak measured: ``torch.cuda.max_memory_allocated``
+  on a GPU, the process's peak RSS on a CPU (``--tensor-peak true``: also the profiler's peak of live
+  tensor bytes). Under torchrun every rank measures itself; rank 0 prints all of them.
+- ``--plan GPU_GB``: the largest micro-batch per strategy and activation checkpointing whose predicted
+  peak fits a card of GPU_GB GiB (an "80 GB" H100 or A100 holds 80 GiB).
+- otherwise the search: at doubling micro-batch sizes until one runs out of memory, then a bisection
+  between the last that fit and the first that did not, each try printed with its peak and the
+  prediction. On CPU it runs only the tries it is given (``--max-batch``).
 
-The model is a GPT-2 size (``--size``) or a training preset's architecture (``--preset``, e.g.
-wiki-cpu-fast's modern block: rotary, RMSNorm, QK-norm, ReLU^2, untied head), planned and
-built as ``gpt2lab train`` builds it. The optimizer is AdamW either way, and so is the
-prediction beside it, whatever the preset trains with (the run plan of a Muon run predicts
-Muon's smaller state: memplan.optimizer_state_bytes).
+The model is a GPT-2 size (``--size``: the gpt2-124m recipe at that size) or a training preset
+(``--preset``: its architecture, optimizer and seq_len); this command's flags set the rest.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
+import tempfile
 from typing import Optional
 
 import torch
 
 from gpt2lab.benchmarks import timed
-from gpt2lab.distributed import memplan
-from gpt2lab.distributed.dist import pick_device
-from gpt2lab.model.config import GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE
-from gpt2lab.model.gpt import GPT, GPTConfig
-from gpt2lab.model.loss import choose_loss
-from gpt2lab.system.choices import finite_float
-from gpt2lab.system.errors import UsageError
-from gpt2lab.train.optim import make_optimizer
-from gpt2lab.train.trainer import accumulate_gradients
+from gpt2lab.benchmarks.loader import synthetic_shards
+from gpt2lab.distributed.dist import DistInfo, cleanup, from_every_rank, init_distributed, pick_device
+from gpt2lab.model.config import PRESET_ALIASES, PRESETS
+from gpt2lab.system import env
+from gpt2lab.system.choices import DTYPES, STRATEGIES, finite_float
+from gpt2lab.system.errors import ConfigError, UsageError
+from gpt2lab.train import memplan
+from gpt2lab.train.config import TrainConfig
+from gpt2lab.train.settings import load_preset
 
 MiB = 2**20
 TINY = dict(n_layer=2, n_head=2, n_embd=64)  # for CPU measurements and tests
@@ -54,19 +49,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--preset",
         default=None,
         metavar="NAME",
-        help="instead of --size: a training preset's architecture (its modern-block switches, "
-        "block_size, vocab) and seq_len; the other settings are this command's flags",
+        help="instead of --size: a training preset (its architecture, optimizer and seq_len); "
+        "the other settings are this command's flags",
     )
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 1024, or the preset's)")
     p.add_argument("--max-batch", type=int, default=1024, help="search mode: stop searching here")
     p.add_argument("--compile", default="false", choices=["true", "false"])
     p.add_argument("--device", default=None)
-    p.add_argument("--strategy", default="ddp", help=f"one of {', '.join(memplan.STRATEGIES)}")
+    p.add_argument("--strategy", default="ddp", help=f"one of {', '.join(STRATEGIES)}")
     p.add_argument(
         "--world-size", type=int, default=None, help="ranks to predict for (default: torchrun's WORLD_SIZE, else 1)"
     )
     p.add_argument("--micro-batch", type=int, default=None, help="predict (and measure) this micro-batch")
-    p.add_argument("--dtype", default="bfloat16", help=f"one of {', '.join(memplan.DTYPE_BYTES)}")
+    p.add_argument("--dtype", default="bfloat16", help=f"one of {', '.join(DTYPES)}")
     p.add_argument("--activation-checkpointing", default="false", choices=["true", "false"])
     p.add_argument(
         "--accum",
@@ -87,8 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tensor-peak",
         default="false",
         choices=["true", "false"],
-        help="CPU: also record every allocation (torch.profiler) and report the peak of live "
-        "tensor bytes, the planner's tensor terms (slower; its RSS is not the trainer's)",
+        help="CPU: also record every allocation (torch.profiler) and report the peak of live tensor bytes, "
+        "the planner's tensor terms (slower; its RSS is not the trainer's)",
     )
     p.add_argument("--measure", default="true", choices=["true", "false"], help="false: the prediction only")
     p.add_argument(
@@ -100,96 +95,67 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def model_config(size: str, seq_len: int) -> GPTConfig:
-    """The size as gpt2lab trains it: vocab padded to 50304, block_size = seq_len."""
-    if seq_len < 1:
-        raise UsageError(f"--seq-len must be positive, got {seq_len}")
-    extra = TINY if size.lower() == "tiny" else {}
-    try:
-        if extra:
-            return GPTConfig(
-                vocab_size=PADDED_VOCAB_SIZE, token_vocab_size=GPT2_VOCAB_SIZE, block_size=seq_len, **extra
-            )
-        return GPTConfig.preset(
-            size, vocab_size=PADDED_VOCAB_SIZE, token_vocab_size=GPT2_VOCAB_SIZE, block_size=seq_len
-        )
-    except ValueError as e:
-        raise UsageError(f"--size {size}: {e}") from None
-
-
-def resolve_model(args: argparse.Namespace) -> GPTConfig:
-    """The architecture asked for: a GPT-2 size (block_size = seq_len), or with ``--preset`` the
-    preset's model as ``gpt2lab train`` builds it. Sets ``args.size`` (the label printed) and
-    ``args.seq_len`` when they were left out."""
-    if args.preset is None:
-        args.size = args.size or "124M"
-        args.seq_len = 1024 if args.seq_len is None else args.seq_len
-        return model_config(args.size, args.seq_len)
-    if args.size is not None:
+def run_config(args: argparse.Namespace, micro_batch: int, accum: int, world: int) -> TrainConfig:
+    """The run asked for, as ``gpt2lab train`` would take it: a GPT-2 size (block_size = seq_len) on the
+    gpt2-124m recipe, or ``--preset``'s run; sets ``args.size`` (the label printed) and ``args.seq_len``."""
+    if args.preset is not None and args.size is not None:
         raise UsageError("--size and --preset both given; pass one (a preset brings its own architecture)")
-    from gpt2lab.train.settings import load_preset
-
-    preset = load_preset(args.preset)
-    args.seq_len = preset.batch.seq_len if args.seq_len is None else args.seq_len
-    if not 1 <= args.seq_len <= preset.model.block_size:
-        raise UsageError(
-            f"--seq-len {args.seq_len}: preset {args.preset} takes 1 to its block_size {preset.model.block_size}"
+    arch = {}
+    if args.preset is None:
+        args.size, args.seq_len = args.size or "124M", args.seq_len or 1024
+        key = PRESET_ALIASES.get(args.size.lower(), args.size.lower())
+        if args.size.lower() != "tiny" and key not in PRESETS:
+            raise UsageError(f"--size {args.size}: choose 124M, 350M, 774M, 1558M or tiny")
+        arch = {**(TINY if args.size.lower() == "tiny" else PRESETS[key]), "block_size": args.seq_len}
+    try:
+        cfg = load_preset(args.preset or "gpt2-124m", **arch, **({"seq_len": args.seq_len} if args.seq_len else {}))
+        args.size, args.seq_len = args.size or args.preset, args.seq_len or cfg.batch.seq_len
+        return cfg.with_values(
+            seq_len=args.seq_len,
+            micro_batch_size=micro_batch,
+            total_batch_tokens=micro_batch * args.seq_len * world * accum,
+            dtype=args.dtype,
+            compile=args.compile,
+            strategy=args.strategy,
+            activation_checkpointing=args.activation_checkpointing == "true",
+            keep_cpu_memory=args.keep_cpu_memory == "true",
+            device=str(args.device or "auto"),
+            max_steps=args.steps,
+            init_from=None,
+            eval_interval=0,
+            hellaswag_interval=0,
+            sample_interval=0,
+            ckpt_interval=0,
+            progress=False,
         )
-    args.size = args.preset
-    return preset.model
+    except ConfigError as e:
+        raise UsageError(f"--{'preset' if args.preset else 'size'} {args.size}: {e}") from None
 
 
 def run(args: argparse.Namespace) -> Optional[dict]:
-    cfg = resolve_model(args)
-    memplan.check(args.strategy, args.world_size or 1, args.micro_batch or 1, args.dtype, args.accum, "cpu")
+    memplan.check_values(args.strategy, args.world_size or 1, args.micro_batch or 1, args.dtype, args.accum, "cpu")
     if args.steps < 2:  # the first step creates AdamW's moments; the planned peak is a later step's
         raise UsageError(f"--steps must be at least 2, got {args.steps}")
     if args.plan is not None:
-        return budget_table(cfg, args)
+        world = args.world_size or 1
+        cfg = run_config(args, 1, 1, world)
+        rows = memplan.largest_micro_batches(int(args.plan * 2**30), cfg, world_size=world, dtype=args.dtype)
+        for r in rows:
+            r["predicted_gib"] = round(r.pop("predicted_bytes") / 2**30, 2)
+        plan = {"gpu_gib": args.plan, "world_size": world, "seq_len": args.seq_len, "dtype": args.dtype}
+        return {"size": args.size, **plan, "plans": rows}
     if args.micro_batch is not None:
-        return predict_and_measure(cfg, args)
-    return search(cfg, args)
+        return predict_and_measure(args)
+    return search(args)
 
 
-def budget_table(cfg: GPTConfig, args: argparse.Namespace) -> dict:
-    world = args.world_size or 1
-    # for a run as `gpt2lab train` makes it on a GPU: compiled (memplan.largest_micro_batches' default)
-    rows = memplan.largest_micro_batches(
-        int(args.plan * 2**30), cfg, world_size=world, seq_len=args.seq_len, dtype=args.dtype
-    )
-    for r in rows:
-        r["predicted_gib"] = round(r.pop("predicted_bytes") / 2**30, 2)
-    return {
-        "size": args.size,
-        "gpu_gib": args.plan,
-        "world_size": world,
-        "seq_len": args.seq_len,
-        "dtype": args.dtype,
-        "plans": rows,
-    }
+def tensor_mib(predicted: dict) -> float:
+    """A prediction (MiB by term) without what is not a tensor (the runtime; on CPU the heap's slack)."""
+    return predicted["total"] - predicted["runtime"] - predicted.get("allocator", 0)
 
 
-def _prediction(cfg: GPTConfig, args: argparse.Namespace, world: int, device: str, B: int) -> memplan.Prediction:
-    return memplan.predict(
-        cfg,
-        strategy=args.strategy,
-        world_size=world,
-        micro_batch=B,
-        seq_len=args.seq_len,
-        dtype=args.dtype,
-        activation_checkpointing=args.activation_checkpointing == "true",
-        accum=args.accum,
-        device=device,
-    )  # measured eagerly (_build): the chunked loss
-
-
-def tensor_bytes(pred: memplan.Prediction) -> int:
-    """The prediction without what is not a tensor (the runtime; on CPU the heap's slack)."""
-    return pred.total - pred.terms["runtime"] - pred.terms.get("allocator", 0)
-
-
-def predict_and_measure(cfg: GPTConfig, args: argparse.Namespace) -> Optional[dict]:
-    env_world = int(os.environ.get("WORLD_SIZE", "1"))
+def predict_and_measure(args: argparse.Namespace) -> Optional[dict]:
+    env_world = env.launch().world_size
     measure = args.measure == "true"
     if measure and args.world_size not in (None, env_world):
         raise UsageError(
@@ -198,116 +164,83 @@ def predict_and_measure(cfg: GPTConfig, args: argparse.Namespace) -> Optional[di
         )
     world = args.world_size or env_world
     device = "cuda" if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda") else "cpu"
-    pred = _prediction(cfg, args, world, device, args.micro_batch)
+    cfg = run_config(args, args.micro_batch, args.accum, world)
+    pred = memplan.predict(
+        cfg, strategy=args.strategy, world_size=world, dtype=args.dtype, accum=args.accum, device=device
+    )
     out = {
         "size": args.size,
-        "modern": cfg.modern(),
-        "params": memplan.param_counts(cfg)["total"],
-        "strategy": args.strategy,
+        "modern": cfg.model.modern(),
+        "params": memplan.params(cfg),
+        **{k: getattr(args, k) for k in ("strategy", "micro_batch", "seq_len", "dtype", "accum")},
         "world_size": world,
-        "micro_batch": args.micro_batch,
-        "seq_len": args.seq_len,
-        "dtype": args.dtype,
-        "activation_checkpointing": args.activation_checkpointing == "true",
-        "accum": args.accum,
+        "optimizer": cfg.optim.optimizer,
+        "activation_checkpointing": cfg.parallel.activation_checkpointing,
         "device": device,
         "predicted_mib": pred.to_dict(MiB),
     }
     if not measure:
         return out
-    peaks, rank = measure_peaks(cfg, args)
-    if rank != 0:
+    info = init_distributed(args.device)
+    try:
+        # the trainer, DDP's reducer and FSDP's state are gone when _measure returns: freed
+        # after the process group is destroyed, DDP's reducer can wait forever on gloo
+        with tempfile.TemporaryDirectory() as tmp:
+            peaks = from_every_rank(_measure(cfg, args, info, tmp))
+    finally:
+        cleanup()
+    if info.rank != 0:
         return None
+    predicted = pred.total / MiB
+    out["measured"] = "peak RSS of each rank's process (getrusage ru_maxrss)"
     if device == "cuda":  # max_memory_allocated counts tensors only, not the runtime term
-        predicted = tensor_bytes(pred) / MiB
-        out["measured"] = "torch.cuda.max_memory_allocated (tensors; the runtime term excluded)"
-    else:
-        predicted = pred.total / MiB
-        out["measured"] = "peak RSS of each rank's process (getrusage ru_maxrss)"
+        predicted, out["measured"] = tensor_mib(out["predicted_mib"]), "torch.cuda.max_memory_allocated (tensors)"
     out["measured_peak_mib"] = [round(p[0] / MiB, 1) for p in peaks]
     if device == "cpu":  # next to the planner's runtime term
         out["measured_rss_before_model_mib"] = [round(p[1] / MiB, 1) for p in peaks]
     out["measured_over_predicted"] = round(max(p[0] for p in peaks) / MiB / predicted, 3)
     out["seconds_per_step"] = round(max(p[3] for p in peaks), 3)  # median after the first; the slowest rank
-    if peaks[0][2] is not None:  # the tensor model alone, without the allocator and the runtime
-        tensors = max(p[2] for p in peaks)
-        out["measured_tensor_peak_mib"] = round(tensors / MiB, 1)
-        out["tensors_over_predicted"] = round(tensors / tensor_bytes(pred), 3)
+    if peaks[0][2] is not None:  # the tensors alone, without the allocator and the runtime
+        tensors = max(p[2] for p in peaks) / MiB
+        out["measured_tensor_peak_mib"] = round(tensors, 1)
+        out["tensors_over_predicted"] = round(tensors / tensor_mib(out["predicted_mib"]), 3)
     return out
 
 
-def measure_peaks(cfg: GPTConfig, args: argparse.Namespace) -> tuple[list[tuple], int]:
-    """(peak bytes over ``args.steps`` training steps, resident bytes before the model was
-    built, peak tensor bytes or None, median seconds per step after the first) of each rank,
-    and this rank."""
-    from gpt2lab.distributed.dist import cleanup, init_distributed
+def _trainer(cfg: TrainConfig, info, tmp: str, world: int):
+    """The Trainer of ``cfg`` on random token shards written into ``tmp`` (enough for its steps)."""
+    from gpt2lab.train.trainer import Trainer
 
-    info = init_distributed(args.device)
-    try:
-        # the model, DDP's reducer and FSDP's state are gone when _measure returns: freed
-        # after the process group is destroyed, DDP's reducer can wait forever on gloo
-        peaks = [_measure(cfg, args, info)]
-        if info.distributed:
-            import torch.distributed as dist
-
-            mine, peaks = peaks[0], [None] * info.world_size
-            dist.all_gather_object(peaks, mine)
-        return peaks, info.rank
-    finally:
-        cleanup()
+    b = cfg.batch
+    tokens = (cfg.optim.max_steps + 1) * b.total_batch_tokens + world * b.micro_batch_size * b.seq_len + 1
+    if info.rank == 0:
+        synthetic_shards(tmp, "train", 1, max(tokens, 4096))
+        synthetic_shards(tmp, "val", 1, 4096, seed=1)
+    if info.distributed:
+        torch.distributed.barrier()
+    return Trainer.from_config(cfg.with_values(data=tmp, out=tmp + "/run"), info)
 
 
-def _measure(cfg: GPTConfig, args: argparse.Namespace, info) -> tuple:
-    from gpt2lab.train.trainer import keep_freed_memory
-
+def _measure(cfg: TrainConfig, args: argparse.Namespace, info, tmp: str) -> tuple:
+    """(peak bytes over the steps, resident bytes before the trainer was built, the profiler's peak of
+    live tensors or None, median seconds per step after the first) of this rank."""
     baseline = _rss_bytes()
-    if info.device.type == "cpu" and args.keep_cpu_memory == "true":
-        keep_freed_memory()  # as the trainer does on CPU (keep_cpu_memory, on by default)
-    model, raw, opt = _build(cfg, args, info)
+    trainer = _trainer(cfg, info, tmp, info.world_size)
     if info.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(info.device)
-    x = torch.randint(0, cfg.real_vocab_size, (args.micro_batch, args.seq_len))
-    times = []
+    times: list[float] = []
 
     def steps() -> None:
         for _ in range(args.steps):
-            seconds, _ = timed(lambda: step(model, raw, opt, x, args, info.device), info.device)
-            times.append(seconds)
+            times.append(timed(trainer.train_step, info.device)[0])
 
     tensors = None
     if args.tensor_peak == "true" and info.device.type == "cpu":
-        local = (p.to_local() if hasattr(p, "to_local") else p for p in raw.parameters())  # FSDP: shards
+        local = (p.to_local() if hasattr(p, "to_local") else p for p in trainer.raw.parameters())  # FSDP: shards
         tensors = _tensor_peak(steps) + sum(t.untyped_storage().nbytes() for t in local)
     else:
         steps()
     return _peak_bytes(info.device), baseline, tensors, statistics.median(times[1:])
-
-
-def step(
-    model: torch.nn.Module, raw: GPT, opt, x: torch.Tensor, args: argparse.Namespace, device: torch.device
-) -> None:
-    """One optimizer step as the trainer takes it (micro-steps, clipping, AdamW)."""
-    from gpt2lab.distributed import parallel
-
-    accumulate_gradients(model, lambda: (x, x), args.accum, device, args.dtype)
-    parallel.clip_grad_norm(raw, 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
-def _build(cfg: GPTConfig, args: argparse.Namespace, info) -> tuple[torch.nn.Module, GPT, torch.optim.Optimizer]:
-    """The model as the trainer wraps it (gpt2lab.distributed.parallel), the GPT itself, and AdamW on its
-    (for FSDP: sharded) parameters."""
-    from gpt2lab.distributed import parallel
-
-    torch.manual_seed(0)
-    raw = GPT(cfg).to(info.device)
-    raw.activation_checkpointing = args.activation_checkpointing == "true"
-    model, _ = parallel.wrap(
-        raw, args.strategy, distributed=info.distributed, device=info.device, dtype=args.dtype, compile=False
-    )
-    opt = make_optimizer(raw, lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device=info.device)
-    return model, raw, opt
 
 
 def _tensor_peak(fn) -> int:
@@ -344,48 +277,29 @@ def _peak_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
-def try_batch(model: GPT, opt, B: int, T: int, device: torch.device, compiled, dtype: str = "bfloat16") -> dict:
-    """One step at micro-batch B: {"B", "fits", "peak_gib"}."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    try:
-        x = torch.randint(0, 50257, (B, T), device=device)
-        accumulate_gradients(compiled, lambda: (x, x), 1, device, dtype)  # the trainer's micro-step
-        opt.step()
-        fits = True
-    except torch.OutOfMemoryError:
-        fits = False
-    finally:
-        opt.zero_grad(set_to_none=True)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    return {"B": B, "fits": fits, "peak_gib": round(peak, 2) if peak is not None else None}
-
-
-def search(cfg: GPTConfig, args: argparse.Namespace) -> dict:
+def search(args: argparse.Namespace) -> dict:
     device = pick_device(args.device)
-    torch.manual_seed(0)
-    model = GPT(cfg).to(device)
-    compile, ac = args.compile == "true", args.activation_checkpointing == "true"
-    model.set_loss(choose_loss(device.type, compile))  # the trainer's loss
-    model.activation_checkpointing = ac
-    opt = make_optimizer(model, lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device=device)
-    compiled = torch.compile(model) if compile else model
+    info, compiled = DistInfo(device=device), args.compile == "true"
     kind = "cuda" if device.type == "cuda" else "cpu"
 
     def attempt(B: int) -> dict:
-        rec = try_batch(model, opt, B, args.seq_len, device, compiled, args.dtype)
-        pred = memplan.predict(
-            cfg,
-            micro_batch=B,
-            seq_len=args.seq_len,
-            dtype=args.dtype,
-            accum=1,
-            device=kind,
-            activation_checkpointing=ac,
-            compiled=compile,
-        )
-        rec["predicted_gib"] = round(tensor_bytes(pred) / 2**30, 2)  # tensors only, like the peak
+        cfg = run_config(args, B, 1, 1)
+        pred = memplan.predict(cfg, dtype=args.dtype, accum=1, device=kind, compiled=compiled)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        trainer, fits = None, True
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                trainer = _trainer(cfg, info, tmp, 1)
+                for _ in range(args.steps):
+                    trainer.train_step()
+        except torch.OutOfMemoryError:
+            fits = False
+        del trainer
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        rec = {"B": B, "fits": fits, "peak_gib": round(peak, 2) if peak is not None else None}
+        rec["predicted_gib"] = round(tensor_mib(pred.to_dict(MiB)) / 1024, 2)  # tensors only, like the peak
         print(json.dumps(rec), flush=True)
         return rec
 
@@ -406,9 +320,9 @@ def search(cfg: GPTConfig, args: argparse.Namespace) -> dict:
         "size": args.size,
         "seq_len": args.seq_len,
         "device": str(device),
-        "params": model.num_params(),
-        "compile": compile,
-        "activation_checkpointing": ac,
+        "params": memplan.params(run_config(args, 1, 1, 1)),
+        "compile": compiled,
+        "activation_checkpointing": args.activation_checkpointing == "true",
         "largest_micro_batch": good or None,
         "searched_up_to": args.max_batch,
         "tries": tries,

@@ -163,7 +163,7 @@ def _worker(conn, name: str, cfg, device: str, opts: dict) -> None:
                 compile=trainer.compile,
                 choices=trainer.choices.summary(),
             )
-            fn = lambda: trainer.train_step()["train_loss"]  # noqa: E731
+            fn = loss_of_step(trainer)
         else:  # the same batches (same loader, same seed)
             if device.type == "cuda":
                 torch.set_float32_matmul_precision("high")  # TF32, as the recipe sets it
@@ -279,15 +279,12 @@ class ReferenceStep:
         return float(total)
 
 
-def interleaved_step_ms(trainers: dict, rounds: int) -> dict[str, list[float]]:
-    """Each ``Trainer``'s step time (``dt_ms``) over ``rounds`` rounds of one step of each in turn, after an
-    untimed step each, so that every trainer sees the same machine load (the benchmarks/ scripts' comparisons)."""
-    for t in trainers.values():
-        t.train_step()
-        t.step += 1
-    times: dict[str, list[float]] = {name: [] for name in trainers}
-    for _ in range(rounds):
-        for name, t in trainers.items():
-            times[name].append(t.train_step()["dt_ms"])
-            t.step += 1
-    return times
+def loss_of_step(trainer):
+    """A function that runs ``trainer``'s next step as ``gpt2lab train`` does and returns the last loss read
+    back by it (0.0 while a GPU's values wait on the device: they are read back every few steps)."""
+
+    def step() -> float:
+        done = trainer.train_step()
+        return done[-1].record.get("train_loss", float("nan")) if done else 0.0
+
+    return step

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -232,19 +233,21 @@ def _save_sharded(final: str, model, optimizer, plain: Optional[dict], config: d
 
 
 def verify(ckpt: str, share: tuple[int, int] = (0, 1)) -> None:
-    """Raise CheckpointError unless every file matches the checksum written at save.
-
-    Checkpoints from before checksums existed have no checksums.json and pass unchecked.
+    """Raise CheckpointError unless checksums.json lists every file of the checkpoint and every file
+    matches the checksum written at save. One rule for every reader: a checksums.json missing (every
+    checkpoint of this format has one), unreadable or leaving a file out makes the checkpoint damaged,
+    named so (train then passes it over for the one before it, saying so; the others refuse it).
     ``share=(r, w)`` hashes only every w-th file from the r-th (``verify_together``).
     """
-    path = os.path.join(ckpt, CHECKSUMS)
-    if not os.path.exists(path):
-        return
     try:
-        with open(path) as fh:
+        with open(os.path.join(ckpt, CHECKSUMS)) as fh:
             expected = json.load(fh)
     except (OSError, ValueError) as e:
-        raise damaged(ckpt, f"{CHECKSUMS} unreadable ({e})") from e
+        raise damaged(ckpt, f"{CHECKSUMS} unreadable ({getattr(e, 'strerror', None) or e})") from e
+    held = sorted(n for n in os.listdir(ckpt) if n != CHECKSUMS and os.path.isfile(os.path.join(ckpt, n)))
+    unlisted = [n for n in held if n not in expected] if isinstance(expected, dict) else held
+    if unlisted or not isinstance(expected, dict):
+        raise damaged(ckpt, f"{CHECKSUMS} leaves out {', '.join(unlisted) or 'every file'}")
     for i, (name, digest) in enumerate(expected.items()):
         file = os.path.join(ckpt, name)
         if not os.path.isfile(file):
@@ -261,17 +264,18 @@ def verify_together(ckpt: str) -> None:
         verify(ckpt, share=(dist.rank(), dist.world()))
     except CheckpointError as e:
         why = e.why
-    found = [w for w in dist.gather(why) if w]
+    found = [w for w in dist.from_every_rank(why) if w]
     if found:
         raise damaged(ckpt, found[0])
 
 
-def damaged(ckpt: str, why: str) -> CheckpointError:
-    """The one-line error for a damaged checkpoint, pointing at the intact ones before it."""
+def damaged(ckpt: str, why: str, flag: Optional[str] = "--resume") -> CheckpointError:
+    """The one-line error for a damaged checkpoint, pointing at the one before it, as ``flag`` (the
+    command's own, which named the checkpoint; None: the path alone) would name it."""
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
     earlier = [p for p in list_checkpoints(run_dir) if step_of(p) < step_of(ckpt)]
     hint = (
-        f"use an earlier one: --resume {earlier[-1]} (or --model {earlier[-1]})"
+        f"use an earlier one: {flag + ' ' if flag else ''}{earlier[-1]}"
         if earlier
         else "no earlier checkpoint in this run; start again with a new --out"
     )
@@ -321,19 +325,6 @@ def is_complete(path: str) -> bool:
 def find_latest(run_dir: str) -> Optional[str]:
     ckpts = list_checkpoints(run_dir)
     return ckpts[-1] if ckpts else None
-
-
-def resolve(path: str) -> str:
-    """A checkpoint directory, given it or a run directory (then its newest checkpoint)."""
-    if has_weights(path):
-        return path
-    latest = find_latest(path)
-    if latest is None:
-        raise FileNotFoundError(
-            f"{path}: neither a checkpoint (no model.safetensors or sharded .metadata) nor a run "
-            "directory with checkpoints/step_*/; train first or pass a checkpoint dir"
-        )
-    return latest
 
 
 def has_weights(path: str) -> bool:
@@ -440,7 +431,7 @@ def read_state(ckpt: str) -> dict:
     path = os.path.join(ckpt, "state.pt")
     try:
         state = torch.load(path, weights_only=True, map_location="cpu")
-    except (OSError, RuntimeError, EOFError, ValueError) as e:
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
         raise damaged(ckpt, _first_line(e)) from e
     if not isinstance(state, dict):
         raise damaged(ckpt, f"state.pt holds no dict ({type(state).__name__})")
@@ -498,7 +489,7 @@ def _load_optimizer(ckpt: str, apply: Callable[[dict], None]) -> None:
     """optimizer.pt, handed to ``apply`` (one fitting error for both of its callers)."""
     try:
         opt = torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True, map_location="cpu")
-    except (OSError, RuntimeError, EOFError, ValueError) as e:
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
         raise damaged(ckpt, _first_line(e)) from e
     try:
         apply(opt)

@@ -5,7 +5,6 @@ import os
 import shlex
 import shutil
 import sys
-from typing import Optional, Sequence
 
 
 class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
@@ -23,9 +22,12 @@ def program() -> str:
     the script beside this Python (``.venv/bin/gpt2lab`` after ``make demo``), else ``python -m
     gpt2lab``; under torchrun, torchrun with this node's process count (several nodes: the user's
     own rendezvous flags, which no process sees)."""
-    if os.environ.get("TORCHELASTIC_RUN_ID") is not None:
-        local, nodes = os.environ.get("LOCAL_WORLD_SIZE", "1"), os.environ.get("GROUP_WORLD_SIZE", "1")
-        if nodes == "1":
+    from gpt2lab.system import env
+
+    launch = env.launch()
+    if launch.elastic:
+        local, nodes = launch.local_world_size or 1, launch.nodes
+        if nodes == 1:
             return f"torchrun --standalone --nproc_per_node={local} -m gpt2lab"
         return f"torchrun --nnodes={nodes} --nproc_per_node={local} <your --rdzv flags> -m gpt2lab"
     script = os.path.join(os.path.dirname(sys.executable), "gpt2lab")
@@ -36,17 +38,3 @@ def program() -> str:
         rel = os.path.relpath(script)
         return shlex.quote(rel if not rel.startswith("..") else script)
     return f"{shlex.quote(sys.executable)} -m gpt2lab"
-
-
-def resume_command(words: Sequence[str], prog: Optional[str] = None) -> str:
-    """The command line that continues a run started by ``gpt2lab WORDS`` (``train ...``): the same
-    words with ``--resume auto`` for any --resume given, without --dry-run."""
-    out, skip = [], False
-    for word in words:
-        if skip:
-            skip = False
-        elif word == "--resume":
-            skip = True
-        elif not (word.startswith("--resume=") or word == "--dry-run"):
-            out.append(word)
-    return f"{prog or program()} {shlex.join([*out, '--resume', 'auto'])}"

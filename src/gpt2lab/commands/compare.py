@@ -35,22 +35,8 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gpt2lab.observe.compare import compare_runs
-    from gpt2lab.system.errors import DataError, UsageError
 
-    if len(args.runs) < 2:
-        raise UsageError("compare needs two or more run directories (the first is the baseline)")
-    if args.out:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError as e:
-            raise UsageError(f"--out needs matplotlib ({e}); pip install 'gpt2lab[plot]' or drop --out") from None
-    try:
-        table = compare_runs(args.runs, args.out, target=args.loss, metric=args.metric)
-    except UsageError:  # --out over a file gpt2lab did not write
-        raise
-    except ValueError as e:
-        raise DataError(str(e)) from None
-    print(table)
+    print(compare_runs(args.runs, args.out, target=args.loss, metric=args.metric))
     if args.out:
         print(f"wrote {args.out}")
     return 0

@@ -17,8 +17,9 @@ import math
 import os
 import time
 
-from gpt2lab.commands import program, resume_command
+from gpt2lab.commands import program
 from gpt2lab.system.choices import DTYPE_CHOICES as DTYPE_NAMES
+from gpt2lab.system.rundir import resume_command
 
 # The demo's recipes: the preset each trains and what to say about it; the figures live in
 # docs/benchmarks.md ("The demo preset"), with the machine they were measured on.
@@ -125,7 +126,7 @@ def run_base(args: argparse.Namespace) -> int:
     # what continues this run if it stops: the train command of the same settings (the demo starts anew)
     words = ["train", "--preset", preset, "--data", args.data, "--out", out, "--progress", "false"]
     words += ["--dtype", args.dtype] + _flags(overrides, "max_steps", "n_layer")
-    request = dataclasses.replace(Request.of(cfg), command=resume_command(words))
+    request = dataclasses.replace(Request.of(cfg), command=resume_command(words, program()))
     print(f"[demo] recipe {args.recipe}: {WHY[args.recipe]}", flush=True)
     print(f"[demo] training {preset} for {cfg.optim.max_steps} steps into {out}", flush=True)
     train(request, init_distributed(cfg.system.device))
@@ -171,7 +172,7 @@ def run_chat(args: argparse.Namespace) -> int:
     request = Request(
         merge_config(preset_values("chat-cpu"), overrides, source="preset 'chat-cpu'"),
         source="preset 'chat-cpu' with the demo's settings",
-        command=resume_command(words),  # what continues it if it stops: the same as a train command
+        command=resume_command(words, program()),  # what continues it if it stops: the same as a train command
     )
     before = chat_replies(base)
     print(
@@ -239,9 +240,9 @@ def sample(run_dir: str, prompt: str, tokens: int, seed: int) -> str:
     from gpt2lab.inference.form import hold
     from gpt2lab.inference.probe import decide
     from gpt2lab.model.sampling import generate
-    from gpt2lab.weights.load import from_checkpoint
+    from gpt2lab.weights.load import load_model
 
-    model = from_checkpoint(run_dir).eval()
+    model = load_model(run_dir)
     decision = decide(model, torch.device("cpu"), InferenceRequest(), command="gpt2lab demo")
     model = hold(model, decision.candidate, tile_rows=decision.tile_rows)
     enc = tokenizer_for(model)

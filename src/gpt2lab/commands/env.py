@@ -38,10 +38,10 @@ OPTIONAL_PACKAGES = (
 
 def _gemv_routines() -> str:
     """What gpt2lab's compiled GEMV runs here: AVX2, and the AVX512_BF16 dot product for inputs rounded to
-    bf16 where the CPU has it (a hold on a CPU with native bf16 rounds them)."""
-    from gpt2lab.inference import _gemv
+    bf16 where the CPU has it (a hold on a CPU with native bf16 rounds them: panels, kernels.panels_run)."""
+    from gpt2lab.inference.kernels import panels_run
 
-    return "runs here (AVX2" + (", AVX512_BF16 dot products)" if _gemv.has_bf16_dot() else ")")
+    return "runs here (AVX2" + (", AVX512_BF16 dot products)" if panels_run(2) else ")")
 
 
 def add_parser(sub) -> None:
@@ -65,6 +65,7 @@ def collect(device_name: str = "auto") -> dict:
     from gpt2lab.distributed.dist import pick_device
     from gpt2lab.inference import pages
     from gpt2lab.inference.kernels import gemv_error
+    from gpt2lab.system import env as sysenv
     from gpt2lab.system import runtime
 
     device = pick_device(device_name)
@@ -92,7 +93,7 @@ def collect(device_name: str = "auto") -> dict:
         "threads_wait": (runtime.WAIT or runtime.choose_wait(runtime.machine_load())).reason,
         "cpu_flags": list(facts.cpu_flags),
         "native_bf16": facts.native_bf16,
-        "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+        "onednn_max_cpu_isa": sysenv.isa_caps().get("ONEDNN_MAX_CPU_ISA"),
         "matmul_fp32_gflops": probe.fp32_gflops,
         "matmul_bf16_gflops": probe.bf16_gflops,
         "matmul_size": runtime.PROBE_N,

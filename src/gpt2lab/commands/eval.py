@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
 from gpt2lab.inference.flags import add_inference_flags
+from gpt2lab.system.choices import HELLASWAG_STRATEGIES, positive_int
 
 
 def add_parser(sub) -> None:
@@ -21,23 +23,23 @@ def add_parser(sub) -> None:
         help="jsonl with ctx/endings/label per line (default: the official validation set, "
         "downloaded once into ~/.cache/gpt2lab or $GPT2LAB_CACHE)",
     )
-    hs.add_argument("--limit", type=int, default=None, help="score only the first N examples")
+    hs.add_argument("--limit", type=positive_int, default=None, help="score only the first N examples")
     hs.add_argument(
         "--batch-size",
-        type=int,
+        type=positive_int,
         default=None,
         help="examples per batch, 4 rows each (default: 16, the fastest measured on CPU)",
     )
     hs.add_argument(
         "--strategy",
-        choices=("auto", "padded", "shared"),
+        choices=HELLASWAG_STRATEGIES,
         default="auto",
         help="padded: rows of many examples padded into one forward; shared: each context once, "
         "continued into its endings via the KV cache; auto (default): shared for an eager "
         "model on CPU, else padded",
     )
     hs.add_argument("--compile", action="store_true", help="torch.compile the model first")
-    hs.set_defaults(func=run_hellaswag)
+    hs.set_defaults(func=eval_hellaswag)
 
     lo = esub.add_parser("loss", help="mean next-token loss over the first N tokens of a split")
     _common(lo)
@@ -46,13 +48,15 @@ def add_parser(sub) -> None:
     # 20 batches of 64 x 1024: what the reference recipe's GPT-2 baseline (3.2924) was measured on.
     lo.add_argument(
         "--tokens",
-        type=int,
+        type=positive_int,
         default=20 * 64 * 1024,
         help="tokens to evaluate (a split that holds fewer: all its whole batches, with a note)",
     )
-    lo.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
-    lo.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's block size)")
-    lo.set_defaults(func=run_loss)
+    lo.add_argument("--batch-size", type=positive_int, default=8, help="sequences per forward pass")
+    lo.add_argument(
+        "--seq-len", type=positive_int, default=None, help="tokens per sequence (default: the model's block size)"
+    )
+    lo.set_defaults(func=eval_loss)
 
     ch = esub.add_parser(
         "chat",
@@ -69,12 +73,12 @@ def add_parser(sub) -> None:
     )
     ch.add_argument(
         "--max-tokens",
-        type=int,
+        type=positive_int,
         default=128,
         help="a reply that has not ended its turn after this many tokens did not end it (default 128)",
     )
-    ch.add_argument("--limit", type=int, default=None, help="only the first N conversations")
-    ch.set_defaults(func=run_chat)
+    ch.add_argument("--limit", type=positive_int, default=None, help="only the first N conversations")
+    ch.set_defaults(func=eval_chat)
 
     gs = esub.add_parser("gsm8k", help="GSM8K: greedy answers, exact match on the number after ####")
     _common(gs)
@@ -85,8 +89,8 @@ def add_parser(sub) -> None:
         "turn ending '#### N'); default: GSM8K's official test split, downloaded once into "
         "~/.cache/gpt2lab or $GPT2LAB_CACHE",
     )
-    gs.add_argument("--max-tokens", type=int, default=256, help="tokens a reply may take (default 256)")
-    gs.add_argument("--limit", type=int, default=None, help="only the first N problems")
+    gs.add_argument("--max-tokens", type=positive_int, default=256, help="tokens a reply may take (default 256)")
+    gs.add_argument("--limit", type=positive_int, default=None, help="only the first N problems")
     gs.add_argument(
         "--calculator",
         type=_on_off,
@@ -99,9 +103,10 @@ def add_parser(sub) -> None:
         "--samples",
         default=None,
         metavar="FILE.jsonl",
-        help="write each problem's reply, extracted answer and verdict to this file",
+        help="write the summary (the first line) and each problem's reply, extracted answer and verdict "
+        "to this file (new, or one gpt2lab wrote)",
     )
-    gs.set_defaults(func=run_gsm8k)
+    gs.set_defaults(func=eval_gsm8k)
 
 
 def _on_off(text: str) -> bool:
@@ -145,32 +150,34 @@ def _load(args: argparse.Namespace, info, compiled: bool = False):
     return hold(model, decision.candidate, request.rows, inplace=True, tile_rows=decision.tile_rows), decision
 
 
-def _positive(value, flag: str) -> None:
-    from gpt2lab.system.errors import UsageError
+@contextlib.contextmanager
+def _one_line(task: str, model: str = ""):
+    """Data the task cannot read (or fetch), or a model that cannot take it (``model``: the --model
+    words that name it): one line naming the task, exit 1; gpt2lab's own errors go to cli.main as they are."""
+    from gpt2lab.system.errors import GPT2LabError
 
-    if value is not None and value < 1:
-        raise UsageError(f"{flag} {value}: must be a positive number")
+    try:
+        yield
+    except GPT2LabError:
+        raise
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        raise SystemExit(f"gpt2lab eval {task}: {model}{e}") from None
 
 
-def run_hellaswag(args: argparse.Namespace) -> int:
+def eval_hellaswag(args: argparse.Namespace) -> int:
     import torch
 
     from gpt2lab.distributed.dist import cleanup, init_distributed, print0
     from gpt2lab.evals.hellaswag import DEFAULT_BATCH_SIZE, evaluate_hellaswag, load_examples, official_validation_file
 
-    _positive(args.limit, "--limit")
-    _positive(args.batch_size, "--batch-size")
-    try:  # the data first: no data, or no network to fetch it, fails before the model loads
+    with _one_line("hellaswag"):  # the data first: no data, or no network to fetch it, fails before the model loads
         data = args.data or official_validation_file(flag="--data")
         load_examples(data, limit=1)
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
-        raise SystemExit(f"gpt2lab eval hellaswag: {e}") from None
     info = init_distributed(args.device)
     try:
         model, decision = _load(args, info, compiled=args.compile)
-        if args.compile:
-            model = torch.compile(model)
-        try:
+        model = torch.compile(model) if args.compile else model
+        with _one_line("hellaswag"):
             result = evaluate_hellaswag(
                 model,
                 data,
@@ -182,30 +189,22 @@ def run_hellaswag(args: argparse.Namespace) -> int:
                 strategy=args.strategy,
                 progress=True,
             )
-        except (FileNotFoundError, ValueError, RuntimeError) as e:
-            raise SystemExit(f"gpt2lab eval hellaswag: {e}") from None
         print0(json.dumps({**result, "inference": decision.record()}))
     finally:
         cleanup()
     return 0
 
 
-def run_loss(args: argparse.Namespace) -> int:
+def eval_loss(args: argparse.Namespace) -> int:
     from gpt2lab.distributed.dist import cleanup, init_distributed, print0
-    from gpt2lab.system.errors import UsageError
+    from gpt2lab.evals.loss import evaluate, fit_to_split
 
-    try:
-        from gpt2lab.evals.loss import evaluate, fit_to_split
-    except ImportError as e:
-        raise SystemExit(f"gpt2lab eval loss: validation loss is not available in this install ({e})") from None
-    for value, flag in ((args.tokens, "--tokens"), (args.batch_size, "--batch-size"), (args.seq_len, "--seq-len")):
-        _positive(value, flag)
     info = init_distributed(args.device)
     try:
         model, decision = _load(args, info)
         _same_tokenizer(model.config, args.data)
         seq_len = args.seq_len or model.config.block_size
-        try:
+        with _one_line("loss"):
             # as train does with --eval-tokens: a split holding fewer tokens is taken whole, with a note
             tokens, note = fit_to_split(args.data, args.split, args.tokens, args.batch_size, seq_len, info.world_size)
             if note and info.rank == 0:
@@ -222,23 +221,8 @@ def run_loss(args: argparse.Namespace) -> int:
                 world_size=info.world_size,
                 flags=("--tokens", "--batch-size"),
             )
-        except UsageError:  # a flag value: cli.main prints it, exit 2
-            raise
-        except (FileNotFoundError, ValueError) as e:
-            raise SystemExit(f"gpt2lab eval loss: {e}") from None
-        print0(
-            json.dumps(
-                {
-                    "task": "loss",
-                    "split": args.split,
-                    "tokens": res.tokens,
-                    "loss": res.loss,
-                    "bpb": res.bpb,
-                    "bytes": res.bytes,
-                    "inference": decision.record(),
-                }
-            )
-        )
+        record = {"task": "loss", "split": args.split, "tokens": res.tokens, "loss": res.loss, "bpb": res.bpb}
+        print0(json.dumps({**record, "bytes": res.bytes, "inference": decision.record()}))
     finally:
         cleanup()
     return 0
@@ -268,53 +252,43 @@ def _chat_model(args: argparse.Namespace, info):
     return load_for_inference(args.model, info.device, inference_request(args, "sample"), command="gpt2lab eval")
 
 
-def run_chat(args: argparse.Namespace) -> int:
+def eval_chat(args: argparse.Namespace) -> int:
     from gpt2lab.distributed.dist import init_distributed
     from gpt2lab.evals.chat import chat_data, evaluate_chat, read_conversations
 
-    _positive(args.max_tokens, "--max-tokens")
-    _positive(args.limit, "--limit")
     data, note = chat_data(args.data, args.model)
     if note:
         print(f"gpt2lab eval chat: {note}", file=sys.stderr, flush=True)
     conversations = read_conversations(data, args.limit)
     info = init_distributed(args.device)
     model, decision = _chat_model(args, info)
-    try:
+    with _one_line("chat", f"--model {args.model}: "):  # a model that cannot take the template
         result = evaluate_chat(model, conversations, max_tokens=args.max_tokens, device=info.device, progress=True)
-    except ValueError as e:  # a model that cannot take the template
-        raise SystemExit(f"gpt2lab eval chat: --model {args.model}: {e}") from None
     print(json.dumps({**result, "model": args.model, "data": data, "inference": decision.record()}))
     return 0
 
 
-def run_gsm8k(args: argparse.Namespace) -> int:
+def eval_gsm8k(args: argparse.Namespace) -> int:
     from gpt2lab.distributed.dist import init_distributed
     from gpt2lab.evals.chat import evaluate_gsm8k, gsm8k_test_file, read_conversations
+    from gpt2lab.system import rundir
     from gpt2lab.system.files import atomic_write
 
-    _positive(args.max_tokens, "--max-tokens")
-    _positive(args.limit, "--limit")
-    try:  # the data first: no data, or no network to fetch it, fails before the model loads
+    if args.samples:  # before the long part: a file there that gpt2lab did not write is refused
+        rundir.check(args.samples, rundir.FILE, "--samples", "pick another path")
+    with _one_line("gsm8k"):  # the data first: no data, or no network to fetch it, fails before the model loads
         data = args.data or gsm8k_test_file(flag="--data")
-    except RuntimeError as e:
-        raise SystemExit(f"gpt2lab eval gsm8k: {e}") from None
     problems = read_conversations(data, args.limit, gsm8k=True)
     info = init_distributed(args.device)
     model, decision = _chat_model(args, info)
-    try:
+    with _one_line("gsm8k", f"--model {args.model}: "):  # a model that cannot take the template
         summary, rows = evaluate_gsm8k(
             model, problems, max_tokens=args.max_tokens, calculator=args.calculator, progress=True
         )
-    except ValueError as e:  # a model that cannot take the template
-        raise SystemExit(f"gpt2lab eval gsm8k: --model {args.model}: {e}") from None
-    if args.samples:
+    result = {**summary, "model": args.model, "data": data, "samples": args.samples, "inference": decision.record()}
+    if args.samples:  # the first line is the summary, marked as gpt2lab's (system/rundir.py)
         with atomic_write(args.samples, "w") as f:
-            for row in rows:
+            for row in [{"format": "gpt2lab-gsm8k-samples", **result}, *rows]:
                 f.write(json.dumps(row) + "\n")
-    print(
-        json.dumps(
-            {**summary, "model": args.model, "data": data, "samples": args.samples, "inference": decision.record()}
-        )
-    )
+    print(json.dumps(result))
     return 0

@@ -27,9 +27,10 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpt2lab.weights.export import save_pretrained
+    from gpt2lab.weights.export import check_target, save_pretrained
     from gpt2lab.weights.load import load_model
 
+    check_target(args.out_dir)  # before the model loads: OUT_DIR is refused at once
     model = load_model(args.src, "cpu", arg="SRC")
     target = save_pretrained(model, args.out_dir)
     c = model.config

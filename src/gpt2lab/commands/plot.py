@@ -16,28 +16,16 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        from gpt2lab.observe.plot import plot_runs
-    except ImportError as e:
-        raise SystemExit(f"gpt2lab plot needs matplotlib ({e}); pip install 'gpt2lab[plot]'") from None
-    out = args.out
-    if out is None:
-        if len(args.runs) > 1:
-            raise SystemExit("gpt2lab plot: several runs need --out FILE.png")
-        out = os.path.join(args.runs[0], "plot.png")
+    from gpt2lab.observe.plot import plot_runs
     from gpt2lab.system import rundir
     from gpt2lab.system.errors import UsageError
 
-    for run in args.runs:
-        note = rundir.live_note(run) if os.path.isdir(run) else None
-        if note:
-            print(f"gpt2lab plot: note: {note}", file=sys.stderr, flush=True)
-    try:
-        table = plot_runs(args.runs, out, summary=args.summary)
-    except UsageError:  # --out over a file gpt2lab did not write
-        raise
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"gpt2lab plot: {e}") from None
+    if args.out is None and len(args.runs) > 1:
+        raise UsageError("several runs need --out FILE.png")
+    out = args.out or os.path.join(args.runs[0], "plot.png")
+    for note in filter(None, map(rundir.live_note, args.runs)):
+        print(f"gpt2lab plot: note: {note}", file=sys.stderr, flush=True)
+    table = plot_runs(args.runs, out, summary=args.summary)
     if table:
         print(table)
     print(f"wrote {out}")

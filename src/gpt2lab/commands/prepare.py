@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 
 
 def add_parser(sub) -> None:
@@ -81,30 +80,23 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from gpt2lab.data.prepare import prepare
-    from gpt2lab.system.errors import GPT2LabError
 
-    try:
-        manifest = prepare(
-            args.source,
-            args.out,
-            shard_tokens=args.shard_tokens,
-            val_tokens=args.val_tokens,
-            workers=args.workers,
-            text_field=args.text_field,
-            limit_docs=args.limit_docs,
-            config=args.config,
-            progress=not args.quiet,
-            val_split=args.val_split,
-            data_format=args.data_format,
-            tokenizer=args.tokenizer,
-            val_docs=args.val_docs,
-            val_bytes=args.val_bytes,
-        )
-    except GPT2LabError:  # SourceError, ShardError, UsageError, DiskFullError: cli.main, its exit code
-        raise
-    except ValueError as e:  # a bad number (--shard-tokens 0 ...)
-        print(f"gpt2lab prepare: {e}", file=sys.stderr)
-        return 2
+    manifest = prepare(
+        args.source,
+        args.out,
+        shard_tokens=args.shard_tokens,
+        val_tokens=args.val_tokens,
+        workers=args.workers,
+        text_field=args.text_field,
+        limit_docs=args.limit_docs,
+        config=args.config,
+        progress=not args.quiet,
+        val_split=args.val_split,
+        data_format=args.data_format,
+        tokenizer=args.tokenizer,
+        val_docs=args.val_docs,
+        val_bytes=args.val_bytes,
+    )
     summary = {
         name: {k: v for k, v in s.items() if k != "shards"} | {"shards": len(s["shards"])}
         for name, s in manifest["splits"].items()
@@ -112,15 +104,6 @@ def run(args) -> int:
     extra = {"chat_template": manifest["chat_template"]} if "chat_template" in manifest else {}
     if manifest.get("tokenizer", "gpt2") != "gpt2":
         extra = {**extra, "tokenizer": manifest["tokenizer"], "vocab_size": manifest["vocab_size"]}
-    print(
-        json.dumps(
-            {
-                "out": args.out,
-                "documents": manifest["documents"],
-                "tokens": manifest["tokens"],
-                **extra,
-                "splits": summary,
-            }
-        )
-    )
+    record = {"out": args.out, "documents": manifest["documents"], "tokens": manifest["tokens"], **extra}
+    print(json.dumps({**record, "splits": summary}))
     return 0

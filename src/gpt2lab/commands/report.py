@@ -16,16 +16,8 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gpt2lab.observe.report import write_report
-    from gpt2lab.system.errors import UsageError
 
-    try:
-        out_html, out_md, rep = write_report(args.run, args.out)
-    except UsageError:  # a config.json of another format version: one line, exit 2
-        raise
-    except ImportError as e:
-        raise SystemExit(f"gpt2lab report needs matplotlib ({e}); pip install 'gpt2lab[plot]'") from None
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"gpt2lab report: {e}") from None
+    out_html, out_md, rep = write_report(args.run, args.out)
     print(rep.status)
     print(f"wrote {out_html} and {out_md}")
     return 0

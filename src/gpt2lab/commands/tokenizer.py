@@ -58,9 +58,11 @@ def _sources(p: argparse.ArgumentParser) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from gpt2lab.data.bpe import train
+    from gpt2lab.data.bpe import train_tokenizer
 
-    marker = train(args.source, args.vocab_size, args.out, text_field=args.text_field, progress=not args.quiet)
+    marker = train_tokenizer(
+        args.source, args.vocab_size, args.out, text_field=args.text_field, progress=not args.quiet
+    )
     print(
         json.dumps({"out": args.out, **{k: marker[k] for k in ("identity", "vocab_size", "special_tokens", "sources")}})
     )
@@ -68,8 +70,8 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from gpt2lab.data.bpe import evaluate, table
+    from gpt2lab.data.bpe import evaluate_tokenizer, markdown_table
 
-    rows = evaluate(args.tokenizer, args.source, text_field=args.text_field)
-    print(json.dumps({"tokenizer": args.tokenizer, "sources": rows}) if args.json else table(rows))
+    rows = evaluate_tokenizer(args.tokenizer, args.source, text_field=args.text_field)
+    print(json.dumps({"tokenizer": args.tokenizer, "sources": rows}) if args.json else markdown_table(rows))
     return 0

@@ -7,7 +7,8 @@ import os
 import shlex
 import sys
 
-from gpt2lab.commands import resume_command
+from gpt2lab.commands import program
+from gpt2lab.system.rundir import resume_command
 from gpt2lab.train.config import merge_config
 from gpt2lab.train.settings import (
     add_config_flags,
@@ -66,13 +67,13 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(listing()))
         return 0
     from gpt2lab.distributed.dist import DistInfo, cleanup, init_distributed
-    from gpt2lab.train.gather import FAKE_FACTS_ENV
+    from gpt2lab.system import env
     from gpt2lab.train.run import train
     from gpt2lab.train.trainer import Stopped
 
     request = _request(args)
     device = str(request.get("device"))
-    faked = args.dry_run and os.environ.get(FAKE_FACTS_ENV)  # a plan for another machine: none of this one's devices
+    faked = args.dry_run and env.fake_facts()  # a plan for another machine: none of this one's devices
     info = DistInfo() if faked else init_distributed(None if device == "auto" else device)
     try:
         last = train(request, info, dry_run=args.dry_run)
@@ -114,4 +115,6 @@ def _request(args: argparse.Namespace):
     words = getattr(args, "argv", None) or ["train"]  # as typed (cli.parse keeps it); the resume advice
     given = "sample_prompt" in overrides.get("eval", {})  # a prompt for this run; else the settings' (for their data)
     prompt_for = None if given else prompt_written_for(args.preset, None if args.preset else args.config)
-    return Request(values, explicit, args.resume, source=source, command=resume_command(words), prompt_for=prompt_for)
+    return Request(
+        values, explicit, args.resume, source=source, command=resume_command(words, program()), prompt_for=prompt_for
+    )

@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import os
 import warnings
-from contextlib import contextmanager
 from typing import Iterable, Iterator, Optional
 
 from gpt2lab.data import chat
-from gpt2lab.data.sources import JsonLine, Source, SourceError, as_text, resolve_source
+from gpt2lab.data.sources import JsonLine, TextSource, as_text, resolve_source
 from gpt2lab.data.tokenizer import (
     SPECIAL_TOKENS,
     TOKENIZER_FILE,
@@ -45,8 +44,8 @@ SPLIT_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
     r"""|\s*[\r\n]|\s+(?!\S)|\s+"""
 )
-MARKER, FORMAT, VERSION = rundir.TOKENIZER_MARKER, rundir.TOKENIZER_FORMAT, 1
-FILES = (TOKENIZER_FILE, MARKER)
+MARKER, FORMAT, MARKER_VERSION = rundir.TOKENIZER_MARKER, rundir.TOKENIZER_FORMAT, 1
+TOKENIZER_FILES = (TOKENIZER_FILE, MARKER)  # what a tokenizer directory holds
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS) + 1  # the byte alphabet, the special tokens and one merge
 MAX_VOCAB = 1 << 20
 
@@ -78,14 +77,11 @@ def document_text(doc, text_field: str) -> str:
     if isinstance(doc, JsonLine):
         row = doc.row()
         if text_field not in row and chat.is_conversation(row):
-            try:
-                return "\n".join(content for _, content in chat.conversation(row))
-            except chat.ChatFormatError as e:
-                raise SourceError(f"{doc.path}:{doc.lineno}: {e}; fix or remove that line") from e
+            return "\n".join(content for _, content in doc.turns())
     return as_text(doc)
 
 
-def read_texts(sources: list[tuple[str, Source]], text_field: str, counts: list[dict], bar=None) -> Iterator[str]:
+def read_texts(sources: list[tuple[str, TextSource]], text_field: str, counts: list[dict], bar=None) -> Iterator[str]:
     """The documents' texts of every source (each ``--source`` string and what it resolved to) in
     turn; ``counts`` gets each source's bytes and documents."""
     for spec, src in sources:
@@ -101,7 +97,9 @@ def read_texts(sources: list[tuple[str, Source]], text_field: str, counts: list[
             yield text
 
 
-def train(sources: list[str], vocab_size: int, out: str, text_field: str = "text", progress: bool = True) -> dict:
+def train_tokenizer(
+    sources: list[str], vocab_size: int, out: str, text_field: str = "text", progress: bool = True
+) -> dict:
     """Train a tokenizer of ``vocab_size`` tokens on ``sources`` into the directory ``out``; returns its marker.
 
     ``out`` follows system/rundir's rule: missing, empty or an earlier tokenizer directory (holding
@@ -113,12 +111,18 @@ def train(sources: list[str], vocab_size: int, out: str, text_field: str = "text
         )
     if not sources:
         raise UsageError("--source: give at least one text source")
-    replace = _check_out(out)
+    rundir.check(out, rundir.TOKENIZER, "--out", "choose a new or empty --out", replaces=TOKENIZER_FILES)
     # every source resolves (a bad path, no text files) before the long part, once (a warning says it once)
     resolved = [(spec, resolve_source(spec, text_field)) for spec in sources]
     tok, trainer = _bpe(vocab_size)
     counts: list[dict] = []
-    with _bar(progress, [src.size_bytes for _, src in resolved]) as bar:
+    from tqdm import tqdm
+
+    sizes = [src.size_bytes for _, src in resolved]
+    total = sum(sizes) if None not in sizes else None  # compressed files: an estimate
+    with tqdm(
+        disable=not progress, total=total, unit="B", unit_scale=True, desc="tokenizer", dynamic_ncols=True
+    ) as bar:
         tok.train_from_iterator(read_texts(resolved, text_field, counts, bar), trainer)
     if not sum(c["bytes"] for c in counts):  # nothing to learn from: 259 tokens, below MIN_VOCAB
         docs = sum(c["documents"] for c in counts)
@@ -136,7 +140,7 @@ def train(sources: list[str], vocab_size: int, out: str, text_field: str = "text
         )
     marker = {
         "format": FORMAT,
-        "version": VERSION,
+        "version": MARKER_VERSION,
         "identity": trained.identity,
         "vocab_size": trained.n_vocab,
         "special_tokens": dict(trained.specials),
@@ -145,56 +149,33 @@ def train(sources: list[str], vocab_size: int, out: str, text_field: str = "text
     }
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
-    with atomic_dir(os.path.abspath(out), replace=replace, what_next="free some space and train again") as tmp:
+    with atomic_dir(os.path.abspath(out), replace=True, what_next="free some space and train again") as tmp:
         with open(os.path.join(tmp, TOKENIZER_FILE), "w", encoding="utf-8") as f:
             f.write(text)
         write_json(os.path.join(tmp, MARKER), marker)
     return marker
 
 
-def _check_out(out: str) -> bool:
-    """Whether ``out`` exists and may be replaced (empty, or an earlier tokenizer and nothing else)."""
-    what_next = "choose a new or empty --out"
-    found = rundir.check(out, rundir.TOKENIZER, flag="--out", what_next=what_next)
-    if found.kind == rundir.TOKENIZER and not set(found.entries) <= set(FILES):
-        extra = sorted(set(found.entries) - set(FILES))
-        raise UsageError(
-            f"--out {out}: an earlier tokenizer, but it also holds {', '.join(extra[:4])}, which "
-            f"training would replace; nothing was written; {what_next}"
-        )
-    return found.kind != "missing"
-
-
-@contextmanager
-def _bar(enabled: bool, sizes: list[Optional[int]]):
-    from tqdm import tqdm
-
-    total = sum(sizes) if enabled and None not in sizes else None  # compressed files: an estimate
-    bar = tqdm(disable=not enabled, total=total, unit="B", unit_scale=True, desc="tokenizer", dynamic_ncols=True)
-    try:
-        yield bar
-    finally:
-        bar.close()
-
-
 # -- reading one back ---------------------------------------------------------------------------
-def open_dir(path: str, flag: str = "--tokenizer") -> Tokenizer:
+def open_dir(path: str, flag: Optional[str] = "--tokenizer") -> Tokenizer:
     """The tokenizer in a directory ``gpt2lab tokenizer train`` wrote (or any holding a tokenizer.json
     with gpt2lab's special tokens), checked against its marker's identity; ``path`` may be that
     tokenizer.json itself. A directory or file holding GPT-2's own vocabulary (a GPT-2 export, the
-    hub's gpt2) is GPT-2's BPE (``gpt2_tokenizer``)."""
+    hub's gpt2) is GPT-2's BPE (``gpt2_tokenizer``). ``flag``: how the user named ``path`` (None: the
+    path alone, as gpt2lab.get_tokenizer names it)."""
+    said = f"{flag} {path}" if flag else path
     make = f"make one with `gpt2lab tokenizer train --source SRC --vocab-size N --out {path}`"
     if os.path.isfile(path):
         folder, file = os.path.dirname(path) or ".", path
     elif os.path.isdir(path):
         folder, file = path, os.path.join(path, TOKENIZER_FILE)
     else:
-        raise UsageError(f"{flag} {path}: no such directory or file; {make}")
+        raise UsageError(f"{said}: no such directory or file; {make}")
     if is_gpt2_vocabulary(path):
         return gpt2_tokenizer()
     if not os.path.isfile(file):
         raise UsageError(
-            f"{flag} {path}: holds no {TOKENIZER_FILE} (nor GPT-2's vocab.json and merges.txt); give a "
+            f"{said}: holds no {TOKENIZER_FILE} (nor GPT-2's vocab.json and merges.txt); give a "
             f"directory from `gpt2lab tokenizer train` or its {TOKENIZER_FILE}"
         )
     marker = read_json_object(os.path.join(folder, MARKER)) if os.path.basename(file) == TOKENIZER_FILE else None
@@ -204,14 +185,17 @@ def open_dir(path: str, flag: str = "--tokenizer") -> Tokenizer:
             file, identity if isinstance(identity, str) else None, what_next=f"train the tokenizer in {folder} again"
         )
     except TokenizerError as e:
+        if not flag:
+            raise
         raise TokenizerError(f"{flag} {e}") from None
 
 
 # -- bytes per token ------------------------------------------------------------------------------
-def bytes_per_token(tokenizers: dict[str, Tokenizer], sources: list[str], text_field: str = "text") -> list[dict]:
-    """Per source: its UTF-8 bytes, documents, and each tokenizer's tokens and bytes per token (the
-    documents encoded as text, as ``prepare`` encodes them, without the <|endoftext|> before each)."""
-    rows = []
+def evaluate_tokenizer(tokenizer_dir: str, sources: Iterable[str], text_field: str = "text") -> list[dict]:
+    """Per source: its UTF-8 bytes, documents, and the tokens and bytes per token of ``tokenizer_dir``'s
+    tokenizer ("ours") and GPT-2's (the documents encoded as text, as ``prepare`` encodes them, without
+    the <|endoftext|> before each)."""
+    tokenizers, rows = {"ours": open_dir(tokenizer_dir), "gpt2": gpt2_tokenizer()}, []
     for spec in sources:
         counts: list[dict] = []
         tokens = dict.fromkeys(tokenizers, 0)
@@ -219,25 +203,13 @@ def bytes_per_token(tokenizers: dict[str, Tokenizer], sources: list[str], text_f
             for name, tok in tokenizers.items():
                 tokens[name] += len(tok.encode_ordinary(text))
         n = counts[0]["bytes"]
-        rows.append(
-            {
-                **counts[0],
-                "tokenizers": {
-                    name: {"tokens": t, "bytes_per_token": n / t if t else None} for name, t in tokens.items()
-                },
-            }
-        )
+        per = {name: {"tokens": t, "bytes_per_token": n / t if t else None} for name, t in tokens.items()}
+        rows.append({**counts[0], "tokenizers": per})
     return rows
 
 
-def evaluate(tokenizer_dir: str, sources: Iterable[str], text_field: str = "text") -> list[dict]:
-    """Bytes per token of ``tokenizer_dir``'s tokenizer against GPT-2's on each source."""
-    ours = open_dir(tokenizer_dir)
-    return bytes_per_token({"ours": ours, "gpt2": gpt2_tokenizer()}, list(sources), text_field)
-
-
-def table(rows: list[dict], name: str = "ours") -> str:
-    """``evaluate``'s rows as a Markdown table."""
+def markdown_table(rows: list[dict], name: str = "ours") -> str:
+    """``evaluate_tokenizer``'s rows as a Markdown table."""
     lines = [
         f"| source | bytes | documents | tokens ({name}) | bytes/token ({name}) | tokens (GPT-2) | "
         "bytes/token (GPT-2) | GPT-2 tokens / ours |",

@@ -36,12 +36,9 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 
 from gpt2lab.data.tokenizer import (
-    EOT_ID,
     EOT_TOKEN,
     IM_END,
-    IM_END_ID,
     IM_START,  # noqa: F401
-    IM_START_ID,
     Tokenizer,
     for_chat,
     gpt2_tokenizer,
@@ -49,7 +46,6 @@ from gpt2lab.data.tokenizer import (
 )
 
 TEMPLATE = "chatml"  # the name a manifest, a run's config and an export record
-SPECIAL_TOKENS = {EOT_TOKEN: EOT_ID, IM_START: IM_START_ID, IM_END: IM_END_ID}  # GPT-2's (special_tokens: any)
 ROLES = ("system", "user", "assistant")
 ASSISTANT = "assistant"
 
@@ -132,7 +128,7 @@ def is_conversation(row: Any) -> bool:
 
 
 def special_tokens(tok: Tokenizer) -> dict[str, int]:
-    """The template's special tokens and their ids in ``tok`` (GPT-2's: SPECIAL_TOKENS)."""
+    """The template's special tokens and their ids in ``tok`` (GPT-2's: its chat variant's)."""
     tok = for_chat(tok)
     return {EOT_TOKEN: tok.eot_id, IM_START: tok.im_start_id, IM_END: tok.im_end_id}
 

@@ -7,22 +7,20 @@ of a finished one without it), atomically, and names it in the manifest (``"held
 key, as ``chat_template``; the shards' format is unchanged). ``held_out_file`` finds it. The val split
 is the stream's first documents (data/writer.py); the held-out conversations are those wholly in it:
 under ``--val-split documents`` (conversations' default) all of them, under ``tokens`` all but the one
-the cut runs through, which continues in train. They are read again from the source, so a finished
-directory whose source files are no longer the ones the manifest records gets no file (a warning).
+the cut runs through, which continues in train. They are read again from the source, which prepare has
+checked is the one the shards were made from (data/manifest.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import warnings
 from pathlib import Path
 from typing import Dict, Optional
 
-from gpt2lab.data.chat import conversation
 from gpt2lab.data.manifest import save_manifest
 from gpt2lab.data.shards import MANIFEST, open_shard, read_manifest
-from gpt2lab.data.sources import Source
+from gpt2lab.data.sources import TextSource
 from gpt2lab.system.files import atomic_write
 
 HELD_OUT = "held_out.jsonl"
@@ -41,7 +39,7 @@ def held_out_count(out: Path, manifest: Dict) -> int:
     return n
 
 
-def write_held_out(src: Source, out: Path, manifest: Dict) -> Optional[str]:
+def write_held_out(src: TextSource, out: Path, manifest: Dict) -> Optional[str]:
     """Write ``out``'s held-out conversations, unless its finished manifest already names a file that
     is there; record the file in the manifest. Returns its path (None: no val split, nothing written)."""
     path = out / HELD_OUT
@@ -50,20 +48,9 @@ def write_held_out(src: Source, out: Path, manifest: Dict) -> Optional[str]:
     n = held_out_count(out, manifest)
     if n < 1:
         return None
-    changed = [
-        f["path"]
-        for f in manifest["files"]
-        if not os.path.isfile(f["path"]) or os.path.getsize(f["path"]) != f["bytes"]
-    ]
-    if changed:  # a finished directory whose source has changed since: its first records may not be val's
-        warnings.warn(
-            f"{out}: {HELD_OUT} not written: {changed[0]} is not the file these shards were made from "
-            "(its size differs, or it is gone); prepare the source again into a new --out to get it"
-        )
-        return None
     with atomic_write(str(path), "w", what_next="free some space and run the same prepare command again") as f:
         for doc in src.documents(0, n):  # the source's first n records: encode_conversations read them
-            turns = conversation(doc.row())
+            turns = doc.turns()
             f.write(json.dumps({"messages": [{"role": r, "content": c} for r, c in turns]}) + "\n")
     manifest[KEY] = HELD_OUT
     save_manifest(out, manifest)

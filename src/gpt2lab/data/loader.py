@@ -113,7 +113,7 @@ class TokenLoader:
         self.data_dir, self.split = Path(data_dir), split
         self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         self.shuffle = (split == "train") if shuffle is None else bool(shuffle)
-        manifest = _check_manifest(self.data_dir)
+        manifest = read_manifest(self.data_dir)  # an unfinished prepare is refused there
         self.masked = "chat_template" in manifest  # conversations: shards with masks
         # the bound every token is checked against: the caller's, else the tokenizer the manifest names
         self.seed, self.vocab_size = seed, vocab_size or int(manifest.get("vocab_size", GPT2_VOCAB_SIZE))
@@ -250,16 +250,3 @@ def _check_args(batch_size: int, seq_len: int, rank: int, world_size: int, seed:
         raise ValueError(f"rank {rank} must be in [0, world_size={world_size})")
     if seed < 0:
         raise ValueError(f"seed {seed} must be >= 0")
-
-
-def _check_manifest(data_dir: Path) -> dict:
-    """The directory's manifest ({} where there is none); refuse one whose ``gpt2lab prepare`` has not finished."""
-    path = data_dir / "manifest.json"
-    manifest = read_manifest(data_dir)
-    if not manifest.get("complete", True):
-        raise ShardError(
-            f"{path}: `gpt2lab prepare` has not finished for this directory "
-            f"(source {manifest.get('source')!r}); re-run the same prepare command "
-            "to complete it"
-        )
-    return manifest

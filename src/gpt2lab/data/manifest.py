@@ -1,17 +1,20 @@
 """The manifest.json of a ``gpt2lab prepare`` directory: what a run starts from and what it leaves.
 
 A new directory gets a fresh manifest; a directory with an earlier run's manifest of the same
-command is resumed (unfinished) or checked (finished); an unfinished one whose shards no longer
-match the source starts over; one made with other flags, of another format version (shards.py's
-``check_manifest_version``), or holding someone else's files is refused. While shards are written
-(data/writer.py) the manifest records each one and where to resume; ``finish_manifest`` turns that
-into the per-split and per-file counts of a finished directory.
+command is resumed (unfinished) or checked (finished); one made with other flags or of another
+format version (shards.py's ``check_manifest_version``) is refused. Each source file is recorded by
+its content (``sha256``) as well as its path: where a file is no longer the one recorded (edited in
+place, removed, another in its place, or recorded by an earlier gpt2lab without its content), the
+directory goes back to its last shard made wholly of the files before it (``_roll_back``, a warning
+naming the file) and the prepare goes on from there, so no shard ever mixes old and new text. While
+shards are written (data/writer.py) the manifest records each one with where to resume after it;
+``finish_manifest`` adds the per-split and per-file counts of a finished directory.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
-import os
 import warnings
 from pathlib import Path
 from typing import Dict, Optional
@@ -27,25 +30,9 @@ from gpt2lab.data.shards import (
     read_header,
     shard_name,
 )
-from gpt2lab.data.sources import Source
+from gpt2lab.data.sources import TextSource
 from gpt2lab.data.tokenizer import GPT2, Tokenizer, token_dtype
-from gpt2lab.system import rundir
-from gpt2lab.system.files import write_json
-
-# The prepare flag of each setting, for a refusal that names what differs.
-FLAGS = {
-    "source": "--source",
-    "config": "--config",
-    "text_field": "--text-field",
-    "limit_docs": "--limit-docs",
-    "shard_tokens": "--shard-tokens",
-    "val_tokens": "--val-tokens",
-    "val_split": "--val-split",
-    "val_docs": "--val-docs",
-    "val_bytes": "--val-bytes",
-    "format": "--format",
-    "tokenizer": "--tokenizer",
-}
+from gpt2lab.system.files import sha256_file, write_json
 
 
 def fresh_manifest(settings: Dict, tok: Tokenizer) -> Dict:
@@ -63,24 +50,27 @@ def fresh_manifest(settings: Dict, tok: Tokenizer) -> Dict:
         "complete": False,
         "shards": [],
         "files": [],
-        "resume": {"next_doc": 0, "offset": 0, "tokens": 0, "val_end": 0 if settings["val_tokens"] == 0 else None},
+        "resume": _fresh_resume(settings),
     }
     if conversations:  # the loader takes the loss on the masked tokens only; a run records the template
         manifest["chat_template"] = chat.TEMPLATE
     return manifest
 
 
-def start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: Source, tok: Tokenizer) -> Dict:
-    """A fresh manifest, or the one of an earlier run of the same command (checked).
+def _fresh_resume(settings: Dict) -> Dict:
+    return {"next_doc": 0, "offset": 0, "tokens": 0, "val_end": 0 if settings["val_tokens"] == 0 else None}
+
+
+def start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: TextSource, tok: Tokenizer) -> Dict:
+    """A fresh manifest, or the one of an earlier run of the same command (checked, and rolled back
+    to before the first source file that is not the one recorded).
 
     Only the flags the user gave are compared: a default worked out from the source
     (``--val-tokens``) is taken from the earlier run, so a rerun after the source lost a
-    file is not refused over a value nobody typed. An unfinished run whose shards no
-    longer match the source (a file it read was removed or changed) starts over.
+    file is not refused over a value nobody typed.
     """
     path = out / MANIFEST
     if not path.exists():
-        refuse_foreign_shards(out)
         return fresh_manifest(settings, tok)
     try:
         manifest = json.loads(path.read_text())
@@ -99,23 +89,35 @@ def start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: Source, 
         ) from e
     keys = [*settings, *(["tokenizer"] if "tokenizer" not in settings else [])]  # GPT-2's is no key
     differ = [k for k in keys if old.get(k) != settings.get(k) and not (k == "val_tokens" and val_defaulted)]
-    if not manifest.get("complete") and not manifest.get("shards"):
-        return _start_over(out, manifest, settings, None, tok)  # nothing was written yet
+    if not manifest.get("complete") and not manifest.get("shards"):  # nothing was written yet
+        _roll_back(out, manifest, 0)
+        return fresh_manifest(settings, tok)
     if differ:
-        was = ", ".join(f"{FLAGS[k]} {_flag_value(old.get(k), k)}" for k in differ)
-        now = ", ".join(f"{FLAGS[k]} {_flag_value(settings.get(k), k)}" for k in differ)
+        was = ", ".join(f"{_flag(k)} {_flag_value(old.get(k), k)}" for k in differ)
+        now = ", ".join(f"{_flag(k)} {_flag_value(settings.get(k), k)}" for k in differ)
         raise ShardError(
             f"{path}: this directory was prepared with {was}, not {now}; rerun with "
             f"the same flags to {'resume' if not manifest['complete'] else 'check'} it, "
             "or use another --out"
         )
-    if not manifest["complete"]:
-        why = _source_changed(manifest, src)
-        if why:
-            return _start_over(out, manifest, settings, why, tok)
     for shard in manifest["shards"]:
         _check_done_shard(out / shard["name"], shard["tokens"])
-    return manifest
+    changed = _first_changed(manifest, src.files)
+    if changed is None:
+        return manifest
+    i, why = changed
+    _roll_back(
+        out, manifest, i if old["val_tokens"] == settings["val_tokens"] else 0
+    )  # a default moves with the source
+    kept = len(manifest["shards"])
+    again = f"that file on, after the {kept} shard(s) made before it" if kept else "the start"
+    warnings.warn(f"{out}: {why}; preparing it again from {again}")
+    return manifest if kept else fresh_manifest(settings, tok)
+
+
+def _flag(key: str) -> str:
+    """The prepare flag that gives a setting (``val_tokens``: ``--val-tokens``), for a refusal naming it."""
+    return "--" + key.replace("_", "-")
 
 
 def _flag_value(v, key: str = "") -> str:
@@ -124,45 +126,40 @@ def _flag_value(v, key: str = "") -> str:
     return "(not given)" if v is None else str(v)
 
 
-def _source_changed(manifest: Dict, src: Source) -> Optional[str]:
-    """Why the unfinished run's shards cannot be continued from ``src``, or None."""
-    for i, f in enumerate(manifest.get("files", [])):
-        if i >= len(src.files) or src.files[i] != f["path"]:
-            return f"{f['path']} is no longer where it was in the source"
-        if os.path.getsize(f["path"]) != f["bytes"]:
-            return f"{f['path']} changed size ({f['bytes']} -> {os.path.getsize(f['path'])} bytes)"
+def _first_changed(manifest: Dict, paths: list) -> Optional[tuple[int, str]]:
+    """(index, why) of the first recorded source file that is not the file there now, or None."""
+    files = manifest["files"]
+    for i, f in enumerate(files):
+        if i >= len(paths) or paths[i] != f["path"]:
+            return i, f"{f['path']} is no longer file {i + 1} of the source"
+        if "sha256" not in f:
+            return i, f"{f['path']}: its content is not recorded (prepared by an earlier gpt2lab)"
+        if sha256_file(paths[i]) != f["sha256"]:
+            return i, f"{f['path']} changed since it was prepared (its content differs)"
+    if manifest["complete"] and len(paths) > len(files) and manifest["documents"] != manifest["settings"]["limit_docs"]:
+        return len(files), f"{paths[len(files)]} is new in the source"
     return None
 
 
-def _start_over(out: Path, manifest: Dict, settings: Dict, why: Optional[str], tok: Tokenizer) -> Dict:
-    """Remove the unfinished run's own shards (listed, or renamed just before a crash)."""
-    names = {s["name"] for s in manifest.get("shards", [])}
+def _roll_back(out: Path, manifest: Dict, i: int) -> None:
+    """Make ``manifest`` an unfinished one that resumes before source file ``i``: keep the shards that
+    end before the file's first token, remove the later ones (its own: listed, or renamed just before
+    a crash)."""
+    files, shards = manifest["files"], manifest["shards"]
+    cut = 0 if i == 0 else files[i]["first_token"] if i < len(files) else manifest["tokens"]
+    ends = list(itertools.accumulate(s["tokens"] for s in shards))
+    keep = [s for s, end in zip(shards, ends) if end < cut]
+    names = {s["name"] for s in shards[len(keep) :]}
     for split in ("val", "train"):
-        names.add(shard_name(split, sum(1 for s in manifest.get("shards", []) if s["split"] == split)))
+        names.add(shard_name(split, sum(1 for s in shards if s["split"] == split)))
     for name in sorted(names):
         for path in (out / name, mask_path(out / name)):
             if path.is_file():
                 path.unlink()
-    if why:
-        warnings.warn(f"{out}: the unfinished prepare there cannot be resumed: {why}; starting over")
-    refuse_foreign_shards(out)
-    return fresh_manifest(settings, tok)
-
-
-def refuse_foreign_shards(out: Path) -> None:
-    """system.rundir's rule: not another kind of gpt2lab directory (a run, an export), and no
-    shards without a manifest; other files may stay beside the shards, as they always could."""
-    found = rundir.inspect(str(out))
-    shards = sorted(p.name for p in out.glob("*.bin"))
-    if found.kind in (rundir.RUN, rundir.EXPORT, "hf_model"):
-        raise ShardError(
-            f"{out}: holds {rundir.what(found)}, not token shards; nothing was written there; "
-            "use an empty --out directory"
-        )
-    if shards:
-        raise ShardError(
-            f"{out}: holds shards ({', '.join(shards[:3])}) but no {MANIFEST}; use an empty --out directory"
-        )
+    for key in ("splits", "tokens", "documents", "held_out"):  # a finished one's counts, data/held_out.py's file
+        manifest.pop(key, None)
+    resume = dict(keep[-1]["resume"]) if keep else _fresh_resume(manifest["settings"])
+    manifest.update(complete=False, files=files[:i], shards=keep, resume=resume)
 
 
 def _check_done_shard(path: Path, tokens: int) -> None:
@@ -177,7 +174,7 @@ def save_manifest(out: Path, manifest: Dict) -> None:
 
 
 def finish_manifest(manifest: Dict) -> None:
-    """Turn the resume state into a finished directory's counts: per split, in all, per file."""
+    """Add a finished directory's counts to the resume state: per split, in all, per file."""
     splits: Dict[str, Dict] = {}
     for shard in manifest["shards"]:
         s = splits.setdefault(shard["split"], {"shards": [], "tokens": 0, "documents": 0})
@@ -189,11 +186,9 @@ def finish_manifest(manifest: Dict) -> None:
     manifest["splits"] = splits
     manifest["tokens"] = sum(s["tokens"] for s in splits.values())
     manifest["documents"] = manifest["resume"]["next_doc"]
-    files = manifest["files"]  # first_doc/first_token -> documents/tokens of each file
+    files = manifest["files"]  # the documents and tokens of each file, from where each starts
     ends = [(f["first_doc"], f["first_token"]) for f in files[1:]] + [(manifest["documents"], manifest["tokens"])]
-    manifest["files"] = [
-        {"path": f["path"], "bytes": f["bytes"], "documents": d - f["first_doc"], "tokens": t - f["first_token"]}
-        for f, (d, t) in zip(files, ends)
-    ]
+    for f, (d, t) in zip(files, ends):
+        f.update(documents=d - f["first_doc"], tokens=t - f["first_token"])
     manifest["complete"] = True
     del manifest["resume"]

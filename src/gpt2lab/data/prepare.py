@@ -25,7 +25,6 @@ import functools
 import math
 import os
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -35,9 +34,11 @@ from gpt2lab.data import chat
 from gpt2lab.data.held_out import write_held_out
 from gpt2lab.data.manifest import save_manifest, start_manifest
 from gpt2lab.data.parallel import ordered_map
-from gpt2lab.data.sources import Document, JsonLine, Source, SourceError, as_text, resolve_source
+from gpt2lab.data.shards import val_size
+from gpt2lab.data.sources import Document, JsonLine, SourceError, TextSource, as_text, resolve_source
 from gpt2lab.data.tokenizer import Tokenizer, gpt2_tokenizer, save_tokenizer, token_dtype
 from gpt2lab.data.writer import ShardWriter
+from gpt2lab.system import rundir
 from gpt2lab.system.errors import UsageError
 from gpt2lab.system.files import sweep_stale
 
@@ -79,7 +80,7 @@ def prepare(
     records its identity, vocabulary and shard dtype, and its tokenizer.json goes beside the shards.
     """
     if shard_tokens < 1:
-        raise ValueError(f"shard_tokens {shard_tokens} must be >= 1")
+        raise UsageError(f"shard_tokens {shard_tokens} must be >= 1")
     n_workers = _workers(workers)
     in_text = _val_in_text(val_tokens, val_docs, val_bytes, val_split)
     src = resolve_source(source, text_field, config)
@@ -87,7 +88,7 @@ def prepare(
     if val_defaulted:
         val_tokens = default_val_tokens(src, shard_tokens)
     if any(v is not None and v < 0 for v in (val_tokens, val_docs, val_bytes, limit_docs)):
-        raise ValueError(
+        raise UsageError(
             f"val_tokens {val_tokens}, val_docs {val_docs}, val_bytes {val_bytes} and limit_docs {limit_docs} "
             "must be >= 0"
         )
@@ -110,9 +111,8 @@ def prepare(
         settings["tokenizer"] = tok.identity
     if val_split not in VAL_SPLITS:
         raise UsageError(f"--val-split {val_split!r}: choose one of {', '.join(VAL_SPLITS)}")
+    rundir.check(out_dir, rundir.DATA, "--out", "choose a new or empty --out")
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out_dir} is a file, not a directory; choose a directory for the shards")
     out.mkdir(parents=True, exist_ok=True)
     if not os.access(out, os.W_OK | os.X_OK):
         raise UsageError(
@@ -133,6 +133,11 @@ def prepare(
             save_tokenizer(tok, str(out), what_next="run the same prepare command again")
         n_val = val_docs if val_bytes is None else val_documents(src, val_bytes, fmt, limit_docs)
         _run(src, out, manifest, n_workers, progress, tok, n_val)
+    if "train" not in manifest["splits"]:
+        warnings.warn(
+            f"{out}: all {manifest['tokens']} tokens ({manifest['documents']} documents) went to val "
+            f"({val_size(settings)}); pass a smaller one to get a train split"
+        )
     if fmt == "chat":  # the val split's conversations, for `gpt2lab eval chat` (data/held_out.py)
         write_held_out(src, out, manifest)
     return manifest
@@ -156,7 +161,7 @@ def _val_in_text(
     return in_text
 
 
-def val_documents(src: Source, val_bytes: int, fmt: str, limit_docs: Optional[int]) -> int:
+def val_documents(src: TextSource, val_bytes: int, fmt: str, limit_docs: Optional[int]) -> int:
     """How many of the first documents the val split holds for ``--val-bytes``: up to the one whose
     text reaches ``val_bytes`` UTF-8 bytes (a conversation's text: its messages' contents), read
     from the source itself, so the count is the same whatever the tokenizer."""
@@ -173,10 +178,7 @@ def val_documents(src: Source, val_bytes: int, fmt: str, limit_docs: Optional[in
 def _doc_text(doc: Document, fmt: str) -> str:
     if fmt != "chat" or not isinstance(doc, JsonLine):
         return as_text(doc)
-    try:
-        return "".join(content for _, content in chat.conversation(doc.row()))
-    except chat.ChatFormatError as e:
-        raise SourceError(f"{doc.path}:{doc.lineno}: {e}; fix or remove that line") from e
+    return "".join(content for _, content in doc.turns())
 
 
 def _tokenizer(path: Optional[str], fmt: str) -> Tokenizer:
@@ -195,7 +197,7 @@ MIN_VAL_TOKENS = 8192
 SMALL_VAL_FRACTION = 0.1
 
 
-def default_val_tokens(src: Source, shard_tokens: int) -> int:
+def default_val_tokens(src: TextSource, shard_tokens: int) -> int:
     if src.size_bytes is None:  # the hub: size unknown up front; one shard, like the reference
         return shard_tokens
     estimate = src.size_bytes / 4  # GPT-2 BPE averages about 4 bytes of English per token
@@ -207,7 +209,7 @@ def _workers(workers: Optional[int]) -> int:
     if workers is None:
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if workers < 1:
-        raise ValueError(f"workers {workers} must be >= 1")
+        raise UsageError(f"workers {workers} must be >= 1")
     return workers
 
 
@@ -216,7 +218,7 @@ FORMATS = ("auto", "text", "chat")
 VAL_SPLITS = ("tokens", "documents")
 
 
-def detect_format(src: Source, asked: str, text_field: str) -> str:
+def detect_format(src: TextSource, asked: str, text_field: str) -> str:
     """``text`` or ``chat`` for ``--format asked``: auto reads the first record of a JSON-lines
     source (a conversation when it has "messages", or GSM8K's "question" and "answer", and no
     ``text_field``); every other source is text."""
@@ -239,14 +241,26 @@ def detect_format(src: Source, asked: str, text_field: str) -> str:
 
 
 def _run(
-    src: Source, out: Path, manifest: Dict, workers: int, progress: bool, tok: Tokenizer, val_docs: Optional[int]
+    src: TextSource, out: Path, manifest: Dict, workers: int, progress: bool, tok: Tokenizer, val_docs: Optional[int]
 ) -> None:
+    from tqdm import tqdm
+
     sweep_stale(str(out))
     writer = ShardWriter(out, manifest, src, val_docs)
     docs = src.documents(writer.doc, manifest["settings"]["limit_docs"])
     chat_data = manifest["settings"]["format"] == "chat"
     encode = functools.partial(encode_conversations if chat_data else encode_documents, tokenizer=tok)
-    with ordered_map(encode, docs, workers, src.size_bytes) as stream, _progress(progress, writer.written) as bar:
+    with (
+        ordered_map(encode, docs, workers, src.size_bytes) as stream,
+        tqdm(
+            disable=not progress,
+            unit="tok",
+            unit_scale=True,
+            initial=writer.written,
+            desc="prepare",
+            dynamic_ncols=True,
+        ) as bar,
+    ):
         for tokens, lengths, *mask in stream:
             writer.add(tokens, lengths, *mask)
             bar.update(int(lengths.sum()))
@@ -277,26 +291,8 @@ def encode_conversations(
 ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """JSON-lines conversations -> (uint16 tokens, lengths, uint8 loss mask) in data/chat.py's
     template; a record that is not a conversation is a SourceError naming its file, line and field."""
-    records = []
-    for doc in docs:
-        if not isinstance(doc, JsonLine):
-            raise SourceError(
-                "conversations are read from JSON-lines files (.jsonl, also compressed); "
-                "prepare text with --format text"
-            )
-        try:
-            records.append(chat.conversation(doc.row()))
-        except chat.ChatFormatError as e:
-            raise SourceError(f"{doc.path}:{doc.lineno}: {e}; fix or remove that line") from e
-    return chat.encode_records(records, tokenizer)
-
-
-@contextmanager
-def _progress(enabled: bool, initial: int):
-    from tqdm import tqdm
-
-    bar = tqdm(disable=not enabled, unit="tok", unit_scale=True, initial=initial, desc="prepare", dynamic_ncols=True)
-    try:
-        yield bar
-    finally:
-        bar.close()
+    if not all(isinstance(doc, JsonLine) for doc in docs):
+        raise SourceError(
+            "conversations are read from JSON-lines files (.jsonl, also compressed); prepare text with --format text"
+        )
+    return chat.encode_records([doc.turns() for doc in docs], tokenizer)

@@ -49,12 +49,7 @@ def write_shard(path: PathLike, tokens: np.ndarray) -> None:
     temp name, then rename."""
     if tokens.dtype not in HEADER_OF:
         raise TypeError(f"{path}: shard tokens must be uint16 or uint32, got {tokens.dtype}")
-    header = np.zeros(HEADER_INTS, dtype=np.int32)
-    header[:3] = (*HEADER_OF[tokens.dtype], len(tokens))
-    again = "free some space and run the same prepare command again: it resumes after the last whole shard"
-    with atomic_write(str(path), "wb", what_next=again) as f:
-        f.write(header.tobytes())
-        f.write(np.ascontiguousarray(tokens).tobytes())
+    _write(path, HEADER_OF[tokens.dtype], tokens)
 
 
 # A conversation shard's loss mask (``train_000000.mask`` beside ``train_000000.bin``): the same
@@ -72,12 +67,16 @@ def write_mask(path: PathLike, mask: np.ndarray) -> None:
     """Write a shard's loss mask (uint8 0/1); atomic, like write_shard."""
     if mask.dtype != np.uint8:
         raise TypeError(f"{path}: a loss mask must be uint8, got {mask.dtype}")
+    _write(path, (MASK_MAGIC, VERSION), mask)
+
+
+def _write(path: PathLike, magic_version: tuple[int, int], values: np.ndarray) -> None:
     header = np.zeros(HEADER_INTS, dtype=np.int32)
-    header[:3] = (MASK_MAGIC, VERSION, len(mask))
+    header[:3] = (*magic_version, len(values))
     again = "free some space and run the same prepare command again: it resumes after the last whole shard"
     with atomic_write(str(path), "wb", what_next=again) as f:
         f.write(header.tobytes())
-        f.write(np.ascontiguousarray(mask).tobytes())
+        f.write(np.ascontiguousarray(values).tobytes())
 
 
 def open_mask(shard: PathLike, tokens: int) -> np.ndarray:
@@ -181,7 +180,8 @@ MANIFEST_VERSION = 2  # 2: the val split is whole documents, per-file counts
 
 def read_manifest(data_dir: PathLike) -> dict:
     """``data_dir``'s manifest.json ({} where there is none, or no such directory); an unreadable
-    one, or one of another format version, is a ShardError naming it."""
+    one, one of another format version, or one whose ``gpt2lab prepare`` has not finished is a
+    ShardError naming it."""
     path = Path(data_dir) / MANIFEST
     if not path.is_file():
         return {}
@@ -191,7 +191,18 @@ def read_manifest(data_dir: PathLike) -> dict:
         raise ShardError(f"{path}: unreadable manifest ({e}); re-run gpt2lab prepare") from e
     if not isinstance(manifest, dict):
         raise ShardError(f"{path}: not a gpt2lab manifest (a JSON {type(manifest).__name__}); re-run gpt2lab prepare")
-    return check_manifest_version(path, manifest)
+    if not check_manifest_version(path, manifest).get("complete", True):
+        raise ShardError(
+            f"{path}: `gpt2lab prepare` has not finished this directory (source {manifest.get('source')!r}: it "
+            "stopped, failed or is still running); run the same prepare command again to finish it"
+        )
+    return manifest
+
+
+def val_size(settings: dict) -> str:
+    """The flag and value that sized a prepared directory's val split ("--val-docs 100")."""
+    key = next(k for k in ("val_docs", "val_bytes", "val_tokens") if settings.get(k) is not None)
+    return f"--{key.replace('_', '-')} {settings[key]}"
 
 
 def check_manifest_version(path: PathLike, manifest: dict) -> dict:
@@ -226,6 +237,7 @@ def list_shards(data_dir: PathLike, split: str) -> List[Path]:
     root = Path(data_dir)
     if not root.is_dir():
         raise ShardError(f"{root}: no such data directory; create it with `gpt2lab prepare --source SRC --out {root}`")
+    manifest = read_manifest(root)  # an unfinished prepare is named as such
     files = [p for p in root.iterdir() if p.is_file() and p.suffix in SHARD_SUFFIXES]
     if not files:
         raise ShardError(
@@ -234,6 +246,12 @@ def list_shards(data_dir: PathLike, split: str) -> List[Path]:
         )
     word = re.compile(rf"(^|[_.\-]){re.escape(split)}([_.\-]|$)")
     mine = sorted(p for p in files if word.search(p.stem))
+    if not mine and manifest.get("splits"):
+        raise ShardError(
+            f"{root}: no {split} split: prepared with {val_size(manifest['settings'])}, all its "
+            f"{manifest['tokens']:,} tokens are in {' and '.join(manifest['splits'])}; prepare it again with "
+            "another size"
+        )
     if not mine:
         names = ", ".join(sorted(p.name for p in files)[:5])
         raise ShardError(

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable, Iterable, Iterator, List, NamedTuple, Optional, Tuple, Union
 
+from gpt2lab.data import chat
 from gpt2lab.data.tokenizer import asset_path
 from gpt2lab.system.errors import DataError
 
@@ -74,6 +75,14 @@ class JsonLine(NamedTuple):
     def text(self) -> str:
         return _field(self.row(), self.field, f"{self.path}:{self.lineno}")
 
+    def turns(self) -> list[tuple[str, str]]:
+        """The line's conversation (data/chat.py: (role, content) turns); a SourceError naming the file,
+        line and field when it is not one."""
+        try:
+            return chat.conversation(self.row())
+        except chat.ChatFormatError as e:
+            raise SourceError(f"{self.path}:{self.lineno}: {e}; fix or remove that line") from e
+
 
 Document = Union[str, JsonLine]
 
@@ -83,7 +92,7 @@ def as_text(doc: Document) -> str:
 
 
 @dataclass
-class Source:
+class TextSource:
     """An ordered document stream; ``documents(skip, limit)`` yields documents ``skip..limit-1``.
 
     A document is its text, or a ``JsonLine`` that ``as_text`` turns into its text.
@@ -100,11 +109,11 @@ class Source:
     file_starts: List[int] = field(default_factory=list)
 
 
-def resolve_source(source: str, text_field: str = "text", config: Optional[str] = None) -> Source:
-    """Turn the ``--source`` string into a Source."""
+def resolve_source(source: str, text_field: str = "text", config: Optional[str] = None) -> TextSource:
+    """Turn the ``--source`` string into a TextSource."""
     if source == "tinyshakespeare":
         # 5%: a val split of ~17k tokens, enough for a steady val loss at T=256
-        return Source(
+        return TextSource(
             source,
             "bundled",
             os.path.getsize(asset_path("tinyshakespeare.txt")),
@@ -116,7 +125,7 @@ def resolve_source(source: str, text_field: str = "text", config: Optional[str] 
     if source == "chitchat":  # 2%: a val split of ~30 whole conversations
         path = asset_path("chitchat.jsonl.zst")
         starts: List[int] = []
-        return Source(
+        return TextSource(
             source,
             "local",
             os.path.getsize(path) * 4,
@@ -129,7 +138,7 @@ def resolve_source(source: str, text_field: str = "text", config: Optional[str] 
     # compressed text is ~3-4x its file size: the val default estimates the text's size
     size = sum(os.path.getsize(f) * (4 if f.endswith(COMPRESSIONS) else 1) for f in files)
     starts: List[int] = []
-    return Source(
+    return TextSource(
         source, "local", size, _slice(lambda: _local_docs(files, text_field, starts)), files=files, file_starts=starts
     )
 
@@ -155,6 +164,8 @@ def _local_files(source: str) -> List[str]:
         what = f"directory {source} holds"
     elif os.path.isfile(source):
         return [source]  # named alone: read as what it is (text that is not UTF-8: one line, when read)
+    elif os.path.exists(source):
+        raise SourceError(f"--source {source!r}: not a file or a directory (a device, pipe or socket); name files")
     else:
         raise SourceError(
             f"--source {source!r}: no such file or directory, and not one of "
@@ -381,7 +392,7 @@ def _parquet_docs(path: str, text_field: str) -> Iterator[str]:
 
 
 # -- the hub -----------------------------------------------------------------------------
-def _hub_source(source: str, text_field: str, config: Optional[str]) -> Source:
+def _hub_source(source: str, text_field: str, config: Optional[str]) -> TextSource:
     if source in HUB_ALIASES:
         name, config = HUB_ALIASES[source], config or HUB_DEFAULT_CONFIG
     else:
@@ -398,7 +409,7 @@ def _hub_source(source: str, text_field: str, config: Optional[str]) -> Source:
         for i, row in enumerate(rows, skip):
             yield _field(row, text_field, f"{name} ({config}) row {i}")
 
-    return Source(name, "hub", None, documents, hub_config=config)
+    return TextSource(name, "hub", None, documents, hub_config=config)
 
 
 def _load_streaming(name: str, config: Optional[str]):

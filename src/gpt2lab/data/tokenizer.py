@@ -13,7 +13,8 @@ A model names its tokenizer by identity (``GPTConfig.tokenizer``; None is GPT-2'
 travel with everything that holds a model (prepared data, a run, each checkpoint, an export); whoever
 reads a model from one of them reads its ``tokenizer.json`` from the same place (``load_tokenizer``,
 which checks the identity) and hands it on: there is no process-wide registry of tokenizers.
-``for_config(config, own)`` is the one rule for a model's tokenizer given what was read.
+``for_config(config, own)`` is the one rule for a model's tokenizer given what was read; ``for_model``
+reads it off a model.
 """
 
 from __future__ import annotations
@@ -351,6 +352,14 @@ def for_config(config: GPTConfig, own: Optional[Tokenizer] = None) -> Tokenizer:
             "gpt2lab.from_pretrained, whose model carries it)"
         )
     return own
+
+
+def for_model(model) -> Tokenizer:
+    """The tokenizer of ``model`` (``for_config`` of its config and the tokenizer it holds), through a
+    DDP wrapper (``.module``); GPT-2's BPE for a model that is not gpt2lab's (transformers')."""
+    inner = model if hasattr(model, "config") else getattr(model, "module", None)
+    config = getattr(inner, "config", None)
+    return for_config(config, getattr(inner, "tokenizer", None)) if isinstance(config, GPTConfig) else gpt2_tokenizer()
 
 
 def for_chat(tok: Tokenizer) -> Tokenizer:

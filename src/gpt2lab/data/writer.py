@@ -11,7 +11,6 @@ listed shard and writes the same bytes as one that never stopped.
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -19,7 +18,8 @@ import numpy as np
 
 from gpt2lab.data.manifest import finish_manifest, save_manifest
 from gpt2lab.data.shards import mask_path, open_shard, shard_name, write_mask, write_shard
-from gpt2lab.data.sources import Source, SourceError
+from gpt2lab.data.sources import SourceError, TextSource
+from gpt2lab.system.files import sha256_file
 
 
 class ShardWriter:
@@ -30,7 +30,7 @@ class ShardWriter:
     ``val_docs``), so its last shard is usually short and train starts with a whole document.
     """
 
-    def __init__(self, out: Path, manifest: Dict, src: Source, val_docs: Optional[int] = None) -> None:
+    def __init__(self, out: Path, manifest: Dict, src: TextSource, val_docs: Optional[int] = None) -> None:
         self.out, self.manifest, self.src = out, manifest, src
         s = manifest["settings"]
         self.shard_tokens, self.val_tokens, self.val_docs = s["shard_tokens"], s["val_tokens"], val_docs
@@ -57,9 +57,13 @@ class ShardWriter:
             d = self.src.file_starts[i]
             if d >= self.doc + n_docs:
                 break
-            token = base + int(starts[d - self.doc]) if d >= self.doc else base
-            path = self.src.files[i]
-            files.append({"path": path, "bytes": os.path.getsize(path), "first_doc": d, "first_token": token})
+            self._file(i, d, base + int(starts[d - self.doc]) if d >= self.doc else base)
+
+    def _file(self, i: int, first_doc: int, first_token: int) -> None:
+        """Record source file ``i`` by its content (sha256: data/manifest.py) and where it starts in the stream."""
+        path = self.src.files[i]
+        entry = {"path": path, "bytes": os.path.getsize(path), "sha256": sha256_file(path)}
+        self.manifest["files"].append({**entry, "first_doc": first_doc, "first_token": first_token})
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray, mask: Optional[np.ndarray] = None) -> None:
         """Append whole documents (concatenated, EOT first; conversations with their loss ``mask``);
@@ -104,13 +108,10 @@ class ShardWriter:
             entry["supervised"] = int(self.mask[: self.fill].sum(dtype=np.int64))
         write_shard(self.out / name, self.buf[: self.fill])
         self.written += self.fill
+        # where to resume after this shard: a source file changed later goes back to a shard's (data/manifest.py)
+        entry["resume"] = {"next_doc": next_doc, "offset": offset, "tokens": self.written, "val_end": self.val_end}
         self.manifest["shards"].append(entry)
-        self.manifest["resume"] = {
-            "next_doc": next_doc,
-            "offset": offset,
-            "tokens": self.written,
-            "val_end": self.val_end,
-        }
+        self.manifest["resume"] = dict(entry["resume"])
         save_manifest(self.out, self.manifest)  # after the rename: a listed shard is whole
         self.fill, self.docs_in_shard = 0, 0
 
@@ -119,10 +120,7 @@ class ShardWriter:
             self._flush(self.doc, 0)
         self._files_seen(self.written, np.zeros(0, dtype=np.int64), 0)
         for i in range(len(self.manifest["files"]), len(self.src.file_starts)):  # files with no documents left
-            path = self.src.files[i]
-            self.manifest["files"].append(
-                {"path": path, "bytes": os.path.getsize(path), "first_doc": self.doc, "first_token": self.written}
-            )
+            self._file(i, self.doc, self.written)
         self.manifest["resume"]["next_doc"] = self.doc
         if not self.manifest["shards"]:
             raise SourceError(
@@ -137,12 +135,4 @@ class ShardWriter:
         for info in self.manifest["splits"].values():  # a split that begins inside a document holds it too
             if open_shard(self.out / info["shards"][0])[0] != self.manifest["eot_id"]:
                 info["documents"] += 1
-        if "train" not in self.manifest["splits"]:
-            s = self.manifest["settings"]
-            sizes = (("--val-docs", "val_docs"), ("--val-bytes", "val_bytes"), ("--val-tokens", "val_tokens"))
-            flag, size = next((f, s.get(k)) for f, k in sizes if s.get(k) is not None)
-            warnings.warn(
-                f"{self.out}: all {self.written} tokens ({self.doc} documents) went to val ({flag} "
-                f"{size}); pass a smaller {flag} to get a train split"
-            )
         save_manifest(self.out, self.manifest)

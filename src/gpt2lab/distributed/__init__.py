@@ -1,1 +1,1 @@
-"""Layer 3: process groups and collectives (dist), DDP/FSDP2 wrapping (parallel), the memory planner (memplan)."""
+"""Layer 3: process groups and collectives (dist), DDP/FSDP2 wrapping (parallel)."""

@@ -7,24 +7,27 @@ Serves a plain ``python`` run (one process, any device), ``torchrun`` on one nod
 from __future__ import annotations
 
 import contextlib
-import os
+import re
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from gpt2lab.system import choices
+from gpt2lab.system import env
+from gpt2lab.system.errors import ConfigError
 
 
 def pick_device(name: Optional[str] = None) -> torch.device:
-    """``name`` if given ('cpu', 'cuda', 'cuda:1', 'mps'), else the best available: cuda > mps > cpu."""
+    """``name`` if given ('cpu', 'cuda', 'cuda:1', 'mps'), else the best available: cuda > mps > cpu.
+    A name that is no device of this machine is a ConfigError (exit 2), the same for every command."""
     if name and name != "auto":
+        if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", name):
+            raise ConfigError(f"--device {name}: not a device; use cpu, cuda, cuda:N, mps or auto")
         dev = torch.device(name)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise SystemExit(f"--device {name}: CUDA is not available on this machine; use --device cpu")
-        if dev.type == "mps" and not torch.backends.mps.is_available():
-            raise SystemExit(f"--device {name}: MPS is not available on this machine; use --device cpu")
+        there = {"cpu": 1, "cuda": torch.cuda.device_count(), "mps": int(torch.backends.mps.is_available())}[dev.type]
+        if (dev.index or 0) >= there:
+            raise ConfigError(f"--device {name}: this machine has {there} {dev.type} device(s); use --device auto")
         return dev
     if torch.cuda.is_available():
         return torch.device("cuda")
@@ -33,15 +36,12 @@ def pick_device(name: Optional[str] = None) -> torch.device:
     return torch.device("cpu")
 
 
-DTYPES = {name: getattr(torch, name) for name in choices.DTYPES}
-
-
 def autocast(device: torch.device, dtype: str | torch.dtype = "float32"):
     """Mixed-precision context for ``device`` (its own device type: MPS is not CPU).
 
     float32 means no autocast at all.
     """
-    dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if dt == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dt)
@@ -69,9 +69,8 @@ def init_distributed(device: Optional[str] = None) -> DistInfo:
     Without torchrun this is a single process on ``pick_device(device)``. Under torchrun
     each process takes cuda:LOCAL_RANK on GPU machines (NCCL) or the CPU (gloo).
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    launch = env.launch()
+    world, rank, local_rank = launch.world_size, launch.rank, launch.local_rank
     dev = pick_device(device)
     if world > 1:
         if dev.type == "cuda":
@@ -120,7 +119,7 @@ def broadcast(value):
     return box[0]
 
 
-def gather(value) -> list:
+def from_every_rank(value) -> list:
     """Every rank's ``value``, in rank order, on every rank."""
     if world() == 1:
         return [value]
@@ -134,7 +133,7 @@ def agree(failed: bool) -> bool:
 
     An object collective: it works on gloo and NCCL alike, whatever device holds the model.
     """
-    return any(gather(bool(failed)))
+    return any(from_every_rank(bool(failed)))
 
 
 def decided_on_rank_0(decide):
@@ -154,5 +153,5 @@ def decided_on_rank_0(decide):
 
 def print0(*args, **kwargs) -> None:
     """print on rank 0 only."""
-    if int(os.environ.get("RANK", "0")) == 0:
+    if env.launch().rank == 0:
         print(*args, **kwargs, flush=True)

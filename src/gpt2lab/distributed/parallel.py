@@ -29,15 +29,17 @@ finite-weights check and evaluation (``gathered``).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gpt2lab.distributed.dist import DTYPES, agree
+from gpt2lab.distributed.dist import agree, all_reduce_mean, all_reduce_sum, autocast
 from gpt2lab.system.choices import STRATEGY_CHOICES
 from gpt2lab.system.runtime import Choice, ChoiceError
+
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def choose_strategy(
@@ -88,15 +90,22 @@ def choose_strategy(
             "(--strategy fsdp shards weights, gradients and AdamW state)",
         )
     need, have = ddp_bytes / 2**30, device_bytes / 2**30
-    from gpt2lab.distributed.memplan import fits
-
     if not fits(ddp_bytes, device_bytes):
         return Choice(
             "fsdp",
-            f"DDP would need {need:.1f} GiB per rank (gpt2lab.distributed.memplan), more than "
+            f"DDP would need {need:.1f} GiB per rank (gpt2lab.train.memplan), more than "
             f"the device's {have:.1f} GiB: sharded over {world_size} processes",
         )
     return Choice("ddp", f"DDP needs {need:.1f} GiB per rank of the device's {have:.1f} GiB: it fits")
+
+
+def fits(predicted_bytes: int, device_bytes: int) -> bool:
+    """Whether a predicted peak fits a device: the one rule of the planner and of --strategy auto.
+
+    No further margin: the prediction's runtime term already holds the CUDA context and
+    room for the allocator's fragmentation, and it ran 0-5% above the measured peaks.
+    """
+    return predicted_bytes <= device_bytes
 
 
 def device_bytes(device: torch.device) -> Optional[int]:
@@ -136,7 +145,7 @@ def shard(model: nn.Module, *, dtype: str, compile: bool) -> nn.Module:
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    low = DTYPES[dtype]
+    low = getattr(torch, dtype)
     # cast_forward_inputs=False: the residual stream enters each block in fp32, as under DDP
     block_policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for block in model.transformer.h:
@@ -186,6 +195,52 @@ def sync_gradients(model: nn.Module, last: bool) -> Iterator[None]:
         yield
     else:
         yield
+
+
+def accumulate_gradients(
+    model: torch.nn.Module,
+    next_batch: Callable[[], Batch],
+    accum: int,
+    device: torch.device,
+    dtype: str,
+    scaler=None,
+    masked: bool = False,
+) -> torch.Tensor:
+    """Forward/backward ``accum`` micro-batches; return the mean loss over the step's targets, all ranks.
+
+    Each micro-loss (a mean over its targets) is weighted so that the summed gradients are those
+    of the mean over every target of the step: 1/accum when every micro-batch has the same number
+    of targets (text); ``masked`` (conversations, where targets the loss skips are -1), its share of
+    the step's supervised targets summed over ranks, so a micro-batch holding few assistant tokens
+    counts for few. Under DDP and FSDP, gradients are reduced over ranks (a mean) only on the last
+    micro-step.
+    """
+    batches = [next_batch() for _ in range(accum)] if masked else None
+    weights = _target_weights(batches, device) if masked else [1.0 / accum] * accum
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for micro in range(accum):
+        x, y = batches[micro] if masked else next_batch()
+        if device.type == "cuda" and x.device.type == "cpu":  # from pinned memory the copy is queued; from
+            x, y = x.pin_memory(), y.pin_memory()  # pageable it waits for the GPU (bench memory's are on the GPU)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        last = micro == accum - 1
+        with sync_gradients(model, last):
+            with autocast(device, dtype):
+                _, loss = model(x, y, return_logits=False)
+            loss = loss * weights[micro]
+            total += loss.detach().float()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+    return all_reduce_mean(total)
+
+
+def _target_weights(batches: list[Batch], device: torch.device) -> list[torch.Tensor]:
+    """Each micro-batch's weight n_i * world / N: n_i its supervised targets, N the step's over all
+    ranks (summed on the device: no host sync). Ranks' gradients are then averaged, so the step's
+    gradient is that of the mean loss over all N targets."""
+    counts = torch.tensor([float((y != -1).sum()) for _, y in batches], device=device)
+    n = all_reduce_sum(counts.sum())
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return list(counts * world / n.clamp(min=1))
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:

@@ -21,11 +21,10 @@ import urllib.request
 from dataclasses import dataclass
 from typing import BinaryIO, Callable, Optional
 
+from gpt2lab.system import env
 from gpt2lab.system.errors import GPT2LabError
 from gpt2lab.system.files import atomic_write, sweep_stale, tmp_name
 
-CACHE_ENV = "GPT2LAB_CACHE"
-OFFLINE_ENVS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 # Seconds the one download attempt waits to connect (and for each read): an unreachable network
 # fails in this long at most, with no retries.
 DOWNLOAD_TIMEOUT_S = 10
@@ -39,26 +38,14 @@ class DataSet:
 
     what: str  # "the official HellaSwag validation set"
     url: str
-    path: str  # under cache_dir(): "hellaswag/hellaswag_val.jsonl"
+    path: str  # under gpt2lab's cache (system.env.cache_dir): "hellaswag/hellaswag_val.jsonl"
     form: str  # what --data FILE holds instead: "a jsonl with ctx, endings, label"
     check: Callable[[str], object]
     second: Optional[tuple[str, Callable[[BinaryIO], None]]] = None
 
     def cached(self) -> str:
         """Where it is cached (it may not be there yet)."""
-        return os.path.join(cache_dir(), self.path)
-
-
-def cache_dir() -> str:
-    """Where downloads are kept: gpt2lab's cache ($GPT2LAB_CACHE, else ~/.cache/gpt2lab), as the probes'."""
-    from gpt2lab.system.runtime import _cache_dir
-
-    return _cache_dir()
-
-
-def offline() -> list[str]:
-    """Hugging Face's offline switches that are set (no download is even tried then)."""
-    return [v for v in OFFLINE_ENVS if os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")]
+        return os.path.join(env.cache_dir(), self.path)
 
 
 def cached_file(ds: DataSet, flag: str = "--data") -> str:
@@ -68,8 +55,8 @@ def cached_file(ds: DataSet, flag: str = "--data") -> str:
     dest = ds.cached()
     if os.path.isfile(dest):
         return dest
-    if offline():
-        raise _unavailable(ds, flag, f"{' and '.join(offline())} set")
+    if env.offline():
+        raise _unavailable(ds, flag, f"{' and '.join(env.offline())} set")
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     sweep_stale(os.path.dirname(dest))  # the temporaries of downloads that were killed
     try:

@@ -18,21 +18,16 @@ import json
 import os
 import warnings
 from dataclasses import dataclass
-from typing import BinaryIO, Iterator, Optional
+from typing import BinaryIO, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
+from gpt2lab.data.tokenizer import for_model
 from gpt2lab.distributed.dist import all_reduce_sum, autocast
-from gpt2lab.evals.download import (  # CACHE_ENV ... offline: train's preflight reads them here too
-    CACHE_ENV,  # noqa: F401
-    DOWNLOAD_TIMEOUT_S,  # noqa: F401
-    DataSet,
-    cache_dir,  # noqa: F401
-    cached_file,
-    offline,  # noqa: F401
-)
+from gpt2lab.evals.download import DataSet, cached_file
+from gpt2lab.system.choices import HELLASWAG_STRATEGIES
 
 # The official validation file (10,042 examples). The repository may go away; the HF
 # dataset below is the second source.
@@ -74,7 +69,7 @@ class Score:
 def load_examples(path: Optional[str] = None, limit: Optional[int] = None, flag: str = "--data") -> list[Example]:
     """Examples from a jsonl file with ``ctx``, ``endings`` and ``label`` on every line.
 
-    ``path`` None means the official validation set, downloaded once into ``cache_dir()``.
+    ``path`` None means the official validation set, downloaded once into gpt2lab's cache.
     ``limit`` keeps the first N examples. ``flag``: the caller's flag for ``path``, for messages.
     """
     if limit is not None and limit < 1:
@@ -187,16 +182,6 @@ def _block_size(model) -> int:
     return getattr(config, "block_size", None) or getattr(config, "n_positions", 1024)
 
 
-def _tokenizer(model):
-    """The model's tokenizer (data/tokenizer.py); GPT-2's for a model that is not gpt2lab's (transformers')."""
-    from gpt2lab.data.tokenizer import for_config, gpt2_tokenizer
-    from gpt2lab.model.config import GPTConfig
-
-    inner = model if hasattr(model, "config") else getattr(model, "module", None)
-    config = getattr(inner, "config", None)
-    return for_config(config, getattr(inner, "tokenizer", None)) if isinstance(config, GPTConfig) else gpt2_tokenizer()
-
-
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -277,9 +262,6 @@ def _score_shared(model, ctxs: list[list[int]], ends: list[list[list[int]]], *, 
     return sums.view(n, N_ENDINGS).cpu()
 
 
-STRATEGIES = ("auto", "padded", "shared")
-
-
 def resolve_strategy(strategy: str, model, device) -> str:
     """How rows share a forward pass. 'padded': rows of many examples padded into one
     batch; one graph with few shapes, so the one for compiled models. 'shared': each
@@ -293,8 +275,8 @@ def resolve_strategy(strategy: str, model, device) -> str:
     do), so its time follows the FLOP count, and the FLOP ratio (44.1 vs 21.6 GFLOP per
     example at 124M, docs/benchmarks.md) is arithmetic on the data set, not a property of
     the machine. A GPU instead pays per launch and is idle on small forwards."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if strategy not in HELLASWAG_STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(HELLASWAG_STRATEGIES)}, got {strategy!r}")
     if strategy == "shared" and _is_compiled(model):
         raise ValueError("strategy 'shared' recompiles for every context length; use 'padded' with a compiled model")
     if strategy == "auto":
@@ -333,13 +315,15 @@ def score_examples(
     batch_size: int = DEFAULT_BATCH_SIZE,
     strategy: str = "auto",
     progress: bool = False,
+    stop: Callable[[], bool] = bool,
 ) -> list[Score]:
-    """Score every example, up to ``batch_size`` examples per forward; results in input order."""
+    """Score every example, up to ``batch_size`` examples per forward; results in input order. ``stop()``
+    true before a batch (default: never) ends the scoring there: the scores after it are meaningless."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     device = torch.device(device)
     strategy, compiled = resolve_strategy(strategy, model, device), _is_compiled(model)
-    enc, block = _tokenizer(model), _block_size(model)
+    enc, block = for_model(model), _block_size(model)
     rendered = [_render(enc, ex, block) for ex in examples]
     n_cut = sum(r[2] for r in rendered)
     if n_cut:
@@ -353,6 +337,8 @@ def score_examples(
         batches = tqdm(batches, desc="hellaswag", unit="batch")
     sums = torch.zeros(len(examples), N_ENDINGS)
     for kind, idx in batches:
+        if stop():
+            break
         if kind == "shared":
             sums[idx] = _score_shared(
                 model, [rendered[i][0] for i in idx], [rendered[i][1] for i in idx], device=device, dtype=dtype
@@ -381,11 +367,14 @@ def evaluate_hellaswag(
     world_size: int = 1,
     strategy: str = "auto",
     progress: bool = False,
-) -> dict:
-    """HellaSwag accuracy of ``model``: {"task", "n", "acc", "acc_norm"}.
+    stop: Callable[[], bool] = bool,
+) -> Optional[dict]:
+    """HellaSwag accuracy of ``model``: {"task", "n", "acc", "acc_norm"}; None when ``stop()`` (looked at
+    before each batch; default: never) said to stop on any rank.
 
     Under torch.distributed each rank scores examples rank, rank + world_size, ... and the
-    counts are summed over ranks, so every rank returns the same, whole-set result.
+    counts are summed over ranks, so every rank returns the same, whole-set result (a rank that stops
+    early still meets the others at the sum).
     ``strategy`` is how rows share a forward pass (see ``resolve_strategy``).
     """
     if world_size > 1 and not (dist.is_available() and dist.is_initialized()):
@@ -400,13 +389,14 @@ def evaluate_hellaswag(
         batch_size=batch_size,
         strategy=strategy,
         progress=progress and rank == 0,
+        stop=stop,
     )
     counts = torch.tensor(
-        [len(scores), sum(s.pred == s.label for s in scores), sum(s.pred_norm == s.label for s in scores)],
+        [len(scores), sum(s.pred == s.label for s in scores), sum(s.pred_norm == s.label for s in scores), stop()],
         dtype=torch.long,
         device=device,
     )
     if world_size > 1:
         all_reduce_sum(counts)
-    n, correct, correct_norm = counts.tolist()
-    return {"task": "hellaswag", "n": n, "acc": correct / n, "acc_norm": correct_norm / n}
+    n, correct, correct_norm, stopped = counts.tolist()
+    return None if stopped else {"task": "hellaswag", "n": n, "acc": correct / n, "acc_norm": correct_norm / n}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -82,9 +82,11 @@ def evaluate(
     rank: int = 0,
     world_size: int = 1,
     flags: tuple[str, str] = ("--eval-tokens", "--micro-batch-size"),
-) -> LossResult:
+    stop: Callable[[], bool] = bool,
+) -> Optional[LossResult]:
     """Mean loss over the first ``tokens`` target tokens of ``split`` (at least one batch per rank), with
-    the targets counted and their bytes (bits per byte).
+    the targets counted and their bytes (bits per byte); None when ``stop()`` (looked at before each batch;
+    default: never) said to stop on any rank (each rank stops at its next batch, then all meet at the sums).
 
     The tokens are read in order and split over ranks, so every world size that divides
     the batches evenly sees the same tokens; the result is averaged across ranks.
@@ -117,6 +119,8 @@ def evaluate(
     if getattr(model, "decode", None) is not None:  # prepared: whole logits, so a few sequences at a time
         rows = max(1, LOGITS_PER_FORWARD // (seq_len * model.config.vocab_size))
     for _ in range(steps):
+        if stop():
+            break
         x, y = loader.next_batch()
         scored = y[y != -1]
         n_targets, n_bytes = n_targets + scored.numel(), n_bytes + int(table[scored].sum())
@@ -130,8 +134,10 @@ def evaluate(
             else:
                 total += loss.float() * (len(xs) / len(x))
     model.train(was_training)
-    counted = all_reduce_sum(torch.tensor([n_targets, n_bytes], dtype=torch.long, device=device))
-    targets, n_bytes = (int(v) for v in counted.tolist())
+    counted = all_reduce_sum(torch.tensor([n_targets, n_bytes, stop()], dtype=torch.long, device=device))
+    targets, n_bytes, stopped = (int(v) for v in counted.tolist())
+    if stopped:
+        return None
     if loader.masked:
         loss = (all_reduce_sum(total) / all_reduce_sum(kept).clamp(min=1)).item()
     else:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 from typing import Optional
 
 import torch
@@ -38,7 +37,7 @@ from gpt2lab.inference.kernels import (
 )
 from gpt2lab.model.gpt import GPT, CausalSelfAttention
 from gpt2lab.model.loss import LossPath
-from gpt2lab.system import runtime
+from gpt2lab.system import env, runtime
 
 # On a CPU the attention of a held model runs in fp32, whatever its linears' dtype (its KV cache is then
 # fp32 too). A decode step's attention reads a few MB at most; what it costs is the kernel: PyTorch's
@@ -122,7 +121,7 @@ def for_inference(
     dtype = dtype or str(next(model.parameters()).dtype).removeprefix("torch.")
     request = InferenceRequest(dtype=dtype, quantize=quantize, linear=linear, workload="sample", rows=rows)
     facts = detect_facts(device)
-    if dtype == "auto" and os.environ.get("GPT2LAB_PROBE", "1") != "0":
+    if dtype == "auto" and env.probe_mode() != "0":
         names = [c.name for c in candidates(request, facts)]
         found = probe_cache.entries().get(probe_cache.key(model.config, device, names))
         facts = dataclasses.replace(facts, timings=probe_cache.timings(found))

@@ -30,7 +30,6 @@ reads the cache at most. ``GPT2LAB_PROBE=0`` skips the measuring (the device's r
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
 import sys
 import time
@@ -59,7 +58,7 @@ from gpt2lab.inference.choice import (
 from gpt2lab.inference.form import detect_facts, hold
 from gpt2lab.inference.kernels import has_tiles, set_tile_rows
 from gpt2lab.model.gpt import GPT
-from gpt2lab.system import runtime
+from gpt2lab.system import env, runtime
 
 CONTEXT = 32  # tokens already cached when decode steps are timed
 STEPS = 4  # decode steps per timed call
@@ -325,10 +324,6 @@ def _rows_timings(model, pool, request, device, doubts: list, held: dict) -> dic
     return {k: (t.step_rows if isinstance(t, Timing) else t) for k, t in out.items()}
 
 
-def _probe_mode() -> str:
-    return os.environ.get("GPT2LAB_PROBE", "1")
-
-
 @torch.inference_mode()
 def estimate_seconds(
     model: GPT, n_candidates: int, request: InferenceRequest, device: torch.device, n_rows: int = 0
@@ -384,7 +379,7 @@ def decide(
     stderr, ``command`` first) and choose."""
     facts = facts or detect_facts(device)
     cands = candidates(request, facts)
-    mode = _probe_mode()
+    mode = env.probe_mode()
     if len(cands) == 1 or mode == "0":
         return choose(request, facts)
     first = device_pick(cands, facts)  # the likeliest winner first: it sets the bar to give up at
@@ -472,7 +467,7 @@ class Watch:
 def watch(decision: Decision, model: GPT, device: torch.device, command: str) -> Optional[Watch]:
     """The Watch of a decision whose figures are in the cache (None otherwise: nothing to drop)."""
     t = (decision.timings or {}).get(decision.candidate.name)
-    if _probe_mode() == "0" or not isinstance(t, Timing) or t.step1 is None:
+    if env.probe_mode() == "0" or not isinstance(t, Timing) or t.step1 is None:
         return None
     key = probe_cache.key(model.config, device, list(decision.timings))
     if key not in probe_cache.entries():

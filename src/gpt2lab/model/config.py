@@ -24,6 +24,7 @@ CHAT_VOCAB_SIZES = {"chatml": GPT2_VOCAB_SIZE + 2}
 def _f(
     default: Any,
     help: str,
+    within: Optional[str] = None,
     derived: bool = False,
     shape: bool = False,
     arch: Optional[bool] = None,
@@ -31,7 +32,8 @@ def _f(
 ) -> Any:
     # shape: the field sets parameter shapes (a checkpoint loads only into the same values).
     # arch: the field changes what the weights compute, so ``--init-from`` takes it from the
-    # source (every shape field, and the modern block's switches). choices: a text field's values.
+    # source (every shape field, and the modern block's switches). choices: a text field's values;
+    # within: a number's range (check_fields).
     return field(
         default=default,
         metadata={
@@ -40,8 +42,30 @@ def _f(
             "shape": shape,
             "arch": shape if arch is None else arch,
             "choices": choices,
+            "within": within,
         },
     )
+
+
+# The ranges number fields declare most (``within``: any interval, "[a, b)", "(a, b]", read by check_fields).
+AT_LEAST_1, AT_LEAST_0, ABOVE_0, FRACTION = "[1, inf)", "[0, inf)", "(0, inf)", "[0, 1)"
+
+
+def check_fields(config: Any) -> None:
+    """Each field of the dataclass ``config`` among its declared ``choices`` and ``within`` its declared
+    range (an interval, "[0, 1)"; an optional field unset, None, passes); else a ConfigError naming it. The one
+    check of a field's own value, for the architecture and every section of a run's settings alike."""
+    for f in fields(config):
+        value, choices, within = getattr(config, f.name), f.metadata.get("choices"), f.metadata.get("within")
+        if choices and value is not None and value not in choices:
+            raise ConfigError(f"{f.name} {value!r}: choose one of {', '.join(choices)}")
+        if within is None or value is None:
+            continue
+        low, high = within[1:-1].split(", ")
+        above = float(low) <= value if within[0] == "[" else float(low) < value
+        if not (above and (value <= float(high) if within[-1] == "]" else value < float(high))):
+            bound = f"in {within}" if high != "inf" else f"{'>=' if within[0] == '[' else '>'} {low}"
+            raise ConfigError(f"{f.name} {value} must be {bound}")
 
 
 # The modern block's switches (modded-nanogpt's speedrun record log measures each). Every
@@ -53,31 +77,38 @@ MLP_ACTS = ("gelu", "relu2")
 
 @dataclass
 class GPTConfig:
-    n_layer: int = _f(12, "transformer blocks", shape=True)
-    n_head: int = _f(12, "attention heads per block", shape=True)
-    n_embd: int = _f(768, "width of the residual stream", shape=True)
-    block_size: int = _f(1024, "longest sequence the model accepts (rows of the position embedding)", shape=True)
+    n_layer: int = _f(12, "transformer blocks", AT_LEAST_1, shape=True)
+    n_head: int = _f(12, "attention heads per block", AT_LEAST_1, shape=True)
+    n_embd: int = _f(768, "width of the residual stream", AT_LEAST_1, shape=True)
+    block_size: int = _f(
+        1024, "longest sequence the model accepts (rows of the position embedding)", AT_LEAST_1, shape=True
+    )
     vocab_size: int = _f(
-        50257, "rows of wte / lm_head; 50304 = 50257 padded to a multiple of 128 for speed", shape=True
+        50257, "rows of wte / lm_head; 50304 = 50257 padded to a multiple of 128 for speed", AT_LEAST_1, shape=True
     )
     # Rows of wte at or above it are padding: trained like any other but never sampled and
     # dropped on export. None means vocab_size. A run derives it from the tokenizer.
-    token_vocab_size: Optional[int] = _f(None, "the tokenizer's vocabulary (rows past it are padding)", derived=True)
+    token_vocab_size: Optional[int] = _f(
+        None, "the tokenizer's vocabulary (rows past it are padding)", AT_LEAST_1, derived=True
+    )
     # A chat model's template (data/chat.py: "chatml", whose two turn tokens make the tokenizer's
     # vocabulary 50259); None for a base model. A run derives it from its data (or its --init-from).
     chat_template: Optional[str] = _f(
-        None, "the chat template the model was fine-tuned in (chatml); none for a base model", derived=True
+        None,
+        "the chat template the model was fine-tuned in (chatml); none for a base model",
+        derived=True,
+        choices=tuple(CHAT_VOCAB_SIZES),
     )
     # The tokenizer's identity: the sha256 of its tokenizer.json (data/tokenizer.py; `gpt2lab tokenizer
     # train`), whose file travels with the model; None for GPT-2's BPE. A run derives it from its data.
     tokenizer: Optional[str] = _f(
         None, "the model's own tokenizer (sha256 of its tokenizer.json); none for GPT-2's", derived=True
     )
-    layer_norm_epsilon: float = _f(1e-5, "epsilon of every LayerNorm")
+    layer_norm_epsilon: float = _f(1e-5, "epsilon of every LayerNorm", ABOVE_0)
     # Dropout as GPT-2 has it (HF's names). Active only in training mode.
-    embd_pdrop: float = _f(0.0, "dropout on the token + position embeddings (GPT-2 fine-tuning: 0.1)")
-    attn_pdrop: float = _f(0.0, "dropout on the attention weights")
-    resid_pdrop: float = _f(0.0, "dropout on each residual branch's output")
+    embd_pdrop: float = _f(0.0, "dropout on the token + position embeddings (GPT-2 fine-tuning: 0.1)", FRACTION)
+    attn_pdrop: float = _f(0.0, "dropout on the attention weights", FRACTION)
+    resid_pdrop: float = _f(0.0, "dropout on each residual branch's output", FRACTION)
     # The modern block (docs/recipes.md, "A modern block"): each off by default, any combination allowed.
     pos_emb: str = _f(
         "learned",
@@ -87,7 +118,10 @@ class GPTConfig:
         choices=POS_EMB,
     )
     rope_theta: float = _f(
-        10000.0, "rotary base: pair i of a head turns at rope_theta^(-2i/head_size) radians per position", arch=True
+        10000.0,
+        "rotary base: pair i of a head turns at rope_theta^(-2i/head_size) radians per position",
+        ABOVE_0,
+        arch=True,
     )
     norm: str = _f(
         "layernorm",
@@ -113,13 +147,16 @@ class GPTConfig:
         False,
         "initialise the attention and MLP output projections (c_proj) to zero, so every block starts as the identity",
     )
-    logit_softcap: float = _f(0.0, "cap the logits smoothly at +-X: X * tanh(logits / X); 0 = off", arch=True)
+    logit_softcap: float = _f(
+        0.0, "cap the logits smoothly at +-X: X * tanh(logits / X); 0 = off", AT_LEAST_0, arch=True
+    )
     # The open GPT-2 speedrun's levers (modded-nanogpt's record log): each off by default.
     value_embeds: int = _f(
         0,
         "K extra token-embedding tables mixed into the attention values, U-net style: "
         "table i into layer i and into layer n_layer-K+i, as v = (1-g) v + g table[token] "
         "with a learned scalar g per layer (starting at 0.5); 0 = off",
+        AT_LEAST_0,
         shape=True,
     )
     unet_skips: bool = _f(
@@ -139,31 +176,23 @@ class GPTConfig:
         "hidden state h (after ln_f) through h + W_d h (W_d a C x C matrix, zero at the start) and "
         "the shared unembedding; their mean cross entropy is an auxiliary training loss, dropped "
         "at export (0 = off)",
+        AT_LEAST_0,
         shape=True,
     )
-    mtp_weight: float = _f(0.3, "multi-token prediction: weight of the auxiliary loss at step 0")
+    mtp_weight: float = _f(0.3, "multi-token prediction: weight of the auxiliary loss at step 0", AT_LEAST_0)
     mtp_weight_final: Optional[float] = _f(
         None,
         "multi-token prediction: weight of the auxiliary loss at the last step, reached linearly "
         "from mtp_weight (none = mtp_weight throughout)",
+        AT_LEAST_0,
     )
 
     def __post_init__(self) -> None:
-        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_fields(self)
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}; change one of them")
-        if self.token_vocab_size is not None and not 1 <= self.token_vocab_size <= self.vocab_size:
+        if self.token_vocab_size is not None and self.token_vocab_size > self.vocab_size:
             raise ValueError(f"token_vocab_size {self.token_vocab_size} must be in [1, vocab_size {self.vocab_size}]")
-        for name in ("embd_pdrop", "attn_pdrop", "resid_pdrop"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name} {getattr(self, name)} must be in [0, 1)")
-        for f in fields(self):
-            if f.metadata["choices"] and getattr(self, f.name) not in f.metadata["choices"]:
-                raise ValueError(
-                    f"{f.name} {getattr(self, f.name)!r} must be one of {', '.join(f.metadata['choices'])}"
-                )
         if self.pos_emb == "rotary" and (self.n_embd // self.n_head) % 2:
             raise ValueError(
                 f"rotary positions need an even head size; n_embd {self.n_embd} / n_head "
@@ -171,28 +200,18 @@ class GPTConfig:
             )
         if self.tokenizer is not None and not re.fullmatch(r"[0-9a-f]{64}", str(self.tokenizer)):
             raise ValueError(f"tokenizer {self.tokenizer!r} must be the sha256 (64 hex digits) of a tokenizer.json")
-        if self.chat_template is not None and self.chat_template not in CHAT_VOCAB_SIZES:
-            raise ValueError(f"chat_template {self.chat_template!r} must be one of {', '.join(CHAT_VOCAB_SIZES)}")
-        if self.rope_theta <= 0:
-            raise ValueError(f"rope_theta {self.rope_theta} must be > 0")
-        if self.logit_softcap < 0:
-            raise ValueError(f"logit_softcap {self.logit_softcap} must be >= 0 (0 = off)")
-        if not 0 <= 2 * self.value_embeds <= self.n_layer:
+        if 2 * self.value_embeds > self.n_layer:
             raise ValueError(
                 f"value_embeds {self.value_embeds} must be in [0, n_layer / 2] (each table feeds a "
                 f"first and a last layer; n_layer {self.n_layer})"
             )
         if self.unet_skips and self.n_layer < 2:
             raise ValueError("unet_skips needs n_layer >= 2 (block i feeds block n_layer-1-i for i < n_layer // 2)")
-        if not 0 <= self.mtp_heads < self.block_size:
+        if self.mtp_heads >= self.block_size:
             raise ValueError(
                 f"mtp_heads {self.mtp_heads} must be in [0, block_size {self.block_size}) (head d predicts "
                 "the token d+1 places after its own position, inside the sequence)"
             )
-        for name in ("mtp_weight", "mtp_weight_final"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"{name} {value} must be >= 0 (the auxiliary loss's weight)")
         if self.zero_init_head and self.tie_embeddings:
             raise ValueError(
                 "zero_init_head needs tie_embeddings false (a tied lm_head is wte: zeroing it would "
@@ -204,13 +223,11 @@ class GPTConfig:
         return self.token_vocab_size or self.vocab_size
 
     def modern(self) -> dict:
-        """The modern-block and lever fields set away from GPT-2's defaults, by name."""
-        base = GPTConfig()
-        return {
-            f.name: getattr(self, f.name)
-            for f in fields(self)
-            if f.name in MODERN_FIELDS and getattr(self, f.name) != getattr(base, f.name)
-        }
+        """The modern-block and lever fields (declared from ``pos_emb`` to ``mtp_heads``: what a GPT-2 does
+        not have) set away from GPT-2's defaults, by name."""
+        names, base = [f.name for f in fields(self)], GPTConfig()
+        modern = names[names.index("pos_emb") : names.index("mtp_heads") + 1]
+        return {n: getattr(self, n) for n in modern if getattr(self, n) != getattr(base, n)}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -266,25 +283,6 @@ SIZES = (
 HUB_NAMES = tuple(s.hub for s in SIZES)
 PRESETS = {s.hub: s.shape for s in SIZES}
 PRESET_ALIASES = {s.label.lower(): s.hub for s in SIZES}
-
-
-# The fields a GPT-2 does not have: the modern block's switches and the speedrun's levers.
-MODERN_FIELDS = (
-    "pos_emb",
-    "rope_theta",
-    "norm",
-    "qk_norm",
-    "mlp_act",
-    "tie_embeddings",
-    "bias",
-    "embed_norm",
-    "zero_init_proj",
-    "logit_softcap",
-    "value_embeds",
-    "unet_skips",
-    "zero_init_head",
-    "mtp_heads",
-)
 
 
 # -- the architecture in a run config (config.json, presets, flags) ------------------------

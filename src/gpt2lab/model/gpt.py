@@ -266,6 +266,15 @@ class GPT(nn.Module):
         # for a fraction of the activation memory). The trainer sets it; no weights change.
         self.activation_checkpointing = False
 
+    @classmethod
+    def from_pretrained(cls, source: str, device: Optional[torch.device | str] = None) -> "GPT":
+        """``GPT.from_pretrained("gpt2")``: ``gpt2lab.from_pretrained``, the one loader (weights/load.py:
+        a hub name, an HF directory, a run or checkpoint directory), imported here only when called, so
+        the model stays a leaf (tests/unit/test_layering.py names this one exemption)."""
+        from gpt2lab.weights.load import from_pretrained
+
+        return from_pretrained(source, device)
+
     def set_loss(self, path: LossPath) -> "GPT":
         """How the training loss (``return_logits=False``) is computed: ``path.chunked``, model.loss's
         chunked cross-entropy, never holding the (B*T, vocab) logits, its kernel compiled if

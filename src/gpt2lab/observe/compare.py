@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from gpt2lab.model.config import config_value
-from gpt2lab.observe.plot import read_metrics, read_run_config, save_png
+from gpt2lab.observe.plot import new_figure, read_metrics, read_run_config, save_png
+from gpt2lab.system.errors import DataError, UsageError
 
 
 @dataclass
@@ -101,11 +102,9 @@ def comparison_table(curves: list[Curve], target: float, metric: str = "val_loss
     return "\n".join(lines)
 
 
-def build_figure(curves: list[Curve], target: float, metric: str = "val_loss"):
+def compare_figure(curves: list[Curve], target: float, metric: str = "val_loss"):
     """Left: the loss against tokens; right: against training seconds; the target dashed."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(13, 5))
+    fig = new_figure(figsize=(13, 5))
     by_tokens, by_seconds = fig.subplots(1, 2)
     for c in curves:
         if not c.points:
@@ -128,12 +127,12 @@ def compare_runs(
     """The comparison table of ``run_dirs`` (target: the first run's final loss unless given);
     with ``out_png``, the plot too (written atomically)."""
     if len(run_dirs) < 2:
-        raise ValueError("compare needs two or more run directories")
+        raise UsageError("compare needs two or more run directories (the first is the baseline)")
     curves = [load_curve(d, metric) for d in run_dirs]
     if target is None:
         if curves[0].final is None:
-            raise ValueError(f"{run_dirs[0]}: no {metric} logged; pass --loss X")
+            raise DataError(f"{run_dirs[0]}: no {metric} logged; pass --loss X")
         target = curves[0].final[3]
     if out_png:
-        save_png(build_figure(curves, target, metric), out_png)
+        save_png(compare_figure(curves, target, metric), out_png)
     return comparison_table(curves, target, metric)

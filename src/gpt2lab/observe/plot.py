@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from gpt2lab.model.config import SIZES
-from gpt2lab.system import formats
-from gpt2lab.system.errors import DataError
+from gpt2lab.system import formats, rundir
+from gpt2lab.system.errors import DataError, UsageError
 from gpt2lab.system.files import atomic_write
 
 GPT2_124M_VAL_LOSS = 3.2924  # OpenAI GPT-2 124M on the FineWeb-Edu val shard (reference recipe)
@@ -90,9 +90,9 @@ def read_metrics(path: str) -> list[dict]:
             if lineno == len(lines) and not text.endswith("\n"):
                 warnings.warn(f"{path}:{lineno}: unfinished last line left out")
                 continue
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
         if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
-            raise ValueError(f"{path}:{lineno}: each line must be a JSON object with an integer 'step'")
+            raise DataError(f"{path}:{lineno}: each line must be a JSON object with an integer 'step'")
         records.append(rec)
     return records
 
@@ -141,11 +141,11 @@ def read_run_config(run_dir: str) -> Optional[dict]:
         try:
             config = json.load(f)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e.msg})") from None
+            raise DataError(f"{path}: not valid JSON ({e.msg})") from None
         except UnicodeDecodeError:
-            raise ValueError(f"{path}: not UTF-8 text, so not JSON") from None
+            raise DataError(f"{path}: not UTF-8 text, so not JSON") from None
     if not isinstance(config, dict):
-        raise ValueError(f"{path}: not a JSON object (a run's config.json holds its settings by section)")
+        raise DataError(f"{path}: not a JSON object (a run's config.json holds its settings by section)")
     return formats.unstamp(config, path, formats.RUN)
 
 
@@ -154,13 +154,20 @@ def _points(values: list) -> dict:
     return dict(marker="o", ms=4) if len(values) <= MARKED_UP_TO else {}
 
 
+def new_figure(**kwargs):
+    """A matplotlib Figure (its own canvas, no pyplot); without matplotlib, one line saying how to get it."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise UsageError(f"plots need matplotlib ({e}); pip install 'gpt2lab[plot]'") from None
+    return Figure(**kwargs)
+
+
 def build_figure(runs: list[Run]):
     """Train and val loss (log y), with GPT-2 124M's val loss where a run trained on its corpus
     (FineWeb-Edu); beside it, where a run has HellaSwag results, their acc_norm against OpenAI's."""
-    from matplotlib.figure import Figure
-
     hellaswag = any(r.series.get("hellaswag_acc_norm") for r in runs)
-    fig = Figure(figsize=(14, 5) if hellaswag else (8, 5))
+    fig = new_figure(figsize=(14, 5) if hellaswag else (8, 5))
     ax_loss, ax_hs = fig.subplots(1, 2) if hellaswag else (fig.subplots(1, 1), None)
     for run in runs:
         for metric, style in (("train_loss", dict(alpha=0.6, lw=1)), ("val_loss", dict(lw=2))):
@@ -215,51 +222,18 @@ def summary_table(runs: list[Run]) -> str:
 def plot_runs(run_dirs: list[str], out_png: str, summary: bool = False) -> Optional[str]:
     """Write the plot of ``run_dirs`` to ``out_png`` (atomically); with ``summary`` also
     return the Markdown summary table."""
-    if not run_dirs:
-        raise ValueError("plot needs at least one run directory")
     runs = [load_run(d) for d in run_dirs]
     save_png(build_figure(runs), out_png)
     return summary_table(runs) if summary else None
 
 
-# The tEXt chunk every PNG gpt2lab writes carries; an existing file is replaced only with it.
-PNG_SOFTWARE = "gpt2lab"
-
-
-def written_by_gpt2lab(path: str) -> bool:
-    """``path`` is a PNG that save_png wrote (its Software text chunk says so), or a run
-    directory's own plot.png (from a version that wrote no chunk)."""
-    from gpt2lab.system import rundir
-
-    try:
-        with open(path, "rb") as f:
-            head = f.read(1 << 16)  # matplotlib writes its text chunks before the image data
-    except OSError:
-        return False
-    if not head.startswith(b"\x89PNG"):
-        return False
-    if b"Software\x00" + PNG_SOFTWARE.encode() in head:
-        return True
-    return (
-        os.path.basename(path) == "plot.png"
-        and rundir.inspect(os.path.dirname(os.path.abspath(path))).kind == rundir.RUN
-    )
-
-
 def save_png(fig, out_png: str, flag: str = "--out") -> None:
-    """A matplotlib figure as a PNG at ``out_png``, atomically (a temporary sibling, then rename).
-
-    A file already at ``out_png`` is replaced only if gpt2lab wrote it (``written_by_gpt2lab``);
-    anything else there is a UsageError naming ``flag`` and the path, and stays untouched."""
+    """A matplotlib figure as a PNG at ``out_png``, atomically, with gpt2lab's mark; a file there that
+    gpt2lab did not write is refused (system/rundir.py's rule) and stays untouched."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    from gpt2lab.system.errors import UsageError
-
-    if os.path.lexists(out_png) and not (os.path.isfile(out_png) and written_by_gpt2lab(out_png)):
-        raise UsageError(
-            f"{flag} {out_png}: a file gpt2lab did not write is there; pick another path (nothing was overwritten)"
-        )
+    rundir.check(out_png, rundir.FILE, flag, "pick another path")
     FigureCanvasAgg(fig)
     os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
     with atomic_write(out_png, "wb") as fh:
-        fig.savefig(fh, format="png", dpi=100, metadata={"Software": PNG_SOFTWARE})
+        fig.savefig(fh, format="png", dpi=100, metadata=rundir.PNG_MARK)

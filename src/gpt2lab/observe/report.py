@@ -25,6 +25,8 @@ from gpt2lab.data.tokenizer import short
 from gpt2lab.model.config import config_value
 from gpt2lab.observe import plot
 from gpt2lab.system import rundir
+from gpt2lab.system.errors import DataError
+from gpt2lab.system.files import atomic_write
 
 RUNNING_IF_WRITTEN_WITHIN_S = 600  # or 20 median steps, whichever is longer: evaluations pause the log
 EVENT_KEYS = ("skipped", "spike", "rollback")  # records that mark a step out of the ordinary
@@ -45,12 +47,6 @@ class Report:
     sections: list[Section] = field(default_factory=list)
 
 
-def _model_section(config: dict) -> dict:
-    """The architecture fields of a run's config.json (its "model" section)."""
-    model = config.get("model")
-    return model if isinstance(model, dict) else {}  # a "model" that is no table: the report still shows the rest
-
-
 def _read_json(path: str) -> dict:
     if not os.path.isfile(path):
         return {}
@@ -58,9 +54,9 @@ def _read_json(path: str) -> dict:
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e.msg}); the report needs it readable or absent") from None
+        raise DataError(f"{path}: not valid JSON ({e.msg}); the report needs it readable or absent") from None
     except UnicodeDecodeError:
-        raise ValueError(f"{path}: not UTF-8 text, so not JSON; the report needs it readable or absent") from None
+        raise DataError(f"{path}: not UTF-8 text, so not JSON; the report needs it readable or absent") from None
     return data if isinstance(data, dict) else {}
 
 
@@ -83,12 +79,6 @@ def _checkpoints(run_dir: str) -> list[tuple[int, str, int]]:
     return out
 
 
-def _live_lock(run_dir: str) -> Optional[int]:
-    """The pid of the live run holding the directory's lock (system.rundir), if one does."""
-    who = rundir.holder(run_dir)
-    return None if who is None else who.get("pid")
-
-
 def run_status(
     run_dir: str, config: dict, records: list[dict], cut: bool, ckpts: list, now: float, info: Optional[dict] = None
 ) -> str:
@@ -103,12 +93,12 @@ def run_status(
     age = now - os.path.getmtime(metrics) if os.path.exists(metrics) else float("inf")
     dts = [r["dt_ms"] / 1000 for r in records if isinstance(r.get("dt_ms"), (int, float))]
     window = max(RUNNING_IF_WRITTEN_WITHIN_S, 20 * statistics.median(dts)) if dts else RUNNING_IF_WRITTEN_WITHIN_S
-    pid = _live_lock(run_dir)
-    if pid is not None:  # the lock is the truth: the kernel drops it with its process, however it ends
-        return f"running: at {where} (lock held by pid {pid})"
+    who = rundir.holder(run_dir)
+    if who is not None:  # the lock is the truth: the kernel drops it with its process, however it ends
+        return f"running: at {where} (lock held by pid {who.get('pid')})"
     if not os.path.exists(os.path.join(run_dir, rundir.LOCK_FILE)) and age < window:  # a run of a version
         return f"running: at {where} (last record {age:.0f} s ago)"  # that kept no lock
-    resume = resume_command(info or {})
+    resume = continue_command(info or {})
     if cut:
         return f"crashed: metrics.jsonl ends in a cut line (killed mid-write) at {where}; " + _resume_hint(
             ckpt_steps, resume
@@ -125,7 +115,7 @@ def _resume_hint(ckpt_steps: list[int], resume: str) -> str:
     return f"{resume} continues from step {ckpt_steps[-1]}"
 
 
-def resume_command(info: dict) -> str:
+def continue_command(info: dict) -> str:
     """How to continue the run: the command its start recorded (run_info.json's ``resume_with``), else its
     ``gpt2lab train`` command line with ``--resume auto`` in place of any --resume, else the flag."""
     said = info.get("resume_with")
@@ -134,12 +124,7 @@ def resume_command(info: dict) -> str:
     line = command_line(info)
     if not line or not line.startswith("gpt2lab train "):
         return "`--resume auto`"
-    words, out = shlex.split(line), []
-    for i, word in enumerate(words):
-        if word == "--resume" or word.startswith("--resume=") or (i and words[i - 1] == "--resume"):
-            continue
-        out.append(word)
-    return f"`{shlex.join(out + ['--resume', 'auto'])}`"
+    return f"`{rundir.resume_command(shlex.split(line)[1:], 'gpt2lab')}`"
 
 
 def command_line(info: dict) -> Optional[str]:
@@ -223,7 +208,7 @@ def _last(records: list[dict], key: str) -> Optional[tuple[int, float]]:
     return found[-1] if found else None
 
 
-def _results(records: list[dict], size: Optional[str], fineweb_edu: bool) -> list[list[Any]]:
+def _results(records: list[dict], size: Optional[str], fineweb_edu: bool) -> Section:
     """The last of each metric the run logged, beside OpenAI's where they apply: GPT-2 124M's val loss on
     FineWeb-Edu for a run on that corpus, HellaSwag's published acc_norm for a run with HellaSwag results
     (its size's, else 124M's for scale). No baseline that applies: no baseline columns."""
@@ -246,8 +231,10 @@ def _results(records: list[dict], size: Optional[str], fineweb_edu: bool) -> lis
     if bpb:  # bits per byte: comparable across tokenizers (runs written before it have none)
         rows.append(["val bits per byte (the loss over the text's UTF-8 bytes)", fmt(bpb), "-", "-"])
     if all(row[2:] == ["-", "-"] for row in rows):
-        return [["metric", "this run"], *[row[:2] for row in rows]]
-    return [["metric", "this run", f"OpenAI GPT-2 {ref}", f"OpenAI GPT-3 {ref}"], *rows]
+        return Section("Final metrics", table=[["metric", "this run"], *[row[:2] for row in rows]])
+    head = ["metric", "this run", f"OpenAI GPT-2 {ref}", f"OpenAI GPT-3 {ref}"]
+    scale = "" if size else "This run is not a GPT-2 size; the 124M baselines are shown for scale."
+    return Section("Final metrics against OpenAI's models", text=scale, table=[head, *rows])
 
 
 # run_info.json keys the report shows elsewhere: the plan's config is config.json's (its own section)
@@ -275,14 +262,14 @@ def _facts(info: dict) -> list[list[Any]]:
 
 
 def _figure_png(run_dir: str) -> bytes:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the cut last line is reported in the status instead
         fig = plot.build_figure([plot.load_run(run_dir)])
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
     FigureCanvasAgg(fig)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
+    fig.savefig(buf, format="png", dpi=90, metadata=rundir.PNG_MARK)
     return buf.getvalue()
 
 
@@ -295,7 +282,7 @@ def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True)
     records, cut = read_records(run_dir)
     ckpts = _checkpoints(run_dir)
     size = plot.detect_size(config) if config else None
-    arch = _model_section(config)
+    arch = config.get("model") if isinstance(config.get("model"), dict) else {}  # no table: the rest still shows
     status = run_status(run_dir, config, records, cut, ckpts, time.time() if now is None else now, info)
     fineweb_edu = plot.is_fineweb_edu(plot.data_source(run_dir, config))
     what = [
@@ -322,7 +309,7 @@ def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True)
     rep.sections += [
         Section("What was run", table=what),
         Section("How long and how fast", table=_speed(records, config, run_dir)),
-        _results_section(_results(records, size, fineweb_edu), size),
+        _results(records, size, fineweb_edu),
         Section(
             "Curves",
             image_png=_figure_png(run_dir) if records and curves else None,
@@ -359,16 +346,6 @@ def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True)
     return rep
 
 
-def _results_section(table: list[list[Any]], size: Optional[str]) -> Section:
-    if len(table[0]) == 2:
-        return Section("Final metrics", table=table)
-    return Section(
-        "Final metrics against OpenAI's models",
-        table=table,
-        text="" if size else "This run is not a GPT-2 size; the 124M baselines are shown for scale.",
-    )
-
-
 def _event_text(r: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in r.items() if k != "step")
 
@@ -389,8 +366,8 @@ def _cell(v: Any) -> str:
 def to_html(rep: Report) -> str:
     kind = rep.status.split(":")[0].split()[0]
     parts = [
-        f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(rep.title)}</title>"
-        f"<style>{_CSS}</style></head><body><h1>{html.escape(rep.title)}</h1>",
+        f"<!doctype html>{rundir.TEXT_MARK}<html lang='en'><head><meta charset='utf-8'>"
+        f"<title>{html.escape(rep.title)}</title><style>{_CSS}</style></head><body><h1>{html.escape(rep.title)}</h1>",
         f"<p class='status {html.escape(kind)}' id='status'>{html.escape(rep.status)}</p>",
     ]
     for s in rep.sections:
@@ -414,7 +391,7 @@ def _md_cell(v: Any) -> str:
 
 
 def to_markdown(rep: Report, image_name: Optional[str]) -> str:
-    lines = [f"# {rep.title}", "", f"**Status:** {rep.status}", ""]
+    lines = [rundir.TEXT_MARK, f"# {rep.title}", "", f"**Status:** {rep.status}", ""]
     for s in rep.sections:
         lines += [f"## {s.title}", ""]
         if s.text:
@@ -430,23 +407,21 @@ def to_markdown(rep: Report, image_name: Optional[str]) -> str:
     return "\n".join(lines)
 
 
-def _write(path: str, data: bytes) -> None:
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-    os.replace(tmp, path)
-
-
 def write_report(run_dir: str, out_html: Optional[str] = None) -> tuple[str, str, Report]:
     """Write the HTML report (default RUN/report.html), its Markdown twin (.md) and the
-    curves beside it (.png, which the Markdown shows); return (html path, md path, report)."""
+    curves beside it (.png, which the Markdown shows); return (html path, md path, report).
+    Each replaces only a file gpt2lab wrote (system/rundir.py's rule), checked before any is written."""
     out_html = out_html or os.path.join(run_dir, "report.html")
-    rep = build_report(run_dir)
     base = out_html[:-5] if out_html.endswith(".html") else out_html
+    for path in (out_html, base + ".md", base + ".png"):
+        rundir.check(path, rundir.FILE, "--out", "pick another --out")
+    rep = build_report(run_dir)
     os.makedirs(os.path.dirname(os.path.abspath(out_html)), exist_ok=True)
     png = next((s.image_png for s in rep.sections if s.image_png), None)
-    if png:
-        _write(base + ".png", png)
-    _write(out_html, to_html(rep).encode("utf-8"))
-    _write(base + ".md", to_markdown(rep, os.path.basename(base) + ".png" if png else None).encode("utf-8"))
+    files = {base + ".png": png} if png else {}  # the image first: the Markdown shows it
+    files[out_html] = to_html(rep).encode()
+    files[base + ".md"] = to_markdown(rep, os.path.basename(base) + ".png" if png else None).encode()
+    for path, data in files.items():
+        with atomic_write(path, "wb") as fh:
+            fh.write(data)
     return out_html, base + ".md", rep

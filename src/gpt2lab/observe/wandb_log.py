@@ -16,6 +16,8 @@ import secrets
 import sys
 from typing import Any, Optional
 
+from gpt2lab.system.files import atomic_write
+
 ID_FILE = "wandb_id"
 
 
@@ -36,14 +38,6 @@ def _run_id(run_dir: str) -> str:
         if found:
             return found
     return secrets.token_hex(6)
-
-
-def _save_id(run_dir: str, run_id: str) -> None:
-    path = os.path.join(run_dir, ID_FILE)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as fh:
-        fh.write(run_id + "\n")
-    os.replace(tmp, path)
 
 
 def _earlier_samples(path: str) -> list[list]:
@@ -84,7 +78,8 @@ class WandbLogger:
         except Exception as e:  # no API key, no network, a bad project name: W&B's own message, one line
             _say(" ".join(str(e).split()) or type(e).__name__)
             return
-        _save_id(run_dir, run_id)
+        with atomic_write(os.path.join(run_dir, ID_FILE)) as fh:
+            fh.write(run_id + "\n")
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
         self._table = wandb.Table

@@ -1,11 +1,11 @@
 """The names a run's settings accept, defined once (torch-free, so building the CLI stays cheap), and
-``finite_float``, the type of every number flag.
+``finite_float`` and ``positive_int``, the types of number flags.
 
 "auto" is decided by gpt2lab.system.runtime (dtype, compile) and
 gpt2lab.distributed.parallel.choose_strategy (strategy).
 """
 
-# Autocast dtypes by torch name; gpt2lab.distributed.dist.DTYPES maps them to torch dtypes.
+# Autocast dtypes by torch name (torch.<name>).
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_CHOICES = ("auto", *DTYPES)
 COMPILE_CHOICES = ("auto", "true", "false")
@@ -22,6 +22,8 @@ NS_DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 # ("plain": F.linear on the weight as stored or column-major; "auto": measured).
 QUANTIZE_CHOICES = ("none", "int8")
 LINEAR_CHOICES = ("auto", "packed", "plain")
+# How HellaSwag's rows share a forward pass (gpt2lab.evals.hellaswag.resolve_strategy).
+HELLASWAG_STRATEGIES = ("auto", "padded", "shared")
 
 
 def finite_float(text: str) -> float:
@@ -36,4 +38,17 @@ def finite_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse's type for a count flag (``--limit``, ``--batch-size``): a whole number, at least 1."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
     return value

@@ -50,7 +50,7 @@ def stamp(data: Mapping[str, Any], fmt: Format) -> dict:
     return {FORMAT_KEY: fmt.version, **{k: v for k, v in data.items() if k != FORMAT_KEY}}
 
 
-def check(path: str, found: Any, fmt: Format, error: type[GPT2LabError] = ConfigError) -> None:
+def check_version(path: str, found: Any, fmt: Format, error: type[GPT2LabError] = ConfigError) -> None:
     """Raise ``error`` in one line unless ``found`` (a file's version; None: it has none) is ``fmt``'s."""
     known = isinstance(found, int) and not isinstance(found, bool)
     if known and found == fmt.version:
@@ -67,8 +67,8 @@ def check(path: str, found: Any, fmt: Format, error: type[GPT2LabError] = Config
 
 
 def unstamp(data: Mapping[str, Any], path: str, fmt: Format, error: type[GPT2LabError] = ConfigError) -> dict:
-    """What a file held, without its ``format_version``, once ``check`` has passed it."""
-    check(path, data.get(FORMAT_KEY), fmt, error)
+    """What a file held, without its ``format_version``, once ``check_version`` has passed it."""
+    check_version(path, data.get(FORMAT_KEY), fmt, error)
     return {k: v for k, v in data.items() if k != FORMAT_KEY}
 
 

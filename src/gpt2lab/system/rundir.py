@@ -1,4 +1,4 @@
-"""Whose directory is it: the one rule of every command that writes a directory, and the run lock.
+"""Whose file or directory is it: the one rule of every command that writes, and the run lock.
 
 A directory is gpt2lab's when it holds gpt2lab's own marker, written first and atomically:
 
@@ -8,10 +8,14 @@ A directory is gpt2lab's when it holds gpt2lab's own marker, written first and a
   data     ``manifest.json`` of ``gpt2lab prepare`` (token shards)
   tokenizer  ``gpt2lab_tokenizer.json`` (``gpt2lab tokenizer train``, beside its tokenizer.json)
 
-``check(path, kind)`` lets a command write only into a missing or empty directory or one of
-its own kind; anything else is refused before a byte is written, in one line naming what was
-found (an export, prepared data, an HF model, someone's files) and what to do (UsageError,
-exit 2). Nothing is ever deleted that the command did not create.
+A file is gpt2lab's when its first bytes carry gpt2lab's mark (``marked``): a PNG's ``Software``
+text chunk, an HTML or Markdown comment, a JSON ``"format": "gpt2lab-..."`` field.
+
+``check(path, kind, flag, what_next)`` is the rule every writing command applies before writing a
+byte: a directory only when missing, empty or of its own kind (and, for a command that replaces it
+whole, holding nothing else); a file only when missing or gpt2lab's. Anything else is refused in
+one line naming the path, what was found there and what to do (DirectoryError, a UsageError: exit
+2). Nothing is ever written over, written into or deleted that gpt2lab did not write.
 
 A run directory is also locked while a run writes it: ``claim`` takes an OS advisory lock
 (``fcntl.flock``) on ``run.lock`` inside it and holds it for the life of the process; the
@@ -27,39 +31,47 @@ import contextlib
 import errno
 import json
 import os
+import shlex
 import shutil
 import socket
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 from gpt2lab.system.errors import UsageError
 from gpt2lab.system.files import read_json_object, tmp_name, write_json
 
-RUN, EXPORT, DATA, TOKENIZER = "run", "export", "data", "tokenizer"
+RUN, EXPORT, DATA, TOKENIZER, FILE = "run", "export", "data", "tokenizer", "file"
 RUN_MARKER, RUN_FORMAT = "run_info.json", "gpt2lab-run"
 EXPORT_MARKER, EXPORT_FORMAT = "gpt2lab_export.json", "gpt2lab-hf-export"
 DATA_MARKER, DATA_FORMAT = "manifest.json", "gpt2lab-token-shards"
 TOKENIZER_MARKER, TOKENIZER_FORMAT = "gpt2lab_tokenizer.json", "gpt2lab-tokenizer"
 LOCK_FILE = "run.lock"
-_MARKERS = {RUN: RUN_MARKER, EXPORT: EXPORT_MARKER, DATA: DATA_MARKER, TOKENIZER: TOKENIZER_MARKER}
 _WHAT = {
     RUN: "a gpt2lab run (run_info.json)",
     EXPORT: "a gpt2lab export (gpt2lab_export.json, written by `gpt2lab export`)",
     DATA: "prepared token shards (manifest.json of `gpt2lab prepare`)",
     TOKENIZER: "a gpt2lab tokenizer (gpt2lab_tokenizer.json, written by `gpt2lab tokenizer train`)",
+    "hf_model": "a Hugging Face model directory (config.json with model_type), not written by gpt2lab",
 }
+# A file's mark, in its first 64 KiB: a PNG's text chunk (matplotlib's ``metadata=PNG_MARK``), the comment
+# HTML and Markdown begin with, a JSON object's format field.
+PNG_MARK = {"Software": "gpt2lab"}
+TEXT_MARK = "<!-- written by gpt2lab -->"
+_MARKS = (b"Software\x00gpt2lab", TEXT_MARK.encode(), b'"format": "gpt2lab-')
+# A run directory's own plot and report, as versions before the marks wrote them.
+_RUN_FILES = ("plot.png", "report.html", "report.md", "report.png")
 # How long `claim` retries a lock that is busy: a reader's probe (``holder``) holds it for microseconds.
 _LOCK_RETRY_S = 0.5
 
 
 class DirectoryError(UsageError):
-    """A directory a command may not write into (someone else's, or another kind), or a locked run."""
+    """A file or directory a command may not write (someone else's, or another kind), or a locked run."""
 
 
 @dataclass(frozen=True)
 class Found:
-    kind: str  # "missing", "empty", "file", RUN, EXPORT, DATA, TOKENIZER, "hf_model" or "foreign"
+    kind: str  # "missing", "empty", "file", RUN, EXPORT, DATA, TOKENIZER, "hf_model", "checkpoints" or "foreign"
     entries: tuple[str, ...]  # the directory's names, sorted
 
     def shown(self, n: int = 4) -> str:
@@ -88,21 +100,27 @@ def inspect(path: str) -> Found:
         return Found(TOKENIZER, entries)
     config = read_json_object(os.path.join(path, "config.json")) if "config.json" in entries else None
     if config is not None and _is_run_config(config):
-        return Found(RUN, entries)  # a run killed before it wrote run_info.json (older versions)
+        return Found(RUN, entries)  # a run killed before it wrote run_info.json (older versions), or a checkpoint
     if "checkpoints" in entries and _has_run_checkpoint(os.path.join(path, "checkpoints")):
         return Found(RUN, entries)  # a run's checkpoints alone (copied, or of an older version)
     if config is not None and "model_type" in config:
         return Found("hf_model", entries)
+    if all(n.startswith("step_") for n in entries) and _has_run_checkpoint(path):
+        return Found("checkpoints", entries)  # a run's checkpoints folder
     return Found("foreign", entries)
 
 
 def what(found: Found) -> str:
     """What was found, for a message: "a gpt2lab export (...)", "files that gpt2lab did not write (...)"."""
+    if found.kind == RUN and RUN_MARKER not in found.entries:
+        kind = "a gpt2lab checkpoint" if "model.safetensors" in found.entries else "a gpt2lab run without run_info.json"
+        return f"{kind} ({found.shown()})"
+    if found.kind == "checkpoints":
+        return f"a gpt2lab run's checkpoints ({found.shown()})"
     if found.kind in _WHAT:
         return _WHAT[found.kind]
-    if found.kind == "hf_model":
-        return "a Hugging Face model directory (config.json with model_type), not written by gpt2lab"
-    return f"files that gpt2lab did not write ({len(found.entries)} entries: {found.shown()})"
+    n = len(found.entries)
+    return f"files that gpt2lab did not write ({n} {'entry' if n == 1 else 'entries'}: {found.shown()})"
 
 
 def _has_run_checkpoint(folder: str) -> bool:
@@ -124,24 +142,43 @@ def _is_run_config(config: dict) -> bool:
     return isinstance(optim, dict) and "max_steps" in optim and isinstance(batch, dict) and "micro_batch_size" in batch
 
 
-def refusal(path: str, found: Found, flag: str, what_next: str) -> DirectoryError:
-    """The one-line refusal of writing into ``path`` after finding ``found`` there."""
-    if found.kind == "file":
-        return DirectoryError(f"{flag} {path}: exists and is not a directory; nothing was written; {what_next}")
-    return DirectoryError(f"{flag} {path}: holds {what(found)}; nothing was written there; {what_next}")
+def marked(path: str) -> bool:
+    """Whether the file ``path`` is gpt2lab's: its mark in its first 64 KiB (``_MARKS``), or a run
+    directory's own plot or report."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError:
+        return False
+    if any(m in head for m in _MARKS):
+        return True
+    return os.path.basename(path) in _RUN_FILES and inspect(os.path.dirname(os.path.abspath(path))).kind == RUN
 
 
-def check(path: str, want: str, flag: str, what_next: str) -> Found:
-    """Return what ``path`` is when a command making a ``want`` directory may write there, else raise.
+def check(path: str, want: str, flag: str, what_next: str, replaces: Optional[tuple] = None) -> Found:
+    """Return what ``path`` is when a command writing a ``want`` there may write it, else raise.
 
-    Allowed: a missing or empty directory, or one of kind ``want``. (prepare and export apply
-    the same kinds with their own extra rules: data/manifest.refuse_foreign_shards,
-    weights/export._check_export_target.)
+    A file (``want`` FILE): missing, or one gpt2lab wrote (``marked``). A directory: missing,
+    empty, or of kind ``want``; one the command replaces whole must hold only the names it writes,
+    ``replaces``. ``flag`` names the path in the message ("" for a positional or a function's).
     """
     found = inspect(path)
-    if found.kind in ("missing", "empty", want):
+    extra = sorted(set(found.entries) - set(replaces or found.entries))
+    if want == FILE:
+        if found.kind == "missing" or (found.kind == "file" and marked(path)):
+            return found
+        said = "is a file gpt2lab did not write" if found.kind == "file" else "is a directory"
+    elif found.kind in ("missing", "empty") or (found.kind == want and not extra):
         return found
-    raise refusal(path, found, flag, what_next)
+    elif found.kind == "file":
+        said = "is a file, not a directory"
+    elif found.kind == want:
+        said = (
+            f"holds {what(found)} and {', '.join(extra[:4])}, which gpt2lab did not write and replacing it would remove"
+        )
+    else:
+        said = f"holds {what(found)}"
+    raise DirectoryError(f"{flag + ' ' if flag else ''}{path}: {said}; nothing was written there; {what_next}")
 
 
 def run_marker() -> dict:
@@ -161,6 +198,20 @@ def _create_marker(path: str) -> None:
         pass
     finally:
         os.unlink(tmp)
+
+
+def resume_command(words: Sequence[str], prog: str) -> str:
+    """The command line that continues a run started by ``PROG WORDS`` (``train ...``): the same words
+    with ``--resume auto`` for any --resume given, without --dry-run."""
+    out, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+        elif word == "--resume":
+            skip = True
+        elif not (word.startswith("--resume=") or word == "--dry-run"):
+            out.append(word)
+    return f"{prog} {shlex.join([*out, '--resume', 'auto'])}"
 
 
 # -- the lock --------------------------------------------------------------------------------

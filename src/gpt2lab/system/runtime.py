@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from gpt2lab.system import env
 from gpt2lab.system.choices import COMPILE_CHOICES, DTYPE_CHOICES, NS_DTYPE_CHOICES
 from gpt2lab.system.errors import ConfigError
 
@@ -229,7 +230,7 @@ def can_compile(device_type: str) -> bool:
         return importlib.util.find_spec("triton") is not None
     if device_type == "mps":
         return True
-    return any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c)
+    return any(shutil.which(c) for c in (env.cxx(), "g++", "c++", "clang++") if c)
 
 
 def measure_matmul(device, n: int = PROBE_N, seconds: float = PROBE_SECONDS) -> Probe:
@@ -290,7 +291,7 @@ def cached_cpu_probe(cache_dir: Optional[str] = None) -> Optional[Probe]:
 
     ``GPT2LAB_PROBE=0`` turns it off (the choice then follows the CPU flags).
     """
-    if os.environ.get("GPT2LAB_PROBE", "1") == "0":
+    if env.probe_mode() == "0":
         return None
     import torch
 
@@ -313,13 +314,7 @@ def cached_cpu_probe(cache_dir: Optional[str] = None) -> Optional[Probe]:
 
 
 def _cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.environ.get("GPT2LAB_CACHE", os.path.join(base, "gpt2lab"))
-
-
-# Environment variables that cap the instruction sets of the kernels (oneDNN, ATen's own, MKL): a probe
-# taken under one cap says nothing of the others.
-ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+    return env.cache_dir()
 
 
 def _machine_key() -> str:
@@ -331,7 +326,7 @@ def _machine_key() -> str:
         ",".join(cpu_flags()),
         torch.__version__,
         str(torch.get_num_threads()),
-        *(os.environ.get(v, "") for v in ISA_CAPS),
+        *(env.isa_caps().get(v, "") for v in env.ISA_CAPS),
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
@@ -419,7 +414,7 @@ def resolve(
 # hundreds of them), on a busy one each spinning thread holds a core that another process is waiting for
 # (docs/benchmarks.md, "Beside other work"). The threads' count is left as it is: fp32 products round
 # otherwise on another count, and a seeded text must not depend on the machine's load.
-WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # the user's own, which stand
+WAIT_SETTINGS = env.WAIT_SETTINGS  # the user's own, which stand
 
 
 @dataclass(frozen=True)
@@ -455,11 +450,12 @@ def _running(stat: str = "/proc/stat") -> Optional[int]:
         return None
 
 
-def machine_load(looks: int = 5, gap_s: float = 0.005, running=_running, env=os.environ) -> Load:
+def machine_load(looks: int = 5, gap_s: float = 0.005, running=_running, settings=None) -> Load:
     """This machine's ``Load`` now: ``looks`` reads of the threads running, ``gap_s`` apart (a process that
-    ran for a moment is not a busy machine). The one place the OpenMP settings are read."""
+    ran for a moment is not a busy machine); ``settings``: the OpenMP variables (``env.openmp()``)."""
+    settings = env.openmp() if settings is None else settings
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = env.get("OMP_NUM_THREADS", "").split(",")[0]
+    threads = settings.get("OMP_NUM_THREADS", "").split(",")[0]
     seen = []
     for i in range(looks):
         if i:
@@ -467,7 +463,7 @@ def machine_load(looks: int = 5, gap_s: float = 0.005, running=_running, env=os.
         n = running()
         if n is not None:
             seen.append(n - 1)  # not this thread
-    asked = ", ".join(f"{v}={env[v]}" for v in WAIT_SETTINGS if env.get(v))
+    asked = ", ".join(f"{v}={settings[v]}" for v in WAIT_SETTINGS if settings.get(v))
     others = sorted(seen)[len(seen) // 2] if seen else 0
     return Load(cores, int(threads) if threads.isdigit() and int(threads) > 0 else cores, max(0, others), asked)
 
@@ -485,7 +481,7 @@ def set_wait_policy() -> None:
         return
     WAIT = choose_wait(machine_load())
     if WAIT.value:
-        os.environ["OMP_WAIT_POLICY"] = WAIT.value
+        env.set_wait_policy(WAIT.value)
 
 
 def inference_dtype(device, requested: str = "auto", command: str = "gpt2lab") -> str:

@@ -16,15 +16,21 @@ the flat form of flags, TOML keys and Python overrides, and mixed ones, into the
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union, get_type_hints
 
 from gpt2lab.model.config import (
+    ABOVE_0,
+    AT_LEAST_0,
+    AT_LEAST_1,
     CHAT_VOCAB_SIZES,
+    FRACTION,
     GPT2_VOCAB_SIZE,
     PADDED_VOCAB_SIZE,
     GPTConfig,
+    check_fields,
     check_types,  # noqa: F401
     gpt_config,
 )
@@ -49,14 +55,14 @@ LORA_TARGETS = ("c_attn", "c_proj", "c_fc", "attn.c_proj", "mlp.c_proj")
 def _f(
     default: Any,
     help: str,
-    at_least: Optional[float] = None,
+    within: Optional[str] = None,
     choices: tuple = (),
     keep: Union[bool, Callable[["TrainConfig"], bool]] = False,
 ) -> Any:
-    # at_least: the smallest value allowed; choices: a text field's values (also its flag's);
+    # within: a number's range, an interval ("[0, 1)"); choices: a text field's values (also its flag's);
     # keep: the field changes what the run trains, so a resume must keep the value its checkpoint
     # trained with (train.plan.check_resume_settings); a function: only where it applies to the run
-    return field(default=default, metadata={"help": help, "at_least": at_least, "choices": choices, "keep": keep})
+    return field(default=default, metadata={"help": help, "within": within, "choices": choices, "keep": keep})
 
 
 def _muon(cfg: "TrainConfig") -> bool:
@@ -89,57 +95,52 @@ def default_model() -> GPTConfig:
 
 class _Section:
     """One concern's fields (a section of TrainConfig): each checked against its own
-    ``at_least`` and ``choices``; a subclass adds the checks among its fields."""
+    ``within`` and ``choices`` (check_fields); a subclass adds the checks among its fields."""
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value, low, choices = getattr(self, f.name), f.metadata["at_least"], f.metadata["choices"]
-            if low is not None and value is not None and value < low:
-                raise ConfigError(f"{f.name} must be >= {low}, got {value}")
-            if choices and value not in choices:
-                raise ConfigError(f"{f.name} {value!r}: choose one of {', '.join(choices)}")
+        check_fields(self)
 
 
 @dataclass
 class BatchConfig(_Section):
-    micro_batch_size: int = _f(64, "sequences per forward/backward on each process", at_least=1)
-    seq_len: int = _f(1024, "tokens per sequence (at most block_size)", at_least=1, keep=True)
+    micro_batch_size: int = _f(64, "sequences per forward/backward on each process", AT_LEAST_1)
+    seq_len: int = _f(1024, "tokens per sequence (at most block_size)", AT_LEAST_1, keep=True)
     total_batch_tokens: int = _f(
         524288,
         "tokens per optimizer step over all processes; accumulation = this / (micro_batch_size * seq_len * world size)",
-        at_least=1,
+        AT_LEAST_1,
         keep=True,
     )
-    # The batch-size ramp (a speedrun lever): a pure function of the step (TrainConfig.accum_at), so a
+    # The batch-size ramp (a speedrun lever): a pure function of the step (train.schedule.accum_at), so a
     # resumed run, whose loader continues from its saved position, takes the same batches.
     batch_ramp_steps: int = _f(
         0,
         "ramp the tokens per step over the first N steps, linearly from batch_ramp_start "
         "up to total_batch_tokens in whole multiples of batch_ramp_start (0 = off)",
-        at_least=0,
+        AT_LEAST_0,
         keep=True,
     )
     batch_ramp_start: Optional[int] = _f(
         None,
         "batch ramp: tokens in step 0 (a multiple of micro_batch_size x "
         "seq_len x world size that divides total_batch_tokens)",
-        at_least=1,
+        AT_LEAST_1,
         keep=_ramp,
     )
 
-    # The sequence-length ramp: short sequences first, as many tokens a step (TrainConfig.seq_len_at).
+    # The sequence-length ramp: short sequences first, as many tokens a step (train.schedule.seq_len_at).
     seq_len_ramp_steps: int = _f(
         0,
         "train the first N steps on shorter sequences: seq_len_start, doubling at even intervals "
         "up to seq_len at step N; each micro-batch keeps its tokens (rows x length), so the loader "
         "cuts each sequence into pieces (0 = off)",
-        at_least=0,
+        AT_LEAST_0,
         keep=True,
     )
     seq_len_start: Optional[int] = _f(
         None,
         "sequence-length ramp: the length of step 0 (seq_len divided by a power of two)",
-        at_least=1,
+        AT_LEAST_1,
         keep=_seq_ramp,
     )
 
@@ -173,15 +174,15 @@ class BatchConfig(_Section):
 
 @dataclass
 class OptimConfig(_Section):
-    max_steps: int = _f(19073, "optimizer steps in the run", at_least=1)
-    max_lr: float = _f(6e-4, "learning rate after warmup", keep=True)
-    min_lr: float = _f(6e-5, "learning rate at the end of the cosine decay", at_least=0, keep=True)
-    warmup_steps: int = _f(715, "steps of linear warmup from max_lr/warmup_steps to max_lr", at_least=0, keep=True)
-    weight_decay: float = _f(0.1, "AdamW weight decay, applied to >=2-D weights only", at_least=0, keep=True)
-    beta1: float = _f(0.9, "AdamW beta1", keep=True)
-    beta2: float = _f(0.95, "AdamW beta2", keep=True)
-    eps: float = _f(1e-8, "AdamW epsilon", keep=True)
-    grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = no clipping)", at_least=0, keep=True)
+    max_steps: int = _f(19073, "optimizer steps in the run", AT_LEAST_1)
+    max_lr: float = _f(6e-4, "learning rate after warmup", ABOVE_0, keep=True)
+    min_lr: float = _f(6e-5, "learning rate at the end of the cosine decay", AT_LEAST_0, keep=True)
+    warmup_steps: int = _f(715, "steps of linear warmup from max_lr/warmup_steps to max_lr", AT_LEAST_0, keep=True)
+    weight_decay: float = _f(0.1, "AdamW weight decay, applied to >=2-D weights only", AT_LEAST_0, keep=True)
+    beta1: float = _f(0.9, "AdamW beta1", FRACTION, keep=True)
+    beta2: float = _f(0.95, "AdamW beta2", FRACTION, keep=True)
+    eps: float = _f(1e-8, "AdamW epsilon", ABOVE_0, keep=True)
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = no clipping)", AT_LEAST_0, keep=True)
     lr_schedule: str = _f(
         "cosine",
         "the LR schedule after warmup: cosine (decay to min_lr at max_steps) or wsd "
@@ -190,7 +191,7 @@ class OptimConfig(_Section):
         choices=LR_SCHEDULES,
         keep=True,
     )
-    decay_frac: float = _f(0.2, "wsd: fraction of max_steps in the final linear decay", keep=_wsd)
+    decay_frac: float = _f(0.2, "wsd: fraction of max_steps in the final linear decay", "[0, 1]", keep=_wsd)
     optimizer: str = _f(
         "adamw",
         "adamw (one AdamW, the GPT-2 recipe) or muon (Muon on the blocks' 2-D matrices, "
@@ -199,10 +200,15 @@ class OptimConfig(_Section):
         keep=True,
     )
     muon_lr: float = _f(
-        0.02, "muon: Muon's peak learning rate (scaled by sqrt(max(1, rows/cols)) per matrix)", keep=_muon
+        0.02,
+        "muon: Muon's peak learning rate (scaled by sqrt(max(1, rows/cols)) per matrix)",
+        ABOVE_0,
+        keep=_muon,
     )
-    muon_momentum: float = _f(0.95, "muon: Muon's Nesterov momentum", keep=_muon)
-    muon_weight_decay: float = _f(0.0, "muon: Muon's decoupled weight decay (p *= 1 - lr * this)", keep=_muon)
+    muon_momentum: float = _f(0.95, "muon: Muon's Nesterov momentum", FRACTION, keep=_muon)
+    muon_weight_decay: float = _f(
+        0.0, "muon: Muon's decoupled weight decay (p *= 1 - lr * this)", AT_LEAST_0, keep=_muon
+    )
     muon_ns_dtype: str = _f(
         "auto",
         "muon: dtype of the Newton-Schulz iteration: auto, float32 or bfloat16; "
@@ -210,8 +216,12 @@ class OptimConfig(_Section):
         "bf16), else fp32",
         choices=NS_DTYPE_CHOICES,
     )
-    embed_lr: Optional[float] = _f(None, "muon: AdamW peak rate of the embedding tables (default max_lr)", keep=_muon)
-    head_lr: Optional[float] = _f(None, "muon: AdamW peak rate of an untied output head (default max_lr)", keep=_muon)
+    embed_lr: Optional[float] = _f(
+        None, "muon: AdamW peak rate of the embedding tables (default max_lr)", ABOVE_0, keep=_muon
+    )
+    head_lr: Optional[float] = _f(
+        None, "muon: AdamW peak rate of an untied output head (default max_lr)", ABOVE_0, keep=_muon
+    )
     muon_variant: str = _f(
         "muon",
         "muon: the update of the blocks' matrices: muon (orthogonalised momentum, "
@@ -220,7 +230,7 @@ class OptimConfig(_Section):
         choices=MUON_VARIANTS,
         keep=_muon,
     )
-    muon_beta2: float = _f(0.95, "normuon: decay of the per-neuron running mean square", keep=_normuon)
+    muon_beta2: float = _f(0.95, "normuon: decay of the per-neuron running mean square", FRACTION, keep=_normuon)
     muon_orth: str = _f(
         "newton_schulz",
         "muon: how the update is orthogonalised: newton_schulz (the quintic iteration, one polynomial "
@@ -250,47 +260,18 @@ class OptimConfig(_Section):
         "average the weights as they train: after each step avg = d * avg + (1 - d) * "
         "weights (torch.optim.swa_utils.AveragedModel); evaluations, samples and the "
         "checkpoints' model.safetensors are the average (0 = off)",
+        FRACTION,
         keep=True,
     )
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0 < self.max_lr or self.min_lr > self.max_lr:
-            raise ConfigError(f"need 0 < min_lr <= max_lr, got min_lr {self.min_lr}, max_lr {self.max_lr}")
-        if not 0.0 <= self.decay_frac <= 1.0:
-            raise ConfigError(
-                f"decay_frac {self.decay_frac} must be in [0, 1] (the fraction of max_steps "
-                "in the wsd schedule's final decay)"
-            )
-        if not self.muon_lr > 0 or not 0.0 <= self.muon_momentum < 1.0 or self.muon_weight_decay < 0:
-            raise ConfigError(
-                f"need muon_lr > 0, 0 <= muon_momentum < 1 and muon_weight_decay >= 0, got "
-                f"{self.muon_lr}, {self.muon_momentum} and {self.muon_weight_decay}"
-            )
-        for name in ("embed_lr", "head_lr"):
+        if self.min_lr > self.max_lr:
+            raise ConfigError(f"need min_lr <= max_lr, got min_lr {self.min_lr}, max_lr {self.max_lr}")
+        for name in ("embed_lr", "head_lr", "muon_orth", "muon_variant"):  # Muon's own (adamw: all follow max_lr)
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ConfigError(f"{name} must be > 0, got {value}")
-            if value is not None and self.optimizer == "adamw":
-                raise ConfigError(
-                    f"{name} {value}: per-group rates apply to --optimizer muon; with adamw every "
-                    "group follows --max-lr (drop it, or add --optimizer muon)"
-                )
-        if self.muon_orth != "newton_schulz" and self.optimizer == "adamw":
-            raise ConfigError(
-                f"muon_orth {self.muon_orth}: applies to --optimizer muon (drop it, or add --optimizer muon)"
-            )
-        if self.muon_variant != "muon" and self.optimizer == "adamw":
-            raise ConfigError(
-                f"muon_variant {self.muon_variant}: applies to --optimizer muon (drop it, or add --optimizer muon)"
-            )
-        if not 0.0 <= self.muon_beta2 < 1.0:
-            raise ConfigError(f"muon_beta2 {self.muon_beta2} must be in [0, 1)")
-        if not 0.0 <= self.ema_decay < 1.0:
-            raise ConfigError(
-                f"ema_decay {self.ema_decay} must be in [0, 1) (0 = no weight average; 0.95 "
-                "averages over about the last 20 steps)"
-            )
+            if self.optimizer == "adamw" and value != self.__dataclass_fields__[name].default:
+                raise ConfigError(f"{name} {value}: applies to --optimizer muon (drop it, or add --optimizer muon)")
 
 
 @dataclass
@@ -308,15 +289,15 @@ class SystemConfig(_Section):
         "torch.compile the model: auto, true or false; auto = on for CUDA, off where it does not pay (CPU, MPS)",
         choices=COMPILE_CHOICES,
     )
-    peak_flops: Optional[float] = _f(None, "peak FLOP/s for MFU; default from the GPU name (A100, H100, H200)")
-    max_bad_steps: int = _f(5, "stop after this many NaN/inf steps in a row", at_least=1)
+    peak_flops: Optional[float] = _f(None, "peak FLOP/s for MFU; default from the GPU name (A100, H100, H200)", ABOVE_0)
+    max_bad_steps: int = _f(5, "stop after this many NaN/inf steps in a row", AT_LEAST_1)
     check_interval: int = _f(
         0,
         "steps between the host reading back losses, gradient norms and the "
         "NaN/spike verdicts, which the device reaches and acts on at every step; "
         "0 = auto: every step on a CPU (reading back costs nothing there), every "
         "16 on a GPU (each read-back waits for the GPU to drain)",
-        at_least=0,
+        AT_LEAST_0,
     )
     keep_cpu_memory: bool = _f(
         True,
@@ -335,25 +316,25 @@ class SystemConfig(_Section):
 class EvalConfig(_Section):
     """Evaluations and samples (an interval of 0 means never)."""
 
-    eval_interval: int = _f(250, "steps between validation losses", at_least=0)
-    eval_tokens: int = _f(10485760, "validation tokens per evaluation (over all processes)", at_least=0)
-    hellaswag_interval: int = _f(250, "steps between HellaSwag evaluations", at_least=0)
+    eval_interval: int = _f(250, "steps between validation losses", AT_LEAST_0)
+    eval_tokens: int = _f(10485760, "validation tokens per evaluation (over all processes)", AT_LEAST_0)
+    hellaswag_interval: int = _f(250, "steps between HellaSwag evaluations", AT_LEAST_0)
     hellaswag_data: Optional[str] = _f(None, "HellaSwag jsonl (default: the official validation set)")
-    hellaswag_limit: Optional[int] = _f(None, "evaluate only the first N HellaSwag examples")
-    sample_interval: int = _f(250, "steps between text samples", at_least=0)
+    hellaswag_limit: Optional[int] = _f(None, "evaluate only the first N HellaSwag examples", AT_LEAST_1)
+    sample_interval: int = _f(250, "steps between text samples", AT_LEAST_0)
     sample_prompt: str = _f("Hello, I'm a language model,", "prompt of the logged samples")
-    sample_tokens: int = _f(32, "tokens generated per sample", at_least=1)
+    sample_tokens: int = _f(32, "tokens generated per sample", AT_LEAST_1)
 
 
 @dataclass
 class CheckpointConfig(_Section):
-    ckpt_interval: int = _f(5000, "steps between checkpoints (one is always saved at the end)", at_least=0)
-    keep_checkpoints: int = _f(3, "newest checkpoints to keep (0 = keep all)", at_least=0)
+    ckpt_interval: int = _f(5000, "steps between checkpoints (one is always saved at the end)", AT_LEAST_0)
+    keep_checkpoints: int = _f(3, "newest checkpoints to keep (0 = keep all)", AT_LEAST_0)
 
 
 @dataclass
 class LoggingConfig(_Section):
-    log_interval: int = _f(1, "steps between console lines (metrics.jsonl gets every step)", at_least=0)
+    log_interval: int = _f(1, "steps between console lines (metrics.jsonl gets every step)", AT_LEAST_1)
     tensorboard: bool = _f(False, "also write TensorBoard events to OUT/tensorboard")
     progress: bool = _f(True, "show a progress bar on rank 0")
     wandb_project: Optional[str] = _f(
@@ -372,20 +353,20 @@ class SpikeConfig(_Section):
         100,
         "recent healthy steps a step's loss and grad norm are compared with; the "
         "guard starts once it has seen that many (0 = guard off)",
-        at_least=0,
+        AT_LEAST_0,
     )
     spike_loss_z: float = _f(
         6.0,
         "a loss this many standard deviations above the window's mean is a "
         "spike: the step's update is skipped (0 = do not check the loss)",
-        at_least=0,
+        AT_LEAST_0,
     )
-    spike_norm_z: float = _f(20.0, "the same for the log of the gradient norm (0 = do not check it)", at_least=0)
+    spike_norm_z: float = _f(20.0, "the same for the log of the gradient norm (0 = do not check it)", AT_LEAST_0)
     spike_rollback: int = _f(
         3,
         "this many spikes within spike_window steps roll back to the last checkpoint "
         "before them and skip the data of the spiking steps (0 = never roll back)",
-        at_least=0,
+        AT_LEAST_0,
     )
 
 
@@ -401,8 +382,13 @@ class FinetuneConfig(_Section):
         "(its newest checkpoint) or a checkpoint directory; the architecture "
         "comes from it",
     )
-    lora_rank: int = _f(0, "train LoRA adapters of this rank (through peft) instead of all weights; 0 = off", keep=True)
-    lora_alpha: float = _f(16.0, "LoRA scale numerator: the update is (alpha / rank) * B @ A", keep=_lora)
+    lora_rank: int = _f(
+        0,
+        "train LoRA adapters of this rank (through peft) instead of all weights; 0 = off",
+        AT_LEAST_0,
+        keep=True,
+    )
+    lora_alpha: float = _f(16.0, "LoRA scale numerator: the update is (alpha / rank) * B @ A", ABOVE_0, keep=_lora)
     lora_targets: str = _f(
         "c_attn",
         "comma-separated layers that get LoRA adapters: c_attn, c_proj, c_fc "
@@ -412,8 +398,6 @@ class FinetuneConfig(_Section):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.lora_rank < 0 or self.lora_alpha <= 0:
-            raise ConfigError(f"need lora_rank >= 0 and lora_alpha > 0, got {self.lora_rank} and {self.lora_alpha}")
         targets = [t.strip() for t in self.lora_targets.split(",")]
         bad = [t for t in targets if t not in LORA_TARGETS]
         if bad or not targets:
@@ -446,7 +430,8 @@ class TrainConfig:
     model: GPTConfig = field(default_factory=default_model, metadata={"help": "the architecture"})
     data: str = _f("data/fineweb-edu-10b", "directory of token shards made by `gpt2lab prepare`")
     out: str = _f("runs/gpt2-124m", "run directory: config.json, metrics.jsonl, checkpoints/")
-    seed: int = _f(1337, "seed for initialisation and data order", at_least=0, keep=True)
+    # numpy takes seeds below 2^32
+    seed: int = _f(1337, "seed for initialisation and data order", "[0, 4294967295]", keep=True)
     batch: BatchConfig = field(default_factory=BatchConfig, metadata={"help": "the batch"})
     optim: OptimConfig = field(
         default_factory=OptimConfig, metadata={"help": "optimizer, learning-rate schedule and run length"}
@@ -462,8 +447,7 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.seed < 0:
-            raise ConfigError(f"seed must be >= 0, got {self.seed}")
+        check_fields(self)
         self._derive_token_vocab()
         self._check_combinations()
 
@@ -532,42 +516,11 @@ class TrainConfig:
 
     def grad_accum_steps(self, world_size: int) -> int:
         """Micro-steps per optimizer step (after any batch ramp); raises unless the total batch divides evenly."""
-        return self._micro_steps("total_batch_tokens", world_size)
+        return self.micro_steps("total_batch_tokens", world_size)
 
-    def accum_at(self, step: int, world_size: int) -> int:
-        """Micro-steps of step ``step``: ``grad_accum_steps``, but on the batch ramp (step < N =
-        batch_ramp_steps) those of batch_ramp_start S times 1 + floor((total_batch_tokens / S - 1)
-        * step / N): the step's tokens go from S up in multiples of S, the same for any world
-        size. A pure function of the step: a resumed run takes the batches the uninterrupted one
-        took, from the loader position its checkpoint saved."""
-        end, b = self.grad_accum_steps(world_size), self.batch
-        if step >= b.batch_ramp_steps:
-            return end
-        units = 1 + (b.total_batch_tokens // b.batch_ramp_start - 1) * step // b.batch_ramp_steps
-        return units * self._micro_steps("batch_ramp_start", world_size)
-
-    def seq_len_at(self, step: int) -> int:
-        """The sequence length of step ``step``: seq_len, but on the sequence-length ramp (step < N =
-        seq_len_ramp_steps) seq_len_start S times 2^floor(k * step / N), k = log2(seq_len / S): S
-        doubling at even intervals, seq_len from step N. A step's micro-batches hold the same tokens
-        at any length (micro_batch_size x seq_len / length rows), so accumulation, tokens and the
-        loader's position are the ramp's own business nowhere else. A pure function of the step."""
-        b = self.batch
-        if step >= b.seq_len_ramp_steps:
-            return b.seq_len
-        k = (b.seq_len // b.seq_len_start).bit_length() - 1
-        return b.seq_len_start << (k * step // b.seq_len_ramp_steps)
-
-    def mtp_weight_at(self, step: int) -> float:
-        """The multi-token prediction loss's weight at ``step``: mtp_weight at step 0, moving linearly to
-        mtp_weight_final at the last step (max_steps - 1) and staying there; mtp_weight throughout when
-        mtp_weight_final is none. A pure function of the step."""
-        start, end, last = self.model.mtp_weight, self.model.mtp_weight_final, self.optim.max_steps - 1
-        if end is None:
-            return start
-        return end if last <= 0 else start + (end - start) * min(1.0, step / last)
-
-    def _micro_steps(self, name: str, world_size: int) -> int:
+    def micro_steps(self, name: str, world_size: int) -> int:
+        """Micro-steps of a step of ``name``'s tokens (total_batch_tokens, batch_ramp_start); raises unless
+        they divide evenly."""
         b = self.batch
         tokens, per_micro = getattr(b, name), b.micro_batch_size * b.seq_len * world_size
         if tokens % per_micro:
@@ -646,10 +599,12 @@ def nest_config(values: Mapping[str, Any], source: str = "config") -> dict:
     nested = nest_sections(values, SECTION_FIELDS, source)
     unknown = sorted(set(nested) - set(SECTIONS) - set(TOP_FIELDS))
     if unknown:
+        known = sorted([*TOP_FIELDS, *SECTION_OF])
+        near = [m for k in unknown for m in difflib.get_close_matches(k, known, n=1)]
         raise ConfigError(
-            f"{source}: unknown field(s) {', '.join(unknown)}; known fields: "
-            f"{', '.join(sorted([*TOP_FIELDS, *SECTION_OF]))} (or their sections: "
-            f"{', '.join(SECTIONS)})"
+            f"{source}: unknown field(s) {', '.join(unknown)}"
+            + (f" (did you mean {', '.join(near)}?)" if near else "")
+            + f"; known fields: {', '.join(known)} (or their sections: {', '.join(SECTIONS)})"
         )
     for name, table in nested.items():
         if name not in SECTIONS:

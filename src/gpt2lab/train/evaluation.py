@@ -4,18 +4,21 @@ sample, the plot.
 Every rank calls ``Evaluator.__call__`` at the start of each step (and once at the end);
 what is due at that step runs on every rank (the losses are averaged over ranks, FSDP's
 shards are gathered once), rank 0 alone logs, generates the sample and draws the plot.
+A stop signal (``stopping``) ends each of them at its next batch or token, unlogged: every rank
+still meets the others at an evaluation's sums, which carry the stop to all of them.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from gpt2lab.distributed import parallel
 from gpt2lab.distributed.dist import DistInfo, autocast
-from gpt2lab.model.sampling import generate
+from gpt2lab.model.sampling import generate_stream
 from gpt2lab.observe.metrics import MetricsLogger
 from gpt2lab.train import preflight
 from gpt2lab.train.config import TrainConfig
@@ -33,6 +36,7 @@ class Evaluator:
         self, cfg: TrainConfig, info: DistInfo, raw: torch.nn.Module, model: torch.nn.Module, dtype: str
     ) -> None:
         self.cfg, self.info, self.raw, self.model, self.dtype = cfg, info, raw, model, dtype
+        self.stopping: Callable[[], bool] = bool  # whether this process got a stop signal (the Trainer's)
         self.device = info.device
         self.eval_tokens: Optional[int] = None  # --eval-tokens, or all the val split holds (preflight.eval_tokens)
 
@@ -41,11 +45,13 @@ class Evaluator:
         ev, last = self.cfg.eval, self.cfg.optim.max_steps
         return any(due(i, step, last) for i in (ev.eval_interval, ev.hellaswag_interval, ev.sample_interval))
 
-    def __call__(self, step: int, log: MetricsLogger) -> None:
+    def __call__(self, step: int, log: MetricsLogger) -> bool:
+        """Run and log what is due at ``step``; whether anything was (what a stop cut short is not logged)."""
         ev, last = self.cfg.eval, self.cfg.optim.max_steps
         if due(ev.eval_interval, step, last):
             res = self.validate()
-            log.log({"step": step, "val_loss": res.loss, "val_bpb": res.bpb})
+            if res is not None:
+                log.log({"step": step, "val_loss": res.loss, "val_bpb": res.bpb})
         if due(ev.hellaswag_interval, step, last):
             from gpt2lab.evals.hellaswag import evaluate_hellaswag
 
@@ -59,15 +65,10 @@ class Evaluator:
                     limit=ev.hellaswag_limit,
                     rank=self.info.rank,
                     world_size=self.info.world_size,
+                    stop=self.stopping,
                 )
-            log.log(
-                {
-                    "step": step,
-                    "hellaswag_acc": res["acc"],
-                    "hellaswag_acc_norm": res["acc_norm"],
-                    "hellaswag_n": res["n"],
-                }
-            )
+            if res is not None:
+                log.log({"step": step, **{f"hellaswag_{k}": res[k] for k in ("acc", "acc_norm", "n")}})
         if due(ev.sample_interval, step, last):
             with parallel.gathered(self.raw):  # FSDP: every rank gathers; rank 0 alone generates
                 text = self.sample() if self.info.is_main else None
@@ -75,12 +76,13 @@ class Evaluator:
                 log.log({"step": step, "sample": text})
         if self.info.is_main and (due(ev.eval_interval, step, last) or due(ev.hellaswag_interval, step, last)):
             plot(self.cfg.out)
+        return self.any_due(step)
 
     def val_loss(self) -> float:
         return self.validate().loss
 
     def validate(self):
-        """The validation loss with its bits per byte (an evals.loss.LossResult)."""
+        """The validation loss with its bits per byte (an evals.loss.LossResult; None: cut short by a stop)."""
         from gpt2lab.evals.loss import evaluate
 
         cfg = self.cfg
@@ -97,12 +99,13 @@ class Evaluator:
                 dtype=self.dtype,
                 rank=self.info.rank,
                 world_size=self.info.world_size,
+                stop=self.stopping,
             )
 
     @torch.no_grad()
-    def sample(self) -> str:
+    def sample(self) -> Optional[str]:
         """A continuation of the fixed prompt (uncompiled model: generation has varying shapes); a chat
-        model's reply to it as a user's message."""
+        model's reply to it as a user's message. None: a stop signal came first (looked at every token)."""
         from gpt2lab.data.chat import encode_chat
         from gpt2lab.data.tokenizer import for_config
 
@@ -120,11 +123,16 @@ class Evaluator:
         # eager: under FSDP the blocks are compiled in place, and generation has varying shapes
         with autocast(self.device, self.dtype), torch.compiler.set_stance("force_eager"):
             # the model as it trains (no second copy of the weights beside the optimizer's state)
-            out = generate(self.raw, idx, self.cfg.eval.sample_tokens, top_k=50, generator=gen, stop_token=stop)
+            stream = generate_stream(
+                self.raw, idx, self.cfg.eval.sample_tokens, top_k=50, generator=gen, stop_token=stop
+            )
+            new = [int(t) for t, _ in itertools.takewhile(lambda _: not self.stopping(), stream)]  # a token at a time
         self.raw.train()
+        if self.stopping():
+            return None
         if chat:
-            return f"User: {prompt}\nAssistant: " + enc.decode([t for t in out[0, len(ids) :].tolist() if t != stop])
-        return enc.decode([t for t in out[0].tolist() if t != enc.eot_id])
+            return f"User: {prompt}\nAssistant: " + enc.decode([t for t in new if t != stop])
+        return enc.decode([t for t in ids + new if t != enc.eot_id])
 
 
 def plot(run_dir: str) -> None:

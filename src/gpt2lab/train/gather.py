@@ -27,11 +27,10 @@ from typing import Callable, Mapping, Optional
 from gpt2lab.checkpoint import store as ckpt
 from gpt2lab.distributed import parallel
 from gpt2lab.model.config import config_value
-from gpt2lab.system import runtime
-from gpt2lab.system.errors import CheckpointError, ConfigError
+from gpt2lab.system import env, runtime
+from gpt2lab.system.errors import ConfigError
 from gpt2lab.train import init_from
-
-FAKE_FACTS_ENV = "GPT2LAB_FAKE_FACTS"
+from gpt2lab.weights.load import WeightsError, checkpoint_of, named
 
 
 # -- the machine ---------------------------------------------------------------------------
@@ -49,7 +48,7 @@ class MachineFacts:
         d = self.device
         mem = f", {self.device_bytes / 2**30:.1f} GiB each" if self.device_bytes else ""
         return f"{d.device_type} x {self.world_size} ({d.device_name or 'unknown'}{mem})" + (
-            f" [faked by {FAKE_FACTS_ENV}={self.faked}]" if self.faked else ""
+            f" [faked by {env.FAKE_FACTS}={self.faked}]" if self.faked else ""
         )
 
 
@@ -77,7 +76,7 @@ def host_bytes() -> Optional[int]:
 def host_share(world_size: int) -> Optional[int]:
     """A CPU process's share of the RAM: the processes of this node (torchrun's LOCAL_WORLD_SIZE) share it."""
     total = host_bytes()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or 1)
+    local = env.launch().local_world_size or world_size
     return None if total is None else total // max(1, local)
 
 
@@ -107,7 +106,7 @@ def fake_machine(path: str) -> MachineFacts:
         if dev.device_type not in ("cpu", "cuda", "mps") or world < 1:
             raise ValueError(f"device_type {dev.device_type!r} (cpu, cuda or mps), world_size {world} (>= 1)")
     except (OSError, ValueError, TypeError) as e:
-        raise ConfigError(f"{FAKE_FACTS_ENV}={path}: cannot use it ({e}); see gpt2lab.train.gather") from e
+        raise ConfigError(f"{env.FAKE_FACTS}={path}: cannot use it ({e}); see gpt2lab.train.gather") from e
     return MachineFacts(
         dev,
         world,
@@ -276,37 +275,29 @@ def find_resume(
     report: Callable[[str], None] = lambda line: None,
     resume_with: str = "--resume auto",
 ) -> Optional[str]:
-    """The checkpoint a run continues from: the newest intact one (checksums verified here).
+    """The checkpoint a run continues from, by the loader's one rule (weights.load.checkpoint_of: the
+    newest intact one, checksums verified).
 
     ``resume`` None: none, and a run directory that already has checkpoints is refused (naming
-    ``resume_with``, how to continue it); "auto": the newest intact checkpoint of ``out`` (None if it
-    has none); a run directory: its newest intact one; a checkpoint directory: that one, which must be
-    intact. A path that is not there is a usage error. ``report`` hears of each damaged checkpoint
-    passed over.
+    ``resume_with``, how to continue it); "auto": ``out``'s (None if it has none); a run directory or a
+    checkpoint directory: its. A path that is not there is a usage error. ``report`` hears of each
+    damaged checkpoint passed over.
     """
     if resume is None:
         if ckpt.find_latest(out):
             raise ConfigError(f"{out} already has checkpoints; continue it with {resume_with} or choose another --out")
         return None
-    if resume != "auto" and not os.path.isdir(resume):
+    if resume == "auto":
+        return checkpoint_of(out, "--resume", report) if ckpt.find_latest(out) else None
+    if not os.path.isdir(resume):
         raise ConfigError(
             f"--resume {resume}: no such directory; pass auto (the newest checkpoint in --out), a run "
             "directory or a checkpoint directory"
         )
-    if ckpt.has_weights(resume):
-        ckpt.verify(resume)
-        return resume
-    run_dir = out if resume == "auto" else resume
-    found = ckpt.find_intact(run_dir, report=report)
-    if found is None and ckpt.find_latest(run_dir):
-        raise CheckpointError(f"{run_dir}: every checkpoint is damaged; start again with a new --out")
-    if found is None and resume != "auto":
-        raise ConfigError(
-            f"--resume {resume}: neither a checkpoint (no model.safetensors or sharded "
-            ".metadata) nor a run directory with checkpoints/step_*/; pass a checkpoint "
-            "directory or --resume auto"
-        )
-    return found
+    try:
+        return checkpoint_of(resume, "--resume", report)
+    except WeightsError as e:
+        raise ConfigError(named("--resume", resume, e)) from None
 
 
 def began_from(where: str) -> Optional[dict]:

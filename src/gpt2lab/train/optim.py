@@ -1,4 +1,4 @@
-"""The optimizers and the learning-rate schedule (a pure function of the step).
+"""The optimizers (their learning rates move with train.schedule).
 
 ``--optimizer adamw`` (the GPT-2/3 recipe): one AdamW, weight decay on >=2-D tensors only.
 ``--optimizer muon``: Muon (torch.optim.Muon, its Newton-Schulz iteration in the dtype
@@ -8,19 +8,31 @@ embeddings, the head, gains and biases, each group with its own peak rate; the s
 normuon`` adds NorMuon's per-neuron normalisation after Muon's orthogonalisation; ``--muon-orth
 polar_express`` orthogonalises with the Polar Express polynomials instead of Newton-Schulz's one;
 ``--cautious-wd`` decays only where the update and the weight have the same sign (AdamW and Muon).
+
+Every optimizer's ``step`` takes the step's skip decision as a value (train/spikes.py): a bool
+read back on the host (True: no step at all), or a 0-d tensor left on the device (1: skip), which
+the optimizers whose ``skips_on_device`` is true turn into a step that changes no weight and no
+state, with no host sync.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn
 
-from gpt2lab.system.choices import LR_SCHEDULES, MUON_VARIANTS, NS_DTYPE_CHOICES, OPTIMIZERS  # noqa: F401
 from gpt2lab.system.errors import ConfigError
+from gpt2lab.train.schedule import peak_lr
+
+Skip = Union[bool, torch.Tensor, None]  # the step's skip decision (None, False: step)
+
+
+def _keep(skip: Skip) -> Optional[torch.Tensor]:
+    """A device verdict as the share of the update to keep (1 - skip, fp32); None: a plain step."""
+    return 1 - skip.float() if isinstance(skip, torch.Tensor) else None
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -50,29 +62,35 @@ def cautious_mask(update: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return (update * p >= 0).to(p.dtype)
 
 
-class CautiousAdamW(torch.optim.AdamW):
-    """``torch.optim.AdamW`` with cautious weight decay: p -= lr * wd * I(u * p >= 0) * p, u Adam's
-    update m_hat / (sqrt(v_hat) + eps), in place of the decay p *= 1 - lr * wd on every coordinate.
+class AdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` whose ``step`` takes the skip decision; with ``cautious``, cautious weight
+    decay: p -= lr * wd * I(u * p >= 0) * p, u Adam's update m_hat / (sqrt(v_hat) + eps), in place of the
+    decay p *= 1 - lr * wd on every coordinate.
 
     u has the sign of the new first moment m = lerp(m, grad, 1 - beta1), so the mask is computed
     from it before torch's step, which then runs (fused or not) with weight decay 0: the decay reads
     the weight before the update, as the paper's x_{t+1} = x_t - lr (u_t + wd I(u_t x_t >= 0) x_t).
     Each group keeps its own ``weight_decay`` (0 on gains and biases: no decay there either). A
-    step skipped on the device (``found_inf``: fused only, as torch's) is skipped by the decay too."""
+    step skipped on the device (fused only: torch's kernel takes the verdict) is skipped by the decay too."""
+
+    def __init__(self, params, *, cautious: bool = False, **kwargs) -> None:
+        super().__init__(params, **kwargs)
+        self.cautious = cautious
+
+    @property
+    def skips_on_device(self) -> bool:
+        return bool(self.defaults.get("fused"))
 
     @torch.no_grad()
-    def step(self, closure=None):
-        if getattr(self, "grad_scale", None) is not None:
-            raise RuntimeError("CautiousAdamW: gradients scaled for fp16 must be unscaled first (GradScaler.unscale_)")
-        found_inf = getattr(self, "found_inf", None)
-        keep = None if found_inf is None else 1 - found_inf.float()
-        decays = [group["weight_decay"] for group in self.param_groups]
+    def step(self, closure=None, skip: Skip = None):
+        if skip is True:
+            return None
+        keep = _keep(skip)
+        decays = [group["weight_decay"] for group in self.param_groups] if self.cautious else []
         for group, wd in zip(self.param_groups, decays):
-            if not wd:
-                continue
             rate = float(group["lr"]) * wd
             for p in group["params"]:
-                if p.grad is None:
+                if p.grad is None or not wd:
                     continue
                 m = self.state[p].get("exp_avg")
                 beta1 = group["betas"][0]
@@ -80,9 +98,12 @@ class CautiousAdamW(torch.optim.AdamW):
                 decay = cautious_mask(new_m, p) * rate
                 p.sub_(p * (decay if keep is None else decay * keep.to(p.dtype)))
             group["weight_decay"] = 0.0
+        if keep is not None:
+            self.found_inf = skip.float()  # how torch's fused kernel takes a verdict (GradScaler hands it so too)
         try:
             return super().step(closure)
         finally:
+            self.__dict__.pop("found_inf", None)
             for group, wd in zip(self.param_groups, decays):
                 group["weight_decay"] = wd
 
@@ -99,47 +120,11 @@ def make_optimizer(
     cautious: bool = False,
 ) -> torch.optim.AdamW:
     """AdamW over ``param_groups``; fused when the device has the kernel (``fused=None``);
-    ``cautious``: its weight decay cautious (``CautiousAdamW``)."""
+    ``cautious``: its weight decay cautious."""
     use_fused = fused_available(device) if fused is None else fused
-    adamw = CautiousAdamW if cautious else torch.optim.AdamW
-    return adamw(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=use_fused or None)
-
-
-def lr_at(
-    step: int,
-    *,
-    max_lr: float,
-    min_lr: float,
-    warmup_steps: int,
-    max_steps: int,
-    schedule: str = "cosine",
-    decay_frac: float = 0.2,
-) -> float:
-    """The learning rate of step ``step``: linear warmup to max_lr over ``warmup_steps``, then
-
-    * ``cosine``: cosine decay to min_lr at ``max_steps``;
-    * ``wsd`` (warmup-stable-decay): max_lr until the last ``decay_frac`` of ``max_steps``,
-      then a straight line down to min_lr at ``max_steps`` (the decay never starts before
-      the warmup ends).
-
-    Step 0 gets max_lr / warmup_steps (never 0, which would waste a step); past max_steps
-    the rate stays at min_lr. Every rate is linear in (max_lr, min_lr): groups whose two
-    rates have the same ratio are scaled by the same factor at every step.
-    """
-    if step < warmup_steps:
-        return max_lr * (step + 1) / warmup_steps
-    if step >= max_steps:
-        return min_lr
-    if schedule == "wsd":
-        start = max(warmup_steps, max_steps - round(decay_frac * max_steps))
-        if step < start:
-            return max_lr
-        return max_lr + (min_lr - max_lr) * (step - start) / (max_steps - start)
-    if schedule != "cosine":
-        raise ValueError(f"lr schedule {schedule!r}: choose one of {', '.join(LR_SCHEDULES)}")
-    ratio = (step - warmup_steps) / max(1, max_steps - warmup_steps)
-    coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))  # 1 -> 0
-    return min_lr + coeff * (max_lr - min_lr)
+    return AdamW(
+        param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=use_fused or None, cautious=cautious
+    )
 
 
 # -- Muon ------------------------------------------------------------------------------------
@@ -282,21 +267,19 @@ class Muon(torch.optim.Muon):
         self.ns_dtype, self.variant, self.beta2 = ns_dtype, variant, beta2
         self.orth, self.cautious = orth, cautious
 
-    # torch.amp.GradScaler and apply_update's device-side skip set ``found_inf`` (a 0-d tensor, 1: skip)
-    _step_supports_amp_scaling = True
+    skips_on_device = True
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, skip: Skip = None):
+        if skip is True:
+            return None
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if getattr(self, "grad_scale", None) is not None:
-            raise RuntimeError("Muon: gradients scaled for fp16 must be unscaled first (GradScaler.unscale_)")
-        found_inf = getattr(self, "found_inf", None)
         # keep = 0 turns the step into a no-op on the device (no host sync): momentum, second
-        # moment, decay and update are all scaled by it; without found_inf the step is as before
-        keep = None if found_inf is None else 1 - found_inf.float()
+        # moment, decay and update are all scaled by it; without a device verdict the step is torch's
+        keep = _keep(skip)
         for group in self.param_groups:
             lr, wd, momentum = float(group["lr"]), group["weight_decay"], group["momentum"]
             for p in group["params"]:
@@ -348,9 +331,13 @@ class Optimizers:
     def param_groups(self) -> list[dict]:
         return [g for opt in self.named.values() for g in opt.param_groups]
 
-    def step(self) -> None:
+    @property
+    def skips_on_device(self) -> bool:
+        return all(getattr(opt, "skips_on_device", False) for opt in self.named.values())
+
+    def step(self, skip: Skip = None) -> None:
         for opt in self.named.values():
-            opt.step()
+            opt.step(skip=skip)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.named.values():
@@ -401,31 +388,12 @@ def muon_split(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     return out
 
 
-def make_muon(
-    model: nn.Module,
-    *,
-    muon_lr: float,
-    muon_momentum: float,
-    muon_weight_decay: float,
-    ns_dtype: torch.dtype,
-    lr: float,
-    embed_lr: float,
-    head_lr: float,
-    weight_decay: float,
-    betas: tuple[float, float],
-    eps: float,
-    device: torch.device,
-    variant: str = "muon",
-    muon_beta2: float = 0.95,
-    orth: str = "newton_schulz",
-    cautious: bool = False,
-) -> Optimizers:
-    """Muon on the blocks' 2-D matrices, AdamW (fused where available) on the rest.
+def make_muon(model: nn.Module, opt, device: torch.device, ns_dtype: torch.dtype = torch.float32) -> Optimizers:
+    """Muon on the blocks' 2-D matrices, AdamW (fused where available) on the rest, as the optim section
+    ``opt`` sets them (its variant, orthogonalisation and cautious weight decay, for both).
 
     Every group carries ``lr_name``, the TrainConfig field its peak rate comes from
     (``set_lrs``): muon_lr, embed_lr, head_lr or max_lr (gains, biases, other matrices).
-    ``orth`` and ``cautious``: Muon's orthogonalisation and cautious weight decay for both (``Muon``,
-    ``CautiousAdamW``).
     """
     if any(_is_dtensor(p) for p in model.parameters()):
         raise ConfigError(
@@ -439,26 +407,30 @@ def make_muon(
         )
     muon = Muon(
         [{"params": split["hidden"], "lr_name": "muon_lr"}],
-        lr=muon_lr,
-        momentum=muon_momentum,
-        weight_decay=muon_weight_decay,
+        lr=opt.muon_lr,
+        momentum=opt.muon_momentum,
+        weight_decay=opt.muon_weight_decay,
         nesterov=True,
         ns_dtype=ns_dtype,
-        variant=variant,
-        beta2=muon_beta2,
-        orth=orth,
-        cautious=cautious,
+        variant=opt.muon_variant,
+        beta2=opt.muon_beta2,
+        orth=opt.muon_orth,
+        cautious=opt.cautious_wd,
     )
-    other = split["other"]
+    other, wd = split["other"], opt.weight_decay
     groups = [
-        {"params": split["embed"], "lr": embed_lr, "weight_decay": weight_decay, "lr_name": "embed_lr"},
-        {"params": split["head"], "lr": head_lr, "weight_decay": weight_decay, "lr_name": "head_lr"},
-        {"params": [p for p in other if p.dim() >= 2], "lr": lr, "weight_decay": weight_decay, "lr_name": "max_lr"},
-        {"params": [p for p in other if p.dim() < 2], "lr": lr, "weight_decay": 0.0, "lr_name": "max_lr"},
+        {"params": split["embed"], "lr": peak_lr(opt, "embed_lr"), "weight_decay": wd, "lr_name": "embed_lr"},
+        {"params": split["head"], "lr": peak_lr(opt, "head_lr"), "weight_decay": wd, "lr_name": "head_lr"},
+        {"params": [p for p in other if p.dim() >= 2], "lr": opt.max_lr, "weight_decay": wd, "lr_name": "max_lr"},
+        {"params": [p for p in other if p.dim() < 2], "lr": opt.max_lr, "weight_decay": 0.0, "lr_name": "max_lr"},
     ]
-    use_fused = fused_available(device)
-    adamw = (CautiousAdamW if cautious else torch.optim.AdamW)(
-        [g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps, fused=use_fused or None
+    adamw = AdamW(
+        [g for g in groups if g["params"]],
+        lr=opt.max_lr,
+        betas=(opt.beta1, opt.beta2),
+        eps=opt.eps,
+        fused=fused_available(device) or None,
+        cautious=opt.cautious_wd,
     )
     return Optimizers(adamw=adamw, muon=muon)
 
@@ -475,7 +447,18 @@ def build_optimizer(model: nn.Module, opt, device: torch.device, ns_dtype: Optio
     """The optimizer a TrainConfig's ``optim`` section (``opt``) asks for: today's AdamW
     (``make_optimizer``) or Muon + AdamW; with ``token_features``, the feature share of the
     token tables (train.token_features; ``tokenizer``: the run's, None for GPT-2's) stepped after them."""
-    optimizer = _build_optimizer(model, opt, device, ns_dtype)
+    if opt.optimizer == "adamw":
+        optimizer = make_optimizer(
+            model,
+            lr=opt.max_lr,
+            weight_decay=opt.weight_decay,
+            betas=(opt.beta1, opt.beta2),
+            eps=opt.eps,
+            device=device,
+            cautious=opt.cautious_wd,
+        )
+    else:
+        optimizer = make_muon(model, opt, device, getattr(torch, ns_dtype or "float32"))
     if not opt.token_features:
         return optimizer
     from gpt2lab.data.tokenizer import gpt2_tokenizer
@@ -488,126 +471,12 @@ def build_optimizer(model: nn.Module, opt, device: torch.device, ns_dtype: Optio
     return Optimizers(**named, token_features=share)
 
 
-def _build_optimizer(model: nn.Module, opt, device: torch.device, ns_dtype: Optional[str] = None):
-    if opt.optimizer == "adamw":
-        return make_optimizer(
-            model,
-            lr=opt.max_lr,
-            weight_decay=opt.weight_decay,
-            betas=(opt.beta1, opt.beta2),
-            eps=opt.eps,
-            device=device,
-            cautious=opt.cautious_wd,
-        )
-    return make_muon(
-        model,
-        muon_lr=opt.muon_lr,
-        muon_momentum=opt.muon_momentum,
-        muon_weight_decay=opt.muon_weight_decay,
-        ns_dtype=getattr(torch, ns_dtype or "float32"),
-        lr=opt.max_lr,
-        embed_lr=peak_lr(opt, "embed_lr"),
-        head_lr=peak_lr(opt, "head_lr"),
-        weight_decay=opt.weight_decay,
-        betas=(opt.beta1, opt.beta2),
-        eps=opt.eps,
-        device=device,
-        variant=opt.muon_variant,
-        muon_beta2=opt.muon_beta2,
-        orth=opt.muon_orth,
-        cautious=opt.cautious_wd,
-    )
-
-
-def peak_lr(opt, name: str) -> float:
-    """The peak rate of a group's ``lr_name``; embed_lr and head_lr default to max_lr."""
-    value = getattr(opt, name)
-    return opt.max_lr if value is None else value
-
-
-def scheduled_lr(step: int, opt, name: str = "max_lr") -> float:
-    """Group ``name``'s rate at ``step``: the schedule with its own peak, its floor min_lr scaled
-    by the same ratio (min_lr / max_lr), so every group moves by the same factor."""
-    peak = peak_lr(opt, name)
-    floor = opt.min_lr if peak == opt.max_lr else peak * (opt.min_lr / opt.max_lr)
-    return lr_at(
-        step,
-        max_lr=peak,
-        min_lr=floor,
-        warmup_steps=opt.warmup_steps,
-        max_steps=opt.max_steps,
-        schedule=opt.lr_schedule,
-        decay_frac=opt.decay_frac,
-    )
-
-
-def set_lrs(optimizer, step: int, opt) -> None:
-    """Give every param group its scheduled rate (groups without ``lr_name`` follow max_lr).
-
-    The peaks come from ``opt`` (the optim section) on every step, never from the checkpoint:
-    a resumed run with another --muon-lr uses the new one, as --max-lr always has."""
-    for group in optimizer.param_groups:
-        group["lr"] = scheduled_lr(step, opt, group.get("lr_name", "max_lr"))
-
-
-def _scaled(optimizer) -> list[torch.optim.Optimizer]:
-    """The parts fp16's GradScaler unscales and steps: all but the feature share, whose tables'
-    gradients belong to (and are unscaled with) the part that owns the tables."""
+def unscale(optimizer, scaler) -> None:
+    """fp16: unscale the gradients before they are clipped (GradScaler's unscale_, which also finds
+    inf ones for its scale), every part's but the feature share's, whose tables' gradients belong to
+    (and are unscaled with) the part that owns the tables."""
     from gpt2lab.train.token_features import FeatureShare
 
-    return [one for one in parts(optimizer) if not isinstance(one, FeatureShare)]
-
-
-def unscaled_grad_norm(model: nn.Module, optimizer, scaler, grad_clip: float) -> torch.Tensor:
-    """The whole gradient's norm (sharded or not), after fp16's scaler has unscaled it and the
-    gradient has been clipped to ``grad_clip`` (0: not clipped)."""
-    from gpt2lab.distributed import parallel
-
-    if scaler is not None:
-        for opt in _scaled(optimizer):
-            scaler.unscale_(opt)
-    return parallel.clip_grad_norm(model, grad_clip if grad_clip > 0 else float("inf"))
-
-
-def skips_on_device(optimizer) -> bool:
-    """Whether every part of ``optimizer`` can skip a step on the device (``apply_update``'s
-    ``skip``): fused AdamW (torch's kernel takes ``found_inf``, as GradScaler uses it), our Muon and
-    the token features' share."""
-    from gpt2lab.train.token_features import FeatureShare
-
-    return all(
-        isinstance(one, (Muon, FeatureShare)) or (isinstance(one, torch.optim.AdamW) and one.defaults.get("fused"))
-        for one in parts(optimizer)
-    )
-
-
-def apply_update(optimizer, scaler, step: int, opt, take: bool, skip: Optional[torch.Tensor] = None) -> None:
-    """Step with the scheduled rates when ``take``, else drop the gradients; either way they are
-    cleared. Under fp16 the scaler steps (it skips steps with inf gradients itself while it
-    finds its scale), and ``update`` always follows ``unscale_``, which also backs the scale off.
-    ``skip`` (a 0-d float tensor on the device, 1: skip; optimizers where ``skips_on_device``)
-    decides on the device instead, with no host sync: the kernels leave weights and state as they were."""
-    if skip is not None:
-        set_lrs(optimizer, step, opt)
-        for one in parts(optimizer):
-            one.found_inf = skip
-            try:
-                one.step()
-            finally:
-                del one.found_inf
-        optimizer.zero_grad(set_to_none=True)
-        return
-    if take:
-        set_lrs(optimizer, step, opt)
-        if scaler is not None:
-            scaled = _scaled(optimizer)
-            for one in parts(optimizer):
-                if any(one is each for each in scaled):
-                    scaler.step(one)
-                else:  # the feature share: its tables' gradients are unscaled already; it skips inf itself
-                    one.step()
-        else:
-            optimizer.step()
-    if scaler is not None:
-        scaler.update()
-    optimizer.zero_grad(set_to_none=True)
+    for one in parts(optimizer) if scaler is not None else []:
+        if not isinstance(one, FeatureShare):
+            scaler.unscale_(one)

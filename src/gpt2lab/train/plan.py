@@ -1,6 +1,6 @@
 """The run plan: every start-up decision of ``gpt2lab train``, made once, from plain data.
 
-``decide(request, gathered)`` is a pure function of what the user asked for (``Request``: preset
+``decide_plan(request, gathered)`` is a pure function of what the user asked for (``Request``: preset
 values, flags, ``--resume``) and what train.gather read from the outside world (``Gathered``: the
 machine's facts, the checkpoint to resume and its config, the --init-from source and its hash,
 the data's manifest); it reads no file. It decides, each with its reason where there is one:
@@ -12,14 +12,14 @@ the data's manifest); it reads no file. It decides, each with its reason where t
   changes what it trains (``resume_fields``: the fields marked ``keep`` in train.config, the
   architecture's) is refused here;
 - dtype and compile (``system.runtime``), strategy (``strategy_for``: distributed.parallel's rule
-  with DDP's memory from ``distributed.memplan``), the loss path (``model.loss.choose_loss``);
+  with DDP's memory from ``train.memplan``), the loss path (``model.loss.choose_loss``);
 - accumulation steps, peak FLOP/s for MFU, the predicted memory per rank (``check_memory``, a
   start's check, refuses what does not fit).
 
-``make_plan(request, machine)`` is the two together: train.gather.gather, then ``decide``. Under
+``make_plan(request, machine)`` is the two together: train.gather.gather, then ``decide_plan``. Under
 torchrun, rank 0 makes the plan and hands it to the others in one broadcast (``train.run``); the
 Trainer builds from it and decides nothing. The plan is printed at start, written to
-``run_info.json`` and is all that ``gpt2lab train --dry-run`` shows.
+``run_info.json`` and is all that ``gpt2lab train --dry-run`` shows (train/plan_text.py renders it).
 """
 
 from __future__ import annotations
@@ -31,18 +31,16 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
 from gpt2lab.checkpoint.store import step_of
-from gpt2lab.distributed import memplan, parallel
+from gpt2lab.distributed import parallel
 from gpt2lab.model.config import GPTConfig, config_value, padded_vocab
 from gpt2lab.model.loss import LossPath, choose_loss
 from gpt2lab.system import hardware, runtime
 from gpt2lab.system.errors import ConfigError
 from gpt2lab.system.runtime import Choice
-from gpt2lab.train import init_from
+from gpt2lab.train import init_from, memplan
 from gpt2lab.train.config import SECTIONS, TrainConfig, default_value, merge_config, nest_config
 from gpt2lab.train.gather import Gathered, InitFrom, MachineFacts, Resumed, gather
-from gpt2lab.weights.targets import export_target
-
-PLAN_VERSION = 1
+from gpt2lab.train.schedule import accum_at, lr_at
 
 
 # -- the inputs ----------------------------------------------------------------------------
@@ -112,154 +110,9 @@ class RunPlan:
         return runtime.Resolved(self.dtype, self.compile, self.machine.device, self.ns_dtype)
 
     @property
-    def export(self) -> str:
-        """What ``gpt2lab export`` will write for this run's model, or why nothing (weights/targets.py)."""
-        return export_target(self.config.model).describe()
-
-    @property
-    def checkpoints(self) -> dict:
-        """What the run's checkpoints take on disk (``checkpoint_bytes``) and how many it keeps."""
-        return checkpoint_disk(self.config)
-
-    @property
     def init_record(self) -> Optional[dict]:
         """run_info.json's "init_from": this run's source, or the one a resumed run began from."""
         return self.init.record() if self.init is not None else self.began
-
-    def record(self) -> dict:
-        """run_info.json's "plan" entry (plain JSON)."""
-        c = self.config
-
-        def choice(ch):
-            return {
-                "value": ch.value,
-                "reason": ch.reason,
-                **({"warning": ch.warning} if ch.warning else {}),
-            }
-
-        return {
-            "version": PLAN_VERSION,
-            "facts": {
-                **self.choices.record(),
-                "world_size": self.machine.world_size,
-                "device_bytes": self.machine.device_bytes,
-                "host_bytes": self.machine.host_bytes,
-                "faked": self.machine.faked,
-            },
-            "resume": self.resume,
-            "schedule_change": self.schedule_change,
-            "data_source": self.data_source,
-            "sample_prompt": {"value": c.eval.sample_prompt, "reason": self.prompt_reason or "as set"},
-            "skipped_checkpoints": list(self.skipped),
-            "init_from": self.init_record,
-            "dtype": choice(self.dtype),
-            "compile": choice(self.compile),
-            "strategy": choice(self.strategy),
-            "loss": {"value": self.loss.value, "reason": self.loss.reason},
-            "peak_flops": choice(self.peak_flops),
-            "muon_ns_dtype": choice(self.ns_dtype) if self.ns_dtype else None,
-            "activation_checkpointing": c.parallel.activation_checkpointing,
-            "grad_accum_steps": self.accum,
-            "params": self.params,
-            "memory_mib": self.memory,
-            "supervised": self.supervised,
-            "checkpoints": self.checkpoints,
-            "export": self.export,
-            "config": c.to_dict(),
-        }
-
-    def lines(self) -> list[str]:
-        """What start-up prints (and --dry-run shows), one decision a line."""
-        c, m, ft = self.config, self.config.model, self.config.finetune
-        on = lambda v: "on" if v else "off"  # noqa: E731
-        mem = "no prediction for this device"
-        if self.memory:
-            f, have = self.machine, ""
-            if f.device_bytes:
-                have = f" of the device's {f.device_bytes / 2**30:.1f} GiB"
-            elif f.host_bytes:
-                have = f" of this machine's {f.host_bytes / 2**30:.1f} GiB of RAM" + (
-                    " per process" if f.world_size > 1 else ""
-                )
-            mem = f"{self.memory['total'] / 1024:.2f} GiB per rank predicted{have} (peak at {self.memory['phase']})"
-        peak = self.peak_flops.value
-        b = c.batch
-        ramp = (
-            f"; ramped from {b.batch_ramp_start:,} tokens ({c.accum_at(0, self.machine.world_size)} micro-steps) "
-            f"at step 0 over {b.batch_ramp_steps} steps"
-            if b.batch_ramp_steps
-            else ""
-        )
-        if b.seq_len_ramp_steps:  # the sequence-length ramp: the same tokens in shorter rows
-            ramp += (
-                f"; sequences of {b.seq_len_start} tokens at step 0 (micro-batch "
-                f"{b.micro_batch_size * b.seq_len // b.seq_len_start} rows), doubling to {b.seq_len} by step "
-                f"{b.seq_len_ramp_steps}"
-            )
-        if m.mtp_heads:
-            final = "" if m.mtp_weight_final is None else f", to {m.mtp_weight_final} at the last step"
-            mtp = (
-                f"; multi-token prediction: {m.mtp_heads} more heads (tokens t+2..t+{m.mtp_heads + 1}), "
-                f"weight {m.mtp_weight}{final}"
-            )
-        out = [
-            f"out       {c.out}" + (f" (resume from {self.resume})" if self.resume else " (new run)"),
-            f"machine   {self.machine.describe()}",
-            f"model     {m.n_layer} layers, {m.n_head} heads, {m.n_embd} wide, block {m.block_size}, "
-            f"{self.params:,} params" + (f", LoRA rank {ft.lora_rank} on {ft.lora_targets}" if ft.lora_rank else ""),
-            f"export    {self.export}",
-        ]
-        if m.tokenizer:
-            out.append(
-                f"tokenizer sha256:{m.tokenizer[:12]} (the data's): {m.token_vocab_size:,} tokens in "
-                f"{m.vocab_size:,} embedding rows"
-            )
-        if self.supervised:
-            n, total = self.supervised
-            out.append(
-                f"data      {c.data}: conversations in the {m.chat_template} template, supervised on "
-                f"{n:,} of {total:,} tokens ({n / max(total, 1):.0%}: the assistant's turns)"
-            )
-        if self.prompt_reason:
-            out.append(f"sample    prompt {c.eval.sample_prompt!r} ({self.prompt_reason})")
-        out += [f"skipped   {line}" for line in self.skipped]
-        if self.schedule_change:
-            out.append(f"schedule  {self.schedule_change}")
-        if self.init_record:
-            r = self.init_record
-            out.append(f"init from {r['source']} ({r.get('kind', 'recorded by the run')}, {r['id']})")
-        out += [
-            f"dtype     {self.dtype.value} ({self.dtype.reason})",
-            f"compile   {on(self.compile.value)} ({self.compile.reason})",
-            f"strategy  {self.strategy.value} ({self.strategy.reason})"
-            + ("; activation checkpointing on" if c.parallel.activation_checkpointing else ""),
-            f"loss      {self.loss.value} ({self.loss.reason})" + (mtp if m.mtp_heads else ""),
-            f"optimizer {c.optim.optimizer}"
-            + (f" ({c.optim.muon_variant})" if c.optim.muon_variant != "muon" else "")
-            + f", {c.optim.lr_schedule} schedule"
-            + (f"; Newton-Schulz in {self.ns_dtype.value} ({self.ns_dtype.reason})" if self.ns_dtype else "")
-            + ("; Polar Express in place of Newton-Schulz's polynomial" if c.optim.muon_orth == "polar_express" else "")
-            + ("; cautious weight decay" if c.optim.cautious_wd else "")
-            + ("; token features shared by the token tables (training only)" if c.optim.token_features else "")
-            + (
-                f"; weight average (EMA) {c.optim.ema_decay}: evaluations and checkpoints hold it"
-                if c.optim.ema_decay
-                else ""
-            ),
-            f"batch     {c.batch.total_batch_tokens:,} tokens/step = micro-batch {c.batch.micro_batch_size} "
-            f"x seq {c.batch.seq_len} x {self.machine.world_size} process(es) x {self.accum} micro-steps{ramp}; "
-            f"steps to {c.optim.max_steps}",
-            "peak      "
-            + (
-                f"{peak / 1e12:.0f} TFLOP/s per device ({self.peak_flops.reason})"
-                if peak
-                else f"unknown ({self.peak_flops.reason}); no MFU"
-            ),
-            f"memory    {mem}",
-            f"disk      {describe_checkpoints(self.checkpoints)}",
-        ]
-        out += [f"warning: {ch.warning}" for ch in (self.dtype, self.compile) if ch.warning]
-        return out
 
 
 # -- the decisions: pure functions of (request, gathered) -------------------------------------
@@ -285,10 +138,10 @@ def make_plan(
         resume_with=req.resume_advice,
         prompt_from_data=not prompt_fits(req),
     )
-    return decide(req, found)
+    return decide_plan(req, found)
 
 
-def decide(req: Request, found: Gathered) -> RunPlan:
+def decide_plan(req: Request, found: Gathered) -> RunPlan:
     """The plan of ``req`` from what was gathered (see the module docstring); reads no file."""
     machine, resumed, init = found.machine, found.resumed, found.init
     values = nest_config(req.values, req.source)
@@ -315,7 +168,7 @@ def decide(req: Request, found: Gathered) -> RunPlan:
         check_resume_settings(cfg, resumed.saved, resumed.where)
         change = schedule_change(cfg, resumed.saved, step_of(resumed.where))
     accum = cfg.grad_accum_steps(machine.world_size)
-    cfg.accum_at(0, machine.world_size)  # the batch ramp's start divides evenly too (raises if not)
+    accum_at(cfg, 0, machine.world_size)  # the batch ramp's start divides evenly too (raises if not)
     muon = cfg.optim.optimizer == "muon"
     choices = runtime.resolve(
         machine.device.device_type,
@@ -342,7 +195,7 @@ def decide(req: Request, found: Gathered) -> RunPlan:
         loss=choose_loss(machine.device.device_type, compiled, sharded),
         peak_flops=choose_peak_flops(cfg.system.peak_flops, machine),
         accum=accum,
-        params=memplan.param_counts(cfg.model)["total"],
+        params=memplan.params(cfg),
         memory=memory,
         ns_dtype=choices.ns_dtype,
         began=resumed.began if resumed else None,
@@ -405,21 +258,14 @@ def strategy_for(cfg: TrainConfig, machine: MachineFacts, dtype: str, accum: int
 
 
 def _predict(cfg: TrainConfig, machine: MachineFacts, strategy: str, dtype: str, accum: int, compiled: bool):
-    device = "cuda" if machine.device.device_type == "cuda" else "cpu"
     return memplan.predict(
-        cfg.model,
+        cfg,
         strategy=strategy,
         world_size=machine.world_size,
-        micro_batch=cfg.batch.micro_batch_size,
-        seq_len=cfg.batch.seq_len,
         dtype=dtype,
-        activation_checkpointing=cfg.parallel.activation_checkpointing,
         accum=accum,
-        device=device,
+        device="cuda" if machine.device.device_type == "cuda" else "cpu",
         compiled=compiled,
-        optimizer=cfg.optim.optimizer,
-        muon_variant=cfg.optim.muon_variant,
-        average=bool(cfg.optim.ema_decay),
         token_features=token_feature_count(cfg),
     )
 
@@ -443,7 +289,7 @@ def check_memory(plan: RunPlan) -> None:
             bool(plan.compile.value),
         ).total
 
-    if limit is None or not plan.memory or memplan.fits(total_at(cfg.batch.micro_batch_size), limit):
+    if limit is None or not plan.memory or parallel.fits(total_at(cfg.batch.micro_batch_size), limit):
         return
     b, world = cfg.batch, machine.world_size
     rows = max(1, b.total_batch_tokens // (b.seq_len * world))  # a micro-batch must divide a step's rows
@@ -451,7 +297,7 @@ def check_memory(plan: RunPlan) -> None:
         (
             B
             for B in range(min(b.micro_batch_size - 1, rows), 0, -1)
-            if rows % B == 0 and memplan.fits(total_at(B), limit)
+            if rows % B == 0 and parallel.fits(total_at(B), limit)
         ),
         None,
     )
@@ -483,67 +329,11 @@ def token_feature_count(cfg: TrainConfig) -> int:
     return feature_count(cfg.data if cfg.model.tokenizer else None, cfg.model.vocab_size)
 
 
-def checkpoint_bytes(cfg: TrainConfig) -> dict:
-    """Bytes of one checkpoint of ``cfg``'s run by file, as checkpoint.store writes it: the weights in
-    fp32 (model.safetensors; the tied head once; LoRA's adapters with the base), the optimizer's fp32
-    state (optimizer.pt: memplan's, or the adapters' two AdamW moments under LoRA) and, with
-    --ema-decay, the trained weights beside the average (training.safetensors). state.pt, config.json
-    and checksums add kilobytes, left out."""
-    m, ft = cfg.model, cfg.finetune
-    params = memplan.param_counts(m)["total"]
-    if ft.lora_rank:
-        C = m.n_embd
-        shapes = {"c_attn": [(C, 3 * C)], "c_fc": [(C, 4 * C)], "attn.c_proj": [(C, C)], "mlp.c_proj": [(4 * C, C)]}
-        shapes["c_proj"] = shapes["attn.c_proj"] + shapes["mlp.c_proj"]
-        targets = {t.strip() for t in ft.lora_targets.split(",")}
-        linears = {shape for t in targets for shape in shapes[t]}  # c_proj and attn.c_proj: the same layer once
-        adapters = m.n_layer * sum(ft.lora_rank * (a + b) for a, b in linears)
-        weights, optimizer = memplan.FP32 * (params + adapters), 2 * memplan.FP32 * adapters
-    else:
-        weights = memplan.FP32 * params
-        optimizer = memplan.optimizer_state_bytes(m, cfg.optim.optimizer, cfg.optim.muon_variant)
-        optimizer += memplan.feature_state_bytes(m, token_feature_count(cfg))
-    out = {"weights": weights, "optimizer": optimizer}
-    if cfg.optim.ema_decay:
-        out["training_weights"] = weights
-    return {**out, "total": sum(out.values())}
-
-
-def checkpoint_disk(cfg: TrainConfig) -> dict:
-    """``checkpoint_bytes`` with the count the run writes (every ckpt_interval steps and at the end) and
-    keeps (--keep-checkpoints, 0: all), and the disk that takes: ``kept`` checkpoints, one more while
-    the next is written (the oldest goes once the new one is whole)."""
-    c, steps = cfg.checkpoint, cfg.optim.max_steps
-    each = checkpoint_bytes(cfg)
-    written = steps // c.ckpt_interval + (1 if steps % c.ckpt_interval else 0) if c.ckpt_interval else 1
-    kept = min(c.keep_checkpoints, written) if c.keep_checkpoints else written
-    return {
-        "bytes": each,
-        "written": written,
-        "keep_checkpoints": c.keep_checkpoints,
-        "kept": kept,
-        "kept_bytes": kept * each["total"],
-        "peak_bytes": min(kept + 1, written) * each["total"],
-    }
-
-
-def describe_checkpoints(disk: dict) -> str:
-    """The plan's line about checkpoints on disk."""
-    each, mib = disk["bytes"], lambda n: f"{n / 2**20:,.0f} MiB"  # noqa: E731
-    parts = ", ".join(f"{k.replace('_', ' ')} {mib(v)}" for k, v in each.items() if k != "total")
-    keep = "all kept" if not disk["keep_checkpoints"] else f"{disk['kept']} kept (--keep-checkpoints)"
-    return (
-        f"{mib(each['total'])} per checkpoint ({parts}); {disk['written']} written, {keep}: "
-        f"{mib(disk['kept_bytes'])}"
-        + (f", {mib(disk['peak_bytes'])} while the next is written" if disk["peak_bytes"] > disk["kept_bytes"] else "")
-    )
-
-
 def resume_fields(cfg: TrainConfig) -> list[str]:
     """The settings a resumed run must keep, by flat name: each field marked ``keep`` (train.config)
-    that applies to ``cfg``, and every architecture field that sets no shape (a checkpoint's shapes
-    are checked when it loads, naming the shape fields that differ: exit 3)."""
-    out = [f.name for f in dataclasses.fields(GPTConfig) if not (f.metadata["shape"] or f.metadata["derived"])]
+    that applies to ``cfg``, and every architecture field the run does not derive (its shapes too: refused
+    here, a dry run too, not when the checkpoint loads)."""
+    out = [f.name for f in dataclasses.fields(GPTConfig) if not f.metadata["derived"]]
     for owner in [TrainConfig, *(section for name, section in SECTIONS.items() if name != "model")]:
         for f in dataclasses.fields(owner):
             keep = f.metadata.get("keep")
@@ -579,7 +369,7 @@ def check_resume_settings(cfg: TrainConfig, saved: dict, where: str) -> None:
     )
 
 
-# The fields that shape the LR schedule (train.optim.lr_at); those marked ``keep`` are refused before.
+# The fields that shape the LR schedule (train.schedule.lr_at); those marked ``keep`` are refused before.
 SCHEDULE_FIELDS = ("max_steps", "warmup_steps", "lr_schedule", "decay_frac", "max_lr", "min_lr")
 
 
@@ -588,7 +378,6 @@ def schedule_change(cfg: TrainConfig, saved: dict, step: int) -> Optional[str]:
     trained with: each field from what to what, the decay's new end and the rate of the next step
     before and after; None when it changes nothing. A rate's schedule is a function of max_steps, so
     resuming with another --max-steps moves the decay (cosine: its whole length; wsd: its start)."""
-    from gpt2lab.train.optim import lr_at
 
     def schedule(opt: dict) -> dict:
         return {n: opt[n] for n in SCHEDULE_FIELDS if n != "decay_frac" or opt["lr_schedule"] == "wsd"}

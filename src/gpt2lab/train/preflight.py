@@ -1,13 +1,14 @@
 """The checks ``train`` runs on its data before building anything, a ``--dry-run`` too: ``--data``
 there with shards of both splits, each holding a sequence of ``--seq-len``; with evaluations on, a
 val split of at least one micro-batch, and ``--eval-tokens`` trimmed to what it holds; HellaSwag's
-data at hand (a dry run never downloads it). A problem is one line naming the flag that fixes it
-(ConfigError, exit 2: the data is too small for these settings); what a start only says (a warning,
-a trim) comes back as lines to print. (What a resumed checkpoint cannot take is the run plan's:
-plan.check_resume_settings.)"""
+data at hand (a dry run never downloads it); the tensorboard package where asked for. A problem is
+one line naming the flag that fixes it (ConfigError, exit 2: the data is too small for these
+settings); what a start only says (a warning, a trim) comes back as lines to print. (What a resumed
+checkpoint cannot take is the run plan's: plan.check_resume_settings.)"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 from gpt2lab.system.errors import ConfigError
@@ -28,7 +29,10 @@ def check_present(data: str, faked: bool = False) -> list[str]:
 
 
 def check_data(cfg: TrainConfig, world_size: int, dry_run: bool = False) -> list[str]:
-    """Every data check of a start (after check_present); the lines it prints (``warning: ...``, ``note: ...``)."""
+    """Every data check of a start (after check_present), and the tensorboard package --tensorboard needs;
+    the lines it prints (``warning: ...``, ``note: ...``)."""
+    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("--tensorboard true needs the tensorboard package: pip install 'gpt2lab[tensorboard]'")
     lines = check_splits(cfg, world_size) if os.path.isdir(cfg.data) else []
     return lines + check_hellaswag(cfg, download=not dry_run)
 
@@ -112,7 +116,8 @@ def check_hellaswag(cfg: TrainConfig, download: bool = True) -> list[str]:
     if not n:
         return []
     try:
-        from gpt2lab.evals.hellaswag import load_examples, official_path, offline
+        from gpt2lab.evals.hellaswag import load_examples, official_path
+        from gpt2lab.system.env import offline
     except ImportError as e:
         raise ConfigError(
             f"--hellaswag-interval {n}: HellaSwag evaluation is unavailable ({e}); set --hellaswag-interval 0"

@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from gpt2lab.distributed.memplan import param_counts
 from gpt2lab.train.config import TrainConfig
+from gpt2lab.train.memplan import params
+from gpt2lab.train.schedule import accum_at
 from gpt2lab.train.settings import load_preset, preset_names
 from gpt2lab.weights.targets import export_target
 
@@ -81,23 +82,23 @@ def tokens(cfg: TrainConfig) -> int:
     b, steps = cfg.batch, cfg.optim.max_steps
     per_micro = b.micro_batch_size * b.seq_len
     ramp = min(steps, b.batch_ramp_steps)
-    return sum(cfg.accum_at(s, 1) for s in range(ramp)) * per_micro + (steps - ramp) * b.total_batch_tokens
-
-
-def describe(name: str) -> list[str]:
-    """A preset's lines of the listing."""
-    cfg = load_preset(name)
-    m, n = cfg.model, tokens(cfg)
-    source = f" (the architecture comes from --init-from {cfg.finetune.init_from})" if cfg.finetune.init_from else ""
-    measured = MEASURED.get(name)
-    return [
-        f"{name}: {m.n_layer} layers x {m.n_embd} wide, {param_counts(m)['total']:,} parameters{source}; "
-        f"{recipe(cfg, name)}{'' if name in FINE_TUNES else ' recipe'}; {cfg.optim.max_steps:,} steps, "
-        f"{n:,} tokens",
-        f"    time    {measured.describe(n) if measured else 'not measured'}",
-        f"    export  {export_target(m).describe()}",
-    ]
+    return sum(accum_at(cfg, s, 1) for s in range(ramp)) * per_micro + (steps - ramp) * b.total_batch_tokens
 
 
 def listing() -> list[str]:
-    return [line for name in preset_names() for line in describe(name)]
+    """``--list-presets``: each preset's lines."""
+    out = []
+    for name in preset_names():
+        cfg = load_preset(name)
+        m, n, measured = cfg.model, tokens(cfg), MEASURED.get(name)
+        source = (
+            f" (the architecture comes from --init-from {cfg.finetune.init_from})" if cfg.finetune.init_from else ""
+        )
+        out += [
+            f"{name}: {m.n_layer} layers x {m.n_embd} wide, {params(cfg):,} parameters{source}; "
+            f"{recipe(cfg, name)}{'' if name in FINE_TUNES else ' recipe'}; {cfg.optim.max_steps:,} steps, "
+            f"{n:,} tokens",
+            f"    time    {measured.describe(n) if measured else 'not measured'}",
+            f"    export  {export_target(m).describe()}",
+        ]
+    return out

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from gpt2lab.checkpoint import store as ckpt
 from gpt2lab.system.errors import RunDiverged
 from gpt2lab.train.config import TrainConfig
@@ -38,10 +40,10 @@ class RollbackDecision:
 
 
 class Rollback:
-    def __init__(self, cfg: TrainConfig) -> None:
+    def __init__(self, cfg: TrainConfig, device: torch.device = torch.device("cpu")) -> None:
         self.cfg = cfg
         s = cfg.spike
-        self.guard = SpikeGuard(s.spike_window, s.spike_loss_z, s.spike_norm_z, s.spike_rollback)
+        self.guard = SpikeGuard(s.spike_window, s.spike_loss_z, s.spike_norm_z, s.spike_rollback, device)
         self.skips: list[list[int]] = []  # [start, end) loader positions never trained on
         self.rollbacks = 0  # since the last checkpoint was saved
         self.bad_steps = 0  # skipped steps in a row (non-finite or spiking)
@@ -64,10 +66,6 @@ class Rollback:
                 "keeps the learning rates"
             )
 
-    def check(self, step: int, position: int, loss: float, norm: float) -> Optional[dict]:
-        """The spike's z-scores (its update must be skipped), or None for a healthy step."""
-        return self.guard.check(step, position, loss, norm)
-
     def skip_bad_data(self, position: int) -> int:
         """The loader position a step starts at: ``position``, past any data a rollback marked bad."""
         for start, end in self.skips:
@@ -75,8 +73,14 @@ class Rollback:
                 position = end
         return position
 
-    def due(self, record: dict, step: int) -> bool:
-        return record.get("skipped") == "spike" and self.guard.rollback_due(step)
+    def read(self, record: dict, start: int) -> bool:
+        """Take in a step's record as read back (``start``: the loader's position at the step's start):
+        count it (``check_bad``), remember a spike; whether the spikes now call for a rollback."""
+        self.check_bad(record)
+        if record.get("skipped") != "spike":
+            return False
+        self.guard.spikes.append([record["step"], start])
+        return self.guard.rollback_due(record["step"] + 1)
 
     def saved(self) -> None:
         self.rollbacks = 0
@@ -94,7 +98,7 @@ class Rollback:
         data. ``end`` and ``step``: the loader position and step count after the step that called for
         the rollback (the trainer's device checks read steps back a few at a time, so not always now).
         Raises TrainingError after ``MAX_ROLLBACKS`` rollbacks to the same checkpoint."""
-        first_step, first_pos = self.guard.first_spike()
+        first_step, first_pos = self.guard.spikes[0]
         target = next((p for p in reversed(ckpt.list_checkpoints(self.cfg.out)) if ckpt.step_of(p) <= first_step), None)
         skip = [first_pos, end]
         self.skips.append(skip)

@@ -26,24 +26,24 @@ from gpt2lab.data.tokenizer import save_tokenizer
 from gpt2lab.distributed import parallel
 from gpt2lab.distributed.dist import DistInfo, decided_on_rank_0
 from gpt2lab.observe.metrics import MetricsLogger, run_info
-from gpt2lab.system import rundir
+from gpt2lab.system import env, rundir
 from gpt2lab.system.errors import ConfigError, DataError, DiskFullError, UsageError
 from gpt2lab.system.files import sweep_stale, write_json
-from gpt2lab.train import preflight
+from gpt2lab.train import plan_text, preflight
 from gpt2lab.train.config import TrainConfig, save_config
-from gpt2lab.train.gather import FAKE_FACTS_ENV, MachineFacts, detect_machine, fake_machine
+from gpt2lab.train.gather import MachineFacts, detect_machine, fake_machine
 from gpt2lab.train.plan import Request, RunPlan, check_memory, make_plan
 from gpt2lab.train.trainer import Stopped, Trainer
 
 
 def machine_facts(info: DistInfo, dtype: str, dry_run: bool) -> MachineFacts:
     """This machine's facts, or GPT2LAB_FAKE_FACTS's (honoured by --dry-run only)."""
-    path = os.environ.get(FAKE_FACTS_ENV)
+    path = env.fake_facts()
     if path:
         if not dry_run:
             raise ConfigError(
-                f"{FAKE_FACTS_ENV}={path} is set: made-up machine facts can only be planned "
-                f"with, not trained on; add --dry-run or unset {FAKE_FACTS_ENV}"
+                f"{env.FAKE_FACTS}={path} is set: made-up machine facts can only be planned "
+                f"with, not trained on; add --dry-run or unset {env.FAKE_FACTS}"
             )
         return fake_machine(path)
     return detect_machine(info.device, info.world_size, dtype)
@@ -89,19 +89,13 @@ def start(
 def _no_downloads():
     """A dry run plans offline: a hub source (--init-from gpt2) is read from the Hugging Face cache
     only, as under HF_HUB_OFFLINE=1 (what it sets for the planning)."""
-    saved = os.environ.get("HF_HUB_OFFLINE")
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    try:
-        yield
-    except (UsageError, DataError) as e:  # a source not in the cache: say who set HF_HUB_OFFLINE
-        if saved is None and "HF_HUB_OFFLINE" in str(e):
-            raise type(e)(f"{e} (--dry-run never downloads: it planned with HF_HUB_OFFLINE=1)") from e
-        raise
-    finally:
-        if saved is None:
-            del os.environ["HF_HUB_OFFLINE"]
-        else:
-            os.environ["HF_HUB_OFFLINE"] = saved
+    with env.hub_offline_set() as users:
+        try:
+            yield
+        except (UsageError, DataError) as e:  # a source not in the cache: say who set HF_HUB_OFFLINE
+            if not users and "HF_HUB_OFFLINE" in str(e):
+                raise type(e)(f"{e} (--dry-run never downloads: it planned with HF_HUB_OFFLINE=1)") from e
+            raise
 
 
 _WHAT_NEXT = "choose a new or empty --out"
@@ -118,7 +112,7 @@ def train(
         if dry_run:
             if info.is_main:
                 print("gpt2lab train --dry-run: the plan (nothing trained, nothing written)")
-                for line in plan.lines():
+                for line in plan_text.lines(plan):
                     print(f"  {line}")
             return None
         return _run(plan, info, claim, request.resume_advice)
@@ -176,7 +170,7 @@ def _train(plan: RunPlan, info: DistInfo, trainer: Trainer, resume_with: str = "
                 "flops_per_token": trainer.flops_per_token,
                 "peak_flops": plan.peak_flops.value,
                 "mfu_formula": "6N + 12*n_layer*n_embd*T per token (PaLM), N without wpe",
-                "plan": plan.record(),
+                "plan": plan_text.record(plan),
                 "resume_with": resume_with,
             },
         )
@@ -198,8 +192,8 @@ def _train(plan: RunPlan, info: DistInfo, trainer: Trainer, resume_with: str = "
         f"gpt2lab train: strategy {plan.strategy.value} ({plan.strategy.reason})"
         + ("; activation checkpointing on" if cfg.parallel.activation_checkpointing else "")
     )
-    log.console(f"gpt2lab train: loss {plan.loss.value} ({plan.loss.reason}); {plan.lines()[-1]}")
-    log.console(f"gpt2lab train: export {plan.export}")
+    log.console(f"gpt2lab train: loss {plan.loss.value} ({plan.loss.reason}); {plan_text.lines(plan)[-1]}")
+    log.console(f"gpt2lab train: export {plan_text.export(plan)}")
     for choice in (plan.dtype, plan.compile):
         if choice.warning:
             log.console(f"gpt2lab train: warning: {choice.warning}")

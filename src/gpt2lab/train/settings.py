@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 from importlib import resources
 from typing import Any, Optional, get_type_hints
 
@@ -41,7 +42,8 @@ def preset_names() -> list[str]:
 def preset_values(name: str, _seen: tuple = ()) -> dict:
     """The fields a preset sets (its ``base`` chain resolved), nested, not yet a TrainConfig."""
     if name not in preset_names():
-        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(preset_names())}")
+        hint = "".join(f"; did you mean {near}?" for near in difflib.get_close_matches(name, preset_names(), n=1))
+        raise ConfigError(f"unknown preset {name!r}{hint} (the presets: {', '.join(preset_names())})")
     if name in _seen:
         raise ConfigError(f"preset {name!r}: base presets form a cycle ({' -> '.join(_seen + (name,))})")
     path = resources.files("gpt2lab") / "presets" / f"{name}.toml"

@@ -120,8 +120,8 @@ class FeatureShare(torch.optim.Optimizer):
     ``groups``: one per table ({"params": [W], "lr": ..., "lr_name": ...}: the table's own
     group's rate, so the schedule scales both alike). No weight decay (the table's own
     optimizer decays W). Steps after the table's optimizer, reading the same gradient; a step
-    whose gradient is not finite (fp16's scaler skipping it) or that ``found_inf`` marks leaves
-    every table and moment as it was, decided on the device (no host sync).
+    whose gradient is not finite or that ``skip`` marks (train.optim) leaves every table and
+    moment as it was, decided on the device (no host sync).
 
     Both products are ``embedding_bag`` sums: F^T g gathers each feature's tokens' gradient rows
     (the index transposed, each feature's tokens in order), F u each token's features' rows. Neither
@@ -154,9 +154,12 @@ class FeatureShare(torch.optim.Optimizer):
             self._on[device] = tuple(t.to(device) for t in (self.index, self.weight, *self._transposed))
         return self._on[device]
 
+    skips_on_device = True
+
     @torch.no_grad()
-    def step(self, closure=None):
-        found_inf = getattr(self, "found_inf", None)
+    def step(self, closure=None, skip=None):
+        if skip is True:
+            return
         work = []  # (group, table, its feature gradient): every table's first, so one test skips them all
         for group in self.param_groups:
             for p in group["params"]:
@@ -167,8 +170,8 @@ class FeatureShare(torch.optim.Optimizer):
         if not work:
             return
         keep = torch.isfinite(torch.stack([g.sum() for _, _, g, _, _ in work]).sum())  # an inf or nan sums to one
-        if found_inf is not None:
-            keep = keep & (found_inf.to(keep.device) == 0)
+        if isinstance(skip, torch.Tensor):
+            keep = keep & (skip.to(keep.device) == 0)
         kept = keep.float()
         for group, p, g, index, weight in work:
             beta1, beta2 = group["betas"]

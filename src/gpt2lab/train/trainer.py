@@ -1,29 +1,30 @@
-"""The training loop: accumulate, judge, step, log; evaluate, roll back, save as due.
+"""The training loop: one step (``Trainer.train_step``), then log, roll back, evaluate and save as due.
 
 One ``Trainer`` per process, built from the run plan (gpt2lab.train.plan), which has made
 every decision already: the Trainer builds the model, the wrapper, the optimizer and the
 loader as the plan says, restores the plan's checkpoint, and runs the step and the loop.
 
-``train_step`` accumulates the micro-steps' gradients (no_sync, autocast), clips, and has the step
-judged (NaN/inf, spike) in one of two places: on the host at once (``_judge``), or on the device
-(``DeviceGuard``, train/spikes.py) with its record read back every few steps (``read_back``). ``run``
-logs the records, carries out the rollback the spikes call for (decided by ``train.rollback``:
-``_roll_back``), evaluates (``train.evaluation.Evaluator``) and saves. ``train.run.train`` is the
-whole command. Under torchrun every rank runs the same loop on its slice of each batch; rank 0
-alone prints, logs and writes checkpoints. Steps are counted from 0; a checkpoint named ``step_N``
-holds the state after N completed steps, and a resumed run continues with step N.
+``train_step`` reads top to bottom: the schedule's settings, the micro-batches' forward and
+backward, clipping, the skip decision (train/spikes.py, judged on the device), the optimizer
+step and the step's values, read back at once on a CPU and every few steps on a GPU
+(``read_back``, one record per step: ``record``). ``run`` logs the records, carries out the
+rollback the spikes call for (decided by ``train.rollback``: ``_roll_back``), evaluates
+(``train.evaluation.Evaluator``) and saves. ``train.run.train`` is the whole command. Under
+torchrun every rank runs the same loop on its slice of each batch; rank 0 alone prints, logs and
+writes checkpoints. Steps are counted from 0; a checkpoint named ``step_N`` holds the state after
+N completed steps, and a resumed run continues with step N.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import random
 import signal
 import sys
 import time
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -32,21 +33,19 @@ import torch.distributed as tdist
 from gpt2lab.checkpoint import store as ckpt
 from gpt2lab.data.tokenizer import save_tokenizer
 from gpt2lab.distributed import parallel
-from gpt2lab.distributed.dist import DistInfo, all_reduce_mean, all_reduce_sum, autocast, decided_on_rank_0
+from gpt2lab.distributed.dist import DistInfo, decided_on_rank_0
 from gpt2lab.model.gpt import GPT
 from gpt2lab.observe.metrics import MetricsLogger
 from gpt2lab.system.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, GPT2LabError
+from gpt2lab.train import schedule
 from gpt2lab.train.averaging import WeightAverage
 from gpt2lab.train.config import TrainConfig
 from gpt2lab.train.evaluation import Evaluator, due
 from gpt2lab.train.gather import detect_machine
 from gpt2lab.train.init_from import load_source
-from gpt2lab.train.optim import apply_update, build_optimizer, scheduled_lr, skips_on_device, unscaled_grad_norm
+from gpt2lab.train.optim import build_optimizer, unscale
 from gpt2lab.train.plan import RunPlan, make_plan
 from gpt2lab.train.rollback import Rollback, RollbackDecision, TrainingError  # noqa: F401  (TrainingError re-exported)
-from gpt2lab.train.spikes import DeviceGuard
-
-Batch = tuple[torch.Tensor, torch.Tensor]
 
 # Steps between read-backs on a GPU (--check-interval 0). A read-back waits for the GPU's queue to
 # drain, so the next step starts late by the host's launch time; every 16 steps spreads that over
@@ -56,14 +55,29 @@ GPU_CHECK_INTERVAL = 16
 
 
 def check_interval(configured: int, device: torch.device, optimizer, scaler, average) -> int:
-    """Steps between read-backs (1: every step decided on the host, as on a CPU). More than 1 needs
-    every decision on the device: an optimizer that skips there (fused AdamW, Muon), no fp16 grad
-    scaler and no weight average (both decide on the host)."""
-    if scaler is not None or average is not None or not skips_on_device(optimizer):
+    """Steps between read-backs (1: every step's verdict read back before its update, as on a CPU).
+    More than 1 needs every decision on the device: an optimizer that skips there (fused AdamW, Muon),
+    no fp16 grad scaler and no weight average (both act on the verdict on the host)."""
+    if scaler is not None or average is not None or not getattr(optimizer, "skips_on_device", False):
         return 1
     if configured:
         return configured
     return 1 if device.type == "cpu" else GPU_CHECK_INTERVAL
+
+
+@dataclass
+class Step:
+    """A step that ran: where the loader was before and after it, its tokens, and its values
+    (``SpikeGuard.judge``'s) on the device until read back, then its metrics record."""
+
+    step: int
+    lr: float
+    start: int  # the loader's position at its start (a spike's data)
+    end: int  # and after it (where a rollback's skipped data ends)
+    tokens: int  # the step's
+    total: int  # the run's after it
+    values: torch.Tensor
+    record: Optional[dict] = None
 
 
 class Stopped(GPT2LabError):
@@ -72,52 +86,6 @@ class Stopped(GPT2LabError):
     def __init__(self, message: str, signum: int) -> None:
         super().__init__(message)
         self.exit_code = EXIT_PREEMPTED if signum == signal.SIGTERM else EXIT_INTERRUPTED
-
-
-def accumulate_gradients(
-    model: torch.nn.Module,
-    next_batch: Callable[[], Batch],
-    accum: int,
-    device: torch.device,
-    dtype: str,
-    scaler=None,
-    masked: bool = False,
-) -> torch.Tensor:
-    """Forward/backward ``accum`` micro-batches; return the mean loss over the step's targets, all ranks.
-
-    Each micro-loss (a mean over its targets) is weighted so that the summed gradients are those
-    of the mean over every target of the step: 1/accum when every micro-batch has the same number
-    of targets (text); ``masked`` (conversations, where targets the loss skips are -1), its share of
-    the step's supervised targets summed over ranks, so a micro-batch holding few assistant tokens
-    counts for few. Under DDP and FSDP, gradients are reduced over ranks (a mean) only on the last
-    micro-step.
-    """
-    batches = [next_batch() for _ in range(accum)] if masked else None
-    weights = _target_weights(batches, device) if masked else [1.0 / accum] * accum
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for micro in range(accum):
-        x, y = batches[micro] if masked else next_batch()
-        if device.type == "cuda" and x.device.type == "cpu":  # from pinned memory the copy is queued; from
-            x, y = x.pin_memory(), y.pin_memory()  # pageable it waits for the GPU (bench memory's are on the GPU)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        last = micro == accum - 1
-        with parallel.sync_gradients(model, last):
-            with autocast(device, dtype):
-                _, loss = model(x, y, return_logits=False)
-            loss = loss * weights[micro]
-            total += loss.detach().float()
-            (scaler.scale(loss) if scaler is not None else loss).backward()
-    return all_reduce_mean(total)
-
-
-def _target_weights(batches: list[Batch], device: torch.device) -> list[torch.Tensor]:
-    """Each micro-batch's weight n_i * world / N: n_i its supervised targets, N the step's over all
-    ranks (summed on the device: no host sync). Ranks' gradients are then averaged, so the step's
-    gradient is that of the mean loss over all N targets."""
-    counts = torch.tensor([float((y != -1).sum()) for _, y in batches], device=device)
-    n = all_reduce_sum(counts.sum())
-    world = tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1
-    return list(counts * world / n.clamp(min=1))
 
 
 def build_model(plan: RunPlan, device: torch.device, tokenizer=None) -> GPT:
@@ -180,7 +148,8 @@ class Trainer:
         # --ema-decay: the weight average is what evaluations see (and what checkpoints hand on)
         self.average = WeightAverage(self.raw, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
         seen = (self.raw, self.model) if self.average is None else (self.average.module,) * 2
-        self.spikes, self.evaluate = Rollback(cfg), Evaluator(cfg, info, *seen, self.dtype)
+        self.spikes, self.evaluate = Rollback(cfg, self.device), Evaluator(cfg, info, *seen, self.dtype)
+        self.evaluate.stopping = lambda: self.stop_requested
         self.scaler = torch.amp.GradScaler(self.device.type) if self.dtype == "float16" else None
         if plan.resume:
             self.restore(plan.resume, verified=True)  # the plan checked its checksums
@@ -191,9 +160,8 @@ class Trainer:
         self.check_interval = check_interval(
             cfg.system.check_interval, self.device, self.optimizer, self.scaler, self.average
         )
-        self.pending: list[tuple] = []  # steps the device has run and judged, their records not yet read back
-        self.device_guard: Optional[DeviceGuard] = None  # built from the host guard's state when first used
-        self.since = time.perf_counter()  # the start of the pending steps' training time
+        self.unread: list[Step] = []  # steps run and judged on the device, their values not yet read back
+        self.since = time.perf_counter()  # the start of the unread steps' training time
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, info: DistInfo, resume: Optional[str] = None) -> "Trainer":
@@ -228,7 +196,6 @@ class Trainer:
     def load_state_dict(self, state: dict) -> None:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.spikes.load_state_dict(state)
-        self.device_guard = None  # rebuilt from the restored host guard
 
     def restore(self, path: str, verified: bool = False) -> None:
         ckpt.load(path, self.parts(), verified=verified)
@@ -258,109 +225,87 @@ class Trainer:
         return path
 
     # -- one optimizer step ----------------------------------------------------------------
-    def train_step(self) -> Optional[dict]:
-        """Run step ``self.step``: accumulate its micro-steps' gradients, judge them, take or skip the
-        update; return its metrics record. None when it was judged on the device (``check_interval`` > 1):
-        its record waits in ``pending`` for the next ``read_back``."""
-        cfg, t0 = self.cfg, time.perf_counter()
-        lr = scheduled_lr(self.step, cfg.optim)  # max_lr's group; set_lrs gives every group its own
-        position = self.loader.position = self.spikes.skip_bad_data(self.loader.position)
-        accum = cfg.accum_at(self.step, self.info.world_size)  # self.accum, or fewer on the batch ramp
-        if cfg.model.mtp_heads:  # the multi-token prediction loss's weight at this step
-            self.raw.set_mtp_weight(cfg.mtp_weight_at(self.step))
-        length, next_batch = cfg.seq_len_at(self.step), self.loader.next_batch
-        if length != cfg.batch.seq_len:  # the sequence-length ramp: the same tokens in shorter rows
-            next_batch = functools.partial(next_batch, length)
-        loss = accumulate_gradients(
+    def train_step(self) -> list[Step]:
+        """Run step ``self.step`` and count it; return the steps read back at its end, each with its
+        record: this one on a CPU, else every ``check_interval`` steps (``_read_back_due``)."""
+        cfg, step, world = self.cfg, self.step, self.info.world_size
+        if not self.unread:
+            self.since = time.perf_counter()
+        # the schedule: this step's learning rates, micro-steps, sequence length, multi-token weight
+        lr = schedule.set_lrs(self.optimizer, step, cfg.optim)
+        accum, length = schedule.accum_at(cfg, step, world), schedule.seq_len_at(cfg.batch, step)
+        if cfg.model.mtp_heads:
+            self.raw.set_mtp_weight(schedule.mtp_weight_at(cfg, step))
+        # the micro-batches, forward and backward, from past any data a rollback marked bad
+        start = self.loader.position = self.spikes.skip_bad_data(self.loader.position)
+        loss = parallel.accumulate_gradients(
             self.train_model,
-            next_batch,
+            lambda: self.loader.next_batch(length),  # the sequence-length ramp: the same tokens in shorter rows
             accum,
             self.device,
             self.dtype,
             self.scaler,
             masked=self.loader.masked,
         )
-        norm = unscaled_grad_norm(self.raw, self.optimizer, self.scaler, cfg.optim.grad_clip)
-        tokens = accum * cfg.batch.micro_batch_size * cfg.batch.seq_len * self.info.world_size
-        self.tokens += tokens
-        if self.check_interval > 1:
-            return self._step_on_device(lr, position, tokens, loss, norm)
-        take, judged = self._judge(position, loss.item(), norm.item())
-        apply_update(self.optimizer, self.scaler, self.step, cfg.optim, take=take)
-        if self.average is not None and take:
+        # clip (fp16: the gradients unscaled first)
+        unscale(self.optimizer, self.scaler)
+        norm = parallel.clip_grad_norm(self.raw, cfg.optim.grad_clip or math.inf)
+        # the skip decision, NaN/inf or a spike, judged on the device; read back now where the update
+        # cannot skip there (check_interval 1), else handed to the optimizer as a tensor: no host sync
+        values = self.spikes.guard.judge(loss, norm)
+        skip = values[2] if self.check_interval > 1 else bool(values[2])
+        # the optimizer step (a skipped one changes no weight and no state), fp16's scale, the average
+        self.optimizer.step(skip=skip)
+        if self.scaler is not None:
+            self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.average is not None and not skip:
             self.average.update(self.raw)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        dt = time.perf_counter() - t0
-        record = {"step": self.step, "lr": lr, **judged}
-        return record if "skipped" in judged else {**record, **self._speed(dt, tokens)}
+        # the record, its values read back when due
+        tokens = accum * cfg.batch.micro_batch_size * cfg.batch.seq_len * world
+        self.tokens += tokens
+        self.unread.append(Step(step, lr, start, self.loader.position, tokens, self.tokens, values))
+        self.step += 1
+        self.steps_taken += 1
+        return self.read_back() if self._read_back_due() else []
 
-    def _judge(self, position: int, loss: float, norm: float) -> tuple[bool, dict]:
-        """The host's verdict on a step read back at once: (take its update, the record's fields). A
-        non-finite step is skipped (logged as text: NaN is not JSON, and a plot must not mistake it for a
-        loss), unless fp16's grad scaler skips it itself while it finds its scale; a spike is skipped."""
-        finite = bool(np.isfinite(loss) and np.isfinite(norm))
-        if not finite:
-            kind = "nan" if np.isnan(loss) or np.isnan(norm) else "inf"
-            fields = {"skipped": kind, "loss": str(loss), "grad_norm": str(norm)}
-            scaler_skip = self.scaler is not None and bool(np.isfinite(loss))
-            return (True, {**fields, "grad_scaler": True}) if scaler_skip else (False, fields)
-        spike = self.spikes.check(self.step, position, loss, norm)
-        if spike is not None:
-            return False, {"skipped": "spike", "loss": loss, "grad_norm": norm, **spike}
-        return True, {"train_loss": loss, "grad_norm": norm}
-
-    def _step_on_device(self, lr: float, position: int, tokens: int, loss: torch.Tensor, norm: torch.Tensor) -> None:
-        """The rest of a step with no host sync: the device's guard judges it (NaN/inf, spike) and the
-        optimizer skips it there if bad; what ``read_back`` needs is kept in ``pending``."""
-        if self.device_guard is None:
-            self.device_guard = DeviceGuard(self.spikes.guard, self.device)
-        bad, z_loss, z_norm = self.device_guard.check(loss, norm)
-        apply_update(self.optimizer, None, self.step, self.cfg.optim, take=True, skip=bad)
-        dt = self.device_guard.dtype
-        values = torch.stack([loss.detach().to(dt), norm.detach().to(dt), bad.to(dt), z_loss, z_norm])
-        self.pending.append((self.step, lr, position, self.loader.position, tokens, self.tokens, values))
-        return None
-
-    def read_back(self) -> list[tuple[dict, int, Optional[tuple]]]:
-        """The pending steps' records (one host sync for all of them), each with the loader position
-        after its step and what the host guard is to learn of it (``SpikeGuard.record``'s arguments:
-        the device's verdict; ``_log`` hands them on in order). Their time is shared equally."""
-        if not self.pending:
+    def read_back(self) -> list[Step]:
+        """The unread steps with their records (one host sync for all of them; their time shared equally)."""
+        if not self.unread:
             return []
-        values = torch.stack([p[-1] for p in self.pending]).tolist()
+        values = torch.stack([s.values for s in self.unread]).tolist()
         now = time.perf_counter()
-        dt, self.since = (now - self.since) / len(self.pending), now
-        out = []
-        for (step, lr, position, after, tokens, total, _), (loss, norm, bad, z_loss, z_norm) in zip(
-            self.pending, values
-        ):
-            record, verdict = {"step": step, "lr": lr}, (step, position, loss, norm, bool(bad))
-            if not (math.isfinite(loss) and math.isfinite(norm)):
-                record.update(
-                    skipped="nan" if math.isnan(loss) or math.isnan(norm) else "inf",
-                    loss=str(loss),
-                    grad_norm=str(norm),
-                )
-                verdict = None
-            elif bad:
-                record.update(
-                    skipped="spike", loss=loss, grad_norm=norm, loss_z=round(z_loss, 2), norm_z=round(z_norm, 2)
-                )
-            else:
-                record.update(train_loss=loss, grad_norm=norm, **self._speed(dt, tokens, total))
-            out.append((record, after, verdict))
-        self.pending = []
+        dt, self.since = (now - self.since) / len(self.unread), now
+        done, self.unread = self.unread, []
+        for s, v in zip(done, values):
+            s.record = self.record(s, *v, dt=dt)
+        return done
+
+    def record(self, s: Step, loss: float, norm: float, skip: float, loss_z: float, norm_z: float, dt: float) -> dict:
+        """A step's metrics line. A non-finite step is logged as text (NaN is not JSON, and a plot must not
+        mistake it for a loss); fp16's scaler skipping one with a finite loss while it finds its scale is
+        marked routine (``grad_scaler``)."""
+        out: dict = {"step": s.step, "lr": s.lr}
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            out.update(
+                skipped="nan" if math.isnan(loss) or math.isnan(norm) else "inf", loss=str(loss), grad_norm=str(norm)
+            )
+            if self.scaler is not None and math.isfinite(loss):
+                out["grad_scaler"] = True
+        elif skip:
+            out.update(skipped="spike", loss=loss, grad_norm=norm, loss_z=round(loss_z, 2), norm_z=round(norm_z, 2))
+        else:
+            out.update(train_loss=loss, grad_norm=norm, **self._speed(dt, s.tokens, s.total))
         return out
 
     def _read_back_due(self) -> bool:
-        """Whether the pending records are read back now (``self.step`` just incremented): every
+        """Whether the unread steps are read back now (``self.step`` just counted): every
         ``check_interval`` steps, after a process's first step (its time is the compile's), before
         anything else happens between steps (evaluation, checkpoint, the end) and, in one process,
         at a stop signal (across processes the signal is agreed at the regular read-backs)."""
         s = self.step
         return (
-            len(self.pending) >= self.check_interval
+            len(self.unread) >= self.check_interval
             or self.steps_taken == 1
             or s == self.cfg.optim.max_steps
             or (self.stop_requested and not self.info.distributed)
@@ -368,16 +313,16 @@ class Trainer:
             or self.evaluate.any_due(s)
         )
 
-    def _speed(self, dt: float, tokens: int, total: Optional[int] = None) -> dict:
+    def _speed(self, dt: float, tokens: int, total: int) -> dict:
         """Throughput, MFU and (CUDA) peak memory of a step of ``tokens`` that took ``dt`` seconds
-        (``total``: the run's tokens after it, default all so far)."""
+        (``total``: the run's tokens after it)."""
         tok_per_s = tokens / dt
         mfu = self.flops_per_token * tok_per_s / (self.peak * self.info.world_size) if self.peak else None
         out = {
             "dt_ms": 1000 * dt,
             "tok_per_s": tok_per_s,
             "mfu": mfu,
-            "tokens": self.tokens if total is None else total,
+            "tokens": total,
         }
         if self.device.type == "cuda":
             out["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30  # since the start
@@ -387,20 +332,17 @@ class Trainer:
     def run(self, log: MetricsLogger) -> Optional[str]:
         """Train to ``max_steps`` (or a stop signal); return the last checkpoint written. Each step:
         evaluate if due, train it, log the records at hand (one, or the device's read back), roll back
-        if the spikes say so, save if due or stopping."""
-        cfg, last_ckpt = self.cfg, None
+        if the spikes say so, save if due or stopping. A stop during an evaluation (which it cuts short)
+        saves the steps so far at once (unless saved already), so that a resumed run evaluates that step again."""
+        cfg, last_ckpt = self.cfg, self.plan.resume
         with _stop_on_signals(self):
-            while self.step < cfg.optim.max_steps:
-                self.evaluate(self.step, log)
-                if not self.pending:
-                    self.since = time.perf_counter()
-                record = self.train_step()
-                self.step += 1
-                self.steps_taken += 1
-                if record is not None:
-                    done = [(record, self.loader.position, None)]
-                else:
-                    done = self.read_back() if self._read_back_due() else []
+            while True:
+                if self.evaluate(self.step, log) and self._stop_agreed():  # evaluations: on every rank alike
+                    saved = not self.steps_taken or last_ckpt == ckpt.checkpoint_dir(cfg.out, self.step)
+                    return self._stopped(last_ckpt if saved else self.save(), log)
+                if self.step >= cfg.optim.max_steps:  # after the end-of-run evaluation
+                    return last_ckpt
+                done = self.train_step()
                 if not done:
                     continue
                 rollback = self._log(done, log)
@@ -411,23 +353,21 @@ class Trainer:
                 if stop or self.step == cfg.optim.max_steps or due(cfg.checkpoint.ckpt_interval, self.step, -1):
                     last_ckpt = self.save() or last_ckpt
                 if stop:
-                    log.console(f"stop signal: saved step {self.step} to {last_ckpt}")  # train.run says how to go on
-                    self.stop_signal = self.stop_signal or signal.SIGTERM  # another rank's signal
-                    return last_ckpt
-        self.evaluate(self.step, log)  # the end-of-run evaluation (step == max_steps)
+                    return self._stopped(last_ckpt, log)
+
+    def _stopped(self, last_ckpt: Optional[str], log: MetricsLogger) -> Optional[str]:
+        log.console(f"stop signal: saved step {self.step} to {last_ckpt}")  # train.run says how to go on
+        self.stop_signal = self.stop_signal or signal.SIGTERM  # another rank's signal
         return last_ckpt
 
-    def _log(self, done: list[tuple[dict, int, Optional[tuple]]], log: MetricsLogger) -> Optional[RollbackDecision]:
-        """Log steps' records in order (the host guard learning the device's verdicts as it goes) and
-        count bad steps (TrainingError after too many in a row); the rollback the spikes call for, if
-        they do (the records after that step are dropped: the rollback repeats those steps)."""
-        for record, after, verdict in done:
-            if verdict is not None:
-                self.spikes.guard.record(*verdict)
-            log.log(record)
-            self.spikes.check_bad(record)
-            if self.spikes.due(record, record["step"] + 1):
-                return self.spikes.decide(end=after, step=record["step"] + 1)
+    def _log(self, done: list[Step], log: MetricsLogger) -> Optional[RollbackDecision]:
+        """Log steps' records in order, each then read by the rollback (TrainingError after too many bad
+        steps in a row); the rollback the spikes call for, if they do (the records after that step are
+        dropped: the rollback repeats those steps)."""
+        for s in done:
+            log.log(s.record)
+            if self.spikes.read(s.record, s.start):
+                return self.spikes.decide(end=s.end, step=s.step + 1)
         return None
 
     def _roll_back(self, decision: RollbackDecision, log: MetricsLogger) -> None:
@@ -450,7 +390,8 @@ class Trainer:
 
 @contextlib.contextmanager
 def _stop_on_signals(trainer: Trainer):
-    """SIGTERM/SIGINT set a flag: the current step finishes, a checkpoint is saved, then exit.
+    """SIGTERM/SIGINT set a flag: the current step (or evaluation batch, or sample token) finishes, a
+    checkpoint is saved, then exit.
 
     A second Ctrl-C stops at once (KeyboardInterrupt): the last checkpoint stays intact,
     a save in progress is dropped whole.

@@ -12,17 +12,15 @@ import shutil
 from typing import Optional
 
 from gpt2lab.data import chat
-from gpt2lab.data.tokenizer import EOT_TOKEN, TOKENIZER_FILE, TrainedBPE, asset_path, for_config
+from gpt2lab.data.tokenizer import EOT_TOKEN, TOKENIZER_FILE, TrainedBPE, asset_path, for_config, gpt2_tokenizer
 from gpt2lab.model.gpt import GPT
 from gpt2lab.system import rundir
-from gpt2lab.system.errors import UsageError
 from gpt2lab.system.files import atomic_dir, write_json
 from gpt2lab.weights import gpt2, nanochat
-from gpt2lab.weights.targets import check_exportable, exported_model
+from gpt2lab.weights.targets import GPT2_HF, check_exportable, exported_model
 
 # What an export writes; the marker file tells a directory gpt2lab exported (safe to replace) apart
 # from anything else, such as a run directory or a model fine-tuned in place.
-EXPORT_MARKER = rundir.EXPORT_MARKER  # the directory's owner mark (system.rundir)
 EXPORT_FILES = (
     "model.safetensors",
     "config.json",
@@ -31,18 +29,10 @@ EXPORT_FILES = (
     "merges.txt",
     "tokenizer_config.json",
     "special_tokens_map.json",
-    EXPORT_MARKER,
+    rundir.EXPORT_MARKER,
 )
 # ... and of a model with its own tokenizer (data/tokenizer.py): its tokenizer.json in place of GPT-2's files
-TRAINED_EXPORT_FILES = (
-    "model.safetensors",
-    "config.json",
-    "generation_config.json",
-    TOKENIZER_FILE,
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    EXPORT_MARKER,
-)
+TRAINED_EXPORT_FILES = (*EXPORT_FILES[:3], TOKENIZER_FILE, *EXPORT_FILES[5:])
 
 
 def write_tokenizer(
@@ -52,67 +42,48 @@ def write_tokenizer(
     encoder.json, merges.txt its vocab.bpe. A trained ``tokenizer``: its tokenizer.json as it is (the
     file whose sha256 names it) with tokenizer_config.json naming PreTrainedTokenizerFast.
 
-    A chat model's (``chat_template``, data/chat.py) add its two turn tokens as special added tokens
-    at their ids, the template in Jinja (``apply_chat_template``) and ``<|im_end|>`` as the end token.
-    The tokenizer's pad token is ``<|endoftext|>``: its padding comes with an attention mask, and the
-    pad id ``generate`` reads without one is generation_config.json's (gpt2.pad_id), which cannot be
-    a tokenizer's pad token (its text, "ÿ", would be read out of a message as that token).
+    A chat model's (``chat_template``, data/chat.py), and a trained tokenizer's always, add the turn
+    tokens as special added tokens at their ids; a chat model's the template in Jinja
+    (``apply_chat_template``) and ``<|im_end|>`` as the end token. The tokenizer's pad token is
+    ``<|endoftext|>``: its padding comes with an attention mask, and the pad id ``generate`` reads
+    without one is generation_config.json's (gpt2.pad_id), which cannot be a tokenizer's pad token
+    (its text, "ÿ", would be read out of a message as that token).
     """
-    if tokenizer is not None:
-        return _write_trained(out, block_size, chat_template, tokenizer)
-    shutil.copyfile(asset_path("encoder.json"), os.path.join(out, "vocab.json"))
-    shutil.copyfile(asset_path("vocab.bpe"), os.path.join(out, "merges.txt"))
-    special = {"bos_token": EOT_TOKEN, "eos_token": EOT_TOKEN, "unk_token": EOT_TOKEN}
+    gpt2s = tokenizer is None
+    if gpt2s:
+        shutil.copyfile(asset_path("encoder.json"), os.path.join(out, "vocab.json"))
+        shutil.copyfile(asset_path("vocab.bpe"), os.path.join(out, "merges.txt"))
+    else:
+        with open(os.path.join(out, TOKENIZER_FILE), "w", encoding="utf-8") as f:
+            f.write(tokenizer.text)
+    special = {
+        "bos_token": EOT_TOKEN,
+        "eos_token": chat.IM_END if chat_template else EOT_TOKEN,
+        **({"unk_token": EOT_TOKEN} if gpt2s else {}),
+        **({"pad_token": EOT_TOKEN} if chat_template or not gpt2s else {}),
+    }
     tok_config = {
-        "tokenizer_class": "GPT2Tokenizer",
+        "tokenizer_class": "GPT2Tokenizer" if gpt2s else "PreTrainedTokenizerFast",
         "model_max_length": block_size,
-        "add_prefix_space": False,
+        **({"add_prefix_space": False} if gpt2s else {}),
         **special,
     }
+    if chat_template or not gpt2s:
+        flags = dict.fromkeys(("lstrip", "rstrip", "normalized", "single_word"), False)
+        ids = chat.special_tokens(tokenizer or gpt2_tokenizer())
+        tok_config["added_tokens_decoder"] = {str(i): {"content": t, "special": True, **flags} for t, i in ids.items()}
     if chat_template:
-        special = {**special, "eos_token": chat.IM_END, "pad_token": EOT_TOKEN}
-        added = {
-            str(i): {
-                "content": t,
-                "special": True,
-                "lstrip": False,
-                "rstrip": False,
-                "normalized": False,
-                "single_word": False,
-            }
-            for t, i in chat.SPECIAL_TOKENS.items()
-        }
-        tok_config = {**tok_config, **special, "added_tokens_decoder": added, "chat_template": chat.CHAT_TEMPLATE}
+        tok_config["chat_template"] = chat.CHAT_TEMPLATE
     write_json(os.path.join(out, "tokenizer_config.json"), tok_config)
     write_json(os.path.join(out, "special_tokens_map.json"), special)
-    return ["vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json"]
+    names = ["vocab.json", "merges.txt"] if gpt2s else [TOKENIZER_FILE]
+    return [*names, "tokenizer_config.json", "special_tokens_map.json"]
 
 
-def _write_trained(out: str, block_size: int, chat_template: Optional[str], tokenizer: TrainedBPE) -> list[str]:
-    with open(os.path.join(out, TOKENIZER_FILE), "w", encoding="utf-8") as f:
-        f.write(tokenizer.text)
-    special = {"bos_token": EOT_TOKEN, "eos_token": chat.IM_END if chat_template else EOT_TOKEN, "pad_token": EOT_TOKEN}
-    added = {
-        str(i): {
-            "content": t,
-            "special": True,
-            "lstrip": False,
-            "rstrip": False,
-            "normalized": False,
-            "single_word": False,
-        }
-        for t, i in chat.special_tokens(tokenizer).items()
-    }
-    tok_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": block_size,
-        **special,
-        "added_tokens_decoder": added,
-        **({"chat_template": chat.CHAT_TEMPLATE} if chat_template else {}),
-    }
-    write_json(os.path.join(out, "tokenizer_config.json"), tok_config)
-    write_json(os.path.join(out, "special_tokens_map.json"), special)
-    return [TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json"]
+def check_target(out_dir: str) -> rundir.Found:
+    """What ``out_dir`` is when an export may be written there (system/rundir.py's rule), else raise."""
+    replaces = (*EXPORT_FILES, *TRAINED_EXPORT_FILES)
+    return rundir.check(out_dir, rundir.EXPORT, "", "choose a new or empty OUT_DIR", replaces=replaces)
 
 
 def save_pretrained(model: GPT, out_dir: str) -> str:
@@ -128,13 +99,13 @@ def save_pretrained(model: GPT, out_dir: str) -> str:
 
     target = check_exportable(model.config).name
     model = exported_model(model)  # training-only weights (multi-token prediction heads) are not written
+    check_target(out_dir)  # what is there may be replaced
     out_dir = os.path.abspath(out_dir)
-    replace_dir = _check_export_target(out_dir)
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
-    with atomic_dir(out_dir, replace=replace_dir) as tmp:
+    with atomic_dir(out_dir, replace=True) as tmp:
         dtype = model.transformer.wte.weight.dtype
         tok = for_config(model.config, model.tokenizer)
-        if target == gpt2.ARCHITECTURE:
+        if target == GPT2_HF.architecture:
             sd, config = gpt2.to_hf_state_dict(model), gpt2.config_to_hf(model.config, dtype, tok)
         else:
             sd, config = nanochat.to_nanochat_state_dict(model), nanochat.config_to_nanochat(model.config, dtype, tok)
@@ -150,9 +121,9 @@ def save_pretrained(model: GPT, out_dir: str) -> str:
         )
         trained = tok if model.config.tokenizer else None
         names = write_tokenizer(tmp, model.config.block_size, model.config.chat_template, trained)
-        files = ["model.safetensors", "config.json", "generation_config.json", *names, EXPORT_MARKER]
+        files = ["model.safetensors", "config.json", "generation_config.json", *names, rundir.EXPORT_MARKER]
         write_json(
-            os.path.join(tmp, EXPORT_MARKER),
+            os.path.join(tmp, rundir.EXPORT_MARKER),
             {
                 "format": rundir.EXPORT_FORMAT,
                 "version": 1,
@@ -161,33 +132,3 @@ def save_pretrained(model: GPT, out_dir: str) -> str:
             },
         )
     return target
-
-
-def _check_export_target(out_dir: str) -> bool:
-    """Whether ``out_dir`` exists and may be replaced; raises if it must not be touched (system.rundir's rule)."""
-    found = rundir.inspect(out_dir)
-    if found.kind == "file":
-        raise UsageError(f"{out_dir} exists and is not a directory; choose another output path")
-    if found.kind in ("missing", "empty"):
-        return found.kind == "empty"
-    if found.kind == rundir.EXPORT and set(found.entries) <= {*EXPORT_FILES, *TRAINED_EXPORT_FILES}:
-        return True  # an earlier export: it holds nothing an export does not write again
-    raise UsageError(
-        f"{out_dir} is not empty and is not an earlier gpt2lab export: it holds {_what_is_there(out_dir, found)}; "
-        "nothing was written. Choose a new or empty OUT_DIR"
-    )
-
-
-def _what_is_there(out_dir: str, found: rundir.Found) -> str:
-    """What a directory export refuses holds, naming files that are there: a checkpoint and a run's
-    checkpoints folder are told apart from a run (whose run_info.json they lack) and from files
-    gpt2lab did not write."""
-    names = set(found.entries)
-    if found.kind == rundir.RUN and rundir.RUN_MARKER not in names:
-        what = "a gpt2lab checkpoint" if "model.safetensors" in names else "a gpt2lab run without its run_info.json"
-        return f"{what} ({found.shown()})"
-    steps = [n for n in found.entries if n.startswith("step_")]
-    if found.kind == "foreign" and steps == list(found.entries):
-        if any(rundir.inspect(os.path.join(out_dir, n)).kind == rundir.RUN for n in steps):
-            return f"a gpt2lab run's checkpoints ({found.shown()})"
-    return rundir.what(found) if found.kind == "foreign" else f"{rundir.what(found)}: {found.shown()}"

@@ -16,27 +16,13 @@ import torch
 
 from gpt2lab.data.tokenizer import Tokenizer
 from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.weights.targets import GPT2_HF
 
-ARCHITECTURE = "GPT2LMHeadModel"
-MODEL_TYPE = "gpt2"
 # Weights HF keeps as Conv1D (in, out); nn.Linear wants (out, in).
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # Causal-mask buffers older transformers versions saved with the weights; not parameters.
 MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
 PDROP = ("embd_pdrop", "attn_pdrop", "resid_pdrop")  # GPTConfig and HF config.json share these names
-# What a model must be for HF's GPT-2 to compute it: field -> (value, what GPT-2 has). An untied
-# head it has (tie_word_embeddings false), biases of zero stand for none; zero_init_proj and
-# zero_init_head only set the initial weights, rope_theta matters only with rotary positions.
-NEEDS = {
-    "pos_emb": ("learned", "learned positions only"),
-    "norm": ("layernorm", "LayerNorm only"),
-    "qk_norm": (False, "no QK-norm"),
-    "mlp_act": ("gelu", "tanh GELU only"),
-    "embed_norm": (False, "no norm of the embeddings"),
-    "logit_softcap": (0.0, "no logit softcap"),
-    "value_embeds": (0, "no value embeddings"),
-    "unet_skips": (False, "no skips between blocks"),
-}
 
 
 def from_hf_state_dict(sd: dict[str, torch.Tensor], tied: bool = True) -> dict[str, torch.Tensor]:
@@ -131,8 +117,8 @@ def config_to_hf(config: GPTConfig, dtype: torch.dtype, tok: Tokenizer) -> dict:
     vocab = config.real_vocab_size
     eot, end = special_ids(config, tok)
     return {
-        "architectures": [ARCHITECTURE],
-        "model_type": MODEL_TYPE,
+        "architectures": [GPT2_HF.architecture],
+        "model_type": GPT2_HF.model_type,
         "vocab_size": vocab,
         "n_positions": config.block_size,
         "n_ctx": config.block_size,

@@ -1,37 +1,69 @@
-"""Loading for inference: a model source (a hub name, an HF directory, a run dir or a checkpoint) -> a GPT
-that carries its own tokenizer, read from the same source.
+"""Model sources: what a source is, which checkpoint of a run is read, and the GPT it becomes.
 
-One reading of a source for all who take one: every command's ``--model``, export's ``SRC``,
-train's ``--init-from`` (``source_kind``) and the Python API's ``gpt2lab.from_pretrained`` and
-``gpt2lab.get_tokenizer`` (``load_model`` and ``source_tokenizer`` themselves).
+The one reading of a model source for everyone who takes one: every command's ``--model``, export's
+``SRC``, train's ``--init-from`` and ``--resume`` (train.gather.find_resume), and the Python API
+(``gpt2lab.from_pretrained``, ``GPT.from_pretrained``, ``gpt2lab.get_tokenizer``). A source is a GPT-2
+hub name (``HUB``), a Hugging Face GPT-2 or NanoChat directory (``HF_DIR``), or a gpt2lab run directory
+or one of its checkpoints, either layout (``CHECKPOINT_DIR``). ``model_source`` reads what it is, its architecture
+and its own tokenizer, without its weights; ``model_of`` reads the weights into a GPT.
+
+One checkpoint rule (``checkpoint_of``): a run directory is read at its newest intact checkpoint
+(checksums verified), each damaged one passed over named in one line (a warning, which the CLI prints
+as one line on stderr; ``train`` prints its own); a checkpoint directory named itself must be intact,
+else it is refused, naming the flag that named it and the intact checkpoint before it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
 from gpt2lab.checkpoint import store
+from gpt2lab.data.bpe import open_dir
 from gpt2lab.data.tokenizer import (
     TOKENIZER_FILE,
     Tokenizer,
     TokenizerError,
+    TrainedBPE,
     for_config,
     for_data,
     gpt2_tokenizer,
     load_tokenizer,
 )
-from gpt2lab.model.config import HUB_NAMES, config_value, model_from_config
+from gpt2lab.model.config import HUB_NAMES, GPTConfig, config_value, model_from_config
 from gpt2lab.model.gpt import GPT
+from gpt2lab.model.lora import add_lora, lora_args, merge_lora  # peft is imported only where a run used it
 from gpt2lab.system import rundir
 from gpt2lab.system.errors import CheckpointError, ConfigError
+from gpt2lab.system.files import read_json_object
 from gpt2lab.weights import read
 from gpt2lab.weights.read import MODEL_TYPES, WEIGHT_FILES, WeightsError
 
-HUB, HF_DIR, CHECKPOINT = "hub", "hf_dir", "checkpoint"  # what source_kind says a source is
+HUB, HF_DIR, CHECKPOINT_DIR = "hub", "hf_dir", "checkpoint"  # what source_kind says a source is
+
+
+@dataclass
+class Source:
+    """A model source as ``model_source`` read it: everything but its weights."""
+
+    spec: str  # as the user gave it
+    kind: str  # HUB, HF_DIR or CHECKPOINT_DIR
+    config: GPTConfig  # its architecture
+    tokenizer: Optional[TrainedBPE]  # its own tokenizer, read beside it; None: GPT-2's BPE
+    weights: str  # the weights file (a checkpoint's model.safetensors; a sharded one's checksums.json)
+    config_path: str
+    step: Optional[int] = None  # steps the checkpoint had completed
+    flag: Optional[str] = "--model"  # how the user named it, for messages (None: the source alone)
+
+    @property
+    def where(self) -> str:
+        """The directory read: the HF directory, the hub's cache folder, or the checkpoint (verified)."""
+        return os.path.dirname(self.weights)
 
 
 def is_hf_dir(path: str) -> bool:
@@ -55,7 +87,7 @@ def is_hf_dir(path: str) -> bool:
 
 
 def source_kind(spec: str) -> str:
-    """What the model source ``spec`` is: ``HF_DIR`` (a directory is_hf_dir accepts), ``CHECKPOINT``
+    """What the model source ``spec`` is: ``HF_DIR`` (a directory is_hf_dir accepts), ``CHECKPOINT_DIR``
     (any other directory: a run directory or one checkpoint, either layout) or ``HUB`` (a GPT-2
     name, gpt2 ... gpt2-xl or openai-community/...).
 
@@ -63,7 +95,7 @@ def source_kind(spec: str) -> str:
     does not repeat ``spec``: each caller puts the source first, as its user named it.
     """
     if os.path.isdir(spec):
-        return HF_DIR if is_hf_dir(spec) else CHECKPOINT
+        return HF_DIR if is_hf_dir(spec) else CHECKPOINT_DIR
     if os.path.exists(spec):
         raise WeightsError(
             "is a file; pass its directory (an HF model directory, a run directory or a checkpoint directory)"
@@ -77,38 +109,111 @@ def source_kind(spec: str) -> str:
     )
 
 
-def load_model(spec: str, device: Optional[torch.device | str] = None, arg: Optional[str] = "--model") -> GPT:
-    """The model named by ``spec``, in eval mode, on ``device`` (default cpu), holding its own tokenizer
-    (``model.tokenizer``) where it has one.
+def _warn(line: str) -> None:
+    warnings.warn(line, stacklevel=3)
 
-    ``spec`` is anything ``source_kind`` names: a GPT-2 hub name, a local directory in HF layout,
-    a gpt2lab run directory (its newest checkpoint) or checkpoint directory, full or sharded (put
-    together in this process). A source that cannot become a GPT raises WeightsError (a DataError:
-    the CLI prints one line, exit 1) naming it as the argument ``arg`` that gave it (``--model``,
-    ``SRC`` for export's positional; ``None``: the source alone, as the Python API names it); a
-    damaged checkpoint raises its own CheckpointError (exit 3), which names the checkpoint.
+
+def checkpoint_of(path: str, flag: Optional[str] = "--model", report: Callable[[str], None] = _warn) -> str:
+    """The checkpoint the directory ``path`` stands for, by the one rule (module docstring), checksums
+    verified: ``path`` itself when it is a checkpoint, refused when damaged (advice in ``flag``, how the
+    user named it); a run directory's newest intact checkpoint, ``report`` hearing of each damaged one
+    passed over. Neither, or a run whose every checkpoint is damaged: WeightsError / CheckpointError."""
+    config = read_json_object(os.path.join(path, "config.json")) or {}
+    if config.get("model_type") in MODEL_TYPES:  # is_hf_dir found no weights beside it
+        raise WeightsError(
+            f"an HF {config['model_type']} config.json without a weights file "
+            f"(looked for {', '.join(WEIGHT_FILES)}); copy the weights beside it"
+        )
+    if "model_type" in config:
+        raise WeightsError(
+            f"model_type {config['model_type']!r} is not GPT-2 or NanoChat; pass a model of model_type gpt2 or nanochat"
+        )
+    if store.has_weights(path):
+        missing = [f for f in ("state.pt", "config.json") if not os.path.isfile(os.path.join(path, f))]
+        if missing:
+            raise WeightsError(
+                f"it is an incomplete checkpoint (missing: {', '.join(missing)}); pass its run directory "
+                "(its newest complete checkpoint) or another step_* directory"
+            )
+        try:
+            store.verify(path)
+        except CheckpointError as e:
+            raise store.damaged(path, e.why, flag) from None
+        return path
+    found = store.find_intact(path, report=report)
+    if found is not None:
+        return found
+    if store.find_latest(path):
+        raise CheckpointError(
+            f"{path}: every checkpoint is damaged (each named above); train again, or pass another source"
+        )
+    raise WeightsError(
+        "neither a checkpoint (model.safetensors or a sharded .metadata, with state.pt), a run directory "
+        "with a complete checkpoint (checkpoints/step_*/) nor an HF model directory (config.json + "
+        "model.safetensors); check the path, or train first"
+    )
+
+
+def model_source(spec: str, flag: Optional[str] = "--model", report: Callable[[str], None] = _warn) -> Source:
+    """The source ``spec`` read without its weights: its kind, architecture and own tokenizer, and which
+    files hold it (a run directory: its newest intact checkpoint, ``checkpoint_of``). A source that is
+    none of the three raises WeightsError, a damaged checkpoint CheckpointError (its own exit code)."""
+    kind = source_kind(spec)
+    if kind == CHECKPOINT_DIR:
+        ckpt = checkpoint_of(spec, flag, report)
+        step = store.read_state(ckpt).get("step")  # its format version too
+        config = _checkpoint_config(ckpt)
+        tok = _checkpoint_tokenizer(ckpt, config.tokenizer)
+        path = os.path.join(ckpt, "config.json")
+        return Source(spec, kind, config, tok, store.weights_file(ckpt), path, step, flag)
+    if kind == HF_DIR:
+        path = os.path.join(spec, "config.json")
+        weights = next(os.path.join(spec, f) for f in WEIGHT_FILES if os.path.isfile(os.path.join(spec, f)))
+    else:
+        path, weights = read.hub_files(spec)  # offline: WeightsError saying how to pass a local directory
+    return Source(spec, kind, *read.hf_config(path), weights, path, flag=flag)
+
+
+def model_of(src: Source) -> GPT:
+    """The GPT of a resolved source, holding its tokenizer; a LoRA run's adapters merged (a plain GPT)."""
+    if src.kind != CHECKPOINT_DIR:
+        return read.from_files(src.config, src.tokenizer, src.weights)
+    model, saved = GPT(src.config, src.tokenizer), store.read_config(src.where)
+    adapted = add_lora(model, *lora_args(saved)) if config_value(saved, "lora_rank") else None
+    store.load_weights(model, src.where, verified=True)  # a LoRA run's weights: the base's and its adapters
+    return merge_lora(adapted) if adapted is not None else model
+
+
+def named(flag: Optional[str], spec: str, error: Exception) -> str:
+    """``error``'s message about the source ``spec``, naming it once, as ``flag`` did (None: the source alone)."""
+    what = str(error)
+    what = what[len(spec) + 2 :] if what.startswith(f"{spec}: ") else what
+    return f"{flag} {spec}: {what}" if flag else f"{spec}: {what}"
+
+
+def load_model(spec: str, device: Optional[torch.device | str] = None, arg: Optional[str] = "--model") -> GPT:
+    """The model named by ``spec`` (anything ``model_source`` reads), in eval mode, on ``device`` (default cpu),
+    holding its own tokenizer (``model.tokenizer``) where it has one.
+
+    A source that cannot become a GPT raises WeightsError (a DataError: the CLI prints one line, exit 1)
+    naming it as the argument ``arg`` that gave it (``--model``, ``SRC`` for export's positional;
+    ``None``: the source alone, as the Python API names it); a damaged checkpoint raises its own
+    CheckpointError (exit 3), which names the checkpoint.
     """
     try:
-        model = _load(spec, source_kind(spec))
+        model = model_of(model_source(spec, arg))
     except CheckpointError:  # already one line naming the checkpoint; its own exit code
         raise
     except (OSError, ValueError, KeyError, RuntimeError) as e:  # WeightsError is a ValueError
-        what = _unnamed(str(e), spec)
-        raise WeightsError(f"{arg} {spec}: {what}" if arg else f"{spec}: {what}") from e
+        raise WeightsError(named(arg, spec, e)) from e
     return model.to(device or "cpu").eval()
 
 
-def _unnamed(message: str, spec: str) -> str:
-    """``message`` without a leading ``spec: `` (a lower layer that named the source itself), so the
-    source is named once, as the caller names it."""
-    return message[len(spec) + 2 :] if message.startswith(f"{spec}: ") else message
-
-
 def from_pretrained(source: str, device: Optional[torch.device | str] = None) -> GPT:
-    """``gpt2lab.from_pretrained``: the model of anything ``gpt2lab sample --model`` takes, by the same
-    loader (load_model): a GPT-2 hub name, an HF directory, a run directory, a checkpoint (full or
-    sharded); in eval mode on ``device`` (default cpu), carrying its tokenizer. A bad source raises
-    WeightsError naming it (CheckpointError for a damaged checkpoint), never SystemExit."""
+    """``gpt2lab.from_pretrained`` (and ``GPT.from_pretrained``): the model of anything ``gpt2lab sample
+    --model`` takes, by the same loader (load_model): a GPT-2 hub name, an HF directory, a run directory,
+    a checkpoint (full or sharded); in eval mode on ``device`` (default cpu), carrying its tokenizer. A
+    bad source raises WeightsError naming it (CheckpointError for a damaged checkpoint), never SystemExit."""
     _check_source("from_pretrained", source)
     return load_model(os.fspath(source), device, arg=None)
 
@@ -117,7 +222,7 @@ def get_tokenizer(source: Optional[str] = None) -> Tokenizer:
     """``gpt2lab.get_tokenizer``: the tokenizer of anything ``from_pretrained`` takes, read from that same
     source without its weights (a trained tokenizer.json beside them, checked against the identity the
     model names; GPT-2's BPE, with its chat turn tokens for a chat model, otherwise); also of a prepared
-    data directory or a ``gpt2lab tokenizer train`` directory. No ``source``: GPT-2's BPE."""
+    data directory or a ``gpt2lab tokenizer train`` directory or its tokenizer.json. No ``source``: GPT-2's BPE."""
     if source is None:
         return gpt2_tokenizer()
     _check_source("get_tokenizer", source)
@@ -127,12 +232,14 @@ def get_tokenizer(source: Optional[str] = None) -> Tokenizer:
     except CheckpointError:
         raise
     except (OSError, ValueError, KeyError) as e:  # WeightsError and TokenizerError are ValueErrors
-        raise WeightsError(f"{spec}: {_unnamed(str(e), spec)}") from e
+        raise WeightsError(named(None, spec, e)) from e
 
 
 def _check_source(func: str, source: object) -> None:
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(f"{func}(source): a path or a hub name (str or os.PathLike), got {type(source).__name__}")
+    if not os.fspath(source):
+        raise WeightsError(f"{func}(''): an empty path; pass a path or a hub name")
 
 
 def source_tokenizer(spec: str) -> Tokenizer:
@@ -140,53 +247,22 @@ def source_tokenizer(spec: str) -> Tokenizer:
     found = rundir.inspect(spec).kind
     if found == rundir.DATA:
         return for_data(spec)
-    if found == rundir.TOKENIZER:  # gpt2lab tokenizer train --out
-        return load_tokenizer(spec)
-    kind = source_kind(spec)
-    if kind == HUB:
+    if found in (rundir.TOKENIZER, "file"):  # gpt2lab tokenizer train --out, or its tokenizer.json
+        return open_dir(spec, None)
+    if source_kind(spec) == HUB:  # GPT-2's, with no download
         return gpt2_tokenizer()
-    if kind == HF_DIR:
-        config_path = os.path.join(spec, "config.json")
-        with open(config_path) as f:
-            config, own = read.dir_config(json.load(f), config_path)
-        return for_config(config, own)
-    ckpt = store.resolve(spec)
-    config = _checkpoint_config(ckpt)
-    return for_config(config, _checkpoint_tokenizer(ckpt, config.tokenizer))
+    src = model_source(spec, None)
+    return for_config(src.config, src.tokenizer)
 
 
-def from_checkpoint(path: str, verified: bool = False) -> GPT:
-    """The GPT of a run directory (newest checkpoint) or of one checkpoint directory, either layout,
-    with the tokenizer.json the checkpoint holds where the model has its own.
-
-    A LoRA run's adapters are merged into the weights (a plain GPT comes back).
-    ``verified``: its checksums were just checked (train's plan, which hashes once).
-    """
-    ckpt = store.resolve(path)
-    if not verified:
-        store.verify(ckpt)
-    store.read_state(ckpt)  # its format version (config.json's is read with it)
-    config = _checkpoint_config(ckpt)
-    model = GPT(config, _checkpoint_tokenizer(ckpt, config.tokenizer))
-    saved = store.read_config(ckpt)
-    if config_value(saved, "lora_rank"):
-        from gpt2lab.model.lora import add_lora, lora_args, merge_lora
-
-        adapted = add_lora(model, *lora_args(saved))
-        store.load_weights(model, ckpt, verified=True)
-        return merge_lora(adapted)
-    store.load_weights(model, ckpt, verified=True)
-    return model
-
-
-def _checkpoint_config(ckpt: str):
+def _checkpoint_config(ckpt: str) -> GPTConfig:
     try:
         return model_from_config(store.read_config(ckpt), f"{ckpt}/config.json")
     except ConfigError as e:
         raise store.damaged(ckpt, f"config.json describes no valid model ({e})") from e
 
 
-def _checkpoint_tokenizer(ckpt: str, identity: Optional[str]):
+def _checkpoint_tokenizer(ckpt: str, identity: Optional[str]) -> Optional[TrainedBPE]:
     """A checkpoint's own tokenizer (its tokenizer.json, checked to be ``identity``); None for GPT-2's."""
     if identity is None:
         return None
@@ -194,11 +270,3 @@ def _checkpoint_tokenizer(ckpt: str, identity: Optional[str]):
         return load_tokenizer(os.path.join(ckpt, TOKENIZER_FILE), identity)
     except TokenizerError as e:
         raise store.damaged(ckpt, str(e)) from e
-
-
-def _load(spec: str, kind: str) -> GPT:
-    if kind == HF_DIR:
-        return read.from_hf_dir(spec)
-    if kind == CHECKPOINT:
-        return from_checkpoint(spec)
-    return read.from_hub(spec)

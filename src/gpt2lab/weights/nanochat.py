@@ -24,19 +24,8 @@ import torch
 from gpt2lab.data.tokenizer import Tokenizer
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.weights import gpt2
+from gpt2lab.weights.targets import NANOCHAT_HF
 
-ARCHITECTURE = "NanoChatForCausalLM"
-MODEL_TYPE = "nanochat"
-# What a model must be for NanoChat to compute it: field -> (value, what NanoChat has).
-NEEDS = {
-    "pos_emb": ("rotary", "rotary positions only"),
-    "norm": ("rmsnorm", "RMSNorm only"),
-    "qk_norm": (True, "always RMS-normalises q and k"),
-    "bias": (False, "no biases"),
-    "embed_norm": (True, "always RMS-normalises the embeddings"),
-    "value_embeds": (0, "no value embeddings"),
-    "unet_skips": (False, "no skips between blocks"),
-}
 # transformers' NanoChatConfig defaults: its save_pretrained leaves out every value equal to one.
 DEFAULTS = {
     "vocab_size": 50304,
@@ -73,8 +62,8 @@ def config_to_nanochat(config: GPTConfig, dtype: torch.dtype, tok: Tokenizer) ->
     eot = tok.eot_id if vocab > tok.eot_id else None  # tiny test vocabularies have no <|endoftext|>
     end = tok.im_end_id if config.chat_template else eot  # a chat model ends its turn at <|im_end|>
     return {
-        "architectures": [ARCHITECTURE],
-        "model_type": MODEL_TYPE,
+        "architectures": [NANOCHAT_HF.architecture],
+        "model_type": NANOCHAT_HF.model_type,
         "vocab_size": vocab,
         "hidden_size": config.n_embd,
         "intermediate_size": 4 * config.n_embd,
@@ -100,7 +89,8 @@ def config_to_nanochat(config: GPTConfig, dtype: torch.dtype, tok: Tokenizer) ->
 
 
 def to_nanochat_state_dict(model: GPT) -> dict[str, torch.Tensor]:
-    """gpt2lab model (one NanoChat computes: see NEEDS) -> NanoChatForCausalLM tensors, padded vocab rows dropped."""
+    """gpt2lab model (one NanoChat computes: NANOCHAT_HF.needs) -> NanoChatForCausalLM tensors, padded
+    vocab rows dropped."""
     c, V = model.config, model.config.real_vocab_size
     sd = {k: t.detach().cpu() for k, t in model.state_dict().items()}
     C, out = c.n_embd, {"model.embed_tokens.weight": sd["transformer.wte.weight"][:V]}

@@ -25,18 +25,20 @@ from gpt2lab.data.tokenizer import (
     Tokenizer,
     TokenizerError,
     TrainedBPE,
+    gpt2_tokenizer,
     load_tokenizer,
 )
 from gpt2lab.model.config import HUB_NAMES
 from gpt2lab.model.gpt import GPT, GPTConfig
-from gpt2lab.system import rundir
+from gpt2lab.system import env, rundir
 from gpt2lab.system.errors import DataError
 from gpt2lab.system.files import read_json_object
 from gpt2lab.weights import gpt2, nanochat
+from gpt2lab.weights.targets import GPT2_HF, NANOCHAT_HF
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 HUB_REPOS = {name: f"openai-community/{name}" for name in HUB_NAMES}
-MODEL_TYPES = (gpt2.MODEL_TYPE, nanochat.MODEL_TYPE)  # the config.json model_types that load
+MODEL_TYPES = (GPT2_HF.model_type, NANOCHAT_HF.model_type)  # the config.json model_types that load
 
 
 class WeightsError(DataError):
@@ -47,11 +49,11 @@ class WeightsError(DataError):
 def config_from_hf(cfg: dict, where: str = "config.json") -> GPTConfig:
     """GPTConfig for an HF GPT-2 or NanoChat config dict; an option gpt2lab's model does not have is a
     WeightsError naming ``where``."""
-    kind = cfg.get("model_type", gpt2.MODEL_TYPE)
+    kind = cfg.get("model_type", GPT2_HF.model_type)
     if kind not in MODEL_TYPES:
         raise WeightsError(f"{where}: model_type {kind!r} is not gpt2 or nanochat")
     try:
-        return nanochat.config_from_nanochat(cfg) if kind == nanochat.MODEL_TYPE else gpt2.config_from_gpt2(cfg)
+        return nanochat.config_from_nanochat(cfg) if kind == NANOCHAT_HF.model_type else gpt2.config_from_gpt2(cfg)
     except (ValueError, TypeError) as e:
         raise WeightsError(f"{where}: {e}") from e
 
@@ -98,9 +100,8 @@ def _read_weights(path: str) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def load_files(config_path: str, weights_path: str) -> GPT:
-    """A GPT from an HF config.json and a weights file (.safetensors, index, or .bin), with the trained
-    tokenizer beside the config.json where it has one."""
+def hf_config(config_path: str) -> tuple[GPTConfig, Optional[TrainedBPE]]:
+    """An HF directory's architecture and its own tokenizer (``dir_config``), from its config.json."""
     try:
         with open(config_path) as f:
             cfg = json.load(f)
@@ -110,6 +111,11 @@ def load_files(config_path: str, weights_path: str) -> GPT:
         ) from e
     if not isinstance(cfg, dict):
         raise WeightsError(f"{config_path}: holds {type(cfg).__name__}, not a JSON object; restore the file")
+    return dir_config(cfg, config_path)
+
+
+def from_files(config: GPTConfig, tok: Optional[TrainedBPE], weights_path: str) -> GPT:
+    """A GPT of ``config`` holding ``tok`` from an HF weights file (.safetensors, index, or .bin)."""
     try:
         sd = _read_weights(weights_path)
     except Exception as e:  # safetensors' SafetensorError shares no base with OSError/ValueError
@@ -118,8 +124,7 @@ def load_files(config_path: str, weights_path: str) -> GPT:
             f"{weights_path}: cannot be read ({why}); the file is damaged or cut short: "
             "download or export the model again"
         ) from e
-    config, tok = dir_config(cfg, config_path)
-    if cfg.get("model_type") == nanochat.MODEL_TYPE:
+    if config.embed_norm:  # NanoChat's config always sets it (config_from_nanochat), GPT-2's never
         return model_from_state_dict(config, nanochat.from_nanochat_state_dict(sd, config), weights_path, tok)
     return model_from_state_dict(config, gpt2.from_hf_state_dict(sd, config.tie_embeddings), weights_path, tok)
 
@@ -167,33 +172,8 @@ def chat_template_of(path: str, trained: bool = False) -> Optional[str]:
     if not isinstance(added, dict):
         return None
     have = {str(v.get("content")): k for k, v in added.items() if isinstance(v, dict)}
-    ours = all(have.get(t) == str(i) for t, i in chat.SPECIAL_TOKENS.items() if t != EOT_TOKEN)
+    ours = all(have.get(t) == str(i) for t, i in chat.special_tokens(gpt2_tokenizer()).items() if t != EOT_TOKEN)
     return chat.TEMPLATE if ours else None
-
-
-def from_hf_dir(path: str) -> GPT:
-    """A GPT from a local HF GPT-2 or NanoChat directory (config.json + model.safetensors or pytorch_model.bin),
-    with its trained tokenizer where it has one."""
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
-        raise WeightsError(f"{path}: no config.json; is this a Hugging Face model directory?")
-    for name in WEIGHT_FILES:
-        if os.path.isfile(os.path.join(path, name)):
-            return load_files(config_path, os.path.join(path, name))
-    raise WeightsError(f"{path}: no weights file (looked for {', '.join(WEIGHT_FILES)})")
-
-
-def _hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
-
-
-def from_hub(name: str) -> GPT:
-    """gpt2 / gpt2-medium / gpt2-large / gpt2-xl (or an owner/repo id) from the Hugging Face hub.
-
-    Downloads config.json and model.safetensors into the hub cache (HF_HOME), or reads
-    them from it when HF_HUB_OFFLINE is set.
-    """
-    return load_files(*hub_files(name))
 
 
 def hub_files(name: str) -> tuple[str, str]:
@@ -201,7 +181,7 @@ def hub_files(name: str) -> tuple[str, str]:
     from huggingface_hub import hf_hub_download
 
     repo = HUB_REPOS.get(name, name)
-    offline = _hub_offline()
+    offline = env.hub_offline()
     try:
         config_path = hf_hub_download(repo, "config.json", local_files_only=offline)
         weights_path = hf_hub_download(repo, "model.safetensors", local_files_only=offline)

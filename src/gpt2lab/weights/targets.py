@@ -15,7 +15,47 @@ from typing import Optional
 
 from gpt2lab.model.config import GPTConfig
 from gpt2lab.system.errors import UsageError
-from gpt2lab.weights import gpt2, nanochat
+
+
+@dataclass(frozen=True)
+class HFClass:
+    """A Hugging Face class gpt2lab reads and writes: its ``architectures`` name, its config.json
+    ``model_type``, and what a model must be for it to compute it: field -> (value, what it has)."""
+
+    architecture: str
+    model_type: str
+    needs: dict
+
+
+# An untied head GPT-2 has (tie_word_embeddings false), biases of zero stand for none; zero_init_proj
+# and zero_init_head only set the initial weights, rope_theta matters only with rotary positions.
+GPT2_HF = HFClass(
+    "GPT2LMHeadModel",
+    "gpt2",
+    {
+        "pos_emb": ("learned", "learned positions only"),
+        "norm": ("layernorm", "LayerNorm only"),
+        "qk_norm": (False, "no QK-norm"),
+        "mlp_act": ("gelu", "tanh GELU only"),
+        "embed_norm": (False, "no norm of the embeddings"),
+        "logit_softcap": (0.0, "no logit softcap"),
+        "value_embeds": (0, "no value embeddings"),
+        "unet_skips": (False, "no skips between blocks"),
+    },
+)
+NANOCHAT_HF = HFClass(
+    "NanoChatForCausalLM",
+    "nanochat",
+    {
+        "pos_emb": ("rotary", "rotary positions only"),
+        "norm": ("rmsnorm", "RMSNorm only"),
+        "qk_norm": (True, "always RMS-normalises q and k"),
+        "bias": (False, "no biases"),
+        "embed_norm": (True, "always RMS-normalises the embeddings"),
+        "value_embeds": (0, "no value embeddings"),
+        "unet_skips": (False, "no skips between blocks"),
+    },
+)
 
 
 def _show(value) -> str:
@@ -60,18 +100,17 @@ class ExportTarget:
 
 def export_target(config: GPTConfig) -> ExportTarget:
     """The Hugging Face model that computes ``config``'s logits (GPT-2 first), or why none does."""
-    g, n = gaps(config, gpt2.NEEDS), gaps(config, nanochat.NEEDS)
+    g, n = gaps(config, GPT2_HF.needs), gaps(config, NANOCHAT_HF.needs)
     if not g or not n:
-        return ExportTarget(gpt2.ARCHITECTURE if not g else nanochat.ARCHITECTURE, dropped=tuple(training_only(config)))
+        name = (GPT2_HF if not g else NANOCHAT_HF).architecture
+        return ExportTarget(name, dropped=tuple(training_only(config)))
     neither = [x for x in g if x in n]
-    parts = [f"{x} (GPT-2 and NanoChat: {gpt2.NEEDS[x.split('=')[0]][1]})" for x in neither]
-    name, needs, missing = (
-        (gpt2.ARCHITECTURE, gpt2.NEEDS, g) if len(g) < len(n) else (nanochat.ARCHITECTURE, nanochat.NEEDS, n)
-    )
+    parts = [f"{x} (GPT-2 and NanoChat: {GPT2_HF.needs[x.split('=')[0]][1]})" for x in neither]
+    nearer, missing = (GPT2_HF, g) if len(g) < len(n) else (NANOCHAT_HF, n)
     rest = [x.split("=")[0] for x in missing if x not in neither]
     if rest:
-        wants = ", ".join(f"{k}={_show(needs[k][0])} ({needs[k][1]})" for k in rest)
-        parts.append(f"{name} would {'also ' if neither else ''}need {wants}")
+        wants = ", ".join(f"{k}={_show(nearer.needs[k][0])} ({nearer.needs[k][1]})" for k in rest)
+        parts.append(f"{nearer.architecture} would {'also ' if neither else ''}need {wants}")
     return ExportTarget(None, "; ".join(parts))
 
 

@@ -1,0 +1,197 @@
+"""The run plan as text: the lines start-up prints (and ``--dry-run`` shows), run_info.json's "plan"
+entry, and what the run's checkpoints will take on disk. The decisions are train/plan.py's."""
+
+from __future__ import annotations
+
+from gpt2lab.train import memplan
+from gpt2lab.train.config import TrainConfig
+from gpt2lab.train.plan import RunPlan, token_feature_count
+from gpt2lab.train.schedule import accum_at
+from gpt2lab.weights.targets import export_target
+
+PLAN_VERSION = 1
+
+
+def export(plan: RunPlan) -> str:
+    """What ``gpt2lab export`` will write for this run's model, or why nothing (weights/targets.py)."""
+    return export_target(plan.config.model).describe()
+
+
+def record(plan: RunPlan) -> dict:
+    """run_info.json's "plan" entry (plain JSON)."""
+    c = plan.config
+
+    def choice(ch):
+        return {
+            "value": ch.value,
+            "reason": ch.reason,
+            **({"warning": ch.warning} if ch.warning else {}),
+        }
+
+    return {
+        "version": PLAN_VERSION,
+        "facts": {
+            **plan.choices.record(),
+            "world_size": plan.machine.world_size,
+            "device_bytes": plan.machine.device_bytes,
+            "host_bytes": plan.machine.host_bytes,
+            "faked": plan.machine.faked,
+        },
+        "resume": plan.resume,
+        "schedule_change": plan.schedule_change,
+        "data_source": plan.data_source,
+        "sample_prompt": {"value": c.eval.sample_prompt, "reason": plan.prompt_reason or "as set"},
+        "skipped_checkpoints": list(plan.skipped),
+        "init_from": plan.init_record,
+        "dtype": choice(plan.dtype),
+        "compile": choice(plan.compile),
+        "strategy": choice(plan.strategy),
+        "loss": {"value": plan.loss.value, "reason": plan.loss.reason},
+        "peak_flops": choice(plan.peak_flops),
+        "muon_ns_dtype": choice(plan.ns_dtype) if plan.ns_dtype else None,
+        "activation_checkpointing": c.parallel.activation_checkpointing,
+        "grad_accum_steps": plan.accum,
+        "params": plan.params,
+        "memory_mib": plan.memory,
+        "supervised": plan.supervised,
+        "checkpoints": checkpoint_disk(plan.config),
+        "export": export(plan),
+        "config": c.to_dict(),
+    }
+
+
+def lines(plan: RunPlan) -> list[str]:
+    """What start-up prints (and --dry-run shows), one decision a line."""
+    c, m, ft = plan.config, plan.config.model, plan.config.finetune
+    on = lambda v: "on" if v else "off"  # noqa: E731
+    mem = "no prediction for this device"
+    if plan.memory:
+        f, have = plan.machine, ""
+        if f.device_bytes:
+            have = f" of the device's {f.device_bytes / 2**30:.1f} GiB"
+        elif f.host_bytes:
+            have = f" of this machine's {f.host_bytes / 2**30:.1f} GiB of RAM" + (
+                " per process" if f.world_size > 1 else ""
+            )
+        mem = f"{plan.memory['total'] / 1024:.2f} GiB per rank predicted{have} (peak at {plan.memory['phase']})"
+    peak = plan.peak_flops.value
+    b = c.batch
+    ramp = (
+        f"; ramped from {b.batch_ramp_start:,} tokens ({accum_at(c, 0, plan.machine.world_size)} micro-steps) "
+        f"at step 0 over {b.batch_ramp_steps} steps"
+        if b.batch_ramp_steps
+        else ""
+    )
+    if b.seq_len_ramp_steps:  # the sequence-length ramp: the same tokens in shorter rows
+        ramp += (
+            f"; sequences of {b.seq_len_start} tokens at step 0 (micro-batch "
+            f"{b.micro_batch_size * b.seq_len // b.seq_len_start} rows), doubling to {b.seq_len} by step "
+            f"{b.seq_len_ramp_steps}"
+        )
+    if m.mtp_heads:
+        final = "" if m.mtp_weight_final is None else f", to {m.mtp_weight_final} at the last step"
+        mtp = (
+            f"; multi-token prediction: {m.mtp_heads} more heads (tokens t+2..t+{m.mtp_heads + 1}), "
+            f"weight {m.mtp_weight}{final}"
+        )
+    out = [
+        f"out       {c.out}" + (f" (resume from {plan.resume})" if plan.resume else " (new run)"),
+        f"machine   {plan.machine.describe()}",
+        f"model     {m.n_layer} layers, {m.n_head} heads, {m.n_embd} wide, block {m.block_size}, "
+        f"{plan.params:,} params" + (f", LoRA rank {ft.lora_rank} on {ft.lora_targets}" if ft.lora_rank else ""),
+        f"export    {export(plan)}",
+    ]
+    if m.tokenizer:
+        out.append(
+            f"tokenizer sha256:{m.tokenizer[:12]} (the data's): {m.token_vocab_size:,} tokens in "
+            f"{m.vocab_size:,} embedding rows"
+        )
+    if plan.supervised:
+        n, total = plan.supervised
+        out.append(
+            f"data      {c.data}: conversations in the {m.chat_template} template, supervised on "
+            f"{n:,} of {total:,} tokens ({n / max(total, 1):.0%}: the assistant's turns)"
+        )
+    if plan.prompt_reason:
+        out.append(f"sample    prompt {c.eval.sample_prompt!r} ({plan.prompt_reason})")
+    out += [f"skipped   {line}" for line in plan.skipped]
+    if plan.schedule_change:
+        out.append(f"schedule  {plan.schedule_change}")
+    if plan.init_record:
+        r = plan.init_record
+        out.append(f"init from {r['source']} ({r.get('kind', 'recorded by the run')}, {r['id']})")
+    out += [
+        f"dtype     {plan.dtype.value} ({plan.dtype.reason})",
+        f"compile   {on(plan.compile.value)} ({plan.compile.reason})",
+        f"strategy  {plan.strategy.value} ({plan.strategy.reason})"
+        + ("; activation checkpointing on" if c.parallel.activation_checkpointing else ""),
+        f"loss      {plan.loss.value} ({plan.loss.reason})" + (mtp if m.mtp_heads else ""),
+        f"optimizer {c.optim.optimizer}"
+        + (f" ({c.optim.muon_variant})" if c.optim.muon_variant != "muon" else "")
+        + f", {c.optim.lr_schedule} schedule"
+        + (f"; Newton-Schulz in {plan.ns_dtype.value} ({plan.ns_dtype.reason})" if plan.ns_dtype else "")
+        + ("; Polar Express in place of Newton-Schulz's polynomial" if c.optim.muon_orth == "polar_express" else "")
+        + ("; cautious weight decay" if c.optim.cautious_wd else "")
+        + ("; token features shared by the token tables (training only)" if c.optim.token_features else "")
+        + (
+            f"; weight average (EMA) {c.optim.ema_decay}: evaluations and checkpoints hold it"
+            if c.optim.ema_decay
+            else ""
+        ),
+        f"batch     {c.batch.total_batch_tokens:,} tokens/step = micro-batch {c.batch.micro_batch_size} "
+        f"x seq {c.batch.seq_len} x {plan.machine.world_size} process(es) x {plan.accum} micro-steps{ramp}; "
+        f"steps to {c.optim.max_steps}",
+        "peak      "
+        + (
+            f"{peak / 1e12:.0f} TFLOP/s per device ({plan.peak_flops.reason})"
+            if peak
+            else f"unknown ({plan.peak_flops.reason}); no MFU"
+        ),
+        f"memory    {mem}",
+        f"disk      {describe_checkpoints(checkpoint_disk(plan.config))}",
+    ]
+    out += [f"warning: {ch.warning}" for ch in (plan.dtype, plan.compile) if ch.warning]
+    return out
+
+
+def checkpoint_bytes(cfg: TrainConfig) -> dict:
+    """Bytes of one checkpoint of ``cfg``'s run by file, as checkpoint.store writes it: the weights in
+    fp32 (model.safetensors; the tied head once; LoRA's adapters with the base), the optimizer's state
+    (optimizer.pt: counted on the optimizer built on the meta device, memplan.sizes; the token features' too) and,
+    with --ema-decay, the trained weights beside the average (training.safetensors). state.pt,
+    config.json and checksums add kilobytes, left out."""
+    weights, state = memplan.sizes(cfg)
+    out = {"weights": weights, "optimizer": state + memplan.feature_state_bytes(cfg.model, token_feature_count(cfg))}
+    if cfg.optim.ema_decay:
+        out["training_weights"] = weights
+    return {**out, "total": sum(out.values())}
+
+
+def checkpoint_disk(cfg: TrainConfig) -> dict:
+    """``checkpoint_bytes`` with the count the run writes (every ckpt_interval steps and at the end) and
+    keeps (--keep-checkpoints, 0: all), and the disk that takes: ``kept`` checkpoints, one more while
+    the next is written (the oldest goes once the new one is whole)."""
+    c, steps = cfg.checkpoint, cfg.optim.max_steps
+    each = checkpoint_bytes(cfg)
+    written = steps // c.ckpt_interval + (1 if steps % c.ckpt_interval else 0) if c.ckpt_interval else 1
+    kept = min(c.keep_checkpoints, written) if c.keep_checkpoints else written
+    return {
+        "bytes": each,
+        "written": written,
+        "keep_checkpoints": c.keep_checkpoints,
+        "kept": kept,
+        "kept_bytes": kept * each["total"],
+        "peak_bytes": min(kept + 1, written) * each["total"],
+    }
+
+
+def describe_checkpoints(disk: dict) -> str:
+    """The plan's line about checkpoints on disk."""
+    each, mib = disk["bytes"], lambda n: f"{n / 2**20:,.0f} MiB"  # noqa: E731
+    parts = ", ".join(f"{k.replace('_', ' ')} {mib(v)}" for k, v in each.items() if k != "total")
+    keep = "all kept" if not disk["keep_checkpoints"] else f"{disk['kept']} kept (--keep-checkpoints)"
+    return (
+        f"{mib(each['total'])} per checkpoint ({parts}); {disk['written']} written, {keep}: "
+        f"{mib(disk['kept_bytes'])}"
+        + (f", {mib(disk['peak_bytes'])} while the next is written" if disk["peak_bytes"] > disk["kept_bytes"] else "")
+    )
