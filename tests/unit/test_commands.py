@@ -86,6 +86,27 @@ def test_the_server_refuses_by_the_same_rule(monkeypatch):
     assert completion.fits_context(100, 28, 128) and not completion.fits_context(100, 29, 128)
 
 
+def test_a_model_with_nan_weights_is_named_in_one_warning_as_it_is_loaded(tmp_path, capsys, monkeypatch):
+    """Its text is noise ("????"): sample says so once, naming the model and the first bad tensor."""
+    import torch
+    from conftest import tiny_gpt
+
+    from gpt2lab.weights import export
+
+    monkeypatch.setenv("GPT2LAB_PROBE", "0")
+    model = tiny_gpt(seed=3, vocab_size=50257, block_size=32)
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_fc.weight[0, 0] = float("nan")
+    d = str(tmp_path / "nan")
+    export.save_pretrained(model, d)
+    assert cli.main(_sample(d, "Hello", 3)) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warned == [
+        f"gpt2lab sample: warning: {d} holds NaN or infinite weights (1 of its tensors, the first "
+        "transformer.h.1.mlp.c_fc.weight): what it writes means nothing; train it again or load another checkpoint"
+    ]
+
+
 # -- the first sample on a new machine ------------------------------------------------------------
 def test_the_probe_is_announced_before_it_runs_and_its_choice_precedes_the_text(
     gpt2_vocab_export, tmp_path, monkeypatch

@@ -74,7 +74,7 @@ def collect(device_name: str = "auto") -> dict:
     if device.type == "cpu":
         facts = dataclasses.replace(facts, probe=probe)
     choices = runtime.resolve(device, "auto", "auto", facts=facts, ns_dtype="auto")
-    thp = pages.detect()
+    thp = pages.page_facts()
     info = {
         "gpt2lab": __version__,
         "python": sys.version.split()[0],
@@ -128,7 +128,7 @@ def _probe_cache_lines(found: dict) -> list[str]:
     n = len(found["entries"])
     lines = [f"{'probe_cache:':<22} {found['path']} ({n} {'entry' if n == 1 else 'entries'})"]
     for key, entry in found["entries"].items():
-        first, *rest = probe_cache.describe(entry)
+        first, *rest = probe_cache.entry_lines(entry)
         lines += [f"  {key}: {first}", *(f"    {line}" for line in rest)]
     return lines
 

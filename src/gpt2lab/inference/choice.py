@@ -14,7 +14,7 @@ form (kernels.py):
   with fp32 ones gpt2lab's compiled GEMV too, where it was built);
   on a GPU fp32 and bf16 (fp16 without bf16); on MPS fp32 and fp16;
 * ``choose`` decides in two steps. The **dtype** is one per model and machine, whatever the
-  workload (``choose_dtype``): the dtype whose best kernel serves the reference request cheapest,
+  workload (``cheapest_dtype``): the dtype whose best kernel serves the reference request cheapest,
   ``REQUEST_TOKENS`` prompt tokens and as many new ones at one row (prefill + 128 one-row steps), so
   ``sample``, ``serve``, the evals and ``for_inference(dtype="auto")`` hold the same precision and a
   seeded request gives the same text in each. The **kernel** within that dtype is the cheapest
@@ -252,7 +252,7 @@ def crossover(short: tuple[float, float], long: tuple[float, float], lengths: tu
     return int(max(1, min(r, math.floor(s + ahead_s / -slope))))
 
 
-def choose_dtype(cands: list[Candidate], facts: InferenceFacts) -> tuple[str, str]:
+def cheapest_dtype(cands: list[Candidate], facts: InferenceFacts) -> tuple[str, str]:
     """(The dtype every workload holds ``cands``' model in, why). Each measured dtype is represented by its
     kernel cheapest for the reference request (prefill and one-row steps); where every such kernel also has
     its BATCH_ROWS-row figure, the dtype is the one whose worse slowdown against the best dtype, at one row
@@ -301,7 +301,7 @@ def choose_dtype(cands: list[Candidate], facts: InferenceFacts) -> tuple[str, st
 
 
 def choose(request: InferenceRequest, facts: InferenceFacts) -> Decision:
-    """The candidate for ``request``: the only one; else the dtype (``choose_dtype``, the same for every
+    """The candidate for ``request``: the only one; else the dtype (``cheapest_dtype``, the same for every
     workload) and, of its kernels, the cheapest measured for the workload, or (unmeasured) the device's rule."""
     d = _choose(request, facts)
     rounded = d.candidate.kernel == "gemv" and gemv_bf16_inputs(facts)
@@ -326,7 +326,7 @@ def _choose(request: InferenceRequest, facts: InferenceFacts) -> Decision:
     if len({c.dtype for c in cands}) == 1:  # an asked-for dtype: only the kernel is left to choose
         dtype, dtype_why = cands[0].dtype, ""
     else:
-        dtype, dtype_why = choose_dtype(cands, facts)
+        dtype, dtype_why = cheapest_dtype(cands, facts)
     pool = [c for c in cands if c.dtype == dtype]
     need = ("prefill",) if request.workload == "score" else ("prefill", "step1")
     measured = {c: facts.timings[c.name] for c in pool if facts.timings and _has(facts.timings.get(c.name), *need)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import collections
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
@@ -70,6 +71,14 @@ def load_for_inference(
     request = request or InferenceRequest()
     check_request(request, device)
     model = load_model(spec, device)
+    bad = [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:  # its text would be noise ("????"): said once, as it is loaded
+        print(
+            f"{command}: warning: {spec} holds NaN or infinite weights ({len(bad)} of its tensors, the first "
+            f"{bad[0]}): what it writes means nothing; train it again or load another checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
     if check is not None:
         check(model)
     decision = decide(model, device, request, command=command)

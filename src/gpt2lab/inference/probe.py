@@ -48,8 +48,8 @@ from gpt2lab.inference.choice import (
     InferenceRequest,
     Timing,
     candidates,
+    cheapest_dtype,
     choose,
-    choose_dtype,
     crossover,
     device_pick,
     reference_cost,
@@ -89,13 +89,6 @@ WATCH_STEPS = 8  # the run's steps whose median is compared (after its prefill)
 SHORT_TOKENS = 16
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
 class _TooSlow(Exception):
     pass
 
@@ -113,7 +106,7 @@ def _best_ms(
     first is over GIVE_UP times ``limit``."""
     t0 = time.perf_counter()
     fn()
-    _sync(device)
+    runtime.sync(device)
     first = 1e3 * (time.perf_counter() - t0) / per_call
     if limit is not None and first > GIVE_UP * limit:
         raise _TooSlow(
@@ -125,7 +118,7 @@ def _best_ms(
         for _ in range(REPEATS):
             t0 = time.perf_counter()
             fn()
-            _sync(device)
+            runtime.sync(device)
             times.append(time.perf_counter() - t0)
         times.sort()
         if times[1] <= UNSTEADY * times[0]:  # two calls agree: the best is the machine's, not luck
@@ -335,15 +328,15 @@ def estimate_seconds(
     prompt = max(1, min(REQUEST_TOKENS, block - 1))  # and room for one decode step after it
     ids = torch.randint(0, vocab, (1, prompt), generator=torch.Generator().manual_seed(0)).to(device)
     model(ids[:, :1], last_only=True)  # untimed: the first touch of freshly loaded (mapped) weights
-    _sync(device)
+    runtime.sync(device)
     cache = model.new_kv_cache(min(block, prompt + 1))
     t0 = time.perf_counter()
     model(ids, kv_cache=cache, last_only=True)
-    _sync(device)
+    runtime.sync(device)
     t1 = time.perf_counter()
     if prompt < block:
         model(ids[:, :1], kv_cache=cache, last_only=True)
-        _sync(device)
+        runtime.sync(device)
     prefill, step = t1 - t0, time.perf_counter() - t1
     per = (1 + REPEATS) * (prefill + STEPS * step) + prefill * CONTEXT / prompt
     rows = (1 + REPEATS) * STEPS * (step + prefill * request.rows / prompt) + prefill * CONTEXT / prompt
@@ -407,7 +400,7 @@ def decide(
         probe_cache.save_timings(key, model.config, device, timings)
         entry = {}
     if serve:
-        dtype, _ = choose_dtype(cands, dataclasses.replace(facts, timings=timings))
+        dtype, _ = cheapest_dtype(cands, dataclasses.replace(facts, timings=timings))
         pool = [c for c in cands if c.dtype == dtype and isinstance(timings.get(c.name), Timing)]
         rows = probe_cache.rows_timings(entry, request.rows)  # None when measured afresh
         if len(pool) > 1 and (rows is None or not set(c.name for c in pool) <= set(rows)):

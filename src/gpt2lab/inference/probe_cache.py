@@ -20,7 +20,7 @@ from typing import Optional
 
 from gpt2lab.inference.choice import REQUEST_TOKENS, Timing
 from gpt2lab.inference.kernels import compiled_build
-from gpt2lab.system import formats, runtime
+from gpt2lab.system import env, formats, runtime
 from gpt2lab.system.files import write_json
 
 PROBE_FILE = "decode-probes.json"
@@ -30,14 +30,14 @@ SHAPE = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")  # what env 
 
 
 def path() -> str:
-    return os.path.join(runtime._cache_dir(), PROBE_FILE)
+    return os.path.join(env.cache_dir(), PROBE_FILE)
 
 
 def key(config, device, names: list[str]) -> str:
     """The entry of a model (its GPTConfig) on ``device`` of this machine and this build of the compiled
     kernel, for these candidates."""
     parts = [
-        runtime._machine_key(),
+        runtime.machine_key(),
         compiled_build(),
         str(device),
         json.dumps(dataclasses.asdict(config), sort_keys=True),
@@ -173,7 +173,7 @@ def clear() -> Optional[str]:
     return where
 
 
-def describe(entry: dict) -> list[str]:
+def entry_lines(entry: dict) -> list[str]:
     """An entry as lines for ``gpt2lab env``: the model's shape and device, when measured, what each
     workload chose, each candidate's figures (or why it was dropped), and why figures measured on a busy
     machine were not kept."""

@@ -240,14 +240,14 @@ def measure_matmul(device, n: int = PROBE_N, seconds: float = PROBE_SECONDS) -> 
     def rate(dtype) -> float:
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
-        _sync(device)
+        sync(device)
         a @ b
-        _sync(device)
+        sync(device)
         calls, t0 = 0, time.perf_counter()
         while True:
             a @ b
             calls += 1
-            _sync(device)
+            sync(device)
             dt = time.perf_counter() - t0
             if dt >= seconds:
                 return 2 * n**3 * calls / dt / 1e9
@@ -269,21 +269,25 @@ def measure_read_bandwidth(device, nbytes: int = READ_BYTES, repeats: int = 5, c
     x = torch.ones(nbytes // 4, device=device, dtype=torch.float32)
     best = float("inf")
     for i in range(repeats + 1):
-        _sync(device)
+        sync(device)
         t0 = clock()
         x.sum()
-        _sync(device)
+        sync(device)
         seconds = clock() - t0
         if i:  # the first call pages the buffer in and warms the kernel
             best = min(best, seconds)
     return round(x.numel() * 4 / best / 1e9, 1)
 
 
-def _sync(device) -> None:
+def sync(device) -> None:
+    """Wait for ``device``'s queued work (CUDA, MPS; a CPU's is done), before a clock is read."""
     import torch
 
-    if torch.device(device).type == "cuda":
+    device = torch.device(device)
+    if device.type == "cuda":
         torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
 
 
 def cached_cpu_probe(cache_dir: Optional[str] = None) -> Optional[Probe]:
@@ -295,7 +299,7 @@ def cached_cpu_probe(cache_dir: Optional[str] = None) -> Optional[Probe]:
         return None
     import torch
 
-    path = os.path.join(cache_dir or _cache_dir(), f"cpu-probe-{_machine_key()}.json")
+    path = os.path.join(cache_dir or env.cache_dir(), f"cpu-probe-{machine_key()}.json")
     try:
         with open(path) as fh:
             return Probe(**json.load(fh))
@@ -313,11 +317,7 @@ def cached_cpu_probe(cache_dir: Optional[str] = None) -> Optional[Probe]:
     return probe
 
 
-def _cache_dir() -> str:
-    return env.cache_dir()
-
-
-def _machine_key() -> str:
+def machine_key() -> str:
     """What a probe's answer depends on: the CPU, its flags, torch, threads and the kernels' ISA caps."""
     import torch
 
