@@ -29,13 +29,9 @@ from gpt2lab.inference import kernels
 from gpt2lab.inference.choice import Candidate
 from gpt2lab.inference.form import hold
 from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.system import runtime
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the CPU only to check the script
-
-
-def sync() -> None:
-    if DEV.type == "cuda":
-        torch.cuda.synchronize()
 
 
 PROMPT = 16
@@ -53,14 +49,14 @@ def step_ms(model: GPT, steps: int) -> dict:
     model(torch.randint(0, 50257, (1, PROMPT), device=DEV), kv_cache=cache)
     tok = torch.randint(0, 50257, (1, 1), device=DEV)
     model(tok, kv_cache=cache, last_only=True)
-    sync()
+    runtime.sync(DEV)
     allocs = (torch.cuda.memory_stats() if DEV.type == "cuda" else {}).get("num_device_alloc", 0)
     out = []
     for _ in range(2):
         t0 = time.perf_counter()
         for _ in range(steps):
             model(tok, kv_cache=cache, last_only=True)
-        sync()
+        runtime.sync(DEV)
         out.append(1e3 * (time.perf_counter() - t0) / steps)
     return {
         "ms": [round(x, 3) for x in out],
@@ -85,14 +81,14 @@ def profile(model: GPT, label: str) -> None:
         model(torch.randint(0, 50257, (1, PROMPT), device=DEV), kv_cache=cache)
         tok = torch.randint(0, 50257, (1, 1), device=DEV)
         model(tok, kv_cache=cache, last_only=True)
-        sync()
+        runtime.sync(DEV)
         acts = [torch.profiler.ProfilerActivity.CPU] + (
             [torch.profiler.ProfilerActivity.CUDA] if DEV.type == "cuda" else []
         )
         with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
             for _ in range(5):
                 model(tok, kv_cache=cache, last_only=True)
-            sync()
+            runtime.sync(DEV)
         print(f"== {label}: torch.profiler, 5 steps, by self CPU time", file=sys.stderr)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22), file=sys.stderr)
         print(f"== {label}: by input shapes", file=sys.stderr)
@@ -104,7 +100,7 @@ def profile(model: GPT, label: str) -> None:
         pr.enable()
         for _ in range(3):
             model(tok, kv_cache=cache, last_only=True)
-        sync()
+        runtime.sync(DEV)
         pr.disable()
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(18)

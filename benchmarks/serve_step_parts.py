@@ -41,7 +41,7 @@ def _timed(owner, name: str, label: str) -> None:
 
 
 PARTS = [
-    (fused.FusedDecodeGPT, "_decode_step", "decode step (fused)"),
+    (fused.HeldGPT, "_decode_step", "decode step (fused)"),
     (batch.BatchWorker, "_mixed_step", "mixed step (with prompts)"),
     (batch.BatchWorker, "_prefill_step", "prompt alone"),
     (batch.BatchWorker, "_prefill_together", "prompts together"),

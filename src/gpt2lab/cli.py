@@ -18,6 +18,7 @@ import warnings
 from typing import Optional, Sequence
 
 from gpt2lab import __version__
+from gpt2lab.system import runtime
 from gpt2lab.system.errors import (
     EXIT_CODES,
     EXIT_DISK_FULL,
@@ -122,6 +123,7 @@ def _debug(argv: Sequence[str]) -> bool:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    runtime.set_wait_policy()  # before torch is imported: OpenMP reads it then
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = _debug(argv)
     argv = [a for a in argv if a != "--debug"]  # accepted after the subcommand too

@@ -86,6 +86,27 @@ def test_the_server_refuses_by_the_same_rule(monkeypatch):
     assert completion.fits_context(100, 28, 128) and not completion.fits_context(100, 29, 128)
 
 
+def test_a_model_with_nan_weights_is_named_in_one_warning_as_it_is_loaded(tmp_path, capsys, monkeypatch):
+    """Its text is noise ("????"): sample says so once, naming the model and the first bad tensor."""
+    import torch
+    from conftest import tiny_gpt
+
+    from gpt2lab.weights import export
+
+    monkeypatch.setenv("GPT2LAB_PROBE", "0")
+    model = tiny_gpt(seed=3, vocab_size=50257, block_size=32)
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_fc.weight[0, 0] = float("nan")
+    d = str(tmp_path / "nan")
+    export.save_pretrained(model, d)
+    assert cli.main(_sample(d, "Hello", 3)) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warned == [
+        f"gpt2lab sample: warning: {d} holds NaN or infinite weights (1 of its tensors, the first "
+        "transformer.h.1.mlp.c_fc.weight): what it writes means nothing; train it again or load another checkpoint"
+    ]
+
+
 # -- the first sample on a new machine ------------------------------------------------------------
 def test_the_probe_is_announced_before_it_runs_and_its_choice_precedes_the_text(
     gpt2_vocab_export, tmp_path, monkeypatch
@@ -95,7 +116,7 @@ def test_the_probe_is_announced_before_it_runs_and_its_choice_precedes_the_text(
 
     monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path))  # a new machine: nothing measured yet
     monkeypatch.delenv("GPT2LAB_PROBE", raising=False)
-    # steady figures no run is far slower than (a busy machine's real ones are not kept: another line)
+    # steady figures no run is far slower than (else its Watch would say so: another line)
     monkeypatch.setattr(probe, "measure", lambda *a, **k: Timing(1e3, 1e3))
     _, d = gpt2_vocab_export
     both = io.StringIO()  # stdout and stderr as one terminal shows them, in order
@@ -104,17 +125,31 @@ def test_the_probe_is_announced_before_it_runs_and_its_choice_precedes_the_text(
     assert cli.main(_sample(d, "Hello", 5)) == 0
     lines = both.getvalue().splitlines()
     assert lines[0].startswith("gpt2lab sample: measuring ") and re.search(
-        r"(about \d+ s|under a second); done "
-        "once per machine",
-        lines[0],
+        r"(about \d+ s|under a second), once per machine", lines[0]
     ), lines
-    assert lines[1].startswith("gpt2lab sample: dtype "), lines
+    assert lines[1].startswith("gpt2lab sample: dtype ") and len(lines[1]) < 160, lines  # one short line
     assert lines[2] == "--- sample 1/1" and lines[3].startswith("Hello") and len(lines) == 4, lines
     both.truncate(0)
     both.seek(0)
     assert cli.main(_sample(d, "Hello", 5)) == 0  # measured once: the second run only says its choice
     lines = both.getvalue().splitlines()
     assert lines[0].startswith("gpt2lab sample: dtype ") and lines[1] == "--- sample 1/1" and len(lines) == 3, lines
+
+
+def test_the_choice_line_says_that_threads_sleep_while_they_wait_on_a_busy_machine(monkeypatch, capsys):
+    """Where the machine was busy as the command started (system/runtime.py's choose_wait), the one line
+    that announces the inference choice says so, and the choice's record holds it."""
+    from gpt2lab.inference import probe
+    from gpt2lab.inference.choice import InferenceFacts, InferenceRequest, choose
+    from gpt2lab.system import runtime
+
+    decision = choose(InferenceRequest(), InferenceFacts("cpu"))
+    busy = "; threads sleep while they wait: 1 other thread running, 2 of ours on 2 cores"
+    for load, said in ((runtime.Load(2, 2, 0), ""), (runtime.Load(2, 2, 1), busy)):
+        monkeypatch.setattr(runtime, "WAIT", runtime.choose_wait(load))
+        probe.announce(decision, "gpt2lab sample")
+        assert capsys.readouterr().err == f"gpt2lab sample: {decision.summary()}{said}\n"
+        assert decision.record()["threads_wait"] == runtime.WAIT.reason
 
 
 # -- --help shows the defaults --------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""inference/fused.py: the fused decode step, whole (``_gemv.model_step``) and block by block
-(``_gemv.block_step``), against the model's own code on the same held weights, through both caches the
-model decodes with (KVCache, the server's RowsCache), and the calls it must leave to the model's code."""
+"""inference/fused.py: the held model's fused decode step (``_gemv.model_step``) against the network's own
+code on the same held weights, through both caches the model decodes with (KVCache, the server's
+RowsCache), and the calls it must leave to the network's code."""
 
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ from conftest import tiny_gpt
 from gpt2lab.inference import kernels
 from gpt2lab.inference.choice import Candidate
 from gpt2lab.inference.form import hold as _hold
-from gpt2lab.inference.fused import FusedDecodeBlock, FusedDecodeGPT, fusable
+from gpt2lab.inference.fused import fusable
 from gpt2lab.inference.kernels import PanelLinear, gemv_error
-from gpt2lab.model.gpt import GPT, Block
 from gpt2lab.serve.batch import RowsCache
 
 WHY_NOT = gemv_error(torch.device("cpu"))
@@ -47,11 +46,11 @@ def _hold_as(model, cand, inputs, monkeypatch, **kw):
 
 @pytest.fixture
 def counted(monkeypatch):
-    """The fused calls that did their work while the test runs: {"model_step": [...], "block_step": [...]}
-    (model_step returns False, having done nothing, for an id or a position outside its table)."""
+    """The fused calls that did their work while the test runs: {"model_step": [...]} (model_step returns
+    False, having done nothing, for an id or a position outside its table)."""
     from gpt2lab.inference import _gemv
 
-    calls = {"model_step": [], "block_step": []}
+    calls = {"model_step": []}
 
     def spy(fn, seen):
         def call(*a):
@@ -67,19 +66,10 @@ def counted(monkeypatch):
     return calls
 
 
-def _blocks_only(model):
-    """The same held model stepping block by block (the model's class swap undone, the blocks' kept)."""
-    if isinstance(model, FusedDecodeGPT):
-        model.__class__ = GPT
-    return model
-
-
 def _unfused(model):
-    """The same held model with its own forward everywhere (every class swap undone)."""
-    for m in model.modules():
-        if isinstance(m, FusedDecodeBlock):
-            m.__class__ = Block
-    return _blocks_only(model)
+    """The same held model with the network's own forward everywhere."""
+    model.fused = False
+    return model
 
 
 @pytest.mark.parametrize(
@@ -98,12 +88,11 @@ def _unfused(model):
     ids=["32", "36", "144", "128"],
 )
 @pytest.mark.parametrize("rows", [1, 6])  # six: a tile of four rows, then one of two
-@pytest.mark.parametrize("way", ["whole", "blocks"])
 def test_one_token_fused_equals_the_models_own_forward_with_the_same_cache(
-    cand, shape, rows, way, inputs, counted, monkeypatch
+    cand, shape, rows, inputs, counted, monkeypatch
 ):
-    """Logits and the KV cache after several one-token steps, fused (the whole step, or block by block)
-    against unfused, from the same prompt (36 wide: heads of 12, not a multiple of 8; no biases; 144:
+    """Logits and the KV cache after several one-token steps, fused against unfused, from the same prompt
+    (36 wide: heads of 12, not a multiple of 8; no biases; 144:
     heads of 72, wider than GPT-2's 64; 128: one head of 128, the values summed 64 dimensions at a time;
     10-30 keys, so the keys are scored eight at a time with some left over); bf16 weights also with their
     inputs rounded to bf16 (a hold on a CPU with native bf16: the fused step's products and the linears'
@@ -114,18 +103,15 @@ def test_one_token_fused_equals_the_models_own_forward_with_the_same_cache(
     outs, caches = [], []
     for fused in (True, False):
         ready = _hold_as(model, cand, inputs, monkeypatch)
-        assert isinstance(ready, FusedDecodeGPT)
-        (_blocks_only if way == "blocks" else lambda m: m)(ready) if fused else _unfused(ready)
+        assert ready.fused
+        ready.fused = fused
         cache = ready.new_kv_cache(40)
         with torch.inference_mode():
             ready(idx[:, :9], kv_cache=cache)
             outs.append(torch.cat([ready(idx[:, t : t + 1], kv_cache=cache)[0] for t in range(9, 30)], dim=1))
         caches.append(cache)
-    if way == "whole":
-        assert len(counted["model_step"]) == 21 and counted["block_step"] == []
-        assert all(a[20] != 0 and a[23] == 97 for a in counted["model_step"])  # the head's weight, its 97 outputs
-    else:
-        assert len(counted["block_step"]) == 21 * model.config.n_layer and counted["model_step"] == []
+    assert len(counted["model_step"]) == 21
+    assert all(a[20] != 0 and a[23] == 97 for a in counted["model_step"])  # the head's weight, its 97 outputs
     pairs = [(outs[0], outs[1])]
     pairs += [(a[:, :, :30], b[:, :, :30]) for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v)]
     # Rounding to bf16 is a step: the C LayerNorm and PyTorch's differ by ~1e-7, which moves an input
@@ -174,7 +160,7 @@ def test_the_servers_rows_each_at_its_own_position(cand, counted):
             cache = ready.new_kv_cache(40)
             ready(idx[slot : slot + 1, :n], kv_cache=cache)
             rows.put(slot, cache, capacity=2)
-        assert counted == {"model_step": [], "block_step": []}  # the prompts: the model's code
+        assert counted == {"model_step": []}  # the prompts: the model's code
         both, _ = ready(torch.stack([idx[0, 7:8], idx[1, 10:11]]), kv_cache=rows.view(torch.device("cpu")))
         rows.remove(1)
         alone, _ = ready(idx[:1, 8:9], kv_cache=rows.view(torch.device("cpu")))
@@ -242,40 +228,23 @@ def test_prompt_rows_the_fused_step_takes_by_how_the_linears_meet_a_prompt(monke
 
 
 def test_what_it_leaves_to_the_model(counted):
-    """The modern block is not fusable; a prompt, training and a gradient-tracking input run the model's
-    code; the fused step changes no tensor the caller holds."""
+    """The modern block is not fusable, nor a block of plain linears; the held model is a wrapper: the
+    network it holds keeps its class, and runs its own code where the step is not fused."""
+    from gpt2lab.inference.fused import HeldGPT
+
     assert not any(fusable(b) for b in hold(tiny_gpt(seed=1, norm="rmsnorm"), CANDS[0]).transformer.h)
     assert not any(fusable(b) for b in hold(tiny_gpt(seed=1), Candidate("float32", "plain")).transformer.h)
-    ready = hold(tiny_gpt(seed=2, vocab_size=97), CANDS[0])
-    block = ready.transformer.h[0]
-    assert isinstance(block, FusedDecodeBlock)
-    cache = ready.new_kv_cache(20)
-    with torch.no_grad():
-        ready(torch.tensor([[1, 2, 3]]), kv_cache=cache)  # the prompt
-    assert counted == {"model_step": [], "block_step": []}
-    counted = counted["block_step"]
-    x = torch.randn(1, 1, 32, requires_grad=True)
-    y = block(x, cache)  # gradient wanted: the model's code, which autograd follows
-    y.sum().backward()
-    assert counted == [] and x.grad is not None
-    with torch.no_grad():
-        x0 = x.detach().clone()
-        block(x.detach(), cache)
-        assert len(counted) == 1 and torch.equal(x.detach(), x0)
-        block.train()
-        block(x.detach(), cache)
-        block.eval()
-        assert len(counted) == 1
-        block.ln_1.double()  # norms cast after holding (a model's .to()): the model's code, not the kernel
-        with contextlib.suppress(RuntimeError):  # which may refuse the mix of dtypes; the kernel would misread it
-            block(x.detach(), cache)
-        assert len(counted) == 1
+    model = tiny_gpt(seed=2, vocab_size=97)
+    ready = hold(model, CANDS[0])
+    assert isinstance(ready, HeldGPT) and type(ready.net) is type(model) and ready.config == model.config
+    assert all(type(b) is type(model.transformer.h[0]) and fusable(b) for b in ready.transformer.h)
+    assert ready.tokenizer is model.tokenizer and ready.new_kv_cache(7).max_len == 7
 
 
 def test_what_the_whole_step_leaves_to_the_model(counted):
     """The whole step only where the model's structure and the call are what model_step computes; every
     other call runs GPT.forward (which says what is wrong with a bad one), with the same logits."""
-    assert not isinstance(hold(tiny_gpt(seed=1, logit_softcap=30.0), CANDS[0]), FusedDecodeGPT)  # blocks only
+    assert not hold(tiny_gpt(seed=1, logit_softcap=30.0), CANDS[0]).fused  # fusable blocks, not the whole step
     ready = hold(tiny_gpt(seed=2, vocab_size=97, block_size=16), CANDS[0])
     steps = counted["model_step"]
     cache = ready.new_kv_cache(16)

@@ -122,6 +122,15 @@ def test_bad_sampling_arguments():
             sample_next(logits, **kw)
     with pytest.raises(ValueError, match="idx"):
         generate(tiny_gpt(), torch.zeros(2, 0, dtype=torch.long), 3)
+    model, idx = tiny_gpt(vocab_size=97), torch.zeros(1, 2, dtype=torch.long)
+    for t in (float("nan"), -0.5):  # refused as the CLI and the server refuse them, before the prompt runs
+        with pytest.raises(ValueError, match=f"temperature must be a number >= 0, got {t}"):
+            generate(model, idx, 3, temperature=t)
+        with pytest.raises(ValueError, match="temperature"):
+            sample_next(logits, temperature=t)
+    for bad in (97, -1):  # one clear line, not the embedding's bare IndexError
+        with pytest.raises(ValueError, match=rf"token id {bad} is outside the model's vocabulary \(0 to 96\)"):
+            generate(model, torch.tensor([[1, bad, 2]]), 3)
 
 
 def test_seeded_sampling_is_reproducible():

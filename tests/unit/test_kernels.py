@@ -414,7 +414,7 @@ def test_the_probe_measures_where_the_tiles_stop_and_every_hold_of_the_choice_ke
     assert held_with["bfloat16/gemv"] == [1, 7, 7]  # first measured; again and at 16 rows held with its tiles
     assert decision.record()["tile_rows"] == 7
     [entry] = probe_cache.entries().values()
-    assert "bfloat16/gemv: prefill 1 ms, one-row step 1 ms, its tiles up to 7 rows" in probe_cache.describe(entry)
+    assert "bfloat16/gemv: prefill 1 ms, one-row step 1 ms, its tiles up to 7 rows" in probe_cache.entry_lines(entry)
     tiles = lambda m: {x.tile_rows for x in m.modules() if isinstance(x, GemvLinear)}  # noqa: E731
     assert tiles(hold(model, decision.candidate, tile_rows=decision.tile_rows)) == {7}
     monkeypatch.setattr(prep, "detect_facts", lambda device: facts)
@@ -494,7 +494,6 @@ def test_a_compiled_gemv_model_gives_the_exact_weights_logits_and_greedy_tokens(
     the KV cache (GPT-2's block: the fused step, one call a token), greedy tokens equal. A prompt's rows
     in fp32 too, as on a CPU without native bf16 (with it, the bf16 matmul's own test above)."""
     from gpt2lab.inference import _gemv
-    from gpt2lab.inference.fused import FusedDecodeBlock
     from gpt2lab.model.sampling import generate
 
     calls = []
@@ -518,8 +517,7 @@ def test_a_compiled_gemv_model_gives_the_exact_weights_logits_and_greedy_tokens(
     torch.testing.assert_close(steps[0][0], want[0, 6:], rtol=1e-4, atol=1e-4)
     assert torch.equal(tokens[0], tokens[1])
     assert {m.kernel for m in ready.modules() if isinstance(m, DecodeLinear)} == {cand.kernel}
-    fused = sum(isinstance(m, FusedDecodeBlock) for m in ready.modules())
-    assert fused == (model.config.n_layer if not block else 0)
+    assert ready.fused == (not block)
     # GPT-2's block: each one-token step of one row after the prompt, fused (5 steps, then 19 of generate's 20)
     assert len(calls) == (0 if block else 5 + 19)
 
@@ -879,19 +877,19 @@ def test_the_tests_keep_gpt2labs_cache_out_of_the_users_home():
     import subprocess
     import sys
 
+    from gpt2lab.inference import probe_cache
     from gpt2lab.system.env import cache_dir
-    from gpt2lab.system.runtime import _cache_dir
 
     home = os.path.realpath(os.path.expanduser("~")) + os.sep
     child = subprocess.run(
-        [sys.executable, "-c", "from gpt2lab.system.runtime import _cache_dir; print(_cache_dir())"],
+        [sys.executable, "-c", "from gpt2lab.system.env import cache_dir; print(cache_dir())"],
         capture_output=True,
         text=True,
         check=True,
     ).stdout.strip()
-    for where in (_cache_dir(), cache_dir(), child):
+    for where in (cache_dir(), child):
         assert not os.path.realpath(where).startswith(home), where
-    assert _cache_dir() == cache_dir() == child == os.environ["GPT2LAB_TEST_CACHE"]
+    assert cache_dir() == child == os.environ["GPT2LAB_TEST_CACHE"] == os.path.dirname(probe_cache.path())
 
 
 def test_the_probe_cache_is_one_bounded_versioned_file(tmp_path, monkeypatch):
@@ -938,11 +936,10 @@ def test_a_first_probe_says_once_on_stderr_what_it_does_and_about_how_long(tmp_p
     model, cpu = tiny_gpt(seed=0, vocab_size=97, block_size=16), torch.device("cpu")
     prep.decide(model, cpu, InferenceRequest(linear="plain"), facts=ZEN, command="gpt2lab sample")
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].startswith(
-        "gpt2lab sample: measuring 4 ways to run this model (bfloat16/plain, "
-    ), err
-    assert "on this machine, about 12 s; done once per machine and model shape" in err[0]
-    assert "GPT2LAB_PROBE=0" in err[0]
+    assert err == [
+        "gpt2lab sample: measuring 4 ways to run this model on this machine, about 12 s, once per machine and "
+        "model shape (GPT2LAB_PROBE=0 skips it; gpt2lab env lists the figures)"
+    ]
     prep.decide(model, cpu, InferenceRequest(linear="plain"), facts=ZEN, command="gpt2lab sample")
     assert capsys.readouterr().err == ""  # read back from the cache: nothing measured, nothing said
 
@@ -1174,25 +1171,27 @@ def test_a_load_that_slowed_one_candidate_is_caught_by_the_second_pass_and_not_k
     request = InferenceRequest(linear="plain")
     d = prep.decide(model, cpu, request, facts=ZEN, command="gpt2lab sample")
     assert d.candidate == prep.choose(request, ZEN).candidate  # the rule's: bf16 on this CPU, plain linears
-    assert d.reason.startswith("measured on a busy machine (not kept), the device's rule; native bf16")
-    err = capsys.readouterr().err.splitlines()
-    assert err[-1].startswith("gpt2lab sample: figures neither used nor kept, the next run measures again")
-    assert "bfloat16/plain step1 24 then 8 ms" in err[-1]
-    assert not (tmp_path / probe_cache.PROBE_FILE).exists()
+    assert d.reason.startswith("measured on a busy machine, not kept (gpt2lab env says why), the device's rule")
+    assert len(capsys.readouterr().err.splitlines()) == 1  # the notice; why not kept is gpt2lab env's
+    [entry] = probe_cache.entries().values()
+    assert probe_cache.timings(entry) is None
+    assert "bfloat16/plain step1 24 then 8 ms" in probe_cache.entry_lines(entry)[-1]
     n = len(calls)
     prep.decide(model, cpu, request, facts=ZEN)
     assert len(calls) == 2 * n  # measured again: on a quiet machine now, so kept
-    assert len(probe_cache.entries()) == 1 and "not kept" not in capsys.readouterr().err
+    [entry] = probe_cache.entries().values()
+    assert "not_kept" not in entry and not any("not kept" in line for line in probe_cache.entry_lines(entry))
     monkeypatch.setattr(prep, "measure", _fake_measure(lambda name, before: Timing(10.0, 10.0), calls))
     assert prep.decide(model, cpu, request, facts=ZEN).candidate.dtype == "bfloat16"  # 8 beats 10, read back
 
     monkeypatch.setenv("GPT2LAB_PROBE", "fresh")
     monkeypatch.setattr(prep, "measure", _fake_measure(lambda name, before: Timing(1.0, 5.0), []))
     prep.decide(model, cpu, request, facts=ZEN, command="gpt2lab sample")
-    err = capsys.readouterr().err
-    assert "neither used nor kept" in err and "bfloat16/plain one-row step 5 ms over 2 ms (its prefill 1 ms)" in err
     [entry] = probe_cache.entries().values()
     assert entry["timings"]["bfloat16/plain"]["step1"] == 8.0  # the kept figures are not replaced
+    said = probe_cache.entry_lines(entry)[-1]
+    assert said.startswith("not kept (reference figures, ") and "the machine was busy): " in said
+    assert "bfloat16/plain one-row step 5 ms over 2 ms (its prefill 1 ms)" in said
 
 
 def test_the_serve_figures_are_the_chosen_dtypes_kernels_at_its_batch_and_kept_beside_the_reference(

@@ -99,10 +99,15 @@ def test_kv_cache_chunks_equal_full_forward():
 
 
 @torch.no_grad()
-def test_calls_with_a_kv_cache_keep_cudnn_attention_off_and_restore_the_flag(monkeypatch):
-    """cuDNN's attention builds a plan per new shape (milliseconds of host time each): every call with a
-    cache runs without it, a call without one (training's fixed shape) with it, and the process's flag is
-    as it was after each call, an exception included, and stays off where the user turned it off."""
+def test_steps_with_a_kv_cache_keep_cudnn_attention_off_and_restore_the_flag(monkeypatch):
+    """cuDNN's attention builds a plan per new shape (milliseconds of host time each): every step with a
+    cache runs without it, where it is run (the sampling loop, a held model's cached calls), a call
+    without one (training's fixed shape) with it, and the process's flag is as it was after each step,
+    an exception included, and stays off where the user turned it off."""
+    from gpt2lab.inference.choice import Candidate
+    from gpt2lab.inference.form import hold
+    from gpt2lab.model.sampling import generate, plan_free_attention
+
     model, seen = tiny_gpt(), []
     real = torch.nn.functional.scaled_dot_product_attention
 
@@ -115,22 +120,25 @@ def test_calls_with_a_kv_cache_keep_cudnn_attention_off_and_restore_the_flag(mon
     idx = torch.randint(0, 128, (1, 8))
     model(idx)
     assert seen == [True, True]  # two layers, no cache
-    cache = model.new_kv_cache()
-    model(idx, kv_cache=cache)
-    model(idx[:, :1], kv_cache=cache)
+    generate(model, idx, 2)  # the prompt and one step, two layers each
     assert seen[2:] == [False] * 4 and torch.backends.cuda.cudnn_sdp_enabled()
+    held, cache = hold(model, Candidate("float32", "plain")), model.new_kv_cache()
+    held(idx, kv_cache=cache)
+    assert seen[6:] == [False] * 2 and torch.backends.cuda.cudnn_sdp_enabled()
 
     def broken(*a, **k):
         raise RuntimeError("planted")
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", broken)
     with pytest.raises(RuntimeError, match="planted"):
-        model(idx[:, :1], kv_cache=cache)
+        with plan_free_attention(idx.device):
+            model(idx[:, :1], kv_cache=cache)
     assert torch.backends.cuda.cudnn_sdp_enabled()
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     torch.backends.cuda.enable_cudnn_sdp(False)
     try:
-        model(idx[:, :1], kv_cache=model.new_kv_cache())
+        with plan_free_attention(idx.device):
+            model(idx[:, :1], kv_cache=model.new_kv_cache())
         assert not torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(True)

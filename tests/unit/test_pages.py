@@ -18,7 +18,7 @@ from gpt2lab.inference.kernels import gemv_error
 MiB = 2**20
 # held in bf16 ~4 MB, in int8 ~2.3 MB: more than one huge page (2 MiB) either way
 BIG = dict(n_embd=256, n_head=4, vocab_size=3000)
-HERE = pages.detect()
+HERE = pages.page_facts()
 NO_THP = pages.PageFacts(None, None)
 CANDS = [Candidate("bfloat16", "upcast"), Candidate("float32", "int8")]
 if gemv_error(torch.device("cpu")) is None:
@@ -44,7 +44,7 @@ def test_placed_weights_share_one_aligned_mapping_and_give_the_same_logits(cand,
     model = tiny_gpt(**BIG)
     own = {n: p.data_ptr() for n, p in model.named_parameters()}
     placed = hold(model, cand)
-    monkeypatch.setattr(pages, "detect", lambda: NO_THP)
+    monkeypatch.setattr(pages, "page_facts", lambda: NO_THP)
     plain = hold(model, cand)
     assert plain.held_pages.why_not.startswith("no transparent huge pages")
 
@@ -95,14 +95,14 @@ def test_huge_bytes_reads_the_mapping_that_holds_the_address(tmp_path):
     assert pages.huge_bytes(0x7F0000000000, str(tmp_path / "absent")) is None
 
 
-def test_detect_reads_the_size_and_the_bracketed_mode(tmp_path):
+def test_page_facts_reads_the_size_and_the_bracketed_mode(tmp_path):
     (tmp_path / "hpage_pmd_size").write_text("2097152\n")
     (tmp_path / "enabled").write_text("always [madvise] never\n")
-    assert pages.detect(str(tmp_path)) == pages.PageFacts(2 * MiB, "madvise")
+    assert pages.page_facts(str(tmp_path)) == pages.PageFacts(2 * MiB, "madvise")
     (tmp_path / "enabled").write_text("always madvise [never]\n")
-    facts = pages.detect(str(tmp_path))
+    facts = pages.page_facts(str(tmp_path))
     assert facts.mode == "never" and "never" in facts.why_not()
-    assert pages.detect(str(tmp_path / "absent")) == pages.PageFacts(None, None)
+    assert pages.page_facts(str(tmp_path / "absent")) == pages.PageFacts(None, None)
 
 
 @pytest.mark.parametrize(
@@ -110,7 +110,7 @@ def test_detect_reads_the_size_and_the_bracketed_mode(tmp_path):
     [(NO_THP, "no transparent huge pages"), (pages.PageFacts(2 * MiB, "never"), "set to never")],
 )
 def test_no_huge_pages_leaves_every_weight_where_it_is(facts, says, monkeypatch):
-    monkeypatch.setattr(pages, "detect", lambda: facts)
+    monkeypatch.setattr(pages, "page_facts", lambda: facts)
     held = hold(tiny_gpt(), Candidate("bfloat16", "upcast"))
     before = [t.data_ptr() for _, _, t in _held(held)]
     p = pages.place(held, facts=facts)
@@ -119,7 +119,7 @@ def test_no_huge_pages_leaves_every_weight_where_it_is(facts, says, monkeypatch)
 
 
 def test_a_refused_advice_leaves_the_weights_and_says_so(monkeypatch):
-    monkeypatch.setattr(pages, "detect", lambda: NO_THP)
+    monkeypatch.setattr(pages, "page_facts", lambda: NO_THP)
     held = hold(tiny_gpt(**BIG), Candidate("bfloat16", "upcast"))
     before = [t.data_ptr() for _, _, t in _held(held)]
 

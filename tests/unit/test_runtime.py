@@ -146,3 +146,64 @@ def test_read_bandwidth_is_bytes_over_the_best_timed_read():
         == round(nbytes / 2.5e-4 / 1e9, 1)
         == 4.2
     )
+
+
+# -- how waiting threads wait: by what the machine is doing as a command starts
+
+
+@pytest.mark.parametrize(
+    "load, policy",
+    [
+        (runtime.Load(cores=2, threads=2, others=0), None),  # idle: spinning starts each region at once
+        (runtime.Load(cores=2, threads=2, others=1), "PASSIVE"),  # one busy neighbour: 3 threads, 2 cores
+        (runtime.Load(cores=2, threads=1, others=1), None),  # OMP_NUM_THREADS=1 beside it: room for both
+        (runtime.Load(cores=64, threads=64, others=1), "PASSIVE"),
+        (runtime.Load(cores=64, threads=8, others=40), None),
+        (runtime.Load(cores=2, threads=2, others=3, asked="OMP_WAIT_POLICY=active"), None),  # the user's stands
+    ],
+)
+def test_threads_sleep_while_they_wait_where_ours_and_the_others_outnumber_the_cores(load, policy):
+    choice = runtime.choose_wait(load)
+    assert choice.value == policy
+    said = {None: "threads spin while they wait", "PASSIVE": "threads sleep while they wait"}[policy]
+    assert choice.reason.startswith("as set (OMP_WAIT_POLICY=active)" if load.asked else said)
+
+
+def test_the_machines_load_is_the_median_of_a_few_looks_at_the_threads_running(tmp_path):
+    """/proc/stat's procs_running less this thread, the median of the looks (a process that ran for one look
+    is not a busy machine); OMP_NUM_THREADS is the threads of ours, the user's wait settings are named."""
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  1 2 3\nprocs_running 4\nprocs_blocked 0\n")
+    assert runtime._running(str(stat)) == 4 and runtime._running(str(tmp_path / "none")) is None
+    looks = iter([1, 9, 3, 3, 1])
+    load = runtime.machine_load(5, 0.0, running=lambda: next(looks), settings={"OMP_NUM_THREADS": "1"})
+    assert (load.threads, load.others, load.asked) == (1, 2, "")  # looks 0, 8, 2, 2, 0: the median is 2
+    env = {"GOMP_SPINCOUNT": "1000", "OMP_NUM_THREADS": "junk"}
+    load = runtime.machine_load(3, 0.0, running=lambda: None, settings=env)  # no /proc: nothing seen running
+    assert (load.others, load.asked) == (0, "GOMP_SPINCOUNT=1000") and load.threads == load.cores >= 1
+
+
+def test_the_command_line_sets_the_policy_before_openmp_reads_it():
+    """A fresh `gpt2lab` process on a busy machine (its load faked): libgomp, as torch loads it, reports the
+    policy the load decided (OMP_DISPLAY_ENV: GOMP_SPINCOUNT 0 is PASSIVE; OpenMP's default spins 300000
+    times), and so does the inference record of the process."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from gpt2lab.system import runtime\n"
+        "runtime.machine_load = lambda: runtime.Load(2, 2, 3)\n"
+        "from gpt2lab import cli\n"
+        "try:\n    cli.main(['env', '--help'])\nexcept SystemExit:\n    pass\n"
+        "import torch  # libgomp loads: it reads the policy now\n"
+        "from gpt2lab.inference.choice import InferenceFacts, InferenceRequest, choose\n"
+        "print(choose(InferenceRequest(), InferenceFacts('cpu')).record()['threads_wait'])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in runtime.WAIT_SETTINGS}
+    p = subprocess.run(
+        [sys.executable, "-c", code], env={**env, "OMP_DISPLAY_ENV": "verbose"}, capture_output=True, text=True
+    )
+    assert p.returncode == 0, p.stderr
+    assert "GOMP_SPINCOUNT = '0'" in p.stderr
+    assert p.stdout.splitlines()[-1] == "threads sleep while they wait: 3 other threads running, 2 of ours on 2 cores"

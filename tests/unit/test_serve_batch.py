@@ -197,7 +197,6 @@ def test_prompts_join_the_fused_step_of_running_rows_each_getting_its_text_alone
     whole sequence run alone (its prompt's keys and values in its own slot)."""
     from gpt2lab.inference.choice import Candidate
     from gpt2lab.inference.form import hold
-    from gpt2lab.inference.fused import FusedDecodeGPT
     from gpt2lab.inference.kernels import gemv_error
     from gpt2lab.serve import batch
     from gpt2lab.serve.limits import Limits
@@ -206,7 +205,7 @@ def test_prompts_join_the_fused_step_of_running_rows_each_getting_its_text_alone
         pytest.skip(str(gemv_error(torch.device("cpu"))))
     _, plain = confident_server
     model = hold(plain, Candidate("bfloat16", "gemv"), rows=8)
-    assert isinstance(model, FusedDecodeGPT)
+    assert model.fused
     worker = batch.BatchWorker("tiny", model, torch.device("cpu"), Limits(prefill_chunk=40))
     mixed, alone = [], []
     step = batch.BatchWorker._mixed_step

@@ -317,7 +317,10 @@ def test_sample_chat_replies_as_the_greedy_reply(exported, monkeypatch, capsys):
         )
         == 0
     )
-    out = capsys.readouterr().out.splitlines()
+    said = capsys.readouterr()
+    out = said.out.splitlines()
+    banner = next(line for line in said.err.splitlines() if line.startswith("gpt2lab sample --chat: "))
+    assert "a chat model: this chat writes the messages in its" in banner and "/v1/" not in banner
     first = greedy_reply(
         model,
         chat.encode_chat([("system", "You answer briefly."), ("user", "Hello there!")], add_generation_prompt=True)[0],

@@ -22,6 +22,20 @@ def test_serve_bad_model_is_one_line(tmp_path, capsys):
     ]
 
 
+def test_every_model_source_is_checked_before_the_first_is_loaded(gpt2_vocab_export, tmp_path, capsys, monkeypatch):
+    """`--model a=GOOD --model b=MISSING`: refused in one line naming the second, the first never loaded nor
+    measured."""
+    from gpt2lab.weights import load
+
+    loaded = []
+    monkeypatch.setattr(load, "load_model", lambda *a, **k: loaded.append(a))
+    missing = str(tmp_path / "missing")
+    _, good = gpt2_vocab_export
+    assert cli.main(["serve", "--model", f"a={good}", "--model", f"b={missing}", "--port", "0"]) == 1
+    [said] = capsys.readouterr().err.splitlines()
+    assert said.startswith(f"gpt2lab serve: --model {missing}: no such directory") and loaded == []
+
+
 @pytest.mark.parametrize(
     "flags,said",
     [

@@ -10,10 +10,11 @@ import functools
 import json
 import re
 import threading
+import time
 
 import pytest
 import torch
-from conftest import openai_client, post_completion, running_server
+from conftest import openai_client, post_completion, running_server, scrape
 
 from gpt2lab import cli, get_tokenizer
 from gpt2lab.model.sampling import sample_next
@@ -199,6 +200,69 @@ def test_stop_strings_cut_the_text_in_both_modes(pair_server):
     assert "".join(c.choices[0].text for c in streamed) == cut.text
     echo = openai_client(url).completions.create(echo=True, **kw).choices[0].text
     assert echo == "Hello" + full
+
+
+def _timed_post(url: str, body: dict) -> tuple[float, httpx.Response]:
+    t0 = time.perf_counter()
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    return time.perf_counter() - t0, r
+
+
+def _beside(url: str, big: dict, small: dict, started=None) -> tuple[float, float, float, httpx.Response]:
+    """(``big``'s time, ``small``'s time alone, then sent while ``big`` runs, ``big``'s response): the small
+    request sent once ``started()`` (default: ``big``'s connection is open), or ``big`` has ended."""
+    started = started or (lambda: scrape(url)[("gpt2lab_open_connections",)] >= 2)  # big's, and the scrape's
+    alone_s, alone = min(_timed_post(url, small)[0] for _ in range(3)), _timed_post(url, small)[1]
+    hostile: list = []
+    runs = threading.Thread(target=lambda: hostile.extend(_timed_post(url, big)))
+    runs.start()
+    while runs.is_alive() and not started():
+        time.sleep(0.01)
+    beside_s, beside = _timed_post(url, small)
+    assert beside_s <= 2 * max(alone_s, 1.0), (beside_s, alone_s)
+    assert beside.json()["choices"] == alone.json()["choices"]
+    runs.join(timeout=120)
+    assert hostile, "the large request did not end"
+    return (*hostile[:1], alone_s, beside_s, hostile[1])
+
+
+SMALL = {"model": "tiny", "prompt": "Hi", "max_tokens": 8, "seed": 1}
+
+
+def test_a_500_kb_stop_string_stalls_neither_its_request_nor_a_concurrent_one(tiny_server):
+    """A stop string of 500,000 characters (the body under the 1 MiB cap) that the first choice's whole text
+    begins (held back to the end), in a request of 4 choices: its choices are the texts without the stop, it
+    takes at most twice what it takes without the stop, and a small request sent while it runs at most twice
+    its time alone: each compared with the same request in the same test, each time floored at 1 s, which a
+    machine's load cannot reach here and a stop string compared at every length on every token (seconds a
+    token; 42 s for the small request) passes at once."""
+    url, _ = tiny_server
+    big = {"model": "tiny", "prompt": "Hello", "max_tokens": 60, "seed": 4, "n": 4}
+    plain_s, plain = _timed_post(url, big)
+    stop = plain.json()["choices"][0]["text"] + "~" * 500_000
+    big_s, _, _, r = _beside(url, {**big, "stop": stop}, SMALL)
+    assert big_s <= 2 * max(plain_s, 1.0), (big_s, plain_s)
+    assert r.status_code == 200 and r.json()["choices"] == plain.json()["choices"]
+
+
+def test_a_prompt_slow_to_tokenize_does_not_stall_a_concurrent_request(tiny_server, monkeypatch):
+    """A prompt of 900,000 letters takes 0.3 to 2 s to tokenize here (more on a slower or busier machine; the
+    test adds 2.5 s, the GIL released, so that it takes longer than the bound) before it is refused past the
+    context: the event loop streams others' answers meanwhile (the small request within twice its time alone)."""
+    import gpt2lab.serve.completions as completions
+
+    slow, tokenizing, encode = "a" * 900_000, threading.Event(), completions.encode_prompt
+
+    def slowed(text, model):
+        if text == slow:
+            tokenizing.set()
+            time.sleep(2.5)
+        return encode(text, model)
+
+    monkeypatch.setattr(completions, "encode_prompt", slowed)
+    url, _ = tiny_server
+    *_, r = _beside(url, {"model": "tiny", "prompt": slow, "max_tokens": 1}, SMALL, tokenizing.is_set)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_equal_prompts_without_a_seed_are_sampled_independently(tiny_server):

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import pytest
 from conftest import guarded_server, until_closed
 
-from gpt2lab.serve.connections import IN_FLIGHT, SPARE_FILES, backlog, resolve
+from gpt2lab.serve.connections import IN_FLIGHT, SPARE_FILES, backlog, with_cap
 from gpt2lab.serve.limits import Connections
 from gpt2lab.system.errors import UsageError
 
@@ -145,11 +145,11 @@ def test_the_default_cap_leaves_the_open_file_limit_room():
     # 1024 files (a common default), 40 held: a backlog of 1024 // 16 = 64, IN_FLIGHT backlogs and
     # SPARE_FILES stay free
     assert backlog(1024) == 64 and backlog(1 << 20) == 2048
-    c = resolve(Connections(), limit=1024, held=40)
+    c = with_cap(Connections(), limit=1024, held=40)
     assert c.max_connections == 1024 - 40 - IN_FLIGHT * 64 - SPARE_FILES == 664
-    assert resolve(Connections(max_connections=900), limit=1024, held=40).max_connections == 900
+    assert with_cap(Connections(max_connections=900), limit=1024, held=40).max_connections == 900
     with pytest.raises(UsageError, match=r"--max-connections 1000: .* 1024 files .* holds 40, so at most 984"):
-        resolve(Connections(max_connections=1000), limit=1024, held=40)
+        with_cap(Connections(max_connections=1000), limit=1024, held=40)
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,18 @@ httpx = pytest.importorskip("httpx")
         (b'{"model": "tiny", "prompt": "x", "temperature": 1e999}', 400, "temperature"),
         (b'{"model": "tiny", "prompt": "x", "top_p": NaN}', 400, "top_p"),
         (b'{"model": "tiny", "prompt": "x", "presence_penalty": -Infinity}', 400, "presence_penalty"),
+        # an integer past the 4,300 digits Python reads from text: the field and what it takes, not "error parsing"
+        (
+            b'{"model": "tiny", "prompt": "x", "max_tokens": 1' + b"0" * 4999 + b"}",
+            400,
+            "max_tokens: an integer of 5000 digits; max_tokens takes an integer >= 0",
+        ),
+        (
+            b'{"model": "tiny", "prompt": "x", "seed": -' + b"9" * 5000 + b"}",
+            400,
+            f"seed takes an integer >= 0 and < {2**63}",
+        ),
+        (b'{"model": "tiny", "prompt": [1, 2, ' + b"7" * 4400 + b"]}", 400, "prompt: an integer of 4400 digits"),
     ],
 )
 def test_bad_requests_get_4xx_with_an_openai_error_and_the_server_keeps_serving(pair_server, body, status, needle):

@@ -9,13 +9,11 @@ T = TypeVar("T")
 
 
 def timed(fn: Callable[[], T], device) -> tuple[float, T]:
-    """(seconds, result) of ``fn()``, the GPU's queued work included on CUDA."""
-    import torch
+    """(seconds, result) of ``fn()``, the device's queued work included."""
+    from gpt2lab.system.runtime import sync
 
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    sync(device)
     t0 = time.perf_counter()
     out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    sync(device)
     return time.perf_counter() - t0, out

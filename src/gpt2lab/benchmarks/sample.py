@@ -43,6 +43,7 @@ from gpt2lab.inference.form import detect_facts, for_inference, hold
 from gpt2lab.inference.probe import announce, decide
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.model.sampling import generate, generate_stream
+from gpt2lab.system import runtime
 from gpt2lab.system.errors import UsageError
 
 
@@ -200,8 +201,7 @@ def _decoding(model, prompt: torch.Tensor, n: int, device: torch.device, spans: 
     ``spans``: between them the model decodes alone, n - 1 steps, as llama-bench's generation figure counts."""
     new, first = [], None
     for tok, _ in generate_stream(model, prompt, n, temperature=0.0):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        runtime.sync(device)
         new.append(tok[:, None])
         first = first or time.perf_counter()
     spans.append((first, time.perf_counter()))

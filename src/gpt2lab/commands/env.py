@@ -1,12 +1,13 @@
 """gpt2lab env: what gpt2lab sees on this machine, for bug reports (like torch.utils.collect_env).
 
-Versions, the device ``auto`` picks, the CPU's capability flags, fp32 and bf16 matmul rates
-and the memory read bandwidth measured afresh (about two seconds), whether torch.compile can build
-kernels, whether a CPU hold's weights go on huge pages, what ``--dtype auto`` and ``--compile auto``
-would choose and why, which optional extras are installed, and what the inference probe has cached
-(the file, and per model shape: the device, when measured, what each workload chose, every
-candidate's figures). ``--clear-cache`` removes that file only, so the next ``sample``, ``serve`` or
-``eval`` measures again.
+Versions, the device ``auto`` picks, how the CPU threads wait (by the machine's load as a command
+starts), the CPU's capability flags, fp32 and bf16 matmul rates and the memory read bandwidth
+measured afresh (about two seconds), whether torch.compile can build kernels, whether a CPU hold's
+weights go on huge pages, what ``--dtype auto`` and ``--compile auto`` would choose and why, which
+optional extras are installed, and what the inference probe has cached (the file, and per model
+shape: the device, when measured, what each workload chose, every candidate's figures or why it was
+dropped, and why figures measured on a busy machine were not kept). ``--clear-cache`` removes that
+file only, so the next ``sample``, ``serve`` or ``eval`` measures again.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def collect(device_name: str = "auto") -> dict:
     if device.type == "cpu":
         facts = dataclasses.replace(facts, probe=probe)
     choices = runtime.resolve(device, "auto", "auto", facts=facts, ns_dtype="auto")
-    thp = pages.detect()
+    thp = pages.page_facts()
     info = {
         "gpt2lab": __version__,
         "python": sys.version.split()[0],
@@ -88,6 +89,8 @@ def collect(device_name: str = "auto") -> dict:
         "cpu": runtime.cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        # how waiting threads wait, decided as a command starts by what the machine is doing (system/runtime.py)
+        "threads_wait": (runtime.WAIT or runtime.choose_wait(runtime.machine_load())).reason,
         "cpu_flags": list(facts.cpu_flags),
         "native_bf16": facts.native_bf16,
         "onednn_max_cpu_isa": sysenv.isa_caps().get("ONEDNN_MAX_CPU_ISA"),
@@ -125,7 +128,7 @@ def _probe_cache_lines(found: dict) -> list[str]:
     n = len(found["entries"])
     lines = [f"{'probe_cache:':<22} {found['path']} ({n} {'entry' if n == 1 else 'entries'})"]
     for key, entry in found["entries"].items():
-        first, *rest = probe_cache.describe(entry)
+        first, *rest = probe_cache.entry_lines(entry)
         lines += [f"  {key}: {first}", *(f"    {line}" for line in rest)]
     return lines
 

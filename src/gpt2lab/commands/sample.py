@@ -183,7 +183,7 @@ def _chat(model, args: argparse.Namespace, generator: torch.Generator, watch=Non
     from gpt2lab.inference.completion import Sampling, StopFilter, stream_text
 
     print(
-        f"gpt2lab sample --chat: {note(model.config)}; type a message, an empty line or Ctrl-D ends",
+        f"gpt2lab sample --chat: {note(model.config, 'this chat')}; type a message, an empty line or Ctrl-D ends",
         file=sys.stderr,
         flush=True,
     )

@@ -110,7 +110,7 @@ def _host_list(text: str) -> tuple[str, ...]:
 def connections_from(args: argparse.Namespace) -> Connections:
     """The connection flags as Connections, the connection cap resolved against the open-file limit;
     a value out of range is a UsageError (exit 2) naming the flag."""
-    from gpt2lab.serve.connections import resolve
+    from gpt2lab.serve.connections import with_cap
     from gpt2lab.system.errors import UsageError
 
     try:
@@ -121,7 +121,7 @@ def connections_from(args: argparse.Namespace) -> Connections:
         )
     except ValueError as e:  # Connections names the flag
         raise UsageError(str(e)) from None
-    return resolve(c)
+    return with_cap(c)
 
 
 def limits_from(args: argparse.Namespace) -> Limits:

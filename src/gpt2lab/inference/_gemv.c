@@ -583,7 +583,7 @@ static PyObject *gemv(enum held kind, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* ---- One GPT-2 block for one new token of each of m rows (kernels.py's fused decode step) ----
+/* ---- One GPT-2 block for one new token of each of m rows (model_step's, below) ----
  *
  * Each row of x (m x C floats, the residual stream) becomes x + attn(ln_1(x)), then + mlp(ln_2(x)), as
  * the model's Block computes it for one token with a KV cache: LayerNorm, the q/k/v linear, the token's
@@ -793,60 +793,6 @@ static Py_ssize_t keys_needed(const int64_t *pos, Py_ssize_t m, Py_ssize_t limit
     return tmax;
 }
 
-static PyObject *block_step(PyObject *self, PyObject *args) {
-    int bf16, threads;
-    unsigned long long xp, g1, b1, g2, b2, lw[4], ls[4], lb[4], kp, vp, pp;
-    Py_ssize_t m, c, nh, max_len;
-    float eps;
-    if (!PyArg_ParseTuple(args, "iKnnnKKKKf(KKK)(KKK)(KKK)(KKK)KKKni", &bf16, &xp, &m, &c, &nh, &g1, &b1, &g2, &b2,
-                          &eps, &lw[0], &ls[0], &lb[0], &lw[1], &ls[1], &lb[1], &lw[2], &ls[2], &lb[2], &lw[3],
-                          &ls[3], &lb[3], &kp, &vp, &pp, &max_len, &threads))
-        return NULL;
-    if (m < 1 || c < 1 || nh < 1 || c % nh || threads < 1 || bf16 < HELD_INT8 || bf16 > HELD_BF16_PANELS) {
-        PyErr_SetString(PyExc_ValueError, "block_step: bad kind, rows, width, heads or threads");
-        return NULL;
-    }
-    const int64_t *pos = (const int64_t *)(uintptr_t)pp;
-    Py_ssize_t tmax = keys_needed(pos, m, max_len);
-    if (tmax < 0) {
-        PyErr_SetString(PyExc_ValueError, "block_step: a position outside the cache");
-        return NULL;
-    }
-    enum held kind = (enum held)bf16;
-    struct block bl = {(const float *)(uintptr_t)g1, (const float *)(uintptr_t)b1, (const float *)(uintptr_t)g2,
-                       (const float *)(uintptr_t)b2};
-    for (int i = 0; i < 4; i++)
-        bl.lin[i] = (struct linear){(const void *)(uintptr_t)lw[i], (const float *)(uintptr_t)ls[i],
-                                    (const float *)(uintptr_t)lb[i]};
-    bl.kc = (float *)(uintptr_t)kp;
-    bl.vc = (float *)(uintptr_t)vp;
-    float *x = (float *)(uintptr_t)xp;
-    struct scratch s;
-    float *buf = scratch_alloc(&s, m, c, nh, tmax);
-    if (!buf) return PyErr_NoMemory();
-    int avx2 = cpu_has_avx2(), failed = 0, need = avx2 && m >= 4, ok;
-    struct rounded rd;
-    void *rbuf = rounded_alloc(&rd, kind, m, 4 * c, &ok); /* 4C: the widest input (the projection's) */
-    if (!ok) {
-        free(buf);
-        return PyErr_NoMemory();
-    }
-    Py_BEGIN_ALLOW_THREADS
-#ifdef _OPENMP
-#pragma omp parallel num_threads(threads)
-#endif
-    {
-        float *wb = thread_rows(need, c, &failed);
-        if (!failed) block_body(kind, &bl, x, m, c, nh, eps, pos, NULL, max_len, tmax, &s, wb, avx2, &rd);
-        free(wb);
-    }
-    Py_END_ALLOW_THREADS
-    free(rbuf);
-    free(buf);
-    if (failed) return PyErr_NoMemory();
-    Py_RETURN_NONE;
-}
-
 /* ---- A whole decode step of a GPT-2 model for one new token of each of m rows ----
  *
  * The token's embedding plus its position's, every block as block_body computes it, the final
@@ -993,9 +939,6 @@ static PyMethodDef methods[] = {
     {"panels_gemv", panels_gemv, METH_VARARGS,
      "panels_gemv(x, panels, 0, bias, y, m, k, n, threads): y = w @ x + bias for bf16 w held in panels "
      "(kernels.pack_panels; k even), x rounded to bf16 first, data pointers (bias 0: none)"},
-    {"block_step", block_step, METH_VARARGS,
-     "block_step(kind (0 int8, 1 bf16, 2 bf16 with inputs rounded, 3 that in panels), x, m, C, n_head, ln1 g, b, ln2 g, b, eps, (w, scale, bias) x 4, k cache, v cache, positions, "
-     "max_len, threads): one GPT-2 block for one token of each of m rows, in place on x; pointers (0: none)"},
     {"model_step", model_step, METH_VARARGS,
      "model_step(kind, m, C, n_head, n_layer, ids, wte, wpe, vocab, n_pos, layers, max_len, positions, pos0, out, "
      "eps, ln_f g, b, eps, head kind, head w, scale, bias, n_out, threads, slots, n_slots, wanted, n_wanted): a "

@@ -49,15 +49,16 @@ class ChatPrompt:
     strip: bool
 
 
-def note(config: GPTConfig) -> str:
-    """What ``/v1/models`` says of a model's chat: which template it is talked to in."""
+def note(config: GPTConfig, who: str = "/v1/chat/completions") -> str:
+    """What ``/v1/models`` (``sample --chat``'s banner: ``who`` "this chat") says of a model's chat: which
+    template it is talked to in."""
     if config.chat_template:
         return (
-            f"a chat model: /v1/chat/completions writes the messages in its {config.chat_template} template "
+            f"a chat model: {who} writes the messages in its {config.chat_template} template "
             "and the reply ends at its end-of-turn token"
         )
     return (
-        "a base language model, not a chat model: /v1/chat/completions writes the messages as plain "
+        f"a base language model, not a chat model: {who} writes the messages as plain "
         "'System: ...', 'User: ...' lines and lets the model continue after 'Assistant:'"
     )
 

@@ -14,7 +14,7 @@ form (kernels.py):
   with fp32 ones gpt2lab's compiled GEMV too, where it was built);
   on a GPU fp32 and bf16 (fp16 without bf16); on MPS fp32 and fp16;
 * ``choose`` decides in two steps. The **dtype** is one per model and machine, whatever the
-  workload (``choose_dtype``): the dtype whose best kernel serves the reference request cheapest,
+  workload (``cheapest_dtype``): the dtype whose best kernel serves the reference request cheapest,
   ``REQUEST_TOKENS`` prompt tokens and as many new ones at one row (prefill + 128 one-row steps), so
   ``sample``, ``serve``, the evals and ``for_inference(dtype="auto")`` hold the same precision and a
   seeded request gives the same text in each. The **kernel** within that dtype is the cheapest
@@ -125,12 +125,15 @@ class Decision:
         return tile_rows_of((self.timings or {}).get(self.candidate.name))
 
     def summary(self) -> str:
+        """One short line: what was chosen and why (every figure: ``record`` and ``gpt2lab env``)."""
         tiles = f", several rows by its tiles up to {self.tile_rows}" if self.tile_rows > 1 else ""
-        if self.panels:
-            tiles += ", inputs rounded to bf16, weights in panels (native bf16: every row count by its dot products)"
-        elif self.bf16_inputs:
-            tiles += ", inputs rounded to bf16 (native bf16: a longer prompt by oneDNN's bf16 matmul)"
-        return f"dtype {self.candidate.dtype}, {self.candidate.kernel} linears{tiles} ({self.reason})"
+        if self.bf16_inputs:
+            tiles += ", inputs rounded to bf16" + (", weights in panels" if self.panels else "")
+        t, why = (self.timings or {}).get(self.candidate.name), self.reason
+        if isinstance(t, Timing) and _has(t, "prefill"):  # measured: its own figures, the others' in gpt2lab env
+            ways = sum(isinstance(v, Timing) for v in self.timings.values())
+            why = f"measured for {self.request.workload}: {_figures(self.request, t)} ms, the pick of {ways} ways"
+        return f"dtype {self.candidate.dtype}, {self.candidate.kernel} linears{tiles} ({why})"
 
     def record(self) -> dict:
         """The figures behind the choice, for JSON outputs."""
@@ -147,6 +150,7 @@ class Decision:
             "timings_ms": {
                 k: (dataclasses.asdict(v) if isinstance(v, Timing) else v) for k, v in (self.timings or {}).items()
             },
+            "threads_wait": runtime.WAIT.reason if runtime.WAIT else None,  # as the command started
         }
 
 
@@ -248,7 +252,7 @@ def crossover(short: tuple[float, float], long: tuple[float, float], lengths: tu
     return int(max(1, min(r, math.floor(s + ahead_s / -slope))))
 
 
-def choose_dtype(cands: list[Candidate], facts: InferenceFacts) -> tuple[str, str]:
+def cheapest_dtype(cands: list[Candidate], facts: InferenceFacts) -> tuple[str, str]:
     """(The dtype every workload holds ``cands``' model in, why). Each measured dtype is represented by its
     kernel cheapest for the reference request (prefill and one-row steps); where every such kernel also has
     its BATCH_ROWS-row figure, the dtype is the one whose worse slowdown against the best dtype, at one row
@@ -297,7 +301,7 @@ def choose_dtype(cands: list[Candidate], facts: InferenceFacts) -> tuple[str, st
 
 
 def choose(request: InferenceRequest, facts: InferenceFacts) -> Decision:
-    """The candidate for ``request``: the only one; else the dtype (``choose_dtype``, the same for every
+    """The candidate for ``request``: the only one; else the dtype (``cheapest_dtype``, the same for every
     workload) and, of its kernels, the cheapest measured for the workload, or (unmeasured) the device's rule."""
     d = _choose(request, facts)
     rounded = d.candidate.kernel == "gemv" and gemv_bf16_inputs(facts)
@@ -322,7 +326,7 @@ def _choose(request: InferenceRequest, facts: InferenceFacts) -> Decision:
     if len({c.dtype for c in cands}) == 1:  # an asked-for dtype: only the kernel is left to choose
         dtype, dtype_why = cands[0].dtype, ""
     else:
-        dtype, dtype_why = choose_dtype(cands, facts)
+        dtype, dtype_why = cheapest_dtype(cands, facts)
     pool = [c for c in cands if c.dtype == dtype]
     need = ("prefill",) if request.workload == "score" else ("prefill", "step1")
     measured = {c: facts.timings[c.name] for c in pool if facts.timings and _has(facts.timings.get(c.name), *need)}
@@ -389,17 +393,21 @@ def _unmeasured_reason(facts: InferenceFacts) -> str:
     return f"not measured; {facts.device_type}: half precision reads half the bytes"
 
 
+def _figures(request: InferenceRequest, t: Timing) -> str:
+    """The figures of ``t`` that ``request``'s workload is chosen by (ms)."""
+    parts = [f"prefill {t.prefill:.1f}"]
+    if request.workload != "score" and t.step1 is not None:
+        parts.append(f"step {t.step1:.2f}")
+    if request.workload == "serve" and t.step_rows is not None:
+        parts.append(f"{request.rows}-row step {t.step_rows:.2f}")
+    return " / ".join(parts)
+
+
 def _measured_reason(
     request: InferenceRequest, pick: Candidate, measured: dict, slowdown: dict, timings: Optional[dict]
 ) -> str:
     def fig(c: Candidate) -> str:
-        t = measured[c]
-        parts = [f"prefill {t.prefill:.1f}"]
-        if request.workload != "score":
-            parts.append(f"step {t.step1:.2f}")
-        if request.workload == "serve" and t.step_rows is not None:
-            parts.append(f"{request.rows}-row step {t.step_rows:.2f}")
-        return f"{c.name} {' / '.join(parts)} ms"
+        return f"{c.name} {_figures(request, measured[c])} ms"
 
     others = sorted((c for c in measured if c != pick), key=lambda c: slowdown[c])
     text = f"fastest of the {pick.dtype} kernels measured for {request.workload}: {fig(pick)}"

@@ -8,6 +8,8 @@ same seed and settings cannot drift apart; so do the log-probabilities the serve
 from __future__ import annotations
 
 import codecs
+import collections
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
@@ -69,6 +71,14 @@ def load_for_inference(
     request = request or InferenceRequest()
     check_request(request, device)
     model = load_model(spec, device)
+    bad = [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:  # its text would be noise ("????"): said once, as it is loaded
+        print(
+            f"{command}: warning: {spec} holds NaN or infinite weights ({len(bad)} of its tensors, the first "
+            f"{bad[0]}): what it writes means nothing; train it again or load another checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
     if check is not None:
         check(model)
     decision = decide(model, device, request, command=command)
@@ -250,24 +260,72 @@ class TokenText:
         return self.decoder.decode(b"", final=True)
 
 
-class StopFilter:
-    """Cuts a growing text at the first stop string; holds back a tail that may begin one."""
+class StopString:
+    """A stop string and its prefix function (Knuth-Morris-Pratt): ``border[i]``, the longest proper prefix
+    of ``text[: i + 1]`` that also ends it. The table grows only as far as a text has matched the string, one
+    entry a character matched, so a stop string of any length costs what the text matched of it, never
+    its own length; one object serves every choice of a request (the engine's thread alone grows it)."""
 
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self.pending = ""
+    def __init__(self, text: str) -> None:
+        self.text, self.border = text, [0]
+
+    def __len__(self) -> int:
+        return len(self.text)
+
+    def step(self, q: int, c: str) -> int:
+        """The characters of the string matched after ``c``, ``q`` being those matched before it (amortised O(1))."""
+        s, border = self.text, self.border
+        while q and s[q] != c:
+            q = border[q - 1]
+        if s[q] != c:
+            return q
+        if q == len(border) and q + 1 < len(s):  # border[q] is the next a mismatch may need
+            k = border[q - 1]  # q >= 1: border[0] is there from the start
+            while k and s[q] != s[k]:
+                k = border[k - 1]
+            border.append(k + (s[q] == s[k]))
+        return q + 1
+
+
+class StopFilter:
+    """Cuts a growing text where a stop string first ends (of several ending at the same character, before
+    the longest); holds back the tail that may begin one, emitting each character once the text past it
+    shows that no stop string starts there. Each stop string is an incremental matcher (``StopString``),
+    so a piece costs O(1) a character and a stop string, whatever the strings' lengths; ``stops`` may
+    be StopStrings a request's choices share."""
+
+    def __init__(self, stops: list) -> None:
+        self.stops = [s if isinstance(s, StopString) else StopString(s) for s in stops if s]  # '' stops nothing
+        self.matched = [0] * len(self.stops)  # characters of each stop string the text ends with
+        self.pending: collections.deque[str] = collections.deque()  # the held-back text, in pieces
+        self.held = 0  # its length
 
     def feed(self, piece: str) -> tuple[str, bool]:
         """(text safe to emit, whether a stop string was reached)."""
-        text = self.pending + piece
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.pending = ""
-            return text[: min(hits)], True
-        hold = max((n for s in self.stops for n in range(len(s) - 1, 0, -1) if text.endswith(s[:n])), default=0)
-        self.pending = text[len(text) - hold :] if hold else ""
-        return text[: len(text) - hold], False
+        self.pending.append(piece)
+        self.held += len(piece)
+        for j, c in enumerate(piece):
+            ended = 0
+            for i, stop in enumerate(self.stops):
+                self.matched[i] = q = stop.step(self.matched[i], c)
+                if q == len(stop):
+                    ended = max(ended, q)
+            if ended:
+                text = self.flush()
+                return text[: len(text) - (len(piece) - j - 1) - ended], True
+        return self._emit(self.held - max(self.matched, default=0)), False
+
+    def _emit(self, n: int) -> str:
+        """The first ``n`` held-back characters, no longer held."""
+        out, self.held = [], self.held - n
+        while n:
+            head = self.pending.popleft()
+            if len(head) > n:
+                head, rest = head[:n], head[n:]
+                self.pending.appendleft(rest)
+            out.append(head)
+            n -= len(head)
+        return "".join(out)
 
     def flush(self) -> str:
-        text, self.pending = self.pending, ""
-        return text
+        return self._emit(self.held)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 from typing import Optional
 
 import torch
@@ -26,7 +25,7 @@ from gpt2lab.inference.choice import (
     choose,
     gemv_bf16_inputs,
 )
-from gpt2lab.inference.fused import fuse_blocks
+from gpt2lab.inference.fused import HeldGPT
 from gpt2lab.inference.kernels import (
     gemv_error,
     int8_available,
@@ -36,9 +35,9 @@ from gpt2lab.inference.kernels import (
     set_tile_rows,
     swap_linears,
 )
-from gpt2lab.model.gpt import GPT, CausalSelfAttention
+from gpt2lab.model.gpt import GPT
 from gpt2lab.model.loss import LossPath
-from gpt2lab.system import runtime
+from gpt2lab.system import env, runtime
 
 # On a CPU the attention of a held model runs in fp32, whatever its linears' dtype (its KV cache is then
 # fp32 too). A decode step's attention reads a few MB at most; what it costs is the kernel: PyTorch's
@@ -78,11 +77,11 @@ def hold(
     inplace: bool = False,
     tile_rows: int = 1,
     bf16_inputs: Optional[bool] = None,
-) -> GPT:
-    """``model`` (or a copy sharing its other parameters) with every linear held as ``cand`` (``gemv``: up to
-    ``tile_rows`` rows by its compiled tiles, a decision's ``tile_rows``; ``bf16_inputs``: every product's
-    inputs rounded to bf16, by default where the device's facts say so: choice.gemv_bf16_inputs); for
-    inference only."""
+) -> HeldGPT:
+    """``model`` (or a copy sharing its other parameters) with every linear held as ``cand``, in a
+    ``HeldGPT`` (``gemv``: up to ``tile_rows`` rows by its compiled tiles, a decision's ``tile_rows``;
+    ``bf16_inputs``: every product's inputs rounded to bf16, by default where the device's facts say so:
+    choice.gemv_bf16_inputs); for inference only."""
     target = model if inplace else _shared_copy(model)
     if bf16_inputs is None:
         device = next(model.parameters()).device
@@ -90,24 +89,21 @@ def hold(
         bf16_inputs = cand.kernel == "gemv" and gemv_bf16_inputs(flags)
     swap_linears(target, cand.kernel, getattr(torch, cand.dtype), batch_hint=rows, bf16_inputs=bf16_inputs)
     set_tile_rows(target, tile_rows)
-    target.held_pages = None
-    if next(model.parameters()).device.type == "cpu":  # attention in fp32 (CPU_ATTENTION_DTYPE's note)
-        # the weights the hold made, on huge pages where Linux gives them (pages.py); the source model's own stay
-        target.held_pages = pages.place(target, keep=[*model.parameters(), *target.parameters()])
-        for m in target.modules():
-            if isinstance(m, CausalSelfAttention):
-                m.attn_dtype = CPU_ATTENTION_DTYPE
-        fuse_blocks(target)  # GPT-2 blocks held by the compiled GEMV: one call a block for one token (fused.py)
     target.eval()
     if inplace:  # a copy shares the model's other parameters: their requires_grad is the model's business
         target.requires_grad_(False)
     target.set_loss(LossPath(chunked=False))  # the chunked loss reads lm_head.weight, which a decode linear lacks
-    return target
+    if next(model.parameters()).device.type != "cpu":
+        return HeldGPT(target).eval()
+    # attention in fp32 (CPU_ATTENTION_DTYPE's note); the weights the hold made on huge pages where Linux gives
+    # them (pages.py; the source model's own stay); GPT-2 held by the compiled GEMV: one call a step (fused.py)
+    placed = pages.place(target, keep=[*model.parameters(), *target.parameters()])
+    return HeldGPT(target, CPU_ATTENTION_DTYPE, placed).eval()
 
 
 def for_inference(
     model: GPT, *, dtype: Optional[str] = None, quantize: str = "none", linear: str = "auto", rows: int = 1
-) -> GPT:
+) -> HeldGPT:
     """``gpt2lab.for_inference``: a copy of ``model`` (sharing its weights) held for generating ``rows`` rows
     on the device its parameters are on, in ``dtype`` (default: the model's own; "auto": the dtype the
     commands measured for this model shape on this machine, the same for ``sample``, ``serve`` and the
@@ -122,7 +118,7 @@ def for_inference(
     dtype = dtype or str(next(model.parameters()).dtype).removeprefix("torch.")
     request = InferenceRequest(dtype=dtype, quantize=quantize, linear=linear, workload="sample", rows=rows)
     facts = detect_facts(device)
-    if dtype == "auto" and os.environ.get("GPT2LAB_PROBE", "1") != "0":
+    if dtype == "auto" and env.probe_mode() != "0":
         names = [c.name for c in candidates(request, facts)]
         found = probe_cache.entries().get(probe_cache.key(model.config, device, names))
         facts = dataclasses.replace(facts, timings=probe_cache.timings(found))

@@ -1,41 +1,41 @@
-"""The fused decode step: a GPT-2 model held with gpt2lab's compiled GEMV runs a new token in one call.
+"""A model held for inference (``HeldGPT``), and its fused decode step: a GPT-2 held with gpt2lab's compiled
+GEMV runs a new token in one call.
 
 At one row a decode step's linears read the weights once (kernels.py's ``gemv`` and ``int8-gemv``);
 what is left is ~25 small operators a block (two LayerNorms, the q/k/v split and cast, the KV-cache
 writes, attention, GELU, two residual adds), ~300 us of dispatch and Python a block on a 2-core EPYC,
-~3-4 ms a token, a fifth of the step; and each kernel call wakes the threads again. ``_gemv.block_step``
-computes the same block for one new token of each row in one OpenMP region (``_gemv.c``): the same
-weights as held, the same fp32 activations, norms, softmax and KV cache; only the order of the sums
-differs (and exp, in GELU and the softmax, is the kernel's own, within ~1 ulp of the C library's).
-``_gemv.model_step`` runs the whole step in one region: the token's and position's embeddings, every
-block, the final norm and the head, at any rows the head by the same compiled products as the blocks'
-linears (a bf16 head's own forward takes several rows through PyTorch's packed fp32 copy, which reads
-twice the bytes: on a 2-core AVX2 EPYC the 124M's 4-row step 20% and 8-row step 8% faster in C, the
-16-row step within 3%; the probe times the server's batch step with it, as with every kernel). Its rows
-need not be one token of each cache slot: ``FusedDecodeGPT.step_rows`` gives each row a slot and a
+~3-4 ms a token, a fifth of the step; and each kernel call wakes the threads again.
+``_gemv.model_step`` (``_gemv.c``) runs the whole step in one OpenMP region: the token's and position's
+embeddings, every block, the final norm and the head, at any rows the head by the same compiled products
+as the blocks' linears (a bf16 head's own forward takes several rows through PyTorch's packed fp32 copy,
+which reads twice the bytes: on a 2-core AVX2 EPYC the 124M's 4-row step 20% and 8-row step 8% faster in
+C, the 16-row step within 3%; the probe times the server's batch step with it, as with every kernel):
+the same weights as held, the same fp32 activations, norms, softmax and KV cache; only the order of the
+sums differs (and exp, in GELU and the softmax, is the kernel's own, within ~1 ulp of the C library's).
+Its rows need not be one token of each cache slot: ``HeldGPT.step_rows`` gives each row a slot and a
 position and asks for the logits of some rows only, and every row's key and value are written before
 any row attends, so a prompt's tokens run as rows beside the other rows' next tokens (the server's mixed
 step, serve/batch.py).
 
-``fuse_blocks`` gives every block of a held model whose structure it computes (GPT-2's: LayerNorm,
-learned positions, tanh GELU, no q/k norm, no value embeddings, its four linears held by one of those
-kernels, fp32 norms and attention) this step for the calls it covers: one new token a row, no
-gradient, a cache already holding the prompt in fp32 (slots, heads, positions, head size) buffers,
-row i in slot i at the cache's position for it (``positions``: one for all rows in a ``KVCache``, each
-its own in the server's ``RowsCache``). A model every one of whose blocks has it, with GPT-2's
-embeddings and final norm and a compiled-GEMV head, gets the whole step for the same calls. Every other
-call, and every other block (the modern one), runs the model's own code.
+A held network whose structure the step computes (GPT-2's: LayerNorm, learned positions, tanh GELU, no
+q/k norm, no value embeddings, every linear and the head held by one of those kernels, fp32 norms and
+attention) takes it for the calls it covers: one new token a row, no gradient, a cache already holding
+the prompt in fp32 (slots, heads, positions, head size) buffers, row i in slot i at the cache's position
+for it (``positions``: one for all rows in a ``KVCache``, each its own in the server's ``RowsCache``).
+Every other call, and every other network (the modern block), runs the network's own code.
 """
 
 from __future__ import annotations
 
-import weakref
+import contextlib
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
 from gpt2lab.inference.kernels import GemvLinear, Int8GemvLinear, PanelLinear
 from gpt2lab.model.gpt import GPT, Block, KVCache
+from gpt2lab.model.sampling import generate, plan_free_attention
 
 
 def _held_tensors(m: nn.Module) -> tuple:
@@ -59,11 +59,6 @@ def _kind(m: nn.Module) -> int:
     return (2 if m.bf16_inputs else 1) if isinstance(m, GemvLinear) else 0
 
 
-def _linear_args(m: nn.Module) -> tuple[int, ...]:
-    """(weight, scale, bias) data pointers of a compiled-GEMV linear (0: none)."""
-    return tuple(_ptr(t) for t in _held_tensors(m))
-
-
 def _kv_fits(k, v, rows: int, n_head: int, width: int) -> bool:
     """Whether a layer's cached keys and values are buffers the kernel reads: fp32 on the CPU, contiguous,
     (slots >= rows, heads, positions, head size)."""
@@ -84,7 +79,7 @@ def _kv_fits(k, v, rows: int, n_head: int, width: int) -> bool:
 
 
 def fusable(block: nn.Module) -> bool:
-    """Whether ``_gemv.block_step`` computes ``block`` (structure, kernels and dtypes; not the call)."""
+    """Whether ``_gemv.model_step`` computes ``block`` (structure, kernels and dtypes; not the call)."""
     if not isinstance(block, Block):
         return False
     attn, mlp = block.attn, block.mlp
@@ -101,64 +96,36 @@ def fusable(block: nn.Module) -> bool:
         and mlp.act.approximate == "tanh"
         and not attn.qk_norm
         and not hasattr(attn, "ve_gate")
-        and attn.attn_dtype == torch.float32
     )
 
 
-class FusedDecodeBlock(Block):
-    """A held ``Block`` (``fuse_blocks`` sets a fusable block's class to this one): one new token a row,
-    after the prompt, through ``_gemv.block_step``; anything else through ``Block.forward``."""
-
-    def _fused_args(self) -> tuple:
-        a, m = self.attn, self.mlp
-        C = a.c_attn.in_features
-        ln = lambda n: (n.weight.data_ptr(), 0 if n.bias is None else n.bias.data_ptr())  # noqa: E731
-        return (
-            _kind(a.c_attn), C, a.n_head, *ln(self.ln_1), *ln(self.ln_2), float(self.ln_1.eps),
-            *(_linear_args(x) for x in (a.c_attn, a.c_proj, m.c_fc, m.c_proj)),
-        )  # fmt: skip
-
-    def forward(self, x, kv_cache=None, rope=None, ve=None):
-        k = kv_cache.k[self.attn.layer_idx] if kv_cache is not None and kv_cache.pos > 0 else None
-        if (
-            k is None
-            or rope is not None
-            or ve is not None
-            or x.shape[1] != 1
-            or x.dtype != torch.float32
-            or x.device.type != "cpu"
-            or self.ln_1.weight.dtype != torch.float32  # the norms' parameters follow a model's .to()
-            or self.ln_2.weight.dtype != torch.float32
-            or self.training
-            or (torch.is_grad_enabled() and x.requires_grad)
-        ):
-            return super().forward(x, kv_cache, rope, ve)
-        v = kv_cache.v[self.attn.layer_idx]
-        B, nh, C = x.shape[0], self.attn.n_head, x.shape[-1]
-        if not (_kv_fits(k, v, B, nh, C) and kv_cache.pos < k.shape[2]):  # pos: the longest row's
-            return super().forward(x, kv_cache, rope, ve)
-        from gpt2lab.inference import _gemv
-
-        # each row's position: one for all (KVCache), or the row's own (the server's RowsCache)
-        pos = kv_cache.positions(1, x.device).reshape(-1).to(torch.int64).expand(B).contiguous()
-        out = x.contiguous().clone()  # the caller's x is left as it was
-        kind, C, nh, g1, b1, g2, b2, eps, *lin = self._fused_args()
-        _gemv.block_step(
-            kind, out.data_ptr(), B, C, nh, g1, b1, g2, b2, eps, *lin, k.data_ptr(), v.data_ptr(), pos.data_ptr(),
-            k.shape[2], torch.get_num_threads(),
-        )  # fmt: skip
-        return out
+def whole_step_fusable(model: GPT) -> bool:
+    """Whether ``_gemv.model_step`` computes ``model``'s step: GPT-2's structure, every block ``fusable``."""
+    c = model.config
+    return (
+        len(model.transformer.h) > 0
+        and all(fusable(b) for b in model.transformer.h)
+        and len({b.ln_1.eps for b in model.transformer.h}) == 1
+        and c.pos_emb == "learned"
+        and not c.embed_norm
+        and not c.value_embeds
+        and not c.unet_skips
+        and not c.logit_softcap
+        and type(model.transformer.ln_f) is nn.LayerNorm
+        and model.transformer.ln_f.weight is not None
+        and isinstance(model.lm_head, (GemvLinear, Int8GemvLinear, PanelLinear))
+    )
 
 
 class _StepPlan:
-    """What ``_gemv.model_step`` reads of a held model, gathered once: looking the tensors up through the
+    """What ``_gemv.model_step`` reads of a held network, gathered once: looking the tensors up through the
     modules costs ~1 ms a step, reading the addresses and dtypes of the tensors themselves ~50 us. Made again
-    after the model is cast or moved (``FusedDecodeGPT._apply``)."""
+    after the model is cast or moved (``HeldGPT._apply``)."""
 
     def __init__(self, model: GPT) -> None:
         tr, blocks = model.transformer, list(model.transformer.h)
         self.kind = _kind(blocks[0].attn.c_attn)
-        self.ok = all(type(b) is FusedDecodeBlock and _kind(b.attn.c_attn) == self.kind for b in blocks)
+        self.ok = all(_kind(b.attn.c_attn) == self.kind for b in blocks)
         self.layers = [b.attn.layer_idx for b in blocks]
         self.per_layer = []  # ln_1 g, b, ln_2 g, b, then (weight, scale, bias) of the four linears
         for b in blocks:
@@ -174,23 +141,43 @@ class _StepPlan:
         self.head_tensors = _held_tensors(self.head)
 
 
-_PLANS: "weakref.WeakKeyDictionary[GPT, _StepPlan]" = weakref.WeakKeyDictionary()
+class HeldGPT(nn.Module):
+    """A GPT held for inference (form.py's ``hold``): the network ``net`` (its linears in the chosen form),
+    the dtype its attention and KV cache run in, where its weights live (``held_pages``), and, where
+    ``_gemv.model_step`` computes the network (``fused``), that step for one new token a row after the
+    prompt: embedding, blocks, final norm and head in one call. Every other call runs the network's own
+    forward. Anything else (``config``, ``tokenizer``, ``new_kv_cache``, ...) is the network's."""
 
+    def __init__(self, net: GPT, attn_dtype: Optional[torch.dtype] = None, held_pages=None) -> None:
+        super().__init__()
+        self.net = net
+        self.attn_dtype = attn_dtype
+        self.held_pages = held_pages
+        self.fused = attn_dtype == torch.float32 and whole_step_fusable(net)
+        self._plan: Optional[_StepPlan] = None
 
-class FusedDecodeGPT(GPT):
-    """A held GPT-2 whose every block is fused (``fuse_blocks`` sets its class to this one): one new token a
-    row, after the prompt, as one ``_gemv.model_step`` call (embedding, blocks, final norm and head);
-    anything else through ``GPT.forward``."""
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("__") or "net" not in self.__dict__.get("_modules", {}):
+                raise
+            return getattr(self._modules["net"], name)
 
     def forward(self, idx, targets=None, kv_cache=None, last_only=False, return_logits=True, positions=None):
-        if targets is None and positions is None and kv_cache is not None:
+        if kv_cache is not None and targets is None and positions is None and self.fused:
             logits = self._decode_step(idx, kv_cache)
             if logits is not None:
                 return logits, None
-        return super().forward(idx, targets, kv_cache, last_only, return_logits, positions)
+        with plan_free_attention(idx.device) if kv_cache is not None else contextlib.nullcontext():
+            return self.net(idx, targets, kv_cache, last_only, return_logits, positions, self.attn_dtype)
+
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
+        """``model/sampling.generate`` on the held model."""
+        return generate(self, idx, max_new_tokens, **kwargs)
 
     def _apply(self, fn, *args, **kwargs):
-        _PLANS.pop(self, None)  # a cast or a move: the tensors are looked up again
+        self._plan = None  # a cast or a move: the tensors are looked up again
         return super()._apply(fn, *args, **kwargs)
 
     def _decode_step(self, idx: torch.Tensor, kv_cache) -> torch.Tensor | None:
@@ -219,15 +206,13 @@ class FusedDecodeGPT(GPT):
         server's mixed step). The cache's buffers must hold every slot and position; nothing in the cache is
         advanced."""
         ok = all(t.dtype == torch.int64 and t.is_cpu and t.dim() == 1 for t in (ids, slots, positions, wanted))
-        if not ok or not (len(ids) == len(slots) == len(positions) > 0) or len(wanted) == 0:
+        if not self.fused or not ok or not (len(ids) == len(slots) == len(positions) > 0) or len(wanted) == 0:
             return None
         return self._run(ids, kv_cache, positions.contiguous(), 0, slots.contiguous(), wanted.contiguous())
 
     def _run(self, ids, kv_cache, pos, pos0: int, slots, wanted) -> torch.Tensor | None:
         """``_gemv.model_step`` over rows ``ids`` (m,): logits (rows of ``wanted`` or all, vocab), or None."""
-        plan = _PLANS.get(self)
-        if plan is None:
-            plan = _PLANS[self] = _StepPlan(self)
+        plan = self._plan = self._plan or _StepPlan(self.net)
         f32 = torch.float32
         if (
             not plan.ok
@@ -250,7 +235,7 @@ class FusedDecodeGPT(GPT):
             n_slots = min(n_slots or k.shape[0], k.shape[0])  # the slots every layer holds
             rows += ptrs[16 * i : 16 * i + 16]
             rows += (k.data_ptr(), v.data_ptr())
-        head = plan.head  # a compiled-GEMV linear (_whole_step_fusable): in C at any rows, as the blocks' linears
+        head = plan.head  # a compiled-GEMV linear (whole_step_fusable): in C at any rows, as the blocks' linears
         ids = ids.contiguous()  # held here: the kernel reads it through its address
         n_out = head.out_features
         out = torch.empty(m if wanted is None else len(wanted), n_out, dtype=f32)
@@ -268,44 +253,12 @@ class FusedDecodeGPT(GPT):
         return out if done else None  # not done: a token id, position or slot outside its table
 
 
-def _whole_step_fusable(model: nn.Module) -> bool:
-    """Whether ``model`` is a GPT whose structure ``_gemv.model_step`` computes (every block fused)."""
-    c = getattr(model, "config", None)
-    return (
-        type(model) is GPT
-        and len(model.transformer.h) > 0
-        and all(type(b) is FusedDecodeBlock for b in model.transformer.h)
-        and len({b.ln_1.eps for b in model.transformer.h}) == 1
-        and c.pos_emb == "learned"
-        and not c.embed_norm
-        and not c.value_embeds
-        and not c.unet_skips
-        and not c.logit_softcap
-        and type(model.transformer.ln_f) is nn.LayerNorm
-        and model.transformer.ln_f.weight is not None
-        and isinstance(model.lm_head, (GemvLinear, Int8GemvLinear, PanelLinear))
-    )
-
-
 def prompt_rows(model: nn.Module) -> int:
     """How many prompt tokens ``model``'s fused step takes as rows (``step_rows``) at least as fast as its own
     forward would run them: a prompt through a panel-held or int8-gemv linear is the same compiled kernel
     either way (any count), while a row-major bf16 ``gemv`` linear multiplies a prompt past its ``tile_rows``
     (where the probe measured the matmul faster) by a matmul; 0 where the model has no fused step."""
-    if type(model) is not FusedDecodeGPT:
+    if not (isinstance(model, HeldGPT) and model.fused):
         return 0
     tiles = [m.tile_rows for m in model.modules() if isinstance(m, GemvLinear) and not isinstance(m, PanelLinear)]
     return min(tiles) if tiles else model.config.block_size
-
-
-def fuse_blocks(model: nn.Module) -> int:
-    """Give every fusable block of a held ``model`` the fused decode step (in place), and the model the whole
-    step where every block has it; returns how many blocks."""
-    n = 0
-    for m in model.modules():
-        if type(m) is Block and fusable(m):
-            m.__class__ = FusedDecodeBlock
-            n += 1
-    if _whole_step_fusable(model):
-        model.__class__ = FusedDecodeGPT
-    return n

@@ -69,7 +69,7 @@ def _read(path: str) -> Optional[str]:
         return None
 
 
-def detect(thp_dir: str = THP_DIR) -> PageFacts:
+def page_facts(thp_dir: str = THP_DIR) -> PageFacts:
     """The system's huge page size and transparent-huge-page mode (the bracketed word of ``enabled``)."""
     size, enabled = _read(f"{thp_dir}/hpage_pmd_size"), _read(f"{thp_dir}/enabled")
     mode = enabled.split("[", 1)[1].split("]", 1)[0] if enabled and "[" in enabled else None
@@ -110,7 +110,7 @@ def _held_tensors(model: nn.Module, keep: set[int]) -> list[tuple[nn.Module, str
 def place(model: nn.Module, keep: Iterable[torch.Tensor] = (), facts: Optional[PageFacts] = None) -> Placement:
     """Copy the weights ``model``'s decode linears hold (not sharing storage with a tensor of ``keep``,
     the parameters of the model they came from) into one mapping advised to use huge pages, in place."""
-    facts = facts or detect()
+    facts = facts or page_facts()
     if why := facts.why_not():
         return Placement(why_not=why)
     kept = {t.untyped_storage().data_ptr() for t in keep}

@@ -17,7 +17,8 @@ of the chosen dtype's kernels. A loaded machine must not decide for good:
   step of at most ``REQUEST_TOKENS`` rows) over ``ABSURD`` times what its share of the same candidate's
   prefill's matrix products allows (never under ``ABSURD`` prefills);
 * figures not kept are not used either: the device's rule decides this run (the batch figures alone:
-  the kernel by the one-row figures), so that processes on a busy machine still agree on a choice;
+  the kernel by the one-row figures), so that processes on a busy machine still agree on a choice; why
+  they were not kept is noted in the cache, for ``gpt2lab env`` (the console has one line: the choice);
 * a run that sees its choice run far slower than its figure (``Watch``) removes the entry, so the next
   run measures again.
 
@@ -29,7 +30,6 @@ reads the cache at most. ``GPT2LAB_PROBE=0`` skips the measuring (the device's r
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
 import sys
 import time
@@ -48,8 +48,8 @@ from gpt2lab.inference.choice import (
     InferenceRequest,
     Timing,
     candidates,
+    cheapest_dtype,
     choose,
-    choose_dtype,
     crossover,
     device_pick,
     reference_cost,
@@ -58,6 +58,7 @@ from gpt2lab.inference.choice import (
 from gpt2lab.inference.form import detect_facts, hold
 from gpt2lab.inference.kernels import has_tiles, set_tile_rows
 from gpt2lab.model.gpt import GPT
+from gpt2lab.system import env, runtime
 
 CONTEXT = 32  # tokens already cached when decode steps are timed
 STEPS = 4  # decode steps per timed call
@@ -88,13 +89,6 @@ WATCH_STEPS = 8  # the run's steps whose median is compared (after its prefill)
 SHORT_TOKENS = 16
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
 class _TooSlow(Exception):
     pass
 
@@ -112,7 +106,7 @@ def _best_ms(
     first is over GIVE_UP times ``limit``."""
     t0 = time.perf_counter()
     fn()
-    _sync(device)
+    runtime.sync(device)
     first = 1e3 * (time.perf_counter() - t0) / per_call
     if limit is not None and first > GIVE_UP * limit:
         raise _TooSlow(
@@ -124,7 +118,7 @@ def _best_ms(
         for _ in range(REPEATS):
             t0 = time.perf_counter()
             fn()
-            _sync(device)
+            runtime.sync(device)
             times.append(time.perf_counter() - t0)
         times.sort()
         if times[1] <= UNSTEADY * times[0]:  # two calls agree: the best is the machine's, not luck
@@ -323,10 +317,6 @@ def _rows_timings(model, pool, request, device, doubts: list, held: dict) -> dic
     return {k: (t.step_rows if isinstance(t, Timing) else t) for k, t in out.items()}
 
 
-def _probe_mode() -> str:
-    return os.environ.get("GPT2LAB_PROBE", "1")
-
-
 @torch.inference_mode()
 def estimate_seconds(
     model: GPT, n_candidates: int, request: InferenceRequest, device: torch.device, n_rows: int = 0
@@ -338,42 +328,33 @@ def estimate_seconds(
     prompt = max(1, min(REQUEST_TOKENS, block - 1))  # and room for one decode step after it
     ids = torch.randint(0, vocab, (1, prompt), generator=torch.Generator().manual_seed(0)).to(device)
     model(ids[:, :1], last_only=True)  # untimed: the first touch of freshly loaded (mapped) weights
-    _sync(device)
+    runtime.sync(device)
     cache = model.new_kv_cache(min(block, prompt + 1))
     t0 = time.perf_counter()
     model(ids, kv_cache=cache, last_only=True)
-    _sync(device)
+    runtime.sync(device)
     t1 = time.perf_counter()
     if prompt < block:
         model(ids[:, :1], kv_cache=cache, last_only=True)
-        _sync(device)
+        runtime.sync(device)
     prefill, step = t1 - t0, time.perf_counter() - t1
     per = (1 + REPEATS) * (prefill + STEPS * step) + prefill * CONTEXT / prompt
     rows = (1 + REPEATS) * STEPS * (step + prefill * request.rows / prompt) + prefill * CONTEXT / prompt
     return n_candidates * per + (n_rows * rows if request.workload == "serve" else 0.0)
 
 
-def _notice(command: str, what: str, secs: float, where: str) -> None:
+def _notice(command: str, what: str, secs: float) -> None:
     """The one stderr line before measuring: what, about how long, and that it is done once."""
     about = f"about {secs:.0f} s" if secs >= 1 else "under a second"
     print(
-        f"{command}: measuring {what} on this machine, {about}; done once per machine and model shape "
-        f"(kept in {where}; GPT2LAB_PROBE=0 skips it)",
+        f"{command}: measuring {what} on this machine, {about}, once per machine and model shape "
+        "(GPT2LAB_PROBE=0 skips it; gpt2lab env lists the figures)",
         file=sys.stderr,
         flush=True,
     )
 
 
-NOT_KEPT = "measured on a busy machine (not kept), the device's rule"
-
-
-def _not_kept(command: str, doubts: list) -> None:
-    print(
-        f"{command}: figures neither used nor kept, the next run measures again (the machine was busy?): "
-        f"{'; '.join(doubts)}",
-        file=sys.stderr,
-        flush=True,
-    )
+NOT_KEPT = "measured on a busy machine, not kept (gpt2lab env says why), the device's rule"
 
 
 def _label(request: InferenceRequest) -> str:
@@ -391,7 +372,7 @@ def decide(
     stderr, ``command`` first) and choose."""
     facts = facts or detect_facts(device)
     cands = candidates(request, facts)
-    mode = _probe_mode()
+    mode = env.probe_mode()
     if len(cands) == 1 or mode == "0":
         return choose(request, facts)
     first = device_pick(cands, facts)  # the likeliest winner first: it sets the bar to give up at
@@ -408,23 +389,23 @@ def decide(
         n_tiles = sum(c.kernel == "gemv" for c in cands)  # its prefill timed three more ways: about a candidate
         n_timed = len(cands) + n_tiles + (n_dtypes if n_dtypes > 1 else 0)
         secs = estimate_seconds(model, n_timed, request, device, n_rows)
-        _notice(command, f"{len(cands)} ways to run this model ({', '.join(names)})", secs, where)
+        _notice(command, f"{len(cands)} ways to run this model", secs)
         doubts: list = []
         timings = reference_timings(model, cands, device, doubts)
         entry = None
         if doubts:  # neither kept nor used: the device's rule decides, the same in every process
-            _not_kept(command, doubts)
+            probe_cache.note_not_kept(key, model.config, device, doubts)
             decision = choose(request, facts)
             return dataclasses.replace(decision, reason=decision.reason.replace("not measured", NOT_KEPT, 1))
         probe_cache.save_timings(key, model.config, device, timings)
         entry = {}
     if serve:
-        dtype, _ = choose_dtype(cands, dataclasses.replace(facts, timings=timings))
+        dtype, _ = cheapest_dtype(cands, dataclasses.replace(facts, timings=timings))
         pool = [c for c in cands if c.dtype == dtype and isinstance(timings.get(c.name), Timing)]
         rows = probe_cache.rows_timings(entry, request.rows)  # None when measured afresh
         if len(pool) > 1 and (rows is None or not set(c.name for c in pool) <= set(rows)):
             secs = estimate_seconds(model, 0, request, device, len(pool))
-            _notice(command, f"the {request.rows}-row step of {len(pool)} ways to serve this model", secs, where)
+            _notice(command, f"the {request.rows}-row step of {len(pool)} ways to serve this model", secs)
             doubts = []
             rows = _rows_timings(model, pool, request, device, doubts, timings)
             for c in pool:
@@ -434,7 +415,7 @@ def decide(
                     doubts.extend(_absurd(c.name, dataclasses.replace(t, step_rows=r), request.rows, model))
             if doubts:  # not used either: the kernel by the one-row figures, as any process takes it
                 kept = False
-                _not_kept(command, doubts)
+                probe_cache.note_not_kept(key, model.config, device, doubts, request.rows)
                 rows = None
             else:
                 probe_cache.save_rows(key, request.rows, rows)
@@ -479,7 +460,7 @@ class Watch:
 def watch(decision: Decision, model: GPT, device: torch.device, command: str) -> Optional[Watch]:
     """The Watch of a decision whose figures are in the cache (None otherwise: nothing to drop)."""
     t = (decision.timings or {}).get(decision.candidate.name)
-    if _probe_mode() == "0" or not isinstance(t, Timing) or t.step1 is None:
+    if env.probe_mode() == "0" or not isinstance(t, Timing) or t.step1 is None:
         return None
     key = probe_cache.key(model.config, device, list(decision.timings))
     if key not in probe_cache.entries():
@@ -488,5 +469,8 @@ def watch(decision: Decision, model: GPT, device: torch.device, command: str) ->
 
 
 def announce(decision: Decision, command: str) -> None:
-    """One stderr line: what was chosen and why."""
-    print(f"{command}: {decision.summary()}", file=sys.stderr, flush=True)
+    """One stderr line: what was chosen and why, and that the threads sleep while they wait where the
+    machine was busy as the command started (system/runtime.py's ``choose_wait``)."""
+    wait = runtime.WAIT
+    busy = f"; {wait.reason}" if wait is not None and wait.value == "PASSIVE" else ""
+    print(f"{command}: {decision.summary()}{busy}", file=sys.stderr, flush=True)

@@ -20,7 +20,7 @@ from typing import Optional
 
 from gpt2lab.inference.choice import REQUEST_TOKENS, Timing
 from gpt2lab.inference.kernels import compiled_build
-from gpt2lab.system import formats, runtime
+from gpt2lab.system import env, formats, runtime
 from gpt2lab.system.files import write_json
 
 PROBE_FILE = "decode-probes.json"
@@ -30,14 +30,14 @@ SHAPE = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")  # what env 
 
 
 def path() -> str:
-    return os.path.join(runtime._cache_dir(), PROBE_FILE)
+    return os.path.join(env.cache_dir(), PROBE_FILE)
 
 
 def key(config, device, names: list[str]) -> str:
     """The entry of a model (its GPTConfig) on ``device`` of this machine and this build of the compiled
     kernel, for these candidates."""
     parts = [
-        runtime._machine_key(),
+        runtime.machine_key(),
         compiled_build(),
         str(device),
         json.dumps(dataclasses.asdict(config), sort_keys=True),
@@ -122,6 +122,21 @@ def save_timings(k: str, config, device, figures: dict) -> None:
 def save_rows(k: str, rows: int, figures: dict) -> None:
     def change(entry: dict) -> None:
         entry.setdefault("rows", {})[str(rows)] = {"written": time.time(), "timings": figures}
+        if isinstance(entry.get("not_kept"), dict):
+            entry["not_kept"].pop("rows", None)
+
+    update(k, change)
+
+
+def note_not_kept(k: str, config, device, doubts: list[str], rows: Optional[int] = None) -> None:
+    """Why the figures just measured for entry ``k`` (``rows``: its ``rows``-row step figures) were not kept
+    (inference/probe.py's doubts), for ``gpt2lab env``; figures kept before stay, and are used."""
+
+    def change(entry: dict) -> None:
+        if not entry:
+            entry.update(written=time.time(), model={f: getattr(config, f) for f in SHAPE}, device=str(device))
+        notes = entry["not_kept"] = entry.get("not_kept") if isinstance(entry.get("not_kept"), dict) else {}
+        notes["rows" if rows else "reference"] = {"written": time.time(), "why": doubts}
 
     update(k, change)
 
@@ -158,12 +173,12 @@ def clear() -> Optional[str]:
     return where
 
 
-def describe(entry: dict) -> list[str]:
+def entry_lines(entry: dict) -> list[str]:
     """An entry as lines for ``gpt2lab env``: the model's shape and device, when measured, what each
-    workload chose, each candidate's figures."""
+    workload chose, each candidate's figures (or why it was dropped), and why figures measured on a busy
+    machine were not kept."""
     shape = entry.get("model") or {}
-    when = entry.get("written")
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) if isinstance(when, (int, float)) else "?"
+    stamp = _stamp(entry)
     head = (
         f"{shape.get('n_layer', '?')} layers, {shape.get('n_head', '?')} heads, {shape.get('n_embd', '?')} wide, "
         f"vocabulary {shape.get('vocab_size', '?')}, block {shape.get('block_size', '?')} on "
@@ -183,4 +198,13 @@ def describe(entry: dict) -> list[str]:
         figs = rows_timings(entry, int(rows)) or {}
         text = ", ".join(f"{n} {v:.3g} ms" if isinstance(v, float) else f"{n} {v}" for n, v in figs.items())
         lines.append(f"{rows}-row step (serve): {text}")
+    for what, note in sorted((entry.get("not_kept") or {}).items()):  # a machine too busy to measure on
+        why = note.get("why") if isinstance(note, dict) else None
+        why = "; ".join(map(str, why)) if isinstance(why, list) else "?"
+        lines.append(f"not kept ({what} figures, {_stamp(note)}: the machine was busy): {why}")
     return lines
+
+
+def _stamp(found) -> str:
+    when = found.get("written") if isinstance(found, dict) else None
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) if isinstance(when, (int, float)) else "?"

@@ -149,7 +149,6 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
         if value_embed_table(config, layer_idx) is not None:  # 1-D: FSDP2 shards no 0-d parameter
             self.ve_gate = nn.Parameter(torch.full((1,), 0.5))
-        self.attn_dtype: Optional[torch.dtype] = None  # q, k, v (and the KV cache) cast to this; None: as computed
 
     def forward(
         self,
@@ -157,10 +156,11 @@ class CausalSelfAttention(nn.Module):
         kv_cache: Optional[KVCache] = None,
         rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
         ve: Optional[torch.Tensor] = None,
+        attn_dtype: Optional[torch.dtype] = None,  # q, k, v (and the KV cache) cast to this; None: as computed
     ) -> torch.Tensor:
         B, T, C = x.shape
         qkv = self.c_attn(x)
-        q, k, v = (qkv if self.attn_dtype is None else qkv.to(self.attn_dtype)).split(C, dim=2)
+        q, k, v = (qkv if attn_dtype is None else qkv.to(attn_dtype)).split(C, dim=2)
         if ve is not None:  # value embedding: v = (1 - g) v + g ve (g 0-d: v keeps its dtype under autocast)
             g = self.ve_gate[0]
             v = (1 - g) * v + g * ve.to(v.dtype)
@@ -213,9 +213,10 @@ class Block(nn.Module):
         kv_cache: Optional[KVCache] = None,
         rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
         ve: Optional[torch.Tensor] = None,
+        attn_dtype: Optional[torch.dtype] = None,
     ) -> torch.Tensor:
         # Pre-LayerNorm: the residual stream itself is never normalised, only each branch's input.
-        x = x + self.attn(self.ln_1(x), kv_cache, rope, ve)
+        x = x + self.attn(self.ln_1(x), kv_cache, rope, ve, attn_dtype)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -314,7 +315,9 @@ class GPT(nn.Module):
             n -= sum(p.numel() for p in self.transformer.ve.parameters()) if "ve" in self.transformer else 0
         return n
 
-    def _blocks(self, x: torch.Tensor, idx: torch.Tensor, kv_cache: Optional[KVCache], rope) -> torch.Tensor:
+    def _blocks(
+        self, x: torch.Tensor, idx: torch.Tensor, kv_cache: Optional[KVCache], rope, attn_dtype=None
+    ) -> torch.Tensor:
         """The residual stream ``x`` through every block (value embeddings, U-net skips, checkpointing)."""
         recompute = self.activation_checkpointing and self.training and kv_cache is None
         ves = [table(idx) for table in self.transformer.ve] if "ve" in self.transformer else []
@@ -326,7 +329,11 @@ class GPT(nn.Module):
             t = value_embed_table(self.config, i)
             ve = None if t is None else ves[t]
             # non-reentrant checkpointing replays the block's dropout masks (it saves the RNG state)
-            x = checkpoint(block, x, None, rope, ve, use_reentrant=False) if recompute else block(x, kv_cache, rope, ve)
+            x = (
+                checkpoint(block, x, None, rope, ve, use_reentrant=False)
+                if recompute
+                else block(x, kv_cache, rope, ve, attn_dtype)
+            )
             if self.config.unet_skips and i < self.config.n_layer // 2:
                 skips.append(x)
         return x
@@ -339,6 +346,7 @@ class GPT(nn.Module):
         last_only: bool = False,
         return_logits: bool = True,
         positions: Optional[torch.Tensor] = None,
+        attn_dtype: Optional[torch.dtype] = None,
     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """idx (B, T) token ids -> logits (B, T, vocab_size) and, with targets, the mean loss.
 
@@ -351,6 +359,7 @@ class GPT(nn.Module):
         vocab matmul, at GPT-2 124M about a third of the forward's FLOPs per position.
         ``return_logits=False`` with targets (the training path) returns ``(None, loss)`` and
         computes the loss chunk by chunk without ever holding the (B*T, vocab) logits.
+        ``attn_dtype``: q, k, v (and the KV cache) cast to it (a held model's, inference/fused.py).
         """
         B, T = idx.shape
         if last_only and positions is not None:
@@ -371,21 +380,7 @@ class GPT(nn.Module):
         if self.config.embed_norm:  # the stream starts at unit RMS (no gain), as NanoChat's
             x = F.rms_norm(x, (x.size(-1),), eps=self.config.layer_norm_epsilon)
         x = self.transformer.drop(x)
-        # A KV cache gives the attention new key lengths (and strides) every call. cuDNN's attention, SDPA's
-        # first choice for bf16 on Hopper GPUs, builds a plan for each new shape: ~4 ms of host time a
-        # layer against ~3 us of GPU work (an H200, torch 2.11: a 124M decode step 43-56 ms where its
-        # shapes were new, 4-6 ms where seen; docs/benchmarks.md). Calls with a cache take SDPA's other
-        # kernels; training's one shape keeps cuDNN. The flag is the process's: set for this call only.
-        plan_free = (
-            kv_cache is not None and torch.backends.cuda.cudnn_sdp_enabled() and not torch.compiler.is_compiling()
-        )
-        if plan_free:
-            torch.backends.cuda.enable_cudnn_sdp(False)
-        try:
-            x = self._blocks(x, idx, kv_cache, rope)
-        finally:
-            if plan_free:
-                torch.backends.cuda.enable_cudnn_sdp(True)
+        x = self._blocks(x, idx, kv_cache, rope, attn_dtype)
         if kv_cache is not None:
             kv_cache.advance(T)
         if last_only:  # generation needs the next token only: skip T-1 rows of the vocab matmul

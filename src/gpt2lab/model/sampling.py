@@ -16,6 +16,7 @@ None all the mass.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -39,11 +40,11 @@ def sample_next(
     logits' ``torch.topk`` at ``top_k`` where the caller has it already (``top_k_rows``). ``generator``: one
     for all rows, or one per row (a server's rows, each its request's: row i then draws what it draws alone,
     every step of the draw being row by row)."""
+    if not temperature >= 0:  # NaN too
+        raise ValueError(f"temperature must be a number >= 0, got {temperature}")
     logits = logits.float()
     if temperature == 0:
         return logits.argmax(dim=-1)
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
     if temperature < SMALL_TEMPERATURE:
         # logits / T would overflow to inf (and 1e-320 is 0 in float32: 0/0); shifted by the row's
         # maximum the best token scales to 0 and the rest to -inf or below, which softmax takes:
@@ -103,6 +104,24 @@ def top_k_rows(logits: torch.Tensor, settings: list[tuple[float, Optional[int]]]
     return out
 
 
+@contextlib.contextmanager
+def plan_free_attention(device: torch.device) -> Iterator[None]:
+    """Around a step with a KV cache (model/sampling.py's loop, a held model's cached calls). A KV cache gives
+    the attention new key lengths (and strides) every call. cuDNN's attention, SDPA's first choice for bf16
+    on Hopper GPUs, builds a plan for each new shape: ~4 ms of host time a layer against ~3 us of GPU work
+    (an H200, torch 2.11: a 124M decode step 43-56 ms where its shapes were new, 4-6 ms where seen;
+    docs/benchmarks.md). Such steps take SDPA's other kernels; training's one shape keeps cuDNN. The flag
+    is the process's: set for the block only."""
+    off = torch.backends.cuda.cudnn_sdp_enabled() and not torch.compiler.is_compiling()  # (on any device: a flag)
+    if off:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        if off:
+            torch.backends.cuda.enable_cudnn_sdp(True)
+
+
 @torch.inference_mode()
 def generate_stream(
     model: torch.nn.Module,
@@ -126,6 +145,12 @@ def generate_stream(
         raise ValueError(f"idx must be (batch, time) with at least one token, got shape {tuple(idx.shape)}")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if not temperature >= 0:  # NaN too: refused before the prompt runs
+        raise ValueError(f"temperature must be a number >= 0, got {temperature}")
+    V = model.config.vocab_size
+    if idx.numel() and not (0 <= int(idx.min()) and int(idx.max()) < V):
+        bad = int(idx.min()) if int(idx.min()) < 0 else int(idx.max())
+        raise ValueError(f"token id {bad} is outside the model's vocabulary (0 to {V - 1})")
     B, T = idx.shape
     block = model.config.block_size
     real_vocab = model.config.real_vocab_size
@@ -137,7 +162,8 @@ def generate_stream(
     for n in range(T, T + max_new_tokens):
         if cache is not None and n <= cache.max_len:
             # The whole prompt on the first step, then only the token sampled last.
-            logits, _ = model(seq[:, cache.pos : n], kv_cache=cache, last_only=True)
+            with plan_free_attention(idx.device):
+                logits, _ = model(seq[:, cache.pos : n], kv_cache=cache, last_only=True)
         else:
             # Past the block the window slides, every position moves, and the cache no longer applies.
             logits, _ = model(seq[:, max(0, n - block) : n], last_only=True)

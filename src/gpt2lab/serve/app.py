@@ -16,16 +16,17 @@ from importlib import resources
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from gpt2lab.inference import chat
-from gpt2lab.serve.asgi import AccessLog, HostCheck
+from gpt2lab.serve.asgi import BODY, AccessLog, HostCheck
 from gpt2lab.serve.completions import ChatCompletion, Completion
 from gpt2lab.serve.engine import Worker
 from gpt2lab.serve.errors import APIError, error_body
 from gpt2lab.serve.metrics import ServeMetrics
 from gpt2lab.serve.responses import respond, stream_chat, stream_completion, whole_chat, whole_completion
-from gpt2lab.serve.schemas import ChatRequest, CompletionRequest, lone_surrogate, validation_error
+from gpt2lab.serve.schemas import ChatRequest, CompletionRequest, huge_integer, lone_surrogate, validation_error
 
 # The paths served: named in a 404's message, counted by name in /metrics (any other path as "other")
 ROUTES = ("/", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
@@ -53,6 +54,9 @@ def create_app(workers: dict[str, Worker], host: str = "127.0.0.1", allowed_host
         error body."""
         where = f"{request.method} {request.url.path}"
         bad = exc.__cause__  # FastAPI's "error parsing the body" keeps what went wrong here
+        huge = huge_integer(request.scope.get(BODY, b""), request.url.path) if isinstance(bad, ValueError) else None
+        if huge is not None:  # an integer too long to read: the field named
+            return huge.response()
         if isinstance(bad, UnicodeDecodeError):
             message = (
                 f"the request body is not UTF-8 JSON: byte {bad.object[bad.start]:#04x} at position "
@@ -104,15 +108,19 @@ def create_app(workers: dict[str, Worker], host: str = "127.0.0.1", allowed_host
             ],
         }
 
+    # A request is checked and its prompt tokenized in a thread: a long prompt takes a second or two to
+    # tokenize (refused past the context only then), while the event loop goes on streaming others' tokens.
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         _text_only(req)
-        return await respond(Completion(req, workers), stream_completion, whole_completion, request)
+        return await respond(
+            await run_in_threadpool(Completion, req, workers), stream_completion, whole_completion, request
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
         _text_only(req)
-        return await respond(ChatCompletion(req, workers), stream_chat, whole_chat, request)
+        return await respond(await run_in_threadpool(ChatCompletion, req, workers), stream_chat, whole_chat, request)
 
     return app
 

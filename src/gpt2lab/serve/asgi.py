@@ -50,6 +50,9 @@ async def _drain(receive) -> None:
         n += len(message.get("body", b""))
 
 
+BODY = "gpt2lab.body"  # the scope key of the request's body, read whole
+
+
 async def read_body(scope, receive) -> Optional[bytes]:
     """The request's body, read whole whatever its framing (Content-Length or chunked); None if the
     client left while sending it. Past MAX_BODY_BYTES, BodyTooLarge: unread when Content-Length says
@@ -193,6 +196,7 @@ class AccessLog:
                 )
                 return await response(scope, receive, sending)
             if body is not None:  # else the client left before its request was whole: nothing to answer
+                scope[BODY] = body  # for the error that names the field of an integer too long to read
                 await self.app(scope, _replay(body, receive), sending)
         finally:
             finished()  # a request that ended without its last body (the client left, an error)

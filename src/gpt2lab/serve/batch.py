@@ -13,7 +13,7 @@ steps the worker lets rows join and leave:
   them (the requests of a burst no longer wait for one prefill after another);
 * each step then runs one forward of (rows, 1) tokens over ``RowsCache``: row i at its own
   position, attending to its own keys only (a per-row mask over the padded length);
-* where the model has gpt2lab's fused step (``FusedDecodeGPT.step_rows``: a GPT-2 held with the
+* where the model has gpt2lab's fused step (``HeldGPT.step_rows``: a GPT-2 held with the
   compiled kernel on a CPU), new rows' whole prompts instead join that step as rows of their own
   cache slots, as many as fit in one ``prefill_chunk`` (the mixed step): the weights are read once
   for the running rows' next tokens and the prompts together, and the running streams do not stop

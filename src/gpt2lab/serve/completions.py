@@ -15,6 +15,7 @@ from gpt2lab.inference import chat
 from gpt2lab.inference.completion import (
     PromptError,
     Sampling,
+    StopString,
     TokenText,
     check_ids,
     encode_prompt,
@@ -169,6 +170,7 @@ class Completion:
             [req.seed] * len(self.prompts) if req.seed is not None else [secrets.randbelow(2**63) for _ in self.prompts]
         )
         self.n = req.n or 1
+        stops = [StopString(s) for s in stops if s]  # matched incrementally, shared by the request's choices
         self.work = Work(self.prompts, self.sampling, n=self.n, seeds=seeds, stops=stops, echo=echo, logprobs=logprobs)
         self.created = int(time.time())
 

@@ -14,7 +14,7 @@ and no one is served. So (``guarded``, a subclass of the protocol class uvicorn 
   deadline (asgi.BODY_TIMEOUT_S).
 - **connection cap**: past ``--max-connections`` open at once, a new connection gets a 503 and is
   closed at once, freeing its descriptor; the listen queue holds the rest. The default fits the
-  process's open-file limit (``resolve``).
+  process's open-file limit (``with_cap``).
 - **quiet**: the cap reached, heads timed out, an accept out of open files: each is one warning line
   (logger ``gpt2lab.serve.connections``), then at most one a minute with the count since.
 """
@@ -77,7 +77,7 @@ def backlog(limit: Optional[int]) -> int:
     return BACKLOG if limit is None else max(16, min(BACKLOG, limit // 16))
 
 
-def resolve(options: Connections, limit: Optional[int] = None, held: Optional[int] = None) -> Connections:
+def with_cap(options: Connections, limit: Optional[int] = None, held: Optional[int] = None) -> Connections:
     """``options`` with ``max_connections`` set: by default the open-file ``limit`` less the descriptors
     ``held`` now, IN_FLIGHT backlogs and SPARE_FILES (None without a limit); a cap the limit cannot hold
     is a UsageError naming --max-connections. ``limit`` and ``held`` default to this process's."""
@@ -192,7 +192,7 @@ class _Guard:
 
 def guarded(base: type, options: Connections, say: Say, dropped) -> type:
     """``base`` (uvicorn's HTTP protocol class) with the head deadline and the cap of ``options``
-    (``resolve``d); each connection closed early is counted in ``dropped`` by its reason."""
+    (``with_cap``d); each connection closed early is counted in ``dropped`` by its reason."""
     return type(f"Guarded{base.__name__}", (_Guard, base), {"options": options, "say": say, "dropped": dropped})
 
 

@@ -69,7 +69,7 @@ def completion_events(
     *,
     n: int,
     seeds: list[int],
-    stops: list[str],
+    stops: list,
     echo: list[str],
     logprobs: Optional[int] = None,
 ) -> Iterator[Union[Text, Finish]]:
@@ -120,7 +120,7 @@ class Work:
     sampling: Sampling
     n: int
     seeds: list[int]  # one per prompt: the request's seed for each, or each its own random one
-    stops: list[str]
+    stops: list  # the stop strings (str, or completion.StopString shared by the choices)
     echo: list[str]  # each prompt's text when echo is on, else []
     logprobs: Optional[int] = None  # report log-probabilities with this many top tokens (None: none)
 

@@ -20,6 +20,19 @@ def model_names(specs: list[str]) -> dict[str, str]:
     return out
 
 
+def check_source(spec: str) -> None:
+    """A WeightsError naming ``--model spec`` (a CheckpointError: its own) where ``spec`` is no model source."""
+    from gpt2lab.system.errors import CheckpointError
+    from gpt2lab.weights.load import WeightsError, model_source, named
+
+    try:
+        model_source(spec)
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError) as e:  # as load_model says it
+        raise WeightsError(named("--model", spec, e)) from e
+
+
 def load_workers(
     specs: list[str], device_name: str, request=None, limits: Limits | None = None, deterministic: bool = False
 ) -> dict:
@@ -47,9 +60,12 @@ def load_workers(
     else:
         request = dataclasses.replace(request, workload="serve", rows=limits.max_batch)
     check_request(request, device)  # a --dtype or --quantize this device cannot run fails before loading
+    names = model_names(specs)
+    for path in names.values():  # every source read (not its weights) before any is loaded and measured
+        check_source(path)
     worker = TurnsWorker if deterministic else BatchWorker
     workers = {}
-    for name, path in model_names(specs).items():
+    for name, path in names.items():
         model, decision = load_for_inference(path, device, request, f"gpt2lab serve: {name}")
         workers[name] = worker(name, model, device, limits, decision=decision)
     return workers

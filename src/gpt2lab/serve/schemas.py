@@ -5,7 +5,9 @@ no text anywhere in a body (a key or a value) with a lone UTF-16 surrogate (``lo
 
 from __future__ import annotations
 
+import json
 import re
+import sys
 from typing import Optional, Union
 
 from fastapi.exceptions import RequestValidationError
@@ -171,3 +173,42 @@ def validation_error(exc: RequestValidationError) -> APIError:
         field = re.sub(r".*[.\]]", "", where)  # "messages[0].content" -> "content"
         msg = f"expected {UNIONS.get(field, 'another type')}"
     return APIError(400, f"{where or 'body'}: {msg} (got {first.get('input')!r})", param=where or None)
+
+
+_BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+
+
+def huge_integer(body: bytes, route: str) -> Optional[APIError]:
+    """A body FastAPI could not read for an integer past the digits Python reads from text (a bound on the
+    cost of reading it), as one error naming the field and what it takes; None for any other body."""
+
+    class Huge(int):
+        pass
+
+    digits: list[int] = []
+
+    def read_int(text: str) -> int:
+        if len(text.lstrip("-")) <= sys.get_int_max_str_digits():
+            return int(text)
+        digits.append(len(text.lstrip("-")))
+        return Huge()
+
+    try:
+        data = json.loads(body, parse_int=read_int)
+    except ValueError:
+        return None
+    if not digits or not isinstance(data, dict):
+        return None
+
+    def holds(v) -> bool:
+        inner = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()
+        return isinstance(v, Huge) or any(holds(x) for x in inner)
+
+    field = next(k for k, v in data.items() if holds(v))
+    info = (ChatRequest if route.endswith("/chat/completions") else CompletionRequest).model_fields.get(field)
+    metadata = info.metadata if info else ()
+    bounds = [f"{op} {getattr(m, k)}" for m in metadata for k, op in _BOUNDS.items() if hasattr(m, k)]
+    takes = (
+        f"an integer {' and '.join(bounds)}" if bounds else f"integers of at most {sys.get_int_max_str_digits()} digits"
+    )
+    return APIError(400, f"{field}: an integer of {digits[0]} digits; {field} takes {takes}", param=field)

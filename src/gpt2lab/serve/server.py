@@ -94,9 +94,9 @@ def make_server(workers: dict[str, Worker], sock: socket.socket, connections: Op
     import uvicorn
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-    from gpt2lab.serve.connections import GuardedServer, Say, backlog, guarded, open_file_limit, resolve
+    from gpt2lab.serve.connections import GuardedServer, Say, backlog, guarded, open_file_limit, with_cap
 
-    connections = resolve(connections or Connections())
+    connections = with_cap(connections or Connections())
     say = Say()
     app = create_app(workers, host=sock.getsockname()[0], allowed_hosts=connections.allowed_hosts)
     config = uvicorn.Config(

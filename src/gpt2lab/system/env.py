@@ -3,7 +3,8 @@
 gpt2lab's own: ``GPT2LAB_DEBUG`` (tracebacks), ``GPT2LAB_PROBE`` (``0`` never measures, ``fresh``
 measures again), ``GPT2LAB_CACHE`` (the cache directory), ``GPT2LAB_FAKE_FACTS`` (a dry run's made-up
 machine). Others': torchrun's ranks, Hugging Face's offline switches, ``XDG_CACHE_HOME``, ``CXX``
-and the instruction-set caps of the CPU kernels.
+the instruction-set caps of the CPU kernels and
+OpenMP's thread count and wait policy.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ OFFLINE = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 # says nothing of the others.
 ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
 _TRUE = ("1", "ON", "YES", "TRUE")
+# OpenMP's: how waiting threads wait (the user's own stand; else system/runtime.py's choose_wait decides).
+WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def _get(name: str, default: str = "") -> str:
@@ -90,6 +93,16 @@ def launch() -> Launch:
         nodes=int(_get("GROUP_WORLD_SIZE", "1") or 1),
         elastic=_get("TORCHELASTIC_RUN_ID", None) is not None,
     )
+
+
+def openmp() -> dict[str, str]:
+    """OpenMP's thread count and wait settings that are set, by name."""
+    return {v: _get(v) for v in ("OMP_NUM_THREADS", *WAIT_SETTINGS) if _get(v)}
+
+
+def set_wait_policy(value: str) -> None:
+    """OMP_WAIT_POLICY for this process, for OpenMP to read as torch loads it."""
+    os.environ["OMP_WAIT_POLICY"] = value
 
 
 def cxx() -> str:

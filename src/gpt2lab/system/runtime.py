@@ -240,14 +240,14 @@ def measure_matmul(device, n: int = PROBE_N, seconds: float = PROBE_SECONDS) -> 
     def rate(dtype) -> float:
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
-        _sync(device)
+        sync(device)
         a @ b
-        _sync(device)
+        sync(device)
         calls, t0 = 0, time.perf_counter()
         while True:
             a @ b
             calls += 1
-            _sync(device)
+            sync(device)
             dt = time.perf_counter() - t0
             if dt >= seconds:
                 return 2 * n**3 * calls / dt / 1e9
@@ -269,21 +269,25 @@ def measure_read_bandwidth(device, nbytes: int = READ_BYTES, repeats: int = 5, c
     x = torch.ones(nbytes // 4, device=device, dtype=torch.float32)
     best = float("inf")
     for i in range(repeats + 1):
-        _sync(device)
+        sync(device)
         t0 = clock()
         x.sum()
-        _sync(device)
+        sync(device)
         seconds = clock() - t0
         if i:  # the first call pages the buffer in and warms the kernel
             best = min(best, seconds)
     return round(x.numel() * 4 / best / 1e9, 1)
 
 
-def _sync(device) -> None:
+def sync(device) -> None:
+    """Wait for ``device``'s queued work (CUDA, MPS; a CPU's is done), before a clock is read."""
     import torch
 
-    if torch.device(device).type == "cuda":
+    device = torch.device(device)
+    if device.type == "cuda":
         torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
 
 
 def cached_cpu_probe(cache_dir: Optional[str] = None) -> Optional[Probe]:
@@ -295,7 +299,7 @@ def cached_cpu_probe(cache_dir: Optional[str] = None) -> Optional[Probe]:
         return None
     import torch
 
-    path = os.path.join(cache_dir or _cache_dir(), f"cpu-probe-{_machine_key()}.json")
+    path = os.path.join(cache_dir or env.cache_dir(), f"cpu-probe-{machine_key()}.json")
     try:
         with open(path) as fh:
             return Probe(**json.load(fh))
@@ -313,11 +317,7 @@ def cached_cpu_probe(cache_dir: Optional[str] = None) -> Optional[Probe]:
     return probe
 
 
-def _cache_dir() -> str:
-    return env.cache_dir()
-
-
-def _machine_key() -> str:
+def machine_key() -> str:
     """What a probe's answer depends on: the CPU, its flags, torch, threads and the kernels' ISA caps."""
     import torch
 
@@ -405,6 +405,83 @@ def resolve(
         facts,
         choose_ns_dtype(ns_dtype, facts) if ns_dtype is not None else None,
     )
+
+
+# -- how waiting CPU threads wait: decided as a command starts, by what the machine is doing -------------
+# PyTorch's threads and gpt2lab's compiled kernels share one OpenMP runtime (the libgomp torch loads), which
+# reads its wait policy once, when torch is imported. By default a thread whose share of a parallel region is
+# done spins a while before it sleeps: on an idle machine the next region starts at once (a decode step is
+# hundreds of them), on a busy one each spinning thread holds a core that another process is waiting for
+# (docs/benchmarks.md, "Beside other work"). The threads' count is left as it is: fp32 products round
+# otherwise on another count, and a seeded text must not depend on the machine's load.
+WAIT_SETTINGS = env.WAIT_SETTINGS  # the user's own, which stand
+
+
+@dataclass(frozen=True)
+class Load:
+    """What the machine is doing as a command starts (``machine_load``)."""
+
+    cores: int  # the CPUs this process may run on
+    threads: int  # the threads of its parallel regions (OMP_NUM_THREADS, else one a core)
+    others: int  # threads of other processes running or waiting for a core (the median of a few looks)
+    asked: str = ""  # the user's own wait settings ("OMP_WAIT_POLICY=active"), which stand
+
+
+def choose_wait(load: Load) -> Choice:
+    """OMP_WAIT_POLICY for this process (None: OpenMP's default, spinning a while): PASSIVE where its threads
+    and the others' outnumber the cores, so that a thread with nothing to do gives its core up at once."""
+    if load.asked:
+        return Choice(None, f"as set ({load.asked})")
+    if load.others + load.threads > load.cores:
+        return Choice(
+            "PASSIVE",
+            f"threads sleep while they wait: {load.others} other thread{'s' * (load.others > 1)} running, "
+            f"{load.threads} of ours on {load.cores} cores",
+        )
+    return Choice(None, f"threads spin while they wait: nothing else running on {load.cores} cores")
+
+
+def _running(stat: str = "/proc/stat") -> Optional[int]:
+    """Threads running or runnable on the machine now (Linux's procs_running), this one among them."""
+    try:
+        with open(stat) as fh:
+            return next(int(line.split()[1]) for line in fh if line.startswith("procs_running "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def machine_load(looks: int = 5, gap_s: float = 0.005, running=_running, settings=None) -> Load:
+    """This machine's ``Load`` now: ``looks`` reads of the threads running, ``gap_s`` apart (a process that
+    ran for a moment is not a busy machine); ``settings``: the OpenMP variables (``env.openmp()``)."""
+    settings = env.openmp() if settings is None else settings
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = settings.get("OMP_NUM_THREADS", "").split(",")[0]
+    seen = []
+    for i in range(looks):
+        if i:
+            time.sleep(gap_s)
+        n = running()
+        if n is not None:
+            seen.append(n - 1)  # not this thread
+    asked = ", ".join(f"{v}={settings[v]}" for v in WAIT_SETTINGS if settings.get(v))
+    others = sorted(seen)[len(seen) // 2] if seen else 0
+    return Load(cores, int(threads) if threads.isdigit() and int(threads) > 0 else cores, max(0, others), asked)
+
+
+WAIT: Optional[Choice] = None  # this process's wait policy, where a command decided it (set_wait_policy)
+
+
+def set_wait_policy() -> None:
+    """Decide how this process's threads wait (``choose_wait``) and set it for OpenMP to read: before torch
+    is imported (the command line does, first), else nothing is decided (OpenMP has read its settings)."""
+    global WAIT
+    import sys
+
+    if "torch" in sys.modules:
+        return
+    WAIT = choose_wait(machine_load())
+    if WAIT.value:
+        env.set_wait_policy(WAIT.value)
 
 
 def inference_dtype(device, requested: str = "auto", command: str = "gpt2lab") -> str:
