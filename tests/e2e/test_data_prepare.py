@@ -20,7 +20,7 @@ import gpt2lab.data.prepare as prep
 import gpt2lab.data.writer as shard_writer
 from gpt2lab.cli import main
 from gpt2lab.data.prepare import prepare
-from gpt2lab.data.shards import MANIFEST, ShardError
+from gpt2lab.data.shards import MANIFEST_FILE, ShardError
 from gpt2lab.data.shards import write_shard as real_write_shard
 from gpt2lab.data.sources import SourceError, resolve_source
 from gpt2lab.data.tokenizer import EOT_ID, asset_path, gpt2_tokenizer
@@ -159,7 +159,7 @@ def test_a_source_file_edited_in_place_is_named_and_never_mixed_in(tmp_path, mon
         with pytest.raises(KeyboardInterrupt):
             prepare(str(d), str(tmp_path / "out"), **kw)
         monkeypatch.setattr(shard_writer, "write_shard", real_write_shard)
-    path = tmp_path / "out" / MANIFEST
+    path = tmp_path / "out" / MANIFEST_FILE
     old = json.loads(path.read_text())
     assert len(old["files"]) >= 2 and old["files"][1]["path"] == str(d / "b.jsonl")  # shards hold some of b
     kept = [s["name"] for s in old["shards"] if s["resume"]["tokens"] < old["files"][1]["first_token"]]
@@ -657,12 +657,12 @@ def test_prepare_removes_its_own_stopped_temporaries_and_no_one_elses(tmp_path, 
     monkeypatch.setattr(shard_writer, "write_shard", real_write_shard)
     (out / "keep.tmp").write_text("someone else's")
     (out / "shard_000001.bin.tmp").write_bytes(b"not gpt2lab's name")
-    (out / f".tmp_{MANIFEST}_{DEAD_PID}").write_text("{")
+    (out / f".tmp_{MANIFEST_FILE}_{DEAD_PID}").write_text("{")
     with pytest.warns(UserWarning, match="removed 2 temporary file"):  # the crash's half shard too
         prepare(src, str(out), **kw)
     assert (out / "keep.tmp").read_text() == "someone else's"
     assert (out / "shard_000001.bin.tmp").read_bytes() == b"not gpt2lab's name"
-    assert not (out / f".tmp_{MANIFEST}_{DEAD_PID}").exists()
+    assert not (out / f".tmp_{MANIFEST_FILE}_{DEAD_PID}").exists()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the pool forks its workers on Linux only")

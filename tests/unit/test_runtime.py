@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from gpt2lab.system import runtime
+from gpt2lab.system import env, runtime
 from gpt2lab.system.runtime import ChoiceError, Facts, Probe, choose_compile, choose_dtype
 
 # Rates like the two CPUs of docs/benchmarks.md: an Intel Xeon without AVX512_BF16 (bf16 emulated)
@@ -200,9 +200,9 @@ def test_the_command_line_sets_the_policy_before_openmp_reads_it():
         "from gpt2lab.inference.choice import InferenceFacts, InferenceRequest, choose\n"
         "print(choose(InferenceRequest(), InferenceFacts('cpu')).record()['threads_wait'])\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in runtime.WAIT_SETTINGS}
+    clean = {k: v for k, v in os.environ.items() if k not in env.WAIT_SETTINGS}
     p = subprocess.run(
-        [sys.executable, "-c", code], env={**env, "OMP_DISPLAY_ENV": "verbose"}, capture_output=True, text=True
+        [sys.executable, "-c", code], env={**clean, "OMP_DISPLAY_ENV": "verbose"}, capture_output=True, text=True
     )
     assert p.returncode == 0, p.stderr
     assert "GOMP_SPINCOUNT = '0'" in p.stderr

@@ -21,7 +21,7 @@ from typing import Dict, Optional
 
 from gpt2lab.data import chat
 from gpt2lab.data.shards import (
-    MANIFEST,
+    MANIFEST_FILE,
     MANIFEST_FORMAT,
     MANIFEST_VERSION,
     ShardError,
@@ -69,7 +69,7 @@ def start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: TextSour
     (``--val-tokens``) is taken from the earlier run, so a rerun after the source lost a
     file is not refused over a value nobody typed.
     """
-    path = out / MANIFEST
+    path = out / MANIFEST_FILE
     if not path.exists():
         return fresh_manifest(settings, tok)
     try:
@@ -164,13 +164,13 @@ def _roll_back(out: Path, manifest: Dict, i: int) -> None:
 
 def _check_done_shard(path: Path, tokens: int) -> None:
     if not path.exists():
-        raise ShardError(f"{path}: listed in {MANIFEST} but missing; delete {path.parent} and prepare again")
+        raise ShardError(f"{path}: listed in {MANIFEST_FILE} but missing; delete {path.parent} and prepare again")
     if read_header(path) != tokens:
-        raise ShardError(f"{path}: token count differs from {MANIFEST}; delete {path.parent} and prepare again")
+        raise ShardError(f"{path}: token count differs from {MANIFEST_FILE}; delete {path.parent} and prepare again")
 
 
 def save_manifest(out: Path, manifest: Dict) -> None:
-    write_json(str(out / MANIFEST), manifest, indent=1)
+    write_json(str(out / MANIFEST_FILE), manifest, indent=1)
 
 
 def finish_manifest(manifest: Dict) -> None:

@@ -173,7 +173,7 @@ def check_vocab(path: PathLike, tokens: np.ndarray, vocab_size: int) -> None:
 
 
 # -- the manifest data/manifest.py writes beside the shards ------------------------------------
-MANIFEST = rundir.DATA_MARKER  # manifest.json: the directory's owner mark (system.rundir)
+MANIFEST_FILE = rundir.DATA_MARKER  # manifest.json: the directory's owner mark (system.rundir)
 MANIFEST_FORMAT = rundir.DATA_FORMAT
 MANIFEST_VERSION = formats.MANIFEST.version
 
@@ -182,7 +182,7 @@ def read_manifest(data_dir: PathLike) -> dict:
     """``data_dir``'s manifest.json ({} where there is none, or no such directory); an unreadable
     one, one of another format version, or one whose ``gpt2lab prepare`` has not finished is a
     ShardError naming it."""
-    path = Path(data_dir) / MANIFEST
+    path = Path(data_dir) / MANIFEST_FILE
     if not path.is_file():
         return {}
     try:

@@ -359,11 +359,11 @@ def chat_data(data: Optional[str], model: str) -> tuple[str, Optional[str]]:
     (data/held_out.py), or, with no ``data``, those of the prepared data the run ``model`` trained on.
     What cannot be found is a UsageError in one line saying what to pass."""
     from gpt2lab.data.held_out import HELD_OUT, held_out_file
-    from gpt2lab.data.shards import MANIFEST
+    from gpt2lab.data.shards import MANIFEST_FILE
     from gpt2lab.system.errors import UsageError
 
     if data is not None:
-        if not os.path.isfile(os.path.join(data, MANIFEST)):
+        if not os.path.isfile(os.path.join(data, MANIFEST_FILE)):
             return data, None
         found = held_out_file(data)
         if found is None:

@@ -100,7 +100,7 @@ def openmp() -> dict[str, str]:
     return {v: _get(v) for v in ("OMP_NUM_THREADS", *WAIT_SETTINGS) if _get(v)}
 
 
-def set_wait_policy(value: str) -> None:
+def put_wait_policy(value: str) -> None:
     """OMP_WAIT_POLICY for this process, for OpenMP to read as torch loads it."""
     os.environ["OMP_WAIT_POLICY"] = value
 

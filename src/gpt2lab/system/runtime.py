@@ -414,7 +414,6 @@ def resolve(
 # hundreds of them), on a busy one each spinning thread holds a core that another process is waiting for
 # (docs/benchmarks.md, "Beside other work"). The threads' count is left as it is: fp32 products round
 # otherwise on another count, and a seeded text must not depend on the machine's load.
-WAIT_SETTINGS = env.WAIT_SETTINGS  # the user's own, which stand
 
 
 @dataclass(frozen=True)
@@ -463,7 +462,7 @@ def machine_load(looks: int = 5, gap_s: float = 0.005, running=_running, setting
         n = running()
         if n is not None:
             seen.append(n - 1)  # not this thread
-    asked = ", ".join(f"{v}={settings[v]}" for v in WAIT_SETTINGS if settings.get(v))
+    asked = ", ".join(f"{v}={settings[v]}" for v in env.WAIT_SETTINGS if settings.get(v))
     others = sorted(seen)[len(seen) // 2] if seen else 0
     return Load(cores, int(threads) if threads.isdigit() and int(threads) > 0 else cores, max(0, others), asked)
 
@@ -481,7 +480,7 @@ def set_wait_policy() -> None:
         return
     WAIT = choose_wait(machine_load())
     if WAIT.value:
-        env.set_wait_policy(WAIT.value)
+        env.put_wait_policy(WAIT.value)
 
 
 def inference_dtype(device, requested: str = "auto", command: str = "gpt2lab") -> str:
