@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import tiny_gpt
 
-from gpt2lab.inference.completion import StopString
-from gpt2lab.serve.engine import Job, QueueFull, StopFilter, Work, Worker
+from gpt2lab.inference.completion import StopFilter, StopString
+from gpt2lab.serve.engine import Job, QueueFull, Work, Worker
 from gpt2lab.serve.limits import Limits
 
 

@@ -329,3 +329,28 @@ class StopFilter:
 
     def flush(self) -> str:
         return self._emit(self.held)
+
+
+class SampleText:
+    """One sample's text token by token, and the one rule of where it ends (both of serve's workers): at
+    ``model``'s end token (when ``sampling.stop_at_eot``), where a stop string is reached (StopFilter) or after
+    ``max_new_tokens``. ``reason``: None while it goes on, then "stop" or "length"; ``tokens``: those sampled
+    (the end token is none of them)."""
+
+    def __init__(self, model: GPT, sampling: Sampling, stops: list) -> None:
+        self.text, self.stop, self.tokens, self.reason = TokenText(model), StopFilter(stops), 0, None
+        self.end, self.limit = end_token(model) if sampling.stop_at_eot else None, sampling.max_new_tokens
+
+    def feed(self, t: Optional[int]) -> tuple[Optional[str], list[str]]:
+        """(The text token ``t`` adds, None for the end token or None (the text ended before it); the texts
+        that close the sample once it ends, [] while it goes on)."""
+        piece = None
+        if t is not None and t != self.end:
+            self.tokens += 1
+            piece, hit = self.stop.feed(self.text.feed(t))
+            if hit or self.tokens < self.limit:
+                self.reason = "stop" if hit else None
+                return piece, []
+        text, hit = self.stop.feed(self.text.flush())
+        self.reason = "length" if not hit and self.tokens == self.limit else "stop"
+        return piece, [text] * bool(text) + ([] if hit else [self.stop.flush()])  # '' once a stop string cut it

@@ -42,11 +42,11 @@ from typing import Iterator, Optional
 
 import torch
 
-from gpt2lab.inference.completion import TokenLogprob, TokenText, end_token, seeded_generator, token_logprobs
+from gpt2lab.inference.completion import SampleText, TokenLogprob, seeded_generator, token_logprobs
 from gpt2lab.inference.fused import prompt_rows
 from gpt2lab.model.gpt import KVCache
 from gpt2lab.model.sampling import sample_next, top_k_rows
-from gpt2lab.serve.engine import Finish, Job, StopFilter, Text, Worker, deliver
+from gpt2lab.serve.engine import Finish, Job, Text, Worker, deliver
 
 
 class RowsCache:
@@ -154,8 +154,7 @@ class Row:
         r = self.job.request
         self.sample += 1
         self.index = self.p * r.n + self.sample
-        self.tokens = 0
-        self.stop, self.text = StopFilter(r.stops), TokenText(self.model)
+        self.out = SampleText(self.model, r.sampling, r.stops)  # its text, and where it ends
         self.cache: Optional[KVCache] = None  # the prompt's, while it is being run
         self.last: Optional[int] = None  # the token to feed next
         self.scored: list[TokenLogprob] = [TokenLogprob(self.ids[0], None)]  # the prompt's, with scores_prompt
@@ -414,26 +413,16 @@ class BatchWorker(Worker):
         """Send what token ``t`` (log-probability ``lp``) adds to ``row``'s text; False once this
         sample ended (the row then leaves the batch: for good, or to run its prompt again for its
         next sample)."""
-        s = row.job.request.sampling
-        if not (s.stop_at_eot and t == end_token(self.model)):
-            row.tokens += 1
+        piece, tail = row.out.feed(t)
+        if piece is not None:
             self._token(row.job, row.index)
-            text, hit = row.stop.feed(row.text.feed(t))
-            row.job.send(Text(row.index, text, True, None if lp is None else [lp]))
-            if not hit and row.tokens < s.max_new_tokens:
-                row.last = t
-                return True
-            if hit:
-                row.job.send(Finish(row.index, "stop", row.tokens))
-                self._sample_done(row)
-                return False
-        text, hit = row.stop.feed(row.text.flush())  # as completion_events ends a sample
-        if text:
+            row.job.send(Text(row.index, piece, True, None if lp is None else [lp]))
+        for text in tail:
             row.job.send(Text(row.index, text))
-        if not hit:
-            row.job.send(Text(row.index, row.stop.flush()))
-        reason = "length" if not hit and row.tokens == s.max_new_tokens else "stop"
-        row.job.send(Finish(row.index, reason, row.tokens))
+        if row.out.reason is None:
+            row.last = t
+            return True
+        row.job.send(Finish(row.index, row.out.reason, row.out.tokens))
         self._sample_done(row)
         return False
 

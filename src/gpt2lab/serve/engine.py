@@ -27,8 +27,8 @@ import torch
 
 from gpt2lab.inference.choice import Decision
 from gpt2lab.inference.completion import (
+    SampleText,
     Sampling,
-    StopFilter,
     TokenLogprob,
     score_prompt,
     seeded_generator,  # noqa: F401
@@ -82,22 +82,17 @@ def completion_events(
         generator = seeded_generator(device, seeds[p])
         scored = score_prompt(model, ids, logprobs) if echo and logprobs is not None else None
         for i in range(n):
-            index, tokens, stop = p * n + i, 0, StopFilter(stops)
+            index, sample = p * n + i, SampleText(model, sampling, stops)
             if echo:
                 yield Text(index, echo[p], logprobs=scored)
-            reason = None
-            for tok, piece, lp in stream_text(model, ids, sampling, generator, logprobs):
-                tokens += tok is not None
-                text, hit = stop.feed(piece)
-                if text or tok is not None:  # one event per token keeps the turns one token long
-                    yield Text(index, text, tok is not None, None if lp is None else [lp])
-                if hit:
-                    reason = "stop"
+            for tok, _, lp in stream_text(model, ids, sampling, generator, logprobs):
+                piece, tail = sample.feed(tok)  # one event per token keeps the turns one token long
+                if piece is not None:
+                    yield Text(index, piece, True, None if lp is None else [lp])
+                yield from (Text(index, text) for text in tail)
+                if sample.reason:
+                    yield Finish(index, sample.reason, sample.tokens)
                     break
-            if reason is None:
-                yield Text(index, stop.flush())
-                reason = "length" if tokens == sampling.max_new_tokens else "stop"
-            yield Finish(index, reason, tokens)
 
 
 class QueueFull(Exception):
