@@ -61,7 +61,7 @@ def test_ddp_two_processes_equal_one_with_double_accumulation(one_and_ddp):
     for step in one:
         assert abs(one[step] - two[step]) < 1e-5, (step, one[step], two[step])
     assert one[3] < one[0]  # it trained
-    assert "2 process(es), 2 micro-steps/step" in proc.stdout
+    assert "x 2 process(es) x 2 micro-steps" in proc.stdout
     assert "1 process(es)" not in proc.stdout  # rank 1 printed nothing
     val_one, val_two = val_losses(one_dir), val_losses(two_dir)
     assert sorted(val_one) == sorted(val_two) == [0, 2, 4]  # every eval_interval and the end
@@ -226,7 +226,7 @@ def test_muon_ddp_two_processes_equal_one_with_double_accumulation(tiny_data, tm
     fields = dict(data=tiny_data, **DIST_FIELDS, **MUON_FIELDS)
     run_train(out=str(tmp_path / "one"), **fields)
     proc = _torchrun(tmp_path / "ddp", strategy="ddp", check_interval=3, **fields)
-    assert "2 process(es), 2 micro-steps/step" in proc.stdout
+    assert "x 2 process(es) x 2 micro-steps" in proc.stdout
     one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "ddp")
     assert sorted(one) == sorted(two) == [0, 1, 2, 3]
     for step in one:
@@ -348,7 +348,7 @@ def _two_processes_equal_one(tmp_path, fields: dict, strategy: str) -> None:
     """``fields`` trained on one process and on two (``strategy``): the same loss at each of 4 steps."""
     run_train(out=str(tmp_path / "one"), **fields)
     proc = _torchrun(tmp_path / "ddp", strategy=strategy, **fields)
-    assert "2 process(es), 2 micro-steps/step" in proc.stdout
+    assert "x 2 process(es) x 2 micro-steps" in proc.stdout
     one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "ddp")
     assert sorted(one) == sorted(two) == [0, 1, 2, 3]
     for step in one:

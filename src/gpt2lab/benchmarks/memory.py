@@ -303,19 +303,13 @@ def search(args: argparse.Namespace) -> dict:
         print(json.dumps(rec), flush=True)
         return rec
 
-    tries, good, bad, B = [], 0, None, 1
-    while B <= args.max_batch:  # doubling
-        rec = attempt(B)
-        tries.append(rec)
-        if not rec["fits"]:
-            bad = B
-            break
-        good, B = B, 2 * B
-    while bad is not None and bad - good > 1:  # bisection
-        mid = (good + bad) // 2
-        rec = attempt(mid)
-        tries.append(rec)
-        good, bad = (mid, bad) if rec["fits"] else (good, mid)
+    tries: list[dict] = []  # doubling until one does not fit, then a bisection
+
+    def fits(B: int) -> bool:
+        tries.append(attempt(B))
+        return tries[-1]["fits"]
+
+    good = memplan.largest_fitting(fits, args.max_batch)
     return {
         "size": args.size,
         "seq_len": args.seq_len,

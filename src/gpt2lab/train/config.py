@@ -336,7 +336,7 @@ class CheckpointConfig(_Section):
 class LoggingConfig(_Section):
     log_interval: int = _f(1, "steps between console lines (metrics.jsonl gets every step)", AT_LEAST_1)
     tensorboard: bool = _f(False, "also write TensorBoard events to OUT/tensorboard")
-    progress: bool = _f(True, "show a progress bar on rank 0")
+    progress: bool = _f(True, "show a progress bar on rank 0 where stderr is a terminal (never in a redirected log)")
     wandb_project: Optional[str] = _f(
         None,
         "also log to this Weights & Biases project (rank 0; needs "

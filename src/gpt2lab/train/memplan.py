@@ -342,7 +342,7 @@ def largest_micro_batches(
                 )
                 return predict(c, strategy=strategy, world_size=world_size, dtype=dtype, compiled=compiled).total
 
-            best = _largest(lambda B: parallel.fits(total_at(B), gpu_bytes), max_batch, powers_of_two)
+            best = largest_fitting(lambda B: parallel.fits(total_at(B), gpu_bytes), max_batch, powers_of_two)
             rows.append(
                 {
                     "strategy": strategy,
@@ -354,7 +354,7 @@ def largest_micro_batches(
     return rows
 
 
-def _largest(fits, cap: int, powers_of_two: bool = False) -> int:
+def largest_fitting(fits, cap: int, powers_of_two: bool = False) -> int:
     """Largest B in [1, cap] with fits(B) (fits is monotone), 0 if none: doubling, then bisection."""
     if not fits(1):
         return 0

@@ -182,26 +182,14 @@ def _train(plan: RunPlan, info: DistInfo, trainer: Trainer, resume_with: str = "
         start_step=trainer.step,
         log_interval=lg.log_interval,
         tensorboard=lg.tensorboard,
-        progress=lg.progress,
+        progress=lg.progress and sys.stderr.isatty(),  # never into a redirected log
         wandb_project=lg.wandb_project,
         wandb_run_name=lg.wandb_run_name,
         config=cfg.to_dict(),
     )
-    log.console(f"gpt2lab train: {plan.choices.summary()}")
-    log.console(
-        f"gpt2lab train: strategy {plan.strategy.value} ({plan.strategy.reason})"
-        + ("; activation checkpointing on" if cfg.parallel.activation_checkpointing else "")
-    )
-    log.console(f"gpt2lab train: loss {plan.loss.value} ({plan.loss.reason}); {plan_text.lines(plan)[-1]}")
-    log.console(f"gpt2lab train: export {plan_text.export(plan)}")
-    for choice in (plan.dtype, plan.compile):
-        if choice.warning:
-            log.console(f"gpt2lab train: warning: {choice.warning}")
-    log.console(
-        f"gpt2lab train: {trainer.raw.num_params():,} params, {info.world_size} process(es), "
-        f"{trainer.accum} micro-steps/step, steps {trainer.step}..{cfg.optim.max_steps}, out {cfg.out}"
-        + (f", resumed from {plan.resume}" if plan.resume else "")
-    )
+    for line in plan_text.lines(plan):  # the plan a --dry-run shows, each decision and its reason
+        log.console(f"gpt2lab train: {line}")
+    log.console(f"gpt2lab train: steps {trainer.step}..{cfg.optim.max_steps}, {trainer.accum} micro-steps/step")
     try:
         try:
             last = trainer.run(log)
