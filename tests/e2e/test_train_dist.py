@@ -102,7 +102,7 @@ def test_fsdp_two_processes_equal_one_process_and_ddp(one_and_ddp, tiny_data, tm
     assert [e[:2] for e in evals["fsdp"]] == [(0, 3), (0, None), (4, 3), (4, None)]
     assert evals["fsdp"] == evals["one"] == evals["ddp"]
     info = json.loads((tmp_path / "fsdp" / "run_info.json").read_text())
-    assert info["choices"]["strategy"] == "fsdp" and info["choices"]["activation_checkpointing"] is True
+    assert info["plan"]["strategy"]["value"] == "fsdp" and info["plan"]["activation_checkpointing"] is True
     # sharded: rank 0 holds half of every parameter (dim 0 split in two; every dim 0 here is even)
     assert (
         info["params_on_rank_0"] * 2
@@ -156,7 +156,7 @@ def test_kill_9_then_resume_keeps_where_an_init_from_run_began(tiny_data, tmp_pa
     last = step_of(list_checkpoints(str(out))[-1])
     run_train(resume="auto", **{**fields, "max_steps": last + 2})
     info = json.loads((out / "run_info.json").read_text())
-    assert info["resumed_from"].endswith(f"step_{last:06d}") and info["init_from"] == began
+    assert info["plan"]["resume"].endswith(f"step_{last:06d}")
     assert info["plan"]["init_from"] == began and info["plan"]["config"]["finetune"]["init_from"] == src
     newest = list_checkpoints(str(out))[-1]
     assert step_of(newest) == last + 2

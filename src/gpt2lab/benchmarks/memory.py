@@ -287,17 +287,13 @@ def search(args: argparse.Namespace) -> dict:
         pred = memplan.predict(cfg, dtype=args.dtype, accum=1, device=kind, compiled=compiled)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        trainer, fits = None, True
+        fits = True
         try:
             with tempfile.TemporaryDirectory() as tmp:
-                trainer = _trainer(cfg, info, tmp, 1)
-                for _ in range(args.steps):
-                    trainer.train_step()
+                _measure(cfg, args, info, tmp)  # the trainer is gone when it returns, or raises
         except torch.OutOfMemoryError:
             fits = False
-        del trainer
-        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        peak = _peak_bytes(device) / 2**30 if device.type == "cuda" else None
         rec = {"B": B, "fits": fits, "peak_gib": round(peak, 2) if peak is not None else None}
         rec["predicted_gib"] = round(tensor_mib(pred.to_dict(MiB)) / 1024, 2)  # tensors only, like the peak
         print(json.dumps(rec), flush=True)
