@@ -74,7 +74,7 @@ def test_fsdp_two_processes_equal_one_process_and_ddp(one_and_ddp, tiny_data, tm
     """FSDP2 (with activation checkpointing on) against the unsharded runs: losses, grad norms, evals."""
     one_dir, ddp_dir, _ = one_and_ddp
     proc = _torchrun(tmp_path / "fsdp", data=tiny_data, strategy="fsdp", activation_checkpointing=True, **DIST_FIELDS)
-    assert "strategy fsdp (asked for with --strategy fsdp); activation checkpointing on" in proc.stdout
+    assert "strategy  fsdp (asked for with --strategy fsdp); activation checkpointing on" in proc.stdout
     dirs = {"one": one_dir, "ddp": ddp_dir, "fsdp": tmp_path / "fsdp"}
     runs = {name: records(d) for name, d in dirs.items()}
     losses = {name: {r["step"]: r for r in recs if "train_loss" in r} for name, recs in runs.items()}
@@ -141,7 +141,7 @@ def test_kill_9_then_resume_keeps_where_an_init_from_run_began(tiny_data, tmp_pa
     wait_for(out / "checkpoints" / "step_000002", proc)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(timeout=30) == -signal.SIGKILL
-    began = json.loads((out / "run_info.json").read_text())["init_from"]
+    began = json.loads((out / "run_info.json").read_text())["plan"]["init_from"]
     digest = sha256_file(weights)
     assert began == {
         "source": src,
@@ -234,8 +234,8 @@ def test_muon_ddp_two_processes_equal_one_with_double_accumulation(tiny_data, tm
     assert one[3] < one[0]
     val_one, val_two = val_losses(tmp_path / "one"), val_losses(tmp_path / "ddp")
     assert all(abs(val_one[s] - val_two[s]) < 1e-5 for s in val_one)
-    choices = json.loads((tmp_path / "ddp" / "run_info.json").read_text())["choices"]
-    assert choices["muon_ns_dtype"] == "float32" and choices["muon_ns_dtype_reason"] == "asked for with --muon-ns-dtype"
+    plan = json.loads((tmp_path / "ddp" / "run_info.json").read_text())["plan"]
+    assert plan["muon_ns_dtype"] == {"value": "float32", "reason": "asked for with --muon-ns-dtype"}
 
 
 @pytest.mark.slow

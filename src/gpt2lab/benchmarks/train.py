@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:  # the runs' directories (nothing is written there)
         try:
             for i, name in enumerate(names):
-                side = recipes.get(name, cfg).with_values(out=f"{tmp}/{i}", init_from=None)
+                side = recipes.get(name, cfg).with_values(out=f"{tmp}/{i}")
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=_worker, args=(child, name, side, str(device), opts), daemon=True)
                 proc.start()

@@ -178,7 +178,10 @@ def _train(plan: RunPlan, info: DistInfo, trainer: Trainer, resume_with: str = "
     )
     for line in plan_text.lines(plan):  # the plan a --dry-run shows, each decision and its reason
         log.console(f"gpt2lab train: {line}")
-    log.console(f"gpt2lab train: steps {trainer.step}..{cfg.optim.max_steps}, {trainer.accum} micro-steps/step")
+    log.console(
+        f"gpt2lab train: steps {trainer.step}..{cfg.optim.max_steps}, {trainer.accum} micro-steps/step"
+        + (f", resumed from {plan.resume}" if plan.resume else "")
+    )
     try:
         try:
             last = trainer.run(log)
