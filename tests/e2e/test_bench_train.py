@@ -1,4 +1,5 @@
-"""gpt2lab bench train: its reference model is the same network, and the command runs end to end."""
+"""gpt2lab bench train: its reference model is the same network, and the command runs end to end (the preset's
+run, another recipe and the reference, in turn)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ def test_bench_train_cli_times_both_sides(tiny_data):  # noqa: F811
         "--preset",
         "shakespeare-cpu",
         *flags,
+        "--recipe",
+        "shakespeare-cpu:max_lr=1e-3,dtype=float32",
         "--reference",
         "--reference-compile",
         "false",
@@ -66,3 +69,6 @@ def test_bench_train_cli_times_both_sides(tiny_data):  # noqa: F811
     assert abs(res["tok_per_s"] - 128 / (res["ms_per_step"] / 1000)) < 0.5
     # the report divides the unrounded medians; its ms figures are rounded to 0.01 ms
     assert abs(res["speedup"] - res["reference_ms_per_step"] / res["ms_per_step"]) < 1e-3
+    (recipe,) = res["recipes"]  # timed in turn with the preset's run, round by round
+    assert recipe["recipe"] == "shakespeare-cpu:max_lr=1e-3,dtype=float32" and len(recipe["rounds_ms"]) == 2
+    assert abs(recipe["vs_preset"] - recipe["ms_per_step"] / res["ms_per_step"]) < 1e-2

@@ -69,7 +69,7 @@ def test_demo_preset_trains_in_fp32_end_to_end(tmp_path):
     )
     assert r.returncode == 0, r.stdout + r.stderr
     info = json.loads((out / "run_info.json").read_text())
-    assert info["choices"]["dtype"] == "float32" and info["choices"]["dtype_reason"] == "asked for with --dtype"
+    assert info["plan"]["dtype"] == {"value": "float32", "reason": "asked for with --dtype"}
     cfg = load_preset("shakespeare-cpu-fast")
     saved = json.loads((out / "config.json").read_text())
     assert info["params"] > 0 and saved["model"]["n_embd"] == cfg.model.n_embd

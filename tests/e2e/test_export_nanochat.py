@@ -44,7 +44,7 @@ def _train(preset: str, data: str, run: Path, steps: int, *extra: str):
 def test_the_demo_preset_exports_and_samples_the_same(tiny_data, tmp_path):  # noqa: F811
     run, hf_dir = tmp_path / "run", tmp_path / "hf"
     r = _train("shakespeare-cpu-fast", tiny_data, run, 3, "--sample-interval", "0")
-    assert "gpt2lab train: export Hugging Face NanoChatForCausalLM" in r.stdout  # said before the first step
+    assert "gpt2lab train: export    Hugging Face NanoChatForCausalLM" in r.stdout  # said before the first step
     assert json.loads((run / "run_info.json").read_text())["plan"]["export"] == "Hugging Face NanoChatForCausalLM"
     r = run_gpt2lab("export", str(run), str(hf_dir), env=env())
     assert r.returncode == 0, r.stderr

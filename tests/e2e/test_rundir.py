@@ -150,4 +150,4 @@ def test_second_train_refuses_readers_say_live_and_kill_9_then_resume(tiny_data,
     steps = sorted(int(p.name[5:]) for p in (run / "checkpoints").glob("step_*"))
     assert cli.main([*argv, *cli_args(data=tiny_data, out=str(run), max_steps=steps[-1] + 1), "--resume", "auto"]) == 0
     info = json.loads((run / "run_info.json").read_text())
-    assert info["resumed_from"].endswith(f"step_{steps[-1]:06d}") and rundir.holder(str(run)) is None
+    assert info["plan"]["resume"].endswith(f"step_{steps[-1]:06d}") and rundir.holder(str(run)) is None

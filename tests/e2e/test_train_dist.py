@@ -61,7 +61,7 @@ def test_ddp_two_processes_equal_one_with_double_accumulation(one_and_ddp):
     for step in one:
         assert abs(one[step] - two[step]) < 1e-5, (step, one[step], two[step])
     assert one[3] < one[0]  # it trained
-    assert "2 process(es), 2 micro-steps/step" in proc.stdout
+    assert "x 2 process(es) x 2 micro-steps" in proc.stdout
     assert "1 process(es)" not in proc.stdout  # rank 1 printed nothing
     val_one, val_two = val_losses(one_dir), val_losses(two_dir)
     assert sorted(val_one) == sorted(val_two) == [0, 2, 4]  # every eval_interval and the end
@@ -74,7 +74,7 @@ def test_fsdp_two_processes_equal_one_process_and_ddp(one_and_ddp, tiny_data, tm
     """FSDP2 (with activation checkpointing on) against the unsharded runs: losses, grad norms, evals."""
     one_dir, ddp_dir, _ = one_and_ddp
     proc = _torchrun(tmp_path / "fsdp", data=tiny_data, strategy="fsdp", activation_checkpointing=True, **DIST_FIELDS)
-    assert "strategy fsdp (asked for with --strategy fsdp); activation checkpointing on" in proc.stdout
+    assert "strategy  fsdp (asked for with --strategy fsdp); activation checkpointing on" in proc.stdout
     dirs = {"one": one_dir, "ddp": ddp_dir, "fsdp": tmp_path / "fsdp"}
     runs = {name: records(d) for name, d in dirs.items()}
     losses = {name: {r["step"]: r for r in recs if "train_loss" in r} for name, recs in runs.items()}
@@ -102,7 +102,7 @@ def test_fsdp_two_processes_equal_one_process_and_ddp(one_and_ddp, tiny_data, tm
     assert [e[:2] for e in evals["fsdp"]] == [(0, 3), (0, None), (4, 3), (4, None)]
     assert evals["fsdp"] == evals["one"] == evals["ddp"]
     info = json.loads((tmp_path / "fsdp" / "run_info.json").read_text())
-    assert info["choices"]["strategy"] == "fsdp" and info["choices"]["activation_checkpointing"] is True
+    assert info["plan"]["strategy"]["value"] == "fsdp" and info["plan"]["activation_checkpointing"] is True
     # sharded: rank 0 holds half of every parameter (dim 0 split in two; every dim 0 here is even)
     assert (
         info["params_on_rank_0"] * 2
@@ -141,7 +141,7 @@ def test_kill_9_then_resume_keeps_where_an_init_from_run_began(tiny_data, tmp_pa
     wait_for(out / "checkpoints" / "step_000002", proc)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(timeout=30) == -signal.SIGKILL
-    began = json.loads((out / "run_info.json").read_text())["init_from"]
+    began = json.loads((out / "run_info.json").read_text())["plan"]["init_from"]
     digest = sha256_file(weights)
     assert began == {
         "source": src,
@@ -156,7 +156,7 @@ def test_kill_9_then_resume_keeps_where_an_init_from_run_began(tiny_data, tmp_pa
     last = step_of(list_checkpoints(str(out))[-1])
     run_train(resume="auto", **{**fields, "max_steps": last + 2})
     info = json.loads((out / "run_info.json").read_text())
-    assert info["resumed_from"].endswith(f"step_{last:06d}") and info["init_from"] == began
+    assert info["plan"]["resume"].endswith(f"step_{last:06d}")
     assert info["plan"]["init_from"] == began and info["plan"]["config"]["finetune"]["init_from"] == src
     newest = list_checkpoints(str(out))[-1]
     assert step_of(newest) == last + 2
@@ -226,7 +226,7 @@ def test_muon_ddp_two_processes_equal_one_with_double_accumulation(tiny_data, tm
     fields = dict(data=tiny_data, **DIST_FIELDS, **MUON_FIELDS)
     run_train(out=str(tmp_path / "one"), **fields)
     proc = _torchrun(tmp_path / "ddp", strategy="ddp", check_interval=3, **fields)
-    assert "2 process(es), 2 micro-steps/step" in proc.stdout
+    assert "x 2 process(es) x 2 micro-steps" in proc.stdout
     one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "ddp")
     assert sorted(one) == sorted(two) == [0, 1, 2, 3]
     for step in one:
@@ -234,8 +234,8 @@ def test_muon_ddp_two_processes_equal_one_with_double_accumulation(tiny_data, tm
     assert one[3] < one[0]
     val_one, val_two = val_losses(tmp_path / "one"), val_losses(tmp_path / "ddp")
     assert all(abs(val_one[s] - val_two[s]) < 1e-5 for s in val_one)
-    choices = json.loads((tmp_path / "ddp" / "run_info.json").read_text())["choices"]
-    assert choices["muon_ns_dtype"] == "float32" and choices["muon_ns_dtype_reason"] == "asked for with --muon-ns-dtype"
+    plan = json.loads((tmp_path / "ddp" / "run_info.json").read_text())["plan"]
+    assert plan["muon_ns_dtype"] == {"value": "float32", "reason": "asked for with --muon-ns-dtype"}
 
 
 @pytest.mark.slow
@@ -348,7 +348,7 @@ def _two_processes_equal_one(tmp_path, fields: dict, strategy: str) -> None:
     """``fields`` trained on one process and on two (``strategy``): the same loss at each of 4 steps."""
     run_train(out=str(tmp_path / "one"), **fields)
     proc = _torchrun(tmp_path / "ddp", strategy=strategy, **fields)
-    assert "2 process(es), 2 micro-steps/step" in proc.stdout
+    assert "x 2 process(es) x 2 micro-steps" in proc.stdout
     one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "ddp")
     assert sorted(one) == sorted(two) == [0, 1, 2, 3]
     for step in one:

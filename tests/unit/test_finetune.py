@@ -290,7 +290,10 @@ def test_finetune_preset_lowers_held_out_loss(pretrained_run, tiny_data, tmp_pat
     assert saved["model"]["attn_pdrop"] == 0.1 and saved["model"]["block_size"] == 64
     info = json.loads((out / "run_info.json").read_text())
     weights = f"{pretrained_run}/checkpoints/step_000008/model.safetensors"
-    assert info["init_from"]["step"] == 8 and info["init_from"]["id"] == f"step 8, sha256:{sha256_file(weights)}"
+    assert (
+        info["plan"]["init_from"]["step"] == 8
+        and info["plan"]["init_from"]["id"] == f"step 8, sha256:{sha256_file(weights)}"
+    )
 
 
 # ---------------------------------------------------------------- bad input: one line, exit 2

@@ -378,7 +378,7 @@ def test_run_info_holds_the_plan_the_run_used(tiny_data, tmp_path):
     train(cfg, DistInfo(device=CPU))
     info = json.loads((tmp_path / "r" / "run_info.json").read_text())
     assert info["format"] == "gpt2lab-run" and info["plan"] == json.loads(json.dumps(expect))
-    assert info["choices"]["dtype"] == info["plan"]["dtype"]["value"] == "float32"
+    assert info["plan"]["dtype"]["value"] == info["plan"]["facts"]["dtype"] == "float32"
     shutil.rmtree(tmp_path / "r")
 
 

@@ -82,7 +82,8 @@ def test_a_stopped_fine_tune_resumes_with_its_init_from_and_refuses_other_weight
     stop_at(0)
     assert cli.main(words) == 0
     info = json.loads((out / "run_info.json").read_text())
-    assert info["init_from"]["source"] == str(finished_run) and info["resumed_from"].endswith("step_000002")
+    plan = info["plan"]
+    assert plan["init_from"]["source"] == str(finished_run) and plan["resume"].endswith("step_000002")
 
 
 def test_a_resume_with_other_max_steps_names_the_schedule_it_changes(tiny_data, tmp_path, stop_at, capsys):
@@ -131,4 +132,4 @@ def test_a_stopped_demo_says_the_train_command_that_finishes_its_run(tiny_data, 
     stop_at(0)
     assert cli.main(words) == 0
     assert (out / "checkpoints" / "step_000002").is_dir()
-    assert json.loads((out / "run_info.json").read_text())["resumed_from"].endswith("step_000001")
+    assert json.loads((out / "run_info.json").read_text())["plan"]["resume"].endswith("step_000001")

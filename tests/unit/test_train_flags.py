@@ -261,3 +261,28 @@ def test_disk_full_in_metrics_jsonl_names_it_and_its_own_filesystems_free_space(
         f"gpt2lab train: disk full while writing {out / 'metrics.jsonl'} (3 MiB free); nothing "
         f"half-written was kept; free some space, then continue with {said}"
     ), msg
+
+
+# -- what a newcomer sees --------------------------------------------------------------------
+@pytest.mark.parametrize("terminal", [False, True])
+def test_the_progress_bar_is_drawn_only_on_a_terminal(tiny_data, tmp_path, capsys, monkeypatch, terminal):
+    """A redirected stderr (a log file) gets the step lines only, never tqdm's bar among them."""
+    import sys
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+    assert cli.main(train_argv(tiny_data, tmp_path / "run", "--max-steps", "2", progress=True)) == 0
+    err = capsys.readouterr().err
+    assert ("step/s" in err or "s/step" in err) == terminal, err
+
+
+@pytest.mark.parametrize("preset", ["shakespeare-cpu", "shakespeare-cpu-fast"])
+def test_the_demo_presets_draw_a_validation_curve(preset):
+    """At least 10 validation losses over the run, not a two-point curve (the start and the end)."""
+    from gpt2lab.train.evaluation import due
+    from gpt2lab.train.settings import load_preset
+
+    cfg = load_preset(preset)
+    steps = cfg.optim.max_steps
+    evals = [s for s in range(steps + 1) if due(cfg.eval.eval_interval, s, steps)]
+    assert len(evals) >= 10 and evals[0] == 0 and evals[-1] == steps
+    assert max(b - a for a, b in zip(evals, evals[1:])) <= steps // 9

@@ -74,7 +74,7 @@ def test_the_average_is_the_written_out_one_and_evaluations_read_it(tiny_data, t
         device=CPU,
         dtype="float32",
     )
-    assert t.evaluate.val_loss() == pytest.approx(want, abs=1e-5)
+    assert t.evaluate.validate().loss == pytest.approx(want, abs=1e-5)
     raw = evaluate_loss(
         t.raw,
         cfg.data,

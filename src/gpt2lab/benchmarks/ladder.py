@@ -22,7 +22,6 @@ Meant for a GPU (see benchmarks/gpu.sh); on a CPU it runs too, for a smoke test.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import statistics
@@ -30,7 +29,7 @@ import statistics
 import torch
 
 from gpt2lab.benchmarks import timed
-from gpt2lab.benchmarks.train import ReferenceGPT, loss_of_step
+from gpt2lab.benchmarks.train import ReferenceGPT, loss_of_step, recipe_step
 from gpt2lab.distributed.dist import pick_device
 from gpt2lab.model.config import SIZES as GPT2_SIZES
 from gpt2lab.system.choices import finite_float
@@ -98,21 +97,6 @@ def _time_steps(step, device: torch.device, steps: int, warmup: int) -> tuple[fl
     return statistics.median(times), float(loss)
 
 
-def _step(loss_fn, model, opt, device: torch.device, bf16: bool):
-    """The recipe's step around ``loss_fn``: forward (bf16 autocast or not), backward, clip 1.0, AdamW."""
-
-    def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
-            loss = loss_fn()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
-
-
 def _reference_step(rung: str, shape, B: int, T: int, device: torch.device):
     s = settings(rung)
     n_layer, n_head, n_embd = shape
@@ -122,7 +106,7 @@ def _reference_step(rung: str, shape, B: int, T: int, device: torch.device):
     fwd = torch.compile(model) if s["compile"] else model
     x = torch.randint(0, 50257, (B, T), device=device)
     y = torch.randint(0, 50257, (B, T), device=device)
-    return _step(lambda: fwd(x, y), model, opt, device, s["bf16"]), model
+    return recipe_step(lambda: fwd(x, y), model, opt, device, "bfloat16" if s["bf16"] else "float32"), model
 
 
 def _hf_step(shape, B: int, T: int, device: torch.device):
@@ -146,7 +130,7 @@ def _hf_step(shape, B: int, T: int, device: torch.device):
     opt = _adamw(model, True, device)
     fwd = torch.compile(model)
     x = torch.randint(0, 50257, (B, T), device=device)
-    return _step(lambda: fwd(input_ids=x, labels=x).loss, model, opt, device, bf16=True), model
+    return recipe_step(lambda: fwd(input_ids=x, labels=x).loss, model, opt, device, "bfloat16"), model
 
 
 def _gpt2lab_step(shape, B: int, T: int, device: torch.device, data: str):
@@ -188,7 +172,7 @@ def _model_step(shape, B: int, T: int, device: torch.device, chunked: bool):
     opt = _adamw(model, True, device)
     fwd = torch.compile(model)
     x = torch.randint(0, 50257, (B, T), device=device)
-    return _step(lambda: fwd(x, x, return_logits=not chunked)[1], model, opt, device, bf16=True), model
+    return recipe_step(lambda: fwd(x, x, return_logits=not chunked)[1], model, opt, device, "bfloat16"), model
 
 
 def _build(rung: str, shape, B: int, T: int, device: torch.device, data):

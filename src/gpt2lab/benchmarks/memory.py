@@ -287,35 +287,25 @@ def search(args: argparse.Namespace) -> dict:
         pred = memplan.predict(cfg, dtype=args.dtype, accum=1, device=kind, compiled=compiled)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        trainer, fits = None, True
+        fits = True
         try:
             with tempfile.TemporaryDirectory() as tmp:
-                trainer = _trainer(cfg, info, tmp, 1)
-                for _ in range(args.steps):
-                    trainer.train_step()
+                _measure(cfg, args, info, tmp)  # the trainer is gone when it returns, or raises
         except torch.OutOfMemoryError:
             fits = False
-        del trainer
-        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        peak = _peak_bytes(device) / 2**30 if device.type == "cuda" else None
         rec = {"B": B, "fits": fits, "peak_gib": round(peak, 2) if peak is not None else None}
         rec["predicted_gib"] = round(tensor_mib(pred.to_dict(MiB)) / 1024, 2)  # tensors only, like the peak
         print(json.dumps(rec), flush=True)
         return rec
 
-    tries, good, bad, B = [], 0, None, 1
-    while B <= args.max_batch:  # doubling
-        rec = attempt(B)
-        tries.append(rec)
-        if not rec["fits"]:
-            bad = B
-            break
-        good, B = B, 2 * B
-    while bad is not None and bad - good > 1:  # bisection
-        mid = (good + bad) // 2
-        rec = attempt(mid)
-        tries.append(rec)
-        good, bad = (mid, bad) if rec["fits"] else (good, mid)
+    tries: list[dict] = []  # doubling until one does not fit, then a bisection
+
+    def fits(B: int) -> bool:
+        tries.append(attempt(B))
+        return tries[-1]["fits"]
+
+    good = memplan.largest_fitting(fits, args.max_batch)
     return {
         "size": args.size,
         "seq_len": args.seq_len,

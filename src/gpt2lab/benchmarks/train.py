@@ -1,6 +1,9 @@
 """gpt2lab bench train: time full training steps (data, forward, backward, clip, AdamW).
 
-``--preset P`` plus any train flag gives exactly the step ``gpt2lab train`` would run.
+``--preset P`` plus any train flag gives exactly the step ``gpt2lab train`` would run; each
+``--recipe PRESET[:field=value,...]`` is one more run timed beside it, in turn, round by round (the
+same flags, then its own fields: ``--recipe chat-cpu:data=data/chitchat`` times the same run on
+other data), each reported with its ratio to the preset's.
 ``--reference`` also times the reference recipe's model, written here plainly in PyTorch
 (nanoGPT-style: one ``F.cross_entropy`` over materialised logits, bf16 autocast and
 torch.compile as the recipe uses them, AdamW fused only on CUDA as the recipe does), on the
@@ -12,10 +15,11 @@ inherits the other's CPU allocator setting or heap.
 from __future__ import annotations
 
 import argparse
-import inspect
+import ast
 import math
 import multiprocessing as mp
 import statistics
+import tempfile
 import time
 
 import torch
@@ -23,6 +27,8 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from gpt2lab.distributed.dist import DistInfo, autocast, pick_device
+from gpt2lab.train.config import merge_config
+from gpt2lab.train.optim import make_optimizer
 from gpt2lab.train.settings import add_config_flags, load_preset, overrides_from_args
 
 
@@ -31,6 +37,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=2, help="timed steps per round")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
     p.add_argument("--rounds", type=int, default=8, help="rounds (alternating with the reference when asked)")
+    p.add_argument(
+        "--recipe",
+        action="append",
+        default=[],
+        metavar="PRESET[:field=value,...]",
+        help="another run to time beside the preset's (repeat for more): a preset, the train flags given "
+        "and its own fields over it, e.g. wiki-cpu-fast:logit_softcap=15.0",
+    )
     p.add_argument("--reference", action="store_true", help="also time the reference recipe's model")
     p.add_argument(
         "--reference-compile",
@@ -55,10 +69,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    cfg = load_preset(args.preset, **overrides_from_args(args))
+    flags = overrides_from_args(args)
+    cfg = load_preset(args.preset, **flags)
+    recipes = {
+        text: load_preset(name, **merge_config(flags, changes)) for text, (name, changes) in map(_recipe, args.recipe)
+    }
     asked = cfg.system.device
     device = pick_device(None if asked == "auto" else asked)
-    names = ["gpt2lab", "reference"] if args.reference else ["gpt2lab"]
+    names = ["gpt2lab", *recipes] + (["reference"] if args.reference else [])
     # Each side runs in a process of its own: the CPU allocator setting (mallopt) and the
     # heap it leaves behind are per process, and one side's setting must not tax the other.
     ctx = mp.get_context("spawn")
@@ -69,28 +87,30 @@ def run(args: argparse.Namespace) -> dict:
         reference_keep_memory=args.reference_keep_memory == "true",
     )
     sides = []
-    try:
-        for name in names:
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(child, name, cfg, str(device), opts), daemon=True)
-            proc.start()
-            sides.append((name, proc, parent))
-        info = {name: _recv(name, conn) for name, _, conn in sides}  # built and warmed up
-        rounds: dict[str, list[float]] = {name: [] for name in names}
-        for _ in range(args.rounds):  # alternate, so both see the same machine load
-            for name, _, conn in sides:
-                conn.send(args.steps)
-                rounds[name].append(_recv(name, conn))
-    finally:
-        for _, proc, conn in sides:
-            if proc.is_alive():
-                try:
-                    conn.send(None)
-                except OSError:
-                    pass
-                proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+    with tempfile.TemporaryDirectory() as tmp:  # the runs' directories (nothing is written there)
+        try:
+            for i, name in enumerate(names):
+                side = recipes.get(name, cfg).with_values(out=f"{tmp}/{i}")
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_worker, args=(child, name, side, str(device), opts), daemon=True)
+                proc.start()
+                sides.append((name, proc, parent))
+            info = {name: _recv(name, conn) for name, _, conn in sides}  # built and warmed up
+            rounds: dict[str, list[float]] = {name: [] for name in names}
+            for _ in range(args.rounds):  # in turn, so that every side sees the same machine load
+                for name, _, conn in sides:
+                    conn.send(args.steps)
+                    rounds[name].append(_recv(name, conn))
+        finally:
+            for _, proc, conn in sides:
+                if proc.is_alive():
+                    try:
+                        conn.send(None)
+                    except OSError:
+                        pass
+                    proc.join(timeout=30)
+                if proc.is_alive():
+                    proc.kill()
     ms = statistics.median(rounds["gpt2lab"])
     tok_per_s = cfg.batch.total_batch_tokens / (ms / 1000)
     ours = info["gpt2lab"]
@@ -131,7 +151,31 @@ def run(args: argparse.Namespace) -> dict:
             speedup_median_of_rounds=round(statistics.median(ratios), 3),
             speedup_best_vs_best=round(min(ref) / min(rounds["gpt2lab"]), 3),
         )
+    if recipes:
+        result["recipes"] = [
+            {
+                "recipe": name,
+                "ms_per_step": round(statistics.median(rounds[name]), 2),
+                "vs_preset": round(statistics.median(rounds[name]) / ms, 3),
+                "rounds_ms": [round(m, 1) for m in rounds[name]],
+            }
+            for name in recipes
+        ]
     return result
+
+
+def _recipe(text: str) -> tuple[str, tuple[str, dict]]:
+    """'preset:field=value,...' -> (text, (preset, {field: value})); values as Python literals where they
+    parse as one (1, 0.5, True), else strings."""
+    preset, _, rest = text.partition(":")
+    changes = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        try:
+            changes[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            changes[key] = value
+    return text, (preset, changes)
 
 
 def _recv(name: str, conn):
@@ -152,9 +196,9 @@ def _worker(conn, name: str, cfg, device: str, opts: dict) -> None:
 
         device = torch.device(device)
         if device.type == "cpu":
-            keep_freed_memory(cfg.system.keep_cpu_memory if name == "gpt2lab" else opts["reference_keep_memory"])
+            keep_freed_memory(cfg.system.keep_cpu_memory if name != "reference" else opts["reference_keep_memory"])
         info = {"threads": torch.get_num_threads(), "flops_per_token": None, "peak": None}
-        if name == "gpt2lab":  # exactly the step `gpt2lab train` runs
+        if name != "reference":  # exactly the step `gpt2lab train` runs
             trainer = Trainer.from_config(cfg, DistInfo(device=device))
             info.update(
                 flops_per_token=trainer.flops_per_token,
@@ -169,9 +213,7 @@ def _worker(conn, name: str, cfg, device: str, opts: dict) -> None:
                 torch.set_float32_matmul_precision("high")  # TF32, as the recipe sets it
             torch.manual_seed(cfg.seed)
             loader = TokenLoader(cfg.data, "train", cfg.batch.micro_batch_size, cfg.batch.seq_len, seed=cfg.seed)
-            fn = ReferenceStep(
-                cfg, device, loader.next_batch, compile=opts["reference_compile"], dtype=opts["reference_dtype"]
-            ).step
+            fn = reference_step(cfg, device, loader.next_batch, opts["reference_compile"], opts["reference_dtype"])
         for _ in range(opts["warmup"]):
             fn()
         conn.send(info)
@@ -246,37 +288,46 @@ class ReferenceGPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
-class ReferenceStep:
-    """The recipe's step: accumulate, clip 1.0, cosine-scheduled AdamW (fused on CUDA only)."""
+def recipe_step(loss_fn, model, opt, device: torch.device, dtype: str = "float32", accum: int = 1):
+    """The recipe's step around ``loss_fn`` (a micro-step's loss): ``accum`` micro-steps under autocast in
+    ``dtype`` (float32: none), backward, clip 1.0, the optimizer's step; the step returns its loss."""
 
-    def __init__(self, cfg, device: torch.device, next_batch, compile: bool, dtype: str = "float32") -> None:
-        self.cfg, self.device, self.next_batch, self.dtype = cfg, device, next_batch, dtype
-        self.accum = cfg.grad_accum_steps(1)
-        m = cfg.model
-        self.model = ReferenceGPT(m.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd).to(device)
-        params = [p for p in self.model.parameters()]
-        o = cfg.optim
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        fused = "fused" in inspect.signature(torch.optim.AdamW).parameters and device.type == "cuda"
-        self.opt = torch.optim.AdamW(groups, lr=o.max_lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused or None)
-        self.fwd = torch.compile(self.model) if compile else self.model
-
-    def step(self) -> float:
+    def step() -> torch.Tensor:
         total = 0.0
-        for _ in range(self.accum):
-            x, y = self.next_batch()
-            x, y = x.to(self.device), y.to(self.device)
-            with autocast(self.device, self.dtype):
-                loss = self.fwd(x, y) / self.accum
+        for _ in range(accum):
+            with autocast(device, dtype):
+                loss = loss_fn() / accum
             total += loss.detach()
             loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return float(total)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return total
+
+    return step
+
+
+def reference_step(cfg, device: torch.device, next_batch, compile: bool, dtype: str = "float32"):
+    """The recipe's model and step on ``next_batch``'s batches: AdamW (fused on CUDA only) at max_lr."""
+    m, o = cfg.model, cfg.optim
+    model = ReferenceGPT(m.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd).to(device)
+    betas = (o.beta1, o.beta2)
+    opt = make_optimizer(
+        model,
+        lr=o.max_lr,
+        weight_decay=o.weight_decay,
+        betas=betas,
+        eps=o.eps,
+        device=device,
+        fused=device.type == "cuda",
+    )
+    fwd = torch.compile(model) if compile else model
+
+    def loss() -> torch.Tensor:
+        x, y = next_batch()
+        return fwd(x.to(device), y.to(device))
+
+    return recipe_step(loss, model, opt, device, dtype, cfg.grad_accum_steps(1))
 
 
 def loss_of_step(trainer):

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gpt2lab.distributed.dist import agree, all_reduce_mean, all_reduce_sum, autocast
+from gpt2lab.distributed.dist import agree, all_reduce_mean, all_reduce_sum, autocast, world
 from gpt2lab.system.choices import STRATEGY_CHOICES
 from gpt2lab.system.runtime import Choice, ChoiceError
 
@@ -238,9 +238,7 @@ def _target_weights(batches: list[Batch], device: torch.device) -> list[torch.Te
     ranks (summed on the device: no host sync). Ranks' gradients are then averaged, so the step's
     gradient is that of the mean loss over all N targets."""
     counts = torch.tensor([float((y != -1).sum()) for _, y in batches], device=device)
-    n = all_reduce_sum(counts.sum())
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    return list(counts * world / n.clamp(min=1))
+    return list(counts * world() / all_reduce_sum(counts.sum()).clamp(min=1))
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:

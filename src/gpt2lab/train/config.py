@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union, get_type_hints
 
@@ -336,7 +336,7 @@ class CheckpointConfig(_Section):
 class LoggingConfig(_Section):
     log_interval: int = _f(1, "steps between console lines (metrics.jsonl gets every step)", AT_LEAST_1)
     tensorboard: bool = _f(False, "also write TensorBoard events to OUT/tensorboard")
-    progress: bool = _f(True, "show a progress bar on rank 0")
+    progress: bool = _f(True, "show a progress bar on rank 0 where stderr is a terminal (never in a redirected log)")
     wandb_project: Optional[str] = _f(
         None,
         "also log to this Weights & Biases project (rank 0; needs "
@@ -567,36 +567,24 @@ SECTION_OF = {key: name for name, keys in SECTION_FIELDS.items() for key in keys
 TOP_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name not in SECTIONS)  # data, out, seed
 
 
-def nest_sections(values: Mapping[str, Any], sections: Mapping[str, Iterable[str]], source: str = "config") -> dict:
-    """``values`` with each flat key that names a field of a section moved into that section's dict.
-
-    ``sections``: section name -> its field names. A section given as a dict keeps its keys
-    (checked by the caller); a key set both flat and in its section is an error, as is a
-    section that is not a dict. Keys of no section stay at the top; a section appears in
-    the result only where ``values`` has it or one of its keys.
-    """
-    out = {k: v for k, v in values.items() if k not in sections}
-    for section, names in sections.items():
-        table = values.get(section, {})
-        if not isinstance(table, dict):
-            raise ConfigError(
-                f'{source}: "{section}" must be a table of {section} fields ({", ".join(names)}), got {table!r}'
-            )
-        flat = {k: out.pop(k) for k in names if k in out}
-        both = sorted(set(flat) & set(table))
-        if both:
-            raise ConfigError(f"{source}: {', '.join(both)} set both as a key and in [{section}]; keep one")
-        if section in values or flat:
-            out[section] = {**table, **flat}
-    return out
-
-
 def nest_config(values: Mapping[str, Any], source: str = "config") -> dict:
     """A run config in the nested form, from the nested, the flat or a mixed form: the one place
     that nests. Each flat key moves into its section (SECTION_OF); sections appear where given
     or set. One ConfigError, naming ``source`` and the key, for an unknown key, a key in the
     wrong section, a key set both flat and in its section, or a section that is no table."""
-    nested = nest_sections(values, SECTION_FIELDS, source)
+    nested = {k: v for k, v in values.items() if k not in SECTIONS}
+    for section, names in SECTION_FIELDS.items():  # a section given as a table keeps its keys (checked below)
+        table = values.get(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(
+                f'{source}: "{section}" must be a table of {section} fields ({", ".join(names)}), got {table!r}'
+            )
+        flat = {k: nested.pop(k) for k in names if k in nested}
+        both = sorted(set(flat) & set(table))
+        if both:
+            raise ConfigError(f"{source}: {', '.join(both)} set both as a key and in [{section}]; keep one")
+        if section in values or flat:
+            nested[section] = {**table, **flat}
     unknown = sorted(set(nested) - set(SECTIONS) - set(TOP_FIELDS))
     if unknown:
         known = sorted([*TOP_FIELDS, *SECTION_OF])

@@ -78,9 +78,6 @@ class Evaluator:
             plot(self.cfg.out)
         return self.any_due(step)
 
-    def val_loss(self) -> float:
-        return self.validate().loss
-
     def validate(self):
         """The validation loss with its bits per byte (an evals.loss.LossResult; None: cut short by a stop)."""
         from gpt2lab.evals.loss import evaluate

@@ -65,19 +65,14 @@ def detect_machine(device, world_size: int = 1, dtype: str = "auto") -> MachineF
     )
 
 
-def host_bytes() -> Optional[int]:
-    """This machine's RAM (None where the OS does not say)."""
+def host_share(world_size: int) -> Optional[int]:
+    """A CPU process's share of this machine's RAM (None where the OS does not say): the processes of this
+    node (torchrun's LOCAL_WORLD_SIZE) share it."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
-
-
-def host_share(world_size: int) -> Optional[int]:
-    """A CPU process's share of the RAM: the processes of this node (torchrun's LOCAL_WORLD_SIZE) share it."""
-    total = host_bytes()
-    local = env.launch().local_world_size or world_size
-    return None if total is None else total // max(1, local)
+    return total // max(1, env.launch().local_world_size or world_size)
 
 
 def fake_machine(path: str) -> MachineFacts:

@@ -222,17 +222,17 @@ def _measure(cfg: TrainConfig, dtype: str, accum: int) -> Measured:
 
 def _loss_bytes(m: GPTConfig, rows: int, dtype: str) -> int:
     """The chunked loss's own peak over ``rows`` rows of model ``m`` (its workspace), on fake tensors; cached."""
-    return _cached(repr(("loss", m, rows, dtype)), lambda: _loss_peak(m, rows, dtype))
 
+    def measure() -> int:
+        fake, live = _fake()
+        with fake, live, autocast(CPU, dtype):
+            x, targets = torch.zeros(rows, m.n_embd, requires_grad=True), torch.zeros(rows, dtype=torch.long)
+            w = torch.zeros(m.vocab_size, m.n_embd, requires_grad=True)
+            start = live.peak = live.bytes
+            chunked_cross_entropy(x, w, targets, softcap=m.logit_softcap)
+        return live.peak - start
 
-def _loss_peak(m: GPTConfig, rows: int, dtype: str) -> int:
-    fake, live = _fake()
-    with fake, live, autocast(CPU, dtype):
-        x, targets = torch.zeros(rows, m.n_embd, requires_grad=True), torch.zeros(rows, dtype=torch.long)
-        w = torch.zeros(m.vocab_size, m.n_embd, requires_grad=True)
-        start = live.peak = live.bytes
-        chunked_cross_entropy(x, w, targets, softcap=m.logit_softcap)
-    return live.peak - start
+    return _cached(repr(("loss", m, rows, dtype)), measure)
 
 
 def predict(
@@ -323,9 +323,8 @@ def largest_micro_batches(
     dtype: str = "bfloat16",
     max_batch: int = 4096,
     compiled: bool = True,
-    powers_of_two: bool = False,
 ) -> list[dict]:
-    """The largest micro-batch (``powers_of_two``: of those) whose predicted peak fits ``gpu_bytes``, per
+    """The largest micro-batch (at most ``max_batch``) whose predicted peak fits ``gpu_bytes``, per
     strategy and activation checkpointing: [{"strategy", "activation_checkpointing", "micro_batch",
     "predicted_bytes"}]; micro_batch 0 where not even one sequence fits."""
     if gpu_bytes <= 0:
@@ -342,7 +341,7 @@ def largest_micro_batches(
                 )
                 return predict(c, strategy=strategy, world_size=world_size, dtype=dtype, compiled=compiled).total
 
-            best = _largest(lambda B: parallel.fits(total_at(B), gpu_bytes), max_batch, powers_of_two)
+            best = largest_fitting(lambda B: parallel.fits(total_at(B), gpu_bytes), max_batch)
             rows.append(
                 {
                     "strategy": strategy,
@@ -354,14 +353,14 @@ def largest_micro_batches(
     return rows
 
 
-def _largest(fits, cap: int, powers_of_two: bool = False) -> int:
+def largest_fitting(fits, cap: int) -> int:
     """Largest B in [1, cap] with fits(B) (fits is monotone), 0 if none: doubling, then bisection."""
     if not fits(1):
         return 0
     good = 1
-    while 2 * good <= cap and fits(2 * good) if powers_of_two else good < cap and fits(min(2 * good, cap)):
-        good = 2 * good if powers_of_two else min(2 * good, cap)
-    bad = good + 1 if powers_of_two else min(2 * good, cap + 1)
+    while good < cap and fits(min(2 * good, cap)):
+        good = min(2 * good, cap)
+    bad = min(2 * good, cap + 1)
     while bad - good > 1:
         mid = (good + bad) // 2
         good, bad = (mid, bad) if fits(mid) else (good, mid)
@@ -379,24 +378,3 @@ def check_values(strategy: str, world_size: int, micro_batch: int, dtype: str, a
     for name, v in (("world size", world_size), ("micro-batch", micro_batch), ("accumulation steps", accum)):
         if v < 1:
             raise PlanError(f"{name} must be at least 1, got {v}")
-
-
-def card_plan(gpu_bytes: int, cfg: TrainConfig, *, world_size: int, dtype: str = "bfloat16") -> dict:
-    """What a size preset assumes for a card: {"strategy", "activation_checkpointing", "micro_batch"}.
-
-    The micro-batch is a power of two (so it divides a power-of-two batch at any power-of-two
-    world size) no larger than the plan's nor than one step's share per rank. The strategy
-    is the one with the larger such micro-batch, DDP on a tie (it moves no weights between
-    ranks); activation checkpointing only where neither fits a sequence without it.
-    """
-    b = cfg.batch
-    cap = max(1, b.total_batch_tokens // (b.seq_len * world_size))
-    best = None
-    for row in largest_micro_batches(
-        gpu_bytes, cfg, world_size=world_size, dtype=dtype, max_batch=cap, powers_of_two=True
-    ):
-        B = row["micro_batch"]
-        key = (not row["activation_checkpointing"] and B > 0, B, row["strategy"] == "ddp")
-        if best is None or key > best[0]:
-            best = (key, {k: row[k] for k in ("strategy", "activation_checkpointing")} | {"micro_batch": B})
-    return best[1]

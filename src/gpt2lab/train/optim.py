@@ -145,21 +145,21 @@ def orthogonalize(
     ``steps`` iterations maps X to aX + (bXX^T + c(XX^T)^2)X on the short side (X X^T is the
     smaller Gram matrix). The result is in ``dtype``.
     """
+    return _quintic_steps(g, dtype, [coefficients] * steps, lambda norm: norm.clamp(min=eps))
+
+
+def _quintic_steps(g: torch.Tensor, dtype: torch.dtype, coefficients, scale) -> torch.Tensor:
+    """``g`` in ``dtype`` divided by ``scale`` of its Frobenius norm, then X -> aX + (bXX^T + c(XX^T)^2)X once
+    per (a, b, c), X the wide (rows <= columns) side."""
     x = g.to(dtype)
     tall = x.size(0) > x.size(1)
-    if tall:
-        x = x.T
-    x = _quintic_steps(x / x.norm().clamp(min=eps), [coefficients] * steps)
-    return x.T if tall else x
-
-
-def _quintic_steps(x: torch.Tensor, coefficients) -> torch.Tensor:
-    """X -> aX + (bXX^T + c(XX^T)^2)X, once per (a, b, c), X the wide (rows <= columns) matrix."""
+    x = x.T if tall else x
+    x = x / scale(x.norm())
     for a, b, c in coefficients:
         gram = x @ x.T
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b*G + c*G@G
         x = torch.addmm(x, poly, x, beta=a)  # a*X + poly@X
-    return x
+    return x.T if tall else x
 
 
 # The Polar Express polynomials of degree 5 (Amsel, Persson, Musco and Gower 2025, "The Polar Express:
@@ -194,12 +194,8 @@ def polar_express(g: torch.Tensor, dtype: torch.dtype, steps: int = 5, eps: floa
     """``orthogonalize`` with the Polar Express polynomials (``--muon-orth polar_express``): ``g`` divided
     by 1.01 times its Frobenius norm, then iteration t maps X to a_t X + (b_t XX^T + c_t (XX^T)^2) X,
     in ``dtype``. The same matmuls as Newton-Schulz's; singular values closer to 1 at as many steps."""
-    x = g.to(dtype)
-    tall = x.size(0) > x.size(1)
-    if tall:
-        x = x.T
-    x = _quintic_steps(x / (x.norm() * POLAR_EXPRESS_SAFETY + eps), polar_express_coefficients(steps))
-    return x.T if tall else x
+    coefficients = polar_express_coefficients(steps)
+    return _quintic_steps(g, dtype, coefficients, lambda norm: norm * POLAR_EXPRESS_SAFETY + eps)
 
 
 def normalize_neurons(

@@ -354,9 +354,7 @@ def check_resume_settings(cfg: TrainConfig, saved: dict, where: str) -> None:
     mine = cfg.to_dict()
     differ = []
     for name in resume_fields(cfg):
-        theirs = config_value(saved, name, _ABSENT)
-        theirs = default_value(name) if theirs is _ABSENT else theirs
-        ours = config_value(mine, name)
+        theirs, ours = _saved_value(saved, name), config_value(mine, name)
         if theirs != ours:
             differ.append((name, theirs, ours))
     if not differ:

@@ -12,11 +12,6 @@ from gpt2lab.weights.targets import export_target
 PLAN_VERSION = 1
 
 
-def export(plan: RunPlan) -> str:
-    """What ``gpt2lab export`` will write for this run's model, or why nothing (weights/targets.py)."""
-    return export_target(plan.config.model).describe()
-
-
 def record(plan: RunPlan) -> dict:
     """run_info.json's "plan" entry (plain JSON)."""
     c = plan.config
@@ -55,7 +50,7 @@ def record(plan: RunPlan) -> dict:
         "memory_mib": plan.memory,
         "supervised": plan.supervised,
         "checkpoints": checkpoint_disk(plan.config),
-        "export": export(plan),
+        "export": export_target(c.model).describe(),  # what `gpt2lab export` will write, or why nothing
         "config": c.to_dict(),
     }
 
@@ -99,7 +94,7 @@ def lines(plan: RunPlan) -> list[str]:
         f"machine   {plan.machine.describe()}",
         f"model     {m.n_layer} layers, {m.n_head} heads, {m.n_embd} wide, block {m.block_size}, "
         f"{plan.params:,} params" + (f", LoRA rank {ft.lora_rank} on {ft.lora_targets}" if ft.lora_rank else ""),
-        f"export    {export(plan)}",
+        f"export    {export_target(m).describe()}",
     ]
     if m.tokenizer:
         out.append(

@@ -40,7 +40,6 @@ def check_data(cfg: TrainConfig, world_size: int, dry_run: bool = False) -> list
 def check_splits(cfg: TrainConfig, world_size: int) -> list[str]:
     """A train split smaller than one micro-batch (each batch repeats sequences) is a warning; a val
     split smaller than one, with evaluations on, is refused; more --eval-tokens than val holds, a note."""
-    check_present(cfg.data)
     batch = cfg.batch.micro_batch_size * world_size
     per = f"{cfg.batch.micro_batch_size}" + (f" x {world_size} processes" if world_size > 1 else "")
     lines = []

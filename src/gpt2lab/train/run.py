@@ -154,21 +154,10 @@ def _train(plan: RunPlan, info: DistInfo, trainer: Trainer, resume_with: str = "
             {
                 **rundir.run_marker(),
                 **run_info(info.device, info.world_size, cfg.out),
-                "grad_accum_steps": plan.accum,
-                "resumed_from": plan.resume,
                 "params": trainer.raw.num_params(),
                 "params_on_rank_0": parallel.params_on_this_rank(trainer.raw),
-                "choices": {
-                    **plan.choices.record(),
-                    "strategy": plan.strategy.value,
-                    "strategy_reason": plan.strategy.reason,
-                    "loss": plan.loss.value,
-                    "activation_checkpointing": cfg.parallel.activation_checkpointing,
-                },
-                "init_from": plan.init_record,
                 "keep_cpu_memory_applied": trainer.malloc_tuned,
                 "flops_per_token": trainer.flops_per_token,
-                "peak_flops": plan.peak_flops.value,
                 "mfu_formula": "6N + 12*n_layer*n_embd*T per token (PaLM), N without wpe",
                 "plan": plan_text.record(plan),
                 "resume_with": resume_with,
@@ -182,24 +171,15 @@ def _train(plan: RunPlan, info: DistInfo, trainer: Trainer, resume_with: str = "
         start_step=trainer.step,
         log_interval=lg.log_interval,
         tensorboard=lg.tensorboard,
-        progress=lg.progress,
+        progress=lg.progress and sys.stderr.isatty(),  # never into a redirected log
         wandb_project=lg.wandb_project,
         wandb_run_name=lg.wandb_run_name,
         config=cfg.to_dict(),
     )
-    log.console(f"gpt2lab train: {plan.choices.summary()}")
+    for line in plan_text.lines(plan):  # the plan a --dry-run shows, each decision and its reason
+        log.console(f"gpt2lab train: {line}")
     log.console(
-        f"gpt2lab train: strategy {plan.strategy.value} ({plan.strategy.reason})"
-        + ("; activation checkpointing on" if cfg.parallel.activation_checkpointing else "")
-    )
-    log.console(f"gpt2lab train: loss {plan.loss.value} ({plan.loss.reason}); {plan_text.lines(plan)[-1]}")
-    log.console(f"gpt2lab train: export {plan_text.export(plan)}")
-    for choice in (plan.dtype, plan.compile):
-        if choice.warning:
-            log.console(f"gpt2lab train: warning: {choice.warning}")
-    log.console(
-        f"gpt2lab train: {trainer.raw.num_params():,} params, {info.world_size} process(es), "
-        f"{trainer.accum} micro-steps/step, steps {trainer.step}..{cfg.optim.max_steps}, out {cfg.out}"
+        f"gpt2lab train: steps {trainer.step}..{cfg.optim.max_steps}, {trainer.accum} micro-steps/step"
         + (f", resumed from {plan.resume}" if plan.resume else "")
     )
     try:
