@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shlex
 import signal
@@ -17,6 +18,7 @@ import pytest
 from conftest import TINY, cli_args, records
 
 from gpt2lab import cli
+from gpt2lab.train.evaluation import Evaluator
 from gpt2lab.train.trainer import Trainer
 
 
@@ -62,6 +64,29 @@ def test_a_stopped_train_says_the_command_that_finishes_it(tiny_data, tmp_path, 
     assert cli.main(words) == 0
     assert max(r["step"] for r in records(out) if "train_loss" in r) == 3
     assert (out / "checkpoints" / "step_000004").is_dir()
+
+
+def test_a_run_stopped_before_its_first_step_says_nothing_was_saved_and_its_advice_starts_it(
+    tiny_data, tmp_path, monkeypatch, capsys
+):
+    """A SIGTERM during the step-0 evaluation (or sample): no step to save, so no checkpoint is named."""
+    original = Evaluator.__call__
+
+    def evaluate(self, step, log):
+        if step == 0:
+            os.kill(os.getpid(), signal.SIGTERM)  # the run's own handler takes it
+        return original(self, step, log) or step == 0
+
+    monkeypatch.setattr(Evaluator, "__call__", evaluate)
+    out = tmp_path / "run"
+    assert cli.main(_train(data=tiny_data, out=str(out), max_steps=2)) == 143
+    out_text, err = capsys.readouterr()
+    assert "stopped by SIGTERM at step 0 (before its first step: nothing saved)" in err.strip().splitlines()[-1]
+    assert "stop signal: no step to save" in out_text + err and "None" not in out_text + err
+    assert not (out / "checkpoints").exists()
+    monkeypatch.setattr(Evaluator, "__call__", original)
+    assert cli.main(advice(err)) == 0
+    assert (out / "checkpoints" / "step_000002").is_dir()
 
 
 def test_a_stopped_fine_tune_resumes_with_its_init_from_and_refuses_other_weights(

@@ -192,9 +192,10 @@ def _train(plan: RunPlan, info: DistInfo, trainer: Trainer, resume_with: str = "
             raise
         raise DiskFullError(str(e).replace("--resume auto", resume_with)) from e
     if trainer.stop_signal is not None:  # "preempted, resume me", told apart from "done" by the exit code
+        saved = f"last checkpoint {last}" if last else "before its first step: nothing saved"
         raise Stopped(
             f"stopped by {signal.Signals(trainer.stop_signal).name} at step {trainer.step} "
-            f"(last checkpoint {last}); continue with {resume_with}",
+            f"({saved}); continue with {resume_with}",
             trainer.stop_signal,
         )
     return last

@@ -356,7 +356,10 @@ class Trainer:
                     return self._stopped(last_ckpt, log)
 
     def _stopped(self, last_ckpt: Optional[str], log: MetricsLogger) -> Optional[str]:
-        log.console(f"stop signal: saved step {self.step} to {last_ckpt}")  # train.run says how to go on
+        # train.run says how to go on
+        log.console(
+            f"stop signal: saved step {self.step} to {last_ckpt}" if last_ckpt else "stop signal: no step to save"
+        )
         self.stop_signal = self.stop_signal or signal.SIGTERM  # another rank's signal
         return last_ckpt
 
