@@ -306,6 +306,41 @@ def test_greedy_reply_runs_the_calculator_as_a_tool():
     assert r.text == "x <<2+3=5>>" and r.ended and r.tool_calls == 1
 
 
+def test_greedy_reply_with_a_tool_equals_a_loop_without_the_cache():
+    """A real model's reply with a tool that fires at its 3rd and 8th drawn tokens (the second
+    cut short by max_tokens): token for token the reply of a loop written here that runs the whole
+    sequence each step (no KV cache), the forced tokens following the drawn ones."""
+    from gpt2lab.evals.chat import greedy_reply
+
+    enc = gpt2_tokenizer(chat=True)
+    model = tiny_gpt(seed=3, vocab_size=50304)
+    prompt = chat.encode_chat([("user", "What is 2+3?")], add_generation_prompt=True)[0]
+
+    def tool_firing_at(drawn):
+        seen = []
+
+        def tool(text):
+            seen.append(text)
+            return "=42>>" if len(seen) in drawn else None
+
+        return tool
+
+    out, drawn = [], 0
+    while len(out) < 12:
+        with torch.no_grad():
+            logits, _ = model(torch.tensor([prompt + out]))
+        nxt = int(logits[0, -1].argmax())
+        if nxt == IM_END_ID:
+            break
+        out.append(nxt)
+        drawn += 1
+        if drawn in (3, 8):
+            out += enc.encode_ordinary("=42>>")[: 12 - len(out)]
+    r = greedy_reply(model, prompt, 12, tool_firing_at((3, 8)))
+    assert len(enc.encode_ordinary("=42>>")) == 3 and drawn == 8  # the second call's 3 tokens cut to 1
+    assert r.ids == out and r.tool_calls == 2 and r.text == enc.decode(out, errors="replace")
+
+
 @pytest.mark.parametrize("fields", [dict(lora_rank=4, lora_targets="c_attn"), dict(optimizer="muon")])
 def test_lora_and_muon_train_on_conversations(chat_shards, tmp_path, fields):
     """Two steps of each on the masked loss: finite, and the run is a chat model (its config says so)."""

@@ -340,3 +340,18 @@ def test_sample_chat_replies_as_the_greedy_reply(exported, monkeypatch, capsys):
         30,
     )
     assert out[:2] == [first.text, second.text]
+
+
+def test_sample_chat_cuts_a_base_models_reply_where_it_starts_the_users_turn(turn_taker, monkeypatch, capsys):
+    """A base model's turn in `sample --chat` is the text `sample` continues its plain prompt with (same
+    seed), cut by hand before the first "\\nUser:" and stripped of its leading blanks."""
+    from gpt2lab import cli
+
+    flags = ["--model", turn_taker, "--seed", "3", "--max-new-tokens", "80", "--dtype", "float32"]
+    prompt = "User: How are you?\nAssistant:"
+    assert cli.main(["sample", *flags, "--cpu-linear", "plain", "--prompt", prompt]) == 0
+    full = capsys.readouterr().out.split(prompt, 1)[1]
+    assert "\nUser:" in full.lstrip()  # the model does begin a user turn, after some text
+    monkeypatch.setattr(sys, "stdin", io.StringIO("How are you?\n\n"))
+    assert cli.main(["sample", *flags, "--cpu-linear", "plain", "--chat"]) == 0
+    assert capsys.readouterr().out == full[: full.index("\nUser:")].lstrip() + "\n"

@@ -177,10 +177,10 @@ def _stream_one(model, ids: list[int], args: argparse.Namespace, generator: torc
 
 def _chat(model, args: argparse.Namespace, generator: torch.Generator, watch=None) -> int:
     """Turn by turn: each stdin line a user message, the reply streamed (inference/chat.py's prompt,
-    ended by the model's end token or its template's stop strings). The oldest turns leave the
-    prompt once the conversation outgrows the context (said once)."""
+    ended by the server's rule, completion.SampleText: the model's end token or its template's stop
+    strings). The oldest turns leave the prompt once the conversation outgrows the context (said once)."""
     from gpt2lab.inference.chat import chat_prompt, note
-    from gpt2lab.inference.completion import Sampling, StopFilter, stream_text
+    from gpt2lab.inference.completion import SampleText, Sampling, stream_text
 
     print(
         f"gpt2lab sample --chat: {note(model.config, 'this chat')}; type a message, an empty line or Ctrl-D ends",
@@ -217,14 +217,13 @@ def _chat(model, args: argparse.Namespace, generator: torch.Generator, watch=Non
                     flush=True,
                 )
                 told = True
-        reply, stop, hit = [], StopFilter(list(prompt.stops)), False
-        for _, piece, _ in stream_text(model, prompt.ids, sampling, generator, watch=watch):
-            text, hit = stop.feed(piece)
-            _say(reply, text.lstrip() if prompt.strip and not "".join(reply) else text)
-            if hit:
+        reply, sample = [], SampleText(model, sampling, list(prompt.stops))
+        for tok, _, _ in stream_text(model, prompt.ids, sampling, generator, watch=watch):
+            piece, tail = sample.feed(tok)
+            for text in [piece or "", *tail]:
+                _say(reply, text.lstrip() if prompt.strip and not "".join(reply) else text)
+            if sample.reason:
                 break
-        if not hit:
-            _say(reply, stop.flush())
         sys.stdout.write("\n")
         sys.stdout.flush()
         turns.append(("assistant", "".join(reply)))

@@ -35,6 +35,7 @@ from gpt2lab.data.chat import ChatFormatError, Message, conversation, encode_cha
 from gpt2lab.data.tokenizer import Tokenizer, for_chat, for_config
 from gpt2lab.distributed.dist import autocast
 from gpt2lab.evals.download import DataSet, cached_file
+from gpt2lab.model.sampling import generate_stream
 
 # GSM8K's official test split (1,319 problems, rows {"question", "answer"}, each answer ending
 # "#### N"); the Hugging Face dataset's "main" config holds the same rows, the second source.
@@ -95,36 +96,31 @@ class Reply:
     tool_calls: int = 0
 
 
-@torch.inference_mode()
 def greedy_reply(
     model, prompt: Sequence[int], max_tokens: int, tool: Optional[Callable[[str], Optional[str]]] = None
 ) -> Reply:
-    """The model's greedy continuation of ``prompt`` up to ``<|im_end|>`` or ``max_tokens`` tokens.
-    ``tool(reply_text)`` may return text to append (a calculator's result): its tokens are fed to
-    the model as if generated, and count toward ``max_tokens``."""
+    """The model's greedy continuation of ``prompt`` up to ``<|im_end|>`` or ``max_tokens`` tokens
+    (model/sampling.py's loop at temperature 0). ``tool(reply_text)`` may return text to append (a
+    calculator's result): its tokens are fed to the model as if generated, and count toward ``max_tokens``."""
     enc = chat_tokenizer(model)
-    device = next(model.parameters()).device
     budget = min(max_tokens, model.config.block_size - len(prompt))
     if budget < 1:
         raise ValueError(
             f"the prompt of {len(prompt)} tokens leaves no room in the model's {model.config.block_size}-token context"
         )
-    cache = model.new_kv_cache(len(prompt) + budget)
-    pending, out, calls = list(prompt), [], 0
-    real_vocab = model.config.real_vocab_size
-    while len(out) < budget:
-        logits, _ = model(torch.tensor([pending], device=device), kv_cache=cache, last_only=True)
-        nxt = int(logits[0, -1, :real_vocab].float().argmax())
-        if nxt == enc.im_end_id:
+    out, calls = [], 0
+
+    def then(tok: torch.Tensor) -> list[int]:
+        nonlocal calls
+        extra = tool(enc.decode([*out, int(tok)], errors="replace")) if tool and int(tok) != enc.im_end_id else None
+        calls += bool(extra)
+        return enc.encode_ordinary(extra) if extra else []
+
+    idx = torch.tensor([list(prompt)], device=next(model.parameters()).device)
+    for tok, ended in generate_stream(model, idx, budget, temperature=0, stop_token=enc.im_end_id, then=then):
+        if ended[0]:
             return Reply(out, enc.decode(out, errors="replace"), True, calls)
-        out.append(nxt)
-        pending = [nxt]
-        extra = tool(enc.decode(out, errors="replace")) if tool else None
-        if extra:
-            forced = enc.encode_ordinary(extra)[: budget - len(out)]
-            out.extend(forced)
-            pending.extend(forced)
-            calls += 1
+        out.append(int(tok[0]))
     return Reply(out, enc.decode(out, errors="replace"), False, calls)
 
 

@@ -134,12 +134,16 @@ def generate_stream(
     stop_token: Optional[int] = None,
     use_cache: bool = True,
     on_logits: Optional[Callable[[torch.Tensor], None]] = None,
+    then: Callable[[torch.Tensor], Sequence[int]] = lambda tokens: (),
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield (tokens (B,), finished (B,) bool) once per new position.
 
     A row that produced ``stop_token`` is finished: later positions repeat ``stop_token``
     for it. The stream ends early when every row is finished. ``on_logits``, if given, sees
-    each step's logits (B, real vocabulary) before the tokens are drawn from them.
+    each step's logits (B, real vocabulary) before the tokens are drawn from them. ``then`` sees
+    each step's drawn tokens (B,) and returns token ids to follow them in every row as if drawn (a
+    tool's output; by default none): yielded one position each, counted in ``max_new_tokens``, and
+    run through the model with the next step.
     """
     if idx.dim() != 2 or idx.size(1) == 0:
         raise ValueError(f"idx must be (batch, time) with at least one token, got shape {tuple(idx.shape)}")
@@ -159,9 +163,10 @@ def generate_stream(
     cache = model.new_kv_cache(min(block, T + max_new_tokens)) if use_cache else None
     seq = torch.empty(B, T + max_new_tokens, dtype=idx.dtype, device=idx.device)  # filled as we go
     seq[:, :T] = idx
-    for n in range(T, T + max_new_tokens):
+    n = T
+    while n < T + max_new_tokens:
         if cache is not None and n <= cache.max_len:
-            # The whole prompt on the first step, then only the token sampled last.
+            # The whole prompt on the first step, then only the tokens since (the one drawn last, and then's).
             with plan_free_attention(idx.device):
                 logits, _ = model(seq[:, cache.pos : n], kv_cache=cache, last_only=True)
         else:
@@ -170,14 +175,16 @@ def generate_stream(
         logits = logits[:, -1, :real_vocab]  # padded vocabulary rows are never sampled
         if on_logits is not None:
             on_logits(logits)
-        nxt = sample_next(logits, temperature, top_k, top_p, generator)
-        if stop_token is not None:
-            nxt = torch.where(finished, torch.full_like(nxt, stop_token), nxt)
-            finished = finished | (nxt == stop_token)
-        seq[:, n] = nxt
-        yield nxt, finished
-        if stop_token is not None and bool(finished.all()):
-            return
+        drawn = sample_next(logits, temperature, top_k, top_p, generator)
+        for nxt in [drawn, *(torch.full_like(drawn, t) for t in then(drawn))][: T + max_new_tokens - n]:
+            if stop_token is not None:
+                nxt = torch.where(finished, torch.full_like(nxt, stop_token), nxt)
+                finished = finished | (nxt == stop_token)
+            seq[:, n] = nxt
+            n += 1
+            yield nxt, finished
+            if stop_token is not None and bool(finished.all()):
+                return
 
 
 @torch.no_grad()
