@@ -409,7 +409,13 @@ def test_eval_loss_reports_bpb_and_refuses_data_in_another_tokenizer(
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["bpb"] == pytest.approx(out["loss"] * 128 / (math.log(2) * out["bytes"]))
     assert cli.main([*argv, "--data", tiny_data]) == 2
-    assert "was prepared with GPT-2's BPE, but --model uses sha256:" in capsys.readouterr().err
+    model_tok = json.loads((own_run / "config.json").read_text())["model"]["tokenizer"]
+    err = capsys.readouterr().err  # after the lines on how the model runs
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        f"gpt2lab eval loss: --data {tiny_data} was prepared with GPT-2's BPE, but the model of --model {own_run} "
+        f"uses sha256:{model_tok[:12]}; prepare it with that model's tokenizer (gpt2lab prepare --tokenizer DIR, "
+        "DIR holding its tokenizer.json: the run, checkpoint or export), or evaluate another model"
+    )
 
 
 # -- the export ------------------------------------------------------------------------------------

@@ -189,13 +189,16 @@ def eval_hellaswag(args: argparse.Namespace) -> int:
 
 
 def eval_loss(args: argparse.Namespace) -> int:
+    from gpt2lab.data.shards import read_manifest
+    from gpt2lab.data.tokenizer import check_data_tokenizer
     from gpt2lab.distributed.dist import cleanup, init_distributed, print0
     from gpt2lab.evals.loss import evaluate, fit_to_split
 
     info = init_distributed(args.device)
     try:
         model, decision = _load(args, info)
-        _same_tokenizer(model.config, args.data)
+        tok, whose = model.config.tokenizer, f"--model {args.model}"
+        check_data_tokenizer(args.data, read_manifest(args.data), tok, whose, "evaluate another model")
         seq_len = args.seq_len or model.config.block_size
         with _one_line("loss"):
             # as train does with --eval-tokens: a split holding fewer tokens is taken whole, with a note
@@ -219,22 +222,6 @@ def eval_loss(args: argparse.Namespace) -> int:
     finally:
         cleanup()
     return 0
-
-
-def _same_tokenizer(config, data: str) -> None:
-    """Refuse data tokenized with another tokenizer than the model's (its losses would mean nothing)."""
-    from gpt2lab.data.shards import read_manifest
-    from gpt2lab.data.tokenizer import GPT2, short
-    from gpt2lab.system.errors import UsageError
-
-    found = read_manifest(data).get("tokenizer", GPT2)
-    theirs = None if found == GPT2 else str(found)
-    if theirs != config.tokenizer:
-        raise UsageError(
-            f"--data {data} was prepared with {short(theirs)}, but --model uses "
-            f"{short(config.tokenizer)}; evaluate on data prepared with the model's tokenizer "
-            "(gpt2lab prepare --tokenizer DIR)"
-        )
 
 
 def _chat_model(args: argparse.Namespace, info):

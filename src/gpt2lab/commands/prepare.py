@@ -80,6 +80,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from gpt2lab.data.prepare import prepare
+    from gpt2lab.data.tokenizer import data_tokenizer
 
     manifest = prepare(
         args.source,
@@ -102,7 +103,7 @@ def run(args) -> int:
         for name, s in manifest["splits"].items()
     }
     extra = {"chat_template": manifest["chat_template"]} if "chat_template" in manifest else {}
-    if manifest.get("tokenizer", "gpt2") != "gpt2":
+    if data_tokenizer(manifest):
         extra = {**extra, "tokenizer": manifest["tokenizer"], "vocab_size": manifest["vocab_size"]}
     record = {"out": args.out, "documents": manifest["documents"], "tokens": manifest["tokens"], **extra}
     print(json.dumps({**record, "splits": summary}))

@@ -25,14 +25,14 @@ import json
 import os
 import re
 from importlib import resources
-from typing import Collection, Literal, Optional, Protocol, Union
+from typing import Collection, Literal, Mapping, Optional, Protocol, Union
 
 import numpy as np
 import tiktoken
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
 from gpt2lab.model.config import CHAT_VOCAB_SIZES, GPT2_VOCAB_SIZE, GPTConfig
-from gpt2lab.system.errors import DataError
+from gpt2lab.system.errors import ConfigError, DataError
 
 EOT_TOKEN = "<|endoftext|>"
 EOT_ID = 50256
@@ -324,14 +324,39 @@ def for_data(data_dir: str) -> Tokenizer:
     from gpt2lab.data.shards import read_manifest
 
     manifest = read_manifest(data_dir)
-    name = manifest.get("tokenizer", GPT2)
-    if name == GPT2:
+    name = data_tokenizer(manifest)
+    if name is None:
         return gpt2_tokenizer(chat="chat_template" in manifest)
     return load_tokenizer(
         os.path.join(data_dir, TOKENIZER_FILE),
-        str(name),
+        name,
         what_next=f"prepare {data_dir} again (gpt2lab prepare --tokenizer DIR)",
     )
+
+
+def data_tokenizer(manifest: Mapping) -> Optional[str]:
+    """The tokenizer a prepared directory's ``manifest`` names, as a model's config names it: a trained
+    one's identity, None for GPT-2's BPE."""
+    found = manifest.get("tokenizer", GPT2)
+    return None if found == GPT2 else str(found)
+
+
+def check_data_tokenizer(data: str, manifest: Mapping, model: Optional[str], whose: str, instead: str) -> None:
+    """Refuse ``--data data`` (its ``manifest``) prepared with another tokenizer than ``model``, the
+    tokenizer of the model of ``whose`` (a flag and its value, or a checkpoint): its losses would mean
+    nothing. One line naming the data, both tokenizers and what to do: prepare it again, or ``instead``."""
+    ours = data_tokenizer(manifest)
+    if ours != model:
+        fix = (
+            "prepare it with that model's tokenizer (gpt2lab prepare --tokenizer DIR, DIR holding its "
+            "tokenizer.json: the run, checkpoint or export)"
+            if model
+            else "prepare it without --tokenizer"
+        )
+        raise ConfigError(
+            f"--data {data} was prepared with {short(ours)}, but the model of {whose} uses {short(model)}; "
+            f"{fix}, or {instead}"
+        )
 
 
 def short(identity: Optional[str]) -> str:

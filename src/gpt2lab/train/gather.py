@@ -175,7 +175,7 @@ def gather(
     user continues the run (advice in errors); ``prompt_from_data``: read the start of the data's first
     validation document (the samples' prompt, train.plan.sample_prompt). Raises the first problem found."""
     from gpt2lab.data.shards import read_manifest
-    from gpt2lab.data.tokenizer import GPT2, for_data
+    from gpt2lab.data.tokenizer import data_tokenizer, for_data
 
     skipped: list[str] = []
 
@@ -199,7 +199,7 @@ def gather(
         src = init_from.find_source(str(source))
         init = InitFrom(src, init_from.digest(src))
     manifest = read_manifest(data)
-    if manifest and manifest.get("tokenizer", GPT2) != GPT2:  # its tokenizer.json is there and is the one named
+    if data_tokenizer(manifest):  # its tokenizer.json is there and is the one named
         for_data(data)
     start = val_start(data, manifest) if prompt_from_data and manifest else None
     return Gathered(machine, resumed, tuple(skipped), init, manifest, start)

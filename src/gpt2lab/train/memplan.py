@@ -77,7 +77,7 @@ class Prediction:
 
 
 @dataclass(frozen=True)
-class Measured:
+class StepBytes:
     """What one process holds over a step on fake tensors, in bytes."""
 
     weights: int  # every parameter (frozen ones too)
@@ -177,7 +177,7 @@ def sizes(cfg: TrainConfig) -> tuple[int, int]:
     return _cached(repr(("sizes", cfg.model, cfg.optim, cfg.finetune)), count)
 
 
-def fake_step(cfg: TrainConfig, dtype: str, accum: int) -> Measured:
+def fake_step(cfg: TrainConfig, dtype: str, accum: int) -> StepBytes:
     """One eager step of ``cfg``'s run in one process (``accum`` micro-steps, the chunked loss) on fake
     tensors; cached by what changes it (the architecture, batch shape, optimizer, checkpointing)."""
     b = cfg.batch
@@ -185,7 +185,7 @@ def fake_step(cfg: TrainConfig, dtype: str, accum: int) -> Measured:
     return _cached(repr((key, dtype, accum > 1)), lambda: _measure(cfg, dtype, accum))
 
 
-def _measure(cfg: TrainConfig, dtype: str, accum: int) -> Measured:
+def _measure(cfg: TrainConfig, dtype: str, accum: int) -> StepBytes:
     b = cfg.batch
     fake, live = _fake()
     with fake, live:
@@ -207,7 +207,7 @@ def _measure(cfg: TrainConfig, dtype: str, accum: int) -> Measured:
         total = sum(p.numel() for p in model.parameters())
     weights = sum(p.untyped_storage().nbytes() for p in model.parameters())
     low = DTYPE_BYTES[dtype] if dtype != "float32" else 0
-    return Measured(
+    return StepBytes(
         weights=weights,
         state=fixed - weights,
         grads=FP32 * sum(p.numel() for p in trainable),

@@ -435,7 +435,7 @@ def tokenizer_fields(
     --init-from source's, a resumed checkpoint's; refused in one line naming both); without data here (a
     dry run planning for another machine), that model's. The vocabulary follows it (padded to a multiple
     of 128) unless --vocab-size was given, or a resumed run had another."""
-    from gpt2lab.data.tokenizer import GPT2, short
+    from gpt2lab.data.tokenizer import check_data_tokenizer, data_tokenizer
 
     data = str(config_value(values, "data", default_value("data")))
     theirs, n, whose = None, None, None  # the tokenizer, its vocabulary and the model it continues
@@ -445,21 +445,10 @@ def tokenizer_fields(
     elif resumed is not None:
         theirs, n = config_value(resumed.saved, "tokenizer"), config_value(resumed.saved, "token_vocab_size")
         whose = f"the checkpoint {resumed.where}"
-    if manifest:
-        found = manifest.get("tokenizer", GPT2)
-        ours = None if found == GPT2 else str(found)  # its tokenizer.json was checked when gathered
-        if whose is not None and ours != theirs:
-            fix = (
-                "prepare it with that model's tokenizer (gpt2lab prepare --tokenizer DIR, DIR holding its "
-                "tokenizer.json: the run, checkpoint or export)"
-                if theirs
-                else "prepare it without --tokenizer"
-            )
-            raise ConfigError(
-                f"--data {data} was prepared with {short(ours)}, but the model of {whose} uses "
-                f"{short(theirs)}; {fix}, or start from another model"
-            )
-        theirs, n = ours, manifest.get("vocab_size")
+    if manifest:  # its tokenizer.json was checked when gathered
+        if whose is not None:
+            check_data_tokenizer(data, manifest, theirs, whose, "start from another model")
+        theirs, n = data_tokenizer(manifest), manifest.get("vocab_size")
     if theirs is None:
         return {}
     given = req.explicit.get("vocab_size")
