@@ -144,7 +144,7 @@ def test_the_choice_line_says_that_threads_sleep_while_they_wait_on_a_busy_machi
     from gpt2lab.system import runtime
 
     decision = choose(InferenceRequest(), InferenceFacts("cpu"))
-    busy = "; threads sleep while they wait: 1 other thread running, 2 of ours on 2 cores"
+    busy = "; threads sleep while they wait: 1 core busy with other work, 2 of ours on 2 cores"
     for load, said in ((runtime.Load(2, 2, 0), ""), (runtime.Load(2, 2, 1), busy)):
         monkeypatch.setattr(runtime, "WAIT", runtime.choose_wait(load))
         probe.announce(decision, "gpt2lab sample")

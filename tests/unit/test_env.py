@@ -38,7 +38,8 @@ def test_env_lists_the_probe_cache_path_and_each_entry(tmp_path, monkeypatch, ca
     capsys.readouterr()
     assert cli.main(["env", "--device", "cpu"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert "threads_wait:          threads sleep while they wait: 2 other threads running, 4 of ours on 4 cores" in out
+    busy = "threads sleep while they wait: 2 cores busy with other work, 4 of ours on 4 cores"
+    assert f"threads_wait:          {busy}" in out
     at = next(i for i, line in enumerate(out) if line.startswith("probe_cache:"))
     path = str(tmp_path / "decode-probes.json")
     assert out[at].split() == ["probe_cache:", path, "(1", "entry)"]

@@ -169,18 +169,41 @@ def test_threads_sleep_while_they_wait_where_ours_and_the_others_outnumber_the_c
     assert choice.reason.startswith("as set (OMP_WAIT_POLICY=active)" if load.asked else said)
 
 
-def test_the_machines_load_is_the_median_of_a_few_looks_at_the_threads_running(tmp_path):
-    """/proc/stat's procs_running less this thread, the median of the looks (a process that ran for one look
-    is not a busy machine); OMP_NUM_THREADS is the threads of ours, the user's wait settings are named."""
-    stat = tmp_path / "stat"
-    stat.write_text("cpu  1 2 3\nprocs_running 4\nprocs_blocked 0\n")
-    assert runtime._running(str(stat)) == 4 and runtime._running(str(tmp_path / "none")) is None
-    looks = iter([1, 9, 3, 3, 1])
-    load = runtime.machine_load(5, 0.0, running=lambda: next(looks), settings={"OMP_NUM_THREADS": "1"})
-    assert (load.threads, load.others, load.asked) == (1, 2, "")  # looks 0, 8, 2, 2, 0: the median is 2
+def test_the_machines_load_is_the_cores_other_work_kept_busy_throughout_a_few_short_windows(tmp_path):
+    """/proc/stat's busy ticks over each window, scaled to the machine's CPUs, less this process's own; the least
+    window, rounded: a process that ran for a moment is not a busy machine, one computing throughout is a core;
+    OMP_NUM_THREADS is the threads of ours, the user's wait settings are named."""
+    stat = tmp_path / "stat"  # user nice system idle iowait irq softirq steal; two CPUs
+    stat.write_text("cpu  10 0 5 80 5 0 0 0 0 0\ncpu0 5 0 3 40 2 0 0 0\ncpu1 5 0 2 40 3 0 0 0\nprocs_running 3\n")
+    assert runtime._cpu_times(str(stat)) == (15, 100, 2) and runtime._cpu_times(str(tmp_path / "none")) is None
+
+    def looks(*busy):  # the busy ticks of each window of 100 ticks, two CPUs
+        seq, b = [(0, 0, 2)], 0
+        for i, n in enumerate(busy):
+            b += n
+            seq.append((b, 100 * (i + 1), 2))
+        return iter(seq).__next__
+
+    one = {"OMP_NUM_THREADS": "1"}
+    # a neighbour computing on one of two cores throughout: half the ticks busy in every window -> one core
+    load = runtime.machine_load(0.0, 3, times=looks(50, 52, 48), settings=one)
+    assert (load.threads, load.others, load.asked) == (1, 1, "")
+    # a process starting beside (a pipe's next command) busy in the first window only -> no core
+    assert runtime.machine_load(0.0, 3, times=looks(60, 3, 2), settings=one).others == 0
+    # both cores busy throughout -> two
+    assert runtime.machine_load(0.0, 3, times=looks(100, 100, 98), settings=one).others == 2
     env = {"GOMP_SPINCOUNT": "1000", "OMP_NUM_THREADS": "junk"}
-    load = runtime.machine_load(3, 0.0, running=lambda: None, settings=env)  # no /proc: nothing seen running
+    load = runtime.machine_load(0.0, 3, times=lambda: None, settings=env)  # no /proc: nothing seen busy
     assert (load.others, load.asked) == (0, "GOMP_SPINCOUNT=1000") and load.threads == load.cores >= 1
+
+
+def test_this_processs_own_work_over_the_window_is_not_another_s(monkeypatch):
+    """Both cores busy over the window, one of them by this process (a core's worth of its CPU time): one other."""
+    cpu = iter([1.0, 1.05])  # this process's CPU seconds at the window's start and end: 0.05 s over 0.05 s
+    monkeypatch.setattr(runtime.time, "process_time", lambda: next(cpu))
+    monkeypatch.setattr(runtime.time, "sleep", lambda s: None)
+    seq = iter([(0, 0, 2), (100, 100, 2)])
+    assert runtime.machine_load(0.05, 1, times=lambda: next(seq), settings={}).others == 1
 
 
 def test_the_command_line_sets_the_policy_before_openmp_reads_it():
@@ -206,4 +229,6 @@ def test_the_command_line_sets_the_policy_before_openmp_reads_it():
     )
     assert p.returncode == 0, p.stderr
     assert "GOMP_SPINCOUNT = '0'" in p.stderr
-    assert p.stdout.splitlines()[-1] == "threads sleep while they wait: 3 other threads running, 2 of ours on 2 cores"
+    assert (
+        p.stdout.splitlines()[-1] == "threads sleep while they wait: 3 cores busy with other work, 2 of ours on 2 cores"
+    )

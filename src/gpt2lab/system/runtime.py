@@ -422,7 +422,7 @@ class Load:
 
     cores: int  # the CPUs this process may run on
     threads: int  # the threads of its parallel regions (OMP_NUM_THREADS, else one a core)
-    others: int  # threads of other processes running or waiting for a core (the median of a few looks)
+    others: int  # cores other processes kept busy as it started (``machine_load``)
     asked: str = ""  # the user's own wait settings ("OMP_WAIT_POLICY=active"), which stand
 
 
@@ -434,37 +434,44 @@ def choose_wait(load: Load) -> Choice:
     if load.others + load.threads > load.cores:
         return Choice(
             "PASSIVE",
-            f"threads sleep while they wait: {load.others} other thread{'s' * (load.others > 1)} running, "
+            f"threads sleep while they wait: {load.others} core{'s' * (load.others > 1)} busy with other work, "
             f"{load.threads} of ours on {load.cores} cores",
         )
     return Choice(None, f"threads spin while they wait: nothing else running on {load.cores} cores")
 
 
-def _running(stat: str = "/proc/stat") -> Optional[int]:
-    """Threads running or runnable on the machine now (Linux's procs_running), this one among them."""
+def _cpu_times(stat: str = "/proc/stat") -> Optional[tuple[int, int, int]]:
+    """The machine's CPU time so far from /proc/stat: (busy, total) in clock ticks over all its CPUs, and their
+    count (busy: all but idle and waiting for I/O)."""
     try:
         with open(stat) as fh:
-            return next(int(line.split()[1]) for line in fh if line.startswith("procs_running "))
-    except (OSError, ValueError, IndexError, StopIteration):
+            lines = fh.read().splitlines()
+        ticks = [int(v) for v in next(ln for ln in lines if ln.startswith("cpu ")).split()[1:9]]
+    except (OSError, ValueError, StopIteration):
         return None
+    count = sum(ln.startswith("cpu") and ln[3:4].isdigit() for ln in lines)
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks), max(1, count)
 
 
-def machine_load(looks: int = 5, gap_s: float = 0.005, running=_running, settings=None) -> Load:
-    """This machine's ``Load`` now: ``looks`` reads of the threads running, ``gap_s`` apart (a process that
-    ran for a moment is not a busy machine); ``settings``: the OpenMP variables (``env.openmp()``)."""
+def machine_load(window_s: float = 0.025, looks: int = 4, times=_cpu_times, settings=None) -> Load:
+    """This machine's ``Load`` now: the cores other processes kept busy over each of ``looks`` windows of
+    ``window_s`` (the machine's busy time less this process's own), the least of them, rounded: a process
+    that ran for a moment (a kernel thread, a shell, the next command of a pipe starting) is not a busy
+    machine, one computing throughout is a core; ``settings``: the OpenMP variables (``env.openmp()``)."""
     settings = env.openmp() if settings is None else settings
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     threads = settings.get("OMP_NUM_THREADS", "").split(",")[0]
-    seen = []
-    for i in range(looks):
-        if i:
-            time.sleep(gap_s)
-        n = running()
-        if n is not None:
-            seen.append(n - 1)  # not this thread
+    seen, before, own = [], times(), time.process_time()
+    for _ in range(looks):
+        time.sleep(window_s)
+        after, mine = times(), time.process_time()
+        if before and after and after[1] > before[1]:
+            busy = (after[0] - before[0]) / (after[1] - before[1]) * after[2]  # cores busy on average
+            seen.append(busy - ((mine - own) / window_s if window_s > 0 else 0.0))
+        before, own = after, mine
+    others = max(0, round(min(seen))) if seen else 0
     asked = ", ".join(f"{v}={settings[v]}" for v in env.WAIT_SETTINGS if settings.get(v))
-    others = sorted(seen)[len(seen) // 2] if seen else 0
-    return Load(cores, int(threads) if threads.isdigit() and int(threads) > 0 else cores, max(0, others), asked)
+    return Load(cores, int(threads) if threads.isdigit() and int(threads) > 0 else cores, others, asked)
 
 
 WAIT: Optional[Choice] = None  # this process's wait policy, where a command decided it (set_wait_policy)
