@@ -338,6 +338,19 @@ def test_cli_prepare(tmp_path, capsys):
     assert rc == 1 and "nope.jsonl" in capsys.readouterr().err
 
 
+def _default_sigint() -> None:
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _signal_state() -> list:
+    """This process's blocked, ignored and caught signals (Linux), for a failure's message."""
+    with open(f"/proc/{os.getpid()}/status") as f:
+        return [ln for ln in f.read().splitlines() if ln.startswith(("SigBlk", "SigIgn", "SigCgt"))]
+
+
 def test_ctrl_c_of_the_cli_then_rerun_equals_uninterrupted(tmp_path):
     import signal
     import subprocess
@@ -364,7 +377,9 @@ def test_ctrl_c_of_the_cli_then_rerun_equals_uninterrupted(tmp_path):
             "--quiet",
             *args,
         ]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        # a Ctrl-C as a terminal sends it: the child starts with SIGINT unblocked and at its default, whatever
+        # signal state this test process was left in (a blocked or ignored signal is inherited through exec)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_default_sigint)
         manifest = out / "manifest.json"
         deadline = time.time() + 60
         while time.time() < deadline and proc.poll() is None:
@@ -379,7 +394,7 @@ def test_ctrl_c_of_the_cli_then_rerun_equals_uninterrupted(tmp_path):
         if proc.returncode == 0 and json.loads(manifest.read_text())["complete"]:
             continue  # done before the signal: try a bigger source
         break
-    assert proc.returncode == 130, err.decode()[-2000:]
+    assert proc.returncode == 130, (_signal_state(), err.decode()[-2000:])
     half = json.loads(manifest.read_text())
     assert not half["complete"] and 0 < len(half["shards"]) < 26 * scale
     assert main(["prepare", "--source", src, "--out", str(out), "--quiet", *args]) == 0
