@@ -66,6 +66,20 @@ def tiny_gpt(seed: int = 0, **overrides) -> GPT:
     return GPT(GPTConfig(**{**cfg, **overrides}), None if isinstance(own, str) else own).eval()
 
 
+@pytest.fixture(autouse=True)
+def _signals_as_found():
+    """Each test finds SIGINT and SIGTERM as Python sets them (handlers, unblocked), whatever the test before it
+    in this worker left: an in-process command that installs its own handler, or a blocked or ignored signal
+    (which a child process inherits through exec), must not decide how a later test's Ctrl-C lands."""
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    before = {s: signal.getsignal(s) for s in sigs}
+    yield
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
+    for s, handler in before.items():
+        if signal.getsignal(s) is not handler:
+            signal.signal(s, handler)
+
+
 @pytest.fixture(scope="session")
 def hf_dirs(tmp_path_factory) -> list[tuple[object, str]]:
     """(transformers model, its save_pretrained directory) for each of TINY_SHAPES."""
