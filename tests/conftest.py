@@ -66,6 +66,13 @@ def tiny_gpt(seed: int = 0, **overrides) -> GPT:
     return GPT(GPTConfig(**{**cfg, **overrides}), None if isinstance(own, str) else own).eval()
 
 
+# A shell's background job (`make test &` in a script) starts with SIGINT ignored, and every process the tests
+# start would inherit that: their Ctrl-C tests would test nothing. This process takes Python's own Ctrl-C, as a
+# run from a terminal has, and its children start with SIGINT at its default.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @pytest.fixture(autouse=True)
 def _signals_as_found():
     """Each test finds SIGINT and SIGTERM as Python sets them (handlers, unblocked), whatever the test before it
