@@ -539,7 +539,7 @@ def adapt_config(cfg):
 
     arch = check_arch(find_source(cfg.finetune.init_from), {name: getattr(cfg.model, name) for name in ARCH_FIELDS})
     try:
-        return cfg.with_model(**arch)
+        return cfg.with_values(model=arch)
     except ConfigError as e:
         sizes = ", ".join(f"{k} {v}" for k, v in arch.items())
         raise InitFromError(f"--init-from {cfg.finetune.init_from} ({sizes}): {e}") from e

@@ -224,7 +224,7 @@ def test_a_run_is_planned_as_it_trains(capsys):
     assert out["seq_len"] == fast.batch.seq_len and out["modern"] == fast.model.modern() and out["optimizer"] == "muon"
     run = fast.with_values(micro_batch_size=2, total_batch_tokens=4 * fast.batch.seq_len)
     assert out["predicted_mib"] == memplan.predict(run, dtype="float32", device="cpu").to_dict()
-    capped = memplan.predict(run.with_model(logit_softcap=15.0), dtype="float32", device="cpu")
+    capped = memplan.predict(run.with_values(model={"logit_softcap": 15.0}), dtype="float32", device="cpu")
     assert capped.terms["allocator"] > memplan.predict(run, dtype="float32", device="cpu").terms["allocator"]
 
 

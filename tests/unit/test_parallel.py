@@ -72,9 +72,9 @@ def test_asked_for_is_kept_or_refused_in_one_line():
 def test_config_rejects_unknown_strategy_and_lora_with_fsdp():
     with pytest.raises(ConfigError, match="strategy 'zero1': choose one of auto, ddp, fsdp"):
         ParallelConfig(strategy="zero1")
-    with pytest.raises(ConfigError, match="strategy fsdp with lora_rank.*use --strategy ddp"):
+    with pytest.raises(ConfigError, match="--strategy fsdp with --lora-rank: .*use --strategy ddp"):
         TrainConfig(parallel=ParallelConfig(strategy="fsdp"), finetune=FinetuneConfig(lora_rank=4))
-    with pytest.raises(ConfigError, match="strategy fsdp with lora_rank.*use --strategy ddp"):
+    with pytest.raises(ConfigError, match="--strategy fsdp with --lora-rank: .*use --strategy ddp"):
         TrainConfig.from_dict({"strategy": "fsdp", "lora_rank": 4})  # the flat form, checked the same
     assert TrainConfig.from_dict({"strategy": "ddp", "lora_rank": 4}).parallel.strategy == "ddp"
 

@@ -124,26 +124,23 @@ def load_source(model: GPT, src: Source) -> None:
         loaded = model_of(src)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise fail(src, f"cannot load its weights ({e}); pass a complete copy") from e
-    theirs = dict(loaded.named_parameters())
+    theirs, vocab, real = dict(loaded.named_parameters()), src.config.real_vocab_size, model.config.real_vocab_size
     with torch.no_grad():
         for name, p in model.named_parameters():  # the tied lm_head comes once, as wte
-            _copy_param(src, name, p, theirs[name], model.config.real_vocab_size)
-
-
-def _copy_param(src: Source, name: str, p: torch.Tensor, w: torch.Tensor, real_vocab: int) -> None:
-    if name in ("transformer.wte.weight", "lm_head.weight") and p.shape[1:] == w.shape[1:]:  # untied: its own rows
-        rows, theirs = min(len(p), len(w)), src.config.real_vocab_size
-        p[:rows] = w[:rows]
-        p[rows:] = w[:theirs].mean(0)
-        if real_vocab > theirs:  # tokens new to the model: from the mean row too
-            p[theirs:real_vocab] = w[:theirs].mean(0)
-    elif name == "transformer.wpe.weight" and p.shape[1:] == w.shape[1:] and len(p) <= len(w):
-        p.copy_(w[: len(p)])
-    elif p.shape == w.shape:
-        p.copy_(w)
-    else:
-        raise fail(
-            src,
-            f"{name} has shape {tuple(w.shape)}, the run needs {tuple(p.shape)}; "
-            "let the architecture come from the source (drop --n-layer/--n-head/--n-embd)",
-        )
+            w = theirs[name]
+            if name in ("transformer.wte.weight", "lm_head.weight") and p.shape[1:] == w.shape[1:]:  # untied: its own
+                rows = min(len(p), len(w))
+                p[:rows] = w[:rows]
+                p[rows:] = w[:vocab].mean(0)
+                if real > vocab:  # tokens new to the model: from the mean row too
+                    p[vocab:real] = w[:vocab].mean(0)
+            elif name == "transformer.wpe.weight" and p.shape[1:] == w.shape[1:] and len(p) <= len(w):
+                p.copy_(w[: len(p)])
+            elif p.shape == w.shape:
+                p.copy_(w)
+            else:
+                raise fail(
+                    src,
+                    f"{name} has shape {tuple(w.shape)}, the run needs {tuple(p.shape)}; "
+                    "let the architecture come from the source (drop --n-layer/--n-head/--n-embd)",
+                )

@@ -32,13 +32,13 @@ from typing import Callable, Mapping, Optional
 
 from gpt2lab.checkpoint.store import step_of
 from gpt2lab.distributed import parallel
-from gpt2lab.model.config import GPTConfig, config_value, padded_vocab
+from gpt2lab.model.config import config_value, padded_vocab
 from gpt2lab.model.loss import LossPath, choose_loss
 from gpt2lab.system import hardware, runtime
 from gpt2lab.system.errors import ConfigError
 from gpt2lab.system.runtime import Choice
 from gpt2lab.train import init_from, memplan
-from gpt2lab.train.config import SECTIONS, TrainConfig, default_value, merge_config, nest_config
+from gpt2lab.train.config import FIELDS, SECTION_OF, TrainConfig, default_value, merge_config
 from gpt2lab.train.gather import Gathered, InitFrom, MachineFacts, Resumed, gather
 from gpt2lab.train.schedule import accum_at, lr_at
 
@@ -134,7 +134,7 @@ def make_plan(
         resume=req.resume,
         source=req.get("init_from"),
         data=str(req.get("data")),
-        report=report or _to_stderr,
+        report=report or say,
         resume_with=req.resume_advice,
         prompt_from_data=not prompt_fits(req),
     )
@@ -144,25 +144,20 @@ def make_plan(
 def decide_plan(req: Request, found: Gathered) -> RunPlan:
     """The plan of ``req`` from what was gathered (see the module docstring); reads no file."""
     machine, resumed, init = found.machine, found.resumed, found.init
-    values = nest_config(req.values, req.source)
-    if resumed is not None and resumed.source is not None:  # began from other weights: the checkpoint's architecture
-        arch = init_from.check_arch(resumed.source, req.explicit)
-        values = merge_config(
-            values, {"init_from": config_value(resumed.saved, "init_from"), "model": arch}, source=req.source
-        )
-    elif init is not None:
-        arch = init_from.check_arch(init.source, req.explicit)
-        values = merge_config(values, {"model": arch}, source=req.source)
+    source = resumed.source if resumed is not None else init.source if init is not None else None
+    # what the run takes from elsewhere, over what was asked for: the architecture of the weights it began
+    # from, the prompt for its data, the chat template and tokenizer of its data (or of the model it continues)
+    changes: dict = {"model": init_from.check_arch(source, req.explicit) if source is not None else {}}
+    if resumed is not None and resumed.source is not None:
+        changes["init_from"] = config_value(resumed.saved, "init_from")
     prompt, prompt_reason = sample_prompt(req, found)
     if prompt_reason:
-        values = merge_config(values, {"eval": {"sample_prompt": prompt}}, source=req.source)
+        changes["sample_prompt"] = prompt
     template = chat_template(found.manifest, init, resumed)
     if template:
-        values = merge_config(values, {"model": {"chat_template": template}}, source=req.source)
-    model = tokenizer_fields(values, req, found.manifest, init, resumed)
-    if model:
-        values = merge_config(values, {"model": model}, source=req.source)
-    cfg = _config(values, req, init)
+        changes["model"]["chat_template"] = template
+    changes["model"].update(tokenizer_fields(req, found.manifest, init, resumed))
+    cfg = _config(merge_config(req.values, changes, source=req.source), req, init)
     change = None
     if resumed is not None:
         check_resume_settings(cfg, resumed.saved, resumed.where)
@@ -183,6 +178,7 @@ def decide_plan(req: Request, found: Gathered) -> RunPlan:
     memory = None
     if machine.device.device_type in ("cuda", "cpu"):
         memory = _predict(cfg, machine, str(strategy.value), dtype, accum, compiled).to_dict()
+    train = found.manifest.get("splits", {}).get("train", {})  # conversations: (assistant tokens, all tokens)
     return RunPlan(
         config=cfg,
         machine=machine,
@@ -202,7 +198,7 @@ def decide_plan(req: Request, found: Gathered) -> RunPlan:
         schedule_change=change,
         data_source=found.manifest.get("source"),
         prompt_reason=prompt_reason,
-        supervised=supervised_tokens(found.manifest),
+        supervised=(int(train["supervised"]), int(train["tokens"])) if "supervised" in train else None,
     )
 
 
@@ -274,33 +270,20 @@ def check_memory(plan: RunPlan) -> None:
     """Refuse a run whose predicted peak (memplan, per process) exceeds this machine's memory: the GPU's,
     or a CPU run's share of the RAM; name the largest --micro-batch-size that fits. (A start's check,
     after the data's: the plan itself describes any machine.)"""
-    cfg, machine = plan.config, plan.machine
+    cfg, machine, b, world = plan.config, plan.machine, plan.config.batch, plan.machine.world_size
     cuda = machine.device.device_type == "cuda"
     limit = machine.device_bytes if cuda else machine.host_bytes
 
     def total_at(B: int) -> int:
-        c = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, micro_batch_size=B))
-        return _predict(
-            c,
-            machine,
-            str(plan.strategy.value),
-            str(plan.dtype.value),
-            c.grad_accum_steps(machine.world_size),
-            bool(plan.compile.value),
-        ).total
+        c = dataclasses.replace(cfg, batch=dataclasses.replace(b, micro_batch_size=B))
+        strategy, dtype, compiled = str(plan.strategy.value), str(plan.dtype.value), bool(plan.compile.value)
+        return _predict(c, machine, strategy, dtype, c.grad_accum_steps(world), compiled).total
 
-    if limit is None or not plan.memory or parallel.fits(total_at(cfg.batch.micro_batch_size), limit):
+    if limit is None or not plan.memory or parallel.fits(need := total_at(b.micro_batch_size), limit):
         return
-    b, world = cfg.batch, machine.world_size
     rows = max(1, b.total_batch_tokens // (b.seq_len * world))  # a micro-batch must divide a step's rows
-    fit = next(
-        (
-            B
-            for B in range(min(b.micro_batch_size - 1, rows), 0, -1)
-            if rows % B == 0 and parallel.fits(total_at(B), limit)
-        ),
-        None,
-    )
+    sizes = (B for B in range(min(b.micro_batch_size - 1, rows), 0, -1) if rows % B == 0)
+    fit = next((B for B in sizes if parallel.fits(total_at(B), limit)), None)
     have = (
         f"the {limit / 2**30:.1f} GiB of {machine.device.device_name or 'the GPU'}"
         if cuda
@@ -314,9 +297,8 @@ def check_memory(plan: RunPlan) -> None:
     if not cfg.parallel.activation_checkpointing:
         fix += " or set --activation-checkpointing true"
     raise ConfigError(
-        f"--micro-batch-size {b.micro_batch_size}: the run is predicted to need "
-        f"{total_at(b.micro_batch_size) / 2**30:.1f} GiB per process at its peak "
-        f"({plan.memory['phase']}), more than {have}; {fix}"
+        f"--micro-batch-size {b.micro_batch_size}: the run is predicted to need {need / 2**30:.1f} GiB per "
+        f"process at its peak ({plan.memory['phase']}), more than {have}; {fix}"
     )
 
 
@@ -333,16 +315,20 @@ def resume_fields(cfg: TrainConfig) -> list[str]:
     """The settings a resumed run must keep, by flat name: each field marked ``keep`` (train.config)
     that applies to ``cfg``, and every architecture field the run does not derive (its shapes too: refused
     here, a dry run too, not when the checkpoint loads)."""
-    out = [f.name for f in dataclasses.fields(GPTConfig) if not f.metadata["derived"]]
-    for owner in [TrainConfig, *(section for name, section in SECTIONS.items() if name != "model")]:
-        for f in dataclasses.fields(owner):
-            keep = f.metadata.get("keep")
-            if keep is True or (callable(keep) and keep(cfg)):
-                out.append(f.name)
+    mine, out = cfg.to_dict(), []
+    for name, f in FIELDS.items():
+        keep = not f.metadata["derived"] if SECTION_OF.get(name) == "model" else f.metadata["keep"]
+        if isinstance(keep, str):  # "NAME" or "NAME=VALUE": only where that field is set (to VALUE)
+            setting, _, value = keep.partition("=")
+            keep = str(config_value(mine, setting)) == value if value else bool(config_value(mine, setting))
+        if keep:
+            out.append(name)
     return out
 
 
-_ABSENT = object()
+def _saved(saved: dict, names) -> dict:
+    """Fields of a checkpoint's config.json (either form); one written before a field existed: its default."""
+    return {n: config_value(saved, n, default_value(n)) for n in names}
 
 
 def check_resume_settings(cfg: TrainConfig, saved: dict, where: str) -> None:
@@ -351,12 +337,9 @@ def check_resume_settings(cfg: TrainConfig, saved: dict, where: str) -> None:
     line naming each such field, both values and the flags to resume with; config.json is never
     rewritten with another value. A field a config.json written before it existed lacks counts as
     its default, what that version trained with."""
-    mine = cfg.to_dict()
-    differ = []
-    for name in resume_fields(cfg):
-        theirs, ours = _saved_value(saved, name), config_value(mine, name)
-        if theirs != ours:
-            differ.append((name, theirs, ours))
+    mine, names = cfg.to_dict(), resume_fields(cfg)
+    differ = [(n, theirs, config_value(mine, n)) for n, theirs in _saved(saved, names).items()]
+    differ = [d for d in differ if d[1] != d[2]]
     if not differ:
         return
     flags = lambda side: " ".join(f"--{n.replace('_', '-')} {_flag_text(v[side])}" for n, *v in differ)  # noqa: E731
@@ -376,13 +359,10 @@ def schedule_change(cfg: TrainConfig, saved: dict, step: int) -> Optional[str]:
     trained with: each field from what to what, the decay's new end and the rate of the next step
     before and after; None when it changes nothing. A rate's schedule is a function of max_steps, so
     resuming with another --max-steps moves the decay (cosine: its whole length; wsd: its start)."""
-
-    def schedule(opt: dict) -> dict:
-        return {n: opt[n] for n in SCHEDULE_FIELDS if n != "decay_frac" or opt["lr_schedule"] == "wsd"}
-
-    mine = {n: getattr(cfg.optim, n) for n in SCHEDULE_FIELDS}
-    theirs = {n: _saved_value(saved, n) for n in SCHEDULE_FIELDS}
-    old, new = schedule(theirs), schedule(mine)
+    mine, theirs = {n: getattr(cfg.optim, n) for n in SCHEDULE_FIELDS}, _saved(saved, SCHEDULE_FIELDS)
+    old, new = (
+        {n: v for n, v in opt.items() if n != "decay_frac" or opt["lr_schedule"] == "wsd"} for opt in (theirs, mine)
+    )
     if old == new:
         return None
     changed = ", ".join(f"{n} {old.get(n, '-')} -> {new.get(n, '-')}" for n in new if old.get(n) != new.get(n))
@@ -397,12 +377,6 @@ def schedule_change(cfg: TrainConfig, saved: dict, step: int) -> Optional[str]:
     )
 
 
-def _saved_value(saved: dict, name: str):
-    """A field of a checkpoint's config.json; one written before the field existed: its default."""
-    value = config_value(saved, name, _ABSENT)
-    return default_value(name) if value is _ABSENT else value
-
-
 def _flag_text(value) -> str:
     """A value as its flag takes it (true/false, none)."""
     if value is None:
@@ -410,26 +384,17 @@ def _flag_text(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def supervised_tokens(manifest: Mapping) -> Optional[tuple[int, int]]:
-    """(assistant tokens, all tokens) of a conversation directory's train split (its ``manifest``); None for text."""
-    train = manifest.get("splits", {}).get("train", {})
-    return (int(train["supervised"]), int(train["tokens"])) if "supervised" in train else None
-
-
 def chat_template(manifest: Mapping, init: Optional[InitFrom], resumed: Optional[Resumed]) -> Optional[str]:
     """The run's chat template: its data's (conversations prepared in one: ``manifest``), else that of the
     model it began from (--init-from, or the resumed checkpoint's config), else None: a base model."""
-    found = manifest.get("chat_template")
-    if found:
-        return str(found)
+    if manifest.get("chat_template"):
+        return str(manifest["chat_template"])
     if init is not None:
         return init.source.config.chat_template
     return config_value(resumed.saved, "chat_template") if resumed else None
 
 
-def tokenizer_fields(
-    values: dict, req: Request, manifest: Mapping, init: Optional[InitFrom], resumed: Optional[Resumed]
-) -> dict:
+def tokenizer_fields(req: Request, manifest: Mapping, init: Optional[InitFrom], resumed: Optional[Resumed]) -> dict:
     """The run's tokenizer as model fields (empty for GPT-2's): its data's (``gpt2lab prepare
     --tokenizer``, named in its ``manifest``), which must be the tokenizer of the model it continues (an
     --init-from source's, a resumed checkpoint's; refused in one line naming both); without data here (a
@@ -437,7 +402,7 @@ def tokenizer_fields(
     of 128) unless --vocab-size was given, or a resumed run had another."""
     from gpt2lab.data.tokenizer import check_data_tokenizer, data_tokenizer
 
-    data = str(config_value(values, "data", default_value("data")))
+    data = str(req.get("data"))
     theirs, n, whose = None, None, None  # the tokenizer, its vocabulary and the model it continues
     if init is not None:
         src = init.source
@@ -458,10 +423,8 @@ def tokenizer_fields(
             f"use {padded_vocab(int(n))}, or leave it out"
         )
     fields = {"tokenizer": theirs, "token_vocab_size": int(n)}
-    if resumed is not None and "vocab_size" not in req.explicit:
-        fields["vocab_size"] = config_value(resumed.saved, "vocab_size")
-    elif "vocab_size" not in req.explicit:
-        fields["vocab_size"] = padded_vocab(int(n))
+    if "vocab_size" not in req.explicit:  # a resumed run's, else the tokenizer's padded
+        fields["vocab_size"] = config_value(resumed.saved, "vocab_size") if resumed else padded_vocab(int(n))
     return fields
 
 
@@ -471,10 +434,10 @@ def _config(values: dict, req: Request, init: Optional[InitFrom]) -> TrainConfig
     except ConfigError as e:
         if init is None:
             raise
-        arch = {k: getattr(init.source.config, k) for k in init_from.ARCH_FIELDS}
-        sizes = ", ".join(f"{k} {v}" for k, v in arch.items())
+        sizes = ", ".join(f"{k} {getattr(init.source.config, k)}" for k in init_from.ARCH_FIELDS)
         raise init_from.InitFromError(f"--init-from {init.source.spec} ({sizes}): {e}") from e
 
 
-def _to_stderr(line: str) -> None:
+def say(line: str) -> None:
+    """A line of ``gpt2lab train`` on stderr (a note, a warning, a damaged checkpoint passed over)."""
     print(f"gpt2lab train: {line}", file=sys.stderr, flush=True)

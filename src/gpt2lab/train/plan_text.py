@@ -3,6 +3,8 @@ entry, and what the run's checkpoints will take on disk. The decisions are train
 
 from __future__ import annotations
 
+import dataclasses
+
 from gpt2lab.train import memplan
 from gpt2lab.train.config import TrainConfig
 from gpt2lab.train.plan import RunPlan, token_feature_count
@@ -15,14 +17,7 @@ PLAN_VERSION = 1
 def record(plan: RunPlan) -> dict:
     """run_info.json's "plan" entry (plain JSON)."""
     c = plan.config
-
-    def choice(ch):
-        return {
-            "value": ch.value,
-            "reason": ch.reason,
-            **({"warning": ch.warning} if ch.warning else {}),
-        }
-
+    choice = lambda ch: {k: v for k, v in dataclasses.asdict(ch).items() if k != "warning" or v}  # noqa: E731
     return {
         "version": PLAN_VERSION,
         "facts": {

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from gpt2lab.train.config import TrainConfig
 from gpt2lab.train.memplan import params
 from gpt2lab.train.schedule import accum_at
 from gpt2lab.train.settings import load_preset, preset_names
@@ -68,36 +67,25 @@ FINE_TUNES = {
 }
 
 
-def recipe(cfg: TrainConfig, name: str = "") -> str:
-    """ "faithful GPT-2" (GPT-2's block, AdamW, cosine) or "modern" (any modern-block field, lever or Muon/WSD);
-    a fine-tuning preset's FINE_TUNES entry."""
-    if name in FINE_TUNES:
-        return FINE_TUNES[name]
-    modern = cfg.model.modern() or cfg.optim.optimizer != "adamw" or cfg.optim.lr_schedule != "cosine"
-    return "modern" if modern else "faithful GPT-2"
-
-
-def tokens(cfg: TrainConfig) -> int:
-    """Tokens the run trains on: every step's, a batch ramp's smaller early steps included."""
-    b, steps = cfg.batch, cfg.optim.max_steps
-    per_micro = b.micro_batch_size * b.seq_len
-    ramp = min(steps, b.batch_ramp_steps)
-    return sum(accum_at(cfg, s, 1) for s in range(ramp)) * per_micro + (steps - ramp) * b.total_batch_tokens
-
-
 def listing() -> list[str]:
-    """``--list-presets``: each preset's lines."""
+    """``--list-presets``: each preset's lines. Its recipe: "faithful GPT-2" (GPT-2's block, AdamW, cosine) or
+    "modern" (any modern-block field, lever or Muon/WSD), a fine-tuning preset's FINE_TUNES entry; its tokens:
+    every step's, a batch ramp's smaller early steps included."""
     out = []
     for name in preset_names():
         cfg = load_preset(name)
-        m, n, measured = cfg.model, tokens(cfg), MEASURED.get(name)
+        m, b, o, measured = cfg.model, cfg.batch, cfg.optim, MEASURED.get(name)
+        ramp = min(o.max_steps, b.batch_ramp_steps)
+        n = sum(accum_at(cfg, s, 1) for s in range(ramp)) * b.micro_batch_size * b.seq_len
+        n += (o.max_steps - ramp) * b.total_batch_tokens
+        modern = m.modern() or o.optimizer != "adamw" or o.lr_schedule != "cosine"
+        recipe = FINE_TUNES.get(name) or f"{'modern' if modern else 'faithful GPT-2'} recipe"
         source = (
             f" (the architecture comes from --init-from {cfg.finetune.init_from})" if cfg.finetune.init_from else ""
         )
         out += [
             f"{name}: {m.n_layer} layers x {m.n_embd} wide, {params(cfg):,} parameters{source}; "
-            f"{recipe(cfg, name)}{'' if name in FINE_TUNES else ' recipe'}; {cfg.optim.max_steps:,} steps, "
-            f"{n:,} tokens",
+            f"{recipe}; {o.max_steps:,} steps, {n:,} tokens",
             f"    time    {measured.describe(n) if measured else 'not measured'}",
             f"    export  {export_target(m).describe()}",
         ]

@@ -92,7 +92,7 @@ def accum_at(cfg, step: int, world_size: int) -> int:
     if step >= b.batch_ramp_steps:
         return end
     units = 1 + (b.total_batch_tokens // b.batch_ramp_start - 1) * step // b.batch_ramp_steps
-    return units * cfg.micro_steps("batch_ramp_start", world_size)
+    return units * cfg.grad_accum_steps(world_size, "batch_ramp_start")
 
 
 def seq_len_at(batch, step: int) -> int:

@@ -8,20 +8,18 @@ metadata is its flag's help). Flags override the preset; each source is read int
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
 from importlib import resources
-from typing import Any, Optional, get_type_hints
+from typing import Any, Optional
 
-from gpt2lab.model.config import GPTConfig, config_value, field_type
+from gpt2lab.model.config import config_value, field_type
 from gpt2lab.system.choices import finite_float
 from gpt2lab.system.errors import ConfigError
 from gpt2lab.train.config import (
-    SECTIONS,
-    TOP_FIELDS,
+    FIELDS,
+    HINTS,
     TrainConfig,
     check_nested_types,
-    default_model,
     default_value,
     merge_config,
     nest_config,
@@ -33,26 +31,23 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, packaged as tomli
     import tomli as tomllib
 
 
-# -- presets ----------------------------------------------------------------------------
+# -- presets and --config files: each a chain of layers, its base presets' first ------------------
 def preset_names() -> list[str]:
     folder = resources.files("gpt2lab") / "presets"
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".toml"))
 
 
-def preset_values(name: str, _seen: tuple = ()) -> dict:
-    """The fields a preset sets (its ``base`` chain resolved), nested, not yet a TrainConfig."""
+def _preset_layers(name: str, seen: tuple = ()) -> list[dict]:
     if name not in preset_names():
         hint = "".join(f"; did you mean {near}?" for near in difflib.get_close_matches(name, preset_names(), n=1))
         raise ConfigError(f"unknown preset {name!r}{hint} (the presets: {', '.join(preset_names())})")
-    if name in _seen:
-        raise ConfigError(f"preset {name!r}: base presets form a cycle ({' -> '.join(_seen + (name,))})")
+    if name in seen:
+        raise ConfigError(f"preset {name!r}: base presets form a cycle ({' -> '.join(seen + (name,))})")
     path = resources.files("gpt2lab") / "presets" / f"{name}.toml"
-    return _toml_values(path.read_text(), str(path), _seen + (name,))
+    return _layers(path.read_text(), str(path), seen + (name,))
 
 
-def config_file_values(path: str) -> dict:
-    """``train --config FILE``: a TOML file with the presets' keys (``base = "PRESET"`` starts from a
-    packaged preset), nested, its values checked here so that an error names the file and the key."""
+def _file_layers(path: str) -> list[dict]:
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -60,14 +55,12 @@ def config_file_values(path: str) -> dict:
         raise ConfigError(f"--config {path}: no such file; pass a TOML file with the presets' keys") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"--config {path}: cannot be read ({e})") from None
-    values = _toml_values(text, path, ())
-    check_nested_types(values, path)
-    return values
+    return _layers(text, path)
 
 
-def _toml_values(text: str, where: str, seen: tuple) -> dict:
-    """A preset's or config file's fields, nested, on top of its ``base`` preset's: flat keys
-    (``max_lr = 3e-4``) and section tables (``[optim]``) alike, merged field by field."""
+def _layers(text: str, where: str, seen: tuple = ()) -> list[dict]:
+    """A preset's or config file's own fields, nested (flat keys, ``max_lr = 3e-4``, and section tables,
+    ``[optim]``, alike), after those of its ``base`` preset's chain."""
     try:
         values = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -75,26 +68,31 @@ def _toml_values(text: str, where: str, seen: tuple) -> dict:
     base = values.pop("base", None)
     if base is not None and not isinstance(base, str):
         raise ConfigError(f"{where}: base must be a preset name (text), got {base!r}")
-    own = nest_config(values, where)
-    return merge_config(preset_values(base, seen), own, source=where) if base else own
+    return (_preset_layers(base, seen) if base else []) + [nest_config(values, where)]
+
+
+def preset_values(name: str) -> dict:
+    """The fields a preset sets (its ``base`` chain resolved), nested, not yet a TrainConfig."""
+    return merge_config(*_preset_layers(name))
+
+
+def config_file_values(path: str) -> dict:
+    """``train --config FILE``: a TOML file with the presets' keys (``base = "PRESET"`` starts from a
+    packaged preset), nested, its values checked here so that an error names the file and the key."""
+    values = merge_config(*_file_layers(path), source=path)
+    check_nested_types(values, path)
+    return values
 
 
 def prompt_written_for(preset: Optional[str] = None, path: Optional[str] = None) -> str:
     """The data directory the sample prompt of a preset (or ``--config`` file) was written for: the
     data of the preset or file that sets ``sample_prompt`` (its own, or the one it inherits), found
     along the ``base`` chain; the built-in default prompt's, the default data."""
-    if preset is not None:
-        text, where = (resources.files("gpt2lab") / "presets" / f"{preset}.toml").read_text(), preset
-        values = preset_values(preset)
-    else:
-        with open(str(path), encoding="utf-8") as f:
-            text, where = f.read(), str(path)
-        values = config_file_values(str(path))
-    own = tomllib.loads(text)
-    base = own.pop("base", None)
-    if config_value(nest_config(own, where), "sample_prompt", None) is not None:
-        return str(config_value(values, "data", default_value("data")))
-    return prompt_written_for(preset=base) if base else str(default_value("data"))
+    layers = _preset_layers(preset) if preset is not None else _file_layers(str(path))
+    for n in range(len(layers), 0, -1):
+        if config_value(layers[n - 1], "sample_prompt") is not None:
+            return str(config_value(merge_config(*layers[:n]), "data", default_value("data")))
+    return str(default_value("data"))
 
 
 def load_preset(name: str, **overrides: Any) -> TrainConfig:
@@ -103,7 +101,10 @@ def load_preset(name: str, **overrides: Any) -> TrainConfig:
     return TrainConfig.from_dict(merge_config(preset_values(name), overrides, source=source), source=source)
 
 
-# -- command line -----------------------------------------------------------------------
+# -- command line: a flag per field, but the architecture's derived ones -----------------------------
+FLAGS = {name: f for name, f in FIELDS.items() if not f.metadata.get("derived")}
+
+
 def parse_bool(text: str) -> bool:
     low = text.lower()
     if low in ("true", "1", "yes", "on"):
@@ -125,43 +126,24 @@ def _converter(tp: Any, optional: bool):
     return convert
 
 
-def _flag_fields() -> list[tuple[dataclasses.Field, Any, Any]]:
-    """(field, type annotation, base default) per flag: GPTConfig's settable fields, then
-    TrainConfig's top-level ones, then each section's. A flag's name is its field's flat name."""
-    model_hints, model = get_type_hints(GPTConfig), default_model()
-    out = [
-        (f, model_hints[f.name], getattr(model, f.name))
-        for f in dataclasses.fields(GPTConfig)
-        if not f.metadata["derived"]
-    ]
-    hints = get_type_hints(TrainConfig)
-    out += [(f, hints[f.name], f.default) for f in dataclasses.fields(TrainConfig) if f.name in TOP_FIELDS]
-    for section in SECTIONS.values():
-        if section is not GPTConfig:
-            hints = get_type_hints(section)
-            out += [(f, hints[f.name], f.default) for f in dataclasses.fields(section)]
-    return out
-
-
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One ``--field-name VALUE`` flag per config field, flat whatever its section; unset flags
     stay out of the overrides."""
     group = parser.add_argument_group("config fields (override the preset)")
-    for f, hint, default in _flag_fields():
-        tp, optional = field_type(hint)
-        kwargs: dict = dict(
-            dest=f.name,
+    for name, f in FLAGS.items():
+        tp, optional = field_type(HINTS[name])
+        choices = f.metadata.get("choices")  # text fields that name their values
+        group.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
             default=argparse.SUPPRESS,
-            type=_converter(tp, optional),
-            help=f"{f.metadata['help']} (base default {default!r}; the preset may set it)",
+            type=str.lower if choices else _converter(tp, optional),
+            choices=choices or None,
+            metavar="|".join(choices) if choices else {bool: "true|false", int: "N", float: "X"}.get(tp, "TEXT"),
+            help=f"{f.metadata['help']} (base default {default_value(name)!r}; the preset may set it)",
         )
-        kwargs["metavar"] = {bool: "true|false", int: "N", float: "X"}.get(tp, "TEXT")
-        if f.metadata.get("choices"):  # text fields that name their values
-            kwargs.update(choices=f.metadata["choices"], type=str.lower, metavar="|".join(f.metadata["choices"]))
-        group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict:
     """The flags given, nested (``--max-lr 1e-3`` -> ``{"optim": {"max_lr": 0.001}}``)."""
-    names = {f.name for f, _, _ in _flag_fields()}
-    return nest_config({k: v for k, v in vars(args).items() if k in names}, "the flags")
+    return nest_config({k: v for k, v in vars(args).items() if k in FLAGS}, "the flags")
