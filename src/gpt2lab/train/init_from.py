@@ -103,12 +103,9 @@ def check_arch(src: Source, explicit: Mapping[str, object]) -> dict[str, object]
 def digest(src: Source) -> str:
     """sha256 of SRC's weights file, computed once: a checkpoint's from its checksums.json (verified when
     it was resolved)."""
-    if src.kind == CHECKPOINT_DIR:
-        sums = read_json_object(os.path.join(src.where, ckpt.CHECKSUMS)) or {}
-        name = os.path.basename(src.weights)
-        if name in sums:
-            return str(sums[name])
-    return sha256_file(src.weights)
+    sums = (read_json_object(os.path.join(src.where, ckpt.CHECKSUMS)) or {}) if src.kind == CHECKPOINT_DIR else {}
+    name = os.path.basename(src.weights)
+    return str(sums[name]) if name in sums else sha256_file(src.weights)
 
 
 def load_source(model: GPT, src: Source) -> None:

@@ -22,10 +22,7 @@ def record(plan: RunPlan) -> dict:
         "version": PLAN_VERSION,
         "facts": {
             **plan.choices.record(),
-            "world_size": plan.machine.world_size,
-            "device_bytes": plan.machine.device_bytes,
-            "host_bytes": plan.machine.host_bytes,
-            "faked": plan.machine.faked,
+            **{k: getattr(plan.machine, k) for k in ("world_size", "device_bytes", "host_bytes", "faked")},
         },
         "resume": plan.resume,
         "schedule_change": plan.schedule_change,
@@ -53,16 +50,14 @@ def record(plan: RunPlan) -> dict:
 def lines(plan: RunPlan) -> list[str]:
     """What start-up prints (and --dry-run shows), one decision a line."""
     c, m, ft = plan.config, plan.config.model, plan.config.finetune
-    on = lambda v: "on" if v else "off"  # noqa: E731
     mem = "no prediction for this device"
     if plan.memory:
         f, have = plan.machine, ""
         if f.device_bytes:
             have = f" of the device's {f.device_bytes / 2**30:.1f} GiB"
         elif f.host_bytes:
-            have = f" of this machine's {f.host_bytes / 2**30:.1f} GiB of RAM" + (
-                " per process" if f.world_size > 1 else ""
-            )
+            each = " per process" if f.world_size > 1 else ""
+            have = f" of this machine's {f.host_bytes / 2**30:.1f} GiB of RAM{each}"
         mem = f"{plan.memory['total'] / 1024:.2f} GiB per rank predicted{have} (peak at {plan.memory['phase']})"
     peak = plan.peak_flops.value
     b = c.batch
@@ -112,7 +107,7 @@ def lines(plan: RunPlan) -> list[str]:
         out.append(f"init from {r['source']} ({r.get('kind', 'recorded by the run')}, {r['id']})")
     out += [
         f"dtype     {plan.dtype.value} ({plan.dtype.reason})",
-        f"compile   {on(plan.compile.value)} ({plan.compile.reason})",
+        f"compile   {'on' if plan.compile.value else 'off'} ({plan.compile.reason})",
         f"strategy  {plan.strategy.value} ({plan.strategy.reason})"
         + ("; activation checkpointing on" if c.parallel.activation_checkpointing else ""),
         f"loss      {plan.loss.value} ({plan.loss.reason})" + (mtp if m.mtp_heads else ""),
