@@ -176,16 +176,9 @@ def _merge_lines(text: str) -> list[str]:
 @functools.lru_cache(maxsize=1)
 def _byte_of_char() -> dict[str, int]:
     """The byte-level BPE alphabet (GPT-2's bytes_to_unicode, which Hugging Face's ByteLevel uses):
-    the printable bytes stand for themselves, every other byte b for chr(256 + its rank among them)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
+    the printable bytes but space stand for themselves, every other byte b for chr(256 + its rank among them)."""
+    other = [b for b in range(256) if not chr(b).isprintable() or b == ord(" ")]
+    return {**{chr(b): b for b in range(256) if b not in other}, **{chr(256 + k): b for k, b in enumerate(other)}}
 
 
 class TrainedBPE:
@@ -216,7 +209,6 @@ class TrainedBPE:
             )
         self.eot_id, self.im_start_id, self.im_end_id = (self.specials[t] for t in SPECIAL_TOKENS)
         self._bytes = self._token_bytes(where)
-        self._special_re = {}
 
     def _token_bytes(self, where: str) -> list[bytes]:
         table = _byte_of_char()
@@ -262,16 +254,12 @@ class TrainedBPE:
                 )
         if not allowed:
             return self.encode_ordinary(text)
-        pattern = self._special_re.get(frozenset(allowed))
-        if pattern is None:
-            pattern = re.compile("|".join(re.escape(t) for t in sorted(allowed, key=len, reverse=True)))
-            self._special_re[frozenset(allowed)] = pattern
-        ids, at = [], 0
-        for m in pattern.finditer(text):
-            ids += self.encode_ordinary(text[at : m.start()]) if m.start() > at else []
-            ids.append(self.specials[m.group()])
-            at = m.end()
-        return ids + (self.encode_ordinary(text[at:]) if at < len(text) else [])
+        # a capturing split: the allowed tokens at odd places, the text between them at even ones
+        pieces = re.split("(" + "|".join(re.escape(t) for t in sorted(allowed, key=len, reverse=True)) + ")", text)
+        ids: list[int] = []
+        for k, piece in enumerate(pieces):
+            ids += [self.specials[piece]] if k % 2 else self.encode_ordinary(piece)
+        return ids
 
     def decode_single_token_bytes(self, token: int) -> bytes:
         if not 0 <= token < len(self._bytes):
