@@ -31,9 +31,7 @@ it holds at least one byte of the assistant's content.
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable, Optional, Sequence
-
-import numpy as np
+from typing import Any, Optional, Sequence
 
 from gpt2lab.data.tokenizer import (
     EOT_TOKEN,
@@ -42,7 +40,6 @@ from gpt2lab.data.tokenizer import (
     Tokenizer,
     for_chat,
     gpt2_tokenizer,
-    token_dtype,
 )
 
 TEMPLATE = "chatml"  # the name a manifest, a run's config and an export record
@@ -170,28 +167,6 @@ def _content_mask(enc, body: list[int], head_bytes: int) -> list[int]:
         end += len(enc.decode_single_token_bytes(t))
         out.append(1 if end > head_bytes else 0)
     return out
-
-
-def encode_records(
-    records: Iterable[Sequence[Message]],
-    tokenizer: Optional[Tokenizer] = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Conversations -> (ids, each conversation <|endoftext|> first, concatenated, in the shard dtype of
-    ``tokenizer``'s vocabulary; lengths; uint8 loss mask), the shapes ``prepare`` writes."""
-    enc = for_chat(tokenizer if tokenizer is not None else gpt2_tokenizer())
-    ids: list[int] = []
-    mask: list[int] = []
-    lengths = []
-    for turns in records:
-        a, m = encode_chat(turns, tokenizer=enc)
-        ids.extend(a)
-        mask.extend(m)
-        lengths.append(len(a))
-    return (
-        np.asarray(ids, dtype=token_dtype(enc.n_vocab)),
-        np.asarray(lengths, dtype=np.int64),
-        np.asarray(mask, dtype=np.uint8),
-    )
 
 
 def parse_line(line: str) -> Optional[Any]:

@@ -36,7 +36,7 @@ from gpt2lab.data.manifest import save_manifest, start_manifest
 from gpt2lab.data.parallel import ordered_map
 from gpt2lab.data.shards import val_size
 from gpt2lab.data.sources import Document, JsonLine, SourceError, TextSource, as_text, resolve_source
-from gpt2lab.data.tokenizer import Tokenizer, gpt2_tokenizer, save_tokenizer, token_dtype
+from gpt2lab.data.tokenizer import Tokenizer, for_chat, gpt2_tokenizer, save_tokenizer, token_dtype
 from gpt2lab.data.writer import ShardWriter
 from gpt2lab.system import rundir
 from gpt2lab.system.errors import UsageError
@@ -250,17 +250,10 @@ def _run(
     docs = src.documents(writer.doc, manifest["settings"]["limit_docs"])
     chat_data = manifest["settings"]["format"] == "chat"
     encode = functools.partial(encode_conversations if chat_data else encode_documents, tokenizer=tok)
-    with (
-        ordered_map(encode, docs, workers, src.size_bytes) as stream,
-        tqdm(
-            disable=not progress,
-            unit="tok",
-            unit_scale=True,
-            initial=writer.written,
-            desc="prepare",
-            dynamic_ncols=True,
-        ) as bar,
-    ):
+    bar = tqdm(
+        disable=not progress, unit="tok", unit_scale=True, initial=writer.written, desc="prepare", dynamic_ncols=True
+    )
+    with bar, ordered_map(encode, docs, workers, src.size_bytes) as stream:
         for tokens, lengths, *mask in stream:
             writer.add(tokens, lengths, *mask)
             bar.update(int(lengths.sum()))
@@ -289,10 +282,21 @@ def encode_conversations(
     docs: List[Document],
     tokenizer: Optional[Tokenizer] = None,
 ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """JSON-lines conversations -> (uint16 tokens, lengths, uint8 loss mask) in data/chat.py's
-    template; a record that is not a conversation is a SourceError naming its file, line and field."""
+    """JSON-lines conversations -> (tokens, each conversation <|endoftext|> first, concatenated, in the shard
+    dtype of ``tokenizer``'s vocabulary; lengths; uint8 loss mask) in data/chat.py's template; a record
+    that is not a conversation is a SourceError naming its file, line and field."""
     if not all(isinstance(doc, JsonLine) for doc in docs):
         raise SourceError(
             "conversations are read from JSON-lines files (.jsonl, also compressed); prepare text with --format text"
         )
-    return chat.encode_records([doc.turns() for doc in docs], tokenizer)
+    enc = for_chat(tokenizer if tokenizer is not None else gpt2_tokenizer())
+    ids: List[int] = []
+    mask: List[int] = []
+    lengths = []
+    for doc in docs:
+        a, m = chat.encode_chat(doc.turns(), tokenizer=enc)
+        ids.extend(a)
+        mask.extend(m)
+        lengths.append(len(a))
+    dtype = token_dtype(enc.n_vocab)
+    return np.asarray(ids, dtype=dtype), np.asarray(lengths, dtype=np.int64), np.asarray(mask, dtype=np.uint8)

@@ -70,7 +70,17 @@ class JsonLine(NamedTuple):
 
     def row(self) -> dict:
         """The line's JSON object (a SourceError naming the file and line when it is not one)."""
-        return _json_line(self.line, self.path, self.lineno)
+        where = f"{self.path}:{self.lineno}"
+        try:
+            row = json.loads(self.line)
+        except json.JSONDecodeError as e:
+            raise SourceError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); fix or remove that line") from e
+        if not isinstance(row, dict):
+            raise SourceError(
+                f"{where}: a JSON {type(row).__name__}, not an object with "
+                'a text field; each line must be {"text": ...}'
+            )
+        return row
 
     def text(self) -> str:
         return _field(self.row(), self.field, f"{self.path}:{self.lineno}")
@@ -122,25 +132,14 @@ def resolve_source(source: str, text_field: str = "text", config: Optional[str] 
         )
     if source in HUB_ALIASES or source.startswith("hf:"):
         return _hub_source(source, text_field, config)
-    if source == "chitchat":  # 2%: a val split of ~30 whole conversations
-        path = asset_path("chitchat.jsonl.zst")
-        starts: List[int] = []
-        return TextSource(
-            source,
-            "local",
-            os.path.getsize(path) * 4,
-            _slice(lambda: _local_docs([path], text_field, starts)),
-            val_fraction=0.02,
-            files=[path],
-            file_starts=starts,
-        )
-    files = _local_files(source)
+    # chitchat: 2%, a val split of ~30 whole conversations
+    files = [asset_path("chitchat.jsonl.zst")] if source == "chitchat" else _local_files(source)
     # compressed text is ~3-4x its file size: the val default estimates the text's size
     size = sum(os.path.getsize(f) * (4 if f.endswith(COMPRESSIONS) else 1) for f in files)
     starts: List[int] = []
-    return TextSource(
-        source, "local", size, _slice(lambda: _local_docs(files, text_field, starts)), files=files, file_starts=starts
-    )
+    documents = _slice(lambda: _local_docs(files, text_field, starts))
+    frac = 0.02 if source == "chitchat" else 0.005
+    return TextSource(source, "local", size, documents, val_fraction=frac, files=files, file_starts=starts)
 
 
 def _slice(make: Callable[[], Iterable[Document]]) -> Callable[[int, Optional[int]], Iterator[Document]]:
@@ -160,7 +159,9 @@ def _local_files(source: str) -> List[str]:
         files = sorted(f for f in glob.glob(source, recursive=True) if os.path.isfile(f))
         what = f"glob {source!r} matches"
     elif os.path.isdir(source):
-        files = sorted(str(p) for p in Path(source).rglob("*") if p.is_file() and not _hidden(p, source))
+        # leaving out any path with a part beginning with a dot (``.git/``, ``.DS_Store``)
+        paths = [p for p in Path(source).rglob("*") if not any(x.startswith(".") for x in p.relative_to(source).parts)]
+        files = sorted(str(p) for p in paths if p.is_file())
         what = f"directory {source} holds"
     elif os.path.isfile(source):
         return [source]  # named alone: read as what it is (text that is not UTF-8: one line, when read)
@@ -171,7 +172,7 @@ def _local_files(source: str) -> List[str]:
             f"--source {source!r}: no such file or directory, and not one of "
             f"tinyshakespeare, chitchat, {', '.join(HUB_ALIASES)}, hf:NAME[:CONFIG]"
         )
-    binary = [f for f in files if not _known(f) and not _is_utf8_text(f)]
+    binary = [f for f in files if not f.endswith(LOCAL_SUFFIXES) and not _is_utf8_text(f)]
     usable = [f for f in files if f not in set(binary)]
     if not usable:
         found = f" (the {len(binary)} there are not UTF-8 text)" if binary else ""
@@ -180,16 +181,6 @@ def _local_files(source: str) -> List[str]:
         names = ", ".join(binary[:10]) + (f" and {len(binary) - 10} more" if len(binary) > 10 else "")
         warnings.warn(f"{what} {len(binary)} file(s) that are not UTF-8 text, skipped: {names}", stacklevel=3)
     return usable
-
-
-def _hidden(path: Path, root: str) -> bool:
-    """Whether a path under ``root`` has a part beginning with a dot (``.git/``, ``.DS_Store``)."""
-    return any(part.startswith(".") for part in path.relative_to(root).parts)
-
-
-def _known(path: str) -> bool:
-    """Whether a file's name says its kind (JSON lines, Parquet, text, compressed ones of those)."""
-    return path.endswith(LOCAL_SUFFIXES)
 
 
 def _is_utf8_text(path: str) -> bool:
@@ -328,7 +319,7 @@ def _txt_docs(path: str, text_field: str) -> Iterator[str]:
     # one document, so whole in memory (as for .txt); JSON lines stream document by document
     with _reading(path), _open_text(path) as f:
         text = f.read()
-    if not text.strip() and _known(path):  # kept (as a .jsonl's empty row is), but worth knowing about
+    if not text.strip() and path.endswith(LOCAL_SUFFIXES):  # kept (as a .jsonl's empty row is), but worth knowing about
         # (a .txt only: an empty file of code, an __init__.py, is common and says nothing)
         warnings.warn(f"{path}: empty text file; it adds only an <|endoftext|>", stacklevel=2)
     yield text
@@ -339,21 +330,6 @@ def _jsonl_docs(path: str, text_field: str) -> Iterator[Document]:
         for lineno, line in enumerate(f, 1):
             if not line.isspace():  # a blank line holds no document
                 yield JsonLine(line, path, lineno, text_field)
-
-
-def _json_line(line: str, path: str, lineno: int) -> dict:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise SourceError(
-            f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); fix or remove that line"
-        ) from e
-    if not isinstance(row, dict):
-        raise SourceError(
-            f"{path}:{lineno}: a JSON {type(row).__name__}, not an object with "
-            'a text field; each line must be {"text": ...}'
-        )
-    return row
 
 
 def _field(row: dict, text_field: str, where: str) -> str:
