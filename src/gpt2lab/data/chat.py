@@ -30,7 +30,6 @@ it holds at least one byte of the assistant's content.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Optional, Sequence
 
 from gpt2lab.data.tokenizer import (
@@ -167,11 +166,3 @@ def _content_mask(enc, body: list[int], head_bytes: int) -> list[int]:
         end += len(enc.decode_single_token_bytes(t))
         out.append(1 if end > head_bytes else 0)
     return out
-
-
-def parse_line(line: str) -> Optional[Any]:
-    """A JSON line's value, or None when it is not JSON (for format detection only)."""
-    try:
-        return json.loads(line)
-    except ValueError:
-        return None

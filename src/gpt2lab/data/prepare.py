@@ -236,7 +236,10 @@ def detect_format(src: TextSource, asked: str, text_field: str) -> str:
     first = next(iter(src.documents(0, 1)), None)
     if not isinstance(first, JsonLine):
         return "text"
-    row = chat.parse_line(first.line)
+    try:
+        row = first.row()
+    except SourceError:  # not a JSON object: text, whose reading names the line
+        return "text"
     return "chat" if chat.is_conversation(row) and text_field not in row else "text"
 
 
@@ -279,8 +282,7 @@ def encode_documents(docs: List[Document], tokenizer: Optional[Tokenizer] = None
 
 
 def encode_conversations(
-    docs: List[Document],
-    tokenizer: Optional[Tokenizer] = None,
+    docs: List[Document], tokenizer: Optional[Tokenizer] = None
 ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """JSON-lines conversations -> (tokens, each conversation <|endoftext|> first, concatenated, in the shard
     dtype of ``tokenizer``'s vocabulary; lengths; uint8 loss mask) in data/chat.py's template; a record

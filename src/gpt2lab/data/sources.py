@@ -44,10 +44,7 @@ from gpt2lab.data import chat
 from gpt2lab.data.tokenizer import asset_path
 from gpt2lab.system.errors import DataError
 
-HUB_ALIASES = {
-    "fineweb-edu": "HuggingFaceFW/fineweb-edu",
-    "fineweb": "HuggingFaceFW/fineweb",
-}
+HUB_ALIASES = {"fineweb-edu": "HuggingFaceFW/fineweb-edu", "fineweb": "HuggingFaceFW/fineweb"}
 HUB_DEFAULT_CONFIG = "sample-10BT"
 TEXT_KINDS = {".txt": "txt", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 COMPRESSIONS = (".gz", ".zst", ".xz", ".bz2")

@@ -33,6 +33,7 @@ from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
 from gpt2lab.model.config import CHAT_VOCAB_SIZES, GPT2_VOCAB_SIZE, GPTConfig
 from gpt2lab.system.errors import ConfigError, DataError
+from gpt2lab.system.files import atomic_write, sha256_file
 
 EOT_TOKEN = "<|endoftext|>"
 EOT_ID = 50256
@@ -86,8 +87,7 @@ def asset_path(name: str) -> str:
 
 def _checked(name: str) -> str:
     path = asset_path(name)
-    with open(path, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()
+    digest = sha256_file(path)
     if digest != _SHA256[name]:
         raise RuntimeError(
             f"{path}: sha256 {digest} does not match the GPT-2 release ({_SHA256[name]}); "
@@ -143,14 +143,11 @@ def is_gpt2_vocabulary(path: str) -> bool:
     vocab, merges = _gpt2_vocab_and_merges()
     try:
         if os.path.isdir(path) and not os.path.isfile(os.path.join(path, TOKENIZER_FILE)):
-            with open(os.path.join(path, "vocab.json"), encoding="utf-8") as f:
-                if json.load(f) != vocab:
-                    return False
-            with open(os.path.join(path, "merges.txt"), encoding="utf-8") as f:
-                return _merge_lines(f.read()) == merges
-        file = os.path.join(path, TOKENIZER_FILE) if os.path.isdir(path) else path
-        with open(file, encoding="utf-8") as f:
-            model = json.load(f).get("model", {})
+            return (
+                _read_json(os.path.join(path, "vocab.json")) == vocab
+                and _merges(os.path.join(path, "merges.txt")) == merges
+            )
+        model = _read_json(os.path.join(path, TOKENIZER_FILE) if os.path.isdir(path) else path).get("model", {})
         if not isinstance(model, dict) or model.get("type") != "BPE" or model.get("vocab") != vocab:
             return False
         got = model.get("merges")
@@ -161,15 +158,18 @@ def is_gpt2_vocabulary(path: str) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _gpt2_vocab_and_merges() -> tuple[dict, list[str]]:
-    with open(_checked("encoder.json"), encoding="utf-8") as f:
-        vocab = json.load(f)
-    with open(_checked("vocab.bpe"), encoding="utf-8") as f:
-        return vocab, _merge_lines(f.read())
+    return _read_json(_checked("encoder.json")), _merges(_checked("vocab.bpe"))
 
 
-def _merge_lines(text: str) -> list[str]:
+def _read_json(path: str):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _merges(path: str) -> list[str]:
     """The merges of a merges.txt / vocab.bpe: one "a b" per line, after the "#version" line."""
-    return [line for line in text.split("\n") if line and not line.startswith("#version")]
+    with open(path, encoding="utf-8") as f:
+        return [line for line in f.read().split("\n") if line and not line.startswith("#version")]
 
 
 # -- a trained one -----------------------------------------------------------------------------------
@@ -294,13 +294,9 @@ def load_tokenizer(path: str, identity: Optional[str] = None, what_next: str = "
 def save_tokenizer(tok: TrainedBPE, folder: str, what_next: str = "") -> str:
     """``tok``'s tokenizer.json in ``folder``, written atomically (kept where that very file is there
     already); its path."""
-    from gpt2lab.system.files import atomic_write
-
     path = os.path.join(folder, TOKENIZER_FILE)
-    if os.path.isfile(path):
-        with open(path, "rb") as f:
-            if hashlib.sha256(f.read()).hexdigest() == tok.identity:
-                return path
+    if os.path.isfile(path) and sha256_file(path) == tok.identity:
+        return path
     with atomic_write(path, "w", what_next=what_next or None) as f:
         f.write(tok.text)
     return path

@@ -52,20 +52,13 @@ class ShardWriter:
         return self.val_end is None or self.written < self.val_end
 
     def _files_seen(self, base: int, starts: np.ndarray, n_docs: int) -> None:
-        """Record where each source file read so far starts in the stream (per-file counts)."""
-        files = self.manifest["files"]
-        while len(files) < len(self.src.file_starts):
-            i = len(files)
-            d = self.src.file_starts[i]
-            if d >= self.doc + n_docs:
-                break
-            self._file(i, d, base + int(starts[d - self.doc]) if d >= self.doc else base)
-
-    def _file(self, i: int, first_doc: int, first_token: int) -> None:
-        """Record source file ``i`` by its content (sha256: data/manifest.py) and where it starts in the stream."""
-        path = self.src.files[i]
-        entry = {"path": path, "bytes": os.path.getsize(path), "sha256": sha256_file(path)}
-        self.manifest["files"].append({**entry, "first_doc": first_doc, "first_token": first_token})
+        """Record each source file read so far that starts before document ``self.doc + n_docs``: by its
+        content (sha256: data/manifest.py) and where it starts in the stream (per-file counts)."""
+        files, file_starts = self.manifest["files"], self.src.file_starts
+        while len(files) < len(file_starts) and (d := file_starts[len(files)]) < self.doc + n_docs:
+            path = self.src.files[len(files)]
+            entry = {"path": path, "bytes": os.path.getsize(path), "sha256": sha256_file(path), "first_doc": d}
+            files.append({**entry, "first_token": base + int(starts[d - self.doc]) if d >= self.doc else base})
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray, mask: Optional[np.ndarray] = None) -> None:
         """Append whole documents (concatenated, EOT first; conversations with their loss ``mask``);
@@ -119,8 +112,7 @@ class ShardWriter:
     def finish(self) -> None:
         if self.fill:
             self._flush(self.doc, 0)
-        for i in range(len(self.manifest["files"]), len(self.src.file_starts)):  # files with no documents left
-            self._file(i, self.doc, self.written)
+        self._files_seen(self.written, np.zeros(1, dtype=np.int64), 1)  # files with no documents left: at the end
         if not self.manifest["shards"]:
             raise SourceError(
                 f"source {self.manifest['settings']['source']!r}: no documents; check the path, glob or --limit-docs"
