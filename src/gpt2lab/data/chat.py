@@ -32,14 +32,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from gpt2lab.data.tokenizer import (
-    EOT_TOKEN,
-    IM_END,
-    IM_START,  # noqa: F401
-    Tokenizer,
-    for_chat,
-    gpt2_tokenizer,
-)
+from gpt2lab.data.tokenizer import EOT_TOKEN, IM_END, IM_START, Tokenizer, for_chat, gpt2_tokenizer
 
 TEMPLATE = "chatml"  # the name a manifest, a run's config and an export record
 ROLES = ("system", "user", "assistant")

@@ -25,7 +25,6 @@ Bad input raises ``SourceError`` naming the file (and line or row) and what to d
 from __future__ import annotations
 
 import bz2
-import codecs
 import glob
 import gzip
 import io
@@ -118,15 +117,9 @@ class TextSource:
 
 def resolve_source(source: str, text_field: str = "text", config: Optional[str] = None) -> TextSource:
     """Turn the ``--source`` string into a TextSource."""
-    if source == "tinyshakespeare":
-        # 5%: a val split of ~17k tokens, enough for a steady val loss at T=256
-        return TextSource(
-            source,
-            "bundled",
-            os.path.getsize(asset_path("tinyshakespeare.txt")),
-            _slice(_shakespeare_docs),
-            val_fraction=0.05,
-        )
+    if source == "tinyshakespeare":  # 5%: a val split of ~17k tokens, enough for a steady val loss at T=256
+        size = os.path.getsize(asset_path("tinyshakespeare.txt"))
+        return TextSource(source, "bundled", size, _slice(_shakespeare_docs), val_fraction=0.05)
     if source in HUB_ALIASES or source.startswith("hf:"):
         return _hub_source(source, text_field, config)
     # chitchat: 2%, a val split of ~30 whole conversations
@@ -184,14 +177,11 @@ def _is_utf8_text(path: str) -> bool:
     """Whether a file of no known kind is UTF-8 text: no NUL byte (the mark of binary data, as
     git and grep take it) and every byte sequence one UTF-8 has. An unreadable file counts as text
     here, so that reading it gives its one-line error."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
     try:
-        with open(path, "rb") as f:
+        with open(path, encoding="utf-8") as f:  # decoded a chunk at a time, to the end
             while chunk := f.read(READ_CHUNK):
-                if b"\0" in chunk:
+                if "\0" in chunk:
                     return False
-                decoder.decode(chunk)
-            decoder.decode(b"", final=True)
     except UnicodeDecodeError:
         return False
     except OSError:
@@ -251,7 +241,10 @@ class _ZstdRaw(io.RawIOBase):
             out = []
             while chunk:
                 self.in_frame = True
-                out.append(self.d.decompress(chunk))
+                try:
+                    out.append(self.d.decompress(chunk))
+                except self.zstd.ZstdError as e:  # not zstd data, or damaged: a read error like the others
+                    raise OSError(str(e)) from e
                 chunk = b""
                 if self.d.eof:  # a frame ended: the rest of the chunk starts the next one
                     chunk, self.in_frame = self.d.unused_data, False
@@ -283,17 +276,6 @@ def _open_text(path: str) -> Iterator[IO[str]]:
             yield f
 
 
-def _read_errors() -> Tuple[type, ...]:
-    errs: Tuple[type, ...] = (OSError, EOFError, lzma.LZMAError, zlib.error)
-    try:
-        import zstandard
-
-        errs += (zstandard.ZstdError,)
-    except ImportError:
-        pass
-    return errs
-
-
 @contextmanager
 def _reading(path: str) -> Iterator[None]:
     """Turn what a damaged file raises while it is read into one line naming the file."""
@@ -303,7 +285,7 @@ def _reading(path: str) -> Iterator[None]:
         raise
     except UnicodeDecodeError as e:
         raise SourceError(f"{path}: not UTF-8 text ({e}); convert it to UTF-8") from e
-    except _read_errors() as e:
+    except (OSError, EOFError, lzma.LZMAError, zlib.error) as e:
         comp = kind_of(path)[1]
         what = f"not a readable {comp} file" if comp else "cannot be read"
         raise SourceError(
