@@ -30,6 +30,7 @@ it holds at least one byte of the assistant's content.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Optional, Sequence
 
 from gpt2lab.data.tokenizer import EOT_TOKEN, IM_END, IM_START, Tokenizer, for_chat, gpt2_tokenizer
@@ -133,15 +134,11 @@ def encode_chat(
     for role, content in turns:
         head = f"{role}\n"
         body = enc.encode_ordinary(head + content)
-        ids.append(enc.im_start_id)
-        ids.extend(body)
-        ids.append(enc.im_end_id)
-        if role == ASSISTANT:
-            mask.append(0)
-            mask.extend(_content_mask(enc, body, len(head.encode())))
-            mask.append(1)
+        ids += [enc.im_start_id, *body, enc.im_end_id]
+        if role == ASSISTANT:  # the content's tokens and <|im_end|>
+            mask += [0, *_content_mask(enc, body, len(head.encode())), 1]
         else:
-            mask.extend([0] * (len(body) + 2))
+            mask += [0] * (len(body) + 2)
         newline = enc.encode_ordinary("\n")
         ids.extend(newline)
         mask.extend([0] * len(newline))
@@ -154,8 +151,5 @@ def encode_chat(
 
 def _content_mask(enc, body: list[int], head_bytes: int) -> list[int]:
     """1 for each token of ``body`` that holds a byte past the first ``head_bytes`` (the role line)."""
-    out, end = [], 0
-    for t in body:
-        end += len(enc.decode_single_token_bytes(t))
-        out.append(1 if end > head_bytes else 0)
-    return out
+    ends = itertools.accumulate(len(enc.decode_single_token_bytes(t)) for t in body)
+    return [1 if end > head_bytes else 0 for end in ends]

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from gpt2lab.data.manifest import save_manifest
-from gpt2lab.data.shards import MANIFEST_FILE, open_shard, read_manifest
+from gpt2lab.data.shards import open_shard, read_manifest
 from gpt2lab.data.sources import TextSource
 from gpt2lab.system.files import atomic_write
 
@@ -52,9 +52,7 @@ def held_out_file(data_dir: str) -> Optional[str]:
     """The held-out conversations of the prepared directory ``data_dir``; None where it has none
     (text, no val split, or prepared before the file was written). Its manifest is read as every
     reader reads it (another version is a ShardError naming it)."""
-    if not os.path.isfile(os.path.join(data_dir, MANIFEST_FILE)):
-        return None
-    name = read_manifest(data_dir).get(KEY)
+    name = read_manifest(data_dir).get(KEY)  # {} where there is no manifest
     if not isinstance(name, str) or os.path.basename(name) != name:  # a file beside the shards, nothing else
         return None
     path = os.path.join(data_dir, name)

@@ -51,24 +51,15 @@ class SplitTooSmall(ShardError):
 class _ShardView:
     """One shard's tokens with its documents in one epoch's order."""
 
-    def __init__(
-        self,
-        tokens: np.ndarray,
-        rng: Optional[np.random.Generator],
-        mask: Optional[np.ndarray] = None,
-        eot_id: int = EOT_ID,
-    ) -> None:
+    def __init__(self, tokens: np.ndarray, rng: Optional[np.random.Generator], mask: Optional[np.ndarray], eot_id: int):
         self.tokens, self.mask = tokens, mask
-        if rng is None:  # stored order: one "document" covering the shard
-            self.starts = np.zeros(1, dtype=np.int64)
-            self.cum = np.array([0, len(tokens)], dtype=np.int64)
-            return
-        starts = np.flatnonzero(tokens == eot_id).astype(np.int64)
+        # stored order (no ``rng``): one "document" covering the shard
+        starts = np.flatnonzero(tokens == eot_id).astype(np.int64) if rng is not None else np.zeros(1, dtype=np.int64)
         if len(starts) == 0 or starts[0] != 0:
             # a shard that begins mid-document (build-nanogpt shards do): the head is a document too
             starts = np.concatenate([[0], starts])
         lengths = np.diff(np.append(starts, len(tokens)))
-        perm = rng.permutation(len(starts))
+        perm = np.arange(len(starts)) if rng is None else rng.permutation(len(starts))
         self.starts = starts[perm]
         self.cum = np.concatenate([[0], np.cumsum(lengths[perm])])
 

@@ -37,7 +37,6 @@ from gpt2lab.system.files import sha256_file, write_json
 
 def fresh_manifest(settings: Dict, tok: Tokenizer) -> Dict:
     """The manifest of a run that has written nothing yet."""
-    conversations = settings["format"] == "chat"
     manifest = {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
@@ -51,7 +50,7 @@ def fresh_manifest(settings: Dict, tok: Tokenizer) -> Dict:
         "shards": [],
         "files": [],
     }
-    if conversations:  # the loader takes the loss on the masked tokens only; a run records the template
+    if settings["format"] == "chat":  # the loader takes the loss on the masked tokens only; a run records the template
         manifest["chat_template"] = chat.TEMPLATE
     return manifest
 
@@ -92,9 +91,8 @@ def start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: TextSour
     if changed is None:
         return manifest
     i, why = changed
-    _roll_back(
-        out, manifest, i if old["val_tokens"] == settings["val_tokens"] else 0
-    )  # a default moves with the source
+    # a --val-tokens worked out from the source moves with it: then the whole directory goes
+    _roll_back(out, manifest, i if old["val_tokens"] == settings["val_tokens"] else 0)
     kept = len(manifest["shards"])
     again = f"that file on, after the {kept} shard(s) made before it" if kept else "the start"
     warnings.warn(f"{out}: {why}; preparing it again from {again}")

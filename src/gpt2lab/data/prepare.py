@@ -36,7 +36,7 @@ from gpt2lab.data.manifest import save_manifest, start_manifest
 from gpt2lab.data.parallel import ordered_map
 from gpt2lab.data.shards import val_size
 from gpt2lab.data.sources import Document, JsonLine, SourceError, TextSource, as_text, resolve_source
-from gpt2lab.data.tokenizer import Tokenizer, for_chat, gpt2_tokenizer, save_tokenizer, token_dtype
+from gpt2lab.data.tokenizer import Tokenizer, gpt2_tokenizer, save_tokenizer, token_dtype
 from gpt2lab.data.writer import ShardWriter
 from gpt2lab.system import rundir
 from gpt2lab.system.errors import UsageError
@@ -106,9 +106,8 @@ def prepare(
         "val_docs": val_docs,
         "val_bytes": val_bytes,
         "format": fmt,
+        **({"tokenizer": tok.identity} if tok.identity is not None else {}),  # GPT-2's manifests stay as they were
     }
-    if tok.identity is not None:  # GPT-2's manifests stay as they were
-        settings["tokenizer"] = tok.identity
     if val_split not in VAL_SPLITS:
         raise UsageError(f"--val-split {val_split!r}: choose one of {', '.join(VAL_SPLITS)}")
     rundir.check(out_dir, rundir.DATA, "--out", "choose a new or empty --out")
@@ -252,7 +251,7 @@ def _run(
     writer = ShardWriter(out, manifest, src, val_docs)
     docs = src.documents(writer.doc, manifest["settings"]["limit_docs"])
     chat_data = manifest["settings"]["format"] == "chat"
-    encode = functools.partial(encode_conversations if chat_data else encode_documents, tokenizer=tok)
+    encode = functools.partial(encode_conversations if chat_data else encode_documents, enc=tok)
     bar = tqdm(
         disable=not progress, unit="tok", unit_scale=True, initial=writer.written, desc="prepare", dynamic_ncols=True
     )
@@ -265,10 +264,9 @@ def _run(
 
 
 # -- the encode functions the parallel map runs ---------------------------------------------
-def encode_documents(docs: List[Document], tokenizer: Optional[Tokenizer] = None) -> Tuple[np.ndarray, np.ndarray]:
-    """Documents -> (tokens, each document EOT first, concatenated, in the shard dtype of ``tokenizer``'s
-    vocabulary (default GPT-2's: uint16); lengths)."""
-    enc = tokenizer if tokenizer is not None else gpt2_tokenizer()
+def encode_documents(docs: List[Document], enc: Tokenizer) -> Tuple[np.ndarray, np.ndarray]:
+    """Documents -> (tokens, each document EOT first, concatenated, in the shard dtype of ``enc``'s
+    vocabulary (GPT-2's: uint16); lengths)."""
     ids = [enc.encode_ordinary(as_text(d)) for d in docs]
     lengths = np.array([len(x) + 1 for x in ids], dtype=np.int64)
     flat = np.empty(int(lengths.sum()), dtype=np.int64)
@@ -281,24 +279,16 @@ def encode_documents(docs: List[Document], tokenizer: Optional[Tokenizer] = None
     return flat.astype(token_dtype(enc.n_vocab)), lengths
 
 
-def encode_conversations(
-    docs: List[Document], tokenizer: Optional[Tokenizer] = None
-) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+def encode_conversations(docs: List[Document], enc: Tokenizer) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """JSON-lines conversations -> (tokens, each conversation <|endoftext|> first, concatenated, in the shard
-    dtype of ``tokenizer``'s vocabulary; lengths; uint8 loss mask) in data/chat.py's template; a record
-    that is not a conversation is a SourceError naming its file, line and field."""
+    dtype of ``enc``'s vocabulary; lengths; uint8 loss mask) in data/chat.py's template (``enc``: the chat
+    variant of GPT-2's, or a trained one); a record that is not a conversation is a SourceError naming its
+    file, line and field."""
     if not all(isinstance(doc, JsonLine) for doc in docs):
         raise SourceError(
             "conversations are read from JSON-lines files (.jsonl, also compressed); prepare text with --format text"
         )
-    enc = for_chat(tokenizer if tokenizer is not None else gpt2_tokenizer())
-    ids: List[int] = []
-    mask: List[int] = []
-    lengths = []
-    for doc in docs:
-        a, m = chat.encode_chat(doc.turns(), tokenizer=enc)
-        ids.extend(a)
-        mask.extend(m)
-        lengths.append(len(a))
-    dtype = token_dtype(enc.n_vocab)
-    return np.asarray(ids, dtype=dtype), np.asarray(lengths, dtype=np.int64), np.asarray(mask, dtype=np.uint8)
+    pairs = [chat.encode_chat(doc.turns(), tokenizer=enc) for doc in docs]
+    ids = np.array([t for a, _ in pairs for t in a], dtype=token_dtype(enc.n_vocab))
+    mask = np.array([x for _, m in pairs for x in m], dtype=np.uint8)
+    return ids, np.array([len(a) for a, _ in pairs], dtype=np.int64), mask

@@ -357,7 +357,17 @@ def _hub_source(source: str, text_field: str, config: Optional[str]) -> TextSour
             raise SourceError(f"--source {source!r}: write hf:NAME or hf:NAME:CONFIG")
 
     def documents(skip: int, limit: Optional[int]) -> Iterator[str]:
-        ds = _load_streaming(name, config)
+        try:
+            import datasets
+        except ImportError as e:
+            raise SourceError(f"hub source {name} needs the HF datasets library: {INSTALL_HINT}") from e
+        try:
+            ds = datasets.load_dataset(name, config, split="train", streaming=True)
+        except Exception as e:  # network, unknown name or config: one clear message, not a traceback
+            raise SourceError(
+                f"hub dataset {name} (config {config}): {type(e).__name__}: {e}; check "
+                "the name, --config and the network, or prepare a local copy"
+            ) from e
         if skip:
             ds = ds.skip(skip)  # resuming: no tokenizing of what is already in shards
         rows = itertools.islice(ds, None if limit is None else max(0, limit - skip))
@@ -365,17 +375,3 @@ def _hub_source(source: str, text_field: str, config: Optional[str]) -> TextSour
             yield _field(row, text_field, f"{name} ({config}) row {i}")
 
     return TextSource(name, "hub", None, documents, hub_config=config)
-
-
-def _load_streaming(name: str, config: Optional[str]):
-    try:
-        import datasets
-    except ImportError as e:
-        raise SourceError(f"hub source {name} needs the HF datasets library: {INSTALL_HINT}") from e
-    try:
-        return datasets.load_dataset(name, config, split="train", streaming=True)
-    except Exception as e:  # network, unknown name or config: one clear message, not a traceback
-        raise SourceError(
-            f"hub dataset {name} (config {config}): {type(e).__name__}: {e}; check "
-            "the name, --config and the network, or prepare a local copy"
-        ) from e

@@ -216,11 +216,8 @@ class TrainedBPE:
         out: list[Optional[bytes]] = [None] * (max(vocab.values()) + 1)
         special = set(self.specials.values())
         for piece, i in vocab.items():
-            if i in special:
-                out[i] = piece.encode("utf-8")
-                continue
             try:
-                out[i] = bytes(table[c] for c in piece)
+                out[i] = piece.encode("utf-8") if i in special else bytes(table[c] for c in piece)
             except KeyError:
                 raise TokenizerError(
                     f"{where}: token {piece!r} (id {i}) is not byte-level BPE; train it with gpt2lab tokenizer train"
