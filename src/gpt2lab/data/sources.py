@@ -118,8 +118,9 @@ class TextSource:
 def resolve_source(source: str, text_field: str = "text", config: Optional[str] = None) -> TextSource:
     """Turn the ``--source`` string into a TextSource."""
     if source == "tinyshakespeare":  # 5%: a val split of ~17k tokens, enough for a steady val loss at T=256
-        size = os.path.getsize(asset_path("tinyshakespeare.txt"))
-        return TextSource(source, "bundled", size, _slice(_shakespeare_docs), val_fraction=0.05)
+        path = Path(asset_path("tinyshakespeare.txt"))  # one document per speech
+        speeches = _slice(lambda: path.read_text(encoding="utf-8").split("\n\n"))
+        return TextSource(source, "bundled", path.stat().st_size, speeches, val_fraction=0.05)
     if source in HUB_ALIASES or source.startswith("hf:"):
         return _hub_source(source, text_field, config)
     # chitchat: 2%, a val split of ~30 whole conversations
@@ -134,11 +135,6 @@ def resolve_source(source: str, text_field: str = "text", config: Optional[str] 
 
 def _slice(make: Callable[[], Iterable[Document]]) -> Callable[[int, Optional[int]], Iterator[Document]]:
     return lambda skip, limit: itertools.islice(make(), skip, limit)
-
-
-def _shakespeare_docs() -> List[str]:
-    with open(asset_path("tinyshakespeare.txt"), encoding="utf-8") as f:
-        return f.read().split("\n\n")
 
 
 # -- local files -------------------------------------------------------------------------

@@ -47,10 +47,6 @@ class ShardWriter:
         self.mask = np.empty(self.shard_tokens, dtype=np.uint8) if s["format"] == "chat" else None
         self.fill, self.docs_in_shard = 0, 0
 
-    def _in_val(self) -> bool:
-        """Whether the shard being filled (it starts at ``self.written``) belongs to val."""
-        return self.val_end is None or self.written < self.val_end
-
     def _files_seen(self, base: int, starts: np.ndarray, n_docs: int) -> None:
         """Record each source file read so far that starts before document ``self.doc + n_docs``: by its
         content (sha256: data/manifest.py) and where it starts in the stream (per-file counts)."""
@@ -94,7 +90,7 @@ class ShardWriter:
         self.doc += len(lengths)
 
     def _flush(self, next_doc: int, offset: int) -> None:
-        split = "val" if self._in_val() else "train"
+        split = "val" if self.val_end is None or self.written < self.val_end else "train"  # where the shard starts
         index = sum(1 for s in self.manifest["shards"] if s["split"] == split)
         name = shard_name(split, index)
         entry = {"name": name, "split": split, "tokens": self.fill, "documents": self.docs_in_shard}
