@@ -41,7 +41,6 @@ EOT_ID = 50256
 # the first two rows of the padding gpt2lab adds (50257 -> 50304), so no new embedding is needed.
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 IM_START_ID, IM_END_ID = 50257, 50258
-CHAT_VOCAB_SIZE = CHAT_VOCAB_SIZES["chatml"]
 # Every trained tokenizer has these, in this order (data/bpe.py gives them ids 0, 1, 2).
 SPECIAL_TOKENS = (EOT_TOKEN, IM_START, IM_END)
 TOKENIZER_FILE = "tokenizer.json"  # a trained tokenizer, in Hugging Face's format
@@ -112,7 +111,7 @@ class GPT2Encoding(tiktoken.Encoding):
             pat_str=_PAT_STR,
             mergeable_ranks=_ranks(),
             special_tokens=specials,
-            explicit_n_vocab=CHAT_VOCAB_SIZE if chat else GPT2_VOCAB_SIZE,
+            explicit_n_vocab=CHAT_VOCAB_SIZES["chatml"] if chat else GPT2_VOCAB_SIZE,
         )
 
     def __reduce__(self):
