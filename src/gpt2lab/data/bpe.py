@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 from gpt2lab.data import chat
@@ -147,11 +148,9 @@ def train_tokenizer(
         "split_pattern": SPLIT_PATTERN,
         "sources": counts,
     }
-    parent = os.path.dirname(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with atomic_dir(os.path.abspath(out), replace=True, what_next="free some space and train again") as tmp:
-        with open(os.path.join(tmp, TOKENIZER_FILE), "w", encoding="utf-8") as f:
-            f.write(text)
+        Path(tmp, TOKENIZER_FILE).write_text(text, encoding="utf-8")
         write_json(os.path.join(tmp, MARKER), marker)
     return marker
 

@@ -30,20 +30,10 @@ it holds at least one byte of the assistant's content.
 
 from __future__ import annotations
 
-import json
-from typing import Any, Iterable, Optional, Sequence
+import itertools
+from typing import Any, Optional, Sequence
 
-import numpy as np
-
-from gpt2lab.data.tokenizer import (
-    EOT_TOKEN,
-    IM_END,
-    IM_START,  # noqa: F401
-    Tokenizer,
-    for_chat,
-    gpt2_tokenizer,
-    token_dtype,
-)
+from gpt2lab.data.tokenizer import EOT_TOKEN, IM_END, IM_START, Tokenizer, for_chat, gpt2_tokenizer
 
 TEMPLATE = "chatml"  # the name a manifest, a run's config and an export record
 ROLES = ("system", "user", "assistant")
@@ -144,15 +134,11 @@ def encode_chat(
     for role, content in turns:
         head = f"{role}\n"
         body = enc.encode_ordinary(head + content)
-        ids.append(enc.im_start_id)
-        ids.extend(body)
-        ids.append(enc.im_end_id)
-        if role == ASSISTANT:
-            mask.append(0)
-            mask.extend(_content_mask(enc, body, len(head.encode())))
-            mask.append(1)
+        ids += [enc.im_start_id, *body, enc.im_end_id]
+        if role == ASSISTANT:  # the content's tokens and <|im_end|>
+            mask += [0, *_content_mask(enc, body, len(head.encode())), 1]
         else:
-            mask.extend([0] * (len(body) + 2))
+            mask += [0] * (len(body) + 2)
         newline = enc.encode_ordinary("\n")
         ids.extend(newline)
         mask.extend([0] * len(newline))
@@ -165,38 +151,5 @@ def encode_chat(
 
 def _content_mask(enc, body: list[int], head_bytes: int) -> list[int]:
     """1 for each token of ``body`` that holds a byte past the first ``head_bytes`` (the role line)."""
-    out, end = [], 0
-    for t in body:
-        end += len(enc.decode_single_token_bytes(t))
-        out.append(1 if end > head_bytes else 0)
-    return out
-
-
-def encode_records(
-    records: Iterable[Sequence[Message]],
-    tokenizer: Optional[Tokenizer] = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Conversations -> (ids, each conversation <|endoftext|> first, concatenated, in the shard dtype of
-    ``tokenizer``'s vocabulary; lengths; uint8 loss mask), the shapes ``prepare`` writes."""
-    enc = for_chat(tokenizer if tokenizer is not None else gpt2_tokenizer())
-    ids: list[int] = []
-    mask: list[int] = []
-    lengths = []
-    for turns in records:
-        a, m = encode_chat(turns, tokenizer=enc)
-        ids.extend(a)
-        mask.extend(m)
-        lengths.append(len(a))
-    return (
-        np.asarray(ids, dtype=token_dtype(enc.n_vocab)),
-        np.asarray(lengths, dtype=np.int64),
-        np.asarray(mask, dtype=np.uint8),
-    )
-
-
-def parse_line(line: str) -> Optional[Any]:
-    """A JSON line's value, or None when it is not JSON (for format detection only)."""
-    try:
-        return json.loads(line)
-    except ValueError:
-        return None
+    ends = itertools.accumulate(len(enc.decode_single_token_bytes(t)) for t in body)
+    return [1 if end > head_bytes else 0 for end in ends]

@@ -19,24 +19,12 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from gpt2lab.data.manifest import save_manifest
-from gpt2lab.data.shards import MANIFEST_FILE, open_shard, read_manifest
+from gpt2lab.data.shards import open_shard, read_manifest
 from gpt2lab.data.sources import TextSource
 from gpt2lab.system.files import atomic_write
 
 HELD_OUT = "held_out.jsonl"
 KEY = "held_out"  # the manifest's key naming the file
-
-
-def held_out_count(out: Path, manifest: Dict) -> int:
-    """How many of the source's first conversations are wholly in the val split (0: no val split)."""
-    splits = manifest.get("splits", {})
-    if "val" not in splits:
-        return 0
-    n = splits["val"]["documents"]
-    train = splits.get("train")
-    if train and open_shard(out / train["shards"][0])[0] != manifest["eot_id"]:
-        n -= 1  # train starts inside the val split's last conversation: it is not held out
-    return n
 
 
 def write_held_out(src: TextSource, out: Path, manifest: Dict) -> Optional[str]:
@@ -45,13 +33,16 @@ def write_held_out(src: TextSource, out: Path, manifest: Dict) -> Optional[str]:
     path = out / HELD_OUT
     if manifest.get(KEY) == HELD_OUT and path.is_file():
         return str(path)
-    n = held_out_count(out, manifest)
+    # the source's first conversations wholly in the val split (none without one)
+    val, train = manifest["splits"].get("val", {"documents": 0}), manifest["splits"].get("train")
+    n = val["documents"]
+    if train and open_shard(out / train["shards"][0])[0] != manifest["eot_id"]:
+        n -= 1  # train starts inside the val split's last conversation: it is not held out
     if n < 1:
         return None
     with atomic_write(str(path), "w", what_next="free some space and run the same prepare command again") as f:
         for doc in src.documents(0, n):  # the source's first n records: encode_conversations read them
-            turns = doc.turns()
-            f.write(json.dumps({"messages": [{"role": r, "content": c} for r, c in turns]}) + "\n")
+            f.write(json.dumps({"messages": [{"role": r, "content": c} for r, c in doc.turns()]}) + "\n")
     manifest[KEY] = HELD_OUT
     save_manifest(out, manifest)
     return str(path)
@@ -61,9 +52,7 @@ def held_out_file(data_dir: str) -> Optional[str]:
     """The held-out conversations of the prepared directory ``data_dir``; None where it has none
     (text, no val split, or prepared before the file was written). Its manifest is read as every
     reader reads it (another version is a ShardError naming it)."""
-    if not os.path.isfile(os.path.join(data_dir, MANIFEST_FILE)):
-        return None
-    name = read_manifest(data_dir).get(KEY)
+    name = read_manifest(data_dir).get(KEY)  # {} where there is no manifest
     if not isinstance(name, str) or os.path.basename(name) != name:  # a file beside the shards, nothing else
         return None
     path = os.path.join(data_dir, name)

@@ -51,24 +51,15 @@ class SplitTooSmall(ShardError):
 class _ShardView:
     """One shard's tokens with its documents in one epoch's order."""
 
-    def __init__(
-        self,
-        tokens: np.ndarray,
-        rng: Optional[np.random.Generator],
-        mask: Optional[np.ndarray] = None,
-        eot_id: int = EOT_ID,
-    ) -> None:
+    def __init__(self, tokens: np.ndarray, rng: Optional[np.random.Generator], mask: Optional[np.ndarray], eot_id: int):
         self.tokens, self.mask = tokens, mask
-        if rng is None:  # stored order: one "document" covering the shard
-            self.starts = np.zeros(1, dtype=np.int64)
-            self.cum = np.array([0, len(tokens)], dtype=np.int64)
-            return
-        starts = np.flatnonzero(tokens == eot_id).astype(np.int64)
+        # stored order (no ``rng``): one "document" covering the shard
+        starts = np.flatnonzero(tokens == eot_id).astype(np.int64) if rng is not None else np.zeros(1, dtype=np.int64)
         if len(starts) == 0 or starts[0] != 0:
             # a shard that begins mid-document (build-nanogpt shards do): the head is a document too
             starts = np.concatenate([[0], starts])
         lengths = np.diff(np.append(starts, len(tokens)))
-        perm = rng.permutation(len(starts))
+        perm = np.arange(len(starts)) if rng is None else rng.permutation(len(starts))
         self.starts = starts[perm]
         self.cum = np.concatenate([[0], np.cumsum(lengths[perm])])
 
@@ -109,7 +100,12 @@ class TokenLoader:
         seed: int = 0,
         vocab_size: Optional[int] = None,
     ) -> None:
-        _check_args(batch_size, seq_len, rank, world_size, seed)
+        if batch_size < 1 or seq_len < 1:
+            raise ValueError(f"batch_size {batch_size} and seq_len {seq_len} must both be >= 1")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} must be in [0, world_size={world_size})")
+        if seed < 0:
+            raise ValueError(f"seed {seed} must be >= 0")
         self.data_dir, self.split = Path(data_dir), split
         self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         self.shuffle = (split == "train") if shuffle is None else bool(shuffle)
@@ -150,23 +146,20 @@ class TokenLoader:
     # -- batches -----------------------------------------------------------------------
     def next_batch(self, seq_len: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """The next (x, y), each (B, T); with ``seq_len`` L (dividing T), the same tokens as (B*T/L, L)."""
-        x, y = self._next()
-        if seq_len is None or seq_len == self.T:
-            return x, y
+        seq_len = self.T if seq_len is None else seq_len
         if seq_len < 1 or self.T % seq_len:
             raise ValueError(f"seq_len {seq_len} must divide the loader's sequence length {self.T}")
-        return x.reshape(-1, seq_len), y.reshape(-1, seq_len)
-
-    def _next(self) -> Tuple[torch.Tensor, torch.Tensor]:
         first = self.position + self.rank * self.B
         rows = np.stack([self._sequence(first + i) for i in range(self.B)])  # (B, T+1), masked: (B, 2, T+1)
         self.position += self.B * self.world_size
         if self.masked:  # targets the loss skips: -1
             tokens, mask = rows[:, 0], rows[:, 1]
-            targets = np.where(mask[:, 1:] == 1, tokens[:, 1:], -1)
-            return torch.from_numpy(np.ascontiguousarray(tokens[:, :-1])), torch.from_numpy(targets)
-        buf = torch.from_numpy(rows)
-        return buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
+            x = torch.from_numpy(np.ascontiguousarray(tokens[:, :-1]))
+            y = torch.from_numpy(np.where(mask[:, 1:] == 1, tokens[:, 1:], -1))
+        else:
+            buf = torch.from_numpy(rows)
+            x, y = buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
+        return x.view(-1, seq_len), y.view(-1, seq_len)
 
     def reset(self) -> None:
         """Back to the very first batch (epoch 0)."""
@@ -241,12 +234,3 @@ class TokenLoader:
 def _short(value) -> str:
     text = repr(value)
     return text if len(text) < 200 else text[:200] + "..."
-
-
-def _check_args(batch_size: int, seq_len: int, rank: int, world_size: int, seed: int) -> None:
-    if batch_size < 1 or seq_len < 1:
-        raise ValueError(f"batch_size {batch_size} and seq_len {seq_len} must both be >= 1")
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} must be in [0, world_size={world_size})")
-    if seed < 0:
-        raise ValueError(f"seed {seed} must be >= 0")

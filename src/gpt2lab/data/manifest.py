@@ -7,14 +7,13 @@ its content (``sha256``) as well as its path: where a file is no longer the one 
 place, removed, another in its place, or recorded by an earlier gpt2lab without its content), the
 directory goes back to its last shard made wholly of the files before it (``_roll_back``, a warning
 naming the file) and the prepare goes on from there, so no shard ever mixes old and new text. While
-shards are written (data/writer.py) the manifest records each one with where to resume after it;
-``finish_manifest`` adds the per-split and per-file counts of a finished directory.
+shards are written (data/writer.py) the manifest records each one with where to resume after it,
+and the writer adds the per-split and per-file counts of a finished directory.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import warnings
 from pathlib import Path
 from typing import Dict, Optional
@@ -25,10 +24,11 @@ from gpt2lab.data.shards import (
     MANIFEST_FORMAT,
     MANIFEST_VERSION,
     ShardError,
-    check_manifest_version,
     mask_path,
     read_header,
+    read_manifest,
     shard_name,
+    unreadable,
 )
 from gpt2lab.data.sources import TextSource
 from gpt2lab.data.tokenizer import GPT2, Tokenizer, token_dtype
@@ -37,7 +37,6 @@ from gpt2lab.system.files import sha256_file, write_json
 
 def fresh_manifest(settings: Dict, tok: Tokenizer) -> Dict:
     """The manifest of a run that has written nothing yet."""
-    conversations = settings["format"] == "chat"
     manifest = {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
@@ -50,15 +49,10 @@ def fresh_manifest(settings: Dict, tok: Tokenizer) -> Dict:
         "complete": False,
         "shards": [],
         "files": [],
-        "resume": _fresh_resume(settings),
     }
-    if conversations:  # the loader takes the loss on the masked tokens only; a run records the template
+    if settings["format"] == "chat":  # the loader takes the loss on the masked tokens only; a run records the template
         manifest["chat_template"] = chat.TEMPLATE
     return manifest
-
-
-def _fresh_resume(settings: Dict) -> Dict:
-    return {"next_doc": 0, "offset": 0, "tokens": 0, "val_end": 0 if settings["val_tokens"] == 0 else None}
 
 
 def start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: TextSource, tok: Tokenizer) -> Dict:
@@ -70,23 +64,14 @@ def start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: TextSour
     file is not refused over a value nobody typed.
     """
     path = out / MANIFEST_FILE
-    if not path.exists():
+    manifest = read_manifest(out, finished=False)
+    if not manifest:
         return fresh_manifest(settings, tok)
-    try:
-        manifest = json.loads(path.read_text())
-        if isinstance(manifest, dict):
-            check_manifest_version(path, manifest)  # a ShardError of its own, not caught here
-        old = manifest["settings"]
-        missing = ["dtype"] if "dtype" not in manifest else []
-        missing += [f"settings.{k}" for k in ("val_split", "format") if k not in old]
-        if missing:  # written before these were recorded: an older layout, not read
-            raise KeyError(", ".join(missing))
-    except ShardError:
-        raise
-    except (ValueError, KeyError, TypeError) as e:
-        raise ShardError(
-            f"{path}: not a readable gpt2lab prepare manifest ({type(e).__name__}: {e}); use another --out"
-        ) from e
+    old = manifest["settings"] if isinstance(manifest.get("settings"), dict) else {}
+    missing = ["dtype"] if "dtype" not in manifest else []
+    missing += [f"settings.{k}" for k in ("val_split", "format") if k not in old]
+    if missing:  # written before these were recorded: an older layout, not read
+        raise unreadable(path, KeyError(", ".join(missing)), "use another --out")
     keys = [*settings, *(["tokenizer"] if "tokenizer" not in settings else [])]  # GPT-2's is no key
     differ = [k for k in keys if old.get(k) != settings.get(k) and not (k == "val_tokens" and val_defaulted)]
     if not manifest.get("complete") and not manifest.get("shards"):  # nothing was written yet
@@ -106,9 +91,8 @@ def start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: TextSour
     if changed is None:
         return manifest
     i, why = changed
-    _roll_back(
-        out, manifest, i if old["val_tokens"] == settings["val_tokens"] else 0
-    )  # a default moves with the source
+    # a --val-tokens worked out from the source moves with it: then the whole directory goes
+    _roll_back(out, manifest, i if old["val_tokens"] == settings["val_tokens"] else 0)
     kept = len(manifest["shards"])
     again = f"that file on, after the {kept} shard(s) made before it" if kept else "the start"
     warnings.warn(f"{out}: {why}; preparing it again from {again}")
@@ -156,39 +140,17 @@ def _roll_back(out: Path, manifest: Dict, i: int) -> None:
         for path in (out / name, mask_path(out / name)):
             if path.is_file():
                 path.unlink()
-    for key in ("splits", "tokens", "documents", "held_out"):  # a finished one's counts, data/held_out.py's file
+    for key in ("splits", "tokens", "documents", "held_out", "resume"):  # a finished one's counts, held_out.py's file
         manifest.pop(key, None)
-    resume = dict(keep[-1]["resume"]) if keep else _fresh_resume(manifest["settings"])
-    manifest.update(complete=False, files=files[:i], shards=keep, resume=resume)
+    manifest.update(complete=False, files=files[:i], shards=keep)
 
 
 def _check_done_shard(path: Path, tokens: int) -> None:
     if not path.exists():
         raise ShardError(f"{path}: listed in {MANIFEST_FILE} but missing; delete {path.parent} and prepare again")
-    if read_header(path) != tokens:
+    if read_header(path)[0] != tokens:
         raise ShardError(f"{path}: token count differs from {MANIFEST_FILE}; delete {path.parent} and prepare again")
 
 
 def save_manifest(out: Path, manifest: Dict) -> None:
     write_json(str(out / MANIFEST_FILE), manifest, indent=1)
-
-
-def finish_manifest(manifest: Dict) -> None:
-    """Add a finished directory's counts to the resume state: per split, in all, per file."""
-    splits: Dict[str, Dict] = {}
-    for shard in manifest["shards"]:
-        s = splits.setdefault(shard["split"], {"shards": [], "tokens": 0, "documents": 0})
-        s["shards"].append(shard["name"])
-        s["tokens"] += shard["tokens"]
-        s["documents"] += shard["documents"]
-        if "supervised" in shard:  # conversations: the tokens the loss is taken on
-            s["supervised"] = s.get("supervised", 0) + shard["supervised"]
-    manifest["splits"] = splits
-    manifest["tokens"] = sum(s["tokens"] for s in splits.values())
-    manifest["documents"] = manifest["resume"]["next_doc"]
-    files = manifest["files"]  # the documents and tokens of each file, from where each starts
-    ends = [(f["first_doc"], f["first_token"]) for f in files[1:]] + [(manifest["documents"], manifest["tokens"])]
-    for f, (d, t) in zip(files, ends):
-        f.update(documents=d - f["first_doc"], tokens=t - f["first_token"])
-    manifest["complete"] = True
-    del manifest["resume"]

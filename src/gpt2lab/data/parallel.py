@@ -42,11 +42,8 @@ THREAD_POOL_MAX_BYTES = 8 << 20  # at 2 workers; use_threads scales it by 0.5 / 
 
 def use_threads(size_bytes: Optional[int], workers: int) -> bool:
     """Tokenize with threads (else processes): sources of known size below the crossover."""
-    if size_bytes is None:  # the hub, size unknown: large
-        return False
-    if workers <= 1:
-        return True
-    return size_bytes < THREAD_POOL_MAX_BYTES * 0.5 / (1 - 1 / workers)
+    # the hub (size unknown) is large; one worker has no pool to pay for
+    return size_bytes is not None and (workers <= 1 or size_bytes < THREAD_POOL_MAX_BYTES * 0.5 / (1 - 1 / workers))
 
 
 def task_chars(size_bytes: Optional[int], workers: int) -> int:
@@ -208,23 +205,18 @@ def _process_pool(docs: Iterable[Document], workers: int, chars_per_task: int, e
         dispatch.start()
         yield _results(dispatch, procs, result_conns)
     except BaseException:
-        if dispatch is not None:
-            dispatch.stop = True
         for p in procs:  # SIGKILL: nothing a worker is doing can hold us up
             p.kill()
-        for p in procs:
-            p.join(5)
         raise
-    else:
+    finally:
+        if dispatch is not None:
+            dispatch.stop = True
+            dispatch.join(5)
         for p in procs:
             p.join(5)
             if p.is_alive():
                 p.kill()
                 p.join(5)
-    finally:
-        if dispatch is not None:
-            dispatch.stop = True
-            dispatch.join(5)
         for c in task_conns + result_conns:
             c.close()
 

@@ -106,9 +106,8 @@ def prepare(
         "val_docs": val_docs,
         "val_bytes": val_bytes,
         "format": fmt,
+        **({"tokenizer": tok.identity} if tok.identity is not None else {}),  # GPT-2's manifests stay as they were
     }
-    if tok.identity is not None:  # GPT-2's manifests stay as they were
-        settings["tokenizer"] = tok.identity
     if val_split not in VAL_SPLITS:
         raise UsageError(f"--val-split {val_split!r}: choose one of {', '.join(VAL_SPLITS)}")
     rundir.check(out_dir, rundir.DATA, "--out", "choose a new or empty --out")
@@ -236,7 +235,10 @@ def detect_format(src: TextSource, asked: str, text_field: str) -> str:
     first = next(iter(src.documents(0, 1)), None)
     if not isinstance(first, JsonLine):
         return "text"
-    row = chat.parse_line(first.line)
+    try:
+        row = first.row()
+    except SourceError:  # not a JSON object: text, whose reading names the line
+        return "text"
     return "chat" if chat.is_conversation(row) and text_field not in row else "text"
 
 
@@ -249,18 +251,11 @@ def _run(
     writer = ShardWriter(out, manifest, src, val_docs)
     docs = src.documents(writer.doc, manifest["settings"]["limit_docs"])
     chat_data = manifest["settings"]["format"] == "chat"
-    encode = functools.partial(encode_conversations if chat_data else encode_documents, tokenizer=tok)
-    with (
-        ordered_map(encode, docs, workers, src.size_bytes) as stream,
-        tqdm(
-            disable=not progress,
-            unit="tok",
-            unit_scale=True,
-            initial=writer.written,
-            desc="prepare",
-            dynamic_ncols=True,
-        ) as bar,
-    ):
+    encode = functools.partial(encode_conversations if chat_data else encode_documents, enc=tok)
+    bar = tqdm(
+        disable=not progress, unit="tok", unit_scale=True, initial=writer.written, desc="prepare", dynamic_ncols=True
+    )
+    with bar, ordered_map(encode, docs, workers, src.size_bytes) as stream:
         for tokens, lengths, *mask in stream:
             writer.add(tokens, lengths, *mask)
             bar.update(int(lengths.sum()))
@@ -269,10 +264,9 @@ def _run(
 
 
 # -- the encode functions the parallel map runs ---------------------------------------------
-def encode_documents(docs: List[Document], tokenizer: Optional[Tokenizer] = None) -> Tuple[np.ndarray, np.ndarray]:
-    """Documents -> (tokens, each document EOT first, concatenated, in the shard dtype of ``tokenizer``'s
-    vocabulary (default GPT-2's: uint16); lengths)."""
-    enc = tokenizer if tokenizer is not None else gpt2_tokenizer()
+def encode_documents(docs: List[Document], enc: Tokenizer) -> Tuple[np.ndarray, np.ndarray]:
+    """Documents -> (tokens, each document EOT first, concatenated, in the shard dtype of ``enc``'s
+    vocabulary (GPT-2's: uint16); lengths)."""
     ids = [enc.encode_ordinary(as_text(d)) for d in docs]
     lengths = np.array([len(x) + 1 for x in ids], dtype=np.int64)
     flat = np.empty(int(lengths.sum()), dtype=np.int64)
@@ -285,14 +279,16 @@ def encode_documents(docs: List[Document], tokenizer: Optional[Tokenizer] = None
     return flat.astype(token_dtype(enc.n_vocab)), lengths
 
 
-def encode_conversations(
-    docs: List[Document],
-    tokenizer: Optional[Tokenizer] = None,
-) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """JSON-lines conversations -> (uint16 tokens, lengths, uint8 loss mask) in data/chat.py's
-    template; a record that is not a conversation is a SourceError naming its file, line and field."""
+def encode_conversations(docs: List[Document], enc: Tokenizer) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """JSON-lines conversations -> (tokens, each conversation <|endoftext|> first, concatenated, in the shard
+    dtype of ``enc``'s vocabulary; lengths; uint8 loss mask) in data/chat.py's template (``enc``: the chat
+    variant of GPT-2's, or a trained one); a record that is not a conversation is a SourceError naming its
+    file, line and field."""
     if not all(isinstance(doc, JsonLine) for doc in docs):
         raise SourceError(
             "conversations are read from JSON-lines files (.jsonl, also compressed); prepare text with --format text"
         )
-    return chat.encode_records([doc.turns() for doc in docs], tokenizer)
+    pairs = [chat.encode_chat(doc.turns(), tokenizer=enc) for doc in docs]
+    ids = np.array([t for a, _ in pairs for t in a], dtype=token_dtype(enc.n_vocab))
+    mask = np.array([x for _, m in pairs for x in m], dtype=np.uint8)
+    return ids, np.array([len(a) for a, _ in pairs], dtype=np.int64), mask

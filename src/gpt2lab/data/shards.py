@@ -28,7 +28,10 @@ MAGIC = 20240520
 VERSION = 1
 # (magic, version) of a shard header -> its token dtype: llm.c's GPT-2 shards, and its uint32 ones
 HEADERS = {(MAGIC, VERSION): np.dtype(np.uint16), (20240801, 7): np.dtype(np.uint32)}
-HEADER_OF = {dtype: key for key, dtype in HEADERS.items()}
+# A conversation shard's loss mask (``train_000000.mask`` beside ``train_000000.bin``): the same
+# 256-int32 header with its own magic, then one uint8 per token (1: the loss is taken on it).
+MASK_MAGIC = 20241125
+HEADER_OF = {**{dtype: key for key, dtype in HEADERS.items()}, np.dtype(np.uint8): (MASK_MAGIC, VERSION)}
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 SHARD_SUFFIXES = (".bin", ".npy")
@@ -44,35 +47,18 @@ def shard_name(split: str, index: int) -> str:
     return f"{split}_{index:06d}.bin"
 
 
-def write_shard(path: PathLike, tokens: np.ndarray) -> None:
-    """Write ``tokens`` (uint16, or uint32 for a vocabulary past 65,536) as a ``.bin`` shard; atomic:
-    temp name, then rename."""
-    if tokens.dtype not in HEADER_OF:
-        raise TypeError(f"{path}: shard tokens must be uint16 or uint32, got {tokens.dtype}")
-    _write(path, HEADER_OF[tokens.dtype], tokens)
-
-
-# A conversation shard's loss mask (``train_000000.mask`` beside ``train_000000.bin``): the same
-# 256-int32 header with its own magic, then one uint8 per token (1: the loss is taken on it).
-MASK_MAGIC = 20241125
-MASK_SUFFIX = ".mask"
-
-
 def mask_path(shard: PathLike) -> Path:
     """The loss-mask file of a token shard."""
-    return Path(shard).with_suffix(MASK_SUFFIX)
+    return Path(shard).with_suffix(".mask")
 
 
-def write_mask(path: PathLike, mask: np.ndarray) -> None:
-    """Write a shard's loss mask (uint8 0/1); atomic, like write_shard."""
-    if mask.dtype != np.uint8:
-        raise TypeError(f"{path}: a loss mask must be uint8, got {mask.dtype}")
-    _write(path, (MASK_MAGIC, VERSION), mask)
-
-
-def _write(path: PathLike, magic_version: tuple[int, int], values: np.ndarray) -> None:
+def write_shard(path: PathLike, values: np.ndarray) -> None:
+    """Write ``values`` as a ``.bin`` shard: tokens (uint16, or uint32 for a vocabulary past 65,536) or,
+    at ``mask_path``, its loss mask (uint8 0/1); atomic: temp name, then rename."""
+    if values.dtype not in HEADER_OF:
+        raise TypeError(f"{path}: shard tokens must be uint16 or uint32 (a loss mask uint8), got {values.dtype}")
     header = np.zeros(HEADER_INTS, dtype=np.int32)
-    header[:3] = (*magic_version, len(values))
+    header[:3] = (*HEADER_OF[values.dtype], len(values))
     again = "free some space and run the same prepare command again: it resumes after the last whole shard"
     with atomic_write(str(path), "wb", what_next=again) as f:
         f.write(header.tobytes())
@@ -99,12 +85,7 @@ def open_mask(shard: PathLike, tokens: int) -> np.ndarray:
     return np.memmap(path, dtype=np.uint8, mode="r", offset=HEADER_BYTES, shape=(tokens,))
 
 
-def read_header(path: PathLike) -> int:
-    """Validate a ``.bin`` shard's header and size; return its token count."""
-    return _header(path)[0]
-
-
-def _header(path: PathLike) -> tuple[int, np.dtype]:
+def read_header(path: PathLike) -> tuple[int, np.dtype]:
     """(token count, token dtype) of a ``.bin`` shard whose header and size are valid."""
     size = os.path.getsize(path)
     if size < HEADER_BYTES:
@@ -140,7 +121,7 @@ def open_shard(path: PathLike) -> np.ndarray:
     path = str(path)
     if path.endswith(".npy"):
         return _open_npy(path)
-    count, dtype = _header(path)
+    count, dtype = read_header(path)
     if count == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
@@ -178,25 +159,29 @@ MANIFEST_FORMAT = rundir.DATA_FORMAT
 MANIFEST_VERSION = formats.MANIFEST.version
 
 
-def read_manifest(data_dir: PathLike) -> dict:
+def read_manifest(data_dir: PathLike, finished: bool = True) -> dict:
     """``data_dir``'s manifest.json ({} where there is none, or no such directory); an unreadable
-    one, one of another format version, or one whose ``gpt2lab prepare`` has not finished is a
-    ShardError naming it."""
+    one, one of another format version, or (``finished``) one whose ``gpt2lab prepare`` has not
+    finished is a ShardError naming it."""
     path = Path(data_dir) / MANIFEST_FILE
     if not path.is_file():
         return {}
     try:
         manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ShardError(f"{path}: unreadable manifest ({e}); re-run gpt2lab prepare") from e
-    if not isinstance(manifest, dict):
-        raise ShardError(f"{path}: not a gpt2lab manifest (a JSON {type(manifest).__name__}); re-run gpt2lab prepare")
-    if not check_manifest_version(path, manifest).get("complete", True):
+        if not isinstance(manifest, dict):
+            raise TypeError(f"a JSON {type(manifest).__name__}, not an object")
+    except (OSError, ValueError, TypeError) as e:
+        raise unreadable(path, e, "re-run gpt2lab prepare" if finished else "use another --out") from e
+    if not check_manifest_version(path, manifest).get("complete", True) and finished:
         raise ShardError(
             f"{path}: `gpt2lab prepare` has not finished this directory (source {manifest.get('source')!r}: it "
             "stopped, failed or is still running); run the same prepare command again to finish it"
         )
     return manifest
+
+
+def unreadable(path: Path, e: Exception, fix: str) -> ShardError:
+    return ShardError(f"{path}: not a readable gpt2lab prepare manifest ({type(e).__name__}: {e}); {fix}")
 
 
 def val_size(settings: dict) -> str:

@@ -25,7 +25,6 @@ Bad input raises ``SourceError`` naming the file (and line or row) and what to d
 from __future__ import annotations
 
 import bz2
-import codecs
 import glob
 import gzip
 import io
@@ -44,10 +43,7 @@ from gpt2lab.data import chat
 from gpt2lab.data.tokenizer import asset_path
 from gpt2lab.system.errors import DataError
 
-HUB_ALIASES = {
-    "fineweb-edu": "HuggingFaceFW/fineweb-edu",
-    "fineweb": "HuggingFaceFW/fineweb",
-}
+HUB_ALIASES = {"fineweb-edu": "HuggingFaceFW/fineweb-edu", "fineweb": "HuggingFaceFW/fineweb"}
 HUB_DEFAULT_CONFIG = "sample-10BT"
 TEXT_KINDS = {".txt": "txt", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 COMPRESSIONS = (".gz", ".zst", ".xz", ".bz2")
@@ -70,7 +66,17 @@ class JsonLine(NamedTuple):
 
     def row(self) -> dict:
         """The line's JSON object (a SourceError naming the file and line when it is not one)."""
-        return _json_line(self.line, self.path, self.lineno)
+        where = f"{self.path}:{self.lineno}"
+        try:
+            row = json.loads(self.line)
+        except json.JSONDecodeError as e:
+            raise SourceError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); fix or remove that line") from e
+        if not isinstance(row, dict):
+            raise SourceError(
+                f"{where}: a JSON {type(row).__name__}, not an object with "
+                'a text field; each line must be {"text": ...}'
+            )
+        return row
 
     def text(self) -> str:
         return _field(self.row(), self.field, f"{self.path}:{self.lineno}")
@@ -111,45 +117,24 @@ class TextSource:
 
 def resolve_source(source: str, text_field: str = "text", config: Optional[str] = None) -> TextSource:
     """Turn the ``--source`` string into a TextSource."""
-    if source == "tinyshakespeare":
-        # 5%: a val split of ~17k tokens, enough for a steady val loss at T=256
-        return TextSource(
-            source,
-            "bundled",
-            os.path.getsize(asset_path("tinyshakespeare.txt")),
-            _slice(_shakespeare_docs),
-            val_fraction=0.05,
-        )
+    if source == "tinyshakespeare":  # 5%: a val split of ~17k tokens, enough for a steady val loss at T=256
+        path = Path(asset_path("tinyshakespeare.txt"))  # one document per speech
+        speeches = _slice(lambda: path.read_text(encoding="utf-8").split("\n\n"))
+        return TextSource(source, "bundled", path.stat().st_size, speeches, val_fraction=0.05)
     if source in HUB_ALIASES or source.startswith("hf:"):
         return _hub_source(source, text_field, config)
-    if source == "chitchat":  # 2%: a val split of ~30 whole conversations
-        path = asset_path("chitchat.jsonl.zst")
-        starts: List[int] = []
-        return TextSource(
-            source,
-            "local",
-            os.path.getsize(path) * 4,
-            _slice(lambda: _local_docs([path], text_field, starts)),
-            val_fraction=0.02,
-            files=[path],
-            file_starts=starts,
-        )
-    files = _local_files(source)
+    # chitchat: 2%, a val split of ~30 whole conversations
+    files = [asset_path("chitchat.jsonl.zst")] if source == "chitchat" else _local_files(source)
     # compressed text is ~3-4x its file size: the val default estimates the text's size
     size = sum(os.path.getsize(f) * (4 if f.endswith(COMPRESSIONS) else 1) for f in files)
     starts: List[int] = []
-    return TextSource(
-        source, "local", size, _slice(lambda: _local_docs(files, text_field, starts)), files=files, file_starts=starts
-    )
+    documents = _slice(lambda: _local_docs(files, text_field, starts))
+    frac = 0.02 if source == "chitchat" else 0.005
+    return TextSource(source, "local", size, documents, val_fraction=frac, files=files, file_starts=starts)
 
 
 def _slice(make: Callable[[], Iterable[Document]]) -> Callable[[int, Optional[int]], Iterator[Document]]:
     return lambda skip, limit: itertools.islice(make(), skip, limit)
-
-
-def _shakespeare_docs() -> List[str]:
-    with open(asset_path("tinyshakespeare.txt"), encoding="utf-8") as f:
-        return f.read().split("\n\n")
 
 
 # -- local files -------------------------------------------------------------------------
@@ -160,7 +145,9 @@ def _local_files(source: str) -> List[str]:
         files = sorted(f for f in glob.glob(source, recursive=True) if os.path.isfile(f))
         what = f"glob {source!r} matches"
     elif os.path.isdir(source):
-        files = sorted(str(p) for p in Path(source).rglob("*") if p.is_file() and not _hidden(p, source))
+        # leaving out any path with a part beginning with a dot (``.git/``, ``.DS_Store``)
+        paths = [p for p in Path(source).rglob("*") if not any(x.startswith(".") for x in p.relative_to(source).parts)]
+        files = sorted(str(p) for p in paths if p.is_file())
         what = f"directory {source} holds"
     elif os.path.isfile(source):
         return [source]  # named alone: read as what it is (text that is not UTF-8: one line, when read)
@@ -171,7 +158,7 @@ def _local_files(source: str) -> List[str]:
             f"--source {source!r}: no such file or directory, and not one of "
             f"tinyshakespeare, chitchat, {', '.join(HUB_ALIASES)}, hf:NAME[:CONFIG]"
         )
-    binary = [f for f in files if not _known(f) and not _is_utf8_text(f)]
+    binary = [f for f in files if not f.endswith(LOCAL_SUFFIXES) and not _is_utf8_text(f)]
     usable = [f for f in files if f not in set(binary)]
     if not usable:
         found = f" (the {len(binary)} there are not UTF-8 text)" if binary else ""
@@ -182,28 +169,15 @@ def _local_files(source: str) -> List[str]:
     return usable
 
 
-def _hidden(path: Path, root: str) -> bool:
-    """Whether a path under ``root`` has a part beginning with a dot (``.git/``, ``.DS_Store``)."""
-    return any(part.startswith(".") for part in path.relative_to(root).parts)
-
-
-def _known(path: str) -> bool:
-    """Whether a file's name says its kind (JSON lines, Parquet, text, compressed ones of those)."""
-    return path.endswith(LOCAL_SUFFIXES)
-
-
 def _is_utf8_text(path: str) -> bool:
     """Whether a file of no known kind is UTF-8 text: no NUL byte (the mark of binary data, as
     git and grep take it) and every byte sequence one UTF-8 has. An unreadable file counts as text
     here, so that reading it gives its one-line error."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
     try:
-        with open(path, "rb") as f:
+        with open(path, encoding="utf-8") as f:  # decoded a chunk at a time, to the end
             while chunk := f.read(READ_CHUNK):
-                if b"\0" in chunk:
+                if "\0" in chunk:
                     return False
-                decoder.decode(chunk)
-            decoder.decode(b"", final=True)
     except UnicodeDecodeError:
         return False
     except OSError:
@@ -263,7 +237,10 @@ class _ZstdRaw(io.RawIOBase):
             out = []
             while chunk:
                 self.in_frame = True
-                out.append(self.d.decompress(chunk))
+                try:
+                    out.append(self.d.decompress(chunk))
+                except self.zstd.ZstdError as e:  # not zstd data, or damaged: a read error like the others
+                    raise OSError(str(e)) from e
                 chunk = b""
                 if self.d.eof:  # a frame ended: the rest of the chunk starts the next one
                     chunk, self.in_frame = self.d.unused_data, False
@@ -295,17 +272,6 @@ def _open_text(path: str) -> Iterator[IO[str]]:
             yield f
 
 
-def _read_errors() -> Tuple[type, ...]:
-    errs: Tuple[type, ...] = (OSError, EOFError, lzma.LZMAError, zlib.error)
-    try:
-        import zstandard
-
-        errs += (zstandard.ZstdError,)
-    except ImportError:
-        pass
-    return errs
-
-
 @contextmanager
 def _reading(path: str) -> Iterator[None]:
     """Turn what a damaged file raises while it is read into one line naming the file."""
@@ -315,7 +281,7 @@ def _reading(path: str) -> Iterator[None]:
         raise
     except UnicodeDecodeError as e:
         raise SourceError(f"{path}: not UTF-8 text ({e}); convert it to UTF-8") from e
-    except _read_errors() as e:
+    except (OSError, EOFError, lzma.LZMAError, zlib.error) as e:
         comp = kind_of(path)[1]
         what = f"not a readable {comp} file" if comp else "cannot be read"
         raise SourceError(
@@ -328,7 +294,7 @@ def _txt_docs(path: str, text_field: str) -> Iterator[str]:
     # one document, so whole in memory (as for .txt); JSON lines stream document by document
     with _reading(path), _open_text(path) as f:
         text = f.read()
-    if not text.strip() and _known(path):  # kept (as a .jsonl's empty row is), but worth knowing about
+    if not text.strip() and path.endswith(LOCAL_SUFFIXES):  # kept (as a .jsonl's empty row is), but worth knowing about
         # (a .txt only: an empty file of code, an __init__.py, is common and says nothing)
         warnings.warn(f"{path}: empty text file; it adds only an <|endoftext|>", stacklevel=2)
     yield text
@@ -339,21 +305,6 @@ def _jsonl_docs(path: str, text_field: str) -> Iterator[Document]:
         for lineno, line in enumerate(f, 1):
             if not line.isspace():  # a blank line holds no document
                 yield JsonLine(line, path, lineno, text_field)
-
-
-def _json_line(line: str, path: str, lineno: int) -> dict:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise SourceError(
-            f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); fix or remove that line"
-        ) from e
-    if not isinstance(row, dict):
-        raise SourceError(
-            f"{path}:{lineno}: a JSON {type(row).__name__}, not an object with "
-            'a text field; each line must be {"text": ...}'
-        )
-    return row
 
 
 def _field(row: dict, text_field: str, where: str) -> str:
@@ -402,7 +353,17 @@ def _hub_source(source: str, text_field: str, config: Optional[str]) -> TextSour
             raise SourceError(f"--source {source!r}: write hf:NAME or hf:NAME:CONFIG")
 
     def documents(skip: int, limit: Optional[int]) -> Iterator[str]:
-        ds = _load_streaming(name, config)
+        try:
+            import datasets
+        except ImportError as e:
+            raise SourceError(f"hub source {name} needs the HF datasets library: {INSTALL_HINT}") from e
+        try:
+            ds = datasets.load_dataset(name, config, split="train", streaming=True)
+        except Exception as e:  # network, unknown name or config: one clear message, not a traceback
+            raise SourceError(
+                f"hub dataset {name} (config {config}): {type(e).__name__}: {e}; check "
+                "the name, --config and the network, or prepare a local copy"
+            ) from e
         if skip:
             ds = ds.skip(skip)  # resuming: no tokenizing of what is already in shards
         rows = itertools.islice(ds, None if limit is None else max(0, limit - skip))
@@ -410,17 +371,3 @@ def _hub_source(source: str, text_field: str, config: Optional[str]) -> TextSour
             yield _field(row, text_field, f"{name} ({config}) row {i}")
 
     return TextSource(name, "hub", None, documents, hub_config=config)
-
-
-def _load_streaming(name: str, config: Optional[str]):
-    try:
-        import datasets
-    except ImportError as e:
-        raise SourceError(f"hub source {name} needs the HF datasets library: {INSTALL_HINT}") from e
-    try:
-        return datasets.load_dataset(name, config, split="train", streaming=True)
-    except Exception as e:  # network, unknown name or config: one clear message, not a traceback
-        raise SourceError(
-            f"hub dataset {name} (config {config}): {type(e).__name__}: {e}; check "
-            "the name, --config and the network, or prepare a local copy"
-        ) from e

@@ -33,6 +33,7 @@ from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
 from gpt2lab.model.config import CHAT_VOCAB_SIZES, GPT2_VOCAB_SIZE, GPTConfig
 from gpt2lab.system.errors import ConfigError, DataError
+from gpt2lab.system.files import atomic_write, sha256_file
 
 EOT_TOKEN = "<|endoftext|>"
 EOT_ID = 50256
@@ -40,7 +41,6 @@ EOT_ID = 50256
 # the first two rows of the padding gpt2lab adds (50257 -> 50304), so no new embedding is needed.
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 IM_START_ID, IM_END_ID = 50257, 50258
-CHAT_VOCAB_SIZE = CHAT_VOCAB_SIZES["chatml"]
 # Every trained tokenizer has these, in this order (data/bpe.py gives them ids 0, 1, 2).
 SPECIAL_TOKENS = (EOT_TOKEN, IM_START, IM_END)
 TOKENIZER_FILE = "tokenizer.json"  # a trained tokenizer, in Hugging Face's format
@@ -86,8 +86,7 @@ def asset_path(name: str) -> str:
 
 def _checked(name: str) -> str:
     path = asset_path(name)
-    with open(path, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()
+    digest = sha256_file(path)
     if digest != _SHA256[name]:
         raise RuntimeError(
             f"{path}: sha256 {digest} does not match the GPT-2 release ({_SHA256[name]}); "
@@ -112,7 +111,7 @@ class GPT2Encoding(tiktoken.Encoding):
             pat_str=_PAT_STR,
             mergeable_ranks=_ranks(),
             special_tokens=specials,
-            explicit_n_vocab=CHAT_VOCAB_SIZE if chat else GPT2_VOCAB_SIZE,
+            explicit_n_vocab=CHAT_VOCAB_SIZES["chatml"] if chat else GPT2_VOCAB_SIZE,
         )
 
     def __reduce__(self):
@@ -143,14 +142,11 @@ def is_gpt2_vocabulary(path: str) -> bool:
     vocab, merges = _gpt2_vocab_and_merges()
     try:
         if os.path.isdir(path) and not os.path.isfile(os.path.join(path, TOKENIZER_FILE)):
-            with open(os.path.join(path, "vocab.json"), encoding="utf-8") as f:
-                if json.load(f) != vocab:
-                    return False
-            with open(os.path.join(path, "merges.txt"), encoding="utf-8") as f:
-                return _merge_lines(f.read()) == merges
-        file = os.path.join(path, TOKENIZER_FILE) if os.path.isdir(path) else path
-        with open(file, encoding="utf-8") as f:
-            model = json.load(f).get("model", {})
+            return (
+                _read_json(os.path.join(path, "vocab.json")) == vocab
+                and _merges(os.path.join(path, "merges.txt")) == merges
+            )
+        model = _read_json(os.path.join(path, TOKENIZER_FILE) if os.path.isdir(path) else path).get("model", {})
         if not isinstance(model, dict) or model.get("type") != "BPE" or model.get("vocab") != vocab:
             return False
         got = model.get("merges")
@@ -161,31 +157,27 @@ def is_gpt2_vocabulary(path: str) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _gpt2_vocab_and_merges() -> tuple[dict, list[str]]:
-    with open(_checked("encoder.json"), encoding="utf-8") as f:
-        vocab = json.load(f)
-    with open(_checked("vocab.bpe"), encoding="utf-8") as f:
-        return vocab, _merge_lines(f.read())
+    return _read_json(_checked("encoder.json")), _merges(_checked("vocab.bpe"))
 
 
-def _merge_lines(text: str) -> list[str]:
+def _read_json(path: str):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _merges(path: str) -> list[str]:
     """The merges of a merges.txt / vocab.bpe: one "a b" per line, after the "#version" line."""
-    return [line for line in text.split("\n") if line and not line.startswith("#version")]
+    with open(path, encoding="utf-8") as f:
+        return [line for line in f.read().split("\n") if line and not line.startswith("#version")]
 
 
 # -- a trained one -----------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=1)
 def _byte_of_char() -> dict[str, int]:
     """The byte-level BPE alphabet (GPT-2's bytes_to_unicode, which Hugging Face's ByteLevel uses):
-    the printable bytes stand for themselves, every other byte b for chr(256 + its rank among them)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
+    the printable bytes but space stand for themselves, every other byte b for chr(256 + its rank among them)."""
+    other = [b for b in range(256) if not chr(b).isprintable() or b == ord(" ")]
+    return {**{chr(b): b for b in range(256) if b not in other}, **{chr(256 + k): b for k, b in enumerate(other)}}
 
 
 class TrainedBPE:
@@ -216,7 +208,6 @@ class TrainedBPE:
             )
         self.eot_id, self.im_start_id, self.im_end_id = (self.specials[t] for t in SPECIAL_TOKENS)
         self._bytes = self._token_bytes(where)
-        self._special_re = {}
 
     def _token_bytes(self, where: str) -> list[bytes]:
         table = _byte_of_char()
@@ -224,11 +215,8 @@ class TrainedBPE:
         out: list[Optional[bytes]] = [None] * (max(vocab.values()) + 1)
         special = set(self.specials.values())
         for piece, i in vocab.items():
-            if i in special:
-                out[i] = piece.encode("utf-8")
-                continue
             try:
-                out[i] = bytes(table[c] for c in piece)
+                out[i] = piece.encode("utf-8") if i in special else bytes(table[c] for c in piece)
             except KeyError:
                 raise TokenizerError(
                     f"{where}: token {piece!r} (id {i}) is not byte-level BPE; train it with gpt2lab tokenizer train"
@@ -262,16 +250,12 @@ class TrainedBPE:
                 )
         if not allowed:
             return self.encode_ordinary(text)
-        pattern = self._special_re.get(frozenset(allowed))
-        if pattern is None:
-            pattern = re.compile("|".join(re.escape(t) for t in sorted(allowed, key=len, reverse=True)))
-            self._special_re[frozenset(allowed)] = pattern
-        ids, at = [], 0
-        for m in pattern.finditer(text):
-            ids += self.encode_ordinary(text[at : m.start()]) if m.start() > at else []
-            ids.append(self.specials[m.group()])
-            at = m.end()
-        return ids + (self.encode_ordinary(text[at:]) if at < len(text) else [])
+        # a capturing split: the allowed tokens at odd places, the text between them at even ones
+        pieces = re.split("(" + "|".join(re.escape(t) for t in sorted(allowed, key=len, reverse=True)) + ")", text)
+        ids: list[int] = []
+        for k, piece in enumerate(pieces):
+            ids += [self.specials[piece]] if k % 2 else self.encode_ordinary(piece)
+        return ids
 
     def decode_single_token_bytes(self, token: int) -> bytes:
         if not 0 <= token < len(self._bytes):
@@ -306,13 +290,9 @@ def load_tokenizer(path: str, identity: Optional[str] = None, what_next: str = "
 def save_tokenizer(tok: TrainedBPE, folder: str, what_next: str = "") -> str:
     """``tok``'s tokenizer.json in ``folder``, written atomically (kept where that very file is there
     already); its path."""
-    from gpt2lab.system.files import atomic_write
-
     path = os.path.join(folder, TOKENIZER_FILE)
-    if os.path.isfile(path):
-        with open(path, "rb") as f:
-            if hashlib.sha256(f.read()).hexdigest() == tok.identity:
-                return path
+    if os.path.isfile(path) and sha256_file(path) == tok.identity:
+        return path
     with atomic_write(path, "w", what_next=what_next or None) as f:
         f.write(tok.text)
     return path

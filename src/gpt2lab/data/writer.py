@@ -16,8 +16,8 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from gpt2lab.data.manifest import finish_manifest, save_manifest
-from gpt2lab.data.shards import mask_path, open_shard, shard_name, write_mask, write_shard
+from gpt2lab.data.manifest import save_manifest
+from gpt2lab.data.shards import mask_path, open_shard, shard_name, write_shard
 from gpt2lab.data.sources import SourceError, TextSource
 from gpt2lab.system.files import sha256_file
 
@@ -34,9 +34,11 @@ class ShardWriter:
         self.out, self.manifest, self.src = out, manifest, src
         s = manifest["settings"]
         self.shard_tokens, self.val_tokens, self.val_docs = s["shard_tokens"], s["val_tokens"], val_docs
-        r = manifest["resume"]
+        # go on after the last shard listed (data/manifest.py may have rolled them back to an earlier one)
+        shards = manifest["shards"]
+        r = shards[-1]["resume"] if shards else {"next_doc": 0, "offset": 0, "tokens": 0, "val_end": None}
         self.doc, self.offset, self.written, self.val_end = r["next_doc"], r["offset"], r["tokens"], r["val_end"]
-        if self.val_end is None and s["val_split"] == "tokens":
+        if self.val_end is None and (s["val_split"] == "tokens" or self.val_tokens == 0):
             self.val_end = self.val_tokens  # a token count, wherever it falls in a document
         if self.val_end is None and val_docs == 0:
             self.val_end = 0
@@ -45,25 +47,14 @@ class ShardWriter:
         self.mask = np.empty(self.shard_tokens, dtype=np.uint8) if s["format"] == "chat" else None
         self.fill, self.docs_in_shard = 0, 0
 
-    def _in_val(self) -> bool:
-        """Whether the shard being filled (it starts at ``self.written``) belongs to val."""
-        return self.val_end is None or self.written < self.val_end
-
     def _files_seen(self, base: int, starts: np.ndarray, n_docs: int) -> None:
-        """Record where each source file read so far starts in the stream (per-file counts)."""
-        files = self.manifest["files"]
-        while len(files) < len(self.src.file_starts):
-            i = len(files)
-            d = self.src.file_starts[i]
-            if d >= self.doc + n_docs:
-                break
-            self._file(i, d, base + int(starts[d - self.doc]) if d >= self.doc else base)
-
-    def _file(self, i: int, first_doc: int, first_token: int) -> None:
-        """Record source file ``i`` by its content (sha256: data/manifest.py) and where it starts in the stream."""
-        path = self.src.files[i]
-        entry = {"path": path, "bytes": os.path.getsize(path), "sha256": sha256_file(path)}
-        self.manifest["files"].append({**entry, "first_doc": first_doc, "first_token": first_token})
+        """Record each source file read so far that starts before document ``self.doc + n_docs``: by its
+        content (sha256: data/manifest.py) and where it starts in the stream (per-file counts)."""
+        files, file_starts = self.manifest["files"], self.src.file_starts
+        while len(files) < len(file_starts) and (d := file_starts[len(files)]) < self.doc + n_docs:
+            path = self.src.files[len(files)]
+            entry = {"path": path, "bytes": os.path.getsize(path), "sha256": sha256_file(path), "first_doc": d}
+            files.append({**entry, "first_token": base + int(starts[d - self.doc]) if d >= self.doc else base})
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray, mask: Optional[np.ndarray] = None) -> None:
         """Append whole documents (concatenated, EOT first; conversations with their loss ``mask``);
@@ -99,29 +90,25 @@ class ShardWriter:
         self.doc += len(lengths)
 
     def _flush(self, next_doc: int, offset: int) -> None:
-        split = "val" if self._in_val() else "train"
+        split = "val" if self.val_end is None or self.written < self.val_end else "train"  # where the shard starts
         index = sum(1 for s in self.manifest["shards"] if s["split"] == split)
         name = shard_name(split, index)
         entry = {"name": name, "split": split, "tokens": self.fill, "documents": self.docs_in_shard}
         if self.mask is not None:  # the mask first: a shard listed or found on disk has its mask
-            write_mask(mask_path(self.out / name), self.mask[: self.fill])
+            write_shard(mask_path(self.out / name), self.mask[: self.fill])
             entry["supervised"] = int(self.mask[: self.fill].sum(dtype=np.int64))
         write_shard(self.out / name, self.buf[: self.fill])
         self.written += self.fill
         # where to resume after this shard: a source file changed later goes back to a shard's (data/manifest.py)
         entry["resume"] = {"next_doc": next_doc, "offset": offset, "tokens": self.written, "val_end": self.val_end}
         self.manifest["shards"].append(entry)
-        self.manifest["resume"] = dict(entry["resume"])
         save_manifest(self.out, self.manifest)  # after the rename: a listed shard is whole
         self.fill, self.docs_in_shard = 0, 0
 
     def finish(self) -> None:
         if self.fill:
             self._flush(self.doc, 0)
-        self._files_seen(self.written, np.zeros(0, dtype=np.int64), 0)
-        for i in range(len(self.manifest["files"]), len(self.src.file_starts)):  # files with no documents left
-            self._file(i, self.doc, self.written)
-        self.manifest["resume"]["next_doc"] = self.doc
+        self._files_seen(self.written, np.zeros(1, dtype=np.int64), 1)  # files with no documents left: at the end
         if not self.manifest["shards"]:
             raise SourceError(
                 f"source {self.manifest['settings']['source']!r}: no documents; check the path, glob or --limit-docs"
@@ -131,8 +118,21 @@ class ShardWriter:
                 f"source {self.manifest['settings']['source']!r}: all {self.doc} document(s) "
                 "are empty; point --source at files with text"
             )
-        finish_manifest(self.manifest)
-        for info in self.manifest["splits"].values():  # a split that begins inside a document holds it too
-            if open_shard(self.out / info["shards"][0])[0] != self.manifest["eot_id"]:
-                info["documents"] += 1
+        # a finished directory's counts: per split, in all, per file
+        splits: Dict[str, Dict] = {}
+        for shard in self.manifest["shards"]:
+            info = splits.setdefault(shard["split"], {"shards": [], "tokens": 0, "documents": 0})
+            info["shards"].append(shard["name"])
+            info["tokens"] += shard["tokens"]
+            info["documents"] += shard["documents"]
+            if "supervised" in shard:  # conversations: the tokens the loss is taken on
+                info["supervised"] = info.get("supervised", 0) + shard["supervised"]
+        for info in splits.values():  # a split that begins inside a document holds it too
+            info["documents"] += int(open_shard(self.out / info["shards"][0])[0] != self.manifest["eot_id"])
+        files = self.manifest["files"]  # the documents and tokens of each file, from where each starts
+        ends = [(f["first_doc"], f["first_token"]) for f in files[1:]] + [(self.doc, self.written)]
+        for f, (d, t) in zip(files, ends):
+            f.update(documents=d - f["first_doc"], tokens=t - f["first_token"])
+        self.manifest.pop("resume", None)  # kept by an unfinished directory of an earlier gpt2lab
+        self.manifest.update(splits=splits, tokens=self.written, documents=self.doc, complete=True)
         save_manifest(self.out, self.manifest)
