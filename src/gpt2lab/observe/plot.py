@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from gpt2lab.model.config import SIZES
+from gpt2lab.observe.metrics import read_metrics
 from gpt2lab.system import formats, rundir
 from gpt2lab.system.errors import DataError, UsageError
 from gpt2lab.system.files import atomic_write, read_json_object
@@ -71,39 +72,6 @@ def is_fineweb_edu(source: Optional[str]) -> bool:
     directory named for it, as build-nanogpt's edu_fineweb10B): the corpus GPT-2's val loss baseline is on."""
     text = (source or "").lower().replace("_", "-")
     return "fineweb-edu" in text or "edu-fineweb" in text
-
-
-def read_metrics(path: str) -> list[dict]:
-    """Records of a metrics.jsonl; a bad line is an error naming it, except an unfinished
-    last line (a run killed mid-write), which is left out with a warning."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no such file; is this a gpt2lab run directory?")
-    with open(path, "rb") as f:
-        data = f.read()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        lineno = data.count(b"\n", 0, e.start) + 1
-        raise DataError(
-            f"{path}:{lineno}: not UTF-8 text (byte {data[e.start]:#04x}); is this a gpt2lab "
-            "metrics.jsonl? It holds one JSON object per line"
-        ) from None
-    lines = text.split("\n")
-    records = []
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            if lineno == len(lines) and not text.endswith("\n"):
-                warnings.warn(f"{path}:{lineno}: unfinished last line left out")
-                continue
-            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
-            raise DataError(f"{path}:{lineno}: each line must be a JSON object with an integer 'step'")
-        records.append(rec)
-    return records
 
 
 def detect_size(config: dict) -> Optional[str]:
