@@ -339,31 +339,27 @@ def chat_data(data: Optional[str], model: str) -> tuple[str, Optional[str]]:
     from gpt2lab.data.shards import MANIFEST_FILE
     from gpt2lab.system.errors import UsageError
 
+    what = "pass --data FILE.jsonl (conversations in the messages format) or --data DIR (from gpt2lab prepare)"
     if data is not None:
         if not os.path.isfile(os.path.join(data, MANIFEST_FILE)):
             return data, None
-        found = held_out_file(data)
-        if found is None:
-            raise UsageError(
-                f"--data {data}: prepared data without held-out conversations ({HELD_OUT}); it is written "
-                "by gpt2lab prepare of conversations with a val split (run the same prepare command again "
-                "to add it), or pass --data FILE.jsonl"
-            )
-        return found, None
-    trained_on = _run_data(model)
-    what = "pass --data FILE.jsonl (conversations in the messages format) or --data DIR (from gpt2lab prepare)"
-    if trained_on is None:
-        raise UsageError(f"--data is needed: --model {model} is not a run that names its prepared data; {what}")
-    if not os.path.isdir(trained_on):
-        raise UsageError(f"--data is needed: {trained_on}, the data --model {model} trained on, is not here; {what}")
-    found = held_out_file(trained_on)
+        where, note = f"--data {data}: prepared data", None
+        what = "pass --data FILE.jsonl (conversations in the messages format)"
+    else:
+        data = _run_data(model)
+        if data is None:
+            raise UsageError(f"--data is needed: --model {model} is not a run that names its prepared data; {what}")
+        where = f"--data is needed: {data}, the data --model {model} trained on,"
+        if not os.path.isdir(data):
+            raise UsageError(f"{where} is not here; {what}")
+        note = f"no --data: the held-out conversations of {data}, which --model {model} trained on: "
+    found = held_out_file(data)
     if found is None:
         raise UsageError(
-            f"--data is needed: {trained_on}, the data --model {model} trained on, holds no held-out "
-            f"conversations ({HELD_OUT}: gpt2lab prepare writes it for conversations with a val split; "
-            f"its same prepare command run again adds it); {what}"
+            f"{where} without held-out conversations ({HELD_OUT}: gpt2lab prepare writes it for conversations "
+            f"with a val split; its same prepare command run again adds it); {what}"
         )
-    return found, f"no --data: the held-out conversations of {trained_on}, which --model {model} trained on: {found}"
+    return found, note and note + found
 
 
 def _run_data(model: str) -> Optional[str]:

@@ -2,7 +2,7 @@
 
 Reads only what a run dir holds: ``config.json`` (nested, of this format version:
 plot.read_run_config), ``run_info.json`` (rendered key by key,
-so keys added later show up by themselves), ``metrics.jsonl`` (through plot.read_metrics,
+so keys added later show up by themselves), ``metrics.jsonl`` (through metrics.read_metrics,
 which leaves out a cut last line) and ``checkpoints/``. Works on a finished, a running
 and a crashed run, and says which.
 """
