@@ -268,8 +268,8 @@ def resolve_strategy(strategy: str, model, device) -> str:
     return strategy
 
 
-def _batches(rendered, strategy: str, batch_size: int) -> list[tuple[str, list]]:
-    """('padded', [(example, ending), ...]) rows or ('shared', [example, ...]) batches.
+def _batches(rendered, strategy: str, batch_size: int) -> list[list]:
+    """Batches of (example, ending) rows ('padded') or of examples ('shared').
 
     Longest first: the first batch shows the peak memory at once. Padded batches take
     rows of similar length from any examples (little padding); shared batches examples
@@ -281,13 +281,11 @@ def _batches(rendered, strategy: str, batch_size: int) -> list[tuple[str, list]]
             key=lambda ij: -(len(rendered[ij[0]][0]) + len(rendered[ij[0]][1][ij[1]])),
         )
         size = N_ENDINGS * batch_size
-        return [("padded", rows[s : s + size]) for s in range(0, len(rows), size)]
+        return [rows[s : s + size] for s in range(0, len(rows), size)]
     by_len: dict[int, list[int]] = {}
     for i in sorted(range(len(rendered)), key=lambda i: (-len(rendered[i][0]), -max(map(len, rendered[i][1])))):
         by_len.setdefault(len(rendered[i][0]), []).append(i)
-    return [
-        ("shared", group[s : s + batch_size]) for group in by_len.values() for s in range(0, len(group), batch_size)
-    ]
+    return [group[s : s + batch_size] for group in by_len.values() for s in range(0, len(group), batch_size)]
 
 
 def score_examples(
@@ -316,10 +314,10 @@ def score_examples(
         )
     batches = tqdm(_batches(rendered, strategy, batch_size), desc="hellaswag", unit="batch", disable=not progress)
     sums = torch.zeros(len(examples), N_ENDINGS)
-    for kind, idx in batches:
+    for idx in batches:
         if stop():
             break
-        if kind == "shared":
+        if strategy == "shared":
             sums[idx] = _score_shared(
                 model, [rendered[i][0] for i in idx], [rendered[i][1] for i in idx], device=device, dtype=dtype
             )
