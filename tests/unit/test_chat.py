@@ -186,6 +186,25 @@ def test_masked_loss_is_the_mean_over_the_assistant_tokens(chat_shards):
         assert model(x, none)[1].item() == 0 and model(x, none, return_logits=False)[1].item() == 0
 
 
+def test_chat_evals_loss_is_the_mean_over_the_assistant_tokens_of_every_window(conversations):
+    """eval chat's loss (each conversation cut into windows of the block, its windows scored in one batch)
+    against -log p of each window's assistant targets, from that window's own full logits."""
+    from gpt2lab.evals.chat import assistant_loss
+
+    model, T = tiny_gpt(seed=2, vocab_size=50304, block_size=32), 32
+    convs, vals = conversations[:4], []
+    for turns in convs:
+        ids, mask = chat.encode_chat(turns)
+        for s in range(0, len(ids) - 1, T):
+            x = ids[s : min(s + T, len(ids) - 1)]
+            with torch.no_grad():
+                logp = F.log_softmax(model(torch.tensor([x]))[0][0].float(), dim=-1)
+            vals += [-logp[i, ids[s + 1 + i]].item() for i in range(len(x)) if mask[s + 1 + i]]
+    assert max(len(chat.encode_chat(t)[0]) for t in convs) > 2 * T  # windows after the first are scored too
+    loss, n = assistant_loss(model, convs, torch.device("cpu"))
+    assert n == len(vals) and loss == pytest.approx(sum(vals) / len(vals), rel=1e-5)
+
+
 def test_accumulated_step_is_the_gradient_of_the_mean_over_all_supervised_targets(chat_shards):
     """Two micro-batches with different numbers of assistant tokens: the step's gradient is that of
     one mean over all of them (not the mean of the two means)."""

@@ -98,7 +98,7 @@ def test_a_file_that_is_not_gsm8k_is_not_cached(server, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError) as e:
         chat_eval.gsm8k_test_file()
     msg = str(e.value)
-    assert "not GSM8K's test split: line 41: answer: GSM8K's answer must end with '#### <number>'" in msg
+    assert "not GSM8K's test split: the download, line 41: answer: GSM8K's answer must end with '#### <number>'" in msg
     assert "openai/gsm8k: ConnectionError" in msg and url in msg  # then the hub's copy was tried
     assert _cache_files(tmp_path) == []
 

@@ -27,14 +27,15 @@ import operator
 import os
 import re
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Iterable, Optional, Sequence
+from typing import BinaryIO, Callable, Optional, Sequence
 
 import torch
+from tqdm import tqdm
 
 from gpt2lab.data.chat import ChatFormatError, Message, conversation, encode_chat
 from gpt2lab.data.tokenizer import Tokenizer, for_chat, for_config
-from gpt2lab.distributed.dist import autocast
-from gpt2lab.evals.download import DataSet, cached_file
+from gpt2lab.evals.download import DataSet, cached_file, json_lines
+from gpt2lab.evals.hellaswag import score_rows
 from gpt2lab.model.sampling import generate_stream
 
 # GSM8K's official test split (1,319 problems, rows {"question", "answer"}, each answer ending
@@ -67,23 +68,17 @@ def assistant_loss(
     model, conversations: Sequence[Sequence[Message]], device: torch.device, dtype: str = "float32"
 ) -> tuple[float, int]:
     """(mean loss over the assistant's tokens, their number) of ``conversations``: each one's ids cut
-    into windows of block_size + 1 (targets the next tokens; masked targets skipped)."""
+    into windows of block_size, each predicting the next tokens (masked targets not scored), a
+    conversation's windows in one forward (evals/hellaswag.py's ``score_rows``)."""
     T, tok = model.config.block_size, chat_tokenizer(model)
     total, kept = 0.0, 0
     for turns in conversations:
         ids, mask = encode_chat(turns, tokenizer=tok)
-        for start in range(0, len(ids) - 1, T):
-            end = min(start + T, len(ids) - 1)  # inputs start..end-1 predict start+1..end
-            m = mask[start + 1 : end + 1]
-            x = torch.tensor([ids[start:end]], device=device)
-            y = torch.tensor([[t if keep else -1 for t, keep in zip(ids[start + 1 : end + 1], m)]], device=device)
-            n = sum(m)
-            if n == 0:
-                continue
-            with autocast(device, dtype):
-                _, loss = model(x, y)
-            total += float(loss) * n
-            kept += n
+        x, y = ids[:-1], [t if keep else -1 for t, keep in zip(ids[1:], mask[1:])]
+        rows = [(x[s : s + T], 0, y[s : s + T]) for s in range(0, len(x), T) if any(t != -1 for t in y[s : s + T])]
+        if rows:
+            total += float(score_rows(model, rows, device=device, dtype=dtype).sum())
+            kept += sum(t != -1 for t in y)
     return total / max(kept, 1), kept
 
 
@@ -145,7 +140,7 @@ def evaluate_chat(
     _check(model)
     loss, kept = assistant_loss(model, conversations, device, dtype)
     replies, ended, lengths, skipped = 0, 0, [], 0
-    for turns in _bar(conversations, progress, "replies"):
+    for turns in tqdm(conversations, desc="replies", unit="conv", dynamic_ncols=True, disable=not progress):
         prompt = first_reply_prompt(turns, chat_tokenizer(model))
         if prompt is None or len(prompt) >= model.config.block_size:
             skipped += 1
@@ -246,7 +241,7 @@ def evaluate_gsm8k(
     the number after ``####`` against the reference answer's."""
     _check(model)
     rows, correct = [], 0
-    for turns in _bar(problems, progress, "gsm8k"):
+    for turns in tqdm(problems, desc="gsm8k", unit="conv", dynamic_ncols=True, disable=not progress):
         question, reference = turns[0][1], turns[1][1]
         prompt = encode_chat([turns[0]], add_generation_prompt=True, tokenizer=chat_tokenizer(model))[0]
         r = greedy_reply(model, prompt, max_tokens, calculator_tool if calculator else None)
@@ -307,9 +302,11 @@ def read_conversations(source: str, limit: Optional[int] = None, gsm8k: bool = F
 
 
 # -- where the data comes from -----------------------------------------------------------------
-def gsm8k_test() -> DataSet:
-    """GSM8K's test split as evals/download.py fetches it: the official file, then the HF dataset."""
-    return DataSet(
+def gsm8k_test_file(flag: str = "--data") -> str:
+    """The cached GSM8K test split (evals/download.py: the official file, then the HF dataset), downloaded
+    on first use; offline or unreachable, a RuntimeError in one line naming the URL and ``flag`` (the
+    caller's flag for a local file)."""
+    test = DataSet(
         what="GSM8K's test split",
         url=GSM8K_URL,
         path=os.path.join("gsm8k", "test.jsonl"),
@@ -317,36 +314,20 @@ def gsm8k_test() -> DataSet:
         check=_check_gsm8k_file,
         second=(GSM8K_HF, lambda out: _gsm8k_from_hub(out)),  # looked up at the call: tests replace it
     )
+    return cached_file(test, flag)
 
 
-def gsm8k_test_file(flag: str = "--data") -> str:
-    """The cached GSM8K test split, downloaded on first use; offline or unreachable, a RuntimeError in
-    one line naming the URL and ``flag`` (the caller's flag for a local file)."""
-    return cached_file(gsm8k_test(), flag)
-
-
-def _check_gsm8k_file(path: str) -> int:
-    """How many GSM8K problems ``path`` holds; a ValueError naming the line that is not one."""
-    n = 0
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                _problem(json.loads(line))
-            except ValueError as e:  # not JSON, or not a problem (ChatFormatError)
-                raise ValueError(f"line {lineno}: {e}") from None
-            n += 1
-    if not n:
+def _check_gsm8k_file(path: str) -> None:
+    """A ValueError naming the line of ``path`` that is not a GSM8K problem, or saying it holds none."""
+    if not json_lines(path, _problem):
         raise ValueError("no problems in the file")
-    return n
 
 
 def _gsm8k_from_hub(out: BinaryIO) -> None:
     from datasets import load_dataset  # optional dependency, only for this fallback
 
     for row in load_dataset(GSM8K_HF, "main", split="test"):
-        out.write((json.dumps({"question": row["question"], "answer": row["answer"]}) + "\n").encode("utf-8"))
+        out.write((json.dumps({"question": row["question"], "answer": row["answer"]}) + "\n").encode())
 
 
 def chat_data(data: Optional[str], model: str) -> tuple[str, Optional[str]]:
@@ -358,31 +339,27 @@ def chat_data(data: Optional[str], model: str) -> tuple[str, Optional[str]]:
     from gpt2lab.data.shards import MANIFEST_FILE
     from gpt2lab.system.errors import UsageError
 
+    what = "pass --data FILE.jsonl (conversations in the messages format) or --data DIR (from gpt2lab prepare)"
     if data is not None:
         if not os.path.isfile(os.path.join(data, MANIFEST_FILE)):
             return data, None
-        found = held_out_file(data)
-        if found is None:
-            raise UsageError(
-                f"--data {data}: prepared data without held-out conversations ({HELD_OUT}); it is written "
-                "by gpt2lab prepare of conversations with a val split (run the same prepare command again "
-                "to add it), or pass --data FILE.jsonl"
-            )
-        return found, None
-    trained_on = _run_data(model)
-    what = "pass --data FILE.jsonl (conversations in the messages format) or --data DIR (from gpt2lab prepare)"
-    if trained_on is None:
-        raise UsageError(f"--data is needed: --model {model} is not a run that names its prepared data; {what}")
-    if not os.path.isdir(trained_on):
-        raise UsageError(f"--data is needed: {trained_on}, the data --model {model} trained on, is not here; {what}")
-    found = held_out_file(trained_on)
+        where, note = f"--data {data}: prepared data", None
+        what = "pass --data FILE.jsonl (conversations in the messages format)"
+    else:
+        data = _run_data(model)
+        if data is None:
+            raise UsageError(f"--data is needed: --model {model} is not a run that names its prepared data; {what}")
+        where = f"--data is needed: {data}, the data --model {model} trained on,"
+        if not os.path.isdir(data):
+            raise UsageError(f"{where} is not here; {what}")
+        note = f"no --data: the held-out conversations of {data}, which --model {model} trained on: "
+    found = held_out_file(data)
     if found is None:
         raise UsageError(
-            f"--data is needed: {trained_on}, the data --model {model} trained on, holds no held-out "
-            f"conversations ({HELD_OUT}: gpt2lab prepare writes it for conversations with a val split; "
-            f"its same prepare command run again adds it); {what}"
+            f"{where} without held-out conversations ({HELD_OUT}: gpt2lab prepare writes it for conversations "
+            f"with a val split; its same prepare command run again adds it); {what}"
         )
-    return found, f"no --data: the held-out conversations of {trained_on}, which --model {model} trained on: {found}"
+    return found, note and note + found
 
 
 def _run_data(model: str) -> Optional[str]:
@@ -394,11 +371,3 @@ def _run_data(model: str) -> Optional[str]:
     config = read_json_object(os.path.join(model, "config.json")) if os.path.isdir(model) else None
     data = config.get("data") if config is not None and formats.is_current(config, formats.RUN) else None
     return data if isinstance(data, str) else None
-
-
-def _bar(items: Iterable, enabled: bool, desc: str):
-    if not enabled:
-        return items
-    from tqdm import tqdm
-
-    return tqdm(items, desc=desc, unit="conv", dynamic_ncols=True)

@@ -14,16 +14,19 @@ one line naming the data set, the URL, the flag for a local file and where the f
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import shutil
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Optional
+from typing import Any, BinaryIO, Callable, Optional, TypeVar
 
 from gpt2lab.system import env
 from gpt2lab.system.errors import GPT2LabError
 from gpt2lab.system.files import atomic_write, sweep_stale, tmp_name
+
+T = TypeVar("T")
 
 # Seconds the one download attempt waits to connect (and for each read): an unreachable network
 # fails in this long at most, with no retries.
@@ -68,8 +71,8 @@ def cached_file(ds: DataSet, flag: str = "--data") -> str:
         first = str(e)
     except (OSError, http.client.HTTPException) as e:  # no network, no DNS, cut short: a second would fail too
         raise _unavailable(ds, flag, str(getattr(e, "reason", None) or e)) from None
-    except ValueError as e:  # downloaded, but not the data set
-        first = f"not {ds.what}: {e}"
+    except ValueError as e:  # downloaded, but not the data set (the check named the temporary file it read)
+        first = f"not {ds.what}: " + str(e).replace(f"{tmp_name(dest)}:", "the download, line ")
     if ds.second is None:
         raise _unavailable(ds, flag, first)
     name, write = ds.second
@@ -80,6 +83,25 @@ def cached_file(ds: DataSet, flag: str = "--data") -> str:
         raise
     except Exception as e:  # the hub raises many types
         raise _unavailable(ds, flag, f"{first}; {name}: {type(e).__name__}: {e}") from None
+
+
+def json_lines(path: str, parse: Callable[[Any], T], limit: Optional[int] = None) -> list[T]:
+    """``parse`` of the JSON value of each line of ``path`` (blank lines skipped; the first ``limit``). A line
+    that is not JSON, or that ``parse`` refuses (a ValueError saying why), is a ValueError naming ``path:line``."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if limit is not None and len(out) >= limit:
+                break
+            try:
+                out += [parse(json.loads(line))] if line.strip() else []
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object"
+                ) from None
+            except ValueError as e:
+                raise ValueError(f"{path}:{lineno}: {e}") from None
+    return out
 
 
 def _unavailable(ds: DataSet, flag: str, why: str) -> RuntimeError:

@@ -18,15 +18,16 @@ import json
 import os
 import warnings
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Iterator, Optional
+from typing import BinaryIO, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
+from tqdm import tqdm
 
 from gpt2lab.data.tokenizer import for_model
 from gpt2lab.distributed.dist import all_reduce_sum, autocast
-from gpt2lab.evals.download import DataSet, cached_file
+from gpt2lab.evals.download import DataSet, cached_file, json_lines
 from gpt2lab.system.choices import HELLASWAG_STRATEGIES
 
 # The official validation file (10,042 examples). The repository may go away; the HF
@@ -80,40 +81,25 @@ def load_examples(path: Optional[str] = None, limit: Optional[int] = None, flag:
         raise FileNotFoundError(
             f"HellaSwag data {path}: no such file; pass {flag} FILE with a jsonl of ctx/endings/label lines"
         )
-    examples = []
-    for lineno, line in _lines(path):
-        examples.append(_parse_line(line, path, lineno))
-        if limit is not None and len(examples) >= limit:
-            break
+    examples = json_lines(path, _example, limit)
     if not examples:
         raise ValueError(f"HellaSwag data {path}: no examples in the file")
     return examples
 
 
-def _lines(path: str) -> Iterator[tuple[int, str]]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if line.strip():  # blank lines (a trailing newline) hold no example
-                yield lineno, line
-
-
-def _parse_line(line: str, path: str, lineno: int) -> Example:
-    where = f"{path}:{lineno}"
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+def _example(obj: object) -> Example:
+    """A line's object as an Example; a ValueError naming the field that is not one."""
     if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected a JSON object with ctx, endings, label")
+        raise ValueError("expected a JSON object with ctx, endings, label")
     ctx, endings, label = obj.get("ctx"), obj.get("endings"), obj.get("label")
     if not isinstance(ctx, str) or not ctx:
-        raise ValueError(f"{where}: 'ctx' must be a non-empty string, got {ctx!r}")
+        raise ValueError(f"'ctx' must be a non-empty string, got {ctx!r}")
     if not (isinstance(endings, list) and len(endings) == N_ENDINGS and all(isinstance(e, str) for e in endings)):
-        raise ValueError(f"{where}: 'endings' must be a list of {N_ENDINGS} strings, got {endings!r}")
+        raise ValueError(f"'endings' must be a list of {N_ENDINGS} strings, got {endings!r}")
     if isinstance(label, str) and label.strip().isdigit():  # the HF dataset stores labels as strings
         label = int(label)
     if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < N_ENDINGS:
-        raise ValueError(f"{where}: 'label' must be an integer 0-{N_ENDINGS - 1}, got {label!r}")
+        raise ValueError(f"'label' must be an integer 0-{N_ENDINGS - 1}, got {label!r}")
     return Example(ctx=ctx, endings=tuple(endings), label=label)
 
 
@@ -145,10 +131,10 @@ def official_validation_file(flag: str = "--data") -> str:
 def _download_hf(out: BinaryIO) -> None:
     from datasets import load_dataset  # optional dependency, only for this fallback
 
-    ds = load_dataset(HF_DATASET, split="validation")
-    for row in ds:
-        line = json.dumps({"ctx": row["ctx"], "endings": row["endings"], "label": int(row["label"])}) + "\n"
-        out.write(line.encode("utf-8"))
+    for row in load_dataset(HF_DATASET, split="validation"):
+        out.write(
+            (json.dumps({"ctx": row["ctx"], "endings": row["endings"], "label": int(row["label"])}) + "\n").encode()
+        )
 
 
 # ---------------------------------------------------------------- scoring
@@ -195,36 +181,32 @@ def _losses(logits: torch.Tensor, targets: list[int], rows: list[int], n_rows: i
 def _pack(rows: list[tuple[list[int], int, list[int], int]], n_rows: int, T: int):
     """A batch of ``n_rows`` rows of ``T`` tokens (right-padded) from (fed tokens, position of the first
     scored output, its targets, the row they count for); with the flat positions of the scored outputs,
-    their targets and rows."""
+    their targets and rows. A target -1 is not scored: no position, no logits."""
     tokens, positions, targets, row_of = torch.zeros(n_rows, T, dtype=torch.long), [], [], []
     for k, (fed, first, target, r) in enumerate(rows):
         tokens[k, : len(fed)] = torch.tensor(fed)
-        positions += range(k * T + first, k * T + first + len(target))
-        targets += target
-        row_of += [r] * len(target)
+        scored = [(k * T + first + i, t) for i, t in enumerate(target) if t != -1]
+        positions += [p for p, _ in scored]
+        targets += [t for _, t in scored]
+        row_of += [r] * len(scored)
     return tokens, positions, targets, row_of
 
 
 @torch.no_grad()
-def _score_padded(
-    model, rows: list[tuple[list[int], list[int]]], *, device, dtype, compiled_rows: int = 0
-) -> torch.Tensor:
-    """Summed ending loss of each (context, ending) row, all rows in one forward pass.
+def score_rows(model, rows: list[tuple[list[int], int, list[int]]], *, device, dtype, compiled_rows: int = 0):
+    """Summed loss of each (fed tokens, position of the first scored output, its targets) row, all rows
+    in one forward pass: HellaSwag's endings and the chat eval's assistant tokens (target -1: not scored).
 
     Rows are right-padded (padding after a row cannot change a causal model's outputs on
-    it). A row's last token is not fed: its output would predict nothing that is scored.
-    Logits are computed only at the positions that predict ending tokens.
+    it). Logits are computed only at the positions that predict scored targets.
     ``compiled_rows`` (a compiled model) pads the batch with empty rows to that many and
     rounds the length and the number of scored positions up: few distinct shapes.
     """
     compiled = compiled_rows > 0
-    T = max(len(c) + len(e) - 1 for c, e in rows)
+    T = max(len(fed) for fed, _, _ in rows)
     T = min(_round_up(T, COMPILED_PAD_MULTIPLE) if compiled else T, _block_size(model))
     R = max(compiled_rows, len(rows))
-    # row r's last context token's output predicts its first ending token
-    tokens, positions, targets, row_of = _pack(
-        [((c + e)[:-1], len(c) - 1, e, r) for r, (c, e) in enumerate(rows)], R, T
-    )
+    tokens, positions, targets, row_of = _pack([(*row, r) for r, row in enumerate(rows)], R, T)
     if compiled:  # padding positions have target -1, which scores zero
         pad = _round_up(len(positions), 8 * R) - len(positions)
         positions, targets, row_of = positions + [0] * pad, targets + [-1] * pad, row_of + [0] * pad
@@ -286,8 +268,8 @@ def resolve_strategy(strategy: str, model, device) -> str:
     return strategy
 
 
-def _batches(rendered, strategy: str, batch_size: int) -> list[tuple[str, list]]:
-    """('padded', [(example, ending), ...]) rows or ('shared', [example, ...]) batches.
+def _batches(rendered, strategy: str, batch_size: int) -> list[list]:
+    """Batches of (example, ending) rows ('padded') or of examples ('shared').
 
     Longest first: the first batch shows the peak memory at once. Padded batches take
     rows of similar length from any examples (little padding); shared batches examples
@@ -299,13 +281,11 @@ def _batches(rendered, strategy: str, batch_size: int) -> list[tuple[str, list]]
             key=lambda ij: -(len(rendered[ij[0]][0]) + len(rendered[ij[0]][1][ij[1]])),
         )
         size = N_ENDINGS * batch_size
-        return [("padded", rows[s : s + size]) for s in range(0, len(rows), size)]
+        return [rows[s : s + size] for s in range(0, len(rows), size)]
     by_len: dict[int, list[int]] = {}
     for i in sorted(range(len(rendered)), key=lambda i: (-len(rendered[i][0]), -max(map(len, rendered[i][1])))):
         by_len.setdefault(len(rendered[i][0]), []).append(i)
-    return [
-        ("shared", group[s : s + batch_size]) for group in by_len.values() for s in range(0, len(group), batch_size)
-    ]
+    return [group[s : s + batch_size] for group in by_len.values() for s in range(0, len(group), batch_size)]
 
 
 def score_examples(
@@ -332,22 +312,20 @@ def score_examples(
         warnings.warn(
             f"HellaSwag: {n_cut} of {len(examples)} contexts were cut from the left to fit block_size {block}"
         )
-    batches = _batches(rendered, strategy, batch_size)
-    if progress:
-        from tqdm import tqdm
-
-        batches = tqdm(batches, desc="hellaswag", unit="batch")
+    batches = tqdm(_batches(rendered, strategy, batch_size), desc="hellaswag", unit="batch", disable=not progress)
     sums = torch.zeros(len(examples), N_ENDINGS)
-    for kind, idx in batches:
+    for idx in batches:
         if stop():
             break
-        if kind == "shared":
+        if strategy == "shared":
             sums[idx] = _score_shared(
                 model, [rendered[i][0] for i in idx], [rendered[i][1] for i in idx], device=device, dtype=dtype
             )
         else:
-            rows = [(rendered[i][0], rendered[i][1][j]) for i, j in idx]
-            sums[tuple(zip(*idx))] = _score_padded(
+            # a row's last token is not fed (its output predicts nothing scored); its context's last
+            # token's output predicts its first ending token
+            rows = [((c + e)[:-1], len(c) - 1, e) for c, e in ((rendered[i][0], rendered[i][1][j]) for i, j in idx)]
+            sums[tuple(zip(*idx))] = score_rows(
                 model, rows, device=device, dtype=dtype, compiled_rows=N_ENDINGS * batch_size if compiled else 0
             )
     scores = []

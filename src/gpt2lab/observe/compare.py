@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from gpt2lab.model.config import config_value
-from gpt2lab.observe.plot import load_run, new_figure, save_png
+from gpt2lab.observe.plot import draw, load_run, md_table, save_png
 from gpt2lab.system.errors import DataError, UsageError
 
 
@@ -43,19 +43,13 @@ def load_curve(run_dir: str, metric: str = "val_loss", name: Optional[str] = Non
     run = load_run(run_dir)
     tokens_per_step = config_value(run.config, "total_batch_tokens") if run.config else None
     tokens_per_step = tokens_per_step if isinstance(tokens_per_step, int) else None
-    train: dict[int, dict] = {}
-    values: dict[int, float] = {}
-    for rec in run.records:  # later records of a step win (a resumed run logs some steps again)
-        if "train_loss" in rec:
-            train[rec["step"]] = rec
-        value = rec.get(metric)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            # train_loss of step s is measured before its update: the model after s steps, like val at s
-            values[rec["step"]] = float(value)
+    # the later record of a step wins (a resumed run logs some steps again); train_loss of step s is
+    # measured before its update: the model after s steps, like val at s
+    train = {rec["step"]: rec for rec in run.records if "train_loss" in rec}
     curve = Curve(name or run.name, tokens_per_step=tokens_per_step)
     seconds, tokens, done = 0.0, 0, 0
     steps = sorted(train)
-    for step in sorted(values):
+    for step, value in run.series.get(metric, []):
         while done < len(steps) and steps[done] < step:
             rec = train[steps[done]]
             seconds += float(rec.get("dt_ms", 0.0)) / 1000
@@ -63,7 +57,7 @@ def load_curve(run_dir: str, metric: str = "val_loss", name: Optional[str] = Non
             done += 1
         if step and done == 0 and tokens_per_step:  # no train records before it (e.g. an eval-only log)
             tokens = step * tokens_per_step
-        curve.points.append((step, tokens, seconds, values[step]))
+        curve.points.append((step, tokens, seconds, value))
     return curve
 
 
@@ -71,48 +65,33 @@ def comparison_table(curves: list[Curve], target: float, metric: str = "val_loss
     """Markdown: per run, its final loss, and the steps, tokens and seconds to reach ``target``
     (with their ratio to the first run's)."""
     first = curves[0].reach(target)
-    lines = [
-        f"{metric} target {target:.4f}; seconds = training steps' time (no start-up, no evaluations)",
-        "",
-        f"| run | final {metric} | final step | final tokens | final seconds | step reaching target | "
-        "tokens to target | seconds to target | tokens vs first | seconds vs first |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    head = [f"final {metric}", "final step", "final tokens", "final seconds", "step reaching target"]
+    head += ["tokens to target", "seconds to target", "tokens vs first", "seconds vs first"]
+    rows = [["run", *head]]
     for c in curves:
         if c.final is None:
-            lines.append(f"| {c.name} | no {metric} logged | - | - | - | - | - | - | - | - |")
+            rows.append([c.name, f"no {metric} logged", *["-"] * 8])
             continue
         step, tokens, seconds, loss = c.final
         hit = c.reach(target)
-        if hit is None:
-            reached = "not reached | - | - | - | -"
-        else:
-
-            def ratio(i):
-                return f"{hit[i] / first[i]:.2f}x" if first is not None and first[i] else "-"
-
-            reached = f"{hit[0]} | {hit[1]:,} | {hit[2]:.1f} | {ratio(1)} | {ratio(2)}"
-        lines.append(f"| {c.name} | {loss:.4f} | {step} | {tokens:,} | {seconds:.1f} | {reached} |")
-    return "\n".join(lines)
+        ratios = [f"{hit[i] / first[i]:.2f}x" if hit and first and first[i] else "-" for i in (1, 2)]
+        reached = [hit[0], f"{hit[1]:,}", f"{hit[2]:.1f}", *ratios] if hit else ["not reached", "-", "-", "-", "-"]
+        rows.append([c.name, f"{loss:.4f}", step, f"{tokens:,}", f"{seconds:.1f}", *reached])
+    note = f"{metric} target {target:.4f}; seconds = training steps' time (no start-up, no evaluations)"
+    return "\n".join([note, "", *md_table(rows)])
 
 
 def compare_figure(curves: list[Curve], target: float, metric: str = "val_loss"):
     """Left: the loss against tokens; right: against training seconds; the target dashed."""
-    fig = new_figure(figsize=(13, 5))
-    by_tokens, by_seconds = fig.subplots(1, 2)
-    for c in curves:
-        if not c.points:
-            continue
+    name = metric.replace("_", " ")
+    panels = [(dict(xlabel=x, ylabel=name, title=f"{name} vs {x}"), [], []) for x in ("tokens", "training seconds")]
+    for c in (c for c in curves if c.points):
         _, tokens, seconds, losses = zip(*c.points)
-        by_tokens.plot(tokens, losses, marker=".", label=c.name)
-        by_seconds.plot(seconds, losses, marker=".", label=c.name)
-    for ax, xlabel in ((by_tokens, "tokens"), (by_seconds, "training seconds")):
-        ax.axhline(target, color="0.3", ls="--", lw=1, label=f"target {target:.4f}")
-        ax.set(xlabel=xlabel, ylabel=metric.replace("_", " "), title=f"{metric.replace('_', ' ')} vs {xlabel}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
+        for (_, lines, _), x in zip(panels, (tokens, seconds)):
+            lines.append((x, losses, c.name, dict(marker=".")))
+    for _, _, hlines in panels:
+        hlines.append((target, f"target {target:.4f}", dict(color="0.3", lw=1)))
+    return draw(panels, (13, 5))
 
 
 def compare_runs(

@@ -27,6 +27,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from gpt2lab.system.errors import DataError, disk_full, is_disk_full
+from gpt2lab.system.files import atomic_write, read_json_object
 from gpt2lab.system.runtime import cpu_name
 
 
@@ -52,14 +54,21 @@ class MetricsLogger:
         self._fh = self._tb = self._bar = self._wandb = None
         if not enabled:
             return
-        truncate_after(self.path, start_step)  # a resumed run rewrites the steps it repeats
+        kept = truncate_after(self.path, start_step)  # a resumed run rewrites the steps it repeats
         self._fh = open(self.path, "a")
         if tensorboard:
-            self._tb = _tensorboard_writer(os.path.join(run_dir, "tensorboard"))
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise SystemExit(
+                    "--tensorboard true needs the tensorboard package: pip install 'gpt2lab[tensorboard]'"
+                ) from e
+            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
         if wandb_project:
             from gpt2lab.observe.wandb_log import WandbLogger
 
-            self._wandb = WandbLogger(run_dir, wandb_project, wandb_run_name, config)
+            samples = [[r["step"], r["sample"]] for r in kept if isinstance(r.get("sample"), str)]
+            self._wandb = WandbLogger(run_dir, wandb_project, wandb_run_name, config, samples)
         if progress:
             from tqdm import tqdm
 
@@ -127,8 +136,6 @@ class MetricsLogger:
 
     def _if_full(self, e: OSError) -> None:
         """Where ``e`` is a full disk, raise a DiskFullError naming metrics.jsonl and what to do."""
-        from gpt2lab.system.errors import disk_full, is_disk_full
-
         if is_disk_full(e):
             raise disk_full(self.path, "free some space, then continue with --resume auto") from e
 
@@ -150,47 +157,54 @@ def format_other(r: dict) -> str:
     )
 
 
-def truncate_after(path: str, start_step: int, keep: Optional[Callable[[dict], bool]] = None) -> None:
-    """Keep only lines of steps < ``start_step`` (rewritten atomically); ``0`` empties the file.
-
-    ``keep(record)`` true keeps a later line too.
-
-    A line that is not JSON (the last one cut by a full disk or a kill) is dropped with a
-    warning naming the file, rather than blocking every later run in this directory.
-    """
-    if not os.path.exists(path):
-        return
-    kept, bad = [], []
-    with open(path, errors="replace") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                step = rec["step"]
-            except (ValueError, KeyError, TypeError):
-                bad.append(lineno)
-                continue
-            if step < start_step or (keep is not None and keep(rec)):
-                kept.append(line if line.endswith("\n") else line + "\n")
+def read_metrics(path: str, lenient: bool = False) -> list[dict]:
+    """Records of a metrics.jsonl. A missing file, or a line that is not a record (not UTF-8, not JSON, no
+    integer ``step``), is an error naming it, except an unfinished last line (a run killed mid-write), left
+    out with a warning. ``lenient``: a missing file holds none, and every bad line is left out with one
+    warning naming them (a run rewriting the file must not be blocked by what a full disk or a kill cut)."""
+    if not os.path.isfile(path):
+        if lenient:
+            return []
+        raise FileNotFoundError(f"{path}: no such file; is this a gpt2lab run directory?")
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    records, bad = [], []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        why = "each line must be a JSON object with an integer 'step'"
+        try:
+            rec = json.loads(line.decode("utf-8"))
+            why = None if isinstance(rec, dict) and isinstance(rec.get("step"), int) else why
+        except UnicodeDecodeError as e:
+            why = f"not UTF-8 text (byte {line[e.start]:#04x}); is this a gpt2lab metrics.jsonl? {why}"
+        except json.JSONDecodeError as e:
+            why = f"not valid JSON ({e.msg})"
+        if why is None:
+            records.append(rec)
+        elif lenient:
+            bad.append(lineno)
+        elif lineno == len(lines) and why.startswith("not valid JSON"):  # no newline after it: cut short
+            warnings.warn(f"{path}:{lineno}: unfinished last line left out")
+        else:
+            raise DataError(f"{path}:{lineno}: {why}")
     if bad:
         warnings.warn(
             f"{path}: dropped {len(bad)} unreadable line(s) (line {', '.join(map(str, bad[:5]))}), "
             "probably cut by a full disk or a killed run",
-            stacklevel=2,
+            stacklevel=3,
         )
-    from gpt2lab.system.files import atomic_write
+    return records
 
+
+def truncate_after(path: str, start_step: int, keep: Optional[Callable[[dict], bool]] = None) -> list[dict]:
+    """Keep only the records of steps < ``start_step`` (rewritten atomically; returned); ``0`` empties the
+    file. ``keep(record)`` true keeps a later one too. Lines that are not records (the last one cut by a
+    full disk or a kill) are dropped with a warning naming the file (``read_metrics``'s ``lenient``)."""
+    kept = [r for r in read_metrics(path, lenient=True) if r["step"] < start_step or (keep is not None and keep(r))]
     with atomic_write(path) as fh:
-        fh.writelines(kept)
-
-
-def _tensorboard_writer(log_dir: str):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as e:
-        raise SystemExit("--tensorboard true needs the tensorboard package: pip install 'gpt2lab[tensorboard]'") from e
-    return SummaryWriter(log_dir)
+        fh.writelines(json.dumps(r) + "\n" for r in kept)
+    return kept
 
 
 def run_info(device: torch.device, world_size: int, run_dir: Optional[str] = None) -> dict:
@@ -223,8 +237,6 @@ def segments(run_dir: str, command: list) -> list[dict]:
     """The run's starts so far, this one (``command``, now) last: {"command", "started", "ended"}, read from
     its run_info.json before this start replaces it. A start's end is its last record's time: the
     metrics.jsonl's modification time when the next one begins (the newest's: when it is read)."""
-    from gpt2lab.system.files import read_json_object
-
     before = (read_json_object(os.path.join(run_dir, "run_info.json")) or {}).get("segments")
     before = [dict(s) for s in before if isinstance(s, dict)] if isinstance(before, list) else []
     metrics = os.path.join(run_dir, "metrics.jsonl")

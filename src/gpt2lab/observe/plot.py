@@ -7,13 +7,15 @@ it is safe inside a training process and never needs a display.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from gpt2lab.model.config import SIZES
+from gpt2lab.observe.metrics import read_metrics
 from gpt2lab.system import formats, rundir
 from gpt2lab.system.errors import DataError, UsageError
 from gpt2lab.system.files import atomic_write, read_json_object
@@ -70,39 +72,6 @@ def is_fineweb_edu(source: Optional[str]) -> bool:
     directory named for it, as build-nanogpt's edu_fineweb10B): the corpus GPT-2's val loss baseline is on."""
     text = (source or "").lower().replace("_", "-")
     return "fineweb-edu" in text or "edu-fineweb" in text
-
-
-def read_metrics(path: str) -> list[dict]:
-    """Records of a metrics.jsonl; a bad line is an error naming it, except an unfinished
-    last line (a run killed mid-write), which is left out with a warning."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no such file; is this a gpt2lab run directory?")
-    with open(path, "rb") as f:
-        data = f.read()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        lineno = data.count(b"\n", 0, e.start) + 1
-        raise DataError(
-            f"{path}:{lineno}: not UTF-8 text (byte {data[e.start]:#04x}); is this a gpt2lab "
-            "metrics.jsonl? It holds one JSON object per line"
-        ) from None
-    lines = text.split("\n")
-    records = []
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            if lineno == len(lines) and not text.endswith("\n"):
-                warnings.warn(f"{path}:{lineno}: unfinished last line left out")
-                continue
-            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
-            raise DataError(f"{path}:{lineno}: each line must be a JSON object with an integer 'step'")
-        records.append(rec)
-    return records
 
 
 def detect_size(config: dict) -> Optional[str]:
@@ -178,41 +147,54 @@ def new_figure(**kwargs):
     return Figure(**kwargs)
 
 
-def build_figure(runs: list[Run]):
-    """Train and val loss (log y), with GPT-2 124M's val loss where a run trained on its corpus
-    (FineWeb-Edu); beside it, where a run has HellaSwag results, their acc_norm against OpenAI's."""
-    hellaswag = any(r.series.get("hellaswag_acc_norm") for r in runs)
-    fig = new_figure(figsize=(14, 5) if hellaswag else (8, 5))
-    ax_loss, ax_hs = fig.subplots(1, 2) if hellaswag else (fig.subplots(1, 1), None)
-    for run in runs:
-        for metric, style in (("train_loss", dict(alpha=0.6, lw=1)), ("val_loss", dict(lw=2))):
-            if run.series.get(metric):
-                steps, values = zip(*run.series[metric])
-                ax_loss.plot(steps, values, label=f"{run.name} {metric.replace('_', ' ')}", **style, **_points(values))
-        if ax_hs is not None and run.series.get("hellaswag_acc_norm"):
-            steps, values = zip(*run.series["hellaswag_acc_norm"])
-            ax_hs.plot(steps, values, marker=".", label=f"{run.name} acc_norm")
-    if any(is_fineweb_edu(r.data) for r in runs):
-        ax_loss.axhline(
-            GPT2_124M_VAL_LOSS,
-            color="r",
-            ls="--",
-            label=f"OpenAI GPT-2 (124M), FineWeb-Edu val shard: {GPT2_124M_VAL_LOSS}",
-        )
-    ax_loss.set_yscale("log")
-    ax_loss.set(xlabel="step", ylabel="loss", title="Loss")
-    if ax_hs is not None:
-        for size in sorted({r.size for r in runs if r.size}, key=lambda s: SIZE_BY_PARAMS[s]):
-            gpt2, gpt3 = HELLASWAG_BASELINES[size]
-            ax_hs.axhline(gpt2, color="r", ls="--", label=f"OpenAI GPT-2 ({size}) {gpt2}")
-            ax_hs.axhline(gpt3, color="g", ls="--", label=f"OpenAI GPT-3 ({size}) {gpt3}")
-        ax_hs.set(xlabel="step", ylabel="accuracy (acc_norm)", title="HellaSwag")
-    for ax in fig.axes:
+def draw(panels: list[tuple[dict, list, list]], figsize: tuple[float, float]):
+    """A figure of ``panels`` side by side, each (``Axes.set``'s settings, its curves as (x, y, label,
+    style), its dashed lines as (y, label, style)), with a legend where something is labelled and a grid."""
+    fig = new_figure(figsize=figsize)
+    for ax, (settings, curves, hlines) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
+        for x, y, label, style in curves:
+            ax.plot(x, y, label=label, **style)
+        for y, label, style in hlines:
+            ax.axhline(y, ls="--", label=label, **style)
+        ax.set(**settings)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+def build_figure(runs: list[Run]):
+    """Train and val loss (log y), with GPT-2 124M's val loss where a run trained on its corpus
+    (FineWeb-Edu); beside it, where a run has HellaSwag results, their acc_norm against OpenAI's."""
+    loss: tuple[dict, list, list] = (dict(xlabel="step", ylabel="loss", title="Loss", yscale="log"), [], [])
+    hellaswag: tuple[dict, list, list] = (dict(xlabel="step", ylabel="accuracy (acc_norm)", title="HellaSwag"), [], [])
+    for run in runs:
+        for metric, style in (("train_loss", dict(alpha=0.6, lw=1)), ("val_loss", dict(lw=2))):
+            if run.series.get(metric):
+                steps, values = zip(*run.series[metric])
+                loss[1].append((steps, values, f"{run.name} {metric.replace('_', ' ')}", {**style, **_points(values)}))
+        if run.series.get("hellaswag_acc_norm"):
+            steps, values = zip(*run.series["hellaswag_acc_norm"])
+            hellaswag[1].append((steps, values, f"{run.name} acc_norm", dict(marker=".")))
+    if any(is_fineweb_edu(r.data) for r in runs):
+        label = f"OpenAI GPT-2 (124M), FineWeb-Edu val shard: {GPT2_124M_VAL_LOSS}"
+        loss[2].append((GPT2_124M_VAL_LOSS, label, dict(color="r")))
+    for size in sorted({r.size for r in runs if r.size}, key=lambda s: SIZE_BY_PARAMS[s]):
+        gpt2, gpt3 = HELLASWAG_BASELINES[size]
+        hellaswag[2].append((gpt2, f"OpenAI GPT-2 ({size}) {gpt2}", dict(color="r")))
+        hellaswag[2].append((gpt3, f"OpenAI GPT-3 ({size}) {gpt3}", dict(color="g")))
+    return draw([loss, hellaswag], (14, 5)) if hellaswag[1] else draw([loss], (8, 5))
+
+
+def md_table(rows: list[list], cell: Callable[[Any], str] = str) -> list[str]:
+    """The lines of a Markdown table of ``rows`` (the first: the header), each value written by ``cell``."""
+
+    def text(v: Any) -> str:
+        return cell(v).replace("|", "\\|").replace("\n", "<br>")
+
+    head, *body = rows
+    return ["| " + " | ".join(map(text, row)) + " |" for row in (head, ["---"] * len(head), *body)]
 
 
 def summary_table(runs: list[Run]) -> str:
@@ -224,14 +206,18 @@ def summary_table(runs: list[Run]) -> str:
         step, value = pick(series, key=lambda sv: sv[1])
         return f"{value:.4f} (step {step})"
 
-    lines = ["| run | size | last step | best val loss | best HellaSwag acc_norm |", "| --- | --- | --- | --- | --- |"]
-    for r in runs:
-        last = max((s for series in r.series.values() for s, _ in series), default="-")
-        lines.append(
-            f"| {r.name} | {r.size or '-'} | {last} | {best(r.series.get('val_loss'), min)} | "
-            f"{best(r.series.get('hellaswag_acc_norm'), max)} |"
-        )
-    return "\n".join(lines)
+    head = ["run", "size", "last step", "best val loss", "best HellaSwag acc_norm"]
+    rows = [
+        [
+            r.name,
+            r.size or "-",
+            max((s for series in r.series.values() for s, _ in series), default="-"),
+            best(r.series.get("val_loss"), min),
+            best(r.series.get("hellaswag_acc_norm"), max),
+        ]
+        for r in runs
+    ]
+    return "\n".join(md_table([head, *rows]))
 
 
 def plot_runs(run_dirs: list[str], out_png: str, summary: bool = False) -> Optional[str]:
@@ -242,13 +228,20 @@ def plot_runs(run_dirs: list[str], out_png: str, summary: bool = False) -> Optio
     return summary_table(runs) if summary else None
 
 
+def png(fig, dpi: int = 100) -> bytes:
+    """A matplotlib figure as PNG bytes with gpt2lab's mark (system/rundir.py)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, metadata=rundir.PNG_MARK)
+    return buf.getvalue()
+
+
 def save_png(fig, out_png: str, flag: str = "--out") -> None:
     """A matplotlib figure as a PNG at ``out_png``, atomically, with gpt2lab's mark; a file there that
     gpt2lab did not write is refused (system/rundir.py's rule) and stays untouched."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
     rundir.check(out_png, rundir.FILE, flag, "pick another path")
-    FigureCanvasAgg(fig)
     os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
     with atomic_write(out_png, "wb") as fh:
-        fig.savefig(fh, format="png", dpi=100, metadata=rundir.PNG_MARK)
+        fh.write(png(fig))

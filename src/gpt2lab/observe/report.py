@@ -2,7 +2,7 @@
 
 Reads only what a run dir holds: ``config.json`` (nested, of this format version:
 plot.read_run_config), ``run_info.json`` (rendered key by key,
-so keys added later show up by themselves), ``metrics.jsonl`` (through plot.read_metrics,
+so keys added later show up by themselves), ``metrics.jsonl`` (through metrics.read_metrics,
 which leaves out a cut last line) and ``checkpoints/``. Works on a finished, a running
 and a crashed run, and says which.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import json
 import os
 import shlex
@@ -48,18 +47,13 @@ class Report:
 
 def _checkpoints(run_dir: str) -> list[tuple[int, str, int]]:
     """(step, path, bytes) of each complete checkpoint, oldest first."""
-    from gpt2lab.checkpoint.store import list_checkpoints
+    from gpt2lab.checkpoint.store import list_checkpoints, step_of
 
-    out = []
-    for path in list_checkpoints(run_dir):
-        size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
-        out.append((int(os.path.basename(path).split("_")[1]), path, size))
-    return out
+    size = lambda path: sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))  # noqa: E731
+    return [(step_of(path), path, size(path)) for path in list_checkpoints(run_dir)]
 
 
-def run_status(
-    run_dir: str, config: dict, records: list[dict], cut: bool, ckpts: list, now: float, info: Optional[dict] = None
-) -> str:
+def run_status(run_dir: str, config: dict, records: list[dict], cut: bool, ckpts: list, now: float, info: dict) -> str:
     max_steps = config_value(config, "max_steps")
     steps = [r["step"] for r in records if "train_loss" in r or any(k in r for k in EVENT_KEYS)]
     last = max(steps) if steps else None
@@ -76,21 +70,14 @@ def run_status(
         return f"running: at {where} (lock held by pid {who.get('pid')})"
     if not os.path.exists(os.path.join(run_dir, rundir.LOCK_FILE)) and age < window:  # a run of a version
         return f"running: at {where} (last record {age:.0f} s ago)"  # that kept no lock
-    resume = continue_command(info or {})
+    resume = continue_command(info)
+    hint = f"{resume} continues from step {ckpt_steps[-1]}" if ckpt_steps else "no checkpoint was saved: start again"
     if cut:
-        return f"crashed: metrics.jsonl ends in a cut line (killed mid-write) at {where}; " + _resume_hint(
-            ckpt_steps, resume
-        )
+        return f"crashed: metrics.jsonl ends in a cut line (killed mid-write) at {where}; {hint}"
     if last is not None and ckpt_steps and ckpt_steps[-1] == last + 1:
         return f"stopped at {where} with a checkpoint there; continue with {resume}"
     ago = f"{age:.0f} s" if age < 120 else f"{age / 60:.0f} min"
-    return f"crashed or killed at {where} (last record {ago} ago); " + _resume_hint(ckpt_steps, resume)
-
-
-def _resume_hint(ckpt_steps: list[int], resume: str) -> str:
-    if not ckpt_steps:
-        return "no checkpoint was saved: start again"
-    return f"{resume} continues from step {ckpt_steps[-1]}"
+    return f"crashed or killed at {where} (last record {ago} ago); {hint}"
 
 
 def continue_command(info: dict) -> str:
@@ -161,14 +148,8 @@ def _speed(records: list[dict], config: dict, run_dir: str, info: dict) -> list[
         [f"ms/step (median of last {len(recent)})", f"{statistics.median(r['dt_ms'] for r in recent):,.1f}"],
     ]
     mfus = [r["mfu"] for r in recent if isinstance(r.get("mfu"), (int, float))]
-    rows.append(
-        [
-            "MFU (median of last steps)",
-            f"{100 * statistics.median(mfus):.1f}%"
-            if mfus
-            else "n/a (no peak FLOP/s known for this device; see --peak-flops)",
-        ]
-    )
+    no_peak = "n/a (no peak FLOP/s known for this device; see --peak-flops)"
+    rows.append(["MFU (median of last steps)", f"{100 * statistics.median(mfus):.1f}%" if mfus else no_peak])
     last = os.path.join(run_dir, "metrics.jsonl")
     starts = _segments(info)
     if starts and os.path.exists(last):  # the newest start ends at its last record
@@ -185,11 +166,8 @@ def _speed(records: list[dict], config: dict, run_dir: str, info: dict) -> list[
 def _segments(info: dict) -> list[dict]:
     """run_info.json's starts of the run (observe/metrics.segments), each with a start time."""
     found = info.get("segments")
-    return (
-        [s for s in found if isinstance(s, dict) and isinstance(s.get("started"), (int, float))]
-        if isinstance(found, list)
-        else []
-    )
+    found = found if isinstance(found, list) else []
+    return [s for s in found if isinstance(s, dict) and isinstance(s.get("started"), (int, float))]
 
 
 def _last(records: list[dict], key: str) -> Optional[tuple[int, float]]:
@@ -226,8 +204,9 @@ def _results(records: list[dict], size: Optional[str], fineweb_edu: bool) -> Sec
     return Section("Final metrics against OpenAI's models", text=scale, table=[head, *rows])
 
 
-# run_info.json keys the report shows elsewhere: the plan's config is config.json's (its own section)
-_SHOWN_ELSEWHERE = ("plan.config",)
+# run_info.json keys the report shows elsewhere: the plan's config is config.json's (its own section),
+# the commands and the starts' times are "What was run" and the wall clock
+_SHOWN_ELSEWHERE = ("plan.config", "command", "segments")
 
 
 def _facts(info: dict) -> list[list[Any]]:
@@ -236,28 +215,21 @@ def _facts(info: dict) -> list[list[Any]]:
     Facts are named by their last key, ``value`` by its owner and ``reason`` as ``OWNER_reason``."""
     rows, seen = [], set()
     for key, value in _flatten(info):
-        if any(key == k or key.startswith(k + ".") for k in _SHOWN_ELSEWHERE):
+        if any(f"{key}.".startswith(f"{k}.") for k in _SHOWN_ELSEWHERE):
             continue
-        parts = key.split(".")
-        name = parts[-1]
-        if name in ("value", "reason") and len(parts) > 1:
-            name = parts[-2] if name == "value" else f"{parts[-2]}_reason"
+        *owner, name = key.split(".")
+        if owner and name in ("value", "reason"):
+            name = owner[-1] if name == "value" else f"{owner[-1]}_reason"
         fact = (name, json.dumps(value, sort_keys=True, default=str))
-        if fact in seen:
-            continue
-        seen.add(fact)
-        rows.append([key, value])
+        if fact not in seen:
+            seen.add(fact)
+            rows.append([key, value])
     return rows
 
 
-def _figure_png(run: plot.Run) -> bytes:
-    fig = plot.build_figure([run])
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    FigureCanvasAgg(fig)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90, metadata=rundir.PNG_MARK)
-    return buf.getvalue()
+def _listed(title: str, head: list[str], rows: list[list[Any]], empty: str) -> Section:
+    """A section of a table of ``rows``, or of the text ``empty`` where there are none."""
+    return Section(title, table=[head, *rows], text="") if rows else Section(title, text=empty)
 
 
 def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True) -> Report:
@@ -299,36 +271,29 @@ def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True)
         _results(records, size, fineweb_edu),
         Section(
             "Curves",
-            image_png=_figure_png(run) if records and curves else None,
+            image_png=plot.png(plot.build_figure([run]), dpi=90) if records and curves else None,
             text="" if records else "No metrics logged yet.",
         ),
-        Section(
-            "Samples",
-            table=[["step", "sample"], *samples] if samples else None,
-            text="" if samples else "No samples logged (train with --sample-interval N).",
-        ),
-        Section(
+        _listed("Samples", ["step", "sample"], samples, "No samples logged (train with --sample-interval N)."),
+        _listed(
             "Skipped and spike steps",
-            table=[["step", "event"], *[[r["step"], _event_text(r)] for r in events]] if events else None,
-            text="" if events else "None: every step was applied.",
+            ["step", "event"],
+            [[r["step"], _event_text(r)] for r in events],
+            "None: every step was applied.",
         ),
-        Section(
+        _listed(
             "Checkpoints",
-            table=[["step", "path", "size"], *[[s, p, f"{b / 2**20:,.1f} MiB"] for s, p, b in ckpts]]
-            if ckpts
-            else None,
-            text="" if ckpts else "No checkpoint saved yet.",
+            ["step", "path", "size"],
+            [[s, p, f"{b / 2**20:,.1f} MiB"] for s, p, b in ckpts],
+            "No checkpoint saved yet.",
         ),
-        Section(
+        _listed(
             "Environment and automatic choices (run_info.json)",
-            table=[["key", "value"], *_facts(info)] if info else None,
-            text="" if info else "run_info.json is missing.",
+            ["key", "value"],
+            _facts(info),
+            "run_info.json is missing." if not info else "",
         ),
-        Section(
-            "Config (config.json)",
-            table=[["field", "value"], *_flatten(config)] if config else None,
-            text="" if config else "config.json is missing.",
-        ),
+        _listed("Config (config.json)", ["field", "value"], _flatten(config), "config.json is missing."),
     ]
     return rep
 
@@ -347,51 +312,58 @@ vertical-align:top}th{background:#f3f3f3}td{white-space:pre-wrap}img{max-width:1
 
 
 def _cell(v: Any) -> str:
-    return "none" if v is None else json.dumps(v) if isinstance(v, (list, bool)) else str(v)
+    if isinstance(v, list):
+        return ", ".join(map(_cell, v)) or "none"
+    return "none" if v is None else json.dumps(v) if isinstance(v, bool) else str(v)
+
+
+def _walk(rep: Report, heading, text, image, table) -> list[str]:
+    """The lines of each section as one renderer writes its title, text, image and table."""
+    lines = []
+    for s in rep.sections:
+        lines += heading(s.title)
+        lines += text(s.text) if s.text else []
+        lines += image(s) if s.image_png else []
+        lines += table(s.table) if s.table else []
+    return lines
 
 
 def to_html(rep: Report) -> str:
-    kind = rep.status.split(":")[0].split()[0]
-    parts = [
-        f"<!doctype html>{rundir.TEXT_MARK}<html lang='en'><head><meta charset='utf-8'>"
-        f"<title>{html.escape(rep.title)}</title><style>{_CSS}</style></head><body><h1>{html.escape(rep.title)}</h1>",
-        f"<p class='status {html.escape(kind)}' id='status'>{html.escape(rep.status)}</p>",
-    ]
-    for s in rep.sections:
-        parts.append(f"<h2>{html.escape(s.title)}</h2>")
-        if s.text:
-            parts.append(f"<p>{html.escape(s.text)}</p>")
-        if s.image_png:
-            data = base64.b64encode(s.image_png).decode("ascii")
-            parts.append(f"<img alt='{html.escape(s.title)}' src='data:image/png;base64,{data}'>")
-        if s.table:
-            head, *rows = s.table
-            parts.append("<table><tr>" + "".join(f"<th>{html.escape(_cell(h))}</th>" for h in head) + "</tr>")
-            parts += ["<tr>" + "".join(f"<td>{html.escape(_cell(c))}</td>" for c in row) + "</tr>" for row in rows]
-            parts.append("</table>")
-    parts.append("</body></html>\n")
-    return "\n".join(parts)
+    esc, kind = html.escape, rep.status.split(":")[0].split()[0]
 
+    def row(cells: list, tag: str) -> str:
+        return "<tr>" + "".join(f"<{tag}>{esc(_cell(c))}</{tag}>" for c in cells) + "</tr>"
 
-def _md_cell(v: Any) -> str:
-    return _cell(v).replace("|", "\\|").replace("\n", "<br>")
+    def image(s: Section) -> list[str]:
+        return [f"<img alt='{esc(s.title)}' src='data:image/png;base64,{base64.b64encode(s.image_png).decode()}'>"]
+
+    body = _walk(
+        rep,
+        heading=lambda title: [f"<h2>{esc(title)}</h2>"],
+        text=lambda text: [f"<p>{esc(text)}</p>"],
+        image=image,
+        table=lambda t: ["<table>" + row(t[0], "th"), *[row(r, "td") for r in t[1:]], "</table>"],
+    )
+    return "\n".join(
+        [
+            f"<!doctype html>{rundir.TEXT_MARK}<html lang='en'><head><meta charset='utf-8'>"
+            f"<title>{esc(rep.title)}</title><style>{_CSS}</style></head><body><h1>{esc(rep.title)}</h1>",
+            f"<p class='status {esc(kind)}' id='status'>{esc(rep.status)}</p>",
+            *body,
+            "</body></html>\n",
+        ]
+    )
 
 
 def to_markdown(rep: Report, image_name: Optional[str]) -> str:
-    lines = [rundir.TEXT_MARK, f"# {rep.title}", "", f"**Status:** {rep.status}", ""]
-    for s in rep.sections:
-        lines += [f"## {s.title}", ""]
-        if s.text:
-            lines += [s.text, ""]
-        if s.image_png and image_name:
-            lines += [f"![{s.title}]({image_name})", ""]
-        if s.table:
-            head, *rows = s.table
-            lines.append("| " + " | ".join(_md_cell(h) for h in head) + " |")
-            lines.append("|" + " --- |" * len(head))
-            lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
-            lines.append("")
-    return "\n".join(lines)
+    body = _walk(
+        rep,
+        heading=lambda title: [f"## {title}", ""],
+        text=lambda text: [text, ""],
+        image=lambda s: [f"![{s.title}]({image_name})", ""] if image_name else [],
+        table=lambda t: [*plot.md_table(t, _cell), ""],
+    )
+    return "\n".join([rundir.TEXT_MARK, f"# {rep.title}", "", f"**Status:** {rep.status}", "", *body])
 
 
 def write_report(run_dir: str, out_html: Optional[str] = None) -> tuple[str, str, Report]:

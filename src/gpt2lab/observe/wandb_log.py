@@ -10,10 +10,10 @@ on with local logging only.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import sys
+from pathlib import Path
 from typing import Any, Optional
 
 from gpt2lab.system.files import atomic_write
@@ -31,35 +31,18 @@ def _say(message: str) -> None:
 
 def _run_id(run_dir: str) -> str:
     """The id this run dir's W&B run has had, or a new one (W&B accepts [a-z0-9])."""
-    path = os.path.join(run_dir, ID_FILE)
-    if os.path.isfile(path):
-        with open(path) as fh:
-            found = fh.read().strip()
-        if found:
-            return found
-    return secrets.token_hex(6)
-
-
-def _earlier_samples(path: str) -> list[list]:
-    """[step, text] of the samples already in metrics.jsonl (kept by a resume)."""
-    rows = []
-    if os.path.isfile(path):
-        with open(path) as fh:
-            for line in fh:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:  # a cut last line: not a sample anyone saw
-                    continue
-                if isinstance(rec, dict) and isinstance(rec.get("sample"), str):
-                    rows.append([rec["step"], rec["sample"]])
-    return rows
+    path = Path(run_dir, ID_FILE)
+    return (path.read_text().strip() if path.is_file() else "") or secrets.token_hex(6)
 
 
 class WandbLogger:
-    """Mirrors each metrics record to W&B; ``run`` is None when W&B could not start."""
+    """Mirrors each metrics record to W&B; ``run`` is None when W&B could not start. ``samples``: the
+    [step, text] rows of the samples metrics.jsonl already holds (a resumed run's table goes on)."""
 
-    def __init__(self, run_dir: str, project: str, name: Optional[str], config: Optional[dict]) -> None:
-        self.run, self.samples = None, []
+    def __init__(
+        self, run_dir: str, project: str, name: Optional[str], config: Optional[dict], samples: list[list]
+    ) -> None:
+        self.run, self.samples = None, samples
         try:
             import wandb
         except ImportError:
@@ -83,7 +66,6 @@ class WandbLogger:
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
         self._table = wandb.Table
-        self.samples = _earlier_samples(os.path.join(run_dir, "metrics.jsonl"))  # a resumed run's table goes on
 
     def log(self, record: dict[str, Any]) -> None:
         if self.run is None:
