@@ -20,11 +20,11 @@ import io
 import json
 import pstats
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
+from gpt2lab.benchmarks import timed
 from gpt2lab.inference import kernels
 from gpt2lab.inference.choice import Candidate
 from gpt2lab.inference.form import hold
@@ -41,23 +41,23 @@ def emit(**kw) -> None:
     print(json.dumps(kw), flush=True)
 
 
-@torch.inference_mode()
-def step_ms(model: GPT, steps: int) -> dict:
-    """Median and best of two timed loops of ``steps`` one-row steps after a 16-token prefill (ms a step);
-    the caching allocator's cudaMalloc count over the loops."""
-    cache = model.new_kv_cache(PROMPT + 3 * steps + 1)
+def primed(model: GPT, length: int):
+    """A one-row decode step of ``model`` after a 16-token prompt and a first step, in a cache of ``length``."""
+    cache = model.new_kv_cache(length)
     model(torch.randint(0, 50257, (1, PROMPT), device=DEV), kv_cache=cache)
     tok = torch.randint(0, 50257, (1, 1), device=DEV)
     model(tok, kv_cache=cache, last_only=True)
     runtime.sync(DEV)
+    return lambda: model(tok, kv_cache=cache, last_only=True)
+
+
+@torch.inference_mode()
+def step_ms(model: GPT, steps: int) -> dict:
+    """Median and best of two timed loops of ``steps`` one-row steps after a 16-token prefill (ms a step);
+    the caching allocator's cudaMalloc count over the loops."""
+    step = primed(model, PROMPT + 3 * steps + 1)
     allocs = (torch.cuda.memory_stats() if DEV.type == "cuda" else {}).get("num_device_alloc", 0)
-    out = []
-    for _ in range(2):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            model(tok, kv_cache=cache, last_only=True)
-        runtime.sync(DEV)
-        out.append(1e3 * (time.perf_counter() - t0) / steps)
+    out = [1e3 * timed(lambda: [step() for _ in range(steps)], DEV)[0] / steps for _ in range(2)]
     return {
         "ms": [round(x, 3) for x in out],
         "device_allocs": (torch.cuda.memory_stats() if DEV.type == "cuda" else {}).get("num_device_alloc", 0) - allocs,
@@ -76,18 +76,14 @@ def pointers(model: GPT) -> dict:
 
 
 def profile(model: GPT, label: str) -> None:
-    cache = model.new_kv_cache(64)
     with torch.inference_mode():
-        model(torch.randint(0, 50257, (1, PROMPT), device=DEV), kv_cache=cache)
-        tok = torch.randint(0, 50257, (1, 1), device=DEV)
-        model(tok, kv_cache=cache, last_only=True)
-        runtime.sync(DEV)
+        step = primed(model, 64)
         acts = [torch.profiler.ProfilerActivity.CPU] + (
             [torch.profiler.ProfilerActivity.CUDA] if DEV.type == "cuda" else []
         )
         with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
             for _ in range(5):
-                model(tok, kv_cache=cache, last_only=True)
+                step()
             runtime.sync(DEV)
         print(f"== {label}: torch.profiler, 5 steps, by self CPU time", file=sys.stderr)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22), file=sys.stderr)
@@ -96,12 +92,10 @@ def profile(model: GPT, label: str) -> None:
             prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=12),
             file=sys.stderr,
         )
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(3):
-            model(tok, kv_cache=cache, last_only=True)
-        runtime.sync(DEV)
-        pr.disable()
+        with cProfile.Profile() as pr:
+            for _ in range(3):
+                step()
+            runtime.sync(DEV)
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(18)
     print(f"== {label}: cProfile, 3 steps, by own time\n{s.getvalue()}", file=sys.stderr, flush=True)

@@ -18,7 +18,7 @@ import os
 import torch
 from torch.nn import functional as F
 
-from gpt2lab.benchmarks import timed
+from gpt2lab.benchmarks import rounds
 from gpt2lab.data.tokenizer import for_model
 from gpt2lab.distributed.dist import autocast
 from gpt2lab.evals.hellaswag import DEFAULT_BATCH_SIZE, load_examples, render_example, resolve_strategy, score_examples
@@ -125,14 +125,18 @@ def run(args: argparse.Namespace) -> dict:
     for fn in methods.values():  # warm-up: one-time allocations and thread pools
         fn(examples[:2])
     counter = MatmulFlops(model)
-    load_before = os.getloadavg()
-    times, preds, flops = {k: [] for k in methods}, {}, {}
-    for _ in range(args.repeats):
-        for name, fn in methods.items():
+
+    def counted(fn):  # (predictions, matmul FLOPs) of one whole run
+        def run():
             counter.flops = 0
-            dt, preds[name] = timed(lambda: fn(examples), device)
-            times[name].append(round(dt, 2))
-            flops[name] = counter.flops
+            return fn(examples), counter.flops
+
+        return run
+
+    load_before = os.getloadavg()
+    times, last = rounds({name: counted(fn) for name, fn in methods.items()}, args.repeats, device)
+    times = {k: [round(t, 2) for t in v] for k, v in times.items()}
+    preds, flops = ({name: got[i] for name, got in last.items()} for i in (0, 1))
     n = len(examples)
     result = {
         "bench": "hellaswag",

@@ -28,7 +28,7 @@ import statistics
 
 import torch
 
-from gpt2lab.benchmarks import timed
+from gpt2lab.benchmarks import rounds, timed
 from gpt2lab.benchmarks.train import ReferenceGPT, loss_of_step, recipe_step
 from gpt2lab.distributed.dist import pick_device
 from gpt2lab.model.config import SIZES as GPT2_SIZES
@@ -38,6 +38,7 @@ from gpt2lab.train.optim import make_optimizer
 RUNGS = ("fp32", "tf32", "bf16", "compile", "flash", "vocab50304", "fused_adamw")
 EXTRA = ("gpt2lab", "hf")
 DIAGNOSTIC = ("model_chunked", "model_ce")
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd")
 SHAPES = {**{s.label: (s.n_layer, s.n_head, s.n_embd) for s in GPT2_SIZES[:2]}, "tiny": (2, 2, 64)}
 
 
@@ -60,14 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def settings(rung: str) -> dict:
     """What is switched on at ``rung`` (each rung keeps everything before it; gpt2lab and hf: all)."""
     on = RUNGS[: RUNGS.index(rung) + 1] if rung in RUNGS else RUNGS
-    return {
-        "tf32": "tf32" in on,
-        "bf16": "bf16" in on,
-        "compile": "compile" in on,
-        "flash": "flash" in on,
-        "vocab": 50304 if "vocab50304" in on else 50257,
-        "fused": "fused_adamw" in on,
-    }
+    switches = {k: k in on for k in ("tf32", "bf16", "compile", "flash")}
+    return {**switches, "vocab": 50304 if "vocab50304" in on else 50257, "fused": "fused_adamw" in on}
 
 
 def matmul_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
@@ -90,18 +85,14 @@ def _time_steps(step, device: torch.device, steps: int, warmup: int) -> tuple[fl
     """Median ms per step and the last loss."""
     for _ in range(warmup):
         step()
-    times, loss = [], float("nan")
-    for _ in range(steps):
-        seconds, loss = timed(step, device)
-        times.append(1000 * seconds)
-    return statistics.median(times), float(loss)
+    times, last = rounds({"step": step}, steps, device)
+    return 1000 * statistics.median(times["step"]), float(last.get("step", "nan"))
 
 
 def _reference_step(rung: str, shape, B: int, T: int, device: torch.device):
     s = settings(rung)
-    n_layer, n_head, n_embd = shape
     torch.manual_seed(0)
-    model = ReferenceGPT(s["vocab"], T, n_layer, n_head, n_embd, flash=s["flash"]).to(device)
+    model = ReferenceGPT(s["vocab"], T, *shape, flash=s["flash"]).to(device)
     opt = _adamw(model, s["fused"], device)
     fwd = torch.compile(model) if s["compile"] else model
     x = torch.randint(0, 50257, (B, T), device=device)
@@ -112,19 +103,11 @@ def _reference_step(rung: str, shape, B: int, T: int, device: torch.device):
 def _hf_step(shape, B: int, T: int, device: torch.device):
     import transformers
 
-    n_layer, n_head, n_embd = shape
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
+    no_dropout = dict.fromkeys(("resid_pdrop", "embd_pdrop", "attn_pdrop"), 0.0)
     cfg = transformers.GPT2Config(
-        n_layer=n_layer,
-        n_head=n_head,
-        n_embd=n_embd,
-        n_positions=T,
-        vocab_size=50304,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
+        **dict(zip(SHAPE_KEYS, shape)), n_positions=T, vocab_size=50304, use_cache=False, **no_dropout
     )
     model = transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa").to(device).train()
     opt = _adamw(model, True, device)
@@ -138,23 +121,9 @@ def _gpt2lab_step(shape, B: int, T: int, device: torch.device, data: str):
     from gpt2lab.train.settings import load_preset
     from gpt2lab.train.trainer import Trainer
 
-    n_layer, n_head, n_embd = shape
-    cfg = load_preset(
-        "gpt2-124m",
-        data=data,
-        n_layer=n_layer,
-        n_head=n_head,
-        n_embd=n_embd,
-        block_size=T,
-        seq_len=T,
-        micro_batch_size=B,
-        total_batch_tokens=B * T,
-        device=str(device),
-        compile=True,
-        dtype="bfloat16",
-        hellaswag_interval=0,
-        progress=False,
-    )
+    batch = dict(block_size=T, seq_len=T, micro_batch_size=B, total_batch_tokens=B * T)
+    how = dict(device=str(device), compile=True, dtype="bfloat16", hellaswag_interval=0, progress=False)
+    cfg = load_preset("gpt2-124m", data=data, **dict(zip(SHAPE_KEYS, shape)), **batch, **how)
     trainer = Trainer.from_config(cfg, DistInfo(device=device))
     return loss_of_step(trainer), trainer.raw
 
@@ -163,11 +132,9 @@ def _model_step(shape, B: int, T: int, device: torch.device, chunked: bool):
     from gpt2lab.model.gpt import GPT, GPTConfig
     from gpt2lab.model.loss import LossPath
 
-    n_layer, n_head, n_embd = shape
     torch.manual_seed(0)
-    model = GPT(
-        GPTConfig(block_size=T, vocab_size=50304, n_layer=n_layer, n_head=n_head, n_embd=n_embd, token_vocab_size=50257)
-    ).to(device)
+    model = GPT(GPTConfig(block_size=T, vocab_size=50304, token_vocab_size=50257, **dict(zip(SHAPE_KEYS, shape))))
+    model.to(device)
     model.set_loss(LossPath(chunked=True, compiled=True))
     opt = _adamw(model, True, device)
     fwd = torch.compile(model)
@@ -231,27 +198,23 @@ def run(args: argparse.Namespace) -> dict:
             ms = None
         if ms is None:  # outside the except: its traceback no longer holds the rung's tensors
             rec = {"rung": rung, **s, "oom": True}
-            print(json.dumps(rec), flush=True)
-            out["rungs"].append(rec)
-            del step, model
-            _free()
-            continue
-        n = sum(p.numel() for p in model.parameters()) - T * shape[2]  # without wpe, tied counted once
-        fpt = 6 * n + 12 * shape[0] * shape[2] * T
-        tok_s = B * T / (ms / 1000)
-        rec = {
-            "rung": rung,
-            **s,
-            "ms_per_step": round(ms, 2),
-            "tok_per_s": round(tok_s),
-            "loss": round(loss, 4),
-            "flops_per_token": fpt,
-            "mfu_datasheet": round(fpt * tok_s / peak, 4) if peak else None,
-            "mfu_measured_matmul": round(fpt * tok_s / (measured * 1e12), 4),
-            "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-            if device.type == "cuda"
-            else None,
-        }
+        else:
+            n = sum(p.numel() for p in model.parameters()) - T * shape[2]  # without wpe, tied counted once
+            fpt = 6 * n + 12 * shape[0] * shape[2] * T
+            tok_s = B * T / (ms / 1000)
+            rec = {
+                "rung": rung,
+                **s,
+                "ms_per_step": round(ms, 2),
+                "tok_per_s": round(tok_s),
+                "loss": round(loss, 4),
+                "flops_per_token": fpt,
+                "mfu_datasheet": round(fpt * tok_s / peak, 4) if peak else None,
+                "mfu_measured_matmul": round(fpt * tok_s / (measured * 1e12), 4),
+                "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+                if device.type == "cuda"
+                else None,
+            }
         print(json.dumps(rec), flush=True)
         out["rungs"].append(rec)
         del step, model  # free this rung's model, optimizer and compiled graphs before the next

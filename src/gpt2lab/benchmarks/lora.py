@@ -11,10 +11,10 @@ process's peak RSS is reported too (run one ``--mode`` per process for that figu
 from __future__ import annotations
 
 import argparse
-import resource
 
 import torch
 
+from gpt2lab.benchmarks import peak_rss_bytes
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.train.optim import make_optimizer
 
@@ -63,7 +63,7 @@ def count_state(args: argparse.Namespace, lora: bool) -> dict:
         "adamw_state_gib": state / GIB,
     }
     if device.type == "cpu":
-        out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+        out["peak_rss_gib"] = peak_rss_bytes() / GIB
     return out
 
 

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import tempfile
 from typing import Optional
 
 import torch
 
-from gpt2lab.benchmarks import timed
+from gpt2lab.benchmarks import peak_rss_bytes, timed
 from gpt2lab.benchmarks.loader import synthetic_shards
 from gpt2lab.distributed.dist import DistInfo, cleanup, from_every_rank, init_distributed, pick_device
 from gpt2lab.model.config import PRESET_ALIASES, PRESETS
@@ -272,9 +271,7 @@ def _rss_bytes() -> int:
 
 
 def _peak_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()
 
 
 def search(args: argparse.Namespace) -> dict:

@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import math
 import multiprocessing as mp
 import statistics
 import tempfile
-import time
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from gpt2lab.benchmarks import timed
 from gpt2lab.distributed.dist import DistInfo, autocast, pick_device
 from gpt2lab.train.config import merge_config
 from gpt2lab.train.optim import make_optimizer
@@ -104,10 +105,8 @@ def run(args: argparse.Namespace) -> dict:
         finally:
             for _, proc, conn in sides:
                 if proc.is_alive():
-                    try:
+                    with contextlib.suppress(OSError):
                         conn.send(None)
-                    except OSError:
-                        pass
                     proc.join(timeout=30)
                 if proc.is_alive():
                     proc.kill()
@@ -218,15 +217,10 @@ def _worker(conn, name: str, cfg, device: str, opts: dict) -> None:
             fn()
         conn.send(info)
         while (steps := conn.recv()) is not None:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                loss = fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            ms = 1000 * (time.perf_counter() - t0) / steps
-            if not math.isfinite(float(loss)):
-                raise RuntimeError(f"{name}: non-finite loss {loss} while benchmarking")
-            conn.send(ms)
+            seconds, losses = timed(lambda: [fn() for _ in range(steps)], device)
+            if not math.isfinite(float(losses[-1])):
+                raise RuntimeError(f"{name}: non-finite loss {losses[-1]} while benchmarking")
+            conn.send(1000 * seconds / steps)
     except BaseException as e:  # reported to the parent, which raises it
         conn.send(RuntimeError(f"{type(e).__name__}: {e}"))
         raise
@@ -311,16 +305,8 @@ def reference_step(cfg, device: torch.device, next_batch, compile: bool, dtype: 
     """The recipe's model and step on ``next_batch``'s batches: AdamW (fused on CUDA only) at max_lr."""
     m, o = cfg.model, cfg.optim
     model = ReferenceGPT(m.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd).to(device)
-    betas = (o.beta1, o.beta2)
-    opt = make_optimizer(
-        model,
-        lr=o.max_lr,
-        weight_decay=o.weight_decay,
-        betas=betas,
-        eps=o.eps,
-        device=device,
-        fused=device.type == "cuda",
-    )
+    adamw = dict(lr=o.max_lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps)
+    opt = make_optimizer(model, **adamw, device=device, fused=device.type == "cuda")
     fwd = torch.compile(model) if compile else model
 
     def loss() -> torch.Tensor:
