@@ -53,12 +53,16 @@ def shape_config(args):
     return GPTConfig(**shape, vocab_size=getattr(args, "vocab_size", 50257))
 
 
-def machine(device, args=None) -> dict:
-    """What every figure is read beside: the device, torch, its threads (and the shape asked, if any)."""
+def machine(device, args=None, decision=None) -> dict:
+    """What every figure is read beside: the device, torch, its threads; the shape asked, if any; the
+    inference flags asked and their decision (inference/choice.py), if any."""
     out = {"device": str(device), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
     if args is not None:
         shape = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd")}
         out["config"] = {**shape, "vocab_size": getattr(args, "vocab_size", 50257)}
+    if decision is not None:
+        out["asked"] = {"dtype": args.dtype, "quantize": args.quantize, "cpu_linear": args.cpu_linear}
+        out["inference"] = decision.record()
     return out
 
 

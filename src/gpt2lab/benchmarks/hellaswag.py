@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 import torch
 from torch.nn import functional as F
@@ -26,11 +27,11 @@ from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.system.choices import DTYPES
 from gpt2lab.system.runtime import inference_dtype
 
+SLICE = Path(__file__).resolve().parents[3] / "tests" / "data" / "hellaswag_val_200.jsonl"
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--data", default=None, help="HellaSwag jsonl (default: the test slice shipped in the repo, tests/data/)"
-    )
+    p.add_argument("--data", default=str(SLICE), help="HellaSwag jsonl (default: the repo's test slice, tests/data/)")
     p.add_argument("--size", default="124M", help="GPT-2 size of the random model (124M, 350M, ...)")
     p.add_argument("--limit", type=int, default=128, help="examples scored by each method")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="examples per batch, batched methods")
@@ -44,14 +45,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "`gpt2lab eval` would use here)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-
-
-def _default_data() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.path.join(here, "..", "..", "..", "tests", "data", "hellaswag_val_200.jsonl")
-    if not os.path.isfile(path):
-        raise SystemExit(f"no default HellaSwag slice at {os.path.normpath(path)}; pass --data FILE")
-    return path
 
 
 @torch.no_grad()
@@ -99,15 +92,13 @@ class MatmulFlops:
 
 
 def run(args: argparse.Namespace) -> dict:
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
     device = torch.device(args.device)
     args.dtype = inference_dtype(device, args.dtype, "bench hellaswag")
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset(args.size)).to(device).eval()
-    examples = load_examples(args.data or _default_data(), args.limit)
+    examples = load_examples(args.data, args.limit)
 
     def batched(strategy):
         return lambda exs: [

@@ -76,44 +76,12 @@ def matmul_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
     return 2 * n**3 * reps / seconds / 1e12
 
 
-def _adamw(model, fused: bool, device: torch.device) -> torch.optim.Optimizer:
-    """The recipe's AdamW (decay 0.1 on >=2-D tensors); fused or torch's default (foreach)."""
-    return make_optimizer(model, lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device=device, fused=fused)
-
-
 def _time_steps(step, device: torch.device, steps: int, warmup: int) -> tuple[float, float]:
     """Median ms per step and the last loss."""
     for _ in range(warmup):
         step()
     times, last = rounds({"step": step}, steps, device)
     return 1000 * statistics.median(times["step"]), float(last.get("step", "nan"))
-
-
-def _reference_step(rung: str, shape, B: int, T: int, device: torch.device):
-    s = settings(rung)
-    torch.manual_seed(0)
-    model = ReferenceGPT(s["vocab"], T, *shape, flash=s["flash"]).to(device)
-    opt = _adamw(model, s["fused"], device)
-    fwd = torch.compile(model) if s["compile"] else model
-    x = torch.randint(0, 50257, (B, T), device=device)
-    y = torch.randint(0, 50257, (B, T), device=device)
-    return recipe_step(lambda: fwd(x, y), model, opt, device, "bfloat16" if s["bf16"] else "float32"), model
-
-
-def _hf_step(shape, B: int, T: int, device: torch.device):
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    no_dropout = dict.fromkeys(("resid_pdrop", "embd_pdrop", "attn_pdrop"), 0.0)
-    cfg = transformers.GPT2Config(
-        **dict(zip(SHAPE_KEYS, shape)), n_positions=T, vocab_size=50304, use_cache=False, **no_dropout
-    )
-    model = transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa").to(device).train()
-    opt = _adamw(model, True, device)
-    fwd = torch.compile(model)
-    x = torch.randint(0, 50257, (B, T), device=device)
-    return recipe_step(lambda: fwd(input_ids=x, labels=x).loss, model, opt, device, "bfloat16"), model
 
 
 def _gpt2lab_step(shape, B: int, T: int, device: torch.device, data: str):
@@ -128,28 +96,40 @@ def _gpt2lab_step(shape, B: int, T: int, device: torch.device, data: str):
     return loss_of_step(trainer), trainer.raw
 
 
-def _model_step(shape, B: int, T: int, device: torch.device, chunked: bool):
-    from gpt2lab.model.gpt import GPT, GPTConfig
-    from gpt2lab.model.loss import LossPath
-
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=T, vocab_size=50304, token_vocab_size=50257, **dict(zip(SHAPE_KEYS, shape))))
-    model.to(device)
-    model.set_loss(LossPath(chunked=True, compiled=True))
-    opt = _adamw(model, True, device)
-    fwd = torch.compile(model)
-    x = torch.randint(0, 50257, (B, T), device=device)
-    return recipe_step(lambda: fwd(x, x, return_logits=not chunked)[1], model, opt, device, "bfloat16"), model
-
-
 def _build(rung: str, shape, B: int, T: int, device: torch.device, data):
-    if rung == "hf":
-        return _hf_step(shape, B, T, device)
-    if rung in ("model_chunked", "model_ce"):
-        return _model_step(shape, B, T, device, chunked=rung == "model_chunked")
+    """A rung's step and model: gpt2lab's own, or the recipe's step (AdamW decay 0.1, compiled, autocast
+    as ``settings(rung)`` has them) of the reference model, transformers' or gpt2lab's GPT, on one random batch."""
     if rung == "gpt2lab":
         return _gpt2lab_step(shape, B, T, device, data)
-    return _reference_step(rung, shape, B, T, device)
+    s, named = settings(rung), dict(zip(SHAPE_KEYS, shape))
+    torch.manual_seed(0)
+    if rung == "hf":  # sdpa attention, no dropout
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        no_dropout = dict.fromkeys(("resid_pdrop", "embd_pdrop", "attn_pdrop"), 0.0)
+        cfg = transformers.GPT2Config(**named, n_positions=T, vocab_size=50304, use_cache=False, **no_dropout)
+        model = transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa").train()
+    elif rung in DIAGNOSTIC:  # gpt2lab's GPT, its chunked loss or the logits and one F.cross_entropy
+        from gpt2lab.model.gpt import GPT, GPTConfig
+        from gpt2lab.model.loss import LossPath
+
+        model = GPT(GPTConfig(block_size=T, vocab_size=50304, token_vocab_size=50257, **named))
+        model.set_loss(LossPath(chunked=True, compiled=True))
+    else:
+        model = ReferenceGPT(s["vocab"], T, *shape, flash=s["flash"])
+    model.to(device)
+    adamw = dict(lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    opt = make_optimizer(model, **adamw, device=device, fused=s["fused"])  # else torch's default (foreach)
+    fwd = torch.compile(model) if s["compile"] else model
+    x, y = (torch.randint(0, 50257, (B, T), device=device) for _ in range(2))
+
+    def loss() -> torch.Tensor:
+        if rung == "hf":
+            return fwd(input_ids=x, labels=x).loss
+        return fwd(x, x, return_logits=rung == "model_ce")[1] if rung in DIAGNOSTIC else fwd(x, y)
+
+    return recipe_step(loss, model, opt, device, "bfloat16" if s["bf16"] else "float32"), model
 
 
 def _free() -> None:

@@ -79,8 +79,6 @@ def run(args: argparse.Namespace) -> dict:
     from gpt2lab.weights.load import load_model
 
     device = pick_device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     model = load_model(args.model, device)
     seq = args.seq_len or model.config.block_size
     loader = TokenLoader(args.data, "val", 1, seq, shuffle=False)

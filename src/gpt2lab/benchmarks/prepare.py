@@ -65,9 +65,7 @@ def _best(fn, repeat: int) -> Tuple[float, float]:
 
 
 def _write_jsonl(path: str, docs: List[str]) -> str:
-    with open(path, "w", encoding="utf-8") as f:
-        for doc in docs:
-            f.write(json.dumps({"text": doc}) + "\n")
+    Path(path).write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs), encoding="utf-8")
     return path
 
 
@@ -116,8 +114,8 @@ def run(args) -> Dict:
         "cpu_count": os.cpu_count(),
         "repeat": args.repeat,
         "load_avg_1m_before": round(os.getloadavg()[0], 2),
+        "scale": args.scale,
     }
-    out["scale"] = args.scale
     with tempfile.TemporaryDirectory() as tmp:
         sources = {"tinyshakespeare": "tinyshakespeare"}
         if args.scale > 1:

@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from gpt2lab.benchmarks import add_shape_flags, machine, peers, rounds, shape_config, timed
+from gpt2lab.benchmarks import add_shape_flags, machine, peers, rounds, shape_config
 from gpt2lab.distributed.dist import autocast, pick_device
 from gpt2lab.inference.choice import InferenceRequest, candidates, rule, tile_rows_of
 from gpt2lab.inference.flags import add_inference_flags, inference_request
@@ -99,8 +99,6 @@ def first_mismatch(a: torch.Tensor, b: torch.Tensor) -> int | None:
 
 def run(args: argparse.Namespace) -> dict:
     device = pick_device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     wanted = peers.parse_peers(args.peer)
     torch.manual_seed(args.seed)
     model = GPT(shape_config(args)).to(device).eval()
@@ -148,10 +146,8 @@ def run(args: argparse.Namespace) -> dict:
         # llama.cpp in the same rounds: the box's drift over minutes falls on both alike
         after = (lambda: llama_rounds.append(llama.tok_per_s(args.prompt_tokens, n, 1))) if llama else None
         times, tokens = rounds(ways, args.repeats, device, after)
-        no_cache = [timed(greedy(prepared, use_cache=False), device) for _ in range(args.no_cache_repeats)]
-        times["no_cache"] = [t for t, _ in no_cache]
-        if no_cache:
-            tokens["no_cache"] = no_cache[-1][1]
+        no_cache, last = rounds({"no_cache": greedy(prepared, use_cache=False)}, args.no_cache_repeats, device)
+        times, tokens = {**times, **no_cache}, {**tokens, **last}
         ct2_tps = ct2.tok_per_s(prompt[0].tolist(), 1, n, args.repeats) if ct2 else None
         ct2_agree = (
             first_mismatch(torch.tensor([ct2.greedy("float32", prompt[0].tolist(), 1, n)[0]]), tokens["sample"].cpu())
@@ -160,9 +156,7 @@ def run(args: argparse.Namespace) -> dict:
         )
     tps = {k: (n / min(v) if v else None) for k, v in times.items()}
     out = {
-        **machine(device, args),
-        "asked": {"dtype": args.dtype, "quantize": args.quantize, "cpu_linear": args.cpu_linear},
-        "inference": decision.record(),
+        **machine(device, args, decision),
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": n,
         "tok_per_s": tps,

@@ -323,8 +323,6 @@ def run(args: argparse.Namespace) -> dict:
     from gpt2lab.serve.models import load_workers
     from gpt2lab.serve.server import bind, serve_here
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     try:
         counts = [int(c) for c in str(args.streams).split(",") if c.strip()]
@@ -347,15 +345,13 @@ def run(args: argparse.Namespace) -> dict:
             [f"bench={hf_dir}"], args.device, inference_request(args, "serve"), limits, args.deterministic
         )
         out = {
-            **machine(workers["bench"].device, args),
+            **machine(workers["bench"].device, args, workers["bench"].decision),
             "scheduling": "turns (--deterministic)"
             if args.deterministic
             else f"batches of up to {args.max_batch} rows",
             "new_tokens": args.new_tokens,
             "seconds": args.seconds,
             "request_rate": args.request_rate,
-            "asked": {"dtype": args.dtype, "quantize": args.quantize, "cpu_linear": args.cpu_linear},
-            "inference": workers["bench"].decision.record(),
         }
 
         def clients(url: str) -> None:
