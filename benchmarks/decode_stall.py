@@ -64,17 +64,6 @@ def step_ms(model: GPT, steps: int) -> dict:
     }
 
 
-def pointers(model: GPT) -> dict:
-    """Alignment facts of the held linears' tensors (cuBLASLt picks kernels by alignment)."""
-    ws = [m for m in model.modules() if isinstance(m, kernels.DecodeLinear)]
-    return {
-        "weights_256B_aligned": sum(m.weight.data_ptr() % 256 == 0 for m in ws),
-        "bias_16B_aligned": sum(m.bias is None or m.bias.data_ptr() % 16 == 0 for m in ws),
-        "linears": len(ws),
-        "weight_dtypes": sorted({str(m.weight.dtype) for m in ws}),
-    }
-
-
 def profile(model: GPT, label: str) -> None:
     with torch.inference_mode():
         step = primed(model, 64)
@@ -116,11 +105,7 @@ def main() -> None:
     torch.manual_seed(0)
     shape = dict(n_layer=2, n_head=2, n_embd=64) if args.tiny else dict(n_layer=12, n_head=12, n_embd=768)
     base = GPT(GPTConfig(**shape, block_size=1024, vocab_size=50257)).to(DEV).eval()
-    emit(
-        device=torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu",
-        torch=torch.__version__,
-        blas=str(torch.backends.cuda.preferred_blas_library()),
-    )
+    emit(device=torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu", torch=torch.__version__)
     if args.variant:  # one variant in a process of its own
         for i in range(args.holds):
             emit(variant=args.variant, hold=i, **step_ms(hold(base, Candidate("bfloat16", "plain")), args.steps))
@@ -130,7 +115,7 @@ def main() -> None:
         for dt in ("bfloat16", "float32"):
             held = hold(base, Candidate(dt, "plain"))
             r = step_ms(held, args.steps)
-            emit(dtype=dt, hold=i, **r, **pointers(held))
+            emit(dtype=dt, hold=i, **r)
             if dt == "bfloat16" and (slow is None or min(r["ms"]) > slow[0]):
                 slow = (min(r["ms"]), held)
             del held
@@ -141,20 +126,6 @@ def main() -> None:
     kernels.PlainLinear.forward = no_bias_forward
     emit(variant="linear without bias + add", **step_ms(held, args.steps))
     kernels.PlainLinear.forward = orig
-    for lib in ("cublas", "cublaslt"):
-        try:
-            torch.backends.cuda.preferred_blas_library(lib)
-        except RuntimeError as e:
-            emit(variant=f"preferred_blas_library {lib}", error=str(e))
-            continue
-        emit(variant=f"preferred_blas_library {lib}", **step_ms(held, args.steps))
-    torch.backends.cuda.preferred_blas_library("cublas")
-    whole = GPT(base.config).to(DEV).to(torch.bfloat16).eval()  # every parameter bf16, no hold
-    whole.load_state_dict(base.state_dict())
-    emit(variant="model.to(bfloat16), no hold", **step_ms(whole, args.steps))
-    with torch.autocast(DEV.type, torch.bfloat16):
-        emit(variant="fp32 model under autocast bf16", **step_ms(base, args.steps))
-    emit(variant="fp32 model as is", **step_ms(base, args.steps))
     emit(variant="the slowest hold again", **step_ms(held, args.steps))
 
 

@@ -76,14 +76,6 @@ def matmul_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
     return 2 * n**3 * reps / seconds / 1e12
 
 
-def _time_steps(step, device: torch.device, steps: int, warmup: int) -> tuple[float, float]:
-    """Median ms per step and the last loss."""
-    for _ in range(warmup):
-        step()
-    times, last = rounds({"step": step}, steps, device)
-    return 1000 * statistics.median(times["step"]), float(last.get("step", "nan"))
-
-
 def _gpt2lab_step(shape, B: int, T: int, device: torch.device, data: str):
     from gpt2lab.distributed.dist import DistInfo
     from gpt2lab.train.settings import load_preset
@@ -173,7 +165,10 @@ def run(args: argparse.Namespace) -> dict:
         step = model = None
         try:
             step, model = _build(rung, shape, B, T, device, args.data)
-            ms, loss = _time_steps(step, device, args.steps, args.warmup)
+            for _ in range(args.warmup):  # compilation happens here
+                step()
+            times, last = rounds({"step": step}, args.steps, device)  # median ms a step, the last loss
+            ms, loss = 1000 * statistics.median(times["step"]), float(last.get("step", "nan"))
         except torch.OutOfMemoryError:  # e.g. the fp32 rungs' materialised attention at B=64: say so, go on
             ms = None
         if ms is None:  # outside the except: its traceback no longer holds the rung's tensors

@@ -31,6 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=128, help="sequence length of the real step (--device cpu)")
 
 
+def _gib(tensors) -> float:
+    return sum(t.numel() * t.element_size() for t in tensors) / GIB
+
+
 def count_state(args: argparse.Namespace, lora: bool) -> dict:
     device = torch.device(args.device)
     with device:
@@ -50,17 +54,13 @@ def count_state(args: argparse.Namespace, lora: bool) -> dict:
         x = torch.randint(0, 50257, (args.batch, args.seq_len))
         model(x, x, return_logits=False)[1].backward()
     opt.step()
-    state = sum(
-        t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
-    )
-    n_train = sum(p.numel() for p in trainable)
     out = {
         "mode": "lora" if lora else "full",
         "params": model.num_params(),
-        "trainable_params": n_train,
-        "weights_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / GIB,
-        "grads_gib": sum(p.numel() * p.element_size() for p in trainable) / GIB,
-        "adamw_state_gib": state / GIB,
+        "trainable_params": sum(p.numel() for p in trainable),
+        "weights_gib": _gib(model.parameters()),
+        "grads_gib": _gib(trainable),
+        "adamw_state_gib": _gib(t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)),
     }
     if device.type == "cpu":
         out["peak_rss_gib"] = peak_rss_bytes() / GIB
