@@ -26,7 +26,7 @@ from gpt2lab.train.trainer import Trainer
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--dir", default=None, help="where the run directory goes (default: the temp dir)")
+    p.add_argument("--dir", help="where the run directory goes (default: the temp dir)")
     args = p.parse_args()
     run = tempfile.mkdtemp(dir=args.dir)
     try:

@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="autocast dtype of every method (the reference recipe on CPU: float32; auto: what "
         "`gpt2lab eval` would use here)",
     )
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
 
 
 @torch.no_grad()

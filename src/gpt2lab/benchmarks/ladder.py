@@ -53,9 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=",".join(RUNGS + EXTRA),
         help=f"comma list from {', '.join(RUNGS + EXTRA + DIAGNOSTIC)}; the ladder is cumulative either way",
     )
-    p.add_argument("--data", default=None, help="token shards for the gpt2lab rung (gpt2lab prepare output)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--peak-flops", type=finite_float, default=None, help="datasheet peak FLOP/s (default: by GPU name)")
+    p.add_argument("--data", help="token shards for the gpt2lab rung (gpt2lab prepare output)")
+    p.add_argument("--device")
+    p.add_argument("--peak-flops", type=finite_float, help="datasheet peak FLOP/s (default: by GPU name)")
 
 
 def settings(rung: str) -> dict:

@@ -21,7 +21,7 @@ from gpt2lab.data.tokenizer import EOT_ID
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--data", default=None, help="shard directory (default: synthetic shards)")
+    parser.add_argument("--data", help="shard directory (default: synthetic shards)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--batches", type=int, default=1000, help="batches timed per split")

@@ -43,7 +43,7 @@ TINY = dict(n_layer=2, n_head=2, n_embd=64)  # for CPU measurements and tests
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--size", default=None, help="GPT-2 size: 124M (default), 350M, 774M, 1558M, or tiny (2 x 64)")
+    p.add_argument("--size", help="GPT-2 size: 124M (default), 350M, 774M, 1558M, or tiny (2 x 64)")
     p.add_argument(
         "--preset",
         default=None,
@@ -51,15 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="instead of --size: a training preset (its architecture, optimizer and seq_len); "
         "the other settings are this command's flags",
     )
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 1024, or the preset's)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default 1024, or the preset's)")
     p.add_argument("--max-batch", type=int, default=1024, help="search mode: stop searching here")
     p.add_argument("--compile", default="false", choices=["true", "false"])
-    p.add_argument("--device", default=None)
+    p.add_argument("--device")
     p.add_argument("--strategy", default="ddp", help=f"one of {', '.join(STRATEGIES)}")
-    p.add_argument(
-        "--world-size", type=int, default=None, help="ranks to predict for (default: torchrun's WORLD_SIZE, else 1)"
-    )
-    p.add_argument("--micro-batch", type=int, default=None, help="predict (and measure) this micro-batch")
+    p.add_argument("--world-size", type=int, help="ranks to predict for (default: torchrun's WORLD_SIZE, else 1)")
+    p.add_argument("--micro-batch", type=int, help="predict (and measure) this micro-batch")
     p.add_argument("--dtype", default="bfloat16", help=f"one of {', '.join(DTYPES)}")
     p.add_argument("--activation-checkpointing", default="false", choices=["true", "false"])
     p.add_argument(

@@ -84,9 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed rounds")
     p.add_argument("--no-cache-repeats", type=int, default=1, help="timed runs without the cache (slow; 0 skips)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--threads", type=int, default=None, help="torch (and CTranslate2) CPU threads (default: torch's choice)"
-    )
+    p.add_argument("--threads", type=int, help="torch (and CTranslate2) CPU threads (default: torch's choice)")
 
 
 def first_mismatch(a: torch.Tensor, b: torch.Tensor) -> int | None:

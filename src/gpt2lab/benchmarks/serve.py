@@ -71,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="ctranslate2: time CTranslate2's generate_batch of as many rows as each stream count, "
         "same weights, threads, prompt and new tokens (fp32 and int8; default none)",
     )
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-batch", type=int, default=d.max_batch)
     p.add_argument("--max-queue", type=int, default=d.max_queue)
