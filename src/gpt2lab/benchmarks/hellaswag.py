@@ -54,8 +54,7 @@ def reference_predictions(model: GPT, examples, device: torch.device, dtype: str
     for ex in examples:
         ctx, ends = render_example(enc, ex)
         T = max(len(ctx) + len(e) for e in ends)
-        tokens = torch.zeros(4, T, dtype=torch.long)
-        mask = torch.zeros(4, T, dtype=torch.long)
+        tokens, mask = (torch.zeros(4, T, dtype=torch.long) for _ in range(2))
         for i, e in enumerate(ends):
             tokens[i, : len(ctx) + len(e)] = torch.tensor(ctx + e)
             mask[i, len(ctx) : len(ctx) + len(e)] = 1

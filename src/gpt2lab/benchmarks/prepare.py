@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Tuple
 
+from gpt2lab.benchmarks import timed
 from gpt2lab.data.prepare import prepare
 from gpt2lab.data.sources import as_text, resolve_source
 from gpt2lab.data.tokenizer import gpt2_tokenizer
@@ -56,12 +57,13 @@ def _cpu_s() -> float:
 
 def _best(fn, repeat: int) -> Tuple[float, float]:
     """Best wall time of ``repeat`` runs, and the CPU time of that run."""
-    runs = []
-    for _ in range(repeat):
-        t0, c0 = time.perf_counter(), _cpu_s()
+
+    def cpu_of_run() -> float:
+        c0 = _cpu_s()
         fn()
-        runs.append((time.perf_counter() - t0, _cpu_s() - c0))
-    return min(runs)
+        return _cpu_s() - c0
+
+    return min(timed(cpu_of_run) for _ in range(repeat))
 
 
 def _write_jsonl(path: str, docs: List[str]) -> str:

@@ -344,11 +344,10 @@ def run(args: argparse.Namespace) -> dict:
         workers = load_workers(
             [f"bench={hf_dir}"], args.device, inference_request(args, "serve"), limits, args.deterministic
         )
+        turns = "turns (--deterministic)" if args.deterministic else f"batches of up to {args.max_batch} rows"
         out = {
             **machine(workers["bench"].device, args, workers["bench"].decision),
-            "scheduling": "turns (--deterministic)"
-            if args.deterministic
-            else f"batches of up to {args.max_batch} rows",
+            "scheduling": turns,
             "new_tokens": args.new_tokens,
             "seconds": args.seconds,
             "request_rate": args.request_rate,
