@@ -13,8 +13,8 @@ import argparse
 import os
 import shutil
 import tempfile
-import time
 
+from gpt2lab.benchmarks import timed
 from gpt2lab.benchmarks.loader import synthetic_shards
 from gpt2lab.checkpoint import store as checkpoint
 from gpt2lab.distributed.dist import DistInfo
@@ -26,7 +26,7 @@ from gpt2lab.train.trainer import Trainer
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--dir", default=None, help="where the run directory goes (default: the temp dir)")
+    p.add_argument("--dir", help="where the run directory goes (default: the temp dir)")
     args = p.parse_args()
     run = tempfile.mkdtemp(dir=args.dir)
     try:
@@ -37,19 +37,12 @@ def main() -> None:
         trainer = Trainer.from_config(cfg, DistInfo())
         trainer.train_step()  # AdamW's moments exist, as in any checkpoint after step 0
         for _ in range(args.rounds):
-            t0 = time.perf_counter()
-            path = trainer.save()
-            t1 = time.perf_counter()
-            checkpoint.verify(path)
-            t2 = time.perf_counter()
+            save, path = timed(trainer.save)
+            verify, _ = timed(lambda: checkpoint.verify(path))
             files = [os.path.join(path, f) for f in os.listdir(path)]
-            for f in files:
-                sha256_file(f)
-            t3 = time.perf_counter()
+            hashing, _ = timed(lambda: [sha256_file(f) for f in files])
             size = sum(os.path.getsize(f) for f in files)
-            print(
-                f"save {t1 - t0:.2f} s, verify {t2 - t1:.2f} s (hashing alone {t3 - t2:.2f} s), {size / 2**30:.2f} GiB"
-            )
+            print(f"save {save:.2f} s, verify {verify:.2f} s (hashing alone {hashing:.2f} s), {size / 2**30:.2f} GiB")
             trainer.step += 1  # the next round's checkpoint is a new step
     finally:
         shutil.rmtree(run)  # the run directory this script made

@@ -20,11 +20,11 @@ import io
 import json
 import pstats
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
+from gpt2lab.benchmarks import timed
 from gpt2lab.inference import kernels
 from gpt2lab.inference.choice import Candidate
 from gpt2lab.inference.form import hold
@@ -41,53 +41,38 @@ def emit(**kw) -> None:
     print(json.dumps(kw), flush=True)
 
 
-@torch.inference_mode()
-def step_ms(model: GPT, steps: int) -> dict:
-    """Median and best of two timed loops of ``steps`` one-row steps after a 16-token prefill (ms a step);
-    the caching allocator's cudaMalloc count over the loops."""
-    cache = model.new_kv_cache(PROMPT + 3 * steps + 1)
+def primed(model: GPT, length: int):
+    """A one-row decode step of ``model`` after a 16-token prompt and a first step, in a cache of ``length``."""
+    cache = model.new_kv_cache(length)
     model(torch.randint(0, 50257, (1, PROMPT), device=DEV), kv_cache=cache)
     tok = torch.randint(0, 50257, (1, 1), device=DEV)
     model(tok, kv_cache=cache, last_only=True)
     runtime.sync(DEV)
+    return lambda: model(tok, kv_cache=cache, last_only=True)
+
+
+@torch.inference_mode()
+def step_ms(model: GPT, steps: int) -> dict:
+    """Median and best of two timed loops of ``steps`` one-row steps after a 16-token prefill (ms a step);
+    the caching allocator's cudaMalloc count over the loops."""
+    step = primed(model, PROMPT + 3 * steps + 1)
     allocs = (torch.cuda.memory_stats() if DEV.type == "cuda" else {}).get("num_device_alloc", 0)
-    out = []
-    for _ in range(2):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            model(tok, kv_cache=cache, last_only=True)
-        runtime.sync(DEV)
-        out.append(1e3 * (time.perf_counter() - t0) / steps)
+    out = [1e3 * timed(lambda: [step() for _ in range(steps)], DEV)[0] / steps for _ in range(2)]
     return {
         "ms": [round(x, 3) for x in out],
         "device_allocs": (torch.cuda.memory_stats() if DEV.type == "cuda" else {}).get("num_device_alloc", 0) - allocs,
     }
 
 
-def pointers(model: GPT) -> dict:
-    """Alignment facts of the held linears' tensors (cuBLASLt picks kernels by alignment)."""
-    ws = [m for m in model.modules() if isinstance(m, kernels.DecodeLinear)]
-    return {
-        "weights_256B_aligned": sum(m.weight.data_ptr() % 256 == 0 for m in ws),
-        "bias_16B_aligned": sum(m.bias is None or m.bias.data_ptr() % 16 == 0 for m in ws),
-        "linears": len(ws),
-        "weight_dtypes": sorted({str(m.weight.dtype) for m in ws}),
-    }
-
-
 def profile(model: GPT, label: str) -> None:
-    cache = model.new_kv_cache(64)
     with torch.inference_mode():
-        model(torch.randint(0, 50257, (1, PROMPT), device=DEV), kv_cache=cache)
-        tok = torch.randint(0, 50257, (1, 1), device=DEV)
-        model(tok, kv_cache=cache, last_only=True)
-        runtime.sync(DEV)
+        step = primed(model, 64)
         acts = [torch.profiler.ProfilerActivity.CPU] + (
             [torch.profiler.ProfilerActivity.CUDA] if DEV.type == "cuda" else []
         )
         with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
             for _ in range(5):
-                model(tok, kv_cache=cache, last_only=True)
+                step()
             runtime.sync(DEV)
         print(f"== {label}: torch.profiler, 5 steps, by self CPU time", file=sys.stderr)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22), file=sys.stderr)
@@ -96,12 +81,10 @@ def profile(model: GPT, label: str) -> None:
             prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=12),
             file=sys.stderr,
         )
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(3):
-            model(tok, kv_cache=cache, last_only=True)
-        runtime.sync(DEV)
-        pr.disable()
+        with cProfile.Profile() as pr:
+            for _ in range(3):
+                step()
+            runtime.sync(DEV)
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(18)
     print(f"== {label}: cProfile, 3 steps, by own time\n{s.getvalue()}", file=sys.stderr, flush=True)
@@ -122,11 +105,7 @@ def main() -> None:
     torch.manual_seed(0)
     shape = dict(n_layer=2, n_head=2, n_embd=64) if args.tiny else dict(n_layer=12, n_head=12, n_embd=768)
     base = GPT(GPTConfig(**shape, block_size=1024, vocab_size=50257)).to(DEV).eval()
-    emit(
-        device=torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu",
-        torch=torch.__version__,
-        blas=str(torch.backends.cuda.preferred_blas_library()),
-    )
+    emit(device=torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu", torch=torch.__version__)
     if args.variant:  # one variant in a process of its own
         for i in range(args.holds):
             emit(variant=args.variant, hold=i, **step_ms(hold(base, Candidate("bfloat16", "plain")), args.steps))
@@ -136,7 +115,7 @@ def main() -> None:
         for dt in ("bfloat16", "float32"):
             held = hold(base, Candidate(dt, "plain"))
             r = step_ms(held, args.steps)
-            emit(dtype=dt, hold=i, **r, **pointers(held))
+            emit(dtype=dt, hold=i, **r)
             if dt == "bfloat16" and (slow is None or min(r["ms"]) > slow[0]):
                 slow = (min(r["ms"]), held)
             del held
@@ -147,20 +126,6 @@ def main() -> None:
     kernels.PlainLinear.forward = no_bias_forward
     emit(variant="linear without bias + add", **step_ms(held, args.steps))
     kernels.PlainLinear.forward = orig
-    for lib in ("cublas", "cublaslt"):
-        try:
-            torch.backends.cuda.preferred_blas_library(lib)
-        except RuntimeError as e:
-            emit(variant=f"preferred_blas_library {lib}", error=str(e))
-            continue
-        emit(variant=f"preferred_blas_library {lib}", **step_ms(held, args.steps))
-    torch.backends.cuda.preferred_blas_library("cublas")
-    whole = GPT(base.config).to(DEV).to(torch.bfloat16).eval()  # every parameter bf16, no hold
-    whole.load_state_dict(base.state_dict())
-    emit(variant="model.to(bfloat16), no hold", **step_ms(whole, args.steps))
-    with torch.autocast(DEV.type, torch.bfloat16):
-        emit(variant="fp32 model under autocast bf16", **step_ms(base, args.steps))
-    emit(variant="fp32 model as is", **step_ms(base, args.steps))
     emit(variant="the slowest hold again", **step_ms(held, args.steps))
 
 

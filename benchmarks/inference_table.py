@@ -17,12 +17,16 @@ def _read(out: pathlib.Path) -> dict:
     }
 
 
+def _held(run: dict) -> str:
+    return f"{run['inference']['dtype']}/{run['inference']['kernel']}"
+
+
 def sample_tables(runs: dict) -> None:
     auto = runs.get("sample-auto")
     if auto:
         t, ct = auto["tok_per_s"], auto.get("ctranslate2_tok_per_s", {})
         print(
-            f"Default (`{auto['inference']['dtype']}/{auto['inference']['kernel']}`): **{t['sample']:.1f}** tok/s; "
+            f"Default (`{_held(auto)}`): **{t['sample']:.1f}** tok/s; "
             f"`generate()` {t['generate']:.1f}; unprepared under autocast {t['unprepared']:.1f}; "
             f"transformers {t.get('transformers', 0):.1f}; "
             + "; ".join(f"CTranslate2 {k} {v:.1f}" for k, v in ct.items() if isinstance(v, float))
@@ -37,9 +41,7 @@ def sample_tables(runs: dict) -> None:
         print("| --- | --- | --- |")
         for way, v in t.items():
             if v:
-                label = (
-                    "default (" + f"{r['inference']['dtype']}/{r['inference']['kernel']})" if way == "sample" else way
-                )
+                label = f"default ({_held(r)})" if way == "sample" else way
                 print(f"| {label} | {v:.1f} | {v / t['sample']:.2f}x |")
         for k, v in r.get("ctranslate2_tok_per_s", {}).items():
             if isinstance(v, float):
@@ -59,7 +61,7 @@ def serve_table(runs: dict) -> None:
     print("| --- | --- | --- | --- |")
     for setting, rs in by.items():
         vals = {n: [next(x["aggregate_tok_per_s"] for x in r["load"] if x["streams"] == n) for r in rs] for n in (1, 8)}
-        held = ", ".join(sorted({f"{r['inference']['dtype']}/{r['inference']['kernel']}" for r in rs}))
+        held = ", ".join(sorted({_held(r) for r in rs}))
         print(
             f"| {setting} | {held} | "
             + " | ".join(f"**{statistics.median(v):.1f}** ({', '.join(f'{x:.0f}' for x in v)})" for v in vals.values())

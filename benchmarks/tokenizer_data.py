@@ -108,7 +108,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out")
     p.add_argument("--code-mb", type=float, default=4.0, help="MB of training code (default 4)")
-    p.add_argument("--deb", default=None, help="a debian-reference-de .deb already at hand")
+    p.add_argument("--deb", help="a debian-reference-de .deb already at hand")
     args = p.parse_args()
     summary = {
         "code": code(os.path.join(args.out, "code"), args.code_mb),

@@ -1,19 +1,71 @@
-"""Benchmarks behind `gpt2lab bench NAME` (see commands/bench.py), and their shared timer."""
+"""Benchmarks behind `gpt2lab bench NAME` (see commands/bench.py), and what they share: the timer, the
+rounds every way takes in turn, the model shape flags and the machine's header."""
 
 from __future__ import annotations
 
+import resource
 import time
 from typing import Callable, TypeVar
+
+import torch
 
 T = TypeVar("T")
 
 
-def timed(fn: Callable[[], T], device) -> tuple[float, T]:
+def timed(fn: Callable[[], T], device=None) -> tuple[float, T]:
     """(seconds, result) of ``fn()``, the device's queued work included."""
     from gpt2lab.system.runtime import sync
 
-    sync(device)
+    sync(device or "cpu")
     t0 = time.perf_counter()
     out = fn()
-    sync(device)
+    sync(device or "cpu")
     return time.perf_counter() - t0, out
+
+
+def rounds(ways: dict, repeats: int, device=None, after=None) -> tuple[dict, dict]:
+    """``repeats`` rounds, each running every way of ``ways`` (name: function) once in turn, so that a busy
+    machine slows each alike, then ``after()`` if given: (each way's seconds, each way's last result)."""
+    times: dict[str, list[float]] = {k: [] for k in ways}
+    last: dict = {}
+    for _ in range(repeats):
+        for name, fn in ways.items():
+            t, last[name] = timed(fn, device)
+            times[name].append(t)
+        if after:
+            after()
+    return times, last
+
+
+def add_shape_flags(p, vocab: bool = False) -> None:
+    """The random model's shape: GPT-2 124M's by default."""
+    for flag, default in (("n-layer", 12), ("n-head", 12), ("n-embd", 768), ("block-size", 1024)):
+        p.add_argument(f"--{flag}", type=int, default=default)
+    if vocab:
+        p.add_argument("--vocab-size", type=int, default=50257)
+
+
+def shape_config(args):
+    """The GPTConfig of ``add_shape_flags``' values."""
+    from gpt2lab.model.gpt import GPTConfig
+
+    shape = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "block_size")}
+    return GPTConfig(**shape, vocab_size=getattr(args, "vocab_size", 50257))
+
+
+def machine(device, args=None, decision=None) -> dict:
+    """What every figure is read beside: the device, torch, its threads; the shape asked, if any; the
+    inference flags asked and their decision (inference/choice.py), if any."""
+    out = {"device": str(device), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+    if args is not None:
+        shape = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd")}
+        out["config"] = {**shape, "vocab_size": getattr(args, "vocab_size", 50257)}
+    if decision is not None:
+        out["asked"] = {"dtype": args.dtype, "quantize": args.quantize, "cpu_linear": args.cpu_linear}
+        out["inference"] = decision.record()
+    return out
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident size so far (getrusage: KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 import torch
 from torch.nn import functional as F
 
-from gpt2lab.benchmarks import timed
+from gpt2lab.benchmarks import rounds
 from gpt2lab.data.tokenizer import for_model
 from gpt2lab.distributed.dist import autocast
 from gpt2lab.evals.hellaswag import DEFAULT_BATCH_SIZE, load_examples, render_example, resolve_strategy, score_examples
@@ -26,11 +27,11 @@ from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.system.choices import DTYPES
 from gpt2lab.system.runtime import inference_dtype
 
+SLICE = Path(__file__).resolve().parents[3] / "tests" / "data" / "hellaswag_val_200.jsonl"
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--data", default=None, help="HellaSwag jsonl (default: the test slice shipped in the repo, tests/data/)"
-    )
+    p.add_argument("--data", default=str(SLICE), help="HellaSwag jsonl (default: the repo's test slice, tests/data/)")
     p.add_argument("--size", default="124M", help="GPT-2 size of the random model (124M, 350M, ...)")
     p.add_argument("--limit", type=int, default=128, help="examples scored by each method")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="examples per batch, batched methods")
@@ -43,15 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="autocast dtype of every method (the reference recipe on CPU: float32; auto: what "
         "`gpt2lab eval` would use here)",
     )
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-
-
-def _default_data() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.path.join(here, "..", "..", "..", "tests", "data", "hellaswag_val_200.jsonl")
-    if not os.path.isfile(path):
-        raise SystemExit(f"no default HellaSwag slice at {os.path.normpath(path)}; pass --data FILE")
-    return path
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
 
 
 @torch.no_grad()
@@ -61,8 +54,7 @@ def reference_predictions(model: GPT, examples, device: torch.device, dtype: str
     for ex in examples:
         ctx, ends = render_example(enc, ex)
         T = max(len(ctx) + len(e) for e in ends)
-        tokens = torch.zeros(4, T, dtype=torch.long)
-        mask = torch.zeros(4, T, dtype=torch.long)
+        tokens, mask = (torch.zeros(4, T, dtype=torch.long) for _ in range(2))
         for i, e in enumerate(ends):
             tokens[i, : len(ctx) + len(e)] = torch.tensor(ctx + e)
             mask[i, len(ctx) : len(ctx) + len(e)] = 1
@@ -99,15 +91,13 @@ class MatmulFlops:
 
 
 def run(args: argparse.Namespace) -> dict:
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
     device = torch.device(args.device)
     args.dtype = inference_dtype(device, args.dtype, "bench hellaswag")
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset(args.size)).to(device).eval()
-    examples = load_examples(args.data or _default_data(), args.limit)
+    examples = load_examples(args.data, args.limit)
 
     def batched(strategy):
         return lambda exs: [
@@ -125,14 +115,18 @@ def run(args: argparse.Namespace) -> dict:
     for fn in methods.values():  # warm-up: one-time allocations and thread pools
         fn(examples[:2])
     counter = MatmulFlops(model)
-    load_before = os.getloadavg()
-    times, preds, flops = {k: [] for k in methods}, {}, {}
-    for _ in range(args.repeats):
-        for name, fn in methods.items():
+
+    def counted(fn):  # (predictions, matmul FLOPs) of one whole run
+        def run():
             counter.flops = 0
-            dt, preds[name] = timed(lambda: fn(examples), device)
-            times[name].append(round(dt, 2))
-            flops[name] = counter.flops
+            return fn(examples), counter.flops
+
+        return run
+
+    load_before = os.getloadavg()
+    times, last = rounds({name: counted(fn) for name, fn in methods.items()}, args.repeats, device)
+    times = {k: [round(t, 2) for t in v] for k, v in times.items()}
+    preds, flops = ({name: got[i] for name, got in last.items()} for i in (0, 1))
     n = len(examples)
     result = {
         "bench": "hellaswag",

@@ -28,7 +28,7 @@ import statistics
 
 import torch
 
-from gpt2lab.benchmarks import timed
+from gpt2lab.benchmarks import rounds, timed
 from gpt2lab.benchmarks.train import ReferenceGPT, loss_of_step, recipe_step
 from gpt2lab.distributed.dist import pick_device
 from gpt2lab.model.config import SIZES as GPT2_SIZES
@@ -38,6 +38,7 @@ from gpt2lab.train.optim import make_optimizer
 RUNGS = ("fp32", "tf32", "bf16", "compile", "flash", "vocab50304", "fused_adamw")
 EXTRA = ("gpt2lab", "hf")
 DIAGNOSTIC = ("model_chunked", "model_ce")
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd")
 SHAPES = {**{s.label: (s.n_layer, s.n_head, s.n_embd) for s in GPT2_SIZES[:2]}, "tiny": (2, 2, 64)}
 
 
@@ -52,22 +53,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=",".join(RUNGS + EXTRA),
         help=f"comma list from {', '.join(RUNGS + EXTRA + DIAGNOSTIC)}; the ladder is cumulative either way",
     )
-    p.add_argument("--data", default=None, help="token shards for the gpt2lab rung (gpt2lab prepare output)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--peak-flops", type=finite_float, default=None, help="datasheet peak FLOP/s (default: by GPU name)")
+    p.add_argument("--data", help="token shards for the gpt2lab rung (gpt2lab prepare output)")
+    p.add_argument("--device")
+    p.add_argument("--peak-flops", type=finite_float, help="datasheet peak FLOP/s (default: by GPU name)")
 
 
 def settings(rung: str) -> dict:
     """What is switched on at ``rung`` (each rung keeps everything before it; gpt2lab and hf: all)."""
     on = RUNGS[: RUNGS.index(rung) + 1] if rung in RUNGS else RUNGS
-    return {
-        "tf32": "tf32" in on,
-        "bf16": "bf16" in on,
-        "compile": "compile" in on,
-        "flash": "flash" in on,
-        "vocab": 50304 if "vocab50304" in on else 50257,
-        "fused": "fused_adamw" in on,
-    }
+    switches = {k: k in on for k in ("tf32", "bf16", "compile", "flash")}
+    return {**switches, "vocab": 50304 if "vocab50304" in on else 50257, "fused": "fused_adamw" in on}
 
 
 def matmul_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
@@ -81,108 +76,52 @@ def matmul_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
     return 2 * n**3 * reps / seconds / 1e12
 
 
-def _adamw(model, fused: bool, device: torch.device) -> torch.optim.Optimizer:
-    """The recipe's AdamW (decay 0.1 on >=2-D tensors); fused or torch's default (foreach)."""
-    return make_optimizer(model, lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device=device, fused=fused)
-
-
-def _time_steps(step, device: torch.device, steps: int, warmup: int) -> tuple[float, float]:
-    """Median ms per step and the last loss."""
-    for _ in range(warmup):
-        step()
-    times, loss = [], float("nan")
-    for _ in range(steps):
-        seconds, loss = timed(step, device)
-        times.append(1000 * seconds)
-    return statistics.median(times), float(loss)
-
-
-def _reference_step(rung: str, shape, B: int, T: int, device: torch.device):
-    s = settings(rung)
-    n_layer, n_head, n_embd = shape
-    torch.manual_seed(0)
-    model = ReferenceGPT(s["vocab"], T, n_layer, n_head, n_embd, flash=s["flash"]).to(device)
-    opt = _adamw(model, s["fused"], device)
-    fwd = torch.compile(model) if s["compile"] else model
-    x = torch.randint(0, 50257, (B, T), device=device)
-    y = torch.randint(0, 50257, (B, T), device=device)
-    return recipe_step(lambda: fwd(x, y), model, opt, device, "bfloat16" if s["bf16"] else "float32"), model
-
-
-def _hf_step(shape, B: int, T: int, device: torch.device):
-    import transformers
-
-    n_layer, n_head, n_embd = shape
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(
-        n_layer=n_layer,
-        n_head=n_head,
-        n_embd=n_embd,
-        n_positions=T,
-        vocab_size=50304,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
-    )
-    model = transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa").to(device).train()
-    opt = _adamw(model, True, device)
-    fwd = torch.compile(model)
-    x = torch.randint(0, 50257, (B, T), device=device)
-    return recipe_step(lambda: fwd(input_ids=x, labels=x).loss, model, opt, device, "bfloat16"), model
-
-
 def _gpt2lab_step(shape, B: int, T: int, device: torch.device, data: str):
     from gpt2lab.distributed.dist import DistInfo
     from gpt2lab.train.settings import load_preset
     from gpt2lab.train.trainer import Trainer
 
-    n_layer, n_head, n_embd = shape
-    cfg = load_preset(
-        "gpt2-124m",
-        data=data,
-        n_layer=n_layer,
-        n_head=n_head,
-        n_embd=n_embd,
-        block_size=T,
-        seq_len=T,
-        micro_batch_size=B,
-        total_batch_tokens=B * T,
-        device=str(device),
-        compile=True,
-        dtype="bfloat16",
-        hellaswag_interval=0,
-        progress=False,
-    )
+    batch = dict(block_size=T, seq_len=T, micro_batch_size=B, total_batch_tokens=B * T)
+    how = dict(device=str(device), compile=True, dtype="bfloat16", hellaswag_interval=0, progress=False)
+    cfg = load_preset("gpt2-124m", data=data, **dict(zip(SHAPE_KEYS, shape)), **batch, **how)
     trainer = Trainer.from_config(cfg, DistInfo(device=device))
     return loss_of_step(trainer), trainer.raw
 
 
-def _model_step(shape, B: int, T: int, device: torch.device, chunked: bool):
-    from gpt2lab.model.gpt import GPT, GPTConfig
-    from gpt2lab.model.loss import LossPath
-
-    n_layer, n_head, n_embd = shape
-    torch.manual_seed(0)
-    model = GPT(
-        GPTConfig(block_size=T, vocab_size=50304, n_layer=n_layer, n_head=n_head, n_embd=n_embd, token_vocab_size=50257)
-    ).to(device)
-    model.set_loss(LossPath(chunked=True, compiled=True))
-    opt = _adamw(model, True, device)
-    fwd = torch.compile(model)
-    x = torch.randint(0, 50257, (B, T), device=device)
-    return recipe_step(lambda: fwd(x, x, return_logits=not chunked)[1], model, opt, device, "bfloat16"), model
-
-
 def _build(rung: str, shape, B: int, T: int, device: torch.device, data):
-    if rung == "hf":
-        return _hf_step(shape, B, T, device)
-    if rung in ("model_chunked", "model_ce"):
-        return _model_step(shape, B, T, device, chunked=rung == "model_chunked")
+    """A rung's step and model: gpt2lab's own, or the recipe's step (AdamW decay 0.1, compiled, autocast
+    as ``settings(rung)`` has them) of the reference model, transformers' or gpt2lab's GPT, on one random batch."""
     if rung == "gpt2lab":
         return _gpt2lab_step(shape, B, T, device, data)
-    return _reference_step(rung, shape, B, T, device)
+    s, named = settings(rung), dict(zip(SHAPE_KEYS, shape))
+    torch.manual_seed(0)
+    if rung == "hf":  # sdpa attention, no dropout
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        no_dropout = dict.fromkeys(("resid_pdrop", "embd_pdrop", "attn_pdrop"), 0.0)
+        cfg = transformers.GPT2Config(**named, n_positions=T, vocab_size=50304, use_cache=False, **no_dropout)
+        model = transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa").train()
+    elif rung in DIAGNOSTIC:  # gpt2lab's GPT, its chunked loss or the logits and one F.cross_entropy
+        from gpt2lab.model.gpt import GPT, GPTConfig
+        from gpt2lab.model.loss import LossPath
+
+        model = GPT(GPTConfig(block_size=T, vocab_size=50304, token_vocab_size=50257, **named))
+        model.set_loss(LossPath(chunked=True, compiled=True))
+    else:
+        model = ReferenceGPT(s["vocab"], T, *shape, flash=s["flash"])
+    model.to(device)
+    adamw = dict(lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    opt = make_optimizer(model, **adamw, device=device, fused=s["fused"])  # else torch's default (foreach)
+    fwd = torch.compile(model) if s["compile"] else model
+    x, y = (torch.randint(0, 50257, (B, T), device=device) for _ in range(2))
+
+    def loss() -> torch.Tensor:
+        if rung == "hf":
+            return fwd(input_ids=x, labels=x).loss
+        return fwd(x, x, return_logits=rung == "model_ce")[1] if rung in DIAGNOSTIC else fwd(x, y)
+
+    return recipe_step(loss, model, opt, device, "bfloat16" if s["bf16"] else "float32"), model
 
 
 def _free() -> None:
@@ -226,32 +165,31 @@ def run(args: argparse.Namespace) -> dict:
         step = model = None
         try:
             step, model = _build(rung, shape, B, T, device, args.data)
-            ms, loss = _time_steps(step, device, args.steps, args.warmup)
+            for _ in range(args.warmup):  # compilation happens here
+                step()
+            times, last = rounds({"step": step}, args.steps, device)  # median ms a step, the last loss
+            ms, loss = 1000 * statistics.median(times["step"]), float(last.get("step", "nan"))
         except torch.OutOfMemoryError:  # e.g. the fp32 rungs' materialised attention at B=64: say so, go on
             ms = None
         if ms is None:  # outside the except: its traceback no longer holds the rung's tensors
             rec = {"rung": rung, **s, "oom": True}
-            print(json.dumps(rec), flush=True)
-            out["rungs"].append(rec)
-            del step, model
-            _free()
-            continue
-        n = sum(p.numel() for p in model.parameters()) - T * shape[2]  # without wpe, tied counted once
-        fpt = 6 * n + 12 * shape[0] * shape[2] * T
-        tok_s = B * T / (ms / 1000)
-        rec = {
-            "rung": rung,
-            **s,
-            "ms_per_step": round(ms, 2),
-            "tok_per_s": round(tok_s),
-            "loss": round(loss, 4),
-            "flops_per_token": fpt,
-            "mfu_datasheet": round(fpt * tok_s / peak, 4) if peak else None,
-            "mfu_measured_matmul": round(fpt * tok_s / (measured * 1e12), 4),
-            "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-            if device.type == "cuda"
-            else None,
-        }
+        else:
+            n = sum(p.numel() for p in model.parameters()) - T * shape[2]  # without wpe, tied counted once
+            fpt = 6 * n + 12 * shape[0] * shape[2] * T
+            tok_s = B * T / (ms / 1000)
+            rec = {
+                "rung": rung,
+                **s,
+                "ms_per_step": round(ms, 2),
+                "tok_per_s": round(tok_s),
+                "loss": round(loss, 4),
+                "flops_per_token": fpt,
+                "mfu_datasheet": round(fpt * tok_s / peak, 4) if peak else None,
+                "mfu_measured_matmul": round(fpt * tok_s / (measured * 1e12), 4),
+                "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+                if device.type == "cuda"
+                else None,
+            }
         print(json.dumps(rec), flush=True)
         out["rungs"].append(rec)
         del step, model  # free this rung's model, optimizer and compiled graphs before the next

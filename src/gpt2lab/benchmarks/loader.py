@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from typing import Dict
 
 import numpy as np
 
+from gpt2lab.benchmarks import timed
 from gpt2lab.data import TokenLoader
 from gpt2lab.data.shards import shard_name, write_shard
 from gpt2lab.data.tokenizer import EOT_ID
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--data", default=None, help="shard directory (default: synthetic shards)")
+    parser.add_argument("--data", help="shard directory (default: synthetic shards)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--batches", type=int, default=1000, help="batches timed per split")
@@ -42,13 +42,8 @@ def synthetic_shards(root: str, split: str, n_shards: int, tokens: int, seed: in
 
 
 def _rate(loader: TokenLoader, batches: int) -> Dict:
-    t0 = time.perf_counter()
-    loader.next_batch()  # first batch: opens a shard (and indexes its documents)
-    first = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for _ in range(batches):
-        loader.next_batch()
-    dt = time.perf_counter() - t0
+    first, _ = timed(loader.next_batch)  # first batch: opens a shard (and indexes its documents)
+    dt, _ = timed(lambda: [loader.next_batch() for _ in range(batches)])
     return {
         "batches_per_s": round(batches / dt, 1),
         "first_batch_ms": round(first * 1e3, 1),
@@ -63,10 +58,8 @@ def _model_step_s(batch_size: int, seq_len: int) -> float:
 
     model = GPT(GPTConfig())
     x = torch.randint(0, 50257, (1, seq_len))
-    t0 = time.perf_counter()
-    _, loss = model(x, x)
-    loss.backward()
-    return (time.perf_counter() - t0) * batch_size  # forward+backward scales ~linearly in B
+    seconds, _ = timed(lambda: model(x, x)[1].backward())
+    return seconds * batch_size  # forward+backward scales ~linearly in B
 
 
 def run(args) -> Dict:

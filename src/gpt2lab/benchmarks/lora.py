@@ -11,10 +11,10 @@ process's peak RSS is reported too (run one ``--mode`` per process for that figu
 from __future__ import annotations
 
 import argparse
-import resource
 
 import torch
 
+from gpt2lab.benchmarks import peak_rss_bytes
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.train.optim import make_optimizer
 
@@ -29,6 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="meta", choices=["meta", "cpu"])
     p.add_argument("--batch", type=int, default=1, help="micro-batch of the real step (--device cpu)")
     p.add_argument("--seq-len", type=int, default=128, help="sequence length of the real step (--device cpu)")
+
+
+def _gib(tensors) -> float:
+    return sum(t.numel() * t.element_size() for t in tensors) / GIB
 
 
 def count_state(args: argparse.Namespace, lora: bool) -> dict:
@@ -50,20 +54,16 @@ def count_state(args: argparse.Namespace, lora: bool) -> dict:
         x = torch.randint(0, 50257, (args.batch, args.seq_len))
         model(x, x, return_logits=False)[1].backward()
     opt.step()
-    state = sum(
-        t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
-    )
-    n_train = sum(p.numel() for p in trainable)
     out = {
         "mode": "lora" if lora else "full",
         "params": model.num_params(),
-        "trainable_params": n_train,
-        "weights_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / GIB,
-        "grads_gib": sum(p.numel() * p.element_size() for p in trainable) / GIB,
-        "adamw_state_gib": state / GIB,
+        "trainable_params": sum(p.numel() for p in trainable),
+        "weights_gib": _gib(model.parameters()),
+        "grads_gib": _gib(trainable),
+        "adamw_state_gib": _gib(t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)),
     }
     if device.type == "cpu":
-        out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+        out["peak_rss_gib"] = peak_rss_bytes() / GIB
     return out
 
 

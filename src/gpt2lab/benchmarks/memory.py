@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import tempfile
 from typing import Optional
 
 import torch
 
-from gpt2lab.benchmarks import timed
+from gpt2lab.benchmarks import peak_rss_bytes, timed
 from gpt2lab.benchmarks.loader import synthetic_shards
 from gpt2lab.distributed.dist import DistInfo, cleanup, from_every_rank, init_distributed, pick_device
 from gpt2lab.model.config import PRESET_ALIASES, PRESETS
@@ -44,7 +43,7 @@ TINY = dict(n_layer=2, n_head=2, n_embd=64)  # for CPU measurements and tests
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--size", default=None, help="GPT-2 size: 124M (default), 350M, 774M, 1558M, or tiny (2 x 64)")
+    p.add_argument("--size", help="GPT-2 size: 124M (default), 350M, 774M, 1558M, or tiny (2 x 64)")
     p.add_argument(
         "--preset",
         default=None,
@@ -52,15 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="instead of --size: a training preset (its architecture, optimizer and seq_len); "
         "the other settings are this command's flags",
     )
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 1024, or the preset's)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default 1024, or the preset's)")
     p.add_argument("--max-batch", type=int, default=1024, help="search mode: stop searching here")
     p.add_argument("--compile", default="false", choices=["true", "false"])
-    p.add_argument("--device", default=None)
+    p.add_argument("--device")
     p.add_argument("--strategy", default="ddp", help=f"one of {', '.join(STRATEGIES)}")
-    p.add_argument(
-        "--world-size", type=int, default=None, help="ranks to predict for (default: torchrun's WORLD_SIZE, else 1)"
-    )
-    p.add_argument("--micro-batch", type=int, default=None, help="predict (and measure) this micro-batch")
+    p.add_argument("--world-size", type=int, help="ranks to predict for (default: torchrun's WORLD_SIZE, else 1)")
+    p.add_argument("--micro-batch", type=int, help="predict (and measure) this micro-batch")
     p.add_argument("--dtype", default="bfloat16", help=f"one of {', '.join(DTYPES)}")
     p.add_argument("--activation-checkpointing", default="false", choices=["true", "false"])
     p.add_argument(
@@ -122,11 +119,8 @@ def run_config(args: argparse.Namespace, micro_batch: int, accum: int, world: in
             device=str(args.device or "auto"),
             max_steps=args.steps,
             init_from=None,
-            eval_interval=0,
-            hellaswag_interval=0,
-            sample_interval=0,
-            ckpt_interval=0,
             progress=False,
+            **dict.fromkeys(("eval_interval", "hellaswag_interval", "sample_interval", "ckpt_interval"), 0),
         )
     except ConfigError as e:
         raise UsageError(f"--{'preset' if args.preset else 'size'} {args.size}: {e}") from None
@@ -207,25 +201,20 @@ def predict_and_measure(args: argparse.Namespace) -> Optional[dict]:
     return out
 
 
-def _trainer(cfg: TrainConfig, info, tmp: str, world: int):
-    """The Trainer of ``cfg`` on random token shards written into ``tmp`` (enough for its steps)."""
+def _measure(cfg: TrainConfig, args: argparse.Namespace, info, tmp: str) -> tuple:
+    """(peak bytes over the steps, resident bytes before the trainer was built, the profiler's peak of
+    live tensors or None, median seconds per step after the first) of this rank: ``cfg``'s Trainer on
+    random token shards written into ``tmp`` (enough for its steps)."""
     from gpt2lab.train.trainer import Trainer
 
-    b = cfg.batch
-    tokens = (cfg.optim.max_steps + 1) * b.total_batch_tokens + world * b.micro_batch_size * b.seq_len + 1
+    baseline, b = _rss_bytes(), cfg.batch
+    tokens = (cfg.optim.max_steps + 1) * b.total_batch_tokens + info.world_size * b.micro_batch_size * b.seq_len + 1
     if info.rank == 0:
         synthetic_shards(tmp, "train", 1, max(tokens, 4096))
         synthetic_shards(tmp, "val", 1, 4096, seed=1)
     if info.distributed:
         torch.distributed.barrier()
-    return Trainer.from_config(cfg.with_values(data=tmp, out=tmp + "/run"), info)
-
-
-def _measure(cfg: TrainConfig, args: argparse.Namespace, info, tmp: str) -> tuple:
-    """(peak bytes over the steps, resident bytes before the trainer was built, the profiler's peak of
-    live tensors or None, median seconds per step after the first) of this rank."""
-    baseline = _rss_bytes()
-    trainer = _trainer(cfg, info, tmp, info.world_size)
+    trainer = Trainer.from_config(cfg.with_values(data=tmp, out=tmp + "/run"), info)
     if info.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(info.device)
     times: list[float] = []
@@ -272,9 +261,7 @@ def _rss_bytes() -> int:
 
 
 def _peak_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()
 
 
 def search(args: argparse.Namespace) -> dict:
@@ -282,28 +269,25 @@ def search(args: argparse.Namespace) -> dict:
     info, compiled = DistInfo(device=device), args.compile == "true"
     kind = "cuda" if device.type == "cuda" else "cpu"
 
-    def attempt(B: int) -> dict:
+    tries: list[dict] = []  # doubling until one does not fit, then a bisection
+
+    def fits(B: int) -> bool:
         cfg = run_config(args, B, 1, 1)
         pred = memplan.predict(cfg, dtype=args.dtype, accum=1, device=kind, compiled=compiled)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        fits = True
+        ok = True
         try:
             with tempfile.TemporaryDirectory() as tmp:
                 _measure(cfg, args, info, tmp)  # the trainer is gone when it returns, or raises
         except torch.OutOfMemoryError:
-            fits = False
-        peak = _peak_bytes(device) / 2**30 if device.type == "cuda" else None
-        rec = {"B": B, "fits": fits, "peak_gib": round(peak, 2) if peak is not None else None}
+            ok = False
+        peak = round(_peak_bytes(device) / 2**30, 2) if device.type == "cuda" else None
+        rec = {"B": B, "fits": ok, "peak_gib": peak}
         rec["predicted_gib"] = round(tensor_mib(pred.to_dict(MiB)) / 1024, 2)  # tensors only, like the peak
         print(json.dumps(rec), flush=True)
-        return rec
-
-    tries: list[dict] = []  # doubling until one does not fit, then a bisection
-
-    def fits(B: int) -> bool:
-        tries.append(attempt(B))
-        return tries[-1]["fits"]
+        tries.append(rec)
+        return ok
 
     good = memplan.largest_fitting(fits, args.max_batch)
     return {

@@ -11,11 +11,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+from gpt2lab.benchmarks import timed
 from gpt2lab.system.errors import UsageError
 
 PEERS = ("transformers", "ctranslate2")
@@ -102,11 +102,7 @@ class CT2:
         out: dict = {ct: f"not run: {e}" for ct, e in self.errors.items()}
         for ct in self.generators:
             self.greedy(ct, prompt, rows, 4)  # warm-up
-            best = float("inf")
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                got = self.greedy(ct, prompt, rows, n)
-                best = min(best, time.perf_counter() - t0)
+            best, got = min(timed(lambda: self.greedy(ct, prompt, rows, n)) for _ in range(repeats))
             out[ct] = sum(len(g) for g in got) / best
         return out
 
@@ -181,6 +177,11 @@ def best_rounds(rounds: list[dict]) -> dict:
             else:
                 out.setdefault(kind, v)
     return out
+
+
+def ratios(ours: float, theirs: dict) -> dict:
+    """``ours`` over each figure of ``theirs`` that was measured (not an error's text)."""
+    return {k: ours / v for k, v in theirs.items() if isinstance(v, float)}
 
 
 def _last_line(text: str) -> str:

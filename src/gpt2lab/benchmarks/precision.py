@@ -34,11 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="a trained model: run dir, checkpoint or HF directory")
     p.add_argument("--data", required=True, help="token shards (gpt2lab prepare) whose val split is held out")
     p.add_argument("--tokens", type=int, default=65536, help="val tokens for the loss and top-1 agreement")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's block)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's block)")
     p.add_argument("--prompts", type=int, default=32, help="greedy continuations compared")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--hellaswag", default=None, help="HellaSwag jsonl (default: the official validation set)")
+    p.add_argument("--hellaswag", help="HellaSwag jsonl (default: the official validation set)")
     p.add_argument("--hellaswag-limit", type=int, default=0, help="examples scored (0: skip HellaSwag)")
     p.add_argument(
         "--cpu-linear",
@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the kernel of the float candidates (default packed)",
     )
     p.add_argument("--device", default="auto")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int)
 
 
 def _ways(linear: str, device: torch.device) -> dict[str, Candidate]:
@@ -79,8 +79,6 @@ def run(args: argparse.Namespace) -> dict:
     from gpt2lab.weights.load import load_model
 
     device = pick_device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     model = load_model(args.model, device)
     seq = args.seq_len or model.config.block_size
     loader = TokenLoader(args.data, "val", 1, seq, shuffle=False)

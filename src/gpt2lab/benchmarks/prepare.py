@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Tuple
 
+from gpt2lab.benchmarks import timed
 from gpt2lab.data.prepare import prepare
 from gpt2lab.data.sources import as_text, resolve_source
 from gpt2lab.data.tokenizer import gpt2_tokenizer
@@ -56,18 +57,17 @@ def _cpu_s() -> float:
 
 def _best(fn, repeat: int) -> Tuple[float, float]:
     """Best wall time of ``repeat`` runs, and the CPU time of that run."""
-    runs = []
-    for _ in range(repeat):
-        t0, c0 = time.perf_counter(), _cpu_s()
+
+    def cpu_of_run() -> float:
+        c0 = _cpu_s()
         fn()
-        runs.append((time.perf_counter() - t0, _cpu_s() - c0))
-    return min(runs)
+        return _cpu_s() - c0
+
+    return min(timed(cpu_of_run) for _ in range(repeat))
 
 
 def _write_jsonl(path: str, docs: List[str]) -> str:
-    with open(path, "w", encoding="utf-8") as f:
-        for doc in docs:
-            f.write(json.dumps({"text": doc}) + "\n")
+    Path(path).write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs), encoding="utf-8")
     return path
 
 
@@ -116,8 +116,8 @@ def run(args) -> Dict:
         "cpu_count": os.cpu_count(),
         "repeat": args.repeat,
         "load_avg_1m_before": round(os.getloadavg()[0], 2),
+        "scale": args.scale,
     }
-    out["scale"] = args.scale
     with tempfile.TemporaryDirectory() as tmp:
         sources = {"tinyshakespeare": "tinyshakespeare"}
         if args.scale > 1:

@@ -35,24 +35,20 @@ import time
 
 import torch
 
-from gpt2lab.benchmarks import peers, timed
+from gpt2lab.benchmarks import add_shape_flags, machine, peers, rounds, shape_config
 from gpt2lab.distributed.dist import autocast, pick_device
 from gpt2lab.inference.choice import InferenceRequest, candidates, rule, tile_rows_of
 from gpt2lab.inference.flags import add_inference_flags, inference_request
 from gpt2lab.inference.form import detect_facts, for_inference, hold
 from gpt2lab.inference.probe import announce, decide
-from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.model.gpt import GPT
 from gpt2lab.model.sampling import generate, generate_stream
 from gpt2lab.system import runtime
 from gpt2lab.system.errors import UsageError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--n-layer", type=int, default=12)
-    p.add_argument("--n-head", type=int, default=12)
-    p.add_argument("--n-embd", type=int, default=768)
-    p.add_argument("--block-size", type=int, default=1024)
-    p.add_argument("--vocab-size", type=int, default=50257)
+    add_shape_flags(p, vocab=True)
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per run (exactly)")
     p.add_argument("--prompt-tokens", type=int, default=16, help="length of the random prompt")
     p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto (cuda > mps > cpu)")
@@ -88,9 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed rounds")
     p.add_argument("--no-cache-repeats", type=int, default=1, help="timed runs without the cache (slow; 0 skips)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--threads", type=int, default=None, help="torch (and CTranslate2) CPU threads (default: torch's choice)"
-    )
+    p.add_argument("--threads", type=int, help="torch (and CTranslate2) CPU threads (default: torch's choice)")
 
 
 def first_mismatch(a: torch.Tensor, b: torch.Tensor) -> int | None:
@@ -103,18 +97,9 @@ def first_mismatch(a: torch.Tensor, b: torch.Tensor) -> int | None:
 
 def run(args: argparse.Namespace) -> dict:
     device = pick_device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     wanted = peers.parse_peers(args.peer)
     torch.manual_seed(args.seed)
-    config = GPTConfig(
-        block_size=args.block_size,
-        vocab_size=args.vocab_size,
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        n_embd=args.n_embd,
-    )
-    model = GPT(config).to(device).eval()
+    model = GPT(shape_config(args)).to(device).eval()
     request = inference_request(args, "sample")
     decision = decide(model, device, request, command="bench sample")
     prepared = hold(model, decision.candidate, request.rows, tile_rows=decision.tile_rows)
@@ -122,12 +107,16 @@ def run(args: argparse.Namespace) -> dict:
     dtype = decision.candidate.dtype  # the float dtype of every float comparison (int8's activations)
     library = for_inference(model, dtype=dtype, quantize=args.quantize)  # what a Python user's call holds
     library_pick = rule(InferenceRequest(dtype=dtype, quantize=args.quantize), detect_facts(device)).candidate
-    prompt = torch.randint(0, config.vocab_size, (1, args.prompt_tokens), device=device)
+    prompt = torch.randint(0, args.vocab_size, (1, args.prompt_tokens), device=device)
     n = args.new_tokens
+
+    def greedy(m, **kw):
+        return lambda: generate(m, prompt, n, temperature=0.0, **kw)[:, -n:]
+
     spans: list[tuple[float, float]] = []  # sample's (first new token, last) times, each timed run
     ways = {
         "sample": lambda: _decoding(prepared, prompt, n, device, spans),
-        "generate": lambda: generate(library, prompt, n, temperature=0.0)[:, -n:],
+        "generate": greedy(library),
         "unprepared": lambda: _unprepared(model, prompt, n, device, dtype),
     }
     asked = {w.strip() for w in args.ways.split(",") if w.strip()} | {"sample"}
@@ -137,62 +126,73 @@ def run(args: argparse.Namespace) -> dict:
     if args.all_settings:  # every explicit setting the device runs, each held as it would be
         for cand in candidates(dataclasses.replace(request, dtype="auto", linear="auto"), detect_facts(device)):
             tiles = tile_rows_of((decision.timings or {}).get(cand.name))  # its own, where measured
-            held = hold(model, cand, request.rows, tile_rows=tiles)
-            ways[f"setting {cand.name}"] = lambda held=held: generate(held, prompt, n, temperature=0.0)[:, -n:]
+            ways[f"setting {cand.name}"] = greedy(hold(model, cand, request.rows, tile_rows=tiles))
     if args.llama_cpp and device.type != "cpu":
         raise UsageError(f"--llama-cpp: llama.cpp is timed on the CPU only (device {device}); add --device cpu")
+    threads, llama_rounds = torch.get_num_threads(), []
     with tempfile.TemporaryDirectory() as d:
         hf_dir = peers.export(model, d) if wanted or args.llama_cpp else None
-        llama = (
-            peers.LlamaCpp(args.llama_cpp, hf_dir, d, torch.get_num_threads(), args.llama_cpp_convert)
-            if args.llama_cpp
-            else None
-        )
+        llama = peers.LlamaCpp(args.llama_cpp, hf_dir, d, threads, args.llama_cpp_convert) if args.llama_cpp else None
         if "transformers" in wanted:
             hf = peers.transformers_model(hf_dir, device, dtype)
             ways["transformers"] = lambda: peers.transformers_greedy(hf, prompt, n)
-        ct2 = (
-            peers.CT2(hf_dir, d, torch.get_num_threads()) if "ctranslate2" in wanted and device.type == "cpu" else None
-        )
+        ct2 = peers.CT2(hf_dir, d, threads) if "ctranslate2" in wanted and device.type == "cpu" else None
         for fn in ways.values():  # warm-up: allocator growth, library set-up
             with torch.inference_mode():
-                fn() if n <= 8 else _short(fn)
+                fn()
         spans.clear()
-        times: dict[str, list[float]] = {k: [] for k in ways}
-        tokens: dict[str, torch.Tensor] = {}
-        llama_rounds: list[dict] = []
-        for _ in range(args.repeats):
-            for name, fn in ways.items():
-                t, tokens[name] = timed(fn, device)
-                times[name].append(t)
-            if llama:  # in the same round: the box's drift over minutes falls on both alike
-                llama_rounds.append(llama.tok_per_s(args.prompt_tokens, n, 1))
-        times["no_cache"] = []
-        for _ in range(args.no_cache_repeats):
-            t, tokens["no_cache"] = timed(
-                lambda: generate(prepared, prompt, n, temperature=0.0, use_cache=False)[:, -n:], device
-            )
-            times["no_cache"].append(t)
+        # llama.cpp in the same rounds: the box's drift over minutes falls on both alike
+        after = (lambda: llama_rounds.append(llama.tok_per_s(args.prompt_tokens, n, 1))) if llama else None
+        times, tokens = rounds(ways, args.repeats, device, after)
+        no_cache, last = rounds({"no_cache": greedy(prepared, use_cache=False)}, args.no_cache_repeats, device)
+        times, tokens = {**times, **no_cache}, {**tokens, **last}
         ct2_tps = ct2.tok_per_s(prompt[0].tolist(), 1, n, args.repeats) if ct2 else None
         ct2_agree = (
             first_mismatch(torch.tensor([ct2.greedy("float32", prompt[0].tolist(), 1, n)[0]]), tokens["sample"].cpu())
             if ct2 and "float32" in ct2.generators
             else None
         )
-        llama_tps = peers.best_rounds(llama_rounds) if llama else None
-    out = _report(args, device, decision, times, tokens, ct2_tps, ct2_agree, "ctranslate2" in wanted and not ct2)
+    tps = {k: (n / min(v) if v else None) for k, v in times.items()}
+    out = {
+        **machine(device, args, decision),
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": n,
+        "tok_per_s": tps,
+        "seconds": {k: [round(t, 3) for t in v] for k, v in times.items()},
+        "cache_speedup": tps["sample"] / tps["no_cache"] if tps["no_cache"] else None,
+    }
+    if "generate" in tps:
+        out["generate_vs_sample"] = tps["generate"] / tps["sample"]
+        out["tokens_agree_generate_vs_sample"] = first_mismatch(tokens["generate"], tokens["sample"]) is None
+    if "unprepared" in tps:
+        out["sample_vs_unprepared"] = tps["sample"] / tps["unprepared"]
+    settings = {k.removeprefix("setting "): v for k, v in tps.items() if k.startswith("setting ")}
+    if settings:
+        out["best_setting"] = best = max(settings, key=settings.get)
+        out["sample_vs_best_setting"] = tps["sample"] / settings[best]
+    if tps["no_cache"]:
+        out["tokens_agree_cache_vs_no_cache"] = first_mismatch(tokens["sample"], tokens["no_cache"]) is None
+    if "transformers" in tps:
+        out["vs_transformers"] = tps["sample"] / tps["transformers"]
+        out["first_mismatch_vs_transformers"] = first_mismatch(tokens["sample"], tokens["transformers"])
+    if ct2_tps is not None:
+        out["ctranslate2_tok_per_s"] = ct2_tps
+        out["vs_ctranslate2"] = peers.ratios(tps["sample"], ct2_tps)
+        out["first_mismatch_vs_ctranslate2_float32"] = ct2_agree
+    elif "ctranslate2" in wanted:
+        out["ctranslate2_tok_per_s"] = f"not run: CTranslate2 is timed on the CPU only (device {device})"
     if prepared.held_pages is not None:  # where the held weights live (inference/pages.py)
         out["held_pages"] = prepared.held_pages.describe()
     if "generate" in ways:
         out["generate_kernel"] = library_pick.name
     decoding = max(((n - 1) / (t1 - t0) for t0, t1 in spans if t1 > t0), default=None) if n > 1 else None
     out["decode_tok_per_s"] = {"sample": decoding}
-    if llama_tps is not None:
-        out["llama_cpp_tok_per_s"] = llama_tps
+    if llama:
+        out["llama_cpp_tok_per_s"] = llama_tps = peers.best_rounds(llama_rounds)
         out["llama_cpp_rounds"] = llama_rounds  # each round's, beside gpt2lab's ``seconds`` of the same rounds
-        out["vs_llama_cpp"] = {k: out["tok_per_s"]["sample"] / v for k, v in llama_tps.items() if isinstance(v, float)}
+        out["vs_llama_cpp"] = peers.ratios(tps["sample"], llama_tps)
         if decoding:
-            out["decoding_vs_llama_cpp"] = {k: decoding / v for k, v in llama_tps.items() if isinstance(v, float)}
+            out["decoding_vs_llama_cpp"] = peers.ratios(decoding, llama_tps)
     return out
 
 
@@ -208,51 +208,6 @@ def _decoding(model, prompt: torch.Tensor, n: int, device: torch.device, spans: 
     return torch.cat(new, dim=1)
 
 
-def _short(fn):
-    """The first call of a way, which would time its set-up: run it (its length does not matter for warm-up)."""
-    return fn()
-
-
 def _unprepared(model: GPT, prompt: torch.Tensor, n: int, device: torch.device, dtype: str) -> torch.Tensor:
     with autocast(device, dtype):
         return generate(model, prompt, n, temperature=0.0)[:, -n:]
-
-
-def _report(args, device, decision, times, tokens, ct2_tps, ct2_agree, ct2_skipped) -> dict:
-    n = args.new_tokens
-    tps = {k: (n / min(v) if v else None) for k, v in times.items()}
-    out = {
-        "device": str(device),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "config": dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, vocab_size=args.vocab_size),
-        "asked": {"dtype": args.dtype, "quantize": args.quantize, "cpu_linear": args.cpu_linear},
-        "inference": decision.record(),
-        "prompt_tokens": args.prompt_tokens,
-        "new_tokens": n,
-        "tok_per_s": tps,
-        "seconds": {k: [round(t, 3) for t in v] for k, v in times.items()},
-        "cache_speedup": tps["sample"] / tps["no_cache"] if tps["no_cache"] else None,
-    }
-    if "generate" in tps:
-        out["generate_vs_sample"] = tps["generate"] / tps["sample"]
-        out["tokens_agree_generate_vs_sample"] = first_mismatch(tokens["generate"], tokens["sample"]) is None
-    if "unprepared" in tps:
-        out["sample_vs_unprepared"] = tps["sample"] / tps["unprepared"]
-    settings = {k.removeprefix("setting "): v for k, v in tps.items() if k.startswith("setting ")}
-    if settings:
-        best = max(settings, key=settings.get)
-        out["best_setting"] = best
-        out["sample_vs_best_setting"] = tps["sample"] / settings[best]
-    if tps["no_cache"]:
-        out["tokens_agree_cache_vs_no_cache"] = first_mismatch(tokens["sample"], tokens["no_cache"]) is None
-    if "transformers" in tps:
-        out["vs_transformers"] = tps["sample"] / tps["transformers"]
-        out["first_mismatch_vs_transformers"] = first_mismatch(tokens["sample"], tokens["transformers"])
-    if ct2_tps is not None:
-        out["ctranslate2_tok_per_s"] = ct2_tps
-        out["vs_ctranslate2"] = {ct: tps["sample"] / v for ct, v in ct2_tps.items() if isinstance(v, float)}
-        out["first_mismatch_vs_ctranslate2_float32"] = ct2_agree
-    elif ct2_skipped:
-        out["ctranslate2_tok_per_s"] = f"not run: CTranslate2 is timed on the CPU only (device {device})"
-    return out

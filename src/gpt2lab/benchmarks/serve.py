@@ -40,9 +40,9 @@ from typing import Optional
 
 import torch
 
-from gpt2lab.benchmarks import peers
+from gpt2lab.benchmarks import add_shape_flags, machine, peers, shape_config
 from gpt2lab.inference.flags import add_inference_flags, inference_request
-from gpt2lab.model.gpt import GPT, GPTConfig
+from gpt2lab.model.gpt import GPT
 from gpt2lab.serve.limits import Limits
 from gpt2lab.system.choices import finite_float
 from gpt2lab.system.errors import UsageError
@@ -50,10 +50,7 @@ from gpt2lab.system.errors import UsageError
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = Limits()
-    p.add_argument("--n-layer", type=int, default=12)
-    p.add_argument("--n-head", type=int, default=12)
-    p.add_argument("--n-embd", type=int, default=768)
-    p.add_argument("--block-size", type=int, default=1024)
+    add_shape_flags(p)
     p.add_argument("--new-tokens", type=int, default=64, help="tokens asked of each request")
     p.add_argument(
         "--streams", default="1,8", help="comma-separated counts of requests in flight at most (default 1,8)"
@@ -74,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="ctranslate2: time CTranslate2's generate_batch of as many rows as each stream count, "
         "same weights, threads, prompt and new tokens (fp32 and int8; default none)",
     )
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-batch", type=int, default=d.max_batch)
     p.add_argument("--max-queue", type=int, default=d.max_queue)
@@ -82,10 +79,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fault", action="store_true", help="after the load, the fault run")
 
 
-def _post(url: str, body: bytes, timeout: float = 600) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+def _request(url: str, body: Optional[bytes], timeout: float = 600) -> tuple:
+    """(connection, response) of a POST of ``body`` to /v1/completions, or of a GET of /metrics."""
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
-    conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    conn.request(*(("GET", "/metrics") if body is None else ("POST", "/v1/completions", body, headers)))
     return conn, conn.getresponse()
 
 
@@ -93,18 +92,9 @@ def _prompt(seed: int) -> str:
     return f"Request {seed}: the weather today is"
 
 
-def _body(seed: int, n: int, **extra) -> bytes:
-    return json.dumps(
-        {
-            "model": "bench",
-            "prompt": _prompt(seed),
-            "max_tokens": n,
-            "seed": seed,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            **extra,
-        }
-    ).encode()
+def _body(seed: int, n: int, stream: bool = True, prompt=None) -> bytes:
+    body = {"model": "bench", "prompt": _prompt(seed) if prompt is None else prompt, "max_tokens": n, "seed": seed}
+    return json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}} if stream else body).encode()
 
 
 def _events(resp: http.client.HTTPResponse):
@@ -120,7 +110,7 @@ def _stream(url: str, seed: int, n: int) -> dict:
     t0 = time.perf_counter()
     out = {"first_s": None, "gaps": [], "tokens": 0, "error": None}
     try:
-        conn, resp = _post(url, _body(seed, n))
+        conn, resp = _request(url, _body(seed, n))
         if resp.status != 200:
             out["error"] = f"HTTP {resp.status}"
             return out
@@ -143,22 +133,15 @@ def _stream(url: str, seed: int, n: int) -> dict:
     return out
 
 
-def _percentile(values: list[float], q: float) -> Optional[float]:
-    if not values:
-        return None
+def _percentile(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
 
 
 def _ms_stats(name: str, seconds: list[float]) -> dict:
     """mean, median and p99 of ``seconds`` in milliseconds, keyed as vLLM's bench serve names them."""
-    if not seconds:
-        return {f"mean_{name}_ms": None, f"median_{name}_ms": None, f"p99_{name}_ms": None}
-    return {
-        f"mean_{name}_ms": 1000 * statistics.mean(seconds),
-        f"median_{name}_ms": 1000 * _percentile(seconds, 50),
-        f"p99_{name}_ms": 1000 * _percentile(seconds, 99),
-    }
+    stats = {"mean": statistics.mean, "median": lambda s: _percentile(s, 50), "p99": lambda s: _percentile(s, 99)}
+    return {f"{k}_{name}_ms": 1000 * f(seconds) if seconds else None for k, f in stats.items()}
 
 
 def arrivals(rate: float, seconds: float, seed: int) -> list[float]:
@@ -198,41 +181,42 @@ def summarize(done: list[dict], wall: float, streams: int, rate: Optional[float]
     }
 
 
-def load(url: str, streams: int, seconds: float, n: int, rate: Optional[float] = None, seed: int = 0) -> dict:
-    """At most ``streams`` requests in flight for ``seconds``: back to back, or arriving at ``rate`` per second."""
-    done: list[dict] = []
-    lock = threading.Lock()
-    if rate is None:
-        barrier = threading.Barrier(streams)
-
-        def client(i: int) -> None:
-            barrier.wait()
-            end, k = time.perf_counter() + seconds, 0
-            while time.perf_counter() < end:
-                r = _stream(url, 1000 * i + k, n)
-                with lock:
-                    done.append(r)
-                k += 1
-
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(streams)]
-    else:
-        slots = threading.Semaphore(streams)
-        t_start = time.perf_counter() + 0.05
-
-        def client(i: int) -> None:
-            time.sleep(max(0.0, t_start + times[i] - time.perf_counter()))
-            with slots:  # a request waits here for a slot; its clock starts when it is sent, as vLLM's
-                r = _stream(url, i, n)
-            with lock:
-                done.append(r)
-
-        times = arrivals(rate, seconds, seed)
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(times))]
-    t0 = time.perf_counter()
+def _together(fn, count: int) -> list:
+    """``fn(0)`` ... ``fn(count - 1)``, each in a thread of its own, all at once: their results in order."""
+    out: list = [None] * count
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, fn(i))) for i in range(count)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return out
+
+
+def load(url: str, streams: int, seconds: float, n: int, rate: Optional[float] = None, seed: int = 0) -> dict:
+    """At most ``streams`` requests in flight for ``seconds``: back to back, or arriving at ``rate`` per second."""
+    if rate is None:
+        barrier = threading.Barrier(streams)
+
+        def client(i: int) -> list[dict]:
+            barrier.wait()
+            end, done = time.perf_counter() + seconds, []
+            while time.perf_counter() < end:
+                done.append(_stream(url, 1000 * i + len(done), n))
+            return done
+
+        count = streams
+    else:
+        slots, times = threading.Semaphore(streams), arrivals(rate, seconds, seed)
+        t_start = time.perf_counter() + 0.05
+
+        def client(i: int) -> list[dict]:
+            time.sleep(max(0.0, t_start + times[i] - time.perf_counter()))
+            with slots:  # a request waits here for a slot; its clock starts when it is sent, as vLLM's
+                return [_stream(url, i, n)]
+
+        count = len(times)
+    t0 = time.perf_counter()
+    done = [r for rs in _together(client, count) for r in rs]
     return summarize(done, time.perf_counter() - t0, streams, rate)
 
 
@@ -266,15 +250,16 @@ def _load_elsewhere(url: str, streams: int, seconds: float, n: int, rate: Option
 
 
 def _rss_mb() -> float:
+    gc.collect()
     import psutil  # a dependency of several of ours (accelerate, wandb); read lazily
 
-    return psutil.Process().memory_info().rss / 2**20
+    return round(psutil.Process().memory_info().rss / 2**20, 1)
 
 
 def _answer(url: str, body: bytes) -> tuple[int, bool]:
     """(status, whether the body is a result or an OpenAI-shaped JSON error) of one request."""
     try:
-        conn, resp = _post(url, body, timeout=120)
+        conn, resp = _request(url, body, timeout=120)
         data = resp.read()
         conn.close()
     except OSError:
@@ -287,23 +272,19 @@ def _answer(url: str, body: bytes) -> tuple[int, bool]:
 
 
 def _active_rows(url: str) -> float:
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    conn.request("GET", "/metrics")
-    text = conn.getresponse().read().decode()
+    conn, resp = _request(url, None, timeout=30)
+    text = resp.read().decode()
     conn.close()
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("gpt2lab_active_rows{"))
 
 
 def fault_run(url: str, limits: Limits, block_size: int, new_tokens: int, disconnects: int = 8) -> dict:
     """Faults against a running server; see the module's docstring. Every count is in the result."""
-    gc.collect()
-    rss_before = _rss_mb()
-    out: dict = {"rss_before_mb": round(rss_before, 1)}
+    out: dict = {"rss_before_mb": _rss_mb()}
     # clients that read two chunks of a long stream, then hang up
     long = min(block_size - 16, max(new_tokens, 32))
     for i in range(disconnects):
-        conn, resp = _post(url, _body(500 + i, long))
+        conn, resp = _request(url, _body(500 + i, long))
         events = _events(resp)
         next(events), next(events)
         conn.sock.close()
@@ -317,37 +298,24 @@ def fault_run(url: str, limits: Limits, block_size: int, new_tokens: int, discon
         "malformed_json": b'{"model": "bench", "prompt": ',
         "oversize_prompt": json.dumps({"model": "bench", "prompt": [1] * (block_size + 1)}).encode(),
         "oversize_body": json.dumps({"model": "bench", "prompt": "x" * (2 << 20)}).encode(),
-        "max_tokens_past_cap": json.dumps(
-            {"model": "bench", "prompt": "x", "max_tokens": limits.max_tokens + 1}
-        ).encode(),
+        "max_tokens_past_cap": _body(0, limits.max_tokens + 1, stream=False, prompt="x"),
     }
     for name, body in bad.items():
         out[name] = _answer(url, body)[0]
     # a burst past the queue: every request answered, with a result or a JSON error
     burst = limits.max_batch + limits.max_queue + 8
-    answers: list = [None] * burst
     barrier = threading.Barrier(burst)
 
-    def client(i: int) -> None:
+    def client(i: int) -> tuple[int, bool]:
         barrier.wait()
-        answers[i] = _answer(
-            url, json.dumps({"model": "bench", "prompt": f"burst {i}", "max_tokens": new_tokens, "seed": i}).encode()
-        )
+        return _answer(url, _body(i, new_tokens, stream=False, prompt=f"burst {i}"))
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(burst)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    statuses: dict[str, int] = {}
-    for status, _ in answers:
-        statuses[str(status)] = statuses.get(str(status), 0) + 1
+    answers = _together(client, burst)
     out["burst"] = burst
-    out["burst_statuses"] = statuses
+    out["burst_statuses"] = {str(s): sum(a[0] == s for a in answers) for s in sorted({a[0] for a in answers})}
     out["burst_unanswered"] = sum(1 for _, well_formed in answers if not well_formed)
-    out["still_serving"] = _answer(url, json.dumps({"model": "bench", "prompt": "after", "max_tokens": 2}).encode())[0]
-    gc.collect()
-    out["rss_after_mb"] = round(_rss_mb(), 1)
+    out["still_serving"] = _answer(url, _body(0, 2, stream=False, prompt="after"))[0]
+    out["rss_after_mb"] = _rss_mb()
     return out
 
 
@@ -355,8 +323,6 @@ def run(args: argparse.Namespace) -> dict:
     from gpt2lab.serve.models import load_workers
     from gpt2lab.serve.server import bind, serve_here
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     try:
         counts = [int(c) for c in str(args.streams).split(",") if c.strip()]
@@ -366,9 +332,6 @@ def run(args: argparse.Namespace) -> dict:
         raise UsageError(f"--streams {args.streams}: give whole counts of at least 1, comma-separated (e.g. 1,8,32)")
     if args.request_rate is not None and args.request_rate <= 0:
         raise UsageError(f"--request-rate {args.request_rate}: must be > 0 (leave it out for back-to-back requests)")
-    config = GPTConfig(
-        block_size=args.block_size, vocab_size=50257, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd
-    )
     try:
         limits = Limits(max_batch=args.max_batch, max_queue=args.max_queue)
     except ValueError as e:  # Limits names the flag
@@ -377,23 +340,17 @@ def run(args: argparse.Namespace) -> dict:
     if "transformers" in wanted:
         raise UsageError("--peer transformers: bench serve times CTranslate2 only (bench sample times both)")
     with tempfile.TemporaryDirectory() as d:
-        hf_dir = peers.export(GPT(config), d)
+        hf_dir = peers.export(GPT(shape_config(args)), d)
         workers = load_workers(
             [f"bench={hf_dir}"], args.device, inference_request(args, "serve"), limits, args.deterministic
         )
+        turns = "turns (--deterministic)" if args.deterministic else f"batches of up to {args.max_batch} rows"
         out = {
-            "device": str(workers["bench"].device),
-            "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "config": dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, vocab_size=50257),
-            "scheduling": "turns (--deterministic)"
-            if args.deterministic
-            else f"batches of up to {args.max_batch} rows",
+            **machine(workers["bench"].device, args, workers["bench"].decision),
+            "scheduling": turns,
             "new_tokens": args.new_tokens,
             "seconds": args.seconds,
             "request_rate": args.request_rate,
-            "asked": {"dtype": args.dtype, "quantize": args.quantize, "cpu_linear": args.cpu_linear},
-            "inference": workers["bench"].decision.record(),
         }
 
         def clients(url: str) -> None:
@@ -406,15 +363,12 @@ def run(args: argparse.Namespace) -> dict:
                 out["fault"] = fault_run(url, limits, args.block_size, args.new_tokens)
 
         serve_here(workers, bind("127.0.0.1", 0), clients)  # the model in this thread, as `gpt2lab serve` runs it
-        if "ctranslate2" in wanted:
-            out["ctranslate2"] = _ct2(hf_dir, d, counts, args)
+        if "ctranslate2" in wanted:  # an N-row batch for each stream count N: the clients' prompt, new tokens
+            from gpt2lab.data.tokenizer import gpt2_tokenizer
+
+            ct2 = peers.CT2(hf_dir, d, torch.get_num_threads())
+            prompt = gpt2_tokenizer().encode(_prompt(0))
+            out["ctranslate2"] = [
+                {"rows": n, "aggregate_tok_per_s": ct2.tok_per_s(prompt, n, args.new_tokens, 3)} for n in counts
+            ]
     return out
-
-
-def _ct2(hf_dir: str, d: str, counts: list[int], args: argparse.Namespace) -> list[dict]:
-    """CTranslate2 as an N-row batch for each stream count N: the prompt the clients send, as many new tokens."""
-    from gpt2lab.data.tokenizer import gpt2_tokenizer
-
-    ct2 = peers.CT2(hf_dir, d, torch.get_num_threads())
-    prompt = gpt2_tokenizer().encode(_prompt(0))
-    return [{"rows": n, "aggregate_tok_per_s": ct2.tok_per_s(prompt, n, args.new_tokens, 3)} for n in counts]

@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import math
 import multiprocessing as mp
 import statistics
 import tempfile
-import time
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from gpt2lab.benchmarks import timed
 from gpt2lab.distributed.dist import DistInfo, autocast, pick_device
 from gpt2lab.train.config import merge_config
 from gpt2lab.train.optim import make_optimizer
@@ -79,38 +81,19 @@ def run(args: argparse.Namespace) -> dict:
     names = ["gpt2lab", *recipes] + (["reference"] if args.reference else [])
     # Each side runs in a process of its own: the CPU allocator setting (mallopt) and the
     # heap it leaves behind are per process, and one side's setting must not tax the other.
-    ctx = mp.get_context("spawn")
-    opts = dict(
-        warmup=args.warmup,
-        reference_compile=args.reference_compile == "true",
-        reference_dtype=args.reference_dtype,
-        reference_keep_memory=args.reference_keep_memory == "true",
-    )
-    sides = []
-    with tempfile.TemporaryDirectory() as tmp:  # the runs' directories (nothing is written there)
-        try:
-            for i, name in enumerate(names):
-                side = recipes.get(name, cfg).with_values(out=f"{tmp}/{i}")
-                parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_worker, args=(child, name, side, str(device), opts), daemon=True)
-                proc.start()
-                sides.append((name, proc, parent))
-            info = {name: _recv(name, conn) for name, _, conn in sides}  # built and warmed up
-            rounds: dict[str, list[float]] = {name: [] for name in names}
-            for _ in range(args.rounds):  # in turn, so that every side sees the same machine load
-                for name, _, conn in sides:
-                    conn.send(args.steps)
-                    rounds[name].append(_recv(name, conn))
-        finally:
-            for _, proc, conn in sides:
-                if proc.is_alive():
-                    try:
-                        conn.send(None)
-                    except OSError:
-                        pass
-                    proc.join(timeout=30)
-                if proc.is_alive():
-                    proc.kill()
+    opts = {k: getattr(args, k) for k in ("warmup", "reference_compile", "reference_dtype", "reference_keep_memory")}
+    # the runs' directories (nothing is written there); the sides' processes end before they go
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        sides = {n: stack.enter_context(ProcessPoolExecutor(1, mp.get_context("spawn"))) for n in names}
+        started = [
+            pool.submit(_start, name, recipes.get(name, cfg).with_values(out=f"{tmp}/{i}"), str(device), opts)
+            for i, (name, pool) in enumerate(sides.items())
+        ]
+        info = dict(zip(names, (f.result() for f in started)))  # built and warmed up, all at once
+        rounds: dict[str, list[float]] = {name: [] for name in names}
+        for _ in range(args.rounds):  # in turn, so that every side sees the same machine load
+            for name, pool in sides.items():
+                rounds[name].append(pool.submit(_time, args.steps).result())
     ms = statistics.median(rounds["gpt2lab"])
     tok_per_s = cfg.batch.total_batch_tokens / (ms / 1000)
     ours = info["gpt2lab"]
@@ -178,58 +161,44 @@ def _recipe(text: str) -> tuple[str, tuple[str, dict]]:
     return text, (preset, changes)
 
 
-def _recv(name: str, conn):
-    try:
-        msg = conn.recv()
-    except EOFError:
-        raise RuntimeError(f"bench train: the {name} worker process died (see its output above)") from None
-    if isinstance(msg, BaseException):
-        raise RuntimeError(f"bench train: the {name} side failed: {msg!r}") from msg
-    return msg
+_SIDE: dict = {}  # in a side's process: its name, device and step
 
 
-def _worker(conn, name: str, cfg, device: str, opts: dict) -> None:
-    """One side in its own process: build, warm up, then time ``steps`` steps per request."""
-    try:
-        from gpt2lab.data import TokenLoader
-        from gpt2lab.train.trainer import Trainer, keep_freed_memory
+def _start(name: str, cfg, device: str, opts: dict) -> dict:
+    """One side, in a process of its own: built and warmed up; its facts."""
+    from gpt2lab.data import TokenLoader
+    from gpt2lab.train.trainer import Trainer, keep_freed_memory
 
-        device = torch.device(device)
-        if device.type == "cpu":
-            keep_freed_memory(cfg.system.keep_cpu_memory if name != "reference" else opts["reference_keep_memory"])
-        info = {"threads": torch.get_num_threads(), "flops_per_token": None, "peak": None}
-        if name != "reference":  # exactly the step `gpt2lab train` runs
-            trainer = Trainer.from_config(cfg, DistInfo(device=device))
-            info.update(
-                flops_per_token=trainer.flops_per_token,
-                peak=trainer.peak,
-                dtype=trainer.dtype,
-                compile=trainer.compile,
-                choices=trainer.choices.summary(),
-            )
-            fn = loss_of_step(trainer)
-        else:  # the same batches (same loader, same seed)
-            if device.type == "cuda":
-                torch.set_float32_matmul_precision("high")  # TF32, as the recipe sets it
-            torch.manual_seed(cfg.seed)
-            loader = TokenLoader(cfg.data, "train", cfg.batch.micro_batch_size, cfg.batch.seq_len, seed=cfg.seed)
-            fn = reference_step(cfg, device, loader.next_batch, opts["reference_compile"], opts["reference_dtype"])
-        for _ in range(opts["warmup"]):
-            fn()
-        conn.send(info)
-        while (steps := conn.recv()) is not None:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                loss = fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            ms = 1000 * (time.perf_counter() - t0) / steps
-            if not math.isfinite(float(loss)):
-                raise RuntimeError(f"{name}: non-finite loss {loss} while benchmarking")
-            conn.send(ms)
-    except BaseException as e:  # reported to the parent, which raises it
-        conn.send(RuntimeError(f"{type(e).__name__}: {e}"))
-        raise
+    device = torch.device(device)
+    if device.type == "cpu":
+        keep_freed_memory(
+            cfg.system.keep_cpu_memory if name != "reference" else opts["reference_keep_memory"] == "true"
+        )
+    info = {"threads": torch.get_num_threads(), "flops_per_token": None, "peak": None}
+    if name != "reference":  # exactly the step `gpt2lab train` runs
+        trainer = Trainer.from_config(cfg, DistInfo(device=device))
+        info.update({k: getattr(trainer, k) for k in ("flops_per_token", "peak", "dtype", "compile")})
+        info["choices"] = trainer.choices.summary()
+        fn = loss_of_step(trainer)
+    else:  # the same batches (same loader, same seed)
+        if device.type == "cuda":
+            torch.set_float32_matmul_precision("high")  # TF32, as the recipe sets it
+        torch.manual_seed(cfg.seed)
+        loader = TokenLoader(cfg.data, "train", cfg.batch.micro_batch_size, cfg.batch.seq_len, seed=cfg.seed)
+        compiled = opts["reference_compile"] == "true"
+        fn = reference_step(cfg, device, loader.next_batch, compiled, opts["reference_dtype"])
+    for _ in range(opts["warmup"]):
+        fn()
+    _SIDE.update(name=name, device=device, step=fn)
+    return info
+
+
+def _time(steps: int) -> float:
+    """ms a step of this process's side, over ``steps`` steps."""
+    seconds, losses = timed(lambda: [_SIDE["step"]() for _ in range(steps)], _SIDE["device"])
+    if not math.isfinite(float(losses[-1])):
+        raise RuntimeError(f"{_SIDE['name']}: non-finite loss {losses[-1]} while benchmarking")
+    return 1000 * seconds / steps
 
 
 # -- the reference recipe's model, written plainly ---------------------------------------
@@ -311,16 +280,8 @@ def reference_step(cfg, device: torch.device, next_batch, compile: bool, dtype: 
     """The recipe's model and step on ``next_batch``'s batches: AdamW (fused on CUDA only) at max_lr."""
     m, o = cfg.model, cfg.optim
     model = ReferenceGPT(m.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd).to(device)
-    betas = (o.beta1, o.beta2)
-    opt = make_optimizer(
-        model,
-        lr=o.max_lr,
-        weight_decay=o.weight_decay,
-        betas=betas,
-        eps=o.eps,
-        device=device,
-        fused=device.type == "cuda",
-    )
+    adamw = dict(lr=o.max_lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps)
+    opt = make_optimizer(model, **adamw, device=device, fused=device.type == "cuda")
     fwd = torch.compile(model) if compile else model
 
     def loss() -> torch.Tensor:
