@@ -38,3 +38,11 @@ def program() -> str:
         rel = os.path.relpath(script)
         return shlex.quote(rel if not rel.startswith("..") else script)
     return f"{shlex.quote(sys.executable)} -m gpt2lab"
+
+
+def note_live(command: str, paths) -> None:
+    """A note on stderr for each of ``paths`` that a live run is writing: it is read, nothing written."""
+    from gpt2lab.system import rundir
+
+    for note in filter(None, map(rundir.live_note, paths)):
+        print(f"{command}: note: {note}", file=sys.stderr, flush=True)

@@ -259,8 +259,10 @@ def describe(who: dict) -> str:
 def live_note(path: str) -> Optional[str]:
     """A line for readers of a live run (report, plot, sample), or None when no run holds it.
 
-    ``path`` is a run directory or one of its checkpoints (``RUN/checkpoints/step_N``).
+    ``path`` is a run directory or one of its checkpoints (``RUN/checkpoints/step_N``), else None.
     """
+    if not os.path.isdir(path):
+        return None
     for run in (path, os.path.dirname(os.path.dirname(os.path.abspath(path)))):
         who = holder(run)
         if who is not None:
