@@ -17,6 +17,19 @@ class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+DEVICE_HELP = "cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)"
+
+
+def add_model_flags(p: argparse.ArgumentParser, **model) -> None:
+    """``--model`` (``model``: its default or ``required``, ...), ``--device`` and the inference flags."""
+    from gpt2lab.inference.flags import add_inference_flags
+
+    model.setdefault("help", "HF name (gpt2 ... gpt2-xl), HF model dir, run dir or checkpoint dir")
+    p.add_argument("--model", **model)
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    add_inference_flags(p)
+
+
 def program() -> str:
     """How the user calls gpt2lab, as advice that runs: plain ``gpt2lab`` when that is on PATH, else
     the script beside this Python (``.venv/bin/gpt2lab`` after ``make demo``), else ``python -m

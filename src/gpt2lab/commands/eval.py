@@ -7,7 +7,7 @@ import contextlib
 import json
 import sys
 
-from gpt2lab.inference.flags import add_inference_flags
+from gpt2lab.commands import add_model_flags
 from gpt2lab.system.choices import HELLASWAG_STRATEGIES, positive_int
 from gpt2lab.train.settings import parse_bool
 
@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
     esub = p.add_subparsers(dest="task", metavar="TASK", required=True)
 
     hs = esub.add_parser("hellaswag", help="HellaSwag acc and acc_norm (works under torchrun)")
-    _common(hs)
+    add_model_flags(hs, required=True)
     hs.add_argument(
         "--data",
         default=None,
@@ -43,7 +43,7 @@ def add_parser(sub) -> None:
     hs.set_defaults(func=eval_hellaswag)
 
     lo = esub.add_parser("loss", help="mean next-token loss over the first N tokens of a split")
-    _common(lo)
+    add_model_flags(lo, required=True)
     lo.add_argument("--data", required=True, help="token shard directory (from gpt2lab prepare)")
     lo.add_argument("--split", default="val")
     # 20 batches of 64 x 1024: what the reference recipe's GPT-2 baseline (3.2924) was measured on.
@@ -64,7 +64,7 @@ def add_parser(sub) -> None:
         help="held-out conversations: the loss on the assistant's tokens and the share "
         "of greedy replies that end their turn",
     )
-    _common(ch)
+    add_model_flags(ch, required=True)
     ch.add_argument(
         "--data",
         default=None,
@@ -82,7 +82,7 @@ def add_parser(sub) -> None:
     ch.set_defaults(func=eval_chat)
 
     gs = esub.add_parser("gsm8k", help="GSM8K: greedy answers, exact match on the number after ####")
-    _common(gs)
+    add_model_flags(gs, required=True)
     gs.add_argument(
         "--data",
         default=None,
@@ -108,16 +108,6 @@ def add_parser(sub) -> None:
         "to this file (new, or one gpt2lab wrote)",
     )
     gs.set_defaults(func=eval_gsm8k)
-
-
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        required=True,
-        help="HF name (gpt2, gpt2-medium, ...), HF model dir, gpt2lab run dir or checkpoint dir",
-    )
-    p.add_argument("--device", default=None, help="cpu, cuda, mps (default: the best available)")
-    add_inference_flags(p)
 
 
 def _load(args: argparse.Namespace, info, compiled: bool = False):
@@ -224,24 +214,18 @@ def eval_loss(args: argparse.Namespace) -> int:
     return 0
 
 
-def _chat_model(args: argparse.Namespace, info):
-    """The model prepared for generating (one row, as ``sample``)."""
-    from gpt2lab.inference.completion import load_for_inference
-    from gpt2lab.inference.flags import inference_request
-
-    return load_for_inference(args.model, info.device, inference_request(args, "sample"), command="gpt2lab eval")
-
-
 def eval_chat(args: argparse.Namespace) -> int:
     from gpt2lab.distributed.dist import init_distributed
     from gpt2lab.evals.chat import chat_data, evaluate_chat, read_conversations
+    from gpt2lab.inference.completion import load_for_inference
+    from gpt2lab.inference.flags import inference_request
 
     data, note = chat_data(args.data, args.model)
     if note:
         print(f"gpt2lab eval chat: {note}", file=sys.stderr, flush=True)
     conversations = read_conversations(data, args.limit)
     info = init_distributed(args.device)
-    model, decision = _chat_model(args, info)
+    model, decision = load_for_inference(args.model, info.device, inference_request(args, "sample"), "gpt2lab eval")
     with _one_line("chat", f"--model {args.model}: "):  # a model that cannot take the template
         result = evaluate_chat(model, conversations, max_tokens=args.max_tokens, device=info.device, progress=True)
     print(json.dumps({**result, "model": args.model, "data": data, "inference": decision.record()}))
@@ -251,6 +235,8 @@ def eval_chat(args: argparse.Namespace) -> int:
 def eval_gsm8k(args: argparse.Namespace) -> int:
     from gpt2lab.distributed.dist import init_distributed
     from gpt2lab.evals.chat import evaluate_gsm8k, gsm8k_test_file, read_conversations
+    from gpt2lab.inference.completion import load_for_inference
+    from gpt2lab.inference.flags import inference_request
     from gpt2lab.system import rundir
     from gpt2lab.system.files import atomic_write
 
@@ -260,7 +246,7 @@ def eval_gsm8k(args: argparse.Namespace) -> int:
         data = args.data or gsm8k_test_file(flag="--data")
     problems = read_conversations(data, args.limit, gsm8k=True)
     info = init_distributed(args.device)
-    model, decision = _chat_model(args, info)
+    model, decision = load_for_inference(args.model, info.device, inference_request(args, "sample"), "gpt2lab eval")
     with _one_line("gsm8k", f"--model {args.model}: "):  # a model that cannot take the template
         summary, rows = evaluate_gsm8k(
             model, problems, max_tokens=args.max_tokens, calculator=args.calculator, progress=True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
 
@@ -82,22 +83,9 @@ def run(args) -> int:
     from gpt2lab.data.prepare import prepare
     from gpt2lab.data.tokenizer import data_tokenizer
 
-    manifest = prepare(
-        args.source,
-        args.out,
-        shard_tokens=args.shard_tokens,
-        val_tokens=args.val_tokens,
-        workers=args.workers,
-        text_field=args.text_field,
-        limit_docs=args.limit_docs,
-        config=args.config,
-        progress=not args.quiet,
-        val_split=args.val_split,
-        data_format=args.data_format,
-        tokenizer=args.tokenizer,
-        val_docs=args.val_docs,
-        val_bytes=args.val_bytes,
-    )
+    # every flag but --out and --quiet is prepare's keyword of the same name
+    given = {k: v for k, v in vars(args).items() if k in inspect.signature(prepare).parameters}
+    manifest = prepare(**given, out_dir=args.out, progress=not args.quiet)
     summary = {
         name: {k: v for k, v in s.items() if k != "shards"} | {"shards": len(s["shards"])}
         for name, s in manifest["splits"].items()

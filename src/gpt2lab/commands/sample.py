@@ -7,7 +7,6 @@ import functools
 import sys
 from typing import TYPE_CHECKING
 
-from gpt2lab.inference.flags import add_inference_flags
 from gpt2lab.model.sampling_defaults import SAMPLING
 from gpt2lab.system.choices import finite_float
 
@@ -16,7 +15,7 @@ if TYPE_CHECKING:
 
 
 def add_parser(sub) -> None:
-    from gpt2lab.commands import DefaultsHelp
+    from gpt2lab.commands import DefaultsHelp, add_model_flags
 
     p = sub.add_parser(
         "sample",
@@ -26,11 +25,7 @@ def add_parser(sub) -> None:
         "a request with the same seed gives this command's text.",
         formatter_class=DefaultsHelp,
     )
-    p.add_argument(
-        "--model",
-        default="gpt2",
-        help="HF name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), HF model dir, run dir or checkpoint dir",
-    )
+    add_model_flags(p, default="gpt2")
     p.add_argument(
         "--prompt",
         default="Hello, I'm a language model,",
@@ -50,8 +45,6 @@ def add_parser(sub) -> None:
         help="nucleus sampling: the smallest set of tokens holding this much of the mass; 1 keeps all (off)",
     )
     p.add_argument("--seed", type=int, default=42, help="seed of the sampling generator")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
-    add_inference_flags(p)
     p.add_argument(
         "--stop-at-eot",
         action=argparse.BooleanOptionalAction,

@@ -7,7 +7,7 @@ import logging
 import signal
 import sys
 
-from gpt2lab.inference.flags import add_inference_flags, inference_request
+from gpt2lab.inference.flags import inference_request
 from gpt2lab.serve.limits import Connections, Limits
 from gpt2lab.serve.models import load_workers, model_names
 from gpt2lab.system.choices import finite_float
@@ -15,15 +15,15 @@ from gpt2lab.system.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 
 def add_parser(sub) -> None:
-    from gpt2lab.commands import DefaultsHelp
+    from gpt2lab.commands import DefaultsHelp, add_model_flags
 
     p = sub.add_parser(
         "serve",
         help="serve models over an OpenAI-compatible API, with a playground page at /",
         formatter_class=DefaultsHelp,
     )
-    p.add_argument(
-        "--model",
+    add_model_flags(
+        p,
         action="append",
         required=True,
         metavar="[NAME=]MODEL",
@@ -45,8 +45,6 @@ def add_parser(sub) -> None:
         "this machine: 421); bound elsewhere, any name unless this is given",
     )
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: the system picks a free one)")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
-    add_inference_flags(p)
     d = Limits()
     p.add_argument(
         "--max-batch", type=int, default=d.max_batch, help="rows (prompt x sample streams) generated together per model"
@@ -107,36 +105,13 @@ def _host_list(text: str) -> tuple[str, ...]:
     return names
 
 
-def connections_from(args: argparse.Namespace) -> Connections:
-    """The connection flags as Connections, the connection cap resolved against the open-file limit;
-    a value out of range is a UsageError (exit 2) naming the flag."""
-    from gpt2lab.serve.connections import with_cap
+def _settings(cls, **values):
+    """``cls(**values)`` (Limits, Connections); a value out of range is a UsageError (exit 2) naming the flag."""
     from gpt2lab.system.errors import UsageError
 
     try:
-        c = Connections(
-            header_timeout_s=args.header_timeout,
-            max_connections=args.max_connections,
-            allowed_hosts=args.allowed_hosts or (),
-        )
-    except ValueError as e:  # Connections names the flag
-        raise UsageError(str(e)) from None
-    return with_cap(c)
-
-
-def limits_from(args: argparse.Namespace) -> Limits:
-    """The flags as Limits; a value out of range is a UsageError (exit 2) naming the flag."""
-    from gpt2lab.system.errors import UsageError
-
-    try:
-        return Limits(
-            max_batch=args.max_batch,
-            max_queue=args.max_queue,
-            max_tokens=args.max_tokens,
-            timeout_s=args.timeout,
-            prefill_chunk=args.prefill_chunk,
-        )
-    except ValueError as e:  # Limits names the flag
+        return cls(**values)
+    except ValueError as e:  # the class names the flag
         raise UsageError(str(e)) from None
 
 
@@ -144,12 +119,27 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn  # noqa: F401  (the serve extra: a missing one is this one line)
 
+        from gpt2lab.serve.connections import with_cap
         from gpt2lab.serve.server import bind, serve_here
     except ImportError as e:
         raise SystemExit(f"gpt2lab serve needs FastAPI and uvicorn ({e}); pip install 'gpt2lab[serve]'") from None
     names = model_names(args.model)  # a bad --model fails before any loading
-    limits = limits_from(args)
-    connections = connections_from(args)
+    limits = _settings(
+        Limits,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        max_tokens=args.max_tokens,
+        timeout_s=args.timeout,
+        prefill_chunk=args.prefill_chunk,
+    )
+    connections = with_cap(  # the connection cap resolved against the open-file limit
+        _settings(
+            Connections,
+            header_timeout_s=args.header_timeout,
+            max_connections=args.max_connections,
+            allowed_hosts=args.allowed_hosts or (),
+        )
+    )
     sock = bind(args.host, args.port)  # a port in use fails before the models load, too
     try:
         workers = load_workers(args.model, args.device, inference_request(args, "serve"), limits, args.deterministic)
@@ -168,12 +158,10 @@ def run(args: argparse.Namespace) -> int:
     )
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-    access = logging.getLogger("gpt2lab.serve.access")  # one line per request on stderr
-    access.addHandler(handler)
-    access.setLevel(logging.INFO)
-    guard = logging.getLogger("gpt2lab.serve.connections")  # the connection guard's warnings, a few at most
-    guard.addHandler(handler)
-    guard.setLevel(logging.WARNING)
+    # one line per request on stderr, and the connection guard's warnings (a few at most)
+    for name, level in (("gpt2lab.serve.access", logging.INFO), ("gpt2lab.serve.connections", logging.WARNING)):
+        logging.getLogger(name).addHandler(handler)
+        logging.getLogger(name).setLevel(level)
     said, terminated = [], []
 
     def stopping(ended: int) -> None:  # at Ctrl-C, the one line (cli.main's "interrupted" would come late)
