@@ -50,10 +50,7 @@ def add_parser(sub) -> None:
         "--out", default=None, help="run directory (default runs/<preset>-<time>; with --chat, the chat model's)"
     )
     p.add_argument(
-        "--max-steps",
-        type=int,
-        default=None,
-        help="override the preset's step count (with --chat: of each run it trains)",
+        "--max-steps", type=int, help="override the preset's step count (with --chat: of each run it trains)"
     )
     p.add_argument("--prompt", default="ROMEO:", help="prompt of the final sample")
     p.add_argument("--tokens", type=int, default=200, help="tokens in the final sample")
@@ -72,7 +69,6 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--base",
-        default=None,
         metavar="RUN",
         help="with --chat: the base model to start from (default: train the default demo first, "
         f"{CHAT_BASE_LAYERS} layers deep)",

@@ -26,14 +26,12 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--val-tokens",
         type=int,
-        default=None,
         help="tokens for the val split (default: one shard for hub sources, "
         "0.5%% of a local source but at least 8192 or a tenth of a smaller one, 5%% of tinyshakespeare)",
     )
     p.add_argument(
         "--val-docs",
         type=int,
-        default=None,
         metavar="N",
         help="val is the first N documents (implies --val-split documents); the same text whatever "
         "the tokenizer, so models on data in two tokenizers compare in bits per byte",
@@ -41,7 +39,6 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--val-bytes",
         type=int,
-        default=None,
         metavar="B",
         help="val is the first documents until their text holds B UTF-8 bytes, the one reaching B included "
         "(implies --val-split documents); the same text whatever the tokenizer, like --val-docs",
@@ -49,7 +46,6 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--val-split",
         choices=("tokens", "documents"),
-        default=None,
         help="tokens (the default for text, the reference FineWeb layout): val is exactly the "
         "first --val-tokens tokens; documents (the default for conversations and with --val-docs/--val-bytes): "
         "val ends with a whole document, so no document is in both splits (held-out articles)",
@@ -65,7 +61,6 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--tokenizer",
-        default=None,
         metavar="DIR",
         help="a tokenizer from `gpt2lab tokenizer train` (its directory or its tokenizer.json; default: "
         "GPT-2's BPE, as is a directory holding GPT-2's own vocabulary, a GPT-2 export); its tokenizer.json "

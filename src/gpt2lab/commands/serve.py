@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import sys
@@ -38,7 +39,6 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--allowed-hosts",
         type=_host_list,
-        default=None,
         metavar="NAME[,NAME...]",
         help="Host names answered beyond localhost, 127.0.0.1 and [::1] ('*': any). Bound to a loopback "
         "address the server answers only those (another name is a web page rebinding its own name to "
@@ -60,6 +60,8 @@ def add_parser(sub) -> None:
         "--timeout",
         type=finite_float,
         default=d.timeout_s,
+        dest="timeout_s",
+        metavar="TIMEOUT",
         help="seconds a request may wait and run; past it, a 504 error",
     )
     p.add_argument(
@@ -73,6 +75,7 @@ def add_parser(sub) -> None:
         "--header-timeout",
         type=finite_float,
         default=c.header_timeout_s,
+        dest="header_timeout_s",
         metavar="SECONDS",
         help="a connection whose request line and headers are not whole this long after it opened (or "
         "after the first byte of its next request) is closed",
@@ -80,7 +83,6 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--max-connections",
         type=int,
-        default=None,
         metavar="N",
         help="connections open at once; past it a new one gets 503 and is closed (default: what the "
         "open-file limit, ulimit -n, leaves after the files the server holds, four listen backlogs and 64 spare)",
@@ -105,12 +107,14 @@ def _host_list(text: str) -> tuple[str, ...]:
     return names
 
 
-def _settings(cls, **values):
-    """``cls(**values)`` (Limits, Connections); a value out of range is a UsageError (exit 2) naming the flag."""
+def _settings(cls, args: argparse.Namespace):
+    """``cls`` (Limits, Connections) of the flags named as its fields (those given); a value out of range is a
+    UsageError (exit 2) naming the flag."""
     from gpt2lab.system.errors import UsageError
 
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
     try:
-        return cls(**values)
+        return cls(**{k: v for k, v in values.items() if v is not None})
     except ValueError as e:  # the class names the flag
         raise UsageError(str(e)) from None
 
@@ -124,22 +128,8 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise SystemExit(f"gpt2lab serve needs FastAPI and uvicorn ({e}); pip install 'gpt2lab[serve]'") from None
     names = model_names(args.model)  # a bad --model fails before any loading
-    limits = _settings(
-        Limits,
-        max_batch=args.max_batch,
-        max_queue=args.max_queue,
-        max_tokens=args.max_tokens,
-        timeout_s=args.timeout,
-        prefill_chunk=args.prefill_chunk,
-    )
-    connections = with_cap(  # the connection cap resolved against the open-file limit
-        _settings(
-            Connections,
-            header_timeout_s=args.header_timeout,
-            max_connections=args.max_connections,
-            allowed_hosts=args.allowed_hosts or (),
-        )
-    )
+    limits = _settings(Limits, args)
+    connections = with_cap(_settings(Connections, args))  # the connection cap resolved against the open-file limit
     sock = bind(args.host, args.port)  # a port in use fails before the models load, too
     try:
         workers = load_workers(args.model, args.device, inference_request(args, "serve"), limits, args.deterministic)
