@@ -183,11 +183,13 @@ def run_marker() -> dict:
 def _create_marker(path: str) -> None:
     """Write the run marker unless one is there (never replacing another process's)."""
     final = os.path.join(path, RUN_MARKER)
+    if os.path.exists(final):
+        return
     tmp = tmp_name(final) + ".marker"
     write_json(tmp, run_marker())
     try:
         with contextlib.suppress(FileExistsError):
-            os.link(tmp, final)  # atomic, and fails if a marker is there (another process's too)
+            os.link(tmp, final)  # atomic, and fails if another process's marker got there first
     finally:
         os.unlink(tmp)
 
