@@ -18,32 +18,11 @@ import warnings
 from typing import Optional, Sequence
 
 from gpt2lab import __version__
-from gpt2lab.system import runtime
-from gpt2lab.system.errors import (
-    EXIT_CODES,
-    EXIT_DISK_FULL,
-    EXIT_ERROR,
-    EXIT_INTERRUPTED,
-    GPT2LabError,
-    disk_full,
-    is_disk_full,
-)
+from gpt2lab.system import env, errors, runtime
 
-COMMANDS = [
-    "tokenizer",
-    "prepare",
-    "train",
-    "sample",
-    "eval",
-    "export",
-    "plot",
-    "compare",
-    "bench",
-    "demo",
-    "env",
-    "serve",
-    "report",
-]
+COMMANDS = ["tokenizer", "prepare", "train", "sample", "eval", "export", "plot", "compare", "bench", "demo"]
+COMMANDS += ["env", "serve", "report"]
+_PATH_ERRNOS = (errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR)
 
 
 class Parser(argparse.ArgumentParser):
@@ -90,7 +69,7 @@ def suggest(message: str, parser: argparse.ArgumentParser) -> str:
 def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
     """The CLI's parser; with ``command``, its subcommand's flags alone (the others' modules are not
     imported: ``gpt2lab prepare`` does not pay for the torch that ``bench``'s flags import)."""
-    codes = "\n".join(f"  {code:3d}  {what}" for code, what in EXIT_CODES.items())
+    codes = "\n".join(f"  {code:3d}  {what}" for code, what in errors.EXIT_CODES.items())
     parser = Parser(
         prog="gpt2lab",
         description="Reproduce and train GPT-2-class language models.",
@@ -116,16 +95,10 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Name
     return args
 
 
-def _debug(argv: Sequence[str]) -> bool:
-    from gpt2lab.system import env
-
-    return "--debug" in argv or env.debug()
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     runtime.set_wait_policy()  # before torch is imported: OpenMP reads it then
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = _debug(argv)
+    debug = "--debug" in argv or env.debug()
     argv = [a for a in argv if a != "--debug"]  # accepted after the subcommand too
     command = next((a for a in argv if a in COMMANDS), None)
     prefix = f"gpt2lab {command}" if command else "gpt2lab"
@@ -137,33 +110,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ["gpt2lab", *(str(getattr(args, k)) for k in ("command", "task", "action") if hasattr(args, k))]
         )
         return int(args.func(args) or 0)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, errors.GPT2LabError, OSError) as e:
         if debug:
             raise
-        print(f"{prefix}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except GPT2LabError as e:
-        if debug:
-            raise
-        print(f"{prefix}: {e}", file=sys.stderr)
-        return e.exit_code
-    except OSError as e:  # a file the command was pointed at, or a full disk
-        if debug:
-            raise
-        if is_disk_full(e):
-            print(f"{prefix}: {disk_full(e.filename or 'a file')}", file=sys.stderr)
-            return EXIT_DISK_FULL
-        what = f"{e.filename}: " if e.filename else ""
-        why = e.strerror or str(e)
-        hint = (
-            "check the path and its permissions"
-            if e.errno in (errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR)
-            else ""
-        )
-        print(f"{prefix}: {what}{why}" + (f"; {hint}" if hint else ""), file=sys.stderr)
-        return EXIT_ERROR
+        code, line = _one_line(e)
+        print(f"{prefix}: {line}", file=sys.stderr)
+        return code
     finally:
         warnings.formatwarning = shown
+
+
+def _one_line(e: BaseException) -> tuple[int, str]:
+    """The exit code and the one line of an interruption, a gpt2lab error, or a file the command was pointed
+    at (or a full disk)."""
+    if isinstance(e, KeyboardInterrupt):
+        return errors.EXIT_INTERRUPTED, "interrupted"
+    if isinstance(e, errors.GPT2LabError):
+        return e.exit_code, str(e)
+    if errors.is_disk_full(e):
+        return errors.EXIT_DISK_FULL, str(errors.disk_full(e.filename or "a file"))
+    hint = "; check the path and its permissions" if e.errno in _PATH_ERRNOS else ""
+    return errors.EXIT_ERROR, f"{f'{e.filename}: ' if e.filename else ''}{e.strerror or e}{hint}"
 
 
 if __name__ == "__main__":

@@ -101,6 +101,7 @@ def test_sample_rejects_bad_flags(gpt2_vocab_export, capsys):
 def test_stream_decodes_split_multibyte_characters(gpt2_vocab_export, capsys, monkeypatch):
     """A character whose bytes span two tokens is printed whole, not as two replacement marks."""
     from gpt2lab.commands import sample
+    from gpt2lab.inference.completion import Sampling
 
     enc = get_tokenizer()
     ids = enc.encode("🙂 é")
@@ -111,8 +112,7 @@ def test_stream_decodes_split_multibyte_characters(gpt2_vocab_export, capsys, mo
             yield torch.tensor([i]), torch.tensor([False])
 
     monkeypatch.setattr("gpt2lab.model.sampling.generate_stream", fake_stream)
-    args = cli.build_parser().parse_args(["sample", "--prompt", "x"])
-    sample._stream_one(gpt2_vocab_export[0], enc.encode("x"), args, None)
+    sample._stream_one(gpt2_vocab_export[0], enc.encode("x"), "x", Sampling(), None)
     assert capsys.readouterr().out == "x🙂 é\n"
 
 

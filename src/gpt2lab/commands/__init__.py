@@ -17,6 +17,19 @@ class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+DEVICE_HELP = "cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)"
+
+
+def add_model_flags(p: argparse.ArgumentParser, **model) -> None:
+    """``--model`` (``model``: its default or ``required``, ...), ``--device`` and the inference flags."""
+    from gpt2lab.inference.flags import add_inference_flags
+
+    model.setdefault("help", "HF name (gpt2 ... gpt2-xl), HF model dir, run dir or checkpoint dir")
+    p.add_argument("--model", **model)
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    add_inference_flags(p)
+
+
 def program() -> str:
     """How the user calls gpt2lab, as advice that runs: plain ``gpt2lab`` when that is on PATH, else
     the script beside this Python (``.venv/bin/gpt2lab`` after ``make demo``), else ``python -m
@@ -38,3 +51,11 @@ def program() -> str:
         rel = os.path.relpath(script)
         return shlex.quote(rel if not rel.startswith("..") else script)
     return f"{shlex.quote(sys.executable)} -m gpt2lab"
+
+
+def note_live(command: str, paths) -> None:
+    """A note on stderr for each of ``paths`` that a live run is writing: it is read, nothing written."""
+    from gpt2lab.system import rundir
+
+    for note in filter(None, map(rundir.live_note, paths)):
+        print(f"{command}: note: {note}", file=sys.stderr, flush=True)

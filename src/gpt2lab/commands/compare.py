@@ -13,7 +13,6 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--loss",
         type=finite_float,
-        default=None,
         metavar="X",
         help="the target value of --metric (default: the first run's final one)",
     )
@@ -26,7 +25,6 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--out",
-        default=None,
         metavar="FILE.png",
         help="also plot the runs' curves against tokens and against seconds (needs matplotlib)",
     )

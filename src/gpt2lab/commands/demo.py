@@ -12,7 +12,6 @@ after, greedily."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import time
@@ -51,10 +50,7 @@ def add_parser(sub) -> None:
         "--out", default=None, help="run directory (default runs/<preset>-<time>; with --chat, the chat model's)"
     )
     p.add_argument(
-        "--max-steps",
-        type=int,
-        default=None,
-        help="override the preset's step count (with --chat: of each run it trains)",
+        "--max-steps", type=int, help="override the preset's step count (with --chat: of each run it trains)"
     )
     p.add_argument("--prompt", default="ROMEO:", help="prompt of the final sample")
     p.add_argument("--tokens", type=int, default=200, help="tokens in the final sample")
@@ -73,7 +69,6 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--base",
-        default=None,
         metavar="RUN",
         help="with --chat: the base model to start from (default: train the default demo first, "
         f"{CHAT_BASE_LAYERS} layers deep)",
@@ -91,49 +86,64 @@ CHAT_PROMPTS = ("Hi! How are you doing today?", "What do you like to do on the w
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.chat:
-        return run_chat(args)
-    if args.base:
+    if args.base and not args.chat:
         from gpt2lab.system.errors import UsageError
 
         raise UsageError("--base is for --chat (the model fine-tuned into a chat model); drop it or add --chat")
-    return run_base(args)
+    return run_chat(args) if args.chat else run_base(args)
 
 
-def _flags(values: dict, *names: str) -> list:
-    """``--name value`` words for those of ``names`` in ``values``."""
-    return [w for n in names if n in values for w in (f"--{n.replace('_', '-')}", str(values[n]))]
+def _request(preset: str, **values):
+    """The request of `gpt2lab train --preset PRESET --progress false` with ``values`` (those not None) as its
+    flags: what the demo trains, and that command is what continues the run if it stops (the demo starts anew)."""
+    from gpt2lab.train.config import merge_config
+    from gpt2lab.train.plan import Request
+    from gpt2lab.train.settings import preset_values
+
+    values = {k: v for k, v in values.items() if v is not None}
+    words = ["train", "--preset", preset, "--progress", "false"]
+    words += [w for k, v in values.items() for w in (f"--{k.replace('_', '-')}", str(v))]
+    return Request(
+        merge_config(preset_values(preset), {**values, "progress": False}, source=f"preset {preset!r}"),
+        source=f"preset {preset!r} with the demo's settings",
+        command=resume_command(words, program()),
+    )
+
+
+def _train(request) -> None:
+    from gpt2lab.distributed.dist import init_distributed
+    from gpt2lab.train.run import train
+
+    train(request, init_distributed(str(request.get("device"))))
+
+
+def _new_out(name: str) -> str:
+    return os.path.join("runs", time.strftime(f"{name}-%Y%m%d-%H%M%S"))
 
 
 def run_base(args: argparse.Namespace) -> int:
     from gpt2lab.data.prepare import prepare
-    from gpt2lab.distributed.dist import init_distributed
-    from gpt2lab.train.plan import Request
-    from gpt2lab.train.run import train
-    from gpt2lab.train.settings import load_preset
 
     t0 = time.perf_counter()
     print(f"[demo] preparing Tiny Shakespeare into {args.data}", flush=True)
     prepare("tinyshakespeare", args.data, progress=False)
     preset = RECIPES[args.recipe]
-    out = args.out or os.path.join("runs", time.strftime(f"{preset}-%Y%m%d-%H%M%S"))
-    overrides = {"data": args.data, "out": out, "progress": False, "dtype": args.dtype}
-    if args.max_steps is not None:
-        overrides["max_steps"] = args.max_steps
-    if getattr(args, "n_layer", None):
-        overrides["n_layer"] = args.n_layer
-    cfg = load_preset(preset, **overrides)
-    # what continues this run if it stops: the train command of the same settings (the demo starts anew)
-    words = ["train", "--preset", preset, "--data", args.data, "--out", out, "--progress", "false"]
-    words += ["--dtype", args.dtype] + _flags(overrides, "max_steps", "n_layer")
-    request = dataclasses.replace(Request.of(cfg), command=resume_command(words, program()))
+    out = args.out or _new_out(preset)
+    request = _request(
+        preset,
+        data=args.data,
+        out=out,
+        dtype=args.dtype,
+        max_steps=args.max_steps,
+        n_layer=getattr(args, "n_layer", None),
+    )
     print(f"[demo] recipe {args.recipe}: {WHY[args.recipe]}", flush=True)
-    print(f"[demo] training {preset} for {cfg.optim.max_steps} steps into {out}", flush=True)
-    train(request, init_distributed(cfg.system.device))
-    val = last_val_loss(out)
-    if val is not None:
-        chance = math.log(cfg.model.vocab_size)  # a uniform guess over the model's outputs
-        print(f"[demo] validation loss {val:.2f} (chance: ln {cfg.model.vocab_size} = {chance:.2f})", flush=True)
+    print(f"[demo] training {preset} for {request.get('max_steps')} steps into {out}", flush=True)
+    _train(request)
+    vals, vocab = val_losses(out), request.get("vocab_size")
+    if vals:
+        chance = math.log(vocab)  # a uniform guess over the model's outputs
+        print(f"[demo] validation loss {vals[-1]:.2f} (chance: ln {vocab} = {chance:.2f})", flush=True)
     print(f"[demo] sample from the trained model ({args.prompt!r}, seed {args.seed}):\n", flush=True)
     print(sample(out, args.prompt, args.tokens, args.seed))
     print(f"\n[demo] done in {time.perf_counter() - t0:.0f} s. run dir: {out}")
@@ -144,16 +154,11 @@ def run_base(args: argparse.Namespace) -> int:
 def run_chat(args: argparse.Namespace) -> int:
     """Base model -> chat model on the bundled conversations; three messages answered before and after."""
     from gpt2lab.data.prepare import prepare
-    from gpt2lab.distributed.dist import init_distributed
-    from gpt2lab.train.config import merge_config
-    from gpt2lab.train.plan import Request
-    from gpt2lab.train.run import train
-    from gpt2lab.train.settings import preset_values
 
     t0 = time.perf_counter()
     base = args.base
     if base is None:
-        base = os.path.join("runs", time.strftime(f"{RECIPES[args.recipe]}-%Y%m%d-%H%M%S"))
+        base = _new_out(RECIPES[args.recipe])
         print(
             f"[demo --chat] no --base: training the default demo's model first, {CHAT_BASE_LAYERS} layers deep, "
             f"into {base}",
@@ -162,17 +167,10 @@ def run_chat(args: argparse.Namespace) -> int:
         run_base(argparse.Namespace(**{**vars(args), "out": base, "n_layer": CHAT_BASE_LAYERS}))
     print(f"[demo --chat] preparing the bundled conversations into {args.chat_data}", flush=True)
     prepare("chitchat", args.chat_data, progress=False)
-    out = args.out or os.path.join("runs", time.strftime("chat-cpu-%Y%m%d-%H%M%S"))
-    overrides = {"data": args.chat_data, "out": out, "init_from": base, "progress": False, "dtype": args.dtype}
-    if args.max_steps is not None:
-        overrides["max_steps"] = args.max_steps
+    out = args.out or _new_out("chat-cpu")
     # as `gpt2lab train --preset chat-cpu --init-from BASE`: the architecture comes from the base
-    words = ["train", "--preset", "chat-cpu", "--data", args.chat_data, "--out", out, "--init-from", base]
-    words += ["--progress", "false", "--dtype", args.dtype] + _flags(overrides, "max_steps")
-    request = Request(
-        merge_config(preset_values("chat-cpu"), overrides, source="preset 'chat-cpu'"),
-        source="preset 'chat-cpu' with the demo's settings",
-        command=resume_command(words, program()),  # what continues it if it stops: the same as a train command
+    request = _request(
+        "chat-cpu", data=args.chat_data, out=out, init_from=base, dtype=args.dtype, max_steps=args.max_steps
     )
     before = chat_replies(base)
     print(
@@ -180,7 +178,7 @@ def run_chat(args: argparse.Namespace) -> int:
         f"the loss on the assistant's tokens only) into {out}",
         flush=True,
     )
-    train(request, init_distributed(str(request.get("device"))))
+    _train(request)
     after = chat_replies(out)
     losses = val_losses(out)
     if len(losses) >= 2:
@@ -196,16 +194,21 @@ def run_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def chat_replies(model_dir: str, max_tokens: int = 48) -> list:
-    """The greedy replies of a model to CHAT_PROMPTS, each a conversation of its own (evals.chat's)."""
+def _load(model_dir: str):
+    """The model held as ``gpt2lab sample`` holds it (the dtype and kernels measured fastest on this CPU)."""
     import torch
 
-    from gpt2lab.data.chat import encode_chat
-    from gpt2lab.evals.chat import greedy_reply
-    from gpt2lab.inference.choice import InferenceRequest
     from gpt2lab.inference.completion import load_for_inference
 
-    model, _ = load_for_inference(model_dir, torch.device("cpu"), InferenceRequest(), "gpt2lab demo")
+    return load_for_inference(model_dir, torch.device("cpu"), command="gpt2lab demo")[0]
+
+
+def chat_replies(model_dir: str, max_tokens: int = 48) -> list:
+    """The greedy replies of a model to CHAT_PROMPTS, each a conversation of its own (evals.chat's)."""
+    from gpt2lab.data.chat import encode_chat
+    from gpt2lab.evals.chat import greedy_reply
+
+    model = _load(model_dir)
     return [
         greedy_reply(model, encode_chat([("user", m)], add_generation_prompt=True)[0], max_tokens) for m in CHAT_PROMPTS
     ]
@@ -217,36 +220,29 @@ def _shown(reply) -> str:
 
 
 def val_losses(run_dir: str) -> list:
+    """The validation losses in the run's metrics.jsonl, in order."""
     from gpt2lab.observe.plot import read_metrics
 
     return [r["val_loss"] for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "val_loss" in r]
 
 
-def last_val_loss(run_dir: str):
-    """The last validation loss in the run's metrics.jsonl (None if it logged none)."""
-    from gpt2lab.observe.plot import read_metrics
-
-    vals = [r["val_loss"] for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "val_loss" in r]
-    return vals[-1] if vals else None
-
-
 def sample(run_dir: str, prompt: str, tokens: int, seed: int) -> str:
-    """The trained model's continuation of ``prompt``, as ``gpt2lab sample`` draws it (its
-    inference form: the dtype and kernels measured fastest for decoding on this machine)."""
+    """The trained model's continuation of ``prompt``, drawn from the model as ``gpt2lab sample`` holds it."""
     import torch
 
-    from gpt2lab.inference.choice import InferenceRequest
     from gpt2lab.inference.completion import tokenizer_for
-    from gpt2lab.inference.form import hold
-    from gpt2lab.inference.probe import decide
     from gpt2lab.model.sampling import generate
-    from gpt2lab.weights.load import load_model
 
-    model = load_model(run_dir)
-    decision = decide(model, torch.device("cpu"), InferenceRequest(), command="gpt2lab demo")
-    model = hold(model, decision.candidate, tile_rows=decision.tile_rows)
+    model = _load(run_dir)
     enc = tokenizer_for(model)
-    idx = torch.tensor([enc.encode(prompt)])
     gen = torch.Generator().manual_seed(seed)
-    out = generate(model, idx, tokens, temperature=0.8, top_k=50, generator=gen, stop_token=enc.eot_id)
+    out = generate(
+        model,
+        torch.tensor([enc.encode(prompt)]),
+        tokens,
+        temperature=0.8,
+        top_k=50,
+        generator=gen,
+        stop_token=enc.eot_id,
+    )
     return enc.decode([t for t in out[0].tolist() if t != enc.eot_id])

@@ -21,32 +21,15 @@ import platform
 import sys
 
 # The optional extras' packages (pyproject.toml), by what they enable.
-OPTIONAL_PACKAGES = (
-    "datasets",
-    "pyarrow",
-    "matplotlib",
-    "tensorboard",
-    "transformers",
-    "lm_eval",
-    "peft",
-    "fastapi",
-    "uvicorn",
-    "openai",
-    "wandb",
-)
-
-
-def _gemv_routines() -> str:
-    """What gpt2lab's compiled GEMV runs here: AVX2, and the AVX512_BF16 dot product for inputs rounded to
-    bf16 where the CPU has it (a hold on a CPU with native bf16 rounds them: panels, kernels.panels_run)."""
-    from gpt2lab.inference.kernels import panels_run
-
-    return "runs here (AVX2" + (", AVX512_BF16 dot products)" if panels_run(2) else ")")
+OPTIONAL_PACKAGES = ("datasets", "pyarrow", "matplotlib", "tensorboard", "transformers", "lm_eval", "peft")
+OPTIONAL_PACKAGES += ("fastapi", "uvicorn", "openai", "wandb")
 
 
 def add_parser(sub) -> None:
+    from gpt2lab.commands import DEVICE_HELP
+
     p = sub.add_parser("env", help="print what gpt2lab sees: versions, device, bf16, matmul GFLOP/s, auto choices")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
     p.add_argument(
         "--clear-cache",
@@ -63,8 +46,8 @@ def collect(device_name: str = "auto") -> dict:
 
     from gpt2lab import __version__
     from gpt2lab.distributed.dist import pick_device
-    from gpt2lab.inference import pages
-    from gpt2lab.inference.kernels import gemv_error
+    from gpt2lab.inference import pages, probe_cache
+    from gpt2lab.inference.kernels import gemv_error, panels_run
     from gpt2lab.system import env as sysenv
     from gpt2lab.system import runtime
 
@@ -75,7 +58,7 @@ def collect(device_name: str = "auto") -> dict:
         facts = dataclasses.replace(facts, probe=probe)
     choices = runtime.resolve(device, "auto", "auto", facts=facts, ns_dtype="auto")
     thp = pages.page_facts()
-    info = {
+    return {
         "gpt2lab": __version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
@@ -101,8 +84,10 @@ def collect(device_name: str = "auto") -> dict:
         # where a CPU hold puts its weights (inference/pages.py): Linux's transparent huge pages, or why not
         "held_weight_pages": thp.why_not() or f"huge pages of {thp.size // 2**20} MiB",
         "compile_available": facts.can_compile,
-        # gpt2lab's compiled GEMV (bf16, int8; setup.py builds it where a C compiler is): "runs here" or why not
-        "compiled_gemv": gemv_error(torch.device("cpu")) or _gemv_routines(),
+        # gpt2lab's compiled GEMV (bf16, int8; setup.py builds it where a C compiler is): why not, or "runs here"
+        # with its routines (AVX512_BF16 dot products for inputs rounded to bf16 where the CPU has them: panels_run)
+        "compiled_gemv": gemv_error(torch.device("cpu"))
+        or "runs here (AVX2" + (", AVX512_BF16 dot products)" if panels_run(2) else ")"),
         "auto_dtype": choices.dtype.value,
         "auto_dtype_reason": choices.dtype.reason,
         "auto_compile": choices.compile.value,
@@ -110,16 +95,8 @@ def collect(device_name: str = "auto") -> dict:
         "auto_muon_ns_dtype": choices.ns_dtype.value,
         "auto_muon_ns_dtype_reason": choices.ns_dtype.reason,
         "extras": {name: _version(name) for name in OPTIONAL_PACKAGES},
-        "probe_cache": probe_cache_info(),
+        "probe_cache": {"path": probe_cache.path(), "entries": probe_cache.entries()},  # as stored
     }
-    return info
-
-
-def probe_cache_info() -> dict:
-    """The inference probe cache: its path and its entries as stored (inference/probe_cache.py)."""
-    from gpt2lab.inference import probe_cache
-
-    return {"path": probe_cache.path(), "entries": probe_cache.entries()}
 
 
 def _probe_cache_lines(found: dict) -> list[str]:

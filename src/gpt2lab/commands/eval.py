@@ -7,7 +7,7 @@ import contextlib
 import json
 import sys
 
-from gpt2lab.inference.flags import add_inference_flags
+from gpt2lab.commands import add_model_flags
 from gpt2lab.system.choices import HELLASWAG_STRATEGIES, positive_int
 from gpt2lab.train.settings import parse_bool
 
@@ -17,10 +17,9 @@ def add_parser(sub) -> None:
     esub = p.add_subparsers(dest="task", metavar="TASK", required=True)
 
     hs = esub.add_parser("hellaswag", help="HellaSwag acc and acc_norm (works under torchrun)")
-    _common(hs)
+    add_model_flags(hs, required=True)
     hs.add_argument(
         "--data",
-        default=None,
         help="jsonl with ctx/endings/label per line (default: the official validation set, "
         "downloaded once into ~/.cache/gpt2lab or $GPT2LAB_CACHE)",
     )
@@ -28,7 +27,6 @@ def add_parser(sub) -> None:
     hs.add_argument(
         "--batch-size",
         type=positive_int,
-        default=None,
         help="examples per batch, 4 rows each (default: 16, the fastest measured on CPU)",
     )
     hs.add_argument(
@@ -43,7 +41,7 @@ def add_parser(sub) -> None:
     hs.set_defaults(func=eval_hellaswag)
 
     lo = esub.add_parser("loss", help="mean next-token loss over the first N tokens of a split")
-    _common(lo)
+    add_model_flags(lo, required=True)
     lo.add_argument("--data", required=True, help="token shard directory (from gpt2lab prepare)")
     lo.add_argument("--split", default="val")
     # 20 batches of 64 x 1024: what the reference recipe's GPT-2 baseline (3.2924) was measured on.
@@ -64,10 +62,9 @@ def add_parser(sub) -> None:
         help="held-out conversations: the loss on the assistant's tokens and the share "
         "of greedy replies that end their turn",
     )
-    _common(ch)
+    add_model_flags(ch, required=True)
     ch.add_argument(
         "--data",
-        default=None,
         help="conversations: JSON lines in the messages format (.jsonl, also .jsonl.zst/.gz/.xz, a "
         "directory or a glob), or a directory from gpt2lab prepare (its held-out conversations, "
         "held_out.jsonl); default: those of the prepared data the --model run trained on",
@@ -79,13 +76,12 @@ def add_parser(sub) -> None:
         help="a reply that has not ended its turn after this many tokens did not end it (default 128)",
     )
     ch.add_argument("--limit", type=positive_int, default=None, help="only the first N conversations")
-    ch.set_defaults(func=eval_chat)
+    ch.set_defaults(func=eval_replies)
 
     gs = esub.add_parser("gsm8k", help="GSM8K: greedy answers, exact match on the number after ####")
-    _common(gs)
+    add_model_flags(gs, required=True)
     gs.add_argument(
         "--data",
-        default=None,
         help="GSM8K rows {question, answer} as JSON lines (or messages: one user turn, one assistant "
         "turn ending '#### N'); default: GSM8K's official test split, downloaded once into "
         "~/.cache/gpt2lab or $GPT2LAB_CACHE",
@@ -102,22 +98,11 @@ def add_parser(sub) -> None:
     )
     gs.add_argument(
         "--samples",
-        default=None,
         metavar="FILE.jsonl",
         help="write the summary (the first line) and each problem's reply, extracted answer and verdict "
         "to this file (new, or one gpt2lab wrote)",
     )
-    gs.set_defaults(func=eval_gsm8k)
-
-
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        required=True,
-        help="HF name (gpt2, gpt2-medium, ...), HF model dir, gpt2lab run dir or checkpoint dir",
-    )
-    p.add_argument("--device", default=None, help="cpu, cuda, mps (default: the best available)")
-    add_inference_flags(p)
+    gs.set_defaults(func=eval_replies)
 
 
 def _load(args: argparse.Namespace, info, compiled: bool = False):
@@ -224,50 +209,36 @@ def eval_loss(args: argparse.Namespace) -> int:
     return 0
 
 
-def _chat_model(args: argparse.Namespace, info):
-    """The model prepared for generating (one row, as ``sample``)."""
+def eval_replies(args: argparse.Namespace) -> int:
+    """eval chat and eval gsm8k: the model's greedy replies, prepared for generating (one row, as ``sample``)."""
+    from gpt2lab.distributed.dist import init_distributed
+    from gpt2lab.evals.chat import chat_data, evaluate_chat, evaluate_gsm8k, gsm8k_test_file, read_conversations
     from gpt2lab.inference.completion import load_for_inference
     from gpt2lab.inference.flags import inference_request
-
-    return load_for_inference(args.model, info.device, inference_request(args, "sample"), command="gpt2lab eval")
-
-
-def eval_chat(args: argparse.Namespace) -> int:
-    from gpt2lab.distributed.dist import init_distributed
-    from gpt2lab.evals.chat import chat_data, evaluate_chat, read_conversations
-
-    data, note = chat_data(args.data, args.model)
-    if note:
-        print(f"gpt2lab eval chat: {note}", file=sys.stderr, flush=True)
-    conversations = read_conversations(data, args.limit)
-    info = init_distributed(args.device)
-    model, decision = _chat_model(args, info)
-    with _one_line("chat", f"--model {args.model}: "):  # a model that cannot take the template
-        result = evaluate_chat(model, conversations, max_tokens=args.max_tokens, device=info.device, progress=True)
-    print(json.dumps({**result, "model": args.model, "data": data, "inference": decision.record()}))
-    return 0
-
-
-def eval_gsm8k(args: argparse.Namespace) -> int:
-    from gpt2lab.distributed.dist import init_distributed
-    from gpt2lab.evals.chat import evaluate_gsm8k, gsm8k_test_file, read_conversations
     from gpt2lab.system import rundir
     from gpt2lab.system.files import atomic_write
 
-    if args.samples:  # before the long part: a file there that gpt2lab did not write is refused
-        rundir.check(args.samples, rundir.FILE, "--samples", "pick another path")
-    with _one_line("gsm8k"):  # the data first: no data, or no network to fetch it, fails before the model loads
-        data = args.data or gsm8k_test_file(flag="--data")
-    problems = read_conversations(data, args.limit, gsm8k=True)
+    gsm8k, samples = args.task == "gsm8k", getattr(args, "samples", None)
+    if samples:  # before the long part: a file there that gpt2lab did not write is refused
+        rundir.check(samples, rundir.FILE, "--samples", "pick another path")
+    with _one_line(args.task):  # the data first: no data, or no network to fetch it, fails before the model loads
+        data, note = (args.data or gsm8k_test_file(flag="--data"), None) if gsm8k else chat_data(args.data, args.model)
+    if note:
+        print(f"gpt2lab eval chat: {note}", file=sys.stderr, flush=True)
+    conversations = read_conversations(data, args.limit, gsm8k=gsm8k)
     info = init_distributed(args.device)
-    model, decision = _chat_model(args, info)
-    with _one_line("gsm8k", f"--model {args.model}: "):  # a model that cannot take the template
-        summary, rows = evaluate_gsm8k(
-            model, problems, max_tokens=args.max_tokens, calculator=args.calculator, progress=True
-        )
-    result = {**summary, "model": args.model, "data": data, "samples": args.samples, "inference": decision.record()}
-    if args.samples:  # the first line is the summary, marked as gpt2lab's (system/rundir.py)
-        with atomic_write(args.samples, "w") as f:
+    model, decision = load_for_inference(args.model, info.device, inference_request(args, "sample"), "gpt2lab eval")
+    with _one_line(args.task, f"--model {args.model}: "):  # a model that cannot take the template
+        if gsm8k:
+            summary, rows = evaluate_gsm8k(
+                model, conversations, max_tokens=args.max_tokens, calculator=args.calculator, progress=True
+            )
+        else:
+            summary = evaluate_chat(model, conversations, max_tokens=args.max_tokens, device=info.device, progress=True)
+    written = {"samples": samples} if gsm8k else {}
+    result = {**summary, "model": args.model, "data": data, **written, "inference": decision.record()}
+    if samples:  # the first line is the summary, marked as gpt2lab's (system/rundir.py)
+        with atomic_write(samples, "w") as f:
             for row in [{"format": "gpt2lab-gsm8k-samples", **result}, *rows]:
                 f.write(json.dumps(row) + "\n")
     print(json.dumps(result))

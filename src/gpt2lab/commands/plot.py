@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 
 def add_parser(sub) -> None:
@@ -16,15 +15,14 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gpt2lab.commands import note_live
     from gpt2lab.observe.plot import plot_runs
-    from gpt2lab.system import rundir
     from gpt2lab.system.errors import UsageError
 
     if args.out is None and len(args.runs) > 1:
         raise UsageError("several runs need --out FILE.png")
     out = args.out or os.path.join(args.runs[0], "plot.png")
-    for note in filter(None, map(rundir.live_note, args.runs)):
-        print(f"gpt2lab plot: note: {note}", file=sys.stderr, flush=True)
+    note_live("gpt2lab plot", args.runs)
     table = plot_runs(args.runs, out, summary=args.summary)
     if table:
         print(table)

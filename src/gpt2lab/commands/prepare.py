@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
 
@@ -25,14 +26,12 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--val-tokens",
         type=int,
-        default=None,
         help="tokens for the val split (default: one shard for hub sources, "
         "0.5%% of a local source but at least 8192 or a tenth of a smaller one, 5%% of tinyshakespeare)",
     )
     p.add_argument(
         "--val-docs",
         type=int,
-        default=None,
         metavar="N",
         help="val is the first N documents (implies --val-split documents); the same text whatever "
         "the tokenizer, so models on data in two tokenizers compare in bits per byte",
@@ -40,7 +39,6 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--val-bytes",
         type=int,
-        default=None,
         metavar="B",
         help="val is the first documents until their text holds B UTF-8 bytes, the one reaching B included "
         "(implies --val-split documents); the same text whatever the tokenizer, like --val-docs",
@@ -48,7 +46,6 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--val-split",
         choices=("tokens", "documents"),
-        default=None,
         help="tokens (the default for text, the reference FineWeb layout): val is exactly the "
         "first --val-tokens tokens; documents (the default for conversations and with --val-docs/--val-bytes): "
         "val ends with a whole document, so no document is in both splits (held-out articles)",
@@ -64,7 +61,6 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--tokenizer",
-        default=None,
         metavar="DIR",
         help="a tokenizer from `gpt2lab tokenizer train` (its directory or its tokenizer.json; default: "
         "GPT-2's BPE, as is a directory holding GPT-2's own vocabulary, a GPT-2 export); its tokenizer.json "
@@ -82,22 +78,9 @@ def run(args) -> int:
     from gpt2lab.data.prepare import prepare
     from gpt2lab.data.tokenizer import data_tokenizer
 
-    manifest = prepare(
-        args.source,
-        args.out,
-        shard_tokens=args.shard_tokens,
-        val_tokens=args.val_tokens,
-        workers=args.workers,
-        text_field=args.text_field,
-        limit_docs=args.limit_docs,
-        config=args.config,
-        progress=not args.quiet,
-        val_split=args.val_split,
-        data_format=args.data_format,
-        tokenizer=args.tokenizer,
-        val_docs=args.val_docs,
-        val_bytes=args.val_bytes,
-    )
+    # every flag but --out and --quiet is prepare's keyword of the same name
+    given = {k: v for k, v in vars(args).items() if k in inspect.signature(prepare).parameters}
+    manifest = prepare(**given, out_dir=args.out, progress=not args.quiet)
     summary = {
         name: {k: v for k, v in s.items() if k != "shards"} | {"shards": len(s["shards"])}
         for name, s in manifest["splits"].items()

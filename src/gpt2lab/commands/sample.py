@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from typing import TYPE_CHECKING
 
-from gpt2lab.inference.flags import add_inference_flags
 from gpt2lab.model.sampling_defaults import SAMPLING
 from gpt2lab.system.choices import finite_float
 
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 def add_parser(sub) -> None:
-    from gpt2lab.commands import DefaultsHelp
+    from gpt2lab.commands import DefaultsHelp, add_model_flags
 
     p = sub.add_parser(
         "sample",
@@ -25,11 +25,7 @@ def add_parser(sub) -> None:
         "a request with the same seed gives this command's text.",
         formatter_class=DefaultsHelp,
     )
-    p.add_argument(
-        "--model",
-        default="gpt2",
-        help="HF name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), HF model dir, run dir or checkpoint dir",
-    )
+    add_model_flags(p, default="gpt2")
     p.add_argument(
         "--prompt",
         default="Hello, I'm a language model,",
@@ -49,8 +45,6 @@ def add_parser(sub) -> None:
         help="nucleus sampling: the smallest set of tokens holding this much of the mass; 1 keeps all (off)",
     )
     p.add_argument("--seed", type=int, default=42, help="seed of the sampling generator")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
-    add_inference_flags(p)
     p.add_argument(
         "--stop-at-eot",
         action=argparse.BooleanOptionalAction,
@@ -84,15 +78,6 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--top-p {args.top_p}: must be in (0, 1]")
 
 
-def _prompt_ids(text: str, model) -> list[int]:
-    from gpt2lab.inference.completion import PromptError, prompt_ids
-
-    try:
-        return prompt_ids(text, model)
-    except PromptError as e:
-        raise SystemExit(f"--prompt: {e}") from None
-
-
 def check_context(prompt_tokens: int, max_new_tokens: int, context: int) -> None:
     """The prompt and the tokens asked for must fit the model's context (the server's rule,
     completion.fits_context): a UsageError naming both flags, before any text is printed."""
@@ -114,8 +99,9 @@ def check_context(prompt_tokens: int, max_new_tokens: int, context: int) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    from gpt2lab.commands import note_live
     from gpt2lab.distributed.dist import pick_device
-    from gpt2lab.inference.completion import load_for_inference, seeded_generator
+    from gpt2lab.inference.completion import PromptError, Sampling, load_for_inference, prompt_ids, seeded_generator
     from gpt2lab.inference.flags import inference_request
     from gpt2lab.inference.probe import watch
 
@@ -126,80 +112,57 @@ def run(args: argparse.Namespace) -> int:
     def check(model) -> None:  # before the model is prepared (which may measure for a while)
         if args.chat:  # the conversation is checked turn by turn
             return
-        ids.extend(_prompt_ids(args.prompt, model))
+        try:
+            ids.extend(prompt_ids(args.prompt, model))
+        except PromptError as e:
+            raise SystemExit(f"--prompt: {e}") from None
         check_context(len(ids), args.max_new_tokens, model.config.block_size)
 
     # a bad --model, --dtype, --prompt or --max-new-tokens fails before any other output
     model, decision = load_for_inference(
         args.model, device, inference_request(args, "sample"), "gpt2lab sample", check=check
     )
-    _say_if_live(args.model)
+    note_live("gpt2lab sample", [args.model])  # a run still training: its newest checkpoint is read
     generator = seeded_generator(device, args.seed)
     seen = watch(decision, model, device, "gpt2lab sample")  # steps far slower than measured: measured again
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.stop_at_eot or args.chat)
     if args.chat:
-        return _chat(model, args, generator, seen)
+        return _chat(model, args, sampling, generator, seen)
     for i in range(args.num_samples):
         print(f"--- sample {i + 1}/{args.num_samples}", flush=True)
-        _stream_one(model, ids, args, generator, seen)
+        _stream_one(model, ids, args.prompt, sampling, generator, seen)
     return 0
 
 
-def _say_if_live(model: str) -> None:
-    """A run still training: say so (its newest checkpoint is read, nothing written)."""
-    import os
-
-    from gpt2lab.system import rundir
-
-    note = rundir.live_note(model) if os.path.isdir(model) else None
-    if note:
-        print(f"gpt2lab sample: note: {note}", file=sys.stderr, flush=True)
-
-
-def _stream_one(model, ids: list[int], args: argparse.Namespace, generator: torch.Generator, watch=None) -> None:
+def _stream_one(model, ids: list[int], prompt: str, sampling, generator: torch.Generator, watch=None) -> None:
     """Print the prompt, then each token's text as it comes (completion.stream_text)."""
-    from gpt2lab.inference.completion import Sampling, prompt_text, stream_text
+    from gpt2lab.inference.completion import prompt_text, stream_text
 
-    sampling = Sampling(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        stop_at_eot=args.stop_at_eot,
-    )
-    out = sys.stdout
-    out.write(prompt_text(args.prompt))  # the text the model was given (an undecodable byte as U+FFFD)
+    _write(prompt_text(prompt))  # the text the model was given (an undecodable byte as U+FFFD)
     for _, text, _ in stream_text(model, ids, sampling, generator, watch=watch):
-        out.write(text)
-        out.flush()
-    out.write("\n")
-    out.flush()
+        _write(text)
+    _write("\n")
 
 
-def _chat(model, args: argparse.Namespace, generator: torch.Generator, watch=None) -> int:
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _chat(model, args: argparse.Namespace, sampling, generator: torch.Generator, watch=None) -> int:
     """Turn by turn: each stdin line a user message, the reply streamed (inference/chat.py's prompt,
     ended by the server's rule, completion.SampleText: the model's end token or its template's stop
     strings). The oldest turns leave the prompt once the conversation outgrows the context (said once)."""
     from gpt2lab.inference.chat import chat_prompt, note
-    from gpt2lab.inference.completion import SampleText, Sampling, stream_text
+    from gpt2lab.inference.completion import SampleText, stream_text
 
-    print(
-        f"gpt2lab sample --chat: {note(model.config, 'this chat')}; type a message, an empty line or Ctrl-D ends",
-        file=sys.stderr,
-        flush=True,
-    )
-    sampling = Sampling(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        stop_at_eot=True,
-    )
+    say = functools.partial(print, file=sys.stderr, flush=True)
+    say(f"gpt2lab sample --chat: {note(model.config, 'this chat')}; type a message, an empty line or Ctrl-D ends")
     system = [("system", args.system)] if args.system else []
     turns: list[tuple[str, str]] = []
     told = False
-    interactive = sys.stdin.isatty()
     while True:
-        if interactive:
+        if sys.stdin.isatty():
             print("> ", end="", flush=True)
         line = sys.stdin.readline()
         if not line.strip():
@@ -210,26 +173,18 @@ def _chat(model, args: argparse.Namespace, generator: torch.Generator, watch=Non
             turns = turns[2:] if turns[0][0] == "user" and len(turns) > 2 else turns[1:]
             prompt = chat_prompt(model, system + turns)
             if not told:
-                print(
+                say(
                     "gpt2lab sample --chat: note: the conversation outgrew the model's context "
-                    f"({model.config.block_size} tokens); its first turns are left out",
-                    file=sys.stderr,
-                    flush=True,
+                    f"({model.config.block_size} tokens); its first turns are left out"
                 )
                 told = True
         reply, sample = [], SampleText(model, sampling, list(prompt.stops))
         for tok, _, _ in stream_text(model, prompt.ids, sampling, generator, watch=watch):
             piece, tail = sample.feed(tok)
             for text in [piece or "", *tail]:
-                _say(reply, text.lstrip() if prompt.strip and not "".join(reply) else text)
+                reply.append(text.lstrip() if prompt.strip and not "".join(reply) else text)
+                _write(reply[-1])
             if sample.reason:
                 break
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+        _write("\n")
         turns.append(("assistant", "".join(reply)))
-
-
-def _say(reply: list[str], text: str) -> None:
-    reply.append(text)
-    sys.stdout.write(text)
-    sys.stdout.flush()

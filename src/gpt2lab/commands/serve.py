@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import sys
 
-from gpt2lab.inference.flags import add_inference_flags, inference_request
+from gpt2lab.inference.flags import inference_request
 from gpt2lab.serve.limits import Connections, Limits
 from gpt2lab.serve.models import load_workers, model_names
 from gpt2lab.system.choices import finite_float
@@ -15,15 +16,15 @@ from gpt2lab.system.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 
 def add_parser(sub) -> None:
-    from gpt2lab.commands import DefaultsHelp
+    from gpt2lab.commands import DefaultsHelp, add_model_flags
 
     p = sub.add_parser(
         "serve",
         help="serve models over an OpenAI-compatible API, with a playground page at /",
         formatter_class=DefaultsHelp,
     )
-    p.add_argument(
-        "--model",
+    add_model_flags(
+        p,
         action="append",
         required=True,
         metavar="[NAME=]MODEL",
@@ -38,15 +39,12 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--allowed-hosts",
         type=_host_list,
-        default=None,
         metavar="NAME[,NAME...]",
         help="Host names answered beyond localhost, 127.0.0.1 and [::1] ('*': any). Bound to a loopback "
         "address the server answers only those (another name is a web page rebinding its own name to "
         "this machine: 421); bound elsewhere, any name unless this is given",
     )
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: the system picks a free one)")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
-    add_inference_flags(p)
     d = Limits()
     p.add_argument(
         "--max-batch", type=int, default=d.max_batch, help="rows (prompt x sample streams) generated together per model"
@@ -62,6 +60,8 @@ def add_parser(sub) -> None:
         "--timeout",
         type=finite_float,
         default=d.timeout_s,
+        dest="timeout_s",
+        metavar="TIMEOUT",
         help="seconds a request may wait and run; past it, a 504 error",
     )
     p.add_argument(
@@ -75,6 +75,7 @@ def add_parser(sub) -> None:
         "--header-timeout",
         type=finite_float,
         default=c.header_timeout_s,
+        dest="header_timeout_s",
         metavar="SECONDS",
         help="a connection whose request line and headers are not whole this long after it opened (or "
         "after the first byte of its next request) is closed",
@@ -82,7 +83,6 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--max-connections",
         type=int,
-        default=None,
         metavar="N",
         help="connections open at once; past it a new one gets 503 and is closed (default: what the "
         "open-file limit, ulimit -n, leaves after the files the server holds, four listen backlogs and 64 spare)",
@@ -107,36 +107,15 @@ def _host_list(text: str) -> tuple[str, ...]:
     return names
 
 
-def connections_from(args: argparse.Namespace) -> Connections:
-    """The connection flags as Connections, the connection cap resolved against the open-file limit;
-    a value out of range is a UsageError (exit 2) naming the flag."""
-    from gpt2lab.serve.connections import with_cap
+def _settings(cls, args: argparse.Namespace):
+    """``cls`` (Limits, Connections) of the flags named as its fields (those given); a value out of range is a
+    UsageError (exit 2) naming the flag."""
     from gpt2lab.system.errors import UsageError
 
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
     try:
-        c = Connections(
-            header_timeout_s=args.header_timeout,
-            max_connections=args.max_connections,
-            allowed_hosts=args.allowed_hosts or (),
-        )
-    except ValueError as e:  # Connections names the flag
-        raise UsageError(str(e)) from None
-    return with_cap(c)
-
-
-def limits_from(args: argparse.Namespace) -> Limits:
-    """The flags as Limits; a value out of range is a UsageError (exit 2) naming the flag."""
-    from gpt2lab.system.errors import UsageError
-
-    try:
-        return Limits(
-            max_batch=args.max_batch,
-            max_queue=args.max_queue,
-            max_tokens=args.max_tokens,
-            timeout_s=args.timeout,
-            prefill_chunk=args.prefill_chunk,
-        )
-    except ValueError as e:  # Limits names the flag
+        return cls(**{k: v for k, v in values.items() if v is not None})
+    except ValueError as e:  # the class names the flag
         raise UsageError(str(e)) from None
 
 
@@ -144,12 +123,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn  # noqa: F401  (the serve extra: a missing one is this one line)
 
+        from gpt2lab.serve.connections import with_cap
         from gpt2lab.serve.server import bind, serve_here
     except ImportError as e:
         raise SystemExit(f"gpt2lab serve needs FastAPI and uvicorn ({e}); pip install 'gpt2lab[serve]'") from None
     names = model_names(args.model)  # a bad --model fails before any loading
-    limits = limits_from(args)
-    connections = connections_from(args)
+    limits = _settings(Limits, args)
+    connections = with_cap(_settings(Connections, args))  # the connection cap resolved against the open-file limit
     sock = bind(args.host, args.port)  # a port in use fails before the models load, too
     try:
         workers = load_workers(args.model, args.device, inference_request(args, "serve"), limits, args.deterministic)
@@ -168,12 +148,10 @@ def run(args: argparse.Namespace) -> int:
     )
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-    access = logging.getLogger("gpt2lab.serve.access")  # one line per request on stderr
-    access.addHandler(handler)
-    access.setLevel(logging.INFO)
-    guard = logging.getLogger("gpt2lab.serve.connections")  # the connection guard's warnings, a few at most
-    guard.addHandler(handler)
-    guard.setLevel(logging.WARNING)
+    # one line per request on stderr, and the connection guard's warnings (a few at most)
+    for name, level in (("gpt2lab.serve.access", logging.INFO), ("gpt2lab.serve.connections", logging.WARNING)):
+        logging.getLogger(name).addHandler(handler)
+        logging.getLogger(name).setLevel(level)
     said, terminated = [], []
 
     def stopping(ended: int) -> None:  # at Ctrl-C, the one line (cli.main's "interrupted" would come late)

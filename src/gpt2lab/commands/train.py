@@ -43,7 +43,6 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--resume",
-        default=None,
         metavar="auto|PATH",
         help="auto: continue from the newest intact checkpoint in --out (fresh start if none); "
         "PATH: a run directory or a checkpoint directory",

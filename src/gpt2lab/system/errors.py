@@ -77,14 +77,8 @@ class RunDiverged(GPT2LabError, RuntimeError):
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # Writers that report a short write without its errno: torch.save's zip writer says
 # "unexpected pos" (or "file write failed"), safetensors says StorageFull / os error 28.
-_DISK_FULL_TEXT = (
-    "No space left",
-    "StorageFull",
-    "os error 28",
-    "unexpected pos",
-    "file write failed",
-    "Disk quota exceeded",
-)
+_DISK_FULL_TEXT = ("No space left", "Disk quota exceeded", "StorageFull", "os error 28")  # OSError, safetensors
+_DISK_FULL_TEXT += ("unexpected pos", "file write failed")  # torch.save
 
 
 def is_disk_full(exc: BaseException) -> bool:

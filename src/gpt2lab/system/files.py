@@ -38,20 +38,27 @@ def _remove(path: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_write(path: str, mode: str = "w", what_next: Optional[str] = None) -> Iterator[IO]:
-    """``with atomic_write(p) as fh: fh.write(...)``: ``p`` appears whole or not at all."""
-    tmp = tmp_name(path)
+def _or_removed(tmp: str, path: str, what_next: Optional[str]) -> Iterator[None]:
+    """Remove ``tmp`` when the block fails; a full disk becomes a DiskFullError naming ``path``."""
     try:
-        with open(tmp, mode) as fh:
-            yield fh
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        yield
     except BaseException as e:
         _remove(tmp)
         if is_disk_full(e):
             raise disk_full(path, *([what_next] if what_next else [])) from e
         raise
+
+
+@contextlib.contextmanager
+def atomic_write(path: str, mode: str = "w", what_next: Optional[str] = None) -> Iterator[IO]:
+    """``with atomic_write(p) as fh: fh.write(...)``: ``p`` appears whole or not at all."""
+    tmp = tmp_name(path)
+    with _or_removed(tmp, path, what_next):
+        with open(tmp, mode) as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
 
 
 def write_json(path: str, data: Any, indent: Optional[int] = 2) -> None:
@@ -82,52 +89,28 @@ def atomic_dir(path: str, what_next: Optional[str] = None, replace: bool = False
     """
     tmp = tmp_name(path)
     _remove(tmp)  # our own leftover: the same pid cannot be writing it twice
-    try:
+    with _or_removed(tmp, path, what_next):
         os.makedirs(tmp)
         yield tmp
-        umask_modes(tmp)  # as promised above, also for writers that create 0600 files (safetensors)
-        _fsync_dir(tmp)
-        _swap_in(tmp, path, replace)
-    except BaseException as e:
-        _remove(tmp)
-        if is_disk_full(e):
-            raise disk_full(path, *([what_next] if what_next else [])) from e
-        raise
+        _settle(tmp)
+        if os.path.lexists(path) and not replace:
+            raise FileExistsError(f"{path} already exists; not replacing it")
+        old = tmp_name(path) + ".old"
+        if os.path.lexists(path):
+            os.replace(path, old)  # two renames: a crash between them leaves both, never neither
+        os.replace(tmp, path)
+        _remove(old)
 
 
-def current_umask() -> int:
-    """The process's umask (read by setting it and setting it back: there is no getter)."""
-    mask = os.umask(0o022)
+def _settle(folder: str) -> None:
+    """Each file in ``folder`` on disk (fsync) with the mode a plain ``open`` gives (0666 less the umask):
+    some writers (safetensors) create their file 0600 whatever the umask says."""
+    mask = os.umask(0o022)  # the umask is read by setting it and setting it back: there is no getter
     os.umask(mask)
-    return mask
-
-
-def umask_modes(folder: str) -> None:
-    """Give each file in ``folder`` the mode a plain ``open`` would (0666 less the umask): some
-    writers (safetensors) create their file 0600 whatever the umask says."""
-    mode = 0o666 & ~current_umask()
     for name in os.listdir(folder):
         full = os.path.join(folder, name)
         if os.path.isfile(full) and not os.path.islink(full):
-            os.chmod(full, mode)
-
-
-def _swap_in(tmp: str, path: str, replace: bool) -> None:
-    if not os.path.lexists(path):
-        os.replace(tmp, path)
-        return
-    if not replace:
-        raise FileExistsError(f"{path} already exists; not replacing it")
-    old = tmp_name(path) + ".old"
-    os.replace(path, old)  # two renames: a crash between them leaves both, never neither
-    os.replace(tmp, path)
-    _remove(old)
-
-
-def _fsync_dir(path: str) -> None:
-    for name in os.listdir(path):
-        full = os.path.join(path, name)
-        if os.path.isfile(full):
+            os.chmod(full, 0o666 & ~mask)
             fd = os.open(full, os.O_RDONLY)
             try:
                 os.fsync(fd)

@@ -28,18 +28,16 @@ live (``holder``) and only read.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import shlex
-import shutil
 import socket
 import time
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 from gpt2lab.system.errors import UsageError
-from gpt2lab.system.files import read_json_object, tmp_name, write_json
+from gpt2lab.system.files import _remove, read_json_object, tmp_name, write_json
 
 RUN, EXPORT, DATA, TOKENIZER, FILE = "run", "export", "data", "tokenizer", "file"
 RUN_MARKER, RUN_FORMAT = "run_info.json", "gpt2lab-run"
@@ -63,6 +61,7 @@ _MARKS = (b"Software\x00gpt2lab", TEXT_MARK.encode(), b'"format": "gpt2lab-')
 _RUN_FILES = ("plot.png", "report.html", "report.md", "report.png")
 # How long `claim` retries a lock that is busy: a reader's probe (``holder``) holds it for microseconds.
 _LOCK_RETRY_S = 0.5
+_BUSY = (BlockingIOError, PermissionError)  # a lock another process holds: EWOULDBLOCK/EAGAIN, or EACCES
 
 
 class DirectoryError(UsageError):
@@ -87,18 +86,18 @@ def inspect(path: str) -> Found:
     entries = tuple(sorted(os.listdir(path)))
     if not entries:
         return Found("empty", ())
-    info = read_json_object(os.path.join(path, RUN_MARKER)) if RUN_MARKER in entries else None
+    info, manifest, marker, config = (
+        read_json_object(os.path.join(path, name)) if name in entries else None
+        for name in (RUN_MARKER, DATA_MARKER, TOKENIZER_MARKER, "config.json")
+    )
     if info is not None and (info.get("format") == RUN_FORMAT or {"world_size", "torch"} <= set(info)):
         return Found(RUN, entries)  # an untagged run_info.json: a run from before the format tag
     if EXPORT_MARKER in entries:
         return Found(EXPORT, entries)
-    manifest = read_json_object(os.path.join(path, DATA_MARKER)) if DATA_MARKER in entries else None
     if manifest is not None and (manifest.get("format") == DATA_FORMAT or "shards" in manifest):
         return Found(DATA, entries)
-    marker = read_json_object(os.path.join(path, TOKENIZER_MARKER)) if TOKENIZER_MARKER in entries else None
     if marker is not None and marker.get("format") == TOKENIZER_FORMAT:
         return Found(TOKENIZER, entries)
-    config = read_json_object(os.path.join(path, "config.json")) if "config.json" in entries else None
     if config is not None and _is_run_config(config):
         return Found(RUN, entries)  # a run killed before it wrote run_info.json (older versions), or a checkpoint
     if "checkpoints" in entries and _has_run_checkpoint(os.path.join(path, "checkpoints")):
@@ -128,11 +127,7 @@ def _has_run_checkpoint(folder: str) -> bool:
         names = [n for n in os.listdir(folder) if n.startswith("step_")]
     except OSError:
         return False
-    for name in names:
-        config = read_json_object(os.path.join(folder, name, "config.json"))
-        if config is not None and _is_run_config(config):
-            return True
-    return False
+    return any(_is_run_config(read_json_object(os.path.join(folder, n, "config.json")) or {}) for n in names)
 
 
 def _is_run_config(config: dict) -> bool:
@@ -193,9 +188,8 @@ def _create_marker(path: str) -> None:
     tmp = tmp_name(final) + ".marker"
     write_json(tmp, run_marker())
     try:
-        os.link(tmp, final)  # atomic, and fails if another process's marker got there first
-    except FileExistsError:
-        pass
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, final)  # atomic, and fails if another process's marker got there first
     finally:
         os.unlink(tmp)
 
@@ -227,27 +221,21 @@ def holder(path: str) -> Optional[dict]:
     except OSError:
         return None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
-            return _holder_info(fd)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         fcntl.flock(fd, fcntl.LOCK_UN)
         return None
+    except _BUSY:
+        return _holder_info(fd)
     finally:
         os.close(fd)
 
 
 def _holder_info(fd: int) -> dict:
     try:
-        os.lseek(fd, 0, os.SEEK_SET)
-        info = json.loads(os.read(fd, 4096).decode() or "{}")
-        if isinstance(info, dict):
-            return {"pid": info.get("pid"), "host": info.get("host"), "started": info.get("started")}
+        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
     except (OSError, ValueError, UnicodeDecodeError):
-        pass
-    return {"pid": None, "host": None, "started": None}
+        info = None
+    return {k: info.get(k) if isinstance(info, dict) else None for k in ("pid", "host", "started")}
 
 
 def describe(who: dict) -> str:
@@ -259,8 +247,10 @@ def describe(who: dict) -> str:
 def live_note(path: str) -> Optional[str]:
     """A line for readers of a live run (report, plot, sample), or None when no run holds it.
 
-    ``path`` is a run directory or one of its checkpoints (``RUN/checkpoints/step_N``).
+    ``path`` is a run directory or one of its checkpoints (``RUN/checkpoints/step_N``), else None.
     """
+    if not os.path.isdir(path):
+        return None
     for run in (path, os.path.dirname(os.path.dirname(os.path.abspath(path)))):
         who = holder(run)
         if who is not None:
@@ -280,9 +270,7 @@ def lock(path: str) -> Iterator[None]:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
-            except OSError as e:
-                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise
+            except _BUSY:
                 if time.monotonic() > deadline:
                     raise DirectoryError(
                         f"{path} is in use by another run ({describe(_holder_info(fd))}); "
@@ -293,12 +281,8 @@ def lock(path: str) -> Iterator[None]:
         # the lock file is the lock itself, so it is rewritten in place (a rename would make a new,
         # unlocked file); readers only read it while it is held, and tolerate a partial line
         os.ftruncate(fd, 0)
-        os.pwrite(
-            fd,
-            json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": round(time.time(), 3)}).encode()
-            + b"\n",
-            0,
-        )
+        who = {"pid": os.getpid(), "host": socket.gethostname(), "started": round(time.time(), 3)}
+        os.pwrite(fd, json.dumps(who).encode() + b"\n", 0)
         yield
     finally:
         os.close(fd)  # drops the lock (the kernel does the same when the process dies)
@@ -306,18 +290,8 @@ def lock(path: str) -> Iterator[None]:
 
 # What a run writes at the top of its directory: a start that fails before training removes those of
 # them it created (Claim.undo), never another name.
-RUN_WRITES = (
-    RUN_MARKER,
-    LOCK_FILE,
-    "config.json",
-    "metrics.jsonl",
-    "plot.png",
-    "tensorboard",
-    "wandb",
-    "wandb_id",
-    "checkpoints",
-    "tokenizer.json",
-)
+RUN_WRITES = (RUN_MARKER, LOCK_FILE, "config.json", "metrics.jsonl", "plot.png", "tensorboard", "wandb", "wandb_id")
+RUN_WRITES += ("checkpoints", "tokenizer.json")
 
 
 class Claim:
@@ -333,15 +307,9 @@ class Claim:
         the directory and the parents it made, if it made them and nothing else is in them."""
         if self.began:
             return
-        for name in RUN_WRITES:
-            target = os.path.join(self.path, name)
-            if name in self.before or not os.path.lexists(target):
-                continue
+        for name in set(RUN_WRITES) - self.before:
             with contextlib.suppress(OSError):
-                if os.path.isdir(target) and not os.path.islink(target):
-                    shutil.rmtree(target)
-                else:
-                    os.unlink(target)
+                _remove(os.path.join(self.path, name))
         if self.created:
             _remove_empty(self.path, self.top)
 
