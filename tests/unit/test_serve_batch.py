@@ -217,13 +217,13 @@ def test_prompts_join_the_fused_step_of_running_rows_each_getting_its_text_alone
     monkeypatch.setattr(batch.BatchWorker, "_prefill", lambda w, rows: alone.append(rows))
     drawn, checked = {}, []  # (row, sample) -> its tokens so far; each step's rows against their sequences
 
-    def draw(w, logits, draw=batch.BatchWorker._draw):
-        for i, row in enumerate(w.decoding):
+    def draw(w, rows, logits, draw=batch.BatchWorker._draw):
+        for i, row in enumerate(rows):
             seq = row.ids + drawn.get((id(row), row.sample), [])
             alone, _ = w.model(torch.tensor([seq]))
             torch.testing.assert_close(logits[i], alone[0, -1], rtol=1e-4, atol=1e-4)
             checked.append(len(seq))
-        return draw(w, logits)
+        return draw(w, rows, logits)
 
     def sampled(w, row, t, lp=None, sampled=batch.BatchWorker._sampled):
         drawn.setdefault((id(row), row.sample), []).append(t)

@@ -318,21 +318,16 @@ class BatchWorker(Worker):
             logits = logits[0, -1:]
         if end < T:
             return  # more of the prompt next step
+        drawn = self._draw(rows, logits) if r.sampling.max_new_tokens else []  # in the queue: an error fails them
         for _ in rows:
             self.prefill.popleft()
         for b, row in enumerate(rows):
             if r.scores_prompt:
                 row.job.send(Text(row.index, r.echo[row.p], logprobs=row.scored))
-            if r.sampling.max_new_tokens == 0:  # scored only
+            if not drawn:  # scored only
                 row.job.send(Finish(row.index, "length", 0))
                 self._sample_done(row)
-                continue
-            try:
-                t, lp = self._sample(row, logits[b : b + 1])
-            except Exception:
-                self.prefill.extendleft(reversed(rows[b:]))  # back in the queue: the error fails their requests
-                raise
-            if self._sampled(row, t, lp):
+            elif self._sampled(row, *drawn[b]):
                 self.cache.put(len(self.decoding), head.cache, self.limits.max_batch, row=b, length=len(row.ids))
                 self.decoding.append(row)
         head.cache = None
@@ -369,24 +364,24 @@ class BatchWorker(Worker):
                 self.prefill.popleft()
                 rows.append(row)  # slot n + j, as the kernel wrote it
         self.metrics.batch_size.labels(self.name).observe(len(rows))  # rows, a prompt one of them
-        self._draw(logits)
+        going = [self._sampled(row, *drawn) for row, drawn in zip(rows, self._draw(rows, logits))]
+        for slot in reversed(range(len(rows))):
+            if not going[slot]:
+                self._leave(slot)  # its sample ended
         return True
 
-    def _draw(self, logits: torch.Tensor) -> None:
-        """Each row's next token from its row of ``logits`` (rows, vocab); the rows whose sample ended leave.
-        Rows that draw alike (temperature, top-k, top-p; no logprobs) draw in one ``sample_next`` call, each
-        on its own generator: the same token each would draw alone."""
-        rows = self.decoding
-        logits = logits[:, : self.model.config.real_vocab_size]
+    def _draw(self, rows: list[Row], logits: torch.Tensor) -> list[tuple[int, Optional[TokenLogprob]]]:
+        """Each row's next token from its row of ``logits`` (rows, vocab), as generate_stream draws it, and its
+        log-probability where its request asks for logprobs. Rows that draw alike (temperature, top-k, top-p)
+        draw in one ``sample_next`` call, each on its own generator: the same token each would draw alone."""
+        vocab = self.model.config.real_vocab_size
+        logits = logits[:, :vocab]  # padded vocabulary rows are never sampled
         settings = [r.job.request.sampling for r in rows]
         tops = top_k_rows(logits, [(s.temperature, s.filters()["top_k"]) for s in settings])
         drawn: list = [None] * len(rows)
         alike: dict[tuple, list[int]] = {}
-        for i, (row, s) in enumerate(zip(rows, settings)):
-            if row.job.request.logprobs is None:
-                alike.setdefault((s.temperature, *s.filters().values()), []).append(i)
-            else:
-                drawn[i] = self._sample(row, logits[i : i + 1], tops[i])
+        for i, s in enumerate(settings):
+            alike.setdefault((s.temperature, *s.filters().values()), []).append(i)
         for group in alike.values():
             s, every = settings[group[0]], len(group) == len(rows)
             narrowed = None if tops[group[0]] is None else tuple(torch.cat(t) for t in zip(*(tops[i] for i in group)))
@@ -394,23 +389,11 @@ class BatchWorker(Worker):
                 logits if every else logits[group], s.temperature, **s.filters(),
                 generator=[rows[i].generator for i in group], narrowed=narrowed,
             )  # fmt: skip
-            for i, t in zip(group, picked.tolist()):
-                drawn[i] = (t, None)
-        going = [self._sampled(r, *d) for r, d in zip(rows, drawn)]
-        for slot in reversed(range(len(rows))):
-            if not going[slot]:
-                self._leave(slot)
-
-    def _sample(self, row: Row, logits: torch.Tensor, narrowed=None) -> tuple[int, Optional[TokenLogprob]]:
-        """The next token of ``row`` from its logits (1, vocab), as generate_stream draws it (``narrowed``:
-        their top-k, from the batch's ``top_k_rows``), and its log-probability when the request asks for logprobs."""
-        r = row.job.request
-        logits = logits[:, : self.model.config.real_vocab_size]  # padded vocabulary rows are never sampled
-        t = sample_next(
-            logits, r.sampling.temperature, **r.sampling.filters(), generator=row.generator, narrowed=narrowed
-        )
-        lp = None if r.logprobs is None else token_logprobs(logits, t, logits.size(-1), r.logprobs)[0]
-        return int(t), lp
+            for j, i in enumerate(group):
+                top = rows[i].job.request.logprobs
+                lp = None if top is None else token_logprobs(logits[i : i + 1], picked[j : j + 1], vocab, top)[0]
+                drawn[i] = (int(picked[j]), lp)
+        return drawn
 
     def _sampled(self, row: Row, t: int, lp: Optional[TokenLogprob] = None) -> bool:
         """Send what token ``t`` (log-probability ``lp``) adds to ``row``'s text; False once this

@@ -124,6 +124,8 @@ def _worker(model: str, workers: dict[str, Worker]) -> Worker:
 class Completion:
     """One validated completion request: its worker, its work, and the response id."""
 
+    OBJECT = "text_completion"  # what its chunks are
+
     def __init__(self, req: CompletionRequest, workers: dict[str, Worker]) -> None:
         self.req, self.worker = req, _worker(req.model, workers)
         _unsupported(
@@ -196,7 +198,7 @@ class Completion:
     def chunk(self, choices: list[dict], **extra) -> dict:
         return {
             "id": self.id,
-            "object": "text_completion",
+            "object": self.OBJECT,
             "created": self.created,
             "model": self.req.model,
             "choices": choices,
@@ -216,6 +218,8 @@ class Completion:
 
 class ChatCompletion(Completion):
     """One validated chat request: the messages in the model's chat template as one prompt (inference/chat.py)."""
+
+    OBJECT = "chat.completion.chunk"
 
     def __init__(self, req: ChatRequest, workers: dict[str, Worker]) -> None:
         self.req, self.worker = req, _worker(req.model, workers)
@@ -255,16 +259,6 @@ class ChatCompletion(Completion):
             max_tokens, [*_stops(req.stop), *prompt.stops], echo=[], logprobs=None, default=default, what="messages"
         )
         self.id = f"chatcmpl-{secrets.token_hex(12)}"
-
-    def chunk(self, choices: list[dict], **extra) -> dict:
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.req.model,
-            "choices": choices,
-            **extra,
-        }
 
 
 def _content(i: int, m: ChatMessage) -> str:

@@ -106,14 +106,21 @@ async def _sse_stream(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     try:
         async for chunk in chunks:
             yield chunk
-    except TimedOut as e:
-        yield _sse(error_body(str(e), kind="timeout", code="timeout"))
-    except ShuttingDown as e:
-        e = shutting_down(e)
-        yield _sse(error_body(e.message, e.kind, code=e.code))
     except Exception as e:
-        yield _sse(error_body(f"generation failed: {e}", kind="server_error"))
+        e = _api_error(e)
+        yield _sse(error_body(e.message, e.kind, code=e.code))
     yield "data: [DONE]\n\n"
+
+
+def _api_error(e: Exception) -> APIError:
+    """What a request that failed while it ran answers: 504 past its time, 503 at a shutdown, else 500."""
+    if isinstance(e, TimedOut):
+        return APIError(504, str(e), kind="timeout", code="timeout")
+    return (
+        shutting_down(e)
+        if isinstance(e, ShuttingDown)
+        else APIError(500, f"generation failed: {e}", kind="server_error")
+    )
 
 
 def _sse(obj: dict) -> str:
@@ -134,12 +141,8 @@ async def respond(c: Completion, stream, whole, request: Request):
         answer = await _unless_hung_up(whole(c, job), request)
     except APIError:
         raise
-    except TimedOut as e:
-        raise APIError(504, str(e), kind="timeout", code="timeout") from None
-    except ShuttingDown as e:
-        raise shutting_down(e) from None
     except Exception as e:
-        raise APIError(500, f"generation failed: {e}", kind="server_error") from e
+        raise _api_error(e) from e
     return Response(status_code=499) if answer is None else JSONResponse(answer)  # 499: nobody to answer
 
 
