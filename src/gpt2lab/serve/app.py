@@ -102,7 +102,7 @@ def create_app(workers: dict[str, Worker], host: str = "127.0.0.1", allowed_host
                     "context_length": w.block_size,
                     "chat_template": w.model.config.chat_template,
                     "note": chat.note(w.model.config),
-                    **_inference(w),
+                    **({"inference": w.decision.record()} if w.decision is not None else {}),  # how it is held
                 }
                 for name, w in workers.items()
             ],
@@ -130,9 +130,3 @@ def _text_only(req) -> None:
     found = lone_surrogate(req.model_dump(exclude_unset=True))
     if found is not None:
         raise found
-
-
-def _inference(worker: Worker) -> dict:
-    """How the worker's model is held (inference/choice.py's decision and its measured figures), where
-    serve/models.py decided it."""
-    return {"inference": worker.decision.record()} if worker.decision is not None else {}

@@ -226,11 +226,11 @@ class BatchWorker(Worker):
 
     def _drop_ended(self, now: float) -> None:
         """Requests whose client went away or whose time is up leave before the next step."""
-        for job in [j for j in self.waiting if j.cancelled or j.expired(now)]:
+        for job in [j for j in self.waiting if j.ended(now)]:
             self.waiting.remove(job)
             self._started(job)
             self._end_early(job)
-        ended = {id(r.job): r.job for r in [*self.prefill, *self.decoding] if r.job.cancelled or r.job.expired(now)}
+        ended = {id(r.job): r.job for r in [*self.prefill, *self.decoding] if r.job.ended(now)}
         for job in ended.values():
             self._remove_rows(job)
             self.rows_left.pop(id(job), None)

@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional, Union
+from typing import Optional, Union
 
 import torch
 
@@ -44,12 +44,7 @@ class Finish:
     tokens: int  # completion tokens sampled for this choice
 
 
-@dataclass
-class Failed:
-    error: BaseException
-
-
-Event = Union[Text, Finish, Failed, None]  # None: the request is complete
+Event = Union[Text, Finish, BaseException, None]  # an error: the request failed; None: it is complete
 
 
 class QueueFull(Exception):
@@ -124,22 +119,17 @@ class Job:
             self.worker._started(self)
 
     def fail(self, error: BaseException) -> None:
-        self.send(Failed(error))
+        self.send(error)
         self.send(None)
 
-    def expired(self, now: float) -> bool:
-        return now > self.deadline
-
-    def timed_out(self, limits: Limits) -> TimedOut:
-        return TimedOut(
-            f"the request took longer than the server's {limits.timeout_s:g} s timeout "
-            "(--timeout); ask for fewer tokens or retry when the server is less busy"
-        )
+    def ended(self, now: float) -> bool:
+        """Its client went away, or its time is up."""
+        return self.cancelled or now > self.deadline
 
 
 class Worker:
-    """Owns one model; the engine's thread (``Engine``) is the one that ever runs it. Subclasses
-    write ``_steps``, a generator that does one step of work per ``next`` and says whether it
+    """Owns one model; the engine's thread (``Engine``) is the one that ever runs it. Its ``_steps``
+    (batch.BatchWorker's) is a generator that does one step of work per ``next`` and says whether it
     had any (False: idle until a request arrives)."""
 
     def __init__(
@@ -235,7 +225,12 @@ class Worker:
         if job.cancelled:
             job.send(None)
         else:
-            job.fail(job.timed_out(self.limits))
+            job.fail(
+                TimedOut(
+                    f"the request took longer than the server's {self.limits.timeout_s:g} s timeout "
+                    "(--timeout); ask for fewer tokens or retry when the server is less busy"
+                )
+            )
 
     def _token(self, job: Job, index: int) -> None:
         """Count a sampled token of choice ``index``; observe first-token or per-token latency."""
@@ -248,9 +243,6 @@ class Worker:
             self.metrics.per_token.labels(self.name).observe(now - last)
         job.last_token[index] = now
         self.metrics.tokens.labels(self.name).inc()
-
-    def _steps(self) -> Iterator[bool]:
-        raise NotImplementedError
 
 
 def deliver() -> None:

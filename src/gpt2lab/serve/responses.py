@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gpt2lab.serve.completions import ChatCompletion, Completion
-from gpt2lab.serve.engine import Failed, Finish, Job, ShuttingDown, Text, TimedOut
+from gpt2lab.serve.engine import Finish, Job, ShuttingDown, Text, TimedOut
 from gpt2lab.serve.errors import APIError, error_body, shutting_down
 from gpt2lab.serve.logprobs import Logprobs
 
@@ -24,8 +24,8 @@ def _choice(index: int, text: str, finish: Optional[str], logprobs: Optional[dic
 async def _events(job: Job) -> AsyncIterator[Union[Text, Finish]]:
     try:
         while (event := await job.out.get()) is not None:
-            if isinstance(event, Failed):
-                raise event.error
+            if isinstance(event, BaseException):
+                raise event
             yield event
     finally:
         job.cancel()  # a client that went away frees its queue place now, its row or turn at the next step
