@@ -176,10 +176,6 @@ class BatchWorker(Worker):
     cache exactly as ``gpt2lab sample`` runs it: a seeded request gives sample's text whatever else is
     served, and 8 streams share one stream's tokens/s."""
 
-    def __init__(self, *args, turns: bool = False, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.turns = turns
-
     def _steps(self) -> Iterator[bool]:
         self.cache = RowsCache(self.model.config.n_layer, self.block_size)
         self.waiting: collections.deque[Job] = collections.deque()  # not yet started

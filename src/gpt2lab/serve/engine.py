@@ -139,8 +139,10 @@ class Worker:
         device: torch.device,
         limits: Optional[Limits] = None,
         decision: Optional[Decision] = None,
+        turns: bool = False,
     ) -> None:
         self.name, self.model, self.device = name, model, device  # a model held by serve/models.py (or as given)
+        self.turns = turns  # --deterministic: rows take turns (batch.BatchWorker)
         self.decision = decision  # how it is held and why (inference/choice.py), where serve/models.py decided
         self.limits = limits or Limits()
         self.metrics = ServeMetrics()  # create_app swaps in the app's own
