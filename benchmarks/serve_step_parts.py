@@ -4,8 +4,8 @@
 
 Runs `gpt2lab bench serve` with the given flags, each of the batch worker's parts wrapped in a wall-clock
 timer, and prints to stderr, after bench serve's own table, each part's total seconds, calls and ms a
-call: the worker's iterations, the model's fused decode step, the mixed step (prompts as rows of the
-step), prompts run on their own, top-k, the draws, the text and events of each token (`sampled`), and the
+call: the worker's iterations, the model's fused step, the decode step (with the prompts that join it as
+rows), prompts' prefill run on their own, top-k, the draws, the text and events of each token (`sampled`), and the
 hand-over of a step's events to the event loop (`settle_outbox`, which includes waiting for the GIL
 while the HTTP thread takes them). Timers nest: a part's time includes the parts it calls.
 """
@@ -41,10 +41,9 @@ def _timed(owner, name: str, label: str) -> None:
 
 
 PARTS = [
-    (fused.HeldGPT, "_decode_step", "decode step (fused)"),
-    (batch.BatchWorker, "_mixed_step", "mixed step (with prompts)"),
-    (batch.BatchWorker, "_prefill_step", "prompt alone"),
-    (batch.BatchWorker, "_prefill_together", "prompts together"),
+    (fused.HeldGPT, "step_rows", "fused step"),
+    (batch.BatchWorker, "_decode", "decode step (prompts joining it)"),
+    (batch.BatchWorker, "_prefill", "prompts' own prefill"),
     (batch, "top_k_rows", "top-k"),
     (batch, "sample_next", "draws (sample_next)"),
     (batch.BatchWorker, "_sampled", "sampled (text, events)"),

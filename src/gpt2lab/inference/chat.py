@@ -63,11 +63,6 @@ def note(config: GPTConfig, who: str = "/v1/chat/completions") -> str:
     )
 
 
-def render_plain(messages: Sequence[tuple[str, str]]) -> str:
-    """The plain-text prompt of a conversation, (role, content) pairs in order."""
-    return "\n".join([*(f"{PLAIN_ROLES[role]}: {content}" for role, content in messages), REPLY])
-
-
 def chat_prompt(model: GPT, messages: Sequence[tuple[str, str]]) -> ChatPrompt:
     """The prompt of ``messages`` for ``model``: in its chat template, or plain text for a base
     model; a ValueError naming ``messages[i].role`` for a role neither takes."""
@@ -78,5 +73,5 @@ def chat_prompt(model: GPT, messages: Sequence[tuple[str, str]]) -> ChatPrompt:
     if model.config.chat_template:
         ids = encode_chat([(TEMPLATE_ROLES[r], c) for r, c in messages], add_generation_prompt=True, tokenizer=tok)[0]
         return ChatPrompt(ids, tok.decode(ids), (), strip=False)
-    text = render_plain(messages)
+    text = "\n".join([*(f"{PLAIN_ROLES[role]}: {content}" for role, content in messages), REPLY])
     return ChatPrompt(tok.encode(text, disallowed_special=()), text, (NEXT_TURN,), strip=True)

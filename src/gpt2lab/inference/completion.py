@@ -169,11 +169,8 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab: int, top:
     ``vocab`` (real) tokens, before any temperature, top-k or top-p."""
     lp = torch.log_softmax(logits[:, :vocab].float(), dim=-1)
     chosen = lp.gather(-1, targets[:, None].to(lp.device))[:, 0].tolist()
-    if top:
-        best = lp.topk(min(top, vocab), dim=-1)
-        tops = [tuple(zip(i, v)) for i, v in zip(best.indices.tolist(), best.values.tolist())]
-    else:
-        tops = [()] * len(chosen)
+    best = lp.topk(min(top, vocab), dim=-1)  # top 0: no column
+    tops = [tuple(zip(i, v)) for i, v in zip(best.indices.tolist(), best.values.tolist())]
     return [TokenLogprob(t, c, k) for t, c, k in zip(targets.tolist(), chosen, tops)]
 
 
@@ -234,9 +231,7 @@ def stream_text(
         t = int(tok[0])
         if stop is not None and t == stop:
             break
-        lp = None
-        if logprobs is not None:
-            lp = token_logprobs(seen.pop(), tok, model.config.real_vocab_size, logprobs)[0]
+        lp = None if logprobs is None else token_logprobs(seen.pop(), tok, model.config.real_vocab_size, logprobs)[0]
         yield t, text.feed(t), lp
         started[0], started[1] = time.perf_counter(), started[1] + 1  # the next step starts
     yield None, text.flush(), None

@@ -25,7 +25,7 @@ from gpt2lab.serve.completions import ChatCompletion, Completion
 from gpt2lab.serve.engine import Worker
 from gpt2lab.serve.errors import APIError, error_body
 from gpt2lab.serve.metrics import ServeMetrics
-from gpt2lab.serve.responses import respond, stream_chat, stream_completion, whole_chat, whole_completion
+from gpt2lab.serve.responses import respond
 from gpt2lab.serve.schemas import ChatRequest, CompletionRequest, huge_integer, lone_surrogate, validation_error
 
 # The paths served: named in a 404's message, counted by name in /metrics (any other path as "other")
@@ -102,7 +102,7 @@ def create_app(workers: dict[str, Worker], host: str = "127.0.0.1", allowed_host
                     "context_length": w.block_size,
                     "chat_template": w.model.config.chat_template,
                     "note": chat.note(w.model.config),
-                    **_inference(w),
+                    **({"inference": w.decision.record()} if w.decision is not None else {}),  # how it is held
                 }
                 for name, w in workers.items()
             ],
@@ -113,14 +113,12 @@ def create_app(workers: dict[str, Worker], host: str = "127.0.0.1", allowed_host
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         _text_only(req)
-        return await respond(
-            await run_in_threadpool(Completion, req, workers), stream_completion, whole_completion, request
-        )
+        return await respond(await run_in_threadpool(Completion, req, workers), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
         _text_only(req)
-        return await respond(await run_in_threadpool(ChatCompletion, req, workers), stream_chat, whole_chat, request)
+        return await respond(await run_in_threadpool(ChatCompletion, req, workers), request)
 
     return app
 
@@ -130,9 +128,3 @@ def _text_only(req) -> None:
     found = lone_surrogate(req.model_dump(exclude_unset=True))
     if found is not None:
         raise found
-
-
-def _inference(worker: Worker) -> dict:
-    """How the worker's model is held (inference/choice.py's decision and its measured figures), where
-    serve/models.py decided it."""
-    return {"inference": worker.decision.record()} if worker.decision is not None else {}

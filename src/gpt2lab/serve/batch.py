@@ -30,7 +30,7 @@ prompt's tokens from them, so scoring (``max_tokens`` 0) costs the prompt's one 
 batched between decode steps like any prefill. A row's logits are those of the unbatched model up to
 float rounding (tests/unit/test_serve_batch.py checks them against the one-row forward): a batched
 matmul may round differently, so a seeded request can in rare cases draw another token than
-``gpt2lab sample``; ``--deterministic`` (engine.TurnsWorker) keeps exact equality.
+``gpt2lab sample``; ``--deterministic`` (the worker's turns) keeps exact equality.
 """
 
 from __future__ import annotations
@@ -38,11 +38,18 @@ from __future__ import annotations
 import collections
 import itertools
 import time
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
-from gpt2lab.inference.completion import SampleText, TokenLogprob, seeded_generator, token_logprobs
+from gpt2lab.inference.completion import (
+    SampleText,
+    TokenLogprob,
+    score_prompt,
+    seeded_generator,
+    stream_text,
+    token_logprobs,
+)
 from gpt2lab.inference.fused import prompt_rows
 from gpt2lab.model.gpt import KVCache
 from gpt2lab.model.sampling import sample_next, top_k_rows
@@ -156,6 +163,7 @@ class Row:
         self.index = self.p * r.n + self.sample
         self.out = SampleText(self.model, r.sampling, r.stops)  # its text, and where it ends
         self.cache: Optional[KVCache] = None  # the prompt's, while it is being run
+        self.tokens: Optional[Iterator] = None  # in turns: stream_text's, as gpt2lab sample runs it
         self.last: Optional[int] = None  # the token to feed next
         self.scored: list[TokenLogprob] = [TokenLogprob(self.ids[0], None)]  # the prompt's, with scores_prompt
         if r.echo and not r.scores_prompt:  # else once its prefill has scored the prompt
@@ -163,12 +171,15 @@ class Row:
 
 
 class BatchWorker(Worker):
-    """The default worker: continuous batching (see the module's docstring)."""
+    """Continuous batching (see the module's docstring); with ``turns`` (``gpt2lab serve --deterministic``)
+    the rows instead take turns, one token each, every sample run by completion.stream_text with its own KV
+    cache exactly as ``gpt2lab sample`` runs it: a seeded request gives sample's text whatever else is
+    served, and 8 streams share one stream's tokens/s."""
 
     def _steps(self) -> Iterator[bool]:
         self.cache = RowsCache(self.model.config.n_layer, self.block_size)
         self.waiting: collections.deque[Job] = collections.deque()  # not yet started
-        self.prefill: collections.deque[Row] = collections.deque()  # prompt not yet run
+        self.prefill: collections.deque[Row] = collections.deque()  # prompt not yet run (in turns: every row)
         self.decoding: list[Row] = []  # row i is slot i of self.cache
         self.rows_left: dict[int, int] = {}  # id(job) -> rows not finished
         # the fused step: prompts join the decode step, as many tokens as it runs as fast as the model's forward
@@ -180,19 +191,10 @@ class BatchWorker(Worker):
             self._drop_ended(time.monotonic())
             self._admit()
             try:
-                mixed = False
-                if self.prefill and len(self.decoding) < self.limits.max_batch:
-                    joining = self._mixed_group() if self._mix_tokens else []
-                    mixed = bool(joining) and self._mixed_step(joining)
-                    if not mixed:
-                        together = self._prefill_group()
-                        if len(together) > 1:
-                            self._prefill_together(together)
-                        else:
-                            self._prefill_step(self.prefill[0])
-                        deliver()  # a first token goes out now, not after the decode step
-                if self.decoding and not mixed:
-                    self._decode_step()
+                if self.turns:
+                    self._turn()
+                else:
+                    self._step()
             except Exception as e:  # a failed forward: its rows' requests get the error, the worker goes on
                 for job in {id(r.job): r.job for r in [*self.prefill, *self.decoding]}.values():
                     self._end_job(job, e)
@@ -213,18 +215,18 @@ class BatchWorker(Worker):
                 job.send(None)
                 continue
             self.rows_left[id(job)] = len(r.prompts)
-            # each prompt gets a generator seeded with its seed, as in completion_events
+            # each prompt gets a generator seeded with its seed, as gpt2lab sample seeds its own
             self.prefill.extend(
                 Row(job, p, seeded_generator(self.device, r.seeds[p]), self.model) for p in range(len(r.prompts))
             )
 
     def _drop_ended(self, now: float) -> None:
         """Requests whose client went away or whose time is up leave before the next step."""
-        for job in [j for j in self.waiting if j.cancelled or j.expired(now)]:
+        for job in [j for j in self.waiting if j.ended(now)]:
             self.waiting.remove(job)
             self._started(job)
             self._end_early(job)
-        ended = {id(r.job): r.job for r in [*self.prefill, *self.decoding] if r.job.cancelled or r.job.expired(now)}
+        ended = {id(r.job): r.job for r in [*self.prefill, *self.decoding] if r.job.ended(now)}
         for job in ended.values():
             self._remove_rows(job)
             self.rows_left.pop(id(job), None)
@@ -246,144 +248,136 @@ class BatchWorker(Worker):
         self.decoding[slot] = self.decoding[-1]
         self.decoding.pop()
 
-    def _prefill_step(self, row: Row) -> None:
-        """Run the next chunk of ``row``'s prompt; at its end, sample the first token and join the batch."""
-        if row.cache is None:
-            row.cache = self.model.new_kv_cache(
-                min(self.block_size, len(row.ids) + row.job.request.sampling.max_new_tokens)
-            )
-        start = row.cache.pos
-        chunk = row.ids[start : start + self.limits.prefill_chunk]
-        idx = torch.tensor([chunk], dtype=torch.long, device=self.device)
+    def _turn(self) -> None:
+        """In turns: the front row's next token as gpt2lab sample draws it (an echoed prompt scored by one
+        forward of its own first), then the row goes to the back; an error fails its request only."""
+        row = self.prefill.popleft()
         r = row.job.request
-        logits, _ = self.model(idx, kv_cache=row.cache, last_only=not r.scores_prompt)
-        if r.scores_prompt:  # position i predicts prompt token i + 1, which may lie in the next chunk
-            targets = torch.tensor(row.ids[start + 1 : start + len(chunk) + 1], dtype=torch.long)
-            row.scored += token_logprobs(
-                logits[0, : len(targets)], targets, self.model.config.real_vocab_size, r.logprobs
-            )
-        if row.cache.pos < len(row.ids):
-            return  # more of the prompt next step
-        if r.scores_prompt:
-            row.job.send(Text(row.index, r.echo[row.p], logprobs=row.scored))
-        if r.sampling.max_new_tokens == 0:  # scored only
-            self.prefill.popleft()
-            row.cache = None
-            row.job.send(Finish(row.index, "length", 0))
-            self._sample_done(row)
-            return
-        t, lp = self._sample(row, logits[:, -1])  # while the row is in prefill, so that an error fails its request
-        self.prefill.popleft()
+        self.metrics.batch_size.labels(self.name).observe(1)
+        try:
+            if row.tokens is None:
+                if r.scores_prompt:
+                    scored = score_prompt(self.model, row.ids, r.logprobs)
+                    row.job.send(Text(row.index, r.echo[row.p], logprobs=scored))
+                row.tokens = stream_text(self.model, row.ids, r.sampling, row.generator, r.logprobs)
+            t, _, lp = next(row.tokens)
+        except Exception as e:
+            return self._end_job(row.job, e)
         if self._sampled(row, t, lp):
-            self.cache.put(len(self.decoding), row.cache, self.limits.max_batch)
-            self.decoding.append(row)
-        row.cache = None
+            self.prefill.append(row)
 
-    def _front_rows(self) -> Iterator[Row]:
-        """The rows at the front of the prefill queue that may run their prompts with others: not started
-        (no part of the prompt run yet), with a prompt, not scoring it, asking for tokens; as many as the
-        batch has free rows."""
+    def _step(self) -> None:
+        """One step of the batch: the prompts at the front of the queue that fit join the running rows' step
+        (``_decode``), else the front's next chunk runs first (``_prefill``: as many whole prompts as fit one
+        ``prefill_chunk`` padded to the longest, else the front row alone), then the running rows' step."""
+        if self.prefill and len(self.decoding) < self.limits.max_batch:
+            mix = self._front(lambda g: sum(len(r.ids) for r in g) <= self._mix_tokens) if self._mix_tokens else []
+            if mix and self._decode(mix):
+                return
+            chunk = self.limits.prefill_chunk
+            self._prefill(self._front(lambda g: len(g) * max(len(r.ids) for r in g) <= chunk) or [self.prefill[0]])
+            deliver()  # a first token goes out now, not after the decode step
+        if self.decoding:
+            self._decode([])
+
+    def _front(self, fits: Callable[[list[Row]], bool]) -> list[Row]:
+        """The rows at the front of the prefill queue that run their whole prompts with others, while the group
+        ``fits``: not started (no part of the prompt run yet), not scoring it, asking for tokens; as many as
+        the batch has free rows."""
+        group: list[Row] = []
         for row in itertools.islice(self.prefill, self.limits.max_batch - len(self.decoding)):
             r = row.job.request
-            if row.cache is not None or not row.ids or r.scores_prompt or r.sampling.max_new_tokens == 0:
-                return
-            yield row
-
-    def _prefill_group(self) -> list[Row]:
-        """The front rows (``_front_rows``) that run their prompts in one forward: while the rows times the
-        longest prompt (the padded forward) fit in one ``prefill_chunk``."""
-        group, longest = [], 0
-        for row in self._front_rows():
-            padded = max(longest, len(row.ids))
-            if padded * (len(group) + 1) > self.limits.prefill_chunk:
+            if row.cache is not None or r.scores_prompt or r.sampling.max_new_tokens == 0 or not fits([*group, row]):
                 break
-            longest = padded
             group.append(row)
         return group
 
-    def _prefill_together(self, rows: list[Row]) -> None:
-        """``rows`` (the front of the prefill queue) in one forward, each prompt right-padded to the longest
-        (a padded position follows every real one, so no real position sees it, and it is never copied
-        into the batch's cache); each row's first token from the logits at its own last position, then
-        each joins the batch as ``_prefill_step`` would have it join."""
-        T = max(len(r.ids) for r in rows)
-        idx = torch.tensor([r.ids + [0] * (T - len(r.ids)) for r in rows], dtype=torch.long, device=self.device)
-        last = torch.tensor([b * T + len(r.ids) - 1 for b, r in enumerate(rows)], dtype=torch.long, device=self.device)
-        cache = self.model.new_kv_cache(T)
-        logits, _ = self.model(idx, kv_cache=cache, positions=last)  # (rows, vocab): a failure fails them all
+    def _prefill(self, rows: list[Row]) -> None:
+        """The next chunk of ``rows``' prompts (the front of the prefill queue) in one forward: several whole
+        prompts right-padded to the longest (a padded position follows every real one, so no real position
+        sees it, and it is never copied into the batch's cache), or one prompt ``prefill_chunk`` tokens a step
+        (its tokens scored where the request echoes it with logprobs). At the prompts' end each row draws its
+        first token from the logits at its own last position and joins the batch."""
+        head, r, T = rows[0], rows[0].job.request, max(len(row.ids) for row in rows)
+        head.cache = head.cache or self.model.new_kv_cache(T)
+        start = head.cache.pos
+        end = min(T, start + self.limits.prefill_chunk)
+        idx = torch.tensor([(row.ids + [0] * (T - len(row.ids)))[start:end] for row in rows], device=self.device)
+        last = [b * (end - start) + min(len(row.ids), end) - start - 1 for b, row in enumerate(rows)]
+        at = None if r.scores_prompt else torch.tensor(last, dtype=torch.long, device=self.device)
+        logits, _ = self.model(idx, kv_cache=head.cache, positions=at)  # a failure fails them all
+        if r.scores_prompt:  # one row; position i predicts prompt token i + 1, which may lie in the next chunk
+            targets = torch.tensor(head.ids[start + 1 : end + 1], dtype=torch.long)
+            head.scored += token_logprobs(
+                logits[0, : len(targets)], targets, self.model.config.real_vocab_size, r.logprobs
+            )
+            logits = logits[0, -1:]
+        if end < T:
+            return  # more of the prompt next step
+        drawn = self._draw(rows, logits) if r.sampling.max_new_tokens else []  # in the queue: an error fails them
         for _ in rows:
             self.prefill.popleft()
         for b, row in enumerate(rows):
-            try:
-                t, lp = self._sample(row, logits[b : b + 1])
-            except Exception:
-                self.prefill.extendleft(reversed(rows[b:]))  # not started yet: the error fails their requests
-                raise
-            if self._sampled(row, t, lp):
-                self.cache.put(len(self.decoding), cache, self.limits.max_batch, row=b, length=len(row.ids))
+            if r.scores_prompt:
+                row.job.send(Text(row.index, r.echo[row.p], logprobs=row.scored))
+            if not drawn:  # scored only
+                row.job.send(Finish(row.index, "length", 0))
+                self._sample_done(row)
+            elif self._sampled(row, *drawn[b]):
+                self.cache.put(len(self.decoding), head.cache, self.limits.max_batch, row=b, length=len(row.ids))
                 self.decoding.append(row)
+        head.cache = None
 
-    def _mixed_group(self) -> list[Row]:
-        """The front rows (``_front_rows``) whose whole prompts join the next decode step: while their prompts'
-        tokens together fit in one ``prefill_chunk`` and in what the fused step runs as fast as the model's
-        forward (``fused.prompt_rows``: a row-major bf16 hold's ``tile_rows``)."""
-        group, tokens = [], 0
-        for row in self._front_rows():
-            if tokens + len(row.ids) > self._mix_tokens:
-                break
-            tokens += len(row.ids)
-            group.append(row)
-        return group
-
-    def _mixed_step(self, joining: list[Row]) -> bool:
-        """One fused step over the running rows' next tokens and ``joining``'s whole prompts (the front of the
-        prefill queue), each prompt in the next free slot, its first token drawn from the logits at its last
-        position; False, having run and drawn nothing, where the fused step does not apply (the worker then
-        stops mixing)."""
+    def _decode(self, joining: list[Row]) -> bool:
+        """One step over the running rows' next tokens and, where the model has the fused step
+        (``HeldGPT.step_rows``), ``joining``'s whole prompts (the front of the prefill queue), each in the next
+        free slot, its first token drawn from the logits at its last position; without it the model's forward
+        over ``RowsCache``. False, having run and drawn nothing, where ``joining`` cannot join (the fused step
+        does not apply: the worker then stops mixing)."""
         rows, cache, n = self.decoding, self.cache, len(self.decoding)
-        ids, slots, positions, wanted = [r.last for r in rows], list(range(n)), list(cache.lengths), list(range(n))
-        for j, row in enumerate(joining):
-            ids += row.ids
-            slots += [n + j] * len(row.ids)
-            positions += range(len(row.ids))
-            wanted.append(len(ids) - 1)
-        c = self.model.config
-        cache.reserve(self.limits.max_batch, max(positions) + 1, c.n_head, c.n_embd // c.n_head)  # as put's
-        as_tensor = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
-        logits = self.model.step_rows(as_tensor(ids), as_tensor(slots), as_tensor(positions), as_tensor(wanted), cache)
+        logits = None
+        if self._mix_tokens:
+            ids, slots, positions, wanted = [r.last for r in rows], list(range(n)), list(cache.lengths), list(range(n))
+            for j, row in enumerate(joining):
+                ids += row.ids
+                slots += [n + j] * len(row.ids)
+                positions += range(len(row.ids))
+                wanted.append(len(ids) - 1)
+            c = self.model.config
+            cache.reserve(self.limits.max_batch, max(positions) + 1, c.n_head, c.n_embd // c.n_head)  # as put's
+            as_tensor = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+            logits = self.model.step_rows(*map(as_tensor, (ids, slots, positions, wanted)), cache)
+            if logits is None:
+                self._mix_tokens = 0
+                if joining:
+                    return False
         if logits is None:
-            self._mix_tokens = 0
-            return False
-        self.metrics.batch_size.labels(self.name).observe(n + len(joining))  # rows, a prompt one of them
-        cache.lengths = [length + 1 for length in cache.lengths] + [len(row.ids) for row in joining]
-        for row in joining:
-            self.prefill.popleft()
-            rows.append(row)  # slot n + j, as the kernel wrote it
-        self._draw(logits)
+            idx = torch.tensor([[r.last] for r in rows], dtype=torch.long, device=self.device)
+            logits = self.model(idx, kv_cache=cache.view(self.device), last_only=True)[0][:, -1]
+        else:
+            cache.lengths = [length + 1 for length in cache.lengths] + [len(row.ids) for row in joining]
+            for row in joining:
+                self.prefill.popleft()
+                rows.append(row)  # slot n + j, as the kernel wrote it
+        self.metrics.batch_size.labels(self.name).observe(len(rows))  # rows, a prompt one of them
+        going = [self._sampled(row, *drawn) for row, drawn in zip(rows, self._draw(rows, logits))]
+        for slot in reversed(range(len(rows))):
+            if not going[slot]:
+                self._leave(slot)  # its sample ended
         return True
 
-    def _decode_step(self) -> None:
-        rows = self.decoding
-        self.metrics.batch_size.labels(self.name).observe(len(rows))
-        idx = torch.tensor([[r.last] for r in rows], dtype=torch.long, device=self.device)
-        logits, _ = self.model(idx, kv_cache=self.cache.view(self.device), last_only=True)
-        self._draw(logits[:, -1])
-
-    def _draw(self, logits: torch.Tensor) -> None:
-        """Each row's next token from its row of ``logits`` (rows, vocab); the rows whose sample ended leave.
-        Rows that draw alike (temperature, top-k, top-p; no logprobs) draw in one ``sample_next`` call, each
-        on its own generator: the same token each would draw alone."""
-        rows = self.decoding
-        logits = logits[:, : self.model.config.real_vocab_size]
+    def _draw(self, rows: list[Row], logits: torch.Tensor) -> list[tuple[int, Optional[TokenLogprob]]]:
+        """Each row's next token from its row of ``logits`` (rows, vocab), as generate_stream draws it, and its
+        log-probability where its request asks for logprobs. Rows that draw alike (temperature, top-k, top-p)
+        draw in one ``sample_next`` call, each on its own generator: the same token each would draw alone."""
+        vocab = self.model.config.real_vocab_size
+        logits = logits[:, :vocab]  # padded vocabulary rows are never sampled
         settings = [r.job.request.sampling for r in rows]
         tops = top_k_rows(logits, [(s.temperature, s.filters()["top_k"]) for s in settings])
         drawn: list = [None] * len(rows)
         alike: dict[tuple, list[int]] = {}
-        for i, (row, s) in enumerate(zip(rows, settings)):
-            if row.job.request.logprobs is None:
-                alike.setdefault((s.temperature, *s.filters().values()), []).append(i)
-            else:
-                drawn[i] = self._sample(row, logits[i : i + 1], tops[i])
+        for i, s in enumerate(settings):
+            alike.setdefault((s.temperature, *s.filters().values()), []).append(i)
         for group in alike.values():
             s, every = settings[group[0]], len(group) == len(rows)
             narrowed = None if tops[group[0]] is None else tuple(torch.cat(t) for t in zip(*(tops[i] for i in group)))
@@ -391,23 +385,11 @@ class BatchWorker(Worker):
                 logits if every else logits[group], s.temperature, **s.filters(),
                 generator=[rows[i].generator for i in group], narrowed=narrowed,
             )  # fmt: skip
-            for i, t in zip(group, picked.tolist()):
-                drawn[i] = (t, None)
-        going = [self._sampled(r, *d) for r, d in zip(rows, drawn)]
-        for slot in reversed(range(len(rows))):
-            if not going[slot]:
-                self._leave(slot)
-
-    def _sample(self, row: Row, logits: torch.Tensor, narrowed=None) -> tuple[int, Optional[TokenLogprob]]:
-        """The next token of ``row`` from its logits (1, vocab), as generate_stream draws it (``narrowed``:
-        their top-k, from the batch's ``top_k_rows``), and its log-probability when the request asks for logprobs."""
-        r = row.job.request
-        logits = logits[:, : self.model.config.real_vocab_size]  # padded vocabulary rows are never sampled
-        t = sample_next(
-            logits, r.sampling.temperature, **r.sampling.filters(), generator=row.generator, narrowed=narrowed
-        )
-        lp = None if r.logprobs is None else token_logprobs(logits, t, logits.size(-1), r.logprobs)[0]
-        return int(t), lp
+            for j, i in enumerate(group):
+                top = rows[i].job.request.logprobs
+                lp = None if top is None else token_logprobs(logits[i : i + 1], picked[j : j + 1], vocab, top)[0]
+                drawn[i] = (int(picked[j]), lp)
+        return drawn
 
     def _sampled(self, row: Row, t: int, lp: Optional[TokenLogprob] = None) -> bool:
         """Send what token ``t`` (log-probability ``lp``) adds to ``row``'s text; False once this

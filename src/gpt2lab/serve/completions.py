@@ -33,8 +33,11 @@ def _or(value, default):
     return default if value is None else value
 
 
-def _unsupported(checks: tuple[tuple[str, bool], ...]) -> None:
-    for name, bad in checks:
+def _unsupported(req, **checks: bool) -> None:
+    """A 400 for a parameter (beyond the penalties and logit_bias, which both requests take) sent at another
+    than its neutral value."""
+    penalties = {"presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty}
+    for name, bad in {**penalties, "logit_bias": req.logit_bias, **checks}.items():
         if bad:
             raise APIError(400, f"{name} is not supported by gpt2lab serve; leave it out", param=name)
 
@@ -124,17 +127,11 @@ def _worker(model: str, workers: dict[str, Worker]) -> Worker:
 class Completion:
     """One validated completion request: its worker, its work, and the response id."""
 
+    OBJECT, ID = "text_completion", "cmpl"  # what its chunks are, and its id's prefix
+
     def __init__(self, req: CompletionRequest, workers: dict[str, Worker]) -> None:
         self.req, self.worker = req, _worker(req.model, workers)
-        _unsupported(
-            (
-                ("best_of", req.best_of not in (None, 1, req.n)),
-                ("presence_penalty", bool(req.presence_penalty)),
-                ("frequency_penalty", bool(req.frequency_penalty)),
-                ("logit_bias", bool(req.logit_bias)),
-                ("suffix", bool(req.suffix)),
-            )
-        )
+        _unsupported(req, best_of=req.best_of not in (None, 1, req.n), suffix=bool(req.suffix))
         self.prompts, self.texts = _prompts(req, self.worker.model)
         default = req.max_tokens is None or "max_tokens" not in req.model_fields_set
         self._prepare(
@@ -144,7 +141,6 @@ class Completion:
             logprobs=req.logprobs,
             default=default,
         )
-        self.id = f"cmpl-{secrets.token_hex(12)}"
 
     def _prepare(
         self,
@@ -172,7 +168,7 @@ class Completion:
         self.n = req.n or 1
         stops = [StopString(s) for s in stops if s]  # matched incrementally, shared by the request's choices
         self.work = Work(self.prompts, self.sampling, n=self.n, seeds=seeds, stops=stops, echo=echo, logprobs=logprobs)
-        self.created = int(time.time())
+        self.created, self.id = int(time.time()), f"{self.ID}-{secrets.token_hex(12)}"
 
     def start(self) -> Job:
         """Hand the request to its worker; a full queue answers 429 at once."""
@@ -196,7 +192,7 @@ class Completion:
     def chunk(self, choices: list[dict], **extra) -> dict:
         return {
             "id": self.id,
-            "object": "text_completion",
+            "object": self.OBJECT,
             "created": self.created,
             "model": self.req.model,
             "choices": choices,
@@ -217,17 +213,11 @@ class Completion:
 class ChatCompletion(Completion):
     """One validated chat request: the messages in the model's chat template as one prompt (inference/chat.py)."""
 
+    OBJECT, ID = "chat.completion.chunk", "chatcmpl"
+
     def __init__(self, req: ChatRequest, workers: dict[str, Worker]) -> None:
         self.req, self.worker = req, _worker(req.model, workers)
-        _unsupported(
-            (
-                ("logprobs", bool(req.logprobs)),
-                ("top_logprobs", req.top_logprobs is not None),
-                ("presence_penalty", bool(req.presence_penalty)),
-                ("frequency_penalty", bool(req.frequency_penalty)),
-                ("logit_bias", bool(req.logit_bias)),
-            )
-        )
+        _unsupported(req, logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs is not None)
         if req.response_format is not None and req.response_format.get("type") != "text":
             raise APIError(
                 400,
@@ -254,17 +244,6 @@ class ChatCompletion(Completion):
         self._prepare(
             max_tokens, [*_stops(req.stop), *prompt.stops], echo=[], logprobs=None, default=default, what="messages"
         )
-        self.id = f"chatcmpl-{secrets.token_hex(12)}"
-
-    def chunk(self, choices: list[dict], **extra) -> dict:
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.req.model,
-            "choices": choices,
-            **extra,
-        }
 
 
 def _content(i: int, m: ChatMessage) -> str:

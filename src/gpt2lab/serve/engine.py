@@ -1,11 +1,8 @@
 """Generation for the server: one worker per model, all run by one engine thread; what both modes share.
 
-Two workers: ``batch.BatchWorker`` (the default) runs every active request as one row of a
-batched decode step; ``TurnsWorker`` (``gpt2lab serve --deterministic``) advances one request
-by one token at a time. In turns every request keeps its own KV cache and runs exactly the
-code ``gpt2lab sample`` runs (completion.py), so a seeded request gives the same text
-whatever else is served; the price is that 8 streams share one stream's tokens/s. In both,
-one thread (``Engine``: the main one under ``gpt2lab serve``) runs the models, so requests
+The worker, ``batch.BatchWorker``, runs every active request as rows of a batched decode step,
+or with ``gpt2lab serve --deterministic`` in turns, each row exactly as ``gpt2lab sample`` runs it.
+One thread (``Engine``: the main one under ``gpt2lab serve``) runs the models, so requests
 cannot corrupt each other; both bound the rows in
 flight (``max_batch``) and the requests waiting (``max_queue``: past it ``submit`` raises
 QueueFull; a request whose client left gives its place back at once, Job.cancel), and end a
@@ -21,19 +18,12 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional, Union
+from typing import Optional, Union
 
 import torch
 
 from gpt2lab.inference.choice import Decision
-from gpt2lab.inference.completion import (
-    SampleText,
-    Sampling,
-    TokenLogprob,
-    score_prompt,
-    seeded_generator,  # noqa: F401
-    stream_text,
-)
+from gpt2lab.inference.completion import Sampling, TokenLogprob
 from gpt2lab.model.gpt import GPT
 from gpt2lab.serve.limits import Limits
 from gpt2lab.serve.metrics import ServeMetrics
@@ -54,45 +44,7 @@ class Finish:
     tokens: int  # completion tokens sampled for this choice
 
 
-@dataclass
-class Failed:
-    error: BaseException
-
-
-Event = Union[Text, Finish, Failed, None]  # None: the request is complete
-
-
-def completion_events(
-    model: GPT,
-    prompts: list[list[int]],
-    sampling: Sampling,
-    *,
-    n: int,
-    seeds: list[int],
-    stops: list,
-    echo: list[str],
-    logprobs: Optional[int] = None,
-) -> Iterator[Union[Text, Finish]]:
-    """The events of one request, one token per step: prompt p gets a generator seeded with
-    ``seeds[p]`` and its ``n`` samples one after another (as ``gpt2lab sample --num-samples n``).
-    With ``logprobs`` every sampled token carries its log-probability, and an echoed prompt its
-    tokens' (one forward of the prompt, apart from the generation's own, which stays sample's)."""
-    device = next(model.parameters()).device
-    for p, ids in enumerate(prompts):
-        generator = seeded_generator(device, seeds[p])
-        scored = score_prompt(model, ids, logprobs) if echo and logprobs is not None else None
-        for i in range(n):
-            index, sample = p * n + i, SampleText(model, sampling, stops)
-            if echo:
-                yield Text(index, echo[p], logprobs=scored)
-            for tok, _, lp in stream_text(model, ids, sampling, generator, logprobs):
-                piece, tail = sample.feed(tok)  # one event per token keeps the turns one token long
-                if piece is not None:
-                    yield Text(index, piece, True, None if lp is None else [lp])
-                yield from (Text(index, text) for text in tail)
-                if sample.reason:
-                    yield Finish(index, sample.reason, sample.tokens)
-                    break
+Event = Union[Text, Finish, BaseException, None]  # an error: the request failed; None: it is complete
 
 
 class QueueFull(Exception):
@@ -167,22 +119,17 @@ class Job:
             self.worker._started(self)
 
     def fail(self, error: BaseException) -> None:
-        self.send(Failed(error))
+        self.send(error)
         self.send(None)
 
-    def expired(self, now: float) -> bool:
-        return now > self.deadline
-
-    def timed_out(self, limits: Limits) -> TimedOut:
-        return TimedOut(
-            f"the request took longer than the server's {limits.timeout_s:g} s timeout "
-            "(--timeout); ask for fewer tokens or retry when the server is less busy"
-        )
+    def ended(self, now: float) -> bool:
+        """Its client went away, or its time is up."""
+        return self.cancelled or now > self.deadline
 
 
 class Worker:
-    """Owns one model; the engine's thread (``Engine``) is the one that ever runs it. Subclasses
-    write ``_steps``, a generator that does one step of work per ``next`` and says whether it
+    """Owns one model; the engine's thread (``Engine``) is the one that ever runs it. Its ``_steps``
+    (batch.BatchWorker's) is a generator that does one step of work per ``next`` and says whether it
     had any (False: idle until a request arrives)."""
 
     def __init__(
@@ -192,8 +139,10 @@ class Worker:
         device: torch.device,
         limits: Optional[Limits] = None,
         decision: Optional[Decision] = None,
+        turns: bool = False,
     ) -> None:
         self.name, self.model, self.device = name, model, device  # a model held by serve/models.py (or as given)
+        self.turns = turns  # --deterministic: rows take turns (batch.BatchWorker)
         self.decision = decision  # how it is held and why (inference/choice.py), where serve/models.py decided
         self.limits = limits or Limits()
         self.metrics = ServeMetrics()  # create_app swaps in the app's own
@@ -278,7 +227,12 @@ class Worker:
         if job.cancelled:
             job.send(None)
         else:
-            job.fail(job.timed_out(self.limits))
+            job.fail(
+                TimedOut(
+                    f"the request took longer than the server's {self.limits.timeout_s:g} s timeout "
+                    "(--timeout); ask for fewer tokens or retry when the server is less busy"
+                )
+            )
 
     def _token(self, job: Job, index: int) -> None:
         """Count a sampled token of choice ``index``; observe first-token or per-token latency."""
@@ -291,9 +245,6 @@ class Worker:
             self.metrics.per_token.labels(self.name).observe(now - last)
         job.last_token[index] = now
         self.metrics.tokens.labels(self.name).inc()
-
-    def _steps(self) -> Iterator[bool]:
-        raise NotImplementedError
 
 
 def deliver() -> None:
@@ -374,66 +325,3 @@ class Engine:
             w.close()
         if self._thread is not None:
             self._thread.join(timeout=10)
-
-
-class TurnsWorker(Worker):
-    """``--deterministic``: up to ``max_batch`` requests take turns, one token each; every request
-    runs completion.py's code with its own KV cache, exactly as ``gpt2lab sample`` does."""
-
-    def _steps(self) -> Iterator[bool]:
-        waiting: collections.deque[Job] = collections.deque()
-        active: collections.deque[tuple[Job, Iterator]] = collections.deque()
-        while self._arrived(waiting):  # requests join between tokens
-            now = time.monotonic()
-            for job in [j for j in waiting if j.cancelled or j.expired(now)]:
-                waiting.remove(job)
-                self._started(job)
-                self._end_early(job)
-            while waiting and len(active) < self.limits.max_batch:
-                job = waiting.popleft()
-                self._started(job)
-                r = job.request
-                active.append(
-                    (
-                        job,
-                        completion_events(
-                            self.model,
-                            r.prompts,
-                            r.sampling,
-                            n=r.n,
-                            seeds=r.seeds,
-                            stops=r.stops,
-                            echo=r.echo,
-                            logprobs=r.logprobs,
-                        ),
-                    )
-                )
-            self._rows = len(active)
-            if not active:
-                yield False
-                continue
-            self.metrics.batch_size.labels(self.name).observe(1)
-            job, events = active.popleft()
-            if self._step(job, events):
-                active.append((job, events))
-            self._rows = len(active)
-            yield True
-
-    def _step(self, job: Job, events: Iterator) -> bool:
-        """Advance ``job`` by one event; False once it is finished, failed, timed out or cancelled."""
-        if job.cancelled or job.expired(time.monotonic()):
-            events.close()
-            self._end_early(job)
-            return False
-        try:
-            event = next(events)
-        except StopIteration:
-            job.send(None)
-            return False
-        except Exception as e:  # reported to this request only; the worker keeps serving
-            job.fail(e)
-            return False
-        if isinstance(event, Text) and event.token:
-            self._token(job, event.index)
-        job.send(event)
-        return True

@@ -11,7 +11,7 @@ from typing import Optional
 class Limits:
     """What one worker takes on (the ``gpt2lab serve`` flags of the same names)."""
 
-    max_batch: int = 16  # rows (prompt x sample streams) generated together; in turns, requests
+    max_batch: int = 16  # rows (prompt x sample streams) generated together, or taking turns
     max_queue: int = 64  # requests accepted and waiting for a row; past it: 429
     max_tokens: int = 1024  # the largest max_tokens a request may ask for
     timeout_s: float = 600.0  # a request still running after this ends with an error

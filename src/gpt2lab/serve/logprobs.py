@@ -19,6 +19,9 @@ def token_str(t: int, model) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
+KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+
 class Logprobs:
     """One choice's ``logprobs`` in OpenAI's completions shape, token by token: ``tokens``,
     ``token_logprobs`` (None for an echoed prompt's first token: nothing predicts it), ``top_logprobs``
@@ -28,11 +31,10 @@ class Logprobs:
 
     def __init__(self, offset: int, model) -> None:
         self.offset, self.text, self.model = offset, TokenText(model), model
-        self.whole: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
     def add(self, entries: list[TokenLogprob]) -> dict:
-        """The part of ``entries`` (in the shape of the whole), which the whole takes on."""
-        part: dict[str, list] = {key: [] for key in self.whole}
+        """The part of the choice's logprobs that ``entries`` are (the whole: its parts, each key's lists joined)."""
+        part: dict[str, list] = {key: [] for key in KEYS}
         for e in entries:
             part["tokens"].append(token_str(e.token, self.model))
             part["token_logprobs"].append(e.logprob)
@@ -43,6 +45,4 @@ class Logprobs:
             part["top_logprobs"].append(top)
             part["text_offset"].append(self.offset)
             self.offset += len(self.text.feed(e.token))
-        for key, values in part.items():
-            self.whole[key] += values
         return part

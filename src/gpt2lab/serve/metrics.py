@@ -18,27 +18,23 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 class ServeMetrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
+        self.registry = r = CollectorRegistry()
+        per_model = {"labelnames": ["model"], "registry": r}
+        latency = {**per_model, "buckets": LATENCY_BUCKETS}
         self.requests = Counter(
             "gpt2lab_requests", "HTTP requests answered, by path and status code", ["path", "status"], registry=r
         )
-        self.tokens = Counter("gpt2lab_generated_tokens", "Completion tokens sampled", ["model"], registry=r)
-        self.queue_depth = Gauge(
-            "gpt2lab_queue_depth", "Requests accepted and waiting for a batch row", ["model"], registry=r
-        )
-        self.active_rows = Gauge(
-            "gpt2lab_active_rows", "Rows (prompt x sample streams) being generated", ["model"], registry=r
-        )
+        self.tokens = Counter("gpt2lab_generated_tokens", "Completion tokens sampled", **per_model)
+        self.queue_depth = Gauge("gpt2lab_queue_depth", "Requests accepted and waiting for a batch row", **per_model)
+        self.active_rows = Gauge("gpt2lab_active_rows", "Rows (prompt x sample streams) being generated", **per_model)
         self.batch_size = Histogram(
-            "gpt2lab_batch_size", "Rows in each decode step", ["model"], buckets=BATCH_BUCKETS, registry=r
+            "gpt2lab_batch_size", "Rows in each decode step", buckets=BATCH_BUCKETS, **per_model
         )
         self.first_token = Histogram(
-            "gpt2lab_time_to_first_token_seconds",
-            "From a request's arrival to its first sampled token",
-            ["model"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            "gpt2lab_time_to_first_token_seconds", "From a request's arrival to its first sampled token", **latency
+        )
+        self.per_token = Histogram(
+            "gpt2lab_time_per_output_token_seconds", "Between consecutive sampled tokens of one stream", **latency
         )
         self.connections = Gauge("gpt2lab_open_connections", "HTTP connections open", registry=r)
         self.dropped = Counter(
@@ -46,13 +42,6 @@ class ServeMetrics:
             "Connections closed before a request: past --max-connections (max_connections) or without a "
             "whole request head within --header-timeout (header_timeout)",
             ["reason"],
-            registry=r,
-        )
-        self.per_token = Histogram(
-            "gpt2lab_time_per_output_token_seconds",
-            "Between consecutive sampled tokens of one stream",
-            ["model"],
-            buckets=LATENCY_BUCKETS,
             registry=r,
         )
 

@@ -37,7 +37,7 @@ def load_workers(
     specs: list[str], device_name: str, request=None, limits: Limits | None = None, deterministic: bool = False
 ) -> dict:
     """One worker per ``--model``, loaded and prepared before the server starts serving (errors come
-    first): batching (serve/batch.py), or requests in turns with ``deterministic`` (serve/engine.py).
+    first): batching, or rows in turns with ``deterministic`` (serve/batch.py).
 
     ``request`` (an InferenceRequest: the --dtype, --quantize, --cpu-linear flags) is prepared for
     the batching worker's workload (inference/probe.py): ``sample``'s dtype, one per model and machine,
@@ -50,7 +50,6 @@ def load_workers(
     from gpt2lab.inference.choice import InferenceRequest
     from gpt2lab.inference.completion import check_request, load_for_inference
     from gpt2lab.serve.batch import BatchWorker
-    from gpt2lab.serve.engine import TurnsWorker
 
     device = pick_device(device_name)
     limits = limits or Limits()
@@ -63,9 +62,8 @@ def load_workers(
     names = model_names(specs)
     for path in names.values():  # every source read (not its weights) before any is loaded and measured
         check_source(path)
-    worker = TurnsWorker if deterministic else BatchWorker
     workers = {}
     for name, path in names.items():
         model, decision = load_for_inference(path, device, request, f"gpt2lab serve: {name}")
-        workers[name] = worker(name, model, device, limits, decision=decision)
+        workers[name] = BatchWorker(name, model, device, limits, decision=decision, turns=deterministic)
     return workers

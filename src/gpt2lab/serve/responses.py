@@ -12,9 +12,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gpt2lab.serve.completions import ChatCompletion, Completion
-from gpt2lab.serve.engine import Failed, Finish, Job, ShuttingDown, Text, TimedOut
+from gpt2lab.serve.engine import Finish, Job, ShuttingDown, Text, TimedOut
 from gpt2lab.serve.errors import APIError, error_body, shutting_down
-from gpt2lab.serve.logprobs import Logprobs
+from gpt2lab.serve.logprobs import KEYS
 
 
 def _choice(index: int, text: str, finish: Optional[str], logprobs: Optional[dict] = None) -> dict:
@@ -24,64 +24,33 @@ def _choice(index: int, text: str, finish: Optional[str], logprobs: Optional[dic
 async def _events(job: Job) -> AsyncIterator[Union[Text, Finish]]:
     try:
         while (event := await job.out.get()) is not None:
-            if isinstance(event, Failed):
-                raise event.error
+            if isinstance(event, BaseException):
+                raise event
             yield event
     finally:
         job.cancel()  # a client that went away frees its queue place now, its row or turn at the next step
 
 
-async def _collect(c: Completion, job: Job) -> tuple[dict[int, str], dict[int, str], int, dict[int, Logprobs]]:
-    """Every choice's text, finish reason and logprobs, and the completion tokens of a request."""
-    texts = {i: [] for i in range(len(c.prompts) * c.n)}
-    finish, tokens, logprobs = {}, 0, c.logprobs()
-    async for event in _events(job):
-        if isinstance(event, Text):
-            texts[event.index].append(event.text)
-            if event.logprobs and logprobs:
-                logprobs[event.index].add(event.logprobs)
-        else:
-            finish[event.index], tokens = event.reason, tokens + event.tokens
-    return {i: "".join(parts) for i, parts in texts.items()}, finish, tokens, logprobs
-
-
-async def whole_completion(c: Completion, job: Job) -> dict:
-    texts, finish, tokens, logprobs = await _collect(c, job)
-    choices = [_choice(i, text, finish.get(i), logprobs[i].whole if logprobs else None) for i, text in texts.items()]
-    return c.chunk(choices, usage=c.usage(tokens))
-
-
-async def whole_chat(c: ChatCompletion, job: Job) -> dict:
-    texts, finish, tokens, _ = await _collect(c, job)
-    choices = [
-        {
-            "index": i,
-            "message": {"role": "assistant", "content": text.lstrip() if c.strip else text},
-            "logprobs": None,
-            "finish_reason": finish.get(i),
-        }
-        for i, text in texts.items()
-    ]
-    return {**c.chunk(choices, usage=c.usage(tokens)), "object": "chat.completion"}
-
-
-async def stream_completion(c: Completion, job: Job) -> AsyncIterator[str]:
+async def stream_completion(c: Completion, job: Job) -> AsyncIterator[dict]:
+    """A completion's chunks as its events come: a piece of a choice's text (with its tokens' logprobs), a
+    choice's finish; then the usage."""
     tokens, logprobs = 0, c.logprobs()
     async for event in _events(job):
         if isinstance(event, Text):
             if event.text or event.logprobs:  # a token's chunk carries its logprobs, text or not
                 part = logprobs[event.index].add(event.logprobs or []) if logprobs else None
-                yield _sse(c.chunk([_choice(event.index, event.text, None, part)]))
+                yield c.chunk([_choice(event.index, event.text, None, part)])
         else:
             tokens += event.tokens
-            yield _sse(c.chunk([_choice(event.index, "", event.reason)]))
-    if (c.req.stream_options or {}).get("include_usage"):
-        yield _sse(c.chunk([], usage=c.usage(tokens)))
+            yield c.chunk([_choice(event.index, "", event.reason)])
+    yield c.chunk([], usage=c.usage(tokens))
 
 
-async def stream_chat(c: ChatCompletion, job: Job) -> AsyncIterator[str]:
-    def delta(index: int, content: dict, finish: Optional[str] = None) -> str:
-        return _sse(c.chunk([{"index": index, "delta": content, "logprobs": None, "finish_reason": finish}]))
+async def stream_chat(c: ChatCompletion, job: Job) -> AsyncIterator[dict]:
+    """A chat completion's chunks, as ``stream_completion``'s, in chat's shape."""
+
+    def delta(index: int, content: dict, finish: Optional[str] = None) -> dict:
+        return c.chunk([{"index": index, "delta": content, "logprobs": None, "finish_reason": finish}])
 
     choices = range(len(c.prompts) * c.n)
     for i in choices:  # as OpenAI: each choice opens with the role
@@ -97,49 +66,82 @@ async def stream_chat(c: ChatCompletion, job: Job) -> AsyncIterator[str]:
         else:
             tokens += event.tokens
             yield delta(event.index, {}, event.reason)
-    if (c.req.stream_options or {}).get("include_usage"):
-        yield _sse(c.chunk([], usage=c.usage(tokens)))
+    yield c.chunk([], usage=c.usage(tokens))
 
 
-async def _sse_stream(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """A stream's events, then ``[DONE]``; an error after the headers went out is an event, as OpenAI's."""
+async def _whole(c: Completion, chunks: AsyncIterator[dict]) -> dict:
+    """The answer of a request not streamed: its chunks folded into one, each choice's text (a chat's as its
+    message), logprobs and finish reason, and the usage."""
+    count = len(c.prompts) * c.n
+    texts, finish = [""] * count, [None] * count
+    logprobs = [None if c.work.logprobs is None else {key: [] for key in KEYS} for _ in range(count)]
+    async for chunk in chunks:
+        for part in chunk["choices"]:
+            i = part["index"]
+            texts[i] += part["text"] if "text" in part else part["delta"].get("content", "")
+            finish[i] = part["finish_reason"] or finish[i]
+            for key, values in (part["logprobs"] or {}).items():
+                logprobs[i].setdefault(key, []).extend(values)
+    if not isinstance(c, ChatCompletion):
+        return c.chunk([_choice(i, texts[i], finish[i], logprobs[i]) for i in range(count)], usage=chunk["usage"])
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": texts[i]},
+            "logprobs": None,
+            "finish_reason": finish[i],
+        }
+        for i in range(count)
+    ]
+    return {**c.chunk(choices, usage=chunk["usage"]), "object": "chat.completion"}
+
+
+async def _sse_stream(c: Completion, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """A stream's events (the usage where the request asks for it), then ``[DONE]``; an error after the
+    headers went out is an event, as OpenAI's."""
+    usage = (c.req.stream_options or {}).get("include_usage")
     try:
         async for chunk in chunks:
-            yield chunk
-    except TimedOut as e:
-        yield _sse(error_body(str(e), kind="timeout", code="timeout"))
-    except ShuttingDown as e:
-        e = shutting_down(e)
-        yield _sse(error_body(e.message, e.kind, code=e.code))
+            if chunk["choices"] or usage:
+                yield _sse(chunk)
     except Exception as e:
-        yield _sse(error_body(f"generation failed: {e}", kind="server_error"))
+        e = _api_error(e)
+        yield _sse(error_body(e.message, e.kind, code=e.code))
     yield "data: [DONE]\n\n"
+
+
+def _api_error(e: Exception) -> APIError:
+    """What a request that failed while it ran answers: 504 past its time, 503 at a shutdown, else 500."""
+    if isinstance(e, TimedOut):
+        return APIError(504, str(e), kind="timeout", code="timeout")
+    return (
+        shutting_down(e)
+        if isinstance(e, ShuttingDown)
+        else APIError(500, f"generation failed: {e}", kind="server_error")
+    )
 
 
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def respond(c: Completion, stream, whole, request: Request):
+async def respond(c: Completion, request: Request):
     """Start ``c`` (before the response starts, so that a full queue is a 429), then stream it or
     answer once; errors as OpenAI's JSON."""
     job = c.start()
+    chunks = (stream_chat if isinstance(c, ChatCompletion) else stream_completion)(c, job)
     if c.req.stream:  # StreamingResponse watches for the client's hang-up itself
         return StreamingResponse(
-            _sse_stream(stream(c, job)),
+            _sse_stream(c, chunks),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     try:
-        answer = await _unless_hung_up(whole(c, job), request)
+        answer = await _unless_hung_up(_whole(c, chunks), request)
     except APIError:
         raise
-    except TimedOut as e:
-        raise APIError(504, str(e), kind="timeout", code="timeout") from None
-    except ShuttingDown as e:
-        raise shutting_down(e) from None
     except Exception as e:
-        raise APIError(500, f"generation failed: {e}", kind="server_error") from e
+        raise _api_error(e) from e
     return Response(status_code=499) if answer is None else JSONResponse(answer)  # 499: nobody to answer
 
 

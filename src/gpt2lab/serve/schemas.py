@@ -22,17 +22,18 @@ MAX_STOPS = 4  # as OpenAI
 MAX_LOGPROBS = 5  # as OpenAI's completions
 
 
-class CompletionRequest(BaseModel):
-    """OpenAI's completion parameters; ``top_k`` is an extra (0 keeps every token). ``temperature``,
-    ``top_p`` and ``top_k`` left out are ``gpt2lab sample``'s defaults (``SAMPLING``: 1, 1, 50). Strict:
-    ``true`` is not an integer (pydantic's lax mode takes it as 1), nor ``1`` a boolean; no number is
+class _Strict(BaseModel):
+    """Strict: ``true`` is not an integer (pydantic's lax mode takes it as 1), nor ``1`` a boolean; no number is
     infinite or NaN (``Infinity``, ``NaN`` and ``1e999`` parse as JSON numbers in Python)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
+
+class _Sampled(_Strict):
+    """What both requests share; ``top_k`` is an extra (0 keeps every token). ``temperature``, ``top_p`` and
+    ``top_k`` left out are ``gpt2lab sample``'s defaults (``SAMPLING``: 1, 1, 50)."""
+
     model: str
-    prompt: Union[str, list[str], list[int], list[list[int]]] = "<|endoftext|>"
-    max_tokens: Optional[int] = Field(16, ge=0)
     temperature: Optional[float] = Field(SAMPLING.temperature, ge=0)
     top_p: Optional[float] = Field(SAMPLING.top_p, gt=0, le=1)
     top_k: Optional[int] = Field(SAMPLING.top_k, ge=0)
@@ -41,51 +42,40 @@ class CompletionRequest(BaseModel):
     seed: Optional[int] = Field(None, ge=0, lt=2**63)
     stream: Optional[bool] = False
     stream_options: Optional[dict] = None
-    echo: Optional[bool] = False
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     # accepted for compatibility only at their neutral values
-    best_of: Optional[int] = None
     presence_penalty: Optional[float] = 0
     frequency_penalty: Optional[float] = 0
     logit_bias: Optional[dict] = None
-    suffix: Optional[str] = None
     user: Optional[str] = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+class CompletionRequest(_Sampled):
+    """OpenAI's completion parameters."""
 
+    prompt: Union[str, list[str], list[int], list[list[int]]] = "<|endoftext|>"
+    max_tokens: Optional[int] = Field(16, ge=0)
+    echo: Optional[bool] = False
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: Optional[int] = None  # accepted at its neutral value only, as suffix
+    suffix: Optional[str] = None
+
+
+class ChatMessage(_Strict):
     role: str
     content: Union[str, list[dict], None] = None
     name: Optional[str] = None  # OpenAI's participant name: accepted, not written into the template
 
 
-class ChatRequest(BaseModel):
-    """OpenAI's chat parameters (the ones a plain-text template can honour); ``top_k`` is an extra;
-    sampling fields left out as in ``CompletionRequest``."""
+class ChatRequest(_Sampled):
+    """OpenAI's chat parameters (the ones a plain-text template can honour)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-    model: str
     messages: list[ChatMessage]
     max_tokens: Optional[int] = Field(None, ge=1)  # None: the rest of the context, up to --max-tokens
     max_completion_tokens: Optional[int] = Field(None, ge=1)  # OpenAI's newer name for it
-    temperature: Optional[float] = Field(SAMPLING.temperature, ge=0)
-    top_p: Optional[float] = Field(SAMPLING.top_p, gt=0, le=1)
-    top_k: Optional[int] = Field(SAMPLING.top_k, ge=0)
-    n: Optional[int] = Field(1, ge=1, le=MAX_N)
-    stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = Field(None, ge=0, lt=2**63)
-    stream: Optional[bool] = False
-    stream_options: Optional[dict] = None
     # accepted for compatibility only at their neutral values
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None
-    presence_penalty: Optional[float] = 0
-    frequency_penalty: Optional[float] = 0
-    logit_bias: Optional[dict] = None
     response_format: Optional[dict] = None  # {"type": "text"} only (OpenAI's default)
-    user: Optional[str] = None
 
 
 # What a union-typed field takes, for an error that fits none of its types (pydantic reports one per type)
