@@ -73,6 +73,11 @@ class Timing:
     tile_rows: Optional[int] = None
 
 
+def as_json(figures: dict) -> dict:
+    """Candidate name -> Timing (or why it was dropped) as JSON values."""
+    return {k: dataclasses.asdict(v) if isinstance(v, Timing) else v for k, v in figures.items()}
+
+
 def tile_rows_of(t) -> int:
     """Up to how many rows a candidate's figures ``t`` (a Timing, or why it was dropped) hold its ``gemv``
     linears' compiled tiles: 1 where none were measured."""
@@ -147,9 +152,7 @@ class Decision:
             "workload": self.request.workload,
             "rows": self.request.rows,
             "quantize": self.request.quantize,
-            "timings_ms": {
-                k: (dataclasses.asdict(v) if isinstance(v, Timing) else v) for k, v in (self.timings or {}).items()
-            },
+            "timings_ms": as_json(self.timings or {}),
             "threads_wait": runtime.WAIT.reason if runtime.WAIT else None,  # as the command started
         }
 

@@ -12,21 +12,26 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
+import json
 from typing import Optional
 
 import torch
 
-from gpt2lab.inference import pages, probe_cache
+from gpt2lab.inference import pages
 from gpt2lab.inference.choice import (
+    REQUEST_TOKENS,
     Candidate,
     InferenceFacts,
     InferenceRequest,
+    Timing,
     candidates,
     choose,
     gemv_bf16_inputs,
 )
 from gpt2lab.inference.fused import HeldGPT
 from gpt2lab.inference.kernels import (
+    compiled_build,
     gemv_error,
     int8_available,
     packing_available,
@@ -59,6 +64,22 @@ def detect_facts(device: torch.device) -> InferenceFacts:
         gemv_error=(why := gemv_error(device)),
         gemv_panels=why is None and panels_run(2),
     )
+
+
+def cache_key(config, device, names: list[str]) -> str:
+    """The cache entry (system/runtime.py's cache) of a model (its GPTConfig) on ``device`` of this machine and
+    this build of the compiled kernel, for these candidates."""
+    shape = json.dumps(dataclasses.asdict(config), sort_keys=True)
+    parts = [runtime.machine_key(), compiled_build(), str(device), shape, ",".join(sorted(names)), str(REQUEST_TOKENS)]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def cached_timings(entry: Optional[dict]) -> Optional[dict]:
+    """An entry's reference figures: candidate name -> Timing, or -> why it was dropped; None if it has none."""
+    try:
+        return {k: Timing(**v) if isinstance(v, dict) else str(v) for k, v in entry["timings"].items()}
+    except (KeyError, TypeError, AttributeError):
+        return None
 
 
 def _shared_copy(model: GPT) -> GPT:
@@ -120,7 +141,7 @@ def for_inference(
     facts = detect_facts(device)
     if dtype == "auto" and env.probe_mode() != "0":
         names = [c.name for c in candidates(request, facts)]
-        found = probe_cache.entries().get(probe_cache.key(model.config, device, names))
-        facts = dataclasses.replace(facts, timings=probe_cache.timings(found))
+        found = runtime.cached().get(cache_key(model.config, device, names))
+        facts = dataclasses.replace(facts, timings=cached_timings(found))
     decision = choose(request, facts)
     return hold(model, decision.candidate, rows, tile_rows=decision.tile_rows)

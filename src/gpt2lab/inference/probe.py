@@ -1,5 +1,5 @@
 """Measuring the inference candidates on this machine, for the CLI: the device's facts, then each
-candidate timed on the model itself, cached per machine and model shape (inference/probe_cache.py),
+candidate timed on the model itself, cached per machine and model shape (system/runtime.py's cache),
 announced on stderr before it runs. ``decide`` hands the figures to inference/choice.py's ``choose``.
 
 What is timed: every candidate's reference figures (a ``REQUEST_TOKENS``-token prefill and a one-row
@@ -38,7 +38,6 @@ from typing import Optional
 import torch
 from torch import nn
 
-from gpt2lab.inference import probe_cache
 from gpt2lab.inference.choice import (
     BATCH_ROWS,
     REQUEST_TOKENS,
@@ -47,6 +46,7 @@ from gpt2lab.inference.choice import (
     InferenceFacts,
     InferenceRequest,
     Timing,
+    as_json,
     candidates,
     cheapest_dtype,
     choose,
@@ -55,7 +55,7 @@ from gpt2lab.inference.choice import (
     reference_cost,
     tile_rows_of,
 )
-from gpt2lab.inference.form import detect_facts, hold
+from gpt2lab.inference.form import cache_key, cached_timings, detect_facts, hold
 from gpt2lab.inference.kernels import has_tiles, set_tile_rows
 from gpt2lab.model.gpt import GPT
 from gpt2lab.system import env, runtime
@@ -378,9 +378,9 @@ def decide(
     first = device_pick(cands, facts)  # the likeliest winner first: it sets the bar to give up at
     cands = [first] + [c for c in cands if c != first]
     names = [c.name for c in cands]
-    where, key = probe_cache.path(), probe_cache.key(model.config, device, names)
-    entry = None if mode == "fresh" else probe_cache.entries(where).get(key)
-    timings = probe_cache.timings(entry)
+    key = cache_key(model.config, device, names)
+    entry = None if mode == "fresh" else runtime.cached().get(key)
+    timings = cached_timings(entry)
     kept = True
     serve = request.workload == "serve"
     if timings is None or set(timings) != set(names):
@@ -394,15 +394,15 @@ def decide(
         timings = reference_timings(model, cands, device, doubts)
         entry = None
         if doubts:  # neither kept nor used: the device's rule decides, the same in every process
-            probe_cache.note_not_kept(key, model.config, device, doubts)
+            _note_not_kept(key, model, device, doubts)
             decision = choose(request, facts)
             return dataclasses.replace(decision, reason=decision.reason.replace("not measured", NOT_KEPT, 1))
-        probe_cache.save_timings(key, model.config, device, timings)
+        _save_timings(key, model, device, timings)
         entry = {}
     if serve:
         dtype, _ = cheapest_dtype(cands, dataclasses.replace(facts, timings=timings))
         pool = [c for c in cands if c.dtype == dtype and isinstance(timings.get(c.name), Timing)]
-        rows = probe_cache.rows_timings(entry, request.rows)  # None when measured afresh
+        rows = cached_rows(entry, request.rows)  # None when measured afresh
         if len(pool) > 1 and (rows is None or not set(c.name for c in pool) <= set(rows)):
             secs = estimate_seconds(model, 0, request, device, len(pool))
             _notice(command, f"the {request.rows}-row step of {len(pool)} ways to serve this model", secs)
@@ -415,16 +415,16 @@ def decide(
                     doubts.extend(_absurd(c.name, dataclasses.replace(t, step_rows=r), request.rows, model))
             if doubts:  # not used either: the kernel by the one-row figures, as any process takes it
                 kept = False
-                probe_cache.note_not_kept(key, model.config, device, doubts, request.rows)
+                _note_not_kept(key, model, device, doubts, request.rows)
                 rows = None
             else:
-                probe_cache.save_rows(key, request.rows, rows)
+                _save_rows(key, request.rows, rows)
         for name, r in (rows or {}).items():
             if isinstance(timings.get(name), Timing):
                 timings[name] = dataclasses.replace(timings[name], step_rows=r) if isinstance(r, float) else r
     decision = choose(request, dataclasses.replace(facts, timings=timings))
     if kept:
-        probe_cache.note_choice(key, _label(request), decision.candidate.name)
+        _note_choice(key, _label(request), decision.candidate.name)
     return decision
 
 
@@ -447,7 +447,7 @@ class Watch:
             return
         self.done = True
         run = statistics.median(self.seen)
-        if run > DISAGREE * self.step_ms and probe_cache.drop(self.key):
+        if run > DISAGREE * self.step_ms and runtime.cache_update(self.key, None):
             print(
                 f"{self.command}: this run's steps took {run:.3g} ms, {run / self.step_ms:.1f}x the "
                 f"{self.step_ms:.3g} ms measured for {self.name}: those figures are dropped, the next run "
@@ -462,8 +462,8 @@ def watch(decision: Decision, model: GPT, device: torch.device, command: str) ->
     t = (decision.timings or {}).get(decision.candidate.name)
     if env.probe_mode() == "0" or not isinstance(t, Timing) or t.step1 is None:
         return None
-    key = probe_cache.key(model.config, device, list(decision.timings))
-    if key not in probe_cache.entries():
+    key = cache_key(model.config, device, list(decision.timings))
+    if key not in runtime.cached():
         return None
     return Watch(key, decision.candidate.name, t.step1, command)
 
@@ -474,3 +474,99 @@ def announce(decision: Decision, command: str) -> None:
     wait = runtime.WAIT
     busy = f"; {wait.reason}" if wait is not None and wait.value == "PASSIVE" else ""
     print(f"{command}: {decision.summary()}{busy}", file=sys.stderr, flush=True)
+
+
+# -- the figures in the cache (system/runtime.py's): one entry per machine, device, model shape and candidate
+# set (no workload: the dtype those figures decide is every workload's): each candidate's reference figures
+# (or why it was dropped), the server's --max-batch-row step figures under ``rows``, what each workload chose
+# under ``choices``, why figures measured on a busy machine were not kept under ``not_kept``.
+SHAPE = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")  # what env shows of a model
+
+
+def _new_entry(entry: dict, model: GPT, device: torch.device) -> None:
+    entry.update(written=time.time(), model={f: getattr(model.config, f) for f in SHAPE}, device=str(device))
+
+
+def _save_timings(key: str, model: GPT, device: torch.device, figures: dict) -> None:
+    """The reference figures of entry ``key`` (its rows figures and choices, of other figures, go)."""
+
+    def change(entry: dict) -> None:
+        entry.clear()
+        _new_entry(entry, model, device)
+        entry["timings"] = as_json(figures)
+
+    runtime.cache_update(key, change)
+
+
+def _save_rows(key: str, rows: int, figures: dict) -> None:
+    def change(entry: dict) -> None:
+        entry.setdefault("rows", {})[str(rows)] = {"written": time.time(), "timings": figures}
+        if isinstance(entry.get("not_kept"), dict):
+            entry["not_kept"].pop("rows", None)
+
+    runtime.cache_update(key, change)
+
+
+def _note_not_kept(key: str, model: GPT, device: torch.device, doubts: list[str], rows: Optional[int] = None) -> None:
+    """Why the figures just measured for entry ``key`` (``rows``: its ``rows``-row step figures) were not kept
+    (the doubts), for ``gpt2lab env``; figures kept before stay, and are used."""
+
+    def change(entry: dict) -> None:
+        if not entry:
+            _new_entry(entry, model, device)
+        notes = entry["not_kept"] = entry.get("not_kept") if isinstance(entry.get("not_kept"), dict) else {}
+        notes["rows" if rows else "reference"] = {"written": time.time(), "why": doubts}
+
+    runtime.cache_update(key, change)
+
+
+def _note_choice(key: str, label: str, name: str) -> None:
+    """Record what ``label`` (a workload) chose from entry ``key``'s figures, if that changed (for ``env``)."""
+    found = runtime.cached().get(key)
+    if found is not None and (found.get("choices") or {}).get(label) != name:
+        runtime.cache_update(key, lambda entry: entry.setdefault("choices", {}).__setitem__(label, name))
+
+
+def cached_rows(entry: Optional[dict], rows: int) -> Optional[dict]:
+    """An entry's ``rows``-row step figures (name -> ms, or why dropped); None if not measured."""
+    found = ((entry or {}).get("rows") or {}).get(str(rows))
+    if not isinstance(found, dict) or not isinstance(found.get("timings"), dict):
+        return None
+    return {k: (float(v) if isinstance(v, (int, float)) else str(v)) for k, v in found["timings"].items()}
+
+
+def entry_lines(entry: dict) -> list[str]:
+    """A cache entry as lines for ``gpt2lab env``: the CPU's matmul rates; or the model's shape and device,
+    when measured, what each workload chose, each candidate's figures (or why it was dropped), and why
+    figures measured on a busy machine were not kept."""
+    if isinstance(rates := entry.get("matmul_gflops"), dict):
+        fp32, bf16 = rates.get("fp32_gflops"), rates.get("bf16_gflops")
+        return [f"CPU matmul probe: fp32 {fp32}, bf16 {bf16} GFLOP/s, measured {_stamp(entry)}"]
+    shape = entry.get("model") or {}
+    lines = [
+        f"{shape.get('n_layer', '?')} layers, {shape.get('n_head', '?')} heads, {shape.get('n_embd', '?')} wide, "
+        f"vocabulary {shape.get('vocab_size', '?')}, block {shape.get('block_size', '?')} on "
+        f"{entry.get('device', '?')}, measured {_stamp(entry)}"
+    ]
+    if choices := entry.get("choices"):
+        lines.append("chose: " + ", ".join(f"{w} {c}" for w, c in sorted(choices.items())))
+    for name, t in (cached_timings(entry) or {}).items():
+        if isinstance(t, Timing):
+            tiles = f", its tiles up to {t.tile_rows} rows" if t.tile_rows else ""
+            lines.append(f"{name}: prefill {t.prefill:.3g} ms, one-row step {t.step1:.3g} ms{tiles}")
+        else:
+            lines.append(f"{name}: {t}")
+    for rows in sorted(entry.get("rows") or {}):
+        figs = cached_rows(entry, int(rows)) or {}
+        text = ", ".join(f"{n} {v:.3g} ms" if isinstance(v, float) else f"{n} {v}" for n, v in figs.items())
+        lines.append(f"{rows}-row step (serve): {text}")
+    for what, note in sorted((entry.get("not_kept") or {}).items()):  # a machine too busy to measure on
+        why = note.get("why") if isinstance(note, dict) else None
+        why = "; ".join(map(str, why)) if isinstance(why, list) else "?"
+        lines.append(f"not kept ({what} figures, {_stamp(note)}: the machine was busy): {why}")
+    return lines
+
+
+def _stamp(found) -> str:
+    when = found.get("written") if isinstance(found, dict) else None
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) if isinstance(when, (int, float)) else "?"

@@ -14,11 +14,11 @@ pays for it once; ``gpt2lab env`` always measures afresh.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import importlib.util
-import json
 import os
 import platform
 import shutil
@@ -26,9 +26,10 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from gpt2lab.system import env
+from gpt2lab.system import env, formats
 from gpt2lab.system.choices import COMPILE_CHOICES, DTYPE_CHOICES, NS_DTYPE_CHOICES
 from gpt2lab.system.errors import ConfigError
+from gpt2lab.system.files import read_json_object, write_json
 
 # x86 /proc/cpuinfo flags of native bf16 arithmetic (AVX512_BF16 dot products, AMX tiles)
 # and the aarch64 one (BF16 instructions, Armv8.6). Without one of them oneDNN converts bf16
@@ -290,8 +291,52 @@ def sync(device) -> None:
         torch.mps.synchronize()
 
 
-def cached_cpu_probe(cache_dir: Optional[str] = None) -> Optional[Probe]:
-    """The CPU matmul probe, measured once per machine and kept in the user's cache.
+# -- the cache of what was measured: one bounded, versioned JSON file in gpt2lab's cache directory ----------
+PROBE_FILE = "probes.json"
+PROBE_ENTRIES = 32  # past this many entries the oldest written goes (a day of tests builds dozens of shapes)
+
+
+def cache_path() -> str:
+    return os.path.join(env.cache_dir(), PROBE_FILE)
+
+
+def cached(where: Optional[str] = None) -> dict:
+    """The cache's entries ({key: entry dict}); {} if absent, unreadable or of another format version."""
+    data = read_json_object(where or cache_path()) or {}
+    found = data.get("entries") if formats.is_current(data, formats.PROBES, key="version") else None
+    return {k: v for k, v in found.items() if isinstance(v, dict)} if isinstance(found, dict) else {}
+
+
+def cache_update(key: str, change, where: Optional[str] = None) -> bool:
+    """Apply ``change(entry)`` (the entry dict, {} when new; ``change=None`` removes it) to entry ``key`` and
+    write the file atomically, the oldest entries going past PROBE_ENTRIES; whether it was written (a
+    read-only cache is no harm: what it lacks is measured again next time)."""
+    where = where or cache_path()
+    found = cached(where)
+    if change is None and found.pop(key, None) is None:
+        return False
+    if change is not None:
+        change(found.setdefault(key, {}))
+        found[key].setdefault("written", time.time())
+    keep = sorted(found, key=lambda k: found[k]["written"] if isinstance(found[k].get("written"), (int, float)) else 0)
+    try:
+        os.makedirs(os.path.dirname(where), exist_ok=True)
+        write_json(where, {"version": formats.PROBES.version, "entries": {k: found[k] for k in keep[-PROBE_ENTRIES:]}})
+    except OSError:
+        return False
+    return True
+
+
+def cache_clear() -> Optional[str]:
+    """Remove the cache file (nothing else); its path if there was one."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(where := cache_path())
+        return where
+    return None
+
+
+def cached_cpu_probe(where: Optional[str] = None) -> Optional[Probe]:
+    """The CPU matmul probe, measured once per machine and kept in the cache (``where``: its file).
 
     ``GPT2LAB_PROBE=0`` turns it off (the choice then follows the CPU flags).
     """
@@ -299,21 +344,11 @@ def cached_cpu_probe(cache_dir: Optional[str] = None) -> Optional[Probe]:
         return None
     import torch
 
-    path = os.path.join(cache_dir or env.cache_dir(), f"cpu-probe-{machine_key()}.json")
-    try:
-        with open(path) as fh:
-            return Probe(**json.load(fh))
-    except (OSError, ValueError, TypeError):
-        pass
+    key = f"cpu-matmul-{machine_key()}"
+    with contextlib.suppress(KeyError, TypeError, AttributeError):
+        return Probe(**cached(where)[key]["matmul_gflops"])
     probe = measure_matmul(torch.device("cpu"))
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as fh:
-            json.dump(dataclasses.asdict(probe), fh)
-        os.replace(tmp, path)
-    except OSError:  # a read-only home: probe again next time, no harm done
-        pass
+    cache_update(key, lambda e: e.update(device="cpu", matmul_gflops=dataclasses.asdict(probe)), where)
     return probe
 
 
@@ -488,14 +523,3 @@ def set_wait_policy() -> None:
     WAIT = choose_wait(machine_load())
     if WAIT.value:
         env.put_wait_policy(WAIT.value)
-
-
-def inference_dtype(device, requested: str = "auto", command: str = "gpt2lab") -> str:
-    """The dtype for ``sample``/``eval``/``bench``: resolved like a run's, announced on stderr."""
-    import sys
-
-    choice = resolve(device, requested, "false").dtype
-    print(f"{command}: dtype {choice.value} ({choice.reason})", file=sys.stderr, flush=True)
-    if choice.warning:
-        print(f"{command}: warning: {choice.warning}", file=sys.stderr, flush=True)
-    return str(choice.value)
