@@ -92,12 +92,7 @@ def _shared_copy(model: GPT) -> GPT:
 
 
 def hold(
-    model: GPT,
-    cand: Candidate,
-    rows: int = 1,
-    inplace: bool = False,
-    tile_rows: int = 1,
-    bf16_inputs: Optional[bool] = None,
+    model: GPT, cand: Candidate, rows=1, inplace=False, tile_rows=1, bf16_inputs: Optional[bool] = None
 ) -> HeldGPT:
     """``model`` (or a copy sharing its other parameters) with every linear held as ``cand``, in a
     ``HeldGPT`` (``gemv``: up to ``tile_rows`` rows by its compiled tiles, a decision's ``tile_rows``;
@@ -122,9 +117,7 @@ def hold(
     return HeldGPT(target, CPU_ATTENTION_DTYPE, placed).eval()
 
 
-def for_inference(
-    model: GPT, *, dtype: Optional[str] = None, quantize: str = "none", linear: str = "auto", rows: int = 1
-) -> HeldGPT:
+def for_inference(model: GPT, *, dtype: Optional[str] = None, quantize="none", linear="auto", rows=1) -> HeldGPT:
     """``gpt2lab.for_inference``: a copy of ``model`` (sharing its weights) held for generating ``rows`` rows
     on the device its parameters are on, in ``dtype`` (default: the model's own; "auto": the dtype the
     commands measured for this model shape on this machine, the same for ``sample``, ``serve`` and the

@@ -93,38 +93,27 @@ class _TooSlow(Exception):
     pass
 
 
-def _best_ms(
-    fn,
-    device: torch.device,
-    per_call: int = 1,
-    limit: Optional[float] = None,
-    what: str = "",
-    doubts: Optional[list] = None,
-) -> float:
+def _best_ms(fn, device: torch.device, per_call=1, limit: Optional[float] = None, what="", doubts=None) -> float:
     """The best of REPEATS timed calls of ``fn`` in ms (per ``per_call``), timed once more when unsteady
     (an unsteady figure is added to ``doubts``); _TooSlow, naming the figure ``what``, when the untimed
     first is over GIVE_UP times ``limit``."""
-    t0 = time.perf_counter()
-    fn()
-    runtime.sync(device)
-    first = 1e3 * (time.perf_counter() - t0) / per_call
+
+    def timed() -> float:
+        t0 = time.perf_counter()
+        fn()
+        runtime.sync(device)
+        return time.perf_counter() - t0
+
+    first = 1e3 * timed() / per_call
     if limit is not None and first > GIVE_UP * limit:
         raise _TooSlow(
             f"{what} {first:.3g} ms against the best candidate's {limit:.3g} ms (over {GIVE_UP:g}x): "
             "slower, not timed further"
         )
-    times: list[float] = []
-    for _ in range(2):  # a second round only when the first is unsteady; the best of all is kept
-        for _ in range(REPEATS):
-            t0 = time.perf_counter()
-            fn()
-            runtime.sync(device)
-            times.append(time.perf_counter() - t0)
-        times.sort()
-        if times[1] <= UNSTEADY * times[0]:  # two calls agree: the best is the machine's, not luck
-            break
-    else:
-        if doubts is not None:
+    times = sorted(timed() for _ in range(REPEATS))
+    if times[1] > UNSTEADY * times[0]:  # two calls disagree: a second round, the best of all kept
+        times = sorted(times + [timed() for _ in range(REPEATS)])
+        if times[1] > UNSTEADY * times[0] and doubts is not None:
             doubts.append(f"{what} unsteady ({times[1] / times[0]:.1f}x between its best calls)")
     return 1e3 * times[0] / per_call
 
@@ -136,12 +125,12 @@ FIGURES = ("prefill", "step1")  # the reference figures; "step_rows" is serve's
 def measure(
     model: GPT,
     cand: Candidate,
-    request: InferenceRequest,
-    device: torch.device,
+    request,
+    device,
     best: Optional[Timing] = None,
-    figures: tuple = FIGURES,
-    doubts: Optional[list] = None,
-    tile_rows: int = 1,
+    figures=FIGURES,
+    doubts=None,
+    tile_rows=1,
 ) -> Timing:
     """``figures`` of ``model`` held as ``cand`` (for ``request.rows`` rows when the ``step_rows`` figure
     is asked, else one; ``gemv``: its tiles up to ``tile_rows`` rows): a real prefill, real decode steps
@@ -158,13 +147,8 @@ def measure(
     if "prefill" in figures:
         prompt = min(REQUEST_TOKENS, block)
         ids = torch.randint(0, vocab, (1, prompt), generator=gen).to(device)
-        out["prefill"] = _best_ms(
-            lambda: prepared(ids, kv_cache=prepared.new_kv_cache(prompt), last_only=True),
-            device,
-            limit=best.prefill,
-            what=f"{cand.name} prefill",
-            doubts=doubts,
-        )
+        run = lambda: prepared(ids, kv_cache=prepared.new_kv_cache(prompt), last_only=True)  # noqa: E731
+        out["prefill"] = _best_ms(run, device, 1, best.prefill, f"{cand.name} prefill", doubts)
         if "tile_rows" in figures and cand.kernel == "gemv" and has_tiles(prepared):
             out.update(_tiles(prepared, out["prefill"], device, gen))
     context = min(CONTEXT, max(1, block // 4))
@@ -182,12 +166,9 @@ def measure(
         what = f"{cand.name} " + ("step" if rows == 1 else f"{rows}-row step")
         return _best_ms(run, device, steps, limit, what, doubts)
 
-    if "step1" in figures:
-        out["step1"] = decode_ms(1, best.step1)
-    if "step_rows" in figures:
-        out["step_rows"] = decode_ms(request.rows, best.step_rows)
-    if "step_batch" in figures:
-        out["step_batch"] = decode_ms(BATCH_ROWS, best.step_batch)
+    for figure, n in (("step1", 1), ("step_rows", request.rows), ("step_batch", BATCH_ROWS)):
+        if figure in figures:
+            out[figure] = decode_ms(n, getattr(best, figure))
     return Timing(**out)
 
 
@@ -254,25 +235,21 @@ def _step_work(model: GPT, rows: int) -> float:
 
 
 def _absurd(name: str, t: Timing, rows: int, model: GPT) -> list[str]:
-    """Why ``t``'s steps cannot be the work they time (ABSURD): empty when they can."""
-    out = []
+    """Why ``t``'s steps cannot be the work they time (ABSURD): empty when they can (a ``rows``-row step of
+    more than REQUEST_TOKENS rows is not judged)."""
+    if t.prefill is None:
+        return []
     per_row = _step_work(model, 1)  # a step's share grows with its rows: the model is counted once
-
-    def bound(step_rows: int) -> float:
-        return ABSURD * t.prefill * max(1.0, per_row * step_rows)
-
-    if t.prefill is not None and t.step1 is not None and t.step1 > bound(1):
-        out.append(f"{name} one-row step {t.step1:.3g} ms over {bound(1):.3g} ms (its prefill {t.prefill:.3g} ms)")
-    rows_ok = t.step_rows is None or rows > REQUEST_TOKENS or t.prefill is None
-    if not rows_ok and t.step_rows > bound(rows):
-        out.append(
-            f"{name} {rows}-row step {t.step_rows:.3g} ms over {bound(rows):.3g} ms (its prefill {t.prefill:.3g} ms)"
-        )
-    if t.step_batch is not None and t.prefill is not None and t.step_batch > bound(BATCH_ROWS):
-        out.append(
-            f"{name} {BATCH_ROWS}-row step {t.step_batch:.3g} ms over {bound(BATCH_ROWS):.3g} ms "
-            f"(its prefill {t.prefill:.3g} ms)"
-        )
+    steps = [
+        ("one-row", t.step1, 1),
+        (f"{rows}-row", t.step_rows, rows),
+        (f"{BATCH_ROWS}-row", t.step_batch, BATCH_ROWS),
+    ]
+    out = []
+    for what, ms, n in steps:
+        bound = ABSURD * t.prefill * max(1.0, per_row * n)
+        if ms is not None and ms > bound and n <= REQUEST_TOKENS:
+            out.append(f"{name} {what} step {ms:.3g} ms over {bound:.3g} ms (its prefill {t.prefill:.3g} ms)")
     return out
 
 
@@ -281,24 +258,20 @@ def reference_timings(model: GPT, cands: list[Candidate], device: torch.device, 
     what should not be kept goes to ``doubts``."""
     one = InferenceRequest(rows=1)
     out = _measure_each(model, cands, one, device, FIGURES + ("tile_rows",), doubts)
-    per_dtype: dict[str, Candidate] = {}
-    for c in cands:
-        t = out[c.name]
-        if isinstance(t, Timing) and (
-            c.dtype not in per_dtype or reference_cost(t) < reference_cost(out[per_dtype[c.dtype].name])
-        ):
-            per_dtype[c.dtype] = c
+    timed = [c for c in cands if isinstance(out[c.name], Timing)]
+    dtypes = dict.fromkeys(c.dtype for c in timed)
+    per_dtype = {d: min((c for c in timed if c.dtype == d), key=lambda c: reference_cost(out[c.name])) for d in dtypes}
     if len(per_dtype) > 1:  # the dtype is decided between these: a second pass, after all the others
         for c in per_dtype.values():
             then = out[c.name]
             again = measure(model, c, one, device, figures=FIGURES, doubts=doubts, tile_rows=tile_rows_of(then))
-            for f in FIGURES:
-                a, b = getattr(then, f), getattr(again, f)
-                if max(a, b) > UNSTEADY * min(a, b):
-                    doubts.append(f"{c.name} {f} {a:.3g} then {b:.3g} ms")
-            out[c.name] = dataclasses.replace(
-                then, prefill=min(then.prefill, again.prefill), step1=min(then.step1, again.step1)
-            )
+            both = {f: (getattr(then, f), getattr(again, f)) for f in FIGURES}
+            doubts += [
+                f"{c.name} {f} {a:.3g} then {b:.3g} ms"
+                for f, (a, b) in both.items()
+                if max(a, b) > UNSTEADY * min(a, b)
+            ]
+            out[c.name] = dataclasses.replace(then, **{f: min(ab) for f, ab in both.items()})
         for c in per_dtype.values():  # the dtypes' batch figure: each dtype's best kernel at BATCH_ROWS rows
             batch = measure(
                 model, c, one, device, figures=("step_batch",), doubts=doubts, tile_rows=tile_rows_of(out[c.name])
@@ -310,17 +283,8 @@ def reference_timings(model: GPT, cands: list[Candidate], device: torch.device, 
     return out
 
 
-def _rows_timings(model, pool, request, device, doubts: list, held: dict) -> dict:
-    """The ``request.rows``-row step of each candidate in ``pool`` (ms, or why dropped), held as its reference
-    figures in ``held`` say."""
-    out = _measure_each(model, pool, request, device, ("step_rows",), doubts, held)
-    return {k: (t.step_rows if isinstance(t, Timing) else t) for k, t in out.items()}
-
-
 @torch.inference_mode()
-def estimate_seconds(
-    model: GPT, n_candidates: int, request: InferenceRequest, device: torch.device, n_rows: int = 0
-) -> float:
+def estimate_seconds(model: GPT, n_candidates: int, request: InferenceRequest, device, n_rows=0) -> float:
     """About how long the measuring takes: one prefill and one decode step of ``model`` as it is, timed
     here, times the calls ``measure`` makes for ``n_candidates`` (and their second pass, at most one per
     candidate) and, for ``serve``, the ``n_rows`` candidates' batch steps (a rough figure for the notice)."""
@@ -343,8 +307,10 @@ def estimate_seconds(
     return n_candidates * per + (n_rows * rows if request.workload == "serve" else 0.0)
 
 
-def _notice(command: str, what: str, secs: float) -> None:
-    """The one stderr line before measuring: what, about how long, and that it is done once."""
+def _notice(command: str, what: str, model: GPT, request: InferenceRequest, device, n_timed: int, n_rows: int) -> None:
+    """The one stderr line before measuring: what, about how long (``estimate_seconds``), and that it is done
+    once."""
+    secs = estimate_seconds(model, n_timed, request, device, n_rows)
     about = f"about {secs:.0f} s" if secs >= 1 else "under a second"
     print(
         f"{command}: measuring {what} on this machine, {about}, once per machine and model shape "
@@ -357,16 +323,8 @@ def _notice(command: str, what: str, secs: float) -> None:
 NOT_KEPT = "measured on a busy machine, not kept (gpt2lab env says why), the device's rule"
 
 
-def _label(request: InferenceRequest) -> str:
-    return f"serve {request.rows} rows" if request.workload == "serve" else request.workload
-
-
 def decide(
-    model: GPT,
-    device: torch.device,
-    request: InferenceRequest,
-    facts: Optional[InferenceFacts] = None,
-    command: str = "gpt2lab",
+    model: GPT, device, request: InferenceRequest, facts: Optional[InferenceFacts] = None, command="gpt2lab"
 ) -> Decision:
     """Measure (where there is a choice, and the cache has no figures; a first measurement says so on
     stderr, ``command`` first) and choose."""
@@ -381,51 +339,59 @@ def decide(
     key = cache_key(model.config, device, names)
     entry = None if mode == "fresh" else runtime.cached().get(key)
     timings = cached_timings(entry)
-    kept = True
-    serve = request.workload == "serve"
     if timings is None or set(timings) != set(names):
-        n_dtypes = len({c.dtype for c in cands})
-        n_rows = max(sum(c.dtype == d for c in cands) for d in {c.dtype for c in cands}) if serve else 0
+        dtypes = {c.dtype for c in cands}
+        n_rows = max(sum(c.dtype == d for c in cands) for d in dtypes) if request.workload == "serve" else 0
         n_tiles = sum(c.kernel == "gemv" for c in cands)  # its prefill timed three more ways: about a candidate
-        n_timed = len(cands) + n_tiles + (n_dtypes if n_dtypes > 1 else 0)
-        secs = estimate_seconds(model, n_timed, request, device, n_rows)
-        _notice(command, f"{len(cands)} ways to run this model", secs)
+        n_timed = len(cands) + n_tiles + (len(dtypes) if len(dtypes) > 1 else 0)
+        _notice(command, f"{len(cands)} ways to run this model", model, request, device, n_timed, n_rows)
         doubts: list = []
         timings = reference_timings(model, cands, device, doubts)
-        entry = None
         if doubts:  # neither kept nor used: the device's rule decides, the same in every process
             _note_not_kept(key, model, device, doubts)
             decision = choose(request, facts)
             return dataclasses.replace(decision, reason=decision.reason.replace("not measured", NOT_KEPT, 1))
         _save_timings(key, model, device, timings)
         entry = {}
-    if serve:
-        dtype, _ = cheapest_dtype(cands, dataclasses.replace(facts, timings=timings))
-        pool = [c for c in cands if c.dtype == dtype and isinstance(timings.get(c.name), Timing)]
-        rows = cached_rows(entry, request.rows)  # None when measured afresh
-        if len(pool) > 1 and (rows is None or not set(c.name for c in pool) <= set(rows)):
-            secs = estimate_seconds(model, 0, request, device, len(pool))
-            _notice(command, f"the {request.rows}-row step of {len(pool)} ways to serve this model", secs)
-            doubts = []
-            rows = _rows_timings(model, pool, request, device, doubts, timings)
-            for c in pool:
-                t = timings[c.name]
-                r = rows.get(c.name)
-                if isinstance(r, float):
-                    doubts.extend(_absurd(c.name, dataclasses.replace(t, step_rows=r), request.rows, model))
-            if doubts:  # not used either: the kernel by the one-row figures, as any process takes it
-                kept = False
-                _note_not_kept(key, model, device, doubts, request.rows)
-                rows = None
-            else:
-                _save_rows(key, request.rows, rows)
-        for name, r in (rows or {}).items():
-            if isinstance(timings.get(name), Timing):
-                timings[name] = dataclasses.replace(timings[name], step_rows=r) if isinstance(r, float) else r
+    kept = request.workload != "serve" or _serve_rows(
+        model, device, request, facts, cands, key, entry, timings, command
+    )
     decision = choose(request, dataclasses.replace(facts, timings=timings))
-    if kept:
-        _note_choice(key, _label(request), decision.candidate.name)
+    found = runtime.cached().get(key) if kept else None
+    label = f"serve {request.rows} rows" if request.workload == "serve" else request.workload
+    if found is not None and (found.get("choices") or {}).get(label) != decision.candidate.name:
+        # what the workload chose, where that changed (for gpt2lab env)
+        runtime.cache_update(key, lambda e: e.setdefault("choices", {}).__setitem__(label, decision.candidate.name))
     return decision
+
+
+def _serve_rows(model, device, request, facts, cands, key: str, entry: Optional[dict], timings: dict, command) -> bool:
+    """``serve``: the ``--max-batch``-row step of the chosen dtype's kernels, from the cache ``entry`` or measured,
+    added to ``timings`` (in place); False where figures just measured were not kept (nor used: the kernel by
+    the one-row figures, as any process takes it)."""
+    dtype, _ = cheapest_dtype(cands, dataclasses.replace(facts, timings=timings))
+    pool = [c for c in cands if c.dtype == dtype and isinstance(timings.get(c.name), Timing)]
+    rows = cached_rows(entry, request.rows)  # None when measured afresh
+    kept = True
+    if len(pool) > 1 and (rows is None or not set(c.name for c in pool) <= set(rows)):
+        what = f"the {request.rows}-row step of {len(pool)} ways to serve this model"
+        _notice(command, what, model, request, device, 0, len(pool))
+        doubts: list = []
+        out = _measure_each(model, pool, request, device, ("step_rows",), doubts, timings)
+        rows = {k: (t.step_rows if isinstance(t, Timing) else t) for k, t in out.items()}
+        for c in pool:
+            if isinstance(r := rows.get(c.name), float):
+                doubts.extend(_absurd(c.name, dataclasses.replace(timings[c.name], step_rows=r), request.rows, model))
+        if doubts:
+            kept = False
+            _note_not_kept(key, model, device, doubts, request.rows)
+            rows = None
+        else:
+            _save_rows(key, request.rows, rows)
+    for name, r in (rows or {}).items():
+        if isinstance(timings.get(name), Timing):
+            timings[name] = dataclasses.replace(timings[name], step_rows=r) if isinstance(r, float) else r
+    return kept
 
 
 class Watch:
@@ -518,13 +484,6 @@ def _note_not_kept(key: str, model: GPT, device: torch.device, doubts: list[str]
         notes["rows" if rows else "reference"] = {"written": time.time(), "why": doubts}
 
     runtime.cache_update(key, change)
-
-
-def _note_choice(key: str, label: str, name: str) -> None:
-    """Record what ``label`` (a workload) chose from entry ``key``'s figures, if that changed (for ``env``)."""
-    found = runtime.cached().get(key)
-    if found is not None and (found.get("choices") or {}).get(label) != name:
-        runtime.cache_update(key, lambda entry: entry.setdefault("choices", {}).__setitem__(label, name))
 
 
 def cached_rows(entry: Optional[dict], rows: int) -> Optional[dict]:

@@ -54,7 +54,7 @@ def offline() -> list[str]:
 
 
 def hub_offline() -> bool:
-    return _get("HF_HUB_OFFLINE").upper() in _TRUE
+    return OFFLINE[0] in offline()
 
 
 @contextlib.contextmanager

@@ -96,9 +96,10 @@ def choose_dtype(requested: str, facts: Facts) -> Choice:
     if requested != "auto":
         return _check_explicit_dtype(requested, facts)
     if dev == "cuda":
+        gpu = facts.device_name or "this GPU"
         if facts.cuda_bf16:
-            return Choice("bfloat16", f"{facts.device_name or 'this GPU'} supports bf16")
-        return Choice("float16", f"{facts.device_name or 'this GPU'} has no bf16: fp16 with a gradient scaler")
+            return Choice("bfloat16", f"{gpu} supports bf16")
+        return Choice("float16", f"{gpu} has no bf16: fp16 with a gradient scaler")
     if dev == "mps":
         return Choice(
             "float32",
@@ -183,14 +184,15 @@ def choose_ns_dtype(requested: str, facts: Facts) -> Choice:
     """
     if requested not in NS_DTYPE_CHOICES:
         raise ChoiceError(f"muon_ns_dtype {requested!r}: choose one of {', '.join(NS_DTYPE_CHOICES)}")
+    gpu = facts.device_name or "this GPU"
     if requested != "auto":
         return Choice(requested, "asked for with --muon-ns-dtype")
-    dev = facts.device_type
-    if dev == "cuda":
-        if facts.cuda_bf16:
-            return Choice("bfloat16", f"{facts.device_name or 'this GPU'} has fast bf16 matmuls")
-        return Choice("float32", f"{facts.device_name or 'this GPU'} has no bf16")
-    if dev == "mps":
+    if facts.device_type == "cuda":
+        bf16 = facts.cuda_bf16
+        return Choice(
+            "bfloat16" if bf16 else "float32", f"{gpu} has fast bf16 matmuls" if bf16 else f"{gpu} has no bf16"
+        )
+    if facts.device_type == "mps":
         return Choice("float32", "MPS: fp32 (bf16 matmul support varies across macOS versions)")
     return _cpu_auto_dtype(facts)  # a CPU: the autocast rule, the same probe and flags
 
@@ -201,29 +203,21 @@ def _no_compiler(facts: Facts) -> str:
 
 # -- the facts of this machine ------------------------------------------------------------
 @functools.lru_cache(maxsize=None)  # /proc/cpuinfo does not change while a process runs
+def _cpuinfo(*keys: str) -> Optional[str]:
+    """The value of the first line of /proc/cpuinfo (Linux) that starts with one of ``keys``; None elsewhere."""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as fh:
+        return next((line.split(":", 1)[1].strip() for line in fh if line.startswith(keys)), None)
+    return None
+
+
 def cpu_flags() -> tuple[str, ...]:
     """The NOTED_CPU_FLAGS in /proc/cpuinfo (Linux); () elsewhere."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith(("flags", "Features")):
-                    have = set(line.split(":", 1)[1].split())
-                    return tuple(f for f in NOTED_CPU_FLAGS if f in have)
-    except OSError:
-        pass
-    return ()
+    have = set((_cpuinfo("flags", "Features") or "").split())
+    return tuple(f for f in NOTED_CPU_FLAGS if f in have)
 
 
-@functools.lru_cache(maxsize=None)
 def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:  # not Linux
-        pass
-    return platform.processor() or platform.machine()
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def can_compile(device_type: str) -> bool:
@@ -406,7 +400,7 @@ class Resolved:
     def record(self) -> dict:
         """The run_info.json entry."""
         f = self.facts
-        return {
+        out = {
             "dtype": self.dtype.value,
             "dtype_reason": self.dtype.reason,
             "compile": self.compile.value,
@@ -417,16 +411,14 @@ class Resolved:
             "cpu_flags": list(f.cpu_flags),
             "native_bf16": f.native_bf16,
             "matmul_probe_gflops": dataclasses.asdict(f.probe) if f.probe else None,
-            **(
-                {"muon_ns_dtype": self.ns_dtype.value, "muon_ns_dtype_reason": self.ns_dtype.reason}
-                if self.ns_dtype
-                else {}
-            ),
         }
+        if self.ns_dtype:
+            out.update(muon_ns_dtype=self.ns_dtype.value, muon_ns_dtype_reason=self.ns_dtype.reason)
+        return out
 
 
 def resolve(
-    device, dtype: str = "auto", compile: str = "false", facts: Optional[Facts] = None, ns_dtype: Optional[str] = None
+    device, dtype="auto", compile="false", facts: Optional[Facts] = None, ns_dtype: Optional[str] = None
 ) -> Resolved:
     """Decide dtype and compile (and Muon's Newton-Schulz dtype, unless ``ns_dtype`` is None: no
     Muon) for ``device``; the CPU probe runs only when an answer needs it."""
