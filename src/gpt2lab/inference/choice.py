@@ -301,9 +301,9 @@ def _slowdowns(costs: dict) -> dict:
 def choose(request: InferenceRequest, facts: InferenceFacts) -> Decision:
     """The candidate for ``request``: the only one; else the dtype (``cheapest_dtype``, the same for every
     workload) and, of its kernels, the cheapest measured for the workload, or (unmeasured) the device's rule."""
-    d = _choose(request, facts)
-    rounded = d.candidate.kernel == "gemv" and gemv_bf16_inputs(facts)
-    return dataclasses.replace(d, bf16_inputs=rounded, panels=rounded and facts.gemv_panels)
+    pick, why = _choose(request, facts)
+    rounded = pick.kernel == "gemv" and gemv_bf16_inputs(facts)
+    return Decision(pick, why, request, facts.timings, bf16_inputs=rounded, panels=rounded and facts.gemv_panels)
 
 
 def gemv_bf16_inputs(facts: InferenceFacts) -> bool:
@@ -316,11 +316,10 @@ def gemv_bf16_inputs(facts: InferenceFacts) -> bool:
     return facts.device_type == "cpu" and facts.native_bf16
 
 
-def _choose(request: InferenceRequest, facts: InferenceFacts) -> Decision:
+def _choose(request: InferenceRequest, facts: InferenceFacts) -> tuple[Candidate, str]:
     cands = candidates(request, facts)
     if len(cands) == 1:
-        why = "asked for" if request.dtype != "auto" or request.quantize != "none" else "the only one here"
-        return Decision(cands[0], why, request, facts.timings)
+        return cands[0], "asked for" if request.dtype != "auto" or request.quantize != "none" else "the only one here"
     if len({c.dtype for c in cands}) == 1:  # an asked-for dtype: only the kernel is left to choose
         dtype, dtype_why = cands[0].dtype, ""
     else:
@@ -331,12 +330,10 @@ def _choose(request: InferenceRequest, facts: InferenceFacts) -> Decision:
     if request.workload == "serve" and any(t.step_rows is not None for t in measured.values()):
         measured = {c: t for c, t in measured.items() if t.step_rows is not None}  # one cost for them all
     if not measured:
-        pick = device_pick(pool, facts)
-        return Decision(pick, _join(dtype_why, _unmeasured_reason(facts)), request, facts.timings)
+        return device_pick(pool, facts), _join(dtype_why, _unmeasured_reason(facts))
     slowdown = _slowdowns({c: costs(request, t) for c, t in measured.items()})
     pick = min(measured, key=lambda c: (slowdown[c], c.name))
-    why = _measured_reason(request, pick, measured, slowdown, facts.timings)
-    return Decision(pick, _join(dtype_why, why), request, facts.timings)
+    return pick, _join(dtype_why, _measured_reason(request, pick, measured, slowdown, facts.timings))
 
 
 def _join(dtype_why: str, kernel_why: str) -> str:
@@ -371,11 +368,7 @@ def device_pick(cands: list[Candidate], facts: InferenceFacts) -> Candidate:
         order = ("gemv", "packed", "upcast", "int8", "plain", "decode")
     else:
         order = ("gemv", "packed", "int8", "plain", "decode", "upcast")
-    for kernel in order:
-        for c in pool:
-            if c.kernel == kernel:
-                return c
-    return pool[0]
+    return min(pool, key=lambda c: order.index(c.kernel) if c.kernel in order else len(order))
 
 
 def _unmeasured_reason(facts: InferenceFacts) -> str:

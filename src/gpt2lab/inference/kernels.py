@@ -103,6 +103,7 @@ class DecodeLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.dtype = dtype
         self.bias = None if bias is None else bias.detach().to(dtype).contiguous()
+        self.bias32 = None if bias is None else self.bias.float()  # the fp32 products' (upcast, compiled GEMV)
 
     def extra_repr(self) -> str:
         return (
@@ -168,7 +169,6 @@ class UpcastLinear(DecodeLinear):
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype, batch_hint=1) -> None:
         super().__init__(weight, bias, dtype)
         self.weight = weight.detach().to(dtype).contiguous()
-        self.bias32 = None if bias is None else self.bias.float()
         self.slice_rows = max(1, UPCAST_SLICE // self.in_features)
         self.packed = None
         if batch_hint > 1 and weight.device.type == "cpu" and packing_available():
@@ -360,7 +360,6 @@ class PanelLinear(DecodeLinear):
             raise ValueError(f"the gemv kernel holds bfloat16 weights, not {dtype}")
         super().__init__(weight, bias, dtype)
         self.panels = pack_panels(weight.detach())
-        self.bias32 = None if self.bias is None else self.bias.float()
 
     @property
     def weight(self) -> torch.Tensor:

@@ -97,13 +97,7 @@ def _best_ms(fn, device: torch.device, per_call=1, limit: Optional[float] = None
     """The best of REPEATS timed calls of ``fn`` in ms (per ``per_call``), timed once more when unsteady
     (an unsteady figure is added to ``doubts``); _TooSlow, naming the figure ``what``, when the untimed
     first is over GIVE_UP times ``limit``."""
-
-    def timed() -> float:
-        t0 = time.perf_counter()
-        fn()
-        runtime.sync(device)
-        return time.perf_counter() - t0
-
+    timed = lambda: runtime.timed(fn, device, time.perf_counter)[0]  # noqa: E731
     first = 1e3 * timed() / per_call
     if limit is not None and first > GIVE_UP * limit:
         raise _TooSlow(
@@ -292,16 +286,9 @@ def estimate_seconds(model: GPT, n_candidates: int, request: InferenceRequest, d
     prompt = max(1, min(REQUEST_TOKENS, block - 1))  # and room for one decode step after it
     ids = torch.randint(0, vocab, (1, prompt), generator=torch.Generator().manual_seed(0)).to(device)
     model(ids[:, :1], last_only=True)  # untimed: the first touch of freshly loaded (mapped) weights
-    runtime.sync(device)
     cache = model.new_kv_cache(min(block, prompt + 1))
-    t0 = time.perf_counter()
-    model(ids, kv_cache=cache, last_only=True)
-    runtime.sync(device)
-    t1 = time.perf_counter()
-    if prompt < block:
-        model(ids[:, :1], kv_cache=cache, last_only=True)
-        runtime.sync(device)
-    prefill, step = t1 - t0, time.perf_counter() - t1
+    prefill, _ = runtime.timed(lambda: model(ids, kv_cache=cache, last_only=True), device, time.perf_counter)
+    step, _ = runtime.timed(lambda: model(ids[:, :1], kv_cache=cache, last_only=True), device, time.perf_counter)
     per = (1 + REPEATS) * (prefill + STEPS * step) + prefill * CONTEXT / prompt
     rows = (1 + REPEATS) * STEPS * (step + prefill * request.rows / prompt) + prefill * CONTEXT / prompt
     return n_candidates * per + (n_rows * rows if request.workload == "serve" else 0.0)

@@ -65,9 +65,8 @@ def hub_offline_set() -> Iterator[bool]:
     try:
         yield saved is not None
     finally:
-        if saved is None:
-            del os.environ["HF_HUB_OFFLINE"]
-        else:
+        os.environ.pop("HF_HUB_OFFLINE", None)
+        if saved is not None:
             os.environ["HF_HUB_OFFLINE"] = saved
 
 

@@ -24,7 +24,7 @@ import platform
 import shutil
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from gpt2lab.system import env, formats
 from gpt2lab.system.choices import COMPILE_CHOICES, DTYPE_CHOICES, NS_DTYPE_CHOICES
@@ -228,24 +228,27 @@ def can_compile(device_type: str) -> bool:
     return any(shutil.which(c) for c in (env.cxx(), "g++", "c++", "clang++") if c)
 
 
+def timed(fn, device, clock=time.perf_counter) -> tuple[float, Any]:
+    """(seconds, result) of ``fn()``, ``device``'s queued work included (before it too)."""
+    sync(device)
+    t0 = clock()
+    out = fn()
+    sync(device)
+    return clock() - t0, out
+
+
 def measure_matmul(device, n: int = PROBE_N, seconds: float = PROBE_SECONDS) -> Probe:
-    """fp32 and bf16 ``a @ b`` rates on ``device``, each timed for about ``seconds``."""
+    """fp32 and bf16 ``a @ b`` rates on ``device``, each timed for about ``seconds`` after one untimed call."""
     import torch
 
     def rate(dtype) -> float:
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
-        sync(device)
-        a @ b
-        sync(device)
-        calls, t0 = 0, time.perf_counter()
-        while True:
-            a @ b
+        a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+        timed(lambda: a @ b, device)  # the first call, untimed
+        calls, spent = 0, 0.0
+        while spent < seconds:
+            spent += timed(lambda: a @ b, device)[0]
             calls += 1
-            sync(device)
-            dt = time.perf_counter() - t0
-            if dt >= seconds:
-                return 2 * n**3 * calls / dt / 1e9
+        return 2 * n**3 * calls / spent / 1e9
 
     return Probe(fp32_gflops=round(rate(torch.float32), 1), bf16_gflops=round(rate(torch.bfloat16), 1))
 
@@ -262,16 +265,8 @@ def measure_read_bandwidth(device, nbytes: int = READ_BYTES, repeats: int = 5, c
     import torch
 
     x = torch.ones(nbytes // 4, device=device, dtype=torch.float32)
-    best = float("inf")
-    for i in range(repeats + 1):
-        sync(device)
-        t0 = clock()
-        x.sum()
-        sync(device)
-        seconds = clock() - t0
-        if i:  # the first call pages the buffer in and warms the kernel
-            best = min(best, seconds)
-    return round(x.numel() * 4 / best / 1e9, 1)
+    times = [timed(x.sum, device, clock)[0] for _ in range(repeats + 1)]  # the first pages the buffer in
+    return round(x.numel() * 4 / min(times[1:]) / 1e9, 1)
 
 
 def sync(device) -> None:
