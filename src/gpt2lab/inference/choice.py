@@ -162,11 +162,8 @@ def _dtypes(request: InferenceRequest, facts: InferenceFacts) -> list[str]:
     if request.dtype != "auto":  # the device must run it: training's checks, one place
         rf = runtime.Facts(dev, facts.device_name, cuda_bf16=facts.native_bf16 if dev == "cuda" else False)
         return [str(runtime.choose_dtype(request.dtype, rf).value)]
-    if dev == "cuda":
-        return ["float32", "bfloat16" if facts.native_bf16 else "float16"]
-    if dev == "mps":
-        return ["float32", "float16"]
-    return ["float32", "bfloat16"]
+    half = {"cuda": "bfloat16" if facts.native_bf16 else "float16", "mps": "float16"}.get(dev, "bfloat16")
+    return ["float32", half]
 
 
 def candidates(request: InferenceRequest, facts: InferenceFacts) -> list[Candidate]:
@@ -372,14 +369,11 @@ def device_pick(cands: list[Candidate], facts: InferenceFacts) -> Candidate:
 
 
 def _unmeasured_reason(facts: InferenceFacts) -> str:
-    if facts.device_type == "cpu":
-        return (
-            "not measured; "
-            + ("native bf16 on this CPU" if facts.native_bf16 else "no native bf16 on this CPU")
-            + (", oneDNN packed linears" if facts.packing else "")
-            + (", gpt2lab's compiled GEMV" if facts.gemv_error is None else "")
-        )
-    return f"not measured; {facts.device_type}: half precision reads half the bytes"
+    if facts.device_type != "cpu":
+        return f"not measured; {facts.device_type}: half precision reads half the bytes"
+    found = ["native bf16 on this CPU" if facts.native_bf16 else "no native bf16 on this CPU"]
+    found += ["oneDNN packed linears"] * facts.packing + ["gpt2lab's compiled GEMV"] * (facts.gemv_error is None)
+    return "not measured; " + ", ".join(found)
 
 
 def _figures(request: InferenceRequest, t: Timing) -> str:

@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from gpt2lab.inference.kernels import GemvLinear, Int8GemvLinear, PanelLinear
+from gpt2lab.inference.kernels import GemvLinear, Int8GemvLinear, PanelLinear, _compiled
 from gpt2lab.model.gpt import GPT, Block, KVCache
 from gpt2lab.model.sampling import generate, plan_free_attention
 
@@ -187,11 +187,10 @@ class HeldGPT(nn.Module):
         """``_gemv.model_step`` over rows ``ids`` (m,): logits (rows of ``wanted`` or all, vocab), or None."""
         plan = self._plan = self._plan or _StepPlan(self.net)
         grad = torch.is_grad_enabled()
-        if not plan.ok or self.training or ids.dtype != torch.int64 or not ids.is_cpu:
+        contiguous = plan.wte.is_contiguous() and plan.wpe.is_contiguous()
+        if not plan.ok or self.training or not contiguous or ids.dtype != torch.int64 or not ids.is_cpu:
             return None
         if any(t.dtype != torch.float32 or not t.is_cpu or (grad and t.requires_grad) for t in plan.fp32):
-            return None
-        if not (plan.wte.is_contiguous() and plan.wpe.is_contiguous()):
             return None
         m, C, nh = ids.shape[0], self.config.n_embd, self.config.n_head
         fits = m if slots is None else 1  # the rows' own slots: the kernel checks each against n_slots
@@ -203,18 +202,15 @@ class HeldGPT(nn.Module):
                 return None
             n_slots = min(n_slots or k.shape[0], k.shape[0])  # the slots every layer holds
             rows += [*ptrs[16 * i : 16 * i + 16], k.data_ptr(), v.data_ptr()]
-        head = plan.head  # a compiled-GEMV linear (whole_step_fusable): in C at any rows, as the blocks' linears
         ids = ids.contiguous()  # held here: the kernel reads it through its address
-        n_out = head.out_features
+        n_out = plan.head.out_features  # a compiled-GEMV head (whole_step_fusable): in C at any rows, as the blocks
         out = torch.empty(m if wanted is None else len(wanted), n_out, dtype=torch.float32)
         table = torch.tensor(rows, dtype=torch.int64)
         hw, hs, hb = (_ptr(t) for t in plan.head_tensors)
-        from gpt2lab.inference import _gemv
-
-        done = _gemv.model_step(
+        done = _compiled().model_step(
             plan.kind, m, C, nh, len(plan.layers), ids.data_ptr(), plan.wte.data_ptr(), plan.wpe.data_ptr(),
             plan.wte.shape[0], plan.wpe.shape[0], table.data_ptr(), max_len, _ptr(pos), pos0, out.data_ptr(),
-            plan.eps, plan.ln_f.weight.data_ptr(), _ptr(plan.ln_f.bias), plan.eps_f, _kind(head), hw,
+            plan.eps, plan.ln_f.weight.data_ptr(), _ptr(plan.ln_f.bias), plan.eps_f, _kind(plan.head), hw,
             hs, hb, n_out, torch.get_num_threads(), _ptr(slots), n_slots, _ptr(wanted),
             0 if wanted is None else len(wanted),
         )  # fmt: skip

@@ -117,14 +117,7 @@ FIGURES = ("prefill", "step1")  # the reference figures; "step_rows" is serve's
 
 @torch.inference_mode()
 def measure(
-    model: GPT,
-    cand: Candidate,
-    request,
-    device,
-    best: Optional[Timing] = None,
-    figures=FIGURES,
-    doubts=None,
-    tile_rows=1,
+    model: GPT, cand: Candidate, request: InferenceRequest, device, best=None, figures=FIGURES, doubts=None, tile_rows=1
 ) -> Timing:
     """``figures`` of ``model`` held as ``cand`` (for ``request.rows`` rows when the ``step_rows`` figure
     is asked, else one; ``gemv``: its tiles up to ``tile_rows`` rows): a real prefill, real decode steps
@@ -299,12 +292,15 @@ def _notice(command: str, what: str, model: GPT, request: InferenceRequest, devi
     once."""
     secs = estimate_seconds(model, n_timed, request, device, n_rows)
     about = f"about {secs:.0f} s" if secs >= 1 else "under a second"
-    print(
+    _say(
         f"{command}: measuring {what} on this machine, {about}, once per machine and model shape "
-        "(GPT2LAB_PROBE=0 skips it; gpt2lab env lists the figures)",
-        file=sys.stderr,
-        flush=True,
+        "(GPT2LAB_PROBE=0 skips it; gpt2lab env lists the figures)"
     )
+
+
+def _say(line: str) -> None:
+    """One line on stderr, at once."""
+    print(line, file=sys.stderr, flush=True)
 
 
 NOT_KEPT = "measured on a busy machine, not kept (gpt2lab env says why), the device's rule"
@@ -401,12 +397,9 @@ class Watch:
         self.done = True
         run = statistics.median(self.seen)
         if run > DISAGREE * self.step_ms and runtime.cache_update(self.key, None):
-            print(
-                f"{self.command}: this run's steps took {run:.3g} ms, {run / self.step_ms:.1f}x the "
-                f"{self.step_ms:.3g} ms measured for {self.name}: those figures are dropped, the next run "
-                "measures again",
-                file=sys.stderr,
-                flush=True,
+            _say(
+                f"{self.command}: this run's steps took {run:.3g} ms, {run / self.step_ms:.1f}x the {self.step_ms:.3g} "
+                f"ms measured for {self.name}: those figures are dropped, the next run measures again"
             )
 
 
@@ -426,7 +419,7 @@ def announce(decision: Decision, command: str) -> None:
     machine was busy as the command started (system/runtime.py's ``choose_wait``)."""
     wait = runtime.WAIT
     busy = f"; {wait.reason}" if wait is not None and wait.value == "PASSIVE" else ""
-    print(f"{command}: {decision.summary()}{busy}", file=sys.stderr, flush=True)
+    _say(f"{command}: {decision.summary()}{busy}")
 
 
 # -- the figures in the cache (system/runtime.py's): one entry per machine, device, model shape and candidate

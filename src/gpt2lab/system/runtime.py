@@ -9,7 +9,10 @@ run prints and records in ``run_info.json``.
 
 The CPU probe times fp32 and bf16 matrix multiplies for a fraction of a second and is
 cached per machine (CPU model, flags, torch version, threads, oneDNN ISA cap), so a run
-pays for it once; ``gpt2lab env`` always measures afresh.
+pays for it once; ``gpt2lab env`` always measures afresh. What is measured is kept in one cache,
+``probes.json`` (``cached``, ``cache_update``): the CPU probe's rates and the inference probe's figures
+(inference/probe.py), one bounded, versioned file that ``gpt2lab env`` lists and ``--clear-cache`` removes.
+Work on a device is timed by one timer, ``timed``.
 """
 
 from __future__ import annotations
@@ -360,19 +363,12 @@ def detect(device, probe: bool = True) -> Facts:
     import torch
 
     dev = torch.device(device)
-    if dev.type == "cuda":
-        return Facts(
-            "cuda",
-            torch.cuda.get_device_name(dev),
-            cpu_flags(),
-            cuda_bf16=torch.cuda.is_bf16_supported(),
-            can_compile=can_compile("cuda"),
-        )
-    if dev.type == "mps":
-        return Facts("mps", "Apple MPS", cpu_flags(), can_compile=can_compile("mps"))
-    return Facts(
-        "cpu", cpu_name(), cpu_flags(), can_compile=can_compile("cpu"), probe=cached_cpu_probe() if probe else None
-    )
+    kind = dev.type if dev.type in ("cuda", "mps") else "cpu"
+    cuda = kind == "cuda"
+    name = torch.cuda.get_device_name(dev) if cuda else "Apple MPS" if kind == "mps" else cpu_name()
+    matmul = cached_cpu_probe() if probe and kind == "cpu" else None
+    bf16 = cuda and torch.cuda.is_bf16_supported()
+    return Facts(kind, name, cpu_flags(), cuda_bf16=bf16, can_compile=can_compile(kind), probe=matmul)
 
 
 @dataclass(frozen=True)
