@@ -11,7 +11,6 @@ from conftest import tiny_gpt
 
 from gpt2lab import cli
 from gpt2lab.inference import probe as prep
-from gpt2lab.inference import probe_cache
 from gpt2lab.inference.choice import InferenceFacts, InferenceRequest, Timing
 from gpt2lab.system import runtime
 
@@ -41,9 +40,9 @@ def test_env_lists_the_probe_cache_path_and_each_entry(tmp_path, monkeypatch, ca
     busy = "threads sleep while they wait: 2 cores busy with other work, 4 of ours on 4 cores"
     assert f"threads_wait:          {busy}" in out
     at = next(i for i, line in enumerate(out) if line.startswith("probe_cache:"))
-    path = str(tmp_path / "decode-probes.json")
+    path = str(tmp_path / "probes.json")
     assert out[at].split() == ["probe_cache:", path, "(1", "entry)"]
-    [key] = json.loads((tmp_path / "decode-probes.json").read_text())["entries"]
+    [key] = json.loads((tmp_path / "probes.json").read_text())["entries"]
     assert out[at + 1].startswith(f"  {key}: 3 layers, 2 heads, 32 wide, vocabulary 97, block 16 on cpu, measured 20")
     # one dtype; the kernel by workload: sample's step bf16/plain 1.5 + 0.5 = 2.0 ms against decode's
     # 2.1; score's prefill, equal: the first by name
@@ -53,18 +52,18 @@ def test_env_lists_the_probe_cache_path_and_each_entry(tmp_path, monkeypatch, ca
     assert cli.main(["env", "--device", "cpu", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["probe_cache"]["path"] == path
-    assert info["probe_cache"]["entries"] == json.loads((tmp_path / "decode-probes.json").read_text())["entries"]
+    assert info["probe_cache"]["entries"] == json.loads((tmp_path / "probes.json").read_text())["entries"]
 
 
 def test_env_clear_cache_removes_the_probe_file_only_and_says_so(tmp_path, monkeypatch, capsys):
     _cached(tmp_path, monkeypatch)
-    (tmp_path / "cpu-probe.json").write_text("{}")  # another cache of gpt2lab's: not the probe's
+    (tmp_path / "other.json").write_text("{}")  # not the probe cache: stays
     (tmp_path / "notes").mkdir()
     capsys.readouterr()
     assert cli.main(["env", "--clear-cache"]) == 0
-    path = tmp_path / "decode-probes.json"
+    path = tmp_path / "probes.json"
     assert capsys.readouterr().out == f"gpt2lab env: removed {path} (1 entry of measured figures)\n"
-    assert sorted(os.listdir(tmp_path)) == ["cpu-probe.json", "notes"]
+    assert sorted(os.listdir(tmp_path)) == ["notes", "other.json"]
     assert cli.main(["env", "--clear-cache"]) == 0
-    assert capsys.readouterr().out == f"gpt2lab env: no inference probe cache at {path}; nothing removed\n"
-    assert probe_cache.entries() == {}
+    assert capsys.readouterr().out == f"gpt2lab env: no probe cache at {path}; nothing removed\n"
+    assert runtime.cached() == {}

@@ -15,10 +15,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from conftest import tiny_gpt
 
-from gpt2lab.inference import kernels, probe_cache
+from gpt2lab.inference import kernels
 from gpt2lab.inference import probe as prep
 from gpt2lab.inference.choice import Candidate, InferenceFacts, InferenceRequest, Timing, candidates, choose
-from gpt2lab.inference.form import for_inference, hold
+from gpt2lab.inference.form import cache_key, cached_timings, for_inference, hold
 from gpt2lab.inference.kernels import (
     DecodeLinear,
     GemvLinear,
@@ -206,7 +206,9 @@ def test_gemv_multiplies_up_to_its_tile_rows_by_the_compiled_tiles_and_more_rows
     layer = GemvLinear(w, None, torch.bfloat16, batch_hint=6)
     want = F.linear(x.double(), w.bfloat16().double())
     seen = []
-    monkeypatch.setattr(kernels, "_compiled_gemv", lambda *a: seen.append(a[1].shape[0]) or _compiled_gemv(*a))
+    monkeypatch.setattr(
+        kernels, "_compiled_gemv", lambda *a: seen.append(a[1].numel() // a[1].shape[-1]) or _compiled_gemv(*a)
+    )
     for tile_rows, compiled in ((1, []), (5, []), (6, [6]), (64, [6])):
         seen.clear()
         kernels.set_tile_rows(layer, tile_rows)
@@ -413,8 +415,8 @@ def test_the_probe_measures_where_the_tiles_stop_and_every_hold_of_the_choice_ke
     assert decision.candidate == gemv and decision.tile_rows == 7 and "by its tiles up to 7" in decision.summary()
     assert held_with["bfloat16/gemv"] == [1, 7, 7]  # first measured; again and at 16 rows held with its tiles
     assert decision.record()["tile_rows"] == 7
-    [entry] = probe_cache.entries().values()
-    assert "bfloat16/gemv: prefill 1 ms, one-row step 1 ms, its tiles up to 7 rows" in probe_cache.entry_lines(entry)
+    [entry] = runtime.cached().values()
+    assert "bfloat16/gemv: prefill 1 ms, one-row step 1 ms, its tiles up to 7 rows" in prep.entry_lines(entry)
     tiles = lambda m: {x.tile_rows for x in m.modules() if isinstance(x, GemvLinear)}  # noqa: E731
     assert tiles(hold(model, decision.candidate, tile_rows=decision.tile_rows)) == {7}
     monkeypatch.setattr(prep, "detect_facts", lambda device: facts)
@@ -448,8 +450,8 @@ def test_the_probe_cache_keeps_a_builds_figures_apart(monkeypatch):
     model = tiny_gpt(seed=1, vocab_size=97, block_size=64)
     keys = set()
     for build in ("aaaa", "bbbb", "aaaa"):
-        monkeypatch.setattr(probe_cache, "compiled_build", lambda: build)
-        keys.add(probe_cache.key(model.config, torch.device("cpu"), ["bfloat16/gemv"]))
+        monkeypatch.setattr("gpt2lab.inference.form.compiled_build", lambda: build)
+        keys.add(cache_key(model.config, torch.device("cpu"), ["bfloat16/gemv"]))
     assert len(keys) == 2
     assert kernels.compiled_build() != "none" or gemv_error(torch.device("cpu")) is not None
 
@@ -849,7 +851,7 @@ def test_the_probe_is_cached_per_machine_and_model_and_can_be_turned_off(tmp_pat
     # first by name
     assert first.candidate.name == "bfloat16/decode" and len(calls) == 8
     assert prep.decide(model, cpu, request, facts=ZEN) == first and len(calls) == 8  # read back, not measured
-    [entry] = json.loads((tmp_path / probe_cache.PROBE_FILE).read_text())["entries"].values()
+    [entry] = json.loads((tmp_path / runtime.PROBE_FILE).read_text())["entries"].values()
     assert entry["timings"]["float32/decode"] == {
         "prefill": 1.0,
         "step1": 2.0,
@@ -877,7 +879,6 @@ def test_the_tests_keep_gpt2labs_cache_out_of_the_users_home():
     import subprocess
     import sys
 
-    from gpt2lab.inference import probe_cache
     from gpt2lab.system.env import cache_dir
 
     home = os.path.realpath(os.path.expanduser("~")) + os.sep
@@ -889,7 +890,7 @@ def test_the_tests_keep_gpt2labs_cache_out_of_the_users_home():
     ).stdout.strip()
     for where in (cache_dir(), child):
         assert not os.path.realpath(where).startswith(home), where
-    assert cache_dir() == child == os.environ["GPT2LAB_TEST_CACHE"] == os.path.dirname(probe_cache.path())
+    assert cache_dir() == child == os.environ["GPT2LAB_TEST_CACHE"] == os.path.dirname(runtime.cache_path())
 
 
 def test_the_probe_cache_is_one_bounded_versioned_file(tmp_path, monkeypatch):
@@ -902,7 +903,7 @@ def test_the_probe_cache_is_one_bounded_versioned_file(tmp_path, monkeypatch):
         return Timing(1.0, 1.0)
 
     monkeypatch.setattr(prep, "measure", fake_measure)
-    monkeypatch.setattr(probe_cache, "PROBE_ENTRIES", 3)
+    monkeypatch.setattr(runtime, "PROBE_ENTRIES", 3)
     (tmp_path / "notes.json").write_text("{}")  # not the probe's: stays
     keys = []
     request = InferenceRequest(linear="plain")
@@ -910,9 +911,9 @@ def test_the_probe_cache_is_one_bounded_versioned_file(tmp_path, monkeypatch):
     for n_layer in range(1, 6):  # five shapes, three kept: the two written first are dropped
         model = tiny_gpt(seed=0, vocab_size=97, block_size=16, n_layer=n_layer)
         prep.decide(model, torch.device("cpu"), request, facts=ZEN)
-        keys.append(probe_cache.key(model.config, torch.device("cpu"), names))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["decode-probes.json", "notes.json"]
-    saved = json.loads((tmp_path / probe_cache.PROBE_FILE).read_text())
+        keys.append(cache_key(model.config, torch.device("cpu"), names))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.json", "probes.json"]
+    saved = json.loads((tmp_path / runtime.PROBE_FILE).read_text())
     assert saved["version"] == formats.PROBES.version and sorted(saved["entries"]) == sorted(keys[2:])
     measured = len(calls)
     prep.decide(model, torch.device("cpu"), request, facts=ZEN)
@@ -921,11 +922,11 @@ def test_the_probe_cache_is_one_bounded_versioned_file(tmp_path, monkeypatch):
         formats.PROBES.version - 1,
         formats.PROBES.version + 1,
     ):  # another format: only a cache, measured again
-        (tmp_path / probe_cache.PROBE_FILE).write_text(json.dumps({**saved, "version": version}))
+        (tmp_path / runtime.PROBE_FILE).write_text(json.dumps({**saved, "version": version}))
         prep.decide(model, torch.device("cpu"), request, facts=ZEN)
         assert len(calls) == measured + len(names) + 4  # and the best of each dtype again, and at 16 rows
         measured = len(calls)
-        assert json.loads((tmp_path / probe_cache.PROBE_FILE).read_text())["version"] == formats.PROBES.version
+        assert json.loads((tmp_path / runtime.PROBE_FILE).read_text())["version"] == formats.PROBES.version
 
 
 def test_a_first_probe_says_once_on_stderr_what_it_does_and_about_how_long(tmp_path, monkeypatch, capsys):
@@ -1173,23 +1174,23 @@ def test_a_load_that_slowed_one_candidate_is_caught_by_the_second_pass_and_not_k
     assert d.candidate == prep.choose(request, ZEN).candidate  # the rule's: bf16 on this CPU, plain linears
     assert d.reason.startswith("measured on a busy machine, not kept (gpt2lab env says why), the device's rule")
     assert len(capsys.readouterr().err.splitlines()) == 1  # the notice; why not kept is gpt2lab env's
-    [entry] = probe_cache.entries().values()
-    assert probe_cache.timings(entry) is None
-    assert "bfloat16/plain step1 24 then 8 ms" in probe_cache.entry_lines(entry)[-1]
+    [entry] = runtime.cached().values()
+    assert cached_timings(entry) is None
+    assert "bfloat16/plain step1 24 then 8 ms" in prep.entry_lines(entry)[-1]
     n = len(calls)
     prep.decide(model, cpu, request, facts=ZEN)
     assert len(calls) == 2 * n  # measured again: on a quiet machine now, so kept
-    [entry] = probe_cache.entries().values()
-    assert "not_kept" not in entry and not any("not kept" in line for line in probe_cache.entry_lines(entry))
+    [entry] = runtime.cached().values()
+    assert "not_kept" not in entry and not any("not kept" in line for line in prep.entry_lines(entry))
     monkeypatch.setattr(prep, "measure", _fake_measure(lambda name, before: Timing(10.0, 10.0), calls))
     assert prep.decide(model, cpu, request, facts=ZEN).candidate.dtype == "bfloat16"  # 8 beats 10, read back
 
     monkeypatch.setenv("GPT2LAB_PROBE", "fresh")
     monkeypatch.setattr(prep, "measure", _fake_measure(lambda name, before: Timing(1.0, 5.0), []))
     prep.decide(model, cpu, request, facts=ZEN, command="gpt2lab sample")
-    [entry] = probe_cache.entries().values()
+    [entry] = runtime.cached().values()
     assert entry["timings"]["bfloat16/plain"]["step1"] == 8.0  # the kept figures are not replaced
-    said = probe_cache.entry_lines(entry)[-1]
+    said = prep.entry_lines(entry)[-1]
     assert said.startswith("not kept (reference figures, ") and "the machine was busy): " in said
     assert "bfloat16/plain one-row step 5 ms over 2 ms (its prefill 1 ms)" in said
 
@@ -1218,7 +1219,7 @@ def test_the_serve_figures_are_the_chosen_dtypes_kernels_at_its_batch_and_kept_b
     assert (serve.candidate.name, sample.candidate.name) == ("float32/decode", "float32/plain")
     rows_calls = [n for n, what in calls if what == ("step_rows",)]
     assert sorted(rows_calls) == ["float32/decode", "float32/plain"]  # the chosen dtype's kernels only
-    [entry] = json.loads((tmp_path / probe_cache.PROBE_FILE).read_text())["entries"].values()
+    [entry] = json.loads((tmp_path / runtime.PROBE_FILE).read_text())["entries"].values()
     assert entry["rows"]["8"]["timings"] == {"float32/plain": 40.0, "float32/decode": 12.0}
     assert entry["choices"] == {"serve 8 rows": "float32/decode", "sample": "float32/plain"}
     n = len(calls)
@@ -1252,13 +1253,13 @@ def test_a_run_whose_steps_are_far_slower_than_its_cached_figure_drops_it_once(
     assert "gpt2lab sample: dtype float32, plain linears" in err
     dropped = [line for line in err.splitlines() if "those figures are dropped" in line]
     assert len(dropped) == 1 and "measured for float32/plain: those figures are dropped" in dropped[0]
-    assert json.loads((tmp_path / probe_cache.PROBE_FILE).read_text())["entries"] == {}
+    assert json.loads((tmp_path / runtime.PROBE_FILE).read_text())["entries"] == {}
     n = len(calls)
     slow = lambda name, before: Timing(1e6, 1e6) if name == "float32/plain" else Timing(2e6, 2e6)  # noqa: E731
     monkeypatch.setattr(prep, "measure", _fake_measure(slow, calls))
     _sample(d)
     assert len(calls) > n and "dropped" not in capsys.readouterr().err  # measured again; these hold
-    assert len(json.loads((tmp_path / probe_cache.PROBE_FILE).read_text())["entries"]) == 1
+    assert len(json.loads((tmp_path / runtime.PROBE_FILE).read_text())["entries"]) == 1
 
 
 def test_for_inference_auto_takes_the_cached_measured_dtype_and_writes_nothing(tmp_path, monkeypatch):
@@ -1289,9 +1290,9 @@ def test_for_inference_auto_takes_the_cached_measured_dtype_and_writes_nothing(t
         measured = prep.decide(model, cpu, InferenceRequest()).candidate
         monkeypatch.delenv("GPT2LAB_PROBE")
         assert measured.dtype == winner
-        stamp = (tmp_path / probe_cache.PROBE_FILE).stat().st_mtime_ns
+        stamp = (tmp_path / runtime.PROBE_FILE).stat().st_mtime_ns
         assert held(for_inference(model, dtype="auto")) == {(measured.kernel, winner)}
-        assert (tmp_path / probe_cache.PROBE_FILE).stat().st_mtime_ns == stamp  # read, not written
+        assert (tmp_path / runtime.PROBE_FILE).stat().st_mtime_ns == stamp  # read, not written
     monkeypatch.setenv("GPT2LAB_PROBE", "0")
     assert held(for_inference(model, dtype="auto")) == {(by_rule.kernel, by_rule.dtype)}
 

@@ -27,7 +27,12 @@ if gemv_error(torch.device("cpu")) is None:
 
 def _held(model):
     """(module, attribute, tensor) of every decode linear's own matmul weight."""
-    return pages._held_tensors(model, set())
+    return [
+        (m, n, m.__dict__[n])
+        for m in model.modules()
+        for n in pages.ATTRIBUTES
+        if pages._made(m.__dict__.get(n), set())
+    ]
 
 
 def _logits(model, idx):

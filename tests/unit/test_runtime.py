@@ -103,16 +103,21 @@ def test_probe_is_measured_once_and_cached_per_machine(tmp_path, monkeypatch):
 
     monkeypatch.setattr(runtime, "measure_matmul", fake_measure)
     monkeypatch.setenv("GPT2LAB_PROBE", "1")
-    assert runtime.cached_cpu_probe(str(tmp_path)) == Probe(100.0, 300.0)
-    assert runtime.cached_cpu_probe(str(tmp_path)) == Probe(100.0, 300.0)
+    where = str(tmp_path / runtime.PROBE_FILE)
+    assert runtime.cached_cpu_probe(where) == Probe(100.0, 300.0)
+    assert runtime.cached_cpu_probe(where) == Probe(100.0, 300.0)
     assert len(calls) == 1
     [f] = tmp_path.iterdir()
-    assert json.loads(f.read_text()) == {"fp32_gflops": 100.0, "bf16_gflops": 300.0}
+    [entry] = json.loads(f.read_text())["entries"].values()  # the one cache of measurements, beside the decode probe's
+    assert entry["matmul_gflops"] == {"fp32_gflops": 100.0, "bf16_gflops": 300.0}
+    from gpt2lab.inference.probe import entry_lines  # as gpt2lab env lists it
+
+    assert entry_lines(entry)[0].startswith("CPU matmul probe: fp32 100.0, bf16 300.0 GFLOP/s, measured 20")
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # another ISA cap is another machine
-    runtime.cached_cpu_probe(str(tmp_path))
+    runtime.cached_cpu_probe(where)
     assert len(calls) == 2
     monkeypatch.setenv("GPT2LAB_PROBE", "0")
-    assert runtime.cached_cpu_probe(str(tmp_path)) is None
+    assert runtime.cached_cpu_probe(where) is None
 
 
 def test_real_probe_measures_both_dtypes():

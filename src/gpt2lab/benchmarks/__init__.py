@@ -1,26 +1,13 @@
 """Benchmarks behind `gpt2lab bench NAME` (see commands/bench.py), and what they share: the timer, the
-rounds every way takes in turn, the model shape flags and the machine's header."""
+rounds every way takes in turn (timed by system/runtime.py's one timer), the model shape flags and the machine's header."""
 
 from __future__ import annotations
 
 import resource
-import time
-from typing import Callable, TypeVar
 
 import torch
 
-T = TypeVar("T")
-
-
-def timed(fn: Callable[[], T], device=None) -> tuple[float, T]:
-    """(seconds, result) of ``fn()``, the device's queued work included."""
-    from gpt2lab.system.runtime import sync
-
-    sync(device or "cpu")
-    t0 = time.perf_counter()
-    out = fn()
-    sync(device or "cpu")
-    return time.perf_counter() - t0, out
+from gpt2lab.system.runtime import timed
 
 
 def rounds(ways: dict, repeats: int, device=None, after=None) -> tuple[dict, dict]:

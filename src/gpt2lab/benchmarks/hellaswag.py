@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -23,9 +24,10 @@ from gpt2lab.benchmarks import rounds
 from gpt2lab.data.tokenizer import for_model
 from gpt2lab.distributed.dist import autocast
 from gpt2lab.evals.hellaswag import DEFAULT_BATCH_SIZE, load_examples, render_example, resolve_strategy, score_examples
+from gpt2lab.inference.choice import InferenceRequest, rule
+from gpt2lab.inference.form import detect_facts
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.system.choices import DTYPES
-from gpt2lab.system.runtime import inference_dtype
 
 SLICE = Path(__file__).resolve().parents[3] / "tests" / "data" / "hellaswag_val_200.jsonl"
 
@@ -94,7 +96,9 @@ def run(args: argparse.Namespace) -> dict:
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
     device = torch.device(args.device)
-    args.dtype = inference_dtype(device, args.dtype, "bench hellaswag")
+    decision = rule(InferenceRequest(dtype=args.dtype, workload="score"), detect_facts(device))
+    print(f"bench hellaswag: {decision.summary()}", file=sys.stderr, flush=True)
+    args.dtype = decision.candidate.dtype
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset(args.size)).to(device).eval()
     examples = load_examples(args.data, args.limit)

@@ -7,7 +7,7 @@ weights go on huge pages, what ``--dtype auto`` and ``--compile auto`` would cho
 optional extras are installed, and what the inference probe has cached (the file, and per model
 shape: the device, when measured, what each workload chose, every candidate's figures or why it was
 dropped, and why figures measured on a busy machine were not kept). ``--clear-cache`` removes that
-file only, so the next ``sample``, ``serve`` or ``eval`` measures again.
+file only (the CPU's cached matmul rates with it), so the next ``sample``, ``serve`` or ``eval`` measures again.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import json
 import os
 import platform
 import sys
+
+from gpt2lab.system import runtime
 
 # The optional extras' packages (pyproject.toml), by what they enable.
 OPTIONAL_PACKAGES = ("datasets", "pyarrow", "matplotlib", "tensorboard", "transformers", "lm_eval", "peft")
@@ -34,7 +36,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--clear-cache",
         action="store_true",
-        help="remove gpt2lab's inference probe cache (decode-probes.json in $GPT2LAB_CACHE or "
+        help="remove gpt2lab's probe cache (probes.json in $GPT2LAB_CACHE or "
         "~/.cache/gpt2lab) and nothing else, so that the next sample, serve or eval measures again; "
         "prints what it removed",
     )
@@ -46,10 +48,9 @@ def collect(device_name: str = "auto") -> dict:
 
     from gpt2lab import __version__
     from gpt2lab.distributed.dist import pick_device
-    from gpt2lab.inference import pages, probe_cache
+    from gpt2lab.inference import pages
     from gpt2lab.inference.kernels import gemv_error, panels_run
     from gpt2lab.system import env as sysenv
-    from gpt2lab.system import runtime
 
     device = pick_device(device_name)
     facts = runtime.detect(device, probe=False)
@@ -95,29 +96,27 @@ def collect(device_name: str = "auto") -> dict:
         "auto_muon_ns_dtype": choices.ns_dtype.value,
         "auto_muon_ns_dtype_reason": choices.ns_dtype.reason,
         "extras": {name: _version(name) for name in OPTIONAL_PACKAGES},
-        "probe_cache": {"path": probe_cache.path(), "entries": probe_cache.entries()},  # as stored
+        "probe_cache": {"path": runtime.cache_path(), "entries": runtime.cached()},  # as stored (system/runtime.py)
     }
 
 
 def _probe_cache_lines(found: dict) -> list[str]:
-    from gpt2lab.inference import probe_cache
+    from gpt2lab.inference.probe import entry_lines
 
     n = len(found["entries"])
     lines = [f"{'probe_cache:':<22} {found['path']} ({n} {'entry' if n == 1 else 'entries'})"]
     for key, entry in found["entries"].items():
-        first, *rest = probe_cache.entry_lines(entry)
+        first, *rest = entry_lines(entry)
         lines += [f"  {key}: {first}", *(f"    {line}" for line in rest)]
     return lines
 
 
 def clear_cache() -> int:
     """``--clear-cache``: remove the probe cache file, saying what was removed (or that there was none)."""
-    from gpt2lab.inference import probe_cache
-
-    n = len(probe_cache.entries())
-    where = probe_cache.clear()
+    n = len(runtime.cached())
+    where = runtime.cache_clear()
     if where is None:
-        print(f"gpt2lab env: no inference probe cache at {probe_cache.path()}; nothing removed")
+        print(f"gpt2lab env: no probe cache at {runtime.cache_path()}; nothing removed")
     else:
         print(f"gpt2lab env: removed {where} ({n} {'entry' if n == 1 else 'entries'} of measured figures)")
     return 0

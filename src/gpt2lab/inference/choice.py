@@ -73,6 +73,11 @@ class Timing:
     tile_rows: Optional[int] = None
 
 
+def as_json(figures: dict) -> dict:
+    """Candidate name -> Timing (or why it was dropped) as JSON values."""
+    return {k: dataclasses.asdict(v) if isinstance(v, Timing) else v for k, v in figures.items()}
+
+
 def tile_rows_of(t) -> int:
     """Up to how many rows a candidate's figures ``t`` (a Timing, or why it was dropped) hold its ``gemv``
     linears' compiled tiles: 1 where none were measured."""
@@ -147,9 +152,7 @@ class Decision:
             "workload": self.request.workload,
             "rows": self.request.rows,
             "quantize": self.request.quantize,
-            "timings_ms": {
-                k: (dataclasses.asdict(v) if isinstance(v, Timing) else v) for k, v in (self.timings or {}).items()
-            },
+            "timings_ms": as_json(self.timings or {}),
             "threads_wait": runtime.WAIT.reason if runtime.WAIT else None,  # as the command started
         }
 
@@ -159,21 +162,20 @@ def _dtypes(request: InferenceRequest, facts: InferenceFacts) -> list[str]:
     if request.dtype != "auto":  # the device must run it: training's checks, one place
         rf = runtime.Facts(dev, facts.device_name, cuda_bf16=facts.native_bf16 if dev == "cuda" else False)
         return [str(runtime.choose_dtype(request.dtype, rf).value)]
-    if dev == "cuda":
-        return ["float32", "bfloat16" if facts.native_bf16 else "float16"]
-    if dev == "mps":
-        return ["float32", "float16"]
-    return ["float32", "bfloat16"]
+    half = {"cuda": "bfloat16" if facts.native_bf16 else "float16", "mps": "float16"}.get(dev, "bfloat16")
+    return ["float32", half]
 
 
 def candidates(request: InferenceRequest, facts: InferenceFacts) -> list[Candidate]:
     """The (dtype, kernel) pairs this device can run that the request allows; an impossible ask is a ChoiceError."""
     if request.workload not in WORKLOADS:
         raise ValueError(f"workload {request.workload!r}: one of {', '.join(WORKLOADS)}")
-    if request.quantize not in QUANTIZE_CHOICES:
-        raise ChoiceError(f"--quantize {request.quantize}: choose one of {', '.join(QUANTIZE_CHOICES)}")
-    if request.linear not in LINEAR_CHOICES:
-        raise ChoiceError(f"--cpu-linear {request.linear}: choose one of {', '.join(LINEAR_CHOICES)}")
+    for flag, value, allowed in (
+        ("--quantize", request.quantize, QUANTIZE_CHOICES),
+        ("--cpu-linear", request.linear, LINEAR_CHOICES),
+    ):
+        if value not in allowed:
+            raise ChoiceError(f"{flag} {value}: choose one of {', '.join(allowed)}")
     dtypes = _dtypes(request, facts)
     cpu = facts.device_type == "cpu"
     if request.quantize == "int8":
@@ -188,20 +190,11 @@ def candidates(request: InferenceRequest, facts: InferenceFacts) -> list[Candida
         raise ChoiceError(f"--cpu-linear packed cannot run here ({why}); use auto or plain")
     if not cpu:
         return [Candidate(d, "plain") for d in dtypes]
-    kernels = {
-        "auto": ["plain", "decode", "upcast"]
-        + (["gemv"] if facts.gemv_error is None else [])
-        + (["packed"] if facts.packing else []),
-        "plain": ["plain", "decode"],
-        "packed": ["packed"],
-    }[request.linear]
-    out = [
-        Candidate(d, k)
-        for d in dtypes
-        for k in kernels
-        if not (k == "packed" and d == "bfloat16" and facts.packing_bf16_error)
-        and not (k in ("upcast", "gemv") and d == "float32")  # fp32 needs no converting
-    ]
+    auto = ["plain", "decode", "upcast"] + ["gemv"] * (facts.gemv_error is None) + ["packed"] * facts.packing
+    kernels = {"auto": auto, "plain": ["plain", "decode"], "packed": ["packed"]}[request.linear]
+    skip = {("float32", "upcast"), ("float32", "gemv")}  # fp32 needs no converting
+    skip |= {("bfloat16", "packed")} if facts.packing_bf16_error else set()
+    out = [Candidate(d, k) for d in dtypes for k in kernels if (d, k) not in skip]
     if not out:  # only bf16 packed was asked for, and oneDNN cannot pack bf16 on this CPU
         raise ChoiceError(
             f"--dtype bfloat16 --cpu-linear packed cannot run here (oneDNN: "
@@ -259,21 +252,22 @@ def cheapest_dtype(cands: list[Candidate], facts: InferenceFacts) -> tuple[str, 
     and in a full batch, is the least (ties: the cheaper at one row); else the cheapest at one row.
     Unmeasured: the device's rule. No workload enters it."""
     timings = facts.timings or {}
-    best: dict[str, tuple[float, Timing]] = {}
+    best: dict[str, Timing] = {}
     for c in cands:
         t = timings.get(c.name)
-        if _has(t, "prefill", "step1"):
-            cost = reference_cost(t)
-            if c.dtype not in best or cost < best[c.dtype][0]:
-                best[c.dtype] = (cost, t)
+        if _has(t, "prefill", "step1") and (c.dtype not in best or reference_cost(t) < reference_cost(best[c.dtype])):
+            best[c.dtype] = t
     if not best:
         return device_pick(cands, facts).dtype, _unmeasured_reason(facts)
-    one = {d: cost for d, (cost, _) in best.items()}
-    batch = {d: batch_cost(t) for d, (_, t) in best.items() if t.step_batch is not None}
-    if len(best) > 1 and len(batch) == len(best):
-        low1, lowb = min(one.values()), min(batch.values())
-        worst = {d: max(one[d] / low1, batch[d] / lowb) for d in best}
-        dtype = min(best, key=lambda d: (worst[d], one[d], d))
+    one = {d: reference_cost(t) for d, t in best.items()}
+    batch = {d: batch_cost(t) for d, t in best.items() if t.step_batch is not None}
+    both = len(best) > 1 and len(batch) == len(best)
+    worst = _slowdowns({d: (one[d], batch[d]) if both else (one[d],) for d in best})
+    dtype = min(best, key=lambda d: (worst[d], one[d], d))
+    others = sorted((d for d in best if d != dtype), key=lambda d: worst[d])
+    low1 = min(one.values())
+    if both:
+        lowb = min(batch.values())
 
         def says(d: str) -> str:
             return (
@@ -281,31 +275,32 @@ def cheapest_dtype(cands: list[Candidate], facts: InferenceFacts) -> tuple[str, 
                 f"batch ({batch[d] / lowb:.2f}x)"
             )
 
-        others = sorted((d for d in best if d != dtype), key=lambda d: worst[d])
-        text = (
+        return dtype, (
             f"{dtype} for every workload, the least behind at its worse of one row and a {BATCH_ROWS}-row batch "
             f"(a {REQUEST_TOKENS}-token prefill and {REQUEST_TOKENS} steps): {says(dtype)}; against "
             + "; ".join(says(d) for d in others)
         )
-        return dtype, text
-    dtype = min(best, key=lambda d: (one[d], d))
-    low = one[dtype]
     text = (
         f"{dtype} for every workload: a {REQUEST_TOKENS}-token prefill and {REQUEST_TOKENS} one-row steps "
-        f"in {low:.1f} ms"
+        f"in {low1:.1f} ms"
     )
-    others = sorted((d for d in best if d != dtype), key=lambda d: one[d])
     if others:
-        text += ", against " + ", ".join(f"{d}'s {one[d]:.1f} ms ({one[d] / low:.2f}x)" for d in others)
+        text += ", against " + ", ".join(f"{d}'s {one[d]:.1f} ms ({one[d] / low1:.2f}x)" for d in others)
     return dtype, text
+
+
+def _slowdowns(costs: dict) -> dict:
+    """Each key's worse slowdown against the least of each of its costs (tuples of one length)."""
+    least = [min(c) for c in zip(*costs.values())]
+    return {k: max(v / low for v, low in zip(c, least)) for k, c in costs.items()}
 
 
 def choose(request: InferenceRequest, facts: InferenceFacts) -> Decision:
     """The candidate for ``request``: the only one; else the dtype (``cheapest_dtype``, the same for every
     workload) and, of its kernels, the cheapest measured for the workload, or (unmeasured) the device's rule."""
-    d = _choose(request, facts)
-    rounded = d.candidate.kernel == "gemv" and gemv_bf16_inputs(facts)
-    return dataclasses.replace(d, bf16_inputs=rounded, panels=rounded and facts.gemv_panels)
+    pick, why = _choose(request, facts)
+    rounded = pick.kernel == "gemv" and gemv_bf16_inputs(facts)
+    return Decision(pick, why, request, facts.timings, bf16_inputs=rounded, panels=rounded and facts.gemv_panels)
 
 
 def gemv_bf16_inputs(facts: InferenceFacts) -> bool:
@@ -318,11 +313,10 @@ def gemv_bf16_inputs(facts: InferenceFacts) -> bool:
     return facts.device_type == "cpu" and facts.native_bf16
 
 
-def _choose(request: InferenceRequest, facts: InferenceFacts) -> Decision:
+def _choose(request: InferenceRequest, facts: InferenceFacts) -> tuple[Candidate, str]:
     cands = candidates(request, facts)
     if len(cands) == 1:
-        why = "asked for" if request.dtype != "auto" or request.quantize != "none" else "the only one here"
-        return Decision(cands[0], why, request, facts.timings)
+        return cands[0], "asked for" if request.dtype != "auto" or request.quantize != "none" else "the only one here"
     if len({c.dtype for c in cands}) == 1:  # an asked-for dtype: only the kernel is left to choose
         dtype, dtype_why = cands[0].dtype, ""
     else:
@@ -333,14 +327,10 @@ def _choose(request: InferenceRequest, facts: InferenceFacts) -> Decision:
     if request.workload == "serve" and any(t.step_rows is not None for t in measured.values()):
         measured = {c: t for c, t in measured.items() if t.step_rows is not None}  # one cost for them all
     if not measured:
-        pick = device_pick(pool, facts)
-        return Decision(pick, _join(dtype_why, _unmeasured_reason(facts)), request, facts.timings)
-    cost = {c: costs(request, t) for c, t in measured.items()}
-    best = [min(v[i] for v in cost.values()) for i in range(len(next(iter(cost.values()))))]
-    slowdown = {c: max(v[i] / best[i] for i in range(len(best))) for c, v in cost.items()}
+        return device_pick(pool, facts), _join(dtype_why, _unmeasured_reason(facts))
+    slowdown = _slowdowns({c: costs(request, t) for c, t in measured.items()})
     pick = min(measured, key=lambda c: (slowdown[c], c.name))
-    why = _measured_reason(request, pick, measured, slowdown, facts.timings)
-    return Decision(pick, _join(dtype_why, why), request, facts.timings)
+    return pick, _join(dtype_why, _measured_reason(request, pick, measured, slowdown, facts.timings))
 
 
 def _join(dtype_why: str, kernel_why: str) -> str:
@@ -375,22 +365,15 @@ def device_pick(cands: list[Candidate], facts: InferenceFacts) -> Candidate:
         order = ("gemv", "packed", "upcast", "int8", "plain", "decode")
     else:
         order = ("gemv", "packed", "int8", "plain", "decode", "upcast")
-    for kernel in order:
-        for c in pool:
-            if c.kernel == kernel:
-                return c
-    return pool[0]
+    return min(pool, key=lambda c: order.index(c.kernel) if c.kernel in order else len(order))
 
 
 def _unmeasured_reason(facts: InferenceFacts) -> str:
-    if facts.device_type == "cpu":
-        return (
-            "not measured; "
-            + ("native bf16 on this CPU" if facts.native_bf16 else "no native bf16 on this CPU")
-            + (", oneDNN packed linears" if facts.packing else "")
-            + (", gpt2lab's compiled GEMV" if facts.gemv_error is None else "")
-        )
-    return f"not measured; {facts.device_type}: half precision reads half the bytes"
+    if facts.device_type != "cpu":
+        return f"not measured; {facts.device_type}: half precision reads half the bytes"
+    found = ["native bf16 on this CPU" if facts.native_bf16 else "no native bf16 on this CPU"]
+    found += ["oneDNN packed linears"] * facts.packing + ["gpt2lab's compiled GEMV"] * (facts.gemv_error is None)
+    return "not measured; " + ", ".join(found)
 
 
 def _figures(request: InferenceRequest, t: Timing) -> str:
@@ -403,9 +386,7 @@ def _figures(request: InferenceRequest, t: Timing) -> str:
     return " / ".join(parts)
 
 
-def _measured_reason(
-    request: InferenceRequest, pick: Candidate, measured: dict, slowdown: dict, timings: Optional[dict]
-) -> str:
+def _measured_reason(request, pick: Candidate, measured: dict, slowdown: dict, timings: Optional[dict]) -> str:
     def fig(c: Candidate) -> str:
         return f"{c.name} {_figures(request, measured[c])} ms"
 

@@ -12,21 +12,26 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
+import json
 from typing import Optional
 
 import torch
 
-from gpt2lab.inference import pages, probe_cache
+from gpt2lab.inference import pages
 from gpt2lab.inference.choice import (
+    REQUEST_TOKENS,
     Candidate,
     InferenceFacts,
     InferenceRequest,
+    Timing,
     candidates,
     choose,
     gemv_bf16_inputs,
 )
 from gpt2lab.inference.fused import HeldGPT
 from gpt2lab.inference.kernels import (
+    compiled_build,
     gemv_error,
     int8_available,
     packing_available,
@@ -61,6 +66,22 @@ def detect_facts(device: torch.device) -> InferenceFacts:
     )
 
 
+def cache_key(config, device, names: list[str]) -> str:
+    """The cache entry (system/runtime.py's cache) of a model (its GPTConfig) on ``device`` of this machine and
+    this build of the compiled kernel, for these candidates."""
+    shape = json.dumps(dataclasses.asdict(config), sort_keys=True)
+    parts = [runtime.machine_key(), compiled_build(), str(device), shape, ",".join(sorted(names)), str(REQUEST_TOKENS)]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def cached_timings(entry: Optional[dict]) -> Optional[dict]:
+    """An entry's reference figures: candidate name -> Timing, or -> why it was dropped; None if it has none."""
+    try:
+        return {k: Timing(**v) if isinstance(v, dict) else str(v) for k, v in entry["timings"].items()}
+    except (KeyError, TypeError, AttributeError):
+        return None
+
+
 def _shared_copy(model: GPT) -> GPT:
     """A copy of ``model``'s modules that shares every parameter, buffer and its tokenizer with it (the
     linears are swapped next)."""
@@ -71,12 +92,7 @@ def _shared_copy(model: GPT) -> GPT:
 
 
 def hold(
-    model: GPT,
-    cand: Candidate,
-    rows: int = 1,
-    inplace: bool = False,
-    tile_rows: int = 1,
-    bf16_inputs: Optional[bool] = None,
+    model: GPT, cand: Candidate, rows=1, inplace=False, tile_rows=1, bf16_inputs: Optional[bool] = None
 ) -> HeldGPT:
     """``model`` (or a copy sharing its other parameters) with every linear held as ``cand``, in a
     ``HeldGPT`` (``gemv``: up to ``tile_rows`` rows by its compiled tiles, a decision's ``tile_rows``;
@@ -101,9 +117,7 @@ def hold(
     return HeldGPT(target, CPU_ATTENTION_DTYPE, placed).eval()
 
 
-def for_inference(
-    model: GPT, *, dtype: Optional[str] = None, quantize: str = "none", linear: str = "auto", rows: int = 1
-) -> HeldGPT:
+def for_inference(model: GPT, *, dtype: Optional[str] = None, quantize="none", linear="auto", rows=1) -> HeldGPT:
     """``gpt2lab.for_inference``: a copy of ``model`` (sharing its weights) held for generating ``rows`` rows
     on the device its parameters are on, in ``dtype`` (default: the model's own; "auto": the dtype the
     commands measured for this model shape on this machine, the same for ``sample``, ``serve`` and the
@@ -120,7 +134,7 @@ def for_inference(
     facts = detect_facts(device)
     if dtype == "auto" and env.probe_mode() != "0":
         names = [c.name for c in candidates(request, facts)]
-        found = probe_cache.entries().get(probe_cache.key(model.config, device, names))
-        facts = dataclasses.replace(facts, timings=probe_cache.timings(found))
+        found = runtime.cached().get(cache_key(model.config, device, names))
+        facts = dataclasses.replace(facts, timings=cached_timings(found))
     decision = choose(request, facts)
     return hold(model, decision.candidate, rows, tile_rows=decision.tile_rows)

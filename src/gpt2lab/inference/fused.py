@@ -33,18 +33,18 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from gpt2lab.inference.kernels import GemvLinear, Int8GemvLinear, PanelLinear
+from gpt2lab.inference.kernels import GemvLinear, Int8GemvLinear, PanelLinear, _compiled
 from gpt2lab.model.gpt import GPT, Block, KVCache
 from gpt2lab.model.sampling import generate, plan_free_attention
+
+COMPILED = (GemvLinear, Int8GemvLinear, PanelLinear)  # the linears _gemv.model_step multiplies by
 
 
 def _held_tensors(m: nn.Module) -> tuple:
     """(weight, scale, bias) tensors of a compiled-GEMV linear (None: none)."""
     if isinstance(m, Int8GemvLinear):
         return m.qweight, m.scale, m.bias
-    if isinstance(m, PanelLinear):
-        return m.panels, None, m.bias32
-    return m.weight, None, m.bias32
+    return (m.panels if isinstance(m, PanelLinear) else m.weight), None, m.bias32
 
 
 def _ptr(t) -> int:
@@ -62,20 +62,15 @@ def _kind(m: nn.Module) -> int:
 def _kv_fits(k, v, rows: int, n_head: int, width: int) -> bool:
     """Whether a layer's cached keys and values are buffers the kernel reads: fp32 on the CPU, contiguous,
     (slots >= rows, heads, positions, head size)."""
-    return (
-        k is not None
-        and v is not None
-        and k.dtype == v.dtype == torch.float32
-        and k.is_cpu
-        and v.is_cpu
-        and k.dim() == 4
-        and k.shape == v.shape
-        and k.shape[0] >= rows
-        and k.shape[1] == n_head
-        and k.shape[3] * n_head == width
-        and k.is_contiguous()
-        and v.is_contiguous()
-    )
+    if k is None or v is None or k.shape != v.shape or k.dim() != 4:
+        return False
+    fp32 = all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in (k, v))
+    return fp32 and k.shape[0] >= rows and k.shape[1] == n_head and k.shape[3] * n_head == width
+
+
+def _fp32_layernorm(n: nn.Module) -> bool:
+    fp32 = all(t is None or t.dtype == torch.float32 for t in (getattr(n, "weight", None), getattr(n, "bias", None)))
+    return type(n) is nn.LayerNorm and n.weight is not None and fp32
 
 
 def fusable(block: nn.Module) -> bool:
@@ -83,38 +78,20 @@ def fusable(block: nn.Module) -> bool:
     if not isinstance(block, Block):
         return False
     attn, mlp = block.attn, block.mlp
-    linears = (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)
-    kinds = {type(m) for m in linears}
-    norms = (block.ln_1, block.ln_2)
-    return (
-        len(kinds) == 1
-        and kinds <= {GemvLinear, Int8GemvLinear, PanelLinear}
-        and all(type(n) is nn.LayerNorm and n.weight is not None and n.weight.dtype == torch.float32 for n in norms)
-        and all(n.bias is None or n.bias.dtype == torch.float32 for n in norms)
-        and norms[0].eps == norms[1].eps
-        and isinstance(mlp.act, nn.GELU)
-        and mlp.act.approximate == "tanh"
-        and not attn.qk_norm
-        and not hasattr(attn, "ve_gate")
-    )
+    kinds = {type(m) for m in (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)}
+    if attn.qk_norm or hasattr(attn, "ve_gate") or len(kinds) != 1 or not kinds <= set(COMPILED):
+        return False
+    gelu = isinstance(mlp.act, nn.GELU) and mlp.act.approximate == "tanh"
+    return gelu and _fp32_layernorm(block.ln_1) and _fp32_layernorm(block.ln_2) and block.ln_1.eps == block.ln_2.eps
 
 
 def whole_step_fusable(model: GPT) -> bool:
     """Whether ``_gemv.model_step`` computes ``model``'s step: GPT-2's structure, every block ``fusable``."""
-    c = model.config
-    return (
-        len(model.transformer.h) > 0
-        and all(fusable(b) for b in model.transformer.h)
-        and len({b.ln_1.eps for b in model.transformer.h}) == 1
-        and c.pos_emb == "learned"
-        and not c.embed_norm
-        and not c.value_embeds
-        and not c.unet_skips
-        and not c.logit_softcap
-        and type(model.transformer.ln_f) is nn.LayerNorm
-        and model.transformer.ln_f.weight is not None
-        and isinstance(model.lm_head, (GemvLinear, Int8GemvLinear, PanelLinear))
-    )
+    c, blocks, ln_f = model.config, model.transformer.h, model.transformer.ln_f
+    gpt2 = c.pos_emb == "learned" and not (c.embed_norm or c.value_embeds or c.unet_skips or c.logit_softcap)
+    blocks_ok = len(blocks) > 0 and all(fusable(b) for b in blocks) and len({b.ln_1.eps for b in blocks}) == 1
+    head_ok = type(ln_f) is nn.LayerNorm and ln_f.weight is not None and isinstance(model.lm_head, COMPILED)
+    return gpt2 and blocks_ok and head_ok
 
 
 class _StepPlan:
@@ -150,9 +127,7 @@ class HeldGPT(nn.Module):
 
     def __init__(self, net: GPT, attn_dtype: Optional[torch.dtype] = None, held_pages=None) -> None:
         super().__init__()
-        self.net = net
-        self.attn_dtype = attn_dtype
-        self.held_pages = held_pages
+        self.net, self.attn_dtype, self.held_pages = net, attn_dtype, held_pages
         self.fused = attn_dtype == torch.float32 and whole_step_fusable(net)
         self._plan: Optional[_StepPlan] = None
 
@@ -184,11 +159,9 @@ class HeldGPT(nn.Module):
         """The logits (B, 1, vocab) of one step through ``_gemv.model_step``, or None where it does not apply."""
         if idx.dim() != 2 or idx.shape[1] != 1 or kv_cache.pos <= 0:
             return None
-        B = idx.shape[0]
-        if type(kv_cache) is KVCache:  # one position for all rows
-            pos = None
-        else:  # each row its own (the server's RowsCache)
-            pos = kv_cache.positions(1, idx.device).reshape(-1).to(torch.int64).expand(B).contiguous()
+        pos = None  # a KVCache: one position for all rows; the server's RowsCache: each row its own
+        if type(kv_cache) is not KVCache:
+            pos = kv_cache.positions(1, idx.device).reshape(-1).to(torch.int64).expand(idx.shape[0]).contiguous()
         out = self._run(idx.reshape(-1), kv_cache, pos, kv_cache.pos, None, None)
         if out is None:
             return None
@@ -197,7 +170,7 @@ class HeldGPT(nn.Module):
 
     def step_rows(
         self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, wanted: torch.Tensor, kv_cache
-    ) -> torch.Tensor | None:
+    ):
         """One step over rows of any cache slots and positions (int64 CPU tensors, one entry a row; ``wanted``: the
         rows whose logits come back, in that order), None where the fused step does not apply. Row i puts its
         key and value at ``positions[i]`` of slot ``slots[i]`` of ``kv_cache``'s buffers and attends to that
@@ -213,40 +186,31 @@ class HeldGPT(nn.Module):
     def _run(self, ids, kv_cache, pos, pos0: int, slots, wanted) -> torch.Tensor | None:
         """``_gemv.model_step`` over rows ``ids`` (m,): logits (rows of ``wanted`` or all, vocab), or None."""
         plan = self._plan = self._plan or _StepPlan(self.net)
-        f32 = torch.float32
-        if (
-            not plan.ok
-            or ids.dtype != torch.int64
-            or not ids.is_cpu
-            or self.training
-            or any(t.dtype != f32 or not t.is_cpu for t in plan.fp32)
-            or (torch.is_grad_enabled() and any(t.requires_grad for t in plan.fp32))
-            or not (plan.wte.is_contiguous() and plan.wpe.is_contiguous())
-        ):
+        grad = torch.is_grad_enabled()
+        contiguous = plan.wte.is_contiguous() and plan.wpe.is_contiguous()
+        if not plan.ok or self.training or not contiguous or ids.dtype != torch.int64 or not ids.is_cpu:
+            return None
+        if any(t.dtype != torch.float32 or not t.is_cpu or (grad and t.requires_grad) for t in plan.fp32):
             return None
         m, C, nh = ids.shape[0], self.config.n_embd, self.config.n_head
         fits = m if slots is None else 1  # the rows' own slots: the kernel checks each against n_slots
-        ptrs = [0 if t is None else t.data_ptr() for t in plan.per_layer]
+        ptrs = [_ptr(t) for t in plan.per_layer]
         rows, max_len, n_slots = [], None, None
         for i, layer in enumerate(plan.layers):
             k, v = kv_cache.k[layer], kv_cache.v[layer]
             if not _kv_fits(k, v, fits, nh, C) or k.shape[2] != (max_len := max_len or k.shape[2]):  # one length
                 return None
             n_slots = min(n_slots or k.shape[0], k.shape[0])  # the slots every layer holds
-            rows += ptrs[16 * i : 16 * i + 16]
-            rows += (k.data_ptr(), v.data_ptr())
-        head = plan.head  # a compiled-GEMV linear (whole_step_fusable): in C at any rows, as the blocks' linears
+            rows += [*ptrs[16 * i : 16 * i + 16], k.data_ptr(), v.data_ptr()]
         ids = ids.contiguous()  # held here: the kernel reads it through its address
-        n_out = head.out_features
-        out = torch.empty(m if wanted is None else len(wanted), n_out, dtype=f32)
+        n_out = plan.head.out_features  # a compiled-GEMV head (whole_step_fusable): in C at any rows, as the blocks
+        out = torch.empty(m if wanted is None else len(wanted), n_out, dtype=torch.float32)
         table = torch.tensor(rows, dtype=torch.int64)
         hw, hs, hb = (_ptr(t) for t in plan.head_tensors)
-        from gpt2lab.inference import _gemv
-
-        done = _gemv.model_step(
+        done = _compiled().model_step(
             plan.kind, m, C, nh, len(plan.layers), ids.data_ptr(), plan.wte.data_ptr(), plan.wpe.data_ptr(),
             plan.wte.shape[0], plan.wpe.shape[0], table.data_ptr(), max_len, _ptr(pos), pos0, out.data_ptr(),
-            plan.eps, plan.ln_f.weight.data_ptr(), _ptr(plan.ln_f.bias), plan.eps_f, _kind(head), hw,
+            plan.eps, plan.ln_f.weight.data_ptr(), _ptr(plan.ln_f.bias), plan.eps_f, _kind(plan.head), hw,
             hs, hb, n_out, torch.get_num_threads(), _ptr(slots), n_slots, _ptr(wanted),
             0 if wanted is None else len(wanted),
         )  # fmt: skip

@@ -62,13 +62,10 @@ KERNELS = ("plain", "decode", "packed", "upcast", "gemv", "int8", "int8-gemv")
 
 def packing_available() -> bool:
     """oneDNN is built in and exposes the reorder and the packed linear (torch >= 2.0 CPU builds)."""
-    ops = getattr(torch.ops, "mkldnn", None)
     try:
-        return bool(
-            torch.backends.mkldnn.is_available()
-            and ops is not None
-            and hasattr(ops, "_reorder_linear_weight")
-            and hasattr(ops, "_linear_pointwise")
+        ops = torch.ops.mkldnn
+        return torch.backends.mkldnn.is_available() and all(
+            hasattr(ops, op) for op in ("_reorder_linear_weight", "_linear_pointwise")
         )
     except (AttributeError, RuntimeError):
         return False
@@ -106,6 +103,7 @@ class DecodeLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.dtype = dtype
         self.bias = None if bias is None else bias.detach().to(dtype).contiguous()
+        self.bias32 = None if bias is None else self.bias.float()  # the fp32 products' (upcast, compiled GEMV)
 
     def extra_repr(self) -> str:
         return (
@@ -118,7 +116,7 @@ class PlainLinear(DecodeLinear):
     """``F.linear`` on the weight in ``dtype``: row-major, or column-major with ``column_major``."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype, column_major: bool = False
+        self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype, column_major=False
     ) -> None:
         super().__init__(weight, bias, dtype)
         w = weight.detach().to(dtype)
@@ -168,12 +166,9 @@ class UpcastLinear(DecodeLinear):
 
     kernel = "upcast"
 
-    def __init__(
-        self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype, batch_hint: int = 1
-    ) -> None:
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype, batch_hint=1) -> None:
         super().__init__(weight, bias, dtype)
         self.weight = weight.detach().to(dtype).contiguous()
-        self.bias32 = None if bias is None else self.bias.float()
         self.slice_rows = max(1, UPCAST_SLICE // self.in_features)
         self.packed = None
         if batch_hint > 1 and weight.device.type == "cpu" and packing_available():
@@ -237,15 +232,22 @@ class Int8Linear(DecodeLinear):
         return y.reshape(*lead, self.out_features)
 
 
+def _compiled():
+    """gpt2lab's compiled kernel (``_gemv.c``), None where it was not built."""
+    try:
+        return importlib.import_module("gpt2lab.inference._gemv")
+    except ImportError:
+        return None
+
+
 @functools.cache
 def compiled_build() -> str:
     """Which build of the compiled kernel this is (a hash of its file; "none" where it was not built): a
     figure measured with one build says nothing of another's speed."""
     try:
-        compiled = importlib.import_module("gpt2lab.inference._gemv")
-        with open(compiled.__file__, "rb") as fh:
+        with open(_compiled().__file__, "rb") as fh:
             return hashlib.sha256(fh.read()).hexdigest()[:16]
-    except (ImportError, OSError, TypeError):
+    except (AttributeError, OSError, TypeError):
         return "none"
 
 
@@ -254,9 +256,8 @@ def gemv_error(device: torch.device) -> Optional[str]:
     where it can."""
     if device.type != "cpu":
         return f"gpt2lab's compiled GEMV is a CPU kernel, not {device.type}'s"
-    try:
-        compiled = importlib.import_module("gpt2lab.inference._gemv")
-    except ImportError:
+    compiled = _compiled()
+    if compiled is None:
         return "gpt2lab's compiled GEMV was not built when gpt2lab was installed (it needs a C compiler with OpenMP)"
     if not compiled.has_avx2():
         return "this CPU has no AVX2 and FMA, which gpt2lab's compiled GEMV needs to be faster than PyTorch's"
@@ -264,20 +265,19 @@ def gemv_error(device: torch.device) -> Optional[str]:
 
 
 def _compiled_gemv(
-    name: str, x: torch.Tensor, w: torch.Tensor, scale, bias, n_out: int, round_inputs: bool = False
+    name: str, x: torch.Tensor, w: torch.Tensor, scale, bias, n_out: int, round_inputs=False
 ) -> torch.Tensor:
-    """``_gemv.<name>`` on ``x`` (rows, in) fp32 contiguous: (rows, n_out) fp32; ``scale``/``bias`` tensors or
-    None; ``round_inputs`` (bf16 weights): ``x`` rounded to bf16 first."""
-    from gpt2lab.inference import _gemv
-
-    y = torch.empty(x.size(0), n_out, dtype=torch.float32, device=x.device)
-    if x.size(0):
+    """``_gemv.<name>`` on ``x`` (..., in), as fp32: (..., n_out) fp32; ``scale``/``bias`` tensors or None;
+    ``round_inputs`` (bf16 weights): ``x`` rounded to bf16 first."""
+    x32 = x.reshape(-1, x.shape[-1]).float().contiguous()
+    y = torch.empty(x32.size(0), n_out, dtype=torch.float32, device=x.device)
+    if x32.size(0):
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-        getattr(_gemv, name)(
-            x.data_ptr(), w.data_ptr(), ptr(scale), ptr(bias), y.data_ptr(), x.size(0), x.size(1), n_out,
+        getattr(_compiled(), name)(
+            x32.data_ptr(), w.data_ptr(), ptr(scale), ptr(bias), y.data_ptr(), x32.size(0), x32.size(1), n_out,
             torch.get_num_threads(), *((True,) if round_inputs else ()),
         )  # fmt: skip
-    return y
+    return y.reshape(*x.shape[:-1], n_out)
 
 
 class GemvLinear(UpcastLinear):
@@ -299,12 +299,7 @@ class GemvLinear(UpcastLinear):
     tile_rows = 1
 
     def __init__(
-        self,
-        weight: torch.Tensor,
-        bias: Optional[torch.Tensor],
-        dtype: torch.dtype,
-        batch_hint: int = 1,
-        bf16_inputs: bool = False,
+        self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype, batch_hint=1, bf16_inputs=False
     ) -> None:
         if dtype != torch.bfloat16:
             raise ValueError(f"the gemv kernel holds bfloat16 weights, not {dtype}")
@@ -318,9 +313,7 @@ class GemvLinear(UpcastLinear):
             return F.linear(x.to(torch.bfloat16), self.weight, self.bias).float()
         if n > self.tile_rows or n == 0:
             return super().forward(x)
-        x32 = x.reshape(n, self.in_features).float().contiguous()
-        y = _compiled_gemv("bf16_gemv", x32, self.weight, None, self.bias32, self.out_features, self.bf16_inputs)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return _compiled_gemv("bf16_gemv", x, self.weight, None, self.bias32, self.out_features, self.bf16_inputs)
 
 
 PANEL_OUT = 32  # _gemv.c's group of outputs: two 16-lane registers of fp32 sums
@@ -347,13 +340,8 @@ def unpack_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
 def panels_run(in_features: int) -> bool:
     """Whether a bf16 weight with inputs rounded to bf16 is held in panels here: the compiled kernel's
     AVX512_BF16 routines run (this CPU has them and the compiler knew them) and ``in_features`` is even."""
-    if in_features % 2:
-        return False
-    try:
-        from gpt2lab.inference import _gemv
-    except ImportError:
-        return False
-    return bool(_gemv.has_bf16_dot())
+    compiled = _compiled()
+    return in_features % 2 == 0 and compiled is not None and bool(compiled.has_bf16_dot())
 
 
 class PanelLinear(DecodeLinear):
@@ -372,7 +360,6 @@ class PanelLinear(DecodeLinear):
             raise ValueError(f"the gemv kernel holds bfloat16 weights, not {dtype}")
         super().__init__(weight, bias, dtype)
         self.panels = pack_panels(weight.detach())
-        self.bias32 = None if self.bias is None else self.bias.float()
 
     @property
     def weight(self) -> torch.Tensor:
@@ -380,9 +367,7 @@ class PanelLinear(DecodeLinear):
         return unpack_panels(self.panels, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.reshape(-1, self.in_features).float().contiguous()
-        y = _compiled_gemv("panels_gemv", x32, self.panels, None, self.bias32, self.out_features)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return _compiled_gemv("panels_gemv", x, self.panels, None, self.bias32, self.out_features)
 
 
 def has_tiles(model: nn.Module) -> bool:
@@ -412,35 +397,26 @@ class Int8GemvLinear(DecodeLinear):
         self.qweight, self.scale = q.contiguous(), scale.contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.reshape(-1, self.in_features).float().contiguous()
-        y = _compiled_gemv("int8_gemv", x32, self.qweight, self.scale, self.bias, self.out_features)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return _compiled_gemv("int8_gemv", x, self.qweight, self.scale, self.bias, self.out_features)
 
 
-def make_linear(
-    layer: nn.Linear, kernel: str, dtype: torch.dtype, batch_hint: int = 1, bf16_inputs: bool = False
-) -> DecodeLinear:
+def make_linear(layer: nn.Linear, kernel: str, dtype: torch.dtype, batch_hint=1, bf16_inputs=False) -> DecodeLinear:
     """``layer``'s weight held for inference with ``kernel`` in ``dtype`` (``bf16_inputs``: GemvLinear's)."""
-    if kernel in ("plain", "decode"):
-        return PlainLinear(layer.weight, layer.bias, dtype, column_major=kernel == "decode")
-    if kernel == "packed":
-        return PackedLinear(layer.weight, layer.bias, dtype, batch_hint)
-    if kernel == "upcast":
-        return UpcastLinear(layer.weight, layer.bias, dtype, batch_hint)
+    w, b = layer.weight, layer.bias
     if kernel == "gemv" and bf16_inputs and dtype == torch.bfloat16 and panels_run(layer.in_features):
-        return PanelLinear(layer.weight, layer.bias, dtype)
+        return PanelLinear(w, b, dtype)
+    if kernel in ("plain", "decode"):
+        return PlainLinear(w, b, dtype, column_major=kernel == "decode")
+    if kernel in ("packed", "upcast"):
+        return (PackedLinear if kernel == "packed" else UpcastLinear)(w, b, dtype, batch_hint)
     if kernel == "gemv":
-        return GemvLinear(layer.weight, layer.bias, dtype, batch_hint, bf16_inputs)
-    if kernel == "int8":
-        return Int8Linear(layer.weight, layer.bias, dtype)
-    if kernel == "int8-gemv":
-        return Int8GemvLinear(layer.weight, layer.bias, dtype)
+        return GemvLinear(w, b, dtype, batch_hint, bf16_inputs)
+    if kernel in ("int8", "int8-gemv"):
+        return (Int8Linear if kernel == "int8" else Int8GemvLinear)(w, b, dtype)
     raise ValueError(f"kernel {kernel!r}: one of {', '.join(KERNELS)}")
 
 
-def swap_linears(
-    model: nn.Module, kernel: str, dtype: torch.dtype, batch_hint: int = 1, bf16_inputs: bool = False
-) -> int:
+def swap_linears(model: nn.Module, kernel: str, dtype: torch.dtype, batch_hint=1, bf16_inputs=False) -> int:
     """Replace every ``nn.Linear`` of ``model`` by its decode linear (in place); returns how many.
 
     A tied output head gets its own copy (the embedding keeps the shared table, looked up, not

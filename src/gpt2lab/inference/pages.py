@@ -92,19 +92,12 @@ def huge_bytes(address: int, smaps: str = "/proc/self/smaps") -> Optional[int]:
     return None
 
 
-def _held_tensors(model: nn.Module, keep: set[int]) -> list[tuple[nn.Module, str, torch.Tensor]]:
-    """The decode linears' weights a hold made: CPU, dense, and no storage in ``keep``."""
-    found = []
-    for module in model.modules():
-        for name in ATTRIBUTES:
-            t = module.__dict__.get(name)
-            if not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter):
-                continue
-            if t.device.type != "cpu" or t.layout != torch.strided or t.is_mkldnn or not t.is_contiguous():
-                continue
-            if t.untyped_storage().data_ptr() not in keep and not t.requires_grad:
-                found.append((module, name, t))
-    return found
+def _made(t, keep: set[int]) -> bool:
+    """Whether ``t`` is a weight a hold made: a CPU tensor, dense, not a parameter, no storage in ``keep``."""
+    if not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter) or t.requires_grad:
+        return False
+    dense = t.device.type == "cpu" and t.layout == torch.strided and not t.is_mkldnn and t.is_contiguous()
+    return dense and t.untyped_storage().data_ptr() not in keep
 
 
 def place(model: nn.Module, keep: Iterable[torch.Tensor] = (), facts: Optional[PageFacts] = None) -> Placement:
@@ -114,7 +107,7 @@ def place(model: nn.Module, keep: Iterable[torch.Tensor] = (), facts: Optional[P
     if why := facts.why_not():
         return Placement(why_not=why)
     kept = {t.untyped_storage().data_ptr() for t in keep}
-    tensors = _held_tensors(model, kept)
+    tensors = [(m, n, m.__dict__[n]) for m in model.modules() for n in ATTRIBUTES if _made(m.__dict__.get(n), kept)]
     if not tensors:
         return Placement(why_not="no weights of its own to place")
     offsets, total = {}, 0  # id(tensor) -> its offset: a tensor two modules hold is placed once

@@ -1,5 +1,5 @@
 """Measuring the inference candidates on this machine, for the CLI: the device's facts, then each
-candidate timed on the model itself, cached per machine and model shape (inference/probe_cache.py),
+candidate timed on the model itself, cached per machine and model shape (system/runtime.py's cache),
 announced on stderr before it runs. ``decide`` hands the figures to inference/choice.py's ``choose``.
 
 What is timed: every candidate's reference figures (a ``REQUEST_TOKENS``-token prefill and a one-row
@@ -38,7 +38,6 @@ from typing import Optional
 import torch
 from torch import nn
 
-from gpt2lab.inference import probe_cache
 from gpt2lab.inference.choice import (
     BATCH_ROWS,
     REQUEST_TOKENS,
@@ -47,6 +46,7 @@ from gpt2lab.inference.choice import (
     InferenceFacts,
     InferenceRequest,
     Timing,
+    as_json,
     candidates,
     cheapest_dtype,
     choose,
@@ -55,7 +55,7 @@ from gpt2lab.inference.choice import (
     reference_cost,
     tile_rows_of,
 )
-from gpt2lab.inference.form import detect_facts, hold
+from gpt2lab.inference.form import cache_key, cached_timings, detect_facts, hold
 from gpt2lab.inference.kernels import has_tiles, set_tile_rows
 from gpt2lab.model.gpt import GPT
 from gpt2lab.system import env, runtime
@@ -93,38 +93,21 @@ class _TooSlow(Exception):
     pass
 
 
-def _best_ms(
-    fn,
-    device: torch.device,
-    per_call: int = 1,
-    limit: Optional[float] = None,
-    what: str = "",
-    doubts: Optional[list] = None,
-) -> float:
+def _best_ms(fn, device: torch.device, per_call=1, limit: Optional[float] = None, what="", doubts=None) -> float:
     """The best of REPEATS timed calls of ``fn`` in ms (per ``per_call``), timed once more when unsteady
     (an unsteady figure is added to ``doubts``); _TooSlow, naming the figure ``what``, when the untimed
     first is over GIVE_UP times ``limit``."""
-    t0 = time.perf_counter()
-    fn()
-    runtime.sync(device)
-    first = 1e3 * (time.perf_counter() - t0) / per_call
+    timed = lambda: runtime.timed(fn, device, time.perf_counter)[0]  # noqa: E731
+    first = 1e3 * timed() / per_call
     if limit is not None and first > GIVE_UP * limit:
         raise _TooSlow(
             f"{what} {first:.3g} ms against the best candidate's {limit:.3g} ms (over {GIVE_UP:g}x): "
             "slower, not timed further"
         )
-    times: list[float] = []
-    for _ in range(2):  # a second round only when the first is unsteady; the best of all is kept
-        for _ in range(REPEATS):
-            t0 = time.perf_counter()
-            fn()
-            runtime.sync(device)
-            times.append(time.perf_counter() - t0)
-        times.sort()
-        if times[1] <= UNSTEADY * times[0]:  # two calls agree: the best is the machine's, not luck
-            break
-    else:
-        if doubts is not None:
+    times = sorted(timed() for _ in range(REPEATS))
+    if times[1] > UNSTEADY * times[0]:  # two calls disagree: a second round, the best of all kept
+        times = sorted(times + [timed() for _ in range(REPEATS)])
+        if times[1] > UNSTEADY * times[0] and doubts is not None:
             doubts.append(f"{what} unsteady ({times[1] / times[0]:.1f}x between its best calls)")
     return 1e3 * times[0] / per_call
 
@@ -134,14 +117,7 @@ FIGURES = ("prefill", "step1")  # the reference figures; "step_rows" is serve's
 
 @torch.inference_mode()
 def measure(
-    model: GPT,
-    cand: Candidate,
-    request: InferenceRequest,
-    device: torch.device,
-    best: Optional[Timing] = None,
-    figures: tuple = FIGURES,
-    doubts: Optional[list] = None,
-    tile_rows: int = 1,
+    model: GPT, cand: Candidate, request: InferenceRequest, device, best=None, figures=FIGURES, doubts=None, tile_rows=1
 ) -> Timing:
     """``figures`` of ``model`` held as ``cand`` (for ``request.rows`` rows when the ``step_rows`` figure
     is asked, else one; ``gemv``: its tiles up to ``tile_rows`` rows): a real prefill, real decode steps
@@ -158,13 +134,8 @@ def measure(
     if "prefill" in figures:
         prompt = min(REQUEST_TOKENS, block)
         ids = torch.randint(0, vocab, (1, prompt), generator=gen).to(device)
-        out["prefill"] = _best_ms(
-            lambda: prepared(ids, kv_cache=prepared.new_kv_cache(prompt), last_only=True),
-            device,
-            limit=best.prefill,
-            what=f"{cand.name} prefill",
-            doubts=doubts,
-        )
+        run = lambda: prepared(ids, kv_cache=prepared.new_kv_cache(prompt), last_only=True)  # noqa: E731
+        out["prefill"] = _best_ms(run, device, 1, best.prefill, f"{cand.name} prefill", doubts)
         if "tile_rows" in figures and cand.kernel == "gemv" and has_tiles(prepared):
             out.update(_tiles(prepared, out["prefill"], device, gen))
     context = min(CONTEXT, max(1, block // 4))
@@ -182,12 +153,9 @@ def measure(
         what = f"{cand.name} " + ("step" if rows == 1 else f"{rows}-row step")
         return _best_ms(run, device, steps, limit, what, doubts)
 
-    if "step1" in figures:
-        out["step1"] = decode_ms(1, best.step1)
-    if "step_rows" in figures:
-        out["step_rows"] = decode_ms(request.rows, best.step_rows)
-    if "step_batch" in figures:
-        out["step_batch"] = decode_ms(BATCH_ROWS, best.step_batch)
+    for figure, n in (("step1", 1), ("step_rows", request.rows), ("step_batch", BATCH_ROWS)):
+        if figure in figures:
+            out[figure] = decode_ms(n, getattr(best, figure))
     return Timing(**out)
 
 
@@ -254,25 +222,21 @@ def _step_work(model: GPT, rows: int) -> float:
 
 
 def _absurd(name: str, t: Timing, rows: int, model: GPT) -> list[str]:
-    """Why ``t``'s steps cannot be the work they time (ABSURD): empty when they can."""
-    out = []
+    """Why ``t``'s steps cannot be the work they time (ABSURD): empty when they can (a ``rows``-row step of
+    more than REQUEST_TOKENS rows is not judged)."""
+    if t.prefill is None:
+        return []
     per_row = _step_work(model, 1)  # a step's share grows with its rows: the model is counted once
-
-    def bound(step_rows: int) -> float:
-        return ABSURD * t.prefill * max(1.0, per_row * step_rows)
-
-    if t.prefill is not None and t.step1 is not None and t.step1 > bound(1):
-        out.append(f"{name} one-row step {t.step1:.3g} ms over {bound(1):.3g} ms (its prefill {t.prefill:.3g} ms)")
-    rows_ok = t.step_rows is None or rows > REQUEST_TOKENS or t.prefill is None
-    if not rows_ok and t.step_rows > bound(rows):
-        out.append(
-            f"{name} {rows}-row step {t.step_rows:.3g} ms over {bound(rows):.3g} ms (its prefill {t.prefill:.3g} ms)"
-        )
-    if t.step_batch is not None and t.prefill is not None and t.step_batch > bound(BATCH_ROWS):
-        out.append(
-            f"{name} {BATCH_ROWS}-row step {t.step_batch:.3g} ms over {bound(BATCH_ROWS):.3g} ms "
-            f"(its prefill {t.prefill:.3g} ms)"
-        )
+    steps = [
+        ("one-row", t.step1, 1),
+        (f"{rows}-row", t.step_rows, rows),
+        (f"{BATCH_ROWS}-row", t.step_batch, BATCH_ROWS),
+    ]
+    out = []
+    for what, ms, n in steps:
+        bound = ABSURD * t.prefill * max(1.0, per_row * n)
+        if ms is not None and ms > bound and n <= REQUEST_TOKENS:
+            out.append(f"{name} {what} step {ms:.3g} ms over {bound:.3g} ms (its prefill {t.prefill:.3g} ms)")
     return out
 
 
@@ -281,24 +245,20 @@ def reference_timings(model: GPT, cands: list[Candidate], device: torch.device, 
     what should not be kept goes to ``doubts``."""
     one = InferenceRequest(rows=1)
     out = _measure_each(model, cands, one, device, FIGURES + ("tile_rows",), doubts)
-    per_dtype: dict[str, Candidate] = {}
-    for c in cands:
-        t = out[c.name]
-        if isinstance(t, Timing) and (
-            c.dtype not in per_dtype or reference_cost(t) < reference_cost(out[per_dtype[c.dtype].name])
-        ):
-            per_dtype[c.dtype] = c
+    timed = [c for c in cands if isinstance(out[c.name], Timing)]
+    dtypes = dict.fromkeys(c.dtype for c in timed)
+    per_dtype = {d: min((c for c in timed if c.dtype == d), key=lambda c: reference_cost(out[c.name])) for d in dtypes}
     if len(per_dtype) > 1:  # the dtype is decided between these: a second pass, after all the others
         for c in per_dtype.values():
             then = out[c.name]
             again = measure(model, c, one, device, figures=FIGURES, doubts=doubts, tile_rows=tile_rows_of(then))
-            for f in FIGURES:
-                a, b = getattr(then, f), getattr(again, f)
-                if max(a, b) > UNSTEADY * min(a, b):
-                    doubts.append(f"{c.name} {f} {a:.3g} then {b:.3g} ms")
-            out[c.name] = dataclasses.replace(
-                then, prefill=min(then.prefill, again.prefill), step1=min(then.step1, again.step1)
-            )
+            both = {f: (getattr(then, f), getattr(again, f)) for f in FIGURES}
+            doubts += [
+                f"{c.name} {f} {a:.3g} then {b:.3g} ms"
+                for f, (a, b) in both.items()
+                if max(a, b) > UNSTEADY * min(a, b)
+            ]
+            out[c.name] = dataclasses.replace(then, **{f: min(ab) for f, ab in both.items()})
         for c in per_dtype.values():  # the dtypes' batch figure: each dtype's best kernel at BATCH_ROWS rows
             batch = measure(
                 model, c, one, device, figures=("step_batch",), doubts=doubts, tile_rows=tile_rows_of(out[c.name])
@@ -310,17 +270,8 @@ def reference_timings(model: GPT, cands: list[Candidate], device: torch.device, 
     return out
 
 
-def _rows_timings(model, pool, request, device, doubts: list, held: dict) -> dict:
-    """The ``request.rows``-row step of each candidate in ``pool`` (ms, or why dropped), held as its reference
-    figures in ``held`` say."""
-    out = _measure_each(model, pool, request, device, ("step_rows",), doubts, held)
-    return {k: (t.step_rows if isinstance(t, Timing) else t) for k, t in out.items()}
-
-
 @torch.inference_mode()
-def estimate_seconds(
-    model: GPT, n_candidates: int, request: InferenceRequest, device: torch.device, n_rows: int = 0
-) -> float:
+def estimate_seconds(model: GPT, n_candidates: int, request: InferenceRequest, device, n_rows=0) -> float:
     """About how long the measuring takes: one prefill and one decode step of ``model`` as it is, timed
     here, times the calls ``measure`` makes for ``n_candidates`` (and their second pass, at most one per
     candidate) and, for ``serve``, the ``n_rows`` candidates' batch steps (a rough figure for the notice)."""
@@ -328,45 +279,35 @@ def estimate_seconds(
     prompt = max(1, min(REQUEST_TOKENS, block - 1))  # and room for one decode step after it
     ids = torch.randint(0, vocab, (1, prompt), generator=torch.Generator().manual_seed(0)).to(device)
     model(ids[:, :1], last_only=True)  # untimed: the first touch of freshly loaded (mapped) weights
-    runtime.sync(device)
     cache = model.new_kv_cache(min(block, prompt + 1))
-    t0 = time.perf_counter()
-    model(ids, kv_cache=cache, last_only=True)
-    runtime.sync(device)
-    t1 = time.perf_counter()
-    if prompt < block:
-        model(ids[:, :1], kv_cache=cache, last_only=True)
-        runtime.sync(device)
-    prefill, step = t1 - t0, time.perf_counter() - t1
+    prefill, _ = runtime.timed(lambda: model(ids, kv_cache=cache, last_only=True), device, time.perf_counter)
+    step, _ = runtime.timed(lambda: model(ids[:, :1], kv_cache=cache, last_only=True), device, time.perf_counter)
     per = (1 + REPEATS) * (prefill + STEPS * step) + prefill * CONTEXT / prompt
     rows = (1 + REPEATS) * STEPS * (step + prefill * request.rows / prompt) + prefill * CONTEXT / prompt
     return n_candidates * per + (n_rows * rows if request.workload == "serve" else 0.0)
 
 
-def _notice(command: str, what: str, secs: float) -> None:
-    """The one stderr line before measuring: what, about how long, and that it is done once."""
+def _notice(command: str, what: str, model: GPT, request: InferenceRequest, device, n_timed: int, n_rows: int) -> None:
+    """The one stderr line before measuring: what, about how long (``estimate_seconds``), and that it is done
+    once."""
+    secs = estimate_seconds(model, n_timed, request, device, n_rows)
     about = f"about {secs:.0f} s" if secs >= 1 else "under a second"
-    print(
+    _say(
         f"{command}: measuring {what} on this machine, {about}, once per machine and model shape "
-        "(GPT2LAB_PROBE=0 skips it; gpt2lab env lists the figures)",
-        file=sys.stderr,
-        flush=True,
+        "(GPT2LAB_PROBE=0 skips it; gpt2lab env lists the figures)"
     )
+
+
+def _say(line: str) -> None:
+    """One line on stderr, at once."""
+    print(line, file=sys.stderr, flush=True)
 
 
 NOT_KEPT = "measured on a busy machine, not kept (gpt2lab env says why), the device's rule"
 
 
-def _label(request: InferenceRequest) -> str:
-    return f"serve {request.rows} rows" if request.workload == "serve" else request.workload
-
-
 def decide(
-    model: GPT,
-    device: torch.device,
-    request: InferenceRequest,
-    facts: Optional[InferenceFacts] = None,
-    command: str = "gpt2lab",
+    model: GPT, device, request: InferenceRequest, facts: Optional[InferenceFacts] = None, command="gpt2lab"
 ) -> Decision:
     """Measure (where there is a choice, and the cache has no figures; a first measurement says so on
     stderr, ``command`` first) and choose."""
@@ -378,54 +319,62 @@ def decide(
     first = device_pick(cands, facts)  # the likeliest winner first: it sets the bar to give up at
     cands = [first] + [c for c in cands if c != first]
     names = [c.name for c in cands]
-    where, key = probe_cache.path(), probe_cache.key(model.config, device, names)
-    entry = None if mode == "fresh" else probe_cache.entries(where).get(key)
-    timings = probe_cache.timings(entry)
-    kept = True
-    serve = request.workload == "serve"
+    key = cache_key(model.config, device, names)
+    entry = None if mode == "fresh" else runtime.cached().get(key)
+    timings = cached_timings(entry)
     if timings is None or set(timings) != set(names):
-        n_dtypes = len({c.dtype for c in cands})
-        n_rows = max(sum(c.dtype == d for c in cands) for d in {c.dtype for c in cands}) if serve else 0
+        dtypes = {c.dtype for c in cands}
+        n_rows = max(sum(c.dtype == d for c in cands) for d in dtypes) if request.workload == "serve" else 0
         n_tiles = sum(c.kernel == "gemv" for c in cands)  # its prefill timed three more ways: about a candidate
-        n_timed = len(cands) + n_tiles + (n_dtypes if n_dtypes > 1 else 0)
-        secs = estimate_seconds(model, n_timed, request, device, n_rows)
-        _notice(command, f"{len(cands)} ways to run this model", secs)
+        n_timed = len(cands) + n_tiles + (len(dtypes) if len(dtypes) > 1 else 0)
+        _notice(command, f"{len(cands)} ways to run this model", model, request, device, n_timed, n_rows)
         doubts: list = []
         timings = reference_timings(model, cands, device, doubts)
-        entry = None
         if doubts:  # neither kept nor used: the device's rule decides, the same in every process
-            probe_cache.note_not_kept(key, model.config, device, doubts)
+            _note_not_kept(key, model, device, doubts)
             decision = choose(request, facts)
             return dataclasses.replace(decision, reason=decision.reason.replace("not measured", NOT_KEPT, 1))
-        probe_cache.save_timings(key, model.config, device, timings)
+        _save_timings(key, model, device, timings)
         entry = {}
-    if serve:
-        dtype, _ = cheapest_dtype(cands, dataclasses.replace(facts, timings=timings))
-        pool = [c for c in cands if c.dtype == dtype and isinstance(timings.get(c.name), Timing)]
-        rows = probe_cache.rows_timings(entry, request.rows)  # None when measured afresh
-        if len(pool) > 1 and (rows is None or not set(c.name for c in pool) <= set(rows)):
-            secs = estimate_seconds(model, 0, request, device, len(pool))
-            _notice(command, f"the {request.rows}-row step of {len(pool)} ways to serve this model", secs)
-            doubts = []
-            rows = _rows_timings(model, pool, request, device, doubts, timings)
-            for c in pool:
-                t = timings[c.name]
-                r = rows.get(c.name)
-                if isinstance(r, float):
-                    doubts.extend(_absurd(c.name, dataclasses.replace(t, step_rows=r), request.rows, model))
-            if doubts:  # not used either: the kernel by the one-row figures, as any process takes it
-                kept = False
-                probe_cache.note_not_kept(key, model.config, device, doubts, request.rows)
-                rows = None
-            else:
-                probe_cache.save_rows(key, request.rows, rows)
-        for name, r in (rows or {}).items():
-            if isinstance(timings.get(name), Timing):
-                timings[name] = dataclasses.replace(timings[name], step_rows=r) if isinstance(r, float) else r
+    kept = request.workload != "serve" or _serve_rows(
+        model, device, request, facts, cands, key, entry, timings, command
+    )
     decision = choose(request, dataclasses.replace(facts, timings=timings))
-    if kept:
-        probe_cache.note_choice(key, _label(request), decision.candidate.name)
+    found = runtime.cached().get(key) if kept else None
+    label = f"serve {request.rows} rows" if request.workload == "serve" else request.workload
+    if found is not None and (found.get("choices") or {}).get(label) != decision.candidate.name:
+        # what the workload chose, where that changed (for gpt2lab env)
+        runtime.cache_update(key, lambda e: e.setdefault("choices", {}).__setitem__(label, decision.candidate.name))
     return decision
+
+
+def _serve_rows(model, device, request, facts, cands, key: str, entry: Optional[dict], timings: dict, command) -> bool:
+    """``serve``: the ``--max-batch``-row step of the chosen dtype's kernels, from the cache ``entry`` or measured,
+    added to ``timings`` (in place); False where figures just measured were not kept (nor used: the kernel by
+    the one-row figures, as any process takes it)."""
+    dtype, _ = cheapest_dtype(cands, dataclasses.replace(facts, timings=timings))
+    pool = [c for c in cands if c.dtype == dtype and isinstance(timings.get(c.name), Timing)]
+    rows = cached_rows(entry, request.rows)  # None when measured afresh
+    kept = True
+    if len(pool) > 1 and (rows is None or not set(c.name for c in pool) <= set(rows)):
+        what = f"the {request.rows}-row step of {len(pool)} ways to serve this model"
+        _notice(command, what, model, request, device, 0, len(pool))
+        doubts: list = []
+        out = _measure_each(model, pool, request, device, ("step_rows",), doubts, timings)
+        rows = {k: (t.step_rows if isinstance(t, Timing) else t) for k, t in out.items()}
+        for c in pool:
+            if isinstance(r := rows.get(c.name), float):
+                doubts.extend(_absurd(c.name, dataclasses.replace(timings[c.name], step_rows=r), request.rows, model))
+        if doubts:
+            kept = False
+            _note_not_kept(key, model, device, doubts, request.rows)
+            rows = None
+        else:
+            _save_rows(key, request.rows, rows)
+    for name, r in (rows or {}).items():
+        if isinstance(timings.get(name), Timing):
+            timings[name] = dataclasses.replace(timings[name], step_rows=r) if isinstance(r, float) else r
+    return kept
 
 
 class Watch:
@@ -447,13 +396,10 @@ class Watch:
             return
         self.done = True
         run = statistics.median(self.seen)
-        if run > DISAGREE * self.step_ms and probe_cache.drop(self.key):
-            print(
-                f"{self.command}: this run's steps took {run:.3g} ms, {run / self.step_ms:.1f}x the "
-                f"{self.step_ms:.3g} ms measured for {self.name}: those figures are dropped, the next run "
-                "measures again",
-                file=sys.stderr,
-                flush=True,
+        if run > DISAGREE * self.step_ms and runtime.cache_update(self.key, None):
+            _say(
+                f"{self.command}: this run's steps took {run:.3g} ms, {run / self.step_ms:.1f}x the {self.step_ms:.3g} "
+                f"ms measured for {self.name}: those figures are dropped, the next run measures again"
             )
 
 
@@ -462,8 +408,8 @@ def watch(decision: Decision, model: GPT, device: torch.device, command: str) ->
     t = (decision.timings or {}).get(decision.candidate.name)
     if env.probe_mode() == "0" or not isinstance(t, Timing) or t.step1 is None:
         return None
-    key = probe_cache.key(model.config, device, list(decision.timings))
-    if key not in probe_cache.entries():
+    key = cache_key(model.config, device, list(decision.timings))
+    if key not in runtime.cached():
         return None
     return Watch(key, decision.candidate.name, t.step1, command)
 
@@ -473,4 +419,93 @@ def announce(decision: Decision, command: str) -> None:
     machine was busy as the command started (system/runtime.py's ``choose_wait``)."""
     wait = runtime.WAIT
     busy = f"; {wait.reason}" if wait is not None and wait.value == "PASSIVE" else ""
-    print(f"{command}: {decision.summary()}{busy}", file=sys.stderr, flush=True)
+    _say(f"{command}: {decision.summary()}{busy}")
+
+
+# -- the figures in the cache (system/runtime.py's): one entry per machine, device, model shape and candidate
+# set (no workload: the dtype those figures decide is every workload's): each candidate's reference figures
+# (or why it was dropped), the server's --max-batch-row step figures under ``rows``, what each workload chose
+# under ``choices``, why figures measured on a busy machine were not kept under ``not_kept``.
+SHAPE = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")  # what env shows of a model
+
+
+def _new_entry(entry: dict, model: GPT, device: torch.device) -> None:
+    entry.update(written=time.time(), model={f: getattr(model.config, f) for f in SHAPE}, device=str(device))
+
+
+def _save_timings(key: str, model: GPT, device: torch.device, figures: dict) -> None:
+    """The reference figures of entry ``key`` (its rows figures and choices, of other figures, go)."""
+
+    def change(entry: dict) -> None:
+        entry.clear()
+        _new_entry(entry, model, device)
+        entry["timings"] = as_json(figures)
+
+    runtime.cache_update(key, change)
+
+
+def _save_rows(key: str, rows: int, figures: dict) -> None:
+    def change(entry: dict) -> None:
+        entry.setdefault("rows", {})[str(rows)] = {"written": time.time(), "timings": figures}
+        if isinstance(entry.get("not_kept"), dict):
+            entry["not_kept"].pop("rows", None)
+
+    runtime.cache_update(key, change)
+
+
+def _note_not_kept(key: str, model: GPT, device: torch.device, doubts: list[str], rows: Optional[int] = None) -> None:
+    """Why the figures just measured for entry ``key`` (``rows``: its ``rows``-row step figures) were not kept
+    (the doubts), for ``gpt2lab env``; figures kept before stay, and are used."""
+
+    def change(entry: dict) -> None:
+        if not entry:
+            _new_entry(entry, model, device)
+        notes = entry["not_kept"] = entry.get("not_kept") if isinstance(entry.get("not_kept"), dict) else {}
+        notes["rows" if rows else "reference"] = {"written": time.time(), "why": doubts}
+
+    runtime.cache_update(key, change)
+
+
+def cached_rows(entry: Optional[dict], rows: int) -> Optional[dict]:
+    """An entry's ``rows``-row step figures (name -> ms, or why dropped); None if not measured."""
+    found = ((entry or {}).get("rows") or {}).get(str(rows))
+    if not isinstance(found, dict) or not isinstance(found.get("timings"), dict):
+        return None
+    return {k: (float(v) if isinstance(v, (int, float)) else str(v)) for k, v in found["timings"].items()}
+
+
+def entry_lines(entry: dict) -> list[str]:
+    """A cache entry as lines for ``gpt2lab env``: the CPU's matmul rates; or the model's shape and device,
+    when measured, what each workload chose, each candidate's figures (or why it was dropped), and why
+    figures measured on a busy machine were not kept."""
+    if isinstance(rates := entry.get("matmul_gflops"), dict):
+        fp32, bf16 = rates.get("fp32_gflops"), rates.get("bf16_gflops")
+        return [f"CPU matmul probe: fp32 {fp32}, bf16 {bf16} GFLOP/s, measured {_stamp(entry)}"]
+    shape = entry.get("model") or {}
+    lines = [
+        f"{shape.get('n_layer', '?')} layers, {shape.get('n_head', '?')} heads, {shape.get('n_embd', '?')} wide, "
+        f"vocabulary {shape.get('vocab_size', '?')}, block {shape.get('block_size', '?')} on "
+        f"{entry.get('device', '?')}, measured {_stamp(entry)}"
+    ]
+    if choices := entry.get("choices"):
+        lines.append("chose: " + ", ".join(f"{w} {c}" for w, c in sorted(choices.items())))
+    for name, t in (cached_timings(entry) or {}).items():
+        if isinstance(t, Timing):
+            tiles = f", its tiles up to {t.tile_rows} rows" if t.tile_rows else ""
+            lines.append(f"{name}: prefill {t.prefill:.3g} ms, one-row step {t.step1:.3g} ms{tiles}")
+        else:
+            lines.append(f"{name}: {t}")
+    for rows in sorted(entry.get("rows") or {}):
+        figs = cached_rows(entry, int(rows)) or {}
+        text = ", ".join(f"{n} {v:.3g} ms" if isinstance(v, float) else f"{n} {v}" for n, v in figs.items())
+        lines.append(f"{rows}-row step (serve): {text}")
+    for what, note in sorted((entry.get("not_kept") or {}).items()):  # a machine too busy to measure on
+        why = note.get("why") if isinstance(note, dict) else None
+        why = "; ".join(map(str, why)) if isinstance(why, list) else "?"
+        lines.append(f"not kept ({what} figures, {_stamp(note)}: the machine was busy): {why}")
+    return lines
+
+
+def _stamp(found) -> str:
+    when = found.get("written") if isinstance(found, dict) else None
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) if isinstance(when, (int, float)) else "?"

@@ -54,7 +54,7 @@ def offline() -> list[str]:
 
 
 def hub_offline() -> bool:
-    return _get("HF_HUB_OFFLINE").upper() in _TRUE
+    return OFFLINE[0] in offline()
 
 
 @contextlib.contextmanager
@@ -65,9 +65,8 @@ def hub_offline_set() -> Iterator[bool]:
     try:
         yield saved is not None
     finally:
-        if saved is None:
-            del os.environ["HF_HUB_OFFLINE"]
-        else:
+        os.environ.pop("HF_HUB_OFFLINE", None)
+        if saved is not None:
             os.environ["HF_HUB_OFFLINE"] = saved
 
 

@@ -8,7 +8,7 @@ Each artefact that a later gpt2lab may read carries the version of its layout un
               flat or half-nested config.json of gpt2lab 0.1.0's first runs
   checkpoint  a checkpoint's ``state.pt`` (checkpoint.store.save), beside that config.json
   manifest    a prepared directory's ``manifest.json`` (its ``version`` key: data/shards.py)
-  probes      the inference probe cache ``decode-probes.json`` (its ``version`` key): a cache,
+  probes      the probe cache ``probes.json`` (its ``version`` key): a cache,
               so one of another version is measured again, never refused (``is_current``)
 
 A reader hands what it read to ``unstamp``, which returns it without the key, or refuses a
@@ -43,7 +43,7 @@ class Format:
 _AGAIN = "train it again, or read it with the gpt2lab 0.1.x that wrote it"
 RUN = Format("run config", 2, _AGAIN)
 CHECKPOINT = Format("checkpoint", 1, _AGAIN)
-PROBES = Format("decode-probe cache", 3, "it is measured again")
+PROBES = Format("probe cache", 3, "it is measured again")
 # a prepared directory's manifest.json (its "version" key; 2: the val split is whole documents, per-file counts)
 MANIFEST = Format("prepare manifest", 2, "prepare the data again into a new directory")
 

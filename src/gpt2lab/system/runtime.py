@@ -9,26 +9,30 @@ run prints and records in ``run_info.json``.
 
 The CPU probe times fp32 and bf16 matrix multiplies for a fraction of a second and is
 cached per machine (CPU model, flags, torch version, threads, oneDNN ISA cap), so a run
-pays for it once; ``gpt2lab env`` always measures afresh.
+pays for it once; ``gpt2lab env`` always measures afresh. What is measured is kept in one cache,
+``probes.json`` (``cached``, ``cache_update``): the CPU probe's rates and the inference probe's figures
+(inference/probe.py), one bounded, versioned file that ``gpt2lab env`` lists and ``--clear-cache`` removes.
+Work on a device is timed by one timer, ``timed``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import importlib.util
-import json
 import os
 import platform
 import shutil
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
-from gpt2lab.system import env
+from gpt2lab.system import env, formats
 from gpt2lab.system.choices import COMPILE_CHOICES, DTYPE_CHOICES, NS_DTYPE_CHOICES
 from gpt2lab.system.errors import ConfigError
+from gpt2lab.system.files import read_json_object, write_json
 
 # x86 /proc/cpuinfo flags of native bf16 arithmetic (AVX512_BF16 dot products, AMX tiles)
 # and the aarch64 one (BF16 instructions, Armv8.6). Without one of them oneDNN converts bf16
@@ -95,9 +99,10 @@ def choose_dtype(requested: str, facts: Facts) -> Choice:
     if requested != "auto":
         return _check_explicit_dtype(requested, facts)
     if dev == "cuda":
+        gpu = facts.device_name or "this GPU"
         if facts.cuda_bf16:
-            return Choice("bfloat16", f"{facts.device_name or 'this GPU'} supports bf16")
-        return Choice("float16", f"{facts.device_name or 'this GPU'} has no bf16: fp16 with a gradient scaler")
+            return Choice("bfloat16", f"{gpu} supports bf16")
+        return Choice("float16", f"{gpu} has no bf16: fp16 with a gradient scaler")
     if dev == "mps":
         return Choice(
             "float32",
@@ -182,14 +187,15 @@ def choose_ns_dtype(requested: str, facts: Facts) -> Choice:
     """
     if requested not in NS_DTYPE_CHOICES:
         raise ChoiceError(f"muon_ns_dtype {requested!r}: choose one of {', '.join(NS_DTYPE_CHOICES)}")
+    gpu = facts.device_name or "this GPU"
     if requested != "auto":
         return Choice(requested, "asked for with --muon-ns-dtype")
-    dev = facts.device_type
-    if dev == "cuda":
-        if facts.cuda_bf16:
-            return Choice("bfloat16", f"{facts.device_name or 'this GPU'} has fast bf16 matmuls")
-        return Choice("float32", f"{facts.device_name or 'this GPU'} has no bf16")
-    if dev == "mps":
+    if facts.device_type == "cuda":
+        bf16 = facts.cuda_bf16
+        return Choice(
+            "bfloat16" if bf16 else "float32", f"{gpu} has fast bf16 matmuls" if bf16 else f"{gpu} has no bf16"
+        )
+    if facts.device_type == "mps":
         return Choice("float32", "MPS: fp32 (bf16 matmul support varies across macOS versions)")
     return _cpu_auto_dtype(facts)  # a CPU: the autocast rule, the same probe and flags
 
@@ -200,29 +206,21 @@ def _no_compiler(facts: Facts) -> str:
 
 # -- the facts of this machine ------------------------------------------------------------
 @functools.lru_cache(maxsize=None)  # /proc/cpuinfo does not change while a process runs
+def _cpuinfo(*keys: str) -> Optional[str]:
+    """The value of the first line of /proc/cpuinfo (Linux) that starts with one of ``keys``; None elsewhere."""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as fh:
+        return next((line.split(":", 1)[1].strip() for line in fh if line.startswith(keys)), None)
+    return None
+
+
 def cpu_flags() -> tuple[str, ...]:
     """The NOTED_CPU_FLAGS in /proc/cpuinfo (Linux); () elsewhere."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith(("flags", "Features")):
-                    have = set(line.split(":", 1)[1].split())
-                    return tuple(f for f in NOTED_CPU_FLAGS if f in have)
-    except OSError:
-        pass
-    return ()
+    have = set((_cpuinfo("flags", "Features") or "").split())
+    return tuple(f for f in NOTED_CPU_FLAGS if f in have)
 
 
-@functools.lru_cache(maxsize=None)
 def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:  # not Linux
-        pass
-    return platform.processor() or platform.machine()
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def can_compile(device_type: str) -> bool:
@@ -233,24 +231,27 @@ def can_compile(device_type: str) -> bool:
     return any(shutil.which(c) for c in (env.cxx(), "g++", "c++", "clang++") if c)
 
 
+def timed(fn, device="cpu", clock=time.perf_counter) -> tuple[float, Any]:
+    """(seconds, result) of ``fn()``, ``device``'s queued work included (before it too)."""
+    sync(device)
+    t0 = clock()
+    out = fn()
+    sync(device)
+    return clock() - t0, out
+
+
 def measure_matmul(device, n: int = PROBE_N, seconds: float = PROBE_SECONDS) -> Probe:
-    """fp32 and bf16 ``a @ b`` rates on ``device``, each timed for about ``seconds``."""
+    """fp32 and bf16 ``a @ b`` rates on ``device``, each timed for about ``seconds`` after one untimed call."""
     import torch
 
     def rate(dtype) -> float:
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
-        sync(device)
-        a @ b
-        sync(device)
-        calls, t0 = 0, time.perf_counter()
-        while True:
-            a @ b
+        a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+        timed(lambda: a @ b, device)  # the first call, untimed
+        calls, spent = 0, 0.0
+        while spent < seconds:
+            spent += timed(lambda: a @ b, device)[0]
             calls += 1
-            sync(device)
-            dt = time.perf_counter() - t0
-            if dt >= seconds:
-                return 2 * n**3 * calls / dt / 1e9
+        return 2 * n**3 * calls / spent / 1e9
 
     return Probe(fp32_gflops=round(rate(torch.float32), 1), bf16_gflops=round(rate(torch.bfloat16), 1))
 
@@ -267,16 +268,8 @@ def measure_read_bandwidth(device, nbytes: int = READ_BYTES, repeats: int = 5, c
     import torch
 
     x = torch.ones(nbytes // 4, device=device, dtype=torch.float32)
-    best = float("inf")
-    for i in range(repeats + 1):
-        sync(device)
-        t0 = clock()
-        x.sum()
-        sync(device)
-        seconds = clock() - t0
-        if i:  # the first call pages the buffer in and warms the kernel
-            best = min(best, seconds)
-    return round(x.numel() * 4 / best / 1e9, 1)
+    times = [timed(x.sum, device, clock)[0] for _ in range(repeats + 1)]  # the first pages the buffer in
+    return round(x.numel() * 4 / min(times[1:]) / 1e9, 1)
 
 
 def sync(device) -> None:
@@ -290,8 +283,52 @@ def sync(device) -> None:
         torch.mps.synchronize()
 
 
-def cached_cpu_probe(cache_dir: Optional[str] = None) -> Optional[Probe]:
-    """The CPU matmul probe, measured once per machine and kept in the user's cache.
+# -- the cache of what was measured: one bounded, versioned JSON file in gpt2lab's cache directory ----------
+PROBE_FILE = "probes.json"
+PROBE_ENTRIES = 32  # past this many entries the oldest written goes (a day of tests builds dozens of shapes)
+
+
+def cache_path() -> str:
+    return os.path.join(env.cache_dir(), PROBE_FILE)
+
+
+def cached(where: Optional[str] = None) -> dict:
+    """The cache's entries ({key: entry dict}); {} if absent, unreadable or of another format version."""
+    data = read_json_object(where or cache_path()) or {}
+    found = data.get("entries") if formats.is_current(data, formats.PROBES, key="version") else None
+    return {k: v for k, v in found.items() if isinstance(v, dict)} if isinstance(found, dict) else {}
+
+
+def cache_update(key: str, change, where: Optional[str] = None) -> bool:
+    """Apply ``change(entry)`` (the entry dict, {} when new; ``change=None`` removes it) to entry ``key`` and
+    write the file atomically, the oldest entries going past PROBE_ENTRIES; whether it was written (a
+    read-only cache is no harm: what it lacks is measured again next time)."""
+    where = where or cache_path()
+    found = cached(where)
+    if change is None and found.pop(key, None) is None:
+        return False
+    if change is not None:
+        change(found.setdefault(key, {}))
+        found[key].setdefault("written", time.time())
+    keep = sorted(found, key=lambda k: found[k]["written"] if isinstance(found[k].get("written"), (int, float)) else 0)
+    try:
+        os.makedirs(os.path.dirname(where), exist_ok=True)
+        write_json(where, {"version": formats.PROBES.version, "entries": {k: found[k] for k in keep[-PROBE_ENTRIES:]}})
+    except OSError:
+        return False
+    return True
+
+
+def cache_clear() -> Optional[str]:
+    """Remove the cache file (nothing else); its path if there was one."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(where := cache_path())
+        return where
+    return None
+
+
+def cached_cpu_probe(where: Optional[str] = None) -> Optional[Probe]:
+    """The CPU matmul probe, measured once per machine and kept in the cache (``where``: its file).
 
     ``GPT2LAB_PROBE=0`` turns it off (the choice then follows the CPU flags).
     """
@@ -299,21 +336,11 @@ def cached_cpu_probe(cache_dir: Optional[str] = None) -> Optional[Probe]:
         return None
     import torch
 
-    path = os.path.join(cache_dir or env.cache_dir(), f"cpu-probe-{machine_key()}.json")
-    try:
-        with open(path) as fh:
-            return Probe(**json.load(fh))
-    except (OSError, ValueError, TypeError):
-        pass
+    key = f"cpu-matmul-{machine_key()}"
+    with contextlib.suppress(KeyError, TypeError, AttributeError):
+        return Probe(**cached(where)[key]["matmul_gflops"])
     probe = measure_matmul(torch.device("cpu"))
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as fh:
-            json.dump(dataclasses.asdict(probe), fh)
-        os.replace(tmp, path)
-    except OSError:  # a read-only home: probe again next time, no harm done
-        pass
+    cache_update(key, lambda e: e.update(device="cpu", matmul_gflops=dataclasses.asdict(probe)), where)
     return probe
 
 
@@ -336,19 +363,12 @@ def detect(device, probe: bool = True) -> Facts:
     import torch
 
     dev = torch.device(device)
-    if dev.type == "cuda":
-        return Facts(
-            "cuda",
-            torch.cuda.get_device_name(dev),
-            cpu_flags(),
-            cuda_bf16=torch.cuda.is_bf16_supported(),
-            can_compile=can_compile("cuda"),
-        )
-    if dev.type == "mps":
-        return Facts("mps", "Apple MPS", cpu_flags(), can_compile=can_compile("mps"))
-    return Facts(
-        "cpu", cpu_name(), cpu_flags(), can_compile=can_compile("cpu"), probe=cached_cpu_probe() if probe else None
-    )
+    kind = dev.type if dev.type in ("cuda", "mps") else "cpu"
+    cuda = kind == "cuda"
+    name = torch.cuda.get_device_name(dev) if cuda else "Apple MPS" if kind == "mps" else cpu_name()
+    matmul = cached_cpu_probe() if probe and kind == "cpu" else None
+    bf16 = cuda and torch.cuda.is_bf16_supported()
+    return Facts(kind, name, cpu_flags(), cuda_bf16=bf16, can_compile=can_compile(kind), probe=matmul)
 
 
 @dataclass(frozen=True)
@@ -371,7 +391,7 @@ class Resolved:
     def record(self) -> dict:
         """The run_info.json entry."""
         f = self.facts
-        return {
+        out = {
             "dtype": self.dtype.value,
             "dtype_reason": self.dtype.reason,
             "compile": self.compile.value,
@@ -382,16 +402,14 @@ class Resolved:
             "cpu_flags": list(f.cpu_flags),
             "native_bf16": f.native_bf16,
             "matmul_probe_gflops": dataclasses.asdict(f.probe) if f.probe else None,
-            **(
-                {"muon_ns_dtype": self.ns_dtype.value, "muon_ns_dtype_reason": self.ns_dtype.reason}
-                if self.ns_dtype
-                else {}
-            ),
         }
+        if self.ns_dtype:
+            out.update(muon_ns_dtype=self.ns_dtype.value, muon_ns_dtype_reason=self.ns_dtype.reason)
+        return out
 
 
 def resolve(
-    device, dtype: str = "auto", compile: str = "false", facts: Optional[Facts] = None, ns_dtype: Optional[str] = None
+    device, dtype="auto", compile="false", facts: Optional[Facts] = None, ns_dtype: Optional[str] = None
 ) -> Resolved:
     """Decide dtype and compile (and Muon's Newton-Schulz dtype, unless ``ns_dtype`` is None: no
     Muon) for ``device``; the CPU probe runs only when an answer needs it."""
@@ -488,14 +506,3 @@ def set_wait_policy() -> None:
     WAIT = choose_wait(machine_load())
     if WAIT.value:
         env.put_wait_policy(WAIT.value)
-
-
-def inference_dtype(device, requested: str = "auto", command: str = "gpt2lab") -> str:
-    """The dtype for ``sample``/``eval``/``bench``: resolved like a run's, announced on stderr."""
-    import sys
-
-    choice = resolve(device, requested, "false").dtype
-    print(f"{command}: dtype {choice.value} ({choice.reason})", file=sys.stderr, flush=True)
-    if choice.warning:
-        print(f"{command}: warning: {choice.warning}", file=sys.stderr, flush=True)
-    return str(choice.value)
