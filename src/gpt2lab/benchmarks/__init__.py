@@ -1,5 +1,5 @@
-"""Benchmarks behind `gpt2lab bench NAME` (see commands/bench.py), and what they share: the timer, the
-rounds every way takes in turn (timed by system/runtime.py's one timer), the model shape flags and the machine's header."""
+"""Benchmarks behind `gpt2lab bench NAME` (see commands/bench.py), and what they share: the timer
+(system/runtime.py's), the rounds every way takes in turn, the model shape flags and the machine's header."""
 
 from __future__ import annotations
 
