@@ -44,7 +44,7 @@ import pickle
 import random
 import re
 import shutil
-from typing import Callable, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -58,9 +58,8 @@ from gpt2lab.system.errors import CheckpointError, ConfigError
 from gpt2lab.system.files import atomic_dir, sha256_file, write_json
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
-_PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DDP wrappers
+_WRAPPERS = re.compile(r"^(?:_orig_mod\.|module\.)+")  # torch.compile and DDP wrappers' prefixes
 CHECKSUMS = "checksums.json"
-FILES = ("model.safetensors", "optimizer.pt", "state.pt", "config.json")
 TRAINING = "training.safetensors"  # beside model.safetensors when it holds the weight average
 _DISK_FULL_NEXT = (
     "free some space (or lower --keep-checkpoints), then continue from the last checkpoint with --resume auto"
@@ -70,72 +69,41 @@ _DISK_FULL_NEXT = (
 def clean_state_dict(state: dict) -> dict:
     """Drop wrapper prefixes and the tied lm_head copy (an untied head, its own tensor, stays);
     contiguous tensors for safetensors."""
-    out, head = {}, None
-    for key, value in state.items():
-        changed = True
-        while changed:
-            changed = False
-            for prefix in _PREFIXES:
-                if key.startswith(prefix):
-                    key, changed = key[len(prefix) :], True
-        if key == "lm_head.weight":
-            head = value
-        else:
-            out[key] = value.detach().contiguous()
-    wte = out.get("transformer.wte.weight")
-    if head is not None and not (wte is not None and head.data_ptr() == wte.data_ptr() and head.shape == wte.shape):
-        out["lm_head.weight"] = head.detach().contiguous()
-    return out
-
-
-def rng_state() -> dict:
-    np_state = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    out = {_WRAPPERS.sub("", key): value for key, value in state.items()}
+    head, wte = out.get("lm_head.weight"), out.get("transformer.wte.weight")
+    if head is not None and wte is not None and head.data_ptr() == wte.data_ptr() and head.shape == wte.shape:
+        del out["lm_head.weight"]
+    return {key: value.detach().contiguous() for key, value in out.items()}
 
 
 def checkpoint_dir(run_dir: str, step: int) -> str:
     return os.path.join(run_dir, "checkpoints", f"step_{step:06d}")
 
 
-class Stateful(Protocol):
-    """A part of a checkpoint: the model, the optimizer, the loader, the trainer's counters..."""
-
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, state: dict) -> None: ...
-
-
 class RNG:
     """The process's random generators (python, numpy, torch, cuda) as a checkpoint part."""
 
     def state_dict(self) -> dict:
-        return rng_state()
+        kind, keys, *rest = np.random.get_state()
+        state = {"python": random.getstate(), "numpy": [kind, keys.tolist(), *rest], "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        set_rng_state(state)
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        kind, keys, *rest = state["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def save(
     run_dir: str,
     step: int,
-    parts: Mapping[str, Optional[Stateful]],
+    parts: Mapping[str, Any],
     config: dict,
     keep: int = 0,
     files: Sequence[str] = (),
@@ -153,31 +121,28 @@ def save(
     """
     final = checkpoint_dir(run_dir, step)
     model, optimizer, average = parts["model"], parts["optimizer"], parts.get("average")
-    extra = tuple(files)
     main = dist.rank() == 0
     if main:
         os.makedirs(os.path.dirname(final), exist_ok=True)
     plain = formats.stamp(_plain_state(parts), formats.CHECKPOINT) if main else None
     if parallel.is_sharded(model):
-        _save_sharded(final, model, optimizer, plain, config, extra)
+        _save_sharded(final, model, optimizer, plain, config, files)
     elif main:
         with atomic_dir(final, what_next=_DISK_FULL_NEXT, replace=True) as tmp:  # replace: same step saved again
-            names = FILES
             if average is not None:
                 save_file(clean_state_dict(model.state_dict()), os.path.join(tmp, TRAINING))
-                names += (TRAINING,)
             shown = model if average is None else average.module
             save_file(clean_state_dict(shown.state_dict()), os.path.join(tmp, "model.safetensors"))
             torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-            names += _write_rest(tmp, plain, config, extra)
-            write_json(os.path.join(tmp, CHECKSUMS), {name: sha256_file(os.path.join(tmp, name)) for name in names})
+            _write_rest(tmp, plain, config, files)
+            write_json(os.path.join(tmp, CHECKSUMS), {n: sha256_file(os.path.join(tmp, n)) for n in os.listdir(tmp)})
     if main and keep:
         for old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def _plain_state(parts: Mapping[str, Optional[Stateful]]) -> dict:
+def _plain_state(parts: Mapping[str, Any]) -> dict:
     """state.pt's content: the trainer's entries at the top, every other part under its name."""
     state = {
         name: (part.state_dict() if part is not None else None)
@@ -187,16 +152,15 @@ def _plain_state(parts: Mapping[str, Optional[Stateful]]) -> dict:
     return {**parts["trainer"].state_dict(), **state}
 
 
-def _write_rest(tmp: str, plain: dict, config: dict, files: Sequence[str] = ()) -> tuple[str, ...]:
-    """state.pt, config.json (with its format version) and copies of ``files``; returns the copies' names."""
+def _write_rest(tmp: str, plain: dict, config: dict, files: Sequence[str]) -> None:
+    """state.pt, config.json (with its format version) and copies of ``files``."""
     torch.save(plain, os.path.join(tmp, "state.pt"))
     write_json(os.path.join(tmp, "config.json"), formats.stamp(config, formats.RUN))
     for path in files:
         shutil.copyfile(path, os.path.join(tmp, os.path.basename(path)))
-    return tuple(os.path.basename(path) for path in files)
 
 
-def _save_sharded(final: str, model, optimizer, plain: Optional[dict], config: dict, files: Sequence[str] = ()) -> None:
+def _save_sharded(final: str, model, optimizer, plain: Optional[dict], config: dict, files: Sequence[str]) -> None:
     """Every rank writes its shard into rank 0's temporary directory; rank 0 completes it.
 
     Rank 0 (the one with ``plain``) writes state.pt and config.json; once every rank is
@@ -428,14 +392,18 @@ def _first_line(e: BaseException) -> str:
 def read_state(ckpt: str) -> dict:
     """The checkpoint's state.pt (plain values only: weights_only), without its format_version
     (a checkpoint of another version is refused)."""
-    path = os.path.join(ckpt, "state.pt")
-    try:
-        state = torch.load(path, weights_only=True, map_location="cpu")
-    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
-        raise damaged(ckpt, _first_line(e)) from e
+    state = _torch_load(ckpt, "state.pt")
     if not isinstance(state, dict):
         raise damaged(ckpt, f"state.pt holds no dict ({type(state).__name__})")
-    return formats.unstamp(state, path, formats.CHECKPOINT, CheckpointError)
+    return formats.unstamp(state, os.path.join(ckpt, "state.pt"), formats.CHECKPOINT, CheckpointError)
+
+
+def _torch_load(ckpt: str, name: str):
+    """A torch.save'd file of ``ckpt`` (plain values only: weights_only); unreadable: damaged."""
+    try:
+        return torch.load(os.path.join(ckpt, name), weights_only=True, map_location="cpu")
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
+        raise damaged(ckpt, _first_line(e)) from e
 
 
 def check_format(ckpt: str) -> None:
@@ -445,7 +413,7 @@ def check_format(ckpt: str) -> None:
     read_config(ckpt)
 
 
-def load(ckpt: str, parts: Mapping[str, Optional[Stateful]], verified: bool = False) -> None:
+def load(ckpt: str, parts: Mapping[str, Any], verified: bool = False) -> None:
     """Restore every part from ``ckpt``: either layout, written by any number of ranks.
 
     Called on every rank. A sharded checkpoint is resharded to this run's ranks by DCP
@@ -487,10 +455,7 @@ def load(ckpt: str, parts: Mapping[str, Optional[Stateful]], verified: bool = Fa
 
 def _load_optimizer(ckpt: str, apply: Callable[[dict], None]) -> None:
     """optimizer.pt, handed to ``apply`` (one fitting error for both of its callers)."""
-    try:
-        opt = torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True, map_location="cpu")
-    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
-        raise damaged(ckpt, _first_line(e)) from e
+    opt = _torch_load(ckpt, "optimizer.pt")
     try:
         apply(opt)
     except (ValueError, KeyError, RuntimeError) as e:

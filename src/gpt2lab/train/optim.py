@@ -17,13 +17,13 @@ state, with no host sync.
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Optional, Union
 
 import torch
 import torch.nn as nn
 
+from gpt2lab.distributed import parallel
 from gpt2lab.system.errors import ConfigError
 from gpt2lab.train.schedule import peak_lr
 
@@ -45,13 +45,6 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-
-
-def fused_available(device: torch.device) -> bool:
-    """Fused AdamW kernels exist for CUDA (and CPU on recent torch)."""
-    if "fused" not in inspect.signature(torch.optim.AdamW).parameters:
-        return False
-    return device.type in ("cuda", "cpu")
 
 
 def cautious_mask(update: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -119,9 +112,9 @@ def make_optimizer(
     fused: bool | None = None,
     cautious: bool = False,
 ) -> torch.optim.AdamW:
-    """AdamW over ``param_groups``; fused when the device has the kernel (``fused=None``);
+    """AdamW over ``param_groups``; fused when the device has the kernel (``fused=None``: CUDA and CPU);
     ``cautious``: its weight decay cautious."""
-    use_fused = fused_available(device) if fused is None else fused
+    use_fused = device.type in ("cuda", "cpu") if fused is None else fused
     return AdamW(
         param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=use_fused or None, cautious=cautious
     )
@@ -182,20 +175,14 @@ POLAR_EXPRESS_COEFFICIENTS = (
 POLAR_EXPRESS_SAFETY = 1.01
 
 
-def polar_express_coefficients(steps: int) -> list[tuple[float, float, float]]:
-    """The (a, b, c) of each of ``steps`` Polar Express iterations, the safety factor applied."""
-    s = POLAR_EXPRESS_SAFETY
-    safe = [(a / s, b / s**3, c / s**5) for a, b, c in POLAR_EXPRESS_COEFFICIENTS[:-1]]
-    safe.append(POLAR_EXPRESS_COEFFICIENTS[-1])
-    return safe[:steps] + [safe[-1]] * max(0, steps - len(safe))
-
-
 def polar_express(g: torch.Tensor, dtype: torch.dtype, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
     """``orthogonalize`` with the Polar Express polynomials (``--muon-orth polar_express``): ``g`` divided
     by 1.01 times its Frobenius norm, then iteration t maps X to a_t X + (b_t XX^T + c_t (XX^T)^2) X,
     in ``dtype``. The same matmuls as Newton-Schulz's; singular values closer to 1 at as many steps."""
-    coefficients = polar_express_coefficients(steps)
-    return _quintic_steps(g, dtype, coefficients, lambda norm: norm * POLAR_EXPRESS_SAFETY + eps)
+    s = POLAR_EXPRESS_SAFETY
+    safe = [(a / s, b / s**3, c / s**5) for a, b, c in POLAR_EXPRESS_COEFFICIENTS[:-1]]
+    safe += [POLAR_EXPRESS_COEFFICIENTS[-1]] * max(1, steps - len(safe))
+    return _quintic_steps(g, dtype, safe[:steps], lambda norm: norm * s + eps)
 
 
 def normalize_neurons(
@@ -367,20 +354,15 @@ def muon_split(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     head_ids = {id(p) for p in head.parameters()} - embed_ids if head is not None else set()
     blocks = getattr(getattr(model, "transformer", None), "h", None)
     hidden_ids = {id(p) for p in blocks.parameters() if p.dim() == 2} if blocks is not None else set()
+    roles = {
+        **dict.fromkeys(hidden_ids, "hidden"),
+        **dict.fromkeys(head_ids, "head"),
+        **dict.fromkeys(embed_ids, "embed"),
+    }
     out: dict[str, list[nn.Parameter]] = {"hidden": [], "embed": [], "head": [], "other": []}
     for p in model.parameters():  # de-duplicated: a tied head appears once, as the embedding
-        if not p.requires_grad:
-            continue
-        role = (
-            "embed"
-            if id(p) in embed_ids
-            else "head"
-            if id(p) in head_ids
-            else "hidden"
-            if id(p) in hidden_ids
-            else "other"
-        )
-        out[role].append(p)
+        if p.requires_grad:
+            out[roles.get(id(p), "other")].append(p)
     return out
 
 
@@ -391,7 +373,7 @@ def make_muon(model: nn.Module, opt, device: torch.device, ns_dtype: torch.dtype
     Every group carries ``lr_name``, the TrainConfig field its peak rate comes from
     (``set_lrs``): muon_lr, embed_lr, head_lr or max_lr (gains, biases, other matrices).
     """
-    if any(_is_dtensor(p) for p in model.parameters()):
+    if parallel.is_sharded(model):
         raise ConfigError(
             "--optimizer muon: the model is sharded (FSDP), and Muon orthogonalises whole "
             "matrices; use --strategy ddp, or --optimizer adamw with FSDP"
@@ -425,18 +407,10 @@ def make_muon(model: nn.Module, opt, device: torch.device, ns_dtype: torch.dtype
         lr=opt.max_lr,
         betas=(opt.beta1, opt.beta2),
         eps=opt.eps,
-        fused=fused_available(device) or None,
+        fused=device.type in ("cuda", "cpu") or None,
         cautious=opt.cautious_wd,
     )
     return Optimizers(adamw=adamw, muon=muon)
-
-
-def _is_dtensor(p: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return False
-    return isinstance(p, DTensor)
 
 
 def build_optimizer(model: nn.Module, opt, device: torch.device, ns_dtype: Optional[str] = None, tokenizer=None):
