@@ -31,7 +31,7 @@ by rank 0, after every rank has written), so any ``step_*`` directory is whole; 
 K are kept. Bytes that change afterwards (a bad disk, a copy cut short) fail the checksum:
 loading says the checkpoint is damaged. A sharded checkpoint resumes on any number of
 ranks, and weights/load.py consolidates it in one process for sample, eval and export.
-Every reader (``read_config``, ``read_state``, ``check_format``) refuses a checkpoint of
+Every reader (``read_config``, ``read_state``) refuses a checkpoint of
 another format version in one line (CheckpointError).
 """
 
@@ -329,8 +329,7 @@ def load_weights(model: torch.nn.Module, ckpt: str, verified: bool = False, name
         _check_shape(model, ckpt, _sharded_shapes(ckpt))
         state = _read(ckpt, "its shards", sharded.read_model)
     else:
-        state = _read_full(ckpt, name)
-        _check_shape(model, ckpt, {k: tuple(v.shape) for k, v in state.items()})
+        state = _read_full(ckpt, name, model)
     model.load_state_dict(state, strict=False)  # a tied lm_head is wte, restored with it
 
 
@@ -341,8 +340,11 @@ def _read(ckpt: str, what: str, read):
         raise damaged(ckpt, f"{what} cannot be read ({_first_line(e)})") from e
 
 
-def _read_full(ckpt: str, name: str = "model.safetensors") -> dict[str, torch.Tensor]:
-    return _read(ckpt, name, lambda c: clean_state_dict(load_file(os.path.join(c, name))))
+def _read_full(ckpt: str, name: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A full checkpoint's weights file ``name``, checked to fit ``model``'s shape."""
+    state = _read(ckpt, name, lambda c: clean_state_dict(load_file(os.path.join(c, name))))
+    _check_shape(model, ckpt, {k: tuple(v.shape) for k, v in state.items()})
+    return state
 
 
 def _sharded_shapes(ckpt: str) -> dict[str, tuple[int, ...]]:
@@ -352,12 +354,9 @@ def _sharded_shapes(ckpt: str) -> dict[str, tuple[int, ...]]:
 
 def _check_shape(model: torch.nn.Module, ckpt: str, theirs: dict) -> None:
     mine = {k: tuple(v.shape) for k, v in clean_state_dict(model.state_dict()).items()}  # DTensor: global shape
-    if mine != theirs:
-        raise CheckpointError(_mismatch(ckpt, model, mine, theirs))
-
-
-def _mismatch(ckpt: str, model: torch.nn.Module, mine: dict, theirs: dict) -> str:
-    """One line: the shape fields that differ (only those), or, when the configs agree, a tensor that does not."""
+    if mine == theirs:
+        return
+    # one line: the shape fields that differ (only those), or, when the configs agree, a tensor that does not
     cfg = getattr(model, "config", None)
     want = cfg.shape() if hasattr(cfg, "shape") else {}
     try:
@@ -378,7 +377,7 @@ def _mismatch(ckpt: str, model: torch.nn.Module, mine: dict, theirs: dict) -> st
         what = f"its config.json is unreadable, and {tensor}"
     else:  # same config, other tensors: the config.json was written over (or the weights)
         what = f"its config.json names this model's shape but its weights do not fit it: {tensor}"
-    return (
+    raise CheckpointError(
         f"checkpoint {ckpt} holds another model shape than this one: {what}; resume with the "
         "checkpoint's model settings, or train this shape into a new --out"
     )
@@ -406,13 +405,6 @@ def _torch_load(ckpt: str, name: str):
         raise damaged(ckpt, _first_line(e)) from e
 
 
-def check_format(ckpt: str) -> None:
-    """Refuse, in one line, a checkpoint of another format version than this gpt2lab's: its
-    state.pt's and its config.json's (for the readers that need neither file's content)."""
-    read_state(ckpt)
-    read_config(ckpt)
-
-
 def load(ckpt: str, parts: Mapping[str, Any], verified: bool = False) -> None:
     """Restore every part from ``ckpt``: either layout, written by any number of ranks.
 
@@ -434,8 +426,7 @@ def load(ckpt: str, parts: Mapping[str, Any], verified: bool = False) -> None:
         _check_shape(model, ckpt, _sharded_shapes(ckpt))
         sharded.load(ckpt, model, optimizer)
     elif parallel.is_sharded(model):  # a one-process or DDP checkpoint continued under FSDP
-        weights = _read_full(ckpt, trained)
-        _check_shape(model, ckpt, {k: tuple(v.shape) for k, v in weights.items()})
+        weights = _read_full(ckpt, trained, model)
         _load_optimizer(ckpt, lambda adam: sharded.load_full(model, optimizer, weights, adam))
     else:
         load_weights(model, ckpt, verified=True, name=trained)

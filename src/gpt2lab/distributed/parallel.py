@@ -168,12 +168,6 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def _fsdp_modules(model: nn.Module) -> list:
-    from torch.distributed.fsdp import FSDPModule
-
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
 # -- the training step ---------------------------------------------------------------------
 @contextlib.contextmanager
 def sync_gradients(model: nn.Module, last: bool) -> Iterator[None]:
@@ -279,7 +273,9 @@ def gathered(model: nn.Module) -> Iterator[None]:
     resharding after lets each rank run what it needs. Costs one full copy of the weights
     (bf16 in the blocks under mixed precision) for the duration. Not sharded: nothing to do.
     """
-    mods = _fsdp_modules(model)
+    from torch.distributed.fsdp import FSDPModule
+
+    mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
     blocks = [m for m in mods if m is not model]  # the root never reshards after forward (FSDP2's own rule)
     for m in blocks:
         m.set_reshard_after_forward(False, recurse=False)

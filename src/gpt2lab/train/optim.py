@@ -47,12 +47,13 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def cautious_mask(update: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Where cautious weight decay applies (Chen et al. 2025, "Cautious Weight Decay"): the
-    coordinates whose update u (the step is p -= lr * u) and weight have the same sign, I(u * p >= 0),
-    as 0/1 in p's dtype. There the decay and the update both pull the weight towards zero; elsewhere
-    the update moves it away from zero, and the decay would work against it."""
-    return (update * p >= 0).to(p.dtype)
+def cautious_decay_(p: torch.Tensor, update: torch.Tensor, rate: float, keep: Optional[torch.Tensor]) -> None:
+    """Cautious weight decay (Chen et al. 2025, "Cautious Weight Decay"): p -= rate * I(u * p >= 0) * p,
+    only on the coordinates whose update u (the step is p -= lr * u) and weight have the same sign.
+    There the decay and the update both pull the weight towards zero; elsewhere the update moves it
+    away from zero, and the decay would work against it. ``keep``: the device verdict (0: skipped)."""
+    decay = (update * p >= 0).to(p.dtype) * rate
+    p.sub_(p * (decay if keep is None else decay * keep.to(p.dtype)))
 
 
 class AdamW(torch.optim.AdamW):
@@ -88,8 +89,7 @@ class AdamW(torch.optim.AdamW):
                 m = self.state[p].get("exp_avg")
                 beta1 = group["betas"][0]
                 new_m = p.grad * (1 - beta1) if m is None else m.lerp(p.grad, 1 - beta1)
-                decay = cautious_mask(new_m, p) * rate
-                p.sub_(p * (decay if keep is None else decay * keep.to(p.dtype)))
+                cautious_decay_(p, new_m, rate, keep)
             group["weight_decay"] = 0.0
         if keep is not None:
             self.found_inf = skip.float()  # how torch's fused kernel takes a verdict (GradScaler hands it so too)
@@ -230,7 +230,7 @@ class Muon(torch.optim.Muon):
     weight decay ``p *= 1 - lr*wd``, ``p -= lr * muon_lr_scale * O``. NorMuon's second moment is
     one more state entry per matrix, ``second_moment`` (fp32, one value per row). ``orth``
     "polar_express" orthogonalises with ``polar_express`` (``ns_steps`` iterations) in place of
-    Newton-Schulz; ``cautious`` decays only where ``cautious_mask`` of the update O is 1:
+    Newton-Schulz; ``cautious`` decays only where the update O and the weight agree in sign (``cautious_decay_``):
     ``p *= 1 - lr*wd*I(O*p >= 0)``. The variant, beta2, orth and cautious are attributes, not group
     entries, so a resume uses the run's own, not the checkpoint's.
     """
@@ -272,10 +272,8 @@ class Muon(torch.optim.Muon):
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
                 buf, scale = state["momentum_buffer"], lr * muon_lr_scale(p.shape, group["adjust_lr_fn"])
-                if keep is None:
-                    buf.lerp_(p.grad, 1 - momentum)
-                else:  # a skipped step leaves the buffer as it was (weight 0); a kept one moves it as above
-                    buf.lerp_(p.grad, (keep * (1 - momentum)).to(buf.dtype))
+                # a step skipped on the device leaves the buffer as it was (weight 0)
+                buf.lerp_(p.grad, 1 - momentum if keep is None else (keep * (1 - momentum)).to(buf.dtype))
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
                 if self.orth == "polar_express":
                     update = polar_express(update, self.ns_dtype, group["ns_steps"], group["eps"])
@@ -288,12 +286,9 @@ class Muon(torch.optim.Muon):
                         state["second_moment"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
                     update = normalize_neurons(update, state["second_moment"], self.beta2, keep=keep)
                 if self.cautious and wd:  # the decay where the update and the weight agree in sign
-                    decay = cautious_mask(update, p) * (lr * wd)
-                    p.sub_(p * (decay if keep is None else decay * keep.to(p.dtype)))
-                elif keep is None:
-                    p.mul_(1 - lr * wd)
+                    cautious_decay_(p, update, lr * wd, keep)
                 else:
-                    p.mul_((1 - lr * wd * keep).to(p.dtype))
+                    p.mul_(1 - lr * wd if keep is None else (1 - lr * wd * keep).to(p.dtype))
                 if keep is None:
                     p.add_(update, alpha=-scale)
                 else:
