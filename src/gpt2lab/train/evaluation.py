@@ -48,7 +48,9 @@ class Evaluator:
     def __call__(self, step: int, log: MetricsLogger) -> bool:
         """Run and log what is due at ``step``; whether anything was (what a stop cut short is not logged)."""
         ev, last = self.cfg.eval, self.cfg.optim.max_steps
-        val, hella, samples = (due(i, step, last) for i in (ev.eval_interval, ev.hellaswag_interval, ev.sample_interval))
+        val, hella, samples = (
+            due(i, step, last) for i in (ev.eval_interval, ev.hellaswag_interval, ev.sample_interval)
+        )
         if val:
             res = self.validate()
             if res is not None:
