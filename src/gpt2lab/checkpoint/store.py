@@ -287,8 +287,7 @@ def is_complete(path: str) -> bool:
 
 
 def find_latest(run_dir: str) -> Optional[str]:
-    ckpts = list_checkpoints(run_dir)
-    return ckpts[-1] if ckpts else None
+    return next(reversed(list_checkpoints(run_dir)), None)
 
 
 def has_weights(path: str) -> bool:

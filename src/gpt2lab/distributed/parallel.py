@@ -62,11 +62,8 @@ def choose_strategy(
     if requested not in STRATEGY_CHOICES:
         raise ChoiceError(f"strategy {requested!r}: choose one of {', '.join(STRATEGY_CHOICES)}")
     if world_size == 1:
-        why = "one process: nothing to shard, the model trains unwrapped"
-        return Choice(
-            "ddp",
-            why + (" (--strategy fsdp applies under torchrun with several processes)" if requested == "fsdp" else ""),
-        )
+        also = " (--strategy fsdp applies under torchrun with several processes)" if requested == "fsdp" else ""
+        return Choice("ddp", f"one process: nothing to shard, the model trains unwrapped{also}")
     if requested == "fsdp":
         if dtype == "float16":
             raise ChoiceError(
@@ -76,13 +73,10 @@ def choose_strategy(
         return Choice("fsdp", "asked for with --strategy fsdp")
     if requested == "ddp":
         return Choice("ddp", "asked for with --strategy ddp")
-    if lora or dtype == "float16":
-        return Choice(
-            "ddp",
-            "LoRA: only the adapters have gradients and AdamW state"
-            if lora
-            else "float16: the gradient scaler needs DDP's whole gradients",
-        )
+    if lora:
+        return Choice("ddp", "LoRA: only the adapters have gradients and AdamW state")
+    if dtype == "float16":
+        return Choice("ddp", "float16: the gradient scaler needs DDP's whole gradients")
     if ddp_bytes is None or device_bytes is None:
         return Choice(
             "ddp",
