@@ -247,7 +247,7 @@ def test_fsdp_refusal_exits_2_from_the_cli(capsys):
 
 def test_sharded_parameters_are_refused_when_auto_chose_fsdp(monkeypatch):
     """--strategy auto may shard a big model; Muon then refuses before the first step."""
-    monkeypatch.setattr("gpt2lab.train.optim._is_dtensor", lambda p: True)
+    monkeypatch.setattr("gpt2lab.distributed.parallel.is_sharded", lambda model: True)
     with pytest.raises(ConfigError, match="the model is sharded .FSDP."):
         _make(_model(), _cfg())
 

@@ -31,7 +31,7 @@ by rank 0, after every rank has written), so any ``step_*`` directory is whole; 
 K are kept. Bytes that change afterwards (a bad disk, a copy cut short) fail the checksum:
 loading says the checkpoint is damaged. A sharded checkpoint resumes on any number of
 ranks, and weights/load.py consolidates it in one process for sample, eval and export.
-Every reader (``read_config``, ``read_state``, ``check_format``) refuses a checkpoint of
+Every reader (``read_config``, ``read_state``) refuses a checkpoint of
 another format version in one line (CheckpointError).
 """
 
@@ -44,7 +44,7 @@ import pickle
 import random
 import re
 import shutil
-from typing import Callable, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -58,9 +58,8 @@ from gpt2lab.system.errors import CheckpointError, ConfigError
 from gpt2lab.system.files import atomic_dir, sha256_file, write_json
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
-_PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DDP wrappers
+_WRAPPERS = re.compile(r"^(?:_orig_mod\.|module\.)+")  # torch.compile and DDP wrappers' prefixes
 CHECKSUMS = "checksums.json"
-FILES = ("model.safetensors", "optimizer.pt", "state.pt", "config.json")
 TRAINING = "training.safetensors"  # beside model.safetensors when it holds the weight average
 _DISK_FULL_NEXT = (
     "free some space (or lower --keep-checkpoints), then continue from the last checkpoint with --resume auto"
@@ -70,72 +69,41 @@ _DISK_FULL_NEXT = (
 def clean_state_dict(state: dict) -> dict:
     """Drop wrapper prefixes and the tied lm_head copy (an untied head, its own tensor, stays);
     contiguous tensors for safetensors."""
-    out, head = {}, None
-    for key, value in state.items():
-        changed = True
-        while changed:
-            changed = False
-            for prefix in _PREFIXES:
-                if key.startswith(prefix):
-                    key, changed = key[len(prefix) :], True
-        if key == "lm_head.weight":
-            head = value
-        else:
-            out[key] = value.detach().contiguous()
-    wte = out.get("transformer.wte.weight")
-    if head is not None and not (wte is not None and head.data_ptr() == wte.data_ptr() and head.shape == wte.shape):
-        out["lm_head.weight"] = head.detach().contiguous()
-    return out
-
-
-def rng_state() -> dict:
-    np_state = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    out = {_WRAPPERS.sub("", key): value for key, value in state.items()}
+    head, wte = out.get("lm_head.weight"), out.get("transformer.wte.weight")
+    if head is not None and wte is not None and head.data_ptr() == wte.data_ptr() and head.shape == wte.shape:
+        del out["lm_head.weight"]
+    return {key: value.detach().contiguous() for key, value in out.items()}
 
 
 def checkpoint_dir(run_dir: str, step: int) -> str:
     return os.path.join(run_dir, "checkpoints", f"step_{step:06d}")
 
 
-class Stateful(Protocol):
-    """A part of a checkpoint: the model, the optimizer, the loader, the trainer's counters..."""
-
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, state: dict) -> None: ...
-
-
 class RNG:
     """The process's random generators (python, numpy, torch, cuda) as a checkpoint part."""
 
     def state_dict(self) -> dict:
-        return rng_state()
+        kind, keys, *rest = np.random.get_state()
+        state = {"python": random.getstate(), "numpy": [kind, keys.tolist(), *rest], "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        set_rng_state(state)
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        kind, keys, *rest = state["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def save(
     run_dir: str,
     step: int,
-    parts: Mapping[str, Optional[Stateful]],
+    parts: Mapping[str, Any],
     config: dict,
     keep: int = 0,
     files: Sequence[str] = (),
@@ -153,31 +121,28 @@ def save(
     """
     final = checkpoint_dir(run_dir, step)
     model, optimizer, average = parts["model"], parts["optimizer"], parts.get("average")
-    extra = tuple(files)
     main = dist.rank() == 0
     if main:
         os.makedirs(os.path.dirname(final), exist_ok=True)
     plain = formats.stamp(_plain_state(parts), formats.CHECKPOINT) if main else None
     if parallel.is_sharded(model):
-        _save_sharded(final, model, optimizer, plain, config, extra)
+        _save_sharded(final, model, optimizer, plain, config, files)
     elif main:
         with atomic_dir(final, what_next=_DISK_FULL_NEXT, replace=True) as tmp:  # replace: same step saved again
-            names = FILES
             if average is not None:
                 save_file(clean_state_dict(model.state_dict()), os.path.join(tmp, TRAINING))
-                names += (TRAINING,)
             shown = model if average is None else average.module
             save_file(clean_state_dict(shown.state_dict()), os.path.join(tmp, "model.safetensors"))
             torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-            names += _write_rest(tmp, plain, config, extra)
-            write_json(os.path.join(tmp, CHECKSUMS), {name: sha256_file(os.path.join(tmp, name)) for name in names})
+            _write_rest(tmp, plain, config, files)
+            write_json(os.path.join(tmp, CHECKSUMS), {n: sha256_file(os.path.join(tmp, n)) for n in os.listdir(tmp)})
     if main and keep:
         for old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def _plain_state(parts: Mapping[str, Optional[Stateful]]) -> dict:
+def _plain_state(parts: Mapping[str, Any]) -> dict:
     """state.pt's content: the trainer's entries at the top, every other part under its name."""
     state = {
         name: (part.state_dict() if part is not None else None)
@@ -187,16 +152,15 @@ def _plain_state(parts: Mapping[str, Optional[Stateful]]) -> dict:
     return {**parts["trainer"].state_dict(), **state}
 
 
-def _write_rest(tmp: str, plain: dict, config: dict, files: Sequence[str] = ()) -> tuple[str, ...]:
-    """state.pt, config.json (with its format version) and copies of ``files``; returns the copies' names."""
+def _write_rest(tmp: str, plain: dict, config: dict, files: Sequence[str]) -> None:
+    """state.pt, config.json (with its format version) and copies of ``files``."""
     torch.save(plain, os.path.join(tmp, "state.pt"))
     write_json(os.path.join(tmp, "config.json"), formats.stamp(config, formats.RUN))
     for path in files:
         shutil.copyfile(path, os.path.join(tmp, os.path.basename(path)))
-    return tuple(os.path.basename(path) for path in files)
 
 
-def _save_sharded(final: str, model, optimizer, plain: Optional[dict], config: dict, files: Sequence[str] = ()) -> None:
+def _save_sharded(final: str, model, optimizer, plain: Optional[dict], config: dict, files: Sequence[str]) -> None:
     """Every rank writes its shard into rank 0's temporary directory; rank 0 completes it.
 
     Rank 0 (the one with ``plain``) writes state.pt and config.json; once every rank is
@@ -323,8 +287,7 @@ def is_complete(path: str) -> bool:
 
 
 def find_latest(run_dir: str) -> Optional[str]:
-    ckpts = list_checkpoints(run_dir)
-    return ckpts[-1] if ckpts else None
+    return next(reversed(list_checkpoints(run_dir)), None)
 
 
 def has_weights(path: str) -> bool:
@@ -365,8 +328,7 @@ def load_weights(model: torch.nn.Module, ckpt: str, verified: bool = False, name
         _check_shape(model, ckpt, _sharded_shapes(ckpt))
         state = _read(ckpt, "its shards", sharded.read_model)
     else:
-        state = _read_full(ckpt, name)
-        _check_shape(model, ckpt, {k: tuple(v.shape) for k, v in state.items()})
+        state = _read_full(ckpt, name, model)
     model.load_state_dict(state, strict=False)  # a tied lm_head is wte, restored with it
 
 
@@ -377,8 +339,11 @@ def _read(ckpt: str, what: str, read):
         raise damaged(ckpt, f"{what} cannot be read ({_first_line(e)})") from e
 
 
-def _read_full(ckpt: str, name: str = "model.safetensors") -> dict[str, torch.Tensor]:
-    return _read(ckpt, name, lambda c: clean_state_dict(load_file(os.path.join(c, name))))
+def _read_full(ckpt: str, name: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A full checkpoint's weights file ``name``, checked to fit ``model``'s shape."""
+    state = _read(ckpt, name, lambda c: clean_state_dict(load_file(os.path.join(c, name))))
+    _check_shape(model, ckpt, {k: tuple(v.shape) for k, v in state.items()})
+    return state
 
 
 def _sharded_shapes(ckpt: str) -> dict[str, tuple[int, ...]]:
@@ -388,12 +353,9 @@ def _sharded_shapes(ckpt: str) -> dict[str, tuple[int, ...]]:
 
 def _check_shape(model: torch.nn.Module, ckpt: str, theirs: dict) -> None:
     mine = {k: tuple(v.shape) for k, v in clean_state_dict(model.state_dict()).items()}  # DTensor: global shape
-    if mine != theirs:
-        raise CheckpointError(_mismatch(ckpt, model, mine, theirs))
-
-
-def _mismatch(ckpt: str, model: torch.nn.Module, mine: dict, theirs: dict) -> str:
-    """One line: the shape fields that differ (only those), or, when the configs agree, a tensor that does not."""
+    if mine == theirs:
+        return
+    # one line: the shape fields that differ (only those), or, when the configs agree, a tensor that does not
     cfg = getattr(model, "config", None)
     want = cfg.shape() if hasattr(cfg, "shape") else {}
     try:
@@ -414,7 +376,7 @@ def _mismatch(ckpt: str, model: torch.nn.Module, mine: dict, theirs: dict) -> st
         what = f"its config.json is unreadable, and {tensor}"
     else:  # same config, other tensors: the config.json was written over (or the weights)
         what = f"its config.json names this model's shape but its weights do not fit it: {tensor}"
-    return (
+    raise CheckpointError(
         f"checkpoint {ckpt} holds another model shape than this one: {what}; resume with the "
         "checkpoint's model settings, or train this shape into a new --out"
     )
@@ -428,24 +390,21 @@ def _first_line(e: BaseException) -> str:
 def read_state(ckpt: str) -> dict:
     """The checkpoint's state.pt (plain values only: weights_only), without its format_version
     (a checkpoint of another version is refused)."""
-    path = os.path.join(ckpt, "state.pt")
-    try:
-        state = torch.load(path, weights_only=True, map_location="cpu")
-    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
-        raise damaged(ckpt, _first_line(e)) from e
+    state = _torch_load(ckpt, "state.pt")
     if not isinstance(state, dict):
         raise damaged(ckpt, f"state.pt holds no dict ({type(state).__name__})")
-    return formats.unstamp(state, path, formats.CHECKPOINT, CheckpointError)
+    return formats.unstamp(state, os.path.join(ckpt, "state.pt"), formats.CHECKPOINT, CheckpointError)
 
 
-def check_format(ckpt: str) -> None:
-    """Refuse, in one line, a checkpoint of another format version than this gpt2lab's: its
-    state.pt's and its config.json's (for the readers that need neither file's content)."""
-    read_state(ckpt)
-    read_config(ckpt)
+def _torch_load(ckpt: str, name: str):
+    """A torch.save'd file of ``ckpt`` (plain values only: weights_only); unreadable: damaged."""
+    try:
+        return torch.load(os.path.join(ckpt, name), weights_only=True, map_location="cpu")
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
+        raise damaged(ckpt, _first_line(e)) from e
 
 
-def load(ckpt: str, parts: Mapping[str, Optional[Stateful]], verified: bool = False) -> None:
+def load(ckpt: str, parts: Mapping[str, Any], verified: bool = False) -> None:
     """Restore every part from ``ckpt``: either layout, written by any number of ranks.
 
     Called on every rank. A sharded checkpoint is resharded to this run's ranks by DCP
@@ -466,8 +425,7 @@ def load(ckpt: str, parts: Mapping[str, Optional[Stateful]], verified: bool = Fa
         _check_shape(model, ckpt, _sharded_shapes(ckpt))
         sharded.load(ckpt, model, optimizer)
     elif parallel.is_sharded(model):  # a one-process or DDP checkpoint continued under FSDP
-        weights = _read_full(ckpt, trained)
-        _check_shape(model, ckpt, {k: tuple(v.shape) for k, v in weights.items()})
+        weights = _read_full(ckpt, trained, model)
         _load_optimizer(ckpt, lambda adam: sharded.load_full(model, optimizer, weights, adam))
     else:
         load_weights(model, ckpt, verified=True, name=trained)
@@ -487,10 +445,7 @@ def load(ckpt: str, parts: Mapping[str, Optional[Stateful]], verified: bool = Fa
 
 def _load_optimizer(ckpt: str, apply: Callable[[dict], None]) -> None:
     """optimizer.pt, handed to ``apply`` (one fitting error for both of its callers)."""
-    try:
-        opt = torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True, map_location="cpu")
-    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
-        raise damaged(ckpt, _first_line(e)) from e
+    opt = _torch_load(ckpt, "optimizer.pt")
     try:
         apply(opt)
     except (ValueError, KeyError, RuntimeError) as e:

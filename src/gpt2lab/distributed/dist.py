@@ -29,11 +29,7 @@ def pick_device(name: Optional[str] = None) -> torch.device:
         if (dev.index or 0) >= there:
             raise ConfigError(f"--device {name}: this machine has {there} {dev.type} device(s); use --device auto")
         return dev
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+    return torch.device("cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu")
 
 
 def autocast(device: torch.device, dtype: str | torch.dtype = "float32"):
@@ -82,32 +78,34 @@ def init_distributed(device: Optional[str] = None) -> DistInfo:
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world, device=dev)
 
 
+def _grouped() -> bool:
+    """Whether a process group is up (torchrun with several processes)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def cleanup() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if _grouped():
         dist.destroy_process_group()
-
-
-def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
-    """Mean over ranks (in place); a no-op in a single process."""
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        t /= dist.get_world_size()
-    return t
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum over ranks (in place); a no-op in a single process."""
-    if dist.is_available() and dist.is_initialized():
+    if _grouped():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 
 
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    """Mean over ranks (in place); a no-op in a single process."""
+    return all_reduce_sum(t).div_(world()) if _grouped() else t
+
+
 def rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if _grouped() else 0
 
 
 def world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size() if _grouped() else 1
 
 
 def broadcast(value):

@@ -62,11 +62,8 @@ def choose_strategy(
     if requested not in STRATEGY_CHOICES:
         raise ChoiceError(f"strategy {requested!r}: choose one of {', '.join(STRATEGY_CHOICES)}")
     if world_size == 1:
-        why = "one process: nothing to shard, the model trains unwrapped"
-        return Choice(
-            "ddp",
-            why + (" (--strategy fsdp applies under torchrun with several processes)" if requested == "fsdp" else ""),
-        )
+        also = " (--strategy fsdp applies under torchrun with several processes)" if requested == "fsdp" else ""
+        return Choice("ddp", f"one process: nothing to shard, the model trains unwrapped{also}")
     if requested == "fsdp":
         if dtype == "float16":
             raise ChoiceError(
@@ -76,13 +73,10 @@ def choose_strategy(
         return Choice("fsdp", "asked for with --strategy fsdp")
     if requested == "ddp":
         return Choice("ddp", "asked for with --strategy ddp")
-    if lora or dtype == "float16":
-        return Choice(
-            "ddp",
-            "LoRA: only the adapters have gradients and AdamW state"
-            if lora
-            else "float16: the gradient scaler needs DDP's whole gradients",
-        )
+    if lora:
+        return Choice("ddp", "LoRA: only the adapters have gradients and AdamW state")
+    if dtype == "float16":
+        return Choice("ddp", "float16: the gradient scaler needs DDP's whole gradients")
     if ddp_bytes is None or device_bytes is None:
         return Choice(
             "ddp",
@@ -166,12 +160,6 @@ def is_sharded(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
-
-
-def _fsdp_modules(model: nn.Module) -> list:
-    from torch.distributed.fsdp import FSDPModule
-
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 # -- the training step ---------------------------------------------------------------------
@@ -279,7 +267,9 @@ def gathered(model: nn.Module) -> Iterator[None]:
     resharding after lets each rank run what it needs. Costs one full copy of the weights
     (bf16 in the blocks under mixed precision) for the duration. Not sharded: nothing to do.
     """
-    mods = _fsdp_modules(model)
+    from torch.distributed.fsdp import FSDPModule
+
+    mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
     blocks = [m for m in mods if m is not model]  # the root never reshards after forward (FSDP2's own rule)
     for m in blocks:
         m.set_reshard_after_forward(False, recurse=False)

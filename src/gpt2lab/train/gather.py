@@ -83,19 +83,15 @@ def fake_machine(path: str) -> MachineFacts:
             raw = json.load(fh)
         if not isinstance(raw, dict):
             raise ValueError("not a JSON object")
+        extra = ("world_size", "device_gib", "device_bytes", "host_gib")
+        known = sorted({f.name for f in dataclasses.fields(runtime.Facts)}.union(extra))
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise ValueError(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
         raw = dict(raw)
-        world = int(raw.pop("world_size", 1))
-        gib = raw.pop("device_gib", None)
+        world, gib, host_gib = int(raw.pop("world_size", 1)), raw.pop("device_gib", None), raw.pop("host_gib", None)
         mem = raw.pop("device_bytes", None if gib is None else int(float(gib) * 2**30))
         probe = raw.pop("probe", None)
-        host_gib = raw.pop("host_gib", None)
-        known = {f.name for f in dataclasses.fields(runtime.Facts)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown key(s) {', '.join(unknown)}; known: "
-                f"{', '.join(sorted(known | {'world_size', 'device_gib', 'device_bytes', 'host_gib'}))}"
-            )
         raw["cpu_flags"] = tuple(raw.get("cpu_flags", ()))
         dev = runtime.Facts(**raw, probe=runtime.Probe(**probe) if probe else None)
         if dev.device_type not in ("cpu", "cuda", "mps") or world < 1:
@@ -231,15 +227,16 @@ def val_start(data: str, manifest: Mapping) -> Optional[str]:
     doc = ids[: ids.index(enc.eot_id)] if enc.eot_id in ids else ids
     if "chat_template" not in manifest:
         return enc.decode(doc[:PROMPT_TOKENS]) or None
-    turns, start = [], None
+    start = None
     for i, t in enumerate(doc):  # <|im_start|>role\ncontent<|im_end|>
         if t == enc.im_start_id:
             start = i + 1
         elif t == enc.im_end_id and start is not None:
-            turns.append(enc.decode(doc[start:i]))
+            role, newline, text = enc.decode(doc[start:i]).partition("\n")
+            if role == "user" and newline:
+                return text if text.strip() else None
             start = None
-    users = [turn.split("\n", 1)[1] for turn in turns if turn.startswith("user\n")]
-    return users[0] if users and users[0].strip() else None
+    return None
 
 
 def same_source(source: str, where: str, began_as: Optional[str], began: Optional[dict]) -> None:

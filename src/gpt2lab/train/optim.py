@@ -17,13 +17,13 @@ state, with no host sync.
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Optional, Union
 
 import torch
 import torch.nn as nn
 
+from gpt2lab.distributed import parallel
 from gpt2lab.system.errors import ConfigError
 from gpt2lab.train.schedule import peak_lr
 
@@ -47,19 +47,13 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def fused_available(device: torch.device) -> bool:
-    """Fused AdamW kernels exist for CUDA (and CPU on recent torch)."""
-    if "fused" not in inspect.signature(torch.optim.AdamW).parameters:
-        return False
-    return device.type in ("cuda", "cpu")
-
-
-def cautious_mask(update: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Where cautious weight decay applies (Chen et al. 2025, "Cautious Weight Decay"): the
-    coordinates whose update u (the step is p -= lr * u) and weight have the same sign, I(u * p >= 0),
-    as 0/1 in p's dtype. There the decay and the update both pull the weight towards zero; elsewhere
-    the update moves it away from zero, and the decay would work against it."""
-    return (update * p >= 0).to(p.dtype)
+def cautious_decay_(p: torch.Tensor, update: torch.Tensor, rate: float, keep: Optional[torch.Tensor]) -> None:
+    """Cautious weight decay (Chen et al. 2025, "Cautious Weight Decay"): p -= rate * I(u * p >= 0) * p,
+    only on the coordinates whose update u (the step is p -= lr * u) and weight have the same sign.
+    There the decay and the update both pull the weight towards zero; elsewhere the update moves it
+    away from zero, and the decay would work against it. ``keep``: the device verdict (0: skipped)."""
+    decay = (update * p >= 0).to(p.dtype) * rate
+    p.sub_(p * (decay if keep is None else decay * keep.to(p.dtype)))
 
 
 class AdamW(torch.optim.AdamW):
@@ -95,8 +89,7 @@ class AdamW(torch.optim.AdamW):
                 m = self.state[p].get("exp_avg")
                 beta1 = group["betas"][0]
                 new_m = p.grad * (1 - beta1) if m is None else m.lerp(p.grad, 1 - beta1)
-                decay = cautious_mask(new_m, p) * rate
-                p.sub_(p * (decay if keep is None else decay * keep.to(p.dtype)))
+                cautious_decay_(p, new_m, rate, keep)
             group["weight_decay"] = 0.0
         if keep is not None:
             self.found_inf = skip.float()  # how torch's fused kernel takes a verdict (GradScaler hands it so too)
@@ -119,9 +112,9 @@ def make_optimizer(
     fused: bool | None = None,
     cautious: bool = False,
 ) -> torch.optim.AdamW:
-    """AdamW over ``param_groups``; fused when the device has the kernel (``fused=None``);
+    """AdamW over ``param_groups``; fused when the device has the kernel (``fused=None``: CUDA and CPU);
     ``cautious``: its weight decay cautious."""
-    use_fused = fused_available(device) if fused is None else fused
+    use_fused = device.type in ("cuda", "cpu") if fused is None else fused
     return AdamW(
         param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=use_fused or None, cautious=cautious
     )
@@ -182,20 +175,14 @@ POLAR_EXPRESS_COEFFICIENTS = (
 POLAR_EXPRESS_SAFETY = 1.01
 
 
-def polar_express_coefficients(steps: int) -> list[tuple[float, float, float]]:
-    """The (a, b, c) of each of ``steps`` Polar Express iterations, the safety factor applied."""
-    s = POLAR_EXPRESS_SAFETY
-    safe = [(a / s, b / s**3, c / s**5) for a, b, c in POLAR_EXPRESS_COEFFICIENTS[:-1]]
-    safe.append(POLAR_EXPRESS_COEFFICIENTS[-1])
-    return safe[:steps] + [safe[-1]] * max(0, steps - len(safe))
-
-
 def polar_express(g: torch.Tensor, dtype: torch.dtype, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
     """``orthogonalize`` with the Polar Express polynomials (``--muon-orth polar_express``): ``g`` divided
     by 1.01 times its Frobenius norm, then iteration t maps X to a_t X + (b_t XX^T + c_t (XX^T)^2) X,
     in ``dtype``. The same matmuls as Newton-Schulz's; singular values closer to 1 at as many steps."""
-    coefficients = polar_express_coefficients(steps)
-    return _quintic_steps(g, dtype, coefficients, lambda norm: norm * POLAR_EXPRESS_SAFETY + eps)
+    s = POLAR_EXPRESS_SAFETY
+    safe = [(a / s, b / s**3, c / s**5) for a, b, c in POLAR_EXPRESS_COEFFICIENTS[:-1]]
+    safe += [POLAR_EXPRESS_COEFFICIENTS[-1]] * max(1, steps - len(safe))
+    return _quintic_steps(g, dtype, safe[:steps], lambda norm: norm * s + eps)
 
 
 def normalize_neurons(
@@ -243,7 +230,7 @@ class Muon(torch.optim.Muon):
     weight decay ``p *= 1 - lr*wd``, ``p -= lr * muon_lr_scale * O``. NorMuon's second moment is
     one more state entry per matrix, ``second_moment`` (fp32, one value per row). ``orth``
     "polar_express" orthogonalises with ``polar_express`` (``ns_steps`` iterations) in place of
-    Newton-Schulz; ``cautious`` decays only where ``cautious_mask`` of the update O is 1:
+    Newton-Schulz; ``cautious`` decays only where the update O and the weight agree in sign (``cautious_decay_``):
     ``p *= 1 - lr*wd*I(O*p >= 0)``. The variant, beta2, orth and cautious are attributes, not group
     entries, so a resume uses the run's own, not the checkpoint's.
     """
@@ -285,10 +272,8 @@ class Muon(torch.optim.Muon):
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
                 buf, scale = state["momentum_buffer"], lr * muon_lr_scale(p.shape, group["adjust_lr_fn"])
-                if keep is None:
-                    buf.lerp_(p.grad, 1 - momentum)
-                else:  # a skipped step leaves the buffer as it was (weight 0); a kept one moves it as above
-                    buf.lerp_(p.grad, (keep * (1 - momentum)).to(buf.dtype))
+                # a step skipped on the device leaves the buffer as it was (weight 0)
+                buf.lerp_(p.grad, 1 - momentum if keep is None else (keep * (1 - momentum)).to(buf.dtype))
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
                 if self.orth == "polar_express":
                     update = polar_express(update, self.ns_dtype, group["ns_steps"], group["eps"])
@@ -301,12 +286,9 @@ class Muon(torch.optim.Muon):
                         state["second_moment"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
                     update = normalize_neurons(update, state["second_moment"], self.beta2, keep=keep)
                 if self.cautious and wd:  # the decay where the update and the weight agree in sign
-                    decay = cautious_mask(update, p) * (lr * wd)
-                    p.sub_(p * (decay if keep is None else decay * keep.to(p.dtype)))
-                elif keep is None:
-                    p.mul_(1 - lr * wd)
+                    cautious_decay_(p, update, lr * wd, keep)
                 else:
-                    p.mul_((1 - lr * wd * keep).to(p.dtype))
+                    p.mul_(1 - lr * wd if keep is None else (1 - lr * wd * keep).to(p.dtype))
                 if keep is None:
                     p.add_(update, alpha=-scale)
                 else:
@@ -367,20 +349,15 @@ def muon_split(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     head_ids = {id(p) for p in head.parameters()} - embed_ids if head is not None else set()
     blocks = getattr(getattr(model, "transformer", None), "h", None)
     hidden_ids = {id(p) for p in blocks.parameters() if p.dim() == 2} if blocks is not None else set()
+    roles = {
+        **dict.fromkeys(hidden_ids, "hidden"),
+        **dict.fromkeys(head_ids, "head"),
+        **dict.fromkeys(embed_ids, "embed"),
+    }
     out: dict[str, list[nn.Parameter]] = {"hidden": [], "embed": [], "head": [], "other": []}
     for p in model.parameters():  # de-duplicated: a tied head appears once, as the embedding
-        if not p.requires_grad:
-            continue
-        role = (
-            "embed"
-            if id(p) in embed_ids
-            else "head"
-            if id(p) in head_ids
-            else "hidden"
-            if id(p) in hidden_ids
-            else "other"
-        )
-        out[role].append(p)
+        if p.requires_grad:
+            out[roles.get(id(p), "other")].append(p)
     return out
 
 
@@ -391,7 +368,7 @@ def make_muon(model: nn.Module, opt, device: torch.device, ns_dtype: torch.dtype
     Every group carries ``lr_name``, the TrainConfig field its peak rate comes from
     (``set_lrs``): muon_lr, embed_lr, head_lr or max_lr (gains, biases, other matrices).
     """
-    if any(_is_dtensor(p) for p in model.parameters()):
+    if parallel.is_sharded(model):
         raise ConfigError(
             "--optimizer muon: the model is sharded (FSDP), and Muon orthogonalises whole "
             "matrices; use --strategy ddp, or --optimizer adamw with FSDP"
@@ -425,18 +402,10 @@ def make_muon(model: nn.Module, opt, device: torch.device, ns_dtype: torch.dtype
         lr=opt.max_lr,
         betas=(opt.beta1, opt.beta2),
         eps=opt.eps,
-        fused=fused_available(device) or None,
+        fused=device.type in ("cuda", "cpu") or None,
         cautious=opt.cautious_wd,
     )
     return Optimizers(adamw=adamw, muon=muon)
-
-
-def _is_dtensor(p: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return False
-    return isinstance(p, DTensor)
 
 
 def build_optimizer(model: nn.Module, opt, device: torch.device, ns_dtype: Optional[str] = None, tokenizer=None):

@@ -56,11 +56,7 @@ class SpikeGuard:
             log_norm, self.log_norms, torch.tensor(LOG_NORM_STD_FLOOR, dtype=self.dtype, device=loss.device)
         )
         finite = loss.isfinite() & norm.isfinite()
-        spike = torch.zeros_like(finite)
-        if self.loss_z > 0:
-            spike = spike | (z_loss > self.loss_z)
-        if self.norm_z > 0:
-            spike = spike | (z_norm > self.norm_z)
+        spike = ((z_loss > self.loss_z) & (self.loss_z > 0)) | ((z_norm > self.norm_z) & (self.norm_z > 0))  # 0: off
         healthy = finite & ~(spike & (self.count >= w)) if self.window > 0 else finite
         here = (torch.arange(w, device=loss.device) == self.count % w) & healthy
         self.losses.copy_(torch.where(here, loss, self.losses))
@@ -86,10 +82,9 @@ class SpikeGuard:
     def load_state_dict(self, state: dict) -> None:
         w = self.losses.numel()
         losses, log_norms = state["losses"][-w:], state["log_norms"][-w:]
-        self.losses.zero_()
-        self.log_norms.zero_()
-        self.losses[: len(losses)] = torch.tensor(losses, dtype=self.dtype)
-        self.log_norms[: len(log_norms)] = torch.tensor(log_norms, dtype=self.dtype)
+        for buffer, values in ((self.losses, losses), (self.log_norms, log_norms)):
+            buffer.zero_()
+            buffer[: len(values)] = torch.tensor(values, dtype=self.dtype)
         self.count.fill_(len(losses))
         self.spikes = [list(s) for s in state["spikes"]]
 

@@ -8,7 +8,7 @@ loader as the plan says, restores the plan's checkpoint, and runs the step and t
 backward, clipping, the skip decision (train/spikes.py, judged on the device), the optimizer
 step and the step's values, read back at once on a CPU and every few steps on a GPU
 (``read_back``, one record per step: ``record``). ``run`` logs the records, carries out the
-rollback the spikes call for (decided by ``train.rollback``: ``_roll_back``), evaluates
+rollback the spikes call for (decided by ``train.rollback``: ``_log``), evaluates
 (``train.evaluation.Evaluator``) and saves. ``train.run.train`` is the whole command. Under
 torchrun every rank runs the same loop on its slice of each batch; rank 0 alone prints, logs and
 writes checkpoints. Steps are counted from 0; a checkpoint named ``step_N`` holds the state after
@@ -45,7 +45,7 @@ from gpt2lab.train.gather import detect_machine
 from gpt2lab.train.init_from import load_source
 from gpt2lab.train.optim import build_optimizer, unscale
 from gpt2lab.train.plan import RunPlan, make_plan
-from gpt2lab.train.rollback import Rollback, RollbackDecision, TrainingError  # noqa: F401  (TrainingError re-exported)
+from gpt2lab.train.rollback import Rollback, TrainingError  # noqa: F401  (TrainingError re-exported)
 
 # Steps between read-backs on a GPU (--check-interval 0). A read-back waits for the GPU's queue to
 # drain, so the next step starts late by the host's launch time; every 16 steps spreads that over
@@ -60,9 +60,7 @@ def check_interval(configured: int, device: torch.device, optimizer, scaler, ave
     no fp16 grad scaler and no weight average (both act on the verdict on the host)."""
     if scaler is not None or average is not None or not getattr(optimizer, "skips_on_device", False):
         return 1
-    if configured:
-        return configured
-    return 1 if device.type == "cpu" else GPU_CHECK_INTERVAL
+    return configured or (1 if device.type == "cpu" else GPU_CHECK_INTERVAL)
 
 
 @dataclass
@@ -110,7 +108,9 @@ class Trainer:
         cfg = self.cfg = plan.config
         self.plan, self.info, self.device, self.accum = plan, info, info.device, plan.accum
         self.choices, self.dtype, self.compile = plan.choices, str(plan.dtype.value), bool(plan.compile.value)
-        _seed_everything(cfg.seed)
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
         self.malloc_tuned = keep_freed_memory() if cfg.system.keep_cpu_memory and self.device.type == "cpu" else False
         if self.device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls
@@ -294,8 +294,12 @@ class Trainer:
                 out["grad_scaler"] = True
         elif skip:
             out.update(skipped="spike", loss=loss, grad_norm=norm, loss_z=round(loss_z, 2), norm_z=round(norm_z, 2))
-        else:
-            out.update(train_loss=loss, grad_norm=norm, **self._speed(dt, s.tokens, s.total))
+        else:  # throughput, MFU and (CUDA) peak memory since the start
+            tok_per_s = s.tokens / dt
+            mfu = self.flops_per_token * tok_per_s / (self.peak * self.info.world_size) if self.peak else None
+            out.update(train_loss=loss, grad_norm=norm, dt_ms=1000 * dt, tok_per_s=tok_per_s, mfu=mfu, tokens=s.total)
+            if self.device.type == "cuda":
+                out["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return out
 
     def _read_back_due(self) -> bool:
@@ -313,21 +317,6 @@ class Trainer:
             or self.evaluate.any_due(s)
         )
 
-    def _speed(self, dt: float, tokens: int, total: int) -> dict:
-        """Throughput, MFU and (CUDA) peak memory of a step of ``tokens`` that took ``dt`` seconds
-        (``total``: the run's tokens after it)."""
-        tok_per_s = tokens / dt
-        mfu = self.flops_per_token * tok_per_s / (self.peak * self.info.world_size) if self.peak else None
-        out = {
-            "dt_ms": 1000 * dt,
-            "tok_per_s": tok_per_s,
-            "mfu": mfu,
-            "tokens": total,
-        }
-        if self.device.type == "cuda":
-            out["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30  # since the start
-        return out
-
     # -- the loop ----------------------------------------------------------------------------
     def run(self, log: MetricsLogger) -> Optional[str]:
         """Train to ``max_steps`` (or a stop signal); return the last checkpoint written. Each step:
@@ -343,11 +332,7 @@ class Trainer:
                 if self.step >= cfg.optim.max_steps:  # after the end-of-run evaluation
                     return last_ckpt
                 done = self.train_step()
-                if not done:
-                    continue
-                rollback = self._log(done, log)
-                if rollback is not None:
-                    self._roll_back(rollback, log)
+                if not done or self._log(done, log):  # nothing read back, or rolled back
                     continue
                 stop = self._stop_agreed()
                 if stop or self.step == cfg.optim.max_steps or due(cfg.checkpoint.ckpt_interval, self.step, -1):
@@ -363,24 +348,22 @@ class Trainer:
         self.stop_signal = self.stop_signal or signal.SIGTERM  # another rank's signal
         return last_ckpt
 
-    def _log(self, done: list[Step], log: MetricsLogger) -> Optional[RollbackDecision]:
+    def _log(self, done: list[Step], log: MetricsLogger) -> bool:
         """Log steps' records in order, each then read by the rollback (TrainingError after too many bad
-        steps in a row); the rollback the spikes call for, if they do (the records after that step are
-        dropped: the rollback repeats those steps)."""
+        steps in a row); carry out the rollback the spikes call for, if they do (whether they did): restore
+        its checkpoint (the rollback keeping its newer skips), forget the log's records of the steps to
+        repeat, log the decision; with no checkpoint before the spikes, log it only."""
         for s in done:
             log.log(s.record)
             if self.spikes.read(s.record, s.start):
-                return self.spikes.decide(end=s.end, step=s.step + 1)
-        return None
-
-    def _roll_back(self, decision: RollbackDecision, log: MetricsLogger) -> None:
-        """Carry out a rollback: restore its checkpoint (the rollback keeping its newer skips), forget
-        the log's records of the steps to repeat, log the decision; with no checkpoint, log it only."""
-        if decision.target is not None:
-            self.restore(decision.target)
-            self.spikes.rolled_back(decision)
-            log.rewind(self.step)
-        log.log(decision.record)
+                decision = self.spikes.decide(end=s.end, step=s.step + 1)
+                if decision.target is not None:
+                    self.restore(decision.target)
+                    self.spikes.rolled_back(decision)
+                    log.rewind(self.step)
+                log.log(decision.record)
+                return True
+        return False
 
     def _stop_agreed(self) -> bool:
         """All ranks stop together if any of them got SIGTERM/SIGINT (one process: no device round trip)."""
@@ -441,9 +424,3 @@ def keep_freed_memory(enable: bool = True) -> bool:
         return False
     ok = mallopt(_M_MMAP_MAX, 0 if enable else 65536)
     return bool(ok and mallopt(_M_TRIM_THRESHOLD, (1 << 30) if enable else 128 * 1024))
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
