@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from conftest import tiny_gpt
 
+from gpt2lab.commands.env import entry_lines
 from gpt2lab.inference import kernels
 from gpt2lab.inference import probe as prep
 from gpt2lab.inference.choice import Candidate, InferenceFacts, InferenceRequest, Timing, candidates, choose
@@ -416,7 +417,7 @@ def test_the_probe_measures_where_the_tiles_stop_and_every_hold_of_the_choice_ke
     assert held_with["bfloat16/gemv"] == [1, 7, 7]  # first measured; again and at 16 rows held with its tiles
     assert decision.record()["tile_rows"] == 7
     [entry] = runtime.cached().values()
-    assert "bfloat16/gemv: prefill 1 ms, one-row step 1 ms, its tiles up to 7 rows" in prep.entry_lines(entry)
+    assert "bfloat16/gemv: prefill 1 ms, one-row step 1 ms, its tiles up to 7 rows" in entry_lines(entry)
     tiles = lambda m: {x.tile_rows for x in m.modules() if isinstance(x, GemvLinear)}  # noqa: E731
     assert tiles(hold(model, decision.candidate, tile_rows=decision.tile_rows)) == {7}
     monkeypatch.setattr(prep, "detect_facts", lambda device: facts)
@@ -1176,12 +1177,12 @@ def test_a_load_that_slowed_one_candidate_is_caught_by_the_second_pass_and_not_k
     assert len(capsys.readouterr().err.splitlines()) == 1  # the notice; why not kept is gpt2lab env's
     [entry] = runtime.cached().values()
     assert cached_timings(entry) is None
-    assert "bfloat16/plain step1 24 then 8 ms" in prep.entry_lines(entry)[-1]
+    assert "bfloat16/plain step1 24 then 8 ms" in entry_lines(entry)[-1]
     n = len(calls)
     prep.decide(model, cpu, request, facts=ZEN)
     assert len(calls) == 2 * n  # measured again: on a quiet machine now, so kept
     [entry] = runtime.cached().values()
-    assert "not_kept" not in entry and not any("not kept" in line for line in prep.entry_lines(entry))
+    assert "not_kept" not in entry and not any("not kept" in line for line in entry_lines(entry))
     monkeypatch.setattr(prep, "measure", _fake_measure(lambda name, before: Timing(10.0, 10.0), calls))
     assert prep.decide(model, cpu, request, facts=ZEN).candidate.dtype == "bfloat16"  # 8 beats 10, read back
 
@@ -1190,7 +1191,7 @@ def test_a_load_that_slowed_one_candidate_is_caught_by_the_second_pass_and_not_k
     prep.decide(model, cpu, request, facts=ZEN, command="gpt2lab sample")
     [entry] = runtime.cached().values()
     assert entry["timings"]["bfloat16/plain"]["step1"] == 8.0  # the kept figures are not replaced
-    said = prep.entry_lines(entry)[-1]
+    said = entry_lines(entry)[-1]
     assert said.startswith("not kept (reference figures, ") and "the machine was busy): " in said
     assert "bfloat16/plain one-row step 5 ms over 2 ms (its prefill 1 ms)" in said
 

@@ -110,7 +110,7 @@ def test_probe_is_measured_once_and_cached_per_machine(tmp_path, monkeypatch):
     [f] = tmp_path.iterdir()
     [entry] = json.loads(f.read_text())["entries"].values()  # the one cache of measurements, beside the decode probe's
     assert entry["matmul_gflops"] == {"fp32_gflops": 100.0, "bf16_gflops": 300.0}
-    from gpt2lab.inference.probe import entry_lines  # as gpt2lab env lists it
+    from gpt2lab.commands.env import entry_lines  # as gpt2lab env lists it
 
     assert entry_lines(entry)[0].startswith("CPU matmul probe: fp32 100.0, bf16 300.0 GFLOP/s, measured 20")
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # another ISA cap is another machine

@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import sys
+import time
 
 from gpt2lab.system import runtime
 
@@ -101,14 +102,51 @@ def collect(device_name: str = "auto") -> dict:
 
 
 def _probe_cache_lines(found: dict) -> list[str]:
-    from gpt2lab.inference.probe import entry_lines
-
     n = len(found["entries"])
     lines = [f"{'probe_cache:':<22} {found['path']} ({n} {'entry' if n == 1 else 'entries'})"]
     for key, entry in found["entries"].items():
         first, *rest = entry_lines(entry)
         lines += [f"  {key}: {first}", *(f"    {line}" for line in rest)]
     return lines
+
+
+def entry_lines(entry: dict) -> list[str]:
+    """A cache entry as lines for ``gpt2lab env``: the CPU's matmul rates; or the model's shape and device,
+    when measured, what each workload chose, each candidate's figures (or why it was dropped), and why
+    figures measured on a busy machine were not kept."""
+    from gpt2lab.inference.probe import Timing, cached_rows, cached_timings
+
+    if isinstance(rates := entry.get("matmul_gflops"), dict):
+        fp32, bf16 = rates.get("fp32_gflops"), rates.get("bf16_gflops")
+        return [f"CPU matmul probe: fp32 {fp32}, bf16 {bf16} GFLOP/s, measured {_stamp(entry)}"]
+    shape = entry.get("model") or {}
+    lines = [
+        f"{shape.get('n_layer', '?')} layers, {shape.get('n_head', '?')} heads, {shape.get('n_embd', '?')} wide, "
+        f"vocabulary {shape.get('vocab_size', '?')}, block {shape.get('block_size', '?')} on "
+        f"{entry.get('device', '?')}, measured {_stamp(entry)}"
+    ]
+    if choices := entry.get("choices"):
+        lines.append("chose: " + ", ".join(f"{w} {c}" for w, c in sorted(choices.items())))
+    for name, t in (cached_timings(entry) or {}).items():
+        if isinstance(t, Timing):
+            tiles = f", its tiles up to {t.tile_rows} rows" if t.tile_rows else ""
+            lines.append(f"{name}: prefill {t.prefill:.3g} ms, one-row step {t.step1:.3g} ms{tiles}")
+        else:
+            lines.append(f"{name}: {t}")
+    for rows in sorted(entry.get("rows") or {}):
+        figs = cached_rows(entry, int(rows)) or {}
+        text = ", ".join(f"{n} {v:.3g} ms" if isinstance(v, float) else f"{n} {v}" for n, v in figs.items())
+        lines.append(f"{rows}-row step (serve): {text}")
+    for what, note in sorted((entry.get("not_kept") or {}).items()):  # a machine too busy to measure on
+        why = note.get("why") if isinstance(note, dict) else None
+        why = "; ".join(map(str, why)) if isinstance(why, list) else "?"
+        lines.append(f"not kept ({what} figures, {_stamp(note)}: the machine was busy): {why}")
+    return lines
+
+
+def _stamp(found) -> str:
+    when = found.get("written") if isinstance(found, dict) else None
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) if isinstance(when, (int, float)) else "?"
 
 
 def clear_cache() -> int:

@@ -1,18 +1,14 @@
 """What this machine can do, and the dtype and compile choices that follow from it.
 
-No default is tuned to one machine. ``--dtype auto`` and ``--compile auto`` are decided
-here, each by a pure function of *facts* (device type, CPU flags, GPU bf16 support,
-whether torch.compile can build kernels, a matmul probe) and the user's request, so
-every branch is testable with made-up facts. ``detect()`` gathers the facts of this
-machine; ``resolve()`` does both and returns the choices with their reasons, which every
-run prints and records in ``run_info.json``.
+No default is tuned to one machine: ``--dtype auto`` and ``--compile auto`` are each a pure function of *facts*
+(device type, CPU flags, GPU bf16 support, whether torch.compile builds kernels, a matmul probe) and the user's
+request, so every branch is testable with made-up facts. ``detect()`` gathers this machine's facts; ``resolve()``
+returns the choices with their reasons, which every run prints and records in ``run_info.json``.
 
-The CPU probe times fp32 and bf16 matrix multiplies for a fraction of a second and is
-cached per machine (CPU model, flags, torch version, threads, oneDNN ISA cap), so a run
-pays for it once; ``gpt2lab env`` always measures afresh. What is measured is kept in one cache,
-``probes.json`` (``cached``, ``cache_update``): the CPU probe's rates and the inference probe's figures
-(inference/probe.py), one bounded, versioned file that ``gpt2lab env`` lists and ``--clear-cache`` removes.
-Work on a device is timed by one timer, ``timed``.
+What is measured is kept in one bounded, versioned cache, ``probes.json`` (``cached``, ``cache_update``), which
+``gpt2lab env`` lists and ``--clear-cache`` removes: the CPU matmul probe's rates (fp32 and bf16, a fraction of a
+second, once per CPU model, flags, torch version, threads and oneDNN ISA cap) and the inference probe's figures
+(inference/probe.py). Work on a device is timed by one timer, ``timed``.
 """
 
 from __future__ import annotations

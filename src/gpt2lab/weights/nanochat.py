@@ -27,7 +27,7 @@ from gpt2lab.weights import gpt2
 from gpt2lab.weights.targets import NANOCHAT_HF
 
 # transformers' NanoChatConfig defaults: its save_pretrained leaves out every value equal to one.
-DEFAULTS = {
+HF_DEFAULTS = {
     "vocab_size": 50304,
     "hidden_size": 768,
     "intermediate_size": 8192,
@@ -111,7 +111,7 @@ def to_nanochat_state_dict(model: GPT) -> dict[str, torch.Tensor]:
 
 def config_from_nanochat(cfg: dict) -> GPTConfig:
     """GPTConfig for a NanoChat config.json; a ValueError naming the first field gpt2lab cannot compute."""
-    get = lambda name: cfg.get(name, DEFAULTS.get(name))  # noqa: E731
+    get = lambda name: cfg.get(name, HF_DEFAULTS.get(name))  # noqa: E731
     C, heads = get("hidden_size"), get("num_attention_heads")
     rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0)}
     checks = (
@@ -133,7 +133,7 @@ def config_from_nanochat(cfg: dict) -> GPTConfig:
     )
     for name, ok, why in checks:
         if not ok:
-            value = rope if name == "rope_parameters" else cfg.get(name, DEFAULTS.get(name))
+            value = rope if name == "rope_parameters" else cfg.get(name, HF_DEFAULTS.get(name))
             raise ValueError(f"{name}={value!r} is not supported by gpt2lab ({why})")
     return GPTConfig(
         n_layer=get("num_hidden_layers"),
