@@ -99,6 +99,19 @@ def test_bench_serve_defaults_are_serves_and_the_peer_runs_a_batch_per_stream_co
     assert all(c["aggregate_tok_per_s"]["float32"] > 0 for c in r["ctranslate2"])
 
 
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["ladder", "--rungs", "nope"], "--rungs: unknown nope; choose from"),
+        (["hellaswag", "--repeats", "0"], "--repeats must be at least 1, got 0"),
+    ],
+)
+def test_a_bench_flag_that_cannot_work_is_one_line_and_exit_2(argv, says, capsys):
+    assert cli.main(["bench", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err, err
+
+
 def test_a_peer_that_is_not_one_is_one_line(capsys):
     assert cli.main(["bench", "sample", *TINY, "--peer", "vllm"]) == 2
     assert (

@@ -28,6 +28,7 @@ from gpt2lab.inference.choice import InferenceRequest, rule
 from gpt2lab.inference.form import detect_facts
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.system.choices import DTYPES
+from gpt2lab.system.errors import UsageError
 
 SLICE = Path(__file__).resolve().parents[3] / "tests" / "data" / "hellaswag_val_200.jsonl"
 
@@ -94,7 +95,7 @@ class MatmulFlops:
 
 def run(args: argparse.Namespace) -> dict:
     if args.repeats < 1:
-        raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
+        raise UsageError(f"--repeats must be at least 1, got {args.repeats}")
     device = torch.device(args.device)
     decision = rule(InferenceRequest(dtype=args.dtype, workload="score"), detect_facts(device))
     print(f"bench hellaswag: {decision.summary()}", file=sys.stderr, flush=True)

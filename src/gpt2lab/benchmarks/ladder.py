@@ -33,6 +33,7 @@ from gpt2lab.benchmarks.train import ReferenceGPT, loss_of_step, recipe_step
 from gpt2lab.distributed.dist import pick_device
 from gpt2lab.model.config import SIZES as GPT2_SIZES
 from gpt2lab.system.choices import finite_float
+from gpt2lab.system.errors import UsageError
 from gpt2lab.train.optim import make_optimizer
 
 RUNGS = ("fp32", "tf32", "bf16", "compile", "flash", "vocab50304", "fused_adamw")
@@ -139,9 +140,9 @@ def run(args: argparse.Namespace) -> dict:
     wanted = [r.strip() for r in args.rungs.split(",") if r.strip()]
     unknown = [r for r in wanted if r not in RUNGS + EXTRA + DIAGNOSTIC]
     if unknown:
-        raise SystemExit(f"--rungs: unknown {', '.join(unknown)}; choose from {', '.join(RUNGS + EXTRA + DIAGNOSTIC)}")
+        raise UsageError(f"--rungs: unknown {', '.join(unknown)}; choose from {', '.join(RUNGS + EXTRA + DIAGNOSTIC)}")
     if "gpt2lab" in wanted and not args.data:
-        raise SystemExit("--rungs gpt2lab needs --data DIR (token shards from gpt2lab prepare)")
+        raise UsageError("--rungs gpt2lab needs --data DIR (token shards from gpt2lab prepare)")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = args.peak_flops or peak_flops(name)
     measured = matmul_tflops(device)
