@@ -30,6 +30,8 @@ import sys
 import sysconfig
 import tempfile
 
+from gpt2lab.system.files import atomic_write
+
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 GERMAN_TXT = "usr/share/debian-reference/debian-reference.de.txt.gz"
 COPYRIGHT = "usr/share/doc/debian-reference-de/copyright"
@@ -38,9 +40,9 @@ MIN_SECTION = 2000  # characters: the contents' one-line entries are grouped int
 
 
 def write_jsonl(path: str, rows: list[dict]) -> int:
-    with open(path, "w", encoding="utf-8") as f:
+    with atomic_write(path, "wb") as f:  # whole or not at all, as every file gpt2lab writes
         for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.write((json.dumps(row, ensure_ascii=False) + "\n").encode())
     return sum(len(r["text"].encode()) for r in rows)
 
 
@@ -85,7 +87,11 @@ def german(out: str, deb: str | None) -> dict:
         with gzip.open(os.path.join(tmp, "x", GERMAN_TXT), "rt", encoding="utf-8") as f:
             text = f.read()
         os.makedirs(out, exist_ok=True)
-        shutil.copyfile(os.path.join(tmp, "x", COPYRIGHT), os.path.join(out, "copyright"))
+        with (
+            open(os.path.join(tmp, "x", COPYRIGHT), "rb") as src,
+            atomic_write(os.path.join(out, "copyright"), "wb") as dst,
+        ):
+            shutil.copyfileobj(src, dst)
         package = os.path.basename(deb)
     starts = [m.start() for m in SECTION.finditer(text)]
     sections, doc = [], ""
