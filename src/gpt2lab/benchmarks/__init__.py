@@ -9,6 +9,8 @@ import torch
 
 from gpt2lab.system.runtime import timed
 
+SHAPE = {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024}  # GPT-2 124M's
+
 
 def rounds(ways: dict, repeats: int, device=None, after=None) -> tuple[dict, dict]:
     """``repeats`` rounds, each running every way of ``ways`` (name: function) once in turn, so that a busy
@@ -26,8 +28,8 @@ def rounds(ways: dict, repeats: int, device=None, after=None) -> tuple[dict, dic
 
 def add_shape_flags(p, vocab: bool = False) -> None:
     """The random model's shape: GPT-2 124M's by default."""
-    for flag, default in (("n-layer", 12), ("n-head", 12), ("n-embd", 768), ("block-size", 1024)):
-        p.add_argument(f"--{flag}", type=int, default=default)
+    for key, default in SHAPE.items():
+        p.add_argument(f"--{key.replace('_', '-')}", type=int, default=default)
     if vocab:
         p.add_argument("--vocab-size", type=int, default=50257)
 
@@ -36,21 +38,17 @@ def shape_config(args):
     """The GPTConfig of ``add_shape_flags``' values."""
     from gpt2lab.model.gpt import GPTConfig
 
-    shape = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "block_size")}
-    return GPTConfig(**shape, vocab_size=getattr(args, "vocab_size", 50257))
+    return GPTConfig(**{k: getattr(args, k) for k in SHAPE}, vocab_size=getattr(args, "vocab_size", 50257))
 
 
-def machine(device, args=None, decision=None) -> dict:
-    """What every figure is read beside: the device, torch, its threads; the shape asked, if any; the
-    inference flags asked and their decision (inference/choice.py), if any."""
+def machine(device, args, decision) -> dict:
+    """What every inference figure is read beside: the device, torch, its threads; the shape asked; the
+    inference flags asked and their decision (inference/choice.py)."""
+    shape = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd")}
+    asked = {k: getattr(args, k) for k in ("dtype", "quantize", "cpu_linear")}
     out = {"device": str(device), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
-    if args is not None:
-        shape = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd")}
-        out["config"] = {**shape, "vocab_size": getattr(args, "vocab_size", 50257)}
-    if decision is not None:
-        out["asked"] = {"dtype": args.dtype, "quantize": args.quantize, "cpu_linear": args.cpu_linear}
-        out["inference"] = decision.record()
-    return out
+    config = {**shape, "vocab_size": getattr(args, "vocab_size", 50257)}
+    return {**out, "config": config, "asked": asked, "inference": decision.record()}
 
 
 def peak_rss_bytes() -> int:

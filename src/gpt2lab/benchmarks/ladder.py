@@ -28,13 +28,13 @@ import statistics
 
 import torch
 
-from gpt2lab.benchmarks import rounds, timed
+from gpt2lab.benchmarks import rounds
 from gpt2lab.benchmarks.train import ReferenceGPT, loss_of_step, recipe_step
 from gpt2lab.distributed.dist import pick_device
 from gpt2lab.model.config import SIZES as GPT2_SIZES
 from gpt2lab.system.choices import finite_float
 from gpt2lab.system.errors import UsageError
-from gpt2lab.train.optim import make_optimizer
+from gpt2lab.system.runtime import measure_matmul
 
 RUNGS = ("fp32", "tf32", "bf16", "compile", "flash", "vocab50304", "fused_adamw")
 EXTRA = ("gpt2lab", "hf")
@@ -64,17 +64,6 @@ def settings(rung: str) -> dict:
     on = RUNGS[: RUNGS.index(rung) + 1] if rung in RUNGS else RUNGS
     switches = {k: k in on for k in ("tf32", "bf16", "compile", "flash")}
     return {**switches, "vocab": 50304 if "vocab50304" in on else 50257, "fused": "fused_adamw" in on}
-
-
-def matmul_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
-    """Measured bf16 matmul rate (n x n x n), the ceiling to read MFU against."""
-    if device.type != "cuda":
-        n, reps = 512, 3
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    timed(lambda: [a @ b for _ in range(3)], device)  # warm-up
-    seconds, _ = timed(lambda: [a @ b for _ in range(reps)], device)
-    return 2 * n**3 * reps / seconds / 1e12
 
 
 def _gpt2lab_step(shape, B: int, T: int, device: torch.device, data: str):
@@ -111,18 +100,16 @@ def _build(rung: str, shape, B: int, T: int, device: torch.device, data):
         model.set_loss(LossPath(chunked=True, compiled=True))
     else:
         model = ReferenceGPT(s["vocab"], T, *shape, flash=s["flash"])
-    model.to(device)
-    adamw = dict(lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
-    opt = make_optimizer(model, **adamw, device=device, fused=s["fused"])  # else torch's default (foreach)
-    fwd = torch.compile(model) if s["compile"] else model
     x, y = (torch.randint(0, 50257, (B, T), device=device) for _ in range(2))
 
-    def loss() -> torch.Tensor:
+    def loss(forward) -> torch.Tensor:
         if rung == "hf":
-            return fwd(input_ids=x, labels=x).loss
-        return fwd(x, x, return_logits=rung == "model_ce")[1] if rung in DIAGNOSTIC else fwd(x, y)
+            return forward(input_ids=x, labels=x).loss
+        return forward(x, x, return_logits=rung == "model_ce")[1] if rung in DIAGNOSTIC else forward(x, y)
 
-    return recipe_step(loss, model, opt, device, "bfloat16" if s["bf16"] else "float32"), model
+    adamw = dict(lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    dtype = "bfloat16" if s["bf16"] else "float32"
+    return recipe_step(model.to(device), loss, device, dtype, s["compile"], s["fused"], **adamw), model
 
 
 def _free() -> None:
@@ -145,7 +132,7 @@ def run(args: argparse.Namespace) -> dict:
         raise UsageError("--rungs gpt2lab needs --data DIR (token shards from gpt2lab prepare)")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = args.peak_flops or peak_flops(name)
-    measured = matmul_tflops(device)
+    measured = measure_matmul(device, 8192 if device.type == "cuda" else 512).bf16_gflops / 1000  # MFU's ceiling
     out = {
         "device": name,
         "torch": torch.__version__,

@@ -20,6 +20,7 @@ The model is a GPT-2 size (``--size``: the gpt2-124m recipe at that size) or a t
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import tempfile
@@ -244,11 +245,7 @@ def _tensor_peak(fn) -> int:
         for e in prof.profiler.kineto_results.events()
         if e.name() == "[memory]" and e.device_type().name == "CPU"
     )
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
+    return max(itertools.accumulate((nbytes for _, nbytes in events), initial=0))  # the most live at once
 
 
 def _rss_bytes() -> int:

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import torch
@@ -183,13 +184,8 @@ def summarize(done: list[dict], wall: float, streams: int, rate: Optional[float]
 
 def _together(fn, count: int) -> list:
     """``fn(0)`` ... ``fn(count - 1)``, each in a thread of its own, all at once: their results in order."""
-    out: list = [None] * count
-    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, fn(i))) for i in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
+    with ThreadPoolExecutor(max(count, 1)) as pool:
+        return list(pool.map(fn, range(count)))
 
 
 def load(url: str, streams: int, seconds: float, n: int, rate: Optional[float] = None, seed: int = 0) -> dict:

@@ -99,17 +99,12 @@ def run(args: argparse.Namespace) -> dict:
     ours = info["gpt2lab"]
     result = {
         "preset": args.preset,
-        "n_layer": cfg.model.n_layer,
-        "n_embd": cfg.model.n_embd,
-        "seq_len": cfg.batch.seq_len,
-        "micro_batch_size": cfg.batch.micro_batch_size,
-        "total_batch_tokens": cfg.batch.total_batch_tokens,
+        **{k: getattr(cfg.model, k) for k in ("n_layer", "n_embd")},
+        **{k: getattr(cfg.batch, k) for k in ("seq_len", "micro_batch_size", "total_batch_tokens")},
         "vocab_size": cfg.model.vocab_size,
         "dtype_asked": cfg.system.dtype,
         "compile_asked": cfg.system.compile,
-        "dtype": ours["dtype"],
-        "compile": ours["compile"],
-        "choices": ours["choices"],
+        **{k: ours[k] for k in ("dtype", "compile", "choices")},
         "device": str(device),
         "threads": ours["threads"],
         "keep_cpu_memory": cfg.system.keep_cpu_memory,
@@ -257,15 +252,18 @@ class ReferenceGPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
-def recipe_step(loss_fn, model, opt, device: torch.device, dtype: str = "float32", accum: int = 1):
-    """The recipe's step around ``loss_fn`` (a micro-step's loss): ``accum`` micro-steps under autocast in
-    ``dtype`` (float32: none), backward, clip 1.0, the optimizer's step; the step returns its loss."""
+def recipe_step(model, loss_of, device: torch.device, dtype: str, compile: bool, fused: bool, accum: int = 1, **adamw):
+    """The recipe's step of ``model``: ``accum`` micro-steps of ``loss_of(forward)`` (``forward``: the model,
+    torch.compile'd if ``compile``) under autocast in ``dtype`` (float32: none), backward, clip 1.0, the step
+    of AdamW (``adamw``'s values; fused if ``fused``, else torch's default, foreach); the step returns its loss."""
+    opt = make_optimizer(model, **adamw, device=device, fused=fused)
+    forward = torch.compile(model) if compile else model
 
     def step() -> torch.Tensor:
         total = 0.0
         for _ in range(accum):
             with autocast(device, dtype):
-                loss = loss_fn() / accum
+                loss = loss_of(forward) / accum
             total += loss.detach()
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -281,14 +279,12 @@ def reference_step(cfg, device: torch.device, next_batch, compile: bool, dtype: 
     m, o = cfg.model, cfg.optim
     model = ReferenceGPT(m.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd).to(device)
     adamw = dict(lr=o.max_lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps)
-    opt = make_optimizer(model, **adamw, device=device, fused=device.type == "cuda")
-    fwd = torch.compile(model) if compile else model
 
-    def loss() -> torch.Tensor:
+    def loss(forward) -> torch.Tensor:
         x, y = next_batch()
-        return fwd(x.to(device), y.to(device))
+        return forward(x.to(device), y.to(device))
 
-    return recipe_step(loss, model, opt, device, dtype, cfg.grad_accum_steps(1))
+    return recipe_step(model, loss, device, dtype, compile, device.type == "cuda", cfg.grad_accum_steps(1), **adamw)
 
 
 def loss_of_step(trainer):
