@@ -182,7 +182,7 @@ stage_profile() {
     data
     local flags=(--batch-size 64)
     [ "$SMOKE" = 1 ] && flags=(--size tiny --batch-size 2 --seq-len 32 --warmup 1 --steps 1 --device cpu)
-    "$PY" benchmarks/profile_step.py --data "$RUN/data" --out "$OUT" "${flags[@]}" | tail -n 45
+    g bench ladder --rungs gpt2lab --steps 3 --data "$RUN/data" --profile "$OUT" "${flags[@]}" > "$OUT/profile.json"
 }
 
 short_run() {  # no evals, samples or checkpoints but the last, no progress bar

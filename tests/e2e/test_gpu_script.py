@@ -105,8 +105,9 @@ def test_gpu_sh_smoke_train_eval_finetune(tmp_path):
     assert "init_from" in (run / "ft_lora" / "config.json").read_text()
 
 
-def test_ladder_records_an_out_of_memory_rung_and_goes_on(monkeypatch, capsys):
-    """On an 80 GB H100 the fp32 rungs at B=64 run out of memory; the ladder must say so and go on."""
+def test_ladder_records_an_out_of_memory_rung_and_goes_on(monkeypatch, capsys, tmp_path):
+    """On an 80 GB H100 the fp32 rungs at B=64 run out of memory; the ladder must say so and go on.
+    ``--profile``: the rung that ran is profiled (its operators' table and a Chrome trace), not the other."""
     import argparse
 
     import torch
@@ -131,11 +132,15 @@ def test_ladder_records_an_out_of_memory_rung_and_goes_on(monkeypatch, capsys):
         data=None,
         device="cpu",
         peak_flops=None,
+        profile=str(tmp_path / "prof"),
     )
     res = ladder.run(args)
     assert [r["rung"] for r in res["rungs"]] == ["fp32", "tf32"]
     assert res["rungs"][0]["oom"] is True and "ms_per_step" not in res["rungs"][0]
     assert 10 < res["rungs"][1]["loss"] < 12 and res["rungs"][1]["ms_per_step"] > 0
+    assert sorted(p.name for p in (tmp_path / "prof").iterdir()) == ["tf32_profile.txt", "tf32_trace.json"]
+    assert "aten::mm" in (tmp_path / "prof" / "tf32_profile.txt").read_text()  # the model's matmuls, profiled
+    assert json.loads((tmp_path / "prof" / "tf32_trace.json").read_text())["traceEvents"]
 
 
 def test_gpu_sh_never_works_in_a_folder_it_did_not_make(tmp_path):

@@ -133,20 +133,15 @@ def run(args: argparse.Namespace) -> dict:
     times = {k: [round(t, 2) for t in v] for k, v in times.items()}
     preds, flops = ({name: got[i] for name, got in last.items()} for i in (0, 1))
     n = len(examples)
+    loadavg = {"before": load_before, "after": os.getloadavg()}
     result = {
         "bench": "hellaswag",
-        "size": args.size,
+        **{k: getattr(args, k) for k in ("size", "dtype", "batch_size", "repeats")},
         "device": str(device),
         "threads": torch.get_num_threads(),
-        "dtype": args.dtype,
         "examples": n,
-        "batch_size": args.batch_size,
-        "repeats": args.repeats,
         "default_strategy": resolve_strategy("auto", model, device),
-        "loadavg_1_5_15": {
-            "before": [round(x, 2) for x in load_before],
-            "after": [round(x, 2) for x in os.getloadavg()],
-        },
+        "loadavg_1_5_15": {k: [round(x, 2) for x in v] for k, v in loadavg.items()},
     }
     for name in methods:
         best = min(times[name])

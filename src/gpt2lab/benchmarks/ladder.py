@@ -14,7 +14,8 @@ and ``model_ce`` (the same with materialised logits and one ``F.cross_entropy``,
 chunked loss is compared with what the compiler makes of the plain one). Every rung reports ms/step,
 tok/s, MFU and peak memory. MFU divides
 FLOPs/token = 6N + 12 * n_layer * n_embd * T (PaLM; N without position embeddings) by
-both the datasheet peak and the bf16 matmul rate measured at the start of the same run.
+both the datasheet peak and the bf16 matmul rate measured at the start of the same run. With
+``--profile DIR``, torch.profiler then runs over more steps of each rung: where its time goes.
 
 Meant for a GPU (see benchmarks/gpu.sh); on a CPU it runs too, for a smoke test.
 """
@@ -24,7 +25,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
+import sys
 
 import torch
 
@@ -34,6 +37,7 @@ from gpt2lab.distributed.dist import pick_device
 from gpt2lab.model.config import SIZES as GPT2_SIZES
 from gpt2lab.system.choices import finite_float
 from gpt2lab.system.errors import UsageError
+from gpt2lab.system.files import atomic_write, tmp_name
 from gpt2lab.system.runtime import measure_matmul
 
 RUNGS = ("fp32", "tf32", "bf16", "compile", "flash", "vocab50304", "fused_adamw")
@@ -57,6 +61,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help="token shards for the gpt2lab rung (gpt2lab prepare output)")
     p.add_argument("--device")
     p.add_argument("--peak-flops", type=finite_float, help="datasheet peak FLOP/s (default: by GPU name)")
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="then torch.profiler over --steps more steps of each rung: its operators by total device time "
+        "(CPU time on a CPU) to stderr and DIR/RUNG_profile.txt, and DIR/RUNG_trace.json "
+        "(a Chrome trace)",
+    )
 
 
 def settings(rung: str) -> dict:
@@ -112,6 +123,23 @@ def _build(rung: str, shape, B: int, T: int, device: torch.device, data):
     return recipe_step(model.to(device), loss, device, dtype, s["compile"], s["fused"], **adamw), model
 
 
+def _profile(step, device: torch.device, steps: int, prefix: str) -> None:
+    """torch.profiler over ``steps`` steps: the operators' table (``prefix``_profile.txt, and stderr) and
+    the Chrome trace (``prefix``_trace.json)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])]) as p:
+        for _ in range(steps):
+            step()
+    table = p.key_averages().table(sort_by=f"{'cuda' if device.type == 'cuda' else 'cpu'}_time_total", row_limit=30)
+    print(table, file=sys.stderr, flush=True)
+    os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
+    with atomic_write(f"{prefix}_profile.txt") as fh:
+        fh.write(table)
+    p.export_chrome_trace(tmp := tmp_name(f"{prefix}_trace.json"))
+    os.replace(tmp, f"{prefix}_trace.json")
+
+
 def _free() -> None:
     torch._dynamo.reset()
     gc.collect()
@@ -157,6 +185,8 @@ def run(args: argparse.Namespace) -> dict:
                 step()
             times, last = rounds({"step": step}, args.steps, device)  # median ms a step, the last loss
             ms, loss = 1000 * statistics.median(times["step"]), float(last.get("step", "nan"))
+            if args.profile:
+                _profile(step, device, args.steps, os.path.join(args.profile, rung))
         except torch.OutOfMemoryError:  # e.g. the fp32 rungs' materialised attention at B=64: say so, go on
             ms = None
         if ms is None:  # outside the except: its traceback no longer holds the rung's tensors

@@ -162,6 +162,7 @@ def run(args: argparse.Namespace) -> dict:
         "cache_speedup": tps["sample"] / tps["no_cache"] if tps["no_cache"] else None,
     }
     if "generate" in tps:
+        out["generate_kernel"] = library_pick.name
         out["generate_vs_sample"] = tps["generate"] / tps["sample"]
         out["tokens_agree_generate_vs_sample"] = first_mismatch(tokens["generate"], tokens["sample"]) is None
     if "unprepared" in tps:
@@ -183,8 +184,6 @@ def run(args: argparse.Namespace) -> dict:
         out["ctranslate2_tok_per_s"] = f"not run: CTranslate2 is timed on the CPU only (device {device})"
     if prepared.held_pages is not None:  # where the held weights live (inference/pages.py)
         out["held_pages"] = prepared.held_pages.describe()
-    if "generate" in ways:
-        out["generate_kernel"] = library_pick.name
     decoding = max(((n - 1) / (t1 - t0) for t0, t1 in spans if t1 > t0), default=None) if n > 1 else None
     out["decode_tok_per_s"] = {"sample": decoding}
     if llama:
