@@ -56,12 +56,13 @@ def step_ms(model: GPT, steps: int) -> dict:
     """Median and best of two timed loops of ``steps`` one-row steps after a 16-token prefill (ms a step);
     the caching allocator's cudaMalloc count over the loops."""
     step = primed(model, PROMPT + 3 * steps + 1)
-    allocs = (torch.cuda.memory_stats() if DEV.type == "cuda" else {}).get("num_device_alloc", 0)
+    allocs = _allocs()
     out = [1e3 * timed(lambda: [step() for _ in range(steps)], DEV)[0] / steps for _ in range(2)]
-    return {
-        "ms": [round(x, 3) for x in out],
-        "device_allocs": (torch.cuda.memory_stats() if DEV.type == "cuda" else {}).get("num_device_alloc", 0) - allocs,
-    }
+    return {"ms": [round(x, 3) for x in out], "device_allocs": _allocs() - allocs}
+
+
+def _allocs() -> int:
+    return torch.cuda.memory_stats().get("num_device_alloc", 0) if DEV.type == "cuda" else 0
 
 
 def profile(model: GPT, label: str) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from gpt2lab.system.runtime import timed
 
-SHAPE = {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024}  # GPT-2 124M's
+DEFAULT_SHAPE = {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024}  # GPT-2 124M's
 
 
 def rounds(ways: dict, repeats: int, device=None, after=None) -> tuple[dict, dict]:
@@ -28,7 +28,7 @@ def rounds(ways: dict, repeats: int, device=None, after=None) -> tuple[dict, dic
 
 def add_shape_flags(p, vocab: bool = False) -> None:
     """The random model's shape: GPT-2 124M's by default."""
-    for key, default in SHAPE.items():
+    for key, default in DEFAULT_SHAPE.items():
         p.add_argument(f"--{key.replace('_', '-')}", type=int, default=default)
     if vocab:
         p.add_argument("--vocab-size", type=int, default=50257)
@@ -38,7 +38,7 @@ def shape_config(args):
     """The GPTConfig of ``add_shape_flags``' values."""
     from gpt2lab.model.gpt import GPTConfig
 
-    return GPTConfig(**{k: getattr(args, k) for k in SHAPE}, vocab_size=getattr(args, "vocab_size", 50257))
+    return GPTConfig(**{k: getattr(args, k) for k in DEFAULT_SHAPE}, vocab_size=getattr(args, "vocab_size", 50257))
 
 
 def machine(device, args, decision) -> dict:

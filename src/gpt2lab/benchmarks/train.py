@@ -73,9 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     flags = overrides_from_args(args)
     cfg = load_preset(args.preset, **flags)
-    recipes = {
-        text: load_preset(name, **merge_config(flags, changes)) for text, (name, changes) in map(_recipe, args.recipe)
-    }
+    recipes = {text: _recipe(text, flags) for text in args.recipe}
     asked = cfg.system.device
     device = pick_device(None if asked == "auto" else asked)
     names = ["gpt2lab", *recipes] + (["reference"] if args.reference else [])
@@ -142,9 +140,9 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def _recipe(text: str) -> tuple[str, tuple[str, dict]]:
-    """'preset:field=value,...' -> (text, (preset, {field: value})); values as Python literals where they
-    parse as one (1, 0.5, True), else strings."""
+def _recipe(text: str, flags: dict):
+    """The run of 'preset:field=value,...': the preset, the train flags given, then its fields over them;
+    values as Python literals where they parse as one (1, 0.5, True), else strings."""
     preset, _, rest = text.partition(":")
     changes = {}
     for item in filter(None, rest.split(",")):
@@ -153,7 +151,7 @@ def _recipe(text: str) -> tuple[str, tuple[str, dict]]:
             changes[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             changes[key] = value
-    return text, (preset, changes)
+    return load_preset(preset, **merge_config(flags, changes))
 
 
 _SIDE: dict = {}  # in a side's process: its name, device and step
