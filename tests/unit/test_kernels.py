@@ -18,7 +18,7 @@ from conftest import tiny_gpt
 from gpt2lab.commands.env import entry_lines
 from gpt2lab.inference import kernels
 from gpt2lab.inference import probe as prep
-from gpt2lab.inference.choice import Candidate, InferenceFacts, InferenceRequest, Timing, candidates, choose
+from gpt2lab.inference.choice import Candidate, InferenceRequest, Timing, candidates, choose
 from gpt2lab.inference.form import cache_key, cached_timings, for_inference, hold
 from gpt2lab.inference.kernels import (
     DecodeLinear,
@@ -38,7 +38,7 @@ from gpt2lab.inference.kernels import (
     swap_linears,
 )
 from gpt2lab.system import formats, runtime
-from gpt2lab.system.runtime import ChoiceError
+from gpt2lab.system.runtime import ChoiceError, Facts
 
 needs_onednn = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN packed linear")
 needs_int8 = pytest.mark.skipif(int8_available(torch.device("cpu")) is not None, reason="no int8 weight-only kernel")
@@ -358,7 +358,7 @@ def test_a_gemv_hold_rounds_its_inputs_to_bf16_where_the_cpu_computes_bf16_nativ
     request = InferenceRequest(dtype="bfloat16")
     for kernel in ("gemv", "upcast"):  # the one measured is chosen
         timings = {f"bfloat16/{kernel}": Timing(prefill=10.0, step1=1.0)}
-        facts = InferenceFacts("cpu", native_bf16=native, packing=True, gemv_error=None, timings=timings)
+        facts = Facts("cpu", cpu_flags=NATIVE * native, packing=True, gemv_error=None, timings=timings)
         d = choose(request, facts)
         ours = kernel == "gemv" and native
         assert d.candidate.kernel == kernel and d.bf16_inputs == ours and d.record()["bf16_inputs"] == ours
@@ -411,7 +411,7 @@ def test_the_probe_measures_where_the_tiles_stop_and_every_hold_of_the_choice_ke
         )
 
     monkeypatch.setattr(prep, "measure", fake)
-    facts = dataclasses.replace(prep.detect_facts(cpu), native_bf16=True)  # both dtypes measured
+    facts = dataclasses.replace(prep.detect_facts(cpu), cpu_flags=NATIVE)  # both dtypes measured
     decision = prep.decide(model, cpu, InferenceRequest(), facts=facts)
     assert decision.candidate == gemv and decision.tile_rows == 7 and "by its tiles up to 7" in decision.summary()
     assert held_with["bfloat16/gemv"] == [1, 7, 7]  # first measured; again and at 16 rows held with its tiles
@@ -590,22 +590,22 @@ def test_swap_linears_gives_a_tied_head_its_own_copy():
 
 
 # -- the choice, with faked facts -------------------------------------------------------------
-ZEN = InferenceFacts("cpu", "AMD EPYC (Zen 4)", native_bf16=True, packing=True)
-XEON = InferenceFacts("cpu", "Intel Xeon (AVX-512, no AVX512_BF16)", native_bf16=False, packing=True)
-AVX2 = InferenceFacts(
+NATIVE = ("avx512_bf16",)  # a CPU flag of native bf16
+ZEN = Facts("cpu", "AMD EPYC (Zen 4)", NATIVE, packing=True)
+XEON = Facts("cpu", "Intel Xeon (AVX-512, no AVX512_BF16)", packing=True)
+AVX2 = Facts(
     "cpu",
     "AMD EPYC (AVX2 only)",
-    native_bf16=False,
     packing=True,
     packing_bf16_error="mkldnn_reorder_linear_weight: bf16 path needs the cpu support "
     "avx_ne_convert or avx512bw, avx512vl and avx512dq",
 )
 GEMV = dataclasses.replace(AVX2, gemv_error=None)  # gpt2lab's compiled GEMV built, AVX2 there
 ZEN_GEMV = dataclasses.replace(ZEN, gemv_error=None)
-NO_ONEDNN = InferenceFacts("cpu", "a CPU build without oneDNN", native_bf16=False, packing=False)
-H100 = InferenceFacts("cuda", "NVIDIA H100", native_bf16=True, int8_error="no CUDA int8 weight-only kernel")
-V100 = InferenceFacts("cuda", "Tesla V100", native_bf16=False)
-MPS = InferenceFacts("mps", "Apple MPS")
+NO_ONEDNN = Facts("cpu", "a CPU build without oneDNN", packing=False)
+H100 = Facts("cuda", "NVIDIA H100", cuda_bf16=True, int8_error="no CUDA int8 weight-only kernel")
+V100 = Facts("cuda", "Tesla V100")
+MPS = Facts("mps", "Apple MPS")
 
 
 def test_bf16_packing_fact_is_what_onednn_does():
@@ -744,7 +744,7 @@ def test_one_candidate_needs_no_measuring():
     assert d.candidate.name == "float32/packed" and d.reason == "asked for"
 
 
-def _facts(base: InferenceFacts, **timings) -> InferenceFacts:
+def _facts(base: Facts, **timings) -> Facts:
     return dataclasses.replace(base, timings={k.replace("__", "/"): v for k, v in timings.items()})
 
 

@@ -33,7 +33,7 @@ from typing import Optional
 
 from gpt2lab.system import runtime
 from gpt2lab.system.choices import LINEAR_CHOICES, QUANTIZE_CHOICES
-from gpt2lab.system.runtime import ChoiceError
+from gpt2lab.system.runtime import ChoiceError, Facts
 
 WORKLOADS = ("sample", "serve", "score")
 # The request the costs describe: this many prompt tokens, then as many new ones (sample's default
@@ -96,23 +96,6 @@ class InferenceRequest:
 
 
 @dataclass(frozen=True)
-class InferenceFacts:
-    """What the decision depends on; ``detect_facts`` fills the device's, ``measure`` the timings."""
-
-    device_type: str
-    device_name: str = ""
-    native_bf16: bool = False  # CPU flag (AVX512_BF16/AMX/BF16) or the GPU's bf16
-    packing: bool = False  # oneDNN's packed linear is there (CPU)
-    packing_bf16_error: Optional[str] = None  # why oneDNN cannot pack bf16 weights here (None: it can)
-    int8_error: Optional[str] = None  # why int8 weight-only cannot run (None: it can)
-    # why gpt2lab's compiled GEMV (bf16 and int8 weights) cannot run (None: it can); detect_facts finds out
-    gemv_error: Optional[str] = "not detected"
-    # the compiled kernel's AVX512_BF16 routines run: a gemv hold with rounded inputs is in panels (kernels.py)
-    gemv_panels: bool = False
-    timings: Optional[dict] = None  # candidate name -> Timing, or -> the error it failed with
-
-
-@dataclass(frozen=True)
 class Decision:
     candidate: Candidate
     reason: str
@@ -157,16 +140,14 @@ class Decision:
         }
 
 
-def _dtypes(request: InferenceRequest, facts: InferenceFacts) -> list[str]:
-    dev = facts.device_type
+def _dtypes(request: InferenceRequest, facts: Facts) -> list[str]:
     if request.dtype != "auto":  # the device must run it: training's checks, one place
-        rf = runtime.Facts(dev, facts.device_name, cuda_bf16=facts.native_bf16 if dev == "cuda" else False)
-        return [str(runtime.choose_dtype(request.dtype, rf).value)]
-    half = {"cuda": "bfloat16" if facts.native_bf16 else "float16", "mps": "float16"}.get(dev, "bfloat16")
+        return [str(runtime.choose_dtype(request.dtype, facts).value)]
+    half = {"cuda": "bfloat16" if facts.native_bf16 else "float16", "mps": "float16"}.get(facts.device_type, "bfloat16")
     return ["float32", half]
 
 
-def candidates(request: InferenceRequest, facts: InferenceFacts) -> list[Candidate]:
+def candidates(request: InferenceRequest, facts: Facts) -> list[Candidate]:
     """The (dtype, kernel) pairs this device can run that the request allows; an impossible ask is a ChoiceError."""
     if request.workload not in WORKLOADS:
         raise ValueError(f"workload {request.workload!r}: one of {', '.join(WORKLOADS)}")
@@ -245,7 +226,7 @@ def crossover(short: tuple[float, float], long: tuple[float, float], lengths: tu
     return int(max(1, min(r, math.floor(s + ahead_s / -slope))))
 
 
-def cheapest_dtype(cands: list[Candidate], facts: InferenceFacts) -> tuple[str, str]:
+def cheapest_dtype(cands: list[Candidate], facts: Facts) -> tuple[str, str]:
     """(The dtype every workload holds ``cands``' model in, why). Each measured dtype is represented by its
     kernel cheapest for the reference request (prefill and one-row steps); where every such kernel also has
     its BATCH_ROWS-row figure, the dtype is the one whose worse slowdown against the best dtype, at one row
@@ -295,7 +276,7 @@ def _slowdowns(costs: dict) -> dict:
     return {k: max(v / low for v, low in zip(c, least)) for k, c in costs.items()}
 
 
-def choose(request: InferenceRequest, facts: InferenceFacts) -> Decision:
+def choose(request: InferenceRequest, facts: Facts) -> Decision:
     """The candidate for ``request``: the only one; else the dtype (``cheapest_dtype``, the same for every
     workload) and, of its kernels, the cheapest measured for the workload, or (unmeasured) the device's rule."""
     pick, why = _choose(request, facts)
@@ -303,7 +284,7 @@ def choose(request: InferenceRequest, facts: InferenceFacts) -> Decision:
     return Decision(pick, why, request, facts.timings, bf16_inputs=rounded, panels=rounded and facts.gemv_panels)
 
 
-def gemv_bf16_inputs(facts: InferenceFacts) -> bool:
+def gemv_bf16_inputs(facts: Facts) -> bool:
     """Whether a ``gemv`` hold rounds every product's inputs to bf16, so that its products are bf16 ones (in
     panels, by the compiled AVX512_BF16 dot product at every row count, where those routines run; else a
     prompt past the tiles by oneDNN's bf16 matmul): where the CPU computes bf16 natively (AVX512_BF16,
@@ -313,7 +294,7 @@ def gemv_bf16_inputs(facts: InferenceFacts) -> bool:
     return facts.device_type == "cpu" and facts.native_bf16
 
 
-def _choose(request: InferenceRequest, facts: InferenceFacts) -> tuple[Candidate, str]:
+def _choose(request: InferenceRequest, facts: Facts) -> tuple[Candidate, str]:
     cands = candidates(request, facts)
     if len(cands) == 1:
         return cands[0], "asked for" if request.dtype != "auto" or request.quantize != "none" else "the only one here"
@@ -337,7 +318,7 @@ def _join(dtype_why: str, kernel_why: str) -> str:
     return kernel_why if dtype_why in ("", kernel_why) else f"{dtype_why}; {kernel_why}"
 
 
-def device_pick(cands: list[Candidate], facts: InferenceFacts) -> Candidate:
+def device_pick(cands: list[Candidate], facts: Facts) -> Candidate:
     """The device's rule: half precision where the device computes it natively, or where gpt2lab's
     compiled GEMV holds it (``gemv``), of those dtypes the candidates hold (an asked-for dtype is the only
     one); fp32 on a CPU without either, and on MPS. Then ``gemv`` first where it runs (its one row reads
@@ -368,7 +349,7 @@ def device_pick(cands: list[Candidate], facts: InferenceFacts) -> Candidate:
     return min(pool, key=lambda c: order.index(c.kernel) if c.kernel in order else len(order))
 
 
-def _unmeasured_reason(facts: InferenceFacts) -> str:
+def _unmeasured_reason(facts: Facts) -> str:
     if facts.device_type != "cpu":
         return f"not measured; {facts.device_type}: half precision reads half the bytes"
     found = ["native bf16 on this CPU" if facts.native_bf16 else "no native bf16 on this CPU"]
@@ -398,6 +379,6 @@ def _measured_reason(request, pick: Candidate, measured: dict, slowdown: dict, t
     return text + (f"; dropped: {'; '.join(dropped)}" if dropped else "")
 
 
-def rule(request: InferenceRequest, facts: InferenceFacts) -> Decision:
+def rule(request: InferenceRequest, facts: Facts) -> Decision:
     """The choice without timing: ``choose`` with the facts' timings left out (the device's rule)."""
     return choose(request, dataclasses.replace(facts, timings=None))

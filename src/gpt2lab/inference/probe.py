@@ -43,7 +43,6 @@ from gpt2lab.inference.choice import (
     REQUEST_TOKENS,
     Candidate,
     Decision,
-    InferenceFacts,
     InferenceRequest,
     Timing,
     as_json,
@@ -307,7 +306,7 @@ NOT_KEPT = "measured on a busy machine, not kept (gpt2lab env says why), the dev
 
 
 def decide(
-    model: GPT, device, request: InferenceRequest, facts: Optional[InferenceFacts] = None, command="gpt2lab"
+    model: GPT, device, request: InferenceRequest, facts: Optional[runtime.Facts] = None, command="gpt2lab"
 ) -> Decision:
     """Measure (where there is a choice, and the cache has no figures; a first measurement says so on
     stderr, ``command`` first) and choose."""

@@ -67,6 +67,14 @@ class Facts:
     cuda_bf16: bool = False  # torch.cuda.is_bf16_supported()
     can_compile: bool = True  # a kernel compiler for the device (triton / a C++ compiler)
     probe: Optional[Probe] = None  # CPU: matmul rates, None when not measured
+    # inference: what the decode kernels can do here (inference/form.py's detect_facts) and, measured, each
+    # candidate's figures (inference/probe.py: candidate name -> choice.Timing, or -> why it was dropped)
+    packing: bool = False  # oneDNN's packed linear is there (CPU)
+    packing_bf16_error: Optional[str] = None  # why oneDNN cannot pack bf16 weights here (None: it can)
+    int8_error: Optional[str] = None  # why int8 weight-only cannot run (None: it can)
+    gemv_error: Optional[str] = "not detected"  # why gpt2lab's compiled GEMV cannot run (None: it can)
+    gemv_panels: bool = False  # the compiled kernel's AVX512_BF16 routines run (kernels.PanelLinear)
+    timings: Optional[dict] = None
 
     @property
     def native_bf16(self) -> bool:
