@@ -100,7 +100,8 @@ def _best_ms(fn, device: torch.device, per_call=1, limit: Optional[float] = None
     return 1e3 * times[0] / per_call
 
 
-FIGURES = ("prefill", "step1")  # the reference figures; "step_rows" is serve's
+FIGURES = ("prefill", "step1")  # the reference figures
+EXTRA = ("step_rows", "step_batch")  # serve's --max-batch-row step; each dtype's best's BATCH_ROWS-row step
 
 
 @torch.inference_mode()
@@ -141,7 +142,7 @@ def measure(
         what = f"{cand.name} " + ("step" if rows == 1 else f"{rows}-row step")
         return _best_ms(run, device, steps, limit, what, doubts)
 
-    for figure, n in (("step1", 1), ("step_rows", request.rows), ("step_batch", BATCH_ROWS)):
+    for figure, n in zip(("step1", *EXTRA), (1, request.rows, BATCH_ROWS)):
         if figure in figures:
             out[figure] = decode_ms(n, getattr(best, figure))
     return Timing(**out)
@@ -174,23 +175,17 @@ def _tiles(prepared: GPT, matmul_long: float, device: torch.device, gen: torch.G
 
 def _bar(done: dict) -> Timing:
     """The best of each figure measured so far (the bar a hopeless candidate is given up at)."""
-    ts = [t for t in done.values() if isinstance(t, Timing)]
-    return Timing(
-        *(
-            min((getattr(t, f) for t in ts if getattr(t, f) is not None), default=None)
-            for f in ("prefill", "step1", "step_rows", "step_batch")
-        )
-    )
+    ts = [dataclasses.asdict(t) for t in done.values() if isinstance(t, Timing)]
+    return Timing(**{f: min((t[f] for t in ts if t[f] is not None), default=None) for f in FIGURES + EXTRA})
 
 
 def _measure_each(model, cands, request, device, figures, doubts, held: Optional[dict] = None) -> dict:
     """``figures`` of each of ``cands``, each held with the ``tile_rows`` of its figures in ``held``."""
     out: dict = {}
     for c in cands:
+        tiles = tile_rows_of((held or {}).get(c.name))
         try:
-            out[c.name] = measure(
-                model, c, request, device, _bar(out), figures, doubts, tile_rows_of((held or {}).get(c.name))
-            )
+            out[c.name] = measure(model, c, request, device, _bar(out), figures, doubts, tiles)
         except _TooSlow as e:
             out[c.name] = f"given up: {e}"
         except (RuntimeError, NotImplementedError) as e:  # a kernel this build cannot run with these weights
@@ -276,10 +271,10 @@ def decide(
         doubts: list = []
         timings = reference_timings(model, cands, device, doubts)
         if doubts:  # neither kept nor used: the device's rule decides, the same in every process
-            _note_not_kept(key, model, device, doubts)
+            _write(key, model, device, None, doubts=doubts)
             decision = choose(request, facts)
             return dataclasses.replace(decision, reason=decision.reason.replace("not measured", NOT_KEPT, 1))
-        _save_timings(key, model, device, timings)
+        _write(key, model, device, None, timings)
         entry = {}
     kept = request.workload != "serve" or _serve_rows(
         model, device, request, facts, cands, key, entry, timings, command
@@ -309,10 +304,10 @@ def _serve_rows(model, device, request, facts, cands, key: str, entry: Optional[
         rows = {k: (t.step_rows if isinstance(t, Timing) else t) for k, t in out.items()}
         if doubts:
             kept = False
-            _note_not_kept(key, model, device, doubts, request.rows)
+            _write(key, model, device, request.rows, doubts=doubts)
             rows = None
         else:
-            _save_rows(key, request.rows, rows)
+            _write(key, model, device, request.rows, rows)
     for name, r in (rows or {}).items():
         if isinstance(timings.get(name), Timing):
             timings[name] = dataclasses.replace(timings[name], step_rows=r) if isinstance(r, float) else r
@@ -371,39 +366,26 @@ def announce(decision: Decision, command: str) -> None:
 SHAPE = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")  # what env shows of a model
 
 
-def _new_entry(entry: dict, model: GPT, device: torch.device) -> None:
-    entry.update(written=time.time(), model={f: getattr(model.config, f) for f in SHAPE}, device=str(device))
-
-
-def _save_timings(key: str, model: GPT, device: torch.device, figures: dict) -> None:
-    """The reference figures of entry ``key`` (its rows figures and choices, of other figures, go)."""
-
-    def change(entry: dict) -> None:
-        entry.clear()
-        _new_entry(entry, model, device)
-        entry["timings"] = as_json(figures)
-
-    runtime.cache_update(key, change)
-
-
-def _save_rows(key: str, rows: int, figures: dict) -> None:
-    def change(entry: dict) -> None:
-        entry.setdefault("rows", {})[str(rows)] = {"written": time.time(), "timings": figures}
-        if isinstance(entry.get("not_kept"), dict):
-            entry["not_kept"].pop("rows", None)
-
-    runtime.cache_update(key, change)
-
-
-def _note_not_kept(key: str, model: GPT, device: torch.device, doubts: list[str], rows: Optional[int] = None) -> None:
-    """Why the figures just measured for entry ``key`` (``rows``: its ``rows``-row step figures) were not kept
-    (the doubts), for ``gpt2lab env``; figures kept before stay, and are used."""
+def _write(key: str, model: GPT, device: torch.device, rows: Optional[int], figures=None, doubts=None) -> None:
+    """Entry ``key``'s reference figures (``rows`` None: the entry made anew, its rows figures and choices, of
+    other figures, going) or its ``rows``-row step figures, or, given ``doubts``, why the figures just measured
+    were not kept (for ``gpt2lab env``; figures kept before stay, and are used)."""
+    part = "rows" if rows else "reference"
 
     def change(entry: dict) -> None:
-        if not entry:
-            _new_entry(entry, model, device)
+        if not entry or (figures is not None and not rows):
+            entry.clear()
+            entry.update(written=time.time(), model={f: getattr(model.config, f) for f in SHAPE}, device=str(device))
         notes = entry["not_kept"] = entry.get("not_kept") if isinstance(entry.get("not_kept"), dict) else {}
-        notes["rows" if rows else "reference"] = {"written": time.time(), "why": doubts}
+        if doubts is not None:
+            notes[part] = {"written": time.time(), "why": doubts}
+        elif rows:
+            entry.setdefault("rows", {})[str(rows)] = {"written": time.time(), "timings": figures}
+            notes.pop(part, None)
+        else:
+            entry["timings"] = as_json(figures)
+        if not notes:
+            del entry["not_kept"]
 
     runtime.cache_update(key, change)
 
