@@ -1225,6 +1225,36 @@ def test_the_serve_figures_are_the_chosen_dtypes_kernels_at_its_batch_and_kept_b
     assert len(calls) == n  # both read back
 
 
+def test_serve_rows_measured_unsteady_are_neither_kept_nor_used(tmp_path, monkeypatch):
+    """Serve's --max-batch-row figures whose calls disagree: not kept (why: under not_kept, for gpt2lab env),
+    nor used (the kernel by the one-row figures, as any process takes it); the next run measures them again."""
+    monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path))
+    monkeypatch.delenv("GPT2LAB_PROBE", raising=False)
+    monkeypatch.setattr(prep, "estimate_seconds", lambda *a, **k: 1.0)
+    table = {"float32/plain": (100.0, 8.0, 40.0), "float32/decode": (100.0, 8.5, 12.0)}
+    table |= {"bfloat16/plain": (100.0, 9.0, 10.0), "bfloat16/decode": (100.0, 9.5, 10.0)}
+    unsteady = [True]
+
+    def fake(model, cand, request, device, best=None, figures=prep.FIGURES, doubts=None, tile_rows=1):
+        p, s1, sr = table[cand.name]
+        if "step_rows" not in figures:
+            return Timing(p, s1)
+        if unsteady[0]:
+            doubts.append(f"{cand.name} 8-row step unsteady (3.0x between its best calls)")
+        return Timing(step_rows=sr)
+
+    monkeypatch.setattr(prep, "measure", fake)
+    model, cpu = tiny_gpt(seed=0, vocab_size=97, block_size=16), torch.device("cpu")
+    serve = InferenceRequest(linear="plain", workload="serve", rows=8)
+    assert prep.decide(model, cpu, serve, facts=ZEN).candidate.name == "float32/plain"  # by the one-row figures
+    [entry] = runtime.cached().values()
+    assert "rows" not in entry and "float32/plain 8-row step unsteady" in entry["not_kept"]["rows"]["why"][0]
+    unsteady[0] = False
+    assert prep.decide(model, cpu, serve, facts=ZEN).candidate.name == "float32/decode"  # measured again, kept
+    [entry] = runtime.cached().values()
+    assert entry["rows"]["8"]["timings"] == {"float32/plain": 40.0, "float32/decode": 12.0} and "not_kept" not in entry
+
+
 def _sample(d: str, *extra: str) -> list[str]:
     from gpt2lab import cli
 

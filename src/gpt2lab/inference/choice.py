@@ -57,7 +57,8 @@ class Candidate:
     def name(self) -> str:
         return f"{self.dtype}/{self.kernel}"
 
-    __str__ = name.fget
+    def __str__(self) -> str:
+        return self.name
 
 
 @dataclass(frozen=True)

@@ -301,13 +301,9 @@ def _serve_rows(model, device, request, facts, cands, key: str, entry: Optional[
         _notice(command, what, model, request, device, 0, len(pool))
         doubts: list = []
         out = _measure_each(model, pool, request, device, ("step_rows",), doubts, timings)
-        rows = {k: (t.step_rows if isinstance(t, Timing) else t) for k, t in out.items()}
-        if doubts:
-            kept = False
-            _write(key, model, device, request.rows, doubts=doubts)
-            rows = None
-        else:
-            _write(key, model, device, request.rows, rows)
+        kept = not doubts  # figures not kept are not used either
+        rows = {k: (t.step_rows if isinstance(t, Timing) else t) for k, t in out.items()} if kept else None
+        _write(key, model, device, request.rows, rows, doubts or None)
     for name, r in (rows or {}).items():
         if isinstance(timings.get(name), Timing):
             timings[name] = dataclasses.replace(timings[name], step_rows=r) if isinstance(r, float) else r
