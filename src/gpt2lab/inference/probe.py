@@ -270,11 +270,10 @@ def decide(
         _notice(command, f"{len(cands)} ways to run this model", model, request, device, n_timed, n_rows)
         doubts: list = []
         timings = reference_timings(model, cands, device, doubts)
+        _write(key, model, device, None, None if doubts else timings, doubts or None)
         if doubts:  # neither kept nor used: the device's rule decides, the same in every process
-            _write(key, model, device, None, doubts=doubts)
             decision = choose(request, facts)
             return dataclasses.replace(decision, reason=decision.reason.replace("not measured", NOT_KEPT, 1))
-        _write(key, model, device, None, timings)
         entry = {}
     kept = request.workload != "serve" or _serve_rows(
         model, device, request, facts, cands, key, entry, timings, command

@@ -139,17 +139,15 @@ def _cpu_auto_dtype(facts: Facts) -> Choice:
 
 
 def _slow_bf16(facts: Facts) -> Optional[str]:
-    """The warning of an asked-for bf16 on a CPU that the probe measured slower in it (or, unprobed, has no
-    native bf16); None elsewhere."""
+    """The warning of an asked-for bf16 on a CPU measured slower in it (unprobed: without native bf16), else None."""
     p = facts.probe
     if facts.device_type != "cpu" or (p is None and facts.native_bf16) or (p is not None and p.bf16_speedup >= 1.0):
         return None
     if p is None:
         return "--dtype bfloat16 on a CPU without native bf16 is usually slower than float32"
     return (
-        f"--dtype bfloat16 is {1 / max(p.bf16_speedup, 1e-9):.1f}x slower than fp32 on this "
-        f"CPU (matmul probe: bf16 {p.bf16_gflops:.0f} vs fp32 {p.fp32_gflops:.0f} GFLOP/s); "
-        "--dtype auto would use float32"
+        f"--dtype bfloat16 is {1 / max(p.bf16_speedup, 1e-9):.1f}x slower than fp32 on this CPU (matmul probe: "
+        f"bf16 {p.bf16_gflops:.0f} vs fp32 {p.fp32_gflops:.0f} GFLOP/s); --dtype auto would use float32"
     )
 
 
