@@ -140,10 +140,11 @@ def test_the_choice_line_says_that_threads_sleep_while_they_wait_on_a_busy_machi
     """Where the machine was busy as the command started (system/runtime.py's choose_wait), the one line
     that announces the inference choice says so, and the choice's record holds it."""
     from gpt2lab.inference import probe
-    from gpt2lab.inference.choice import InferenceFacts, InferenceRequest, choose
+    from gpt2lab.inference.choice import InferenceRequest, choose
     from gpt2lab.system import runtime
+    from gpt2lab.system.runtime import Facts
 
-    decision = choose(InferenceRequest(), InferenceFacts("cpu"))
+    decision = choose(InferenceRequest(), Facts("cpu"))
     busy = "; threads sleep while they wait: 1 core busy with other work, 2 of ours on 2 cores"
     for load, said in ((runtime.Load(2, 2, 0), ""), (runtime.Load(2, 2, 1), busy)):
         monkeypatch.setattr(runtime, "WAIT", runtime.choose_wait(load))

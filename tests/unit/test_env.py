@@ -11,10 +11,11 @@ from conftest import tiny_gpt
 
 from gpt2lab import cli
 from gpt2lab.inference import probe as prep
-from gpt2lab.inference.choice import InferenceFacts, InferenceRequest, Timing
+from gpt2lab.inference.choice import InferenceRequest, Timing
 from gpt2lab.system import runtime
+from gpt2lab.system.runtime import Facts
 
-ZEN = InferenceFacts("cpu", "AMD EPYC (Zen 4)", native_bf16=True, packing=True)
+ZEN = Facts("cpu", "AMD EPYC (Zen 4)", ("avx512_bf16",), packing=True)
 
 
 def _cached(tmp_path, monkeypatch) -> None:

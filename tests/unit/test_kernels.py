@@ -18,7 +18,7 @@ from conftest import tiny_gpt
 from gpt2lab.commands.env import entry_lines
 from gpt2lab.inference import kernels
 from gpt2lab.inference import probe as prep
-from gpt2lab.inference.choice import Candidate, InferenceFacts, InferenceRequest, Timing, candidates, choose
+from gpt2lab.inference.choice import Candidate, InferenceRequest, Timing, candidates, choose
 from gpt2lab.inference.form import cache_key, cached_timings, for_inference, hold
 from gpt2lab.inference.kernels import (
     DecodeLinear,
@@ -38,7 +38,7 @@ from gpt2lab.inference.kernels import (
     swap_linears,
 )
 from gpt2lab.system import formats, runtime
-from gpt2lab.system.runtime import ChoiceError
+from gpt2lab.system.runtime import ChoiceError, Facts
 
 needs_onednn = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN packed linear")
 needs_int8 = pytest.mark.skipif(int8_available(torch.device("cpu")) is not None, reason="no int8 weight-only kernel")
@@ -358,7 +358,7 @@ def test_a_gemv_hold_rounds_its_inputs_to_bf16_where_the_cpu_computes_bf16_nativ
     request = InferenceRequest(dtype="bfloat16")
     for kernel in ("gemv", "upcast"):  # the one measured is chosen
         timings = {f"bfloat16/{kernel}": Timing(prefill=10.0, step1=1.0)}
-        facts = InferenceFacts("cpu", native_bf16=native, packing=True, gemv_error=None, timings=timings)
+        facts = Facts("cpu", cpu_flags=NATIVE * native, packing=True, gemv_error=None, timings=timings)
         d = choose(request, facts)
         ours = kernel == "gemv" and native
         assert d.candidate.kernel == kernel and d.bf16_inputs == ours and d.record()["bf16_inputs"] == ours
@@ -411,7 +411,7 @@ def test_the_probe_measures_where_the_tiles_stop_and_every_hold_of_the_choice_ke
         )
 
     monkeypatch.setattr(prep, "measure", fake)
-    facts = dataclasses.replace(prep.detect_facts(cpu), native_bf16=True)  # both dtypes measured
+    facts = dataclasses.replace(prep.detect_facts(cpu), cpu_flags=NATIVE)  # both dtypes measured
     decision = prep.decide(model, cpu, InferenceRequest(), facts=facts)
     assert decision.candidate == gemv and decision.tile_rows == 7 and "by its tiles up to 7" in decision.summary()
     assert held_with["bfloat16/gemv"] == [1, 7, 7]  # first measured; again and at 16 rows held with its tiles
@@ -590,22 +590,22 @@ def test_swap_linears_gives_a_tied_head_its_own_copy():
 
 
 # -- the choice, with faked facts -------------------------------------------------------------
-ZEN = InferenceFacts("cpu", "AMD EPYC (Zen 4)", native_bf16=True, packing=True)
-XEON = InferenceFacts("cpu", "Intel Xeon (AVX-512, no AVX512_BF16)", native_bf16=False, packing=True)
-AVX2 = InferenceFacts(
+NATIVE = ("avx512_bf16",)  # a CPU flag of native bf16
+ZEN = Facts("cpu", "AMD EPYC (Zen 4)", NATIVE, packing=True)
+XEON = Facts("cpu", "Intel Xeon (AVX-512, no AVX512_BF16)", packing=True)
+AVX2 = Facts(
     "cpu",
     "AMD EPYC (AVX2 only)",
-    native_bf16=False,
     packing=True,
     packing_bf16_error="mkldnn_reorder_linear_weight: bf16 path needs the cpu support "
     "avx_ne_convert or avx512bw, avx512vl and avx512dq",
 )
 GEMV = dataclasses.replace(AVX2, gemv_error=None)  # gpt2lab's compiled GEMV built, AVX2 there
 ZEN_GEMV = dataclasses.replace(ZEN, gemv_error=None)
-NO_ONEDNN = InferenceFacts("cpu", "a CPU build without oneDNN", native_bf16=False, packing=False)
-H100 = InferenceFacts("cuda", "NVIDIA H100", native_bf16=True, int8_error="no CUDA int8 weight-only kernel")
-V100 = InferenceFacts("cuda", "Tesla V100", native_bf16=False)
-MPS = InferenceFacts("mps", "Apple MPS")
+NO_ONEDNN = Facts("cpu", "a CPU build without oneDNN", packing=False)
+H100 = Facts("cuda", "NVIDIA H100", cuda_bf16=True, int8_error="no CUDA int8 weight-only kernel")
+V100 = Facts("cuda", "Tesla V100")
+MPS = Facts("mps", "Apple MPS")
 
 
 def test_bf16_packing_fact_is_what_onednn_does():
@@ -744,7 +744,7 @@ def test_one_candidate_needs_no_measuring():
     assert d.candidate.name == "float32/packed" and d.reason == "asked for"
 
 
-def _facts(base: InferenceFacts, **timings) -> InferenceFacts:
+def _facts(base: Facts, **timings) -> Facts:
     return dataclasses.replace(base, timings={k.replace("__", "/"): v for k, v in timings.items()})
 
 
@@ -764,8 +764,8 @@ def test_sample_keeps_the_cheapest_request_prefill_plus_its_decode_steps():
     d = choose(InferenceRequest(), facts)
     assert d.candidate.name == "bfloat16/packed"
     assert d.reason.startswith(
-        "bfloat16 for every workload: a 128-token prefill and 128 one-row steps in 1124.0 ms, "
-        "against float32's 1192.0 ms (1.06x); fastest of the bfloat16 kernels measured for sample: "
+        "the dtype for every workload, the least behind (a 128-token prefill and 128 steps at one row): "
+        "bfloat16 1124.0 ms; against float32 1192.0 ms (1.06x); the kernel least behind as measured for sample: "
         "bfloat16/packed prefill 100.0 / step 8.00 ms"
     )
     assert d.reason.endswith(
@@ -774,7 +774,7 @@ def test_sample_keeps_the_cheapest_request_prefill_plus_its_decode_steps():
     # the evals score with the prefill alone, where fp32/packed is faster: the dtype is still bf16's
     score = choose(InferenceRequest(workload="score"), facts)
     assert score.candidate.name == "bfloat16/packed"
-    assert "fastest of the bfloat16 kernels measured for score: bfloat16/packed prefill 100.0 ms" in score.reason
+    assert "the kernel least behind as measured for score: bfloat16/packed prefill 100.0 ms" in score.reason
 
 
 def test_serve_keeps_the_candidate_whose_worse_slowdown_at_one_row_or_a_full_batch_is_least():
@@ -790,7 +790,7 @@ def test_serve_keeps_the_candidate_whose_worse_slowdown_at_one_row_or_a_full_bat
     )
     d = choose(InferenceRequest(workload="serve", rows=8), facts)
     assert d.candidate.name == "bfloat16/plain" and "(2.86x)" in d.reason
-    assert "against float32's 1290.0 ms (1.25x)" in d.reason  # the dtype: bf16's best request, 1034 ms
+    assert "against float32 1290.0 ms (1.25x)" in d.reason  # the dtype: bf16's best request, 1034 ms
     assert choose(InferenceRequest(workload="sample"), facts).candidate.name == "bfloat16/packed"
 
 
@@ -1129,46 +1129,44 @@ def _fake_measure(figures_of, calls):
     return fake
 
 
-def test_a_steps_bound_is_its_share_of_the_prefills_products_never_under_two_prefills():
-    """The share counted by hand: a GPT-2 block multiplies 12 C^2 weights (qkv 3, proj 1, fc 4, proj 4);
-    the prefill runs min(128, block) positions through the blocks and its last through the head."""
-    C, L = 32, 2
-    body = L * 12 * C * C
-    for vocab, block, rows in [(50257, 128, 16), (97, 16, 1), (50257, 128, 1)]:
-        model = tiny_gpt(seed=0, vocab_size=vocab, block_size=block)
-        head = vocab * C
-        want = rows * (body + head) / (min(128, block) * body + head)
-        assert prep._step_work(model, rows) == pytest.approx(want, rel=1e-12)
-    big_head = tiny_gpt(seed=0, vocab_size=50257, block_size=128)  # the head is most of a step's products
-    share = prep._step_work(big_head, prep.BATCH_ROWS)
-    assert 5 < share < 6
-    fine = Timing(prefill=1.0, step1=0.5, step_batch=0.9 * prep.ABSURD * share)
-    assert prep._absurd("x", fine, 1, big_head) == []
-    busy = Timing(prefill=1.0, step1=0.5, step_batch=1.1 * prep.ABSURD * share)
-    [why] = prep._absurd("x", busy, 1, big_head)
-    assert why.startswith(f"x {prep.BATCH_ROWS}-row step")
-    small_head = tiny_gpt(seed=0, vocab_size=97, block_size=128)  # a step's share under one: two prefills
-    assert prep._step_work(small_head, prep.BATCH_ROWS) < 1
-    assert prep._absurd("x", Timing(prefill=1.0, step1=1.9, step_batch=1.9), 1, small_head) == []
-    assert len(prep._absurd("x", Timing(prefill=1.0, step1=2.1, step_batch=2.1), 1, small_head)) == 2
-
-
-def test_a_load_that_slowed_one_candidate_is_caught_by_the_second_pass_and_not_kept(tmp_path, monkeypatch, capsys):
-    """bf16/plain measured while the machine was busy (3x its figure): its dtype's best is timed again
-    after the others, the two passes disagree, and the figures are neither kept nor used (the device's
-    rule decides this run, as it would in any other process): the next run measures again. A step over
-    2x its prefill is neither kept nor used either."""
+def test_a_load_that_slowed_one_candidate_is_passed_over_by_the_second_pass(tmp_path, monkeypatch):
+    """bf16/plain measured while the machine was busy (3x its figure): its dtype's best is timed again after
+    the others, and the best of both passes is kept: the dtype is the one a quiet machine measures."""
     monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path))
     monkeypatch.delenv("GPT2LAB_PROBE", raising=False)
     monkeypatch.setattr(prep, "estimate_seconds", lambda *a, **k: 1.0)
     calls: list = []
 
     def busy_first(name, before):
-        if name.startswith("float32"):
-            return Timing(10.0, 10.0)
-        return Timing(10.0, 24.0 if before == 0 else 8.0)  # 3x slower while busy
+        return Timing(10.0, 10.0) if name.startswith("float32") else Timing(10.0, 24.0 if before == 0 else 8.0)
 
     monkeypatch.setattr(prep, "measure", _fake_measure(busy_first, calls))
+    model, cpu = tiny_gpt(seed=0, vocab_size=97, block_size=16), torch.device("cpu")
+    d = prep.decide(model, cpu, InferenceRequest(linear="plain"), facts=ZEN)
+    assert d.candidate.dtype == "bfloat16" and d.reason.startswith("the dtype for every workload")
+    [entry] = runtime.cached().values()
+    assert entry["timings"][d.candidate.name]["step1"] == 8.0 and "not_kept" not in entry
+
+
+def test_figures_measured_unsteady_are_neither_kept_nor_used(tmp_path, monkeypatch, capsys):
+    """A figure whose calls disagree (``_best_ms``' doubt): the figures are neither kept nor used (the device's
+    rule decides this run, as it would in any other process), why is gpt2lab env's, and the next run measures
+    again; figures kept before are not replaced by doubted ones."""
+    monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path))
+    monkeypatch.delenv("GPT2LAB_PROBE", raising=False)
+    monkeypatch.setattr(prep, "estimate_seconds", lambda *a, **k: 1.0)
+    calls: list = []
+
+    def unsteady(step1):
+        def fake(model, cand, request, device, best=None, figures=prep.FIGURES, doubts=None, tile_rows=1):
+            calls.append(cand.name)
+            if cand.name == "bfloat16/plain" and doubts is not None:
+                doubts.append("bfloat16/plain step unsteady (2.5x between its best calls)")
+            return Timing(10.0, step1)
+
+        return fake
+
+    monkeypatch.setattr(prep, "measure", unsteady(8.0))
     model, cpu = tiny_gpt(seed=0, vocab_size=97, block_size=16), torch.device("cpu")
     request = InferenceRequest(linear="plain")
     d = prep.decide(model, cpu, request, facts=ZEN, command="gpt2lab sample")
@@ -1177,23 +1175,22 @@ def test_a_load_that_slowed_one_candidate_is_caught_by_the_second_pass_and_not_k
     assert len(capsys.readouterr().err.splitlines()) == 1  # the notice; why not kept is gpt2lab env's
     [entry] = runtime.cached().values()
     assert cached_timings(entry) is None
-    assert "bfloat16/plain step1 24 then 8 ms" in entry_lines(entry)[-1]
+    said = entry_lines(entry)[-1]
+    assert said.startswith("not kept (reference figures, ") and "the machine was busy): " in said
+    assert "bfloat16/plain step unsteady (2.5x between its best calls)" in said
     n = len(calls)
+    monkeypatch.setattr(prep, "measure", _fake_measure(lambda name, before: Timing(10.0, 8.0), calls))
     prep.decide(model, cpu, request, facts=ZEN)
     assert len(calls) == 2 * n  # measured again: on a quiet machine now, so kept
     [entry] = runtime.cached().values()
     assert "not_kept" not in entry and not any("not kept" in line for line in entry_lines(entry))
-    monkeypatch.setattr(prep, "measure", _fake_measure(lambda name, before: Timing(10.0, 10.0), calls))
-    assert prep.decide(model, cpu, request, facts=ZEN).candidate.dtype == "bfloat16"  # 8 beats 10, read back
 
     monkeypatch.setenv("GPT2LAB_PROBE", "fresh")
-    monkeypatch.setattr(prep, "measure", _fake_measure(lambda name, before: Timing(1.0, 5.0), []))
+    monkeypatch.setattr(prep, "measure", unsteady(5.0))
     prep.decide(model, cpu, request, facts=ZEN, command="gpt2lab sample")
     [entry] = runtime.cached().values()
     assert entry["timings"]["bfloat16/plain"]["step1"] == 8.0  # the kept figures are not replaced
-    said = entry_lines(entry)[-1]
-    assert said.startswith("not kept (reference figures, ") and "the machine was busy): " in said
-    assert "bfloat16/plain one-row step 5 ms over 2 ms (its prefill 1 ms)" in said
+    assert entry_lines(entry)[-1].startswith("not kept (reference figures, ")
 
 
 def test_the_serve_figures_are_the_chosen_dtypes_kernels_at_its_batch_and_kept_beside_the_reference(
@@ -1226,6 +1223,36 @@ def test_the_serve_figures_are_the_chosen_dtypes_kernels_at_its_batch_and_kept_b
     n = len(calls)
     prep.decide(model, cpu, InferenceRequest(linear="plain", workload="serve", rows=8), facts=ZEN)
     assert len(calls) == n  # both read back
+
+
+def test_serve_rows_measured_unsteady_are_neither_kept_nor_used(tmp_path, monkeypatch):
+    """Serve's --max-batch-row figures whose calls disagree: not kept (why: under not_kept, for gpt2lab env),
+    nor used (the kernel by the one-row figures, as any process takes it); the next run measures them again."""
+    monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path))
+    monkeypatch.delenv("GPT2LAB_PROBE", raising=False)
+    monkeypatch.setattr(prep, "estimate_seconds", lambda *a, **k: 1.0)
+    table = {"float32/plain": (100.0, 8.0, 40.0), "float32/decode": (100.0, 8.5, 12.0)}
+    table |= {"bfloat16/plain": (100.0, 9.0, 10.0), "bfloat16/decode": (100.0, 9.5, 10.0)}
+    unsteady = [True]
+
+    def fake(model, cand, request, device, best=None, figures=prep.FIGURES, doubts=None, tile_rows=1):
+        p, s1, sr = table[cand.name]
+        if "step_rows" not in figures:
+            return Timing(p, s1)
+        if unsteady[0]:
+            doubts.append(f"{cand.name} 8-row step unsteady (3.0x between its best calls)")
+        return Timing(step_rows=sr)
+
+    monkeypatch.setattr(prep, "measure", fake)
+    model, cpu = tiny_gpt(seed=0, vocab_size=97, block_size=16), torch.device("cpu")
+    serve = InferenceRequest(linear="plain", workload="serve", rows=8)
+    assert prep.decide(model, cpu, serve, facts=ZEN).candidate.name == "float32/plain"  # by the one-row figures
+    [entry] = runtime.cached().values()
+    assert "rows" not in entry and "float32/plain 8-row step unsteady" in entry["not_kept"]["rows"]["why"][0]
+    unsteady[0] = False
+    assert prep.decide(model, cpu, serve, facts=ZEN).candidate.name == "float32/decode"  # measured again, kept
+    [entry] = runtime.cached().values()
+    assert entry["rows"]["8"]["timings"] == {"float32/plain": 40.0, "float32/decode": 12.0} and "not_kept" not in entry
 
 
 def _sample(d: str, *extra: str) -> list[str]:
@@ -1318,7 +1345,10 @@ def test_the_dtype_is_the_least_behind_at_its_worse_of_one_row_and_a_batch(workl
     assert bf16_batch > 3  # and falls far behind in a batch
     request = InferenceRequest(workload=workload, rows=BATCH_ROWS)
     d = choose(request, dataclasses.replace(AVX2, timings=emulated))
-    assert d.candidate.dtype == "float32" and "the least behind at its worse" in d.reason
+    assert (
+        d.candidate.dtype == "float32"
+        and "the least behind (a 128-token prefill and 128 steps at one row / in a 16-row batch)" in d.reason
+    )
     native = {**emulated, "bfloat16/plain": Timing(200.0, 20.0, None, 40.0)}
     assert choose(request, dataclasses.replace(AVX2, timings=native)).candidate.dtype == "bfloat16"
     one_row_only = {n: dataclasses.replace(t, step_batch=None) for n, t in emulated.items()}

@@ -225,8 +225,8 @@ def test_the_command_line_sets_the_policy_before_openmp_reads_it():
         "from gpt2lab import cli\n"
         "try:\n    cli.main(['env', '--help'])\nexcept SystemExit:\n    pass\n"
         "import torch  # libgomp loads: it reads the policy now\n"
-        "from gpt2lab.inference.choice import InferenceFacts, InferenceRequest, choose\n"
-        "print(choose(InferenceRequest(), InferenceFacts('cpu')).record()['threads_wait'])\n"
+        "from gpt2lab.inference.choice import InferenceRequest, choose\nfrom gpt2lab.system.runtime import Facts\n"
+        "print(choose(InferenceRequest(), Facts('cpu')).record()['threads_wait'])\n"
     )
     clean = {k: v for k, v in os.environ.items() if k not in env.WAIT_SETTINGS}
     p = subprocess.run(

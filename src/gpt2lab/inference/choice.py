@@ -33,7 +33,7 @@ from typing import Optional
 
 from gpt2lab.system import runtime
 from gpt2lab.system.choices import LINEAR_CHOICES, QUANTIZE_CHOICES
-from gpt2lab.system.runtime import ChoiceError
+from gpt2lab.system.runtime import ChoiceError, Facts
 
 WORKLOADS = ("sample", "serve", "score")
 # The request the costs describe: this many prompt tokens, then as many new ones (sample's default
@@ -56,6 +56,9 @@ class Candidate:
     @property
     def name(self) -> str:
         return f"{self.dtype}/{self.kernel}"
+
+    def __str__(self) -> str:
+        return self.name
 
 
 @dataclass(frozen=True)
@@ -93,23 +96,6 @@ class InferenceRequest:
     linear: str = "auto"
     workload: str = "sample"
     rows: int = 1
-
-
-@dataclass(frozen=True)
-class InferenceFacts:
-    """What the decision depends on; ``detect_facts`` fills the device's, ``measure`` the timings."""
-
-    device_type: str
-    device_name: str = ""
-    native_bf16: bool = False  # CPU flag (AVX512_BF16/AMX/BF16) or the GPU's bf16
-    packing: bool = False  # oneDNN's packed linear is there (CPU)
-    packing_bf16_error: Optional[str] = None  # why oneDNN cannot pack bf16 weights here (None: it can)
-    int8_error: Optional[str] = None  # why int8 weight-only cannot run (None: it can)
-    # why gpt2lab's compiled GEMV (bf16 and int8 weights) cannot run (None: it can); detect_facts finds out
-    gemv_error: Optional[str] = "not detected"
-    # the compiled kernel's AVX512_BF16 routines run: a gemv hold with rounded inputs is in panels (kernels.py)
-    gemv_panels: bool = False
-    timings: Optional[dict] = None  # candidate name -> Timing, or -> the error it failed with
 
 
 @dataclass(frozen=True)
@@ -157,16 +143,14 @@ class Decision:
         }
 
 
-def _dtypes(request: InferenceRequest, facts: InferenceFacts) -> list[str]:
-    dev = facts.device_type
+def _dtypes(request: InferenceRequest, facts: Facts) -> list[str]:
     if request.dtype != "auto":  # the device must run it: training's checks, one place
-        rf = runtime.Facts(dev, facts.device_name, cuda_bf16=facts.native_bf16 if dev == "cuda" else False)
-        return [str(runtime.choose_dtype(request.dtype, rf).value)]
-    half = {"cuda": "bfloat16" if facts.native_bf16 else "float16", "mps": "float16"}.get(dev, "bfloat16")
+        return [str(runtime.choose_dtype(request.dtype, facts).value)]
+    half = {"cuda": "bfloat16" if facts.native_bf16 else "float16", "mps": "float16"}.get(facts.device_type, "bfloat16")
     return ["float32", half]
 
 
-def candidates(request: InferenceRequest, facts: InferenceFacts) -> list[Candidate]:
+def candidates(request: InferenceRequest, facts: Facts) -> list[Candidate]:
     """The (dtype, kernel) pairs this device can run that the request allows; an impossible ask is a ChoiceError."""
     if request.workload not in WORKLOADS:
         raise ValueError(f"workload {request.workload!r}: one of {', '.join(WORKLOADS)}")
@@ -245,7 +229,7 @@ def crossover(short: tuple[float, float], long: tuple[float, float], lengths: tu
     return int(max(1, min(r, math.floor(s + ahead_s / -slope))))
 
 
-def cheapest_dtype(cands: list[Candidate], facts: InferenceFacts) -> tuple[str, str]:
+def cheapest_dtype(cands: list[Candidate], facts: Facts) -> tuple[str, str]:
     """(The dtype every workload holds ``cands``' model in, why). Each measured dtype is represented by its
     kernel cheapest for the reference request (prefill and one-row steps); where every such kernel also has
     its BATCH_ROWS-row figure, the dtype is the one whose worse slowdown against the best dtype, at one row
@@ -259,51 +243,57 @@ def cheapest_dtype(cands: list[Candidate], facts: InferenceFacts) -> tuple[str, 
             best[c.dtype] = t
     if not best:
         return device_pick(cands, facts).dtype, _unmeasured_reason(facts)
-    one = {d: reference_cost(t) for d, t in best.items()}
-    batch = {d: batch_cost(t) for d, t in best.items() if t.step_batch is not None}
-    both = len(best) > 1 and len(batch) == len(best)
-    worst = _slowdowns({d: (one[d], batch[d]) if both else (one[d],) for d in best})
-    dtype = min(best, key=lambda d: (worst[d], one[d], d))
-    others = sorted((d for d in best if d != dtype), key=lambda d: worst[d])
-    low1 = min(one.values())
-    if both:
-        lowb = min(batch.values())
-
-        def says(d: str) -> str:
-            return (
-                f"{d} {one[d]:.1f} ms at one row ({one[d] / low1:.2f}x), {batch[d]:.1f} ms in a {BATCH_ROWS}-row "
-                f"batch ({batch[d] / lowb:.2f}x)"
-            )
-
-        return dtype, (
-            f"{dtype} for every workload, the least behind at its worse of one row and a {BATCH_ROWS}-row batch "
-            f"(a {REQUEST_TOKENS}-token prefill and {REQUEST_TOKENS} steps): {says(dtype)}; against "
-            + "; ".join(says(d) for d in others)
-        )
-    text = (
-        f"{dtype} for every workload: a {REQUEST_TOKENS}-token prefill and {REQUEST_TOKENS} one-row steps "
-        f"in {low1:.1f} ms"
+    both = len(best) > 1 and all(t.step_batch is not None for t in best.values())
+    cost = {d: (reference_cost(t), batch_cost(t)) if both else (reference_cost(t),) for d, t in best.items()}
+    what = f"a {REQUEST_TOKENS}-token prefill and {REQUEST_TOKENS} steps at one row" + (
+        f" / in a {BATCH_ROWS}-row batch" if both else ""
     )
-    if others:
-        text += ", against " + ", ".join(f"{d}'s {one[d]:.1f} ms ({one[d] / low1:.2f}x)" for d in others)
-    return dtype, text
+    figures = {d: " / ".join(f"{v:.1f}" for v in c) for d, c in cost.items()}
+    return _least_behind(cost, f"the dtype for every workload, the least behind ({what})", figures)
 
 
-def _slowdowns(costs: dict) -> dict:
-    """Each key's worse slowdown against the least of each of its costs (tuples of one length)."""
-    least = [min(c) for c in zip(*costs.values())]
-    return {k: max(v / low for v, low in zip(c, least)) for k, c in costs.items()}
+def _least_behind(cost: dict, what: str, figures: dict) -> tuple:
+    """(The key of ``cost`` (key -> tuple of costs in ms, of one length) whose worse slowdown against the least
+    of each cost is the smallest (ties: the cheaper first cost, then the name), why: ``what``, its ``figures``
+    (key -> text, in ms) and, of the next three, theirs and that slowdown)."""
+    least = [min(c) for c in zip(*cost.values())]
+    slow = {k: max(v / low for v, low in zip(c, least)) for k, c in cost.items()}
+    pick, *others = sorted(cost, key=lambda k: (slow[k], cost[k][0], str(k)))
+    against = "".join(f"; against {k} {figures[k]} ms ({slow[k]:.2f}x)" for k in others[:3])
+    return pick, f"{what}: {pick} {figures[pick]} ms{against}"
 
 
-def choose(request: InferenceRequest, facts: InferenceFacts) -> Decision:
+def choose(request: InferenceRequest, facts: Facts) -> Decision:
     """The candidate for ``request``: the only one; else the dtype (``cheapest_dtype``, the same for every
-    workload) and, of its kernels, the cheapest measured for the workload, or (unmeasured) the device's rule."""
-    pick, why = _choose(request, facts)
+    workload) and, of its kernels, the one least behind as measured for the workload (``costs``), or
+    (unmeasured) the device's rule."""
+    cands = candidates(request, facts)
+    if len(cands) == 1:
+        pick = cands[0]
+        why = "asked for" if request.dtype != "auto" or request.quantize != "none" else "the only one here"
+    else:
+        # an asked-for dtype: only the kernel is left to choose
+        dtype, dtype_why = (cands[0].dtype, "") if len({c.dtype for c in cands}) == 1 else cheapest_dtype(cands, facts)
+        pool = [c for c in cands if c.dtype == dtype]
+        need = ("prefill",) if request.workload == "score" else ("prefill", "step1")
+        timings = facts.timings or {}
+        measured = {c: timings[c.name] for c in pool if _has(timings.get(c.name), *need)}
+        if request.workload == "serve" and any(t.step_rows is not None for t in measured.values()):
+            measured = {c: t for c, t in measured.items() if t.step_rows is not None}  # one cost for them all
+        if measured:
+            what = f"the kernel least behind as measured for {request.workload}"
+            shown = {c: _figures(request, t) for c, t in measured.items()}
+            pick, why = _least_behind({c: costs(request, t) for c, t in measured.items()}, what, shown)
+            dropped = [f"{n} {t}" for n, t in timings.items() if not isinstance(t, Timing)]  # t: why
+            why += f"; dropped: {'; '.join(dropped)}" if dropped else ""
+        else:
+            pick, why = device_pick(pool, facts), _unmeasured_reason(facts)
+        why = why if dtype_why in ("", why) else f"{dtype_why}; {why}"
     rounded = pick.kernel == "gemv" and gemv_bf16_inputs(facts)
     return Decision(pick, why, request, facts.timings, bf16_inputs=rounded, panels=rounded and facts.gemv_panels)
 
 
-def gemv_bf16_inputs(facts: InferenceFacts) -> bool:
+def gemv_bf16_inputs(facts: Facts) -> bool:
     """Whether a ``gemv`` hold rounds every product's inputs to bf16, so that its products are bf16 ones (in
     panels, by the compiled AVX512_BF16 dot product at every row count, where those routines run; else a
     prompt past the tiles by oneDNN's bf16 matmul): where the CPU computes bf16 natively (AVX512_BF16,
@@ -313,31 +303,7 @@ def gemv_bf16_inputs(facts: InferenceFacts) -> bool:
     return facts.device_type == "cpu" and facts.native_bf16
 
 
-def _choose(request: InferenceRequest, facts: InferenceFacts) -> tuple[Candidate, str]:
-    cands = candidates(request, facts)
-    if len(cands) == 1:
-        return cands[0], "asked for" if request.dtype != "auto" or request.quantize != "none" else "the only one here"
-    if len({c.dtype for c in cands}) == 1:  # an asked-for dtype: only the kernel is left to choose
-        dtype, dtype_why = cands[0].dtype, ""
-    else:
-        dtype, dtype_why = cheapest_dtype(cands, facts)
-    pool = [c for c in cands if c.dtype == dtype]
-    need = ("prefill",) if request.workload == "score" else ("prefill", "step1")
-    measured = {c: facts.timings[c.name] for c in pool if facts.timings and _has(facts.timings.get(c.name), *need)}
-    if request.workload == "serve" and any(t.step_rows is not None for t in measured.values()):
-        measured = {c: t for c, t in measured.items() if t.step_rows is not None}  # one cost for them all
-    if not measured:
-        return device_pick(pool, facts), _join(dtype_why, _unmeasured_reason(facts))
-    slowdown = _slowdowns({c: costs(request, t) for c, t in measured.items()})
-    pick = min(measured, key=lambda c: (slowdown[c], c.name))
-    return pick, _join(dtype_why, _measured_reason(request, pick, measured, slowdown, facts.timings))
-
-
-def _join(dtype_why: str, kernel_why: str) -> str:
-    return kernel_why if dtype_why in ("", kernel_why) else f"{dtype_why}; {kernel_why}"
-
-
-def device_pick(cands: list[Candidate], facts: InferenceFacts) -> Candidate:
+def device_pick(cands: list[Candidate], facts: Facts) -> Candidate:
     """The device's rule: half precision where the device computes it natively, or where gpt2lab's
     compiled GEMV holds it (``gemv``), of those dtypes the candidates hold (an asked-for dtype is the only
     one); fp32 on a CPU without either, and on MPS. Then ``gemv`` first where it runs (its one row reads
@@ -368,7 +334,7 @@ def device_pick(cands: list[Candidate], facts: InferenceFacts) -> Candidate:
     return min(pool, key=lambda c: order.index(c.kernel) if c.kernel in order else len(order))
 
 
-def _unmeasured_reason(facts: InferenceFacts) -> str:
+def _unmeasured_reason(facts: Facts) -> str:
     if facts.device_type != "cpu":
         return f"not measured; {facts.device_type}: half precision reads half the bytes"
     found = ["native bf16 on this CPU" if facts.native_bf16 else "no native bf16 on this CPU"]
@@ -386,18 +352,6 @@ def _figures(request: InferenceRequest, t: Timing) -> str:
     return " / ".join(parts)
 
 
-def _measured_reason(request, pick: Candidate, measured: dict, slowdown: dict, timings: Optional[dict]) -> str:
-    def fig(c: Candidate) -> str:
-        return f"{c.name} {_figures(request, measured[c])} ms"
-
-    others = sorted((c for c in measured if c != pick), key=lambda c: slowdown[c])
-    text = f"fastest of the {pick.dtype} kernels measured for {request.workload}: {fig(pick)}"
-    if others:
-        text += "; next " + "; ".join(f"{fig(c)} ({slowdown[c]:.2f}x)" for c in others[:3])
-    dropped = [f"{n} {t}" for n, t in (timings or {}).items() if not isinstance(t, Timing)]  # t: why
-    return text + (f"; dropped: {'; '.join(dropped)}" if dropped else "")
-
-
-def rule(request: InferenceRequest, facts: InferenceFacts) -> Decision:
+def rule(request: InferenceRequest, facts: Facts) -> Decision:
     """The choice without timing: ``choose`` with the facts' timings left out (the device's rule)."""
     return choose(request, dataclasses.replace(facts, timings=None))

@@ -22,7 +22,6 @@ from gpt2lab.inference import pages
 from gpt2lab.inference.choice import (
     REQUEST_TOKENS,
     Candidate,
-    InferenceFacts,
     InferenceRequest,
     Timing,
     candidates,
@@ -51,14 +50,12 @@ from gpt2lab.system import env, runtime
 CPU_ATTENTION_DTYPE = torch.float32
 
 
-def detect_facts(device: torch.device) -> InferenceFacts:
-    """The device's facts the choice depends on (no timing: system/runtime's flags, what oneDNN and int8 can do)."""
-    f = runtime.detect(device, probe=False)
-    return InferenceFacts(
-        device.type,
-        f.device_name,
-        native_bf16=f.native_bf16,
-        packing=(packing := device.type == "cpu" and packing_available()),
+def detect_facts(device: torch.device) -> runtime.Facts:
+    """The device's facts (system/runtime's ``detect``, no probe) with what the decode kernels can do here."""
+    packing = device.type == "cpu" and packing_available()
+    return dataclasses.replace(
+        runtime.detect(device, probe=False),
+        packing=packing,
         packing_bf16_error=packing_bf16_error() if packing else None,
         int8_error=int8_available(device),
         gemv_error=(why := gemv_error(device)),
@@ -100,9 +97,8 @@ def hold(
     choice.gemv_bf16_inputs); for inference only."""
     target = model if inplace else _shared_copy(model)
     if bf16_inputs is None:
-        device = next(model.parameters()).device
-        flags = InferenceFacts(device.type, native_bf16=runtime.detect(device, probe=False).native_bf16)
-        bf16_inputs = cand.kernel == "gemv" and gemv_bf16_inputs(flags)
+        facts = runtime.detect(next(model.parameters()).device, probe=False)
+        bf16_inputs = cand.kernel == "gemv" and gemv_bf16_inputs(facts)
     swap_linears(target, cand.kernel, getattr(torch, cand.dtype), batch_hint=rows, bf16_inputs=bf16_inputs)
     set_tile_rows(target, tile_rows)
     target.eval()

@@ -71,26 +71,28 @@ def packing_available() -> bool:
         return False
 
 
-def packing_bf16_error() -> Optional[str]:
-    """Why oneDNN cannot pack a bf16 weight on this CPU, or None where it can (tried on a tiny weight):
-    its bf16 reorder needs AVX512BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only CPU has neither)."""
+def _fails(fn) -> Optional[str]:
+    """The first line of the error ``fn()`` raises (a kernel tried on a tiny weight), None where it runs."""
     try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16), 1)
+        fn()
     except (RuntimeError, AttributeError, NotImplementedError) as e:
         return str(e).splitlines()[0][:160] if str(e) else type(e).__name__
     return None
 
 
+def packing_bf16_error() -> Optional[str]:
+    """Why oneDNN cannot pack a bf16 weight on this CPU, or None where it can: its bf16 reorder needs
+    AVX512BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only CPU has neither)."""
+    return _fails(lambda: torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16), 1))
+
+
 def int8_available(device: torch.device) -> Optional[str]:
-    """Why int8 weight-only matmuls cannot run on ``device``, or None where they can (tried on a tiny weight)."""
+    """Why int8 weight-only matmuls cannot run on ``device``, or None where they can."""
     if not hasattr(torch, "_weight_int8pack_mm"):
         return "this torch has no torch._weight_int8pack_mm"
-    try:
-        w = torch.ones(8, 32, dtype=torch.int8, device=device)
-        torch._weight_int8pack_mm(torch.ones(1, 32, device=device), w, torch.ones(8, device=device))
-    except (RuntimeError, NotImplementedError) as e:
-        return f"torch._weight_int8pack_mm does not run on {device.type} ({str(e).splitlines()[0][:120]})"
-    return None
+    w = torch.ones(8, 32, dtype=torch.int8, device=device)
+    why = _fails(lambda: torch._weight_int8pack_mm(torch.ones(1, 32, device=device), w, torch.ones(8, device=device)))
+    return why and f"torch._weight_int8pack_mm does not run on {device.type} ({why[:120]})"
 
 
 class DecodeLinear(nn.Module):
@@ -216,11 +218,12 @@ class Int8Linear(DecodeLinear):
     """Weight-only int8 (per-row scales) through ``torch._weight_int8pack_mm``; activations in ``dtype``."""
 
     kernel = "int8"
+    k_multiple = INT8_K_MULTIPLE  # the inner dimension padded to it
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype) -> None:
         super().__init__(weight, bias, dtype)
         q, scale = quantize_int8(weight)
-        self.pad = -self.in_features % INT8_K_MULTIPLE
+        self.pad = -self.in_features % self.k_multiple
         self.qweight, self.scale = F.pad(q, (0, self.pad)).contiguous(), scale.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -383,18 +386,17 @@ def set_tile_rows(model: nn.Module, rows: int) -> None:
             m.tile_rows = max(1, int(rows))
 
 
-class Int8GemvLinear(DecodeLinear):
+class Int8GemvLinear(Int8Linear):
     """Int8Linear's quantization (``quantize_int8``) multiplied by gpt2lab's compiled kernel
     (``_gemv.c``) with fp32 activations, any width (no padding)."""
 
     kernel = "int8-gemv"
+    k_multiple = 1
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype) -> None:
         if dtype != torch.float32:
             raise ValueError(f"the int8-gemv kernel computes in float32, not {dtype}")
         super().__init__(weight, bias, dtype)
-        q, scale = quantize_int8(weight)
-        self.qweight, self.scale = q.contiguous(), scale.contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _compiled_gemv("int8_gemv", x, self.qweight, self.scale, self.bias, self.out_features)

@@ -10,12 +10,8 @@ of the chosen dtype's kernels. A loaded machine must not decide for good:
 * each figure is the best of ``REPEATS`` calls after an untimed one; when the second best is over
   ``UNSTEADY`` times the best, ``REPEATS`` more are timed, and a figure whose two best calls of all
   still disagree that much is neither kept nor used (below);
-* the best candidate of each dtype is timed a second time after all the others (a load that slowed one
-  candidate's every call passes by then); the best of both is kept, unless the two passes are over
-  ``UNSTEADY`` times apart;
-* a figure that contradicts the work it measures is not kept: a one-row step (or a ``--max-batch``-row
-  step of at most ``REQUEST_TOKENS`` rows) over ``ABSURD`` times what its share of the same candidate's
-  prefill's matrix products allows (never under ``ABSURD`` prefills);
+* the best candidate of each dtype, whose figures decide the dtype, is timed a second time after all the
+  others, and the best of both passes kept: a load that slowed one candidate's every call has passed by then;
 * figures not kept are not used either: the device's rule decides this run (the batch figures alone:
   the kernel by the one-row figures), so that processes on a busy machine still agree on a choice; why
   they were not kept is noted in the cache, for ``gpt2lab env`` (the console has one line: the choice);
@@ -36,14 +32,12 @@ import time
 from typing import Optional
 
 import torch
-from torch import nn
 
 from gpt2lab.inference.choice import (
     BATCH_ROWS,
     REQUEST_TOKENS,
     Candidate,
     Decision,
-    InferenceFacts,
     InferenceRequest,
     Timing,
     as_json,
@@ -72,12 +66,6 @@ GIVE_UP = 10.0
 # percent, on any machine: a call twice as slow as the best of the same work had the cores or the
 # device taken from it for half its time. A ratio of the same work, so it holds whatever the speed.
 UNSTEADY = 2.0
-# A step costs at most what its share of the prefill's matrix products says (_step_work: a one-row step
-# of GPT-2 124M does 1/100 of the 128-token prefill's, on the same weights read once either way; a
-# 16-row step of a tiny model with GPT-2's vocabulary does 5x, its head's products being most of it),
-# and never less than a prefill where the share is under one (both launch-bound, on a GPU with a small
-# model). Twice that is a step timed while something else ran.
-ABSURD = 2.0
 # A run's own one-row steps (the same held weights, one row, at most REQUEST_TOKENS positions, so at
 # most a few tens of percent more attention than the probe's) against its choice's figure: 3x is
 # no noise of the same work; the figure was taken on another machine state.
@@ -112,7 +100,8 @@ def _best_ms(fn, device: torch.device, per_call=1, limit: Optional[float] = None
     return 1e3 * times[0] / per_call
 
 
-FIGURES = ("prefill", "step1")  # the reference figures; "step_rows" is serve's
+FIGURES = ("prefill", "step1")  # the reference figures
+EXTRA = ("step_rows", "step_batch")  # serve's --max-batch-row step; each dtype's best's BATCH_ROWS-row step
 
 
 @torch.inference_mode()
@@ -153,7 +142,7 @@ def measure(
         what = f"{cand.name} " + ("step" if rows == 1 else f"{rows}-row step")
         return _best_ms(run, device, steps, limit, what, doubts)
 
-    for figure, n in (("step1", 1), ("step_rows", request.rows), ("step_batch", BATCH_ROWS)):
+    for figure, n in zip(("step1", *EXTRA), (1, request.rows, BATCH_ROWS)):
         if figure in figures:
             out[figure] = decode_ms(n, getattr(best, figure))
     return Timing(**out)
@@ -186,23 +175,17 @@ def _tiles(prepared: GPT, matmul_long: float, device: torch.device, gen: torch.G
 
 def _bar(done: dict) -> Timing:
     """The best of each figure measured so far (the bar a hopeless candidate is given up at)."""
-    ts = [t for t in done.values() if isinstance(t, Timing)]
-    return Timing(
-        *(
-            min((getattr(t, f) for t in ts if getattr(t, f) is not None), default=None)
-            for f in ("prefill", "step1", "step_rows", "step_batch")
-        )
-    )
+    ts = [dataclasses.asdict(t) for t in done.values() if isinstance(t, Timing)]
+    return Timing(**{f: min((t[f] for t in ts if t[f] is not None), default=None) for f in FIGURES + EXTRA})
 
 
 def _measure_each(model, cands, request, device, figures, doubts, held: Optional[dict] = None) -> dict:
     """``figures`` of each of ``cands``, each held with the ``tile_rows`` of its figures in ``held``."""
     out: dict = {}
     for c in cands:
+        tiles = tile_rows_of((held or {}).get(c.name))
         try:
-            out[c.name] = measure(
-                model, c, request, device, _bar(out), figures, doubts, tile_rows_of((held or {}).get(c.name))
-            )
+            out[c.name] = measure(model, c, request, device, _bar(out), figures, doubts, tiles)
         except _TooSlow as e:
             out[c.name] = f"given up: {e}"
         except (RuntimeError, NotImplementedError) as e:  # a kernel this build cannot run with these weights
@@ -210,63 +193,20 @@ def _measure_each(model, cands, request, device, figures, doubts, held: Optional
     return out
 
 
-def _step_work(model: GPT, rows: int) -> float:
-    """A ``rows``-row decode step's matrix products as a share of the reference prefill's, as ``measure``
-    runs them (REQUEST_TOKENS positions through the blocks, the last alone through the head): the
-    weights each multiplies, counted on the model. Attention's products are left out (they only add to
-    the prefill's side)."""
-    head = model.lm_head.weight.numel()
-    body = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear) and m is not model.lm_head)
-    prompt = min(REQUEST_TOKENS, model.config.block_size)
-    return rows * (body + head) / (prompt * body + head)
-
-
-def _absurd(name: str, t: Timing, rows: int, model: GPT) -> list[str]:
-    """Why ``t``'s steps cannot be the work they time (ABSURD): empty when they can (a ``rows``-row step of
-    more than REQUEST_TOKENS rows is not judged)."""
-    if t.prefill is None:
-        return []
-    per_row = _step_work(model, 1)  # a step's share grows with its rows: the model is counted once
-    steps = [
-        ("one-row", t.step1, 1),
-        (f"{rows}-row", t.step_rows, rows),
-        (f"{BATCH_ROWS}-row", t.step_batch, BATCH_ROWS),
-    ]
-    out = []
-    for what, ms, n in steps:
-        bound = ABSURD * t.prefill * max(1.0, per_row * n)
-        if ms is not None and ms > bound and n <= REQUEST_TOKENS:
-            out.append(f"{name} {what} step {ms:.3g} ms over {bound:.3g} ms (its prefill {t.prefill:.3g} ms)")
-    return out
-
-
 def reference_timings(model: GPT, cands: list[Candidate], device: torch.device, doubts: list) -> dict:
-    """Every candidate's reference figures, the best candidate of each dtype timed twice (module docstring);
-    what should not be kept goes to ``doubts``."""
+    """Every candidate's reference figures, the best candidate of each dtype timed twice and at BATCH_ROWS rows
+    (module docstring); what should not be kept goes to ``doubts``."""
     one = InferenceRequest(rows=1)
     out = _measure_each(model, cands, one, device, FIGURES + ("tile_rows",), doubts)
     timed = [c for c in cands if isinstance(out[c.name], Timing)]
     dtypes = dict.fromkeys(c.dtype for c in timed)
     per_dtype = {d: min((c for c in timed if c.dtype == d), key=lambda c: reference_cost(out[c.name])) for d in dtypes}
-    if len(per_dtype) > 1:  # the dtype is decided between these: a second pass, after all the others
-        for c in per_dtype.values():
-            then = out[c.name]
-            again = measure(model, c, one, device, figures=FIGURES, doubts=doubts, tile_rows=tile_rows_of(then))
-            both = {f: (getattr(then, f), getattr(again, f)) for f in FIGURES}
-            doubts += [
-                f"{c.name} {f} {a:.3g} then {b:.3g} ms"
-                for f, (a, b) in both.items()
-                if max(a, b) > UNSTEADY * min(a, b)
-            ]
-            out[c.name] = dataclasses.replace(then, **{f: min(ab) for f, ab in both.items()})
-        for c in per_dtype.values():  # the dtypes' batch figure: each dtype's best kernel at BATCH_ROWS rows
-            batch = measure(
-                model, c, one, device, figures=("step_batch",), doubts=doubts, tile_rows=tile_rows_of(out[c.name])
-            )
-            out[c.name] = dataclasses.replace(out[c.name], step_batch=batch.step_batch)
-    for name, t in out.items():
-        if isinstance(t, Timing):
-            doubts.extend(_absurd(name, t, 1, model))
+    for c in per_dtype.values() if len(per_dtype) > 1 else ():  # the dtype is decided between these
+        then, tiles = out[c.name], tile_rows_of(out[c.name])
+        again = measure(model, c, one, device, figures=FIGURES, doubts=doubts, tile_rows=tiles)  # after the others
+        batch = measure(model, c, one, device, figures=("step_batch",), doubts=doubts, tile_rows=tiles)
+        best = {f: min(getattr(then, f), getattr(again, f)) for f in FIGURES}
+        out[c.name] = dataclasses.replace(then, step_batch=batch.step_batch, **best)
     return out
 
 
@@ -307,7 +247,7 @@ NOT_KEPT = "measured on a busy machine, not kept (gpt2lab env says why), the dev
 
 
 def decide(
-    model: GPT, device, request: InferenceRequest, facts: Optional[InferenceFacts] = None, command="gpt2lab"
+    model: GPT, device, request: InferenceRequest, facts: Optional[runtime.Facts] = None, command="gpt2lab"
 ) -> Decision:
     """Measure (where there is a choice, and the cache has no figures; a first measurement says so on
     stderr, ``command`` first) and choose."""
@@ -330,11 +270,10 @@ def decide(
         _notice(command, f"{len(cands)} ways to run this model", model, request, device, n_timed, n_rows)
         doubts: list = []
         timings = reference_timings(model, cands, device, doubts)
+        _write(key, model, device, None, None if doubts else timings, doubts or None)
         if doubts:  # neither kept nor used: the device's rule decides, the same in every process
-            _note_not_kept(key, model, device, doubts)
             decision = choose(request, facts)
             return dataclasses.replace(decision, reason=decision.reason.replace("not measured", NOT_KEPT, 1))
-        _save_timings(key, model, device, timings)
         entry = {}
     kept = request.workload != "serve" or _serve_rows(
         model, device, request, facts, cands, key, entry, timings, command
@@ -361,16 +300,9 @@ def _serve_rows(model, device, request, facts, cands, key: str, entry: Optional[
         _notice(command, what, model, request, device, 0, len(pool))
         doubts: list = []
         out = _measure_each(model, pool, request, device, ("step_rows",), doubts, timings)
-        rows = {k: (t.step_rows if isinstance(t, Timing) else t) for k, t in out.items()}
-        for c in pool:
-            if isinstance(r := rows.get(c.name), float):
-                doubts.extend(_absurd(c.name, dataclasses.replace(timings[c.name], step_rows=r), request.rows, model))
-        if doubts:
-            kept = False
-            _note_not_kept(key, model, device, doubts, request.rows)
-            rows = None
-        else:
-            _save_rows(key, request.rows, rows)
+        kept = not doubts  # figures not kept are not used either
+        rows = {k: (t.step_rows if isinstance(t, Timing) else t) for k, t in out.items()} if kept else None
+        _write(key, model, device, request.rows, rows, doubts or None)
     for name, r in (rows or {}).items():
         if isinstance(timings.get(name), Timing):
             timings[name] = dataclasses.replace(timings[name], step_rows=r) if isinstance(r, float) else r
@@ -429,39 +361,26 @@ def announce(decision: Decision, command: str) -> None:
 SHAPE = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")  # what env shows of a model
 
 
-def _new_entry(entry: dict, model: GPT, device: torch.device) -> None:
-    entry.update(written=time.time(), model={f: getattr(model.config, f) for f in SHAPE}, device=str(device))
-
-
-def _save_timings(key: str, model: GPT, device: torch.device, figures: dict) -> None:
-    """The reference figures of entry ``key`` (its rows figures and choices, of other figures, go)."""
-
-    def change(entry: dict) -> None:
-        entry.clear()
-        _new_entry(entry, model, device)
-        entry["timings"] = as_json(figures)
-
-    runtime.cache_update(key, change)
-
-
-def _save_rows(key: str, rows: int, figures: dict) -> None:
-    def change(entry: dict) -> None:
-        entry.setdefault("rows", {})[str(rows)] = {"written": time.time(), "timings": figures}
-        if isinstance(entry.get("not_kept"), dict):
-            entry["not_kept"].pop("rows", None)
-
-    runtime.cache_update(key, change)
-
-
-def _note_not_kept(key: str, model: GPT, device: torch.device, doubts: list[str], rows: Optional[int] = None) -> None:
-    """Why the figures just measured for entry ``key`` (``rows``: its ``rows``-row step figures) were not kept
-    (the doubts), for ``gpt2lab env``; figures kept before stay, and are used."""
+def _write(key: str, model: GPT, device: torch.device, rows: Optional[int], figures=None, doubts=None) -> None:
+    """Entry ``key``'s reference figures (``rows`` None: the entry made anew, its rows figures and choices, of
+    other figures, going) or its ``rows``-row step figures, or, given ``doubts``, why the figures just measured
+    were not kept (for ``gpt2lab env``; figures kept before stay, and are used)."""
+    part = "rows" if rows else "reference"
 
     def change(entry: dict) -> None:
-        if not entry:
-            _new_entry(entry, model, device)
+        if not entry or (figures is not None and not rows):
+            entry.clear()
+            entry.update(written=time.time(), model={f: getattr(model.config, f) for f in SHAPE}, device=str(device))
         notes = entry["not_kept"] = entry.get("not_kept") if isinstance(entry.get("not_kept"), dict) else {}
-        notes["rows" if rows else "reference"] = {"written": time.time(), "why": doubts}
+        if doubts is not None:
+            notes[part] = {"written": time.time(), "why": doubts}
+        elif rows:
+            entry.setdefault("rows", {})[str(rows)] = {"written": time.time(), "timings": figures}
+            notes.pop(part, None)
+        else:
+            entry["timings"] = as_json(figures)
+        if not notes:
+            del entry["not_kept"]
 
     runtime.cache_update(key, change)
 

@@ -30,16 +30,16 @@ from gpt2lab.system.choices import COMPILE_CHOICES, DTYPE_CHOICES, NS_DTYPE_CHOI
 from gpt2lab.system.errors import ConfigError
 from gpt2lab.system.files import read_json_object, write_json
 
-# x86 /proc/cpuinfo flags of native bf16 arithmetic (AVX512_BF16 dot products, AMX tiles)
-# and the aarch64 one (BF16 instructions, Armv8.6). Without one of them oneDNN converts bf16
-# to fp32 around every multiply and a bf16 matmul runs 2-4x *slower* than fp32.
+# x86 /proc/cpuinfo flags of native bf16 arithmetic (AVX512_BF16 dot products, AMX tiles) and the aarch64 one
+# (BF16 instructions, Armv8.6). Without one, oneDNN converts bf16 to fp32 around every multiply and a bf16 matmul
+# runs 2-4x *slower* than fp32.
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
 # The flags worth recording: the ones above and the vector width the fp32 kernels get.
 NOTED_CPU_FLAGS = BF16_CPU_FLAGS + ("amx_tile", "avx512f", "avx512_vnni", "avx2", "fma", "asimd", "sve")
-# bf16 must beat fp32 by this factor in the matmul probe before a CPU run switches to it:
-# under autocast the non-matmul work stays fp32 and every forward adds casts of the
-# weights, so a matmul that is only a little faster in bf16 does not make the step faster.
-# Native-bf16 CPUs clear it by far (AVX512_BF16 ~3x, AMX more); emulating ones fall below 1.
+# bf16 must beat fp32 by this factor in the matmul probe before a CPU run switches to it: under autocast the
+# non-matmul work stays fp32 and every forward adds casts of the weights, so a matmul that is only a little faster
+# in bf16 does not make the step faster. Native-bf16 CPUs clear it by far (AVX512_BF16 ~3x, AMX more); emulating
+# ones fall below 1.
 BF16_MIN_SPEEDUP = 1.3
 PROBE_N = 1024  # square matmul side: 2 GFLOP a call, big enough to reach the GEMM rate
 PROBE_SECONDS = 0.2  # timed per dtype, after one untimed call
@@ -67,6 +67,13 @@ class Facts:
     cuda_bf16: bool = False  # torch.cuda.is_bf16_supported()
     can_compile: bool = True  # a kernel compiler for the device (triton / a C++ compiler)
     probe: Optional[Probe] = None  # CPU: matmul rates, None when not measured
+    # inference: what the decode kernels can do (form.detect_facts) and each candidate's measured figures
+    packing: bool = False  # oneDNN's packed linear is there (CPU)
+    packing_bf16_error: Optional[str] = None  # why oneDNN cannot pack bf16 weights here (None: it can)
+    int8_error: Optional[str] = None  # why int8 weight-only cannot run (None: it can)
+    gemv_error: Optional[str] = "not detected"  # why gpt2lab's compiled GEMV cannot run (None: it can)
+    gemv_panels: bool = False  # the compiled kernel's AVX512_BF16 routines run (kernels.PanelLinear)
+    timings: Optional[dict] = None  # candidate name -> inference.choice.Timing, or -> why it was dropped
 
     @property
     def native_bf16(self) -> bool:
@@ -92,8 +99,18 @@ def choose_dtype(requested: str, facts: Facts) -> Choice:
     if requested not in DTYPE_CHOICES:
         raise ChoiceError(f"dtype {requested!r}: choose one of {', '.join(DTYPE_CHOICES)}")
     dev = facts.device_type
+    if requested == "float16" and dev == "cpu":
+        raise ChoiceError(
+            "--dtype float16 needs a GPU (fp16 training relies on a gradient scaler "
+            "and CPU fp16 kernels are slow); use --dtype auto, bfloat16 or float32"
+        )
+    if requested == "bfloat16" and dev == "cuda" and not facts.cuda_bf16:
+        raise ChoiceError(
+            f"--dtype bfloat16: {facts.device_name or 'this GPU'} has no bf16; "
+            "use --dtype auto (fp16 with a gradient scaler) or float32"
+        )
     if requested != "auto":
-        return _check_explicit_dtype(requested, facts)
+        return Choice(requested, "asked for with --dtype", _slow_bf16(facts) if requested == "bfloat16" else None)
     if dev == "cuda":
         gpu = facts.device_name or "this GPU"
         if facts.cuda_bf16:
@@ -121,30 +138,17 @@ def _cpu_auto_dtype(facts: Facts) -> Choice:
     return Choice("float32", "no native bf16 on this CPU (no AVX512_BF16/AMX/BF16 flag; not probed)")
 
 
-def _check_explicit_dtype(requested: str, facts: Facts) -> Choice:
-    dev = facts.device_type
-    if requested == "float16" and dev == "cpu":
-        raise ChoiceError(
-            "--dtype float16 needs a GPU (fp16 training relies on a gradient scaler "
-            "and CPU fp16 kernels are slow); use --dtype auto, bfloat16 or float32"
-        )
-    if requested == "bfloat16" and dev == "cuda" and not facts.cuda_bf16:
-        raise ChoiceError(
-            f"--dtype bfloat16: {facts.device_name or 'this GPU'} has no bf16; "
-            "use --dtype auto (fp16 with a gradient scaler) or float32"
-        )
-    warning = None
-    if requested == "bfloat16" and dev == "cpu":
-        p = facts.probe
-        if p is not None and p.bf16_speedup < 1.0:
-            warning = (
-                f"--dtype bfloat16 is {1 / max(p.bf16_speedup, 1e-9):.1f}x slower than fp32 on this "
-                f"CPU (matmul probe: bf16 {p.bf16_gflops:.0f} vs fp32 {p.fp32_gflops:.0f} GFLOP/s); "
-                "--dtype auto would use float32"
-            )
-        elif p is None and not facts.native_bf16:
-            warning = "--dtype bfloat16 on a CPU without native bf16 is usually slower than float32"
-    return Choice(requested, "asked for with --dtype", warning)
+def _slow_bf16(facts: Facts) -> Optional[str]:
+    """The warning of an asked-for bf16 on a CPU measured slower in it (unprobed: without native bf16), else None."""
+    p = facts.probe
+    if facts.device_type != "cpu" or (p is None and facts.native_bf16) or (p is not None and p.bf16_speedup >= 1.0):
+        return None
+    if p is None:
+        return "--dtype bfloat16 on a CPU without native bf16 is usually slower than float32"
+    return (
+        f"--dtype bfloat16 is {1 / max(p.bf16_speedup, 1e-9):.1f}x slower than fp32 on this CPU (matmul probe: "
+        f"bf16 {p.bf16_gflops:.0f} vs fp32 {p.fp32_gflops:.0f} GFLOP/s); --dtype auto would use float32"
+    )
 
 
 def choose_compile(requested: str, facts: Facts) -> Choice:
@@ -183,17 +187,16 @@ def choose_ns_dtype(requested: str, facts: Facts) -> Choice:
     """
     if requested not in NS_DTYPE_CHOICES:
         raise ChoiceError(f"muon_ns_dtype {requested!r}: choose one of {', '.join(NS_DTYPE_CHOICES)}")
-    gpu = facts.device_name or "this GPU"
     if requested != "auto":
         return Choice(requested, "asked for with --muon-ns-dtype")
-    if facts.device_type == "cuda":
-        bf16 = facts.cuda_bf16
-        return Choice(
-            "bfloat16" if bf16 else "float32", f"{gpu} has fast bf16 matmuls" if bf16 else f"{gpu} has no bf16"
-        )
+    if facts.device_type == "cpu":
+        return _cpu_auto_dtype(facts)  # the autocast rule, the same probe and flags
     if facts.device_type == "mps":
         return Choice("float32", "MPS: fp32 (bf16 matmul support varies across macOS versions)")
-    return _cpu_auto_dtype(facts)  # a CPU: the autocast rule, the same probe and flags
+    gpu = facts.device_name or "this GPU"
+    if not facts.cuda_bf16:
+        return Choice("float32", f"{gpu} has no bf16")
+    return Choice("bfloat16", f"{gpu} has fast bf16 matmuls")
 
 
 def _no_compiler(facts: Facts) -> str:
@@ -344,13 +347,8 @@ def machine_key() -> str:
     """What a probe's answer depends on: the CPU, its flags, torch, threads and the kernels' ISA caps."""
     import torch
 
-    parts = [
-        cpu_name(),
-        ",".join(cpu_flags()),
-        torch.__version__,
-        str(torch.get_num_threads()),
-        *(env.isa_caps().get(v, "") for v in env.ISA_CAPS),
-    ]
+    caps = [env.isa_caps().get(v, "") for v in env.ISA_CAPS]
+    parts = [cpu_name(), ",".join(cpu_flags()), torch.__version__, str(torch.get_num_threads()), *caps]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -413,12 +411,8 @@ def resolve(
     if facts is None:
         needs_probe = dtype in ("auto", "bfloat16") or ns_dtype == "auto"
         facts = detect(device, probe=needs_probe)
-    return Resolved(
-        choose_dtype(dtype, facts),
-        choose_compile(compile, facts),
-        facts,
-        choose_ns_dtype(ns_dtype, facts) if ns_dtype is not None else None,
-    )
+    ns = choose_ns_dtype(ns_dtype, facts) if ns_dtype is not None else None
+    return Resolved(choose_dtype(dtype, facts), choose_compile(compile, facts), facts, ns)
 
 
 # -- how waiting CPU threads wait: decided as a command starts, by what the machine is doing -------------
