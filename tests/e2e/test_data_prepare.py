@@ -708,7 +708,7 @@ def test_ctrl_c_while_the_workers_fork_leaves_none_of_them_running(monkeypatch):
     other.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            with par._process_pool([], 2, 1 << 15, len) as results:
+            with par._process_pool(iter([]), 2, len) as results:
                 list(results)
     finally:
         done.set()

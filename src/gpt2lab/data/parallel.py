@@ -17,6 +17,7 @@ import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Callable, Iterable, Iterator, List, Optional, TypeVar
 
 from gpt2lab.data.sources import Document
@@ -63,19 +64,18 @@ def ordered_map(
     ``with ordered_map(...) as results: for r in results: ...``; leaving the block early (an error,
     Ctrl-C) stops the workers.
     """
-    chars = task_chars(size_bytes, workers)
+    tasks = _tasks(docs, task_chars(size_bytes, workers))
     if workers == 1:
-        yield map(encode, _tasks(docs, chars))
-        return
-    if use_threads(size_bytes, workers):
+        yield map(encode, tasks)
+    elif use_threads(size_bytes, workers):
         executor = ThreadPoolExecutor(workers, thread_name_prefix="gpt2lab-prepare")
         try:
-            yield _ordered(executor, _tasks(docs, chars), 2 * workers, encode)
+            yield _ordered(executor, tasks, 2 * workers, encode)
         finally:  # Ctrl-C or an error: drop queued tasks, let running ones (<= 1 MB of text) end
             executor.shutdown(wait=True, cancel_futures=True)
-        return
-    with _process_pool(docs, workers, chars, encode) as results:
-        yield results
+    else:
+        with _process_pool(tasks, workers, encode) as results:
+            yield results
 
 
 def _tasks(docs: Iterable[Document], chars_per_task: int) -> Iterator[List[Document]]:
@@ -135,31 +135,6 @@ def _worker(tasks, results, encode: Encode, parents_ends: tuple = ()) -> None:
             results.send((False, RuntimeError(f"{type(reply[1]).__name__}: {reply[1]}")))
 
 
-class _Dispatch(threading.Thread):
-    """Reads the source, cuts tasks and sends task i to worker i % n (in the main process,
-    beside the result loop, so a worker blocked sending a result never blocks the reading)."""
-
-    def __init__(self, docs, conns, chars_per_task) -> None:
-        super().__init__(name="gpt2lab-prepare-dispatch", daemon=True)
-        self.docs, self.conns, self.chars_per_task = docs, conns, chars_per_task
-        self.sent, self.done, self.error, self.stop = 0, False, None, False
-
-    def run(self) -> None:
-        try:
-            for task in _tasks(self.docs, self.chars_per_task):
-                if self.stop:
-                    return
-                self.conns[self.sent % len(self.conns)].send(task)
-                self.sent += 1
-            for c in self.conns:
-                c.send(None)
-        except BaseException as e:  # a source that cannot be read: raised in order by the reader
-            if not self.stop:
-                self.error = e
-        finally:
-            self.done = True
-
-
 @contextmanager
 def _ctrl_c_after() -> Iterator[None]:
     """Hold a Ctrl-C (SIGINT) that lands in the block until it ends, then deliver it to the handler
@@ -181,11 +156,30 @@ def _ctrl_c_after() -> Iterator[None]:
 
 
 @contextmanager
-def _process_pool(docs: Iterable[Document], workers: int, chars_per_task: int, encode: Encode):
+def _process_pool(tasks: Iterator[List[Document]], workers: int, encode: Encode):
     # fork on Linux: workers start in milliseconds with the tokenizer already built
     ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
     procs, task_conns, result_conns = [], [], []
-    dispatch = None
+    # what the dispatch thread has done: it reads the source, cuts tasks and sends task i to worker i % n
+    # (in the main process, beside the result loop, so a worker blocked sending a result never blocks the reading)
+    sent = SimpleNamespace(tasks=0, done=False, error=None, stop=False)
+
+    def dispatch() -> None:
+        try:
+            for task in tasks:
+                if sent.stop:
+                    return
+                task_conns[sent.tasks % workers].send(task)
+                sent.tasks += 1
+            for c in task_conns:
+                c.send(None)
+        except BaseException as e:  # a source that cannot be read: raised in order by the reader
+            if not sent.stop:
+                sent.error = e
+        finally:
+            sent.done = True
+
+    thread = threading.Thread(target=dispatch, name="gpt2lab-prepare-dispatch", daemon=True)
     try:
         with _ctrl_c_after():  # a worker forked as Ctrl-C lands is in procs, so it is killed with the rest
             for _ in range(workers):
@@ -201,17 +195,16 @@ def _process_pool(docs: Iterable[Document], workers: int, chars_per_task: int, e
                 procs.append(p)
                 task_conns.append(task_w)
                 result_conns.append(result_r)
-        dispatch = _Dispatch(docs, task_conns, chars_per_task)
-        dispatch.start()
-        yield _results(dispatch, procs, result_conns)
+        thread.start()
+        yield _results(sent, thread, procs, result_conns)
     except BaseException:
         for p in procs:  # SIGKILL: nothing a worker is doing can hold us up
             p.kill()
         raise
     finally:
-        if dispatch is not None:
-            dispatch.stop = True
-            dispatch.join(5)
+        sent.stop = True
+        if thread.is_alive():
+            thread.join(5)
         for p in procs:
             p.join(5)
             if p.is_alive():
@@ -221,12 +214,12 @@ def _process_pool(docs: Iterable[Document], workers: int, chars_per_task: int, e
             c.close()
 
 
-def _results(dispatch: _Dispatch, procs, conns) -> Iterator:
+def _results(sent: SimpleNamespace, thread: threading.Thread, procs, conns) -> Iterator:
     i = 0
     while True:
-        if dispatch.done and i >= dispatch.sent:  # every task's result is in
-            if dispatch.error is not None:
-                raise dispatch.error
+        if sent.done and i >= sent.tasks:  # every task's result is in
+            if sent.error is not None:
+                raise sent.error
             return
         conn, proc = conns[i % len(conns)], procs[i % len(conns)]
         if not conn.poll(POLL_S):
@@ -236,8 +229,8 @@ def _results(dispatch: _Dispatch, procs, conns) -> Iterator:
         try:
             ok, value = conn.recv()
         except EOFError:  # the worker is gone: after its last task (the end), or killed
-            dispatch.join(5)
-            if dispatch.done and i >= dispatch.sent:
+            thread.join(5)
+            if sent.done and i >= sent.tasks:
                 continue
             proc.join(1)
             raise _died(proc) from None
