@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from conftest import DATA
 
+import gpt2lab.data.manifest as shard_writer
 import gpt2lab.data.parallel as par
 import gpt2lab.data.prepare as prep
-import gpt2lab.data.writer as shard_writer
 from gpt2lab.cli import main
 from gpt2lab.data.prepare import prepare
 from gpt2lab.data.shards import MANIFEST_FILE, ShardError

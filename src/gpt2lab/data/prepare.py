@@ -14,9 +14,9 @@ The manifest counts tokens and documents per shard (the documents that begin in 
 document of each) and per source file.
 
 This file is the orchestration: the settings, the text or conversation format, the tokenizer and the
-encode function. The pieces it runs: data/manifest.py (start, resume or refuse a directory),
-data/parallel.py (the ordered parallel map), data/writer.py (the stream cut into shards),
-data/held_out.py (conversations: the val split's, as held_out.jsonl beside the shards).
+encode function. The pieces it runs: data/manifest.py (start, resume or refuse a directory; the
+stream cut into shards; conversations: the val split's, as held_out.jsonl beside the shards) and
+data/parallel.py (the ordered parallel map).
 """
 
 from __future__ import annotations
@@ -31,13 +31,11 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from gpt2lab.data import chat
-from gpt2lab.data.held_out import write_held_out
-from gpt2lab.data.manifest import save_manifest, start_manifest
+from gpt2lab.data.manifest import ShardWriter, save_manifest, start_manifest, write_held_out
 from gpt2lab.data.parallel import ordered_map
 from gpt2lab.data.shards import val_size
 from gpt2lab.data.sources import Document, JsonLine, SourceError, TextSource, as_text, resolve_source
 from gpt2lab.data.tokenizer import Tokenizer, gpt2_tokenizer, save_tokenizer, token_dtype
-from gpt2lab.data.writer import ShardWriter
 from gpt2lab.system import rundir
 from gpt2lab.system.errors import UsageError
 from gpt2lab.system.files import sweep_stale
@@ -137,7 +135,7 @@ def prepare(
             f"{out}: all {manifest['tokens']} tokens ({manifest['documents']} documents) went to val "
             f"({val_size(settings)}); pass a smaller one to get a train split"
         )
-    if fmt == "chat":  # the val split's conversations, for `gpt2lab eval chat` (data/held_out.py)
+    if fmt == "chat":  # the val split's conversations, for `gpt2lab eval chat` (data/manifest.py)
         write_held_out(src, out, manifest)
     return manifest
 

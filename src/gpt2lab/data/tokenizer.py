@@ -122,8 +122,6 @@ class GPT2Encoding(tiktoken.Encoding):
 def gpt2_tokenizer(chat: bool = False) -> GPT2Encoding:
     """The GPT-2 BPE (50257 tokens, ``<|endoftext|>`` = 50256), offline; ``chat``: with the two
     turn tokens as special tokens too (50259), for a chat model's text. (Built once: it is immutable.)"""
-    if not isinstance(chat, bool):
-        raise TypeError(f"gpt2_tokenizer(chat): a bool, got {type(chat).__name__}")
     return GPT2Encoding(chat)
 
 
@@ -146,12 +144,10 @@ def is_gpt2_vocabulary(path: str) -> bool:
                 _read_json(os.path.join(path, "vocab.json")) == vocab
                 and _merges(os.path.join(path, "merges.txt")) == merges
             )
-        model = _read_json(os.path.join(path, TOKENIZER_FILE) if os.path.isdir(path) else path).get("model", {})
-        if not isinstance(model, dict) or model.get("type") != "BPE" or model.get("vocab") != vocab:
-            return False
-        got = model.get("merges")
-        return isinstance(got, list) and [m if isinstance(m, str) else " ".join(m) for m in got] == merges
-    except (OSError, ValueError, TypeError, AttributeError):  # missing, not JSON, another shape: not GPT-2's
+        model = _read_json(os.path.join(path, TOKENIZER_FILE) if os.path.isdir(path) else path)["model"]
+        got = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+        return model.get("type") == "BPE" and model.get("vocab") == vocab and got == merges
+    except (OSError, ValueError, TypeError, AttributeError, KeyError):  # missing, not JSON, another shape: not GPT-2's
         return False
 
 
