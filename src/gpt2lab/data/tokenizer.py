@@ -25,7 +25,7 @@ import json
 import os
 import re
 from importlib import resources
-from typing import Collection, Literal, Mapping, Optional, Protocol, Union
+from typing import Collection, Literal, Mapping, Optional, Union
 
 import numpy as np
 import tiktoken
@@ -61,24 +61,6 @@ class TokenizerError(DataError):
     """A tokenizer file that cannot be used (missing, damaged, not the one a model names)."""
 
 
-class Tokenizer(Protocol):
-    """What gpt2lab asks of a tokenizer (GPT-2's tiktoken Encoding and a trained one both are one)."""
-
-    identity: Optional[str]  # sha256 of tokenizer.json; None: GPT-2's
-    eot_id: int  # <|endoftext|>: every document starts with it
-    im_start_id: Optional[int]  # the chat template's turn tokens (None: GPT-2's without them)
-    im_end_id: Optional[int]
-
-    @property
-    def n_vocab(self) -> int: ...
-    def encode_ordinary(self, text: str) -> list[int]: ...
-    def encode(
-        self, text: str, *, allowed_special: Specials = ..., disallowed_special: Specials = ...
-    ) -> list[int]: ...
-    def decode(self, tokens: list[int], errors: str = "replace") -> str: ...
-    def decode_single_token_bytes(self, token: int) -> bytes: ...
-
-
 def asset_path(name: str) -> str:
     """Filesystem path of a file shipped in ``gpt2lab/assets``."""
     return str(resources.files("gpt2lab") / "assets" / name)
@@ -97,7 +79,7 @@ def _checked(name: str) -> str:
 
 # -- GPT-2's ---------------------------------------------------------------------------------------
 class GPT2Encoding(tiktoken.Encoding):
-    """GPT-2's BPE: a tiktoken Encoding (every method tiktoken has) with the Tokenizer attributes."""
+    """GPT-2's BPE: a tiktoken Encoding (every method tiktoken has) with the attributes of a trained one."""
 
     identity = None
     eot_id = EOT_ID
@@ -260,6 +242,13 @@ class TrainedBPE:
 
     def decode(self, tokens: list[int], errors: str = "replace") -> str:
         return b"".join(self.decode_single_token_bytes(int(t)) for t in tokens).decode("utf-8", errors)
+
+
+# What gpt2lab asks of a tokenizer, and both answer: ``identity`` (sha256 of tokenizer.json; None: GPT-2's),
+# ``eot_id`` (<|endoftext|>: every document starts with it), ``im_start_id``/``im_end_id`` (the chat
+# template's turn tokens; None: GPT-2's without them), ``n_vocab``, ``encode_ordinary``, ``encode`` (tiktoken's
+# rules for special tokens), ``decode`` and ``decode_single_token_bytes``.
+Tokenizer = Union[GPT2Encoding, TrainedBPE]
 
 
 # -- which tokenizer -------------------------------------------------------------------------------
