@@ -103,8 +103,7 @@ def start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: TextSour
         _roll_back(out, manifest, 0)
         return fresh_manifest(settings, tok)
     if differ:
-        was = ", ".join(f"{_flag(k)} {_flag_value(old.get(k), k)}" for k in differ)
-        now = ", ".join(f"{_flag(k)} {_flag_value(settings.get(k), k)}" for k in differ)
+        was, now = (", ".join(_said(k, given.get(k)) for k in differ) for given in (old, settings))
         raise ShardError(
             f"{path}: this directory was prepared with {was}, not {now}; rerun with "
             f"the same flags to {'resume' if not manifest['complete'] else 'check'} it, "
@@ -124,15 +123,13 @@ def start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: TextSour
     return manifest if kept else fresh_manifest(settings, tok)
 
 
-def _flag(key: str) -> str:
-    """The prepare flag that gives a setting (``val_tokens``: ``--val-tokens``), for a refusal naming it."""
-    return "--" + key.replace("_", "-")
-
-
-def _flag_value(v, key: str = "") -> str:
+def _said(key: str, v) -> str:
+    """A setting as the prepare flag that gives it, with its value (``--val-tokens 5``), for a refusal naming it."""
     if key == "tokenizer":  # an identity: the directory it came from is not recorded
-        return "(GPT-2's)" if v is None else f"DIR of tokenizer sha256:{str(v)[:12]}"
-    return "(not given)" if v is None else str(v)
+        value = "(GPT-2's)" if v is None else f"DIR of tokenizer sha256:{str(v)[:12]}"
+    else:
+        value = "(not given)" if v is None else str(v)
+    return f"--{key.replace('_', '-')} {value}"
 
 
 def _first_changed(manifest: Dict, paths: list) -> Optional[tuple[int, str]]:
@@ -281,12 +278,11 @@ class ShardWriter:
         # a finished directory's counts: per split, in all, per file
         splits: Dict[str, Dict] = {}
         for shard in self.manifest["shards"]:
-            info = splits.setdefault(shard["split"], {"shards": [], "tokens": 0, "documents": 0})
+            info = splits.setdefault(shard["split"], {"shards": []})
             info["shards"].append(shard["name"])
-            info["tokens"] += shard["tokens"]
-            info["documents"] += shard["documents"]
-            if "supervised" in shard:  # conversations: the tokens the loss is taken on
-                info["supervised"] = info.get("supervised", 0) + shard["supervised"]
+            for key in ("tokens", "documents", "supervised"):  # supervised (conversations): the tokens the loss is on
+                if key in shard:
+                    info[key] = info.get(key, 0) + shard[key]
         for info in splits.values():  # a split that begins inside a document holds it too
             info["documents"] += int(open_shard(self.out / info["shards"][0])[0] != self.manifest["eot_id"])
         files = self.manifest["files"]  # the documents and tokens of each file, from where each starts

@@ -106,21 +106,21 @@ def _ordered(executor: ThreadPoolExecutor, tasks: Iterator[List[Document]], wind
 # -- the process pool --------------------------------------------------------------------
 # multiprocessing.Pool is not used: its terminate() can deadlock when Ctrl-C lands while a
 # worker is sending a result (it drains queues under locks a killed worker may hold), and
-# every worker prints a KeyboardInterrupt traceback. Here each worker has its own pair of
-# pipes and no lock is shared: task i goes to worker i % n and its result is read back
+# every worker prints a KeyboardInterrupt traceback. Here each worker has its own two-way
+# pipe and no lock is shared: task i goes to worker i % n and its result is read back
 # from that worker, so the order is kept. Workers ignore SIGINT (a terminal's Ctrl-C
 # reaches the whole process group); the main process alone decides, and on any way out
 # but the normal one it SIGKILLs them, which cannot block.
 POLL_S = 0.2  # how often a waiting main process checks that the workers are alive
 
 
-def _worker(tasks, results, encode: Encode, parents_ends: tuple = ()) -> None:
+def _worker(conn, encode: Encode, parents_ends: tuple = ()) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for c in parents_ends:  # a forked worker's copies of the main process's ends: once that process is
-        c.close()  # gone (even by kill -9), its task pipe has no writer left and recv ends (EOFError)
+        c.close()  # gone (even by kill -9), no one holds the other end of its pipe and recv ends (EOFError)
     while True:
         try:
-            task = tasks.recv()
+            task = conn.recv()
         except EOFError:
             return
         if task is None:
@@ -130,9 +130,9 @@ def _worker(tasks, results, encode: Encode, parents_ends: tuple = ()) -> None:
         except Exception as e:  # SourceError of a bad line: the main process raises it, in order
             reply = (False, e)
         try:
-            results.send(reply)
+            conn.send(reply)
         except (TypeError, AttributeError, pickle.PicklingError):  # an exception that does not pickle
-            results.send((False, RuntimeError(f"{type(reply[1]).__name__}: {reply[1]}")))
+            conn.send((False, RuntimeError(f"{type(reply[1]).__name__}: {reply[1]}")))
 
 
 @contextmanager
@@ -159,7 +159,7 @@ def _ctrl_c_after() -> Iterator[None]:
 def _process_pool(tasks: Iterator[List[Document]], workers: int, encode: Encode):
     # fork on Linux: workers start in milliseconds with the tokenizer already built
     ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    procs, task_conns, result_conns = [], [], []
+    procs, conns = [], []
     # what the dispatch thread has done: it reads the source, cuts tasks and sends task i to worker i % n
     # (in the main process, beside the result loop, so a worker blocked sending a result never blocks the reading)
     sent = SimpleNamespace(tasks=0, done=False, error=None, stop=False)
@@ -169,9 +169,9 @@ def _process_pool(tasks: Iterator[List[Document]], workers: int, encode: Encode)
             for task in tasks:
                 if sent.stop:
                     return
-                task_conns[sent.tasks % workers].send(task)
+                conns[sent.tasks % workers].send(task)
                 sent.tasks += 1
-            for c in task_conns:
+            for c in conns:
                 c.send(None)
         except BaseException as e:  # a source that cannot be read: raised in order by the reader
             if not sent.stop:
@@ -183,20 +183,15 @@ def _process_pool(tasks: Iterator[List[Document]], workers: int, encode: Encode)
     try:
         with _ctrl_c_after():  # a worker forked as Ctrl-C lands is in procs, so it is killed with the rest
             for _ in range(workers):
-                task_r, task_w = ctx.Pipe(duplex=False)
-                result_r, result_w = ctx.Pipe(duplex=False)
-                ends = (task_w, result_r, *task_conns, *result_conns) if ctx.get_start_method() == "fork" else ()
-                p = ctx.Process(
-                    target=_worker, args=(task_r, result_w, encode, ends), daemon=True, name="gpt2lab-prepare-worker"
-                )
+                mine, theirs = ctx.Pipe()
+                ends = (mine, *conns) if ctx.get_start_method() == "fork" else ()
+                p = ctx.Process(target=_worker, args=(theirs, encode, ends), daemon=True, name="gpt2lab-prepare-worker")
                 p.start()
-                task_r.close()
-                result_w.close()
+                theirs.close()
                 procs.append(p)
-                task_conns.append(task_w)
-                result_conns.append(result_r)
+                conns.append(mine)
         thread.start()
-        yield _results(sent, thread, procs, result_conns)
+        yield _results(sent, thread, procs, conns)
     except BaseException:
         for p in procs:  # SIGKILL: nothing a worker is doing can hold us up
             p.kill()
@@ -210,7 +205,7 @@ def _process_pool(tasks: Iterator[List[Document]], workers: int, encode: Encode)
             if p.is_alive():
                 p.kill()
                 p.join(5)
-        for c in task_conns + result_conns:
+        for c in conns:
             c.close()
 
 
