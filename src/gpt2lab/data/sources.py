@@ -174,15 +174,12 @@ def _is_utf8_text(path: str) -> bool:
     git and grep take it) and every byte sequence one UTF-8 has. An unreadable file counts as text
     here, so that reading it gives its one-line error."""
     try:
-        with open(path, encoding="utf-8") as f:  # decoded a chunk at a time, to the end
-            while chunk := f.read(READ_CHUNK):
-                if "\0" in chunk:
-                    return False
+        with open(path, encoding="utf-8") as f:  # decoded a chunk at a time, to the end (or the first NUL)
+            return all("\0" not in chunk for chunk in iter(lambda: f.read(READ_CHUNK), ""))
     except UnicodeDecodeError:
         return False
     except OSError:
         return True
-    return True
 
 
 KINDS_HINT = (
