@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from conftest import DATA
 
+import gpt2lab.data.manifest as shard_writer
 import gpt2lab.data.parallel as par
 import gpt2lab.data.prepare as prep
-import gpt2lab.data.writer as shard_writer
 from gpt2lab.cli import main
 from gpt2lab.data.prepare import prepare
 from gpt2lab.data.shards import MANIFEST_FILE, ShardError
@@ -708,7 +708,7 @@ def test_ctrl_c_while_the_workers_fork_leaves_none_of_them_running(monkeypatch):
     other.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            with par._process_pool([], 2, 1 << 15, len) as results:
+            with par._process_pool(iter([]), 2, len) as results:
                 list(results)
     finally:
         done.set()

@@ -101,7 +101,7 @@ def test_a_val_split_in_tokens_holds_other_text_per_tokenizer(code, tmp_path):
 
 
 def test_val_docs_resumes_byte_identically_and_refuses_mixed_sizes(code, tmp_path, monkeypatch):
-    import gpt2lab.data.writer as writer
+    import gpt2lab.data.manifest as writer
     from gpt2lab.data.prepare import prepare
     from gpt2lab.data.shards import ShardError
     from gpt2lab.system.errors import UsageError

@@ -1,4 +1,4 @@
-"""The held-out conversations `gpt2lab prepare` writes beside conversation shards (data/held_out.py),
+"""The held-out conversations `gpt2lab prepare` writes beside conversation shards (data/manifest.py),
 checked against the val shard's own tokens, and how `gpt2lab eval chat` finds them (evals/chat.py's
 chat_data): a prepared directory, or by default the data the run trained on."""
 
@@ -14,7 +14,7 @@ from conftest import DATA, ROOT, cli_args
 
 from gpt2lab import cli
 from gpt2lab.data import chat
-from gpt2lab.data.held_out import HELD_OUT, held_out_file
+from gpt2lab.data.manifest import HELD_OUT, held_out_file
 from gpt2lab.data.prepare import prepare
 from gpt2lab.data.shards import list_shards, open_shard
 from gpt2lab.evals.chat import chat_data, read_conversations

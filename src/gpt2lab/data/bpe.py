@@ -46,7 +46,6 @@ SPLIT_PATTERN = (
     r"""|\s*[\r\n]|\s+(?!\S)|\s+"""
 )
 MARKER, FORMAT, MARKER_VERSION = rundir.TOKENIZER_MARKER, rundir.TOKENIZER_FORMAT, 1
-TOKENIZER_FILES = (TOKENIZER_FILE, MARKER)  # what a tokenizer directory holds
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS) + 1  # the byte alphabet, the special tokens and one merge
 MAX_VOCAB = 1 << 20
 
@@ -112,7 +111,7 @@ def train_tokenizer(
         )
     if not sources:
         raise UsageError("--source: give at least one text source")
-    rundir.check(out, rundir.TOKENIZER, "--out", "choose a new or empty --out", replaces=TOKENIZER_FILES)
+    rundir.check(out, rundir.TOKENIZER, "--out", "choose a new or empty --out", replaces=(TOKENIZER_FILE, MARKER))
     # every source resolves (a bad path, no text files) before the long part, once (a warning says it once)
     resolved = [(spec, resolve_source(spec, text_field)) for spec in sources]
     tok, trainer = _bpe(vocab_size)

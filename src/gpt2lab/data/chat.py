@@ -130,22 +130,19 @@ def encode_chat(
     with ``add_generation_prompt`` the ids end with ``<|im_start|>assistant\\n``, where the model's
     reply begins."""
     enc = for_chat(tokenizer if tokenizer is not None else gpt2_tokenizer())
-    ids, mask = [enc.eot_id], [0]
+    ids, mask, newline = [enc.eot_id], [0], enc.encode_ordinary("\n")
     for role, content in turns:
         head = f"{role}\n"
         body = enc.encode_ordinary(head + content)
-        ids += [enc.im_start_id, *body, enc.im_end_id]
+        ids += [enc.im_start_id, *body, enc.im_end_id, *newline]
         if role == ASSISTANT:  # the content's tokens and <|im_end|>
-            mask += [0, *_content_mask(enc, body, len(head.encode())), 1]
+            mask += [0, *_content_mask(enc, body, len(head.encode())), 1, *[0] * len(newline)]
         else:
-            mask += [0] * (len(body) + 2)
-        newline = enc.encode_ordinary("\n")
-        ids.extend(newline)
-        mask.extend([0] * len(newline))
+            mask += [0] * (len(body) + 2 + len(newline))
     if add_generation_prompt:
         prompt = enc.encode_ordinary(f"{ASSISTANT}\n")
-        ids.extend([enc.im_start_id, *prompt])
-        mask.extend([0] * (1 + len(prompt)))
+        ids += [enc.im_start_id, *prompt]
+        mask += [0] * (1 + len(prompt))
     return ids, mask
 
 

@@ -27,7 +27,7 @@ and user turns) is -1, which the loss ignores, so the loss is the mean over the 
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import functools
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -125,8 +125,9 @@ class TokenLoader:
                 sum(self.counts),
             )
         self.position = 0
-        self._layout_cache: Tuple[int, np.ndarray, np.ndarray] = (-1, np.empty(0), np.empty(0))
-        self._views: "OrderedDict[Tuple[int, int], _ShardView]" = OrderedDict()
+        # the last epoch's shard order, and the last two shards' views: a batch touches at most a few shards
+        self._layout = functools.lru_cache(maxsize=1)(self._epoch_layout)
+        self._view = functools.lru_cache(maxsize=2)(self._shard_view)
         self._vocab_checked: set = set()
 
     # -- sizes -------------------------------------------------------------------------
@@ -172,28 +173,20 @@ class TokenLoader:
         shard = int(order[k])
         return self._view(epoch, shard).sequence(i - int(cum[k]), self.T)
 
-    def _layout(self, epoch: int) -> Tuple[np.ndarray, np.ndarray]:
+    def _epoch_layout(self, epoch: int) -> Tuple[np.ndarray, np.ndarray]:
         """Shard order of ``epoch`` and the first sequence index of each shard in it."""
-        if self._layout_cache[0] != epoch:
-            n = len(self.paths)
-            order = self._rng(epoch, 0).permutation(n) if self.shuffle else np.arange(n)
-            cum = np.concatenate([[0], np.cumsum(self.seqs[order])])
-            self._layout_cache = (epoch, order, cum)
-        return self._layout_cache[1], self._layout_cache[2]
+        n = len(self.paths)
+        order = self._rng(epoch, 0).permutation(n) if self.shuffle else np.arange(n)
+        return order, np.concatenate([[0], np.cumsum(self.seqs[order])])
 
-    def _view(self, epoch: int, shard: int) -> _ShardView:
-        key = (epoch, shard)
-        if key not in self._views:
-            tokens = open_shard(self.paths[shard])
-            if shard not in self._vocab_checked:
-                check_vocab(self.paths[shard], tokens, self.vocab_size)
-                self._vocab_checked.add(shard)
-            rng = self._rng(epoch, 1 + shard) if self.shuffle else None
-            mask = open_mask(self.paths[shard], len(tokens)) if self.masked else None
-            self._views[key] = _ShardView(tokens, rng, mask, self.eot_id)
-            while len(self._views) > 2:  # a batch touches at most a few shards; keep memory flat
-                self._views.popitem(last=False)
-        return self._views[key]
+    def _shard_view(self, epoch: int, shard: int) -> _ShardView:
+        tokens = open_shard(self.paths[shard])
+        if shard not in self._vocab_checked:
+            check_vocab(self.paths[shard], tokens, self.vocab_size)
+            self._vocab_checked.add(shard)
+        rng = self._rng(epoch, 1 + shard) if self.shuffle else None
+        mask = open_mask(self.paths[shard], len(tokens)) if self.masked else None
+        return _ShardView(tokens, rng, mask, self.eot_id)
 
     def _rng(self, epoch: int, stream: int) -> np.random.Generator:
         # independent of everything but (seed, epoch, stream): the state is just `position`

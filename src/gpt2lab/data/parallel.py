@@ -17,6 +17,7 @@ import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Callable, Iterable, Iterator, List, Optional, TypeVar
 
 from gpt2lab.data.sources import Document
@@ -63,19 +64,18 @@ def ordered_map(
     ``with ordered_map(...) as results: for r in results: ...``; leaving the block early (an error,
     Ctrl-C) stops the workers.
     """
-    chars = task_chars(size_bytes, workers)
+    tasks = _tasks(docs, task_chars(size_bytes, workers))
     if workers == 1:
-        yield map(encode, _tasks(docs, chars))
-        return
-    if use_threads(size_bytes, workers):
+        yield map(encode, tasks)
+    elif use_threads(size_bytes, workers):
         executor = ThreadPoolExecutor(workers, thread_name_prefix="gpt2lab-prepare")
         try:
-            yield _ordered(executor, _tasks(docs, chars), 2 * workers, encode)
+            yield _ordered(executor, tasks, 2 * workers, encode)
         finally:  # Ctrl-C or an error: drop queued tasks, let running ones (<= 1 MB of text) end
             executor.shutdown(wait=True, cancel_futures=True)
-        return
-    with _process_pool(docs, workers, chars, encode) as results:
-        yield results
+    else:
+        with _process_pool(tasks, workers, encode) as results:
+            yield results
 
 
 def _tasks(docs: Iterable[Document], chars_per_task: int) -> Iterator[List[Document]]:
@@ -106,21 +106,21 @@ def _ordered(executor: ThreadPoolExecutor, tasks: Iterator[List[Document]], wind
 # -- the process pool --------------------------------------------------------------------
 # multiprocessing.Pool is not used: its terminate() can deadlock when Ctrl-C lands while a
 # worker is sending a result (it drains queues under locks a killed worker may hold), and
-# every worker prints a KeyboardInterrupt traceback. Here each worker has its own pair of
-# pipes and no lock is shared: task i goes to worker i % n and its result is read back
+# every worker prints a KeyboardInterrupt traceback. Here each worker has its own two-way
+# pipe and no lock is shared: task i goes to worker i % n and its result is read back
 # from that worker, so the order is kept. Workers ignore SIGINT (a terminal's Ctrl-C
 # reaches the whole process group); the main process alone decides, and on any way out
 # but the normal one it SIGKILLs them, which cannot block.
 POLL_S = 0.2  # how often a waiting main process checks that the workers are alive
 
 
-def _worker(tasks, results, encode: Encode, parents_ends: tuple = ()) -> None:
+def _worker(conn, encode: Encode, parents_ends: tuple = ()) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for c in parents_ends:  # a forked worker's copies of the main process's ends: once that process is
-        c.close()  # gone (even by kill -9), its task pipe has no writer left and recv ends (EOFError)
+        c.close()  # gone (even by kill -9), no one holds the other end of its pipe and recv ends (EOFError)
     while True:
         try:
-            task = tasks.recv()
+            task = conn.recv()
         except EOFError:
             return
         if task is None:
@@ -130,34 +130,9 @@ def _worker(tasks, results, encode: Encode, parents_ends: tuple = ()) -> None:
         except Exception as e:  # SourceError of a bad line: the main process raises it, in order
             reply = (False, e)
         try:
-            results.send(reply)
+            conn.send(reply)
         except (TypeError, AttributeError, pickle.PicklingError):  # an exception that does not pickle
-            results.send((False, RuntimeError(f"{type(reply[1]).__name__}: {reply[1]}")))
-
-
-class _Dispatch(threading.Thread):
-    """Reads the source, cuts tasks and sends task i to worker i % n (in the main process,
-    beside the result loop, so a worker blocked sending a result never blocks the reading)."""
-
-    def __init__(self, docs, conns, chars_per_task) -> None:
-        super().__init__(name="gpt2lab-prepare-dispatch", daemon=True)
-        self.docs, self.conns, self.chars_per_task = docs, conns, chars_per_task
-        self.sent, self.done, self.error, self.stop = 0, False, None, False
-
-    def run(self) -> None:
-        try:
-            for task in _tasks(self.docs, self.chars_per_task):
-                if self.stop:
-                    return
-                self.conns[self.sent % len(self.conns)].send(task)
-                self.sent += 1
-            for c in self.conns:
-                c.send(None)
-        except BaseException as e:  # a source that cannot be read: raised in order by the reader
-            if not self.stop:
-                self.error = e
-        finally:
-            self.done = True
+            conn.send((False, RuntimeError(f"{type(reply[1]).__name__}: {reply[1]}")))
 
 
 @contextmanager
@@ -181,52 +156,65 @@ def _ctrl_c_after() -> Iterator[None]:
 
 
 @contextmanager
-def _process_pool(docs: Iterable[Document], workers: int, chars_per_task: int, encode: Encode):
+def _process_pool(tasks: Iterator[List[Document]], workers: int, encode: Encode):
     # fork on Linux: workers start in milliseconds with the tokenizer already built
     ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    procs, task_conns, result_conns = [], [], []
-    dispatch = None
+    procs, conns = [], []
+    # what the dispatch thread has done: it reads the source, cuts tasks and sends task i to worker i % n
+    # (in the main process, beside the result loop, so a worker blocked sending a result never blocks the reading)
+    sent = SimpleNamespace(tasks=0, done=False, error=None, stop=False)
+
+    def dispatch() -> None:
+        try:
+            for task in tasks:
+                if sent.stop:
+                    return
+                conns[sent.tasks % workers].send(task)
+                sent.tasks += 1
+            for c in conns:
+                c.send(None)
+        except BaseException as e:  # a source that cannot be read: raised in order by the reader
+            if not sent.stop:
+                sent.error = e
+        finally:
+            sent.done = True
+
+    thread = threading.Thread(target=dispatch, name="gpt2lab-prepare-dispatch", daemon=True)
     try:
         with _ctrl_c_after():  # a worker forked as Ctrl-C lands is in procs, so it is killed with the rest
             for _ in range(workers):
-                task_r, task_w = ctx.Pipe(duplex=False)
-                result_r, result_w = ctx.Pipe(duplex=False)
-                ends = (task_w, result_r, *task_conns, *result_conns) if ctx.get_start_method() == "fork" else ()
-                p = ctx.Process(
-                    target=_worker, args=(task_r, result_w, encode, ends), daemon=True, name="gpt2lab-prepare-worker"
-                )
+                mine, theirs = ctx.Pipe()
+                ends = (mine, *conns) if ctx.get_start_method() == "fork" else ()
+                p = ctx.Process(target=_worker, args=(theirs, encode, ends), daemon=True, name="gpt2lab-prepare-worker")
                 p.start()
-                task_r.close()
-                result_w.close()
+                theirs.close()
                 procs.append(p)
-                task_conns.append(task_w)
-                result_conns.append(result_r)
-        dispatch = _Dispatch(docs, task_conns, chars_per_task)
-        dispatch.start()
-        yield _results(dispatch, procs, result_conns)
+                conns.append(mine)
+        thread.start()
+        yield _results(sent, thread, procs, conns)
     except BaseException:
         for p in procs:  # SIGKILL: nothing a worker is doing can hold us up
             p.kill()
         raise
     finally:
-        if dispatch is not None:
-            dispatch.stop = True
-            dispatch.join(5)
+        sent.stop = True
+        if thread.is_alive():
+            thread.join(5)
         for p in procs:
             p.join(5)
             if p.is_alive():
                 p.kill()
                 p.join(5)
-        for c in task_conns + result_conns:
+        for c in conns:
             c.close()
 
 
-def _results(dispatch: _Dispatch, procs, conns) -> Iterator:
+def _results(sent: SimpleNamespace, thread: threading.Thread, procs, conns) -> Iterator:
     i = 0
     while True:
-        if dispatch.done and i >= dispatch.sent:  # every task's result is in
-            if dispatch.error is not None:
-                raise dispatch.error
+        if sent.done and i >= sent.tasks:  # every task's result is in
+            if sent.error is not None:
+                raise sent.error
             return
         conn, proc = conns[i % len(conns)], procs[i % len(conns)]
         if not conn.poll(POLL_S):
@@ -236,8 +224,8 @@ def _results(dispatch: _Dispatch, procs, conns) -> Iterator:
         try:
             ok, value = conn.recv()
         except EOFError:  # the worker is gone: after its last task (the end), or killed
-            dispatch.join(5)
-            if dispatch.done and i >= dispatch.sent:
+            thread.join(5)
+            if sent.done and i >= sent.tasks:
                 continue
             proc.join(1)
             raise _died(proc) from None

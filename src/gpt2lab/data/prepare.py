@@ -14,9 +14,9 @@ The manifest counts tokens and documents per shard (the documents that begin in 
 document of each) and per source file.
 
 This file is the orchestration: the settings, the text or conversation format, the tokenizer and the
-encode function. The pieces it runs: data/manifest.py (start, resume or refuse a directory),
-data/parallel.py (the ordered parallel map), data/writer.py (the stream cut into shards),
-data/held_out.py (conversations: the val split's, as held_out.jsonl beside the shards).
+encode function. The pieces it runs: data/manifest.py (start, resume or refuse a directory; the
+stream cut into shards; conversations: the val split's, as held_out.jsonl beside the shards) and
+data/parallel.py (the ordered parallel map).
 """
 
 from __future__ import annotations
@@ -31,13 +31,12 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from gpt2lab.data import chat
-from gpt2lab.data.held_out import write_held_out
-from gpt2lab.data.manifest import save_manifest, start_manifest
+from gpt2lab.data.bpe import open_dir
+from gpt2lab.data.manifest import ShardWriter, save_manifest, start_manifest, write_held_out
 from gpt2lab.data.parallel import ordered_map
 from gpt2lab.data.shards import val_size
 from gpt2lab.data.sources import Document, JsonLine, SourceError, TextSource, as_text, resolve_source
 from gpt2lab.data.tokenizer import Tokenizer, gpt2_tokenizer, save_tokenizer, token_dtype
-from gpt2lab.data.writer import ShardWriter
 from gpt2lab.system import rundir
 from gpt2lab.system.errors import UsageError
 from gpt2lab.system.files import sweep_stale
@@ -81,7 +80,8 @@ def prepare(
     """
     if shard_tokens < 1:
         raise UsageError(f"shard_tokens {shard_tokens} must be >= 1")
-    n_workers = _workers(workers)
+    if workers is not None and workers < 1:
+        raise UsageError(f"workers {workers} must be >= 1")
     in_text = _val_in_text(val_tokens, val_docs, val_bytes, val_split)
     src = resolve_source(source, text_field, config)
     val_defaulted = val_tokens is None and not in_text
@@ -94,7 +94,10 @@ def prepare(
         raise UsageError(f"--limit-docs {limit_docs}: must be 0 or more")
     fmt = detect_format(src, data_format, text_field)
     val_split = val_split or ("documents" if fmt == "chat" or in_text else "tokens")
-    tok = _tokenizer(tokenizer, fmt)
+    # GPT-2's BPE (its chat variant for conversations), or the trained one in ``tokenizer``; a directory
+    # holding GPT-2's own vocabulary (a GPT-2 export) is GPT-2's BPE, as with no ``tokenizer``
+    own = open_dir(tokenizer) if tokenizer is not None else None
+    tok = own if own is not None and own.identity is not None else gpt2_tokenizer(chat=fmt == "chat")
     settings = {
         "source": source,
         "config": src.hub_config,
@@ -131,13 +134,14 @@ def prepare(
         if tok.identity is not None:  # after the manifest: a directory with one is prepare's own
             save_tokenizer(tok, str(out), what_next="run the same prepare command again")
         n_val = val_docs if val_bytes is None else val_documents(src, val_bytes, fmt, limit_docs)
-        _run(src, out, manifest, n_workers, progress, tok, n_val)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        _run(src, out, manifest, workers or cores, progress, tok, n_val)
     if "train" not in manifest["splits"]:
         warnings.warn(
             f"{out}: all {manifest['tokens']} tokens ({manifest['documents']} documents) went to val "
             f"({val_size(settings)}); pass a smaller one to get a train split"
         )
-    if fmt == "chat":  # the val split's conversations, for `gpt2lab eval chat` (data/held_out.py)
+    if fmt == "chat":  # the val split's conversations, for `gpt2lab eval chat` (data/manifest.py)
         write_held_out(src, out, manifest)
     return manifest
 
@@ -168,25 +172,12 @@ def val_documents(src: TextSource, val_bytes: int, fmt: str, limit_docs: Optiona
         return 0
     total, n = 0, 0
     for n, doc in enumerate(src.documents(0, limit_docs), 1):
-        total += len(_doc_text(doc, fmt).encode("utf-8", "surrogatepass"))
+        chat_line = fmt == "chat" and isinstance(doc, JsonLine)
+        text = "".join(content for _, content in doc.turns()) if chat_line else as_text(doc)
+        total += len(text.encode("utf-8", "surrogatepass"))
         if total >= val_bytes:
             break
     return n
-
-
-def _doc_text(doc: Document, fmt: str) -> str:
-    if fmt != "chat" or not isinstance(doc, JsonLine):
-        return as_text(doc)
-    return "".join(content for _, content in doc.turns())
-
-
-def _tokenizer(path: Optional[str], fmt: str) -> Tokenizer:
-    """GPT-2's BPE (its chat variant for conversations), or the trained one in ``path``; a ``path``
-    holding GPT-2's own vocabulary (a GPT-2 export) is GPT-2's BPE, as with no ``path``."""
-    from gpt2lab.data.bpe import open_dir
-
-    tok = open_dir(path) if path is not None else None
-    return gpt2_tokenizer(chat=fmt == "chat") if tok is None or tok.identity is None else tok
 
 
 # A local source's val split is its val_fraction (0.5%; Tiny Shakespeare 5%), but at least this many
@@ -202,14 +193,6 @@ def default_val_tokens(src: TextSource, shard_tokens: int) -> int:
     estimate = src.size_bytes / 4  # GPT-2 BPE averages about 4 bytes of English per token
     floor = min(MIN_VAL_TOKENS, math.ceil(SMALL_VAL_FRACTION * estimate))
     return min(shard_tokens, max(1, math.ceil(src.val_fraction * estimate), floor))
-
-
-def _workers(workers: Optional[int]) -> int:
-    if workers is None:
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if workers < 1:
-        raise UsageError(f"workers {workers} must be >= 1")
-    return workers
 
 
 FORMATS = ("auto", "text", "chat")

@@ -174,15 +174,12 @@ def _is_utf8_text(path: str) -> bool:
     git and grep take it) and every byte sequence one UTF-8 has. An unreadable file counts as text
     here, so that reading it gives its one-line error."""
     try:
-        with open(path, encoding="utf-8") as f:  # decoded a chunk at a time, to the end
-            while chunk := f.read(READ_CHUNK):
-                if "\0" in chunk:
-                    return False
+        with open(path, encoding="utf-8") as f:  # decoded a chunk at a time, to the end (or the first NUL)
+            return all("\0" not in chunk for chunk in iter(lambda: f.read(READ_CHUNK), ""))
     except UnicodeDecodeError:
         return False
     except OSError:
         return True
-    return True
 
 
 KINDS_HINT = (
@@ -213,63 +210,54 @@ def _local_docs(files: List[str], text_field: str, starts: List[int]) -> Iterato
 
 
 class _ZstdRaw(io.RawIOBase):
-    """A .zst file's decompressed bytes, a chunk at a time; frames one after another (as
+    """A .zst file's decompressed bytes, a frame's chunk at a time; frames one after another (as
     ``zstd`` and ``pzstd`` write them) are read through; a file that ends inside a frame is
     an EOFError (zstandard's own stream reader would just stop)."""
 
-    def __init__(self, f: IO[bytes]) -> None:
-        import zstandard
+    def __init__(self, path: str) -> None:
+        self.f = open(path, "rb")
+        self.chunks, self.pending = _zstd_chunks(self.f), memoryview(b"")
 
-        self.f, self.zstd = f, zstandard
-        self.d = zstandard.ZstdDecompressor().decompressobj()
-        self.pending, self.pos, self.in_frame = b"", 0, False
+    def close(self) -> None:
+        self.f.close()
+        super().close()
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, b) -> int:
-        while self.pos == len(self.pending):
-            chunk = self.f.read(READ_CHUNK)
-            if not chunk:
-                if self.in_frame:
-                    raise EOFError("the file ends inside a zstd frame (truncated)")
+        while not self.pending:
+            chunk = next(self.chunks, None)
+            if chunk is None:
                 return 0
-            out = []
-            while chunk:
-                self.in_frame = True
-                try:
-                    out.append(self.d.decompress(chunk))
-                except self.zstd.ZstdError as e:  # not zstd data, or damaged: a read error like the others
-                    raise OSError(str(e)) from e
-                chunk = b""
-                if self.d.eof:  # a frame ended: the rest of the chunk starts the next one
-                    chunk, self.in_frame = self.d.unused_data, False
-                    self.d = self.zstd.ZstdDecompressor().decompressobj()
-            self.pending, self.pos = b"".join(out), 0
-        n = min(len(b), len(self.pending) - self.pos)
-        b[:n] = memoryview(self.pending)[self.pos : self.pos + n]
-        self.pos += n
+            self.pending = memoryview(chunk)
+        n = min(len(b), len(self.pending))
+        b[:n], self.pending = self.pending[:n], self.pending[n:]
         return n
 
 
-@contextmanager
-def _open_text(path: str) -> Iterator[IO[str]]:
+def _zstd_chunks(f: IO[bytes]) -> Iterator[bytes]:
+    import zstandard
+
+    d = None  # the frame being read
+    while chunk := f.read(READ_CHUNK):
+        while chunk:  # a frame that ends in the chunk: the rest starts the next one
+            d = d or zstandard.ZstdDecompressor().decompressobj()
+            try:
+                yield d.decompress(chunk)
+            except zstandard.ZstdError as e:  # not zstd data, or damaged: a read error like the others
+                raise OSError(str(e)) from e
+            chunk, d = (d.unused_data, None) if d.eof else (b"", d)
+    if d is not None:
+        raise EOFError("the file ends inside a zstd frame (truncated)")
+
+
+def _open_text(path: str) -> IO[str]:
     """``path`` as UTF-8 text, decompressed on the fly when its name says it is compressed."""
     comp = kind_of(path)[1]
-    if comp is None:
-        with open(path, encoding="utf-8") as f:
-            yield f
-    elif comp == ".zst":
-        try:
-            import zstandard  # noqa: F401
-        except ImportError as e:
-            raise SourceError(f"{path}: reading .zst needs the zstandard package: pip install zstandard") from e
-        with open(path, "rb") as raw:
-            yield io.TextIOWrapper(io.BufferedReader(_ZstdRaw(raw), READ_CHUNK), encoding="utf-8")
-    else:
-        opener = {".gz": gzip.open, ".xz": lzma.open, ".bz2": bz2.open}[comp]
-        with opener(path, "rt", encoding="utf-8") as f:
-            yield f
+    if comp == ".zst":
+        return io.TextIOWrapper(io.BufferedReader(_ZstdRaw(path), READ_CHUNK), encoding="utf-8")
+    return {".gz": gzip.open, ".xz": lzma.open, ".bz2": bz2.open, None: open}[comp](path, "rt", encoding="utf-8")
 
 
 @contextmanager

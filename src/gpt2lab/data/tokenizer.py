@@ -25,7 +25,7 @@ import json
 import os
 import re
 from importlib import resources
-from typing import Collection, Literal, Mapping, Optional, Protocol, Union
+from typing import Collection, Literal, Mapping, Optional, Union
 
 import numpy as np
 import tiktoken
@@ -61,24 +61,6 @@ class TokenizerError(DataError):
     """A tokenizer file that cannot be used (missing, damaged, not the one a model names)."""
 
 
-class Tokenizer(Protocol):
-    """What gpt2lab asks of a tokenizer (GPT-2's tiktoken Encoding and a trained one both are one)."""
-
-    identity: Optional[str]  # sha256 of tokenizer.json; None: GPT-2's
-    eot_id: int  # <|endoftext|>: every document starts with it
-    im_start_id: Optional[int]  # the chat template's turn tokens (None: GPT-2's without them)
-    im_end_id: Optional[int]
-
-    @property
-    def n_vocab(self) -> int: ...
-    def encode_ordinary(self, text: str) -> list[int]: ...
-    def encode(
-        self, text: str, *, allowed_special: Specials = ..., disallowed_special: Specials = ...
-    ) -> list[int]: ...
-    def decode(self, tokens: list[int], errors: str = "replace") -> str: ...
-    def decode_single_token_bytes(self, token: int) -> bytes: ...
-
-
 def asset_path(name: str) -> str:
     """Filesystem path of a file shipped in ``gpt2lab/assets``."""
     return str(resources.files("gpt2lab") / "assets" / name)
@@ -97,7 +79,7 @@ def _checked(name: str) -> str:
 
 # -- GPT-2's ---------------------------------------------------------------------------------------
 class GPT2Encoding(tiktoken.Encoding):
-    """GPT-2's BPE: a tiktoken Encoding (every method tiktoken has) with the Tokenizer attributes."""
+    """GPT-2's BPE: a tiktoken Encoding (every method tiktoken has) with the attributes of a trained one."""
 
     identity = None
     eot_id = EOT_ID
@@ -122,8 +104,6 @@ class GPT2Encoding(tiktoken.Encoding):
 def gpt2_tokenizer(chat: bool = False) -> GPT2Encoding:
     """The GPT-2 BPE (50257 tokens, ``<|endoftext|>`` = 50256), offline; ``chat``: with the two
     turn tokens as special tokens too (50259), for a chat model's text. (Built once: it is immutable.)"""
-    if not isinstance(chat, bool):
-        raise TypeError(f"gpt2_tokenizer(chat): a bool, got {type(chat).__name__}")
     return GPT2Encoding(chat)
 
 
@@ -146,12 +126,10 @@ def is_gpt2_vocabulary(path: str) -> bool:
                 _read_json(os.path.join(path, "vocab.json")) == vocab
                 and _merges(os.path.join(path, "merges.txt")) == merges
             )
-        model = _read_json(os.path.join(path, TOKENIZER_FILE) if os.path.isdir(path) else path).get("model", {})
-        if not isinstance(model, dict) or model.get("type") != "BPE" or model.get("vocab") != vocab:
-            return False
-        got = model.get("merges")
-        return isinstance(got, list) and [m if isinstance(m, str) else " ".join(m) for m in got] == merges
-    except (OSError, ValueError, TypeError, AttributeError):  # missing, not JSON, another shape: not GPT-2's
+        model = _read_json(os.path.join(path, TOKENIZER_FILE) if os.path.isdir(path) else path)["model"]
+        got = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+        return model.get("type") == "BPE" and model.get("vocab") == vocab and got == merges
+    except (OSError, ValueError, TypeError, AttributeError, KeyError):  # missing, not JSON, another shape: not GPT-2's
         return False
 
 
@@ -264,6 +242,13 @@ class TrainedBPE:
 
     def decode(self, tokens: list[int], errors: str = "replace") -> str:
         return b"".join(self.decode_single_token_bytes(int(t)) for t in tokens).decode("utf-8", errors)
+
+
+# What gpt2lab asks of a tokenizer, and both answer: ``identity`` (sha256 of tokenizer.json; None: GPT-2's),
+# ``eot_id`` (<|endoftext|>: every document starts with it), ``im_start_id``/``im_end_id`` (the chat
+# template's turn tokens; None: GPT-2's without them), ``n_vocab``, ``encode_ordinary``, ``encode`` (tiktoken's
+# rules for special tokens), ``decode`` and ``decode_single_token_bytes``.
+Tokenizer = Union[GPT2Encoding, TrainedBPE]
 
 
 # -- which tokenizer -------------------------------------------------------------------------------

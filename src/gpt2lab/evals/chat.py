@@ -333,9 +333,9 @@ def _gsm8k_from_hub(out: BinaryIO) -> None:
 def chat_data(data: Optional[str], model: str) -> tuple[str, Optional[str]]:
     """What ``eval chat`` reads and, where it chose it, a note saying so: ``data`` as given (a file, a
     glob, a directory of JSON lines), a prepared directory's held-out conversations
-    (data/held_out.py), or, with no ``data``, those of the prepared data the run ``model`` trained on.
+    (data/manifest.py), or, with no ``data``, those of the prepared data the run ``model`` trained on.
     What cannot be found is a UsageError in one line saying what to pass."""
-    from gpt2lab.data.held_out import HELD_OUT, held_out_file
+    from gpt2lab.data.manifest import HELD_OUT, held_out_file
     from gpt2lab.data.shards import MANIFEST_FILE
     from gpt2lab.system.errors import UsageError
 
