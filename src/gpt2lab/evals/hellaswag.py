@@ -21,12 +21,11 @@ from dataclasses import dataclass
 from typing import BinaryIO, Callable, Optional
 
 import torch
-import torch.distributed as dist
 from torch.nn import functional as F
 from tqdm import tqdm
 
 from gpt2lab.data.tokenizer import for_model
-from gpt2lab.distributed.dist import all_reduce_sum, autocast
+from gpt2lab.distributed.dist import all_reduce_sum, autocast, rank, world
 from gpt2lab.evals.download import DataSet, cached_file, json_lines
 from gpt2lab.system.choices import HELLASWAG_STRATEGIES
 
@@ -343,8 +342,6 @@ def evaluate_hellaswag(
     dtype: str = "float32",
     batch_size: int = DEFAULT_BATCH_SIZE,
     limit: Optional[int] = None,
-    rank: int = 0,
-    world_size: int = 1,
     strategy: str = "auto",
     progress: bool = False,
     stop: Callable[[], bool] = bool,
@@ -352,15 +349,13 @@ def evaluate_hellaswag(
     """HellaSwag accuracy of ``model``: {"task", "n", "acc", "acc_norm"}; None when ``stop()`` (looked at
     before each batch; default: never) said to stop on any rank.
 
-    Under torch.distributed each rank scores examples rank, rank + world_size, ... and the
+    Under torch.distributed each rank scores examples rank, rank + world size, ... and the
     counts are summed over ranks, so every rank returns the same, whole-set result (a rank that stops
     early still meets the others at the sum).
     ``strategy`` is how rows share a forward pass (see ``resolve_strategy``).
     """
-    if world_size > 1 and not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(f"world_size {world_size} needs an initialised torch.distributed process group")
     examples = load_examples(data_path, limit)
-    mine = examples[rank::world_size]
+    mine = examples[rank() :: world()]
     scores = score_examples(
         model,
         mine,
@@ -368,7 +363,7 @@ def evaluate_hellaswag(
         dtype=dtype,
         batch_size=batch_size,
         strategy=strategy,
-        progress=progress and rank == 0,
+        progress=progress and rank() == 0,
         stop=stop,
     )
     counts = torch.tensor(
@@ -376,7 +371,6 @@ def evaluate_hellaswag(
         dtype=torch.long,
         device=device,
     )
-    if world_size > 1:
-        all_reduce_sum(counts)
+    all_reduce_sum(counts)
     n, correct, correct_norm, stopped = counts.tolist()
     return None if stopped else {"task": "hellaswag", "n": n, "acc": correct / n, "acc_norm": correct_norm / n}

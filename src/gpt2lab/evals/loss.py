@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
-from gpt2lab.distributed.dist import all_reduce_mean, all_reduce_sum, autocast
+from gpt2lab.distributed.dist import all_reduce_mean, all_reduce_sum, autocast, rank, world
 
 # A model held for inference (inference/form.py) has no chunked loss: its loss is taken from
 # whole logits. Its batches run this many logits at a time at most (the chunked loss's own bound,
@@ -79,8 +79,6 @@ def evaluate(
     device: torch.device | str,
     dtype: str = "float32",
     split: str = "val",
-    rank: int = 0,
-    world_size: int = 1,
     flags: tuple[str, str] = ("--eval-tokens", "--micro-batch-size"),
     stop: Callable[[], bool] = bool,
 ) -> Optional[LossResult]:
@@ -97,9 +95,9 @@ def evaluate(
     from gpt2lab.data.tokenizer import byte_lengths, for_data
 
     device = torch.device(device)
-    loader = TokenLoader(data_dir, split, batch_size, seq_len, rank=rank, world_size=world_size, shuffle=False)
+    loader = TokenLoader(data_dir, split, batch_size, seq_len, rank=rank(), world_size=world(), shuffle=False)
     table = torch.from_numpy(byte_lengths(for_data(data_dir)))
-    per_step = batch_size * seq_len * world_size
+    per_step = batch_size * seq_len * world()
     steps = max(1, tokens // per_step)
     available = loader.sequences_per_epoch * seq_len
     if steps * per_step > available:  # ``flags``: the caller's names for tokens and batch_size
