@@ -143,17 +143,16 @@ def _one_line(task: str, model: str = ""):
 def eval_hellaswag(args: argparse.Namespace) -> int:
     import torch
 
-    from gpt2lab.evals.hellaswag import DEFAULT_BATCH_SIZE, evaluate_hellaswag, load_examples, official_validation_file
+    from gpt2lab.evals.hellaswag import DEFAULT_BATCH_SIZE, evaluate_hellaswag, load_examples
 
     with _one_line("hellaswag"):  # the data first: no data, or no network to fetch it, fails before the model loads
-        data = args.data or official_validation_file(flag="--data")
-        load_examples(data, limit=1)
+        load_examples(args.data, limit=1)
 
     def score(model, info):
         with _one_line("hellaswag"):
             return evaluate_hellaswag(
                 torch.compile(model) if args.compile else model,
-                data,
+                args.data,
                 device=info.device,
                 batch_size=args.batch_size or DEFAULT_BATCH_SIZE,
                 limit=args.limit,

@@ -139,27 +139,22 @@ def evaluate_chat(
     """The assistant-token loss and the share of greedy replies that end their turn (module docstring)."""
     _check(model)
     loss, kept = assistant_loss(model, conversations, device, dtype)
-    replies, ended, lengths, skipped = 0, 0, [], 0
-    for turns in tqdm(conversations, desc="replies", unit="conv", dynamic_ncols=True, disable=not progress):
-        prompt = first_reply_prompt(turns, chat_tokenizer(model))
-        if prompt is None or len(prompt) >= model.config.block_size:
-            skipped += 1
-            continue
-        r = greedy_reply(model, prompt, max_tokens)
-        replies += 1
-        ended += r.ended
-        lengths.append(len(r.ids))
+    prompts = [first_reply_prompt(turns, chat_tokenizer(model)) for turns in conversations]
+    fit = [p for p in prompts if p is not None and len(p) < model.config.block_size]
+    bar = tqdm(fit, desc="replies", unit="conv", dynamic_ncols=True, disable=not progress)
+    replies = [greedy_reply(model, prompt, max_tokens) for prompt in bar]
+    ended, n = sum(r.ended for r in replies), len(replies)
     return {
         "task": "chat",
         "conversations": len(conversations),
         "assistant_tokens": kept,
         "assistant_loss": loss,
-        "replies": replies,
+        "replies": n,
         "ended": ended,
-        "ended_share": ended / replies if replies else None,
+        "ended_share": ended / n if n else None,
         "max_tokens": max_tokens,
-        "mean_reply_tokens": sum(lengths) / len(lengths) if lengths else None,
-        "skipped_no_room": skipped,
+        "mean_reply_tokens": sum(len(r.ids) for r in replies) / n if n else None,
+        "skipped_no_room": len(prompts) - n,
     }
 
 
@@ -240,26 +235,23 @@ def evaluate_gsm8k(
     """(summary, one record per problem): each problem's user turn answered greedily, exact match of
     the number after ``####`` against the reference answer's."""
     _check(model)
-    rows, correct = [], 0
+    rows = []
     for turns in tqdm(problems, desc="gsm8k", unit="conv", dynamic_ncols=True, disable=not progress):
-        question, reference = turns[0][1], turns[1][1]
         prompt = encode_chat([turns[0]], add_generation_prompt=True, tokenizer=chat_tokenizer(model))[0]
         r = greedy_reply(model, prompt, max_tokens, calculator_tool if calculator else None)
-        answer, expected = final_number(r.text), final_number(reference)
-        ok = same_number(answer, expected)
-        correct += ok
+        answer, expected = final_number(r.text), final_number(turns[1][1])
         rows.append(
             {
-                "question": question,
+                "question": turns[0][1],
                 "reference": expected,
                 "reply": r.text,
                 "answer": answer,
-                "correct": ok,
+                "correct": same_number(answer, expected),
                 "ended": r.ended,
                 "tool_calls": r.tool_calls,
             }
         )
-    n = len(rows)
+    n, correct = len(rows), sum(row["correct"] for row in rows)
     return (
         {
             "task": "gsm8k",

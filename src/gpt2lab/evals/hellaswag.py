@@ -69,13 +69,14 @@ class Score:
 def load_examples(path: Optional[str] = None, limit: Optional[int] = None, flag: str = "--data") -> list[Example]:
     """Examples from a jsonl file with ``ctx``, ``endings`` and ``label`` on every line.
 
-    ``path`` None means the official validation set, downloaded once into gpt2lab's cache.
-    ``limit`` keeps the first N examples. ``flag``: the caller's flag for ``path``, for messages.
+    ``path`` None means the official validation set, downloaded once into gpt2lab's cache (evals/download.py:
+    one attempt at the file's URL, the Hugging Face dataset only when that server answered without the file;
+    offline or unreachable, it fails at once naming ``flag``, the caller's flag for ``path``).
+    ``limit`` keeps the first N examples.
     """
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be a positive number of examples, got {limit}")
-    if path is None:
-        path = official_validation_file(flag=flag)
+    path = cached_file(official(), flag) if path is None else path
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"HellaSwag data {path}: no such file; pass {flag} FILE with a jsonl of ctx/endings/label lines"
@@ -117,14 +118,6 @@ def official() -> DataSet:
 def official_path() -> str:
     """Where the official validation set is cached (it may not be there yet)."""
     return official().cached()
-
-
-def official_validation_file(flag: str = "--data") -> str:
-    """Path of the cached official validation jsonl, downloading it on first use (evals/download.py:
-    one attempt at the file's URL, the Hugging Face dataset only when that server answered without
-    the file). Offline or unreachable, it fails at once naming ``flag``, the caller's flag for a local file.
-    """
-    return cached_file(official(), flag)
 
 
 def _download_hf(out: BinaryIO) -> None:
