@@ -169,12 +169,8 @@ def final_number(text: str) -> Optional[str]:
 
 
 def same_number(a: Optional[str], b: Optional[str]) -> bool:
-    if a is None or b is None:
-        return False
-    try:
-        return math.isclose(float(a), float(b), rel_tol=0, abs_tol=1e-9)
-    except ValueError:
-        return False
+    """Whether two ``final_number``s (each a number or None) are one number."""
+    return a is not None and b is not None and math.isclose(float(a), float(b), rel_tol=0, abs_tol=1e-9)
 
 
 _OPS = {

@@ -151,13 +151,12 @@ def _render(enc, ex: Example, block_size: int) -> tuple[list[int], list[list[int
 
 
 def _is_compiled(model) -> bool:
-    # torch.compile's wrapper has _orig_mod; DDP keeps what it wraps in .module
+    # torch.compile's wrapper has _orig_mod (and passes other attributes through); DDP keeps what it wraps in .module
     return hasattr(model, "_orig_mod") or hasattr(getattr(model, "module", None), "_orig_mod")
 
 
 def _block_size(model) -> int:
-    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
-    return getattr(config, "block_size", None) or getattr(config, "n_positions", 1024)
+    return getattr(model, "module", model).config.block_size
 
 
 def _round_up(n: int, multiple: int) -> int:

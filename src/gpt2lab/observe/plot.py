@@ -187,23 +187,22 @@ def md_table(rows: list[list], cell: Callable[[Any], str] = str) -> list[str]:
     return ["| " + " | ".join(map(text, row)) + " |" for row in (head, ["---"] * len(head), *body)]
 
 
+def at_step(point: Optional[tuple[int, float]]) -> str:
+    """A (step, value) point as the tables write it ("-": none)."""
+    return f"{point[1]:.4f} (step {point[0]})" if point else "-"
+
+
 def summary_table(runs: list[Run]) -> str:
     """Markdown: per run, last step, best val loss and best HellaSwag acc_norm (with steps)."""
-
-    def best(series, pick):
-        if not series:
-            return "-"
-        step, value = pick(series, key=lambda sv: sv[1])
-        return f"{value:.4f} (step {step})"
-
+    value = lambda sv: sv[1]  # noqa: E731
     head = ["run", "size", "last step", "best val loss", "best HellaSwag acc_norm"]
     rows = [
         [
             r.name,
             r.size or "-",
             max((s for series in r.series.values() for s, _ in series), default="-"),
-            best(r.series.get("val_loss"), min),
-            best(r.series.get("hellaswag_acc_norm"), max),
+            at_step(min(r.series.get("val_loss", []), key=value, default=None)),
+            at_step(max(r.series.get("hellaswag_acc_norm", []), key=value, default=None)),
         ]
         for r in runs
     ]

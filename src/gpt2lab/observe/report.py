@@ -55,8 +55,7 @@ def _checkpoints(run_dir: str) -> list[tuple[int, str, int]]:
 
 def run_status(run_dir: str, config: dict, records: list[dict], cut: bool, ckpts: list, now: float, info: dict) -> str:
     max_steps = config_value(config, "max_steps")
-    steps = [r["step"] for r in records if "train_loss" in r or any(k in r for k in EVENT_KEYS)]
-    last = max(steps) if steps else None
+    last = max((r["step"] for r in records if "train_loss" in r or any(k in r for k in EVENT_KEYS)), default=None)
     ckpt_steps = [s for s, _, _ in ckpts]
     if max_steps and max_steps in ckpt_steps:
         return f"finished: all {max_steps} steps, final checkpoint step_{max_steps:06d}"
@@ -181,22 +180,14 @@ def _results(records: list[dict], size: Optional[str], fineweb_edu: bool) -> Sec
     (its size's, else 124M's for scale). No baseline that applies: no baseline columns."""
     ref = size or "124M"
     gpt2_hs, gpt3_hs = plot.HELLASWAG_BASELINES[ref]
-    val, hs = _last(records, "val_loss"), _last(records, "hellaswag_acc_norm")
-    bpb = _last(records, "val_bpb")
-    fmt = lambda sv: f"{sv[1]:.4f} (step {sv[0]})" if sv else "-"  # noqa: E731
+    val, hs, bpb = (_last(records, key) for key in ("val_loss", "hellaswag_acc_norm", "val_bpb"))
     gpt2_val = plot.GPT2_124M_VAL_LOSS if fineweb_edu and ref == "124M" and val else "-"
-    rows = [
-        [
-            "val loss (the run's val split" + ("; GPT-2's on FineWeb-Edu val)" if gpt2_val != "-" else ")"),
-            fmt(val),
-            gpt2_val,
-            "-",
-        ]
-    ]
+    which = "the run's val split" + ("; GPT-2's on FineWeb-Edu val" if gpt2_val != "-" else "")
+    rows = [[f"val loss ({which})", plot.at_step(val), gpt2_val, "-"]]
     if hs:
-        rows.append(["HellaSwag acc_norm", fmt(hs), gpt2_hs, gpt3_hs])
+        rows.append(["HellaSwag acc_norm", plot.at_step(hs), gpt2_hs, gpt3_hs])
     if bpb:  # bits per byte: comparable across tokenizers (runs written before it have none)
-        rows.append(["val bits per byte (the loss over the text's UTF-8 bytes)", fmt(bpb), "-", "-"])
+        rows.append(["val bits per byte (the loss over the text's UTF-8 bytes)", plot.at_step(bpb), "-", "-"])
     if all(row[2:] == ["-", "-"] for row in rows):
         return Section("Final metrics", table=[["metric", "this run"], *[row[:2] for row in rows]])
     head = ["metric", "this run", f"OpenAI GPT-2 {ref}", f"OpenAI GPT-3 {ref}"]
