@@ -115,11 +115,6 @@ def official() -> DataSet:
     )
 
 
-def official_path() -> str:
-    """Where the official validation set is cached (it may not be there yet)."""
-    return official().cached()
-
-
 def _download_hf(out: BinaryIO) -> None:
     from datasets import load_dataset  # optional dependency, only for this fallback
 
