@@ -235,26 +235,21 @@ def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True)
     arch = config.get("model") if isinstance(config.get("model"), dict) else {}  # no table: the rest still shows
     status = run_status(run_dir, config, records, run.cut, ckpts, time.time() if now is None else now, info)
     fineweb_edu = plot.is_fineweb_edu(run.data)
+    shape = f"{arch.get('n_layer')} layers, {arch.get('n_head')} heads, {arch.get('n_embd')} wide"
+    vocab = arch.get("token_vocab_size")
     what = [
         ["item", "value"],
         ["run dir", os.path.abspath(run_dir)],
         ["preset", preset_of(info) or "-"],
         ["command", "\n".join(filter(None, map(command_line, _segments(info) or [info]))) or "-"],
         ["code version (git)", info.get("git_sha") or "-"],
-        [
-            "model",
-            f"{arch.get('n_layer')} layers, {arch.get('n_head')} heads, {arch.get('n_embd')} wide"
-            + (f" (GPT-2 {size} shape)" if size else ""),
-        ],
+        ["model", shape + (f" (GPT-2 {size} shape)" if size else "")],
         ["parameters", f"{info['params']:,}" if isinstance(info.get("params"), int) else "-"],
-        [
-            "tokenizer",
-            short(arch.get("tokenizer"))
-            + (f", {arch['token_vocab_size']:,} tokens" if isinstance(arch.get("token_vocab_size"), int) else ""),
-        ],
+        ["tokenizer", short(arch.get("tokenizer")) + (f", {vocab:,} tokens" if isinstance(vocab, int) else "")],
     ]
-    events = [r for r in records if any(k in r for k in EVENT_KEYS)]
+    events = [[r["step"], _event_text(r)] for r in records if any(k in r for k in EVENT_KEYS)]
     samples = [[r["step"], r["sample"]] for r in records if isinstance(r.get("sample"), str)]
+    saved = [[s, p, f"{b / 2**20:,.1f} MiB"] for s, p, b in ckpts]
     rep = Report(title=f"gpt2lab report: {os.path.basename(os.path.abspath(run_dir))}", status=status)
     rep.sections += [
         Section("What was run", table=what),
@@ -266,18 +261,8 @@ def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True)
             text="" if records else "No metrics logged yet.",
         ),
         _listed("Samples", ["step", "sample"], samples, "No samples logged (train with --sample-interval N)."),
-        _listed(
-            "Skipped and spike steps",
-            ["step", "event"],
-            [[r["step"], _event_text(r)] for r in events],
-            "None: every step was applied.",
-        ),
-        _listed(
-            "Checkpoints",
-            ["step", "path", "size"],
-            [[s, p, f"{b / 2**20:,.1f} MiB"] for s, p, b in ckpts],
-            "No checkpoint saved yet.",
-        ),
+        _listed("Skipped and spike steps", ["step", "event"], events, "None: every step was applied."),
+        _listed("Checkpoints", ["step", "path", "size"], saved, "No checkpoint saved yet."),
         _listed(
             "Environment and automatic choices (run_info.json)",
             ["key", "value"],
