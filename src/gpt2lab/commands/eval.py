@@ -217,7 +217,7 @@ def eval_replies(args: argparse.Namespace) -> int:
                 model, conversations, max_tokens=args.max_tokens, calculator=args.calculator, progress=True
             )
         else:
-            summary = evaluate_chat(model, conversations, max_tokens=args.max_tokens, device=info.device, progress=True)
+            summary = evaluate_chat(model, conversations, max_tokens=args.max_tokens, progress=True)
     written = {"samples": samples} if gsm8k else {}
     result = {**summary, "model": args.model, "data": data, **written, "inference": decision.record()}
     if samples:  # the first line is the summary, marked as gpt2lab's (system/rundir.py)

@@ -64,9 +64,7 @@ def _check(model) -> None:
 
 # -- the assistant-token loss -----------------------------------------------------------------
 @torch.no_grad()
-def assistant_loss(
-    model, conversations: Sequence[Sequence[Message]], device: torch.device, dtype: str = "float32"
-) -> tuple[float, int]:
+def assistant_loss(model, conversations: Sequence[Sequence[Message]], device: torch.device) -> tuple[float, int]:
     """(mean loss over the assistant's tokens, their number) of ``conversations``: each one's ids cut
     into windows of block_size, each predicting the next tokens (masked targets not scored), a
     conversation's windows in one forward (evals/hellaswag.py's ``score_rows``)."""
@@ -77,7 +75,7 @@ def assistant_loss(
         x, y = ids[:-1], [t if keep else -1 for t, keep in zip(ids[1:], mask[1:])]
         rows = [(x[s : s + T], 0, y[s : s + T]) for s in range(0, len(x), T) if any(t != -1 for t in y[s : s + T])]
         if rows:
-            total += float(score_rows(model, rows, device=device, dtype=dtype).sum())
+            total += float(score_rows(model, rows, device=device, dtype="float32").sum())
             kept += sum(t != -1 for t in y)
     return total / max(kept, 1), kept
 
@@ -128,17 +126,11 @@ def first_reply_prompt(turns: Sequence[Message], tokenizer: Optional[Tokenizer] 
 
 
 def evaluate_chat(
-    model,
-    conversations: Sequence[Sequence[Message]],
-    *,
-    max_tokens: int,
-    device: torch.device,
-    dtype: str = "float32",
-    progress: bool = False,
+    model, conversations: Sequence[Sequence[Message]], *, max_tokens: int, progress: bool = False
 ) -> dict:
     """The assistant-token loss and the share of greedy replies that end their turn (module docstring)."""
     _check(model)
-    loss, kept = assistant_loss(model, conversations, device, dtype)
+    loss, kept = assistant_loss(model, conversations, next(model.parameters()).device)
     prompts = [first_reply_prompt(turns, chat_tokenizer(model)) for turns in conversations]
     fit = [p for p in prompts if p is not None and len(p) < model.config.block_size]
     bar = tqdm(fit, desc="replies", unit="conv", dynamic_ncols=True, disable=not progress)
