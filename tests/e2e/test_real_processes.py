@@ -28,9 +28,7 @@ def _rank_main(rank: int, world: int, store: str, model_dir: str, out_dir: str) 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        res = evaluate_hellaswag(
-            load_model(model_dir), SLICE, device="cpu", batch_size=4, limit=30, rank=rank, world_size=world
-        )
+        res = evaluate_hellaswag(load_model(model_dir), SLICE, device="cpu", batch_size=4, limit=30)
     finally:
         dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -105,27 +105,25 @@ def add_parser(sub) -> None:
     gs.set_defaults(func=eval_replies)
 
 
-def _load(args: argparse.Namespace, info, compiled: bool = False):
-    """The model prepared for scoring (inference/probe.py): decided on rank 0 (measured there), the same
-    on every rank; a compiled model keeps F.linear (oneDNN's packed weights are opaque to the compiler)."""
+def _scored(args: argparse.Namespace, score, linear: str = "auto") -> int:
+    """``score(model, info)``'s record printed once with the inference decision: the model loaded on every
+    rank (torchrun) and held for scoring as rank 0 decided (inference/completion.load_for_inference)."""
     import dataclasses
 
-    from gpt2lab.distributed.dist import decided_on_rank_0
-    from gpt2lab.inference.completion import check_request
+    from gpt2lab.distributed.dist import cleanup, init_distributed, print0
+    from gpt2lab.inference.completion import load_for_inference
     from gpt2lab.inference.flags import inference_request
-    from gpt2lab.inference.form import hold
-    from gpt2lab.inference.probe import announce, decide
-    from gpt2lab.weights.load import load_model
 
     request = inference_request(args, "score")
-    if compiled and request.linear == "auto":
-        request = dataclasses.replace(request, linear="plain")
-    check_request(request, info.device)
-    model = load_model(args.model, info.device)
-    decision = decided_on_rank_0(lambda: decide(model, info.device, request, command="gpt2lab eval"))
-    if info.rank == 0:
-        announce(decision, "gpt2lab eval")
-    return hold(model, decision.candidate, request.rows, inplace=True, tile_rows=decision.tile_rows), decision
+    if request.linear == "auto":  # a compiled model keeps F.linear: oneDNN's packed weights are opaque to it
+        request = dataclasses.replace(request, linear=linear)
+    info = init_distributed(args.device)
+    try:
+        model, decision = load_for_inference(args.model, info.device, request, "gpt2lab eval")
+        print0(json.dumps({**score(model, info), "inference": decision.record()}))
+    finally:
+        cleanup()
+    return 0
 
 
 @contextlib.contextmanager
@@ -145,43 +143,32 @@ def _one_line(task: str, model: str = ""):
 def eval_hellaswag(args: argparse.Namespace) -> int:
     import torch
 
-    from gpt2lab.distributed.dist import cleanup, init_distributed, print0
-    from gpt2lab.evals.hellaswag import DEFAULT_BATCH_SIZE, evaluate_hellaswag, load_examples, official_validation_file
+    from gpt2lab.evals.hellaswag import DEFAULT_BATCH_SIZE, evaluate_hellaswag, load_examples
 
     with _one_line("hellaswag"):  # the data first: no data, or no network to fetch it, fails before the model loads
-        data = args.data or official_validation_file(flag="--data")
-        load_examples(data, limit=1)
-    info = init_distributed(args.device)
-    try:
-        model, decision = _load(args, info, compiled=args.compile)
-        model = torch.compile(model) if args.compile else model
+        load_examples(args.data, limit=1)
+
+    def score(model, info):
         with _one_line("hellaswag"):
-            result = evaluate_hellaswag(
-                model,
-                data,
+            return evaluate_hellaswag(
+                torch.compile(model) if args.compile else model,
+                args.data,
                 device=info.device,
                 batch_size=args.batch_size or DEFAULT_BATCH_SIZE,
                 limit=args.limit,
-                rank=info.rank,
-                world_size=info.world_size,
                 strategy=args.strategy,
                 progress=True,
             )
-        print0(json.dumps({**result, "inference": decision.record()}))
-    finally:
-        cleanup()
-    return 0
+
+    return _scored(args, score, linear="plain" if args.compile else "auto")
 
 
 def eval_loss(args: argparse.Namespace) -> int:
     from gpt2lab.data.shards import read_manifest
     from gpt2lab.data.tokenizer import check_data_tokenizer
-    from gpt2lab.distributed.dist import cleanup, init_distributed, print0
     from gpt2lab.evals.loss import evaluate, fit_to_split
 
-    info = init_distributed(args.device)
-    try:
-        model, decision = _load(args, info)
+    def score(model, info):
         tok, whose = model.config.tokenizer, f"--model {args.model}"
         check_data_tokenizer(args.data, read_manifest(args.data), tok, whose, "evaluate another model")
         seq_len = args.seq_len or model.config.block_size
@@ -198,15 +185,11 @@ def eval_loss(args: argparse.Namespace) -> int:
                 seq_len=seq_len,
                 device=info.device,
                 split=args.split,
-                rank=info.rank,
-                world_size=info.world_size,
                 flags=("--tokens", "--batch-size"),
             )
-        record = {"task": "loss", "split": args.split, "tokens": res.tokens, "loss": res.loss, "bpb": res.bpb}
-        print0(json.dumps({**record, "bytes": res.bytes, "inference": decision.record()}))
-    finally:
-        cleanup()
-    return 0
+        return {"task": "loss", "split": args.split, **{k: getattr(res, k) for k in ("tokens", "loss", "bpb", "bytes")}}
+
+    return _scored(args, score)
 
 
 def eval_replies(args: argparse.Namespace) -> int:
@@ -234,7 +217,7 @@ def eval_replies(args: argparse.Namespace) -> int:
                 model, conversations, max_tokens=args.max_tokens, calculator=args.calculator, progress=True
             )
         else:
-            summary = evaluate_chat(model, conversations, max_tokens=args.max_tokens, device=info.device, progress=True)
+            summary = evaluate_chat(model, conversations, max_tokens=args.max_tokens, progress=True)
     written = {"samples": samples} if gsm8k else {}
     result = {**summary, "model": args.model, "data": data, **written, "inference": decision.record()}
     if samples:  # the first line is the summary, marked as gpt2lab's (system/rundir.py)

@@ -64,9 +64,7 @@ def _check(model) -> None:
 
 # -- the assistant-token loss -----------------------------------------------------------------
 @torch.no_grad()
-def assistant_loss(
-    model, conversations: Sequence[Sequence[Message]], device: torch.device, dtype: str = "float32"
-) -> tuple[float, int]:
+def assistant_loss(model, conversations: Sequence[Sequence[Message]], device: torch.device) -> tuple[float, int]:
     """(mean loss over the assistant's tokens, their number) of ``conversations``: each one's ids cut
     into windows of block_size, each predicting the next tokens (masked targets not scored), a
     conversation's windows in one forward (evals/hellaswag.py's ``score_rows``)."""
@@ -77,7 +75,7 @@ def assistant_loss(
         x, y = ids[:-1], [t if keep else -1 for t, keep in zip(ids[1:], mask[1:])]
         rows = [(x[s : s + T], 0, y[s : s + T]) for s in range(0, len(x), T) if any(t != -1 for t in y[s : s + T])]
         if rows:
-            total += float(score_rows(model, rows, device=device, dtype=dtype).sum())
+            total += float(score_rows(model, rows, device=device, dtype="float32").sum())
             kept += sum(t != -1 for t in y)
     return total / max(kept, 1), kept
 
@@ -128,38 +126,27 @@ def first_reply_prompt(turns: Sequence[Message], tokenizer: Optional[Tokenizer] 
 
 
 def evaluate_chat(
-    model,
-    conversations: Sequence[Sequence[Message]],
-    *,
-    max_tokens: int,
-    device: torch.device,
-    dtype: str = "float32",
-    progress: bool = False,
+    model, conversations: Sequence[Sequence[Message]], *, max_tokens: int, progress: bool = False
 ) -> dict:
     """The assistant-token loss and the share of greedy replies that end their turn (module docstring)."""
     _check(model)
-    loss, kept = assistant_loss(model, conversations, device, dtype)
-    replies, ended, lengths, skipped = 0, 0, [], 0
-    for turns in tqdm(conversations, desc="replies", unit="conv", dynamic_ncols=True, disable=not progress):
-        prompt = first_reply_prompt(turns, chat_tokenizer(model))
-        if prompt is None or len(prompt) >= model.config.block_size:
-            skipped += 1
-            continue
-        r = greedy_reply(model, prompt, max_tokens)
-        replies += 1
-        ended += r.ended
-        lengths.append(len(r.ids))
+    loss, kept = assistant_loss(model, conversations, next(model.parameters()).device)
+    prompts = [first_reply_prompt(turns, chat_tokenizer(model)) for turns in conversations]
+    fit = [p for p in prompts if p is not None and len(p) < model.config.block_size]
+    bar = tqdm(fit, desc="replies", unit="conv", dynamic_ncols=True, disable=not progress)
+    replies = [greedy_reply(model, prompt, max_tokens) for prompt in bar]
+    ended, n = sum(r.ended for r in replies), len(replies)
     return {
         "task": "chat",
         "conversations": len(conversations),
         "assistant_tokens": kept,
         "assistant_loss": loss,
-        "replies": replies,
+        "replies": n,
         "ended": ended,
-        "ended_share": ended / replies if replies else None,
+        "ended_share": ended / n if n else None,
         "max_tokens": max_tokens,
-        "mean_reply_tokens": sum(lengths) / len(lengths) if lengths else None,
-        "skipped_no_room": skipped,
+        "mean_reply_tokens": sum(len(r.ids) for r in replies) / n if n else None,
+        "skipped_no_room": len(prompts) - n,
     }
 
 
@@ -174,12 +161,8 @@ def final_number(text: str) -> Optional[str]:
 
 
 def same_number(a: Optional[str], b: Optional[str]) -> bool:
-    if a is None or b is None:
-        return False
-    try:
-        return math.isclose(float(a), float(b), rel_tol=0, abs_tol=1e-9)
-    except ValueError:
-        return False
+    """Whether two ``final_number``s (each a number or None) are one number."""
+    return a is not None and b is not None and math.isclose(float(a), float(b), rel_tol=0, abs_tol=1e-9)
 
 
 _OPS = {
@@ -240,26 +223,23 @@ def evaluate_gsm8k(
     """(summary, one record per problem): each problem's user turn answered greedily, exact match of
     the number after ``####`` against the reference answer's."""
     _check(model)
-    rows, correct = [], 0
+    rows = []
     for turns in tqdm(problems, desc="gsm8k", unit="conv", dynamic_ncols=True, disable=not progress):
-        question, reference = turns[0][1], turns[1][1]
         prompt = encode_chat([turns[0]], add_generation_prompt=True, tokenizer=chat_tokenizer(model))[0]
         r = greedy_reply(model, prompt, max_tokens, calculator_tool if calculator else None)
-        answer, expected = final_number(r.text), final_number(reference)
-        ok = same_number(answer, expected)
-        correct += ok
+        answer, expected = final_number(r.text), final_number(turns[1][1])
         rows.append(
             {
-                "question": question,
+                "question": turns[0][1],
                 "reference": expected,
                 "reply": r.text,
                 "answer": answer,
-                "correct": ok,
+                "correct": same_number(answer, expected),
                 "ended": r.ended,
                 "tool_calls": r.tool_calls,
             }
         )
-    n = len(rows)
+    n, correct = len(rows), sum(row["correct"] for row in rows)
     return (
         {
             "task": "gsm8k",

@@ -37,14 +37,14 @@ DOWNLOAD_TIMEOUT_S = 10
 class DataSet:
     """A file an eval downloads: what it is (for messages), its URL, its place in the cache, what a
     local file passed instead holds, its reader (raises ValueError on a file that is not the data
-    set) and, optionally, a second source: a name and a writer of that source's copy."""
+    set) and a second source: a name and a writer of that source's copy."""
 
     what: str  # "the official HellaSwag validation set"
     url: str
     path: str  # under gpt2lab's cache (system.env.cache_dir): "hellaswag/hellaswag_val.jsonl"
     form: str  # what --data FILE holds instead: "a jsonl with ctx, endings, label"
     check: Callable[[str], object]
-    second: Optional[tuple[str, Callable[[BinaryIO], None]]] = None
+    second: tuple[str, Callable[[BinaryIO], None]]
 
     def cached(self) -> str:
         """Where it is cached (it may not be there yet)."""
@@ -73,8 +73,6 @@ def cached_file(ds: DataSet, flag: str = "--data") -> str:
         raise _unavailable(ds, flag, str(getattr(e, "reason", None) or e)) from None
     except ValueError as e:  # downloaded, but not the data set (the check named the temporary file it read)
         first = f"not {ds.what}: " + str(e).replace(f"{tmp_name(dest)}:", "the download, line ")
-    if ds.second is None:
-        raise _unavailable(ds, flag, first)
     name, write = ds.second
     try:
         _store(ds, write)

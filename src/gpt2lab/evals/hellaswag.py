@@ -21,12 +21,11 @@ from dataclasses import dataclass
 from typing import BinaryIO, Callable, Optional
 
 import torch
-import torch.distributed as dist
 from torch.nn import functional as F
 from tqdm import tqdm
 
 from gpt2lab.data.tokenizer import for_model
-from gpt2lab.distributed.dist import all_reduce_sum, autocast
+from gpt2lab.distributed.dist import all_reduce_sum, autocast, rank, world
 from gpt2lab.evals.download import DataSet, cached_file, json_lines
 from gpt2lab.system.choices import HELLASWAG_STRATEGIES
 
@@ -70,13 +69,14 @@ class Score:
 def load_examples(path: Optional[str] = None, limit: Optional[int] = None, flag: str = "--data") -> list[Example]:
     """Examples from a jsonl file with ``ctx``, ``endings`` and ``label`` on every line.
 
-    ``path`` None means the official validation set, downloaded once into gpt2lab's cache.
-    ``limit`` keeps the first N examples. ``flag``: the caller's flag for ``path``, for messages.
+    ``path`` None means the official validation set, downloaded once into gpt2lab's cache (evals/download.py:
+    one attempt at the file's URL, the Hugging Face dataset only when that server answered without the file;
+    offline or unreachable, it fails at once naming ``flag``, the caller's flag for ``path``).
+    ``limit`` keeps the first N examples.
     """
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be a positive number of examples, got {limit}")
-    if path is None:
-        path = official_validation_file(flag=flag)
+    path = cached_file(official(), flag) if path is None else path
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"HellaSwag data {path}: no such file; pass {flag} FILE with a jsonl of ctx/endings/label lines"
@@ -115,19 +115,6 @@ def official() -> DataSet:
     )
 
 
-def official_path() -> str:
-    """Where the official validation set is cached (it may not be there yet)."""
-    return official().cached()
-
-
-def official_validation_file(flag: str = "--data") -> str:
-    """Path of the cached official validation jsonl, downloading it on first use (evals/download.py:
-    one attempt at the file's URL, the Hugging Face dataset only when that server answered without
-    the file). Offline or unreachable, it fails at once naming ``flag``, the caller's flag for a local file.
-    """
-    return cached_file(official(), flag)
-
-
 def _download_hf(out: BinaryIO) -> None:
     from datasets import load_dataset  # optional dependency, only for this fallback
 
@@ -159,13 +146,12 @@ def _render(enc, ex: Example, block_size: int) -> tuple[list[int], list[list[int
 
 
 def _is_compiled(model) -> bool:
-    # torch.compile's wrapper has _orig_mod; DDP keeps what it wraps in .module
+    # torch.compile's wrapper has _orig_mod (and passes other attributes through); DDP keeps what it wraps in .module
     return hasattr(model, "_orig_mod") or hasattr(getattr(model, "module", None), "_orig_mod")
 
 
 def _block_size(model) -> int:
-    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
-    return getattr(config, "block_size", None) or getattr(config, "n_positions", 1024)
+    return getattr(model, "module", model).config.block_size
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -343,8 +329,6 @@ def evaluate_hellaswag(
     dtype: str = "float32",
     batch_size: int = DEFAULT_BATCH_SIZE,
     limit: Optional[int] = None,
-    rank: int = 0,
-    world_size: int = 1,
     strategy: str = "auto",
     progress: bool = False,
     stop: Callable[[], bool] = bool,
@@ -352,15 +336,13 @@ def evaluate_hellaswag(
     """HellaSwag accuracy of ``model``: {"task", "n", "acc", "acc_norm"}; None when ``stop()`` (looked at
     before each batch; default: never) said to stop on any rank.
 
-    Under torch.distributed each rank scores examples rank, rank + world_size, ... and the
+    Under torch.distributed each rank scores examples rank, rank + world size, ... and the
     counts are summed over ranks, so every rank returns the same, whole-set result (a rank that stops
     early still meets the others at the sum).
     ``strategy`` is how rows share a forward pass (see ``resolve_strategy``).
     """
-    if world_size > 1 and not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(f"world_size {world_size} needs an initialised torch.distributed process group")
     examples = load_examples(data_path, limit)
-    mine = examples[rank::world_size]
+    mine = examples[rank() :: world()]
     scores = score_examples(
         model,
         mine,
@@ -368,7 +350,7 @@ def evaluate_hellaswag(
         dtype=dtype,
         batch_size=batch_size,
         strategy=strategy,
-        progress=progress and rank == 0,
+        progress=progress and rank() == 0,
         stop=stop,
     )
     counts = torch.tensor(
@@ -376,7 +358,6 @@ def evaluate_hellaswag(
         dtype=torch.long,
         device=device,
     )
-    if world_size > 1:
-        all_reduce_sum(counts)
+    all_reduce_sum(counts)
     n, correct, correct_norm, stopped = counts.tolist()
     return None if stopped else {"task": "hellaswag", "n": n, "acc": correct / n, "acc_norm": correct_norm / n}

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
-from gpt2lab.distributed.dist import all_reduce_mean, all_reduce_sum, autocast
+from gpt2lab.distributed.dist import all_reduce_sum, autocast, rank, world
 
 # A model held for inference (inference/form.py) has no chunked loss: its loss is taken from
 # whole logits. Its batches run this many logits at a time at most (the chunked loss's own bound,
@@ -79,8 +79,6 @@ def evaluate(
     device: torch.device | str,
     dtype: str = "float32",
     split: str = "val",
-    rank: int = 0,
-    world_size: int = 1,
     flags: tuple[str, str] = ("--eval-tokens", "--micro-batch-size"),
     stop: Callable[[], bool] = bool,
 ) -> Optional[LossResult]:
@@ -97,9 +95,9 @@ def evaluate(
     from gpt2lab.data.tokenizer import byte_lengths, for_data
 
     device = torch.device(device)
-    loader = TokenLoader(data_dir, split, batch_size, seq_len, rank=rank, world_size=world_size, shuffle=False)
+    loader = TokenLoader(data_dir, split, batch_size, seq_len, rank=rank(), world_size=world(), shuffle=False)
     table = torch.from_numpy(byte_lengths(for_data(data_dir)))
-    per_step = batch_size * seq_len * world_size
+    per_step = batch_size * seq_len * world()
     steps = max(1, tokens // per_step)
     available = loader.sequences_per_epoch * seq_len
     if steps * per_step > available:  # ``flags``: the caller's names for tokens and batch_size
@@ -113,7 +111,7 @@ def evaluate(
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float32, device=device)
-    kept = torch.zeros((), dtype=torch.float32, device=device)  # masked: the targets the loss is taken on
+    kept = torch.zeros((), dtype=torch.float32, device=device)  # the targets the loss is taken on
     n_targets, n_bytes = 0, 0  # this rank's targets and the bytes they decode to
     rows = batch_size
     if getattr(model, "decode", None) is not None:  # prepared: whole logits, so a few sequences at a time
@@ -124,22 +122,16 @@ def evaluate(
         x, y = loader.next_batch()
         scored = y[y != -1]
         n_targets, n_bytes = n_targets + scored.numel(), n_bytes + int(table[scored].sum())
-        for xs, ys in zip(x.split(rows), y.split(rows)):  # equal-length rows: the mean of means is the mean
+        for xs, ys in zip(x.split(rows), y.split(rows)):  # each forward's mean, weighted by its scored targets
             with autocast(device, dtype):
                 _, loss = model(xs.to(device), ys.to(device), return_logits=False)
-            if loader.masked:  # each forward's mean, weighted by its supervised targets
-                n = float((ys != -1).sum())
-                total += loss.float() * n
-                kept += n
-            else:
-                total += loss.float() * (len(xs) / len(x))
+            n = float((ys != -1).sum())
+            total += loss.float() * n
+            kept += n
     model.train(was_training)
     counted = all_reduce_sum(torch.tensor([n_targets, n_bytes, stop()], dtype=torch.long, device=device))
     targets, n_bytes, stopped = (int(v) for v in counted.tolist())
     if stopped:
         return None
-    if loader.masked:
-        loss = (all_reduce_sum(total) / all_reduce_sum(kept).clamp(min=1)).item()
-    else:
-        loss = all_reduce_mean(total / steps).item()
+    loss = (all_reduce_sum(total) / all_reduce_sum(kept).clamp(min=1)).item()
     return LossResult(loss, targets, n_bytes, steps * per_step)

@@ -61,8 +61,9 @@ def load_for_inference(
 ) -> tuple[GPT, "Decision"]:
     """(The model named by ``spec`` (see load.load_model, its tokenizer with it) held for ``request`` (an
     InferenceRequest; default: sampling one row, dtype auto) on ``device`` as measured (inference/probe.py),
-    the decision, which is printed on stderr). ``check`` sees the model as loaded, before the (possibly
-    measured) choice: a request it cannot serve fails first."""
+    the decision, which rank 0 makes (measures) and prints on stderr, the same on every rank under torchrun).
+    ``check`` sees the model as loaded, before the (possibly measured) choice: a request it cannot serve fails first."""
+    from gpt2lab.distributed.dist import decided_on_rank_0, rank
     from gpt2lab.inference.choice import InferenceRequest
     from gpt2lab.inference.form import hold
     from gpt2lab.inference.probe import announce, decide
@@ -81,8 +82,9 @@ def load_for_inference(
         )
     if check is not None:
         check(model)
-    decision = decide(model, device, request, command=command)
-    announce(decision, command)
+    decision = decided_on_rank_0(lambda: decide(model, device, request, command=command))
+    if rank() == 0:
+        announce(decision, command)
     return hold(model, decision.candidate, request.rows, inplace=True, tile_rows=decision.tile_rows), decision
 
 

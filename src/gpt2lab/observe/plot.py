@@ -26,7 +26,6 @@ MARKED_UP_TO = 20
 # HellaSwag acc_norm by model size: (GPT-2, GPT-3) as published (model.config.SIZES).
 HELLASWAG_BASELINES = {s.label: (s.hellaswag_gpt2, s.hellaswag_gpt3) for s in SIZES}
 SIZE_BY_SHAPE = {(s.n_layer, s.n_embd): s.label for s in SIZES}
-SIZE_BY_PARAMS = {s.label: s.params for s in SIZES}
 
 
 @dataclass
@@ -76,18 +75,9 @@ def is_fineweb_edu(source: Optional[str]) -> bool:
 
 def detect_size(config: dict) -> Optional[str]:
     """The GPT-2 size a run config (nested: its "model" section) describes ('124M', ...), by its
-    (n_layer, n_embd) or a parameter count there; None for other shapes."""
+    (n_layer, n_embd); None for other shapes."""
     model = config.get("model")
-    model = model if isinstance(model, dict) else {}
-    shape = (model.get("n_layer"), model.get("n_embd"))
-    if shape in SIZE_BY_SHAPE:
-        return SIZE_BY_SHAPE[shape]
-    n = next((model[k] for k in ("num_params", "n_params", "params") if isinstance(model.get(k), int)), None)
-    if n:
-        for size, ref in SIZE_BY_PARAMS.items():
-            if abs(n - ref) / ref < 0.01:  # vocab padding (50304) moves the count by 0.03%
-                return size
-    return None
+    return SIZE_BY_SHAPE.get((model.get("n_layer"), model.get("n_embd"))) if isinstance(model, dict) else None
 
 
 def read_json(path: str) -> Optional[object]:
@@ -180,7 +170,7 @@ def build_figure(runs: list[Run]):
     if any(is_fineweb_edu(r.data) for r in runs):
         label = f"OpenAI GPT-2 (124M), FineWeb-Edu val shard: {GPT2_124M_VAL_LOSS}"
         loss[2].append((GPT2_124M_VAL_LOSS, label, dict(color="r")))
-    for size in sorted({r.size for r in runs if r.size}, key=lambda s: SIZE_BY_PARAMS[s]):
+    for size in sorted({r.size for r in runs if r.size}, key=list(HELLASWAG_BASELINES).index):
         gpt2, gpt3 = HELLASWAG_BASELINES[size]
         hellaswag[2].append((gpt2, f"OpenAI GPT-2 ({size}) {gpt2}", dict(color="r")))
         hellaswag[2].append((gpt3, f"OpenAI GPT-3 ({size}) {gpt3}", dict(color="g")))
@@ -197,23 +187,22 @@ def md_table(rows: list[list], cell: Callable[[Any], str] = str) -> list[str]:
     return ["| " + " | ".join(map(text, row)) + " |" for row in (head, ["---"] * len(head), *body)]
 
 
+def at_step(point: Optional[tuple[int, float]]) -> str:
+    """A (step, value) point as the tables write it ("-": none)."""
+    return f"{point[1]:.4f} (step {point[0]})" if point else "-"
+
+
 def summary_table(runs: list[Run]) -> str:
     """Markdown: per run, last step, best val loss and best HellaSwag acc_norm (with steps)."""
-
-    def best(series, pick):
-        if not series:
-            return "-"
-        step, value = pick(series, key=lambda sv: sv[1])
-        return f"{value:.4f} (step {step})"
-
+    value = lambda sv: sv[1]  # noqa: E731
     head = ["run", "size", "last step", "best val loss", "best HellaSwag acc_norm"]
     rows = [
         [
             r.name,
             r.size or "-",
             max((s for series in r.series.values() for s, _ in series), default="-"),
-            best(r.series.get("val_loss"), min),
-            best(r.series.get("hellaswag_acc_norm"), max),
+            at_step(min(r.series.get("val_loss", []), key=value, default=None)),
+            at_step(max(r.series.get("hellaswag_acc_norm", []), key=value, default=None)),
         ]
         for r in runs
     ]

@@ -55,8 +55,7 @@ def _checkpoints(run_dir: str) -> list[tuple[int, str, int]]:
 
 def run_status(run_dir: str, config: dict, records: list[dict], cut: bool, ckpts: list, now: float, info: dict) -> str:
     max_steps = config_value(config, "max_steps")
-    steps = [r["step"] for r in records if "train_loss" in r or any(k in r for k in EVENT_KEYS)]
-    last = max(steps) if steps else None
+    last = max((r["step"] for r in records if "train_loss" in r or any(k in r for k in EVENT_KEYS)), default=None)
     ckpt_steps = [s for s, _, _ in ckpts]
     if max_steps and max_steps in ckpt_steps:
         return f"finished: all {max_steps} steps, final checkpoint step_{max_steps:06d}"
@@ -181,22 +180,14 @@ def _results(records: list[dict], size: Optional[str], fineweb_edu: bool) -> Sec
     (its size's, else 124M's for scale). No baseline that applies: no baseline columns."""
     ref = size or "124M"
     gpt2_hs, gpt3_hs = plot.HELLASWAG_BASELINES[ref]
-    val, hs = _last(records, "val_loss"), _last(records, "hellaswag_acc_norm")
-    bpb = _last(records, "val_bpb")
-    fmt = lambda sv: f"{sv[1]:.4f} (step {sv[0]})" if sv else "-"  # noqa: E731
+    val, hs, bpb = (_last(records, key) for key in ("val_loss", "hellaswag_acc_norm", "val_bpb"))
     gpt2_val = plot.GPT2_124M_VAL_LOSS if fineweb_edu and ref == "124M" and val else "-"
-    rows = [
-        [
-            "val loss (the run's val split" + ("; GPT-2's on FineWeb-Edu val)" if gpt2_val != "-" else ")"),
-            fmt(val),
-            gpt2_val,
-            "-",
-        ]
-    ]
+    which = "the run's val split" + ("; GPT-2's on FineWeb-Edu val" if gpt2_val != "-" else "")
+    rows = [[f"val loss ({which})", plot.at_step(val), gpt2_val, "-"]]
     if hs:
-        rows.append(["HellaSwag acc_norm", fmt(hs), gpt2_hs, gpt3_hs])
+        rows.append(["HellaSwag acc_norm", plot.at_step(hs), gpt2_hs, gpt3_hs])
     if bpb:  # bits per byte: comparable across tokenizers (runs written before it have none)
-        rows.append(["val bits per byte (the loss over the text's UTF-8 bytes)", fmt(bpb), "-", "-"])
+        rows.append(["val bits per byte (the loss over the text's UTF-8 bytes)", plot.at_step(bpb), "-", "-"])
     if all(row[2:] == ["-", "-"] for row in rows):
         return Section("Final metrics", table=[["metric", "this run"], *[row[:2] for row in rows]])
     head = ["metric", "this run", f"OpenAI GPT-2 {ref}", f"OpenAI GPT-3 {ref}"]
@@ -244,26 +235,21 @@ def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True)
     arch = config.get("model") if isinstance(config.get("model"), dict) else {}  # no table: the rest still shows
     status = run_status(run_dir, config, records, run.cut, ckpts, time.time() if now is None else now, info)
     fineweb_edu = plot.is_fineweb_edu(run.data)
+    shape = f"{arch.get('n_layer')} layers, {arch.get('n_head')} heads, {arch.get('n_embd')} wide"
+    vocab = arch.get("token_vocab_size")
     what = [
         ["item", "value"],
         ["run dir", os.path.abspath(run_dir)],
         ["preset", preset_of(info) or "-"],
         ["command", "\n".join(filter(None, map(command_line, _segments(info) or [info]))) or "-"],
         ["code version (git)", info.get("git_sha") or "-"],
-        [
-            "model",
-            f"{arch.get('n_layer')} layers, {arch.get('n_head')} heads, {arch.get('n_embd')} wide"
-            + (f" (GPT-2 {size} shape)" if size else ""),
-        ],
+        ["model", shape + (f" (GPT-2 {size} shape)" if size else "")],
         ["parameters", f"{info['params']:,}" if isinstance(info.get("params"), int) else "-"],
-        [
-            "tokenizer",
-            short(arch.get("tokenizer"))
-            + (f", {arch['token_vocab_size']:,} tokens" if isinstance(arch.get("token_vocab_size"), int) else ""),
-        ],
+        ["tokenizer", short(arch.get("tokenizer")) + (f", {vocab:,} tokens" if isinstance(vocab, int) else "")],
     ]
-    events = [r for r in records if any(k in r for k in EVENT_KEYS)]
+    events = [[r["step"], _event_text(r)] for r in records if any(k in r for k in EVENT_KEYS)]
     samples = [[r["step"], r["sample"]] for r in records if isinstance(r.get("sample"), str)]
+    saved = [[s, p, f"{b / 2**20:,.1f} MiB"] for s, p, b in ckpts]
     rep = Report(title=f"gpt2lab report: {os.path.basename(os.path.abspath(run_dir))}", status=status)
     rep.sections += [
         Section("What was run", table=what),
@@ -275,18 +261,8 @@ def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True)
             text="" if records else "No metrics logged yet.",
         ),
         _listed("Samples", ["step", "sample"], samples, "No samples logged (train with --sample-interval N)."),
-        _listed(
-            "Skipped and spike steps",
-            ["step", "event"],
-            [[r["step"], _event_text(r)] for r in events],
-            "None: every step was applied.",
-        ),
-        _listed(
-            "Checkpoints",
-            ["step", "path", "size"],
-            [[s, p, f"{b / 2**20:,.1f} MiB"] for s, p, b in ckpts],
-            "No checkpoint saved yet.",
-        ),
+        _listed("Skipped and spike steps", ["step", "event"], events, "None: every step was applied."),
+        _listed("Checkpoints", ["step", "path", "size"], saved, "No checkpoint saved yet."),
         _listed(
             "Environment and automatic choices (run_info.json)",
             ["key", "value"],

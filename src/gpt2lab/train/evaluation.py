@@ -63,8 +63,6 @@ class Evaluator:
                     dtype=self.dtype,
                     batch_size=self.cfg.batch.micro_batch_size,
                     limit=ev.hellaswag_limit,
-                    rank=self.info.rank,
-                    world_size=self.info.world_size,
                     stop=self.stopping,
                 )
             if res is not None:
@@ -94,8 +92,6 @@ class Evaluator:
                 seq_len=cfg.batch.seq_len,
                 device=self.device,
                 dtype=self.dtype,
-                rank=self.info.rank,
-                world_size=self.info.world_size,
                 stop=self.stopping,
             )
 

@@ -115,21 +115,21 @@ def check_hellaswag(cfg: TrainConfig, download: bool = True) -> list[str]:
     if not n:
         return []
     try:
-        from gpt2lab.evals.hellaswag import load_examples, official_path
+        from gpt2lab.evals.hellaswag import load_examples, official
         from gpt2lab.system.env import offline
     except ImportError as e:
         raise ConfigError(
             f"--hellaswag-interval {n}: HellaSwag evaluation is unavailable ({e}); set --hellaswag-interval 0"
         ) from e
-    if cfg.eval.hellaswag_data is None and not download and not os.path.isfile(official_path()):
+    if cfg.eval.hellaswag_data is None and not download and not os.path.isfile(official().cached()):
         if not offline():
             return [
                 f"note: HellaSwag's official validation set is not in the cache yet; a real start downloads it "
-                f"into {official_path()} (or pass --hellaswag-data FILE)"
+                f"into {official().cached()} (or pass --hellaswag-data FILE)"
             ]
         raise ConfigError(
             f"--hellaswag-interval {n}: the official HellaSwag validation set is not in the cache "
-            f"({official_path()}) and {' and '.join(offline())} is set; pass --hellaswag-data FILE "
+            f"({official().cached()}) and {' and '.join(offline())} is set; pass --hellaswag-data FILE "
             "or set --hellaswag-interval 0"
         )
     try:
