@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from gpt2lab.model.config import config_value
-from gpt2lab.train.config import SECTION_OF, TOP_FIELDS, ConfigError, TrainConfig
+from gpt2lab.train.config import FIELDS, ConfigError, TrainConfig
 from gpt2lab.train.settings import add_config_flags, load_preset, overrides_from_args, preset_names
 
 REFERENCE = dict(
@@ -89,7 +89,7 @@ def test_every_field_is_a_flag_and_only_given_flags_override():
     add_config_flags(p)
     flags = {a.dest for a in p._actions} - {"help"}
     # one flat flag per field of every section, but no derived or retired one
-    assert flags == set(TOP_FIELDS) | set(SECTION_OF) - {"token_vocab_size", "chat_template", "tokenizer"}
+    assert flags == set(FIELDS) - {"token_vocab_size", "chat_template", "tokenizer"}
     assert {"n_layer", "attn_pdrop", "max_lr", "spike_window", "lora_rank"} <= flags and "init_from_id" not in flags
     got = _parse(
         [

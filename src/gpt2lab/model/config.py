@@ -169,7 +169,7 @@ class GPTConfig:
         False, "initialise an untied lm_head to zero (every first logit 0); needs tie_embeddings false"
     )
     # Multi-token prediction (Gloeckle et al. 2024; DeepSeek-V3's MTP): a training loss only. Its heads
-    # are written to checkpoints but never exported (weights/targets.py: TRAINING_ONLY).
+    # are written to checkpoints but never exported (weights/targets.py: training_only).
     mtp_heads: int = _f(
         0,
         "multi-token prediction: K extra heads, head d predicting token t+1+d from position t's final "
@@ -244,6 +244,13 @@ class GPTConfig:
             choices = ", ".join(sorted(PRESETS) + sorted(PRESET_ALIASES))
             raise ValueError(f"unknown GPT-2 size {name!r}; choose one of: {choices}")
         return cls(**{**PRESETS[key], **overrides})
+
+
+def flag_text(value: Any) -> str:
+    """A field's value as its flag takes it (true/false, none), for messages."""
+    if value is None:
+        return "none"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 # -- the released GPT-2 sizes: the one table of their facts ------------------------------

@@ -389,59 +389,37 @@ class GPT(nn.Module):
             x = x.reshape(B * T, -1)[positions]  # (N, C)
             targets = None if targets is None else targets.reshape(-1)[positions]
         x = self.transformer.ln_f(x)
-        cap = self.config.logit_softcap
-        # multi-token prediction: in training, on whole sequences (never in evaluation or generation)
-        mtp = self.config.mtp_heads and self.training and targets is not None and positions is None and not last_only
-        if targets is not None and not return_logits and self._chunked_loss:
-            loss = chunked_cross_entropy(
-                x.reshape(-1, x.size(-1)),
-                self.lm_head.weight,
-                targets.reshape(-1),
-                compiled=self._compile_loss,
-                softcap=cap,
+        # the training path (targets, return_logits=False) takes the chunked loss where set: no (B*T, vocab) logits
+        chunked = targets is not None and not return_logits and self._chunked_loss
+        logits = None if chunked else self._logits(x)  # (B, T, vocab_size), or (N, vocab_size) at positions
+        loss = None if targets is None else self._loss(x, targets, logits)
+        # multi-token prediction: in training, on whole sequences (never in evaluation or generation). Head d
+        # (1..K) reads z = x + W_d x at position t and is scored against token t+1+d, which is targets[:, t+d]
+        # (positions whose target lies past the row, and targets of -1, are left out); the mean over every
+        # kept (head, position) pair, through the shared unembedding and softcap.
+        if self.config.mtp_heads and self.training and targets is not None and positions is None and not last_only:
+            z = torch.cat([x + head(x) for head in self.mtp])  # (K*B, T, C): head d's rows are block d-1
+            ignored = targets.new_full((B, self.config.mtp_heads), -1)
+            shifted = torch.cat(
+                [torch.cat((targets[:, d:], ignored[:, :d]), 1)[:, :T] for d in range(1, len(self.mtp) + 1)]
             )
-            return None, (loss + self.mtp_weight * self._mtp_loss(x, targets, True) if mtp else loss)
-        logits = self.lm_head(x)  # (B, T, vocab_size), or (N, vocab_size) at positions
-        if cap:  # smooth cap at +-cap, in fp32
-            logits = cap * torch.tanh(logits.float() / cap)
-        loss = None
-        if targets is not None:
-            # the mean over the kept targets, 0 when none is kept (a turn with no assistant token)
-            loss = F.cross_entropy(
-                logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1, reduction="sum"
-            ) / (targets != -1).sum().clamp(min=1)
-            if mtp:
-                loss = loss + self.mtp_weight * self._mtp_loss(x, targets, False)
+            loss = loss + self.mtp_weight * self._loss(z, shifted, None if chunked else self._logits(z))
         return (logits if return_logits or targets is None else None), loss
 
-    def _mtp_loss(self, h: torch.Tensor, targets: torch.Tensor, chunked: bool) -> torch.Tensor:
-        """The multi-token prediction loss of the final hidden states h (B, T, C), after ln_f: head d
-        (1..K) reads z = h + W_d h at position t and is scored against token t+1+d, which is
-        targets[:, t+d] (positions whose target lies past the row, and targets of -1, are left out),
-        through the shared unembedding and softcap. The mean cross entropy over every kept (head,
-        position) pair; ``chunked``: model.loss's chunked loss, which never holds the (K*B*T, vocab)
-        logits, else logits + F.cross_entropy (the fused path of a compiled model)."""
-        B, T, C = h.shape
-        z = torch.cat([h + head(h) for head in self.mtp])  # (K*B, T, C): head d's rows are block d-1
-        ignored = targets.new_full((B, self.config.mtp_heads), -1)
-        shifted = torch.cat(
-            [torch.cat((targets[:, d:], ignored[:, :d]), 1)[:, :T] for d in range(1, len(self.mtp) + 1)]
-        )
-        if chunked:
-            return chunked_cross_entropy(
-                z.reshape(-1, C),
-                self.lm_head.weight,
-                shifted.reshape(-1),
-                compiled=self._compile_loss,
-                softcap=self.config.logit_softcap,
-            )
-        logits = self.lm_head(z).float()
-        cap = self.config.logit_softcap
-        if cap:
-            logits = cap * torch.tanh(logits / cap)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), shifted.view(-1), ignore_index=-1, reduction="sum") / (
-            shifted != -1
-        ).sum().clamp(min=1)
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """lm_head's logits of the hidden states x; with logit_softcap, capped smoothly at +-cap in fp32."""
+        logits, cap = self.lm_head(x), self.config.logit_softcap
+        return cap * torch.tanh(logits.float() / cap) if cap else logits
+
+    def _loss(self, x: torch.Tensor, targets: torch.Tensor, logits: Optional[torch.Tensor]) -> torch.Tensor:
+        """The mean cross entropy over the targets that are not -1 (0 when none is: a turn with no assistant
+        token): of ``logits``, or, without them, model.loss's chunked loss of the hidden states x."""
+        if logits is None:
+            W, cap = self.lm_head.weight, self.config.logit_softcap
+            return chunked_cross_entropy(x.reshape(-1, x.size(-1)), W, targets.reshape(-1), self._compile_loss, cap)
+        flat = logits.reshape(-1, logits.size(-1)).float()
+        kept = (targets != -1).sum().clamp(min=1)
+        return F.cross_entropy(flat, targets.reshape(-1), ignore_index=-1, reduction="sum") / kept
 
     def new_kv_cache(self, max_len: Optional[int] = None) -> KVCache:
         return KVCache(self.config.n_layer, max_len or self.config.block_size)

@@ -15,8 +15,6 @@ from gpt2lab.model.config import config_value
 from gpt2lab.model.gpt import GPT
 from gpt2lab.system.errors import ConfigError
 
-ADAPTER = "default"
-
 
 def _peft():
     try:
@@ -39,7 +37,7 @@ def add_lora(model: GPT, rank: int, alpha: float, targets: str):
     config = peft.LoraConfig(
         r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", target_modules=[t.strip() for t in targets.split(",")]
     )
-    return peft.LoraModel(model, config, ADAPTER)  # replaces the Linears inside ``model``, freezes the base
+    return peft.LoraModel(model, config, "default")  # peft's adapter name; replaces the Linears, freezes the base
 
 
 def merge_lora(lora_model) -> GPT:

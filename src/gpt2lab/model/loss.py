@@ -7,6 +7,7 @@ smaller, because it never holds fp32 logits and computes both gradients in its f
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -121,17 +122,10 @@ def _softmax_grad_eager(
     return p.to(dtype), (nll * keep).sum()
 
 
-_compiled_kernel = None
-
-
+@functools.cache  # compiled once per process
 def _kernel(compiled: bool):
     """(kernel, whether it applies the 1/n scale itself)."""
-    global _compiled_kernel
-    if not compiled:
-        return _softmax_grad_eager, False
-    if _compiled_kernel is None:
-        _compiled_kernel = torch.compile(_softmax_grad, dynamic=False)
-    return _compiled_kernel, True
+    return (torch.compile(_softmax_grad, dynamic=False), True) if compiled else (_softmax_grad_eager, False)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

@@ -506,7 +506,6 @@ FIELDS = {  # every field by its flat name, in config.json's order: data, out, s
 }
 HINTS = {k: v for c in (TrainConfig, *SECTIONS.values()) for k, v in get_type_hints(c).items() if k in FIELDS}
 SECTION_OF = {f.name: name for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}  # "max_lr": "optim"
-TOP_FIELDS = tuple(k for k in FIELDS if k not in SECTION_OF)  # data, out, seed
 DEFAULTS = TrainConfig().to_dict()
 
 

@@ -32,7 +32,7 @@ from typing import Callable, Mapping, Optional
 
 from gpt2lab.checkpoint.store import step_of
 from gpt2lab.distributed import parallel
-from gpt2lab.model.config import config_value, padded_vocab
+from gpt2lab.model.config import config_value, flag_text, padded_vocab
 from gpt2lab.model.loss import LossPath, choose_loss
 from gpt2lab.system import hardware, runtime
 from gpt2lab.system.errors import ConfigError
@@ -342,8 +342,8 @@ def check_resume_settings(cfg: TrainConfig, saved: dict, where: str) -> None:
     differ = [d for d in differ if d[1] != d[2]]
     if not differ:
         return
-    flags = lambda side: " ".join(f"--{n.replace('_', '-')} {_flag_text(v[side])}" for n, *v in differ)  # noqa: E731
-    was = ", ".join(f"{n} {_flag_text(theirs)}" for n, theirs, _ in differ)
+    flags = lambda side: " ".join(f"--{n.replace('_', '-')} {flag_text(v[side])}" for n, *v in differ)  # noqa: E731
+    was = ", ".join(f"{n} {flag_text(theirs)}" for n, theirs, _ in differ)
     raise ConfigError(
         f"{flags(1)}: the checkpoint {where} was trained with {was}; resume with {flags(0)}, "
         "or start a new run in another --out"
@@ -375,13 +375,6 @@ def schedule_change(cfg: TrainConfig, saved: dict, step: int) -> Optional[str]:
         f"{new['lr_schedule']} schedule now ends at step {new['max_steps']}, and step {step}'s learning rate is "
         f"{rate(mine):.3g} (the checkpoint's schedule: {rate(theirs):.3g})"
     )
-
-
-def _flag_text(value) -> str:
-    """A value as its flag takes it (true/false, none)."""
-    if value is None:
-        return "none"
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def chat_template(manifest: Mapping, init: Optional[InitFrom], resumed: Optional[Resumed]) -> Optional[str]:

@@ -114,13 +114,9 @@ def check_hellaswag(cfg: TrainConfig, download: bool = True) -> list[str]:
     n = cfg.eval.hellaswag_interval
     if not n:
         return []
-    try:
-        from gpt2lab.evals.hellaswag import load_examples, official
-        from gpt2lab.system.env import offline
-    except ImportError as e:
-        raise ConfigError(
-            f"--hellaswag-interval {n}: HellaSwag evaluation is unavailable ({e}); set --hellaswag-interval 0"
-        ) from e
+    from gpt2lab.evals.hellaswag import load_examples, official
+    from gpt2lab.system.env import offline
+
     if cfg.eval.hellaswag_data is None and not download and not os.path.isfile(official().cached()):
         if not offline():
             return [

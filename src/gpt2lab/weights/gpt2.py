@@ -30,12 +30,11 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], tied: bool = True) -> dict[s
     out = {}
     for key, t in sd.items():
         name = key.removeprefix("transformer.")
-        if name == "lm_head.weight" and not tied:
-            out[name] = t
-            continue
-        if name.endswith(MASK_BUFFERS) or name == "lm_head.weight":
-            continue  # buffers are rebuilt by the model; a tied lm_head is wte
-        out["transformer." + name] = t.t() if name.endswith(CONV1D) else t
+        if name == "lm_head.weight":
+            if not tied:  # a tied lm_head is wte
+                out[name] = t
+        elif not name.endswith(MASK_BUFFERS):  # buffers are rebuilt by the model
+            out["transformer." + name] = t.t() if name.endswith(CONV1D) else t
     return out
 
 

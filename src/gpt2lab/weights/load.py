@@ -228,7 +228,15 @@ def get_tokenizer(source: Optional[str] = None) -> Tokenizer:
     _check_source("get_tokenizer", source)
     spec = os.fspath(source)
     try:
-        return source_tokenizer(spec)
+        found = rundir.inspect(spec).kind
+        if found == rundir.DATA:
+            return for_data(spec)
+        if found in (rundir.TOKENIZER, "file"):  # gpt2lab tokenizer train --out, or its tokenizer.json
+            return open_dir(spec, None)
+        if source_kind(spec) == HUB:  # GPT-2's, with no download
+            return gpt2_tokenizer()
+        src = model_source(spec, None)
+        return for_config(src.config, src.tokenizer)
     except CheckpointError:
         raise
     except (OSError, ValueError, KeyError) as e:  # WeightsError and TokenizerError are ValueErrors
@@ -240,19 +248,6 @@ def _check_source(func: str, source: object) -> None:
         raise TypeError(f"{func}(source): a path or a hub name (str or os.PathLike), got {type(source).__name__}")
     if not os.fspath(source):
         raise WeightsError(f"{func}(''): an empty path; pass a path or a hub name")
-
-
-def source_tokenizer(spec: str) -> Tokenizer:
-    """The tokenizer of the model source (or prepared data, or tokenizer directory) ``spec``."""
-    found = rundir.inspect(spec).kind
-    if found == rundir.DATA:
-        return for_data(spec)
-    if found in (rundir.TOKENIZER, "file"):  # gpt2lab tokenizer train --out, or its tokenizer.json
-        return open_dir(spec, None)
-    if source_kind(spec) == HUB:  # GPT-2's, with no download
-        return gpt2_tokenizer()
-    src = model_source(spec, None)
-    return for_config(src.config, src.tokenizer)
 
 
 def _checkpoint_config(ckpt: str) -> GPTConfig:

@@ -36,7 +36,6 @@ from gpt2lab.weights import gpt2, nanochat
 from gpt2lab.weights.targets import GPT2_HF, NANOCHAT_HF
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
-HUB_REPOS = {name: f"openai-community/{name}" for name in HUB_NAMES}
 MODEL_TYPES = (GPT2_HF.model_type, NANOCHAT_HF.model_type)  # the config.json model_types that load
 
 
@@ -175,7 +174,7 @@ def hub_files(name: str) -> tuple[str, str]:
     """Local paths of a hub model's config.json and model.safetensors (downloaded or cached)."""
     from huggingface_hub import hf_hub_download
 
-    repo = HUB_REPOS.get(name, name)
+    repo = f"openai-community/{name}" if name in HUB_NAMES else name
     offline = env.hub_offline()
     try:
         config_path = hf_hub_download(repo, "config.json", local_files_only=offline)

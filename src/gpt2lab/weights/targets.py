@@ -3,7 +3,7 @@ GPT-2 with zero biases), NanoChatForCausalLM for one NanoChat computes, else why
 and what the nearer one would need). The run plan shows it; ``gpt2lab export`` refuses in one line.
 A pure function of a GPTConfig.
 
-Training-only fields (``TRAINING_ONLY``: the multi-token prediction heads) add weights that train the
+Training-only fields (``training_only``: the multi-token prediction heads) add weights that train the
 model but compute none of its logits: no target needs them, the target names what it drops, and
 ``exported_model`` is the model without them, which is what an export writes.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from gpt2lab.model.config import GPTConfig
+from gpt2lab.model.config import GPTConfig, flag_text
 from gpt2lab.system.errors import UsageError
 
 
@@ -58,28 +58,17 @@ NANOCHAT_HF = HFClass(
 )
 
 
-def _show(value) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
-
 def gaps(config: GPTConfig, needs: dict) -> list[str]:
     """The fields of ``config`` a target with ``needs`` does not compute, as ``field=value``."""
-    return [f"{k}={_show(getattr(config, k))}" for k, (v, _) in needs.items() if getattr(config, k) != v]
-
-
-# Fields whose weights only train the model: field -> (its off value, what an export does with them).
-TRAINING_ONLY = {
-    "mtp_heads": (0, "multi-token prediction heads, a training loss: not written"),
-}
+    return [f"{k}={flag_text(getattr(config, k))}" for k, (v, _) in needs.items() if getattr(config, k) != v]
 
 
 def training_only(config: GPTConfig) -> list[str]:
-    """The training-only fields ``config`` sets, as ``field=value (what export does)``."""
-    return [
-        f"{k}={_show(getattr(config, k))} ({why})"
-        for k, (off, why) in TRAINING_ONLY.items()
-        if getattr(config, k) != off
-    ]
+    """The training-only fields ``config`` sets, as ``field=value (what export does)``: the multi-token
+    prediction heads, whose weights train the model but compute none of its logits."""
+    if not config.mtp_heads:
+        return []
+    return [f"mtp_heads={config.mtp_heads} (multi-token prediction heads, a training loss: not written)"]
 
 
 @dataclass(frozen=True)
@@ -109,7 +98,7 @@ def export_target(config: GPTConfig) -> ExportTarget:
     nearer, missing = (GPT2_HF, g) if len(g) < len(n) else (NANOCHAT_HF, n)
     rest = [x.split("=")[0] for x in missing if x not in neither]
     if rest:
-        wants = ", ".join(f"{k}={_show(nearer.needs[k][0])} ({nearer.needs[k][1]})" for k in rest)
+        wants = ", ".join(f"{k}={flag_text(nearer.needs[k][0])} ({nearer.needs[k][1]})" for k in rest)
         parts.append(f"{nearer.architecture} would {'also ' if neither else ''}need {wants}")
     return ExportTarget(None, "; ".join(parts))
 
@@ -127,16 +116,15 @@ def check_exportable(config: GPTConfig) -> ExportTarget:
 
 
 def exported_model(model):
-    """``model`` (a GPT) as an export writes it: without its training-only weights (``TRAINING_ONLY``),
-    its config's fields for them off; the other parameters are the same tensors. ``model`` itself
-    when it has none."""
-    if not training_only(model.config):
+    """``model`` (a GPT) as an export writes it: without its training-only weights (``training_only``),
+    mtp_heads 0; the other parameters are the same tensors. ``model`` itself when it has none."""
+    if not model.config.mtp_heads:
         return model
     import torch
 
     from gpt2lab.model.gpt import GPT
 
-    config = replace(model.config, **{k: off for k, (off, _) in TRAINING_ONLY.items()})
+    config = replace(model.config, mtp_heads=0)
     with torch.device("meta"):
         out = GPT(config, model.tokenizer)
     kept = {k: v for k, v in model.state_dict(keep_vars=True).items() if k in out.state_dict()}
