@@ -18,7 +18,6 @@ import time
 
 from gpt2lab.commands import program
 from gpt2lab.system.choices import DTYPE_CHOICES as DTYPE_NAMES
-from gpt2lab.system.rundir import resume_command
 
 # The demo's recipes: the preset each trains and what to say about it; the figures live in
 # docs/benchmarks.md ("The demo preset"), with the machine they were measured on.
@@ -94,20 +93,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _request(preset: str, **values):
-    """The request of `gpt2lab train --preset PRESET --progress false` with ``values`` (those not None) as its
-    flags: what the demo trains, and that command is what continues the run if it stops (the demo starts anew)."""
-    from gpt2lab.train.config import merge_config
-    from gpt2lab.train.plan import Request
-    from gpt2lab.train.settings import preset_values
+    """The request `gpt2lab train --preset PRESET --progress false` makes with ``values`` (those not None) as
+    its flags: what the demo trains, and that command is what continues the run if it stops (the demo starts
+    anew)."""
+    from gpt2lab.commands import train
 
-    values = {k: v for k, v in values.items() if v is not None}
     words = ["train", "--preset", preset, "--progress", "false"]
-    words += [w for k, v in values.items() for w in (f"--{k.replace('_', '-')}", str(v))]
-    return Request(
-        merge_config(preset_values(preset), {**values, "progress": False}, source=f"preset {preset!r}"),
-        source=f"preset {preset!r} with the demo's settings",
-        command=resume_command(words, program()),
-    )
+    words += [w for k, v in values.items() if v is not None for w in (f"--{k.replace('_', '-')}", str(v))]
+    parser = argparse.ArgumentParser()
+    train.add_parser(parser.add_subparsers())
+    return train._request(argparse.Namespace(**vars(parser.parse_args(words)), argv=words))
 
 
 def _train(request) -> None:
@@ -145,7 +140,7 @@ def run_base(args: argparse.Namespace) -> int:
         chance = math.log(vocab)  # a uniform guess over the model's outputs
         print(f"[demo] validation loss {vals[-1]:.2f} (chance: ln {vocab} = {chance:.2f})", flush=True)
     print(f"[demo] sample from the trained model ({args.prompt!r}, seed {args.seed}):\n", flush=True)
-    print(sample(out, args.prompt, args.tokens, args.seed))
+    sample(out, args.prompt, args.tokens, args.seed)
     print(f"\n[demo] done in {time.perf_counter() - t0:.0f} s. run dir: {out}")
     print(f"[demo] more samples: {program()} sample --model {out} --prompt 'JULIET:'", flush=True)
     return 0
@@ -221,28 +216,18 @@ def _shown(reply) -> str:
 
 def val_losses(run_dir: str) -> list:
     """The validation losses in the run's metrics.jsonl, in order."""
-    from gpt2lab.observe.plot import read_metrics
+    from gpt2lab.observe.metrics import read_metrics
 
     return [r["val_loss"] for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "val_loss" in r]
 
 
-def sample(run_dir: str, prompt: str, tokens: int, seed: int) -> str:
-    """The trained model's continuation of ``prompt``, drawn from the model as ``gpt2lab sample`` holds it."""
+def sample(run_dir: str, prompt: str, tokens: int, seed: int) -> None:
+    """Print the trained model's continuation of ``prompt`` as ``gpt2lab sample --temperature 0.8`` prints it."""
     import torch
 
-    from gpt2lab.inference.completion import tokenizer_for
-    from gpt2lab.model.sampling import generate
+    from gpt2lab.commands.sample import stream_one
+    from gpt2lab.inference.completion import Sampling, prompt_ids
 
     model = _load(run_dir)
-    enc = tokenizer_for(model)
     gen = torch.Generator().manual_seed(seed)
-    out = generate(
-        model,
-        torch.tensor([enc.encode(prompt)]),
-        tokens,
-        temperature=0.8,
-        top_k=50,
-        generator=gen,
-        stop_token=enc.eot_id,
-    )
-    return enc.decode([t for t in out[0].tolist() if t != enc.eot_id])
+    stream_one(model, prompt_ids(prompt, model), prompt, Sampling(tokens, temperature=0.8), gen)

@@ -130,23 +130,18 @@ def run(args: argparse.Namespace) -> int:
         return _chat(model, args, sampling, generator, seen)
     for i in range(args.num_samples):
         print(f"--- sample {i + 1}/{args.num_samples}", flush=True)
-        _stream_one(model, ids, args.prompt, sampling, generator, seen)
+        stream_one(model, ids, args.prompt, sampling, generator, seen)
     return 0
 
 
-def _stream_one(model, ids: list[int], prompt: str, sampling, generator: torch.Generator, watch=None) -> None:
+def stream_one(model, ids: list[int], prompt: str, sampling, generator: torch.Generator, watch=None) -> None:
     """Print the prompt, then each token's text as it comes (completion.stream_text)."""
     from gpt2lab.inference.completion import prompt_text, stream_text
 
-    _write(prompt_text(prompt))  # the text the model was given (an undecodable byte as U+FFFD)
+    print(prompt_text(prompt), end="", flush=True)  # the text the model was given (an undecodable byte as U+FFFD)
     for _, text, _ in stream_text(model, ids, sampling, generator, watch=watch):
-        _write(text)
-    _write("\n")
-
-
-def _write(text: str) -> None:
-    sys.stdout.write(text)
-    sys.stdout.flush()
+        print(text, end="", flush=True)
+    print(flush=True)
 
 
 def _chat(model, args: argparse.Namespace, sampling, generator: torch.Generator, watch=None) -> int:
@@ -183,8 +178,8 @@ def _chat(model, args: argparse.Namespace, sampling, generator: torch.Generator,
             piece, tail = sample.feed(tok)
             for text in [piece or "", *tail]:
                 reply.append(text.lstrip() if prompt.strip and not "".join(reply) else text)
-                _write(reply[-1])
+                print(reply[-1], end="", flush=True)
             if sample.reason:
                 break
-        _write("\n")
+        print(flush=True)
         turns.append(("assistant", "".join(reply)))
