@@ -101,15 +101,6 @@ def collect(device_name: str = "auto") -> dict:
     }
 
 
-def _probe_cache_lines(found: dict) -> list[str]:
-    n = len(found["entries"])
-    lines = [f"{'probe_cache:':<22} {found['path']} ({n} {'entry' if n == 1 else 'entries'})"]
-    for key, entry in found["entries"].items():
-        first, *rest = entry_lines(entry)
-        lines += [f"  {key}: {first}", *(f"    {line}" for line in rest)]
-    return lines
-
-
 def entry_lines(entry: dict) -> list[str]:
     """A cache entry as lines for ``gpt2lab env``: the CPU's matmul rates; or the model's shape and device,
     when measured, what each workload chose, each candidate's figures (or why it was dropped), and why
@@ -156,8 +147,12 @@ def clear_cache() -> int:
     if where is None:
         print(f"gpt2lab env: no probe cache at {runtime.cache_path()}; nothing removed")
     else:
-        print(f"gpt2lab env: removed {where} ({n} {'entry' if n == 1 else 'entries'} of measured figures)")
+        print(f"gpt2lab env: removed {where} ({_entries(n)} of measured figures)")
     return 0
+
+
+def _entries(n: int) -> str:
+    return f"{n} {'entry' if n == 1 else 'entries'}"
 
 
 def _version(package: str):
@@ -174,13 +169,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info))
         return 0
+    cache = info.pop("probe_cache")  # the last field: its entries follow, one line each and theirs indented
+    info["extras"] = ", ".join(f"{k} {v}" if v else f"{k} (not installed)" for k, v in info["extras"].items())
+    info["probe_cache"] = f"{cache['path']} ({_entries(len(cache['entries']))})"
     for key, value in info.items():
-        if key == "probe_cache":
-            print("\n".join(_probe_cache_lines(value)))
-            continue
-        if key == "extras":
-            value = ", ".join(f"{k} {v}" if v else f"{k} (not installed)" for k, v in value.items())
-        elif isinstance(value, list):
-            value = ", ".join(value) or "none"
-        print(f"{key + ':':<22} {value}")
+        print(f"{key + ':':<22} {', '.join(value) or 'none' if isinstance(value, list) else value}")
+    for key, entry in cache["entries"].items():
+        first, *rest = entry_lines(entry)
+        print("\n".join([f"  {key}: {first}", *(f"    {line}" for line in rest)]))
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import signal
 import sys
@@ -139,12 +140,11 @@ def run(args: argparse.Namespace) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host
     mode = "requests in turns (--deterministic)" if args.deterministic else f"batches of up to {limits.max_batch} rows"
     cap = connections.max_connections
-    print(
+    say = functools.partial(print, file=sys.stderr, flush=True)
+    say(
         f"gpt2lab serve: {', '.join(names)} at http://{host}:{sock.getsockname()[1]}/ "
         f"(API: /v1/completions, /v1/chat/completions, /v1/models, /metrics); {mode}, queue {limits.max_queue}"
-        + (f", up to {cap} connections" if cap is not None else ""),
-        file=sys.stderr,
-        flush=True,
+        + (f", up to {cap} connections" if cap is not None else "")
     )
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
@@ -157,11 +157,9 @@ def run(args: argparse.Namespace) -> int:
     def stopping(ended: int) -> None:  # at Ctrl-C, the one line (cli.main's "interrupted" would come late)
         plural = "" if ended == 1 else "s"
         why = "SIGTERM" if terminated else "interrupted"
-        print(
+        say(
             f"gpt2lab serve: {why}; stopping"
-            + (f" ({ended} open request{plural} ended with a 'server shutting down' error)" if ended else ""),
-            file=sys.stderr,
-            flush=True,
+            + (f" ({ended} open request{plural} ended with a 'server shutting down' error)" if ended else "")
         )
         said.append(ended)
 

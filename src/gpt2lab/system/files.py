@@ -111,11 +111,8 @@ def _settle(folder: str) -> None:
         full = os.path.join(folder, name)
         if os.path.isfile(full) and not os.path.islink(full):
             os.chmod(full, 0o666 & ~mask)
-            fd = os.open(full, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            with open(full, "rb") as fh:
+                os.fsync(fh.fileno())
 
 
 def _pid_alive(pid: int) -> bool:

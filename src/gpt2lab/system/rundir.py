@@ -348,16 +348,10 @@ def claim(path: str, flag: str = "--out", what_next: str = "choose a new or empt
 
 def _remove_if_untouched(path: str, top: str) -> None:
     """Remove the run directory (and the empty parents up to ``top``) if nothing but the marker was written."""
-    try:
-        if set(os.listdir(path)) <= {RUN_MARKER, LOCK_FILE}:
-            info = read_json_object(os.path.join(path, RUN_MARKER))
-            if info is None or set(info) <= set(run_marker()):  # only the bare marker: no run wrote it
-                for name in (RUN_MARKER, LOCK_FILE):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(os.path.join(path, name))
-                _remove_empty(path, top)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        info = read_json_object(os.path.join(path, RUN_MARKER))  # only the bare marker: no run wrote it
+        if set(os.listdir(path)) <= {RUN_MARKER, LOCK_FILE} and (info is None or set(info) <= set(run_marker())):
+            Claim(path, True, top, frozenset()).undo()
 
 
 def _remove_empty(path: str, top: str) -> None:
