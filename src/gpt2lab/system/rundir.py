@@ -87,26 +87,23 @@ def inspect(path: str) -> Found:
     if not entries:
         return Found("empty", ())
     info, manifest, marker, config = (
-        read_json_object(os.path.join(path, name)) if name in entries else None
+        read_json_object(os.path.join(path, name)) or {}
         for name in (RUN_MARKER, DATA_MARKER, TOKENIZER_MARKER, "config.json")
     )
-    if info is not None and (info.get("format") == RUN_FORMAT or {"world_size", "torch"} <= set(info)):
-        return Found(RUN, entries)  # an untagged run_info.json: a run from before the format tag
-    if EXPORT_MARKER in entries:
-        return Found(EXPORT, entries)
-    if manifest is not None and (manifest.get("format") == DATA_FORMAT or "shards" in manifest):
-        return Found(DATA, entries)
-    if marker is not None and marker.get("format") == TOKENIZER_FORMAT:
-        return Found(TOKENIZER, entries)
-    if config is not None and _is_run_config(config):
-        return Found(RUN, entries)  # a run killed before it wrote run_info.json (older versions), or a checkpoint
-    if "checkpoints" in entries and _has_run_checkpoint(os.path.join(path, "checkpoints")):
-        return Found(RUN, entries)  # a run's checkpoints alone (copied, or of an older version)
-    if config is not None and "model_type" in config:
-        return Found("hf_model", entries)
-    if all(n.startswith("step_") for n in entries) and _has_run_checkpoint(path):
-        return Found("checkpoints", entries)  # a run's checkpoints folder
-    return Found("foreign", entries)
+    kinds = (  # the first that holds
+        # a run (its run_info.json without the format tag: a run from before the tag)
+        (RUN, info.get("format") == RUN_FORMAT or {"world_size", "torch"} <= set(info)),
+        (EXPORT, EXPORT_MARKER in entries),
+        (DATA, manifest.get("format") == DATA_FORMAT or "shards" in manifest),
+        (TOKENIZER, marker.get("format") == TOKENIZER_FORMAT),
+        (RUN, _is_run_config(config)),  # a run killed before it wrote run_info.json (older versions), or a checkpoint
+        # a run's checkpoints alone (copied, or of an older version)
+        (RUN, "checkpoints" in entries and _has_run_checkpoint(os.path.join(path, "checkpoints"))),
+        ("hf_model", "model_type" in config),
+        # a run's checkpoints folder
+        ("checkpoints", all(n.startswith("step_") for n in entries) and _has_run_checkpoint(path)),
+    )
+    return Found(next((kind for kind, holds in kinds if holds), "foreign"), entries)
 
 
 def what(found: Found) -> str:
