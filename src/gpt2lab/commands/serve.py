@@ -13,7 +13,7 @@ from gpt2lab.inference.flags import inference_request
 from gpt2lab.serve.limits import Connections, Limits
 from gpt2lab.serve.models import load_workers, model_names
 from gpt2lab.system.choices import finite_float
-from gpt2lab.system.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from gpt2lab.system.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UsageError
 
 
 def add_parser(sub) -> None:
@@ -111,8 +111,6 @@ def _host_list(text: str) -> tuple[str, ...]:
 def _settings(cls, args: argparse.Namespace):
     """``cls`` (Limits, Connections) of the flags named as its fields (those given); a value out of range is a
     UsageError (exit 2) naming the flag."""
-    from gpt2lab.system.errors import UsageError
-
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
     try:
         return cls(**{k: v for k, v in values.items() if v is not None})
