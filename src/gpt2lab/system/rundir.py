@@ -209,7 +209,7 @@ def resume_command(words: Sequence[str], prog: str) -> str:
 def holder(path: str) -> Optional[dict]:
     """Who holds the run's lock ({"pid", "host", "started"}), or None when no live run holds it.
 
-    Probes with a shared lock that is dropped at once: it never blocks and never writes.
+    Probes with a shared lock, dropped at once (the file is closed): it never blocks and never writes.
     """
     import fcntl
 
@@ -219,12 +219,11 @@ def holder(path: str) -> Optional[dict]:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
         return None
     except _BUSY:
         return _holder_info(fd)
     finally:
-        os.close(fd)
+        os.close(fd)  # drops the probe's shared lock
 
 
 def _holder_info(fd: int) -> dict:
