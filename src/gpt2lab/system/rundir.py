@@ -194,15 +194,12 @@ def _create_marker(path: str) -> None:
 def resume_command(words: Sequence[str], prog: str) -> str:
     """The command line that continues a run started by ``PROG WORDS`` (``train ...``): the same words
     with ``--resume auto`` for any --resume given, without --dry-run."""
-    out, skip = [], False
-    for word in words:
-        if skip:
-            skip = False
-        elif word == "--resume":
-            skip = True
-        elif not (word.startswith("--resume=") or word == "--dry-run"):
-            out.append(word)
-    return f"{prog} {shlex.join([*out, '--resume', 'auto'])}"
+    kept = [  # each word but --resume, its value (the word after it), --resume=VALUE and --dry-run
+        word
+        for before, word in zip(["", *words], words)
+        if "--resume" not in (before, word) and not word.startswith("--resume=") and word != "--dry-run"
+    ]
+    return f"{prog} {shlex.join([*kept, '--resume', 'auto'])}"
 
 
 # -- the lock --------------------------------------------------------------------------------
