@@ -73,9 +73,6 @@ class Found:
     kind: str  # "missing", "empty", "file", RUN, EXPORT, DATA, TOKENIZER, "hf_model", "checkpoints" or "foreign"
     entries: tuple[str, ...]  # the directory's names, sorted
 
-    def shown(self, n: int = 4) -> str:
-        return ", ".join(self.entries[:n]) + (", ..." if len(self.entries) > n else "")
-
 
 def inspect(path: str) -> Found:
     """What ``path`` is: missing, empty, a file, one of gpt2lab's kinds, an HF model or someone's."""
@@ -108,15 +105,16 @@ def inspect(path: str) -> Found:
 
 def what(found: Found) -> str:
     """What was found, for a message: "a gpt2lab export (...)", "files that gpt2lab did not write (...)"."""
+    shown = ", ".join(found.entries[:4]) + (", ..." if len(found.entries) > 4 else "")  # its first names
     if found.kind == RUN and RUN_MARKER not in found.entries:
         kind = "a gpt2lab checkpoint" if "model.safetensors" in found.entries else "a gpt2lab run without run_info.json"
-        return f"{kind} ({found.shown()})"
+        return f"{kind} ({shown})"
     if found.kind == "checkpoints":
-        return f"a gpt2lab run's checkpoints ({found.shown()})"
+        return f"a gpt2lab run's checkpoints ({shown})"
     if found.kind in _WHAT:
         return _WHAT[found.kind]
     n = len(found.entries)
-    return f"files that gpt2lab did not write ({n} {'entry' if n == 1 else 'entries'}: {found.shown()})"
+    return f"files that gpt2lab did not write ({n} {'entry' if n == 1 else 'entries'}: {shown})"
 
 
 def _has_run_checkpoint(folder: str) -> bool:
