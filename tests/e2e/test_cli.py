@@ -112,7 +112,7 @@ def test_stream_decodes_split_multibyte_characters(gpt2_vocab_export, capsys, mo
             yield torch.tensor([i]), torch.tensor([False])
 
     monkeypatch.setattr("gpt2lab.model.sampling.generate_stream", fake_stream)
-    sample._stream_one(gpt2_vocab_export[0], enc.encode("x"), "x", Sampling(), None)
+    sample.stream_one(gpt2_vocab_export[0], enc.encode("x"), "x", Sampling(), None)
     assert capsys.readouterr().out == "x🙂 é\n"
 
 

@@ -128,7 +128,7 @@ def save(
     if parallel.is_sharded(model):
         _save_sharded(final, model, optimizer, plain, config, files)
     elif main:
-        with atomic_dir(final, what_next=_DISK_FULL_NEXT, replace=True) as tmp:  # replace: same step saved again
+        with atomic_dir(final, what_next=_DISK_FULL_NEXT) as tmp:  # replaces the same step saved again
             if average is not None:
                 save_file(clean_state_dict(model.state_dict()), os.path.join(tmp, TRAINING))
             shown = model if average is None else average.module
@@ -173,7 +173,7 @@ def _save_sharded(final: str, model, optimizer, plain: Optional[dict], config: d
             mine = None
             if main:
                 try:
-                    mine = stack.enter_context(atomic_dir(final, what_next=_DISK_FULL_NEXT, replace=True))
+                    mine = stack.enter_context(atomic_dir(final, what_next=_DISK_FULL_NEXT))
                 except Exception as e:  # re-raised below, once every rank knows
                     error = e
             tmp = dist.broadcast(mine)

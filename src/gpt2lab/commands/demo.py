@@ -18,7 +18,6 @@ import time
 
 from gpt2lab.commands import program
 from gpt2lab.system.choices import DTYPE_CHOICES as DTYPE_NAMES
-from gpt2lab.system.rundir import resume_command
 
 # The demo's recipes: the preset each trains and what to say about it; the figures live in
 # docs/benchmarks.md ("The demo preset"), with the machine they were measured on.
@@ -81,6 +80,8 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+# What each demo prepares (gpt2lab prepare's sources), as its lines name it.
+SOURCES = {"tinyshakespeare": "Tiny Shakespeare", "chitchat": "the bundled conversations"}
 # The chat demo's messages: small talk, as the bundled conversations are.
 CHAT_PROMPTS = ("Hi! How are you doing today?", "What do you like to do on the weekend?", "Do you have any pets?")
 
@@ -94,27 +95,31 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _request(preset: str, **values):
-    """The request of `gpt2lab train --preset PRESET --progress false` with ``values`` (those not None) as its
-    flags: what the demo trains, and that command is what continues the run if it stops (the demo starts anew)."""
-    from gpt2lab.train.config import merge_config
-    from gpt2lab.train.plan import Request
-    from gpt2lab.train.settings import preset_values
+    """The request `gpt2lab train --preset PRESET --progress false` makes with ``values`` (those not None) as
+    its flags: what the demo trains, and that command is what continues the run if it stops (the demo starts
+    anew)."""
+    from gpt2lab.commands import train
 
-    values = {k: v for k, v in values.items() if v is not None}
     words = ["train", "--preset", preset, "--progress", "false"]
-    words += [w for k, v in values.items() for w in (f"--{k.replace('_', '-')}", str(v))]
-    return Request(
-        merge_config(preset_values(preset), {**values, "progress": False}, source=f"preset {preset!r}"),
-        source=f"preset {preset!r} with the demo's settings",
-        command=resume_command(words, program()),
-    )
+    words += [w for k, v in values.items() if v is not None for w in (f"--{k.replace('_', '-')}", str(v))]
+    parser = argparse.ArgumentParser()
+    train.add_parser(parser.add_subparsers())
+    return train._request(argparse.Namespace(**vars(parser.parse_args(words)), argv=words))
 
 
-def _train(request) -> None:
+def _train(tag: str, source: str, preset: str, why: str = "", **flags):
+    """Prepare ``source`` into ``flags["data"]`` (reused if complete) and train ``preset`` on it with ``flags``,
+    as `gpt2lab train` does (``_request``), saying so after ``tag``; returns the request."""
+    from gpt2lab.data.prepare import prepare
     from gpt2lab.distributed.dist import init_distributed
     from gpt2lab.train.run import train
 
+    print(f"{tag} preparing {SOURCES[source]} into {flags['data']}", flush=True)
+    prepare(source, flags["data"], progress=False)
+    request = _request(preset, **flags)
+    print(f"{tag} training {preset} for {request.get('max_steps')} steps into {request.out}{why}", flush=True)
     train(request, init_distributed(str(request.get("device"))))
+    return request
 
 
 def _new_out(name: str) -> str:
@@ -122,30 +127,19 @@ def _new_out(name: str) -> str:
 
 
 def run_base(args: argparse.Namespace) -> int:
-    from gpt2lab.data.prepare import prepare
-
     t0 = time.perf_counter()
-    print(f"[demo] preparing Tiny Shakespeare into {args.data}", flush=True)
-    prepare("tinyshakespeare", args.data, progress=False)
     preset = RECIPES[args.recipe]
-    out = args.out or _new_out(preset)
-    request = _request(
-        preset,
-        data=args.data,
-        out=out,
-        dtype=args.dtype,
-        max_steps=args.max_steps,
-        n_layer=getattr(args, "n_layer", None),
-    )
     print(f"[demo] recipe {args.recipe}: {WHY[args.recipe]}", flush=True)
-    print(f"[demo] training {preset} for {request.get('max_steps')} steps into {out}", flush=True)
-    _train(request)
-    vals, vocab = val_losses(out), request.get("vocab_size")
+    flags = dict(out=args.out or _new_out(preset), dtype=args.dtype, max_steps=args.max_steps)
+    request = _train(
+        "[demo]", "tinyshakespeare", preset, data=args.data, n_layer=getattr(args, "n_layer", None), **flags
+    )
+    out, vals, vocab = request.out, val_losses(request.out), request.get("vocab_size")
     if vals:
         chance = math.log(vocab)  # a uniform guess over the model's outputs
         print(f"[demo] validation loss {vals[-1]:.2f} (chance: ln {vocab} = {chance:.2f})", flush=True)
     print(f"[demo] sample from the trained model ({args.prompt!r}, seed {args.seed}):\n", flush=True)
-    print(sample(out, args.prompt, args.tokens, args.seed))
+    sample(out, args.prompt, args.tokens, args.seed)
     print(f"\n[demo] done in {time.perf_counter() - t0:.0f} s. run dir: {out}")
     print(f"[demo] more samples: {program()} sample --model {out} --prompt 'JULIET:'", flush=True)
     return 0
@@ -153,34 +147,18 @@ def run_base(args: argparse.Namespace) -> int:
 
 def run_chat(args: argparse.Namespace) -> int:
     """Base model -> chat model on the bundled conversations; three messages answered before and after."""
-    from gpt2lab.data.prepare import prepare
-
     t0 = time.perf_counter()
     base = args.base
     if base is None:
         base = _new_out(RECIPES[args.recipe])
-        print(
-            f"[demo --chat] no --base: training the default demo's model first, {CHAT_BASE_LAYERS} layers deep, "
-            f"into {base}",
-            flush=True,
-        )
+        print(f"[demo --chat] no --base: the default demo's model first, {CHAT_BASE_LAYERS} layers deep", flush=True)
         run_base(argparse.Namespace(**{**vars(args), "out": base, "n_layer": CHAT_BASE_LAYERS}))
-    print(f"[demo --chat] preparing the bundled conversations into {args.chat_data}", flush=True)
-    prepare("chitchat", args.chat_data, progress=False)
-    out = args.out or _new_out("chat-cpu")
-    # as `gpt2lab train --preset chat-cpu --init-from BASE`: the architecture comes from the base
-    request = _request(
-        "chat-cpu", data=args.chat_data, out=out, init_from=base, dtype=args.dtype, max_steps=args.max_steps
-    )
     before = chat_replies(base)
-    print(
-        f"[demo --chat] fine-tuning {base} on conversations (preset chat-cpu, {request.get('max_steps')} steps; "
-        f"the loss on the assistant's tokens only) into {out}",
-        flush=True,
-    )
-    _train(request)
-    after = chat_replies(out)
-    losses = val_losses(out)
+    # as `gpt2lab train --preset chat-cpu --init-from BASE`: the architecture comes from the base
+    why = f", fine-tuning {base} (the loss on the assistant's tokens only)"
+    flags = dict(out=args.out or _new_out("chat-cpu"), dtype=args.dtype, max_steps=args.max_steps)
+    out = _train("[demo --chat]", "chitchat", "chat-cpu", why, data=args.chat_data, init_from=base, **flags).out
+    after, losses = chat_replies(out), val_losses(out)
     if len(losses) >= 2:
         print(
             f"[demo --chat] loss on the held-out conversations' assistant tokens: {losses[0]:.2f} before, "
@@ -221,28 +199,18 @@ def _shown(reply) -> str:
 
 def val_losses(run_dir: str) -> list:
     """The validation losses in the run's metrics.jsonl, in order."""
-    from gpt2lab.observe.plot import read_metrics
+    from gpt2lab.observe.metrics import read_metrics
 
     return [r["val_loss"] for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "val_loss" in r]
 
 
-def sample(run_dir: str, prompt: str, tokens: int, seed: int) -> str:
-    """The trained model's continuation of ``prompt``, drawn from the model as ``gpt2lab sample`` holds it."""
+def sample(run_dir: str, prompt: str, tokens: int, seed: int) -> None:
+    """Print the trained model's continuation of ``prompt`` as ``gpt2lab sample --temperature 0.8`` prints it."""
     import torch
 
-    from gpt2lab.inference.completion import tokenizer_for
-    from gpt2lab.model.sampling import generate
+    from gpt2lab.commands.sample import stream_one
+    from gpt2lab.inference.completion import Sampling, prompt_ids
 
     model = _load(run_dir)
-    enc = tokenizer_for(model)
     gen = torch.Generator().manual_seed(seed)
-    out = generate(
-        model,
-        torch.tensor([enc.encode(prompt)]),
-        tokens,
-        temperature=0.8,
-        top_k=50,
-        generator=gen,
-        stop_token=enc.eot_id,
-    )
-    return enc.decode([t for t in out[0].tolist() if t != enc.eot_id])
+    stream_one(model, prompt_ids(prompt, model), prompt, Sampling(tokens, temperature=0.8), gen)

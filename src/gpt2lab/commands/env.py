@@ -1,13 +1,14 @@
 """gpt2lab env: what gpt2lab sees on this machine, for bug reports (like torch.utils.collect_env).
 
-Versions, the device ``auto`` picks, how the CPU threads wait (by the machine's load as a command
-starts), the CPU's capability flags, fp32 and bf16 matmul rates and the memory read bandwidth
-measured afresh (about two seconds), whether torch.compile can build kernels, whether a CPU hold's
-weights go on huge pages, what ``--dtype auto`` and ``--compile auto`` would choose and why, which
-optional extras are installed, and what the inference probe has cached (the file, and per model
-shape: the device, when measured, what each workload chose, every candidate's figures or why it was
-dropped, and why figures measured on a busy machine were not kept). ``--clear-cache`` removes that
-file only (the CPU's cached matmul rates with it), so the next ``sample``, ``serve`` or ``eval`` measures again.
+Versions and the code's git commit (as a run records them), the device ``auto`` picks, how the CPU
+threads wait (by the machine's load as a command starts), the CPU's capability flags, fp32 and bf16
+matmul rates and the memory read bandwidth measured afresh (about two seconds), whether torch.compile
+can build kernels, whether a CPU hold's weights go on huge pages, what ``--dtype auto`` and
+``--compile auto`` would choose and why, which optional extras are installed, and what the inference
+probe has cached (the file, and per model shape: the device, when measured, what each workload chose,
+every candidate's figures or why it was dropped, and why figures measured on a busy machine were not
+kept). ``--clear-cache`` removes that file only (the CPU's cached matmul rates with it), so the next
+``sample``, ``serve`` or ``eval`` measures again.
 """
 
 from __future__ import annotations
@@ -16,9 +17,6 @@ import argparse
 import dataclasses
 import importlib.metadata
 import json
-import os
-import platform
-import sys
 import time
 
 from gpt2lab.system import runtime
@@ -51,6 +49,7 @@ def collect(device_name: str = "auto") -> dict:
     from gpt2lab.distributed.dist import pick_device
     from gpt2lab.inference import pages
     from gpt2lab.inference.kernels import gemv_error, panels_run
+    from gpt2lab.observe.metrics import run_info
     from gpt2lab.system import env as sysenv
 
     device = pick_device(device_name)
@@ -62,18 +61,13 @@ def collect(device_name: str = "auto") -> dict:
     thp = pages.page_facts()
     return {
         "gpt2lab": __version__,
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "torch": torch.__version__,
+        # the code, library versions and hardware as a run records them (its run_info.json)
+        **{k: v for k, v in run_info(device, 1).items() if k not in ("command", "world_size")},
         "cuda": torch.version.cuda,
         "cuda_available": torch.cuda.is_available(),
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "mps_available": bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()),
-        "device": str(device),
         "device_name": facts.device_name,
-        "cpu": runtime.cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
         # how waiting threads wait, decided as a command starts by what the machine is doing (system/runtime.py)
         "threads_wait": (runtime.WAIT or runtime.choose_wait(runtime.machine_load())).reason,
         "cpu_flags": list(facts.cpu_flags),
@@ -99,15 +93,6 @@ def collect(device_name: str = "auto") -> dict:
         "extras": {name: _version(name) for name in OPTIONAL_PACKAGES},
         "probe_cache": {"path": runtime.cache_path(), "entries": runtime.cached()},  # as stored (system/runtime.py)
     }
-
-
-def _probe_cache_lines(found: dict) -> list[str]:
-    n = len(found["entries"])
-    lines = [f"{'probe_cache:':<22} {found['path']} ({n} {'entry' if n == 1 else 'entries'})"]
-    for key, entry in found["entries"].items():
-        first, *rest = entry_lines(entry)
-        lines += [f"  {key}: {first}", *(f"    {line}" for line in rest)]
-    return lines
 
 
 def entry_lines(entry: dict) -> list[str]:
@@ -156,8 +141,12 @@ def clear_cache() -> int:
     if where is None:
         print(f"gpt2lab env: no probe cache at {runtime.cache_path()}; nothing removed")
     else:
-        print(f"gpt2lab env: removed {where} ({n} {'entry' if n == 1 else 'entries'} of measured figures)")
+        print(f"gpt2lab env: removed {where} ({_entries(n)} of measured figures)")
     return 0
+
+
+def _entries(n: int) -> str:
+    return f"{n} {'entry' if n == 1 else 'entries'}"
 
 
 def _version(package: str):
@@ -174,13 +163,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info))
         return 0
+    cache = info.pop("probe_cache")  # the last field: its entries follow, one line each and theirs indented
+    info["extras"] = ", ".join(f"{k} {v}" if v else f"{k} (not installed)" for k, v in info["extras"].items())
+    info["probe_cache"] = f"{cache['path']} ({_entries(len(cache['entries']))})"
     for key, value in info.items():
-        if key == "probe_cache":
-            print("\n".join(_probe_cache_lines(value)))
-            continue
-        if key == "extras":
-            value = ", ".join(f"{k} {v}" if v else f"{k} (not installed)" for k, v in value.items())
-        elif isinstance(value, list):
-            value = ", ".join(value) or "none"
-        print(f"{key + ':':<22} {value}")
+        print(f"{key + ':':<22} {', '.join(value) or 'none' if isinstance(value, list) else value}")
+    for key, entry in cache["entries"].items():
+        first, *rest = entry_lines(entry)
+        print("\n".join([f"  {key}: {first}", *(f"    {line}" for line in rest)]))
     return 0

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from gpt2lab.model.sampling_defaults import SAMPLING
 from gpt2lab.system.choices import finite_float
+from gpt2lab.system.errors import UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -64,8 +65,6 @@ def add_parser(sub) -> None:
 
 def _check(args: argparse.Namespace) -> None:
     """Flag values that cannot work: a UsageError (exit 2) naming the flag."""
-    from gpt2lab.system.errors import UsageError
-
     if args.num_samples < 1:
         raise UsageError(f"--num-samples {args.num_samples}: must be at least 1")
     if args.max_new_tokens < 0:
@@ -76,26 +75,6 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--top-k {args.top_k}: must be >= 0 (0 keeps every token)")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p {args.top_p}: must be in (0, 1]")
-
-
-def check_context(prompt_tokens: int, max_new_tokens: int, context: int) -> None:
-    """The prompt and the tokens asked for must fit the model's context (the server's rule,
-    completion.fits_context): a UsageError naming both flags, before any text is printed."""
-    from gpt2lab.inference.completion import fits_context
-    from gpt2lab.system.errors import UsageError
-
-    if fits_context(prompt_tokens, max_new_tokens, context):
-        return
-    room = (
-        f"lower --max-new-tokens to {context - prompt_tokens} or shorten the prompt"
-        if prompt_tokens < context
-        else f"shorten the prompt to under {context} tokens"
-    )
-    total = prompt_tokens + max_new_tokens
-    raise UsageError(
-        f"--prompt is {prompt_tokens} tokens and --max-new-tokens {max_new_tokens}: {total} tokens, "
-        f"more than this model's context of {context} tokens; {room}"
-    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,17 +89,27 @@ def run(args: argparse.Namespace) -> int:
     ids: list[int] = []
 
     def check(model) -> None:  # before the model is prepared (which may measure for a while)
-        if args.chat:  # the conversation is checked turn by turn
-            return
+        from gpt2lab.inference.completion import fits_context
+
         try:
             ids.extend(prompt_ids(args.prompt, model))
         except PromptError as e:
             raise SystemExit(f"--prompt: {e}") from None
-        check_context(len(ids), args.max_new_tokens, model.config.block_size)
+        n, context = len(ids), model.config.block_size
+        if not fits_context(n, args.max_new_tokens, context):  # the server's rule, before any text is printed
+            room = (
+                f"lower --max-new-tokens to {context - n} or shorten the prompt"
+                if n < context
+                else f"shorten the prompt to under {context} tokens"
+            )
+            raise UsageError(
+                f"--prompt is {n} tokens and --max-new-tokens {args.max_new_tokens}: {n + args.max_new_tokens} "
+                f"tokens, more than this model's context of {context} tokens; {room}"
+            )
 
-    # a bad --model, --dtype, --prompt or --max-new-tokens fails before any other output
+    # a bad --model, --dtype, --prompt or --max-new-tokens fails before any other output (--chat: each turn)
     model, decision = load_for_inference(
-        args.model, device, inference_request(args, "sample"), "gpt2lab sample", check=check
+        args.model, device, inference_request(args, "sample"), "gpt2lab sample", check=None if args.chat else check
     )
     note_live("gpt2lab sample", [args.model])  # a run still training: its newest checkpoint is read
     generator = seeded_generator(device, args.seed)
@@ -130,23 +119,18 @@ def run(args: argparse.Namespace) -> int:
         return _chat(model, args, sampling, generator, seen)
     for i in range(args.num_samples):
         print(f"--- sample {i + 1}/{args.num_samples}", flush=True)
-        _stream_one(model, ids, args.prompt, sampling, generator, seen)
+        stream_one(model, ids, args.prompt, sampling, generator, seen)
     return 0
 
 
-def _stream_one(model, ids: list[int], prompt: str, sampling, generator: torch.Generator, watch=None) -> None:
+def stream_one(model, ids: list[int], prompt: str, sampling, generator: torch.Generator, watch=None) -> None:
     """Print the prompt, then each token's text as it comes (completion.stream_text)."""
     from gpt2lab.inference.completion import prompt_text, stream_text
 
-    _write(prompt_text(prompt))  # the text the model was given (an undecodable byte as U+FFFD)
+    print(prompt_text(prompt), end="", flush=True)  # the text the model was given (an undecodable byte as U+FFFD)
     for _, text, _ in stream_text(model, ids, sampling, generator, watch=watch):
-        _write(text)
-    _write("\n")
-
-
-def _write(text: str) -> None:
-    sys.stdout.write(text)
-    sys.stdout.flush()
+        print(text, end="", flush=True)
+    print(flush=True)
 
 
 def _chat(model, args: argparse.Namespace, sampling, generator: torch.Generator, watch=None) -> int:
@@ -183,8 +167,8 @@ def _chat(model, args: argparse.Namespace, sampling, generator: torch.Generator,
             piece, tail = sample.feed(tok)
             for text in [piece or "", *tail]:
                 reply.append(text.lstrip() if prompt.strip and not "".join(reply) else text)
-                _write(reply[-1])
+                print(reply[-1], end="", flush=True)
             if sample.reason:
                 break
-        _write("\n")
+        print(flush=True)
         turns.append(("assistant", "".join(reply)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import signal
 import sys
@@ -12,7 +13,7 @@ from gpt2lab.inference.flags import inference_request
 from gpt2lab.serve.limits import Connections, Limits
 from gpt2lab.serve.models import load_workers, model_names
 from gpt2lab.system.choices import finite_float
-from gpt2lab.system.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from gpt2lab.system.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UsageError
 
 
 def add_parser(sub) -> None:
@@ -110,8 +111,6 @@ def _host_list(text: str) -> tuple[str, ...]:
 def _settings(cls, args: argparse.Namespace):
     """``cls`` (Limits, Connections) of the flags named as its fields (those given); a value out of range is a
     UsageError (exit 2) naming the flag."""
-    from gpt2lab.system.errors import UsageError
-
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
     try:
         return cls(**{k: v for k, v in values.items() if v is not None})
@@ -139,12 +138,11 @@ def run(args: argparse.Namespace) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host
     mode = "requests in turns (--deterministic)" if args.deterministic else f"batches of up to {limits.max_batch} rows"
     cap = connections.max_connections
-    print(
+    say = functools.partial(print, file=sys.stderr, flush=True)
+    say(
         f"gpt2lab serve: {', '.join(names)} at http://{host}:{sock.getsockname()[1]}/ "
         f"(API: /v1/completions, /v1/chat/completions, /v1/models, /metrics); {mode}, queue {limits.max_queue}"
-        + (f", up to {cap} connections" if cap is not None else ""),
-        file=sys.stderr,
-        flush=True,
+        + (f", up to {cap} connections" if cap is not None else "")
     )
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
@@ -157,11 +155,9 @@ def run(args: argparse.Namespace) -> int:
     def stopping(ended: int) -> None:  # at Ctrl-C, the one line (cli.main's "interrupted" would come late)
         plural = "" if ended == 1 else "s"
         why = "SIGTERM" if terminated else "interrupted"
-        print(
+        say(
             f"gpt2lab serve: {why}; stopping"
-            + (f" ({ended} open request{plural} ended with a 'server shutting down' error)" if ended else ""),
-            file=sys.stderr,
-            flush=True,
+            + (f" ({ended} open request{plural} ended with a 'server shutting down' error)" if ended else "")
         )
         said.append(ended)
 

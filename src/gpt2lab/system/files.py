@@ -80,12 +80,11 @@ def read_json_object(path: str) -> Optional[dict]:
 
 
 @contextlib.contextmanager
-def atomic_dir(path: str, what_next: Optional[str] = None, replace: bool = False) -> Iterator[str]:
+def atomic_dir(path: str, what_next: Optional[str] = None) -> Iterator[str]:
     """Yield a fresh temporary directory that becomes ``path`` when the block succeeds.
 
-    ``replace=True`` lets it take the place of an existing ``path`` (the caller has
-    decided that is safe); otherwise an existing ``path`` is an error. The directory gets
-    the usual permissions (umask), not mkdtemp's 0700.
+    It takes the place of an existing ``path`` (the caller has decided that is safe).
+    The directory gets the usual permissions (umask), not mkdtemp's 0700.
     """
     tmp = tmp_name(path)
     _remove(tmp)  # our own leftover: the same pid cannot be writing it twice
@@ -93,8 +92,6 @@ def atomic_dir(path: str, what_next: Optional[str] = None, replace: bool = False
         os.makedirs(tmp)
         yield tmp
         _settle(tmp)
-        if os.path.lexists(path) and not replace:
-            raise FileExistsError(f"{path} already exists; not replacing it")
         old = tmp_name(path) + ".old"
         if os.path.lexists(path):
             os.replace(path, old)  # two renames: a crash between them leaves both, never neither
@@ -111,11 +108,8 @@ def _settle(folder: str) -> None:
         full = os.path.join(folder, name)
         if os.path.isfile(full) and not os.path.islink(full):
             os.chmod(full, 0o666 & ~mask)
-            fd = os.open(full, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            with open(full, "rb") as fh:
+                os.fsync(fh.fileno())
 
 
 def _pid_alive(pid: int) -> bool:

@@ -73,9 +73,6 @@ class Found:
     kind: str  # "missing", "empty", "file", RUN, EXPORT, DATA, TOKENIZER, "hf_model", "checkpoints" or "foreign"
     entries: tuple[str, ...]  # the directory's names, sorted
 
-    def shown(self, n: int = 4) -> str:
-        return ", ".join(self.entries[:n]) + (", ..." if len(self.entries) > n else "")
-
 
 def inspect(path: str) -> Found:
     """What ``path`` is: missing, empty, a file, one of gpt2lab's kinds, an HF model or someone's."""
@@ -87,39 +84,37 @@ def inspect(path: str) -> Found:
     if not entries:
         return Found("empty", ())
     info, manifest, marker, config = (
-        read_json_object(os.path.join(path, name)) if name in entries else None
+        read_json_object(os.path.join(path, name)) or {}
         for name in (RUN_MARKER, DATA_MARKER, TOKENIZER_MARKER, "config.json")
     )
-    if info is not None and (info.get("format") == RUN_FORMAT or {"world_size", "torch"} <= set(info)):
-        return Found(RUN, entries)  # an untagged run_info.json: a run from before the format tag
-    if EXPORT_MARKER in entries:
-        return Found(EXPORT, entries)
-    if manifest is not None and (manifest.get("format") == DATA_FORMAT or "shards" in manifest):
-        return Found(DATA, entries)
-    if marker is not None and marker.get("format") == TOKENIZER_FORMAT:
-        return Found(TOKENIZER, entries)
-    if config is not None and _is_run_config(config):
-        return Found(RUN, entries)  # a run killed before it wrote run_info.json (older versions), or a checkpoint
-    if "checkpoints" in entries and _has_run_checkpoint(os.path.join(path, "checkpoints")):
-        return Found(RUN, entries)  # a run's checkpoints alone (copied, or of an older version)
-    if config is not None and "model_type" in config:
-        return Found("hf_model", entries)
-    if all(n.startswith("step_") for n in entries) and _has_run_checkpoint(path):
-        return Found("checkpoints", entries)  # a run's checkpoints folder
-    return Found("foreign", entries)
+    kinds = (  # the first that holds
+        # a run (its run_info.json without the format tag: a run from before the tag)
+        (RUN, info.get("format") == RUN_FORMAT or {"world_size", "torch"} <= set(info)),
+        (EXPORT, EXPORT_MARKER in entries),
+        (DATA, manifest.get("format") == DATA_FORMAT or "shards" in manifest),
+        (TOKENIZER, marker.get("format") == TOKENIZER_FORMAT),
+        (RUN, _is_run_config(config)),  # a run killed before it wrote run_info.json (older versions), or a checkpoint
+        # a run's checkpoints alone (copied, or of an older version)
+        (RUN, "checkpoints" in entries and _has_run_checkpoint(os.path.join(path, "checkpoints"))),
+        ("hf_model", "model_type" in config),
+        # a run's checkpoints folder
+        ("checkpoints", all(n.startswith("step_") for n in entries) and _has_run_checkpoint(path)),
+    )
+    return Found(next((kind for kind, holds in kinds if holds), "foreign"), entries)
 
 
 def what(found: Found) -> str:
     """What was found, for a message: "a gpt2lab export (...)", "files that gpt2lab did not write (...)"."""
+    shown = ", ".join(found.entries[:4]) + (", ..." if len(found.entries) > 4 else "")  # its first names
     if found.kind == RUN and RUN_MARKER not in found.entries:
         kind = "a gpt2lab checkpoint" if "model.safetensors" in found.entries else "a gpt2lab run without run_info.json"
-        return f"{kind} ({found.shown()})"
+        return f"{kind} ({shown})"
     if found.kind == "checkpoints":
-        return f"a gpt2lab run's checkpoints ({found.shown()})"
+        return f"a gpt2lab run's checkpoints ({shown})"
     if found.kind in _WHAT:
         return _WHAT[found.kind]
     n = len(found.entries)
-    return f"files that gpt2lab did not write ({n} {'entry' if n == 1 else 'entries'}: {found.shown()})"
+    return f"files that gpt2lab did not write ({n} {'entry' if n == 1 else 'entries'}: {shown})"
 
 
 def _has_run_checkpoint(folder: str) -> bool:
@@ -197,22 +192,19 @@ def _create_marker(path: str) -> None:
 def resume_command(words: Sequence[str], prog: str) -> str:
     """The command line that continues a run started by ``PROG WORDS`` (``train ...``): the same words
     with ``--resume auto`` for any --resume given, without --dry-run."""
-    out, skip = [], False
-    for word in words:
-        if skip:
-            skip = False
-        elif word == "--resume":
-            skip = True
-        elif not (word.startswith("--resume=") or word == "--dry-run"):
-            out.append(word)
-    return f"{prog} {shlex.join([*out, '--resume', 'auto'])}"
+    kept = [  # each word but --resume, its value (the word after it), --resume=VALUE and --dry-run
+        word
+        for before, word in zip(["", *words], words)
+        if "--resume" not in (before, word) and not word.startswith("--resume=") and word != "--dry-run"
+    ]
+    return f"{prog} {shlex.join([*kept, '--resume', 'auto'])}"
 
 
 # -- the lock --------------------------------------------------------------------------------
 def holder(path: str) -> Optional[dict]:
     """Who holds the run's lock ({"pid", "host", "started"}), or None when no live run holds it.
 
-    Probes with a shared lock that is dropped at once: it never blocks and never writes.
+    Probes with a shared lock, dropped at once (the file is closed): it never blocks and never writes.
     """
     import fcntl
 
@@ -222,12 +214,11 @@ def holder(path: str) -> Optional[dict]:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
         return None
     except _BUSY:
         return _holder_info(fd)
     finally:
-        os.close(fd)
+        os.close(fd)  # drops the probe's shared lock
 
 
 def _holder_info(fd: int) -> dict:
@@ -348,16 +339,10 @@ def claim(path: str, flag: str = "--out", what_next: str = "choose a new or empt
 
 def _remove_if_untouched(path: str, top: str) -> None:
     """Remove the run directory (and the empty parents up to ``top``) if nothing but the marker was written."""
-    try:
-        if set(os.listdir(path)) <= {RUN_MARKER, LOCK_FILE}:
-            info = read_json_object(os.path.join(path, RUN_MARKER))
-            if info is None or set(info) <= set(run_marker()):  # only the bare marker: no run wrote it
-                for name in (RUN_MARKER, LOCK_FILE):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(os.path.join(path, name))
-                _remove_empty(path, top)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        info = read_json_object(os.path.join(path, RUN_MARKER))  # only the bare marker: no run wrote it
+        if set(os.listdir(path)) <= {RUN_MARKER, LOCK_FILE} and (info is None or set(info) <= set(run_marker())):
+            Claim(path, True, top, frozenset()).undo()
 
 
 def _remove_empty(path: str, top: str) -> None:

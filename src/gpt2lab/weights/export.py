@@ -102,7 +102,7 @@ def save_pretrained(model: GPT, out_dir: str) -> str:
     check_target(out_dir)  # what is there may be replaced
     out_dir = os.path.abspath(out_dir)
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
-    with atomic_dir(out_dir, replace=True) as tmp:
+    with atomic_dir(out_dir) as tmp:
         dtype = model.transformer.wte.weight.dtype
         tok = for_config(model.config, model.tokenizer)
         if target == GPT2_HF.architecture:
