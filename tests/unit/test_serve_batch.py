@@ -153,7 +153,9 @@ def _finish_and_check_texts(worker, steps, jobs, expected) -> None:
 
     with torch.inference_mode():
         for _ in range(200):
-            if not next(steps) and all(job not in worker._open for job in jobs):
+            busy = next(steps)
+            worker.deliver()  # as the engine does when a step ends
+            if not busy and all(job not in worker._open for job in jobs):
                 break
     for job, want in zip(jobs, expected):
         events = [job.out.get_nowait() for _ in range(job.out.qsize())]
@@ -353,50 +355,35 @@ def test_shutting_down_after_a_step_cut_short_delivers_its_events_then_the_error
     from gpt2lab.serve import engine
     from gpt2lab.serve.engine import ShuttingDown
 
-    class Open(engine.Worker):
-        def _steps(self):
-            yield False
-
     loop, error = _Loop(), ShuttingDown("server shutting down")
-    worker = Open("tiny", tiny_gpt(seed=1), torch.device("cpu"))
+    worker = engine.Worker("tiny", tiny_gpt(seed=1), torch.device("cpu"))
     job = engine.Job(None, loop, 60)
+    job.worker = worker
     worker._open.add(job)
-    engine._OUTBOX.pending = []  # the step's outbox, never delivered
-    try:
-        job.send("token")
-        assert worker.shut_down(error) == 1
-        assert engine._OUTBOX.pending is None
-    finally:
-        engine._OUTBOX.pending = None
+    job.send("token")  # the step's event, never delivered
+    assert worker.shut_down(error) == 1 and worker.outbox == []
     for fn, args in loop.calls:
         fn(*args)
     got = [job.out.get_nowait() for _ in range(job.out.qsize())]
     assert got == ["token", error, None]
 
 
-def test_an_engine_steps_events_reach_each_loop_in_one_call_in_the_order_sent():
-    """Outside a step each event is handed to its loop at once; inside one, they wait, and ``deliver``
-    hands each loop the step's events in one call, every job's in the order sent."""
+def test_a_steps_events_reach_each_loop_in_one_call_in_the_order_sent():
+    """Events wait in their worker's outbox until ``deliver`` (the end of the engine's step), which hands each
+    loop the step's events in one call, every job's in the order sent."""
     from gpt2lab.serve import engine
 
     a, b = _Loop(), _Loop()
+    worker = engine.Worker("tiny", tiny_gpt(seed=1), torch.device("cpu"))
     one, two, three = engine.Job(None, a, 60), engine.Job(None, b, 60), engine.Job(None, a, 60)
-    one.send("now")
-    assert len(a.calls) == 1
-    a.calls[0][0](*a.calls[0][1])
-    assert one.out.get_nowait() == "now"
-    a.calls.clear()
-    engine._OUTBOX.pending = []
-    try:
-        for job, event in [(one, "x1"), (two, "y1"), (three, "z1"), (one, "x2"), (two, "y2"), (one, None)]:
-            job.send(event)
-        assert a.calls == [] and b.calls == []
-        engine.deliver()
-        assert len(a.calls) == 1 and len(b.calls) == 1 and engine._OUTBOX.pending == []
-        engine.deliver()  # nothing more sent: no call
-        assert len(a.calls) == 1 and len(b.calls) == 1
-    finally:
-        engine._OUTBOX.pending = None
+    for job, event in [(one, "x1"), (two, "y1"), (three, "z1"), (one, "x2"), (two, "y2"), (one, None)]:
+        job.worker = worker
+        job.send(event)
+    assert a.calls == [] and b.calls == []
+    worker.deliver()
+    assert len(a.calls) == 1 and len(b.calls) == 1 and worker.outbox == []
+    worker.deliver()  # nothing more sent: no call
+    assert len(a.calls) == 1 and len(b.calls) == 1
     for loop in (a, b):
         fn, args = loop.calls[0]
         fn(*args)

@@ -53,7 +53,7 @@ from gpt2lab.inference.completion import (
 from gpt2lab.inference.fused import prompt_rows
 from gpt2lab.model.gpt import KVCache
 from gpt2lab.model.sampling import sample_next, top_k_rows
-from gpt2lab.serve.engine import Finish, Job, Text, Worker, deliver
+from gpt2lab.serve.engine import Finish, Job, Text, Worker
 
 
 class RowsCache:
@@ -276,7 +276,7 @@ class BatchWorker(Worker):
                 return
             chunk = self.limits.prefill_chunk
             self._prefill(self._front(lambda g: len(g) * max(len(r.ids) for r in g) <= chunk) or [self.prefill[0]])
-            deliver()  # a first token goes out now, not after the decode step
+            self.deliver()  # a first token goes out now, not after the decode step
         if self.decoding:
             self._decode([])
 

@@ -77,17 +77,6 @@ class Work:
         return bool(self.echo) and self.logprobs is not None
 
 
-class _Outbox(threading.local):
-    """The events the engine's thread sent during the step it is in (None outside a step): handed to
-    each event loop in one call when the step ends (``deliver``), a wake-up of the loop's thread
-    a step, not one a token of every row."""
-
-    pending: Optional[list] = None
-
-
-_OUTBOX = _Outbox()
-
-
 class Job:
     """One request in a worker: what it asks, and the asyncio queue its handler reads."""
 
@@ -103,12 +92,10 @@ class Job:
         self.last_token: dict[int, float] = {}  # choice index -> when its last token was sampled
 
     def send(self, event: Event) -> None:
-        if event is None and self.worker is not None:  # complete: no longer open
+        """Into its worker's outbox, handed over when the step ends (Worker.deliver)."""
+        if event is None:  # complete: no longer open
             self.worker._finished(self)
-        if _OUTBOX.pending is not None:  # in an engine step: delivered when it ends
-            _OUTBOX.pending.append((self, event))
-        else:
-            self.loop.call_soon_threadsafe(self.out.put_nowait, event)
+        self.worker.outbox.append((self, event))
 
     def cancel(self) -> None:
         """Its client went away (the handler calls this): the worker drops the job at its next step,
@@ -153,6 +140,7 @@ class Worker:
         self._open: set[Job] = set()  # submitted, not yet complete: what shut_down ends
         self._stopping: Optional[ShuttingDown] = None  # set by shut_down: new requests are refused
         self._wake = threading.Event()  # the engine's: set when there is something to do
+        self.outbox: list = []  # (job, event) sent since the last delivery, in the order sent
 
     @property
     def block_size(self) -> int:
@@ -188,11 +176,23 @@ class Worker:
             self._stopping = error
             jobs, self._open = list(self._open), set()
         ended = sum(not job.cancelled for job in jobs)  # before failing them: a handler cancels its job as it ends
-        settle_outbox()  # a Ctrl-C may have cut the step's delivery short: its events first, then these
         for job in jobs:
             self._started(job)  # its queue place, if it held one
             job.fail(error)
+        self.deliver()  # after what a step a Ctrl-C cut short sent
         return ended
+
+    def deliver(self) -> None:
+        """Hand the events sent since the last delivery to their jobs' queues, in the order sent: one call an
+        event loop, a wake-up of its thread a step, not one a token of every row. The engine calls it when a
+        step ends; the worker, after a prompt's first token, so that the token does not wait for the decode
+        step that follows in the same step."""
+        sent, self.outbox = self.outbox, []
+        by_loop: dict = {}
+        for job, event in sent:
+            by_loop.setdefault(job.loop, []).append((job.out, event))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_each, items)
 
     def _finished(self, job: Job) -> None:
         with self._lock:
@@ -247,32 +247,6 @@ class Worker:
         self.metrics.tokens.labels(self.name).inc()
 
 
-def deliver() -> None:
-    """Hand the events sent so far in this engine step to their jobs' queues, in the order sent: one
-    call a loop. A step's end does (settle_outbox); a worker, after a prompt's first token, so that the
-    token does not wait for the decode step that follows in the same step."""
-    pending = _OUTBOX.pending
-    if not pending:
-        return
-    _OUTBOX.pending = []
-    by_loop: dict = {}
-    for job, event in pending:
-        by_loop.setdefault(job.loop, []).append((job.out, event))
-    for loop, items in by_loop.items():
-        loop.call_soon_threadsafe(_put_each, items)
-
-
-def settle_outbox() -> None:
-    """End this thread's step: deliver what it sent and send every event at once from here on. The engine
-    calls it when a step ends; shut_down too, for a step a Ctrl-C cut short (raised in the engine's thread
-    between a step's last event and its end), so that the events sent after it (shut_down's errors) are
-    not held for a delivery that never comes."""
-    try:
-        deliver()
-    finally:
-        _OUTBOX.pending = None
-
-
 def _put_each(items: list) -> None:
     for out, event in items:
         out.put_nowait(event)
@@ -304,13 +278,12 @@ class Engine:
                 self.wake.clear()  # before looking: a request arriving from here on wakes the wait below
                 busy = False
                 for w, g in list(steps.items()):
-                    _OUTBOX.pending = []
                     try:
                         busy = next(g) or busy
                     except StopIteration:
                         del steps[w]
                     finally:
-                        settle_outbox()
+                        w.deliver()
                 if steps and not busy:
                     self.wake.wait()
 
