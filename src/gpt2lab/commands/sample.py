@@ -135,12 +135,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _stream_one(model, ids: list[int], prompt: str, sampling, generator: torch.Generator, watch=None) -> None:
-    """Print the prompt, then each token's text as it comes (completion.stream_text)."""
-    from gpt2lab.inference.completion import prompt_text, stream_text
+    """Print the prompt, then each token's text as it comes (completion.stream_tokens, SampleText)."""
+    from gpt2lab.inference.completion import SampleText, prompt_text, stream_tokens
 
     _write(prompt_text(prompt))  # the text the model was given (an undecodable byte as U+FFFD)
-    for _, text, _ in stream_text(model, ids, sampling, generator, watch=watch):
-        _write(text)
+    text = SampleText(model, sampling, [])
+    for t, _ in stream_tokens(model, ids, sampling, generator, watch=watch):
+        piece, tail = text.feed(t)
+        _write("".join([piece or "", *tail]))
     _write("\n")
 
 
@@ -154,7 +156,7 @@ def _chat(model, args: argparse.Namespace, sampling, generator: torch.Generator,
     ended by the server's rule, completion.SampleText: the model's end token or its template's stop
     strings). The oldest turns leave the prompt once the conversation outgrows the context (said once)."""
     from gpt2lab.inference.chat import chat_prompt, note
-    from gpt2lab.inference.completion import SampleText, stream_text
+    from gpt2lab.inference.completion import SampleText, stream_tokens
 
     say = functools.partial(print, file=sys.stderr, flush=True)
     say(f"gpt2lab sample --chat: {note(model.config, 'this chat')}; type a message, an empty line or Ctrl-D ends")
@@ -179,7 +181,7 @@ def _chat(model, args: argparse.Namespace, sampling, generator: torch.Generator,
                 )
                 told = True
         reply, sample = [], SampleText(model, sampling, list(prompt.stops))
-        for tok, _, _ in stream_text(model, prompt.ids, sampling, generator, watch=watch):
+        for tok, _ in stream_tokens(model, prompt.ids, sampling, generator, watch=watch):
             piece, tail = sample.feed(tok)
             for text in [piece or "", *tail]:
                 reply.append(text.lstrip() if prompt.strip and not "".join(reply) else text)

@@ -184,29 +184,23 @@ def score_prompt(model: GPT, ids: list[int], top: int) -> list[TokenLogprob]:
     return [first, *token_logprobs(logits[0, :-1], idx[0, 1:], model.config.real_vocab_size, top)]
 
 
-def stream_text(
+def stream_tokens(
     model: GPT,
     ids: list[int],
     sampling: Sampling,
     generator: torch.Generator,
     logprobs: Optional[int] = None,
     watch=None,
-) -> Iterator[tuple[Optional[int], str, Optional[TokenLogprob]]]:
-    """Yield (token id, text, log-probability) per sampled token, ending at <|endoftext|> (if asked)
-    or the limit; the log-probability (``token_logprobs``, with the ``logprobs`` most likely
-    tokens) only when ``logprobs`` is given, else None. ``watch`` (inference/probe.py's Watch), if
-    given, sees how long each decode step's forward took.
-
-    Bytes of a character split across tokens are held back until the character is
-    complete (their token yields ''); the last item is (None, what was held back, None), and
-    the EOT token itself yields nothing.
-    """
+) -> Iterator[tuple[int, Optional[TokenLogprob]]]:
+    """Yield (token id, log-probability) per sampled token, up to the limit or, with ``sampling.stop_at_eot``,
+    the model's end token (``end_token``, yielded last): their text and where it ends is SampleText's. The
+    log-probability (``token_logprobs``, with the ``logprobs`` most likely tokens) only when ``logprobs`` is
+    given, else None. ``watch`` (inference/probe.py's Watch), if given, sees how long each decode step's
+    forward took."""
     import time
 
     from gpt2lab.model.sampling import generate_stream
 
-    text = TokenText(model)
-    stop = end_token(model) if sampling.stop_at_eot else None
     prompt = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
     seen: list[torch.Tensor] = []  # the logits each token was drawn from, when logprobs are asked
     started = [0.0, len(ids)]  # when the step now running began, and its new token's position
@@ -224,17 +218,13 @@ def stream_text(
         temperature=sampling.temperature,
         **sampling.filters(),
         generator=generator,
-        stop_token=stop,
+        stop_token=end_token(model) if sampling.stop_at_eot else None,  # the stream's last token
         on_logits=None if logprobs is None and watch is None else on_logits,
     )
     for tok, _ in stream:
-        t = int(tok[0])
-        if stop is not None and t == stop:
-            break
         lp = None if logprobs is None else token_logprobs(seen.pop(), tok, model.config.real_vocab_size, logprobs)[0]
-        yield t, text.feed(t), lp
+        yield int(tok[0]), lp
         started[0], started[1] = time.perf_counter(), started[1] + 1  # the next step starts
-    yield None, text.flush(), None
 
 
 class TokenText:

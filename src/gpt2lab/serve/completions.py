@@ -24,7 +24,7 @@ from gpt2lab.inference.completion import (
 )
 from gpt2lab.model.sampling_defaults import SAMPLING
 from gpt2lab.serve.engine import Job, QueueFull, ShuttingDown, Work, Worker
-from gpt2lab.serve.errors import APIError, shutting_down
+from gpt2lab.serve.errors import APIError, failed
 from gpt2lab.serve.logprobs import Logprobs
 from gpt2lab.serve.schemas import MAX_PROMPTS, MAX_STOPS, ChatMessage, ChatRequest, CompletionRequest
 
@@ -162,10 +162,8 @@ class Completion:
         job = Job(self.work, asyncio.get_running_loop(), self.worker.limits.timeout_s)
         try:
             self.worker.submit(job)
-        except QueueFull as e:
-            raise APIError(429, str(e), code="queue_full", kind="server_busy") from None
-        except ShuttingDown as e:
-            raise shutting_down(e) from None
+        except (QueueFull, ShuttingDown) as e:
+            raise failed(e) from None
         return job
 
     def usage(self) -> dict:

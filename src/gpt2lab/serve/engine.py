@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -33,7 +32,6 @@ from gpt2lab.serve.metrics import ServeMetrics
 class Text:
     index: int  # choice index: prompt number * n + sample number
     text: str
-    token: bool = False  # this text follows a sampled token (for the latency metrics)
     logprobs: Optional[list[TokenLogprob]] = None  # the tokens it covers, when the request asks for logprobs
 
 
@@ -133,7 +131,8 @@ class Worker:
         self.decision = decision  # how it is held and why (inference/choice.py), where serve/models.py decided
         self.limits = limits or Limits()
         self.metrics = ServeMetrics()  # create_app swaps in the app's own
-        self._new: queue.Queue[Optional[Job]] = queue.Queue()
+        self._new: collections.deque[Job] = collections.deque()  # submitted since the last step
+        self._closed = False  # close: the engine stops running it
         self._lock = threading.Lock()
         self._waiting = 0  # submitted, not yet given a row (or a turn)
         self._rows = 0
@@ -159,7 +158,7 @@ class Worker:
             self._waiting += 1
             job.worker, job.queued = self, True
             self._open.add(job)
-        self._new.put(job)
+        self._new.append(job)
         self._wake.set()
 
     def queue_depth(self) -> int:
@@ -200,19 +199,14 @@ class Worker:
 
     def close(self) -> None:
         """Ask the engine to stop running this worker (after the step it is in)."""
-        self._new.put(None)
+        self._closed = True
         self._wake.set()
 
     def _arrived(self, into: collections.deque) -> bool:
         """Move the requests submitted since the last step into ``into``; False once closed."""
-        while True:
-            try:
-                job = self._new.get_nowait()
-            except queue.Empty:
-                return True
-            if job is None:
-                return False
-            into.append(job)
+        while self._new:
+            into.append(self._new.popleft())
+        return not self._closed
 
     def _started(self, job: Job) -> None:
         """Give back ``job``'s queue place: when the worker starts or drops it, or its client leaves

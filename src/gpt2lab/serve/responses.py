@@ -12,8 +12,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gpt2lab.serve.completions import ChatCompletion, Completion
-from gpt2lab.serve.engine import Finish, Job, ShuttingDown, TimedOut
-from gpt2lab.serve.errors import APIError, error_body, shutting_down
+from gpt2lab.serve.engine import Finish, Job
+from gpt2lab.serve.errors import APIError, error_body, failed
 from gpt2lab.serve.logprobs import KEYS
 
 
@@ -74,20 +74,9 @@ async def _sse_stream(c: Completion, job: Job) -> AsyncIterator[str]:
             if chunk["choices"] or usage:
                 yield _sse(chunk)
     except Exception as e:
-        e = _api_error(e)
+        e = failed(e)
         yield _sse(error_body(e.message, e.kind, code=e.code))
     yield "data: [DONE]\n\n"
-
-
-def _api_error(e: Exception) -> APIError:
-    """What a request that failed while it ran answers: 504 past its time, 503 at a shutdown, else 500."""
-    if isinstance(e, TimedOut):
-        return APIError(504, str(e), kind="timeout", code="timeout")
-    return (
-        shutting_down(e)
-        if isinstance(e, ShuttingDown)
-        else APIError(500, f"generation failed: {e}", kind="server_error")
-    )
 
 
 def _sse(obj: dict) -> str:
@@ -109,7 +98,7 @@ async def respond(c: Completion, request: Request):
     except APIError:
         raise
     except Exception as e:
-        raise _api_error(e) from e
+        raise failed(e) from e
     return Response(status_code=499) if answer is None else JSONResponse(answer)  # 499: nobody to answer
 
 
