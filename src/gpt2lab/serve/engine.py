@@ -262,7 +262,6 @@ class Engine:
         self.wake = threading.Event()
         for w in self.workers:
             w._wake = self.wake
-        self._thread: Optional[threading.Thread] = None
 
     def run(self) -> None:
         """Step the workers until every one is closed (in the calling thread)."""
@@ -280,15 +279,3 @@ class Engine:
                         w.deliver()
                 if steps and not busy:
                     self.wake.wait()
-
-    def start(self) -> "Engine":
-        """``run`` in a thread of its own (tests; slower on CPUs, see the class's docstring)."""
-        self._thread = threading.Thread(target=self.run, name="gpt2lab-serve-engine", daemon=True)
-        self._thread.start()
-        return self
-
-    def close(self) -> None:
-        for w in self.workers:
-            w.close()
-        if self._thread is not None:
-            self._thread.join(timeout=10)

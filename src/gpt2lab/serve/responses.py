@@ -32,7 +32,8 @@ async def _parts(c: Completion, job: Job) -> AsyncIterator[tuple[int, str, Optio
                 yield i, "", event.reason, None
                 continue
             text = event.text if i in started or not c.strip else event.text.lstrip()
-            started.update([i] if text else [])
+            if text:
+                started.add(i)
             if text or event.logprobs:  # a token's chunk carries its logprobs, text or not
                 yield i, text, None, logprobs[i].add(event.logprobs or []) if logprobs else None
     finally:
