@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 
-from gpt2lab.data.tokenizer import Tokenizer, for_config, gpt2_tokenizer, short
+from gpt2lab.data.tokenizer import Tokenizer, for_config, short
 from gpt2lab.model.gpt import GPT
 from gpt2lab.model.sampling_defaults import SAMPLING
 
@@ -230,10 +230,10 @@ def stream_tokens(
 class TokenText:
     """Text of sampled tokens, one token at a time: the bytes of a character split across
     tokens are held back until it is complete; ids past the tokenizer's vocabulary show as <|id|>.
-    ``model``: whose tokenizer (tokenizer_for); None: GPT-2's."""
+    ``model``: whose tokenizer (tokenizer_for)."""
 
-    def __init__(self, model: Optional[GPT] = None) -> None:
-        self.enc = tokenizer_for(model) if model is not None else gpt2_tokenizer()
+    def __init__(self, model: GPT) -> None:
+        self.enc = tokenizer_for(model)
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, t: int) -> str:

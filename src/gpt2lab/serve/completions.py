@@ -45,15 +45,13 @@ def _unsupported(req, **checks: bool) -> None:
 def _prompts(req: CompletionRequest, model) -> tuple[list[list[int]], list[str]]:
     """Token ids of each prompt for ``model``, and each prompt's text (for echo and
     logprobs' text offsets)."""
-    p, vocab = req.prompt, model.config.real_vocab_size
+    p, vocab = [req.prompt] if isinstance(req.prompt, str) else req.prompt, model.config.real_vocab_size
     texts = None
-    if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(x, str) for x in p)):
-        texts = [prompt_text(t) for t in ([p] if isinstance(p, str) else p)]  # as sample
+    if p and all(isinstance(x, str) for x in p):  # the schema's types: texts, token ids, lists of token ids
+        texts = [prompt_text(t) for t in p]  # as sample
         ids = [encode_prompt(t, model) for t in texts]  # as sample
-    elif isinstance(p, list) and p and all(isinstance(x, int) for x in p):
-        ids = [p]
     else:
-        ids = list(p) if isinstance(p, list) else []
+        ids = [p] if p and isinstance(p[0], int) else p
     if not ids or len(ids) > MAX_PROMPTS:
         raise APIError(400, f"prompt: pass 1 to {MAX_PROMPTS} prompts (text or token ids)", param="prompt")
     for i, one in enumerate(ids):

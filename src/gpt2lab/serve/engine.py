@@ -86,7 +86,6 @@ class Job:
         self.queued = False  # holds one of its worker's max_queue places (Worker.submit until _started)
         self.arrived = time.monotonic()
         self.deadline = self.arrived + timeout_s
-        self.first_token: Optional[float] = None
         self.last_token: dict[int, float] = {}  # choice index -> when its last token was sampled
 
     def send(self, event: Event) -> None:
@@ -231,8 +230,7 @@ class Worker:
     def _token(self, job: Job, index: int) -> None:
         """Count a sampled token of choice ``index``; observe first-token or per-token latency."""
         now = time.monotonic()
-        if job.first_token is None:
-            job.first_token = now
+        if not job.last_token:  # the request's first
             self.metrics.first_token.labels(self.name).observe(now - job.arrived)
         last = job.last_token.get(index)
         if last is not None:
