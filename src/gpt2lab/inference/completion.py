@@ -287,6 +287,8 @@ class StopFilter:
 
     def feed(self, piece: str) -> tuple[str, bool]:
         """(text safe to emit, whether a stop string was reached)."""
+        if not self.stops:  # nothing to hold back (gpt2lab sample, most requests): no per-character work
+            return piece, False
         self.pending.append(piece)
         self.held += len(piece)
         for j, c in enumerate(piece):
