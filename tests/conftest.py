@@ -162,13 +162,13 @@ def serving_in_thread(workers: dict, host: str = "127.0.0.1", connections=None) 
     """Serve ``workers`` with uvicorn and their engine each in a background thread on a free port, the
     connections guarded as ``connections`` says (serve.limits.Connections); yield the base URL. The workers
     are closed on exit. (``gpt2lab serve`` runs the engine in its main thread instead, faster on CPUs:
-    serve.server.serve_here, serve.engine.Engine's docstring.)"""
+    serve.server.serve_here, serve.engine.run_engine's docstring.)"""
     import threading
 
-    from gpt2lab.serve.engine import Engine
+    from gpt2lab.serve.engine import run_engine
     from gpt2lab.serve.server import bind, uvicorn_in_thread
 
-    engine = threading.Thread(target=Engine(workers).run, name="gpt2lab-serve-engine", daemon=True)
+    engine = threading.Thread(target=run_engine, args=(workers,), name="gpt2lab-serve-engine", daemon=True)
     engine.start()
     with uvicorn_in_thread(workers, bind(host, 0), connections=connections) as url:  # port 0: the OS picks
         try:

@@ -111,17 +111,6 @@ def _stops(stop: Optional[Union[str, list[str]]]) -> list[str]:
     return stops
 
 
-def _worker(model: str, workers: dict[str, Worker]) -> Worker:
-    if model not in workers:
-        raise APIError(
-            404,
-            f"The model {model!r} does not exist; this server has: {', '.join(workers)}",
-            param="model",
-            code="model_not_found",
-        )
-    return workers[model]
-
-
 class Completion:
     """One validated completion request: its worker, its work, the response id, and the completion tokens
     its choices have taken so far (``tokens``)."""
@@ -130,7 +119,14 @@ class Completion:
     strip, tokens = False, 0  # whether a reply's leading whitespace is dropped (chat's plain template)
 
     def __init__(self, req: Union[CompletionRequest, ChatRequest], workers: dict[str, Worker]) -> None:
-        self.req, self.worker = req, _worker(req.model, workers)
+        if req.model not in workers:
+            raise APIError(
+                404,
+                f"The model {req.model!r} does not exist; this server has: {', '.join(workers)}",
+                param="model",
+                code="model_not_found",
+            )
+        self.req, self.worker = req, workers[req.model]
         max_tokens, default, stops, echo, logprobs = self._read(req)
         _check_length(self.prompts, max_tokens, self.worker, default, self.WHAT)
         self.sampling = Sampling(

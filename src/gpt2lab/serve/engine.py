@@ -2,7 +2,7 @@
 
 The worker, ``batch.BatchWorker``, runs every active request as rows of a batched decode step,
 or with ``gpt2lab serve --deterministic`` in turns, each row exactly as ``gpt2lab sample`` runs it.
-One thread (``Engine``: the main one under ``gpt2lab serve``) runs the models, so requests
+One thread (``run_engine``: the main one under ``gpt2lab serve``) runs the models, so requests
 cannot corrupt each other; both bound the rows in
 flight (``max_batch``) and the requests waiting (``max_queue``: past it ``submit`` raises
 QueueFull; a request whose client left gives its place back at once, Job.cancel), and end a
@@ -112,7 +112,7 @@ class Job:
 
 
 class Worker:
-    """Owns one model; the engine's thread (``Engine``) is the one that ever runs it. Its ``_steps``
+    """Owns one model; the engine's thread (``run_engine``) is the one that ever runs it. Its ``_steps``
     (batch.BatchWorker's) is a generator that does one step of work per ``next`` and says whether it
     had any (False: idle until a request arrives)."""
 
@@ -244,36 +244,31 @@ def _put_each(items: list) -> None:
         out.put_nowait(event)
 
 
-class Engine:
-    """Runs every worker's steps in ONE thread, round robin, sleeping while all are idle.
+def run_engine(workers: dict[str, Worker]) -> None:
+    """Step every worker in the calling thread, round robin, sleeping while all are idle, until every one
+    is closed.
 
-    The thread that calls ``run`` does all of the models' work; ``gpt2lab serve`` gives it its
-    main thread (uvicorn serves from another). Why one thread, and the main one: an OpenMP
-    runtime (libgomp, in PyTorch's CPU wheels) counts the threads of every thread's team, and once
-    they outnumber the cores it stops spinning between parallel regions; a model run from a
-    second thread after the main one has run torch ops then pays a wake-up per op. Measured on a
-    2-core Zen 5: the 124M model decodes 145 tokens/s from the main thread and 69 from another.
+    This thread does all of the models' work; ``gpt2lab serve`` gives it its main thread (uvicorn serves
+    from another). Why one thread, and the main one: an OpenMP runtime (libgomp, in PyTorch's CPU wheels)
+    counts the threads of every thread's team, and once they outnumber the cores it stops spinning between
+    parallel regions; a model run from a second thread after the main one has run torch ops then pays a
+    wake-up per op. Measured on a 2-core Zen 5: the 124M model decodes 145 tokens/s from the main thread
+    and 69 from another.
     """
-
-    def __init__(self, workers: "dict[str, Worker]") -> None:
-        self.workers = list(workers.values())
-        self.wake = threading.Event()
-        for w in self.workers:
-            w._wake = self.wake
-
-    def run(self) -> None:
-        """Step the workers until every one is closed (in the calling thread)."""
-        with torch.inference_mode():  # the caches' buffers are inference tensors: every update in them
-            steps = {w: w._steps() for w in self.workers}
-            while steps:
-                self.wake.clear()  # before looking: a request arriving from here on wakes the wait below
-                busy = False
-                for w, g in list(steps.items()):
-                    try:
-                        busy = next(g) or busy
-                    except StopIteration:
-                        del steps[w]
-                    finally:
-                        w.deliver()
-                if steps and not busy:
-                    self.wake.wait()
+    wake = threading.Event()
+    for w in workers.values():
+        w._wake = wake
+    with torch.inference_mode():  # the caches' buffers are inference tensors: every update in them
+        steps = {w: w._steps() for w in workers.values()}
+        while steps:
+            wake.clear()  # before looking: a request arriving from here on wakes the wait below
+            busy = False
+            for w, g in list(steps.items()):
+                try:
+                    busy = next(g) or busy
+                except StopIteration:
+                    del steps[w]
+                finally:
+                    w.deliver()
+            if steps and not busy:
+                wake.wait()

@@ -105,7 +105,7 @@ async def respond(c: Completion, request: Request):
 
 async def _unless_hung_up(work: Awaitable[dict], request: Request) -> Optional[dict]:
     """``work``'s answer, or None when the client hangs up first: ``work`` is then cancelled, and its
-    job with it (_events), so that its queue place is free now and its row at the worker's next step."""
+    job with it (_parts), so that its queue place is free now and its row at the worker's next step."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_hang_up(request))
     try:
