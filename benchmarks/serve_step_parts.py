@@ -6,7 +6,7 @@ Runs `gpt2lab bench serve` with the given flags, each of the batch worker's part
 timer, and prints to stderr, after bench serve's own table, each part's total seconds, calls and ms a
 call: the worker's iterations, the model's fused step, the decode step (with the prompts that join it as
 rows), prompts' prefill run on their own, top-k, the draws, the text and events of each token (`sampled`), and the
-hand-over of a step's events to the event loop (`settle_outbox`, which includes waiting for the GIL
+hand-over of a step's events to the event loop (`deliver`, which includes waiting for the GIL
 while the HTTP thread takes them). Timers nest: a part's time includes the parts it calls.
 """
 
@@ -47,7 +47,7 @@ PARTS = [
     (batch, "top_k_rows", "top-k"),
     (batch, "sample_next", "draws (sample_next)"),
     (batch.BatchWorker, "_sampled", "sampled (text, events)"),
-    (engine, "settle_outbox", "settle_outbox"),
+    (engine.Worker, "deliver", "deliver (events to the event loop)"),
 ]
 
 

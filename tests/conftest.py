@@ -158,19 +158,25 @@ def damaged_copy(src: str, dst: str, what: str) -> str:
 
 
 @contextlib.contextmanager
-def serving_in_thread(workers: dict, host: str = "127.0.0.1") -> Iterator[str]:
-    """Serve ``workers`` with uvicorn and their engine each in a background thread on a free port;
-    yield the base URL. The workers are closed on exit. (``gpt2lab serve`` runs the engine in its main
-    thread instead: serve.server.serve_here.)"""
-    from gpt2lab.serve.engine import Engine
+def serving_in_thread(workers: dict, host: str = "127.0.0.1", connections=None) -> Iterator[str]:
+    """Serve ``workers`` with uvicorn and their engine each in a background thread on a free port, the
+    connections guarded as ``connections`` says (serve.limits.Connections); yield the base URL. The workers
+    are closed on exit. (``gpt2lab serve`` runs the engine in its main thread instead, faster on CPUs:
+    serve.server.serve_here, serve.engine.run_engine's docstring.)"""
+    import threading
+
+    from gpt2lab.serve.engine import run_engine
     from gpt2lab.serve.server import bind, uvicorn_in_thread
 
-    engine = Engine(workers).start()
-    with uvicorn_in_thread(workers, bind(host, 0)) as url:  # port 0: the OS picks a free port
+    engine = threading.Thread(target=run_engine, args=(workers,), name="gpt2lab-serve-engine", daemon=True)
+    engine.start()
+    with uvicorn_in_thread(workers, bind(host, 0), connections=connections) as url:  # port 0: the OS picks
         try:
             yield url
         finally:
-            engine.close()
+            for w in workers.values():
+                w.close()
+            engine.join(timeout=10)
 
 
 @contextlib.contextmanager
@@ -555,17 +561,11 @@ def guarded_server(model_dir: str, connections=None, host: str = "127.0.0.1") ->
     (serve.limits.Connections: head deadline, connection cap, Host names); yields the base URL."""
     pytest.importorskip("uvicorn", reason="gpt2lab serve needs the serve extra (fastapi, uvicorn)")
     from gpt2lab.inference.choice import InferenceRequest
-    from gpt2lab.serve.engine import Engine
     from gpt2lab.serve.models import load_workers
-    from gpt2lab.serve.server import bind, uvicorn_in_thread
 
     workers = load_workers([f"tiny={model_dir}"], "cpu", InferenceRequest(dtype="float32", linear="packed"))
-    engine = Engine(workers).start()
-    with uvicorn_in_thread(workers, bind(host, 0), connections=connections) as url:
-        try:
-            yield url
-        finally:
-            engine.close()
+    with serving_in_thread(workers, host, connections) as url:
+        yield url
 
 
 def until_closed(socks: list, timeout: float) -> dict:

@@ -39,22 +39,15 @@ def confident_server(tmp_path_factory):
 
 def test_batched_requests_draw_the_tokens_sample_draws(confident_server):
     """8 prompts x seeds in flight together (one batch) give the text that
-    completion.stream_text (gpt2lab sample's code) gives each alone."""
-    from gpt2lab.inference.completion import Sampling, prompt_ids, seeded_generator, stream_text
+    completion.stream_tokens (gpt2lab sample's code) gives each alone."""
+    from gpt2lab.inference.completion import Sampling, prompt_ids, seeded_generator
 
     url, model = confident_server
     cases = [(f"Prompt {i}: " + "word " * (3 * i), 10 + i, [0.7, 1.0, 1.3][i % 3], [0, 40][i % 2]) for i in range(8)]
     expected = []
     for prompt, seed, temperature, top_k in cases:
         s = Sampling(max_new_tokens=20, temperature=temperature, top_k=top_k)
-        expected.append(
-            "".join(
-                t
-                for _, t, _ in stream_text(
-                    model, prompt_ids(prompt, model), s, seeded_generator(torch.device("cpu"), seed)
-                )
-            )
-        )
+        expected.append(_alone(model, prompt_ids(prompt, model), s, seeded_generator(torch.device("cpu"), seed)))
     got: dict[int, str] = {}
     barrier = threading.Barrier(len(cases))
 
@@ -87,6 +80,15 @@ def _one_step_as_alone(model, reference, cache, seqs: list[list[int]], g: torch.
         seq.append(int(new[i]))
         alone, _ = reference(torch.tensor([seq]), last_only=True)
         torch.testing.assert_close(batched[i, -1], alone[0, -1], rtol=1e-5, atol=1e-5)
+
+
+def _alone(model, ids: list[int], sampling, generator) -> str:
+    """The text of the tokens completion.stream_tokens (gpt2lab sample's code) draws for ``ids`` alone, up to
+    the end token, decoded whole by the tokenizer."""
+    from gpt2lab.inference.completion import end_token, stream_tokens, tokenizer_for
+
+    tokens = [t for t, _ in stream_tokens(model, ids, sampling, generator)]
+    return tokenizer_for(model).decode(tokens[:-1] if tokens and tokens[-1] == end_token(model) else tokens)
 
 
 class _Loop:
@@ -133,14 +135,14 @@ def test_prompts_run_together_right_padded_give_each_row_its_own_logits(block):
 
 def _submit_as_sample(worker, model, prompt: str, seed: int, temperature: float, tokens: int, n: int):
     """Submit a seeded request of ``n`` samples (top-k 40) to ``worker``; (its job, the texts
-    completion.stream_text (gpt2lab sample's code) gives each sample alone on ``model``)."""
-    from gpt2lab.inference.completion import Sampling, prompt_ids, seeded_generator, stream_text
+    completion.stream_tokens (gpt2lab sample's code) gives each sample alone on ``model``)."""
+    from gpt2lab.inference.completion import Sampling, prompt_ids, seeded_generator
     from gpt2lab.serve import engine
 
     s = Sampling(max_new_tokens=tokens, temperature=temperature, top_k=40)
     ids = prompt_ids(prompt, model)
     gen = seeded_generator(torch.device("cpu"), seed)
-    expected = ["".join(t for _, t, _ in stream_text(model, ids, s, gen)) for _ in range(n)]
+    expected = [_alone(model, ids, s, gen) for _ in range(n)]
     job = engine.Job(engine.Work([ids], s, n=n, seeds=[seed], stops=[], echo=[]), _Loop(now=True), 60)
     worker.submit(job)
     return job, expected
@@ -153,7 +155,9 @@ def _finish_and_check_texts(worker, steps, jobs, expected) -> None:
 
     with torch.inference_mode():
         for _ in range(200):
-            if not next(steps) and all(job not in worker._open for job in jobs):
+            busy = next(steps)
+            worker.deliver()  # as the engine does when a step ends
+            if not busy and all(job not in worker._open for job in jobs):
                 break
     for job, want in zip(jobs, expected):
         events = [job.out.get_nowait() for _ in range(job.out.qsize())]
@@ -167,7 +171,7 @@ def test_a_burst_of_prompts_is_prefilled_in_one_forward_and_each_gets_the_text_i
 ):
     """Five requests arriving before a step (prompts of 2 to 30 tokens, seeded, one of them two samples,
     one greedy, one stopping after its first token): their prompts run in one padded forward (a
-    sixth, too long for the chunk with them, alone), and each gets the text completion.stream_text
+    sixth, too long for the chunk with them, alone), and each gets the text completion.stream_tokens
     (gpt2lab sample's code) gives it alone."""
     from gpt2lab.serve import batch
     from gpt2lab.serve.limits import Limits
@@ -192,7 +196,7 @@ def test_prompts_join_the_fused_step_of_running_rows_each_getting_its_text_alone
     five (prompts of 1 to 30 tokens, seeded, one of them two samples, one greedy, one ending after its
     first token): every prompt joins a decode step as rows of its own slot (the mixed step), none runs a
     prefill of its own, the burst's first four in one step beside the running row (their 24 tokens fit the
-    chunk of 40, the fifth's 30 do not), and each request gets the text completion.stream_text (gpt2lab
+    chunk of 40, the fifth's 30 do not), and each request gets the text completion.stream_tokens (gpt2lab
     sample's code) gives it alone on the same held model. In every step, each row's logits are those of its
     whole sequence run alone (its prompt's keys and values in its own slot)."""
     from gpt2lab.inference.choice import Candidate
@@ -353,50 +357,35 @@ def test_shutting_down_after_a_step_cut_short_delivers_its_events_then_the_error
     from gpt2lab.serve import engine
     from gpt2lab.serve.engine import ShuttingDown
 
-    class Open(engine.Worker):
-        def _steps(self):
-            yield False
-
     loop, error = _Loop(), ShuttingDown("server shutting down")
-    worker = Open("tiny", tiny_gpt(seed=1), torch.device("cpu"))
+    worker = engine.Worker("tiny", tiny_gpt(seed=1), torch.device("cpu"))
     job = engine.Job(None, loop, 60)
+    job.worker = worker
     worker._open.add(job)
-    engine._OUTBOX.pending = []  # the step's outbox, never delivered
-    try:
-        job.send("token")
-        assert worker.shut_down(error) == 1
-        assert engine._OUTBOX.pending is None
-    finally:
-        engine._OUTBOX.pending = None
+    job.send("token")  # the step's event, never delivered
+    assert worker.shut_down(error) == 1 and worker.outbox == []
     for fn, args in loop.calls:
         fn(*args)
     got = [job.out.get_nowait() for _ in range(job.out.qsize())]
     assert got == ["token", error, None]
 
 
-def test_an_engine_steps_events_reach_each_loop_in_one_call_in_the_order_sent():
-    """Outside a step each event is handed to its loop at once; inside one, they wait, and ``deliver``
-    hands each loop the step's events in one call, every job's in the order sent."""
+def test_a_steps_events_reach_each_loop_in_one_call_in_the_order_sent():
+    """Events wait in their worker's outbox until ``deliver`` (the end of the engine's step), which hands each
+    loop the step's events in one call, every job's in the order sent."""
     from gpt2lab.serve import engine
 
     a, b = _Loop(), _Loop()
+    worker = engine.Worker("tiny", tiny_gpt(seed=1), torch.device("cpu"))
     one, two, three = engine.Job(None, a, 60), engine.Job(None, b, 60), engine.Job(None, a, 60)
-    one.send("now")
-    assert len(a.calls) == 1
-    a.calls[0][0](*a.calls[0][1])
-    assert one.out.get_nowait() == "now"
-    a.calls.clear()
-    engine._OUTBOX.pending = []
-    try:
-        for job, event in [(one, "x1"), (two, "y1"), (three, "z1"), (one, "x2"), (two, "y2"), (one, None)]:
-            job.send(event)
-        assert a.calls == [] and b.calls == []
-        engine.deliver()
-        assert len(a.calls) == 1 and len(b.calls) == 1 and engine._OUTBOX.pending == []
-        engine.deliver()  # nothing more sent: no call
-        assert len(a.calls) == 1 and len(b.calls) == 1
-    finally:
-        engine._OUTBOX.pending = None
+    for job, event in [(one, "x1"), (two, "y1"), (three, "z1"), (one, "x2"), (two, "y2"), (one, None)]:
+        job.worker = worker
+        job.send(event)
+    assert a.calls == [] and b.calls == []
+    worker.deliver()
+    assert len(a.calls) == 1 and len(b.calls) == 1 and worker.outbox == []
+    worker.deliver()  # nothing more sent: no call
+    assert len(a.calls) == 1 and len(b.calls) == 1
     for loop in (a, b):
         fn, args = loop.calls[0]
         fn(*args)

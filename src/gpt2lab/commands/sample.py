@@ -124,12 +124,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def stream_one(model, ids: list[int], prompt: str, sampling, generator: torch.Generator, watch=None) -> None:
-    """Print the prompt, then each token's text as it comes (completion.stream_text)."""
-    from gpt2lab.inference.completion import prompt_text, stream_text
+    """Print the prompt, then each token's text as it comes (completion.stream_tokens, SampleText)."""
+    from gpt2lab.inference.completion import SampleText, prompt_text, stream_tokens
 
     print(prompt_text(prompt), end="", flush=True)  # the text the model was given (an undecodable byte as U+FFFD)
-    for _, text, _ in stream_text(model, ids, sampling, generator, watch=watch):
-        print(text, end="", flush=True)
+    text = SampleText(model, sampling, [])
+    for t, _ in stream_tokens(model, ids, sampling, generator, watch=watch):
+        piece, tail = text.feed(t)
+        print(piece or "", *tail, sep="", end="", flush=True)
     print(flush=True)
 
 
@@ -138,7 +140,7 @@ def _chat(model, args: argparse.Namespace, sampling, generator: torch.Generator,
     ended by the server's rule, completion.SampleText: the model's end token or its template's stop
     strings). The oldest turns leave the prompt once the conversation outgrows the context (said once)."""
     from gpt2lab.inference.chat import chat_prompt, note
-    from gpt2lab.inference.completion import SampleText, stream_text
+    from gpt2lab.inference.completion import SampleText, stream_tokens
 
     say = functools.partial(print, file=sys.stderr, flush=True)
     say(f"gpt2lab sample --chat: {note(model.config, 'this chat')}; type a message, an empty line or Ctrl-D ends")
@@ -163,7 +165,7 @@ def _chat(model, args: argparse.Namespace, sampling, generator: torch.Generator,
                 )
                 told = True
         reply, sample = [], SampleText(model, sampling, list(prompt.stops))
-        for tok, _, _ in stream_text(model, prompt.ids, sampling, generator, watch=watch):
+        for tok, _ in stream_tokens(model, prompt.ids, sampling, generator, watch=watch):
             piece, tail = sample.feed(tok)
             for text in [piece or "", *tail]:
                 reply.append(text.lstrip() if prompt.strip and not "".join(reply) else text)

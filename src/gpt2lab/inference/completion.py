@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 
-from gpt2lab.data.tokenizer import Tokenizer, for_config, gpt2_tokenizer, short
+from gpt2lab.data.tokenizer import Tokenizer, for_config, short
 from gpt2lab.model.gpt import GPT
 from gpt2lab.model.sampling_defaults import SAMPLING
 
@@ -186,29 +186,23 @@ def score_prompt(model: GPT, ids: list[int], top: int) -> list[TokenLogprob]:
     return [first, *token_logprobs(logits[0, :-1], idx[0, 1:], model.config.real_vocab_size, top)]
 
 
-def stream_text(
+def stream_tokens(
     model: GPT,
     ids: list[int],
     sampling: Sampling,
     generator: torch.Generator,
     logprobs: Optional[int] = None,
     watch=None,
-) -> Iterator[tuple[Optional[int], str, Optional[TokenLogprob]]]:
-    """Yield (token id, text, log-probability) per sampled token, ending at <|endoftext|> (if asked)
-    or the limit; the log-probability (``token_logprobs``, with the ``logprobs`` most likely
-    tokens) only when ``logprobs`` is given, else None. ``watch`` (inference/probe.py's Watch), if
-    given, sees how long each decode step's forward took.
-
-    Bytes of a character split across tokens are held back until the character is
-    complete (their token yields ''); the last item is (None, what was held back, None), and
-    the EOT token itself yields nothing.
-    """
+) -> Iterator[tuple[int, Optional[TokenLogprob]]]:
+    """Yield (token id, log-probability) per sampled token, up to the limit or, with ``sampling.stop_at_eot``,
+    the model's end token (``end_token``, yielded last): their text and where it ends is SampleText's. The
+    log-probability (``token_logprobs``, with the ``logprobs`` most likely tokens) only when ``logprobs`` is
+    given, else None. ``watch`` (inference/probe.py's Watch), if given, sees how long each decode step's
+    forward took."""
     import time
 
     from gpt2lab.model.sampling import generate_stream
 
-    text = TokenText(model)
-    stop = end_token(model) if sampling.stop_at_eot else None
     prompt = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
     seen: list[torch.Tensor] = []  # the logits each token was drawn from, when logprobs are asked
     started = [0.0, len(ids)]  # when the step now running began, and its new token's position
@@ -226,26 +220,22 @@ def stream_text(
         temperature=sampling.temperature,
         **sampling.filters(),
         generator=generator,
-        stop_token=stop,
+        stop_token=end_token(model) if sampling.stop_at_eot else None,  # the stream's last token
         on_logits=None if logprobs is None and watch is None else on_logits,
     )
     for tok, _ in stream:
-        t = int(tok[0])
-        if stop is not None and t == stop:
-            break
         lp = None if logprobs is None else token_logprobs(seen.pop(), tok, model.config.real_vocab_size, logprobs)[0]
-        yield t, text.feed(t), lp
+        yield int(tok[0]), lp
         started[0], started[1] = time.perf_counter(), started[1] + 1  # the next step starts
-    yield None, text.flush(), None
 
 
 class TokenText:
     """Text of sampled tokens, one token at a time: the bytes of a character split across
     tokens are held back until it is complete; ids past the tokenizer's vocabulary show as <|id|>.
-    ``model``: whose tokenizer (tokenizer_for); None: GPT-2's."""
+    ``model``: whose tokenizer (tokenizer_for)."""
 
-    def __init__(self, model: Optional[GPT] = None) -> None:
-        self.enc = tokenizer_for(model) if model is not None else gpt2_tokenizer()
+    def __init__(self, model: GPT) -> None:
+        self.enc = tokenizer_for(model)
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, t: int) -> str:
@@ -299,6 +289,8 @@ class StopFilter:
 
     def feed(self, piece: str) -> tuple[str, bool]:
         """(text safe to emit, whether a stop string was reached)."""
+        if not self.stops:  # nothing to hold back (gpt2lab sample, most requests): no per-character work
+            return piece, False
         self.pending.append(piece)
         self.held += len(piece)
         for j, c in enumerate(piece):

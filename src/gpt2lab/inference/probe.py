@@ -312,7 +312,7 @@ def _serve_rows(model, device, request, facts, cands, key: str, entry: Optional[
 class Watch:
     """A run's own one-row steps against the cached figure of its choice: a median of WATCH_STEPS steps
     over DISAGREE times that figure removes the cache entry (said once on stderr), so the next run
-    measures again. Fed by inference/completion.stream_text."""
+    measures again. Fed by inference/completion.stream_tokens."""
 
     def __init__(self, key: str, name: str, step_ms: float, command: str) -> None:
         self.key, self.name, self.step_ms, self.command = key, name, step_ms, command

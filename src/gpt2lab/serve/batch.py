@@ -47,13 +47,13 @@ from gpt2lab.inference.completion import (
     TokenLogprob,
     score_prompt,
     seeded_generator,
-    stream_text,
+    stream_tokens,
     token_logprobs,
 )
 from gpt2lab.inference.fused import prompt_rows
 from gpt2lab.model.gpt import KVCache
 from gpt2lab.model.sampling import sample_next, top_k_rows
-from gpt2lab.serve.engine import Finish, Job, Text, Worker, deliver
+from gpt2lab.serve.engine import Finish, Job, Text, Worker
 
 
 class RowsCache:
@@ -163,7 +163,7 @@ class Row:
         self.index = self.p * r.n + self.sample
         self.out = SampleText(self.model, r.sampling, r.stops)  # its text, and where it ends
         self.cache: Optional[KVCache] = None  # the prompt's, while it is being run
-        self.tokens: Optional[Iterator] = None  # in turns: stream_text's, as gpt2lab sample runs it
+        self.tokens: Optional[Iterator] = None  # in turns: its stream_tokens, as gpt2lab sample runs it
         self.last: Optional[int] = None  # the token to feed next
         self.scored: list[TokenLogprob] = [TokenLogprob(self.ids[0], None)]  # the prompt's, with scores_prompt
         if r.echo and not r.scores_prompt:  # else once its prefill has scored the prompt
@@ -172,7 +172,7 @@ class Row:
 
 class BatchWorker(Worker):
     """Continuous batching (see the module's docstring); with ``turns`` (``gpt2lab serve --deterministic``)
-    the rows instead take turns, one token each, every sample run by completion.stream_text with its own KV
+    the rows instead take turns, one token each, every sample run by completion.stream_tokens with its own KV
     cache exactly as ``gpt2lab sample`` runs it: a seeded request gives sample's text whatever else is
     served, and 8 streams share one stream's tokens/s."""
 
@@ -259,8 +259,8 @@ class BatchWorker(Worker):
                 if r.scores_prompt:
                     scored = score_prompt(self.model, row.ids, r.logprobs)
                     row.job.send(Text(row.index, r.echo[row.p], logprobs=scored))
-                row.tokens = stream_text(self.model, row.ids, r.sampling, row.generator, r.logprobs)
-            t, _, lp = next(row.tokens)
+                row.tokens = stream_tokens(self.model, row.ids, r.sampling, row.generator, r.logprobs)
+            t, lp = next(row.tokens, (None, None))  # None: max_tokens 0, the prompt scored only
         except Exception as e:
             return self._end_job(row.job, e)
         if self._sampled(row, t, lp):
@@ -276,7 +276,7 @@ class BatchWorker(Worker):
                 return
             chunk = self.limits.prefill_chunk
             self._prefill(self._front(lambda g: len(g) * max(len(r.ids) for r in g) <= chunk) or [self.prefill[0]])
-            deliver()  # a first token goes out now, not after the decode step
+            self.deliver()  # a first token goes out now, not after the decode step
         if self.decoding:
             self._decode([])
 
@@ -398,7 +398,7 @@ class BatchWorker(Worker):
         piece, tail = row.out.feed(t)
         if piece is not None:
             self._token(row.job, row.index)
-            row.job.send(Text(row.index, piece, True, None if lp is None else [lp]))
+            row.job.send(Text(row.index, piece, None if lp is None else [lp]))
         for text in tail:
             row.job.send(Text(row.index, text))
         if row.out.reason is None:

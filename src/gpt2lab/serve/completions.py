@@ -24,7 +24,7 @@ from gpt2lab.inference.completion import (
 )
 from gpt2lab.model.sampling_defaults import SAMPLING
 from gpt2lab.serve.engine import Job, QueueFull, ShuttingDown, Work, Worker
-from gpt2lab.serve.errors import APIError, shutting_down
+from gpt2lab.serve.errors import APIError, failed
 from gpt2lab.serve.logprobs import Logprobs
 from gpt2lab.serve.schemas import MAX_PROMPTS, MAX_STOPS, ChatMessage, ChatRequest, CompletionRequest
 
@@ -45,15 +45,13 @@ def _unsupported(req, **checks: bool) -> None:
 def _prompts(req: CompletionRequest, model) -> tuple[list[list[int]], list[str]]:
     """Token ids of each prompt for ``model``, and each prompt's text (for echo and
     logprobs' text offsets)."""
-    p, vocab = req.prompt, model.config.real_vocab_size
+    p, vocab = [req.prompt] if isinstance(req.prompt, str) else req.prompt, model.config.real_vocab_size
     texts = None
-    if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(x, str) for x in p)):
-        texts = [prompt_text(t) for t in ([p] if isinstance(p, str) else p)]  # as sample
+    if p and all(isinstance(x, str) for x in p):  # the schema's types: texts, token ids, lists of token ids
+        texts = [prompt_text(t) for t in p]  # as sample
         ids = [encode_prompt(t, model) for t in texts]  # as sample
-    elif isinstance(p, list) and p and all(isinstance(x, int) for x in p):
-        ids = [p]
     else:
-        ids = list(p) if isinstance(p, list) else []
+        ids = [p] if p and isinstance(p[0], int) else p
     if not ids or len(ids) > MAX_PROMPTS:
         raise APIError(400, f"prompt: pass 1 to {MAX_PROMPTS} prompts (text or token ids)", param="prompt")
     for i, one in enumerate(ids):
@@ -113,47 +111,24 @@ def _stops(stop: Optional[Union[str, list[str]]]) -> list[str]:
     return stops
 
 
-def _worker(model: str, workers: dict[str, Worker]) -> Worker:
-    if model not in workers:
-        raise APIError(
-            404,
-            f"The model {model!r} does not exist; this server has: {', '.join(workers)}",
-            param="model",
-            code="model_not_found",
-        )
-    return workers[model]
-
-
 class Completion:
-    """One validated completion request: its worker, its work, and the response id."""
+    """One validated completion request: its worker, its work, the response id, and the completion tokens
+    its choices have taken so far (``tokens``)."""
 
-    OBJECT, ID = "text_completion", "cmpl"  # what its chunks are, and its id's prefix
+    OBJECT, WHOLE, ID, WHAT = "text_completion", "text_completion", "cmpl", "prompt"  # chunk, answer, id, prompt
+    strip, tokens = False, 0  # whether a reply's leading whitespace is dropped (chat's plain template)
 
-    def __init__(self, req: CompletionRequest, workers: dict[str, Worker]) -> None:
-        self.req, self.worker = req, _worker(req.model, workers)
-        _unsupported(req, best_of=req.best_of not in (None, 1, req.n), suffix=bool(req.suffix))
-        self.prompts, self.texts = _prompts(req, self.worker.model)
-        default = req.max_tokens is None or "max_tokens" not in req.model_fields_set
-        self._prepare(
-            16 if req.max_tokens is None else req.max_tokens,
-            _stops(req.stop),
-            echo=self.texts if req.echo else [],
-            logprobs=req.logprobs,
-            default=default,
-        )
-
-    def _prepare(
-        self,
-        max_tokens: int,
-        stops: list[str],
-        echo: list[str],
-        logprobs: Optional[int],
-        default: bool,
-        what: str = "prompt",
-    ) -> None:
-        """The work of ``self.prompts`` with the request's sampling settings (shared with chat)."""
-        req = self.req
-        _check_length(self.prompts, max_tokens, self.worker, default, what)
+    def __init__(self, req: Union[CompletionRequest, ChatRequest], workers: dict[str, Worker]) -> None:
+        if req.model not in workers:
+            raise APIError(
+                404,
+                f"The model {req.model!r} does not exist; this server has: {', '.join(workers)}",
+                param="model",
+                code="model_not_found",
+            )
+        self.req, self.worker = req, workers[req.model]
+        max_tokens, default, stops, echo, logprobs = self._read(req)
+        _check_length(self.prompts, max_tokens, self.worker, default, self.WHAT)
         self.sampling = Sampling(
             max_new_tokens=max_tokens,  # a field sent as null is its default, as left out (OpenAI's reading)
             temperature=_or(req.temperature, SAMPLING.temperature),
@@ -162,32 +137,33 @@ class Completion:
         )
         # without a seed each prompt draws its own (equal prompts get their own samples); with one,
         # every prompt starts from it, as `gpt2lab sample --seed` does
-        seeds = (
-            [req.seed] * len(self.prompts) if req.seed is not None else [secrets.randbelow(2**63) for _ in self.prompts]
-        )
+        seeds = [_or(req.seed, secrets.randbelow(2**63)) for _ in self.prompts]
         self.n = req.n or 1
+        self.count = len(self.prompts) * self.n  # choices
         stops = [StopString(s) for s in stops if s]  # matched incrementally, shared by the request's choices
         self.work = Work(self.prompts, self.sampling, n=self.n, seeds=seeds, stops=stops, echo=echo, logprobs=logprobs)
         self.created, self.id = int(time.time()), f"{self.ID}-{secrets.token_hex(12)}"
+
+    def _read(self, req: CompletionRequest) -> tuple[int, bool, list[str], list[str], Optional[int]]:
+        """Set the prompts (ids, text); (max_tokens, whether left out, stop strings, echo, logprobs)."""
+        _unsupported(req, best_of=req.best_of not in (None, 1, req.n), suffix=bool(req.suffix))
+        self.prompts, self.texts = _prompts(req, self.worker.model)
+        default = req.max_tokens is None or "max_tokens" not in req.model_fields_set
+        return _or(req.max_tokens, 16), default, _stops(req.stop), self.texts if req.echo else [], req.logprobs
 
     def start(self) -> Job:
         """Hand the request to its worker; a full queue answers 429 at once."""
         job = Job(self.work, asyncio.get_running_loop(), self.worker.limits.timeout_s)
         try:
             self.worker.submit(job)
-        except QueueFull as e:
-            raise APIError(429, str(e), code="queue_full", kind="server_busy") from None
-        except ShuttingDown as e:
-            raise shutting_down(e) from None
+        except (QueueFull, ShuttingDown) as e:
+            raise failed(e) from None
         return job
 
-    def usage(self, completion_tokens: int) -> dict:
+    def usage(self) -> dict:
         prompt_tokens = sum(len(p) for p in self.prompts)
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        }
+        total = prompt_tokens + self.tokens
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": self.tokens, "total_tokens": total}
 
     def chunk(self, choices: list[dict], **extra) -> dict:
         return {
@@ -199,24 +175,25 @@ class Completion:
             **extra,
         }
 
+    def part(self, i: int, text: str, finish: Optional[str], logprobs: Optional[dict] = None, whole=False) -> dict:
+        """Choice ``i`` in a chunk (``whole``: in the answer): its text, its logprobs, its finish reason."""
+        return {"text": text, "index": i, "logprobs": logprobs, "finish_reason": finish}
+
     def logprobs(self) -> dict[int, Logprobs]:
         """Each choice's logprobs, built as its tokens come (empty without ``logprobs``). Text offsets
         count from the start of the prompt, echoed or not, as OpenAI's do."""
         if self.work.logprobs is None:
             return {}
-        return {
-            i: Logprobs(0 if self.work.echo else len(self.texts[i // self.n]), self.worker.model)
-            for i in range(len(self.prompts) * self.n)
-        }
+        offset = lambda i: 0 if self.work.echo else len(self.texts[i // self.n])  # noqa: E731
+        return {i: Logprobs(offset(i), self.worker.model) for i in range(self.count)}
 
 
 class ChatCompletion(Completion):
     """One validated chat request: the messages in the model's chat template as one prompt (inference/chat.py)."""
 
-    OBJECT, ID = "chat.completion.chunk", "chatcmpl"
+    OBJECT, WHOLE, ID, WHAT = "chat.completion.chunk", "chat.completion", "chatcmpl", "messages"
 
-    def __init__(self, req: ChatRequest, workers: dict[str, Worker]) -> None:
-        self.req, self.worker = req, _worker(req.model, workers)
+    def _read(self, req: ChatRequest) -> tuple[int, bool, list[str], list[str], Optional[int]]:
         _unsupported(req, logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs is not None)
         if req.response_format is not None and req.response_format.get("type") != "text":
             raise APIError(
@@ -229,21 +206,21 @@ class ChatCompletion(Completion):
             raise APIError(400, "messages: pass at least one message", param="messages")
         try:  # text in a message is text: "<|endoftext|>" or "<|im_end|>" typed there cannot end a turn
             prompt = chat.chat_prompt(self.worker.model, [(m.role, _content(i, m)) for i, m in enumerate(req.messages)])
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
-        ids, text, self.strip = prompt.ids, prompt.text, prompt.strip
-        try:
-            check_ids(ids, self.worker.model.config.real_vocab_size)
+            check_ids(prompt.ids, self.worker.model.config.real_vocab_size)
         except PromptError as e:
             raise APIError(400, f"messages: {e}", param="messages") from None
-        self.prompts, self.texts = [ids], [text]
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        self.prompts, self.texts, self.strip = [prompt.ids], [prompt.text], prompt.strip
         max_tokens = req.max_completion_tokens or req.max_tokens
         default = max_tokens is None
         if default:  # as OpenAI: what the context leaves, here up to --max-tokens
-            max_tokens = max(1, min(self.worker.limits.max_tokens, self.worker.block_size - len(ids)))
-        self._prepare(
-            max_tokens, [*_stops(req.stop), *prompt.stops], echo=[], logprobs=None, default=default, what="messages"
-        )
+            max_tokens = max(1, min(self.worker.limits.max_tokens, self.worker.block_size - len(prompt.ids)))
+        return max_tokens, default, [*_stops(req.stop), *prompt.stops], [], None
+
+    def part(self, i: int, text: str, finish: Optional[str], logprobs: Optional[dict] = None, whole=False) -> dict:
+        said = {"role": "assistant", "content": text} if whole else {"content": text} if text else {}
+        return {"index": i, "message" if whole else "delta": said, "logprobs": None, "finish_reason": finish}
 
 
 def _content(i: int, m: ChatMessage) -> str:

@@ -2,7 +2,7 @@
 
 The worker, ``batch.BatchWorker``, runs every active request as rows of a batched decode step,
 or with ``gpt2lab serve --deterministic`` in turns, each row exactly as ``gpt2lab sample`` runs it.
-One thread (``Engine``: the main one under ``gpt2lab serve``) runs the models, so requests
+One thread (``run_engine``: the main one under ``gpt2lab serve``) runs the models, so requests
 cannot corrupt each other; both bound the rows in
 flight (``max_batch``) and the requests waiting (``max_queue``: past it ``submit`` raises
 QueueFull; a request whose client left gives its place back at once, Job.cancel), and end a
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -33,7 +32,6 @@ from gpt2lab.serve.metrics import ServeMetrics
 class Text:
     index: int  # choice index: prompt number * n + sample number
     text: str
-    token: bool = False  # this text follows a sampled token (for the latency metrics)
     logprobs: Optional[list[TokenLogprob]] = None  # the tokens it covers, when the request asks for logprobs
 
 
@@ -77,17 +75,6 @@ class Work:
         return bool(self.echo) and self.logprobs is not None
 
 
-class _Outbox(threading.local):
-    """The events the engine's thread sent during the step it is in (None outside a step): handed to
-    each event loop in one call when the step ends (``deliver``), a wake-up of the loop's thread
-    a step, not one a token of every row."""
-
-    pending: Optional[list] = None
-
-
-_OUTBOX = _Outbox()
-
-
 class Job:
     """One request in a worker: what it asks, and the asyncio queue its handler reads."""
 
@@ -99,16 +86,13 @@ class Job:
         self.queued = False  # holds one of its worker's max_queue places (Worker.submit until _started)
         self.arrived = time.monotonic()
         self.deadline = self.arrived + timeout_s
-        self.first_token: Optional[float] = None
         self.last_token: dict[int, float] = {}  # choice index -> when its last token was sampled
 
     def send(self, event: Event) -> None:
-        if event is None and self.worker is not None:  # complete: no longer open
+        """Into its worker's outbox, handed over when the step ends (Worker.deliver)."""
+        if event is None:  # complete: no longer open
             self.worker._finished(self)
-        if _OUTBOX.pending is not None:  # in an engine step: delivered when it ends
-            _OUTBOX.pending.append((self, event))
-        else:
-            self.loop.call_soon_threadsafe(self.out.put_nowait, event)
+        self.worker.outbox.append((self, event))
 
     def cancel(self) -> None:
         """Its client went away (the handler calls this): the worker drops the job at its next step,
@@ -128,7 +112,7 @@ class Job:
 
 
 class Worker:
-    """Owns one model; the engine's thread (``Engine``) is the one that ever runs it. Its ``_steps``
+    """Owns one model; the engine's thread (``run_engine``) is the one that ever runs it. Its ``_steps``
     (batch.BatchWorker's) is a generator that does one step of work per ``next`` and says whether it
     had any (False: idle until a request arrives)."""
 
@@ -146,13 +130,15 @@ class Worker:
         self.decision = decision  # how it is held and why (inference/choice.py), where serve/models.py decided
         self.limits = limits or Limits()
         self.metrics = ServeMetrics()  # create_app swaps in the app's own
-        self._new: queue.Queue[Optional[Job]] = queue.Queue()
+        self._new: collections.deque[Job] = collections.deque()  # submitted since the last step
+        self._closed = False  # close: the engine stops running it
         self._lock = threading.Lock()
         self._waiting = 0  # submitted, not yet given a row (or a turn)
         self._rows = 0
         self._open: set[Job] = set()  # submitted, not yet complete: what shut_down ends
         self._stopping: Optional[ShuttingDown] = None  # set by shut_down: new requests are refused
         self._wake = threading.Event()  # the engine's: set when there is something to do
+        self.outbox: list = []  # (job, event) sent since the last delivery, in the order sent
 
     @property
     def block_size(self) -> int:
@@ -171,7 +157,7 @@ class Worker:
             self._waiting += 1
             job.worker, job.queued = self, True
             self._open.add(job)
-        self._new.put(job)
+        self._new.append(job)
         self._wake.set()
 
     def queue_depth(self) -> int:
@@ -188,11 +174,23 @@ class Worker:
             self._stopping = error
             jobs, self._open = list(self._open), set()
         ended = sum(not job.cancelled for job in jobs)  # before failing them: a handler cancels its job as it ends
-        settle_outbox()  # a Ctrl-C may have cut the step's delivery short: its events first, then these
         for job in jobs:
             self._started(job)  # its queue place, if it held one
             job.fail(error)
+        self.deliver()  # after what a step a Ctrl-C cut short sent
         return ended
+
+    def deliver(self) -> None:
+        """Hand the events sent since the last delivery to their jobs' queues, in the order sent: one call an
+        event loop, a wake-up of its thread a step, not one a token of every row. The engine calls it when a
+        step ends; the worker, after a prompt's first token, so that the token does not wait for the decode
+        step that follows in the same step."""
+        sent, self.outbox = self.outbox, []
+        by_loop: dict = {}
+        for job, event in sent:
+            by_loop.setdefault(job.loop, []).append((job.out, event))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_each, items)
 
     def _finished(self, job: Job) -> None:
         with self._lock:
@@ -200,19 +198,14 @@ class Worker:
 
     def close(self) -> None:
         """Ask the engine to stop running this worker (after the step it is in)."""
-        self._new.put(None)
+        self._closed = True
         self._wake.set()
 
     def _arrived(self, into: collections.deque) -> bool:
         """Move the requests submitted since the last step into ``into``; False once closed."""
-        while True:
-            try:
-                job = self._new.get_nowait()
-            except queue.Empty:
-                return True
-            if job is None:
-                return False
-            into.append(job)
+        while self._new:
+            into.append(self._new.popleft())
+        return not self._closed
 
     def _started(self, job: Job) -> None:
         """Give back ``job``'s queue place: when the worker starts or drops it, or its client leaves
@@ -237,8 +230,7 @@ class Worker:
     def _token(self, job: Job, index: int) -> None:
         """Count a sampled token of choice ``index``; observe first-token or per-token latency."""
         now = time.monotonic()
-        if job.first_token is None:
-            job.first_token = now
+        if not job.last_token:  # the request's first
             self.metrics.first_token.labels(self.name).observe(now - job.arrived)
         last = job.last_token.get(index)
         if last is not None:
@@ -247,81 +239,36 @@ class Worker:
         self.metrics.tokens.labels(self.name).inc()
 
 
-def deliver() -> None:
-    """Hand the events sent so far in this engine step to their jobs' queues, in the order sent: one
-    call a loop. A step's end does (settle_outbox); a worker, after a prompt's first token, so that the
-    token does not wait for the decode step that follows in the same step."""
-    pending = _OUTBOX.pending
-    if not pending:
-        return
-    _OUTBOX.pending = []
-    by_loop: dict = {}
-    for job, event in pending:
-        by_loop.setdefault(job.loop, []).append((job.out, event))
-    for loop, items in by_loop.items():
-        loop.call_soon_threadsafe(_put_each, items)
-
-
-def settle_outbox() -> None:
-    """End this thread's step: deliver what it sent and send every event at once from here on. The engine
-    calls it when a step ends; shut_down too, for a step a Ctrl-C cut short (raised in the engine's thread
-    between a step's last event and its end), so that the events sent after it (shut_down's errors) are
-    not held for a delivery that never comes."""
-    try:
-        deliver()
-    finally:
-        _OUTBOX.pending = None
-
-
 def _put_each(items: list) -> None:
     for out, event in items:
         out.put_nowait(event)
 
 
-class Engine:
-    """Runs every worker's steps in ONE thread, round robin, sleeping while all are idle.
+def run_engine(workers: dict[str, Worker]) -> None:
+    """Step every worker in the calling thread, round robin, sleeping while all are idle, until every one
+    is closed.
 
-    The thread that calls ``run`` does all of the models' work; ``gpt2lab serve`` gives it its
-    main thread (uvicorn serves from another). Why one thread, and the main one: an OpenMP
-    runtime (libgomp, in PyTorch's CPU wheels) counts the threads of every thread's team, and once
-    they outnumber the cores it stops spinning between parallel regions; a model run from a
-    second thread after the main one has run torch ops then pays a wake-up per op. Measured on a
-    2-core Zen 5: the 124M model decodes 145 tokens/s from the main thread and 69 from another.
+    This thread does all of the models' work; ``gpt2lab serve`` gives it its main thread (uvicorn serves
+    from another). Why one thread, and the main one: an OpenMP runtime (libgomp, in PyTorch's CPU wheels)
+    counts the threads of every thread's team, and once they outnumber the cores it stops spinning between
+    parallel regions; a model run from a second thread after the main one has run torch ops then pays a
+    wake-up per op. Measured on a 2-core Zen 5: the 124M model decodes 145 tokens/s from the main thread
+    and 69 from another.
     """
-
-    def __init__(self, workers: "dict[str, Worker]") -> None:
-        self.workers = list(workers.values())
-        self.wake = threading.Event()
-        for w in self.workers:
-            w._wake = self.wake
-        self._thread: Optional[threading.Thread] = None
-
-    def run(self) -> None:
-        """Step the workers until every one is closed (in the calling thread)."""
-        with torch.inference_mode():  # the caches' buffers are inference tensors: every update in them
-            steps = {w: w._steps() for w in self.workers}
-            while steps:
-                self.wake.clear()  # before looking: a request arriving from here on wakes the wait below
-                busy = False
-                for w, g in list(steps.items()):
-                    _OUTBOX.pending = []
-                    try:
-                        busy = next(g) or busy
-                    except StopIteration:
-                        del steps[w]
-                    finally:
-                        settle_outbox()
-                if steps and not busy:
-                    self.wake.wait()
-
-    def start(self) -> "Engine":
-        """``run`` in a thread of its own (tests; slower on CPUs, see the class's docstring)."""
-        self._thread = threading.Thread(target=self.run, name="gpt2lab-serve-engine", daemon=True)
-        self._thread.start()
-        return self
-
-    def close(self) -> None:
-        for w in self.workers:
-            w.close()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+    wake = threading.Event()
+    for w in workers.values():
+        w._wake = wake
+    with torch.inference_mode():  # the caches' buffers are inference tensors: every update in them
+        steps = {w: w._steps() for w in workers.values()}
+        while steps:
+            wake.clear()  # before looking: a request arriving from here on wakes the wait below
+            busy = False
+            for w, g in list(steps.items()):
+                try:
+                    busy = next(g) or busy
+                except StopIteration:
+                    del steps[w]
+                finally:
+                    w.deliver()
+            if steps and not busy:
+                wake.wait()

@@ -1,5 +1,5 @@
-"""OpenAI's error body: ``APIError`` (a status and OpenAI's ``{"error": {...}}``), and the shutdown error
-every open request ends with on Ctrl-C."""
+"""OpenAI's error body: ``APIError`` (a status and OpenAI's ``{"error": {...}}``), and what a request the
+engine could not take or finish answers (``failed``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Optional
 
 from fastapi.responses import JSONResponse
 
-from gpt2lab.serve.engine import ShuttingDown
+from gpt2lab.serve.engine import QueueFull, ShuttingDown, TimedOut
 
 
 class APIError(Exception):
@@ -35,5 +35,17 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def shutting_down(e: ShuttingDown) -> APIError:
-    return APIError(503, str(e), kind="server_error", code="server_shutting_down")
+# status, type and code of the engine's refusals: a full queue, a request past --timeout, a shutdown (Ctrl-C)
+REFUSALS = {
+    QueueFull: (429, "server_busy", "queue_full"),
+    TimedOut: (504, "timeout", "timeout"),
+    ShuttingDown: (503, "server_error", "server_shutting_down"),
+}
+
+
+def failed(e: Exception) -> APIError:
+    """What a request the engine refused or that failed while it ran answers: a refusal's status, else 500."""
+    if type(e) in REFUSALS:
+        status, kind, code = REFUSALS[type(e)]
+        return APIError(status, str(e), code=code, kind=kind)
+    return APIError(500, f"generation failed: {e}", kind="server_error")

@@ -53,11 +53,8 @@ def load_workers(
 
     device = pick_device(device_name)
     limits = limits or Limits()
-    request = request or InferenceRequest()
-    if deterministic:
-        request = dataclasses.replace(request, workload="sample", rows=1)
-    else:
-        request = dataclasses.replace(request, workload="serve", rows=limits.max_batch)
+    workload = {"workload": "sample", "rows": 1} if deterministic else {"workload": "serve", "rows": limits.max_batch}
+    request = dataclasses.replace(request or InferenceRequest(), **workload)
     check_request(request, device)  # a --dtype or --quantize this device cannot run fails before loading
     names = model_names(specs)
     for path in names.values():  # every source read (not its weights) before any is loaded and measured

@@ -6,119 +6,78 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import AsyncIterator, Awaitable, Optional, Union
+from typing import AsyncIterator, Awaitable, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gpt2lab.serve.completions import ChatCompletion, Completion
-from gpt2lab.serve.engine import Finish, Job, ShuttingDown, Text, TimedOut
-from gpt2lab.serve.errors import APIError, error_body, shutting_down
+from gpt2lab.serve.engine import Finish, Job
+from gpt2lab.serve.errors import APIError, error_body, failed
 from gpt2lab.serve.logprobs import KEYS
 
 
-def _choice(index: int, text: str, finish: Optional[str], logprobs: Optional[dict] = None) -> dict:
-    return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}
-
-
-async def _events(job: Job) -> AsyncIterator[Union[Text, Finish]]:
+async def _parts(c: Completion, job: Job) -> AsyncIterator[tuple[int, str, Optional[str], Optional[dict]]]:
+    """(choice, text, finish reason, logprobs part) as the request's events come: a piece of a choice's text
+    with its tokens' logprobs (a base model's chat reply without its leading space: the plain template), or a
+    choice's finish, its tokens counted in ``c.tokens``."""
+    logprobs, started = c.logprobs(), set()
     try:
         while (event := await job.out.get()) is not None:
             if isinstance(event, BaseException):
                 raise event
-            yield event
+            i = event.index
+            if isinstance(event, Finish):
+                c.tokens += event.tokens
+                yield i, "", event.reason, None
+                continue
+            text = event.text if i in started or not c.strip else event.text.lstrip()
+            if text:
+                started.add(i)
+            if text or event.logprobs:  # a token's chunk carries its logprobs, text or not
+                yield i, text, None, logprobs[i].add(event.logprobs or []) if logprobs else None
     finally:
         job.cancel()  # a client that went away frees its queue place now, its row or turn at the next step
 
 
-async def stream_completion(c: Completion, job: Job) -> AsyncIterator[dict]:
-    """A completion's chunks as its events come: a piece of a choice's text (with its tokens' logprobs), a
-    choice's finish; then the usage."""
-    tokens, logprobs = 0, c.logprobs()
-    async for event in _events(job):
-        if isinstance(event, Text):
-            if event.text or event.logprobs:  # a token's chunk carries its logprobs, text or not
-                part = logprobs[event.index].add(event.logprobs or []) if logprobs else None
-                yield c.chunk([_choice(event.index, event.text, None, part)])
-        else:
-            tokens += event.tokens
-            yield c.chunk([_choice(event.index, "", event.reason)])
-    yield c.chunk([], usage=c.usage(tokens))
+async def _chunks(c: Completion, job: Job) -> AsyncIterator[dict]:
+    """A stream's chunks (a chat's choices each open with the role, as OpenAI's), then the usage."""
+    if isinstance(c, ChatCompletion):
+        for i in range(c.count):
+            yield c.chunk(
+                [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+            )
+    async for part in _parts(c, job):
+        yield c.chunk([c.part(*part)])
+    yield c.chunk([], usage=c.usage())
 
 
-async def stream_chat(c: ChatCompletion, job: Job) -> AsyncIterator[dict]:
-    """A chat completion's chunks, as ``stream_completion``'s, in chat's shape."""
-
-    def delta(index: int, content: dict, finish: Optional[str] = None) -> dict:
-        return c.chunk([{"index": index, "delta": content, "logprobs": None, "finish_reason": finish}])
-
-    choices = range(len(c.prompts) * c.n)
-    for i in choices:  # as OpenAI: each choice opens with the role
-        yield delta(i, {"role": "assistant", "content": ""})
-    tokens, started = 0, {i: False for i in choices}
-    async for event in _events(job):
-        if isinstance(event, Text):
-            # a base model's reply loses its leading space (the plain template)
-            text = event.text if started[event.index] or not c.strip else event.text.lstrip()
-            started[event.index] = started[event.index] or bool(text)
-            if text:
-                yield delta(event.index, {"content": text})
-        else:
-            tokens += event.tokens
-            yield delta(event.index, {}, event.reason)
-    yield c.chunk([], usage=c.usage(tokens))
+async def _whole(c: Completion, job: Job) -> dict:
+    """The answer of a request not streamed: each choice's text (a chat's as its message), logprobs and finish
+    reason, and the usage."""
+    texts, finish = [""] * c.count, [None] * c.count
+    logprobs = [None if c.work.logprobs is None else {key: [] for key in KEYS} for _ in range(c.count)]
+    async for i, text, reason, part in _parts(c, job):
+        texts[i] += text
+        finish[i] = reason or finish[i]
+        for key, values in (part or {}).items():
+            logprobs[i][key].extend(values)
+    choices = [c.part(*choice, whole=True) for choice in zip(range(c.count), texts, finish, logprobs)]
+    return {**c.chunk(choices, usage=c.usage()), "object": c.WHOLE}
 
 
-async def _whole(c: Completion, chunks: AsyncIterator[dict]) -> dict:
-    """The answer of a request not streamed: its chunks folded into one, each choice's text (a chat's as its
-    message), logprobs and finish reason, and the usage."""
-    count = len(c.prompts) * c.n
-    texts, finish = [""] * count, [None] * count
-    logprobs = [None if c.work.logprobs is None else {key: [] for key in KEYS} for _ in range(count)]
-    async for chunk in chunks:
-        for part in chunk["choices"]:
-            i = part["index"]
-            texts[i] += part["text"] if "text" in part else part["delta"].get("content", "")
-            finish[i] = part["finish_reason"] or finish[i]
-            for key, values in (part["logprobs"] or {}).items():
-                logprobs[i].setdefault(key, []).extend(values)
-    if not isinstance(c, ChatCompletion):
-        return c.chunk([_choice(i, texts[i], finish[i], logprobs[i]) for i in range(count)], usage=chunk["usage"])
-    choices = [
-        {
-            "index": i,
-            "message": {"role": "assistant", "content": texts[i]},
-            "logprobs": None,
-            "finish_reason": finish[i],
-        }
-        for i in range(count)
-    ]
-    return {**c.chunk(choices, usage=chunk["usage"]), "object": "chat.completion"}
-
-
-async def _sse_stream(c: Completion, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+async def _sse_stream(c: Completion, job: Job) -> AsyncIterator[str]:
     """A stream's events (the usage where the request asks for it), then ``[DONE]``; an error after the
     headers went out is an event, as OpenAI's."""
     usage = (c.req.stream_options or {}).get("include_usage")
     try:
-        async for chunk in chunks:
+        async for chunk in _chunks(c, job):
             if chunk["choices"] or usage:
                 yield _sse(chunk)
     except Exception as e:
-        e = _api_error(e)
+        e = failed(e)
         yield _sse(error_body(e.message, e.kind, code=e.code))
     yield "data: [DONE]\n\n"
-
-
-def _api_error(e: Exception) -> APIError:
-    """What a request that failed while it ran answers: 504 past its time, 503 at a shutdown, else 500."""
-    if isinstance(e, TimedOut):
-        return APIError(504, str(e), kind="timeout", code="timeout")
-    return (
-        shutting_down(e)
-        if isinstance(e, ShuttingDown)
-        else APIError(500, f"generation failed: {e}", kind="server_error")
-    )
 
 
 def _sse(obj: dict) -> str:
@@ -129,25 +88,24 @@ async def respond(c: Completion, request: Request):
     """Start ``c`` (before the response starts, so that a full queue is a 429), then stream it or
     answer once; errors as OpenAI's JSON."""
     job = c.start()
-    chunks = (stream_chat if isinstance(c, ChatCompletion) else stream_completion)(c, job)
     if c.req.stream:  # StreamingResponse watches for the client's hang-up itself
         return StreamingResponse(
-            _sse_stream(c, chunks),
+            _sse_stream(c, job),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     try:
-        answer = await _unless_hung_up(_whole(c, chunks), request)
+        answer = await _unless_hung_up(_whole(c, job), request)
     except APIError:
         raise
     except Exception as e:
-        raise _api_error(e) from e
+        raise failed(e) from e
     return Response(status_code=499) if answer is None else JSONResponse(answer)  # 499: nobody to answer
 
 
 async def _unless_hung_up(work: Awaitable[dict], request: Request) -> Optional[dict]:
     """``work``'s answer, or None when the client hangs up first: ``work`` is then cancelled, and its
-    job with it (_events), so that its queue place is free now and its row at the worker's next step."""
+    job with it (_parts), so that its queue place is free now and its row at the worker's next step."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_hang_up(request))
     try:

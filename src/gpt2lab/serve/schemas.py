@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 import sys
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field
@@ -111,33 +111,35 @@ def _shown(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")  # "\ud800" as its escape
 
 
-def lone_surrogate(value, path: str = "") -> Optional[APIError]:
-    """A 400 naming the first key or string in a parsed request body (``path`` is where ``value`` is)
-    that holds a lone surrogate: a key as an unrecognized argument, a value as not text; else None."""
-    if isinstance(value, str):
-        m = _SURROGATE.search(value)
-        if m is None:
-            return None
-        where = _shown(path) or "body"
-        return APIError(
-            400,
-            f"{where}: holds a lone UTF-16 surrogate ({_shown(m.group())} at character {m.start()}), which is "
-            "not text; send valid Unicode (a surrogate only as half of a pair)",
-            param=_shown(path) or None,
-        )
+def _walk(value, path: str = "", key=None) -> Iterator[tuple[str, object, object]]:
+    """(where, key, value) of a parsed request body and of everything in it, each container before what it
+    holds: ``where`` as OpenAI names it ("messages[0].content"), ``key`` its name or index in its container."""
+    yield path, key, value
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+    for k, item in items:
+        yield from _walk(item, f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}" if path else str(k), k)
+
+
+def lone_surrogate(body) -> Optional[APIError]:
+    """A 400 naming the first key or string in a parsed request body that holds a lone surrogate: a key as
+    an unrecognized argument, a value as not text; else None."""
+    for path, key, value in _walk(body):
+        where = _shown(path)
         if isinstance(key, str) and _SURROGATE.search(key):
             return APIError(
                 400,
-                f"unrecognized request argument: {_shown(where)} (its name holds a lone UTF-16 surrogate, "
+                f"unrecognized request argument: {where} (its name holds a lone UTF-16 surrogate, "
                 "which no parameter's name has)",
-                param=_shown(where),
+                param=where,
             )
-        found = lone_surrogate(item, where)
-        if found is not None:
-            return found
+        m = _SURROGATE.search(value) if isinstance(value, str) else None
+        if m is not None:
+            return APIError(
+                400,
+                f"{where or 'body'}: holds a lone UTF-16 surrogate ({_shown(m.group())} at character {m.start()}), "
+                "which is not text; send valid Unicode (a surrogate only as half of a pair)",
+                param=where or None,
+            )
     return None
 
 
@@ -189,12 +191,7 @@ def huge_integer(body: bytes, route: str) -> Optional[APIError]:
         return None
     if not digits or not isinstance(data, dict):
         return None
-
-    def holds(v) -> bool:
-        inner = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()
-        return isinstance(v, Huge) or any(holds(x) for x in inner)
-
-    field = next(k for k, v in data.items() if holds(v))
+    field = next(k for k, v in data.items() if any(isinstance(x, Huge) for _, _, x in _walk(v)))
     info = (ChatRequest if route.endswith("/chat/completions") else CompletionRequest).model_fields.get(field)
     metadata = info.metadata if info else ()
     bounds = [f"{op} {getattr(m, k)}" for m in metadata for k, op in _BOUNDS.items() if hasattr(m, k)]

@@ -13,7 +13,7 @@ import time
 from typing import Iterator, Optional
 
 from gpt2lab.serve.app import create_app
-from gpt2lab.serve.engine import Engine, ShuttingDown, Worker
+from gpt2lab.serve.engine import ShuttingDown, Worker, run_engine
 from gpt2lab.serve.limits import Connections
 
 
@@ -25,13 +25,12 @@ def serve_here(
     connections: Optional[Connections] = None,
 ) -> None:
     """Serve ``workers`` on ``sock``: uvicorn from a background thread, the models from this one (the
-    Engine's docstring says why this thread). With ``client`` (a function of the base URL), run it in
+    run_engine's docstring says why this thread). With ``client`` (a function of the base URL), run it in
     a third thread and stop when it returns (``gpt2lab bench serve``); without, serve until Ctrl-C.
     Ctrl-C stops the models at once; every open request ends with a "server shutting down" error (a
     stream's last event before ``[DONE]``, else a 503), ``stopping`` (if given) is called with how
     many, and the KeyboardInterrupt is raised again once uvicorn has sent those and stopped.
     ``connections``: the head deadline, connection cap and Host names (make_server)."""
-    engine = Engine(workers)
     with uvicorn_in_thread(workers, sock, stopping, connections) as url:
         if client is not None:
             errors: list[BaseException] = []
@@ -47,7 +46,7 @@ def serve_here(
 
             threading.Thread(target=drive, name="gpt2lab-serve-client", daemon=True).start()
         try:
-            engine.run()  # Ctrl-C stops it here; uvicorn_in_thread ends the open requests
+            run_engine(workers)  # Ctrl-C stops it here; uvicorn_in_thread ends the open requests
         finally:
             for w in workers.values():
                 w.close()
