@@ -188,7 +188,7 @@ def _together(fn, count: int) -> list:
         return list(pool.map(fn, range(count)))
 
 
-def load_run(url: str, streams: int, seconds: float, n: int, rate: Optional[float] = None, seed: int = 0) -> dict:
+def load_test(url: str, streams: int, seconds: float, n: int, rate: Optional[float] = None, seed: int = 0) -> dict:
     """At most ``streams`` requests in flight for ``seconds``: back to back, or arriving at ``rate`` per second."""
     if rate is None:
         barrier = threading.Barrier(streams)
@@ -236,13 +236,13 @@ def table(rows: list[dict]) -> str:
 
 
 def _load_elsewhere(url: str, streams: int, seconds: float, n: int, rate: Optional[float], seed: int) -> dict:
-    """``load_run`` from a process of its own, as real clients are: client threads in the server's process
+    """``load_test`` from a process of its own, as real clients are: client threads in the server's process
     would take the interpreter lock from its event loop and worker (seen: 1 stream 57 vs 65 tok/s)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(load_run, url, streams, seconds, n, rate, seed).result()
+        return pool.submit(load_test, url, streams, seconds, n, rate, seed).result()
 
 
 def _rss_mb() -> float:

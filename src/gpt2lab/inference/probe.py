@@ -101,7 +101,7 @@ def _best_ms(fn, device: torch.device, per_call=1, limit: Optional[float] = None
 
 
 FIGURES = ("prefill", "step1")  # the reference figures
-EXTRA = ("step_rows", "step_batch")  # serve's --max-batch-row step; each dtype's best's BATCH_ROWS-row step
+ROWS_FIGURES = ("step_rows", "step_batch")  # serve's --max-batch-row step; each dtype's best's BATCH_ROWS-row step
 
 
 @torch.inference_mode()
@@ -142,7 +142,7 @@ def measure(
         what = f"{cand.name} " + ("step" if rows == 1 else f"{rows}-row step")
         return _best_ms(run, device, steps, limit, what, doubts)
 
-    for figure, n in zip(("step1", *EXTRA), (1, request.rows, BATCH_ROWS)):
+    for figure, n in zip(("step1", *ROWS_FIGURES), (1, request.rows, BATCH_ROWS)):
         if figure in figures:
             out[figure] = decode_ms(n, getattr(best, figure))
     return Timing(**out)
@@ -176,7 +176,7 @@ def _tiles(prepared: GPT, matmul_long: float, device: torch.device, gen: torch.G
 def _bar(done: dict) -> Timing:
     """The best of each figure measured so far (the bar a hopeless candidate is given up at)."""
     ts = [dataclasses.asdict(t) for t in done.values() if isinstance(t, Timing)]
-    return Timing(**{f: min((t[f] for t in ts if t[f] is not None), default=None) for f in FIGURES + EXTRA})
+    return Timing(**{f: min((t[f] for t in ts if t[f] is not None), default=None) for f in FIGURES + ROWS_FIGURES})
 
 
 def _measure_each(model, cands, request, device, figures, doubts, held: Optional[dict] = None) -> dict:
