@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Callable
 
 import torch
 
-from gpt2lab.distributed.dist import broadcast, from_every_rank, rank, world
 from gpt2lab.system.errors import CheckpointError
 
 METADATA = ".metadata"  # DCP's index file; its presence marks a sharded checkpoint
@@ -50,13 +48,6 @@ def save(tmp: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
 
     msd, osd, _ = _state_dicts(model, optimizer)
     dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=tmp)
-
-
-def digests(folder: str, hash_file: Callable[[str], str]) -> dict[str, str]:
-    """sha256 of every file in ``folder``, the files spread over the ranks (each hashes 1/world)."""
-    names = broadcast(sorted(n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n))))
-    mine = {n: hash_file(os.path.join(folder, n)) for n in names[rank() :: world()]}
-    return dict(sorted(item for part in from_every_rank(mine) for item in part.items()))
 
 
 def saved_model(ckpt: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
