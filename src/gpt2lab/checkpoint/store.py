@@ -191,12 +191,11 @@ def _plain_state(parts: Mapping[str, Any]) -> dict:
     return {**parts["trainer"].state_dict(), **state}
 
 
-def verify(ckpt: str, share: tuple[int, int] = (0, 1)) -> None:
+def verify(ckpt: str) -> None:
     """Raise CheckpointError unless checksums.json lists every file of the checkpoint and every file
     matches the checksum written at save. One rule for every reader: a checksums.json missing (every
     checkpoint of this format has one), unreadable or leaving a file out makes the checkpoint damaged,
     named so (train then passes it over for the one before it, saying so; the others refuse it).
-    ``share=(r, w)`` hashes only every w-th file from the r-th (``verify_together``).
     """
     try:
         with open(os.path.join(ckpt, CHECKSUMS)) as fh:
@@ -207,25 +206,12 @@ def verify(ckpt: str, share: tuple[int, int] = (0, 1)) -> None:
     unlisted = [n for n in held if n not in expected] if isinstance(expected, dict) else held
     if unlisted or not isinstance(expected, dict):
         raise damaged(ckpt, f"{CHECKSUMS} leaves out {', '.join(unlisted) or 'every file'}")
-    for i, (name, digest) in enumerate(expected.items()):
+    for name, digest in expected.items():
         file = os.path.join(ckpt, name)
         if not os.path.isfile(file):
             raise damaged(ckpt, f"{name} is missing")
-        if i % share[1] == share[0] and sha256_file(file) != digest:
+        if sha256_file(file) != digest:
             raise damaged(ckpt, f"{name} does not match its checksum (its bytes changed after saving)")
-
-
-def verify_together(ckpt: str) -> None:
-    """``verify`` on every rank at once, each hashing its share of the files (a sharded
-    checkpoint's shards are read once, not once per rank); every rank raises the same error."""
-    why = None
-    try:
-        verify(ckpt, share=(dist.rank(), dist.world()))
-    except CheckpointError as e:
-        why = e.why
-    found = [w for w in dist.from_every_rank(why) if w]
-    if found:
-        raise damaged(ckpt, found[0])
 
 
 def damaged(ckpt: str, why: str, flag: Optional[str] = "--resume") -> CheckpointError:
@@ -409,8 +395,8 @@ def load(ckpt: str, parts: Mapping[str, Any], verified: bool = False) -> None:
     checkpoint holds a weight average); a weight average part from model.safetensors, or,
     from a checkpoint without one, starts again from the model.
     """
-    if not verified:
-        verify_together(ckpt)
+    if not verified:  # on rank 0, its verdict on every rank
+        dist.decided_on_rank_0(lambda: verify(ckpt))
     model, optimizer, average = parts["model"], parts["optimizer"], parts.get("average")
     state = read_state(ckpt)
     read_config(ckpt)  # its format version too (the run plan read its settings)

@@ -54,15 +54,6 @@ from gpt2lab.train.rollback import Rollback, TrainingError  # noqa: F401  (Train
 GPU_CHECK_INTERVAL = 16
 
 
-def check_interval(configured: int, device: torch.device, optimizer, scaler, average) -> int:
-    """Steps between read-backs (1: every step's verdict read back before its update, as on a CPU).
-    More than 1 needs every decision on the device: an optimizer that skips there (fused AdamW, Muon),
-    no fp16 grad scaler and no weight average (both act on the verdict on the host)."""
-    if scaler is not None or average is not None or not getattr(optimizer, "skips_on_device", False):
-        return 1
-    return configured or (1 if device.type == "cpu" else GPU_CHECK_INTERVAL)
-
-
 @dataclass
 class Step:
     """A step that ran: where the loader was before and after it, its tokens, and its values
@@ -152,14 +143,17 @@ class Trainer:
         self.evaluate.stopping = lambda: self.stop_requested
         self.scaler = torch.amp.GradScaler(self.device.type) if self.dtype == "float16" else None
         if plan.resume:
-            self.restore(plan.resume, verified=True)  # the plan checked its checksums
+            ckpt.load(plan.resume, self.parts(), verified=True)  # the plan checked its checksums
         self.flops_per_token = self.raw.flops_per_token(cfg.batch.seq_len)
         self.peak = plan.peak_flops.value
         self.stop_requested, self.stop_signal = False, None
         self.steps_taken = 0  # by this process: a start that failed before its first step removes what it wrote
-        self.check_interval = check_interval(
-            cfg.system.check_interval, self.device, self.optimizer, self.scaler, self.average
-        )
+        # steps between read-backs (1: each verdict read back before its update, as on a CPU); more needs every
+        # decision on the device: an optimizer that skips there (fused AdamW, Muon), no fp16 grad scaler and no
+        # weight average (both act on the verdict on the host)
+        on_device = self.scaler is None and self.average is None and getattr(self.optimizer, "skips_on_device", False)
+        default = 1 if self.device.type == "cpu" else GPU_CHECK_INTERVAL
+        self.check_interval = (cfg.system.check_interval or default) if on_device else 1
         self.unread: list[Step] = []  # steps run and judged on the device, their values not yet read back
         self.since = time.perf_counter()  # the start of the unread steps' training time
 
@@ -196,9 +190,6 @@ class Trainer:
     def load_state_dict(self, state: dict) -> None:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.spikes.load_state_dict(state)
-
-    def restore(self, path: str, verified: bool = False) -> None:
-        ckpt.load(path, self.parts(), verified=verified)
 
     def save(self) -> str:
         """Every rank: write the checkpoint for the steps completed so far (never a non-finite model)."""
@@ -358,7 +349,7 @@ class Trainer:
             if self.spikes.read(s.record, s.start):
                 decision = self.spikes.decide(end=s.end, step=s.step + 1)
                 if decision.target is not None:
-                    self.restore(decision.target)
+                    ckpt.load(decision.target, self.parts())
                     self.spikes.rolled_back(decision)
                     log.rewind(self.step)
                 log.log(decision.record)
