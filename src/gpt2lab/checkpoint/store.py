@@ -101,12 +101,7 @@ class RNG:
 
 
 def save(
-    run_dir: str,
-    step: int,
-    parts: Mapping[str, Any],
-    config: dict,
-    keep: int = 0,
-    files: Sequence[str] = (),
+    run_dir: str, step: int, parts: Mapping[str, Any], config: dict, keep: int = 0, files: Sequence[str] = ()
 ) -> str:
     """Write ``parts`` as the checkpoint of ``step`` completed steps; prune to the newest ``keep``.
 
