@@ -54,6 +54,15 @@ from gpt2lab.train.rollback import Rollback, TrainingError  # noqa: F401  (Train
 GPU_CHECK_INTERVAL = 16
 
 
+def check_interval(configured: int, device: torch.device, optimizer, scaler, average) -> int:
+    """Steps between read-backs (1: every step's verdict read back before its update, as on a CPU).
+    More than 1 needs every decision on the device: an optimizer that skips there (fused AdamW, Muon),
+    no fp16 grad scaler and no weight average (both act on the verdict on the host)."""
+    if scaler is not None or average is not None or not getattr(optimizer, "skips_on_device", False):
+        return 1
+    return configured or (1 if device.type == "cpu" else GPU_CHECK_INTERVAL)
+
+
 @dataclass
 class Step:
     """A step that ran: where the loader was before and after it, its tokens, and its values
@@ -148,12 +157,9 @@ class Trainer:
         self.peak = plan.peak_flops.value
         self.stop_requested, self.stop_signal = False, None
         self.steps_taken = 0  # by this process: a start that failed before its first step removes what it wrote
-        # steps between read-backs (1: each verdict read back before its update, as on a CPU); more needs every
-        # decision on the device: an optimizer that skips there (fused AdamW, Muon), no fp16 grad scaler and no
-        # weight average (both act on the verdict on the host)
-        on_device = self.scaler is None and self.average is None and getattr(self.optimizer, "skips_on_device", False)
-        default = 1 if self.device.type == "cpu" else GPU_CHECK_INTERVAL
-        self.check_interval = (cfg.system.check_interval or default) if on_device else 1
+        self.check_interval = check_interval(
+            cfg.system.check_interval, self.device, self.optimizer, self.scaler, self.average
+        )
         self.unread: list[Step] = []  # steps run and judged on the device, their values not yet read back
         self.since = time.perf_counter()  # the start of the unread steps' training time
 
