@@ -110,11 +110,7 @@ def world() -> int:
 
 def broadcast(value):
     """Rank 0's ``value`` (any picklable object) on every rank."""
-    if world() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return from_every_rank(value)[0]
 
 
 def from_every_rank(value) -> list:
