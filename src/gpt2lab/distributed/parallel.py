@@ -64,15 +64,13 @@ def choose_strategy(
     if world_size == 1:
         also = " (--strategy fsdp applies under torchrun with several processes)" if requested == "fsdp" else ""
         return Choice("ddp", f"one process: nothing to shard, the model trains unwrapped{also}")
-    if requested == "fsdp":
-        if dtype == "float16":
-            raise ChoiceError(
-                "--strategy fsdp with float16 (a GPU without bf16): the gradient scaler is not "
-                "wired for sharded gradients; use --dtype float32 or --strategy ddp"
-            )
-        return Choice("fsdp", "asked for with --strategy fsdp")
-    if requested == "ddp":
-        return Choice("ddp", "asked for with --strategy ddp")
+    if requested == "fsdp" and dtype == "float16":
+        raise ChoiceError(
+            "--strategy fsdp with float16 (a GPU without bf16): the gradient scaler is not "
+            "wired for sharded gradients; use --dtype float32 or --strategy ddp"
+        )
+    if requested != "auto":
+        return Choice(requested, f"asked for with --strategy {requested}")
     if lora:
         return Choice("ddp", "LoRA: only the adapters have gradients and AdamW state")
     if dtype == "float16":
