@@ -253,13 +253,9 @@ def list_checkpoints(run_dir: str) -> list[str]:
 
 
 def is_complete(path: str) -> bool:
-    """A whole checkpoint directory: state.pt and its weights (a sharded one: its index and the
-    checksums written last, so a sharded directory copied or written only in part never counts)."""
-    if not os.path.isfile(os.path.join(path, "state.pt")):
-        return False
-    if sharded.is_sharded_checkpoint(path):
-        return os.path.isfile(os.path.join(path, CHECKSUMS))
-    return os.path.isfile(os.path.join(path, "model.safetensors"))
+    """A whole checkpoint directory: state.pt and what stands for its weights (``weights_file``; for a
+    sharded one the checksums written last, so a sharded directory copied or written only in part never counts)."""
+    return os.path.isfile(os.path.join(path, "state.pt")) and os.path.isfile(weights_file(path))
 
 
 def find_latest(run_dir: str) -> Optional[str]:
