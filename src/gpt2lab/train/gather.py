@@ -89,7 +89,6 @@ def fake_machine(path: str) -> MachineFacts:
         unknown = sorted(set(raw) - set(known))
         if unknown:
             raise ValueError(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
-        raw = dict(raw)
         world, gib, host_gib = int(raw.pop("world_size", 1)), raw.pop("device_gib", None), raw.pop("host_gib", None)
         mem = raw.pop("device_bytes", None if gib is None else int(float(gib) * 2**30))
         probe = raw.pop("probe", None)
