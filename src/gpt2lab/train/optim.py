@@ -69,11 +69,7 @@ class AdamW(torch.optim.AdamW):
 
     def __init__(self, params, *, cautious: bool = False, **kwargs) -> None:
         super().__init__(params, **kwargs)
-        self.cautious = cautious
-
-    @property
-    def skips_on_device(self) -> bool:
-        return bool(self.defaults.get("fused"))
+        self.cautious, self.skips_on_device = cautious, bool(self.defaults.get("fused"))
 
     @torch.no_grad()
     def step(self, closure=None, skip: Skip = None):
