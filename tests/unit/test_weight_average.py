@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import TINY, evaluate_loss
 
+from gpt2lab.checkpoint import store as ckpt
 from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.system.errors import ConfigError
 from gpt2lab.train import plan_text
@@ -132,7 +133,7 @@ def test_the_average_switched_on_or_off_at_a_resume(tiny_data, tmp_path):  # noq
     # what the checkpoint parts do with such a checkpoint, read directly: one without an average starts
     # one from the model's weights
     on = trainer(tiny_data, tmp_path / "other", ema_decay=0.9)
-    on.restore(path)
+    ckpt.load(path, on.parts())
     for k, v in weights(on.raw).items():
         assert torch.equal(on.average.module.state_dict()[k], v), k
     run(on, 1)  # the first update copies the weights
@@ -145,7 +146,7 @@ def test_the_average_switched_on_or_off_at_a_resume(tiny_data, tmp_path):  # noq
     with pytest.raises(ConfigError, match="--ema-decay 0.0: the checkpoint .* was trained with ema_decay 0.9"):
         trainer(tiny_data, tmp_path / "avg", resume=path)
     plain = trainer(tiny_data, tmp_path / "plain")
-    plain.restore(path)
+    ckpt.load(path, plain.parts())
     for k, v in weights(avg.raw).items():
         assert torch.equal(plain.raw.state_dict()[k], v), k
 

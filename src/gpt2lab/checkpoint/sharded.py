@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Callable
 
 import torch
 
-from gpt2lab.distributed.dist import broadcast, from_every_rank, rank, world
 from gpt2lab.system.errors import CheckpointError
 
 METADATA = ".metadata"  # DCP's index file; its presence marks a sharded checkpoint
@@ -52,13 +50,6 @@ def save(tmp: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=tmp)
 
 
-def digests(folder: str, hash_file: Callable[[str], str]) -> dict[str, str]:
-    """sha256 of every file in ``folder``, the files spread over the ranks (each hashes 1/world)."""
-    names = broadcast(sorted(n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n))))
-    mine = {n: hash_file(os.path.join(folder, n)) for n in names[rank() :: world()]}
-    return dict(sorted(item for part in from_every_rank(mine) for item in part.items()))
-
-
 def saved_model(ckpt: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """name -> (global shape, dtype) of every model tensor in a sharded checkpoint (from its index)."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -78,13 +69,19 @@ def read_model(ckpt: str) -> dict[str, torch.Tensor]:
     This is the consolidation ``sample``, ``eval`` and ``export`` use: no process group,
     every shard read (the optimizer's entries are not).
     """
+    state = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in saved_model(ckpt).items()}
+    _dcp_load({"model": state}, ckpt, no_dist=True)
+    return state
+
+
+def _dcp_load(state: dict, ckpt: str, **options) -> None:
+    """DCP's load of ``state`` from ``ckpt``, without its warning in one process ("assuming the intent is
+    to load in a single process")."""
     import torch.distributed.checkpoint as dcp
 
-    state = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in saved_model(ckpt).items()}
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
-        dcp.load({"model": state}, checkpoint_id=ckpt, no_dist=True)
-    return state
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=ckpt, **options)
 
 
 def load(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -93,14 +90,11 @@ def load(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     The model's shape was checked against ``saved_model`` by the caller; an optimizer
     that does not fit (another set of trained parameters) is a CheckpointError.
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     msd, osd, tied = _state_dicts(model, optimizer)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # one process: "assuming ... a single process"
-            dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=ckpt)
+        _dcp_load({"model": msd, "optimizer": osd}, ckpt)
     except Exception as e:  # CheckpointException: DCP's errors have no common base with OSError
         text = str(e).strip().splitlines()
         raise CheckpointError(

@@ -101,12 +101,7 @@ class RNG:
 
 
 def save(
-    run_dir: str,
-    step: int,
-    parts: Mapping[str, Any],
-    config: dict,
-    keep: int = 0,
-    files: Sequence[str] = (),
+    run_dir: str, step: int, parts: Mapping[str, Any], config: dict, keep: int = 0, files: Sequence[str] = ()
 ) -> str:
     """Write ``parts`` as the checkpoint of ``step`` completed steps; prune to the newest ``keep``.
 
@@ -117,29 +112,68 @@ def save(
     A weight average (``parts["average"]``, full layout only) takes model.safetensors; the
     model's own weights go to training.safetensors. ``files`` are copied in as they are (the model's
     tokenizer.json), checksummed like the rest.
-    A full disk raises DiskFullError and leaves no temporary behind.
+
+    Every rank writes into rank 0's temporary directory; once all are done, the ranks hash the files
+    between them, rank 0 writes checksums.json and renames. Any rank's failure makes every rank raise
+    (none is left waiting); the temporary goes. A full disk raises DiskFullError.
     """
     final = checkpoint_dir(run_dir, step)
     model, optimizer, average = parts["model"], parts["optimizer"], parts.get("average")
-    main = dist.rank() == 0
-    if main:
-        os.makedirs(os.path.dirname(final), exist_ok=True)
-    plain = formats.stamp(_plain_state(parts), formats.CHECKPOINT) if main else None
-    if parallel.is_sharded(model):
-        _save_sharded(final, model, optimizer, plain, config, files)
-    elif main:
-        with atomic_dir(final, what_next=_DISK_FULL_NEXT) as tmp:  # replaces the same step saved again
-            if average is not None:
-                save_file(clean_state_dict(model.state_dict()), os.path.join(tmp, TRAINING))
-            shown = model if average is None else average.module
-            save_file(clean_state_dict(shown.state_dict()), os.path.join(tmp, "model.safetensors"))
-            torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-            _write_rest(tmp, plain, config, files)
-            write_json(os.path.join(tmp, CHECKSUMS), {n: sha256_file(os.path.join(tmp, n)) for n in os.listdir(tmp)})
+    main, shards = dist.rank() == 0, parallel.is_sharded(model)
+    done, error = False, None
+    try:
+        with contextlib.ExitStack() as stack:
+            mine = None
+            if main:
+                try:
+                    os.makedirs(os.path.dirname(final), exist_ok=True)
+                    mine = stack.enter_context(atomic_dir(final, what_next=_DISK_FULL_NEXT))
+                except Exception as e:  # re-raised below, once every rank knows
+                    error = e
+            tmp = dist.broadcast(mine)
+            try:
+                if tmp is not None and shards:
+                    sharded.save(tmp, model, optimizer)  # collective: DCP raises on every rank if one fails
+                if tmp is not None and main:
+                    if not shards:
+                        _save_full(tmp, model, optimizer, average)
+                    torch.save(formats.stamp(_plain_state(parts), formats.CHECKPOINT), os.path.join(tmp, "state.pt"))
+                    write_json(os.path.join(tmp, "config.json"), formats.stamp(config, formats.RUN))
+                    for path in files:
+                        shutil.copyfile(path, os.path.join(tmp, os.path.basename(path)))
+            except Exception as e:
+                error = e
+            if dist.agree(error is not None):
+                raise error or CheckpointError(f"checkpoint {final}: another rank failed to write it")
+            digests = _digests(tmp)
+            if main:
+                write_json(os.path.join(tmp, CHECKSUMS), digests)
+        done = True
+    finally:
+        failed = dist.agree(not done)  # reached by every rank: rank 0's rename is done or failed
+    if failed:  # only ranks that did not raise themselves get here
+        raise CheckpointError(f"checkpoint {final}: rank 0 could not complete it (see its error)")
     if main and keep:
         for old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _save_full(tmp: str, model, optimizer, average) -> None:
+    """model.safetensors (the weight average where there is one; the weights as trained then go to
+    training.safetensors) and optimizer.pt."""
+    if average is not None:
+        save_file(clean_state_dict(model.state_dict()), os.path.join(tmp, TRAINING))
+    shown = model if average is None else average.module
+    save_file(clean_state_dict(shown.state_dict()), os.path.join(tmp, "model.safetensors"))
+    torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+
+
+def _digests(folder: str) -> dict[str, str]:
+    """sha256 of every file in ``folder``, the files spread over the ranks (each hashes 1/world)."""
+    names = dist.broadcast(sorted(n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n))))
+    mine = {n: sha256_file(os.path.join(folder, n)) for n in names[dist.rank() :: dist.world()]}
+    return dict(sorted(item for part in dist.from_every_rank(mine) for item in part.items()))
 
 
 def _plain_state(parts: Mapping[str, Any]) -> dict:
@@ -152,56 +186,11 @@ def _plain_state(parts: Mapping[str, Any]) -> dict:
     return {**parts["trainer"].state_dict(), **state}
 
 
-def _write_rest(tmp: str, plain: dict, config: dict, files: Sequence[str]) -> None:
-    """state.pt, config.json (with its format version) and copies of ``files``."""
-    torch.save(plain, os.path.join(tmp, "state.pt"))
-    write_json(os.path.join(tmp, "config.json"), formats.stamp(config, formats.RUN))
-    for path in files:
-        shutil.copyfile(path, os.path.join(tmp, os.path.basename(path)))
-
-
-def _save_sharded(final: str, model, optimizer, plain: Optional[dict], config: dict, files: Sequence[str]) -> None:
-    """Every rank writes its shard into rank 0's temporary directory; rank 0 completes it.
-
-    Rank 0 (the one with ``plain``) writes state.pt and config.json; once every rank is
-    done, the ranks hash the files between them, rank 0 writes checksums.json and renames.
-    Any rank's failure makes every rank raise (none is left waiting); the temporary goes.
-    """
-    main, done, error = plain is not None, False, None
-    try:
-        with contextlib.ExitStack() as stack:
-            mine = None
-            if main:
-                try:
-                    mine = stack.enter_context(atomic_dir(final, what_next=_DISK_FULL_NEXT))
-                except Exception as e:  # re-raised below, once every rank knows
-                    error = e
-            tmp = dist.broadcast(mine)
-            try:
-                if tmp is not None:
-                    sharded.save(tmp, model, optimizer)  # collective: DCP raises on every rank if one fails
-                    if main:
-                        _write_rest(tmp, plain, config, files)
-            except Exception as e:
-                error = e
-            if dist.agree(error is not None):
-                raise error or CheckpointError(f"checkpoint {final}: another rank failed to write it")
-            digests = sharded.digests(tmp, sha256_file)
-            if main:
-                write_json(os.path.join(tmp, CHECKSUMS), digests)
-        done = True
-    finally:
-        failed = dist.agree(not done)  # reached by every rank: rank 0's rename is done or failed
-    if failed:  # only ranks that did not raise themselves get here
-        raise CheckpointError(f"checkpoint {final}: rank 0 could not complete it (see its error)")
-
-
-def verify(ckpt: str, share: tuple[int, int] = (0, 1)) -> None:
+def verify(ckpt: str) -> None:
     """Raise CheckpointError unless checksums.json lists every file of the checkpoint and every file
     matches the checksum written at save. One rule for every reader: a checksums.json missing (every
     checkpoint of this format has one), unreadable or leaving a file out makes the checkpoint damaged,
     named so (train then passes it over for the one before it, saying so; the others refuse it).
-    ``share=(r, w)`` hashes only every w-th file from the r-th (``verify_together``).
     """
     try:
         with open(os.path.join(ckpt, CHECKSUMS)) as fh:
@@ -212,25 +201,12 @@ def verify(ckpt: str, share: tuple[int, int] = (0, 1)) -> None:
     unlisted = [n for n in held if n not in expected] if isinstance(expected, dict) else held
     if unlisted or not isinstance(expected, dict):
         raise damaged(ckpt, f"{CHECKSUMS} leaves out {', '.join(unlisted) or 'every file'}")
-    for i, (name, digest) in enumerate(expected.items()):
+    for name, digest in expected.items():
         file = os.path.join(ckpt, name)
         if not os.path.isfile(file):
             raise damaged(ckpt, f"{name} is missing")
-        if i % share[1] == share[0] and sha256_file(file) != digest:
+        if sha256_file(file) != digest:
             raise damaged(ckpt, f"{name} does not match its checksum (its bytes changed after saving)")
-
-
-def verify_together(ckpt: str) -> None:
-    """``verify`` on every rank at once, each hashing its share of the files (a sharded
-    checkpoint's shards are read once, not once per rank); every rank raises the same error."""
-    why = None
-    try:
-        verify(ckpt, share=(dist.rank(), dist.world()))
-    except CheckpointError as e:
-        why = e.why
-    found = [w for w in dist.from_every_rank(why) if w]
-    if found:
-        raise damaged(ckpt, found[0])
 
 
 def damaged(ckpt: str, why: str, flag: Optional[str] = "--resume") -> CheckpointError:
@@ -277,13 +253,9 @@ def list_checkpoints(run_dir: str) -> list[str]:
 
 
 def is_complete(path: str) -> bool:
-    """A whole checkpoint directory: state.pt and its weights (a sharded one: its index and the
-    checksums written last, so a sharded directory copied or written only in part never counts)."""
-    if not os.path.isfile(os.path.join(path, "state.pt")):
-        return False
-    if sharded.is_sharded_checkpoint(path):
-        return os.path.isfile(os.path.join(path, CHECKSUMS))
-    return os.path.isfile(os.path.join(path, "model.safetensors"))
+    """A whole checkpoint directory: state.pt and what stands for its weights (``weights_file``; for a
+    sharded one the checksums written last, so a sharded directory copied or written only in part never counts)."""
+    return os.path.isfile(os.path.join(path, "state.pt")) and os.path.isfile(weights_file(path))
 
 
 def find_latest(run_dir: str) -> Optional[str]:
@@ -414,8 +386,8 @@ def load(ckpt: str, parts: Mapping[str, Any], verified: bool = False) -> None:
     checkpoint holds a weight average); a weight average part from model.safetensors, or,
     from a checkpoint without one, starts again from the model.
     """
-    if not verified:
-        verify_together(ckpt)
+    if not verified:  # on rank 0, its verdict on every rank
+        dist.decided_on_rank_0(lambda: verify(ckpt))
     model, optimizer, average = parts["model"], parts["optimizer"], parts.get("average")
     state = read_state(ckpt)
     read_config(ckpt)  # its format version too (the run plan read its settings)

@@ -65,17 +65,14 @@ def init_distributed(device: Optional[str] = None) -> DistInfo:
     Without torchrun this is a single process on ``pick_device(device)``. Under torchrun
     each process takes cuda:LOCAL_RANK on GPU machines (NCCL) or the CPU (gloo).
     """
-    launch = env.launch()
-    world, rank, local_rank = launch.world_size, launch.rank, launch.local_rank
-    dev = pick_device(device)
-    if world > 1:
+    launch, dev = env.launch(), pick_device(device)
+    if launch.world_size > 1:
         if dev.type == "cuda":
-            dev = torch.device("cuda", local_rank)
+            dev = torch.device("cuda", launch.local_rank)
             torch.cuda.set_device(dev)
-        backend = "nccl" if dev.type == "cuda" else "gloo"
         if not dist.is_initialized():
-            dist.init_process_group(backend=backend)
-    return DistInfo(rank=rank, local_rank=local_rank, world_size=world, device=dev)
+            dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
+    return DistInfo(rank=launch.rank, local_rank=launch.local_rank, world_size=launch.world_size, device=dev)
 
 
 def _grouped() -> bool:
@@ -110,11 +107,7 @@ def world() -> int:
 
 def broadcast(value):
     """Rank 0's ``value`` (any picklable object) on every rank."""
-    if world() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return from_every_rank(value)[0]
 
 
 def from_every_rank(value) -> list:

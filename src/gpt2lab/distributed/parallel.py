@@ -64,15 +64,13 @@ def choose_strategy(
     if world_size == 1:
         also = " (--strategy fsdp applies under torchrun with several processes)" if requested == "fsdp" else ""
         return Choice("ddp", f"one process: nothing to shard, the model trains unwrapped{also}")
-    if requested == "fsdp":
-        if dtype == "float16":
-            raise ChoiceError(
-                "--strategy fsdp with float16 (a GPU without bf16): the gradient scaler is not "
-                "wired for sharded gradients; use --dtype float32 or --strategy ddp"
-            )
-        return Choice("fsdp", "asked for with --strategy fsdp")
-    if requested == "ddp":
-        return Choice("ddp", "asked for with --strategy ddp")
+    if requested == "fsdp" and dtype == "float16":
+        raise ChoiceError(
+            "--strategy fsdp with float16 (a GPU without bf16): the gradient scaler is not "
+            "wired for sharded gradients; use --dtype float32 or --strategy ddp"
+        )
+    if requested != "auto":
+        return Choice(requested, f"asked for with --strategy {requested}")
     if lora:
         return Choice("ddp", "LoRA: only the adapters have gradients and AdamW state")
     if dtype == "float16":
@@ -163,28 +161,6 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 # -- the training step ---------------------------------------------------------------------
-@contextlib.contextmanager
-def sync_gradients(model: nn.Module, last: bool) -> Iterator[None]:
-    """One micro-step's backward; gradients are reduced over ranks only on the ``last`` one.
-
-    DDP: ``no_sync`` before the last. FSDP: no reduce-scatter before the last (the full
-    gradients accumulate on each rank, in fp32 when the weights were gathered in bf16) and
-    no resharding after those backwards either: the next micro-step's forward finds the
-    weights still gathered instead of all-gathering them again.
-    """
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    if isinstance(model, DDP):
-        with contextlib.nullcontext() if last else model.no_sync():
-            yield
-    elif is_sharded(model):
-        model.set_requires_gradient_sync(last)
-        model.set_reshard_after_backward(last)
-        yield
-    else:
-        yield
-
-
 def accumulate_gradients(
     model: torch.nn.Module,
     next_batch: Callable[[], Batch],
@@ -201,8 +177,12 @@ def accumulate_gradients(
     of targets (text); ``masked`` (conversations, where targets the loss skips are -1), its share of
     the step's supervised targets summed over ranks, so a micro-batch holding few assistant tokens
     counts for few. Under DDP and FSDP, gradients are reduced over ranks (a mean) only on the last
-    micro-step.
+    micro-step: DDP's ``no_sync`` before it; FSDP neither reduce-scatters nor reshards before it (the full
+    gradients accumulate on each rank, in fp32 when the weights were gathered in bf16, and the next
+    micro-step's forward finds the weights still gathered instead of all-gathering them again).
     """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
     batches = [next_batch() for _ in range(accum)] if masked else None
     weights = _target_weights(batches, device) if masked else [1.0 / accum] * accum
     total = torch.zeros((), dtype=torch.float32, device=device)
@@ -212,7 +192,10 @@ def accumulate_gradients(
             x, y = x.pin_memory(), y.pin_memory()  # pageable it waits for the GPU (bench memory's are on the GPU)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         last = micro == accum - 1
-        with sync_gradients(model, last):
+        if is_sharded(model):
+            model.set_requires_gradient_sync(last)
+            model.set_reshard_after_backward(last)
+        with model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext():
             with autocast(device, dtype):
                 _, loss = model(x, y, return_logits=False)
             loss = loss * weights[micro]

@@ -56,15 +56,7 @@ class Evaluator:
             from gpt2lab.evals.hellaswag import evaluate_hellaswag
 
             with parallel.gathered(self.raw):  # FSDP: ranks score different numbers of batches
-                res = evaluate_hellaswag(
-                    self.model,
-                    ev.hellaswag_data,
-                    device=self.device,
-                    dtype=self.dtype,
-                    batch_size=self.cfg.batch.micro_batch_size,
-                    limit=ev.hellaswag_limit,
-                    stop=self.stopping,
-                )
+                res = evaluate_hellaswag(self.model, ev.hellaswag_data, limit=ev.hellaswag_limit, **self._shared())
             if res is not None:
                 log.log({"step": step, **{f"hellaswag_{k}": res[k] for k in ("acc", "acc_norm", "n")}})
         if due(ev.sample_interval, step, last):
@@ -84,16 +76,16 @@ class Evaluator:
         if self.eval_tokens is None:  # the start said so when it trims
             self.eval_tokens = preflight.eval_tokens(cfg, self.info.world_size)
         with parallel.gathered(self.raw):  # FSDP: one all-gather, not one per block and batch
-            return evaluate(
-                self.model,
-                cfg.data,
-                tokens=self.eval_tokens,
-                batch_size=cfg.batch.micro_batch_size,
-                seq_len=cfg.batch.seq_len,
-                device=self.device,
-                dtype=self.dtype,
-                stop=self.stopping,
-            )
+            return evaluate(self.model, cfg.data, tokens=self.eval_tokens, seq_len=cfg.batch.seq_len, **self._shared())
+
+    def _shared(self) -> dict:
+        """What the validation loss and HellaSwag are both given: batch size, device, dtype and the stop."""
+        return dict(
+            batch_size=self.cfg.batch.micro_batch_size,
+            device=self.device,
+            dtype=self.dtype,
+            stop=self.stopping,
+        )
 
     @torch.no_grad()
     def sample(self) -> Optional[str]:

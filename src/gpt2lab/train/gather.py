@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
@@ -88,7 +89,6 @@ def fake_machine(path: str) -> MachineFacts:
         unknown = sorted(set(raw) - set(known))
         if unknown:
             raise ValueError(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
-        raw = dict(raw)
         world, gib, host_gib = int(raw.pop("world_size", 1)), raw.pop("device_gib", None), raw.pop("host_gib", None)
         mem = raw.pop("device_bytes", None if gib is None else int(float(gib) * 2**30))
         probe = raw.pop("probe", None)
@@ -227,16 +227,8 @@ def val_start(data: str, manifest: Mapping) -> Optional[str]:
     doc = ids[: ids.index(enc.eot_id)] if enc.eot_id in ids else ids
     if "chat_template" not in manifest:
         return enc.decode(doc[:PROMPT_TOKENS]) or None
-    start = None
-    for i, t in enumerate(doc):  # <|im_start|>role\ncontent<|im_end|>
-        if t == enc.im_start_id:
-            start = i + 1
-        elif t == enc.im_end_id and start is not None:
-            role, newline, text = enc.decode(doc[start:i]).partition("\n")
-            if role == "user" and newline:
-                return text if text.strip() else None
-            start = None
-    return None
+    user = re.search(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", enc.decode(doc), re.S)  # role\ncontent, in turns
+    return user.group(1) if user and user.group(1).strip() else None
 
 
 def same_source(source: str, where: str, began_as: Optional[str], began: Optional[dict]) -> None:

@@ -12,8 +12,7 @@ FSDP's shards and gathered blocks, the weight average, the token features' state
 kernels a CPU does not run. ``largest_micro_batches`` searches the largest micro-batch that fits a
 card; ``gpt2lab bench memory`` prints the prediction beside measured peaks (docs/benchmarks.md).
 
-The fake run needs torch's private ``torch._subclasses.fake_tensor``; a torch without it cannot
-predict (``PlanError``, one line), and a run then plans without a prediction.
+The fake run uses torch's private ``torch._subclasses.fake_tensor`` (in every torch this project supports).
 """
 
 from __future__ import annotations
@@ -24,12 +23,8 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-
-try:  # private APIs (torch 2.x): a torch without them plans without a prediction (PlanError)
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
-except ImportError:  # pragma: no cover
-    FakeTensorMode, TorchDispatchMode = None, object
+from torch._subclasses.fake_tensor import FakeTensorMode  # torch's own (private, in every torch >= 2.0)
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpt2lab.distributed import parallel
 from gpt2lab.distributed.dist import autocast
@@ -53,7 +48,7 @@ CPU = torch.device("cpu")
 
 
 class PlanError(UsageError):
-    """A value the planner cannot use (unknown strategy or dtype, non-positive size), or no fake tensors."""
+    """A value the planner cannot use (unknown strategy or dtype, non-positive size)."""
 
 
 @dataclass
@@ -124,13 +119,6 @@ class _Live(TorchDispatchMode):
         return out
 
 
-def _fake():
-    """Fake tensors, and the bytes alive under them."""
-    if FakeTensorMode is None:
-        raise PlanError("this torch has no fake tensors (torch._subclasses.fake_tensor): no memory prediction")
-    return FakeTensorMode(), _Live()
-
-
 _CACHE: dict[str, object] = {}
 
 
@@ -187,7 +175,7 @@ def fake_step(cfg: TrainConfig, dtype: str, accum: int) -> StepBytes:
 
 def _measure(cfg: TrainConfig, dtype: str, accum: int) -> StepBytes:
     b = cfg.batch
-    fake, live = _fake()
+    fake, live = FakeTensorMode(), _Live()
     with fake, live:
         model, optimizer = _build(cfg, CPU, lora=False)  # LoRA predicted as full fine-tuning: more, never less
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -224,7 +212,7 @@ def _loss_bytes(m: GPTConfig, rows: int, dtype: str) -> int:
     """The chunked loss's own peak over ``rows`` rows of model ``m`` (its workspace), on fake tensors; cached."""
 
     def measure() -> int:
-        fake, live = _fake()
+        fake, live = FakeTensorMode(), _Live()
         with fake, live, autocast(CPU, dtype):
             x, targets = torch.zeros(rows, m.n_embd, requires_grad=True), torch.zeros(rows, dtype=torch.long)
             w = torch.zeros(m.vocab_size, m.n_embd, requires_grad=True)

@@ -17,11 +17,11 @@ state, with no host sync.
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Union
 
 import torch
 import torch.nn as nn
+from torch.optim._muon import _adjust_lr  # torch.optim.Muon's per-matrix rate (sqrt(max(1, rows/cols)) by default)
 
 from gpt2lab.distributed import parallel
 from gpt2lab.system.errors import ConfigError
@@ -69,11 +69,7 @@ class AdamW(torch.optim.AdamW):
 
     def __init__(self, params, *, cautious: bool = False, **kwargs) -> None:
         super().__init__(params, **kwargs)
-        self.cautious = cautious
-
-    @property
-    def skips_on_device(self) -> bool:
-        return bool(self.defaults.get("fused"))
+        self.cautious, self.skips_on_device = cautious, bool(self.defaults.get("fused"))
 
     @torch.no_grad()
     def step(self, closure=None, skip: Skip = None):
@@ -82,14 +78,10 @@ class AdamW(torch.optim.AdamW):
         keep = _keep(skip)
         decays = [group["weight_decay"] for group in self.param_groups] if self.cautious else []
         for group, wd in zip(self.param_groups, decays):
-            rate = float(group["lr"]) * wd
-            for p in group["params"]:
-                if p.grad is None or not wd:
-                    continue
-                m = self.state[p].get("exp_avg")
-                beta1 = group["betas"][0]
+            for p in [p for p in group["params"] if p.grad is not None and wd]:
+                m, beta1 = self.state[p].get("exp_avg"), group["betas"][0]
                 new_m = p.grad * (1 - beta1) if m is None else m.lerp(p.grad, 1 - beta1)
-                cautious_decay_(p, new_m, rate, keep)
+                cautious_decay_(p, new_m, float(group["lr"]) * wd, keep)
             group["weight_decay"] = 0.0
         if keep is not None:
             self.found_inf = skip.float()  # how torch's fused kernel takes a verdict (GradScaler hands it so too)
@@ -208,15 +200,6 @@ def normalize_neurons(
     return n * (o.norm() / n.norm().clamp(min=eps))
 
 
-def muon_lr_scale(shape: torch.Size, adjust_lr_fn: Optional[str]) -> float:
-    """The per-matrix LR factor torch.optim.Muon applies: sqrt(max(1, rows/cols)) ("original",
-    the default), or 0.2 sqrt(max(rows, cols)) ("match_rms_adamw")."""
-    rows, cols = shape[:2]
-    if adjust_lr_fn == "match_rms_adamw":
-        return 0.2 * math.sqrt(max(rows, cols))
-    return math.sqrt(max(1.0, rows / cols))
-
-
 class Muon(torch.optim.Muon):
     """``torch.optim.Muon`` whose Newton-Schulz iteration runs in ``ns_dtype``; ``variant``
     "normuon" adds NorMuon's per-neuron normalisation (``normalize_neurons``) after it.
@@ -227,7 +210,7 @@ class Muon(torch.optim.Muon):
     (checks, hyper-parameters, param groups) and its state (one ``momentum_buffer`` per
     matrix) are used as they are; only ``step`` is ours, because torch offers no hook for
     the dtype. It is torch's update, written out: Nesterov momentum, orthogonalise, decoupled
-    weight decay ``p *= 1 - lr*wd``, ``p -= lr * muon_lr_scale * O``. NorMuon's second moment is
+    weight decay ``p *= 1 - lr*wd``, ``p -= lr * scale * O`` (torch's per-matrix scale). NorMuon's second moment is
     one more state entry per matrix, ``second_moment`` (fp32, one value per row). ``orth``
     "polar_express" orthogonalises with ``polar_express`` (``ns_steps`` iterations) in place of
     Newton-Schulz; ``cautious`` decays only where the update O and the weight agree in sign (``cautious_decay_``):
@@ -253,13 +236,9 @@ class Muon(torch.optim.Muon):
     skips_on_device = True
 
     @torch.no_grad()
-    def step(self, closure=None, skip: Skip = None):
+    def step(self, skip: Skip = None) -> None:
         if skip is True:
-            return None
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+            return
         # keep = 0 turns the step into a no-op on the device (no host sync): momentum, second
         # moment, decay and update are all scaled by it; without a device verdict the step is torch's
         keep = _keep(skip)
@@ -271,7 +250,7 @@ class Muon(torch.optim.Muon):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                buf, scale = state["momentum_buffer"], lr * muon_lr_scale(p.shape, group["adjust_lr_fn"])
+                buf, scale = state["momentum_buffer"], _adjust_lr(lr, group["adjust_lr_fn"], p.shape)
                 # a step skipped on the device leaves the buffer as it was (weight 0)
                 buf.lerp_(p.grad, 1 - momentum if keep is None else (keep * (1 - momentum)).to(buf.dtype))
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
@@ -293,7 +272,6 @@ class Muon(torch.optim.Muon):
                     p.add_(update, alpha=-scale)
                 else:
                     p.sub_(update.to(p.dtype) * (scale * keep))
-        return loss
 
 
 class Optimizers:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import math
 
-from gpt2lab.system.choices import LR_SCHEDULES
-
 
 def lr_at(
     step: int,
@@ -25,7 +23,7 @@ def lr_at(
 ) -> float:
     """The learning rate of step ``step``: linear warmup to max_lr over ``warmup_steps``, then
 
-    * ``cosine``: cosine decay to min_lr at ``max_steps``;
+    * ``cosine``: cosine decay to min_lr at ``max_steps`` (TrainConfig allows no other);
     * ``wsd`` (warmup-stable-decay): max_lr until the last ``decay_frac`` of ``max_steps``,
       then a straight line down to min_lr at ``max_steps`` (the decay never starts before
       the warmup ends).
@@ -43,8 +41,6 @@ def lr_at(
         if step < start:
             return max_lr
         return max_lr + (min_lr - max_lr) * (step - start) / (max_steps - start)
-    if schedule != "cosine":
-        raise ValueError(f"lr schedule {schedule!r}: choose one of {', '.join(LR_SCHEDULES)}")
     ratio = (step - warmup_steps) / max(1, max_steps - warmup_steps)
     coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))  # 1 -> 0
     return min_lr + coeff * (max_lr - min_lr)

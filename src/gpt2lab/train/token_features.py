@@ -203,10 +203,8 @@ def make_feature_share(
             "use --token-features false"
         )
     groups = []
-    for name, p in found:
-        home: Optional[dict] = next((g for g in optimizer.param_groups if any(q is p for q in g["params"])), None)
-        if home is None:
-            raise RuntimeError(f"--token-features: {name} is in no group of the optimizer")
+    for _, p in found:  # every trainable parameter is in one of the optimizer's groups
+        home = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
         groups.append({"params": [p], "lr": home["lr"], "lr_name": home.get("lr_name", "max_lr")})
     index, weight, n = feature_index(tokenizer, found[0][1].size(0))
     return FeatureShare(groups, index, weight, n, betas, eps)

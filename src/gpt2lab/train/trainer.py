@@ -152,7 +152,7 @@ class Trainer:
         self.evaluate.stopping = lambda: self.stop_requested
         self.scaler = torch.amp.GradScaler(self.device.type) if self.dtype == "float16" else None
         if plan.resume:
-            self.restore(plan.resume, verified=True)  # the plan checked its checksums
+            ckpt.load(plan.resume, self.parts(), verified=True)  # the plan checked its checksums
         self.flops_per_token = self.raw.flops_per_token(cfg.batch.seq_len)
         self.peak = plan.peak_flops.value
         self.stop_requested, self.stop_signal = False, None
@@ -196,9 +196,6 @@ class Trainer:
     def load_state_dict(self, state: dict) -> None:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.spikes.load_state_dict(state)
-
-    def restore(self, path: str, verified: bool = False) -> None:
-        ckpt.load(path, self.parts(), verified=verified)
 
     def save(self) -> str:
         """Every rank: write the checkpoint for the steps completed so far (never a non-finite model)."""
@@ -358,7 +355,7 @@ class Trainer:
             if self.spikes.read(s.record, s.start):
                 decision = self.spikes.decide(end=s.end, step=s.step + 1)
                 if decision.target is not None:
-                    self.restore(decision.target)
+                    ckpt.load(decision.target, self.parts())
                     self.spikes.rolled_back(decision)
                     log.rewind(self.step)
                 log.log(decision.record)
