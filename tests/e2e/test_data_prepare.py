@@ -682,9 +682,9 @@ def test_prepare_removes_its_own_stopped_temporaries_and_no_one_elses(tmp_path, 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the pool forks its workers on Linux only")
 def test_ctrl_c_while_the_workers_fork_leaves_none_of_them_running(monkeypatch):
-    """Ctrl-C landing inside Process.start, after the fork: the worker must still be among those killed
-    (a worker left out lived on, blocked on its task pipe, and a caller reading the output waited for
-    ever). Here the signal is sent to the process just after each fork, while another thread runs: the
+    """Ctrl-C landing inside Process.start, after the fork: the worker must still be among those the pool
+    stops (a worker left out lived on, blocked on its task queue, and a caller reading the output waited
+    for ever). Here the signal is sent to the process just after each fork, while another thread runs: the
     kernel may hand it to that thread (blocking it in the main one is no protection), and Python raises
     it in the main thread all the same."""
     import multiprocessing.process
@@ -708,7 +708,7 @@ def test_ctrl_c_while_the_workers_fork_leaves_none_of_them_running(monkeypatch):
     other.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            with par._process_pool(iter([]), 2, len) as results:
+            with par.ordered_map(len, iter(["a document"]), 2, None) as results:  # size unknown: processes
                 list(results)
     finally:
         done.set()

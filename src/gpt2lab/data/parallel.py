@@ -10,17 +10,19 @@ far it reads ahead, and ends cleanly on an error or Ctrl-C.
 from __future__ import annotations
 
 import multiprocessing as mp
-import pickle
+import os
 import signal
 import sys
 import threading
+import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
-from types import SimpleNamespace
 from typing import Callable, Iterable, Iterator, List, Optional, TypeVar
 
 from gpt2lab.data.sources import Document
+from gpt2lab.system.errors import GPT2LabError
 
 R = TypeVar("R")
 Encode = Callable[[List[Document]], R]
@@ -67,15 +69,19 @@ def ordered_map(
     tasks = _tasks(docs, task_chars(size_bytes, workers))
     if workers == 1:
         yield map(encode, tasks)
-    elif use_threads(size_bytes, workers):
-        executor = ThreadPoolExecutor(workers, thread_name_prefix="gpt2lab-prepare")
-        try:
-            yield _ordered(executor, tasks, 2 * workers, encode)
-        finally:  # Ctrl-C or an error: drop queued tasks, let running ones (<= 1 MB of text) end
-            executor.shutdown(wait=True, cancel_futures=True)
-    else:
-        with _process_pool(tasks, workers, encode) as results:
-            yield results
+        return
+    if use_threads(size_bytes, workers):
+        executor: Executor = ThreadPoolExecutor(workers, thread_name_prefix="gpt2lab-prepare")
+    else:  # fork on Linux: workers start in milliseconds with the tokenizer already built
+        ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+        executor = ProcessPoolExecutor(workers, ctx, initializer=_start_worker, initargs=(encode, os.getpid()))
+        encode = _encode_in_worker  # the worker's own copy, set once by _start_worker: not sent with each task
+    try:
+        yield _ordered(executor, tasks, 2 * workers, encode)
+    except BrokenProcessPool:
+        raise GPT2LabError("a tokenizer worker died; run the same prepare command again to resume") from None
+    finally:  # Ctrl-C or an error: drop queued tasks, let running ones (<= 1 MB of text) end
+        executor.shutdown(wait=True, cancel_futures=True)
 
 
 def _tasks(docs: Iterable[Document], chars_per_task: int) -> Iterator[List[Document]]:
@@ -91,48 +97,19 @@ def _tasks(docs: Iterable[Document], chars_per_task: int) -> Iterator[List[Docum
         yield batch
 
 
-def _ordered(executor: ThreadPoolExecutor, tasks: Iterator[List[Document]], window: int, encode: Encode):
+def _ordered(executor: Executor, tasks: Iterator[List[Document]], window: int, encode: Encode):
     """Results of ``encode`` over ``tasks`` in order, at most ``window`` in flight
     (``Executor.map`` would read the whole source ahead)."""
     pending: deque = deque()  # on an error, the executor's shutdown cancels what is still queued
     for task in tasks:
-        pending.append(executor.submit(encode, task))
+        # a process pool forks its workers in submit: a Ctrl-C landing there waits until the new worker is
+        # listed (one left out would take a shutdown's stop message and leave another worker waiting for ever)
+        with _ctrl_c_after():
+            pending.append(executor.submit(encode, task))
         if len(pending) >= window:
             yield pending.popleft().result()
     while pending:
         yield pending.popleft().result()
-
-
-# -- the process pool --------------------------------------------------------------------
-# multiprocessing.Pool is not used: its terminate() can deadlock when Ctrl-C lands while a
-# worker is sending a result (it drains queues under locks a killed worker may hold), and
-# every worker prints a KeyboardInterrupt traceback. Here each worker has its own two-way
-# pipe and no lock is shared: task i goes to worker i % n and its result is read back
-# from that worker, so the order is kept. Workers ignore SIGINT (a terminal's Ctrl-C
-# reaches the whole process group); the main process alone decides, and on any way out
-# but the normal one it SIGKILLs them, which cannot block.
-POLL_S = 0.2  # how often a waiting main process checks that the workers are alive
-
-
-def _worker(conn, encode: Encode, parents_ends: tuple = ()) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    for c in parents_ends:  # a forked worker's copies of the main process's ends: once that process is
-        c.close()  # gone (even by kill -9), no one holds the other end of its pipe and recv ends (EOFError)
-    while True:
-        try:
-            task = conn.recv()
-        except EOFError:
-            return
-        if task is None:
-            return
-        try:
-            reply = (True, encode(task))
-        except Exception as e:  # SourceError of a bad line: the main process raises it, in order
-            reply = (False, e)
-        try:
-            conn.send(reply)
-        except (TypeError, AttributeError, pickle.PicklingError):  # an exception that does not pickle
-            conn.send((False, RuntimeError(f"{type(reply[1]).__name__}: {reply[1]}")))
 
 
 @contextmanager
@@ -140,8 +117,7 @@ def _ctrl_c_after() -> Iterator[None]:
     """Hold a Ctrl-C (SIGINT) that lands in the block until it ends, then deliver it to the handler
     that was there (KeyboardInterrupt, as a rule). Blocking the signal in this thread is not enough:
     the kernel hands it to another thread of the process, and Python then raises it in the main thread
-    anyway, possibly inside ``Process.start`` after the fork, where the new worker is not yet listed
-    to be killed and lives on, holding the pipes (a caller waiting for their end waits for ever)."""
+    anyway."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signals reach the main thread only
         return
@@ -155,87 +131,24 @@ def _ctrl_c_after() -> Iterator[None]:
         signal.raise_signal(signal.SIGINT)
 
 
-@contextmanager
-def _process_pool(tasks: Iterator[List[Document]], workers: int, encode: Encode):
-    # fork on Linux: workers start in milliseconds with the tokenizer already built
-    ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    procs, conns = [], []
-    # what the dispatch thread has done: it reads the source, cuts tasks and sends task i to worker i % n
-    # (in the main process, beside the result loop, so a worker blocked sending a result never blocks the reading)
-    sent = SimpleNamespace(tasks=0, done=False, error=None, stop=False)
-
-    def dispatch() -> None:
-        try:
-            for task in tasks:
-                if sent.stop:
-                    return
-                conns[sent.tasks % workers].send(task)
-                sent.tasks += 1
-            for c in conns:
-                c.send(None)
-        except BaseException as e:  # a source that cannot be read: raised in order by the reader
-            if not sent.stop:
-                sent.error = e
-        finally:
-            sent.done = True
-
-    thread = threading.Thread(target=dispatch, name="gpt2lab-prepare-dispatch", daemon=True)
-    try:
-        with _ctrl_c_after():  # a worker forked as Ctrl-C lands is in procs, so it is killed with the rest
-            for _ in range(workers):
-                mine, theirs = ctx.Pipe()
-                ends = (mine, *conns) if ctx.get_start_method() == "fork" else ()
-                p = ctx.Process(target=_worker, args=(theirs, encode, ends), daemon=True, name="gpt2lab-prepare-worker")
-                p.start()
-                theirs.close()
-                procs.append(p)
-                conns.append(mine)
-        thread.start()
-        yield _results(sent, thread, procs, conns)
-    except BaseException:
-        for p in procs:  # SIGKILL: nothing a worker is doing can hold us up
-            p.kill()
-        raise
-    finally:
-        sent.stop = True
-        if thread.is_alive():
-            thread.join(5)
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        for c in conns:
-            c.close()
+# -- a process worker ----------------------------------------------------------------------
+_worker_encode: Optional[Encode] = None
 
 
-def _results(sent: SimpleNamespace, thread: threading.Thread, procs, conns) -> Iterator:
-    i = 0
-    while True:
-        if sent.done and i >= sent.tasks:  # every task's result is in
-            if sent.error is not None:
-                raise sent.error
-            return
-        conn, proc = conns[i % len(conns)], procs[i % len(conns)]
-        if not conn.poll(POLL_S):
-            if not proc.is_alive():
-                raise _died(proc)
-            continue
-        try:
-            ok, value = conn.recv()
-        except EOFError:  # the worker is gone: after its last task (the end), or killed
-            thread.join(5)
-            if sent.done and i >= sent.tasks:
-                continue
-            proc.join(1)
-            raise _died(proc) from None
-        if not ok:
-            raise value
-        yield value
-        i += 1
+def _start_worker(encode: Encode, parent: int) -> None:
+    """Ignore Ctrl-C (a terminal's reaches the whole process group: the main process alone decides),
+    and end once the main process is gone, even by kill -9 (a worker would wait for tasks for ever)."""
+    global _worker_encode
+    _worker_encode = encode
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_after, args=(parent,), daemon=True).start()
 
 
-def _died(proc) -> RuntimeError:
-    return RuntimeError(
-        f"a tokenizer worker died (exit code {proc.exitcode}); run the same prepare command again to resume"
-    )
+def _exit_after(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def _encode_in_worker(task: List[Document]):
+    return _worker_encode(task)
