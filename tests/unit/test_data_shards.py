@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpt2lab.data import ShardError, TokenLoader
-from gpt2lab.data.shards import HEADER_BYTES, MANIFEST_FORMAT, MANIFEST_VERSION, open_shard, write_shard
+from gpt2lab.data.shards import HEADER_BYTES, MANIFEST_FORMAT, MANIFEST_VERSION, open_mask, open_shard, write_shard
 from gpt2lab.data.tokenizer import EOT_ID
 
 
@@ -74,6 +74,21 @@ def test_wrong_magic_and_version(tmp_path):
     raw[0:4] = np.int32(1234).tobytes()
     path.write_bytes(bytes(raw))
     assert str(path) in _bad(path, "magic 1234")
+
+
+def test_a_loss_mask_is_read_checked_against_its_shard(tmp_path):
+    shard, mask = tmp_path / "train_000000.bin", tmp_path / "train_000000.mask"
+    with pytest.raises(ShardError, match="train_000000.mask: missing"):
+        open_mask(shard, 200)
+    bits = (_tokens() % 2).astype(np.uint8)
+    write_shard(mask, bits)
+    assert list(np.frombuffer(mask.read_bytes()[:12], dtype="<i4")) == [20241125, 1, 200]
+    assert np.array_equal(open_mask(shard, 200), bits)
+    with pytest.raises(ShardError, match="holds 200 of 201 tokens' mask"):
+        open_mask(shard, 201)
+    mask.rename(shard)  # a mask where a token shard belongs
+    with pytest.raises(ShardError, match="holds uint8 values"):
+        open_shard(shard)
 
 
 def test_token_id_out_of_vocab(tmp_path):

@@ -26,12 +26,10 @@ from gpt2lab.system.files import atomic_write
 
 MAGIC = 20240520
 VERSION = 1
-# (magic, version) of a shard header -> its token dtype: llm.c's GPT-2 shards, and its uint32 ones
-HEADERS = {(MAGIC, VERSION): np.dtype(np.uint16), (20240801, 7): np.dtype(np.uint32)}
-# A conversation shard's loss mask (``train_000000.mask`` beside ``train_000000.bin``): the same
-# 256-int32 header with its own magic, then one uint8 per token (1: the loss is taken on it).
-MASK_MAGIC = 20241125
-HEADER_OF = {**{dtype: key for key, dtype in HEADERS.items()}, np.dtype(np.uint8): (MASK_MAGIC, VERSION)}
+# (magic, version) of a file's header -> its dtype: llm.c's GPT-2 shards, its uint32 ones, and a conversation
+# shard's loss mask (``train_000000.mask`` beside ``train_000000.bin``: one uint8 per token, 1: the loss is taken on it)
+HEADERS = {(MAGIC, VERSION): np.dtype(np.uint16), (20240801, 7): np.dtype(np.uint32), (20241125, 1): np.dtype(np.uint8)}
+HEADER_OF = {dtype: key for key, dtype in HEADERS.items()}
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 SHARD_SUFFIXES = (".bin", ".npy")
@@ -72,21 +70,14 @@ def open_mask(shard: PathLike, tokens: int) -> np.ndarray:
     redo = "re-run gpt2lab prepare on the conversations into a new directory"
     if not path.is_file():
         raise ShardError(f"{path}: missing; the shards hold conversations and each needs its loss mask; {redo}")
-    size = os.path.getsize(path)
-    header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS) if size >= HEADER_BYTES else None
-    if header is None or header[0] != MASK_MAGIC or header[1] != VERSION:
-        raise ShardError(f"{path}: not a gpt2lab loss mask (bad header); {redo}")
-    if int(header[2]) != tokens or size - HEADER_BYTES != tokens:
-        raise ShardError(
-            f"{path}: holds {size - HEADER_BYTES} of {tokens} tokens' mask (header says {int(header[2])}); {redo}"
-        )
-    if tokens == 0:
-        return np.zeros(0, dtype=np.uint8)
-    return np.memmap(path, dtype=np.uint8, mode="r", offset=HEADER_BYTES, shape=(tokens,))
+    mask = open_shard(path)
+    if len(mask) != tokens:
+        raise ShardError(f"{path}: holds {len(mask)} of {tokens} tokens' mask; {redo}")
+    return mask
 
 
 def read_header(path: PathLike) -> tuple[int, np.dtype]:
-    """(token count, token dtype) of a ``.bin`` shard whose header and size are valid."""
+    """(token count, token dtype) of a ``.bin`` shard (or ``.mask``) whose header and size are valid."""
     size = os.path.getsize(path)
     if size < HEADER_BYTES:
         raise ShardError(
@@ -97,7 +88,7 @@ def read_header(path: PathLike) -> tuple[int, np.dtype]:
     magic, version = int(header[0]), int(header[1])
     if magic not in {m for m, _ in HEADERS}:
         raise ShardError(
-            f"{path}: magic {magic} is not {MAGIC}; not a gpt2lab/llm.c token shard (re-create it with gpt2lab prepare)"
+            f"{path}: magic {magic} is not {MAGIC}; not a gpt2lab/llm.c shard (re-create it with gpt2lab prepare)"
         )
     dtype = HEADERS.get((magic, version))
     if dtype is None:
@@ -122,6 +113,8 @@ def open_shard(path: PathLike) -> np.ndarray:
     if path.endswith(".npy"):
         return _open_npy(path)
     count, dtype = read_header(path)
+    if (dtype == np.uint8) != path.endswith(".mask"):  # a loss mask is no token shard, nor the other way round
+        raise ShardError(f"{path}: holds {dtype} values, not its kind's; re-create it with gpt2lab prepare")
     if count == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
