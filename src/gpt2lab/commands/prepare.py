@@ -10,61 +10,45 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "prepare",
         help="tokenize a text source into token shards + manifest.json",
-        description="Tokenize SRC with the GPT-2 BPE (or --tokenizer DIR's) into llm.c-style shards "
+        description="Tokenize SRC with GPT-2's BPE (or --tokenizer DIR's) into llm.c-style shards "
         "({split}_{index:06d}.bin) and a manifest.json. Re-run the same command to resume.",
     )
     p.add_argument(
         "--source",
         required=True,
-        help="tinyshakespeare, chitchat (bundled conversations), fineweb-edu, fineweb, hf:NAME[:CONFIG], or local "
-        "files: a file, a directory or a quoted glob ('src/**/*.py', recursive); .jsonl/.json/.parquet are one "
-        "document per row, any other UTF-8 text file one document (files in a directory or glob that are not "
-        "UTF-8 text are skipped with a warning naming them)",
+        help="tinyshakespeare, chitchat (bundled conversations), fineweb-edu, fineweb, hf:NAME[:CONFIG], or a file, "
+        "directory or quoted glob ('src/**/*.py'): .jsonl/.json/.parquet one document per row, any other UTF-8 "
+        "text file one document (others are skipped with a warning)",
     )
     p.add_argument("--out", required=True, help="output directory for shards and manifest.json")
     p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 1e8)")
     p.add_argument(
         "--val-tokens",
         type=int,
-        help="tokens for the val split (default: one shard for hub sources, "
-        "0.5%% of a local source but at least 8192 or a tenth of a smaller one, 5%% of tinyshakespeare)",
+        help="tokens for the val split (default: a shard for the hub, 0.5%% of local sources, 5%% of tinyshakespeare)",
     )
-    p.add_argument(
-        "--val-docs",
-        type=int,
-        metavar="N",
-        help="val is the first N documents (implies --val-split documents); the same text whatever "
-        "the tokenizer, so models on data in two tokenizers compare in bits per byte",
-    )
-    p.add_argument(
-        "--val-bytes",
-        type=int,
-        metavar="B",
-        help="val is the first documents until their text holds B UTF-8 bytes, the one reaching B included "
-        "(implies --val-split documents); the same text whatever the tokenizer, like --val-docs",
-    )
+    val = "val is the first {} (implies --val-split documents; the same text whatever the tokenizer)"
+    p.add_argument("--val-docs", type=int, metavar="N", help=val.format("N documents"))
+    p.add_argument("--val-bytes", type=int, metavar="B", help=val.format("documents up to the one at B UTF-8 bytes"))
     p.add_argument(
         "--val-split",
         choices=("tokens", "documents"),
-        help="tokens (the default for text, the reference FineWeb layout): val is exactly the "
-        "first --val-tokens tokens; documents (the default for conversations and with --val-docs/--val-bytes): "
-        "val ends with a whole document, so no document is in both splits (held-out articles)",
+        help="tokens: val is exactly the first --val-tokens tokens (the default for text); documents: val ends "
+        "with a whole document (the default for conversations and with --val-docs/--val-bytes)",
     )
     p.add_argument(
         "--format",
         choices=("auto", "text", "chat"),
         default="auto",
         dest="data_format",
-        help='auto (default): conversations when the first JSON line holds "messages" '
-        '(or GSM8K\'s "question"/"answer"), else text; chat: conversations in the ChatML '
-        "template with a loss mask on the assistant's tokens; text: documents",
+        help="text: documents; chat: conversations (ChatML, the loss on the assistant's tokens); auto (default): "
+        'chat when the first JSON line holds "messages" (or "question"/"answer")',
     )
     p.add_argument(
         "--tokenizer",
         metavar="DIR",
-        help="a tokenizer from `gpt2lab tokenizer train` (its directory or its tokenizer.json; default: "
-        "GPT-2's BPE, as is a directory holding GPT-2's own vocabulary, a GPT-2 export); its tokenizer.json "
-        "goes beside the shards and every model trained on them uses it",
+        help="a `gpt2lab tokenizer train` directory or its tokenizer.json (default: GPT-2's BPE); it goes beside "
+        "the shards and every model trained on them uses it",
     )
     p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
     p.add_argument("--text-field", default="text", help="jsonl/parquet/hub field holding the text")

@@ -13,32 +13,17 @@ def add_parser(sub) -> None:
     tr = tsub.add_parser(
         "train",
         help="train a byte-level BPE on text sources (Hugging Face tokenizers)",
-        description="Train a byte-level BPE with GPT-4's pre-tokenisation split and the special "
-        "tokens <|endoftext|>, <|im_start|>, <|im_end|> (ids 0, 1, 2) into DIR: tokenizer.json "
-        "and gpt2lab_tokenizer.json. The same files give the same bytes. Then "
-        "`gpt2lab prepare --tokenizer DIR` tokenizes data with it.",
+        description="Train a byte-level BPE (GPT-4's split; <|endoftext|>, <|im_start|>, <|im_end|> as ids 0, 1, 2) "
+        "into DIR, for `gpt2lab prepare --tokenizer DIR`. The same files give the same bytes.",
     )
     _sources(tr)
-    tr.add_argument(
-        "--vocab-size",
-        type=int,
-        required=True,
-        metavar="N",
-        help="tokens in the vocabulary, the 256 bytes and the 3 special tokens included",
-    )
-    tr.add_argument(
-        "--out", required=True, metavar="DIR", help="directory to write: new, empty, or an earlier tokenizer (replaced)"
-    )
+    tr.add_argument("--vocab-size", type=int, required=True, metavar="N", help="vocabulary size (at least 260)")
+    tr.add_argument("--out", required=True, metavar="DIR", help="new, empty, or an earlier tokenizer (replaced)")
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
     tr.set_defaults(func=run_train)
 
     ev = tsub.add_parser("eval", help="bytes per token of a tokenizer against GPT-2's on each source")
-    ev.add_argument(
-        "--tokenizer",
-        required=True,
-        metavar="DIR",
-        help="a directory from gpt2lab tokenizer train, or its tokenizer.json",
-    )
+    ev.add_argument("--tokenizer", required=True, metavar="DIR", help="a `tokenizer train` directory or its .json")
     _sources(ev)
     ev.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ev.set_defaults(func=run_eval)
@@ -50,9 +35,8 @@ def _sources(p: argparse.ArgumentParser) -> None:
         required=True,
         action="append",
         metavar="SRC",
-        help="what `gpt2lab prepare --source` takes: tinyshakespeare, a local file (.jsonl/.parquet: one "
-        "document per row, any other UTF-8 text file one document), a directory or a quoted glob "
-        "('src/**/*.py', recursive), a hub dataset; repeat for several",
+        help="what `gpt2lab prepare --source` takes (a bundled name, files, a directory, a glob, the hub); "
+        "repeat for several",
     )
     p.add_argument("--text-field", default="text", help="jsonl/parquet/hub field holding the text")
 
@@ -60,9 +44,7 @@ def _sources(p: argparse.ArgumentParser) -> None:
 def run_train(args: argparse.Namespace) -> int:
     from gpt2lab.data.bpe import train_tokenizer
 
-    marker = train_tokenizer(
-        args.source, args.vocab_size, args.out, text_field=args.text_field, progress=not args.quiet
-    )
+    marker = train_tokenizer(args.source, args.vocab_size, args.out, args.text_field, progress=not args.quiet)
     print(
         json.dumps({"out": args.out, **{k: marker[k] for k in ("identity", "vocab_size", "special_tokens", "sources")}})
     )

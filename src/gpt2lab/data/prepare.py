@@ -78,22 +78,27 @@ def prepare(
     ``tokenizer``: a directory from ``gpt2lab tokenizer train`` (None: GPT-2's BPE); the manifest
     records its identity, vocabulary and shard dtype, and its tokenizer.json goes beside the shards.
     """
-    if shard_tokens < 1:
-        raise UsageError(f"shard_tokens {shard_tokens} must be >= 1")
-    if workers is not None and workers < 1:
-        raise UsageError(f"workers {workers} must be >= 1")
-    in_text = _val_in_text(val_tokens, val_docs, val_bytes, val_split)
+    sizes = {"--val-tokens": val_tokens, "--val-docs": val_docs, "--val-bytes": val_bytes}
+    given = [flag for flag, v in sizes.items() if v is not None]
+    least = {"--shard-tokens": (shard_tokens, 1), "--workers": (workers, 1), "--limit-docs": (limit_docs, 0)}
+    for flag, (v, low) in {**least, **{f: (v, 0) for f, v in sizes.items()}}.items():
+        if v is not None and v < low:
+            raise UsageError(f"{flag} {v}: must be {low} or more" + (" (0: no val split)" if flag in sizes else ""))
+    if len(given) > 1:
+        raise UsageError(f"{' and '.join(given)}: give one size for the val split, not {len(given)}")
+    in_text = val_docs is not None or val_bytes is not None  # the val split in text: the same whatever the tokenizer
+    if in_text and val_split == "tokens":
+        raise UsageError(
+            f"{given[0]} with --val-split tokens: a split sized in text ends with a whole document; "
+            "use --val-split documents (the default with it), or --val-tokens"
+        )
     src = resolve_source(source, text_field, config)
     val_defaulted = val_tokens is None and not in_text
-    if val_defaulted:
-        val_tokens = default_val_tokens(src, shard_tokens)
-    for flag, v in (("--val-tokens", val_tokens), ("--val-docs", val_docs), ("--val-bytes", val_bytes)):
-        if v is not None and v < 0:
-            raise UsageError(f"{flag} {v}: must be 0 or more (0: no val split)")
-    if limit_docs is not None and limit_docs < 0:
-        raise UsageError(f"--limit-docs {limit_docs}: must be 0 or more")
+    val_tokens = default_val_tokens(src, shard_tokens) if val_defaulted else val_tokens
     fmt = detect_format(src, data_format, text_field)
     val_split = val_split or ("documents" if fmt == "chat" or in_text else "tokens")
+    if val_split not in VAL_SPLITS:
+        raise UsageError(f"--val-split {val_split!r}: choose one of {', '.join(VAL_SPLITS)}")
     # GPT-2's BPE (its chat variant for conversations), or the trained one in ``tokenizer``; a directory
     # holding GPT-2's own vocabulary (a GPT-2 export) is GPT-2's BPE, as with no ``tokenizer``
     own = open_dir(tokenizer) if tokenizer is not None else None
@@ -111,8 +116,6 @@ def prepare(
         "format": fmt,
         **({"tokenizer": tok.identity} if tok.identity is not None else {}),  # GPT-2's manifests stay as they were
     }
-    if val_split not in VAL_SPLITS:
-        raise UsageError(f"--val-split {val_split!r}: choose one of {', '.join(VAL_SPLITS)}")
     rundir.check(out_dir, rundir.DATA, "--out", "choose a new or empty --out")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -144,24 +147,6 @@ def prepare(
     if fmt == "chat":  # the val split's conversations, for `gpt2lab eval chat` (data/manifest.py)
         write_held_out(src, out, manifest)
     return manifest
-
-
-def _val_in_text(
-    val_tokens: Optional[int], val_docs: Optional[int], val_bytes: Optional[int], val_split: Optional[str]
-) -> bool:
-    """Whether the val split is sized in documents or bytes (the same text whatever the tokenizer);
-    at most one of the three sizes, and a text size only with ``--val-split documents``."""
-    sizes = (("--val-tokens", val_tokens), ("--val-docs", val_docs), ("--val-bytes", val_bytes))
-    given = [flag for flag, v in sizes if v is not None]
-    if len(given) > 1:
-        raise UsageError(f"{' and '.join(given)}: give one size for the val split, not {len(given)}")
-    in_text = val_docs is not None or val_bytes is not None
-    if in_text and val_split == "tokens":
-        raise UsageError(
-            f"{given[0]} with --val-split tokens: a split sized in text ends with a whole document; "
-            "use --val-split documents (the default with it), or --val-tokens"
-        )
-    return in_text
 
 
 def val_documents(src: TextSource, val_bytes: int, fmt: str, limit_docs: Optional[int]) -> int:
