@@ -1,11 +1,12 @@
-"""Tokenizers behind one interface: GPT-2's BPE (tiktoken) and a byte-level BPE trained by gpt2lab.
+"""Tokenizers: GPT-2's BPE and a byte-level BPE trained by gpt2lab, both one class (``Tokenizer``, a tiktoken
+Encoding) whose vocabulary, split pattern and special tokens are data.
 
 GPT-2's is built from files shipped in the package (tiktoken's own ``get_encoding("gpt2")``
 downloads encoder.json and vocab.bpe on first use; shipping them, and checking their sha256, makes
 gpt2lab work with no network). A trained one (``gpt2lab tokenizer train``, data/bpe.py) is a
 Hugging Face ``tokenizer.json``, the one file that holds it; its identity is that file's sha256.
 
-Both answer what gpt2lab asks of a tokenizer (``Tokenizer``): encode text as text
+Both answer what gpt2lab asks of a tokenizer: encode text as text
 (``encode_ordinary``) or with special tokens (``encode``, tiktoken's rules), decode, each token's
 bytes, the vocabulary size, ``<|endoftext|>``'s id and the chat template's two turn tokens.
 
@@ -23,9 +24,8 @@ import functools
 import hashlib
 import json
 import os
-import re
 from importlib import resources
-from typing import Collection, Literal, Mapping, Optional, Union
+from typing import Mapping, Optional
 
 import numpy as np
 import tiktoken
@@ -54,8 +54,6 @@ _SHA256 = {
 # The GPT-2 pre-tokenisation regex (tiktoken's r50k/gpt2 pattern).
 _PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
-Specials = Union[Literal["all"], Collection[str]]
-
 
 class TokenizerError(DataError):
     """A tokenizer file that cannot be used (missing, damaged, not the one a model names)."""
@@ -78,33 +76,34 @@ def _checked(name: str) -> str:
 
 
 # -- GPT-2's ---------------------------------------------------------------------------------------
-class GPT2Encoding(tiktoken.Encoding):
-    """GPT-2's BPE: a tiktoken Encoding (every method tiktoken has) with the attributes of a trained one."""
+class Tokenizer(tiktoken.Encoding):
+    """A byte-level BPE, GPT-2's (``gpt2_tokenizer``) or a trained one (``TrainedBPE``): a tiktoken Encoding
+    (every method tiktoken has: ``encode_ordinary``, ``encode`` with tiktoken's rules for special tokens,
+    ``decode``, ``decode_single_token_bytes``, ``n_vocab``) with what gpt2lab asks of a tokenizer besides:
+    ``identity`` (sha256 of tokenizer.json; None: GPT-2's), ``eot_id`` (<|endoftext|>: every document starts
+    with it), ``im_start_id``/``im_end_id`` (the chat template's turn tokens; None: GPT-2's without them)."""
 
-    identity = None
-    eot_id = EOT_ID
+    identity: Optional[str] = None
+    text: Optional[str] = None  # a trained one's tokenizer.json
 
-    def __init__(self, chat: bool) -> None:
-        self.chat = chat
-        self.im_start_id, self.im_end_id = (IM_START_ID, IM_END_ID) if chat else (None, None)
-        specials = {EOT_TOKEN: EOT_ID, **({IM_START: IM_START_ID, IM_END: IM_END_ID} if chat else {})}
+    def __init__(self, name: str, pat_str: str, ranks: dict, specials: dict, n_vocab: int) -> None:
         super().__init__(
-            name="gpt2-chatml" if chat else "gpt2",
-            pat_str=_PAT_STR,
-            mergeable_ranks=_ranks(),
-            special_tokens=specials,
-            explicit_n_vocab=CHAT_VOCAB_SIZES["chatml"] if chat else GPT2_VOCAB_SIZE,
+            name=name, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=specials, explicit_n_vocab=n_vocab
         )
+        self.specials = specials
+        self.eot_id, self.im_start_id, self.im_end_id = (specials.get(t) for t in SPECIAL_TOKENS)
 
-    def __reduce__(self):
-        return gpt2_tokenizer, (self.chat,)
+    def __reduce__(self):  # worker processes (spawn) build it again: GPT-2's from the package, a trained one's text
+        return (gpt2_tokenizer, (self.im_start_id is not None,)) if self.text is None else (TrainedBPE, (self.text,))
 
 
 @functools.lru_cache(maxsize=2)
-def gpt2_tokenizer(chat: bool = False) -> GPT2Encoding:
+def gpt2_tokenizer(chat: bool = False) -> Tokenizer:
     """The GPT-2 BPE (50257 tokens, ``<|endoftext|>`` = 50256), offline; ``chat``: with the two
     turn tokens as special tokens too (50259), for a chat model's text. (Built once: it is immutable.)"""
-    return GPT2Encoding(chat)
+    specials = {EOT_TOKEN: EOT_ID, **({IM_START: IM_START_ID, IM_END: IM_END_ID} if chat else {})}
+    n_vocab = CHAT_VOCAB_SIZES["chatml"] if chat else GPT2_VOCAB_SIZE
+    return Tokenizer("gpt2-chatml" if chat else "gpt2", _PAT_STR, _ranks(), specials, n_vocab)
 
 
 @functools.lru_cache(maxsize=1)
@@ -158,97 +157,48 @@ def _byte_of_char() -> dict[str, int]:
     return {**{chr(b): b for b in range(256) if b not in other}, **{chr(256 + k): b for k, b in enumerate(other)}}
 
 
-class TrainedBPE:
-    """A byte-level BPE from a Hugging Face ``tokenizer.json`` (data/bpe.py trains them).
-
-    Encoding never parses special tokens out of text (``encode_special_tokens``); ``encode`` splits at
-    the allowed ones first and encodes each piece alone, as tiktoken and transformers both do.
-    """
+class TrainedBPE(Tokenizer):
+    """A byte-level BPE from a Hugging Face ``tokenizer.json`` as ``gpt2lab tokenizer train`` writes it
+    (data/bpe.py): a BPE model whose merges make tokens in the order of their ids, split by one regex
+    before the byte-level alphabet, no normalizer. Its merges by rank are then Hugging Face's merges
+    by priority: tiktoken encodes it as tokenizers does. Text is text: special tokens are parsed only
+    where ``encode`` allows them (tiktoken's rule), never by ``encode_ordinary``."""
 
     def __init__(self, text: str, where: str = TOKENIZER_FILE) -> None:
-        from tokenizers import Tokenizer as HFTokenizer
-
-        self.text, self.identity = text, hashlib.sha256(text.encode("utf-8")).hexdigest()
+        redo = "train it again with gpt2lab tokenizer train"
         try:
-            self._tok = HFTokenizer.from_str(text)
-        except Exception as e:  # tokenizers raises its own Exception subclass on a bad file
-            raise TokenizerError(
-                f"{where}: not a Hugging Face tokenizer.json ({str(e)[:200]}); "
-                "train it again with gpt2lab tokenizer train"
-            ) from e
-        self._tok.encode_special_tokens = True  # text is text: "<|im_end|>" typed in a message stays characters
-        self.specials = {t: self._tok.token_to_id(t) for t in SPECIAL_TOKENS}
-        missing = [t for t, i in self.specials.items() if i is None]
+            spec = json.loads(text)
+            model, (split, byte_level) = spec["model"], spec["pre_tokenizer"]["pretokenizers"]
+            pattern, vocab, merges = split["pattern"]["Regex"], model["vocab"], model["merges"]
+            specials = {t["content"]: t["id"] for t in spec["added_tokens"]}
+            made = [vocab.get("".join(m) if isinstance(m, list) else m.replace(" ", "", 1)) for m in merges]
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise TokenizerError(f"{where}: not a Hugging Face tokenizer.json ({e!r}); {redo}") from e
+        if (
+            model.get("type") != "BPE"
+            or spec.get("normalizer") is not None
+            or (split.get("type"), byte_level.get("type"), byte_level.get("use_regex")) != ("Split", "ByteLevel", False)
+            or any(b is None or a is not None and b <= a for a, b in zip([None, *made], made))
+        ):
+            raise TokenizerError(f"{where}: not gpt2lab's byte-level BPE (its model, split or merges differ); {redo}")
+        missing = [t for t in SPECIAL_TOKENS if t not in specials]
         if missing:
             raise TokenizerError(
                 f"{where}: has no {', '.join(missing)} token; gpt2lab needs "
                 f"{', '.join(SPECIAL_TOKENS)} (gpt2lab tokenizer train adds them)"
             )
-        self.eot_id, self.im_start_id, self.im_end_id = (self.specials[t] for t in SPECIAL_TOKENS)
-        self._bytes = self._token_bytes(where)
-
-    def _token_bytes(self, where: str) -> list[bytes]:
-        table = _byte_of_char()
-        vocab = self._tok.get_vocab(with_added_tokens=True)
-        out: list[Optional[bytes]] = [None] * (max(vocab.values()) + 1)
-        special = set(self.specials.values())
+        table, ranks = _byte_of_char(), {}
         for piece, i in vocab.items():
-            try:
-                out[i] = piece.encode("utf-8") if i in special else bytes(table[c] for c in piece)
-            except KeyError:
-                raise TokenizerError(
-                    f"{where}: token {piece!r} (id {i}) is not byte-level BPE; train it with gpt2lab tokenizer train"
-                ) from None
-        if any(b is None for b in out):
-            raise TokenizerError(f"{where}: its token ids are not 0..{len(out) - 1} without gaps")
-        return out  # type: ignore[return-value]
-
-    def __reduce__(self):  # worker processes (spawn) rebuild it from its file's text
-        return TrainedBPE, (self.text,)
-
-    @property
-    def n_vocab(self) -> int:
-        return len(self._bytes)
-
-    def encode_ordinary(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def encode(
-        self, text: str, *, allowed_special: Specials = frozenset(), disallowed_special: Specials = "all"
-    ) -> list[int]:
-        """tiktoken's ``encode``: the allowed special tokens written in ``text`` are those tokens; a
-        disallowed one there is a ValueError; ``disallowed_special=()`` encodes the rest as text."""
-        allowed = set(self.specials) if allowed_special == "all" else set(allowed_special)
-        disallowed = set(self.specials) - allowed if disallowed_special == "all" else set(disallowed_special)
-        for token in disallowed:
-            if token in text:
-                raise ValueError(
-                    f"text contains the special token {token!r}, which is not allowed here; pass "
-                    "allowed_special or disallowed_special=() to encode it as text"
-                )
-        if not allowed:
-            return self.encode_ordinary(text)
-        # a capturing split: the allowed tokens at odd places, the text between them at even ones
-        pieces = re.split("(" + "|".join(re.escape(t) for t in sorted(allowed, key=len, reverse=True)) + ")", text)
-        ids: list[int] = []
-        for k, piece in enumerate(pieces):
-            ids += [self.specials[piece]] if k % 2 else self.encode_ordinary(piece)
-        return ids
-
-    def decode_single_token_bytes(self, token: int) -> bytes:
-        if not 0 <= token < len(self._bytes):
-            raise KeyError(f"token id {token} is not in the tokenizer's {len(self._bytes)} tokens")
-        return self._bytes[token]
-
-    def decode(self, tokens: list[int], errors: str = "replace") -> str:
-        return b"".join(self.decode_single_token_bytes(int(t)) for t in tokens).decode("utf-8", errors)
-
-
-# What gpt2lab asks of a tokenizer, and both answer: ``identity`` (sha256 of tokenizer.json; None: GPT-2's),
-# ``eot_id`` (<|endoftext|>: every document starts with it), ``im_start_id``/``im_end_id`` (the chat
-# template's turn tokens; None: GPT-2's without them), ``n_vocab``, ``encode_ordinary``, ``encode`` (tiktoken's
-# rules for special tokens), ``decode`` and ``decode_single_token_bytes``.
-Tokenizer = Union[GPT2Encoding, TrainedBPE]
+            if piece not in specials:
+                try:
+                    ranks[bytes(table[c] for c in piece)] = i
+                except KeyError:
+                    raise TokenizerError(f"{where}: token {piece!r} (id {i}) is not byte-level BPE; {redo}") from None
+        try:
+            super().__init__("gpt2lab-bpe", pattern, ranks, specials, len(ranks) + len(specials))
+        except (AssertionError, ValueError) as e:  # tiktoken checks the ids are 0..n-1 and compiles the split
+            raise TokenizerError(f"{where}: ids not 0..n-1 without gaps, or a split that fails; {redo}") from e
+        self.text, self.identity = text, hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 # -- which tokenizer -------------------------------------------------------------------------------
