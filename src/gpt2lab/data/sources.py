@@ -191,9 +191,8 @@ KINDS_HINT = (
 def kind_of(path: str) -> Tuple[str, Optional[str]]:
     """(``txt``/``jsonl``/``parquet``, compression suffix or None) of a local file name; a name of no
     known kind is text (``txt``), read as it is."""
-    comp = next((c for c in COMPRESSIONS if path.endswith(c)), None)
-    if comp is not None and not path.endswith(LOCAL_SUFFIXES):
-        comp = None  # notes.tar.gz: not a compressed kind prepare reads; its bytes, as a file of no known kind
+    # notes.tar.gz: not a compressed kind prepare reads; its bytes, as a file of no known kind
+    comp = next((c for c in COMPRESSIONS if path.endswith(c) and path.endswith(LOCAL_SUFFIXES)), None)
     inner = path[: -len(comp)] if comp else path
     return TEXT_KINDS.get(Path(inner).suffix, "txt"), comp
 
