@@ -69,9 +69,6 @@ def run(args) -> int:
         name: {k: v for k, v in s.items() if k != "shards"} | {"shards": len(s["shards"])}
         for name, s in manifest["splits"].items()
     }
-    extra = {"chat_template": manifest["chat_template"]} if "chat_template" in manifest else {}
-    if data_tokenizer(manifest):
-        extra = {**extra, "tokenizer": manifest["tokenizer"], "vocab_size": manifest["vocab_size"]}
-    record = {"out": args.out, "documents": manifest["documents"], "tokens": manifest["tokens"], **extra}
-    print(json.dumps({**record, "splits": summary}))
+    keys = ["documents", "tokens", "chat_template", *(["tokenizer", "vocab_size"] if data_tokenizer(manifest) else [])]
+    print(json.dumps({"out": args.out, **{k: manifest[k] for k in keys if k in manifest}, "splits": summary}))
     return 0

@@ -156,8 +156,7 @@ def _roll_back(out: Path, manifest: Dict, i: int) -> None:
     ends = list(itertools.accumulate(s["tokens"] for s in shards))
     keep = [s for s, end in zip(shards, ends) if end < cut]
     names = {s["name"] for s in shards[len(keep) :]}
-    for split in ("val", "train"):
-        names.add(shard_name(split, sum(1 for s in shards if s["split"] == split)))
+    names |= {shard_name(split, sum(1 for s in shards if s["split"] == split)) for split in ("val", "train")}
     for name in sorted(names):
         for path in (out / name, mask_path(out / name)):
             if path.is_file():
