@@ -22,6 +22,7 @@ data/parallel.py (the ordered parallel map).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 import warnings
@@ -231,14 +232,9 @@ def _run(
 def encode_documents(docs: List[Document], enc: Tokenizer) -> Tuple[np.ndarray, np.ndarray]:
     """Documents -> (tokens, each document EOT first, concatenated, in the shard dtype of ``enc``'s
     vocabulary (GPT-2's: uint16); lengths)."""
-    ids = [enc.encode_ordinary(as_text(d)) for d in docs]
-    lengths = np.array([len(x) + 1 for x in ids], dtype=np.int64)
-    flat = np.empty(int(lengths.sum()), dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    for s, x in zip(starts, ids):
-        flat[s] = enc.eot_id
-        flat[s + 1 : s + 1 + len(x)] = x
-    return flat.astype(token_dtype(enc.n_vocab)), lengths
+    ids = [[enc.eot_id, *enc.encode_ordinary(as_text(d))] for d in docs]
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=token_dtype(enc.n_vocab))
+    return flat, np.array([len(x) for x in ids], dtype=np.int64)
 
 
 def encode_conversations(docs: List[Document], enc: Tokenizer) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
