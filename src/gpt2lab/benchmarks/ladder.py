@@ -53,21 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--steps", type=int, default=10, help="timed steps per rung (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
-    p.add_argument(
-        "--rungs",
-        default=",".join(RUNGS + EXTRA),
-        help=f"comma list from {', '.join(RUNGS + EXTRA + DIAGNOSTIC)}; the ladder is cumulative either way",
-    )
+    p.add_argument("--rungs", default=",".join(RUNGS + EXTRA), help=f"from {', '.join(RUNGS + EXTRA + DIAGNOSTIC)}")
     p.add_argument("--data", help="token shards for the gpt2lab rung (gpt2lab prepare output)")
     p.add_argument("--device")
     p.add_argument("--peak-flops", type=finite_float, help="datasheet peak FLOP/s (default: by GPU name)")
-    p.add_argument(
-        "--profile",
-        metavar="DIR",
-        help="then torch.profiler over --steps more steps of each rung: its operators by total device time "
-        "(CPU time on a CPU) to stderr and DIR/RUNG_profile.txt, and DIR/RUNG_trace.json "
-        "(a Chrome trace)",
-    )
+    p.add_argument("--profile", metavar="DIR", help="then torch.profiler over more steps of each rung, into DIR")
 
 
 def settings(rung: str) -> dict:

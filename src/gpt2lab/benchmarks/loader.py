@@ -26,9 +26,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--batches", type=int, default=1000, help="batches timed per split")
     parser.add_argument("--shard-tokens", type=int, default=10_000_000, help="synthetic shard size")
-    parser.add_argument(
-        "--step-model", action="store_true", help="also time a CPU GPT-2 124M training step for the ratio"
-    )
+    parser.add_argument("--step-model", action="store_true", help="also time a CPU GPT-2 124M step, for the ratio")
 
 
 def synthetic_shards(root: str, split: str, n_shards: int, tokens: int, seed: int = 0) -> None:

@@ -45,13 +45,7 @@ TINY = dict(n_layer=2, n_head=2, n_embd=64)  # for CPU measurements and tests
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", help="GPT-2 size: 124M (default), 350M, 774M, 1558M, or tiny (2 x 64)")
-    p.add_argument(
-        "--preset",
-        default=None,
-        metavar="NAME",
-        help="instead of --size: a training preset (its architecture, optimizer and seq_len); "
-        "the other settings are this command's flags",
-    )
+    p.add_argument("--preset", metavar="NAME", help="instead of --size: a training preset (architecture, optimizer)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default 1024, or the preset's)")
     p.add_argument("--max-batch", type=int, default=1024, help="search mode: stop searching here")
     p.add_argument("--compile", default="false", choices=["true", "false"])
@@ -61,35 +55,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch", type=int, help="predict (and measure) this micro-batch")
     p.add_argument("--dtype", default="bfloat16", help=f"one of {', '.join(DTYPES)}")
     p.add_argument("--activation-checkpointing", default="false", choices=["true", "false"])
+    p.add_argument("--accum", type=int, default=2, help="micro-steps per step (more than 1 keeps gradients alive)")
+    p.add_argument("--steps", type=int, default=2, help="measured training steps (at least 2)")
+    p.add_argument("--keep-cpu-memory", default="true", choices=["true", "false"], help="as train's flag (CPU)")
     p.add_argument(
-        "--accum",
-        type=int,
-        default=2,
-        help="micro-steps per step (more than 1 keeps gradients alive through the forward)",
-    )
-    p.add_argument(
-        "--steps", type=int, default=2, help="measured training steps (at least 2: the first creates AdamW's moments)"
-    )
-    p.add_argument(
-        "--keep-cpu-memory",
-        default="true",
-        choices=["true", "false"],
-        help="CPU: glibc keeps freed memory in the process, as the trainer's keep_cpu_memory",
-    )
-    p.add_argument(
-        "--tensor-peak",
-        default="false",
-        choices=["true", "false"],
-        help="CPU: also record every allocation (torch.profiler) and report the peak of live tensor bytes, "
-        "the planner's tensor terms (slower; its RSS is not the trainer's)",
+        "--tensor-peak", default="false", choices=["true", "false"], help="CPU: also the peak of live tensor bytes"
     )
     p.add_argument("--measure", default="true", choices=["true", "false"], help="false: the prediction only")
     p.add_argument(
-        "--plan",
-        type=finite_float,
-        default=None,
-        metavar="GPU_GB",
-        help="largest micro-batch per strategy that fits a card of this many GiB",
+        "--plan", type=finite_float, metavar="GPU_GB", help="largest micro-batch per strategy that fits this many GiB"
     )
 
 

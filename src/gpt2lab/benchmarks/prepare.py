@@ -29,12 +29,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="prepare workers (default 2)")
     parser.add_argument("--repeat", type=int, default=3, help="best of N runs (default 3)")
     parser.add_argument("--wikitext", default=str(WIKITEXT), help="wiki.test.raw to benchmark")
-    parser.add_argument(
-        "--scale",
-        type=int,
-        default=1,
-        help="repeat each source's documents N times (N > 1: steady state, amortizing the ~40 ms of worker start-up)",
-    )
+    parser.add_argument("--scale", type=int, default=1, help="repeat each source's documents N times (steady state)")
 
 
 def wikitext_articles(path: str) -> List[str]:
