@@ -58,13 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accum", type=int, default=2, help="micro-steps per step (more than 1 keeps gradients alive)")
     p.add_argument("--steps", type=int, default=2, help="measured training steps (at least 2)")
     p.add_argument("--keep-cpu-memory", default="true", choices=["true", "false"], help="as train's flag (CPU)")
-    p.add_argument(
-        "--tensor-peak", default="false", choices=["true", "false"], help="CPU: also the peak of live tensor bytes"
-    )
+    p.add_argument("--tensor-peak", default="false", choices=["true", "false"], help="CPU: also live tensors' peak")
     p.add_argument("--measure", default="true", choices=["true", "false"], help="false: the prediction only")
-    p.add_argument(
-        "--plan", type=finite_float, metavar="GPU_GB", help="largest micro-batch per strategy that fits this many GiB"
-    )
+    p.add_argument("--plan", type=finite_float, metavar="GPU_GB", help="the largest micro-batches fitting GPU_GB GiB")
 
 
 def run_config(args: argparse.Namespace, micro_batch: int, accum: int, world: int) -> TrainConfig:

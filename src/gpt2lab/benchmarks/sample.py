@@ -111,8 +111,7 @@ def run(args: argparse.Namespace) -> dict:
         hf_dir = peers.export(model, d) if wanted or args.llama_cpp else None
         llama = peers.LlamaCpp(args.llama_cpp, hf_dir, d, threads, args.llama_cpp_convert) if args.llama_cpp else None
         if "transformers" in wanted:
-            hf = peers.transformers_model(hf_dir, device, dtype)
-            ways["transformers"] = lambda: peers.transformers_greedy(hf, prompt, n)
+            ways["transformers"] = peers.transformers_greedy(hf_dir, device, dtype, prompt, n)
         ct2 = peers.CT2(hf_dir, d, threads) if "ctranslate2" in wanted and device.type == "cpu" else None
         for fn in ways.values():  # warm-up: allocator growth, library set-up
             with torch.inference_mode():

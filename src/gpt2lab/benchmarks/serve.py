@@ -58,18 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=64, help="tokens asked of each request")
     p.add_argument("--streams", default="1,8", help="comma-separated counts of requests in flight at most")
     p.add_argument("--seconds", type=finite_float, default=30.0, help="how long clients keep sending, per count")
-    p.add_argument(
-        "--request-rate",
-        type=finite_float,
-        help="requests per second arriving as a Poisson process (seeded); default: each stream sends back to back",
-    )
+    p.add_argument("--request-rate", type=finite_float, help="requests/s, Poisson arrivals (default: back to back)")
     p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto (cuda > mps > cpu), as serve's")
     add_inference_flags(p)  # serve's flags and defaults: a default figure is a user's figure
-    p.add_argument(
-        "--peer",
-        default="none",
-        help="ctranslate2: also time CTranslate2's batch of as many rows as each stream count (default none)",
-    )
+    p.add_argument("--peer", default="none", help="ctranslate2: also time its batch of each stream count's rows")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-batch", type=int, default=d.max_batch)
