@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Dict
 
 import numpy as np
 
@@ -39,7 +38,7 @@ def synthetic_shards(root: str, split: str, n_shards: int, tokens: int, seed: in
         write_shard(f"{root}/{shard_name(split, k)}", toks)
 
 
-def _rate(loader: TokenLoader, batches: int) -> Dict:
+def _rate(loader: TokenLoader, batches: int) -> dict:
     first, _ = timed(loader.next_batch)  # first batch: opens a shard (and indexes its documents)
     dt, _ = timed(lambda: [loader.next_batch() for _ in range(batches)])
     return {
@@ -60,9 +59,9 @@ def _model_step_s(batch_size: int, seq_len: int) -> float:
     return seconds * batch_size  # forward+backward scales ~linearly in B
 
 
-def run(args) -> Dict:
+def run(args) -> dict:
     B, T = args.batch_size, args.seq_len
-    out: Dict = {"batch_size": B, "seq_len": T, "load_avg_1m_before": round(os.getloadavg()[0], 2)}
+    out: dict = {"batch_size": B, "seq_len": T, "load_avg_1m_before": round(os.getloadavg()[0], 2)}
     with tempfile.TemporaryDirectory() as tmp:
         data = args.data
         if data is None:
