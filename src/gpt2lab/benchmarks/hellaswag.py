@@ -99,12 +99,8 @@ def run(args: argparse.Namespace) -> dict:
     examples = load_examples(args.data, args.limit)
 
     def batched(strategy):
-        return lambda exs: [
-            (s.pred, s.pred_norm)
-            for s in score_examples(
-                model, exs, device=device, dtype=args.dtype, strategy=strategy, batch_size=args.batch_size
-            )
-        ]
+        how = dict(device=device, dtype=args.dtype, strategy=strategy, batch_size=args.batch_size)
+        return lambda exs: [(s.pred, s.pred_norm) for s in score_examples(model, exs, **how)]
 
     methods = {
         "reference": lambda exs: reference_predictions(model, exs, device, args.dtype),

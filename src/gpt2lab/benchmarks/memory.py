@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from gpt2lab.benchmarks import peak_rss_bytes, timed
+from gpt2lab.benchmarks import peak_rss_bytes, rss_bytes, timed
 from gpt2lab.benchmarks.loader import synthetic_shards
 from gpt2lab.distributed.dist import DistInfo, cleanup, from_every_rank, init_distributed, pick_device
 from gpt2lab.model.config import PRESET_ALIASES, PRESETS
@@ -178,7 +178,7 @@ def _measure(cfg: TrainConfig, args: argparse.Namespace, info, tmp: str) -> tupl
     random token shards written into ``tmp`` (enough for its steps)."""
     from gpt2lab.train.trainer import Trainer
 
-    baseline, b = _rss_bytes(), cfg.batch
+    baseline, b = rss_bytes(), cfg.batch
     tokens = (cfg.optim.max_steps + 1) * b.total_batch_tokens + info.world_size * b.micro_batch_size * b.seq_len + 1
     if info.rank == 0:
         synthetic_shards(tmp, "train", 1, max(tokens, 4096))
@@ -216,15 +216,6 @@ def _tensor_peak(fn) -> int:
         if e.name() == "[memory]" and e.device_type().name == "CPU"
     )
     return max(itertools.accumulate((nbytes for _, nbytes in events), initial=0))  # the most live at once
-
-
-def _rss_bytes() -> int:
-    """This process's resident size now (Linux /proc; 0 elsewhere)."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-    except (OSError, StopIteration):
-        return 0
 
 
 def _peak_bytes(device: torch.device) -> int:

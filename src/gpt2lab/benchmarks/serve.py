@@ -41,7 +41,7 @@ from typing import Optional
 
 import torch
 
-from gpt2lab.benchmarks import add_shape_flags, machine, peers, shape_config
+from gpt2lab.benchmarks import add_shape_flags, machine, peers, rss_bytes, shape_config
 from gpt2lab.inference.flags import add_inference_flags, inference_request
 from gpt2lab.model.gpt import GPT
 from gpt2lab.observe.plot import md_table
@@ -235,9 +235,7 @@ def _load_elsewhere(url: str, streams: int, seconds: float, n: int, rate: Option
 
 def _rss_mb() -> float:
     gc.collect()
-    import psutil  # a dependency of several of ours (accelerate, wandb); read lazily
-
-    return round(psutil.Process().memory_info().rss / 2**20, 1)
+    return round(rss_bytes() / 2**20, 1)
 
 
 def _answer(url: str, body: bytes) -> tuple[int, bool]:
