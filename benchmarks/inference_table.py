@@ -8,6 +8,8 @@ import re
 import statistics
 import sys
 
+from gpt2lab.observe.plot import md_table
+
 
 def _read(out: pathlib.Path) -> dict:
     return {
@@ -21,58 +23,56 @@ def _held(run: dict) -> str:
     return f"{run['inference']['dtype']}/{run['inference']['kernel']}"
 
 
+def _floats(figures: dict) -> dict:
+    """The figures that were measured (not a peer's error text)."""
+    return {k: v for k, v in figures.items() if isinstance(v, float)}
+
+
 def sample_tables(runs: dict) -> None:
     auto = runs.get("sample-auto")
     if auto:
-        t, ct = auto["tok_per_s"], auto.get("ctranslate2_tok_per_s", {})
+        t, ct = auto["tok_per_s"], _floats(auto.get("ctranslate2_tok_per_s", {}))
         print(
             f"Default (`{_held(auto)}`): **{t['sample']:.1f}** tok/s; "
             f"`generate()` {t['generate']:.1f}; unprepared under autocast {t['unprepared']:.1f}; "
             f"transformers {t.get('transformers', 0):.1f}; "
-            + "; ".join(f"CTranslate2 {k} {v:.1f}" for k, v in ct.items() if isinstance(v, float))
+            + "; ".join(f"CTranslate2 {k} {v:.1f}" for k, v in ct.items())
             + "\n"
         )
     for name in ("sample-settings", "sample-int8"):
-        r = runs.get(name)
-        if not r:
-            continue
-        t = r["tok_per_s"]
-        print(f"| {name}: way | tok/s (best of {len(r['seconds']['sample'])}) | vs the default |")
-        print("| --- | --- | --- |")
-        for way, v in t.items():
-            if v:
-                label = f"default ({_held(r)})" if way == "sample" else way
-                print(f"| {label} | {v:.1f} | {v / t['sample']:.2f}x |")
-        for k, v in r.get("ctranslate2_tok_per_s", {}).items():
-            if isinstance(v, float):
-                print(f"| CTranslate2 {k} | {v:.1f} | {v / t['sample']:.2f}x |")
-        print()
+        if r := runs.get(name):
+            t = r["tok_per_s"]
+            rows = [[f"default ({_held(r)})" if way == "sample" else way, v] for way, v in t.items() if v]
+            rows += [[f"CTranslate2 {k}", v] for k, v in _floats(r.get("ctranslate2_tok_per_s", {})).items()]
+            head = [f"{name}: way", f"tok/s (best of {len(r['seconds']['sample'])})", "vs the default"]
+            print("\n".join(md_table([head, *([w, f"{v:.1f}", f"{v / t['sample']:.2f}x"] for w, v in rows)])) + "\n")
 
 
 def serve_table(runs: dict) -> None:
     by: dict[str, list[dict]] = {}
     for name, r in runs.items():
-        m = re.fullmatch(r"serve-(.+)-r(\d+)", name)
-        if m:
+        if m := re.fullmatch(r"serve-(.+)-r(\d+)", name):
             by.setdefault(m.group(1), []).append(r)
     if not by:
         return
-    print("| `bench serve` setting | held as | 1 stream tok/s (median; runs) | 8 streams tok/s (median; runs) |")
-    print("| --- | --- | --- | --- |")
+    head = ["`bench serve` setting", "held as", "1 stream tok/s (median; runs)", "8 streams tok/s (median; runs)"]
+    rows = []
     for setting, rs in by.items():
-        vals = {n: [next(x["aggregate_tok_per_s"] for x in r["load"] if x["streams"] == n) for r in rs] for n in (1, 8)}
-        held = ", ".join(sorted({_held(r) for r in rs}))
-        print(
-            f"| {setting} | {held} | "
-            + " | ".join(f"**{statistics.median(v):.1f}** ({', '.join(f'{x:.0f}' for x in v)})" for v in vals.values())
-            + " |"
-        )
+        vals = [[next(x["aggregate_tok_per_s"] for x in r["load"] if x["streams"] == n) for r in rs] for n in (1, 8)]
+        cells = [f"**{statistics.median(v):.1f}** ({', '.join(f'{x:.0f}' for x in v)})" for v in vals]
+        rows.append([setting, ", ".join(sorted({_held(r) for r in rs})), *cells])
         for r in rs:
             ct2 = {c["rows"]: c["aggregate_tok_per_s"] for c in r.get("ctranslate2", [])}
             for kind in ("float32", "int8", "bfloat16"):
                 if all(isinstance(ct2.get(n, {}).get(kind), float) for n in (1, 8)):
-                    row = f"| CTranslate2 {kind}: a 1-row and an 8-row batch | | {ct2[1][kind]:.1f} |"
-                    print(f"{row} {ct2[8][kind]:.1f} |")
+                    rows.append(
+                        [
+                            f"CTranslate2 {kind}: a 1-row and an 8-row batch",
+                            "",
+                            *(f"{ct2[n][kind]:.1f}" for n in (1, 8)),
+                        ]
+                    )
+    print("\n".join(md_table([head, *rows])))
 
 
 def main() -> None:

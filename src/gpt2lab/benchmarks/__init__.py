@@ -54,3 +54,12 @@ def machine(device, args, decision) -> dict:
 def peak_rss_bytes() -> int:
     """This process's peak resident size so far (getrusage: KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rss_bytes() -> int:
+    """This process's resident size now (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return 0

@@ -40,13 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="examples per batch, batched methods")
     p.add_argument("--repeats", type=int, default=2, help="timed runs of each method over the whole set")
     p.add_argument("--device", default="cpu")
-    p.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["auto", *sorted(DTYPES)],
-        help="autocast dtype of every method (the reference recipe on CPU: float32; auto: what "
-        "`gpt2lab eval` would use here)",
-    )
+    p.add_argument("--dtype", default="float32", choices=["auto", *sorted(DTYPES)], help="autocast dtype of all")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
 
 
@@ -105,12 +99,8 @@ def run(args: argparse.Namespace) -> dict:
     examples = load_examples(args.data, args.limit)
 
     def batched(strategy):
-        return lambda exs: [
-            (s.pred, s.pred_norm)
-            for s in score_examples(
-                model, exs, device=device, dtype=args.dtype, strategy=strategy, batch_size=args.batch_size
-            )
-        ]
+        how = dict(device=device, dtype=args.dtype, strategy=strategy, batch_size=args.batch_size)
+        return lambda exs: [(s.pred, s.pred_norm) for s in score_examples(model, exs, **how)]
 
     methods = {
         "reference": lambda exs: reference_predictions(model, exs, device, args.dtype),

@@ -53,21 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--steps", type=int, default=10, help="timed steps per rung (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
-    p.add_argument(
-        "--rungs",
-        default=",".join(RUNGS + EXTRA),
-        help=f"comma list from {', '.join(RUNGS + EXTRA + DIAGNOSTIC)}; the ladder is cumulative either way",
-    )
+    p.add_argument("--rungs", default=",".join(RUNGS + EXTRA), help=f"from {', '.join(RUNGS + EXTRA + DIAGNOSTIC)}")
     p.add_argument("--data", help="token shards for the gpt2lab rung (gpt2lab prepare output)")
     p.add_argument("--device")
     p.add_argument("--peak-flops", type=finite_float, help="datasheet peak FLOP/s (default: by GPU name)")
-    p.add_argument(
-        "--profile",
-        metavar="DIR",
-        help="then torch.profiler over --steps more steps of each rung: its operators by total device time "
-        "(CPU time on a CPU) to stderr and DIR/RUNG_profile.txt, and DIR/RUNG_trace.json "
-        "(a Chrome trace)",
-    )
+    p.add_argument("--profile", metavar="DIR", help="then torch.profiler over more steps of each rung, into DIR")
 
 
 def settings(rung: str) -> dict:
@@ -77,23 +67,19 @@ def settings(rung: str) -> dict:
     return {**switches, "vocab": 50304 if "vocab50304" in on else 50257, "fused": "fused_adamw" in on}
 
 
-def _gpt2lab_step(shape, B: int, T: int, device: torch.device, data: str):
-    from gpt2lab.distributed.dist import DistInfo
-    from gpt2lab.train.settings import load_preset
-    from gpt2lab.train.trainer import Trainer
-
-    batch = dict(block_size=T, seq_len=T, micro_batch_size=B, total_batch_tokens=B * T)
-    how = dict(device=str(device), compile=True, dtype="bfloat16", hellaswag_interval=0, progress=False)
-    cfg = load_preset("gpt2-124m", data=data, **dict(zip(SHAPE_KEYS, shape)), **batch, **how)
-    trainer = Trainer.from_config(cfg, DistInfo(device=device))
-    return loss_of_step(trainer), trainer.raw
-
-
 def _build(rung: str, shape, B: int, T: int, device: torch.device, data):
     """A rung's step and model: gpt2lab's own, or the recipe's step (AdamW decay 0.1, compiled, autocast
     as ``settings(rung)`` has them) of the reference model, transformers' or gpt2lab's GPT, on one random batch."""
-    if rung == "gpt2lab":
-        return _gpt2lab_step(shape, B, T, device, data)
+    if rung == "gpt2lab":  # exactly `gpt2lab train`'s step, on --data's shards
+        from gpt2lab.distributed.dist import DistInfo
+        from gpt2lab.train.settings import load_preset
+        from gpt2lab.train.trainer import Trainer
+
+        batch = dict(block_size=T, seq_len=T, micro_batch_size=B, total_batch_tokens=B * T)
+        how = dict(device=str(device), compile=True, dtype="bfloat16", hellaswag_interval=0, progress=False)
+        cfg = load_preset("gpt2-124m", data=data, **dict(zip(SHAPE_KEYS, shape)), **batch, **how)
+        trainer = Trainer.from_config(cfg, DistInfo(device=device))
+        return loss_of_step(trainer), trainer.raw
     s, named = settings(rung), dict(zip(SHAPE_KEYS, shape))
     torch.manual_seed(0)
     if rung == "hf":  # sdpa attention, no dropout
@@ -138,13 +124,6 @@ def _profile(step, device: torch.device, steps: int, prefix: str) -> None:
         fh.write(table)
     p.export_chrome_trace(tmp := tmp_name(f"{prefix}_trace.json"))
     os.replace(tmp, f"{prefix}_trace.json")
-
-
-def _free() -> None:
-    torch._dynamo.reset()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -211,7 +190,10 @@ def run(args: argparse.Namespace) -> dict:
         print(json.dumps(rec), flush=True)
         out["rungs"].append(rec)
         del step, model  # free this rung's model, optimizer and compiled graphs before the next
-        _free()
+        torch._dynamo.reset()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
     return out

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Dict
 
 import numpy as np
 
@@ -26,9 +25,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--batches", type=int, default=1000, help="batches timed per split")
     parser.add_argument("--shard-tokens", type=int, default=10_000_000, help="synthetic shard size")
-    parser.add_argument(
-        "--step-model", action="store_true", help="also time a CPU GPT-2 124M training step for the ratio"
-    )
+    parser.add_argument("--step-model", action="store_true", help="also time a CPU GPT-2 124M step, for the ratio")
 
 
 def synthetic_shards(root: str, split: str, n_shards: int, tokens: int, seed: int = 0) -> None:
@@ -41,7 +38,7 @@ def synthetic_shards(root: str, split: str, n_shards: int, tokens: int, seed: in
         write_shard(f"{root}/{shard_name(split, k)}", toks)
 
 
-def _rate(loader: TokenLoader, batches: int) -> Dict:
+def _rate(loader: TokenLoader, batches: int) -> dict:
     first, _ = timed(loader.next_batch)  # first batch: opens a shard (and indexes its documents)
     dt, _ = timed(lambda: [loader.next_batch() for _ in range(batches)])
     return {
@@ -62,9 +59,9 @@ def _model_step_s(batch_size: int, seq_len: int) -> float:
     return seconds * batch_size  # forward+backward scales ~linearly in B
 
 
-def run(args) -> Dict:
+def run(args) -> dict:
     B, T = args.batch_size, args.seq_len
-    out: Dict = {"batch_size": B, "seq_len": T, "load_avg_1m_before": round(os.getloadavg()[0], 2)}
+    out: dict = {"batch_size": B, "seq_len": T, "load_avg_1m_before": round(os.getloadavg()[0], 2)}
     with tempfile.TemporaryDirectory() as tmp:
         data = args.data
         if data is None:

@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from gpt2lab.benchmarks import peak_rss_bytes, timed
+from gpt2lab.benchmarks import peak_rss_bytes, rss_bytes, timed
 from gpt2lab.benchmarks.loader import synthetic_shards
 from gpt2lab.distributed.dist import DistInfo, cleanup, from_every_rank, init_distributed, pick_device
 from gpt2lab.model.config import PRESET_ALIASES, PRESETS
@@ -45,13 +45,7 @@ TINY = dict(n_layer=2, n_head=2, n_embd=64)  # for CPU measurements and tests
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", help="GPT-2 size: 124M (default), 350M, 774M, 1558M, or tiny (2 x 64)")
-    p.add_argument(
-        "--preset",
-        default=None,
-        metavar="NAME",
-        help="instead of --size: a training preset (its architecture, optimizer and seq_len); "
-        "the other settings are this command's flags",
-    )
+    p.add_argument("--preset", metavar="NAME", help="instead of --size: a training preset (architecture, optimizer)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default 1024, or the preset's)")
     p.add_argument("--max-batch", type=int, default=1024, help="search mode: stop searching here")
     p.add_argument("--compile", default="false", choices=["true", "false"])
@@ -61,36 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch", type=int, help="predict (and measure) this micro-batch")
     p.add_argument("--dtype", default="bfloat16", help=f"one of {', '.join(DTYPES)}")
     p.add_argument("--activation-checkpointing", default="false", choices=["true", "false"])
-    p.add_argument(
-        "--accum",
-        type=int,
-        default=2,
-        help="micro-steps per step (more than 1 keeps gradients alive through the forward)",
-    )
-    p.add_argument(
-        "--steps", type=int, default=2, help="measured training steps (at least 2: the first creates AdamW's moments)"
-    )
-    p.add_argument(
-        "--keep-cpu-memory",
-        default="true",
-        choices=["true", "false"],
-        help="CPU: glibc keeps freed memory in the process, as the trainer's keep_cpu_memory",
-    )
-    p.add_argument(
-        "--tensor-peak",
-        default="false",
-        choices=["true", "false"],
-        help="CPU: also record every allocation (torch.profiler) and report the peak of live tensor bytes, "
-        "the planner's tensor terms (slower; its RSS is not the trainer's)",
-    )
+    p.add_argument("--accum", type=int, default=2, help="micro-steps per step (more than 1 keeps gradients alive)")
+    p.add_argument("--steps", type=int, default=2, help="measured training steps (at least 2)")
+    p.add_argument("--keep-cpu-memory", default="true", choices=["true", "false"], help="as train's flag (CPU)")
+    p.add_argument("--tensor-peak", default="false", choices=["true", "false"], help="CPU: also live tensors' peak")
     p.add_argument("--measure", default="true", choices=["true", "false"], help="false: the prediction only")
-    p.add_argument(
-        "--plan",
-        type=finite_float,
-        default=None,
-        metavar="GPU_GB",
-        help="largest micro-batch per strategy that fits a card of this many GiB",
-    )
+    p.add_argument("--plan", type=finite_float, metavar="GPU_GB", help="the largest micro-batches fitting GPU_GB GiB")
 
 
 def run_config(args: argparse.Namespace, micro_batch: int, accum: int, world: int) -> TrainConfig:
@@ -208,7 +178,7 @@ def _measure(cfg: TrainConfig, args: argparse.Namespace, info, tmp: str) -> tupl
     random token shards written into ``tmp`` (enough for its steps)."""
     from gpt2lab.train.trainer import Trainer
 
-    baseline, b = _rss_bytes(), cfg.batch
+    baseline, b = rss_bytes(), cfg.batch
     tokens = (cfg.optim.max_steps + 1) * b.total_batch_tokens + info.world_size * b.micro_batch_size * b.seq_len + 1
     if info.rank == 0:
         synthetic_shards(tmp, "train", 1, max(tokens, 4096))
@@ -246,15 +216,6 @@ def _tensor_peak(fn) -> int:
         if e.name() == "[memory]" and e.device_type().name == "CPU"
     )
     return max(itertools.accumulate((nbytes for _, nbytes in events), initial=0))  # the most live at once
-
-
-def _rss_bytes() -> int:
-    """This process's resident size now (Linux /proc; 0 elsewhere)."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-    except (OSError, StopIteration):
-        return 0
 
 
 def _peak_bytes(device: torch.device) -> int:

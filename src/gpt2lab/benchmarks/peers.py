@@ -42,29 +42,24 @@ def export(model, directory: str) -> str:
     return path
 
 
-def transformers_model(hf_dir: str, device: torch.device, dtype: str):
+def transformers_greedy(hf_dir: str, device: torch.device, dtype: str, prompt: torch.Tensor, n: int):
+    """A function giving transformers' greedy ``n`` new tokens after ``prompt`` (1, n), from the export in
+    ``hf_dir`` loaded in ``dtype`` on ``device``."""
     try:
         import transformers
     except ImportError as e:
         raise UsageError(f"--peer transformers needs transformers ({e}); pip install transformers") from None
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)  # the class the export's config.json names
-    return model.to(device=device, dtype=getattr(torch, dtype)).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)  # the class the export's config.json names
+    hf = hf.to(device=device, dtype=getattr(torch, dtype)).eval()
+    exactly_n = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=hf.config.eos_token_id)
 
+    @torch.inference_mode()
+    def greedy() -> torch.Tensor:
+        return hf.generate(prompt, attention_mask=torch.ones_like(prompt), use_cache=True, **exactly_n)[:, -n:]
 
-def transformers_greedy(hf, prompt: torch.Tensor, n: int) -> torch.Tensor:
-    with torch.inference_mode():
-        out = hf.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            use_cache=True,
-            pad_token_id=hf.config.eos_token_id,
-        )
-    return out[:, -n:]
+    return greedy
 
 
 class CT2:
@@ -112,22 +107,6 @@ class CT2:
 LLAMA_TYPES = ("f32", "f16", "bf16", "q8_0")
 
 
-def find_converter(bench: str, convert: "str | None" = None) -> str:
-    """llama.cpp's ``convert_hf_to_gguf.py``: ``convert`` if given, else in the source tree above
-    ``bench`` (``build/bin/llama-bench`` is three levels below it)."""
-    if convert:
-        if not os.path.isfile(convert):
-            raise UsageError(f"--llama-cpp-convert {convert}: no such file (llama.cpp's convert_hf_to_gguf.py)")
-        return convert
-    for parent in list(Path(bench).resolve().parents)[:4]:
-        if (parent / "convert_hf_to_gguf.py").is_file():
-            return str(parent / "convert_hf_to_gguf.py")
-    raise UsageError(
-        f"--llama-cpp {bench}: no convert_hf_to_gguf.py in the llama.cpp tree above it; "
-        "give its path with --llama-cpp-convert"
-    )
-
-
 class LlamaCpp:
     """gpt2lab's export converted by llama.cpp's own converter to each of ``LLAMA_TYPES``, timed by
     ``llama-bench`` in a process of its own (a type the converter or the CPU cannot do: its error)."""
@@ -136,7 +115,16 @@ class LlamaCpp:
         if not (os.path.isfile(bench) and os.access(bench, os.X_OK)):
             raise UsageError(f"--llama-cpp {bench}: not an executable file (the llama-bench of a llama.cpp build)")
         self.bench, self.threads = bench, threads
-        converter = find_converter(bench, convert)
+        if convert and not os.path.isfile(convert):
+            raise UsageError(f"--llama-cpp-convert {convert}: no such file (llama.cpp's convert_hf_to_gguf.py)")
+        # else llama.cpp's converter in the source tree above ``bench`` (build/bin/llama-bench: three levels)
+        found = [p / "convert_hf_to_gguf.py" for p in list(Path(bench).resolve().parents)[:4]]
+        converter = convert or next((str(c) for c in found if c.is_file()), None)
+        if converter is None:
+            raise UsageError(
+                f"--llama-cpp {bench}: no convert_hf_to_gguf.py in the llama.cpp tree above it; "
+                "give its path with --llama-cpp-convert"
+            )
         self.models, self.errors = {}, {}
         for kind in LLAMA_TYPES:
             path = os.path.join(directory, f"model-{kind}.gguf")

@@ -40,12 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--hellaswag", help="HellaSwag jsonl (default: the official validation set)")
     p.add_argument("--hellaswag-limit", type=int, default=0, help="examples scored (0: skip HellaSwag)")
-    p.add_argument(
-        "--cpu-linear",
-        default="packed",
-        choices=[c for c in LINEAR_CHOICES if c != "auto"],
-        help="the kernel of the float candidates (default packed)",
-    )
+    kernels = [c for c in LINEAR_CHOICES if c != "auto"]
+    p.add_argument("--cpu-linear", default="packed", choices=kernels, help="the float ways' kernel")
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int)
 

@@ -15,7 +15,6 @@ import resource
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
 
 from gpt2lab.benchmarks import timed
 from gpt2lab.data.prepare import prepare
@@ -29,17 +28,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="prepare workers (default 2)")
     parser.add_argument("--repeat", type=int, default=3, help="best of N runs (default 3)")
     parser.add_argument("--wikitext", default=str(WIKITEXT), help="wiki.test.raw to benchmark")
-    parser.add_argument(
-        "--scale",
-        type=int,
-        default=1,
-        help="repeat each source's documents N times (N > 1: steady state, amortizing the ~40 ms of worker start-up)",
-    )
+    parser.add_argument("--scale", type=int, default=1, help="repeat each source's documents N times (steady state)")
 
 
-def wikitext_articles(path: str) -> List[str]:
+def wikitext_articles(path: str) -> list[str]:
     """Split WikiText raw text at its top-level ' = Title = ' headings."""
-    docs: List[str] = []
+    docs: list[str] = []
     for line in open(path, encoding="utf-8"):
         s = line.strip()
         if s.startswith("= ") and s.endswith(" =") and not s.startswith("= ="):
@@ -55,7 +49,7 @@ def _cpu_s() -> float:
     return time.process_time() + kids.ru_utime + kids.ru_stime
 
 
-def _best(fn, repeat: int) -> Tuple[float, float]:
+def _best(fn, repeat: int) -> tuple[float, float]:
     """Best wall time of ``repeat`` runs, and the CPU time of that run."""
 
     def cpu_of_run() -> float:
@@ -66,12 +60,12 @@ def _best(fn, repeat: int) -> Tuple[float, float]:
     return min(timed(cpu_of_run) for _ in range(repeat))
 
 
-def _write_jsonl(path: str, docs: List[str]) -> str:
+def _write_jsonl(path: str, docs: list[str]) -> str:
     Path(path).write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs), encoding="utf-8")
     return path
 
 
-def _forked_encode(docs: List[str], workers: int) -> None:
+def _forked_encode(docs: list[str], workers: int) -> None:
     """The ceiling for `workers` processes: forked children each encode a share, no IPC."""
     enc = gpt2_tokenizer()
     pids = []
@@ -85,7 +79,7 @@ def _forked_encode(docs: List[str], workers: int) -> None:
         os.waitpid(pid, 0)
 
 
-def _bench_source(name: str, source: str, workers: int, repeat: int, tmp: str) -> Dict:
+def _bench_source(name: str, source: str, workers: int, repeat: int, tmp: str) -> dict:
     docs = [as_text(d) for d in resolve_source(source).documents(0, None)]
     enc = gpt2_tokenizer()
     tokens = sum(len(enc.encode_ordinary(d)) + 1 for d in docs)  # + the EOT per document
@@ -110,8 +104,8 @@ def _bench_source(name: str, source: str, workers: int, repeat: int, tmp: str) -
     return result
 
 
-def run(args) -> Dict:
-    out: Dict = {
+def run(args) -> dict:
+    out: dict = {
         "workers": args.workers,
         "cpu_count": os.cpu_count(),
         "repeat": args.repeat,

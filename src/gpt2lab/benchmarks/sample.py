@@ -53,34 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=16, help="length of the random prompt")
     p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto (cuda > mps > cpu)")
     add_inference_flags(p)
-    p.add_argument(
-        "--peer",
-        default="transformers",
-        help="peers timed beside gpt2lab, comma-separated: transformers, ctranslate2 (or none)",
-    )
-    p.add_argument(
-        "--ways",
-        default="sample,generate,unprepared",
-        help="gpt2lab's ways timed, comma-separated (sample always): generate, unprepared",
-    )
-    p.add_argument(
-        "--all-settings",
-        action="store_true",
-        help="also time every explicit (dtype, kernel) this device can run, in the same rounds: "
-        "how far the default's pick is from the best one",
-    )
-    p.add_argument(
-        "--llama-cpp",
-        default=None,
-        metavar="PATH",
-        help="a llama.cpp build's llama-bench: time llama.cpp beside gpt2lab on the same weights (CPU only)",
-    )
-    p.add_argument(
-        "--llama-cpp-convert",
-        default=None,
-        metavar="PATH",
-        help="llama.cpp's convert_hf_to_gguf.py (default: found in the tree above --llama-cpp)",
-    )
+    p.add_argument("--peer", default="transformers", help="transformers, ctranslate2 or none, comma-separated")
+    p.add_argument("--ways", default="sample,generate,unprepared", help="sample (always), generate, unprepared")
+    p.add_argument("--all-settings", action="store_true", help="also every explicit (dtype, kernel) this device runs")
+    p.add_argument("--llama-cpp", metavar="PATH", help="a llama.cpp build's llama-bench, timed beside gpt2lab (CPU)")
+    p.add_argument("--llama-cpp-convert", metavar="PATH", help="convert_hf_to_gguf.py (default: the llama.cpp tree's)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds")
     p.add_argument("--no-cache-repeats", type=int, default=1, help="timed runs without the cache (slow; 0 skips)")
     p.add_argument("--seed", type=int, default=0)
@@ -134,8 +111,7 @@ def run(args: argparse.Namespace) -> dict:
         hf_dir = peers.export(model, d) if wanted or args.llama_cpp else None
         llama = peers.LlamaCpp(args.llama_cpp, hf_dir, d, threads, args.llama_cpp_convert) if args.llama_cpp else None
         if "transformers" in wanted:
-            hf = peers.transformers_model(hf_dir, device, dtype)
-            ways["transformers"] = lambda: peers.transformers_greedy(hf, prompt, n)
+            ways["transformers"] = peers.transformers_greedy(hf_dir, device, dtype, prompt, n)
         ct2 = peers.CT2(hf_dir, d, threads) if "ctranslate2" in wanted and device.type == "cpu" else None
         for fn in ways.values():  # warm-up: allocator growth, library set-up
             with torch.inference_mode():

@@ -41,37 +41,27 @@ from typing import Optional
 
 import torch
 
-from gpt2lab.benchmarks import add_shape_flags, machine, peers, shape_config
+from gpt2lab.benchmarks import add_shape_flags, machine, peers, rss_bytes, shape_config
 from gpt2lab.inference.flags import add_inference_flags, inference_request
 from gpt2lab.model.gpt import GPT
+from gpt2lab.observe.plot import md_table
 from gpt2lab.serve.limits import Limits
 from gpt2lab.system.choices import finite_float
 from gpt2lab.system.errors import UsageError
+
+LATENCIES = ("ttft", "tpot", "itl", "e2el")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = Limits()
     add_shape_flags(p)
     p.add_argument("--new-tokens", type=int, default=64, help="tokens asked of each request")
-    p.add_argument(
-        "--streams", default="1,8", help="comma-separated counts of requests in flight at most (default 1,8)"
-    )
+    p.add_argument("--streams", default="1,8", help="comma-separated counts of requests in flight at most")
     p.add_argument("--seconds", type=finite_float, default=30.0, help="how long clients keep sending, per count")
-    p.add_argument(
-        "--request-rate",
-        type=finite_float,
-        default=None,
-        help="requests per second arriving as a Poisson process (seeded by --seed), at most --streams in "
-        "flight; default: each stream sends its next request when its last one ends",
-    )
+    p.add_argument("--request-rate", type=finite_float, help="requests/s, Poisson arrivals (default: back to back)")
     p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto (cuda > mps > cpu), as serve's")
     add_inference_flags(p)  # serve's flags and defaults: a default figure is a user's figure
-    p.add_argument(
-        "--peer",
-        default="none",
-        help="ctranslate2: time CTranslate2's generate_batch of as many rows as each stream count, "
-        "same weights, threads, prompt and new tokens (fp32 and int8; default none)",
-    )
+    p.add_argument("--peer", default="none", help="ctranslate2: also time its batch of each stream count's rows")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-batch", type=int, default=d.max_batch)
@@ -222,17 +212,15 @@ def table(rows: list[dict]) -> str:
     def f(v, digits=1):
         return "-" if v is None else f"{v:.{digits}f}"
 
-    lines = [
-        "| in flight | rate req/s | requests (errors) | out tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
-        "| ITL p50 / p99 ms | E2EL p50 / p99 ms |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    head = ["in flight", "rate req/s", "requests (errors)", "out tok/s"]
+    head += [f"{m.upper()} p50 / p99 ms" for m in LATENCIES]
+    body = [
+        [r["streams"], "closed loop" if r["request_rate"] is None else f(r["request_rate"], 2)]
+        + [f"{r['requests']} ({r['errors']})", f(r["aggregate_tok_per_s"])]
+        + [f"{f(r[f'median_{m}_ms'])} / {f(r[f'p99_{m}_ms'])}" for m in LATENCIES]
+        for r in rows
     ]
-    for r in rows:
-        cells = [str(r["streams"]), "closed loop" if r["request_rate"] is None else f(r["request_rate"], 2)]
-        cells += [f"{r['requests']} ({r['errors']})", f(r["aggregate_tok_per_s"])]
-        cells += [f"{f(r[f'median_{m}_ms'])} / {f(r[f'p99_{m}_ms'])}" for m in ("ttft", "tpot", "itl", "e2el")]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(md_table([head, *body]))
 
 
 def _load_elsewhere(url: str, streams: int, seconds: float, n: int, rate: Optional[float], seed: int) -> dict:
@@ -247,9 +235,7 @@ def _load_elsewhere(url: str, streams: int, seconds: float, n: int, rate: Option
 
 def _rss_mb() -> float:
     gc.collect()
-    import psutil  # a dependency of several of ours (accelerate, wandb); read lazily
-
-    return round(psutil.Process().memory_info().rss / 2**20, 1)
+    return round(rss_bytes() / 2**20, 1)
 
 
 def _answer(url: str, body: bytes) -> tuple[int, bool]:

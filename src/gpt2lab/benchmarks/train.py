@@ -44,28 +44,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="PRESET[:field=value,...]",
-        help="another run to time beside the preset's (repeat for more): a preset, the train flags given "
-        "and its own fields over it, e.g. wiki-cpu-fast:logit_softcap=15.0",
+        help="another run timed beside (repeatable): a preset, the flags, its fields, e.g. wiki-cpu-fast:seq_len=128",
     )
     p.add_argument("--reference", action="store_true", help="also time the reference recipe's model")
+    p.add_argument("--reference-compile", default="true", choices=["true", "false"], help="torch.compile it")
+    p.add_argument("--reference-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument(
-        "--reference-compile",
-        default="true",
-        choices=["true", "false"],
-        help="torch.compile the reference model (as the recipe does)",
-    )
-    p.add_argument(
-        "--reference-dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16"],
-        help="autocast dtype of the reference model (the recipe on CPU: float32; on GPU: bfloat16)",
-    )
-    p.add_argument(
-        "--reference-keep-memory",
-        default="false",
-        choices=["true", "false"],
-        help="give the reference gpt2lab's CPU allocator setting (--keep-cpu-memory); "
-        "false = glibc defaults, as the recipe runs",
+        "--reference-keep-memory", default="false", choices=["true", "false"], help="as --keep-cpu-memory, for it"
     )
     add_config_flags(p)
 

@@ -7,6 +7,7 @@ with ``add_arguments(parser)`` and ``run(args) -> dict``; the dict is printed as
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 
@@ -21,18 +22,15 @@ def add_parser(sub) -> None:
         summary = mod.__doc__.split("\n\n")[0].split(": ", 1)[1]  # its docstring's first paragraph
         bp = bsub.add_parser(name, help=" ".join(summary.split()))
         mod.add_arguments(bp)
-        bp.set_defaults(func=_runner(mod))
+        bp.set_defaults(func=functools.partial(_run, mod))
 
 
-def _runner(mod):
-    def run(args) -> int:
-        if getattr(args, "threads", None):  # the benchmarks that take --threads: torch's CPU threads
-            import torch
+def _run(mod, args) -> int:
+    if getattr(args, "threads", None):  # the benchmarks that take --threads: torch's CPU threads
+        import torch
 
-            torch.set_num_threads(args.threads)
-        result = mod.run(args)
-        if result is not None:  # None: a torchrun rank other than 0, whose result rank 0 prints
-            print(json.dumps(result), flush=True)
-        return 0
-
-    return run
+        torch.set_num_threads(args.threads)
+    result = mod.run(args)
+    if result is not None:  # None: a torchrun rank other than 0, whose result rank 0 prints
+        print(json.dumps(result), flush=True)
+    return 0
