@@ -105,11 +105,10 @@ def save_pretrained(model: GPT, out_dir: str) -> str:
     with atomic_dir(out_dir) as tmp:
         dtype = model.transformer.wte.weight.dtype
         tok = for_config(model.config, model.tokenizer)
-        if target == GPT2_HF.architecture:
-            sd, config = gpt2.to_hf_state_dict(model), gpt2.config_to_hf(model.config, dtype, tok)
-        else:
-            sd, config = nanochat.to_nanochat_state_dict(model), nanochat.config_to_nanochat(model.config, dtype, tok)
+        nano = target != GPT2_HF.architecture
+        sd = (nanochat.to_nanochat_state_dict if nano else gpt2.to_hf_state_dict)(model)
         save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        config = (nanochat.config_to_nanochat if nano else gpt2.config_to_hf)(model.config, dtype, tok)
         write_json(os.path.join(tmp, "config.json"), config)
         eot, end = gpt2.special_ids(model.config, tok)
         # generate stops where gpt2lab does: a chat model at <|im_end|> (its turn), else at <|endoftext|>;

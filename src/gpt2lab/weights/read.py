@@ -126,9 +126,9 @@ def from_files(config: GPTConfig, tok: Optional[TrainedBPE], weights_path: str) 
             f"{weights_path}: cannot be read ({why}); the file is damaged or cut short: "
             "download or export the model again"
         ) from e
-    if config.embed_norm:  # NanoChat's config always sets it (config_from_nanochat), GPT-2's never
-        return model_from_state_dict(config, nanochat.from_nanochat_state_dict(sd, config), weights_path, tok)
-    return model_from_state_dict(config, gpt2.from_hf_state_dict(sd, config.tie_embeddings), weights_path, tok)
+    # NanoChat's config always sets embed_norm (config_from_nanochat), GPT-2's never
+    ours = nanochat.from_nanochat_state_dict if config.embed_norm else gpt2.from_hf_state_dict
+    return model_from_state_dict(config, ours(sd, config), weights_path, tok)
 
 
 def dir_tokenizer(path: str, vocab: int) -> Optional[TrainedBPE]:
