@@ -61,11 +61,8 @@ def model_from_state_dict(
     for key, t in model.state_dict().items():
         if key in sd and sd[key].shape != t.shape:
             raise WeightsError(f"{where}: {key} has shape {tuple(sd[key].shape)}, config needs {tuple(t.shape)}")
-    full = {k: v.contiguous() for k, v in sd.items()}
-    if tied:
-        full["lm_head.weight"] = full["transformer.wte.weight"]
-    model.load_state_dict(full, assign=True)
-    if tied:  # assign=True installs two separate Parameters for the tied pair; tie them again.
+    model.load_state_dict({k: v.contiguous() for k, v in sd.items()}, assign=True, strict=not tied)  # checked above
+    if tied:  # the head is wte's matrix: tie it to the Parameter assigned there
         model.lm_head.weight = model.transformer.wte.weight
     return model.eval()
 
