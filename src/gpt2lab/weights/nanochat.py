@@ -14,7 +14,7 @@ computed:
 
 Loading gives gains of one. What gpt2lab does not compute (GQA, another MLP width, attention
 biases, another RoPE type) is refused by field. Pure mapping: no I/O; errors are ValueErrors that
-weights/read.py turns into one line naming the file.
+weights/load.py turns into one line naming the file.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def config_from_nanochat(cfg: dict) -> GPTConfig:
 def from_nanochat_state_dict(sd: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """NanoChatForCausalLM tensors -> gpt2lab names (every norm's gain one; a tied head left out).
 
-    A tensor this does not place is kept under its own name, so read.model_from_state_dict names it as unexpected.
+    A tensor this does not place is kept under its own name, so load.model_from_state_dict names it as unexpected.
     """
     sd = dict(sd)
     wte = sd.pop("model.embed_tokens.weight", None)
