@@ -31,8 +31,6 @@ EXPORT_FILES = (
     "special_tokens_map.json",
     rundir.EXPORT_MARKER,
 )
-# ... and of a model with its own tokenizer (data/tokenizer.py): its tokenizer.json in place of GPT-2's files
-TRAINED_EXPORT_FILES = (*EXPORT_FILES[:3], TOKENIZER_FILE, *EXPORT_FILES[5:])
 
 
 def write_tokenizer(
@@ -82,7 +80,8 @@ def write_tokenizer(
 
 def check_target(out_dir: str) -> rundir.Found:
     """What ``out_dir`` is when an export may be written there (system/rundir.py's rule), else raise."""
-    replaces = (*EXPORT_FILES, *TRAINED_EXPORT_FILES)
+    # a model with its own tokenizer (data/tokenizer.py) writes its tokenizer.json in place of GPT-2's files
+    replaces = (*EXPORT_FILES, TOKENIZER_FILE)
     return rundir.check(out_dir, rundir.EXPORT, "", "choose a new or empty OUT_DIR", replaces=replaces)
 
 
