@@ -231,7 +231,7 @@ def test_a_directory_of_junk_is_named_once(tmp_path, capsys, monkeypatch, argv):
 
 def test_the_python_api_and_init_from_name_a_junk_source_once(tmp_path, capsys, monkeypatch, tiny_data):
     import gpt2lab
-    from gpt2lab.weights.read import WeightsError
+    from gpt2lab.weights.load import WeightsError
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "junk2").mkdir()

@@ -108,7 +108,7 @@ def test_hf_source_loss_and_adamw_steps_match_transformers(hf_src, tiny_data, tm
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
-    expected = gpt2.from_hf_state_dict(ref.state_dict())
+    expected = gpt2.from_hf_state_dict(ref.state_dict(), trainer.raw.config)
     got = dict(trainer.raw.named_parameters())
     worst = max((got[k] - v).abs().max().item() for k, v in expected.items())
     assert worst < 2e-5, worst  # 4 steps of lr 1e-3: moved ~4e-3, agreeing to fp32 rounding

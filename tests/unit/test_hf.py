@@ -10,7 +10,7 @@ import torch
 from conftest import TINY_SHAPES, tiny_gpt
 
 from gpt2lab import GPT, from_pretrained
-from gpt2lab.weights import export, read
+from gpt2lab.weights import export, load
 from gpt2lab.weights.load import is_hf_dir, load_model
 
 
@@ -171,10 +171,10 @@ def test_mismatched_weights_and_unsupported_config_are_refused(hf_dirs, tmp_path
     cfg = json.loads(open(os.path.join(d, "config.json")).read())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "n_embd": 64}))
     os.link(os.path.join(d, "model.safetensors"), tmp_path / "model.safetensors")
-    with pytest.raises(read.WeightsError, match="model.safetensors"):
+    with pytest.raises(load.WeightsError, match="model.safetensors"):
         load_model(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "activation_function": "relu"}))
-    with pytest.raises(read.WeightsError, match="activation_function"):
+    with pytest.raises(load.WeightsError, match="activation_function"):
         load_model(str(tmp_path))
 
 
@@ -197,6 +197,6 @@ def test_from_hub_offline_gives_clear_error(tmp_path, monkeypatch):
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf_home" / "hub"))
     for entry in (from_pretrained,):  # the Python API's hub path, as `--model gpt2`'s
-        with pytest.raises(read.WeightsError, match="^gpt2: openai-community/gpt2.*offline.*local directory"):
+        with pytest.raises(load.WeightsError, match="^gpt2: openai-community/gpt2.*offline.*local directory"):
             entry("gpt2")
     assert not list((tmp_path / "hf_home").rglob("*.safetensors"))

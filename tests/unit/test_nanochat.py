@@ -18,7 +18,7 @@ from gpt2lab.data.tokenizer import gpt2_tokenizer
 from gpt2lab.model.gpt import GPT, GPTConfig, rotary_cos_sin
 from gpt2lab.system.errors import UsageError
 from gpt2lab.train.settings import load_preset, preset_names
-from gpt2lab.weights import export, nanochat, read, targets
+from gpt2lab.weights import export, load, nanochat, targets
 from gpt2lab.weights.load import HF_DIR, load_model, source_kind
 
 # The modern block NanoChat computes: gpt2lab's switches with no biases and a normalised embedding.
@@ -370,7 +370,7 @@ def test_a_nanochat_saved_by_transformers_loads_with_its_logits(overrides, tmp_p
 )
 def test_a_nanochat_gpt2lab_cannot_compute_is_refused_by_field(overrides, needle, tmp_path, capsys):
     _, d = _transformers_nanochat(tmp_path, **overrides)
-    with pytest.raises(read.WeightsError) as e:
+    with pytest.raises(load.WeightsError) as e:
         load_model(d)
     assert needle in str(e.value) and "config.json" in str(e.value) and "\n" not in str(e.value)
     capsys.readouterr()  # transformers' progress bars from saving

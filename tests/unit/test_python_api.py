@@ -15,8 +15,7 @@ from safetensors.torch import load_file
 import gpt2lab
 from gpt2lab import GPT
 from gpt2lab.system.errors import CheckpointError
-from gpt2lab.weights.load import load_model
-from gpt2lab.weights.read import WeightsError
+from gpt2lab.weights.load import WeightsError, load_model
 
 
 def _same_weights(a: GPT, b: GPT) -> None:

@@ -15,15 +15,12 @@ from gpt2lab.train.settings import parse_bool
 def add_parser(sub) -> None:
     p = sub.add_parser("eval", help="evaluate a model: HellaSwag accuracy, validation loss, chat, GSM8K")
     esub = p.add_subparsers(dest="task", metavar="TASK", required=True)
+    cached = "downloaded once into ~/.cache/gpt2lab or $GPT2LAB_CACHE"
 
-    hs = esub.add_parser("hellaswag", help="HellaSwag acc and acc_norm (works under torchrun)")
-    add_model_flags(hs, required=True)
+    hs = _task(esub, "hellaswag", "HellaSwag acc and acc_norm (works under torchrun)", eval_hellaswag, "examples")
     hs.add_argument(
-        "--data",
-        help="jsonl with ctx/endings/label per line (default: the official validation set, "
-        "downloaded once into ~/.cache/gpt2lab or $GPT2LAB_CACHE)",
+        "--data", help=f"jsonl with ctx/endings/label per line (default: the official validation set, {cached})"
     )
-    hs.add_argument("--limit", type=positive_int, default=None, help="score only the first N examples")
     hs.add_argument(
         "--batch-size",
         type=positive_int,
@@ -33,15 +30,12 @@ def add_parser(sub) -> None:
         "--strategy",
         choices=HELLASWAG_STRATEGIES,
         default="auto",
-        help="padded: rows of many examples padded into one forward; shared: each context once, "
-        "continued into its endings via the KV cache; auto (default): shared for an eager "
-        "model on CPU, else padded",
+        help="padded: rows of many examples padded into one forward; shared: each context once, continued into its "
+        "endings via the KV cache; auto (default): shared for an eager model on CPU, else padded",
     )
     hs.add_argument("--compile", action="store_true", help="torch.compile the model first")
-    hs.set_defaults(func=eval_hellaswag)
 
-    lo = esub.add_parser("loss", help="mean next-token loss over the first N tokens of a split")
-    add_model_flags(lo, required=True)
+    lo = _task(esub, "loss", "mean next-token loss over the first N tokens of a split", eval_loss)
     lo.add_argument("--data", required=True, help="token shard directory (from gpt2lab prepare)")
     lo.add_argument("--split", default="val")
     # 20 batches of 64 x 1024: what the reference recipe's GPT-2 baseline (3.2924) was measured on.
@@ -52,75 +46,77 @@ def add_parser(sub) -> None:
         help="tokens to evaluate (a split that holds fewer: all its whole batches, with a note)",
     )
     lo.add_argument("--batch-size", type=positive_int, default=8, help="sequences per forward pass")
-    lo.add_argument(
-        "--seq-len", type=positive_int, default=None, help="tokens per sequence (default: the model's block size)"
-    )
-    lo.set_defaults(func=eval_loss)
+    lo.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default: the model's block size)")
 
-    ch = esub.add_parser(
-        "chat",
-        help="held-out conversations: the loss on the assistant's tokens and the share "
-        "of greedy replies that end their turn",
-    )
-    add_model_flags(ch, required=True)
+    what = "the loss on the assistant's tokens and the share of greedy replies that end their turn"
+    ch = _task(esub, "chat", f"held-out conversations: {what}", eval_replies, "conversations", 128)
     ch.add_argument(
         "--data",
-        help="conversations: JSON lines in the messages format (.jsonl, also .jsonl.zst/.gz/.xz, a "
-        "directory or a glob), or a directory from gpt2lab prepare (its held-out conversations, "
-        "held_out.jsonl); default: those of the prepared data the --model run trained on",
+        help="conversations: JSON lines in the messages format (.jsonl, .jsonl.zst/.gz/.xz, a directory or a glob) "
+        "or a directory from gpt2lab prepare (its held-out ones); default: those the --model run trained on",
     )
-    ch.add_argument(
-        "--max-tokens",
-        type=positive_int,
-        default=128,
-        help="a reply that has not ended its turn after this many tokens did not end it (default 128)",
-    )
-    ch.add_argument("--limit", type=positive_int, default=None, help="only the first N conversations")
-    ch.set_defaults(func=eval_replies)
 
-    gs = esub.add_parser("gsm8k", help="GSM8K: greedy answers, exact match on the number after ####")
-    add_model_flags(gs, required=True)
+    gs = _task(
+        esub, "gsm8k", "GSM8K: greedy answers, exact match on the number after ####", eval_replies, "problems", 256
+    )
     gs.add_argument(
         "--data",
-        help="GSM8K rows {question, answer} as JSON lines (or messages: one user turn, one assistant "
-        "turn ending '#### N'); default: GSM8K's official test split, downloaded once into "
-        "~/.cache/gpt2lab or $GPT2LAB_CACHE",
+        help="GSM8K rows {question, answer} as JSON lines (or messages: one user turn, one assistant turn ending "
+        f"'#### N'); default: GSM8K's official test split, {cached}",
     )
-    gs.add_argument("--max-tokens", type=positive_int, default=256, help="tokens a reply may take (default 256)")
-    gs.add_argument("--limit", type=positive_int, default=None, help="only the first N problems")
     gs.add_argument(
         "--calculator",
         type=parse_bool,
         default=True,
         metavar="on|off",
-        help="on (default): the reply's <<expr=...>> annotations run as a tool (the value is written "
-        "for the model, as nanochat does); off: the model writes every number itself",
+        help="on (default): the reply's <<expr=...>> annotations run as a calculator, as nanochat's do; off: the "
+        "model writes every number itself",
     )
     gs.add_argument(
         "--samples",
         metavar="FILE.jsonl",
-        help="write the summary (the first line) and each problem's reply, extracted answer and verdict "
-        "to this file (new, or one gpt2lab wrote)",
+        help="also write the summary and each problem's reply, answer and verdict here (new, or a file gpt2lab wrote)",
     )
-    gs.set_defaults(func=eval_replies)
 
 
-def _scored(args: argparse.Namespace, score, linear: str = "auto") -> int:
-    """``score(model, info)``'s record printed once with the inference decision: the model loaded on every
-    rank (torchrun) and held for scoring as rank 0 decided (inference/completion.load_for_inference)."""
+def _task(esub, task: str, what: str, func, limit: str = "", max_tokens: int = 0) -> argparse.ArgumentParser:
+    """The parser of ``gpt2lab eval TASK``: --model and the inference flags, --limit counting ``limit``
+    ("" none) and a reply's --max-tokens (0 none)."""
+    p = esub.add_parser(task, help=what)
+    add_model_flags(p, required=True)
+    if limit:
+        p.add_argument("--limit", type=positive_int, help=f"only the first N {limit}")
+    if max_tokens:
+        p.add_argument(
+            "--max-tokens",
+            type=positive_int,
+            default=max_tokens,
+            help=f"tokens a reply may take; one not ended by then did not end its turn (default {max_tokens})",
+        )
+    p.set_defaults(func=func)
+    return p
+
+
+def _scored(args: argparse.Namespace, score, kind: str = "score", linear: str = "auto", write=None) -> int:
+    """``score(model, info)``'s record printed once with the inference decision (``write(record)`` first, if
+    given): the model loaded on every rank (torchrun) and held for ``kind`` as rank 0 decided
+    (inference/completion.load_for_inference)."""
     import dataclasses
 
     from gpt2lab.distributed.dist import cleanup, init_distributed, print0
     from gpt2lab.inference.completion import load_for_inference
     from gpt2lab.inference.flags import inference_request
 
-    request = inference_request(args, "score")
+    request = inference_request(args, kind)
     if request.linear == "auto":  # a compiled model keeps F.linear: oneDNN's packed weights are opaque to it
         request = dataclasses.replace(request, linear=linear)
     info = init_distributed(args.device)
     try:
         model, decision = load_for_inference(args.model, info.device, request, "gpt2lab eval")
-        print0(json.dumps({**score(model, info), "inference": decision.record()}))
+        record = {**score(model, info), "inference": decision.record()}
+        if write is not None:
+            write(record)
+        print0(json.dumps(record))
     finally:
         cleanup()
     return 0
@@ -194,14 +190,11 @@ def eval_loss(args: argparse.Namespace) -> int:
 
 def eval_replies(args: argparse.Namespace) -> int:
     """eval chat and eval gsm8k: the model's greedy replies, prepared for generating (one row, as ``sample``)."""
-    from gpt2lab.distributed.dist import init_distributed
     from gpt2lab.evals.chat import chat_data, evaluate_chat, evaluate_gsm8k, gsm8k_test_file, read_conversations
-    from gpt2lab.inference.completion import load_for_inference
-    from gpt2lab.inference.flags import inference_request
     from gpt2lab.system import rundir
     from gpt2lab.system.files import atomic_write
 
-    gsm8k, samples = args.task == "gsm8k", getattr(args, "samples", None)
+    gsm8k, samples, rows = args.task == "gsm8k", getattr(args, "samples", None), []
     if samples:  # before the long part: a file there that gpt2lab did not write is refused
         rundir.check(samples, rundir.FILE, "--samples", "pick another path")
     with _one_line(args.task):  # the data first: no data, or no network to fetch it, fails before the model loads
@@ -209,20 +202,21 @@ def eval_replies(args: argparse.Namespace) -> int:
     if note:
         print(f"gpt2lab eval chat: {note}", file=sys.stderr, flush=True)
     conversations = read_conversations(data, args.limit, gsm8k=gsm8k)
-    info = init_distributed(args.device)
-    model, decision = load_for_inference(args.model, info.device, inference_request(args, "sample"), "gpt2lab eval")
-    with _one_line(args.task, f"--model {args.model}: "):  # a model that cannot take the template
-        if gsm8k:
-            summary, rows = evaluate_gsm8k(
+
+    def score(model, info) -> dict:
+        with _one_line(args.task, f"--model {args.model}: "):  # a model that cannot take the template
+            if not gsm8k:
+                return {**evaluate_chat(model, conversations, max_tokens=args.max_tokens, progress=True), **where}
+            summary, found = evaluate_gsm8k(
                 model, conversations, max_tokens=args.max_tokens, calculator=args.calculator, progress=True
             )
-        else:
-            summary = evaluate_chat(model, conversations, max_tokens=args.max_tokens, progress=True)
-    written = {"samples": samples} if gsm8k else {}
-    result = {**summary, "model": args.model, "data": data, **written, "inference": decision.record()}
-    if samples:  # the first line is the summary, marked as gpt2lab's (system/rundir.py)
+        rows.extend(found)
+        return {**summary, **where, "samples": samples}
+
+    def write(record: dict) -> None:  # the first line is the summary, marked as gpt2lab's (system/rundir.py)
         with atomic_write(samples, "w") as f:
-            for row in [{"format": "gpt2lab-gsm8k-samples", **result}, *rows]:
+            for row in [{"format": "gpt2lab-gsm8k-samples", **record}, *rows]:
                 f.write(json.dumps(row) + "\n")
-    print(json.dumps(result))
-    return 0
+
+    where = {"model": args.model, "data": data}
+    return _scored(args, score, "sample", write=write if samples else None)

@@ -160,11 +160,6 @@ def final_number(text: str) -> Optional[str]:
     return m.group(1).replace(",", "") if m else None
 
 
-def same_number(a: Optional[str], b: Optional[str]) -> bool:
-    """Whether two ``final_number``s (each a number or None) are one number."""
-    return a is not None and b is not None and math.isclose(float(a), float(b), rel_tol=0, abs_tol=1e-9)
-
-
 _OPS = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
@@ -187,9 +182,7 @@ def calculate(expr: str) -> Optional[str]:
         return None
     if not math.isfinite(value) or abs(value) > 1e15:
         return None
-    if value == int(value):
-        return str(int(value))
-    return f"{value:.10g}"
+    return str(int(value)) if value == int(value) else f"{value:.10g}"
 
 
 def _eval(node: ast.AST) -> float:
@@ -225,7 +218,7 @@ def evaluate_gsm8k(
     _check(model)
     rows = []
     for turns in tqdm(problems, desc="gsm8k", unit="conv", dynamic_ncols=True, disable=not progress):
-        prompt = encode_chat([turns[0]], add_generation_prompt=True, tokenizer=chat_tokenizer(model))[0]
+        prompt = first_reply_prompt(turns, chat_tokenizer(model))  # the user's turn
         r = greedy_reply(model, prompt, max_tokens, calculator_tool if calculator else None)
         answer, expected = final_number(r.text), final_number(turns[1][1])
         rows.append(
@@ -234,7 +227,7 @@ def evaluate_gsm8k(
                 "reference": expected,
                 "reply": r.text,
                 "answer": answer,
-                "correct": same_number(answer, expected),
+                "correct": answer is not None and math.isclose(float(answer), float(expected), abs_tol=1e-9, rel_tol=0),
                 "ended": r.ended,
                 "tool_calls": r.tool_calls,
             }

@@ -118,10 +118,6 @@ def _store(ds: DataSet, fetch: Callable[[BinaryIO], None]) -> None:
         ds.check(tmp_name(dest))  # the temporary atomic_write renames when the block ends
 
 
-class CutShort(OSError):
-    """A download that ended before the bytes its server announced."""
-
-
 def _fetch_url(url: str, out: BinaryIO) -> None:
     with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as r:
         announced = r.headers.get("Content-Length")
@@ -130,4 +126,4 @@ def _fetch_url(url: str, out: BinaryIO) -> None:
         got = out.tell() - start
     # http.client returns what it got when a connection closes early, so the length is checked here
     if announced is not None and announced.isdigit() and got != int(announced):
-        raise CutShort(f"the download ended after {got:,} of {int(announced):,} bytes")
+        raise OSError(f"the download ended after {got:,} of {int(announced):,} bytes")

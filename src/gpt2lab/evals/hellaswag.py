@@ -72,10 +72,8 @@ def load_examples(path: Optional[str] = None, limit: Optional[int] = None, flag:
     ``path`` None means the official validation set, downloaded once into gpt2lab's cache (evals/download.py:
     one attempt at the file's URL, the Hugging Face dataset only when that server answered without the file;
     offline or unreachable, it fails at once naming ``flag``, the caller's flag for ``path``).
-    ``limit`` keeps the first N examples.
+    ``limit`` (at least 1; callers' flags check it) keeps the first N examples.
     """
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit must be a positive number of examples, got {limit}")
     path = cached_file(official(), flag) if path is None else path
     if not os.path.isfile(path):
         raise FileNotFoundError(
@@ -179,7 +177,7 @@ def _pack(rows: list[tuple[list[int], int, list[int], int]], n_rows: int, T: int
 
 
 @torch.no_grad()
-def score_rows(model, rows: list[tuple[list[int], int, list[int]]], *, device, dtype, compiled_rows: int = 0):
+def score_rows(model, rows: list[tuple[list[int], int, list[int]]], *, device, dtype, compiled_rows=0, kv_cache=None):
     """Summed loss of each (fed tokens, position of the first scored output, its targets) row, all rows
     in one forward pass: HellaSwag's endings and the chat eval's assistant tokens (target -1: not scored).
 
@@ -187,6 +185,7 @@ def score_rows(model, rows: list[tuple[list[int], int, list[int]]], *, device, d
     it). Logits are computed only at the positions that predict scored targets.
     ``compiled_rows`` (a compiled model) pads the batch with empty rows to that many and
     rounds the length and the number of scored positions up: few distinct shapes.
+    ``kv_cache``: each row continues what the cache holds for it ('shared').
     """
     compiled = compiled_rows > 0
     T = max(len(fed) for fed, _, _ in rows)
@@ -197,7 +196,7 @@ def score_rows(model, rows: list[tuple[list[int], int, list[int]]], *, device, d
         pad = _round_up(len(positions), 8 * R) - len(positions)
         positions, targets, row_of = positions + [0] * pad, targets + [-1] * pad, row_of + [0] * pad
     with autocast(device, dtype):
-        logits, _ = model(tokens.to(device), positions=torch.tensor(positions, device=device))
+        logits, _ = model(tokens.to(device), kv_cache=kv_cache, positions=torch.tensor(positions, device=device))
     return _losses(logits, targets, row_of, R, device)[: len(rows)].cpu()
 
 
@@ -214,22 +213,19 @@ def _score_shared(model, ctxs: list[list[int]], ends: list[list[list[int]]], *, 
     with autocast(device, dtype):
         first, _ = model(torch.tensor(ctxs, device=device), kv_cache=ctx_cache, last_only=True)
     # The last context position predicts every ending's first token.
-    sums = _losses(
-        first[:, 0].repeat_interleave(N_ENDINGS, dim=0), [e[0] for e in flat], list(range(len(flat))), len(flat), device
-    )
+    firsts = [e[0] for e in flat]
+    sums = _losses(first[:, 0].repeat_interleave(N_ENDINGS, dim=0), firsts, list(range(len(flat))), len(flat), device)
+    sums = sums.cpu()
     order = sorted(range(len(flat)), key=lambda r: len(flat[r]))
     per_pass = max(n, SHARED_MIN_ROWS)
     for s in range(0, len(flat), per_pass):
         rows = order[s : s + per_pass]
         T = max(len(flat[r]) for r in rows) - 1  # an ending's last token predicts nothing scored
-        if T == 0:
-            continue
-        tokens, positions, targets, row_of = _pack([(flat[r][:-1], 0, flat[r][1:], r) for r in rows], len(rows), T)
-        cache = ctx_cache.fork(torch.tensor([r // N_ENDINGS for r in rows], device=device), ctx_cache.pos + T)
-        with autocast(device, dtype):
-            logits, _ = model(tokens.to(device), kv_cache=cache, positions=torch.tensor(positions, device=device))
-        sums += _losses(logits, targets, row_of, len(flat), device)
-    return sums.view(n, N_ENDINGS).cpu()
+        if T > 0:
+            cache = ctx_cache.fork(torch.tensor([r // N_ENDINGS for r in rows], device=device), ctx_cache.pos + T)
+            ends_rows = [(flat[r][:-1], 0, flat[r][1:]) for r in rows]
+            sums[rows] += score_rows(model, ends_rows, device=device, dtype=dtype, kv_cache=cache)
+    return sums.view(n, N_ENDINGS)
 
 
 def resolve_strategy(strategy: str, model, device) -> str:
@@ -287,8 +283,6 @@ def score_examples(
 ) -> list[Score]:
     """Score every example, up to ``batch_size`` examples per forward; results in input order. ``stop()``
     true before a batch (default: never) ends the scoring there: the scores after it are meaningless."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     device = torch.device(device)
     strategy, compiled = resolve_strategy(strategy, model, device), _is_compiled(model)
     enc, block = for_model(model), _block_size(model)
@@ -343,16 +337,8 @@ def evaluate_hellaswag(
     """
     examples = load_examples(data_path, limit)
     mine = examples[rank() :: world()]
-    scores = score_examples(
-        model,
-        mine,
-        device=device,
-        dtype=dtype,
-        batch_size=batch_size,
-        strategy=strategy,
-        progress=progress and rank() == 0,
-        stop=stop,
-    )
+    kw = dict(device=device, dtype=dtype, batch_size=batch_size, strategy=strategy, stop=stop)
+    scores = score_examples(model, mine, progress=progress and rank() == 0, **kw)
     counts = torch.tensor(
         [len(scores), sum(s.pred == s.label for s in scores), sum(s.pred_norm == s.label for s in scores), stop()],
         dtype=torch.long,

@@ -169,7 +169,7 @@ class GPTConfig:
         False, "initialise an untied lm_head to zero (every first logit 0); needs tie_embeddings false"
     )
     # Multi-token prediction (Gloeckle et al. 2024; DeepSeek-V3's MTP): a training loss only. Its heads
-    # are written to checkpoints but never exported (weights/targets.py: training_only).
+    # are written to checkpoints but never exported (weights/targets.py: export_target).
     mtp_heads: int = _f(
         0,
         "multi-token prediction: K extra heads, head d predicting token t+1+d from position t's final "

@@ -128,19 +128,15 @@ def _points(values: list) -> dict:
     return dict(marker="o", ms=4) if len(values) <= MARKED_UP_TO else {}
 
 
-def new_figure(**kwargs):
-    """A matplotlib Figure (its own canvas, no pyplot); without matplotlib, one line saying how to get it."""
+def draw(panels: list[tuple[dict, list, list]], figsize: tuple[float, float]):
+    """A figure of ``panels`` side by side, each (``Axes.set``'s settings, its curves as (x, y, label,
+    style), its dashed lines as (y, label, style)), with a legend where something is labelled and a grid: a
+    matplotlib Figure (its own canvas, no pyplot); without matplotlib, one line saying how to get it."""
     try:
         from matplotlib.figure import Figure
     except ImportError as e:
         raise UsageError(f"plots need matplotlib ({e}); pip install 'gpt2lab[plot]'") from None
-    return Figure(**kwargs)
-
-
-def draw(panels: list[tuple[dict, list, list]], figsize: tuple[float, float]):
-    """A figure of ``panels`` side by side, each (``Axes.set``'s settings, its curves as (x, y, label,
-    style), its dashed lines as (y, label, style)), with a legend where something is labelled and a grid."""
-    fig = new_figure(figsize=figsize)
+    fig = Figure(figsize=figsize)
     for ax, (settings, curves, hlines) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
         for x, y, label, style in curves:
             ax.plot(x, y, label=label, **style)

@@ -31,8 +31,6 @@ EXPORT_FILES = (
     "special_tokens_map.json",
     rundir.EXPORT_MARKER,
 )
-# ... and of a model with its own tokenizer (data/tokenizer.py): its tokenizer.json in place of GPT-2's files
-TRAINED_EXPORT_FILES = (*EXPORT_FILES[:3], TOKENIZER_FILE, *EXPORT_FILES[5:])
 
 
 def write_tokenizer(
@@ -82,7 +80,8 @@ def write_tokenizer(
 
 def check_target(out_dir: str) -> rundir.Found:
     """What ``out_dir`` is when an export may be written there (system/rundir.py's rule), else raise."""
-    replaces = (*EXPORT_FILES, *TRAINED_EXPORT_FILES)
+    # a model with its own tokenizer (data/tokenizer.py) writes its tokenizer.json in place of GPT-2's files
+    replaces = (*EXPORT_FILES, TOKENIZER_FILE)
     return rundir.check(out_dir, rundir.EXPORT, "", "choose a new or empty OUT_DIR", replaces=replaces)
 
 
@@ -105,11 +104,10 @@ def save_pretrained(model: GPT, out_dir: str) -> str:
     with atomic_dir(out_dir) as tmp:
         dtype = model.transformer.wte.weight.dtype
         tok = for_config(model.config, model.tokenizer)
-        if target == GPT2_HF.architecture:
-            sd, config = gpt2.to_hf_state_dict(model), gpt2.config_to_hf(model.config, dtype, tok)
-        else:
-            sd, config = nanochat.to_nanochat_state_dict(model), nanochat.config_to_nanochat(model.config, dtype, tok)
+        nano = target != GPT2_HF.architecture
+        sd = (nanochat.to_nanochat_state_dict if nano else gpt2.to_hf_state_dict)(model)
         save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        config = (nanochat.config_to_nanochat if nano else gpt2.config_to_hf)(model.config, dtype, tok)
         write_json(os.path.join(tmp, "config.json"), config)
         eot, end = gpt2.special_ids(model.config, tok)
         # generate stops where gpt2lab does: a chat model at <|im_end|> (its turn), else at <|endoftext|>;

@@ -16,22 +16,33 @@ import torch
 
 from gpt2lab.data.tokenizer import Tokenizer
 from gpt2lab.model.gpt import GPT, GPTConfig
-from gpt2lab.weights.targets import GPT2_HF
+from gpt2lab.weights.targets import GPT2_HF, HFClass
 
 # Weights HF keeps as Conv1D (in, out); nn.Linear wants (out, in).
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # Causal-mask buffers older transformers versions saved with the weights; not parameters.
 MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
-PDROP = ("embd_pdrop", "attn_pdrop", "resid_pdrop")  # GPTConfig and HF config.json share these names
+# config.json key -> (GPTConfig field, transformers' GPT2Config default where the file leaves the key out);
+# the dropouts are the model's own on export (pretraining presets: 0.0), never transformers' default 0.1
+FIELDS = {
+    "vocab_size": ("vocab_size", 50257),
+    "n_positions": ("block_size", 1024),
+    "n_embd": ("n_embd", 768),
+    "n_layer": ("n_layer", 12),
+    "n_head": ("n_head", 12),
+    "layer_norm_epsilon": ("layer_norm_epsilon", 1e-5),
+    **{k: (k, 0.1) for k in ("embd_pdrop", "attn_pdrop", "resid_pdrop")},
+    "tie_word_embeddings": ("tie_embeddings", True),
+}
 
 
-def from_hf_state_dict(sd: dict[str, torch.Tensor], tied: bool = True) -> dict[str, torch.Tensor]:
+def from_hf_state_dict(sd: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """HF GPT2LMHeadModel/GPT2Model tensors -> gpt2lab names and layouts (a tied lm_head excluded)."""
     out = {}
     for key, t in sd.items():
         name = key.removeprefix("transformer.")
         if name == "lm_head.weight":
-            if not tied:  # a tied lm_head is wte
+            if not config.tie_embeddings:  # a tied lm_head is wte
                 out[name] = t
         elif not name.endswith(MASK_BUFFERS):  # buffers are rebuilt by the model
             out["transformer." + name] = t.t() if name.endswith(CONV1D) else t
@@ -65,6 +76,11 @@ def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     return out
 
 
+def read_fields(fields: dict, cfg: dict) -> dict:
+    """GPTConfig's arguments a format's ``fields`` table (config.json key -> (field, default)) reads from ``cfg``."""
+    return {field: cfg.get(key, default) for key, (field, default) in fields.items()}
+
+
 def config_from_gpt2(cfg: dict) -> GPTConfig:
     """GPTConfig for an HF GPT-2 config dict; a ValueError names an option gpt2lab's model does not have."""
     checks = {
@@ -76,16 +92,7 @@ def config_from_gpt2(cfg: dict) -> GPTConfig:
     for field, (value, allowed) in checks.items():
         if value not in allowed:
             raise ValueError(f"{field}={value!r} is not supported by gpt2lab's GPT-2 (needs one of {allowed})")
-    return GPTConfig(
-        block_size=cfg.get("n_positions", cfg.get("n_ctx", 1024)),
-        vocab_size=cfg.get("vocab_size", 50257),
-        n_layer=cfg.get("n_layer", 12),
-        n_head=cfg.get("n_head", 12),
-        n_embd=cfg.get("n_embd", 768),
-        layer_norm_epsilon=cfg.get("layer_norm_epsilon", 1e-5),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-        **{k: cfg.get(k, 0.1) for k in PDROP},  # transformers' GPT2Config default is 0.1
-    )
+    return GPTConfig(**read_fields(FIELDS, {"n_positions": cfg.get("n_ctx", 1024), **cfg}))  # older files: n_ctx
 
 
 def special_ids(config: GPTConfig, tok: Tokenizer) -> tuple[Optional[int], Optional[int]]:
@@ -111,29 +118,29 @@ def pad_id(config: GPTConfig, tok: Tokenizer) -> Optional[int]:
     return None
 
 
-def config_to_hf(config: GPTConfig, dtype: torch.dtype, tok: Tokenizer) -> dict:
-    """The config.json transformers' GPT2LMHeadModel reads; vocab is the real (unpadded) one."""
-    vocab = config.real_vocab_size
+def config_json(target: HFClass, fields: dict, config: GPTConfig, tok: Tokenizer) -> dict:
+    """The config.json keys every export writes: ``target``'s class, the fields of ``fields`` (vocab: the
+    real, unpadded one) and the special ids in ``tok``, the model's tokenizer."""
     eot, end = special_ids(config, tok)
     return {
-        "architectures": [GPT2_HF.architecture],
-        "model_type": GPT2_HF.model_type,
-        "vocab_size": vocab,
-        "n_positions": config.block_size,
-        "n_ctx": config.block_size,
-        "n_embd": config.n_embd,
-        "n_layer": config.n_layer,
-        "n_head": config.n_head,
-        "n_inner": None,
-        "activation_function": "gelu_new",
-        "layer_norm_epsilon": config.layer_norm_epsilon,
-        # the model's own dropout (pretraining presets: 0.0), never transformers' default 0.1
-        **{k: getattr(config, k) for k in PDROP},
+        "architectures": [target.architecture],
+        "model_type": target.model_type,
+        **{key: getattr(config, field) for key, (field, _) in fields.items()},
+        "vocab_size": config.real_vocab_size,
         "initializer_range": 0.02,
-        "scale_attn_weights": True,
         "bos_token_id": eot,
         "eos_token_id": end,
-        "tie_word_embeddings": config.tie_embeddings,
         "use_cache": True,
+    }
+
+
+def config_to_hf(config: GPTConfig, dtype: torch.dtype, tok: Tokenizer) -> dict:
+    """The config.json transformers' GPT2LMHeadModel reads."""
+    return {
+        **config_json(GPT2_HF, FIELDS, config, tok),
+        "n_ctx": config.block_size,
+        "n_inner": None,
+        "activation_function": "gelu_new",
+        "scale_attn_weights": True,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }

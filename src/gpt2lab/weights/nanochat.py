@@ -14,7 +14,7 @@ computed:
 
 Loading gives gains of one. What gpt2lab does not compute (GQA, another MLP width, attention
 biases, another RoPE type) is refused by field. Pure mapping: no I/O; errors are ValueErrors that
-weights/read.py turns into one line naming the file.
+weights/load.py turns into one line naming the file.
 """
 
 from __future__ import annotations
@@ -26,23 +26,28 @@ from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.weights import gpt2
 from gpt2lab.weights.targets import NANOCHAT_HF
 
-# transformers' NanoChatConfig defaults: its save_pretrained leaves out every value equal to one.
-HF_DEFAULTS = {
-    "vocab_size": 50304,
-    "hidden_size": 768,
-    "intermediate_size": 8192,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 6,
-    "max_position_embeddings": 2048,
-    "hidden_act": "relu2",
-    "attention_dropout": 0.0,
-    "rms_norm_eps": 1e-6,
-    "final_logit_softcapping": 15.0,
-    "attention_bias": False,
-    "tie_word_embeddings": False,
+# config.json key -> (GPTConfig field, transformers' NanoChatConfig default: its save_pretrained leaves out
+# every value equal to one)
+FIELDS = {
+    "vocab_size": ("vocab_size", 50304),
+    "hidden_size": ("n_embd", 768),
+    "num_hidden_layers": ("n_layer", 12),
+    "num_attention_heads": ("n_head", 6),
+    "max_position_embeddings": ("block_size", 2048),
+    "attention_dropout": ("attn_pdrop", 0.0),
+    "rms_norm_eps": ("layer_norm_epsilon", 1e-6),
+    "tie_word_embeddings": ("tie_embeddings", False),
 }
+# and of the keys read otherwise
+DEFAULTS = {"intermediate_size": 8192, "hidden_act": "relu2", "final_logit_softcapping": 15.0, "attention_bias": False}
 ACTS = {"relu2": "relu2", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu"}  # hidden_act -> mlp_act
 LAYER = "model.layers.{}."
+# a block's matrices NanoChat names otherwise (fc1 carries ln_2's gain, folded in on export)
+RENAMED = (
+    ("attn.c_proj.weight", "self_attn.o_proj.weight"),
+    ("mlp.c_fc.weight", "mlp.fc1.weight"),
+    ("mlp.c_proj.weight", "mlp.fc2.weight"),
+)
 
 
 def flip_halves(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -57,32 +62,18 @@ def flip_halves(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def config_to_nanochat(config: GPTConfig, dtype: torch.dtype, tok: Tokenizer) -> dict:
     """The config.json transformers' NanoChatForCausalLM reads (``tok``: the model's tokenizer, for its
-    special ids); vocab is the real (unpadded) one."""
-    vocab = config.real_vocab_size
-    eot, end = gpt2.special_ids(config, tok)
+    special ids)."""
     return {
-        "architectures": [NANOCHAT_HF.architecture],
-        "model_type": NANOCHAT_HF.model_type,
-        "vocab_size": vocab,
-        "hidden_size": config.n_embd,
+        **gpt2.config_json(NANOCHAT_HF, FIELDS, config, tok),
         "intermediate_size": 4 * config.n_embd,
-        "num_hidden_layers": config.n_layer,
-        "num_attention_heads": config.n_head,
         "num_key_value_heads": config.n_head,
-        "max_position_embeddings": config.block_size,
         "hidden_act": "relu2" if config.mlp_act == "relu2" else "gelu_pytorch_tanh",
-        "attention_dropout": config.attn_pdrop,
-        "rms_norm_eps": config.layer_norm_epsilon,
-        "initializer_range": 0.02,
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
         "final_logit_softcapping": config.logit_softcap or None,
         "attention_bias": False,
-        "bos_token_id": eot,
-        "eos_token_id": end,
         # the embedding's padding_idx (a row fine-tuning leaves alone: never <|endoftext|>) and generate's pad
         "pad_token_id": gpt2.pad_id(config, tok),
         "tie_word_embeddings": False,  # ln_f's gain is folded into the head, so it is never wte
-        "use_cache": True,
         "dtype": str(dtype).removeprefix("torch."),
     }
 
@@ -99,9 +90,9 @@ def to_nanochat_state_dict(model: GPT) -> dict[str, torch.Tensor]:
         out[o + "self_attn.q_proj.weight"] = flip_halves(q, c.n_head)
         out[o + "self_attn.k_proj.weight"] = flip_halves(k, c.n_head)
         out[o + "self_attn.v_proj.weight"] = v
-        out[o + "self_attn.o_proj.weight"] = sd[h + "attn.c_proj.weight"]
-        out[o + "mlp.fc1.weight"] = sd[h + "mlp.c_fc.weight"] * sd[h + "ln_2.weight"]
-        out[o + "mlp.fc2.weight"] = sd[h + "mlp.c_proj.weight"]
+        for mine, theirs in RENAMED:
+            out[o + theirs] = sd[h + mine]
+        out[o + "mlp.fc1.weight"] = out[o + "mlp.fc1.weight"] * sd[h + "ln_2.weight"]
     out["lm_head.weight"] = sd["lm_head.weight"][:V] * sd["transformer.ln_f.weight"]
     return {k: t.contiguous().clone() for k, t in out.items()}
 
@@ -111,8 +102,9 @@ def to_nanochat_state_dict(model: GPT) -> dict[str, torch.Tensor]:
 
 def config_from_nanochat(cfg: dict) -> GPTConfig:
     """GPTConfig for a NanoChat config.json; a ValueError naming the first field gpt2lab cannot compute."""
-    get = lambda name: cfg.get(name, HF_DEFAULTS.get(name))  # noqa: E731
-    C, heads = get("hidden_size"), get("num_attention_heads")
+    get = lambda name: cfg.get(name, DEFAULTS.get(name))  # noqa: E731
+    fields = gpt2.read_fields(FIELDS, cfg)
+    C, heads = fields["n_embd"], fields["n_head"]
     rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0)}
     checks = (
         (
@@ -133,26 +125,13 @@ def config_from_nanochat(cfg: dict) -> GPTConfig:
     )
     for name, ok, why in checks:
         if not ok:
-            value = rope if name == "rope_parameters" else cfg.get(name, HF_DEFAULTS.get(name))
+            value = rope if name == "rope_parameters" else get(name)
             raise ValueError(f"{name}={value!r} is not supported by gpt2lab ({why})")
     return GPTConfig(
-        n_layer=get("num_hidden_layers"),
-        n_head=heads,
-        n_embd=C,
-        block_size=get("max_position_embeddings"),
-        vocab_size=get("vocab_size"),
-        layer_norm_epsilon=get("rms_norm_eps"),
-        attn_pdrop=get("attention_dropout"),
-        embd_pdrop=0.0,
-        resid_pdrop=0.0,
-        pos_emb="rotary",
+        **{field: value for field, (value, _) in NANOCHAT_HF.needs.items()},  # positions, norms, no biases
+        **fields,
         rope_theta=float(rope.get("rope_theta", 10000.0)),
-        norm="rmsnorm",
-        qk_norm=True,
         mlp_act=ACTS[get("hidden_act")],
-        bias=False,
-        embed_norm=True,
-        tie_embeddings=bool(get("tie_word_embeddings")),
         logit_softcap=float(get("final_logit_softcapping") or 0.0),
     )
 
@@ -160,7 +139,7 @@ def config_from_nanochat(cfg: dict) -> GPTConfig:
 def from_nanochat_state_dict(sd: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """NanoChatForCausalLM tensors -> gpt2lab names (every norm's gain one; a tied head left out).
 
-    A tensor this does not place is kept under its own name, so read.model_from_state_dict names it as unexpected.
+    A tensor this does not place is kept under its own name, so load.model_from_state_dict names it as unexpected.
     """
     sd = dict(sd)
     wte = sd.pop("model.embed_tokens.weight", None)
@@ -172,9 +151,9 @@ def from_nanochat_state_dict(sd: dict[str, torch.Tensor], config: GPTConfig) -> 
         if all(n in sd for n in names):
             q, k, v = (sd.pop(n) for n in names)
             out[h + "attn.c_attn.weight"] = torch.cat((flip_halves(q, config.n_head), flip_halves(k, config.n_head), v))
-        for mine, theirs in (("attn.c_proj", "self_attn.o_proj"), ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2")):
-            if o + theirs + ".weight" in sd:
-                out[h + mine + ".weight"] = sd.pop(o + theirs + ".weight")
+        for mine, theirs in RENAMED:
+            if o + theirs in sd:
+                out[h + mine] = sd.pop(o + theirs)
         out[h + "ln_1.weight"], out[h + "ln_2.weight"] = ones.clone(), ones.clone()
     out["transformer.ln_f.weight"] = ones.clone()
     head = sd.pop("lm_head.weight", None)

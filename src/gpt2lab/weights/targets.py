@@ -3,7 +3,7 @@ GPT-2 with zero biases), NanoChatForCausalLM for one NanoChat computes, else why
 and what the nearer one would need). The run plan shows it; ``gpt2lab export`` refuses in one line.
 A pure function of a GPTConfig.
 
-Training-only fields (``training_only``: the multi-token prediction heads) add weights that train the
+Training-only fields (the multi-token prediction heads) add weights that train the
 model but compute none of its logits: no target needs them, the target names what it drops, and
 ``exported_model`` is the model without them, which is what an export writes.
 """
@@ -63,19 +63,11 @@ def gaps(config: GPTConfig, needs: dict) -> list[str]:
     return [f"{k}={flag_text(getattr(config, k))}" for k, (v, _) in needs.items() if getattr(config, k) != v]
 
 
-def training_only(config: GPTConfig) -> list[str]:
-    """The training-only fields ``config`` sets, as ``field=value (what export does)``: the multi-token
-    prediction heads, whose weights train the model but compute none of its logits."""
-    if not config.mtp_heads:
-        return []
-    return [f"mtp_heads={config.mtp_heads} (multi-token prediction heads, a training loss: not written)"]
-
-
 @dataclass(frozen=True)
 class ExportTarget:
     """What ``gpt2lab export`` writes for a model: ``name`` (GPT2LMHeadModel, NanoChatForCausalLM) or
     None, and then ``why``: each field that keeps it from both, and what the nearer one would need.
-    ``dropped``: the training-only fields it leaves out (``training_only``)."""
+    ``dropped``: the training-only fields it leaves out, as ``field=value (what export does)``."""
 
     name: Optional[str]
     why: str = ""
@@ -92,7 +84,9 @@ def export_target(config: GPTConfig) -> ExportTarget:
     g, n = gaps(config, GPT2_HF.needs), gaps(config, NANOCHAT_HF.needs)
     if not g or not n:
         name = (GPT2_HF if not g else NANOCHAT_HF).architecture
-        return ExportTarget(name, dropped=tuple(training_only(config)))
+        # the multi-token prediction heads: their weights train the model but compute none of its logits
+        mtp = f"mtp_heads={config.mtp_heads} (multi-token prediction heads, a training loss: not written)"
+        return ExportTarget(name, dropped=(mtp,) if config.mtp_heads else ())
     neither = [x for x in g if x in n]
     parts = [f"{x} (GPT-2 and NanoChat: {GPT2_HF.needs[x.split('=')[0]][1]})" for x in neither]
     nearer, missing = (GPT2_HF, g) if len(g) < len(n) else (NANOCHAT_HF, n)
@@ -116,7 +110,7 @@ def check_exportable(config: GPTConfig) -> ExportTarget:
 
 
 def exported_model(model):
-    """``model`` (a GPT) as an export writes it: without its training-only weights (``training_only``),
+    """``model`` (a GPT) as an export writes it: without its training-only weights (``ExportTarget.dropped``),
     mtp_heads 0; the other parameters are the same tensors. ``model`` itself when it has none."""
     if not model.config.mtp_heads:
         return model
