@@ -178,13 +178,11 @@ def run_marker() -> dict:
 def _create_marker(path: str) -> None:
     """Write the run marker unless one is there (never replacing another process's)."""
     final = os.path.join(path, RUN_MARKER)
-    if os.path.exists(final):
-        return
     tmp = tmp_name(final) + ".marker"
     write_json(tmp, run_marker())
     try:
         with contextlib.suppress(FileExistsError):
-            os.link(tmp, final)  # atomic, and fails if another process's marker got there first
+            os.link(tmp, final)  # atomic, and fails if a marker is there already (a run's, or another process's)
     finally:
         os.unlink(tmp)
 
@@ -285,13 +283,16 @@ RUN_WRITES = (RUN_MARKER, LOCK_FILE, "config.json", "metrics.jsonl", "plot.png",
 RUN_WRITES += ("checkpoints", "tokenizer.json")
 
 
+@dataclass
 class Claim:
     """A start's hold on its run directory: what it found there, so that a start failing before its
     first step can remove exactly what it created (``undo``). ``began`` is set once a step was taken."""
 
-    def __init__(self, path: str, created: bool, top: str, before: frozenset) -> None:
-        self.path, self.created, self.top, self.before = path, created, top, before
-        self.began = False
+    path: str
+    created: bool  # this start made the directory
+    top: str  # the outermost folder it made (the parents of a new --out too)
+    before: frozenset  # the names that were in it
+    began: bool = False
 
     def undo(self) -> None:
         """Remove what this start wrote that was not there before it (of the names in RUN_WRITES), then
@@ -301,8 +302,11 @@ class Claim:
         for name in set(RUN_WRITES) - self.before:
             with contextlib.suppress(OSError):
                 _remove(os.path.join(self.path, name))
-        if self.created:
-            _remove_empty(self.path, self.top)
+        where = os.path.abspath(self.path)
+        with contextlib.suppress(OSError):
+            while self.created and len(where) >= len(self.top) and not os.listdir(where):
+                os.rmdir(where)
+                where = os.path.dirname(where)
 
 
 @contextlib.contextmanager
@@ -314,41 +318,21 @@ def claim(path: str, flag: str = "--out", what_next: str = "choose a new or empt
     marker and the lock was written is removed on the way out too.
     """
     check(path, RUN, flag, what_next)
-    created = not os.path.exists(path)
-    top = os.path.abspath(path)  # the outermost folder this call creates (parents of a new --out too)
+    top = os.path.abspath(path)
     while not os.path.exists(os.path.dirname(top)):
         top = os.path.dirname(top)
-    before = frozenset() if created else frozenset(os.listdir(path))
+    held = Claim(path, not os.path.exists(path), top, frozenset(os.listdir(path) if os.path.exists(path) else ()))
     os.makedirs(path, exist_ok=True)
     try:
         _create_marker(path)
         with lock(path):
-            held = Claim(path, created, top, before)
             try:
                 yield held
             except BaseException:
                 held.undo()  # while still holding the lock: no other run can be starting there
                 raise
-            if created:
-                _remove_if_untouched(path, top)
-    except BaseException:
-        if created:
-            _remove_if_untouched(path, top)
-        raise
-
-
-def _remove_if_untouched(path: str, top: str) -> None:
-    """Remove the run directory (and the empty parents up to ``top``) if nothing but the marker was written."""
-    with contextlib.suppress(OSError):
-        info = read_json_object(os.path.join(path, RUN_MARKER))  # only the bare marker: no run wrote it
-        if set(os.listdir(path)) <= {RUN_MARKER, LOCK_FILE} and (info is None or set(info) <= set(run_marker())):
-            Claim(path, True, top, frozenset()).undo()
-
-
-def _remove_empty(path: str, top: str) -> None:
-    """Remove ``path`` and its parents up to ``top`` while each is empty."""
-    where = os.path.abspath(path)
-    with contextlib.suppress(OSError):
-        while len(where) >= len(top) and not os.listdir(where):
-            os.rmdir(where)
-            where = os.path.dirname(where)
+    finally:
+        with contextlib.suppress(OSError):  # made here, and holding only the bare marker (no run wrote it) and the lock
+            info = read_json_object(os.path.join(path, RUN_MARKER)) or {}
+            if held.created and set(os.listdir(path)) <= {RUN_MARKER, LOCK_FILE} and set(info) <= set(run_marker()):
+                held.undo()
