@@ -233,20 +233,6 @@ def describe(who: dict) -> str:
     return f"pid {who.get('pid', '?')} on {who.get('host', '?')}, started {when}"
 
 
-def live_note(path: str) -> Optional[str]:
-    """A line for readers of a live run (report, plot, sample), or None when no run holds it.
-
-    ``path`` is a run directory or one of its checkpoints (``RUN/checkpoints/step_N``), else None.
-    """
-    if not os.path.isdir(path):
-        return None
-    for run in (path, os.path.dirname(os.path.dirname(os.path.abspath(path)))):
-        who = holder(run)
-        if who is not None:
-            return f"{run} is a live run ({describe(who)}): reading what it has written so far"
-    return None
-
-
 @contextlib.contextmanager
 def lock(path: str) -> Iterator[None]:
     """Hold ``path``'s run lock until the block ends (or the process does); raise if another holds it."""
