@@ -199,32 +199,35 @@ def resume_command(words: Sequence[str], prog: str) -> str:
 
 
 # -- the lock --------------------------------------------------------------------------------
+def _flock(fd: int, exclusive: bool) -> Optional[dict]:
+    """Take the run lock on ``fd`` (shared: a reader's probe) without waiting: None when taken, else who
+    holds it ({"pid", "host", "started"}, as its file says; a partial line reads as unknown)."""
+    import fcntl
+
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        return None
+    except _BUSY:
+        try:
+            info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        except (OSError, ValueError):  # UnicodeDecodeError is a ValueError
+            info = None
+        return {k: info.get(k) if isinstance(info, dict) else None for k in ("pid", "host", "started")}
+
+
 def holder(path: str) -> Optional[dict]:
     """Who holds the run's lock ({"pid", "host", "started"}), or None when no live run holds it.
 
     Probes with a shared lock, dropped at once (the file is closed): it never blocks and never writes.
     """
-    import fcntl
-
     try:
         fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDONLY)
     except OSError:
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return None
-    except _BUSY:
-        return _holder_info(fd)
+        return _flock(fd, exclusive=False)
     finally:
         os.close(fd)  # drops the probe's shared lock
-
-
-def _holder_info(fd: int) -> dict:
-    try:
-        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-    except (OSError, ValueError, UnicodeDecodeError):
-        info = None
-    return {k: info.get(k) if isinstance(info, dict) else None for k in ("pid", "host", "started")}
 
 
 def describe(who: dict) -> str:
@@ -236,23 +239,17 @@ def describe(who: dict) -> str:
 @contextlib.contextmanager
 def lock(path: str) -> Iterator[None]:
     """Hold ``path``'s run lock until the block ends (or the process does); raise if another holds it."""
-    import fcntl
-
     fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         deadline = time.monotonic() + _LOCK_RETRY_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except _BUSY:
-                if time.monotonic() > deadline:
-                    raise DirectoryError(
-                        f"{path} is in use by another run ({describe(_holder_info(fd))}); "
-                        "wait for it to end or stop it (it saves a checkpoint on SIGTERM), "
-                        "or train into another --out"
-                    ) from None
-                time.sleep(0.05)
+        while (who := _flock(fd, exclusive=True)) is not None:
+            if time.monotonic() > deadline:
+                raise DirectoryError(
+                    f"{path} is in use by another run ({describe(who)}); "
+                    "wait for it to end or stop it (it saves a checkpoint on SIGTERM), "
+                    "or train into another --out"
+                )
+            time.sleep(0.05)
         # the lock file is the lock itself, so it is rewritten in place (a rename would make a new,
         # unlocked file); readers only read it while it is held, and tolerate a partial line
         os.ftruncate(fd, 0)
