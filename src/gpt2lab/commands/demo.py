@@ -87,21 +87,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _train(tag: str, source: str, preset: str, why: str = "", **flags) -> None:
-    """Prepare ``source`` into ``flags["data"]`` (reused if complete), then run `gpt2lab train --preset PRESET
-    --progress false` with ``flags`` (those not None) as its flags (the command that continues the run if it
-    stops: the demo starts anew), saying so after ``tag``."""
+    """Prepare ``source`` into ``flags["data"]`` (reused if complete), then train what `gpt2lab train --preset
+    PRESET --progress false` with ``flags`` (those not None) as its flags trains (that command continues the
+    run if it stops: the demo starts anew), saying so after ``tag``."""
     from gpt2lab.commands import train
     from gpt2lab.data.prepare import prepare
+    from gpt2lab.distributed.dist import init_distributed
+    from gpt2lab.train.run import train as train_run
 
     print(f"{tag} preparing {SOURCES[source]} into {flags['data']}", flush=True)
     prepare(source, flags["data"], progress=False)
     words = ["train", "--preset", preset, "--progress", "false"]
     words += [w for k, v in flags.items() if v is not None for w in (f"--{k.replace('_', '-')}", str(v))]
-    print(f"{tag} training {preset} into {flags['out']}{why}", flush=True)
     parser = argparse.ArgumentParser()
     train.add_parser(parser.add_subparsers())
-    if code := train.run(argparse.Namespace(**vars(parser.parse_args(words)), argv=words)):
-        raise SystemExit(code)  # stopped by a signal, after saving: `gpt2lab train` said how to continue
+    request = train._request(argparse.Namespace(**vars(parser.parse_args(words)), argv=words))
+    print(f"{tag} training {preset} for {request.get('max_steps')} steps into {request.out}{why}", flush=True)
+    train_run(request, init_distributed(str(request.get("device"))))
 
 
 def _new_out(name: str) -> str:
