@@ -149,11 +149,8 @@ def run_chat(args: argparse.Namespace) -> int:
     _train("[demo --chat]", "chitchat", "chat-cpu", why, **flags)
     after, losses = chat_replies(out), val_losses(out)
     if len(losses) >= 2:
-        print(
-            f"[demo --chat] loss on the held-out conversations' assistant tokens: {losses[0]:.2f} before, "
-            f"{losses[-1]:.2f} after",
-            flush=True,
-        )
+        said = f"{losses[0]:.2f} before, {losses[-1]:.2f} after"
+        print(f"[demo --chat] loss on the held-out conversations' assistant tokens: {said}", flush=True)
     for message, old, new in zip(CHAT_PROMPTS, before, after):
         print(f"\nUser: {message}\n  base model: {_shown(old)}\n  chat model: {_shown(new)}", flush=True)
     print(f"\n[demo --chat] done in {time.perf_counter() - t0:.0f} s. chat model: {out}")

@@ -90,11 +90,9 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"--prompt: {e}") from None
         n, context = len(ids), model.config.block_size
         if not fits_context(n, args.max_new_tokens, context):  # the server's rule, before any text is printed
-            room = (
-                f"lower --max-new-tokens to {context - n} or shorten the prompt"
-                if n < context
-                else f"shorten the prompt to under {context} tokens"
-            )
+            room = f"shorten the prompt to under {context} tokens"
+            if n < context:
+                room = f"lower --max-new-tokens to {context - n} or shorten the prompt"
             raise UsageError(
                 f"--prompt is {n} tokens and --max-new-tokens {args.max_new_tokens}: {n + args.max_new_tokens} "
                 f"tokens, more than this model's context of {context} tokens; {room}"

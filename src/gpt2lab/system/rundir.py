@@ -118,11 +118,10 @@ def what(found: Found) -> str:
 
 
 def _has_run_checkpoint(folder: str) -> bool:
-    try:
+    with contextlib.suppress(OSError):  # no such folder
         names = [n for n in os.listdir(folder) if n.startswith("step_")]
-    except OSError:
-        return False
-    return any(_is_run_config(read_json_object(os.path.join(folder, n, "config.json")) or {}) for n in names)
+        return any(_is_run_config(read_json_object(os.path.join(folder, n, "config.json")) or {}) for n in names)
+    return False
 
 
 def _is_run_config(config: dict) -> bool:
