@@ -122,17 +122,16 @@ def stream_one(model, ids: list[int], prompt, sampling, generator: torch.Generat
 
     if prompt is not None:  # the text the model was given (an undecodable byte as U+FFFD)
         print(prompt_text(prompt), end="", flush=True)
-    shown, sample = "", SampleText(model, sampling, list(stops))
+    texts, sample = [], SampleText(model, sampling, list(stops))
     for tok, _ in stream_tokens(model, ids, sampling, generator, watch=watch):
         piece, tail = sample.feed(tok)
-        for text in [piece or "", *tail]:
-            text = text.lstrip() if strip and not shown else text
-            shown += text
-            print(text, end="", flush=True)
+        text = "".join([piece or "", *tail])
+        texts.append(text.lstrip() if strip and not any(texts) else text)
+        print(texts[-1], end="", flush=True)
         if sample.reason:
             break
     print(flush=True)
-    return shown
+    return "".join(texts)
 
 
 def _chat(model, args: argparse.Namespace, sampling, generator: torch.Generator, watch=None) -> int:
