@@ -14,17 +14,6 @@ importing torch.
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = [
-    "GPT",
-    "GPTConfig",
-    "get_tokenizer",
-    "from_pretrained",
-    "save_pretrained",
-    "generate",
-    "for_inference",
-    "__version__",
-]
-
 # public name -> the module that defines it
 _API = {
     "GPT": "gpt2lab.model.gpt",
@@ -35,14 +24,16 @@ _API = {
     "generate": "gpt2lab.model.sampling",
     "for_inference": "gpt2lab.inference.form",
 }
+__all__ = [*_API, "__version__"]
 
-if TYPE_CHECKING:
-    from gpt2lab.inference.form import for_inference
-    from gpt2lab.model.config import GPTConfig
-    from gpt2lab.model.gpt import GPT
-    from gpt2lab.model.sampling import generate
-    from gpt2lab.weights.export import save_pretrained
-    from gpt2lab.weights.load import from_pretrained, get_tokenizer
+if TYPE_CHECKING:  # for type checkers and editors: the same names, each re-exported ("as" itself)
+    from gpt2lab.inference.form import for_inference as for_inference
+    from gpt2lab.model.config import GPTConfig as GPTConfig
+    from gpt2lab.model.gpt import GPT as GPT
+    from gpt2lab.model.sampling import generate as generate
+    from gpt2lab.weights.export import save_pretrained as save_pretrained
+    from gpt2lab.weights.load import from_pretrained as from_pretrained
+    from gpt2lab.weights.load import get_tokenizer as get_tokenizer
 
 
 def __getattr__(name: str):

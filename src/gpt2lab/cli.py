@@ -84,17 +84,6 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
     return parser
 
 
-def parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
-    """``parser.parse_args(argv)``, except that flags its subcommand does not know are that
-    subcommand's error (its usage, a suggestion), not the top-level parser's."""
-    args, extra = parser.parse_known_args(argv)
-    if extra:
-        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
-    args.argv = list(argv)  # the words as typed: a command's advice repeats them (train's --resume auto)
-    return args
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     runtime.set_wait_policy()  # before torch is imported: OpenMP reads it then
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -105,7 +94,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     shown = warnings.formatwarning  # warnings as one line: "gpt2lab CMD: warning: ...", not file:line: UserWarning
     warnings.formatwarning = lambda message, category, *rest, **kw: f"{prefix}: warning: {message}\n"
     try:
-        args = parse(build_parser(command), argv)
+        parser = build_parser(command)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # flags its subcommand does not know are that subcommand's error (its usage, a suggestion)
+            sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+            sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+        args.argv = argv  # the words as typed: a command's advice repeats them (train's --resume auto)
         prefix = " ".join(
             ["gpt2lab", *(str(getattr(args, k)) for k in ("command", "task", "action") if hasattr(args, k))]
         )

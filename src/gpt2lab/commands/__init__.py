@@ -54,8 +54,13 @@ def program() -> str:
 
 
 def note_live(command: str, paths) -> None:
-    """A note on stderr for each of ``paths`` that a live run is writing: it is read, nothing written."""
+    """A note on stderr for each of ``paths`` (a run directory or one of its checkpoints,
+    ``RUN/checkpoints/step_N``) that a live run is writing: it is read, nothing written."""
     from gpt2lab.system import rundir
 
-    for note in filter(None, map(rundir.live_note, paths)):
-        print(f"{command}: note: {note}", file=sys.stderr, flush=True)
+    for path in filter(os.path.isdir, paths):
+        for run in (path, os.path.dirname(os.path.dirname(os.path.abspath(path)))):
+            if (who := rundir.holder(run)) is not None:
+                said = f"{run} is a live run ({rundir.describe(who)}): reading what it has written so far"
+                print(f"{command}: note: {said}", file=sys.stderr, flush=True)
+                break

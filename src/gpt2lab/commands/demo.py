@@ -22,11 +22,6 @@ from gpt2lab.system.choices import DTYPE_CHOICES as DTYPE_NAMES
 # The demo's recipes: the preset each trains and what to say about it; the figures live in
 # docs/benchmarks.md ("The demo preset"), with the machine they were measured on.
 RECIPES = {"fast": "shakespeare-cpu-fast", "faithful": "shakespeare-cpu"}
-# --chat without --base trains its base as the demo does but 4 layers deep (the preset: 2). Fine-tuned
-# on the conversations, the 4-layer model's greedy replies to held-out messages ended their turn at
-# 89.7-100% over five seeds (at least 95% at four), the 2-layer one's at 57-100% (three); the rest loop
-# (docs/benchmarks.md, "Fine-tuning on conversations"). It costs ~15 s more.
-CHAT_BASE_LAYERS = 4
 WHY = {
     "fast": "the modern recipe (rotary, RMSNorm, QK-norm, ReLU^2, Muon, warmup-stable-decay): a lower "
     "validation loss than GPT-2's in the same time (measured: docs/benchmarks.md, \"The modern "
@@ -34,32 +29,34 @@ WHY = {
     "faithful": "GPT-2's recipe (learned positions, LayerNorm, GELU, AdamW); the default --recipe fast "
     "reaches a lower loss in the same time",
 }
+# --chat without --base trains its base as the demo does but 4 layers deep (the preset: 2). Fine-tuned
+# on the conversations, the 4-layer model's greedy replies to held-out messages ended their turn at
+# 89.7-100% over five seeds (at least 95% at four), the 2-layer one's at 57-100% (three); the rest loop
+# (docs/benchmarks.md, "Fine-tuning on conversations"). It costs ~15 s more.
+CHAT_BASE_LAYERS = 4
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("demo", help="prepare Tiny Shakespeare, train a small GPT, sample (minutes on CPU)")
+    from gpt2lab.commands import DefaultsHelp
+
+    p = sub.add_parser(
+        "demo",
+        help="prepare Tiny Shakespeare, train a small GPT, sample (minutes on CPU)",
+        formatter_class=DefaultsHelp,
+    )
     p.add_argument(
         "--recipe",
         default="fast",
         choices=sorted(RECIPES),
-        help="fast (default): the modern recipe, shakespeare-cpu-fast; faithful: GPT-2's, shakespeare-cpu",
+        help="fast: the modern recipe (shakespeare-cpu-fast); faithful: GPT-2's (shakespeare-cpu)",
     )
     p.add_argument("--data", default="data/tinyshakespeare", help="where the token shards go (reused if complete)")
-    p.add_argument(
-        "--out", default=None, help="run directory (default runs/<preset>-<time>; with --chat, the chat model's)"
-    )
-    p.add_argument(
-        "--max-steps", type=int, help="override the preset's step count (with --chat: of each run it trains)"
-    )
+    p.add_argument("--out", help="run directory (default runs/<preset>-<time>; with --chat, the chat model's)")
+    p.add_argument("--max-steps", type=int, help="override the preset's step count (with --chat: of each run)")
     p.add_argument("--prompt", default="ROMEO:", help="prompt of the final sample")
     p.add_argument("--tokens", type=int, default=200, help="tokens in the final sample")
     p.add_argument("--seed", type=int, default=1337, help="seed of the final sample")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=DTYPE_NAMES,
-        help="training dtype; auto (default): bf16 only where this CPU runs it faster than fp32",
-    )
+    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, help="training dtype; auto: bf16 where it is faster")
     p.add_argument(
         "--chat",
         action="store_true",
@@ -69,14 +66,9 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--base",
         metavar="RUN",
-        help="with --chat: the base model to start from (default: train the default demo first, "
-        f"{CHAT_BASE_LAYERS} layers deep)",
+        help=f"with --chat: the base model (default: the default demo's, trained first {CHAT_BASE_LAYERS} layers deep)",
     )
-    p.add_argument(
-        "--chat-data",
-        default="data/chitchat",
-        help="with --chat: where the conversations' token shards go (reused if complete)",
-    )
+    p.add_argument("--chat-data", default="data/chitchat", help="with --chat: where the conversations' shards go")
     p.set_defaults(func=run)
 
 
@@ -94,32 +86,24 @@ def run(args: argparse.Namespace) -> int:
     return run_chat(args) if args.chat else run_base(args)
 
 
-def _request(preset: str, **values):
-    """The request `gpt2lab train --preset PRESET --progress false` makes with ``values`` (those not None) as
-    its flags: what the demo trains, and that command is what continues the run if it stops (the demo starts
-    anew)."""
+def _train(tag: str, source: str, preset: str, why: str = "", **flags) -> None:
+    """Prepare ``source`` into ``flags["data"]`` (reused if complete), then train what `gpt2lab train --preset
+    PRESET --progress false` with ``flags`` (those not None) as its flags trains (that command continues the
+    run if it stops: the demo starts anew), saying so after ``tag``."""
     from gpt2lab.commands import train
-
-    words = ["train", "--preset", preset, "--progress", "false"]
-    words += [w for k, v in values.items() if v is not None for w in (f"--{k.replace('_', '-')}", str(v))]
-    parser = argparse.ArgumentParser()
-    train.add_parser(parser.add_subparsers())
-    return train._request(argparse.Namespace(**vars(parser.parse_args(words)), argv=words))
-
-
-def _train(tag: str, source: str, preset: str, why: str = "", **flags):
-    """Prepare ``source`` into ``flags["data"]`` (reused if complete) and train ``preset`` on it with ``flags``,
-    as `gpt2lab train` does (``_request``), saying so after ``tag``; returns the request."""
     from gpt2lab.data.prepare import prepare
     from gpt2lab.distributed.dist import init_distributed
-    from gpt2lab.train.run import train
+    from gpt2lab.train.run import train as train_run
 
     print(f"{tag} preparing {SOURCES[source]} into {flags['data']}", flush=True)
     prepare(source, flags["data"], progress=False)
-    request = _request(preset, **flags)
+    words = ["train", "--preset", preset, "--progress", "false"]
+    words += [w for k, v in flags.items() if v is not None for w in (f"--{k.replace('_', '-')}", str(v))]
+    parser = argparse.ArgumentParser()
+    train.add_parser(parser.add_subparsers())
+    request = train._request(argparse.Namespace(**vars(parser.parse_args(words)), argv=words))
     print(f"{tag} training {preset} for {request.get('max_steps')} steps into {request.out}{why}", flush=True)
-    train(request, init_distributed(str(request.get("device"))))
-    return request
+    train_run(request, init_distributed(str(request.get("device"))))
 
 
 def _new_out(name: str) -> str:
@@ -127,19 +111,24 @@ def _new_out(name: str) -> str:
 
 
 def run_base(args: argparse.Namespace) -> int:
+    import torch
+
+    from gpt2lab.commands.sample import stream_one
+    from gpt2lab.inference.completion import Sampling, prompt_ids
+
     t0 = time.perf_counter()
-    preset = RECIPES[args.recipe]
+    preset, out = RECIPES[args.recipe], args.out or _new_out(RECIPES[args.recipe])
     print(f"[demo] recipe {args.recipe}: {WHY[args.recipe]}", flush=True)
-    flags = dict(out=args.out or _new_out(preset), dtype=args.dtype, max_steps=args.max_steps)
-    request = _train(
-        "[demo]", "tinyshakespeare", preset, data=args.data, n_layer=getattr(args, "n_layer", None), **flags
-    )
-    out, vals, vocab = request.out, val_losses(request.out), request.get("vocab_size")
-    if vals:
-        chance = math.log(vocab)  # a uniform guess over the model's outputs
-        print(f"[demo] validation loss {vals[-1]:.2f} (chance: ln {vocab} = {chance:.2f})", flush=True)
+    flags = dict(data=args.data, out=out, dtype=args.dtype, max_steps=args.max_steps)
+    _train("[demo]", "tinyshakespeare", preset, **flags, n_layer=getattr(args, "n_layer", None))
+    model, vals = _load(out), val_losses(out)
+    if vals:  # against a uniform guess over the model's outputs
+        vocab = model.config.vocab_size
+        print(f"[demo] validation loss {vals[-1]:.2f} (chance: ln {vocab} = {math.log(vocab):.2f})", flush=True)
     print(f"[demo] sample from the trained model ({args.prompt!r}, seed {args.seed}):\n", flush=True)
-    sample(out, args.prompt, args.tokens, args.seed)
+    # as `gpt2lab sample --temperature 0.8` prints it
+    gen = torch.Generator().manual_seed(args.seed)
+    stream_one(model, prompt_ids(args.prompt, model), args.prompt, Sampling(args.tokens, temperature=0.8), gen)
     print(f"\n[demo] done in {time.perf_counter() - t0:.0f} s. run dir: {out}")
     print(f"[demo] more samples: {program()} sample --model {out} --prompt 'JULIET:'", flush=True)
     return 0
@@ -148,7 +137,7 @@ def run_base(args: argparse.Namespace) -> int:
 def run_chat(args: argparse.Namespace) -> int:
     """Base model -> chat model on the bundled conversations; three messages answered before and after."""
     t0 = time.perf_counter()
-    base = args.base
+    base, out = args.base, args.out or _new_out("chat-cpu")
     if base is None:
         base = _new_out(RECIPES[args.recipe])
         print(f"[demo --chat] no --base: the default demo's model first, {CHAT_BASE_LAYERS} layers deep", flush=True)
@@ -156,15 +145,12 @@ def run_chat(args: argparse.Namespace) -> int:
     before = chat_replies(base)
     # as `gpt2lab train --preset chat-cpu --init-from BASE`: the architecture comes from the base
     why = f", fine-tuning {base} (the loss on the assistant's tokens only)"
-    flags = dict(out=args.out or _new_out("chat-cpu"), dtype=args.dtype, max_steps=args.max_steps)
-    out = _train("[demo --chat]", "chitchat", "chat-cpu", why, data=args.chat_data, init_from=base, **flags).out
+    flags = dict(data=args.chat_data, out=out, dtype=args.dtype, max_steps=args.max_steps, init_from=base)
+    _train("[demo --chat]", "chitchat", "chat-cpu", why, **flags)
     after, losses = chat_replies(out), val_losses(out)
     if len(losses) >= 2:
-        print(
-            f"[demo --chat] loss on the held-out conversations' assistant tokens: {losses[0]:.2f} before, "
-            f"{losses[-1]:.2f} after",
-            flush=True,
-        )
+        said = f"{losses[0]:.2f} before, {losses[-1]:.2f} after"
+        print(f"[demo --chat] loss on the held-out conversations' assistant tokens: {said}", flush=True)
     for message, old, new in zip(CHAT_PROMPTS, before, after):
         print(f"\nUser: {message}\n  base model: {_shown(old)}\n  chat model: {_shown(new)}", flush=True)
     print(f"\n[demo --chat] done in {time.perf_counter() - t0:.0f} s. chat model: {out}")
@@ -202,15 +188,3 @@ def val_losses(run_dir: str) -> list:
     from gpt2lab.observe.metrics import read_metrics
 
     return [r["val_loss"] for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "val_loss" in r]
-
-
-def sample(run_dir: str, prompt: str, tokens: int, seed: int) -> None:
-    """Print the trained model's continuation of ``prompt`` as ``gpt2lab sample --temperature 0.8`` prints it."""
-    import torch
-
-    from gpt2lab.commands.sample import stream_one
-    from gpt2lab.inference.completion import Sampling, prompt_ids
-
-    model = _load(run_dir)
-    gen = torch.Generator().manual_seed(seed)
-    stream_one(model, prompt_ids(prompt, model), prompt, Sampling(tokens, temperature=0.8), gen)

@@ -21,9 +21,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "sample",
         help="generate text from a model, streamed as it is sampled",
-        description="Generate text from a model, streamed as it is sampled. The defaults of --temperature, "
-        "--top-k and --top-p are also the server's for a request that leaves them out, and generate()'s: "
-        "a request with the same seed gives this command's text.",
+        description="Generate text from a model, streamed as it is sampled. Its sampling defaults are the "
+        "server's and generate()'s: a request with the same seed gives this command's text.",
         formatter_class=DefaultsHelp,
     )
     add_model_flags(p, default="gpt2")
@@ -32,20 +31,15 @@ def add_parser(sub) -> None:
         default="Hello, I'm a language model,",
         help="text to continue ('' starts from <|endoftext|>); with --max-new-tokens it must fit the model's context",
     )
-    p.add_argument("--num-samples", type=int, default=1, help="how many continuations, one after another")
-    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate after the prompt")
-    # one set of defaults with the server and generate() (model/sampling_defaults.py)
-    p.add_argument("--temperature", type=finite_float, default=SAMPLING.temperature, help="0 means greedy")
-    p.add_argument(
-        "--top-k", type=int, default=SAMPLING.top_k, help="sample from the k most likely tokens; 0 keeps every token"
-    )
-    p.add_argument(
-        "--top-p",
-        type=finite_float,
-        default=SAMPLING.top_p,
-        help="nucleus sampling: the smallest set of tokens holding this much of the mass; 1 keeps all (off)",
-    )
-    p.add_argument("--seed", type=int, default=42, help="seed of the sampling generator")
+    for flag, kind, default, says in (  # the sampling defaults: one set with the server and generate()
+        ("--num-samples", int, 1, "how many continuations, one after another"),
+        ("--max-new-tokens", int, 100, "tokens to generate after the prompt"),
+        ("--temperature", finite_float, SAMPLING.temperature, "0 means greedy"),
+        ("--top-k", int, SAMPLING.top_k, "sample from the k most likely tokens; 0 keeps every token"),
+        ("--top-p", finite_float, SAMPLING.top_p, "nucleus sampling: the likeliest tokens holding this mass (1: all)"),
+        ("--seed", int, 42, "seed of the sampling generator"),
+    ):
+        p.add_argument(flag, type=kind, default=default, help=says)
     p.add_argument(
         "--stop-at-eot",
         action=argparse.BooleanOptionalAction,
@@ -55,9 +49,8 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--chat",
         action="store_true",
-        help="talk to the model turn by turn: each line read from stdin is your message, the reply "
-        "streams back (in the model's chat template, or plain 'User:'/'Assistant:' lines for a base "
-        "model); an empty line or end of input ends it; --prompt is not used",
+        help="talk turn by turn: each stdin line is your message, the reply streams back (in the model's chat "
+        "template, or 'User:'/'Assistant:' lines for a base model); an empty line ends it; --prompt is unused",
     )
     p.add_argument("--system", default=None, help="with --chat: a system message opening the conversation")
     p.set_defaults(func=run)
@@ -71,9 +64,9 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
     if args.temperature < 0:
         raise UsageError(f"--temperature {args.temperature}: must be >= 0 (0 is greedy)")
-    if args.top_k is not None and args.top_k < 0:
+    if args.top_k < 0:
         raise UsageError(f"--top-k {args.top_k}: must be >= 0 (0 keeps every token)")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
+    if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p {args.top_p}: must be in (0, 1]")
 
 
@@ -97,11 +90,9 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"--prompt: {e}") from None
         n, context = len(ids), model.config.block_size
         if not fits_context(n, args.max_new_tokens, context):  # the server's rule, before any text is printed
-            room = (
-                f"lower --max-new-tokens to {context - n} or shorten the prompt"
-                if n < context
-                else f"shorten the prompt to under {context} tokens"
-            )
+            room = f"shorten the prompt to under {context} tokens"
+            if n < context:
+                room = f"lower --max-new-tokens to {context - n} or shorten the prompt"
             raise UsageError(
                 f"--prompt is {n} tokens and --max-new-tokens {args.max_new_tokens}: {n + args.max_new_tokens} "
                 f"tokens, more than this model's context of {context} tokens; {room}"
@@ -123,24 +114,31 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def stream_one(model, ids: list[int], prompt: str, sampling, generator: torch.Generator, watch=None) -> None:
-    """Print the prompt, then each token's text as it comes (completion.stream_tokens, SampleText)."""
+def stream_one(model, ids: list[int], prompt, sampling, generator: torch.Generator, watch=None, stops=(), strip=False):
+    """Print ``prompt`` (None: nothing), then each token's text as it comes, up to the end completion.SampleText
+    finds (the model's end token, one of ``stops``, the limit); ``strip``: without the leading whitespace.
+    Returns the text sampled."""
     from gpt2lab.inference.completion import SampleText, prompt_text, stream_tokens
 
-    print(prompt_text(prompt), end="", flush=True)  # the text the model was given (an undecodable byte as U+FFFD)
-    text = SampleText(model, sampling, [])
-    for t, _ in stream_tokens(model, ids, sampling, generator, watch=watch):
-        piece, tail = text.feed(t)
-        print(piece or "", *tail, sep="", end="", flush=True)
+    if prompt is not None:  # the text the model was given (an undecodable byte as U+FFFD)
+        print(prompt_text(prompt), end="", flush=True)
+    texts, sample = [], SampleText(model, sampling, list(stops))
+    for tok, _ in stream_tokens(model, ids, sampling, generator, watch=watch):
+        piece, tail = sample.feed(tok)
+        text = "".join([piece or "", *tail])
+        texts.append(text.lstrip() if strip and not any(texts) else text)
+        print(texts[-1], end="", flush=True)
+        if sample.reason:
+            break
     print(flush=True)
+    return "".join(texts)
 
 
 def _chat(model, args: argparse.Namespace, sampling, generator: torch.Generator, watch=None) -> int:
     """Turn by turn: each stdin line a user message, the reply streamed (inference/chat.py's prompt,
-    ended by the server's rule, completion.SampleText: the model's end token or its template's stop
-    strings). The oldest turns leave the prompt once the conversation outgrows the context (said once)."""
+    ended by the server's rule: the model's end token or its template's stop strings). The oldest turns
+    leave the prompt once the conversation outgrows the context (said once)."""
     from gpt2lab.inference.chat import chat_prompt, note
-    from gpt2lab.inference.completion import SampleText, stream_tokens
 
     say = functools.partial(print, file=sys.stderr, flush=True)
     say(f"gpt2lab sample --chat: {note(model.config, 'this chat')}; type a message, an empty line or Ctrl-D ends")
@@ -164,13 +162,5 @@ def _chat(model, args: argparse.Namespace, sampling, generator: torch.Generator,
                     f"({model.config.block_size} tokens); its first turns are left out"
                 )
                 told = True
-        reply, sample = [], SampleText(model, sampling, list(prompt.stops))
-        for tok, _ in stream_tokens(model, prompt.ids, sampling, generator, watch=watch):
-            piece, tail = sample.feed(tok)
-            for text in [piece or "", *tail]:
-                reply.append(text.lstrip() if prompt.strip and not "".join(reply) else text)
-                print(reply[-1], end="", flush=True)
-            if sample.reason:
-                break
-        print(flush=True)
-        turns.append(("assistant", "".join(reply)))
+        reply = stream_one(model, prompt.ids, None, sampling, generator, watch, prompt.stops, prompt.strip)
+        turns.append(("assistant", reply))

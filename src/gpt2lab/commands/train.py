@@ -111,7 +111,7 @@ def _request(args: argparse.Namespace):
     )
     explicit = {k: v for k, v in model.items() if k in ARCH_FIELDS or k == "vocab_size"}
     # --resume with --init-from: continues the run that began from those weights (train.gather.same_source)
-    words = getattr(args, "argv", None) or ["train"]  # as typed (cli.parse keeps it); the resume advice
+    words = getattr(args, "argv", None) or ["train"]  # as typed (cli.main keeps it); the resume advice
     given = "sample_prompt" in overrides.get("eval", {})  # a prompt for this run; else the settings' (for their data)
     prompt_for = None if given else prompt_written_for(args.preset, None if args.preset else args.config)
     return Request(

@@ -53,8 +53,6 @@ class ConfigError(UsageError):
 class DataError(GPT2LabError, ValueError):
     """Input data (a shard, a text source, a model directory) that cannot be used as it is."""
 
-    exit_code = EXIT_ERROR
-
 
 class CheckpointError(GPT2LabError, ValueError):
     """A checkpoint that is damaged (checksum, truncated file) or does not fit the model."""
@@ -85,10 +83,8 @@ def is_disk_full(exc: BaseException) -> bool:
     """Whether ``exc`` (or an exception it was raised from) is a full disk or quota."""
     seen = 0
     while exc is not None and seen < 10:
-        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
-            return True
-        if any(t in str(exc) for t in _DISK_FULL_TEXT):  # RuntimeError, SafetensorError
-            return True
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS or any(t in str(exc) for t in _DISK_FULL_TEXT):
+            return True  # the errno, or the text of a RuntimeError or SafetensorError
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
     return False
 

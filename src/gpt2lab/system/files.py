@@ -38,10 +38,19 @@ def _remove(path: str) -> None:
 
 
 @contextlib.contextmanager
-def _or_removed(tmp: str, path: str, what_next: Optional[str]) -> Iterator[None]:
-    """Remove ``tmp`` when the block fails; a full disk becomes a DiskFullError naming ``path``."""
+def _replacing(path: str, what_next: Optional[str]) -> Iterator[str]:
+    """Yield the temporary that becomes ``path`` when the block succeeds (``os.replace``; a directory takes an
+    existing one's place by two renames: a crash between them leaves both, never neither). A failure removes
+    the temporary; a full disk becomes a DiskFullError naming ``path``."""
+    tmp = tmp_name(path)
+    _remove(tmp)  # our own leftover: the same pid cannot be writing it twice
     try:
-        yield
+        yield tmp
+        old = tmp + ".old"
+        if os.path.isdir(tmp) and os.path.lexists(path):
+            os.replace(path, old)
+        os.replace(tmp, path)
+        _remove(old)
     except BaseException as e:
         _remove(tmp)
         if is_disk_full(e):
@@ -52,13 +61,23 @@ def _or_removed(tmp: str, path: str, what_next: Optional[str]) -> Iterator[None]
 @contextlib.contextmanager
 def atomic_write(path: str, mode: str = "w", what_next: Optional[str] = None) -> Iterator[IO]:
     """``with atomic_write(p) as fh: fh.write(...)``: ``p`` appears whole or not at all."""
-    tmp = tmp_name(path)
-    with _or_removed(tmp, path, what_next):
-        with open(tmp, mode) as fh:
-            yield fh
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+    with _replacing(path, what_next) as tmp, open(tmp, mode) as fh:
+        yield fh
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str, what_next: Optional[str] = None) -> Iterator[str]:
+    """Yield a fresh temporary directory that becomes ``path`` when the block succeeds.
+
+    It takes the place of an existing ``path`` (the caller has decided that is safe).
+    The directory gets the usual permissions (umask), not mkdtemp's 0700.
+    """
+    with _replacing(path, what_next) as tmp:
+        os.makedirs(tmp)
+        yield tmp
+        _settle(tmp)
 
 
 def write_json(path: str, data: Any, indent: Optional[int] = 2) -> None:
@@ -77,26 +96,6 @@ def read_json_object(path: str) -> Optional[dict]:
     except (OSError, ValueError):  # UnicodeDecodeError is a ValueError
         return None
     return value if isinstance(value, dict) else None
-
-
-@contextlib.contextmanager
-def atomic_dir(path: str, what_next: Optional[str] = None) -> Iterator[str]:
-    """Yield a fresh temporary directory that becomes ``path`` when the block succeeds.
-
-    It takes the place of an existing ``path`` (the caller has decided that is safe).
-    The directory gets the usual permissions (umask), not mkdtemp's 0700.
-    """
-    tmp = tmp_name(path)
-    _remove(tmp)  # our own leftover: the same pid cannot be writing it twice
-    with _or_removed(tmp, path, what_next):
-        os.makedirs(tmp)
-        yield tmp
-        _settle(tmp)
-        old = tmp_name(path) + ".old"
-        if os.path.lexists(path):
-            os.replace(path, old)  # two renames: a crash between them leaves both, never neither
-        os.replace(tmp, path)
-        _remove(old)
 
 
 def _settle(folder: str) -> None:

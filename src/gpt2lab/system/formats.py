@@ -61,10 +61,9 @@ def check_version(path: str, found: Any, fmt: Format, error: type[GPT2LabError] 
     from gpt2lab import __version__
 
     reads = f"this gpt2lab ({__version__}) reads {fmt.what} format {fmt.version}"
-    if found is None:
-        raise error(f"{path}: a {fmt.what} without {FORMAT_KEY}, written by an older gpt2lab; {reads}; {fmt.older}")
-    if known and found < fmt.version:
-        raise error(f"{path}: {fmt.what} format {found}, written by an older gpt2lab; {reads}; {fmt.older}")
+    if found is None or known and found < fmt.version:
+        said = f"a {fmt.what} without {FORMAT_KEY}" if found is None else f"{fmt.what} format {found}"
+        raise error(f"{path}: {said}, written by an older gpt2lab; {reads}; {fmt.older}")
     what = f"format {found}, written by a newer gpt2lab" if known else f"format {found!r}, unknown to this gpt2lab"
     raise error(f"{path}: {fmt.what} {what}; {reads}; upgrade gpt2lab to read it")
 

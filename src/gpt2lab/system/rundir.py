@@ -118,11 +118,10 @@ def what(found: Found) -> str:
 
 
 def _has_run_checkpoint(folder: str) -> bool:
-    try:
+    with contextlib.suppress(OSError):  # no such folder
         names = [n for n in os.listdir(folder) if n.startswith("step_")]
-    except OSError:
-        return False
-    return any(_is_run_config(read_json_object(os.path.join(folder, n, "config.json")) or {}) for n in names)
+        return any(_is_run_config(read_json_object(os.path.join(folder, n, "config.json")) or {}) for n in names)
+    return False
 
 
 def _is_run_config(config: dict) -> bool:
@@ -178,13 +177,11 @@ def run_marker() -> dict:
 def _create_marker(path: str) -> None:
     """Write the run marker unless one is there (never replacing another process's)."""
     final = os.path.join(path, RUN_MARKER)
-    if os.path.exists(final):
-        return
     tmp = tmp_name(final) + ".marker"
     write_json(tmp, run_marker())
     try:
         with contextlib.suppress(FileExistsError):
-            os.link(tmp, final)  # atomic, and fails if another process's marker got there first
+            os.link(tmp, final)  # atomic, and fails if a marker is there already (a run's, or another process's)
     finally:
         os.unlink(tmp)
 
@@ -201,32 +198,35 @@ def resume_command(words: Sequence[str], prog: str) -> str:
 
 
 # -- the lock --------------------------------------------------------------------------------
+def _flock(fd: int, exclusive: bool) -> Optional[dict]:
+    """Take the run lock on ``fd`` (shared: a reader's probe) without waiting: None when taken, else who
+    holds it ({"pid", "host", "started"}, as its file says; a partial line reads as unknown)."""
+    import fcntl
+
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        return None
+    except _BUSY:
+        try:
+            info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        except (OSError, ValueError):  # UnicodeDecodeError is a ValueError
+            info = None
+        return {k: info.get(k) if isinstance(info, dict) else None for k in ("pid", "host", "started")}
+
+
 def holder(path: str) -> Optional[dict]:
     """Who holds the run's lock ({"pid", "host", "started"}), or None when no live run holds it.
 
     Probes with a shared lock, dropped at once (the file is closed): it never blocks and never writes.
     """
-    import fcntl
-
     try:
         fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDONLY)
     except OSError:
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return None
-    except _BUSY:
-        return _holder_info(fd)
+        return _flock(fd, exclusive=False)
     finally:
         os.close(fd)  # drops the probe's shared lock
-
-
-def _holder_info(fd: int) -> dict:
-    try:
-        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-    except (OSError, ValueError, UnicodeDecodeError):
-        info = None
-    return {k: info.get(k) if isinstance(info, dict) else None for k in ("pid", "host", "started")}
 
 
 def describe(who: dict) -> str:
@@ -235,40 +235,20 @@ def describe(who: dict) -> str:
     return f"pid {who.get('pid', '?')} on {who.get('host', '?')}, started {when}"
 
 
-def live_note(path: str) -> Optional[str]:
-    """A line for readers of a live run (report, plot, sample), or None when no run holds it.
-
-    ``path`` is a run directory or one of its checkpoints (``RUN/checkpoints/step_N``), else None.
-    """
-    if not os.path.isdir(path):
-        return None
-    for run in (path, os.path.dirname(os.path.dirname(os.path.abspath(path)))):
-        who = holder(run)
-        if who is not None:
-            return f"{run} is a live run ({describe(who)}): reading what it has written so far"
-    return None
-
-
 @contextlib.contextmanager
 def lock(path: str) -> Iterator[None]:
     """Hold ``path``'s run lock until the block ends (or the process does); raise if another holds it."""
-    import fcntl
-
     fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         deadline = time.monotonic() + _LOCK_RETRY_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except _BUSY:
-                if time.monotonic() > deadline:
-                    raise DirectoryError(
-                        f"{path} is in use by another run ({describe(_holder_info(fd))}); "
-                        "wait for it to end or stop it (it saves a checkpoint on SIGTERM), "
-                        "or train into another --out"
-                    ) from None
-                time.sleep(0.05)
+        while (who := _flock(fd, exclusive=True)) is not None:
+            if time.monotonic() > deadline:
+                raise DirectoryError(
+                    f"{path} is in use by another run ({describe(who)}); "
+                    "wait for it to end or stop it (it saves a checkpoint on SIGTERM), "
+                    "or train into another --out"
+                )
+            time.sleep(0.05)
         # the lock file is the lock itself, so it is rewritten in place (a rename would make a new,
         # unlocked file); readers only read it while it is held, and tolerate a partial line
         os.ftruncate(fd, 0)
@@ -285,13 +265,16 @@ RUN_WRITES = (RUN_MARKER, LOCK_FILE, "config.json", "metrics.jsonl", "plot.png",
 RUN_WRITES += ("checkpoints", "tokenizer.json")
 
 
+@dataclass
 class Claim:
     """A start's hold on its run directory: what it found there, so that a start failing before its
     first step can remove exactly what it created (``undo``). ``began`` is set once a step was taken."""
 
-    def __init__(self, path: str, created: bool, top: str, before: frozenset) -> None:
-        self.path, self.created, self.top, self.before = path, created, top, before
-        self.began = False
+    path: str
+    created: bool  # this start made the directory
+    top: str  # the outermost folder it made (the parents of a new --out too)
+    before: frozenset  # the names that were in it
+    began: bool = False
 
     def undo(self) -> None:
         """Remove what this start wrote that was not there before it (of the names in RUN_WRITES), then
@@ -301,8 +284,11 @@ class Claim:
         for name in set(RUN_WRITES) - self.before:
             with contextlib.suppress(OSError):
                 _remove(os.path.join(self.path, name))
-        if self.created:
-            _remove_empty(self.path, self.top)
+        where = os.path.abspath(self.path)
+        with contextlib.suppress(OSError):
+            while self.created and len(where) >= len(self.top) and not os.listdir(where):
+                os.rmdir(where)
+                where = os.path.dirname(where)
 
 
 @contextlib.contextmanager
@@ -314,41 +300,21 @@ def claim(path: str, flag: str = "--out", what_next: str = "choose a new or empt
     marker and the lock was written is removed on the way out too.
     """
     check(path, RUN, flag, what_next)
-    created = not os.path.exists(path)
-    top = os.path.abspath(path)  # the outermost folder this call creates (parents of a new --out too)
+    top = os.path.abspath(path)
     while not os.path.exists(os.path.dirname(top)):
         top = os.path.dirname(top)
-    before = frozenset() if created else frozenset(os.listdir(path))
+    held = Claim(path, not os.path.exists(path), top, frozenset(os.listdir(path) if os.path.exists(path) else ()))
     os.makedirs(path, exist_ok=True)
     try:
         _create_marker(path)
         with lock(path):
-            held = Claim(path, created, top, before)
             try:
                 yield held
             except BaseException:
                 held.undo()  # while still holding the lock: no other run can be starting there
                 raise
-            if created:
-                _remove_if_untouched(path, top)
-    except BaseException:
-        if created:
-            _remove_if_untouched(path, top)
-        raise
-
-
-def _remove_if_untouched(path: str, top: str) -> None:
-    """Remove the run directory (and the empty parents up to ``top``) if nothing but the marker was written."""
-    with contextlib.suppress(OSError):
-        info = read_json_object(os.path.join(path, RUN_MARKER))  # only the bare marker: no run wrote it
-        if set(os.listdir(path)) <= {RUN_MARKER, LOCK_FILE} and (info is None or set(info) <= set(run_marker())):
-            Claim(path, True, top, frozenset()).undo()
-
-
-def _remove_empty(path: str, top: str) -> None:
-    """Remove ``path`` and its parents up to ``top`` while each is empty."""
-    where = os.path.abspath(path)
-    with contextlib.suppress(OSError):
-        while len(where) >= len(top) and not os.listdir(where):
-            os.rmdir(where)
-            where = os.path.dirname(where)
+    finally:
+        with contextlib.suppress(OSError):  # made here, and holding only the bare marker (no run wrote it) and the lock
+            info = read_json_object(os.path.join(path, RUN_MARKER)) or {}
+            if held.created and set(os.listdir(path)) <= {RUN_MARKER, LOCK_FILE} and set(info) <= set(run_marker()):
+                held.undo()
