@@ -23,7 +23,7 @@ from gpt2lab.inference import chat
 from gpt2lab.serve.asgi import BODY, AccessLog, HostCheck
 from gpt2lab.serve.batch import Worker
 from gpt2lab.serve.completions import ChatCompletion, Completion
-from gpt2lab.serve.errors import APIError, error_body
+from gpt2lab.serve.errors import APIError
 from gpt2lab.serve.metrics import ServeMetrics
 from gpt2lab.serve.responses import respond
 from gpt2lab.serve.schemas import ChatRequest, CompletionRequest, huge_integer, lone_surrogate, validation_error
@@ -69,7 +69,7 @@ def create_app(workers: dict[str, Worker], host: str = "127.0.0.1", allowed_host
             message = f"Method not allowed ({where}): this route takes {allowed}"
         else:
             message = f"{where}: {exc.detail}"
-        return JSONResponse(status_code=exc.status_code, content=error_body(message), headers=exc.headers)
+        return APIError(exc.status_code, message).response(exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:

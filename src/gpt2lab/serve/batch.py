@@ -280,7 +280,7 @@ class Worker:
                     self._step()
             except Exception as e:  # a failed forward: its rows' requests get the error, the worker goes on
                 for job in {id(r.job): r.job for r in [*self.prefill, *self.decoding]}.values():
-                    self._end_job(job, e)
+                    self._end(job, e)
             self._rows = len(self.decoding) + len(self.prefill)
             yield True
 
@@ -304,31 +304,21 @@ class Worker:
 
     def _drop_ended(self, now: float) -> None:
         """Requests whose client went away or whose time is up leave before the next step."""
-        for job in [j for j in self.waiting if j.ended(now)]:
-            self.waiting.remove(job)
-            self._started(job)
-            self._end_early(job)
-        ended = {id(r.job): r.job for r in [*self.prefill, *self.decoding] if r.job.ended(now)}
-        for job in ended.values():
-            self._remove_rows(job)
-            job.rows_left = 0
-            self._end_early(job)
+        jobs = [*self.waiting, *(r.job for r in [*self.prefill, *self.decoding])]
+        for job in {id(j): j for j in jobs if j.ended(now)}.values():
+            why = "(--timeout); ask for fewer tokens or retry when the server is less busy"
+            late = TimedOut(f"the request took longer than the server's {self.limits.timeout_s:g} s timeout {why}")
+            self._end(job, None if job.cancelled else late)
 
-    def _end_early(self, job: Job) -> None:
-        """End a job its client left (nobody reads the error) or one past its deadline."""
-        if job.cancelled:
-            return job.send(None)
-        job.fail(
-            TimedOut(
-                f"the request took longer than the server's {self.limits.timeout_s:g} s timeout "
-                "(--timeout); ask for fewer tokens or retry when the server is less busy"
-            )
-        )
-
-    def _end_job(self, job: Job, error: BaseException) -> None:
+    def _end(self, job: Job, error: Optional[BaseException]) -> None:
+        """``job`` leaves before its rows are done, failing with ``error`` (None: its client left, nobody reads)."""
+        self.waiting = collections.deque(j for j in self.waiting if j is not job)
+        self._started(job)
         self._remove_rows(job)
-        if job.rows_left:
-            job.rows_left = 0
+        job.rows_left = 0
+        if error is None:
+            job.send(None)
+        else:
             job.fail(error)
 
     def _remove_rows(self, job: Job) -> None:
@@ -356,7 +346,7 @@ class Worker:
                 row.tokens = stream_tokens(self.model, row.ids, r.sampling, row.generator, r.logprobs)
             t, lp = next(row.tokens, (None, None))  # None: max_tokens 0, the prompt scored only
         except Exception as e:
-            return self._end_job(row.job, e)
+            return self._end(row.job, e)
         if self._sampled(row, t, lp):
             self.prefill.append(row)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import socket
 import threading
 import time
@@ -68,7 +69,7 @@ def uvicorn_in_thread(
     import uvicorn
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-    from gpt2lab.serve.connections import GuardedServer, Say, backlog, guarded, open_file_limit, with_cap
+    from gpt2lab.serve.connections import QuietAccept, Say, backlog, guarded, open_file_limit, with_cap
 
     connections = with_cap(connections or Connections())
     say = Say()
@@ -79,7 +80,9 @@ def uvicorn_in_thread(
         http=guarded(AutoHTTPProtocol, connections, say, app.state.metrics.dropped),
         backlog=backlog(open_file_limit()),
     )
-    server = GuardedServer(config, say)
+    server = uvicorn.Server(config)
+    quiet = QuietAccept(say)
+    logging.getLogger("asyncio").addFilter(quiet)
     app.state.metrics.connections.set_function(lambda: len(server.server_state.connections))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -101,6 +104,7 @@ def uvicorn_in_thread(
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
+        logging.getLogger("asyncio").removeFilter(quiet)
 
 
 def bind(host: str, port: int) -> socket.socket:
