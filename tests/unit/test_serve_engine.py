@@ -1,6 +1,6 @@
-"""What both workers share (serve/engine.py): a stop string's possible start is held back until it is
-known (the incremental matcher against a brute-force reading of the whole text), and a waiting request
-whose client left gives its queue place back at once, once."""
+"""The worker's rules in both modes (serve/batch.py, inference/completion.py): a stop string's possible start
+is held back until it is known (the incremental matcher against a brute-force reading of the whole text), and
+a waiting request whose client left gives its queue place back at once, once."""
 
 from __future__ import annotations
 

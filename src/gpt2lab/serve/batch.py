@@ -113,13 +113,11 @@ class Job:
         if self.worker is not None:
             self.worker._started(self)
 
-    def fail(self, error: BaseException) -> None:
-        self.send(error)
+    def fail(self, error: Optional[BaseException]) -> None:
+        """End it: with ``error``, or (None) none, its client gone."""
+        if error is not None:
+            self.send(error)
         self.send(None)
-
-    def ended(self, now: float) -> bool:
-        """Its client went away, or its time is up."""
-        return self.cancelled or now > self.deadline
 
 
 class Row:
@@ -169,7 +167,6 @@ class Worker:
         self._closed = False  # close: the engine stops running it
         self._lock = threading.Lock()
         self._waiting = 0  # submitted, not yet given a row (or a turn)
-        self._rows = 0
         self._open: set[Job] = set()  # submitted, not yet complete: what shut_down ends
         self._stopping: Optional[ShuttingDown] = None  # set by shut_down: new requests are refused
         self._wake = threading.Event()  # the engine's: set when there is something to do
@@ -208,7 +205,7 @@ class Worker:
         return self._waiting
 
     def active_rows(self) -> int:
-        return self._rows
+        return len(self.decoding) + len(self.prefill)
 
     def shut_down(self, error: ShuttingDown) -> int:
         """End every open request with ``error`` now and refuse new ones; call it once the engine has
@@ -281,7 +278,6 @@ class Worker:
             except Exception as e:  # a failed forward: its rows' requests get the error, the worker goes on
                 for job in {id(r.job): r.job for r in [*self.prefill, *self.decoding]}.values():
                     self._end(job, e)
-            self._rows = len(self.decoding) + len(self.prefill)
             yield True
 
     def _admit(self) -> None:
@@ -305,7 +301,7 @@ class Worker:
     def _drop_ended(self, now: float) -> None:
         """Requests whose client went away or whose time is up leave before the next step."""
         jobs = [*self.waiting, *(r.job for r in [*self.prefill, *self.decoding])]
-        for job in {id(j): j for j in jobs if j.ended(now)}.values():
+        for job in {id(j): j for j in jobs if j.cancelled or now > j.deadline}.values():
             why = "(--timeout); ask for fewer tokens or retry when the server is less busy"
             late = TimedOut(f"the request took longer than the server's {self.limits.timeout_s:g} s timeout {why}")
             self._end(job, None if job.cancelled else late)
@@ -316,10 +312,7 @@ class Worker:
         self._started(job)
         self._remove_rows(job)
         job.rows_left = 0
-        if error is None:
-            job.send(None)
-        else:
-            job.fail(error)
+        job.fail(error)
 
     def _remove_rows(self, job: Job) -> None:
         self.prefill = collections.deque(r for r in self.prefill if r.job is not job)
