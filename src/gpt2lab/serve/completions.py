@@ -130,7 +130,7 @@ class Completion:
         self.req, self.worker = req, workers[req.model]
         max_tokens, default, stops, echo, logprobs = self._read(req)
         _check_length(self.prompts, max_tokens, self.worker, default, self.WHAT)
-        self.sampling = Sampling(
+        sampling = Sampling(
             max_new_tokens=max_tokens,  # a field sent as null is its default, as left out (OpenAI's reading)
             temperature=_or(req.temperature, SAMPLING.temperature),
             top_k=_or(req.top_k, SAMPLING.top_k),
@@ -139,10 +139,9 @@ class Completion:
         # without a seed each prompt draws its own (equal prompts get their own samples); with one,
         # every prompt starts from it, as `gpt2lab sample --seed` does
         seeds = [_or(req.seed, secrets.randbelow(2**63)) for _ in self.prompts]
-        self.n = req.n or 1
-        self.count = len(self.prompts) * self.n  # choices
         stops = [StopString(s) for s in stops if s]  # matched incrementally, shared by the request's choices
-        self.job = Job(self.prompts, self.sampling, n=self.n, seeds=seeds, stops=stops, echo=echo, logprobs=logprobs)
+        self.job = Job(self.prompts, sampling, n=req.n or 1, seeds=seeds, stops=stops, echo=echo, logprobs=logprobs)
+        self.count = len(self.prompts) * self.job.n  # choices
         self.created, self.id = int(time.time()), f"{self.ID}-{secrets.token_hex(12)}"
 
     def _read(self, req: CompletionRequest) -> tuple[int, bool, list[str], list[str], Optional[int]]:
@@ -184,7 +183,7 @@ class Completion:
         count from the start of the prompt, echoed or not, as OpenAI's do."""
         if self.job.logprobs is None:
             return {}
-        offset = lambda i: 0 if self.job.echo else len(self.texts[i // self.n])  # noqa: E731
+        offset = lambda i: 0 if self.job.echo else len(self.texts[i // self.job.n])  # noqa: E731
         return {i: Logprobs(offset(i), self.worker.model) for i in range(self.count)}
 
 
