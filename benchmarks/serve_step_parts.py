@@ -18,7 +18,7 @@ import sys
 import time
 
 from gpt2lab.inference import fused
-from gpt2lab.serve import batch, engine
+from gpt2lab.serve import batch
 
 TOTAL: collections.Counter = collections.Counter()
 CALLS: collections.Counter = collections.Counter()
@@ -42,17 +42,17 @@ def _timed(owner, name: str, label: str) -> None:
 
 PARTS = [
     (fused.HeldGPT, "step_rows", "fused step"),
-    (batch.BatchWorker, "_decode", "decode step (prompts joining it)"),
-    (batch.BatchWorker, "_prefill", "prompts' own prefill"),
+    (batch.Worker, "_decode", "decode step (prompts joining it)"),
+    (batch.Worker, "_prefill", "prompts' own prefill"),
     (batch, "top_k_rows", "top-k"),
     (batch, "sample_next", "draws (sample_next)"),
-    (batch.BatchWorker, "_sampled", "sampled (text, events)"),
-    (engine.Worker, "deliver", "deliver (events to the event loop)"),
+    (batch.Worker, "_sampled", "sampled (text, events)"),
+    (batch.Worker, "deliver", "deliver (events to the event loop)"),
 ]
 
 
 def _iterations() -> None:
-    steps = batch.BatchWorker._steps
+    steps = batch.Worker._steps
 
     def timed_steps(self):
         it = steps(self)
@@ -67,7 +67,7 @@ def _iterations() -> None:
                 CALLS["iteration"] += 1
             yield busy
 
-    batch.BatchWorker._steps = timed_steps
+    batch.Worker._steps = timed_steps
 
 
 def _report() -> None:

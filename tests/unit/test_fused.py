@@ -15,7 +15,7 @@ from gpt2lab.inference.choice import Candidate
 from gpt2lab.inference.form import hold as _hold
 from gpt2lab.inference.fused import fusable
 from gpt2lab.inference.kernels import PanelLinear, gemv_error
-from gpt2lab.serve.batch import RowsCache
+from gpt2lab.serve.rows import RowsCache
 
 WHY_NOT = gemv_error(torch.device("cpu"))
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))

@@ -111,7 +111,7 @@ def test_prompts_run_together_right_padded_give_each_row_its_own_logits(block):
     one-row forward of the row's whole sequence without a cache."""
     import copy
 
-    from gpt2lab.serve.batch import RowsCache
+    from gpt2lab.serve.rows import RowsCache
 
     model = tiny_gpt(seed=6, vocab_size=97, block_size=48, **block)
     reference = copy.deepcopy(model)
@@ -137,14 +137,14 @@ def _submit_as_sample(worker, model, prompt: str, seed: int, temperature: float,
     """Submit a seeded request of ``n`` samples (top-k 40) to ``worker``; (its job, the texts
     completion.stream_tokens (gpt2lab sample's code) gives each sample alone on ``model``)."""
     from gpt2lab.inference.completion import Sampling, prompt_ids, seeded_generator
-    from gpt2lab.serve import engine
+    from gpt2lab.serve import batch
 
     s = Sampling(max_new_tokens=tokens, temperature=temperature, top_k=40)
     ids = prompt_ids(prompt, model)
     gen = seeded_generator(torch.device("cpu"), seed)
     expected = [_alone(model, ids, s, gen) for _ in range(n)]
-    job = engine.Job(engine.Work([ids], s, n=n, seeds=[seed], stops=[], echo=[]), _Loop(now=True), 60)
-    worker.submit(job)
+    job = batch.Job([ids], s, n=n, seeds=[seed])
+    worker.submit(job, _Loop(now=True))
     return job, expected
 
 
@@ -178,10 +178,10 @@ def test_a_burst_of_prompts_is_prefilled_in_one_forward_and_each_gets_the_text_i
 
     _, model = confident_server
 
-    worker = batch.BatchWorker("tiny", model, torch.device("cpu"), Limits(prefill_chunk=160))
+    worker = batch.Worker("tiny", model, torch.device("cpu"), Limits(prefill_chunk=160))
     groups = []
-    prefill = batch.BatchWorker._prefill
-    monkeypatch.setattr(batch.BatchWorker, "_prefill", lambda w, rows: groups.append(len(rows)) or prefill(w, rows))
+    prefill = batch.Worker._prefill
+    monkeypatch.setattr(batch.Worker, "_prefill", lambda w, rows: groups.append(len(rows)) or prefill(w, rows))
     cases = [("A " * 1, 1, 0.8, 12, 1), ("B b " * 7, 2, 0.0, 12, 1), ("C " * 29, 3, 1.0, 12, 2), ("D d", 4, 1.2, 1, 1),
              ("E " * 12, 5, 0.7, 12, 1), ("F " * 100, 6, 1.0, 6, 1)]  # fmt: skip
     jobs, expected = zip(*(_submit_as_sample(worker, model, *case) for case in cases))
@@ -210,18 +210,18 @@ def test_prompts_join_the_fused_step_of_running_rows_each_getting_its_text_alone
     _, plain = confident_server
     model = hold(plain, Candidate("bfloat16", "gemv"), rows=8)
     assert model.fused
-    worker = batch.BatchWorker("tiny", model, torch.device("cpu"), Limits(prefill_chunk=40))
+    worker = batch.Worker("tiny", model, torch.device("cpu"), Limits(prefill_chunk=40))
     mixed, alone = [], []
-    step = batch.BatchWorker._decode
+    step = batch.Worker._decode
     monkeypatch.setattr(
-        batch.BatchWorker,
+        batch.Worker,
         "_decode",
         lambda w, rows: (rows and mixed.append((len(w.decoding), len(rows)))) or step(w, rows),
     )
-    monkeypatch.setattr(batch.BatchWorker, "_prefill", lambda w, rows: alone.append(rows))
+    monkeypatch.setattr(batch.Worker, "_prefill", lambda w, rows: alone.append(rows))
     drawn, checked = {}, []  # (row, sample) -> its tokens so far; each step's rows against their sequences
 
-    def draw(w, rows, logits, draw=batch.BatchWorker._draw):
+    def draw(w, rows, logits, draw=batch.Worker._draw):
         for i, row in enumerate(rows):
             seq = row.ids + drawn.get((id(row), row.sample), [])
             alone, _ = w.model(torch.tensor([seq]))
@@ -229,12 +229,12 @@ def test_prompts_join_the_fused_step_of_running_rows_each_getting_its_text_alone
             checked.append(len(seq))
         return draw(w, rows, logits)
 
-    def sampled(w, row, t, lp=None, sampled=batch.BatchWorker._sampled):
+    def sampled(w, row, t, lp=None, sampled=batch.Worker._sampled):
         drawn.setdefault((id(row), row.sample), []).append(t)
         return sampled(w, row, t, lp)
 
-    monkeypatch.setattr(batch.BatchWorker, "_draw", draw)
-    monkeypatch.setattr(batch.BatchWorker, "_sampled", sampled)
+    monkeypatch.setattr(batch.Worker, "_draw", draw)
+    monkeypatch.setattr(batch.Worker, "_sampled", sampled)
     cases = [("R r " * 3, 9, 0.9, 16, 1), ("A", 1, 0.8, 12, 1), ("B b " * 4, 2, 0.0, 12, 1), ("C " * 12, 3, 1.0, 12, 2),
              ("D d", 4, 1.2, 1, 1), ("E " * 30, 5, 0.7, 12, 1)]  # fmt: skip
     jobs, expected = [], []
@@ -260,7 +260,7 @@ def test_a_row_major_bf16_hold_mixes_only_the_prompts_its_tiles_run(confident_se
     from gpt2lab.inference.completion import Sampling, prompt_ids
     from gpt2lab.inference.form import hold
     from gpt2lab.inference.kernels import gemv_error, set_tile_rows
-    from gpt2lab.serve import batch, engine
+    from gpt2lab.serve import batch
     from gpt2lab.serve.limits import Limits
 
     if gemv_error(torch.device("cpu")) is not None:
@@ -268,11 +268,11 @@ def test_a_row_major_bf16_hold_mixes_only_the_prompts_its_tiles_run(confident_se
     _, plain = confident_server
     model = hold(plain, Candidate("bfloat16", "gemv"), rows=8, bf16_inputs=False)
     set_tile_rows(model, 4)
-    worker = batch.BatchWorker("tiny", model, torch.device("cpu"), Limits(prefill_chunk=40))
+    worker = batch.Worker("tiny", model, torch.device("cpu"), Limits(prefill_chunk=40))
     ran = []  # (the way, its prompts' lengths)
 
     def recorded(name):
-        way = getattr(batch.BatchWorker, name)
+        way = getattr(batch.Worker, name)
 
         def run(w, rows):
             ran.append((name, [len(r.ids) for r in rows]))
@@ -281,13 +281,12 @@ def test_a_row_major_bf16_hold_mixes_only_the_prompts_its_tiles_run(confident_se
         return run
 
     for name in ("_decode", "_prefill"):
-        monkeypatch.setattr(batch.BatchWorker, name, recorded(name))
+        monkeypatch.setattr(batch.Worker, name, recorded(name))
     steps = worker._steps()
     with torch.inference_mode():
         for prompt in ("A b", "C " * 10):
             ids = prompt_ids(prompt, model)
-            work = engine.Work([ids], Sampling(max_new_tokens=2), n=1, seeds=[1], stops=[], echo=[])
-            worker.submit(engine.Job(work, _Loop(now=True), 60))
+            worker.submit(batch.Job([ids], Sampling(max_new_tokens=2), seeds=[1]), _Loop(now=True))
             next(steps)
     assert ran == [("_decode", [2]), ("_prefill", [11]), ("_decode", [])]  # the first prompt's row, then its token
 
@@ -303,7 +302,7 @@ def test_batched_rows_give_the_unbatched_models_logits(block, linear):
     from gpt2lab.inference.choice import Candidate
     from gpt2lab.inference.form import hold as apply
     from gpt2lab.inference.kernels import packing_available
-    from gpt2lab.serve.batch import RowsCache
+    from gpt2lab.serve.rows import RowsCache
 
     model = tiny_gpt(seed=5, vocab_size=97, block_size=48, **block)
     reference = copy.deepcopy(model)
@@ -354,16 +353,17 @@ def test_shutting_down_after_a_step_cut_short_delivers_its_events_then_the_error
     """A Ctrl-C raised in the engine's thread after a step's events were sent but before its delivery:
     shut_down hands the step's events over first, then ends each open job with the error, at once (the
     error was held for a delivery that never came, and uvicorn closed the connections unanswered)."""
-    from gpt2lab.serve import engine
+    from gpt2lab.inference.completion import Sampling
+    from gpt2lab.serve.batch import Job, Worker
     from gpt2lab.serve.engine import ShuttingDown
 
     loop, error = _Loop(), ShuttingDown("server shutting down")
-    worker = engine.Worker("tiny", tiny_gpt(seed=1), torch.device("cpu"))
-    job = engine.Job(None, loop, 60)
-    job.worker = worker
+    worker = Worker("tiny", tiny_gpt(seed=1), torch.device("cpu"))
+    job = Job([[1]], Sampling())
+    job.worker, job.loop = worker, loop
     worker._open.add(job)
     job.send("token")  # the step's event, never delivered
-    assert worker.shut_down(error) == 1 and worker.outbox == []
+    assert worker.shut_down(error) == 1 and not worker.outbox
     for fn, args in loop.calls:
         fn(*args)
     got = [job.out.get_nowait() for _ in range(job.out.qsize())]
@@ -373,17 +373,19 @@ def test_shutting_down_after_a_step_cut_short_delivers_its_events_then_the_error
 def test_a_steps_events_reach_each_loop_in_one_call_in_the_order_sent():
     """Events wait in their worker's outbox until ``deliver`` (the end of the engine's step), which hands each
     loop the step's events in one call, every job's in the order sent."""
-    from gpt2lab.serve import engine
+    from gpt2lab.inference.completion import Sampling
+    from gpt2lab.serve.batch import Job, Worker
 
     a, b = _Loop(), _Loop()
-    worker = engine.Worker("tiny", tiny_gpt(seed=1), torch.device("cpu"))
-    one, two, three = engine.Job(None, a, 60), engine.Job(None, b, 60), engine.Job(None, a, 60)
+    worker = Worker("tiny", tiny_gpt(seed=1), torch.device("cpu"))
+    one, two, three = (Job([[1]], Sampling()) for _ in range(3))
+    one.loop, two.loop, three.loop = a, b, a
     for job, event in [(one, "x1"), (two, "y1"), (three, "z1"), (one, "x2"), (two, "y2"), (one, None)]:
         job.worker = worker
         job.send(event)
     assert a.calls == [] and b.calls == []
     worker.deliver()
-    assert len(a.calls) == 1 and len(b.calls) == 1 and worker.outbox == []
+    assert len(a.calls) == 1 and len(b.calls) == 1 and not worker.outbox
     worker.deliver()  # nothing more sent: no call
     assert len(a.calls) == 1 and len(b.calls) == 1
     for loop in (a, b):

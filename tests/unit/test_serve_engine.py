@@ -1,6 +1,6 @@
-"""What both workers share (serve/engine.py): a stop string's possible start is held back until it is
-known (the incremental matcher against a brute-force reading of the whole text), and a waiting request
-whose client left gives its queue place back at once, once."""
+"""The worker's rules in both modes (serve/batch.py, inference/completion.py): a stop string's possible start
+is held back until it is known (the incremental matcher against a brute-force reading of the whole text), and
+a waiting request whose client left gives its queue place back at once, once."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 from conftest import tiny_gpt
 
 from gpt2lab.inference.completion import StopFilter, StopString
-from gpt2lab.serve.engine import Job, QueueFull, Work, Worker
+from gpt2lab.serve.batch import Job, Worker
+from gpt2lab.serve.engine import QueueFull
 from gpt2lab.serve.limits import Limits
 
 
@@ -86,15 +87,15 @@ def test_a_waiting_client_that_hangs_up_gives_its_queue_place_back_at_once():
     worker = Worker("m", tiny_gpt(), torch.device("cpu"), Limits(max_batch=1, max_queue=2))  # no engine runs it
     loop = asyncio.new_event_loop()
     try:
-        work = Work([[1]], Sampling(max_new_tokens=4), n=1, seeds=[0], stops=[], echo=[])
-        first, second = Job(work, loop, 60), Job(work, loop, 60)
-        worker.submit(first)
-        worker.submit(second)
+        job = lambda: Job([[1]], Sampling(max_new_tokens=4), seeds=[0])  # noqa: E731
+        first, second = job(), job()
+        worker.submit(first, loop)
+        worker.submit(second, loop)
         with pytest.raises(QueueFull, match="--max-queue 2"):
-            worker.submit(Job(work, loop, 60))
+            worker.submit(job(), loop)
         first.cancel()
         assert first.cancelled and worker.queue_depth() == 1
-        worker.submit(third := Job(work, loop, 60))  # taken at once: the worker has not stepped
+        worker.submit(third := job(), loop)  # taken at once: the worker has not stepped
         assert worker.queue_depth() == 2
         first.cancel()  # a second call (the handler's finally after an error) and the worker's own
         worker._started(first)  # drop of the cancelled job give nothing back twice

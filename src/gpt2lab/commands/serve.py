@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import logging
 import signal
 import sys
 
 from gpt2lab.inference.flags import inference_request
-from gpt2lab.serve.limits import Connections, Limits
+from gpt2lab.serve.limits import Connections, Limits, add_flags, from_flags
 from gpt2lab.serve.models import load_workers, model_names
-from gpt2lab.system.choices import finite_float
-from gpt2lab.system.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UsageError
+from gpt2lab.system.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 
 def add_parser(sub) -> None:
@@ -37,57 +35,9 @@ def add_parser(sub) -> None:
         default="127.0.0.1",
         help="address to bind: 127.0.0.1 is this machine only; 0.0.0.0 opens it to the network",
     )
-    p.add_argument(
-        "--allowed-hosts",
-        type=_host_list,
-        metavar="NAME[,NAME...]",
-        help="Host names answered beyond localhost, 127.0.0.1 and [::1] ('*': any). Bound to a loopback "
-        "address the server answers only those (another name is a web page rebinding its own name to "
-        "this machine: 421); bound elsewhere, any name unless this is given",
-    )
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: the system picks a free one)")
-    d = Limits()
-    p.add_argument(
-        "--max-batch", type=int, default=d.max_batch, help="rows (prompt x sample streams) generated together per model"
-    )
-    p.add_argument(
-        "--max-queue",
-        type=int,
-        default=d.max_queue,
-        help="requests waiting for a row; past it the server answers 429 at once",
-    )
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="the largest max_tokens a request may ask for")
-    p.add_argument(
-        "--timeout",
-        type=finite_float,
-        default=d.timeout_s,
-        dest="timeout_s",
-        metavar="TIMEOUT",
-        help="seconds a request may wait and run; past it, a 504 error",
-    )
-    p.add_argument(
-        "--prefill-chunk",
-        type=int,
-        default=d.prefill_chunk,
-        help="prompt tokens run per step while other requests decode (long prompts take several steps)",
-    )
-    c = Connections()
-    p.add_argument(
-        "--header-timeout",
-        type=finite_float,
-        default=c.header_timeout_s,
-        dest="header_timeout_s",
-        metavar="SECONDS",
-        help="a connection whose request line and headers are not whole this long after it opened (or "
-        "after the first byte of its next request) is closed",
-    )
-    p.add_argument(
-        "--max-connections",
-        type=int,
-        metavar="N",
-        help="connections open at once; past it a new one gets 503 and is closed (default: what the "
-        "open-file limit, ulimit -n, leaves after the files the server holds, four listen backlogs and 64 spare)",
-    )
+    add_flags(p, Limits)
+    add_flags(p, Connections)
     p.add_argument(
         "--deterministic",
         action="store_true",
@@ -95,27 +45,6 @@ def add_parser(sub) -> None:
         "runs it (seeded requests reproduce `sample` bit for bit; the aggregate is one stream's)",
     )
     p.set_defaults(func=run)
-
-
-def _host_list(text: str) -> tuple[str, ...]:
-    """--allowed-hosts: comma-separated names, without ports."""
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
-    bad = [n for n in names if n != "*" and ("/" in n or " " in n or (n.count(":") == 1 and not n.startswith("[")))]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(
-            f"expected host names separated by commas, without ports or schemes (example.org,10.0.0.5), got {text!r}"
-        )
-    return names
-
-
-def _settings(cls, args: argparse.Namespace):
-    """``cls`` (Limits, Connections) of the flags named as its fields (those given); a value out of range is a
-    UsageError (exit 2) naming the flag."""
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
-    try:
-        return cls(**{k: v for k, v in values.items() if v is not None})
-    except ValueError as e:  # the class names the flag
-        raise UsageError(str(e)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,8 +56,8 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise SystemExit(f"gpt2lab serve needs FastAPI and uvicorn ({e}); pip install 'gpt2lab[serve]'") from None
     names = model_names(args.model)  # a bad --model fails before any loading
-    limits = _settings(Limits, args)
-    connections = with_cap(_settings(Connections, args))  # the connection cap resolved against the open-file limit
+    limits = from_flags(Limits, args)
+    connections = with_cap(from_flags(Connections, args))  # the connection cap resolved against the open-file limit
     sock = bind(args.host, args.port)  # a port in use fails before the models load, too
     try:
         workers = load_workers(args.model, args.device, inference_request(args, "serve"), limits, args.deterministic)

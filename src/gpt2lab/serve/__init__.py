@@ -1,7 +1,8 @@
 """``gpt2lab serve``: an OpenAI-compatible completions and chat server and a playground page.
 
-``batch`` runs generation (continuous batching: the active requests as one batch per step);
-``engine`` holds what workers share and the ``--deterministic`` worker (requests in turns);
+``batch`` runs generation (one worker per model: continuous batching, the active requests as one
+batch per step, or with ``--deterministic`` requests in turns) in ``rows``, its KV cache; ``engine``
+steps the workers and holds the events and errors they send;
 ``schemas`` what a request body may hold; ``completions`` a request's further checks and the
 work it becomes; ``errors`` OpenAI's error body; ``logprobs`` a choice's logprobs; ``responses``
 OpenAI-shaped answers and SSE; ``asgi`` the body cap and

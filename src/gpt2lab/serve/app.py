@@ -21,9 +21,9 @@ from starlette.exceptions import HTTPException
 
 from gpt2lab.inference import chat
 from gpt2lab.serve.asgi import BODY, AccessLog, HostCheck
+from gpt2lab.serve.batch import Worker
 from gpt2lab.serve.completions import ChatCompletion, Completion
-from gpt2lab.serve.engine import Worker
-from gpt2lab.serve.errors import APIError, error_body
+from gpt2lab.serve.errors import APIError
 from gpt2lab.serve.metrics import ServeMetrics
 from gpt2lab.serve.responses import respond
 from gpt2lab.serve.schemas import ChatRequest, CompletionRequest, huge_integer, lone_surrogate, validation_error
@@ -40,7 +40,7 @@ def create_app(workers: dict[str, Worker], host: str = "127.0.0.1", allowed_host
         w.metrics = metrics
         metrics.watch(w)
     app = FastAPI(title="gpt2lab serve", docs_url=None, redoc_url=None)
-    app.state.metrics = metrics  # the server's connection guard reports to it too (server.make_server)
+    app.state.metrics = metrics  # the server's connection guard reports to it too (server.uvicorn_in_thread)
     app.add_middleware(AccessLog, metrics=metrics, routes=ROUTES, hosts=HostCheck(host, allowed_hosts))
     page = (resources.files("gpt2lab") / "assets" / "playground.html").read_text(encoding="utf-8")
 
@@ -69,7 +69,7 @@ def create_app(workers: dict[str, Worker], host: str = "127.0.0.1", allowed_host
             message = f"Method not allowed ({where}): this route takes {allowed}"
         else:
             message = f"{where}: {exc.detail}"
-        return JSONResponse(status_code=exc.status_code, content=error_body(message), headers=exc.headers)
+        return APIError(exc.status_code, message).response(exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:

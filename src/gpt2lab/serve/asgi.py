@@ -13,9 +13,7 @@ import logging
 import time
 from typing import Optional, Sequence
 
-from fastapi.responses import JSONResponse
-
-from gpt2lab.serve.errors import error_body
+from gpt2lab.serve.errors import APIError
 from gpt2lab.serve.metrics import ServeMetrics
 
 # A request body past this is refused (413), unread when its Content-Length says so, else as soon
@@ -51,6 +49,7 @@ async def _drain(receive) -> None:
 
 
 BODY = "gpt2lab.body"  # the scope key of the request's body, read whole
+CLOSE = {"Connection": "close"}  # an answer's header that closes the connection
 
 
 async def read_body(scope, receive) -> Optional[bytes]:
@@ -138,12 +137,6 @@ def _replay(body: bytes, receive):
     return replay
 
 
-def _answer(status: int, message: str, code: Optional[str] = None, close: bool = False) -> JSONResponse:
-    """OpenAI's error body with ``status`` (closing the connection with ``close``)."""
-    headers = {"Connection": "close"} if close else None
-    return JSONResponse(status_code=status, content=error_body(message, code=code), headers=headers)
-
-
 class AccessLog:
     """ASGI middleware: refuses a request for a Host name ``hosts`` does not serve (421, before its
     body is read), reads each request's body, refusing one over MAX_BODY_BYTES (413) however it
@@ -182,16 +175,16 @@ class AccessLog:
         try:
             refused = self.hosts.refusal(scope) if self.hosts is not None else None
             if refused is not None:  # the body is left unread: uvicorn reads past it to the next request
-                return await _answer(421, refused, "invalid_host")(scope, receive, sending)
+                return await APIError(421, refused, code="invalid_host").response()(scope, receive, sending)
             try:
                 body = await asyncio.wait_for(read_body(scope, receive), BODY_TIMEOUT_S)
             except BodyTooLarge as e:  # Connection: close, so that the server reads no more of it than _drain
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(_drain(receive), DRAIN_S)
-                return await _answer(413, str(e), close=True)(scope, receive, sending)
+                return await APIError(413, str(e)).response(CLOSE)(scope, receive, sending)
             except asyncio.TimeoutError:
                 why = f"the request body was not whole {BODY_TIMEOUT_S:g} s after the request began; send it at once"
-                return await _answer(408, why, "request_timeout", close=True)(scope, receive, sending)
+                return await APIError(408, why, code="request_timeout").response(CLOSE)(scope, receive, sending)
             if body is not None:  # else the client left before its request was whole: nothing to answer
                 scope[BODY] = body  # for the error that names the field of an integer too long to read
                 await self.app(scope, _replay(body, receive), sending)

@@ -1,4 +1,9 @@
-"""Continuous batching: every active request is a row of one batched decode step.
+"""The worker of one model: its queue, admission, deadlines and cancellation, and continuous batching, every
+active request a row of one batched decode step (or, with ``gpt2lab serve --deterministic``, rows in turns).
+
+The worker bounds the rows in flight (``max_batch``) and the requests waiting (``max_queue``: past it
+``submit`` raises QueueFull; a request whose client left gives its place back at once, Job.cancel), and ends
+a request that outlives ``timeout_s``; ``shut_down`` ends every open request when the server stops.
 
 A row is one prompt of one request; it runs the request's ``n`` samples one after another
 on the prompt's own seeded generator, as ``gpt2lab sample --num-samples n`` does. Between
@@ -35,15 +40,21 @@ matmul may round differently, so a seeded request can in rare cases draw another
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import itertools
+import threading
 import time
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 import torch
 
+from gpt2lab.inference.choice import Decision
 from gpt2lab.inference.completion import (
     SampleText,
+    Sampling,
     TokenLogprob,
     score_prompt,
     seeded_generator,
@@ -51,101 +62,62 @@ from gpt2lab.inference.completion import (
     token_logprobs,
 )
 from gpt2lab.inference.fused import prompt_rows
-from gpt2lab.model.gpt import KVCache
+from gpt2lab.model.gpt import GPT, KVCache
 from gpt2lab.model.sampling import sample_next, top_k_rows
-from gpt2lab.serve.engine import Finish, Job, Text, Worker
+from gpt2lab.serve.engine import Event, Finish, QueueFull, ShuttingDown, Text, TimedOut
+from gpt2lab.serve.limits import Limits
+from gpt2lab.serve.metrics import ServeMetrics
+from gpt2lab.serve.rows import RowsCache
 
 
-class RowsCache:
-    """Keys and values of the rows of a batch, each row at its own length.
+@dataclass(eq=False)
+class Job:
+    """One completion request in a worker: what it asks, and the asyncio queue its handler reads (``submit``
+    sets its loop, worker and deadline)."""
 
-    Buffers are (slots, heads, positions, head size) per layer, grown on demand (positions
-    doubling up to the model's block) and freed when no row is left. Between ``view(rows)``
-    and the forward's ``advance``, the model sees slots 0..rows-1 through the KVCache
-    interface: ``pos`` is the longest row (for the block check), ``positions`` and ``mask``
-    are per row.
-    """
+    prompts: list[list[int]]
+    sampling: Sampling
+    n: int = 1
+    seeds: list[int] = field(default_factory=list)  # one per prompt: the request's seed, or each its own random one
+    stops: list = field(default_factory=list)  # the stop strings (str, or completion.StopString shared by the choices)
+    echo: list[str] = field(default_factory=list)  # each prompt's text when echo is on, else []
+    logprobs: Optional[int] = None  # report log-probabilities with this many top tokens (None: none)
 
-    def __init__(self, n_layer: int, max_len: int) -> None:
-        self.n_layer, self.max_len = n_layer, max_len
-        self.k: list[Optional[torch.Tensor]] = [None] * n_layer
-        self.v: list[Optional[torch.Tensor]] = [None] * n_layer
-        self.lengths: list[int] = []  # positions filled, per slot in use
-        self.rows = 0
-        self.pos = 0
-        self._lengths: Optional[torch.Tensor] = None  # lengths of the viewed rows, on the device
+    def __post_init__(self) -> None:
+        self.out: asyncio.Queue[Event] = asyncio.Queue()
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self.worker: Optional[Worker] = None
+        self.cancelled = False  # its client went away (cancel)
+        self.queued = False  # holds one of its worker's max_queue places (submit until _started)
+        self.rows_left = 0  # its prompts not finished, once started
+        self.arrived = self.deadline = 0.0
+        self.last_token: dict[int, float] = {}  # choice index -> when its last token was sampled
 
-    def reserve(self, slots: int, positions: int, heads: int, head_size: int) -> None:
-        """Make the buffers hold at least ``slots`` rows of ``positions`` each (fp32 on the CPU where none
-        exist yet: the fused step's cache)."""
-        self._room(slots, positions, self.k[0] if self.k[0] is not None else torch.empty(0, heads, 0, head_size))
+    @property
+    def scores_prompt(self) -> bool:
+        """Echo with logprobs: the prompt's own tokens are scored (one forward of the prompt)."""
+        return bool(self.echo) and self.logprobs is not None
 
-    def _room(self, slots: int, positions: int, like: torch.Tensor) -> None:
-        """Make the buffers hold at least ``slots`` rows of ``positions`` each."""
-        have = self.k[0]
-        if have is not None and have.shape[0] >= slots and have.shape[2] >= positions:
-            return
-        S = max(slots, have.shape[0] if have is not None else 0)
-        L = min(self.max_len, max(positions, 2 * (have.shape[2] if have is not None else 32)))
-        for bufs in (self.k, self.v):
-            for layer, old in enumerate(bufs):
-                new = like.new_zeros(S, like.shape[1], L, like.shape[3])
-                if old is not None:
-                    new[: old.shape[0], :, : old.shape[2]] = old
-                bufs[layer] = new
+    def send(self, event: Event) -> None:
+        """Into its worker's outbox, handed over when the step ends (Worker.deliver)."""
+        if event is None:  # complete: no longer open
+            with self.worker._lock:
+                self.worker._open.discard(self)
+        self.worker.outbox.append((self, event))
 
-    def put(self, slot: int, cache: KVCache, capacity: int, row: int = 0, length: Optional[int] = None) -> None:
-        """Copy row ``row`` of ``cache`` (its first ``length`` positions, by default all it holds) into
-        ``slot`` (the next free one), with room for ``capacity`` slots."""
-        assert slot == len(self.lengths), "rows join at the end"
-        n = cache.pos if length is None else length
-        self._room(capacity, n + 1, cache.k[0])
-        for mine, theirs in ((self.k, cache.k), (self.v, cache.v)):
-            for layer in range(self.n_layer):
-                mine[layer][slot, :, :n] = theirs[layer][row, :, :n]
-        self.lengths.append(n)
+    def cancel(self) -> None:
+        """Its client went away (the handler calls this): the worker drops the job at its next step,
+        and a queue place the job still held is given back now, so that a request arriving before
+        that step is not refused with 429 for a place nobody uses."""
+        self.cancelled = True
+        if self.worker is not None:
+            self.worker._started(self)
 
-    def remove(self, slot: int) -> None:
-        """Free ``slot``: the last row moves into it."""
-        last = len(self.lengths) - 1
-        if slot != last:
-            n = self.lengths[last]
-            for bufs in (self.k, self.v):
-                for buf in bufs:
-                    buf[slot, :, :n] = buf[last, :, :n]
-            self.lengths[slot] = n
-        self.lengths.pop()
-        if not self.lengths:  # idle: give the memory back
-            self.k, self.v = [None] * self.n_layer, [None] * self.n_layer
-
-    def view(self, device: torch.device) -> "RowsCache":
-        """Ready a forward over every row in use (one new token each)."""
-        self.rows, self.pos = len(self.lengths), max(self.lengths)
-        self._room(self.rows, self.pos + 1, self.k[0])
-        self._lengths = torch.tensor(self.lengths, dtype=torch.long, device=device)
-        return self
-
-    # The KVCache interface the model calls (one token per row).
-    def positions(self, T: int, device: torch.device) -> torch.Tensor:
-        assert T == 1, "rows decode one token per step"
-        return self._lengths[:, None]  # (rows, 1)
-
-    def mask(self, T: int, device: torch.device) -> Optional[torch.Tensor]:
-        """(rows, 1, 1, longest + 1): row i sees its own positions 0..lengths[i] only (None when
-        every row has the same length: then every key is its own)."""
-        if min(self.lengths) == self.pos:
-            return None
-        keys = torch.arange(self.pos + 1, device=device)
-        return (keys[None, :] <= self._lengths[:, None])[:, None, None, :]
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = torch.arange(self.rows, device=k.device)
-        self.k[layer][rows, :, self._lengths] = k[:, :, 0]  # (rows, heads, head size) at each row's position
-        self.v[layer][rows, :, self._lengths] = v[:, :, 0]
-        return self.k[layer][: self.rows, :, : self.pos + 1], self.v[layer][: self.rows, :, : self.pos + 1]
-
-    def advance(self, T: int) -> None:
-        self.lengths = [n + T for n in self.lengths]
+    def fail(self, error: Optional[BaseException]) -> None:
+        """End it: with ``error``, or (None) none, its client gone."""
+        if error is not None:
+            self.send(error)
+        self.send(None)
 
 
 class Row:
@@ -153,38 +125,146 @@ class Row:
 
     def __init__(self, job: Job, p: int, generator: torch.Generator, model) -> None:
         self.job, self.p, self.generator, self.model = job, p, generator, model
-        self.ids = job.request.prompts[p]
+        self.ids = job.prompts[p]
         self.sample = -1
         self.next_sample()
 
     def next_sample(self) -> None:
-        r = self.job.request
+        job = self.job
         self.sample += 1
-        self.index = self.p * r.n + self.sample
-        self.out = SampleText(self.model, r.sampling, r.stops)  # its text, and where it ends
+        self.index = self.p * job.n + self.sample
+        self.out = SampleText(self.model, job.sampling, job.stops)  # its text, and where it ends
         self.cache: Optional[KVCache] = None  # the prompt's, while it is being run
         self.tokens: Optional[Iterator] = None  # in turns: its stream_tokens, as gpt2lab sample runs it
         self.last: Optional[int] = None  # the token to feed next
         self.scored: list[TokenLogprob] = [TokenLogprob(self.ids[0], None)]  # the prompt's, with scores_prompt
-        if r.echo and not r.scores_prompt:  # else once its prefill has scored the prompt
-            self.job.send(Text(self.index, r.echo[self.p]))
+        if job.echo and not job.scores_prompt:  # else once its prefill has scored the prompt
+            job.send(Text(self.index, job.echo[self.p]))
 
 
-class BatchWorker(Worker):
-    """Continuous batching (see the module's docstring); with ``turns`` (``gpt2lab serve --deterministic``)
-    the rows instead take turns, one token each, every sample run by completion.stream_tokens with its own KV
-    cache exactly as ``gpt2lab sample`` runs it: a seeded request gives sample's text whatever else is
-    served, and 8 streams share one stream's tokens/s."""
+class Worker:
+    """Owns one model (see the module's docstring); the engine's thread (engine.run_engine) is the one that ever
+    runs it, one step per ``next`` of ``_steps``. With ``turns`` (``gpt2lab serve --deterministic``) the rows
+    instead take turns, one token each, every sample run by completion.stream_tokens with its own KV cache exactly
+    as ``gpt2lab sample`` runs it: a seeded request gives sample's text whatever else is served, and 8 streams
+    share one stream's tokens/s."""
 
-    def _steps(self) -> Iterator[bool]:
-        self.cache = RowsCache(self.model.config.n_layer, self.block_size)
+    def __init__(
+        self,
+        name: str,
+        model: GPT,
+        device: torch.device,
+        limits: Optional[Limits] = None,
+        decision: Optional[Decision] = None,
+        turns: bool = False,
+    ) -> None:
+        self.name, self.model, self.device = name, model, device  # a model held by serve/models.py (or as given)
+        self.turns = turns
+        self.decision = decision  # how it is held and why (inference/choice.py), where serve/models.py decided
+        self.limits = limits or Limits()
+        self.metrics = ServeMetrics()  # create_app swaps in the app's own
+        self._new: collections.deque[Job] = collections.deque()  # submitted since the last step
+        self._closed = False  # close: the engine stops running it
+        self._lock = threading.Lock()
+        self._waiting = 0  # submitted, not yet given a row (or a turn)
+        self._open: set[Job] = set()  # submitted, not yet complete: what shut_down ends
+        self._stopping: Optional[ShuttingDown] = None  # set by shut_down: new requests are refused
+        self._wake = threading.Event()  # the engine's: set when there is something to do
+        self.outbox: collections.deque = collections.deque()  # (job, event) sent since the last delivery
+        self.cache = RowsCache(model.config.n_layer, self.block_size)
         self.waiting: collections.deque[Job] = collections.deque()  # not yet started
         self.prefill: collections.deque[Row] = collections.deque()  # prompt not yet run (in turns: every row)
         self.decoding: list[Row] = []  # row i is slot i of self.cache
-        self.rows_left: dict[int, int] = {}  # id(job) -> rows not finished
         # the fused step: prompts join the decode step, as many tokens as it runs as fast as the model's forward
-        self._mix_tokens = min(self.limits.prefill_chunk, prompt_rows(self.model))
-        while self._arrived(self.waiting):  # new requests join between steps
+        self._mix_tokens = min(self.limits.prefill_chunk, prompt_rows(model))
+
+    @property
+    def block_size(self) -> int:
+        return self.model.config.block_size
+
+    def submit(self, job: Job, loop) -> None:
+        """Queue ``job`` (its events go to ``loop``), or raise QueueFull at once when ``max_queue`` requests are
+        waiting already."""
+        with self._lock:
+            if self._stopping is not None:
+                raise self._stopping
+            if self._waiting >= self.limits.max_queue:
+                raise QueueFull(
+                    f"the server is busy: {self._waiting} requests are waiting for model "
+                    f"'{self.name}' (--max-queue {self.limits.max_queue}); retry later"
+                )
+            self._waiting += 1
+            job.worker, job.queued, job.loop = self, True, loop
+            job.arrived = time.monotonic()
+            job.deadline = job.arrived + self.limits.timeout_s
+            self._open.add(job)
+        self._new.append(job)
+        self._wake.set()
+
+    def queue_depth(self) -> int:
+        return self._waiting
+
+    def active_rows(self) -> int:
+        return len(self.decoding) + len(self.prefill)
+
+    def shut_down(self, error: ShuttingDown) -> int:
+        """End every open request with ``error`` now and refuse new ones; call it once the engine has
+        stopped stepping this worker (Ctrl-C under ``gpt2lab serve``: server.uvicorn_in_thread). Returns
+        how many ended whose client was still there."""
+        with self._lock:
+            self._stopping = error
+            jobs, self._open = list(self._open), set()
+        ended = sum(not job.cancelled for job in jobs)  # before failing them: a handler cancels its job as it ends
+        for job in jobs:
+            self._started(job)  # its queue place, if it held one
+            job.fail(error)
+        self.deliver()  # after what a step a Ctrl-C cut short sent
+        return ended
+
+    def deliver(self) -> None:
+        """Hand the events sent since the last delivery to their jobs' queues, in the order sent: one call an
+        event loop, a wake-up of its thread a step, not one a token of every row. The engine calls it when a
+        step ends; the worker, after a prompt's first token, so that the token does not wait for the decode
+        step that follows in the same step. Taken one by one from the outbox, so that no event sent meanwhile
+        (from another thread: shut_down) is lost."""
+        by_loop: dict = {}
+        with contextlib.suppress(IndexError):  # the outbox is empty
+            while True:
+                job, event = self.outbox.popleft()
+                by_loop.setdefault(job.loop, []).append((job.out, event))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_each, items)
+
+    def close(self) -> None:
+        """Ask the engine to stop running this worker (after the step it is in)."""
+        self._closed = True
+        self._wake.set()
+
+    def _started(self, job: Job) -> None:
+        """Give back ``job``'s queue place: when the worker starts or drops it, or its client leaves
+        (Job.cancel), whichever comes first; the others find it given back already."""
+        with self._lock:
+            if job.queued:
+                job.queued = False
+                self._waiting -= 1
+
+    def _token(self, job: Job, index: int) -> None:
+        """Count a sampled token of choice ``index``; observe first-token or per-token latency."""
+        now = time.monotonic()
+        if not job.last_token:  # the request's first
+            self.metrics.first_token.labels(self.name).observe(now - job.arrived)
+        last = job.last_token.get(index)
+        if last is not None:
+            self.metrics.per_token.labels(self.name).observe(now - last)
+        job.last_token[index] = now
+        self.metrics.tokens.labels(self.name).inc()
+
+    def _steps(self) -> Iterator[bool]:
+        """One step of work per ``next``: whether there was any (False: idle until a request arrives); ends once
+        the worker is closed."""
+        while not self._closed:
+            while self._new:  # new requests join between steps
+                self.waiting.append(self._new.popleft())
             if not (self.waiting or self.prefill or self.decoding):
                 yield False
                 continue
@@ -197,8 +277,7 @@ class BatchWorker(Worker):
                     self._step()
             except Exception as e:  # a failed forward: its rows' requests get the error, the worker goes on
                 for job in {id(r.job): r.job for r in [*self.prefill, *self.decoding]}.values():
-                    self._end_job(job, e)
-            self._rows = len(self.decoding) + len(self.prefill)
+                    self._end(job, e)
             yield True
 
     def _admit(self) -> None:
@@ -206,36 +285,34 @@ class BatchWorker(Worker):
         while self.waiting and len(self.decoding) + len(self.prefill) < self.limits.max_batch:
             job = self.waiting.popleft()
             self._started(job)
-            r = job.request
-            if r.sampling.max_new_tokens == 0 and not r.scores_prompt:  # nothing to run: each choice ends at once
-                for i in range(len(r.prompts) * r.n):
-                    if r.echo:
-                        job.send(Text(i, r.echo[i // r.n]))
+            if job.sampling.max_new_tokens == 0 and not job.scores_prompt:  # nothing to run: each choice ends now
+                for i in range(len(job.prompts) * job.n):
+                    if job.echo:
+                        job.send(Text(i, job.echo[i // job.n]))
                     job.send(Finish(i, "length", 0))
                 job.send(None)
                 continue
-            self.rows_left[id(job)] = len(r.prompts)
+            job.rows_left = len(job.prompts)
             # each prompt gets a generator seeded with its seed, as gpt2lab sample seeds its own
             self.prefill.extend(
-                Row(job, p, seeded_generator(self.device, r.seeds[p]), self.model) for p in range(len(r.prompts))
+                Row(job, p, seeded_generator(self.device, job.seeds[p]), self.model) for p in range(len(job.prompts))
             )
 
     def _drop_ended(self, now: float) -> None:
         """Requests whose client went away or whose time is up leave before the next step."""
-        for job in [j for j in self.waiting if j.ended(now)]:
-            self.waiting.remove(job)
-            self._started(job)
-            self._end_early(job)
-        ended = {id(r.job): r.job for r in [*self.prefill, *self.decoding] if r.job.ended(now)}
-        for job in ended.values():
-            self._remove_rows(job)
-            self.rows_left.pop(id(job), None)
-            self._end_early(job)
+        jobs = [*self.waiting, *(r.job for r in [*self.prefill, *self.decoding])]
+        for job in {id(j): j for j in jobs if j.cancelled or now > j.deadline}.values():
+            why = "(--timeout); ask for fewer tokens or retry when the server is less busy"
+            late = TimedOut(f"the request took longer than the server's {self.limits.timeout_s:g} s timeout {why}")
+            self._end(job, None if job.cancelled else late)
 
-    def _end_job(self, job: Job, error: BaseException) -> None:
+    def _end(self, job: Job, error: Optional[BaseException]) -> None:
+        """``job`` leaves before its rows are done, failing with ``error`` (None: its client left, nobody reads)."""
+        self.waiting = collections.deque(j for j in self.waiting if j is not job)
+        self._started(job)
         self._remove_rows(job)
-        if self.rows_left.pop(id(job), None) is not None:
-            job.fail(error)
+        job.rows_left = 0
+        job.fail(error)
 
     def _remove_rows(self, job: Job) -> None:
         self.prefill = collections.deque(r for r in self.prefill if r.job is not job)
@@ -252,7 +329,7 @@ class BatchWorker(Worker):
         """In turns: the front row's next token as gpt2lab sample draws it (an echoed prompt scored by one
         forward of its own first), then the row goes to the back; an error fails its request only."""
         row = self.prefill.popleft()
-        r = row.job.request
+        r = row.job
         self.metrics.batch_size.labels(self.name).observe(1)
         try:
             if row.tokens is None:
@@ -262,7 +339,7 @@ class BatchWorker(Worker):
                 row.tokens = stream_tokens(self.model, row.ids, r.sampling, row.generator, r.logprobs)
             t, lp = next(row.tokens, (None, None))  # None: max_tokens 0, the prompt scored only
         except Exception as e:
-            return self._end_job(row.job, e)
+            return self._end(row.job, e)
         if self._sampled(row, t, lp):
             self.prefill.append(row)
 
@@ -286,7 +363,7 @@ class BatchWorker(Worker):
         the batch has free rows."""
         group: list[Row] = []
         for row in itertools.islice(self.prefill, self.limits.max_batch - len(self.decoding)):
-            r = row.job.request
+            r = row.job
             if row.cache is not None or r.scores_prompt or r.sampling.max_new_tokens == 0 or not fits([*group, row]):
                 break
             group.append(row)
@@ -298,7 +375,7 @@ class BatchWorker(Worker):
         sees it, and it is never copied into the batch's cache), or one prompt ``prefill_chunk`` tokens a step
         (its tokens scored where the request echoes it with logprobs). At the prompts' end each row draws its
         first token from the logits at its own last position and joins the batch."""
-        head, r, T = rows[0], rows[0].job.request, max(len(row.ids) for row in rows)
+        head, r, T = rows[0], rows[0].job, max(len(row.ids) for row in rows)
         head.cache = head.cache or self.model.new_kv_cache(T)
         start = head.cache.pos
         end = min(T, start + self.limits.prefill_chunk)
@@ -372,7 +449,7 @@ class BatchWorker(Worker):
         draw in one ``sample_next`` call, each on its own generator: the same token each would draw alone."""
         vocab = self.model.config.real_vocab_size
         logits = logits[:, :vocab]  # padded vocabulary rows are never sampled
-        settings = [r.job.request.sampling for r in rows]
+        settings = [r.job.sampling for r in rows]
         tops = top_k_rows(logits, [(s.temperature, s.filters()["top_k"]) for s in settings])
         drawn: list = [None] * len(rows)
         alike: dict[tuple, list[int]] = {}
@@ -386,7 +463,7 @@ class BatchWorker(Worker):
                 generator=[rows[i].generator for i in group], narrowed=narrowed,
             )  # fmt: skip
             for j, i in enumerate(group):
-                top = rows[i].job.request.logprobs
+                top = rows[i].job.logprobs
                 lp = None if top is None else token_logprobs(logits[i : i + 1], picked[j : j + 1], vocab, top)[0]
                 drawn[i] = (int(picked[j]), lp)
         return drawn
@@ -410,11 +487,15 @@ class BatchWorker(Worker):
 
     def _sample_done(self, row: Row) -> None:
         job = row.job
-        if row.sample + 1 < job.request.n:
+        if row.sample + 1 < job.n:
             row.next_sample()
             self.prefill.appendleft(row)  # its next sample runs the prompt again, before newcomers
             return
-        self.rows_left[id(job)] -= 1
-        if self.rows_left[id(job)] == 0:
-            del self.rows_left[id(job)]
+        job.rows_left -= 1
+        if job.rows_left == 0:
             job.send(None)
+
+
+def _put_each(items: list) -> None:
+    for out, event in items:
+        out.put_nowait(event)

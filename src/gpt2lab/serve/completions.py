@@ -1,7 +1,7 @@
 """One request past its schema: ``Completion`` (``/v1/completions``) and ``ChatCompletion`` (the
 messages in the model's chat template as one prompt) check what the schema cannot (the model, the
 prompt's tokens, the context length, the --max-tokens cap, the parameters served only at their
-neutral values), each refusal an ``APIError`` naming its field, and become the engine's ``Work``."""
+neutral values), each refusal an ``APIError`` naming its field, and become the worker's ``Job``."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from gpt2lab.inference.completion import (
     prompt_text,
 )
 from gpt2lab.model.sampling_defaults import SAMPLING
-from gpt2lab.serve.engine import Job, QueueFull, ShuttingDown, Work, Worker
+from gpt2lab.serve.batch import Job, Worker
+from gpt2lab.serve.engine import QueueFull, ShuttingDown
 from gpt2lab.serve.errors import APIError, failed
 from gpt2lab.serve.logprobs import Logprobs
 from gpt2lab.serve.schemas import MAX_PROMPTS, MAX_STOPS, ChatMessage, ChatRequest, CompletionRequest
@@ -129,7 +130,7 @@ class Completion:
         self.req, self.worker = req, workers[req.model]
         max_tokens, default, stops, echo, logprobs = self._read(req)
         _check_length(self.prompts, max_tokens, self.worker, default, self.WHAT)
-        self.sampling = Sampling(
+        sampling = Sampling(
             max_new_tokens=max_tokens,  # a field sent as null is its default, as left out (OpenAI's reading)
             temperature=_or(req.temperature, SAMPLING.temperature),
             top_k=_or(req.top_k, SAMPLING.top_k),
@@ -138,10 +139,9 @@ class Completion:
         # without a seed each prompt draws its own (equal prompts get their own samples); with one,
         # every prompt starts from it, as `gpt2lab sample --seed` does
         seeds = [_or(req.seed, secrets.randbelow(2**63)) for _ in self.prompts]
-        self.n = req.n or 1
-        self.count = len(self.prompts) * self.n  # choices
         stops = [StopString(s) for s in stops if s]  # matched incrementally, shared by the request's choices
-        self.work = Work(self.prompts, self.sampling, n=self.n, seeds=seeds, stops=stops, echo=echo, logprobs=logprobs)
+        self.job = Job(self.prompts, sampling, n=req.n or 1, seeds=seeds, stops=stops, echo=echo, logprobs=logprobs)
+        self.count = len(self.prompts) * self.job.n  # choices
         self.created, self.id = int(time.time()), f"{self.ID}-{secrets.token_hex(12)}"
 
     def _read(self, req: CompletionRequest) -> tuple[int, bool, list[str], list[str], Optional[int]]:
@@ -153,12 +153,11 @@ class Completion:
 
     def start(self) -> Job:
         """Hand the request to its worker; a full queue answers 429 at once."""
-        job = Job(self.work, asyncio.get_running_loop(), self.worker.limits.timeout_s)
         try:
-            self.worker.submit(job)
+            self.worker.submit(self.job, asyncio.get_running_loop())
         except (QueueFull, ShuttingDown) as e:
             raise failed(e) from None
-        return job
+        return self.job
 
     def usage(self) -> dict:
         prompt_tokens = sum(len(p) for p in self.prompts)
@@ -182,9 +181,9 @@ class Completion:
     def logprobs(self) -> dict[int, Logprobs]:
         """Each choice's logprobs, built as its tokens come (empty without ``logprobs``). Text offsets
         count from the start of the prompt, echoed or not, as OpenAI's do."""
-        if self.work.logprobs is None:
+        if self.job.logprobs is None:
             return {}
-        offset = lambda i: 0 if self.work.echo else len(self.texts[i // self.n])  # noqa: E731
+        offset = lambda i: 0 if self.job.echo else len(self.texts[i // self.job.n])  # noqa: E731
         return {i: Logprobs(offset(i), self.worker.model) for i in range(self.count)}
 
 

@@ -29,8 +29,6 @@ import time
 from dataclasses import replace
 from typing import Any, Optional
 
-import uvicorn
-
 from gpt2lab.serve.errors import error_body
 from gpt2lab.serve.limits import Connections
 from gpt2lab.system.errors import UsageError
@@ -196,37 +194,24 @@ def guarded(base: type, options: Connections, say: Say, dropped) -> type:
     return type(f"Guarded{base.__name__}", (_Guard, base), {"options": options, "say": say, "dropped": dropped})
 
 
-def quiet_accept_errors(loop: asyncio.AbstractEventLoop, say: Say) -> None:
-    """Make the loop's "socket.accept() out of system resource" (out of open files, or of memory) one
-    warning, not a traceback per refused connection; anything else goes to the handler it had."""
-    previous = loop.get_exception_handler()
+class QuietAccept(logging.Filter):
+    """The event loop's "socket.accept() out of system resource" (out of open files, or of memory) as one
+    warning (``say``), not a traceback per refused connection; a filter of the ``asyncio`` logger, where the
+    loop's default exception handler writes it."""
 
-    def handler(loop: asyncio.AbstractEventLoop, context: dict) -> None:
-        exc = context.get("exception")
-        if context.get("message") == "socket.accept() out of system resource" and isinstance(exc, OSError):
-            limit = open_file_limit()
-            say(
-                "accept",
-                f"cannot accept connections: {exc.strerror}"
-                + (f" (the open-file limit is {limit}, ulimit -n)" if limit else "")
-                + "; they wait in the listen queue; raise the limit or lower --max-connections",
-            )
-            return
-        if previous is not None:
-            previous(loop, context)
-        else:
-            loop.default_exception_handler(context)
-
-    loop.set_exception_handler(handler)
-
-
-class GuardedServer(uvicorn.Server):
-    """uvicorn's server with its event loop's accept errors quiet (``quiet_accept_errors``)."""
-
-    def __init__(self, config: uvicorn.Config, say: Say) -> None:
-        super().__init__(config)
+    def __init__(self, say: Say) -> None:
+        super().__init__()
         self.say = say
 
-    async def serve(self, sockets=None) -> None:
-        quiet_accept_errors(asyncio.get_running_loop(), self.say)
-        await super().serve(sockets)
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not (str(record.msg).startswith("socket.accept() out of system resource") and isinstance(exc, OSError)):
+            return True
+        limit = open_file_limit()
+        self.say(
+            "accept",
+            f"cannot accept connections: {exc.strerror}"
+            + (f" (the open-file limit is {limit}, ulimit -n)" if limit else "")
+            + "; they wait in the listen queue; raise the limit or lower --max-connections",
+        )
+        return False

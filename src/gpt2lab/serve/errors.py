@@ -22,8 +22,9 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(status_code=self.status, content=error_body(self.message, self.kind, self.param, self.code))
+    def response(self, headers: Optional[dict] = None) -> JSONResponse:
+        body = error_body(self.message, self.kind, self.param, self.code)
+        return JSONResponse(status_code=self.status, content=body, headers=headers)
 
 
 def error_body(

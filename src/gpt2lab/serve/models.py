@@ -49,7 +49,7 @@ def load_workers(
     from gpt2lab.distributed.dist import pick_device
     from gpt2lab.inference.choice import InferenceRequest
     from gpt2lab.inference.completion import check_request, load_for_inference
-    from gpt2lab.serve.batch import BatchWorker
+    from gpt2lab.serve.batch import Worker
 
     device = pick_device(device_name)
     limits = limits or Limits()
@@ -62,5 +62,5 @@ def load_workers(
     workers = {}
     for name, path in names.items():
         model, decision = load_for_inference(path, device, request, f"gpt2lab serve: {name}")
-        workers[name] = BatchWorker(name, model, device, limits, decision=decision, turns=deterministic)
+        workers[name] = Worker(name, model, device, limits, decision=decision, turns=deterministic)
     return workers

@@ -11,8 +11,9 @@ from typing import AsyncIterator, Awaitable, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from gpt2lab.serve.batch import Job
 from gpt2lab.serve.completions import ChatCompletion, Completion
-from gpt2lab.serve.engine import Finish, Job
+from gpt2lab.serve.engine import Finish
 from gpt2lab.serve.errors import APIError, error_body, failed
 from gpt2lab.serve.logprobs import KEYS
 
@@ -56,7 +57,7 @@ async def _whole(c: Completion, job: Job) -> dict:
     """The answer of a request not streamed: each choice's text (a chat's as its message), logprobs and finish
     reason, and the usage."""
     texts, finish = [""] * c.count, [None] * c.count
-    logprobs = [None if c.work.logprobs is None else {key: [] for key in KEYS} for _ in range(c.count)]
+    logprobs = [None if c.job.logprobs is None else {key: [] for key in KEYS} for _ in range(c.count)]
     async for i, text, reason, part in _parts(c, job):
         texts[i] += text
         finish[i] = reason or finish[i]

@@ -93,13 +93,16 @@ def _where(loc: tuple) -> tuple[str, bool]:
     union's member types (left out of the name)."""
     path = ""
     for x in loc[1:] if loc[:1] == ("body",) else loc:
-        if isinstance(x, int):
-            path += f"[{x}]"
-        elif _MEMBER.fullmatch(str(x)):
+        if _MEMBER.fullmatch(str(x)):
             return path, True
-        else:
-            path += f".{x}" if path else str(x)
+        path = _join(path, x)
     return path, False
+
+
+def _join(path: str, key) -> str:
+    """``path``'s item ``key`` as OpenAI names it: "messages" and 0 -> "messages[0]", then "content" ->
+    "messages[0].content"."""
+    return f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
 
 
 # JSON's "\ud800" escape without its pair parses to a lone surrogate: a code point no text holds (UTF-8
@@ -117,7 +120,7 @@ def _walk(value, path: str = "", key=None) -> Iterator[tuple[str, object, object
     yield path, key, value
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for k, item in items:
-        yield from _walk(item, f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}" if path else str(k), k)
+        yield from _walk(item, _join(path, k), k)
 
 
 def lone_surrogate(body) -> Optional[APIError]:

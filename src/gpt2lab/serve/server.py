@@ -1,19 +1,21 @@
 """Serving the app: ``bind`` (the listening socket, its errors as one-line UsageErrors),
-``make_server`` (uvicorn, its connections guarded: serve/connections.py), ``uvicorn_in_thread``
-(uvicorn from a thread; at Ctrl-C the open requests end with a shutdown error before it drains) and
-``serve_here`` (the models run in the calling thread, the engine's, beside uvicorn's)."""
+``uvicorn_in_thread`` (uvicorn from a thread, its connections guarded: serve/connections.py; at Ctrl-C
+the open requests end with a shutdown error before it drains) and ``serve_here`` (the models run in the
+calling thread, the engine's, beside uvicorn's)."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import socket
 import threading
 import time
 from typing import Iterator, Optional
 
 from gpt2lab.serve.app import create_app
-from gpt2lab.serve.engine import ShuttingDown, Worker, run_engine
+from gpt2lab.serve.batch import Worker
+from gpt2lab.serve.engine import ShuttingDown, run_engine
 from gpt2lab.serve.limits import Connections
 
 
@@ -30,7 +32,7 @@ def serve_here(
     Ctrl-C stops the models at once; every open request ends with a "server shutting down" error (a
     stream's last event before ``[DONE]``, else a 503), ``stopping`` (if given) is called with how
     many, and the KeyboardInterrupt is raised again once uvicorn has sent those and stopped.
-    ``connections``: the head deadline, connection cap and Host names (make_server)."""
+    ``connections``: the head deadline, connection cap and Host names (uvicorn_in_thread)."""
     with uvicorn_in_thread(workers, sock, stopping, connections) as url:
         if client is not None:
             errors: list[BaseException] = []
@@ -58,10 +60,30 @@ def serve_here(
 def uvicorn_in_thread(
     workers: dict[str, Worker], sock: socket.socket, stopping=None, connections: Optional[Connections] = None
 ) -> Iterator[str]:
-    """uvicorn serving ``workers``' app on ``sock`` from a thread; yields the base URL once it accepts.
-    A KeyboardInterrupt (from the start-up wait or the caller's block, where the engine runs) ends the
-    workers' open requests with ShuttingDown and tells ``stopping`` how many, before uvicorn stops."""
-    server = make_server(workers, sock, connections)
+    """uvicorn serving ``workers``' app on ``sock`` (from ``bind``; its address decides which Host names are
+    served: asgi.HostCheck) from a thread, its connections guarded as ``connections`` says (serve/connections.py;
+    default: Connections()); yields the base URL once it accepts. A KeyboardInterrupt (from the start-up wait or
+    the caller's block, where the engine runs) ends the workers' open requests with ShuttingDown and tells
+    ``stopping`` how many, before uvicorn stops. uvicorn.Server, not uvicorn.run: after its graceful shutdown
+    uvicorn raises the Ctrl-C it caught again, and cli.main turns that KeyboardInterrupt into exit 130."""
+    import uvicorn
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    from gpt2lab.serve.connections import QuietAccept, Say, backlog, guarded, open_file_limit, with_cap
+
+    connections = with_cap(connections or Connections())
+    say = Say()
+    app = create_app(workers, host=sock.getsockname()[0], allowed_hosts=connections.allowed_hosts)
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        http=guarded(AutoHTTPProtocol, connections, say, app.state.metrics.dropped),
+        backlog=backlog(open_file_limit()),
+    )
+    server = uvicorn.Server(config)
+    quiet = QuietAccept(say)
+    logging.getLogger("asyncio").addFilter(quiet)
+    app.state.metrics.connections.set_function(lambda: len(server.server_state.connections))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -82,31 +104,7 @@ def uvicorn_in_thread(
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
-
-
-def make_server(workers: dict[str, Worker], sock: socket.socket, connections: Optional[Connections] = None):
-    """The uvicorn server of ``workers``' app for ``sock`` (from ``bind``; its address decides which
-    Host names are served: asgi.HostCheck), its connections guarded as ``connections`` says
-    (serve/connections.py; default: Connections()). uvicorn.Server, not uvicorn.run: after its
-    graceful shutdown uvicorn raises the Ctrl-C it caught again, and cli.main turns that
-    KeyboardInterrupt into exit 130 (uvicorn.run ate it)."""
-    import uvicorn
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
-
-    from gpt2lab.serve.connections import GuardedServer, Say, backlog, guarded, open_file_limit, with_cap
-
-    connections = with_cap(connections or Connections())
-    say = Say()
-    app = create_app(workers, host=sock.getsockname()[0], allowed_hosts=connections.allowed_hosts)
-    config = uvicorn.Config(
-        app,
-        log_level="warning",
-        http=guarded(AutoHTTPProtocol, connections, say, app.state.metrics.dropped),
-        backlog=backlog(open_file_limit()),
-    )
-    server = GuardedServer(config, say)
-    app.state.metrics.connections.set_function(lambda: len(server.server_state.connections))
-    return server
+        logging.getLogger("asyncio").removeFilter(quiet)
 
 
 def bind(host: str, port: int) -> socket.socket:
