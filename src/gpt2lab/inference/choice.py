@@ -105,8 +105,8 @@ class Decision:
     request: InferenceRequest
     timings: Optional[dict] = None
     # gemv on a CPU that computes bf16 natively: every product's inputs rounded to bf16 (form.hold follows the
-    # same fact: gemv_bf16_inputs); in panels where the compiled AVX512_BF16 routines run (kernels.PanelLinear:
-    # every row count by them), else row-major, a prompt past the tiles by oneDNN's bf16 matmul (GemvLinear)
+    # same fact: gemv_bf16_inputs); in panels where the compiled AVX512_BF16 routines run (a panel hold:
+    # every row count by them), else row-major, a prompt past the tiles by oneDNN's bf16 matmul
     bf16_inputs: bool = False
     panels: bool = False
 

@@ -72,7 +72,7 @@ class Facts:
     packing_bf16_error: Optional[str] = None  # why oneDNN cannot pack bf16 weights here (None: it can)
     int8_error: Optional[str] = None  # why int8 weight-only cannot run (None: it can)
     gemv_error: Optional[str] = "not detected"  # why gpt2lab's compiled GEMV cannot run (None: it can)
-    gemv_panels: bool = False  # the compiled kernel's AVX512_BF16 routines run (kernels.PanelLinear)
+    gemv_panels: bool = False  # the compiled kernel's AVX512_BF16 routines run (a gemv hold in panels)
     timings: Optional[dict] = None  # candidate name -> inference.choice.Timing, or -> why it was dropped
 
     @property
