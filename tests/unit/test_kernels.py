@@ -23,18 +23,18 @@ from gpt2lab.inference.form import cache_key, cached_timings, for_inference, hol
 from gpt2lab.inference.kernels import (
     DecodeLinear,
     _compiled_gemv,
+    cannot_run,
     gemv_error,
-    int8_available,
-    packing_available,
-    packing_bf16_error,
     quantize_int8,
     swap_linears,
 )
 from gpt2lab.system import formats, runtime
 from gpt2lab.system.runtime import ChoiceError, Facts
 
-needs_onednn = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN packed linear")
-needs_int8 = pytest.mark.skipif(int8_available(torch.device("cpu")) is not None, reason="no int8 weight-only kernel")
+needs_onednn = pytest.mark.skipif(
+    cannot_run("packed") is not None, reason="this torch build has no oneDNN packed linear"
+)
+needs_int8 = pytest.mark.skipif(cannot_run("int8") is not None, reason="no int8 weight-only kernel")
 MODERN = dict(pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2", tie_embeddings=False, logit_softcap=15.0)
 
 
@@ -48,7 +48,7 @@ def _layer_inputs(bias: bool, shape=(5, 24)):
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("kernel", ["plain", "decode", "packed"])
 def test_fp32_decode_linears_equal_f_linear(kernel, bias, shape):
-    if kernel == "packed" and not packing_available():
+    if kernel == "packed" and cannot_run("packed"):
         pytest.skip("this torch build has no oneDNN packed linear")
     w, b, x = _layer_inputs(bias, shape)
     layer = DecodeLinear(w, b, kernel, torch.float32, batch_hint=8)
@@ -62,11 +62,11 @@ def test_fp32_decode_linears_equal_f_linear(kernel, bias, shape):
 
 @pytest.mark.parametrize("kernel", ["plain", "packed"])
 def test_bf16_decode_linears_multiply_bf16_inputs_by_bf16_weights(kernel):
-    if kernel == "packed" and not packing_available():
+    if kernel == "packed" and cannot_run("packed"):
         pytest.skip("this torch build has no oneDNN packed linear")
-    if kernel == "packed" and packing_bf16_error():
+    if kernel == "packed" and cannot_run("packed", torch.bfloat16):
         pytest.skip(
-            f"oneDNN cannot pack bf16 weights on this CPU ({packing_bf16_error()}); "
+            f"oneDNN cannot pack bf16 weights on this CPU ({cannot_run('packed', torch.bfloat16)}); "
             "test_bf16_packing_fact_is_what_onednn_does checks the refusal here"
         )
     w, b, x = _layer_inputs(True)
@@ -89,7 +89,7 @@ def test_upcast_multiplies_bf16_inputs_by_bf16_weights_one_row_as_held_more_in_f
     rounded operands multiplied in fp32, the weight converted a slice at a time (3 slices of 16 output rows
     and one of 8 here, 40 rows: each slice's values the right ones), or, held for batches of 4 where
     oneDNN packs, by its fp32 values packed once."""
-    packs = batch_hint > 1 and packing_available()
+    packs = batch_hint > 1 and cannot_run("packed") is None
     monkeypatch.setattr(kernels, "UPCAST_SLICE", 16 * 24 + 5)  # not a whole number of rows either
     monkeypatch.setattr(kernels, "_scratch", threading.local())  # a buffer of that size
     wide = DecodeLinear(torch.ones(3, 500), None, "upcast", torch.bfloat16)  # a row wider than a slice: one row a slice
@@ -311,7 +311,7 @@ def test_gemv_with_bf16_inputs_rounds_every_route_and_runs_a_prompt_past_its_til
     ref = lambda x, rounded: F.linear((x.bfloat16() if rounded else x).double(), wb, bb)  # noqa: E731
     for rounded in (True, False):
         layer = DecodeLinear(w, b, "gemv", torch.bfloat16, batch_hint=6, bf16_inputs=rounded)
-        assert (layer.packed is None) == rounded or not kernels.packing_available()
+        assert (layer.packed is None) == rounded or kernels.cannot_run("packed") is not None
         for tile_rows in (1, 6):  # past the tiles; through them
             kernels.set_tile_rows(layer, tile_rows)
             with torch.inference_mode():
@@ -521,7 +521,7 @@ def test_a_compiled_gemv_model_gives_the_exact_weights_logits_and_greedy_tokens(
 )
 @pytest.mark.parametrize("kernel", ["decode", "packed"])
 def test_a_prepared_fp32_model_gives_the_models_logits_and_shares_its_other_weights(block, kernel):
-    if kernel == "packed" and not packing_available():
+    if kernel == "packed" and cannot_run("packed"):
         pytest.skip("this torch build has no oneDNN packed linear")
     model = tiny_gpt(seed=3, vocab_size=97, block_size=32, **block)
     n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
@@ -576,7 +576,7 @@ def test_a_bf16_prepared_model_keeps_an_fp32_residual_stream_and_an_fp32_attenti
 def test_swap_linears_gives_a_tied_head_its_own_copy():
     model = tiny_gpt(seed=1, vocab_size=97, block_size=16)
     wte = model.transformer.wte.weight.clone()
-    assert swap_linears(model, "int8" if int8_available(torch.device("cpu")) is None else "plain", torch.float32) == 9
+    assert swap_linears(model, "int8" if cannot_run("int8") is None else "plain", torch.float32) == 9
     assert torch.equal(model.transformer.wte.weight, wte)  # the embedding still reads the shared table
 
 
@@ -600,14 +600,13 @@ MPS = Facts("mps", "Apple MPS")
 
 
 def test_bf16_packing_fact_is_what_onednn_does():
-    """packing_bf16_error() says None exactly where a bf16 packed DecodeLinear builds and matches F.linear."""
-    from gpt2lab.inference.kernels import packing_bf16_error
-
-    if not packing_available():
+    """cannot_run("packed", bfloat16) says None exactly where a bf16 packed DecodeLinear builds and matches
+    F.linear."""
+    if cannot_run("packed"):
         pytest.skip("no oneDNN packed linear in this torch build")
     torch.manual_seed(0)
     w, b, x = torch.randn(48, 32), torch.randn(48), torch.randn(3, 32)
-    if packing_bf16_error() is None:
+    if cannot_run("packed", torch.bfloat16) is None:
         got = DecodeLinear(w, b, "packed", torch.bfloat16, 3)(x.bfloat16()).float()
         want = F.linear(x.bfloat16(), w.bfloat16(), b.bfloat16()).float()
         torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)

@@ -60,39 +60,17 @@ import torch.nn.functional as F
 KERNELS = ("plain", "decode", "packed", "upcast", "gemv", "int8", "int8-gemv")
 
 
-def packing_available() -> bool:
-    """oneDNN is built in and exposes the reorder and the packed linear (torch >= 2.0 CPU builds)."""
+@functools.cache
+def cannot_run(kernel: str, dtype=torch.float32, device=torch.device("cpu")) -> Optional[str]:
+    """Why a ``kernel`` hold in ``dtype`` cannot run on ``device`` (the first line of the error it raises, tried
+    on a tiny weight: oneDNN absent from the build, its bf16 reorder needing AVX512BW/VL/DQ or AVX-NE-CONVERT,
+    no int8 weight-only kernel for the device), None where it runs."""
     try:
-        ops = torch.ops.mkldnn
-        return torch.backends.mkldnn.is_available() and all(
-            hasattr(ops, op) for op in ("_reorder_linear_weight", "_linear_pointwise")
-        )
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def _fails(fn) -> Optional[str]:
-    """The first line of the error ``fn()`` raises (a kernel tried on a tiny weight), None where it runs."""
-    try:
-        fn()
+        with torch.no_grad():
+            DecodeLinear(torch.ones(32, 32, device=device), None, kernel, dtype)(torch.ones(1, 32, device=device))
     except (RuntimeError, AttributeError, NotImplementedError) as e:
         return str(e).splitlines()[0][:160] if str(e) else type(e).__name__
     return None
-
-
-def packing_bf16_error() -> Optional[str]:
-    """Why oneDNN cannot pack a bf16 weight on this CPU, or None where it can: its bf16 reorder needs
-    AVX512BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only CPU has neither)."""
-    return _fails(lambda: torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16), 1))
-
-
-def int8_available(device: torch.device) -> Optional[str]:
-    """Why int8 weight-only matmuls cannot run on ``device``, or None where they can."""
-    if not hasattr(torch, "_weight_int8pack_mm"):
-        return "this torch has no torch._weight_int8pack_mm"
-    w = torch.ones(8, 32, dtype=torch.int8, device=device)
-    why = _fails(lambda: torch._weight_int8pack_mm(torch.ones(1, 32, device=device), w, torch.ones(8, device=device)))
-    return why and f"torch._weight_int8pack_mm does not run on {device.type} ({why[:120]})"
 
 
 # The fp32 values of one slice of an upcast weight. Converted, then multiplied, it must still be in the
@@ -249,7 +227,7 @@ class DecodeLinear(nn.Module):
             self.slice_rows = max(1, UPCAST_SLICE // self.in_features)
             # upcast's fp32 copy packed for a batch; not made where a gemv hold's prompts take the bf16 matmul
             batch = batch_hint > 1 and not self.bf16_inputs and w.device.type == "cpu"
-            if kernel in ("upcast", "gemv") and batch and packing_available():
+            if kernel in ("upcast", "gemv") and batch and cannot_run("packed") is None:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.float(), batch_hint)
 
     def extra_repr(self) -> str:
