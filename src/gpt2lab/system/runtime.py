@@ -312,14 +312,6 @@ def cache_update(key: str, change, where: Optional[str] = None) -> bool:
     return True
 
 
-def cache_clear() -> Optional[str]:
-    """Remove the cache file (nothing else); its path if there was one."""
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(where := cache_path())
-        return where
-    return None
-
-
 def cached_cpu_probe(where: Optional[str] = None) -> Optional[Probe]:
     """The CPU matmul probe, measured once per machine and kept in the cache (``where``: its file).
 
