@@ -129,15 +129,10 @@ class Decision:
     def record(self) -> dict:
         """The figures behind the choice, for JSON outputs."""
         return {
-            "dtype": self.candidate.dtype,
-            "kernel": self.candidate.kernel,
+            **dataclasses.asdict(self.candidate),  # dtype, kernel
             "tile_rows": self.tile_rows,
-            "bf16_inputs": self.bf16_inputs,
-            "panels": self.panels,
-            "reason": self.reason,
-            "workload": self.request.workload,
-            "rows": self.request.rows,
-            "quantize": self.request.quantize,
+            **{field: getattr(self, field) for field in ("bf16_inputs", "panels", "reason")},
+            **{field: getattr(self.request, field) for field in ("workload", "rows", "quantize")},
             "timings_ms": as_json(self.timings or {}),
             "threads_wait": runtime.WAIT.reason if runtime.WAIT else None,  # as the command started
         }
