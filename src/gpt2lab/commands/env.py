@@ -100,7 +100,7 @@ def entry_lines(entry: dict) -> list[str]:
     """A cache entry as lines for ``gpt2lab env``: the CPU's matmul rates; or the model's shape and device,
     when measured, what each workload chose, each candidate's figures (or why it was dropped), and why
     figures measured on a busy machine were not kept."""
-    from gpt2lab.inference.probe import Timing, cached_rows, cached_timings
+    from gpt2lab.inference.probe import Timing, cached_timings
 
     if isinstance(rates := entry.get("matmul_gflops"), dict):
         fp32, bf16 = rates.get("fp32_gflops"), rates.get("bf16_gflops")
@@ -120,7 +120,7 @@ def entry_lines(entry: dict) -> list[str]:
         else:
             lines.append(f"{name}: {t}")
     for rows in sorted(entry.get("rows") or {}):
-        figs = cached_rows(entry, int(rows)) or {}
+        figs = cached_timings(entry, int(rows)) or {}
         text = ", ".join(f"{n} {v:.3g} ms" if isinstance(v, float) else f"{n} {v}" for n, v in figs.items())
         lines.append(f"{rows}-row step (serve): {text}")
     for what, note in sorted((entry.get("not_kept") or {}).items()):  # a machine too busy to measure on

@@ -63,10 +63,14 @@ def cache_key(config, device, names: list[str]) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def cached_timings(entry: Optional[dict]) -> Optional[dict]:
-    """An entry's reference figures: candidate name -> Timing, or -> why it was dropped; None if it has none."""
+def cached_timings(entry: Optional[dict], rows: Optional[int] = None) -> Optional[dict]:
+    """An entry's reference figures (candidate name -> Timing, or -> why it was dropped) or, given ``rows``, its
+    ``rows``-row step figures (name -> ms, or why dropped); None if it has none."""
     try:
-        return {k: Timing(**v) if isinstance(v, dict) else str(v) for k, v in entry["timings"].items()}
+        if rows is None:
+            return {k: Timing(**v) if isinstance(v, dict) else str(v) for k, v in entry["timings"].items()}
+        found = entry["rows"][str(rows)]["timings"].items()
+        return {k: (float(v) if isinstance(v, (int, float)) else str(v)) for k, v in found}
     except (KeyError, TypeError, AttributeError):
         return None
 
