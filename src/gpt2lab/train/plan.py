@@ -317,7 +317,7 @@ def resume_fields(cfg: TrainConfig) -> list[str]:
     here, a dry run too, not when the checkpoint loads)."""
     mine, out = cfg.to_dict(), []
     for name, f in FIELDS.items():
-        keep = not f.metadata["derived"] if SECTION_OF.get(name) == "model" else f.metadata["keep"]
+        keep = not f.metadata.get("derived") if SECTION_OF.get(name) == "model" else f.metadata.get("keep")
         if isinstance(keep, str):  # "NAME" or "NAME=VALUE": only where that field is set (to VALUE)
             setting, _, value = keep.partition("=")
             keep = str(config_value(mine, setting)) == value if value else bool(config_value(mine, setting))
