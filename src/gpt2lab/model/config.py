@@ -64,22 +64,13 @@ class GPTConfig:
     n_head: int = setting(12, "attention heads per block", AT_LEAST_1, shape=True)
     n_embd: int = setting(768, "width of the residual stream", AT_LEAST_1, shape=True)
     block_size: int = setting(1024, "longest sequence the model accepts", AT_LEAST_1, shape=True)
-    vocab_size: int = setting(
-        50257, "rows of wte and lm_head (50304: GPT-2's 50257 padded for speed)", AT_LEAST_1, shape=True
-    )
+    vocab_size: int = setting(50257, "rows of wte and lm_head (50304: GPT-2's 50257, padded)", AT_LEAST_1, shape=True)
     # Rows of wte at or above it are padding: trained like any other but never sampled and
     # dropped on export. None means vocab_size. A run derives it from the tokenizer.
-    token_vocab_size: Optional[int] = setting(
-        None, "the tokenizer's vocabulary (rows past it are padding)", AT_LEAST_1, derived=True
-    )
+    token_vocab_size: Optional[int] = setting(None, "the tokenizer's vocabulary", AT_LEAST_1, derived=True)
     # A chat model's template (data/chat.py: "chatml", whose two turn tokens make the tokenizer's
     # vocabulary 50259); None for a base model. A run derives it from its data (or its --init-from).
-    chat_template: Optional[str] = setting(
-        None,
-        "the chat template it was tuned in; none: a base model",
-        derived=True,
-        choices=tuple(CHAT_VOCAB_SIZES),
-    )
+    chat_template: Optional[str] = setting(None, "chat template", derived=True, choices=tuple(CHAT_VOCAB_SIZES))
     # The tokenizer's identity: the sha256 of its tokenizer.json (data/tokenizer.py; `gpt2lab tokenizer
     # train`), whose file travels with the model; None for GPT-2's BPE. A run derives it from its data.
     tokenizer: Optional[str] = setting(None, "sha256 of the model's own tokenizer.json; none: GPT-2's", derived=True)
@@ -89,17 +80,11 @@ class GPTConfig:
     attn_pdrop: float = setting(0.0, "dropout on the attention weights", FRACTION)
     resid_pdrop: float = setting(0.0, "dropout on each residual branch's output", FRACTION)
     # The modern block (docs/recipes.md, "A modern block"): each off by default, any combination allowed.
-    pos_emb: str = setting(
-        "learned", "positions: learned (GPT-2's wpe table) or rotary (RoPE)", shape=True, choices=POS_EMB
-    )
+    pos_emb: str = setting("learned", "positions: learned (GPT-2's wpe) or rotary (RoPE)", shape=True, choices=POS_EMB)
     rope_theta: float = setting(10000.0, "rotary base (theta)", ABOVE_0, arch=True)
-    norm: str = setting(
-        "layernorm", "normalisation of block inputs and ln_f: layernorm (GPT-2) or rmsnorm", shape=True, choices=NORMS
-    )
+    norm: str = setting("layernorm", "the norm layers: layernorm (GPT-2's) or rmsnorm", shape=True, choices=NORMS)
     qk_norm: bool = setting(False, "RMS-normalise each head's queries and keys", arch=True)
-    mlp_act: str = setting(
-        "gelu", "MLP activation: gelu (GPT-2's tanh form) or relu2 (relu(x)^2)", arch=True, choices=MLP_ACTS
-    )
+    mlp_act: str = setting("gelu", "MLP activation: gelu (GPT-2's) or relu2 (relu(x)^2)", arch=True, choices=MLP_ACTS)
     tie_embeddings: bool = setting(True, "lm_head shares wte's matrix (GPT-2); false: its own", shape=True)
     bias: bool = setting(True, "biases in every Linear and LayerNorm (GPT-2); false: none", shape=True)
     embed_norm: bool = setting(False, "RMS-normalise the embedding before the first block", arch=True)
@@ -107,25 +92,17 @@ class GPTConfig:
     logit_softcap: float = setting(0.0, "cap the logits smoothly: X tanh(logits / X) (0 = off)", AT_LEAST_0, arch=True)
     # The open GPT-2 speedrun's levers (modded-nanogpt's record log): each off by default.
     value_embeds: int = setting(
-        0,
-        "K more token tables mixed into the values of the first and last K layers (0 = off)",
-        AT_LEAST_0,
-        shape=True,
+        0, "K more token tables mixed into the values of the first and last K layers (0 = off)", AT_LEAST_0, shape=True
     )
     unet_skips: bool = setting(False, "U-net skips: block i's output, weighted, into block n_layer-1-i", shape=True)
     zero_init_head: bool = setting(False, "start an untied lm_head at zero")
     # Multi-token prediction (Gloeckle et al. 2024; DeepSeek-V3's MTP): a training loss only. Its heads
     # are written to checkpoints but never exported (weights/targets.py: training_only).
     mtp_heads: int = setting(
-        0,
-        "multi-token prediction: K more heads for tokens t+2..t+K+1, training only (0 = off)",
-        AT_LEAST_0,
-        shape=True,
+        0, "multi-token prediction: K more heads for tokens t+2..t+K+1, training only (0 = off)", AT_LEAST_0, shape=True
     )
     mtp_weight: float = setting(0.3, "multi-token prediction: loss weight at step 0", AT_LEAST_0)
-    mtp_weight_final: Optional[float] = setting(
-        None, "multi-token prediction: loss weight at the last step (none: mtp_weight)", AT_LEAST_0
-    )
+    mtp_weight_final: Optional[float] = setting(None, "mtp: loss weight at the last step (none: same)", AT_LEAST_0)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -134,17 +111,11 @@ class GPTConfig:
         if self.token_vocab_size is not None and self.token_vocab_size > self.vocab_size:
             raise ValueError(f"token_vocab_size {self.token_vocab_size} must be in [1, vocab_size {self.vocab_size}]")
         if self.pos_emb == "rotary" and (self.n_embd // self.n_head) % 2:
-            raise ValueError(
-                f"rotary positions need an even head size; n_embd {self.n_embd} / n_head "
-                f"{self.n_head} = {self.n_embd // self.n_head}"
-            )
+            raise ValueError(f"rotary positions need an even head size; n_embd / n_head = {self.n_embd // self.n_head}")
         if self.tokenizer is not None and not re.fullmatch(r"[0-9a-f]{64}", str(self.tokenizer)):
             raise ValueError(f"tokenizer {self.tokenizer!r} must be the sha256 (64 hex digits) of a tokenizer.json")
         if 2 * self.value_embeds > self.n_layer:
-            raise ValueError(
-                f"value_embeds {self.value_embeds} must be in [0, n_layer / 2] (each table feeds a "
-                f"first and a last layer; n_layer {self.n_layer})"
-            )
+            raise ValueError(f"value_embeds {self.value_embeds} must be in [0, n_layer / 2] (n_layer {self.n_layer})")
         if self.unet_skips and self.n_layer < 2:
             raise ValueError("unet_skips needs n_layer >= 2 (block i feeds block n_layer-1-i for i < n_layer // 2)")
         if self.mtp_heads >= self.block_size:
@@ -153,10 +124,7 @@ class GPTConfig:
                 "the token d+1 places after its own position, inside the sequence)"
             )
         if self.zero_init_head and self.tie_embeddings:
-            raise ValueError(
-                "zero_init_head needs tie_embeddings false (a tied lm_head is wte: zeroing it would "
-                "zero the token embeddings)"
-            )
+            raise ValueError("zero_init_head needs tie_embeddings false (a tied lm_head is wte, the token embedding)")
 
     @property
     def real_vocab_size(self) -> int:

@@ -207,16 +207,9 @@ class Block(nn.Module):
         self.ln_2 = norm_layer(config)
         self.mlp = MLP(config)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        kv_cache: Optional[KVCache] = None,
-        rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-        ve: Optional[torch.Tensor] = None,
-        attn_dtype: Optional[torch.dtype] = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *attn_args) -> torch.Tensor:  # attn_args: kv_cache, rope, ve, attn_dtype
         # Pre-LayerNorm: the residual stream itself is never normalised, only each branch's input.
-        x = x + self.attn(self.ln_1(x), kv_cache, rope, ve, attn_dtype)
+        x = x + self.attn(self.ln_1(x), *attn_args)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -232,13 +225,9 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(config.vocab_size, config.n_embd)))
         if config.pos_emb == "learned":  # rotary has no table: q and k are turned in attention
             self.transformer["wpe"] = nn.Embedding(config.block_size, config.n_embd)  # (second: optimizer order)
-        self.transformer.update(
-            dict(
-                drop=nn.Dropout(config.embd_pdrop),
-                h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
-                ln_f=norm_layer(config),
-            )
-        )
+        self.transformer["drop"] = nn.Dropout(config.embd_pdrop)
+        self.transformer["h"] = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
+        self.transformer["ln_f"] = norm_layer(config)
         if config.value_embeds:  # value_embed_table says which layers read each one
             self.transformer["ve"] = nn.ModuleList(
                 nn.Embedding(config.vocab_size, config.n_embd) for _ in range(config.value_embeds)
@@ -329,11 +318,8 @@ class GPT(nn.Module):
             t = value_embed_table(self.config, i)
             ve = None if t is None else ves[t]
             # non-reentrant checkpointing replays the block's dropout masks (it saves the RNG state)
-            x = (
-                checkpoint(block, x, None, rope, ve, use_reentrant=False)
-                if recompute
-                else block(x, kv_cache, rope, ve, attn_dtype)
-            )
+            args = (x, kv_cache, rope, ve, attn_dtype)
+            x = checkpoint(block, *args, use_reentrant=False) if recompute else block(*args)
             if self.config.unet_skips and i < self.config.n_layer // 2:
                 skips.append(x)
         return x
@@ -367,10 +353,8 @@ class GPT(nn.Module):
         start = kv_cache.pos if kv_cache is not None else 0
         if start + T > self.config.block_size:
             raise ValueError(f"sequence length {start + T} exceeds block_size {self.config.block_size}")
-        if kv_cache is not None:  # (T,), or (B, T) for a cache whose rows hold different lengths
-            pos = kv_cache.positions(T, idx.device)
-        else:
-            pos = torch.arange(T, dtype=torch.long, device=idx.device)
+        # (T,), or (B, T) for a cache whose rows hold different lengths
+        pos = kv_cache.positions(T, idx.device) if kv_cache is not None else torch.arange(T, device=idx.device)
         x = self.transformer.wte(idx)  # (B, T, C)
         rope = None
         if self.config.pos_emb == "rotary":

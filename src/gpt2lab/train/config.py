@@ -98,10 +98,8 @@ class BatchConfig(_Section):
                     f"{steps} {getattr(self, steps)} and {start} {getattr(self, start)}: {ramp} needs both "
                     "(or neither: 0 and none)"
                 )
-        start = self.seq_len_start
-        if start is not None and (
-            start >= self.seq_len or self.seq_len % start or (self.seq_len // start) & (self.seq_len // start - 1)
-        ):
+        start, n = self.seq_len_start, self.seq_len
+        if start is not None and (start >= n or n % start or (n // start).bit_count() > 1):  # n / start: 2^k, k > 0
             raise ConfigError(
                 f"seq_len_start {start} must be seq_len {self.seq_len} divided by a power of two "
                 f"(the ramp doubles it up to seq_len), e.g. {max(1, self.seq_len // 4)}"
@@ -124,33 +122,19 @@ class OptimConfig(_Section):
     beta2: float = setting(0.95, "AdamW beta2", FRACTION, keep=True)
     eps: float = setting(1e-8, "AdamW epsilon", ABOVE_0, keep=True)
     grad_clip: float = setting(1.0, "clip the global gradient norm to this (0 = no clipping)", AT_LEAST_0, keep=True)
-    lr_schedule: str = setting(
-        "cosine", "cosine decay to min_lr, or wsd: flat, then linear to min_lr", choices=LR_SCHEDULES, keep=True
-    )
+    lr_schedule: str = setting("cosine", "cosine to min_lr, or wsd: flat, then linear", choices=LR_SCHEDULES, keep=True)
     decay_frac: float = setting(0.2, "wsd: fraction of max_steps in the final decay", "[0, 1]", keep="lr_schedule=wsd")
-    optimizer: str = setting(
-        "adamw", "adamw (GPT-2's) or muon (Muon on matrices, AdamW on the rest)", choices=OPTIMIZERS, keep=True
-    )
+    optimizer: str = setting("adamw", "adamw (GPT-2's) or muon (Muon on the matrices)", choices=OPTIMIZERS, keep=True)
     muon_lr: float = setting(0.02, "muon: Muon's peak learning rate", ABOVE_0, keep=MUON)
     muon_momentum: float = setting(0.95, "muon: Muon's Nesterov momentum", FRACTION, keep=MUON)
     muon_weight_decay: float = setting(0.0, "muon: Muon's decoupled weight decay", AT_LEAST_0, keep=MUON)
     # auto: bf16 where a bf16 matmul measures fast (GPUs with bf16, CPUs with native bf16), else fp32
     muon_ns_dtype: str = setting("auto", "muon: dtype of the Newton-Schulz iteration", choices=NS_DTYPE_CHOICES)
-    embed_lr: Optional[float] = setting(
-        None, "muon: AdamW peak rate of the embeddings (default max_lr)", ABOVE_0, keep=MUON
-    )
-    head_lr: Optional[float] = setting(
-        None, "muon: AdamW peak rate of an untied head (default max_lr)", ABOVE_0, keep=MUON
-    )
-    muon_variant: str = setting(
-        "muon", "muon: the update, muon or normuon (NorMuon; docs/recipes.md)", choices=MUON_VARIANTS, keep=MUON
-    )
-    muon_beta2: float = setting(
-        0.95, "normuon: decay of the per-neuron mean square", FRACTION, keep="muon_variant=normuon"
-    )
-    muon_orth: str = setting(
-        "newton_schulz", "muon: orthogonalise with Newton-Schulz or Polar Express", choices=MUON_ORTHS, keep=MUON
-    )
+    embed_lr: Optional[float] = setting(None, "muon: AdamW rate of the embeddings (default max_lr)", ABOVE_0, keep=MUON)
+    head_lr: Optional[float] = setting(None, "muon: AdamW rate of an untied head (default max_lr)", ABOVE_0, keep=MUON)
+    muon_variant: str = setting("muon", "muon: muon, or normuon (docs/recipes.md)", choices=MUON_VARIANTS, keep=MUON)
+    muon_beta2: float = setting(0.95, "normuon: per-neuron mean-square decay", FRACTION, keep="muon_variant=normuon")
+    muon_orth: str = setting("newton_schulz", "muon: the orthogonalising polynomial", choices=MUON_ORTHS, keep=MUON)
     cautious_wd: bool = setting(False, "decay a weight only where its update has its sign (docs/recipes.md)", keep=True)
     token_features: bool = setting(
         False, "share what the token tables learn between tokens with a feature in common (docs/recipes.md)", keep=True
@@ -175,15 +159,11 @@ class SystemConfig(_Section):
     # auto: bf16 on GPUs that have it (else fp16), on CPUs only where bf16 measures faster than fp32, else fp32
     dtype: str = setting("auto", "autocast dtype (float16 adds a grad scaler; docs/speed.md)", choices=DTYPE_CHOICES)
     compile: str = setting("auto", "torch.compile the model (auto: on for CUDA only)", choices=COMPILE_CHOICES)
-    peak_flops: Optional[float] = setting(
-        None, "peak FLOP/s for MFU; default from the GPU name (A100, H100, H200)", ABOVE_0
-    )
+    peak_flops: Optional[float] = setting(None, "peak FLOP/s for MFU; default by GPU name (A100, H100, H200)", ABOVE_0)
     max_bad_steps: int = setting(5, "stop after this many NaN/inf steps in a row", AT_LEAST_1)
     # The device reaches the NaN/spike verdicts and acts on them every step; the host reads them back (each read-back
     # waits for a GPU to drain) every check_interval steps.
-    check_interval: int = setting(
-        0, "steps between host read-backs of losses (0 = auto: 1 on CPU, 16 on GPU)", AT_LEAST_0
-    )
+    check_interval: int = setting(0, "steps between host read-backs of losses (0: 1 on CPU, 16 on GPU)", AT_LEAST_0)
     # glibc mallopt: fresh pages for the large logit buffers cost about half of a small model's step
     keep_cpu_memory: bool = setting(True, "on CPU, keep freed memory in the process instead of returning it to the OS")
 
@@ -227,13 +207,9 @@ class SpikeConfig(_Section):
     """The loss-spike guard (gpt2lab/train/spikes.py)."""
 
     spike_window: int = setting(100, "healthy steps a loss and grad norm are compared with (0 = guard off)", AT_LEAST_0)
-    spike_loss_z: float = setting(
-        6.0, "skip a step whose loss is this many std devs over the mean (0 = off)", AT_LEAST_0
-    )
+    spike_loss_z: float = setting(6.0, "skip a step with a loss this many std devs over the mean (0 = off)", AT_LEAST_0)
     spike_norm_z: float = setting(20.0, "the same for the log of the gradient norm (0 = off)", AT_LEAST_0)
-    spike_rollback: int = setting(
-        3, "roll back after this many spikes within spike_window steps (0 = never)", AT_LEAST_0
-    )
+    spike_rollback: int = setting(3, "roll back after this many spikes in spike_window steps (0 = never)", AT_LEAST_0)
 
 
 @dataclass
@@ -244,9 +220,7 @@ class FinetuneConfig(_Section):
     init_from: Optional[str] = setting(
         None, "weights to start from (step 0, new optimizer): gpt2..gpt2-xl, an HF, run or checkpoint directory"
     )
-    lora_rank: int = setting(
-        0, "train LoRA adapters of this rank instead of all weights (0 = off)", AT_LEAST_0, keep=True
-    )
+    lora_rank: int = setting(0, "train LoRA adapters of this rank, not all weights (0 = off)", AT_LEAST_0, keep=True)
     lora_alpha: float = setting(16.0, "LoRA scale: the update is (alpha / rank) B @ A", ABOVE_0, keep=LORA)
     lora_targets: str = setting("c_attn", f"comma-separated layers for LoRA: {', '.join(LORA_TARGETS)}", keep=LORA)
 
@@ -260,12 +234,8 @@ class FinetuneConfig(_Section):
 class ParallelConfig(_Section):
     """Sharding and activation memory (gpt2lab/distributed/parallel.py)."""
 
-    strategy: str = setting(
-        "auto", "ddp (each process holds all), fsdp (sharded) or auto (ddp where it fits)", choices=STRATEGY_CHOICES
-    )
-    activation_checkpointing: bool = setting(
-        False, "recompute each block in backward: a third more compute, less memory"
-    )
+    strategy: str = setting("auto", "ddp, fsdp (sharded) or auto (ddp where it fits)", choices=STRATEGY_CHOICES)
+    activation_checkpointing: bool = setting(False, "recompute blocks in backward: a third more compute, less memory")
 
 
 # Settings that cannot train together ("ONE with OTHER: why and what to do"), each refused in one line.

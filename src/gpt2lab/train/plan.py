@@ -164,20 +164,13 @@ def decide_plan(req: Request, found: Gathered) -> RunPlan:
         change = schedule_change(cfg, resumed.saved, step_of(resumed.where))
     accum = cfg.grad_accum_steps(machine.world_size)
     accum_at(cfg, 0, machine.world_size)  # the batch ramp's start divides evenly too (raises if not)
-    muon = cfg.optim.optimizer == "muon"
-    choices = runtime.resolve(
-        machine.device.device_type,
-        cfg.system.dtype,
-        cfg.system.compile,
-        facts=machine.device,
-        ns_dtype=cfg.optim.muon_ns_dtype if muon else None,
-    )
+    ns_dtype, device = cfg.optim.muon_ns_dtype if cfg.optim.optimizer == "muon" else None, machine.device
+    choices = runtime.resolve(device.device_type, cfg.system.dtype, cfg.system.compile, facts=device, ns_dtype=ns_dtype)
     dtype, compiled = str(choices.dtype.value), bool(choices.compile.value)
     strategy = strategy_for(cfg, machine, dtype, accum, compiled)
     sharded = strategy.value == "fsdp" and machine.world_size > 1
-    memory = None
-    if machine.device.device_type in ("cuda", "cpu"):
-        memory = _predict(cfg, machine, str(strategy.value), dtype, accum, compiled).to_dict()
+    predicted = device.device_type in ("cuda", "cpu")  # the devices memplan models
+    memory = _predict(cfg, machine, str(strategy.value), dtype, accum, compiled).to_dict() if predicted else None
     train = found.manifest.get("splits", {}).get("train", {})  # conversations: (assistant tokens, all tokens)
     return RunPlan(
         config=cfg,
@@ -188,7 +181,7 @@ def decide_plan(req: Request, found: Gathered) -> RunPlan:
         dtype=choices.dtype,
         compile=choices.compile,
         strategy=strategy,
-        loss=choose_loss(machine.device.device_type, compiled, sharded),
+        loss=choose_loss(device.device_type, compiled, sharded),
         peak_flops=choose_peak_flops(cfg.system.peak_flops, machine),
         accum=accum,
         params=memplan.params(cfg),
