@@ -281,12 +281,11 @@ class GPT(nn.Module):
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
             std = 0.02
-            if getattr(module, "RESIDUAL_SCALE_INIT", False) and self.config.zero_init_proj:
-                std = 0.0  # each block starts as the identity; the first step's gradient reaches c_proj only
-            elif getattr(module, "RESIDUAL_SCALE_INIT", False):
-                # Each block adds two branches to the residual stream; scaling their output
-                # projections by 1/sqrt(2 * n_layer) keeps its variance from growing with depth.
-                std *= (2 * self.config.n_layer) ** -0.5
+            if getattr(module, "RESIDUAL_SCALE_INIT", False):
+                # Each block adds two branches to the residual stream; scaling their output projections by
+                # 1/sqrt(2 * n_layer) keeps its variance from growing with depth. zero_init_proj: 0, so each
+                # block starts as the identity (the first step's gradient reaches c_proj only).
+                std = 0.0 if self.config.zero_init_proj else std * (2 * self.config.n_layer) ** -0.5
             nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)

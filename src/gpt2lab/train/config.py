@@ -317,8 +317,7 @@ class TrainConfig:
                 f"token_vocab_size {m.token_vocab_size}: it is not a setting (a run uses its "
                 f"tokenizer's {tokens}); drop it"
             )
-        if m.token_vocab_size is None:
-            self.model = dataclasses.replace(m, token_vocab_size=tokens)
+        self.model = dataclasses.replace(m, token_vocab_size=tokens)
 
     def grad_accum_steps(self, world_size: int, name: str = "total_batch_tokens") -> int:
         """Micro-steps of a step of ``name``'s tokens (total_batch_tokens: a step after any batch ramp;

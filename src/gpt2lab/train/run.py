@@ -77,9 +77,8 @@ def train(
         if not dry_run:
             return _run(plan, info, claimed[0] if claimed else None, request.resume_advice)
         if info.is_main:
-            print("gpt2lab train --dry-run: the plan (nothing trained, nothing written)")
-            for line in plan_text.lines(plan):
-                print(f"  {line}")
+            lines = (f"  {line}" for line in plan_text.lines(plan))
+            print("gpt2lab train --dry-run: the plan (nothing trained, nothing written)", *lines, sep="\n")
         return None
 
 
