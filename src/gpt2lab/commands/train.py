@@ -71,13 +71,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _say_where(out: str, last) -> None:
     """The last lines: where the run is, its checkpoint, its plot and the report card's command."""
-    lines = [f"run dir: {out}"]
-    if last:
-        lines.append(f"last checkpoint: {last}")
-    if os.path.isfile(os.path.join(out, "plot.png")):
-        lines.append(f"plot: {os.path.join(out, 'plot.png')}")
-    lines.append(f"report: gpt2lab report {shlex.quote(out)}")
-    print("\n".join(lines), flush=True)
+    plot = os.path.join(out, "plot.png")
+    lines = [f"run dir: {out}", last and f"last checkpoint: {last}", os.path.isfile(plot) and f"plot: {plot}"]
+    print(*(line for line in lines if line), f"report: gpt2lab report {shlex.quote(out)}", sep="\n", flush=True)
 
 
 def _request(args: argparse.Namespace):

@@ -184,10 +184,6 @@ class Size:
     hellaswag_gpt2: float  # HellaSwag acc_norm of OpenAI's GPT-2 of this size
     hellaswag_gpt3: float  # and of GPT-3 at the same size (Brown et al. 2020)
 
-    @property
-    def shape(self) -> dict:
-        return dict(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd)
-
 
 SIZES = (
     Size("124M", "gpt2", 12, 12, 768, 124_439_808, 0.2955, 0.337),
@@ -196,7 +192,7 @@ SIZES = (
     Size("1558M", "gpt2-xl", 48, 25, 1600, 1_557_611_200, 0.489, 0.547),
 )
 HUB_NAMES = tuple(s.hub for s in SIZES)
-PRESETS = {s.hub: s.shape for s in SIZES}
+PRESETS = {s.hub: dict(n_layer=s.n_layer, n_head=s.n_head, n_embd=s.n_embd) for s in SIZES}
 PRESET_ALIASES = {s.label.lower(): s.hub for s in SIZES}
 
 

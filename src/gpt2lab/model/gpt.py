@@ -79,9 +79,7 @@ class KVCache:
     """
 
     def __init__(self, n_layer: int, max_len: int) -> None:
-        self.n_layer = n_layer
-        self.max_len = max_len
-        self.pos = 0
+        self.n_layer, self.max_len, self.pos = n_layer, max_len, 0  # pos: the positions filled
         self.k: list[Optional[torch.Tensor]] = [None] * n_layer
         self.v: list[Optional[torch.Tensor]] = [None] * n_layer
 

@@ -198,9 +198,7 @@ def decide_plan(req: Request, found: Gathered) -> RunPlan:
 def prompt_fits(req: Request) -> bool:
     """Whether the settings' sample prompt was written for this run's data (or for this run: ``prompt_for``
     None): the same directory path, made absolute (no file read: a link to it counts as another)."""
-    if req.prompt_for is None:
-        return True
-    return os.path.abspath(str(req.prompt_for)) == os.path.abspath(str(req.get("data")))
+    return req.prompt_for is None or os.path.abspath(str(req.prompt_for)) == os.path.abspath(str(req.get("data")))
 
 
 def sample_prompt(req: Request, found: Gathered) -> tuple[str, Optional[str]]:
