@@ -30,30 +30,12 @@ def add_parser(sub) -> None:
     )
     start = p.add_mutually_exclusive_group(required=True)
     start.add_argument("--preset", metavar="NAME", help=f"one of: {', '.join(preset_names())}")
-    start.add_argument(
-        "--config",
-        metavar="FILE.toml",
-        help='your own settings: a TOML file with the presets\' keys; base = "PRESET" starts from a packaged preset',
-    )
-    start.add_argument(
-        "--list-presets",
-        action="store_true",
-        help="list every preset: parameters, recipe, steps, tokens, the time it takes where "
-        "measured (and on what), and what `gpt2lab export` writes for its model",
-    )
-    p.add_argument(
-        "--resume",
-        metavar="auto|PATH",
-        help="auto: continue from the newest intact checkpoint in --out (fresh start if none); "
-        "PATH: a run directory or a checkpoint directory",
-    )
-    p.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="print the run plan (every start-up decision and its reason) and exit without "
-        "training or writing anything; GPT2LAB_FAKE_FACTS=FILE.json plans for a machine "
-        "described in FILE (see gpt2lab.train.gather)",
-    )
+    start.add_argument("--config", metavar="FILE.toml", help='TOML of preset keys; base = "PRESET" starts from one')
+    start.add_argument("--list-presets", action="store_true", help="list presets: size, recipe, steps, time, export")
+    # auto: the newest intact checkpoint in --out (a fresh start if none)
+    p.add_argument("--resume", metavar="auto|PATH", help="auto (--out's newest intact checkpoint) or a run/checkpoint")
+    # GPT2LAB_FAKE_FACTS=FILE.json plans for a machine described in FILE (docs/training.md)
+    p.add_argument("--dry-run", action="store_true", help="print the run plan and exit, training and writing nothing")
     add_config_flags(p)
     p.set_defaults(func=run)
 
@@ -89,13 +71,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _say_where(out: str, last) -> None:
     """The last lines: where the run is, its checkpoint, its plot and the report card's command."""
-    lines = [f"run dir: {out}"]
-    if last:
-        lines.append(f"last checkpoint: {last}")
-    if os.path.isfile(os.path.join(out, "plot.png")):
-        lines.append(f"plot: {os.path.join(out, 'plot.png')}")
-    lines.append(f"report: gpt2lab report {shlex.quote(out)}")
-    print("\n".join(lines), flush=True)
+    plot = os.path.join(out, "plot.png")
+    lines = [f"run dir: {out}", last and f"last checkpoint: {last}", os.path.isfile(plot) and f"plot: {plot}"]
+    print(*(line for line in lines if line), f"report: gpt2lab report {shlex.quote(out)}", sep="\n", flush=True)
 
 
 def _request(args: argparse.Namespace):

@@ -21,30 +21,13 @@ GPT2_VOCAB_SIZE = 50257
 CHAT_VOCAB_SIZES = {"chatml": GPT2_VOCAB_SIZE + 2}
 
 
-def _f(
-    default: Any,
-    help: str,
-    within: Optional[str] = None,
-    derived: bool = False,
-    shape: bool = False,
-    arch: Optional[bool] = None,
-    choices: tuple = (),
-) -> Any:
-    # shape: the field sets parameter shapes (a checkpoint loads only into the same values).
-    # arch: the field changes what the weights compute, so ``--init-from`` takes it from the
-    # source (every shape field, and the modern block's switches). choices: a text field's values;
-    # within: a number's range (check_fields).
-    return field(
-        default=default,
-        metadata={
-            "help": help,
-            "derived": derived,
-            "shape": shape,
-            "arch": shape if arch is None else arch,
-            "choices": choices,
-            "within": within,
-        },
-    )
+def setting(default: Any, help: str, within: Optional[str] = None, choices: tuple = (), **marks: bool | str) -> Any:
+    """A config field (the architecture's and a run's): its default; ``help``, its flag's; ``within``, a number's
+    range, an interval ("[0, 1)"), and ``choices``, a text field's values (both checked by check_fields); and marks
+    read elsewhere. GPTConfig's: ``shape``, the field sets parameter shapes (a checkpoint loads only into the same
+    values); ``arch``, it changes what the weights compute, so ``--init-from`` takes it from the source (as every
+    shape field); ``derived``, the run sets it, no flag. A run's (train/config.py): ``keep``."""
+    return field(default=default, metadata=dict(help=help, within=within, choices=choices, **marks))
 
 
 # The ranges number fields declare most (``within``: any interval, "[a, b)", "(a, b]", read by check_fields).
@@ -77,115 +60,49 @@ MLP_ACTS = ("gelu", "relu2")
 
 @dataclass
 class GPTConfig:
-    n_layer: int = _f(12, "transformer blocks", AT_LEAST_1, shape=True)
-    n_head: int = _f(12, "attention heads per block", AT_LEAST_1, shape=True)
-    n_embd: int = _f(768, "width of the residual stream", AT_LEAST_1, shape=True)
-    block_size: int = _f(
-        1024, "longest sequence the model accepts (rows of the position embedding)", AT_LEAST_1, shape=True
-    )
-    vocab_size: int = _f(
-        50257, "rows of wte / lm_head; 50304 = 50257 padded to a multiple of 128 for speed", AT_LEAST_1, shape=True
-    )
+    n_layer: int = setting(12, "transformer blocks", AT_LEAST_1, shape=True)
+    n_head: int = setting(12, "attention heads per block", AT_LEAST_1, shape=True)
+    n_embd: int = setting(768, "width of the residual stream", AT_LEAST_1, shape=True)
+    block_size: int = setting(1024, "longest sequence the model accepts", AT_LEAST_1, shape=True)
+    vocab_size: int = setting(50257, "rows of wte and lm_head (50304: GPT-2's 50257, padded)", AT_LEAST_1, shape=True)
     # Rows of wte at or above it are padding: trained like any other but never sampled and
     # dropped on export. None means vocab_size. A run derives it from the tokenizer.
-    token_vocab_size: Optional[int] = _f(
-        None, "the tokenizer's vocabulary (rows past it are padding)", AT_LEAST_1, derived=True
-    )
+    token_vocab_size: Optional[int] = setting(None, "the tokenizer's vocabulary", AT_LEAST_1, derived=True)
     # A chat model's template (data/chat.py: "chatml", whose two turn tokens make the tokenizer's
     # vocabulary 50259); None for a base model. A run derives it from its data (or its --init-from).
-    chat_template: Optional[str] = _f(
-        None,
-        "the chat template the model was fine-tuned in (chatml); none for a base model",
-        derived=True,
-        choices=tuple(CHAT_VOCAB_SIZES),
-    )
+    chat_template: Optional[str] = setting(None, "chat template", derived=True, choices=tuple(CHAT_VOCAB_SIZES))
     # The tokenizer's identity: the sha256 of its tokenizer.json (data/tokenizer.py; `gpt2lab tokenizer
     # train`), whose file travels with the model; None for GPT-2's BPE. A run derives it from its data.
-    tokenizer: Optional[str] = _f(
-        None, "the model's own tokenizer (sha256 of its tokenizer.json); none for GPT-2's", derived=True
-    )
-    layer_norm_epsilon: float = _f(1e-5, "epsilon of every LayerNorm", ABOVE_0)
+    tokenizer: Optional[str] = setting(None, "sha256 of the model's own tokenizer.json; none: GPT-2's", derived=True)
+    layer_norm_epsilon: float = setting(1e-5, "epsilon of every LayerNorm", ABOVE_0)
     # Dropout as GPT-2 has it (HF's names). Active only in training mode.
-    embd_pdrop: float = _f(0.0, "dropout on the token + position embeddings (GPT-2 fine-tuning: 0.1)", FRACTION)
-    attn_pdrop: float = _f(0.0, "dropout on the attention weights", FRACTION)
-    resid_pdrop: float = _f(0.0, "dropout on each residual branch's output", FRACTION)
+    embd_pdrop: float = setting(0.0, "dropout on the embeddings (GPT-2 fine-tuning: 0.1)", FRACTION)
+    attn_pdrop: float = setting(0.0, "dropout on the attention weights", FRACTION)
+    resid_pdrop: float = setting(0.0, "dropout on each residual branch's output", FRACTION)
     # The modern block (docs/recipes.md, "A modern block"): each off by default, any combination allowed.
-    pos_emb: str = _f(
-        "learned",
-        "positions: learned (GPT-2's wpe table) or rotary (RoPE, Su et al. 2021: "
-        "q and k rotated per position, no table)",
-        shape=True,
-        choices=POS_EMB,
-    )
-    rope_theta: float = _f(
-        10000.0,
-        "rotary base: pair i of a head turns at rope_theta^(-2i/head_size) radians per position",
-        ABOVE_0,
-        arch=True,
-    )
-    norm: str = _f(
-        "layernorm",
-        "normalisation of every block input and of ln_f: layernorm (GPT-2) or rmsnorm (a gain, no bias, no mean)",
-        shape=True,
-        choices=NORMS,
-    )
-    qk_norm: bool = _f(False, "RMS-normalise each head's queries and keys (no gain) before attention", arch=True)
-    mlp_act: str = _f(
-        "gelu", "MLP activation: gelu (tanh approximation, GPT-2) or relu2 (relu(x)^2)", arch=True, choices=MLP_ACTS
-    )
-    tie_embeddings: bool = _f(True, "lm_head shares wte's matrix (GPT-2); false: a separate output matrix", shape=True)
-    bias: bool = _f(
-        True, "biases in every Linear and LayerNorm (GPT-2); false: none (nanoGPT's bias=False)", shape=True
-    )
-    embed_norm: bool = _f(
-        False,
-        "RMS-normalise (no gain, epsilon layer_norm_epsilon) the residual stream's start, "
-        "the token embedding (plus the position embedding), before the first block",
-        arch=True,
-    )
-    zero_init_proj: bool = _f(
-        False,
-        "initialise the attention and MLP output projections (c_proj) to zero, so every block starts as the identity",
-    )
-    logit_softcap: float = _f(
-        0.0, "cap the logits smoothly at +-X: X * tanh(logits / X); 0 = off", AT_LEAST_0, arch=True
-    )
+    pos_emb: str = setting("learned", "positions: learned (GPT-2's wpe) or rotary (RoPE)", shape=True, choices=POS_EMB)
+    rope_theta: float = setting(10000.0, "rotary base (theta)", ABOVE_0, arch=True)
+    norm: str = setting("layernorm", "the norm layers: layernorm (GPT-2's) or rmsnorm", shape=True, choices=NORMS)
+    qk_norm: bool = setting(False, "RMS-normalise each head's queries and keys", arch=True)
+    mlp_act: str = setting("gelu", "MLP activation: gelu (GPT-2's) or relu2 (relu(x)^2)", arch=True, choices=MLP_ACTS)
+    tie_embeddings: bool = setting(True, "lm_head shares wte's matrix (GPT-2); false: its own", shape=True)
+    bias: bool = setting(True, "biases in every Linear and LayerNorm (GPT-2); false: none", shape=True)
+    embed_norm: bool = setting(False, "RMS-normalise the embedding before the first block", arch=True)
+    zero_init_proj: bool = setting(False, "start each block's output projections (c_proj) at zero")
+    logit_softcap: float = setting(0.0, "cap the logits smoothly: X tanh(logits / X) (0 = off)", AT_LEAST_0, arch=True)
     # The open GPT-2 speedrun's levers (modded-nanogpt's record log): each off by default.
-    value_embeds: int = _f(
-        0,
-        "K extra token-embedding tables mixed into the attention values, U-net style: "
-        "table i into layer i and into layer n_layer-K+i, as v = (1-g) v + g table[token] "
-        "with a learned scalar g per layer (starting at 0.5); 0 = off",
-        AT_LEAST_0,
-        shape=True,
+    value_embeds: int = setting(
+        0, "K more token tables mixed into the values of the first and last K layers (0 = off)", AT_LEAST_0, shape=True
     )
-    unet_skips: bool = _f(
-        False,
-        "U-net skips between blocks: the output of block i (i < n_layer // 2), times a "
-        "learned scalar (starting at 1), is added to the input of its mirror block n_layer-1-i",
-        shape=True,
-    )
-    zero_init_head: bool = _f(
-        False, "initialise an untied lm_head to zero (every first logit 0); needs tie_embeddings false"
-    )
+    unet_skips: bool = setting(False, "U-net skips: block i's output, weighted, into block n_layer-1-i", shape=True)
+    zero_init_head: bool = setting(False, "start an untied lm_head at zero")
     # Multi-token prediction (Gloeckle et al. 2024; DeepSeek-V3's MTP): a training loss only. Its heads
     # are written to checkpoints but never exported (weights/targets.py: export_target).
-    mtp_heads: int = _f(
-        0,
-        "multi-token prediction: K extra heads, head d predicting token t+1+d from position t's final "
-        "hidden state h (after ln_f) through h + W_d h (W_d a C x C matrix, zero at the start) and "
-        "the shared unembedding; their mean cross entropy is an auxiliary training loss, dropped "
-        "at export (0 = off)",
-        AT_LEAST_0,
-        shape=True,
+    mtp_heads: int = setting(
+        0, "multi-token prediction: K more heads for tokens t+2..t+K+1, training only (0 = off)", AT_LEAST_0, shape=True
     )
-    mtp_weight: float = _f(0.3, "multi-token prediction: weight of the auxiliary loss at step 0", AT_LEAST_0)
-    mtp_weight_final: Optional[float] = _f(
-        None,
-        "multi-token prediction: weight of the auxiliary loss at the last step, reached linearly "
-        "from mtp_weight (none = mtp_weight throughout)",
-        AT_LEAST_0,
-    )
+    mtp_weight: float = setting(0.3, "multi-token prediction: loss weight at step 0", AT_LEAST_0)
+    mtp_weight_final: Optional[float] = setting(None, "mtp: loss weight at the last step (none: same)", AT_LEAST_0)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -194,17 +111,11 @@ class GPTConfig:
         if self.token_vocab_size is not None and self.token_vocab_size > self.vocab_size:
             raise ValueError(f"token_vocab_size {self.token_vocab_size} must be in [1, vocab_size {self.vocab_size}]")
         if self.pos_emb == "rotary" and (self.n_embd // self.n_head) % 2:
-            raise ValueError(
-                f"rotary positions need an even head size; n_embd {self.n_embd} / n_head "
-                f"{self.n_head} = {self.n_embd // self.n_head}"
-            )
+            raise ValueError(f"rotary positions need an even head size; n_embd / n_head = {self.n_embd // self.n_head}")
         if self.tokenizer is not None and not re.fullmatch(r"[0-9a-f]{64}", str(self.tokenizer)):
             raise ValueError(f"tokenizer {self.tokenizer!r} must be the sha256 (64 hex digits) of a tokenizer.json")
         if 2 * self.value_embeds > self.n_layer:
-            raise ValueError(
-                f"value_embeds {self.value_embeds} must be in [0, n_layer / 2] (each table feeds a "
-                f"first and a last layer; n_layer {self.n_layer})"
-            )
+            raise ValueError(f"value_embeds {self.value_embeds} must be in [0, n_layer / 2] (n_layer {self.n_layer})")
         if self.unet_skips and self.n_layer < 2:
             raise ValueError("unet_skips needs n_layer >= 2 (block i feeds block n_layer-1-i for i < n_layer // 2)")
         if self.mtp_heads >= self.block_size:
@@ -213,10 +124,7 @@ class GPTConfig:
                 "the token d+1 places after its own position, inside the sequence)"
             )
         if self.zero_init_head and self.tie_embeddings:
-            raise ValueError(
-                "zero_init_head needs tie_embeddings false (a tied lm_head is wte: zeroing it would "
-                "zero the token embeddings)"
-            )
+            raise ValueError("zero_init_head needs tie_embeddings false (a tied lm_head is wte, the token embedding)")
 
     @property
     def real_vocab_size(self) -> int:
@@ -234,7 +142,7 @@ class GPTConfig:
 
     def shape(self) -> dict:
         """The fields that set parameter shapes, by name."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata["shape"]}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("shape")}
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "GPTConfig":
@@ -276,10 +184,6 @@ class Size:
     hellaswag_gpt2: float  # HellaSwag acc_norm of OpenAI's GPT-2 of this size
     hellaswag_gpt3: float  # and of GPT-3 at the same size (Brown et al. 2020)
 
-    @property
-    def shape(self) -> dict:
-        return dict(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd)
-
 
 SIZES = (
     Size("124M", "gpt2", 12, 12, 768, 124_439_808, 0.2955, 0.337),
@@ -288,7 +192,7 @@ SIZES = (
     Size("1558M", "gpt2-xl", 48, 25, 1600, 1_557_611_200, 0.489, 0.547),
 )
 HUB_NAMES = tuple(s.hub for s in SIZES)
-PRESETS = {s.hub: s.shape for s in SIZES}
+PRESETS = {s.hub: dict(n_layer=s.n_layer, n_head=s.n_head, n_embd=s.n_embd) for s in SIZES}
 PRESET_ALIASES = {s.label.lower(): s.hub for s in SIZES}
 
 

@@ -79,9 +79,7 @@ class KVCache:
     """
 
     def __init__(self, n_layer: int, max_len: int) -> None:
-        self.n_layer = n_layer
-        self.max_len = max_len
-        self.pos = 0
+        self.n_layer, self.max_len, self.pos = n_layer, max_len, 0  # pos: the positions filled
         self.k: list[Optional[torch.Tensor]] = [None] * n_layer
         self.v: list[Optional[torch.Tensor]] = [None] * n_layer
 
@@ -207,16 +205,9 @@ class Block(nn.Module):
         self.ln_2 = norm_layer(config)
         self.mlp = MLP(config)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        kv_cache: Optional[KVCache] = None,
-        rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-        ve: Optional[torch.Tensor] = None,
-        attn_dtype: Optional[torch.dtype] = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *attn_args) -> torch.Tensor:  # attn_args: kv_cache, rope, ve, attn_dtype
         # Pre-LayerNorm: the residual stream itself is never normalised, only each branch's input.
-        x = x + self.attn(self.ln_1(x), kv_cache, rope, ve, attn_dtype)
+        x = x + self.attn(self.ln_1(x), *attn_args)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -232,13 +223,9 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(config.vocab_size, config.n_embd)))
         if config.pos_emb == "learned":  # rotary has no table: q and k are turned in attention
             self.transformer["wpe"] = nn.Embedding(config.block_size, config.n_embd)  # (second: optimizer order)
-        self.transformer.update(
-            dict(
-                drop=nn.Dropout(config.embd_pdrop),
-                h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
-                ln_f=norm_layer(config),
-            )
-        )
+        self.transformer["drop"] = nn.Dropout(config.embd_pdrop)
+        self.transformer["h"] = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
+        self.transformer["ln_f"] = norm_layer(config)
         if config.value_embeds:  # value_embed_table says which layers read each one
             self.transformer["ve"] = nn.ModuleList(
                 nn.Embedding(config.vocab_size, config.n_embd) for _ in range(config.value_embeds)
@@ -292,12 +279,11 @@ class GPT(nn.Module):
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
             std = 0.02
-            if getattr(module, "RESIDUAL_SCALE_INIT", False) and self.config.zero_init_proj:
-                std = 0.0  # each block starts as the identity; the first step's gradient reaches c_proj only
-            elif getattr(module, "RESIDUAL_SCALE_INIT", False):
-                # Each block adds two branches to the residual stream; scaling their output
-                # projections by 1/sqrt(2 * n_layer) keeps its variance from growing with depth.
-                std *= (2 * self.config.n_layer) ** -0.5
+            if getattr(module, "RESIDUAL_SCALE_INIT", False):
+                # Each block adds two branches to the residual stream; scaling their output projections by
+                # 1/sqrt(2 * n_layer) keeps its variance from growing with depth. zero_init_proj: 0, so each
+                # block starts as the identity (the first step's gradient reaches c_proj only).
+                std = 0.0 if self.config.zero_init_proj else std * (2 * self.config.n_layer) ** -0.5
             nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
@@ -329,11 +315,8 @@ class GPT(nn.Module):
             t = value_embed_table(self.config, i)
             ve = None if t is None else ves[t]
             # non-reentrant checkpointing replays the block's dropout masks (it saves the RNG state)
-            x = (
-                checkpoint(block, x, None, rope, ve, use_reentrant=False)
-                if recompute
-                else block(x, kv_cache, rope, ve, attn_dtype)
-            )
+            args = (x, kv_cache, rope, ve, attn_dtype)
+            x = checkpoint(block, *args, use_reentrant=False) if recompute else block(*args)
             if self.config.unet_skips and i < self.config.n_layer // 2:
                 skips.append(x)
         return x
@@ -367,10 +350,8 @@ class GPT(nn.Module):
         start = kv_cache.pos if kv_cache is not None else 0
         if start + T > self.config.block_size:
             raise ValueError(f"sequence length {start + T} exceeds block_size {self.config.block_size}")
-        if kv_cache is not None:  # (T,), or (B, T) for a cache whose rows hold different lengths
-            pos = kv_cache.positions(T, idx.device)
-        else:
-            pos = torch.arange(T, dtype=torch.long, device=idx.device)
+        # (T,), or (B, T) for a cache whose rows hold different lengths
+        pos = kv_cache.positions(T, idx.device) if kv_cache is not None else torch.arange(T, device=idx.device)
         x = self.transformer.wte(idx)  # (B, T, C)
         rope = None
         if self.config.pos_emb == "rotary":

@@ -16,16 +16,6 @@ from gpt2lab.model.gpt import GPT
 from gpt2lab.system.errors import ConfigError
 
 
-def _peft():
-    try:
-        import peft
-    except ImportError as e:
-        raise ConfigError(
-            f"--lora-rank needs Hugging Face peft ({e}); pip install 'gpt2lab[lora]' or set --lora-rank 0"
-        ) from e
-    return peft
-
-
 def add_lora(model: GPT, rank: int, alpha: float, targets: str):
     """Give ``model`` LoRA adapters of ``rank`` on the comma-separated ``targets``; freeze the rest.
 
@@ -33,7 +23,12 @@ def add_lora(model: GPT, rank: int, alpha: float, targets: str):
     (peft's default), so the adapted model computes exactly what the base did until the
     first step.
     """
-    peft = _peft()
+    try:
+        import peft
+    except ImportError as e:
+        raise ConfigError(
+            f"--lora-rank needs Hugging Face peft ({e}); pip install 'gpt2lab[lora]' or set --lora-rank 0"
+        ) from e
     config = peft.LoraConfig(
         r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", target_modules=[t.strip() for t in targets.split(",")]
     )

@@ -59,11 +59,7 @@ def choose_loss(device_type: str, compiled: bool, sharded: bool = False) -> Loss
     loss regardless: the root, which computes the loss, is not compiled there (distributed.parallel.shard).
     """
     if sharded and compiled and device_type == "cuda":
-        return LossPath(
-            True,
-            compiled,
-            "FSDP: the root, which computes the loss, is not compiled, so the full logits would be held eagerly",
-        )
+        return LossPath(True, compiled, "FSDP: the loss runs in the uncompiled root, holding all logits eagerly")
     if compiled and device_type == "cuda":
         return LossPath(False, compiled, "compiled on CUDA: inductor fuses the cross-entropy into the model's graph")
     if device_type == "cpu":

@@ -21,7 +21,7 @@ import dataclasses
 import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union, get_type_hints
+from typing import Any, Optional, get_type_hints
 
 from gpt2lab.model.config import (
     ABOVE_0,
@@ -36,6 +36,7 @@ from gpt2lab.model.config import (
     check_types,
     config_value,
     gpt_config,
+    setting,
 )
 from gpt2lab.system import formats
 from gpt2lab.system.choices import (
@@ -53,15 +54,8 @@ from gpt2lab.system.errors import ConfigError
 MUON_ORTHS = ("newton_schulz", "polar_express")
 # Layers --lora-targets may name (peft matches a module whose name ends with ".TARGET").
 LORA_TARGETS = ("c_attn", "c_proj", "c_fc", "attn.c_proj", "mlp.c_proj")
-
-
-def _f(default: Any, help: str, within: Optional[str] = None, choices: tuple = (), keep: Union[bool, str] = False):
-    # within: a number's range, an interval ("[0, 1)"); choices: a text field's values (also its flag's);
-    # keep: the field changes what the run trains, so a resume must keep the value its checkpoint trained
-    # with (train.plan.check_resume_settings); "NAME" or "NAME=VALUE": only where that field is set (to VALUE)
-    return field(default=default, metadata={"help": help, "within": within, "choices": choices, "keep": keep})
-
-
+# A field marked ``keep`` changes what the run trains, so a resume must keep the value its checkpoint trained with
+# (train.plan.check_resume_settings); "NAME" or "NAME=VALUE": only where that field is set (to VALUE).
 MUON, LORA = "optimizer=muon", "lora_rank"  # the fields a resume keeps only with Muon, only with LoRA
 
 
@@ -75,65 +69,40 @@ class _Section:
 
 @dataclass
 class BatchConfig(_Section):
-    micro_batch_size: int = _f(64, "sequences per forward/backward on each process", AT_LEAST_1)
-    seq_len: int = _f(1024, "tokens per sequence (at most block_size)", AT_LEAST_1, keep=True)
-    total_batch_tokens: int = _f(
-        524288,
-        "tokens per optimizer step over all processes; accumulation = this / (micro_batch_size * seq_len * world size)",
-        AT_LEAST_1,
-        keep=True,
+    micro_batch_size: int = setting(64, "sequences per forward/backward on each process", AT_LEAST_1)
+    seq_len: int = setting(1024, "tokens per sequence (at most block_size)", AT_LEAST_1, keep=True)
+    total_batch_tokens: int = setting(524288, "tokens per optimizer step over all processes", AT_LEAST_1, keep=True)
+    # The ramps (speedrun levers; docs/recipes.md) are pure functions of the step (train.schedule.accum_at,
+    # seq_len_at), so a resumed run, whose loader continues from its saved position, takes the same batches.
+    batch_ramp_steps: int = setting(
+        0, "over the first N steps, ramp tokens per step up from batch_ramp_start (0 = off)", AT_LEAST_0, keep=True
     )
-    # The batch-size ramp (a speedrun lever): a pure function of the step (train.schedule.accum_at), so a
-    # resumed run, whose loader continues from its saved position, takes the same batches.
-    batch_ramp_steps: int = _f(
-        0,
-        "ramp the tokens per step over the first N steps, linearly from batch_ramp_start up to total_batch_tokens "
-        "in whole multiples of batch_ramp_start (0 = off)",
-        AT_LEAST_0,
-        keep=True,
+    batch_ramp_start: Optional[int] = setting(
+        None, "batch ramp: tokens in step 0 (divides total_batch_tokens)", AT_LEAST_1, keep="batch_ramp_steps"
     )
-    batch_ramp_start: Optional[int] = _f(
-        None,
-        "batch ramp: tokens in step 0 (a multiple of micro_batch_size x seq_len x world size that divides "
-        "total_batch_tokens)",
-        AT_LEAST_1,
-        keep="batch_ramp_steps",
+    seq_len_ramp_steps: int = setting(
+        0, "train the first N steps on shorter sequences, as many tokens a step (0 = off)", AT_LEAST_0, keep=True
     )
-    # The sequence-length ramp: short sequences first, as many tokens a step (train.schedule.seq_len_at).
-    seq_len_ramp_steps: int = _f(
-        0,
-        "train the first N steps on shorter sequences: seq_len_start, doubling at even intervals up to seq_len at "
-        "step N; each micro-batch keeps its tokens (rows x length), so the loader cuts each sequence into pieces "
-        "(0 = off)",
-        AT_LEAST_0,
-        keep=True,
-    )
-    seq_len_start: Optional[int] = _f(
-        None,
-        "sequence-length ramp: the length of step 0 (seq_len divided by a power of two)",
-        AT_LEAST_1,
-        keep="seq_len_ramp_steps",
+    seq_len_start: Optional[int] = setting(
+        None, "sequence-length ramp: the length at step 0 (seq_len / 2^k)", AT_LEAST_1, keep="seq_len_ramp_steps"
     )
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if bool(self.seq_len_ramp_steps) != (self.seq_len_start is not None):
-            raise ConfigError(
-                f"seq_len_ramp_steps {self.seq_len_ramp_steps} and seq_len_start {self.seq_len_start}: "
-                "the sequence-length ramp needs both (or neither: 0 and none)"
-            )
-        start = self.seq_len_start
-        if start is not None and (
-            start >= self.seq_len or self.seq_len % start or (self.seq_len // start) & (self.seq_len // start - 1)
+        for steps, start, ramp in (
+            ("seq_len_ramp_steps", "seq_len_start", "the sequence-length ramp"),
+            ("batch_ramp_steps", "batch_ramp_start", "the ramp"),
         ):
+            if bool(getattr(self, steps)) != (getattr(self, start) is not None):
+                raise ConfigError(
+                    f"{steps} {getattr(self, steps)} and {start} {getattr(self, start)}: {ramp} needs both "
+                    "(or neither: 0 and none)"
+                )
+        start, n = self.seq_len_start, self.seq_len
+        if start is not None and (start >= n or n % start or (n // start).bit_count() > 1):  # n / start: 2^k, k > 0
             raise ConfigError(
                 f"seq_len_start {start} must be seq_len {self.seq_len} divided by a power of two "
                 f"(the ramp doubles it up to seq_len), e.g. {max(1, self.seq_len // 4)}"
-            )
-        if bool(self.batch_ramp_steps) != (self.batch_ramp_start is not None):
-            raise ConfigError(
-                f"batch_ramp_steps {self.batch_ramp_steps} and batch_ramp_start "
-                f"{self.batch_ramp_start}: the ramp needs both (or neither: 0 and none)"
             )
         if self.batch_ramp_start is not None and self.total_batch_tokens % self.batch_ramp_start:
             raise ConfigError(
@@ -144,92 +113,34 @@ class BatchConfig(_Section):
 
 @dataclass
 class OptimConfig(_Section):
-    max_steps: int = _f(19073, "optimizer steps in the run", AT_LEAST_1)
-    max_lr: float = _f(6e-4, "learning rate after warmup", ABOVE_0, keep=True)
-    min_lr: float = _f(6e-5, "learning rate at the end of the cosine decay", AT_LEAST_0, keep=True)
-    warmup_steps: int = _f(715, "steps of linear warmup from max_lr/warmup_steps to max_lr", AT_LEAST_0, keep=True)
-    weight_decay: float = _f(0.1, "AdamW weight decay, applied to >=2-D weights only", AT_LEAST_0, keep=True)
-    beta1: float = _f(0.9, "AdamW beta1", FRACTION, keep=True)
-    beta2: float = _f(0.95, "AdamW beta2", FRACTION, keep=True)
-    eps: float = _f(1e-8, "AdamW epsilon", ABOVE_0, keep=True)
-    grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = no clipping)", AT_LEAST_0, keep=True)
-    lr_schedule: str = _f(
-        "cosine",
-        "the LR schedule after warmup: cosine (decay to min_lr at max_steps) or wsd (warmup-stable-decay: max_lr, "
-        "then a linear decay to min_lr over the last decay_frac of the steps)",
-        choices=LR_SCHEDULES,
-        keep=True,
+    max_steps: int = setting(19073, "optimizer steps in the run", AT_LEAST_1)
+    max_lr: float = setting(6e-4, "learning rate after warmup", ABOVE_0, keep=True)
+    min_lr: float = setting(6e-5, "learning rate at the end of the decay", AT_LEAST_0, keep=True)
+    warmup_steps: int = setting(715, "steps of linear warmup up to max_lr", AT_LEAST_0, keep=True)
+    weight_decay: float = setting(0.1, "AdamW weight decay, applied to >=2-D weights only", AT_LEAST_0, keep=True)
+    beta1: float = setting(0.9, "AdamW beta1", FRACTION, keep=True)
+    beta2: float = setting(0.95, "AdamW beta2", FRACTION, keep=True)
+    eps: float = setting(1e-8, "AdamW epsilon", ABOVE_0, keep=True)
+    grad_clip: float = setting(1.0, "clip the global gradient norm to this (0 = no clipping)", AT_LEAST_0, keep=True)
+    lr_schedule: str = setting("cosine", "cosine to min_lr, or wsd: flat, then linear", choices=LR_SCHEDULES, keep=True)
+    decay_frac: float = setting(0.2, "wsd: fraction of max_steps in the final decay", "[0, 1]", keep="lr_schedule=wsd")
+    optimizer: str = setting("adamw", "adamw (GPT-2's) or muon (Muon on the matrices)", choices=OPTIMIZERS, keep=True)
+    muon_lr: float = setting(0.02, "muon: Muon's peak learning rate", ABOVE_0, keep=MUON)
+    muon_momentum: float = setting(0.95, "muon: Muon's Nesterov momentum", FRACTION, keep=MUON)
+    muon_weight_decay: float = setting(0.0, "muon: Muon's decoupled weight decay", AT_LEAST_0, keep=MUON)
+    # auto: bf16 where a bf16 matmul measures fast (GPUs with bf16, CPUs with native bf16), else fp32
+    muon_ns_dtype: str = setting("auto", "muon: dtype of the Newton-Schulz iteration", choices=NS_DTYPE_CHOICES)
+    embed_lr: Optional[float] = setting(None, "muon: AdamW rate of the embeddings (default max_lr)", ABOVE_0, keep=MUON)
+    head_lr: Optional[float] = setting(None, "muon: AdamW rate of an untied head (default max_lr)", ABOVE_0, keep=MUON)
+    muon_variant: str = setting("muon", "muon: muon, or normuon (docs/recipes.md)", choices=MUON_VARIANTS, keep=MUON)
+    muon_beta2: float = setting(0.95, "normuon: per-neuron mean-square decay", FRACTION, keep="muon_variant=normuon")
+    muon_orth: str = setting("newton_schulz", "muon: the orthogonalising polynomial", choices=MUON_ORTHS, keep=MUON)
+    cautious_wd: bool = setting(False, "decay a weight only where its update has its sign (docs/recipes.md)", keep=True)
+    token_features: bool = setting(
+        False, "share what the token tables learn between tokens with a feature in common (docs/recipes.md)", keep=True
     )
-    decay_frac: float = _f(
-        0.2, "wsd: fraction of max_steps in the final linear decay", "[0, 1]", keep="lr_schedule=wsd"
-    )
-    optimizer: str = _f(
-        "adamw",
-        "adamw (one AdamW, the GPT-2 recipe) or muon (Muon on the blocks' 2-D matrices, AdamW with "
-        "max_lr/embed_lr/head_lr on the rest; the schedule scales every group)",
-        choices=OPTIMIZERS,
-        keep=True,
-    )
-    muon_lr: float = _f(
-        0.02, "muon: Muon's peak learning rate (scaled by sqrt(max(1, rows/cols)) per matrix)", ABOVE_0, keep=MUON
-    )
-    muon_momentum: float = _f(0.95, "muon: Muon's Nesterov momentum", FRACTION, keep=MUON)
-    muon_weight_decay: float = _f(
-        0.0, "muon: Muon's decoupled weight decay (p *= 1 - lr * this)", AT_LEAST_0, keep=MUON
-    )
-    muon_ns_dtype: str = _f(
-        "auto",
-        "muon: dtype of the Newton-Schulz iteration: auto, float32 or bfloat16; auto = bf16 where a bf16 matmul "
-        "measures fast (GPUs with bf16, CPUs with native bf16), else fp32",
-        choices=NS_DTYPE_CHOICES,
-    )
-    embed_lr: Optional[float] = _f(
-        None, "muon: AdamW peak rate of the embedding tables (default max_lr)", ABOVE_0, keep=MUON
-    )
-    head_lr: Optional[float] = _f(
-        None, "muon: AdamW peak rate of an untied output head (default max_lr)", ABOVE_0, keep=MUON
-    )
-    muon_variant: str = _f(
-        "muon",
-        "muon: the update of the blocks' matrices: muon (orthogonalised momentum, torch.optim.Muon's) or normuon "
-        "(NorMuon: then each output neuron's row divided by the root of its running mean square, rescaled to the "
-        "same norm)",
-        choices=MUON_VARIANTS,
-        keep=MUON,
-    )
-    muon_beta2: float = _f(
-        0.95, "normuon: decay of the per-neuron running mean square", FRACTION, keep="muon_variant=normuon"
-    )
-    muon_orth: str = _f(
-        "newton_schulz",
-        "muon: how the update is orthogonalised: newton_schulz (the quintic iteration, one polynomial 5 times) or "
-        "polar_express (Amsel et al. 2025: a polynomial of its own each iteration, singular values closer to 1 in "
-        "as many matmuls)",
-        choices=MUON_ORTHS,
-        keep=MUON,
-    )
-    cautious_wd: bool = _f(
-        False,
-        "cautious weight decay (Chen et al. 2025): decay a weight only where the optimizer's update and the weight "
-        "have the same sign, p -= lr * wd * I(update * p >= 0) * p; for AdamW's weight_decay and Muon's "
-        "muon_weight_decay alike",
-        keep=True,
-    )
-    token_features: bool = _f(
-        False,
-        "share what the token embedding and an untied head learn between tokens with a feature in common (the word "
-        "in another case or without its leading space, the shape, the last 2-3 letters, the block of the "
-        "tokenizer's merge order): a learned vector per feature, trained with Adam at the table's rate and added to "
-        "its tokens' rows; training only, the model stays a plain GPT (docs/recipes.md)",
-        keep=True,
-    )
-    ema_decay: float = _f(
-        0.0,
-        "average the weights as they train: after each step avg = d * avg + (1 - d) * weights "
-        "(torch.optim.swa_utils.AveragedModel); evaluations, samples and the checkpoints' model.safetensors are "
-        "the average (0 = off)",
-        FRACTION,
-        keep=True,
+    ema_decay: float = setting(
+        0.0, "keep avg = d avg + (1 - d) weights each step; evals and checkpoints use it (0 = off)", FRACTION, keep=True
     )
 
     def __post_init__(self) -> None:
@@ -244,32 +155,17 @@ class OptimConfig(_Section):
 
 @dataclass
 class SystemConfig(_Section):
-    device: str = _f("auto", "cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
-    dtype: str = _f(
-        "auto",
-        "autocast dtype: auto, float32, bfloat16 or float16 (fp16 uses a grad scaler); auto = bf16 on GPUs that "
-        "have it (else fp16), on CPUs only where bf16 measures faster than fp32, else fp32",
-        choices=DTYPE_CHOICES,
-    )
-    compile: str = _f(
-        "auto",
-        "torch.compile the model: auto, true or false; auto = on for CUDA, off where it does not pay (CPU, MPS)",
-        choices=COMPILE_CHOICES,
-    )
-    peak_flops: Optional[float] = _f(None, "peak FLOP/s for MFU; default from the GPU name (A100, H100, H200)", ABOVE_0)
-    max_bad_steps: int = _f(5, "stop after this many NaN/inf steps in a row", AT_LEAST_1)
-    check_interval: int = _f(
-        0,
-        "steps between the host reading back losses, gradient norms and the NaN/spike verdicts, which the device "
-        "reaches and acts on at every step; 0 = auto: every step on a CPU (reading back costs nothing there), "
-        "every 16 on a GPU (each read-back waits for the GPU to drain)",
-        AT_LEAST_0,
-    )
-    keep_cpu_memory: bool = _f(
-        True,
-        "on CPU, keep freed memory in the process (glibc mallopt) instead of returning it to the OS: fresh pages "
-        "for the large logit buffers cost about half of a small model's step",
-    )
+    device: str = setting("auto", "cpu, cuda, cuda:N, mps or auto (cuda > mps > cpu)")
+    # auto: bf16 on GPUs that have it (else fp16), on CPUs only where bf16 measures faster than fp32, else fp32
+    dtype: str = setting("auto", "autocast dtype (float16 adds a grad scaler; docs/speed.md)", choices=DTYPE_CHOICES)
+    compile: str = setting("auto", "torch.compile the model (auto: on for CUDA only)", choices=COMPILE_CHOICES)
+    peak_flops: Optional[float] = setting(None, "peak FLOP/s for MFU; default by GPU name (A100, H100, H200)", ABOVE_0)
+    max_bad_steps: int = setting(5, "stop after this many NaN/inf steps in a row", AT_LEAST_1)
+    # The device reaches the NaN/spike verdicts and acts on them every step; the host reads them back (each read-back
+    # waits for a GPU to drain) every check_interval steps.
+    check_interval: int = setting(0, "steps between host read-backs of losses (0: 1 on CPU, 16 on GPU)", AT_LEAST_0)
+    # glibc mallopt: fresh pages for the large logit buffers cost about half of a small model's step
+    keep_cpu_memory: bool = setting(True, "on CPU, keep freed memory in the process instead of returning it to the OS")
 
     def __post_init__(self) -> None:
         if isinstance(self.compile, bool):  # compile=False from Python (load_preset, from_dict) or TOML
@@ -281,58 +177,39 @@ class SystemConfig(_Section):
 class EvalConfig(_Section):
     """Evaluations and samples (an interval of 0 means never)."""
 
-    eval_interval: int = _f(250, "steps between validation losses", AT_LEAST_0)
-    eval_tokens: int = _f(10485760, "validation tokens per evaluation (over all processes)", AT_LEAST_0)
-    hellaswag_interval: int = _f(250, "steps between HellaSwag evaluations", AT_LEAST_0)
-    hellaswag_data: Optional[str] = _f(None, "HellaSwag jsonl (default: the official validation set)")
-    hellaswag_limit: Optional[int] = _f(None, "evaluate only the first N HellaSwag examples", AT_LEAST_1)
-    sample_interval: int = _f(250, "steps between text samples", AT_LEAST_0)
-    sample_prompt: str = _f("Hello, I'm a language model,", "prompt of the logged samples")
-    sample_tokens: int = _f(32, "tokens generated per sample", AT_LEAST_1)
+    eval_interval: int = setting(250, "steps between validation losses", AT_LEAST_0)
+    eval_tokens: int = setting(10485760, "validation tokens per evaluation (over all processes)", AT_LEAST_0)
+    hellaswag_interval: int = setting(250, "steps between HellaSwag evaluations", AT_LEAST_0)
+    hellaswag_data: Optional[str] = setting(None, "HellaSwag jsonl (default: the official validation set)")
+    hellaswag_limit: Optional[int] = setting(None, "evaluate only the first N HellaSwag examples", AT_LEAST_1)
+    sample_interval: int = setting(250, "steps between text samples", AT_LEAST_0)
+    sample_prompt: str = setting("Hello, I'm a language model,", "prompt of the logged samples")
+    sample_tokens: int = setting(32, "tokens generated per sample", AT_LEAST_1)
 
 
 @dataclass
 class CheckpointConfig(_Section):
-    ckpt_interval: int = _f(5000, "steps between checkpoints (one is always saved at the end)", AT_LEAST_0)
-    keep_checkpoints: int = _f(3, "newest checkpoints to keep (0 = keep all)", AT_LEAST_0)
+    ckpt_interval: int = setting(5000, "steps between checkpoints (one is always saved at the end)", AT_LEAST_0)
+    keep_checkpoints: int = setting(3, "newest checkpoints to keep (0 = keep all)", AT_LEAST_0)
 
 
 @dataclass
 class LoggingConfig(_Section):
-    log_interval: int = _f(1, "steps between console lines (metrics.jsonl gets every step)", AT_LEAST_1)
-    tensorboard: bool = _f(False, "also write TensorBoard events to OUT/tensorboard")
-    progress: bool = _f(True, "show a progress bar on rank 0 where stderr is a terminal (never in a redirected log)")
-    wandb_project: Optional[str] = _f(
-        None,
-        "also log to this Weights & Biases project (rank 0; needs pip install 'gpt2lab[wandb]'); a resumed run "
-        "continues its W&B run",
-    )
-    wandb_run_name: Optional[str] = _f(None, "W&B run name (default: the run directory's name)")
+    log_interval: int = setting(1, "steps between console lines (metrics.jsonl gets every step)", AT_LEAST_1)
+    tensorboard: bool = setting(False, "also write TensorBoard events to OUT/tensorboard")
+    progress: bool = setting(True, "show a progress bar on rank 0 where stderr is a terminal")
+    wandb_project: Optional[str] = setting(None, "also log to this W&B project (pip install 'gpt2lab[wandb]')")
+    wandb_run_name: Optional[str] = setting(None, "W&B run name (default: the run directory's name)")
 
 
 @dataclass
 class SpikeConfig(_Section):
     """The loss-spike guard (gpt2lab/train/spikes.py)."""
 
-    spike_window: int = _f(
-        100,
-        "recent healthy steps a step's loss and grad norm are compared with; the guard starts once it has seen "
-        "that many (0 = guard off)",
-        AT_LEAST_0,
-    )
-    spike_loss_z: float = _f(
-        6.0,
-        "a loss this many standard deviations above the window's mean is a spike: the step's update is skipped "
-        "(0 = do not check the loss)",
-        AT_LEAST_0,
-    )
-    spike_norm_z: float = _f(20.0, "the same for the log of the gradient norm (0 = do not check it)", AT_LEAST_0)
-    spike_rollback: int = _f(
-        3,
-        "this many spikes within spike_window steps roll back to the last checkpoint before them and skip the data "
-        "of the spiking steps (0 = never roll back)",
-        AT_LEAST_0,
-    )
+    spike_window: int = setting(100, "healthy steps a loss and grad norm are compared with (0 = guard off)", AT_LEAST_0)
+    spike_loss_z: float = setting(6.0, "skip a step with a loss this many std devs over the mean (0 = off)", AT_LEAST_0)
+    spike_norm_z: float = setting(20.0, "the same for the log of the gradient norm (0 = off)", AT_LEAST_0)
+    spike_rollback: int = setting(3, "roll back after this many spikes in spike_window steps (0 = never)", AT_LEAST_0)
 
 
 @dataclass
@@ -340,22 +217,12 @@ class FinetuneConfig(_Section):
     """Fine-tuning (gpt2lab/train/init_from.py, gpt2lab/model/lora.py; dropout is in the model).
     What --init-from resolved to is no setting: the run plan records it (RunPlan.init_record)."""
 
-    init_from: Optional[str] = _f(
-        None,
-        "start from these weights (new optimizer, step 0): gpt2, gpt2-medium, gpt2-large, gpt2-xl, a local HF GPT-2 "
-        "directory, a gpt2lab run directory (its newest checkpoint) or a checkpoint directory; the architecture "
-        "comes from it",
+    init_from: Optional[str] = setting(
+        None, "weights to start from (step 0, new optimizer): gpt2..gpt2-xl, an HF, run or checkpoint directory"
     )
-    lora_rank: int = _f(
-        0, "train LoRA adapters of this rank (through peft) instead of all weights; 0 = off", AT_LEAST_0, keep=True
-    )
-    lora_alpha: float = _f(16.0, "LoRA scale numerator: the update is (alpha / rank) * B @ A", ABOVE_0, keep=LORA)
-    lora_targets: str = _f(
-        "c_attn",
-        "comma-separated layers that get LoRA adapters: c_attn, c_proj, c_fc (attn.c_proj or mlp.c_proj for one of "
-        "the two c_proj)",
-        keep=LORA,
-    )
+    lora_rank: int = setting(0, "train LoRA adapters of this rank, not all weights (0 = off)", AT_LEAST_0, keep=True)
+    lora_alpha: float = setting(16.0, "LoRA scale: the update is (alpha / rank) B @ A", ABOVE_0, keep=LORA)
+    lora_targets: str = setting("c_attn", f"comma-separated layers for LoRA: {', '.join(LORA_TARGETS)}", keep=LORA)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -367,18 +234,8 @@ class FinetuneConfig(_Section):
 class ParallelConfig(_Section):
     """Sharding and activation memory (gpt2lab/distributed/parallel.py)."""
 
-    strategy: str = _f(
-        "auto",
-        "how the processes of a torchrun share the model: ddp (each holds all weights, gradients and AdamW state), "
-        "fsdp (FSDP2: all three sharded over the processes) or auto = ddp for one process or a model that fits, "
-        "else fsdp",
-        choices=STRATEGY_CHOICES,
-    )
-    activation_checkpointing: bool = _f(
-        False,
-        "keep only each block's input in the forward and recompute the rest in the backward: about a third more "
-        "compute for a fraction of the activation memory",
-    )
+    strategy: str = setting("auto", "ddp, fsdp (sharded) or auto (ddp where it fits)", choices=STRATEGY_CHOICES)
+    activation_checkpointing: bool = setting(False, "recompute blocks in backward: a third more compute, less memory")
 
 
 # Settings that cannot train together ("ONE with OTHER: why and what to do"), each refused in one line.
@@ -404,9 +261,9 @@ class TrainConfig:
     """A run's settings: three top-level fields and one section per concern (``cfg.optim.max_lr``)."""
 
     model: GPTConfig = field(default_factory=lambda: GPTConfig(vocab_size=PADDED_VOCAB_SIZE))  # the architecture
-    data: str = _f("data/fineweb-edu-10b", "directory of token shards made by `gpt2lab prepare`")
-    out: str = _f("runs/gpt2-124m", "run directory: config.json, metrics.jsonl, checkpoints/")
-    seed: int = _f(1337, "seed for initialisation and data order", "[0, 4294967295]", keep=True)  # numpy: < 2^32
+    data: str = setting("data/fineweb-edu-10b", "directory of token shards made by `gpt2lab prepare`")
+    out: str = setting("runs/gpt2-124m", "run directory: config.json, metrics.jsonl, checkpoints/")
+    seed: int = setting(1337, "seed for initialisation and data order", "[0, 4294967295]", keep=True)  # numpy: < 2^32
     batch: BatchConfig = field(default_factory=BatchConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)  # optimizer, learning-rate schedule and run length
     system: SystemConfig = field(default_factory=SystemConfig)  # device, precision, compilation
@@ -460,8 +317,7 @@ class TrainConfig:
                 f"token_vocab_size {m.token_vocab_size}: it is not a setting (a run uses its "
                 f"tokenizer's {tokens}); drop it"
             )
-        if m.token_vocab_size is None:
-            self.model = dataclasses.replace(m, token_vocab_size=tokens)
+        self.model = dataclasses.replace(m, token_vocab_size=tokens)
 
     def grad_accum_steps(self, world_size: int, name: str = "total_batch_tokens") -> int:
         """Micro-steps of a step of ``name``'s tokens (total_batch_tokens: a step after any batch ramp;

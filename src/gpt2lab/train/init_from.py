@@ -26,7 +26,9 @@ from gpt2lab.weights.load import CHECKPOINT_DIR, Source, WeightsError, model_of,
 
 # What the source decides: every field that sets a parameter shape or what the weights compute
 # (the modern block's switches), but the vocabulary (a run may pad it).
-ARCH_FIELDS = tuple(f.name for f in fields(GPTConfig) if f.metadata["arch"] and f.name != "vocab_size")
+ARCH_FIELDS = tuple(
+    f.name for f in fields(GPTConfig) if (f.metadata.get("arch") or f.metadata.get("shape")) and f.name != "vocab_size"
+)
 
 
 class InitFromError(ConfigError):

@@ -164,20 +164,13 @@ def decide_plan(req: Request, found: Gathered) -> RunPlan:
         change = schedule_change(cfg, resumed.saved, step_of(resumed.where))
     accum = cfg.grad_accum_steps(machine.world_size)
     accum_at(cfg, 0, machine.world_size)  # the batch ramp's start divides evenly too (raises if not)
-    muon = cfg.optim.optimizer == "muon"
-    choices = runtime.resolve(
-        machine.device.device_type,
-        cfg.system.dtype,
-        cfg.system.compile,
-        facts=machine.device,
-        ns_dtype=cfg.optim.muon_ns_dtype if muon else None,
-    )
+    ns_dtype, device = cfg.optim.muon_ns_dtype if cfg.optim.optimizer == "muon" else None, machine.device
+    choices = runtime.resolve(device.device_type, cfg.system.dtype, cfg.system.compile, facts=device, ns_dtype=ns_dtype)
     dtype, compiled = str(choices.dtype.value), bool(choices.compile.value)
     strategy = strategy_for(cfg, machine, dtype, accum, compiled)
     sharded = strategy.value == "fsdp" and machine.world_size > 1
-    memory = None
-    if machine.device.device_type in ("cuda", "cpu"):
-        memory = _predict(cfg, machine, str(strategy.value), dtype, accum, compiled).to_dict()
+    predicted = device.device_type in ("cuda", "cpu")  # the devices memplan models
+    memory = _predict(cfg, machine, str(strategy.value), dtype, accum, compiled).to_dict() if predicted else None
     train = found.manifest.get("splits", {}).get("train", {})  # conversations: (assistant tokens, all tokens)
     return RunPlan(
         config=cfg,
@@ -188,7 +181,7 @@ def decide_plan(req: Request, found: Gathered) -> RunPlan:
         dtype=choices.dtype,
         compile=choices.compile,
         strategy=strategy,
-        loss=choose_loss(machine.device.device_type, compiled, sharded),
+        loss=choose_loss(device.device_type, compiled, sharded),
         peak_flops=choose_peak_flops(cfg.system.peak_flops, machine),
         accum=accum,
         params=memplan.params(cfg),
@@ -205,9 +198,7 @@ def decide_plan(req: Request, found: Gathered) -> RunPlan:
 def prompt_fits(req: Request) -> bool:
     """Whether the settings' sample prompt was written for this run's data (or for this run: ``prompt_for``
     None): the same directory path, made absolute (no file read: a link to it counts as another)."""
-    if req.prompt_for is None:
-        return True
-    return os.path.abspath(str(req.prompt_for)) == os.path.abspath(str(req.get("data")))
+    return req.prompt_for is None or os.path.abspath(str(req.prompt_for)) == os.path.abspath(str(req.get("data")))
 
 
 def sample_prompt(req: Request, found: Gathered) -> tuple[str, Optional[str]]:
@@ -317,7 +308,7 @@ def resume_fields(cfg: TrainConfig) -> list[str]:
     here, a dry run too, not when the checkpoint loads)."""
     mine, out = cfg.to_dict(), []
     for name, f in FIELDS.items():
-        keep = not f.metadata["derived"] if SECTION_OF.get(name) == "model" else f.metadata["keep"]
+        keep = not f.metadata.get("derived") if SECTION_OF.get(name) == "model" else f.metadata.get("keep")
         if isinstance(keep, str):  # "NAME" or "NAME=VALUE": only where that field is set (to VALUE)
             setting, _, value = keep.partition("=")
             keep = str(config_value(mine, setting)) == value if value else bool(config_value(mine, setting))

@@ -48,95 +48,77 @@ def record(plan: RunPlan) -> dict:
 
 
 def lines(plan: RunPlan) -> list[str]:
-    """What start-up prints (and --dry-run shows), one decision a line."""
-    c, m, ft = plan.config, plan.config.model, plan.config.finetune
+    """What start-up prints (and --dry-run shows), one decision a line (a label, then what was decided)."""
+    c, m, b, o, f = plan.config, plan.config.model, plan.config.batch, plan.config.optim, plan.machine
     mem = "no prediction for this device"
     if plan.memory:
-        f, have = plan.machine, ""
+        have = ""
         if f.device_bytes:
             have = f" of the device's {f.device_bytes / 2**30:.1f} GiB"
         elif f.host_bytes:
             each = " per process" if f.world_size > 1 else ""
             have = f" of this machine's {f.host_bytes / 2**30:.1f} GiB of RAM{each}"
         mem = f"{plan.memory['total'] / 1024:.2f} GiB per rank predicted{have} (peak at {plan.memory['phase']})"
-    peak = plan.peak_flops.value
-    b = c.batch
-    ramp = (
-        f"; ramped from {b.batch_ramp_start:,} tokens ({accum_at(c, 0, plan.machine.world_size)} micro-steps) "
-        f"at step 0 over {b.batch_ramp_steps} steps"
-        if b.batch_ramp_steps
-        else ""
-    )
-    if b.seq_len_ramp_steps:  # the sequence-length ramp: the same tokens in shorter rows
-        ramp += (
-            f"; sequences of {b.seq_len_start} tokens at step 0 (micro-batch "
-            f"{b.micro_batch_size * b.seq_len // b.seq_len_start} rows), doubling to {b.seq_len} by step "
-            f"{b.seq_len_ramp_steps}"
-        )
-    if m.mtp_heads:
-        final = "" if m.mtp_weight_final is None else f", to {m.mtp_weight_final} at the last step"
-        mtp = (
-            f"; multi-token prediction: {m.mtp_heads} more heads (tokens t+2..t+{m.mtp_heads + 1}), "
-            f"weight {m.mtp_weight}{final}"
-        )
-    out = [
-        f"out       {c.out}" + (f" (resume from {plan.resume})" if plan.resume else " (new run)"),
-        f"machine   {plan.machine.describe()}",
-        f"model     {m.n_layer} layers, {m.n_head} heads, {m.n_embd} wide, block {m.block_size}, "
-        f"{plan.params:,} params" + (f", LoRA rank {ft.lora_rank} on {ft.lora_targets}" if ft.lora_rank else ""),
-        f"export    {export_target(m).describe()}",
+    final = "" if m.mtp_weight_final is None else f", to {m.mtp_weight_final} at the last step"
+    loss = [
+        f"{plan.loss.value} ({plan.loss.reason})",
+        m.mtp_heads
+        and f"multi-token prediction: {m.mtp_heads} more heads (tokens t+2..t+{m.mtp_heads + 1}), "
+        f"weight {m.mtp_weight}{final}",
     ]
-    if m.tokenizer:
-        out.append(
-            f"tokenizer sha256:{m.tokenizer[:12]} (the data's): {m.token_vocab_size:,} tokens in "
-            f"{m.vocab_size:,} embedding rows"
-        )
-    if plan.supervised:
-        n, total = plan.supervised
-        out.append(
-            f"data      {c.data}: conversations in the {m.chat_template} template, supervised on "
-            f"{n:,} of {total:,} tokens ({n / max(total, 1):.0%}: the assistant's turns)"
-        )
-    if plan.prompt_reason:
-        out.append(f"sample    prompt {c.eval.sample_prompt!r} ({plan.prompt_reason})")
-    out += [f"skipped   {line}" for line in plan.skipped]
-    if plan.schedule_change:
-        out.append(f"schedule  {plan.schedule_change}")
-    if plan.init_record:
-        r = plan.init_record
-        out.append(f"init from {r['source']} ({r.get('kind', 'recorded by the run')}, {r['id']})")
-    out += [
+    optimizer = [
+        o.optimizer + (f" ({o.muon_variant})" if o.muon_variant != "muon" else "") + f", {o.lr_schedule} schedule",
+        plan.ns_dtype and f"Newton-Schulz in {plan.ns_dtype.value} ({plan.ns_dtype.reason})",
+        o.muon_orth == "polar_express" and "Polar Express in place of Newton-Schulz's polynomial",
+        o.cautious_wd and "cautious weight decay",
+        o.token_features and "token features shared by the token tables (training only)",
+        o.ema_decay and f"weight average (EMA) {o.ema_decay}: evaluations and checkpoints hold it",
+    ]
+    batch = [  # the sequence-length ramp: the same tokens in shorter rows
+        f"{b.total_batch_tokens:,} tokens/step = micro-batch {b.micro_batch_size} x seq {b.seq_len} x "
+        f"{f.world_size} process(es) x {plan.accum} micro-steps",
+        b.batch_ramp_steps
+        and f"ramped from {b.batch_ramp_start:,} tokens ({accum_at(c, 0, f.world_size)} "
+        f"micro-steps) at step 0 over {b.batch_ramp_steps} steps",
+        b.seq_len_ramp_steps
+        and f"sequences of {b.seq_len_start} tokens at step 0 (micro-batch "
+        f"{b.micro_batch_size * b.seq_len // b.seq_len_start} rows), doubling to {b.seq_len} by step "
+        f"{b.seq_len_ramp_steps}",
+        f"steps to {o.max_steps}",
+    ]
+    peak, init, (n, total), ft = plan.peak_flops, plan.init_record, plan.supervised or (0, 0), c.finetune
+    lora = f", LoRA rank {ft.lora_rank} on {ft.lora_targets}" if ft.lora_rank else ""
+    checkpointing = "; activation checkpointing on" if c.parallel.activation_checkpointing else ""
+    rows = [
+        f"out       {c.out}" + (f" (resume from {plan.resume})" if plan.resume else " (new run)"),
+        f"machine   {f.describe()}",
+        f"model     {m.n_layer} layers, {m.n_head} heads, {m.n_embd} wide, block {m.block_size}, "
+        f"{plan.params:,} params{lora}",
+        f"export    {export_target(m).describe()}",
+        m.tokenizer
+        and f"tokenizer sha256:{m.tokenizer[:12]} (the data's): {m.token_vocab_size:,} tokens in "
+        f"{m.vocab_size:,} embedding rows",
+        plan.supervised
+        and f"data      {c.data}: conversations in the {m.chat_template} template, supervised on "
+        f"{n:,} of {total:,} tokens ({n / max(total, 1):.0%}: the assistant's turns)",
+        plan.prompt_reason and f"sample    prompt {c.eval.sample_prompt!r} ({plan.prompt_reason})",
+        *(f"skipped   {line}" for line in plan.skipped),
+        plan.schedule_change and f"schedule  {plan.schedule_change}",
+        init and f"init from {init['source']} ({init.get('kind', 'recorded by the run')}, {init['id']})",
         f"dtype     {plan.dtype.value} ({plan.dtype.reason})",
         f"compile   {'on' if plan.compile.value else 'off'} ({plan.compile.reason})",
-        f"strategy  {plan.strategy.value} ({plan.strategy.reason})"
-        + ("; activation checkpointing on" if c.parallel.activation_checkpointing else ""),
-        f"loss      {plan.loss.value} ({plan.loss.reason})" + (mtp if m.mtp_heads else ""),
-        f"optimizer {c.optim.optimizer}"
-        + (f" ({c.optim.muon_variant})" if c.optim.muon_variant != "muon" else "")
-        + f", {c.optim.lr_schedule} schedule"
-        + (f"; Newton-Schulz in {plan.ns_dtype.value} ({plan.ns_dtype.reason})" if plan.ns_dtype else "")
-        + ("; Polar Express in place of Newton-Schulz's polynomial" if c.optim.muon_orth == "polar_express" else "")
-        + ("; cautious weight decay" if c.optim.cautious_wd else "")
-        + ("; token features shared by the token tables (training only)" if c.optim.token_features else "")
-        + (
-            f"; weight average (EMA) {c.optim.ema_decay}: evaluations and checkpoints hold it"
-            if c.optim.ema_decay
-            else ""
-        ),
-        f"batch     {c.batch.total_batch_tokens:,} tokens/step = micro-batch {c.batch.micro_batch_size} "
-        f"x seq {c.batch.seq_len} x {plan.machine.world_size} process(es) x {plan.accum} micro-steps{ramp}; "
-        f"steps to {c.optim.max_steps}",
-        "peak      "
-        + (
-            f"{peak / 1e12:.0f} TFLOP/s per device ({plan.peak_flops.reason})"
-            if peak
-            else f"unknown ({plan.peak_flops.reason}); no MFU"
-        ),
+        f"strategy  {plan.strategy.value} ({plan.strategy.reason}){checkpointing}",
+        "loss      " + "; ".join(part for part in loss if part),
+        "optimizer " + "; ".join(part for part in optimizer if part),
+        "batch     " + "; ".join(part for part in batch if part),
+        f"peak      {peak.value / 1e12:.0f} TFLOP/s per device ({peak.reason})"
+        if peak.value
+        else f"peak      unknown ({peak.reason}); no MFU",
         f"memory    {mem}",
-        f"disk      {describe_checkpoints(checkpoint_disk(plan.config))}",
+        f"disk      {describe_checkpoints(checkpoint_disk(c))}",
     ]
-    out += [f"warning: {ch.warning}" for ch in (plan.dtype, plan.compile) if ch.warning]
-    return out
+    out = [line for line in rows if line]
+    return out + [f"warning: {ch.warning}" for ch in (plan.dtype, plan.compile) if ch.warning]
 
 
 def checkpoint_bytes(cfg: TrainConfig) -> dict:

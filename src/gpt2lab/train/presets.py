@@ -74,15 +74,13 @@ def listing() -> list[str]:
     out = []
     for name in preset_names():
         cfg = load_preset(name)
-        m, b, o, measured = cfg.model, cfg.batch, cfg.optim, MEASURED.get(name)
+        m, b, o, init, measured = cfg.model, cfg.batch, cfg.optim, cfg.finetune.init_from, MEASURED.get(name)
         ramp = min(o.max_steps, b.batch_ramp_steps)
         n = sum(accum_at(cfg, s, 1) for s in range(ramp)) * b.micro_batch_size * b.seq_len
         n += (o.max_steps - ramp) * b.total_batch_tokens
         modern = m.modern() or o.optimizer != "adamw" or o.lr_schedule != "cosine"
         recipe = FINE_TUNES.get(name) or f"{'modern' if modern else 'faithful GPT-2'} recipe"
-        source = (
-            f" (the architecture comes from --init-from {cfg.finetune.init_from})" if cfg.finetune.init_from else ""
-        )
+        source = f" (the architecture comes from --init-from {init})" if init else ""
         out += [
             f"{name}: {m.n_layer} layers x {m.n_embd} wide, {params(cfg):,} parameters{source}; "
             f"{recipe}; {o.max_steps:,} steps, {n:,} tokens",

@@ -17,6 +17,7 @@ A failure before the first step removes what this start wrote (system.rundir.Cla
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -76,9 +77,8 @@ def train(
         if not dry_run:
             return _run(plan, info, claimed[0] if claimed else None, request.resume_advice)
         if info.is_main:
-            print("gpt2lab train --dry-run: the plan (nothing trained, nothing written)")
-            for line in plan_text.lines(plan):
-                print(f"  {line}")
+            lines = (f"  {line}" for line in plan_text.lines(plan))
+            print("gpt2lab train --dry-run: the plan (nothing trained, nothing written)", *lines, sep="\n")
         return None
 
 
@@ -111,19 +111,10 @@ def _run(plan: RunPlan, info: DistInfo, claim: Optional[rundir.Claim], resume_wi
         trainer = Trainer(plan, info)
         if info.is_main:
             _write_run_files(plan, info, trainer, resume_with)
-        lg = cfg.logging
-        log = MetricsLogger(
-            cfg.out,
-            enabled=info.is_main,
-            total_steps=cfg.optim.max_steps,
-            start_step=trainer.step,
-            log_interval=lg.log_interval,
-            tensorboard=lg.tensorboard,
-            progress=lg.progress and sys.stderr.isatty(),  # never into a redirected log
-            wandb_project=lg.wandb_project,
-            wandb_run_name=lg.wandb_run_name,
-            config=cfg.to_dict(),
-        )
+        # the logging section's fields are the logger's options; a progress bar never in a redirected log
+        options = {**dataclasses.asdict(cfg.logging), "progress": cfg.logging.progress and sys.stderr.isatty()}
+        at = dict(enabled=info.is_main, total_steps=cfg.optim.max_steps, start_step=trainer.step)
+        log = MetricsLogger(cfg.out, config=cfg.to_dict(), **at, **options)
         for line in plan_text.lines(plan):  # the plan a --dry-run shows, each decision and its reason
             log.console(f"gpt2lab train: {line}")
         log.console(
