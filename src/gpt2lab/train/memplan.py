@@ -17,6 +17,7 @@ The fake run uses torch's private ``torch._subclasses.fake_tensor`` (in every to
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import weakref
@@ -342,17 +343,8 @@ def largest_micro_batches(
 
 
 def largest_fitting(fits, cap: int) -> int:
-    """Largest B in [1, cap] with fits(B) (fits is monotone), 0 if none: doubling, then bisection."""
-    if not fits(1):
-        return 0
-    good = 1
-    while good < cap and fits(min(2 * good, cap)):
-        good = min(2 * good, cap)
-    bad = min(2 * good, cap + 1)
-    while bad - good > 1:
-        mid = (good + bad) // 2
-        good, bad = (mid, bad) if fits(mid) else (good, mid)
-    return good
+    """Largest B in [1, cap] with fits(B) (fits is monotone), 0 if none: bisection."""
+    return bisect.bisect_left(range(1, cap + 1), True, key=lambda B: not fits(B))
 
 
 def check_values(strategy: str, world_size: int, micro_batch: int, dtype: str, accum: int, device: str) -> None:
