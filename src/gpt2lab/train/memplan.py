@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -319,26 +320,19 @@ def largest_micro_batches(
     if gpu_bytes <= 0:
         raise PlanError(f"memory to plan for must be positive, got {gpu_bytes} bytes")
     rows = []
-    for strategy in STRATEGIES:
-        for ac in (False, True):
+    for strategy, ac in itertools.product(STRATEGIES, (False, True)):
 
-            def total_at(B: int) -> int:
-                c = dataclasses.replace(
-                    cfg,
-                    batch=dataclasses.replace(cfg.batch, micro_batch_size=B),
-                    parallel=dataclasses.replace(cfg.parallel, activation_checkpointing=ac),
-                )
-                return predict(c, strategy=strategy, world_size=world_size, dtype=dtype, compiled=compiled).total
-
-            best = largest_fitting(lambda B: parallel.fits(total_at(B), gpu_bytes), max_batch)
-            rows.append(
-                {
-                    "strategy": strategy,
-                    "activation_checkpointing": ac,
-                    "micro_batch": best,
-                    "predicted_bytes": total_at(max(best, 1)),
-                }
+        def total_at(B: int) -> int:
+            c = dataclasses.replace(
+                cfg,
+                batch=dataclasses.replace(cfg.batch, micro_batch_size=B),
+                parallel=dataclasses.replace(cfg.parallel, activation_checkpointing=ac),
             )
+            return predict(c, strategy=strategy, world_size=world_size, dtype=dtype, compiled=compiled).total
+
+        best = largest_fitting(lambda B: parallel.fits(total_at(B), gpu_bytes), max_batch)
+        fit = total_at(max(best, 1))
+        rows.append(dict(strategy=strategy, activation_checkpointing=ac, micro_batch=best, predicted_bytes=fit))
     return rows
 
 

@@ -82,9 +82,7 @@ class SpikeGuard:
         loss, norm = loss.detach().to(self.dtype), norm.detach().to(self.dtype)
         log_norm = norm.clamp(min=1e-12).log()
         z_loss = _zscore(loss, self.losses, LOSS_STD_FLOOR * self.losses.mean().abs())
-        z_norm = _zscore(
-            log_norm, self.log_norms, torch.tensor(LOG_NORM_STD_FLOOR, dtype=self.dtype, device=loss.device)
-        )
+        z_norm = _zscore(log_norm, self.log_norms, LOG_NORM_STD_FLOOR)
         finite = loss.isfinite() & norm.isfinite()
         spike = ((z_loss > self.loss_z) & (self.loss_z > 0)) | ((z_norm > self.norm_z) & (self.norm_z > 0))  # 0: off
         healthy = finite & ~(spike & (self.count >= w)) if self.window > 0 else finite
@@ -186,7 +184,6 @@ class SpikeGuard:
         self.skips = [list(r) for r in state.get("skips", [])]
 
 
-def _zscore(value: torch.Tensor, history: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+def _zscore(value: torch.Tensor, history: torch.Tensor, floor) -> torch.Tensor:
     mean = history.mean()
-    std = ((history - mean) ** 2).mean().sqrt()
-    return (value - mean) / torch.maximum(std, floor)
+    return (value - mean) / ((history - mean) ** 2).mean().sqrt().clamp(min=floor)
