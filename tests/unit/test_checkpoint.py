@@ -14,7 +14,7 @@ from gpt2lab.model.config import model_from_config
 from gpt2lab.model.gpt import GPT
 from gpt2lab.system import formats
 from gpt2lab.system.errors import CheckpointError
-from gpt2lab.train.optim import make_optimizer
+from gpt2lab.train.optim import AdamW, param_groups
 from gpt2lab.weights.load import WeightsError, load_model
 
 CFG = {"model": dict(block_size=16, vocab_size=50304, token_vocab_size=50257, n_layer=2, n_head=2, n_embd=16)}
@@ -23,7 +23,7 @@ CFG = {"model": dict(block_size=16, vocab_size=50304, token_vocab_size=50257, n_
 def _trained(seed: int = 0) -> tuple[GPT, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = GPT(model_from_config(CFG))
-    opt = make_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device=torch.device("cpu"))
+    opt = AdamW(param_groups(model, 0.1), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=True)
     x = torch.randint(0, 50257, (2, 16))
     _, loss = model(x, x)
     loss.backward()

@@ -13,7 +13,7 @@ from conftest import TINY
 
 from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.model.loss import LossPath
-from gpt2lab.train.optim import AdamW, Muon, make_optimizer
+from gpt2lab.train.optim import AdamW, Muon, param_groups
 from gpt2lab.train.settings import load_preset
 from gpt2lab.train.spikes import VALUES, SpikeGuard
 from gpt2lab.train.trainer import GPU_CHECK_INTERVAL, Trainer, TrainingError, check_interval
@@ -62,7 +62,7 @@ def test_the_guard_judges_by_the_rule_and_resumes_from_its_state(window, loss_z,
     for i, (loss, norm) in enumerate(_values(60, 2)):
         if i == 25:  # a guard rebuilt from a checkpoint's state mid-run judges on alike
             state = guard.state_dict()
-            assert state["losses"] == [h[0] for h in healthy[-max(window, 1) :]]  # oldest first, as saved before
+            assert state["guard"]["losses"] == [h[0] for h in healthy[-max(window, 1) :]]  # oldest first
             guard = SpikeGuard(window, loss_z, norm_z, 3)
             guard.load_state_dict(state)
         loss, norm = float(np.float32(loss)), float(np.float32(norm))  # float32 losses, as the trainer's
@@ -124,8 +124,8 @@ def test_a_step_skipped_on_the_device_changes_nothing_and_a_kept_one_is_the_plai
 
 def test_check_interval_auto_and_where_the_host_must_decide():
     model = torch.nn.Linear(4, 4)
-    fused = make_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device=CPU)
-    plain = make_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device=CPU, fused=False)
+    fused = AdamW(param_groups(model, 0.1), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    plain = AdamW(param_groups(model, 0.1), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
     gpu = torch.device("cuda")  # a fact, not a device: nothing is allocated on it
     assert check_interval(0, CPU, fused, None, None) == 1
     assert check_interval(0, gpu, fused, None, None) == GPU_CHECK_INTERVAL

@@ -714,21 +714,21 @@ def test_polar_express_singular_values_are_near_one_and_nearer_than_newton_schul
     0.30 against 0.62 for the square one, whose smallest singular value is 0.3% of its largest), the
     output nearer U V^T; by 8 steps Polar Express has converged (Newton-Schulz's polynomial plateaus
     near 0.7-1.2 at any count). Equal to the float64 written-out algorithm at 5 and 10 steps."""
-    from gpt2lab.train.optim import orthogonalize, polar_express
+    from gpt2lab.train.optim import orthogonalize
 
     gen = torch.Generator().manual_seed(3)
     g = torch.randn(*shape, generator=gen, dtype=torch.float64)
     u, s, vh = torch.linalg.svd(g, full_matrices=False)
     assert s.min() / s.max() > 1e-3  # inside the interval the polynomials were fitted on
     polar = u @ vh
-    pe = polar_express(g.float(), torch.float32, steps=5)
+    pe = orthogonalize(g.float(), torch.float32, steps=5, orth="polar_express")
     ns = orthogonalize(g.float(), torch.float32, steps=5)
     off_pe, off_ns = ((torch.linalg.svdvals(o.double()) - 1).abs().max() for o in (pe, ns))
     assert off_pe < 0.31 and off_pe < 0.6 * off_ns
     assert torch.linalg.matrix_norm(pe.double() - polar) < 0.5 * torch.linalg.matrix_norm(ns.double() - polar)
     torch.testing.assert_close(pe.double(), reference_polar_express(g, 5), rtol=1e-4, atol=1e-5)
     for steps in (8, 10):  # past the eighth the last polynomial repeats: converged to U V^T
-        pe_n = polar_express(g.float(), torch.float32, steps=steps).double()
+        pe_n = orthogonalize(g.float(), torch.float32, steps=steps, orth="polar_express").double()
         ns_n = orthogonalize(g.float(), torch.float32, steps=steps).double()
         assert (torch.linalg.svdvals(pe_n) - 1).abs().max() < 1e-3 < 0.3 < (torch.linalg.svdvals(ns_n) - 1).abs().max()
         torch.testing.assert_close(pe_n, reference_polar_express(g, steps), rtol=1e-4, atol=1e-5)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpt2lab.model.gpt import GPT, GPTConfig
-from gpt2lab.train.optim import make_optimizer, param_groups
+from gpt2lab.train.optim import AdamW, param_groups
 from gpt2lab.train.schedule import lr_at
 from gpt2lab.train.settings import load_preset
 
@@ -34,7 +34,7 @@ def test_weight_decay_only_on_matrices():
 def test_adamw_step_matches_torch_reference():
     """Our AdamW (fused where available) against plain, unfused torch.optim.AdamW, same gradients."""
     a, b = _model(), _model()
-    opt_a = make_optimizer(a, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device=torch.device("cpu"))
+    opt_a = AdamW(param_groups(a, 0.1), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True)
     groups_b = [
         {"params": [p for p in b.parameters() if p.dim() >= 2], "weight_decay": 0.1},
         {"params": [p for p in b.parameters() if p.dim() < 2], "weight_decay": 0.0},

@@ -13,7 +13,7 @@ from conftest import DATA, TINY, step_record
 from gpt2lab.distributed.dist import DistInfo
 from gpt2lab.distributed.parallel import accumulate_gradients
 from gpt2lab.model.gpt import GPT, GPTConfig
-from gpt2lab.train.optim import make_optimizer
+from gpt2lab.train.optim import AdamW, param_groups
 from gpt2lab.train.settings import load_preset
 from gpt2lab.train.trainer import Trainer, TrainingError
 
@@ -31,7 +31,7 @@ def _trainer(data: str, out, **fields) -> Trainer:
 def test_overfits_one_batch():
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=2, n_embd=64, token_vocab_size=50257))
-    opt = make_optimizer(model, lr=3e-3, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, device=CPU)
+    opt = AdamW(param_groups(model, 0.0), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, fused=True)
     x = torch.randint(0, 50257, (2, 33))
     batch = (x[:, :-1], x[:, 1:])
     for step in range(300):
@@ -217,33 +217,36 @@ def test_run_logs_val_hellaswag_samples_tensorboard_and_plot(tiny_data, tmp_path
 
 
 def test_rollback_is_a_decision_made_without_the_trainer(tmp_path):
-    """train.rollback decides alone: back to the newest checkpoint at or before the first spike, never the
+    """The spike guard decides alone: back to the newest checkpoint at or before the first spike, never the
     spiking steps' data again; its skips outlive the checkpoint's restore; too many rollbacks to the same
     checkpoint stop the run; with no checkpoint before the spikes it trains on."""
-    from gpt2lab.train.rollback import MAX_ROLLBACKS, Rollback
+    from gpt2lab.train.spikes import MAX_ROLLBACKS, SpikeGuard
 
     cfg = load_preset(
         "shakespeare-cpu", **{**TINY, "data": "unused", "out": str(tmp_path), "spike_window": 4, "spike_rollback": 2}
     )
-    early = Rollback(cfg)
-    early.guard.spikes = [[3, 60], [4, 80]]
-    none = early.decide(end=100, step=5)  # nothing saved yet
-    assert none.target is None and "note" in none.record and early.guard.spikes == [] and early.rollbacks == 0
+    early = SpikeGuard.for_run(cfg)
+    early.spikes = [[3, 60], [4, 80]]
+    none = early.decide(end=100, step=5, restore=None)  # nothing saved yet
+    assert none["rollback_to"] is None and "note" in none and early.spikes == [] and early.rollbacks == 0
     for step in (8, 16, 24):
         d = tmp_path / "checkpoints" / f"step_{step:06d}"
         d.mkdir(parents=True)
         (d / "state.pt").touch()
         (d / "model.safetensors").touch()
-    rollback = Rollback(cfg)
+    rollback, restored = SpikeGuard.for_run(cfg), []
+
+    def restore(target):  # what restoring the checkpoint leaves
+        restored.append(target)
+        rollback.skips, rollback.bad_steps = [], 3
+
     for n in range(1, MAX_ROLLBACKS + 1):
-        rollback.guard.spikes = [[17, 340], [18, 360]]
-        decision = rollback.decide(end=380, step=19)
-        assert decision.target.endswith("step_000016") and decision.skips == [[340, 380]] * n
-        assert decision.record["skip_positions"] == [340, 380] and decision.record["spike_steps"] == [17, 18]
-        rollback.skips, rollback.bad_steps = [], 3  # what restoring the checkpoint leaves
-        rollback.rolled_back(decision)
+        rollback.spikes = [[17, 340], [18, 360]]
+        record = rollback.decide(end=380, step=19, restore=restore)
+        assert record["rollback_to"].endswith("step_000016") and restored[-1] == record["rollback_to"]
+        assert record["skip_positions"] == [340, 380] and record["spike_steps"] == [17, 18]
         assert rollback.skips == [[340, 380]] * n and rollback.bad_steps == 0
     assert rollback.skip_bad_data(340) == rollback.skip_bad_data(379) == 380 and rollback.skip_bad_data(339) == 339
-    rollback.guard.spikes = [[17, 340], [18, 360]]
+    rollback.spikes = [[17, 340], [18, 360]]
     with pytest.raises(TrainingError, match=f"rolled back to .*step_000016 {MAX_ROLLBACKS} times"):
-        rollback.decide(end=380, step=19)
+        rollback.decide(end=380, step=19, restore=restore)

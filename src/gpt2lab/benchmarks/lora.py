@@ -16,7 +16,7 @@ import torch
 
 from gpt2lab.benchmarks import peak_rss_bytes
 from gpt2lab.model.gpt import GPT, GPTConfig
-from gpt2lab.train.optim import make_optimizer
+from gpt2lab.train.optim import AdamW, param_groups
 
 GIB = 2**30
 
@@ -43,9 +43,7 @@ def count_state(args: argparse.Namespace, lora: bool) -> dict:
         from gpt2lab.model.lora import add_lora
 
         add_lora(model, args.rank, 2.0 * args.rank, args.targets)
-    opt = make_optimizer(
-        model, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, device=device, fused=device.type == "cpu"
-    )
+    opt = AdamW(param_groups(model, 0.1), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cpu" or None)
     trainable = [p for p in model.parameters() if p.requires_grad]
     if device.type == "meta":
         for p in trainable:

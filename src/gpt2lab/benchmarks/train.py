@@ -30,7 +30,7 @@ from torch.nn import functional as F
 from gpt2lab.benchmarks import timed
 from gpt2lab.distributed.dist import DistInfo, autocast, pick_device
 from gpt2lab.train.config import merge_config
-from gpt2lab.train.optim import make_optimizer
+from gpt2lab.train.optim import AdamW, param_groups
 from gpt2lab.train.settings import add_config_flags, load_preset, overrides_from_args
 
 
@@ -239,7 +239,7 @@ def recipe_step(model, loss_of, device: torch.device, dtype: str, compile: bool,
     """The recipe's step of ``model``: ``accum`` micro-steps of ``loss_of(forward)`` (``forward``: the model,
     torch.compile'd if ``compile``) under autocast in ``dtype`` (float32: none), backward, clip 1.0, the step
     of AdamW (``adamw``'s values; fused if ``fused``, else torch's default, foreach); the step returns its loss."""
-    opt = make_optimizer(model, **adamw, device=device, fused=fused)
+    opt = AdamW(param_groups(model, adamw.pop("weight_decay")), **adamw, fused=fused or None)
     forward = torch.compile(model) if compile else model
 
     def step() -> torch.Tensor:

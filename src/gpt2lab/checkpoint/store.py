@@ -55,7 +55,7 @@ from gpt2lab.distributed import dist, parallel
 from gpt2lab.model.config import model_from_config
 from gpt2lab.system import formats
 from gpt2lab.system.errors import CheckpointError, ConfigError
-from gpt2lab.system.files import atomic_dir, sha256_file, write_json
+from gpt2lab.system.files import atomic_dir, read_json_object, sha256_file, write_json
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 _WRAPPERS = re.compile(r"^(?:_orig_mod\.|module\.)+")  # torch.compile and DDP wrappers' prefixes
@@ -276,13 +276,9 @@ def weights_file(ckpt: str) -> str:
 def read_config(ckpt: str) -> dict:
     """The checkpoint's config.json, nested, without its format_version (one of another version is refused)."""
     path = os.path.join(ckpt, "config.json")
-    try:
-        with open(path) as fh:
-            config = json.load(fh)
-    except (OSError, ValueError) as e:
-        raise damaged(ckpt, f"config.json unreadable ({e})") from e
-    if not isinstance(config, dict):
-        raise damaged(ckpt, f"config.json holds no object ({type(config).__name__})")
+    config = read_json_object(path)
+    if config is None:
+        raise damaged(ckpt, "config.json is missing, unreadable or not a JSON object")
     return formats.unstamp(config, path, formats.RUN, CheckpointError)
 
 
@@ -296,12 +292,7 @@ def load_weights(model: torch.nn.Module, ckpt: str, verified: bool = False, name
     """
     if not verified:
         verify(ckpt)
-    if sharded.is_sharded_checkpoint(ckpt):
-        _check_shape(model, ckpt, _sharded_shapes(ckpt))
-        state = _read(ckpt, "its shards", sharded.read_model)
-    else:
-        state = _read_full(ckpt, name, model)
-    model.load_state_dict(state, strict=False)  # a tied lm_head is wte, restored with it
+    model.load_state_dict(_read_weights(ckpt, name, model), strict=False)  # a tied lm_head is wte, restored with it
 
 
 def _read(ckpt: str, what: str, read):
@@ -311,16 +302,15 @@ def _read(ckpt: str, what: str, read):
         raise damaged(ckpt, f"{what} cannot be read ({_first_line(e)})") from e
 
 
-def _read_full(ckpt: str, name: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A full checkpoint's weights file ``name``, checked to fit ``model``'s shape."""
-    state = _read(ckpt, name, lambda c: clean_state_dict(load_file(os.path.join(c, name))))
+def _read_weights(ckpt: str, name: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A checkpoint's weights as whole tensors (a full one's file ``name``; a sharded one's shards, consolidated),
+    checked to fit ``model``'s shape."""
+    if sharded.is_sharded_checkpoint(ckpt):
+        state = _read(ckpt, "its shards", sharded.read_model)
+    else:
+        state = _read(ckpt, name, lambda c: clean_state_dict(load_file(os.path.join(c, name))))
     _check_shape(model, ckpt, {k: tuple(v.shape) for k, v in state.items()})
     return state
-
-
-def _sharded_shapes(ckpt: str) -> dict[str, tuple[int, ...]]:
-    meta = _read(ckpt, f"its index ({sharded.METADATA})", sharded.saved_model)
-    return {name: shape for name, (shape, _) in meta.items()}
 
 
 def _check_shape(model: torch.nn.Module, ckpt: str, theirs: dict) -> None:
@@ -394,10 +384,11 @@ def load(ckpt: str, parts: Mapping[str, Any], verified: bool = False) -> None:
     averaged = os.path.isfile(os.path.join(ckpt, TRAINING))
     trained = TRAINING if averaged else "model.safetensors"
     if sharded.is_sharded_checkpoint(ckpt):
-        _check_shape(model, ckpt, _sharded_shapes(ckpt))
+        meta = _read(ckpt, f"its index ({sharded.METADATA})", sharded.saved_model)
+        _check_shape(model, ckpt, {name: shape for name, (shape, _) in meta.items()})
         sharded.load(ckpt, model, optimizer)
     elif parallel.is_sharded(model):  # a one-process or DDP checkpoint continued under FSDP
-        weights = _read_full(ckpt, trained, model)
+        weights = _read_weights(ckpt, trained, model)
         _load_optimizer(ckpt, lambda adam: sharded.load_full(model, optimizer, weights, adam))
     else:
         load_weights(model, ckpt, verified=True, name=trained)

@@ -17,7 +17,9 @@ The fake run uses torch's private ``torch._subclasses.fake_tensor`` (in every to
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -318,41 +320,25 @@ def largest_micro_batches(
     if gpu_bytes <= 0:
         raise PlanError(f"memory to plan for must be positive, got {gpu_bytes} bytes")
     rows = []
-    for strategy in STRATEGIES:
-        for ac in (False, True):
+    for strategy, ac in itertools.product(STRATEGIES, (False, True)):
 
-            def total_at(B: int) -> int:
-                c = dataclasses.replace(
-                    cfg,
-                    batch=dataclasses.replace(cfg.batch, micro_batch_size=B),
-                    parallel=dataclasses.replace(cfg.parallel, activation_checkpointing=ac),
-                )
-                return predict(c, strategy=strategy, world_size=world_size, dtype=dtype, compiled=compiled).total
-
-            best = largest_fitting(lambda B: parallel.fits(total_at(B), gpu_bytes), max_batch)
-            rows.append(
-                {
-                    "strategy": strategy,
-                    "activation_checkpointing": ac,
-                    "micro_batch": best,
-                    "predicted_bytes": total_at(max(best, 1)),
-                }
+        def total_at(B: int) -> int:
+            c = dataclasses.replace(
+                cfg,
+                batch=dataclasses.replace(cfg.batch, micro_batch_size=B),
+                parallel=dataclasses.replace(cfg.parallel, activation_checkpointing=ac),
             )
+            return predict(c, strategy=strategy, world_size=world_size, dtype=dtype, compiled=compiled).total
+
+        best = largest_fitting(lambda B: parallel.fits(total_at(B), gpu_bytes), max_batch)
+        fit = total_at(max(best, 1))
+        rows.append(dict(strategy=strategy, activation_checkpointing=ac, micro_batch=best, predicted_bytes=fit))
     return rows
 
 
 def largest_fitting(fits, cap: int) -> int:
-    """Largest B in [1, cap] with fits(B) (fits is monotone), 0 if none: doubling, then bisection."""
-    if not fits(1):
-        return 0
-    good = 1
-    while good < cap and fits(min(2 * good, cap)):
-        good = min(2 * good, cap)
-    bad = min(2 * good, cap + 1)
-    while bad - good > 1:
-        mid = (good + bad) // 2
-        good, bad = (mid, bad) if fits(mid) else (good, mid)
-    return good
+    """Largest B in [1, cap] with fits(B) (fits is monotone), 0 if none: bisection."""
+    return bisect.bisect_left(range(1, cap + 1), True, key=lambda B: not fits(B))
 
 
 def check_values(strategy: str, world_size: int, micro_batch: int, dtype: str, accum: int, device: str) -> None:

@@ -93,25 +93,6 @@ class AdamW(torch.optim.AdamW):
                 group["weight_decay"] = wd
 
 
-def make_optimizer(
-    model: nn.Module,
-    *,
-    lr: float,
-    weight_decay: float,
-    betas: tuple[float, float],
-    eps: float,
-    device: torch.device,
-    fused: bool | None = None,
-    cautious: bool = False,
-) -> torch.optim.AdamW:
-    """AdamW over ``param_groups``; fused when the device has the kernel (``fused=None``: CUDA and CPU);
-    ``cautious``: its weight decay cautious."""
-    use_fused = device.type in ("cuda", "cpu") if fused is None else fused
-    return AdamW(
-        param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=use_fused or None, cautious=cautious
-    )
-
-
 # -- Muon ------------------------------------------------------------------------------------
 # The quintic Newton-Schulz iteration's coefficients (Jordan et al., the Muon write-up; torch's defaults).
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -123,24 +104,27 @@ def orthogonalize(
     coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
     steps: int = 5,
     eps: float = 1e-7,
+    orth: str = "newton_schulz",
 ) -> torch.Tensor:
     """Muon's approximate orthogonalisation of the 2-D ``g`` (roughly U V^T of its SVD), run in ``dtype``.
 
     ``g`` is scaled to Frobenius norm 1 (so every singular value is <= 1), then each of
     ``steps`` iterations maps X to aX + (bXX^T + c(XX^T)^2)X on the short side (X X^T is the
-    smaller Gram matrix). The result is in ``dtype``.
+    smaller Gram matrix). The result is in ``dtype``. ``orth`` "polar_express" (``--muon-orth``):
+    the Polar Express polynomials, iteration t's (a_t, b_t, c_t), ``g`` divided by 1.01 times its
+    Frobenius norm; the same matmuls as Newton-Schulz's, singular values closer to 1 at as many steps.
     """
-    return _quintic_steps(g, dtype, [coefficients] * steps, lambda norm: norm.clamp(min=eps))
-
-
-def _quintic_steps(g: torch.Tensor, dtype: torch.dtype, coefficients, scale) -> torch.Tensor:
-    """``g`` in ``dtype`` divided by ``scale`` of its Frobenius norm, then X -> aX + (bXX^T + c(XX^T)^2)X once
-    per (a, b, c), X the wide (rows <= columns) side."""
     x = g.to(dtype)
     tall = x.size(0) > x.size(1)
     x = x.T if tall else x
-    x = x / scale(x.norm())
-    for a, b, c in coefficients:
+    if orth == "polar_express":
+        s = POLAR_EXPRESS_SAFETY
+        safe = [(a / s, b / s**3, c / s**5) for a, b, c in POLAR_EXPRESS_COEFFICIENTS[:-1]]
+        polys = (safe + [POLAR_EXPRESS_COEFFICIENTS[-1]] * max(1, steps - len(safe)))[:steps]
+        x = x / (x.norm() * s + eps)
+    else:
+        polys, x = [coefficients] * steps, x / x.norm().clamp(min=eps)
+    for a, b, c in polys:
         gram = x @ x.T
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b*G + c*G@G
         x = torch.addmm(x, poly, x, beta=a)  # a*X + poly@X
@@ -165,16 +149,6 @@ POLAR_EXPRESS_COEFFICIENTS = (
 # b / 1.01^3, c / 1.01^5), and the input is divided by 1.01 times its Frobenius norm, so that rounding
 # never carries a singular value past the interval a polynomial was fitted on.
 POLAR_EXPRESS_SAFETY = 1.01
-
-
-def polar_express(g: torch.Tensor, dtype: torch.dtype, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
-    """``orthogonalize`` with the Polar Express polynomials (``--muon-orth polar_express``): ``g`` divided
-    by 1.01 times its Frobenius norm, then iteration t maps X to a_t X + (b_t XX^T + c_t (XX^T)^2) X,
-    in ``dtype``. The same matmuls as Newton-Schulz's; singular values closer to 1 at as many steps."""
-    s = POLAR_EXPRESS_SAFETY
-    safe = [(a / s, b / s**3, c / s**5) for a, b, c in POLAR_EXPRESS_COEFFICIENTS[:-1]]
-    safe += [POLAR_EXPRESS_COEFFICIENTS[-1]] * max(1, steps - len(safe))
-    return _quintic_steps(g, dtype, safe[:steps], lambda norm: norm * s + eps)
 
 
 def normalize_neurons(
@@ -212,7 +186,7 @@ class Muon(torch.optim.Muon):
     the dtype. It is torch's update, written out: Nesterov momentum, orthogonalise, decoupled
     weight decay ``p *= 1 - lr*wd``, ``p -= lr * scale * O`` (torch's per-matrix scale). NorMuon's second moment is
     one more state entry per matrix, ``second_moment`` (fp32, one value per row). ``orth``
-    "polar_express" orthogonalises with ``polar_express`` (``ns_steps`` iterations) in place of
+    "polar_express" orthogonalises with the Polar Express polynomials (``ns_steps`` iterations) in place of
     Newton-Schulz; ``cautious`` decays only where the update O and the weight agree in sign (``cautious_decay_``):
     ``p *= 1 - lr*wd*I(O*p >= 0)``. The variant, beta2, orth and cautious are attributes, not group
     entries, so a resume uses the run's own, not the checkpoint's.
@@ -254,12 +228,9 @@ class Muon(torch.optim.Muon):
                 # a step skipped on the device leaves the buffer as it was (weight 0)
                 buf.lerp_(p.grad, 1 - momentum if keep is None else (keep * (1 - momentum)).to(buf.dtype))
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                if self.orth == "polar_express":
-                    update = polar_express(update, self.ns_dtype, group["ns_steps"], group["eps"])
-                else:
-                    update = orthogonalize(
-                        update, self.ns_dtype, group["ns_coefficients"], group["ns_steps"], group["eps"]
-                    )
+                update = orthogonalize(
+                    update, self.ns_dtype, group["ns_coefficients"], group["ns_steps"], group["eps"], self.orth
+                )
                 if self.variant == "normuon":
                     if "second_moment" not in state:
                         state["second_moment"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
@@ -375,31 +346,21 @@ def make_muon(model: nn.Module, opt, device: torch.device, ns_dtype: torch.dtype
         {"params": [p for p in other if p.dim() >= 2], "lr": opt.max_lr, "weight_decay": wd, "lr_name": "max_lr"},
         {"params": [p for p in other if p.dim() < 2], "lr": opt.max_lr, "weight_decay": 0.0, "lr_name": "max_lr"},
     ]
-    adamw = AdamW(
-        [g for g in groups if g["params"]],
-        lr=opt.max_lr,
-        betas=(opt.beta1, opt.beta2),
-        eps=opt.eps,
-        fused=device.type in ("cuda", "cpu") or None,
-        cautious=opt.cautious_wd,
-    )
-    return Optimizers(adamw=adamw, muon=muon)
+    return Optimizers(adamw=AdamW([g for g in groups if g["params"]], **_adamw_settings(opt, device)), muon=muon)
+
+
+def _adamw_settings(opt, device: torch.device) -> dict:
+    """AdamW's settings from the optim section ``opt``: fused where the device has the kernel (CUDA, CPU)."""
+    fused = device.type in ("cuda", "cpu") or None
+    return dict(lr=opt.max_lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, fused=fused, cautious=opt.cautious_wd)
 
 
 def build_optimizer(model: nn.Module, opt, device: torch.device, ns_dtype: Optional[str] = None, tokenizer=None):
-    """The optimizer a TrainConfig's ``optim`` section (``opt``) asks for: today's AdamW
-    (``make_optimizer``) or Muon + AdamW; with ``token_features``, the feature share of the
+    """The optimizer a TrainConfig's ``optim`` section (``opt``) asks for: AdamW over ``param_groups``
+    or Muon + AdamW; with ``token_features``, the feature share of the
     token tables (train.token_features; ``tokenizer``: the run's, None for GPT-2's) stepped after them."""
     if opt.optimizer == "adamw":
-        optimizer = make_optimizer(
-            model,
-            lr=opt.max_lr,
-            weight_decay=opt.weight_decay,
-            betas=(opt.beta1, opt.beta2),
-            eps=opt.eps,
-            device=device,
-            cautious=opt.cautious_wd,
-        )
+        optimizer = AdamW(param_groups(model, opt.weight_decay), **_adamw_settings(opt, device))
     else:
         optimizer = make_muon(model, opt, device, getattr(torch, ns_dtype or "float32"))
     if not opt.token_features:

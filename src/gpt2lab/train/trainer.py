@@ -8,7 +8,7 @@ loader as the plan says, restores the plan's checkpoint, and runs the step and t
 backward, clipping, the skip decision (train/spikes.py, judged on the device), the optimizer
 step and the step's values, read back at once on a CPU and every few steps on a GPU
 (``read_back``, one record per step: ``record``). ``run`` logs the records, carries out the
-rollback the spikes call for (decided by ``train.rollback``: ``_log``), evaluates
+rollback the spikes call for (decided by the spike guard: ``_log``), evaluates
 (``train.evaluation.Evaluator``) and saves. ``train.run.train`` is the whole command. Under
 torchrun every rank runs the same loop on its slice of each batch; rank 0 alone prints, logs and
 writes checkpoints. Steps are counted from 0; a checkpoint named ``step_N`` holds the state after
@@ -45,7 +45,7 @@ from gpt2lab.train.gather import detect_machine
 from gpt2lab.train.init_from import load_source
 from gpt2lab.train.optim import build_optimizer, unscale
 from gpt2lab.train.plan import RunPlan, make_plan
-from gpt2lab.train.rollback import Rollback, TrainingError  # noqa: F401  (TrainingError re-exported)
+from gpt2lab.train.spikes import SpikeGuard, TrainingError  # noqa: F401  (TrainingError re-exported)
 
 # Steps between read-backs on a GPU (--check-interval 0). A read-back waits for the GPU's queue to
 # drain, so the next step starts late by the host's launch time; every 16 steps spreads that over
@@ -148,7 +148,7 @@ class Trainer:
         # --ema-decay: the weight average is what evaluations see (and what checkpoints hand on)
         self.average = WeightAverage(self.raw, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
         seen = (self.raw, self.model) if self.average is None else (self.average.module,) * 2
-        self.spikes, self.evaluate = Rollback(cfg, self.device), Evaluator(cfg, info, *seen, self.dtype)
+        self.spikes, self.evaluate = SpikeGuard.for_run(cfg, self.device), Evaluator(cfg, info, *seen, self.dtype)
         self.evaluate.stopping = lambda: self.stop_requested
         self.scaler = torch.amp.GradScaler(self.device.type) if self.dtype == "float16" else None
         if plan.resume:
@@ -216,7 +216,7 @@ class Trainer:
             keep=self.cfg.checkpoint.keep_checkpoints,
             files=files,
         )
-        self.spikes.saved()
+        self.spikes.rollbacks = 0
         if self.info.distributed:
             tdist.barrier()
         return path
@@ -249,7 +249,7 @@ class Trainer:
         norm = parallel.clip_grad_norm(self.raw, cfg.optim.grad_clip or math.inf)
         # the skip decision, NaN/inf or a spike, judged on the device; read back now where the update
         # cannot skip there (check_interval 1), else handed to the optimizer as a tensor: no host sync
-        values = self.spikes.guard.judge(loss, norm)
+        values = self.spikes.judge(loss, norm)
         skip = values[2] if self.check_interval > 1 else bool(values[2])
         # the optimizer step (a skipped one changes no weight and no state), fp16's scale, the average
         self.optimizer.step(skip=skip)
@@ -346,19 +346,19 @@ class Trainer:
         return last_ckpt
 
     def _log(self, done: list[Step], log: MetricsLogger) -> bool:
-        """Log steps' records in order, each then read by the rollback (TrainingError after too many bad
+        """Log steps' records in order, each then read by the spike guard (TrainingError after too many bad
         steps in a row); carry out the rollback the spikes call for, if they do (whether they did): restore
-        its checkpoint (the rollback keeping its newer skips), forget the log's records of the steps to
-        repeat, log the decision; with no checkpoint before the spikes, log it only."""
+        its checkpoint, forget the log's records of the steps to repeat, log the decision (with no
+        checkpoint before the spikes, log it only)."""
+
+        def restore(checkpoint: str) -> None:
+            ckpt.load(checkpoint, self.parts())
+            log.rewind(self.step)
+
         for s in done:
             log.log(s.record)
             if self.spikes.read(s.record, s.start):
-                decision = self.spikes.decide(end=s.end, step=s.step + 1)
-                if decision.target is not None:
-                    ckpt.load(decision.target, self.parts())
-                    self.spikes.rolled_back(decision)
-                    log.rewind(self.step)
-                log.log(decision.record)
+                log.log(self.spikes.decide(end=s.end, step=s.step + 1, restore=restore))
                 return True
         return False
 
