@@ -156,6 +156,11 @@ def test_bytes_per_token_against_gpt2(tok_dir, capsys):
     assert row["tokenizers"]["gpt2"]["tokens"] == sum(len(gpt2.encode_ordinary(t)) for t in texts)
     ours = row["tokenizers"]["ours"]
     assert ours["bytes_per_token"] == pytest.approx(row["bytes"] / ours["tokens"])
+    assert cli.main(["tokenizer", "eval", "--tokenizer", tok_dir, "--source", WIKI]) == 0
+    cells = capsys.readouterr().out.splitlines()[2].strip("| ").split(" | ")  # the table's row of that source
+    gpt2_tokens = row["tokenizers"]["gpt2"]["tokens"]
+    assert cells[1:4] == [f"{row['bytes']:,}", f"{row['documents']:,}", f"{ours['tokens']:,}"]
+    assert cells[7] == f"{gpt2_tokens / ours['tokens']:.3f}"
 
 
 # -- data ------------------------------------------------------------------------------------------

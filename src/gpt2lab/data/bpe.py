@@ -204,21 +204,3 @@ def evaluate_tokenizer(tokenizer_dir: str, sources: Iterable[str], text_field: s
         per = {name: {"tokens": t, "bytes_per_token": n / t if t else None} for name, t in tokens.items()}
         rows.append({**counts[0], "tokenizers": per})
     return rows
-
-
-def markdown_table(rows: list[dict], name: str = "ours") -> str:
-    """``evaluate_tokenizer``'s rows as a Markdown table."""
-    lines = [
-        f"| source | bytes | documents | tokens ({name}) | bytes/token ({name}) | tokens (GPT-2) | "
-        "bytes/token (GPT-2) | GPT-2 tokens / ours |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in rows:
-        a, b = r["tokenizers"]["ours"], r["tokenizers"]["gpt2"]
-        ratio = f"{b['tokens'] / a['tokens']:.3f}" if a["tokens"] else "-"
-        fmt = lambda v: f"{v:.3f}" if v is not None else "-"  # noqa: E731
-        lines.append(
-            f"| {r['source']} | {r['bytes']:,} | {r['documents']:,} | {a['tokens']:,} | "
-            f"{fmt(a['bytes_per_token'])} | {b['tokens']:,} | {fmt(b['bytes_per_token'])} | {ratio} |"
-        )
-    return "\n".join(lines)
