@@ -33,7 +33,7 @@ import numpy as np
 
 from gpt2lab.data import chat
 from gpt2lab.data.bpe import open_dir
-from gpt2lab.data.manifest import ShardWriter, save_manifest, start_manifest, write_held_out
+from gpt2lab.data.manifest import resume_point, save_manifest, start_manifest, write_held_out, write_shards
 from gpt2lab.data.parallel import ordered_map
 from gpt2lab.data.shards import val_size
 from gpt2lab.data.sources import Document, JsonLine, SourceError, TextSource, as_text, resolve_source
@@ -213,19 +213,15 @@ def _run(
     from tqdm import tqdm
 
     sweep_stale(str(out))
-    writer = ShardWriter(out, manifest, src, val_docs)
-    docs = src.documents(writer.doc, manifest["settings"]["limit_docs"])
+    start = resume_point(manifest)
+    docs = src.documents(start["next_doc"], manifest["settings"]["limit_docs"])
     chat_data = manifest["settings"]["format"] == "chat"
     encode = functools.partial(encode_conversations if chat_data else encode_documents, enc=tok)
     bar = tqdm(
-        disable=not progress, unit="tok", unit_scale=True, initial=writer.written, desc="prepare", dynamic_ncols=True
+        disable=not progress, unit="tok", unit_scale=True, initial=start["tokens"], desc="prepare", dynamic_ncols=True
     )
     with bar, ordered_map(encode, docs, workers, src.size_bytes) as stream:
-        for tokens, lengths, *mask in stream:
-            writer.add(tokens, lengths, *mask)
-            bar.update(int(lengths.sum()))
-            bar.set_postfix(docs=writer.doc, refresh=False)
-    writer.finish()
+        write_shards(out, manifest, src, stream, val_docs, bar)
 
 
 # -- the encode functions the parallel map runs ---------------------------------------------
