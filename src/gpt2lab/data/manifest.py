@@ -4,7 +4,7 @@ stream, and (conversations) the held-out file.
 The manifest: what a run starts from and what it leaves. A new directory gets a fresh manifest; a
 directory with an earlier run's manifest of the same command is resumed (unfinished) or checked
 (finished); one made with other flags or of another format version (shards.py's
-``check_manifest_version``) is refused. Each source file is recorded by its content (``sha256``) as
+``read_manifest``) is refused. Each source file is recorded by its content (``sha256``) as
 well as its path: where a file is no longer the one recorded (edited in place, removed, another in its
 place, or recorded by an earlier gpt2lab without its content), the directory goes back to its last
 shard made wholly of the files before it (``_roll_back``, a warning naming the file) and the prepare
@@ -110,7 +110,14 @@ def start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: TextSour
             "or use another --out"
         )
     for shard in manifest["shards"]:
-        _check_done_shard(out / shard["name"], shard["tokens"])
+        path = out / shard["name"]
+        if not path.exists() or read_header(path)[0] != shard["tokens"]:
+            why = (
+                f"token count differs from {MANIFEST_FILE}"
+                if path.exists()
+                else f"listed in {MANIFEST_FILE} but missing"
+            )
+            raise ShardError(f"{path}: {why}; delete {out} and prepare again")
     changed = _first_changed(manifest, src.files)
     if changed is None:
         return manifest
@@ -164,13 +171,6 @@ def _roll_back(out: Path, manifest: Dict, i: int) -> None:
     for key in ("splits", "tokens", "documents", "held_out", "resume"):  # a finished one's counts, the held-out file
         manifest.pop(key, None)
     manifest.update(complete=False, files=files[:i], shards=keep)
-
-
-def _check_done_shard(path: Path, tokens: int) -> None:
-    if not path.exists():
-        raise ShardError(f"{path}: listed in {MANIFEST_FILE} but missing; delete {path.parent} and prepare again")
-    if read_header(path)[0] != tokens:
-        raise ShardError(f"{path}: token count differs from {MANIFEST_FILE}; delete {path.parent} and prepare again")
 
 
 def save_manifest(out: Path, manifest: Dict) -> None:
