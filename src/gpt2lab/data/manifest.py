@@ -311,8 +311,5 @@ def held_out_file(data_dir: str) -> Optional[str]:
     """The held-out conversations of the prepared directory ``data_dir``; None where it has none
     (text, no val split, or prepared before the file was written). Its manifest is read as every
     reader reads it (another version is a ShardError naming it)."""
-    name = read_manifest(data_dir).get(KEY)  # {} where there is no manifest
-    if not isinstance(name, str) or os.path.basename(name) != name:  # a file beside the shards, nothing else
-        return None
-    path = os.path.join(data_dir, name)
-    return path if os.path.isfile(path) else None
+    path = os.path.join(data_dir, HELD_OUT)
+    return path if read_manifest(data_dir).get(KEY) == HELD_OUT and os.path.isfile(path) else None
