@@ -23,7 +23,7 @@ import gpt2lab
 from gpt2lab import cli
 from gpt2lab.data import chat
 from gpt2lab.data import tokenizer as tokenizers_mod
-from gpt2lab.data.bpe import SPLIT_PATTERN, open_dir, train_tokenizer
+from gpt2lab.data.bpe import MARKER, SPLIT_PATTERN, open_dir, train_tokenizer
 
 WIKI = str(DATA / "wiki_slice.jsonl.zst")
 CHAT = str(DATA / "chat_slice.jsonl.zst")
@@ -682,6 +682,8 @@ def test_train_reads_a_glob_of_code_and_says_once_which_files_it_skipped(tmp_pat
     assert marker["sources"] == [{"source": str(tmp_path / "src"), "bytes": len(code.encode()), "documents": 1}]
     glob = str(tmp_path / "src" / "**" / "*.py")
     assert train_tokenizer([glob], 300, str(tmp_path / "tok"), progress=False)["sources"][0]["documents"] == 1
+    nested = tmp_path / "new" / "dir" / "tok"  # its missing parents are made
+    assert train_tokenizer([glob], 300, str(nested), progress=False) == json.loads((nested / MARKER).read_text())
 
 
 def test_an_exports_swapped_tokenizer_json_is_read_as_transformers_reads_it(

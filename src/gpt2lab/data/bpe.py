@@ -147,7 +147,6 @@ def train_tokenizer(
         "split_pattern": SPLIT_PATTERN,
         "sources": counts,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with atomic_dir(os.path.abspath(out), what_next="free some space and train again") as tmp:
         Path(tmp, TOKENIZER_FILE).write_text(text, encoding="utf-8")
         write_json(os.path.join(tmp, MARKER), marker)
