@@ -615,6 +615,17 @@ def test_an_empty_source_is_exit_2_in_one_line_and_writes_nothing(tmp_path, caps
         assert not (tmp_path / "t").exists()
 
 
+def test_a_rerun_with_another_tokenizer_is_refused_naming_both(wiki_data, tok):
+    from gpt2lab.data.prepare import prepare
+    from gpt2lab.data.shards import ShardError
+
+    before = (Path(wiki_data) / "manifest.json").read_bytes()
+    was = f"--tokenizer sha256:{tok.identity[:12]}, not --tokenizer GPT-2's BPE"
+    with pytest.raises(ShardError, match=f"prepared with {was}; rerun with the same flags to check it"):
+        prepare(WIKI, wiki_data, progress=False, workers=1)
+    assert (Path(wiki_data) / "manifest.json").read_bytes() == before
+
+
 def test_tokenizer_json_itself_is_taken_and_a_missing_path_says_which(wiki_data, tok_dir, tmp_path, capsys):
     from gpt2lab.data.prepare import prepare
 

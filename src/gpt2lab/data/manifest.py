@@ -56,7 +56,7 @@ from gpt2lab.data.shards import (
     write_shard,
 )
 from gpt2lab.data.sources import SourceError, TextSource
-from gpt2lab.data.tokenizer import GPT2, Tokenizer, token_dtype
+from gpt2lab.data.tokenizer import GPT2, Tokenizer, short, token_dtype
 from gpt2lab.system.files import atomic_write, sha256_file, write_json
 
 
@@ -132,10 +132,8 @@ def start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: TextSour
 
 def _said(key: str, v) -> str:
     """A setting as the prepare flag that gives it, with its value (``--val-tokens 5``), for a refusal naming it."""
-    if key == "tokenizer":  # an identity: the directory it came from is not recorded
-        value = "(GPT-2's)" if v is None else f"DIR of tokenizer sha256:{str(v)[:12]}"
-    else:
-        value = "(not given)" if v is None else str(v)
+    # a tokenizer by its identity, as every refusal names one: the directory it came from is not recorded
+    value = short(v) if key == "tokenizer" else "(not given)" if v is None else v
     return f"--{key.replace('_', '-')} {value}"
 
 
