@@ -23,7 +23,7 @@ import gpt2lab
 from gpt2lab import cli
 from gpt2lab.data import chat
 from gpt2lab.data import tokenizer as tokenizers_mod
-from gpt2lab.data.bpe import SPLIT_PATTERN, open_dir, train_tokenizer
+from gpt2lab.data.bpe import MARKER, SPLIT_PATTERN, open_dir, train_tokenizer
 
 WIKI = str(DATA / "wiki_slice.jsonl.zst")
 CHAT = str(DATA / "chat_slice.jsonl.zst")
@@ -156,6 +156,11 @@ def test_bytes_per_token_against_gpt2(tok_dir, capsys):
     assert row["tokenizers"]["gpt2"]["tokens"] == sum(len(gpt2.encode_ordinary(t)) for t in texts)
     ours = row["tokenizers"]["ours"]
     assert ours["bytes_per_token"] == pytest.approx(row["bytes"] / ours["tokens"])
+    assert cli.main(["tokenizer", "eval", "--tokenizer", tok_dir, "--source", WIKI]) == 0
+    cells = capsys.readouterr().out.splitlines()[2].strip("| ").split(" | ")  # the table's row of that source
+    gpt2_tokens = row["tokenizers"]["gpt2"]["tokens"]
+    assert cells[1:4] == [f"{row['bytes']:,}", f"{row['documents']:,}", f"{ours['tokens']:,}"]
+    assert cells[7] == f"{gpt2_tokens / ours['tokens']:.3f}"
 
 
 # -- data ------------------------------------------------------------------------------------------
@@ -610,6 +615,17 @@ def test_an_empty_source_is_exit_2_in_one_line_and_writes_nothing(tmp_path, caps
         assert not (tmp_path / "t").exists()
 
 
+def test_a_rerun_with_another_tokenizer_is_refused_naming_both(wiki_data, tok):
+    from gpt2lab.data.prepare import prepare
+    from gpt2lab.data.shards import ShardError
+
+    before = (Path(wiki_data) / "manifest.json").read_bytes()
+    was = f"--tokenizer sha256:{tok.identity[:12]}, not --tokenizer GPT-2's BPE"
+    with pytest.raises(ShardError, match=f"prepared with {was}; rerun with the same flags to check it"):
+        prepare(WIKI, wiki_data, progress=False, workers=1)
+    assert (Path(wiki_data) / "manifest.json").read_bytes() == before
+
+
 def test_tokenizer_json_itself_is_taken_and_a_missing_path_says_which(wiki_data, tok_dir, tmp_path, capsys):
     from gpt2lab.data.prepare import prepare
 
@@ -677,6 +693,8 @@ def test_train_reads_a_glob_of_code_and_says_once_which_files_it_skipped(tmp_pat
     assert marker["sources"] == [{"source": str(tmp_path / "src"), "bytes": len(code.encode()), "documents": 1}]
     glob = str(tmp_path / "src" / "**" / "*.py")
     assert train_tokenizer([glob], 300, str(tmp_path / "tok"), progress=False)["sources"][0]["documents"] == 1
+    nested = tmp_path / "new" / "dir" / "tok"  # its missing parents are made
+    assert train_tokenizer([glob], 300, str(nested), progress=False) == json.loads((nested / MARKER).read_text())
 
 
 def test_an_exports_swapped_tokenizer_json_is_read_as_transformers_reads_it(

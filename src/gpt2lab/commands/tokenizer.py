@@ -52,8 +52,17 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from gpt2lab.data.bpe import evaluate_tokenizer, markdown_table
+    from gpt2lab.data.bpe import evaluate_tokenizer
+    from gpt2lab.observe.plot import md_table
 
     rows = evaluate_tokenizer(args.tokenizer, args.source, text_field=args.text_field)
-    print(json.dumps({"tokenizer": args.tokenizer, "sources": rows}) if args.json else markdown_table(rows))
+    per = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    table = [["source", "bytes", "documents", "tokens (ours)", "bytes/token (ours)", "tokens (GPT-2)"]]
+    table[0] += ["bytes/token (GPT-2)", "GPT-2 tokens / ours"]
+    for r in rows:
+        a, b = r["tokenizers"]["ours"], r["tokenizers"]["gpt2"]
+        counts = [f"{r['bytes']:,}", f"{r['documents']:,}", f"{a['tokens']:,}", per(a["bytes_per_token"])]
+        ratio = per(b["tokens"] / a["tokens"] if a["tokens"] else None)
+        table.append([r["source"], *counts, f"{b['tokens']:,}", per(b["bytes_per_token"]), ratio])
+    print(json.dumps({"tokenizer": args.tokenizer, "sources": rows}) if args.json else "\n".join(md_table(table)))
     return 0

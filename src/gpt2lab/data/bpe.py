@@ -147,7 +147,6 @@ def train_tokenizer(
         "split_pattern": SPLIT_PATTERN,
         "sources": counts,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with atomic_dir(os.path.abspath(out), what_next="free some space and train again") as tmp:
         Path(tmp, TOKENIZER_FILE).write_text(text, encoding="utf-8")
         write_json(os.path.join(tmp, MARKER), marker)
@@ -157,35 +156,51 @@ def train_tokenizer(
 # -- reading one back ---------------------------------------------------------------------------
 def open_dir(path: str, flag: Optional[str] = "--tokenizer") -> Tokenizer:
     """The tokenizer in a directory ``gpt2lab tokenizer train`` wrote (or any holding a tokenizer.json
-    with gpt2lab's special tokens), checked against its marker's identity; ``path`` may be that
-    tokenizer.json itself. A directory or file holding GPT-2's own vocabulary (a GPT-2 export, the
-    hub's gpt2) is GPT-2's BPE (``gpt2_tokenizer``). ``flag``: how the user named ``path`` (None: the
-    path alone, as gpt2lab.get_tokenizer names it)."""
+    with gpt2lab's special tokens; ``path`` may be that tokenizer.json itself) as ``tokenizer_in`` reads it;
+    GPT-2's BPE (``gpt2_tokenizer``) for GPT-2's own vocabulary. ``flag``: how the user named ``path``
+    (None: the path alone, as gpt2lab.get_tokenizer names it)."""
     said = f"{flag} {path}" if flag else path
-    make = f"make one with `gpt2lab tokenizer train --source SRC --vocab-size N --out {path}`"
-    if os.path.isfile(path):
-        folder, file = os.path.dirname(path) or ".", path
-    elif os.path.isdir(path):
-        folder, file = path, os.path.join(path, TOKENIZER_FILE)
-    else:
+    if not os.path.exists(path):
+        make = f"make one with `gpt2lab tokenizer train --source SRC --vocab-size N --out {path}`"
         raise UsageError(f"{said}: no such directory or file; {make}")
-    if is_gpt2_vocabulary(path):
-        return gpt2_tokenizer()
-    if not os.path.isfile(file):
+    file = path if os.path.isfile(path) else os.path.join(path, TOKENIZER_FILE)
+    if not os.path.isfile(file) and not is_gpt2_vocabulary(path):
         raise UsageError(
             f"{said}: holds no {TOKENIZER_FILE} (nor GPT-2's vocab.json and merges.txt); give a "
             f"directory from `gpt2lab tokenizer train` or its {TOKENIZER_FILE}"
         )
-    marker = read_json_object(os.path.join(folder, MARKER)) if os.path.basename(file) == TOKENIZER_FILE else None
-    identity = (marker or {}).get("identity")
     try:
-        return load_tokenizer(
-            file, identity if isinstance(identity, str) else None, what_next=f"train the tokenizer in {folder} again"
-        )
+        own = tokenizer_in(path, f"train the tokenizer in {os.path.dirname(file) or '.'} again")
     except TokenizerError as e:
         if not flag:
             raise
         raise TokenizerError(f"{flag} {e}") from None
+    return own if own is not None else gpt2_tokenizer()
+
+
+def tokenizer_in(path: str, fix: str, vocab: Optional[int] = None) -> Optional[TrainedBPE]:
+    """The trained tokenizer of a directory (its tokenizer.json, as transformers' AutoTokenizer reads it
+    too) or of a tokenizer.json, checked against the identity its marker names (``tokenizer train``'s or an
+    export's, where there is one); None: GPT-2's own BPE, or no tokenizer.json. A tokenizer.json that is
+    neither, or has more than ``vocab`` tokens (a model's), is refused naming it, with ``fix``: what to do."""
+    file = path if os.path.isfile(path) else os.path.join(path, TOKENIZER_FILE)
+    if not os.path.isfile(file) or is_gpt2_vocabulary(file):
+        return None
+    named = None
+    if os.path.basename(file) == TOKENIZER_FILE:  # the marker beside it: a `tokenizer train` directory's, an export's
+        markers = {MARKER: "identity", rundir.EXPORT_MARKER: "tokenizer"}
+        found = [(read_json_object(os.path.join(os.path.dirname(file), m)) or {}).get(k) for m, k in markers.items()]
+        named = next((n for n in found if isinstance(n, str)), None)
+    try:
+        tok = load_tokenizer(file, named, what_next=fix)
+    except TokenizerError as e:
+        if named:
+            raise
+        why = str(e).removeprefix(f"{file}: ")
+        raise TokenizerError(f"{file}: neither GPT-2's BPE nor a tokenizer gpt2lab reads ({why}); {fix}") from e
+    if vocab is not None and tok.n_vocab > vocab:
+        raise TokenizerError(f"{file}: has {tok.n_vocab:,} tokens, more than the model's {vocab:,}; {fix}")
+    return tok
 
 
 # -- bytes per token ------------------------------------------------------------------------------
@@ -204,21 +219,3 @@ def evaluate_tokenizer(tokenizer_dir: str, sources: Iterable[str], text_field: s
         per = {name: {"tokens": t, "bytes_per_token": n / t if t else None} for name, t in tokens.items()}
         rows.append({**counts[0], "tokenizers": per})
     return rows
-
-
-def markdown_table(rows: list[dict], name: str = "ours") -> str:
-    """``evaluate_tokenizer``'s rows as a Markdown table."""
-    lines = [
-        f"| source | bytes | documents | tokens ({name}) | bytes/token ({name}) | tokens (GPT-2) | "
-        "bytes/token (GPT-2) | GPT-2 tokens / ours |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in rows:
-        a, b = r["tokenizers"]["ours"], r["tokenizers"]["gpt2"]
-        ratio = f"{b['tokens'] / a['tokens']:.3f}" if a["tokens"] else "-"
-        fmt = lambda v: f"{v:.3f}" if v is not None else "-"  # noqa: E731
-        lines.append(
-            f"| {r['source']} | {r['bytes']:,} | {r['documents']:,} | {a['tokens']:,} | "
-            f"{fmt(a['bytes_per_token'])} | {b['tokens']:,} | {fmt(b['bytes_per_token'])} | {ratio} |"
-        )
-    return "\n".join(lines)

@@ -28,6 +28,7 @@ and user turns) is -1, which the loss ignores, so the loss is the mean over the 
 from __future__ import annotations
 
 import functools
+import reprlib
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -218,12 +219,7 @@ class TokenLoader:
             if saved != mine[key]:
                 raise ValueError(
                     f"loader state does not match this loader: {key} was "
-                    f"{_short(saved)}, now {_short(mine[key])} (data dir "
+                    f"{reprlib.repr(saved)}, now {reprlib.repr(mine[key])} (data dir "
                     f"{self.data_dir}); resume with the same data and settings"
                 )
         self.position = int(state["position"])
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) < 200 else text[:200] + "..."

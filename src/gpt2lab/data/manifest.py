@@ -4,13 +4,13 @@ stream, and (conversations) the held-out file.
 The manifest: what a run starts from and what it leaves. A new directory gets a fresh manifest; a
 directory with an earlier run's manifest of the same command is resumed (unfinished) or checked
 (finished); one made with other flags or of another format version (shards.py's
-``check_manifest_version``) is refused. Each source file is recorded by its content (``sha256``) as
+``read_manifest``) is refused. Each source file is recorded by its content (``sha256``) as
 well as its path: where a file is no longer the one recorded (edited in place, removed, another in its
 place, or recorded by an earlier gpt2lab without its content), the directory goes back to its last
 shard made wholly of the files before it (``_roll_back``, a warning naming the file) and the prepare
 goes on from there, so no shard ever mixes old and new text.
 
-The shard writer (``ShardWriter``): the token stream, cut into shards at fixed places. The first
+The shard writer (``write_shards``): the token stream, cut into shards at fixed places. The first
 ``val_tokens`` tokens (``--val-split tokens``), or the documents up to the one that reaches them
 (``documents``), or the first ``val_docs`` documents (``--val-docs``, and ``--val-bytes`` as the
 documents its bytes take), are the ``val`` split and the rest ``train``, each in shards of
@@ -37,7 +37,7 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Iterable, Optional
 
 import numpy as np
 
@@ -56,7 +56,7 @@ from gpt2lab.data.shards import (
     write_shard,
 )
 from gpt2lab.data.sources import SourceError, TextSource
-from gpt2lab.data.tokenizer import GPT2, Tokenizer, token_dtype
+from gpt2lab.data.tokenizer import GPT2, Tokenizer, short, token_dtype
 from gpt2lab.system.files import atomic_write, sha256_file, write_json
 
 
@@ -110,7 +110,14 @@ def start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: TextSour
             "or use another --out"
         )
     for shard in manifest["shards"]:
-        _check_done_shard(out / shard["name"], shard["tokens"])
+        path = out / shard["name"]
+        if not path.exists() or read_header(path)[0] != shard["tokens"]:
+            why = (
+                f"token count differs from {MANIFEST_FILE}"
+                if path.exists()
+                else f"listed in {MANIFEST_FILE} but missing"
+            )
+            raise ShardError(f"{path}: {why}; delete {out} and prepare again")
     changed = _first_changed(manifest, src.files)
     if changed is None:
         return manifest
@@ -125,10 +132,8 @@ def start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: TextSour
 
 def _said(key: str, v) -> str:
     """A setting as the prepare flag that gives it, with its value (``--val-tokens 5``), for a refusal naming it."""
-    if key == "tokenizer":  # an identity: the directory it came from is not recorded
-        value = "(GPT-2's)" if v is None else f"DIR of tokenizer sha256:{str(v)[:12]}"
-    else:
-        value = "(not given)" if v is None else str(v)
+    # a tokenizer by its identity, as every refusal names one: the directory it came from is not recorded
+    value = short(v) if key == "tokenizer" else "(not given)" if v is None else v
     return f"--{key.replace('_', '-')} {value}"
 
 
@@ -166,131 +171,112 @@ def _roll_back(out: Path, manifest: Dict, i: int) -> None:
     manifest.update(complete=False, files=files[:i], shards=keep)
 
 
-def _check_done_shard(path: Path, tokens: int) -> None:
-    if not path.exists():
-        raise ShardError(f"{path}: listed in {MANIFEST_FILE} but missing; delete {path.parent} and prepare again")
-    if read_header(path)[0] != tokens:
-        raise ShardError(f"{path}: token count differs from {MANIFEST_FILE}; delete {path.parent} and prepare again")
-
-
 def save_manifest(out: Path, manifest: Dict) -> None:
     write_json(str(out / MANIFEST_FILE), manifest, indent=1)
 
 
 # -- the shard writer ------------------------------------------------------------------------------
-class ShardWriter:
-    """Cuts the token stream into shards; saves the resume state with each shard.
+def resume_point(manifest: Dict) -> Dict:
+    """Where the token stream goes on: after the last shard listed (``start_manifest`` may have rolled
+    them back to an earlier one): the next document, the offset into it, the tokens written and where
+    the val split ends (None: not known yet)."""
+    shards = manifest["shards"]
+    return shards[-1]["resume"] if shards else {"next_doc": 0, "offset": 0, "tokens": 0, "val_end": None}
 
-    Train shards hold ``shard_tokens`` tokens each (the last one fewer). The val split ends
-    at ``val_end``, the end of the document that reaches ``val_tokens`` (or of document
+
+def write_shards(out: Path, manifest: Dict, src: TextSource, batches: Iterable, val_docs: Optional[int], bar) -> None:
+    """Cut the token stream into shards, saving the resume point with each, and finish the manifest.
+
+    ``batches``: whole documents from ``resume_point``'s on, each (tokens, concatenated, EOT first;
+    lengths; conversations: their loss mask); ``bar`` counts their tokens. Train shards hold
+    ``shard_tokens`` tokens each (the last one fewer). The val split ends at ``val_end``: a token count
+    (``--val-split tokens``), or the end of the document that reaches ``val_tokens`` (or of document
     ``val_docs``), so its last shard is usually short and train starts with a whole document.
+    Vectorized over the documents: the Python work is per shard, not per document.
     """
+    s, shards, files = manifest["settings"], manifest["shards"], manifest["files"]
+    r = resume_point(manifest)
+    doc, offset, written, val_end = r["next_doc"], r["offset"], r["tokens"], r["val_end"]
+    if val_end is None and (s["val_split"] == "tokens" or s["val_tokens"] == 0 or val_docs == 0):
+        val_end = s["val_tokens"] or 0  # a token count, wherever it falls in a document
+    parts: list = []  # the (tokens, mask) pieces of the shard being filled, ``fill`` tokens in all
+    fill = 0
 
-    def __init__(self, out: Path, manifest: Dict, src: TextSource, val_docs: Optional[int] = None) -> None:
-        self.out, self.manifest, self.src = out, manifest, src
-        s = manifest["settings"]
-        self.shard_tokens, self.val_tokens, self.val_docs = s["shard_tokens"], s["val_tokens"], val_docs
-        # go on after the last shard listed (``start_manifest`` may have rolled them back to an earlier one)
-        shards = manifest["shards"]
-        r = shards[-1]["resume"] if shards else {"next_doc": 0, "offset": 0, "tokens": 0, "val_end": None}
-        self.doc, self.offset, self.written, self.val_end = r["next_doc"], r["offset"], r["tokens"], r["val_end"]
-        if self.val_end is None and (s["val_split"] == "tokens" or self.val_tokens == 0):
-            self.val_end = self.val_tokens  # a token count, wherever it falls in a document
-        if self.val_end is None and val_docs == 0:
-            self.val_end = 0
-        self.buf = np.empty(self.shard_tokens, dtype=manifest["dtype"])
-        # conversations: the loss mask beside the tokens, cut into shards at the same places
-        self.mask = np.empty(self.shard_tokens, dtype=np.uint8) if s["format"] == "chat" else None
-        self.fill, self.docs_in_shard = 0, 0
-
-    def _files_seen(self, base: int, starts: np.ndarray, n_docs: int) -> None:
-        """Record each source file read so far that starts before document ``self.doc + n_docs``: by its
-        content (sha256: ``start_manifest`` checks it) and where it starts in the stream (per-file counts)."""
-        files, file_starts = self.manifest["files"], self.src.file_starts
-        while len(files) < len(file_starts) and (d := file_starts[len(files)]) < self.doc + n_docs:
-            path = self.src.files[len(files)]
+    def files_seen(base: int, starts: np.ndarray, n_docs: int) -> None:
+        # each source file read so far that starts before document ``doc + n_docs``: by its content
+        # (sha256: ``start_manifest`` checks it) and where it starts in the stream (the per-file counts)
+        while len(files) < len(src.file_starts) and (d := src.file_starts[len(files)]) < doc + n_docs:
+            path = src.files[len(files)]
             entry = {"path": path, "bytes": os.path.getsize(path), "sha256": sha256_file(path), "first_doc": d}
-            files.append({**entry, "first_token": base + int(starts[d - self.doc]) if d >= self.doc else base})
+            files.append({**entry, "first_token": base + int(starts[d - doc]) if d >= doc else base})
 
-    def add(self, tokens: np.ndarray, lengths: np.ndarray, mask: Optional[np.ndarray] = None) -> None:
-        """Append whole documents (concatenated, EOT first; conversations with their loss ``mask``);
-        cut and write shards as they fill.
+    def flush(next_doc: int, offset: int) -> int:
+        split = "val" if val_end is None or written < val_end else "train"  # where the shard starts
+        name = shard_name(split, sum(1 for x in shards if x["split"] == split))
+        tokens = np.concatenate([t for t, _ in parts])
+        entry = {"name": name, "split": split, "tokens": len(tokens)}
+        entry["documents"] = int((tokens == manifest["eot_id"]).sum())  # those that begin in it: one EOT each
+        if parts[0][1] is not None:  # the mask first: a shard listed or found on disk has its mask
+            mask = np.concatenate([m for _, m in parts])
+            write_shard(mask_path(out / name), mask)
+            entry["supervised"] = int(mask.sum(dtype=np.int64))
+        write_shard(out / name, tokens)
+        # where to resume after this shard: a source file changed later goes back to a shard's (``_roll_back``)
+        entry["resume"] = {"next_doc": next_doc, "offset": offset, "tokens": written + len(tokens), "val_end": val_end}
+        shards.append(entry)
+        save_manifest(out, manifest)  # after the rename: a listed shard is whole
+        parts.clear()
+        return len(tokens)
 
-        Vectorized over the documents: the Python work is per shard, not per document.
-        """
+    for tokens, lengths, *mask in batches:
         ends = np.cumsum(lengths)
         starts = ends - lengths
-        base = self.written + self.fill - self.offset  # stream position of this batch's first token
-        self._files_seen(base, starts, len(lengths))
-        if self.val_end is None:  # "documents": val ends with document val_docs, or the first to reach val_tokens
-            if self.val_docs is not None:
-                k = self.val_docs - 1 - self.doc
-            else:
-                k = int(np.searchsorted(base + ends, self.val_tokens, side="left"))
-            if 0 <= k < len(lengths):
-                self.val_end = base + int(ends[k])
-        pos, self.offset = self.offset, 0  # only the first document after a resume is partial
+        base = written + fill - offset  # stream position of this batch's first token
+        files_seen(base, starts, len(lengths))
+        if val_end is None:  # "documents": val ends with document val_docs, or the first to reach val_tokens
+            k = val_docs - 1 - doc if val_docs is not None else int(np.searchsorted(base + ends, s["val_tokens"]))
+            val_end = base + int(ends[k]) if 0 <= k < len(lengths) else None
+        pos, offset = offset, 0  # only the first document after a resume is partial
         while pos < len(tokens):
-            cap = self.shard_tokens
-            if self.val_end is not None and self.written < self.val_end:
-                cap = min(cap, self.val_end - self.written)
-            n = min(cap - self.fill, len(tokens) - pos)
-            self.buf[self.fill : self.fill + n] = tokens[pos : pos + n]
-            if self.mask is not None:
-                self.mask[self.fill : self.fill + n] = mask[pos : pos + n]
-            self.docs_in_shard += int(np.searchsorted(starts, pos + n) - np.searchsorted(starts, pos))
-            self.fill, pos = self.fill + n, pos + n
-            if self.fill == cap:
+            cap = (
+                s["shard_tokens"]
+                if val_end is None or written >= val_end
+                else min(s["shard_tokens"], val_end - written)
+            )
+            n = min(cap - fill, len(tokens) - pos)
+            parts.append((tokens[pos : pos + n], mask[0][pos : pos + n] if mask else None))
+            fill, pos = fill + n, pos + n
+            if fill == cap:
                 k = int(np.searchsorted(ends, pos, side="right"))  # documents finished so far
-                self._flush(self.doc + k, pos - int(starts[k]) if k < len(lengths) else 0)
-        self.doc += len(lengths)
-
-    def _flush(self, next_doc: int, offset: int) -> None:
-        split = "val" if self.val_end is None or self.written < self.val_end else "train"  # where the shard starts
-        index = sum(1 for s in self.manifest["shards"] if s["split"] == split)
-        name = shard_name(split, index)
-        entry = {"name": name, "split": split, "tokens": self.fill, "documents": self.docs_in_shard}
-        if self.mask is not None:  # the mask first: a shard listed or found on disk has its mask
-            write_shard(mask_path(self.out / name), self.mask[: self.fill])
-            entry["supervised"] = int(self.mask[: self.fill].sum(dtype=np.int64))
-        write_shard(self.out / name, self.buf[: self.fill])
-        self.written += self.fill
-        # where to resume after this shard: a source file changed later goes back to a shard's (``_roll_back``)
-        entry["resume"] = {"next_doc": next_doc, "offset": offset, "tokens": self.written, "val_end": self.val_end}
-        self.manifest["shards"].append(entry)
-        save_manifest(self.out, self.manifest)  # after the rename: a listed shard is whole
-        self.fill, self.docs_in_shard = 0, 0
-
-    def finish(self) -> None:
-        if self.fill:
-            self._flush(self.doc, 0)
-        self._files_seen(self.written, np.zeros(1, dtype=np.int64), 1)  # files with no documents left: at the end
-        if not self.manifest["shards"]:
-            raise SourceError(
-                f"source {self.manifest['settings']['source']!r}: no documents; check the path, glob or --limit-docs"
-            )
-        if self.written == self.doc:  # one <|endoftext|> per document and nothing else
-            raise SourceError(
-                f"source {self.manifest['settings']['source']!r}: all {self.doc} document(s) "
-                "are empty; point --source at files with text"
-            )
-        # a finished directory's counts: per split, in all, per file
-        splits: Dict[str, Dict] = {}
-        for shard in self.manifest["shards"]:
-            info = splits.setdefault(shard["split"], {"shards": []})
-            info["shards"].append(shard["name"])
-            for key in ("tokens", "documents", "supervised"):  # supervised (conversations): the tokens the loss is on
-                if key in shard:
-                    info[key] = info.get(key, 0) + shard[key]
-        for info in splits.values():  # a split that begins inside a document holds it too
-            info["documents"] += int(open_shard(self.out / info["shards"][0])[0] != self.manifest["eot_id"])
-        files = self.manifest["files"]  # the documents and tokens of each file, from where each starts
-        ends = [(f["first_doc"], f["first_token"]) for f in files[1:]] + [(self.doc, self.written)]
-        for f, (d, t) in zip(files, ends):
-            f.update(documents=d - f["first_doc"], tokens=t - f["first_token"])
-        self.manifest.pop("resume", None)  # kept by an unfinished directory of an earlier gpt2lab
-        self.manifest.update(splits=splits, tokens=self.written, documents=self.doc, complete=True)
-        save_manifest(self.out, self.manifest)
+                written += flush(doc + k, pos - int(starts[k]) if k < len(lengths) else 0)
+                fill = 0
+        doc += len(lengths)
+        bar.update(int(lengths.sum()))
+        bar.set_postfix(docs=doc, refresh=False)
+    if fill:
+        written += flush(doc, 0)
+    files_seen(written, np.zeros(1, dtype=np.int64), 1)  # files with no documents left: at the end
+    source = f"source {s['source']!r}"
+    if not shards:
+        raise SourceError(f"{source}: no documents; check the path, glob or --limit-docs")
+    if written == doc:  # one <|endoftext|> per document and nothing else
+        raise SourceError(f"{source}: all {doc} document(s) are empty; point --source at files with text")
+    # a finished directory's counts: per split, in all, per file
+    splits: Dict[str, Dict] = {}
+    for shard in shards:
+        info = splits.setdefault(shard["split"], {"shards": []})
+        info["shards"].append(shard["name"])
+        for key in ("tokens", "documents", "supervised"):  # supervised (conversations): the tokens the loss is on
+            if key in shard:
+                info[key] = info.get(key, 0) + shard[key]
+    for info in splits.values():  # a split that begins inside a document holds it too
+        info["documents"] += int(open_shard(out / info["shards"][0])[0] != manifest["eot_id"])
+    ends = [(f["first_doc"], f["first_token"]) for f in files[1:]] + [(doc, written)]
+    for f, (d, t) in zip(files, ends):  # the documents and tokens of each file, from where each starts
+        f.update(documents=d - f["first_doc"], tokens=t - f["first_token"])
+    manifest.pop("resume", None)  # kept by an unfinished directory of an earlier gpt2lab
+    manifest.update(splits=splits, tokens=written, documents=doc, complete=True)
+    save_manifest(out, manifest)
 
 
 # -- the held-out conversations ------------------------------------------------------------------
@@ -323,8 +309,5 @@ def held_out_file(data_dir: str) -> Optional[str]:
     """The held-out conversations of the prepared directory ``data_dir``; None where it has none
     (text, no val split, or prepared before the file was written). Its manifest is read as every
     reader reads it (another version is a ShardError naming it)."""
-    name = read_manifest(data_dir).get(KEY)  # {} where there is no manifest
-    if not isinstance(name, str) or os.path.basename(name) != name:  # a file beside the shards, nothing else
-        return None
-    path = os.path.join(data_dir, name)
-    return path if os.path.isfile(path) else None
+    path = os.path.join(data_dir, HELD_OUT)
+    return path if read_manifest(data_dir).get(KEY) == HELD_OUT and os.path.isfile(path) else None

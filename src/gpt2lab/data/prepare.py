@@ -33,7 +33,7 @@ import numpy as np
 
 from gpt2lab.data import chat
 from gpt2lab.data.bpe import open_dir
-from gpt2lab.data.manifest import ShardWriter, save_manifest, start_manifest, write_held_out
+from gpt2lab.data.manifest import resume_point, save_manifest, start_manifest, write_held_out, write_shards
 from gpt2lab.data.parallel import ordered_map
 from gpt2lab.data.shards import val_size
 from gpt2lab.data.sources import Document, JsonLine, SourceError, TextSource, as_text, resolve_source
@@ -137,9 +137,24 @@ def prepare(
         save_manifest(out, manifest)  # marks the directory unfinished until the end
         if tok.identity is not None:  # after the manifest: a directory with one is prepare's own
             save_tokenizer(tok, str(out), what_next="run the same prepare command again")
+        from tqdm import tqdm
+
         n_val = val_docs if val_bytes is None else val_documents(src, val_bytes, fmt, limit_docs)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        _run(src, out, manifest, workers or cores, progress, tok, n_val)
+        sweep_stale(str(out))
+        start = resume_point(manifest)
+        docs = src.documents(start["next_doc"], limit_docs)
+        encode = functools.partial(encode_conversations if fmt == "chat" else encode_documents, enc=tok)
+        bar = tqdm(
+            disable=not progress,
+            unit="tok",
+            unit_scale=True,
+            initial=start["tokens"],
+            desc="prepare",
+            dynamic_ncols=True,
+        )
+        with bar, ordered_map(encode, docs, workers or cores, src.size_bytes) as stream:
+            write_shards(out, manifest, src, stream, n_val, bar)
     if "train" not in manifest["splits"]:
         warnings.warn(
             f"{out}: all {manifest['tokens']} tokens ({manifest['documents']} documents) went to val "
@@ -205,27 +220,6 @@ def detect_format(src: TextSource, asked: str, text_field: str) -> str:
     except SourceError:  # not a JSON object: text, whose reading names the line
         row = {}
     return "chat" if chat.is_conversation(row) and text_field not in row else "text"
-
-
-def _run(
-    src: TextSource, out: Path, manifest: Dict, workers: int, progress: bool, tok: Tokenizer, val_docs: Optional[int]
-) -> None:
-    from tqdm import tqdm
-
-    sweep_stale(str(out))
-    writer = ShardWriter(out, manifest, src, val_docs)
-    docs = src.documents(writer.doc, manifest["settings"]["limit_docs"])
-    chat_data = manifest["settings"]["format"] == "chat"
-    encode = functools.partial(encode_conversations if chat_data else encode_documents, enc=tok)
-    bar = tqdm(
-        disable=not progress, unit="tok", unit_scale=True, initial=writer.written, desc="prepare", dynamic_ncols=True
-    )
-    with bar, ordered_map(encode, docs, workers, src.size_bytes) as stream:
-        for tokens, lengths, *mask in stream:
-            writer.add(tokens, lengths, *mask)
-            bar.update(int(lengths.sum()))
-            bar.set_postfix(docs=writer.doc, refresh=False)
-    writer.finish()
 
 
 # -- the encode functions the parallel map runs ---------------------------------------------

@@ -165,7 +165,14 @@ def read_manifest(data_dir: PathLike, finished: bool = True) -> dict:
             raise TypeError(f"a JSON {type(manifest).__name__}, not an object")
     except (OSError, ValueError, TypeError) as e:
         raise unreadable(path, e, "re-run gpt2lab prepare" if finished else "use another --out") from e
-    if not check_manifest_version(path, manifest).get("complete", True) and finished:
+    fmt, version = manifest.get("format"), manifest.get("version")
+    if fmt != MANIFEST_FORMAT or type(version) is not int:
+        raise ShardError(
+            f"{path}: not a gpt2lab prepare manifest (format {fmt!r}, version {version!r}; this gpt2lab "
+            f"reads {MANIFEST_FORMAT!r} version {MANIFEST_VERSION}); prepare the data again into a new directory"
+        )
+    formats.check_version(str(path), version, formats.MANIFEST, ShardError)
+    if not manifest.get("complete", True) and finished:
         raise ShardError(
             f"{path}: `gpt2lab prepare` has not finished this directory (source {manifest.get('source')!r}: it "
             "stopped, failed or is still running); run the same prepare command again to finish it"
@@ -181,20 +188,6 @@ def val_size(settings: dict) -> str:
     """The flag and value that sized a prepared directory's val split ("--val-docs 100")."""
     key = next(k for k in ("val_docs", "val_bytes", "val_tokens") if settings.get(k) is not None)
     return f"--{key.replace('_', '-')} {settings[key]}"
-
-
-def check_manifest_version(path: PathLike, manifest: dict) -> dict:
-    """``manifest`` (read from ``path``) when it is ``gpt2lab prepare``'s in the version this gpt2lab
-    reads; else a one-line ShardError naming the file, both versions and what to do."""
-    fmt, version = manifest.get("format"), manifest.get("version")
-    again = "prepare the data again into a new directory"
-    if fmt != MANIFEST_FORMAT or type(version) is not int:
-        raise ShardError(
-            f"{path}: not a gpt2lab prepare manifest (format {fmt!r}, version {version!r}; "
-            f"this gpt2lab reads {MANIFEST_FORMAT!r} version {MANIFEST_VERSION}); {again}"
-        )
-    formats.check_version(str(path), version, formats.MANIFEST, ShardError)
-    return manifest
 
 
 def list_shards(data_dir: PathLike, split: str) -> List[Path]:

@@ -322,11 +322,9 @@ def _parquet_docs(path: str, text_field: str) -> Iterator[str]:
         raise SourceError(
             f"{path}: no column '{text_field}' (columns: {', '.join(pf.schema_arrow.names)}); pass --text-field NAME"
         )
-    row = 0
-    for batch in pf.iter_batches(columns=[text_field], batch_size=4096):
-        for text in batch.column(0).to_pylist():
-            yield _field({text_field: text}, text_field, f"{path}: row {row}")
-            row += 1
+    texts = (t for batch in pf.iter_batches(columns=[text_field], batch_size=4096) for t in batch.column(0).to_pylist())
+    for row, text in enumerate(texts):
+        yield _field({text_field: text}, text_field, f"{path}: row {row}")
 
 
 # -- the hub -----------------------------------------------------------------------------

@@ -31,7 +31,7 @@ import torch
 
 from gpt2lab.checkpoint import store
 from gpt2lab.data import chat
-from gpt2lab.data.bpe import open_dir
+from gpt2lab.data.bpe import open_dir, tokenizer_in
 from gpt2lab.data.tokenizer import (
     EOT_TOKEN,
     TOKENIZER_FILE,
@@ -41,7 +41,6 @@ from gpt2lab.data.tokenizer import (
     for_config,
     for_data,
     gpt2_tokenizer,
-    is_gpt2_vocabulary,
     load_tokenizer,
 )
 from gpt2lab.model.config import HUB_NAMES, GPTConfig, config_value, model_from_config
@@ -104,7 +103,7 @@ def _read_weights(path: str) -> dict[str, torch.Tensor]:
 def hf_config(config_path: str) -> tuple[GPTConfig, Optional[TrainedBPE]]:
     """An HF directory's architecture, from its config.json (GPT-2's or NanoChat's; an option gpt2lab's
     model does not have is a WeightsError naming the file), naming the tokenizer beside it and its chat
-    template; and that tokenizer where it is a trained one (``dir_tokenizer``), else None: GPT-2's."""
+    template; and that tokenizer where it is a trained one (``tokenizer_in``), else None: GPT-2's."""
     try:
         with open(config_path) as f:
             cfg = json.load(f)
@@ -122,7 +121,8 @@ def hf_config(config_path: str) -> tuple[GPTConfig, Optional[TrainedBPE]]:
     except (ValueError, TypeError) as e:
         raise WeightsError(f"{config_path}: {e}") from e
     path = os.path.dirname(config_path)
-    tok = dir_tokenizer(path, config.real_vocab_size)
+    fix = "put the model's own tokenizer.json back (or GPT-2's vocab.json and merges.txt alone), or export it again"
+    tok = tokenizer_in(path, fix, config.real_vocab_size)
     if tok is not None:
         config = replace(config, tokenizer=tok.identity)
     template = chat_template_of(path, trained=tok is not None)
@@ -144,30 +144,6 @@ def from_files(config: GPTConfig, tok: Optional[TrainedBPE], weights_path: str) 
     # NanoChat's config always sets embed_norm (config_from_nanochat), GPT-2's never
     ours = nanochat.from_nanochat_state_dict if config.embed_norm else gpt2.from_hf_state_dict
     return model_from_state_dict(config, ours(sd, config), weights_path, tok)
-
-
-def dir_tokenizer(path: str, vocab: int) -> Optional[TrainedBPE]:
-    """The tokenizer of an HF directory that transformers' AutoTokenizer reads there too: its tokenizer.json
-    (checked against the identity gpt2lab's export marker names, where it names one), loaded, unless that
-    file is GPT-2's own BPE; None: GPT-2's BPE (no tokenizer.json, or GPT-2's). A tokenizer.json that is
-    neither GPT-2's nor one gpt2lab reads, or has more tokens than the model, is refused naming it."""
-    file = os.path.join(path, TOKENIZER_FILE)
-    if not os.path.isfile(file):
-        return None
-    named = (read_json_object(os.path.join(path, rundir.EXPORT_MARKER)) or {}).get("tokenizer")
-    if isinstance(named, str):
-        return load_tokenizer(file, named, what_next="export the model again")
-    if is_gpt2_vocabulary(file):
-        return None
-    fix = "put the model's own tokenizer.json back (or GPT-2's vocab.json and merges.txt alone), or export it again"
-    try:
-        tok = load_tokenizer(file)
-    except TokenizerError as e:
-        why = str(e).removeprefix(f"{file}: ")
-        raise TokenizerError(f"{file}: neither GPT-2's BPE nor a tokenizer gpt2lab reads ({why}); {fix}") from e
-    if tok.n_vocab > vocab:
-        raise TokenizerError(f"{file}: has {tok.n_vocab:,} tokens, more than the model's {vocab:,}; {fix}")
-    return tok
 
 
 def chat_template_of(path: str, trained: bool = False) -> Optional[str]:
