@@ -227,36 +227,36 @@ class Source:
         return os.path.dirname(self.weights)
 
 
-def is_hf_dir(path: str) -> bool:
-    """An HF GPT-2 or NanoChat directory: its config.json says model_type gpt2 or nanochat and a weights
-    file is there.
-
-    gpt2lab checkpoints also hold config.json + model.safetensors, so the files alone do
-    not tell the two apart; the config's model_type does.
-    A config.json that cannot be read (cut short, not an object) beside a weights file counts
-    as HF when no state.pt is there (every gpt2lab checkpoint has one), so that the loader's
-    error names that config.json instead of calling the directory a damaged checkpoint.
-    """
-    config = os.path.join(path, "config.json")
-    if not os.path.isfile(config) or not any(os.path.isfile(os.path.join(path, f)) for f in WEIGHT_FILES):
-        return False
-    try:
-        with open(config) as f:
-            return json.load(f).get("model_type") in MODEL_TYPES
-    except (OSError, ValueError, AttributeError):
-        return not os.path.exists(os.path.join(path, "state.pt"))
-
-
 def source_kind(spec: str) -> str:
-    """What the model source ``spec`` is: ``HF_DIR`` (a directory is_hf_dir accepts), ``CHECKPOINT_DIR``
-    (any other directory: a run directory or one checkpoint, either layout) or ``HUB`` (a GPT-2
-    name, gpt2 ... gpt2-xl or openai-community/...).
+    """What the model source ``spec`` is: ``HF_DIR``, ``CHECKPOINT_DIR`` (any other directory: a run
+    directory or one checkpoint, either layout) or ``HUB`` (a GPT-2 name, gpt2 ... gpt2-xl or
+    openai-community/...).
 
-    A file, or a name that is neither a directory nor a hub name, raises WeightsError; its message
-    does not repeat ``spec``: each caller puts the source first, as its user named it.
+    An HF directory is one whose config.json says model_type gpt2 or nanochat, with a weights file beside
+    it (gpt2lab checkpoints also hold config.json + model.safetensors: the model_type tells the two apart).
+    A config.json that cannot be read beside a weights file counts as HF when no state.pt is there (every
+    gpt2lab checkpoint has one), so that the loader's error names that config.json.
+
+    A file, a name that is neither a directory nor a hub name, an HF config.json without weights or one of
+    another model_type raises WeightsError; its message does not repeat ``spec``: each caller puts the
+    source first, as its user named it.
     """
     if os.path.isdir(spec):
-        return HF_DIR if is_hf_dir(spec) else CHECKPOINT_DIR
+        config = read_json_object(os.path.join(spec, "config.json"))
+        kind = (config or {}).get("model_type")
+        weights = any(os.path.isfile(os.path.join(spec, f)) for f in WEIGHT_FILES)
+        if kind is not None and kind not in MODEL_TYPES:
+            raise WeightsError(
+                f"model_type {kind!r} is not GPT-2 or NanoChat; pass a model of model_type gpt2 or nanochat"
+            )
+        if kind is not None and not weights:
+            raise WeightsError(
+                f"an HF {kind} config.json without a weights file (looked for {', '.join(WEIGHT_FILES)}); "
+                "copy the weights beside it"
+            )
+        unreadable = config is None and os.path.isfile(os.path.join(spec, "config.json"))
+        hf = kind is not None or (unreadable and weights and not os.path.exists(os.path.join(spec, "state.pt")))
+        return HF_DIR if hf else CHECKPOINT_DIR
     if os.path.exists(spec):
         raise WeightsError(
             "is a file; pass its directory (an HF model directory, a run directory or a checkpoint directory)"
@@ -279,16 +279,6 @@ def checkpoint_of(path: str, flag: Optional[str] = "--model", report: Callable[[
     verified: ``path`` itself when it is a checkpoint, refused when damaged (advice in ``flag``, how the
     user named it); a run directory's newest intact checkpoint, ``report`` hearing of each damaged one
     passed over. Neither, or a run whose every checkpoint is damaged: WeightsError / CheckpointError."""
-    config = read_json_object(os.path.join(path, "config.json")) or {}
-    if config.get("model_type") in MODEL_TYPES:  # is_hf_dir found no weights beside it
-        raise WeightsError(
-            f"an HF {config['model_type']} config.json without a weights file "
-            f"(looked for {', '.join(WEIGHT_FILES)}); copy the weights beside it"
-        )
-    if "model_type" in config:
-        raise WeightsError(
-            f"model_type {config['model_type']!r} is not GPT-2 or NanoChat; pass a model of model_type gpt2 or nanochat"
-        )
     if store.has_weights(path):
         missing = [f for f in ("state.pt", "config.json") if not os.path.isfile(os.path.join(path, f))]
         if missing:
@@ -322,10 +312,14 @@ def model_source(spec: str, flag: Optional[str] = "--model", report: Callable[[s
     kind = source_kind(spec)
     if kind == CHECKPOINT_DIR:
         ckpt = checkpoint_of(spec, flag, report)
-        step = store.read_state(ckpt).get("step")  # its format version too
-        config = _checkpoint_config(ckpt)
-        tok = _checkpoint_tokenizer(ckpt, config.tokenizer)
-        path = os.path.join(ckpt, "config.json")
+        step, path = store.read_state(ckpt).get("step"), os.path.join(ckpt, "config.json")  # its format version too
+        try:
+            config = model_from_config(store.read_config(ckpt), path)
+            tok = load_tokenizer(os.path.join(ckpt, TOKENIZER_FILE), config.tokenizer) if config.tokenizer else None
+        except TokenizerError as e:  # its own tokenizer.json, checked to be the one config.json names
+            raise store.damaged(ckpt, str(e)) from e
+        except ConfigError as e:
+            raise store.damaged(ckpt, f"config.json describes no valid model ({e})") from e
         return Source(spec, kind, config, tok, store.weights_file(ckpt), path, step, flag)
     if kind == HF_DIR:
         path = os.path.join(spec, "config.json")
@@ -409,20 +403,3 @@ def _check_source(func: str, source: object) -> None:
         raise TypeError(f"{func}(source): a path or a hub name (str or os.PathLike), got {type(source).__name__}")
     if not os.fspath(source):
         raise WeightsError(f"{func}(''): an empty path; pass a path or a hub name")
-
-
-def _checkpoint_config(ckpt: str) -> GPTConfig:
-    try:
-        return model_from_config(store.read_config(ckpt), f"{ckpt}/config.json")
-    except ConfigError as e:
-        raise store.damaged(ckpt, f"config.json describes no valid model ({e})") from e
-
-
-def _checkpoint_tokenizer(ckpt: str, identity: Optional[str]) -> Optional[TrainedBPE]:
-    """A checkpoint's own tokenizer (its tokenizer.json, checked to be ``identity``); None for GPT-2's."""
-    if identity is None:
-        return None
-    try:
-        return load_tokenizer(os.path.join(ckpt, TOKENIZER_FILE), identity)
-    except TokenizerError as e:
-        raise store.damaged(ckpt, str(e)) from e
