@@ -93,10 +93,7 @@ def _read_weights(path: str) -> dict[str, torch.Tensor]:
     if path.endswith(".index.json"):
         with open(path) as f:
             shards = sorted(set(json.load(f)["weight_map"].values()))
-        sd: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            sd.update(load_file(os.path.join(os.path.dirname(path), shard)))
-        return sd
+        return {k: t for shard in shards for k, t in load_file(os.path.join(os.path.dirname(path), shard)).items()}
     # weights_only: a pickle from the internet must not be able to run code.
     return torch.load(path, map_location="cpu", weights_only=True)
 
@@ -123,12 +120,8 @@ def hf_config(config_path: str) -> tuple[GPTConfig, Optional[TrainedBPE]]:
         raise WeightsError(f"{config_path}: {e}") from e
     path = os.path.dirname(config_path)
     tok = dir_tokenizer(path, config.real_vocab_size)
-    if tok is not None:
-        config = replace(config, tokenizer=tok.identity)
-    template = chat_template_of(path, trained=tok is not None)
-    if template:  # the tokenizer's turn tokens: a chat model (its vocabulary holds them)
-        config = replace(config, chat_template=template)
-    return config, tok
+    template = chat_template_of(path, trained=tok is not None)  # the tokenizer's turn tokens: a chat model
+    return replace(config, tokenizer=tok.identity if tok else None, chat_template=template), tok
 
 
 def from_files(config: GPTConfig, tok: Optional[TrainedBPE], weights_path: str) -> GPT:
@@ -341,8 +334,7 @@ def model_of(src: Source) -> GPT:
 
 def named(flag: Optional[str], spec: str, error: Exception) -> str:
     """``error``'s message about the source ``spec``, naming it once, as ``flag`` did (None: the source alone)."""
-    what = str(error)
-    what = what[len(spec) + 2 :] if what.startswith(f"{spec}: ") else what
+    what = str(error).removeprefix(f"{spec}: ")
     return f"{flag} {spec}: {what}" if flag else f"{spec}: {what}"
 
 
