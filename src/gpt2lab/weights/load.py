@@ -210,7 +210,6 @@ class Source:
     config: GPTConfig  # its architecture
     tokenizer: Optional[TrainedBPE]  # its own tokenizer, read beside it; None: GPT-2's BPE
     weights: str  # the weights file (a checkpoint's model.safetensors; a sharded one's checksums.json)
-    config_path: str
     step: Optional[int] = None  # steps the checkpoint had completed
     flag: Optional[str] = "--model"  # how the user named it, for messages (None: the source alone)
 
@@ -313,13 +312,13 @@ def model_source(spec: str, flag: Optional[str] = "--model", report: Callable[[s
             raise store.damaged(ckpt, str(e)) from e
         except ConfigError as e:
             raise store.damaged(ckpt, f"config.json describes no valid model ({e})") from e
-        return Source(spec, kind, config, tok, store.weights_file(ckpt), path, step, flag)
+        return Source(spec, kind, config, tok, store.weights_file(ckpt), step, flag)
     if kind == HF_DIR:
         path = os.path.join(spec, "config.json")
         weights = next(os.path.join(spec, f) for f in WEIGHT_FILES if os.path.isfile(os.path.join(spec, f)))
     else:
         path, weights = hub_files(spec)  # offline: WeightsError saying how to pass a local directory
-    return Source(spec, kind, *hf_config(path), weights, path, flag=flag)
+    return Source(spec, kind, *hf_config(path), weights, flag=flag)
 
 
 def model_of(src: Source) -> GPT:
