@@ -16,6 +16,7 @@ from conftest import DATA, tiny_gpt
 
 from gpt2lab.cli import main
 from gpt2lab.evals import chat as chat_eval
+from gpt2lab.evals import download
 
 GSM8K = DATA / "gsm8k_slice.jsonl"  # 40 rows of GSM8K's own file, in its format
 
@@ -48,10 +49,10 @@ def server(tmp_path, monkeypatch):
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         monkeypatch.delenv(var, raising=False)
 
-    def no_hub(out):
+    def no_hub(ds, out):
         raise ConnectionError("the hub is not reachable from the tests")
 
-    monkeypatch.setattr(chat_eval, "_gsm8k_from_hub", no_hub)
+    monkeypatch.setattr(download, "from_hub", no_hub)
     monkeypatch.setenv("GPT2LAB_PROBE", "0")  # eval's kernels by the device's rule: no timing
     yield f"http://127.0.0.1:{httpd.server_address[1]}"
     httpd.shutdown()
@@ -105,7 +106,7 @@ def test_a_file_that_is_not_gsm8k_is_not_cached(server, tmp_path, monkeypatch):
 
 def test_a_missing_file_takes_the_hubs_copy(server, tmp_path, monkeypatch):
     monkeypatch.setattr(chat_eval, "GSM8K_URL", server + "/gone.jsonl")  # 404
-    monkeypatch.setattr(chat_eval, "_gsm8k_from_hub", lambda out: out.write(GSM8K.read_bytes()))
+    monkeypatch.setattr(download, "from_hub", lambda ds, out: out.write(GSM8K.read_bytes()))
     path = chat_eval.gsm8k_test_file()
     assert open(path, "rb").read() == GSM8K.read_bytes() and _Handler.hits == ["/gone.jsonl"]
 

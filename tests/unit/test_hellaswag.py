@@ -12,6 +12,7 @@ import torch
 from conftest import DATA, argmin, reference_scores
 
 from gpt2lab.data.tokenizer import gpt2_tokenizer
+from gpt2lab.evals import download
 from gpt2lab.evals import hellaswag as hs
 from gpt2lab.evals.hellaswag import Example, evaluate_hellaswag, load_examples, score_examples
 from gpt2lab.model.gpt import GPT, GPTConfig
@@ -182,7 +183,7 @@ def test_missing_file_and_string_label(tmp_path):
     assert load_examples(path)[0].label == 1  # the HF dataset's labels are strings
 
 
-def _fail(out):
+def _fail(ds, out):
     raise OSError("network is unreachable")
 
 
@@ -195,7 +196,7 @@ def test_official_file_no_network_no_cache_says_pass_data(tmp_path, monkeypatch)
 
     monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path))
     monkeypatch.setattr(urllib.request, "urlopen", unreachable)
-    monkeypatch.setattr(hs, "_download_hf", _fail)
+    monkeypatch.setattr(download, "from_hub", _fail)
     with pytest.raises(RuntimeError, match="pass --data FILE") as e:
         load_examples()
     assert hs.HELLASWAG_URL in str(e.value) and "\n" not in str(e.value)  # one line naming the URL
@@ -208,7 +209,7 @@ def test_official_file_downloaded_once_then_cached(tmp_path, monkeypatch):
 
     monkeypatch.setenv("GPT2LAB_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(hs, "HELLASWAG_URL", (DATA / "hellaswag_val_200.jsonl").resolve().as_uri())
-    monkeypatch.setattr(hs, "_download_hf", _fail)
+    monkeypatch.setattr(download, "from_hub", _fail)
     calls, urlopen = [], urllib.request.urlopen
     monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout=None: (calls.append(url), urlopen(url))[1])
     assert len(load_examples(limit=5)) == 5

@@ -11,7 +11,7 @@ from conftest import TINY_SHAPES, tiny_gpt
 
 from gpt2lab import GPT, from_pretrained
 from gpt2lab.weights import export, load
-from gpt2lab.weights.load import is_hf_dir, load_model
+from gpt2lab.weights.load import CHECKPOINT_DIR, HF_DIR, load_model, source_kind
 
 
 def _max_diff(ours: GPT, theirs, idx: torch.Tensor, vocab: int | None = None) -> float:
@@ -182,9 +182,9 @@ def test_checkpoint_like_dir_is_not_taken_for_hf(tmp_path):
     """gpt2lab checkpoints also hold config.json + model.safetensors; model_type tells them apart."""
     (tmp_path / "config.json").write_text(json.dumps({"n_layer": 2}))
     (tmp_path / "model.safetensors").write_bytes(b"")
-    assert not is_hf_dir(str(tmp_path))
+    assert source_kind(str(tmp_path)) == CHECKPOINT_DIR
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    assert is_hf_dir(str(tmp_path))
+    assert source_kind(str(tmp_path)) == HF_DIR
 
 
 def test_from_hub_offline_gives_clear_error(tmp_path, monkeypatch):

@@ -622,9 +622,6 @@ def test_mtp_heads_are_training_only_for_export(tmp_path):
     with pytest.raises(Exception, match="value_embeds=1"):
         targets.check_exportable(neither)
     m = mtp_model()
-    stripped = targets.exported_model(m)
-    assert stripped.config.mtp_heads == 0 and stripped.lm_head.weight is stripped.transformer.wte.weight
-    assert stripped.transformer.wte.weight is m.transformer.wte.weight  # the same tensors, nothing copied
     save_pretrained(m, str(tmp_path / "hf"))
     assert not any("mtp" in k for k in load_file(str(tmp_path / "hf" / "model.safetensors")))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()

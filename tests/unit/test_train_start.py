@@ -50,7 +50,7 @@ def no_network(tmp_path, monkeypatch):
         raise urllib.error.URLError(OSError(101, "Network is unreachable"))
 
     monkeypatch.setattr(urllib.request, "urlopen", urlopen)
-    monkeypatch.setattr(hs, "_download_hf", lambda dest: tries.append(("hub", dest)))
+    monkeypatch.setattr(download, "from_hub", lambda ds, dest: tries.append(("hub", dest)))
     return tries
 
 

@@ -21,11 +21,7 @@ def add_parser(sub) -> None:
     hs.add_argument(
         "--data", help=f"jsonl with ctx/endings/label per line (default: the official validation set, {cached})"
     )
-    hs.add_argument(
-        "--batch-size",
-        type=positive_int,
-        help="examples per batch, 4 rows each (default: 16, the fastest measured on CPU)",
-    )
+    hs.add_argument("--batch-size", type=positive_int, help="examples per forward, 4 rows each (default: 16)")
     hs.add_argument(
         "--strategy",
         choices=HELLASWAG_STRATEGIES,
@@ -40,10 +36,7 @@ def add_parser(sub) -> None:
     lo.add_argument("--split", default="val")
     # 20 batches of 64 x 1024: what the reference recipe's GPT-2 baseline (3.2924) was measured on.
     lo.add_argument(
-        "--tokens",
-        type=positive_int,
-        default=20 * 64 * 1024,
-        help="tokens to evaluate (a split that holds fewer: all its whole batches, with a note)",
+        "--tokens", type=positive_int, default=20 * 64 * 1024, help="tokens to evaluate (at most the split)"
     )
     lo.add_argument("--batch-size", type=positive_int, default=8, help="sequences per forward pass")
     lo.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default: the model's block size)")
@@ -69,8 +62,7 @@ def add_parser(sub) -> None:
         type=parse_bool,
         default=True,
         metavar="on|off",
-        help="on (default): the reply's <<expr=...>> annotations run as a calculator, as nanochat's do; off: the "
-        "model writes every number itself",
+        help="on (default): the reply's <<expr=...>> annotations run as a calculator; off: no calculator",
     )
     gs.add_argument(
         "--samples",

@@ -37,14 +37,14 @@ DOWNLOAD_TIMEOUT_S = 10
 class DataSet:
     """A file an eval downloads: what it is (for messages), its URL, its place in the cache, what a
     local file passed instead holds, its reader (raises ValueError on a file that is not the data
-    set) and a second source: a name and a writer of that source's copy."""
+    set) and a second source: the Hugging Face dataset holding its rows (``from_hub``)."""
 
     what: str  # "the official HellaSwag validation set"
     url: str
     path: str  # under gpt2lab's cache (system.env.cache_dir): "hellaswag/hellaswag_val.jsonl"
     form: str  # what --data FILE holds instead: "a jsonl with ctx, endings, label"
     check: Callable[[str], object]
-    second: tuple[str, Callable[[BinaryIO], None]]
+    second: tuple[str, Optional[str], str, tuple[str, ...]]  # the dataset's name, config, split, a row's fields
 
     def cached(self) -> str:
         """Where it is cached (it may not be there yet)."""
@@ -73,14 +73,22 @@ def cached_file(ds: DataSet, flag: str = "--data") -> str:
         raise _unavailable(ds, flag, str(getattr(e, "reason", None) or e)) from None
     except ValueError as e:  # downloaded, but not the data set (the check named the temporary file it read)
         first = f"not {ds.what}: " + str(e).replace(f"{tmp_name(dest)}:", "the download, line ")
-    name, write = ds.second
     try:
-        _store(ds, write)
+        _store(ds, lambda out: from_hub(ds, out))
         return dest
     except GPT2LabError:
         raise
     except Exception as e:  # the hub raises many types
-        raise _unavailable(ds, flag, f"{first}; {name}: {type(e).__name__}: {e}") from None
+        raise _unavailable(ds, flag, f"{first}; {ds.second[0]}: {type(e).__name__}: {e}") from None
+
+
+def from_hub(ds: DataSet, out: BinaryIO) -> None:
+    """The second source's copy of ``ds``: its Hugging Face dataset's rows as JSON lines of the fields it names."""
+    from datasets import load_dataset  # optional dependency, only for this fallback
+
+    name, config, split, fields = ds.second
+    for row in load_dataset(name, config, split=split):
+        out.write((json.dumps({k: row[k] for k in fields}) + "\n").encode())
 
 
 def json_lines(path: str, parse: Callable[[Any], T], limit: Optional[int] = None) -> list[T]:

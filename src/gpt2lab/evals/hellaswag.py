@@ -14,11 +14,10 @@ four endings.
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 from torch.nn import functional as F
@@ -109,17 +108,8 @@ def official() -> DataSet:
         path=os.path.join("hellaswag", "hellaswag_val.jsonl"),
         form="a jsonl with ctx, endings, label",
         check=load_examples,  # refuse to cache a file we cannot read
-        second=(HF_DATASET, lambda out: _download_hf(out)),  # looked up at the call: tests replace it
+        second=(HF_DATASET, None, "validation", ("ctx", "endings", "label")),  # labels as strings: read as ints
     )
-
-
-def _download_hf(out: BinaryIO) -> None:
-    from datasets import load_dataset  # optional dependency, only for this fallback
-
-    for row in load_dataset(HF_DATASET, split="validation"):
-        out.write(
-            (json.dumps({"ctx": row["ctx"], "endings": row["endings"], "label": int(row["label"])}) + "\n").encode()
-        )
 
 
 # ---------------------------------------------------------------- scoring

@@ -17,7 +17,7 @@ from gpt2lab.model.gpt import GPT
 from gpt2lab.system import rundir
 from gpt2lab.system.files import atomic_dir, write_json
 from gpt2lab.weights import gpt2, nanochat
-from gpt2lab.weights.targets import GPT2_HF, check_exportable, exported_model
+from gpt2lab.weights.targets import GPT2_HF, check_exportable
 
 # What an export writes; the marker file tells a directory gpt2lab exported (safe to replace) apart
 # from anything else, such as a run directory or a model fine-tuned in place.
@@ -97,7 +97,6 @@ def save_pretrained(model: GPT, out_dir: str) -> str:
     from safetensors.torch import save_file
 
     target = check_exportable(model.config).name
-    model = exported_model(model)  # training-only weights (multi-token prediction heads) are not written
     check_target(out_dir)  # what is there may be replaced
     out_dir = os.path.abspath(out_dir)
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)

@@ -55,23 +55,21 @@ def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     A tied lm_head is left out: HF saves the shared matrix once, as transformer.wte. An
     untied one (tie_embeddings false) is saved as lm_head.weight, which HF's GPT-2 loads
     when its config says tie_word_embeddings false. Without biases (``bias`` false) every bias
-    GPT-2 has is written as zeros: the same model.
+    GPT-2 has is written as zeros: the same model. Training-only weights (the multi-token prediction
+    heads, weights/targets.py) are not written.
     """
-    real_vocab = model.config.real_vocab_size
+    c, sd = model.config, model.state_dict()
+    with torch.device("meta"):  # GPT-2's tensors: every bias, and no training-only heads (mtp_heads)
+        hf = GPT(replace(c, bias=True, mtp_heads=0)).state_dict()
     out = {}
-    if not model.config.bias:
-        with torch.device("meta"):
-            full = GPT(replace(model.config, bias=True)).state_dict()
-        dtype = model.transformer.wte.weight.dtype
-        out = {k: torch.zeros(t.shape, dtype=dtype) for k, t in full.items() if k.endswith(".bias")}
-    for key, t in model.state_dict().items():
-        if key == "lm_head.weight" and model.config.tie_embeddings:
+    for key, like in hf.items():
+        if key == "lm_head.weight" and c.tie_embeddings:
             continue
-        t = t.detach()
+        t = sd[key].detach() if key in sd else torch.zeros(like.shape, dtype=model.transformer.wte.weight.dtype)
         if key.endswith(CONV1D):
             t = t.t()
         elif key in ("transformer.wte.weight", "lm_head.weight"):
-            t = t[:real_vocab]
+            t = t[: c.real_vocab_size]
         out[key] = t.contiguous().clone().cpu()
     return out
 
@@ -79,6 +77,14 @@ def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
 def read_fields(fields: dict, cfg: dict) -> dict:
     """GPTConfig's arguments a format's ``fields`` table (config.json key -> (field, default)) reads from ``cfg``."""
     return {field: cfg.get(key, default) for key, (field, default) in fields.items()}
+
+
+def check_options(checks: dict, model: str) -> None:
+    """A ValueError naming the first config.json key of ``checks`` (key -> (its value, the values gpt2lab's
+    ``model`` computes)) whose value is not one of them."""
+    for key, (value, allowed) in checks.items():
+        if value not in allowed:
+            raise ValueError(f"{key}={value!r} is not supported by gpt2lab's {model} (needs one of {allowed})")
 
 
 def config_from_gpt2(cfg: dict) -> GPTConfig:
@@ -89,9 +95,7 @@ def config_from_gpt2(cfg: dict) -> GPTConfig:
         "scale_attn_weights": (cfg.get("scale_attn_weights", True), (True,)),
         "scale_attn_by_inverse_layer_idx": (cfg.get("scale_attn_by_inverse_layer_idx", False), (False,)),
     }
-    for field, (value, allowed) in checks.items():
-        if value not in allowed:
-            raise ValueError(f"{field}={value!r} is not supported by gpt2lab's GPT-2 (needs one of {allowed})")
+    check_options(checks, "GPT-2")
     return GPTConfig(**read_fields(FIELDS, {"n_positions": cfg.get("n_ctx", 1024), **cfg}))  # older files: n_ctx
 
 

@@ -92,10 +92,7 @@ def _read_weights(path: str) -> dict[str, torch.Tensor]:
     if path.endswith(".index.json"):
         with open(path) as f:
             shards = sorted(set(json.load(f)["weight_map"].values()))
-        sd: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            sd.update(load_file(os.path.join(os.path.dirname(path), shard)))
-        return sd
+        return {k: t for shard in shards for k, t in load_file(os.path.join(os.path.dirname(path), shard)).items()}
     # weights_only: a pickle from the internet must not be able to run code.
     return torch.load(path, map_location="cpu", weights_only=True)
 
@@ -123,12 +120,8 @@ def hf_config(config_path: str) -> tuple[GPTConfig, Optional[TrainedBPE]]:
     path = os.path.dirname(config_path)
     fix = "put the model's own tokenizer.json back (or GPT-2's vocab.json and merges.txt alone), or export it again"
     tok = tokenizer_in(path, fix, config.real_vocab_size)
-    if tok is not None:
-        config = replace(config, tokenizer=tok.identity)
-    template = chat_template_of(path, trained=tok is not None)
-    if template:  # the tokenizer's turn tokens: a chat model (its vocabulary holds them)
-        config = replace(config, chat_template=template)
-    return config, tok
+    template = chat_template_of(path, trained=tok is not None)  # the tokenizer's turn tokens: a chat model
+    return replace(config, tokenizer=tok.identity if tok else None, chat_template=template), tok
 
 
 def from_files(config: GPTConfig, tok: Optional[TrainedBPE], weights_path: str) -> GPT:
@@ -193,7 +186,6 @@ class Source:
     config: GPTConfig  # its architecture
     tokenizer: Optional[TrainedBPE]  # its own tokenizer, read beside it; None: GPT-2's BPE
     weights: str  # the weights file (a checkpoint's model.safetensors; a sharded one's checksums.json)
-    config_path: str
     step: Optional[int] = None  # steps the checkpoint had completed
     flag: Optional[str] = "--model"  # how the user named it, for messages (None: the source alone)
 
@@ -203,36 +195,36 @@ class Source:
         return os.path.dirname(self.weights)
 
 
-def is_hf_dir(path: str) -> bool:
-    """An HF GPT-2 or NanoChat directory: its config.json says model_type gpt2 or nanochat and a weights
-    file is there.
-
-    gpt2lab checkpoints also hold config.json + model.safetensors, so the files alone do
-    not tell the two apart; the config's model_type does.
-    A config.json that cannot be read (cut short, not an object) beside a weights file counts
-    as HF when no state.pt is there (every gpt2lab checkpoint has one), so that the loader's
-    error names that config.json instead of calling the directory a damaged checkpoint.
-    """
-    config = os.path.join(path, "config.json")
-    if not os.path.isfile(config) or not any(os.path.isfile(os.path.join(path, f)) for f in WEIGHT_FILES):
-        return False
-    try:
-        with open(config) as f:
-            return json.load(f).get("model_type") in MODEL_TYPES
-    except (OSError, ValueError, AttributeError):
-        return not os.path.exists(os.path.join(path, "state.pt"))
-
-
 def source_kind(spec: str) -> str:
-    """What the model source ``spec`` is: ``HF_DIR`` (a directory is_hf_dir accepts), ``CHECKPOINT_DIR``
-    (any other directory: a run directory or one checkpoint, either layout) or ``HUB`` (a GPT-2
-    name, gpt2 ... gpt2-xl or openai-community/...).
+    """What the model source ``spec`` is: ``HF_DIR``, ``CHECKPOINT_DIR`` (any other directory: a run
+    directory or one checkpoint, either layout) or ``HUB`` (a GPT-2 name, gpt2 ... gpt2-xl or
+    openai-community/...).
 
-    A file, or a name that is neither a directory nor a hub name, raises WeightsError; its message
-    does not repeat ``spec``: each caller puts the source first, as its user named it.
+    An HF directory is one whose config.json says model_type gpt2 or nanochat, with a weights file beside
+    it (gpt2lab checkpoints also hold config.json + model.safetensors: the model_type tells the two apart).
+    A config.json that cannot be read beside a weights file counts as HF when no state.pt is there (every
+    gpt2lab checkpoint has one), so that the loader's error names that config.json.
+
+    A file, a name that is neither a directory nor a hub name, an HF config.json without weights or one of
+    another model_type raises WeightsError; its message does not repeat ``spec``: each caller puts the
+    source first, as its user named it.
     """
     if os.path.isdir(spec):
-        return HF_DIR if is_hf_dir(spec) else CHECKPOINT_DIR
+        config = read_json_object(os.path.join(spec, "config.json"))
+        kind = (config or {}).get("model_type")
+        weights = any(os.path.isfile(os.path.join(spec, f)) for f in WEIGHT_FILES)
+        if kind is not None and kind not in MODEL_TYPES:
+            raise WeightsError(
+                f"model_type {kind!r} is not GPT-2 or NanoChat; pass a model of model_type gpt2 or nanochat"
+            )
+        if kind is not None and not weights:
+            raise WeightsError(
+                f"an HF {kind} config.json without a weights file (looked for {', '.join(WEIGHT_FILES)}); "
+                "copy the weights beside it"
+            )
+        unreadable = config is None and os.path.isfile(os.path.join(spec, "config.json"))
+        hf = kind is not None or (unreadable and weights and not os.path.exists(os.path.join(spec, "state.pt")))
+        return HF_DIR if hf else CHECKPOINT_DIR
     if os.path.exists(spec):
         raise WeightsError(
             "is a file; pass its directory (an HF model directory, a run directory or a checkpoint directory)"
@@ -255,16 +247,6 @@ def checkpoint_of(path: str, flag: Optional[str] = "--model", report: Callable[[
     verified: ``path`` itself when it is a checkpoint, refused when damaged (advice in ``flag``, how the
     user named it); a run directory's newest intact checkpoint, ``report`` hearing of each damaged one
     passed over. Neither, or a run whose every checkpoint is damaged: WeightsError / CheckpointError."""
-    config = read_json_object(os.path.join(path, "config.json")) or {}
-    if config.get("model_type") in MODEL_TYPES:  # is_hf_dir found no weights beside it
-        raise WeightsError(
-            f"an HF {config['model_type']} config.json without a weights file "
-            f"(looked for {', '.join(WEIGHT_FILES)}); copy the weights beside it"
-        )
-    if "model_type" in config:
-        raise WeightsError(
-            f"model_type {config['model_type']!r} is not GPT-2 or NanoChat; pass a model of model_type gpt2 or nanochat"
-        )
     if store.has_weights(path):
         missing = [f for f in ("state.pt", "config.json") if not os.path.isfile(os.path.join(path, f))]
         if missing:
@@ -298,17 +280,21 @@ def model_source(spec: str, flag: Optional[str] = "--model", report: Callable[[s
     kind = source_kind(spec)
     if kind == CHECKPOINT_DIR:
         ckpt = checkpoint_of(spec, flag, report)
-        step = store.read_state(ckpt).get("step")  # its format version too
-        config = _checkpoint_config(ckpt)
-        tok = _checkpoint_tokenizer(ckpt, config.tokenizer)
-        path = os.path.join(ckpt, "config.json")
-        return Source(spec, kind, config, tok, store.weights_file(ckpt), path, step, flag)
+        step, path = store.read_state(ckpt).get("step"), os.path.join(ckpt, "config.json")  # its format version too
+        try:
+            config = model_from_config(store.read_config(ckpt), path)
+            tok = load_tokenizer(os.path.join(ckpt, TOKENIZER_FILE), config.tokenizer) if config.tokenizer else None
+        except TokenizerError as e:  # its own tokenizer.json, checked to be the one config.json names
+            raise store.damaged(ckpt, str(e)) from e
+        except ConfigError as e:
+            raise store.damaged(ckpt, f"config.json describes no valid model ({e})") from e
+        return Source(spec, kind, config, tok, store.weights_file(ckpt), step, flag)
     if kind == HF_DIR:
         path = os.path.join(spec, "config.json")
         weights = next(os.path.join(spec, f) for f in WEIGHT_FILES if os.path.isfile(os.path.join(spec, f)))
     else:
         path, weights = hub_files(spec)  # offline: WeightsError saying how to pass a local directory
-    return Source(spec, kind, *hf_config(path), weights, path, flag=flag)
+    return Source(spec, kind, *hf_config(path), weights, flag=flag)
 
 
 def model_of(src: Source) -> GPT:
@@ -323,8 +309,7 @@ def model_of(src: Source) -> GPT:
 
 def named(flag: Optional[str], spec: str, error: Exception) -> str:
     """``error``'s message about the source ``spec``, naming it once, as ``flag`` did (None: the source alone)."""
-    what = str(error)
-    what = what[len(spec) + 2 :] if what.startswith(f"{spec}: ") else what
+    what = str(error).removeprefix(f"{spec}: ")
     return f"{flag} {spec}: {what}" if flag else f"{spec}: {what}"
 
 
@@ -385,20 +370,3 @@ def _check_source(func: str, source: object) -> None:
         raise TypeError(f"{func}(source): a path or a hub name (str or os.PathLike), got {type(source).__name__}")
     if not os.fspath(source):
         raise WeightsError(f"{func}(''): an empty path; pass a path or a hub name")
-
-
-def _checkpoint_config(ckpt: str) -> GPTConfig:
-    try:
-        return model_from_config(store.read_config(ckpt), f"{ckpt}/config.json")
-    except ConfigError as e:
-        raise store.damaged(ckpt, f"config.json describes no valid model ({e})") from e
-
-
-def _checkpoint_tokenizer(ckpt: str, identity: Optional[str]) -> Optional[TrainedBPE]:
-    """A checkpoint's own tokenizer (its tokenizer.json, checked to be ``identity``); None for GPT-2's."""
-    if identity is None:
-        return None
-    try:
-        return load_tokenizer(os.path.join(ckpt, TOKENIZER_FILE), identity)
-    except TokenizerError as e:
-        raise store.damaged(ckpt, str(e)) from e

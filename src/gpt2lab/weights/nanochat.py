@@ -101,32 +101,21 @@ def to_nanochat_state_dict(model: GPT) -> dict[str, torch.Tensor]:
 
 
 def config_from_nanochat(cfg: dict) -> GPTConfig:
-    """GPTConfig for a NanoChat config.json; a ValueError naming the first field gpt2lab cannot compute."""
+    """GPTConfig for a NanoChat config.json; a ValueError naming the first option gpt2lab cannot compute."""
     get = lambda name: cfg.get(name, DEFAULTS.get(name))  # noqa: E731
     fields = gpt2.read_fields(FIELDS, cfg)
     C, heads = fields["n_embd"], fields["n_head"]
     rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0)}
-    checks = (
-        (
-            "num_key_value_heads",
-            cfg.get("num_key_value_heads") in (None, heads),
-            f"gpt2lab has one key/value head per query head ({heads}), not grouped-query attention",
-        ),
-        ("intermediate_size", get("intermediate_size") == 4 * C, f"gpt2lab's MLP is 4 x hidden_size = {4 * C} wide"),
-        ("attention_bias", get("attention_bias") is False, "gpt2lab's NanoChat block has no attention biases"),
-        ("hidden_act", get("hidden_act") in ACTS, f"gpt2lab has {', '.join(ACTS)}"),
-        ("rope_parameters", rope.get("rope_type", "default") == "default", "gpt2lab has the default RoPE only"),
-        ("rope_scaling", cfg.get("rope_scaling") is None, "gpt2lab has the default RoPE only"),
-        (
-            "head_dim",
-            cfg.get("head_dim") in (None, C // heads),
-            f"gpt2lab's head size is hidden_size / heads = {C // heads}",
-        ),
-    )
-    for name, ok, why in checks:
-        if not ok:
-            value = rope if name == "rope_parameters" else get(name)
-            raise ValueError(f"{name}={value!r} is not supported by gpt2lab ({why})")
+    checks = {
+        "num_key_value_heads": (cfg.get("num_key_value_heads"), (None, heads)),  # no grouped-query attention
+        "intermediate_size": (get("intermediate_size"), (4 * C,)),
+        "attention_bias": (get("attention_bias"), (False,)),
+        "hidden_act": (get("hidden_act"), tuple(ACTS)),
+        "rope_parameters": (rope.get("rope_type", "default"), ("default",)),
+        "rope_scaling": (cfg.get("rope_scaling"), (None,)),
+        "head_dim": (cfg.get("head_dim"), (None, C // heads)),
+    }
+    gpt2.check_options(checks, "NanoChat")
     return GPTConfig(
         **{field: value for field, (value, _) in NANOCHAT_HF.needs.items()},  # positions, norms, no biases
         **fields,

@@ -4,13 +4,13 @@ and what the nearer one would need). The run plan shows it; ``gpt2lab export`` r
 A pure function of a GPTConfig.
 
 Training-only fields (the multi-token prediction heads) add weights that train the
-model but compute none of its logits: no target needs them, the target names what it drops, and
-``exported_model`` is the model without them, which is what an export writes.
+model but compute none of its logits: no target needs them, the target names what it drops, and an
+export writes the model without them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 from gpt2lab.model.config import GPTConfig, flag_text
@@ -107,20 +107,3 @@ def check_exportable(config: GPTConfig) -> ExportTarget:
             "train without those fields"
         )
     return target
-
-
-def exported_model(model):
-    """``model`` (a GPT) as an export writes it: without its training-only weights (``ExportTarget.dropped``),
-    mtp_heads 0; the other parameters are the same tensors. ``model`` itself when it has none."""
-    if not model.config.mtp_heads:
-        return model
-    import torch
-
-    from gpt2lab.model.gpt import GPT
-
-    config = replace(model.config, mtp_heads=0)
-    with torch.device("meta"):
-        out = GPT(config, model.tokenizer)
-    kept = {k: v for k, v in model.state_dict(keep_vars=True).items() if k in out.state_dict()}
-    out.load_state_dict(kept, assign=True)  # the same Parameters (a tied head stays tied)
-    return out.train(model.training)
