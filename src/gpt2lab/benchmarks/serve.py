@@ -28,8 +28,10 @@ answer, and the process's RSS is read before and after.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import http.client
+import itertools
 import json
 import statistics
 import sys
@@ -139,12 +141,8 @@ def arrivals(rate: float, seconds: float, seed: int) -> list[float]:
     """Poisson arrival times (exponential gaps of mean 1/rate) within ``seconds``, reproducible by seed."""
     import random
 
-    rng, t, times = random.Random(seed), 0.0, []
-    while True:
-        t += rng.expovariate(rate)
-        if t >= seconds:
-            return times
-        times.append(t)
+    gaps = iter(functools.partial(random.Random(seed).expovariate, rate), None)
+    return list(itertools.takewhile(lambda t: t < seconds, itertools.accumulate(gaps)))
 
 
 def summarize(done: list[dict], wall: float, streams: int, rate: Optional[float]) -> dict:

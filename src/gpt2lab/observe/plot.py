@@ -49,6 +49,12 @@ class Run:
         return {k: sorted(v.items()) for k, v in by_metric.items()}
 
     @property
+    def train(self) -> list[dict]:
+        """The train steps' records in step order; a step logged again (a resumed run): the later record."""
+        by_step = {r["step"]: r for r in self.records if "train_loss" in r}
+        return [by_step[s] for s in sorted(by_step)]
+
+    @property
     def size(self) -> Optional[str]:
         return detect_size(self.config) if self.config else None
 
