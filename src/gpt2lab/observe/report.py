@@ -219,13 +219,14 @@ def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True)
     """Everything the card shows; ``curves=False`` leaves out the plot (the costly part)."""
     if not os.path.isdir(run_dir):
         raise FileNotFoundError(f"{run_dir}: no such run directory")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the cut last line is reported in the status instead
+    with warnings.catch_warnings(record=True) as caught:  # a cut last line is reported in the status instead
+        warnings.simplefilter("always")
         run = plot.load_run(run_dir)
+    cut = any("unfinished last line" in str(w.message) for w in caught)
     config, info, records, size = run.config or {}, run.info, run.records, run.size
     ckpts = _checkpoints(run_dir)
     arch = config.get("model") if isinstance(config.get("model"), dict) else {}  # no table: the rest still shows
-    status = run_status(run_dir, config, records, run.cut, ckpts, time.time() if now is None else now, info)
+    status = run_status(run_dir, config, records, cut, ckpts, time.time() if now is None else now, info)
     fineweb_edu = plot.is_fineweb_edu(run.data)
     shape = f"{arch.get('n_layer')} layers, {arch.get('n_head')} heads, {arch.get('n_embd')} wide"
     vocab = arch.get("token_vocab_size")
