@@ -49,9 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference", action="store_true", help="also time the reference recipe's model")
     p.add_argument("--reference-compile", default="true", choices=["true", "false"], help="torch.compile it")
     p.add_argument("--reference-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument(
-        "--reference-keep-memory", default="false", choices=["true", "false"], help="as --keep-cpu-memory, for it"
-    )
+    p.add_argument("--reference-keep-memory", default="false", choices=["true", "false"], help="its --keep-cpu-memory")
     add_config_flags(p)
 
 
