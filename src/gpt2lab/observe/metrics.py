@@ -160,11 +160,8 @@ ID_FILE = "wandb_id"
 
 def _say(message: str) -> None:
     """Say that W&B logging is off, and why."""
-    print(
-        f"gpt2lab: W&B logging off: {message.rstrip('.')}; metrics.jsonl is written as always",
-        file=sys.stderr,
-        flush=True,
-    )
+    line = f"gpt2lab: W&B logging off: {message.rstrip('.')}; metrics.jsonl is written as always"
+    print(line, file=sys.stderr, flush=True)
 
 
 def wandb_run(run_dir: str, project: str, name: Optional[str], config: Optional[dict]):
@@ -175,15 +172,9 @@ def wandb_run(run_dir: str, project: str, name: Optional[str], config: Optional[
         return _say("the wandb package is not installed (pip install 'gpt2lab[wandb]')")
     path = Path(run_dir, ID_FILE)  # the id this run dir's W&B run has had, or a new one (W&B accepts [a-z0-9])
     run_id = (path.read_text().strip() if path.is_file() else "") or secrets.token_hex(6)
+    name = name or os.path.basename(os.path.abspath(run_dir))
     try:
-        run = wandb.init(
-            project=project,
-            name=name or os.path.basename(os.path.abspath(run_dir)),
-            id=run_id,
-            resume="allow",
-            config=config,
-            dir=run_dir,
-        )
+        run = wandb.init(project=project, name=name, id=run_id, resume="allow", config=config, dir=run_dir)
     except Exception as e:  # no API key, no network, a bad project name: W&B's own message, one line
         return _say(" ".join(str(e).split()) or type(e).__name__)
     with atomic_write(str(path)) as fh:
