@@ -321,16 +321,13 @@ def run(args: argparse.Namespace) -> dict:
         raise UsageError("--peer transformers: bench serve times CTranslate2 only (bench sample times both)")
     with tempfile.TemporaryDirectory() as d:
         hf_dir = peers.export(GPT(shape_config(args)), d)
-        workers = load_workers(
-            [f"bench={hf_dir}"], args.device, inference_request(args, "serve"), limits, args.deterministic
-        )
+        request = inference_request(args, "serve")
+        workers = load_workers([f"bench={hf_dir}"], args.device, request, limits, args.deterministic)
         turns = "turns (--deterministic)" if args.deterministic else f"batches of up to {args.max_batch} rows"
         out = {
             **machine(workers["bench"].device, args, workers["bench"].decision),
             "scheduling": turns,
-            "new_tokens": args.new_tokens,
-            "seconds": args.seconds,
-            "request_rate": args.request_rate,
+            **{k: getattr(args, k) for k in ("new_tokens", "seconds", "request_rate")},
         }
 
         def clients(url: str) -> None:
