@@ -210,8 +210,7 @@ def read_metrics(path: str, lenient: bool = False) -> list[dict]:
         if lenient:
             return []
         raise FileNotFoundError(f"{path}: no such file; is this a gpt2lab run directory?")
-    with open(path, "rb") as f:
-        lines = f.read().split(b"\n")
+    lines = Path(path).read_bytes().split(b"\n")
     records, bad = [], []
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():

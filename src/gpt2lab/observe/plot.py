@@ -210,9 +210,6 @@ def plot_runs(run_dirs: list[str], out_png: str, summary: bool = False) -> Optio
 
 def png(fig, dpi: int = 100) -> bytes:
     """A matplotlib figure as PNG bytes with gpt2lab's mark (system/rundir.py)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    FigureCanvasAgg(fig)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, metadata=rundir.PNG_MARK)
     return buf.getvalue()
