@@ -57,8 +57,7 @@ def run(args: argparse.Namespace) -> dict:
     flags = overrides_from_args(args)
     cfg = load_preset(args.preset, **flags)
     recipes = {text: _recipe(text, flags) for text in args.recipe}
-    asked = cfg.system.device
-    device = pick_device(None if asked == "auto" else asked)
+    device = pick_device(None if cfg.system.device == "auto" else cfg.system.device)
     names = ["gpt2lab", *recipes] + (["reference"] if args.reference else [])
     # Each side runs in a process of its own: the CPU allocator setting (mallopt) and the
     # heap it leaves behind are per process, and one side's setting must not tax the other.
@@ -140,10 +139,9 @@ def _start(name: str, cfg, device: str, opts: dict) -> dict:
     from gpt2lab.train.trainer import Trainer, keep_freed_memory
 
     device = torch.device(device)
+    keep = cfg.system.keep_cpu_memory if name != "reference" else opts["reference_keep_memory"] == "true"
     if device.type == "cpu":
-        keep_freed_memory(
-            cfg.system.keep_cpu_memory if name != "reference" else opts["reference_keep_memory"] == "true"
-        )
+        keep_freed_memory(keep)
     info = {"threads": torch.get_num_threads(), "flops_per_token": None, "peak": None}
     if name != "reference":  # exactly the step `gpt2lab train` runs
         trainer = Trainer.from_config(cfg, DistInfo(device=device))
