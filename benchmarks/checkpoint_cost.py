@@ -30,8 +30,7 @@ def main() -> None:
     args = p.parse_args()
     run = tempfile.mkdtemp(dir=args.dir)
     try:
-        synthetic_shards(run, "train", 1, 4096)
-        synthetic_shards(run, "val", 1, 4096, seed=1)
+        synthetic_shards(run, 4096)
         short = dict(seq_len=64, micro_batch_size=1, total_batch_tokens=64, dtype="float32", compile=False)
         cfg = load_preset("gpt2-124m", data=run, out=f"{run}/run", device="cpu", keep_checkpoints=1, **short)
         trainer = Trainer.from_config(cfg, DistInfo())

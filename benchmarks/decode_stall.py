@@ -68,9 +68,8 @@ def _allocs() -> int:
 def profile(model: GPT, label: str) -> None:
     with torch.inference_mode():
         step = primed(model, 64)
-        acts = [torch.profiler.ProfilerActivity.CPU] + (
-            [torch.profiler.ProfilerActivity.CUDA] if DEV.type == "cuda" else []
-        )
+        kinds = torch.profiler.ProfilerActivity
+        acts = [kinds.CPU, *([kinds.CUDA] if DEV.type == "cuda" else [])]
         with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
             for _ in range(5):
                 step()
@@ -78,10 +77,8 @@ def profile(model: GPT, label: str) -> None:
         print(f"== {label}: torch.profiler, 5 steps, by self CPU time", file=sys.stderr)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22), file=sys.stderr)
         print(f"== {label}: by input shapes", file=sys.stderr)
-        print(
-            prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=12),
-            file=sys.stderr,
-        )
+        by_shape = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=12)
+        print(by_shape, file=sys.stderr)
         with cProfile.Profile() as pr:
             for _ in range(3):
                 step()

@@ -65,13 +65,8 @@ def serve_table(runs: dict) -> None:
             ct2 = {c["rows"]: c["aggregate_tok_per_s"] for c in r.get("ctranslate2", [])}
             for kind in ("float32", "int8", "bfloat16"):
                 if all(isinstance(ct2.get(n, {}).get(kind), float) for n in (1, 8)):
-                    rows.append(
-                        [
-                            f"CTranslate2 {kind}: a 1-row and an 8-row batch",
-                            "",
-                            *(f"{ct2[n][kind]:.1f}" for n in (1, 8)),
-                        ]
-                    )
+                    cells = [f"{ct2[n][kind]:.1f}" for n in (1, 8)]
+                    rows.append([f"CTranslate2 {kind}: a 1-row and an 8-row batch", "", *cells])
     print("\n".join(md_table([head, *rows])))
 
 

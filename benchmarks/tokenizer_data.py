@@ -24,11 +24,11 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import sysconfig
 import tempfile
+from pathlib import Path
 
 from gpt2lab.system.files import atomic_write
 
@@ -55,8 +55,7 @@ def code(out: str, megabytes: float) -> dict:
     held, train, budget, unreadable = [], [], megabytes * 1e6, 0
     for rel in sorted(paths):
         try:
-            with open(os.path.join(root, rel), encoding="utf-8") as f:
-                text = f.read()
+            text = Path(root, rel).read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             unreadable += 1
             continue
@@ -79,19 +78,15 @@ def code(out: str, megabytes: float) -> dict:
 def german(out: str, deb: str | None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         if deb is None:
-            subprocess.run(
-                ["apt-get", "download", "debian-reference-de"], cwd=tmp, check=True, stdout=subprocess.DEVNULL
-            )
+            download = ["apt-get", "download", "debian-reference-de"]
+            subprocess.run(download, cwd=tmp, check=True, stdout=subprocess.DEVNULL)
             deb = os.path.join(tmp, next(f for f in os.listdir(tmp) if f.endswith(".deb")))
         subprocess.run(["dpkg-deb", "-x", deb, os.path.join(tmp, "x")], check=True)
         with gzip.open(os.path.join(tmp, "x", GERMAN_TXT), "rt", encoding="utf-8") as f:
             text = f.read()
         os.makedirs(out, exist_ok=True)
-        with (
-            open(os.path.join(tmp, "x", COPYRIGHT), "rb") as src,
-            atomic_write(os.path.join(out, "copyright"), "wb") as dst,
-        ):
-            shutil.copyfileobj(src, dst)
+        with atomic_write(os.path.join(out, "copyright"), "wb") as dst:
+            dst.write(Path(tmp, "x", COPYRIGHT).read_bytes())
         package = os.path.basename(deb)
     starts = [m.start() for m in SECTION.finditer(text)]
     sections, doc = [], ""

@@ -51,11 +51,10 @@ def reference_predictions(model: GPT, examples, device: torch.device, dtype: str
     for ex in examples:
         ctx, ends = render_example(enc, ex)
         T = max(len(ctx) + len(e) for e in ends)
-        tokens, mask = (torch.zeros(4, T, dtype=torch.long) for _ in range(2))
+        tokens, mask = (torch.zeros(4, T, dtype=torch.long, device=device) for _ in range(2))
         for i, e in enumerate(ends):
             tokens[i, : len(ctx) + len(e)] = torch.tensor(ctx + e)
             mask[i, len(ctx) : len(ctx) + len(e)] = 1
-        tokens, mask = tokens.to(device), mask.to(device)
         with autocast(device, dtype):
             logits, _ = model(tokens)  # (4, T, V): every position, as the reference computes it
         losses = F.cross_entropy(
@@ -102,11 +101,8 @@ def run(args: argparse.Namespace) -> dict:
         how = dict(device=device, dtype=args.dtype, strategy=strategy, batch_size=args.batch_size)
         return lambda exs: [(s.pred, s.pred_norm) for s in score_examples(model, exs, **how)]
 
-    methods = {
-        "reference": lambda exs: reference_predictions(model, exs, device, args.dtype),
-        "padded": batched("padded"),
-        "shared": batched("shared"),
-    }
+    methods = {"reference": lambda exs: reference_predictions(model, exs, device, args.dtype)}
+    methods.update({strategy: batched(strategy) for strategy in ("padded", "shared")})
     for fn in methods.values():  # warm-up: one-time allocations and thread pools
         fn(examples[:2])
     counter = MatmulFlops(model)

@@ -168,25 +168,23 @@ def run(args: argparse.Namespace) -> dict:
                 _profile(step, device, args.steps, os.path.join(args.profile, rung))
         except torch.OutOfMemoryError:  # e.g. the fp32 rungs' materialised attention at B=64: say so, go on
             ms = None
+        rec = {"rung": rung, **s}
         if ms is None:  # outside the except: its traceback no longer holds the rung's tensors
-            rec = {"rung": rung, **s, "oom": True}
+            rec["oom"] = True
         else:
             n = sum(p.numel() for p in model.parameters()) - T * shape[2]  # without wpe, tied counted once
             fpt = 6 * n + 12 * shape[0] * shape[2] * T
             tok_s = B * T / (ms / 1000)
-            rec = {
-                "rung": rung,
-                **s,
-                "ms_per_step": round(ms, 2),
-                "tok_per_s": round(tok_s),
-                "loss": round(loss, 4),
-                "flops_per_token": fpt,
-                "mfu_datasheet": round(fpt * tok_s / peak, 4) if peak else None,
-                "mfu_measured_matmul": round(fpt * tok_s / (measured * 1e12), 4),
-                "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-                if device.type == "cuda"
-                else None,
-            }
+            cuda = device.type == "cuda"
+            rec.update(
+                ms_per_step=round(ms, 2),
+                tok_per_s=round(tok_s),
+                loss=round(loss, 4),
+                flops_per_token=fpt,
+                mfu_datasheet=round(fpt * tok_s / peak, 4) if peak else None,
+                mfu_measured_matmul=round(fpt * tok_s / (measured * 1e12), 4),
+                peak_mem_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None,
+            )
         print(json.dumps(rec), flush=True)
         out["rungs"].append(rec)
         del step, model  # free this rung's model, optimizer and compiled graphs before the next

@@ -28,14 +28,17 @@ def add_arguments(parser) -> None:
     parser.add_argument("--step-model", action="store_true", help="also time a CPU GPT-2 124M step, for the ratio")
 
 
-def synthetic_shards(root: str, split: str, n_shards: int, tokens: int, seed: int = 0) -> None:
-    rng = np.random.default_rng(seed)
-    for k in range(n_shards):
-        toks = rng.integers(0, EOT_ID, tokens, dtype=np.int64).astype(np.uint16)
-        starts = np.cumsum(rng.geometric(1 / 1000, tokens // 500))
-        toks[starts[starts < tokens]] = EOT_ID
-        toks[0] = EOT_ID
-        write_shard(f"{root}/{shard_name(split, k)}", toks)
+def synthetic_shards(root: str, tokens: int, train_shards: int = 1, val_tokens: int = 4096) -> None:
+    """Random tokens in documents of ~1,000 (FineWeb-like) in ``root``: ``train_shards`` train shards of
+    ``tokens`` (seed 0), one val shard of ``val_tokens`` (seed 1)."""
+    for split, n_shards, size, seed in (("train", train_shards, tokens, 0), ("val", 1, val_tokens, 1)):
+        rng = np.random.default_rng(seed)
+        for k in range(n_shards):
+            toks = rng.integers(0, EOT_ID, size, dtype=np.int64).astype(np.uint16)
+            starts = np.cumsum(rng.geometric(1 / 1000, size // 500))
+            toks[starts[starts < size]] = EOT_ID
+            toks[0] = EOT_ID
+            write_shard(f"{root}/{shard_name(split, k)}", toks)
 
 
 def _rate(loader: TokenLoader, batches: int) -> dict:
@@ -66,8 +69,7 @@ def run(args) -> dict:
         data = args.data
         if data is None:
             data = tmp
-            synthetic_shards(tmp, "train", 2, args.shard_tokens)
-            synthetic_shards(tmp, "val", 1, args.shard_tokens, seed=1)
+            synthetic_shards(tmp, args.shard_tokens, train_shards=2, val_tokens=args.shard_tokens)
             out["data"] = f"synthetic: train 2 x {args.shard_tokens} tokens, val 1 shard"
         for split in ("train", "val"):
             out[split] = _rate(TokenLoader(data, split, B, T), args.batches)

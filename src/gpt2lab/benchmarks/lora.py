@@ -67,10 +67,5 @@ def count_state(args: argparse.Namespace, lora: bool) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     modes = {"full": [False], "lora": [True], "both": [False, True]}[args.mode]
-    return {
-        "size": args.size,
-        "device": args.device,
-        "rank": args.rank,
-        "targets": args.targets,
-        "results": [count_state(args, lora) for lora in modes],
-    }
+    results = [count_state(args, lora) for lora in modes]
+    return {**{k: getattr(args, k) for k in ("size", "device", "rank", "targets")}, "results": results}

@@ -82,11 +82,8 @@ def run_config(args: argparse.Namespace, micro_batch: int, accum: int, world: in
             seq_len=args.seq_len,
             micro_batch_size=micro_batch,
             total_batch_tokens=micro_batch * args.seq_len * world * accum,
-            dtype=args.dtype,
-            compile=args.compile,
-            strategy=args.strategy,
-            activation_checkpointing=args.activation_checkpointing == "true",
-            keep_cpu_memory=args.keep_cpu_memory == "true",
+            **{k: getattr(args, k) for k in ("dtype", "compile", "strategy")},
+            **{k: getattr(args, k) == "true" for k in ("activation_checkpointing", "keep_cpu_memory")},
             device=str(args.device or "auto"),
             max_steps=args.steps,
             init_from=None,
@@ -181,8 +178,7 @@ def _measure(cfg: TrainConfig, args: argparse.Namespace, info, tmp: str) -> tupl
     baseline, b = rss_bytes(), cfg.batch
     tokens = (cfg.optim.max_steps + 1) * b.total_batch_tokens + info.world_size * b.micro_batch_size * b.seq_len + 1
     if info.rank == 0:
-        synthetic_shards(tmp, "train", 1, max(tokens, 4096))
-        synthetic_shards(tmp, "val", 1, 4096, seed=1)
+        synthetic_shards(tmp, max(tokens, 4096))
     if info.distributed:
         torch.distributed.barrier()
     trainer = Trainer.from_config(cfg.with_values(data=tmp, out=tmp + "/run"), info)
@@ -241,8 +237,8 @@ def search(args: argparse.Namespace) -> dict:
         except torch.OutOfMemoryError:
             ok = False
         peak = round(_peak_bytes(device) / 2**30, 2) if device.type == "cuda" else None
-        rec = {"B": B, "fits": ok, "peak_gib": peak}
-        rec["predicted_gib"] = round(tensor_mib(pred.to_dict(MiB)) / 1024, 2)  # tensors only, like the peak
+        predicted = round(tensor_mib(pred.to_dict(MiB)) / 1024, 2)  # tensors only, like the peak
+        rec = {"B": B, "fits": ok, "peak_gib": peak, "predicted_gib": predicted}
         print(json.dumps(rec), flush=True)
         tries.append(rec)
         return ok

@@ -128,11 +128,8 @@ class LlamaCpp:
         self.models, self.errors = {}, {}
         for kind in LLAMA_TYPES:
             path = os.path.join(directory, f"model-{kind}.gguf")
-            done = subprocess.run(
-                [sys.executable, converter, hf_dir, "--outfile", path, "--outtype", kind],
-                capture_output=True,
-                text=True,
-            )
+            cmd = [sys.executable, converter, hf_dir, "--outfile", path, "--outtype", kind]
+            done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode == 0 and os.path.isfile(path):
                 self.models[kind] = path
             else:

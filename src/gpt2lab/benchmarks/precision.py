@@ -82,15 +82,8 @@ def run(args: argparse.Namespace) -> dict:
     x, y = zip(*(loader.next_batch() for _ in range(rows)))
     x, y = torch.cat(x).to(device), torch.cat(y).to(device)
     prompts = x.reshape(-1)[: args.prompts * args.prompt_tokens].reshape(args.prompts, args.prompt_tokens)
-    out: dict = {
-        "model": args.model,
-        "device": str(device),
-        "torch": torch.__version__,
-        "val_tokens": int(y.numel()),
-        "prompts": args.prompts,
-        "new_tokens": args.new_tokens,
-        "ways": {},
-    }
+    out: dict = {k: getattr(args, k) for k in ("model", "prompts", "new_tokens")}
+    out.update(device=str(device), torch=torch.__version__, val_tokens=int(y.numel()), ways={})
     ref_argmax = ref_greedy = None
     for name, cand in _ways(args.cpu_linear, device).items():
         m = hold(model, cand, rows=1, **({"bf16_inputs": False} if name == FP32_INPUTS else {}))

@@ -105,13 +105,8 @@ def _bench_source(name: str, source: str, workers: int, repeat: int, tmp: str) -
 
 
 def run(args) -> dict:
-    out: dict = {
-        "workers": args.workers,
-        "cpu_count": os.cpu_count(),
-        "repeat": args.repeat,
-        "load_avg_1m_before": round(os.getloadavg()[0], 2),
-        "scale": args.scale,
-    }
+    out: dict = {k: getattr(args, k) for k in ("workers", "repeat", "scale")}
+    out.update(cpu_count=os.cpu_count(), load_avg_1m_before=round(os.getloadavg()[0], 2))
     with tempfile.TemporaryDirectory() as tmp:
         sources = {"tinyshakespeare": "tinyshakespeare"}
         if args.scale > 1:

@@ -123,16 +123,14 @@ def run(args: argparse.Namespace) -> dict:
         no_cache, last = rounds({"no_cache": greedy(prepared, use_cache=False)}, args.no_cache_repeats, device)
         times, tokens = {**times, **no_cache}, {**tokens, **last}
         ct2_tps = ct2.tok_per_s(prompt[0].tolist(), 1, n, args.repeats) if ct2 else None
-        ct2_agree = (
-            first_mismatch(torch.tensor([ct2.greedy("float32", prompt[0].tolist(), 1, n)[0]]), tokens["sample"].cpu())
-            if ct2 and "float32" in ct2.generators
-            else None
-        )
+        ct2_agree = None
+        if ct2 and "float32" in ct2.generators:
+            ct2_tokens = torch.tensor([ct2.greedy("float32", prompt[0].tolist(), 1, n)[0]])
+            ct2_agree = first_mismatch(ct2_tokens, tokens["sample"].cpu())
     tps = {k: (n / min(v) if v else None) for k, v in times.items()}
     out = {
         **machine(device, args, decision),
-        "prompt_tokens": args.prompt_tokens,
-        "new_tokens": n,
+        **{k: getattr(args, k) for k in ("prompt_tokens", "new_tokens")},
         "tok_per_s": tps,
         "seconds": {k: [round(t, 3) for t in v] for k, v in times.items()},
         "cache_speedup": tps["sample"] / tps["no_cache"] if tps["no_cache"] else None,

@@ -28,8 +28,10 @@ answer, and the process's RSS is read before and after.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import http.client
+import itertools
 import json
 import statistics
 import sys
@@ -139,12 +141,8 @@ def arrivals(rate: float, seconds: float, seed: int) -> list[float]:
     """Poisson arrival times (exponential gaps of mean 1/rate) within ``seconds``, reproducible by seed."""
     import random
 
-    rng, t, times = random.Random(seed), 0.0, []
-    while True:
-        t += rng.expovariate(rate)
-        if t >= seconds:
-            return times
-        times.append(t)
+    gaps = iter(functools.partial(random.Random(seed).expovariate, rate), None)
+    return list(itertools.takewhile(lambda t: t < seconds, itertools.accumulate(gaps)))
 
 
 def summarize(done: list[dict], wall: float, streams: int, rate: Optional[float]) -> dict:
@@ -323,16 +321,13 @@ def run(args: argparse.Namespace) -> dict:
         raise UsageError("--peer transformers: bench serve times CTranslate2 only (bench sample times both)")
     with tempfile.TemporaryDirectory() as d:
         hf_dir = peers.export(GPT(shape_config(args)), d)
-        workers = load_workers(
-            [f"bench={hf_dir}"], args.device, inference_request(args, "serve"), limits, args.deterministic
-        )
+        request = inference_request(args, "serve")
+        workers = load_workers([f"bench={hf_dir}"], args.device, request, limits, args.deterministic)
         turns = "turns (--deterministic)" if args.deterministic else f"batches of up to {args.max_batch} rows"
         out = {
             **machine(workers["bench"].device, args, workers["bench"].decision),
             "scheduling": turns,
-            "new_tokens": args.new_tokens,
-            "seconds": args.seconds,
-            "request_rate": args.request_rate,
+            **{k: getattr(args, k) for k in ("new_tokens", "seconds", "request_rate")},
         }
 
         def clients(url: str) -> None:

@@ -49,9 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference", action="store_true", help="also time the reference recipe's model")
     p.add_argument("--reference-compile", default="true", choices=["true", "false"], help="torch.compile it")
     p.add_argument("--reference-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument(
-        "--reference-keep-memory", default="false", choices=["true", "false"], help="as --keep-cpu-memory, for it"
-    )
+    p.add_argument("--reference-keep-memory", default="false", choices=["true", "false"], help="its --keep-cpu-memory")
     add_config_flags(p)
 
 
@@ -59,8 +57,7 @@ def run(args: argparse.Namespace) -> dict:
     flags = overrides_from_args(args)
     cfg = load_preset(args.preset, **flags)
     recipes = {text: _recipe(text, flags) for text in args.recipe}
-    asked = cfg.system.device
-    device = pick_device(None if asked == "auto" else asked)
+    device = pick_device(None if cfg.system.device == "auto" else cfg.system.device)
     names = ["gpt2lab", *recipes] + (["reference"] if args.reference else [])
     # Each side runs in a process of its own: the CPU allocator setting (mallopt) and the
     # heap it leaves behind are per process, and one side's setting must not tax the other.
@@ -77,14 +74,14 @@ def run(args: argparse.Namespace) -> dict:
         for _ in range(args.rounds):  # in turn, so that every side sees the same machine load
             for name, pool in sides.items():
                 rounds[name].append(pool.submit(_time, args.steps).result())
-    ms = statistics.median(rounds["gpt2lab"])
+    med = {name: statistics.median(times) for name, times in rounds.items()}  # each side's ms a step
+    kept = {name: [round(m, 1) for m in times] for name, times in rounds.items()}
+    ms, ours = med["gpt2lab"], info["gpt2lab"]
     tok_per_s = cfg.batch.total_batch_tokens / (ms / 1000)
-    ours = info["gpt2lab"]
     result = {
         "preset": args.preset,
-        **{k: getattr(cfg.model, k) for k in ("n_layer", "n_embd")},
+        **{k: getattr(cfg.model, k) for k in ("n_layer", "n_embd", "vocab_size")},
         **{k: getattr(cfg.batch, k) for k in ("seq_len", "micro_batch_size", "total_batch_tokens")},
-        "vocab_size": cfg.model.vocab_size,
         "dtype_asked": cfg.system.dtype,
         "compile_asked": cfg.system.compile,
         **{k: ours[k] for k in ("dtype", "compile", "choices")},
@@ -95,11 +92,10 @@ def run(args: argparse.Namespace) -> dict:
         "tok_per_s": round(tok_per_s, 1),
         "mfu": ours["flops_per_token"] * tok_per_s / ours["peak"] if ours["peak"] else None,
         "flops_per_token": ours["flops_per_token"],
-        "rounds_ms": [round(m, 1) for m in rounds["gpt2lab"]],
+        "rounds_ms": kept["gpt2lab"],
     }
     if args.reference:
-        ref = rounds["reference"]
-        ref_ms = statistics.median(ref)
+        ref, ref_ms = rounds["reference"], med["reference"]
         ratios = [r / o for o, r in zip(rounds["gpt2lab"], ref)]  # per round: same machine load
         result.update(
             reference_keep_cpu_memory=args.reference_keep_memory == "true",
@@ -107,20 +103,15 @@ def run(args: argparse.Namespace) -> dict:
             reference_dtype=args.reference_dtype,
             reference_ms_per_step=round(ref_ms, 2),
             reference_tok_per_s=round(cfg.batch.total_batch_tokens / (ref_ms / 1000), 1),
-            reference_rounds_ms=[round(m, 1) for m in ref],
+            reference_rounds_ms=kept["reference"],
             speedup=round(ref_ms / ms, 3),
             speedup_median_of_rounds=round(statistics.median(ratios), 3),
             speedup_best_vs_best=round(min(ref) / min(rounds["gpt2lab"]), 3),
         )
     if recipes:
         result["recipes"] = [
-            {
-                "recipe": name,
-                "ms_per_step": round(statistics.median(rounds[name]), 2),
-                "vs_preset": round(statistics.median(rounds[name]) / ms, 3),
-                "rounds_ms": [round(m, 1) for m in rounds[name]],
-            }
-            for name in recipes
+            {"recipe": n, "ms_per_step": round(med[n], 2), "vs_preset": round(med[n] / ms, 3), "rounds_ms": kept[n]}
+            for n in recipes
         ]
     return result
 
@@ -148,10 +139,9 @@ def _start(name: str, cfg, device: str, opts: dict) -> dict:
     from gpt2lab.train.trainer import Trainer, keep_freed_memory
 
     device = torch.device(device)
+    keep = cfg.system.keep_cpu_memory if name != "reference" else opts["reference_keep_memory"] == "true"
     if device.type == "cpu":
-        keep_freed_memory(
-            cfg.system.keep_cpu_memory if name != "reference" else opts["reference_keep_memory"] == "true"
-        )
+        keep_freed_memory(keep)
     info = {"threads": torch.get_num_threads(), "flops_per_token": None, "peak": None}
     if name != "reference":  # exactly the step `gpt2lab train` runs
         trainer = Trainer.from_config(cfg, DistInfo(device=device))

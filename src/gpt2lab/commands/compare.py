@@ -10,24 +10,14 @@ from gpt2lab.system.choices import finite_float
 def add_parser(sub) -> None:
     p = sub.add_parser("compare", help="tokens and seconds each run took to reach a loss; curves vs tokens")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="two or more run directories (the first is the baseline)")
-    p.add_argument(
-        "--loss",
-        type=finite_float,
-        metavar="X",
-        help="the target value of --metric (default: the first run's final one)",
-    )
+    p.add_argument("--loss", type=finite_float, metavar="X", help="--metric value to reach (default: the first run's)")
     p.add_argument(
         "--metric",
         choices=("val_loss", "train_loss", "val_bpb"),
         default="val_loss",
-        help="what is compared (default val_loss, nats per token); val_bpb, validation bits per byte, "
-        "compares runs whose tokenizers differ",
+        help="what is compared (default val_loss, nats per token); val_bpb (bits per byte) compares across tokenizers",
     )
-    p.add_argument(
-        "--out",
-        metavar="FILE.png",
-        help="also plot the runs' curves against tokens and against seconds (needs matplotlib)",
-    )
+    p.add_argument("--out", metavar="FILE.png", help="also plot curves against tokens and seconds (needs matplotlib)")
     p.set_defaults(func=run)
 
 

@@ -8,9 +8,7 @@ import argparse
 def add_parser(sub) -> None:
     p = sub.add_parser("report", help="a run's report card: HTML (plots embedded) and Markdown")
     p.add_argument("run", metavar="RUN_DIR", help="run directory (config.json, metrics.jsonl, checkpoints/)")
-    p.add_argument(
-        "--out", default=None, help="HTML file to write (default RUN_DIR/report.html); the .md and .png go beside it"
-    )
+    p.add_argument("--out", help="HTML file to write (default RUN_DIR/report.html); the .md and .png go beside it")
     p.set_defaults(func=run)
 
 

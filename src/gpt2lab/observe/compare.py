@@ -45,15 +45,14 @@ def load_curve(run_dir: str, metric: str = "val_loss", name: Optional[str] = Non
     tokens_per_step = tokens_per_step if isinstance(tokens_per_step, int) else None
     # the later record of a step wins (a resumed run logs some steps again); train_loss of step s is
     # measured before its update: the model after s steps, like val at s
-    train = {rec["step"]: rec for rec in run.records if "train_loss" in rec}
+    train = run.train
     curve = Curve(name or run.name, tokens_per_step=tokens_per_step)
     seconds, tokens, done = 0.0, 0, 0
-    steps = sorted(train)
     for step, value in run.series.get(metric, []):
-        while done < len(steps) and steps[done] < step:
-            rec = train[steps[done]]
+        while done < len(train) and train[done]["step"] < step:
+            rec = train[done]
             seconds += float(rec.get("dt_ms", 0.0)) / 1000
-            tokens = int(rec["tokens"]) if "tokens" in rec else (steps[done] + 1) * (tokens_per_step or 0)
+            tokens = int(rec["tokens"]) if "tokens" in rec else (rec["step"] + 1) * (tokens_per_step or 0)
             done += 1
         if step and done == 0 and tokens_per_step:  # no train records before it (e.g. an eval-only log)
             tokens = step * tokens_per_step

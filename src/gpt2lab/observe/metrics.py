@@ -10,7 +10,7 @@
   eval lines    step, val_loss, val_bpb (bits per byte: evals/loss.py)
   HellaSwag     step, hellaswag_acc, hellaswag_acc_norm, hellaswag_n
   samples       step, sample (text)
-With ``wandb_project`` each record also goes to Weights & Biases (``WandbLogger``).
+With ``wandb_project`` each record also goes to Weights & Biases (``wandb_run``).
 ``run_info.json`` beside it records the code version, library versions and hardware.
 """
 
@@ -66,9 +66,9 @@ class MetricsLogger:
                     "--tensorboard true needs the tensorboard package: pip install 'gpt2lab[tensorboard]'"
                 ) from e
             self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
-        if wandb_project:
-            samples = [[r["step"], r["sample"]] for r in kept if isinstance(r.get("sample"), str)]
-            self._wandb = WandbLogger(run_dir, wandb_project, wandb_run_name, config, samples)
+        if wandb_project:  # a resumed run's samples table goes on from the samples metrics.jsonl holds
+            self._samples = [[r["step"], r["sample"]] for r in kept if isinstance(r.get("sample"), str)]
+            self._wandb = wandb_run(run_dir, wandb_project, wandb_run_name, config)
         if progress:
             from tqdm import tqdm
 
@@ -86,10 +86,16 @@ class MetricsLogger:
         step = record["step"]
         if self._tb is not None:
             for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and value is not None:
+                if key != "step" and isinstance(value, (int, float)):
                     self._tb.add_scalar(key, value, step)
-        if self._wandb is not None:
-            self._wandb.log(record)
+        if self._wandb is not None:  # the same record; a sample goes into the samples table
+            values = {k: v for k, v in record.items() if k != "sample" and v is not None}
+            if isinstance(record.get("sample"), str):
+                import wandb
+
+                self._samples.append([step, record["sample"]])
+                values["samples"] = wandb.Table(columns=["step", "sample"], data=list(self._samples))
+            self._wandb.log(values)
         if "train_loss" in record:
             if self._bar is not None:
                 self._bar.update(1)
@@ -120,9 +126,11 @@ class MetricsLogger:
 
     def close(self) -> None:
         fh = self._fh
-        for thing in (self._bar, self._tb, self._wandb):
+        for thing in (self._bar, self._tb):
             if thing is not None:
                 thing.close()
+        if self._wandb is not None:
+            self._wandb.finish()
         self._fh = self._tb = self._bar = self._wandb = None
         failing = sys.exc_info()[0] is not None  # closed in a finally while an error goes up
         if fh is not None:
@@ -151,59 +159,29 @@ ID_FILE = "wandb_id"
 
 
 def _say(message: str) -> None:
-    print(
-        f"gpt2lab: W&B logging off: {message.rstrip('.')}; metrics.jsonl is written as always",
-        file=sys.stderr,
-        flush=True,
-    )
+    """Say that W&B logging is off, and why."""
+    line = f"gpt2lab: W&B logging off: {message.rstrip('.')}; metrics.jsonl is written as always"
+    print(line, file=sys.stderr, flush=True)
 
 
-class WandbLogger:
-    """Mirrors each metrics record to W&B; ``run`` is None when W&B could not start. ``samples``: the
-    [step, text] rows of the samples metrics.jsonl already holds (a resumed run's table goes on)."""
-
-    def __init__(
-        self, run_dir: str, project: str, name: Optional[str], config: Optional[dict], samples: list[list]
-    ) -> None:
-        self.run, self.samples = None, samples
-        try:
-            import wandb
-        except ImportError:
-            _say("the wandb package is not installed (pip install 'gpt2lab[wandb]')")
-            return
-        path = Path(run_dir, ID_FILE)  # the id this run dir's W&B run has had, or a new one (W&B accepts [a-z0-9])
-        run_id = (path.read_text().strip() if path.is_file() else "") or secrets.token_hex(6)
-        try:
-            self.run = wandb.init(
-                project=project,
-                name=name or os.path.basename(os.path.abspath(run_dir)),
-                id=run_id,
-                resume="allow",
-                config=config,
-                dir=run_dir,
-            )
-        except Exception as e:  # no API key, no network, a bad project name: W&B's own message, one line
-            _say(" ".join(str(e).split()) or type(e).__name__)
-            return
-        with atomic_write(str(path)) as fh:
-            fh.write(run_id + "\n")
-        self.run.define_metric("step")
-        self.run.define_metric("*", step_metric="step")
-        self._table = wandb.Table
-
-    def log(self, record: dict[str, Any]) -> None:
-        if self.run is None:
-            return
-        values = {k: v for k, v in record.items() if k != "sample" and v is not None}
-        if isinstance(record.get("sample"), str):
-            self.samples.append([record["step"], record["sample"]])
-            values["samples"] = self._table(columns=["step", "sample"], data=list(self.samples))
-        self.run.log(values)
-
-    def close(self) -> None:
-        if self.run is not None:
-            self.run.finish()
-            self.run = None
+def wandb_run(run_dir: str, project: str, name: Optional[str], config: Optional[dict]):
+    """A W&B run for ``run_dir``'s records, or None when W&B could not start (one line says why)."""
+    try:
+        import wandb
+    except ImportError:
+        return _say("the wandb package is not installed (pip install 'gpt2lab[wandb]')")
+    path = Path(run_dir, ID_FILE)  # the id this run dir's W&B run has had, or a new one (W&B accepts [a-z0-9])
+    run_id = (path.read_text().strip() if path.is_file() else "") or secrets.token_hex(6)
+    name = name or os.path.basename(os.path.abspath(run_dir))
+    try:
+        run = wandb.init(project=project, name=name, id=run_id, resume="allow", config=config, dir=run_dir)
+    except Exception as e:  # no API key, no network, a bad project name: W&B's own message, one line
+        return _say(" ".join(str(e).split()) or type(e).__name__)
+    with atomic_write(str(path)) as fh:
+        fh.write(run_id + "\n")
+    run.define_metric("step")
+    run.define_metric("*", step_metric="step")
+    return run
 
 
 def format_train(r: dict) -> str:
@@ -232,8 +210,7 @@ def read_metrics(path: str, lenient: bool = False) -> list[dict]:
         if lenient:
             return []
         raise FileNotFoundError(f"{path}: no such file; is this a gpt2lab run directory?")
-    with open(path, "rb") as f:
-        lines = f.read().split(b"\n")
+    lines = Path(path).read_bytes().split(b"\n")
     records, bad = [], []
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():

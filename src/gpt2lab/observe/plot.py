@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -34,7 +33,6 @@ class Run:
 
     name: str
     records: list[dict] = field(default_factory=list)  # metrics.jsonl's
-    cut: bool = False  # its last line was cut (a run killed mid-write): left out
     config: Optional[dict] = None  # config.json, nested (read_run_config); None where it has none
     info: dict = field(default_factory=dict)  # run_info.json; {} where it has none
 
@@ -47,6 +45,12 @@ class Run:
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     by_metric.setdefault(key, {})[rec["step"]] = float(value)
         return {k: sorted(v.items()) for k, v in by_metric.items()}
+
+    @property
+    def train(self) -> list[dict]:
+        """The train steps' records in step order; a step logged again (a resumed run): the later record."""
+        by_step = {r["step"]: r for r in self.records if "train_loss" in r}
+        return [by_step[s] for s in sorted(by_step)]
 
     @property
     def size(self) -> Optional[str]:
@@ -95,19 +99,10 @@ def read_json(path: str) -> Optional[object]:
 
 def load_run(run_dir: str) -> Run:
     """The run in ``run_dir``: its records (``read_metrics``), config.json and run_info.json."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
-    for w in caught:  # said again to the caller (the report says it in its status instead)
-        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))  # a cut last line: left out, with a warning
     info = read_json(os.path.join(run_dir, "run_info.json"))
-    return Run(
-        os.path.basename(os.path.normpath(run_dir)),
-        records,
-        cut=any("unfinished last line" in str(w.message) for w in caught),
-        config=read_run_config(run_dir),
-        info=info if isinstance(info, dict) else {},
-    )
+    name = os.path.basename(os.path.normpath(run_dir))
+    return Run(name, records, config=read_run_config(run_dir), info=info if isinstance(info, dict) else {})
 
 
 def read_run_config(run_dir: str) -> Optional[dict]:
@@ -215,9 +210,6 @@ def plot_runs(run_dirs: list[str], out_png: str, summary: bool = False) -> Optio
 
 def png(fig, dpi: int = 100) -> bytes:
     """A matplotlib figure as PNG bytes with gpt2lab's mark (system/rundir.py)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    FigureCanvasAgg(fig)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, metadata=rundir.PNG_MARK)
     return buf.getvalue()

@@ -127,12 +127,9 @@ def _fmt_duration(s: float) -> str:
     return f"{h}h {rem // 60:02d}m {rem % 60:02d}s" if h else f"{rem // 60}m {rem % 60:02d}s"
 
 
-def _speed(records: list[dict], config: dict, run_dir: str, info: dict) -> list[list[Any]]:
-    train = [r for r in records if "train_loss" in r]
+def _speed(train: list[dict], config: dict, run_dir: str, info: dict) -> list[list[Any]]:
     if not train:
         return [["figure", "value"], ["train steps logged", 0]]
-    by_step = {r["step"]: r for r in train}  # a resumed run repeats some steps: the later line wins
-    train = [by_step[s] for s in sorted(by_step)]
     step_time = sum(r["dt_ms"] for r in train) / 1000
     batch = config_value(config, "total_batch_tokens", 0)
     tokens = train[-1].get("tokens") or len(train) * batch
@@ -169,18 +166,13 @@ def _segments(info: dict) -> list[dict]:
     return [s for s in found if isinstance(s, dict) and isinstance(s.get("started"), (int, float))]
 
 
-def _last(records: list[dict], key: str) -> Optional[tuple[int, float]]:
-    found = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
-    return found[-1] if found else None
-
-
-def _results(records: list[dict], size: Optional[str], fineweb_edu: bool) -> Section:
+def _results(series: dict, size: Optional[str], fineweb_edu: bool) -> Section:
     """The last of each metric the run logged, beside OpenAI's where they apply: GPT-2 124M's val loss on
     FineWeb-Edu for a run on that corpus, HellaSwag's published acc_norm for a run with HellaSwag results
     (its size's, else 124M's for scale). No baseline that applies: no baseline columns."""
     ref = size or "124M"
     gpt2_hs, gpt3_hs = plot.HELLASWAG_BASELINES[ref]
-    val, hs, bpb = (_last(records, key) for key in ("val_loss", "hellaswag_acc_norm", "val_bpb"))
+    val, hs, bpb = (series.get(key, [None])[-1] for key in ("val_loss", "hellaswag_acc_norm", "val_bpb"))
     gpt2_val = plot.GPT2_124M_VAL_LOSS if fineweb_edu and ref == "124M" and val else "-"
     which = "the run's val split" + ("; GPT-2's on FineWeb-Edu val" if gpt2_val != "-" else "")
     rows = [[f"val loss ({which})", plot.at_step(val), gpt2_val, "-"]]
@@ -227,13 +219,14 @@ def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True)
     """Everything the card shows; ``curves=False`` leaves out the plot (the costly part)."""
     if not os.path.isdir(run_dir):
         raise FileNotFoundError(f"{run_dir}: no such run directory")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the cut last line is reported in the status instead
+    with warnings.catch_warnings(record=True) as caught:  # a cut last line is reported in the status instead
+        warnings.simplefilter("always")
         run = plot.load_run(run_dir)
+    cut = any("unfinished last line" in str(w.message) for w in caught)
     config, info, records, size = run.config or {}, run.info, run.records, run.size
     ckpts = _checkpoints(run_dir)
     arch = config.get("model") if isinstance(config.get("model"), dict) else {}  # no table: the rest still shows
-    status = run_status(run_dir, config, records, run.cut, ckpts, time.time() if now is None else now, info)
+    status = run_status(run_dir, config, records, cut, ckpts, time.time() if now is None else now, info)
     fineweb_edu = plot.is_fineweb_edu(run.data)
     shape = f"{arch.get('n_layer')} layers, {arch.get('n_head')} heads, {arch.get('n_embd')} wide"
     vocab = arch.get("token_vocab_size")
@@ -253,8 +246,8 @@ def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True)
     rep = Report(title=f"gpt2lab report: {os.path.basename(os.path.abspath(run_dir))}", status=status)
     rep.sections += [
         Section("What was run", table=what),
-        Section("How long and how fast", table=_speed(records, config, run_dir, info)),
-        _results(records, size, fineweb_edu),
+        Section("How long and how fast", table=_speed(run.train, config, run_dir, info)),
+        _results(run.series, size, fineweb_edu),
         Section(
             "Curves",
             image_png=plot.png(plot.build_figure([run]), dpi=90) if records and curves else None,
