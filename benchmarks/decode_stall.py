@@ -123,10 +123,10 @@ def main() -> None:
     held = slow[1]
     profile(held, f"slowest bf16 hold ({slow[0]:.2f} ms)")
     # one change at a time, on that same hold
-    orig = kernels.PlainLinear.forward
-    kernels.PlainLinear.forward = no_bias_forward
+    orig = kernels.DecodeLinear._plain
+    kernels.DecodeLinear._plain = no_bias_forward
     emit(variant="linear without bias + add", **step_ms(held, args.steps))
-    kernels.PlainLinear.forward = orig
+    kernels.DecodeLinear._plain = orig
     emit(variant="the slowest hold again", **step_ms(held, args.steps))
 
 

@@ -14,7 +14,7 @@ from gpt2lab.inference import kernels
 from gpt2lab.inference.choice import Candidate
 from gpt2lab.inference.form import hold as _hold
 from gpt2lab.inference.fused import fusable
-from gpt2lab.inference.kernels import PanelLinear, gemv_error
+from gpt2lab.inference.kernels import gemv_error
 from gpt2lab.serve.rows import RowsCache
 
 WHY_NOT = gemv_error(torch.device("cpu"))
@@ -39,8 +39,8 @@ def _hold_as(model, cand, inputs, monkeypatch, **kw):
     """form.hold of ``cand`` with its inputs as ``inputs`` (one of INPUTS) asks."""
     monkeypatch.setattr(kernels, "panels_run", lambda k: inputs == "bf16-inputs-panels" and k % 2 == 0)
     ready = _hold(model, cand, bf16_inputs=inputs != "fp32-inputs", **kw)
-    want = PanelLinear if inputs == "bf16-inputs-panels" and cand.kernel == "gemv" else None
-    assert want is None or any(isinstance(m, want) for m in ready.modules())
+    panels = inputs == "bf16-inputs-panels" and cand.kernel == "gemv"
+    assert not panels or any(getattr(m, "route", "") == "panels" for m in ready.modules())
     return ready
 
 

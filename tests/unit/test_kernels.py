@@ -22,26 +22,19 @@ from gpt2lab.inference.choice import Candidate, InferenceRequest, Timing, candid
 from gpt2lab.inference.form import cache_key, cached_timings, for_inference, hold
 from gpt2lab.inference.kernels import (
     DecodeLinear,
-    GemvLinear,
-    Int8GemvLinear,
-    Int8Linear,
-    PackedLinear,
-    PanelLinear,
-    PlainLinear,
-    UpcastLinear,
     _compiled_gemv,
+    cannot_run,
     gemv_error,
-    int8_available,
-    packing_available,
-    packing_bf16_error,
     quantize_int8,
     swap_linears,
 )
 from gpt2lab.system import formats, runtime
 from gpt2lab.system.runtime import ChoiceError, Facts
 
-needs_onednn = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN packed linear")
-needs_int8 = pytest.mark.skipif(int8_available(torch.device("cpu")) is not None, reason="no int8 weight-only kernel")
+needs_onednn = pytest.mark.skipif(
+    cannot_run("packed") is not None, reason="this torch build has no oneDNN packed linear"
+)
+needs_int8 = pytest.mark.skipif(cannot_run("int8") is not None, reason="no int8 weight-only kernel")
 MODERN = dict(pos_emb="rotary", norm="rmsnorm", qk_norm=True, mlp_act="relu2", tie_embeddings=False, logit_softcap=15.0)
 
 
@@ -55,14 +48,10 @@ def _layer_inputs(bias: bool, shape=(5, 24)):
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("kernel", ["plain", "decode", "packed"])
 def test_fp32_decode_linears_equal_f_linear(kernel, bias, shape):
-    if kernel == "packed" and not packing_available():
+    if kernel == "packed" and cannot_run("packed"):
         pytest.skip("this torch build has no oneDNN packed linear")
     w, b, x = _layer_inputs(bias, shape)
-    layer = (
-        PackedLinear(w, b, torch.float32, batch_hint=8)
-        if kernel == "packed"
-        else PlainLinear(w, b, torch.float32, column_major=kernel == "decode")
-    )
+    layer = DecodeLinear(w, b, kernel, torch.float32, batch_hint=8)
     with torch.inference_mode():
         got = layer(x)
     assert got.shape == (*shape[:-1], 40) and got.dtype == torch.float32
@@ -73,17 +62,15 @@ def test_fp32_decode_linears_equal_f_linear(kernel, bias, shape):
 
 @pytest.mark.parametrize("kernel", ["plain", "packed"])
 def test_bf16_decode_linears_multiply_bf16_inputs_by_bf16_weights(kernel):
-    if kernel == "packed" and not packing_available():
+    if kernel == "packed" and cannot_run("packed"):
         pytest.skip("this torch build has no oneDNN packed linear")
-    if kernel == "packed" and packing_bf16_error():
+    if kernel == "packed" and cannot_run("packed", torch.bfloat16):
         pytest.skip(
-            f"oneDNN cannot pack bf16 weights on this CPU ({packing_bf16_error()}); "
+            f"oneDNN cannot pack bf16 weights on this CPU ({cannot_run('packed', torch.bfloat16)}); "
             "test_bf16_packing_fact_is_what_onednn_does checks the refusal here"
         )
     w, b, x = _layer_inputs(True)
-    layer = (
-        PackedLinear(w, b, torch.bfloat16, batch_hint=4) if kernel == "packed" else PlainLinear(w, b, torch.bfloat16)
-    )
+    layer = DecodeLinear(w, b, kernel, torch.bfloat16, batch_hint=4)
     with torch.inference_mode():
         got = layer(x)  # an fp32 input is cast: the layer returns bf16
     assert got.dtype == torch.bfloat16
@@ -102,14 +89,14 @@ def test_upcast_multiplies_bf16_inputs_by_bf16_weights_one_row_as_held_more_in_f
     rounded operands multiplied in fp32, the weight converted a slice at a time (3 slices of 16 output rows
     and one of 8 here, 40 rows: each slice's values the right ones), or, held for batches of 4 where
     oneDNN packs, by its fp32 values packed once."""
-    packs = batch_hint > 1 and packing_available()
+    packs = batch_hint > 1 and cannot_run("packed") is None
     monkeypatch.setattr(kernels, "UPCAST_SLICE", 16 * 24 + 5)  # not a whole number of rows either
     monkeypatch.setattr(kernels, "_scratch", threading.local())  # a buffer of that size
-    wide = UpcastLinear(torch.ones(3, 500), None, torch.bfloat16)  # a row wider than a slice: one row a slice
+    wide = DecodeLinear(torch.ones(3, 500), None, "upcast", torch.bfloat16)  # a row wider than a slice: one row a slice
     assert wide.slice_rows == 1
     torch.testing.assert_close(wide(torch.ones(2, 500)), torch.full((2, 3), 500.0))
     w, b, x = _layer_inputs(bias, shape)
-    layer = UpcastLinear(w, b, torch.bfloat16, batch_hint)
+    layer = DecodeLinear(w, b, "upcast", torch.bfloat16, batch_hint)
     assert layer.weight.dtype == torch.bfloat16 and layer.slice_rows == 16 and (layer.packed is not None) == packs
     monkeypatch.setattr(kernels, "_scratch", threading.local())
     with torch.inference_mode():
@@ -147,7 +134,7 @@ def test_int8_quantization_is_symmetric_per_row_within_half_a_step():
 def test_int8_linear_multiplies_by_the_dequantized_weight(dtype, width):
     g = torch.Generator().manual_seed(width)
     w, b, x = torch.randn(40, width, generator=g), torch.randn(40, generator=g), torch.randn(3, 7, width, generator=g)
-    layer = Int8Linear(w, b, dtype)
+    layer = DecodeLinear(w, b, "int8", dtype)
     q, scale = quantize_int8(w)
     with torch.inference_mode():
         got = layer(x)
@@ -178,9 +165,9 @@ def test_compiled_gemv_multiplies_fp32_inputs_by_the_held_weight(held, rows, wid
     x = torch.randn(rows, width, generator=g)
     if held == "int8":
         q, scale = quantize_int8(w)
-        exact, layer = q.double() * scale.double()[:, None], Int8GemvLinear(w, b, torch.float32)
+        exact, layer = q.double() * scale.double()[:, None], DecodeLinear(w, b, "int8-gemv", torch.float32)
     else:
-        exact, layer = w.bfloat16().double(), GemvLinear(w, b, torch.bfloat16, batch_hint=rows)
+        exact, layer = w.bfloat16().double(), DecodeLinear(w, b, "gemv", torch.bfloat16, batch_hint=rows)
         b = None if b is None else b.bfloat16()  # held in the weight's dtype, as every decode linear's
     want = F.linear(x.double(), exact, None if b is None else b.double())
     for threads in (1, 2):  # rows shared among threads give the same sums
@@ -194,8 +181,8 @@ def test_compiled_gemv_multiplies_fp32_inputs_by_the_held_weight(held, rows, wid
             torch.testing.assert_close(c.double(), want, rtol=1e-5, atol=1e-5)
     torch.set_num_threads(1)
     assert layer(torch.empty(0, width)).shape == (0, 45)
-    with pytest.raises(ValueError, match="computes in float32|holds bfloat16"):
-        (Int8GemvLinear if held == "int8" else GemvLinear)(w, b, torch.float16)
+    with pytest.raises(ValueError, match="runs in (float32|bfloat16) only, not torch.float16"):
+        DecodeLinear(w, b, "int8-gemv" if held == "int8" else "gemv", torch.float16)
 
 
 @needs_gemv
@@ -204,7 +191,7 @@ def test_gemv_multiplies_up_to_its_tile_rows_by_the_compiled_tiles_and_more_rows
     matmul; both the bf16-rounded weight's product (fp64 reference)."""
     g = torch.Generator().manual_seed(3)
     w, x = torch.randn(40, 48, generator=g), torch.randn(2, 3, 48, generator=g)  # 6 rows a call
-    layer = GemvLinear(w, None, torch.bfloat16, batch_hint=6)
+    layer = DecodeLinear(w, None, "gemv", torch.bfloat16, batch_hint=6)
     want = F.linear(x.double(), w.bfloat16().double())
     seen = []
     monkeypatch.setattr(
@@ -266,8 +253,8 @@ def test_panels_place_each_weight_where_the_kernel_reads_it():
 @needs_gemv
 @pytest.mark.parametrize("dot", [True, False], ids=["bf16-dot-where-the-cpu-has-it", "plain-c"])
 @pytest.mark.parametrize("n, k", [(45, 64), (41, 100), (32, 2), (16, 48), (70, 768)])
-def test_panels_multiply_rounded_inputs_at_any_rows_and_a_row_alone_as_in_a_batch_or_a_prompt(dot, n, k):
-    """PanelLinear: each product that of the inputs rounded to bf16 (fp64 reference), at 1-17 rows (tiles of
+def test_panels_multiply_rounded_inputs_at_any_rows_and_a_row_alone_as_in_a_batch_or_a_prompt(dot, n, k, monkeypatch):
+    """A panel hold: each product that of the inputs rounded to bf16 (fp64 reference), at 1-17 rows (tiles of
     eight, then what is left), outputs not a whole group, by the AVX512_BF16 routines where they run and by
     the plain C loops (asked for); each row's outputs the same bits alone, in a batch, as a prompt's tokens
     and on one thread or two."""
@@ -275,8 +262,11 @@ def test_panels_multiply_rounded_inputs_at_any_rows_and_a_row_alone_as_in_a_batc
 
     g = torch.Generator().manual_seed(n * k)
     w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
-    layer = PanelLinear(w, b, torch.bfloat16)
-    assert layer.extra_repr().endswith("gemv bfloat16") and torch.equal(layer.weight, w.bfloat16())
+    monkeypatch.setattr(kernels, "panels_run", lambda k: True)  # panels, whose plain C loops run anywhere
+    layer = DecodeLinear(w, b, "gemv", torch.bfloat16, bf16_inputs=True)
+    assert layer.extra_repr().endswith("gemv bfloat16") and torch.equal(
+        kernels.unpack_panels(layer.panels, n), w.bfloat16()
+    )
     try:
         _gemv.set_bf16_dot(dot)
         for m in (1, 2, 8, 9, 17):
@@ -293,18 +283,19 @@ def test_panels_multiply_rounded_inputs_at_any_rows_and_a_row_alone_as_in_a_batc
     finally:
         _gemv.set_bf16_dot(True)
         torch.set_num_threads(1)
-    with pytest.raises(ValueError, match="holds bfloat16"):
-        PanelLinear(w, b, torch.float32)
+    with pytest.raises(ValueError, match="runs in bfloat16 only"):
+        DecodeLinear(w, b, "gemv", torch.float32, bf16_inputs=True)
 
 
 @pytest.mark.parametrize("runs", [True, False])
 def test_a_gemv_hold_with_rounded_inputs_takes_panels_where_they_run_and_the_width_is_even(monkeypatch, runs):
-    """make_linear: panels for a bf16 ``gemv`` linear with rounded inputs where the AVX512_BF16 routines run
+    """DecodeLinear: panels for a bf16 ``gemv`` linear with rounded inputs where the AVX512_BF16 routines run
     (faked either way) and its inputs are even; row-major otherwise, and for unrounded inputs."""
     monkeypatch.setattr(kernels, "panels_run", lambda k: runs and k % 2 == 0)
     for width, inputs, panels in ((48, True, runs), (47, True, False), (48, False, False)):
-        layer = kernels.make_linear(nn.Linear(width, 40), "gemv", torch.bfloat16, bf16_inputs=inputs)
-        assert isinstance(layer, PanelLinear if panels else GemvLinear) and layer.bf16_inputs == inputs
+        lin = nn.Linear(width, 40)
+        layer = DecodeLinear(lin.weight, lin.bias, "gemv", torch.bfloat16, bf16_inputs=inputs)
+        assert (layer.panels is not None, layer.weight is None) == (panels, panels) and layer.bf16_inputs == inputs
 
 
 @needs_gemv
@@ -319,8 +310,8 @@ def test_gemv_with_bf16_inputs_rounds_every_route_and_runs_a_prompt_past_its_til
     wb, bb = w.bfloat16().double(), b.bfloat16().double()
     ref = lambda x, rounded: F.linear((x.bfloat16() if rounded else x).double(), wb, bb)  # noqa: E731
     for rounded in (True, False):
-        layer = GemvLinear(w, b, torch.bfloat16, batch_hint=6, bf16_inputs=rounded)
-        assert (layer.packed is None) == rounded or not kernels.packing_available()
+        layer = DecodeLinear(w, b, "gemv", torch.bfloat16, batch_hint=6, bf16_inputs=rounded)
+        assert (layer.packed is None) == rounded or kernels.cannot_run("packed") is not None
         for tile_rows in (1, 6):  # past the tiles; through them
             kernels.set_tile_rows(layer, tile_rows)
             with torch.inference_mode():
@@ -351,10 +342,10 @@ def test_a_gemv_hold_rounds_its_inputs_to_bf16_where_the_cpu_computes_bf16_nativ
 
     monkeypatch.setattr(runtime, "cpu_flags", lambda: flags)
     held = hold(tiny_gpt(seed=1), Candidate("bfloat16", "gemv"))
-    linears = [m for m in held.modules() if isinstance(m, (GemvLinear, PanelLinear))]
+    linears = [m for m in held.modules() if isinstance(m, DecodeLinear)]
     assert linears and {m.bf16_inputs for m in linears} == {native}
     # panels where the inputs are rounded and the compiled AVX512_BF16 routines run (the real CPU's fact)
-    assert {type(m) for m in linears} == {PanelLinear if native and kernels.panels_run(64) else GemvLinear}
+    assert {m.route for m in linears} == {"panels" if native and kernels.panels_run(64) else "gemv"}
     request = InferenceRequest(dtype="bfloat16")
     for kernel in ("gemv", "upcast"):  # the one measured is chosen
         timings = {f"bfloat16/{kernel}": Timing(prefill=10.0, step1=1.0)}
@@ -418,7 +409,7 @@ def test_the_probe_measures_where_the_tiles_stop_and_every_hold_of_the_choice_ke
     assert decision.record()["tile_rows"] == 7
     [entry] = runtime.cached().values()
     assert "bfloat16/gemv: prefill 1 ms, one-row step 1 ms, its tiles up to 7 rows" in entry_lines(entry)
-    tiles = lambda m: {x.tile_rows for x in m.modules() if isinstance(x, GemvLinear)}  # noqa: E731
+    tiles = lambda m: {x.tile_rows for x in m.modules() if isinstance(x, DecodeLinear)}  # noqa: E731
     assert tiles(hold(model, decision.candidate, tile_rows=decision.tile_rows)) == {7}
     monkeypatch.setattr(prep, "detect_facts", lambda device: facts)
     import gpt2lab.inference.form as form
@@ -439,7 +430,7 @@ def test_a_panel_hold_has_no_tiles_to_measure(monkeypatch):
     monkeypatch.setattr(prep, "_tiles", lambda *a: pytest.fail("a panel hold's tiles were timed"))
     model = tiny_gpt(seed=1, vocab_size=97, block_size=64)
     held = hold(model, Candidate("bfloat16", "gemv"))
-    assert not kernels.has_tiles(held) and any(isinstance(m, PanelLinear) for m in held.modules())
+    assert not kernels.has_tiles(held) and any(getattr(m, "route", "") == "panels" for m in held.modules())
     t = prep.measure(model, Candidate("bfloat16", "gemv"), InferenceRequest(), torch.device("cpu"),
                      figures=prep.FIGURES + ("tile_rows",))  # fmt: skip
     assert t.tile_rows is None and t.prefill > 0 and t.step1 > 0
@@ -477,7 +468,7 @@ def _exact_reference(model, held: str):
     reference = hold(model, Candidate("float32", "plain"))
     with torch.no_grad():
         for m in reference.modules():
-            if isinstance(m, PlainLinear):
+            if isinstance(m, DecodeLinear):
                 if held == "int8":
                     q, scale = quantize_int8(m.weight)
                     m.weight.copy_(q.float() * scale[:, None])
@@ -530,7 +521,7 @@ def test_a_compiled_gemv_model_gives_the_exact_weights_logits_and_greedy_tokens(
 )
 @pytest.mark.parametrize("kernel", ["decode", "packed"])
 def test_a_prepared_fp32_model_gives_the_models_logits_and_shares_its_other_weights(block, kernel):
-    if kernel == "packed" and not packing_available():
+    if kernel == "packed" and cannot_run("packed"):
         pytest.skip("this torch build has no oneDNN packed linear")
     model = tiny_gpt(seed=3, vocab_size=97, block_size=32, **block)
     n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
@@ -585,7 +576,7 @@ def test_a_bf16_prepared_model_keeps_an_fp32_residual_stream_and_an_fp32_attenti
 def test_swap_linears_gives_a_tied_head_its_own_copy():
     model = tiny_gpt(seed=1, vocab_size=97, block_size=16)
     wte = model.transformer.wte.weight.clone()
-    assert swap_linears(model, "int8" if int8_available(torch.device("cpu")) is None else "plain", torch.float32) == 9
+    assert swap_linears(model, "int8" if cannot_run("int8") is None else "plain", torch.float32) == 9
     assert torch.equal(model.transformer.wte.weight, wte)  # the embedding still reads the shared table
 
 
@@ -609,20 +600,19 @@ MPS = Facts("mps", "Apple MPS")
 
 
 def test_bf16_packing_fact_is_what_onednn_does():
-    """packing_bf16_error() says None exactly where a bf16 PackedLinear builds and matches F.linear."""
-    from gpt2lab.inference.kernels import packing_bf16_error
-
-    if not packing_available():
+    """cannot_run("packed", bfloat16) says None exactly where a bf16 packed DecodeLinear builds and matches
+    F.linear."""
+    if cannot_run("packed"):
         pytest.skip("no oneDNN packed linear in this torch build")
     torch.manual_seed(0)
     w, b, x = torch.randn(48, 32), torch.randn(48), torch.randn(3, 32)
-    if packing_bf16_error() is None:
-        got = PackedLinear(w, b, torch.bfloat16, 3)(x.bfloat16()).float()
+    if cannot_run("packed", torch.bfloat16) is None:
+        got = DecodeLinear(w, b, "packed", torch.bfloat16, 3)(x.bfloat16()).float()
         want = F.linear(x.bfloat16(), w.bfloat16(), b.bfloat16()).float()
         torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
     else:
         with pytest.raises(RuntimeError):
-            PackedLinear(w, b, torch.bfloat16, 3)
+            DecodeLinear(w, b, "packed", torch.bfloat16, 3)
 
 
 def _names(cands):

@@ -301,13 +301,13 @@ def test_batched_rows_give_the_unbatched_models_logits(block, linear):
 
     from gpt2lab.inference.choice import Candidate
     from gpt2lab.inference.form import hold as apply
-    from gpt2lab.inference.kernels import packing_available
+    from gpt2lab.inference.kernels import cannot_run
     from gpt2lab.serve.rows import RowsCache
 
     model = tiny_gpt(seed=5, vocab_size=97, block_size=48, **block)
     reference = copy.deepcopy(model)
     if linear == "packed":
-        if not packing_available():
+        if cannot_run("packed"):
             pytest.skip("this torch build has no oneDNN packed linear")
         model = apply(model, Candidate("float32", "packed"), rows=4)
     g = torch.Generator().manual_seed(0)

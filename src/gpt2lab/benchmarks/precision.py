@@ -25,7 +25,7 @@ import torch
 from gpt2lab.distributed.dist import pick_device
 from gpt2lab.inference.choice import Candidate, gemv_bf16_inputs
 from gpt2lab.inference.form import detect_facts, hold
-from gpt2lab.inference.kernels import gemv_error, packing_bf16_error
+from gpt2lab.inference.kernels import cannot_run, gemv_error
 from gpt2lab.model.sampling import generate
 from gpt2lab.system.choices import LINEAR_CHOICES
 
@@ -50,7 +50,7 @@ def _ways(linear: str, device: torch.device) -> dict[str, Candidate]:
     """The ways compared; gpt2lab's compiled kernels (the fused step with them) where they run."""
     kernel = "plain" if linear == "plain" else "packed"
     # where oneDNN packs no bf16 (a CPU without AVX-512 or AVX-NE-CONVERT), bf16 weights as auto holds them
-    half = "upcast" if kernel == "packed" and device.type == "cpu" and packing_bf16_error() else kernel
+    half = "upcast" if kernel == "packed" and device.type == "cpu" and cannot_run("packed", torch.bfloat16) else kernel
     ways = {
         "float32": Candidate("float32", "plain"),
         "float32_" + kernel: Candidate("float32", kernel),

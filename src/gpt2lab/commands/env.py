@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import importlib.metadata
 import json
+import os
 import time
 
 from gpt2lab.system import runtime
@@ -99,7 +100,7 @@ def entry_lines(entry: dict) -> list[str]:
     """A cache entry as lines for ``gpt2lab env``: the CPU's matmul rates; or the model's shape and device,
     when measured, what each workload chose, each candidate's figures (or why it was dropped), and why
     figures measured on a busy machine were not kept."""
-    from gpt2lab.inference.probe import Timing, cached_rows, cached_timings
+    from gpt2lab.inference.probe import Timing, cached_timings
 
     if isinstance(rates := entry.get("matmul_gflops"), dict):
         fp32, bf16 = rates.get("fp32_gflops"), rates.get("bf16_gflops")
@@ -119,7 +120,7 @@ def entry_lines(entry: dict) -> list[str]:
         else:
             lines.append(f"{name}: {t}")
     for rows in sorted(entry.get("rows") or {}):
-        figs = cached_rows(entry, int(rows)) or {}
+        figs = cached_timings(entry, int(rows)) or {}
         text = ", ".join(f"{n} {v:.3g} ms" if isinstance(v, float) else f"{n} {v}" for n, v in figs.items())
         lines.append(f"{rows}-row step (serve): {text}")
     for what, note in sorted((entry.get("not_kept") or {}).items()):  # a machine too busy to measure on
@@ -135,13 +136,14 @@ def _stamp(found) -> str:
 
 
 def clear_cache() -> int:
-    """``--clear-cache``: remove the probe cache file, saying what was removed (or that there was none)."""
-    n = len(runtime.cached())
-    where = runtime.cache_clear()
-    if where is None:
-        print(f"gpt2lab env: no probe cache at {runtime.cache_path()}; nothing removed")
-    else:
+    """``--clear-cache``: remove the probe cache file (nothing else), saying what was removed (or that there was
+    none)."""
+    n, where = len(runtime.cached()), runtime.cache_path()
+    try:
+        os.remove(where)
         print(f"gpt2lab env: removed {where} ({_entries(n)} of measured figures)")
+    except FileNotFoundError:
+        print(f"gpt2lab env: no probe cache at {where}; nothing removed")
     return 0
 
 

@@ -1,4 +1,4 @@
-/* gpt2lab's compiled GEMV (kernels.py's GemvLinear, PanelLinear and Int8GemvLinear): y = scale * (W @ x)
+/* gpt2lab's compiled GEMV (kernels.py's DecodeLinear: gemv, its panels, int8-gemv): y = scale * (W @ x)
  * + bias for weights W (N, K, row-major) held as int8 with one fp32 scale per row, or as bf16 (no
  * scale; row-major or in panels), and fp32 inputs x (M, K); products and sums in fp32.
  *
@@ -452,7 +452,7 @@ struct rounded {
 
 /* The same sums as group_dp in plain C, pair by pair, each pair's second product added first as
  * VDPBF16PS is specified to (where the AVX512_BF16 routines do not run: turned off after the hold, as a
- * test does, or a PanelLinear made where they do not run). */
+ * test does, or a panel hold made where they do not run). */
 static void group_plain(const uint16_t *g, const uint16_t *xb, Py_ssize_t k, int nr, float *out) {
     for (int j = 0; j < nr; j++) {
         float *acc = out + PANEL_OUT * j;

@@ -105,8 +105,8 @@ class Decision:
     request: InferenceRequest
     timings: Optional[dict] = None
     # gemv on a CPU that computes bf16 natively: every product's inputs rounded to bf16 (form.hold follows the
-    # same fact: gemv_bf16_inputs); in panels where the compiled AVX512_BF16 routines run (kernels.PanelLinear:
-    # every row count by them), else row-major, a prompt past the tiles by oneDNN's bf16 matmul (GemvLinear)
+    # same fact: gemv_bf16_inputs); in panels where the compiled AVX512_BF16 routines run (a panel hold:
+    # every row count by them), else row-major, a prompt past the tiles by oneDNN's bf16 matmul
     bf16_inputs: bool = False
     panels: bool = False
 
@@ -129,15 +129,10 @@ class Decision:
     def record(self) -> dict:
         """The figures behind the choice, for JSON outputs."""
         return {
-            "dtype": self.candidate.dtype,
-            "kernel": self.candidate.kernel,
+            **dataclasses.asdict(self.candidate),  # dtype, kernel
             "tile_rows": self.tile_rows,
-            "bf16_inputs": self.bf16_inputs,
-            "panels": self.panels,
-            "reason": self.reason,
-            "workload": self.request.workload,
-            "rows": self.request.rows,
-            "quantize": self.request.quantize,
+            **{field: getattr(self, field) for field in ("bf16_inputs", "panels", "reason")},
+            **{field: getattr(self.request, field) for field in ("workload", "rows", "quantize")},
             "timings_ms": as_json(self.timings or {}),
             "threads_wait": runtime.WAIT.reason if runtime.WAIT else None,  # as the command started
         }
@@ -160,23 +155,22 @@ def candidates(request: InferenceRequest, facts: Facts) -> list[Candidate]:
     ):
         if value not in allowed:
             raise ChoiceError(f"{flag} {value}: choose one of {', '.join(allowed)}")
-    dtypes = _dtypes(request, facts)
-    cpu = facts.device_type == "cpu"
+    dtypes, cpu = _dtypes(request, facts), facts.device_type == "cpu"
+    gemv = cpu and facts.gemv_error is None
     if request.quantize == "int8":
         if facts.int8_error:
             raise ChoiceError(f"--quantize int8 cannot run here: {facts.int8_error}; leave --quantize out")
-        out = [Candidate(d, "int8") for d in dtypes]
-        if cpu and "float32" in dtypes and facts.gemv_error is None:  # it computes in fp32
-            out.insert(dtypes.index("float32") + 1, Candidate("float32", "int8-gemv"))
-        return out
-    if request.linear == "packed" and not (cpu and facts.packing):
+        kernels = ["int8"] + ["int8-gemv"] * gemv
+    elif request.linear == "packed" and not (cpu and facts.packing):
         why = "this torch build has no oneDNN packed linear" if cpu else f"{facts.device_type} has no oneDNN"
         raise ChoiceError(f"--cpu-linear packed cannot run here ({why}); use auto or plain")
-    if not cpu:
-        return [Candidate(d, "plain") for d in dtypes]
-    auto = ["plain", "decode", "upcast"] + ["gemv"] * (facts.gemv_error is None) + ["packed"] * facts.packing
-    kernels = {"auto": auto, "plain": ["plain", "decode"], "packed": ["packed"]}[request.linear]
-    skip = {("float32", "upcast"), ("float32", "gemv")}  # fp32 needs no converting
+    elif not cpu:
+        kernels = ["plain"]
+    else:
+        auto = ["plain", "decode", "upcast"] + ["gemv"] * gemv + ["packed"] * facts.packing
+        kernels = {"auto": auto, "plain": ["plain", "decode"], "packed": ["packed"]}[request.linear]
+    # fp32 weights need no converting; int8-gemv computes in fp32
+    skip = {("float32", "upcast"), ("float32", "gemv"), ("bfloat16", "int8-gemv"), ("float16", "int8-gemv")}
     skip |= {("bfloat16", "packed")} if facts.packing_bf16_error else set()
     out = [Candidate(d, k) for d in dtypes for k in kernels if (d, k) not in skip]
     if not out:  # only bf16 packed was asked for, and oneDNN cannot pack bf16 on this CPU

@@ -12,23 +12,22 @@ def add_inference_flags(p) -> None:
         "--dtype",
         default="auto",
         choices=DTYPE_CHOICES,
-        help="the dtype the model's weights are held and multiplied in; auto: the fastest measured "
-        "for this model on this machine, the same for sample, serve and eval (printed; cached per "
-        "machine and model shape, listed by gpt2lab env) (default: %(default)s)",
+        help="the dtype the weights are held and multiplied in; auto: the fastest measured for this model on this "
+        "machine, the same for sample, serve and eval (cached; gpt2lab env lists it) (default: %(default)s)",
     )
     p.add_argument(
         "--quantize",
         default="none",
         choices=QUANTIZE_CHOICES,
-        help="int8: weight-only int8 linears (per-row scales, torch._weight_int8pack_mm), activations "
-        "in --dtype (auto: measured); quality in docs/benchmarks.md (default: %(default)s)",
+        help="int8: weight-only int8 linears (per-row scales), activations in --dtype; quality in "
+        "docs/benchmarks.md (default: %(default)s)",
     )
     p.add_argument(
         "--cpu-linear",
         default="auto",
         choices=LINEAR_CHOICES,
-        help="on a CPU: weights prepacked by oneDNN (packed) or F.linear on the weight as stored or "
-        "column-major (plain); auto measures them along with the dtypes (default: %(default)s)",
+        help="on a CPU: packed (weights prepacked by oneDNN), plain (as stored or column-major) or auto "
+        "(measured along with the dtypes) (default: %(default)s)",
     )
 
 

@@ -29,16 +29,7 @@ from gpt2lab.inference.choice import (
     gemv_bf16_inputs,
 )
 from gpt2lab.inference.fused import HeldGPT
-from gpt2lab.inference.kernels import (
-    compiled_build,
-    gemv_error,
-    int8_available,
-    packing_available,
-    packing_bf16_error,
-    panels_run,
-    set_tile_rows,
-    swap_linears,
-)
+from gpt2lab.inference.kernels import cannot_run, compiled_build, gemv_error, panels_run, set_tile_rows, swap_linears
 from gpt2lab.model.gpt import GPT
 from gpt2lab.model.loss import LossPath
 from gpt2lab.system import env, runtime
@@ -52,12 +43,13 @@ CPU_ATTENTION_DTYPE = torch.float32
 
 def detect_facts(device: torch.device) -> runtime.Facts:
     """The device's facts (system/runtime's ``detect``, no probe) with what the decode kernels can do here."""
-    packing = device.type == "cpu" and packing_available()
+    packing = device.type == "cpu" and cannot_run("packed") is None
+    int8 = cannot_run("int8", torch.float32, device)
     return dataclasses.replace(
         runtime.detect(device, probe=False),
         packing=packing,
-        packing_bf16_error=packing_bf16_error() if packing else None,
-        int8_error=int8_available(device),
+        packing_bf16_error=cannot_run("packed", torch.bfloat16) if packing else None,
+        int8_error=int8 and f"torch's int8 weight-only matmul does not run on {device.type} ({int8[:120]})",
         gemv_error=(why := gemv_error(device)),
         gemv_panels=why is None and panels_run(2),
     )
@@ -71,10 +63,14 @@ def cache_key(config, device, names: list[str]) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def cached_timings(entry: Optional[dict]) -> Optional[dict]:
-    """An entry's reference figures: candidate name -> Timing, or -> why it was dropped; None if it has none."""
+def cached_timings(entry: Optional[dict], rows: Optional[int] = None) -> Optional[dict]:
+    """An entry's reference figures (candidate name -> Timing, or -> why it was dropped) or, given ``rows``, its
+    ``rows``-row step figures (name -> ms, or why dropped); None if it has none."""
     try:
-        return {k: Timing(**v) if isinstance(v, dict) else str(v) for k, v in entry["timings"].items()}
+        if rows is None:
+            return {k: Timing(**v) if isinstance(v, dict) else str(v) for k, v in entry["timings"].items()}
+        found = entry["rows"][str(rows)]["timings"].items()
+        return {k: (float(v) if isinstance(v, (int, float)) else str(v)) for k, v in found}
     except (KeyError, TypeError, AttributeError):
         return None
 

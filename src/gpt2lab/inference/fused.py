@@ -33,30 +33,28 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from gpt2lab.inference.kernels import GemvLinear, Int8GemvLinear, PanelLinear, _compiled
+from gpt2lab.inference.kernels import DecodeLinear, _compiled
 from gpt2lab.model.gpt import GPT, Block, KVCache
 from gpt2lab.model.sampling import generate, plan_free_attention
 
-COMPILED = (GemvLinear, Int8GemvLinear, PanelLinear)  # the linears _gemv.model_step multiplies by
 
-
-def _held_tensors(m: nn.Module) -> tuple:
+def _held_tensors(m: DecodeLinear) -> tuple:
     """(weight, scale, bias) tensors of a compiled-GEMV linear (None: none)."""
-    if isinstance(m, Int8GemvLinear):
+    if m.kernel == "int8-gemv":
         return m.qweight, m.scale, m.bias
-    return (m.panels if isinstance(m, PanelLinear) else m.weight), None, m.bias32
+    return (m.weight if m.panels is None else m.panels), None, m.bias32
 
 
 def _ptr(t) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _kind(m: nn.Module) -> int:
+def _kind(m: nn.Module) -> Optional[int]:
     """``_gemv.c``'s code for what a compiled-GEMV linear holds: 0 int8, 1 bf16, 2 bf16 whose inputs are
-    rounded to bf16 (GemvLinear.bf16_inputs), 3 that in panels (PanelLinear)."""
-    if isinstance(m, PanelLinear):
-        return 3
-    return (2 if m.bf16_inputs else 1) if isinstance(m, GemvLinear) else 0
+    rounded to bf16 (``bf16_inputs``), 3 that in panels; None: not a compiled-GEMV linear."""
+    if not isinstance(m, DecodeLinear):
+        return None
+    return {"int8_gemv": 0, "gemv": 1 + m.bf16_inputs, "panels": 3}.get(m.route)
 
 
 def _kv_fits(k, v, rows: int, n_head: int, width: int) -> bool:
@@ -78,8 +76,8 @@ def fusable(block: nn.Module) -> bool:
     if not isinstance(block, Block):
         return False
     attn, mlp = block.attn, block.mlp
-    kinds = {type(m) for m in (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)}
-    if attn.qk_norm or hasattr(attn, "ve_gate") or len(kinds) != 1 or not kinds <= set(COMPILED):
+    kinds = {_kind(m) for m in (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)}
+    if attn.qk_norm or hasattr(attn, "ve_gate") or len(kinds) != 1 or None in kinds:
         return False
     gelu = isinstance(mlp.act, nn.GELU) and mlp.act.approximate == "tanh"
     return gelu and _fp32_layernorm(block.ln_1) and _fp32_layernorm(block.ln_2) and block.ln_1.eps == block.ln_2.eps
@@ -90,7 +88,7 @@ def whole_step_fusable(model: GPT) -> bool:
     c, blocks, ln_f = model.config, model.transformer.h, model.transformer.ln_f
     gpt2 = c.pos_emb == "learned" and not (c.embed_norm or c.value_embeds or c.unet_skips or c.logit_softcap)
     blocks_ok = len(blocks) > 0 and all(fusable(b) for b in blocks) and len({b.ln_1.eps for b in blocks}) == 1
-    head_ok = type(ln_f) is nn.LayerNorm and ln_f.weight is not None and isinstance(model.lm_head, COMPILED)
+    head_ok = type(ln_f) is nn.LayerNorm and ln_f.weight is not None and _kind(model.lm_head) is not None
     return gpt2 and blocks_ok and head_ok
 
 
@@ -224,5 +222,5 @@ def prompt_rows(model: nn.Module) -> int:
     (where the probe measured the matmul faster) by a matmul; 0 where the model has no fused step."""
     if not (isinstance(model, HeldGPT) and model.fused):
         return 0
-    tiles = [m.tile_rows for m in model.modules() if isinstance(m, GemvLinear) and not isinstance(m, PanelLinear)]
+    tiles = [m.tile_rows for m in model.modules() if _kind(m) in (1, 2)]
     return min(tiles) if tiles else model.config.block_size

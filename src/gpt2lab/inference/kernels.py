@@ -28,9 +28,9 @@ what autocast computes, without re-reading and casting the weights at every step
   the weight's dtype, as at one row; the output of several rows stays fp32;
 * ``gemv``: ``upcast`` with its one row, and a few more, multiplied by gpt2lab's compiled GEMV
   (``_gemv.c``): each bf16 weight row read once, widened to fp32 in AVX2 registers, products and sums
-  in fp32, rows shared among the threads (GemvLinear); on a CPU with native bf16 the inputs rounded to
+  in fp32, rows shared among the threads; on a CPU with native bf16 the inputs rounded to
   bf16 first, and where the kernel's AVX512_BF16 routines run the weights held in panels, every row
-  count, a prompt's too, multiplied by their dot products (PanelLinear). Where pip compiled it (a C
+  count, a prompt's too, multiplied by their dot products (a panel hold). Where pip compiled it (a C
   compiler with OpenMP, Linux) and the CPU has AVX2 and FMA; elsewhere it is no candidate. On an AVX2
   EPYC it read a 768 x 3072 bf16 weight at 12-16 GB/s where torch's bf16 GEMV read 10;
 * ``int8``: weight-only int8, symmetric per output channel (scale = max |w| / 127), multiplied
@@ -60,86 +60,17 @@ import torch.nn.functional as F
 KERNELS = ("plain", "decode", "packed", "upcast", "gemv", "int8", "int8-gemv")
 
 
-def packing_available() -> bool:
-    """oneDNN is built in and exposes the reorder and the packed linear (torch >= 2.0 CPU builds)."""
+@functools.cache
+def cannot_run(kernel: str, dtype=torch.float32, device=torch.device("cpu")) -> Optional[str]:
+    """Why a ``kernel`` hold in ``dtype`` cannot run on ``device`` (the first line of the error it raises, tried
+    on a tiny weight: oneDNN absent from the build, its bf16 reorder needing AVX512BW/VL/DQ or AVX-NE-CONVERT,
+    no int8 weight-only kernel for the device), None where it runs."""
     try:
-        ops = torch.ops.mkldnn
-        return torch.backends.mkldnn.is_available() and all(
-            hasattr(ops, op) for op in ("_reorder_linear_weight", "_linear_pointwise")
-        )
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def _fails(fn) -> Optional[str]:
-    """The first line of the error ``fn()`` raises (a kernel tried on a tiny weight), None where it runs."""
-    try:
-        fn()
+        with torch.no_grad():
+            DecodeLinear(torch.ones(32, 32, device=device), None, kernel, dtype)(torch.ones(1, 32, device=device))
     except (RuntimeError, AttributeError, NotImplementedError) as e:
         return str(e).splitlines()[0][:160] if str(e) else type(e).__name__
     return None
-
-
-def packing_bf16_error() -> Optional[str]:
-    """Why oneDNN cannot pack a bf16 weight on this CPU, or None where it can: its bf16 reorder needs
-    AVX512BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only CPU has neither)."""
-    return _fails(lambda: torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16), 1))
-
-
-def int8_available(device: torch.device) -> Optional[str]:
-    """Why int8 weight-only matmuls cannot run on ``device``, or None where they can."""
-    if not hasattr(torch, "_weight_int8pack_mm"):
-        return "this torch has no torch._weight_int8pack_mm"
-    w = torch.ones(8, 32, dtype=torch.int8, device=device)
-    why = _fails(lambda: torch._weight_int8pack_mm(torch.ones(1, 32, device=device), w, torch.ones(8, device=device)))
-    return why and f"torch._weight_int8pack_mm does not run on {device.type} ({why[:120]})"
-
-
-class DecodeLinear(nn.Module):
-    """``y = x @ W.T + b`` in ``dtype`` for inference; ``x`` is cast to ``dtype``, ``y`` stays in it."""
-
-    kernel = ""
-
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.dtype = dtype
-        self.bias = None if bias is None else bias.detach().to(dtype).contiguous()
-        self.bias32 = None if bias is None else self.bias.float()  # the fp32 products' (upcast, compiled GEMV)
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"{self.kernel} {str(self.dtype).removeprefix('torch.')}"
-        )
-
-
-class PlainLinear(DecodeLinear):
-    """``F.linear`` on the weight in ``dtype``: row-major, or column-major with ``column_major``."""
-
-    def __init__(
-        self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype, column_major=False
-    ) -> None:
-        super().__init__(weight, bias, dtype)
-        w = weight.detach().to(dtype)
-        self.weight = w.t().contiguous().t() if column_major else w.contiguous()
-        self.kernel = "decode" if column_major else "plain"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(self.dtype), self.weight, self.bias)
-
-
-class PackedLinear(DecodeLinear):
-    """The weight in oneDNN's blocked layout for about ``batch_hint`` rows (fp32 or bf16)."""
-
-    kernel = "packed"
-
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype, batch_hint: int) -> None:
-        super().__init__(weight, bias, dtype)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), batch_hint)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, self.bias, "none", [], "")
 
 
 # The fp32 values of one slice of an upcast weight. Converted, then multiplied, it must still be in the
@@ -161,45 +92,6 @@ def _scratch_buffer(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-class UpcastLinear(DecodeLinear):
-    """Half-precision weights: one row by ``F.linear`` as held, more rows in fp32 (CPU): slice by slice, or,
-    held for a ``batch_hint`` of several rows where oneDNN packs, by the weight's fp32 values packed once.
-    The output of one row is in ``dtype``, of several in fp32."""
-
-    kernel = "upcast"
-
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype, batch_hint=1) -> None:
-        super().__init__(weight, bias, dtype)
-        self.weight = weight.detach().to(dtype).contiguous()
-        self.slice_rows = max(1, UPCAST_SLICE // self.in_features)
-        self.packed = None
-        if batch_hint > 1 and weight.device.type == "cpu" and packing_available():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.float(), batch_hint)
-
-    round_inputs = True  # several rows: the inputs rounded to the weight's dtype, as the one-row product does
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(self.dtype) if self.round_inputs else x
-        lead, n = x.shape[:-1], x.numel() // self.in_features
-        if n == 1:
-            return F.linear(x, self.weight, self.bias)
-        if n == 0:
-            return x.new_empty(*lead, self.out_features, dtype=torch.float32)
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, self.bias32, "none", [], "")
-        xt = x.reshape(n, self.in_features).float().t()  # (in, n)
-        out = torch.empty(self.out_features, n, dtype=torch.float32, device=x.device)  # y.T, filled a slice at a time
-        buf = _scratch_buffer(x.device, self.slice_rows * self.in_features)
-        for s in range(0, self.out_features, self.slice_rows):
-            e = min(self.out_features, s + self.slice_rows)
-            w = buf[: (e - s) * self.in_features].view(e - s, self.in_features)
-            w.copy_(self.weight[s:e])
-            torch.mm(w, xt, out=out[s:e])
-        if self.bias32 is not None:
-            out += self.bias32[:, None]
-        return out.t().contiguous().reshape(*lead, self.out_features)  # fp32: rounding it costs a strided pass
-
-
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 weight, fp32 scale per output row): symmetric, ``w ~= q * scale`` with |q| <= 127."""
     w = weight.detach().float()
@@ -212,27 +104,6 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # 16, 32, 48, 64, 80, 96, 768, 3072 right). Zero columns change no product, so K is padded to a
 # multiple of this (GPT-2's widths need none; tests/unit/test_kernels.py checks odd widths).
 INT8_K_MULTIPLE = 64
-
-
-class Int8Linear(DecodeLinear):
-    """Weight-only int8 (per-row scales) through ``torch._weight_int8pack_mm``; activations in ``dtype``."""
-
-    kernel = "int8"
-    k_multiple = INT8_K_MULTIPLE  # the inner dimension padded to it
-
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype) -> None:
-        super().__init__(weight, bias, dtype)
-        q, scale = quantize_int8(weight)
-        self.pad = -self.in_features % self.k_multiple
-        self.qweight, self.scale = F.pad(q, (0, self.pad)).contiguous(), scale.to(dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x = x.reshape(-1, self.in_features).to(self.dtype)
-        y = torch._weight_int8pack_mm(F.pad(x, (0, self.pad)) if self.pad else x, self.qweight, self.scale)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*lead, self.out_features)
 
 
 def _compiled():
@@ -283,42 +154,6 @@ def _compiled_gemv(
     return y.reshape(*x.shape[:-1], n_out)
 
 
-class GemvLinear(UpcastLinear):
-    """bf16 weights multiplied by gpt2lab's compiled GEMV (``_gemv.c``) at one row and up to ``tile_rows``
-    rows: the weights read once, widened to fp32 in registers (several rows by its tiles, each weight
-    vector for up to four rows). More rows are a matmul, bound by its products, not by the read.
-
-    ``bf16_inputs`` (a CPU that computes bf16 natively: AVX512_BF16, AMX, where the compiled kernel's
-    AVX512_BF16 routines do not run or the width is odd; elsewhere such a hold is a PanelLinear): every
-    product's inputs are rounded to bf16 first, as any bf16 matmul's are, and multiplied by the fp32
-    routines; a prompt past the tiles is oneDNN's bf16 matmul (1.9x upcast's at 128 tokens, a Zen 4; its
-    output rounded to bf16, as that matmul gives it), a server's batch past them upcast's fp32 matmul of
-    the rounded inputs.
-    Without it the inputs are not rounded: upcast's fp32 matmul past the tiles. Where the tiles stop paying
-    against the matmul is the machine's: the probe measures it (choice.crossover), a hold sets it; 1
-    unmeasured. The output is fp32."""
-
-    kernel = "gemv"
-    tile_rows = 1
-
-    def __init__(
-        self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype, batch_hint=1, bf16_inputs=False
-    ) -> None:
-        if dtype != torch.bfloat16:
-            raise ValueError(f"the gemv kernel holds bfloat16 weights, not {dtype}")
-        # upcast's fp32 copy packed for a batch is not made where prompts take the bf16 matmul
-        super().__init__(weight, bias, dtype, 1 if bf16_inputs else batch_hint)
-        self.bf16_inputs = self.round_inputs = bf16_inputs  # round_inputs: upcast's products alike
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n = x.numel() // self.in_features
-        if n > self.tile_rows and self.bf16_inputs and x.dim() > 2 and x.size(-2) > 1:  # a prompt's tokens
-            return F.linear(x.to(torch.bfloat16), self.weight, self.bias).float()
-        if n > self.tile_rows or n == 0:
-            return super().forward(x)
-        return _compiled_gemv("bf16_gemv", x, self.weight, None, self.bias32, self.out_features, self.bf16_inputs)
-
-
 PANEL_OUT = 32  # _gemv.c's group of outputs: two 16-lane registers of fp32 sums
 
 
@@ -347,75 +182,125 @@ def panels_run(in_features: int) -> bool:
     return in_features % 2 == 0 and compiled is not None and bool(compiled.has_bf16_dot())
 
 
-class PanelLinear(DecodeLinear):
-    """The ``gemv`` kernel's hold where the CPU computes bf16 natively and the compiled kernel's AVX512_BF16
-    routines run: the bf16 weight in panels (``pack_panels``; held once, no row-major copy), every product's
-    inputs rounded to bf16, and every row count, a prompt's too, multiplied by ``_gemv.c``'s dot products
-    (16 outputs a register, no sum reduced across lanes, each weight register serving up to eight rows).
-    Each output's sum runs over the inputs in the same order whatever the rows, so a row's results are the
-    same alone, in a server's batch or in a prompt, and on any number of threads. The output is fp32."""
+class DecodeLinear(nn.Module):
+    """``y = x @ W.T + b`` for inference, the weight held once as ``kernel`` (one of KERNELS; module docstring)
+    in ``dtype``: ``x`` is cast to ``dtype``, ``y`` stays in it (``upcast`` at several rows, ``gemv`` and
+    ``int8-gemv``: fp32). ``batch_hint``: the rows oneDNN packs for (``packed``; ``upcast`` and ``gemv`` keep
+    the weight's fp32 values packed beside it for several rows where oneDNN packs). ``bf16_inputs`` (``gemv``
+    on a CPU that computes bf16 natively): every product's inputs rounded to bf16 first; the weight then in
+    panels where the compiled kernel's AVX512_BF16 routines run and the width is even, every row count, a
+    prompt's too, by their dot products (each output's sum in the same order whatever the rows, so a row's
+    results are the same alone, in a batch, in a prompt and on any number of threads); else row-major, a
+    prompt past the tiles by oneDNN's bf16 matmul, a server's batch past them upcast's fp32 matmul of the
+    rounded inputs. ``gemv`` row-major multiplies up to ``tile_rows`` rows by its compiled tiles (the weights
+    read once, widened to fp32 in registers; where they stop paying is the machine's: the probe measures it,
+    choice.crossover), more rows as ``upcast``."""
 
-    kernel = "gemv"
-    bf16_inputs = True
+    tile_rows = 1
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype) -> None:
-        if dtype != torch.bfloat16:
-            raise ValueError(f"the gemv kernel holds bfloat16 weights, not {dtype}")
-        super().__init__(weight, bias, dtype)
-        self.panels = pack_panels(weight.detach())
+    def __init__(self, weight, bias, kernel: str, dtype: torch.dtype, batch_hint=1, bf16_inputs=False) -> None:
+        super().__init__()
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel {kernel!r}: one of {', '.join(KERNELS)}")
+        need = {"gemv": torch.bfloat16, "int8-gemv": torch.float32}.get(kernel, dtype)
+        if dtype != need:
+            raise ValueError(f"the {kernel} kernel runs in {str(need).removeprefix('torch.')} only, not {dtype}")
+        self.out_features, self.in_features = weight.shape
+        self.kernel, self.dtype, self.bf16_inputs = kernel, dtype, kernel == "gemv" and bf16_inputs
+        self.round_inputs = kernel == "upcast" or self.bf16_inputs  # several rows: upcast's inputs rounded too
+        self.bias = None if bias is None else bias.detach().to(dtype).contiguous()
+        self.bias32 = None if bias is None else self.bias.float()  # the fp32 products' (upcast, compiled GEMV)
+        self.weight = self.packed = self.panels = self.qweight = self.scale = None
+        w, self.pad = weight.detach(), 0
+        self.route = {"decode": "plain", "int8-gemv": "int8_gemv"}.get(kernel, kernel)
+        if kernel in ("int8", "int8-gemv"):
+            q, scale = quantize_int8(w)
+            self.pad = -self.in_features % INT8_K_MULTIPLE if kernel == "int8" else 0
+            self.qweight, self.scale = F.pad(q, (0, self.pad)).contiguous(), scale.to(dtype)
+        elif kernel == "packed":
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype).contiguous(), batch_hint)
+        elif self.bf16_inputs and panels_run(self.in_features):
+            self.panels, self.route = pack_panels(w), "panels"
+        else:
+            w = w.to(dtype)
+            self.weight = w.t().contiguous().t() if kernel == "decode" else w.contiguous()
+            self.slice_rows = max(1, UPCAST_SLICE // self.in_features)
+            # upcast's fp32 copy packed for a batch; not made where a gemv hold's prompts take the bf16 matmul
+            batch = batch_hint > 1 and not self.bf16_inputs and w.device.type == "cpu"
+            if kernel in ("upcast", "gemv") and batch and cannot_run("packed") is None:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.float(), batch_hint)
 
-    @property
-    def weight(self) -> torch.Tensor:
-        """The held weight as (out, in) bf16 (a copy: the kernel reads the panels)."""
-        return unpack_panels(self.panels, self.out_features)
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"{self.kernel} {str(self.dtype).removeprefix('torch.')}"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self, "_" + self.route)(x)
+
+    def _plain(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.dtype), self.weight, self.bias)
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, self.bias, "none", [], "")
+
+    def _upcast(self, x: torch.Tensor) -> torch.Tensor:
+        """One row by ``F.linear`` as held; more in fp32, by the packed fp32 copy or a slice at a time."""
+        x = x.to(self.dtype) if self.round_inputs else x
+        lead, n = x.shape[:-1], x.numel() // self.in_features
+        if n == 1:
+            return F.linear(x, self.weight, self.bias)
+        if n == 0:
+            return x.new_empty(*lead, self.out_features, dtype=torch.float32)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, self.bias32, "none", [], "")
+        xt = x.reshape(n, self.in_features).float().t()  # (in, n)
+        out = torch.empty(self.out_features, n, dtype=torch.float32, device=x.device)  # y.T, filled a slice at a time
+        buf = _scratch_buffer(x.device, self.slice_rows * self.in_features)
+        for s in range(0, self.out_features, self.slice_rows):
+            e = min(self.out_features, s + self.slice_rows)
+            w = buf[: (e - s) * self.in_features].view(e - s, self.in_features)
+            w.copy_(self.weight[s:e])
+            torch.mm(w, xt, out=out[s:e])
+        if self.bias32 is not None:
+            out += self.bias32[:, None]
+        return out.t().contiguous().reshape(*lead, self.out_features)  # fp32: rounding it costs a strided pass
+
+    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.numel() // self.in_features
+        if n > self.tile_rows and self.bf16_inputs and x.dim() > 2 and x.size(-2) > 1:  # a prompt's tokens
+            return F.linear(x.to(torch.bfloat16), self.weight, self.bias).float()
+        if n > self.tile_rows or n == 0:
+            return self._upcast(x)
+        return _compiled_gemv("bf16_gemv", x, self.weight, None, self.bias32, self.out_features, self.bf16_inputs)
+
+    def _panels(self, x: torch.Tensor) -> torch.Tensor:
         return _compiled_gemv("panels_gemv", x, self.panels, None, self.bias32, self.out_features)
+
+    def _int8(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x = x.reshape(-1, self.in_features).to(self.dtype)
+        y = torch._weight_int8pack_mm(F.pad(x, (0, self.pad)) if self.pad else x, self.qweight, self.scale)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def _int8_gemv(self, x: torch.Tensor) -> torch.Tensor:
+        return _compiled_gemv("int8_gemv", x, self.qweight, self.scale, self.bias, self.out_features)
 
 
 def has_tiles(model: nn.Module) -> bool:
-    """Whether ``model`` holds a ``gemv`` linear whose rows past its ``tile_rows`` go to a matmul (GemvLinear);
-    a PanelLinear multiplies every row count by its own kernel."""
-    return any(isinstance(m, GemvLinear) for m in model.modules())
+    """Whether ``model`` holds a ``gemv`` linear whose rows past its ``tile_rows`` go to a matmul (row-major);
+    a panel hold multiplies every row count by its own kernel."""
+    return any(isinstance(m, DecodeLinear) and m.route == "gemv" for m in model.modules())
 
 
 def set_tile_rows(model: nn.Module, rows: int) -> None:
     """Every ``gemv`` linear of ``model`` multiplies up to ``rows`` rows by its compiled tiles (at least 1)."""
     for m in model.modules():
-        if isinstance(m, GemvLinear):
+        if isinstance(m, DecodeLinear) and m.route == "gemv":
             m.tile_rows = max(1, int(rows))
-
-
-class Int8GemvLinear(Int8Linear):
-    """Int8Linear's quantization (``quantize_int8``) multiplied by gpt2lab's compiled kernel
-    (``_gemv.c``) with fp32 activations, any width (no padding)."""
-
-    kernel = "int8-gemv"
-    k_multiple = 1
-
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype) -> None:
-        if dtype != torch.float32:
-            raise ValueError(f"the int8-gemv kernel computes in float32, not {dtype}")
-        super().__init__(weight, bias, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _compiled_gemv("int8_gemv", x, self.qweight, self.scale, self.bias, self.out_features)
-
-
-def make_linear(layer: nn.Linear, kernel: str, dtype: torch.dtype, batch_hint=1, bf16_inputs=False) -> DecodeLinear:
-    """``layer``'s weight held for inference with ``kernel`` in ``dtype`` (``bf16_inputs``: GemvLinear's)."""
-    w, b = layer.weight, layer.bias
-    if kernel == "gemv" and bf16_inputs and dtype == torch.bfloat16 and panels_run(layer.in_features):
-        return PanelLinear(w, b, dtype)
-    if kernel in ("plain", "decode"):
-        return PlainLinear(w, b, dtype, column_major=kernel == "decode")
-    if kernel in ("packed", "upcast"):
-        return (PackedLinear if kernel == "packed" else UpcastLinear)(w, b, dtype, batch_hint)
-    if kernel == "gemv":
-        return GemvLinear(w, b, dtype, batch_hint, bf16_inputs)
-    if kernel in ("int8", "int8-gemv"):
-        return (Int8Linear if kernel == "int8" else Int8GemvLinear)(w, b, dtype)
-    raise ValueError(f"kernel {kernel!r}: one of {', '.join(KERNELS)}")
 
 
 def swap_linears(model: nn.Module, kernel: str, dtype: torch.dtype, batch_hint=1, bf16_inputs=False) -> int:
@@ -431,5 +316,5 @@ def swap_linears(model: nn.Module, kernel: str, dtype: torch.dtype, batch_hint=1
     ]
     with torch.no_grad():
         for parent, name, child in swaps:
-            setattr(parent, name, make_linear(child, kernel, dtype, batch_hint, bf16_inputs))
+            setattr(parent, name, DecodeLinear(child.weight, child.bias, kernel, dtype, batch_hint, bf16_inputs))
     return len(swaps)

@@ -293,7 +293,7 @@ def _serve_rows(model, device, request, facts, cands, key: str, entry: Optional[
     the one-row figures, as any process takes it)."""
     dtype, _ = cheapest_dtype(cands, dataclasses.replace(facts, timings=timings))
     pool = [c for c in cands if c.dtype == dtype and isinstance(timings.get(c.name), Timing)]
-    rows = cached_rows(entry, request.rows)  # None when measured afresh
+    rows = cached_timings(entry, request.rows)  # None when measured afresh
     kept = True
     if len(pool) > 1 and (rows is None or not set(c.name for c in pool) <= set(rows)):
         what = f"the {request.rows}-row step of {len(pool)} ways to serve this model"
@@ -383,11 +383,3 @@ def _write(key: str, model: GPT, device: torch.device, rows: Optional[int], figu
             del entry["not_kept"]
 
     runtime.cache_update(key, change)
-
-
-def cached_rows(entry: Optional[dict], rows: int) -> Optional[dict]:
-    """An entry's ``rows``-row step figures (name -> ms, or why dropped); None if not measured."""
-    found = ((entry or {}).get("rows") or {}).get(str(rows))
-    if not isinstance(found, dict) or not isinstance(found.get("timings"), dict):
-        return None
-    return {k: (float(v) if isinstance(v, (int, float)) else str(v)) for k, v in found["timings"].items()}

@@ -72,7 +72,7 @@ class Facts:
     packing_bf16_error: Optional[str] = None  # why oneDNN cannot pack bf16 weights here (None: it can)
     int8_error: Optional[str] = None  # why int8 weight-only cannot run (None: it can)
     gemv_error: Optional[str] = "not detected"  # why gpt2lab's compiled GEMV cannot run (None: it can)
-    gemv_panels: bool = False  # the compiled kernel's AVX512_BF16 routines run (kernels.PanelLinear)
+    gemv_panels: bool = False  # the compiled kernel's AVX512_BF16 routines run (a gemv hold in panels)
     timings: Optional[dict] = None  # candidate name -> inference.choice.Timing, or -> why it was dropped
 
     @property
@@ -94,12 +94,16 @@ class ChoiceError(ConfigError):
 
 
 # -- the choices: pure functions of (facts, request) -------------------------------------
+def _checked(name: str, requested: str, choices: tuple) -> str:
+    if requested not in choices:
+        raise ChoiceError(f"{name} {requested!r}: choose one of {', '.join(choices)}")
+    return requested
+
+
 def choose_dtype(requested: str, facts: Facts) -> Choice:
     """The autocast dtype: the user's if the device can do it, else the fastest correct one."""
-    if requested not in DTYPE_CHOICES:
-        raise ChoiceError(f"dtype {requested!r}: choose one of {', '.join(DTYPE_CHOICES)}")
     dev = facts.device_type
-    if requested == "float16" and dev == "cpu":
+    if _checked("dtype", requested, DTYPE_CHOICES) == "float16" and dev == "cpu":
         raise ChoiceError(
             "--dtype float16 needs a GPU (fp16 training relies on a gradient scaler "
             "and CPU fp16 kernels are slow); use --dtype auto, bfloat16 or float32"
@@ -111,21 +115,37 @@ def choose_dtype(requested: str, facts: Facts) -> Choice:
         )
     if requested != "auto":
         return Choice(requested, "asked for with --dtype", _slow_bf16(facts) if requested == "bfloat16" else None)
-    if dev == "cuda":
-        gpu = facts.device_name or "this GPU"
+    return _auto_dtype(facts, "float16")
+
+
+def choose_ns_dtype(requested: str, facts: Facts) -> Choice:
+    """The dtype of Muon's Newton-Schulz iteration (pure matmuls): bf16 where a bf16 matmul is fast.
+
+    torch.optim.Muon hard-codes bf16; on a CPU that emulates it (no AVX512_BF16/AMX) that runs
+    the iteration ~50x slower than fp32 would, a step's dominant cost. The rule is the
+    autocast one (``_auto_dtype``), with fp32 on a GPU without bf16.
+    """
+    if _checked("muon_ns_dtype", requested, NS_DTYPE_CHOICES) != "auto":
+        return Choice(requested, "asked for with --muon-ns-dtype")
+    return _auto_dtype(facts, "float32")
+
+
+def _auto_dtype(facts: Facts, without_bf16: str) -> Choice:
+    """bf16 on a GPU that has it (else ``without_bf16``: fp16 with a gradient scaler, or fp32), fp32 on MPS,
+    and on a CPU bf16 where its probe measures a bf16 matmul >= BF16_MIN_SPEEDUP x fp32 (unprobed: where it
+    has a native bf16 flag)."""
+    gpu = facts.device_name or "this GPU"
+    if facts.device_type == "cuda":
         if facts.cuda_bf16:
-            return Choice("bfloat16", f"{gpu} supports bf16")
-        return Choice("float16", f"{gpu} has no bf16: fp16 with a gradient scaler")
-    if dev == "mps":
+            return Choice("bfloat16", f"{gpu} has fast bf16 matmuls")
+        scaler = ": fp16 with a gradient scaler" if without_bf16 == "float16" else ""
+        return Choice(without_bf16, f"{gpu} has no bf16{scaler}")
+    if facts.device_type == "mps":
         return Choice(
             "float32",
-            "MPS: autocast training in bf16/fp16 is not reliable across macOS and torch "
+            "MPS: bf16/fp16 autocast and matmuls are not reliable across macOS and torch "
             "versions, so fp32 (try --dtype bfloat16 to measure it on yours)",
         )
-    return _cpu_auto_dtype(facts)
-
-
-def _cpu_auto_dtype(facts: Facts) -> Choice:
     p = facts.probe
     if p is not None:
         rates = f"matmul probe: bf16 {p.bf16_gflops:.0f} vs fp32 {p.fp32_gflops:.0f} GFLOP/s"
@@ -153,16 +173,12 @@ def _slow_bf16(facts: Facts) -> Optional[str]:
 
 def choose_compile(requested: str, facts: Facts) -> Choice:
     """torch.compile on or off: the user's choice, else on where it pays."""
-    if requested not in COMPILE_CHOICES:
-        raise ChoiceError(f"compile {requested!r}: choose one of {', '.join(COMPILE_CHOICES)}")
-    if requested == "true":
-        if not facts.can_compile:
+    if _checked("compile", requested, COMPILE_CHOICES) != "auto":
+        if requested == "true" and not facts.can_compile:
             raise ChoiceError(
                 f"--compile true: torch.compile cannot build kernels here ({_no_compiler(facts)}); use --compile false"
             )
-        return Choice(True, "asked for with --compile true")
-    if requested == "false":
-        return Choice(False, "asked for with --compile false")
+        return Choice(requested == "true", f"asked for with --compile {requested}")
     if not facts.can_compile:
         return Choice(False, f"torch.compile unavailable ({_no_compiler(facts)})")
     if facts.device_type == "cuda":
@@ -175,28 +191,6 @@ def choose_compile(requested: str, facts: Facts) -> Choice:
         "oneDNN/MKL kernels either way, are the step), and compiling costs a minute; "
         "see docs/benchmarks.md",
     )
-
-
-def choose_ns_dtype(requested: str, facts: Facts) -> Choice:
-    """The dtype of Muon's Newton-Schulz iteration (pure matmuls): bf16 where a bf16 matmul is fast.
-
-    torch.optim.Muon hard-codes bf16; on a CPU that emulates it (no AVX512_BF16/AMX) that runs
-    the iteration ~50x slower than fp32 would, a step's dominant cost. The rule is the
-    autocast one: GPUs with bf16, CPUs whose probe measures bf16 >= BF16_MIN_SPEEDUP x fp32
-    (or, unprobed, that have a native bf16 flag); fp32 everywhere else.
-    """
-    if requested not in NS_DTYPE_CHOICES:
-        raise ChoiceError(f"muon_ns_dtype {requested!r}: choose one of {', '.join(NS_DTYPE_CHOICES)}")
-    if requested != "auto":
-        return Choice(requested, "asked for with --muon-ns-dtype")
-    if facts.device_type == "cpu":
-        return _cpu_auto_dtype(facts)  # the autocast rule, the same probe and flags
-    if facts.device_type == "mps":
-        return Choice("float32", "MPS: fp32 (bf16 matmul support varies across macOS versions)")
-    gpu = facts.device_name or "this GPU"
-    if not facts.cuda_bf16:
-        return Choice("float32", f"{gpu} has no bf16")
-    return Choice("bfloat16", f"{gpu} has fast bf16 matmuls")
 
 
 def _no_compiler(facts: Facts) -> str:
@@ -316,14 +310,6 @@ def cache_update(key: str, change, where: Optional[str] = None) -> bool:
     except OSError:
         return False
     return True
-
-
-def cache_clear() -> Optional[str]:
-    """Remove the cache file (nothing else); its path if there was one."""
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(where := cache_path())
-        return where
-    return None
 
 
 def cached_cpu_probe(where: Optional[str] = None) -> Optional[Probe]:
