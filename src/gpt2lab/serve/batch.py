@@ -310,15 +310,12 @@ class Worker:
         """``job`` leaves before its rows are done, failing with ``error`` (None: its client left, nobody reads)."""
         self.waiting = collections.deque(j for j in self.waiting if j is not job)
         self._started(job)
-        self._remove_rows(job)
-        job.rows_left = 0
-        job.fail(error)
-
-    def _remove_rows(self, job: Job) -> None:
         self.prefill = collections.deque(r for r in self.prefill if r.job is not job)
         for slot in reversed(range(len(self.decoding))):
             if self.decoding[slot].job is job:
                 self._leave(slot)
+        job.rows_left = 0
+        job.fail(error)
 
     def _leave(self, slot: int) -> None:
         self.cache.remove(slot)

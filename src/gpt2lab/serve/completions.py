@@ -5,7 +5,6 @@ neutral values), each refusal an ``APIError`` naming its field, and become the w
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import time
 from typing import Optional, Union
@@ -24,8 +23,7 @@ from gpt2lab.inference.completion import (
 )
 from gpt2lab.model.sampling_defaults import SAMPLING
 from gpt2lab.serve.batch import Job, Worker
-from gpt2lab.serve.engine import QueueFull, ShuttingDown
-from gpt2lab.serve.errors import APIError, failed
+from gpt2lab.serve.errors import APIError
 from gpt2lab.serve.logprobs import Logprobs
 from gpt2lab.serve.schemas import MAX_PROMPTS, MAX_STOPS, ChatMessage, ChatRequest, CompletionRequest
 
@@ -150,14 +148,6 @@ class Completion:
         self.prompts, self.texts = _prompts(req, self.worker.model)
         default = req.max_tokens is None or "max_tokens" not in req.model_fields_set
         return _or(req.max_tokens, 16), default, _stops(req.stop), self.texts if req.echo else [], req.logprobs
-
-    def start(self) -> Job:
-        """Hand the request to its worker; a full queue answers 429 at once."""
-        try:
-            self.worker.submit(self.job, asyncio.get_running_loop())
-        except (QueueFull, ShuttingDown) as e:
-            raise failed(e) from None
-        return self.job
 
     def usage(self) -> dict:
         prompt_tokens = sum(len(p) for p in self.prompts)

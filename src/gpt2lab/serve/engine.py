@@ -30,16 +30,23 @@ class Finish:
 Event = Union[Text, Finish, BaseException, None]  # an error: the request failed; None: it is complete
 
 
+# each refusal's answer (serve/errors.failed): its HTTP status, OpenAI's error type and code
 class QueueFull(Exception):
     """The worker's queue holds ``max_queue`` requests already."""
+
+    answer = (429, "server_busy", "queue_full")
 
 
 class TimedOut(Exception):
     """A request ran (or waited) past ``timeout_s``."""
 
+    answer = (504, "timeout", "timeout")
+
 
 class ShuttingDown(Exception):
     """The server is stopping (Ctrl-C): every open request ends with this error, a new one is refused."""
+
+    answer = (503, "server_error", "server_shutting_down")
 
 
 def run_engine(workers: dict) -> None:
