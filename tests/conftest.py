@@ -162,10 +162,10 @@ def serving_in_thread(workers: dict, host: str = "127.0.0.1", connections=None) 
     """Serve ``workers`` with uvicorn and their engine each in a background thread on a free port, the
     connections guarded as ``connections`` says (serve.limits.Connections); yield the base URL. The workers
     are closed on exit. (``gpt2lab serve`` runs the engine in its main thread instead, faster on CPUs:
-    serve.server.serve_here, serve.engine.run_engine's docstring.)"""
+    serve.server.serve_here, serve.batch.run_engine's docstring.)"""
     import threading
 
-    from gpt2lab.serve.engine import run_engine
+    from gpt2lab.serve.batch import run_engine
     from gpt2lab.serve.server import bind, uvicorn_in_thread
 
     engine = threading.Thread(target=run_engine, args=(workers,), name="gpt2lab-serve-engine", daemon=True)

@@ -14,8 +14,7 @@ import time
 from typing import Iterator, Optional
 
 from gpt2lab.serve.app import create_app
-from gpt2lab.serve.batch import Worker
-from gpt2lab.serve.engine import ShuttingDown, run_engine
+from gpt2lab.serve.batch import ShuttingDown, Worker, run_engine
 from gpt2lab.serve.limits import Connections
 
 
