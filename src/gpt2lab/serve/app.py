@@ -37,10 +37,9 @@ def create_app(workers: dict[str, Worker], host: str = "127.0.0.1", allowed_host
     address it is bound to, and ``allowed_hosts`` decide which Host names it answers (asgi.HostCheck)."""
     metrics = ServeMetrics()
     for w in workers.values():
-        w.metrics = metrics
         metrics.watch(w)
     app = FastAPI(title="gpt2lab serve", docs_url=None, redoc_url=None)
-    app.state.metrics = metrics  # the server's connection guard reports to it too (server.uvicorn_in_thread)
+    app.state.metrics = metrics  # the server's connection guard reports to it too (server.serve_here)
     app.add_middleware(AccessLog, metrics=metrics, routes=ROUTES, hosts=HostCheck(host, allowed_hosts))
     page = (resources.files("gpt2lab") / "assets" / "playground.html").read_text(encoding="utf-8")
 

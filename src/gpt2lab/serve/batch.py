@@ -199,7 +199,7 @@ class Worker:
         self.turns = turns
         self.decision = decision  # how it is held and why (inference/choice.py), where serve/models.py decided
         self.limits = limits or Limits()
-        self.metrics = ServeMetrics()  # create_app swaps in the app's own
+        self.metrics = ServeMetrics()  # the app's own once it watches the worker (ServeMetrics.watch)
         self._new: collections.deque[Job] = collections.deque()  # submitted since the last step
         self._closed = False  # close: the engine stops running it
         self._lock = threading.Lock()
@@ -246,7 +246,7 @@ class Worker:
 
     def shut_down(self, error: ShuttingDown) -> int:
         """End every open request with ``error`` now and refuse new ones; call it once the engine has
-        stopped stepping this worker (Ctrl-C under ``gpt2lab serve``: server.uvicorn_in_thread). Returns
+        stopped stepping this worker (Ctrl-C under ``gpt2lab serve``: server.serve_here). Returns
         how many ended whose client was still there."""
         with self._lock:
             self._stopping = error
@@ -393,12 +393,11 @@ class Worker:
 
     def _front(self, fits: Callable[[list[Row]], bool]) -> list[Row]:
         """The rows at the front of the prefill queue that run their whole prompts with others, while the group
-        ``fits``: not started (no part of the prompt run yet), not scoring it, asking for tokens; as many as
-        the batch has free rows."""
+        ``fits``: not started (no part of the prompt run yet), not scoring it (a row asking for no tokens does:
+        _admit ends the others); as many as the batch has free rows."""
         group: list[Row] = []
         for row in itertools.islice(self.prefill, self.limits.max_batch - len(self.decoding)):
-            r = row.job
-            if row.cache is not None or r.scores_prompt or r.sampling.max_new_tokens == 0 or not fits([*group, row]):
+            if row.cache is not None or row.job.scores_prompt or not fits([*group, row]):
                 break
             group.append(row)
         return group
