@@ -162,21 +162,28 @@ def serving_in_thread(workers: dict, host: str = "127.0.0.1", connections=None) 
     """Serve ``workers`` with uvicorn and their engine each in a background thread on a free port, the
     connections guarded as ``connections`` says (serve.limits.Connections); yield the base URL. The workers
     are closed on exit. (``gpt2lab serve`` runs the engine in its main thread instead, faster on CPUs:
-    serve.server.serve_here, serve.engine.run_engine's docstring.)"""
+    serve.server.serve_here, serve.batch.run_engine's docstring; here serve_here runs in a thread, the
+    test's body its client.)"""
+    import queue
     import threading
 
-    from gpt2lab.serve.engine import run_engine
-    from gpt2lab.serve.server import bind, uvicorn_in_thread
+    from gpt2lab.serve.server import bind, serve_here
 
-    engine = threading.Thread(target=run_engine, args=(workers,), name="gpt2lab-serve-engine", daemon=True)
-    engine.start()
-    with uvicorn_in_thread(workers, bind(host, 0), connections=connections) as url:  # port 0: the OS picks
-        try:
-            yield url
-        finally:
-            for w in workers.values():
-                w.close()
-            engine.join(timeout=10)
+    urls: queue.Queue = queue.Queue()
+    done = threading.Event()
+
+    def client(url: str) -> None:  # the server runs while the test does
+        urls.put(url)
+        done.wait()
+
+    args = (workers, bind(host, 0), client)  # port 0: the OS picks
+    server = threading.Thread(target=serve_here, args=args, kwargs={"connections": connections}, daemon=True)
+    server.start()
+    try:
+        yield urls.get(timeout=60)
+    finally:
+        done.set()
+        server.join(timeout=10)
 
 
 @contextlib.contextmanager

@@ -151,7 +151,7 @@ def _submit_as_sample(worker, model, prompt: str, seed: int, temperature: float,
 def _finish_and_check_texts(worker, steps, jobs, expected) -> None:
     """Step ``worker`` (its ``steps``) until every job has ended; each ended without a failure and its
     samples' texts are ``expected``'s."""
-    from gpt2lab.serve import engine
+    from gpt2lab.serve.batch import Text
 
     with torch.inference_mode():
         for _ in range(200):
@@ -162,7 +162,7 @@ def _finish_and_check_texts(worker, steps, jobs, expected) -> None:
     for job, want in zip(jobs, expected):
         events = [job.out.get_nowait() for _ in range(job.out.qsize())]
         assert events[-1] is None and not any(isinstance(e, BaseException) for e in events)
-        got = ["".join(e.text for e in events if isinstance(e, engine.Text) and e.index == i) for i in range(len(want))]
+        got = ["".join(e.text for e in events if isinstance(e, Text) and e.index == i) for i in range(len(want))]
         assert got == want
 
 
@@ -354,8 +354,7 @@ def test_shutting_down_after_a_step_cut_short_delivers_its_events_then_the_error
     shut_down hands the step's events over first, then ends each open job with the error, at once (the
     error was held for a delivery that never came, and uvicorn closed the connections unanswered)."""
     from gpt2lab.inference.completion import Sampling
-    from gpt2lab.serve.batch import Job, Worker
-    from gpt2lab.serve.engine import ShuttingDown
+    from gpt2lab.serve.batch import Job, ShuttingDown, Worker
 
     loop, error = _Loop(), ShuttingDown("server shutting down")
     worker = Worker("tiny", tiny_gpt(seed=1), torch.device("cpu"))

@@ -11,8 +11,7 @@ import torch
 from conftest import tiny_gpt
 
 from gpt2lab.inference.completion import StopFilter, StopString
-from gpt2lab.serve.batch import Job, Worker
-from gpt2lab.serve.engine import QueueFull
+from gpt2lab.serve.batch import Job, QueueFull, Worker
 from gpt2lab.serve.limits import Limits
 
 

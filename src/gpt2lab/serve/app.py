@@ -26,7 +26,7 @@ from gpt2lab.serve.completions import ChatCompletion, Completion
 from gpt2lab.serve.errors import APIError
 from gpt2lab.serve.metrics import ServeMetrics
 from gpt2lab.serve.responses import respond
-from gpt2lab.serve.schemas import ChatRequest, CompletionRequest, huge_integer, lone_surrogate, validation_error
+from gpt2lab.serve.schemas import ChatRequest, CompletionRequest, huge_integer, validation_error
 
 # The paths served: named in a 404's message, counted by name in /metrics (any other path as "other")
 ROUTES = ("/", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
@@ -37,10 +37,9 @@ def create_app(workers: dict[str, Worker], host: str = "127.0.0.1", allowed_host
     address it is bound to, and ``allowed_hosts`` decide which Host names it answers (asgi.HostCheck)."""
     metrics = ServeMetrics()
     for w in workers.values():
-        w.metrics = metrics
         metrics.watch(w)
     app = FastAPI(title="gpt2lab serve", docs_url=None, redoc_url=None)
-    app.state.metrics = metrics  # the server's connection guard reports to it too (server.uvicorn_in_thread)
+    app.state.metrics = metrics  # the server's connection guard reports to it too (server.serve_here)
     app.add_middleware(AccessLog, metrics=metrics, routes=ROUTES, hosts=HostCheck(host, allowed_hosts))
     page = (resources.files("gpt2lab") / "assets" / "playground.html").read_text(encoding="utf-8")
 
@@ -112,19 +111,10 @@ def create_app(workers: dict[str, Worker], host: str = "127.0.0.1", allowed_host
     # tokenize (refused past the context only then), while the event loop goes on streaming others' tokens.
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        _text_only(req)
         return await respond(await run_in_threadpool(Completion, req, workers), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
-        _text_only(req)
         return await respond(await run_in_threadpool(ChatCompletion, req, workers), request)
 
     return app
-
-
-def _text_only(req) -> None:
-    """A request whose strings hold a lone surrogate (pydantic takes one in a value) is a 400 naming it."""
-    found = lone_surrogate(req.model_dump(exclude_unset=True))
-    if found is not None:
-        raise found

@@ -1,5 +1,7 @@
 """The worker of one model: its queue, admission, deadlines and cancellation, and continuous batching, every
-active request a row of one batched decode step (or, with ``gpt2lab serve --deterministic``, rows in turns).
+active request a row of one batched decode step (or, with ``gpt2lab serve --deterministic``, rows in turns);
+the events it sends a request's handler, the errors that end a request, and the engine (``run_engine``), the
+one thread that steps every model's worker, so that requests cannot corrupt each other.
 
 The worker bounds the rows in flight (``max_batch``) and the requests waiting (``max_queue``: past it
 ``submit`` raises QueueFull; a request whose client left gives its place back at once, Job.cancel), and ends
@@ -47,7 +49,7 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 
@@ -64,10 +66,45 @@ from gpt2lab.inference.completion import (
 from gpt2lab.inference.fused import prompt_rows
 from gpt2lab.model.gpt import GPT, KVCache
 from gpt2lab.model.sampling import sample_next, top_k_rows
-from gpt2lab.serve.engine import Event, Finish, QueueFull, ShuttingDown, Text, TimedOut
 from gpt2lab.serve.limits import Limits
 from gpt2lab.serve.metrics import ServeMetrics
 from gpt2lab.serve.rows import RowsCache
+
+
+@dataclass
+class Text:
+    index: int  # choice index: prompt number * n + sample number
+    text: str
+    logprobs: Optional[list[TokenLogprob]] = None  # the tokens it covers, when the request asks for logprobs
+
+
+@dataclass
+class Finish:
+    index: int
+    reason: str  # "stop" (<|endoftext|> or a stop string) or "length"
+    tokens: int  # completion tokens sampled for this choice
+
+
+Event = Union[Text, Finish, BaseException, None]  # an error: the request failed; None: it is complete
+
+
+# each refusal's answer (serve/errors.failed): its HTTP status, OpenAI's error type and code
+class QueueFull(Exception):
+    """The worker's queue holds ``max_queue`` requests already."""
+
+    answer = (429, "server_busy", "queue_full")
+
+
+class TimedOut(Exception):
+    """A request ran (or waited) past ``timeout_s``."""
+
+    answer = (504, "timeout", "timeout")
+
+
+class ShuttingDown(Exception):
+    """The server is stopping (Ctrl-C): every open request ends with this error, a new one is refused."""
+
+    answer = (503, "server_error", "server_shutting_down")
 
 
 @dataclass(eq=False)
@@ -143,7 +180,7 @@ class Row:
 
 
 class Worker:
-    """Owns one model (see the module's docstring); the engine's thread (engine.run_engine) is the one that ever
+    """Owns one model (see the module's docstring); the engine's thread (run_engine) is the one that ever
     runs it, one step per ``next`` of ``_steps``. With ``turns`` (``gpt2lab serve --deterministic``) the rows
     instead take turns, one token each, every sample run by completion.stream_tokens with its own KV cache exactly
     as ``gpt2lab sample`` runs it: a seeded request gives sample's text whatever else is served, and 8 streams
@@ -162,7 +199,7 @@ class Worker:
         self.turns = turns
         self.decision = decision  # how it is held and why (inference/choice.py), where serve/models.py decided
         self.limits = limits or Limits()
-        self.metrics = ServeMetrics()  # create_app swaps in the app's own
+        self.metrics = ServeMetrics()  # the app's own once it watches the worker (ServeMetrics.watch)
         self._new: collections.deque[Job] = collections.deque()  # submitted since the last step
         self._closed = False  # close: the engine stops running it
         self._lock = threading.Lock()
@@ -209,7 +246,7 @@ class Worker:
 
     def shut_down(self, error: ShuttingDown) -> int:
         """End every open request with ``error`` now and refuse new ones; call it once the engine has
-        stopped stepping this worker (Ctrl-C under ``gpt2lab serve``: server.uvicorn_in_thread). Returns
+        stopped stepping this worker (Ctrl-C under ``gpt2lab serve``: server.serve_here). Returns
         how many ended whose client was still there."""
         with self._lock:
             self._stopping = error
@@ -310,15 +347,12 @@ class Worker:
         """``job`` leaves before its rows are done, failing with ``error`` (None: its client left, nobody reads)."""
         self.waiting = collections.deque(j for j in self.waiting if j is not job)
         self._started(job)
-        self._remove_rows(job)
-        job.rows_left = 0
-        job.fail(error)
-
-    def _remove_rows(self, job: Job) -> None:
         self.prefill = collections.deque(r for r in self.prefill if r.job is not job)
         for slot in reversed(range(len(self.decoding))):
             if self.decoding[slot].job is job:
                 self._leave(slot)
+        job.rows_left = 0
+        job.fail(error)
 
     def _leave(self, slot: int) -> None:
         self.cache.remove(slot)
@@ -359,12 +393,11 @@ class Worker:
 
     def _front(self, fits: Callable[[list[Row]], bool]) -> list[Row]:
         """The rows at the front of the prefill queue that run their whole prompts with others, while the group
-        ``fits``: not started (no part of the prompt run yet), not scoring it, asking for tokens; as many as
-        the batch has free rows."""
+        ``fits``: not started (no part of the prompt run yet), not scoring it (a row asking for no tokens does:
+        _admit ends the others); as many as the batch has free rows."""
         group: list[Row] = []
         for row in itertools.islice(self.prefill, self.limits.max_batch - len(self.decoding)):
-            r = row.job
-            if row.cache is not None or r.scores_prompt or r.sampling.max_new_tokens == 0 or not fits([*group, row]):
+            if row.cache is not None or row.job.scores_prompt or not fits([*group, row]):
                 break
             group.append(row)
         return group
@@ -499,3 +532,33 @@ class Worker:
 def _put_each(items: list) -> None:
     for out, event in items:
         out.put_nowait(event)
+
+
+def run_engine(workers: dict) -> None:
+    """Step every worker (name -> batch.Worker) in the calling thread, round robin, sleeping while all are
+    idle, until every one is closed.
+
+    This thread does all of the models' work; ``gpt2lab serve`` gives it its main thread (uvicorn serves
+    from another). Why one thread, and the main one: an OpenMP runtime (libgomp, in PyTorch's CPU wheels)
+    counts the threads of every thread's team, and once they outnumber the cores it stops spinning between
+    parallel regions; a model run from a second thread after the main one has run torch ops then pays a
+    wake-up per op. Measured on a 2-core Zen 5: the 124M model decodes 145 tokens/s from the main thread
+    and 69 from another.
+    """
+    wake = threading.Event()
+    for w in workers.values():
+        w._wake = wake
+    with torch.inference_mode():  # the caches' buffers are inference tensors: every update in them
+        steps = {w: w._steps() for w in workers.values()}
+        while steps:
+            wake.clear()  # before looking: a request arriving from here on wakes the wait below
+            busy = False
+            for w, g in list(steps.items()):
+                try:
+                    busy = next(g) or busy
+                except StopIteration:
+                    del steps[w]
+                finally:
+                    w.deliver()
+            if steps and not busy:
+                wake.wait()

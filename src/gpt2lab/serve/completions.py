@@ -5,7 +5,6 @@ neutral values), each refusal an ``APIError`` naming its field, and become the w
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import time
 from typing import Optional, Union
@@ -16,17 +15,17 @@ from gpt2lab.inference.completion import (
     PromptError,
     Sampling,
     StopString,
+    TokenLogprob,
     TokenText,
     check_ids,
     encode_prompt,
     fits_context,
     prompt_text,
+    tokenizer_for,
 )
 from gpt2lab.model.sampling_defaults import SAMPLING
 from gpt2lab.serve.batch import Job, Worker
-from gpt2lab.serve.engine import QueueFull, ShuttingDown
-from gpt2lab.serve.errors import APIError, failed
-from gpt2lab.serve.logprobs import Logprobs
+from gpt2lab.serve.errors import APIError
 from gpt2lab.serve.schemas import MAX_PROMPTS, MAX_STOPS, ChatMessage, ChatRequest, CompletionRequest
 
 
@@ -112,6 +111,48 @@ def _stops(stop: Optional[Union[str, list[str]]]) -> list[str]:
     return stops
 
 
+def token_str(t: int, model) -> str:
+    """A token as OpenAI's logprobs name it: its text, or ``bytes:\\xNN...`` for bytes that are not
+    whole UTF-8 characters (a character split across tokens); ids past the model's tokenizer's as ``<|id|>``."""
+    enc = tokenizer_for(model)
+    if t >= enc.n_vocab:
+        return f"<|{t}|>"
+    raw = enc.decode_single_token_bytes(t)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+
+class Logprobs:
+    """One choice's ``logprobs`` in OpenAI's completions shape, token by token: ``tokens``,
+    ``token_logprobs`` (None for an echoed prompt's first token: nothing predicts it), ``top_logprobs``
+    (the ``logprobs`` most likely tokens, and the token itself when it is not among them, as OpenAI:
+    up to logprobs + 1 entries; None where the logprob is) and ``text_offset`` (where each token's
+    text starts)."""
+
+    def __init__(self, offset: int, model) -> None:
+        self.offset, self.text, self.model = offset, TokenText(model), model
+
+    def add(self, entries: list[TokenLogprob]) -> dict:
+        """The part of the choice's logprobs that ``entries`` are (the whole: its parts, each key's lists joined)."""
+        part: dict[str, list] = {key: [] for key in KEYS}
+        for e in entries:
+            part["tokens"].append(token_str(e.token, self.model))
+            part["token_logprobs"].append(e.logprob)
+            top = None
+            if e.logprob is not None:
+                top = {token_str(t, self.model): lp for t, lp in e.top}
+                top.setdefault(token_str(e.token, self.model), e.logprob)
+            part["top_logprobs"].append(top)
+            part["text_offset"].append(self.offset)
+            self.offset += len(self.text.feed(e.token))
+        return part
+
+
 class Completion:
     """One validated completion request: its worker, its work, the response id, and the completion tokens
     its choices have taken so far (``tokens``)."""
@@ -150,14 +191,6 @@ class Completion:
         self.prompts, self.texts = _prompts(req, self.worker.model)
         default = req.max_tokens is None or "max_tokens" not in req.model_fields_set
         return _or(req.max_tokens, 16), default, _stops(req.stop), self.texts if req.echo else [], req.logprobs
-
-    def start(self) -> Job:
-        """Hand the request to its worker; a full queue answers 429 at once."""
-        try:
-            self.worker.submit(self.job, asyncio.get_running_loop())
-        except (QueueFull, ShuttingDown) as e:
-            raise failed(e) from None
-        return self.job
 
     def usage(self) -> dict:
         prompt_tokens = sum(len(p) for p in self.prompts)

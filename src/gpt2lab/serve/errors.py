@@ -7,8 +7,6 @@ from typing import Optional
 
 from fastapi.responses import JSONResponse
 
-from gpt2lab.serve.engine import QueueFull, ShuttingDown, TimedOut
-
 
 class APIError(Exception):
     def __init__(
@@ -36,17 +34,10 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-# status, type and code of the engine's refusals: a full queue, a request past --timeout, a shutdown (Ctrl-C)
-REFUSALS = {
-    QueueFull: (429, "server_busy", "queue_full"),
-    TimedOut: (504, "timeout", "timeout"),
-    ShuttingDown: (503, "server_error", "server_shutting_down"),
-}
-
-
 def failed(e: Exception) -> APIError:
-    """What a request the engine refused or that failed while it ran answers: a refusal's status, else 500."""
-    if type(e) in REFUSALS:
-        status, kind, code = REFUSALS[type(e)]
+    """What a request the engine refused (a full queue, a request past --timeout, a shutdown: their ``answer``)
+    or that failed while it ran answers: a refusal's status, else 500."""
+    if hasattr(e, "answer"):
+        status, kind, code = e.answer
         return APIError(status, str(e), code=code, kind=kind)
     return APIError(500, f"generation failed: {e}", kind="server_error")

@@ -46,7 +46,8 @@ class ServeMetrics:
         )
 
     def watch(self, worker) -> None:
-        """Read ``worker``'s queue depth and active rows at each scrape."""
+        """Take ``worker``'s counts, and read its queue depth and active rows at each scrape."""
+        worker.metrics = self
         self.queue_depth.labels(worker.name).set_function(worker.queue_depth)
         self.active_rows.labels(worker.name).set_function(worker.active_rows)
 

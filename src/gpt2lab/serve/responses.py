@@ -11,18 +11,16 @@ from typing import AsyncIterator, Awaitable, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gpt2lab.serve.batch import Job
-from gpt2lab.serve.completions import ChatCompletion, Completion
-from gpt2lab.serve.engine import Finish
+from gpt2lab.serve.batch import Finish
+from gpt2lab.serve.completions import KEYS, ChatCompletion, Completion
 from gpt2lab.serve.errors import APIError, error_body, failed
-from gpt2lab.serve.logprobs import KEYS
 
 
-async def _parts(c: Completion, job: Job) -> AsyncIterator[tuple[int, str, Optional[str], Optional[dict]]]:
+async def _parts(c: Completion) -> AsyncIterator[tuple[int, str, Optional[str], Optional[dict]]]:
     """(choice, text, finish reason, logprobs part) as the request's events come: a piece of a choice's text
     with its tokens' logprobs (a base model's chat reply without its leading space: the plain template), or a
     choice's finish, its tokens counted in ``c.tokens``."""
-    logprobs, started = c.logprobs(), set()
+    job, logprobs, started = c.job, c.logprobs(), set()
     try:
         while (event := await job.out.get()) is not None:
             if isinstance(event, BaseException):
@@ -41,24 +39,22 @@ async def _parts(c: Completion, job: Job) -> AsyncIterator[tuple[int, str, Optio
         job.cancel()  # a client that went away frees its queue place now, its row or turn at the next step
 
 
-async def _chunks(c: Completion, job: Job) -> AsyncIterator[dict]:
+async def _chunks(c: Completion) -> AsyncIterator[dict]:
     """A stream's chunks (a chat's choices each open with the role, as OpenAI's), then the usage."""
     if isinstance(c, ChatCompletion):
         for i in range(c.count):
-            yield c.chunk(
-                [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
-            )
-    async for part in _parts(c, job):
+            yield c.chunk([{**c.part(i, "", None), "delta": {"role": "assistant", "content": ""}}])
+    async for part in _parts(c):
         yield c.chunk([c.part(*part)])
     yield c.chunk([], usage=c.usage())
 
 
-async def _whole(c: Completion, job: Job) -> dict:
+async def _whole(c: Completion) -> dict:
     """The answer of a request not streamed: each choice's text (a chat's as its message), logprobs and finish
     reason, and the usage."""
     texts, finish = [""] * c.count, [None] * c.count
     logprobs = [None if c.job.logprobs is None else {key: [] for key in KEYS} for _ in range(c.count)]
-    async for i, text, reason, part in _parts(c, job):
+    async for i, text, reason, part in _parts(c):
         texts[i] += text
         finish[i] = reason or finish[i]
         for key, values in (part or {}).items():
@@ -67,12 +63,12 @@ async def _whole(c: Completion, job: Job) -> dict:
     return {**c.chunk(choices, usage=c.usage()), "object": c.WHOLE}
 
 
-async def _sse_stream(c: Completion, job: Job) -> AsyncIterator[str]:
+async def _sse_stream(c: Completion) -> AsyncIterator[str]:
     """A stream's events (the usage where the request asks for it), then ``[DONE]``; an error after the
     headers went out is an event, as OpenAI's."""
     usage = (c.req.stream_options or {}).get("include_usage")
     try:
-        async for chunk in _chunks(c, job):
+        async for chunk in _chunks(c):
             if chunk["choices"] or usage:
                 yield _sse(chunk)
     except Exception as e:
@@ -86,17 +82,17 @@ def _sse(obj: dict) -> str:
 
 
 async def respond(c: Completion, request: Request):
-    """Start ``c`` (before the response starts, so that a full queue is a 429), then stream it or
-    answer once; errors as OpenAI's JSON."""
-    job = c.start()
-    if c.req.stream:  # StreamingResponse watches for the client's hang-up itself
-        return StreamingResponse(
-            _sse_stream(c, job),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+    """Hand ``c`` to its worker (before the response starts, so that a full queue is a 429 at once), then
+    stream it or answer once; errors as OpenAI's JSON."""
     try:
-        answer = await _unless_hung_up(_whole(c, job), request)
+        c.worker.submit(c.job, asyncio.get_running_loop())
+        if c.req.stream:  # StreamingResponse watches for the client's hang-up itself
+            return StreamingResponse(
+                _sse_stream(c),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        answer = await _unless_hung_up(_whole(c), request)
     except APIError:
         raise
     except Exception as e:

@@ -1,7 +1,7 @@
 """What a request body may hold: OpenAI's completion and chat parameters as strict pydantic models,
 the limits on their lists (MAX_N, MAX_PROMPTS, MAX_STOPS, MAX_LOGPROBS), FastAPI's validation
 errors (malformed JSON, wrong types, out-of-range values) as one OpenAI error naming the field, and
-no text anywhere in a body (a key or a value) with a lone UTF-16 surrogate (``lone_surrogate``)."""
+no text anywhere in a body (a key or a value) with a lone UTF-16 surrogate (``no_lone_surrogate``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 from typing import Iterator, Optional, Union
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gpt2lab.model.sampling_defaults import SAMPLING
 from gpt2lab.serve.errors import APIError
@@ -47,6 +47,14 @@ class _Sampled(_Strict):
     frequency_penalty: Optional[float] = 0
     logit_bias: Optional[dict] = None
     user: Optional[str] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, body):
+        """A body with a lone surrogate in a key or a string is a 400 naming it, before any other check (pydantic
+        takes one in a value, and cannot name one in a key)."""
+        no_lone_surrogate(body)
+        return body
 
 
 class CompletionRequest(_Sampled):
@@ -123,13 +131,13 @@ def _walk(value, path: str = "", key=None) -> Iterator[tuple[str, object, object
         yield from _walk(item, _join(path, k), k)
 
 
-def lone_surrogate(body) -> Optional[APIError]:
-    """A 400 naming the first key or string in a parsed request body that holds a lone surrogate: a key as
-    an unrecognized argument, a value as not text; else None."""
+def no_lone_surrogate(body) -> None:
+    """Raise a 400 naming the first key or string in a parsed request body that holds a lone surrogate: a key
+    as an unrecognized argument, a value as not text."""
     for path, key, value in _walk(body):
         where = _shown(path)
         if isinstance(key, str) and _SURROGATE.search(key):
-            return APIError(
+            raise APIError(
                 400,
                 f"unrecognized request argument: {where} (its name holds a lone UTF-16 surrogate, "
                 "which no parameter's name has)",
@@ -137,21 +145,16 @@ def lone_surrogate(body) -> Optional[APIError]:
             )
         m = _SURROGATE.search(value) if isinstance(value, str) else None
         if m is not None:
-            return APIError(
+            raise APIError(
                 400,
                 f"{where or 'body'}: holds a lone UTF-16 surrogate ({_shown(m.group())} at character {m.start()}), "
                 "which is not text; send valid Unicode (a surrogate only as half of a pair)",
                 param=where or None,
             )
-    return None
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
-    """FastAPI's checks (malformed JSON, wrong types, out-of-range values) as one OpenAI error; a lone
-    surrogate in the body (pydantic cannot read one in a key) first."""
-    surrogate = lone_surrogate(exc.body) if isinstance(exc.body, (dict, list)) else None
-    if surrogate is not None:
-        return surrogate
+    """FastAPI's checks (malformed JSON, wrong types, out-of-range values) as one OpenAI error."""
     errors = exc.errors()
     first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
     if first.get("type") == "json_invalid":
@@ -177,28 +180,25 @@ def huge_integer(body: bytes, route: str) -> Optional[APIError]:
     """A body FastAPI could not read for an integer past the digits Python reads from text (a bound on the
     cost of reading it), as one error naming the field and what it takes; None for any other body."""
 
-    class Huge(int):
+    class Huge(int):  # an integer too long to read, as its number of digits
         pass
 
-    digits: list[int] = []
-
     def read_int(text: str) -> int:
-        if len(text.lstrip("-")) <= sys.get_int_max_str_digits():
-            return int(text)
-        digits.append(len(text.lstrip("-")))
-        return Huge()
+        digits = len(text.lstrip("-"))
+        return int(text) if digits <= sys.get_int_max_str_digits() else Huge(digits)
 
     try:
         data = json.loads(body, parse_int=read_int)
     except ValueError:
         return None
-    if not digits or not isinstance(data, dict):
+    items = data.items() if isinstance(data, dict) else ()
+    field, digits = next(((k, x) for k, v in items for _, _, x in _walk(v) if isinstance(x, Huge)), (None, 0))
+    if field is None:
         return None
-    field = next(k for k, v in data.items() if any(isinstance(x, Huge) for _, _, x in _walk(v)))
     info = (ChatRequest if route.endswith("/chat/completions") else CompletionRequest).model_fields.get(field)
     metadata = info.metadata if info else ()
     bounds = [f"{op} {getattr(m, k)}" for m in metadata for k, op in _BOUNDS.items() if hasattr(m, k)]
     takes = (
         f"an integer {' and '.join(bounds)}" if bounds else f"integers of at most {sys.get_int_max_str_digits()} digits"
     )
-    return APIError(400, f"{field}: an integer of {digits[0]} digits; {field} takes {takes}", param=field)
+    return APIError(400, f"{field}: an integer of {digits} digits; {field} takes {takes}", param=field)

@@ -1,21 +1,18 @@
-"""Serving the app: ``bind`` (the listening socket, its errors as one-line UsageErrors),
-``uvicorn_in_thread`` (uvicorn from a thread, its connections guarded: serve/connections.py; at Ctrl-C
-the open requests end with a shutdown error before it drains) and ``serve_here`` (the models run in the
-calling thread, the engine's, beside uvicorn's)."""
+"""Serving the app: ``bind`` (the listening socket, its errors as one-line UsageErrors) and ``serve_here``
+(uvicorn from a thread, its connections guarded: serve/connections.py; the models in the calling thread, the
+engine's; at Ctrl-C the open requests end with a shutdown error before uvicorn drains)."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import socket
 import threading
 import time
-from typing import Iterator, Optional
+from typing import Optional
 
 from gpt2lab.serve.app import create_app
-from gpt2lab.serve.batch import Worker
-from gpt2lab.serve.engine import ShuttingDown, run_engine
+from gpt2lab.serve.batch import ShuttingDown, Worker, run_engine
 from gpt2lab.serve.limits import Connections
 
 
@@ -26,46 +23,16 @@ def serve_here(
     stopping=None,
     connections: Optional[Connections] = None,
 ) -> None:
-    """Serve ``workers`` on ``sock``: uvicorn from a background thread, the models from this one (the
-    run_engine's docstring says why this thread). With ``client`` (a function of the base URL), run it in
-    a third thread and stop when it returns (``gpt2lab bench serve``); without, serve until Ctrl-C.
-    Ctrl-C stops the models at once; every open request ends with a "server shutting down" error (a
-    stream's last event before ``[DONE]``, else a 503), ``stopping`` (if given) is called with how
-    many, and the KeyboardInterrupt is raised again once uvicorn has sent those and stopped.
-    ``connections``: the head deadline, connection cap and Host names (uvicorn_in_thread)."""
-    with uvicorn_in_thread(workers, sock, stopping, connections) as url:
-        if client is not None:
-            errors: list[BaseException] = []
-
-            def drive() -> None:
-                try:
-                    client(url)
-                except BaseException as e:  # handed to the caller below
-                    errors.append(e)
-                finally:
-                    for w in workers.values():
-                        w.close()
-
-            threading.Thread(target=drive, name="gpt2lab-serve-client", daemon=True).start()
-        try:
-            run_engine(workers)  # Ctrl-C stops it here; uvicorn_in_thread ends the open requests
-        finally:
-            for w in workers.values():
-                w.close()
-    if client is not None and errors:
-        raise errors[0]
-
-
-@contextlib.contextmanager
-def uvicorn_in_thread(
-    workers: dict[str, Worker], sock: socket.socket, stopping=None, connections: Optional[Connections] = None
-) -> Iterator[str]:
-    """uvicorn serving ``workers``' app on ``sock`` (from ``bind``; its address decides which Host names are
-    served: asgi.HostCheck) from a thread, its connections guarded as ``connections`` says (serve/connections.py;
-    default: Connections()); yields the base URL once it accepts. A KeyboardInterrupt (from the start-up wait or
-    the caller's block, where the engine runs) ends the workers' open requests with ShuttingDown and tells
-    ``stopping`` how many, before uvicorn stops. uvicorn.Server, not uvicorn.run: after its graceful shutdown
-    uvicorn raises the Ctrl-C it caught again, and cli.main turns that KeyboardInterrupt into exit 130."""
+    """Serve ``workers`` on ``sock`` (from ``bind``; its address decides which Host names are served:
+    asgi.HostCheck): uvicorn from a background thread, its connections guarded as ``connections`` says
+    (serve/connections.py; default: Connections()), the models from this one (the run_engine's docstring says
+    why this thread). With ``client`` (a function of the base URL), run it in a third thread once uvicorn
+    accepts, and stop when it returns (``gpt2lab bench serve``, the tests' servers); without, serve until
+    Ctrl-C. Ctrl-C (in the start-up wait too) stops the models at once; every open request ends with a "server
+    shutting down" error (a stream's last event before ``[DONE]``, else a 503), ``stopping`` (if given) is
+    called with how many, and the KeyboardInterrupt is raised again once uvicorn has sent those and stopped
+    (cli.main turns it into exit 130). uvicorn.Server, not uvicorn.run: after its graceful shutdown uvicorn
+    raises the Ctrl-C it caught again."""
     import uvicorn
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
@@ -88,12 +55,26 @@ def uvicorn_in_thread(
     thread.start()
     deadline = time.monotonic() + 60
     host, port = sock.getsockname()[:2]
+    errors: list[BaseException] = []
+
+    def drive(url: str) -> None:
+        try:
+            client(url)
+        except BaseException as e:  # handed to the caller below
+            errors.append(e)
+        finally:
+            for w in workers.values():
+                w.close()
+
     try:
         while not server.started:
             if not thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the server thread did not start")
             time.sleep(0.02)
-        yield f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        if client is not None:
+            url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+            threading.Thread(target=drive, args=(url,), name="gpt2lab-serve-client", daemon=True).start()
+        run_engine(workers)
     except KeyboardInterrupt:  # nothing will answer the open requests now: end them, so that uvicorn can drain
         error = ShuttingDown("server shutting down: the request was ended before it finished; retry it later")
         ended = sum(w.shut_down(error) for w in workers.values())
@@ -101,10 +82,14 @@ def uvicorn_in_thread(
             stopping(ended)
         raise
     finally:
+        for w in workers.values():
+            w.close()
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
         logging.getLogger("asyncio").removeFilter(quiet)
+    if errors:
+        raise errors[0]
 
 
 def bind(host: str, port: int) -> socket.socket:
