@@ -123,7 +123,7 @@ def test_bad_sampling_arguments():
     with pytest.raises(ValueError, match="idx"):
         generate(tiny_gpt(), torch.zeros(2, 0, dtype=torch.long), 3)
     model, idx = tiny_gpt(vocab_size=97), torch.zeros(1, 2, dtype=torch.long)
-    for t in (float("nan"), -0.5):  # refused as the CLI and the server refuse them, before the prompt runs
+    for t in (float("nan"), -0.5):  # refused as the CLI and the server refuse them
         with pytest.raises(ValueError, match=f"temperature must be a number >= 0, got {t}"):
             generate(model, idx, 3, temperature=t)
         with pytest.raises(ValueError, match="temperature"):

@@ -226,6 +226,7 @@ def test_ns_choice_is_recorded_only_for_muon():
         (dict(optimizer="muon", strategy="fsdp"), "use --strategy ddp"),
         (dict(optimizer="muon", lora_rank=4), "use --optimizer adamw"),
         (dict(embed_lr=1e-3), "embed_lr 0.001: applies to --optimizer muon"),
+        (dict(muon_lr=0.05), "muon_lr 0.05: applies to --optimizer muon"),
         (dict(optimizer="sgd"), "optimizer 'sgd': choose one of adamw, muon"),
         (dict(lr_schedule="linear"), "lr_schedule 'linear': choose one of cosine, wsd"),
         (dict(decay_frac=1.5), "decay_frac 1.5 must be in [0, 1]"),

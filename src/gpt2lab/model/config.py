@@ -130,6 +130,11 @@ class GPTConfig:
     def real_vocab_size(self) -> int:
         return self.token_vocab_size or self.vocab_size
 
+    @property
+    def template_vocab(self) -> int:
+        """GPT-2's BPE vocabulary with this model's chat template's turn tokens (a trained tokenizer aside)."""
+        return CHAT_VOCAB_SIZES[self.chat_template] if self.chat_template else GPT2_VOCAB_SIZE
+
     def modern(self) -> dict:
         """The modern-block and lever fields (declared from ``pos_emb`` to ``mtp_heads``: what a GPT-2 does
         not have) set away from GPT-2's defaults, by name."""
@@ -156,9 +161,7 @@ class GPTConfig:
 
 def flag_text(value: Any) -> str:
     """A field's value as its flag takes it (true/false, none), for messages."""
-    if value is None:
-        return "none"
-    return str(value).lower() if isinstance(value, bool) else str(value)
+    return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 # -- the released GPT-2 sizes: the one table of their facts ------------------------------
@@ -211,19 +214,6 @@ def config_value(values: Mapping[str, Any], name: str, default: Any = None) -> A
     return values.get(name, default)
 
 
-def gpt_config(values: dict, source: str) -> GPTConfig:
-    unknown = sorted(set(values) - set(MODEL_KEYS))
-    if unknown:
-        raise ConfigError(
-            f"{source}: unknown model field(s) {', '.join(unknown)}; known model fields: {', '.join(MODEL_KEYS)}"
-        )
-    check_types(values, get_type_hints(GPTConfig), source)
-    try:
-        return GPTConfig(**values)
-    except ValueError as e:  # GPTConfig's own checks name the value
-        raise ConfigError(f"{source}: {e}") from e
-
-
 def check_types(values: dict, hints: dict, source: str, also: Optional[dict] = None) -> None:
     """Each value of the type its field's annotation names (an int passes for a float, a bool for
     nothing but a bool; a number is finite: TOML's ``inf`` and ``nan`` are no setting); else a
@@ -252,12 +242,20 @@ def model_from_config(values: Mapping[str, Any], source: str = "config") -> GPTC
     model = values.get("model", {})
     if not isinstance(model, dict):
         raise ConfigError(f'{source}: "model" must be a table of model fields ({", ".join(MODEL_KEYS)}), got {model!r}')
-    return gpt_config(model, source)
+    unknown = sorted(set(model) - set(MODEL_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown model field(s) {', '.join(unknown)}; known model fields: {', '.join(MODEL_KEYS)}"
+        )
+    check_types(model, get_type_hints(GPTConfig), source)
+    try:
+        return GPTConfig(**model)
+    except ValueError as e:  # GPTConfig's own checks name the value
+        raise ConfigError(f"{source}: {e}") from e
 
 
 def field_type(tp: Any) -> tuple[Any, bool]:
     """(base type, optional?) of a field annotation such as ``Optional[int]``."""
-    if get_origin(tp) is Union:
-        args = [a for a in get_args(tp) if a is not type(None)]
-        return args[0], True
+    if get_origin(tp) is Union:  # Optional[X]: X
+        return next(a for a in get_args(tp) if a is not type(None)), True
     return tp, False

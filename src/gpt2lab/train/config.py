@@ -27,15 +27,13 @@ from gpt2lab.model.config import (
     ABOVE_0,
     AT_LEAST_0,
     AT_LEAST_1,
-    CHAT_VOCAB_SIZES,
     FRACTION,
-    GPT2_VOCAB_SIZE,
     PADDED_VOCAB_SIZE,
     GPTConfig,
     check_fields,
     check_types,
     config_value,
-    gpt_config,
+    model_from_config,
     setting,
 )
 from gpt2lab.system import formats
@@ -147,10 +145,10 @@ class OptimConfig(_Section):
         super().__post_init__()
         if self.min_lr > self.max_lr:
             raise ConfigError(f"need min_lr <= max_lr, got min_lr {self.min_lr}, max_lr {self.max_lr}")
-        for name in ("embed_lr", "head_lr", "muon_orth", "muon_variant"):  # Muon's own (adamw: all follow max_lr)
-            value = getattr(self, name)
-            if self.optimizer == "adamw" and value != self.__dataclass_fields__[name].default:
-                raise ConfigError(f"{name} {value}: applies to --optimizer muon (drop it, or add --optimizer muon)")
+        for f in dataclasses.fields(self):  # Muon's own (kept with Muon; under adamw all follow max_lr)
+            value = getattr(self, f.name)
+            if f.metadata.get("keep") == MUON and self.optimizer == "adamw" and value != f.default:
+                raise ConfigError(f"{f.name} {value}: applies to --optimizer muon (drop it, or add --optimizer muon)")
 
 
 @dataclass
@@ -305,7 +303,7 @@ class TrainConfig:
                     "from its data (gpt2lab prepare --tokenizer DIR), so drop tokenizer"
                 )
             return  # GPTConfig checks vocab_size >= token_vocab_size
-        tokens = CHAT_VOCAB_SIZES[m.chat_template] if m.chat_template else GPT2_VOCAB_SIZE
+        tokens = m.template_vocab
         if m.vocab_size < tokens:
             raise ConfigError(
                 f"vocab_size {m.vocab_size} is smaller than the tokenizer's {tokens} tokens"
@@ -345,7 +343,7 @@ class TrainConfig:
         check_nested_types(nested, source)
         top = {k: v for k, v in nested.items() if k not in SECTIONS}
         parts = {name: section(**nested.get(name, {})) for name, section in SECTIONS.items() if name != "model"}
-        return cls(**top, **parts, model=gpt_config(nested.get("model", {}), source))
+        return cls(**top, **parts, model=model_from_config(nested, source))
 
     def with_values(self, **changes: Any) -> "TrainConfig":
         """This config with some fields changed, by flat name or by section (``model={...}``), validated

@@ -17,8 +17,7 @@ from typing import Mapping
 import torch
 
 from gpt2lab.checkpoint import store as ckpt
-from gpt2lab.data.tokenizer import GPT2_VOCAB_SIZE
-from gpt2lab.model.config import CHAT_VOCAB_SIZES
+from gpt2lab.model.config import GPT2_VOCAB_SIZE
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.system.files import read_json_object, sha256_file
 from gpt2lab.train.config import ConfigError
@@ -47,9 +46,9 @@ def find_source(spec: str) -> Source:
     except WeightsError as e:
         then = " Then train with --init-from DIR." if "local directory" in str(e) else ""
         raise InitFromError(named("--init-from", spec, e) + then) from e
-    template = src.config.chat_template
-    tokens = CHAT_VOCAB_SIZES[template] if template else GPT2_VOCAB_SIZE
-    if src.config.tokenizer is None and src.config.real_vocab_size != tokens:  # its own tokenizer says its vocabulary
+    if (
+        src.config.tokenizer is None and src.config.real_vocab_size != src.config.template_vocab
+    ):  # its own tokenizer says its vocabulary
         raise fail(
             src,
             f"its vocabulary has {src.config.real_vocab_size} tokens, not GPT-2's "
@@ -87,18 +86,15 @@ def check_arch(src: Source, explicit: Mapping[str, object]) -> dict[str, object]
     """
     arch = {name: getattr(src.config, name) for name in ARCH_FIELDS}
     for name, theirs in arch.items():
-        ours = explicit.get(name, theirs)
-        if ours == theirs:
-            continue
+        ours, option = explicit.get(name, theirs), "--" + name.replace("_", "-")
         if name == "block_size" and ours < theirs:
             arch[name] = ours
-            continue
-        option = "--" + name.replace("_", "-")
-        raise fail(
-            src,
-            f"it has {name} {theirs} but {option} {ours} was given; the architecture comes "
-            f"from the source, so drop {option}" + (" or lower it" if name == "block_size" else ""),
-        )
+        elif ours != theirs:
+            raise fail(
+                src,
+                f"it has {name} {theirs} but {option} {ours} was given; the architecture comes "
+                f"from the source, so drop {option}" + (" or lower it" if name == "block_size" else ""),
+            )
     return arch
 
 

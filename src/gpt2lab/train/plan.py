@@ -215,16 +215,15 @@ def sample_prompt(req: Request, found: Gathered) -> tuple[str, Optional[str]]:
 
 
 def choose_peak_flops(requested: Optional[float], machine: MachineFacts) -> Choice:
+    kind, name = machine.device.device_type, machine.device.device_name
     if requested:
         return Choice(float(requested), "asked for with --peak-flops")
-    if machine.device.device_type != "cuda":
-        return Choice(None, f"no datasheet figure for a {machine.device.device_type}")
-    found = hardware.peak_flops(machine.device.device_name)
+    if kind != "cuda":
+        return Choice(None, f"no datasheet figure for a {kind}")
+    found = hardware.peak_flops(name)
     if found is None:
-        return Choice(
-            None, f"{machine.device.device_name!r} is not in gpt2lab.system.hardware's table; pass --peak-flops"
-        )
-    return Choice(found, f"datasheet dense bf16 of {machine.device.device_name}")
+        return Choice(None, f"{name!r} is not in gpt2lab.system.hardware's table; pass --peak-flops")
+    return Choice(found, f"datasheet dense bf16 of {name}")
 
 
 def strategy_for(cfg: TrainConfig, machine: MachineFacts, dtype: str, accum: int, compiled: bool) -> Choice:

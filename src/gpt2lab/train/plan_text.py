@@ -140,7 +140,7 @@ def checkpoint_disk(cfg: TrainConfig) -> dict:
     the next is written (the oldest goes once the new one is whole)."""
     c, steps = cfg.checkpoint, cfg.optim.max_steps
     each = checkpoint_bytes(cfg)
-    written = steps // c.ckpt_interval + (1 if steps % c.ckpt_interval else 0) if c.ckpt_interval else 1
+    written = -(-steps // c.ckpt_interval) if c.ckpt_interval else 1  # the last step's too
     kept = min(c.keep_checkpoints, written) if c.keep_checkpoints else written
     return {
         "bytes": each,

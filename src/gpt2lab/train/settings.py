@@ -105,22 +105,20 @@ def load_preset(name: str, **overrides: Any) -> TrainConfig:
 FLAGS = {name: f for name, f in FIELDS.items() if not f.metadata.get("derived")}
 
 
+BOOLS = dict.fromkeys(("true", "1", "yes", "on"), True) | dict.fromkeys(("false", "0", "no", "off"), False)
+
+
 def parse_bool(text: str) -> bool:
-    low = text.lower()
-    if low in ("true", "1", "yes", "on"):
-        return True
-    if low in ("false", "0", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    if text.lower() not in BOOLS:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return BOOLS[text.lower()]
 
 
 def _converter(tp: Any, optional: bool):
     base = parse_bool if tp is bool else finite_float if tp is float else tp
 
     def convert(text: str):
-        if optional and text.lower() in ("none", "null", ""):
-            return None
-        return base(text)
+        return None if optional and text.lower() in ("none", "null", "") else base(text)
 
     convert.__name__ = getattr(tp, "__name__", "value")  # argparse names the type in its errors
     return convert
