@@ -1321,7 +1321,7 @@ def test_the_dtype_is_the_least_behind_at_its_worse_of_one_row_and_a_batch(workl
     its one-row reference request is 1.19x cheaper, but its 16-row steps are emulated bf16 matmuls, 4x
     fp32's. Worse cases: fp32 1.19x (one row), bf16 ~3.4x (the batch): fp32 for every workload. Where bf16
     leads at both (a CPU with native bf16), bf16."""
-    from gpt2lab.inference.choice import BATCH_ROWS, REQUEST_TOKENS, batch_cost, choose, reference_cost
+    from gpt2lab.inference.choice import BATCH_ROWS, REQUEST_TOKENS, choose, reference_cost
 
     emulated = {
         "float32/packed": Timing(308.0, 53.5, None, 74.9),
@@ -1330,7 +1330,8 @@ def test_the_dtype_is_the_least_behind_at_its_worse_of_one_row_and_a_batch(workl
     }
     one = {n: reference_cost(t) for n, t in emulated.items()}
     assert one["bfloat16/plain"] < one["float32/packed"] / 1.15  # bf16 leads at one row
-    bf16_batch = batch_cost(emulated["bfloat16/plain"]) / batch_cost(emulated["float32/packed"])
+    bf16, fp32 = (emulated[n] for n in ("bfloat16/plain", "float32/packed"))
+    bf16_batch = reference_cost(bf16, bf16.step_batch, BATCH_ROWS) / reference_cost(fp32, fp32.step_batch, BATCH_ROWS)
     assert bf16_batch == pytest.approx((1292.6 + REQUEST_TOKENS * 300.0 / BATCH_ROWS) / (308 + 128 * 74.9 / 16))
     assert bf16_batch > 3  # and falls far behind in a batch
     request = InferenceRequest(workload=workload, rows=BATCH_ROWS)

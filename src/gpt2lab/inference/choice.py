@@ -181,25 +181,19 @@ def candidates(request: InferenceRequest, facts: Facts) -> list[Candidate]:
     return out
 
 
-def reference_cost(t: Timing) -> float:
-    """The cost in ms of the reference request (the dtype's figure): its prefill and REQUEST_TOKENS one-row steps."""
-    return t.prefill + REQUEST_TOKENS * t.step1
-
-
-def batch_cost(t: Timing) -> float:
-    """The reference request's cost in ms as one of a full BATCH_ROWS-row batch: its prefill and its share
-    of REQUEST_TOKENS batch steps."""
-    return t.prefill + REQUEST_TOKENS * t.step_batch / BATCH_ROWS
+def reference_cost(t: Timing, step: Optional[float] = None, rows: int = 1) -> float:
+    """The cost in ms of the reference request: its prefill and REQUEST_TOKENS steps, one-row ones (the
+    dtype's figure) or, given their ``step`` ms, its share of steps of ``rows`` rows."""
+    return t.prefill + REQUEST_TOKENS * (t.step1 if step is None else step) / rows
 
 
 def costs(request: InferenceRequest, t: Timing) -> tuple[float, ...]:
     """The workload's cost(s) in ms of a candidate's timing (lower is better): the kernel's figure."""
     if request.workload == "score":
         return (t.prefill,)
-    one = reference_cost(t)
     if request.workload == "sample" or t.step_rows is None:
-        return (one,)
-    return one, t.prefill + REQUEST_TOKENS * t.step_rows / request.rows  # serve: one row, and a full batch
+        return (reference_cost(t),)
+    return reference_cost(t), reference_cost(t, t.step_rows, request.rows)  # serve: one row, and a full batch
 
 
 def _has(t, *fields: str) -> bool:
@@ -238,7 +232,8 @@ def cheapest_dtype(cands: list[Candidate], facts: Facts) -> tuple[str, str]:
     if not best:
         return device_pick(cands, facts).dtype, _unmeasured_reason(facts)
     both = len(best) > 1 and all(t.step_batch is not None for t in best.values())
-    cost = {d: (reference_cost(t), batch_cost(t)) if both else (reference_cost(t),) for d, t in best.items()}
+    batch = {d: (reference_cost(t, t.step_batch, BATCH_ROWS),) if both else () for d, t in best.items()}
+    cost = {d: (reference_cost(t), *batch[d]) for d, t in best.items()}
     what = f"a {REQUEST_TOKENS}-token prefill and {REQUEST_TOKENS} steps at one row" + (
         f" / in a {BATCH_ROWS}-row batch" if both else ""
     )

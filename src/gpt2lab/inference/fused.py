@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from gpt2lab.inference.kernels import DecodeLinear, _compiled
+from gpt2lab.inference.kernels import DecodeLinear, _compiled, _ptr
 from gpt2lab.model.gpt import GPT, Block, KVCache
 from gpt2lab.model.sampling import generate, plan_free_attention
 
@@ -43,10 +43,6 @@ def _held_tensors(m: DecodeLinear) -> tuple:
     if m.kernel == "int8-gemv":
         return m.qweight, m.scale, m.bias
     return (m.weight if m.panels is None else m.panels), None, m.bias32
-
-
-def _ptr(t) -> int:
-    return 0 if t is None else t.data_ptr()
 
 
 def _kind(m: nn.Module) -> Optional[int]:

@@ -138,6 +138,11 @@ def gemv_error(device: torch.device) -> Optional[str]:
     return None
 
 
+def _ptr(t: Optional[torch.Tensor]) -> int:
+    """``t``'s address for the compiled kernel (0: None)."""
+    return 0 if t is None else t.data_ptr()
+
+
 def _compiled_gemv(
     name: str, x: torch.Tensor, w: torch.Tensor, scale, bias, n_out: int, round_inputs=False
 ) -> torch.Tensor:
@@ -146,9 +151,8 @@ def _compiled_gemv(
     x32 = x.reshape(-1, x.shape[-1]).float().contiguous()
     y = torch.empty(x32.size(0), n_out, dtype=torch.float32, device=x.device)
     if x32.size(0):
-        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
         getattr(_compiled(), name)(
-            x32.data_ptr(), w.data_ptr(), ptr(scale), ptr(bias), y.data_ptr(), x32.size(0), x32.size(1), n_out,
+            x32.data_ptr(), w.data_ptr(), _ptr(scale), _ptr(bias), y.data_ptr(), x32.size(0), x32.size(1), n_out,
             torch.get_num_threads(), *((True,) if round_inputs else ()),
         )  # fmt: skip
     return y.reshape(*x.shape[:-1], n_out)
