@@ -430,7 +430,7 @@ def test_a_panel_hold_has_no_tiles_to_measure(monkeypatch):
     monkeypatch.setattr(prep, "_tiles", lambda *a: pytest.fail("a panel hold's tiles were timed"))
     model = tiny_gpt(seed=1, vocab_size=97, block_size=64)
     held = hold(model, Candidate("bfloat16", "gemv"))
-    assert not kernels.has_tiles(held) and any(getattr(m, "route", "") == "panels" for m in held.modules())
+    assert not kernels.tiled(held) and any(getattr(m, "route", "") == "panels" for m in held.modules())
     t = prep.measure(model, Candidate("bfloat16", "gemv"), InferenceRequest(), torch.device("cpu"),
                      figures=prep.FIGURES + ("tile_rows",))  # fmt: skip
     assert t.tile_rows is None and t.prefill > 0 and t.step1 > 0

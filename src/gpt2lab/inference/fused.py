@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from gpt2lab.inference.kernels import DecodeLinear, _compiled, _ptr
+from gpt2lab.inference.kernels import DecodeLinear, _compiled, _ptr, tiled
 from gpt2lab.model.gpt import GPT, Block, KVCache
 from gpt2lab.model.sampling import generate, plan_free_attention
 
@@ -218,5 +218,5 @@ def prompt_rows(model: nn.Module) -> int:
     (where the probe measured the matmul faster) by a matmul; 0 where the model has no fused step."""
     if not (isinstance(model, HeldGPT) and model.fused):
         return 0
-    tiles = [m.tile_rows for m in model.modules() if _kind(m) in (1, 2)]
+    tiles = [m.tile_rows for m in tiled(model)]
     return min(tiles) if tiles else model.config.block_size

@@ -294,17 +294,16 @@ class DecodeLinear(nn.Module):
         return _compiled_gemv("int8_gemv", x, self.qweight, self.scale, self.bias, self.out_features)
 
 
-def has_tiles(model: nn.Module) -> bool:
-    """Whether ``model`` holds a ``gemv`` linear whose rows past its ``tile_rows`` go to a matmul (row-major);
-    a panel hold multiplies every row count by its own kernel."""
-    return any(isinstance(m, DecodeLinear) and m.route == "gemv" for m in model.modules())
+def tiled(model: nn.Module) -> list[DecodeLinear]:
+    """``model``'s ``gemv`` linears whose rows past their ``tile_rows`` go to a matmul (row-major); a panel hold
+    multiplies every row count by its own kernel."""
+    return [m for m in model.modules() if isinstance(m, DecodeLinear) and m.route == "gemv"]
 
 
 def set_tile_rows(model: nn.Module, rows: int) -> None:
     """Every ``gemv`` linear of ``model`` multiplies up to ``rows`` rows by its compiled tiles (at least 1)."""
-    for m in model.modules():
-        if isinstance(m, DecodeLinear) and m.route == "gemv":
-            m.tile_rows = max(1, int(rows))
+    for m in tiled(model):
+        m.tile_rows = max(1, int(rows))
 
 
 def swap_linears(model: nn.Module, kernel: str, dtype: torch.dtype, batch_hint=1, bf16_inputs=False) -> int:
