@@ -15,7 +15,7 @@ from gpt2lab.inference.choice import InferenceRequest, Timing
 from gpt2lab.system import runtime
 from gpt2lab.system.runtime import Facts
 
-ZEN = Facts("cpu", "AMD EPYC (Zen 4)", ("avx512_bf16",), packing=True)
+ZEN = Facts("cpu", "AMD EPYC (Zen 4)", ("avx512_bf16",), kernels=dict.fromkeys(("packed", "bfloat16/packed")))
 
 
 def _cached(tmp_path, monkeypatch) -> None:

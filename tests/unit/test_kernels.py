@@ -349,7 +349,7 @@ def test_a_gemv_hold_rounds_its_inputs_to_bf16_where_the_cpu_computes_bf16_nativ
     request = InferenceRequest(dtype="bfloat16")
     for kernel in ("gemv", "upcast"):  # the one measured is chosen
         timings = {f"bfloat16/{kernel}": Timing(prefill=10.0, step1=1.0)}
-        facts = Facts("cpu", cpu_flags=NATIVE * native, packing=True, gemv_error=None, timings=timings)
+        facts = Facts("cpu", cpu_flags=NATIVE * native, kernels={**ONEDNN, "gemv": None}, timings=timings)
         d = choose(request, facts)
         ours = kernel == "gemv" and native
         assert d.candidate.kernel == kernel and d.bf16_inputs == ours and d.record()["bf16_inputs"] == ours
@@ -430,7 +430,7 @@ def test_a_panel_hold_has_no_tiles_to_measure(monkeypatch):
     monkeypatch.setattr(prep, "_tiles", lambda *a: pytest.fail("a panel hold's tiles were timed"))
     model = tiny_gpt(seed=1, vocab_size=97, block_size=64)
     held = hold(model, Candidate("bfloat16", "gemv"))
-    assert not kernels.has_tiles(held) and any(getattr(m, "route", "") == "panels" for m in held.modules())
+    assert not kernels.tiled(held) and any(getattr(m, "route", "") == "panels" for m in held.modules())
     t = prep.measure(model, Candidate("bfloat16", "gemv"), InferenceRequest(), torch.device("cpu"),
                      figures=prep.FIGURES + ("tile_rows",))  # fmt: skip
     assert t.tile_rows is None and t.prefill > 0 and t.step1 > 0
@@ -582,19 +582,15 @@ def test_swap_linears_gives_a_tied_head_its_own_copy():
 
 # -- the choice, with faked facts -------------------------------------------------------------
 NATIVE = ("avx512_bf16",)  # a CPU flag of native bf16
-ZEN = Facts("cpu", "AMD EPYC (Zen 4)", NATIVE, packing=True)
-XEON = Facts("cpu", "Intel Xeon (AVX-512, no AVX512_BF16)", packing=True)
-AVX2 = Facts(
-    "cpu",
-    "AMD EPYC (AVX2 only)",
-    packing=True,
-    packing_bf16_error="mkldnn_reorder_linear_weight: bf16 path needs the cpu support "
-    "avx_ne_convert or avx512bw, avx512vl and avx512dq",
-)
-GEMV = dataclasses.replace(AVX2, gemv_error=None)  # gpt2lab's compiled GEMV built, AVX2 there
-ZEN_GEMV = dataclasses.replace(ZEN, gemv_error=None)
-NO_ONEDNN = Facts("cpu", "a CPU build without oneDNN", packing=False)
-H100 = Facts("cuda", "NVIDIA H100", cuda_bf16=True, int8_error="no CUDA int8 weight-only kernel")
+ONEDNN = dict.fromkeys(("packed", "bfloat16/packed", "int8"))  # the kernels that run (None: no reason not to)
+ZEN = Facts("cpu", "AMD EPYC (Zen 4)", NATIVE, kernels=ONEDNN)
+XEON = Facts("cpu", "Intel Xeon (AVX-512, no AVX512_BF16)", kernels=ONEDNN)
+NO_BF16_PACKING = "mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl"
+AVX2 = Facts("cpu", "AMD EPYC (AVX2 only)", kernels={**ONEDNN, "bfloat16/packed": NO_BF16_PACKING + " and avx512dq"})
+GEMV = dataclasses.replace(AVX2, kernels={**AVX2.kernels, "gemv": None})  # gpt2lab's compiled GEMV built, AVX2 there
+ZEN_GEMV = dataclasses.replace(ZEN, kernels={**ONEDNN, "gemv": None})
+NO_ONEDNN = Facts("cpu", "a CPU build without oneDNN", kernels={"int8": None})
+H100 = Facts("cuda", "NVIDIA H100", cuda_bf16=True, kernels={"int8": "no CUDA int8 weight-only kernel"})
 V100 = Facts("cuda", "Tesla V100")
 MPS = Facts("mps", "Apple MPS")
 
@@ -715,7 +711,11 @@ def test_what_cannot_run_is_one_line_naming_the_flag(facts, request_, needle):
         (GEMV, InferenceRequest(quantize="int8"), "float32/int8-gemv"),
         (GEMV, InferenceRequest(), "bfloat16/gemv"),  # no native bf16, but the GEMV's half the bytes and fp32 tiles
         (GEMV, InferenceRequest(workload="serve", rows=8), "bfloat16/gemv"),
-        (dataclasses.replace(XEON, gemv_error=None), InferenceRequest(), "bfloat16/gemv"),  # before emulated packed
+        (
+            dataclasses.replace(XEON, kernels={**ONEDNN, "gemv": None}),
+            InferenceRequest(),
+            "bfloat16/gemv",
+        ),  # before emulated packed
         (GEMV, InferenceRequest(dtype="bfloat16"), "bfloat16/gemv"),  # upcast's batches, a faster one row
         (ZEN_GEMV, InferenceRequest(), "bfloat16/gemv"),  # native bf16 too: the GEMV's one row, bf16 prompts
         (ZEN_GEMV, InferenceRequest(workload="serve", rows=8), "bfloat16/gemv"),
@@ -814,7 +814,7 @@ def test_an_asked_half_precision_unmeasured_is_held_on_a_cpu_without_native_bf16
     """The device's rule prefers fp32 on such a CPU, but an asked --dtype bfloat16 is the only dtype there is."""
     for facts in (XEON, AVX2):
         d = choose(InferenceRequest(dtype="bfloat16"), facts)
-        assert d.candidate == Candidate("bfloat16", "packed" if not facts.packing_bf16_error else "upcast")
+        assert d.candidate == Candidate("bfloat16", "packed" if not facts.cannot("bfloat16/packed") else "upcast")
     assert choose(InferenceRequest(), XEON).candidate == Candidate("float32", "packed")
     # without oneDNN: fp32 weights column-major, half-precision ones upcast (fp32 products for several rows)
     assert choose(InferenceRequest(), NO_ONEDNN).candidate == Candidate("float32", "decode")
@@ -1321,7 +1321,7 @@ def test_the_dtype_is_the_least_behind_at_its_worse_of_one_row_and_a_batch(workl
     its one-row reference request is 1.19x cheaper, but its 16-row steps are emulated bf16 matmuls, 4x
     fp32's. Worse cases: fp32 1.19x (one row), bf16 ~3.4x (the batch): fp32 for every workload. Where bf16
     leads at both (a CPU with native bf16), bf16."""
-    from gpt2lab.inference.choice import BATCH_ROWS, REQUEST_TOKENS, batch_cost, choose, reference_cost
+    from gpt2lab.inference.choice import BATCH_ROWS, REQUEST_TOKENS, choose, reference_cost
 
     emulated = {
         "float32/packed": Timing(308.0, 53.5, None, 74.9),
@@ -1330,7 +1330,8 @@ def test_the_dtype_is_the_least_behind_at_its_worse_of_one_row_and_a_batch(workl
     }
     one = {n: reference_cost(t) for n, t in emulated.items()}
     assert one["bfloat16/plain"] < one["float32/packed"] / 1.15  # bf16 leads at one row
-    bf16_batch = batch_cost(emulated["bfloat16/plain"]) / batch_cost(emulated["float32/packed"])
+    bf16, fp32 = (emulated[n] for n in ("bfloat16/plain", "float32/packed"))
+    bf16_batch = reference_cost(bf16, bf16.step_batch, BATCH_ROWS) / reference_cost(fp32, fp32.step_batch, BATCH_ROWS)
     assert bf16_batch == pytest.approx((1292.6 + REQUEST_TOKENS * 300.0 / BATCH_ROWS) / (308 + 128 * 74.9 / 16))
     assert bf16_batch > 3  # and falls far behind in a batch
     request = InferenceRequest(workload=workload, rows=BATCH_ROWS)

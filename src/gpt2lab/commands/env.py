@@ -18,9 +18,9 @@ import dataclasses
 import importlib.metadata
 import json
 import os
-import time
 
 from gpt2lab.system import runtime
+from gpt2lab.system.rundir import local_time
 
 # The optional extras' packages (pyproject.toml), by what they enable.
 OPTIONAL_PACKAGES = ("datasets", "pyarrow", "matplotlib", "tensorboard", "transformers", "lm_eval", "peft")
@@ -131,8 +131,7 @@ def entry_lines(entry: dict) -> list[str]:
 
 
 def _stamp(found) -> str:
-    when = found.get("written") if isinstance(found, dict) else None
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) if isinstance(when, (int, float)) else "?"
+    return local_time(found.get("written") if isinstance(found, dict) else None)
 
 
 def clear_cache() -> int:

@@ -58,16 +58,15 @@ def add_parser(sub) -> None:
 
 def _check(args: argparse.Namespace) -> None:
     """Flag values that cannot work: a UsageError (exit 2) naming the flag."""
-    if args.num_samples < 1:
-        raise UsageError(f"--num-samples {args.num_samples}: must be at least 1")
-    if args.max_new_tokens < 0:
-        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
-    if args.temperature < 0:
-        raise UsageError(f"--temperature {args.temperature}: must be >= 0 (0 is greedy)")
-    if args.top_k < 0:
-        raise UsageError(f"--top-k {args.top_k}: must be >= 0 (0 keeps every token)")
-    if not 0 < args.top_p <= 1:
-        raise UsageError(f"--top-p {args.top_p}: must be in (0, 1]")
+    for flag, bad, must in (
+        ("num_samples", args.num_samples < 1, "must be at least 1"),
+        ("max_new_tokens", args.max_new_tokens < 0, "must be >= 0"),
+        ("temperature", args.temperature < 0, "must be >= 0 (0 is greedy)"),
+        ("top_k", args.top_k < 0, "must be >= 0 (0 keeps every token)"),
+        ("top_p", not 0 < args.top_p <= 1, "must be in (0, 1]"),
+    ):
+        if bad:
+            raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: {must}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -156,50 +156,44 @@ def candidates(request: InferenceRequest, facts: Facts) -> list[Candidate]:
         if value not in allowed:
             raise ChoiceError(f"{flag} {value}: choose one of {', '.join(allowed)}")
     dtypes, cpu = _dtypes(request, facts), facts.device_type == "cpu"
-    gemv = cpu and facts.gemv_error is None
+    gemv, packing = (cpu and facts.cannot(k) is None for k in ("gemv", "packed"))
     if request.quantize == "int8":
-        if facts.int8_error:
-            raise ChoiceError(f"--quantize int8 cannot run here: {facts.int8_error}; leave --quantize out")
+        if why := facts.cannot("int8"):
+            raise ChoiceError(f"--quantize int8 cannot run here: {why}; leave --quantize out")
         kernels = ["int8"] + ["int8-gemv"] * gemv
-    elif request.linear == "packed" and not (cpu and facts.packing):
+    elif request.linear == "packed" and not packing:
         why = "this torch build has no oneDNN packed linear" if cpu else f"{facts.device_type} has no oneDNN"
         raise ChoiceError(f"--cpu-linear packed cannot run here ({why}); use auto or plain")
     elif not cpu:
         kernels = ["plain"]
     else:
-        auto = ["plain", "decode", "upcast"] + ["gemv"] * gemv + ["packed"] * facts.packing
+        auto = ["plain", "decode", "upcast"] + ["gemv"] * gemv + ["packed"] * packing
         kernels = {"auto": auto, "plain": ["plain", "decode"], "packed": ["packed"]}[request.linear]
     # fp32 weights need no converting; int8-gemv computes in fp32
     skip = {("float32", "upcast"), ("float32", "gemv"), ("bfloat16", "int8-gemv"), ("float16", "int8-gemv")}
-    skip |= {("bfloat16", "packed")} if facts.packing_bf16_error else set()
+    skip |= {("bfloat16", "packed")} if facts.cannot("bfloat16/packed") else set()
     out = [Candidate(d, k) for d in dtypes for k in kernels if (d, k) not in skip]
     if not out:  # only bf16 packed was asked for, and oneDNN cannot pack bf16 on this CPU
         raise ChoiceError(
             f"--dtype bfloat16 --cpu-linear packed cannot run here (oneDNN: "
-            f"{facts.packing_bf16_error}); use --cpu-linear plain or --dtype float32"
+            f"{facts.cannot('bfloat16/packed')}); use --cpu-linear plain or --dtype float32"
         )
     return out
 
 
-def reference_cost(t: Timing) -> float:
-    """The cost in ms of the reference request (the dtype's figure): its prefill and REQUEST_TOKENS one-row steps."""
-    return t.prefill + REQUEST_TOKENS * t.step1
-
-
-def batch_cost(t: Timing) -> float:
-    """The reference request's cost in ms as one of a full BATCH_ROWS-row batch: its prefill and its share
-    of REQUEST_TOKENS batch steps."""
-    return t.prefill + REQUEST_TOKENS * t.step_batch / BATCH_ROWS
+def reference_cost(t: Timing, step: Optional[float] = None, rows: int = 1) -> float:
+    """The cost in ms of the reference request: its prefill and REQUEST_TOKENS steps, one-row ones (the
+    dtype's figure) or, given their ``step`` ms, its share of steps of ``rows`` rows."""
+    return t.prefill + REQUEST_TOKENS * (t.step1 if step is None else step) / rows
 
 
 def costs(request: InferenceRequest, t: Timing) -> tuple[float, ...]:
     """The workload's cost(s) in ms of a candidate's timing (lower is better): the kernel's figure."""
     if request.workload == "score":
         return (t.prefill,)
-    one = reference_cost(t)
     if request.workload == "sample" or t.step_rows is None:
-        return (one,)
-    return one, t.prefill + REQUEST_TOKENS * t.step_rows / request.rows  # serve: one row, and a full batch
+        return (reference_cost(t),)
+    return reference_cost(t), reference_cost(t, t.step_rows, request.rows)  # serve: one row, and a full batch
 
 
 def _has(t, *fields: str) -> bool:
@@ -238,7 +232,8 @@ def cheapest_dtype(cands: list[Candidate], facts: Facts) -> tuple[str, str]:
     if not best:
         return device_pick(cands, facts).dtype, _unmeasured_reason(facts)
     both = len(best) > 1 and all(t.step_batch is not None for t in best.values())
-    cost = {d: (reference_cost(t), batch_cost(t)) if both else (reference_cost(t),) for d, t in best.items()}
+    batch = {d: (reference_cost(t, t.step_batch, BATCH_ROWS),) if both else () for d, t in best.items()}
+    cost = {d: (reference_cost(t), *batch[d]) for d, t in best.items()}
     what = f"a {REQUEST_TOKENS}-token prefill and {REQUEST_TOKENS} steps at one row" + (
         f" / in a {BATCH_ROWS}-row batch" if both else ""
     )
@@ -284,7 +279,7 @@ def choose(request: InferenceRequest, facts: Facts) -> Decision:
             pick, why = device_pick(pool, facts), _unmeasured_reason(facts)
         why = why if dtype_why in ("", why) else f"{dtype_why}; {why}"
     rounded = pick.kernel == "gemv" and gemv_bf16_inputs(facts)
-    return Decision(pick, why, request, facts.timings, bf16_inputs=rounded, panels=rounded and facts.gemv_panels)
+    return Decision(pick, why, request, facts.timings, rounded, rounded and not facts.cannot("panels"))
 
 
 def gemv_bf16_inputs(facts: Facts) -> bool:
@@ -332,7 +327,8 @@ def _unmeasured_reason(facts: Facts) -> str:
     if facts.device_type != "cpu":
         return f"not measured; {facts.device_type}: half precision reads half the bytes"
     found = ["native bf16 on this CPU" if facts.native_bf16 else "no native bf16 on this CPU"]
-    found += ["oneDNN packed linears"] * facts.packing + ["gpt2lab's compiled GEMV"] * (facts.gemv_error is None)
+    named = {"packed": "oneDNN packed linears", "gemv": "gpt2lab's compiled GEMV"}
+    found += [what for kernel, what in named.items() if not facts.cannot(kernel)]
     return "not measured; " + ", ".join(found)
 
 

@@ -43,16 +43,15 @@ CPU_ATTENTION_DTYPE = torch.float32
 
 def detect_facts(device: torch.device) -> runtime.Facts:
     """The device's facts (system/runtime's ``detect``, no probe) with what the decode kernels can do here."""
-    packing = device.type == "cpu" and cannot_run("packed") is None
-    int8 = cannot_run("int8", torch.float32, device)
-    return dataclasses.replace(
-        runtime.detect(device, probe=False),
-        packing=packing,
-        packing_bf16_error=cannot_run("packed", torch.bfloat16) if packing else None,
-        int8_error=int8 and f"torch's int8 weight-only matmul does not run on {device.type} ({int8[:120]})",
-        gemv_error=(why := gemv_error(device)),
-        gemv_panels=why is None and panels_run(2),
-    )
+    int8, gemv = cannot_run("int8", torch.float32, device), gemv_error(device)
+    kernels = {
+        "packed": cannot_run("packed") if device.type == "cpu" else f"{device.type} has no oneDNN",
+        "int8": int8 and f"torch's int8 weight-only matmul does not run on {device.type} ({int8[:120]})",
+        "gemv": gemv,
+        "panels": gemv or (None if panels_run(2) else "no AVX512_BF16 routines"),
+    }
+    kernels["bfloat16/packed"] = kernels["packed"] or cannot_run("packed", torch.bfloat16)
+    return dataclasses.replace(runtime.detect(device, probe=False), kernels=kernels)
 
 
 def cache_key(config, device, names: list[str]) -> str:

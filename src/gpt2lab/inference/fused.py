@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from gpt2lab.inference.kernels import DecodeLinear, _compiled
+from gpt2lab.inference.kernels import DecodeLinear, _compiled, _ptr, tiled
 from gpt2lab.model.gpt import GPT, Block, KVCache
 from gpt2lab.model.sampling import generate, plan_free_attention
 
@@ -43,10 +43,6 @@ def _held_tensors(m: DecodeLinear) -> tuple:
     if m.kernel == "int8-gemv":
         return m.qweight, m.scale, m.bias
     return (m.weight if m.panels is None else m.panels), None, m.bias32
-
-
-def _ptr(t) -> int:
-    return 0 if t is None else t.data_ptr()
 
 
 def _kind(m: nn.Module) -> Optional[int]:
@@ -87,7 +83,8 @@ def whole_step_fusable(model: GPT) -> bool:
     """Whether ``_gemv.model_step`` computes ``model``'s step: GPT-2's structure, every block ``fusable``."""
     c, blocks, ln_f = model.config, model.transformer.h, model.transformer.ln_f
     gpt2 = c.pos_emb == "learned" and not (c.embed_norm or c.value_embeds or c.unet_skips or c.logit_softcap)
-    blocks_ok = len(blocks) > 0 and all(fusable(b) for b in blocks) and len({b.ln_1.eps for b in blocks}) == 1
+    one = len({b.ln_1.eps for b in blocks}) == len({_kind(b.attn.c_attn) for b in blocks}) == 1  # one eps, one kind
+    blocks_ok = all(fusable(b) for b in blocks) and one
     head_ok = type(ln_f) is nn.LayerNorm and ln_f.weight is not None and _kind(model.lm_head) is not None
     return gpt2 and blocks_ok and head_ok
 
@@ -100,7 +97,6 @@ class _StepPlan:
     def __init__(self, model: GPT) -> None:
         tr, blocks = model.transformer, list(model.transformer.h)
         self.kind = _kind(blocks[0].attn.c_attn)
-        self.ok = all(_kind(b.attn.c_attn) == self.kind for b in blocks)
         self.layers = [b.attn.layer_idx for b in blocks]
         self.per_layer = []  # ln_1 g, b, ln_2 g, b, then (weight, scale, bias) of the four linears
         for b in blocks:
@@ -186,7 +182,7 @@ class HeldGPT(nn.Module):
         plan = self._plan = self._plan or _StepPlan(self.net)
         grad = torch.is_grad_enabled()
         contiguous = plan.wte.is_contiguous() and plan.wpe.is_contiguous()
-        if not plan.ok or self.training or not contiguous or ids.dtype != torch.int64 or not ids.is_cpu:
+        if self.training or not contiguous or ids.dtype != torch.int64 or not ids.is_cpu:
             return None
         if any(t.dtype != torch.float32 or not t.is_cpu or (grad and t.requires_grad) for t in plan.fp32):
             return None
@@ -222,5 +218,5 @@ def prompt_rows(model: nn.Module) -> int:
     (where the probe measured the matmul faster) by a matmul; 0 where the model has no fused step."""
     if not (isinstance(model, HeldGPT) and model.fused):
         return 0
-    tiles = [m.tile_rows for m in model.modules() if _kind(m) in (1, 2)]
+    tiles = [m.tile_rows for m in tiled(model)]
     return min(tiles) if tiles else model.config.block_size

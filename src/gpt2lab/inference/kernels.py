@@ -138,6 +138,11 @@ def gemv_error(device: torch.device) -> Optional[str]:
     return None
 
 
+def _ptr(t: Optional[torch.Tensor]) -> int:
+    """``t``'s address for the compiled kernel (0: None)."""
+    return 0 if t is None else t.data_ptr()
+
+
 def _compiled_gemv(
     name: str, x: torch.Tensor, w: torch.Tensor, scale, bias, n_out: int, round_inputs=False
 ) -> torch.Tensor:
@@ -146,9 +151,8 @@ def _compiled_gemv(
     x32 = x.reshape(-1, x.shape[-1]).float().contiguous()
     y = torch.empty(x32.size(0), n_out, dtype=torch.float32, device=x.device)
     if x32.size(0):
-        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
         getattr(_compiled(), name)(
-            x32.data_ptr(), w.data_ptr(), ptr(scale), ptr(bias), y.data_ptr(), x32.size(0), x32.size(1), n_out,
+            x32.data_ptr(), w.data_ptr(), _ptr(scale), _ptr(bias), y.data_ptr(), x32.size(0), x32.size(1), n_out,
             torch.get_num_threads(), *((True,) if round_inputs else ()),
         )  # fmt: skip
     return y.reshape(*x.shape[:-1], n_out)
@@ -290,17 +294,16 @@ class DecodeLinear(nn.Module):
         return _compiled_gemv("int8_gemv", x, self.qweight, self.scale, self.bias, self.out_features)
 
 
-def has_tiles(model: nn.Module) -> bool:
-    """Whether ``model`` holds a ``gemv`` linear whose rows past its ``tile_rows`` go to a matmul (row-major);
-    a panel hold multiplies every row count by its own kernel."""
-    return any(isinstance(m, DecodeLinear) and m.route == "gemv" for m in model.modules())
+def tiled(model: nn.Module) -> list[DecodeLinear]:
+    """``model``'s ``gemv`` linears whose rows past their ``tile_rows`` go to a matmul (row-major); a panel hold
+    multiplies every row count by its own kernel."""
+    return [m for m in model.modules() if isinstance(m, DecodeLinear) and m.route == "gemv"]
 
 
 def set_tile_rows(model: nn.Module, rows: int) -> None:
     """Every ``gemv`` linear of ``model`` multiplies up to ``rows`` rows by its compiled tiles (at least 1)."""
-    for m in model.modules():
-        if isinstance(m, DecodeLinear) and m.route == "gemv":
-            m.tile_rows = max(1, int(rows))
+    for m in tiled(model):
+        m.tile_rows = max(1, int(rows))
 
 
 def swap_linears(model: nn.Module, kernel: str, dtype: torch.dtype, batch_hint=1, bf16_inputs=False) -> int:

@@ -50,7 +50,7 @@ from gpt2lab.inference.choice import (
     tile_rows_of,
 )
 from gpt2lab.inference.form import cache_key, cached_timings, detect_facts, hold
-from gpt2lab.inference.kernels import has_tiles, set_tile_rows
+from gpt2lab.inference.kernels import set_tile_rows, tiled
 from gpt2lab.model.gpt import GPT
 from gpt2lab.system import env, runtime
 
@@ -111,7 +111,7 @@ def measure(
     """``figures`` of ``model`` held as ``cand`` (for ``request.rows`` rows when the ``step_rows`` figure
     is asked, else one; ``gemv``: its tiles up to ``tile_rows`` rows): a real prefill, real decode steps
     (given the ``best`` figures so far, a candidate far behind is given up: _TooSlow); ``tile_rows`` asked
-    of a ``gemv`` candidate held with tiles (kernels.has_tiles; not a panel hold, whose kernel takes every
+    of a ``gemv`` candidate held with tiles (kernels.tiled; not a panel hold, whose kernel takes every
     row count): where its tiles stop paying (_tiles), the prefill then the faster way's. What should not be
     kept goes to ``doubts``."""
     best = best or Timing()
@@ -125,7 +125,7 @@ def measure(
         ids = torch.randint(0, vocab, (1, prompt), generator=gen).to(device)
         run = lambda: prepared(ids, kv_cache=prepared.new_kv_cache(prompt), last_only=True)  # noqa: E731
         out["prefill"] = _best_ms(run, device, 1, best.prefill, f"{cand.name} prefill", doubts)
-        if "tile_rows" in figures and cand.kernel == "gemv" and has_tiles(prepared):
+        if "tile_rows" in figures and cand.kernel == "gemv" and tiled(prepared):
             out.update(_tiles(prepared, out["prefill"], device, gen))
     context = min(CONTEXT, max(1, block // 4))
     steps = max(1, min(STEPS, (block - context) // (2 * REPEATS + 1)))

@@ -146,9 +146,6 @@ def sweep_stale(folder: str) -> list[str]:
 
 
 def sha256_file(path: str) -> str:
-    """Hex sha256 of a file, read in 16 MiB blocks."""
-    h = hashlib.sha256()
+    """Hex sha256 of a file."""
     with open(path, "rb") as fh:
-        while block := fh.read(1 << 24):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()

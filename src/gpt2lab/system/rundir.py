@@ -229,10 +229,13 @@ def holder(path: str) -> Optional[dict]:
         os.close(fd)  # drops the probe's shared lock
 
 
+def local_time(when) -> str:
+    """A time.time() stamp as local "YYYY-MM-DD HH:MM:SS" ("?" where it is not a number)."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) if isinstance(when, (int, float)) else "?"
+
+
 def describe(who: dict) -> str:
-    started = who.get("started")
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else "?"
-    return f"pid {who.get('pid', '?')} on {who.get('host', '?')}, started {when}"
+    return f"pid {who.get('pid', '?')} on {who.get('host', '?')}, started {local_time(who.get('started'))}"
 
 
 @contextlib.contextmanager

@@ -67,13 +67,14 @@ class Facts:
     cuda_bf16: bool = False  # torch.cuda.is_bf16_supported()
     can_compile: bool = True  # a kernel compiler for the device (triton / a C++ compiler)
     probe: Optional[Probe] = None  # CPU: matmul rates, None when not measured
-    # inference: what the decode kernels can do (form.detect_facts) and each candidate's measured figures
-    packing: bool = False  # oneDNN's packed linear is there (CPU)
-    packing_bf16_error: Optional[str] = None  # why oneDNN cannot pack bf16 weights here (None: it can)
-    int8_error: Optional[str] = None  # why int8 weight-only cannot run (None: it can)
-    gemv_error: Optional[str] = "not detected"  # why gpt2lab's compiled GEMV cannot run (None: it can)
-    gemv_panels: bool = False  # the compiled kernel's AVX512_BF16 routines run (a gemv hold in panels)
+    # inference (form.detect_facts): each decode kernel -> why it cannot run here, None where it runs ("packed":
+    # oneDNN's packed linear, "bfloat16/packed" for bf16 weights, "int8", "gemv": gpt2lab's compiled GEMV,
+    # "panels": its AVX512_BF16 routines); one not listed was not detected
+    kernels: Optional[dict] = None
     timings: Optional[dict] = None  # candidate name -> inference.choice.Timing, or -> why it was dropped
+
+    def cannot(self, kernel: str) -> Optional[str]:
+        return (self.kernels or {}).get(kernel, "not detected")
 
     @property
     def native_bf16(self) -> bool:
