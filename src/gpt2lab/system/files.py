@@ -146,6 +146,9 @@ def sweep_stale(folder: str) -> list[str]:
 
 
 def sha256_file(path: str) -> str:
-    """Hex sha256 of a file."""
+    """Hex sha256 of a file, read in 16 MiB blocks (hashlib.file_digest is Python 3.11's; 3.10 is supported)."""
+    h = hashlib.sha256()
     with open(path, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
+        while block := fh.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
