@@ -236,6 +236,12 @@ def test_the_compiled_gemv_multiplies_inputs_rounded_to_bf16_at_any_rows_either_
         _gemv.set_bf16_dot(True)
 
 
+def unpack_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
+    """``pack_panels``' inverse, written for these tests: the (n, in) weight."""
+    groups, half = panels.shape[:2]
+    return panels.permute(0, 2, 3, 1, 4).reshape(groups * kernels.PANEL_OUT, 2 * half)[:n]
+
+
 def test_panels_place_each_weight_where_the_kernel_reads_it():
     """pack_panels against its layout written out: weight (32g + 16p + o, 2q + t) at [g, q, p, o, t], the
     outputs padded with zeros to a whole group; unpack_panels gives the weight back; an odd width refused."""
@@ -245,7 +251,7 @@ def test_panels_place_each_weight_where_the_kernel_reads_it():
     for g, q, p, o, t in [(0, 0, 0, 0, 0), (0, 2, 1, 15, 1), (1, 1, 0, 12, 0), (0, 1, 1, 3, 1)]:
         assert panels[g, q, p, o, t] == w[32 * g + 16 * p + o, 2 * q + t]
     assert not panels[1, :, 0, 13:].any() and not panels[1, :, 1].any()  # outputs 45-63: padding
-    assert torch.equal(kernels.unpack_panels(panels, 45), w)
+    assert torch.equal(unpack_panels(panels, 45), w)
     with pytest.raises(ValueError, match="even number of inputs, not 7"):
         kernels.pack_panels(torch.zeros(4, 7))
 
@@ -264,9 +270,7 @@ def test_panels_multiply_rounded_inputs_at_any_rows_and_a_row_alone_as_in_a_batc
     w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     monkeypatch.setattr(kernels, "panels_run", lambda k: True)  # panels, whose plain C loops run anywhere
     layer = DecodeLinear(w, b, "gemv", torch.bfloat16, bf16_inputs=True)
-    assert layer.extra_repr().endswith("gemv bfloat16") and torch.equal(
-        kernels.unpack_panels(layer.panels, n), w.bfloat16()
-    )
+    assert layer.extra_repr().endswith("gemv bfloat16") and torch.equal(unpack_panels(layer.panels, n), w.bfloat16())
     try:
         _gemv.set_bf16_dot(dot)
         for m in (1, 2, 8, 9, 17):

@@ -173,12 +173,6 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return w.view(groups, 2, 16, k // 2, 2).permute(0, 3, 1, 2, 4).contiguous()
 
 
-def unpack_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
-    """``pack_panels``' inverse: the (n, in) weight."""
-    groups, half = panels.shape[:2]
-    return panels.permute(0, 2, 3, 1, 4).reshape(groups * PANEL_OUT, 2 * half)[:n]
-
-
 def panels_run(in_features: int) -> bool:
     """Whether a bf16 weight with inputs rounded to bf16 is held in panels here: the compiled kernel's
     AVX512_BF16 routines run (this CPU has them and the compiler knew them) and ``in_features`` is even."""
