@@ -274,10 +274,9 @@ def read_conversations(source: str, limit: Optional[int] = None, gsm8k: bool = F
 
 
 # -- where the data comes from -----------------------------------------------------------------
-def gsm8k_test_file(flag: str = "--data") -> str:
+def gsm8k_test_file() -> str:
     """The cached GSM8K test split (evals/download.py: the official file, then the HF dataset), downloaded
-    on first use; offline or unreachable, a RuntimeError in one line naming the URL and ``flag`` (the
-    caller's flag for a local file)."""
+    on first use; offline or unreachable, a RuntimeError in one line naming the URL and --data."""
     test = DataSet(
         what="GSM8K's test split",
         url=GSM8K_URL,
@@ -286,7 +285,7 @@ def gsm8k_test_file(flag: str = "--data") -> str:
         check=_check_gsm8k_file,
         second=(GSM8K_HF, "main", "test", ("question", "answer")),
     )
-    return cached_file(test, flag)
+    return cached_file(test)
 
 
 def _check_gsm8k_file(path: str) -> None:
