@@ -175,8 +175,7 @@ def calculate(expr: str) -> Optional[str]:
     """The value of an arithmetic expression (numbers, + - * / % **, parentheses; commas in numbers
     ignored) as GSM8K writes it (``24``, ``0.2``); None for anything else or a result out of range."""
     try:
-        node = ast.parse(expr.replace(",", "").strip(), mode="eval").body
-        value = _eval(node)
+        value = _eval(ast.parse(expr.replace(",", "").strip(), mode="eval").body)
     except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, TypeError, RecursionError):
         return None
     if not math.isfinite(value) or abs(value) > 1e15:
@@ -200,10 +199,8 @@ def _eval(node: ast.AST) -> float:
 def calculator_tool(text: str) -> Optional[str]:
     """The calculator: when ``text`` ends inside an annotation at its ``=`` (``... <<48/2=``), the
     value and ``>>``; else None."""
-    if not text.endswith("="):
-        return None
     start = text.rfind("<<")
-    if start < 0 or text.rfind(">>") > start:
+    if not text.endswith("=") or start < 0 or text.rfind(">>") > start:
         return None
     value = calculate(text[start + 2 : -1])
     return None if value is None else f"{value}>>"
