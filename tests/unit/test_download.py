@@ -115,7 +115,7 @@ def test_offline_and_unreachable_are_one_line_naming_the_url_and_the_flag(server
     url = _serve(monkeypatch, server, "/test.jsonl", GSM8K.read_bytes())
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(RuntimeError) as e:
-        chat_eval.gsm8k_test_file(flag="--data")
+        chat_eval.gsm8k_test_file()
     assert str(e.value) == (
         f"GSM8K's test split is not in the cache and could not be downloaded from {url} (HF_HUB_OFFLINE set); "
         'pass --data FILE (JSON lines of GSM8K\'s {"question", "answer"} rows), or download that file to '

@@ -190,7 +190,7 @@ def eval_replies(args: argparse.Namespace) -> int:
     if samples:  # before the long part: a file there that gpt2lab did not write is refused
         rundir.check(samples, rundir.FILE, "--samples", "pick another path")
     with _one_line(args.task):  # the data first: no data, or no network to fetch it, fails before the model loads
-        data, note = (args.data or gsm8k_test_file(flag="--data"), None) if gsm8k else chat_data(args.data, args.model)
+        data, note = (args.data or gsm8k_test_file(), None) if gsm8k else chat_data(args.data, args.model)
     if note:
         print(f"gpt2lab eval chat: {note}", file=sys.stderr, flush=True)
     conversations = read_conversations(data, args.limit, gsm8k=gsm8k)

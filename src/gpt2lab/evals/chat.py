@@ -175,8 +175,7 @@ def calculate(expr: str) -> Optional[str]:
     """The value of an arithmetic expression (numbers, + - * / % **, parentheses; commas in numbers
     ignored) as GSM8K writes it (``24``, ``0.2``); None for anything else or a result out of range."""
     try:
-        node = ast.parse(expr.replace(",", "").strip(), mode="eval").body
-        value = _eval(node)
+        value = _eval(ast.parse(expr.replace(",", "").strip(), mode="eval").body)
     except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, TypeError, RecursionError):
         return None
     if not math.isfinite(value) or abs(value) > 1e15:
@@ -200,10 +199,8 @@ def _eval(node: ast.AST) -> float:
 def calculator_tool(text: str) -> Optional[str]:
     """The calculator: when ``text`` ends inside an annotation at its ``=`` (``... <<48/2=``), the
     value and ``>>``; else None."""
-    if not text.endswith("="):
-        return None
     start = text.rfind("<<")
-    if start < 0 or text.rfind(">>") > start:
+    if not text.endswith("=") or start < 0 or text.rfind(">>") > start:
         return None
     value = calculate(text[start + 2 : -1])
     return None if value is None else f"{value}>>"
@@ -274,10 +271,9 @@ def read_conversations(source: str, limit: Optional[int] = None, gsm8k: bool = F
 
 
 # -- where the data comes from -----------------------------------------------------------------
-def gsm8k_test_file(flag: str = "--data") -> str:
+def gsm8k_test_file() -> str:
     """The cached GSM8K test split (evals/download.py: the official file, then the HF dataset), downloaded
-    on first use; offline or unreachable, a RuntimeError in one line naming the URL and ``flag`` (the
-    caller's flag for a local file)."""
+    on first use; offline or unreachable, a RuntimeError in one line naming the URL and --data."""
     test = DataSet(
         what="GSM8K's test split",
         url=GSM8K_URL,
@@ -286,7 +282,7 @@ def gsm8k_test_file(flag: str = "--data") -> str:
         check=_check_gsm8k_file,
         second=(GSM8K_HF, "main", "test", ("question", "answer")),
     )
-    return cached_file(test, flag)
+    return cached_file(test)
 
 
 def _check_gsm8k_file(path: str) -> None:

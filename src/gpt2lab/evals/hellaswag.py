@@ -203,9 +203,8 @@ def _score_shared(model, ctxs: list[list[int]], ends: list[list[list[int]]], *, 
     with autocast(device, dtype):
         first, _ = model(torch.tensor(ctxs, device=device), kv_cache=ctx_cache, last_only=True)
     # The last context position predicts every ending's first token.
-    firsts = [e[0] for e in flat]
-    sums = _losses(first[:, 0].repeat_interleave(N_ENDINGS, dim=0), firsts, list(range(len(flat))), len(flat), device)
-    sums = sums.cpu()
+    logits = first[:, 0].repeat_interleave(N_ENDINGS, dim=0)
+    sums = _losses(logits, [e[0] for e in flat], list(range(len(flat))), len(flat), device).cpu()
     order = sorted(range(len(flat)), key=lambda r: len(flat[r]))
     per_pass = max(n, SHARED_MIN_ROWS)
     for s in range(0, len(flat), per_pass):

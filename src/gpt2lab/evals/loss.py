@@ -50,10 +50,10 @@ def tokens_within(tokens: int, sequences: int, batch_size: int, seq_len: int, wo
 
 
 def fit_to_split(
-    data_dir: str, split: str, tokens: int, batch_size: int, seq_len: int, world_size: int = 1, flag: str = "--tokens"
+    data_dir: str, split: str, tokens: int, batch_size: int, seq_len: int, world_size: int
 ) -> tuple[int, Optional[str]]:
     """``tokens_within`` for ``split`` of prepared data, and the note to print where it takes all the
-    split holds (``flag``: the caller's flag for ``tokens``)."""
+    split holds (``eval loss --tokens``)."""
     from gpt2lab.data import TokenLoader  # lazy: the model side never needs the data package
 
     sequences = TokenLoader(data_dir, split, 1, seq_len, shuffle=False).sequences_per_epoch
@@ -62,7 +62,7 @@ def fit_to_split(
         return fit, None
     per = f"{batch_size}" + (f" x {world_size} processes" if world_size > 1 else "")
     return fit, (
-        f"note: {flag} {tokens:,} is more than the {split} split of {data_dir} holds; the evaluation takes "
+        f"note: --tokens {tokens:,} is more than the {split} split of {data_dir} holds; the evaluation takes "
         f"all it holds in whole batches: {fit:,} tokens ({fit // (batch_size * seq_len * world_size)} of "
         f"{per} x {seq_len})"
     )

@@ -37,7 +37,7 @@ class Curve:
         return next((p for p in self.points if p[3] <= target), None)
 
 
-def load_curve(run_dir: str, metric: str = "val_loss", name: Optional[str] = None) -> Curve:
+def load_curve(run_dir: str, metric: str = "val_loss") -> Curve:
     """``metric`` (val_loss, train_loss, or val_bpb: bits per byte, for runs with different tokenizers) of a
     run directory against tokens and seconds."""
     run = load_run(run_dir)
@@ -46,7 +46,7 @@ def load_curve(run_dir: str, metric: str = "val_loss", name: Optional[str] = Non
     # the later record of a step wins (a resumed run logs some steps again); train_loss of step s is
     # measured before its update: the model after s steps, like val at s
     train = run.train
-    curve = Curve(name or run.name, tokens_per_step=tokens_per_step)
+    curve = Curve(run.name, tokens_per_step=tokens_per_step)
     seconds, tokens, done = 0.0, 0, 0
     for step, value in run.series.get(metric, []):
         while done < len(train) and train[done]["step"] < step:
@@ -60,7 +60,7 @@ def load_curve(run_dir: str, metric: str = "val_loss", name: Optional[str] = Non
     return curve
 
 
-def comparison_table(curves: list[Curve], target: float, metric: str = "val_loss") -> str:
+def comparison_table(curves: list[Curve], target: float, metric: str) -> str:
     """Markdown: per run, its final loss, and the steps, tokens and seconds to reach ``target``
     (with their ratio to the first run's)."""
     first = curves[0].reach(target)
@@ -80,7 +80,7 @@ def comparison_table(curves: list[Curve], target: float, metric: str = "val_loss
     return "\n".join([note, "", *md_table(rows)])
 
 
-def compare_figure(curves: list[Curve], target: float, metric: str = "val_loss"):
+def compare_figure(curves: list[Curve], target: float, metric: str):
     """Left: the loss against tokens; right: against training seconds; the target dashed."""
     name = metric.replace("_", " ")
     panels = [(dict(xlabel=x, ylabel=name, title=f"{name} vs {x}"), [], []) for x in ("tokens", "training seconds")]

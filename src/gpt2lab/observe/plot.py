@@ -118,11 +118,6 @@ def read_run_config(run_dir: str) -> Optional[dict]:
     return formats.unstamp(config, path, formats.RUN)
 
 
-def _points(values: list) -> dict:
-    """A marker on each point of a short series (``MARKED_UP_TO``), where a line alone would hide them."""
-    return dict(marker="o", ms=4) if len(values) <= MARKED_UP_TO else {}
-
-
 def draw(panels: list[tuple[dict, list, list]], figsize: tuple[float, float]):
     """A figure of ``panels`` side by side, each (``Axes.set``'s settings, its curves as (x, y, label,
     style), its dashed lines as (y, label, style)), with a legend where something is labelled and a grid: a
@@ -154,7 +149,8 @@ def build_figure(runs: list[Run]):
         for metric, style in (("train_loss", dict(alpha=0.6, lw=1)), ("val_loss", dict(lw=2))):
             if run.series.get(metric):
                 steps, values = zip(*run.series[metric])
-                loss[1].append((steps, values, f"{run.name} {metric.replace('_', ' ')}", {**style, **_points(values)}))
+                marked = dict(marker="o", ms=4) if len(values) <= MARKED_UP_TO else {}
+                loss[1].append((steps, values, f"{run.name} {metric.replace('_', ' ')}", {**style, **marked}))
         if run.series.get("hellaswag_acc_norm"):
             steps, values = zip(*run.series["hellaswag_acc_norm"])
             hellaswag[1].append((steps, values, f"{run.name} acc_norm", dict(marker=".")))
@@ -215,10 +211,10 @@ def png(fig, dpi: int = 100) -> bytes:
     return buf.getvalue()
 
 
-def save_png(fig, out_png: str, flag: str = "--out") -> None:
+def save_png(fig, out_png: str) -> None:
     """A matplotlib figure as a PNG at ``out_png``, atomically, with gpt2lab's mark; a file there that
     gpt2lab did not write is refused (system/rundir.py's rule) and stays untouched."""
-    rundir.check(out_png, rundir.FILE, flag, "pick another path")
+    rundir.check(out_png, rundir.FILE, "--out", "pick another path")
     os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
     with atomic_write(out_png, "wb") as fh:
         fh.write(png(fig))

@@ -161,8 +161,7 @@ def _speed(train: list[dict], config: dict, run_dir: str, info: dict) -> list[li
 
 def _segments(info: dict) -> list[dict]:
     """run_info.json's starts of the run (observe/metrics.segments), each with a start time."""
-    found = info.get("segments")
-    found = found if isinstance(found, list) else []
+    found = info.get("segments") if isinstance(info.get("segments"), list) else []
     return [s for s in found if isinstance(s, dict) and isinstance(s.get("started"), (int, float))]
 
 
@@ -243,8 +242,8 @@ def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True)
     events = [[r["step"], _event_text(r)] for r in records if any(k in r for k in EVENT_KEYS)]
     samples = [[r["step"], r["sample"]] for r in records if isinstance(r.get("sample"), str)]
     saved = [[s, p, f"{b / 2**20:,.1f} MiB"] for s, p, b in ckpts]
-    rep = Report(title=f"gpt2lab report: {os.path.basename(os.path.abspath(run_dir))}", status=status)
-    rep.sections += [
+    title = f"gpt2lab report: {os.path.basename(os.path.abspath(run_dir))}"
+    sections = [
         Section("What was run", table=what),
         Section("How long and how fast", table=_speed(run.train, config, run_dir, info)),
         _results(run.series, size, fineweb_edu),
@@ -264,7 +263,7 @@ def build_report(run_dir: str, now: Optional[float] = None, curves: bool = True)
         ),
         _listed("Config (config.json)", ["field", "value"], _flatten(config), "config.json is missing."),
     ]
-    return rep
+    return Report(title, status, sections)
 
 
 def _event_text(r: dict) -> str:

@@ -124,21 +124,6 @@ def hf_config(config_path: str) -> tuple[GPTConfig, Optional[TrainedBPE]]:
     return replace(config, tokenizer=tok.identity if tok else None, chat_template=template), tok
 
 
-def from_files(config: GPTConfig, tok: Optional[TrainedBPE], weights_path: str) -> GPT:
-    """A GPT of ``config`` holding ``tok`` from an HF weights file (.safetensors, index, or .bin)."""
-    try:
-        sd = _read_weights(weights_path)
-    except Exception as e:  # safetensors' SafetensorError shares no base with OSError/ValueError
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise WeightsError(
-            f"{weights_path}: cannot be read ({why}); the file is damaged or cut short: "
-            "download or export the model again"
-        ) from e
-    # NanoChat's config always sets embed_norm (config_from_nanochat), GPT-2's never
-    ours = nanochat.from_nanochat_state_dict if config.embed_norm else gpt2.from_hf_state_dict
-    return model_from_state_dict(config, ours(sd, config), weights_path, tok)
-
-
 def chat_template_of(path: str, trained: bool = False) -> Optional[str]:
     """The chat template of an HF directory's tokenizer: "chatml" when its tokenizer_config.json adds
     <|im_start|> and <|im_end|> at gpt2lab's ids (data/chat.py), as a chat export writes them; for a
@@ -299,8 +284,18 @@ def model_source(spec: str, flag: Optional[str] = "--model", report: Callable[[s
 
 def model_of(src: Source) -> GPT:
     """The GPT of a resolved source, holding its tokenizer; a LoRA run's adapters merged (a plain GPT)."""
-    if src.kind != CHECKPOINT_DIR:
-        return from_files(src.config, src.tokenizer, src.weights)
+    if src.kind != CHECKPOINT_DIR:  # an HF weights file (.safetensors, index, or .bin)
+        try:
+            sd = _read_weights(src.weights)
+        except Exception as e:  # safetensors' SafetensorError shares no base with OSError/ValueError
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise WeightsError(
+                f"{src.weights}: cannot be read ({why}); the file is damaged or cut short: "
+                "download or export the model again"
+            ) from e
+        # NanoChat's config always sets embed_norm (config_from_nanochat), GPT-2's never
+        ours = nanochat.from_nanochat_state_dict if src.config.embed_norm else gpt2.from_hf_state_dict
+        return model_from_state_dict(src.config, ours(sd, src.config), src.weights, src.tokenizer)
     model, saved = GPT(src.config, src.tokenizer), store.read_config(src.where)
     adapted = add_lora(model, *lora_args(saved)) if config_value(saved, "lora_rank") else None
     store.load_weights(model, src.where, verified=True)  # a LoRA run's weights: the base's and its adapters
