@@ -54,17 +54,11 @@ def find_source(spec: str) -> Source:
             f"{GPT2_VOCAB_SIZE}, and no gpt2lab tokenizer.json is beside it; pass a GPT-2 model or "
             "one gpt2lab trained (its tokenizer travels with it)",
         )
-    _check_readable(src)
-    return src
-
-
-def _check_readable(src: Source) -> None:
-    """Open a safetensors file's header: a truncated or foreign file fails here, not mid-load."""
     if not src.weights.endswith(".safetensors"):
-        return
+        return src
     from safetensors import safe_open
 
-    try:
+    try:  # the header: a truncated or foreign file fails here, not mid-load
         with safe_open(src.weights, framework="pt") as f:
             keys = set(f.keys())
     except Exception as e:  # safetensors raises its own error types for a damaged file
@@ -75,6 +69,7 @@ def _check_readable(src: Source) -> None:
             f"{src.weights} holds no token embedding (wte.weight, or NanoChat's embed_tokens.weight); "
             "pass a GPT-2 or NanoChat model",
         )
+    return src
 
 
 def check_arch(src: Source, explicit: Mapping[str, object]) -> dict[str, object]:
