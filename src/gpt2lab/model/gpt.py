@@ -271,10 +271,9 @@ class GPT(nn.Module):
         self._chunked_loss, self._compile_loss = bool(path.chunked), bool(path.compiled)
         return self
 
-    def set_mtp_weight(self, weight: float) -> "GPT":
+    def set_mtp_weight(self, weight: float) -> None:
         """The weight of the multi-token prediction loss in the training loss (mtp_heads > 0)."""
         self.mtp_weight.fill_(weight)
-        return self
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
