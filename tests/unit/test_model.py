@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import tiny_gpt
@@ -28,7 +30,7 @@ def test_preset_param_counts_match_transformers(name):
     with torch.device("meta"):
         hf = transformers.GPT2LMHeadModel(hf_cfg)
     # HF counts the tied lm_head once too (parameters() de-duplicates shared tensors).
-    assert _meta_gpt(**cfg.to_dict()).num_params() == sum(p.numel() for p in hf.parameters())
+    assert _meta_gpt(**dataclasses.asdict(cfg)).num_params() == sum(p.numel() for p in hf.parameters())
 
 
 def test_preset_aliases_and_bad_name():

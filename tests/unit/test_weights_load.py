@@ -4,6 +4,8 @@ directory is one line naming the file in every command that takes a model; a res
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import damaged_copy, tiny_gpt
@@ -58,7 +60,7 @@ def test_another_model_shape_names_only_the_fields_that_differ(tmp_path):
 
     saved = tiny_gpt(n_layer=2, n_embd=32)
     parts = {"model": saved, "optimizer": torch.optim.SGD(saved.parameters(), lr=0.1), "trainer": Trainer()}
-    store.save(str(tmp_path), 1, parts, {"model": saved.config.to_dict()})
+    store.save(str(tmp_path), 1, parts, {"model": dataclasses.asdict(saved.config)})
     ckpt = store.find_latest(str(tmp_path))
     other = tiny_gpt(n_layer=3, n_embd=32)
     with pytest.raises(CheckpointError) as e:

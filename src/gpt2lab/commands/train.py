@@ -64,16 +64,11 @@ def run(args: argparse.Namespace) -> int:
         return e.exit_code
     finally:
         cleanup()
-    if info.is_main and not args.dry_run:
-        _say_where(request.out, last)
+    if info.is_main and not args.dry_run:  # the last lines: the run, its checkpoint, its plot, the report's command
+        out, plot = request.out, os.path.join(request.out, "plot.png")
+        lines = [f"run dir: {out}", last and f"last checkpoint: {last}", os.path.isfile(plot) and f"plot: {plot}"]
+        print(*(line for line in lines if line), f"report: gpt2lab report {shlex.quote(out)}", sep="\n", flush=True)
     return 0
-
-
-def _say_where(out: str, last) -> None:
-    """The last lines: where the run is, its checkpoint, its plot and the report card's command."""
-    plot = os.path.join(out, "plot.png")
-    lines = [f"run dir: {out}", last and f"last checkpoint: {last}", os.path.isfile(plot) and f"plot: {plot}"]
-    print(*(line for line in lines if line), f"report: gpt2lab report {shlex.quote(out)}", sep="\n", flush=True)
 
 
 def _request(args: argparse.Namespace):
@@ -82,12 +77,11 @@ def _request(args: argparse.Namespace):
     from gpt2lab.train.plan import Request
 
     overrides = overrides_from_args(args)  # nested: {"optim": {"max_lr": ...}, ...}
-    model = overrides.get("model", {})
     source = f"{f'preset {args.preset!r}' if args.preset else args.config} with overrides"
     values = merge_config(
         preset_values(args.preset) if args.preset else config_file_values(args.config), overrides, source=source
     )
-    explicit = {k: v for k, v in model.items() if k in ARCH_FIELDS or k == "vocab_size"}
+    explicit = {k: v for k, v in overrides.get("model", {}).items() if k in ARCH_FIELDS or k == "vocab_size"}
     # --resume with --init-from: continues the run that began from those weights (train.gather.same_source)
     words = getattr(args, "argv", None) or ["train"]  # as typed (cli.main keeps it); the resume advice
     given = "sample_prompt" in overrides.get("eval", {})  # a prompt for this run; else the settings' (for their data)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 from gpt2lab.system.errors import ConfigError
@@ -141,9 +141,6 @@ class GPTConfig:
         names, base = [f.name for f in fields(self)], GPTConfig()
         modern = names[names.index("pos_emb") : names.index("mtp_heads") + 1]
         return {n: getattr(self, n) for n in modern if getattr(self, n) != getattr(base, n)}
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     def shape(self) -> dict:
         """The fields that set parameter shapes, by name."""

@@ -271,10 +271,9 @@ class GPT(nn.Module):
         self._chunked_loss, self._compile_loss = bool(path.chunked), bool(path.compiled)
         return self
 
-    def set_mtp_weight(self, weight: float) -> "GPT":
+    def set_mtp_weight(self, weight: float) -> None:
         """The weight of the multi-token prediction loss in the training loss (mtp_heads > 0)."""
         self.mtp_weight.fill_(weight)
-        return self
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
@@ -353,10 +352,8 @@ class GPT(nn.Module):
         # (T,), or (B, T) for a cache whose rows hold different lengths
         pos = kv_cache.positions(T, idx.device) if kv_cache is not None else torch.arange(T, device=idx.device)
         x = self.transformer.wte(idx)  # (B, T, C)
-        rope = None
-        if self.config.pos_emb == "rotary":
-            rope = rotary_cos_sin(self.config, pos)
-        else:
+        rope = rotary_cos_sin(self.config, pos) if self.config.pos_emb == "rotary" else None
+        if rope is None:
             x = x + self.transformer.wpe(pos)
         if self.config.embed_norm:  # the stream starts at unit RMS (no gain), as NanoChat's
             x = F.rms_norm(x, (x.size(-1),), eps=self.config.layer_norm_epsilon)

@@ -26,13 +26,6 @@ from torch.nn import functional as F
 # more or fewer chunks do not change the speed; what they bound is the transient memory
 # (512 MB of fp32 logits a chunk at most), which fits every machine gpt2lab runs on. On a
 # CPU the win is never holding fp32 logits, not cache reuse (docs/benchmarks.md).
-def chunk_rows(V: int) -> tuple[int, int]:
-    """(rows per chunk, rows per grad_w group) for a vocabulary of V: rows a power of two
-    (equal chunks, one compile), a group a whole number of chunks."""
-    rows = 1 << max(0, (_CHUNK_ELEMENTS // V).bit_length() - 1)
-    return rows, max(rows, _GROUP_ELEMENTS // V // rows * rows)
-
-
 @dataclass(frozen=True)
 class LossPath:
     """How ``GPT.forward`` computes the training loss (``GPT.set_loss``); ``choose_loss`` decides it."""
@@ -166,7 +159,9 @@ def _loss_and_grads(
     nll_sum = torch.zeros((), dtype=torch.float32, device=x.device)
     grad_x = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     grad_w = None
-    rows, group = chunk_rows(V)
+    # rows per chunk a power of two (equal chunks, one compile); a grad_w group a whole number of chunks
+    rows = 1 << max(0, (_CHUNK_ELEMENTS // V).bit_length() - 1)
+    group = max(rows, _GROUP_ELEMENTS // V // rows * rows)
     for g0 in range(0, N, group):
         g1, parts = min(N, g0 + group), []
         for s in range(g0, g1, rows):

@@ -155,7 +155,6 @@ def generate_stream(
         raise ValueError(f"token id {bad} is outside the model's vocabulary (0 to {V - 1})")
     B, T = idx.shape
     block = model.config.block_size
-    real_vocab = model.config.real_vocab_size
     finished = torch.zeros(B, dtype=torch.bool, device=idx.device)
     # The cache only ever holds what fits in the block; size it to this generation, not more.
     cache = model.new_kv_cache(min(block, T + max_new_tokens)) if use_cache else None
@@ -170,7 +169,7 @@ def generate_stream(
         else:
             # Past the block the window slides, every position moves, and the cache no longer applies.
             logits, _ = model(seq[:, max(0, n - block) : n], last_only=True)
-        logits = logits[:, -1, :real_vocab]  # padded vocabulary rows are never sampled
+        logits = logits[:, -1, : model.config.real_vocab_size]  # padded vocabulary rows are never sampled
         if on_logits is not None:
             on_logits(logits)
         drawn = sample_next(logits, temperature, top_k, top_p, generator)

@@ -46,26 +46,19 @@ def find_source(spec: str) -> Source:
     except WeightsError as e:
         then = " Then train with --init-from DIR." if "local directory" in str(e) else ""
         raise InitFromError(named("--init-from", spec, e) + then) from e
-    if (
-        src.config.tokenizer is None and src.config.real_vocab_size != src.config.template_vocab
-    ):  # its own tokenizer says its vocabulary
+    # its own tokenizer says its vocabulary
+    if src.config.tokenizer is None and src.config.real_vocab_size != src.config.template_vocab:
         raise fail(
             src,
             f"its vocabulary has {src.config.real_vocab_size} tokens, not GPT-2's "
             f"{GPT2_VOCAB_SIZE}, and no gpt2lab tokenizer.json is beside it; pass a GPT-2 model or "
             "one gpt2lab trained (its tokenizer travels with it)",
         )
-    _check_readable(src)
-    return src
-
-
-def _check_readable(src: Source) -> None:
-    """Open a safetensors file's header: a truncated or foreign file fails here, not mid-load."""
     if not src.weights.endswith(".safetensors"):
-        return
+        return src
     from safetensors import safe_open
 
-    try:
+    try:  # the header: a truncated or foreign file fails here, not mid-load
         with safe_open(src.weights, framework="pt") as f:
             keys = set(f.keys())
     except Exception as e:  # safetensors raises its own error types for a damaged file
@@ -76,6 +69,7 @@ def _check_readable(src: Source) -> None:
             f"{src.weights} holds no token embedding (wte.weight, or NanoChat's embed_tokens.weight); "
             "pass a GPT-2 or NanoChat model",
         )
+    return src
 
 
 def check_arch(src: Source, explicit: Mapping[str, object]) -> dict[str, object]:
@@ -124,11 +118,10 @@ def load_source(model: GPT, src: Source) -> None:
         for name, p in model.named_parameters():  # the tied lm_head comes once, as wte
             w = theirs[name]
             if name in ("transformer.wte.weight", "lm_head.weight") and p.shape[1:] == w.shape[1:]:  # untied: its own
-                rows = min(len(p), len(w))
+                rows, mean = min(len(p), len(w)), w[:vocab].mean(0)
                 p[:rows] = w[:rows]
-                p[rows:] = w[:vocab].mean(0)
-                if real > vocab:  # tokens new to the model: from the mean row too
-                    p[vocab:real] = w[:vocab].mean(0)
+                p[rows:] = mean
+                p[vocab:real] = mean  # tokens new to the model (none unless real > vocab): the mean row too
             elif name == "transformer.wpe.weight" and p.shape[1:] == w.shape[1:] and len(p) <= len(w):
                 p.copy_(w[: len(p)])
             elif p.shape == w.shape:
