@@ -193,9 +193,8 @@ class Completion:
         return _or(req.max_tokens, 16), default, _stops(req.stop), self.texts if req.echo else [], req.logprobs
 
     def usage(self) -> dict:
-        prompt_tokens = sum(len(p) for p in self.prompts)
-        total = prompt_tokens + self.tokens
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": self.tokens, "total_tokens": total}
+        prompt = sum(len(p) for p in self.prompts)
+        return {"prompt_tokens": prompt, "completion_tokens": self.tokens, "total_tokens": prompt + self.tokens}
 
     def chunk(self, choices: list[dict], **extra) -> dict:
         return {
