@@ -74,12 +74,8 @@ def _check_length(prompts: list[list[int]], max_tokens: int, worker: Worker, def
     when the request left max_tokens out; ``what`` names its prompt ("prompt" or "messages")."""
     said = f"max_tokens' default of {max_tokens}" if default else f"max_tokens {max_tokens}"
     if max_tokens > worker.limits.max_tokens:
-        raise APIError(
-            400,
-            f"max_tokens: this server gives at most {worker.limits.max_tokens} tokens per "
-            f"choice (--max-tokens); you asked for {said}",
-            param="max_tokens",
-        )
+        cap = f"this server gives at most {worker.limits.max_tokens} tokens per choice (--max-tokens)"
+        raise APIError(400, f"max_tokens: {cap}; you asked for {said}", param="max_tokens")
     longest, block = max(len(p) for p in prompts), worker.block_size
     if longest > block or (longest == block and max_tokens > 0):  # no max_tokens could make it fit
         alone = {
@@ -87,21 +83,14 @@ def _check_length(prompts: list[list[int]], max_tokens: int, worker: Worker, def
             "messages": f"the messages alone take {longest} tokens (as the chat template writes them)",
         }[what]
         room = "" if longest > block else ", which leaves no room for a completion"
-        raise APIError(
-            400,
-            f"This model's maximum context length is {block} tokens, and {alone}{room}. Shorten the {what}.",
-            param=what,
-            code="context_length_exceeded",
-        )
-    if not fits_context(longest, max_tokens, block):
-        raise APIError(
-            400,
-            f"This model's maximum context length is {block} tokens; you asked for "
-            f"{longest + max_tokens} ({longest} in the {what}, {said}). Shorten the {what} or "
-            "lower max_tokens.",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
+        why, param = f", and {alone}{room}. Shorten the {what}.", what
+    elif not fits_context(longest, max_tokens, block):
+        asked = f"{longest + max_tokens} ({longest} in the {what}, {said})"
+        why, param = f"; you asked for {asked}. Shorten the {what} or lower max_tokens.", "max_tokens"
+    else:
+        return
+    context = f"This model's maximum context length is {block} tokens"
+    raise APIError(400, context + why, param=param, code="context_length_exceeded")
 
 
 def _stops(stop: Optional[Union[str, list[str]]]) -> list[str]:
