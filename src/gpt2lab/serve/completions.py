@@ -151,12 +151,8 @@ class Completion:
 
     def __init__(self, req: Union[CompletionRequest, ChatRequest], workers: dict[str, Worker]) -> None:
         if req.model not in workers:
-            raise APIError(
-                404,
-                f"The model {req.model!r} does not exist; this server has: {', '.join(workers)}",
-                param="model",
-                code="model_not_found",
-            )
+            message = f"The model {req.model!r} does not exist; this server has: {', '.join(workers)}"
+            raise APIError(404, message, param="model", code="model_not_found")
         self.req, self.worker = req, workers[req.model]
         max_tokens, default, stops, echo, logprobs = self._read(req)
         _check_length(self.prompts, max_tokens, self.worker, default, self.WHAT)
@@ -216,12 +212,8 @@ class ChatCompletion(Completion):
     def _read(self, req: ChatRequest) -> tuple[int, bool, list[str], list[str], Optional[int]]:
         _unsupported(req, logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs is not None)
         if req.response_format is not None and req.response_format.get("type") != "text":
-            raise APIError(
-                400,
-                'response_format: only {"type": "text"} is supported (a base model cannot be '
-                f"held to a format); got {req.response_format!r}",
-                param="response_format",
-            )
+            only = 'response_format: only {"type": "text"} is supported (a base model cannot be held to a format)'
+            raise APIError(400, f"{only}; got {req.response_format!r}", param="response_format")
         if not req.messages:
             raise APIError(400, "messages: pass at least one message", param="messages")
         try:  # text in a message is text: "<|endoftext|>" or "<|im_end|>" typed there cannot end a turn
