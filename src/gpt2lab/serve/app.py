@@ -75,9 +75,8 @@ def create_app(workers: dict[str, Worker], host: str = "127.0.0.1", allowed_host
         kind = request.headers.get("content-type", "")
         if request.method == "POST" and kind.split(";")[0].strip().lower() != "application/json":
             got = f"Content-Type: {kind}" if kind else "no Content-Type header"
-            return APIError(
-                415, f"send the request body as JSON with the header Content-Type: application/json (got {got})"
-            ).response()
+            message = f"send the request body as JSON with the header Content-Type: application/json (got {got})"
+            return APIError(415, message).response()
         return validation_error(exc).response()
 
     @app.api_route("/", methods=["GET", "HEAD"], response_class=HTMLResponse)

@@ -110,10 +110,8 @@ class HostCheck:
 
     def refusal(self, scope) -> Optional[str]:
         """Why ``scope``'s request is not served (its Host), or None when it is."""
-        if not self.active:
-            return None
         header = dict(scope.get("headers") or []).get(b"host")
-        if header is None:
+        if not self.active or header is None:
             return None
         value = header.decode("latin-1")
         name = host_name(value.strip()).strip("[]").lower().rstrip(".")

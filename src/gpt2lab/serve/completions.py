@@ -74,12 +74,8 @@ def _check_length(prompts: list[list[int]], max_tokens: int, worker: Worker, def
     when the request left max_tokens out; ``what`` names its prompt ("prompt" or "messages")."""
     said = f"max_tokens' default of {max_tokens}" if default else f"max_tokens {max_tokens}"
     if max_tokens > worker.limits.max_tokens:
-        raise APIError(
-            400,
-            f"max_tokens: this server gives at most {worker.limits.max_tokens} tokens per "
-            f"choice (--max-tokens); you asked for {said}",
-            param="max_tokens",
-        )
+        cap = f"this server gives at most {worker.limits.max_tokens} tokens per choice (--max-tokens)"
+        raise APIError(400, f"max_tokens: {cap}; you asked for {said}", param="max_tokens")
     longest, block = max(len(p) for p in prompts), worker.block_size
     if longest > block or (longest == block and max_tokens > 0):  # no max_tokens could make it fit
         alone = {
@@ -87,21 +83,14 @@ def _check_length(prompts: list[list[int]], max_tokens: int, worker: Worker, def
             "messages": f"the messages alone take {longest} tokens (as the chat template writes them)",
         }[what]
         room = "" if longest > block else ", which leaves no room for a completion"
-        raise APIError(
-            400,
-            f"This model's maximum context length is {block} tokens, and {alone}{room}. Shorten the {what}.",
-            param=what,
-            code="context_length_exceeded",
-        )
-    if not fits_context(longest, max_tokens, block):
-        raise APIError(
-            400,
-            f"This model's maximum context length is {block} tokens; you asked for "
-            f"{longest + max_tokens} ({longest} in the {what}, {said}). Shorten the {what} or "
-            "lower max_tokens.",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
+        why, param = f", and {alone}{room}. Shorten the {what}.", what
+    elif not fits_context(longest, max_tokens, block):
+        asked = f"{longest + max_tokens} ({longest} in the {what}, {said})"
+        why, param = f"; you asked for {asked}. Shorten the {what} or lower max_tokens.", "max_tokens"
+    else:
+        return
+    context = f"This model's maximum context length is {block} tokens"
+    raise APIError(400, context + why, param=param, code="context_length_exceeded")
 
 
 def _stops(stop: Optional[Union[str, list[str]]]) -> list[str]:
@@ -162,12 +151,8 @@ class Completion:
 
     def __init__(self, req: Union[CompletionRequest, ChatRequest], workers: dict[str, Worker]) -> None:
         if req.model not in workers:
-            raise APIError(
-                404,
-                f"The model {req.model!r} does not exist; this server has: {', '.join(workers)}",
-                param="model",
-                code="model_not_found",
-            )
+            message = f"The model {req.model!r} does not exist; this server has: {', '.join(workers)}"
+            raise APIError(404, message, param="model", code="model_not_found")
         self.req, self.worker = req, workers[req.model]
         max_tokens, default, stops, echo, logprobs = self._read(req)
         _check_length(self.prompts, max_tokens, self.worker, default, self.WHAT)
@@ -193,9 +178,8 @@ class Completion:
         return _or(req.max_tokens, 16), default, _stops(req.stop), self.texts if req.echo else [], req.logprobs
 
     def usage(self) -> dict:
-        prompt_tokens = sum(len(p) for p in self.prompts)
-        total = prompt_tokens + self.tokens
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": self.tokens, "total_tokens": total}
+        prompt = sum(len(p) for p in self.prompts)
+        return {"prompt_tokens": prompt, "completion_tokens": self.tokens, "total_tokens": prompt + self.tokens}
 
     def chunk(self, choices: list[dict], **extra) -> dict:
         return {
@@ -228,12 +212,8 @@ class ChatCompletion(Completion):
     def _read(self, req: ChatRequest) -> tuple[int, bool, list[str], list[str], Optional[int]]:
         _unsupported(req, logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs is not None)
         if req.response_format is not None and req.response_format.get("type") != "text":
-            raise APIError(
-                400,
-                'response_format: only {"type": "text"} is supported (a base model cannot be '
-                f"held to a format); got {req.response_format!r}",
-                param="response_format",
-            )
+            only = 'response_format: only {"type": "text"} is supported (a base model cannot be held to a format)'
+            raise APIError(400, f"{only}; got {req.response_format!r}", param="response_format")
         if not req.messages:
             raise APIError(400, "messages: pass at least one message", param="messages")
         try:  # text in a message is text: "<|endoftext|>" or "<|im_end|>" typed there cannot end a turn

@@ -22,6 +22,7 @@ and no one is served. So (``guarded``, a subclass of the protocol class uvicorn 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -62,10 +63,8 @@ def open_file_limit() -> Optional[int]:
 def open_files() -> int:
     """How many descriptors the process holds now (0 where the system does not list them)."""
     for folder in ("/proc/self/fd", "/dev/fd"):
-        try:
+        with contextlib.suppress(OSError):
             return len(os.listdir(folder))
-        except OSError:
-            continue
     return 0
 
 
@@ -141,14 +140,8 @@ class _Guard:
         if cap is not None and len(self.connections) > cap:
             self.dropped.labels("max_connections").inc()
             self.say("cap", f"{cap} connections are open (--max-connections): new ones get 503 and are closed")
-            transport.write(
-                _answer(
-                    503,
-                    "Service Unavailable",
-                    f"this server has {cap} connections open, its limit (--max-connections); retry shortly",
-                    "too_many_connections",
-                )
-            )
+            message = f"this server has {cap} connections open, its limit (--max-connections); retry shortly"
+            transport.write(_answer(503, "Service Unavailable", message, "too_many_connections"))
             transport.close()
             return
         self._arm()

@@ -3,22 +3,22 @@ engine could not take or finish answers (``failed``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 from fastapi.responses import JSONResponse
 
 
+@dataclass(eq=False)
 class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: Optional[str] = None,
-        code: Optional[str] = None,
-        kind: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+    status: int
+    message: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+    kind: str = "invalid_request_error"
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
 
     def response(self, headers: Optional[dict] = None) -> JSONResponse:
         body = error_body(self.message, self.kind, self.param, self.code)

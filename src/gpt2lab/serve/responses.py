@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gpt2lab.serve.batch import Finish
 from gpt2lab.serve.completions import KEYS, ChatCompletion, Completion
-from gpt2lab.serve.errors import APIError, error_body, failed
+from gpt2lab.serve.errors import error_body, failed
 
 
 async def _parts(c: Completion) -> AsyncIterator[tuple[int, str, Optional[str], Optional[dict]]]:
@@ -93,8 +93,6 @@ async def respond(c: Completion, request: Request):
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         answer = await _unless_hung_up(_whole(c), request)
-    except APIError:
-        raise
     except Exception as e:
         raise failed(e) from e
     return Response(status_code=499) if answer is None else JSONResponse(answer)  # 499: nobody to answer

@@ -137,20 +137,13 @@ def no_lone_surrogate(body) -> None:
     for path, key, value in _walk(body):
         where = _shown(path)
         if isinstance(key, str) and _SURROGATE.search(key):
-            raise APIError(
-                400,
-                f"unrecognized request argument: {where} (its name holds a lone UTF-16 surrogate, "
-                "which no parameter's name has)",
-                param=where,
-            )
+            why = "its name holds a lone UTF-16 surrogate, which no parameter's name has"
+            raise APIError(400, f"unrecognized request argument: {where} ({why})", param=where)
         m = _SURROGATE.search(value) if isinstance(value, str) else None
         if m is not None:
-            raise APIError(
-                400,
-                f"{where or 'body'}: holds a lone UTF-16 surrogate ({_shown(m.group())} at character {m.start()}), "
-                "which is not text; send valid Unicode (a surrogate only as half of a pair)",
-                param=where or None,
-            )
+            at = f"{_shown(m.group())} at character {m.start()}"
+            why = "which is not text; send valid Unicode (a surrogate only as half of a pair)"
+            raise APIError(400, f"{where or 'body'}: holds a lone UTF-16 surrogate ({at}), {why}", param=where or None)
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
@@ -158,11 +151,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
     if first.get("type") == "json_invalid":
-        return APIError(
-            400,
-            f"the request body is not valid JSON ({first.get('msg')}); "
-            "send a JSON object with Content-Type: application/json",
-        )
+        send = "send a JSON object with Content-Type: application/json"
+        return APIError(400, f"the request body is not valid JSON ({first.get('msg')}); {send}")
     where, union = _where(tuple(first.get("loc", ())))
     if first.get("type") == "extra_forbidden":
         return APIError(400, f"unrecognized request argument: {where or '?'}", param=where or None)

@@ -14,6 +14,7 @@ from typing import Optional
 from gpt2lab.serve.app import create_app
 from gpt2lab.serve.batch import ShuttingDown, Worker, run_engine
 from gpt2lab.serve.limits import Connections
+from gpt2lab.system.errors import UsageError
 
 
 def serve_here(
@@ -95,8 +96,6 @@ def serve_here(
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket on ``host``:``port``; a port out of range, in use or not ours to take is a
     UsageError (exit 2) naming --port or --host, not uvicorn's log line and exit 3."""
-    from gpt2lab.system.errors import UsageError
-
     if not 0 <= port <= 65535:
         raise UsageError(f"--port {port}: must be 0 to 65535 (0 lets the system pick a free one)")
     try:
