@@ -162,7 +162,7 @@ def serving_in_thread(workers: dict, host: str = "127.0.0.1", connections=None) 
     """Serve ``workers`` with uvicorn and their engine each in a background thread on a free port, the
     connections guarded as ``connections`` says (serve.limits.Connections); yield the base URL. The workers
     are closed on exit. (``gpt2lab serve`` runs the engine in its main thread instead, faster on CPUs:
-    serve.server.serve_here, serve.batch.run_engine's docstring; here serve_here runs in a thread, the
+    serve.server.serve_here, serve.jobs.run_engine's docstring; here serve_here runs in a thread, the
     test's body its client.)"""
     import queue
     import threading

@@ -137,13 +137,13 @@ def _submit_as_sample(worker, model, prompt: str, seed: int, temperature: float,
     """Submit a seeded request of ``n`` samples (top-k 40) to ``worker``; (its job, the texts
     completion.stream_tokens (gpt2lab sample's code) gives each sample alone on ``model``)."""
     from gpt2lab.inference.completion import Sampling, prompt_ids, seeded_generator
-    from gpt2lab.serve import batch
+    from gpt2lab.serve import jobs
 
     s = Sampling(max_new_tokens=tokens, temperature=temperature, top_k=40)
     ids = prompt_ids(prompt, model)
     gen = seeded_generator(torch.device("cpu"), seed)
     expected = [_alone(model, ids, s, gen) for _ in range(n)]
-    job = batch.Job([ids], s, n=n, seeds=[seed])
+    job = jobs.Job([ids], s, n=n, seeds=[seed])
     worker.submit(job, _Loop(now=True))
     return job, expected
 
@@ -151,7 +151,7 @@ def _submit_as_sample(worker, model, prompt: str, seed: int, temperature: float,
 def _finish_and_check_texts(worker, steps, jobs, expected) -> None:
     """Step ``worker`` (its ``steps``) until every job has ended; each ended without a failure and its
     samples' texts are ``expected``'s."""
-    from gpt2lab.serve.batch import Text
+    from gpt2lab.serve.jobs import Text
 
     with torch.inference_mode():
         for _ in range(200):
@@ -260,7 +260,7 @@ def test_a_row_major_bf16_hold_mixes_only_the_prompts_its_tiles_run(confident_se
     from gpt2lab.inference.completion import Sampling, prompt_ids
     from gpt2lab.inference.form import hold
     from gpt2lab.inference.kernels import gemv_error, set_tile_rows
-    from gpt2lab.serve import batch
+    from gpt2lab.serve import batch, jobs
     from gpt2lab.serve.limits import Limits
 
     if gemv_error(torch.device("cpu")) is not None:
@@ -286,7 +286,7 @@ def test_a_row_major_bf16_hold_mixes_only_the_prompts_its_tiles_run(confident_se
     with torch.inference_mode():
         for prompt in ("A b", "C " * 10):
             ids = prompt_ids(prompt, model)
-            worker.submit(batch.Job([ids], Sampling(max_new_tokens=2), seeds=[1]), _Loop(now=True))
+            worker.submit(jobs.Job([ids], Sampling(max_new_tokens=2), seeds=[1]), _Loop(now=True))
             next(steps)
     assert ran == [("_decode", [2]), ("_prefill", [11]), ("_decode", [])]  # the first prompt's row, then its token
 
@@ -354,7 +354,8 @@ def test_shutting_down_after_a_step_cut_short_delivers_its_events_then_the_error
     shut_down hands the step's events over first, then ends each open job with the error, at once (the
     error was held for a delivery that never came, and uvicorn closed the connections unanswered)."""
     from gpt2lab.inference.completion import Sampling
-    from gpt2lab.serve.batch import Job, ShuttingDown, Worker
+    from gpt2lab.serve.batch import Worker
+    from gpt2lab.serve.jobs import Job, ShuttingDown
 
     loop, error = _Loop(), ShuttingDown("server shutting down")
     worker = Worker("tiny", tiny_gpt(seed=1), torch.device("cpu"))
@@ -373,7 +374,8 @@ def test_a_steps_events_reach_each_loop_in_one_call_in_the_order_sent():
     """Events wait in their worker's outbox until ``deliver`` (the end of the engine's step), which hands each
     loop the step's events in one call, every job's in the order sent."""
     from gpt2lab.inference.completion import Sampling
-    from gpt2lab.serve.batch import Job, Worker
+    from gpt2lab.serve.batch import Worker
+    from gpt2lab.serve.jobs import Job
 
     a, b = _Loop(), _Loop()
     worker = Worker("tiny", tiny_gpt(seed=1), torch.device("cpu"))

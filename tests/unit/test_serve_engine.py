@@ -11,7 +11,8 @@ import torch
 from conftest import tiny_gpt
 
 from gpt2lab.inference.completion import StopFilter, StopString
-from gpt2lab.serve.batch import Job, QueueFull, Worker
+from gpt2lab.serve.batch import Worker
+from gpt2lab.serve.jobs import Job, QueueFull
 from gpt2lab.serve.limits import Limits
 
 

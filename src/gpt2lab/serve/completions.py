@@ -24,8 +24,9 @@ from gpt2lab.inference.completion import (
     tokenizer_for,
 )
 from gpt2lab.model.sampling_defaults import SAMPLING
-from gpt2lab.serve.batch import Job, Worker
+from gpt2lab.serve.batch import Worker
 from gpt2lab.serve.errors import APIError
+from gpt2lab.serve.jobs import Job
 from gpt2lab.serve.schemas import MAX_PROMPTS, MAX_STOPS, ChatMessage, ChatRequest, CompletionRequest
 
 

@@ -11,9 +11,9 @@ from typing import AsyncIterator, Awaitable, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gpt2lab.serve.batch import Finish
 from gpt2lab.serve.completions import KEYS, ChatCompletion, Completion
 from gpt2lab.serve.errors import error_body, failed
+from gpt2lab.serve.jobs import Finish
 
 
 async def _parts(c: Completion) -> AsyncIterator[tuple[int, str, Optional[str], Optional[dict]]]:

@@ -12,7 +12,8 @@ import time
 from typing import Optional
 
 from gpt2lab.serve.app import create_app
-from gpt2lab.serve.batch import ShuttingDown, Worker, run_engine
+from gpt2lab.serve.batch import Worker
+from gpt2lab.serve.jobs import ShuttingDown, run_engine
 from gpt2lab.serve.limits import Connections
 from gpt2lab.system.errors import UsageError
 
