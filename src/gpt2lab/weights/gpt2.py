@@ -24,7 +24,7 @@ CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_
 MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
 # config.json key -> (GPTConfig field, transformers' GPT2Config default where the file leaves the key out);
 # the dropouts are the model's own on export (pretraining presets: 0.0), never transformers' default 0.1
-FIELDS = {
+GPT2_FIELDS = {
     "vocab_size": ("vocab_size", 50257),
     "n_positions": ("block_size", 1024),
     "n_embd": ("n_embd", 768),
@@ -96,7 +96,7 @@ def config_from_gpt2(cfg: dict) -> GPTConfig:
         "scale_attn_by_inverse_layer_idx": (cfg.get("scale_attn_by_inverse_layer_idx", False), (False,)),
     }
     check_options(checks, "GPT-2")
-    return GPTConfig(**read_fields(FIELDS, {"n_positions": cfg.get("n_ctx", 1024), **cfg}))  # older files: n_ctx
+    return GPTConfig(**read_fields(GPT2_FIELDS, {"n_positions": cfg.get("n_ctx", 1024), **cfg}))  # older files: n_ctx
 
 
 def special_ids(config: GPTConfig, tok: Tokenizer) -> tuple[Optional[int], Optional[int]]:
@@ -141,7 +141,7 @@ def config_json(target: HFClass, fields: dict, config: GPTConfig, tok: Tokenizer
 def config_to_hf(config: GPTConfig, dtype: torch.dtype, tok: Tokenizer) -> dict:
     """The config.json transformers' GPT2LMHeadModel reads."""
     return {
-        **config_json(GPT2_HF, FIELDS, config, tok),
+        **config_json(GPT2_HF, GPT2_FIELDS, config, tok),
         "n_ctx": config.block_size,
         "n_inner": None,
         "activation_function": "gelu_new",

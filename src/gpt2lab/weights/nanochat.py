@@ -28,7 +28,7 @@ from gpt2lab.weights.targets import NANOCHAT_HF
 
 # config.json key -> (GPTConfig field, transformers' NanoChatConfig default: its save_pretrained leaves out
 # every value equal to one)
-FIELDS = {
+NANOCHAT_FIELDS = {
     "vocab_size": ("vocab_size", 50304),
     "hidden_size": ("n_embd", 768),
     "num_hidden_layers": ("n_layer", 12),
@@ -39,7 +39,7 @@ FIELDS = {
     "tie_word_embeddings": ("tie_embeddings", False),
 }
 # and of the keys read otherwise
-DEFAULTS = {"intermediate_size": 8192, "hidden_act": "relu2", "final_logit_softcapping": 15.0, "attention_bias": False}
+IMPLIED = {"intermediate_size": 8192, "hidden_act": "relu2", "final_logit_softcapping": 15.0, "attention_bias": False}
 ACTS = {"relu2": "relu2", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu"}  # hidden_act -> mlp_act
 LAYER = "model.layers.{}."
 # a block's matrices NanoChat names otherwise (fc1 carries ln_2's gain, folded in on export)
@@ -64,7 +64,7 @@ def config_to_nanochat(config: GPTConfig, dtype: torch.dtype, tok: Tokenizer) ->
     """The config.json transformers' NanoChatForCausalLM reads (``tok``: the model's tokenizer, for its
     special ids)."""
     return {
-        **gpt2.config_json(NANOCHAT_HF, FIELDS, config, tok),
+        **gpt2.config_json(NANOCHAT_HF, NANOCHAT_FIELDS, config, tok),
         "intermediate_size": 4 * config.n_embd,
         "num_key_value_heads": config.n_head,
         "hidden_act": "relu2" if config.mlp_act == "relu2" else "gelu_pytorch_tanh",
@@ -102,8 +102,8 @@ def to_nanochat_state_dict(model: GPT) -> dict[str, torch.Tensor]:
 
 def config_from_nanochat(cfg: dict) -> GPTConfig:
     """GPTConfig for a NanoChat config.json; a ValueError naming the first option gpt2lab cannot compute."""
-    get = lambda name: cfg.get(name, DEFAULTS.get(name))  # noqa: E731
-    fields = gpt2.read_fields(FIELDS, cfg)
+    get = lambda name: cfg.get(name, IMPLIED.get(name))  # noqa: E731
+    fields = gpt2.read_fields(NANOCHAT_FIELDS, cfg)
     C, heads = fields["n_embd"], fields["n_head"]
     rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0)}
     checks = {
