@@ -55,12 +55,9 @@ def _bpe(vocab_size: int):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
+    split = pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -71,16 +68,6 @@ def _bpe(vocab_size: int):
     return tok, trainer
 
 
-def document_text(doc, text_field: str) -> str:
-    """A document's text; a conversation's (a JSON line in the messages format without ``text_field``)
-    is its messages' contents, one per line, so a tokenizer can be trained on chat data too."""
-    if isinstance(doc, JsonLine):
-        row = doc.row()
-        if text_field not in row and chat.is_conversation(row):
-            return "\n".join(content for _, content in doc.turns())
-    return as_text(doc)
-
-
 def read_texts(sources: list[tuple[str, TextSource]], text_field: str, counts: list[dict], bar=None) -> Iterator[str]:
     """The documents' texts of every source (each ``--source`` string and what it resolved to) in
     turn; ``counts`` gets each source's bytes and documents."""
@@ -88,7 +75,11 @@ def read_texts(sources: list[tuple[str, TextSource]], text_field: str, counts: l
         entry = {"source": spec, "bytes": 0, "documents": 0}
         counts.append(entry)
         for doc in src.documents(0, None):
-            text = document_text(doc, text_field)
+            # a conversation (a JSON line in the messages format without ``text_field``): its messages' contents,
+            # one per line, so a tokenizer can be trained on chat data too
+            row = doc.row() if isinstance(doc, JsonLine) else {}
+            in_chat = text_field not in row and chat.is_conversation(row)
+            text = "\n".join(content for _, content in doc.turns()) if in_chat else as_text(doc)
             n = len(text.encode("utf-8", "surrogatepass"))
             entry["bytes"] += n
             entry["documents"] += 1

@@ -145,14 +145,8 @@ def prepare(
         start = resume_point(manifest)
         docs = src.documents(start["next_doc"], limit_docs)
         encode = functools.partial(encode_conversations if fmt == "chat" else encode_documents, enc=tok)
-        bar = tqdm(
-            disable=not progress,
-            unit="tok",
-            unit_scale=True,
-            initial=start["tokens"],
-            desc="prepare",
-            dynamic_ncols=True,
-        )
+        look = dict(desc="prepare", unit="tok", unit_scale=True, dynamic_ncols=True)
+        bar = tqdm(disable=not progress, initial=start["tokens"], **look)
         with bar, ordered_map(encode, docs, workers or cores, src.size_bytes) as stream:
             write_shards(out, manifest, src, stream, n_val, bar)
     if "train" not in manifest["splits"]:

@@ -264,8 +264,6 @@ def _reading(path: str) -> Iterator[None]:
     """Turn what a damaged file raises while it is read into one line naming the file."""
     try:
         yield
-    except SourceError:
-        raise
     except UnicodeDecodeError as e:
         raise SourceError(f"{path}: not UTF-8 text ({e}); convert it to UTF-8") from e
     except (OSError, EOFError, lzma.LZMAError, zlib.error) as e:
