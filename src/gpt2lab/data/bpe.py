@@ -59,11 +59,9 @@ def _bpe(vocab_size: int):
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
     tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False, initial_alphabet=alphabet
     )
     return tok, trainer
 
@@ -111,9 +109,8 @@ def train_tokenizer(
 
     sizes = [src.size_bytes for _, src in resolved]
     total = sum(sizes) if None not in sizes else None  # compressed files: an estimate
-    with tqdm(
-        disable=not progress, total=total, unit="B", unit_scale=True, desc="tokenizer", dynamic_ncols=True
-    ) as bar:
+    bar = tqdm(disable=not progress, total=total, unit="B", unit_scale=True, desc="tokenizer", dynamic_ncols=True)
+    with bar:
         tok.train_from_iterator(read_texts(resolved, text_field, counts, bar), trainer)
     if not sum(c["bytes"] for c in counts):  # nothing to learn from: 259 tokens, below MIN_VOCAB
         docs = sum(c["documents"] for c in counts)

@@ -110,13 +110,10 @@ def start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: TextSour
         )
     for shard in manifest["shards"]:
         path = out / shard["name"]
-        if not path.exists() or read_header(path)[0] != shard["tokens"]:
-            why = (
-                f"token count differs from {MANIFEST_FILE}"
-                if path.exists()
-                else f"listed in {MANIFEST_FILE} but missing"
-            )
-            raise ShardError(f"{path}: {why}; delete {out} and prepare again")
+        if not path.exists():
+            raise ShardError(f"{path}: listed in {MANIFEST_FILE} but missing; delete {out} and prepare again")
+        if read_header(path)[0] != shard["tokens"]:
+            raise ShardError(f"{path}: token count differs from {MANIFEST_FILE}; delete {out} and prepare again")
     changed = _first_changed(manifest, src.files)
     if changed is None:
         return manifest
