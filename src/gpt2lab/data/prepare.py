@@ -163,15 +163,13 @@ def val_documents(src: TextSource, val_bytes: int, fmt: str, limit_docs: Optiona
     """How many of the first documents the val split holds for ``--val-bytes``: up to the one whose
     text reaches ``val_bytes`` UTF-8 bytes (a conversation's text: its messages' contents), read
     from the source itself, so the count is the same whatever the tokenizer."""
-    if val_bytes == 0:
-        return 0
     total, n = 0, 0
-    for n, doc in enumerate(src.documents(0, limit_docs), 1):
-        chat_line = fmt == "chat" and isinstance(doc, JsonLine)
-        text = "".join(content for _, content in doc.turns()) if chat_line else as_text(doc)
-        total += len(text.encode("utf-8", "surrogatepass"))
+    for doc in src.documents(0, limit_docs):
         if total >= val_bytes:
             break
+        chat_line = fmt == "chat" and isinstance(doc, JsonLine)
+        text = "".join(content for _, content in doc.turns()) if chat_line else as_text(doc)
+        total, n = total + len(text.encode("utf-8", "surrogatepass")), n + 1
     return n
 
 

@@ -78,9 +78,6 @@ class JsonLine(NamedTuple):
             )
         return row
 
-    def text(self) -> str:
-        return _field(self.row(), self.field, f"{self.path}:{self.lineno}")
-
     def turns(self) -> list[tuple[str, str]]:
         """The line's conversation (data/chat.py: (role, content) turns); a SourceError naming the file,
         line and field when it is not one."""
@@ -94,7 +91,7 @@ Document = Union[str, JsonLine]
 
 
 def as_text(doc: Document) -> str:
-    return doc if isinstance(doc, str) else doc.text()
+    return doc if isinstance(doc, str) else _field(doc.row(), doc.field, f"{doc.path}:{doc.lineno}")
 
 
 @dataclass
