@@ -60,10 +60,9 @@ def _bpe(vocab_size: int):
     tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
     tok.decoder = decoders.ByteLevel()
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(
+    return tok, trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False, initial_alphabet=alphabet
     )
-    return tok, trainer
 
 
 def read_texts(sources: list[tuple[str, TextSource]], text_field: str, counts: list[dict], bar=None) -> Iterator[str]:
