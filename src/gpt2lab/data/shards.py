@@ -126,9 +126,8 @@ def open_shard(path: PathLike) -> np.ndarray:
     count, dtype = read_header(path)
     if (dtype == np.uint8) != path.endswith(".mask"):  # a loss mask is no token shard, nor the other way round
         raise ShardError(f"{path}: holds {dtype} values, not its kind's; re-create it with gpt2lab prepare")
-    if count == 0:
-        return np.zeros(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
+    # an empty shard: a plain empty array, nothing to map
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,)) if count else np.zeros(0, dtype)
 
 
 def check_vocab(path: PathLike, tokens: np.ndarray, vocab_size: int) -> None:
