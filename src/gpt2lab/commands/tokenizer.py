@@ -45,9 +45,8 @@ def run_train(args: argparse.Namespace) -> int:
     from gpt2lab.data.bpe import train_tokenizer
 
     marker = train_tokenizer(args.source, args.vocab_size, args.out, args.text_field, progress=not args.quiet)
-    print(
-        json.dumps({"out": args.out, **{k: marker[k] for k in ("identity", "vocab_size", "special_tokens", "sources")}})
-    )
+    keys = ("identity", "vocab_size", "special_tokens", "sources")
+    print(json.dumps({"out": args.out, **{k: marker[k] for k in keys}}))
     return 0
 
 

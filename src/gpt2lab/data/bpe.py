@@ -55,30 +55,14 @@ def _bpe(vocab_size: int):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
+    split = pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    return tok, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False, initial_alphabet=alphabet
     )
-    return tok, trainer
-
-
-def document_text(doc, text_field: str) -> str:
-    """A document's text; a conversation's (a JSON line in the messages format without ``text_field``)
-    is its messages' contents, one per line, so a tokenizer can be trained on chat data too."""
-    if isinstance(doc, JsonLine):
-        row = doc.row()
-        if text_field not in row and chat.is_conversation(row):
-            return "\n".join(content for _, content in doc.turns())
-    return as_text(doc)
 
 
 def read_texts(sources: list[tuple[str, TextSource]], text_field: str, counts: list[dict], bar=None) -> Iterator[str]:
@@ -88,7 +72,11 @@ def read_texts(sources: list[tuple[str, TextSource]], text_field: str, counts: l
         entry = {"source": spec, "bytes": 0, "documents": 0}
         counts.append(entry)
         for doc in src.documents(0, None):
-            text = document_text(doc, text_field)
+            # a conversation (a JSON line in the messages format without ``text_field``): its messages' contents,
+            # one per line, so a tokenizer can be trained on chat data too
+            row = doc.row() if isinstance(doc, JsonLine) else {}
+            in_chat = text_field not in row and chat.is_conversation(row)
+            text = "\n".join(content for _, content in doc.turns()) if in_chat else as_text(doc)
             n = len(text.encode("utf-8", "surrogatepass"))
             entry["bytes"] += n
             entry["documents"] += 1
@@ -120,9 +108,8 @@ def train_tokenizer(
 
     sizes = [src.size_bytes for _, src in resolved]
     total = sum(sizes) if None not in sizes else None  # compressed files: an estimate
-    with tqdm(
-        disable=not progress, total=total, unit="B", unit_scale=True, desc="tokenizer", dynamic_ncols=True
-    ) as bar:
+    bar = tqdm(disable=not progress, total=total, unit="B", unit_scale=True, desc="tokenizer", dynamic_ncols=True)
+    with bar:
         tok.train_from_iterator(read_texts(resolved, text_field, counts, bar), trainer)
     if not sum(c["bytes"] for c in counts):  # nothing to learn from: 259 tokens, below MIN_VOCAB
         docs = sum(c["documents"] for c in counts)

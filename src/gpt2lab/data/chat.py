@@ -135,8 +135,9 @@ def encode_chat(
         head = f"{role}\n"
         body = enc.encode_ordinary(head + content)
         ids += [enc.im_start_id, *body, enc.im_end_id, *newline]
-        if role == ASSISTANT:  # the content's tokens and <|im_end|>
-            mask += [0, *_content_mask(enc, body, len(head.encode())), 1, *[0] * len(newline)]
+        if role == ASSISTANT:  # the content's tokens (each holding a byte past the role line) and <|im_end|>
+            ends = itertools.accumulate(len(enc.decode_single_token_bytes(t)) for t in body)
+            mask += [0, *(1 if end > len(head.encode()) else 0 for end in ends), 1, *[0] * len(newline)]
         else:
             mask += [0] * (len(body) + 2 + len(newline))
     if add_generation_prompt:
@@ -144,9 +145,3 @@ def encode_chat(
         ids += [enc.im_start_id, *prompt]
         mask += [0] * (1 + len(prompt))
     return ids, mask
-
-
-def _content_mask(enc, body: list[int], head_bytes: int) -> list[int]:
-    """1 for each token of ``body`` that holds a byte past the first ``head_bytes`` (the role line)."""
-    ends = itertools.accumulate(len(enc.decode_single_token_bytes(t)) for t in body)
-    return [1 if end > head_bytes else 0 for end in ends]

@@ -71,10 +71,9 @@ class _ShardView:
         d0 = int(np.searchsorted(self.cum, p0, side="right")) - 1
         d1 = int(np.searchsorted(self.cum, p1 - 1, side="right")) - 1
         spans = []
-        for d in range(d0, d1 + 1):
-            a = max(p0, int(self.cum[d])) - int(self.cum[d]) + int(self.starts[d])
-            b = min(p1, int(self.cum[d + 1])) - int(self.cum[d]) + int(self.starts[d])
-            spans.append((a, b))
+        for d in range(d0, d1 + 1):  # document d's part, from its place in the stream to its place in the shard
+            shift = int(self.starts[d]) - int(self.cum[d])
+            spans.append((max(p0, int(self.cum[d])) + shift, min(p1, int(self.cum[d + 1])) + shift))
         tokens = np.concatenate([self.tokens[a:b] for a, b in spans]).astype(np.int64)
         if self.mask is None:
             return tokens
@@ -171,8 +170,7 @@ class TokenLoader:
         epoch, i = divmod(g, self.sequences_per_epoch)
         order, cum = self._layout(epoch)
         k = int(np.searchsorted(cum, i, side="right")) - 1
-        shard = int(order[k])
-        return self._view(epoch, shard).sequence(i - int(cum[k]), self.T)
+        return self._view(epoch, int(order[k])).sequence(i - int(cum[k]), self.T)
 
     def _epoch_layout(self, epoch: int) -> Tuple[np.ndarray, np.ndarray]:
         """Shard order of ``epoch`` and the first sequence index of each shard in it."""

@@ -62,7 +62,7 @@ from gpt2lab.system.files import atomic_write, sha256_file, write_json
 
 def fresh_manifest(settings: Dict, tok: Tokenizer) -> Dict:
     """The manifest of a run that has written nothing yet."""
-    manifest = {
+    return {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
         "source": settings["source"],
@@ -74,10 +74,9 @@ def fresh_manifest(settings: Dict, tok: Tokenizer) -> Dict:
         "complete": False,
         "shards": [],
         "files": [],
+        # the loader takes the loss on the masked tokens only; a run records the template
+        **({"chat_template": chat.TEMPLATE} if settings["format"] == "chat" else {}),
     }
-    if settings["format"] == "chat":  # the loader takes the loss on the masked tokens only; a run records the template
-        manifest["chat_template"] = chat.TEMPLATE
-    return manifest
 
 
 def start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: TextSource, tok: Tokenizer) -> Dict:
@@ -111,13 +110,10 @@ def start_manifest(out: Path, settings: Dict, val_defaulted: bool, src: TextSour
         )
     for shard in manifest["shards"]:
         path = out / shard["name"]
-        if not path.exists() or read_header(path)[0] != shard["tokens"]:
-            why = (
-                f"token count differs from {MANIFEST_FILE}"
-                if path.exists()
-                else f"listed in {MANIFEST_FILE} but missing"
-            )
-            raise ShardError(f"{path}: {why}; delete {out} and prepare again")
+        if not path.exists():
+            raise ShardError(f"{path}: listed in {MANIFEST_FILE} but missing; delete {out} and prepare again")
+        if read_header(path)[0] != shard["tokens"]:
+            raise ShardError(f"{path}: token count differs from {MANIFEST_FILE}; delete {out} and prepare again")
     changed = _first_changed(manifest, src.files)
     if changed is None:
         return manifest
@@ -238,11 +234,8 @@ def write_shards(out: Path, manifest: Dict, src: TextSource, batches: Iterable, 
             val_end = base + int(ends[k]) if 0 <= k < len(lengths) else None
         pos, offset = offset, 0  # only the first document after a resume is partial
         while pos < len(tokens):
-            cap = (
-                s["shard_tokens"]
-                if val_end is None or written >= val_end
-                else min(s["shard_tokens"], val_end - written)
-            )
+            in_val = val_end is not None and written < val_end
+            cap = min(s["shard_tokens"], val_end - written) if in_val else s["shard_tokens"]
             n = min(cap - fill, len(tokens) - pos)
             parts.append((tokens[pos : pos + n], mask[0][pos : pos + n] if mask else None))
             fill, pos = fill + n, pos + n

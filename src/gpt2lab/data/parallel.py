@@ -45,8 +45,9 @@ THREAD_POOL_MAX_BYTES = 8 << 20  # at 2 workers; use_threads scales it by 0.5 / 
 
 def use_threads(size_bytes: Optional[int], workers: int) -> bool:
     """Tokenize with threads (else processes): sources of known size below the crossover."""
-    # the hub (size unknown) is large; one worker has no pool to pay for
-    return size_bytes is not None and (workers <= 1 or size_bytes < THREAD_POOL_MAX_BYTES * 0.5 / (1 - 1 / workers))
+    # one worker has no pool to pay for (a thread: it encodes while the main thread writes); the hub (size unknown)
+    # is large
+    return workers <= 1 or size_bytes is not None and size_bytes < THREAD_POOL_MAX_BYTES * 0.5 / (1 - 1 / workers)
 
 
 def task_chars(size_bytes: Optional[int], workers: int) -> int:
@@ -67,9 +68,6 @@ def ordered_map(
     Ctrl-C) stops the workers.
     """
     tasks = _tasks(docs, task_chars(size_bytes, workers))
-    if workers == 1:
-        yield map(encode, tasks)
-        return
     if use_threads(size_bytes, workers):
         executor: Executor = ThreadPoolExecutor(workers, thread_name_prefix="gpt2lab-prepare")
     else:  # fork on Linux: workers start in milliseconds with the tokenizer already built

@@ -145,14 +145,8 @@ def prepare(
         start = resume_point(manifest)
         docs = src.documents(start["next_doc"], limit_docs)
         encode = functools.partial(encode_conversations if fmt == "chat" else encode_documents, enc=tok)
-        bar = tqdm(
-            disable=not progress,
-            unit="tok",
-            unit_scale=True,
-            initial=start["tokens"],
-            desc="prepare",
-            dynamic_ncols=True,
-        )
+        look = dict(desc="prepare", unit="tok", unit_scale=True, dynamic_ncols=True)
+        bar = tqdm(disable=not progress, initial=start["tokens"], **look)
         with bar, ordered_map(encode, docs, workers or cores, src.size_bytes) as stream:
             write_shards(out, manifest, src, stream, n_val, bar)
     if "train" not in manifest["splits"]:
@@ -169,15 +163,13 @@ def val_documents(src: TextSource, val_bytes: int, fmt: str, limit_docs: Optiona
     """How many of the first documents the val split holds for ``--val-bytes``: up to the one whose
     text reaches ``val_bytes`` UTF-8 bytes (a conversation's text: its messages' contents), read
     from the source itself, so the count is the same whatever the tokenizer."""
-    if val_bytes == 0:
-        return 0
     total, n = 0, 0
-    for n, doc in enumerate(src.documents(0, limit_docs), 1):
-        chat_line = fmt == "chat" and isinstance(doc, JsonLine)
-        text = "".join(content for _, content in doc.turns()) if chat_line else as_text(doc)
-        total += len(text.encode("utf-8", "surrogatepass"))
+    for doc in src.documents(0, limit_docs):
         if total >= val_bytes:
             break
+        chat_line = fmt == "chat" and isinstance(doc, JsonLine)
+        text = "".join(content for _, content in doc.turns()) if chat_line else as_text(doc)
+        total, n = total + len(text.encode("utf-8", "surrogatepass")), n + 1
     return n
 
 

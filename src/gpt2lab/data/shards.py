@@ -111,28 +111,23 @@ def open_shard(path: PathLike) -> np.ndarray:
     """The shard's tokens as a read-only uint16 (or uint32) memmap (no data is read yet)."""
     path = str(path)
     if path.endswith(".npy"):
-        return _open_npy(path)
+        try:
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            raise ShardError(
+                f"{path}: not a readable .npy token shard ({e}); re-create it or remove it from the directory"
+            ) from e
+        if arr.dtype != np.uint16 or arr.ndim != 1:
+            raise ShardError(
+                f"{path}: a .npy shard must be a 1-D uint16 array, got "
+                f"{arr.ndim}-D {arr.dtype}; re-create it with gpt2lab prepare"
+            )
+        return arr
     count, dtype = read_header(path)
     if (dtype == np.uint8) != path.endswith(".mask"):  # a loss mask is no token shard, nor the other way round
         raise ShardError(f"{path}: holds {dtype} values, not its kind's; re-create it with gpt2lab prepare")
-    if count == 0:
-        return np.zeros(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
-
-
-def _open_npy(path: str) -> np.ndarray:
-    try:
-        arr = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
-        raise ShardError(
-            f"{path}: not a readable .npy token shard ({e}); re-create it or remove it from the directory"
-        ) from e
-    if arr.dtype != np.uint16 or arr.ndim != 1:
-        raise ShardError(
-            f"{path}: a .npy shard must be a 1-D uint16 array, got "
-            f"{arr.ndim}-D {arr.dtype}; re-create it with gpt2lab prepare"
-        )
-    return arr
+    # an empty shard: a plain empty array, nothing to map
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,)) if count else np.zeros(0, dtype)
 
 
 def check_vocab(path: PathLike, tokens: np.ndarray, vocab_size: int) -> None:

@@ -78,9 +78,6 @@ class JsonLine(NamedTuple):
             )
         return row
 
-    def text(self) -> str:
-        return _field(self.row(), self.field, f"{self.path}:{self.lineno}")
-
     def turns(self) -> list[tuple[str, str]]:
         """The line's conversation (data/chat.py: (role, content) turns); a SourceError naming the file,
         line and field when it is not one."""
@@ -94,7 +91,7 @@ Document = Union[str, JsonLine]
 
 
 def as_text(doc: Document) -> str:
-    return doc if isinstance(doc, str) else doc.text()
+    return doc if isinstance(doc, str) else _field(doc.row(), doc.field, f"{doc.path}:{doc.lineno}")
 
 
 @dataclass
@@ -264,8 +261,6 @@ def _reading(path: str) -> Iterator[None]:
     """Turn what a damaged file raises while it is read into one line naming the file."""
     try:
         yield
-    except SourceError:
-        raise
     except UnicodeDecodeError as e:
         raise SourceError(f"{path}: not UTF-8 text ({e}); convert it to UTF-8") from e
     except (OSError, EOFError, lzma.LZMAError, zlib.error) as e:

@@ -242,11 +242,8 @@ def for_data(data_dir: str) -> Tokenizer:
     name = data_tokenizer(manifest)
     if name is None:
         return gpt2_tokenizer(chat="chat_template" in manifest)
-    return load_tokenizer(
-        os.path.join(data_dir, TOKENIZER_FILE),
-        name,
-        what_next=f"prepare {data_dir} again (gpt2lab prepare --tokenizer DIR)",
-    )
+    fix = f"prepare {data_dir} again (gpt2lab prepare --tokenizer DIR)"
+    return load_tokenizer(os.path.join(data_dir, TOKENIZER_FILE), name, what_next=fix)
 
 
 def data_tokenizer(manifest: Mapping) -> Optional[str]:
