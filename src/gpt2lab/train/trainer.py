@@ -108,7 +108,7 @@ class Trainer:
     def __init__(self, plan: RunPlan, info: DistInfo) -> None:
         cfg = self.cfg = plan.config
         self.plan, self.info, self.device, self.accum = plan, info, info.device, plan.accum
-        self.choices, self.dtype = plan.choices, str(plan.dtype.value)
+        self.choices, self.dtype, self.compile = plan.choices, str(plan.dtype.value), bool(plan.compile.value)
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
@@ -123,7 +123,7 @@ class Trainer:
         # self.raw stays the GPT (sharded in place under FSDP); train_model runs the micro-steps,
         # self.model the evaluations. The optimizer is built on the (sharded) parameters after wrapping.
         self.train_model, self.model = parallel.wrap(
-            self.raw, str(plan.strategy.value), info.distributed, self.device, self.dtype, bool(plan.compile.value)
+            self.raw, str(plan.strategy.value), info.distributed, self.device, self.dtype, self.compile
         )
         ns = plan.ns_dtype
         self.optimizer = build_optimizer(
