@@ -66,11 +66,7 @@ class Prediction:
 
     def to_dict(self, unit: float = 2**20) -> dict:
         """Terms and total in MiB by default (``unit`` bytes each)."""
-        return {
-            "phase": self.phase,
-            **{k: round(v / unit, 1) for k, v in self.terms.items()},
-            "total": round(self.total / unit, 1),
-        }
+        return {"phase": self.phase, **{k: round(v / unit, 1) for k, v in {**self.terms, "total": self.total}.items()}}
 
 
 @dataclass(frozen=True)
