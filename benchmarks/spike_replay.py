@@ -14,7 +14,7 @@ from gpt2lab.train.spikes import VALUES, SpikeGuard
 
 d = TrainConfig().spike
 for path in sys.argv[1:]:
-    g = SpikeGuard(d.spike_window, d.spike_loss_z, d.spike_norm_z, d.spike_rollback)
+    g = SpikeGuard(TrainConfig())
     recs = [r for r in (json.loads(line) for line in open(path) if line.strip()) if "train_loss" in r]
     fired, zl, zn = [], -99.0, -99.0
     for r in recs:

@@ -26,6 +26,11 @@ def _trainer(data: str, out, **fields) -> Trainer:
     return Trainer.from_config(cfg, DistInfo(device=CPU))
 
 
+def _guard(window: int, loss_z: float, norm_z: float) -> SpikeGuard:
+    spike = dict(spike_window=window, spike_loss_z=loss_z, spike_norm_z=norm_z, spike_rollback=3)
+    return SpikeGuard(load_preset("shakespeare-cpu", **{**TINY, "data": "unused", "out": "unused", **spike}))
+
+
 def _values(n: int, seed: int) -> list[tuple[float, float]]:
     """Losses drifting down with noise, grad norms log-normal, a few spikes and NaN/inf among them."""
     rng = np.random.default_rng(seed)
@@ -58,12 +63,12 @@ def _reference(history: list[tuple[float, float]], loss: float, norm: float, win
 
 @pytest.mark.parametrize("window,loss_z,norm_z", [(8, 4.0, 6.0), (8, 0.0, 6.0), (8, 4.0, 0.0), (0, 4.0, 6.0)])
 def test_the_guard_judges_by_the_rule_and_resumes_from_its_state(window, loss_z, norm_z):
-    guard, healthy, verdicts = SpikeGuard(window, loss_z, norm_z, 3), [], 0
+    guard, healthy, verdicts = _guard(window, loss_z, norm_z), [], 0
     for i, (loss, norm) in enumerate(_values(60, 2)):
         if i == 25:  # a guard rebuilt from a checkpoint's state mid-run judges on alike
             state = guard.state_dict()
             assert state["guard"]["losses"] == [h[0] for h in healthy[-max(window, 1) :]]  # oldest first
-            guard = SpikeGuard(window, loss_z, norm_z, 3)
+            guard = _guard(window, loss_z, norm_z)
             guard.load_state_dict(state)
         loss, norm = float(np.float32(loss)), float(np.float32(norm))  # float32 losses, as the trainer's
         values = guard.judge(torch.tensor(loss, dtype=torch.float32), torch.tensor(norm, dtype=torch.float32))

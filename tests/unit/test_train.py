@@ -225,7 +225,7 @@ def test_rollback_is_a_decision_made_without_the_trainer(tmp_path):
     cfg = load_preset(
         "shakespeare-cpu", **{**TINY, "data": "unused", "out": str(tmp_path), "spike_window": 4, "spike_rollback": 2}
     )
-    early = SpikeGuard.for_run(cfg)
+    early = SpikeGuard(cfg)
     early.spikes = [[3, 60], [4, 80]]
     none = early.decide(end=100, step=5, restore=None)  # nothing saved yet
     assert none["rollback_to"] is None and "note" in none and early.spikes == [] and early.rollbacks == 0
@@ -234,7 +234,7 @@ def test_rollback_is_a_decision_made_without_the_trainer(tmp_path):
         d.mkdir(parents=True)
         (d / "state.pt").touch()
         (d / "model.safetensors").touch()
-    rollback, restored = SpikeGuard.for_run(cfg), []
+    rollback, restored = SpikeGuard(cfg), []
 
     def restore(target):  # what restoring the checkpoint leaves
         restored.append(target)

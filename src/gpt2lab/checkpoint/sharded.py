@@ -125,10 +125,5 @@ def load_full(model: torch.nn.Module, optimizer: torch.optim.Optimizer, weights:
     if WTE in weights and TIED not in weights:  # tied: stored once, as wte
         weights = {**weights, TIED: weights[WTE]}
     adam = {"state": state, "param_groups": groups}
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=weights,
-        optim_state_dict=adam,
-        options=StateDictOptions(full_state_dict=True),
-    )
+    options = StateDictOptions(full_state_dict=True)
+    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=adam, options=options)

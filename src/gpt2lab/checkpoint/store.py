@@ -60,6 +60,7 @@ from gpt2lab.system.files import atomic_dir, read_json_object, sha256_file, writ
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 _WRAPPERS = re.compile(r"^(?:_orig_mod\.|module\.)+")  # torch.compile and DDP wrappers' prefixes
 CHECKSUMS = "checksums.json"
+_UNNAMED_PARTS = ("model", "optimizer", "trainer")  # the parts not under their own name in state.pt
 TRAINING = "training.safetensors"  # beside model.safetensors when it holds the weight average
 _DISK_FULL_NEXT = (
     "free some space (or lower --keep-checkpoints), then continue from the last checkpoint with --resume auto"
@@ -137,7 +138,10 @@ def save(
                 if tmp is not None and main:
                     if not shards:
                         _save_full(tmp, model, optimizer, average)
-                    torch.save(formats.stamp(_plain_state(parts), formats.CHECKPOINT), os.path.join(tmp, "state.pt"))
+                    # state.pt: the trainer's entries at the top, every other part under its name
+                    plain = {k: p if p is None else p.state_dict() for k, p in parts.items() if k not in _UNNAMED_PARTS}
+                    state = {**parts["trainer"].state_dict(), **plain}
+                    torch.save(formats.stamp(state, formats.CHECKPOINT), os.path.join(tmp, "state.pt"))
                     write_json(os.path.join(tmp, "config.json"), formats.stamp(config, formats.RUN))
                     for path in files:
                         shutil.copyfile(path, os.path.join(tmp, os.path.basename(path)))
@@ -174,16 +178,6 @@ def _digests(folder: str) -> dict[str, str]:
     names = dist.broadcast(sorted(n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n))))
     mine = {n: sha256_file(os.path.join(folder, n)) for n in names[dist.rank() :: dist.world()]}
     return dict(sorted(item for part in dist.from_every_rank(mine) for item in part.items()))
-
-
-def _plain_state(parts: Mapping[str, Any]) -> dict:
-    """state.pt's content: the trainer's entries at the top, every other part under its name."""
-    state = {
-        name: (part.state_dict() if part is not None else None)
-        for name, part in parts.items()
-        if name not in ("model", "optimizer", "trainer")
-    }
-    return {**parts["trainer"].state_dict(), **state}
 
 
 def verify(ckpt: str) -> None:
@@ -249,13 +243,9 @@ def list_checkpoints(run_dir: str) -> list[str]:
         return []
     found = [(int(m.group(1)), name) for name in os.listdir(root) if (m := _STEP_DIR.match(name))]
     paths = [os.path.join(root, name) for _, name in sorted(found)]
-    return [p for p in paths if is_complete(p)]
-
-
-def is_complete(path: str) -> bool:
-    """A whole checkpoint directory: state.pt and what stands for its weights (``weights_file``; for a
-    sharded one the checksums written last, so a sharded directory copied or written only in part never counts)."""
-    return os.path.isfile(os.path.join(path, "state.pt")) and os.path.isfile(weights_file(path))
+    # whole: state.pt and what stands for its weights (for a sharded one the checksums written last, so a
+    # sharded directory copied or written only in part never counts)
+    return [p for p in paths if os.path.isfile(os.path.join(p, "state.pt")) and os.path.isfile(weights_file(p))]
 
 
 def find_latest(run_dir: str) -> Optional[str]:
@@ -319,25 +309,19 @@ def _check_shape(model: torch.nn.Module, ckpt: str, theirs: dict) -> None:
         return
     # one line: the shape fields that differ (only those), or, when the configs agree, a tensor that does not
     cfg = getattr(model, "config", None)
-    want = cfg.shape() if hasattr(cfg, "shape") else {}
     try:
         have = model_from_config(read_config(ckpt)).shape()
     except (CheckpointError, ConfigError):
         have = None
-    diff = sorted(set(mine) ^ set(theirs)) or [k for k in mine if mine[k] != theirs.get(k)]
-    k = diff[0]
+    want = cfg.shape() if hasattr(cfg, "shape") and have is not None else {}
+    k = (sorted(set(mine) ^ set(theirs)) or [k for k in mine if mine[k] != theirs.get(k)])[0]
     tensor = f"{k} is {theirs.get(k, 'absent')} there, {mine.get(k, 'absent')} here"
     fields = [
-        f"{name} {have[name]} there, {value} here"
-        for name, value in want.items()
-        if have is not None and name in have and have[name] != value
+        f"{name} {have[name]} there, {value} here" for name, value in want.items() if have.get(name, value) != value
     ]
-    if fields:
-        what = "; ".join(fields)
-    elif have is None:
-        what = f"its config.json is unreadable, and {tensor}"
-    else:  # same config, other tensors: the config.json was written over (or the weights)
-        what = f"its config.json names this model's shape but its weights do not fit it: {tensor}"
+    # same config, other tensors: the config.json was written over (or the weights)
+    config = "is unreadable, and" if have is None else "names this model's shape but its weights do not fit it:"
+    what = "; ".join(fields) or f"its config.json {config} {tensor}"
     raise CheckpointError(
         f"checkpoint {ckpt} holds another model shape than this one: {what}; resume with the "
         "checkpoint's model settings, or train this shape into a new --out"

@@ -109,7 +109,7 @@ def device_bytes(device: torch.device) -> Optional[int]:
 
 # -- wrapping ------------------------------------------------------------------------------
 def wrap(
-    model: nn.Module, strategy: str, *, distributed: bool, device: torch.device, dtype: str, compile: bool
+    model: nn.Module, strategy: str, distributed: bool, device: torch.device, dtype: str, compile: bool
 ) -> tuple[nn.Module, nn.Module]:
     """(module to train, module to evaluate) around ``model``, which stays the GPT to save.
 

@@ -81,10 +81,7 @@ class Evaluator:
     def _shared(self) -> dict:
         """What the validation loss and HellaSwag are both given: batch size, device, dtype and the stop."""
         return dict(
-            batch_size=self.cfg.batch.micro_batch_size,
-            device=self.device,
-            dtype=self.dtype,
-            stop=self.stopping,
+            batch_size=self.cfg.batch.micro_batch_size, device=self.device, dtype=self.dtype, stop=self.stopping
         )
 
     @torch.no_grad()

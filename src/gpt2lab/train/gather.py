@@ -58,12 +58,9 @@ def detect_machine(device, world_size: int = 1, dtype: str = "auto") -> MachineF
     import torch
 
     dev = torch.device(device)
-    return MachineFacts(
-        runtime.detect(dev, probe=str(dtype) in ("auto", "bfloat16")),
-        world_size,
-        parallel.device_bytes(dev),
-        host_bytes=host_share(world_size) if dev.type == "cpu" else None,
-    )
+    facts = runtime.detect(dev, probe=str(dtype) in ("auto", "bfloat16"))
+    host = host_share(world_size) if dev.type == "cpu" else None
+    return MachineFacts(facts, world_size, parallel.device_bytes(dev), host_bytes=host)
 
 
 def host_share(world_size: int) -> Optional[int]:
@@ -98,13 +95,8 @@ def fake_machine(path: str) -> MachineFacts:
             raise ValueError(f"device_type {dev.device_type!r} (cpu, cuda or mps), world_size {world} (>= 1)")
     except (OSError, ValueError, TypeError) as e:
         raise ConfigError(f"{env.FAKE_FACTS}={path}: cannot use it ({e}); see gpt2lab.train.gather") from e
-    return MachineFacts(
-        dev,
-        world,
-        None if mem is None else int(mem),
-        faked=path,
-        host_bytes=None if host_gib is None else int(float(host_gib) * 2**30 / world),
-    )
+    host = None if host_gib is None else int(float(host_gib) * 2**30 / world)
+    return MachineFacts(dev, world, None if mem is None else int(mem), faked=path, host_bytes=host)
 
 
 # -- what the files hold -------------------------------------------------------------------------
@@ -243,22 +235,17 @@ def same_source(source: str, where: str, began_as: Optional[str], began: Optiona
     src = init_from.find_source(source)
     if began and source == began.get("source") and os.path.abspath(src.weights) == began.get("weights"):
         return
-    if began and init_from.digest(src) == began.get("sha256"):
+    now = InitFrom(src, init_from.digest(src))  # its weights hashed once
+    if began and now.sha256 == began.get("sha256"):
         return
-    now = InitFrom(src, init_from.digest(src)).id
     was = f"{began_as} ({began['id']})" if began and began.get("id") else began_as
     raise ConfigError(
-        f"--init-from {source} ({now}): the run of {where} began from {was}, other weights; "
+        f"--init-from {source} ({now.id}): the run of {where} began from {was}, other weights; "
         f"resume it with --init-from {began_as} (or without --init-from), or start a new run in another --out"
     )
 
 
-def find_resume(
-    out: str,
-    resume: Optional[str],
-    report: Callable[[str], None] = lambda line: None,
-    resume_with: str = "--resume auto",
-) -> Optional[str]:
+def find_resume(out: str, resume: Optional[str], report: Callable[[str], None], resume_with: str) -> Optional[str]:
     """The checkpoint a run continues from, by the loader's one rule (weights.load.checkpoint_of: the
     newest intact one, checksums verified).
 

@@ -66,11 +66,7 @@ class Prediction:
 
     def to_dict(self, unit: float = 2**20) -> dict:
         """Terms and total in MiB by default (``unit`` bytes each)."""
-        return {
-            "phase": self.phase,
-            **{k: round(v / unit, 1) for k, v in self.terms.items()},
-            "total": round(self.total / unit, 1),
-        }
+        return {"phase": self.phase, **{k: round(v / unit, 1) for k, v in {**self.terms, "total": self.total}.items()}}
 
 
 @dataclass(frozen=True)
@@ -297,10 +293,8 @@ def _cuda_only(cfg: TrainConfig, act: int) -> int:
     (4 bytes a channel less per norm), and autocast runs ReLU^2's pow in fp32 there (an fp32 copy of
     relu's output, 16 bytes a channel). Blocks recomputed (activation checkpointing) keep one block's."""
     m = cfg.model
-    tokens, blocks = (
-        cfg.batch.micro_batch_size * cfg.batch.seq_len,
-        1 if cfg.parallel.activation_checkpointing else m.n_layer,
-    )
+    tokens = cfg.batch.micro_batch_size * cfg.batch.seq_len
+    blocks = 1 if cfg.parallel.activation_checkpointing else m.n_layer
     out = -FP32 * m.n_embd * tokens * (2 * blocks + 1) if m.norm == "rmsnorm" else 0
     return out + (4 * FP32 * m.n_embd * tokens * blocks if m.mlp_act == "relu2" and act != FP32 else 0)
 

@@ -152,11 +152,7 @@ POLAR_EXPRESS_SAFETY = 1.01
 
 
 def normalize_neurons(
-    update: torch.Tensor,
-    second_moment: torch.Tensor,
-    beta2: float,
-    eps: float = 1e-8,
-    keep: Optional[torch.Tensor] = None,
+    update: torch.Tensor, second_moment: torch.Tensor, beta2: float, keep: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
     """NorMuon's step after the orthogonalisation (Li et al. 2025, "NorMuon"), in fp32.
 
@@ -170,6 +166,7 @@ def normalize_neurons(
     o = update.float()
     # keep (a 0-d tensor, 0 on a step skipped on the device) leaves the running mean unchanged
     second_moment.lerp_(o.square().mean(dim=1), 1 - beta2 if keep is None else keep * (1 - beta2))
+    eps = 1e-8
     n = o / (second_moment.sqrt() + eps)[:, None]
     return n * (o.norm() / n.norm().clamp(min=eps))
 
@@ -293,16 +290,9 @@ def muon_split(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     """The trainable parameters by role: "hidden" (the 2-D matrices inside the blocks, for Muon),
     "embed" (embedding tables), "head" (an output projection not tied to the embedding) and
     "other" (gains, biases and anything else; AdamW without weight decay unless 2-D)."""
-    embed_ids = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-    head = getattr(model, "lm_head", None)
-    head_ids = {id(p) for p in head.parameters()} - embed_ids if head is not None else set()
-    blocks = getattr(getattr(model, "transformer", None), "h", None)
-    hidden_ids = {id(p) for p in blocks.parameters() if p.dim() == 2} if blocks is not None else set()
-    roles = {
-        **dict.fromkeys(hidden_ids, "hidden"),
-        **dict.fromkeys(head_ids, "head"),
-        **dict.fromkeys(embed_ids, "embed"),
-    }
+    roles = {id(p): "hidden" for p in model.transformer.h.parameters() if p.dim() == 2}
+    roles.update({id(p): "head" for p in model.lm_head.parameters()})  # a tied head: the embedding's, below
+    roles.update({id(p): "embed" for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()})
     out: dict[str, list[nn.Parameter]] = {"hidden": [], "embed": [], "head": [], "other": []}
     for p in model.parameters():  # de-duplicated: a tied head appears once, as the embedding
         if p.requires_grad:

@@ -19,7 +19,7 @@ the same decisions.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -43,36 +43,25 @@ class TrainingError(RunDiverged):
 
 class SpikeGuard:
     """Judges each step (``judge``), takes in the records read back (``read``) and decides the rollbacks
-    (``decide``) of the run ``cfg`` (its checkpoints, seq_len and max_bad_steps: ``for_run``).
+    (``decide``) of the run ``cfg`` (its spike settings, checkpoints, seq_len and max_bad_steps).
 
     Its memory on the device: the last ``window`` healthy losses and log gradient norms in a ring
     buffer (the mean and deviation of a full window do not depend on the order), float64 where the
     device has it, and how many healthy steps it has seen. On the host: the spikes read back, the
     loader ranges never trained on, the rollbacks since the last save and the bad steps in a row."""
 
-    def __init__(
-        self,
-        window: int,
-        loss_z: float,
-        norm_z: float,
-        rollback_after: int,
-        device: torch.device = torch.device("cpu"),
-        cfg: Optional[TrainConfig] = None,
-    ) -> None:
-        self.window, self.loss_z, self.norm_z, self.rollback_after = window, loss_z, norm_z, rollback_after
+    def __init__(self, cfg: TrainConfig, device: torch.device = torch.device("cpu")) -> None:
+        s = cfg.spike
+        self.window, self.loss_z, self.norm_z = s.spike_window, s.spike_loss_z, s.spike_norm_z
+        self.rollback_after, self.cfg = s.spike_rollback, cfg
         self.dtype = torch.float32 if device.type == "mps" else torch.float64
-        w = max(window, 1)
+        w = max(self.window, 1)
         self.losses = torch.zeros(w, dtype=self.dtype, device=device)
         self.log_norms = torch.zeros(w, dtype=self.dtype, device=device)
         self.count = torch.zeros((), dtype=torch.long, device=device)  # healthy steps seen; the next goes to count % w
         self.spikes: list[list[int]] = []  # [step, loader position at the step's start], as read back
-        self.cfg, self.skips = cfg, []  # [start, end) loader positions never trained on
+        self.skips: list[list[int]] = []  # [start, end) loader positions never trained on
         self.rollbacks = self.bad_steps = 0  # since the last checkpoint was saved; skipped steps in a row
-
-    @classmethod
-    def for_run(cls, cfg: TrainConfig, device: torch.device = torch.device("cpu")) -> "SpikeGuard":
-        s = cfg.spike
-        return cls(s.spike_window, s.spike_loss_z, s.spike_norm_z, s.spike_rollback, device, cfg)
 
     def judge(self, loss: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
         """``VALUES`` of a step as one tensor on its device: skip is 1.0 for a non-finite step or, once the

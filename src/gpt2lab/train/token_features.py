@@ -105,15 +105,6 @@ def feature_count(data_dir: Optional[str], rows: int) -> int:
     return feature_index(for_data(data_dir) if data_dir else gpt2_tokenizer(), rows)[2]
 
 
-def tables(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    """The tables that share features: the token embedding and an untied head, where trained (a
-    tied head is the embedding: one table)."""
-    named = dict(model.named_parameters())  # a tied head's weight appears once, as the embedding's
-    return [
-        (n, named[n]) for n in ("transformer.wte.weight", "lm_head.weight") if n in named and named[n].requires_grad
-    ]
-
-
 class FeatureShare(torch.optim.Optimizer):
     """Adam on each table's feature vectors V, its update added to the table through F.
 
@@ -196,15 +187,17 @@ def make_feature_share(
 ) -> FeatureShare:
     """The FeatureShare for ``model``'s tables, each at the rate of the group that holds it in
     ``optimizer`` (its parts' param groups)."""
-    found = tables(model)
+    # the tables that share features: the token embedding and an untied head, where trained (a tied head's
+    # weight appears once, as the embedding's: one table)
+    named = dict(model.named_parameters())
+    found = [named[n] for n in ("transformer.wte.weight", "lm_head.weight") if n in named and named[n].requires_grad]
     if not found:
         raise ConfigError(
             "--token-features: the model trains no token embedding or head (LoRA freezes them); "
             "use --token-features false"
         )
-    groups = []
-    for _, p in found:  # every trainable parameter is in one of the optimizer's groups
-        home = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
-        groups.append({"params": [p], "lr": home["lr"], "lr_name": home.get("lr_name", "max_lr")})
-    index, weight, n = feature_index(tokenizer, found[0][1].size(0))
+    # every trainable parameter is in one of the optimizer's groups
+    homes = [next(g for g in optimizer.param_groups if any(q is p for q in g["params"])) for p in found]
+    groups = [{"params": [p], "lr": h["lr"], "lr_name": h.get("lr_name", "max_lr")} for p, h in zip(found, homes)]
+    index, weight, n = feature_index(tokenizer, found[0].size(0))
     return FeatureShare(groups, index, weight, n, betas, eps)

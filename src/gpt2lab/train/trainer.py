@@ -18,6 +18,7 @@ N completed steps, and a resumed run continues with step N.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import random
 import signal
@@ -33,7 +34,7 @@ import torch.distributed as tdist
 from gpt2lab.checkpoint import store as ckpt
 from gpt2lab.data.tokenizer import save_tokenizer
 from gpt2lab.distributed import parallel
-from gpt2lab.distributed.dist import DistInfo, decided_on_rank_0
+from gpt2lab.distributed.dist import DistInfo, agree, decided_on_rank_0
 from gpt2lab.model.gpt import GPT
 from gpt2lab.observe.metrics import MetricsLogger
 from gpt2lab.system.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, GPT2LabError
@@ -122,12 +123,7 @@ class Trainer:
         # self.raw stays the GPT (sharded in place under FSDP); train_model runs the micro-steps,
         # self.model the evaluations. The optimizer is built on the (sharded) parameters after wrapping.
         self.train_model, self.model = parallel.wrap(
-            self.raw,
-            str(plan.strategy.value),
-            distributed=info.distributed,
-            device=self.device,
-            dtype=self.dtype,
-            compile=self.compile,
+            self.raw, str(plan.strategy.value), info.distributed, self.device, self.dtype, self.compile
         )
         ns = plan.ns_dtype
         self.optimizer = build_optimizer(
@@ -135,20 +131,15 @@ class Trainer:
         )
         from gpt2lab.data import TokenLoader
 
+        b = cfg.batch
         self.loader = TokenLoader(
-            cfg.data,
-            "train",
-            cfg.batch.micro_batch_size,
-            cfg.batch.seq_len,
-            rank=info.rank,
-            world_size=info.world_size,
-            seed=cfg.seed,
+            cfg.data, "train", b.micro_batch_size, b.seq_len, rank=info.rank, world_size=info.world_size, seed=cfg.seed
         )
         self.step, self.tokens = 0, 0
         # --ema-decay: the weight average is what evaluations see (and what checkpoints hand on)
         self.average = WeightAverage(self.raw, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
         seen = (self.raw, self.model) if self.average is None else (self.average.module,) * 2
-        self.spikes, self.evaluate = SpikeGuard.for_run(cfg, self.device), Evaluator(cfg, info, *seen, self.dtype)
+        self.spikes, self.evaluate = SpikeGuard(cfg, self.device), Evaluator(cfg, info, *seen, self.dtype)
         self.evaluate.stopping = lambda: self.stop_requested
         self.scaler = torch.amp.GradScaler(self.device.type) if self.dtype == "float16" else None
         if plan.resume:
@@ -199,23 +190,17 @@ class Trainer:
 
     def save(self) -> str:
         """Every rank: write the checkpoint for the steps completed so far (never a non-finite model)."""
+        cfg = self.cfg
         # every rank gets the same answer (FSDP: each checks its shard): all raise together, none waits
         if not parallel.all_finite(self.raw):
             raise TrainingError(
                 f"model has non-finite weights at step {self.step}; not saving over "
-                f"the last good checkpoint in {self.cfg.out}/checkpoints"
+                f"the last good checkpoint in {cfg.out}/checkpoints"
             )
         # the model's own tokenizer goes into the checkpoint: the run's copy (rank 0 writes checkpoints' files)
         own = self.tokenizer is not None and self.info.is_main
-        files = [save_tokenizer(self.tokenizer, self.cfg.out)] if own else []
-        path = ckpt.save(
-            self.cfg.out,
-            self.step,
-            self.parts(),
-            self.cfg.to_dict(),
-            keep=self.cfg.checkpoint.keep_checkpoints,
-            files=files,
-        )
+        files = [save_tokenizer(self.tokenizer, cfg.out)] if own else []
+        path = ckpt.save(cfg.out, self.step, self.parts(), cfg.to_dict(), cfg.checkpoint.keep_checkpoints, files)
         self.spikes.rollbacks = 0
         if self.info.distributed:
             tdist.barrier()
@@ -235,14 +220,9 @@ class Trainer:
             self.raw.set_mtp_weight(schedule.mtp_weight_at(cfg, step))
         # the micro-batches, forward and backward, from past any data a rollback marked bad
         start = self.loader.position = self.spikes.skip_bad_data(self.loader.position)
+        batch = functools.partial(self.loader.next_batch, length)  # the sequence-length ramp: shorter rows
         loss = parallel.accumulate_gradients(
-            self.train_model,
-            lambda: self.loader.next_batch(length),  # the sequence-length ramp: the same tokens in shorter rows
-            accum,
-            self.device,
-            self.dtype,
-            self.scaler,
-            masked=self.loader.masked,
+            self.train_model, batch, accum, self.device, self.dtype, self.scaler, masked=self.loader.masked
         )
         # clip (fp16: the gradients unscaled first)
         unscale(self.optimizer, self.scaler)
@@ -364,11 +344,7 @@ class Trainer:
 
     def _stop_agreed(self) -> bool:
         """All ranks stop together if any of them got SIGTERM/SIGINT (one process: no device round trip)."""
-        if not self.info.distributed:
-            return self.stop_requested
-        flag = torch.tensor(float(self.stop_requested), device=self.device)
-        tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
-        return bool(flag.item())
+        return agree(self.stop_requested) if self.info.distributed else self.stop_requested
 
 
 @contextlib.contextmanager
