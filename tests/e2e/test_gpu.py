@@ -59,10 +59,12 @@ def test_kv_cache_greedy_equals_no_cache_on_gpu():
 def test_a_step_judged_bad_on_the_gpu_is_skipped_there():
     """The trainer's checks on the device: the guard's verdict, computed on the GPU, makes fused
     AdamW skip the step in its kernel (weights and state untouched); a healthy verdict steps."""
+    from gpt2lab.train.config import TrainConfig
     from gpt2lab.train.optim import AdamW
     from gpt2lab.train.spikes import SpikeGuard
 
-    guard = SpikeGuard(4, 4.0, 6.0, 3, torch.device("cuda"))
+    spike = dict(spike_window=4, spike_loss_z=4.0, spike_norm_z=6.0, spike_rollback=3)
+    guard = SpikeGuard(TrainConfig().with_values(**spike), torch.device("cuda"))
     p = torch.nn.Parameter(torch.randn(64, 64, device="cuda"))
     opt = AdamW([p], lr=1e-2, fused=True)
     for loss in (5.0, 5.1, 4.9, 5.0, float("nan"), 9.0, 5.0):

@@ -294,6 +294,7 @@ def test_under_fp16s_grad_scaler_the_share_steps_once_on_unscaled_gradients():
     """The scaler's path (a loss scaled by 2^10, unscaled, stepped) against the plain one: the same
     weights to the bit (a power-of-two scale is exact), so the share's tables were unscaled once
     and stepped once; an inf gradient then makes the guard skip the step and the scaler back off."""
+    from gpt2lab.train.config import TrainConfig
     from gpt2lab.train.optim import unscale
     from gpt2lab.train.spikes import SpikeGuard
 
@@ -321,6 +322,7 @@ def test_under_fp16s_grad_scaler_the_share_steps_once_on_unscaled_gradients():
     b.lm_head.weight.grad[0, 0] = float("inf")
     unscale(opt_b, scaler)
     norm = torch.nn.utils.clip_grad_norm_(b.parameters(), float("inf"))
-    assert SpikeGuard(0, 6.0, 20.0, 3).judge(loss, norm)[2] == 1  # the step is skipped
+    guard = SpikeGuard(TrainConfig().with_values(spike_window=0, spike_loss_z=6.0, spike_norm_z=20.0, spike_rollback=3))
+    assert guard.judge(loss, norm)[2] == 1  # the step is skipped
     scaler.update()
     assert scaler.get_scale() < 2.0**10  # the scaler saw the inf and backed off
