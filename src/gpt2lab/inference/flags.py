@@ -35,6 +35,4 @@ def inference_request(args, workload: str, rows: int = 1):
     """The InferenceRequest of a command's inference flags."""
     from gpt2lab.inference.choice import InferenceRequest
 
-    return InferenceRequest(
-        dtype=args.dtype, quantize=args.quantize, linear=args.cpu_linear, workload=workload, rows=rows
-    )
+    return InferenceRequest(args.dtype, args.quantize, args.cpu_linear, workload, rows)

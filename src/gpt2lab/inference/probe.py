@@ -341,9 +341,7 @@ def watch(decision: Decision, model: GPT, device: torch.device, command: str) ->
     if env.probe_mode() == "0" or not isinstance(t, Timing) or t.step1 is None:
         return None
     key = cache_key(model.config, device, list(decision.timings))
-    if key not in runtime.cached():
-        return None
-    return Watch(key, decision.candidate.name, t.step1, command)
+    return Watch(key, decision.candidate.name, t.step1, command) if key in runtime.cached() else None
 
 
 def announce(decision: Decision, command: str) -> None:

@@ -83,9 +83,8 @@ class Launch:
 
 
 def launch() -> Launch:
-    world = int(_get("WORLD_SIZE", "1") or 1)
     return Launch(
-        world_size=world,
+        world_size=int(_get("WORLD_SIZE", "1") or 1),
         rank=int(_get("RANK", "0") or 0),
         local_rank=int(_get("LOCAL_RANK", "0") or 0),
         local_world_size=int(_get("LOCAL_WORLD_SIZE")) if _get("LOCAL_WORLD_SIZE") else None,

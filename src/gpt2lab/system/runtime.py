@@ -345,10 +345,9 @@ def detect(device, probe: bool = True) -> Facts:
 
     dev = torch.device(device)
     kind = dev.type if dev.type in ("cuda", "mps") else "cpu"
-    cuda = kind == "cuda"
-    name = torch.cuda.get_device_name(dev) if cuda else "Apple MPS" if kind == "mps" else cpu_name()
+    name = torch.cuda.get_device_name(dev) if kind == "cuda" else "Apple MPS" if kind == "mps" else cpu_name()
     matmul = cached_cpu_probe() if probe and kind == "cpu" else None
-    bf16 = cuda and torch.cuda.is_bf16_supported()
+    bf16 = kind == "cuda" and torch.cuda.is_bf16_supported()
     return Facts(kind, name, cpu_flags(), cuda_bf16=bf16, can_compile=can_compile(kind), probe=matmul)
 
 
