@@ -78,9 +78,7 @@ class Facts:
 
     @property
     def native_bf16(self) -> bool:
-        if self.device_type == "cuda":
-            return self.cuda_bf16
-        return any(f in self.cpu_flags for f in BF16_CPU_FLAGS)
+        return self.cuda_bf16 if self.device_type == "cuda" else any(f in self.cpu_flags for f in BF16_CPU_FLAGS)
 
 
 @dataclass(frozen=True)
@@ -320,12 +318,10 @@ def cached_cpu_probe(where: Optional[str] = None) -> Optional[Probe]:
     """
     if env.probe_mode() == "0":
         return None
-    import torch
-
     key = f"cpu-matmul-{machine_key()}"
     with contextlib.suppress(KeyError, TypeError, AttributeError):
         return Probe(**cached(where)[key]["matmul_gflops"])
-    probe = measure_matmul(torch.device("cpu"))
+    probe = measure_matmul("cpu")
     cache_update(key, lambda e: e.update(device="cpu", matmul_gflops=dataclasses.asdict(probe)), where)
     return probe
 
