@@ -78,11 +78,8 @@ def page_facts(thp_dir: str = THP_DIR) -> PageFacts:
 
 def huge_bytes(address: int, smaps: str = "/proc/self/smaps") -> Optional[int]:
     """The AnonHugePages of the mapping holding ``address`` in ``smaps`` (bytes), None where not found."""
-    text = _read(smaps)
-    if text is None:
-        return None
     inside = False
-    for line in text.splitlines():
+    for line in (_read(smaps) or "").splitlines():
         head = line.split(" ", 1)[0]
         if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms offset ..."
             lo, hi = (int(v, 16) for v in head.split("-"))

@@ -78,7 +78,7 @@ SHORT_TOKENS = 16
 
 
 class _TooSlow(Exception):
-    pass
+    """A candidate given up untimed: its first call was over GIVE_UP times the best candidate's figure."""
 
 
 def _best_ms(fn, device: torch.device, per_call=1, limit: Optional[float] = None, what="", doubts=None) -> float:

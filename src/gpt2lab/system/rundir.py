@@ -41,6 +41,7 @@ from gpt2lab.system.files import _remove, read_json_object, tmp_name, write_json
 
 RUN, EXPORT, DATA, TOKENIZER, FILE = "run", "export", "data", "tokenizer", "file"
 RUN_MARKER, RUN_FORMAT = "run_info.json", "gpt2lab-run"
+RUN_TAG = {"format": RUN_FORMAT, "version": 1}  # the marker's own fields (a run adds its facts to them)
 EXPORT_MARKER, EXPORT_FORMAT = "gpt2lab_export.json", "gpt2lab-hf-export"
 DATA_MARKER, DATA_FORMAT = "manifest.json", "gpt2lab-token-shards"
 TOKENIZER_MARKER, TOKENIZER_FORMAT = "gpt2lab_tokenizer.json", "gpt2lab-tokenizer"
@@ -170,15 +171,11 @@ def check(path: str, want: str, flag: str, what_next: str, replaces: Optional[tu
     raise DirectoryError(f"{flag + ' ' if flag else ''}{path}: {said}; nothing was written there; {what_next}")
 
 
-def run_marker() -> dict:
-    return {"format": RUN_FORMAT, "version": 1}
-
-
 def _create_marker(path: str) -> None:
     """Write the run marker unless one is there (never replacing another process's)."""
     final = os.path.join(path, RUN_MARKER)
     tmp = tmp_name(final) + ".marker"
-    write_json(tmp, run_marker())
+    write_json(tmp, RUN_TAG)
     try:
         with contextlib.suppress(FileExistsError):
             os.link(tmp, final)  # atomic, and fails if a marker is there already (a run's, or another process's)
@@ -319,5 +316,5 @@ def claim(path: str, flag: str = "--out", what_next: str = "choose a new or empt
     finally:
         with contextlib.suppress(OSError):  # made here, and holding only the bare marker (no run wrote it) and the lock
             info = read_json_object(os.path.join(path, RUN_MARKER)) or {}
-            if held.created and set(os.listdir(path)) <= {RUN_MARKER, LOCK_FILE} and set(info) <= set(run_marker()):
+            if held.created and set(os.listdir(path)) <= {RUN_MARKER, LOCK_FILE} and set(info) <= set(RUN_TAG):
                 held.undo()

@@ -158,7 +158,7 @@ def _write_run_files(plan: RunPlan, info: DistInfo, trainer: Trainer, resume_wit
     write_json(
         os.path.join(cfg.out, rundir.RUN_MARKER),
         {
-            **rundir.run_marker(),
+            **rundir.RUN_TAG,
             **run_info(info.device, info.world_size, cfg.out),
             "params": trainer.raw.num_params(),
             "params_on_rank_0": parallel.params_on_this_rank(trainer.raw),
