@@ -77,10 +77,7 @@ def cached_timings(entry: Optional[dict], rows: Optional[int] = None) -> Optiona
 def _shared_copy(model: GPT) -> GPT:
     """A copy of ``model``'s modules that shares every parameter, buffer and its tokenizer with it (the
     linears are swapped next)."""
-    memo = {id(p): p for p in model.parameters()}
-    memo.update({id(b): b for b in model.buffers()})
-    memo[id(model.tokenizer)] = model.tokenizer
-    return copy.deepcopy(model, memo)
+    return copy.deepcopy(model, {id(t): t for t in (*model.parameters(), *model.buffers(), model.tokenizer)})
 
 
 def hold(
