@@ -186,9 +186,8 @@ def choose_compile(requested: str, facts: Facts) -> Choice:
         return Choice(False, "MPS: torch.compile support is still experimental")
     return Choice(
         False,
-        "CPU: compiled steps measured no faster than eager (the matmuls, run by the same "
-        "oneDNN/MKL kernels either way, are the step), and compiling costs a minute; "
-        "see docs/benchmarks.md",
+        "CPU: compiled steps measured no faster than eager (the matmuls, run by the same oneDNN/MKL kernels "
+        "either way, are the step), and compiling costs a minute; see docs/benchmarks.md",
     )
 
 
