@@ -55,11 +55,10 @@ def saved_model(ckpt: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     from torch.distributed.checkpoint import FileSystemReader
 
     meta = FileSystemReader(ckpt).read_metadata().state_dict_metadata
-    prefix = "model."
     return {
-        k[len(prefix) :]: (tuple(v.size), v.properties.dtype)
+        k.removeprefix("model."): (tuple(v.size), v.properties.dtype)
         for k, v in meta.items()
-        if k.startswith(prefix) and hasattr(v, "size")
+        if k.startswith("model.") and hasattr(v, "size")
     }
 
 

@@ -85,9 +85,8 @@ def split_loader(cfg: TrainConfig, split: str, world_size: int):
     try:
         return TokenLoader(cfg.data, split, cfg.batch.micro_batch_size, cfg.batch.seq_len, world_size=world_size)
     except SplitTooSmall as e:
-        more = "prepare more text"
-        if split == "val":
-            more = "prepare a larger val split (gpt2lab prepare --val-tokens) or set --eval-interval 0"
+        val = "prepare a larger val split (gpt2lab prepare --val-tokens) or set --eval-interval 0"
+        more = val if split == "val" else "prepare more text"
         raise ConfigError(
             f"the {split} split of {cfg.data} holds {e.tokens} tokens, too few for one sequence of "
             f"--seq-len {cfg.batch.seq_len} (and the token after it); {more}, or lower "
