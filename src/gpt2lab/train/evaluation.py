@@ -48,26 +48,25 @@ class Evaluator:
     def __call__(self, step: int, log: MetricsLogger) -> bool:
         """Run and log what is due at ``step``; whether anything was (what a stop cut short is not logged)."""
         ev, last = self.cfg.eval, self.cfg.optim.max_steps
-        val, hella, sample = (due(i, step, last) for i in (ev.eval_interval, ev.hellaswag_interval, ev.sample_interval))
-        if val:
+        if due(ev.eval_interval, step, last):
             res = self.validate()
             if res is not None:
                 log.log({"step": step, "val_loss": res.loss, "val_bpb": res.bpb})
-        if hella:
+        if due(ev.hellaswag_interval, step, last):
             from gpt2lab.evals.hellaswag import evaluate_hellaswag
 
             with parallel.gathered(self.raw):  # FSDP: ranks score different numbers of batches
                 res = evaluate_hellaswag(self.model, ev.hellaswag_data, limit=ev.hellaswag_limit, **self._shared())
             if res is not None:
                 log.log({"step": step, **{f"hellaswag_{k}": res[k] for k in ("acc", "acc_norm", "n")}})
-        if sample:
+        if due(ev.sample_interval, step, last):
             with parallel.gathered(self.raw):  # FSDP: every rank gathers; rank 0 alone generates
                 text = self.sample() if self.info.is_main else None
             if text is not None:
                 log.log({"step": step, "sample": text})
-        if self.info.is_main and (val or hella):
+        if self.info.is_main and (due(ev.eval_interval, step, last) or due(ev.hellaswag_interval, step, last)):
             plot(self.cfg.out)
-        return val or hella or sample
+        return self.any_due(step)
 
     def validate(self):
         """The validation loss with its bits per byte (an evals.loss.LossResult; None: cut short by a stop)."""

@@ -116,9 +116,9 @@ def lines(plan: RunPlan) -> list[str]:
         else f"peak      unknown ({peak.reason}); no MFU",
         f"memory    {mem}",
         f"disk      {describe_checkpoints(checkpoint_disk(c))}",
+        *(f"warning: {ch.warning}" for ch in (plan.dtype, plan.compile) if ch.warning),
     ]
-    out = [line for line in rows if line]
-    return out + [f"warning: {ch.warning}" for ch in (plan.dtype, plan.compile) if ch.warning]
+    return [line for line in rows if line]
 
 
 def checkpoint_bytes(cfg: TrainConfig) -> dict:
@@ -138,9 +138,8 @@ def checkpoint_disk(cfg: TrainConfig) -> dict:
     """``checkpoint_bytes`` with the count the run writes (every ckpt_interval steps and at the end) and
     keeps (--keep-checkpoints, 0: all), and the disk that takes: ``kept`` checkpoints, one more while
     the next is written (the oldest goes once the new one is whole)."""
-    c, steps = cfg.checkpoint, cfg.optim.max_steps
-    each = checkpoint_bytes(cfg)
-    written = -(-steps // c.ckpt_interval) if c.ckpt_interval else 1  # the last step's too
+    c, each = cfg.checkpoint, checkpoint_bytes(cfg)
+    written = -(-cfg.optim.max_steps // c.ckpt_interval) if c.ckpt_interval else 1  # the last step's too
     kept = min(c.keep_checkpoints, written) if c.keep_checkpoints else written
     return {
         "bytes": each,
