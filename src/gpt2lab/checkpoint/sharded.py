@@ -37,9 +37,9 @@ def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tu
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(model, optimizer)
-    if not getattr(getattr(model, "config", None), "tie_embeddings", True):
-        return msd, osd, False  # an untied head (GPTConfig.tie_embeddings false) is a tensor of its own
-    return msd, osd, msd.pop(TIED, None) is not None
+    # an untied head (GPTConfig.tie_embeddings false) is a tensor of its own: it stays
+    tied = getattr(getattr(model, "config", None), "tie_embeddings", True)
+    return msd, osd, tied and msd.pop(TIED, None) is not None
 
 
 def save(tmp: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -98,8 +98,7 @@ def load(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
         text = str(e).strip().splitlines()
         raise CheckpointError(
             f"checkpoint {ckpt}: cannot load its model and optimizer shards "
-            f"({text[-1] if text else type(e).__name__}); resume with the "
-            "checkpoint's settings"
+            f"({text[-1] if text else type(e).__name__}); resume with the checkpoint's settings"
         ) from e
     if tied:
         msd[TIED] = msd[WTE]  # the tie: one tensor under both names, as get_state_dict gave it

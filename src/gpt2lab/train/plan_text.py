@@ -157,7 +157,6 @@ def describe_checkpoints(disk: dict) -> str:
     parts = ", ".join(f"{k.replace('_', ' ')} {mib(v)}" for k, v in each.items() if k != "total")
     keep = "all kept" if not disk["keep_checkpoints"] else f"{disk['kept']} kept (--keep-checkpoints)"
     return (
-        f"{mib(each['total'])} per checkpoint ({parts}); {disk['written']} written, {keep}: "
-        f"{mib(disk['kept_bytes'])}"
+        f"{mib(each['total'])} per checkpoint ({parts}); {disk['written']} written, {keep}: {mib(disk['kept_bytes'])}"
         + (f", {mib(disk['peak_bytes'])} while the next is written" if disk["peak_bytes"] > disk["kept_bytes"] else "")
     )
