@@ -37,9 +37,9 @@ def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tu
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(model, optimizer)
-    if not getattr(getattr(model, "config", None), "tie_embeddings", True):
-        return msd, osd, False  # an untied head (GPTConfig.tie_embeddings false) is a tensor of its own
-    return msd, osd, msd.pop(TIED, None) is not None
+    # an untied head (GPTConfig.tie_embeddings false) is a tensor of its own: it stays
+    tied = getattr(getattr(model, "config", None), "tie_embeddings", True)
+    return msd, osd, tied and msd.pop(TIED, None) is not None
 
 
 def save(tmp: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -55,11 +55,10 @@ def saved_model(ckpt: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     from torch.distributed.checkpoint import FileSystemReader
 
     meta = FileSystemReader(ckpt).read_metadata().state_dict_metadata
-    prefix = "model."
     return {
-        k[len(prefix) :]: (tuple(v.size), v.properties.dtype)
+        k.removeprefix("model."): (tuple(v.size), v.properties.dtype)
         for k, v in meta.items()
-        if k.startswith(prefix) and hasattr(v, "size")
+        if k.startswith("model.") and hasattr(v, "size")
     }
 
 
@@ -99,8 +98,7 @@ def load(ckpt: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
         text = str(e).strip().splitlines()
         raise CheckpointError(
             f"checkpoint {ckpt}: cannot load its model and optimizer shards "
-            f"({text[-1] if text else type(e).__name__}); resume with the "
-            "checkpoint's settings"
+            f"({text[-1] if text else type(e).__name__}); resume with the checkpoint's settings"
         ) from e
     if tied:
         msd[TIED] = msd[WTE]  # the tie: one tensor under both names, as get_state_dict gave it

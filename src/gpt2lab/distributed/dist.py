@@ -38,9 +38,7 @@ def autocast(device: torch.device, dtype: str | torch.dtype = "float32"):
     float32 means no autocast at all.
     """
     dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    if dt == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dt)
+    return contextlib.nullcontext() if dt == torch.float32 else torch.autocast(device_type=device.type, dtype=dt)
 
 
 @dataclass(frozen=True)

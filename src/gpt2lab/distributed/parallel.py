@@ -102,9 +102,7 @@ def fits(predicted_bytes: int, device_bytes: int) -> bool:
 
 def device_bytes(device: torch.device) -> Optional[int]:
     """Memory of one accelerator (None for a CPU: its RAM is shared by every process)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return None
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
 
 
 # -- wrapping ------------------------------------------------------------------------------

@@ -324,8 +324,7 @@ def evaluate_hellaswag(
     early still meets the others at the sum).
     ``strategy`` is how rows share a forward pass (see ``resolve_strategy``).
     """
-    examples = load_examples(data_path, limit)
-    mine = examples[rank() :: world()]
+    mine = load_examples(data_path, limit)[rank() :: world()]
     kw = dict(device=device, dtype=dtype, batch_size=batch_size, strategy=strategy, stop=stop)
     scores = score_examples(model, mine, progress=progress and rank() == 0, **kw)
     counts = torch.tensor(

@@ -62,9 +62,8 @@ def fit_to_split(
         return fit, None
     per = f"{batch_size}" + (f" x {world_size} processes" if world_size > 1 else "")
     return fit, (
-        f"note: --tokens {tokens:,} is more than the {split} split of {data_dir} holds; the evaluation takes "
-        f"all it holds in whole batches: {fit:,} tokens ({fit // (batch_size * seq_len * world_size)} of "
-        f"{per} x {seq_len})"
+        f"note: --tokens {tokens:,} is more than the {split} split of {data_dir} holds; the evaluation takes all "
+        f"it holds in whole batches: {fit:,} tokens ({fit // (batch_size * seq_len * world_size)} of {per} x {seq_len})"
     )
 
 

@@ -50,9 +50,8 @@ def find_source(spec: str) -> Source:
     if src.config.tokenizer is None and src.config.real_vocab_size != src.config.template_vocab:
         raise fail(
             src,
-            f"its vocabulary has {src.config.real_vocab_size} tokens, not GPT-2's "
-            f"{GPT2_VOCAB_SIZE}, and no gpt2lab tokenizer.json is beside it; pass a GPT-2 model or "
-            "one gpt2lab trained (its tokenizer travels with it)",
+            f"its vocabulary has {src.config.real_vocab_size} tokens, not GPT-2's {GPT2_VOCAB_SIZE}, and no gpt2lab "
+            "tokenizer.json is beside it; pass a GPT-2 model or one gpt2lab trained (its tokenizer travels with it)",
         )
     if not src.weights.endswith(".safetensors"):
         return src

@@ -116,9 +116,9 @@ def lines(plan: RunPlan) -> list[str]:
         else f"peak      unknown ({peak.reason}); no MFU",
         f"memory    {mem}",
         f"disk      {describe_checkpoints(checkpoint_disk(c))}",
+        *(f"warning: {ch.warning}" for ch in (plan.dtype, plan.compile) if ch.warning),
     ]
-    out = [line for line in rows if line]
-    return out + [f"warning: {ch.warning}" for ch in (plan.dtype, plan.compile) if ch.warning]
+    return [line for line in rows if line]
 
 
 def checkpoint_bytes(cfg: TrainConfig) -> dict:
@@ -138,9 +138,8 @@ def checkpoint_disk(cfg: TrainConfig) -> dict:
     """``checkpoint_bytes`` with the count the run writes (every ckpt_interval steps and at the end) and
     keeps (--keep-checkpoints, 0: all), and the disk that takes: ``kept`` checkpoints, one more while
     the next is written (the oldest goes once the new one is whole)."""
-    c, steps = cfg.checkpoint, cfg.optim.max_steps
-    each = checkpoint_bytes(cfg)
-    written = -(-steps // c.ckpt_interval) if c.ckpt_interval else 1  # the last step's too
+    c, each = cfg.checkpoint, checkpoint_bytes(cfg)
+    written = -(-cfg.optim.max_steps // c.ckpt_interval) if c.ckpt_interval else 1  # the last step's too
     kept = min(c.keep_checkpoints, written) if c.keep_checkpoints else written
     return {
         "bytes": each,
@@ -158,7 +157,6 @@ def describe_checkpoints(disk: dict) -> str:
     parts = ", ".join(f"{k.replace('_', ' ')} {mib(v)}" for k, v in each.items() if k != "total")
     keep = "all kept" if not disk["keep_checkpoints"] else f"{disk['kept']} kept (--keep-checkpoints)"
     return (
-        f"{mib(each['total'])} per checkpoint ({parts}); {disk['written']} written, {keep}: "
-        f"{mib(disk['kept_bytes'])}"
+        f"{mib(each['total'])} per checkpoint ({parts}); {disk['written']} written, {keep}: {mib(disk['kept_bytes'])}"
         + (f", {mib(disk['peak_bytes'])} while the next is written" if disk["peak_bytes"] > disk["kept_bytes"] else "")
     )

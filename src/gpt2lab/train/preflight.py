@@ -56,10 +56,9 @@ def check_splits(cfg: TrainConfig, world_size: int) -> list[str]:
     if val.sequences_per_epoch < batch:
         fits = max(1, val.sequences_per_epoch // world_size)
         raise ConfigError(
-            f"the val split of {cfg.data} holds {val.sequences_per_epoch} sequences of seq_len "
-            f"{cfg.batch.seq_len}, fewer than one micro-batch of {per}, so it cannot give a validation "
-            f"loss; lower --micro-batch-size to {fits}, prepare a larger val split (gpt2lab "
-            "prepare --val-tokens), or set --eval-interval 0"
+            f"the val split of {cfg.data} holds {val.sequences_per_epoch} sequences of seq_len {cfg.batch.seq_len}, "
+            f"fewer than one micro-batch of {per}, so it cannot give a validation loss; lower --micro-batch-size "
+            f"to {fits}, prepare a larger val split (gpt2lab prepare --val-tokens), or set --eval-interval 0"
         )
     tokens = eval_tokens(cfg, world_size, val)
     if tokens < cfg.eval.eval_tokens:
@@ -85,13 +84,11 @@ def split_loader(cfg: TrainConfig, split: str, world_size: int):
     try:
         return TokenLoader(cfg.data, split, cfg.batch.micro_batch_size, cfg.batch.seq_len, world_size=world_size)
     except SplitTooSmall as e:
-        more = "prepare more text"
-        if split == "val":
-            more = "prepare a larger val split (gpt2lab prepare --val-tokens) or set --eval-interval 0"
+        val = "prepare a larger val split (gpt2lab prepare --val-tokens) or set --eval-interval 0"
+        more = val if split == "val" else "prepare more text"
         raise ConfigError(
             f"the {split} split of {cfg.data} holds {e.tokens} tokens, too few for one sequence of "
-            f"--seq-len {cfg.batch.seq_len} (and the token after it); {more}, or lower "
-            "--seq-len"
+            f"--seq-len {cfg.batch.seq_len} (and the token after it); {more}, or lower --seq-len"
         ) from None
 
 
@@ -123,8 +120,8 @@ def check_hellaswag(cfg: TrainConfig, download: bool = True) -> list[str]:
             ]
         raise ConfigError(
             f"--hellaswag-interval {n}: the official HellaSwag validation set is not in the cache "
-            f"({official().cached()}) and {' and '.join(offline())} is set; pass --hellaswag-data FILE "
-            "or set --hellaswag-interval 0"
+            f"({official().cached()}) and {' and '.join(offline())} is set; pass --hellaswag-data FILE or set "
+            "--hellaswag-interval 0"
         )
     try:
         load_examples(cfg.eval.hellaswag_data, limit=1, flag="--hellaswag-data")
