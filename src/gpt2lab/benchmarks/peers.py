@@ -73,8 +73,7 @@ class CT2:
             raise UsageError(f"--peer ctranslate2 needs ctranslate2 ({e}); pip install ctranslate2") from None
         self.path = os.path.join(directory, "ct2")
         TransformersConverter(hf_dir).convert(self.path, force=True)  # float32 weights; quantized at load
-        with open(os.path.join(self.path, "vocabulary.json")) as fh:
-            self.vocab = json.load(fh)
+        self.vocab = json.loads(Path(self.path, "vocabulary.json").read_text())
         self.generators, self.errors = {}, {}
         for ct in CT2_COMPUTE_TYPES:
             try:
