@@ -51,8 +51,8 @@ def transformers_greedy(hf_dir: str, device: torch.device, dtype: str, prompt: t
         raise UsageError(f"--peer transformers needs transformers ({e}); pip install transformers") from None
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)  # the class the export's config.json names
-    hf = hf.to(device=device, dtype=getattr(torch, dtype)).eval()
+    # the class the export's config.json names
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).to(device=device, dtype=getattr(torch, dtype)).eval()
     exactly_n = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=hf.config.eos_token_id)
 
     @torch.inference_mode()
