@@ -271,8 +271,7 @@ def fault_run(url: str, limits: Limits, block_size: int, new_tokens: int, discon
         "oversize_body": json.dumps({"model": "bench", "prompt": "x" * (2 << 20)}).encode(),
         "max_tokens_past_cap": _body(0, limits.max_tokens + 1, stream=False, prompt="x"),
     }
-    for name, body in bad.items():
-        out[name] = _answer(url, body)[0]
+    out.update({name: _answer(url, body)[0] for name, body in bad.items()})
     # a burst past the queue: every request answered, with a result or a JSON error
     burst = limits.max_batch + limits.max_queue + 8
     barrier = threading.Barrier(burst)
