@@ -76,9 +76,8 @@ def profile(model: GPT, label: str) -> None:
             runtime.sync(DEV)
         print(f"== {label}: torch.profiler, 5 steps, by self CPU time", file=sys.stderr)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22), file=sys.stderr)
-        print(f"== {label}: by input shapes", file=sys.stderr)
         by_shape = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=12)
-        print(by_shape, file=sys.stderr)
+        print(f"== {label}: by input shapes\n{by_shape}", file=sys.stderr)
         with cProfile.Profile() as pr:
             for _ in range(3):
                 step()

@@ -29,8 +29,7 @@ def _floats(figures: dict) -> dict:
 
 
 def sample_tables(runs: dict) -> None:
-    auto = runs.get("sample-auto")
-    if auto:
+    if auto := runs.get("sample-auto"):
         t, ct = auto["tok_per_s"], _floats(auto.get("ctranslate2_tok_per_s", {}))
         print(
             f"Default (`{_held(auto)}`): **{t['sample']:.1f}** tok/s; "

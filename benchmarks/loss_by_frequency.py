@@ -32,11 +32,10 @@ def main() -> None:
     p.add_argument("--val-tokens", type=int, default=65536)
     p.add_argument("--seq-len", type=int, default=128)
     a = p.parse_args()
-    manifest = read_manifest(a.data)
     train = np.concatenate([open_shard(path) for path in list_shards(a.data, "train")])
     val = open_shard(list_shards(a.data, "val")[0])
     model = from_pretrained(a.run).float().eval()
-    vocab = manifest["vocab_size"]
+    vocab = read_manifest(a.data)["vocab_size"]
     seen = np.bincount(train[: a.tokens].astype(np.int64), minlength=vocab)
     tokens = torch.tensor(val[: a.val_tokens + 1].astype(np.int64))
     x, y = tokens[:-1].view(-1, a.seq_len), tokens[1:].view(-1, a.seq_len)

@@ -87,7 +87,6 @@ def german(out: str, deb: str | None) -> dict:
         os.makedirs(out, exist_ok=True)
         with atomic_write(os.path.join(out, "copyright"), "wb") as dst:
             dst.write(Path(tmp, "x", COPYRIGHT).read_bytes())
-        package = os.path.basename(deb)
     starts = [m.start() for m in SECTION.finditer(text)]
     sections, doc = [], ""
     for a, b in zip([0, *starts], [*starts, len(text)]):  # a short section (a contents line) joins the next
@@ -98,7 +97,7 @@ def german(out: str, deb: str | None) -> dict:
     held = [{"text": s} for i, s in enumerate(sections) if i % 10 == 9]
     train = [{"text": s} for i, s in enumerate(sections) if i % 10 != 9]
     return {
-        "package": package,
+        "package": os.path.basename(deb),
         "licence": "GPL-2+ (copyright file beside the text)",
         "heldout": {"sections": len(held), "bytes": write_jsonl(os.path.join(out, "0_heldout.jsonl"), held)},
         "train": {"sections": len(train), "bytes": write_jsonl(os.path.join(out, "1_train.jsonl"), train)},

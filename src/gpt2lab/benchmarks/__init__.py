@@ -44,10 +44,10 @@ def shape_config(args):
 def machine(device, args, decision) -> dict:
     """What every inference figure is read beside: the device, torch, its threads; the shape asked; the
     inference flags asked and their decision (inference/choice.py)."""
-    shape = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd")}
     asked = {k: getattr(args, k) for k in ("dtype", "quantize", "cpu_linear")}
     out = {"device": str(device), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
-    config = {**shape, "vocab_size": getattr(args, "vocab_size", 50257)}
+    # the shape asked (GPT-2's vocabulary where the bench has no --vocab-size)
+    config = {k: getattr(args, k, 50257) for k in ("n_layer", "n_head", "n_embd", "vocab_size")}
     return {**out, "config": config, "asked": asked, "inference": decision.record()}
 
 

@@ -66,9 +66,8 @@ def run(args) -> dict:
     B, T = args.batch_size, args.seq_len
     out: dict = {"batch_size": B, "seq_len": T, "load_avg_1m_before": round(os.getloadavg()[0], 2)}
     with tempfile.TemporaryDirectory() as tmp:
-        data = args.data
-        if data is None:
-            data = tmp
+        data = tmp if args.data is None else args.data
+        if args.data is None:
             synthetic_shards(tmp, args.shard_tokens, train_shards=2, val_tokens=args.shard_tokens)
             out["data"] = f"synthetic: train 2 x {args.shard_tokens} tokens, val 1 shard"
         for split in ("train", "val"):

@@ -187,8 +187,7 @@ def _measure(cfg: TrainConfig, args: argparse.Namespace, info, tmp: str) -> tupl
     times: list[float] = []
 
     def steps() -> None:
-        for _ in range(args.steps):
-            times.append(timed(trainer.train_step, info.device)[0])
+        times.extend(timed(trainer.train_step, info.device)[0] for _ in range(args.steps))
 
     tensors = None
     if args.tensor_peak == "true" and info.device.type == "cpu":

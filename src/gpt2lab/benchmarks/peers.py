@@ -51,8 +51,8 @@ def transformers_greedy(hf_dir: str, device: torch.device, dtype: str, prompt: t
         raise UsageError(f"--peer transformers needs transformers ({e}); pip install transformers") from None
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)  # the class the export's config.json names
-    hf = hf.to(device=device, dtype=getattr(torch, dtype)).eval()
+    # the class the export's config.json names
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).to(device=device, dtype=getattr(torch, dtype)).eval()
     exactly_n = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=hf.config.eos_token_id)
 
     @torch.inference_mode()
@@ -73,8 +73,7 @@ class CT2:
             raise UsageError(f"--peer ctranslate2 needs ctranslate2 ({e}); pip install ctranslate2") from None
         self.path = os.path.join(directory, "ct2")
         TransformersConverter(hf_dir).convert(self.path, force=True)  # float32 weights; quantized at load
-        with open(os.path.join(self.path, "vocabulary.json")) as fh:
-            self.vocab = json.load(fh)
+        self.vocab = json.loads(Path(self.path, "vocabulary.json").read_text())
         self.generators, self.errors = {}, {}
         for ct in CT2_COMPUTE_TYPES:
             try:

@@ -94,10 +94,8 @@ def _bench_source(name: str, source: str, workers: int, repeat: int, tmp: str) -
         ceiling, _ = _best(lambda: _forked_encode(docs, workers), repeat)
         result[f"forked_w{workers}_ceiling_speedup"] = round(base / ceiling, 2)
     for w in sorted({1, workers}):
-        runs = iter(range(repeat))
-        t, cpu = _best(
-            lambda: prepare(source, os.path.join(tmp, f"{name}-{w}-{next(runs)}"), workers=w, progress=False), repeat
-        )
+        runs = (os.path.join(tmp, f"{name}-{w}-{k}") for k in range(repeat))  # a fresh folder each run
+        t, cpu = _best(lambda: prepare(source, next(runs), workers=w, progress=False), repeat)
         result[f"prepare_w{w}_tok_s"] = round(tokens / t)
         result[f"prepare_w{w}_cpu_s_per_mtok"] = round(cpu / tokens * 1e6, 3)
     result["speedup_vs_baseline"] = round(result[f"prepare_w{workers}_tok_s"] / result["baseline_tok_s"], 2)
