@@ -8,6 +8,7 @@ import pytest
 
 from gpt2lab import get_tokenizer
 from gpt2lab.data import tokenizer
+from gpt2lab.model.config import GPTConfig
 
 
 def test_reference_ids_and_eot():
@@ -16,6 +17,10 @@ def test_reference_ids_and_eot():
     assert enc.encode("<|endoftext|>", allowed_special="all") == [tokenizer.EOT_ID] == [50256]
     assert enc.eot_token == 50256
     assert enc.n_vocab == 50257
+    # the chat variant: the two turn tokens after GPT-2's, as many as a chat model's config counts
+    chat = tokenizer.gpt2_tokenizer(chat=True)
+    assert (chat.im_start_id, chat.im_end_id, chat.n_vocab) == (50257, 50258, 50259)
+    assert chat.n_vocab == GPTConfig(chat_template="chatml").template_vocab
 
 
 def test_roundtrip_unicode_and_whitespace():

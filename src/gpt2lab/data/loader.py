@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from gpt2lab.data.shards import PathLike, ShardError, check_vocab, list_shards, open_mask, open_shard, read_manifest
-from gpt2lab.data.tokenizer import EOT_ID, GPT2_VOCAB_SIZE
+from gpt2lab.data.tokenizer import EOT_ID
+from gpt2lab.model.config import GPT2_VOCAB_SIZE
 
 STATE_VERSION = 1
 

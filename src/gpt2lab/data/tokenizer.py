@@ -31,7 +31,7 @@ import numpy as np
 import tiktoken
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
-from gpt2lab.model.config import CHAT_VOCAB_SIZES, GPT2_VOCAB_SIZE, GPTConfig
+from gpt2lab.model.config import GPTConfig
 from gpt2lab.system.errors import ConfigError, DataError
 from gpt2lab.system.files import atomic_write, sha256_file
 
@@ -86,7 +86,7 @@ class Tokenizer(tiktoken.Encoding):
     identity: Optional[str] = None
     text: Optional[str] = None  # a trained one's tokenizer.json
 
-    def __init__(self, name: str, pat_str: str, ranks: dict, specials: dict, n_vocab: int) -> None:
+    def __init__(self, name: str, pat_str: str, ranks: dict, specials: dict, n_vocab: Optional[int] = None) -> None:
         super().__init__(
             name=name, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=specials, explicit_n_vocab=n_vocab
         )
@@ -100,10 +100,10 @@ class Tokenizer(tiktoken.Encoding):
 @functools.lru_cache(maxsize=2)
 def gpt2_tokenizer(chat: bool = False) -> Tokenizer:
     """The GPT-2 BPE (50257 tokens, ``<|endoftext|>`` = 50256), offline; ``chat``: with the two
-    turn tokens as special tokens too (50259), for a chat model's text. (Built once: it is immutable.)"""
+    turn tokens as special tokens too (50259: ``GPTConfig.template_vocab``), for a chat model's text.
+    (Built once: it is immutable.)"""
     specials = {EOT_TOKEN: EOT_ID, **({IM_START: IM_START_ID, IM_END: IM_END_ID} if chat else {})}
-    n_vocab = CHAT_VOCAB_SIZES["chatml"] if chat else GPT2_VOCAB_SIZE
-    return Tokenizer("gpt2-chatml" if chat else "gpt2", _PAT_STR, _ranks(), specials, n_vocab)
+    return Tokenizer("gpt2-chatml" if chat else "gpt2", _PAT_STR, _ranks(), specials)
 
 
 @functools.lru_cache(maxsize=1)
