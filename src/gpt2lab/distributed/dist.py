@@ -44,7 +44,6 @@ def autocast(device: torch.device, dtype: str | torch.dtype = "float32"):
 @dataclass(frozen=True)
 class DistInfo:
     rank: int = 0
-    local_rank: int = 0
     world_size: int = 1
     device: torch.device = torch.device("cpu")
 
@@ -70,7 +69,7 @@ def init_distributed(device: Optional[str] = None) -> DistInfo:
             torch.cuda.set_device(dev)
         if not dist.is_initialized():
             dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
-    return DistInfo(rank=launch.rank, local_rank=launch.local_rank, world_size=launch.world_size, device=dev)
+    return DistInfo(rank=launch.rank, world_size=launch.world_size, device=dev)
 
 
 def _grouped() -> bool:
@@ -88,11 +87,6 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if _grouped():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
-
-
-def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
-    """Mean over ranks (in place); a no-op in a single process."""
-    return all_reduce_sum(t).div_(world()) if _grouped() else t
 
 
 def rank() -> int:

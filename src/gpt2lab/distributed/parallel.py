@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gpt2lab.distributed.dist import agree, all_reduce_mean, all_reduce_sum, autocast, world
+from gpt2lab.distributed.dist import agree, all_reduce_sum, autocast, world
 from gpt2lab.system.choices import STRATEGY_CHOICES
 from gpt2lab.system.runtime import Choice, ChoiceError
 
@@ -199,7 +199,7 @@ def accumulate_gradients(
             loss = loss * weights[micro]
             total += loss.detach().float()
             (scaler.scale(loss) if scaler is not None else loss).backward()
-    return all_reduce_mean(total)
+    return all_reduce_sum(total).div_(world())  # the mean over ranks
 
 
 def _target_weights(batches: list[Batch], device: torch.device) -> list[torch.Tensor]:
