@@ -64,8 +64,8 @@ def test_batches_are_shifted_int64_and_documents_stay_whole(data):
 def test_two_ranks_disjoint_and_cover_the_epoch(data):
     root, train, _ = data
     ranks = [TokenLoader(root, "train", B, T, rank=r, world_size=2) for r in range(2)]
-    assert ranks[0].sequences_per_epoch == 24 and ranks[0].steps_per_epoch == 3
-    seen = [_targets(_batches(ld, ld.steps_per_epoch)) for ld in ranks]
+    assert ranks[0].sequences_per_epoch == 24  # 3 steps of B=4 on each of 2 ranks
+    seen = [_targets(_batches(ld, 3)) for ld in ranks]
     ids = [s[s != EOT_ID] for s in seen]
     assert len(np.intersect1d(ids[0], ids[1])) == 0
     both = np.concatenate(ids)
@@ -84,9 +84,9 @@ def _doc_order(targets):
 def test_epoch_two_has_a_new_document_order_and_same_tokens(data):
     root, _, _ = data
     loader = TokenLoader(root, "train", B, T)
-    n = loader.steps_per_epoch
+    n = loader.sequences_per_epoch // B
     e1, e2 = _targets(_batches(loader, n)), _targets(_batches(loader, n))
-    assert loader.epoch == 2
+    assert loader.position == 2 * loader.sequences_per_epoch
     assert np.array_equal(np.sort(e1), np.sort(e2))
     d1, d2 = _doc_order(e1), _doc_order(e2)
     assert d1 != d2
@@ -161,8 +161,7 @@ def test_val_reads_in_order_same_every_time_for_any_world_size(data):
         for j in range(2):
             row = rows[2 * k + j].astype(np.int64)
             assert np.array_equal(x[j].numpy(), row[:-1]) and np.array_equal(y[j].numpy(), row[1:])
-    loader.reset()
-    again = _batches(loader, 4)
+    again = _batches(TokenLoader(root, "val", 2, T), 4)
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(first, again))
     pair = [TokenLoader(root, "val", 2, T, rank=r, world_size=2) for r in range(2)]
     got = [pair[i % 2].next_batch() for i in range(4)]

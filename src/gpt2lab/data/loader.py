@@ -85,8 +85,7 @@ class TokenLoader:
     """Batches ``(x, y)`` of int64 CPU tensors (B, T) from a directory of token shards.
 
     ``shuffle=None`` means on for ``train`` and off for every other split. Val (no
-    shuffle) reads in order: the first N sequences are the same for any world size, and
-    ``reset()`` goes back to them.
+    shuffle) reads in order: the first N sequences are the same for any world size.
     """
 
     def __init__(
@@ -136,15 +135,6 @@ class TokenLoader:
     def sequences_per_epoch(self) -> int:
         return int(self.seqs.sum())
 
-    @property
-    def steps_per_epoch(self) -> int:
-        """Whole steps (all ranks together) in one epoch."""
-        return self.sequences_per_epoch // (self.B * self.world_size)
-
-    @property
-    def epoch(self) -> int:
-        return self.position // self.sequences_per_epoch
-
     # -- batches -----------------------------------------------------------------------
     def next_batch(self, seq_len: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """The next (x, y), each (B, T); with ``seq_len`` L (dividing T), the same tokens as (B*T/L, L)."""
@@ -162,10 +152,6 @@ class TokenLoader:
             buf = torch.from_numpy(rows)
             x, y = buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
         return x.view(-1, seq_len), y.view(-1, seq_len)
-
-    def reset(self) -> None:
-        """Back to the very first batch (epoch 0)."""
-        self.position = 0
 
     def _sequence(self, g: int) -> np.ndarray:
         epoch, i = divmod(g, self.sequences_per_epoch)
