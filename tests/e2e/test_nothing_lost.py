@@ -320,7 +320,7 @@ def test_ctrl_c_during_startup_is_one_line(monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("gpt2lab.commands.train._request", interrupted)
+    monkeypatch.setattr("gpt2lab.commands.train.request_from", interrupted)
     assert main(["train", "--preset", "shakespeare-cpu"]) == 130
     assert _one_line(capsys.readouterr().err) == "gpt2lab train: interrupted"
 

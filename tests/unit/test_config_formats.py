@@ -308,12 +308,12 @@ def test_toml_files_take_section_tables_and_flags_go_over_them(tmp_path, capsys)
     assert (cfg.optim.max_steps, cfg.optim.max_lr, cfg.optim.min_lr, cfg.spike.spike_window) == (9, 1e-3, 1e-4, 7)
     assert cfg.model == base.model and cfg.batch == base.batch and cfg.spike.spike_rollback == 3
     # train --config FILE with flags: the flags win field by field, the file's other values stay
-    from gpt2lab.commands.train import _request
+    from gpt2lab.commands.train import request_from
 
     args = cli.build_parser().parse_args(
         ["train", "--config", str(path), "--max-lr", "2e-3", "--spike-window", "5", "--n-layer", "3"]
     )
-    request = _request(args)
+    request = request_from(args)
     assert request.values["optim"]["max_lr"] == 2e-3 and request.values["optim"]["min_lr"] == 1e-4
     assert request.values["spike"] == {"spike_window": 5} and request.explicit == {"n_layer": 3}
     assert request.get("max_steps") == 9 and request.get("spike_rollback") == 3  # the file's, the default

@@ -101,7 +101,7 @@ def _train(tag: str, source: str, preset: str, why: str = "", **flags) -> None:
     words += [w for k, v in flags.items() if v is not None for w in (f"--{k.replace('_', '-')}", str(v))]
     parser = argparse.ArgumentParser()
     train.add_parser(parser.add_subparsers())
-    request = train._request(argparse.Namespace(**vars(parser.parse_args(words)), argv=words))
+    request = train.request_from(parser.parse_args(words, argparse.Namespace(argv=words)))
     print(f"{tag} training {preset} for {request.get('max_steps')} steps into {request.out}{why}", flush=True)
     train_run(request, init_distributed(str(request.get("device"))))
 

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from gpt2lab.train.run import train
     from gpt2lab.train.trainer import Stopped
 
-    request = _request(args)
+    request = request_from(args)
     device = str(request.get("device"))
     faked = args.dry_run and env.fake_facts()  # a plan for another machine: none of this one's devices
     info = DistInfo() if faked else init_distributed(None if device == "auto" else device)
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _request(args: argparse.Namespace):
+def request_from(args: argparse.Namespace):
     """The preset with the flags over it, as the run plan's input (train.plan decides the rest)."""
     from gpt2lab.train.init_from import ARCH_FIELDS
     from gpt2lab.train.plan import Request
