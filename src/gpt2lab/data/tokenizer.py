@@ -33,7 +33,7 @@ from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
 from gpt2lab.model.config import GPTConfig
 from gpt2lab.system.errors import ConfigError, DataError
-from gpt2lab.system.files import atomic_write, sha256_file
+from gpt2lab.system.files import atomic_write, read_json_object, sha256_file
 
 EOT_TOKEN = "<|endoftext|>"
 EOT_ID = 50256
@@ -122,10 +122,10 @@ def is_gpt2_vocabulary(path: str) -> bool:
     try:
         if os.path.isdir(path) and not os.path.isfile(os.path.join(path, TOKENIZER_FILE)):
             return (
-                _read_json(os.path.join(path, "vocab.json")) == vocab
+                read_json_object(os.path.join(path, "vocab.json")) == vocab
                 and _merges(os.path.join(path, "merges.txt")) == merges
             )
-        model = _read_json(os.path.join(path, TOKENIZER_FILE) if os.path.isdir(path) else path)["model"]
+        model = read_json_object(os.path.join(path, TOKENIZER_FILE) if os.path.isdir(path) else path)["model"]
         got = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
         return model.get("type") == "BPE" and model.get("vocab") == vocab and got == merges
     except (OSError, ValueError, TypeError, AttributeError, KeyError):  # missing, not JSON, another shape: not GPT-2's
@@ -134,12 +134,7 @@ def is_gpt2_vocabulary(path: str) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _gpt2_vocab_and_merges() -> tuple[dict, list[str]]:
-    return _read_json(_checked("encoder.json")), _merges(_checked("vocab.bpe"))
-
-
-def _read_json(path: str):
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return read_json_object(_checked("encoder.json")), _merges(_checked("vocab.bpe"))
 
 
 def _merges(path: str) -> list[str]:
@@ -202,10 +197,8 @@ class TrainedBPE(Tokenizer):
 
 
 # -- which tokenizer -------------------------------------------------------------------------------
-def load_tokenizer(path: str, identity: Optional[str] = None, what_next: str = "") -> TrainedBPE:
-    """The trained tokenizer in ``path`` (a directory holding tokenizer.json, or the file itself),
-    checked to be ``identity`` when given."""
-    file = os.path.join(path, TOKENIZER_FILE) if os.path.isdir(path) else path
+def load_tokenizer(file: str, identity: Optional[str] = None, what_next: str = "") -> TrainedBPE:
+    """The trained tokenizer in ``file`` (a tokenizer.json), checked to be ``identity`` when given."""
     fix = f"; {what_next}" if what_next else ""
     try:
         with open(file, "rb") as f:
