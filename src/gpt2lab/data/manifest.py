@@ -277,25 +277,24 @@ HELD_OUT = "held_out.jsonl"
 KEY = "held_out"  # the manifest's key naming the file
 
 
-def write_held_out(src: TextSource, out: Path, manifest: Dict) -> Optional[str]:
+def write_held_out(src: TextSource, out: Path, manifest: Dict) -> None:
     """Write ``out``'s held-out conversations, unless its finished manifest already names a file that
-    is there; record the file in the manifest. Returns its path (None: no val split, nothing written)."""
+    is there; record the file in the manifest (nothing without a val split)."""
     path = out / HELD_OUT
     if manifest.get(KEY) == HELD_OUT and path.is_file():
-        return str(path)
+        return
     # the source's first conversations wholly in the val split (none without one)
     val, train = manifest["splits"].get("val", {"documents": 0}), manifest["splits"].get("train")
     n = val["documents"]
     if train and open_shard(out / train["shards"][0])[0] != manifest["eot_id"]:
         n -= 1  # train starts inside the val split's last conversation: it is not held out
     if n < 1:
-        return None
+        return
     with atomic_write(str(path), "w", what_next="free some space and run the same prepare command again") as f:
         for doc in src.documents(0, n):  # the source's first n records: encode_conversations read them
             f.write(json.dumps({"messages": [{"role": r, "content": c} for r, c in doc.turns()]}) + "\n")
     manifest[KEY] = HELD_OUT
     save_manifest(out, manifest)
-    return str(path)
 
 
 def held_out_file(data_dir: str) -> Optional[str]:

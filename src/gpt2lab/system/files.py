@@ -121,15 +121,15 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def sweep_stale(folder: str) -> list[str]:
+def sweep_stale(folder: str) -> None:
     """Remove ``.tmp_*_<pid>`` entries directly in ``folder`` whose process is gone.
 
     Only names this module makes are touched, and only those of dead processes, so a
-    run writing into the same folder right now keeps its temporaries. Returns what was
-    removed (a warning names them).
+    run writing into the same folder right now keeps its temporaries. A warning names
+    what was removed.
     """
     if not os.path.isdir(folder):
-        return []
+        return
     removed = []
     for name in sorted(os.listdir(folder)):
         m = _TMP.match(name.removesuffix(".old"))
@@ -142,7 +142,6 @@ def sweep_stale(folder: str) -> list[str]:
             f"({', '.join(removed[:3])}{', ...' if len(removed) > 3 else ''})",
             stacklevel=2,
         )
-    return removed
 
 
 def sha256_file(path: str) -> str:
