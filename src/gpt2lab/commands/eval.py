@@ -95,7 +95,7 @@ def _scored(args: argparse.Namespace, score, kind: str = "score", linear: str = 
     (inference/completion.load_for_inference)."""
     import dataclasses
 
-    from gpt2lab.distributed.dist import cleanup, init_distributed, print0
+    from gpt2lab.distributed.dist import cleanup, init_distributed
     from gpt2lab.inference.completion import load_for_inference
     from gpt2lab.inference.flags import inference_request
 
@@ -108,7 +108,8 @@ def _scored(args: argparse.Namespace, score, kind: str = "score", linear: str = 
         record = {**score(model, info), "inference": decision.record()}
         if write is not None:
             write(record)
-        print0(json.dumps(record))
+        if info.is_main:
+            print(json.dumps(record), flush=True)
     finally:
         cleanup()
     return 0

@@ -132,9 +132,3 @@ def decided_on_rank_0(decide):
     if error is not None:
         raise error
     return value
-
-
-def print0(*args, **kwargs) -> None:
-    """print on rank 0 only."""
-    if env.launch().rank == 0:
-        print(*args, **kwargs, flush=True)
