@@ -98,7 +98,6 @@ class TokenLoader:
         world_size: int = 1,
         shuffle: Optional[bool] = None,
         seed: int = 0,
-        vocab_size: Optional[int] = None,
     ) -> None:
         if batch_size < 1 or seq_len < 1:
             raise ValueError(f"batch_size {batch_size} and seq_len {seq_len} must both be >= 1")
@@ -111,8 +110,8 @@ class TokenLoader:
         self.shuffle = (split == "train") if shuffle is None else bool(shuffle)
         manifest = read_manifest(self.data_dir)  # an unfinished prepare is refused there
         self.masked = "chat_template" in manifest  # conversations: shards with masks
-        # the bound every token is checked against: the caller's, else the tokenizer the manifest names
-        self.seed, self.vocab_size = seed, vocab_size or int(manifest.get("vocab_size", GPT2_VOCAB_SIZE))
+        # the bound every token is checked against: the vocabulary of the tokenizer the manifest names
+        self.seed, self.vocab_size = seed, int(manifest.get("vocab_size", GPT2_VOCAB_SIZE))
         self.eot_id = int(manifest.get("eot_id", EOT_ID))  # where documents start (the tokenizer's)
         self.paths = list_shards(self.data_dir, split)
         self.counts = [len(open_shard(p)) for p in self.paths]
