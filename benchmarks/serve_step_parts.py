@@ -52,18 +52,14 @@ PARTS = [
 def _iterations() -> None:
     steps = batch.Worker._steps
 
-    def timed_steps(self):
-        it = steps(self)
-        while True:
-            start = time.perf_counter()
-            try:
-                busy = next(it)
-            except StopIteration:
-                return
+    def timed_steps(self):  # an iteration: from asking for the next step to getting it
+        start = time.perf_counter()
+        for busy in steps(self):
             if busy:
                 TOTAL["iteration"] += time.perf_counter() - start
                 CALLS["iteration"] += 1
             yield busy
+            start = time.perf_counter()
 
     batch.Worker._steps = timed_steps
 

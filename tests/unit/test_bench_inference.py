@@ -104,6 +104,8 @@ def test_bench_serve_defaults_are_serves_and_the_peer_runs_a_batch_per_stream_co
     [
         (["ladder", "--rungs", "nope"], "--rungs: unknown nope; choose from"),
         (["hellaswag", "--repeats", "0"], "--repeats must be at least 1, got 0"),
+        (["memory", "--size", "999M", "--plan", "80"], "--size 999M: unknown GPT-2 size '999M'; choose one of"),
+        (["lora", "--size", "gpt5"], "unknown GPT-2 size 'gpt5'; choose one of"),
     ],
 )
 def test_a_bench_flag_that_cannot_work_is_one_line_and_exit_2(argv, says, capsys):

@@ -53,18 +53,19 @@ def runs(tmp_path):
 
 
 def test_tokens_per_step_from_config_json(tmp_path):
+    """An eval-only log: a val point's tokens are its step times config.json's total_batch_tokens."""
     from gpt2lab.system.errors import ConfigError
 
-    (tmp_path / "metrics.jsonl").write_text("")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 5, "val_loss": 3.0}\n')
     (tmp_path / "config.json").write_text(
         json.dumps({"format_version": 2, "batch": {"total_batch_tokens": 768}, "model": {}})
     )
-    assert load_curve(str(tmp_path)).tokens_per_step == 768
+    assert load_curve(str(tmp_path)).points == [(5, 5 * 768, 0.0, 3.0)]
     (tmp_path / "config.json").write_text(json.dumps({"total_batch_tokens": 512, "n_layer": 2}))  # the first runs'
     with pytest.raises(ConfigError, match="config.json: a run config without format_version, written by an older"):
         load_curve(str(tmp_path))
     (tmp_path / "config.json").unlink()
-    assert load_curve(str(tmp_path)).tokens_per_step is None
+    assert load_curve(str(tmp_path)).points == [(5, 0, 0.0, 3.0)]  # no config: no tokens known
 
 
 def test_curve_points_count_tokens_and_seconds_before_each_eval(runs):

@@ -13,6 +13,7 @@ other processes falls on all of them alike.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -72,18 +73,13 @@ class MatmulFlops:
     QK^T and AV are left out: at HellaSwag lengths they add about 2%."""
 
     def __init__(self, model: GPT) -> None:
-        blocks = model.transformer.h
-        self.per_token = 2 * sum(m.weight.numel() for m in blocks.modules() if isinstance(m, torch.nn.Linear))
-        self.per_row = 2 * model.lm_head.weight.numel()
-        self.flops = 0
-        blocks[0].register_forward_hook(self._tokens)
-        model.lm_head.register_forward_hook(self._rows)
+        blocks, self.flops = model.transformer.h, 0
+        per_token = 2 * sum(m.weight.numel() for m in blocks.modules() if isinstance(m, torch.nn.Linear))
+        for module, per in ((blocks[0], per_token), (model.lm_head, 2 * model.lm_head.weight.numel())):
+            module.register_forward_hook(functools.partial(self._count, per))
 
-    def _tokens(self, module, inputs, output) -> None:
-        self.flops += self.per_token * inputs[0].shape[0] * inputs[0].shape[1]
-
-    def _rows(self, module, inputs, output) -> None:
-        self.flops += self.per_row * (inputs[0].numel() // inputs[0].shape[-1])
+    def _count(self, per: int, module, inputs, output) -> None:
+        self.flops += per * (inputs[0].numel() // inputs[0].shape[-1])  # the tokens (rows) of its input
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -34,7 +34,7 @@ import torch
 from gpt2lab.benchmarks import rounds
 from gpt2lab.benchmarks.train import ReferenceGPT, loss_of_step, recipe_step
 from gpt2lab.distributed.dist import pick_device
-from gpt2lab.model.config import SIZES as GPT2_SIZES
+from gpt2lab.model.config import PRESETS, SIZES
 from gpt2lab.system.choices import finite_float
 from gpt2lab.system.errors import UsageError
 from gpt2lab.system.files import atomic_write, tmp_name
@@ -43,8 +43,7 @@ from gpt2lab.system.runtime import measure_matmul
 RUNGS = ("fp32", "tf32", "bf16", "compile", "flash", "vocab50304", "fused_adamw")
 EXTRA = ("gpt2lab", "hf")
 DIAGNOSTIC = ("model_chunked", "model_ce")
-SHAPE_KEYS = ("n_layer", "n_head", "n_embd")
-SHAPES = {**{s.label: (s.n_layer, s.n_head, s.n_embd) for s in GPT2_SIZES[:2]}, "tiny": (2, 2, 64)}
+SHAPES = {**{s.label: PRESETS[s.hub] for s in SIZES[:2]}, "tiny": dict(n_layer=2, n_head=2, n_embd=64)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,26 +76,26 @@ def _build(rung: str, shape, B: int, T: int, device: torch.device, data):
 
         batch = dict(block_size=T, seq_len=T, micro_batch_size=B, total_batch_tokens=B * T)
         how = dict(device=str(device), compile=True, dtype="bfloat16", hellaswag_interval=0, progress=False)
-        cfg = load_preset("gpt2-124m", data=data, **dict(zip(SHAPE_KEYS, shape)), **batch, **how)
+        cfg = load_preset("gpt2-124m", data=data, **shape, **batch, **how)
         trainer = Trainer.from_config(cfg, DistInfo(device=device))
         return loss_of_step(trainer), trainer.raw
-    s, named = settings(rung), dict(zip(SHAPE_KEYS, shape))
+    s = settings(rung)
     torch.manual_seed(0)
     if rung == "hf":  # sdpa attention, no dropout
         import transformers
 
         transformers.logging.set_verbosity_error()
         no_dropout = dict.fromkeys(("resid_pdrop", "embd_pdrop", "attn_pdrop"), 0.0)
-        cfg = transformers.GPT2Config(**named, n_positions=T, vocab_size=50304, use_cache=False, **no_dropout)
+        cfg = transformers.GPT2Config(**shape, n_positions=T, vocab_size=50304, use_cache=False, **no_dropout)
         model = transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa").train()
     elif rung in DIAGNOSTIC:  # gpt2lab's GPT, its chunked loss or the logits and one F.cross_entropy
         from gpt2lab.model.gpt import GPT, GPTConfig
         from gpt2lab.model.loss import LossPath
 
-        model = GPT(GPTConfig(block_size=T, vocab_size=50304, token_vocab_size=50257, **named))
+        model = GPT(GPTConfig(block_size=T, vocab_size=50304, token_vocab_size=50257, **shape))
         model.set_loss(LossPath(chunked=True, compiled=True))
     else:
-        model = ReferenceGPT(s["vocab"], T, *shape, flash=s["flash"])
+        model = ReferenceGPT(s["vocab"], T, **shape, flash=s["flash"])
     x, y = (torch.randint(0, 50257, (B, T), device=device) for _ in range(2))
 
     def loss(forward) -> torch.Tensor:
@@ -130,6 +129,7 @@ def run(args: argparse.Namespace) -> dict:
     from gpt2lab.system.hardware import peak_flops
 
     device = pick_device(args.device)
+    cuda = device.type == "cuda"
     shape, B, T = SHAPES[args.size], args.batch_size, args.seq_len
     wanted = [r.strip() for r in args.rungs.split(",") if r.strip()]
     unknown = [r for r in wanted if r not in RUNGS + EXTRA + DIAGNOSTIC]
@@ -137,9 +137,9 @@ def run(args: argparse.Namespace) -> dict:
         raise UsageError(f"--rungs: unknown {', '.join(unknown)}; choose from {', '.join(RUNGS + EXTRA + DIAGNOSTIC)}")
     if "gpt2lab" in wanted and not args.data:
         raise UsageError("--rungs gpt2lab needs --data DIR (token shards from gpt2lab prepare)")
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
     peak = args.peak_flops or peak_flops(name)
-    measured = measure_matmul(device, 8192 if device.type == "cuda" else 512).bf16_gflops / 1000  # MFU's ceiling
+    measured = measure_matmul(device, 8192 if cuda else 512).bf16_gflops / 1000  # MFU's ceiling
     out = {
         "device": name,
         "torch": torch.__version__,
@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> dict:
     }
     for rung in wanted:
         s = settings(rung)
-        if device.type == "cuda":
+        if cuda:
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = s["tf32"]
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
@@ -172,10 +172,9 @@ def run(args: argparse.Namespace) -> dict:
         if ms is None:  # outside the except: its traceback no longer holds the rung's tensors
             rec["oom"] = True
         else:
-            n = sum(p.numel() for p in model.parameters()) - T * shape[2]  # without wpe, tied counted once
-            fpt = 6 * n + 12 * shape[0] * shape[2] * T
+            n = sum(p.numel() for p in model.parameters()) - T * shape["n_embd"]  # without wpe, tied counted once
+            fpt = 6 * n + 12 * shape["n_layer"] * shape["n_embd"] * T
             tok_s = B * T / (ms / 1000)
-            cuda = device.type == "cuda"
             rec.update(
                 ms_per_step=round(ms, 2),
                 tok_per_s=round(tok_s),
@@ -189,9 +188,7 @@ def run(args: argparse.Namespace) -> dict:
         out["rungs"].append(rec)
         del step, model  # free this rung's model, optimizer and compiled graphs before the next
         torch._dynamo.reset()
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    if device.type == "cuda":
+        gc.collect()  # the next rung's start empties CUDA's cache
+    if cuda:
         torch.backends.cuda.matmul.allow_tf32 = False
     return out

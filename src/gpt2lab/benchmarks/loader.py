@@ -51,17 +51,6 @@ def _rate(loader: TokenLoader, batches: int) -> dict:
     }
 
 
-def _model_step_s(batch_size: int, seq_len: int) -> float:
-    import torch
-
-    from gpt2lab.model.gpt import GPT, GPTConfig
-
-    model = GPT(GPTConfig())
-    x = torch.randint(0, 50257, (1, seq_len))
-    seconds, _ = timed(lambda: model(x, x)[1].backward())
-    return seconds * batch_size  # forward+backward scales ~linearly in B
-
-
 def run(args) -> dict:
     B, T = args.batch_size, args.seq_len
     out: dict = {"batch_size": B, "seq_len": T, "load_avg_1m_before": round(os.getloadavg()[0], 2)}
@@ -72,8 +61,13 @@ def run(args) -> dict:
             out["data"] = f"synthetic: train 2 x {args.shard_tokens} tokens, val 1 shard"
         for split in ("train", "val"):
             out[split] = _rate(TokenLoader(data, split, B, T), args.batches)
-    if args.step_model:
-        step = _model_step_s(B, T)
+    if args.step_model:  # one CPU forward+backward at (1, T), scaled by B (it scales ~linearly in B)
+        import torch
+
+        from gpt2lab.model.gpt import GPT, GPTConfig
+
+        model, x = GPT(GPTConfig()), torch.randint(0, 50257, (1, T))
+        step = B * timed(lambda: model(x, x)[1].backward())[0]
         out["cpu_train_step_s_estimate"] = round(step, 2)
         out["loader_vs_step"] = round(min(out[s]["batches_per_s"] for s in ("train", "val")) * step)
     return out

@@ -31,7 +31,7 @@ import torch
 from gpt2lab.benchmarks import peak_rss_bytes, rss_bytes, timed
 from gpt2lab.benchmarks.loader import synthetic_shards
 from gpt2lab.distributed.dist import DistInfo, cleanup, from_every_rank, init_distributed, pick_device
-from gpt2lab.model.config import PRESET_ALIASES, PRESETS
+from gpt2lab.model.config import GPTConfig
 from gpt2lab.system import env
 from gpt2lab.system.choices import DTYPES, STRATEGIES, finite_float
 from gpt2lab.system.errors import ConfigError, UsageError
@@ -69,13 +69,11 @@ def run_config(args: argparse.Namespace, micro_batch: int, accum: int, world: in
     if args.preset is not None and args.size is not None:
         raise UsageError("--size and --preset both given; pass one (a preset brings its own architecture)")
     arch = {}
-    if args.preset is None:
-        args.size, args.seq_len = args.size or "124M", args.seq_len or 1024
-        key = PRESET_ALIASES.get(args.size.lower(), args.size.lower())
-        if args.size.lower() != "tiny" and key not in PRESETS:
-            raise UsageError(f"--size {args.size}: choose 124M, 350M, 774M, 1558M or tiny")
-        arch = {**(TINY if args.size.lower() == "tiny" else PRESETS[key]), "block_size": args.seq_len}
     try:
+        if args.preset is None:
+            args.size, args.seq_len = args.size or "124M", args.seq_len or 1024
+            shape = TINY if args.size.lower() == "tiny" else {k: getattr(GPTConfig.preset(args.size), k) for k in TINY}
+            arch = {**shape, "block_size": args.seq_len}
         cfg = load_preset(args.preset or "gpt2-124m", **arch, **({"seq_len": args.seq_len} if args.seq_len else {}))
         args.size, args.seq_len = args.size or args.preset, args.seq_len or cfg.batch.seq_len
         return cfg.with_values(

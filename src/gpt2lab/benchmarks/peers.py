@@ -151,16 +151,9 @@ class LlamaCpp:
 
 
 def best_rounds(rounds: list[dict]) -> dict:
-    """Each type's best tok/s over ``rounds`` (``LlamaCpp.tok_per_s`` results); a type no round ran
-    keeps its first round's error."""
-    out: dict = {}
-    for got in rounds:
-        for kind, v in got.items():
-            if isinstance(v, float):
-                out[kind] = max(v, out[kind]) if isinstance(out.get(kind), float) else v
-            else:
-                out.setdefault(kind, v)
-    return out
+    """Each type's best tok/s over ``rounds`` (``LlamaCpp.tok_per_s`` results: each names every type); a
+    type no round ran keeps its first round's error."""
+    return {k: max((r[k] for r in rounds if isinstance(r[k], float)), default=v) for k, v in rounds[0].items()}
 
 
 def ratios(ours: float, theirs: dict) -> dict:

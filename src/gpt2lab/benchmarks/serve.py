@@ -48,7 +48,7 @@ from gpt2lab.benchmarks import add_shape_flags, machine, peers, rss_bytes, shape
 from gpt2lab.inference.flags import add_inference_flags, inference_request
 from gpt2lab.model.gpt import GPT
 from gpt2lab.observe.plot import md_table
-from gpt2lab.serve.limits import Limits
+from gpt2lab.serve.limits import Limits, add_flags, from_flags
 from gpt2lab.system.choices import finite_float
 from gpt2lab.system.errors import UsageError
 
@@ -56,7 +56,6 @@ LATENCIES = ("ttft", "tpot", "itl", "e2el")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = Limits()
     add_shape_flags(p)
     p.add_argument("--new-tokens", type=int, default=64, help="tokens asked of each request")
     p.add_argument("--streams", default="1,8", help="comma-separated counts of requests in flight at most")
@@ -67,8 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer", default="none", help="ctranslate2: also time its batch of each stream count's rows")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-batch", type=int, default=d.max_batch)
-    p.add_argument("--max-queue", type=int, default=d.max_queue)
+    add_flags(p, Limits)  # serve's limits, as serve takes them
     p.add_argument("--deterministic", action="store_true", help="serve requests in turns (no batching)")
     p.add_argument("--fault", action="store_true", help="after the load, the fault run")
 
@@ -302,10 +300,7 @@ def run(args: argparse.Namespace) -> dict:
         raise UsageError(f"--streams {args.streams}: give whole counts of at least 1, comma-separated (e.g. 1,8,32)")
     if args.request_rate is not None and args.request_rate <= 0:
         raise UsageError(f"--request-rate {args.request_rate}: must be > 0 (leave it out for back-to-back requests)")
-    try:
-        limits = Limits(max_batch=args.max_batch, max_queue=args.max_queue)
-    except ValueError as e:  # Limits names the flag
-        raise UsageError(str(e)) from None
+    limits = from_flags(Limits, args)
     wanted = peers.parse_peers(args.peer)
     if "transformers" in wanted:
         raise UsageError("--peer transformers: bench serve times CTranslate2 only (bench sample times both)")

@@ -109,8 +109,8 @@ def evaluate(
         )
     was_training = model.training
     model.eval()
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    kept = torch.zeros((), dtype=torch.float32, device=device)  # the targets the loss is taken on
+    # the summed loss, and the targets it is taken on
+    total, kept = (torch.zeros((), dtype=torch.float32, device=device) for _ in range(2))
     n_targets, n_bytes = 0, 0  # this rank's targets and the bytes they decode to
     rows = batch_size
     if getattr(model, "decode", None) is not None:  # prepared: whole logits, so a few sequences at a time

@@ -152,7 +152,7 @@ class GPTConfig:
         key = PRESET_ALIASES.get(name.lower(), name.lower())
         if key not in PRESETS:
             choices = ", ".join(sorted(PRESETS) + sorted(PRESET_ALIASES))
-            raise ValueError(f"unknown GPT-2 size {name!r}; choose one of: {choices}")
+            raise ConfigError(f"unknown GPT-2 size {name!r}; choose one of: {choices}")
         return cls(**{**PRESETS[key], **overrides})
 
 

@@ -26,7 +26,6 @@ class Curve:
 
     name: str
     points: list[tuple[int, int, float, float]] = field(default_factory=list)  # (step, tokens, seconds, loss)
-    tokens_per_step: Optional[int] = None
 
     @property
     def final(self) -> Optional[tuple[int, int, float, float]]:
@@ -41,12 +40,12 @@ def load_curve(run_dir: str, metric: str = "val_loss") -> Curve:
     """``metric`` (val_loss, train_loss, or val_bpb: bits per byte, for runs with different tokenizers) of a
     run directory against tokens and seconds."""
     run = load_run(run_dir)
-    tokens_per_step = config_value(run.config, "total_batch_tokens") if run.config else None
+    tokens_per_step = config_value(run.config or {}, "total_batch_tokens")
     tokens_per_step = tokens_per_step if isinstance(tokens_per_step, int) else None
     # the later record of a step wins (a resumed run logs some steps again); train_loss of step s is
     # measured before its update: the model after s steps, like val at s
     train = run.train
-    curve = Curve(run.name, tokens_per_step=tokens_per_step)
+    curve = Curve(run.name)
     seconds, tokens, done = 0.0, 0, 0
     for step, value in run.series.get(metric, []):
         while done < len(train) and train[done]["step"] < step:
