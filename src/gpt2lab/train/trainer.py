@@ -108,7 +108,8 @@ class Trainer:
     def __init__(self, plan: RunPlan, info: DistInfo) -> None:
         cfg = self.cfg = plan.config
         self.plan, self.info, self.device, self.accum = plan, info, info.device, plan.accum
-        self.choices, self.dtype, self.compile = plan.choices, str(plan.dtype.value), bool(plan.compile.value)
+        self.choices = choices = plan.choices
+        self.dtype, self.compile = str(choices.dtype.value), bool(choices.compile.value)
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
@@ -125,7 +126,7 @@ class Trainer:
         self.train_model, self.model = parallel.wrap(
             self.raw, str(plan.strategy.value), info.distributed, self.device, self.dtype, self.compile
         )
-        ns = plan.ns_dtype
+        ns = choices.ns_dtype
         self.optimizer = build_optimizer(
             self.raw, cfg.optim, self.device, ns_dtype=str(ns.value) if ns else None, tokenizer=self.tokenizer
         )
