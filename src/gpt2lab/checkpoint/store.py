@@ -224,18 +224,6 @@ def step_of(path: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-def find_intact(run_dir: str, report=None) -> Optional[str]:
-    """The newest checkpoint that passes ``verify``; ``report(line)`` hears of each one skipped."""
-    for path in reversed(list_checkpoints(run_dir)):
-        try:
-            verify(path)
-            return path
-        except CheckpointError as e:
-            if report is not None:
-                report(f"checkpoint {path} is damaged ({getattr(e, 'why', e)}); trying the one before it")
-    return None
-
-
 def list_checkpoints(run_dir: str) -> list[str]:
     """Complete checkpoints of a run, oldest first (temporary directories never match)."""
     root = os.path.join(run_dir, "checkpoints")
@@ -355,7 +343,7 @@ def load(ckpt: str, parts: Mapping[str, Any], verified: bool = False) -> None:
 
     Called on every rank. A sharded checkpoint is resharded to this run's ranks by DCP
     (onto a plain model too); a full one loads whole, or each rank keeps its slices of it
-    when the model is sharded. ``verified``: its checksums were just checked (find_intact).
+    when the model is sharded. ``verified``: its checksums were just checked (weights.load.checkpoint_of).
     The model continues from the weights as trained (training.safetensors where the
     checkpoint holds a weight average); a weight average part from model.safetensors, or,
     from a checkpoint without one, starts again from the model.

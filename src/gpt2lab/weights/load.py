@@ -244,10 +244,14 @@ def checkpoint_of(path: str, flag: Optional[str] = "--model", report: Callable[[
         except CheckpointError as e:
             raise store.damaged(path, e.why, flag) from None
         return path
-    found = store.find_intact(path, report=report)
-    if found is not None:
-        return found
-    if store.find_latest(path):
+    checkpoints = store.list_checkpoints(path)
+    for found in reversed(checkpoints):  # the newest that passes verify
+        try:
+            store.verify(found)
+            return found
+        except CheckpointError as e:
+            report(f"checkpoint {found} is damaged ({e.why}); trying the one before it")
+    if checkpoints:
         raise CheckpointError(
             f"{path}: every checkpoint is damaged (each named above); train again, or pass another source"
         )
