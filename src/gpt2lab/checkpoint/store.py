@@ -18,7 +18,7 @@ optimizer steps completed):
   both:
     state.pt           the checkpoint's format_version (system/formats.py: CHECKPOINT), the
                        trainer's step, tokens, guard, skips and the record of the weights the
-                       run began from (--init-from; train.plan.began_from reads it) at the top
+                       run began from (--init-from; train.gather reads it back) at the top
                        level, and "loader", "rng" (python, numpy, torch, cuda) and "scaler" entries
     config.json        the run's resolved TrainConfig, nested by section, with the run format's
                        format_version (system/formats.py: RUN)
@@ -296,12 +296,11 @@ def _check_shape(model: torch.nn.Module, ckpt: str, theirs: dict) -> None:
     if mine == theirs:
         return
     # one line: the shape fields that differ (only those), or, when the configs agree, a tensor that does not
-    cfg = getattr(model, "config", None)
     try:
         have = model_from_config(read_config(ckpt)).shape()
     except (CheckpointError, ConfigError):
         have = None
-    want = cfg.shape() if hasattr(cfg, "shape") and have is not None else {}
+    want = model.config.shape() if have is not None else {}  # a GPT's (compiled, sharded or not)
     k = (sorted(set(mine) ^ set(theirs)) or [k for k in mine if mine[k] != theirs.get(k)])[0]
     tensor = f"{k} is {theirs.get(k, 'absent')} there, {mine.get(k, 'absent')} here"
     fields = [
