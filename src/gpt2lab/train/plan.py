@@ -97,7 +97,7 @@ class RunPlan:
     accum: int  # micro-steps per optimizer step
     params: int  # parameters of the model (before LoRA)
     memory: Optional[dict]  # memplan's prediction per rank, MiB by term
-    began: Optional[dict] = None  # a resumed run's init-from record, from its checkpoint (began_from)
+    began: Optional[dict] = None  # a resumed run's init-from record, from its checkpoint's state.pt
     schedule_change: Optional[str] = None  # a resume's new LR schedule, said in one line (schedule_change)
     data_source: Optional[str] = None  # what the data was prepared from (its manifest's source): the report's baselines
     prompt_reason: Optional[str] = None  # why the samples' prompt is not the settings' (sample_prompt)

@@ -177,7 +177,7 @@ class Trainer:
     def state_dict(self) -> dict:
         """The trainer's own part: counters, the spike guard's memory and the data skipped; and
         the record of the weights the run began from, which a resume's plan reads back
-        (train.gather.began_from) rather than this."""
+        (train.gather.gather) rather than this."""
         return {
             "step": self.step,
             "tokens": self.tokens,
