@@ -52,6 +52,16 @@ class MachineFacts:
             f" [faked by {env.FAKE_FACTS}={self.faked}]" if self.faked else ""
         )
 
+    def memory(self) -> tuple[Optional[int], str]:
+        """The memory one process of the run may fill, in bytes (None: unknown) and in words: a GPU's, else
+        the process's share of this machine's RAM (what the plan predicts against, train.plan.check_memory)."""
+        cuda = self.device.device_type == "cuda"
+        limit = self.device_bytes if cuda else self.host_bytes
+        gib = f"{(limit or 0) / 2**30:.1f} GiB"
+        each = f" per process ({self.world_size})" if self.world_size > 1 else ""
+        gpu = f"the {gib} of {self.device.device_name or 'the GPU'}"
+        return limit, gpu if cuda else f"this machine's {gib} of RAM{each}"
+
 
 def detect_machine(device, world_size: int = 1, dtype: str = "auto") -> MachineFacts:
     """This machine's facts for a run on ``device`` (the CPU probe only when ``dtype`` needs it)."""

@@ -253,8 +253,7 @@ def check_memory(plan: RunPlan) -> None:
     or a CPU run's share of the RAM; name the largest --micro-batch-size that fits. (A start's check,
     after the data's: the plan itself describes any machine.)"""
     cfg, machine, b, world = plan.config, plan.machine, plan.config.batch, plan.machine.world_size
-    cuda = machine.device.device_type == "cuda"
-    limit = machine.device_bytes if cuda else machine.host_bytes
+    limit, have = machine.memory()
     strategy, dtype, compiled = str(plan.strategy.value), str(plan.choices.dtype.value), plan.choices.compile.value
 
     def total_at(B: int) -> int:
@@ -266,11 +265,6 @@ def check_memory(plan: RunPlan) -> None:
     rows = max(1, b.total_batch_tokens // (b.seq_len * world))  # a micro-batch must divide a step's rows
     sizes = (B for B in range(min(b.micro_batch_size - 1, rows), 0, -1) if rows % B == 0)
     fit = next((B for B in sizes if parallel.fits(total_at(B), limit)), None)
-    have = (
-        f"the {limit / 2**30:.1f} GiB of {machine.device.device_name or 'the GPU'}"
-        if cuda
-        else f"this machine's {limit / 2**30:.1f} GiB of RAM" + (f" per process ({world})" if world > 1 else "")
-    )
     fix = (
         f"lower --micro-batch-size to {fit} ({total_at(fit) / 2**30:.1f} GiB predicted)"
         if fit

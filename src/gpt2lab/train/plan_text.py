@@ -52,12 +52,8 @@ def lines(plan: RunPlan) -> list[str]:
     c, m, b, o, f = plan.config, plan.config.model, plan.config.batch, plan.config.optim, plan.machine
     mem = "no prediction for this device"
     if plan.memory:
-        have = ""
-        if f.device_bytes:
-            have = f" of the device's {f.device_bytes / 2**30:.1f} GiB"
-        elif f.host_bytes:
-            each = " per process" if f.world_size > 1 else ""
-            have = f" of this machine's {f.host_bytes / 2**30:.1f} GiB of RAM{each}"
+        limit, have = f.memory()
+        have = f" of {have}" if limit else ""
         mem = f"{plan.memory['total'] / 1024:.2f} GiB per rank predicted{have} (peak at {plan.memory['phase']})"
     final = "" if m.mtp_weight_final is None else f", to {m.mtp_weight_final} at the last step"
     loss = [
