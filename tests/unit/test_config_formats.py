@@ -254,18 +254,6 @@ def test_a_retired_key_is_refused():
         TrainConfig.from_dict({"init_from_id": "sha256:" + "ab" * 32}, source="x.toml")
 
 
-def test_a_resume_reads_what_the_run_began_from_in_state_pt(tmp_path):
-    import torch
-
-    from gpt2lab.train.gather import began_from
-
-    torch.save(formats.stamp({"step": 3, "tokens": 0}, formats.CHECKPOINT), tmp_path / "state.pt")
-    assert began_from(str(tmp_path)) is None  # a run from scratch
-    record = {"source": "gpt2", "kind": "hub", "id": "sha256:" + "cd" * 32}
-    torch.save(formats.stamp({"step": 3, "tokens": 0, "init_from": record}, formats.CHECKPOINT), tmp_path / "state.pt")
-    assert began_from(str(tmp_path)) == record
-
-
 @pytest.mark.parametrize(
     "values, message",
     [

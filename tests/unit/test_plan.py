@@ -48,10 +48,10 @@ def _big(preset, out, **fields):
 def test_cpu_dtype_follows_the_cpus_bf16(tmp_path):
     cfg = _cfg(tmp_path / "r", dtype="auto")
     plain, native = make_plan(cfg, PLAIN_CPU), make_plan(cfg, BF16_CPU)
-    assert (plain.dtype.value, native.dtype.value) == ("float32", "bfloat16")
-    assert "no native bf16" in plain.dtype.reason and "amx_bf16" in native.dtype.reason
+    assert (plain.choices.dtype.value, native.choices.dtype.value) == ("float32", "bfloat16")
+    assert "no native bf16" in plain.choices.dtype.reason and "amx_bf16" in native.choices.dtype.reason
     for plan in (plain, native):  # one process on a CPU: unwrapped, chunked loss, no datasheet peak, eager
-        assert (plan.strategy.value, plan.loss.value, plan.peak_flops.value, plan.compile.value) == (
+        assert (plan.strategy.value, plan.loss.value, plan.peak_flops.value, plan.choices.compile.value) == (
             "ddp",
             "chunked",
             None,
@@ -63,7 +63,7 @@ def test_cpu_dtype_follows_the_cpus_bf16(tmp_path):
 def test_eight_h100s_ddp_fused_loss_datasheet_peak_and_memory(tmp_path):
     cfg = _big("gpt2-124m", tmp_path / "r")
     plan = make_plan(cfg, MachineFacts(H100, world_size=8, device_bytes=80 * GIB))
-    assert (plan.dtype.value, plan.compile.value, plan.strategy.value, plan.loss.value) == (
+    assert (plan.choices.dtype.value, plan.choices.compile.value, plan.strategy.value, plan.loss.value) == (
         "bfloat16",
         True,
         "ddp",
@@ -126,7 +126,7 @@ def test_gpu_without_bf16_gets_fp16_and_ddp(tmp_path):
     plan = make_plan(
         _big("gpt2-124m", tmp_path / "r", micro_batch_size=8), MachineFacts(t4, world_size=8, device_bytes=15 * GIB)
     )
-    assert (plan.dtype.value, plan.strategy.value) == ("float16", "ddp") and "float16" in plan.strategy.reason
+    assert (plan.choices.dtype.value, plan.strategy.value) == ("float16", "ddp") and "float16" in plan.strategy.reason
 
 
 def test_loss_path_rule():
@@ -308,7 +308,8 @@ def test_dry_run_cpu_fake_gpus_and_resume_write_nothing(tiny_data, tmp_path, cap
     out = tmp_path / "new"
     assert cli.main(["train", "--preset", "shakespeare-cpu", *cli_args(data=tiny_data, out=str(out)), "--dry-run"]) == 0
     text = capsys.readouterr().out
-    assert "dtype     float32 (asked for with --dtype)" in text and "cpu x 1" in text and not out.exists()
+    assert "runtime   dtype float32 (asked for with --dtype); compile off" in text
+    assert "cpu x 1" in text and not out.exists()
 
     facts = tmp_path / "h100x8.json"
     facts.write_text(

@@ -138,7 +138,8 @@ def test_fp16_scaler_survives_nan_steps_and_resume(tiny_data, tmp_path, monkeypa
 
     cfg = load_preset("shakespeare-cpu", **{**TINY, "data": tiny_data, "out": str(tmp_path), "max_bad_steps": 3})
     plan = make_plan(cfg, MachineFacts(runtime.Facts("cpu")))
-    plan = dataclasses.replace(plan, dtype=runtime.Choice("float16", "test"))  # fp16 on CPU, test only
+    fp16 = dataclasses.replace(plan.choices, dtype=runtime.Choice("float16", "test"))  # fp16 on CPU, test only
+    plan = dataclasses.replace(plan, choices=fp16)
     trainer = Trainer(plan, DistInfo(device=CPU))
     forward, poison = trainer.model.forward, {"on": True}
     trainer.model.forward = lambda *a, **k: (lambda lo: (lo[0], lo[1] * float("nan") if poison["on"] else lo[1]))(
@@ -162,7 +163,7 @@ def test_fp16_scaler_survives_nan_steps_and_resume(tiny_data, tmp_path, monkeypa
     trainer.step = 4
     path = trainer.save()
     resumed = Trainer(
-        dataclasses.replace(make_plan(cfg, MachineFacts(runtime.Facts("cpu")), resume=path), dtype=plan.dtype),
+        dataclasses.replace(make_plan(cfg, MachineFacts(runtime.Facts("cpu")), resume=path), choices=plan.choices),
         DistInfo(device=CPU),
     )
     assert resumed.scaler.state_dict() == trainer.scaler.state_dict()

@@ -18,7 +18,7 @@ optimizer steps completed):
   both:
     state.pt           the checkpoint's format_version (system/formats.py: CHECKPOINT), the
                        trainer's step, tokens, guard, skips and the record of the weights the
-                       run began from (--init-from; train.plan.began_from reads it) at the top
+                       run began from (--init-from; train.gather reads it back) at the top
                        level, and "loader", "rng" (python, numpy, torch, cuda) and "scaler" entries
     config.json        the run's resolved TrainConfig, nested by section, with the run format's
                        format_version (system/formats.py: RUN)
@@ -224,18 +224,6 @@ def step_of(path: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-def find_intact(run_dir: str, report=None) -> Optional[str]:
-    """The newest checkpoint that passes ``verify``; ``report(line)`` hears of each one skipped."""
-    for path in reversed(list_checkpoints(run_dir)):
-        try:
-            verify(path)
-            return path
-        except CheckpointError as e:
-            if report is not None:
-                report(f"checkpoint {path} is damaged ({getattr(e, 'why', e)}); trying the one before it")
-    return None
-
-
 def list_checkpoints(run_dir: str) -> list[str]:
     """Complete checkpoints of a run, oldest first (temporary directories never match)."""
     root = os.path.join(run_dir, "checkpoints")
@@ -308,12 +296,11 @@ def _check_shape(model: torch.nn.Module, ckpt: str, theirs: dict) -> None:
     if mine == theirs:
         return
     # one line: the shape fields that differ (only those), or, when the configs agree, a tensor that does not
-    cfg = getattr(model, "config", None)
     try:
         have = model_from_config(read_config(ckpt)).shape()
     except (CheckpointError, ConfigError):
         have = None
-    want = cfg.shape() if hasattr(cfg, "shape") and have is not None else {}
+    want = model.config.shape() if have is not None else {}  # a GPT's (compiled, sharded or not)
     k = (sorted(set(mine) ^ set(theirs)) or [k for k in mine if mine[k] != theirs.get(k)])[0]
     tensor = f"{k} is {theirs.get(k, 'absent')} there, {mine.get(k, 'absent')} here"
     fields = [
@@ -355,7 +342,7 @@ def load(ckpt: str, parts: Mapping[str, Any], verified: bool = False) -> None:
 
     Called on every rank. A sharded checkpoint is resharded to this run's ranks by DCP
     (onto a plain model too); a full one loads whole, or each rank keeps its slices of it
-    when the model is sharded. ``verified``: its checksums were just checked (find_intact).
+    when the model is sharded. ``verified``: its checksums were just checked (weights.load.checkpoint_of).
     The model continues from the weights as trained (training.safetensors where the
     checkpoint holds a weight average); a weight average part from model.safetensors, or,
     from a checkpoint without one, starts again from the model.

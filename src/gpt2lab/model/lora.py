@@ -11,7 +11,6 @@ peft is an optional extra (``pip install gpt2lab[lora]``), imported only here.
 
 from __future__ import annotations
 
-from gpt2lab.model.config import config_value
 from gpt2lab.model.gpt import GPT
 from gpt2lab.system.errors import ConfigError
 
@@ -40,9 +39,3 @@ def merge_lora(lora_model) -> GPT:
     model = lora_model.merge_and_unload()
     model.requires_grad_(True)
     return model
-
-
-def lora_args(config: dict) -> tuple[int, float, str]:
-    """(rank, alpha, targets) of a run config (a TrainConfig's dict, nested or flat)."""
-    rank, alpha, targets = (config_value(config, name) for name in ("lora_rank", "lora_alpha", "lora_targets"))
-    return int(rank), float(alpha), targets

@@ -5,7 +5,7 @@ decides from its result alone. It reads, in this order:
 
 - the checkpoint to resume (one rule, the newest intact one: ``find_resume``, checksums verified),
   its config.json, and, for a run that began from other weights, that checkpoint read as a source
-  (its architecture) and the record of the weights it began from (``began_from``);
+  (its architecture) and the record of the weights it began from (its state.pt's ``init_from``);
 - the ``--init-from`` source of a fresh run, resolved (the Hugging Face cache or hub for a name),
   its config read and its weights hashed once (``InitFrom``);
 - the data's manifest, and the tokenizer.json it names (present and the one named).
@@ -51,6 +51,16 @@ class MachineFacts:
         return f"{d.device_type} x {self.world_size} ({d.device_name or 'unknown'}{mem})" + (
             f" [faked by {env.FAKE_FACTS}={self.faked}]" if self.faked else ""
         )
+
+    def memory(self) -> tuple[Optional[int], str]:
+        """The memory one process of the run may fill, in bytes (None: unknown) and in words: a GPU's, else
+        the process's share of this machine's RAM (what the plan predicts against, train.plan.check_memory)."""
+        cuda = self.device.device_type == "cuda"
+        limit = self.device_bytes if cuda else self.host_bytes
+        gib = f"{(limit or 0) / 2**30:.1f} GiB"
+        each = f" per process ({self.world_size})" if self.world_size > 1 else ""
+        gpu = f"the {gib} of {self.device.device_name or 'the GPU'}"
+        return limit, gpu if cuda else f"this machine's {gib} of RAM{each}"
 
 
 def detect_machine(device, world_size: int = 1, dtype: str = "auto") -> MachineFacts:
@@ -131,7 +141,7 @@ class Resumed:
     where: str  # its directory (checksums verified)
     saved: dict  # its config.json, either form
     source: Optional[init_from.Source] = None  # a run begun from other weights: the checkpoint read as a source
-    began: Optional[dict] = None  # and the record of the weights it began from (began_from)
+    began: Optional[dict] = None  # and the record of the weights it began from (its state.pt's)
 
 
 @dataclass(frozen=True)
@@ -179,7 +189,7 @@ def gather(
         if config_value(saved, "init_from"):  # begun from other weights: the architecture is the checkpoint's
             src = init_from.find_source(where)
             src.flag = "--resume"
-            began = began_from(where)
+            began = ckpt.read_state(where).get("init_from") or None  # the record the Trainer saved in state.pt
         if source:  # the command that began it, repeated: the same weights, or refused naming both
             same_source(str(source), where, config_value(saved, "init_from"), began)
         resumed = Resumed(where, saved, src, began)
@@ -269,10 +279,3 @@ def find_resume(out: str, resume: Optional[str], report: Callable[[str], None], 
         return checkpoint_of(resume, "--resume", report)
     except WeightsError as e:
         raise ConfigError(named("--resume", resume, e)) from None
-
-
-def began_from(where: str) -> Optional[dict]:
-    """The init-from record of the run checkpoint ``where`` belongs to: the one its state.pt
-    carries (the Trainer writes its plan's ``init_record`` there)."""
-    record = ckpt.read_state(where).get("init_from")
-    return dict(record) if record else None

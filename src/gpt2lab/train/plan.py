@@ -90,24 +90,18 @@ class RunPlan:
     resume: Optional[str]  # the checkpoint to continue from (checksums verified)
     skipped: tuple[str, ...]  # damaged checkpoints passed over, one line each
     init: Optional[InitFrom]  # --init-from of a fresh run (None when resuming)
-    dtype: Choice
-    compile: Choice
+    choices: runtime.Resolved  # dtype, compile and Muon's Newton-Schulz dtype (system.runtime), with their reasons
     strategy: Choice
     loss: LossPath  # value "chunked" or "fused" (model.loss.choose_loss)
     peak_flops: Choice  # value: FLOP/s per device, or None
     accum: int  # micro-steps per optimizer step
     params: int  # parameters of the model (before LoRA)
     memory: Optional[dict]  # memplan's prediction per rank, MiB by term
-    ns_dtype: Optional[Choice] = None  # Muon's Newton-Schulz dtype (None: the run has no Muon)
-    began: Optional[dict] = None  # a resumed run's init-from record, from its checkpoint (began_from)
+    began: Optional[dict] = None  # a resumed run's init-from record, from its checkpoint's state.pt
     schedule_change: Optional[str] = None  # a resume's new LR schedule, said in one line (schedule_change)
     data_source: Optional[str] = None  # what the data was prepared from (its manifest's source): the report's baselines
     prompt_reason: Optional[str] = None  # why the samples' prompt is not the settings' (sample_prompt)
     supervised: Optional[tuple[int, int]] = None  # conversations: (assistant tokens, all tokens) of train
-
-    @property
-    def choices(self) -> runtime.Resolved:
-        return runtime.Resolved(self.dtype, self.compile, self.machine.device, self.ns_dtype)
 
     @property
     def init_record(self) -> Optional[dict]:
@@ -178,15 +172,13 @@ def decide_plan(req: Request, found: Gathered) -> RunPlan:
         resume=resumed.where if resumed else None,
         skipped=found.skipped,
         init=init,
-        dtype=choices.dtype,
-        compile=choices.compile,
+        choices=choices,
         strategy=strategy,
         loss=choose_loss(device.device_type, compiled, sharded),
         peak_flops=choose_peak_flops(cfg.system.peak_flops, machine),
         accum=accum,
         params=memplan.params(cfg),
         memory=memory,
-        ns_dtype=choices.ns_dtype,
         began=resumed.began if resumed else None,
         schedule_change=change,
         data_source=found.manifest.get("source"),
@@ -261,24 +253,18 @@ def check_memory(plan: RunPlan) -> None:
     or a CPU run's share of the RAM; name the largest --micro-batch-size that fits. (A start's check,
     after the data's: the plan itself describes any machine.)"""
     cfg, machine, b, world = plan.config, plan.machine, plan.config.batch, plan.machine.world_size
-    cuda = machine.device.device_type == "cuda"
-    limit = machine.device_bytes if cuda else machine.host_bytes
+    limit, have = machine.memory()
+    strategy, dtype, compiled = str(plan.strategy.value), str(plan.choices.dtype.value), plan.choices.compile.value
 
     def total_at(B: int) -> int:
         c = dataclasses.replace(cfg, batch=dataclasses.replace(b, micro_batch_size=B))
-        strategy, dtype, compiled = str(plan.strategy.value), str(plan.dtype.value), bool(plan.compile.value)
-        return _predict(c, machine, strategy, dtype, c.grad_accum_steps(world), compiled).total
+        return _predict(c, machine, strategy, dtype, c.grad_accum_steps(world), bool(compiled)).total
 
     if limit is None or not plan.memory or parallel.fits(need := total_at(b.micro_batch_size), limit):
         return
     rows = max(1, b.total_batch_tokens // (b.seq_len * world))  # a micro-batch must divide a step's rows
     sizes = (B for B in range(min(b.micro_batch_size - 1, rows), 0, -1) if rows % B == 0)
     fit = next((B for B in sizes if parallel.fits(total_at(B), limit)), None)
-    have = (
-        f"the {limit / 2**30:.1f} GiB of {machine.device.device_name or 'the GPU'}"
-        if cuda
-        else f"this machine's {limit / 2**30:.1f} GiB of RAM" + (f" per process ({world})" if world > 1 else "")
-    )
     fix = (
         f"lower --micro-batch-size to {fit} ({total_at(fit) / 2**30:.1f} GiB predicted)"
         if fit

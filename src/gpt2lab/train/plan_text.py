@@ -16,12 +16,12 @@ PLAN_VERSION = 1
 
 def record(plan: RunPlan) -> dict:
     """run_info.json's "plan" entry (plain JSON)."""
-    c = plan.config
+    c, runtime = plan.config, plan.choices
     choice = lambda ch: {k: v for k, v in dataclasses.asdict(ch).items() if k != "warning" or v}  # noqa: E731
     return {
         "version": PLAN_VERSION,
         "facts": {
-            **plan.choices.record(),
+            **runtime.record(),
             **{k: getattr(plan.machine, k) for k in ("world_size", "device_bytes", "host_bytes", "faked")},
         },
         "resume": plan.resume,
@@ -30,12 +30,12 @@ def record(plan: RunPlan) -> dict:
         "sample_prompt": {"value": c.eval.sample_prompt, "reason": plan.prompt_reason or "as set"},
         "skipped_checkpoints": list(plan.skipped),
         "init_from": plan.init_record,
-        "dtype": choice(plan.dtype),
-        "compile": choice(plan.compile),
+        "dtype": choice(runtime.dtype),
+        "compile": choice(runtime.compile),
         "strategy": choice(plan.strategy),
         "loss": {"value": plan.loss.value, "reason": plan.loss.reason},
         "peak_flops": choice(plan.peak_flops),
-        "muon_ns_dtype": choice(plan.ns_dtype) if plan.ns_dtype else None,
+        "muon_ns_dtype": choice(runtime.ns_dtype) if runtime.ns_dtype else None,
         "activation_checkpointing": c.parallel.activation_checkpointing,
         "grad_accum_steps": plan.accum,
         "params": plan.params,
@@ -52,12 +52,8 @@ def lines(plan: RunPlan) -> list[str]:
     c, m, b, o, f = plan.config, plan.config.model, plan.config.batch, plan.config.optim, plan.machine
     mem = "no prediction for this device"
     if plan.memory:
-        have = ""
-        if f.device_bytes:
-            have = f" of the device's {f.device_bytes / 2**30:.1f} GiB"
-        elif f.host_bytes:
-            each = " per process" if f.world_size > 1 else ""
-            have = f" of this machine's {f.host_bytes / 2**30:.1f} GiB of RAM{each}"
+        limit, have = f.memory()
+        have = f" of {have}" if limit else ""
         mem = f"{plan.memory['total'] / 1024:.2f} GiB per rank predicted{have} (peak at {plan.memory['phase']})"
     final = "" if m.mtp_weight_final is None else f", to {m.mtp_weight_final} at the last step"
     loss = [
@@ -68,7 +64,6 @@ def lines(plan: RunPlan) -> list[str]:
     ]
     optimizer = [
         o.optimizer + (f" ({o.muon_variant})" if o.muon_variant != "muon" else "") + f", {o.lr_schedule} schedule",
-        plan.ns_dtype and f"Newton-Schulz in {plan.ns_dtype.value} ({plan.ns_dtype.reason})",
         o.muon_orth == "polar_express" and "Polar Express in place of Newton-Schulz's polynomial",
         o.cautious_wd and "cautious weight decay",
         o.token_features and "token features shared by the token tables (training only)",
@@ -105,8 +100,7 @@ def lines(plan: RunPlan) -> list[str]:
         *(f"skipped   {line}" for line in plan.skipped),
         plan.schedule_change and f"schedule  {plan.schedule_change}",
         init and f"init from {init['source']} ({init.get('kind', 'recorded by the run')}, {init['id']})",
-        f"dtype     {plan.dtype.value} ({plan.dtype.reason})",
-        f"compile   {'on' if plan.compile.value else 'off'} ({plan.compile.reason})",
+        f"runtime   {plan.choices.summary()}",
         f"strategy  {plan.strategy.value} ({plan.strategy.reason}){checkpointing}",
         "loss      " + "; ".join(part for part in loss if part),
         "optimizer " + "; ".join(part for part in optimizer if part),
@@ -116,7 +110,7 @@ def lines(plan: RunPlan) -> list[str]:
         else f"peak      unknown ({peak.reason}); no MFU",
         f"memory    {mem}",
         f"disk      {describe_checkpoints(checkpoint_disk(c))}",
-        *(f"warning: {ch.warning}" for ch in (plan.dtype, plan.compile) if ch.warning),
+        *(f"warning: {ch.warning}" for ch in (plan.choices.dtype, plan.choices.compile) if ch.warning),
     ]
     return [line for line in rows if line]
 

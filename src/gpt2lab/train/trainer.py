@@ -108,7 +108,8 @@ class Trainer:
     def __init__(self, plan: RunPlan, info: DistInfo) -> None:
         cfg = self.cfg = plan.config
         self.plan, self.info, self.device, self.accum = plan, info, info.device, plan.accum
-        self.choices, self.dtype, self.compile = plan.choices, str(plan.dtype.value), bool(plan.compile.value)
+        self.choices = plan.choices  # dtype, compile and Muon's Newton-Schulz dtype (system.runtime)
+        self.dtype, self.compile = str(self.choices.dtype.value), bool(self.choices.compile.value)
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
@@ -125,7 +126,7 @@ class Trainer:
         self.train_model, self.model = parallel.wrap(
             self.raw, str(plan.strategy.value), info.distributed, self.device, self.dtype, self.compile
         )
-        ns = plan.ns_dtype
+        ns = self.choices.ns_dtype
         self.optimizer = build_optimizer(
             self.raw, cfg.optim, self.device, ns_dtype=str(ns.value) if ns else None, tokenizer=self.tokenizer
         )
@@ -176,7 +177,7 @@ class Trainer:
     def state_dict(self) -> dict:
         """The trainer's own part: counters, the spike guard's memory and the data skipped; and
         the record of the weights the run began from, which a resume's plan reads back
-        (train.gather.began_from) rather than this."""
+        (train.gather.gather) rather than this."""
         return {
             "step": self.step,
             "tokens": self.tokens,

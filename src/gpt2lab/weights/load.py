@@ -45,7 +45,7 @@ from gpt2lab.data.tokenizer import (
 )
 from gpt2lab.model.config import HUB_NAMES, GPTConfig, config_value, model_from_config
 from gpt2lab.model.gpt import GPT
-from gpt2lab.model.lora import add_lora, lora_args, merge_lora  # peft is imported only where a run used it
+from gpt2lab.model.lora import add_lora, merge_lora  # peft is imported only where a run used it
 from gpt2lab.system import env, rundir
 from gpt2lab.system.errors import CheckpointError, ConfigError, DataError
 from gpt2lab.system.files import read_json_object
@@ -244,10 +244,14 @@ def checkpoint_of(path: str, flag: Optional[str] = "--model", report: Callable[[
         except CheckpointError as e:
             raise store.damaged(path, e.why, flag) from None
         return path
-    found = store.find_intact(path, report=report)
-    if found is not None:
-        return found
-    if store.find_latest(path):
+    checkpoints = store.list_checkpoints(path)
+    for found in reversed(checkpoints):  # the newest that passes verify
+        try:
+            store.verify(found)
+            return found
+        except CheckpointError as e:
+            report(f"checkpoint {found} is damaged ({e.why}); trying the one before it")
+    if checkpoints:
         raise CheckpointError(
             f"{path}: every checkpoint is damaged (each named above); train again, or pass another source"
         )
@@ -297,7 +301,8 @@ def model_of(src: Source) -> GPT:
         ours = nanochat.from_nanochat_state_dict if src.config.embed_norm else gpt2.from_hf_state_dict
         return model_from_state_dict(src.config, ours(sd, src.config), src.weights, src.tokenizer)
     model, saved = GPT(src.config, src.tokenizer), store.read_config(src.where)
-    adapted = add_lora(model, *lora_args(saved)) if config_value(saved, "lora_rank") else None
+    rank, alpha, targets = (config_value(saved, name) for name in ("lora_rank", "lora_alpha", "lora_targets"))
+    adapted = add_lora(model, int(rank), float(alpha), targets) if rank else None
     store.load_weights(model, src.where, verified=True)  # a LoRA run's weights: the base's and its adapters
     return merge_lora(adapted) if adapted is not None else model
 
