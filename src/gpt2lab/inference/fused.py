@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from gpt2lab.inference.kernels import DecodeLinear, _compiled, _ptr, tiled
+from gpt2lab.inference.kernels import DecodeLinear, _gemv, _ptr, tiled
 from gpt2lab.model.gpt import GPT, Block, KVCache
 from gpt2lab.model.sampling import generate, plan_free_attention
 
@@ -201,7 +201,7 @@ class HeldGPT(nn.Module):
         out = torch.empty(m if wanted is None else len(wanted), n_out, dtype=torch.float32)
         table = torch.tensor(rows, dtype=torch.int64)
         hw, hs, hb = (_ptr(t) for t in plan.head_tensors)
-        done = _compiled().model_step(
+        done = _gemv.model_step(
             plan.kind, m, C, nh, len(plan.layers), ids.data_ptr(), plan.wte.data_ptr(), plan.wpe.data_ptr(),
             plan.wte.shape[0], plan.wpe.shape[0], table.data_ptr(), max_len, _ptr(pos), pos0, out.data_ptr(),
             plan.eps, plan.ln_f.weight.data_ptr(), _ptr(plan.ln_f.bias), plan.eps_f, _kind(plan.head), hw,
