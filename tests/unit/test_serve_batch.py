@@ -85,10 +85,11 @@ def _one_step_as_alone(model, reference, cache, seqs: list[list[int]], g: torch.
 def _alone(model, ids: list[int], sampling, generator) -> str:
     """The text of the tokens completion.stream_tokens (gpt2lab sample's code) draws for ``ids`` alone, up to
     the end token, decoded whole by the tokenizer."""
-    from gpt2lab.inference.completion import end_token, stream_tokens, tokenizer_for
+    from gpt2lab.data.tokenizer import for_model
+    from gpt2lab.inference.completion import end_token, stream_tokens
 
     tokens = [t for t, _ in stream_tokens(model, ids, sampling, generator)]
-    return tokenizer_for(model).decode(tokens[:-1] if tokens and tokens[-1] == end_token(model) else tokens)
+    return for_model(model).decode(tokens[:-1] if tokens and tokens[-1] == end_token(model) else tokens)
 
 
 class _Loop:
