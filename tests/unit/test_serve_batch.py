@@ -128,7 +128,7 @@ def test_prompts_run_together_right_padded_give_each_row_its_own_logits(block):
         for b, seq in enumerate(seqs):
             alone, _ = reference(torch.tensor([seq]), last_only=True)
             torch.testing.assert_close(first[b], alone[0, -1], rtol=1e-5, atol=1e-5)
-            cache.put(b, together, 4, row=b, length=len(seq))
+            cache.put(b, together, 4, b, len(seq))
         assert cache.lengths == [3, 9, 16]
         for _ in range(4):
             _one_step_as_alone(model, reference, cache, seqs, g)
@@ -318,7 +318,7 @@ def test_batched_rows_give_the_unbatched_models_logits(block, linear):
     def join(seq: list[int]) -> None:
         one = model.new_kv_cache(40)
         model(torch.tensor([seq]), kv_cache=one)
-        cache.put(len(cache.lengths), one, 4)
+        cache.put(len(cache.lengths), one, 4, 0, len(seq))
 
     with torch.inference_mode():
         for seq in seqs:

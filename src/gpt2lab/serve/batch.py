@@ -342,7 +342,7 @@ class Worker:
                 row.job.send(Finish(row.index, "length", 0))
                 self._sample_done(row)
             elif self._sampled(row, *drawn[b]):
-                self.cache.put(len(self.decoding), head.cache, self.limits.max_batch, row=b, length=len(row.ids))
+                self.cache.put(len(self.decoding), head.cache, self.limits.max_batch, b, len(row.ids))
                 self.decoding.append(row)
         head.cache = None
 
