@@ -167,6 +167,7 @@ def serving_in_thread(workers: dict, host: str = "127.0.0.1", connections=None) 
     import queue
     import threading
 
+    from gpt2lab.serve.connections import with_cap
     from gpt2lab.serve.server import bind, serve_here
 
     urls: queue.Queue = queue.Queue()
@@ -177,7 +178,8 @@ def serving_in_thread(workers: dict, host: str = "127.0.0.1", connections=None) 
         done.wait()
 
     args = (workers, bind(host, 0), client)  # port 0: the OS picks
-    server = threading.Thread(target=serve_here, args=args, kwargs={"connections": connections}, daemon=True)
+    capped = with_cap(connections) if connections is not None else None  # as gpt2lab serve resolves its flags
+    server = threading.Thread(target=serve_here, args=args, kwargs={"connections": capped}, daemon=True)
     server.start()
     try:
         yield urls.get(timeout=60)

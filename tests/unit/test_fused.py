@@ -159,7 +159,7 @@ def test_the_servers_rows_each_at_its_own_position(cand, counted):
         for slot, n in enumerate((7, 10)):  # two prompts of different lengths
             cache = ready.new_kv_cache(40)
             ready(idx[slot : slot + 1, :n], kv_cache=cache)
-            rows.put(slot, cache, capacity=2)
+            rows.put(slot, cache, 2, 0, n)
         assert counted == {"model_step": []}  # the prompts: the model's code
         both, _ = ready(torch.stack([idx[0, 7:8], idx[1, 10:11]]), kv_cache=rows.view(torch.device("cpu")))
         rows.remove(1)
@@ -186,7 +186,7 @@ def test_prompts_run_as_rows_of_the_step_beside_decoding_rows(cand, counted):
         rows = RowsCache(model.config.n_layer, 40)
         cache = ready.new_kv_cache(40)
         ready(torch.tensor([seqs[0][:8]]), kv_cache=cache)
-        rows.put(0, cache, capacity=1)
+        rows.put(0, cache, 1, 0, 8)
         rows.reserve(3, 9, model.config.n_head, model.config.n_embd // model.config.n_head)
         before = [t.clone() for t in rows.k]
         ids = [seqs[0][8], *seqs[2], *reversed(seqs[1])]

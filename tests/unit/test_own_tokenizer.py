@@ -207,7 +207,7 @@ def test_uint32_shards_for_a_vocabulary_past_65536(tmp_path):
 
 # -- a run on it -----------------------------------------------------------------------------------
 def test_a_run_takes_the_datas_tokenizer_and_it_travels(own_run, tok, monkeypatch):
-    from gpt2lab.inference.completion import tokenizer_for
+    from gpt2lab.data.tokenizer import for_model
     from gpt2lab.weights.load import load_model
 
     model_cfg = json.loads((own_run / "config.json").read_text())["model"]
@@ -226,7 +226,7 @@ def test_a_run_takes_the_datas_tokenizer_and_it_travels(own_run, tok, monkeypatc
     alone = own_run.parent / "alone"  # a checkpoint copied away, in a process that never saw the tokenizer
     shutil.copytree(own_run / "checkpoints" / "step_000006", alone)
     model = load_model(str(alone))
-    assert tokenizer_for(model).identity == tok.identity
+    assert for_model(model).identity == tok.identity
 
 
 def test_get_tokenizer_of_a_run_encodes_as_its_exports_autotokenizer(own_run, tok, tmp_path):
@@ -562,7 +562,7 @@ def test_fsdp_checkpoints_carry_the_tokenizer_too(wiki_data, tok, tmp_path, monk
 
     from conftest import env, torchrun_cmd
 
-    from gpt2lab.inference.completion import tokenizer_for
+    from gpt2lab.data.tokenizer import for_model
     from gpt2lab.weights.load import load_model
 
     out = tmp_path / "fsdp"
@@ -588,7 +588,7 @@ def test_fsdp_checkpoints_carry_the_tokenizer_too(wiki_data, tok, tmp_path, monk
     assert "tokenizer.json" in json.loads((ckpt / "checksums.json").read_text())
     alone = tmp_path / "alone"
     shutil.copytree(ckpt, alone)
-    assert tokenizer_for(load_model(str(alone))).identity == tok.identity
+    assert for_model(load_model(str(alone))).identity == tok.identity
 
 
 # -- what a user may get wrong ------------------------------------------------------------------------

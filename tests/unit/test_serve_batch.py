@@ -85,10 +85,11 @@ def _one_step_as_alone(model, reference, cache, seqs: list[list[int]], g: torch.
 def _alone(model, ids: list[int], sampling, generator) -> str:
     """The text of the tokens completion.stream_tokens (gpt2lab sample's code) draws for ``ids`` alone, up to
     the end token, decoded whole by the tokenizer."""
-    from gpt2lab.inference.completion import end_token, stream_tokens, tokenizer_for
+    from gpt2lab.data.tokenizer import for_model
+    from gpt2lab.inference.completion import end_token, stream_tokens
 
     tokens = [t for t, _ in stream_tokens(model, ids, sampling, generator)]
-    return tokenizer_for(model).decode(tokens[:-1] if tokens and tokens[-1] == end_token(model) else tokens)
+    return for_model(model).decode(tokens[:-1] if tokens and tokens[-1] == end_token(model) else tokens)
 
 
 class _Loop:
@@ -127,7 +128,7 @@ def test_prompts_run_together_right_padded_give_each_row_its_own_logits(block):
         for b, seq in enumerate(seqs):
             alone, _ = reference(torch.tensor([seq]), last_only=True)
             torch.testing.assert_close(first[b], alone[0, -1], rtol=1e-5, atol=1e-5)
-            cache.put(b, together, 4, row=b, length=len(seq))
+            cache.put(b, together, 4, b, len(seq))
         assert cache.lengths == [3, 9, 16]
         for _ in range(4):
             _one_step_as_alone(model, reference, cache, seqs, g)
@@ -317,7 +318,7 @@ def test_batched_rows_give_the_unbatched_models_logits(block, linear):
     def join(seq: list[int]) -> None:
         one = model.new_kv_cache(40)
         model(torch.tensor([seq]), kv_cache=one)
-        cache.put(len(cache.lengths), one, 4)
+        cache.put(len(cache.lengths), one, 4, 0, len(seq))
 
     with torch.inference_mode():
         for seq in seqs:

@@ -10,7 +10,7 @@ import sys
 
 from gpt2lab.inference.flags import inference_request
 from gpt2lab.serve.limits import Connections, Limits, add_flags, from_flags
-from gpt2lab.serve.models import load_workers, model_names
+from gpt2lab.serve.models import load_workers
 from gpt2lab.system.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 
@@ -55,10 +55,9 @@ def run(args: argparse.Namespace) -> int:
         from gpt2lab.serve.server import bind, serve_here
     except ImportError as e:
         raise SystemExit(f"gpt2lab serve needs FastAPI and uvicorn ({e}); pip install 'gpt2lab[serve]'") from None
-    names = model_names(args.model)  # a bad --model fails before any loading
     limits = from_flags(Limits, args)
     connections = with_cap(from_flags(Connections, args))  # the connection cap resolved against the open-file limit
-    sock = bind(args.host, args.port)  # a port in use fails before the models load, too
+    sock = bind(args.host, args.port)  # a port in use fails before the models load
     try:
         workers = load_workers(args.model, args.device, inference_request(args, "serve"), limits, args.deterministic)
     except BaseException:
@@ -69,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     cap = connections.max_connections
     say = functools.partial(print, file=sys.stderr, flush=True)
     say(
-        f"gpt2lab serve: {', '.join(names)} at http://{host}:{sock.getsockname()[1]}/ "
+        f"gpt2lab serve: {', '.join(workers)} at http://{host}:{sock.getsockname()[1]}/ "
         f"(API: /v1/completions, /v1/chat/completions, /v1/models, /metrics); {mode}, queue {limits.max_queue}"
         + (f", up to {cap} connections" if cap is not None else "")
     )

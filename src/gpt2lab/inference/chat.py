@@ -27,7 +27,7 @@ from typing import Sequence
 
 from gpt2lab.data.chat import ROLES as CHAT_ROLES
 from gpt2lab.data.chat import encode_chat
-from gpt2lab.inference.completion import tokenizer_for
+from gpt2lab.data.tokenizer import for_model
 from gpt2lab.model.config import GPTConfig
 from gpt2lab.model.gpt import GPT
 
@@ -69,7 +69,7 @@ def chat_prompt(model: GPT, messages: Sequence[tuple[str, str]]) -> ChatPrompt:
     for i, (role, _) in enumerate(messages):
         if role not in PLAIN_ROLES:
             raise ValueError(f"messages[{i}].role {role!r}: not a role this server takes ({', '.join(PLAIN_ROLES)})")
-    tok = tokenizer_for(model)
+    tok = for_model(model)
     if model.config.chat_template:
         ids = encode_chat([(TEMPLATE_ROLES[r], c) for r, c in messages], add_generation_prompt=True, tokenizer=tok)[0]
         return ChatPrompt(ids, tok.decode(ids), (), strip=False)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 
-from gpt2lab.data.tokenizer import Tokenizer, for_config, short
+from gpt2lab.data.tokenizer import for_model, short
 from gpt2lab.model.gpt import GPT
 from gpt2lab.model.sampling_defaults import SAMPLING
 
@@ -99,15 +99,9 @@ def prompt_text(text: str) -> str:
         return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
-def tokenizer_for(model: GPT) -> Tokenizer:
-    """The tokenizer of a model (data/tokenizer.py): its own (``model.tokenizer``, as its loader read it),
-    else GPT-2's, with a chat model's turn tokens (data/chat.py) where it has them."""
-    return for_config(model.config, model.tokenizer)
-
-
 def end_token(model: GPT) -> int:
     """The token a model ends its text with: <|im_end|> for a chat model (its turn), else <|endoftext|>."""
-    tok = tokenizer_for(model)
+    tok = for_model(model)
     return tok.im_end_id if model.config.chat_template else tok.eot_id
 
 
@@ -115,7 +109,7 @@ def encode_prompt(text: str, model: GPT) -> list[int]:
     """A raw prompt's ids for ``model`` ('' is a lone <|endoftext|>): its special tokens
     written out (``<|endoftext|>``, a chat model's ``<|im_start|>``) are the tokens, as a whole
     prompt is the caller's own text (chat messages never are: inference/chat.py)."""
-    tok = tokenizer_for(model)
+    tok = for_model(model)
     return tok.encode(prompt_text(text), allowed_special="all") if text else [tok.eot_id]
 
 
@@ -232,10 +226,10 @@ def stream_tokens(
 class TokenText:
     """Text of sampled tokens, one token at a time: the bytes of a character split across
     tokens are held back until it is complete; ids past the tokenizer's vocabulary show as <|id|>.
-    ``model``: whose tokenizer (tokenizer_for)."""
+    ``model``: whose tokenizer (data/tokenizer.for_model)."""
 
     def __init__(self, model: GPT) -> None:
-        self.enc = tokenizer_for(model)
+        self.enc = for_model(model)
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, t: int) -> str:

@@ -31,8 +31,8 @@ def add_inference_flags(p) -> None:
     )
 
 
-def inference_request(args, workload: str, rows: int = 1):
-    """The InferenceRequest of a command's inference flags."""
+def inference_request(args, workload: str):
+    """The InferenceRequest of a command's inference flags (one row)."""
     from gpt2lab.inference.choice import InferenceRequest
 
-    return InferenceRequest(args.dtype, args.quantize, args.cpu_linear, workload, rows)
+    return InferenceRequest(args.dtype, args.quantize, args.cpu_linear, workload)

@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from gpt2lab.inference.kernels import DecodeLinear, _compiled, _ptr, tiled
+from gpt2lab.inference.kernels import DecodeLinear, _gemv, _ptr, tiled
 from gpt2lab.model.gpt import GPT, Block, KVCache
 from gpt2lab.model.sampling import generate, plan_free_attention
 
@@ -108,8 +108,8 @@ class _StepPlan:
         norms = [self.ln_f.weight, self.ln_f.bias, *(t for i, t in enumerate(self.per_layer) if i % 16 < 4)]
         self.fp32 = [t for t in (self.wte, self.wpe, *norms) if t is not None]
         self.eps, self.eps_f = float(blocks[0].ln_1.eps), float(self.ln_f.eps)
-        self.head = model.lm_head
-        self.head_tensors = _held_tensors(self.head)
+        head = model.lm_head  # a compiled-GEMV head (whole_step_fusable): in C at any rows, as the blocks
+        self.head_kind, self.n_out, self.head_tensors = _kind(head), head.out_features, _held_tensors(head)
 
 
 class HeldGPT(nn.Module):
@@ -197,15 +197,14 @@ class HeldGPT(nn.Module):
             n_slots = min(n_slots or k.shape[0], k.shape[0])  # the slots every layer holds
             rows += [*ptrs[16 * i : 16 * i + 16], k.data_ptr(), v.data_ptr()]
         ids = ids.contiguous()  # held here: the kernel reads it through its address
-        n_out = plan.head.out_features  # a compiled-GEMV head (whole_step_fusable): in C at any rows, as the blocks
-        out = torch.empty(m if wanted is None else len(wanted), n_out, dtype=torch.float32)
+        out = torch.empty(m if wanted is None else len(wanted), plan.n_out, dtype=torch.float32)
         table = torch.tensor(rows, dtype=torch.int64)
         hw, hs, hb = (_ptr(t) for t in plan.head_tensors)
-        done = _compiled().model_step(
+        done = _gemv.model_step(
             plan.kind, m, C, nh, len(plan.layers), ids.data_ptr(), plan.wte.data_ptr(), plan.wpe.data_ptr(),
             plan.wte.shape[0], plan.wpe.shape[0], table.data_ptr(), max_len, _ptr(pos), pos0, out.data_ptr(),
-            plan.eps, plan.ln_f.weight.data_ptr(), _ptr(plan.ln_f.bias), plan.eps_f, _kind(plan.head), hw,
-            hs, hb, n_out, torch.get_num_threads(), _ptr(slots), n_slots, _ptr(wanted),
+            plan.eps, plan.ln_f.weight.data_ptr(), _ptr(plan.ln_f.bias), plan.eps_f, plan.head_kind, hw,
+            hs, hb, plan.n_out, torch.get_num_threads(), _ptr(slots), n_slots, _ptr(wanted),
             0 if wanted is None else len(wanted),
         )  # fmt: skip
         return out if done else None  # not done: a token id, position or slot outside its table

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib
 import threading
 from typing import Optional
 
@@ -106,12 +105,10 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 INT8_K_MULTIPLE = 64
 
 
-def _compiled():
-    """gpt2lab's compiled kernel (``_gemv.c``), None where it was not built."""
-    try:
-        return importlib.import_module("gpt2lab.inference._gemv")
-    except ImportError:
-        return None
+try:  # gpt2lab's compiled kernel (``_gemv.c``), None where it was not built
+    from gpt2lab.inference import _gemv
+except ImportError:
+    _gemv = None
 
 
 @functools.cache
@@ -119,7 +116,7 @@ def compiled_build() -> str:
     """Which build of the compiled kernel this is (a hash of its file; "none" where it was not built): a
     figure measured with one build says nothing of another's speed."""
     try:
-        with open(_compiled().__file__, "rb") as fh:
+        with open(_gemv.__file__, "rb") as fh:
             return hashlib.sha256(fh.read()).hexdigest()[:16]
     except (AttributeError, OSError, TypeError):
         return "none"
@@ -130,10 +127,9 @@ def gemv_error(device: torch.device) -> Optional[str]:
     where it can."""
     if device.type != "cpu":
         return f"gpt2lab's compiled GEMV is a CPU kernel, not {device.type}'s"
-    compiled = _compiled()
-    if compiled is None:
+    if _gemv is None:
         return "gpt2lab's compiled GEMV was not built when gpt2lab was installed (it needs a C compiler with OpenMP)"
-    if not compiled.has_avx2():
+    if not _gemv.has_avx2():
         return "this CPU has no AVX2 and FMA, which gpt2lab's compiled GEMV needs to be faster than PyTorch's"
     return None
 
@@ -151,7 +147,7 @@ def _compiled_gemv(
     x32 = x.reshape(-1, x.shape[-1]).float().contiguous()
     y = torch.empty(x32.size(0), n_out, dtype=torch.float32, device=x.device)
     if x32.size(0):
-        getattr(_compiled(), name)(
+        getattr(_gemv, name)(
             x32.data_ptr(), w.data_ptr(), _ptr(scale), _ptr(bias), y.data_ptr(), x32.size(0), x32.size(1), n_out,
             torch.get_num_threads(), *((True,) if round_inputs else ()),
         )  # fmt: skip
@@ -176,8 +172,7 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
 def panels_run(in_features: int) -> bool:
     """Whether a bf16 weight with inputs rounded to bf16 is held in panels here: the compiled kernel's
     AVX512_BF16 routines run (this CPU has them and the compiler knew them) and ``in_features`` is even."""
-    compiled = _compiled()
-    return in_features % 2 == 0 and compiled is not None and bool(compiled.has_bf16_dot())
+    return in_features % 2 == 0 and _gemv is not None and bool(_gemv.has_bf16_dot())
 
 
 class DecodeLinear(nn.Module):

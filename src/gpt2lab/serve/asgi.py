@@ -104,7 +104,6 @@ class HostCheck:
     name. A request without a Host header (HTTP/1.0) names none and is served."""
 
     def __init__(self, bound: str, allowed: Sequence[str] = ()) -> None:
-        self.bound = bound
         self.allowed = {h.strip("[]").lower().rstrip(".") for h in allowed}  # an IPv6 address bracketed or not
         self.active = "*" not in self.allowed and (is_loopback(bound) or bool(self.allowed))
 

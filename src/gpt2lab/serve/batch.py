@@ -107,6 +107,7 @@ class Worker:
         turns: bool = False,
     ) -> None:
         self.name, self.model, self.device = name, model, device  # a model held by serve/models.py (or as given)
+        self.block_size = model.config.block_size
         self.turns = turns
         self.decision = decision  # how it is held and why (inference/choice.py), where serve/models.py decided
         self.limits = limits or Limits()
@@ -125,10 +126,6 @@ class Worker:
         self.decoding: list[Row] = []  # row i is slot i of self.cache
         # the fused step: prompts join the decode step, as many tokens as it runs as fast as the model's forward
         self._mix_tokens = min(self.limits.prefill_chunk, prompt_rows(model))
-
-    @property
-    def block_size(self) -> int:
-        return self.model.config.block_size
 
     def submit(self, job: Job, loop) -> None:
         """Queue ``job`` (its events go to ``loop``), or raise QueueFull at once when ``max_queue`` requests are
@@ -345,7 +342,7 @@ class Worker:
                 row.job.send(Finish(row.index, "length", 0))
                 self._sample_done(row)
             elif self._sampled(row, *drawn[b]):
-                self.cache.put(len(self.decoding), head.cache, self.limits.max_batch, row=b, length=len(row.ids))
+                self.cache.put(len(self.decoding), head.cache, self.limits.max_batch, b, len(row.ids))
                 self.decoding.append(row)
         head.cache = None
 

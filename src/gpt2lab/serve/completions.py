@@ -21,7 +21,6 @@ from gpt2lab.inference.completion import (
     encode_prompt,
     fits_context,
     prompt_text,
-    tokenizer_for,
 )
 from gpt2lab.model.sampling_defaults import SAMPLING
 from gpt2lab.serve.batch import Worker
@@ -101,19 +100,6 @@ def _stops(stop: Optional[Union[str, list[str]]]) -> list[str]:
     return stops
 
 
-def token_str(t: int, model) -> str:
-    """A token as OpenAI's logprobs name it: its text, or ``bytes:\\xNN...`` for bytes that are not
-    whole UTF-8 characters (a character split across tokens); ids past the model's tokenizer's as ``<|id|>``."""
-    enc = tokenizer_for(model)
-    if t >= enc.n_vocab:
-        return f"<|{t}|>"
-    raw = enc.decode_single_token_bytes(t)
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-
-
 KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
 
 
@@ -125,18 +111,31 @@ class Logprobs:
     text starts)."""
 
     def __init__(self, offset: int, model) -> None:
-        self.offset, self.text, self.model = offset, TokenText(model), model
+        self.offset, self.text = offset, TokenText(model)
+
+    def name(self, t: int) -> str:
+        """A token as OpenAI's logprobs name it: its text, or ``bytes:\\xNN...`` for bytes that are not
+        whole UTF-8 characters (a character split across tokens); ids past the model's tokenizer's as ``<|id|>``."""
+        enc = self.text.enc
+        if t >= enc.n_vocab:
+            return f"<|{t}|>"
+        raw = enc.decode_single_token_bytes(t)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def add(self, entries: list[TokenLogprob]) -> dict:
         """The part of the choice's logprobs that ``entries`` are (the whole: its parts, each key's lists joined)."""
         part: dict[str, list] = {key: [] for key in KEYS}
         for e in entries:
-            part["tokens"].append(token_str(e.token, self.model))
+            token = self.name(e.token)
+            part["tokens"].append(token)
             part["token_logprobs"].append(e.logprob)
             top = None
             if e.logprob is not None:
-                top = {token_str(t, self.model): lp for t, lp in e.top}
-                top.setdefault(token_str(e.token, self.model), e.logprob)
+                top = {self.name(t): lp for t, lp in e.top}
+                top.setdefault(token, e.logprob)
             part["top_logprobs"].append(top)
             part["text_offset"].append(self.offset)
             self.offset += len(self.text.feed(e.token))

@@ -28,10 +28,10 @@ class APIError(Exception):
 def error_body(
     message: str, kind: str = "invalid_request_error", param: Optional[str] = None, code: Optional[str] = None
 ) -> dict:
-    # a request's text may hold lone surrogates ("\ud800" in its JSON), which UTF-8 cannot encode:
-    # they are shown escaped, so that the answer is still JSON
-    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    # a request's text may hold lone surrogates ("\ud800" in its JSON), which UTF-8 cannot encode: they
+    # are shown escaped, in the message and in the parameter it names, so that the answer is still JSON
+    shown = lambda text: text and text.encode("utf-8", "backslashreplace").decode("utf-8")  # noqa: E731
+    return {"error": {"message": shown(message), "type": kind, "param": shown(param), "code": code}}
 
 
 def failed(e: Exception) -> APIError:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gpt2lab.serve.limits import Limits
-from gpt2lab.system.errors import UsageError
+from gpt2lab.system.errors import CheckpointError, UsageError
 
 
 def model_names(specs: list[str]) -> dict[str, str]:
@@ -18,19 +18,6 @@ def model_names(specs: list[str]) -> dict[str, str]:
             raise UsageError(f"--model {spec}: the id {name!r} is given twice; name them apart with NAME=MODEL")
         out[name] = path
     return out
-
-
-def check_source(spec: str) -> None:
-    """A WeightsError naming ``--model spec`` (a CheckpointError: its own) where ``spec`` is no model source."""
-    from gpt2lab.system.errors import CheckpointError
-    from gpt2lab.weights.load import WeightsError, model_source, named
-
-    try:
-        model_source(spec)
-    except CheckpointError:
-        raise
-    except (OSError, ValueError, KeyError, RuntimeError) as e:  # as load_model says it
-        raise WeightsError(named("--model", spec, e)) from e
 
 
 def load_workers(
@@ -50,6 +37,7 @@ def load_workers(
     from gpt2lab.inference.choice import InferenceRequest
     from gpt2lab.inference.completion import check_request, load_for_inference
     from gpt2lab.serve.batch import Worker
+    from gpt2lab.weights.load import WeightsError, model_source, named
 
     device = pick_device(device_name)
     limits = limits or Limits()
@@ -58,7 +46,12 @@ def load_workers(
     check_request(request, device)  # a --dtype or --quantize this device cannot run fails before loading
     names = model_names(specs)
     for path in names.values():  # every source read (not its weights) before any is loaded and measured
-        check_source(path)
+        try:
+            model_source(path)
+        except CheckpointError:  # its own one line
+            raise
+        except (OSError, ValueError, KeyError, RuntimeError) as e:  # as load_model says it, naming --model
+            raise WeightsError(named("--model", path, e)) from e
     workers = {}
     for name, path in names.items():
         model, decision = load_for_inference(path, device, request, f"gpt2lab serve: {name}")

@@ -47,11 +47,10 @@ class RowsCache:
                     new[: old.shape[0], :, : old.shape[2]] = old
                 bufs[layer] = new
 
-    def put(self, slot: int, cache: KVCache, capacity: int, row: int = 0, length: Optional[int] = None) -> None:
-        """Copy row ``row`` of ``cache`` (its first ``length`` positions, by default all it holds) into
-        ``slot`` (the next free one), with room for ``capacity`` slots."""
+    def put(self, slot: int, cache: KVCache, capacity: int, row: int, n: int) -> None:
+        """Copy the first ``n`` positions of row ``row`` of ``cache`` into ``slot`` (the next free one), with
+        room for ``capacity`` slots."""
         assert slot == len(self.lengths), "rows join at the end"
-        n = cache.pos if length is None else length
         self._room(capacity, n + 1, cache.k[0])
         for mine, theirs in ((self.k, cache.k), (self.v, cache.v)):
             for layer in range(self.n_layer):

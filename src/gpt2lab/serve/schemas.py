@@ -118,10 +118,6 @@ def _join(path: str, key) -> str:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _shown(text: str) -> str:
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")  # "\ud800" as its escape
-
-
 def _walk(value, path: str = "", key=None) -> Iterator[tuple[str, object, object]]:
     """(where, key, value) of a parsed request body and of everything in it, each container before what it
     holds: ``where`` as OpenAI names it ("messages[0].content"), ``key`` its name or index in its container."""
@@ -134,14 +130,13 @@ def _walk(value, path: str = "", key=None) -> Iterator[tuple[str, object, object
 def no_lone_surrogate(body) -> None:
     """Raise a 400 naming the first key or string in a parsed request body that holds a lone surrogate: a key
     as an unrecognized argument, a value as not text."""
-    for path, key, value in _walk(body):
-        where = _shown(path)
+    for where, key, value in _walk(body):  # a lone surrogate shown as its escape: errors.error_body
         if isinstance(key, str) and _SURROGATE.search(key):
             why = "its name holds a lone UTF-16 surrogate, which no parameter's name has"
             raise APIError(400, f"unrecognized request argument: {where} ({why})", param=where)
         m = _SURROGATE.search(value) if isinstance(value, str) else None
         if m is not None:
-            at = f"{_shown(m.group())} at character {m.start()}"
+            at = f"{m.group()} at character {m.start()}"
             why = "which is not text; send valid Unicode (a surrogate only as half of a pair)"
             raise APIError(400, f"{where or 'body'}: holds a lone UTF-16 surrogate ({at}), {why}", param=where or None)
 

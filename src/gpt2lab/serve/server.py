@@ -27,20 +27,21 @@ def serve_here(
 ) -> None:
     """Serve ``workers`` on ``sock`` (from ``bind``; its address decides which Host names are served:
     asgi.HostCheck): uvicorn from a background thread, its connections guarded as ``connections`` says
-    (serve/connections.py; default: Connections()), the models from this one (the run_engine's docstring says
-    why this thread). With ``client`` (a function of the base URL), run it in a third thread once uvicorn
-    accepts, and stop when it returns (``gpt2lab bench serve``, the tests' servers); without, serve until
-    Ctrl-C. Ctrl-C (in the start-up wait too) stops the models at once; every open request ends with a "server
-    shutting down" error (a stream's last event before ``[DONE]``, else a 503), ``stopping`` (if given) is
-    called with how many, and the KeyboardInterrupt is raised again once uvicorn has sent those and stopped
-    (cli.main turns it into exit 130). uvicorn.Server, not uvicorn.run: after its graceful shutdown uvicorn
-    raises the Ctrl-C it caught again."""
+    (serve/connections.py; its cap resolved by ``with_cap``; default: ``with_cap(Connections())``), the
+    models from this one (the run_engine's docstring says why this thread). With ``client`` (a function of
+    the base URL), run it in a third thread once uvicorn accepts, and stop when it returns (``gpt2lab bench
+    serve``, the tests' servers); without, serve until Ctrl-C. Ctrl-C (in the start-up wait too) stops the
+    models at once; every open request ends with a "server shutting down" error (a stream's last event
+    before ``[DONE]``, else a 503), ``stopping`` (if given) is called with how many, and the
+    KeyboardInterrupt is raised again once uvicorn has sent those and stopped (cli.main turns it into exit
+    130). uvicorn.Server, not uvicorn.run: after its graceful shutdown uvicorn raises the Ctrl-C it caught
+    again."""
     import uvicorn
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     from gpt2lab.serve.connections import QuietAccept, Say, backlog, guarded, open_file_limit, with_cap
 
-    connections = with_cap(connections or Connections())
+    connections = connections or with_cap(Connections())
     say = Say()
     app = create_app(workers, host=sock.getsockname()[0], allowed_hosts=connections.allowed_hosts)
     config = uvicorn.Config(
@@ -84,8 +85,6 @@ def serve_here(
             stopping(ended)
         raise
     finally:
-        for w in workers.values():
-            w.close()
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
