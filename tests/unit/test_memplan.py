@@ -1,5 +1,6 @@
 """The memory planner (gpt2lab.train.memplan) and `gpt2lab bench memory`: the fake step against the
-profiler's record of real steps (every lever, the chunked loss, the optimizers), the sizes against the
+profiler's record of real steps (every lever, the chunked loss, the optimizers) and against torch's
+MemTracker on the same fake step, the sizes against the
 real model and optimizer, the strategies' arithmetic, the H100's measured peaks, the plan."""
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from importlib import resources
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpt2lab import cli
 from gpt2lab.benchmarks.memory import _tensor_peak
@@ -302,3 +305,49 @@ def test_cpu_step_measured_next_to_the_prediction(capsys):
     assert out["measured_peak_mib"][0] > 0 and out["measured_rss_before_model_mib"][0] > 0
     # every tensor the trainer's steps allocated, from the profiler: the planner's terms without the runtime
     assert out["tensors_over_predicted"] == pytest.approx(1.0, abs=0.02)
+
+
+class _Scalars(TorchDispatchMode):
+    """A fake tensor has no value: a read of one answers as on real data (the chunked loss's ``any`` false,
+    the rest 1), which MemTracker alone cannot do (DataDependentOutputException)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.anys: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return int(id(args[0]) not in self.anys)
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            (self.anys.add if func is torch.ops.aten.any.default else self.anys.discard)(id(out))
+        return out
+
+
+@pytest.mark.parametrize(
+    "fields,dtype", [({}, "float32"), ({**MODERN, **LEVERS}, "bfloat16")], ids=["gpt2-fp32", "levers-bf16"]
+)
+def test_the_fake_step_peaks_where_torchs_mem_tracker_does(fields, dtype):
+    """torch's own accounting, MemTracker, over the fake step built as the planner builds it (the model and
+    optimizer with its state made, the first micro-step's gradients zero-filled, the last micro-step,
+    clipping, the optimizer step) peaks at the planner's bytes exactly: on CPU neither rounds a storage
+    up. (Two micro-steps run for real hold 4 bytes more: the first one's 0-d loss, alive through the
+    second forward.)"""
+    mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker", reason="torch without MemTracker")
+    cfg = _cfg(**fields)
+    got = memplan.fake_step(cfg, dtype, accum=2)
+    with FakeTensorMode():
+        with _Scalars():
+            model, optimizer = memplan._build(cfg, CPU, lora=False)
+        model.set_loss(LossPath(chunked=True))
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        x = torch.zeros((cfg.batch.micro_batch_size, cfg.batch.seq_len), dtype=torch.long)
+        tracker = mem_tracker.MemTracker()
+        tracker.track_external(model, optimizer, x)
+        with tracker, _Scalars():
+            parallel.accumulate_gradients(model, lambda: (x, x), 1, CPU, dtype)
+            parallel.clip_grad_norm(model, cfg.optim.grad_clip)
+            optimizer.step()
+        peak = tracker.get_tracker_snapshot("peak")[CPU]["Total"]
+    assert max(got.micro, got.step) == peak
