@@ -1,7 +1,7 @@
 """The memory planner (gpt2lab.train.memplan) and `gpt2lab bench memory`: the fake step against the
 profiler's record of real steps (every lever, the chunked loss, the optimizers) and against torch's
-MemTracker on the same fake step, the sizes against the
-real model and optimizer, the strategies' arithmetic, the H100's measured peaks, the plan."""
+MemTracker on the same fake step, the sizes against the real model and optimizer, the strategies'
+arithmetic, the H100's measured peaks, the plan."""
 
 from __future__ import annotations
 
