@@ -7,6 +7,7 @@ import resource
 
 import torch
 
+from gpt2lab.model.config import GPT2_VOCAB_SIZE
 from gpt2lab.system.runtime import timed
 
 DEFAULT_SHAPE = {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024}  # GPT-2 124M's
@@ -31,14 +32,15 @@ def add_shape_flags(p, vocab: bool = False) -> None:
     for key, default in DEFAULT_SHAPE.items():
         p.add_argument(f"--{key.replace('_', '-')}", type=int, default=default)
     if vocab:
-        p.add_argument("--vocab-size", type=int, default=50257)
+        p.add_argument("--vocab-size", type=int, default=GPT2_VOCAB_SIZE)
 
 
 def shape_config(args):
     """The GPTConfig of ``add_shape_flags``' values."""
     from gpt2lab.model.gpt import GPTConfig
 
-    return GPTConfig(**{k: getattr(args, k) for k in DEFAULT_SHAPE}, vocab_size=getattr(args, "vocab_size", 50257))
+    vocab = getattr(args, "vocab_size", GPT2_VOCAB_SIZE)
+    return GPTConfig(**{k: getattr(args, k) for k in DEFAULT_SHAPE}, vocab_size=vocab)
 
 
 def machine(device, args, decision) -> dict:
@@ -47,7 +49,8 @@ def machine(device, args, decision) -> dict:
     asked = {k: getattr(args, k) for k in ("dtype", "quantize", "cpu_linear")}
     out = {"device": str(device), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
     # the shape asked (GPT-2's vocabulary where the bench has no --vocab-size)
-    config = {k: getattr(args, k, 50257) for k in ("n_layer", "n_head", "n_embd", "vocab_size")}
+    config = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd")}
+    config["vocab_size"] = getattr(args, "vocab_size", GPT2_VOCAB_SIZE)
     return {**out, "config": config, "asked": asked, "inference": decision.record()}
 
 

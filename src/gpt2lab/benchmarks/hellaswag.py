@@ -28,7 +28,7 @@ from gpt2lab.evals.hellaswag import DEFAULT_BATCH_SIZE, load_examples, render_ex
 from gpt2lab.inference.choice import InferenceRequest, rule
 from gpt2lab.inference.form import detect_facts
 from gpt2lab.model.gpt import GPT, GPTConfig
-from gpt2lab.system.choices import DTYPES
+from gpt2lab.system.choices import DTYPES, positive_int
 from gpt2lab.system.errors import UsageError
 
 SLICE = Path(__file__).resolve().parents[3] / "tests" / "data" / "hellaswag_val_200.jsonl"
@@ -37,8 +37,8 @@ SLICE = Path(__file__).resolve().parents[3] / "tests" / "data" / "hellaswag_val_
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default=str(SLICE), help="HellaSwag jsonl (default: the repo's test slice, tests/data/)")
     p.add_argument("--size", default="124M", help="GPT-2 size of the random model (124M, 350M, ...)")
-    p.add_argument("--limit", type=int, default=128, help="examples scored by each method")
-    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="examples per batch, batched methods")
+    p.add_argument("--limit", type=positive_int, default=128, help="examples scored by each method")
+    p.add_argument("--batch-size", type=positive_int, default=DEFAULT_BATCH_SIZE, help="examples per batched call")
     p.add_argument("--repeats", type=int, default=2, help="timed runs of each method over the whole set")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["auto", *sorted(DTYPES)], help="autocast dtype of all")

@@ -106,10 +106,10 @@ def _scored(args: argparse.Namespace, score, kind: str = "score", linear: str = 
     try:
         model, decision = load_for_inference(args.model, info.device, request, "gpt2lab eval")
         record = {**score(model, info), "inference": decision.record()}
-        if write is not None:
-            write(record)
-        if info.is_main:
+        if info.is_main:  # one rank writes and prints
             print(json.dumps(record), flush=True)
+            if write is not None:
+                write(record)
     finally:
         cleanup()
     return 0

@@ -40,7 +40,7 @@ from gpt2lab.model.sampling import generate, plan_free_attention
 
 def _held_tensors(m: DecodeLinear) -> tuple:
     """(weight, scale, bias) tensors of a compiled-GEMV linear (None: none)."""
-    if m.kernel == "int8-gemv":
+    if m.route == "int8_gemv":
         return m.qweight, m.scale, m.bias
     return (m.weight if m.panels is None else m.panels), None, m.bias32
 

@@ -259,7 +259,6 @@ class Worker:
         for slot in reversed(range(len(self.decoding))):
             if self.decoding[slot].job is job:
                 self._leave(slot)
-        job.rows_left = 0
         job.fail(error)
 
     def _leave(self, slot: int) -> None:

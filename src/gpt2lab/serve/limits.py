@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from gpt2lab.system.choices import finite_float
+from gpt2lab.system.errors import UsageError
 
 
 def _flag(default, help: str, **argument):
@@ -103,8 +104,6 @@ def add_flags(p: argparse.ArgumentParser, cls) -> None:
 def from_flags(cls, args: argparse.Namespace):
     """``cls`` (Limits, Connections) of the flags named as its fields (those given); a value out of range is a
     UsageError (exit 2) naming the flag."""
-    from gpt2lab.system.errors import UsageError
-
     try:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name) is not None})
     except ValueError as e:  # the class names the flag
