@@ -164,12 +164,12 @@ def val_documents(src: TextSource, val_bytes: int, fmt: str, limit_docs: Optiona
     text reaches ``val_bytes`` UTF-8 bytes (a conversation's text: its messages' contents), read
     from the source itself, so the count is the same whatever the tokenizer."""
     total, n = 0, 0
-    for doc in src.documents(0, limit_docs):
-        if total >= val_bytes:
-            break
+    for doc in src.documents(0, limit_docs) if val_bytes > 0 else ():  # none: the source is not opened
         chat_line = fmt == "chat" and isinstance(doc, JsonLine)
         text = "".join(content for _, content in doc.turns()) if chat_line else as_text(doc)
         total, n = total + len(text.encode("utf-8", "surrogatepass")), n + 1
+        if total >= val_bytes:  # this document reached it: no document past it is read
+            break
     return n
 
 

@@ -20,12 +20,6 @@ from torch.nn import functional as F
 # one kernel turns them into the loss and d loss / d logits, and only grad_x (N, C) and
 # grad_w (V, C) are kept for backward. Numerically it is ``F.cross_entropy(x @ W.T, targets)``
 # (matmuls in the same dtype, softmax in fp32).
-# The chunk and group sizes are memory bounds, not speed tunings, which is why they hold on
-# any machine: a chunk of 2^27 logits is a matmul of 2^28 * C FLOPs (50 GFLOP at C=192,
-# 200 at C=768), far past the size where a CPU's or a GPU's GEMM reaches its full rate, so
-# more or fewer chunks do not change the speed; what they bound is the transient memory
-# (512 MB of fp32 logits a chunk at most), which fits every machine gpt2lab runs on. On a
-# CPU the win is never holding fp32 logits, not cache reuse (docs/benchmarks.md).
 @dataclass(frozen=True)
 class LossPath:
     """How ``GPT.forward`` computes the training loss (``GPT.set_loss``); ``choose_loss`` decides it."""
@@ -60,6 +54,12 @@ def choose_loss(device_type: str, compiled: bool, sharded: bool = False) -> Loss
     return LossPath(True, compiled, f"{device_type}, not compiled: F.cross_entropy would hold the logits in fp32")
 
 
+# The chunk and group sizes are memory bounds, not speed tunings, which is why they hold on
+# any machine: a chunk of 2^27 logits is a matmul of 2^28 * C FLOPs (50 GFLOP at C=192,
+# 200 at C=768), far past the size where a CPU's or a GPU's GEMM reaches its full rate, so
+# more or fewer chunks do not change the speed; what they bound is the transient memory
+# (512 MB of fp32 logits a chunk at most), which fits every machine gpt2lab runs on. On a
+# CPU the win is never holding fp32 logits, not cache reuse (docs/benchmarks.md).
 _CHUNK_ELEMENTS = 2**27  # logits per chunk
 _GROUP_ELEMENTS = 2**28  # logit gradients kept for one grad_w matmul (512 MB in bf16)
 

@@ -143,7 +143,7 @@ def _auto_dtype(facts: Facts, without_bf16: str) -> Choice:
         return Choice(
             "float32",
             "MPS: bf16/fp16 autocast and matmuls are not reliable across macOS and torch "
-            "versions, so fp32 (try --dtype bfloat16 to measure it on yours)",
+            "versions, so fp32 (ask for bfloat16 to measure it on yours)",
         )
     p = facts.probe
     if p is not None:

@@ -17,7 +17,6 @@ from typing import Mapping
 import torch
 
 from gpt2lab.checkpoint import store as ckpt
-from gpt2lab.model.config import GPT2_VOCAB_SIZE
 from gpt2lab.model.gpt import GPT, GPTConfig
 from gpt2lab.system.files import read_json_object, sha256_file
 from gpt2lab.train.config import ConfigError
@@ -47,10 +46,11 @@ def find_source(spec: str) -> Source:
         then = " Then train with --init-from DIR." if "local directory" in str(e) else ""
         raise InitFromError(named("--init-from", spec, e) + then) from e
     # its own tokenizer says its vocabulary
-    if src.config.tokenizer is None and src.config.real_vocab_size != src.config.template_vocab:
+    gpt2 = src.config.template_vocab  # GPT-2's, with a chat model's turn tokens
+    if src.config.tokenizer is None and src.config.real_vocab_size != gpt2:
         raise fail(
             src,
-            f"its vocabulary has {src.config.real_vocab_size} tokens, not GPT-2's {GPT2_VOCAB_SIZE}, and no gpt2lab "
+            f"its vocabulary has {src.config.real_vocab_size} tokens, not GPT-2's {gpt2}, and no gpt2lab "
             "tokenizer.json is beside it; pass a GPT-2 model or one gpt2lab trained (its tokenizer travels with it)",
         )
     if not src.weights.endswith(".safetensors"):
