@@ -7,6 +7,7 @@ Serves a plain ``python`` run (one process, any device), ``torchrun`` on one nod
 from __future__ import annotations
 
 import contextlib
+import gc
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -79,6 +80,7 @@ def _grouped() -> bool:
 
 def cleanup() -> None:
     if _grouped():
+        gc.collect()  # a DDP module left in a reference cycle holds the group: released now, not at exit
         dist.destroy_process_group()
 
 
